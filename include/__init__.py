@@ -1,0 +1,1 @@
+"""Device headers shared by moe_rt's kernels (package data)."""

@@ -1,0 +1,290 @@
+"""The boundary between the caller's arrays and moe_rt's ops.
+
+An op opens a :class:`Call` over its array arguments. The call decides the backend from where the data
+lives (CUDA: kernels on CuPy views; CPU: the NumPy reference), the device and the stream, imports every
+array through DLPack with no copy, and hands results back in the caller's framework and device, again with
+no copy. Inside ``with call:`` the device and the stream are current for CuPy, so CuPy allocations and
+CuPy ops made by the op run where its kernels do.
+
+Stream rule: ``stream=None`` means the caller's current stream: torch's current stream for torch tensors,
+CuPy's current stream otherwise (the legacy default stream unless the caller set one). A stream may be
+given as a ``cupy.cuda.Stream``, a ``torch.cuda.Stream``, any object with ``__cuda_stream__``, or an int
+``cudaStream_t``.
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from moe_rt import _dlpack
+
+try:
+    import ml_dtypes
+
+    BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - ml_dtypes is a dependency
+    BFLOAT16 = None
+
+FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), BFLOAT16)
+INDEX_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
+
+
+def dtype_name(dt) -> str:
+    return np.dtype(dt).name
+
+
+def _framework_of(obj) -> str:
+    mod = type(obj).__module__.split(".")[0]
+    if mod == "torch":
+        return "torch"
+    if mod in ("jax", "jaxlib"):
+        return "jax"
+    if mod == "cupy":
+        return "cupy"
+    if isinstance(obj, np.ndarray):
+        return "numpy"
+    return "other"
+
+
+def _device_of(obj, name):
+    if isinstance(obj, np.ndarray):
+        return "cpu", 0
+    mod = type(obj).__module__.split(".")[0]
+    if mod == "cupy":
+        return "cuda", obj.device.id
+    if not hasattr(obj, "__dlpack__"):
+        raise TypeError(f"{name}: expected an array with __dlpack__ (torch, JAX, CuPy, NumPy), "
+                        f"got {type(obj).__name__}")
+    if not hasattr(obj, "__dlpack_device__"):
+        return "cpu", 0
+    dev_type, dev_id = obj.__dlpack_device__()
+    dev_type = int(dev_type)
+    if dev_type in (_dlpack.DEVICE_CUDA, _dlpack.DEVICE_CUDA_MANAGED):
+        return "cuda", int(dev_id)
+    if dev_type in (_dlpack.DEVICE_CPU, _dlpack.DEVICE_CUDA_HOST):
+        return "cpu", 0
+    raise TypeError(f"{name}: arrays on DLPack device type {dev_type} are not supported (CPU and CUDA only)")
+
+
+_stream_cache: dict = {}
+
+
+class _RawStream:
+    """A cudaStream_t (int) speaking the CUDA stream protocol."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
+def as_cupy_stream(stream, device_id: int):
+    """A cupy Stream for ``stream`` (cupy/torch stream, ``__cuda_stream__`` object, int or None)."""
+    import cupy
+
+    if stream is None:
+        return cupy.cuda.get_current_stream(device_id)
+    if isinstance(stream, cupy.cuda.Stream):
+        return stream
+    if isinstance(stream, int):
+        ptr = stream
+    elif hasattr(stream, "__cuda_stream__"):
+        ptr = int(stream.__cuda_stream__()[1])
+    elif hasattr(stream, "cuda_stream"):
+        ptr = int(stream.cuda_stream)
+    else:
+        raise TypeError(f"stream: expected a CUDA stream, an int cudaStream_t or None, got {type(stream).__name__}")
+    if ptr == 0:
+        return cupy.cuda.Stream.null
+    key = (ptr, device_id)
+    s = _stream_cache.get(key)
+    if s is None:
+        # A non-owning wrapper of a stream the caller owns; it never destroys the stream.
+        s = cupy.cuda.Stream.from_external(_RawStream(ptr))
+        if len(_stream_cache) > 256:
+            _stream_cache.clear()
+        _stream_cache[key] = s
+    return s
+
+
+def _default_stream(framework: str, device_id: int):
+    if framework == "torch":
+        import torch
+
+        s = torch.cuda.current_stream(device_id)
+        return as_cupy_stream(int(s.cuda_stream), device_id)
+    return as_cupy_stream(None, device_id)
+
+
+class Call:
+    """One op call's view of its arguments: ``backend`` ('cuda' or 'cpu'), ``xp`` (cupy or numpy),
+    ``device_id``, ``stream`` (a cupy Stream, or None on CPU) and ``framework`` (of the first array
+    argument: 'torch', 'jax', 'cupy', 'numpy' or 'other')."""
+
+    def __init__(self, arrays: dict, stream=None):
+        self.framework = None
+        self.backend = None
+        self.device_id = 0
+        first = None
+        for name, obj in arrays.items():
+            if obj is None:
+                continue
+            kind, dev = _device_of(obj, name)
+            if first is None:
+                first = name
+                self.backend, self.device_id = kind, dev
+                self.framework = _framework_of(obj)
+            elif (kind, dev if kind == "cuda" else 0) != (self.backend, self.device_id if kind == "cuda" else 0):
+                raise ValueError(f"{name} is on {kind}:{dev} but {first} is on {self.backend}:{self.device_id}; "
+                                 "all arrays of one call must be on the same device")
+        if first is None:
+            raise TypeError("no array argument was given")
+        if self.backend == "cuda":
+            import cupy
+
+            self.xp = cupy
+            self._device = cupy.cuda.Device(self.device_id)
+            self.stream = (as_cupy_stream(stream, self.device_id) if stream is not None
+                           else _default_stream(self.framework, self.device_id))
+        else:
+            self.xp = np
+            self._device = None
+            self.stream = None
+        self.views = {name: (None if obj is None else self._import(obj, name)) for name, obj in arrays.items()}
+
+    # -- import --------------------------------------------------------------------------------------
+    def _import(self, obj, name):
+        if isinstance(obj, np.ndarray):
+            return obj
+        if self.backend == "cuda" and type(obj).__module__.split(".")[0] == "cupy":
+            return obj
+        ptr = self.stream.ptr if self.stream is not None else None
+        if ptr == 0:
+            ptr = 1  # DLPack: 1 is the legacy default stream; 0 is disallowed
+        view = _dlpack.consume(obj, stream=ptr)
+        return wrap(view)
+
+    def __getitem__(self, name):
+        return self.views[name]
+
+    # -- context ---------------------------------------------------------------------------------------
+    def __enter__(self):
+        if self._device is not None:
+            self._device.__enter__()
+            self.stream.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self._device is not None:
+            self.stream.__exit__(*exc)
+            self._device.__exit__(*exc)
+        return False
+
+    # -- export ----------------------------------------------------------------------------------------
+    def out(self, arr):
+        """Hand ``arr`` (a CuPy or NumPy array made by the op) back in the caller's framework, no copy."""
+        return export(arr, self.framework)
+
+
+def wrap(view):
+    """A CuPy (CUDA) or NumPy (CPU) array over an :class:`moe_rt._dlpack.Imported` view, no copy."""
+    itemsize = view.dtype.itemsize
+    byte_strides = tuple(s * itemsize for s in view.strides)
+    if view.device_type == "cuda":
+        import cupy
+
+        if view.size == 0:
+            with cupy.cuda.Device(view.device_id):
+                return cupy.empty(view.shape, view.dtype)
+        mem = cupy.cuda.UnownedMemory(view.ptr, view.span, view, view.device_id)
+        return cupy.ndarray(view.shape, view.dtype, cupy.cuda.MemoryPointer(mem, 0), strides=byte_strides)
+    if view.size == 0:
+        return np.empty(view.shape, view.dtype)
+    buf = _dlpack.HostBuffer(view.ptr, view.span, view, view.readonly)
+    arr = np.ndarray(view.shape, view.dtype, buffer=buf, strides=byte_strides)
+    return arr
+
+
+def export(arr, framework: str):
+    """``arr`` (CuPy or NumPy) as an array of ``framework`` ('torch', 'jax', 'cupy', 'numpy', 'other'),
+    on the same device, without copying."""
+    is_numpy = isinstance(arr, np.ndarray)
+    if framework in ("cupy", "other") or (framework == "numpy" and is_numpy):
+        return arr
+    if framework == "numpy":  # CUDA result for a NumPy caller cannot happen: backend follows the data
+        return arr.get()
+    src = _dlpack.Exported.from_numpy(arr) if is_numpy else arr
+    if framework == "torch":
+        import torch
+
+        return torch.from_dlpack(src)
+    if framework == "jax":
+        import jax.dlpack
+
+        if is_numpy:
+            import jax.numpy as jnp
+
+            # XLA needs aligned host buffers to alias; a NumPy result is handed over by DLPack when
+            # possible, else copied once onto JAX's CPU device.
+            try:
+                return jax.dlpack.from_dlpack(src)
+            except Exception:
+                return jnp.asarray(arr)
+        return jax.dlpack.from_dlpack(src)
+    raise ValueError(f"unknown framework {framework!r}")
+
+
+def as_numpy(obj, name="array"):
+    """Any CPU or CUDA array as NumPy (copying from the device when needed); for tests and references."""
+    if isinstance(obj, np.ndarray):
+        return obj
+    mod = type(obj).__module__.split(".")[0]
+    if mod == "cupy":
+        return obj.get()
+    kind, _ = _device_of(obj, name)
+    if kind == "cuda":
+        return wrap(_dlpack.consume(obj, stream=1)).get()
+    return np.array(wrap(_dlpack.consume(obj)), copy=True)
+
+
+# -- validation helpers used by every op ---------------------------------------------------------------
+
+def check_dtype(arr, name, allowed):
+    dt = np.dtype(arr.dtype)
+    if dt not in allowed:
+        names = ", ".join(np.dtype(a).name for a in allowed)
+        raise TypeError(f"{name}: dtype must be one of {names}, got {dt.name}")
+
+
+def check_ndim(arr, name, ndim):
+    if arr.ndim != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-D array, got shape {tuple(arr.shape)}")
+
+
+def check_shape(arr, name, shape):
+    if tuple(arr.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(arr.shape)}")
+
+
+def contiguous(xp, arr):
+    """``arr`` if C-contiguous, else a contiguous copy (made on the call's stream)."""
+    return arr if arr.flags.c_contiguous else xp.ascontiguousarray(arr)
+
+
+def check_int(value, name, *, low=None, high=None):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    value = int(value)
+    if low is not None and value < low:
+        raise ValueError(f"{name}: must be >= {low}, got {value}")
+    if high is not None and value > high:
+        raise ValueError(f"{name}: must be <= {high}, got {value}")
+    return value
+
+
+def is_module_loaded(name: str) -> bool:
+    return name in sys.modules

@@ -1,0 +1,52 @@
+"""Build moe_rt: pure Python plus three Cython extensions that need gcc alone.
+
+No CUDA header, library or compiler is used at build time: CUDA kernels are compiled at run time
+by NVRTC (through CuPy), and NCCL is dlopen'ed when first used.
+"""
+import os
+import re
+
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _version():
+    with open(os.path.join(HERE, "moe_rt", "_version.py")) as f:
+        return re.search(r'__version__ = "([^"]+)"', f.read()).group(1)
+
+
+extensions = [
+    Extension("moe_rt._dlpack", ["moe_rt/_dlpack.pyx"]),
+    Extension("moe_rt._comm", ["moe_rt/_comm.pyx"], libraries=["dl"]),
+]
+
+setup(
+    name="moe_rt",
+    version=_version(),
+    description="Framework-agnostic Mixture-of-Experts runtime: router, dispatch/combine and expert "
+    "parallelism with run-time compiled CUDA kernels",
+    long_description=open(os.path.join(HERE, "README.md")).read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=["moe_rt", "moe_rt.reference", "moe_rt.kernels", "moe_rt.include"],
+    package_dir={"moe_rt.kernels": "kernels", "moe_rt.include": "include"},
+    package_data={
+        "moe_rt": ["*.pxd", "*.pyx", "py.typed"],
+        "moe_rt.kernels": ["*.cu"],
+        "moe_rt.include": ["moe_rt/*.cuh", "moe_rt/*.h"],
+    },
+    ext_modules=cythonize(
+        extensions,
+        compiler_directives={"language_level": 3, "embedsignature": True, "binding": True},
+    ),
+    install_requires=["numpy>=2.0", "ml_dtypes>=0.4"],
+    extras_require={
+        "cu12": ["cupy-cuda12x[ctk]>=14", "nvidia-nccl-cu12"],
+        "cu13": ["cupy-cuda13x[ctk]>=14", "nvidia-nccl-cu13"],
+        "test": ["pytest>=7", "torch", "jax"],
+    },
+    entry_points={"console_scripts": ["moe_rt=moe_rt.__main__:main"]},
+    zip_safe=False,
+)

@@ -1,0 +1,156 @@
+"""Timing helpers shared by tools/bench_*.py.
+
+Every benchmark times with CUDA events on one stream, warms up first, reports the median of many runs,
+rotates between several input sets so repeated runs are not served from L2, and measures the device's
+copy bandwidth in the same run (a large device-to-device copy, counting bytes read plus written) so each
+row can say what share of that ceiling it reaches.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+
+import numpy as np
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--json", help="write the rows to this file")
+    p.add_argument("--iters", type=int, default=50, help="timed runs per case (median reported)")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--quick", action="store_true", help="smallest shapes only")
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines")
+    return p
+
+
+def time_cuda(fn, *, iters: int = 50, warmup: int = 10, stream=None) -> float:
+    """Median time of ``fn()`` in milliseconds, measured with CUDA events on ``stream`` (CuPy's current
+    stream by default). ``fn`` takes no argument; rotate inputs inside it (see :func:`rotating`)."""
+    import cupy
+
+    stream = stream or cupy.cuda.get_current_stream()
+    for _ in range(warmup):
+        fn()
+    stream.synchronize()
+    times = []
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    for _ in range(iters):
+        start.record(stream)
+        fn()
+        end.record(stream)
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end))
+    return float(np.median(times))
+
+
+def rotating(items):
+    """A callable returning the next item of ``items`` round-robin (for rotating input sets)."""
+    state = {"i": 0}
+
+    def nxt():
+        v = items[state["i"] % len(items)]
+        state["i"] += 1
+        return v
+
+    return nxt
+
+
+def num_copies(bytes_per_set: int, l2_bytes: int) -> int:
+    """How many input sets to rotate so that together they exceed the L2 several times over."""
+    return int(max(2, min(8, -(-4 * l2_bytes // max(bytes_per_set, 1)))))
+
+
+def copy_bandwidth(nbytes: int = 1 << 30, iters: int = 30) -> float:
+    """Device-to-device copy bandwidth in GB/s (bytes read + bytes written, 1e9), CUDA events, median."""
+    import cupy
+
+    a = cupy.empty(nbytes // 4, dtype=cupy.float32)
+    a.fill(1.0)
+    b = cupy.empty_like(a)
+    ms = time_cuda(lambda: b.__setitem__(Ellipsis, a), iters=iters, warmup=5)
+    del a, b
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def device_name() -> str:
+    import cupy
+
+    p = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+    n = p["name"]
+    return n.decode() if isinstance(n, bytes) else n
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+    except Exception:
+        return "unknown"
+
+
+class Table:
+    """Rows of results printed as a Markdown table and optionally written as JSON."""
+
+    def __init__(self, title: str, columns: list[str]):
+        self.title = title
+        self.columns = columns
+        self.rows: list[dict] = []
+        self.meta = {
+            "title": title,
+            "device": device_name(),
+            "date": datetime.date.today().isoformat(),
+            "commit": git_commit(),
+        }
+
+    def add(self, **row):
+        self.rows.append(row)
+        print(" | ".join(_fmt(row.get(c)) for c in self.columns), flush=True)
+
+    def header(self):
+        print(f"\n## {self.title} ({self.meta['device']}, {self.meta['date']}, commit {self.meta['commit']})")
+        for k, v in self.meta.items():
+            if k not in ("title", "device", "date", "commit"):
+                print(f"- {k}: {v}")
+        print("| " + " | ".join(self.columns) + " |")
+        print("|" + "---|" * len(self.columns))
+
+    def markdown(self) -> str:
+        lines = ["| " + " | ".join(self.columns) + " |", "|" + "---|" * len(self.columns)]
+        for r in self.rows:
+            lines.append("| " + " | ".join(_fmt(r.get(c)) for c in self.columns) + " |")
+        return "\n".join(lines)
+
+    def finish(self, json_path: str | None):
+        print()
+        print(self.markdown())
+        if json_path:
+            with open(json_path, "w") as f:
+                json.dump({"meta": self.meta, "rows": self.rows}, f, indent=1)
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if v >= 100:
+            return f"{v:.0f}"
+        if v >= 10:
+            return f"{v:.1f}"
+        return f"{v:.3g}"
+    return str(v)
+
+
+def torch_compile_or_none(fn, enabled: bool):
+    """``torch.compile(fn)`` if enabled and it works, else None (the row then shows '-')."""
+    if not enabled:
+        return None
+    try:
+        import torch
+
+        return torch.compile(fn)
+    except Exception as e:  # pragma: no cover - depends on the machine
+        print(f"torch.compile unavailable: {e}", file=sys.stderr)
+        return None
