@@ -6,5 +6,6 @@ CPU arrays run the NumPy reference of every op.
 """
 from moe_rt._version import __version__
 from moe_rt._comm import Communicator, NcclError, get_unique_id, nccl_version
+from moe_rt import _common_ops  # noqa: F401 - registers the utility kernels
 
 __all__ = ["__version__", "Communicator", "NcclError", "get_unique_id", "nccl_version"]

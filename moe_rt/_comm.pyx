@@ -132,6 +132,13 @@ cdef inline int _check(ncclResult_t code, const char* call, ncclComm_t comm=NULL
     return 0
 
 
+def error_string(int code):
+    """NCCL's text for an ncclResult_t value."""
+    _ensure_loaded()
+    cdef const char* s = p_GetErrorString(<ncclResult_t>code)
+    return s.decode() if s != NULL else "unknown error"
+
+
 def library_path():
     """Where the loaded NCCL library was found."""
     _ensure_loaded()

@@ -168,10 +168,15 @@ def consume(obj, stream=None):
     kwargs = {}
     if dev_type in (kDLCUDA, kDLCUDAManaged) and stream is not None:
         kwargs["stream"] = int(stream)
-    try:
-        capsule = obj.__dlpack__(max_version=(1, 0), **kwargs)
-    except TypeError:  # producer predates the versioned protocol
-        capsule = obj.__dlpack__(**kwargs)
+    # Newest protocol first; older producers reject max_version (and a few reject stream) with TypeError.
+    attempts = [dict(kwargs, max_version=(1, 0)), kwargs] + ([{}] if kwargs else [])
+    for i, kw in enumerate(attempts):
+        try:
+            capsule = obj.__dlpack__(**kw)
+            break
+        except TypeError:
+            if i == len(attempts) - 1:
+                raise
     return consume_capsule(capsule)
 
 

@@ -94,6 +94,13 @@ def source(file: str) -> str:
     return path.read_text()
 
 
+def cache_dir() -> str:
+    """Where compiled kernels are cached on disk (CuPy's kernel cache; never the package folder)."""
+    if os.environ.get("CUPY_CACHE_IN_MEMORY", "0") not in ("", "0"):
+        return "in memory (CUPY_CACHE_IN_MEMORY)"
+    return os.environ.get("CUPY_CACHE_DIR", os.path.expanduser("~/.cupy/kernel_cache"))
+
+
 def options() -> tuple[str, ...]:
     return ("-std=c++17", f"-I{include_dir()}", f"-DMOE_RT_SOURCE_HASH=0x{source_hash()[:15]}")
 

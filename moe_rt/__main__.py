@@ -1,0 +1,94 @@
+"""Command line: ``python -m moe_rt info`` (environment report)."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+
+def _version_of(module: str):
+    try:
+        m = importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001 - report any import failure as absent
+        return None, f"{type(e).__name__}: {e}".splitlines()[0][:120]
+    return getattr(m, "__version__", "?"), None
+
+
+def _fmt_cuda_version(v: int) -> str:
+    return f"{v // 1000}.{(v % 1000) // 10}"
+
+
+def info_lines() -> list[str]:
+    """The lines of ``python -m moe_rt info``. Never raises: absent pieces are reported as such."""
+    import numpy
+
+    import moe_rt
+
+    lines = [f"moe_rt      {moe_rt.__version__}  ({os.path.dirname(moe_rt.__file__)})",
+             f"python      {sys.version.split()[0]}",
+             f"numpy       {numpy.__version__}"]
+    v, err = _version_of("ml_dtypes")
+    lines.append(f"ml_dtypes   {v if v else 'not installed (' + err + ')'}")
+
+    cupy_v, err = _version_of("cupy")
+    gpus = []
+    if cupy_v is None:
+        lines.append(f"cupy        not installed ({err}); CUDA arrays unavailable, CPU reference only")
+    else:
+        import cupy
+
+        lines.append(f"cupy        {cupy_v}")
+        try:
+            lines.append(f"cuda runtime {_fmt_cuda_version(cupy.cuda.runtime.runtimeGetVersion())}")
+        except Exception as e:  # noqa: BLE001
+            lines.append(f"cuda runtime unavailable ({e})")
+        try:
+            drv = cupy.cuda.runtime.driverGetVersion()
+            lines.append(f"cuda driver {_fmt_cuda_version(drv) if drv else 'none'}")
+        except Exception as e:  # noqa: BLE001
+            lines.append(f"cuda driver none ({type(e).__name__})")
+        try:
+            from cupy.cuda import nvrtc
+
+            lines.append("nvrtc       {}.{}".format(*nvrtc.getVersion()))
+        except Exception as e:  # noqa: BLE001
+            lines.append(f"nvrtc       not found ({str(e).splitlines()[0][:100]})")
+        try:
+            n = cupy.cuda.runtime.getDeviceCount()
+        except Exception:  # noqa: BLE001 - no driver or no device
+            n = 0
+        for i in range(n):
+            p = cupy.cuda.runtime.getDeviceProperties(i)
+            name = p["name"].decode() if isinstance(p["name"], bytes) else p["name"]
+            gpus.append(f"gpu {i}       {name}, sm_{p['major']}{p['minor']}, "
+                        f"{p['totalGlobalMem'] / 2**30:.1f} GiB, {p['multiProcessorCount']} SMs")
+        from moe_rt import _jit
+
+        lines.append(f"kernel cache {_jit.cache_dir()}")
+    try:
+        from moe_rt import _comm
+
+        lines.append("nccl        {}.{}.{}  ({})".format(*_comm.nccl_version(), _comm.library_path()))
+    except Exception as e:  # noqa: BLE001
+        lines.append(f"nccl        not found ({str(e).splitlines()[0][:120]})")
+    lines.extend(gpus or ["gpus        none (ops on CPU arrays run the NumPy reference)"])
+    for fw in ("torch", "jax"):
+        v, err = _version_of(fw)
+        lines.append(f"{fw:<11} {v if v else 'not importable'}")
+    return lines
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m moe_rt", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="versions, GPUs, NCCL, kernel cache, frameworks")
+    args = p.parse_args(argv)
+    if args.command == "info":
+        print("\n".join(info_lines()))
+        return 0
+    return 2  # pragma: no cover - argparse rejects unknown commands
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,16 @@
+"""``python -m moe_rt``."""
+import subprocess
+import sys
+
+
+def test_info_runs_everywhere():
+    r = subprocess.run([sys.executable, "-m", "moe_rt", "info"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    for key in ("moe_rt", "numpy", "cupy", "nccl", "kernel cache", "torch", "jax"):
+        assert key in r.stdout, (key, r.stdout)
+    assert "gpu" in r.stdout
+
+
+def test_unknown_command_fails():
+    r = subprocess.run([sys.executable, "-m", "moe_rt", "nope"], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
