@@ -117,6 +117,7 @@ def test_jax_cpu_round_trip(dtype):
     jax = pytest.importorskip("jax")
     jnp = jax.numpy
     x = jnp.arange(12).reshape(3, 4).astype(getattr(jnp, "bool_" if dtype == "bool" else dtype))
+    x = jax.device_put(x, jax.devices("cpu")[0])  # JAX's default device may be a GPU
     call = _arrays.Call({"x": x})
     v = call["x"]
     assert call.framework == "jax"

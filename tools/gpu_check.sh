@@ -23,8 +23,8 @@ nvidia-smi >"$LOGDIR/nvidia-smi.txt" 2>&1
 python3 -m moe_rt info >"$LOGDIR/info.txt" 2>&1 || { echo "FAILED: moe_rt info"; status=1; }
 cat "$LOGDIR/info.txt"
 
-if [ $# -eq 0 ]; then set -- -m "gpu or multi_gpu" tests; fi
-python3 -m pytest -q -rs "$@" 2>&1 | tee "$LOGDIR/pytest.log"
+if [ $# -eq 0 ]; then set -- -q -m "gpu or multi_gpu" tests; fi
+python3 -m pytest -rs "$@" 2>&1 | tee "$LOGDIR/pytest.log"
 rc=${PIPESTATUS[0]}
 [ "$rc" -eq 0 ] || { echo "FAILED: pytest (exit $rc)"; status=1; }
 
