@@ -1,0 +1,442 @@
+// Single-GPU dispatch/combine (token permutation) kernels; semantics in specs/permutation.md §1, §5.
+//
+// Plan (no atomics affect the result; every step is a deterministic integer computation):
+//   plan_count     one warp per chunk of flat slots (t*K+k): per-chunk expert histogram -> partial[c][e]
+//   plan_col_scan  per expert, exclusive scan of partial over chunks -> base[c][e]; totals[e]
+//   plan_offsets   one CTA: kept counts under num_out_tokens, align_size padding, segment starts
+//   plan_assign    one warp per chunk again: stable rank of each slot inside its expert (warp match +
+//                  popc of the lower lanes, chunks in order) -> dst_row[t*K+k] and src_slot[row]
+// Data movement (rows moved as raw units U of 1..16 bytes, so any dtype is a pure copy):
+//   dispatch_rows  one CTA per token: read the row once, write it to each of its K destination rows
+//   fill_rows      rows whose src_slot is -1 (padding, unused tail) become zero; probs follow rows
+//   combine_rows   one CTA per token: y[t] = sum_k w[t,k] * y_p[dst[t,k]], fp32, k ascending
+//   combine_bwd_rows  one CTA per token: g_p[dst] = w*g[t], dw[t,k] = <y_p[dst], g[t]> (block reduce)
+//   gather_slots   out[t*K+k] = vals[dst[t,k]] (0 where dropped)
+//   chunk_offsets / chunk_sort_rows   sort_chunks forward (scatter) and backward (gather)
+// Row offsets are 64-bit everywhere (row * row_units can exceed 2^31).
+#include "moe_rt/common.cuh"
+
+using namespace moe_rt;
+
+namespace {
+
+__device__ __forceinline__ unsigned lanemask_lt() {
+  unsigned m;
+  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
+  return m;
+}
+
+template <typename IdxT>
+__device__ __forceinline__ int expert_key(const IdxT* idx, i64 i, i64 L, int E) {
+  if (i >= L) return -1;
+  const i64 v = (i64)idx[i];
+  return (v >= 0 && v < E) ? (int)v : -1;  // ids outside [0, E) are dropped, like -1
+}
+
+// Raw-unit streaming access; U is one of uint4, uint2, unsigned, unsigned short, unsigned char.
+template <typename U> __device__ __forceinline__ U ld_stream(const U* p) { return __ldcs(p); }
+template <typename U> __device__ __forceinline__ void st_stream(U* p, U v) { __stcs(p, v); }
+template <typename U> __device__ __forceinline__ U zero_unit();
+template <> __device__ __forceinline__ uint4 zero_unit<uint4>() { return make_uint4(0, 0, 0, 0); }
+template <> __device__ __forceinline__ uint2 zero_unit<uint2>() { return make_uint2(0, 0); }
+template <> __device__ __forceinline__ unsigned zero_unit<unsigned>() { return 0u; }
+template <> __device__ __forceinline__ unsigned short zero_unit<unsigned short>() { return 0; }
+template <> __device__ __forceinline__ unsigned char zero_unit<unsigned char>() { return 0; }
+
+// Elements of T as fp32 in groups: VEC -> one 16-byte Vec<T>, else one scalar.
+template <typename T, bool VEC> struct Pack {
+  static constexpr int N = VEC ? Vec<T>::N : 1;
+  float f[N];
+  __device__ __forceinline__ void load(const T* p) {
+    if constexpr (VEC) {
+      Vec<T> v = load_vec_stream(p);
+#pragma unroll
+      for (int j = 0; j < N; ++j) f[j] = to_float(v.v[j]);
+    } else {
+      f[0] = to_float(p[0]);
+    }
+  }
+  __device__ __forceinline__ void store(T* p) const {
+    if constexpr (VEC) {
+      Vec<T> v;
+#pragma unroll
+      for (int j = 0; j < N; ++j) v.v[j] = from_float<T>(f[j]);
+      store_vec_stream(p, v);
+    } else {
+      p[0] = from_float<T>(f[0]);
+    }
+  }
+};
+
+}  // namespace
+
+// ---- plan ----------------------------------------------------------------------------------------------
+
+// partial[c*E + e] = number of slots of chunk c routed to expert e. One warp per chunk of `chunk` slots
+// (a multiple of 32); dynamic shared memory: warps_per_block * E ints.
+template <typename IdxT>
+__global__ void plan_count(const IdxT* __restrict__ idx, i64 L, int E, int chunk, int nchunks,
+                           int* __restrict__ partial) {
+  extern __shared__ int s_hist[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int c = blockIdx.x * (blockDim.x >> 5) + warp;
+  if (c >= nchunks) return;
+  int* hist = s_hist + (i64)warp * E;
+  for (int e = lane; e < E; e += 32) hist[e] = 0;
+  __syncwarp();
+  const i64 begin = (i64)c * chunk;
+  for (int j = 0; j < chunk; j += 32) {
+    const int key = expert_key(idx, begin + j + lane, L, E);
+    const unsigned peers = __match_any_sync(0xffffffffu, key);
+    if (key >= 0 && lane == __ffs(peers) - 1) hist[key] += __popc(peers);
+    __syncwarp();
+  }
+  int* out = partial + (i64)c * E;
+  for (int e = lane; e < E; e += 32) out[e] = hist[e];
+}
+
+// Block (32, 32): threadIdx.x picks the expert (32 per block), threadIdx.y one of 32 contiguous ranges of
+// chunks. base[c*E+e] = sum_{c'<c} partial[c'*E+e]; totals[e] = sum over all chunks.
+__global__ void plan_col_scan(const int* __restrict__ partial, int* __restrict__ base,
+                              int* __restrict__ totals, int nchunks, int E) {
+  __shared__ int s[32][33];
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  const int e = blockIdx.x * 32 + tx;
+  const int per = (nchunks + 31) / 32;
+  const int c0 = min(ty * per, nchunks), c1 = min(c0 + per, nchunks);
+  int sum = 0;
+  if (e < E)
+    for (int c = c0; c < c1; ++c) sum += partial[(i64)c * E + e];
+  s[ty][tx] = sum;
+  __syncthreads();
+  if (ty == 0) {
+    int run = 0;
+    for (int r = 0; r < 32; ++r) {
+      const int v = s[r][tx];
+      s[r][tx] = run;
+      run += v;
+    }
+    if (e < E) totals[e] = run;
+  }
+  __syncthreads();
+  if (e < E) {
+    int run = s[ty][tx];
+    for (int c = c0; c < c1; ++c) {
+      const int v = partial[(i64)c * E + e];
+      base[(i64)c * E + e] = run;
+      run += v;
+    }
+  }
+}
+
+// One CTA (blockDim multiple of 32). kept[e] = routed slots of e among the first num_out slots in
+// expert-major order; tokens_per_expert[e] = padded (align > 1) or kept; seg_start = exclusive scan of
+// the padded counts, seg_start[E] = rows in use.
+__global__ void plan_offsets(const int* __restrict__ totals, int E, int align, i64 num_out,
+                             int* __restrict__ kept, int* __restrict__ tokens_per_expert,
+                             int* __restrict__ seg_start) {
+  __shared__ int scratch[32];
+  __shared__ i64 carry[2];
+  if (threadIdx.x == 0) carry[0] = carry[1] = 0;
+  __syncthreads();
+  for (int e0 = 0; e0 < E; e0 += blockDim.x) {
+    const int e = e0 + threadIdx.x;
+    const int n = e < E ? totals[e] : 0;
+    int tot;
+    const int incl = block_inclusive_scan(n, scratch, &tot);
+    const i64 off = carry[0] + incl - n;  // unpadded expert-major offset of expert e
+    i64 k = num_out - off;
+    k = k < 0 ? 0 : (k > n ? n : k);
+    const int target = align > 1 ? (int)((k + align - 1) / align * align) : (int)k;
+    int tot2;
+    const int incl2 = block_inclusive_scan(target, scratch, &tot2);
+    if (e < E) {
+      kept[e] = (int)k;
+      tokens_per_expert[e] = target;
+      seg_start[e] = (int)(carry[1] + incl2 - target);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      carry[0] += tot;
+      carry[1] += tot2;
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) seg_start[E] = (int)carry[1];
+}
+
+// dst_row[i] = seg_start[e] + rank (or -1 if dropped); src_slot[dst] = i. The rank of slot i inside expert
+// e is base[c][e] + the number of earlier slots of chunk c routed to e: stable, hence token-ascending.
+// src_slot must be filled with -1 beforehand. Dynamic shared memory: warps_per_block * E ints.
+template <typename IdxT>
+__global__ void plan_assign(const IdxT* __restrict__ idx, i64 L, int E, int chunk, int nchunks,
+                            const int* __restrict__ base, const int* __restrict__ kept,
+                            const int* __restrict__ seg_start, int* __restrict__ dst_row,
+                            int* __restrict__ src_slot) {
+  extern __shared__ int s_run[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int c = blockIdx.x * (blockDim.x >> 5) + warp;
+  if (c >= nchunks) return;
+  int* run = s_run + (i64)warp * E;
+  const int* b = base + (i64)c * E;
+  for (int e = lane; e < E; e += 32) run[e] = b[e];
+  __syncwarp();
+  const unsigned lt = lanemask_lt();
+  const i64 begin = (i64)c * chunk;
+  for (int j = 0; j < chunk; j += 32) {
+    const i64 i = begin + j + lane;
+    const int key = expert_key(idx, i, L, E);
+    const unsigned peers = __match_any_sync(0xffffffffu, key);
+    int d = -1;
+    if (key >= 0) {
+      const int rank = run[key] + __popc(peers & lt);
+      if (rank < kept[key]) {
+        d = seg_start[key] + rank;
+        src_slot[d] = (int)i;
+      }
+    }
+    if (i < L) dst_row[i] = d;
+    __syncwarp();
+    if (key >= 0 && lane == __ffs(peers) - 1) run[key] += __popc(peers);
+    __syncwarp();
+  }
+}
+
+// ---- dispatch ----------------------------------------------------------------------------------------
+
+// One CTA per token: read x[t] once (UNROLL units per thread in flight), store it to each kept destination.
+// Dynamic shared memory: K ints.
+template <typename U, int UNROLL>
+__global__ void dispatch_rows(const U* __restrict__ x, U* __restrict__ out, const int* __restrict__ dst_row,
+                              int K, i64 row_units) {
+  extern __shared__ int s_dst[];
+  const i64 t = blockIdx.x;
+  for (int k = threadIdx.x; k < K; k += blockDim.x) s_dst[k] = dst_row[t * K + k];
+  __syncthreads();
+  const U* src = x + t * row_units;
+  for (i64 i0 = threadIdx.x; i0 < row_units; i0 += (i64)blockDim.x * UNROLL) {
+    U v[UNROLL];
+#pragma unroll
+    for (int j = 0; j < UNROLL; ++j) {
+      const i64 i = i0 + (i64)j * blockDim.x;
+      if (i < row_units) v[j] = ld_stream(src + i);
+    }
+    for (int k = 0; k < K; ++k) {
+      const int d = s_dst[k];
+      if (d < 0) continue;
+      U* o = out + (i64)d * row_units;
+#pragma unroll
+      for (int j = 0; j < UNROLL; ++j) {
+        const i64 i = i0 + (i64)j * blockDim.x;
+        if (i < row_units) st_stream(o + i, v[j]);
+      }
+    }
+  }
+}
+
+// One warp per row (grid-stride): rows with src_slot -1 are zeroed (skipped when out is null);
+// probs_out[row] = src >= 0 ? probs_flat[src] : 0 (when probs_out is given).
+template <typename U>
+__global__ void fill_rows(U* __restrict__ out, float* __restrict__ probs_out,
+                          const float* __restrict__ probs_flat, const int* __restrict__ src_slot, i64 N,
+                          i64 row_units) {
+  const int lane = threadIdx.x & 31;
+  const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
+  for (i64 r = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); r < N; r += warps) {
+    const int s = src_slot[r];
+    if (probs_out != nullptr && lane == 0) probs_out[r] = s >= 0 ? probs_flat[s] : 0.0f;
+    if (s < 0 && out != nullptr) {
+      U* o = out + r * row_units;
+      const U z = zero_unit<U>();
+      for (i64 i = lane; i < row_units; i += 32) st_stream(o + i, z);
+    }
+  }
+}
+
+// ---- combine -----------------------------------------------------------------------------------------
+
+// One CTA per token: out[t] = sum_k w[t,k] * y_p[dst[t,k]] in fp32, k ascending; w null means 1.
+// H counts elements of T; VEC needs H % Vec<T>::N == 0 and 16-byte aligned pointers.
+// Dynamic shared memory: K ints + K floats.
+template <typename T, bool VEC, int UNROLL>
+__global__ void combine_rows(const T* __restrict__ y_p, T* __restrict__ out, const int* __restrict__ dst_row,
+                             const float* __restrict__ w, int K, i64 H) {
+  using P = Pack<T, VEC>;
+  extern __shared__ int s_mem[];
+  int* s_dst = s_mem;
+  float* s_w = reinterpret_cast<float*>(s_mem + K);
+  const i64 t = blockIdx.x;
+  for (int k = threadIdx.x; k < K; k += blockDim.x) {
+    s_dst[k] = dst_row[t * K + k];
+    s_w[k] = w != nullptr ? w[t * K + k] : 1.0f;
+  }
+  __syncthreads();
+  const i64 units = H / P::N;
+  for (i64 i0 = threadIdx.x; i0 < units; i0 += (i64)blockDim.x * UNROLL) {
+    P acc[UNROLL];
+#pragma unroll
+    for (int j = 0; j < UNROLL; ++j)
+#pragma unroll
+      for (int q = 0; q < P::N; ++q) acc[j].f[q] = 0.0f;
+    for (int k = 0; k < K; ++k) {
+      const int d = s_dst[k];
+      if (d < 0) continue;
+      const float wk = s_w[k];
+      const T* row = y_p + (i64)d * H;
+      P v[UNROLL];
+#pragma unroll
+      for (int j = 0; j < UNROLL; ++j) {
+        const i64 i = i0 + (i64)j * blockDim.x;
+        if (i < units) v[j].load(row + i * P::N);
+      }
+#pragma unroll
+      for (int j = 0; j < UNROLL; ++j)
+#pragma unroll
+        for (int q = 0; q < P::N; ++q) acc[j].f[q] = fmaf(wk, v[j].f[q], acc[j].f[q]);
+    }
+    T* o = out + t * H;
+#pragma unroll
+    for (int j = 0; j < UNROLL; ++j) {
+      const i64 i = i0 + (i64)j * blockDim.x;
+      if (i < units) acc[j].store(o + i * P::N);
+    }
+  }
+}
+
+// One CTA per token, for combine with weights: g_p[dst] = T(w * g[t]); dw[t,k] = sum_h y_p[dst,h]*g[t,h]
+// (fp32; per-warp shuffle sums added per warp in chunk order, then warps summed in order: deterministic).
+// dw is 0 for dropped slots. Dynamic shared memory: K ints + K floats + (blockDim/32)*K floats.
+template <typename T, bool VEC, int UNROLL>
+__global__ void combine_bwd_rows(const T* __restrict__ g, const T* __restrict__ y_p, T* __restrict__ g_p,
+                                 const int* __restrict__ dst_row, const float* __restrict__ w,
+                                 float* __restrict__ dw, int K, i64 H) {
+  using P = Pack<T, VEC>;
+  extern __shared__ int s_mem[];
+  const int nwarps = blockDim.x >> 5, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int* s_dst = s_mem;
+  float* s_w = reinterpret_cast<float*>(s_mem + K);
+  float* s_part = s_w + K;
+  const i64 t = blockIdx.x;
+  for (int k = threadIdx.x; k < K; k += blockDim.x) {
+    s_dst[k] = dst_row[t * K + k];
+    s_w[k] = w[t * K + k];
+  }
+  for (int q = threadIdx.x; q < nwarps * K; q += blockDim.x) s_part[q] = 0.0f;
+  __syncthreads();
+  const i64 units = H / P::N;
+  const T* grow = g + t * H;
+  // The loop bound is uniform over the block: every lane takes part in each warp_sum.
+  for (i64 b0 = 0; b0 < units; b0 += (i64)blockDim.x * UNROLL) {
+    const i64 i0 = b0 + threadIdx.x;
+    P gv[UNROLL];
+#pragma unroll
+    for (int j = 0; j < UNROLL; ++j) {
+      const i64 i = i0 + (i64)j * blockDim.x;
+      if (i < units) {
+        gv[j].load(grow + i * P::N);
+      } else {
+#pragma unroll
+        for (int q = 0; q < P::N; ++q) gv[j].f[q] = 0.0f;
+      }
+    }
+    for (int k = 0; k < K; ++k) {
+      const int d = s_dst[k];
+      if (d < 0) continue;  // uniform over the block
+      const float wk = s_w[k];
+      const T* yrow = y_p + (i64)d * H;
+      T* orow = g_p + (i64)d * H;
+      float part = 0.0f;
+#pragma unroll
+      for (int j = 0; j < UNROLL; ++j) {
+        const i64 i = i0 + (i64)j * blockDim.x;
+        if (i < units) {
+          P yv;
+          yv.load(yrow + i * P::N);
+          P ov;
+#pragma unroll
+          for (int q = 0; q < P::N; ++q) {
+            part = fmaf(yv.f[q], gv[j].f[q], part);
+            ov.f[q] = wk * gv[j].f[q];
+          }
+          ov.store(orow + i * P::N);
+        }
+      }
+      part = warp_sum(part);
+      if (lane == 0) s_part[warp * K + k] += part;
+    }
+  }
+  __syncthreads();
+  for (int k = threadIdx.x; k < K; k += blockDim.x) {
+    float s = 0.0f;
+    for (int q = 0; q < nwarps; ++q) s += s_part[q * K + k];
+    dw[t * K + k] = s_dst[k] >= 0 ? s : 0.0f;
+  }
+}
+
+// out[i] = dst_row[i] >= 0 ? vals[dst_row[i]] : 0 for i < L (grad of permuted probs back to [T,K]).
+extern "C" __global__ void gather_slots(const float* __restrict__ vals, const int* __restrict__ dst_row,
+                                        float* __restrict__ out, i64 L) {
+  for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < L; i += (i64)gridDim.x * blockDim.x) {
+    const int d = dst_row[i];
+    out[i] = d >= 0 ? vals[d] : 0.0f;
+  }
+}
+
+// ---- chunk sort --------------------------------------------------------------------------------------
+
+// One CTA: in_start[c] = sum_{j<c} split[j] (in_start[S] = total); out_start[order[j]] =
+// sum_{j'<j} split[order[j']]. Order entries outside [0, S) are skipped (their chunk keeps start 0).
+template <typename IdxT>
+__global__ void chunk_offsets(const IdxT* __restrict__ split, const IdxT* __restrict__ order, int S,
+                              int* __restrict__ in_start, int* __restrict__ out_start) {
+  __shared__ int scratch[32];
+  __shared__ int carry[2];
+  if (threadIdx.x == 0) carry[0] = carry[1] = 0;
+  for (int c = threadIdx.x; c < S; c += blockDim.x) out_start[c] = 0;
+  __syncthreads();
+  for (int c0 = 0; c0 < S; c0 += blockDim.x) {
+    const int c = c0 + threadIdx.x;
+    const int s = c < S ? max((int)split[c], 0) : 0;
+    int tot;
+    const int incl = block_inclusive_scan(s, scratch, &tot);
+    const int o = c < S ? (int)order[c] : -1;
+    const int so = (o >= 0 && o < S) ? max((int)split[o], 0) : 0;
+    int tot2;
+    const int incl2 = block_inclusive_scan(so, scratch, &tot2);
+    if (c < S) in_start[c] = carry[0] + incl - s;
+    if (o >= 0 && o < S) out_start[o] = carry[1] + incl2 - so;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      carry[0] += tot;
+      carry[1] += tot2;
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) in_start[S] = carry[0];
+}
+
+// One CTA per input row i. dst(i) = out_start[c] + i - in_start[c] for the chunk c holding i, or i when
+// i >= in_start[S]. Forward (BWD false): out[dst] = in[i]; backward: out[i] = in[dst]. Probs follow rows.
+// Destinations outside [0, N) (inconsistent split sizes) are skipped.
+template <typename U, bool BWD>
+__global__ void chunk_sort_rows(const U* __restrict__ in, U* __restrict__ out, const int* __restrict__ in_start,
+                                const int* __restrict__ out_start, int S, i64 N, i64 row_units,
+                                const float* __restrict__ p_in, float* __restrict__ p_out) {
+  const i64 i = blockIdx.x;
+  const int total = in_start[S];
+  i64 d = i;
+  if (i < total) {
+    int lo = 0, hi = S - 1;  // last c with in_start[c] <= i
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (in_start[mid] <= i) lo = mid; else hi = mid - 1;
+    }
+    d = (i64)out_start[lo] + (i - in_start[lo]);
+  }
+  if (d < 0 || d >= N) return;
+  const i64 from = BWD ? d : i, to = BWD ? i : d;
+  const U* s = in + from * row_units;
+  U* o = out + to * row_units;
+  for (i64 u = threadIdx.x; u < row_units; u += blockDim.x) st_stream(o + u, ld_stream(s + u));
+  if (p_in != nullptr && threadIdx.x == 0) p_out[to] = p_in[from];
+}

@@ -1,0 +1,638 @@
+"""Dispatch and combine on one GPU: token permutation into expert-major rows and back (specs/permutation.md).
+
+A MoE layer routes each token ``t`` to up to ``K`` experts. :func:`make_plan` turns that routing into a
+:class:`Plan`: where each routed slot ``(t, k)`` lands in the permuted buffer (``dst_row``) and which slot
+each permuted row holds (``src_slot``). Rows are grouped by expert (expert id ascending) and, within an
+expert, by token (ascending), so expert ``e`` owns rows ``[seg_start[e], seg_start[e+1])``: the layout a
+grouped GEMM consumes. :func:`dispatch` copies tokens (and their routing probs) into that layout,
+:func:`combine` sums expert outputs back per token; both backwards and :func:`sort_chunks` (the local
+reordering around expert-parallel all-to-alls) complete the family.
+
+The number of permuted rows ``num_rows`` is always known on the host without a device sync:
+``T*K`` (or ``num_out_tokens``) rows, and with ``align_size = A > 1`` the bound
+``floor((kept + E*(A-1)) / A) * A``. Rows that hold no routed slot (padding, the unused tail, dropped
+routes) are zero in every output this module produces.
+
+CUDA arrays run the kernels of ``kernels/permutation.cu``; CPU arrays run the NumPy reference
+(:mod:`moe_rt.reference.permutation`). Everything is deterministic: integer plan construction with no
+atomics, and fixed summation orders (k ascending, fp32) in every reduction.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from moe_rt import _arrays, _jit
+from moe_rt._common_ops import fill_bytes
+from moe_rt.reference import permutation as _ref
+
+__all__ = ["Plan", "make_plan", "dispatch", "combine", "dispatch_backward", "combine_backward",
+           "sort_chunks", "sort_chunks_backward"]
+
+_FILE = "permutation.cu"
+_UNITS = {16: "uint4", 8: "uint2", 4: "unsigned", 2: "unsigned short", 1: "unsigned char"}
+_IDX = {"int32": "int", "int64": "long long"}
+_UNROLL = 4
+_names = []
+for _i in _IDX.values():
+    _names += [f"plan_count<{_i}>", f"plan_assign<{_i}>", f"chunk_offsets<{_i}>"]
+for _u in _UNITS.values():
+    _names += [f"dispatch_rows<{_u}, {_UNROLL}>", f"fill_rows<{_u}>", f"chunk_sort_rows<{_u}, false>",
+               f"chunk_sort_rows<{_u}, true>"]
+for _c in _jit.CTYPES.values():
+    for _v in ("true", "false"):
+        _names += [f"combine_rows<{_c}, {_v}, {_UNROLL}>", f"combine_bwd_rows<{_c}, {_v}, {_UNROLL}>"]
+_names += ["plan_col_scan", "plan_offsets", "gather_slots"]
+_jit.register(_FILE, _names)
+
+MAX_EXPERTS = 16384
+_INT32_MAX = 2**31 - 1
+_BYTE_DTYPES = tuple(np.dtype(d) for d in (np.uint8, np.int8))
+try:
+    import ml_dtypes as _mld
+
+    _BYTE_DTYPES += tuple(np.dtype(getattr(_mld, n)) for n in ("float8_e4m3fn", "float8_e5m2")
+                          if hasattr(_mld, n))
+except ImportError:  # pragma: no cover
+    pass
+_TOKEN_DTYPES = tuple(d for d in _arrays.FLOAT_DTYPES if d is not None)
+_PROB_DTYPES = _TOKEN_DTYPES + (np.dtype(np.float64),)
+
+
+# -- the plan --------------------------------------------------------------------------------------------
+
+class Plan:
+    """Where every routed slot goes; made by :func:`make_plan`, consumed by the other ops.
+
+    Arrays (in the framework and on the device of the routing given to :func:`make_plan`):
+
+    - ``dst_row [T,K] int32``: permuted row of slot ``(t, k)``; -1 when the slot has no expert (id -1 or
+      out of range) or was dropped by ``num_out_tokens``.
+    - ``src_slot [N] int32``: flat slot ``t*K + k`` held by each permuted row; -1 for padding/unused rows.
+    - ``seg_start [E+1] int32``: expert ``e`` owns rows ``[seg_start[e], seg_start[e+1])``;
+      ``seg_start[E]`` is the number of rows in use (the rest, up to ``num_rows``, is unused and zero).
+    - ``counts [E] int32``: routed (kept) slots per expert, without padding.
+    - ``tokens_per_expert [E] int32``: the group sizes for a grouped GEMM: the padded counts
+      ``ceil(counts/A)*A`` when ``align_size > 1``, else ``counts``.
+
+    Ints: ``num_tokens`` (T), ``topk`` (K; ``num_experts`` for a routing map), ``num_experts`` (E),
+    ``num_rows`` (N), ``align_size`` (A), ``num_out_tokens`` (None or the kept-slot limit).
+    """
+
+    __slots__ = ("dst_row", "src_slot", "seg_start", "counts", "tokens_per_expert", "num_tokens", "topk",
+                 "num_experts", "num_rows", "align_size", "num_out_tokens", "from_routing_map", "backend",
+                 "device_id", "_v")
+
+    def __repr__(self):
+        return (f"Plan(num_tokens={self.num_tokens}, topk={self.topk}, num_experts={self.num_experts}, "
+                f"num_rows={self.num_rows}, align_size={self.align_size}, "
+                f"num_out_tokens={self.num_out_tokens}, backend={self.backend!r})")
+
+    def _dict(self):
+        d = dict(self._v)
+        d.update(num_tokens=self.num_tokens, topk=self.topk, num_experts=self.num_experts,
+                 num_rows=self.num_rows, align_size=self.align_size)
+        return d
+
+
+def _check_plan(plan, call: _arrays.Call):
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan: expected a moe_rt Plan from make_plan, got {type(plan).__name__}")
+    if plan.backend != call.backend or (call.backend == "cuda" and plan.device_id != call.device_id):
+        where = f"{plan.backend}:{plan.device_id}" if plan.backend == "cuda" else "cpu"
+        here = f"{call.backend}:{call.device_id}" if call.backend == "cuda" else "cpu"
+        raise ValueError(f"plan: was made on {where} but the arrays are on {here}")
+
+
+def _num_rows(T, K, E, A, num_out_tokens):
+    return _ref.num_rows(T, K, E, A, num_out_tokens)
+
+
+def _chunk_for(L: int, E: int) -> int:
+    # Slots per warp in the plan kernels: 256, larger when the [chunks, E] partial table would pass 4M ints.
+    chunk = 256
+    while (-(-L // chunk)) * E > (4 << 20) and chunk < (1 << 20):
+        chunk *= 2
+    return chunk
+
+
+def make_plan(routing, num_experts: int, *, align_size: int = 1, num_out_tokens: int | None = None,
+              stream=None) -> Plan:
+    """Build the dispatch plan of a routing, on the routing's device, without a host sync.
+
+    Args:
+        routing: either ``topk_idx [T,K]`` int32/int64 (expert id of slot ``(t,k)``; ``-1`` = no expert),
+            or ``routing_map [T,E]`` bool. A routing map is taken as ``K = E`` slots per token, slot ``k``
+            being expert ``k`` (so slots are listed in ascending expert id and dense ``[T,E]`` probs are
+            the slot probs); prefer ``num_out_tokens`` with a map, else ``N = T*E`` rows are allocated.
+        num_experts: E, 1..16384.
+        align_size: A >= 1; each expert's segment is padded with zero rows to a multiple of A.
+        num_out_tokens: None (keep every routed slot) or an int >= 0: keep only the first
+            ``num_out_tokens`` routed slots in expert-major order (index-style capacity drop); the
+            unpadded row count is then ``num_out_tokens`` instead of ``T*K``.
+        stream: CUDA stream (None = the caller's current stream).
+
+    Expert ids outside ``[-1, E)``: on the CPU backend a ValueError; on CUDA they are treated as ``-1``
+    (the slot is dropped), since checking would need a device sync.
+
+    Returns:
+        :class:`Plan`. ``num_rows`` is ``T*K`` (or ``num_out_tokens``) for ``A == 1``, else
+        ``floor((kept + E*(A-1)) / A) * A``.
+    """
+    E = _arrays.check_int(num_experts, "num_experts", low=1, high=MAX_EXPERTS)
+    A = _arrays.check_int(align_size, "align_size", low=1, high=1 << 20)
+    if num_out_tokens is not None:
+        num_out_tokens = _arrays.check_int(num_out_tokens, "num_out_tokens", low=0, high=_INT32_MAX)
+    with _arrays.Call({"routing": routing}, stream=stream) as call:
+        r = call["routing"]
+        xp = call.xp
+        _arrays.check_ndim(r, "routing", 2)
+        dt = np.dtype(r.dtype)
+        is_map = dt == np.bool_
+        if not is_map and dt not in _arrays.INDEX_DTYPES:
+            raise TypeError(f"routing: expected topk_idx (int32 or int64) or a routing_map (bool), "
+                            f"got dtype {dt.name}")
+        T = int(r.shape[0])
+        if is_map:
+            if r.shape[1] != E:
+                raise ValueError(f"routing: a routing_map must have shape [T, num_experts={E}], "
+                                 f"got {tuple(r.shape)}")
+            K = E
+        else:
+            K = int(r.shape[1])
+        L = T * K
+        if L > _INT32_MAX:
+            raise ValueError(f"routing: T*K = {T}*{K} slots must stay below 2^31")
+        N = _num_rows(T, K, E, A, num_out_tokens)
+        if N > _INT32_MAX:
+            raise ValueError(f"num_rows = {N} (from T*K / num_out_tokens and align_size) must stay below 2^31")
+
+        plan = Plan()
+        plan.num_tokens, plan.topk, plan.num_experts, plan.num_rows = T, K, E, N
+        plan.align_size, plan.num_out_tokens, plan.from_routing_map = A, num_out_tokens, is_map
+        plan.backend, plan.device_id = call.backend, call.device_id
+
+        if call.backend == "cpu":
+            if is_map:
+                idx = _ref.routing_map_to_topk(r)
+            else:
+                idx = np.asarray(r)
+                if idx.size and (idx.min() < -1 or idx.max() >= E):
+                    bad = idx[(idx < -1) | (idx >= E)][0]
+                    raise ValueError(f"routing: expert ids must be in [-1, num_experts={E}), got {int(bad)}")
+            d = _ref.make_plan(idx, E, A, num_out_tokens)
+            v = {k: d[k] for k in ("dst_row", "src_slot", "seg_start", "counts", "tokens_per_expert")}
+        else:
+            v = _plan_cuda(call, r, is_map, T, K, E, A, N, num_out_tokens)
+        plan._v = v
+        for k, a in v.items():
+            setattr(plan, k, call.out(a))
+        return plan
+
+
+def _plan_cuda(call, r, is_map, T, K, E, A, N, num_out_tokens):
+    xp = call.xp
+    if is_map:
+        idx = xp.where(r, xp.arange(E, dtype=np.int32)[None, :], np.int32(-1)).astype(np.int32)
+    else:
+        idx = _arrays.contiguous(xp, r)
+    ic = _IDX[np.dtype(idx.dtype).name]
+    L = T * K
+    chunk = _chunk_for(L, E)
+    nchunks = -(-L // chunk)
+    ints = xp.empty(2 * nchunks * E + 4 * E + 1 + L + N, dtype=np.int32)
+    o = 0
+    partial = ints[o:o + nchunks * E]; o += nchunks * E
+    base = ints[o:o + nchunks * E]; o += nchunks * E
+    totals = ints[o:o + E]; o += E
+    counts = ints[o:o + E]; o += E
+    tpe = ints[o:o + E]; o += E
+    seg = ints[o:o + E + 1]; o += E + 1
+    dst = ints[o:o + L].reshape(T, K); o += L
+    src = ints[o:o + N]; o += N
+    # Fresh arrays for the results the caller keeps, views of one buffer for the scratch.
+    counts, tpe, seg, dst, src = counts.copy(), tpe.copy(), seg.copy(), dst.copy(), src.copy()
+    s = call.stream
+    fill_bytes(src, 0xFF, s)
+    smem_warp = E * 4
+    wpb = max(1, min(8, (48 * 1024) // smem_warp))
+    f_count = _jit.function(_FILE, f"plan_count<{ic}>")
+    f_assign = _jit.function(_FILE, f"plan_assign<{ic}>")
+    _jit.set_max_dynamic_shared(f_count, wpb * smem_warp)
+    _jit.set_max_dynamic_shared(f_assign, wpb * smem_warp)
+    grid = -(-nchunks // wpb)
+    _jit.launch(f_count, grid, 32 * wpb, (idx, np.int64(L), np.int32(E), np.int32(chunk), np.int32(nchunks),
+                                          partial), shared_mem=wpb * smem_warp, stream=s)
+    _jit.launch(_jit.function(_FILE, "plan_col_scan"), -(-E // 32), (32, 32),
+                (partial, base, totals, np.int32(nchunks), np.int32(E)), stream=s)
+    num_out = L if num_out_tokens is None else num_out_tokens
+    _jit.launch(_jit.function(_FILE, "plan_offsets"), 1, min(1024, -(-E // 32) * 32),
+                (totals, np.int32(E), np.int32(A), np.int64(num_out), counts, tpe, seg), stream=s)
+    _jit.launch(f_assign, grid, 32 * wpb, (idx, np.int64(L), np.int32(E), np.int32(chunk), np.int32(nchunks),
+                                           base, counts, seg, dst, src), shared_mem=wpb * smem_warp, stream=s)
+    return {"dst_row": dst, "src_slot": src, "seg_start": seg, "counts": counts, "tokens_per_expert": tpe}
+
+
+# -- helpers ---------------------------------------------------------------------------------------------
+
+def _unit(row_bytes: int, *ptrs) -> int:
+    for u in (16, 8, 4, 2, 1):
+        if row_bytes % u == 0 and all(p % u == 0 for p in ptrs):
+            return u
+    return 1
+
+
+def _threads(units: int) -> int:
+    # Enough threads that one pass of _UNROLL units each covers the row (up to 1024).
+    per = -(-units // _UNROLL)
+    return int(min(1024, max(32, -(-per // 32) * 32)))
+
+
+def _row_grid(n_rows: int, device_id: int) -> int:
+    if n_rows <= 0:
+        return 0
+    cap = _jit.device_properties(device_id)["sm_count"] * 16
+    return max(1, min(-(-n_rows // 8), cap))
+
+
+def _check_tokens(arr, name, T, dtypes):
+    _arrays.check_ndim(arr, name, 2)
+    _arrays.check_dtype(arr, name, dtypes)
+    if arr.shape[0] != T:
+        raise ValueError(f"{name}: expected {T} rows (plan.num_tokens), got shape {tuple(arr.shape)}")
+
+
+def _slot_probs(call, probs, plan: Plan, name: str):
+    """``probs`` ([T,K] slot probs, or dense [T,E]) as contiguous float32 [T,K] (None stays None)."""
+    if probs is None:
+        return None
+    T, K, E = plan.num_tokens, plan.topk, plan.num_experts
+    _arrays.check_ndim(probs, name, 2)
+    _arrays.check_dtype(probs, name, _PROB_DTYPES)
+    xp = call.xp
+    shape = tuple(probs.shape)
+    if shape == (T, K):
+        p = probs
+    elif shape == (T, E):
+        # Dense [T,E] probs for an index plan: pick each slot's expert (ids out of range read 0).
+        p = _dense_to_slots(xp, probs, plan)
+    else:
+        raise ValueError(f"{name}: expected shape [T,K] = {(T, K)} or dense [T,E] = {(T, E)}, got {shape}")
+    p = p.astype(np.float32, copy=False)
+    return _arrays.contiguous(xp, p)
+
+
+def _dense_to_slots(xp, probs, plan):
+    # plan.src_slot / dst_row do not keep expert ids; recover them from the segments.
+    T, K, E = plan.num_tokens, plan.topk, plan.num_experts
+    dst = plan._v["dst_row"]
+    seg = plan._v["seg_start"]
+    e = xp.searchsorted(seg[1:], dst, side="right")  # segment of each row
+    e = xp.minimum(e, E - 1)
+    g = xp.take_along_axis(probs, e.astype(np.int64), axis=1)
+    return xp.where(dst >= 0, g, 0).astype(np.float32)
+
+
+# -- dispatch / combine ----------------------------------------------------------------------------------
+
+def dispatch(x, plan: Plan, probs=None, *, stream=None):
+    """Permute tokens (and their routing probs) into the plan's expert-major rows.
+
+    Args:
+        x: ``[T,H]`` fp32/fp16/bf16, or 1-byte data (uint8, int8, fp8) copied as raw bytes.
+        plan: from :func:`make_plan` on the same device; ``T == plan.num_tokens``.
+        probs: None, ``[T,K]`` slot probs (the layout of ``topk_idx``), or dense ``[T,E]``; any float dtype.
+        stream: CUDA stream (None = the caller's current stream).
+
+    Returns:
+        ``(x_permuted [N,H] x.dtype, probs_permuted [N] float32 or None)``; rows holding no routed slot
+        (padding, unused tail) are zero, and so are their probs.
+    """
+    with _arrays.Call({"x": x, "probs": probs}, stream=stream) as call:
+        _check_plan(plan, call)
+        xv = call["x"]
+        _check_tokens(xv, "x", plan.num_tokens, _TOKEN_DTYPES + _BYTE_DTYPES)
+        pv = _slot_probs(call, call["probs"], plan, "probs")
+        xv = _arrays.contiguous(call.xp, xv)
+        if call.backend == "cpu":
+            out, pp = _ref.dispatch(xv, plan._dict(), pv)
+        else:
+            out, pp = _dispatch_cuda(call, xv, plan, pv)
+        return call.out(out), (None if pp is None else call.out(pp))
+
+
+def _dispatch_cuda(call, xv, plan, pv):
+    xp, s = call.xp, call.stream
+    N, T, K = plan.num_rows, plan.num_tokens, plan.topk
+    H = int(xv.shape[1])
+    out = xp.empty((N, H), dtype=xv.dtype)
+    pp = None if pv is None else xp.empty(N, dtype=np.float32)
+    _copy_rows(call, xv, out, plan)
+    _fill(call, out, pp, pv, plan)
+    return out, pp
+
+
+def _copy_rows(call, src, out, plan):
+    """out[dst_row[t,k]] = src[t] for every kept slot (raw bytes)."""
+    T, K = plan.num_tokens, plan.topk
+    row_bytes = int(src.shape[1]) * src.dtype.itemsize
+    if T == 0 or row_bytes == 0 or plan.num_rows == 0:
+        return
+    u = _unit(row_bytes, src.data.ptr, out.data.ptr)
+    units = row_bytes // u
+    fn = _jit.function(_FILE, f"dispatch_rows<{_UNITS[u]}, {_UNROLL}>")
+    _jit.set_max_dynamic_shared(fn, K * 4)
+    _jit.launch(fn, T, _threads(units), (src.data.ptr, out.data.ptr, plan._v["dst_row"], np.int32(K),
+                                         np.int64(units)), shared_mem=K * 4, stream=call.stream)
+
+
+def _fill(call, out, pp, pv, plan):
+    """Zero the rows of ``out`` holding no slot; ``pp[row] = pv[src_slot[row]]`` (0 for those rows)."""
+    N = plan.num_rows
+    if N == 0:
+        return
+    row_bytes = int(out.shape[1]) * out.dtype.itemsize if out is not None else 0
+    u = _unit(row_bytes, out.data.ptr) if out is not None else 16
+    fn = _jit.function(_FILE, f"fill_rows<{_UNITS[u]}>")
+    args = (out.data.ptr if out is not None and row_bytes else 0, pp if pp is not None else 0,
+            pv if pv is not None else 0, plan._v["src_slot"], np.int64(N), np.int64(row_bytes // u))
+    if args[0] == 0 and args[1] == 0:
+        return
+    _jit.launch(fn, _row_grid(N, call.device_id), 256, args, stream=call.stream)
+
+
+def combine(y_permuted, plan: Plan, probs=None, *, stream=None):
+    """Weighted sum of each token's expert outputs: ``y[t] = sum_k w[t,k] * y_permuted[dst_row[t,k]]``.
+
+    Args:
+        y_permuted: ``[N,H]`` fp32/fp16/bf16, ``N == plan.num_rows``.
+        plan: from :func:`make_plan` on the same device.
+        probs: None (w = 1), ``[T,K]`` slot weights, or dense ``[T,E]``; any float dtype, used as fp32.
+        stream: CUDA stream (None = the caller's current stream).
+
+    Returns:
+        ``y [T,H]`` in ``y_permuted.dtype``: fp32 accumulation in k-ascending order (dropped slots skipped),
+        one rounding at the end; tokens with no route give zero rows. Bitwise reproducible.
+    """
+    with _arrays.Call({"y_permuted": y_permuted, "probs": probs}, stream=stream) as call:
+        _check_plan(plan, call)
+        yv = call["y_permuted"]
+        _check_tokens(yv, "y_permuted", plan.num_rows, _TOKEN_DTYPES)
+        pv = _slot_probs(call, call["probs"], plan, "probs")
+        yv = _arrays.contiguous(call.xp, yv)
+        if call.backend == "cpu":
+            return call.out(_ref.combine(yv, plan._dict(), pv))
+        return call.out(_combine_cuda(call, yv, plan, pv))
+
+
+def _combine_cuda(call, yv, plan, pv):
+    xp = call.xp
+    T, K = plan.num_tokens, plan.topk
+    H = int(yv.shape[1])
+    out = xp.empty((T, H), dtype=yv.dtype)
+    if T == 0 or H == 0:
+        return out
+    isz = yv.dtype.itemsize
+    vec = (H * isz) % 16 == 0 and yv.data.ptr % 16 == 0 and out.data.ptr % 16 == 0
+    n_per = 16 // isz if vec else 1
+    c = _jit.ctype(yv.dtype)
+    fn = _jit.function(_FILE, f"combine_rows<{c}, {'true' if vec else 'false'}, {_UNROLL}>")
+    smem = K * 8
+    _jit.set_max_dynamic_shared(fn, smem)
+    _jit.launch(fn, T, _threads(H // n_per), (yv, out, plan._v["dst_row"], pv if pv is not None else 0,
+                                              np.int32(K), np.int64(H)), shared_mem=smem, stream=call.stream)
+    return out
+
+
+def dispatch_backward(grad_x_permuted, plan: Plan, grad_probs_permuted=None, *, stream=None):
+    """VJP of :func:`dispatch`.
+
+    Args:
+        grad_x_permuted: ``[N,H]`` fp32/fp16/bf16.
+        plan: the plan of the forward.
+        grad_probs_permuted: None or ``[N]`` float (gradient of ``probs_permuted``).
+
+    Returns:
+        ``(grad_x [T,H], grad_probs [T,K] float32 or None)``: ``grad_x`` is the unweighted :func:`combine`
+        of ``grad_x_permuted`` (fp32 sum, k ascending); ``grad_probs[t,k] = grad_probs_permuted[dst_row[t,k]]``,
+        0 for dropped slots. The probs gradient is in slot layout ``[T,K]`` (for a routing-map plan that is
+        the dense ``[T,E]``).
+    """
+    with _arrays.Call({"grad_x_permuted": grad_x_permuted, "grad_probs_permuted": grad_probs_permuted},
+                      stream=stream) as call:
+        _check_plan(plan, call)
+        g = call["grad_x_permuted"]
+        _check_tokens(g, "grad_x_permuted", plan.num_rows, _TOKEN_DTYPES)
+        gpp = call["grad_probs_permuted"]
+        if gpp is not None:
+            _arrays.check_dtype(gpp, "grad_probs_permuted", _PROB_DTYPES)
+            _arrays.check_shape(gpp, "grad_probs_permuted", (plan.num_rows,))
+            gpp = _arrays.contiguous(call.xp, gpp.astype(np.float32, copy=False))
+        g = _arrays.contiguous(call.xp, g)
+        if call.backend == "cpu":
+            gx, gp = _ref.dispatch_backward(g, plan._dict(), gpp)
+        else:
+            gx = _combine_cuda(call, g, plan, None)
+            gp = None
+            if gpp is not None:
+                xp = call.xp
+                gp = xp.empty((plan.num_tokens, plan.topk), dtype=np.float32)
+                L = gp.size
+                if L:
+                    _jit.launch(_jit.function(_FILE, "gather_slots"), _row_grid(L // 32 + 1, call.device_id),
+                                256, (gpp, plan._v["dst_row"], gp, np.int64(L)), stream=call.stream)
+        return call.out(gx), (None if gp is None else call.out(gp))
+
+
+def combine_backward(grad_y, plan: Plan, y_permuted=None, probs=None, *, stream=None):
+    """VJP of :func:`combine`.
+
+    Args:
+        grad_y: ``[T,H]`` fp32/fp16/bf16.
+        plan: the plan of the forward.
+        y_permuted: ``[N,H]``, same dtype as ``grad_y``: the forward's input (needed only with probs).
+        probs: None, ``[T,K]`` or dense ``[T,E]`` weights of the forward.
+
+    Returns:
+        ``(grad_y_permuted [N,H] grad_y.dtype, grad_probs [T,K] float32 or None)``:
+        ``grad_y_permuted[dst_row[t,k]] = w[t,k] * grad_y[t]`` (fp32 product, one rounding; rows holding
+        no slot are zero) and ``grad_probs[t,k] = sum_h y_permuted[dst_row[t,k], h] * grad_y[t, h]`` (fp32,
+        fixed order; 0 for dropped slots), in slot layout ``[T,K]``.
+    """
+    with _arrays.Call({"grad_y": grad_y, "y_permuted": y_permuted, "probs": probs}, stream=stream) as call:
+        _check_plan(plan, call)
+        g = call["grad_y"]
+        _check_tokens(g, "grad_y", plan.num_tokens, _TOKEN_DTYPES)
+        pv = _slot_probs(call, call["probs"], plan, "probs")
+        yv = call["y_permuted"]
+        if pv is not None:
+            if yv is None:
+                raise ValueError("y_permuted: the forward input is needed to differentiate with probs")
+            _arrays.check_ndim(yv, "y_permuted", 2)
+            _arrays.check_dtype(yv, "y_permuted", (np.dtype(g.dtype),))
+            _arrays.check_shape(yv, "y_permuted", (plan.num_rows, g.shape[1]))
+            yv = _arrays.contiguous(call.xp, yv)
+        g = _arrays.contiguous(call.xp, g)
+        if call.backend == "cpu":
+            gyp, gp = _ref.combine_backward(g, plan._dict(), yv, pv)
+            return call.out(gyp), (None if gp is None else call.out(gp))
+        xp = call.xp
+        T, K, N = plan.num_tokens, plan.topk, plan.num_rows
+        H = int(g.shape[1])
+        gyp = xp.empty((N, H), dtype=g.dtype)
+        _fill(call, gyp, None, None, plan)
+        if pv is None:
+            _copy_rows(call, g, gyp, plan)
+            return call.out(gyp), None
+        gp = xp.empty((T, K), dtype=np.float32)
+        if T and K:
+            if H == 0 or N == 0:
+                gp.fill(0)
+            else:
+                isz = g.dtype.itemsize
+                vec = ((H * isz) % 16 == 0 and g.data.ptr % 16 == 0 and yv.data.ptr % 16 == 0
+                       and gyp.data.ptr % 16 == 0)
+                n_per = 16 // isz if vec else 1
+                threads = _threads(H // n_per)
+                fn = _jit.function(_FILE, f"combine_bwd_rows<{_jit.ctype(g.dtype)}, "
+                                          f"{'true' if vec else 'false'}, {_UNROLL}>")
+                smem = K * 8 + (threads // 32) * K * 4
+                _jit.set_max_dynamic_shared(fn, smem)
+                _jit.launch(fn, T, threads, (g, yv, gyp, plan._v["dst_row"], pv, gp, np.int32(K), np.int64(H)),
+                            shared_mem=smem, stream=call.stream)
+        return call.out(gyp), call.out(gp)
+
+
+# -- chunk sort ------------------------------------------------------------------------------------------
+
+def _is_host(a) -> bool:
+    return isinstance(a, (list, tuple, np.ndarray, np.generic)) or not hasattr(a, "__dlpack__")
+
+
+def _chunk_args(split_sizes, sorted_indices, n_rows):
+    """Host-side split/order: validated, int32 NumPy. Device ones are validated for dtype/shape only."""
+    out = []
+    for name, a in (("split_sizes", split_sizes), ("sorted_indices", sorted_indices)):
+        if _is_host(a):
+            arr = np.asarray(a)
+            if arr.ndim != 1:
+                raise ValueError(f"{name}: expected a 1-D sequence, got shape {arr.shape}")
+            if arr.size and not np.issubdtype(arr.dtype, np.integer):
+                raise TypeError(f"{name}: expected integers, got dtype {arr.dtype.name}")
+            out.append(arr.astype(np.int32))
+        else:
+            out.append(None)
+    s, o = out
+    if s is not None:
+        if s.size and s.min() < 0:
+            raise ValueError(f"split_sizes: must be >= 0, got {s.tolist()[:16]}")
+        if int(s.sum()) > n_rows:
+            raise ValueError(f"split_sizes: sum {int(s.sum())} exceeds the {n_rows} rows of x")
+    if o is not None and not np.array_equal(np.sort(o), np.arange(o.size)):
+        raise ValueError(f"sorted_indices: expected a permutation of 0..{o.size - 1}, got {o.tolist()[:16]}")
+    if s is not None and o is not None and s.size != o.size:
+        raise ValueError(f"sorted_indices: expected {s.size} entries (one per chunk of split_sizes), got {o.size}")
+    return s, o
+
+
+def _sort_chunks(x, split_sizes, sorted_indices, probs, stream, bwd):
+    xname, pname = ("grad_out", "grad_probs") if bwd else ("x", "probs")
+    if x is None:
+        raise TypeError(f"{xname}: expected an array, got None")
+    hs, ho = _chunk_args(split_sizes, sorted_indices, int(getattr(x, "shape", (0,))[0]))
+    arrays = {xname: x, pname: probs}
+    if hs is None:
+        arrays["split_sizes"] = split_sizes
+    if ho is None:
+        arrays["sorted_indices"] = sorted_indices
+    with _arrays.Call(arrays, stream=stream) as call:
+        xp = call.xp
+        xv = call[xname]
+        if xv.ndim < 1:
+            raise ValueError(f"{xname}: expected at least 1 dimension, got shape {tuple(xv.shape)}")
+        _arrays.check_dtype(xv, xname, _TOKEN_DTYPES + _BYTE_DTYPES + (np.dtype(np.float64),)
+                            + _arrays.INDEX_DTYPES)
+        N = int(xv.shape[0])
+        pv = call[pname]
+        if pv is not None:
+            _arrays.check_shape(pv, pname, (N,))
+            _arrays.check_dtype(pv, pname, _PROB_DTYPES)
+            pv = _arrays.contiguous(xp, pv.astype(np.float32, copy=False))
+        dev = []
+        for name, h in (("split_sizes", hs), ("sorted_indices", ho)):
+            if h is not None:
+                dev.append(h if call.backend == "cpu" else xp.asarray(h))
+            else:
+                a = call[name]
+                _arrays.check_ndim(a, name, 1)
+                _arrays.check_dtype(a, name, _arrays.INDEX_DTYPES)
+                dev.append(a)
+        s, o = dev
+        if s.shape[0] != o.shape[0]:
+            raise ValueError(f"sorted_indices: expected {s.shape[0]} entries (one per chunk of split_sizes), "
+                             f"got {o.shape[0]}")
+        xv = _arrays.contiguous(xp, xv)
+        if call.backend == "cpu":
+            f = _ref.sort_chunks_backward if bwd else _ref.sort_chunks
+            out, po = f(xv, np.asarray(s), np.asarray(o), pv)
+        else:
+            out, po = _sort_chunks_cuda(call, xv, s, o, pv, bwd)
+        out = call.out(out)
+        return out if probs is None else (out, call.out(po))
+
+
+def _sort_chunks_cuda(call, xv, s, o, pv, bwd):
+    xp = call.xp
+    N = int(xv.shape[0])
+    S = int(s.shape[0])
+    if np.dtype(s.dtype) != np.dtype(o.dtype):
+        s, o = s.astype(np.int32), o.astype(np.int32)
+    s, o = _arrays.contiguous(xp, s), _arrays.contiguous(xp, o)
+    out = xp.empty_like(xv)
+    po = None if pv is None else xp.empty(N, dtype=np.float32)
+    if N == 0:
+        return out, po
+    starts = xp.empty(2 * S + 1, dtype=np.int32)
+    in_start, out_start = starts[:S + 1], starts[S + 1:]
+    ic = _IDX[np.dtype(s.dtype).name]
+    if S:
+        _jit.launch(_jit.function(_FILE, f"chunk_offsets<{ic}>"), 1, 1024, (s, o, np.int32(S), in_start, out_start),
+                    stream=call.stream)
+    else:
+        in_start.fill(0)
+    row_bytes = (xv.size // N) * xv.dtype.itemsize
+    u = _unit(row_bytes, xv.data.ptr, out.data.ptr) if row_bytes else 16
+    units = row_bytes // u
+    fn = _jit.function(_FILE, f"chunk_sort_rows<{_UNITS[u]}, {'true' if bwd else 'false'}>")
+    threads = int(min(256, max(32, -(-units // 32) * 32)))
+    _jit.launch(fn, N, threads, (xv.data.ptr, out.data.ptr, in_start, out_start, np.int32(max(S, 0)), np.int64(N),
+                                 np.int64(units), pv if pv is not None else 0, po if po is not None else 0),
+                stream=call.stream)
+    return out, po
+
+
+def sort_chunks(x, split_sizes, sorted_indices, *, probs=None, stream=None):
+    """Reorder chunks of rows (specs/permutation.md §1.7): the rows of ``x`` form ``S`` consecutive chunks
+    of sizes ``split_sizes``; the output holds them in the order ``sorted_indices``. Rows at or beyond
+    ``sum(split_sizes)`` stay in place.
+
+    Args:
+        x: ``[N, ...]`` any moe_rt dtype (moved as raw bytes).
+        split_sizes: ``[S]`` int (list, NumPy, or an int32/int64 array on x's device).
+        sorted_indices: ``[S]`` int, a permutation of ``0..S-1`` (same kinds).
+        probs: optional ``[N]`` float, reordered with the rows (returned as float32).
+        stream: CUDA stream (None = the caller's current stream).
+
+    Host-side split sizes and indices are validated (sizes >= 0, sum <= N, a permutation); device-side
+    ones cannot be without a sync: there, inconsistent values never write out of bounds, but the rows they
+    affect are unspecified.
+
+    Returns:
+        ``out [N, ...]`` (x's dtype), or ``(out, probs_out)`` when ``probs`` is given.
+    """
+    return _sort_chunks(x, split_sizes, sorted_indices, probs, stream, bwd=False)
+
+
+def sort_chunks_backward(grad_out, split_sizes, sorted_indices, *, grad_probs=None, stream=None):
+    """VJP of :func:`sort_chunks` with the same ``split_sizes`` and ``sorted_indices`` (the inverse
+    reordering): ``grad_x[i] = grad_out[dst(i)]``. Returns ``grad_x`` or ``(grad_x, grad_probs_x)``."""
+    return _sort_chunks(grad_out, split_sizes, sorted_indices, grad_probs, stream, bwd=True)
