@@ -162,6 +162,8 @@ class Call:
             return obj
         if self.backend == "cuda" and type(obj).__module__.split(".")[0] == "cupy":
             return obj
+        if getattr(obj, "requires_grad", False):
+            obj = obj.detach()  # torch refuses to export autograd leaves; detach is a zero-copy view
         ptr = self.stream.ptr if self.stream is not None else None
         if ptr == 0:
             ptr = 1  # DLPack: 1 is the legacy default stream; 0 is disallowed

@@ -1,0 +1,218 @@
+"""PyTorch adapters: autograd-aware moe_rt ops on torch's current stream.
+
+Every op is registered as a ``torch.library`` custom op (namespace ``moe_rt``) with a fake
+implementation, so models using them compile under ``torch.compile`` without graph breaks, and with an
+autograd formula that calls moe_rt's backward kernels. CUDA tensors run the kernels, CPU tensors the NumPy
+reference; outputs are zero-copy views of moe_rt's results.
+
+Dispatch plans travel between ops as plain tensors: :func:`make_plan` returns a :class:`TorchPlan`
+(a tuple of int32 tensors plus the static ints), which :func:`dispatch` and :func:`combine` take.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from moe_rt import _arrays
+from moe_rt import permutation as _perm
+
+__all__ = ["TorchPlan", "make_plan", "dispatch", "combine"]
+
+
+# -- plans -------------------------------------------------------------------------------------------
+
+class TorchPlan(NamedTuple):
+    """A dispatch plan as tensors (see :class:`moe_rt.permutation.Plan`): ``dst_row [T,K]``,
+    ``src_slot [N]``, ``seg_start [E+1]``, ``counts [E]``, ``tokens_per_expert [E]`` (int32), and the
+    static ``num_experts``, ``num_rows``, ``align_size``, ``num_out_tokens`` (-1 = none)."""
+    dst_row: Tensor
+    src_slot: Tensor
+    seg_start: Tensor
+    counts: Tensor
+    tokens_per_expert: Tensor
+    num_experts: int
+    num_rows: int
+    align_size: int
+    num_out_tokens: int
+
+
+_PLAN_ARRAYS = ("dst_row", "src_slot", "seg_start", "counts", "tokens_per_expert")
+
+
+def _to_plan(dst_row, src_slot, seg_start, counts, tpe, num_experts, num_rows, align_size, num_out_tokens):
+    """A moe_rt Plan over the given tensors (no copy)."""
+    arrays = {"dst_row": dst_row, "src_slot": src_slot, "seg_start": seg_start, "counts": counts,
+              "tokens_per_expert": tpe}
+    call = _arrays.Call(arrays)
+    plan = _perm.Plan()
+    plan.num_tokens, plan.topk = int(dst_row.shape[0]), int(dst_row.shape[1])
+    plan.num_experts, plan.num_rows, plan.align_size = num_experts, num_rows, align_size
+    plan.num_out_tokens = None if num_out_tokens < 0 else num_out_tokens
+    plan.from_routing_map = False
+    plan.backend, plan.device_id = call.backend, call.device_id
+    plan._v = {k: call[k] for k in _PLAN_ARRAYS}
+    for k in _PLAN_ARRAYS:
+        setattr(plan, k, arrays[k])
+    return plan
+
+
+@torch.library.custom_op("moe_rt::make_plan", mutates_args=())
+def _make_plan_op(routing: Tensor, num_experts: int, align_size: int,
+                  num_out_tokens: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    p = _perm.make_plan(routing, num_experts, align_size=align_size,
+                        num_out_tokens=None if num_out_tokens < 0 else num_out_tokens)
+    return tuple(getattr(p, k) for k in _PLAN_ARRAYS)
+
+
+@_make_plan_op.register_fake
+def _(routing, num_experts, align_size, num_out_tokens):
+    T = routing.shape[0]
+    K = num_experts if routing.dtype == torch.bool else routing.shape[1]
+    N = _perm._num_rows(T, K, num_experts, align_size, None if num_out_tokens < 0 else num_out_tokens)
+    new = lambda *s: routing.new_empty(s, dtype=torch.int32)  # noqa: E731
+    return new(T, K), new(N), new(num_experts + 1), new(num_experts), new(num_experts)
+
+
+def make_plan(routing: Tensor, num_experts: int, *, align_size: int = 1,
+              num_out_tokens: Optional[int] = None) -> TorchPlan:
+    """:func:`moe_rt.permutation.make_plan` for torch: ``routing`` is ``topk_idx [T,K]`` (int32/int64,
+    -1 = none) or ``routing_map [T,E]`` (bool). Not differentiable (routing is discrete)."""
+    if routing.dtype == torch.bool and routing.dim() == 2 and routing.shape[1] != num_experts:
+        raise ValueError(f"routing: a routing_map must have shape [T, num_experts={num_experts}], "
+                         f"got {tuple(routing.shape)}")
+    nout = -1 if num_out_tokens is None else int(num_out_tokens)
+    if routing.dim() != 2:
+        raise ValueError(f"routing: expected a 2-D array, got shape {tuple(routing.shape)}")
+    K = num_experts if routing.dtype == torch.bool else routing.shape[1]
+    N = _perm._num_rows(routing.shape[0], K, num_experts, align_size, num_out_tokens)
+    arrays = _make_plan_op(routing, int(num_experts), int(align_size), nout)
+    return TorchPlan(*arrays, int(num_experts), int(N), int(align_size), nout)
+
+
+def _plan_args(plan: TorchPlan):
+    if not isinstance(plan, TorchPlan):
+        raise TypeError(f"plan: expected a TorchPlan from moe_rt.torch.make_plan, got {type(plan).__name__}")
+    return (*plan[:5], plan.num_experts, plan.num_rows, plan.align_size, plan.num_out_tokens)
+
+
+def _empty_probs(like: Tensor) -> Tensor:
+    return like.new_empty((0,), dtype=torch.float32)
+
+
+# -- dispatch ------------------------------------------------------------------------------------------
+
+@torch.library.custom_op("moe_rt::dispatch", mutates_args=())
+def _dispatch_op(x: Tensor, dst_row: Tensor, src_slot: Tensor, seg_start: Tensor, counts: Tensor,
+                 tpe: Tensor, num_experts: int, num_rows: int, align_size: int, num_out_tokens: int,
+                 probs: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    plan = _to_plan(dst_row, src_slot, seg_start, counts, tpe, num_experts, num_rows, align_size,
+                    num_out_tokens)
+    xp, pp = _perm.dispatch(x, plan, probs)
+    return xp, (_empty_probs(x) if pp is None else pp)
+
+
+@_dispatch_op.register_fake
+def _(x, dst_row, src_slot, seg_start, counts, tpe, num_experts, num_rows, align_size, num_out_tokens, probs):
+    return (x.new_empty((num_rows, x.shape[1])),
+            x.new_empty((num_rows if probs is not None else 0,), dtype=torch.float32))
+
+
+def _dispatch_setup(ctx, inputs, output):
+    ctx.plan_args = inputs[1:10]
+    ctx.has_probs = inputs[10] is not None
+    ctx.probs_dtype = inputs[10].dtype if ctx.has_probs else None
+    ctx.save_for_backward(*inputs[1:6])
+
+
+@torch.library.custom_op("moe_rt::dispatch_backward", mutates_args=())
+def _dispatch_bwd_op(grad_xp: Tensor, dst_row: Tensor, src_slot: Tensor, seg_start: Tensor, counts: Tensor,
+                     tpe: Tensor, num_experts: int, num_rows: int, align_size: int, num_out_tokens: int,
+                     grad_pp: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    plan = _to_plan(dst_row, src_slot, seg_start, counts, tpe, num_experts, num_rows, align_size,
+                    num_out_tokens)
+    gx, gp = _perm.dispatch_backward(grad_xp.contiguous(), plan, grad_pp)
+    return gx, (_empty_probs(grad_xp) if gp is None else gp)
+
+
+@_dispatch_bwd_op.register_fake
+def _(grad_xp, dst_row, src_slot, seg_start, counts, tpe, num_experts, num_rows, align_size, num_out_tokens,
+      grad_pp):
+    T, K = dst_row.shape
+    return (grad_xp.new_empty((T, grad_xp.shape[1])),
+            grad_xp.new_empty((T, K) if grad_pp is not None else (0,), dtype=torch.float32))
+
+
+def _dispatch_bwd(ctx, grad_xp, grad_pp):
+    gpp = grad_pp if ctx.has_probs else None
+    gx, gp = _dispatch_bwd_op(grad_xp, *ctx.saved_tensors, *ctx.plan_args[5:], gpp)
+    return (gx,) + (None,) * 9 + (gp.to(ctx.probs_dtype) if ctx.has_probs else None,)
+
+
+_dispatch_op.register_autograd(_dispatch_bwd, setup_context=_dispatch_setup)
+
+
+def dispatch(x: Tensor, plan: TorchPlan, probs: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor]]:
+    """Differentiable :func:`moe_rt.permutation.dispatch`: ``x [T,H]`` into the plan's expert-major rows.
+    ``probs``: None or ``[T,K]`` slot probs (same layout as topk_idx). Returns ``(x_permuted [N,H],
+    probs_permuted [N] fp32 or None)``; gradients flow to ``x`` and ``probs``."""
+    xp, pp = _dispatch_op(x, *_plan_args(plan), probs)
+    return xp, (pp if probs is not None else None)
+
+
+# -- combine -------------------------------------------------------------------------------------------
+
+@torch.library.custom_op("moe_rt::combine", mutates_args=())
+def _combine_op(y_permuted: Tensor, dst_row: Tensor, src_slot: Tensor, seg_start: Tensor, counts: Tensor,
+                tpe: Tensor, num_experts: int, num_rows: int, align_size: int, num_out_tokens: int,
+                probs: Optional[Tensor]) -> Tensor:
+    plan = _to_plan(dst_row, src_slot, seg_start, counts, tpe, num_experts, num_rows, align_size,
+                    num_out_tokens)
+    return _perm.combine(y_permuted, plan, probs)
+
+
+@_combine_op.register_fake
+def _(y_permuted, dst_row, src_slot, seg_start, counts, tpe, num_experts, num_rows, align_size,
+      num_out_tokens, probs):
+    return y_permuted.new_empty((dst_row.shape[0], y_permuted.shape[1]))
+
+
+def _combine_setup(ctx, inputs, output):
+    ctx.plan_args = inputs[1:10]
+    probs = inputs[10]
+    ctx.has_probs = probs is not None
+    ctx.probs_dtype = probs.dtype if probs is not None else None
+    ctx.save_for_backward(*inputs[1:6], inputs[0] if probs is not None else None, probs)
+
+
+@torch.library.custom_op("moe_rt::combine_backward", mutates_args=())
+def _combine_bwd_op(grad_y: Tensor, dst_row: Tensor, src_slot: Tensor, seg_start: Tensor, counts: Tensor,
+                    tpe: Tensor, num_experts: int, num_rows: int, align_size: int, num_out_tokens: int,
+                    y_permuted: Optional[Tensor], probs: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    plan = _to_plan(dst_row, src_slot, seg_start, counts, tpe, num_experts, num_rows, align_size,
+                    num_out_tokens)
+    gyp, gp = _perm.combine_backward(grad_y.contiguous(), plan, y_permuted, probs)
+    return gyp, (_empty_probs(grad_y) if gp is None else gp)
+
+
+@_combine_bwd_op.register_fake
+def _(grad_y, dst_row, src_slot, seg_start, counts, tpe, num_experts, num_rows, align_size, num_out_tokens,
+      y_permuted, probs):
+    return (grad_y.new_empty((num_rows, grad_y.shape[1])),
+            grad_y.new_empty(tuple(dst_row.shape) if probs is not None else (0,), dtype=torch.float32))
+
+
+def _combine_bwd(ctx, grad_y):
+    dst, src, seg, cnt, tpe, y_p, probs = ctx.saved_tensors
+    gyp, gp = _combine_bwd_op(grad_y, dst, src, seg, cnt, tpe, *ctx.plan_args[5:], y_p, probs)
+    return (gyp,) + (None,) * 9 + (gp.to(ctx.probs_dtype) if ctx.has_probs else None,)
+
+
+_combine_op.register_autograd(_combine_bwd, setup_context=_combine_setup)
+
+
+def combine(y_permuted: Tensor, plan: TorchPlan, probs: Optional[Tensor] = None) -> Tensor:
+    """Differentiable :func:`moe_rt.permutation.combine`: ``y[t] = sum_k w[t,k] * y_permuted[dst_row[t,k]]``
+    (fp32 accumulation). Gradients flow to ``y_permuted`` and ``probs``."""
+    return _combine_op(y_permuted, *_plan_args(plan), probs)
