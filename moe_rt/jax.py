@@ -1,0 +1,221 @@
+"""JAX adapters: moe_rt ops as ``jax.custom_vjp`` functions usable inside ``jax.jit`` and under
+``jax.grad``.
+
+Each op lowers to ``jax.experimental.buffer_callback``: inside a jitted computation the callback receives
+XLA's device buffers and XLA's stream, imports them by DLPack (no copy), runs moe_rt's kernels on that stream
+(or the NumPy reference for CPU buffers), and writes the results into XLA's output buffers. Results are
+computed into moe_rt's own buffers and then copied into XLA's (one device copy of each output; op outputs
+written in place are planned). ``vmap`` is not supported (the callback raises JAX's error for it); map over
+tokens by reshaping instead, since every op is already batched over tokens.
+
+Dispatch plans travel as :class:`JaxPlan`, a pytree of int32 arrays with the static sizes as metadata, so a
+plan can be passed through ``jit``, ``grad``, ``checkpoint`` and ``custom_vjp`` residuals.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.buffer_callback import buffer_callback
+
+from moe_rt import _arrays
+from moe_rt import permutation as _perm
+
+__all__ = ["JaxPlan", "make_plan", "dispatch", "combine"]
+
+_PLAN_ARRAYS = ("dst_row", "src_slot", "seg_start", "counts", "tokens_per_expert")
+
+
+def _run(fn, out_specs, *inputs):
+    """Run ``fn(*views)`` (views: CuPy or NumPy arrays over XLA's buffers; None inputs stay None) inside
+    a buffer_callback and copy its results into XLA's outputs described by ``out_specs``."""
+    present = [i for i, a in enumerate(inputs) if a is not None]
+
+    def callback(ctx, outs, *ins):
+        outs = list(outs)
+        arrays = {f"i{j}": a for j, a in zip(present, ins)}
+        arrays.update({f"o{j}": o for j, o in enumerate(outs)})
+        try:
+            stream = ctx.stream  # XLA's compute stream (GPU only)
+        except Exception:  # noqa: BLE001 - CPU buffers have no stream
+            stream = None
+        call = _arrays.Call(arrays, stream=stream if stream else None)
+        with call:
+            views = [call[f"i{j}"] if j in present else None for j in range(len(inputs))]
+            results = fn(*views)
+            for j, r in enumerate(results):
+                dst = call[f"o{j}"]
+                if dst.size:
+                    dst[...] = r
+    return buffer_callback(callback, list(out_specs))(*[inputs[i] for i in present])
+
+
+def _spec(shape, dtype):
+    return jax.ShapeDtypeStruct(tuple(int(s) for s in shape), jnp.dtype(dtype))
+
+
+# -- plans ---------------------------------------------------------------------------------------------
+
+@jax.tree_util.register_pytree_node_class
+class JaxPlan:
+    """A dispatch plan (see :class:`moe_rt.permutation.Plan`) as JAX arrays: ``dst_row [T,K]``,
+    ``src_slot [N]``, ``seg_start [E+1]``, ``counts [E]``, ``tokens_per_expert [E]`` (int32); static
+    ``num_experts``, ``num_rows``, ``align_size``, ``num_out_tokens`` (-1 = none)."""
+
+    def __init__(self, arrays, num_experts, num_rows, align_size, num_out_tokens):
+        self.arrays = tuple(arrays)
+        self.num_experts, self.num_rows = int(num_experts), int(num_rows)
+        self.align_size, self.num_out_tokens = int(align_size), int(num_out_tokens)
+
+    def __getattr__(self, name):
+        if name in _PLAN_ARRAYS:
+            return self.arrays[_PLAN_ARRAYS.index(name)]
+        raise AttributeError(name)
+
+    @property
+    def static(self):
+        return (self.num_experts, self.num_rows, self.align_size, self.num_out_tokens)
+
+    def tree_flatten(self):
+        return self.arrays, self.static
+
+    @classmethod
+    def tree_unflatten(cls, static, arrays):
+        return cls(arrays, *static)
+
+
+def _as_plan(views, static):
+    """A moe_rt Plan over the five plan views (CuPy or NumPy)."""
+    num_experts, num_rows, align_size, num_out_tokens = static
+    plan = _perm.Plan()
+    dst = views[0]
+    plan.num_tokens, plan.topk = int(dst.shape[0]), int(dst.shape[1])
+    plan.num_experts, plan.num_rows, plan.align_size = num_experts, num_rows, align_size
+    plan.num_out_tokens = None if num_out_tokens < 0 else num_out_tokens
+    plan.from_routing_map = False
+    plan.backend = "cpu" if isinstance(dst, np.ndarray) else "cuda"
+    plan.device_id = 0 if plan.backend == "cpu" else dst.device.id
+    plan._v = dict(zip(_PLAN_ARRAYS, views))
+    for k, v in plan._v.items():
+        setattr(plan, k, v)
+    return plan
+
+
+def make_plan(routing, num_experts: int, *, align_size: int = 1, num_out_tokens: int | None = None) -> JaxPlan:
+    """:func:`moe_rt.permutation.make_plan` for JAX (jit-compatible): ``routing`` is ``topk_idx [T,K]``
+    int32 (-1 = none) or ``routing_map [T,E]`` bool."""
+    routing = jnp.asarray(routing)
+    if routing.ndim != 2:
+        raise ValueError(f"routing: expected a 2-D array, got shape {routing.shape}")
+    T = routing.shape[0]
+    K = num_experts if routing.dtype == jnp.bool_ else routing.shape[1]
+    N = _perm._num_rows(T, K, num_experts, align_size, num_out_tokens)
+    E = int(num_experts)
+    specs = [_spec((T, K), np.int32), _spec((N,), np.int32), _spec((E + 1,), np.int32),
+             _spec((E,), np.int32), _spec((E,), np.int32)]
+
+    def fn(r):
+        p = _perm.make_plan(r, E, align_size=align_size, num_out_tokens=num_out_tokens)
+        return [p._v[k] for k in _PLAN_ARRAYS]
+
+    arrays = _run(fn, specs, routing)
+    return JaxPlan(arrays, E, N, align_size, -1 if num_out_tokens is None else num_out_tokens)
+
+
+# -- dispatch ------------------------------------------------------------------------------------------
+
+def _dispatch_impl(x, plan, probs):
+    static = plan.static
+    specs = [_spec((plan.num_rows, x.shape[1]), x.dtype), _spec((plan.num_rows if probs is not None else 0,),
+                                                                  np.float32)]
+
+    def fn(xv, pv, *pa):
+        xp_, pp = _perm.dispatch(xv, _as_plan(pa, static), pv)
+        return [xp_, pp if pp is not None else xv[:0, 0].astype(np.float32)]
+
+    out = _run(fn, specs, x, probs, *plan.arrays)
+    return out[0], (out[1] if probs is not None else None)
+
+
+@jax.custom_vjp
+def _dispatch(x, plan, probs):
+    return _dispatch_impl(x, plan, probs)
+
+
+def _dispatch_fwd(x, plan, probs):
+    return _dispatch_impl(x, plan, probs), (plan, probs)
+
+
+def _dispatch_bwd(res, cts):
+    plan, probs = res
+    has_probs = probs is not None
+    g_xp, g_pp = cts
+    static = plan.static
+    T, K = plan.arrays[0].shape
+    specs = [_spec((T, g_xp.shape[1]), g_xp.dtype), _spec((T, K) if has_probs else (0,), np.float32)]
+
+    def fn(gv, gpv, *pa):
+        gx, gp = _perm.dispatch_backward(gv, _as_plan(pa, static), gpv)
+        return [gx, gp if gp is not None else gv[:0, 0].astype(np.float32)]
+
+    gx, gp = _run(fn, specs, g_xp, g_pp if has_probs else None, *plan.arrays)
+    return gx, None, (gp.astype(probs.dtype) if has_probs else None)
+
+
+_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+def dispatch(x, plan: JaxPlan, probs=None):
+    """Differentiable :func:`moe_rt.permutation.dispatch`: ``x [T,H]`` into the plan's expert-major rows;
+    ``probs`` None or ``[T,K]``. Returns ``(x_permuted [N,H], probs_permuted [N] fp32 or None)``."""
+    if not isinstance(plan, JaxPlan):
+        raise TypeError(f"plan: expected a JaxPlan from moe_rt.jax.make_plan, got {type(plan).__name__}")
+    return _dispatch(x, plan, probs)
+
+
+# -- combine -------------------------------------------------------------------------------------------
+
+def _combine_impl(y_p, plan, probs):
+    static = plan.static
+    T = plan.arrays[0].shape[0]
+
+    def fn(yv, pv, *pa):
+        return [_perm.combine(yv, _as_plan(pa, static), pv)]
+
+    return _run(fn, [_spec((T, y_p.shape[1]), y_p.dtype)], y_p, probs, *plan.arrays)[0]
+
+
+@jax.custom_vjp
+def _combine(y_p, plan, probs):
+    return _combine_impl(y_p, plan, probs)
+
+
+def _combine_fwd(y_p, plan, probs):
+    return _combine_impl(y_p, plan, probs), (plan, y_p if probs is not None else None, probs)
+
+
+def _combine_bwd(res, g):
+    plan, y_p, probs = res
+    static = plan.static
+    T, K = plan.arrays[0].shape
+    specs = [_spec((plan.num_rows, g.shape[1]), g.dtype), _spec((T, K) if probs is not None else (0,), np.float32)]
+
+    def fn(gv, yv, pv, *pa):
+        gyp, gp = _perm.combine_backward(gv, _as_plan(pa, static), yv, pv)
+        return [gyp, gp if gp is not None else gv[:0, 0].astype(np.float32)]
+
+    gyp, gp = _run(fn, specs, g, y_p, probs, *plan.arrays)
+    return gyp, None, (gp.astype(probs.dtype) if probs is not None else None)
+
+
+_combine.defvjp(_combine_fwd, _combine_bwd)
+
+
+def combine(y_permuted, plan: JaxPlan, probs=None):
+    """Differentiable :func:`moe_rt.permutation.combine`: ``y[t] = sum_k w[t,k] * y_permuted[dst_row[t,k]]``
+    with fp32 accumulation; gradients flow to ``y_permuted`` and ``probs``."""
+    if not isinstance(plan, JaxPlan):
+        raise TypeError(f"plan: expected a JaxPlan from moe_rt.jax.make_plan, got {type(plan).__name__}")
+    return _combine(y_permuted, plan, probs)
