@@ -1,0 +1,233 @@
+"""NumPy oracle of the router ops (specs/router.md §1-§3), fp32 math.
+
+Conventions shared with the CUDA kernels:
+
+- Selection order is (value desc, index asc) on an order-preserving uint32 key of the fp32 value:
+  -0.0 < +0.0, -inf is the smallest real value, and every NaN is larger than +inf (all NaNs equal, so
+  NaNs are taken lowest index first).
+- Grouped top-k: a group's score is the sum, in fp32 and in descending order, of its top-(k/g) selection
+  scores; the g best groups are kept (same key order); experts of other groups rank below every real
+  value.
+- The expert bias affects selection only; the kept value is TE's revert fl(fl(a + b) - b).
+- eps = 1e-20; softplus threshold 20; pre-softmax has no renormalization; post-softmax intermediate is
+  -inf off the selection; sqrtsoftplus saves the raw logits.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+EPS = np.float32(1e-20)
+F32 = np.float32
+SCORE_FUNCTIONS = ("sigmoid", "softmax", "sqrtsoftplus")
+
+
+def float_keys(x) -> np.ndarray:
+    """Order-preserving uint32 keys of fp32 values (NaN -> 0xFFFFFFFF)."""
+    x = np.ascontiguousarray(x, dtype=F32)
+    b = x.view(np.uint32)
+    k = np.where(b & np.uint32(0x80000000), ~b, b | np.uint32(0x80000000)).astype(np.uint32)
+    return np.where(np.isnan(x), np.uint32(0xFFFFFFFF), k).astype(np.uint32)
+
+
+def select_topk(keys: np.ndarray, k: int) -> np.ndarray:
+    """Boolean mask of the k first elements of each row in the order (key desc, index asc)."""
+    order = np.argsort(~keys, axis=-1, kind="stable")[..., :k]
+    mask = np.zeros(keys.shape, dtype=bool)
+    np.put_along_axis(mask, order, True, axis=-1)
+    return mask
+
+
+def _sigmoid(x):
+    return (F32(1) / (F32(1) + np.exp(-x))).astype(F32)
+
+
+def _sqrtsoftplus(x):
+    with np.errstate(over="ignore"):
+        sp = np.log1p(np.exp(np.minimum(x, F32(20)))).astype(F32)
+    return np.where(x > 20, np.sqrt(x), np.sqrt(sp)).astype(F32)
+
+
+def _softmax(x):
+    with np.errstate(invalid="ignore"):
+        m = np.max(x, axis=-1, keepdims=True)
+        ex = np.exp(x - m).astype(F32)
+        s = np.sum(ex, axis=-1, keepdims=True, dtype=F32)
+        return (ex * (F32(1) / s)).astype(F32)
+
+
+def group_limited_mask(r: np.ndarray, topk: int, num_groups: int, group_topk: int) -> np.ndarray:
+    """Mask of the experts in the chosen groups (§1.3) for selection scores r [T, E] (fp32)."""
+    T, E = r.shape
+    n, m = E // num_groups, topk // group_topk
+    rg = r.reshape(T, num_groups, n)
+    order = np.argsort(~float_keys(rg), axis=-1, kind="stable")[..., :m]
+    vals = np.take_along_axis(rg, order, axis=-1)
+    s = vals[..., 0].astype(F32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        for u in range(1, m):
+            s = (s + vals[..., u]).astype(F32)
+    gsel = select_topk(float_keys(s), group_topk)
+    return np.repeat(gsel, n, axis=-1)
+
+
+def _selection(r, topk, num_groups, group_topk):
+    keys = float_keys(r)
+    if group_topk is not None and group_topk < num_groups:
+        keys = np.where(group_limited_mask(r, topk, num_groups, group_topk), keys, np.uint32(0))
+    return select_topk(keys, topk)
+
+
+def topk_with_score_fwd_fp32(logits, topk, use_pre_softmax=False, num_groups=None, group_topk=None,
+                             scaling_factor=None, score_function="softmax", expert_bias=None):
+    """Like :func:`topk_with_score_fwd` but probs stay fp32 (these are the compact form's weights)."""
+    x = np.asarray(logits).astype(F32)
+    E = x.shape[-1]
+    x = x.reshape(-1, E)
+    s = F32(1.0 if scaling_factor is None else scaling_factor)
+    b = None if expert_bias is None else np.asarray(expert_bias).astype(F32).reshape(1, E)
+    with np.errstate(invalid="ignore", over="ignore"):
+        if score_function in ("sigmoid", "sqrtsoftplus"):
+            a = _sigmoid(x) if score_function == "sigmoid" else _sqrtsoftplus(x)
+            inter = a if score_function == "sigmoid" else x.copy()
+            r = (a + b).astype(F32) if b is not None else a
+            sel = _selection(r, topk, num_groups, group_topk)
+            pt = (r - b).astype(F32) if b is not None else r
+            pt = np.where(sel, pt, F32(0))
+            if topk > 1:
+                den = (np.sum(pt, axis=-1, keepdims=True, dtype=F32) + EPS).astype(F32)
+                p = (pt / den).astype(F32)
+            else:
+                p = pt
+            probs = np.where(sel, (s * p).astype(F32), F32(0))
+        elif score_function == "softmax":
+            if use_pre_softmax:
+                a = _softmax(x)
+                sel = _selection(a, topk, num_groups, group_topk)
+                probs = np.where(sel, (s * a).astype(F32), F32(0))
+                inter = a
+            else:
+                sel = _selection(x, topk, num_groups, group_topk)
+                xs = np.where(sel, x, F32(-np.inf))
+                p = _softmax(xs)
+                p = np.where(sel, p, F32(0))
+                probs = np.where(sel, (s * p).astype(F32), F32(0))
+                inter = np.where(sel, p, F32(-np.inf)).astype(F32)
+        else:
+            raise ValueError(f"score_function: unknown {score_function!r}")
+    return probs.astype(F32), sel, inter.astype(F32)
+
+
+def topk_with_score_fwd(logits, topk, use_pre_softmax=False, num_groups=None, group_topk=None,
+                        scaling_factor=None, score_function="softmax", expert_bias=None):
+    """(probs [T,E] logits dtype, routing_map [T,E] bool, intermediate [T,E] fp32) for logits [T,E]."""
+    logits = np.asarray(logits)
+    probs, sel, inter = topk_with_score_fwd_fp32(logits, topk, use_pre_softmax, num_groups, group_topk,
+                                                 scaling_factor, score_function, expert_bias)
+    return probs.astype(logits.dtype), sel, inter
+
+
+def topk_indices_fwd(logits, topk, **kw):
+    """(topk_idx [T,K] int32 ascending expert id, topk_weights [T,K] fp32)."""
+    probs, sel, _ = topk_with_score_fwd_fp32(logits, topk, **kw)
+    idx = np.argsort(~sel, axis=-1, kind="stable")[..., :topk]
+    idx = np.sort(idx, axis=-1)
+    return idx.astype(np.int32), np.take_along_axis(probs, idx, axis=-1).astype(F32)
+
+
+def topk_with_score_bwd(grad_probs, routing_map, intermediate, topk, use_pre_softmax=False,
+                        scaling_factor=None, score_function="softmax"):
+    """grad_logits [T,E] (grad_probs dtype), §1.4."""
+    grad_probs = np.asarray(grad_probs)
+    s = F32(1.0 if scaling_factor is None else scaling_factor)
+    g = (s * grad_probs.astype(F32)).astype(F32)
+    msk = np.asarray(routing_map).astype(bool)
+    y = np.asarray(intermediate).astype(F32)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        if score_function in ("sigmoid", "sqrtsoftplus"):
+            v = y if score_function == "sigmoid" else _sqrtsoftplus(y)
+            if topk > 1:
+                A = (np.sum(np.where(msk, v, F32(0)), axis=-1, keepdims=True, dtype=F32) + EPS).astype(F32)
+                B = np.sum(np.where(msk, g * v, F32(0)), axis=-1, keepdims=True, dtype=F32)
+                gh = (g / A - B / (A * A)).astype(F32)
+            else:
+                gh = g
+            gh = np.where(msk, gh, F32(0))
+            if score_function == "sigmoid":
+                dx = gh * y * (F32(1) - y)
+            else:
+                dx = np.where(y > 20, gh / (F32(2) * v + EPS), gh * _sigmoid(y) / (F32(2) * v + EPS))
+            dx = np.where(msk, dx, F32(0))
+        elif score_function == "softmax":
+            D = np.sum(np.where(msk, g * y, F32(0)), axis=-1, keepdims=True, dtype=F32)
+            if use_pre_softmax:
+                dx = y * (np.where(msk, g, F32(0)) - D)
+            else:
+                dx = np.where(msk, y * (g - D), F32(0))
+        else:
+            raise ValueError(f"score_function: unknown {score_function!r}")
+    return dx.astype(F32).astype(grad_probs.dtype)
+
+
+def scores_for_aux_loss_fwd(logits, topk, score_function):
+    """(scores [T,E] fp32, routing_map [T,E] bool, intermediate [T,E] fp32), §2."""
+    x = np.asarray(logits).astype(F32)
+    x = x.reshape(-1, x.shape[-1])
+    with np.errstate(invalid="ignore", over="ignore"):
+        if score_function == "softmax":
+            a = _softmax(x)
+            inter = a
+        elif score_function in ("sigmoid", "sqrtsoftplus"):
+            v = _sigmoid(x) if score_function == "sigmoid" else _sqrtsoftplus(x)
+            a = (v / (np.sum(v, axis=-1, keepdims=True, dtype=F32) + EPS)).astype(F32)
+            inter = v if score_function == "sigmoid" else x.copy()
+        else:
+            raise ValueError(f"score_function: unknown {score_function!r}")
+    return a.astype(F32), select_topk(float_keys(a), topk), inter.astype(F32)
+
+
+def scores_for_aux_loss_bwd(grad_scores, intermediate, topk, score_function):
+    """grad_logits [T,E] fp32 (callers cast to the logits dtype), §2."""
+    g = np.asarray(grad_scores).astype(F32)
+    y = np.asarray(intermediate).astype(F32)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        if score_function == "softmax":
+            D = np.sum(g * y, axis=-1, keepdims=True, dtype=F32)
+            dx = y * (g - D)
+        else:
+            v = y if score_function == "sigmoid" else _sqrtsoftplus(y)
+            A = (np.sum(v, axis=-1, keepdims=True, dtype=F32) + EPS).astype(F32)
+            B = np.sum(g * v, axis=-1, keepdims=True, dtype=F32)
+            gh = (g / A - B / (A * A)).astype(F32)
+            if score_function == "sigmoid":
+                dx = gh * y * (F32(1) - y)
+            else:
+                dx = np.where(y > 20, gh / (F32(2) * v + EPS), gh * _sigmoid(y) / (F32(2) * v + EPS))
+    return dx.astype(F32)
+
+
+def aux_loss_coeff(total_num_tokens, num_experts, topk, coeff) -> np.float32:
+    """C_coeff = (E * coeff) / topk / T_tot / T_tot, sequential fp32 divisions (§3)."""
+    c = F32(num_experts) * F32(coeff)
+    c = F32(c / F32(topk))
+    c = F32(c / F32(total_num_tokens))
+    return F32(c / F32(total_num_tokens))
+
+
+def aux_loss_fwd(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coeff):
+    """0-d aux loss in the probs dtype: C_coeff * sum_c tpe[c] * sum_r probs[r, c]."""
+    probs = np.asarray(probs)
+    col = np.sum(probs.astype(F32), axis=0, dtype=F32)
+    tpe = np.asarray(tokens_per_expert).astype(F32)
+    tot = np.sum((tpe * col).astype(F32), dtype=F32)
+    c = aux_loss_coeff(total_num_tokens, num_experts, topk, coeff)
+    return np.asarray(F32(c * tot)).astype(probs.dtype)
+
+
+def aux_loss_bwd(grad_aux_loss, num_rows, tokens_per_expert, total_num_tokens, num_experts, topk, coeff):
+    """grad_probs [num_rows, C] in the grad dtype: (C_coeff * tpe[c]) * grad."""
+    grad = np.asarray(grad_aux_loss)
+    g = F32(grad.astype(F32).reshape(-1)[0])
+    tpe = np.asarray(tokens_per_expert).astype(F32)
+    c = aux_loss_coeff(total_num_tokens, num_experts, topk, coeff)
+    row = ((c * tpe).astype(F32) * g).astype(F32)
+    return np.broadcast_to(row, (num_rows, tpe.shape[0])).astype(grad.dtype)

@@ -1,0 +1,506 @@
+"""Router ops: top-k with a score function, the dense scores for the aux loss, and the aux loss itself,
+each with its backward (specs/router.md). CUDA arrays run kernels/router.cu; CPU arrays run
+:mod:`moe_rt.reference.router`. Results come back in the caller's framework and device.
+
+Shared conventions (both backends):
+
+- ``T`` is the number of tokens (the product of the leading dims of ``logits``), ``E`` the number of
+  experts (last dim, 1..16384), ``K`` = ``topk`` (1..64, <= E).
+- Selection order is (value desc, index asc) on the fp32 value. **NaN**: every NaN ranks above +inf (all
+  NaNs equal, lowest index first), so a NaN logit is always selected and NaN propagates into the probs of
+  its row's selected experts (post-softmax, pre-softmax and normalized sigmoid rows become NaN on the
+  selection; a pre-softmax row with a NaN is NaN everywhere and selects its K lowest indices).
+- Outputs are bitwise reproducible run to run (fixed summation orders, no float atomics).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from moe_rt import _arrays, _jit
+from moe_rt.reference import router as ref
+
+SCORE_FUNCTIONS = {"sigmoid": 0, "softmax": 1, "sqrtsoftplus": 2}
+MAX_EXPERTS = 16384
+MAX_TOPK = 64
+_TEAMS = (32, 128, 512)
+_FILE = "router.cu"
+
+_jit.register(_FILE, [f"router_fwd<{c}, {team}>" for c in _jit.CTYPES.values() for team in _TEAMS]
+              + [f"router_bwd<{c}, {c}, {team}>" for c in _jit.CTYPES.values() for team in _TEAMS]
+              + [f"router_bwd<float, {c}, {team}>" for c in ("__half", "__nv_bfloat16") for team in _TEAMS]
+              + [f"aux_loss_partial<{c}>" for c in _jit.CTYPES.values()]
+              + [f"aux_loss_final<{c}>" for c in _jit.CTYPES.values()]
+              + [f"aux_loss_bwd<{c}>" for c in _jit.CTYPES.values()])
+
+__all__ = ["topk_with_score", "topk_with_score_backward", "topk_indices_with_score", "scores_for_aux_loss",
+           "scores_for_aux_loss_backward", "aux_loss", "aux_loss_backward"]
+
+
+# ---- validation ---------------------------------------------------------------------------------------
+
+def _check_score_function(score_function):
+    if not isinstance(score_function, str) or score_function not in SCORE_FUNCTIONS:
+        raise ValueError(f"score_function: expected one of {sorted(SCORE_FUNCTIONS)}, got {score_function!r}")
+
+
+def _check_float(value, name):
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+        raise TypeError(f"{name}: expected a real number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name}: must be finite, got {value}")
+    return value
+
+
+def _check_logits(lv, name="logits"):
+    _arrays.check_dtype(lv, name, _arrays.FLOAT_DTYPES)
+    if lv.ndim < 2:
+        raise ValueError(f"{name}: expected a [..., num_experts] array with at least 2 dims, got shape "
+                         f"{tuple(lv.shape)}")
+    E = int(lv.shape[-1])
+    if not 1 <= E <= MAX_EXPERTS:
+        raise ValueError(f"{name}: num_experts (last dim) must be in [1, {MAX_EXPERTS}], got {E}")
+    return E
+
+
+def _check_topk(topk, E):
+    topk = _arrays.check_int(topk, "topk", low=1)
+    if topk > E:
+        raise ValueError(f"topk: must be <= num_experts ({E}), got {topk}")
+    if topk > MAX_TOPK:
+        raise ValueError(f"topk: at most {MAX_TOPK} is supported, got {topk}")
+    return topk
+
+
+def _check_groups(num_groups, group_topk, topk, E):
+    """(G, g) with G = 0 when grouping is off."""
+    if group_topk is None:
+        if num_groups is not None:
+            _arrays.check_int(num_groups, "num_groups", low=1)
+        return 0, 0
+    g = _arrays.check_int(group_topk, "group_topk", low=1)
+    if num_groups is None:
+        raise ValueError("group_topk: given without num_groups; pass num_groups too (or group_topk=None)")
+    G = _arrays.check_int(num_groups, "num_groups", low=1)
+    if E % G != 0:
+        raise ValueError(f"num_groups: must divide num_experts ({E}), got {G}")
+    if g > G:
+        raise ValueError(f"group_topk: must be <= num_groups ({G}), got {g}")
+    if topk % g != 0:
+        raise ValueError(f"group_topk: must divide topk ({topk}), got {g}")
+    if topk // g > E // G:
+        raise ValueError(f"topk/group_topk ({topk // g}) must be <= num_experts/num_groups ({E // G})")
+    return G, g
+
+
+def _check_scaling(scaling_factor):
+    return 1.0 if scaling_factor is None else _check_float(scaling_factor, "scaling_factor")
+
+
+def _vec_ok(arrays, E, ch):
+    return E % ch == 0 and all(a is None or a.data.ptr % 16 == 0 for a in arrays)
+
+
+def _team(E):
+    if E <= 1024:
+        return 32
+    return 128 if E <= 4096 else 512
+
+
+def _slot_words(E, G, K, team):
+    al4 = lambda x: (x + 3) & ~3  # noqa: E731
+    nw = team // 32
+    kp = al4(K)
+    return al4(E) + al4(G) + 16 * team + 32 * nw + 64 + 16 + nw * kp + 4 * kp
+
+
+def _grid(n_slots_needed, threads, smem, device_id):
+    p = _jit.device_properties(device_id)
+    per_sm = max(1, min(2048 // threads, 32, (p["smem_per_sm"] or 228 * 1024) // (smem + 1024)))
+    return max(1, min(n_slots_needed, p["sm_count"] * per_sm))
+
+
+def _launch_fwd(call, x, T, E, K, score_fn, pre, aux, G, g, scale, bias, probs, scores, rmap, inter,
+                idx, w):
+    team = _team(E)
+    fn = _jit.function(_FILE, f"router_fwd<{_jit.ctype(x.dtype)}, {team}>")
+    spb = 4 if team == 32 else 1
+    smem = 4 * _slot_words(E, G, K, team) * spb
+    _jit.set_max_dynamic_shared(fn, smem)
+    threads = team * spb
+    grid = _grid(-(-T // spb), threads, smem, call.device_id)
+    ch = 16 // x.dtype.itemsize
+    vec = _vec_ok([x, probs, scores, rmap, inter], E, ch)
+    n = E // G if G else 1
+    gmagic = (-(-(1 << 32) // n)) & 0xFFFFFFFF if n > 1 else 0
+    m = K // g if G else 0
+    null = 0
+    _jit.launch(fn, grid, threads,
+                (x, np.int64(T), np.int32(E), np.int32(K), np.int32(score_fn), np.int32(pre), np.int32(aux),
+                 np.int32(G), np.int32(g), np.int32(m), np.uint32(gmagic), np.float32(scale),
+                 bias if bias is not None else null, probs if probs is not None else null,
+                 scores if scores is not None else null, rmap if rmap is not None else null,
+                 inter if inter is not None else null, idx if idx is not None else null,
+                 w if w is not None else null, np.int32(vec)),
+                shared_mem=smem, stream=call.stream)
+
+
+def _launch_bwd(call, grad, rmap, inter, out, T, E, K, score_fn, pre, aux, scale):
+    team = _team(E)
+    tg = _jit.ctype(grad.dtype)
+    fn = _jit.function(_FILE, f"router_bwd<{tg}, {_jit.ctype(out.dtype)}, {team}>")
+    spb = 4 if team == 32 else 1
+    threads = team * spb
+    grid = _grid(-(-T // spb), threads, 0, call.device_id)
+    ch = 8 if (grad.dtype.itemsize == 2 or out.dtype.itemsize == 2) else 4
+    vec = _vec_ok([grad, rmap, inter, out], E, ch)
+    _jit.launch(fn, grid, threads,
+                (grad, rmap if rmap is not None else 0, inter, np.int64(T), np.int32(E), np.int32(K),
+                 np.int32(score_fn), np.int32(pre), np.int32(aux), np.float32(scale), out, np.int32(vec)),
+                stream=call.stream)
+
+
+def _flat(xp, arr, E):
+    arr = _arrays.contiguous(xp, arr)
+    return arr.reshape(-1, E)
+
+
+def _bias(call, expert_bias, E, score_function):
+    if expert_bias is None:
+        return None
+    if score_function == "softmax":
+        raise ValueError("expert_bias: not allowed with score_function='softmax' (sigmoid or sqrtsoftplus only)")
+    bv = call["expert_bias"]
+    _arrays.check_dtype(bv, "expert_bias", _arrays.FLOAT_DTYPES)
+    _arrays.check_shape(bv, "expert_bias", (E,))
+    return bv
+
+
+def _prepare_topk(call, topk, score_function, use_pre_softmax, num_groups, group_topk, scaling_factor,
+                  expert_bias):
+    xv = call["logits"]
+    E = _check_logits(xv)
+    _check_score_function(score_function)
+    K = _check_topk(topk, E)
+    G, g = _check_groups(num_groups, group_topk, K, E)
+    scale = _check_scaling(scaling_factor)
+    if not isinstance(use_pre_softmax, (bool, np.bool_)):
+        raise TypeError(f"use_pre_softmax: expected a bool, got {type(use_pre_softmax).__name__}")
+    pre = bool(use_pre_softmax) and score_function == "softmax"
+    bv = _bias(call, expert_bias, E, score_function)
+    return xv, E, K, G, g, scale, pre, bv
+
+
+def _ref_kwargs(score_function, pre, G, g, scale, bv):
+    return dict(use_pre_softmax=pre, num_groups=G if G else None, group_topk=g if G else None,
+                scaling_factor=scale, score_function=score_function,
+                expert_bias=None if bv is None else np.asarray(bv))
+
+
+# ---- top-k with score function ---------------------------------------------------------------------
+
+def topk_with_score(logits, topk, *, score_function="softmax", use_pre_softmax=False, num_groups=None,
+                    group_topk=None, scaling_factor=None, expert_bias=None, stream=None):
+    """Route each token to its ``topk`` experts (TE ``fused_topk_with_score_function``).
+
+    Args:
+        logits: ``[..., E]`` fp32, bf16 or fp16 router logits (T = product of the leading dims).
+        topk: int K, 1 <= K <= min(E, 64).
+        score_function: ``"softmax"``, ``"sigmoid"`` or ``"sqrtsoftplus"``.
+        use_pre_softmax: softmax only: softmax over all E before the top-k, with no renormalization;
+            otherwise (default) top-k on raw logits, then softmax over the K selected.
+        num_groups, group_topk: group-limited top-k (both ints, or ``group_topk=None`` for none): E is
+            split into ``num_groups`` groups of E/num_groups, a group's score is the sum of its top
+            K/group_topk selection scores, and only the best ``group_topk`` groups are eligible.
+        scaling_factor: float multiplied into the probs (None = 1.0; 0.0 zeroes them); finite.
+        expert_bias: ``[E]`` fp32/bf16/fp16, sigmoid/sqrtsoftplus only; added for selection only.
+        stream: CUDA stream (None = the caller's current stream).
+
+    Returns:
+        ``(probs, routing_map, intermediate)``: probs ``[..., E]`` in the logits dtype (nonzero only on the
+        selection), routing_map ``[..., E]`` bool (K trues per row), intermediate ``[..., E]`` fp32 (what
+        :func:`topk_with_score_backward` needs: sigmoid values, raw logits for sqrtsoftplus, the full
+        softmax for pre-softmax, the selection's softmax and -inf elsewhere for post-softmax).
+    """
+    with _arrays.Call({"logits": logits, "expert_bias": expert_bias}, stream=stream) as call:
+        xv, E, K, G, g, scale, pre, bv = _prepare_topk(call, topk, score_function, use_pre_softmax,
+                                                       num_groups, group_topk, scaling_factor, expert_bias)
+        lead = tuple(xv.shape[:-1])
+        x = _flat(call.xp, xv, E)
+        T = x.shape[0]
+        if call.backend == "cpu":
+            probs, rmap, inter = ref.topk_with_score_fwd(x, K, **_ref_kwargs(score_function, pre, G, g, scale, bv))
+        else:
+            xp = call.xp
+            probs = xp.empty((T, E), dtype=x.dtype)
+            rmap = xp.empty((T, E), dtype=np.bool_)
+            inter = xp.empty((T, E), dtype=np.float32)
+            if T > 0:
+                b32 = None if bv is None else xp.ascontiguousarray(bv.astype(np.float32))
+                _launch_fwd(call, x, T, E, K, SCORE_FUNCTIONS[score_function], pre, 0, G, g, scale, b32,
+                            probs, None, rmap, inter, None, None)
+        shape = lead + (E,)
+        return call.out(probs.reshape(shape)), call.out(rmap.reshape(shape)), call.out(inter.reshape(shape))
+
+
+def topk_indices_with_score(logits, topk, *, score_function="softmax", use_pre_softmax=False, num_groups=None,
+                            group_topk=None, scaling_factor=None, expert_bias=None, stream=None):
+    """Compact form of :func:`topk_with_score` (same arguments), the input of the dispatch ops.
+
+    Returns:
+        ``(topk_idx, topk_weights)``: topk_idx ``[..., K]`` int32, the selected experts in ascending
+        expert id; topk_weights ``[..., K]`` fp32, their probs (before the cast to the logits dtype).
+    """
+    with _arrays.Call({"logits": logits, "expert_bias": expert_bias}, stream=stream) as call:
+        xv, E, K, G, g, scale, pre, bv = _prepare_topk(call, topk, score_function, use_pre_softmax,
+                                                       num_groups, group_topk, scaling_factor, expert_bias)
+        lead = tuple(xv.shape[:-1])
+        x = _flat(call.xp, xv, E)
+        T = x.shape[0]
+        if call.backend == "cpu":
+            idx, w = ref.topk_indices_fwd(x, K, **_ref_kwargs(score_function, pre, G, g, scale, bv))
+        else:
+            xp = call.xp
+            idx = xp.empty((T, K), dtype=np.int32)
+            w = xp.empty((T, K), dtype=np.float32)
+            if T > 0:
+                b32 = None if bv is None else xp.ascontiguousarray(bv.astype(np.float32))
+                _launch_fwd(call, x, T, E, K, SCORE_FUNCTIONS[score_function], pre, 0, G, g, scale, b32,
+                            None, None, None, None, idx, w)
+        return call.out(idx.reshape(lead + (K,))), call.out(w.reshape(lead + (K,)))
+
+
+def topk_with_score_backward(grad_probs, routing_map, intermediate, topk, *, score_function,
+                             use_pre_softmax=False, scaling_factor=None, stream=None):
+    """Backward of :func:`topk_with_score`.
+
+    Args:
+        grad_probs: ``[..., E]`` fp32/bf16/fp16, gradient of ``probs``.
+        routing_map: ``[..., E]`` bool, from the forward.
+        intermediate: ``[..., E]`` fp32, from the forward.
+        topk, score_function, use_pre_softmax, scaling_factor: as given to the forward.
+
+    Returns:
+        grad_logits ``[..., E]`` in the grad_probs dtype (every element written; zero off the selection
+        except for pre-softmax, whose gradient is dense).
+    """
+    with _arrays.Call({"grad_probs": grad_probs, "routing_map": routing_map, "intermediate": intermediate},
+                      stream=stream) as call:
+        gv, mv, yv = call["grad_probs"], call["routing_map"], call["intermediate"]
+        E = _check_logits(gv, "grad_probs")
+        _arrays.check_dtype(mv, "routing_map", (np.dtype(np.bool_),))
+        _arrays.check_dtype(yv, "intermediate", (np.dtype(np.float32),))
+        _arrays.check_shape(mv, "routing_map", gv.shape)
+        _arrays.check_shape(yv, "intermediate", gv.shape)
+        _check_score_function(score_function)
+        K = _check_topk(topk, E)
+        scale = _check_scaling(scaling_factor)
+        pre = bool(use_pre_softmax) and score_function == "softmax"
+        shape = tuple(gv.shape)
+        xp = call.xp
+        g, m, y = _flat(xp, gv, E), _flat(xp, mv, E), _flat(xp, yv, E)
+        T = g.shape[0]
+        if call.backend == "cpu":
+            out = ref.topk_with_score_bwd(g, m, y, K, pre, scale, score_function)
+        else:
+            out = xp.empty((T, E), dtype=g.dtype)
+            if T > 0:
+                _launch_bwd(call, g, m, y, out, T, E, K, SCORE_FUNCTIONS[score_function], pre, 0, scale)
+        return call.out(out.reshape(shape))
+
+
+# ---- scores for the aux loss -----------------------------------------------------------------------
+
+def scores_for_aux_loss(logits, topk, score_function, *, stream=None):
+    """Dense router scores and a plain top-k map for the aux loss (TE ``fused_score_for_moe_aux_loss``;
+    no bias, groups or scaling).
+
+    Args:
+        logits: ``[..., E]`` fp32/bf16/fp16.
+        topk: int K, 1 <= K <= min(E, 64).
+        score_function: ``"softmax"`` (softmax over E) or ``"sigmoid"``/``"sqrtsoftplus"`` (f(x) / (sum f + 1e-20),
+            always normalized, also for K = 1).
+
+    Returns:
+        ``(scores, routing_map, intermediate)``: scores ``[..., E]`` fp32, routing_map ``[..., E]`` bool
+        (top-K of the scores), intermediate ``[..., E]`` fp32 (softmax values, sigmoid values, or the raw
+        logits for sqrtsoftplus).
+    """
+    with _arrays.Call({"logits": logits}, stream=stream) as call:
+        xv = call["logits"]
+        E = _check_logits(xv)
+        _check_score_function(score_function)
+        K = _check_topk(topk, E)
+        lead = tuple(xv.shape[:-1])
+        x = _flat(call.xp, xv, E)
+        T = x.shape[0]
+        if call.backend == "cpu":
+            scores, rmap, inter = ref.scores_for_aux_loss_fwd(x, K, score_function)
+        else:
+            xp = call.xp
+            scores = xp.empty((T, E), dtype=np.float32)
+            rmap = xp.empty((T, E), dtype=np.bool_)
+            inter = xp.empty((T, E), dtype=np.float32)
+            if T > 0:
+                _launch_fwd(call, x, T, E, K, SCORE_FUNCTIONS[score_function], 0, 1, 0, 0, 1.0, None,
+                            None, scores, rmap, inter, None, None)
+        shape = lead + (E,)
+        return call.out(scores.reshape(shape)), call.out(rmap.reshape(shape)), call.out(inter.reshape(shape))
+
+
+def _parse_dtype(dtype):
+    if dtype is None:
+        return np.dtype(np.float32)
+    name = str(dtype)
+    if name.startswith("torch."):
+        name = name[len("torch."):]
+    try:
+        dt = _arrays.BFLOAT16 if name == "bfloat16" else np.dtype(dtype if not isinstance(dtype, str) else name)
+    except TypeError:
+        dt = np.dtype(name)
+    if dt not in _arrays.FLOAT_DTYPES:
+        raise TypeError(f"dtype: expected float32, float16 or bfloat16, got {dtype}")
+    return dt
+
+
+def scores_for_aux_loss_backward(grad_scores, intermediate, topk, score_function, *, dtype=None, stream=None):
+    """Backward of :func:`scores_for_aux_loss`.
+
+    Args:
+        grad_scores: ``[..., E]`` fp32.
+        intermediate: ``[..., E]`` fp32, from the forward.
+        topk: as given to the forward (unused by the math; validated).
+        score_function: as given to the forward.
+        dtype: dtype of grad_logits, normally the logits dtype (float32, float16, bfloat16, as a NumPy,
+            torch or string dtype); None = float32.
+
+    Returns:
+        grad_logits ``[..., E]`` in ``dtype`` (dense).
+    """
+    with _arrays.Call({"grad_scores": grad_scores, "intermediate": intermediate}, stream=stream) as call:
+        gv, yv = call["grad_scores"], call["intermediate"]
+        E = _check_logits(gv, "grad_scores")
+        _arrays.check_dtype(gv, "grad_scores", (np.dtype(np.float32),))
+        _arrays.check_dtype(yv, "intermediate", (np.dtype(np.float32),))
+        _arrays.check_shape(yv, "intermediate", gv.shape)
+        _check_score_function(score_function)
+        K = _check_topk(topk, E)
+        odt = _parse_dtype(dtype)
+        shape = tuple(gv.shape)
+        xp = call.xp
+        g, y = _flat(xp, gv, E), _flat(xp, yv, E)
+        T = g.shape[0]
+        if call.backend == "cpu":
+            out = ref.scores_for_aux_loss_bwd(g, y, K, score_function).astype(odt)
+        else:
+            out = xp.empty((T, E), dtype=odt)
+            if T > 0:
+                _launch_bwd(call, g, None, y, out, T, E, K, SCORE_FUNCTIONS[score_function], 0, 1, 1.0)
+        return call.out(out.reshape(shape))
+
+
+# ---- aux loss ---------------------------------------------------------------------------------------
+
+_TPE_DTYPES = (np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.float32), np.dtype(np.float16),
+               _arrays.BFLOAT16)
+
+
+def _check_aux_args(tv, C, total_num_tokens, num_experts, topk, coeff):
+    _arrays.check_dtype(tv, "tokens_per_expert", _TPE_DTYPES)
+    _arrays.check_shape(tv, "tokens_per_expert", (C,))
+    _arrays.check_int(total_num_tokens, "total_num_tokens", low=1)
+    E = _arrays.check_int(num_experts, "num_experts", low=1)
+    if C % E != 0:
+        raise ValueError(f"num_experts: must divide the number of columns ({C}), got {E}")
+    _arrays.check_int(topk, "topk", low=1)
+    return _check_float(coeff, "coeff")
+
+
+def _aux_blocks(R):
+    rpb = max(1, -(-R // 1024))  # the partition depends on R only: same bits on every device
+    return rpb, -(-R // rpb) if R > 0 else 0
+
+
+def aux_loss(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coeff, *, stream=None):
+    """Switch load-balancing loss (TE ``fused_moe_aux_loss``), deterministic.
+
+    ``loss = C_coeff * sum_c tokens_per_expert[c] * sum_r probs[r, c]`` with
+    ``C_coeff = (num_experts * coeff) / topk / total_num_tokens / total_num_tokens`` (fp32, host).
+
+    Args:
+        probs: ``[R, C]`` fp32/bf16/fp16; C a multiple of ``num_experts`` (C = B * E for the seq aux loss).
+        tokens_per_expert: ``[C]`` int32, int64, fp32 (or fp16/bf16), one count per column.
+        total_num_tokens, num_experts, topk: ints >= 1.  coeff: finite float.
+
+    Returns:
+        The loss as a 0-d array in the probs dtype. Bitwise reproducible (no atomics).
+    """
+    with _arrays.Call({"probs": probs, "tokens_per_expert": tokens_per_expert}, stream=stream) as call:
+        pv, tv = call["probs"], call["tokens_per_expert"]
+        _arrays.check_dtype(pv, "probs", _arrays.FLOAT_DTYPES)
+        _arrays.check_ndim(pv, "probs", 2)
+        R, C = (int(s) for s in pv.shape)
+        coeff = _check_aux_args(tv, C, total_num_tokens, num_experts, topk, coeff)
+        if call.backend == "cpu":
+            out = ref.aux_loss_fwd(pv, tv, total_num_tokens, num_experts, topk, coeff)
+            return call.out(np.ascontiguousarray(out))
+        xp = call.xp
+        p = _arrays.contiguous(xp, pv)
+        tpe = xp.ascontiguousarray(tv.astype(np.float32))
+        c = float(ref.aux_loss_coeff(total_num_tokens, num_experts, topk, coeff))
+        rpb, nb = _aux_blocks(R)
+        partial = xp.empty((max(nb, 1),), dtype=np.float32)
+        out = xp.empty((), dtype=p.dtype)
+        ct = _jit.ctype(p.dtype)
+        vec = _vec_ok([p], C, 16 // p.dtype.itemsize) if C > 0 else False
+        if nb > 0 and C > 0:
+            _jit.launch(_jit.function(_FILE, f"aux_loss_partial<{ct}>"), nb, 256,
+                        (p, np.int64(R), np.int32(C), tpe, np.int64(rpb), partial, np.int32(vec)),
+                        stream=call.stream)
+        else:
+            nb = 0
+        _jit.launch(_jit.function(_FILE, f"aux_loss_final<{ct}>"), 1, 256,
+                    (partial, np.int32(nb), np.float32(c), out), stream=call.stream)
+        return call.out(out)
+
+
+def aux_loss_backward(grad_aux_loss, num_rows, tokens_per_expert, total_num_tokens, num_experts, topk, coeff,
+                      *, stream=None):
+    """Backward of :func:`aux_loss`: ``grad_probs[r, c] = (C_coeff * tokens_per_expert[c]) * grad``.
+
+    Args:
+        grad_aux_loss: 0-d (or shape ``(1,)``) fp32/bf16/fp16, read on the device (no host sync).
+        num_rows: int R, rows of ``probs``.
+        tokens_per_expert, total_num_tokens, num_experts, topk, coeff: as given to the forward.
+
+    Returns:
+        grad_probs ``[R, C]`` in the grad_aux_loss dtype.
+    """
+    with _arrays.Call({"grad_aux_loss": grad_aux_loss, "tokens_per_expert": tokens_per_expert},
+                      stream=stream) as call:
+        gv, tv = call["grad_aux_loss"], call["tokens_per_expert"]
+        _arrays.check_dtype(gv, "grad_aux_loss", _arrays.FLOAT_DTYPES)
+        if gv.size != 1 or gv.ndim > 1:
+            raise ValueError(f"grad_aux_loss: expected a 0-d (or shape (1,)) array, got shape {tuple(gv.shape)}")
+        R = _arrays.check_int(num_rows, "num_rows", low=0)
+        if tv.ndim != 1:
+            raise ValueError(f"tokens_per_expert: expected a 1-D array, got shape {tuple(tv.shape)}")
+        C = int(tv.shape[0])
+        coeff = _check_aux_args(tv, C, total_num_tokens, num_experts, topk, coeff)
+        if call.backend == "cpu":
+            out = ref.aux_loss_bwd(gv, R, tv, total_num_tokens, num_experts, topk, coeff)
+            return call.out(np.ascontiguousarray(out))
+        xp = call.xp
+        tpe = xp.ascontiguousarray(tv.astype(np.float32))
+        g = _arrays.contiguous(xp, gv)
+        out = xp.empty((R, C), dtype=g.dtype)
+        c = float(ref.aux_loss_coeff(total_num_tokens, num_experts, topk, coeff))
+        rpb, nb = _aux_blocks(R)
+        vec = _vec_ok([out], C, 16 // out.dtype.itemsize)
+        if nb > 0 and C > 0:
+            _jit.launch(_jit.function(_FILE, f"aux_loss_bwd<{_jit.ctype(g.dtype)}>"), nb, 256,
+                        (g, tpe, np.int64(R), np.int32(C), np.float32(c), np.int64(rpb), out, np.int32(vec)),
+                        stream=call.stream)
+        return call.out(out)
