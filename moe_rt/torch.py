@@ -18,7 +18,7 @@ from torch import Tensor
 from moe_rt import _arrays
 from moe_rt import permutation as _perm
 
-__all__ = ["TorchPlan", "make_plan", "dispatch", "combine"]
+__all__ = ["TorchPlan", "make_plan", "dispatch", "combine", "topk_with_score", "scores_for_aux_loss", "aux_loss"]
 
 
 # -- plans -------------------------------------------------------------------------------------------
@@ -216,3 +216,166 @@ def combine(y_permuted: Tensor, plan: TorchPlan, probs: Optional[Tensor] = None)
     """Differentiable :func:`moe_rt.permutation.combine`: ``y[t] = sum_k w[t,k] * y_permuted[dst_row[t,k]]``
     (fp32 accumulation). Gradients flow to ``y_permuted`` and ``probs``."""
     return _combine_op(y_permuted, *_plan_args(plan), probs)
+
+
+# -- router --------------------------------------------------------------------------------------------
+
+def _router():
+    from moe_rt import router
+
+    return router
+
+
+def _opt(v: int):
+    return None if v < 0 else v
+
+
+@torch.library.custom_op("moe_rt::topk_with_score", mutates_args=())
+def _topk_op(logits: Tensor, topk: int, score_function: str, use_pre_softmax: bool, num_groups: int,
+             group_topk: int, scaling_factor: float, expert_bias: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    return tuple(_router().topk_with_score(
+        logits, topk, score_function=score_function, use_pre_softmax=use_pre_softmax,
+        num_groups=_opt(num_groups), group_topk=_opt(group_topk), scaling_factor=scaling_factor,
+        expert_bias=expert_bias))
+
+
+@_topk_op.register_fake
+def _(logits, topk, score_function, use_pre_softmax, num_groups, group_topk, scaling_factor, expert_bias):
+    return (torch.empty_like(logits), torch.empty_like(logits, dtype=torch.bool),
+            torch.empty_like(logits, dtype=torch.float32))
+
+
+@torch.library.custom_op("moe_rt::topk_with_score_backward", mutates_args=())
+def _topk_bwd_op(grad_probs: Tensor, routing_map: Tensor, intermediate: Tensor, topk: int, score_function: str,
+                 use_pre_softmax: bool, scaling_factor: float) -> Tensor:
+    return _router().topk_with_score_backward(grad_probs.contiguous(), routing_map, intermediate, topk,
+                                              score_function=score_function, use_pre_softmax=use_pre_softmax,
+                                              scaling_factor=scaling_factor)
+
+
+@_topk_bwd_op.register_fake
+def _(grad_probs, routing_map, intermediate, topk, score_function, use_pre_softmax, scaling_factor):
+    return torch.empty_like(grad_probs)
+
+
+def _topk_setup(ctx, inputs, output):
+    _, topk, score_function, use_pre_softmax, _, _, scaling_factor, _ = inputs
+    ctx.args = (topk, score_function, use_pre_softmax, scaling_factor)
+    ctx.mark_non_differentiable(output[1], output[2])
+    ctx.save_for_backward(output[1], output[2])
+
+
+def _topk_bwd(ctx, grad_probs, _grad_map, _grad_inter):
+    routing_map, inter = ctx.saved_tensors
+    g = _topk_bwd_op(grad_probs, routing_map, inter, *ctx.args)
+    return (g,) + (None,) * 7
+
+
+_topk_op.register_autograd(_topk_bwd, setup_context=_topk_setup)
+
+
+def topk_with_score(logits: Tensor, topk: int, *, score_function: str = "softmax", use_pre_softmax: bool = False,
+                    num_groups: Optional[int] = None, group_topk: Optional[int] = None,
+                    scaling_factor: Optional[float] = None,
+                    expert_bias: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """Differentiable :func:`moe_rt.router.topk_with_score`: returns ``(probs [T,E] logits dtype,
+    routing_map [T,E] bool)``; the gradient flows to ``logits`` (the expert bias gets none)."""
+    probs, routing_map, _ = _topk_op(logits, int(topk), str(score_function), bool(use_pre_softmax),
+                                     -1 if num_groups is None else int(num_groups),
+                                     -1 if group_topk is None else int(group_topk),
+                                     1.0 if scaling_factor is None else float(scaling_factor), expert_bias)
+    return probs, routing_map
+
+
+@torch.library.custom_op("moe_rt::scores_for_aux_loss", mutates_args=())
+def _scores_op(logits: Tensor, topk: int, score_function: str) -> tuple[Tensor, Tensor, Tensor]:
+    return tuple(_router().scores_for_aux_loss(logits, topk, score_function))
+
+
+@_scores_op.register_fake
+def _(logits, topk, score_function):
+    return (torch.empty_like(logits, dtype=torch.float32), torch.empty_like(logits, dtype=torch.bool),
+            torch.empty_like(logits, dtype=torch.float32))
+
+
+@torch.library.custom_op("moe_rt::scores_for_aux_loss_backward", mutates_args=())
+def _scores_bwd_op(grad_scores: Tensor, intermediate: Tensor, topk: int, score_function: str,
+                   logits_like: Tensor) -> Tensor:
+    from moe_rt import _arrays as _a
+
+    dtype = _a.Call({"l": logits_like})["l"].dtype
+    return _router().scores_for_aux_loss_backward(grad_scores.contiguous(), intermediate, topk, score_function,
+                                                  dtype=dtype)
+
+
+@_scores_bwd_op.register_fake
+def _(grad_scores, intermediate, topk, score_function, logits_like):
+    return torch.empty_like(grad_scores, dtype=logits_like.dtype)
+
+
+def _scores_setup(ctx, inputs, output):
+    logits, topk, score_function = inputs
+    ctx.args = (topk, score_function)
+    ctx.mark_non_differentiable(output[1], output[2])
+    ctx.save_for_backward(output[2], logits.new_empty((0,)))
+
+
+def _scores_bwd(ctx, grad_scores, _g_map, _g_inter):
+    inter, like = ctx.saved_tensors
+    return _scores_bwd_op(grad_scores.float(), inter, *ctx.args, like), None, None
+
+
+_scores_op.register_autograd(_scores_bwd, setup_context=_scores_setup)
+
+
+def scores_for_aux_loss(logits: Tensor, topk: int, score_function: str) -> tuple[Tensor, Tensor]:
+    """Differentiable :func:`moe_rt.router.scores_for_aux_loss`: ``(scores [T,E] fp32, routing_map [T,E]
+    bool)``; the gradient flows to ``logits``."""
+    scores, routing_map, _ = _scores_op(logits, int(topk), str(score_function))
+    return scores, routing_map
+
+
+@torch.library.custom_op("moe_rt::aux_loss", mutates_args=())
+def _aux_op(probs: Tensor, tokens_per_expert: Tensor, total_num_tokens: int, num_experts: int, topk: int,
+            coeff: float) -> Tensor:
+    return _router().aux_loss(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coeff)
+
+
+@_aux_op.register_fake
+def _(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coeff):
+    return probs.new_empty(())
+
+
+@torch.library.custom_op("moe_rt::aux_loss_backward", mutates_args=())
+def _aux_bwd_op(grad: Tensor, num_rows: int, tokens_per_expert: Tensor, total_num_tokens: int, num_experts: int,
+                topk: int, coeff: float) -> Tensor:
+    return _router().aux_loss_backward(grad.contiguous(), num_rows, tokens_per_expert, total_num_tokens,
+                                       num_experts, topk, coeff)
+
+
+@_aux_bwd_op.register_fake
+def _(grad, num_rows, tokens_per_expert, total_num_tokens, num_experts, topk, coeff):
+    return grad.new_empty((num_rows, tokens_per_expert.shape[0]))
+
+
+def _aux_setup(ctx, inputs, output):
+    probs, tpe, total, E, topk, coeff = inputs
+    ctx.args = (total, E, topk, coeff)
+    ctx.num_rows = probs.shape[0]
+    ctx.probs_dtype = probs.dtype
+    ctx.save_for_backward(tpe)
+
+
+def _aux_bwd(ctx, grad):
+    (tpe,) = ctx.saved_tensors
+    g = _aux_bwd_op(grad, ctx.num_rows, tpe, *ctx.args)
+    return (g.to(ctx.probs_dtype),) + (None,) * 5
+
+
+_aux_op.register_autograd(_aux_bwd, setup_context=_aux_setup)
+
+
+def aux_loss(probs: Tensor, tokens_per_expert: Tensor, total_num_tokens: int, num_experts: int, topk: int,
+             coeff: float) -> Tensor:
+    """Differentiable :func:`moe_rt.router.aux_loss` (a 0-d tensor); the gradient flows to ``probs``."""
+    return _aux_op(probs, tokens_per_expert, int(total_num_tokens), int(num_experts), int(topk), float(coeff))
