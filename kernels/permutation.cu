@@ -74,11 +74,14 @@ template <typename T, bool VEC> struct Pack {
 
 // partial[c*E + e] = number of slots of chunk c routed to expert e. One warp per chunk of `chunk` slots
 // (a multiple of 32); dynamic shared memory: warps_per_block * E ints.
+// Also sets src_slot[0..N) to -1 (grid-stride), ready for plan_assign.
 template <typename IdxT>
 __global__ void plan_count(const IdxT* __restrict__ idx, i64 L, int E, int chunk, int nchunks,
-                           int* __restrict__ partial) {
+                           int* __restrict__ partial, int* __restrict__ src_slot, i64 N) {
   extern __shared__ int s_hist[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (i64 r = (i64)blockIdx.x * blockDim.x + threadIdx.x; r < N; r += (i64)gridDim.x * blockDim.x)
+    src_slot[r] = -1;
   const int c = blockIdx.x * (blockDim.x >> 5) + warp;
   if (c >= nchunks) return;
   int* hist = s_hist + (i64)warp * E;
@@ -167,7 +170,7 @@ __global__ void plan_offsets(const int* __restrict__ totals, int E, int align, i
 
 // dst_row[i] = seg_start[e] + rank (or -1 if dropped); src_slot[dst] = i. The rank of slot i inside expert
 // e is base[c][e] + the number of earlier slots of chunk c routed to e: stable, hence token-ascending.
-// src_slot must be filled with -1 beforehand. Dynamic shared memory: warps_per_block * E ints.
+// src_slot was filled with -1 by plan_count. Dynamic shared memory: warps_per_block * E ints.
 template <typename IdxT>
 __global__ void plan_assign(const IdxT* __restrict__ idx, i64 L, int E, int chunk, int nchunks,
                             const int* __restrict__ base, const int* __restrict__ kept,
@@ -206,7 +209,7 @@ __global__ void plan_assign(const IdxT* __restrict__ idx, i64 L, int E, int chun
 
 // One CTA per token: read x[t] once (UNROLL units per thread in flight), store it to each kept destination.
 // Dynamic shared memory: K ints.
-template <typename U, int UNROLL>
+template <typename U, int UNROLL, bool STREAM>
 __global__ void dispatch_rows(const U* __restrict__ x, U* __restrict__ out, const int* __restrict__ dst_row,
                               int K, i64 row_units) {
   extern __shared__ int s_dst[];
@@ -228,7 +231,9 @@ __global__ void dispatch_rows(const U* __restrict__ x, U* __restrict__ out, cons
 #pragma unroll
       for (int j = 0; j < UNROLL; ++j) {
         const i64 i = i0 + (i64)j * blockDim.x;
-        if (i < row_units) st_stream(o + i, v[j]);
+        if (i < row_units) {
+          if constexpr (STREAM) st_stream(o + i, v[j]); else o[i] = v[j];
+        }
       }
     }
   }
@@ -256,9 +261,10 @@ __global__ void fill_rows(U* __restrict__ out, float* __restrict__ probs_out,
 // ---- combine -----------------------------------------------------------------------------------------
 
 // One CTA per token: out[t] = sum_k w[t,k] * y_p[dst[t,k]] in fp32, k ascending; w null means 1.
-// H counts elements of T; VEC needs H % Vec<T>::N == 0 and 16-byte aligned pointers.
+// H counts elements of T; VEC needs H % Vec<T>::N == 0 and 16-byte aligned pointers. The loads of KU
+// slots are issued together (more bytes in flight); the additions still run in k order.
 // Dynamic shared memory: K ints + K floats.
-template <typename T, bool VEC, int UNROLL>
+template <typename T, bool VEC, int UNROLL, int KU>
 __global__ void combine_rows(const T* __restrict__ y_p, T* __restrict__ out, const int* __restrict__ dst_row,
                              const float* __restrict__ w, int K, i64 H) {
   using P = Pack<T, VEC>;
@@ -278,21 +284,28 @@ __global__ void combine_rows(const T* __restrict__ y_p, T* __restrict__ out, con
     for (int j = 0; j < UNROLL; ++j)
 #pragma unroll
       for (int q = 0; q < P::N; ++q) acc[j].f[q] = 0.0f;
-    for (int k = 0; k < K; ++k) {
-      const int d = s_dst[k];
-      if (d < 0) continue;
-      const float wk = s_w[k];
-      const T* row = y_p + (i64)d * H;
-      P v[UNROLL];
+    for (int k0 = 0; k0 < K; k0 += KU) {
+      P v[KU][UNROLL];
 #pragma unroll
-      for (int j = 0; j < UNROLL; ++j) {
-        const i64 i = i0 + (i64)j * blockDim.x;
-        if (i < units) v[j].load(row + i * P::N);
+      for (int u = 0; u < KU; ++u) {
+        const int d = k0 + u < K ? s_dst[k0 + u] : -1;
+        const T* row = y_p + (i64)(d < 0 ? 0 : d) * H;
+#pragma unroll
+        for (int j = 0; j < UNROLL; ++j) {
+          const i64 i = i0 + (i64)j * blockDim.x;
+          if (d >= 0 && i < units) v[u][j].load(row + i * P::N);
+        }
       }
 #pragma unroll
-      for (int j = 0; j < UNROLL; ++j)
+      for (int u = 0; u < KU; ++u) {
+        const int d = k0 + u < K ? s_dst[k0 + u] : -1;
+        if (d < 0) continue;
+        const float wk = s_w[k0 + u];
 #pragma unroll
-        for (int q = 0; q < P::N; ++q) acc[j].f[q] = fmaf(wk, v[j].f[q], acc[j].f[q]);
+        for (int j = 0; j < UNROLL; ++j)
+#pragma unroll
+          for (int q = 0; q < P::N; ++q) acc[j].f[q] = fmaf(wk, v[u][j].f[q], acc[j].f[q]);
+      }
     }
     T* o = out + t * H;
 #pragma unroll

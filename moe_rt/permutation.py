@@ -22,7 +22,6 @@ from __future__ import annotations
 import numpy as np
 
 from moe_rt import _arrays, _jit
-from moe_rt._common_ops import fill_bytes
 from moe_rt.reference import permutation as _ref
 
 __all__ = ["Plan", "make_plan", "dispatch", "combine", "dispatch_backward", "combine_backward",
@@ -35,12 +34,16 @@ _UNROLL = 4
 _names = []
 for _i in _IDX.values():
     _names += [f"plan_count<{_i}>", f"plan_assign<{_i}>", f"chunk_offsets<{_i}>"]
+_COMBINE_UNROLL, _COMBINE_KU = 2, 4
 for _u in _UNITS.values():
-    _names += [f"dispatch_rows<{_u}, {_UNROLL}>", f"fill_rows<{_u}>", f"chunk_sort_rows<{_u}, false>",
-               f"chunk_sort_rows<{_u}, true>"]
+    _names += [f"dispatch_rows<{_u}, {_UNROLL}, true>", f"dispatch_rows<{_u}, {_UNROLL}, false>",
+               f"fill_rows<{_u}>", f"chunk_sort_rows<{_u}, false>", f"chunk_sort_rows<{_u}, true>"]
 for _c in _jit.CTYPES.values():
     for _v in ("true", "false"):
-        _names += [f"combine_rows<{_c}, {_v}, {_UNROLL}>", f"combine_bwd_rows<{_c}, {_v}, {_UNROLL}>"]
+        _names += [f"combine_rows<{_c}, {_v}, {_COMBINE_UNROLL}, {_COMBINE_KU}>",
+                   f"combine_bwd_rows<{_c}, {_v}, {_UNROLL}>"]
+# Tuning switch (benchmarked): streaming (evict-first) stores in dispatch.
+_DISPATCH_STREAM_STORES = True
 _names += ["plan_col_scan", "plan_offsets", "gather_slots"]
 _jit.register(_FILE, _names)
 
@@ -78,9 +81,21 @@ class Plan:
     ``num_rows`` (N), ``align_size`` (A), ``num_out_tokens`` (None or the kept-slot limit).
     """
 
-    __slots__ = ("dst_row", "src_slot", "seg_start", "counts", "tokens_per_expert", "num_tokens", "topk",
-                 "num_experts", "num_rows", "align_size", "num_out_tokens", "from_routing_map", "backend",
-                 "device_id", "_v")
+    __slots__ = ("num_tokens", "topk", "num_experts", "num_rows", "align_size", "num_out_tokens",
+                 "from_routing_map", "backend", "device_id", "_v", "_framework", "_exported")
+
+    def _array(self, name):
+        # Exported to the caller's framework on first access (zero copy), then cached.
+        a = self._exported.get(name)
+        if a is None:
+            a = self._exported[name] = _arrays.export(self._v[name], self._framework)
+        return a
+
+    dst_row = property(lambda self: self._array("dst_row"))
+    src_slot = property(lambda self: self._array("src_slot"))
+    seg_start = property(lambda self: self._array("seg_start"))
+    counts = property(lambda self: self._array("counts"))
+    tokens_per_expert = property(lambda self: self._array("tokens_per_expert"))
 
     def __repr__(self):
         return (f"Plan(num_tokens={self.num_tokens}, topk={self.topk}, num_experts={self.num_experts}, "
@@ -184,8 +199,8 @@ def make_plan(routing, num_experts: int, *, align_size: int = 1, num_out_tokens:
         else:
             v = _plan_cuda(call, r, is_map, T, K, E, A, N, num_out_tokens)
         plan._v = v
-        for k, a in v.items():
-            setattr(plan, k, call.out(a))
+        plan._framework = call.framework
+        plan._exported = {}
         return plan
 
 
@@ -199,35 +214,31 @@ def _plan_cuda(call, r, is_map, T, K, E, A, N, num_out_tokens):
     L = T * K
     chunk = _chunk_for(L, E)
     nchunks = -(-L // chunk)
-    ints = xp.empty(2 * nchunks * E + 4 * E + 1 + L + N, dtype=np.int32)
-    o = 0
-    partial = ints[o:o + nchunks * E]; o += nchunks * E
-    base = ints[o:o + nchunks * E]; o += nchunks * E
-    totals = ints[o:o + E]; o += E
-    counts = ints[o:o + E]; o += E
-    tpe = ints[o:o + E]; o += E
-    seg = ints[o:o + E + 1]; o += E + 1
-    dst = ints[o:o + L].reshape(T, K); o += L
-    src = ints[o:o + N]; o += N
-    # Fresh arrays for the results the caller keeps, views of one buffer for the scratch.
-    counts, tpe, seg, dst, src = counts.copy(), tpe.copy(), seg.copy(), dst.copy(), src.copy()
+    scratch = xp.empty(2 * nchunks * E + E, dtype=np.int32)
+    partial = scratch[:nchunks * E]
+    base = scratch[nchunks * E:2 * nchunks * E]
+    totals = scratch[2 * nchunks * E:]
+    counts = xp.empty(E, dtype=np.int32)
+    tpe = xp.empty(E, dtype=np.int32)
+    seg = xp.empty(E + 1, dtype=np.int32)
+    dst = xp.empty((T, K), dtype=np.int32)
+    src = xp.empty(N, dtype=np.int32)
     s = call.stream
-    fill_bytes(src, 0xFF, s)
     smem_warp = E * 4
     wpb = max(1, min(8, (48 * 1024) // smem_warp))
     f_count = _jit.function(_FILE, f"plan_count<{ic}>")
     f_assign = _jit.function(_FILE, f"plan_assign<{ic}>")
     _jit.set_max_dynamic_shared(f_count, wpb * smem_warp)
     _jit.set_max_dynamic_shared(f_assign, wpb * smem_warp)
-    grid = -(-nchunks // wpb)
+    grid = max(-(-nchunks // wpb), 1 if N else 0)
     _jit.launch(f_count, grid, 32 * wpb, (idx, np.int64(L), np.int32(E), np.int32(chunk), np.int32(nchunks),
-                                          partial), shared_mem=wpb * smem_warp, stream=s)
+                                          partial, src, np.int64(N)), shared_mem=wpb * smem_warp, stream=s)
     _jit.launch(_jit.function(_FILE, "plan_col_scan"), -(-E // 32), (32, 32),
                 (partial, base, totals, np.int32(nchunks), np.int32(E)), stream=s)
     num_out = L if num_out_tokens is None else num_out_tokens
     _jit.launch(_jit.function(_FILE, "plan_offsets"), 1, min(1024, -(-E // 32) * 32),
                 (totals, np.int32(E), np.int32(A), np.int64(num_out), counts, tpe, seg), stream=s)
-    _jit.launch(f_assign, grid, 32 * wpb, (idx, np.int64(L), np.int32(E), np.int32(chunk), np.int32(nchunks),
+    _jit.launch(f_assign, -(-nchunks // wpb), 32 * wpb, (idx, np.int64(L), np.int32(E), np.int32(chunk), np.int32(nchunks),
                                            base, counts, seg, dst, src), shared_mem=wpb * smem_warp, stream=s)
     return {"dst_row": dst, "src_slot": src, "seg_start": seg, "counts": counts, "tokens_per_expert": tpe}
 
@@ -241,9 +252,9 @@ def _unit(row_bytes: int, *ptrs) -> int:
     return 1
 
 
-def _threads(units: int) -> int:
-    # Enough threads that one pass of _UNROLL units each covers the row (up to 1024).
-    per = -(-units // _UNROLL)
+def _threads(units: int, unroll: int = _UNROLL) -> int:
+    # Enough threads that one pass of `unroll` units each covers the row (up to 1024).
+    per = -(-units // unroll)
     return int(min(1024, max(32, -(-per // 32) * 32)))
 
 
@@ -339,7 +350,8 @@ def _copy_rows(call, src, out, plan):
         return
     u = _unit(row_bytes, src.data.ptr, out.data.ptr)
     units = row_bytes // u
-    fn = _jit.function(_FILE, f"dispatch_rows<{_UNITS[u]}, {_UNROLL}>")
+    stream = "true" if _DISPATCH_STREAM_STORES else "false"
+    fn = _jit.function(_FILE, f"dispatch_rows<{_UNITS[u]}, {_UNROLL}, {stream}>")
     _jit.set_max_dynamic_shared(fn, K * 4)
     _jit.launch(fn, T, _threads(units), (src.data.ptr, out.data.ptr, plan._v["dst_row"], np.int32(K),
                                          np.int64(units)), shared_mem=K * 4, stream=call.stream)
@@ -395,10 +407,11 @@ def _combine_cuda(call, yv, plan, pv):
     vec = (H * isz) % 16 == 0 and yv.data.ptr % 16 == 0 and out.data.ptr % 16 == 0
     n_per = 16 // isz if vec else 1
     c = _jit.ctype(yv.dtype)
-    fn = _jit.function(_FILE, f"combine_rows<{c}, {'true' if vec else 'false'}, {_UNROLL}>")
+    fn = _jit.function(_FILE, f"combine_rows<{c}, {'true' if vec else 'false'}, {_COMBINE_UNROLL}, "
+                              f"{_COMBINE_KU}>")
     smem = K * 8
     _jit.set_max_dynamic_shared(fn, smem)
-    _jit.launch(fn, T, _threads(H // n_per), (yv, out, plan._v["dst_row"], pv if pv is not None else 0,
+    _jit.launch(fn, T, _threads(H // n_per, _COMBINE_UNROLL), (yv, out, plan._v["dst_row"], pv if pv is not None else 0,
                                               np.int32(K), np.int64(H)), shared_mem=smem, stream=call.stream)
     return out
 

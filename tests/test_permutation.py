@@ -433,6 +433,9 @@ TOLS = {"float32": 1e-6, "float16": 3e-3, "bfloat16": 2e-2}
 def _close(got, ref64, dtype_name):
     cp = _cp()
     g = _f64(cp.asarray(got))
+    assert g.shape == ref64.shape
+    if g.size == 0:
+        return
     assert bool(cp.isfinite(g).all())
     rt = TOLS[dtype_name]
     # relative to the reference's scale, elementwise
@@ -581,8 +584,9 @@ def _int64_case(cp):
     rng = np.random.default_rng(7)
     idx = rng.integers(0, E, (T, 1)).astype(np.int32)
     ref = R.make_plan(idx, E)
+    # normal bf16 values (|x| in [2^-15, 2)): no denormals, which the kernels flush (-ftz)
     fill = cp.ElementwiseKernel("", "uint16 y", "unsigned long long v = (unsigned long long)i * "
-                                "0x9E3779B97F4A7C15ull; y = (unsigned short)(((v >> 40) & 0x3FFF) | "
+                                "0x9E3779B97F4A7C15ull; y = (unsigned short)((((v >> 40) & 0x7FF) + 0x3800) | "
                                 "((v >> 20) & 0x8000));", "moe_rt_test_fill")
     xs = cp.empty((T, H), cp.uint16)
     fill(xs)

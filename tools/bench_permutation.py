@@ -95,7 +95,7 @@ def main():
             "make_plan": lambda: P.make_plan(idx, E),
             "dispatch": lambda: P.dispatch(nx(), plan, probs),
             "combine": lambda: P.combine(ny()[0], plan, probs),
-            "dispatch_backward": lambda: P.dispatch_backward(*ny(), plan),
+            "dispatch_backward": lambda: (lambda a: P.dispatch_backward(a[0], plan, a[1]))(ny()),
             "combine_backward": lambda: P.combine_backward(nx(), plan, ny()[0], probs),
         }
         tb = torch_baselines(T, E, K, H)
@@ -141,6 +141,15 @@ def main():
                 "GB/s": gbs, "% copy": 100 * gbs / copy_gbs, "torch ms": t_ms, "x torch": t_ms / ms,
                 "compile ms": c_ms, "x compile": (c_ms / ms) if c_ms else None})
         print(f"  make_plan / dispatch time = {100 * times['make_plan'] / times['dispatch']:.1f}%", flush=True)
+        # Variant: dispatch with default-policy stores instead of streaming stores.
+        P._DISPATCH_STREAM_STORES = False
+        ms = benchlib.time_cuda(ours["dispatch"], **it)
+        P._DISPATCH_STREAM_STORES = True
+        gbs = nbytes["dispatch"] / (ms * 1e-3) / 1e9
+        table.add(op="dispatch (plain st)", T=T, E=E, K=K, H=H, ms=ms, **{"GB/s": gbs, "% copy": 100 * gbs / copy_gbs})
+        # GPU time of make_plan alone, without host overhead: 20 plans back to back inside one timing.
+        ms20 = benchlib.time_cuda(lambda: [P.make_plan(idx, E) for _ in range(20)], iters=10, warmup=2)
+        print(f"  make_plan x20 back to back: {ms20 / 20:.4f} ms each", flush=True)
         del xs, yps, gpps, plan, ours, eager, compiled
         torch.cuda.empty_cache()
         cupy.get_default_memory_pool().free_all_blocks()
