@@ -23,7 +23,7 @@ from jax.experimental.buffer_callback import buffer_callback
 from moe_rt import _arrays
 from moe_rt import permutation as _perm
 
-__all__ = ["JaxPlan", "make_plan", "dispatch", "combine"]
+__all__ = ["JaxPlan", "make_plan", "dispatch", "combine", "topk_with_score", "scores_for_aux_loss", "aux_loss"]
 
 _PLAN_ARRAYS = ("dst_row", "src_slot", "seg_start", "counts", "tokens_per_expert")
 
@@ -219,3 +219,121 @@ def combine(y_permuted, plan: JaxPlan, probs=None):
     if not isinstance(plan, JaxPlan):
         raise TypeError(f"plan: expected a JaxPlan from moe_rt.jax.make_plan, got {type(plan).__name__}")
     return _combine(y_permuted, plan, probs)
+
+
+# -- router --------------------------------------------------------------------------------------------
+
+def _router():
+    from moe_rt import router
+
+    return router
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5, 6))
+def _topk(logits, topk, score_function, use_pre_softmax, num_groups, group_topk, scaling_factor, expert_bias):
+    return _topk_fwd(logits, topk, score_function, use_pre_softmax, num_groups, group_topk, scaling_factor,
+                     expert_bias)[0]
+
+
+def _topk_fwd(logits, topk, score_function, use_pre_softmax, num_groups, group_topk, scaling_factor,
+              expert_bias):
+    specs = [_spec(logits.shape, logits.dtype), _spec(logits.shape, np.bool_), _spec(logits.shape, np.float32)]
+
+    def fn(lv, bv):
+        return list(_router().topk_with_score(lv, topk, score_function=score_function,
+                                              use_pre_softmax=use_pre_softmax, num_groups=num_groups,
+                                              group_topk=group_topk, scaling_factor=scaling_factor,
+                                              expert_bias=bv))
+
+    probs, routing_map, inter = _run(fn, specs, logits, expert_bias)
+    return (probs, routing_map), (routing_map, inter, expert_bias)
+
+
+def _topk_bwd(topk, score_function, use_pre_softmax, num_groups, group_topk, scaling_factor, res, cts):
+    routing_map, inter, expert_bias = res
+    g_probs = cts[0]
+
+    def fn(gv, mv, iv):
+        return [_router().topk_with_score_backward(gv, mv, iv, topk, score_function=score_function,
+                                                   use_pre_softmax=use_pre_softmax,
+                                                   scaling_factor=scaling_factor)]
+
+    (g,) = _run(fn, [_spec(g_probs.shape, g_probs.dtype)], g_probs, routing_map, inter)
+    return g, (None if expert_bias is None else jnp.zeros_like(expert_bias))
+
+
+_topk.defvjp(_topk_fwd, _topk_bwd)
+
+
+def topk_with_score(logits, topk: int, *, score_function: str = "softmax", use_pre_softmax: bool = False,
+                    num_groups=None, group_topk=None, scaling_factor=None, expert_bias=None):
+    """Differentiable :func:`moe_rt.router.topk_with_score` for JAX: ``(probs [T,E] logits dtype,
+    routing_map [T,E] bool)``; the gradient flows to ``logits`` (the expert bias gets a zero one)."""
+    return _topk(logits, int(topk), str(score_function), bool(use_pre_softmax), num_groups, group_topk,
+                 scaling_factor, expert_bias)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _scores(logits, topk, score_function):
+    return _scores_fwd(logits, topk, score_function)[0]
+
+
+def _scores_fwd(logits, topk, score_function):
+    specs = [_spec(logits.shape, np.float32), _spec(logits.shape, np.bool_), _spec(logits.shape, np.float32)]
+    scores, routing_map, inter = _run(lambda lv: list(_router().scores_for_aux_loss(lv, topk, score_function)),
+                                      specs, logits)
+    return (scores, routing_map), (inter, jnp.zeros((0,), logits.dtype))
+
+
+def _scores_bwd(topk, score_function, res, cts):
+    inter, like = res
+    g_scores = cts[0].astype(jnp.float32)
+
+    def fn(gv, iv):
+        return [_router().scores_for_aux_loss_backward(gv, iv, topk, score_function, dtype=like.dtype)]
+
+    (g,) = _run(fn, [_spec(g_scores.shape, like.dtype)], g_scores, inter)
+    return (g,)
+
+
+_scores.defvjp(_scores_fwd, _scores_bwd)
+
+
+def scores_for_aux_loss(logits, topk: int, score_function: str):
+    """Differentiable :func:`moe_rt.router.scores_for_aux_loss` for JAX: ``(scores [T,E] fp32,
+    routing_map [T,E] bool)``."""
+    return _scores(logits, int(topk), str(score_function))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _aux(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coeff):
+    return _aux_fwd(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coeff)[0]
+
+
+def _aux_fwd(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coeff):
+    def fn(pv, tv):
+        return [_router().aux_loss(pv, tv, total_num_tokens, num_experts, topk, coeff).reshape(())]
+
+    (loss,) = _run(fn, [_spec((), probs.dtype)], probs, tokens_per_expert)
+    return loss, (tokens_per_expert, jnp.zeros((probs.shape[0], 0), probs.dtype))
+
+
+def _aux_bwd(total_num_tokens, num_experts, topk, coeff, res, g):
+    tpe, like = res
+    R = like.shape[0]
+
+    def fn(gv, tv):
+        return [_router().aux_loss_backward(gv, R, tv, total_num_tokens, num_experts, topk, coeff)]
+
+    (gp,) = _run(fn, [_spec((R, tpe.shape[0]), g.dtype)], g, tpe)
+    zero_tpe = (jnp.zeros_like(tpe) if jnp.issubdtype(tpe.dtype, jnp.floating)
+                else np.zeros(tpe.shape, jax.dtypes.float0))
+    return gp.astype(like.dtype), zero_tpe
+
+
+_aux.defvjp(_aux_fwd, _aux_bwd)
+
+
+def aux_loss(probs, tokens_per_expert, total_num_tokens: int, num_experts: int, topk: int, coeff: float):
+    """Differentiable :func:`moe_rt.router.aux_loss` for JAX: a 0-d loss; the gradient flows to ``probs``."""
+    return _aux(probs, tokens_per_expert, int(total_num_tokens), int(num_experts), int(topk), float(coeff))
