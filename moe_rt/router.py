@@ -445,7 +445,7 @@ def aux_loss(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coef
         coeff = _check_aux_args(tv, C, total_num_tokens, num_experts, topk, coeff)
         if call.backend == "cpu":
             out = ref.aux_loss_fwd(pv, tv, total_num_tokens, num_experts, topk, coeff)
-            return call.out(np.ascontiguousarray(out))
+            return call.out(np.array(out, copy=True))
         xp = call.xp
         p = _arrays.contiguous(xp, pv)
         tpe = xp.ascontiguousarray(tv.astype(np.float32))
@@ -491,7 +491,7 @@ def aux_loss_backward(grad_aux_loss, num_rows, tokens_per_expert, total_num_toke
         coeff = _check_aux_args(tv, C, total_num_tokens, num_experts, topk, coeff)
         if call.backend == "cpu":
             out = ref.aux_loss_bwd(gv, R, tv, total_num_tokens, num_experts, topk, coeff)
-            return call.out(np.ascontiguousarray(out))
+            return call.out(np.array(out, copy=True))
         xp = call.xp
         tpe = xp.ascontiguousarray(tv.astype(np.float32))
         g = _arrays.contiguous(xp, gv)

@@ -1,0 +1,515 @@
+"""Router ops: the NumPy reference on hand-worked cases and invariants, bad inputs, the CPU path through the
+public API (NumPy, torch CPU), and (marker ``gpu``) every kernel against the reference."""
+import math
+
+import numpy as np
+import pytest
+
+import moe_rt.router as R
+from moe_rt import _arrays
+from moe_rt.reference import router as ref
+
+F32 = np.float32
+BF16 = _arrays.BFLOAT16
+
+
+def sig(x):
+    return 1.0 / (1.0 + math.exp(-x))
+
+
+# ---- hand-worked cases ----------------------------------------------------------------------------------
+
+def test_softmax_post_hand():
+    x = np.array([[1.0, 3.0, 2.0, 0.0]], F32)
+    probs, rmap, inter = ref.topk_with_score_fwd(x, 2, score_function="softmax")
+    e = math.e
+    np.testing.assert_array_equal(rmap, [[False, True, True, False]])
+    np.testing.assert_allclose(probs, [[0, e / (e + 1), 1 / (e + 1), 0]], rtol=1e-6)
+    assert inter[0, 0] == -np.inf and inter[0, 3] == -np.inf
+    np.testing.assert_allclose(inter[0, 1:3], [e / (e + 1), 1 / (e + 1)], rtol=1e-6)
+
+
+def test_softmax_pre_hand_no_renormalization():
+    x = np.array([[1.0, 3.0, 2.0, 0.0]], F32)
+    probs, rmap, inter = ref.topk_with_score_fwd(x, 2, score_function="softmax", use_pre_softmax=True,
+                                                 scaling_factor=2.0)
+    z = sum(math.exp(v) for v in (1, 3, 2, 0))
+    np.testing.assert_array_equal(rmap, [[False, True, True, False]])
+    np.testing.assert_allclose(probs, [[0, 2 * math.exp(3) / z, 2 * math.exp(2) / z, 0]], rtol=1e-6)
+    np.testing.assert_allclose(inter, [[math.exp(v) / z for v in (1, 3, 2, 0)]], rtol=1e-6)
+
+
+def test_sigmoid_bias_selection_only_with_revert():
+    x = np.array([[0.0, 1.0, 2.0, 3.0]], F32)
+    b = np.array([3.0, 0.0, 0.0, -3.0], F32)
+    probs, rmap, inter = ref.topk_with_score_fwd(x, 2, score_function="sigmoid", expert_bias=b)
+    np.testing.assert_array_equal(rmap, [[True, False, True, False]])  # biased: 3.5, .73, .88, -2.05
+    a0 = float(F32(F32(F32(0.5) + F32(3)) - F32(3)))  # TE revert fl(fl(a+b)-b)
+    a2 = sig(2.0)
+    np.testing.assert_allclose(probs, [[a0 / (a0 + a2), 0, a2 / (a0 + a2), 0]], rtol=1e-6)
+    np.testing.assert_allclose(inter, [[sig(v) for v in (0, 1, 2, 3)]], rtol=1e-6)
+
+
+def test_bias_revert_is_not_exact_gather():
+    # fl(fl(a + b) - b) != a when b is large: the oracle models TE's revert.
+    x = np.array([[-3.0, 0.0]], F32)
+    b = np.array([100.0, 0.0], F32)
+    probs, _, _ = ref.topk_with_score_fwd(x, 1, score_function="sigmoid", expert_bias=b)
+    a = F32(1) / (F32(1) + np.exp(F32(3)))
+    assert probs[0, 0] == F32(F32(a + F32(100)) - F32(100))
+    assert probs[0, 0] != a
+
+
+def test_sqrtsoftplus_k1_no_normalization_and_scaling():
+    x = np.array([[-1.0, 0.5, 25.0]], F32)
+    probs, rmap, inter = ref.topk_with_score_fwd(x, 1, score_function="sqrtsoftplus", scaling_factor=2.0)
+    np.testing.assert_array_equal(rmap, [[False, False, True]])
+    np.testing.assert_allclose(probs, [[0, 0, 10.0]], rtol=1e-6)  # 2 * sqrt(25), threshold 20
+    np.testing.assert_array_equal(inter, x)  # raw logits saved
+    s, m, _ = ref.scores_for_aux_loss_fwd(x, 1, "sqrtsoftplus")  # aux scores: always normalized
+    q = [math.sqrt(math.log1p(math.exp(-1))), math.sqrt(math.log1p(math.exp(0.5))), 5.0]
+    np.testing.assert_allclose(s, [[v / sum(q) for v in q]], rtol=1e-6)
+
+
+def test_grouped_topk_hand():
+    x = np.array([[0.0, 9.0, 1.0, 2.0, 8.0, 7.0, 3.0, 3.5]], F32)
+    # groups of 2; group score = sum of top-2: 9, 3, 15, 6.5 -> groups 0 and 2 -> experts 0,1,4,5
+    probs, rmap, _ = ref.topk_with_score_fwd(x, 4, score_function="softmax", num_groups=4, group_topk=2)
+    np.testing.assert_array_equal(rmap[0], [1, 1, 0, 0, 1, 1, 0, 0])
+    ex = np.exp(np.array([0, 9, 8, 7], np.float64) - 9)
+    np.testing.assert_allclose(probs[0, [0, 1, 4, 5]], ex / ex.sum(), rtol=1e-6)
+    _, plain, _ = ref.topk_with_score_fwd(x, 4, score_function="softmax")
+    np.testing.assert_array_equal(plain[0], [0, 1, 0, 0, 1, 1, 0, 1])
+
+
+def test_grouped_top1_sum_vs_max():
+    # m = K/g = 1: group score is the group max.
+    x = np.array([[5.0, 0.0, 4.0, 4.5]], F32)
+    _, rmap, _ = ref.topk_with_score_fwd(x, 1, score_function="sigmoid", num_groups=2, group_topk=1)
+    np.testing.assert_array_equal(rmap[0], [1, 0, 0, 0])
+
+
+def test_ties_lowest_index_and_nan_largest():
+    x = np.array([[1.0, 2.0, 2.0, 2.0, 0.0], [0.0, np.nan, 1.0, np.inf, -0.0]], F32)
+    _, rmap, _ = ref.topk_with_score_fwd(x, 2, score_function="softmax")
+    np.testing.assert_array_equal(rmap[0], [0, 1, 1, 0, 0])
+    np.testing.assert_array_equal(rmap[1], [0, 1, 0, 1, 0])
+    probs, _, _ = ref.topk_with_score_fwd(x[1:], 2, score_function="softmax")
+    assert np.isnan(probs[0, 1]) and np.isnan(probs[0, 3])
+    assert ref.float_keys(np.array([-0.0], F32))[0] < ref.float_keys(np.array([0.0], F32))[0]
+
+
+def test_aux_loss_hand():
+    p = np.array([[0.1, 0.2], [0.3, 0.4]], F32)
+    tpe = np.array([3, 1], np.int32)
+    loss = ref.aux_loss_fwd(p, tpe, 2, 2, 1, 0.5)  # C = (2*0.5)/1/2/2 = 0.25; 0.25*(3*.4 + 1*.6)
+    assert loss.shape == () and loss.dtype == F32
+    np.testing.assert_allclose(loss, 0.45, rtol=1e-6)
+    g = ref.aux_loss_bwd(np.array(2.0, F32), 3, tpe, 2, 2, 1, 0.5)
+    np.testing.assert_allclose(g, [[1.5, 0.5]] * 3, rtol=1e-6)
+
+
+def test_aux_loss_seq_columns():
+    # C = 2E (seq aux loss): one count per column, E only in the coefficient.
+    p = np.arange(8, dtype=F32).reshape(2, 4) / 10
+    tpe = np.array([1, 2, 3, 4], np.int64)
+    loss = R.aux_loss(p, tpe, 2, 2, 1, 1.0)
+    c = 2 * 1.0 / 1 / 2 / 2
+    np.testing.assert_allclose(loss, c * float((p.sum(0) * tpe).sum()), rtol=1e-6)
+
+
+# ---- invariants ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid", "sqrtsoftplus"])
+@pytest.mark.parametrize("K", [1, 2, 5])
+def test_invariants(rng, score, K):
+    x = rng.standard_normal((37, 24)).astype(F32)
+    for pre in ([False, True] if score == "softmax" else [False]):
+        probs, rmap, inter = ref.topk_with_score_fwd(x, K, score_function=score, use_pre_softmax=pre,
+                                                     scaling_factor=1.5)
+        assert (rmap.sum(1) == K).all()
+        assert (probs[~rmap] == 0).all()
+        if not pre and (score == "softmax" or K > 1):
+            np.testing.assert_allclose(probs.sum(1), 1.5, rtol=1e-5)
+        idx, w = ref.topk_indices_fwd(x, K, score_function=score, use_pre_softmax=pre, scaling_factor=1.5)
+        np.testing.assert_array_equal(np.take_along_axis(rmap, idx.astype(np.int64), 1), True)
+        np.testing.assert_allclose(w, np.take_along_axis(probs, idx.astype(np.int64), 1), rtol=1e-6)
+        assert (np.diff(idx, axis=1) > 0).all()
+    s, m, _ = ref.scores_for_aux_loss_fwd(x, K, score)
+    np.testing.assert_allclose(s.sum(1), 1.0, rtol=1e-5)
+    assert (m.sum(1) == K).all()
+
+
+# ---- backward vs finite differences ------------------------------------------------------------------
+
+def _fd_check(f, x, gy, dx, h=1e-2, tol=2e-3):
+    x64 = x.astype(np.float64)
+    num = np.zeros_like(x64)
+    for i in np.ndindex(x.shape):
+        xp, xm = x64.copy(), x64.copy()
+        xp[i] += h
+        xm[i] -= h
+        num[i] = (np.sum(gy * f(xp.astype(F32))) - np.sum(gy * f(xm.astype(F32)))) / (2 * h)
+    np.testing.assert_allclose(dx, num, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("score,pre,K,bias", [("softmax", False, 3, False), ("softmax", True, 3, False),
+                                              ("sigmoid", False, 3, True), ("sigmoid", False, 1, False),
+                                              ("sqrtsoftplus", False, 3, True), ("sqrtsoftplus", False, 1, False)])
+def test_backward_finite_differences(rng, score, pre, K, bias):
+    E = 9
+    x = (rng.permutation(E) * 0.7 - 3).astype(F32)[None].repeat(2, 0)
+    x[1] = x[1][::-1]
+    x[1, 0] = 21.0 if score == "sqrtsoftplus" else x[1, 0]  # exercise the softplus threshold branch
+    b = (rng.standard_normal(E) * 0.05).astype(F32) if bias else None
+    kw = dict(score_function=score, use_pre_softmax=pre, scaling_factor=1.3, expert_bias=b)
+    gy = rng.standard_normal(x.shape).astype(F32)
+    probs, rmap, inter = ref.topk_with_score_fwd(x, K, **kw)
+    dx = ref.topk_with_score_bwd(gy, rmap, inter, K, pre, 1.3, score)
+
+    def f(xx):
+        p, m, _ = ref.topk_with_score_fwd(xx, K, **kw)
+        assert (m == rmap).all()
+        return p.astype(np.float64)
+
+    # the biased revert fl(fl(a+b)-b) is not differentiable to fp32 precision: looser check with bias
+    _fd_check(f, x, gy, dx, tol=5e-3 if bias else 2e-3)
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid", "sqrtsoftplus"])
+def test_aux_scores_backward_finite_differences(rng, score):
+    x = rng.standard_normal((2, 7)).astype(F32)
+    gy = rng.standard_normal(x.shape).astype(F32)
+    _, _, inter = ref.scores_for_aux_loss_fwd(x, 2, score)
+    dx = ref.scores_for_aux_loss_bwd(gy, inter, 2, score)
+    _fd_check(lambda xx: ref.scores_for_aux_loss_fwd(xx, 2, score)[0].astype(np.float64), x, gy, dx)
+
+
+# ---- public API on CPU ----------------------------------------------------------------------------------
+
+def test_public_cpu_numpy_matches_reference(rng):
+    x = rng.standard_normal((3, 5, 16)).astype(F32)
+    b = rng.standard_normal(16).astype(F32) * 0.1
+    kw = dict(score_function="sigmoid", num_groups=4, group_topk=2, scaling_factor=2.5, expert_bias=b)
+    probs, rmap, inter = R.topk_with_score(x, 4, **kw)
+    assert probs.shape == (3, 5, 16) and rmap.dtype == np.bool_ and inter.dtype == F32
+    rp, rm, ri = ref.topk_with_score_fwd(x.reshape(-1, 16), 4, **kw)
+    np.testing.assert_array_equal(probs.reshape(-1, 16), rp)
+    np.testing.assert_array_equal(rmap.reshape(-1, 16), rm)
+    idx, w = R.topk_indices_with_score(x, 4, **kw)
+    assert idx.shape == (3, 5, 4) and idx.dtype == np.int32 and w.dtype == F32
+    g = rng.standard_normal(x.shape).astype(F32)
+    dx = R.topk_with_score_backward(g, rmap, inter, 4, score_function="sigmoid", scaling_factor=2.5)
+    assert dx.shape == x.shape and dx.dtype == F32
+    s, m, i2 = R.scores_for_aux_loss(x, 4, "softmax")
+    assert s.dtype == F32 and m.shape == x.shape
+    d2 = R.scores_for_aux_loss_backward(g, i2, 4, "softmax", dtype="bfloat16")
+    assert d2.dtype == BF16
+    loss = R.aux_loss(s.reshape(-1, 16), m.reshape(-1, 16).sum(0).astype(np.int32), 15, 16, 4, 0.01)
+    assert loss.shape == ()
+    gl = R.aux_loss_backward(np.array(1.0, F32), 15, m.reshape(-1, 16).sum(0), 15, 16, 4, 0.01)
+    assert gl.shape == (15, 16)
+
+
+def test_public_cpu_zero_tokens():
+    x = np.zeros((0, 8), F32)
+    probs, rmap, inter = R.topk_with_score(x, 2)
+    assert probs.shape == (0, 8) and rmap.shape == (0, 8)
+    idx, w = R.topk_indices_with_score(x, 2)
+    assert idx.shape == (0, 2)
+
+
+def test_public_cpu_torch(rng):
+    torch = pytest.importorskip("torch")
+    x = torch.randn(6, 32)
+    probs, rmap, inter = R.topk_with_score(x, 4, score_function="softmax", use_pre_softmax=True)
+    assert isinstance(probs, torch.Tensor) and rmap.dtype == torch.bool and inter.dtype == torch.float32
+    rp, rm, _ = ref.topk_with_score_fwd(x.numpy(), 4, score_function="softmax", use_pre_softmax=True)
+    np.testing.assert_array_equal(probs.numpy(), rp)
+    xb = x.to(torch.bfloat16)
+    pb, mb, ib = R.topk_with_score(xb, 2, score_function="sigmoid")
+    assert pb.dtype == torch.bfloat16
+    dx = R.topk_with_score_backward(torch.ones_like(pb), mb, ib, 2, score_function="sigmoid")
+    assert dx.dtype == torch.bfloat16 and dx.shape == xb.shape
+    loss = R.aux_loss(torch.rand(4, 32), torch.arange(32, dtype=torch.int64), 4, 32, 4, 0.1)
+    assert isinstance(loss, torch.Tensor) and loss.dim() == 0
+
+
+def test_nan_cpu():
+    x = np.array([[0.0, np.nan, 1.0, 2.0]], F32)
+    for score, pre in (("softmax", False), ("softmax", True), ("sigmoid", False)):
+        probs, rmap, _ = R.topk_with_score(x, 2, score_function=score, use_pre_softmax=pre)
+        if pre:
+            np.testing.assert_array_equal(rmap[0], [1, 1, 0, 0])
+        else:
+            np.testing.assert_array_equal(rmap[0], [0, 1, 0, 1])
+        assert np.isnan(probs[rmap]).all()
+
+
+# ---- bad inputs ----------------------------------------------------------------------------------------
+
+BAD = [
+    (dict(x=np.zeros((4, 8), np.float64)), TypeError, "logits"),
+    (dict(x=np.zeros(8, F32)), ValueError, "logits"),
+    (dict(topk=0), ValueError, "topk"),
+    (dict(topk=9), ValueError, "topk"),
+    (dict(topk=2.0), TypeError, "topk"),
+    (dict(num_groups=3, group_topk=1), ValueError, "num_groups"),
+    (dict(num_groups=4, group_topk=5, topk=5), ValueError, "group_topk"),
+    (dict(num_groups=4, group_topk=2, topk=3), ValueError, "group_topk"),
+    (dict(num_groups=4, group_topk=1, topk=4), ValueError, "topk/group_topk"),
+    (dict(group_topk=2), ValueError, "num_groups"),
+    (dict(score_function="sigmoid", expert_bias=np.zeros(7, F32)), ValueError, "expert_bias"),
+    (dict(score_function="sigmoid", expert_bias=np.zeros(8, np.int32)), TypeError, "expert_bias"),
+    (dict(expert_bias=np.zeros(8, F32)), ValueError, "expert_bias"),
+    (dict(score_function="relu"), ValueError, "score_function"),
+    (dict(scaling_factor=float("nan")), ValueError, "scaling_factor"),
+    (dict(scaling_factor=float("inf")), ValueError, "scaling_factor"),
+    (dict(scaling_factor="2"), TypeError, "scaling_factor"),
+]
+
+
+@pytest.mark.parametrize("kw,exc,word", BAD)
+def test_bad_inputs_topk(kw, exc, word):
+    kw = dict(kw)
+    x = kw.pop("x", np.zeros((4, 8), F32))
+    topk = kw.pop("topk", 2)
+    with pytest.raises(exc, match=word.replace("/", ".")):
+        R.topk_with_score(x, topk, **kw)
+    with pytest.raises(exc, match=word.replace("/", ".")):
+        R.topk_indices_with_score(x, topk, **kw)
+
+
+def test_bad_inputs_other():
+    x = np.zeros((4, 8), F32)
+    m = np.zeros((4, 8), bool)
+    with pytest.raises(TypeError, match="routing_map"):
+        R.topk_with_score_backward(x, m.astype(F32), x, 2, score_function="softmax")
+    with pytest.raises(TypeError, match="intermediate"):
+        R.topk_with_score_backward(x, m, x.astype(np.float16), 2, score_function="softmax")
+    with pytest.raises(ValueError, match="intermediate"):
+        R.topk_with_score_backward(x, m, x[:2], 2, score_function="softmax")
+    with pytest.raises(ValueError, match="score_function"):
+        R.topk_with_score_backward(x, m, x, 2, score_function="tanh")
+    with pytest.raises(ValueError, match="topk"):
+        R.scores_for_aux_loss(x, 9, "softmax")
+    with pytest.raises(TypeError, match="grad_scores"):
+        R.scores_for_aux_loss_backward(x.astype(np.float16), x, 2, "softmax")
+    with pytest.raises(TypeError, match="dtype"):
+        R.scores_for_aux_loss_backward(x, x, 2, "softmax", dtype=np.int32)
+    tpe = np.ones(8, np.int32)
+    with pytest.raises(ValueError, match="num_experts"):
+        R.aux_loss(x, tpe, 4, 3, 2, 0.1)
+    with pytest.raises(ValueError, match="tokens_per_expert"):
+        R.aux_loss(x, tpe[:4], 4, 8, 2, 0.1)
+    with pytest.raises(TypeError, match="tokens_per_expert"):
+        R.aux_loss(x, tpe.astype(np.uint8), 4, 8, 2, 0.1)
+    with pytest.raises(ValueError, match="total_num_tokens"):
+        R.aux_loss(x, tpe, 0, 8, 2, 0.1)
+    with pytest.raises(ValueError, match="coeff"):
+        R.aux_loss(x, tpe, 4, 8, 2, float("nan"))
+    with pytest.raises(ValueError, match="probs"):
+        R.aux_loss(x[0], tpe, 4, 8, 2, 0.1)
+    with pytest.raises(ValueError, match="grad_aux_loss"):
+        R.aux_loss_backward(np.ones(3, F32), 4, tpe, 4, 8, 2, 0.1)
+
+
+# ---- GPU: kernels against the reference ----------------------------------------------------------------
+
+def _tie_free(rng, T, E, dtype):
+    """Rows are random permutations of an evenly spaced grid: no two values of a row tie, and distinct
+    values stay far apart after the score functions (also after rounding to bf16: equal bf16 values are
+    exact ties, resolved identically by both sides)."""
+    base = np.linspace(-4, 4, E, dtype=np.float64)
+    x = np.stack([rng.permutation(base) for _ in range(T)]) if T else np.zeros((0, E))
+    x = x + rng.uniform(-1, 1, (T, 1))
+    return x.astype(F32).astype(dtype)
+
+
+def _tol(E):
+    return max(1e-5, 4e-7 * E)
+
+
+def _close(got, want, dtype, E, what):
+    got = np.asarray(got).astype(np.float64)
+    want = np.asarray(want).astype(np.float64)
+    assert got.shape == want.shape, what
+    if dtype == BF16:
+        np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=1e-5, err_msg=what)
+    elif dtype == np.float16:
+        np.testing.assert_allclose(got, want, rtol=2 ** -10, atol=1e-5, err_msg=what)
+    else:
+        t = _tol(E)
+        np.testing.assert_allclose(got, want, rtol=t, atol=t, err_msg=what)
+
+
+# (T, E, K, dtype, score, pre, groups, bias, scale)
+GPU_CASES = [
+    (0, 256, 8, F32, "softmax", False, None, False, None),
+    (1, 8, 1, F32, "softmax", False, None, False, None),
+    (7, 8, 2, BF16, "sigmoid", False, (4, 2), True, 2.5),
+    (4099, 256, 8, F32, "softmax", False, None, False, None),
+    (4099, 256, 8, BF16, "sigmoid", False, (8, 4), True, 2.5),
+    (4099, 256, 8, F32, "softmax", True, (8, 4), False, 1.0),
+    (7, 130, 2, F32, "sqrtsoftplus", False, None, True, None),
+    (4099, 130, 36, BF16, "softmax", False, None, False, 1.2),
+    (7, 130, 64, F32, "sigmoid", False, (10, 2), False, None),
+    (1, 256, 64, BF16, "sqrtsoftplus", False, (8, 8), False, None),
+    (4099, 2304, 36, F32, "softmax", False, None, False, None),
+    (4099, 2304, 36, BF16, "sigmoid", False, (8, 4), True, None),
+    (7, 2304, 8, BF16, "softmax", True, None, False, None),
+    (7, 2304, 1, F32, "sqrtsoftplus", False, None, False, None),
+    (7, 16384, 64, F32, "softmax", False, None, False, None),
+    (7, 16384, 36, BF16, "sigmoid", False, (64, 4), True, None),
+    (1, 16384, 2, np.float16, "softmax", True, None, False, None),
+    (7, 16384, 8, F32, "sqrtsoftplus", False, (2, 1), False, None),
+]
+
+
+def _maps_agree(got, want, sel_keys, K):
+    """Exact match, except rows where the boundary is a near tie (bias/group sums make ties of computed
+    values possible): there the K-th and (K+1)-th reference keys must be within a few fp32 ulps."""
+    bad = np.nonzero((got != want).any(1))[0]
+    for t in bad:
+        k = np.sort(sel_keys[t].astype(np.int64))[::-1]
+        assert k[K - 1] - k[K] <= 8, f"row {t}: maps differ away from a tie"
+    assert len(bad) <= max(1, len(got) // 100), f"{len(bad)} rows differ"
+    return bad
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"T{c[0]}-E{c[1]}-K{c[2]}-{np.dtype(c[3]).name}-{c[4]}"
+                         f"{'-pre' if c[5] else ''}{'-g' if c[6] else ''}{'-b' if c[7] else ''}")
+def test_gpu_topk_vs_reference(rng, case):
+    import cupy as cp
+
+    T, E, K, dtype, score, pre, groups, bias, scale = case
+    x = _tie_free(rng, T, E, dtype)
+    b = (rng.permutation(E) * (0.5 / E)).astype(F32) if bias else None
+    kw = dict(score_function=score, use_pre_softmax=pre, num_groups=groups[0] if groups else None,
+              group_topk=groups[1] if groups else None, scaling_factor=scale, expert_bias=b)
+    gkw = dict(kw, expert_bias=None if b is None else cp.asarray(b))
+    probs, rmap, inter = R.topk_with_score(cp.asarray(x), K, **gkw)
+    rp, rm, ri = ref.topk_with_score_fwd(x, K, **kw)
+    probs, rmap, inter = probs.get(), rmap.get(), inter.get()
+    assert probs.dtype == x.dtype and rmap.dtype == np.bool_ and inter.dtype == F32
+    # selection keys the reference used (for the near-tie rule)
+    x32 = x.astype(F32)
+    if score == "softmax":
+        sk = ref.float_keys(ri if pre else x32)
+    else:
+        a = ri if score == "sigmoid" else ref._sqrtsoftplus(x32)
+        sk = ref.float_keys(a + (b if b is not None else 0))
+    exact = not bias and not groups
+    if exact:
+        np.testing.assert_array_equal(rmap, rm)
+        ok = np.ones(T, bool)
+    else:
+        ok = np.ones(T, bool)
+        ok[_maps_agree(rmap, rm, sk, K)] = False
+    assert (rmap.sum(1) == K).all()
+    _close(probs[ok], rp[ok], x.dtype, E, "probs")
+    _close(inter[ok], ri[ok], F32, E, "intermediate")
+    # compact form
+    idx, w = R.topk_indices_with_score(cp.asarray(x), K, **gkw)
+    idx, w = idx.get(), w.get()
+    np.testing.assert_array_equal(idx[ok], np.sort(np.argsort(~rmap, 1, kind="stable")[:, :K], 1)[ok])
+    rp32, _, _ = ref.topk_with_score_fwd_fp32(x, K, **kw)
+    _close(w[ok], np.take_along_axis(rp32, idx.astype(np.int64), 1)[ok], F32, E, "topk_weights")
+    # backward with random grads, on the GPU's own forward outputs
+    gy = rng.standard_normal((T, E)).astype(F32).astype(dtype)
+    dx = R.topk_with_score_backward(cp.asarray(gy), cp.asarray(rmap), cp.asarray(inter), K,
+                                    score_function=score, use_pre_softmax=pre, scaling_factor=scale).get()
+    rdx = ref.topk_with_score_bwd(gy, rmap, inter, K, pre, scale, score)
+    assert dx.dtype == x.dtype
+    if dtype == F32:
+        _close(dx, rdx, F32, E, "grad_logits")
+    else:
+        scale_row = np.abs(rdx.astype(F32)).max(1, keepdims=True) + 1e-30
+        np.testing.assert_allclose(dx.astype(F32) / scale_row, rdx.astype(F32) / scale_row, atol=2 ** -7)
+    # bitwise reproducible
+    p2, _, _ = R.topk_with_score(cp.asarray(x), K, **gkw)
+    assert (p2.get().view(np.uint8) == probs.view(np.uint8)).all()
+
+
+AUX_CASES = [(0, 256, 8, F32, "softmax"), (1, 8, 1, F32, "sigmoid"), (4099, 256, 8, F32, "sigmoid"),
+             (4099, 256, 8, BF16, "softmax"), (7, 130, 36, F32, "sqrtsoftplus"), (4099, 2304, 36, BF16, "sigmoid"),
+             (7, 16384, 64, F32, "softmax"), (7, 16384, 8, BF16, "sqrtsoftplus")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", AUX_CASES, ids=lambda c: f"T{c[0]}-E{c[1]}-K{c[2]}-{np.dtype(c[3]).name}-{c[4]}")
+def test_gpu_aux_scores_vs_reference(rng, case):
+    import cupy as cp
+
+    T, E, K, dtype, score = case
+    x = _tie_free(rng, T, E, dtype)
+    s, m, i = (a.get() for a in R.scores_for_aux_loss(cp.asarray(x), K, score))
+    rs, rm, ri = ref.scores_for_aux_loss_fwd(x, K, score)
+    np.testing.assert_array_equal(m, rm)
+    _close(s, rs, F32, E, "scores")
+    _close(i, ri, F32, E, "intermediate")
+    gy = rng.standard_normal((T, E)).astype(F32)
+    dx = R.scores_for_aux_loss_backward(cp.asarray(gy), cp.asarray(i), K, score, dtype=x.dtype).get()
+    rdx = ref.scores_for_aux_loss_bwd(gy, i, K, score)
+    assert dx.dtype == x.dtype
+    if dtype == F32:
+        _close(dx, rdx, F32, E, "grad_logits")
+    else:
+        sc = np.abs(rdx).max(1, keepdims=True) + 1e-30
+        np.testing.assert_allclose(dx.astype(F32) / sc, rdx / sc, atol=2 ** -7)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R_,C,E,dtype,tdt", [(0, 256, 256, F32, np.int32), (1, 8, 8, F32, np.int64),
+                                              (4099, 256, 256, F32, np.int32), (4099, 512, 256, BF16, F32),
+                                              (7, 130, 130, F32, np.int32), (513, 16384, 16384, F32, np.int64),
+                                              (33, 2304, 2304, np.float16, np.int32)])
+def test_gpu_aux_loss(rng, R_, C, E, dtype, tdt):
+    import cupy as cp
+
+    p = rng.random((R_, C)).astype(F32).astype(dtype)
+    tpe = rng.integers(1, 1000, C).astype(tdt)
+    args = (max(R_, 1), E, 8, 0.01)
+    l1 = R.aux_loss(cp.asarray(p), cp.asarray(tpe), *args)
+    l2 = R.aux_loss(cp.asarray(p), cp.asarray(tpe), *args)
+    assert l1.shape == () and l1.dtype == p.dtype
+    assert l1.get().tobytes() == l2.get().tobytes()  # deterministic
+    want = ref.aux_loss_fwd(p, tpe, *args)
+    np.testing.assert_allclose(float(l1.get().astype(F32)), float(want.astype(F32)),
+                               rtol=1e-5 if dtype == F32 else 2 ** -7, atol=1e-30)
+    g = np.array(1.7, F32).astype(dtype)
+    gp = R.aux_loss_backward(cp.asarray(g), R_, cp.asarray(tpe), *args).get()
+    _close(gp, ref.aux_loss_bwd(g, R_, tpe, *args), dtype, 1, "grad_probs")
+
+
+@pytest.mark.gpu
+def test_gpu_nan_rows():
+    import cupy as cp
+
+    x = np.random.default_rng(0).standard_normal((5, 64)).astype(F32)
+    x[1, 7] = np.nan
+    x[3, :] = np.nan
+    for score, pre in (("softmax", False), ("softmax", True), ("sigmoid", False), ("sqrtsoftplus", False)):
+        gp, gm, _ = R.topk_with_score(cp.asarray(x), 4, score_function=score, use_pre_softmax=pre)
+        rp, rm, _ = R.topk_with_score(x, 4, score_function=score, use_pre_softmax=pre)
+        np.testing.assert_array_equal(gm.get(), rm)
+        np.testing.assert_array_equal(np.isnan(gp.get()), np.isnan(rp))
+
+
+@pytest.mark.gpu
+def test_gpu_torch_and_unaligned(rng):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    x = torch.tensor(_tie_free(rng, 65, 257, F32)).cuda()
+    xs = x[:, 1:]  # non-contiguous -> copied; E=256
+    p, m, i = R.topk_with_score(xs, 8, score_function="sigmoid")
+    rp, rm, _ = ref.topk_with_score_fwd(xs.cpu().numpy(), 8, score_function="sigmoid")
+    assert isinstance(p, torch.Tensor) and p.is_cuda
+    np.testing.assert_array_equal(m.cpu().numpy(), rm)
+    flat = torch.tensor(_tie_free(rng, 1, 65 * 256 + 1, F32)).cuda()[0, 1:].view(65, 256)  # 4-byte aligned
+    p2, m2, _ = R.topk_with_score(flat, 8)
+    rp2, rm2, _ = ref.topk_with_score_fwd(flat.cpu().numpy(), 8)
+    np.testing.assert_array_equal(m2.cpu().numpy(), rm2)
+    _close(p2.cpu().numpy(), rp2, F32, 256, "probs unaligned")
