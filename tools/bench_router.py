@@ -1,0 +1,222 @@
+"""Benchmark the router ops against the same math in torch eager and torch.compile.
+
+Rows: topk_with_score forward and backward (softmax post-softmax; sigmoid with num_groups=8,
+group_topk=4 and an expert bias), and the aux-loss path (scores_for_aux_loss + aux_loss, forward and
+backward together). GB/s counts the minimal bytes each op must move: every input read once, every output
+written once. ``--quick`` runs T=65536 only (the target shape) with fewer iterations.
+
+    python tools/bench_router.py [--quick] [--json PATH] [--no-compile]
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import benchlib  # noqa: E402
+
+
+# ---- the same math in torch (what a user would write) ------------------------------------------------
+
+def torch_topk_softmax_fwd(x, k):
+    import torch
+
+    v, i = torch.topk(x.float(), k, dim=-1)
+    p = torch.softmax(v, dim=-1)
+    probs = torch.zeros_like(x).scatter(1, i, p.to(x.dtype))
+    rmap = torch.zeros(x.shape, dtype=torch.bool, device=x.device).scatter(1, i, True)
+    inter = torch.full(x.shape, float("-inf"), device=x.device).scatter(1, i, p)
+    return probs, rmap, inter
+
+
+def torch_topk_softmax_bwd(g, rmap, inter):
+    import torch
+
+    gf = g.float()
+    y = torch.where(rmap, inter, 0.0)
+    D = (gf * y).sum(-1, keepdim=True)
+    return torch.where(rmap, y * (gf - D), 0.0).to(g.dtype)
+
+
+def torch_topk_sigmoid_grouped_fwd(x, k, bias, G, g):
+    import torch
+
+    T, E = x.shape
+    a = torch.sigmoid(x.float())
+    r = a + bias
+    gs = r.view(T, G, E // G).topk(k // g, dim=-1).values.sum(-1)
+    gi = torch.topk(gs, g, dim=-1).indices
+    gm = torch.zeros_like(gs).scatter(1, gi, 1.0).bool()
+    mask = gm.unsqueeze(-1).expand(T, G, E // G).reshape(T, E)
+    masked = r.masked_fill(~mask, float("-inf"))
+    i = torch.topk(masked, k, dim=-1).indices
+    p = r.gather(1, i) - bias[i]
+    p = p / (p.sum(-1, keepdim=True) + 1e-20)
+    probs = torch.zeros_like(x).scatter(1, i, p.to(x.dtype))
+    rmap = torch.zeros(x.shape, dtype=torch.bool, device=x.device).scatter(1, i, True)
+    return probs, rmap, a
+
+
+def torch_topk_sigmoid_bwd(grad, rmap, y):
+    import torch
+
+    g = grad.float()
+    v = torch.where(rmap, y, 0.0)
+    A = v.sum(-1, keepdim=True) + 1e-20
+    B = (g * v).sum(-1, keepdim=True)
+    gh = torch.where(rmap, g / A - B / (A * A), 0.0)
+    return (gh * y * (1 - y)).to(grad.dtype)
+
+
+def torch_aux_fwd_bwd(x, k, tpe, coeff):
+    import torch
+
+    scores = torch.softmax(x.float(), dim=-1)
+    i = torch.topk(scores, k, dim=-1).indices
+    rmap = torch.zeros(x.shape, dtype=torch.bool, device=x.device).scatter(1, i, True)
+    loss = coeff * (tpe * scores.sum(0)).sum()
+    gs = (coeff * tpe).unsqueeze(0).expand_as(scores)
+    dx = scores * (gs - (gs * scores).sum(-1, keepdim=True))
+    return loss, rmap, dx.to(x.dtype)
+
+
+# ---- harness ------------------------------------------------------------------------------------------
+
+def main():
+    ap = benchlib.parser(__doc__)
+    args = ap.parse_args()
+    import cupy as cp
+    import torch
+
+    import moe_rt.router as R
+    from moe_rt import _arrays, _jit
+
+    iters = 20 if args.quick else args.iters
+    l2 = _jit.device_properties(cp.cuda.Device().id)["l2_bytes"]
+    table = benchlib.Table("router", ["dtype", "T", "E", "K", "op", "ms", "GB/s", "% copy", "eager ms",
+                                      "x eager", "compile ms", "x compile"])
+    bw = benchlib.copy_bandwidth()
+    table.meta["copy_GBps"] = round(bw, 1)
+    table.header()
+
+    Ts = [65536] if args.quick else [4096, 16384, 65536]
+    shapes = [(256, 8), (2304, 36)]
+    dtypes = [("float32", np.float32), ("bfloat16", _arrays.BFLOAT16)]
+    tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    compiled = {}
+
+    def cmp(name, fn):
+        if name not in compiled:
+            compiled[name] = benchlib.torch_compile_or_none(fn, not args.no_compile)
+        return compiled[name]
+
+    def row(dtname, T, E, K, op, nbytes, ours, eager, comp):
+        ms = benchlib.time_cuda(ours, iters=iters, warmup=args.warmup)
+        gbs = nbytes / (ms * 1e-3) / 1e9
+        e_ms = benchlib.time_cuda(eager, iters=iters, warmup=3) if eager else None
+        c_ms = None
+        if comp is not None:
+            try:
+                c_ms = benchlib.time_cuda(comp, iters=iters, warmup=3)
+            except Exception as ex:  # pragma: no cover
+                print(f"torch.compile failed for {op}: {ex}", file=sys.stderr)
+        table.add(dtype=dtname, T=T, E=E, K=K, op=op, ms=ms, **{"GB/s": gbs, "% copy": 100 * gbs / bw},
+                  **{"eager ms": e_ms, "x eager": (e_ms / ms) if e_ms else None, "compile ms": c_ms,
+                     "x compile": (c_ms / ms) if c_ms else None})
+
+    for dtname, dt in dtypes:
+        isz = np.dtype(dt).itemsize
+        for T in Ts:
+            for E, K in shapes:
+                n = T * E
+                ncopy = benchlib.num_copies(n * isz, l2)
+                rng = np.random.default_rng(0)
+                xs = [cp.asarray(rng.standard_normal((T, E), dtype=np.float32)).astype(dt) for _ in range(ncopy)]
+                xt = [torch.from_dlpack(x) for x in xs]
+                nx = benchlib.rotating(list(range(ncopy)))
+                bias = cp.asarray((rng.permutation(E) * (0.1 / E)).astype(np.float32))
+                bias_t = torch.from_dlpack(bias)
+                # softmax (post) fwd: read x, write probs, map, intermediate
+                outs = [R.topk_with_score(x, K) for x in xs]
+                fwd_b = n * (isz + isz + 1 + 4)
+                cs = cmp(f"sm_fwd{K}", lambda x, K=K: torch_topk_softmax_fwd(x, K))
+                row(dtname, T, E, K, "softmax fwd", fwd_b, lambda: R.topk_with_score(xs[nx()], K),
+                    lambda: torch_topk_softmax_fwd(xt[nx()], K), (lambda: cs(xt[nx()])) if cs else None)
+                gs = [cp.asarray(rng.standard_normal((T, E), dtype=np.float32)).astype(dt) for _ in range(ncopy)]
+                gt = [torch.from_dlpack(g) for g in gs]
+                ot = [tuple(torch.from_dlpack(a) for a in o) for o in outs]
+                bwd_b = n * (isz + 1 + 4 + isz)
+
+                def sm_bwd():
+                    i = nx()
+                    return R.topk_with_score_backward(gs[i], outs[i][1], outs[i][2], K, score_function="softmax")
+
+                def sm_bwd_t(fn=torch_topk_softmax_bwd):
+                    i = nx()
+                    return fn(gt[i], ot[i][1], ot[i][2])
+
+                cb = cmp("sm_bwd", torch_topk_softmax_bwd)
+                row(dtname, T, E, K, "softmax bwd", bwd_b, sm_bwd, sm_bwd_t,
+                    (lambda: sm_bwd_t(cb)) if cb else None)
+                del outs, ot
+                # sigmoid, groups 8/4, bias
+                kw = dict(score_function="sigmoid", num_groups=8, group_topk=4, expert_bias=bias)
+                outs = [R.topk_with_score(x, K, **kw) for x in xs]
+                cg = cmp(f"sig_fwd{K}", lambda x, K=K: torch_topk_sigmoid_grouped_fwd(x, K, bias_t, 8, 4))
+                row(dtname, T, E, K, "sigmoid g8/4 bias fwd", fwd_b + 4 * E,
+                    lambda: R.topk_with_score(xs[nx()], K, **kw),
+                    lambda: torch_topk_sigmoid_grouped_fwd(xt[nx()], K, bias_t, 8, 4),
+                    (lambda: cg(xt[nx()])) if cg else None)
+                ot = [tuple(torch.from_dlpack(a) for a in o) for o in outs]
+
+                def sg_bwd():
+                    i = nx()
+                    return R.topk_with_score_backward(gs[i], outs[i][1], outs[i][2], K, score_function="sigmoid")
+
+                def sg_bwd_t(fn=torch_topk_sigmoid_bwd):
+                    i = nx()
+                    return fn(gt[i], ot[i][1], ot[i][2])
+
+                cb2 = cmp("sig_bwd", torch_topk_sigmoid_bwd)
+                row(dtname, T, E, K, "sigmoid bwd", bwd_b, sg_bwd, sg_bwd_t, (lambda: sg_bwd_t(cb2)) if cb2 else None)
+                del outs, ot, gs, gt, xs, xt
+                cp.get_default_memory_pool().free_all_blocks()
+                torch.cuda.empty_cache()
+            for E, K in [(256, 8), (16384, 8)]:
+                _aux_rows(R, cp, torch, table, row, cmp, dtname, dt, isz, T, E, K, l2)
+                cp.get_default_memory_pool().free_all_blocks()
+                torch.cuda.empty_cache()
+    table.finish(args.json)
+
+
+def _aux_rows(R, cp, torch, table, row, cmp, dtname, dt, isz, T, E, K, l2):
+    n = T * E
+    ncopy = min(benchlib.num_copies(n * isz, l2), 3)
+    rng = np.random.default_rng(1)
+    xs = [cp.asarray(rng.standard_normal((T, E), dtype=np.float32)).astype(dt) for _ in range(ncopy)]
+    xt = [torch.from_dlpack(x) for x in xs]
+    nx = benchlib.rotating(list(range(ncopy)))
+    tpe = cp.asarray(rng.integers(1, 1000, E).astype(np.int32))
+    tpe_t = torch.from_dlpack(tpe).float()
+    one = cp.ones((), dtype=np.float32)
+    coeff = 0.01
+    c = float(np.float32(E * coeff) / K / T / T)
+
+    def ours():
+        x = xs[nx()]
+        s, m, i = R.scores_for_aux_loss(x, K, "softmax")
+        loss = R.aux_loss(s, tpe, T, E, K, coeff)
+        gs = R.aux_loss_backward(one, T, tpe, T, E, K, coeff)
+        return loss, m, R.scores_for_aux_loss_backward(gs, i, K, "softmax", dtype=x.dtype)
+
+    # x, scores w+r, map w, inter w+r, grad_scores w+r, dx w
+    nbytes = n * (isz + 8 + 1 + 8 + 8 + isz)
+    ca = cmp(f"aux{K}", lambda x, K=K: torch_aux_fwd_bwd(x, K, tpe_t, c))
+    row(dtname, T, E, K, "aux scores+loss fwd+bwd", nbytes, ours,
+        lambda: torch_aux_fwd_bwd(xt[nx()], K, tpe_t, c), (lambda: ca(xt[nx()])) if ca else None)
+
+
+if __name__ == "__main__":
+    main()
