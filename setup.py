@@ -20,6 +20,7 @@ def _version():
 extensions = [
     Extension("moe_rt._dlpack", ["moe_rt/_dlpack.pyx"]),
     Extension("moe_rt._comm", ["moe_rt/_comm.pyx"], libraries=["dl"]),
+    Extension("moe_rt._handle", ["moe_rt/_handle.pyx"]),
 ]
 
 setup(

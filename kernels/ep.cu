@@ -1,0 +1,283 @@
+// Expert parallelism (moe_rt/ep.py, specs/ep.md §8): the device side of prepare (routing all-gather
+// input, per-pair membership scans, offsets and flags, the received rows' local routing), the row pack
+// before the NCCL send/recv, and the owner-side fixed-order sum over ranks after the reverse transfer.
+//
+// Handle regions (include/moe_rt/moe_rt.h) are passed as separate pointers. Every result is written by
+// exactly one thread in a fixed order: no atomics, so plans and sums are bitwise reproducible.
+#include "moe_rt/common.cuh"
+
+using namespace moe_rt;
+
+// int32 indices in the meta region (moe_rt.h: MOE_RT_EP_META_*).
+#define META_SEND_COUNTS(R) 0
+#define META_RECV_COUNTS(R) (R)
+#define META_RECV_SLOTS(R) (2 * (R))
+#define META_SEND_OFF(R) (3 * (R))
+#define META_RECV_OFF(R) (4 * (R) + 1)
+#define META_PAIR_OVERFLOW(R) (5 * (R) + 2)
+#define META_EXPERT_OVERFLOW(R) (5 * (R) + 3)
+#define META_TOTAL_SLOTS(R) (5 * (R) + 4)
+#define META_NUM_TOKENS(R) (5 * (R) + 5)
+#define META_RECV_ROWS(R) (5 * (R) + 6)
+#define META_SEND_ROWS(R) (5 * (R) + 7)
+
+// routing[i] for i < Tmax*K: the expert id of flat slot i (-1 for no expert, ids outside [0, E) and
+// rows t >= T, so peers never read stale routing); routing[Tmax*K] = T.
+template <typename IdxT>
+__global__ void ep_routing_pack(const IdxT* __restrict__ idx, i64 T, int Tmax, int K, int E,
+                                int* __restrict__ routing) {
+  const i64 n = (i64)Tmax * K;
+  const i64 valid = T * K;
+  for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i <= n; i += (i64)gridDim.x * blockDim.x) {
+    if (i == n) {
+      routing[i] = (int)T;
+    } else if (i < valid) {
+      const i64 e = (i64)idx[i];
+      routing[i] = (e >= 0 && e < E) ? (int)e : -1;
+    } else {
+      routing[i] = -1;
+    }
+  }
+}
+
+// One block per pair involving this rank: blocks [0, R) scan (src = me, dst = j), blocks [R, 2R) scan
+// (src = j - R, dst = me). A token is a member of (src, dst) when one of its experts lives on dst. The
+// block walks tokens in ascending order with a block-wide scan, so list positions are stable.
+//   send side: send_tok[dst][pos] = t, send_pos[dst][t] = pos (or -1), meta send_counts[dst]
+//   recv side: recv_tok[src][pos] = t, meta recv_counts[src], recv_slots[src] (local slots kept)
+// Positions >= P (pair capacity) are dropped; list entries past the kept count are -1.
+extern "C" __global__ void ep_scan_pairs(const int* __restrict__ routing, int R, int me, int Tmax, int K,
+                                         int L, int P, int* __restrict__ send_tok, int* __restrict__ send_pos,
+                                         int* __restrict__ recv_tok, int* __restrict__ meta) {
+  __shared__ int scratch[32];
+  const int j = blockIdx.x;
+  const bool send = j < R;
+  const int src = send ? me : j - R;
+  const int dst = send ? j : me;
+  const int* rt = routing + (i64)src * ((i64)Tmax * K + 1);
+  int Tsrc = rt[(i64)Tmax * K];
+  Tsrc = Tsrc < 0 ? 0 : (Tsrc > Tmax ? Tmax : Tsrc);
+  int* list = (send ? send_tok : recv_tok) + (i64)(send ? dst : src) * P;
+  int carry = 0, slot_acc = 0;
+  for (int base = 0; base < Tmax; base += blockDim.x) {
+    const int t = base + threadIdx.x;
+    int flag = 0, slots = 0;
+    if (t < Tsrc) {
+      const int* row = rt + (i64)t * K;
+      for (int k = 0; k < K; ++k) {
+        const int e = row[k];
+        if (e >= 0 && e / L == dst) { flag = 1; ++slots; }
+      }
+    }
+    int total;
+    const int incl = block_inclusive_scan(flag, scratch, &total);
+    const int pos = carry + incl - flag;
+    const bool kept = flag && pos < P;
+    if (kept) { list[pos] = t; slot_acc += slots; }
+    if (send && t < Tmax) send_pos[(i64)dst * Tmax + t] = kept ? pos : -1;
+    carry += total;
+  }
+  for (int p = (carry < P ? carry : P) + threadIdx.x; p < P; p += blockDim.x) list[p] = -1;
+  int slots_total;
+  block_inclusive_scan(slot_acc, scratch, &slots_total);
+  if (threadIdx.x == 0) {
+    if (send) {
+      meta[META_SEND_COUNTS(R) + dst] = carry;
+    } else {
+      meta[META_RECV_COUNTS(R) + src] = carry;
+      meta[META_RECV_SLOTS(R) + src] = slots_total;
+    }
+  }
+}
+
+// Offsets and flags (one thread; R is small). Exact mode (exact = 1): segments packed back to back with
+// the kept counts; capacity mode: every segment is P rows. The own destination takes no send rows.
+// capacity < 0: no expert-major capacity.
+extern "C" __global__ void ep_plan_meta(int* __restrict__ meta, const int* __restrict__ routing, int R, int me,
+                                        int Tmax, int K, int P, int exact, i64 capacity) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  int pair_over = 0;
+  i64 o = 0, send_rows = 0;
+  for (int d = 0; d < R; ++d) {
+    const int c = meta[META_SEND_COUNTS(R) + d];
+    pair_over |= c > P;
+    meta[META_SEND_OFF(R) + d] = (int)o;
+    if (d != me) {
+      const int kept = c < P ? c : P;
+      o += exact ? kept : P;
+      send_rows += kept;
+    }
+  }
+  meta[META_SEND_OFF(R) + R] = (int)o;
+  o = 0;
+  i64 recv_rows = 0, slots = 0;
+  for (int s = 0; s < R; ++s) {
+    const int c = meta[META_RECV_COUNTS(R) + s];
+    pair_over |= c > P;
+    const int kept = c < P ? c : P;
+    meta[META_RECV_OFF(R) + s] = (int)o;
+    o += exact ? kept : P;
+    recv_rows += kept;
+    slots += meta[META_RECV_SLOTS(R) + s];
+  }
+  meta[META_RECV_OFF(R) + R] = (int)o;
+  meta[META_PAIR_OVERFLOW(R)] = pair_over;
+  meta[META_EXPERT_OVERFLOW(R)] = (capacity >= 0 && slots > capacity) ? 1 : 0;
+  meta[META_TOTAL_SLOTS(R)] = (int)slots;
+  meta[META_NUM_TOKENS(R)] = routing[(i64)me * ((i64)Tmax * K + 1) + (i64)Tmax * K];
+  meta[META_RECV_ROWS(R)] = (int)recv_rows;
+  meta[META_SEND_ROWS(R)] = (int)send_rows;
+}
+
+// recv_local[row][k]: local id of the k-th expert of the token received in `row` when it lives on this
+// rank, else -1 (and -1 for every k of an unused row). A routing for the permutation plan with L experts.
+extern "C" __global__ void ep_recv_local(const int* __restrict__ routing, const int* __restrict__ recv_tok,
+                                         const int* __restrict__ meta, int R, int me, int Tmax, int K, int L,
+                                         int P, i64 rows, int* __restrict__ recv_local) {
+  const int* off = meta + META_RECV_OFF(R);
+  for (i64 row = (i64)blockIdx.x * blockDim.x + threadIdx.x; row < rows; row += (i64)gridDim.x * blockDim.x) {
+    int t = -1, src = 0;
+    for (int s = 0; s < R; ++s) {
+      const i64 lo = off[s];
+      const i64 kept = min(meta[META_RECV_COUNTS(R) + s], P);
+      if (row >= lo && row < lo + kept) {
+        src = s;
+        t = recv_tok[(i64)s * P + (row - lo)];
+        break;
+      }
+    }
+    int* out = recv_local + row * K;
+    if (t < 0) {
+      for (int k = 0; k < K; ++k) out[k] = -1;
+      continue;
+    }
+    const int* rt = routing + (i64)src * ((i64)Tmax * K + 1) + (i64)t * K;
+    for (int k = 0; k < K; ++k) {
+      const int e = rt[k];
+      out[k] = (e >= 0 && e / L == me) ? e - me * L : -1;
+    }
+  }
+}
+
+// Pack the rows this rank sends: block row (blockIdx.y = dst) copies x[send_tok[dst][pos]] to the send
+// buffer (dst != me, at send_off[dst] + pos) or straight into the receive buffer (dst == me, at
+// recv_off[me] + pos: the own share never goes through NCCL). U is the copy unit (16..1 bytes);
+// `units` units per row. Optional fp32 [T,K] weights travel the same way into [rows,K] buffers.
+template <typename U>
+__global__ void ep_pack_rows(const U* __restrict__ x, U* __restrict__ send_buf, U* __restrict__ recv_buf,
+                             const float* __restrict__ w, float* __restrict__ send_w, float* __restrict__ recv_w,
+                             const int* __restrict__ send_tok, const int* __restrict__ meta, int R, int me, int P,
+                             int K, i64 units) {
+  const int dst = blockIdx.y;
+  int count = meta[META_SEND_COUNTS(R) + dst];
+  count = count < P ? count : P;
+  const bool own = dst == me;
+  const i64 base = own ? meta[META_RECV_OFF(R) + me] : meta[META_SEND_OFF(R) + dst];
+  U* out = own ? recv_buf : send_buf;
+  float* out_w = own ? recv_w : send_w;
+  for (int pos = blockIdx.x; pos < count; pos += gridDim.x) {
+    const i64 t = send_tok[(i64)dst * P + pos];
+    const i64 row = base + pos;
+    const U* src = x + t * units;
+    U* d = out + row * units;
+#pragma unroll 4
+    for (i64 u = threadIdx.x; u < units; u += blockDim.x) d[u] = src[u];
+    if (w != nullptr) {
+      for (int k = threadIdx.x; k < K; k += blockDim.x) out_w[row * K + k] = w[t * K + k];
+    }
+  }
+}
+
+// Owner side of combine / dispatch_bwd: out[t] = sum over ranks r ascending of the partial row of (t, r),
+// accumulated in fp32 and rounded once. The partial of rank r sits in `back` at send_off[r] + pos (rows
+// returned by r) or, for r == me, in `own` at recv_off[me] + pos, with pos = send_pos[r][t].
+// With grad_w: grad_w[t][k] = the [rows,K] weight gradient of slot k, taken from the rank of its expert.
+template <typename T, bool VEC>
+__global__ void ep_owner_sum(const T* __restrict__ back, const T* __restrict__ own, T* __restrict__ out,
+                             const float* __restrict__ back_w, const float* __restrict__ own_w,
+                             float* __restrict__ grad_w, const int* __restrict__ send_pos,
+                             const int* __restrict__ routing_me, const int* __restrict__ meta, int R, int me,
+                             int Tmax, int K, int L, int Tn, i64 H) {
+  extern __shared__ long long s_mem[];
+  i64* s_row = reinterpret_cast<i64*>(s_mem);  // [R]: row of (t, r), -1 = not sent
+  for (int t = blockIdx.x; t < Tn; t += gridDim.x) {
+    __syncthreads();
+    for (int r = threadIdx.x; r < R; r += blockDim.x) {
+      const int pos = send_pos[(i64)r * Tmax + t];
+      const i64 base = r == me ? meta[META_RECV_OFF(R) + me] : meta[META_SEND_OFF(R) + r];
+      s_row[r] = pos >= 0 ? base + pos : -1;
+    }
+    __syncthreads();
+    T* o = out + (i64)t * H;
+    if (VEC) {
+      constexpr int N = Vec<T>::N;
+      const i64 nv = H / N;
+      for (i64 v = threadIdx.x; v < nv; v += blockDim.x) {
+        float acc[N];
+#pragma unroll
+        for (int j = 0; j < N; ++j) acc[j] = 0.0f;
+        for (int r = 0; r < R; ++r) {
+          const i64 row = s_row[r];
+          if (row < 0) continue;
+          const Vec<T> a = load_vec((r == me ? own : back) + row * H + v * N);
+#pragma unroll
+          for (int j = 0; j < N; ++j) acc[j] += to_float(a.v[j]);
+        }
+        Vec<T> res;
+#pragma unroll
+        for (int j = 0; j < N; ++j) res.v[j] = from_float<T>(acc[j]);
+        store_vec(o + v * N, res);
+      }
+    } else {
+      for (i64 h = threadIdx.x; h < H; h += blockDim.x) {
+        float acc = 0.0f;
+        for (int r = 0; r < R; ++r) {
+          const i64 row = s_row[r];
+          if (row >= 0) acc += to_float((r == me ? own : back)[row * H + h]);
+        }
+        o[h] = from_float<T>(acc);
+      }
+    }
+    if (grad_w != nullptr) {
+      for (int k = threadIdx.x; k < K; k += blockDim.x) {
+        const int e = routing_me[(i64)t * K + k];
+        float g = 0.0f;
+        if (e >= 0) {
+          const int r = e / L;
+          const i64 row = s_row[r];
+          if (row >= 0) g = (r == me ? own_w : back_w)[row * K + k];
+        }
+        grad_w[(i64)t * K + k] = g;
+      }
+    }
+  }
+}
+
+// out[n] = slots[src_slot[n]] (0 where src_slot is -1): a [rows,K] slot array in expert-major order.
+extern "C" __global__ void ep_gather_slots(const float* __restrict__ slots, const int* __restrict__ src_slot,
+                                           float* __restrict__ out, i64 n) {
+  for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+    const int s = src_slot[i];
+    out[i] = s >= 0 ? slots[s] : 0.0f;
+  }
+}
+
+// rows[n] = round(w[n] * float(rows[n])) in place: the weighted gradient of combine when y is not given.
+template <typename T, bool VEC>
+__global__ void ep_scale_rows(T* __restrict__ rows, const float* __restrict__ w, i64 n, i64 H) {
+  for (i64 r = blockIdx.x; r < n; r += gridDim.x) {
+    const float s = w[r];
+    T* p = rows + r * H;
+    if (VEC) {
+      constexpr int N = Vec<T>::N;
+      for (i64 v = threadIdx.x; v < H / N; v += blockDim.x) {
+        Vec<T> a = load_vec(p + v * N);
+#pragma unroll
+        for (int j = 0; j < N; ++j) a.v[j] = from_float<T>(s * to_float(a.v[j]));
+        store_vec(p + v * N, a);
+      }
+    } else {
+      for (i64 h = threadIdx.x; h < H; h += blockDim.x) p[h] = from_float<T>(s * to_float(p[h]));
+    }
+  }
+}

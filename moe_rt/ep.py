@@ -1,0 +1,806 @@
+"""Expert parallelism over NCCL, one process per GPU (specs/ep.md §1 and §8; DESIGN.md).
+
+``R`` ranks hold ``E`` experts, ``L = E / R`` each: expert ``e`` lives on rank ``e // L`` as local expert
+``e % L``. Every rank has ``x [T,H]`` (``T <= max_tokens_per_rank``, ``T = 0`` allowed, ``T`` may differ
+between ranks), ``topk_idx [T,K]`` (int32/int64, ``-1`` = no expert) and ``topk_weights [T,K]`` (fp32).
+
+- :meth:`EpGroup.prepare` (a collective) all-gathers every rank's routing once (int32
+  ``[Tmax*K + 1]`` per rank: the ids, then ``T``) and computes the plan on the device, deterministically:
+  for each (src, dst) pair the ascending list of src tokens with at least one expert on dst (a token is
+  sent **once** per destination rank, not K times); the receive layout (source-major, token ascending);
+  each received row's local experts ``[rows, K]``, which is a routing for
+  :func:`moe_rt.permutation.make_plan` with ``num_experts = L``, giving the expert-major layout (grouped
+  by local expert, ``(src, t)`` ascending inside an expert, padding rows zero). The result is a
+  :class:`moe_rt._handle.Handle`: one uint8 buffer laid out as in ``include/moe_rt/moe_rt.h``.
+- :meth:`EpGroup.dispatch`: pack the rows for each destination, NCCL grouped send/recv (the own share is
+  copied locally, never sent), then the permutation family's dispatch into expert-major rows.
+- :meth:`EpGroup.combine`: each rank reduces the local expert rows of every received token (weighted by
+  the received weights or not; fp32 accumulation; one rounding to ``y.dtype``), sends one row per
+  (token, rank) back; the owner sums them over ranks in ascending rank order in fp32, rounding once.
+- :meth:`EpGroup.dispatch_bwd` / :meth:`EpGroup.combine_bwd`: the transposes.
+
+Modes:
+
+- ``"exact"``: after the routing all-gather, ``prepare`` reads the count matrix on the host **once (a
+  device sync)** and sizes every buffer exactly (with ``align_size > 1`` the expert-major row count is the
+  permutation family's bound ``floor((slots + L*(A-1)) / A) * A``; rows past ``seg_start[L]`` are zero).
+- ``"capacity"``: fixed worst-case sizes: ``pair_capacity`` rows per (src, dst) pair (default
+  ``max_tokens_per_rank``, which never overflows) and at most ``capacity`` expert slots per rank (default
+  ``R * pair_capacity * min(K, L)``, which never overflows). No host sync anywhere, so prepare, dispatch
+  and combine can be captured in a CUDA graph. Tokens past a pair's capacity and slots past ``capacity``
+  (the last ones in expert-major order) are **dropped** and raise a device flag, read with
+  :meth:`Handle.overflow` or :meth:`EpGroup.check_overflow` (those read the device: a sync). Dropped slots
+  contribute nothing to combine and get zero gradients.
+
+Expert ids outside ``[-1, E)``: the CPU path raises ValueError; on the GPU they are dropped (as ``-1``),
+since checking would need a sync.
+
+Dead peers: NCCL calls are asynchronous, so a missing rank shows up as a wait that never ends. Host-side
+waits (exact mode's count read in ``prepare``; :meth:`EpGroup.synchronize`; :meth:`EpGroup.check_overflow`)
+poll ``comm.async_error()`` and the stream until ``timeout`` seconds (default ``MOE_RT_EP_TIMEOUT`` or
+300 s); then they ``abort()`` the communicator and raise ``TimeoutError`` naming the op (or the
+``NcclError`` NCCL reported). The group is unusable afterwards.
+
+Streams: every op runs on the caller's current stream (``stream=None``) or the one given. The staging
+buffers of an op come from CuPy's pool on that stream. Ops of one group must be issued in the same order on
+every rank (they are collectives).
+
+CPU: NumPy (or torch/JAX CPU) arrays work with a 1-rank group (``comm=None``) and run the NumPy oracle
+:mod:`moe_rt.reference.ep`. A multi-rank group needs CUDA arrays (TypeError otherwise).
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import time
+
+import numpy as np
+
+from moe_rt import _arrays, _jit, permutation
+from moe_rt import _handle
+from moe_rt._handle import Handle, meta_index
+from moe_rt.reference import ep as _ref
+from moe_rt.reference import permutation as _perm_ref
+
+__all__ = ["EpGroup", "Handle", "DEFAULT_TIMEOUT"]
+
+_FILE = "ep.cu"
+_UNITS = {16: "uint4", 8: "uint2", 4: "unsigned", 2: "unsigned short", 1: "unsigned char"}
+_IDX = {"int32": "int", "int64": "long long"}
+_names = [f"ep_routing_pack<{i}>" for i in _IDX.values()]
+_names += [f"ep_pack_rows<{u}>" for u in _UNITS.values()]
+for _c in _jit.CTYPES.values():
+    for _v in ("true", "false"):
+        _names += [f"ep_owner_sum<{_c}, {_v}>", f"ep_scale_rows<{_c}, {_v}>"]
+_names += ["ep_scan_pairs", "ep_plan_meta", "ep_recv_local", "ep_gather_slots"]
+_jit.register(_FILE, _names)
+
+DEFAULT_TIMEOUT = 300.0
+_TOKEN_DTYPES = tuple(d for d in _arrays.FLOAT_DTYPES if d is not None)
+_WEIGHT_DTYPES = _TOKEN_DTYPES + (np.dtype(np.float64),)
+_group_ids = itertools.count(1)
+_INT32_MAX = 2**31 - 1
+
+
+def _env_timeout() -> float:
+    v = os.environ.get("MOE_RT_EP_TIMEOUT")
+    if not v:
+        return DEFAULT_TIMEOUT
+    try:
+        t = float(v)
+    except ValueError:
+        raise ValueError(f"MOE_RT_EP_TIMEOUT: expected seconds, got {v!r}") from None
+    if not t > 0:
+        raise ValueError(f"MOE_RT_EP_TIMEOUT: must be > 0, got {v!r}")
+    return t
+
+
+def _unit(row_bytes: int, *ptrs) -> int:
+    for u in (16, 8, 4, 2, 1):
+        if row_bytes % u == 0 and all(p % u == 0 for p in ptrs):
+            return u
+    return 1
+
+
+class EpGroup:
+    """An expert-parallel group over a communicator.
+
+    Args:
+        comm: a :class:`moe_rt.Communicator` of ``R`` ranks (one process per GPU; borrowed, never closed
+            by the group), or None for a 1-rank local group (CPU reference or one GPU, no NCCL).
+        num_experts: E, a multiple of R.
+        hidden: H, the row width of ``x`` and ``y``.
+        max_tokens_per_rank: Tmax, the most tokens any rank passes to ``prepare``.
+        mode: ``"exact"`` (one host read of the counts in ``prepare``) or ``"capacity"`` (no host sync,
+            CUDA-graph capturable, fixed sizes, overflow flagged and dropped).
+        capacity: capacity mode: the most expert slots (received (token, local expert) pairs) a rank keeps;
+            default ``R * pair_capacity * min(K, L)`` (never overflows).
+        pair_capacity: capacity mode: rows per (src, dst) pair; default ``max_tokens_per_rank``.
+        align_size: A >= 1; each local expert's rows are padded with zero rows to a multiple of A.
+        dtype: None, or the token dtype every call must use (float32, float16, bfloat16).
+        topk: None, or the K every ``prepare`` must use (else fixed by the first ``prepare``).
+        timeout: seconds for host-side waits before the communicator is aborted (default
+            ``MOE_RT_EP_TIMEOUT`` or 300).
+    """
+
+    def __init__(self, comm, num_experts: int, hidden: int, max_tokens_per_rank: int, *, mode: str = "exact",
+                 capacity: int | None = None, pair_capacity: int | None = None, align_size: int = 1,
+                 dtype=None, topk: int | None = None, timeout: float | None = None):
+        if comm is None:
+            self.rank, self.size, self.device = 0, 1, None
+        else:
+            for attr in ("rank", "size", "device", "all_gather", "send", "recv", "group_start", "group_end"):
+                if not hasattr(comm, attr):
+                    raise TypeError(f"comm: expected a moe_rt.Communicator (or None), got {type(comm).__name__}")
+            if getattr(comm, "closed", False):
+                raise ValueError("comm: the communicator is closed")
+            self.rank, self.size, self.device = int(comm.rank), int(comm.size), int(comm.device)
+        self.comm = comm
+        R = self.size
+        self.num_experts = _arrays.check_int(num_experts, "num_experts", low=1, high=1 << 20)
+        if self.num_experts % R:
+            raise ValueError(f"num_experts: {self.num_experts} is not a multiple of the {R} ranks")
+        self.num_local_experts = self.num_experts // R
+        self.hidden = _arrays.check_int(hidden, "hidden", low=1, high=1 << 24)
+        self.max_tokens_per_rank = _arrays.check_int(max_tokens_per_rank, "max_tokens_per_rank", low=1,
+                                                     high=1 << 24)
+        if mode not in ("exact", "capacity"):
+            raise ValueError(f"mode: expected 'exact' or 'capacity', got {mode!r}")
+        self.mode = mode
+        if mode == "exact" and (capacity is not None or pair_capacity is not None):
+            raise ValueError("capacity/pair_capacity: only meaningful with mode='capacity'")
+        self.pair_capacity = (self.max_tokens_per_rank if pair_capacity is None else
+                              _arrays.check_int(pair_capacity, "pair_capacity", low=1,
+                                                high=self.max_tokens_per_rank))
+        self.capacity = None if capacity is None else _arrays.check_int(capacity, "capacity", low=0,
+                                                                         high=_INT32_MAX)
+        self.align_size = _arrays.check_int(align_size, "align_size", low=1, high=1 << 20)
+        if dtype is not None:
+            dt = np.dtype(dtype)
+            if dt not in _TOKEN_DTYPES:
+                raise TypeError(f"dtype: expected float32, float16 or bfloat16, got {dt.name}")
+            dtype = dt
+        self.dtype = dtype
+        self.topk = None if topk is None else _arrays.check_int(topk, "topk", low=1, high=1024)
+        if timeout is None:
+            timeout = _env_timeout()
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"timeout: expected a positive number of seconds, got {timeout!r}")
+        self.timeout = float(timeout)
+        if R * self.max_tokens_per_rank > _INT32_MAX:
+            raise ValueError("R * max_tokens_per_rank must stay below 2^31")
+        self.id = next(_group_ids)
+        self.closed = False
+        self._last_stream = None
+
+    def __repr__(self):
+        return (f"EpGroup(rank={self.rank}, size={self.size}, num_experts={self.num_experts}, "
+                f"hidden={self.hidden}, max_tokens_per_rank={self.max_tokens_per_rank}, mode={self.mode!r})")
+
+    def close(self):
+        """Mark the group closed (the communicator is borrowed and stays open). Idempotent."""
+        self.closed = True
+
+    # -- common checks ---------------------------------------------------------------------------------
+    def _alive(self, op):
+        if self.closed:
+            raise ValueError(f"{op}: the EP group is closed")
+        if self.comm is not None and getattr(self.comm, "closed", False):
+            raise ValueError(f"{op}: the communicator is closed or was aborted")
+
+    def _check_handle(self, handle, op):
+        self._alive(op)
+        if not isinstance(handle, Handle):
+            raise TypeError(f"{op}: handle: expected a Handle from EpGroup.prepare, got {type(handle).__name__}")
+        handle.check(self.id, op)
+
+    def _check_call(self, call, op):
+        if call.backend == "cpu":
+            if self.size > 1:
+                raise TypeError(f"{op}: a {self.size}-rank group needs CUDA arrays (CPU arrays run the "
+                                "reference, which only simulates ranks in one process)")
+        elif self.comm is not None and call.device_id != self.device:
+            raise ValueError(f"{op}: arrays are on cuda:{call.device_id} but the communicator uses "
+                             f"cuda:{self.device}")
+
+    def _check_tokens(self, arr, name, rows, handle):
+        _arrays.check_ndim(arr, name, 2)
+        _arrays.check_dtype(arr, name, _TOKEN_DTYPES)
+        if tuple(arr.shape) != (rows, self.hidden):
+            raise ValueError(f"{name}: expected shape {(rows, self.hidden)}, got {tuple(arr.shape)}")
+        want = self.dtype or handle.state.get("dtype")
+        if want is not None and np.dtype(arr.dtype) != want:
+            raise TypeError(f"{name}: dtype must be {np.dtype(want).name} (as in dispatch / the group), "
+                            f"got {np.dtype(arr.dtype).name}")
+
+    # -- waits -----------------------------------------------------------------------------------------
+    def _wait(self, stream, op, timeout=None):
+        """Wait for ``stream`` with a deadline; abort the communicator and raise on failure."""
+        import cupy
+
+        timeout = self.timeout if timeout is None else float(timeout)
+        ev = cupy.cuda.Event(disable_timing=True)
+        ev.record(stream)
+        deadline = time.monotonic() + timeout
+        delay = 1e-5
+        while not ev.done:
+            if self.comm is not None:
+                err = self.comm.async_error()
+                if err is not None:
+                    self.comm.abort()
+                    raise err
+            if time.monotonic() > deadline:
+                if self.comm is not None:
+                    self.comm.abort()
+                raise TimeoutError(f"EpGroup.{op}: no progress within {timeout:g} s (a peer rank is dead or "
+                                   "did not call the same op); the communicator was aborted")
+            time.sleep(delay)
+            delay = min(delay * 2, 5e-3)
+
+    def synchronize(self, timeout: float | None = None, *, stream=None):
+        """Wait until the work queued on ``stream`` (default: the stream of this group's last op) is done,
+        at most ``timeout`` seconds (default: the group's); then abort and raise TimeoutError."""
+        self._alive("synchronize")
+        if stream is None:
+            stream = self._last_stream
+        if stream is None:
+            return
+        s = _arrays.as_cupy_stream(stream, self.device or 0)
+        self._wait(s, "synchronize", timeout)
+
+    def check_overflow(self, handle, *, stream=None):
+        """Raise RuntimeError if ``handle`` dropped rows (capacity mode); reads the device (a sync, with the
+        group's timeout)."""
+        self._check_handle(handle, "check_overflow")
+        if handle.state.get("backend") == "cuda":
+            self.synchronize(stream=stream)
+        m = _meta_host(handle)
+        R = self.size
+        pair, expert = int(m[meta_index("pair_overflow", R)]), int(m[meta_index("expert_overflow", R)])
+        if pair or expert:
+            raise RuntimeError(
+                f"EP capacity overflow on rank {self.rank}: "
+                + ("a (src, dst) pair has more tokens than pair_capacity; " if pair else "")
+                + (f"{int(m[meta_index('total_slots', R)])} expert slots arrived, capacity is "
+                   f"{handle.sizes['capacity']}; " if expert else "")
+                + "the excess rows were dropped")
+
+    # -- prepare ---------------------------------------------------------------------------------------
+    def prepare(self, topk_idx, *, stream=None) -> Handle:
+        """Plan a dispatch (a collective: every rank calls it, in the same order).
+
+        Args:
+            topk_idx: ``[T,K]`` int32/int64, ``T <= max_tokens_per_rank``; ``-1`` = no expert. K must be
+                the same on every rank.
+            stream: CUDA stream (None = the caller's current stream).
+
+        Returns:
+            a :class:`Handle`. Exact mode reads the counts on the host (a device sync, with the group's
+            timeout); capacity mode never syncs.
+        """
+        self._alive("prepare")
+        with _arrays.Call({"topk_idx": topk_idx}, stream=stream) as call:
+            self._check_call(call, "prepare")
+            idx = call["topk_idx"]
+            _arrays.check_ndim(idx, "topk_idx", 2)
+            _arrays.check_dtype(idx, "topk_idx", _arrays.INDEX_DTYPES)
+            T, K = int(idx.shape[0]), int(idx.shape[1])
+            if K < 1:
+                raise ValueError(f"topk_idx: K must be >= 1, got shape {tuple(idx.shape)}")
+            if self.topk is not None and K != self.topk:
+                raise ValueError(f"topk_idx: K must be {self.topk} (the group's topk), got {K}")
+            if T > self.max_tokens_per_rank:
+                raise ValueError(f"topk_idx: T={T} exceeds max_tokens_per_rank={self.max_tokens_per_rank}")
+            self.topk = K
+            if call.backend == "cpu":
+                return self._prepare_cpu(np.asarray(idx), T, K)
+            self._last_stream = call.stream
+            return self._prepare_cuda(call, idx, T, K)
+
+    def _sizes(self, T, K):
+        R, L = self.size, self.num_local_experts
+        P = self.pair_capacity if self.mode == "capacity" else self.max_tokens_per_rank
+        cap = None
+        if self.mode == "capacity":
+            cap = self.capacity if self.capacity is not None else R * P * min(K, L)
+        return dict(R=R, rank=self.rank, L=L, E=self.num_experts, Tmax=self.max_tokens_per_rank, K=K, P=P,
+                    T=T, H=self.hidden, A=self.align_size, capacity=cap)
+
+    def _prepare_cpu(self, idx, T, K):
+        if idx.size and (idx.min() < -1 or idx.max() >= self.num_experts):
+            bad = idx[(idx < -1) | (idx >= self.num_experts)][0]
+            raise ValueError(f"topk_idx: expert ids must be in [-1, num_experts={self.num_experts}), got {int(bad)}")
+        sz = self._sizes(T, K)
+        if self.mode == "capacity":
+            d = _ref.prepare([idx], self.num_experts, align_size=self.align_size, pair_capacity=sz["P"],
+                             capacity=sz["capacity"])[0]
+        else:
+            d = _ref.prepare([idx], self.num_experts, align_size=self.align_size)[0]
+        rows, N = d["num_recv_rows"], d["num_rows"]
+        sz.update(rows=rows, N=N, num_out=d["total_slots"] if self.mode == "exact" else sz["capacity"])
+        lay, total = _handle.layout(sz["R"], sz["L"], sz["Tmax"], K, sz["P"], rows, N)
+        h = Handle(np.zeros(total, np.uint8), lay, self.id, self.mode, sz)
+        _fill_from_reference(h, d)
+        h.state.update(backend="cpu", ref=d, device_id=0)
+        return h
+
+    def _prepare_cuda(self, call, idx, T, K):
+        import cupy
+
+        xp, s = call.xp, call.stream
+        sz = self._sizes(T, K)
+        R, me, L, Tmax, P = sz["R"], sz["rank"], sz["L"], sz["Tmax"], sz["P"]
+        exact = self.mode == "exact"
+        idx = _arrays.contiguous(xp, idx)
+        if exact:
+            lay0, _ = _handle.layout(R, L, Tmax, K, P, 0, 0)
+            fixed = lay0["recv_local"][0]
+            buf0 = xp.empty(fixed, np.uint8)
+        else:
+            rows = R * P
+            N = _perm_ref.num_rows(rows, K, L, self.align_size, sz["capacity"])
+            lay0, total = _handle.layout(R, L, Tmax, K, P, rows, N)
+            buf0 = xp.empty(total, np.uint8)
+        v = lambda name: buf0[lay0[name][0]:lay0[name][0] + 4 * lay0[name][2]].view(np.int32)  # noqa: E731
+        meta, routing = v("meta"), v("routing")
+        meta.fill(0)
+        stride = Tmax * K + 1
+        _jit.launch(_jit.function(_FILE, f"ep_routing_pack<{_IDX[np.dtype(idx.dtype).name]}>"),
+                    _grid(stride, call.device_id), 256,
+                    (idx, np.int64(T), np.int32(Tmax), np.int32(K), np.int32(self.num_experts),
+                     routing[me * stride:].data.ptr), stream=s)
+        if R > 1:
+            # In place: rank r's block already sits at routing + r*stride.
+            self.comm.all_gather(routing.data.ptr + me * stride * 4, routing.data.ptr, stride, "int32", s.ptr)
+        threads = int(min(1024, max(32, -(-Tmax // 32) * 32)))
+        _jit.launch(_jit.function(_FILE, "ep_scan_pairs"), 2 * R, threads,
+                    (routing, np.int32(R), np.int32(me), np.int32(Tmax), np.int32(K), np.int32(L), np.int32(P),
+                     v("send_tok"), v("send_pos"), v("recv_tok"), meta), stream=s)
+        cap = -1 if sz["capacity"] is None else sz["capacity"]
+        _jit.launch(_jit.function(_FILE, "ep_plan_meta"), 1, 32,
+                    (meta, routing, np.int32(R), np.int32(me), np.int32(Tmax), np.int32(K), np.int32(P),
+                     np.int32(1 if exact else 0), np.int64(cap)), stream=s)
+        if exact:
+            host = self._read_meta(meta, s)
+            rows = int(host[meta_index("recv_rows", R)])
+            slots = int(host[meta_index("total_slots", R)])
+            N = _perm_ref.num_rows(rows, K, L, self.align_size, slots)
+            lay, total = _handle.layout(R, L, Tmax, K, P, rows, N)
+            buf = xp.empty(total, np.uint8)
+            buf[:fixed] = buf0
+            sz.update(num_out=slots)
+        else:
+            host, lay, buf = None, lay0, buf0
+            sz.update(num_out=sz["capacity"])
+        sz.update(rows=rows, N=N)
+        if N > _INT32_MAX or rows * K > _INT32_MAX:
+            raise ValueError(f"the plan needs {N} expert-major rows / {rows}x{K} slots; must stay below 2^31")
+        h = Handle(buf, lay, self.id, self.mode, sz)
+        h.state.update(backend="cuda", device_id=call.device_id, host_meta=host)
+        recv_local = h.view("recv_local")
+        if rows:
+            _jit.launch(_jit.function(_FILE, "ep_recv_local"), _grid(rows, call.device_id), 256,
+                        (routing_view(h), h.view("recv_tok"), h.view("meta"), np.int32(R), np.int32(me),
+                         np.int32(Tmax), np.int32(K), np.int32(L), np.int32(P), np.int64(rows), recv_local),
+                        stream=s)
+        plan = permutation.make_plan(recv_local.reshape(rows, K), L, align_size=self.align_size,
+                                     num_out_tokens=sz["num_out"], stream=s)
+        if plan.num_rows != N:  # pragma: no cover - the two size formulas are the same function
+            raise RuntimeError(f"internal: plan rows {plan.num_rows} != handle rows {N}")
+        h.view("dst_row")[...] = plan.dst_row.reshape(-1)
+        h.view("src_slot")[...] = plan.src_slot
+        h.view("seg_start")[...] = plan.seg_start
+        h.view("expert_counts")[...] = plan.counts
+        h.view("tokens_per_expert")[...] = plan.tokens_per_expert
+        del buf0, plan
+        return h
+
+    def _read_meta(self, meta, stream):
+        """The documented host sync of exact mode: copy the meta region into pinned memory and wait with
+        the group's deadline."""
+        import cupy
+
+        n = int(meta.size)
+        pinned = cupy.cuda.alloc_pinned_memory(n * 4)
+        host = np.frombuffer(pinned, np.int32, n)
+        cupy.cuda.runtime.memcpyAsync(host.ctypes.data, meta.data.ptr, n * 4,
+                                      cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
+        self._wait(stream, "prepare")
+        return host.copy()
+
+    # -- transport ---------------------------------------------------------------------------------------
+    def _host_counts(self, h):
+        """(send rows per peer, send offsets, recv rows per peer, recv offsets) on the host."""
+        R, P = self.size, h.sizes["P"]
+        if h.mode == "capacity":
+            send_off, o = [], 0
+            for d in range(R):
+                send_off.append(o)
+                if d != self.rank:
+                    o += P
+            return [P] * R, send_off, [P] * R, [s * P for s in range(R)]
+        m = h.state["host_meta"]
+        sc = [min(int(m[meta_index("send_counts", R) + d]), P) for d in range(R)]
+        rc = [min(int(m[meta_index("recv_counts", R) + s]), P) for s in range(R)]
+        so = [int(m[meta_index("send_off", R) + d]) for d in range(R)]
+        ro = [int(m[meta_index("recv_off", R) + s]) for s in range(R)]
+        return sc, so, rc, ro
+
+    def _send_rows(self, h):
+        R, P = self.size, h.sizes["P"]
+        if h.mode == "capacity":
+            return (R - 1) * P
+        return int(h.state["host_meta"][meta_index("send_rows", R)])
+
+    def _forward(self, call, h, x, w):
+        """Rows of x (and weights [T,K]) to every rank that needs them: returns the [rows,H] receive buffer
+        (source-major) and writes received weights into the handle's recv_wk."""
+        xp, s = call.xp, call.stream
+        sz = h.sizes
+        R, me, P, K, rows, H = sz["R"], sz["rank"], sz["P"], sz["K"], sz["rows"], self.hidden
+        isz = x.dtype.itemsize
+        rb = H * isz
+        send_rows = self._send_rows(h)
+        send_buf = xp.empty((send_rows, H), x.dtype)
+        recv_buf = xp.empty((rows, H), x.dtype)
+        send_w = xp.empty((send_rows, K), np.float32) if w is not None else None
+        recv_w = h.view("recv_wk") if w is not None else None
+        if sz["T"] and rows + send_rows:
+            u = _unit(rb, x.data.ptr, send_buf.data.ptr if send_rows else 0, recv_buf.data.ptr if rows else 0)
+            units = rb // u
+            threads = int(min(512, max(32, -(-units // 4 // 32) * 32)))
+            gx = max(1, min(P, _jit.device_properties(call.device_id)["sm_count"] * 8 // R))
+            _jit.launch(_jit.function(_FILE, f"ep_pack_rows<{_UNITS[u]}>"), (gx, R), threads,
+                        (x.data.ptr, send_buf.data.ptr if send_rows else 0, recv_buf.data.ptr if rows else 0,
+                         w.data.ptr if w is not None else 0, send_w.data.ptr if send_w is not None and send_rows else 0,
+                         recv_w.data.ptr if recv_w is not None and rows else 0,
+                         h.view("send_tok"), h.view("meta"), np.int32(R), np.int32(me), np.int32(P), np.int32(K),
+                         np.int64(units)), stream=s)
+        if R > 1:
+            sc, so, rc, ro = self._host_counts(h)
+            comm = self.comm
+            comm.group_start()
+            try:
+                for p in range(R):
+                    if p == me:
+                        continue
+                    if sc[p]:
+                        comm.send(send_buf.data.ptr + so[p] * rb, sc[p] * rb, "uint8", p, s.ptr)
+                        if w is not None:
+                            comm.send(send_w.data.ptr + so[p] * K * 4, sc[p] * K * 4, "uint8", p, s.ptr)
+                    if rc[p]:
+                        comm.recv(recv_buf.data.ptr + ro[p] * rb, rc[p] * rb, "uint8", p, s.ptr)
+                        if w is not None:
+                            comm.recv(recv_w.data.ptr + ro[p] * K * 4, rc[p] * K * 4, "uint8", p, s.ptr)
+            finally:
+                comm.group_end()
+        self._last_stream = s
+        return recv_buf
+
+    def _backward(self, call, h, z, zw, T, out_dtype, want_w):
+        """Send each source's partial rows z [rows,H] (and zw [rows,K]) back; the owner sums over ranks."""
+        xp, s = call.xp, call.stream
+        sz = h.sizes
+        R, me, K, L, Tmax, H = sz["R"], sz["rank"], sz["K"], sz["L"], sz["Tmax"], self.hidden
+        rb = H * z.dtype.itemsize
+        send_rows = self._send_rows(h)
+        back = xp.empty((send_rows, H), z.dtype)
+        back_w = xp.empty((send_rows, K), np.float32) if zw is not None else None
+        if R > 1:
+            sc, so, rc, ro = self._host_counts(h)
+            comm = self.comm
+            comm.group_start()
+            try:
+                for p in range(R):
+                    if p == me:
+                        continue
+                    if rc[p]:
+                        comm.send(z.data.ptr + ro[p] * rb, rc[p] * rb, "uint8", p, s.ptr)
+                        if zw is not None:
+                            comm.send(zw.data.ptr + ro[p] * K * 4, rc[p] * K * 4, "uint8", p, s.ptr)
+                    if sc[p]:
+                        comm.recv(back.data.ptr + so[p] * rb, sc[p] * rb, "uint8", p, s.ptr)
+                        if zw is not None:
+                            comm.recv(back_w.data.ptr + so[p] * K * 4, sc[p] * K * 4, "uint8", p, s.ptr)
+            finally:
+                comm.group_end()
+        out = xp.empty((T, H), out_dtype)
+        gw = xp.empty((T, K), np.float32) if want_w else None
+        if T:
+            isz = z.dtype.itemsize
+            ptrs = [out.data.ptr] + ([z.data.ptr] if z.size else []) + ([back.data.ptr] if back.size else [])
+            vec = (H * isz) % 16 == 0 and all(p % 16 == 0 for p in ptrs)
+            nper = 16 // isz if vec else 1
+            threads = int(min(512, max(32, -(-(H // nper) // 32) * 32)))
+            fn = _jit.function(_FILE, f"ep_owner_sum<{_jit.ctype(z.dtype)}, {'true' if vec else 'false'}>")
+            _jit.set_max_dynamic_shared(fn, R * 8)
+            _jit.launch(fn, _grid(T * 8, call.device_id, threads=8), threads,
+                        (back.data.ptr if back.size else 0, z.data.ptr if z.size else 0, out,
+                         back_w.data.ptr if back_w is not None and back_w.size else 0,
+                         zw.data.ptr if zw is not None and zw.size else 0, gw if gw is not None else 0,
+                         h.view("send_pos"), routing_view(h)[me * (Tmax * K + 1):], h.view("meta"),
+                         np.int32(R), np.int32(me), np.int32(Tmax), np.int32(K), np.int32(L), np.int32(T),
+                         np.int64(H)), shared_mem=R * 8, stream=s)
+        self._last_stream = s
+        return out, gw
+
+    # -- ops -------------------------------------------------------------------------------------------
+    def dispatch(self, handle, x, topk_weights=None, *, stream=None):
+        """Send tokens to the ranks of their experts, in expert-major order (a collective).
+
+        Args:
+            handle: from :meth:`prepare` of this group.
+            x: ``[T,H]`` fp32/fp16/bf16, T as in ``prepare``.
+            topk_weights: None or ``[T,K]`` float (used as fp32).
+            stream: CUDA stream (None = the caller's current stream).
+
+        Returns:
+            ``(recv_x [N,H] x.dtype, recv_weights [N] float32 or None, tokens_per_local_expert [L] int32)``:
+            rows grouped by local expert (segments ``handle.view('seg_start')``), padding and unused rows
+            zero. The received weights are also kept in the handle for ``combine(weighted=True)``.
+        """
+        self._check_handle(handle, "dispatch")
+        with _arrays.Call({"x": x, "topk_weights": topk_weights}, stream=stream) as call:
+            self._check_call(call, "dispatch")
+            _check_backend(handle, call, "dispatch")
+            sz = handle.sizes
+            xv = call["x"]
+            self._check_tokens(xv, "x", sz["T"], handle)
+            wv = call["topk_weights"]
+            if wv is not None:
+                _arrays.check_ndim(wv, "topk_weights", 2)
+                _arrays.check_dtype(wv, "topk_weights", _WEIGHT_DTYPES)
+                _arrays.check_shape(wv, "topk_weights", (sz["T"], sz["K"]))
+                wv = _arrays.contiguous(call.xp, wv.astype(np.float32, copy=False))
+            xv = _arrays.contiguous(call.xp, xv)
+            handle.state["dtype"] = np.dtype(xv.dtype)
+            handle.state["has_weights"] = wv is not None
+            if call.backend == "cpu":
+                rx, rw, tpe = _ref.dispatch([handle.state["ref"]], [xv], None if wv is None else [wv])[0]
+                if wv is not None:
+                    handle.view("recv_wk")[...] = handle.state["ref"]["recv_weights_slots"].reshape(-1)
+                return call.out(rx), (None if rw is None else call.out(rw)), call.out(tpe)
+            recv_buf = self._forward(call, handle, xv, wv)
+            plan = _plan_view(handle)
+            rx, rw = permutation.dispatch(recv_buf, plan, None if wv is None else _recv_wk(handle),
+                                          stream=call.stream)
+            tpe = handle.view("tokens_per_expert").copy()
+            return call.out(rx), (None if rw is None else call.out(rw)), call.out(tpe)
+
+    def combine(self, handle, y, *, weighted: bool = True, stream=None):
+        """Sum each token's expert outputs back on its own rank (a collective).
+
+        Args:
+            handle: the handle of the dispatch.
+            y: ``[N,H]`` expert outputs in ``recv_x``'s layout and dtype.
+            weighted: multiply each row by its received routing weight (needs weights in dispatch).
+
+        Returns:
+            ``out [T,H]`` in y's dtype: per rank, an fp32 sum over its local experts rounded to y's dtype;
+            then the owner's fp32 sum over ranks in ascending rank order, rounded once. Tokens with no
+            expert get zero rows. Bitwise reproducible.
+        """
+        self._check_handle(handle, "combine")
+        _check_bool(weighted, "weighted")
+        with _arrays.Call({"y": y}, stream=stream) as call:
+            self._check_call(call, "combine")
+            _check_backend(handle, call, "combine")
+            yv = call["y"]
+            self._check_tokens(yv, "y", handle.sizes["N"], handle)
+            if weighted and not handle.state.get("has_weights"):
+                raise ValueError("combine: weighted=True needs topk_weights in dispatch (or pass weighted=False)")
+            yv = _arrays.contiguous(call.xp, yv)
+            if call.backend == "cpu":
+                return call.out(_ref.combine([handle.state["ref"]], [yv], weighted=weighted)[0])
+            z = permutation.combine(yv, _plan_view(handle), _recv_wk(handle) if weighted else None,
+                                    stream=call.stream)
+            out, _ = self._backward(call, handle, z, None, handle.sizes["T"], yv.dtype, False)
+            return call.out(out)
+
+    def dispatch_bwd(self, handle, grad_recv_x, grad_recv_w=None, *, stream=None):
+        """VJP of :meth:`dispatch` (a collective).
+
+        Args:
+            grad_recv_x: ``[N,H]`` float (gradient of ``recv_x``).
+            grad_recv_w: None or ``[N]`` float (gradient of ``recv_weights``).
+
+        Returns:
+            ``(grad_x [T,H] grad_recv_x.dtype, grad_w [T,K] float32 or None)``; ``grad_x`` is computed like
+            an unweighted combine; ``grad_w[t,k]`` is the gradient of the row slot ``(t,k)`` went to (0 for
+            slots with no expert or dropped).
+        """
+        self._check_handle(handle, "dispatch_bwd")
+        with _arrays.Call({"grad_recv_x": grad_recv_x, "grad_recv_w": grad_recv_w}, stream=stream) as call:
+            self._check_call(call, "dispatch_bwd")
+            _check_backend(handle, call, "dispatch_bwd")
+            sz = handle.sizes
+            g = call["grad_recv_x"]
+            self._check_tokens(g, "grad_recv_x", sz["N"], handle)
+            gw = call["grad_recv_w"]
+            if gw is not None:
+                _arrays.check_ndim(gw, "grad_recv_w", 1)
+                _arrays.check_dtype(gw, "grad_recv_w", _WEIGHT_DTYPES)
+                _arrays.check_shape(gw, "grad_recv_w", (sz["N"],))
+                gw = _arrays.contiguous(call.xp, gw.astype(np.float32, copy=False))
+            g = _arrays.contiguous(call.xp, g)
+            if call.backend == "cpu":
+                gx, gwt = _ref.dispatch_bwd([handle.state["ref"]], [g], None if gw is None else [gw])[0]
+                return call.out(gx), (None if gwt is None else call.out(gwt))
+            gz, gp = permutation.dispatch_backward(g, _plan_view(handle), gw, stream=call.stream)
+            out, gwt = self._backward(call, handle, gz, gp, sz["T"], g.dtype, gw is not None)
+            return call.out(out), (None if gwt is None else call.out(gwt))
+
+    def combine_bwd(self, handle, grad_out, y=None, *, weighted: bool = True, stream=None):
+        """VJP of :meth:`combine` (a collective).
+
+        Args:
+            grad_out: ``[T,H]`` float (gradient of combine's ``out``).
+            y: None or the forward's ``[N,H]`` input (needed for ``grad_recv_w``).
+            weighted: as in the forward.
+
+        Returns:
+            ``(grad_y [N,H] grad_out.dtype, grad_recv_w [N] float32 or None)``: ``grad_y[n] = w[n] *
+            grad_out[t]`` (fp32 product, one rounding; ``w = 1`` unweighted; padding rows zero);
+            ``grad_recv_w[n] = sum_h y[n,h] * grad_out[t,h]`` (fp32), only when weighted and y is given.
+        """
+        self._check_handle(handle, "combine_bwd")
+        _check_bool(weighted, "weighted")
+        with _arrays.Call({"grad_out": grad_out, "y": y}, stream=stream) as call:
+            self._check_call(call, "combine_bwd")
+            _check_backend(handle, call, "combine_bwd")
+            sz = handle.sizes
+            g = call["grad_out"]
+            self._check_tokens(g, "grad_out", sz["T"], handle)
+            yv = call["y"]
+            if yv is not None:
+                self._check_tokens(yv, "y", sz["N"], handle)
+                if np.dtype(yv.dtype) != np.dtype(g.dtype):
+                    raise TypeError(f"y: dtype must match grad_out ({np.dtype(g.dtype).name}), got "
+                                    f"{np.dtype(yv.dtype).name}")
+                yv = _arrays.contiguous(call.xp, yv)
+            if weighted and not handle.state.get("has_weights"):
+                raise ValueError("combine_bwd: weighted=True needs topk_weights in dispatch")
+            g = _arrays.contiguous(call.xp, g)
+            if call.backend == "cpu":
+                gy, gw = _ref.combine_bwd([handle.state["ref"]], [g], None if yv is None else [yv],
+                                          weighted=weighted)[0]
+                return call.out(gy), (None if gw is None else call.out(gw))
+            recv_buf = self._forward(call, handle, g, None)
+            plan = _plan_view(handle)
+            if not weighted:
+                gy, _ = permutation.combine_backward(recv_buf, plan, stream=call.stream)
+                return call.out(gy), None
+            if yv is None:
+                gy, pp = permutation.dispatch(recv_buf, plan, _recv_wk(handle), stream=call.stream)
+                _scale_rows(call, gy, pp)
+                return call.out(gy), None
+            gy, gp = permutation.combine_backward(recv_buf, plan, yv, _recv_wk(handle), stream=call.stream)
+            N = sz["N"]
+            gw = call.xp.empty(N, np.float32)
+            if N:
+                _jit.launch(_jit.function(_FILE, "ep_gather_slots"), _grid(N, call.device_id), 256,
+                            (gp, handle.view("src_slot"), gw, np.int64(N)), stream=call.stream)
+            return call.out(gy), call.out(gw)
+
+
+# -- helpers ---------------------------------------------------------------------------------------------
+
+def _check_bool(v, name):
+    if not isinstance(v, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected a bool, got {type(v).__name__}")
+
+
+def _check_backend(handle, call, op):
+    hb = handle.state.get("backend")
+    if hb != call.backend or (hb == "cuda" and handle.state.get("device_id") != call.device_id):
+        raise ValueError(f"{op}: the handle was made on {hb} but the arrays are on {call.backend}")
+
+
+def _grid(n, device_id, threads=256):
+    if n <= 0:
+        return 0
+    cap = _jit.device_properties(device_id)["sm_count"] * 8
+    return max(1, min(-(-n // threads), cap))
+
+
+def routing_view(h):
+    return h.view("routing")
+
+
+def _recv_wk(h):
+    sz = h.sizes
+    return h.view("recv_wk")[:sz["rows"] * sz["K"]].reshape(sz["rows"], sz["K"])
+
+
+def _meta_host(h):
+    m = h.view("meta")
+    return m if isinstance(m, np.ndarray) else m.get()
+
+
+def _plan_view(h):
+    """A permutation Plan over the handle's regions (no copy), cached on the handle."""
+    plan = h.state.get("plan")
+    if plan is not None:
+        return plan
+    sz = h.sizes
+    rows, K, N = sz["rows"], sz["K"], sz["N"]
+    arrays = (h.view("dst_row")[:rows * K].reshape(rows, K), h.view("src_slot")[:N], h.view("seg_start"),
+              h.view("expert_counts"), h.view("tokens_per_expert"))
+    if hasattr(permutation.Plan, "from_arrays"):
+        plan = permutation.Plan.from_arrays(*arrays, num_rows=N, align_size=sz["A"], num_out_tokens=sz["num_out"])
+    else:  # pragma: no cover - older permutation module: fill the documented fields directly
+        plan = permutation.Plan()
+        plan.num_tokens, plan.topk, plan.num_experts, plan.num_rows = rows, K, sz["L"], N
+        plan.align_size, plan.num_out_tokens, plan.from_routing_map = sz["A"], sz["num_out"], False
+        plan.backend, plan.device_id = h.state["backend"], h.state["device_id"]
+        plan._v = dict(zip(("dst_row", "src_slot", "seg_start", "counts", "tokens_per_expert"), arrays))
+    h.state["plan"] = plan
+    return plan
+
+
+def _scale_rows(call, rows, w):
+    n, H = int(rows.shape[0]), int(rows.shape[1])
+    if n == 0 or H == 0:
+        return
+    isz = rows.dtype.itemsize
+    vec = (H * isz) % 16 == 0 and rows.data.ptr % 16 == 0
+    nper = 16 // isz if vec else 1
+    threads = int(min(512, max(32, -(-(H // nper) // 32) * 32)))
+    fn = _jit.function(_FILE, f"ep_scale_rows<{_jit.ctype(rows.dtype)}, {'true' if vec else 'false'}>")
+    _jit.launch(fn, _grid(n * 8, call.device_id, threads=8), threads, (rows, w, np.int64(n), np.int64(H)),
+                stream=call.stream)
+
+
+def _fill_from_reference(h, d):
+    """Write a reference plan (dict from moe_rt.reference.ep.prepare) into a CPU handle's regions."""
+    sz = h.sizes
+    R, me, Tmax, K, P = sz["R"], sz["rank"], sz["Tmax"], sz["K"], sz["P"]
+    meta = h.view("meta")
+    sc = d["send_counts"]
+    rc = d["recv_counts"]
+    meta[0:R] = sc
+    meta[R:2 * R] = rc
+    rl = d["recv_local"]
+    for s in range(R):
+        meta[2 * R + s] = int((rl[d["recv_src"] == s] >= 0).sum())
+    kept = lambda c: c if P is None else min(c, P)  # noqa: E731
+    so, o = [], 0
+    for dd in range(R):
+        so.append(o)
+        if dd != me:
+            o += kept(int(sc[dd])) if h.mode == "exact" else P
+    so.append(o)
+    meta[3 * R:4 * R + 1] = so
+    meta[4 * R + 1:5 * R + 1] = d["recv_offsets"]
+    meta[5 * R + 1] = d["num_recv_rows"]
+    meta[meta_index("pair_overflow", R)] = int(d["pair_overflow"])
+    meta[meta_index("expert_overflow", R)] = int(d["expert_overflow"])
+    meta[meta_index("total_slots", R)] = d["total_slots"]
+    meta[meta_index("num_tokens", R)] = d["num_tokens"]
+    meta[meta_index("recv_rows", R)] = int((d["recv_tok"] >= 0).sum())
+    meta[meta_index("send_rows", R)] = sum(kept(int(sc[x])) for x in range(R) if x != me)
+    routing = h.view("routing").reshape(R, Tmax * K + 1)
+    routing[...] = -1
+    idx = d["topk_idx"]
+    routing[me, :idx.size] = idx.reshape(-1)
+    routing[me, -1] = idx.shape[0]
+    send_tok = h.view("send_tok").reshape(R, P)
+    send_tok[...] = -1
+    send_pos = h.view("send_pos").reshape(R, Tmax)
+    send_pos[...] = -1
+    for dd in range(R):
+        toks = d["send_tokens"][dd]
+        send_tok[dd, :len(toks)] = toks
+        send_pos[dd, toks] = np.arange(len(toks))
+    recv_tok = h.view("recv_tok").reshape(R, P)
+    recv_tok[...] = -1
+    for s in range(R):
+        sel = (d["recv_src"] == s) & (d["recv_tok"] >= 0)
+        recv_tok[s, :int(sel.sum())] = d["recv_tok"][sel]
+    plan = d["plan"]
+    h.view("recv_local")[...] = rl.reshape(-1)
+    h.view("dst_row")[...] = plan["dst_row"].reshape(-1)
+    h.view("src_slot")[...] = plan["src_slot"]
+    h.view("seg_start")[...] = plan["seg_start"]
+    h.view("expert_counts")[...] = plan["counts"]
+    h.view("tokens_per_expert")[...] = plan["tokens_per_expert"]
