@@ -88,19 +88,9 @@ class JaxPlan:
 
 def _as_plan(views, static):
     """A moe_rt Plan over the five plan views (CuPy or NumPy)."""
-    num_experts, num_rows, align_size, num_out_tokens = static
-    plan = _perm.Plan()
-    dst = views[0]
-    plan.num_tokens, plan.topk = int(dst.shape[0]), int(dst.shape[1])
-    plan.num_experts, plan.num_rows, plan.align_size = num_experts, num_rows, align_size
-    plan.num_out_tokens = None if num_out_tokens < 0 else num_out_tokens
-    plan.from_routing_map = False
-    plan.backend = "cpu" if isinstance(dst, np.ndarray) else "cuda"
-    plan.device_id = 0 if plan.backend == "cpu" else dst.device.id
-    plan._v = dict(zip(_PLAN_ARRAYS, views))
-    for k, v in plan._v.items():
-        setattr(plan, k, v)
-    return plan
+    _, num_rows, align_size, num_out_tokens = static
+    return _perm.Plan.from_arrays(*views, num_rows=num_rows, align_size=align_size,
+                                  num_out_tokens=num_out_tokens)
 
 
 def make_plan(routing, num_experts: int, *, align_size: int = 1, num_out_tokens: int | None = None) -> JaxPlan:
@@ -118,7 +108,7 @@ def make_plan(routing, num_experts: int, *, align_size: int = 1, num_out_tokens:
 
     def fn(r):
         p = _perm.make_plan(r, E, align_size=align_size, num_out_tokens=num_out_tokens)
-        return [p._v[k] for k in _PLAN_ARRAYS]
+        return [getattr(p, k) for k in _PLAN_ARRAYS]
 
     arrays = _run(fn, specs, routing)
     return JaxPlan(arrays, E, N, align_size, -1 if num_out_tokens is None else num_out_tokens)

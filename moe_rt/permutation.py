@@ -97,6 +97,37 @@ class Plan:
     counts = property(lambda self: self._array("counts"))
     tokens_per_expert = property(lambda self: self._array("tokens_per_expert"))
 
+    @classmethod
+    def from_arrays(cls, dst_row, src_slot, seg_start, counts, tokens_per_expert, *, num_rows: int,
+                    align_size: int = 1, num_out_tokens: int | None = None) -> "Plan":
+        """Rebuild a plan from its five int32 arrays (any framework, one device; no copy), e.g. after
+        they travelled through a framework graph as plain tensors. Shapes are checked against each other;
+        the contents are trusted to come from :func:`make_plan`."""
+        names = ("dst_row", "src_slot", "seg_start", "counts", "tokens_per_expert")
+        given = dict(zip(names, (dst_row, src_slot, seg_start, counts, tokens_per_expert)))
+        call = _arrays.Call(given)
+        v = {k: call[k] for k in names}
+        for k, a in v.items():
+            _arrays.check_dtype(a, k, (np.dtype(np.int32),))
+        _arrays.check_ndim(v["dst_row"], "dst_row", 2)
+        T, K = (int(d) for d in v["dst_row"].shape)
+        E = int(v["counts"].shape[0]) if v["counts"].ndim == 1 else -1
+        N = _arrays.check_int(num_rows, "num_rows", low=0)
+        _arrays.check_shape(v["src_slot"], "src_slot", (N,))
+        _arrays.check_shape(v["seg_start"], "seg_start", (E + 1,))
+        _arrays.check_shape(v["counts"], "counts", (E,))
+        _arrays.check_shape(v["tokens_per_expert"], "tokens_per_expert", (E,))
+        plan = cls()
+        plan.num_tokens, plan.topk, plan.num_experts, plan.num_rows = T, K, E, N
+        plan.align_size = _arrays.check_int(align_size, "align_size", low=1)
+        plan.num_out_tokens = None if num_out_tokens is None or num_out_tokens < 0 else int(num_out_tokens)
+        plan.from_routing_map = False
+        plan.backend, plan.device_id = call.backend, call.device_id
+        plan._v = {k: _arrays.contiguous(call.xp, a) for k, a in v.items()}
+        plan._framework = call.framework
+        plan._exported = {k: a for k, a in given.items() if plan._v[k] is v[k]}
+        return plan
+
     def __repr__(self):
         return (f"Plan(num_tokens={self.num_tokens}, topk={self.topk}, num_experts={self.num_experts}, "
                 f"num_rows={self.num_rows}, align_size={self.align_size}, "

@@ -15,7 +15,6 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from moe_rt import _arrays
 from moe_rt import permutation as _perm
 
 __all__ = ["TorchPlan", "make_plan", "dispatch", "combine", "topk_with_score", "scores_for_aux_loss", "aux_loss"]
@@ -43,19 +42,8 @@ _PLAN_ARRAYS = ("dst_row", "src_slot", "seg_start", "counts", "tokens_per_expert
 
 def _to_plan(dst_row, src_slot, seg_start, counts, tpe, num_experts, num_rows, align_size, num_out_tokens):
     """A moe_rt Plan over the given tensors (no copy)."""
-    arrays = {"dst_row": dst_row, "src_slot": src_slot, "seg_start": seg_start, "counts": counts,
-              "tokens_per_expert": tpe}
-    call = _arrays.Call(arrays)
-    plan = _perm.Plan()
-    plan.num_tokens, plan.topk = int(dst_row.shape[0]), int(dst_row.shape[1])
-    plan.num_experts, plan.num_rows, plan.align_size = num_experts, num_rows, align_size
-    plan.num_out_tokens = None if num_out_tokens < 0 else num_out_tokens
-    plan.from_routing_map = False
-    plan.backend, plan.device_id = call.backend, call.device_id
-    plan._v = {k: call[k] for k in _PLAN_ARRAYS}
-    for k in _PLAN_ARRAYS:
-        setattr(plan, k, arrays[k])
-    return plan
+    return _perm.Plan.from_arrays(dst_row, src_slot, seg_start, counts, tpe, num_rows=num_rows,
+                                  align_size=align_size, num_out_tokens=num_out_tokens)
 
 
 @torch.library.custom_op("moe_rt::make_plan", mutates_args=())

@@ -71,3 +71,61 @@ def test_bad_plan_and_routing():
         mj.dispatch(jnp.zeros((2, 4)), object())
     with pytest.raises(ValueError, match="routing: expected a 2-D array"):
         mj.make_plan(jnp.zeros(3, jnp.int32), 4)
+
+
+# -- router ----------------------------------------------------------------------------------------------
+
+def _plain_topk(l, K, sf, pre, scale):
+    T = l.shape[0]
+    rows = jnp.arange(T)[:, None]
+    if sf == "softmax":
+        if pre:
+            a = jax.nn.softmax(l, -1)
+            v, i = jax.lax.top_k(a, K)
+            return jnp.zeros_like(a).at[rows, i].set(v) * scale
+        v, i = jax.lax.top_k(l, K)
+        return jnp.zeros_like(l).at[rows, i].set(jax.nn.softmax(v, -1)) * scale
+    a = jax.nn.sigmoid(l) if sf == "sigmoid" else jnp.sqrt(jax.nn.softplus(l))
+    v, i = jax.lax.top_k(a, K)
+    v = v / (v.sum(-1, keepdims=True) + 1e-20)
+    return jnp.zeros_like(a).at[rows, i].set(v) * scale
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("sf,pre", [("softmax", False), ("softmax", True), ("sigmoid", False),
+                                    ("sqrtsoftplus", False)])
+def test_topk_with_score_jit_grad(device, sf, pre, rng):
+    with _on(device):
+        T, E, K = 21, 16, 4
+        logits = jnp.asarray(rng.standard_normal((T, E)) + np.arange(E) * (1e-3 / E), jnp.float32)
+        gp = jnp.asarray(rng.standard_normal((T, E)), jnp.float32)
+        f = lambda l: (mj.topk_with_score(l, K, score_function=sf, use_pre_softmax=pre,  # noqa: E731
+                                          scaling_factor=1.5)[0] * gp).sum()
+        f2 = lambda l: (_plain_topk(l, K, sf, pre, 1.5) * gp).sum()  # noqa: E731
+        v1, g1 = jax.jit(jax.value_and_grad(f))(logits)
+        v2, g2 = jax.value_and_grad(f2)(logits)
+        np.testing.assert_allclose(v1, v2, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(g1), np.asarray(g2), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_aux_loss_jit_grad(device, rng):
+    with _on(device):
+        T, E, K = 25, 8, 2
+        logits = jnp.asarray(rng.standard_normal((T, E)) + np.arange(E) * 1e-4, jnp.float32)
+
+        def ours(l):
+            s, m = mj.scores_for_aux_loss(l, K, "softmax")
+            return mj.aux_loss(s, m.sum(0).astype(jnp.int32), T, E, K, 0.01)
+
+        def plain(l):
+            s = jax.nn.softmax(l, -1)
+            _, i = jax.lax.top_k(s, K)
+            tpe = jax.lax.stop_gradient(jnp.zeros_like(s).at[jnp.arange(T)[:, None], i].set(1.0).sum(0))
+            return (E * 0.01) / K / T / T * (s.sum(0) * tpe).sum()
+
+        v1, g1 = jax.jit(jax.value_and_grad(ours))(logits)
+        v2, g2 = jax.value_and_grad(plain)(logits)
+        assert v1.shape == ()
+        np.testing.assert_allclose(v1, v2, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(g1), np.asarray(g2), rtol=1e-5, atol=1e-8)

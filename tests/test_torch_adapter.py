@@ -88,3 +88,74 @@ def test_plan_type_is_checked():
         mt.dispatch(x, object())
     with pytest.raises(ValueError, match="routing: expected a 2-D array"):
         mt.make_plan(torch.zeros(3, dtype=torch.int32), 4)
+
+
+# -- router ----------------------------------------------------------------------------------------------
+
+def _plain_topk(l, K, sf, pre, scale):
+    if sf == "softmax":
+        if pre:
+            a = torch.softmax(l, -1)
+            v, i = a.topk(K)
+            return torch.zeros_like(a).scatter(1, i, v) * scale
+        v, i = l.topk(K)
+        return torch.zeros_like(l).scatter(1, i, torch.softmax(v, -1)) * scale
+    a = torch.sigmoid(l) if sf == "sigmoid" else torch.nn.functional.softplus(l).sqrt()
+    v, i = a.topk(K)
+    v = v / (v.sum(-1, keepdim=True) + 1e-20) if K > 1 else v
+    return torch.zeros_like(a).scatter(1, i, v) * scale
+
+
+def _tie_free_logits(T, E, gen, device):
+    ramp = torch.arange(E, dtype=torch.float32) * (1e-3 / E)
+    return (torch.randn(T, E, generator=gen) + ramp).to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("sf,pre", [("softmax", False), ("softmax", True), ("sigmoid", False),
+                                    ("sqrtsoftplus", False)])
+def test_topk_with_score_autograd_matches_plain_torch(device, sf, pre):
+    gen = torch.Generator().manual_seed(11)
+    T, E, K = 29, 16, 4
+    logits = _tie_free_logits(T, E, gen, device).requires_grad_()
+    gp = torch.randn(T, E, generator=gen).to(device)
+    probs, rmap = mt.topk_with_score(logits, K, score_function=sf, use_pre_softmax=pre, scaling_factor=1.5)
+    (g,) = torch.autograd.grad((probs * gp).sum(), logits)
+    l2 = logits.detach().clone().requires_grad_()
+    p2 = _plain_topk(l2, K, sf, pre, 1.5)
+    (g2,) = torch.autograd.grad((p2 * gp).sum(), l2)
+    assert torch.equal(rmap, p2 != 0)
+    torch.testing.assert_close(probs, p2, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(g, g2, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_router_aux_path_autograd_and_compile(device):
+    gen = torch.Generator().manual_seed(5)
+    T, E, K = 33, 8, 2
+    logits = _tie_free_logits(T, E, gen, device).requires_grad_()
+    gp = torch.randn(T, E, generator=gen).to(device)
+
+    def ours(l):
+        probs, _ = mt.topk_with_score(l, K, score_function="sigmoid", num_groups=4, group_topk=2)
+        s, m = mt.scores_for_aux_loss(l, K, "softmax")
+        loss = mt.aux_loss(s, m.sum(0).int(), T, E, K, 0.01)
+        assert loss.shape == ()
+        return (probs * gp).sum() + loss
+
+    def plain_aux(l):
+        s = torch.softmax(l, -1)
+        _, i = s.topk(K)
+        tpe = torch.zeros_like(s).scatter(1, i, 1.0).sum(0)
+        return (E * 0.01) / K / T / T * (s.sum(0) * tpe).sum()
+
+    (g,) = torch.autograd.grad(ours(logits) - (mt.topk_with_score(logits, K, score_function="sigmoid",
+                                                                     num_groups=4, group_topk=2)[0] * gp).sum(),
+                               logits)
+    (g2,) = torch.autograd.grad(plain_aux(logits), logits)
+    torch.testing.assert_close(g, g2, rtol=1e-5, atol=1e-7)
+    assert torch._dynamo.explain(ours)(logits).graph_break_count == 0
+    compiled = torch.compile(ours, fullgraph=True)
+    (gc,) = torch.autograd.grad(compiled(logits), logits)
+    (ge,) = torch.autograd.grad(ours(logits), logits)
+    torch.testing.assert_close(gc, ge)
