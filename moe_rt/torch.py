@@ -338,7 +338,7 @@ def _(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coeff):
 def _aux_bwd_op(grad: Tensor, num_rows: int, tokens_per_expert: Tensor, total_num_tokens: int, num_experts: int,
                 topk: int, coeff: float) -> Tensor:
     return _router().aux_loss_backward(grad.contiguous(), num_rows, tokens_per_expert, total_num_tokens,
-                                       num_experts, topk, coeff)
+                                       num_experts, topk, coeff).contiguous()
 
 
 @_aux_bwd_op.register_fake
