@@ -41,9 +41,11 @@ for _u in _UNITS.values():
 for _c in _jit.CTYPES.values():
     for _v in ("true", "false"):
         _names += [f"combine_rows<{_c}, {_v}, {_COMBINE_UNROLL}, {_COMBINE_KU}>",
-                   f"combine_bwd_rows<{_c}, {_v}, {_UNROLL}>"]
-# Tuning switch (benchmarked): streaming (evict-first) stores in dispatch.
+                   f"combine_rows<{_c}, {_v}, {_UNROLL}, 1>", f"combine_bwd_rows<{_c}, {_v}, {_UNROLL}>"]
+# Tuning switches (benchmarked): streaming (evict-first) stores in dispatch; combine's (unroll, slots per
+# load batch).
 _DISPATCH_STREAM_STORES = True
+_COMBINE_CFG = (_COMBINE_UNROLL, _COMBINE_KU)
 _names += ["plan_col_scan", "plan_offsets", "gather_slots"]
 _jit.register(_FILE, _names)
 
@@ -438,11 +440,11 @@ def _combine_cuda(call, yv, plan, pv):
     vec = (H * isz) % 16 == 0 and yv.data.ptr % 16 == 0 and out.data.ptr % 16 == 0
     n_per = 16 // isz if vec else 1
     c = _jit.ctype(yv.dtype)
-    fn = _jit.function(_FILE, f"combine_rows<{c}, {'true' if vec else 'false'}, {_COMBINE_UNROLL}, "
-                              f"{_COMBINE_KU}>")
+    unroll, ku = _COMBINE_CFG
+    fn = _jit.function(_FILE, f"combine_rows<{c}, {'true' if vec else 'false'}, {unroll}, {ku}>")
     smem = K * 8
     _jit.set_max_dynamic_shared(fn, smem)
-    _jit.launch(fn, T, _threads(H // n_per, _COMBINE_UNROLL), (yv, out, plan._v["dst_row"], pv if pv is not None else 0,
+    _jit.launch(fn, T, _threads(H // n_per, unroll), (yv, out, plan._v["dst_row"], pv if pv is not None else 0,
                                               np.int32(K), np.int64(H)), shared_mem=smem, stream=call.stream)
     return out
 

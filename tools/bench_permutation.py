@@ -160,6 +160,12 @@ def main():
         P._DISPATCH_STREAM_STORES = True
         gbs = nbytes["dispatch"] / (ms * 1e-3) / 1e9
         table.add(op="dispatch (plain st)", T=T, E=E, K=K, H=H, ms=ms, **{"GB/s": gbs, "% copy": 100 * gbs / copy_gbs})
+        P._COMBINE_CFG = (4, 1)
+        ms = timed(ours["combine"])
+        P._COMBINE_CFG = (P._COMBINE_UNROLL, P._COMBINE_KU)
+        gbs = nbytes["combine"] / (ms * 1e-3) / 1e9
+        table.add(op="combine (unroll 4, 1 slot)", T=T, E=E, K=K, H=H, ms=ms,
+                  **{"GB/s": gbs, "% copy": 100 * gbs / copy_gbs})
         # GPU time of make_plan alone, without host overhead: replay of a captured CUDA graph.
         try:
             cs = cupy.cuda.Stream(non_blocking=True)
