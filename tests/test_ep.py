@@ -1,0 +1,537 @@
+"""Expert parallelism: the R-rank NumPy reference (invariants, brute force), EpGroup's CPU path and its
+validation, the handle layout against include/moe_rt/moe_rt.h, the launcher and the shared-file
+bootstrap. The multi-GPU tests run tests/ep_worker.py under tools/launch.py on 2 GPUs."""
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moe_rt import _handle
+from moe_rt.ep import EpGroup, Handle
+from moe_rt.reference import ep as ref
+
+ROOT = Path(__file__).resolve().parent.parent
+LAUNCH = ROOT / "tools" / "launch.py"
+
+
+# -- routing generators (shared with tests/ep_worker.py) ---------------------------------------------------
+
+def make_routing(rng, T, E, K, kind="uniform"):
+    """[T,K] int32 routing: 'uniform' (distinct experts per token), 'skewed' (most tokens on few experts),
+    'one' (every token to expert 0 and nothing else), 'holes' (uniform with -1 entries)."""
+    if T == 0:
+        return np.zeros((0, K), np.int32)
+    if kind == "one":
+        idx = np.full((T, K), -1, np.int32)
+        idx[:, 0] = 0
+        return idx
+    if kind == "skewed":
+        p = np.exp(-np.arange(E) / max(1.0, E / 8))
+        scores = rng.random((T, E)) * p[None, :]
+    else:
+        scores = rng.random((T, E))
+    idx = np.argsort(-scores, axis=1)[:, :K].astype(np.int32)
+    if kind == "holes":
+        idx[rng.random((T, K)) < 0.3] = -1
+    return idx
+
+
+def _case(rng, R, E, K, Ts, kind, H=6, dtype=np.float32):
+    idx = [make_routing(rng, T, E, K, kind) for T in Ts]
+    x = [rng.standard_normal((T, H)).astype(dtype) for T in Ts]
+    w = [rng.random((T, K)).astype(np.float32) for T in Ts]
+    return idx, x, w
+
+
+CASES = [
+    (1, 4, 2, (5,), "uniform"),
+    (2, 8, 3, (7, 4), "uniform"),
+    (2, 8, 3, (9, 0), "holes"),
+    (4, 8, 4, (6, 3, 0, 5), "skewed"),
+    (4, 16, 5, (8, 8, 8, 8), "holes"),
+    (4, 8, 2, (5, 7, 1, 4), "one"),
+    (2, 4, 4, (6, 6), "uniform"),   # K > L
+]
+
+
+def _dot(a, b):
+    return float(np.vdot(np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()))
+
+
+# -- reference: layout and counts against brute force -----------------------------------------------------
+
+@pytest.mark.parametrize("align", [1, 4])
+@pytest.mark.parametrize("R,E,K,Ts,kind", CASES)
+def test_reference_layout_brute_force(rng, R, E, K, Ts, kind, align):
+    idx, x, w = _case(rng, R, E, K, Ts, kind)
+    L = E // R
+    hs = ref.prepare(idx, E, align_size=align)
+    outs = ref.dispatch(hs, x, w)
+    for d, (h, (rx, rw, tpe)) in enumerate(zip(hs, outs)):
+        # dedup: each token once per destination rank; counts = brute force
+        for s in range(R):
+            want = [t for t in range(Ts[s]) if any(e >= 0 and e // L == d for e in idx[s][t])]
+            assert hs[s]["send_counts"][d] == len(want)
+            assert list(hs[s]["send_tokens"][d]) == want
+            assert h["recv_counts"][s] == len(want)
+        brute = np.zeros(L, np.int64)
+        for s in range(R):
+            for e in idx[s].ravel():
+                if e >= 0 and e // L == d:
+                    brute[e % L] += 1
+        padded = (brute + align - 1) // align * align
+        assert np.array_equal(tpe, padded if align > 1 else brute)
+        assert np.array_equal(h["plan"]["counts"], brute)
+        # every expert-major row holds the right token and weight; others are zero
+        seen = 0
+        src = h["plan"]["src_slot"]
+        seg = h["plan"]["seg_start"]
+        for n in range(h["num_rows"]):
+            if src[n] < 0:
+                assert not rx[n].any() and rw[n] == 0
+                continue
+            r, k = divmod(int(src[n]), K)
+            s, t = int(h["recv_src"][r]), int(h["recv_tok"][r])
+            l_e = int(np.searchsorted(seg, n, side="right") - 1)
+            assert idx[s][t, k] == d * L + l_e
+            assert np.array_equal(rx[n], x[s][t]) and rw[n] == w[s][t, k]
+            seen += 1
+        assert seen == brute.sum()
+        # tokens ascending in (src, t) order inside each expert
+        for l_e in range(L):
+            rows = [int(src[n]) // K for n in range(seg[l_e], seg[l_e + 1]) if src[n] >= 0]
+            keys = [(int(h["recv_src"][r]), int(h["recv_tok"][r])) for r in rows]
+            assert keys == sorted(keys)
+        assert h["num_rows"] >= seg[L] and not h["overflow"]
+
+
+@pytest.mark.parametrize("R,E,K,Ts,kind", CASES)
+@pytest.mark.parametrize("mode", ["exact", "capacity"])
+def test_reference_adjoint_and_backward(rng, R, E, K, Ts, kind, mode):
+    idx, x, w = _case(rng, R, E, K, Ts, kind)
+    kw = {} if mode == "exact" else {"pair_capacity": max(Ts) or 1, "capacity": 10 ** 6}
+    hs = ref.prepare(idx, E, **kw)
+    outs = ref.dispatch(hs, x, w)
+    y = [rng.standard_normal(o[0].shape) for o in outs]
+    gout = [rng.standard_normal(xi.shape) for xi in x]
+    gw = [rng.standard_normal(o[1].shape).astype(np.float32) for o in outs]
+    # <D x, y> == <x, D^T y>  (unweighted combine is D^T)
+    lhs = sum(_dot(o[0], yi) for o, yi in zip(outs, y))
+    comb = ref.combine(hs, y, weighted=False)
+    assert np.isclose(lhs, sum(_dot(xi, ci) for xi, ci in zip(x, comb)), rtol=1e-10, atol=1e-10)
+    # dispatch_bwd: <D x, g> + <recv_w, g_w> == <x, grad_x> + <w, grad_w>
+    bwd = ref.dispatch_bwd(hs, y, gw)
+    lhs = sum(_dot(o[0], yi) + _dot(o[1], gi) for o, yi, gi in zip(outs, y, gw))
+    rhs = sum(_dot(xi, b[0]) + _dot(wi, b[1]) for xi, wi, b in zip(x, w, bwd))
+    assert np.isclose(lhs, rhs, rtol=1e-6, atol=1e-6)
+    # dispatch_bwd data part == unweighted combine
+    for b, c in zip(bwd, comb):
+        assert np.allclose(b[0], c)
+    # weighted combine and combine_bwd: <C_w y, g> == <y, C_w^T g>; sum_n w_n grad_w_n == <C_w y, g>
+    cw = ref.combine(hs, y, weighted=True)
+    cb = ref.combine_bwd(hs, gout, y, weighted=True)
+    lhs = sum(_dot(c, g) for c, g in zip(cw, gout))
+    assert np.isclose(lhs, sum(_dot(yi, b[0]) for yi, b in zip(y, cb)), rtol=1e-5, atol=1e-5)
+    assert np.isclose(lhs, sum(_dot(o[1], b[1]) for o, b in zip(outs, cb)), rtol=1e-5, atol=1e-5)
+    # without y: same grad_y, no weight gradient
+    cb0 = ref.combine_bwd(hs, gout, None, weighted=True)
+    for a, b in zip(cb0, cb):
+        assert b[1] is not None and a[1] is None
+        assert np.allclose(a[0], b[0])
+    # unweighted combine_bwd is dispatch
+    cu = ref.combine_bwd(hs, gout, weighted=False)
+    outs_g = ref.dispatch(hs, gout, w)
+    for a, o in zip(cu, outs_g):
+        assert np.array_equal(a[0], o[0])
+    # round trip: combine(dispatch(x)) unweighted == x * (number of kept slots of each token)
+    rt = ref.combine(hs, [o[0].astype(np.float64) for o in ref.dispatch(hs, [xi.astype(np.float64) for xi in x])],
+                     weighted=False)
+    for s in range(R):
+        n = (idx[s] >= 0).sum(axis=1, keepdims=True)
+        assert np.allclose(rt[s], x[s] * n)
+
+
+def test_reference_combine_rank_order_and_rounding(rng):
+    # bf16: each rank rounds its partial once, the owner sums partials in ascending rank order in fp64
+    from ml_dtypes import bfloat16
+
+    R, E, K = 2, 4, 4
+    idx = [np.array([[0, 1, 2, 3]], np.int32), np.zeros((0, K), np.int32)]
+    hs = ref.prepare(idx, E)
+    x = [np.ones((1, 8), bfloat16), np.zeros((0, 8), bfloat16)]
+    outs = ref.dispatch(hs, x, [np.ones((1, K), np.float32), np.zeros((0, K), np.float32)])
+    y = [np.full(o[0].shape, 1 / 3, bfloat16) for o in outs]
+    out = ref.combine(hs, y, weighted=False)[0]
+    part = (np.float64(np.full(1, 1 / 3, bfloat16)[0]) * 2)
+    want = np.float64(np.array([part], bfloat16)[0]) * 2
+    assert np.all(out.astype(np.float64) == np.float64(np.array([want], bfloat16)[0]))
+
+
+def test_reference_t0_everywhere():
+    idx = [np.zeros((0, 2), np.int32)] * 2
+    hs = ref.prepare(idx, 4)
+    outs = ref.dispatch(hs, [np.zeros((0, 3), np.float32)] * 2)
+    assert all(o[0].shape == (0, 3) for o in outs)
+    assert all(c.shape == (0, 3) for c in ref.combine(hs, [o[0] for o in outs], weighted=False))
+
+
+def test_reference_capacity_overflow_flagged(rng):
+    R, E, K = 2, 4, 2
+    idx = [make_routing(rng, 8, E, K, "one"), make_routing(rng, 8, E, K, "one")]
+    # every token to expert 0 on rank 0: 16 slots arrive there
+    ok = ref.prepare(idx, E, pair_capacity=8, capacity=16)
+    assert not any(h["overflow"] for h in ok)
+    over = ref.prepare(idx, E, pair_capacity=8, capacity=10)
+    assert over[0]["overflow"] and over[0]["expert_overflow"] and not over[1]["overflow"]
+    assert over[0]["plan"]["counts"].sum() == 10  # the first 10 slots in expert-major order are kept
+    pair = ref.prepare(idx, E, pair_capacity=5, capacity=100)
+    assert pair[0]["pair_overflow"] and pair[1]["pair_overflow"]  # both ends of the (1 -> 0) pair know
+    assert pair[0]["recv_counts"][1] == 8 and (pair[0]["recv_src"] == 1).sum() == 5
+    # dropped rows contribute nothing and get zero gradients
+    x = [rng.standard_normal((8, 3)) for _ in range(R)]
+    outs = ref.dispatch(pair, x)
+    back = ref.combine(pair, [o[0] for o in outs], weighted=False)
+    assert np.allclose(back[1][:5], x[1][:5]) and not back[1][5:].any()
+
+
+def test_reference_rejects_bad_ids():
+    with pytest.raises(ValueError, match="expert ids"):
+        ref.prepare([np.array([[0, 4]], np.int32)], 4)
+    with pytest.raises(ValueError, match="expert ids"):
+        ref.prepare([np.array([[0, -2]], np.int32)], 4)
+    with pytest.raises(ValueError, match="same K"):
+        ref.prepare([np.zeros((1, 2), np.int32), np.zeros((1, 3), np.int32)], 4)
+    with pytest.raises(ValueError, match="divisible"):
+        ref.prepare([np.zeros((1, 2), np.int32)] * 3, 4)
+
+
+# -- EpGroup on the CPU (1 rank) ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["exact", "capacity"])
+@pytest.mark.parametrize("align", [1, 8])
+def test_group_cpu_matches_reference(rng, mode, align):
+    E, K, T, H = 8, 3, 11, 16
+    g = EpGroup(None, E, H, 16, mode=mode, align_size=align)
+    idx = make_routing(rng, T, E, K, "holes")
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    w = rng.random((T, K)).astype(np.float32)
+    h = g.prepare(idx)
+    rx, rw, tpe = g.dispatch(h, x, w)
+    kw = {} if mode == "exact" else {"pair_capacity": 16, "capacity": 16 * min(K, E)}
+    hs = ref.prepare([idx], E, align_size=align, **kw)
+    want = ref.dispatch(hs, [x], [w])[0]
+    assert np.array_equal(rx, want[0]) and np.array_equal(rw, want[1]) and np.array_equal(tpe, want[2])
+    y = rng.standard_normal(rx.shape).astype(np.float32)
+    assert np.array_equal(g.combine(h, y), ref.combine(hs, [y])[0])
+    assert np.array_equal(g.combine(h, y, weighted=False), ref.combine(hs, [y], weighted=False)[0])
+    gx, gw = g.dispatch_bwd(h, y, rw)
+    r = ref.dispatch_bwd(hs, [y], [rw])[0]
+    assert np.array_equal(gx, r[0]) and np.array_equal(gw, r[1])
+    gy, grw = g.combine_bwd(h, x, y)
+    r = ref.combine_bwd(hs, [x], [y])[0]
+    assert np.array_equal(gy, r[0]) and np.array_equal(grw, r[1])
+    assert not h.overflow()
+    g.check_overflow(h)
+
+
+def test_group_cpu_torch_tensors(rng):
+    torch = pytest.importorskip("torch")
+    g = EpGroup(None, 4, 8, 8)
+    idx = torch.tensor(make_routing(rng, 5, 4, 2))
+    h = g.prepare(idx)
+    x = torch.randn(5, 8)
+    rx, rw, tpe = g.dispatch(h, x, torch.rand(5, 2))
+    assert isinstance(rx, torch.Tensor) and rx.shape == (10, 8)
+    out = g.combine(h, rx, weighted=False)
+    assert torch.allclose(out, 2 * x)
+
+
+def test_group_cpu_overflow(rng):
+    g = EpGroup(None, 4, 4, 8, mode="capacity", capacity=3)
+    h = g.prepare(make_routing(rng, 8, 4, 1, "one"))
+    assert h.overflow()
+    with pytest.raises(RuntimeError, match="overflow"):
+        g.check_overflow(h)
+    rx, _, tpe = g.dispatch(h, np.ones((8, 4), np.float32))
+    assert tpe.tolist() == [3, 0, 0, 0] and rx.shape == (3, 4)
+
+
+class _FakeComm:
+    rank, size, device, closed = 0, 2, 0, False
+
+    def all_gather(self, *a):
+        raise AssertionError("must not be called")
+
+    send = recv = group_start = group_end = all_gather
+
+
+def test_group_validation(rng):
+    with pytest.raises(ValueError, match="num_experts"):
+        EpGroup(_FakeComm(), 5, 4, 4)
+    with pytest.raises(TypeError, match="comm"):
+        EpGroup(object(), 4, 4, 4)
+    with pytest.raises(ValueError, match="mode"):
+        EpGroup(None, 4, 4, 4, mode="fast")
+    with pytest.raises(ValueError, match="capacity"):
+        EpGroup(None, 4, 4, 4, capacity=3)
+    with pytest.raises(TypeError, match="hidden"):
+        EpGroup(None, 4, 4.0, 4)
+    with pytest.raises(ValueError, match="timeout"):
+        EpGroup(None, 4, 4, 4, timeout=0)
+    with pytest.raises(TypeError, match="dtype"):
+        EpGroup(None, 4, 4, 4, dtype=np.int32)
+    # a multi-rank group cannot run on CPU arrays
+    with pytest.raises(TypeError, match="CUDA arrays"):
+        EpGroup(_FakeComm(), 4, 4, 4).prepare(np.zeros((2, 1), np.int32))
+
+    g = EpGroup(None, 4, 8, 6)
+    with pytest.raises(ValueError, match="expert ids"):
+        g.prepare(np.array([[0, 4]], np.int32))
+    with pytest.raises(TypeError, match="topk_idx"):
+        g.prepare(np.zeros((2, 2), np.float32))
+    with pytest.raises(ValueError, match="max_tokens_per_rank"):
+        g.prepare(np.zeros((7, 2), np.int32))
+    with pytest.raises(ValueError, match="topk_idx"):
+        g.prepare(np.zeros(4, np.int32))
+    h = g.prepare(np.array([[0, 1], [2, -1], [3, 3]], np.int32))
+    with pytest.raises(ValueError, match="K must be 2"):
+        g.prepare(np.zeros((2, 3), np.int32))
+    x = rng.standard_normal((3, 8)).astype(np.float32)
+    with pytest.raises(ValueError, match="x: expected shape"):
+        g.dispatch(h, x[:2])
+    with pytest.raises(ValueError, match="x: expected shape"):
+        g.dispatch(h, np.zeros((3, 7), np.float32))
+    with pytest.raises(TypeError, match="x: dtype"):
+        g.dispatch(h, x.astype(np.int32))
+    with pytest.raises(ValueError, match="topk_weights"):
+        g.dispatch(h, x, np.ones((3, 3), np.float32))
+    with pytest.raises(TypeError, match="handle"):
+        g.dispatch("handle", x)
+    rx, rw, _ = g.dispatch(h, x)
+    with pytest.raises(ValueError, match="weighted=True"):
+        g.combine(h, rx)
+    with pytest.raises(TypeError, match="y: dtype"):  # dtype fixed by dispatch
+        g.combine(h, rx.astype(np.float16), weighted=False)
+    with pytest.raises(ValueError, match="y: expected shape"):
+        g.combine(h, rx[:-1], weighted=False)
+    with pytest.raises(TypeError, match="weighted"):
+        g.combine(h, rx, weighted=1)
+    with pytest.raises(ValueError, match="grad_recv_w"):
+        g.dispatch_bwd(h, rx, np.zeros(rx.shape[0] + 1, np.float32))
+    with pytest.raises(ValueError, match="grad_out"):
+        g.combine_bwd(h, rx, weighted=False)
+    # a handle of another group, a closed handle, a closed group
+    other = EpGroup(None, 4, 8, 6)
+    with pytest.raises(ValueError, match="belongs to EP group"):
+        other.dispatch(h, x)
+    h.close()
+    with pytest.raises(ValueError, match="closed"):
+        g.dispatch(h, x)
+    with pytest.raises(ValueError, match="closed"):
+        h.view("meta")
+    g.close()
+    with pytest.raises(ValueError, match="closed"):
+        g.prepare(np.zeros((1, 2), np.int32))
+    # a fixed group dtype
+    g16 = EpGroup(None, 4, 8, 6, dtype=np.float16)
+    h = g16.prepare(np.zeros((3, 2), np.int32))
+    with pytest.raises(TypeError, match="float16"):
+        g16.dispatch(h, x)
+
+
+def test_env_timeout(monkeypatch):
+    monkeypatch.setenv("MOE_RT_EP_TIMEOUT", "7.5")
+    assert EpGroup(None, 4, 4, 4).timeout == 7.5
+    monkeypatch.setenv("MOE_RT_EP_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="MOE_RT_EP_TIMEOUT"):
+        EpGroup(None, 4, 4, 4)
+
+
+# -- the handle layout ---------------------------------------------------------------------------------------
+
+HEADER = ROOT / "include" / "moe_rt" / "moe_rt.h"
+
+
+def test_header_regions_match_python():
+    text = HEADER.read_text()
+    enum = re.findall(r"MOE_RT_EP_([A-Z_]+) = (\d+),", text)
+    names = [n.lower() for n, _ in enum if n != "NUM_REGIONS"]
+    assert names == [r[0] for r in _handle.REGIONS]
+    assert [int(i) for _, i in enum[:len(names)]] == list(range(len(names)))
+    for name, off, _ in _handle.META_FIELDS:
+        m = re.search(rf"#define MOE_RT_EP_META_{name.upper()}\(R\) (.+)", text)
+        assert m, name
+        for R in (1, 2, 3, 8):
+            c_expr = m.group(1).replace("(R)", "R")
+            assert eval(c_expr, {"R": R}) == eval(off, {"R": R}), name
+    assert f"#define MOE_RT_EP_HANDLE_ALIGN {_handle.ALIGN}" in text
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
+def test_header_layout_compiles_and_agrees(tmp_path):
+    sizes = [(1, 4, 5, 2, 5, 5, 10), (2, 3, 7, 3, 7, 11, 29), (4, 32, 4096, 8, 4096, 16384, 131072),
+             (8, 1, 1, 1, 1, 0, 0)]
+    src = tmp_path / "t.c"
+    body = "\n".join(
+        f"  {{ moe_rt_ep_handle_desc d = {{{R}, {L}, {Tm}, {K}, {P}, {rows}, {N}}}; moe_rt_ep_handle_layout(&d);"
+        f" for (int i = 0; i < MOE_RT_EP_NUM_REGIONS; ++i) printf(\"%llu \", (unsigned long long)d.offset[i]);"
+        f" printf(\"%llu\\n\", (unsigned long long)d.total_bytes); }}"
+        for R, L, Tm, K, P, rows, N in sizes)
+    src.write_text(f'#include <stdio.h>\n#include "moe_rt/moe_rt.h"\nint main(void) {{\n{body}\n  return 0;\n}}\n')
+    cc = shutil.which("cc") or shutil.which("gcc")
+    exe = tmp_path / "t"
+    subprocess.run([cc, "-std=c99", "-Wall", "-Werror", f"-I{ROOT / 'include'}", str(src), "-o", str(exe)],
+                   check=True)
+    lines = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split("\n")
+    for line, (R, L, Tm, K, P, rows, N) in zip(lines, sizes):
+        lay, total = _handle.layout(R, L, Tm, K, P, rows, N)
+        want = [lay[name][0] for name, _, _ in _handle.REGIONS] + [total]
+        assert [int(v) for v in line.split()] == want
+
+
+def test_handle_regions_and_dlpack(rng):
+    E, K, T = 8, 2, 6
+    g = EpGroup(None, E, 4, 8, align_size=2)
+    idx = make_routing(rng, T, E, K, "holes")
+    h = g.prepare(idx)
+    assert isinstance(h, Handle) and h.mode == "exact" and h.group_id == g.id
+    d = ref.prepare([idx], E, align_size=2)[0]
+    lay, total = _handle.layout(1, E, 8, K, 8, d["num_recv_rows"], d["num_rows"])
+    assert h.layout == lay and h.nbytes == total
+    assert all(off % _handle.ALIGN == 0 for off, _, _ in lay.values())
+    assert np.array_equal(h.view("seg_start"), d["plan"]["seg_start"])
+    assert np.array_equal(h.view("tokens_per_expert"), d["tokens_per_local_expert"])
+    assert np.array_equal(h.view("dst_row").reshape(-1, K), d["plan"]["dst_row"])
+    assert np.array_equal(h.view("recv_local").reshape(-1, K), d["recv_local"])
+    meta = h.view("meta")
+    assert meta[_handle.meta_index("num_tokens", 1)] == T
+    assert meta[_handle.meta_index("total_slots", 1)] == (idx >= 0).sum()
+    routing = h.view("routing")
+    assert np.array_equal(routing[:T * K], idx.ravel()) and routing[-1] == T
+    u8 = np.from_dlpack(h)
+    assert u8.dtype == np.uint8 and u8.shape == (total,)
+    assert "Handle(" in repr(h)
+    h.close()
+    h.close()
+    with pytest.raises(ValueError):
+        np.from_dlpack(h)
+
+
+# -- launcher and bootstrap (CPU, 2 processes) -------------------------------------------------------------------
+
+def _launch(tmp_path, script_text, n=2, extra=(), timeout=60):
+    script = tmp_path / "s.py"
+    script.write_text(textwrap.dedent(script_text))
+    return subprocess.run([sys.executable, str(LAUNCH), "-n", str(n), *extra, str(script)], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_launcher_env_and_prefix(tmp_path):
+    r = _launch(tmp_path, """
+        import os
+        print("env", os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"],
+              os.environ["NCCL_NVLS_ENABLE"], bool(os.environ["MOE_RT_UID_FILE"]))
+    """)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "[rank 0] env 0 2 0 0 True" in r.stdout and "[rank 1] env 1 2 1 0 True" in r.stdout
+
+
+def test_launcher_failure_stops_the_others(tmp_path):
+    import time
+
+    t0 = time.monotonic()
+    r = _launch(tmp_path, """
+        import os, sys, time
+        if os.environ["RANK"] == "1":
+            sys.exit(3)
+        time.sleep(60)
+    """, extra=("--grace", "2"))
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert "rank 1 exited with status 3" in r.stdout
+    assert time.monotonic() - t0 < 30
+
+
+def test_launcher_timeout(tmp_path):
+    r = _launch(tmp_path, "import time; time.sleep(60)\n", extra=("--timeout", "1", "--grace", "1"))
+    assert r.returncode == 124
+
+
+def test_shared_file_bootstrap_two_processes(tmp_path):
+    r = _launch(tmp_path, """
+        import os
+        from moe_rt.bootstrap import share_bytes_via_file
+        rank = int(os.environ["RANK"])
+        data = share_bytes_via_file(os.environ["MOE_RT_UID_FILE"], rank, lambda: os.urandom(128), timeout=30)
+        assert len(data) == 128
+        print("uid", data.hex())
+    """)
+    assert r.returncode == 0, r.stdout + r.stderr
+    uids = re.findall(r"\[rank \d\] uid ([0-9a-f]+)", r.stdout)
+    assert len(uids) == 2 and uids[0] == uids[1]
+
+
+def test_shared_file_bootstrap_timeout(tmp_path):
+    from moe_rt.bootstrap import share_bytes_via_file
+
+    with pytest.raises(TimeoutError, match="did not appear"):
+        share_bytes_via_file(tmp_path / "never", 1, timeout=0.2)
+
+
+def test_bootstrap_store_and_env(monkeypatch):
+    from moe_rt import bootstrap
+
+    class Store(dict):
+        def set(self, k, v):
+            self[k] = v
+
+        def get(self, k):
+            return self[k]
+
+    monkeypatch.setattr(bootstrap, "get_unique_id", lambda: b"\x07" * 128)
+    st = Store()
+    assert bootstrap.unique_id_from_store(st, 0) == b"\x07" * 128
+    assert bootstrap.unique_id_from_store(st, 1) == b"\x07" * 128
+    st["bad"] = b"x"
+    with pytest.raises(RuntimeError, match="128-byte"):
+        bootstrap.unique_id_from_store(st, 1, key="bad")
+    monkeypatch.delenv("NCCL_COMM_ID", raising=False)
+    with pytest.raises(RuntimeError, match="NCCL_COMM_ID"):
+        bootstrap.unique_id_from_env()
+    with pytest.raises(ValueError, match="method"):
+        bootstrap.init_communicator(0, 1, 0, method="carrier-pigeon")
+
+
+# -- multi-GPU: tests/ep_worker.py on 2 GPUs ------------------------------------------------------------------
+
+def _run_worker(*args, timeout=240):
+    env = dict(os.environ, MOE_RT_EP_TIMEOUT="60")
+    r = subprocess.run([sys.executable, str(LAUNCH), "-n", "2", "--timeout", str(timeout),
+                        str(ROOT / "tests" / "ep_worker.py"), *args], capture_output=True, text=True, env=env,
+                       timeout=timeout + 60)
+    print(r.stdout[-20000:])
+    print(r.stderr[-5000:])
+    return r
+
+
+@pytest.mark.multi_gpu
+def test_multi_gpu_ep_against_reference():
+    r = _run_worker("correctness")
+    assert r.returncode == 0 and "[rank 0] ALL OK" in r.stdout
+
+
+@pytest.mark.multi_gpu
+def test_multi_gpu_graph_determinism_memory():
+    r = _run_worker("graph")
+    assert r.returncode == 0 and "[rank 0] ALL OK" in r.stdout
+
+
+@pytest.mark.multi_gpu
+def test_multi_gpu_dead_peer_times_out():
+    r = _run_worker("dead_peer", timeout=120)
+    assert r.returncode == 0 and "[rank 0] DEAD PEER OK" in r.stdout
