@@ -2,10 +2,24 @@
 
 Router ops, single-GPU dispatch/combine and expert parallelism over NCCL, as CUDA kernels compiled at run
 time; arrays from torch, JAX, CuPy or NumPy go in and come back out in the same framework by DLPack.
-CPU arrays run the NumPy reference of every op.
+CPU arrays run the NumPy reference of every op. Autograd-aware wrappers: ``moe_rt.torch``, ``moe_rt.jax``.
 """
 from moe_rt._version import __version__
 from moe_rt._comm import Communicator, NcclError, get_unique_id, nccl_version
 from moe_rt import _common_ops  # noqa: F401 - registers the utility kernels
+from moe_rt.router import (aux_loss, aux_loss_backward, scores_for_aux_loss, scores_for_aux_loss_backward,
+                           topk_indices_with_score, topk_with_score, topk_with_score_backward)
+from moe_rt.permutation import (Plan, combine, combine_backward, dispatch, dispatch_backward, make_plan,
+                                sort_chunks, sort_chunks_backward)
 
-__all__ = ["__version__", "Communicator", "NcclError", "get_unique_id", "nccl_version"]
+__all__ = [
+    "__version__",
+    # router
+    "topk_with_score", "topk_with_score_backward", "topk_indices_with_score", "scores_for_aux_loss",
+    "scores_for_aux_loss_backward", "aux_loss", "aux_loss_backward",
+    # dispatch/combine on one GPU
+    "Plan", "make_plan", "dispatch", "combine", "dispatch_backward", "combine_backward", "sort_chunks",
+    "sort_chunks_backward",
+    # NCCL
+    "Communicator", "NcclError", "get_unique_id", "nccl_version",
+]
