@@ -1,4 +1,5 @@
-"""Command line: ``python -m moe_rt info`` (environment report)."""
+"""Command line: ``python -m moe_rt info`` (environment report), ``python -m moe_rt demo`` (a MoE layer,
+forward and backward, checked against plain framework code and timed per stage)."""
 from __future__ import annotations
 
 import argparse
@@ -13,6 +14,15 @@ def _version_of(module: str):
     except Exception as e:  # noqa: BLE001 - report any import failure as absent
         return None, f"{type(e).__name__}: {e}".splitlines()[0][:120]
     return getattr(m, "__version__", "?"), None
+
+
+def _gpu_count() -> int:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount()
+    except Exception:  # noqa: BLE001 - no CuPy, no driver or no device
+        return 0
 
 
 def _fmt_cuda_version(v: int) -> str:
@@ -83,6 +93,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m moe_rt", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, GPUs, NCCL, kernel cache, frameworks")
+    sub.add_parser("demo", help="a MoE layer forward+backward on moe_rt, checked and timed", add_help=False)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "demo":
+        from moe_rt import demo
+
+        return demo.main(argv[1:])
     args = p.parse_args(argv)
     if args.command == "info":
         print("\n".join(info_lines()))

@@ -14,3 +14,15 @@ def test_info_runs_everywhere():
 def test_unknown_command_fails():
     r = subprocess.run([sys.executable, "-m", "moe_rt", "nope"], capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
+
+
+def test_demo_on_the_reference_path():
+    import pytest
+
+    pytest.importorskip("torch")
+    r = subprocess.run([sys.executable, "-m", "moe_rt", "demo", "--cpu", "--steps", "2", "--tokens", "96"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "NumPy reference path" in r.stdout
+    assert "MISMATCH" not in r.stdout and r.stdout.count(" ok") == 7
+    assert "tokens/s" in r.stdout
