@@ -84,6 +84,12 @@ def device_name() -> str:
 
 
 def git_commit() -> str:
+    """The commit being measured: MOE_RT_COMMIT (set by whoever copies the tree to a GPU machine without
+    its .git), else git."""
+    import os
+
+    if os.environ.get("MOE_RT_COMMIT"):
+        return os.environ["MOE_RT_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
                                        stderr=subprocess.DEVNULL).strip()
@@ -103,6 +109,7 @@ class Table:
             "device": device_name(),
             "date": datetime.date.today().isoformat(),
             "commit": git_commit(),
+            "columns": columns,
         }
 
     def add(self, **row):
@@ -112,7 +119,7 @@ class Table:
     def header(self):
         print(f"\n## {self.title} ({self.meta['device']}, {self.meta['date']}, commit {self.meta['commit']})")
         for k, v in self.meta.items():
-            if k not in ("title", "device", "date", "commit"):
+            if k not in ("title", "device", "date", "commit", "columns"):
                 print(f"- {k}: {v}")
         print("| " + " | ".join(self.columns) + " |")
         print("|" + "---|" * len(self.columns))
