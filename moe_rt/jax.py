@@ -96,7 +96,7 @@ def _as_plan(views, static):
 def make_plan(routing, num_experts: int, *, align_size: int = 1, num_out_tokens: int | None = None) -> JaxPlan:
     """:func:`moe_rt.permutation.make_plan` for JAX (jit-compatible): ``routing`` is ``topk_idx [T,K]``
     int32 (-1 = none) or ``routing_map [T,E]`` bool."""
-    routing = jnp.asarray(routing)
+    routing = jax.lax.stop_gradient(jnp.asarray(routing))  # discrete: no derivative flows through a plan
     if routing.ndim != 2:
         raise ValueError(f"routing: expected a 2-D array, got shape {routing.shape}")
     T = routing.shape[0]

@@ -16,12 +16,14 @@ def test_unknown_command_fails():
     assert r.returncode != 0
 
 
-def test_demo_on_the_reference_path():
-    import pytest
+import pytest  # noqa: E402
 
-    pytest.importorskip("torch")
-    r = subprocess.run([sys.executable, "-m", "moe_rt", "demo", "--cpu", "--steps", "2", "--tokens", "96"],
-                       capture_output=True, text=True, timeout=300)
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_demo_on_the_reference_path(framework):
+    pytest.importorskip(framework)
+    r = subprocess.run([sys.executable, "-m", "moe_rt", "demo", "--framework", framework, "--cpu", "--steps",
+                        "2", "--tokens", "96"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "NumPy reference path" in r.stdout
     assert "MISMATCH" not in r.stdout and r.stdout.count(" ok") == 7
