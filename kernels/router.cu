@@ -287,8 +287,12 @@ __device__ void group_scores_reg(const unsigned* keys, int G, int n, int m, unsi
       unsigned other[MM];
 #pragma unroll
       for (int u = 0; u < MM; ++u) other[u] = __shfl_xor_sync(FULL_MASK, top[u], off);
+      // both lists are sorted: stop at the first key that no longer enters
 #pragma unroll
-      for (int u = 0; u < MM; ++u) insert_top<MM>(top, other[u]);
+      for (int u = 0; u < MM; ++u) {
+        if (other[u] <= top[MM - 1]) break;
+        insert_top<MM>(top, other[u]);
+      }
     }
     if (act && sub == 0) {
       float s = 0.0f;
