@@ -316,7 +316,7 @@ __device__ void group_scores_reg(const unsigned* keys, int G, int n, int m, unsi
   }
 }
 
-// Any m: one thread per group, m rounds of "next in order" (O(m * n); only for m > 16).
+// Any m: one thread per group, m rounds of "next in order" (O(m * n); only for m > 8).
 template <int TEAM>
 __device__ void group_scores_any(const unsigned* keys, int G, int n, int m, unsigned* gkey) {
   for (int j = Team<TEAM>::rank(); j < G; j += TEAM) {
@@ -344,7 +344,6 @@ __device__ __forceinline__ void group_scores(const unsigned* keys, int G, int n,
   else if (m == 2) group_scores_reg<TEAM, 2>(keys, G, n, m, gkey);
   else if (m <= 4) group_scores_reg<TEAM, 4>(keys, G, n, m, gkey);
   else if (m <= 8) group_scores_reg<TEAM, 8>(keys, G, n, m, gkey);
-  else if (m <= 16) group_scores_reg<TEAM, 16>(keys, G, n, m, gkey);
   else group_scores_any<TEAM>(keys, G, n, m, gkey);
 }
 
