@@ -1,0 +1,274 @@
+"""Per-rank worker of the multi-GPU EP tests; run under the launcher, one process per GPU:
+
+    python tools/launch.py -n 2 tests/ep_worker.py correctness|graph|dead_peer
+
+Every rank draws every rank's inputs from the same seed, runs its own share on its GPU through EpGroup,
+and compares with the NumPy R-rank reference (moe_rt.reference.ep). Prints "ALL OK" (or "DEAD PEER OK")
+on success; any mismatch raises, so the rank exits non-zero and the launcher fails.
+"""
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+RANK = int(os.environ["RANK"])
+WORLD = int(os.environ["WORLD_SIZE"])
+DEV = int(os.environ.get("LOCAL_RANK", RANK))
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def setup():
+    import cupy as cp
+
+    cp.cuda.Device(DEV).use()
+    from moe_rt.bootstrap import init_communicator
+
+    return cp, init_communicator(method="file")
+
+
+def routing(rng, T, E, K, kind):
+    from test_ep import make_routing
+
+    return make_routing(rng, T, E, K, kind)
+
+
+def bf16():
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def _np(a):
+    return a.get() if hasattr(a, "get") else np.asarray(a)
+
+
+def close(name, got, want, dtype):
+    got, want = _np(got), _np(want)
+    assert got.shape == want.shape, (name, got.shape, want.shape)
+    if np.dtype(dtype) == np.float32:
+        tol = dict(rtol=1e-5, atol=1e-5)
+    else:
+        tol = dict(rtol=2e-2, atol=2e-2)
+    g, w = got.astype(np.float64), want.astype(np.float64)
+    if not np.allclose(g, w, **tol):
+        bad = np.argwhere(~np.isclose(g, w, **tol))[:5]
+        raise AssertionError(f"{name}: mismatch at {bad.tolist()}: {g[tuple(bad[0])]} vs {w[tuple(bad[0])]}")
+
+
+def same(name, got, want):
+    got, want = _np(got), _np(want)
+    assert got.shape == want.shape, (name, got.shape, want.shape)
+    if not np.array_equal(got.view(np.uint8) if got.dtype.itemsize == 2 else got,
+                          want.view(np.uint8) if want.dtype.itemsize == 2 else want):
+        raise AssertionError(f"{name}: not bitwise equal")
+
+
+def one_case(cp, comm, seed, E, K, H, Ts, Tmax, kind, mode, align, dtype):
+    from moe_rt.ep import EpGroup
+    from moe_rt.reference import ep as ref
+
+    rng = np.random.default_rng(seed)
+    idx = [routing(rng, T, E, K, kind) for T in Ts]
+    x = [rng.standard_normal((T, H)).astype(np.float32).astype(dtype) for T in Ts]
+    w = [rng.random((T, K)).astype(np.float32) for T in Ts]
+    L = E // WORLD
+    kw = {} if mode == "exact" else {"pair_capacity": Tmax, "capacity": WORLD * Tmax * min(K, L)}
+    hs = ref.prepare(idx, E, align_size=align, **kw)
+    routs = ref.dispatch(hs, x, w)
+    g = EpGroup(comm, E, H, Tmax, mode=mode, align_size=align, timeout=60)
+    h = g.prepare(cp.asarray(idx[RANK]))
+    rx, rw, tpe = g.dispatch(h, cp.asarray(x[RANK]), cp.asarray(w[RANK]))
+    tag = f"[{kind} {mode} A={align} {np.dtype(dtype).name} H={H} T={Ts}]"
+    same(f"recv_x {tag}", rx, routs[RANK][0])
+    same(f"recv_w {tag}", rw, routs[RANK][1])
+    same(f"tokens_per_local_expert {tag}", tpe, routs[RANK][2])
+    assert not h.overflow()
+    y = [rng.standard_normal(o[0].shape).astype(np.float32).astype(dtype) for o in routs]
+    gout = [rng.standard_normal((T, H)).astype(np.float32).astype(dtype) for T in Ts]
+    gw = [rng.standard_normal(o[1].shape).astype(np.float32) for o in routs]
+    yd = cp.asarray(y[RANK])
+    for weighted in (True, False):
+        out = g.combine(h, yd, weighted=weighted)
+        close(f"combine w={weighted} {tag}", out, ref.combine(hs, y, weighted=weighted)[RANK], dtype)
+        same(f"combine determinism {tag}", out, g.combine(h, yd, weighted=weighted))
+    gx, gwt = g.dispatch_bwd(h, yd, cp.asarray(gw[RANK]))
+    rgx, rgw = ref.dispatch_bwd(hs, y, gw)[RANK]
+    close(f"dispatch_bwd x {tag}", gx, rgx, dtype)
+    same(f"dispatch_bwd w {tag}", gwt, rgw)
+    gx2, none = g.dispatch_bwd(h, yd)
+    assert none is None
+    same(f"dispatch_bwd x without w {tag}", gx2, gx)
+    god = cp.asarray(gout[RANK])
+    gy, grw = g.combine_bwd(h, god, yd, weighted=True)
+    rgy, rgrw = ref.combine_bwd(hs, gout, y, weighted=True)[RANK]
+    same(f"combine_bwd y {tag}", gy, rgy)
+    close(f"combine_bwd w {tag}", grw, rgrw, np.float32 if np.dtype(dtype) == np.float32 else dtype)
+    gy2, none = g.combine_bwd(h, god, None, weighted=True)
+    assert none is None
+    same(f"combine_bwd y without y {tag}", gy2, gy)
+    gy3, _ = g.combine_bwd(h, god, weighted=False)
+    same(f"combine_bwd unweighted {tag}", gy3, ref.combine_bwd(hs, gout, weighted=False)[RANK][0])
+    h.close()
+
+
+def correctness(cp, comm):
+    f32, b16, f16 = np.float32, bf16(), np.float16
+    n = 0
+    for mode in ("exact", "capacity"):
+        for kind, Ts in (("uniform", (48, 37)), ("skewed", (64, 20)), ("one", (30, 41)), ("holes", (33, 50)),
+                         ("uniform", (40, 0)), ("holes", (0, 0))):
+            for align, dtype, H in ((1, f32, 256), (8, b16, 512), (1, f16, 100)):
+                one_case(cp, comm, 1000 + n, 16, 4, H, Ts, 64, kind, mode, align, dtype)
+                n += 1
+    # K > L, E = R
+    one_case(cp, comm, 7, 2, 2, 64, (10, 12), 16, "uniform", "exact", 1, f32)
+    one_case(cp, comm, 8, 8, 6, 64, (10, 12), 16, "holes", "capacity", 4, b16)
+    # capacity overflow is flagged, never silent
+    from moe_rt.ep import EpGroup
+
+    g = EpGroup(comm, 4, 64, 32, mode="capacity", capacity=10, timeout=60)
+    idx = np.full((32, 2), -1, np.int32)
+    idx[:, 0] = 0
+    h = g.prepare(cp.asarray(idx))
+    rx, _, tpe = g.dispatch(h, cp.ones((32, 64), cp.float32))
+    if RANK == 0:
+        assert h.overflow()
+        try:
+            g.check_overflow(h)
+            raise AssertionError("no overflow error")
+        except RuntimeError as e:
+            assert "overflow" in str(e)
+        assert int(tpe.get()[0]) == 10
+    else:
+        assert not h.overflow()
+    log(f"{n + 3} cases OK")
+
+
+def graph(cp, comm):
+    from moe_rt.ep import EpGroup
+    from moe_rt.reference import ep as ref
+
+    E, K, H, Tmax = 16, 4, 256, 128
+    dtype = bf16()
+    L = E // WORLD
+    g = EpGroup(comm, E, H, Tmax, mode="capacity", timeout=60)
+    stream = cp.cuda.Stream(non_blocking=True)
+    pool = cp.cuda.MemoryPool()
+
+    def inputs(seed):
+        rng = np.random.default_rng(seed)
+        idx = [routing(rng, Tmax, E, K, "holes") for _ in range(WORLD)]
+        x = [rng.standard_normal((Tmax, H)).astype(np.float32).astype(dtype) for _ in range(WORLD)]
+        w = [rng.random((Tmax, K)).astype(np.float32) for _ in range(WORLD)]
+        return idx, x, w
+
+    with cp.cuda.using_allocator(pool.malloc), stream:
+        idx, x, w = inputs(0)
+        s_idx, s_x, s_w = cp.asarray(idx[RANK]), cp.asarray(x[RANK]), cp.asarray(w[RANK])
+
+        def step():
+            h = g.prepare(s_idx)
+            rx, rw, tpe = g.dispatch(h, s_x, s_w)
+            out = g.combine(h, rx, weighted=True)
+            return h, rx, rw, tpe, out
+
+        eager = step()
+        stream.synchronize()
+        stream.begin_capture()
+        captured = step()
+        gr = stream.end_capture()
+    kw = {"pair_capacity": Tmax, "capacity": WORLD * Tmax * min(K, L)}
+    first = None
+    for i in range(100):
+        idx, x, w = inputs(i)
+        s_idx.set(idx[RANK], stream=stream)
+        s_x.set(x[RANK], stream=stream)
+        s_w.set(w[RANK], stream=stream)
+        gr.launch(stream)
+        stream.synchronize()
+        hs = ref.prepare(idx, E, **kw)
+        routs = ref.dispatch(hs, x, w)
+        _, rx, rw, tpe, out = captured
+        same(f"graph recv_x {i}", rx, routs[RANK][0])
+        same(f"graph recv_w {i}", rw, routs[RANK][1])
+        same(f"graph tpe {i}", tpe, routs[RANK][2])
+        close(f"graph combine {i}", out, ref.combine(hs, [o[0] for o in routs], weighted=True)[RANK], dtype)
+        if i == 0:
+            first = out.get()
+    # bitwise identical across replays and against the eager run with the same inputs
+    idx, x, w = inputs(0)
+    s_idx.set(idx[RANK], stream=stream)
+    s_x.set(x[RANK], stream=stream)
+    s_w.set(w[RANK], stream=stream)
+    gr.launch(stream)
+    stream.synchronize()
+    same("graph replay determinism", captured[4], first)
+    same("graph vs eager", captured[4], eager[4])
+    log("graph: 100 replays OK")
+
+    # 1000 eager iterations per mode: pool memory stays flat
+    mp = cp.get_default_memory_pool()
+    for mode in ("exact", "capacity"):
+        g2 = EpGroup(comm, E, H, Tmax, mode=mode, timeout=60)
+        rng = np.random.default_rng(5)
+        d_idx = cp.asarray(routing(rng, 100, E, K, "uniform"))
+        d_x = cp.asarray(rng.standard_normal((100, H)).astype(np.float32))
+        d_w = cp.asarray(rng.random((100, K)).astype(np.float32))
+        ref_out = None
+        for it in range(1000):
+            h = g2.prepare(d_idx)
+            rx, rw, _ = g2.dispatch(h, d_x, d_w)
+            out = g2.combine(h, rx)
+            h.close()
+            if it == 10:
+                cp.cuda.Device().synchronize()
+                base = mp.total_bytes()
+                ref_out = out.get()
+            if it == 999:
+                same(f"1000 iterations determinism {mode}", out, ref_out)
+        cp.cuda.Device().synchronize()
+        assert mp.total_bytes() <= base, (mode, mp.total_bytes(), base)
+    log("memory: 1000 iterations flat")
+
+
+def dead_peer(cp, comm):
+    from moe_rt import NcclError
+    from moe_rt.ep import EpGroup
+
+    g = EpGroup(comm, 4, 64, 32, timeout=20)
+    idx = np.tile(np.array([[0, 3]], np.int32), (32, 1))
+    h = g.prepare(cp.asarray(idx))
+    if RANK == 1:
+        log("rank 1 leaves without dispatch")
+        os._exit(0)
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    try:
+        g.dispatch(h, cp.ones((32, 64), cp.float32))
+        g.synchronize()
+        raise AssertionError("dispatch with a dead peer completed")
+    except (TimeoutError, NcclError) as e:
+        dt = time.monotonic() - t0
+        log(f"got {type(e).__name__} after {dt:.1f} s: {e}")
+        assert dt < 60, dt
+    log("DEAD PEER OK")
+    os._exit(0)  # the aborted communicator's stream may still hold NCCL work; skip teardown
+
+
+def main():
+    what = sys.argv[1] if len(sys.argv) > 1 else "correctness"
+    cp, comm = setup()
+    {"correctness": correctness, "graph": graph, "dead_peer": dead_peer}[what](cp, comm)
+    cp.cuda.Device().synchronize()
+    comm.close()
+    log("ALL OK")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+#!/usr/bin/env python3
+"""Benchmark expert-parallel prepare / dispatch / combine on 2 GPUs (one process each).
+
+    python tools/bench_ep.py [--json FILE] [--quick]     # launches itself on 2 local GPUs
+    python tools/launch.py -n 2 tools/bench_ep.py ...    # the same, explicitly
+
+Shapes: T in {512, 4096, 16384} tokens per rank, H=7168, bf16, E=256, K=8, uniform random top-k routing.
+For each mode (exact; capacity eager; capacity as one CUDA graph of prepare+dispatch+combine) it times
+prepare, dispatch, combine and the round trip, and side by side in the same run:
+
+(a) the torch.distributed pipeline a user writes: stable argsort permute (K rows per token), all-to-all of
+    per-expert counts, ``.tolist()``, ``all_to_all_single`` with splits, chunk sort to expert-major; and
+    the reverse for combine (weighted unpermute);
+(b) a raw ``all_to_all_single`` moving the bytes moe_rt puts on the wire (own share excluded).
+
+Rank 0 prints the table; ``--json`` writes it. Times are rank 0's CUDA-event medians (ranks are
+synchronized before every case).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+
+def _relaunch() -> int:
+    cmd = [sys.executable, os.path.join(HERE, "launch.py"), "-n", os.environ.get("MOE_RT_BENCH_EP_NPROC", "2"),
+           "--timeout", "1500", os.path.abspath(__file__), *sys.argv[1:]]
+    return subprocess.call(cmd)
+
+
+def main():
+    import benchlib
+    import cupy as cp
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    ap = benchlib.parser(__doc__.splitlines()[0])
+    ap.add_argument("--tokens", default="512,4096,16384")
+    args = ap.parse_args()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dev = int(os.environ.get("LOCAL_RANK", rank))
+    torch.cuda.set_device(dev)
+    cp.cuda.Device(dev).use()
+    dist.init_process_group("nccl", init_method="file://" + os.environ["MOE_RT_UID_FILE"] + ".torch",
+                            rank=rank, world_size=world, device_id=torch.device("cuda", dev))
+    from moe_rt.bootstrap import init_communicator
+    from moe_rt.ep import EpGroup
+
+    comm = init_communicator(method="file")
+    E, K, H = 256, 8, 7168
+    L = E // world
+    Ts = [512] if args.quick else [int(t) for t in args.tokens.split(",")]
+    iters, warm = args.iters, args.warmup
+    table = benchlib.Table("EP dispatch/combine (moe_rt vs torch.distributed)",
+                           ["op", "mode", "T", "ms", "wire_MB", "wire_GB/s", "torch_ms", "raw_a2a_ms",
+                            "x_vs_torch", "x_vs_raw"])
+    table.meta.update(ranks=world, experts=E, topk=K, hidden=H, dtype="bfloat16")
+    if rank == 0:
+        table.header()
+    bar = torch.zeros(1, device="cuda")
+
+    def barrier():
+        torch.cuda.synchronize()
+        dist.all_reduce(bar)
+        torch.cuda.synchronize()
+
+    def timed(fn):
+        barrier()
+        return benchlib.time_cuda(fn, iters=iters, warmup=warm)
+
+    for T in Ts:
+        g_ = torch.Generator(device="cuda").manual_seed(1234 + rank)
+        idx = torch.topk(torch.rand(T, E, device="cuda", generator=g_), K, dim=1).indices.to(torch.int32)
+        w = torch.rand(T, K, device="cuda", generator=g_)
+        x = torch.randn(T, H, device="cuda", generator=g_).to(torch.bfloat16)
+
+        # ---- (a) the torch pipeline ----
+        def torch_dispatch():
+            flat = idx.view(-1).long()
+            order = torch.argsort(flat, stable=True)
+            xp = x.index_select(0, order // K)
+            counts = torch.bincount(flat, minlength=E)
+            rcounts = torch.empty_like(counts)
+            dist.all_to_all_single(rcounts, counts)
+            send = counts.view(world, L).sum(1).tolist()
+            rmat = rcounts.view(world, L)
+            recv = rmat.sum(1).tolist()
+            rx = torch.empty(sum(recv), H, dtype=x.dtype, device="cuda")
+            dist.all_to_all_single(rx, xp, recv, send)
+            chunks = torch.split(rx, rmat.reshape(-1).tolist())
+            em = torch.cat([chunks[s * L + l_] for l_ in range(L) for s in range(world)])
+            return em, order, send, recv, rmat
+
+        def torch_combine(st, y):
+            em, order, send, recv, rmat = st
+            sizes = rmat.t().reshape(-1).tolist()
+            chunks = torch.split(y, sizes)
+            src_major = torch.cat([chunks[l_ * world + s] for s in range(world) for l_ in range(L)])
+            back = torch.empty(T * K, H, dtype=y.dtype, device="cuda")
+            dist.all_to_all_single(back, src_major, send, recv)
+            un = torch.empty_like(back)
+            un[order] = back
+            return (un.view(T, K, H).float() * w.unsqueeze(-1)).sum(1).to(y.dtype)
+
+        st = torch_dispatch()
+        t_tdisp = timed(torch_dispatch)
+        t_tcomb = timed(lambda: torch_combine(st, st[0]))
+        t_trt = timed(lambda: torch_combine(torch_dispatch(), st[0]))
+
+        for mode in ("exact", "capacity", "capacity+graph"):
+            m = "capacity" if mode.startswith("capacity") else "exact"
+            grp = EpGroup(comm, E, H, T, mode=m)
+            h = grp.prepare(idx)
+            rx, rw, tpe = grp.dispatch(h, x, w)
+            y = rx
+            sz = h.sizes
+            if m == "exact":
+                send_rows = int(grp._send_rows(h))
+            else:
+                send_rows = (world - 1) * sz["P"]
+            wire = send_rows * H * 2
+            wire_w = send_rows * K * 4
+            # (b) raw all_to_all_single of the same bytes (own share excluded)
+            per_peer = send_rows // max(world - 1, 1)
+            splits = [0 if p == rank else per_peer for p in range(world)]
+            a2a_in = torch.empty(sum(splits), H, dtype=torch.bfloat16, device="cuda")
+            a2a_out = torch.empty_like(a2a_in)
+
+            def raw():
+                dist.all_to_all_single(a2a_out, a2a_in, splits, splits)
+
+            t_raw = timed(raw)
+            if mode == "capacity+graph":
+                stream = cp.cuda.Stream(non_blocking=True)
+                pool = cp.cuda.MemoryPool()
+                with cp.cuda.using_allocator(pool.malloc), stream:
+                    xs, ws, ids = cp.asarray(x), cp.asarray(w), cp.asarray(idx)
+
+                    def step():
+                        hh = grp.prepare(ids)
+                        r, _, _ = grp.dispatch(hh, xs, ws)
+                        return grp.combine(hh, r)
+
+                    step()
+                    stream.synchronize()
+                    stream.begin_capture()
+                    step()
+                    graph = stream.end_capture()
+                barrier()
+                t_rt = benchlib.time_cuda(lambda: graph.launch(stream), iters=iters, warmup=warm, stream=stream)
+                rows = [("round trip (graph)", t_rt, 2 * (wire + wire_w), t_trt, 2 * t_raw)]
+                del graph, pool
+            else:
+                t_prep = timed(lambda: grp.prepare(idx))
+                t_disp = timed(lambda: grp.dispatch(h, x, w))
+                t_comb = timed(lambda: grp.combine(h, y))
+
+                def rt():
+                    hh = grp.prepare(idx)
+                    r, _, _ = grp.dispatch(hh, x, w)
+                    return grp.combine(hh, r)
+
+                t_rt = timed(rt)
+                rows = [("prepare", t_prep, 0, None, None), ("dispatch", t_disp, wire + wire_w, t_tdisp, t_raw),
+                        ("combine", t_comb, wire, t_tcomb, t_raw),
+                        ("round trip", t_rt, 2 * wire + wire_w, t_trt, 2 * t_raw)]
+            if rank == 0:
+                for op, ms, nbytes, tms, rawms in rows:
+                    table.add(op=op, mode=mode, T=T, ms=ms, wire_MB=nbytes / 1e6,
+                              **{"wire_GB/s": (nbytes / (ms * 1e-3) / 1e9) if nbytes else None},
+                              torch_ms=tms, raw_a2a_ms=rawms,
+                              x_vs_torch=(tms / ms) if tms else None, x_vs_raw=(ms / rawms) if rawms else None)
+            del h, rx, rw, y, a2a_in, a2a_out
+            cp.get_default_memory_pool().free_all_blocks()
+        del st
+        torch.cuda.empty_cache()
+    barrier()
+    if rank == 0:
+        table.finish(args.json)
+    comm.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    if "WORLD_SIZE" not in os.environ:
+        sys.exit(_relaunch())
+    main()
