@@ -74,7 +74,7 @@ def run_torch(cfg: Config, device: str) -> dict:
 
     def moe_rt_layer():
         with timer("router"):
-            logits = x @ w_router
+            logits = x.float() @ w_router.float()  # fp32 router: bf16 logits would tie between experts
             probs, rmap = mt.topk_with_score(logits, K, score_function="softmax")
             scores, smap = mt.scores_for_aux_loss(logits.float(), K, "softmax")
             aux = mt.aux_loss(scores, smap.sum(0, dtype=torch.int32), T, E, K, cfg.aux_coeff)
@@ -90,8 +90,8 @@ def run_torch(cfg: Config, device: str) -> dict:
         return y, aux
 
     def plain_layer():
-        logits = x @ w_router
-        v, idx = logits.float().topk(K, dim=-1)
+        logits = x.float() @ w_router.float()
+        v, idx = logits.topk(K, dim=-1)
         weights = torch.softmax(v, -1)
         y = torch.zeros(T, H, device=device, dtype=torch.float32)
         for e in range(E):
@@ -198,7 +198,7 @@ def run_jax(cfg: Config, device: str) -> dict:
         return jax.lax.ragged_dot(h.astype(dtype), w2, gs).astype(dtype)
 
     def router(x, wr):
-        logits = x @ wr
+        logits = x.astype(jnp.float32) @ wr.astype(jnp.float32)  # fp32 router, as in the torch layer
         probs, rmap = mj.topk_with_score(logits, K, score_function="softmax")
         scores, smap = mj.scores_for_aux_loss(logits.astype(jnp.float32), K, "softmax")
         aux = mj.aux_loss(scores, smap.sum(0).astype(jnp.int32), T, E, K, cfg.aux_coeff)
@@ -217,7 +217,7 @@ def run_jax(cfg: Config, device: str) -> dict:
 
     def plain_layer(p):
         x, wr, w1, w3, w2 = p
-        logits = (x @ wr).astype(jnp.float32)
+        logits = x.astype(jnp.float32) @ wr.astype(jnp.float32)
         v, idx = jax.lax.top_k(logits, K)
         w = jax.nn.softmax(v, -1)
         flat = idx.reshape(-1)
