@@ -139,7 +139,7 @@ def main():
                 stream = cp.cuda.Stream(non_blocking=True)
                 pool = cp.cuda.MemoryPool()
                 with cp.cuda.using_allocator(pool.malloc), stream:
-                    xs, ws, ids = cp.asarray(x), cp.asarray(w), cp.asarray(idx)
+                    xs, ws, ids = cp.from_dlpack(x), cp.from_dlpack(w), cp.from_dlpack(idx)  # DLPack: CAI has no bf16
 
                     def step():
                         hh = grp.prepare(ids)
