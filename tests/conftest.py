@@ -4,6 +4,10 @@ import os
 import numpy as np
 import pytest
 
+# JAX grabs 75% of GPU memory on first use by default; in one test process beside torch and CuPy it must
+# allocate on demand instead, or memory-hungry tests later in the run find the device full.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 
 def _gpu_count() -> int:
     try:
