@@ -13,8 +13,6 @@ given as a ``cupy.cuda.Stream``, a ``torch.cuda.Stream``, any object with ``__cu
 """
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 
 from moe_rt import _dlpack
@@ -28,10 +26,6 @@ except ImportError:  # pragma: no cover - ml_dtypes is a dependency
 
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), BFLOAT16)
 INDEX_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
-
-
-def dtype_name(dt) -> str:
-    return np.dtype(dt).name
 
 
 def _framework_of(obj) -> str:
@@ -240,19 +234,6 @@ def export(arr, framework: str):
     raise ValueError(f"unknown framework {framework!r}")
 
 
-def as_numpy(obj, name="array"):
-    """Any CPU or CUDA array as NumPy (copying from the device when needed); for tests and references."""
-    if isinstance(obj, np.ndarray):
-        return obj
-    mod = type(obj).__module__.split(".")[0]
-    if mod == "cupy":
-        return obj.get()
-    kind, _ = _device_of(obj, name)
-    if kind == "cuda":
-        return wrap(_dlpack.consume(obj, stream=1)).get()
-    return np.array(wrap(_dlpack.consume(obj)), copy=True)
-
-
 # -- validation helpers used by every op ---------------------------------------------------------------
 
 def check_dtype(arr, name, allowed):
@@ -287,6 +268,3 @@ def check_int(value, name, *, low=None, high=None):
         raise ValueError(f"{name}: must be <= {high}, got {value}")
     return value
 
-
-def is_module_loaded(name: str) -> bool:
-    return name in sys.modules

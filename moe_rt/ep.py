@@ -325,8 +325,6 @@ class EpGroup:
         return h
 
     def _prepare_cuda(self, call, idx, T, K):
-        import cupy
-
         xp, s = call.xp, call.stream
         sz = self._sizes(T, K)
         R, me, L, Tmax, P = sz["R"], sz["rank"], sz["L"], sz["Tmax"], sz["P"]
@@ -458,24 +456,33 @@ class EpGroup:
                          np.int64(units)), stream=s)
         if R > 1:
             sc, so, rc, ro = self._host_counts(h)
-            comm = self.comm
-            comm.group_start()
-            try:
-                for p in range(R):
-                    if p == me:
-                        continue
-                    if sc[p]:
-                        comm.send(send_buf.data.ptr + so[p] * rb, sc[p] * rb, "uint8", p, s.ptr)
-                        if w is not None:
-                            comm.send(send_w.data.ptr + so[p] * K * 4, sc[p] * K * 4, "uint8", p, s.ptr)
-                    if rc[p]:
-                        comm.recv(recv_buf.data.ptr + ro[p] * rb, rc[p] * rb, "uint8", p, s.ptr)
-                        if w is not None:
-                            comm.recv(recv_w.data.ptr + ro[p] * K * 4, rc[p] * K * 4, "uint8", p, s.ptr)
-            finally:
-                comm.group_end()
+            self._exchange(s, rb, K, (send_buf, send_w if w is not None else None, sc, so),
+                           (recv_buf, recv_w if w is not None else None, rc, ro))
         self._last_stream = s
         return recv_buf
+
+    def _exchange(self, s, rb, K, send, recv):
+        """One grouped NCCL exchange with every peer. ``send`` and ``recv`` are ``(rows, weights or None,
+        counts[R], offsets[R])``: peer p gets ``counts[p]`` rows of ``rb`` bytes (and K fp32 weights each)
+        from row ``offsets[p]``. The rank's own share never goes through NCCL."""
+        (s_rows, s_w, sc, so), (r_rows, r_w, rc, ro) = send, recv
+        comm, me = self.comm, self.rank
+        wb = K * 4
+        comm.group_start()
+        try:
+            for p in range(comm.size):
+                if p == me:
+                    continue
+                if sc[p]:
+                    comm.send(s_rows.data.ptr + so[p] * rb, sc[p] * rb, "uint8", p, s.ptr)
+                    if s_w is not None:
+                        comm.send(s_w.data.ptr + so[p] * wb, sc[p] * wb, "uint8", p, s.ptr)
+                if rc[p]:
+                    comm.recv(r_rows.data.ptr + ro[p] * rb, rc[p] * rb, "uint8", p, s.ptr)
+                    if r_w is not None:
+                        comm.recv(r_w.data.ptr + ro[p] * wb, rc[p] * wb, "uint8", p, s.ptr)
+        finally:
+            comm.group_end()
 
     def _backward(self, call, h, z, zw, T, out_dtype, want_w):
         """Send each source's partial rows z [rows,H] (and zw [rows,K]) back; the owner sums over ranks."""
@@ -488,22 +495,8 @@ class EpGroup:
         back_w = xp.empty((send_rows, K), np.float32) if zw is not None else None
         if R > 1:
             sc, so, rc, ro = self._host_counts(h)
-            comm = self.comm
-            comm.group_start()
-            try:
-                for p in range(R):
-                    if p == me:
-                        continue
-                    if rc[p]:
-                        comm.send(z.data.ptr + ro[p] * rb, rc[p] * rb, "uint8", p, s.ptr)
-                        if zw is not None:
-                            comm.send(zw.data.ptr + ro[p] * K * 4, rc[p] * K * 4, "uint8", p, s.ptr)
-                    if sc[p]:
-                        comm.recv(back.data.ptr + so[p] * rb, sc[p] * rb, "uint8", p, s.ptr)
-                        if zw is not None:
-                            comm.recv(back_w.data.ptr + so[p] * K * 4, sc[p] * K * 4, "uint8", p, s.ptr)
-            finally:
-                comm.group_end()
+            # the reverse of dispatch: what was received goes back, into the rows that were sent
+            self._exchange(s, rb, K, (z, zw, rc, ro), (back, back_w, sc, so))
         out = xp.empty((T, H), out_dtype)
         gw = xp.empty((T, K), np.float32) if want_w else None
         if T:
