@@ -5,8 +5,9 @@ Each op lowers to ``jax.experimental.buffer_callback``: inside a jitted computat
 XLA's device buffers and XLA's stream, imports them by DLPack (no copy), runs moe_rt's kernels on that stream
 (or the NumPy reference for CPU buffers), and writes the results into XLA's output buffers. Results are
 computed into moe_rt's own buffers and then copied into XLA's (one device copy of each output; op outputs
-written in place are planned). ``vmap`` is not supported (the callback raises JAX's error for it); map over
-tokens by reshaping instead, since every op is already batched over tokens.
+written in place are planned). Under ``vmap`` each op runs once per batch element, in order (a loop, not
+a batched kernel): every op is already batched over tokens, so folding a batch of token sets into the token
+dimension is the fast path where the math allows it (router ops, one plan for all tokens).
 
 Dispatch plans travel as :class:`JaxPlan`, a pytree of int32 arrays with the static sizes as metadata, so a
 plan can be passed through ``jit``, ``grad``, ``checkpoint`` and ``custom_vjp`` residuals.
@@ -23,7 +24,8 @@ from jax.experimental.buffer_callback import buffer_callback
 from moe_rt import _arrays
 from moe_rt import permutation as _perm
 
-__all__ = ["JaxPlan", "make_plan", "dispatch", "combine", "topk_with_score", "scores_for_aux_loss", "aux_loss"]
+__all__ = ["JaxPlan", "make_plan", "dispatch", "combine", "topk_with_score", "scores_for_aux_loss", "aux_loss",
+           "JaxEpHandle", "ep_prepare", "ep_dispatch", "ep_combine"]
 
 _PLAN_ARRAYS = ("dst_row", "src_slot", "seg_start", "counts", "tokens_per_expert")
 
@@ -49,7 +51,9 @@ def _run(fn, out_specs, *inputs):
                 dst = call[f"o{j}"]
                 if dst.size:
                     dst[...] = r
-    return buffer_callback(callback, list(out_specs))(*[inputs[i] for i in present])
+    # vmap runs the callback once per batch element (every op is already batched over tokens; a batch of
+    # plans or routings is a loop), in order, which also keeps EP collectives matched across ranks.
+    return buffer_callback(callback, list(out_specs), vmap_method="sequential")(*[inputs[i] for i in present])
 
 
 def _spec(shape, dtype):
@@ -327,3 +331,8 @@ _aux.defvjp(_aux_fwd, _aux_bwd)
 def aux_loss(probs, tokens_per_expert, total_num_tokens: int, num_experts: int, topk: int, coeff: float):
     """Differentiable :func:`moe_rt.router.aux_loss` for JAX: a 0-d loss; the gradient flows to ``probs``."""
     return _aux(probs, tokens_per_expert, int(total_num_tokens), int(num_experts), int(topk), float(coeff))
+
+
+# -- expert parallelism ------------------------------------------------------------------------------
+
+from moe_rt._jax_ep import JaxEpHandle, ep_combine, ep_dispatch, ep_prepare  # noqa: E402

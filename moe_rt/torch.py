@@ -17,7 +17,8 @@ from torch import Tensor
 
 from moe_rt import permutation as _perm
 
-__all__ = ["TorchPlan", "make_plan", "dispatch", "combine", "topk_with_score", "scores_for_aux_loss", "aux_loss"]
+__all__ = ["TorchPlan", "make_plan", "dispatch", "combine", "topk_with_score", "scores_for_aux_loss", "aux_loss",
+           "TorchEpHandle", "ep_prepare", "ep_dispatch", "ep_combine"]
 
 
 # -- plans -------------------------------------------------------------------------------------------
@@ -367,3 +368,8 @@ def aux_loss(probs: Tensor, tokens_per_expert: Tensor, total_num_tokens: int, nu
              coeff: float) -> Tensor:
     """Differentiable :func:`moe_rt.router.aux_loss` (a 0-d tensor); the gradient flows to ``probs``."""
     return _aux_op(probs, tokens_per_expert, int(total_num_tokens), int(num_experts), int(topk), float(coeff))
+
+
+# -- expert parallelism ------------------------------------------------------------------------------
+
+from moe_rt._torch_ep import TorchEpHandle, ep_combine, ep_dispatch, ep_prepare  # noqa: E402

@@ -1,0 +1,198 @@
+"""JAX adapters for expert parallelism (re-exported by :mod:`moe_rt.jax`).
+
+JAX needs static shapes, so the group must be in capacity mode (``EpGroup(..., mode="capacity")``): no
+host sync, fixed buffer sizes, overflow flagged in the handle. The handle travels as a :class:`JaxEpHandle`
+pytree (the uint8 handle buffer and ``tokens_per_expert``; the group id, T, K and N as static data), so it
+passes through ``jit``, ``grad``, ``checkpoint`` and ``custom_vjp`` residuals. ``ep_dispatch`` and
+``ep_combine`` are ``custom_vjp`` functions over ``buffer_callback`` whose backward passes call
+:meth:`EpGroup.dispatch_bwd` / :meth:`EpGroup.combine_bwd`.
+
+Every op is a collective: each process (one GPU each, e.g. under ``jax.distributed``) must run the same
+program, so the EP calls happen in the same order on every rank.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moe_rt import _ep_adapt as _A
+from moe_rt.jax import _run, _spec
+
+__all__ = ["JaxEpHandle", "ep_prepare", "ep_dispatch", "ep_combine"]
+
+
+@jax.tree_util.register_pytree_node_class
+class JaxEpHandle:
+    """An EP plan as JAX arrays: ``buffer`` (uint8, the :class:`moe_rt.Handle` buffer) and
+    ``tokens_per_expert`` (int32 ``[L]``); static ``group_id``, ``num_tokens`` (T), ``topk`` (K),
+    ``num_rows`` (N, the rows of ``recv_x``)."""
+
+    def __init__(self, buffer, tokens_per_expert, group_id, num_tokens, topk, num_rows):
+        self.buffer, self.tokens_per_expert = buffer, tokens_per_expert
+        self.group_id, self.num_tokens, self.topk, self.num_rows = (int(group_id), int(num_tokens), int(topk),
+                                                                    int(num_rows))
+
+    @property
+    def static(self):
+        return (self.group_id, self.num_tokens, self.topk, self.num_rows)
+
+    def tree_flatten(self):
+        return (self.buffer, self.tokens_per_expert), self.static
+
+    @classmethod
+    def tree_unflatten(cls, static, arrays):
+        return cls(*arrays, *static)
+
+
+def ep_prepare(group, topk_idx) -> JaxEpHandle:
+    """:meth:`moe_rt.EpGroup.prepare` for JAX (a collective; jit-compatible; not differentiable).
+    ``topk_idx [T,K]`` int32 (-1 = no expert)."""
+    gid = _A.register(group)
+    if group.mode != "capacity":
+        raise ValueError("ep_prepare: JAX needs static shapes; create the EpGroup with mode='capacity'")
+    topk_idx = jax.lax.stop_gradient(jnp.asarray(topk_idx))
+    if topk_idx.ndim != 2:
+        raise ValueError(f"topk_idx: expected a 2-D array, got shape {topk_idx.shape}")
+    T, K = int(topk_idx.shape[0]), int(topk_idx.shape[1])
+    _, N, total = _A.sizes(group, T, K)
+
+    def fn(idx):
+        h = group.prepare(idx)
+        return [h.buffer, h.view("tokens_per_expert")]
+
+    buf, tpe = _run(fn, [_spec((total,), np.uint8), _spec((group.num_local_experts,), np.int32)], topk_idx)
+    return JaxEpHandle(buf, tpe, gid, T, K, N)
+
+
+def _check(handle):
+    if not isinstance(handle, JaxEpHandle):
+        raise TypeError(f"handle: expected a JaxEpHandle from moe_rt.jax.ep_prepare, got {type(handle).__name__}")
+    return handle
+
+
+def _handle(static, buf, *, copy=False):
+    gid, T, K, _ = static
+    group = _A.lookup(gid)
+    return group, _A.handle_from(group, buf, T, K, copy=copy)
+
+
+def _xp(arr):
+    if isinstance(arr, np.ndarray):
+        return np
+    import cupy
+
+    return cupy
+
+
+def _f32_empty(like):
+    return like[:0, 0].astype(np.float32) if like.ndim == 2 else like[:0].astype(np.float32)
+
+
+# -- dispatch --------------------------------------------------------------------------------------------
+
+def _dispatch_impl(static, buf, x, w):
+    N = static[3]
+    specs = [_spec((N, x.shape[1]), x.dtype), _spec((N if w is not None else 0,), np.float32)]
+
+    def fn(bv, xv, wv):
+        # dispatch stores the received weights in the handle: run it on a copy (XLA's input stays as is)
+        group, h = _handle(static, bv, copy=wv is not None)
+        rx, rw, _ = group.dispatch(h, xv, wv)
+        return [rx, _f32_empty(xv) if rw is None else rw]
+
+    rx, rw = _run(fn, specs, buf, x, w)
+    return rx, (rw if w is not None else None)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _dispatch(static, buf, x, w):
+    return _dispatch_impl(static, buf, x, w)
+
+
+def _dispatch_fwd(static, buf, x, w):
+    return _dispatch_impl(static, buf, x, w), (buf, None if w is None else jnp.zeros((0,), w.dtype))
+
+
+def _dispatch_bwd(static, res, cts):
+    buf, w_tag = res
+    g_rx, g_rw = cts
+    _, T, K, _ = static
+    has_w = w_tag is not None
+    specs = [_spec((T, g_rx.shape[1]), g_rx.dtype), _spec((T, K) if has_w else (0,), np.float32)]
+
+    def fn(bv, gv, gwv):
+        group, h = _handle(static, bv)
+        gx, gw = group.dispatch_bwd(h, gv, gwv)
+        return [gx, _f32_empty(gv) if gw is None else gw]
+
+    gx, gw = _run(fn, specs, buf, g_rx, g_rw if has_w else None)
+    return None, gx, (gw.astype(w_tag.dtype) if has_w else None)
+
+
+_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+def ep_dispatch(handle: JaxEpHandle, x, topk_weights=None):
+    """Differentiable :meth:`moe_rt.EpGroup.dispatch` (a collective): ``x [T,H]`` goes once to each rank
+    holding one of its experts, in expert-major order there. Returns ``(recv_x [N,H], recv_weights [N]
+    fp32 or None)``; gradients flow to ``x`` and ``topk_weights``."""
+    _check(handle)
+    if x.shape[0] != handle.num_tokens:
+        raise ValueError(f"x: expected {handle.num_tokens} rows (as in ep_prepare), got shape {x.shape}")
+    return _dispatch(handle.static, handle.buffer, x, topk_weights)
+
+
+# -- combine ---------------------------------------------------------------------------------------------
+
+def _combine_impl(static, buf, y, w):
+    T = static[1]
+
+    def fn(bv, yv, wv):
+        group, h = _handle(static, bv)
+        if wv is not None:
+            h = _A.with_weights(h, wv, _xp(wv))
+        return [group.combine(h, yv, weighted=wv is not None)]
+
+    return _run(fn, [_spec((T, y.shape[1]), y.dtype)], buf, y, w)[0]
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _combine(static, buf, y, w):
+    return _combine_impl(static, buf, y, w)
+
+
+def _combine_fwd(static, buf, y, w):
+    return _combine_impl(static, buf, y, w), (buf, y if w is not None else None, w)
+
+
+def _combine_bwd(static, res, g):
+    buf, y, w = res
+    N = static[3]
+    specs = [_spec((N, g.shape[1]), g.dtype), _spec((N if w is not None else 0,), np.float32)]
+
+    def fn(bv, gv, yv, wv):
+        group, h = _handle(static, bv)
+        if wv is not None:
+            h = _A.with_weights(h, wv, _xp(wv))
+        gy, gw = group.combine_bwd(h, gv, yv, weighted=wv is not None)
+        return [gy, _f32_empty(gv) if gw is None else gw]
+
+    gy, gw = _run(fn, specs, buf, g, y, w)
+    return None, gy, (gw.astype(w.dtype) if w is not None else None)
+
+
+_combine.defvjp(_combine_fwd, _combine_bwd)
+
+
+def ep_combine(handle: JaxEpHandle, y, recv_weights=None):
+    """Differentiable :meth:`moe_rt.EpGroup.combine` (a collective): ``y [N,H]`` (expert outputs in
+    ``recv_x``'s layout) back to each token's rank, ``out[t] = sum over its slots of w * y`` (fp32
+    accumulation, fixed order). ``recv_weights [N]`` weights the rows (None: unweighted). Gradients flow to
+    ``y`` and ``recv_weights``."""
+    _check(handle)
+    if y.shape[0] != handle.num_rows:
+        raise ValueError(f"y: expected {handle.num_rows} rows (recv_x's), got shape {y.shape}")
+    return _combine(handle.static, handle.buffer, y, recv_weights)

@@ -1,0 +1,218 @@
+"""PyTorch adapters for expert parallelism (re-exported by :mod:`moe_rt.torch`).
+
+``ep_prepare`` returns a :class:`TorchEpHandle` (tensors and ints only); ``ep_dispatch`` and ``ep_combine``
+are ``torch.library`` custom ops with autograd formulas that call :meth:`EpGroup.dispatch_bwd` and
+:meth:`EpGroup.combine_bwd`. Every op is a collective: all ranks must call the same ops in the same order
+(autograd runs the backward ops in the reverse order on every rank, which keeps them matched).
+
+Under ``torch.compile`` use a capacity-mode group: its sizes are static, so dispatch and combine trace
+without graph breaks. An exact-mode ``prepare`` reads counts on the host and cannot be traced.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from moe_rt import _arrays
+from moe_rt import _ep_adapt as _A
+
+__all__ = ["TorchEpHandle", "ep_prepare", "ep_dispatch", "ep_combine"]
+
+
+class TorchEpHandle(NamedTuple):
+    """An EP plan as tensors: ``buffer`` (uint8, the :class:`moe_rt.Handle` buffer, on the GPU),
+    ``host_meta`` (int32 CPU copy of the meta region; empty in capacity mode), ``tokens_per_expert``
+    (int32 ``[L]``, rows per local expert, padded when ``align_size > 1``), and the static ``group_id``,
+    ``num_tokens`` (T), ``topk`` (K), ``num_rows`` (N, the rows of ``recv_x``)."""
+    buffer: Tensor
+    host_meta: Tensor
+    tokens_per_expert: Tensor
+    group_id: int
+    num_tokens: int
+    topk: int
+    num_rows: int
+
+
+def _handle(group_id, buffer, host_meta, T, K, *, copy=False):
+    group = _A.lookup(group_id)
+    with _arrays.Call({"buffer": buffer}) as call:
+        buf = call["buffer"]
+    return group, _A.handle_from(group, buf, T, K, host_meta.numpy(), copy=copy)
+
+
+def _empty_f32(like: Tensor) -> Tensor:
+    return like.new_empty((0,), dtype=torch.float32)
+
+
+# -- prepare ---------------------------------------------------------------------------------------------
+
+@torch.library.custom_op("moe_rt::ep_prepare", mutates_args=())
+def _prepare_op(topk_idx: Tensor, group_id: int) -> tuple[Tensor, Tensor, Tensor]:
+    group = _A.lookup(group_id)
+    h = group.prepare(topk_idx)
+    buf = _arrays.export(h.buffer, "torch")
+    meta = torch.from_numpy(_A.host_meta_of(h))
+    tpe = _arrays.export(h.view("tokens_per_expert").copy(), "torch")
+    return buf, meta, tpe
+
+
+@_prepare_op.register_fake
+def _(topk_idx, group_id):
+    group = _A.lookup(group_id)
+    if group.mode != "capacity":
+        raise ValueError("ep_prepare: an exact-mode group reads counts on the host and cannot be traced; use "
+                         "mode='capacity' under torch.compile")
+    T, K = topk_idx.shape
+    _, _, total = _A.sizes(group, int(T), int(K))
+    return (topk_idx.new_empty((total,), dtype=torch.uint8), torch.empty((0,), dtype=torch.int32),
+            topk_idx.new_empty((group.num_local_experts,), dtype=torch.int32))
+
+
+def ep_prepare(group, topk_idx: Tensor) -> TorchEpHandle:
+    """:meth:`moe_rt.EpGroup.prepare` for torch (a collective; not differentiable). ``topk_idx [T,K]``
+    int32/int64 on the group's GPU (-1 = no expert)."""
+    gid = _A.register(group)
+    if not isinstance(topk_idx, Tensor) or topk_idx.dim() != 2:
+        raise ValueError(f"topk_idx: expected a 2-D tensor, got {getattr(topk_idx, 'shape', type(topk_idx))}")
+    T, K = int(topk_idx.shape[0]), int(topk_idx.shape[1])
+    buf, meta, tpe = _prepare_op(topk_idx, gid)
+    _, N, _ = _A.sizes(group, T, K, None if group.mode == "capacity" else meta.numpy())
+    return TorchEpHandle(buf, meta, tpe, gid, T, K, N)
+
+
+def _check(handle):
+    if not isinstance(handle, TorchEpHandle):
+        raise TypeError(f"handle: expected a TorchEpHandle from moe_rt.torch.ep_prepare, got "
+                        f"{type(handle).__name__}")
+    return handle
+
+
+# -- dispatch --------------------------------------------------------------------------------------------
+
+@torch.library.custom_op("moe_rt::ep_dispatch", mutates_args=())
+def _dispatch_op(x: Tensor, topk_weights: Optional[Tensor], buffer: Tensor, host_meta: Tensor, group_id: int,
+                 topk: int, num_rows: int) -> tuple[Tensor, Tensor]:
+    # dispatch stores the received weights in the handle: run it on a copy so the input stays unchanged
+    group, h = _handle(group_id, buffer, host_meta, x.shape[0], topk, copy=topk_weights is not None)
+    rx, rw, _ = group.dispatch(h, x.contiguous(), topk_weights)
+    return rx, (_empty_f32(x) if rw is None else rw)
+
+
+@_dispatch_op.register_fake
+def _(x, topk_weights, buffer, host_meta, group_id, topk, num_rows):
+    return (x.new_empty((num_rows, x.shape[1])),
+            x.new_empty((num_rows if topk_weights is not None else 0,), dtype=torch.float32))
+
+
+@torch.library.custom_op("moe_rt::ep_dispatch_backward", mutates_args=())
+def _dispatch_bwd_op(grad_recv_x: Tensor, grad_recv_w: Optional[Tensor], buffer: Tensor, host_meta: Tensor,
+                     group_id: int, num_tokens: int, topk: int) -> tuple[Tensor, Tensor]:
+    group, h = _handle(group_id, buffer, host_meta, num_tokens, topk)
+    gx, gw = group.dispatch_bwd(h, grad_recv_x.contiguous(), grad_recv_w)
+    return gx, (_empty_f32(grad_recv_x) if gw is None else gw)
+
+
+@_dispatch_bwd_op.register_fake
+def _(grad_recv_x, grad_recv_w, buffer, host_meta, group_id, num_tokens, topk):
+    return (grad_recv_x.new_empty((num_tokens, grad_recv_x.shape[1])),
+            grad_recv_x.new_empty((num_tokens, topk) if grad_recv_w is not None else (0,), dtype=torch.float32))
+
+
+def _dispatch_setup(ctx, inputs, output):
+    x, w, buffer, host_meta, gid, topk, _ = inputs
+    ctx.args = (gid, x.shape[0], topk)
+    ctx.w_dtype = None if w is None else w.dtype
+    ctx.save_for_backward(buffer, host_meta)
+
+
+def _dispatch_bwd(ctx, grad_rx, grad_rw):
+    buffer, host_meta = ctx.saved_tensors
+    gid, T, K = ctx.args
+    has_w = ctx.w_dtype is not None
+    if has_w and grad_rw is None:
+        grad_rw = torch.zeros((grad_rx.shape[0],), dtype=torch.float32, device=grad_rx.device)
+    gx, gw = _dispatch_bwd_op(grad_rx, grad_rw if has_w else None, buffer, host_meta, gid, T, K)
+    return gx, (gw.to(ctx.w_dtype) if has_w else None), None, None, None, None, None
+
+
+_dispatch_op.register_autograd(_dispatch_bwd, setup_context=_dispatch_setup)
+
+
+def ep_dispatch(handle: TorchEpHandle, x: Tensor,
+                topk_weights: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor]]:
+    """Differentiable :meth:`moe_rt.EpGroup.dispatch` (a collective): ``x [T,H]`` goes once to each rank
+    holding one of its experts and lands there in expert-major order. Returns ``(recv_x [N,H], recv_weights
+    [N] fp32 or None)``; gradients flow to ``x`` and ``topk_weights``. ``handle.tokens_per_expert`` gives
+    the rows per local expert."""
+    _check(handle)
+    rx, rw = _dispatch_op(x, topk_weights, handle.buffer, handle.host_meta, handle.group_id, handle.topk,
+                          handle.num_rows)
+    return rx, (rw if topk_weights is not None else None)
+
+
+# -- combine ---------------------------------------------------------------------------------------------
+
+def _weighted(call_w, h):
+    with _arrays.Call({"w": call_w}) as call:
+        return _A.with_weights(h, call["w"], call.xp)
+
+
+@torch.library.custom_op("moe_rt::ep_combine", mutates_args=())
+def _combine_op(y: Tensor, recv_weights: Optional[Tensor], buffer: Tensor, host_meta: Tensor, group_id: int,
+                num_tokens: int, topk: int) -> Tensor:
+    group, h = _handle(group_id, buffer, host_meta, num_tokens, topk)
+    if recv_weights is not None:
+        h = _weighted(recv_weights, h)
+    return group.combine(h, y.contiguous(), weighted=recv_weights is not None)
+
+
+@_combine_op.register_fake
+def _(y, recv_weights, buffer, host_meta, group_id, num_tokens, topk):
+    return y.new_empty((num_tokens, y.shape[1]))
+
+
+@torch.library.custom_op("moe_rt::ep_combine_backward", mutates_args=())
+def _combine_bwd_op(grad_out: Tensor, y: Optional[Tensor], recv_weights: Optional[Tensor], buffer: Tensor,
+                    host_meta: Tensor, group_id: int, num_tokens: int, topk: int,
+                    num_rows: int) -> tuple[Tensor, Tensor]:
+    group, h = _handle(group_id, buffer, host_meta, num_tokens, topk)
+    weighted = recv_weights is not None
+    if weighted:
+        h = _weighted(recv_weights, h)
+    gy, gw = group.combine_bwd(h, grad_out.contiguous(), y if weighted else None, weighted=weighted)
+    return gy, (_empty_f32(grad_out) if gw is None else gw)
+
+
+@_combine_bwd_op.register_fake
+def _(grad_out, y, recv_weights, buffer, host_meta, group_id, num_tokens, topk, num_rows):
+    return (grad_out.new_empty((num_rows, grad_out.shape[1])),
+            grad_out.new_empty((num_rows if recv_weights is not None else 0,), dtype=torch.float32))
+
+
+def _combine_setup(ctx, inputs, output):
+    y, w, buffer, host_meta, gid, T, K = inputs
+    ctx.args = (gid, T, K, y.shape[0])
+    ctx.w_dtype = None if w is None else w.dtype
+    ctx.save_for_backward(y if w is not None else None, w, buffer, host_meta)
+
+
+def _combine_bwd(ctx, grad_out):
+    y, w, buffer, host_meta = ctx.saved_tensors
+    gid, T, K, N = ctx.args
+    gy, gw = _combine_bwd_op(grad_out, y, w, buffer, host_meta, gid, T, K, N)
+    return gy, (None if w is None else gw.to(ctx.w_dtype)), None, None, None, None, None
+
+
+_combine_op.register_autograd(_combine_bwd, setup_context=_combine_setup)
+
+
+def ep_combine(handle: TorchEpHandle, y: Tensor, recv_weights: Optional[Tensor] = None) -> Tensor:
+    """Differentiable :meth:`moe_rt.EpGroup.combine` (a collective): ``y [N,H]`` (expert outputs in
+    ``recv_x``'s layout) back to each token's rank, ``out[t] = sum over its slots of w * y`` (fp32
+    accumulation, fixed order). ``recv_weights [N]`` (e.g. dispatch's ``recv_weights``) weights the rows;
+    None sums them unweighted. Gradients flow to ``y`` and ``recv_weights``."""
+    _check(handle)
+    return _combine_op(y, recv_weights, handle.buffer, handle.host_meta, handle.group_id, handle.num_tokens,
+                       handle.topk)
