@@ -77,6 +77,16 @@ def run(cfg, framework: str, n: int) -> int:
     return 0
 
 
+def _cpu_dry_run(n: int) -> bool:
+    """``MOE_RT_DEMO_EP_CPU=1``: one rank on the CPU with a 1-rank group (no NCCL), fp32: runs the same layer
+    code through the reference path (a test of the worker without GPUs)."""
+    if os.environ.get("MOE_RT_DEMO_EP_CPU") != "1":
+        return False
+    if n != 1:
+        raise ValueError("MOE_RT_DEMO_EP_CPU=1 runs one rank")
+    return True
+
+
 def _rel(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
@@ -109,9 +119,11 @@ def _torch_worker(cfg, rank, n):
     from moe_rt.bootstrap import init_communicator
     from moe_rt.demo import _progress
 
-    torch.cuda.set_device(0)
-    comm = init_communicator(rank, n, 0, method="file")
-    dev, dtype = "cuda", torch.bfloat16
+    cpu = _cpu_dry_run(n)
+    if not cpu:
+        torch.cuda.set_device(0)
+    comm = None if cpu else init_communicator(rank, n, 0, method="file")
+    dev, dtype = ("cpu", torch.float32) if cpu else ("cuda", torch.bfloat16)
     T, E, K, H, F = cfg.tokens, cfg.experts, cfg.topk, cfg.hidden, cfg.ffn
     L = E // n
     group = moe_rt.EpGroup(comm, E, H, T, mode="exact")
@@ -141,9 +153,15 @@ def _torch_worker(cfg, rank, n):
     events = {}
 
     def mark(name):
+        if cpu:
+            events[name] = time.perf_counter()
+            return
         ev = torch.cuda.Event(enable_timing=True)
         ev.record()
         events[name] = ev
+
+    def elapsed(a, b):
+        return (b - a) * 1e3 if cpu else a.elapsed_time(b)
 
     def ep_step():
         mark("start")
@@ -186,8 +204,9 @@ def _torch_worker(cfg, rank, n):
     y, aux, g = ep_step()
     y_ref, aux_ref, g_ref = plain()
     g_wr = g[1].float().contiguous()  # this rank's share; the sum over ranks is the whole batch's gradient
-    comm.all_reduce(g_wr.data_ptr(), g_wr.data_ptr(), g_wr.numel(), "float32",
-                    torch.cuda.current_stream().cuda_stream)
+    if comm is not None:
+        comm.all_reduce(g_wr.data_ptr(), g_wr.data_ptr(), g_wr.numel(), "float32",
+                        torch.cuda.current_stream().cuda_stream)
     host = lambda t: t.detach().float().cpu().numpy()  # noqa: E731
     checks = {"output": _rel(host(y), host(y_ref[mine])), "aux_loss": _rel(host(aux), host(aux_ref[rank])),
               "grad x": _rel(host(g[0]), host(g_ref[0][mine])), "grad w_router": _rel(host(g_wr), host(g_ref[1]))}
@@ -198,17 +217,19 @@ def _torch_worker(cfg, rank, n):
     order = ("router", "dispatch", "experts", "combine", "backward")
     for i in range(cfg.steps):
         ep_step()
-        torch.cuda.synchronize()
+        if not cpu:
+            torch.cuda.synchronize()
         prev = events["start"]
         for k in order:
-            samples.setdefault(k, []).append(prev.elapsed_time(events[k]))
+            samples.setdefault(k, []).append(elapsed(prev, events[k]))
             prev = events[k]
-        samples.setdefault("step", []).append(events["start"].elapsed_time(events["backward"]))
+        samples.setdefault("step", []).append(elapsed(events["start"], events["backward"]))
         if rank == 0:
             _progress(i, cfg.steps, f"torch EP layer ({n} GPUs)")
     times = {k: float(np.median(v)) for k, v in samples.items()}
-    ok = _report(rank, n, cfg, "torch", checks, times, "bfloat16")
-    comm.close()
+    ok = _report(rank, n, cfg, "torch", checks, times, str(dtype).replace("torch.", ""))
+    if comm is not None:
+        comm.close()
     return ok
 
 
@@ -217,8 +238,10 @@ def _torch_worker(cfg, rank, n):
 def _jax_worker(cfg, rank, n):
     import jax
 
-    jax.distributed.initialize(coordinator_address=os.environ["MOE_RT_COORDINATOR"], num_processes=n,
-                               process_id=rank, local_device_ids=[0])
+    cpu = _cpu_dry_run(n)
+    if not cpu:
+        jax.distributed.initialize(coordinator_address=os.environ["MOE_RT_COORDINATOR"], num_processes=n,
+                                   process_id=rank, local_device_ids=[0])
     import jax.numpy as jnp
 
     import moe_rt
@@ -226,9 +249,9 @@ def _jax_worker(cfg, rank, n):
     from moe_rt.bootstrap import init_communicator
     from moe_rt.demo import _progress
 
-    comm = init_communicator(rank, n, 0, method="jax")
-    dev = jax.local_devices()[0]
-    dtype = jnp.bfloat16
+    comm = None if cpu else init_communicator(rank, n, 0, method="jax")
+    dev = jax.devices("cpu")[0] if cpu else jax.local_devices()[0]
+    dtype = jnp.float32 if cpu else jnp.bfloat16
     T, E, K, H, F = cfg.tokens, cfg.experts, cfg.topk, cfg.hidden, cfg.ffn
     L = E // n
     group = moe_rt.EpGroup(comm, E, H, T, mode="capacity")
@@ -286,13 +309,16 @@ def _jax_worker(cfg, rank, n):
     step = jax.jit(jax.value_and_grad(ep_loss, has_aux=True))
     (_, (y, aux)), g = step(params)
     (_, (y_ref, aux_ref)), g_ref = jax.jit(jax.value_and_grad(plain_loss, has_aux=True))((X, WR, W1, W3, W2))
-    import cupy as cp
+    g_wr = np.asarray(jnp.asarray(g[1], jnp.float32))
+    if comm is not None:
+        import cupy as cp
 
-    g_wr = cp.ascontiguousarray(cp.from_dlpack(jnp.asarray(g[1], jnp.float32)))
-    comm.all_reduce(g_wr.data.ptr, g_wr.data.ptr, g_wr.size, "float32", cp.cuda.get_current_stream().ptr)
+        g_dev = cp.asarray(g_wr)  # this rank's share; the sum over ranks is the whole batch's gradient
+        comm.all_reduce(g_dev.data.ptr, g_dev.data.ptr, g_dev.size, "float32", cp.cuda.get_current_stream().ptr)
+        g_wr = g_dev.get()
     host = lambda a: np.asarray(jnp.asarray(a, jnp.float32))  # noqa: E731
     checks = {"output": _rel(host(y), host(y_ref[lo:lo + T])), "aux_loss": _rel(host(aux), host(aux_ref[rank])),
-              "grad x": _rel(host(g[0]), host(g_ref[0][lo:lo + T])), "grad w_router": _rel(g_wr.get(), host(g_ref[1]))}
+              "grad x": _rel(host(g[0]), host(g_ref[0][lo:lo + T])), "grad w_router": _rel(g_wr, host(g_ref[1]))}
     for name, a, b in zip(("grad w1", "grad w3", "grad w2"), g[2:], g_ref[2:]):
         checks[name] = _rel(host(a), host(b[le:le + L]))
 
@@ -321,7 +347,7 @@ def _jax_worker(cfg, rank, n):
             _progress(i, cfg.steps, f"jax EP layer ({n} GPUs)")
     times = {k: float(np.median(v)) for k, v in samples.items()}
     times["backward"] = max(times["step"] - sum(v for k, v in times.items() if k != "step"), 0.0)
-    ok = _report(rank, n, cfg, "jax", checks, times, "bfloat16")
+    ok = _report(rank, n, cfg, "jax", checks, times, jnp.dtype(dtype).name)
     if rank == 0:
         print("[rank 0] (JAX stages are separate jitted calls, dispatch includes prepare; backward = the whole "
               "jitted step minus their sum)", flush=True)

@@ -188,3 +188,15 @@ def test_ep_layer_two_gpus_matches_single_gpu(framework):
     for rank in (0, 1):
         assert f"[rank {rank}]   grad w_router" in r.stdout
     assert "FAIL" not in r.stdout
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_ep_layer_worker_cpu_dry_run(framework):
+    """The EP layer code of `demo --ep` on one CPU rank (1-rank group, reference path) against the plain layer."""
+    cmd = [sys.executable, "-m", "moe_rt.demo_ep", "--framework", framework, "--tokens", "40", "--experts", "8",
+           "--topk", "2", "--hidden", "16", "--ffn", "8", "--steps", "1", "--seed", "3"]
+    env = dict(os.environ, MOE_RT_DEMO_EP_CPU="1", RANK="0", WORLD_SIZE="1", JAX_PLATFORMS="cpu")
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    print(r.stdout[-4000:], r.stderr[-4000:])
+    assert r.returncode == 0
+    assert r.stdout.count(" ok") == 7 and "FAIL" not in r.stdout
