@@ -3,11 +3,10 @@
 
 Each op lowers to ``jax.experimental.buffer_callback``: inside a jitted computation the callback receives
 XLA's device buffers and XLA's stream, imports them by DLPack (no copy), runs moe_rt's kernels on that stream
-(or the NumPy reference for CPU buffers), and writes the results into XLA's output buffers. Results are
-computed into moe_rt's own buffers and then copied into XLA's (one device copy of each output; op outputs
-written in place are planned). Under ``vmap`` each op runs once per batch element, in order (a loop, not
-a batched kernel): every op is already batched over tokens, so folding a batch of token sets into the token
-dimension is the fast path where the math allows it (router ops, one plan for all tokens).
+(or the NumPy reference for CPU buffers), and writes the results into XLA's output buffers: large results
+are computed straight into them (see ``_run``), small ones are copied in. Under ``vmap`` each op runs once
+per batch element, in order (a loop, not a batched kernel): every op is already batched over tokens, so
+folding a batch of token sets into the token dimension is the fast path where the math allows it.
 
 Dispatch plans travel as :class:`JaxPlan`, a pytree of int32 arrays with the static sizes as metadata, so a
 plan can be passed through ``jit``, ``grad``, ``checkpoint`` and ``custom_vjp`` residuals.
@@ -32,7 +31,13 @@ _PLAN_ARRAYS = ("dst_row", "src_slot", "seg_start", "counts", "tokens_per_expert
 
 def _run(fn, out_specs, *inputs):
     """Run ``fn(*views)`` (views: CuPy or NumPy arrays over XLA's buffers; None inputs stay None) inside
-    a buffer_callback and copy its results into XLA's outputs described by ``out_specs``."""
+    a buffer_callback and put its results into XLA's outputs described by ``out_specs``.
+
+    On the GPU, large results are computed straight into XLA's output buffers: while ``fn`` runs, a CuPy
+    allocation whose size equals that of exactly one large output is served from that output's buffer
+    (once). A result that landed there needs no copy; anything else (a result computed elsewhere, or a
+    scratch array that took the buffer first) is copied in afterwards, so the outputs are right either
+    way. moe_rt's ops keep no device arrays between calls, so no buffer outlives the callback."""
     present = [i for i, a in enumerate(inputs) if a is not None]
 
     def callback(ctx, outs, *ins):
@@ -46,14 +51,41 @@ def _run(fn, out_specs, *inputs):
         call = _arrays.Call(arrays, stream=stream if stream else None)
         with call:
             views = [call[f"i{j}"] if j in present else None for j in range(len(inputs))]
-            results = fn(*views)
-            for j, r in enumerate(results):
-                dst = call[f"o{j}"]
-                if dst.size:
+            dsts = [call[f"o{j}"] for j in range(len(outs))]
+            if call.backend == "cuda":
+                with _into(dsts):
+                    results = fn(*views)
+            else:
+                results = fn(*views)
+            for dst, r in zip(dsts, results):
+                if dst.size and not _in_place(call, r, dst):
                     dst[...] = r
     # vmap runs the callback once per batch element (every op is already batched over tokens; a batch of
     # plans or routings is a loop), in order, which also keeps EP collectives matched across ranks.
     return buffer_callback(callback, list(out_specs), vmap_method="sequential")(*[inputs[i] for i in present])
+
+
+_INTO_MIN_BYTES = 1 << 20
+
+
+def _in_place(call, r, dst):
+    return (call.backend == "cuda" and r.data.ptr == dst.data.ptr and r.dtype == dst.dtype
+            and r.shape == dst.shape and r.flags.c_contiguous)
+
+
+def _into(dsts):
+    """A CuPy allocator context serving each large output buffer of ``dsts`` (unique byte size) once."""
+    import cupy
+
+    sizes = [int(d.nbytes) for d in dsts]
+    offer = {n: d.data for d, n in zip(dsts, sizes) if n >= _INTO_MIN_BYTES and sizes.count(n) == 1}
+    pool = cupy.get_default_memory_pool()
+
+    def alloc(nbytes):
+        ptr = offer.pop(int(nbytes), None)
+        return ptr if ptr is not None else pool.malloc(nbytes)
+
+    return cupy.cuda.using_allocator(alloc)
 
 
 def _spec(shape, dtype):
