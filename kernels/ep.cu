@@ -163,12 +163,15 @@ extern "C" __global__ void ep_recv_local(const int* __restrict__ routing, const 
 // buffer (dst != me, at send_off[dst] + pos) or straight into the receive buffer (dst == me, at
 // recv_off[me] + pos: the own share never goes through NCCL). U is the copy unit (16..1 bytes);
 // `units` units per row. Optional fp32 [T,K] weights travel the same way into [rows,K] buffers.
+// sel: 0 = every destination (grid.y = R); 1 = the remote destinations only (grid.y = R, the own row of
+// blocks returns); 2 = the own share only (grid.y = 1).
 template <typename U>
 __global__ void ep_pack_rows(const U* __restrict__ x, U* __restrict__ send_buf, U* __restrict__ recv_buf,
                              const float* __restrict__ w, float* __restrict__ send_w, float* __restrict__ recv_w,
                              const int* __restrict__ send_tok, const int* __restrict__ meta, int R, int me, int P,
-                             int K, i64 units) {
-  const int dst = blockIdx.y;
+                             int K, i64 units, int sel) {
+  const int dst = sel == 2 ? me : (int)blockIdx.y;
+  if (sel == 1 && dst == me) return;
   int count = meta[META_SEND_COUNTS(R) + dst];
   count = count < P ? count : P;
   const bool own = dst == me;
@@ -190,14 +193,16 @@ __global__ void ep_pack_rows(const U* __restrict__ x, U* __restrict__ send_buf, 
 
 // Owner side of combine / dispatch_bwd: out[t] = sum over ranks r ascending of the partial row of (t, r),
 // accumulated in fp32 and rounded once. The partial of rank r sits in `back` at send_off[r] + pos (rows
-// returned by r) or, for r == me, in `own` at recv_off[me] + pos, with pos = send_pos[r][t].
-// With grad_w: grad_w[t][k] = the [rows,K] weight gradient of slot k, taken from the rank of its expert.
+// returned by r) or, for r == me, in `own` at recv_off[me] + pos - own_shift, with pos = send_pos[r][t]
+// (own_shift = recv_off[me] when `own` holds just the own share, 0 when it is the whole [rows,H] array).
+// With grad_w: grad_w[t][k] = the [rows,K] weight gradient of slot k, taken from the rank of its expert
+// (`own_w` is always the whole [rows,K] array).
 template <typename T, bool VEC>
 __global__ void ep_owner_sum(const T* __restrict__ back, const T* __restrict__ own, T* __restrict__ out,
                              const float* __restrict__ back_w, const float* __restrict__ own_w,
                              float* __restrict__ grad_w, const int* __restrict__ send_pos,
                              const int* __restrict__ routing_me, const int* __restrict__ meta, int R, int me,
-                             int Tmax, int K, int L, int Tn, i64 H) {
+                             int Tmax, int K, int L, int Tn, i64 H, i64 own_shift) {
   extern __shared__ long long s_mem[];
   i64* s_row = reinterpret_cast<i64*>(s_mem);  // [R]: row of (t, r), -1 = not sent
   for (int t = blockIdx.x; t < Tn; t += gridDim.x) {
@@ -219,7 +224,7 @@ __global__ void ep_owner_sum(const T* __restrict__ back, const T* __restrict__ o
         for (int r = 0; r < R; ++r) {
           const i64 row = s_row[r];
           if (row < 0) continue;
-          const Vec<T> a = load_vec((r == me ? own : back) + row * H + v * N);
+          const Vec<T> a = load_vec((r == me ? own + (row - own_shift) * H : back + row * H) + v * N);
 #pragma unroll
           for (int j = 0; j < N; ++j) acc[j] += to_float(a.v[j]);
         }
@@ -233,7 +238,7 @@ __global__ void ep_owner_sum(const T* __restrict__ back, const T* __restrict__ o
         float acc = 0.0f;
         for (int r = 0; r < R; ++r) {
           const i64 row = s_row[r];
-          if (row >= 0) acc += to_float((r == me ? own : back)[row * H + h]);
+          if (row >= 0) acc += to_float((r == me ? own + (row - own_shift) * H : back + row * H)[h]);
         }
         o[h] = from_float<T>(acc);
       }
@@ -279,5 +284,71 @@ __global__ void ep_scale_rows(T* __restrict__ rows, const float* __restrict__ w,
     } else {
       for (i64 h = threadIdx.x; h < H; h += blockDim.x) p[h] = from_float<T>(s * to_float(p[h]));
     }
+  }
+}
+
+// The overlapped dispatch direction (EpGroup with chunks > 1) expands received rows range by range as
+// they land, into the expert-major layout of the permutation plan (same result as the permutation
+// family's dispatch: a raw copy per kept slot, zero rows where no slot lands, probs following rows).
+
+// One CTA per received row r of a range (src, dst_row passed at the range's first row): out[dst_row[r][k]]
+// = src[r] for every k with dst_row >= 0. The row is read once (UNROLL units per thread in flight) and
+// stored with streaming stores.
+template <typename U, int UNROLL>
+__global__ void ep_expand_rows(const U* __restrict__ src, U* __restrict__ out, const int* __restrict__ dst_row,
+                               int K, i64 units) {
+  extern __shared__ int s_dst[];
+  const i64 r = blockIdx.x;
+  for (int k = threadIdx.x; k < K; k += blockDim.x) s_dst[k] = dst_row[r * K + k];
+  __syncthreads();
+  bool any = false;
+  for (int k = 0; k < K; ++k) any |= s_dst[k] >= 0;
+  if (!any) return;  // an unused row (capacity-mode tail): nothing to read
+  const U* in = src + r * units;
+  for (i64 i0 = threadIdx.x; i0 < units; i0 += (i64)blockDim.x * UNROLL) {
+    U v[UNROLL];
+#pragma unroll
+    for (int j = 0; j < UNROLL; ++j) {
+      const i64 i = i0 + (i64)j * blockDim.x;
+      if (i < units) v[j] = __ldcs(in + i);
+    }
+    for (int k = 0; k < K; ++k) {
+      const int d = s_dst[k];
+      if (d < 0) continue;
+      U* o = out + (i64)d * units;
+#pragma unroll
+      for (int j = 0; j < UNROLL; ++j) {
+        const i64 i = i0 + (i64)j * blockDim.x;
+        if (i < units) __stcs(o + i, v[j]);
+      }
+    }
+  }
+}
+
+// One warp per expert-major row n (grid-stride): rows with src_slot -1 become zero (when out is given);
+// probs_out[n] = src_slot >= 0 ? probs_flat[src_slot] : 0 (when probs_out is given).
+template <typename U>
+__global__ void ep_fill_rows(U* __restrict__ out, float* __restrict__ probs_out, const float* __restrict__ probs_flat,
+                             const int* __restrict__ src_slot, i64 N, i64 units) {
+  const int lane = threadIdx.x & 31;
+  const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
+  for (i64 n = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); n < N; n += warps) {
+    const int s = src_slot[n];
+    if (probs_out != nullptr && lane == 0) probs_out[n] = s >= 0 ? probs_flat[s] : 0.0f;
+    if (s < 0 && out != nullptr) {
+      U* o = out + n * units;
+      const U z{};
+      for (i64 i = lane; i < units; i += 32) __stcs(o + i, z);
+    }
+  }
+}
+
+// out[i] = dst_row[i] >= 0 ? vals[dst_row[i]] : 0 for i < n: expert-major row values back to the received
+// rows' [rows,K] slots (the probs gradient of dispatch_bwd).
+extern "C" __global__ void ep_slot_values(const float* __restrict__ vals, const int* __restrict__ dst_row,
+                                          float* __restrict__ out, i64 n) {
+  for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+    const int d = dst_row[i];
+    out[i] = d >= 0 ? vals[d] : 0.0f;
   }
 }

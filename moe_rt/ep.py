@@ -19,6 +19,25 @@ between ranks), ``topk_idx [T,K]`` (int32/int64, ``-1`` = no expert) and ``topk_
   (token, rank) back; the owner sums them over ranks in ascending rank order in fp32, rounding once.
 - :meth:`EpGroup.dispatch_bwd` / :meth:`EpGroup.combine_bwd`: the transposes.
 
+Overlap (``chunks > 1``, the default 4; ``chunks=1`` or ``MOE_RT_EP_CHUNKS=1`` runs every op serially on
+the caller's stream, as above). The NCCL transfer runs on a second, non-blocking stream of the group; the
+rows each (src, dst) pair exchanges travel in up to ``chunks`` parts (parts of at least 4 MiB), one NCCL
+group per part, with events between the two streams:
+
+- dispatch direction (``dispatch``, ``combine_bwd``): the remote rows are packed first and sent part by
+  part; meanwhile the caller's stream packs the own share and expands it into the expert-major layout;
+  each received part is expanded as soon as its event fires. Padding rows are zeroed once, the received
+  weights are laid out after the last part.
+- combine direction (``combine``, ``dispatch_bwd``): the rows going back to peers are reduced part by part
+  and each part is sent as soon as it is ready; the own share is reduced while they travel; the owner sum
+  runs after the transfer.
+
+Results are bitwise identical to the serial path. The caller's stream waits for the communication stream
+before the op returns (all later work on it, and the reuse of the op's buffers by CuPy's stream-ordered
+pool, follows the transfer), so capacity mode stays CUDA-graph capturable: the second stream joins the
+capture through the first event and is joined back by the last. ``combine_bwd`` with ``weighted=True`` and
+``y`` given sends in parts but runs its expert-side kernel after the transfer.
+
 Modes:
 
 - ``"exact"``: after the routing all-gather, ``prepare`` reads the count matrix on the host **once (a
@@ -72,7 +91,9 @@ _names += [f"ep_pack_rows<{u}>" for u in _UNITS.values()]
 for _c in _jit.CTYPES.values():
     for _v in ("true", "false"):
         _names += [f"ep_owner_sum<{_c}, {_v}>", f"ep_scale_rows<{_c}, {_v}>"]
-_names += ["ep_scan_pairs", "ep_plan_meta", "ep_recv_local", "ep_gather_slots"]
+_names += [f"ep_expand_rows<{u}, 4>" for u in _UNITS.values()]
+_names += [f"ep_fill_rows<{u}>" for u in _UNITS.values()]
+_names += ["ep_scan_pairs", "ep_plan_meta", "ep_recv_local", "ep_gather_slots", "ep_slot_values"]
 _jit.register(_FILE, _names)
 
 DEFAULT_TIMEOUT = 300.0
@@ -82,17 +103,31 @@ _group_ids = itertools.count(1)
 _INT32_MAX = 2**31 - 1
 
 
-def _env_timeout() -> float:
-    v = os.environ.get("MOE_RT_EP_TIMEOUT")
+DEFAULT_CHUNKS = 4
+# The smallest part (bytes of rows) a (src, dst) pair's transfer is split into when chunks > 1: below it
+# one more NCCL group costs more than the overlap gains. Must be the same on every rank.
+_MIN_CHUNK_BYTES = 4 << 20
+
+
+def _env_number(name, default, conv, ok, expected):
+    v = os.environ.get(name)
     if not v:
-        return DEFAULT_TIMEOUT
+        return default
     try:
-        t = float(v)
+        n = conv(v)
     except ValueError:
-        raise ValueError(f"MOE_RT_EP_TIMEOUT: expected seconds, got {v!r}") from None
-    if not t > 0:
-        raise ValueError(f"MOE_RT_EP_TIMEOUT: must be > 0, got {v!r}")
-    return t
+        raise ValueError(f"{name}: expected {expected}, got {v!r}") from None
+    if not ok(n):
+        raise ValueError(f"{name}: expected {expected}, got {v!r}")
+    return n
+
+
+def _env_chunks() -> int:
+    return _env_number("MOE_RT_EP_CHUNKS", DEFAULT_CHUNKS, int, lambda c: 1 <= c <= 64, "an integer in [1, 64]")
+
+
+def _env_timeout() -> float:
+    return _env_number("MOE_RT_EP_TIMEOUT", DEFAULT_TIMEOUT, float, lambda t: t > 0, "seconds > 0")
 
 
 def _unit(row_bytes: int, *ptrs) -> int:
@@ -121,11 +156,15 @@ class EpGroup:
         topk: None, or the K every ``prepare`` must use (else fixed by the first ``prepare``).
         timeout: seconds for host-side waits before the communicator is aborted (default
             ``MOE_RT_EP_TIMEOUT`` or 300).
+        chunks: 1..64, how many parts each peer's rows travel in (default ``MOE_RT_EP_CHUNKS`` or 4); must
+            be the same on every rank. 1 runs every op serially on the caller's stream; > 1 overlaps the
+            NCCL transfer (on a second stream) with the local expand/reduce (see the module notes).
     """
 
     def __init__(self, comm, num_experts: int, hidden: int, max_tokens_per_rank: int, *, mode: str = "exact",
                  capacity: int | None = None, pair_capacity: int | None = None, align_size: int = 1,
-                 dtype=None, topk: int | None = None, timeout: float | None = None):
+                 dtype=None, topk: int | None = None, timeout: float | None = None,
+                 chunks: int | None = None):
         if comm is None:
             self.rank, self.size, self.device = 0, 1, None
         else:
@@ -167,6 +206,9 @@ class EpGroup:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"timeout: expected a positive number of seconds, got {timeout!r}")
         self.timeout = float(timeout)
+        self.chunks = _env_chunks() if chunks is None else _arrays.check_int(chunks, "chunks", low=1, high=64)
+        self._cstream = None  # the communication stream of the overlapped path (made on first use)
+        self._events = []     # reused CUDA events of the overlapped path
         if R * self.max_tokens_per_rank > _INT32_MAX:
             raise ValueError("R * max_tokens_per_rank must stay below 2^31")
         self.id = next(_group_ids)
@@ -175,7 +217,8 @@ class EpGroup:
 
     def __repr__(self):
         return (f"EpGroup(rank={self.rank}, size={self.size}, num_experts={self.num_experts}, "
-                f"hidden={self.hidden}, max_tokens_per_rank={self.max_tokens_per_rank}, mode={self.mode!r})")
+                f"hidden={self.hidden}, max_tokens_per_rank={self.max_tokens_per_rank}, mode={self.mode!r}, "
+                f"chunks={self.chunks})")
 
     def close(self):
         """Mark the group closed (the communicator is borrowed and stays open). Idempotent."""
@@ -430,41 +473,91 @@ class EpGroup:
             return (R - 1) * P
         return int(h.state["host_meta"][meta_index("send_rows", R)])
 
+    def _pack(self, call, h, x, w, send_buf, recv_buf, send_w, recv_w, sel):
+        """ep_pack_rows: ``sel`` 0 = every destination, 1 = remote ones only, 2 = the own share only."""
+        sz = h.sizes
+        R, me, P, K, rows = sz["R"], sz["rank"], sz["P"], sz["K"], sz["rows"]
+        send_rows = int(send_buf.shape[0])
+        if not sz["T"] or not rows + send_rows:
+            return
+        rb = self.hidden * x.dtype.itemsize
+        u = _unit(rb, x.data.ptr, send_buf.data.ptr if send_rows else 0, recv_buf.data.ptr if rows else 0)
+        units = rb // u
+        threads = int(min(512, max(32, -(-units // 4 // 32) * 32)))
+        gx = max(1, min(P, _jit.device_properties(call.device_id)["sm_count"] * 8 // R))
+        _jit.launch(_jit.function(_FILE, f"ep_pack_rows<{_UNITS[u]}>"), (gx, 1 if sel == 2 else R), threads,
+                    (x.data.ptr, send_buf.data.ptr if send_rows else 0, recv_buf.data.ptr if rows else 0,
+                     w.data.ptr if w is not None else 0, send_w.data.ptr if send_w is not None and send_rows else 0,
+                     recv_w.data.ptr if recv_w is not None and rows else 0,
+                     h.view("send_tok"), h.view("meta"), np.int32(R), np.int32(me), np.int32(P), np.int32(K),
+                     np.int64(units), np.int32(sel)), stream=call.stream)
+
+    def _forward_buffers(self, call, h, x, w):
+        """(row bytes, send rows, receive rows, send weights, receive weights) of a forward transfer; the
+        received weights land in the handle's recv_wk."""
+        xp, sz, H = call.xp, h.sizes, self.hidden
+        send_rows = self._send_rows(h)
+        return (H * x.dtype.itemsize, xp.empty((send_rows, H), x.dtype), xp.empty((sz["rows"], H), x.dtype),
+                xp.empty((send_rows, sz["K"]), np.float32) if w is not None else None,
+                h.view("recv_wk") if w is not None else None)
+
     def _forward(self, call, h, x, w):
         """Rows of x (and weights [T,K]) to every rank that needs them: returns the [rows,H] receive buffer
-        (source-major) and writes received weights into the handle's recv_wk."""
-        xp, s = call.xp, call.stream
-        sz = h.sizes
-        R, me, P, K, rows, H = sz["R"], sz["rank"], sz["P"], sz["K"], sz["rows"], self.hidden
-        isz = x.dtype.itemsize
-        rb = H * isz
-        send_rows = self._send_rows(h)
-        send_buf = xp.empty((send_rows, H), x.dtype)
-        recv_buf = xp.empty((rows, H), x.dtype)
-        send_w = xp.empty((send_rows, K), np.float32) if w is not None else None
-        recv_w = h.view("recv_wk") if w is not None else None
-        if sz["T"] and rows + send_rows:
-            u = _unit(rb, x.data.ptr, send_buf.data.ptr if send_rows else 0, recv_buf.data.ptr if rows else 0)
-            units = rb // u
-            threads = int(min(512, max(32, -(-units // 4 // 32) * 32)))
-            gx = max(1, min(P, _jit.device_properties(call.device_id)["sm_count"] * 8 // R))
-            _jit.launch(_jit.function(_FILE, f"ep_pack_rows<{_UNITS[u]}>"), (gx, R), threads,
-                        (x.data.ptr, send_buf.data.ptr if send_rows else 0, recv_buf.data.ptr if rows else 0,
-                         w.data.ptr if w is not None else 0, send_w.data.ptr if send_w is not None and send_rows else 0,
-                         recv_w.data.ptr if recv_w is not None and rows else 0,
-                         h.view("send_tok"), h.view("meta"), np.int32(R), np.int32(me), np.int32(P), np.int32(K),
-                         np.int64(units)), stream=s)
-        if R > 1:
+        (source-major) and writes received weights into the handle's recv_wk. Serial, on the caller's
+        stream."""
+        s, K = call.stream, h.sizes["K"]
+        rb, send_buf, recv_buf, send_w, recv_w = self._forward_buffers(call, h, x, w)
+        self._pack(call, h, x, w, send_buf, recv_buf, send_w, recv_w, 0)
+        if self.size > 1:
             sc, so, rc, ro = self._host_counts(h)
-            self._exchange(s, rb, K, (send_buf, send_w if w is not None else None, sc, so),
-                           (recv_buf, recv_w if w is not None else None, rc, ro))
+            self._exchange(s, rb, K, (send_buf, send_w, sc, so), (recv_buf, recv_w, rc, ro))
+        self._last_stream = s
+        return recv_buf
+
+    def _forward_overlapped(self, call, h, x, w, consume, local=None):
+        """The forward transfer overlapped with its consumer. The remote rows are packed first; the
+        communication stream (after an event on the caller's stream) sends them in parts, one NCCL group
+        and one event per part; meanwhile the caller's stream packs the own share and runs
+        ``consume(recv_buf, lo, hi)`` on its rows (after ``local()``, other local work to overlap), then
+        waits for each part's event and consumes that part.
+        The caller's stream has waited for every part when this returns, so later work on it (including the
+        reuse of these buffers by CuPy's pool, which is ordered on the caller's stream) follows the
+        transfer."""
+        s, K, me = call.stream, h.sizes["K"], self.rank
+        # every buffer the communication stream touches exists before the event it first waits on
+        rb, send_buf, recv_buf, send_w, recv_w = self._forward_buffers(call, h, x, w)
+        sc, so, rc, ro = self._host_counts(h)
+        parts = self._chunk_plan(sc, so, rc, ro, rb)
+        if parts:
+            self._pack(call, h, x, w, send_buf, recv_buf, send_w, recv_w, 1)
+            cs = self._comm_stream()
+            ev = self._event(0)
+            ev.record(s)
+            cs.wait_event(ev)
+            for i, (c_sc, c_so, c_rc, c_ro) in enumerate(parts):
+                self._exchange(cs, rb, K, (send_buf, send_w, c_sc, c_so), (recv_buf, recv_w, c_rc, c_ro))
+                self._event(1 + i).record(cs)
+            self._pack(call, h, x, w, send_buf, recv_buf, send_w, recv_w, 2)
+        else:
+            self._pack(call, h, x, w, send_buf, recv_buf, send_w, recv_w, 0)
+        if local is not None:
+            local()
+        if rc[me]:
+            consume(recv_buf, ro[me], ro[me] + rc[me])
+        for i, (_, _, c_rc, c_ro) in enumerate(parts):
+            s.wait_event(self._event(1 + i))
+            for p in range(self.size):
+                if c_rc[p]:
+                    consume(recv_buf, c_ro[p], c_ro[p] + c_rc[p])
         self._last_stream = s
         return recv_buf
 
     def _exchange(self, s, rb, K, send, recv):
-        """One grouped NCCL exchange with every peer. ``send`` and ``recv`` are ``(rows, weights or None,
-        counts[R], offsets[R])``: peer p gets ``counts[p]`` rows of ``rb`` bytes (and K fp32 weights each)
-        from row ``offsets[p]``. The rank's own share never goes through NCCL."""
+        """One grouped NCCL exchange with every peer on stream ``s``. ``send`` and ``recv`` are ``(rows,
+        weights or None, counts[R], offsets[R])``: peer p gets ``counts[p]`` rows of ``rb`` bytes (and K fp32
+        weights each) from row ``offsets[p]``. The send rows may instead be a list over peers of arrays
+        holding exactly the rows for that peer (the offsets then apply to the weights only). The rank's
+        own share never goes through NCCL."""
         (s_rows, s_w, sc, so), (r_rows, r_w, rc, ro) = send, recv
         comm, me = self.comm, self.rank
         wb = K * 4
@@ -474,7 +567,8 @@ class EpGroup:
                 if p == me:
                     continue
                 if sc[p]:
-                    comm.send(s_rows.data.ptr + so[p] * rb, sc[p] * rb, "uint8", p, s.ptr)
+                    ptr = s_rows[p].data.ptr if isinstance(s_rows, list) else s_rows.data.ptr + so[p] * rb
+                    comm.send(ptr, sc[p] * rb, "uint8", p, s.ptr)
                     if s_w is not None:
                         comm.send(s_w.data.ptr + so[p] * wb, sc[p] * wb, "uint8", p, s.ptr)
                 if rc[p]:
@@ -485,37 +579,136 @@ class EpGroup:
             comm.group_end()
 
     def _backward(self, call, h, z, zw, T, out_dtype, want_w):
-        """Send each source's partial rows z [rows,H] (and zw [rows,K]) back; the owner sums over ranks."""
+        """Send each source's partial rows z [rows,H] (and zw [rows,K]) back; the owner sums over ranks.
+        Serial, on the caller's stream."""
         xp, s = call.xp, call.stream
         sz = h.sizes
-        R, me, K, L, Tmax, H = sz["R"], sz["rank"], sz["K"], sz["L"], sz["Tmax"], self.hidden
+        K, H = sz["K"], self.hidden
         rb = H * z.dtype.itemsize
         send_rows = self._send_rows(h)
         back = xp.empty((send_rows, H), z.dtype)
         back_w = xp.empty((send_rows, K), np.float32) if zw is not None else None
-        if R > 1:
+        if self.size > 1:
             sc, so, rc, ro = self._host_counts(h)
             # the reverse of dispatch: what was received goes back, into the rows that were sent
             self._exchange(s, rb, K, (z, zw, rc, ro), (back, back_w, sc, so))
+        return self._owner_sum(call, h, z, 0, zw, back, back_w, T, out_dtype, want_w)
+
+    def _backward_overlapped(self, call, h, produce, zw, T, dtype, want_w):
+        """The reverse transfer overlapped with its producer. ``produce(lo, hi)`` returns (on the caller's
+        stream) the partial rows ``[hi-lo, H]`` of received rows ``[lo, hi)``; ``zw`` is None or the whole
+        ``[rows,K]`` weight partials, complete before this is called. The parts going back to peers are
+        produced first, each followed by an event on the caller's stream and its NCCL group on the
+        communication stream; the own share is produced while they travel; the caller's stream then waits
+        for the communication stream (the produced parts stay referenced until then) and runs the owner
+        sum."""
+        xp, s = call.xp, call.stream
+        sz = h.sizes
+        K, H, me = sz["K"], self.hidden, self.rank
+        rb = H * np.dtype(dtype).itemsize
+        send_rows = self._send_rows(h)
+        back = xp.empty((send_rows, H), dtype)
+        back_w = xp.empty((send_rows, K), np.float32) if zw is not None else None
+        sc, so, rc, ro = self._host_counts(h)
+        # the reverse of dispatch: what was received goes back, into the rows that were sent
+        parts = self._chunk_plan(rc, ro, sc, so, rb)
+        cs = self._comm_stream() if parts else None
+        sent = []
+        for i, (c_sc, c_so, c_rc, c_ro) in enumerate(parts):
+            pieces = [produce(c_so[p], c_so[p] + c_sc[p]) if c_sc[p] else None for p in range(self.size)]
+            sent.append(pieces)
+            ev = self._event(i)
+            ev.record(s)
+            cs.wait_event(ev)
+            self._exchange(cs, rb, K, (pieces, zw, c_sc, c_so), (back, back_w, c_rc, c_ro))
+        own = produce(ro[me], ro[me] + rc[me]) if rc[me] else None
+        if parts:
+            ev = self._event(len(parts))
+            ev.record(cs)
+            s.wait_event(ev)
+        out = self._owner_sum(call, h, own, ro[me], zw, back, back_w, T, dtype, want_w)
+        del sent
+        return out
+
+    def _owner_sum(self, call, h, own, own_shift, zw, back, back_w, T, out_dtype, want_w):
+        """out [T,H] (and grad_w [T,K]): the owner's fp32 sum over ranks; ``own`` holds the own partial rows
+        from received row ``own_shift`` on (the whole [rows,H] partials with 0)."""
+        xp, s = call.xp, call.stream
+        sz = h.sizes
+        R, me, K, L, Tmax, H = sz["R"], sz["rank"], sz["K"], sz["L"], sz["Tmax"], self.hidden
         out = xp.empty((T, H), out_dtype)
         gw = xp.empty((T, K), np.float32) if want_w else None
         if T:
-            isz = z.dtype.itemsize
-            ptrs = [out.data.ptr] + ([z.data.ptr] if z.size else []) + ([back.data.ptr] if back.size else [])
+            isz = np.dtype(out_dtype).itemsize
+            has_own = own is not None and own.size
+            ptrs = [out.data.ptr] + ([own.data.ptr] if has_own else []) + ([back.data.ptr] if back.size else [])
             vec = (H * isz) % 16 == 0 and all(p % 16 == 0 for p in ptrs)
             nper = 16 // isz if vec else 1
             threads = int(min(512, max(32, -(-(H // nper) // 32) * 32)))
-            fn = _jit.function(_FILE, f"ep_owner_sum<{_jit.ctype(z.dtype)}, {'true' if vec else 'false'}>")
+            fn = _jit.function(_FILE, f"ep_owner_sum<{_jit.ctype(out_dtype)}, {'true' if vec else 'false'}>")
             _jit.set_max_dynamic_shared(fn, R * 8)
             _jit.launch(fn, _grid(T * 8, call.device_id, threads=8), threads,
-                        (back.data.ptr if back.size else 0, z.data.ptr if z.size else 0, out,
+                        (back.data.ptr if back.size else 0, own.data.ptr if has_own else 0, out,
                          back_w.data.ptr if back_w is not None and back_w.size else 0,
                          zw.data.ptr if zw is not None and zw.size else 0, gw if gw is not None else 0,
                          h.view("send_pos"), routing_view(h)[me * (Tmax * K + 1):], h.view("meta"),
                          np.int32(R), np.int32(me), np.int32(Tmax), np.int32(K), np.int32(L), np.int32(T),
-                         np.int64(H)), shared_mem=R * 8, stream=s)
+                         np.int64(H), np.int64(own_shift)), shared_mem=R * 8, stream=s)
         self._last_stream = s
         return out, gw
+
+    # -- overlap helpers -------------------------------------------------------------------------------
+    def _overlapped(self):
+        return self.size > 1 and self.chunks > 1
+
+    def _comm_stream(self):
+        """The group's communication stream (non-blocking: no implicit sync with the legacy stream)."""
+        if self._cstream is None:
+            import cupy
+
+            with cupy.cuda.Device(self.device):
+                self._cstream = cupy.cuda.Stream(non_blocking=True)
+        return self._cstream
+
+    def _event(self, i):
+        """Reused event ``i``. Re-recording is safe: a wait binds to the record made before it."""
+        import cupy
+
+        while len(self._events) <= i:
+            with cupy.cuda.Device(self.device):
+                self._events.append(cupy.cuda.Event(disable_timing=True))
+        return self._events[i]
+
+    def _parts(self, n, rb):
+        """Row bounds of the parts of a pair's ``n`` rows (a function of n alone: both ends agree)."""
+        if n <= 0:
+            return []
+        c = self.chunks
+        if _MIN_CHUNK_BYTES > 0:
+            c = min(c, max(1, n * rb // _MIN_CHUNK_BYTES))
+        c = min(c, n)
+        return [(n * i // c, n * (i + 1) // c) for i in range(c)]
+
+    def _chunk_plan(self, sc, so, rc, ro, rb):
+        """The transfer split into parts: ``[(send counts, send offsets, recv counts, recv offsets)]`` over
+        peers, one tuple per NCCL group. Part i of the rows of a pair travels in group i on both of its
+        ranks, so each group's sends and receives are matched inside it and the groups cannot deadlock."""
+        R, me = self.size, self.rank
+        sp = [[] if p == me else self._parts(sc[p], rb) for p in range(R)]
+        rp = [[] if p == me else self._parts(rc[p], rb) for p in range(R)]
+        n = max(len(x) for x in sp + rp)
+        plan = []
+        for i in range(n):
+            c_sc, c_so, c_rc, c_ro = [0] * R, [0] * R, [0] * R, [0] * R
+            for p in range(R):
+                if i < len(sp[p]):
+                    lo, hi = sp[p][i]
+                    c_sc[p], c_so[p] = hi - lo, so[p] + lo
+                if i < len(rp[p]):
+                    lo, hi = rp[p][i]
+                    c_rc[p], c_ro[p] = hi - lo, ro[p] + lo
+            plan.append((c_sc, c_so, c_rc, c_ro))
+        return plan
 
     # -- ops -------------------------------------------------------------------------------------------
     def dispatch(self, handle, x, topk_weights=None, *, stream=None):
@@ -553,10 +746,20 @@ class EpGroup:
                 if wv is not None:
                     handle.view("recv_wk")[...] = handle.state["ref"]["recv_weights_slots"].reshape(-1)
                 return call.out(rx), (None if rw is None else call.out(rw)), call.out(tpe)
-            recv_buf = self._forward(call, handle, xv, wv)
-            plan = _plan_view(handle)
-            rx, rw = permutation.dispatch(recv_buf, plan, None if wv is None else _recv_wk(handle),
-                                          stream=call.stream)
+            if self._overlapped():
+                N, xp = handle.sizes["N"], call.xp
+                rx = xp.empty((N, self.hidden), xv.dtype)
+                rw = None if wv is None else xp.empty(N, np.float32)
+                self._forward_overlapped(call, handle, xv, wv,
+                                         lambda buf, lo, hi: _expand_rows(call, handle, buf, rx, lo, hi),
+                                         lambda: _fill_rows(call, handle, rx, None, None))
+                if rw is not None:  # after the last part: every received weight is in
+                    _fill_rows(call, handle, None, rw, _recv_wk(handle))
+            else:
+                recv_buf = self._forward(call, handle, xv, wv)
+                plan = _plan_view(handle)
+                rx, rw = permutation.dispatch(recv_buf, plan, None if wv is None else _recv_wk(handle),
+                                              stream=call.stream)
             tpe = handle.view("tokens_per_expert").copy()
             return call.out(rx), (None if rw is None else call.out(rw)), call.out(tpe)
 
@@ -585,8 +788,15 @@ class EpGroup:
             yv = _arrays.contiguous(call.xp, yv)
             if call.backend == "cpu":
                 return call.out(_ref.combine([handle.state["ref"]], [yv], weighted=weighted)[0])
-            z = permutation.combine(yv, _plan_view(handle), _recv_wk(handle) if weighted else None,
-                                    stream=call.stream)
+            pw = _recv_wk(handle) if weighted else None
+            if self._overlapped():
+                def produce(lo, hi):
+                    return permutation.combine(yv, _subplan(handle, lo, hi), None if pw is None else pw[lo:hi],
+                                               stream=call.stream)
+
+                out, _ = self._backward_overlapped(call, handle, produce, None, handle.sizes["T"], yv.dtype, False)
+                return call.out(out)
+            z = permutation.combine(yv, _plan_view(handle), pw, stream=call.stream)
             out, _ = self._backward(call, handle, z, None, handle.sizes["T"], yv.dtype, False)
             return call.out(out)
 
@@ -619,6 +829,14 @@ class EpGroup:
             if call.backend == "cpu":
                 gx, gwt = _ref.dispatch_bwd([handle.state["ref"]], [g], None if gw is None else [gw])[0]
                 return call.out(gx), (None if gwt is None else call.out(gwt))
+            if self._overlapped():
+                gp = None if gw is None else _slot_values(call, handle, gw)
+
+                def produce(lo, hi):
+                    return permutation.dispatch_backward(g, _subplan(handle, lo, hi), stream=call.stream)[0]
+
+                out, gwt = self._backward_overlapped(call, handle, produce, gp, sz["T"], g.dtype, gw is not None)
+                return call.out(out), (None if gwt is None else call.out(gwt))
             gz, gp = permutation.dispatch_backward(g, _plan_view(handle), gw, stream=call.stream)
             out, gwt = self._backward(call, handle, gz, gp, sz["T"], g.dtype, gw is not None)
             return call.out(out), (None if gwt is None else call.out(gwt))
@@ -658,7 +876,22 @@ class EpGroup:
                 gy, gw = _ref.combine_bwd([handle.state["ref"]], [g], None if yv is None else [yv],
                                           weighted=weighted)[0]
                 return call.out(gy), (None if gw is None else call.out(gw))
-            recv_buf = self._forward(call, handle, g, None)
+            if self._overlapped() and (not weighted or yv is None):
+                # the dispatch direction: expand each part as it lands (the weights are the forward's)
+                N, xp = sz["N"], call.xp
+                gy = xp.empty((N, self.hidden), g.dtype)
+                pp = xp.empty(N, np.float32) if weighted else None
+                self._forward_overlapped(
+                    call, handle, g, None, lambda buf, lo, hi: _expand_rows(call, handle, buf, gy, lo, hi),
+                    lambda: _fill_rows(call, handle, gy, pp, _recv_wk(handle) if weighted else None))
+                if weighted:
+                    _scale_rows(call, gy, pp)
+                return call.out(gy), None
+            if self._overlapped():
+                # weighted with y: the transfer still runs in parts; the expert-side kernel runs after it
+                recv_buf = self._forward_overlapped(call, handle, g, None, lambda buf, lo, hi: None)
+            else:
+                recv_buf = self._forward(call, handle, g, None)
             plan = _plan_view(handle)
             if not weighted:
                 gy, _ = permutation.combine_backward(recv_buf, plan, stream=call.stream)
@@ -729,6 +962,62 @@ def _plan_view(h):
         plan._v = dict(zip(("dst_row", "src_slot", "seg_start", "counts", "tokens_per_expert"), arrays))
     h.state["plan"] = plan
     return plan
+
+
+def _subplan(h, lo, hi):
+    """The permutation plan of received rows ``[lo, hi)``: the same expert-major layout (``num_rows`` N),
+    ``dst_row`` restricted to those rows; views, no copy; cached on the handle."""
+    cache = h.state.setdefault("subplans", {})
+    plan = cache.get((lo, hi))
+    if plan is None:
+        full = _plan_view(h)
+        v = full._v
+        plan = cache[(lo, hi)] = permutation.Plan.from_arrays(
+            v["dst_row"][lo:hi], v["src_slot"], v["seg_start"], v["counts"], v["tokens_per_expert"],
+            num_rows=full.num_rows, align_size=full.align_size, num_out_tokens=full.num_out_tokens)
+    return plan
+
+
+def _expand_rows(call, h, buf, out, lo, hi):
+    """out[dst_row[r,k]] = buf[r] for the received rows lo <= r < hi (raw bytes; ep_expand_rows)."""
+    sz = h.sizes
+    K, N = sz["K"], sz["N"]
+    rb = int(buf.shape[1]) * buf.dtype.itemsize
+    if hi <= lo or N == 0 or rb == 0:
+        return
+    u = _unit(rb, buf.data.ptr, out.data.ptr)
+    units = rb // u
+    fn = _jit.function(_FILE, f"ep_expand_rows<{_UNITS[u]}, 4>")
+    _jit.set_max_dynamic_shared(fn, K * 4)
+    per = -(-units // 4)  # 4 units per thread in flight
+    threads = int(min(1024, max(32, -(-per // 32) * 32)))
+    _jit.launch(fn, hi - lo, threads, (buf.data.ptr + lo * rb, out.data.ptr, h.view("dst_row").data.ptr + lo * K * 4,
+                                       np.int32(K), np.int64(units)), shared_mem=K * 4, stream=call.stream)
+
+
+def _fill_rows(call, h, out, pp, pv):
+    """Zero the expert-major rows of ``out`` that hold no slot; ``pp[n] = pv[src_slot[n]]`` (0 for those)."""
+    N = h.sizes["N"]
+    if N == 0 or (out is None and pp is None):
+        return
+    rb = int(out.shape[1]) * out.dtype.itemsize if out is not None else 0
+    u = _unit(rb, out.data.ptr) if out is not None else 16
+    sms = _jit.device_properties(call.device_id)["sm_count"]
+    _jit.launch(_jit.function(_FILE, f"ep_fill_rows<{_UNITS[u]}>"), max(1, min(-(-N // 8), sms * 16)), 256,
+                (out.data.ptr if out is not None else 0, pp if pp is not None else 0, pv if pv is not None else 0,
+                 h.view("src_slot"), np.int64(N), np.int64(rb // u)), stream=call.stream)
+
+
+def _slot_values(call, h, vals):
+    """[rows,K] float32: vals[dst_row[r,k]] (0 for slots with no row): the expert-major row values back to
+    the received rows' slots."""
+    sz = h.sizes
+    out = call.xp.empty((sz["rows"], sz["K"]), np.float32)
+    n = out.size
+    if n:
+        _jit.launch(_jit.function(_FILE, "ep_slot_values"), _grid(n, call.device_id), 256,
+                    (vals if vals.size else 0, h.view("dst_row"), out, np.int64(n)), stream=call.stream)
+    return out
 
 
 def _scale_rows(call, rows, w):

@@ -5,6 +5,10 @@
 Every rank draws every rank's inputs from the same seed, runs its own share on its GPU through EpGroup,
 and compares with the NumPy R-rank reference (moe_rt.reference.ep). Prints "ALL OK" (or "DEAD PEER OK")
 on success; any mismatch raises, so the rank exits non-zero and the launcher fails.
+
+Chunk counts (EpGroup ``chunks``): MOE_RT_EP_TEST_CHUNKS (default "4,1"). Every case runs with the first
+count against the reference and with the others bitwise against the first; the graph test captures one
+graph per count. The part-size floor is lifted so that the small test shapes are really split.
 """
 import os
 import sys
@@ -14,6 +18,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+CHUNKS = [int(c) for c in os.environ.get("MOE_RT_EP_TEST_CHUNKS", "4,1").split(",")]
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
 DEV = int(os.environ.get("LOCAL_RANK", RANK))
@@ -27,7 +32,10 @@ def setup():
     import cupy as cp
 
     cp.cuda.Device(DEV).use()
+    from moe_rt import ep
     from moe_rt.bootstrap import init_communicator
+
+    ep._MIN_CHUNK_BYTES = 0  # split even the smallest transfers into parts
 
     return cp, init_communicator(method="file")
 
@@ -81,7 +89,7 @@ def one_case(cp, comm, seed, E, K, H, Ts, Tmax, kind, mode, align, dtype):
     kw = {} if mode == "exact" else {"pair_capacity": Tmax, "capacity": WORLD * Tmax * min(K, L)}
     hs = ref.prepare(idx, E, align_size=align, **kw)
     routs = ref.dispatch(hs, x, w)
-    g = EpGroup(comm, E, H, Tmax, mode=mode, align_size=align, timeout=60)
+    g = EpGroup(comm, E, H, Tmax, mode=mode, align_size=align, timeout=60, chunks=CHUNKS[0])
     h = g.prepare(cp.asarray(idx[RANK]))
     rx, rw, tpe = g.dispatch(h, cp.asarray(x[RANK]), cp.asarray(w[RANK]))
     tag = f"[{kind} {mode} A={align} {np.dtype(dtype).name} H={H} T={Ts}]"
@@ -114,6 +122,25 @@ def one_case(cp, comm, seed, E, K, H, Ts, Tmax, kind, mode, align, dtype):
     same(f"combine_bwd y without y {tag}", gy2, gy)
     gy3, _ = g.combine_bwd(h, god, weighted=False)
     same(f"combine_bwd unweighted {tag}", gy3, ref.combine_bwd(hs, gout, weighted=False)[RANK][0])
+    got = {"recv_x": rx, "recv_w": rw, "dispatch_bwd x": gx, "dispatch_bwd w": gwt, "combine_bwd y": gy,
+           "combine_bwd w": grw, "combine_bwd y without y": gy2, "combine_bwd unweighted": gy3}
+    for c in CHUNKS[1:]:
+        # the same ops with another chunk count: bitwise the same results
+        g2 = EpGroup(comm, E, H, Tmax, mode=mode, align_size=align, timeout=60, chunks=c)
+        h2 = g2.prepare(cp.asarray(idx[RANK]))
+        t2 = f"{tag} chunks={c} vs {CHUNKS[0]}"
+        rx2, rw2, tpe2 = g2.dispatch(h2, cp.asarray(x[RANK]), cp.asarray(w[RANK]))
+        other = {"recv_x": rx2, "recv_w": rw2}
+        same(f"tokens_per_local_expert {t2}", tpe2, tpe)
+        for weighted in (True, False):
+            same(f"combine w={weighted} {t2}", g2.combine(h2, yd, weighted=weighted), g.combine(h, yd, weighted=weighted))
+        other["dispatch_bwd x"], other["dispatch_bwd w"] = g2.dispatch_bwd(h2, yd, cp.asarray(gw[RANK]))
+        other["combine_bwd y"], other["combine_bwd w"] = g2.combine_bwd(h2, god, yd, weighted=True)
+        other["combine_bwd y without y"], _ = g2.combine_bwd(h2, god, None, weighted=True)
+        other["combine_bwd unweighted"], _ = g2.combine_bwd(h2, god, weighted=False)
+        for k, v in got.items():
+            same(f"{k} {t2}", other[k], v)
+        h2.close()
     h.close()
 
 
@@ -157,7 +184,7 @@ def graph(cp, comm):
     E, K, H, Tmax = 16, 4, 256, 128
     dtype = bf16()
     L = E // WORLD
-    g = EpGroup(comm, E, H, Tmax, mode="capacity", timeout=60)
+    groups = [EpGroup(comm, E, H, Tmax, mode="capacity", timeout=60, chunks=c) for c in CHUNKS]
     stream = cp.cuda.Stream(non_blocking=True)
     pool = cp.cuda.MemoryPool()
 
@@ -172,17 +199,22 @@ def graph(cp, comm):
         idx, x, w = inputs(0)
         s_idx, s_x, s_w = cp.asarray(idx[RANK]), cp.asarray(x[RANK]), cp.asarray(w[RANK])
 
-        def step():
+        def step(g):
             h = g.prepare(s_idx)
             rx, rw, tpe = g.dispatch(h, s_x, s_w)
             out = g.combine(h, rx, weighted=True)
-            return h, rx, rw, tpe, out
+            gx, gwt = g.dispatch_bwd(h, rx, rw)
+            gy, _ = g.combine_bwd(h, out, weighted=False)
+            return h, rx, rw, tpe, out, gx, gwt, gy
 
-        eager = step()
-        stream.synchronize()
-        stream.begin_capture()
-        captured = step()
-        gr = stream.end_capture()
+        eagers, graphs, outs = [], [], []
+        for g in groups:
+            eagers.append(step(g))
+            stream.synchronize()
+            stream.begin_capture()
+            outs.append(step(g))
+            graphs.append(stream.end_capture())
+        eager, captured, gr = eagers[0], outs[0], graphs[0]
     kw = {"pair_capacity": Tmax, "capacity": WORLD * Tmax * min(K, L)}
     first = None
     for i in range(100):
@@ -190,11 +222,16 @@ def graph(cp, comm):
         s_idx.set(idx[RANK], stream=stream)
         s_x.set(x[RANK], stream=stream)
         s_w.set(w[RANK], stream=stream)
-        gr.launch(stream)
+        for gg in graphs:
+            gg.launch(stream)
         stream.synchronize()
+        for c, o in zip(CHUNKS[1:], outs[1:]):
+            for j, name in enumerate(("recv_x", "recv_w", "tpe", "combine", "dispatch_bwd x", "dispatch_bwd w",
+                                      "combine_bwd y"), start=1):
+                same(f"graph {name} chunks={c} vs {CHUNKS[0]} {i}", o[j], captured[j])
         hs = ref.prepare(idx, E, **kw)
         routs = ref.dispatch(hs, x, w)
-        _, rx, rw, tpe, out = captured
+        _, rx, rw, tpe, out = captured[:5]
         same(f"graph recv_x {i}", rx, routs[RANK][0])
         same(f"graph recv_w {i}", rw, routs[RANK][1])
         same(f"graph tpe {i}", tpe, routs[RANK][2])
@@ -210,12 +247,12 @@ def graph(cp, comm):
     stream.synchronize()
     same("graph replay determinism", captured[4], first)
     same("graph vs eager", captured[4], eager[4])
-    log("graph: 100 replays OK")
+    log(f"graph: 100 replays OK (chunks {CHUNKS})")
 
     # 1000 eager iterations per mode: pool memory stays flat
     mp = cp.get_default_memory_pool()
     for mode in ("exact", "capacity"):
-        g2 = EpGroup(comm, E, H, Tmax, mode=mode, timeout=60)
+        g2 = EpGroup(comm, E, H, Tmax, mode=mode, timeout=60, chunks=CHUNKS[0])
         rng = np.random.default_rng(5)
         d_idx = cp.asarray(routing(rng, 100, E, K, "uniform"))
         d_x = cp.asarray(rng.standard_normal((100, H)).astype(np.float32))

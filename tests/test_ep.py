@@ -345,6 +345,74 @@ def test_group_validation(rng):
         g16.dispatch(h, x)
 
 
+def test_chunks_keyword_and_env(monkeypatch):
+    monkeypatch.delenv("MOE_RT_EP_CHUNKS", raising=False)
+    assert EpGroup(None, 4, 4, 4).chunks == 4
+    assert EpGroup(None, 4, 4, 4, chunks=1).chunks == 1
+    monkeypatch.setenv("MOE_RT_EP_CHUNKS", "3")
+    assert EpGroup(None, 4, 4, 4).chunks == 3
+    assert EpGroup(None, 4, 4, 4, chunks=2).chunks == 2  # the keyword wins
+    assert "chunks=3" in repr(EpGroup(None, 4, 4, 4))
+    for bad in ("0", "65", "many"):
+        monkeypatch.setenv("MOE_RT_EP_CHUNKS", bad)
+        with pytest.raises(ValueError, match="MOE_RT_EP_CHUNKS"):
+            EpGroup(None, 4, 4, 4)
+    monkeypatch.delenv("MOE_RT_EP_CHUNKS")
+    with pytest.raises(ValueError, match="chunks"):
+        EpGroup(None, 4, 4, 4, chunks=0)
+    with pytest.raises(TypeError, match="chunks"):
+        EpGroup(None, 4, 4, 4, chunks=2.0)
+
+
+@pytest.mark.parametrize("min_bytes", [0, 1000])
+@pytest.mark.parametrize("chunks", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("R", [2, 3, 5])
+def test_chunk_plan_parts_match_between_ranks(rng, monkeypatch, R, chunks, min_bytes):
+    # Part i of a pair's rows must travel in group i on both ranks of the pair, with the same rows; the
+    # parts must tile each peer's range exactly once.
+    from moe_rt import ep
+
+    monkeypatch.setattr(ep, "_MIN_CHUNK_BYTES", min_bytes)
+    rb = 64
+    counts = rng.integers(0, 40, size=(R, R))  # counts[s, d]: rows s sends to d
+    counts[0, 1] = 0
+    groups = []
+    for r in range(R):
+        fake = type("C", (_FakeComm,), {"rank": r, "size": R})()
+        groups.append(EpGroup(fake, 2 * R, 4, 64, chunks=chunks))
+    plans = []
+    for r, g in enumerate(groups):
+        sc = [int(counts[r, d]) for d in range(R)]
+        rc = [int(counts[s, r]) for s in range(R)]
+        so = list(np.cumsum([0] + [0 if d == r else sc[d] for d in range(R)])[:R])
+        ro = list(np.cumsum([0] + rc)[:R])
+        plan = g._chunk_plan(sc, so, rc, ro, rb)
+        plans.append(plan)
+        for p in range(R):
+            if p == r:
+                assert all(part[0][p] == 0 and part[2][p] == 0 for part in plan)
+                continue
+            for cnt, off, a, b in ((sc, so, 0, 1), (rc, ro, 2, 3)):
+                rows = [(part[b][p], part[b][p] + part[a][p]) for part in plan if part[a][p]]
+                assert sum(hi - lo for lo, hi in rows) == cnt[p]
+                assert all(rows[i][1] == rows[i + 1][0] for i in range(len(rows) - 1))
+                if rows:
+                    assert rows[0][0] == off[p]
+                n_parts = len(rows)
+                assert n_parts <= max(1, chunks)
+                if min_bytes == 0 and cnt[p]:
+                    assert n_parts == min(chunks, cnt[p])
+    for s in range(R):
+        for d in range(R):
+            if s == d:
+                continue
+            n = max(len(plans[s]), len(plans[d]))
+            for i in range(n):
+                sent = plans[s][i][0][d] if i < len(plans[s]) else 0
+                got = plans[d][i][2][s] if i < len(plans[d]) else 0
+                assert sent == got, (s, d, i)
+
+
 def test_env_timeout(monkeypatch):
     monkeypatch.setenv("MOE_RT_EP_TIMEOUT", "7.5")
     assert EpGroup(None, 4, 4, 4).timeout == 7.5

@@ -6,7 +6,9 @@
 
 Shapes: T in {512, 4096, 16384} tokens per rank, H=7168, bf16, E=256, K=8, uniform random top-k routing.
 For each mode (exact; capacity eager; capacity as one CUDA graph of prepare+dispatch+combine) it times
-prepare, dispatch, combine and the round trip, and side by side in the same run:
+prepare, then dispatch, combine and the round trip at chunk counts 1 (serial) and the default (the NCCL
+transfer in parts, overlapped with the local expand/reduce; ``--chunks`` changes the list), and side by
+side in the same run:
 
 (a) the torch.distributed pipeline a user writes: stable argsort permute (K rows per token), all-to-all of
     per-expert counts, ``.tolist()``, ``all_to_all_single`` with splits, chunk sort to expert-major; and
@@ -41,6 +43,7 @@ def main():
 
     ap = benchlib.parser(__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="512,4096,16384")
+    ap.add_argument("--chunks", default=None, help="chunk counts to compare (default: 1 and the default)")
     args = ap.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dev = int(os.environ.get("LOCAL_RANK", rank))
@@ -49,15 +52,16 @@ def main():
     dist.init_process_group("nccl", init_method="file://" + os.environ["MOE_RT_UID_FILE"] + ".torch",
                             rank=rank, world_size=world, device_id=torch.device("cuda", dev))
     from moe_rt.bootstrap import init_communicator
-    from moe_rt.ep import EpGroup
+    from moe_rt.ep import DEFAULT_CHUNKS, EpGroup
 
     comm = init_communicator(method="file")
     E, K, H = 256, 8, 7168
     L = E // world
     Ts = [512] if args.quick else [int(t) for t in args.tokens.split(",")]
+    chunk_counts = [1, DEFAULT_CHUNKS] if args.chunks is None else [int(c) for c in args.chunks.split(",")]
     iters, warm = args.iters, args.warmup
     table = benchlib.Table("EP dispatch/combine (moe_rt vs torch.distributed)",
-                           ["op", "mode", "T", "ms", "wire_MB", "wire_GB/s", "torch_ms", "raw_a2a_ms",
+                           ["op", "mode", "chunks", "T", "ms", "wire_MB", "wire_GB/s", "torch_ms", "raw_a2a_ms",
                             "x_vs_torch", "x_vs_raw"])
     table.meta.update(ranks=world, experts=E, topk=K, hidden=H, dtype="bfloat16")
     if rank == 0:
@@ -114,13 +118,13 @@ def main():
 
         for mode in ("exact", "capacity", "capacity+graph"):
             m = "capacity" if mode.startswith("capacity") else "exact"
-            grp = EpGroup(comm, E, H, T, mode=m)
-            h = grp.prepare(idx)
-            rx, rw, tpe = grp.dispatch(h, x, w)
-            y = rx
-            sz = h.sizes
+            grps = [EpGroup(comm, E, H, T, mode=m, chunks=c) for c in chunk_counts]
+            hs = [g.prepare(idx) for g in grps]
+            rx, rw, tpe = grps[0].dispatch(hs[0], x, w)
+            y = rx  # the expert-major layout is the same for every chunk count
+            sz = hs[0].sizes
             if m == "exact":
-                send_rows = int(grp._send_rows(h))
+                send_rows = int(grps[0]._send_rows(hs[0]))
             else:
                 send_rows = (world - 1) * sz["P"]
             wire = send_rows * H * 2
@@ -135,47 +139,53 @@ def main():
                 dist.all_to_all_single(a2a_out, a2a_in, splits, splits)
 
             t_raw = timed(raw)
+            rows = []
             if mode == "capacity+graph":
-                stream = cp.cuda.Stream(non_blocking=True)
-                pool = cp.cuda.MemoryPool()
-                with cp.cuda.using_allocator(pool.malloc), stream:
-                    xs, ws, ids = cp.from_dlpack(x), cp.from_dlpack(w), cp.from_dlpack(idx)  # DLPack: CAI has no bf16
+                xs, ws, ids = cp.from_dlpack(x), cp.from_dlpack(w), cp.from_dlpack(idx)  # DLPack: CAI has no bf16
+                for c, grp in zip(chunk_counts, grps):
+                    stream = cp.cuda.Stream(non_blocking=True)
+                    pool = cp.cuda.MemoryPool()
+                    with cp.cuda.using_allocator(pool.malloc), stream:
+                        def step():
+                            hh = grp.prepare(ids)
+                            r, _, _ = grp.dispatch(hh, xs, ws)
+                            return grp.combine(hh, r)
 
-                    def step():
-                        hh = grp.prepare(ids)
-                        r, _, _ = grp.dispatch(hh, xs, ws)
-                        return grp.combine(hh, r)
-
-                    step()
-                    stream.synchronize()
-                    stream.begin_capture()
-                    step()
-                    graph = stream.end_capture()
-                barrier()
-                t_rt = benchlib.time_cuda(lambda: graph.launch(stream), iters=iters, warmup=warm, stream=stream)
-                rows = [("round trip (graph)", t_rt, 2 * (wire + wire_w), t_trt, 2 * t_raw)]
-                del graph, pool
+                        step()
+                        stream.synchronize()
+                        stream.begin_capture()
+                        step()
+                        graph = stream.end_capture()
+                    barrier()
+                    t_rt = benchlib.time_cuda(lambda: graph.launch(stream), iters=iters, warmup=warm, stream=stream)
+                    rows.append(("round trip (graph)", c, t_rt, 2 * (wire + wire_w), t_trt, 2 * t_raw))
+                    del graph, pool
             else:
-                t_prep = timed(lambda: grp.prepare(idx))
-                t_disp = timed(lambda: grp.dispatch(h, x, w))
-                t_comb = timed(lambda: grp.combine(h, y))
+                t_prep = timed(lambda: grps[-1].prepare(idx))
+                rows.append(("prepare", None, t_prep, 0, None, None))
+                for op in ("dispatch", "combine", "round trip"):
+                    for c, grp, h in zip(chunk_counts, grps, hs):
+                        if op == "dispatch":
+                            ms = timed(lambda: grp.dispatch(h, x, w))
+                            rows.append((op, c, ms, wire + wire_w, t_tdisp, t_raw))
+                        elif op == "combine":
+                            ms = timed(lambda: grp.combine(h, y))
+                            rows.append((op, c, ms, wire, t_tcomb, t_raw))
+                        else:
+                            def rt():
+                                hh = grp.prepare(idx)
+                                r, _, _ = grp.dispatch(hh, x, w)
+                                return grp.combine(hh, r)
 
-                def rt():
-                    hh = grp.prepare(idx)
-                    r, _, _ = grp.dispatch(hh, x, w)
-                    return grp.combine(hh, r)
-
-                t_rt = timed(rt)
-                rows = [("prepare", t_prep, 0, None, None), ("dispatch", t_disp, wire + wire_w, t_tdisp, t_raw),
-                        ("combine", t_comb, wire, t_tcomb, t_raw),
-                        ("round trip", t_rt, 2 * wire + wire_w, t_trt, 2 * t_raw)]
+                            rows.append((op, c, timed(rt), 2 * wire + wire_w, t_trt, 2 * t_raw))
             if rank == 0:
-                for op, ms, nbytes, tms, rawms in rows:
-                    table.add(op=op, mode=mode, T=T, ms=ms, wire_MB=nbytes / 1e6,
+                for op, c, ms, nbytes, tms, rawms in rows:
+                    table.add(op=op, mode=mode, chunks=c, T=T, ms=ms, wire_MB=nbytes / 1e6,
                               **{"wire_GB/s": (nbytes / (ms * 1e-3) / 1e9) if nbytes else None},
                               torch_ms=tms, raw_a2a_ms=rawms,
                               x_vs_torch=(tms / ms) if tms else None, x_vs_raw=(ms / rawms) if rawms else None)
-            del h, rx, rw, y, a2a_in, a2a_out
+            h = grp = None
+            del hs, grps, rx, rw, y, a2a_in, a2a_out
             cp.get_default_memory_pool().free_all_blocks()
         del st
         torch.cuda.empty_cache()
