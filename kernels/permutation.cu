@@ -2,14 +2,15 @@
 //
 // Plan (no atomics affect the result; every step is a deterministic integer computation):
 //   plan_count     one warp per chunk of flat slots (t*K+k): per-chunk expert histogram -> partial[c][e]
-//   plan_col_scan  per expert, exclusive scan of partial over chunks -> base[c][e]; totals[e]
-//   plan_offsets   one CTA: kept counts under num_out_tokens, align_size padding, segment starts
+//   plan_scan      per expert, exclusive scan of partial over chunks -> base[c][e]; totals[e]; then the
+//                  last CTA: kept counts under num_out_tokens, align_size padding, segment starts
 //   plan_assign    one warp per chunk again: stable rank of each slot inside its expert (warp match +
 //                  popc of the lower lanes, chunks in order) -> dst_row[t*K+k] and src_slot[row]
 // Data movement (rows moved as raw units U of 1..16 bytes, so any dtype is a pure copy):
 //   dispatch_rows  one CTA per token: read the row once, write it to each of its K destination rows
 //   fill_rows      rows whose src_slot is -1 (padding, unused tail) become zero; probs follow rows
-//   combine_rows   one CTA per token: y[t] = sum_k w[t,k] * y_p[dst[t,k]], fp32, k ascending
+//   combine_slices y[t] = sum_k w[t,k] * y_p[dst[t,k]], fp32, k ascending; a CTA sums a slice of H of
+//                  one token with the loads of all K rows in flight (small CTAs, many per SM)
 //   combine_bwd_rows  one CTA per token: g_p[dst] = w*g[t], dw[t,k] = <y_p[dst], g[t]> (block reduce)
 //   gather_slots   out[t*K+k] = vals[dst[t,k]] (0 where dropped)
 //   chunk_offsets / chunk_sort_rows   sort_chunks forward (scatter) and backward (gather)
@@ -74,12 +75,14 @@ template <typename T, bool VEC> struct Pack {
 
 // partial[c*E + e] = number of slots of chunk c routed to expert e. One warp per chunk of `chunk` slots
 // (a multiple of 32); dynamic shared memory: warps_per_block * E ints.
-// Also sets src_slot[0..N) to -1 (grid-stride), ready for plan_assign.
+// Also sets src_slot[0..N) to -1 (grid-stride), ready for plan_assign, and zeroes plan_scan's counter.
 template <typename IdxT>
 __global__ void plan_count(const IdxT* __restrict__ idx, i64 L, int E, int chunk, int nchunks,
-                           int* __restrict__ partial, int* __restrict__ src_slot, i64 N) {
+                           int* __restrict__ partial, int* __restrict__ src_slot, i64 N,
+                           unsigned* __restrict__ done) {
   extern __shared__ int s_hist[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (blockIdx.x == 0 && threadIdx.x == 0) *done = 0u;  // for plan_scan's last-CTA step
   for (i64 r = (i64)blockIdx.x * blockDim.x + threadIdx.x; r < N; r += (i64)gridDim.x * blockDim.x)
     src_slot[r] = -1;
   const int c = blockIdx.x * (blockDim.x >> 5) + warp;
@@ -98,12 +101,54 @@ __global__ void plan_count(const IdxT* __restrict__ idx, i64 L, int E, int chunk
   for (int e = lane; e < E; e += 32) out[e] = hist[e];
 }
 
-// Block (32, 32): threadIdx.x picks the expert (32 per block), threadIdx.y one of 32 contiguous ranges of
-// chunks. base[c*E+e] = sum_{c'<c} partial[c'*E+e]; totals[e] = sum over all chunks.
-__global__ void plan_col_scan(const int* __restrict__ partial, int* __restrict__ base,
-                              int* __restrict__ totals, int nchunks, int E) {
+// kept[e] = routed slots of e among the first num_out slots in expert-major order; tokens_per_expert[e]
+// = padded (align > 1) or kept; seg_start = exclusive scan of the padded counts, seg_start[E] = rows in
+// use. Run by one whole CTA (blockDim multiple of 32); totals are read through L2 (written by other CTAs).
+__device__ void plan_offsets_block(const int* __restrict__ totals, int E, int align, i64 num_out,
+                                   int* __restrict__ kept, int* __restrict__ tokens_per_expert,
+                                   int* __restrict__ seg_start) {
+  __shared__ int scratch[32];
+  __shared__ i64 carry[2];
+  if (threadIdx.x == 0) carry[0] = carry[1] = 0;
+  __syncthreads();
+  for (int e0 = 0; e0 < E; e0 += blockDim.x) {
+    const int e = e0 + threadIdx.x;
+    const int n = e < E ? __ldcg(totals + e) : 0;
+    int tot;
+    const int incl = block_inclusive_scan(n, scratch, &tot);
+    const i64 off = carry[0] + incl - n;  // unpadded expert-major offset of expert e
+    i64 k = num_out - off;
+    k = k < 0 ? 0 : (k > n ? n : k);
+    const int target = align > 1 ? (int)((k + align - 1) / align * align) : (int)k;
+    int tot2;
+    const int incl2 = block_inclusive_scan(target, scratch, &tot2);
+    if (e < E) {
+      kept[e] = (int)k;
+      tokens_per_expert[e] = target;
+      seg_start[e] = (int)(carry[1] + incl2 - target);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      carry[0] += tot;
+      carry[1] += tot2;
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) seg_start[E] = (int)carry[1];
+}
+
+// Block of 1024 threads: lane (threadIdx.x & 31) picks the expert (32 per block), warp one of 32
+// contiguous ranges of chunks. base[c*E+e] = sum_{c'<c} partial[c'*E+e]; totals[e] = sum over all
+// chunks. The last CTA to finish (counter `done`, zeroed by plan_count) then runs plan_offsets_block:
+// an integer computation on the final totals, so the result does not depend on which CTA is last.
+__global__ void __launch_bounds__(1024) plan_scan(const int* __restrict__ partial, int* __restrict__ base,
+                                                  int* __restrict__ totals, int nchunks, int E, int align,
+                                                  i64 num_out, int* __restrict__ kept,
+                                                  int* __restrict__ tokens_per_expert,
+                                                  int* __restrict__ seg_start, unsigned* __restrict__ done) {
   __shared__ int s[32][33];
-  const int tx = threadIdx.x, ty = threadIdx.y;
+  __shared__ bool s_last;
+  const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
   const int e = blockIdx.x * 32 + tx;
   const int per = (nchunks + 31) / 32;
   const int c0 = min(ty * per, nchunks), c1 = min(c0 + per, nchunks);
@@ -130,42 +175,13 @@ __global__ void plan_col_scan(const int* __restrict__ partial, int* __restrict__
       run += v;
     }
   }
-}
-
-// One CTA (blockDim multiple of 32). kept[e] = routed slots of e among the first num_out slots in
-// expert-major order; tokens_per_expert[e] = padded (align > 1) or kept; seg_start = exclusive scan of
-// the padded counts, seg_start[E] = rows in use.
-__global__ void plan_offsets(const int* __restrict__ totals, int E, int align, i64 num_out,
-                             int* __restrict__ kept, int* __restrict__ tokens_per_expert,
-                             int* __restrict__ seg_start) {
-  __shared__ int scratch[32];
-  __shared__ i64 carry[2];
-  if (threadIdx.x == 0) carry[0] = carry[1] = 0;
+  __threadfence();  // totals visible device-wide before this CTA counts itself done
   __syncthreads();
-  for (int e0 = 0; e0 < E; e0 += blockDim.x) {
-    const int e = e0 + threadIdx.x;
-    const int n = e < E ? totals[e] : 0;
-    int tot;
-    const int incl = block_inclusive_scan(n, scratch, &tot);
-    const i64 off = carry[0] + incl - n;  // unpadded expert-major offset of expert e
-    i64 k = num_out - off;
-    k = k < 0 ? 0 : (k > n ? n : k);
-    const int target = align > 1 ? (int)((k + align - 1) / align * align) : (int)k;
-    int tot2;
-    const int incl2 = block_inclusive_scan(target, scratch, &tot2);
-    if (e < E) {
-      kept[e] = (int)k;
-      tokens_per_expert[e] = target;
-      seg_start[e] = (int)(carry[1] + incl2 - target);
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      carry[0] += tot;
-      carry[1] += tot2;
-    }
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) seg_start[E] = (int)carry[1];
+  if (threadIdx.x == 0) s_last = atomicAdd(done, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  plan_offsets_block(totals, E, align, num_out, kept, tokens_per_expert, seg_start);
 }
 
 // dst_row[i] = seg_start[e] + rank (or -1 if dropped); src_slot[dst] = i. The rank of slot i inside expert
@@ -260,58 +276,87 @@ __global__ void fill_rows(U* __restrict__ out, float* __restrict__ probs_out,
 
 // ---- combine -----------------------------------------------------------------------------------------
 
-// One CTA per token: out[t] = sum_k w[t,k] * y_p[dst[t,k]] in fp32, k ascending; w null means 1.
-// H counts elements of T; VEC needs H % Vec<T>::N == 0 and 16-byte aligned pointers. The loads of KU
-// slots are issued together (more bytes in flight); the additions still run in k order.
-// Dynamic shared memory: K ints + K floats.
-template <typename T, bool VEC, int UNROLL, int KU>
-__global__ void combine_rows(const T* __restrict__ y_p, T* __restrict__ out, const int* __restrict__ dst_row,
-                             const float* __restrict__ w, int K, i64 H) {
-  using P = Pack<T, VEC>;
-  extern __shared__ int s_mem[];
-  int* s_dst = s_mem;
-  float* s_w = reinterpret_cast<float*>(s_mem + K);
-  const i64 t = blockIdx.x;
-  for (int k = threadIdx.x; k < K; k += blockDim.x) {
-    s_dst[k] = dst_row[t * K + k];
-    s_w[k] = w != nullptr ? w[t * K + k] : 1.0f;
+// Row element groups of T kept raw (16-byte Vec<T> when VEC, else one T) between load and use, so many
+// loads can be in flight in few registers; LM picks the load: 0 ld.global.cs (streaming, evict first),
+// 1 ld.global.nc, 2 ld.global.nc.L1::no_allocate with a 256-byte L2 prefetch.
+template <typename T, bool VEC, int LM> struct RawPack {
+  static constexpr int N = Vec<T>::N;
+  Vec<T> r;
+  __device__ __forceinline__ void load(const T* p) {
+    const uint4* q = reinterpret_cast<const uint4*>(p);
+    if constexpr (LM == 0) {
+      r.raw = __ldcs(q);
+    } else if constexpr (LM == 1) {
+      r.raw = __ldg(q);
+    } else {
+      asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(r.raw.x), "=r"(r.raw.y), "=r"(r.raw.z), "=r"(r.raw.w) : "l"(q));
+    }
   }
-  __syncthreads();
-  const i64 units = H / P::N;
-  for (i64 i0 = threadIdx.x; i0 < units; i0 += (i64)blockDim.x * UNROLL) {
+  __device__ __forceinline__ float get(int q) const { return to_float(r.v[q]); }
+};
+template <typename T, int LM> struct RawPack<T, false, LM> {
+  static constexpr int N = 1;
+  T r;
+  __device__ __forceinline__ void load(const T* p) { r = p[0]; }
+  __device__ __forceinline__ float get(int) const { return to_float(r); }
+};
+
+// Combine by slices: work item (t, s) sums slice s (blockDim.x * UNROLL element groups) of token t's
+// rows: out[t] = sum_k w[t,k] * y_p[dst[t,k]] in fp32, k ascending, w null meaning 1 (the same
+// arithmetic and order in every configuration, so the same bits). Small CTAs, several resident per SM, each with the
+// loads of KU slots (all UNROLL groups) issued before the first FMA: many bytes in flight per SM. Work
+// items run in a grid-stride loop (grid = work for one item per CTA, or a persistent grid). At most
+// MAXT threads per CTA; MINB CTAs per SM asked of the register allocator.
+// H counts elements of T; VEC needs H % Vec<T>::N == 0 and 16-byte aligned pointers.
+template <typename T, bool VEC, int UNROLL, int KU, int LM, int MAXT, int MINB>
+__global__ void __launch_bounds__(MAXT, MINB) combine_slices(const T* __restrict__ y_p, T* __restrict__ out, const int* __restrict__ dst_row,
+                               const float* __restrict__ w, int K, i64 H, int slices, i64 work) {
+  using R = RawPack<T, VEC, LM>;
+  using P = Pack<T, VEC>;
+  const i64 units = H / R::N;
+  const i64 span = (i64)blockDim.x * UNROLL;
+  for (i64 item = blockIdx.x; item < work; item += gridDim.x) {
+    const i64 t = item / slices;
+    const i64 i0 = (item - t * slices) * span + threadIdx.x;
     P acc[UNROLL];
 #pragma unroll
     for (int j = 0; j < UNROLL; ++j)
 #pragma unroll
-      for (int q = 0; q < P::N; ++q) acc[j].f[q] = 0.0f;
+      for (int q = 0; q < R::N; ++q) acc[j].f[q] = 0.0f;
     for (int k0 = 0; k0 < K; k0 += KU) {
-      P v[KU][UNROLL];
+      int d[KU];
+      float wk[KU];
 #pragma unroll
       for (int u = 0; u < KU; ++u) {
-        const int d = k0 + u < K ? s_dst[k0 + u] : -1;
-        const T* row = y_p + (i64)(d < 0 ? 0 : d) * H;
+        const bool in = k0 + u < K;
+        d[u] = in ? __ldg(dst_row + t * K + k0 + u) : -1;
+        wk[u] = (in && w != nullptr) ? __ldg(w + t * K + k0 + u) : 1.0f;
+      }
+      R v[KU][UNROLL];
+#pragma unroll
+      for (int u = 0; u < KU; ++u) {
+        const T* row = y_p + (i64)(d[u] < 0 ? 0 : d[u]) * H;
 #pragma unroll
         for (int j = 0; j < UNROLL; ++j) {
           const i64 i = i0 + (i64)j * blockDim.x;
-          if (d >= 0 && i < units) v[u][j].load(row + i * P::N);
+          if (d[u] >= 0 && i < units) v[u][j].load(row + i * R::N);
         }
       }
 #pragma unroll
       for (int u = 0; u < KU; ++u) {
-        const int d = k0 + u < K ? s_dst[k0 + u] : -1;
-        if (d < 0) continue;
-        const float wk = s_w[k0 + u];
+        if (d[u] < 0) continue;
 #pragma unroll
         for (int j = 0; j < UNROLL; ++j)
 #pragma unroll
-          for (int q = 0; q < P::N; ++q) acc[j].f[q] = fmaf(wk, v[u][j].f[q], acc[j].f[q]);
+          for (int q = 0; q < R::N; ++q) acc[j].f[q] = fmaf(wk[u], v[u][j].get(q), acc[j].f[q]);
       }
     }
     T* o = out + t * H;
 #pragma unroll
     for (int j = 0; j < UNROLL; ++j) {
       const i64 i = i0 + (i64)j * blockDim.x;
-      if (i < units) acc[j].store(o + i * P::N);
+      if (i < units) acc[j].store(o + i * R::N);
     }
   }
 }

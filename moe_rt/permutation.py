@@ -31,23 +31,55 @@ _FILE = "permutation.cu"
 _UNITS = {16: "uint4", 8: "uint2", 4: "unsigned", 2: "unsigned short", 1: "unsigned char"}
 _IDX = {"int32": "int", "int64": "long long"}
 _UNROLL = 4
+# combine_slices configuration (benchmarked in tools/bench_permutation.py): (largest CTA, element groups
+# per thread, slots whose loads are issued together, load kind, persistent grid, CTAs per SM asked of the
+# register allocator).
+_COMBINE_CFG = (128, 1, 8, 1, False, 8)
+# Streaming (evict-first) stores in dispatch (benchmarked against plain stores).
+_DISPATCH_STREAM_STORES = True
+
+
+def _combine_name(c: str, vec: bool, cfg=None) -> str:
+    block_max, unroll, ku, lm, _, minb = cfg or _COMBINE_CFG
+    return f"combine_slices<{c}, {'true' if vec else 'false'}, {unroll}, {ku}, {lm}, {block_max}, {minb}>"
+
+
 _names = []
 for _i in _IDX.values():
     _names += [f"plan_count<{_i}>", f"plan_assign<{_i}>", f"chunk_offsets<{_i}>"]
-_COMBINE_UNROLL, _COMBINE_KU = 2, 4
 for _u in _UNITS.values():
     _names += [f"dispatch_rows<{_u}, {_UNROLL}, true>", f"dispatch_rows<{_u}, {_UNROLL}, false>",
                f"fill_rows<{_u}>", f"chunk_sort_rows<{_u}, false>", f"chunk_sort_rows<{_u}, true>"]
 for _c in _jit.CTYPES.values():
-    for _v in ("true", "false"):
-        _names += [f"combine_rows<{_c}, {_v}, {_COMBINE_UNROLL}, {_COMBINE_KU}>",
-                   f"combine_rows<{_c}, {_v}, {_UNROLL}, 1>", f"combine_bwd_rows<{_c}, {_v}, {_UNROLL}>"]
-# Tuning switches (benchmarked): streaming (evict-first) stores in dispatch; combine's (unroll, slots per
-# load batch).
-_DISPATCH_STREAM_STORES = True
-_COMBINE_CFG = (_COMBINE_UNROLL, _COMBINE_KU)
-_names += ["plan_col_scan", "plan_offsets", "gather_slots"]
+    for _v in (True, False):
+        _names += [_combine_name(_c, _v), f"combine_bwd_rows<{_c}, {'true' if _v else 'false'}, {_UNROLL}>"]
+_names += ["plan_scan", "gather_slots"]
 _jit.register(_FILE, _names)
+
+# Loaded kernels (CuPy Function objects) by (name expression, device): a launch then skips the registry's
+# and the RawKernel's device queries.
+_fns: dict = {}
+
+
+def _fn(name: str, device_id: int, shared_mem: int = 0):
+    """Kernel ``name`` of permutation.cu for ``device_id`` (the current device inside an op's call),
+    opted in to ``shared_mem`` bytes of dynamic shared memory."""
+    key = (name, device_id)
+    f = _fns.get(key)
+    if f is None:
+        f = _fns[key] = [_jit.function(_FILE, name).kernel, 48 * 1024]
+    if shared_mem > f[1]:
+        _jit.set_max_dynamic_shared(_jit.function(_FILE, name), shared_mem)
+        f[1] = shared_mem
+    return f[0]
+
+
+def _launch(fn, grid: int, block, args, stream, shared_mem: int = 0) -> None:
+    # Straight to CuPy's launcher (args: CuPy arrays, NumPy scalars, or ints passed as 64-bit values).
+    if grid > 0:
+        fn((grid,), block if isinstance(block, tuple) else (block,), args, shared_mem=shared_mem,
+           stream=stream)
+
 
 MAX_EXPERTS = 16384
 _INT32_MAX = 2**31 - 1
@@ -238,41 +270,42 @@ def make_plan(routing, num_experts: int, *, align_size: int = 1, num_out_tokens:
 
 
 def _plan_cuda(call, r, is_map, T, K, E, A, N, num_out_tokens):
-    xp = call.xp
+    xp, dev, s = call.xp, call.device_id, call.stream
     if is_map:
         idx = xp.where(r, xp.arange(E, dtype=np.int32)[None, :], np.int32(-1)).astype(np.int32)
     else:
         idx = _arrays.contiguous(xp, r)
-    ic = _IDX[np.dtype(idx.dtype).name]
+    ic = _IDX[idx.dtype.name]
     L = T * K
     chunk = _chunk_for(L, E)
     nchunks = -(-L // chunk)
-    scratch = xp.empty(2 * nchunks * E + E, dtype=np.int32)
-    partial = scratch[:nchunks * E]
-    base = scratch[nchunks * E:2 * nchunks * E]
-    totals = scratch[2 * nchunks * E:]
-    counts = xp.empty(E, dtype=np.int32)
-    tpe = xp.empty(E, dtype=np.int32)
-    seg = xp.empty(E + 1, dtype=np.int32)
-    dst = xp.empty((T, K), dtype=np.int32)
-    src = xp.empty(N, dtype=np.int32)
-    s = call.stream
+    # One int32 allocation: the plan's arrays, then the scratch (partial, base, totals, a counter).
+    n_out = L + N + 3 * E + 1
+    buf = xp.empty(n_out + 2 * nchunks * E + E + 1, dtype=np.int32)
+    dst = buf[:L].reshape(T, K)
+    src = buf[L:L + N]
+    seg = buf[L + N:L + N + E + 1]
+    counts = buf[L + N + E + 1:L + N + 2 * E + 1]
+    tpe = buf[L + N + 2 * E + 1:n_out]
+    p_partial = buf.data.ptr + 4 * n_out
+    p_base = p_partial + 4 * nchunks * E
+    p_totals = p_base + 4 * nchunks * E
+    p_done = p_totals + 4 * E
     smem_warp = E * 4
     wpb = max(1, min(8, (48 * 1024) // smem_warp))
-    f_count = _jit.function(_FILE, f"plan_count<{ic}>")
-    f_assign = _jit.function(_FILE, f"plan_assign<{ic}>")
-    _jit.set_max_dynamic_shared(f_count, wpb * smem_warp)
-    _jit.set_max_dynamic_shared(f_assign, wpb * smem_warp)
-    grid = max(-(-nchunks // wpb), 1 if N else 0)
-    _jit.launch(f_count, grid, 32 * wpb, (idx, np.int64(L), np.int32(E), np.int32(chunk), np.int32(nchunks),
-                                          partial, src, np.int64(N)), shared_mem=wpb * smem_warp, stream=s)
-    _jit.launch(_jit.function(_FILE, "plan_col_scan"), -(-E // 32), (32, 32),
-                (partial, base, totals, np.int32(nchunks), np.int32(E)), stream=s)
+    smem = wpb * smem_warp
+    f_count = _fn(f"plan_count<{ic}>", dev, smem)
+    f_assign = _fn(f"plan_assign<{ic}>", dev, smem)
+    a_L, a_E, a_chunk, a_nchunks = np.int64(L), np.int32(E), np.int32(chunk), np.int32(nchunks)
     num_out = L if num_out_tokens is None else num_out_tokens
-    _jit.launch(_jit.function(_FILE, "plan_offsets"), 1, min(1024, -(-E // 32) * 32),
-                (totals, np.int32(E), np.int32(A), np.int64(num_out), counts, tpe, seg), stream=s)
-    _jit.launch(f_assign, -(-nchunks // wpb), 32 * wpb, (idx, np.int64(L), np.int32(E), np.int32(chunk), np.int32(nchunks),
-                                           base, counts, seg, dst, src), shared_mem=wpb * smem_warp, stream=s)
+    # plan_count always runs (it zeroes plan_scan's counter and fills src_slot with -1).
+    _launch(f_count, max(-(-nchunks // wpb), 1), 32 * wpb,
+            (idx, a_L, a_E, a_chunk, a_nchunks, p_partial, src, np.int64(N), p_done), s, smem)
+    _launch(_fn("plan_scan", dev), -(-E // 32), 1024,
+            (p_partial, p_base, p_totals, a_nchunks, a_E, np.int32(A), np.int64(num_out), counts, tpe, seg,
+             p_done), s)
+    _launch(f_assign, -(-nchunks // wpb), 32 * wpb,
+            (idx, a_L, a_E, a_chunk, a_nchunks, p_base, counts, seg, dst, src), s, smem)
     return {"dst_row": dst, "src_slot": src, "seg_start": seg, "counts": counts, "tokens_per_expert": tpe}
 
 
@@ -384,10 +417,9 @@ def _copy_rows(call, src, out, plan):
     u = _unit(row_bytes, src.data.ptr, out.data.ptr)
     units = row_bytes // u
     stream = "true" if _DISPATCH_STREAM_STORES else "false"
-    fn = _jit.function(_FILE, f"dispatch_rows<{_UNITS[u]}, {_UNROLL}, {stream}>")
-    _jit.set_max_dynamic_shared(fn, K * 4)
-    _jit.launch(fn, T, _threads(units), (src.data.ptr, out.data.ptr, plan._v["dst_row"], np.int32(K),
-                                         np.int64(units)), shared_mem=K * 4, stream=call.stream)
+    fn = _fn(f"dispatch_rows<{_UNITS[u]}, {_UNROLL}, {stream}>", call.device_id, K * 4)
+    _launch(fn, T, _threads(units), (src.data.ptr, out.data.ptr, plan._v["dst_row"], np.int32(K),
+                                     np.int64(units)), call.stream, K * 4)
 
 
 def _fill(call, out, pp, pv, plan):
@@ -397,12 +429,11 @@ def _fill(call, out, pp, pv, plan):
         return
     row_bytes = int(out.shape[1]) * out.dtype.itemsize if out is not None else 0
     u = _unit(row_bytes, out.data.ptr) if out is not None else 16
-    fn = _jit.function(_FILE, f"fill_rows<{_UNITS[u]}>")
     args = (out.data.ptr if out is not None and row_bytes else 0, pp if pp is not None else 0,
             pv if pv is not None else 0, plan._v["src_slot"], np.int64(N), np.int64(row_bytes // u))
     if args[0] == 0 and args[1] == 0:
         return
-    _jit.launch(fn, _row_grid(N, call.device_id), 256, args, stream=call.stream)
+    _launch(_fn(f"fill_rows<{_UNITS[u]}>", call.device_id), _row_grid(N, call.device_id), 256, args, call.stream)
 
 
 def combine(y_permuted, plan: Plan, probs=None, *, stream=None):
@@ -438,15 +469,39 @@ def _combine_cuda(call, yv, plan, pv):
         return out
     isz = yv.dtype.itemsize
     vec = (H * isz) % 16 == 0 and yv.data.ptr % 16 == 0 and out.data.ptr % 16 == 0
-    n_per = 16 // isz if vec else 1
-    c = _jit.ctype(yv.dtype)
-    unroll, ku = _COMBINE_CFG
-    fn = _jit.function(_FILE, f"combine_rows<{c}, {'true' if vec else 'false'}, {unroll}, {ku}>")
-    smem = K * 8
-    _jit.set_max_dynamic_shared(fn, smem)
-    _jit.launch(fn, T, _threads(H // n_per, unroll), (yv, out, plan._v["dst_row"], pv if pv is not None else 0,
-                                              np.int32(K), np.int64(H)), shared_mem=smem, stream=call.stream)
+    cfg = _COMBINE_CFG
+    block_max, unroll, _, _, persistent, _ = cfg
+    dev = call.device_id
+    fn = _fn(_combine_name(_jit.ctype(yv.dtype), vec, cfg), dev)
+    slices, block = _slices(H // (16 // isz if vec else 1), block_max, unroll)
+    work = T * slices
+    grid = min(work, _resident_ctas(fn, block, dev) if persistent else _INT32_MAX)  # grid-stride beyond
+    _launch(fn, grid, block, (yv, out, plan._v["dst_row"], pv if pv is not None else 0, np.int32(K), np.int64(H),
+                              np.int32(slices), np.int64(work)), call.stream)
     return out
+
+
+def _slices(units: int, block_max: int, unroll: int):
+    """Split a row of ``units`` element groups into the fewest slices of at most ``block_max`` threads x
+    ``unroll`` groups, with the CTA (a multiple of 32 threads) sized to waste as little as possible."""
+    slices = max(1, -(-units // (block_max * unroll)))
+    per = -(-units // (slices * unroll))
+    return slices, int(min(block_max, max(32, -(-per // 32) * 32)))
+
+
+_occupancy: dict = {}
+
+
+def _resident_ctas(fn, block: int, device_id: int) -> int:
+    """CTAs of ``fn`` with ``block`` threads resident on the whole device at once (a persistent grid)."""
+    key = (fn.ptr, block, device_id)
+    n = _occupancy.get(key)
+    if n is None:
+        from cupy.cuda import driver
+
+        per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, block, 0)
+        n = _occupancy[key] = max(1, per_sm) * _jit.device_properties(device_id)["sm_count"]
+    return n
 
 
 def dispatch_backward(grad_x_permuted, plan: Plan, grad_probs_permuted=None, *, stream=None):
@@ -484,8 +539,8 @@ def dispatch_backward(grad_x_permuted, plan: Plan, grad_probs_permuted=None, *, 
                 gp = xp.empty((plan.num_tokens, plan.topk), dtype=np.float32)
                 L = gp.size
                 if L:
-                    _jit.launch(_jit.function(_FILE, "gather_slots"), _row_grid(L // 32 + 1, call.device_id),
-                                256, (gpp, plan._v["dst_row"], gp, np.int64(L)), stream=call.stream)
+                    _launch(_fn("gather_slots", call.device_id), _row_grid(L // 32 + 1, call.device_id),
+                            256, (gpp, plan._v["dst_row"], gp, np.int64(L)), call.stream)
         return call.out(gx), (None if gp is None else call.out(gp))
 
 
@@ -539,12 +594,11 @@ def combine_backward(grad_y, plan: Plan, y_permuted=None, probs=None, *, stream=
                        and gyp.data.ptr % 16 == 0)
                 n_per = 16 // isz if vec else 1
                 threads = _threads(H // n_per)
-                fn = _jit.function(_FILE, f"combine_bwd_rows<{_jit.ctype(g.dtype)}, "
-                                          f"{'true' if vec else 'false'}, {_UNROLL}>")
                 smem = K * 8 + (threads // 32) * K * 4
-                _jit.set_max_dynamic_shared(fn, smem)
-                _jit.launch(fn, T, threads, (g, yv, gyp, plan._v["dst_row"], pv, gp, np.int32(K), np.int64(H)),
-                            shared_mem=smem, stream=call.stream)
+                fn = _fn(f"combine_bwd_rows<{_jit.ctype(g.dtype)}, {'true' if vec else 'false'}, {_UNROLL}>",
+                         call.device_id, smem)
+                _launch(fn, T, threads, (g, yv, gyp, plan._v["dst_row"], pv, gp, np.int32(K), np.int64(H)),
+                        call.stream, smem)
         return call.out(gyp), call.out(gp)
 
 
@@ -641,18 +695,17 @@ def _sort_chunks_cuda(call, xv, s, o, pv, bwd):
     in_start, out_start = starts[:S + 1], starts[S + 1:]
     ic = _IDX[np.dtype(s.dtype).name]
     if S:
-        _jit.launch(_jit.function(_FILE, f"chunk_offsets<{ic}>"), 1, 1024, (s, o, np.int32(S), in_start, out_start),
-                    stream=call.stream)
+        _launch(_fn(f"chunk_offsets<{ic}>", call.device_id), 1, 1024, (s, o, np.int32(S), in_start, out_start),
+                call.stream)
     else:
         in_start.fill(0)
     row_bytes = (xv.size // N) * xv.dtype.itemsize
     u = _unit(row_bytes, xv.data.ptr, out.data.ptr) if row_bytes else 16
     units = row_bytes // u
-    fn = _jit.function(_FILE, f"chunk_sort_rows<{_UNITS[u]}, {'true' if bwd else 'false'}>")
+    fn = _fn(f"chunk_sort_rows<{_UNITS[u]}, {'true' if bwd else 'false'}>", call.device_id)
     threads = int(min(256, max(32, -(-units // 32) * 32)))
-    _jit.launch(fn, N, threads, (xv.data.ptr, out.data.ptr, in_start, out_start, np.int32(max(S, 0)), np.int64(N),
-                                 np.int64(units), pv if pv is not None else 0, po if po is not None else 0),
-                stream=call.stream)
+    _launch(fn, N, threads, (xv.data.ptr, out.data.ptr, in_start, out_start, np.int32(max(S, 0)), np.int64(N),
+                             np.int64(units), pv if pv is not None else 0, po if po is not None else 0), call.stream)
     return out, po
 
 

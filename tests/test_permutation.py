@@ -455,6 +455,8 @@ GPU_CASES = [
     (4096, 7, 4096, 2, 1, 2039, "float32", 0.0),  # TE's num_out_tokens=2039
     (300, 32, 256, 5, 8, None, "float16", 0.2),
     (0, 8, 128, 2, 16, None, "bfloat16", 0.0),  # T=0
+    (500, 32, 2048, 11, 1, None, "bfloat16", 0.1),  # K > 8: combine loads slots in two batches
+    (3000, 2048, 64, 4, 8, None, "float32", 0.0),  # 64 CTAs in plan_scan (the last one finishes the plan)
 ]
 
 

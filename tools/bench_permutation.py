@@ -6,7 +6,10 @@ way MaxText / Megatron do in torch (stable argsort + index_select / index_add_).
 minimum each op must move (e.g. dispatch reads T*H and writes N*H elements); the copy bandwidth is a
 device-to-device copy measured in the same run.
 
-    python tools/bench_permutation.py [--quick] [--json PATH] [--no-compile]
+    python tools/bench_permutation.py [--quick] [--json PATH] [--no-compile] [--variants] [--profile PATH]
+
+--variants also times combine in several kernel configurations at the first shape (checking that all give
+the same bits); --profile writes a cProfile of the host side of each op (where per-call time goes).
 """
 from __future__ import annotations
 
@@ -19,6 +22,22 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchlib  # noqa: E402
 
 COLUMNS = ["op", "T", "E", "K", "H", "ms", "GB/s", "% copy", "torch ms", "x torch", "compile ms", "x compile"]
+
+# combine_slices configurations: (largest CTA, element groups per thread, slots loaded together,
+# load kind 0 ld.cs / 1 ld.nc / 2 ld.nc + 256-byte L2 prefetch, persistent grid, CTAs per SM asked).
+COMBINE_VARIANTS = {
+    "cta128 k8 nc occ8": (128, 1, 8, 1, False, 8),
+    "cta128 k8 cs occ8": (128, 1, 8, 0, False, 8),
+    "cta128 k8 cs": (128, 1, 8, 0, False, 1),
+    "cta128 k8 nc+pf256 occ8": (128, 1, 8, 2, False, 8),
+    "cta128 k4 cs occ8": (128, 1, 4, 0, False, 8),
+    "cta128 k8 nc occ8 persistent": (128, 1, 8, 1, True, 8),
+    "cta128 u2 k8 cs occ2": (128, 2, 8, 0, False, 2),
+    "cta64 k8 cs occ16": (64, 1, 8, 0, False, 16),
+    "cta256 k8 cs occ4": (256, 1, 8, 0, False, 4),
+    "cta512 k8 cs occ2": (512, 1, 8, 0, False, 2),
+    "cta1024 k8 cs (one CTA per token)": (1024, 1, 8, 0, False, 1),
+}
 
 
 def torch_baselines(T, E, K, H):
@@ -56,8 +75,35 @@ def torch_baselines(T, E, K, H):
             "combine_bwd": combine_bwd}
 
 
+def _profile(ops, path, label, calls=200):
+    """cProfile of ``calls`` back-to-back calls of each op (host side), appended to ``path``."""
+    import cProfile
+    import io
+    import pstats
+
+    import cupy
+
+    with open(path, "a") as f:
+        for op, fn in ops.items():
+            fn()
+            cupy.cuda.Device().synchronize()
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(calls):
+                fn()
+            pr.disable()
+            cupy.cuda.Device().synchronize()
+            buf = io.StringIO()
+            st = pstats.Stats(pr, stream=buf)
+            st.sort_stats("tottime").print_stats(30)
+            f.write(f"==== {op} ({label}), {calls} calls\n{buf.getvalue()}\n")
+
+
 def main():
     ap = benchlib.parser(__doc__.splitlines()[0])
+    ap.add_argument("--variants", action="store_true",
+                    help="also time combine in each of COMBINE_VARIANTS at the first shape")
+    ap.add_argument("--profile", help="write a cProfile (host side, per op) to this file")
     ap.add_argument("--batch", type=int, default=8,
                     help="calls per timed region (time reported per call): host launch overhead then "
                          "overlaps the previous call's GPU work, as in a real layer; 1 = isolated calls")
@@ -69,10 +115,13 @@ def main():
     from moe_rt import _jit
 
     dev = cupy.cuda.Device().id
+    if args.variants:  # before the first compile of permutation.cu
+        _jit.register(P._FILE, [P._combine_name("__nv_bfloat16", True, c) for c in COMBINE_VARIANTS.values()])
     props = _jit.device_properties(dev)
     copy_gbs = benchlib.copy_bandwidth()
     table = benchlib.Table("moe_rt dispatch/combine, bf16", COLUMNS)
     table.meta["copy GB/s"] = round(copy_gbs, 1)
+    table.meta["combine config"] = str(P._COMBINE_CFG)
     table.meta["timing"] = (f"median of {args.iters} timed regions of {args.batch} back-to-back calls "
                             f"each, per call; inputs rotated over sets exceeding L2")
     table.header()
@@ -130,7 +179,7 @@ def main():
             "dispatch_backward": (N + T) * H * b,
             "combine_backward": (T + 2 * N) * H * b + 2 * T * K * 4,
         }
-        times = {}
+        times, eager_ms = {}, {}
         rep = max(1, args.batch)
 
         def timed(fn):
@@ -139,10 +188,29 @@ def main():
                     fn()
             return benchlib.time_cuda(many, **it) / rep
 
+        if args.variants and T == shapes[0][0] and (E, K) == shapes[0][1:]:
+            default, best, first = P._COMBINE_CFG, None, None
+            for name, cfg in COMBINE_VARIANTS.items():
+                P._COMBINE_CFG = cfg
+                y = P.combine(yps[0], plan, probs)  # every configuration gives the same bits
+                if first is None:
+                    first = y
+                elif not torch.equal(y.view(torch.int16), first.view(torch.int16)):
+                    raise SystemExit(f"combine configuration {name} differs from {list(COMBINE_VARIANTS)[0]}")
+                ms = timed(ours["combine"])
+                gbs = nbytes["combine"] / (ms * 1e-3) / 1e9
+                table.add(op=f"combine [{name}]", T=T, E=E, K=K, H=H, ms=ms,
+                          **{"GB/s": gbs, "% copy": 100 * gbs / copy_gbs})
+                if best is None or ms < best[0]:
+                    best = (ms, name, cfg)
+            P._COMBINE_CFG = default
+            print(f"  combine: fastest configuration {best[1]} {best[2]}; the rows below use {default}", flush=True)
+        if args.profile and (T, E, K) == shapes[0]:
+            _profile(ours, args.profile, f"T={T} E={E} K={K} H={H}")
         for op, fn in ours.items():
             ms = timed(fn)
             times[op] = ms
-            t_ms = timed(eager[op])
+            t_ms = eager_ms[op] = timed(eager[op])
             c_ms = None
             if compiled is not None:
                 try:
@@ -154,22 +222,23 @@ def main():
                 "GB/s": gbs, "% copy": 100 * gbs / copy_gbs, "torch ms": t_ms, "x torch": t_ms / ms,
                 "compile ms": c_ms, "x compile": (c_ms / ms) if c_ms else None})
         print(f"  make_plan / dispatch time = {100 * times['make_plan'] / times['dispatch']:.1f}%", flush=True)
+        # make_plan on a CuPy array: the same op without the torch DLPack import of the routing.
+        idx_cp = cupy.from_dlpack(idx)
+        table.add(op="make_plan (CuPy input)", T=T, E=E, K=K, H=H, ms=timed(lambda: P.make_plan(idx_cp, E)))
         # Variant: dispatch with default-policy stores instead of streaming stores.
         P._DISPATCH_STREAM_STORES = False
         ms = timed(ours["dispatch"])
         P._DISPATCH_STREAM_STORES = True
         gbs = nbytes["dispatch"] / (ms * 1e-3) / 1e9
         table.add(op="dispatch (plain st)", T=T, E=E, K=K, H=H, ms=ms, **{"GB/s": gbs, "% copy": 100 * gbs / copy_gbs})
-        P._COMBINE_CFG = (4, 1)
-        ms = timed(ours["combine"])
-        P._COMBINE_CFG = (P._COMBINE_UNROLL, P._COMBINE_KU)
-        gbs = nbytes["combine"] / (ms * 1e-3) / 1e9
-        table.add(op="combine (unroll 4, 1 slot)", T=T, E=E, K=K, H=H, ms=ms,
-                  **{"GB/s": gbs, "% copy": 100 * gbs / copy_gbs})
+        # The floor of dispatch (its bytes at copy bandwidth) and the most it could gain over torch eager.
+        floor_ms = nbytes["dispatch"] / (copy_gbs * 1e9) * 1e3
+        table.add(op="dispatch at copy floor", T=T, E=E, K=K, H=H, ms=floor_ms, **{
+            "GB/s": copy_gbs, "% copy": 100.0, "torch ms": eager_ms["dispatch"],
+            "x torch": eager_ms["dispatch"] / floor_ms})
         # GPU time of make_plan alone, without host overhead: replay of a captured CUDA graph.
         try:
             cs = cupy.cuda.Stream(non_blocking=True)
-            idx_cp = cupy.from_dlpack(idx)
             with cs:
                 P.make_plan(idx_cp, E, stream=cs)  # warm the pool and the kernel cache
                 cs.synchronize()
