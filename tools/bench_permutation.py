@@ -13,6 +13,7 @@ the same bits); --profile writes a cProfile of the host side of each op (where p
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -250,6 +251,9 @@ def main():
             print(f"  make_plan GPU time / dispatch time = {100 * ms / times['dispatch']:.1f}%", flush=True)
         except Exception as e:  # pragma: no cover - depends on the machine
             print(f"  make_plan graph capture failed: {e!r}", flush=True)
+        if args.json:  # rows so far, in case a later shape does not finish
+            with open(args.json, "w") as f:
+                json.dump({"meta": table.meta, "rows": table.rows}, f, indent=1)
         del xs, yps, gpps, plan, ours, eager, compiled
         torch.cuda.empty_cache()
         cupy.get_default_memory_pool().free_all_blocks()
