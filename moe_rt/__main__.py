@@ -1,5 +1,6 @@
 """Command line: ``python -m moe_rt info`` (environment report), ``python -m moe_rt demo`` (a MoE layer,
-forward and backward, checked against plain framework code and timed per stage)."""
+forward and backward in torch, JAX or CuPy, checked against plain framework code and timed per stage;
+``--ep N`` spreads it over N GPUs)."""
 from __future__ import annotations
 
 import argparse
@@ -93,7 +94,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m moe_rt", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, GPUs, NCCL, kernel cache, frameworks")
-    sub.add_parser("demo", help="a MoE layer forward+backward on moe_rt, checked and timed", add_help=False)
+    sub.add_parser("demo", help="a MoE layer forward+backward on moe_rt (--framework torch|jax|cupy, --ep N), "
+                                "checked and timed", add_help=False)
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "demo":
         from moe_rt import demo
