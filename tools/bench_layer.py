@@ -1,0 +1,690 @@
+"""Benchmark of the whole MoE layer step (forward + backward) on moe_rt against the plain framework layer.
+
+The layer (as in ``python -m moe_rt demo``): fp32 router logits ``x @ w_router`` -> top-k with softmax over
+the K selected, plus the Switch aux loss -> dispatch into expert-major rows -> SwiGLU experts (torch:
+``torch._grouped_mm``; JAX: ``jax.lax.ragged_dot``) -> weighted combine. The moe_rt layer runs router,
+dispatch and combine on moe_rt's adapters (``moe_rt.torch``, ``moe_rt.jax``); the plain layer writes them
+the way MaxText / Megatron do (top-k + softmax, stable argsort of the expert ids, row gathers, gather back
+and an fp32 weighted sum). Both layers share the expert code. Rows:
+
+- the layer step, forward + backward with given cotangents (torch: eager moe_rt, plain eager, plain under
+  ``torch.compile``, moe_rt under ``torch.compile``; JAX: ``jax.jit`` of moe_rt and of the plain layer);
+- each stage forward + backward in isolation (router, dispatch, combine, experts), each its own eager call,
+  compiled function or jitted function, written as inside the layer; their sum router+dispatch+combine is
+  what the targets compare, and "layer - experts" is the same share measured inside the layer;
+- adapter overhead per call at a small size (T=128) where launch overhead dominates: ``moe_rt.torch.<op>``
+  against the moe_rt op called directly on the same torch tensors, ``jax.jit(moe_rt.jax.<op>)`` against the
+  moe_rt op on CuPy views of the same buffers (written to ``<json stem>_overhead.json``).
+
+torch rows are timed with CUDA events on torch's stream (median of ``--iters`` steps after warm-up, host
+launch gaps included, as a training step sees them); JAX rows with wall clock around each jitted call up to
+``block_until_ready`` (JAX runs on its own streams). GB/s counts the fewest bytes a stage must move.
+
+    python tools/bench_layer.py [--quick] [--json PATH] [--no-compile] [--iters N]
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+
+import numpy as np
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX beside torch in one process
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import benchlib  # noqa: E402
+
+COLUMNS = ["part", "impl", "ms", "GB/s", "% copy", "x moe_rt"]
+OVERHEAD_COLUMNS = ["framework", "op", "pass", "adapter us", "direct us", "overhead us/call", "adapter GPU us",
+                    "direct GPU us"]
+COEFF = 1e-2
+
+
+class Shape:
+    def __init__(self, T, H, E, K, F):
+        self.T, self.H, self.E, self.K, self.F = T, H, E, K, F
+        self.N = T * K
+
+    def stage_bytes(self):
+        """Fewest bytes each stage moves, forward + backward (bf16 tokens)."""
+        T, H, N, E = self.T, self.H, self.N, self.E
+        return {"router": 3 * T * H * 2 + 6 * T * E * 4,  # read x twice, write grad x; fp32 logits/grads
+                "dispatch": 2 * (T + N) * H * 2,  # rows out and back
+                "combine": (3 * N + 2 * T) * H * 2}  # y_perm read twice (fwd, probs grad), grad y_perm written
+
+
+def moe_rt_stages(m, s: Shape, as_f32, count_i32):
+    """Router, dispatch and combine of the moe_rt layer over the adapter module ``m`` (moe_rt.torch or
+    moe_rt.jax, which share the API); ``as_f32`` and ``count_i32`` are the framework's casts."""
+    T, E, K = s.T, s.E, s.K
+
+    def router(x, wr):
+        logits = as_f32(x) @ as_f32(wr)  # fp32 router: bf16 logits would tie between experts
+        probs, rmap = m.topk_with_score(logits, K, score_function="softmax")
+        scores, smap = m.scores_for_aux_loss(logits, K, "softmax")
+        return probs, m.aux_loss(scores, count_i32(smap), T, E, K, COEFF), rmap
+
+    def dispatch(x, rmap):
+        plan = m.make_plan(rmap, E, num_out_tokens=T * K)
+        return m.dispatch(x, plan)[0], plan
+
+    def combine(ys, plan, probs):
+        return m.combine(ys, plan, probs)
+
+    return router, dispatch, combine
+
+
+# ---- torch ------------------------------------------------------------------------------------------------
+
+def torch_parts(s: Shape, experts_kind: str):
+    import torch
+    import torch.nn.functional as Fn
+
+    import moe_rt.torch as mt
+
+    T, E, K = s.T, s.E, s.K
+    c_aux = E * COEFF / K / T / T
+
+    def experts(xs, offs, w1, w3, w2):
+        # w1, w3: [E, F, H], w2: [E, H, F] (out x in); offs: [E] int32 cumulative row ends
+        if experts_kind == "grouped_mm":
+            h1 = torch._grouped_mm(xs, w1.transpose(-2, -1), offs=offs)
+            h3 = torch._grouped_mm(xs, w3.transpose(-2, -1), offs=offs)
+            return torch._grouped_mm(Fn.silu(h1) * h3, w2.transpose(-2, -1), offs=offs)
+        ends = offs.tolist()
+        outs, a0 = [], 0
+        for e, a1 in enumerate(ends):
+            h = xs[a0:a1]
+            outs.append((Fn.silu(h @ w1[e].t()) * (h @ w3[e].t())) @ w2[e].t())
+            a0 = a1
+        return torch.cat(outs + [xs[a0:] * 0])
+
+    mr_router, mr_dispatch, mr_combine = moe_rt_stages(mt, s, lambda t: t.float(),
+                                                       lambda m: m.sum(0, dtype=torch.int32))
+
+    def mr_layer(x, wr, w1, w3, w2):
+        probs, aux, rmap = mr_router(x, wr)
+        xs, plan = mr_dispatch(x, rmap)
+        ys = experts(xs, plan.seg_start[1:], w1, w3, w2)
+        return mr_combine(ys, plan, probs), aux
+
+    # plain stages
+    def pl_router(x, wr):
+        logits = x.float() @ wr.float()
+        v, idx = logits.topk(K, dim=-1)
+        w = torch.softmax(v, -1)
+        sc = torch.softmax(logits, -1)
+        tpe = torch.zeros_like(sc).scatter(1, sc.topk(K, dim=-1)[1], 1.0).sum(0)
+        aux = c_aux * (sc.sum(0) * tpe).sum()
+        return w, aux, idx
+
+    def pl_dispatch(x, idx):
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        offs = torch.bincount(flat, minlength=E).cumsum(0).to(torch.int32)
+        return x.index_select(0, order // K), order, offs
+
+    def pl_combine(ys, order, w):
+        inv = torch.argsort(order)
+        y = (ys.index_select(0, inv).view(T, K, -1).float() * w.unsqueeze(-1)).sum(1)
+        return y.to(ys.dtype)
+
+    def pl_layer(x, wr, w1, w3, w2):
+        w, aux, idx = pl_router(x, wr)
+        xs, order, offs = pl_dispatch(x, idx)
+        return pl_combine(experts(xs, offs, w1, w3, w2), order, w), aux
+
+    return dict(experts=experts, mr_router=mr_router, mr_dispatch=mr_dispatch, mr_combine=mr_combine,
+                mr_layer=mr_layer, pl_router=pl_router, pl_dispatch=pl_dispatch, pl_combine=pl_combine,
+                pl_layer=pl_layer)
+
+
+def pick_torch_experts() -> str:
+    """``grouped_mm`` when torch._grouped_mm runs forward and backward here and matches a per-expert loop
+    (unaligned group sizes, an empty group), else ``loop``."""
+    import torch
+
+    try:
+        s = Shape(40, 64, 4, 2, 32)
+        g = torch.Generator(device="cuda").manual_seed(0)
+        xs = torch.randn(s.N, s.H, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+        ws = [(torch.randn(s.E, *sh, device="cuda", generator=g) * 0.1).bfloat16().requires_grad_()
+              for sh in ((s.F, s.H), (s.F, s.H), (s.H, s.F))]
+        offs = torch.tensor([13, 13, 50, 80], device="cuda", dtype=torch.int32)
+        gy = torch.randn(s.N, s.H, device="cuda", dtype=torch.bfloat16, generator=g)
+        outs = []
+        for kind in ("grouped_mm", "loop"):
+            y = torch_parts(s, kind)["experts"](xs, offs, *ws)
+            outs.append([y.float()] + [t.float() for t in torch.autograd.grad(y, [xs, *ws], gy)])
+        ok = all(torch.allclose(a, b, rtol=3e-2, atol=3e-2) for a, b in zip(*outs))
+        return "grouped_mm" if ok else "loop"
+    except Exception as e:  # noqa: BLE001 - any failure: fall back to the loop
+        print(f"torch._grouped_mm unusable here ({type(e).__name__}: {e}); per-expert loop", flush=True)
+        return "loop"
+
+
+def torch_step(fwd, inputs, cots):
+    """A callable running ``fwd(*inputs)`` then the gradients of its differentiable outputs (the first
+    ``len(cots)``) w.r.t. the inputs that require grad."""
+    import torch
+
+    wrt = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+
+    def step():
+        out = fwd(*inputs)
+        out = out if isinstance(out, tuple) else (out,)
+        return out, torch.autograd.grad(out[:len(cots)], wrt, cots)
+
+    return step
+
+
+def bench_torch(s: Shape, args, table, save):
+    import torch
+
+    kind = pick_torch_experts()
+    table.meta["torch experts"] = ("torch._grouped_mm" if kind == "grouped_mm" else "per-expert loop (host sync)")
+    table.meta["torch"] = torch.__version__
+    P = torch_parts(s, kind)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    T, E, K, H, F, N = s.T, s.E, s.K, s.H, s.F, s.N
+
+    def rnd(*shape, scale=1.0, dtype=torch.bfloat16, grad=True):
+        t = (torch.randn(*shape, device="cuda", generator=g) * scale).to(dtype)
+        return t.requires_grad_() if grad else t
+
+    x, wr = rnd(T, H), rnd(H, E, scale=H ** -0.5)
+    w1, w3, w2 = rnd(E, F, H, scale=H ** -0.5), rnd(E, F, H, scale=H ** -0.5), rnd(E, H, F, scale=F ** -0.5)
+    gy = rnd(T, H, grad=False)
+    one = torch.ones((), device="cuda")
+    it = dict(iters=args.iters, warmup=args.warmup)
+    compile_ok = not args.no_compile
+    times = {}
+    add = row_adder(table, times, "moe_rt (torch)", lambda fn: benchlib.time_cuda(fn, **it), save)
+
+    layer_cots = [gy, one]
+    impls = [("moe_rt (torch)", P["mr_layer"]), ("torch eager", P["pl_layer"])]
+    if compile_ok:
+        impls += [("torch.compile", torch.compile(P["pl_layer"])),
+                  ("moe_rt + torch.compile", torch.compile(P["mr_layer"]))]
+    for impl, f in impls:
+        add("layer step", impl, torch_step(f, (x, wr, w1, w3, w2), layer_cots))
+
+    # stage inputs, as inside the layer
+    with torch.no_grad():
+        probs, _, rmap = P["mr_router"](x, wr)
+        xs_m, plan = P["mr_dispatch"](x, rmap)
+        w, _, idx = P["pl_router"](x, wr)
+        xs_p, order, offs = P["pl_dispatch"](x, idx)
+    b = s.stage_bytes()
+    ys = rnd(N, H)
+    g_probs = rnd(T, E, dtype=torch.float32, grad=False)
+    g_w = rnd(T, K, dtype=torch.float32, grad=False)
+    g_xs = rnd(N, H, grad=False)
+    probs_g = probs.detach().requires_grad_()
+    w_g = w.detach().requires_grad_()
+    stages = {
+        "router": [("moe_rt (torch)", P["mr_router"], (x, wr), [g_probs, one]),
+                   ("torch eager", P["pl_router"], (x, wr), [g_w, one])],
+        "dispatch": [("moe_rt (torch)", P["mr_dispatch"], (x, rmap), [g_xs]),
+                     ("torch eager", P["pl_dispatch"], (x, idx), [g_xs])],
+        "combine": [("moe_rt (torch)", P["mr_combine"], (ys, plan, probs_g), [gy]),
+                    ("torch eager", P["pl_combine"], (ys, order, w_g), [gy])],
+        "experts": [("moe_rt (torch)", P["experts"], (xs_m.detach().requires_grad_(), plan.seg_start[1:], w1, w3, w2),
+                     [g_xs]),
+                    ("torch eager", P["experts"], (xs_p.detach().requires_grad_(), offs, w1, w3, w2), [g_xs])],
+    }
+    if compile_ok:
+        for part, key in (("router", "pl_router"), ("dispatch", "pl_dispatch"), ("combine", "pl_combine")):
+            plain = stages[part][1]
+            stages[part].append(("torch.compile", torch.compile(P[key]), plain[2], plain[3]))
+    for part, rows in stages.items():
+        for impl, f, inputs, cots in rows:
+            add(f"{part} fwd+bwd", impl, torch_step(f, inputs, cots), b.get(part))
+    summary_rows(table, times, ["moe_rt (torch)", "torch eager", "torch.compile"], "moe_rt (torch)", save)
+    del x, wr, w1, w3, w2, P, stages
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    import cupy
+
+    cupy.get_default_memory_pool().free_all_blocks()
+
+
+def row_adder(table, times, base_impl, timer, save):
+    """``add(part, impl, fn, nbytes=None)``: time ``fn`` with ``timer``, record it in ``times`` and add a row
+    (GB/s and % copy when ``nbytes`` is given; the ratio to ``base_impl`` of the same part)."""
+
+    def add(part, impl, fn, nbytes=None):
+        try:
+            ms = timer(fn)
+        except Exception as e:  # noqa: BLE001 - report and go on with the other rows
+            print(f"{part} / {impl} failed: {type(e).__name__}: {e}", flush=True)
+            traceback.print_exc()
+            return None
+        times[(part, impl)] = ms
+        row = {"part": part, "impl": impl, "ms": ms}
+        if nbytes:
+            gbs = nbytes / (ms * 1e-3) / 1e9
+            row.update({"GB/s": gbs, "% copy": 100 * gbs / table.meta["copy GB/s"]})
+        base = times.get((part, base_impl))
+        if base and impl != base_impl:
+            row["x moe_rt"] = ms / base
+        table.add(**row)
+        save()
+        return ms
+
+    return add
+
+
+def summary_rows(table, times, impls, base_impl, save):
+    """router+dispatch+combine as the sum of the isolated stages, and layer step - experts."""
+    parts = ["router fwd+bwd", "dispatch fwd+bwd", "combine fwd+bwd"]
+    sums = {}
+    for impl in impls:
+        if all((p, impl) in times for p in parts):
+            sums[impl] = sum(times[(p, impl)] for p in parts)
+    for impl, ms in sums.items():
+        row = {"part": "router+dispatch+combine (sum of stages)", "impl": impl, "ms": ms}
+        if impl != base_impl and base_impl in sums:
+            row["x moe_rt"] = ms / sums[base_impl]
+        table.add(**row)
+    inside = {}
+    for impl in impls:
+        if ("layer step", impl) in times and ("experts fwd+bwd", impl) in times:
+            inside[impl] = times[("layer step", impl)] - times[("experts fwd+bwd", impl)]
+    for impl, ms in inside.items():
+        row = {"part": "layer step - experts fwd+bwd", "impl": impl, "ms": ms}
+        if impl != base_impl and base_impl in inside:
+            row["x moe_rt"] = ms / inside[base_impl]
+        table.add(**row)
+    save()
+
+
+# ---- JAX --------------------------------------------------------------------------------------------------
+
+def jax_parts(s: Shape):
+    import jax
+    import jax.numpy as jnp
+
+    import moe_rt.jax as mj
+
+    T, E, K = s.T, s.E, s.K
+    c_aux = E * COEFF / K / T / T
+
+    def experts(xs, gs, w1, w3, w2):
+        h = jax.nn.silu(jax.lax.ragged_dot(xs, w1, gs)) * jax.lax.ragged_dot(xs, w3, gs)
+        return jax.lax.ragged_dot(h.astype(xs.dtype), w2, gs).astype(xs.dtype)
+
+    router, mr_dispatch, combine = moe_rt_stages(mj, s, lambda a: a.astype(jnp.float32),
+                                                 lambda m: m.sum(0).astype(jnp.int32))
+
+    def mr_router(x, wr):  # (differentiable outputs), non-differentiable ones: the form jax.vjp takes
+        probs, aux, rmap = router(x, wr)
+        return (probs, aux), rmap
+
+    def mr_combine(ys, probs, plan):
+        return combine(ys, plan, probs)
+
+    def mr_layer(x, wr, w1, w3, w2):
+        (probs, aux), rmap = mr_router(x, wr)
+        xs, plan = mr_dispatch(x, rmap)
+        return mr_combine(experts(xs, plan.counts, w1, w3, w2), probs, plan), aux
+
+    def pl_router(x, wr):
+        logits = x.astype(jnp.float32) @ wr.astype(jnp.float32)
+        v, idx = jax.lax.top_k(logits, K)
+        w = jax.nn.softmax(v, -1)
+        sc = jax.nn.softmax(logits, -1)
+        _, si = jax.lax.top_k(sc, K)
+        tpe = jax.lax.stop_gradient(jnp.zeros_like(sc).at[jnp.arange(T)[:, None], si].set(1.0).sum(0))
+        return (w, c_aux * (sc.sum(0) * tpe).sum()), idx
+
+    def pl_dispatch(x, idx):
+        flat = idx.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        gs = jnp.bincount(flat, length=E).astype(jnp.int32)
+        return x[order // K], (order, gs)
+
+    def pl_combine(ys, w, order):
+        inv = jnp.argsort(order)
+        return (ys[inv].reshape(T, K, -1).astype(jnp.float32) * w[..., None]).sum(1).astype(ys.dtype)
+
+    def pl_layer(x, wr, w1, w3, w2):
+        (w, aux), idx = pl_router(x, wr)
+        xs, (order, gs) = pl_dispatch(x, idx)
+        return pl_combine(experts(xs, gs, w1, w3, w2), w, order), aux
+
+    return dict(experts=experts, mr_router=mr_router, mr_dispatch=mr_dispatch, mr_combine=mr_combine,
+                mr_layer=mr_layer, pl_router=pl_router, pl_dispatch=pl_dispatch, pl_combine=pl_combine,
+                pl_layer=pl_layer)
+
+
+def jax_step(fwd, n_diff, has_aux):
+    """jit(forward + VJP): ``fwd(*diff_args, *other_args)``; returns (outputs, grads of the diff args)."""
+    import jax
+
+    def step(diff, other, cots):
+        out = jax.vjp(lambda *d: fwd(*d, *other), *diff, has_aux=has_aux)
+        primal, vjp_fn, aux = out[0], out[1], (out[2] if has_aux else None)
+        return (primal, aux), vjp_fn(cots)
+
+    return jax.jit(step)
+
+
+def time_wall(fn, iters, warmup):
+    import jax
+
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return float(np.median(ts))
+
+
+def bench_jax(s: Shape, args, table, save):
+    import jax
+    import jax.numpy as jnp
+
+    table.meta["jax"] = jax.__version__
+    P = jax_parts(s)
+    T, E, K, H, F, N = s.T, s.E, s.K, s.H, s.F, s.N
+    keys = iter(jax.random.split(jax.random.PRNGKey(0), 16))
+    bf = jnp.bfloat16
+
+    def rnd(shape, scale=1.0, dtype=bf):
+        return (jax.random.normal(next(keys), shape, jnp.float32) * scale).astype(dtype)
+
+    x, wr = rnd((T, H)), rnd((H, E), H ** -0.5)
+    w1, w3, w2 = rnd((E, H, F), H ** -0.5), rnd((E, H, F), H ** -0.5), rnd((E, F, H), F ** -0.5)
+    gy = rnd((T, H))
+    one = jnp.ones((), jnp.float32)
+    times = {}
+    add = row_adder(table, times, "moe_rt (jax.jit)", lambda fn: time_wall(fn, args.iters, args.warmup),
+                     save)
+
+    params = (x, wr, w1, w3, w2)
+    for impl, f in (("moe_rt (jax.jit)", P["mr_layer"]), ("jax.jit", P["pl_layer"])):
+        st = jax_step(f, 5, False)
+        add("layer step", impl, lambda st=st: st(params, (), (gy, one)))
+
+    (probs, _), rmap = jax.jit(P["mr_router"])(x, wr)
+    xs_m, plan = jax.jit(P["mr_dispatch"])(x, rmap)
+    (w, _), idx = jax.jit(P["pl_router"])(x, wr)
+    xs_p, (order, gs) = jax.jit(P["pl_dispatch"])(x, idx)
+    ys = rnd((N, H))
+    g_probs, g_w, g_xs = rnd((T, E), dtype=jnp.float32), rnd((T, K), dtype=jnp.float32), rnd((N, H))
+    b = s.stage_bytes()
+    stages = {
+        "router": [("moe_rt (jax.jit)", P["mr_router"], (x, wr), (), (g_probs, one), True),
+                   ("jax.jit", P["pl_router"], (x, wr), (), (g_w, one), True)],
+        "dispatch": [("moe_rt (jax.jit)", P["mr_dispatch"], (x,), (rmap,), g_xs, True),
+                     ("jax.jit", P["pl_dispatch"], (x,), (idx,), g_xs, True)],
+        "combine": [("moe_rt (jax.jit)", P["mr_combine"], (ys, probs), (plan,), gy, False),
+                    ("jax.jit", P["pl_combine"], (ys, w), (order,), gy, False)],
+        "experts": [("moe_rt (jax.jit)", P["experts"], (xs_m, plan.counts, w1, w3, w2), (), g_xs, False),
+                    ("jax.jit", P["experts"], (xs_p, gs, w1, w3, w2), (), g_xs, False)],
+    }
+    for part, rows in stages.items():
+        for impl, f, diff, other, cots, has_aux in rows:
+            if part == "experts":  # group sizes are integer: pass them as a non-differentiable argument
+                diff, other = (diff[0],) + diff[2:], (diff[1],)
+                f = (lambda f: lambda xs_, a, b_, c, gs_: f(xs_, gs_, a, b_, c))(f)
+            st = jax_step(f, len(diff), has_aux)
+            add(f"{part} fwd+bwd", impl, lambda st=st, d=diff, o=other, c=cots: st(d, o, c), b.get(part))
+    summary_rows(table, times, ["moe_rt (jax.jit)", "jax.jit"], "moe_rt (jax.jit)", save)
+
+
+# ---- adapter overhead ---------------------------------------------------------------------------------------
+
+def host_and_gpu_us(fn, sync, n=200, gpu=True):
+    """(wall us per call over ``n`` back-to-back calls ended by ``sync()``, device us per call or None)."""
+    from bench_router import time_device
+
+    for _ in range(10):
+        fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    sync()
+    host = (time.perf_counter() - t0) / n * 1e6
+    dev = time_device(fn, 50) * 1e3 if gpu else None
+    return host, dev
+
+
+def overhead_rows(table, save, framework, cases, measure_adapter, measure_direct):
+    """One row per (op, pass, adapter call, direct call): host and device us per call, and the overhead per
+    adapter call (a fwd+bwd pass makes two)."""
+    for op, pas, adapter, direct in cases:
+        try:
+            a_host, a_dev = measure_adapter(adapter)
+            d_host, d_dev = measure_direct(direct)
+        except Exception as e:  # noqa: BLE001 - report and go on with the other rows
+            print(f"overhead {framework} {op} {pas} failed: {type(e).__name__}: {e}", flush=True)
+            traceback.print_exc()
+            continue
+        calls = 2 if pas == "fwd+bwd" else 1
+        table.add(framework=framework, op=op, **{"pass": pas, "adapter us": a_host, "direct us": d_host,
+                                                 "overhead us/call": (a_host - d_host) / calls,
+                                                 "adapter GPU us": a_dev, "direct GPU us": d_dev})
+        save()
+
+
+_NOOP = {}
+
+
+def _noop_py(x):
+    return x.new_empty((0,))
+
+
+def _noop_op(x):
+    """torch's floor for a custom op: one registered with torch.library that does nothing."""
+    op = _NOOP.get("op")
+    if op is None:
+        import torch
+
+        op = _NOOP["op"] = torch.library.custom_op("moe_rt_bench::noop", mutates_args=(),
+                                                   schema="(Tensor x) -> Tensor")(_noop_py)
+        op.register_fake(_noop_py)
+    return op(x)
+
+
+def bench_overhead_torch(table, save, T=128, H=1024, E=64, K=8):
+    import torch
+
+    import moe_rt
+    import moe_rt.torch as mt
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    logits = torch.randn(T, E, device="cuda", generator=g)
+    x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+    probs, rmap, inter = moe_rt.topk_with_score(logits, K)
+    scores, smap, s_inter = moe_rt.scores_for_aux_loss(logits, K, "softmax")
+    tpe = smap.sum(0, dtype=torch.int32)
+    core_plan = moe_rt.make_plan(rmap, E, num_out_tokens=T * K)
+    t_plan = mt.make_plan(rmap, E, num_out_tokens=T * K)
+    ys = torch.randn(T * K, H, device="cuda", generator=g).bfloat16()
+    gy, g_ys, g_probs = torch.randn_like(x), torch.randn_like(ys), torch.randn_like(probs)
+    lg, xg, ysg, pg = (t.clone().requires_grad_() for t in (logits, x, ys, probs))
+    sync = torch.cuda.synchronize  # the direct calls run on torch's current stream, as the adapters do
+
+    def grad(out, wrt, cot):
+        return torch.autograd.grad(out, wrt, cot)
+
+    cases = [
+        ("topk_with_score", "fwd", lambda: mt.topk_with_score(logits, K), lambda: moe_rt.topk_with_score(logits, K)),
+        ("scores_for_aux_loss", "fwd", lambda: mt.scores_for_aux_loss(logits, K, "softmax"),
+         lambda: moe_rt.scores_for_aux_loss(logits, K, "softmax")),
+        ("aux_loss", "fwd", lambda: mt.aux_loss(scores, tpe, T, E, K, COEFF),
+         lambda: moe_rt.aux_loss(scores, tpe, T, E, K, COEFF)),
+        ("make_plan", "fwd", lambda: mt.make_plan(rmap, E, num_out_tokens=T * K),
+         lambda: moe_rt.make_plan(rmap, E, num_out_tokens=T * K)),
+        ("dispatch", "fwd", lambda: mt.dispatch(x, t_plan), lambda: moe_rt.dispatch(x, core_plan)),
+        ("combine", "fwd", lambda: mt.combine(ys, t_plan, probs), lambda: moe_rt.combine(ys, core_plan, probs)),
+        ("topk_with_score", "fwd+bwd", lambda: grad(mt.topk_with_score(lg, K)[0], lg, g_probs),
+         lambda: moe_rt.topk_with_score_backward(g_probs, *moe_rt.topk_with_score(logits, K)[1:], K,
+                                                 score_function="softmax")),
+        ("dispatch", "fwd+bwd", lambda: grad(mt.dispatch(xg, t_plan)[0], xg, g_ys),
+         lambda: (moe_rt.dispatch(x, core_plan), moe_rt.dispatch_backward(g_ys, core_plan))),
+        ("combine", "fwd+bwd", lambda: grad(mt.combine(ysg, t_plan, pg), (ysg, pg), gy),
+         lambda: (moe_rt.combine(ys, core_plan, probs), moe_rt.combine_backward(gy, core_plan, ys, probs))),
+    ]
+    cases.append(("(empty custom op)", "fwd", lambda: _noop_op(x), lambda: _noop_py(x)))
+    overhead_rows(table, save, "torch", cases, lambda f: host_and_gpu_us(f, sync), lambda f: host_and_gpu_us(f, sync))
+
+
+def bench_overhead_jax(table, save, T=128, H=1024, E=64, K=8):
+    import cupy
+    import jax
+    import jax.numpy as jnp
+
+    import moe_rt
+    import moe_rt.jax as mj
+
+    keys = iter(jax.random.split(jax.random.PRNGKey(1), 8))
+    logits = jax.random.normal(next(keys), (T, E), jnp.float32)
+    x = jax.random.normal(next(keys), (T, H), jnp.float32).astype(jnp.bfloat16)
+    ys = jax.random.normal(next(keys), (T * K, H), jnp.float32).astype(jnp.bfloat16)
+    probs, rmap = jax.jit(lambda l: mj.topk_with_score(l, K))(logits)
+    plan = jax.jit(lambda r: mj.make_plan(r, E, num_out_tokens=T * K))(rmap)
+    gy, g_ys, g_probs = x * 0.5, ys * 0.5, probs * 0.5
+    jax.block_until_ready((probs, plan, gy, g_ys, g_probs))
+    # the same buffers as CuPy arrays for the direct calls
+    c = {k: cupy.from_dlpack(v) for k, v in dict(logits=logits, x=x, ys=ys, probs=probs, rmap=rmap, gy=gy,
+                                                   g_ys=g_ys, g_probs=g_probs).items()}
+    c_plan = moe_rt.make_plan(c["rmap"], E, num_out_tokens=T * K)
+    _, c_map, c_inter = moe_rt.topk_with_score(c["logits"], K)
+
+    def csync():
+        cupy.cuda.get_current_stream().synchronize()
+
+    topk_j = jax.jit(lambda l: mj.topk_with_score(l, K))
+    disp_j = jax.jit(lambda x_, p: mj.dispatch(x_, p)[0])
+    comb_j = jax.jit(lambda y_, p, pr: mj.combine(y_, p, pr))
+    plan_j = jax.jit(lambda r: mj.make_plan(r, E, num_out_tokens=T * K))
+    topk_vjp = jax.jit(lambda l, g: jax.vjp(lambda l_: mj.topk_with_score(l_, K)[0], l)[1](g))
+    disp_vjp = jax.jit(lambda x_, p, g: jax.vjp(lambda a: mj.dispatch(a, p)[0], x_)[1](g))
+    comb_vjp = jax.jit(lambda y_, p, pr, g: jax.vjp(lambda a, b_: mj.combine(a, p, b_), y_, pr)[1](g))
+    from jax.experimental.buffer_callback import buffer_callback
+
+    def _empty_cb(ctx, out, x_):
+        return None
+
+    empty_j = jax.jit(lambda x_: buffer_callback(_empty_cb, [jax.ShapeDtypeStruct((1,), jnp.float32)])(x_))
+    cases = [
+        ("(empty buffer_callback)", "fwd", lambda: empty_j(x), lambda: None),
+        ("topk_with_score", "fwd", lambda: topk_j(logits), lambda: moe_rt.topk_with_score(c["logits"], K)),
+        ("make_plan", "fwd", lambda: plan_j(rmap), lambda: moe_rt.make_plan(c["rmap"], E, num_out_tokens=T * K)),
+        ("dispatch", "fwd", lambda: disp_j(x, plan), lambda: moe_rt.dispatch(c["x"], c_plan)),
+        ("combine", "fwd", lambda: comb_j(ys, plan, probs), lambda: moe_rt.combine(c["ys"], c_plan, c["probs"])),
+        ("topk_with_score", "fwd+bwd", lambda: topk_vjp(logits, g_probs),
+         lambda: (moe_rt.topk_with_score(c["logits"], K),
+                  moe_rt.topk_with_score_backward(c["g_probs"], c_map, c_inter, K, score_function="softmax"))),
+        ("dispatch", "fwd+bwd", lambda: disp_vjp(x, plan, g_ys),
+         lambda: (moe_rt.dispatch(c["x"], c_plan), moe_rt.dispatch_backward(c["g_ys"], c_plan))),
+        ("combine", "fwd+bwd", lambda: comb_vjp(ys, plan, probs, gy),
+         lambda: (moe_rt.combine(c["ys"], c_plan, c["probs"]),
+                  moe_rt.combine_backward(c["gy"], c_plan, c["ys"], c["probs"]))),
+    ]
+    def measure_adapter(adapter):
+        holder = {}
+
+        def call():
+            holder["out"] = adapter()
+
+        return host_and_gpu_us(call, lambda: jax.block_until_ready(holder["out"]), gpu=False)
+
+    overhead_rows(table, save, "jax", cases, measure_adapter, lambda f: host_and_gpu_us(f, csync))
+
+
+# ---- main -------------------------------------------------------------------------------------------------
+
+def main():
+    ap = benchlib.parser(__doc__.splitlines()[0])
+    ap.add_argument("--ffn", type=int, default=1408, help="expert FFN size F (default 1408)")
+    ap.add_argument("--frameworks", default="torch,jax", help="comma list of torch, jax")
+    args = ap.parse_args()
+    if args.quick:
+        s = Shape(2048, 1024, 64, 8, 512)
+        args.iters, args.warmup = min(args.iters, 10), min(args.warmup, 3)
+    else:
+        s = Shape(8192, 4096, 64, 8, args.ffn)
+    fws = [f for f in args.frameworks.split(",") if f]
+    table = benchlib.Table(f"MoE layer step (forward + backward), T={s.T} H={s.H} E={s.E} K={s.K} "
+                           f"F={s.F}, bf16", COLUMNS)
+    table.meta["copy GB/s"] = round(benchlib.copy_bandwidth(), 1)
+    table.meta["timing"] = (f"median of {args.iters} steps after {args.warmup} warm-up; torch: CUDA events on "
+                            f"torch's stream; JAX: wall clock to block_until_ready of the jitted step")
+    table.meta["x moe_rt"] = "time of the row / time of moe_rt in the same framework (> 1: moe_rt faster)"
+    over = benchlib.Table("moe_rt adapter overhead per call, T=128 H=1024 E=64 K=8", OVERHEAD_COLUMNS)
+    over.meta["timing"] = ("us per call over 200 back-to-back calls ended by one sync (host-bound at this "
+                           "size); GPU us: device time per call with the host hidden behind a spin kernel; "
+                           "overhead = (adapter - direct) / ops in the pass; direct = the moe_rt op on the "
+                           "same torch tensors, or on CuPy views of the JAX buffers")
+    out_path = args.json
+    over_path = None
+    if out_path:
+        root, ext = os.path.splitext(out_path)
+        over_path = f"{root}_overhead{ext or '.json'}"
+
+    def save():
+        import json
+
+        for t, p in ((table, out_path), (over, over_path)):
+            if p:
+                with open(p, "w") as f:
+                    json.dump({"meta": t.meta, "rows": t.rows}, f, indent=1)
+
+    table.header()
+    t_start = time.perf_counter()
+    if "torch" in fws:
+        try:
+            bench_torch(s, args, table, save)
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+    if "jax" in fws:
+        try:
+            bench_jax(s, args, table, save)
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+    print(f"(layer rows took {time.perf_counter() - t_start:.0f} s)", flush=True)
+    over.header()
+    if "torch" in fws:
+        try:
+            bench_overhead_torch(over, save)
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+    if "jax" in fws:
+        try:
+            bench_overhead_jax(over, save)
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+    print(f"\n## {table.title}\n" + table.markdown())
+    print(f"\n## {over.title}\n" + over.markdown())
+    print_targets(table, over)
+    save()
+
+
+def print_targets(table, over):
+    t = {(r["part"], r["impl"]): r["ms"] for r in table.rows}
+    key = "router+dispatch+combine (sum of stages)"
+    print("\ntargets:")
+    for base, impl, need in (("moe_rt (torch)", "torch eager", 2.0), ("moe_rt (jax.jit)", "jax.jit", 1.3),
+                             ("moe_rt (torch)", "jax.jit", 1.3)):
+        for part in (key, "layer step - experts fwd+bwd"):
+            if (part, base) in t and (part, impl) in t:
+                x = t[(part, impl)] / t[(part, base)]
+                print(f"  {part}: {base} vs {impl}: {x:.2f}x (target >= {need}x) "
+                      f"{'met' if x >= need else 'MISSED'}")
+    for fw, limit in (("torch", 20.0), ("jax", 60.0)):
+        vals = [r["overhead us/call"] for r in over.rows if r["framework"] == fw]
+        if vals:
+            print(f"  {fw} adapter overhead: {min(vals):.1f}-{max(vals):.1f} us/call (target < {limit:g}) "
+                  f"{'met' if max(vals) < limit else 'MISSED'}")
+
+
+if __name__ == "__main__":
+    main()
