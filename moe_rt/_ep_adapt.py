@@ -19,30 +19,28 @@ forward uses exactly the array the framework differentiates.
 """
 from __future__ import annotations
 
-import weakref
-
 import numpy as np
 
 from moe_rt import _arrays, _handle
 from moe_rt._handle import Handle, meta_index
 from moe_rt.reference import permutation as _perm_ref
 
-_groups: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
-
-
 def register(group) -> int:
-    """Make ``group`` findable by its id from inside framework ops; returns the id."""
+    """Check ``group`` and return its id (every EpGroup is findable by id while it lives; plain attribute
+    reads, so this traces under torch.compile)."""
     from moe_rt.ep import EpGroup
 
     if not isinstance(group, EpGroup):
         raise TypeError(f"group: expected a moe_rt.EpGroup, got {type(group).__name__}")
-    group._alive("prepare")
-    _groups[group.id] = group
+    if group.closed:
+        raise ValueError("group: the EP group is closed")
     return group.id
 
 
 def lookup(group_id: int):
-    group = _groups.get(int(group_id))
+    from moe_rt.ep import _live_groups
+
+    group = _live_groups.get(int(group_id))
     if group is None:
         raise ValueError(f"EP group {group_id} is gone (closed or garbage collected); keep the EpGroup alive "
                          "while its handles are used")

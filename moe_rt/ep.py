@@ -72,6 +72,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+import weakref
 
 import numpy as np
 
@@ -100,6 +101,8 @@ DEFAULT_TIMEOUT = 300.0
 _TOKEN_DTYPES = tuple(d for d in _arrays.FLOAT_DTYPES if d is not None)
 _WEIGHT_DTYPES = _TOKEN_DTYPES + (np.dtype(np.float64),)
 _group_ids = itertools.count(1)
+# Live groups by id: framework adapters carry only the id (an int) through traced code.
+_live_groups: "weakref.WeakValueDictionary[int, EpGroup]" = weakref.WeakValueDictionary()
 _INT32_MAX = 2**31 - 1
 
 
@@ -212,6 +215,7 @@ class EpGroup:
         if R * self.max_tokens_per_rank > _INT32_MAX:
             raise ValueError("R * max_tokens_per_rank must stay below 2^31")
         self.id = next(_group_ids)
+        _live_groups[self.id] = self
         self.closed = False
         self._last_stream = None
 
