@@ -3,13 +3,15 @@
 // backward, and a deterministic aux loss (forward and backward). Semantics: specs/router.md.
 //
 // Row kernels: a "team" of TEAM threads handles one token (TEAM = 32: one warp, 4 tokens per block;
-// TEAM > 32: the whole block). The row's selection keys live in shared memory as order-preserving
-// uint32 keys (NaN = largest, all NaNs equal; ties by lowest index). Selection: iterative warp argmax for
-// k <= 8 (TEAM = 32), else a 4-bit radix select with private per-thread histograms (no atomics
-// conflicts, no float atomics) that stops as soon as the threshold bin is taken whole. Every sum is
-// done in a fixed order, so outputs are bitwise reproducible. Global traffic: logits read once, each
-// output written once with 16-byte vectors (the K nonzero probs are patched in after the zero fill,
-// while the lines are still in L2).
+// TEAM > 32: the whole block). The row's selection keys are order-preserving uint32 keys (NaN = largest,
+// all NaNs equal; ties by lowest index). router_fwd keeps them in shared memory; router_fwd_reg (E <= 1024,
+// 16-byte rows) keeps the row in registers, one warp per token, and prefetches the next token's logits.
+// Selection: iterative warp argmax for k <= 8 (TEAM = 32), else a 4-bit radix select whose digit counts
+// live in registers (8-bit packed counters, reduced with shuffles; no shared-memory atomics) and that
+// stops as soon as the threshold bin is taken whole. Grouped top-k with k/g > 8 radix-selects every group
+// at once, one lane segment per group. Every sum is done in a fixed order, so outputs are bitwise
+// reproducible. Global traffic: logits read once, each output written once with 16-byte vectors (the K
+// nonzero probs are patched in after the zero fill, while the lines are still in L2).
 #include "moe_rt/common.cuh"
 
 using namespace moe_rt;
@@ -21,6 +23,7 @@ namespace {
 constexpr float kEps = 1e-20f;
 constexpr int SIGMOID = 0, SOFTMAX = 1, SQRTSOFTPLUS = 2;
 constexpr int kIntMax = 0x7fffffff;
+constexpr int kList = 64;  // radix select: keys still in play are compacted once they are this few
 #define kInf __int_as_float(0x7f800000)
 template <int N> struct IC { static constexpr int value = N; };
 
@@ -183,79 +186,167 @@ __device__ __forceinline__ void argmax_select(const unsigned* keys, int n, int k
   }
 }
 
-// Radix select, 4-bit digits from the top. hist: 16 * TEAM private counters (zero on entry and exit).
+// Per-thread digit counts: 8-bit counters packed in 4 registers (no shared-memory atomics, whose
+// same-address chains serialize), drained into 16 plain counters at least every 255 keys.
+__device__ __forceinline__ void digit_add(unsigned (&pk)[4], unsigned d) {
+  const unsigned inc = 1u << ((d & 3u) << 3), h = d >> 2;
+  pk[0] += h == 0u ? inc : 0u;
+  pk[1] += h == 1u ? inc : 0u;
+  pk[2] += h == 2u ? inc : 0u;
+  pk[3] += h == 3u ? inc : 0u;
+}
+
+__device__ __forceinline__ void digit_drain(unsigned (&pk)[4], unsigned (&v)[16]) {
+#pragma unroll
+  for (int b = 0; b < 16; ++b) v[b] += (pk[b >> 2] >> ((b & 3) * 8)) & 255u;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) pk[i] = 0u;
+}
+
+// Counts of digit (key >> shift) & 15 of keys[i] (i = first, first + step, ... < n) matching prefix/mask.
+__device__ __forceinline__ void count_digits(const unsigned* keys, int first, int n, int step, int rot,
+                                             unsigned prefix, unsigned mask, int shift, unsigned (&v)[16]) {
+  unsigned pk[4] = {0u, 0u, 0u, 0u};
+  int since = 0;
+#pragma unroll
+  for (int b = 0; b < 16; ++b) v[b] = 0u;
+  for (int i = first; i < n; i += step) {
+    int e = i + rot;
+    if (e >= n) e -= n;
+    const unsigned key = keys[e];
+    if ((key & mask) == prefix) {
+      digit_add(pk, (key >> shift) & 15u);
+      if (++since == 255) { digit_drain(pk, v); since = 0; }
+    }
+  }
+  digit_drain(pk, v);
+}
+
+// One step of the transposed butterfly over 16 counters (compile-time indices keep v[] in registers).
+template <int W, int M>
+__device__ __forceinline__ void butterfly_step(unsigned (&v)[16], int lane) {
+  const bool up = (lane & M) != 0;
+#pragma unroll
+  for (int i = 0; i < W; ++i) {
+    const unsigned lo = v[i], hi = v[i + W];
+    v[i] = (up ? hi : lo) + __shfl_xor_sync(FULL_MASK, up ? lo : hi, M);
+  }
+}
+
+// One radix pass after the counting: reduce the per-thread digit counts v[16] over the team, pick
+// the bin holding the need-th largest key, narrow (prefix, mask) and `need`. True when that bin is taken
+// whole (the selection is then every key >= prefix).
 template <int TEAM>
-__device__ void radix_select(const unsigned* keys, int n, int k, unsigned* hist, unsigned* wcnt, int* redi,
-                             unsigned& thr, int& ilast) {
+__device__ __forceinline__ bool radix_pick(unsigned (&v)[16], unsigned* wcnt, int pass, int shift, int& need,
+                                           unsigned& prefix, unsigned& mask, unsigned* bin_count = nullptr) {
   const int r = Team<TEAM>::rank(), lane = threadIdx.x & 31, warp = r >> 5;
+  // Transposed butterfly: afterwards lanes 2b and 2b+1 hold the warp's count of bin b.
+  butterfly_step<8, 16>(v, lane);
+  butterfly_step<4, 8>(v, lane);
+  butterfly_step<2, 4>(v, lane);
+  butterfly_step<1, 2>(v, lane);
+  unsigned cnt = v[0] + __shfl_xor_sync(FULL_MASK, v[0], 1);
+  if constexpr (TEAM > 32) {
+    unsigned* wc = wcnt + (pass & 1) * Team<TEAM>::NW * 16;
+    if ((lane & 1) == 0) wc[warp * 16 + (lane >> 1)] = cnt;
+    __syncthreads();
+    cnt = 0;
+#pragma unroll
+    for (int w = 0; w < Team<TEAM>::NW; ++w) cnt += wc[w * 16 + (lane >> 1)];
+  }
+  // Suffix sums over bins: even lane 2b: count of bins >= b; odd lane 2b+1: count of bins > b.
+  unsigned s = (lane & 1) ? 0u : cnt;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const unsigned o = __shfl_down_sync(FULL_MASK, s, d);
+    if (lane + d < 32) s += o;
+  }
+  const unsigned bal = __ballot_sync(FULL_MASK, ((lane & 1) == 0) && s >= (unsigned)need);
+  const int p = 31 - __clz(bal);
+  const unsigned gt = __shfl_sync(FULL_MASK, s, p + 1);
+  const unsigned cb = __shfl_sync(FULL_MASK, cnt, p);
+  need -= (int)gt;
+  prefix |= (unsigned)(p >> 1) << shift;
+  mask |= 15u << shift;
+  if (bin_count) *bin_count = cb;
+  return cb == (unsigned)need;
+}
+
+// Radix select, 4-bit digits from the top (wcnt: 2 * 16 * TEAM/32 words for TEAM > 32). list: 2 * kList + 4
+// words, list[2 * kList] zero on entry and exit: once the keys still in play are at most kList, they are
+// appended (key, index) to the list in any order and the remaining passes read only the list.
+template <int TEAM>
+__device__ void radix_select(const unsigned* keys, int n, int k, unsigned* wcnt, int* redi, unsigned* list,
+                             unsigned& thr, int& ilast) {
+  using TM = Team<TEAM>;
+  const int r = TM::rank();
+  unsigned* lkeys = list;
+  int* lexp = reinterpret_cast<int*>(list + kList);
+  unsigned* lcount = list + 2 * kList;
   unsigned prefix = 0, mask = 0;
-  int need = k;
+  int need = k, nlist = -1;  // -1: not compacted
+  bool done = false;
   for (int shift = 28, pass = 0; shift >= 0; shift -= 4, ++pass) {
-    for (int i = r; i < n; i += TEAM) {
-      const unsigned key = keys[i];
-      if ((key & mask) == prefix) atomicAdd(&hist[((key >> shift) & 15u) * TEAM + r], 1u);
-    }
     unsigned v[16];
-#pragma unroll
-    for (int b = 0; b < 16; ++b) { v[b] = hist[b * TEAM + r]; hist[b * TEAM + r] = 0u; }
-    // Transposed butterfly: afterwards lanes 2b and 2b+1 hold the warp's count of bin b.
-#pragma unroll
-    for (int w = 8, m = 16; w >= 1; w >>= 1, m >>= 1) {
-      const bool up = (lane & m) != 0;
-#pragma unroll
-      for (int i = 0; i < w; ++i) {
-        const unsigned send = up ? v[i] : v[i + w];
-        const unsigned keep = up ? v[i + w] : v[i];
-        v[i] = keep + __shfl_xor_sync(FULL_MASK, send, m);
+    if (nlist < 0) count_digits(keys, r, n, TEAM, 0, prefix, mask, shift, v);
+    else count_digits(lkeys, r, nlist, TEAM, 0, prefix, mask, shift, v);
+    unsigned cb;
+    if (radix_pick<TEAM>(v, wcnt, pass, shift, need, prefix, mask, &cb)) { done = true; break; }
+    if (nlist < 0 && cb <= (unsigned)kList && shift > 0) {
+      for (int i = r; i < n; i += TEAM) {
+        const unsigned key = keys[i];
+        if ((key & mask) == prefix) {
+          const unsigned pos = atomicAdd(lcount, 1u);
+          lkeys[pos] = key;
+          lexp[pos] = i;
+        }
       }
+      nlist = (int)cb;
+      TM::sync();
     }
-    unsigned cnt = v[0] + __shfl_xor_sync(FULL_MASK, v[0], 1);
-    if constexpr (TEAM > 32) {
-      unsigned* wc = wcnt + (pass & 1) * Team<TEAM>::NW * 16;
-      if ((lane & 1) == 0) wc[warp * 16 + (lane >> 1)] = cnt;
-      __syncthreads();
-      cnt = 0;
-#pragma unroll
-      for (int w = 0; w < Team<TEAM>::NW; ++w) cnt += wc[w * 16 + (lane >> 1)];
-    }
-    // Suffix sums over bins: even lane 2b: count of bins >= b; odd lane 2b+1: count of bins > b.
-    unsigned s = (lane & 1) ? 0u : cnt;
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const unsigned o = __shfl_down_sync(FULL_MASK, s, d);
-      if (lane + d < 32) s += o;
-    }
-    const unsigned bal = __ballot_sync(FULL_MASK, ((lane & 1) == 0) && s >= (unsigned)need);
-    const int p = 31 - __clz(bal);
-    const unsigned gt = __shfl_sync(FULL_MASK, s, p + 1);
-    const unsigned cb = __shfl_sync(FULL_MASK, cnt, p);
-    need -= (int)gt;
-    prefix |= (unsigned)(p >> 1) << shift;
-    mask |= 15u << shift;
-    if (cb == (unsigned)need) { thr = prefix; ilast = kIntMax; return; }
   }
-  // Ties at the exact k-th key: keep the first `need` in index order.
   thr = prefix;
-  int run = 0, found = -1;
-  for (int base = 0; base < n; base += TEAM) {
-    const int i = base + r;
-    const bool pred = i < n && keys[i] == prefix;
-    int tot;
-    const int rk = Team<TEAM>::excl_count(pred, &tot, redi);
-    if (pred && run + rk == need - 1) found = i;
-    run += tot;
-    if (run >= need) break;
+  if (done) {
+    ilast = kIntMax;
+  } else if (nlist >= 0) {
+    // Ties at the exact k-th key: the need-th lowest index among the listed ties.
+    int found = -1;
+    for (int i = r; i < nlist; i += TEAM) {
+      if (lkeys[i] != prefix) continue;
+      const int e = lexp[i];
+      int rank = 0;
+      for (int u = 0; u < nlist; ++u) rank += (lkeys[u] == prefix && lexp[u] < e) ? 1 : 0;
+      if (rank == need - 1) found = e;
+    }
+    ilast = TM::imax(found, redi + 16);
+  } else {
+    // Ties at the exact k-th key: keep the first `need` in index order.
+    int run = 0, found = -1;
+    for (int base = 0; base < n; base += TEAM) {
+      const int i = base + r;
+      const bool pred = i < n && keys[i] == prefix;
+      int tot;
+      const int rk = TM::excl_count(pred, &tot, redi);
+      if (pred && run + rk == need - 1) found = i;
+      run += tot;
+      if (run >= need) break;
+    }
+    ilast = TM::imax(found, redi + 16);
   }
-  ilast = Team<TEAM>::imax(found, redi + 16);
+  if (nlist >= 0) {
+    TM::sync();  // every list read is done
+    if (r == 0) *lcount = 0u;
+    TM::sync();
+  }
 }
 
 template <int TEAM>
-__device__ __forceinline__ void select_topk(const unsigned* keys, int n, int k, unsigned* hist, unsigned* wcnt,
-                                            int* redi, unsigned& thr, int& ilast) {
+__device__ __forceinline__ void select_topk(const unsigned* keys, int n, int k, unsigned* wcnt, int* redi,
+                                            unsigned* list, unsigned& thr, int& ilast) {
   if constexpr (TEAM == 32) {
     if (k <= 8) { argmax_select(keys, n, k, thr, ilast); return; }
   }
-  radix_select<TEAM>(keys, n, k, hist, wcnt, redi, thr, ilast);
+  radix_select<TEAM>(keys, n, k, wcnt, redi, list, thr, ilast);
 }
 
 // ---- grouped top-k: group score = sum of the top-m selection scores of the group -----------------------
@@ -268,6 +359,32 @@ __device__ __forceinline__ void insert_top(unsigned (&top)[MM], unsigned key) {
       if (top[u] > top[u - 1]) { const unsigned t = top[u]; top[u] = top[u - 1]; top[u - 1] = t; }
     }
   }
+}
+
+// Merge the sorted top-MM lists of L aligned lanes (xor butterfly): every lane ends with their union's top.
+template <int MM>
+__device__ __forceinline__ void merge_top_lanes(unsigned (&top)[MM], int L) {
+  for (int off = 1; off < L; off <<= 1) {
+    unsigned other[MM];
+#pragma unroll
+    for (int u = 0; u < MM; ++u) other[u] = __shfl_xor_sync(FULL_MASK, top[u], off);
+    // both lists are sorted: stop at the first key that no longer enters
+#pragma unroll
+    for (int u = 0; u < MM; ++u) {
+      if (other[u] <= top[MM - 1]) break;
+      insert_top<MM>(top, other[u]);
+    }
+  }
+}
+
+// Key of the group score: the sum of the first m (<= MM) values of a sorted top list, in order.
+template <int MM>
+__device__ __forceinline__ unsigned top_sum(const unsigned (&top)[MM], int m) {
+  float s = 0.0f;
+#pragma unroll
+  for (int u = 0; u < MM; ++u)
+    if (u < m) s += fdecode(top[u]);
+  return fkey(s);
 }
 
 template <int TEAM, int MM>
@@ -283,35 +400,15 @@ __device__ void group_scores_reg(const unsigned* keys, int G, int n, int m, unsi
     for (int u = 0; u < MM; ++u) top[u] = 0u;  // real keys are > 0
     if (act)
       for (int e = sub; e < n; e += L) insert_top<MM>(top, keys[j * n + e]);
-    for (int off = 1; off < L; off <<= 1) {
-      unsigned other[MM];
-#pragma unroll
-      for (int u = 0; u < MM; ++u) other[u] = __shfl_xor_sync(FULL_MASK, top[u], off);
-      // both lists are sorted: stop at the first key that no longer enters
-#pragma unroll
-      for (int u = 0; u < MM; ++u) {
-        if (other[u] <= top[MM - 1]) break;
-        insert_top<MM>(top, other[u]);
-      }
-    }
-    if (act && sub == 0) {
-      float s = 0.0f;
-#pragma unroll
-      for (int u = 0; u < MM; ++u)
-        if (u < m) s += fdecode(top[u]);
-      gkey[j] = fkey(s);
-    }
+    merge_top_lanes<MM>(top, L);
+    if (act && sub == 0) gkey[j] = top_sum<MM>(top, m);
   } else {
     for (int j = r; j < G; j += TEAM) {
       unsigned top[MM];
 #pragma unroll
       for (int u = 0; u < MM; ++u) top[u] = 0u;
       for (int e = 0; e < n; ++e) insert_top<MM>(top, keys[j * n + e]);
-      float s = 0.0f;
-#pragma unroll
-      for (int u = 0; u < MM; ++u)
-        if (u < m) s += fdecode(top[u]);
-      gkey[j] = fkey(s);
+      gkey[j] = top_sum<MM>(top, m);
     }
   }
 }
@@ -338,21 +435,136 @@ __device__ void group_scores_any(const unsigned* keys, int G, int n, int m, unsi
   }
 }
 
+// m > 8: the threads of the team split into segments of L lanes (a power of two, one segment per group,
+// inside one warp); each segment radix-selects its group's top-m (digit counts in registers, summed over
+// the segment with shuffles), then sums the m values in descending order. `scratch` (16 * TEAM words, zero
+// on entry and exit) holds each segment's sort. Requires G * L <= TEAM and 2 * m <= 16 * L (the caller
+// falls back to group_scores_any otherwise).
 template <int TEAM>
-__device__ __forceinline__ void group_scores(const unsigned* keys, int G, int n, int m, unsigned* gkey) {
+__device__ void group_scores_seg(const unsigned* keys, int G, int n, int m, int L, unsigned* gkey,
+                                 unsigned* scratch_all) {
+  const int r = Team<TEAM>::rank(), lane = threadIdx.x & 31;
+  const int j = r / L, sub = r % L, seg0 = j * L;
+  const bool act = j < G;
+  const unsigned* gk = keys + (act ? j * n : 0);
+  const unsigned segmask = L == 32 ? FULL_MASK : (((1u << L) - 1u) << (lane & ~(L - 1)));
+  const int rot = act ? (j * L) % n : 0;  // spreads the segments of a warp over the banks
+  unsigned prefix = 0, mask = 0;
+  int need = m;
+  bool done = !act;
+  for (int shift = 28; shift >= 0; shift -= 4) {
+    unsigned v[16];
+    if (!done) {
+      count_digits(gk, sub, n, L, rot, prefix, mask, shift, v);
+    } else {
+#pragma unroll
+      for (int b = 0; b < 16; ++b) v[b] = 0u;
+    }
+    for (int off = 1; off < L; off <<= 1) {
+#pragma unroll
+      for (int b = 0; b < 16; ++b) v[b] += __shfl_xor_sync(FULL_MASK, v[b], off);
+    }
+    if (!done) {
+      int above = 0, pb = 0, cb = 0;
+      bool hit = false;
+#pragma unroll
+      for (int b = 15; b >= 0; --b) {
+        if (!hit) {
+          if (above + (int)v[b] >= need) { pb = b; cb = (int)v[b]; hit = true; }
+          else above += (int)v[b];
+        }
+      }
+      need -= above;
+      prefix |= (unsigned)pb << shift;
+      mask |= 15u << shift;
+      if (cb == need) done = true;
+    }
+    if (__all_sync(FULL_MASK, done)) break;
+  }
+  // (prefix, il): the group's top-m are the keys > prefix and the first `need` keys == prefix (index order).
+  int il = kIntMax;
+  const bool ties = act && !done;
+  if (__any_sync(FULL_MASK, ties)) {
+    int run = 0, found = -1;
+    for (int base = 0; base < n; base += L) {
+      const int e = base + sub;
+      const bool pred = ties && e < n && gk[e] == prefix;
+      const unsigned bal = __ballot_sync(FULL_MASK, pred) & segmask;
+      const int rk = __popc(bal & ((1u << lane) - 1u));
+      if (pred && run + rk == need - 1) found = e;
+      run += __popc(bal);
+    }
+    for (int off = 1; off < L; off <<= 1) found = max(found, __shfl_xor_sync(FULL_MASK, found, off));
+    if (ties) il = found;
+  }
+  // The m selected keys of the group in index order -> scratch[0, m), then by rank -> scratch[m, 2m).
+  unsigned* scratch = scratch_all + 16 * seg0;
+  int cnt = 0;
+  for (int base = 0; base < n; base += L) {
+    const int e = base + sub;
+    unsigned key = 0;
+    bool pred = false;
+    if (act && e < n) { key = gk[e]; pred = selected(key, e, prefix, il); }
+    const unsigned bal = __ballot_sync(FULL_MASK, pred) & segmask;
+    if (pred) scratch[cnt + __popc(bal & ((1u << lane) - 1u))] = key;
+    cnt += __popc(bal);
+    if (__all_sync(FULL_MASK, !act || cnt >= m)) break;
+  }
+  __syncwarp();
+  for (int i = sub; act && i < m; i += L) {  // reads [0, m), writes [m, 2m)
+    const unsigned ki = scratch[i];
+    int rk = 0;
+    for (int u = 0; u < m; ++u) {
+      const unsigned ku = scratch[u];
+      rk += (ku > ki || (ku == ki && u < i)) ? 1 : 0;
+    }
+    scratch[m + rk] = ki;
+  }
+  __syncwarp();
+  if (act && sub == 0) {
+    float s = fdecode(scratch[m]);
+    for (int u = 1; u < m; ++u) s += fdecode(scratch[m + u]);
+    gkey[j] = fkey(s);
+  }
+  __syncwarp();
+  if (act)
+    for (int i = sub; i < 2 * m; i += L) scratch[i] = 0u;
+  Team<TEAM>::sync();
+}
+
+template <int TEAM>
+__device__ __forceinline__ void group_scores(const unsigned* keys, int G, int n, int m, unsigned* gkey,
+                                             unsigned* hist) {
   if (m == 1) group_scores_reg<TEAM, 1>(keys, G, n, m, gkey);
   else if (m == 2) group_scores_reg<TEAM, 2>(keys, G, n, m, gkey);
   else if (m <= 4) group_scores_reg<TEAM, 4>(keys, G, n, m, gkey);
   else if (m <= 8) group_scores_reg<TEAM, 8>(keys, G, n, m, gkey);
-  else group_scores_any<TEAM>(keys, G, n, m, gkey);
+  else {
+    int L = 1;
+    while (L < 32 && L * 2 * G <= TEAM) L *= 2;
+    if (G <= TEAM && 2 * m <= 16 * L) group_scores_seg<TEAM>(keys, G, n, m, L, gkey, hist);
+    else group_scores_any<TEAM>(keys, G, n, m, gkey);
+  }
 }
 
 // ---- shared-memory layout of one token slot (in 32-bit words; mirrored in moe_rt/router.py) ----------
 struct Layout {
-  int keys, gkey, hist, wcnt, red, wcount, wlist, lidx, lkey, lw, lp, total;
+  int keys, gkey, hist, wcnt, red, wcount, wlist, list, lidx, lkey, lw, lp, total;
 };
 
 __device__ __forceinline__ int al4(int x) { return (x + 3) & ~3; }
+
+// The layout's common tail from word `list` on: radix list, then the K selected experts, keys, weights.
+template <typename LT>
+__device__ __forceinline__ void layout_tail(LT& L, int list, int K) {
+  const int Kp = al4(K);
+  L.list = list;
+  L.lidx = L.list + 2 * kList + 4;
+  L.lkey = L.lidx + Kp;
+  L.lw = L.lkey + Kp;
+  L.lp = L.lw + Kp;
+  L.total = L.lp + Kp;
+}
 
 template <int TEAM>
 __device__ __forceinline__ Layout slot_layout(int E, int G, int K) {
@@ -366,12 +578,279 @@ __device__ __forceinline__ Layout slot_layout(int E, int G, int K) {
   L.red = L.wcnt + 32 * NW;
   L.wcount = L.red + 64;
   L.wlist = L.wcount + 16;
-  L.lidx = L.wlist + NW * Kp;
-  L.lkey = L.lidx + Kp;
-  L.lw = L.lkey + Kp;
-  L.lp = L.lw + Kp;
-  L.total = L.lp + Kp;
+  layout_tail(L, L.wlist + NW * Kp, K);
   return L;
+}
+
+// Phase 6 for one 16-byte chunk of keys (experts e0 .. e0 + CH - 1): the routing map, zero probs and the
+// -inf post-softmax intermediate (each pointer may be null: not written).
+template <typename T, int CH>
+__device__ __forceinline__ void dense_chunk_out(const unsigned (&kv)[CH], int e0, unsigned thr, int il, i64 row,
+                                                bool* __restrict__ rmap, T* __restrict__ probs,
+                                                float* __restrict__ inter) {
+  if (rmap) {
+    alignas(16) bool mv[CH];
+#pragma unroll
+    for (int v = 0; v < CH; ++v) mv[v] = selected(kv[v], e0 + v, thr, il);
+    stn<CH>(rmap + row + e0, mv);
+  }
+  if (probs) {
+    alignas(16) T z[CH];
+#pragma unroll
+    for (int v = 0; v < CH; ++v) z[v] = from_float<T>(0.0f);
+    stn<CH>(probs + row + e0, z);
+  }
+  if (inter) {
+    alignas(16) float z[CH];
+#pragma unroll
+    for (int v = 0; v < CH; ++v) z[v] = -kInf;
+    stn<CH>(inter + row + e0, z);
+  }
+}
+
+// The K weights of token t from its selection in index order (lidx, lkey): one warp, two per lane, fixed
+// order. Writes lw (the probs before the cast), lp (post-softmax intermediate) and the compact outputs.
+__device__ __forceinline__ void topk_weights(i64 t, int K, int score_fn, int pre_softmax, float scale,
+                                             const float* __restrict__ bias, const int* lidx, const unsigned* lkey,
+                                             float* lw, float* lp, int* __restrict__ topk_idx,
+                                             float* __restrict__ topk_w) {
+  const int lane = threadIdx.x & 31;
+  const int j0 = lane, j1 = lane + 32;
+  const bool h0 = j0 < K, h1 = j1 < K;
+  const float x0 = h0 ? fdecode(lkey[j0]) : 0.0f, x1 = h1 ? fdecode(lkey[j1]) : 0.0f;
+  float w0 = 0.0f, w1 = 0.0f, q0 = 0.0f, q1 = 0.0f;
+  if (score_fn == SOFTMAX) {
+    if (pre_softmax) {
+      w0 = scale * x0; w1 = scale * x1;
+    } else {
+      const float mx = warp_max(fmaxf(h0 ? x0 : -kInf, h1 ? x1 : -kInf));
+      const float e0 = h0 ? expf(x0 - mx) : 0.0f, e1 = h1 ? expf(x1 - mx) : 0.0f;
+      const float rs = 1.0f / warp_sum(e0 + e1);
+      q0 = e0 * rs; q1 = e1 * rs;
+      w0 = scale * q0; w1 = scale * q1;
+    }
+  } else {
+    const float p0 = h0 ? (bias ? x0 - bias[lidx[j0]] : x0) : 0.0f;
+    const float p1v = h1 ? (bias ? x1 - bias[lidx[j1]] : x1) : 0.0f;
+    if (K > 1) {
+      const float den = warp_sum(p0 + p1v) + kEps;
+      w0 = scale * (p0 / den); w1 = scale * (p1v / den);
+    } else {
+      w0 = scale * p0; w1 = scale * p1v;
+    }
+  }
+  if (h0) { lw[j0] = w0; lp[j0] = q0; }
+  if (h1) { lw[j1] = w1; lp[j1] = q1; }
+  if (topk_idx) {
+    if (h0) { topk_idx[t * K + j0] = lidx[j0]; topk_w[t * K + j0] = w0; }
+    if (h1) { topk_idx[t * K + j1] = lidx[j1]; topk_w[t * K + j1] = w1; }
+  }
+}
+
+// ---- row in registers (one warp per token) ----------------------------------------------------------
+// Lane l holds the 16-byte chunks c = l + 32 j (j < NJ = V / CH) of the row: register q = j * CH + v is
+// expert (l + 32 j) * CH + v; chunks c >= E / CH hold key 0 (below every real key) and are never counted.
+template <int CH>
+__device__ __forceinline__ int reg_expert(int lane, int q) { return (lane + 32 * (q / CH)) * CH + q % CH; }
+
+// Iterative warp argmax over the registers (small k): each lane caches its best two keys; a lane that
+// wins twice without a fresh cache rescans its registers for the two next ones.
+template <int V, int CH>
+__device__ __forceinline__ void argmax_reg(const unsigned (&key)[V], int k, unsigned& thr, int& ilast) {
+  const int lane = threadIdx.x & 31;
+  unsigned b0k = 0, b1k = 0;
+  int b0i = kIntMax, b1i = kIntMax;
+#pragma unroll
+  for (int q = 0; q < V; ++q) {
+    const unsigned kk = key[q];
+    const int e = reg_expert<CH>(lane, q);
+    if (kk > b0k) { b1k = b0k; b1i = b0i; b0k = kk; b0i = e; }
+    else if (kk > b1k) { b1k = kk; b1i = e; }
+  }
+  bool stale = false;
+  for (int round = 0;; ++round) {
+    const unsigned mk = __reduce_max_sync(FULL_MASK, b0k);
+    const int mi = (int)__reduce_min_sync(FULL_MASK, b0k == mk ? (unsigned)b0i : (unsigned)kIntMax);
+    if (round == k - 1) { thr = mk; ilast = mi; return; }
+    if (b0i == mi) {
+      if (!stale) {
+        b0k = b1k; b0i = b1i; b1k = 0; b1i = kIntMax;
+        stale = true;
+      } else {
+        b0k = 0; b1k = 0; b0i = kIntMax; b1i = kIntMax;
+#pragma unroll
+        for (int q = 0; q < V; ++q) {
+          const unsigned kk = key[q];
+          const int e = reg_expert<CH>(lane, q);
+          if (kk < mk || (kk == mk && e > mi)) {
+            if (kk > b0k) { b1k = b0k; b1i = b0i; b0k = kk; b0i = e; }
+            else if (kk > b1k) { b1k = kk; b1i = e; }
+          }
+        }
+        stale = false;
+      }
+    }
+  }
+}
+
+__device__ __forceinline__ int warp_inclusive_scan(int v) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int o = __shfl_up_sync(FULL_MASK, v, d);
+    if (lane >= d) v += o;
+  }
+  return v;
+}
+
+// Calls visit(position, key, expert) for the registers where pred(key, expert) holds, positions counted in
+// index order (chunk round, lane, v); stops after the chunk round that reaches `limit`. Returns the count.
+template <int V, int CH, typename Pred, typename Visit>
+__device__ __forceinline__ int compact_reg(const unsigned (&key)[V], int nch, int limit, Pred pred, Visit visit) {
+  const int lane = threadIdx.x & 31;
+  int run = 0;
+#pragma unroll
+  for (int j = 0; j < V / CH; ++j) {
+    if (run < limit) {
+      const bool valid = lane + 32 * j < nch;
+      int c = 0;
+#pragma unroll
+      for (int v = 0; v < CH; ++v) c += (valid && pred(key[j * CH + v], reg_expert<CH>(lane, j * CH + v))) ? 1 : 0;
+      if (__any_sync(FULL_MASK, c > 0)) {
+        const int incl = warp_inclusive_scan(c);
+        int pos = run + incl - c;
+#pragma unroll
+        for (int v = 0; v < CH; ++v) {
+          const int e = reg_expert<CH>(lane, j * CH + v);
+          if (valid && pred(key[j * CH + v], e)) visit(pos++, key[j * CH + v], e);
+        }
+        run += __shfl_sync(FULL_MASK, incl, 31);
+      }
+    }
+  }
+  return run;
+}
+
+// Radix select over the registers (same rule and result as radix_select<32>). list: 2 * kList words. As
+// soon as the keys still in play (those matching the prefix) are at most kList, they are compacted with
+// their experts into `list` and the remaining passes read only the list.
+
+template <int V, int CH>
+__device__ __forceinline__ void radix_select_reg(const unsigned (&key)[V], int nch, int k, unsigned* list,
+                                                 unsigned& thr, int& ilast) {
+  static_assert(V <= 255, "8-bit digit counters");
+  const int lane = threadIdx.x & 31;
+  unsigned prefix = 0, mask = 0;
+  int need = k, nlist = -1;  // -1: not compacted
+  unsigned* lkeys = list;
+  int* lexp = reinterpret_cast<int*>(list + kList);
+  for (int shift = 28, pass = 0; shift >= 0; shift -= 4, ++pass) {
+    unsigned v[16];
+    if (nlist < 0) {
+      unsigned pk[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+      for (int b = 0; b < 16; ++b) v[b] = 0u;
+#pragma unroll
+      for (int q = 0; q < V; ++q)
+        if (lane + 32 * (q / CH) < nch && (key[q] & mask) == prefix) digit_add(pk, (key[q] >> shift) & 15u);
+      digit_drain(pk, v);
+    } else {
+      count_digits(lkeys, lane, nlist, 32, 0, prefix, mask, shift, v);
+    }
+    unsigned cb;
+    if (radix_pick<32>(v, nullptr, pass, shift, need, prefix, mask, &cb)) { thr = prefix; ilast = kIntMax; return; }
+    if (nlist < 0 && cb <= (unsigned)kList && shift > 0) {
+      // Compact the keys matching the new prefix, in index order (chunk round, lane, v).
+      const int run = compact_reg<V, CH>(
+          key, nch, kList, [&](unsigned kk, int) { return (kk & mask) == prefix; },
+          [&](int pos, unsigned kk, int e) { lkeys[pos] = kk; lexp[pos] = e; });
+      nlist = run;
+      __syncwarp();
+    }
+  }
+  // Ties at the exact k-th key: the first `need` in index order.
+  thr = prefix;
+  int found = -1;
+  if (nlist >= 0) {  // the list is in index order
+    int run = 0;
+    for (int base = 0; base < nlist && run < need; base += 32) {
+      const int i = base + lane;
+      const bool pred = i < nlist && lkeys[i] == prefix;
+      const unsigned bal = __ballot_sync(FULL_MASK, pred);
+      if (pred && run + __popc(bal & ((1u << lane) - 1u)) == need - 1) found = lexp[i];
+      run += __popc(bal);
+    }
+  } else {  // chunk round, then lane, then v
+    compact_reg<V, CH>(key, nch, need, [&](unsigned kk, int) { return kk == prefix; },
+                       [&](int pos, unsigned, int e) { if (pos == need - 1) found = e; });
+  }
+  ilast = __reduce_max_sync(FULL_MASK, found);
+  __syncwarp();
+}
+
+// Group scores from the registers when every chunk lies in one group and a group's chunks are S aligned
+// lanes of one chunk round (n % CH == 0, S = n / CH a power of two <= 32), m <= MM <= 8: each lane takes the
+// top-MM of its chunk, the S lanes merge their lists with shuffles, and the first lane of each group writes
+// gkey (same sum, in the same order, as group_scores_reg).
+template <int V, int CH, int MM>
+__device__ __forceinline__ void group_scores_lanes(const unsigned (&key)[V], int nch, int S, int m, unsigned* gkey) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int j = 0; j < V / CH; ++j) {
+    const int c = lane + 32 * j;
+    unsigned top[MM];
+#pragma unroll
+    for (int u = 0; u < MM; ++u) top[u] = 0u;
+#pragma unroll
+    for (int v = 0; v < CH; ++v) insert_top<MM>(top, key[j * CH + v]);
+    merge_top_lanes<MM>(top, S);
+    if (c < nch && (c & (S - 1)) == 0) gkey[c / S] = top_sum<MM>(top, m);
+  }
+}
+
+struct RegLayout {
+  int keys, gkey, hist, list, lidx, lkey, lw, lp, total;
+};
+
+// Shared memory of one token slot of router_fwd_reg (32-bit words; mirrored in moe_rt/router.py). The
+// row's keys are staged in shared memory only for the group scores.
+__device__ __forceinline__ RegLayout reg_layout(int E, int G, int K) {
+  RegLayout L;
+  L.keys = 0;
+  L.gkey = G > 0 ? al4(E) : 0;
+  L.hist = L.gkey + al4(G);
+  layout_tail(L, L.hist + 16 * 32, K);
+  return L;
+}
+
+// f(j, c) for the chunk rounds j < NJ whose chunk c = lane + 32 j lies in the row (nch chunks).
+template <int NJ, typename F>
+__device__ __forceinline__ void for_chunks(int nch, F f) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int j = 0; j < NJ; ++j)
+    if (lane + 32 * j < nch) f(j, lane + 32 * j);
+}
+
+// Shared-memory pointers of one token slot (either layout).
+struct SlotPtrs {
+  unsigned *keys, *gkey, *hist, *list, *lkey;
+  int* lidx;
+  float *lw, *lp;
+};
+
+template <typename LT>
+__device__ __forceinline__ SlotPtrs slot_ptrs(unsigned* base, const LT& L) {
+  SlotPtrs P;
+  P.keys = base + L.keys;
+  P.gkey = base + L.gkey;
+  P.hist = base + L.hist;
+  P.list = base + L.list;
+  P.lidx = reinterpret_cast<int*>(base + L.lidx);
+  P.lkey = base + L.lkey;
+  P.lw = reinterpret_cast<float*>(base + L.lw);
+  P.lp = reinterpret_cast<float*>(base + L.lp);
+  return P;
 }
 
 }  // namespace
@@ -380,7 +859,7 @@ __device__ __forceinline__ Layout slot_layout(int E, int G, int K) {
 // probs/scores/rmap/inter/topk_idx/topk_w may be null (not written). vec: all pointers 16-byte aligned
 // and E % (16 / sizeof(T)) == 0. G = 0: no grouping.
 template <typename T, int TEAM>
-__global__ void __launch_bounds__(TEAM == 32 ? 128 : TEAM)
+__global__ void __launch_bounds__(TEAM == 32 ? 128 : TEAM, TEAM == 128 ? 6 : (TEAM == 32 ? 4 : 1))
 router_fwd(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score_fn, int pre_softmax,
            int aux_mode, int G, int g, int m, unsigned gmagic, float scale, const float* __restrict__ bias,
            T* __restrict__ probs, float* __restrict__ scores, bool* __restrict__ rmap,
@@ -392,20 +871,18 @@ router_fwd(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score
   const int slot = threadIdx.x / TEAM, r = threadIdx.x % TEAM, lane = threadIdx.x & 31, warp = r >> 5;
   const Layout L = slot_layout<TEAM>(E, G, K);
   unsigned* base = reinterpret_cast<unsigned*>(smem_raw) + (size_t)slot * L.total;
-  unsigned* keys = base + L.keys;
-  unsigned* gkey = base + L.gkey;
-  unsigned* hist = base + L.hist;
+  const SlotPtrs P = slot_ptrs(base, L);
+  unsigned *keys = P.keys, *gkey = P.gkey, *hist = P.hist, *list = P.list, *lkey = P.lkey;
+  int* lidx = P.lidx;
+  float *lw = P.lw, *lp = P.lp;
   unsigned* wcnt = base + L.wcnt;
   float* red = reinterpret_cast<float*>(base + L.red);
   int* redi = reinterpret_cast<int*>(base + L.red + 32);
   int* wcount = reinterpret_cast<int*>(base + L.wcount);
   int* wlist = reinterpret_cast<int*>(base + L.wlist);
-  int* lidx = reinterpret_cast<int*>(base + L.lidx);
-  unsigned* lkey = base + L.lkey;
-  float* lw = reinterpret_cast<float*>(base + L.lw);
-  float* lp = reinterpret_cast<float*>(base + L.lp);
 #pragma unroll
   for (int b = 0; b < 16; ++b) hist[b * TEAM + r] = 0u;
+  if (r == 0) list[2 * kList] = 0u;
 
   const bool sig_like = score_fn != SOFTMAX;
   const bool post = !aux_mode && score_fn == SOFTMAX && !pre_softmax;
@@ -430,15 +907,24 @@ router_fwd(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score
     };
     const bool write_inter1 = inter != nullptr && sig_like;
     if (vec) {
-      for (int c = r; c < nch; c += TEAM) {
-        alignas(16) T xv[CH];
-        ldn<CH>(logits + row + (i64)c * CH, xv);
-        alignas(16) unsigned kv[CH];
-        alignas(16) float iv[CH];
+      constexpr int U = 2;  // chunks loaded before the first is used
+      for (int c0 = r; c0 < nch; c0 += U * TEAM) {
+        alignas(16) T xv[U][CH];
 #pragma unroll
-        for (int v = 0; v < CH; ++v) kv[v] = p1(c * CH + v, to_float(xv[v]), iv[v]);
-        stn<CH>(keys + c * CH, kv);
-        if (write_inter1) stn<CH>(inter + row + (i64)c * CH, iv);
+        for (int u = 0; u < U; ++u)
+          if (c0 + u * TEAM < nch) ldn<CH>(logits + row + (i64)(c0 + u * TEAM) * CH, xv[u]);
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int c = c0 + u * TEAM;
+          if (c < nch) {
+            alignas(16) unsigned kv[CH];
+            alignas(16) float iv[CH];
+#pragma unroll
+            for (int v = 0; v < CH; ++v) kv[v] = p1(c * CH + v, to_float(xv[u][v]), iv[v]);
+            stn<CH>(keys + c * CH, kv);
+            if (write_inter1) stn<CH>(inter + row + (i64)c * CH, iv);
+          }
+        }
       }
     } else {
       for (int e = r; e < E; e += TEAM) {
@@ -506,11 +992,11 @@ router_fwd(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score
     // Phase 2: group-limited selection mask.
     if (G > 0) {
       const int n = E / G;
-      group_scores<TEAM>(keys, G, n, m, gkey);
+      group_scores<TEAM>(keys, G, n, m, gkey, hist);
       TM::sync();
       unsigned gthr;
       int gil;
-      select_topk<TEAM>(gkey, G, g, hist, wcnt, redi, gthr, gil);
+      select_topk<TEAM>(gkey, G, g, wcnt, redi, list, gthr, gil);
       for (int e = r; e < E; e += TEAM) {
         const int j = n == 1 ? e : (int)__umulhi((unsigned)e, gmagic);
         if (!selected(gkey[j], j, gthr, gil)) keys[e] = 0u;
@@ -521,7 +1007,7 @@ router_fwd(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score
     // Phase 3: top-k.
     unsigned thr;
     int il;
-    select_topk<TEAM>(keys, E, K, hist, wcnt, redi, thr, il);
+    select_topk<TEAM>(keys, E, K, wcnt, redi, list, thr, il);
 
     // Phase 4: the selected experts in index order -> lidx/lkey.
     if constexpr (TEAM == 32) {
@@ -563,39 +1049,9 @@ router_fwd(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score
       __syncthreads();
     }
 
-    // Phase 5: the K weights (warp 0 of the team, two per lane, fixed order).
-    if (!aux_mode && warp == 0) {
-      const int j0 = lane, j1 = lane + 32;
-      const bool h0 = j0 < K, h1 = j1 < K;
-      const float x0 = h0 ? fdecode(lkey[j0]) : 0.0f, x1 = h1 ? fdecode(lkey[j1]) : 0.0f;
-      float w0 = 0.0f, w1 = 0.0f, q0 = 0.0f, q1 = 0.0f;
-      if (score_fn == SOFTMAX) {
-        if (pre_softmax) {
-          w0 = scale * x0; w1 = scale * x1;
-        } else {
-          const float mx = warp_max(fmaxf(h0 ? x0 : -kInf, h1 ? x1 : -kInf));
-          const float e0 = h0 ? expf(x0 - mx) : 0.0f, e1 = h1 ? expf(x1 - mx) : 0.0f;
-          const float rs = 1.0f / warp_sum(e0 + e1);
-          q0 = e0 * rs; q1 = e1 * rs;
-          w0 = scale * q0; w1 = scale * q1;
-        }
-      } else {
-        const float p0 = h0 ? (bias ? x0 - bias[lidx[j0]] : x0) : 0.0f;
-        const float p1v = h1 ? (bias ? x1 - bias[lidx[j1]] : x1) : 0.0f;
-        if (K > 1) {
-          const float den = warp_sum(p0 + p1v) + kEps;
-          w0 = scale * (p0 / den); w1 = scale * (p1v / den);
-        } else {
-          w0 = scale * p0; w1 = scale * p1v;
-        }
-      }
-      if (h0) { lw[j0] = w0; lp[j0] = q0; }
-      if (h1) { lw[j1] = w1; lp[j1] = q1; }
-      if (topk_idx) {
-        if (h0) { topk_idx[t * K + j0] = lidx[j0]; topk_w[t * K + j0] = w0; }
-        if (h1) { topk_idx[t * K + j1] = lidx[j1]; topk_w[t * K + j1] = w1; }
-      }
-    }
+    // Phase 5: the K weights (warp 0 of the team).
+    if (!aux_mode && warp == 0)
+      topk_weights(t, K, score_fn, pre_softmax, scale, bias, lidx, lkey, lw, lp, topk_idx, topk_w);
     TM::sync();
 
     // Phase 6: dense outputs: map, zero probs (-inf intermediate for post-softmax), then the K values.
@@ -605,24 +1061,7 @@ router_fwd(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score
         for (int c = r; c < nch; c += TEAM) {
           alignas(16) unsigned kv[CH];
           ldn<CH>(keys + c * CH, kv);
-          if (rmap) {
-            alignas(16) bool mv[CH];
-#pragma unroll
-            for (int v = 0; v < CH; ++v) mv[v] = selected(kv[v], c * CH + v, thr, il);
-            stn<CH>(rmap + row + (i64)c * CH, mv);
-          }
-          if (wprobs) {
-            alignas(16) T z[CH];
-#pragma unroll
-            for (int v = 0; v < CH; ++v) z[v] = from_float<T>(0.0f);
-            stn<CH>(probs + row + (i64)c * CH, z);
-          }
-          if (winter) {
-            alignas(16) float z[CH];
-#pragma unroll
-            for (int v = 0; v < CH; ++v) z[v] = -kInf;
-            stn<CH>(inter + row + (i64)c * CH, z);
-          }
+          dense_chunk_out<T, CH>(kv, c * CH, thr, il, row, rmap, wprobs ? probs : nullptr, winter ? inter : nullptr);
         }
       } else {
         for (int e = r; e < E; e += TEAM) {
@@ -641,6 +1080,190 @@ router_fwd(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score
       }
     }
     TM::sync();
+  }
+}
+
+// ---- forward with the row in registers: one warp per token, 4 tokens per block -------------------------
+// Same parameters, outputs and bits as router_fwd<T, 32>; requires vec and E / CH <= 32 * V / CH.
+template <typename T, int V>
+__global__ void __launch_bounds__(128, V <= 8 ? 6 : (V <= 16 ? 4 : 3))
+router_fwd_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score_fn, int pre_softmax,
+               int aux_mode, int G, int g, int m, unsigned gmagic, float scale, const float* __restrict__ bias,
+               T* __restrict__ probs, float* __restrict__ scores, bool* __restrict__ rmap,
+               float* __restrict__ inter, int* __restrict__ topk_idx, float* __restrict__ topk_w, int vec) {
+  constexpr int CH = 16 / (int)sizeof(T);
+  constexpr int NJ = V / CH;
+  static_assert(NJ * CH == V, "V must be a multiple of the chunk size");
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int slot = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const RegLayout L = reg_layout(E, G, K);
+  const SlotPtrs P = slot_ptrs(reinterpret_cast<unsigned*>(smem_raw) + (size_t)slot * L.total, L);
+  unsigned *skeys = P.keys, *gkey = P.gkey, *hist = P.hist, *list = P.list, *lkey = P.lkey;
+  int* lidx = P.lidx;
+  float *lw = P.lw, *lp = P.lp;
+#pragma unroll
+  for (int b = 0; b < 16; ++b) hist[b * 32 + lane] = 0u;
+  if (lane == 0) list[2 * kList] = 0u;
+
+  const bool sig_like = score_fn != SOFTMAX;
+  const bool post = !aux_mode && score_fn == SOFTMAX && !pre_softmax;
+  const bool dense_norm = aux_mode || (score_fn == SOFTMAX && pre_softmax);
+  const bool use_bias = bias != nullptr && sig_like && !aux_mode;
+  const int nch = E / CH;
+
+  // Small rows: the next token's logits are loaded while this one is processed.
+  constexpr bool kPrefetch = V <= 16;
+  const i64 stride = (i64)gridDim.x * 4;
+  auto load_row = [&](i64 tt, T (&xv)[NJ][CH]) {
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+      if (lane + 32 * j < nch) ldn<CH>(logits + tt * (i64)E + (i64)(lane + 32 * j) * CH, xv[j]);
+  };
+  alignas(16) T xnext[NJ][CH];
+  if (kPrefetch && (i64)blockIdx.x * 4 + slot < num_tokens) load_row((i64)blockIdx.x * 4 + slot, xnext);
+
+  for (i64 t = (i64)blockIdx.x * 4 + slot; t < num_tokens; t += stride) {
+    const i64 row = t * (i64)E;
+    unsigned key[V];
+    float pmax = -kInf, psum = 0.0f;
+    {
+      alignas(16) T xv[NJ][CH];
+      if constexpr (kPrefetch) {
+#pragma unroll
+        for (int j = 0; j < NJ; ++j)
+#pragma unroll
+          for (int v = 0; v < CH; ++v) xv[j][v] = xnext[j][v];
+        if (t + stride < num_tokens) load_row(t + stride, xnext);
+      } else {
+        load_row(t, xv);
+      }
+      // Phase 1: activations, intermediate (sigmoid-like), selection keys.
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) {
+        const int c = lane + 32 * j;
+        if (c < nch) {
+          alignas(16) float bv[CH];
+          if (use_bias) ldn<CH>(bias + c * CH, bv);
+          alignas(16) float iv[CH];
+#pragma unroll
+          for (int v = 0; v < CH; ++v) {
+            const float x = to_float(xv[j][v]);
+            unsigned kk;
+            if (score_fn == SOFTMAX) {
+              pmax = fmaxf(pmax, x);
+              kk = fkey(x);
+              iv[v] = x;
+            } else {
+              const float a = score_fn == SIGMOID ? sigmoidf(x) : sqrtsoftplusf(x);
+              iv[v] = score_fn == SIGMOID ? a : x;
+              if (aux_mode) { psum += a; kk = fkey(a); }
+              else kk = fkey(use_bias ? a + bv[v] : a);
+            }
+            key[j * CH + v] = kk;
+          }
+          if (inter != nullptr && sig_like) stn<CH>(inter + row + (i64)c * CH, iv);
+        } else {
+#pragma unroll
+          for (int v = 0; v < CH; ++v) key[j * CH + v] = 0u;
+        }
+      }
+    }
+    // Dense normalization: softmax over all E (pre-softmax, aux) or v / (sum v + eps) (aux sigmoid-like).
+    if (dense_norm) {
+      float mul;
+      if (score_fn == SOFTMAX) {
+        const float M = warp_max(pmax);
+        psum = 0.0f;
+#pragma unroll
+        for (int q = 0; q < V; ++q) {
+          if (lane + 32 * (q / CH) < nch) {
+            const float ex = expf(fdecode(key[q]) - M);
+            psum += ex;
+            key[q] = __float_as_uint(ex);
+          }
+        }
+        mul = 1.0f / warp_sum(psum);
+      } else {
+        mul = warp_sum(psum) + kEps;
+      }
+      float* drow = aux_mode ? scores : inter;
+      const bool wi = aux_mode && score_fn == SOFTMAX && inter != nullptr;
+      for_chunks<NJ>(nch, [&](int j, int c) {
+        alignas(16) float av[CH];
+#pragma unroll
+        for (int v = 0; v < CH; ++v) {
+          const unsigned kk = key[j * CH + v];
+          av[v] = score_fn == SOFTMAX ? __uint_as_float(kk) * mul : fdecode(kk) / mul;
+          key[j * CH + v] = fkey(av[v]);
+        }
+        if (drow) stn<CH>(drow + row + (i64)c * CH, av);
+        if (wi) stn<CH>(inter + row + (i64)c * CH, av);
+      });
+    }
+
+    // Phase 2: group-limited selection mask (group scores from the registers, or from the keys staged in
+    // shared memory).
+    if (G > 0) {
+      const int n = E / G, S = n / CH;
+      if (m <= 8 && n % CH == 0 && S <= 32 && (S & (S - 1)) == 0) {
+        if (m == 1) group_scores_lanes<V, CH, 1>(key, nch, S, m, gkey);
+        else if (m == 2) group_scores_lanes<V, CH, 2>(key, nch, S, m, gkey);
+        else if (m <= 4) group_scores_lanes<V, CH, 4>(key, nch, S, m, gkey);
+        else group_scores_lanes<V, CH, 8>(key, nch, S, m, gkey);
+      } else {
+        for_chunks<NJ>(nch, [&](int j, int c) {
+          alignas(16) unsigned kv[CH];
+#pragma unroll
+          for (int v = 0; v < CH; ++v) kv[v] = key[j * CH + v];
+          stn<CH>(skeys + c * CH, kv);
+        });
+        __syncwarp();
+        group_scores<32>(skeys, G, n, m, gkey, hist);
+      }
+      __syncwarp();
+      unsigned gthr;
+      int gil;
+      select_topk<32>(gkey, G, g, nullptr, nullptr, list, gthr, gil);
+#pragma unroll
+      for (int q = 0; q < V; ++q) {
+        const int e = reg_expert<CH>(lane, q);
+        const int jg = n == 1 ? e : (int)__umulhi((unsigned)e, gmagic);
+        if (lane + 32 * (q / CH) < nch && !selected(gkey[jg], jg, gthr, gil)) key[q] = 0u;
+      }
+    }
+
+    // Phase 3: top-k.
+    unsigned thr;
+    int il;
+    if (K <= 8) argmax_reg<V, CH>(key, K, thr, il);
+    else radix_select_reg<V, CH>(key, nch, K, list, thr, il);
+
+    // Phase 4: the selected experts in index order -> lidx/lkey.
+    compact_reg<V, CH>(key, nch, K, [&](unsigned kk, int e) { return selected(kk, e, thr, il); },
+                       [&](int pos, unsigned kk, int e) { lkey[pos] = kk; lidx[pos] = e; });
+    __syncwarp();
+
+    // Phase 5: the K weights.
+    if (!aux_mode) topk_weights(t, K, score_fn, pre_softmax, scale, bias, lidx, lkey, lw, lp, topk_idx, topk_w);
+    __syncwarp();
+
+    // Phase 6: dense outputs: map, zero probs (-inf intermediate for post-softmax), then the K values.
+    const bool wprobs = !aux_mode && probs != nullptr, winter = post && inter != nullptr;
+    for_chunks<NJ>(nch, [&](int j, int c) {
+      unsigned kv[CH];
+#pragma unroll
+      for (int v = 0; v < CH; ++v) kv[v] = key[j * CH + v];
+      dense_chunk_out<T, CH>(kv, c * CH, thr, il, row, rmap, wprobs ? probs : nullptr, winter ? inter : nullptr);
+    });
+    if (wprobs || winter) {
+      __syncwarp();  // orders the fill before the patch
+      for (int jj = lane; jj < K; jj += 32) {
+        const int e = lidx[jj];
+        if (wprobs) probs[row + e] = from_float<T>(lw[jj]);
+        if (winter) inter[row + e] = lp[jj];
+      }
+    }
+    __syncwarp();
   }
 }
 

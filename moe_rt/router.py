@@ -15,6 +15,7 @@ Shared conventions (both backends):
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 
@@ -25,9 +26,11 @@ SCORE_FUNCTIONS = {"sigmoid": 0, "softmax": 1, "sqrtsoftplus": 2}
 MAX_EXPERTS = 16384
 MAX_TOPK = 64
 _TEAMS = (32, 128, 512)
+_REG_V = (8, 16, 32)  # keys per lane of router_fwd_reg (E <= 1024)
 _FILE = "router.cu"
 
 _jit.register(_FILE, [f"router_fwd<{c}, {team}>" for c in _jit.CTYPES.values() for team in _TEAMS]
+              + [f"router_fwd_reg<{c}, {v}>" for c in ("float", "__nv_bfloat16") for v in _REG_V]
               + [f"router_bwd<{c}, {c}, {team}>" for c in _jit.CTYPES.values() for team in _TEAMS]
               + [f"router_bwd<float, {c}, {team}>" for c in ("__half", "__nv_bfloat16") for team in _TEAMS]
               + [f"aux_loss_partial<{c}>" for c in _jit.CTYPES.values()]
@@ -104,35 +107,63 @@ def _vec_ok(arrays, E, ch):
 
 
 def _team(E):
+    """Threads per token of the generic kernels. MOE_RT_ROUTER_TEAM=32|128 picks it for 1024 < E <= 4096 (a
+    benchmark and test variant)."""
     if E <= 1024:
         return 32
-    return 128 if E <= 4096 else 512
+    if E <= 4096:
+        forced = os.environ.get("MOE_RT_ROUTER_TEAM")
+        return int(forced) if forced in ("32", "128") else 128
+    return 512
 
 
 def _slot_words(E, G, K, team):
     al4 = lambda x: (x + 3) & ~3  # noqa: E731
     nw = team // 32
     kp = al4(K)
-    return al4(E) + al4(G) + 16 * team + 32 * nw + 64 + 16 + nw * kp + 4 * kp
+    return al4(E) + al4(G) + 16 * team + 32 * nw + 64 + 16 + nw * kp + 2 * 64 + 4 + 4 * kp
 
 
-def _grid(n_slots_needed, threads, smem, device_id):
+def _reg_slot_words(E, G, K):
+    al4 = lambda x: (x + 3) & ~3  # noqa: E731
+    return (al4(E) if G else 0) + al4(G) + 16 * 32 + 2 * 64 + 4 + 4 * al4(K)
+
+
+def _reg_v(E, ch, vec, dtype):
+    """Keys per lane of the register kernel (float32, bfloat16; E <= 1024) for this row, or 0 (generic
+    kernel). MOE_RT_ROUTER_FWD=generic forces the generic kernel (a benchmark and test variant)."""
+    if not vec or dtype == np.float16 or os.environ.get("MOE_RT_ROUTER_FWD") == "generic":
+        return 0
+    need = -(-(E // ch) // 32) * ch
+    return next((v for v in _REG_V if v >= need), 0)
+
+
+def _grid(n_slots_needed, threads, smem, device_id, regs=0):
     p = _jit.device_properties(device_id)
     per_sm = max(1, min(2048 // threads, 32, (p["smem_per_sm"] or 228 * 1024) // (smem + 1024)))
+    if regs:
+        per_sm = max(1, min(per_sm, 65536 // (threads * (-(-regs // 8) * 8))))
     return max(1, min(n_slots_needed, p["sm_count"] * per_sm))
 
 
 def _launch_fwd(call, x, T, E, K, score_fn, pre, aux, G, g, scale, bias, probs, scores, rmap, inter,
                 idx, w):
-    team = _team(E)
-    fn = _jit.function(_FILE, f"router_fwd<{_jit.ctype(x.dtype)}, {team}>")
-    spb = 4 if team == 32 else 1
-    smem = 4 * _slot_words(E, G, K, team) * spb
-    _jit.set_max_dynamic_shared(fn, smem)
-    threads = team * spb
-    grid = _grid(-(-T // spb), threads, smem, call.device_id)
     ch = 16 // x.dtype.itemsize
-    vec = _vec_ok([x, probs, scores, rmap, inter], E, ch)
+    vec = _vec_ok([x, probs, scores, rmap, inter, bias], E, ch)
+    v = _reg_v(E, ch, vec, x.dtype)
+    if v:
+        fn = _jit.function(_FILE, f"router_fwd_reg<{_jit.ctype(x.dtype)}, {v}>")
+        spb, threads = 4, 128
+        smem = 4 * _reg_slot_words(E, G, K) * spb
+    else:
+        team = _team(E)
+        fn = _jit.function(_FILE, f"router_fwd<{_jit.ctype(x.dtype)}, {team}>")
+        spb = 4 if team == 32 else 1
+        smem = 4 * _slot_words(E, G, K, team) * spb
+        threads = team * spb
+    regs = getattr(fn, "num_regs", 0)
+    _jit.set_max_dynamic_shared(fn, smem)
+    grid = _grid(-(-T // spb), threads, smem, call.device_id, regs)
     n = E // G if G else 1
     gmagic = (-(-(1 << 32) // n)) & 0xFFFFFFFF if n > 1 else 0
     m = K // g if G else 0

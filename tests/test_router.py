@@ -514,3 +514,59 @@ def test_gpu_torch_and_unaligned(rng):
     rp2, rm2, _ = ref.topk_with_score_fwd(flat.cpu().numpy(), 8)
     np.testing.assert_array_equal(m2.cpu().numpy(), rm2)
     _close(p2.cpu().numpy(), rp2, F32, 256, "probs unaligned")
+
+
+# (E, K, dtype, score, pre, groups, bias, variant env): two kernel variants on random rows with many exact
+# ties (bf16 logits, quarter-integer fp32 logits). E <= 1024: the register kernel against the generic one,
+# bitwise. E = 2304: one warp per token against the default 128 threads; selections bitwise, values that
+# sum over all E to within rounding (the sums are grouped differently).
+VARIANT_CASES = [
+    (256, 8, BF16, "softmax", False, None, False, "MOE_RT_ROUTER_FWD=generic"),
+    (256, 8, F32, "sigmoid", False, (8, 4), True, "MOE_RT_ROUTER_FWD=generic"),
+    (256, 36, BF16, "softmax", True, None, False, "MOE_RT_ROUTER_FWD=generic"),
+    (512, 4, F32, "sqrtsoftplus", False, (4, 1), False, "MOE_RT_ROUTER_FWD=generic"),
+    (512, 64, BF16, "sigmoid", False, (8, 2), False, "MOE_RT_ROUTER_FWD=generic"),
+    (1024, 8, BF16, "sigmoid", False, None, True, "MOE_RT_ROUTER_FWD=generic"),
+    (1024, 36, F32, "sigmoid", False, (8, 4), True, "MOE_RT_ROUTER_FWD=generic"),
+    (1024, 8, F32, "softmax", True, (8, 4), False, "MOE_RT_ROUTER_FWD=generic"),
+    (2304, 36, BF16, "softmax", False, None, False, "MOE_RT_ROUTER_TEAM=32"),
+    (2304, 36, F32, "sigmoid", False, (8, 4), True, "MOE_RT_ROUTER_TEAM=32"),
+    (2304, 64, BF16, "sigmoid", False, (8, 2), False, "MOE_RT_ROUTER_TEAM=32"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", VARIANT_CASES, ids=lambda c: f"E{c[0]}-K{c[1]}-{np.dtype(c[2]).name}-{c[3]}"
+                         f"{'-pre' if c[4] else ''}{'-g' if c[5] else ''}{'-b' if c[6] else ''}")
+@pytest.mark.parametrize("ties", [False, True])
+def test_gpu_kernel_variants_agree(rng, monkeypatch, case, ties):
+    import cupy as cp
+
+    E, K, dtype, score, pre, groups, bias, env = case
+    T = 517
+    x = rng.standard_normal((T, E)).astype(F32)
+    if ties:
+        x = np.round(x * 4) / 4  # few distinct values: ties at every boundary
+    x = cp.asarray(x.astype(dtype))
+    b = cp.asarray((rng.permutation(E) * (0.5 / E)).astype(F32)) if bias else None
+    kw = dict(score_function=score, use_pre_softmax=pre, num_groups=groups[0] if groups else None,
+              group_topk=groups[1] if groups else None, scaling_factor=1.5, expert_bias=b)
+
+    def run():
+        out = [a.get() for a in R.topk_with_score(x, K, **kw)] + [a.get() for a in R.topk_indices_with_score(x, K, **kw)]
+        return out + ([a.get() for a in R.scores_for_aux_loss(x, K, score)] if not bias else [])
+
+    got = run()
+    monkeypatch.setenv(*env.split("="))
+    want = run()
+    names = ["probs", "map", "inter", "idx", "weights", "aux scores", "aux map", "aux inter"]
+    dense = {"aux scores", "aux inter"} | ({"probs", "inter"} if pre else set())
+    for name, g, w in zip(names, got, want):
+        if E <= 1024 or name not in dense:
+            assert g.tobytes() == w.tobytes(), name
+        else:
+            np.testing.assert_allclose(g.astype(F32), w.astype(F32), rtol=2 ** -7 if g.dtype == BF16 else 1e-6,
+                                       atol=1e-30, err_msg=name)
+    assert (got[1].sum(1) == K).all()
+    if score == "softmax" and not pre and not groups:  # selection on the raw logits: the exact oracle
+        np.testing.assert_array_equal(got[1], ref.topk_with_score_fwd(x.get(), K)[1])

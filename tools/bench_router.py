@@ -4,14 +4,19 @@ Rows: topk_with_score forward and backward (softmax post-softmax; sigmoid with n
 group_topk=4 and an expert bias), and the aux-loss path (scores_for_aux_loss + aux_loss, forward and
 backward together). GB/s counts the minimal bytes each op must move: every input read once, every output
 written once. "ms" is device time per call (host overhead hidden behind a spin kernel, for every
-column); "call ms" is the plain per-call time including moe_rt's Python overhead. ``--quick`` runs T=65536 only (the target shape) with fewer iterations.
+column); "call ms" is the plain per-call time including moe_rt's Python overhead. Inputs are drawn on the
+GPU. torch.compile baselines are compiled once per shape (dynamic=False) and only at T=65536, the target
+shape (``--compile-all`` compiles at every T). ``--quick`` runs T=65536 only with fewer iterations;
+``--T`` picks the token counts, ``--ops fwd`` only the forward rows (for kernel variants selected by
+MOE_RT_ROUTER_FWD, see moe_rt/router.py).
 
-    python tools/bench_router.py [--quick] [--json PATH] [--no-compile]
+    python tools/bench_router.py [--quick] [--T 4096,16384,65536] [--ops all|fwd] [--json PATH] [--no-compile]
 """
 from __future__ import annotations
 
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -115,8 +120,29 @@ def time_device(fn, iters, warmup=3):
     return cp.cuda.get_elapsed_time(t0, t1) / iters
 
 
+def _normal(cp, shape, dt, seed):
+    """Standard normal fp32 values drawn on the GPU, cast to dt."""
+    return cp.random.default_rng(seed).standard_normal(shape, dtype=np.float32).astype(dt)
+
+
+def _compiler(enabled):
+    """torch.compile(fn, dynamic=False) (one static graph per shape), or None when off or unavailable."""
+    if not enabled:
+        return lambda fn: None
+    try:
+        import torch
+
+        return lambda fn: torch.compile(fn, dynamic=False)
+    except Exception as e:  # pragma: no cover - depends on the machine
+        print(f"torch.compile unavailable: {e}", file=sys.stderr)
+        return lambda fn: None
+
+
 def main():
     ap = benchlib.parser(__doc__)
+    ap.add_argument("--T", default=None, help="comma-separated token counts (default 4096,16384,65536)")
+    ap.add_argument("--ops", default="all", choices=["all", "fwd"], help="fwd: forward rows only")
+    ap.add_argument("--compile-all", action="store_true", help="torch.compile baselines at every T")
     args = ap.parse_args()
     import cupy as cp
     import torch
@@ -132,18 +158,28 @@ def main():
     table.meta["copy_GBps"] = round(bw, 1)
     table.header()
 
-    Ts = [65536] if args.quick else [4096, 16384, 65536]
+    if args.T:
+        Ts = [int(t) for t in args.T.split(",")]
+    else:
+        Ts = [65536] if args.quick else [4096, 16384, 65536]
+    table.meta["variant"] = os.environ.get("MOE_RT_ROUTER_FWD", "default")
     shapes = [(256, 8), (2304, 36)]
     dtypes = [("float32", np.float32), ("bfloat16", _arrays.BFLOAT16)]
-    tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    compile_fn = _compiler(not args.no_compile)
     compiled = {}
+    state = {"T": 0}
+    t_start = time.perf_counter()
 
     def cmp(name, fn):
+        # one compiled callable per name; dynamic=False recompiles once per new shape/dtype
+        if not args.compile_all and state["T"] != max(Ts):
+            return None
         if name not in compiled:
-            compiled[name] = benchlib.torch_compile_or_none(fn, not args.no_compile)
+            compiled[name] = compile_fn(fn)
         return compiled[name]
 
     def row(dtname, T, E, K, op, nbytes, ours, eager, comp):
+        t0 = time.perf_counter()
         call_ms = benchlib.time_cuda(ours, iters=iters, warmup=args.warmup)
         ms = time_device(ours, iters)
         gbs = nbytes / (ms * 1e-3) / 1e9
@@ -157,15 +193,19 @@ def main():
         table.add(dtype=dtname, T=T, E=E, K=K, op=op, ms=ms, **{"call ms": call_ms}, **{"GB/s": gbs, "% copy": 100 * gbs / bw},
                   **{"eager ms": e_ms, "x eager": (e_ms / ms) if e_ms else None, "compile ms": c_ms,
                      "x compile": (c_ms / ms) if c_ms else None})
+        print(f"  [{op}: {time.perf_counter() - t0:.1f} s, total {time.perf_counter() - t_start:.0f} s]",
+              file=sys.stderr, flush=True)
 
+    fwd_only = args.ops == "fwd"
     for dtname, dt in dtypes:
         isz = np.dtype(dt).itemsize
         for T in Ts:
+            state["T"] = T
             for E, K in shapes:
                 n = T * E
                 ncopy = benchlib.num_copies(n * isz, l2)
                 rng = np.random.default_rng(0)
-                xs = [cp.asarray(rng.standard_normal((T, E), dtype=np.float32)).astype(dt) for _ in range(ncopy)]
+                xs = [_normal(cp, (T, E), dt, 10 + i) for i in range(ncopy)]
                 xt = [torch.from_dlpack(x) for x in xs]
                 nx = benchlib.rotating(list(range(ncopy)))
                 bias = cp.asarray((rng.permutation(E) * (0.1 / E)).astype(np.float32))
@@ -176,7 +216,7 @@ def main():
                 cs = cmp(f"sm_fwd{K}", lambda x, K=K: torch_topk_softmax_fwd(x, K))
                 row(dtname, T, E, K, "softmax fwd", fwd_b, lambda: R.topk_with_score(xs[nx()], K),
                     lambda: torch_topk_softmax_fwd(xt[nx()], K), (lambda: cs(xt[nx()])) if cs else None)
-                gs = [cp.asarray(rng.standard_normal((T, E), dtype=np.float32)).astype(dt) for _ in range(ncopy)]
+                gs = [_normal(cp, (T, E), dt, 20 + i) for i in range(ncopy)]
                 gt = [torch.from_dlpack(g) for g in gs]
                 ot = [tuple(torch.from_dlpack(a) for a in o) for o in outs]
                 bwd_b = n * (isz + 1 + 4 + isz)
@@ -189,9 +229,10 @@ def main():
                     i = nx()
                     return fn(gt[i], ot[i][1], ot[i][2])
 
-                cb = cmp("sm_bwd", torch_topk_softmax_bwd)
-                row(dtname, T, E, K, "softmax bwd", bwd_b, sm_bwd, sm_bwd_t,
-                    (lambda: sm_bwd_t(cb)) if cb else None)
+                if not fwd_only:
+                    cb = cmp("sm_bwd", torch_topk_softmax_bwd)
+                    row(dtname, T, E, K, "softmax bwd", bwd_b, sm_bwd, sm_bwd_t,
+                        (lambda: sm_bwd_t(cb)) if cb else None)
                 del outs, ot
                 # sigmoid, groups 8/4, bias
                 kw = dict(score_function="sigmoid", num_groups=8, group_topk=4, expert_bias=bias)
@@ -211,12 +252,14 @@ def main():
                     i = nx()
                     return fn(gt[i], ot[i][1], ot[i][2])
 
-                cb2 = cmp("sig_bwd", torch_topk_sigmoid_bwd)
-                row(dtname, T, E, K, "sigmoid bwd", bwd_b, sg_bwd, sg_bwd_t, (lambda: sg_bwd_t(cb2)) if cb2 else None)
+                if not fwd_only:
+                    cb2 = cmp("sig_bwd", torch_topk_sigmoid_bwd)
+                    row(dtname, T, E, K, "sigmoid bwd", bwd_b, sg_bwd, sg_bwd_t,
+                        (lambda: sg_bwd_t(cb2)) if cb2 else None)
                 del outs, ot, gs, gt, xs, xt
                 cp.get_default_memory_pool().free_all_blocks()
                 torch.cuda.empty_cache()
-            for E, K in [(256, 8), (16384, 8)]:
+            for E, K in ([] if fwd_only else [(256, 8), (16384, 8)]):
                 _aux_rows(R, cp, torch, table, row, cmp, dtname, dt, isz, T, E, K, l2)
                 cp.get_default_memory_pool().free_all_blocks()
                 torch.cuda.empty_cache()
@@ -227,7 +270,7 @@ def _aux_rows(R, cp, torch, table, row, cmp, dtname, dt, isz, T, E, K, l2):
     n = T * E
     ncopy = min(benchlib.num_copies(n * isz, l2), 3)
     rng = np.random.default_rng(1)
-    xs = [cp.asarray(rng.standard_normal((T, E), dtype=np.float32)).astype(dt) for _ in range(ncopy)]
+    xs = [_normal(cp, (T, E), dt, 30 + i) for i in range(ncopy)]
     xt = [torch.from_dlpack(x) for x in xs]
     nx = benchlib.rotating(list(range(ncopy)))
     tpe = cp.asarray(rng.integers(1, 1000, E).astype(np.int32))
