@@ -47,21 +47,27 @@ def lookup(group_id: int):
     return group
 
 
-def sizes(group, T: int, K: int, host_meta=None):
-    """``(rows, N, nbytes)`` of a handle of ``group`` for ``T`` tokens of top-``K``: static in capacity
-    mode; from the host copy of the meta region in exact mode."""
+def rows_of(group, T: int, K: int, host_meta=None):
+    """``(rows, N)``: received rows and expert-major rows of a handle of ``group`` for ``T`` tokens of
+    top-``K``: static in capacity mode; from the host copy of the meta region in exact mode. Plain Python
+    (no extension calls), so it traces under torch.compile."""
     sz = group._sizes(T, K)
     R, L, A = sz["R"], sz["L"], sz["A"]
     if group.mode == "capacity":
         rows = R * sz["P"]
-        N = _perm_ref.num_rows(rows, K, L, A, sz["capacity"])
-    else:
-        if host_meta is None:
-            raise ValueError("an exact-mode EP handle needs its host meta (made by prepare)")
-        m = np.asarray(host_meta)
-        rows = int(m[meta_index("recv_rows", R)])
-        N = _perm_ref.num_rows(rows, K, L, A, int(m[meta_index("total_slots", R)]))
-    _, total = _handle.layout(R, L, sz["Tmax"], K, sz["P"], rows, N)
+        return rows, _perm_ref.num_rows(rows, K, L, A, sz["capacity"])
+    if host_meta is None:
+        raise ValueError("an exact-mode EP handle needs its host meta (made by prepare)")
+    m = np.asarray(host_meta)
+    rows = int(m[meta_index("recv_rows", R)])
+    return rows, _perm_ref.num_rows(rows, K, L, A, int(m[meta_index("total_slots", R)]))
+
+
+def sizes(group, T: int, K: int, host_meta=None):
+    """``(rows, N, nbytes)`` of a handle of ``group`` (see :func:`rows_of`)."""
+    rows, N = rows_of(group, T, K, host_meta)
+    sz = group._sizes(T, K)
+    _, total = _handle.layout(sz["R"], sz["L"], sz["Tmax"], K, sz["P"], rows, N)
     return rows, N, total
 
 

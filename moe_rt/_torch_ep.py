@@ -78,7 +78,7 @@ def ep_prepare(group, topk_idx: Tensor) -> TorchEpHandle:
         raise ValueError(f"topk_idx: expected a 2-D tensor, got {getattr(topk_idx, 'shape', type(topk_idx))}")
     T, K = int(topk_idx.shape[0]), int(topk_idx.shape[1])
     buf, meta, tpe = _prepare_op(topk_idx, gid)
-    _, N, _ = _A.sizes(group, T, K, None if group.mode == "capacity" else meta.numpy())
+    _, N = _A.rows_of(group, T, K, None if group.mode == "capacity" else meta.numpy())
     return TorchEpHandle(buf, meta, tpe, gid, T, K, N)
 
 
