@@ -47,6 +47,8 @@ def _device_of(obj, name):
     mod = type(obj).__module__.split(".")[0]
     if mod == "cupy":
         return "cuda", obj.device.id
+    if mod == "torch" and hasattr(obj, "is_cuda"):
+        return ("cuda", obj.get_device()) if obj.is_cuda else ("cpu", 0)
     if not hasattr(obj, "__dlpack__"):
         raise TypeError(f"{name}: expected an array with __dlpack__ (torch, JAX, CuPy, NumPy), "
                         f"got {type(obj).__name__}")
@@ -109,9 +111,59 @@ def _default_stream(framework: str, device_id: int):
     if framework == "torch":
         import torch
 
-        s = torch.cuda.current_stream(device_id)
-        return as_cupy_stream(int(s.cuda_stream), device_id)
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # the cudaStream_t, no Stream object
+        ptr = raw(device_id) if raw is not None else torch.cuda.current_stream(device_id).cuda_stream
+        return as_cupy_stream(int(ptr), device_id)
     return as_cupy_stream(None, device_id)
+
+
+_TORCH_DTYPES: dict = {}
+
+
+def _torch_np_dtype(tdtype):
+    """The NumPy dtype of a torch dtype moe_rt handles (None for others, which go through DLPack)."""
+    if not _TORCH_DTYPES:
+        import torch
+
+        pairs = {torch.float32: np.float32, torch.float16: np.float16, torch.float64: np.float64,
+                 torch.int32: np.int32, torch.int64: np.int64, torch.int16: np.int16, torch.int8: np.int8,
+                 torch.uint8: np.uint8, torch.bool: np.bool_}
+        _TORCH_DTYPES.update({k: np.dtype(v) for k, v in pairs.items()})
+        if BFLOAT16 is not None:
+            _TORCH_DTYPES[torch.bfloat16] = BFLOAT16
+    return _TORCH_DTYPES.get(tdtype)
+
+
+def _cupy_over(ptr, shape, dtype, byte_strides, owner, device_id):
+    """A CuPy array over device memory at ``ptr`` that ``owner`` keeps alive (no copy)."""
+    import cupy
+
+    if any(n == 0 for n in shape):
+        with cupy.cuda.Device(device_id):
+            return cupy.empty(shape, dtype)
+    span = (sum((n - 1) * st for n, st in zip(shape, byte_strides)) + dtype.itemsize) if shape else dtype.itemsize
+    mem = cupy.cuda.UnownedMemory(ptr, span, owner, device_id)
+    return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0), strides=byte_strides)
+
+
+def _xla_view(obj, device_id):
+    """A CuPy array over an XLA buffer inside a JAX callback (already ordered on XLA's stream, which the call
+    runs on) through its ``__cuda_array_interface__``; None if the buffer does not offer one."""
+    try:
+        cai = obj.__cuda_array_interface__
+        dt = np.dtype(obj.dtype)
+        shape = tuple(int(n) for n in cai["shape"])
+        ptr = int(cai["data"][0])
+        st = cai.get("strides")
+    except (AttributeError, KeyError, TypeError):
+        return None
+    if st is None:
+        st, acc = [], dt.itemsize
+        for n in reversed(shape):
+            st.append(acc)
+            acc *= n
+        st = reversed(st)
+    return _cupy_over(ptr, shape, dt, tuple(int(v) for v in st), obj, device_id)
 
 
 class Call:
@@ -119,7 +171,7 @@ class Call:
     ``device_id``, ``stream`` (a cupy Stream, or None on CPU) and ``framework`` (of the first array
     argument: 'torch', 'jax', 'cupy', 'numpy' or 'other')."""
 
-    def __init__(self, arrays: dict, stream=None):
+    def __init__(self, arrays: dict, stream=None, *, xla_buffers: bool = False):
         self.framework = None
         self.backend = None
         self.device_id = 0
@@ -137,6 +189,8 @@ class Call:
                                  "all arrays of one call must be on the same device")
         if first is None:
             raise TypeError("no array argument was given")
+        self._fast_torch = self.backend == "cuda" and stream is None and self.framework == "torch"
+        self._on_xla_stream = xla_buffers and stream is not None
         if self.backend == "cuda":
             import cupy
 
@@ -156,6 +210,17 @@ class Call:
             return obj
         if self.backend == "cuda" and type(obj).__module__.split(".")[0] == "cupy":
             return obj
+        if self._fast_torch and type(obj).__module__.split(".")[0] == "torch":
+            # torch CUDA tensor on torch's current stream (the stream this call runs on): read its pointer,
+            # shape and strides directly; DLPack's stream handshake would be a no-op here.
+            dt = _torch_np_dtype(obj.dtype)
+            if dt is not None and obj.is_cuda:
+                return _cupy_over(obj.data_ptr(), tuple(obj.shape), dt,
+                                  tuple(st * dt.itemsize for st in obj.stride()), obj, self.device_id)
+        if self.backend == "cuda" and self._on_xla_stream:
+            view = _xla_view(obj, self.device_id)
+            if view is not None:
+                return view
         if getattr(obj, "requires_grad", False):
             obj = obj.detach()  # torch refuses to export autograd leaves; detach is a zero-copy view
         ptr = self.stream.ptr if self.stream is not None else None

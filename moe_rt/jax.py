@@ -48,7 +48,7 @@ def _run(fn, out_specs, *inputs):
             stream = ctx.stream  # XLA's compute stream (GPU only)
         except Exception:  # noqa: BLE001 - CPU buffers have no stream
             stream = None
-        call = _arrays.Call(arrays, stream=stream if stream else None)
+        call = _arrays.Call(arrays, stream=stream if stream else None, xla_buffers=True)
         with call:
             views = [call[f"i{j}"] if j in present else None for j in range(len(inputs))]
             dsts = [call[f"o{j}"] for j in range(len(outs))]

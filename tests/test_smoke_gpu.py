@@ -122,3 +122,22 @@ def test_kernel_inside_jax_jit_on_xla_stream(dtype):
     ref = ((x.astype(jnp.float32) * ALPHA).astype(dtype) * 2)
     np.testing.assert_array_equal(np.asarray(y.astype(jnp.float32)), np.asarray(ref.astype(jnp.float32)))
     assert seen_streams and all(s not in (0, 1, 2) for s in seen_streams)  # XLA's own stream
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int64", "bool"])
+def test_torch_cuda_views_without_dlpack(dtype):
+    """Torch CUDA tensors on torch's current stream are read by pointer, shape and strides: views of the same
+    memory (offsets, transposes, zero-size) with the same values."""
+    import torch
+
+    base = (torch.randn(6, 10, device="cuda") * 4).to(getattr(torch, dtype))
+    cases = [base, base[2:5, 3:], base.t(), base[:, ::2], base[:0]]
+    for t in cases:
+        with _arrays.Call({"t": t}) as call:
+            v = call["t"]
+            assert v.shape == tuple(t.shape)
+            if t.numel():
+                assert v.data.ptr == t.data_ptr()
+                assert v.strides == tuple(s * t.element_size() for s in t.stride())
+            got = _arrays.export(v.copy(), "torch")
+            assert got.dtype == t.dtype and torch.equal(got.cpu(), t.cpu())
