@@ -19,8 +19,10 @@ between ranks), ``topk_idx [T,K]`` (int32/int64, ``-1`` = no expert) and ``topk_
   (token, rank) back; the owner sums them over ranks in ascending rank order in fp32, rounding once.
 - :meth:`EpGroup.dispatch_bwd` / :meth:`EpGroup.combine_bwd`: the transposes.
 
-Overlap (``chunks > 1``, the default 4; ``chunks=1`` or ``MOE_RT_EP_CHUNKS=1`` runs every op serially on
-the caller's stream, as above). The NCCL transfer runs on a second, non-blocking stream of the group; the
+Overlap (``chunks > 1``; the default is 1, every op serially on the caller's stream, as above). On 2 H200s
+over NVLink the overlapped path measured slower than the serial one at most sizes (the NCCL kernels and the
+expand/reduce kernels compete for SMs and memory bandwidth; BENCHMARKS.md), so it is opt-in
+(``chunks=4`` or ``MOE_RT_EP_CHUNKS=4``), for links slower than device memory. The NCCL transfer runs on a second, non-blocking stream of the group; the
 rows each (src, dst) pair exchanges travel in up to ``chunks`` parts (parts of at least 4 MiB), one NCCL
 group per part, with events between the two streams:
 
@@ -106,7 +108,7 @@ _live_groups: "weakref.WeakValueDictionary[int, EpGroup]" = weakref.WeakValueDic
 _INT32_MAX = 2**31 - 1
 
 
-DEFAULT_CHUNKS = 4
+DEFAULT_CHUNKS = 1
 # The smallest part (bytes of rows) a (src, dst) pair's transfer is split into when chunks > 1: below it
 # one more NCCL group costs more than the overlap gains. Must be the same on every rank.
 _MIN_CHUNK_BYTES = 4 << 20
@@ -159,7 +161,7 @@ class EpGroup:
         topk: None, or the K every ``prepare`` must use (else fixed by the first ``prepare``).
         timeout: seconds for host-side waits before the communicator is aborted (default
             ``MOE_RT_EP_TIMEOUT`` or 300).
-        chunks: 1..64, how many parts each peer's rows travel in (default ``MOE_RT_EP_CHUNKS`` or 4); must
+        chunks: 1..64, how many parts each peer's rows travel in (default ``MOE_RT_EP_CHUNKS`` or 1); must
             be the same on every rank. 1 runs every op serially on the caller's stream; > 1 overlaps the
             NCCL transfer (on a second stream) with the local expand/reduce (see the module notes).
     """

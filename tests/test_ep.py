@@ -347,8 +347,8 @@ def test_group_validation(rng):
 
 def test_chunks_keyword_and_env(monkeypatch):
     monkeypatch.delenv("MOE_RT_EP_CHUNKS", raising=False)
-    assert EpGroup(None, 4, 4, 4).chunks == 4
-    assert EpGroup(None, 4, 4, 4, chunks=1).chunks == 1
+    assert EpGroup(None, 4, 4, 4).chunks == 1
+    assert EpGroup(None, 4, 4, 4, chunks=4).chunks == 4
     monkeypatch.setenv("MOE_RT_EP_CHUNKS", "3")
     assert EpGroup(None, 4, 4, 4).chunks == 3
     assert EpGroup(None, 4, 4, 4, chunks=2).chunks == 2  # the keyword wins

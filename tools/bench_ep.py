@@ -43,7 +43,7 @@ def main():
 
     ap = benchlib.parser(__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="512,4096,16384")
-    ap.add_argument("--chunks", default=None, help="chunk counts to compare (default: 1 and the default)")
+    ap.add_argument("--chunks", default=None, help="chunk counts to compare (default: 1 and 4)")
     args = ap.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dev = int(os.environ.get("LOCAL_RANK", rank))
@@ -52,13 +52,13 @@ def main():
     dist.init_process_group("nccl", init_method="file://" + os.environ["MOE_RT_UID_FILE"] + ".torch",
                             rank=rank, world_size=world, device_id=torch.device("cuda", dev))
     from moe_rt.bootstrap import init_communicator
-    from moe_rt.ep import DEFAULT_CHUNKS, EpGroup
+    from moe_rt.ep import EpGroup
 
     comm = init_communicator(method="file")
     E, K, H = 256, 8, 7168
     L = E // world
     Ts = [512] if args.quick else [int(t) for t in args.tokens.split(",")]
-    chunk_counts = [1, DEFAULT_CHUNKS] if args.chunks is None else [int(c) for c in args.chunks.split(",")]
+    chunk_counts = [1, 4] if args.chunks is None else [int(c) for c in args.chunks.split(",")]
     iters, warm = args.iters, args.warmup
     table = benchlib.Table("EP dispatch/combine (moe_rt vs torch.distributed)",
                            ["op", "mode", "chunks", "T", "ms", "wire_MB", "wire_GB/s", "torch_ms", "raw_a2a_ms",
