@@ -106,14 +106,17 @@ def _vec_ok(arrays, E, ch):
     return E % ch == 0 and all(a is None or a.data.ptr % 16 == 0 for a in arrays)
 
 
-def _team(E):
-    """Threads per token of the generic kernels. MOE_RT_ROUTER_TEAM=32|128 picks it for 1024 < E <= 4096 (a
-    benchmark and test variant)."""
+def _team(E, fwd=False):
+    """Threads per token of the generic kernels: one warp up to E = 1024 (and for the forward up to 2304,
+    where it measured faster than 128 threads; the backward is faster with 128). MOE_RT_ROUTER_TEAM=32|128
+    picks it for 1024 < E <= 4096 (a benchmark and test variant)."""
     if E <= 1024:
         return 32
     if E <= 4096:
         forced = os.environ.get("MOE_RT_ROUTER_TEAM")
-        return int(forced) if forced in ("32", "128") else 128
+        if forced in ("32", "128"):
+            return int(forced)
+        return 32 if fwd and E <= 2304 else 128
     return 512
 
 
@@ -156,7 +159,7 @@ def _launch_fwd(call, x, T, E, K, score_fn, pre, aux, G, g, scale, bias, probs, 
         spb, threads = 4, 128
         smem = 4 * _reg_slot_words(E, G, K) * spb
     else:
-        team = _team(E)
+        team = _team(E, fwd=True)
         fn = _jit.function(_FILE, f"router_fwd<{_jit.ctype(x.dtype)}, {team}>")
         spb = 4 if team == 32 else 1
         smem = 4 * _slot_words(E, G, K, team) * spb

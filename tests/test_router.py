@@ -518,8 +518,8 @@ def test_gpu_torch_and_unaligned(rng):
 
 # (E, K, dtype, score, pre, groups, bias, variant env): two kernel variants on random rows with many exact
 # ties (bf16 logits, quarter-integer fp32 logits). E <= 1024: the register kernel against the generic one,
-# bitwise. E = 2304: one warp per token against the default 128 threads; selections bitwise, values that
-# sum over all E to within rounding (the sums are grouped differently).
+# bitwise. E = 2304: 128 threads per token against the forward's default of one warp; selections bitwise,
+# values that sum over all E to within rounding (the sums are grouped differently).
 VARIANT_CASES = [
     (256, 8, BF16, "softmax", False, None, False, "MOE_RT_ROUTER_FWD=generic"),
     (256, 8, F32, "sigmoid", False, (8, 4), True, "MOE_RT_ROUTER_FWD=generic"),
@@ -529,9 +529,9 @@ VARIANT_CASES = [
     (1024, 8, BF16, "sigmoid", False, None, True, "MOE_RT_ROUTER_FWD=generic"),
     (1024, 36, F32, "sigmoid", False, (8, 4), True, "MOE_RT_ROUTER_FWD=generic"),
     (1024, 8, F32, "softmax", True, (8, 4), False, "MOE_RT_ROUTER_FWD=generic"),
-    (2304, 36, BF16, "softmax", False, None, False, "MOE_RT_ROUTER_TEAM=32"),
-    (2304, 36, F32, "sigmoid", False, (8, 4), True, "MOE_RT_ROUTER_TEAM=32"),
-    (2304, 64, BF16, "sigmoid", False, (8, 2), False, "MOE_RT_ROUTER_TEAM=32"),
+    (2304, 36, BF16, "softmax", False, None, False, "MOE_RT_ROUTER_TEAM=128"),
+    (2304, 36, F32, "sigmoid", False, (8, 4), True, "MOE_RT_ROUTER_TEAM=128"),
+    (2304, 64, BF16, "sigmoid", False, (8, 2), False, "MOE_RT_ROUTER_TEAM=128"),
 ]
 
 
