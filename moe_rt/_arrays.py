@@ -248,7 +248,21 @@ class Call:
     # -- export ----------------------------------------------------------------------------------------
     def out(self, arr):
         """Hand ``arr`` (a CuPy or NumPy array made by the op) back in the caller's framework, no copy."""
+        if self._fast_torch and not isinstance(arr, np.ndarray):
+            return _torch_from_cupy(arr, self.stream.ptr)
         return export(arr, self.framework)
+
+
+def _torch_from_cupy(arr, stream_ptr):
+    """A torch tensor over a CuPy result made on torch's current stream (``stream_ptr``): the DLPack capsule
+    goes straight to torch's importer, without ``torch.from_dlpack``'s per-call stream lookup (the producer
+    and consumer streams are the same, so there is nothing to order)."""
+    import torch
+
+    importer = getattr(torch._C, "_from_dlpack", None)
+    if importer is None:  # pragma: no cover - older torch
+        return torch.from_dlpack(arr)
+    return importer(arr.__dlpack__(stream=stream_ptr if stream_ptr else 1))
 
 
 def wrap(view):
