@@ -17,7 +17,6 @@ from torch import Tensor
 
 from moe_rt import _arrays
 from moe_rt import _ep_adapt as _A
-from moe_rt._torch_ops import custom_op
 
 __all__ = ["TorchEpHandle", "ep_prepare", "ep_dispatch", "ep_combine"]
 
@@ -49,7 +48,7 @@ def _empty_f32(like: Tensor) -> Tensor:
 
 # -- prepare ---------------------------------------------------------------------------------------------
 
-@custom_op("moe_rt::ep_prepare", mutates_args=())
+@torch.library.custom_op("moe_rt::ep_prepare", mutates_args=())
 def _prepare_op(topk_idx: Tensor, group_id: int) -> tuple[Tensor, Tensor, Tensor]:
     group = _A.lookup(group_id)
     h = group.prepare(topk_idx)
@@ -92,7 +91,7 @@ def _check(handle):
 
 # -- dispatch --------------------------------------------------------------------------------------------
 
-@custom_op("moe_rt::ep_dispatch", mutates_args=())
+@torch.library.custom_op("moe_rt::ep_dispatch", mutates_args=())
 def _dispatch_op(x: Tensor, topk_weights: Optional[Tensor], buffer: Tensor, host_meta: Tensor, group_id: int,
                  topk: int, num_rows: int) -> tuple[Tensor, Tensor]:
     # dispatch stores the received weights in the handle: run it on a copy so the input stays unchanged
@@ -107,7 +106,7 @@ def _(x, topk_weights, buffer, host_meta, group_id, topk, num_rows):
             x.new_empty((num_rows if topk_weights is not None else 0,), dtype=torch.float32))
 
 
-@custom_op("moe_rt::ep_dispatch_backward", mutates_args=())
+@torch.library.custom_op("moe_rt::ep_dispatch_backward", mutates_args=())
 def _dispatch_bwd_op(grad_recv_x: Tensor, grad_recv_w: Optional[Tensor], buffer: Tensor, host_meta: Tensor,
                      group_id: int, num_tokens: int, topk: int) -> tuple[Tensor, Tensor]:
     group, h = _handle(group_id, buffer, host_meta, num_tokens, topk)
@@ -160,7 +159,7 @@ def _weighted(call_w, h):
         return _A.with_weights(h, call["w"], call.xp)
 
 
-@custom_op("moe_rt::ep_combine", mutates_args=())
+@torch.library.custom_op("moe_rt::ep_combine", mutates_args=())
 def _combine_op(y: Tensor, recv_weights: Optional[Tensor], buffer: Tensor, host_meta: Tensor, group_id: int,
                 num_tokens: int, topk: int) -> Tensor:
     group, h = _handle(group_id, buffer, host_meta, num_tokens, topk)
@@ -174,7 +173,7 @@ def _(y, recv_weights, buffer, host_meta, group_id, num_tokens, topk):
     return y.new_empty((num_tokens, y.shape[1]))
 
 
-@custom_op("moe_rt::ep_combine_backward", mutates_args=())
+@torch.library.custom_op("moe_rt::ep_combine_backward", mutates_args=())
 def _combine_bwd_op(grad_out: Tensor, y: Optional[Tensor], recv_weights: Optional[Tensor], buffer: Tensor,
                     host_meta: Tensor, group_id: int, num_tokens: int, topk: int,
                     num_rows: int) -> tuple[Tensor, Tensor]:

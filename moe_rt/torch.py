@@ -16,7 +16,6 @@ import torch
 from torch import Tensor
 
 from moe_rt import permutation as _perm
-from moe_rt._torch_ops import custom_op
 
 __all__ = ["TorchPlan", "make_plan", "dispatch", "combine", "topk_with_score", "scores_for_aux_loss", "aux_loss",
            "TorchEpHandle", "ep_prepare", "ep_dispatch", "ep_combine"]
@@ -48,7 +47,7 @@ def _to_plan(dst_row, src_slot, seg_start, counts, tpe, num_experts, num_rows, a
                                   align_size=align_size, num_out_tokens=num_out_tokens)
 
 
-@custom_op("moe_rt::make_plan", mutates_args=())
+@torch.library.custom_op("moe_rt::make_plan", mutates_args=())
 def _make_plan_op(routing: Tensor, num_experts: int, align_size: int,
                   num_out_tokens: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     p = _perm.make_plan(routing, num_experts, align_size=align_size,
@@ -93,7 +92,7 @@ def _empty_probs(like: Tensor) -> Tensor:
 
 # -- dispatch ------------------------------------------------------------------------------------------
 
-@custom_op("moe_rt::dispatch", mutates_args=())
+@torch.library.custom_op("moe_rt::dispatch", mutates_args=())
 def _dispatch_op(x: Tensor, dst_row: Tensor, src_slot: Tensor, seg_start: Tensor, counts: Tensor,
                  tpe: Tensor, num_experts: int, num_rows: int, align_size: int, num_out_tokens: int,
                  probs: Optional[Tensor]) -> tuple[Tensor, Tensor]:
@@ -116,7 +115,7 @@ def _dispatch_setup(ctx, inputs, output):
     ctx.save_for_backward(*inputs[1:6])
 
 
-@custom_op("moe_rt::dispatch_backward", mutates_args=())
+@torch.library.custom_op("moe_rt::dispatch_backward", mutates_args=())
 def _dispatch_bwd_op(grad_xp: Tensor, dst_row: Tensor, src_slot: Tensor, seg_start: Tensor, counts: Tensor,
                      tpe: Tensor, num_experts: int, num_rows: int, align_size: int, num_out_tokens: int,
                      grad_pp: Optional[Tensor]) -> tuple[Tensor, Tensor]:
@@ -153,7 +152,7 @@ def dispatch(x: Tensor, plan: TorchPlan, probs: Optional[Tensor] = None) -> tupl
 
 # -- combine -------------------------------------------------------------------------------------------
 
-@custom_op("moe_rt::combine", mutates_args=())
+@torch.library.custom_op("moe_rt::combine", mutates_args=())
 def _combine_op(y_permuted: Tensor, dst_row: Tensor, src_slot: Tensor, seg_start: Tensor, counts: Tensor,
                 tpe: Tensor, num_experts: int, num_rows: int, align_size: int, num_out_tokens: int,
                 probs: Optional[Tensor]) -> Tensor:
@@ -176,7 +175,7 @@ def _combine_setup(ctx, inputs, output):
     ctx.save_for_backward(*inputs[1:6], inputs[0] if probs is not None else None, probs)
 
 
-@custom_op("moe_rt::combine_backward", mutates_args=())
+@torch.library.custom_op("moe_rt::combine_backward", mutates_args=())
 def _combine_bwd_op(grad_y: Tensor, dst_row: Tensor, src_slot: Tensor, seg_start: Tensor, counts: Tensor,
                     tpe: Tensor, num_experts: int, num_rows: int, align_size: int, num_out_tokens: int,
                     y_permuted: Optional[Tensor], probs: Optional[Tensor]) -> tuple[Tensor, Tensor]:
@@ -220,7 +219,7 @@ def _opt(v: int):
     return None if v < 0 else v
 
 
-@custom_op("moe_rt::topk_with_score", mutates_args=())
+@torch.library.custom_op("moe_rt::topk_with_score", mutates_args=())
 def _topk_op(logits: Tensor, topk: int, score_function: str, use_pre_softmax: bool, num_groups: int,
              group_topk: int, scaling_factor: float, expert_bias: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     return tuple(_router().topk_with_score(
@@ -235,7 +234,7 @@ def _(logits, topk, score_function, use_pre_softmax, num_groups, group_topk, sca
             torch.empty_like(logits, dtype=torch.float32))
 
 
-@custom_op("moe_rt::topk_with_score_backward", mutates_args=())
+@torch.library.custom_op("moe_rt::topk_with_score_backward", mutates_args=())
 def _topk_bwd_op(grad_probs: Tensor, routing_map: Tensor, intermediate: Tensor, topk: int, score_function: str,
                  use_pre_softmax: bool, scaling_factor: float) -> Tensor:
     return _router().topk_with_score_backward(grad_probs.contiguous(), routing_map, intermediate, topk,
@@ -277,7 +276,7 @@ def topk_with_score(logits: Tensor, topk: int, *, score_function: str = "softmax
     return probs, routing_map
 
 
-@custom_op("moe_rt::scores_for_aux_loss", mutates_args=())
+@torch.library.custom_op("moe_rt::scores_for_aux_loss", mutates_args=())
 def _scores_op(logits: Tensor, topk: int, score_function: str) -> tuple[Tensor, Tensor, Tensor]:
     return tuple(_router().scores_for_aux_loss(logits, topk, score_function))
 
@@ -288,7 +287,7 @@ def _(logits, topk, score_function):
             torch.empty_like(logits, dtype=torch.float32))
 
 
-@custom_op("moe_rt::scores_for_aux_loss_backward", mutates_args=())
+@torch.library.custom_op("moe_rt::scores_for_aux_loss_backward", mutates_args=())
 def _scores_bwd_op(grad_scores: Tensor, intermediate: Tensor, topk: int, score_function: str,
                    logits_like: Tensor) -> Tensor:
     from moe_rt import _arrays as _a
@@ -325,7 +324,7 @@ def scores_for_aux_loss(logits: Tensor, topk: int, score_function: str) -> tuple
     return scores, routing_map
 
 
-@custom_op("moe_rt::aux_loss", mutates_args=())
+@torch.library.custom_op("moe_rt::aux_loss", mutates_args=())
 def _aux_op(probs: Tensor, tokens_per_expert: Tensor, total_num_tokens: int, num_experts: int, topk: int,
             coeff: float) -> Tensor:
     return _router().aux_loss(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coeff)
@@ -336,7 +335,7 @@ def _(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coeff):
     return probs.new_empty(())
 
 
-@custom_op("moe_rt::aux_loss_backward", mutates_args=())
+@torch.library.custom_op("moe_rt::aux_loss_backward", mutates_args=())
 def _aux_bwd_op(grad: Tensor, num_rows: int, tokens_per_expert: Tensor, total_num_tokens: int, num_experts: int,
                 topk: int, coeff: float) -> Tensor:
     return _router().aux_loss_backward(grad.contiguous(), num_rows, tokens_per_expert, total_num_tokens,
