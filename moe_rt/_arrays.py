@@ -262,7 +262,7 @@ def _torch_from_cupy(arr, stream_ptr):
     importer = getattr(torch._C, "_from_dlpack", None)
     if importer is None:  # pragma: no cover - older torch
         return torch.from_dlpack(arr)
-    return importer(arr.__dlpack__(stream=stream_ptr if stream_ptr else 1))
+    return importer(arr.__dlpack__(stream=stream_ptr if stream_ptr else 1, max_version=(1, 0)))
 
 
 def wrap(view):
