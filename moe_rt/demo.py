@@ -196,6 +196,58 @@ class _Timer:
 
 # ---- JAX -----------------------------------------------------------------------------------------------
 
+def jax_plain_moe(x, wr, K, E, experts):
+    """The MoE forward in plain JAX (no moe_rt), as MaxText writes it: fp32 router logits, top-k with a
+    softmax over the chosen, stable argsort of the expert ids, ``experts(rows, group_sizes)`` on the sorted
+    rows, gather back, fp32 weighted sum. Returns ``(y in x.dtype, logits)``."""
+    import jax
+    import jax.numpy as jnp
+
+    T, H = x.shape
+    logits = x.astype(jnp.float32) @ wr.astype(jnp.float32)
+    v, idx = jax.lax.top_k(logits, K)
+    w = jax.nn.softmax(v, -1)
+    flat = idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    gs = jnp.bincount(flat, length=E).astype(jnp.int32)
+    yp = experts(jnp.repeat(x, K, axis=0)[order], gs)
+    y = (yp[jnp.argsort(order)].reshape(T, K, H).astype(jnp.float32) * w[..., None]).sum(1)
+    return y.astype(x.dtype), logits
+
+
+def jax_stage_times(stages: dict, steps: int, label, show: bool = True) -> dict:
+    """Median wall ms of each jitted stage (``{name: fn}``, one of them ``"step"``, the whole jitted step), each
+    run to ``block_until_ready``, over ``steps`` rounds after one warm-up; ``backward`` = step minus the sum of
+    the other stages."""
+    import jax
+
+    samples: dict[str, list[float]] = {k: [] for k in stages}
+    for f in stages.values():
+        jax.block_until_ready(f())
+    for i in range(steps):
+        for k, f in stages.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(f())
+            samples[k].append((time.perf_counter() - t0) * 1e3)
+        if show:
+            _progress(i, steps, label)
+    t = {k: float(np.median(v)) for k, v in samples.items()}
+    t["backward"] = max(t["step"] - sum(v for k, v in t.items() if k != "step"), 0.0)
+    return t
+
+
+def jax_plain_aux(logits, K, E, coeff):
+    """The Switch aux loss of ``logits [T,E]`` in plain JAX (softmax scores, top-k counts)."""
+    import jax
+    import jax.numpy as jnp
+
+    T = logits.shape[0]
+    s = jax.nn.softmax(logits, -1)
+    _, si = jax.lax.top_k(s, K)
+    tpe = jax.lax.stop_gradient(jnp.zeros_like(s).at[jnp.arange(T)[:, None], si].set(1.0).sum(0))
+    return (E * coeff) / K / T / T * (s.sum(0) * tpe).sum()
+
+
 def run_jax(cfg: Config, device: str) -> dict:
     import jax
     import jax.numpy as jnp
@@ -238,18 +290,8 @@ def run_jax(cfg: Config, device: str) -> dict:
 
     def plain_layer(p):
         x, wr, w1, w3, w2 = p
-        logits = x.astype(jnp.float32) @ wr.astype(jnp.float32)
-        v, idx = jax.lax.top_k(logits, K)
-        w = jax.nn.softmax(v, -1)
-        flat = idx.reshape(-1)
-        order = jnp.argsort(flat, stable=True)
-        gs = jnp.bincount(flat, length=E).astype(jnp.int32)
-        yp = experts(jnp.repeat(x, K, axis=0)[order], gs, w1, w3, w2)
-        y = (yp[jnp.argsort(order)].reshape(T, K, H).astype(jnp.float32) * w[..., None]).sum(1).astype(dtype)
-        s = jax.nn.softmax(logits, -1)
-        _, si = jax.lax.top_k(s, K)
-        tpe = jax.lax.stop_gradient(jnp.zeros_like(s).at[jnp.arange(T)[:, None], si].set(1.0).sum(0))
-        return y, (E * cfg.aux_coeff) / K / T / T * (s.sum(0) * tpe).sum()
+        y, logits = jax_plain_moe(x, wr, K, E, lambda rows, gs: experts(rows, gs, w1, w3, w2))
+        return y, jax_plain_aux(logits, K, E, cfg.aux_coeff)
 
     def loss_of(layer):
         def f(p):
@@ -276,18 +318,8 @@ def run_jax(cfg: Config, device: str) -> dict:
     stages = {"router": lambda: r_fn(x, wr), "dispatch": lambda: d_fn(x, rmap),
               "experts": lambda: e_fn(xp, plan.counts, w1, w3, w2), "combine": lambda: c_fn(yp, plan, probs),
               "step": lambda: step(params)}
-    samples: dict[str, list[float]] = {k: [] for k in stages}
-    for f in stages.values():
-        jax.block_until_ready(f())
-    for i in range(cfg.steps):
-        for k, f in stages.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(f())
-            samples[k].append((time.perf_counter() - t0) * 1e3)
-        _progress(i, cfg.steps, "jax moe_rt layer")
-    t = {k: float(np.median(v)) for k, v in samples.items()}
-    step_ms = t.pop("step")
-    t["backward"] = max(step_ms - sum(t.values()), 0.0)
+    t = jax_stage_times(stages, cfg.steps, "jax moe_rt layer")
+    t.pop("step")
     return {"checks": checks, "times": t, "dtype": jnp.dtype(dtype).name,
             "note": "stages timed as separate jitted calls; backward = whole jitted step minus their sum"}
 

@@ -247,7 +247,7 @@ def _jax_worker(cfg, rank, n):
     import moe_rt
     import moe_rt.jax as mj
     from moe_rt.bootstrap import init_communicator
-    from moe_rt.demo import _progress
+    from moe_rt.demo import jax_plain_aux, jax_plain_moe, jax_stage_times
 
     comm = None if cpu else init_communicator(rank, n, 0, method="jax")
     dev = jax.devices("cpu")[0] if cpu else jax.local_devices()[0]
@@ -271,12 +271,6 @@ def _jax_worker(cfg, rank, n):
         h = jax.nn.silu(jax.lax.ragged_dot(rows, w1, gs)) * jax.lax.ragged_dot(rows, w3, gs)
         return jax.lax.ragged_dot(h.astype(dtype), w2, gs).astype(dtype)
 
-    def aux_of(logits, T_):
-        s = jax.nn.softmax(logits, -1)
-        _, si = jax.lax.top_k(s, K)
-        tpe = jax.lax.stop_gradient(jnp.zeros_like(s).at[jnp.arange(T_)[:, None], si].set(1.0).sum(0))
-        return (E * cfg.aux_coeff) / K / T_ / T_ * (s.sum(0) * tpe).sum()
-
     def router(x, wr):
         logits = x.astype(jnp.float32) @ wr.astype(jnp.float32)
         probs, _ = mj.topk_with_score(logits, K, score_function="softmax")
@@ -295,15 +289,8 @@ def _jax_worker(cfg, rank, n):
 
     def plain_loss(p):
         x, wr, w1, w3, w2 = p
-        logits = x.astype(jnp.float32) @ wr.astype(jnp.float32)
-        v, idx = jax.lax.top_k(logits, K)
-        w = jax.nn.softmax(v, -1)
-        flat = idx.reshape(-1)
-        order = jnp.argsort(flat, stable=True)
-        gs = jnp.bincount(flat, length=E).astype(jnp.int32)
-        yp = experts(jnp.repeat(x, K, axis=0)[order], gs, w1, w3, w2)
-        y = (yp[jnp.argsort(order)].reshape(n * T, K, H).astype(jnp.float32) * w[..., None]).sum(1).astype(dtype)
-        auxes = jnp.stack([aux_of(logits[r * T:(r + 1) * T], T) for r in range(n)])
+        y, logits = jax_plain_moe(x, wr, K, E, lambda rows, gs: experts(rows, gs, w1, w3, w2))
+        auxes = jnp.stack([jax_plain_aux(logits[r * T:(r + 1) * T], K, E, cfg.aux_coeff) for r in range(n)])
         return (y.astype(jnp.float32) * GY.astype(jnp.float32)).sum() + auxes.sum(), (y, auxes)
 
     step = jax.jit(jax.value_and_grad(ep_loss, has_aux=True))
@@ -335,18 +322,7 @@ def _jax_worker(cfg, rank, n):
     stages = {"router": lambda: r_fn(x, wr), "dispatch": lambda: d_fn(p_fn(idx), x, weights),
               "experts": lambda: e_fn(rx, h.tokens_per_expert, w1, w3, w2), "combine": lambda: c_fn(h, yp, rw),
               "step": lambda: step(params)}
-    samples = {k: [] for k in stages}
-    for f in stages.values():
-        jax.block_until_ready(f())
-    for i in range(cfg.steps):
-        for k, f in stages.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(f())
-            samples[k].append((time.perf_counter() - t0) * 1e3)
-        if rank == 0:
-            _progress(i, cfg.steps, f"jax EP layer ({n} GPUs)")
-    times = {k: float(np.median(v)) for k, v in samples.items()}
-    times["backward"] = max(times["step"] - sum(v for k, v in times.items() if k != "step"), 0.0)
+    times = jax_stage_times(stages, cfg.steps, f"jax EP layer ({n} GPUs)", show=rank == 0)
     ok = _report(rank, n, cfg, "jax", checks, times, jnp.dtype(dtype).name)
     if rank == 0:
         print("[rank 0] (JAX stages are separate jitted calls, dispatch includes prepare; backward = the whole "
