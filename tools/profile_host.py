@@ -56,7 +56,8 @@ def main():
         "combine": (lambda: moe_rt.combine(xp, plan, w), lambda: moe_rt.combine(cxp, cplan, c["w"])),
         "topk_with_score": (lambda: moe_rt.topk_with_score(logits, K),
                             lambda: moe_rt.topk_with_score(c["logits"], K)),
-        "topk_with_score_backward": (lambda: moe_rt.topk_with_score_backward(gprobs, rmap, inter, K), None),
+        "topk_with_score_backward": (
+            lambda: moe_rt.topk_with_score_backward(gprobs, rmap, inter, K, score_function="softmax"), None),
         "scores_for_aux_loss": (lambda: moe_rt.scores_for_aux_loss(logits, K, "softmax"),
                                 lambda: moe_rt.scores_for_aux_loss(c["logits"], K, "softmax")),
         "aux_loss": (lambda: moe_rt.aux_loss(scores, tpe, T, E, K, 1e-2), None),
