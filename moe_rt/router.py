@@ -224,7 +224,8 @@ def _prepare_topk(call, topk, score_function, use_pre_softmax, num_groups, group
         raise TypeError(f"use_pre_softmax: expected a bool, got {type(use_pre_softmax).__name__}")
     pre = bool(use_pre_softmax) and score_function == "softmax"
     bv = _bias(call, expert_bias, E, score_function)
-    return xv, E, K, G, g, scale, pre, bv
+    # rows flattened to [T, E]; ``lead`` restores the leading shape of the outputs
+    return tuple(xv.shape[:-1]), _flat(call.xp, xv, E), E, K, G, g, scale, pre, bv
 
 
 def _ref_kwargs(score_function, pre, G, g, scale, bv):
@@ -259,10 +260,8 @@ def topk_with_score(logits, topk, *, score_function="softmax", use_pre_softmax=F
         softmax for pre-softmax, the selection's softmax and -inf elsewhere for post-softmax).
     """
     with _arrays.Call({"logits": logits, "expert_bias": expert_bias}, stream=stream) as call:
-        xv, E, K, G, g, scale, pre, bv = _prepare_topk(call, topk, score_function, use_pre_softmax,
-                                                       num_groups, group_topk, scaling_factor, expert_bias)
-        lead = tuple(xv.shape[:-1])
-        x = _flat(call.xp, xv, E)
+        lead, x, E, K, G, g, scale, pre, bv = _prepare_topk(call, topk, score_function, use_pre_softmax,
+                                                            num_groups, group_topk, scaling_factor, expert_bias)
         T = x.shape[0]
         if call.backend == "cpu":
             probs, rmap, inter = ref.topk_with_score_fwd(x, K, **_ref_kwargs(score_function, pre, G, g, scale, bv))
@@ -288,10 +287,8 @@ def topk_indices_with_score(logits, topk, *, score_function="softmax", use_pre_s
         expert id; topk_weights ``[..., K]`` fp32, their probs (before the cast to the logits dtype).
     """
     with _arrays.Call({"logits": logits, "expert_bias": expert_bias}, stream=stream) as call:
-        xv, E, K, G, g, scale, pre, bv = _prepare_topk(call, topk, score_function, use_pre_softmax,
-                                                       num_groups, group_topk, scaling_factor, expert_bias)
-        lead = tuple(xv.shape[:-1])
-        x = _flat(call.xp, xv, E)
+        lead, x, E, K, G, g, scale, pre, bv = _prepare_topk(call, topk, score_function, use_pre_softmax,
+                                                            num_groups, group_topk, scaling_factor, expert_bias)
         T = x.shape[0]
         if call.backend == "cpu":
             idx, w = ref.topk_indices_fwd(x, K, **_ref_kwargs(score_function, pre, G, g, scale, bv))
