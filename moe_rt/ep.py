@@ -740,10 +740,7 @@ class EpGroup:
             self._check_tokens(xv, "x", sz["T"], handle)
             wv = call["topk_weights"]
             if wv is not None:
-                _arrays.check_ndim(wv, "topk_weights", 2)
-                _arrays.check_dtype(wv, "topk_weights", _WEIGHT_DTYPES)
-                _arrays.check_shape(wv, "topk_weights", (sz["T"], sz["K"]))
-                wv = _arrays.contiguous(call.xp, wv.astype(np.float32, copy=False))
+                wv = _fp32_weights(call, wv, "topk_weights", (sz["T"], sz["K"]))
             xv = _arrays.contiguous(call.xp, xv)
             handle.state["dtype"] = np.dtype(xv.dtype)
             handle.state["has_weights"] = wv is not None
@@ -827,10 +824,7 @@ class EpGroup:
             self._check_tokens(g, "grad_recv_x", sz["N"], handle)
             gw = call["grad_recv_w"]
             if gw is not None:
-                _arrays.check_ndim(gw, "grad_recv_w", 1)
-                _arrays.check_dtype(gw, "grad_recv_w", _WEIGHT_DTYPES)
-                _arrays.check_shape(gw, "grad_recv_w", (sz["N"],))
-                gw = _arrays.contiguous(call.xp, gw.astype(np.float32, copy=False))
+                gw = _fp32_weights(call, gw, "grad_recv_w", (sz["N"],))
             g = _arrays.contiguous(call.xp, g)
             if call.backend == "cpu":
                 gx, gwt = _ref.dispatch_bwd([handle.state["ref"]], [g], None if gw is None else [gw])[0]
@@ -920,6 +914,14 @@ class EpGroup:
 def _check_bool(v, name):
     if not isinstance(v, (bool, np.bool_)):
         raise TypeError(f"{name}: expected a bool, got {type(v).__name__}")
+
+
+def _fp32_weights(call, w, name, shape):
+    """Check a weight array (float, ``shape``) and return it as contiguous fp32."""
+    _arrays.check_ndim(w, name, len(shape))
+    _arrays.check_dtype(w, name, _WEIGHT_DTYPES)
+    _arrays.check_shape(w, name, shape)
+    return _arrays.contiguous(call.xp, w.astype(np.float32, copy=False))
 
 
 def _check_backend(handle, call, op):
