@@ -146,6 +146,14 @@ def _cupy_over(ptr, shape, dtype, byte_strides, owner, device_id):
     return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0), strides=byte_strides)
 
 
+def _cupy_over_dense(ptr, shape, dtype, nbytes, owner, device_id):
+    """A C-contiguous CuPy array of ``nbytes`` > 0 bytes at ``ptr``, kept alive by ``owner`` (no copy)."""
+    import cupy
+
+    mem = cupy.cuda.UnownedMemory(ptr, nbytes, owner, device_id)
+    return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0))
+
+
 def _xla_view(obj, device_id):
     """A CuPy array over an XLA buffer inside a JAX callback (already ordered on XLA's stream, which the call
     runs on) through its ``__cuda_array_interface__``; None if the buffer does not offer one."""
@@ -296,7 +304,11 @@ def export(arr, framework: str):
     if framework == "torch":
         import torch
 
-        return torch.from_dlpack(src)
+        if is_numpy:
+            return torch.from_dlpack(src)
+        # what torch.from_dlpack does for a CUDA array (order CuPy's current stream before torch's current
+        # stream of that device), without its per-call lookups
+        return _torch_from_cupy(arr, _default_stream("torch", arr.device.id).ptr)
     if framework == "jax":
         import jax.dlpack
 

@@ -129,6 +129,42 @@ def function(file: str, name: str):
         return fn
 
 
+try:
+    from moe_rt import _launch as _driver
+except ImportError:  # pragma: no cover - the extension is built with the package
+    _driver = None
+
+# MOE_RT_LAUNCH=cupy launches every kernel through CuPy's launcher instead of the driver's (a test and
+# benchmark switch; both launch the same function with the same arguments).
+_use_driver = _driver is not None and os.environ.get("MOE_RT_LAUNCH", "driver") != "cupy"
+_ptrs: dict = {}
+
+
+def function_ptr(fn) -> int:
+    """The CUfunction of a compiled kernel (a CuPy ``RawKernel`` or ``Function``)."""
+    p = _ptrs.get(id(fn))
+    if p is None:
+        p = _ptrs[id(fn)] = (fn, int(getattr(fn, "kernel", fn).ptr))
+    return p[1]
+
+
+def launch_raw(fn, grid, block, args: tuple, shared_mem: int, stream) -> None:
+    """Launch ``fn`` (RawKernel or Function) on the CuPy ``stream`` (None = CuPy's current stream), with no
+    argument normalization: ``grid`` and ``block`` are ints or tuples of ints, nonzero."""
+    if _use_driver:
+        sptr = stream.ptr if stream is not None else _current_stream_ptr()
+        if _driver.launch(function_ptr(fn), grid, block, args, sptr, shared_mem):
+            return
+    fn(grid if type(grid) is tuple else (grid,), block if type(block) is tuple else (block,), args,
+       shared_mem=shared_mem, stream=stream)
+
+
+def _current_stream_ptr() -> int:
+    import cupy
+
+    return cupy.cuda.get_current_stream().ptr
+
+
 def launch(fn, grid, block, args, *, shared_mem: int = 0, stream=None) -> None:
     """Launch ``fn`` on ``stream`` (a cupy Stream; None = CuPy's current stream). ``args`` are CuPy arrays,
     NumPy scalars (``np.int32``, ``np.float32``, ...) or Python ints, which are passed as 64-bit values
@@ -137,7 +173,7 @@ def launch(fn, grid, block, args, *, shared_mem: int = 0, stream=None) -> None:
     block = tuple(int(b) for b in (block if isinstance(block, tuple) else (block,)))
     if any(g == 0 for g in grid):
         return
-    fn(grid, block, tuple(args), shared_mem=int(shared_mem), stream=stream)
+    launch_raw(fn, grid, block, tuple(args), int(shared_mem), stream)
 
 
 def set_max_dynamic_shared(fn, nbytes: int) -> None:

@@ -33,52 +33,107 @@ def _run(fn, out_specs, *inputs):
     """Run ``fn(*views)`` (views: CuPy or NumPy arrays over XLA's buffers; None inputs stay None) inside
     a buffer_callback and put its results into XLA's outputs described by ``out_specs``.
 
-    On the GPU, large results are computed straight into XLA's output buffers: while ``fn`` runs, a CuPy
-    allocation whose size equals that of exactly one large output is served from that output's buffer
-    (once). A result that landed there needs no copy; anything else (a result computed elsewhere, or a
-    scratch array that took the buffer first) is copied in afterwards, so the outputs are right either
-    way. moe_rt's ops keep no device arrays between calls, so no buffer outlives the callback."""
+    On the GPU, results are computed straight into XLA's output buffers: while ``fn`` runs, a CuPy
+    allocation whose size equals that of exactly one output is served from that output's buffer (once). A
+    result that landed there needs no copy; anything else (a result computed elsewhere, or a scratch array
+    that took the buffer first) is copied in afterwards, so the outputs are right either way. moe_rt's ops
+    keep no device arrays between calls, so no buffer outlives the callback."""
     present = [i for i, a in enumerate(inputs) if a is not None]
+    n_in = len(inputs)
 
     def callback(ctx, outs, *ins):
-        outs = list(outs)
-        arrays = {f"i{j}": a for j, a in zip(present, ins)}
-        arrays.update({f"o{j}": o for j, o in enumerate(outs)})
         try:
-            stream = ctx.stream  # XLA's compute stream (GPU only)
+            sptr = ctx.stream  # XLA's compute stream (GPU only)
         except Exception:  # noqa: BLE001 - CPU buffers have no stream
-            stream = None
-        call = _arrays.Call(arrays, stream=stream if stream else None, xla_buffers=True)
-        with call:
-            views = [call[f"i{j}"] if j in present else None for j in range(len(inputs))]
-            dsts = [call[f"o{j}"] for j in range(len(outs))]
-            if call.backend == "cuda":
-                with _into(dsts):
-                    results = fn(*views)
-            else:
+            sptr = None
+        on = _gpu_stream(sptr, ins[0] if ins else outs[0]) if sptr else None
+        if on is None:
+            _run_generic(fn, n_in, present, outs, ins, sptr)
+            return
+        stream, device, dev_id = on
+        views = [None] * n_in
+        for j, b in zip(present, ins):
+            views[j] = _view(b, dev_id)
+        dsts = [_view(o, dev_id) for o in outs]
+        with device, stream:
+            with _into(dsts):
                 results = fn(*views)
             for dst, r in zip(dsts, results):
-                if dst.size and not _in_place(call, r, dst):
+                if dst.size and not _in_place(r, dst):
                     dst[...] = r
     # vmap runs the callback once per batch element (every op is already batched over tokens; a batch of
     # plans or routings is a loop), in order, which also keeps EP collectives matched across ranks.
     return buffer_callback(callback, list(out_specs), vmap_method="sequential")(*[inputs[i] for i in present])
 
 
-_INTO_MIN_BYTES = 1 << 20
+# XLA stream (cudaStream_t) -> (CuPy stream, CuPy device, device id): a stream belongs to one device.
+_streams: dict = {}
 
 
-def _in_place(call, r, dst):
-    return (call.backend == "cuda" and r.data.ptr == dst.data.ptr and r.dtype == dst.dtype
-            and r.shape == dst.shape and r.flags.c_contiguous)
+def _gpu_stream(sptr, buf):
+    ent = _streams.get(sptr)
+    if ent is None:
+        kind, dev_id = _arrays._device_of(buf, "buffer")
+        if kind != "cuda":
+            return None
+        import cupy
+
+        ent = _streams[sptr] = (_arrays.as_cupy_stream(int(sptr), dev_id), cupy.cuda.Device(dev_id), dev_id)
+    return ent
+
+
+_DTYPES: dict = {}
+
+
+def _view(buf, dev_id):
+    """A CuPy array over an XLA GPU buffer (dense row-major, as XLA hands them to callbacks), no copy."""
+    cai = buf.__cuda_array_interface__
+    if cai.get("strides") is not None:
+        return _arrays._xla_view(buf, dev_id)
+    dt = _DTYPES.get(buf.dtype)
+    if dt is None:
+        dt = _DTYPES[buf.dtype] = np.dtype(buf.dtype)
+    shape = cai["shape"]
+    n = dt.itemsize
+    for d in shape:
+        n *= d
+    if n == 0:
+        import cupy
+
+        with cupy.cuda.Device(dev_id):
+            return cupy.empty(shape, dt)
+    return _arrays._cupy_over_dense(cai["data"][0], shape, dt, n, buf, dev_id)
+
+
+def _run_generic(fn, n_in, present, outs, ins, sptr):
+    """The callback body through :class:`moe_rt._arrays.Call` (CPU buffers, and GPU buffers seen first)."""
+    arrays = {f"i{j}": a for j, a in zip(present, ins)}
+    arrays.update({f"o{j}": o for j, o in enumerate(outs)})
+    call = _arrays.Call(arrays, stream=sptr if sptr else None, xla_buffers=True)
+    with call:
+        views = [call[f"i{j}"] if j in present else None for j in range(n_in)]
+        dsts = [call[f"o{j}"] for j in range(len(outs))]
+        if call.backend == "cuda":
+            with _into(dsts):
+                results = fn(*views)
+        else:
+            results = fn(*views)
+        for dst, r in zip(dsts, results):
+            if dst.size and not (call.backend == "cuda" and _in_place(r, dst)):
+                dst[...] = r
+
+
+def _in_place(r, dst):
+    return (r.data.ptr == dst.data.ptr and r.dtype == dst.dtype and r.shape == dst.shape
+            and r.flags.c_contiguous)
 
 
 def _into(dsts):
-    """A CuPy allocator context serving each large output buffer of ``dsts`` (unique byte size) once."""
+    """A CuPy allocator context serving each output buffer of ``dsts`` with a unique byte size once."""
     import cupy
 
     sizes = [int(d.nbytes) for d in dsts]
-    offer = {n: d.data for d, n in zip(dsts, sizes) if n >= _INTO_MIN_BYTES and sizes.count(n) == 1}
+    offer = {n: d.data for d, n in zip(dsts, sizes) if n > 0 and sizes.count(n) == 1}
     pool = cupy.get_default_memory_pool()
 
     def alloc(nbytes):
@@ -123,10 +178,30 @@ class JaxPlan:
 
 
 def _as_plan(views, static):
-    """A moe_rt Plan over the five plan views (CuPy or NumPy)."""
+    """A moe_rt Plan over the five plan views (CuPy or NumPy; shapes checked by :func:`_check_plan` when
+    the op was traced)."""
     _, num_rows, align_size, num_out_tokens = static
-    return _perm.Plan.from_arrays(*views, num_rows=num_rows, align_size=align_size,
-                                  num_out_tokens=num_out_tokens)
+    if isinstance(views[0], np.ndarray):
+        return _perm.Plan.from_arrays(*views, num_rows=num_rows, align_size=align_size,
+                                      num_out_tokens=num_out_tokens)
+    return _perm.Plan._trusted(views, num_rows=num_rows, align_size=align_size, num_out_tokens=num_out_tokens,
+                               backend="cuda", device_id=views[0].device.id, framework="cupy")
+
+
+def _check_plan(plan):
+    """Trace-time check of a JaxPlan's arrays against its static sizes (shapes and dtypes are static)."""
+    if not isinstance(plan, JaxPlan):
+        raise TypeError(f"plan: expected a JaxPlan from moe_rt.jax.make_plan, got {type(plan).__name__}")
+    E, N = plan.num_experts, plan.num_rows
+    if len(plan.arrays) != len(_PLAN_ARRAYS) or any(jnp.dtype(a.dtype) != jnp.int32 for a in plan.arrays):
+        raise ValueError("plan: a JaxPlan holds five int32 arrays")
+    want = {"src_slot": (N,), "seg_start": (E + 1,), "counts": (E,), "tokens_per_expert": (E,)}
+    if len(plan.arrays[0].shape) != 2:
+        raise ValueError(f"plan: dst_row must be 2-D, got shape {tuple(plan.arrays[0].shape)}")
+    for name, shape in want.items():
+        got = tuple(plan.arrays[_PLAN_ARRAYS.index(name)].shape)
+        if got != shape:
+            raise ValueError(f"plan: {name} must have shape {shape}, got {got}")
 
 
 def make_plan(routing, num_experts: int, *, align_size: int = 1, num_out_tokens: int | None = None) -> JaxPlan:
@@ -196,8 +271,7 @@ _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
 def dispatch(x, plan: JaxPlan, probs=None):
     """Differentiable :func:`moe_rt.permutation.dispatch`: ``x [T,H]`` into the plan's expert-major rows;
     ``probs`` None or ``[T,K]``. Returns ``(x_permuted [N,H], probs_permuted [N] fp32 or None)``."""
-    if not isinstance(plan, JaxPlan):
-        raise TypeError(f"plan: expected a JaxPlan from moe_rt.jax.make_plan, got {type(plan).__name__}")
+    _check_plan(plan)
     return _dispatch(x, plan, probs)
 
 
@@ -242,8 +316,7 @@ _combine.defvjp(_combine_fwd, _combine_bwd)
 def combine(y_permuted, plan: JaxPlan, probs=None):
     """Differentiable :func:`moe_rt.permutation.combine`: ``y[t] = sum_k w[t,k] * y_permuted[dst_row[t,k]]``
     with fp32 accumulation; gradients flow to ``y_permuted`` and ``probs``."""
-    if not isinstance(plan, JaxPlan):
-        raise TypeError(f"plan: expected a JaxPlan from moe_rt.jax.make_plan, got {type(plan).__name__}")
+    _check_plan(plan)
     return _combine(y_permuted, plan, probs)
 
 

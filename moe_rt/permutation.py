@@ -75,10 +75,9 @@ def _fn(name: str, device_id: int, shared_mem: int = 0):
 
 
 def _launch(fn, grid: int, block, args, stream, shared_mem: int = 0) -> None:
-    # Straight to CuPy's launcher (args: CuPy arrays, NumPy scalars, or ints passed as 64-bit values).
+    # Straight to the launcher (args: CuPy arrays, NumPy scalars, or ints passed as 64-bit values).
     if grid > 0:
-        fn((grid,), block if isinstance(block, tuple) else (block,), args, shared_mem=shared_mem,
-           stream=stream)
+        _jit.launch_raw(fn, grid, block, args, shared_mem, stream)
 
 
 MAX_EXPERTS = 16384
@@ -160,6 +159,24 @@ class Plan:
         plan._v = {k: _arrays.contiguous(call.xp, a) for k, a in v.items()}
         plan._framework = call.framework
         plan._exported = {k: a for k, a in given.items() if plan._v[k] is v[k]}
+        return plan
+
+    @classmethod
+    def _trusted(cls, arrays, *, num_rows: int, align_size: int, num_out_tokens, backend: str, device_id: int,
+                 framework: str) -> "Plan":
+        """A plan over five C-contiguous int32 CuPy or NumPy arrays already known to be a consistent plan
+        (the adapters check shapes when they trace): no checks, no imports."""
+        plan = cls()
+        dst = arrays[0]
+        plan.num_tokens, plan.topk = int(dst.shape[0]), int(dst.shape[1])
+        plan.num_experts, plan.num_rows = int(arrays[3].shape[0]), num_rows
+        plan.align_size = align_size
+        plan.num_out_tokens = None if num_out_tokens is None or num_out_tokens < 0 else num_out_tokens
+        plan.from_routing_map = False
+        plan.backend, plan.device_id = backend, device_id
+        plan._v = dict(zip(("dst_row", "src_slot", "seg_start", "counts", "tokens_per_expert"), arrays))
+        plan._framework = framework
+        plan._exported = {}
         return plan
 
     def __repr__(self):

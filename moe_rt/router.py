@@ -149,36 +149,52 @@ def _grid(n_slots_needed, threads, smem, device_id, regs=0):
     return max(1, min(n_slots_needed, p["sm_count"] * per_sm))
 
 
-def _launch_fwd(call, x, T, E, K, score_fn, pre, aux, G, g, scale, bias, probs, scores, rmap, inter,
-                idx, w):
-    ch = 16 // x.dtype.itemsize
-    vec = _vec_ok([x, probs, scores, rmap, inter, bias], E, ch)
-    v = _reg_v(E, ch, vec, x.dtype)
+# (dtype, E, K, G, vec, device) -> (kernel, threads, slots per block, smem, resident slots): the launch
+# configuration of the forward depends on the shapes only, so it is worked out once per shape.
+_fwd_cfgs: dict = {}
+
+
+def _fwd_cfg(dtype, E, K, G, vec, device_id):
+    ch = 16 // dtype.itemsize
+    v = _reg_v(E, ch, vec, dtype)
     if v:
-        fn = _jit.function(_FILE, f"router_fwd_reg<{_jit.ctype(x.dtype)}, {v}>")
+        fn = _jit.function(_FILE, f"router_fwd_reg<{_jit.ctype(dtype)}, {v}>")
         spb, threads = 4, 128
         smem = 4 * _reg_slot_words(E, G, K) * spb
     else:
         team = _team(E, fwd=True)
-        fn = _jit.function(_FILE, f"router_fwd<{_jit.ctype(x.dtype)}, {team}>")
+        fn = _jit.function(_FILE, f"router_fwd<{_jit.ctype(dtype)}, {team}>")
         spb = 4 if team == 32 else 1
         smem = 4 * _slot_words(E, G, K, team) * spb
         threads = team * spb
     regs = getattr(fn, "num_regs", 0)
     _jit.set_max_dynamic_shared(fn, smem)
-    grid = _grid(-(-T // spb), threads, smem, call.device_id, regs)
+    return fn, threads, spb, smem, _grid(1 << 30, threads, smem, device_id, regs)
+
+
+def _launch_fwd(call, x, T, E, K, score_fn, pre, aux, G, g, scale, bias, probs, scores, rmap, inter,
+                idx, w):
+    ch = 16 // x.dtype.itemsize
+    vec = _vec_ok([x, probs, scores, rmap, inter, bias], E, ch)
+    key = (x.dtype, E, K, G, vec, call.device_id, os.environ.get("MOE_RT_ROUTER_FWD"),
+           os.environ.get("MOE_RT_ROUTER_TEAM"))
+    cfg = _fwd_cfgs.get(key)
+    if cfg is None:
+        cfg = _fwd_cfgs[key] = _fwd_cfg(x.dtype, E, K, G, vec, call.device_id)
+    fn, threads, spb, smem, resident = cfg
+    grid = max(1, min(-(-T // spb), resident))
     n = E // G if G else 1
     gmagic = (-(-(1 << 32) // n)) & 0xFFFFFFFF if n > 1 else 0
     m = K // g if G else 0
     null = 0
-    _jit.launch(fn, grid, threads,
-                (x, np.int64(T), np.int32(E), np.int32(K), np.int32(score_fn), np.int32(pre), np.int32(aux),
-                 np.int32(G), np.int32(g), np.int32(m), np.uint32(gmagic), np.float32(scale),
-                 bias if bias is not None else null, probs if probs is not None else null,
-                 scores if scores is not None else null, rmap if rmap is not None else null,
-                 inter if inter is not None else null, idx if idx is not None else null,
-                 w if w is not None else null, np.int32(vec)),
-                shared_mem=smem, stream=call.stream)
+    _jit.launch_raw(fn, grid, threads,
+                    (x, np.int64(T), np.int32(E), np.int32(K), np.int32(score_fn), np.int32(pre), np.int32(aux),
+                     np.int32(G), np.int32(g), np.int32(m), np.uint32(gmagic), np.float32(scale),
+                     bias if bias is not None else null, probs if probs is not None else null,
+                     scores if scores is not None else null, rmap if rmap is not None else null,
+                     inter if inter is not None else null, idx if idx is not None else null,
+                     w if w is not None else null, np.int32(vec)),
+                    smem, call.stream)
 
 
 def _launch_bwd(call, grad, rmap, inter, out, T, E, K, score_fn, pre, aux, scale):

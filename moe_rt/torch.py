@@ -5,11 +5,16 @@ implementation, so models using them compile under ``torch.compile`` without gra
 autograd formula that calls moe_rt's backward kernels. CUDA tensors run the kernels, CPU tensors the NumPy
 reference; outputs are zero-copy views of moe_rt's results.
 
+Outside ``torch.compile`` (eager mode) the same ops run through a lean ``torch.autograd.Function`` path
+that calls moe_rt directly, with the same results and gradients: the custom-op machinery costs more host
+time per call than the kernels themselves at small sizes. Under ``torch.compile`` the custom ops are traced.
+
 Dispatch plans travel between ops as plain tensors: :func:`make_plan` returns a :class:`TorchPlan`
 (a tuple of int32 tensors plus the static ints), which :func:`dispatch` and :func:`combine` take.
 """
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple, Optional
 
 import torch
@@ -19,6 +24,18 @@ from moe_rt import permutation as _perm
 
 __all__ = ["TorchPlan", "make_plan", "dispatch", "combine", "topk_with_score", "scores_for_aux_loss", "aux_loss",
            "TorchEpHandle", "ep_prepare", "ep_dispatch", "ep_combine"]
+
+
+def _eager() -> bool:
+    """True outside torch.compile tracing: the lean autograd.Function path runs instead of the custom op."""
+    return not _is_compiling()
+
+
+_is_compiling = torch.compiler.is_compiling
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 # -- plans -------------------------------------------------------------------------------------------
@@ -45,6 +62,45 @@ def _to_plan(dst_row, src_slot, seg_start, counts, tpe, num_experts, num_rows, a
     """A moe_rt Plan over the given tensors (no copy)."""
     return _perm.Plan.from_arrays(dst_row, src_slot, seg_start, counts, tpe, num_rows=num_rows,
                                   align_size=align_size, num_out_tokens=num_out_tokens)
+
+
+# Eager mode: the moe_rt Plan behind each TorchPlan made by make_plan, so dispatch and combine skip
+# rebuilding it from the five tensors. Keyed by id(dst_row); an entry is dropped when its dst_row tensor
+# dies, and used only while every tensor and int of the TorchPlan is the one it was made with.
+_plans: dict = {}
+
+
+def _remember(tp: TorchPlan, plan) -> None:
+    key = id(tp.dst_row)
+    _plans[key] = (weakref.ref(tp.dst_row, lambda _r, k=key, d=_plans: d.pop(k, None)), tuple(tp[1:]), plan)
+
+
+def _plan_of(tp: TorchPlan):
+    """The moe_rt Plan of a TorchPlan (eager mode): the remembered one, else rebuilt from the tensors."""
+    if not isinstance(tp, TorchPlan):
+        raise TypeError(f"plan: expected a TorchPlan from moe_rt.torch.make_plan, got {type(tp).__name__}")
+    ent = _plans.get(id(tp.dst_row))
+    if (ent is not None and ent[0]() is tp.dst_row and all(a is b for a, b in zip(ent[1][:4], tp[1:5]))
+            and ent[1][4:] == tuple(tp[5:])):
+        return ent[2]
+    plan = _to_plan(*_plan_args(tp))
+    _remember(tp, plan)
+    return plan
+
+
+def _torch_plan(p, num_out_tokens: int) -> TorchPlan:
+    """A TorchPlan over a moe_rt Plan's arrays (no copy), remembered for the eager ops."""
+    if p.backend == "cuda":
+        from moe_rt import _arrays
+
+        ptr = _arrays._default_stream("torch", p.device_id).ptr
+        with _arrays.as_cupy_stream(ptr, p.device_id):
+            arrays = [_arrays._torch_from_cupy(p._v[k], ptr) for k in _PLAN_ARRAYS]
+    else:
+        arrays = [getattr(p, k) for k in _PLAN_ARRAYS]
+    tp = TorchPlan(*arrays, p.num_experts, p.num_rows, p.align_size, num_out_tokens)
+    _remember(tp, p)
+    return tp
 
 
 @torch.library.custom_op("moe_rt::make_plan", mutates_args=())
@@ -74,6 +130,9 @@ def make_plan(routing: Tensor, num_experts: int, *, align_size: int = 1,
     nout = -1 if num_out_tokens is None else int(num_out_tokens)
     if routing.dim() != 2:
         raise ValueError(f"routing: expected a 2-D array, got shape {tuple(routing.shape)}")
+    if _eager():
+        p = _perm.make_plan(routing, num_experts, align_size=align_size, num_out_tokens=num_out_tokens)
+        return _torch_plan(p, nout)
     K = num_experts if routing.dtype == torch.bool else routing.shape[1]
     N = _perm._num_rows(routing.shape[0], K, num_experts, align_size, num_out_tokens)
     arrays = _make_plan_op(routing, int(num_experts), int(align_size), nout)
@@ -142,10 +201,35 @@ def _dispatch_bwd(ctx, grad_xp, grad_pp):
 _dispatch_op.register_autograd(_dispatch_bwd, setup_context=_dispatch_setup)
 
 
+class _DispatchFn(torch.autograd.Function):
+    """Eager dispatch: forward and backward straight to moe_rt."""
+
+    @staticmethod
+    def forward(x, probs, plan):
+        return _perm.dispatch(x, plan, probs)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, probs, plan = inputs
+        ctx.plan = plan
+        ctx.probs_dtype = None if probs is None else probs.dtype
+
+    @staticmethod
+    def backward(ctx, grad_xp, grad_pp):
+        has_probs = ctx.probs_dtype is not None
+        gx, gp = _perm.dispatch_backward(grad_xp.contiguous(), ctx.plan, grad_pp if has_probs else None)
+        return gx, (gp.to(ctx.probs_dtype) if has_probs else None), None
+
+
 def dispatch(x: Tensor, plan: TorchPlan, probs: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor]]:
     """Differentiable :func:`moe_rt.permutation.dispatch`: ``x [T,H]`` into the plan's expert-major rows.
     ``probs``: None or ``[T,K]`` slot probs (same layout as topk_idx). Returns ``(x_permuted [N,H],
     probs_permuted [N] fp32 or None)``; gradients flow to ``x`` and ``probs``."""
+    if _eager():
+        p = _plan_of(plan)
+        if _needs_grad(x, probs):
+            return _DispatchFn.apply(x, probs, p)
+        return _perm.dispatch(x, p, probs)
     xp, pp = _dispatch_op(x, *_plan_args(plan), probs)
     return xp, (pp if probs is not None else None)
 
@@ -201,9 +285,35 @@ def _combine_bwd(ctx, grad_y):
 _combine_op.register_autograd(_combine_bwd, setup_context=_combine_setup)
 
 
+class _CombineFn(torch.autograd.Function):
+    """Eager combine: forward and backward straight to moe_rt."""
+
+    @staticmethod
+    def forward(y_permuted, probs, plan):
+        return _perm.combine(y_permuted, plan, probs)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        y_permuted, probs, plan = inputs
+        ctx.plan = plan
+        ctx.probs_dtype = None if probs is None else probs.dtype
+        ctx.save_for_backward(y_permuted if probs is not None else None, probs)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        y_p, probs = ctx.saved_tensors
+        gyp, gp = _perm.combine_backward(grad_y.contiguous(), ctx.plan, y_p, probs)
+        return gyp, (gp.to(ctx.probs_dtype) if probs is not None else None), None
+
+
 def combine(y_permuted: Tensor, plan: TorchPlan, probs: Optional[Tensor] = None) -> Tensor:
     """Differentiable :func:`moe_rt.permutation.combine`: ``y[t] = sum_k w[t,k] * y_permuted[dst_row[t,k]]``
     (fp32 accumulation). Gradients flow to ``y_permuted`` and ``probs``."""
+    if _eager():
+        p = _plan_of(plan)
+        if _needs_grad(y_permuted, probs):
+            return _CombineFn.apply(y_permuted, probs, p)
+        return _perm.combine(y_permuted, p, probs)
     return _combine_op(y_permuted, *_plan_args(plan), probs)
 
 
@@ -263,12 +373,49 @@ def _topk_bwd(ctx, grad_probs, _grad_map, _grad_inter):
 _topk_op.register_autograd(_topk_bwd, setup_context=_topk_setup)
 
 
+class _TopkFn(torch.autograd.Function):
+    """Eager top-k: forward and backward straight to moe_rt."""
+
+    @staticmethod
+    def forward(logits, expert_bias, topk, kw):
+        probs, routing_map, inter = _router().topk_with_score(logits, topk, expert_bias=expert_bias, **kw)
+        return probs, routing_map, inter
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, _, topk, kw = inputs
+        ctx.args = (topk, kw["score_function"], kw["use_pre_softmax"], kw["scaling_factor"])
+        ctx.mark_non_differentiable(output[1], output[2])
+        ctx.save_for_backward(output[1], output[2])
+
+    @staticmethod
+    def backward(ctx, grad_probs, _grad_map, _grad_inter):
+        routing_map, inter = ctx.saved_tensors
+        topk, score_function, pre, scale = ctx.args
+        g = _router().topk_with_score_backward(grad_probs.contiguous(), routing_map, inter, topk,
+                                               score_function=score_function, use_pre_softmax=pre,
+                                               scaling_factor=scale)
+        return g, None, None, None
+
+    @classmethod
+    def apply(cls, *args):
+        probs, routing_map, _ = super().apply(*args)
+        return probs, routing_map
+
+
 def topk_with_score(logits: Tensor, topk: int, *, score_function: str = "softmax", use_pre_softmax: bool = False,
                     num_groups: Optional[int] = None, group_topk: Optional[int] = None,
                     scaling_factor: Optional[float] = None,
                     expert_bias: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Differentiable :func:`moe_rt.router.topk_with_score`: returns ``(probs [T,E] logits dtype,
     routing_map [T,E] bool)``; the gradient flows to ``logits`` (the expert bias gets none)."""
+    if _eager():
+        kw = dict(score_function=score_function, use_pre_softmax=use_pre_softmax, num_groups=num_groups,
+                  group_topk=group_topk, scaling_factor=scaling_factor)
+        if _needs_grad(logits):
+            return _TopkFn.apply(logits, expert_bias, topk, kw)
+        probs, routing_map, _ = _router().topk_with_score(logits, topk, expert_bias=expert_bias, **kw)
+        return probs, routing_map
     probs, routing_map, _ = _topk_op(logits, int(topk), str(score_function), bool(use_pre_softmax),
                                      -1 if num_groups is None else int(num_groups),
                                      -1 if group_topk is None else int(group_topk),
@@ -317,9 +464,42 @@ def _scores_bwd(ctx, grad_scores, _g_map, _g_inter):
 _scores_op.register_autograd(_scores_bwd, setup_context=_scores_setup)
 
 
+class _ScoresFn(torch.autograd.Function):
+    """Eager aux-loss scores: forward and backward straight to moe_rt."""
+
+    @staticmethod
+    def forward(logits, topk, score_function):
+        return _router().scores_for_aux_loss(logits, topk, score_function)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        logits, topk, score_function = inputs
+        ctx.args = (topk, score_function, logits.dtype)
+        ctx.mark_non_differentiable(output[1], output[2])
+        ctx.save_for_backward(output[2])
+
+    @staticmethod
+    def backward(ctx, grad_scores, _g_map, _g_inter):
+        (inter,) = ctx.saved_tensors
+        topk, score_function, dtype = ctx.args
+        g = _router().scores_for_aux_loss_backward(grad_scores.float().contiguous(), inter, topk, score_function,
+                                                   dtype=dtype)
+        return g, None, None
+
+    @classmethod
+    def apply(cls, *args):
+        scores, routing_map, _ = super().apply(*args)
+        return scores, routing_map
+
+
 def scores_for_aux_loss(logits: Tensor, topk: int, score_function: str) -> tuple[Tensor, Tensor]:
     """Differentiable :func:`moe_rt.router.scores_for_aux_loss`: ``(scores [T,E] fp32, routing_map [T,E]
     bool)``; the gradient flows to ``logits``."""
+    if _eager():
+        if _needs_grad(logits):
+            return _ScoresFn.apply(logits, topk, score_function)
+        scores, routing_map, _ = _router().scores_for_aux_loss(logits, topk, score_function)
+        return scores, routing_map
     scores, routing_map, _ = _scores_op(logits, int(topk), str(score_function))
     return scores, routing_map
 
@@ -364,9 +544,36 @@ def _aux_bwd(ctx, grad):
 _aux_op.register_autograd(_aux_bwd, setup_context=_aux_setup)
 
 
+class _AuxFn(torch.autograd.Function):
+    """Eager aux loss: forward and backward straight to moe_rt."""
+
+    @staticmethod
+    def forward(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coeff):
+        return _router().aux_loss(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coeff)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        probs, tpe, total, E, topk, coeff = inputs
+        ctx.args = (total, E, topk, coeff)
+        ctx.num_rows = probs.shape[0]
+        ctx.probs_dtype = probs.dtype
+        ctx.save_for_backward(tpe)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (tpe,) = ctx.saved_tensors
+        g = _router().aux_loss_backward(grad.contiguous(), ctx.num_rows, tpe, *ctx.args)
+        return (g.contiguous().to(ctx.probs_dtype),) + (None,) * 5
+
+
 def aux_loss(probs: Tensor, tokens_per_expert: Tensor, total_num_tokens: int, num_experts: int, topk: int,
              coeff: float) -> Tensor:
     """Differentiable :func:`moe_rt.router.aux_loss` (a 0-d tensor); the gradient flows to ``probs``."""
+    if _eager():
+        args = (tokens_per_expert, total_num_tokens, num_experts, topk, coeff)
+        if _needs_grad(probs):
+            return _AuxFn.apply(probs, *args)
+        return _router().aux_loss(probs, *args)
     return _aux_op(probs, tokens_per_expert, int(total_num_tokens), int(num_experts), int(topk), float(coeff))
 
 

@@ -129,3 +129,17 @@ def test_aux_loss_jit_grad(device, rng):
         assert v1.shape == ()
         np.testing.assert_allclose(v1, v2, rtol=1e-5)
         np.testing.assert_allclose(np.asarray(g1), np.asarray(g2), rtol=1e-5, atol=1e-8)
+
+
+def test_plan_shapes_checked_when_traced():
+    import jax.numpy as jnp
+
+    plan = mj.make_plan(jnp.asarray(np.array([[0, 1], [1, -1], [2, 0]], np.int32)), 3)
+    x = jnp.ones((3, 4), jnp.float32)
+    bad = mj.JaxPlan(plan.arrays[:1] + (plan.arrays[1][:-1],) + plan.arrays[2:], *plan.static)
+    with pytest.raises(ValueError, match="plan: src_slot must have shape"):
+        mj.dispatch(x, bad)
+    with pytest.raises(ValueError, match="plan: a JaxPlan holds five int32 arrays"):
+        mj.combine(x, mj.JaxPlan(tuple(a.astype(jnp.float32) for a in plan.arrays), *plan.static))
+    with pytest.raises(TypeError, match="plan: expected a JaxPlan"):
+        mj.dispatch(x, tuple(plan.arrays))

@@ -62,3 +62,23 @@ def test_ctype_rejects_other_dtypes():
     assert _jit.ctype("bfloat16") == "__nv_bfloat16"
     with pytest.raises(TypeError, match="no kernel instantiation for dtype float64"):
         _jit.ctype("float64")
+
+
+def test_driver_launcher_packs_arguments():
+    """The driver launcher's argument block: each argument at the start of an 8-byte slot, in the width of
+    its type (Python int: 64-bit; NumPy scalars: their own); other types are refused (CuPy launches)."""
+    import struct
+
+    import numpy as np
+
+    from moe_rt import _launch
+
+    args = (5, -3, np.int32(-2), np.uint32(7), np.float32(1.5), np.int64(-9), np.float64(2.5), np.uint64(3),
+            2**63 + 1)
+    want = struct.pack("<qqi4xI4xf4xqdQQ", 5, -3, -2, 7, 1.5, -9, 2.5, 3, 2**63 + 1)
+    assert _launch.pack(args) == want
+    assert _launch.pack(()) == b""
+    assert _launch.pack((1, "x")) is None
+    assert _launch.pack((np.int16(1),)) is None
+    assert _launch.pack(tuple(range(49))) is None  # more arguments than the block holds
+    assert _launch.launch(0, 1, 1, (np.int16(1),), 0) is False  # refused before any driver call

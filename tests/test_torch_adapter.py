@@ -159,3 +159,62 @@ def test_router_aux_path_autograd_and_compile(device):
     (gc,) = torch.autograd.grad(compiled(logits), logits)
     (ge,) = torch.autograd.grad(ours(logits), logits)
     torch.testing.assert_close(gc, ge)
+
+
+# -- eager path and custom-op path ----------------------------------------------------------------------
+
+def _layer(x, probs, logits, idx, E, K, gp):
+    plan = mt.make_plan(idx, E, align_size=4)
+    xp, pp = mt.dispatch(x, plan, probs)
+    y = mt.combine(xp * 1.5, plan, probs)
+    p, _ = mt.topk_with_score(logits, K, score_function="sigmoid", num_groups=4, group_topk=2)
+    s, m = mt.scores_for_aux_loss(logits, K, "softmax")
+    loss = mt.aux_loss(s, m.sum(0).int(), logits.shape[0], E, K, 0.01)
+    return (y.float() * 0.5).sum() + (pp * pp).sum() + (p * gp).sum() + loss, plan
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_eager_path_matches_custom_op_path(device, monkeypatch):
+    """Outside torch.compile the ops take a lean autograd.Function path; forcing the custom ops (the path
+    torch.compile traces) must give the same values and gradients, bitwise."""
+    gen = torch.Generator().manual_seed(11)
+    T, E, K, H = 37, 8, 2, 24
+    idx = _routing(T, E, K, gen, device)
+    x0 = torch.randn(T, H, generator=gen).to(device)
+    p0 = torch.rand(T, K, generator=gen).to(device)
+    l0 = _tie_free_logits(T, E, gen, device)
+    gp = torch.randn(T, E, generator=gen).to(device)
+    results = []
+    for compiling in (False, True):
+        monkeypatch.setattr(mt, "_is_compiling", lambda c=compiling: c)
+        x, probs, logits = (t.clone().requires_grad_() for t in (x0, p0, l0))
+        loss, plan = _layer(x, probs, logits, idx, E, K, gp)
+        assert isinstance(plan, mt.TorchPlan)
+        grads = torch.autograd.grad(loss, [x, probs, logits])
+        results.append((loss.detach(), plan[:5], grads))
+    (la, pa, ga), (lb, pb, gb) = results
+    assert torch.equal(la, lb)
+    for a, b in zip(pa + ga, pb + gb):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_eager_plan_rebuilt_or_swapped(device):
+    """The eager ops remember the moe_rt plan behind a TorchPlan; a TorchPlan rebuilt from the same tensors
+    reuses it, and one with a different tensor is rebuilt from its own tensors, never served a stale plan."""
+    gen = torch.Generator().manual_seed(12)
+    T, E, K, H = 19, 6, 2, 8
+    x = torch.randn(T, H, generator=gen).to(device)
+    idx_a = _routing(T, E, K, gen, device)
+    idx_b = _routing(T, E, K, gen, device)
+    pa, pb = mt.make_plan(idx_a, E), mt.make_plan(idx_b, E)
+    want_a, _ = mt.dispatch(x, pa)
+    want_b, _ = mt.dispatch(x, pb)
+    assert torch.equal(mt.dispatch(x, mt.TorchPlan(*pa))[0], want_a)
+    copied = mt.TorchPlan(*(t.clone() for t in pb[:5]), *pb[5:])
+    assert torch.equal(mt.dispatch(x, copied)[0], want_b)
+    del pa
+    import gc
+
+    gc.collect()
+    assert torch.equal(mt.dispatch(x, pb)[0], want_b)
