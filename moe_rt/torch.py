@@ -205,14 +205,10 @@ class _DispatchFn(torch.autograd.Function):
     """Eager dispatch: forward and backward straight to moe_rt."""
 
     @staticmethod
-    def forward(x, probs, plan):
-        return _perm.dispatch(x, plan, probs)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _, probs, plan = inputs
+    def forward(ctx, x, probs, plan):
         ctx.plan = plan
         ctx.probs_dtype = None if probs is None else probs.dtype
+        return _perm.dispatch(x, plan, probs)
 
     @staticmethod
     def backward(ctx, grad_xp, grad_pp):
@@ -289,15 +285,11 @@ class _CombineFn(torch.autograd.Function):
     """Eager combine: forward and backward straight to moe_rt."""
 
     @staticmethod
-    def forward(y_permuted, probs, plan):
-        return _perm.combine(y_permuted, plan, probs)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        y_permuted, probs, plan = inputs
+    def forward(ctx, y_permuted, probs, plan):
         ctx.plan = plan
         ctx.probs_dtype = None if probs is None else probs.dtype
         ctx.save_for_backward(y_permuted if probs is not None else None, probs)
+        return _perm.combine(y_permuted, plan, probs)
 
     @staticmethod
     def backward(ctx, grad_y):
@@ -377,16 +369,12 @@ class _TopkFn(torch.autograd.Function):
     """Eager top-k: forward and backward straight to moe_rt."""
 
     @staticmethod
-    def forward(logits, expert_bias, topk, kw):
+    def forward(ctx, logits, expert_bias, topk, kw):
         probs, routing_map, inter = _router().topk_with_score(logits, topk, expert_bias=expert_bias, **kw)
-        return probs, routing_map, inter
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _, _, topk, kw = inputs
         ctx.args = (topk, kw["score_function"], kw["use_pre_softmax"], kw["scaling_factor"])
-        ctx.mark_non_differentiable(output[1], output[2])
-        ctx.save_for_backward(output[1], output[2])
+        ctx.mark_non_differentiable(routing_map, inter)
+        ctx.save_for_backward(routing_map, inter)
+        return probs, routing_map, inter
 
     @staticmethod
     def backward(ctx, grad_probs, _grad_map, _grad_inter):
@@ -468,15 +456,12 @@ class _ScoresFn(torch.autograd.Function):
     """Eager aux-loss scores: forward and backward straight to moe_rt."""
 
     @staticmethod
-    def forward(logits, topk, score_function):
-        return _router().scores_for_aux_loss(logits, topk, score_function)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        logits, topk, score_function = inputs
+    def forward(ctx, logits, topk, score_function):
+        scores, routing_map, inter = _router().scores_for_aux_loss(logits, topk, score_function)
         ctx.args = (topk, score_function, logits.dtype)
-        ctx.mark_non_differentiable(output[1], output[2])
-        ctx.save_for_backward(output[2])
+        ctx.mark_non_differentiable(routing_map, inter)
+        ctx.save_for_backward(inter)
+        return scores, routing_map, inter
 
     @staticmethod
     def backward(ctx, grad_scores, _g_map, _g_inter):
@@ -548,16 +533,12 @@ class _AuxFn(torch.autograd.Function):
     """Eager aux loss: forward and backward straight to moe_rt."""
 
     @staticmethod
-    def forward(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coeff):
-        return _router().aux_loss(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coeff)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        probs, tpe, total, E, topk, coeff = inputs
-        ctx.args = (total, E, topk, coeff)
+    def forward(ctx, probs, tokens_per_expert, total_num_tokens, num_experts, topk, coeff):
+        ctx.args = (total_num_tokens, num_experts, topk, coeff)
         ctx.num_rows = probs.shape[0]
         ctx.probs_dtype = probs.dtype
-        ctx.save_for_backward(tpe)
+        ctx.save_for_backward(tokens_per_expert)
+        return _router().aux_loss(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coeff)
 
     @staticmethod
     def backward(ctx, grad):

@@ -152,7 +152,7 @@ def test_driver_and_cupy_launchers_agree(monkeypatch):
     from moe_rt import _jit
 
     rng = np.random.default_rng(3)
-    T, E, K, H = 257, 64, 6, 72
+    T, E, K, H = 257, 64, 8, 72
     logits = cp.asarray(rng.standard_normal((T, E), dtype=np.float32))
     x = cp.asarray(rng.standard_normal((T, H), dtype=np.float32))
 
