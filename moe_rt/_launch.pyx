@@ -63,6 +63,15 @@ cdef int _load():
     return _state
 
 
+def _bind_context():
+    """Make the current device's primary context current on this thread (the runtime does it on a thread's
+    first runtime call; the driver's launch needs it already done)."""
+    import cupy
+
+    rt = cupy.cuda.runtime
+    rt.setDevice(rt.getDevice())
+
+
 def available():
     """Whether the driver's launcher is usable here (libcuda and CuPy found)."""
     return _load() == 1
@@ -162,6 +171,11 @@ def launch(uintptr_t function, grid, block, tuple args, uintptr_t stream, unsign
     with nogil:
         r = _cu_launch(<void*>function, g[0], g[1], g[2], b[0], b[1], b[2], shared_mem, <void*>stream,
                        params, NULL)
+    if r == 201:  # CUDA_ERROR_INVALID_CONTEXT: a thread that has not used CUDA yet (an autograd worker)
+        _bind_context()
+        with nogil:
+            r = _cu_launch(<void*>function, g[0], g[1], g[2], b[0], b[1], b[2], shared_mem, <void*>stream,
+                           params, NULL)
     if r != 0:
         if _cu_errstr != NULL:
             _cu_errstr(r, &msg)

@@ -171,3 +171,26 @@ def test_driver_and_cupy_launchers_agree(monkeypatch):
     slow = run()
     for a, b in zip(fast, slow):
         assert cp.array_equal(a, b)
+
+
+def test_launch_from_a_thread_new_to_cuda():
+    """A kernel launched from a thread that has made no CUDA call yet (as torch's autograd workers are when
+    they first run a moe_rt backward) binds the device's context first."""
+    import threading
+
+    torch = pytest.importorskip("torch")
+    x = torch.randn(4099, device="cuda")
+    out = {}
+
+    def work():
+        try:
+            out["y"] = _common_ops.scale(x, ALPHA)
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - reported below
+            out["error"] = e
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert "error" not in out, out.get("error")
+    assert torch.equal(out["y"], x * ALPHA)
