@@ -28,26 +28,28 @@ FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), BFLOAT16)
 INDEX_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 
 
+_FRAMEWORKS = {"torch": "torch", "jax": "jax", "jaxlib": "jax", "cupy": "cupy"}
+_framework_by_type: dict = {}
+
+
 def _framework_of(obj) -> str:
-    mod = type(obj).__module__.split(".")[0]
-    if mod == "torch":
-        return "torch"
-    if mod in ("jax", "jaxlib"):
-        return "jax"
-    if mod == "cupy":
-        return "cupy"
-    if isinstance(obj, np.ndarray):
-        return "numpy"
-    return "other"
+    t = type(obj)
+    fw = _framework_by_type.get(t)
+    if fw is None:
+        fw = _FRAMEWORKS.get(t.__module__.split(".")[0])
+        if fw is None:
+            fw = "numpy" if isinstance(obj, np.ndarray) else "other"
+        _framework_by_type[t] = fw
+    return fw
 
 
 def _device_of(obj, name):
-    if isinstance(obj, np.ndarray):
+    fw = _framework_of(obj)
+    if fw == "numpy":
         return "cpu", 0
-    mod = type(obj).__module__.split(".")[0]
-    if mod == "cupy":
+    if fw == "cupy":
         return "cuda", obj.device.id
-    if mod == "torch" and hasattr(obj, "is_cuda"):
+    if fw == "torch" and hasattr(obj, "is_cuda"):
         return ("cuda", obj.get_device()) if obj.is_cuda else ("cpu", 0)
     if not hasattr(obj, "__dlpack__"):
         raise TypeError(f"{name}: expected an array with __dlpack__ (torch, JAX, CuPy, NumPy), "
@@ -174,6 +176,9 @@ def _xla_view(obj, device_id):
     return _cupy_over(ptr, shape, dt, tuple(int(v) for v in st), obj, device_id)
 
 
+_devices: dict = {}
+
+
 class Call:
     """One op call's view of its arguments: ``backend`` ('cuda' or 'cpu'), ``xp`` (cupy or numpy),
     ``device_id``, ``stream`` (a cupy Stream, or None on CPU) and ``framework`` (of the first array
@@ -203,7 +208,9 @@ class Call:
             import cupy
 
             self.xp = cupy
-            self._device = cupy.cuda.Device(self.device_id)
+            self._device = _devices.get(self.device_id)
+            if self._device is None:
+                self._device = _devices[self.device_id] = cupy.cuda.Device(self.device_id)
             self.stream = (as_cupy_stream(stream, self.device_id) if stream is not None
                            else _default_stream(self.framework, self.device_id))
         else:
@@ -216,9 +223,10 @@ class Call:
     def _import(self, obj, name):
         if isinstance(obj, np.ndarray):
             return obj
-        if self.backend == "cuda" and type(obj).__module__.split(".")[0] == "cupy":
+        fw = _framework_of(obj)
+        if self.backend == "cuda" and fw == "cupy":
             return obj
-        if self._fast_torch and type(obj).__module__.split(".")[0] == "torch":
+        if self._fast_torch and fw == "torch":
             # torch CUDA tensor on torch's current stream (the stream this call runs on): read its pointer,
             # shape and strides directly; DLPack's stream handshake would be a no-op here.
             dt = _torch_np_dtype(obj.dtype)

@@ -286,44 +286,80 @@ def make_plan(routing, num_experts: int, *, align_size: int = 1, num_out_tokens:
         return plan
 
 
-def _plan_cuda(call, r, is_map, T, K, E, A, N, num_out_tokens):
-    xp, dev, s = call.xp, call.device_id, call.stream
-    if is_map:
-        idx = xp.where(r, xp.arange(E, dtype=np.int32)[None, :], np.int32(-1)).astype(np.int32)
-    else:
-        idx = _arrays.contiguous(xp, r)
-    ic = _IDX[idx.dtype.name]
+class _PlanViews(dict):
+    """A CUDA plan's arrays, made on first use as views of the plan's one int32 buffer (the kernels take
+    raw pointers, so most plans never need all five)."""
+
+    __slots__ = ("_buf", "_spec")
+
+    def __missing__(self, name):
+        off, shape = self._spec[name]
+        n = 1
+        for d in shape:
+            n *= d
+        a = self._buf[off:off + n]
+        if len(shape) != 1:
+            a = a.reshape(shape)
+        self[name] = a
+        return a
+
+
+# (T, K, routing dtype, E, A, num_out_tokens, device) -> the launch set-up of the plan kernels, which
+# depends on the shapes only.
+_plan_cfgs: dict = {}
+
+
+def _plan_cfg(T, K, ic, E, A, N, num_out_tokens, dev):
     L = T * K
     chunk = _chunk_for(L, E)
     nchunks = -(-L // chunk)
     # One int32 allocation: the plan's arrays, then the scratch (partial, base, totals, a counter).
     n_out = L + N + 3 * E + 1
-    buf = xp.empty(n_out + 2 * nchunks * E + E + 1, dtype=np.int32)
-    dst = buf[:L].reshape(T, K)
-    src = buf[L:L + N]
-    seg = buf[L + N:L + N + E + 1]
-    counts = buf[L + N + E + 1:L + N + 2 * E + 1]
-    tpe = buf[L + N + 2 * E + 1:n_out]
-    p_partial = buf.data.ptr + 4 * n_out
-    p_base = p_partial + 4 * nchunks * E
-    p_totals = p_base + 4 * nchunks * E
-    p_done = p_totals + 4 * E
+    spec = {"dst_row": (0, (T, K)), "src_slot": (L, (N,)), "seg_start": (L + N, (E + 1,)),
+            "counts": (L + N + E + 1, (E,)), "tokens_per_expert": (L + N + 2 * E + 1, (E,))}
     smem_warp = E * 4
     wpb = max(1, min(8, (48 * 1024) // smem_warp))
     smem = wpb * smem_warp
     f_count = _fn(f"plan_count<{ic}>", dev, smem)
     f_assign = _fn(f"plan_assign<{ic}>", dev, smem)
-    a_L, a_E, a_chunk, a_nchunks = np.int64(L), np.int32(E), np.int32(chunk), np.int32(nchunks)
+    f_scan = _fn("plan_scan", dev)
     num_out = L if num_out_tokens is None else num_out_tokens
+    # argument tails of the three kernels (the pointers are prepended per call)
+    count = (max(-(-nchunks // wpb), 1), 32 * wpb, (L, np.int32(E), np.int32(chunk), np.int32(nchunks)))
+    scan = (-(-E // 32), 1024, (np.int32(nchunks), np.int32(E), np.int32(A), num_out))
+    assign = (-(-nchunks // wpb), 32 * wpb, (L, np.int32(E), np.int32(chunk), np.int32(nchunks)))
+    return (n_out + 2 * nchunks * E + E + 1, n_out, nchunks * E, spec, smem, f_count, f_scan, f_assign, count,
+            scan, assign)
+
+
+def _plan_cuda(call, r, is_map, T, K, E, A, N, num_out_tokens):
+    xp, dev, s = call.xp, call.device_id, call.stream
+    if is_map:
+        idx = xp.where(r, xp.arange(E, dtype=np.int32)[None, :], np.int32(-1)).astype(np.int32)
+    else:
+        idx = r if r.flags.c_contiguous else xp.ascontiguousarray(r)
+    key = (T, K, idx.dtype, E, A, num_out_tokens, dev)
+    cfg = _plan_cfgs.get(key)
+    if cfg is None:
+        if len(_plan_cfgs) > 512:
+            _plan_cfgs.clear()
+        cfg = _plan_cfgs[key] = _plan_cfg(T, K, _IDX[idx.dtype.name], E, A, N, num_out_tokens, dev)
+    total, n_out, n_part, spec, smem, f_count, f_scan, f_assign, count, scan, assign = cfg
+    buf = xp.empty(total, dtype=np.int32)
+    b = buf.data.ptr
+    dst, src, seg = b, b + 4 * spec["src_slot"][0], b + 4 * spec["seg_start"][0]
+    counts, tpe = b + 4 * spec["counts"][0], b + 4 * spec["tokens_per_expert"][0]
+    p_partial = b + 4 * n_out
+    p_base = p_partial + 4 * n_part
+    p_totals = p_base + 4 * n_part
+    p_done = p_totals + 4 * E
     # plan_count always runs (it zeroes plan_scan's counter and fills src_slot with -1).
-    _launch(f_count, max(-(-nchunks // wpb), 1), 32 * wpb,
-            (idx, a_L, a_E, a_chunk, a_nchunks, p_partial, src, np.int64(N), p_done), s, smem)
-    _launch(_fn("plan_scan", dev), -(-E // 32), 1024,
-            (p_partial, p_base, p_totals, a_nchunks, a_E, np.int32(A), np.int64(num_out), counts, tpe, seg,
-             p_done), s)
-    _launch(f_assign, -(-nchunks // wpb), 32 * wpb,
-            (idx, a_L, a_E, a_chunk, a_nchunks, p_base, counts, seg, dst, src), s, smem)
-    return {"dst_row": dst, "src_slot": src, "seg_start": seg, "counts": counts, "tokens_per_expert": tpe}
+    _launch(f_count, count[0], count[1], (idx, *count[2], p_partial, src, N, p_done), s, smem)
+    _launch(f_scan, scan[0], scan[1], (p_partial, p_base, p_totals, *scan[2], counts, tpe, seg, p_done), s)
+    _launch(f_assign, assign[0], assign[1], (idx, *assign[2], p_base, counts, seg, dst, src), s, smem)
+    views = _PlanViews()
+    views._buf, views._spec = buf, spec
+    return views
 
 
 # -- helpers ---------------------------------------------------------------------------------------------
