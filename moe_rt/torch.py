@@ -90,12 +90,18 @@ def _plan_of(tp: TorchPlan):
 
 def _torch_plan(p, num_out_tokens: int) -> TorchPlan:
     """A TorchPlan over a moe_rt Plan's arrays (no copy), remembered for the eager ops."""
-    if p.backend == "cuda":
+    if p.backend == "cuda" and isinstance(p._v, _perm._PlanViews):
         from moe_rt import _arrays
 
+        # one DLPack export of the plan's buffer, then five torch views of it
         ptr = _arrays._default_stream("torch", p.device_id).ptr
         with _arrays.as_cupy_stream(ptr, p.device_id):
-            arrays = [_arrays._torch_from_cupy(p._v[k], ptr) for k in _PLAN_ARRAYS]
+            whole = _arrays._torch_from_cupy(p._v._buf, ptr)
+        arrays = []
+        for k in _PLAN_ARRAYS:
+            off, shape = p._v._spec[k]
+            n = shape[0] * shape[1] if len(shape) == 2 else shape[0]
+            arrays.append(whole[off:off + n].view(shape))
     else:
         arrays = [getattr(p, k) for k in _PLAN_ARRAYS]
     tp = TorchPlan(*arrays, p.num_experts, p.num_rows, p.align_size, num_out_tokens)
