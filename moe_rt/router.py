@@ -180,6 +180,8 @@ def _launch_fwd(call, x, T, E, K, score_fn, pre, aux, G, g, scale, bias, probs, 
            os.environ.get("MOE_RT_ROUTER_TEAM"))
     cfg = _fwd_cfgs.get(key)
     if cfg is None:
+        if len(_fwd_cfgs) > 512:
+            _fwd_cfgs.clear()
         cfg = _fwd_cfgs[key] = _fwd_cfg(x.dtype, E, K, G, vec, call.device_id)
     fn, threads, spb, smem, resident = cfg
     grid = max(1, min(-(-T // spb), resident))
