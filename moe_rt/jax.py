@@ -59,9 +59,7 @@ def _run(fn, out_specs, *inputs):
         with device, stream:
             with _into(dsts):
                 results = fn(*views)
-            for dst, r in zip(dsts, results):
-                if dst.size and not _in_place(r, dst):
-                    dst[...] = r
+            _write(dsts, results, True)
     # vmap runs the callback once per batch element (every op is already batched over tokens; a batch of
     # plans or routings is a loop), in order, which also keeps EP collectives matched across ranks.
     return buffer_callback(callback, list(out_specs), vmap_method="sequential")(*[inputs[i] for i in present])
@@ -119,9 +117,15 @@ def _run_generic(fn, n_in, present, outs, ins, sptr):
                 results = fn(*views)
         else:
             results = fn(*views)
-        for dst, r in zip(dsts, results):
-            if dst.size and not (call.backend == "cuda" and _in_place(r, dst)):
-                dst[...] = r
+        _write(dsts, results, call.backend == "cuda")
+
+
+def _write(dsts, results, on_gpu: bool):
+    """Copy each result into its XLA output unless it was computed there already (outputs of size zero
+    are left alone)."""
+    for dst, r in zip(dsts, results):
+        if dst.size and not (on_gpu and _in_place(r, dst)):
+            dst[...] = r
 
 
 def _in_place(r, dst):
