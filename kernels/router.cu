@@ -8,8 +8,11 @@
 // 16-byte rows) keeps the row in registers, one warp per token, and prefetches the next token's logits.
 // Selection: iterative warp argmax for k <= 8 (TEAM = 32), else a 4-bit radix select whose digit counts
 // live in registers (8-bit packed counters, reduced with shuffles; no shared-memory atomics) and that
-// stops as soon as the threshold bin is taken whole. Grouped top-k with k/g > 8 radix-selects every group
-// at once, one lane segment per group. Every sum is done in a fixed order, so outputs are bitwise
+// stops as soon as the threshold bin is taken whole. On long rows a prefilter runs first: a threshold
+// taken from each lane's two largest keys leaves a short list that holds the top k, and the radix passes
+// read only that list. Grouped top-k with k/g > 8 works on every group at once, one lane segment per
+// group: a threshold from each lane's four largest keys lists the group's candidates (radix select per
+// segment when the list would be too long). Every sum is done in a fixed order, so outputs are bitwise
 // reproducible. Global traffic: logits read once, each output written once with 16-byte vectors (the K
 // nonzero probs are patched in after the zero fill, while the lines are still in L2).
 #include "moe_rt/common.cuh"
@@ -25,6 +28,24 @@ constexpr int SIGMOID = 0, SOFTMAX = 1, SQRTSOFTPLUS = 2;
 constexpr int kIntMax = 0x7fffffff;
 constexpr int kList = 64;  // radix select: keys still in play are compacted once they are this few
 #define kInf __int_as_float(0x7f800000)
+// Blocks per multiprocessor the forward kernels are built for (register budget), and the other tuning
+// constants below: defaults measured on H100, overridable with -D for experiments.
+#ifndef MOE_RT_FWD_MINB_512
+#define MOE_RT_FWD_MINB_512 2
+#endif
+#ifndef MOE_RT_FWD_REG_MINB_8
+#define MOE_RT_FWD_REG_MINB_8 6
+#endif
+#ifndef MOE_RT_FWD_U
+#define MOE_RT_FWD_U 2
+#endif
+// Chunks each thread loads before using the first: forward (generic kernel) and backward (by team size;
+// measured on H100: 4 helps the 512-thread backward, more than 1 slows the smaller teams).
+#ifndef MOE_RT_BWD_U
+#define MOE_RT_BWD_U(TEAM) ((TEAM) == 512 ? 4 : 1)
+#endif
+#define MOE_RT_FWD_MINB(TEAM) ((TEAM) == 128 ? 6 : ((TEAM) == 32 ? 4 : MOE_RT_FWD_MINB_512))
+#define MOE_RT_FWD_REG_MINB(V) ((V) <= 8 ? MOE_RT_FWD_REG_MINB_8 : ((V) <= 16 ? 4 : 3))
 template <int N> struct IC { static constexpr int value = N; };
 
 __device__ __forceinline__ unsigned fkey(float v) {
@@ -39,7 +60,8 @@ __device__ __forceinline__ float fdecode(unsigned k) {
   return __uint_as_float(b);
 }
 
-__device__ __forceinline__ float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
+// __frcp_rn is the correctly rounded reciprocal: the same bits as 1.0f / y, without the general division.
+__device__ __forceinline__ float sigmoidf(float x) { return __frcp_rn(1.0f + expf(-x)); }
 __device__ __forceinline__ float sqrtsoftplusf(float x) { return x > 20.0f ? sqrtf(x) : sqrtf(log1pf(expf(x))); }
 
 __device__ __forceinline__ bool selected(unsigned key, int i, unsigned thr, int ilast) {
@@ -116,17 +138,20 @@ struct Team {
       return t;
     }
   }
-  __device__ __forceinline__ static int imax(int v, int* redi) {
+  // Max of an int or unsigned over the team (redi: scratch of NW words).
+  template <typename V>
+  __device__ __forceinline__ static V vmax(V v, int* redi) {
     v = __reduce_max_sync(FULL_MASK, v);
     if constexpr (TEAM == 32) {
       return v;
     } else {
+      V* red = reinterpret_cast<V*>(redi);
       __syncthreads();
-      if ((threadIdx.x & 31) == 0) redi[threadIdx.x >> 5] = v;
+      if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
       __syncthreads();
-      int t = redi[0];
+      V t = red[0];
 #pragma unroll
-      for (int w = 1; w < NW; ++w) t = t > redi[w] ? t : redi[w];
+      for (int w = 1; w < NW; ++w) t = t > red[w] ? t : red[w];
       return t;
     }
   }
@@ -272,6 +297,64 @@ __device__ __forceinline__ bool radix_pick(unsigned (&v)[16], unsigned* wcnt, in
   return cb == (unsigned)need;
 }
 
+// Prefilter of the radix select for long rows (at least 8 keys per thread, k <= 64): each lane takes its
+// two largest keys and every warp sorts its 64 candidates (bitonic network, descending); the warp's k-th
+// candidate tau_w has at least k keys at or above it, so tau = max over the warps of tau_w does too, and
+// the row's top k all lie at or above tau. Every key >= tau is appended to the list (any order; list[2 *
+// kList] counts them). Returns their number, or -1 (count reset to zero) when more than kList pass.
+template <int TEAM>
+__device__ int prefilter_list(const unsigned* keys, int n, int k, unsigned* list, int* redi) {
+  using TM = Team<TEAM>;
+  const int r = TM::rank(), lane = threadIdx.x & 31;
+  unsigned v[2] = {0u, 0u};  // v[0] >= v[1]: this thread's two largest keys (0 is below every real key)
+  for (int i = r; i < n; i += TEAM) {
+    const unsigned key = keys[i];
+    v[1] = max(v[1], min(key, v[0]));
+    v[0] = max(v[0], key);
+  }
+  // Element 2 * lane + s of the warp's 64; after the network they are in descending order.
+#pragma unroll
+  for (int kk = 2; kk <= 64; kk <<= 1) {
+#pragma unroll
+    for (int j = kk >> 1; j > 0; j >>= 1) {
+      if (j == 1) {
+        const bool desc = ((lane * 2) & kk) == 0;
+        const unsigned hi = max(v[0], v[1]), lo = min(v[0], v[1]);
+        v[0] = desc ? hi : lo;
+        v[1] = desc ? lo : hi;
+      } else {
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {
+          const unsigned p = __shfl_xor_sync(FULL_MASK, v[s], j >> 1);
+          const int i = lane * 2 + s;
+          const bool keep_max = ((i & j) == 0) == ((i & kk) == 0);
+          v[s] = keep_max ? max(v[s], p) : min(v[s], p);
+        }
+      }
+    }
+  }
+  unsigned tau = __shfl_sync(FULL_MASK, ((k - 1) & 1) ? v[1] : v[0], (k - 1) >> 1);
+  tau = TM::vmax(tau, redi);
+  unsigned* lcount = list + 2 * kList;
+  int* lexp = reinterpret_cast<int*>(list + kList);
+  for (int i = r; i < n; i += TEAM) {
+    const unsigned key = keys[i];
+    if (key >= tau) {
+      const unsigned pos = atomicAdd(lcount, 1u);
+      if (pos < (unsigned)kList) { list[pos] = key; lexp[pos] = i; }
+    }
+  }
+  TM::sync();
+  const unsigned total = *lcount;
+  if (total > (unsigned)kList) {
+    TM::sync();
+    if (r == 0) *lcount = 0u;
+    TM::sync();
+    return -1;
+  }
+  return (int)total;
+}
+
 // Radix select, 4-bit digits from the top (wcnt: 2 * 16 * TEAM/32 words for TEAM > 32). list: 2 * kList + 4
 // words, list[2 * kList] zero on entry and exit: once the keys still in play are at most kList, they are
 // appended (key, index) to the list in any order and the remaining passes read only the list.
@@ -286,6 +369,15 @@ __device__ void radix_select(const unsigned* keys, int n, int k, unsigned* wcnt,
   unsigned prefix = 0, mask = 0;
   int need = k, nlist = -1;  // -1: not compacted
   bool done = false;
+  // Prefiltered: the list holds every key >= tau (not only those matching the prefix), so a bin taken
+  // whole ends with the exact k-th key as the threshold (keys off the list may share its prefix).
+  bool pre = false;
+#ifndef MOE_RT_ROUTER_NO_PREFILTER
+  if (n >= 8 * TEAM && k <= 64) {
+    nlist = prefilter_list<TEAM>(keys, n, k, list, redi);
+    pre = nlist >= 0;
+  }
+#endif
   for (int shift = 28, pass = 0; shift >= 0; shift -= 4, ++pass) {
     unsigned v[16];
     if (nlist < 0) count_digits(keys, r, n, TEAM, 0, prefix, mask, shift, v);
@@ -307,6 +399,12 @@ __device__ void radix_select(const unsigned* keys, int n, int k, unsigned* wcnt,
   }
   thr = prefix;
   if (done) {
+    if (pre) {
+      unsigned lo = 0xffffffffu;
+      for (int i = r; i < nlist; i += TEAM)
+        if (lkeys[i] >= prefix) lo = min(lo, lkeys[i]);
+      thr = ~TM::vmax(~lo, redi + 16);
+    }
     ilast = kIntMax;
   } else if (nlist >= 0) {
     // Ties at the exact k-th key: the need-th lowest index among the listed ties.
@@ -318,7 +416,7 @@ __device__ void radix_select(const unsigned* keys, int n, int k, unsigned* wcnt,
       for (int u = 0; u < nlist; ++u) rank += (lkeys[u] == prefix && lexp[u] < e) ? 1 : 0;
       if (rank == need - 1) found = e;
     }
-    ilast = TM::imax(found, redi + 16);
+    ilast = TM::vmax(found, redi + 16);
   } else {
     // Ties at the exact k-th key: keep the first `need` in index order.
     int run = 0, found = -1;
@@ -331,7 +429,7 @@ __device__ void radix_select(const unsigned* keys, int n, int k, unsigned* wcnt,
       run += tot;
       if (run >= need) break;
     }
-    ilast = TM::imax(found, redi + 16);
+    ilast = TM::vmax(found, redi + 16);
   }
   if (nlist >= 0) {
     TM::sync();  // every list read is done
@@ -532,6 +630,79 @@ __device__ void group_scores_seg(const unsigned* keys, int G, int n, int m, int 
   Team<TEAM>::sync();
 }
 
+// m > 8, one warp (TEAM = 32), same segments as group_scores_seg: each lane keeps its 4 largest keys, and
+// tau, the m-th largest of the segment's 4L candidates, has at least m keys of the group at or above it.
+// Those keys are listed in scratch, ranked, and the m largest summed in descending order (the same sum as
+// group_scores_seg). False when some segment lists more than 16L - m keys (scratch left zero; the caller
+// then runs group_scores_seg). Requires m <= 4L.
+__device__ bool group_scores_pre(const unsigned* keys, int G, int n, int m, int L, unsigned* gkey,
+                                 unsigned* scratch_all) {
+  const int lane = threadIdx.x & 31;
+  const int j = lane / L, sub = lane % L;
+  const bool act = j < G;
+  const unsigned* gk = keys + (act ? j * n : 0);
+  const unsigned segmask = L == 32 ? FULL_MASK : (((1u << L) - 1u) << (lane & ~(L - 1)));
+  unsigned* scratch = scratch_all + 16 * j * L;
+  const int cap = 16 * L - m;
+  unsigned top[4] = {0u, 0u, 0u, 0u};
+  if (act) {
+    for (int e = sub; e < n; e += L) insert_top<4>(top, gk[e]);
+#pragma unroll
+    for (int u = 0; u < 4; ++u) scratch[4 * sub + u] = top[u];
+  }
+  __syncwarp();
+  unsigned tau = 0u;
+  if (act) {
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int pu = 4 * sub + u;
+      int rk = 0;
+      for (int q = 0; q < 4 * L; ++q) {
+        const unsigned kq = scratch[q];
+        rk += (kq > top[u] || (kq == top[u] && q < pu)) ? 1 : 0;
+      }
+      if (rk == m - 1) tau = top[u];
+    }
+  }
+  for (int off = 1; off < L; off <<= 1) tau = max(tau, __shfl_xor_sync(FULL_MASK, tau, off));
+  __syncwarp();  // every candidate is read before the list overwrites them
+  int cnt = 0;
+  for (int base = 0; base < n; base += L) {
+    const int e = base + sub;
+    const bool pred = act && e < n && gk[e] >= tau;
+    const unsigned bal = __ballot_sync(FULL_MASK, pred) & segmask;
+    const int pos = cnt + __popc(bal & ((1u << lane) - 1u));
+    if (pred && pos < cap) scratch[pos] = gk[e];
+    cnt += __popc(bal);
+  }
+  const bool ok = __all_sync(FULL_MASK, !act || cnt <= cap);
+  __syncwarp();
+  if (ok && act) {
+    for (int i = sub; i < cnt; i += L) {  // reads [0, cnt), writes [cnt, cnt + m)
+      const unsigned ki = scratch[i];
+      int rk = 0;
+      for (int u = 0; u < cnt; ++u) {
+        const unsigned ku = scratch[u];
+        rk += (ku > ki || (ku == ki && u < i)) ? 1 : 0;
+      }
+      if (rk < m) scratch[cnt + rk] = ki;
+    }
+  }
+  __syncwarp();
+  if (ok && act && sub == 0) {
+    float s = fdecode(scratch[cnt]);
+    for (int u = 1; u < m; ++u) s += fdecode(scratch[cnt + u]);
+    gkey[j] = fkey(s);
+  }
+  __syncwarp();
+  if (act) {
+    const int used = max(4 * L, min(cnt, cap) + (ok ? m : 0));
+    for (int i = sub; i < used; i += L) scratch[i] = 0u;
+  }
+  __syncwarp();
+  return ok;
+}
+
 template <int TEAM>
 __device__ __forceinline__ void group_scores(const unsigned* keys, int G, int n, int m, unsigned* gkey,
                                              unsigned* hist) {
@@ -542,8 +713,16 @@ __device__ __forceinline__ void group_scores(const unsigned* keys, int G, int n,
   else {
     int L = 1;
     while (L < 32 && L * 2 * G <= TEAM) L *= 2;
-    if (G <= TEAM && 2 * m <= 16 * L) group_scores_seg<TEAM>(keys, G, n, m, L, gkey, hist);
-    else group_scores_any<TEAM>(keys, G, n, m, gkey);
+    if (G <= TEAM && 2 * m <= 16 * L) {
+#ifndef MOE_RT_ROUTER_NO_PREFILTER
+      if constexpr (TEAM == 32) {
+        if (m <= 4 * L && n >= 8 * L && group_scores_pre(keys, G, n, m, L, gkey, hist)) return;
+      }
+#endif
+      group_scores_seg<TEAM>(keys, G, n, m, L, gkey, hist);
+    } else {
+      group_scores_any<TEAM>(keys, G, n, m, gkey);
+    }
   }
 }
 
@@ -859,7 +1038,7 @@ __device__ __forceinline__ SlotPtrs slot_ptrs(unsigned* base, const LT& L) {
 // probs/scores/rmap/inter/topk_idx/topk_w may be null (not written). vec: all pointers 16-byte aligned
 // and E % (16 / sizeof(T)) == 0. G = 0: no grouping.
 template <typename T, int TEAM>
-__global__ void __launch_bounds__(TEAM == 32 ? 128 : TEAM, TEAM == 128 ? 6 : (TEAM == 32 ? 4 : 1))
+__global__ void __launch_bounds__(TEAM == 32 ? 128 : TEAM, MOE_RT_FWD_MINB(TEAM))
 router_fwd(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score_fn, int pre_softmax,
            int aux_mode, int G, int g, int m, unsigned gmagic, float scale, const float* __restrict__ bias,
            T* __restrict__ probs, float* __restrict__ scores, bool* __restrict__ rmap,
@@ -907,7 +1086,7 @@ router_fwd(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score
     };
     const bool write_inter1 = inter != nullptr && sig_like;
     if (vec) {
-      constexpr int U = 2;  // chunks loaded before the first is used
+      constexpr int U = MOE_RT_FWD_U;  // chunks loaded before the first is used
       for (int c0 = r; c0 < nch; c0 += U * TEAM) {
         alignas(16) T xv[U][CH];
 #pragma unroll
@@ -1086,7 +1265,7 @@ router_fwd(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score
 // ---- forward with the row in registers: one warp per token, 4 tokens per block -------------------------
 // Same parameters, outputs and bits as router_fwd<T, 32>; requires vec and E / CH <= 32 * V / CH.
 template <typename T, int V>
-__global__ void __launch_bounds__(128, V <= 8 ? 6 : (V <= 16 ? 4 : 3))
+__global__ void __launch_bounds__(128, MOE_RT_FWD_REG_MINB(V))
 router_fwd_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score_fn, int pre_softmax,
                int aux_mode, int G, int g, int m, unsigned gmagic, float scale, const float* __restrict__ bias,
                T* __restrict__ probs, float* __restrict__ scores, bool* __restrict__ rmap,
@@ -1285,6 +1464,33 @@ router_bwd(const TG* __restrict__ grad, const bool* __restrict__ rmap, const flo
   for (i64 t = (i64)blockIdx.x * SPB + slot; t < num_tokens; t += (i64)gridDim.x * SPB) {
     const i64 row = t * (i64)E;
     float A = 0.0f, B = 0.0f;
+    // f(c, g, msk, y) for every chunk c of the row (vec), U chunks loaded before the first is used; g is
+    // the scaled grad.
+    auto each_chunk = [&](auto f) {
+      constexpr int U = MOE_RT_BWD_U(TEAM);
+      for (int c0 = r; c0 < nch; c0 += U * TEAM) {
+        alignas(16) TG gv[U][CH];
+        alignas(16) float yv[U][CH];
+        alignas(16) bool mv[U][CH];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int c = c0 + u * TEAM;
+          if (c < nch) {
+            ldn<CH>(grad + row + (i64)c * CH, gv[u]);
+            ldn<CH>(inter + row + (i64)c * CH, yv[u]);
+            if (rmap) ldn<CH>(rmap + row + (i64)c * CH, mv[u]);
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          float g[CH];
+          bool msk[CH];
+#pragma unroll
+          for (int v = 0; v < CH; ++v) { g[v] = scale * to_float(gv[u][v]); msk[v] = rmap ? mv[u][v] : true; }
+          if (c0 + u * TEAM < nch) f(c0 + u * TEAM, g, msk, yv[u]);
+        }
+      }
+    };
     auto acc = [&](float g, bool msk, float y) {
       if (sig_like) {
         const float v = score_fn == SIGMOID ? y : sqrtsoftplusf(y);
@@ -1294,16 +1500,10 @@ router_bwd(const TG* __restrict__ grad, const bool* __restrict__ rmap, const flo
       }
     };
     if (vec) {
-      for (int c = r; c < nch; c += TEAM) {
-        alignas(16) TG gv[CH];
-        alignas(16) float yv[CH];
-        alignas(16) bool mv[CH];
-        ldn<CH>(grad + row + (i64)c * CH, gv);
-        ldn<CH>(inter + row + (i64)c * CH, yv);
-        if (rmap) ldn<CH>(rmap + row + (i64)c * CH, mv);
+      each_chunk([&](int, const float (&g)[CH], const bool (&msk)[CH], const float (&y)[CH]) {
 #pragma unroll
-        for (int v = 0; v < CH; ++v) acc(scale * to_float(gv[v]), rmap ? mv[v] : true, yv[v]);
-      }
+        for (int v = 0; v < CH; ++v) acc(g[v], msk[v], y[v]);
+      });
     } else {
       for (int e = r; e < E; e += TEAM)
         acc(scale * to_float(grad[row + e]), rmap ? rmap[row + e] : true, inter[row + e]);
@@ -1324,18 +1524,12 @@ router_bwd(const TG* __restrict__ grad, const bool* __restrict__ rmap, const flo
       return msk ? y * (g - A) : 0.0f;
     };
     if (vec) {
-      for (int c = r; c < nch; c += TEAM) {
-        alignas(16) TG gv[CH];
-        alignas(16) float yv[CH];
-        alignas(16) bool mv[CH];
+      each_chunk([&](int c, const float (&g)[CH], const bool (&msk)[CH], const float (&y)[CH]) {
         alignas(16) TO ov[CH];
-        ldn<CH>(grad + row + (i64)c * CH, gv);
-        ldn<CH>(inter + row + (i64)c * CH, yv);
-        if (rmap) ldn<CH>(rmap + row + (i64)c * CH, mv);
 #pragma unroll
-        for (int v = 0; v < CH; ++v) ov[v] = from_float<TO>(dx(scale * to_float(gv[v]), rmap ? mv[v] : true, yv[v]));
+        for (int v = 0; v < CH; ++v) ov[v] = from_float<TO>(dx(g[v], msk[v], y[v]));
         stn<CH>(out + row + (i64)c * CH, ov);
-      }
+      });
     } else {
       for (int e = r; e < E; e += TEAM)
         out[row + e] = from_float<TO>(dx(scale * to_float(grad[row + e]), rmap ? rmap[row + e] : true, inter[row + e]));

@@ -570,3 +570,22 @@ def test_gpu_kernel_variants_agree(rng, monkeypatch, case, ties):
     assert (got[1].sum(1) == K).all()
     if score == "softmax" and not pre and not groups:  # selection on the raw logits: the exact oracle
         np.testing.assert_array_equal(got[1], ref.topk_with_score_fwd(x.get(), K)[1])
+
+
+# Long rows with exact ties at the selection boundary: logits rounded to steps of 1/s. Coarse steps leave
+# more than 64 keys at or above the prefilter's threshold (the radix select then runs on the whole row);
+# finer steps leave a short list with a few ties at the k-th key, which must still go by lowest index.
+@pytest.mark.gpu
+@pytest.mark.parametrize("E,K", [(2304, 36), (2304, 64), (16384, 8), (4096, 17)])
+@pytest.mark.parametrize("s", [4, 64, 4096])
+def test_gpu_long_rows_ties_exact(rng, E, K, s):
+    import cupy as cp
+
+    x = (np.round(rng.standard_normal((129, E)) * s) / s).astype(F32)
+    x[0] = 0.5  # one row of all-equal logits: the first K experts
+    probs, rmap, inter = (a.get() for a in R.topk_with_score(cp.asarray(x), K))
+    rp, rm, ri = ref.topk_with_score_fwd(x, K)
+    np.testing.assert_array_equal(rmap, rm)
+    assert rmap[0, :K].all() and rmap.sum(1).tolist() == [K] * len(x)
+    _close(probs, rp, F32, E, "probs")
+    _close(inter, ri, F32, E, "intermediate")
