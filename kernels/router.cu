@@ -1464,30 +1464,17 @@ router_bwd(const TG* __restrict__ grad, const bool* __restrict__ rmap, const flo
   for (i64 t = (i64)blockIdx.x * SPB + slot; t < num_tokens; t += (i64)gridDim.x * SPB) {
     const i64 row = t * (i64)E;
     float A = 0.0f, B = 0.0f;
-    // f(c, g, msk, y) for every chunk c of the row (vec), U chunks loaded before the first is used; g is
-    // the scaled grad.
-    auto each_chunk = [&](auto f) {
-      constexpr int U = MOE_RT_BWD_U(TEAM);
-      for (int c0 = r; c0 < nch; c0 += U * TEAM) {
-        alignas(16) TG gv[U][CH];
-        alignas(16) float yv[U][CH];
-        alignas(16) bool mv[U][CH];
+    // U chunks are loaded before the first is used. (The two passes keep their own loops: one helper that
+    // runs both through a lambda measured 9-25% slower for fp32 rows on H100.)
+    constexpr int U = MOE_RT_BWD_U(TEAM);
+    auto load_u = [&](int c0, TG (&gv)[U][CH], float (&yv)[U][CH], bool (&mv)[U][CH]) {
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-          const int c = c0 + u * TEAM;
-          if (c < nch) {
-            ldn<CH>(grad + row + (i64)c * CH, gv[u]);
-            ldn<CH>(inter + row + (i64)c * CH, yv[u]);
-            if (rmap) ldn<CH>(rmap + row + (i64)c * CH, mv[u]);
-          }
-        }
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-          float g[CH];
-          bool msk[CH];
-#pragma unroll
-          for (int v = 0; v < CH; ++v) { g[v] = scale * to_float(gv[u][v]); msk[v] = rmap ? mv[u][v] : true; }
-          if (c0 + u * TEAM < nch) f(c0 + u * TEAM, g, msk, yv[u]);
+      for (int u = 0; u < U; ++u) {
+        const int c = c0 + u * TEAM;
+        if (c < nch) {
+          ldn<CH>(grad + row + (i64)c * CH, gv[u]);
+          ldn<CH>(inter + row + (i64)c * CH, yv[u]);
+          if (rmap) ldn<CH>(rmap + row + (i64)c * CH, mv[u]);
         }
       }
     };
@@ -1500,10 +1487,18 @@ router_bwd(const TG* __restrict__ grad, const bool* __restrict__ rmap, const flo
       }
     };
     if (vec) {
-      each_chunk([&](int, const float (&g)[CH], const bool (&msk)[CH], const float (&y)[CH]) {
+      for (int c0 = r; c0 < nch; c0 += U * TEAM) {
+        alignas(16) TG gv[U][CH];
+        alignas(16) float yv[U][CH];
+        alignas(16) bool mv[U][CH];
+        load_u(c0, gv, yv, mv);
 #pragma unroll
-        for (int v = 0; v < CH; ++v) acc(g[v], msk[v], y[v]);
-      });
+        for (int u = 0; u < U; ++u)
+          if (c0 + u * TEAM < nch) {
+#pragma unroll
+            for (int v = 0; v < CH; ++v) acc(scale * to_float(gv[u][v]), rmap ? mv[u][v] : true, yv[u][v]);
+          }
+      }
     } else {
       for (int e = r; e < E; e += TEAM)
         acc(scale * to_float(grad[row + e]), rmap ? rmap[row + e] : true, inter[row + e]);
@@ -1524,12 +1519,23 @@ router_bwd(const TG* __restrict__ grad, const bool* __restrict__ rmap, const flo
       return msk ? y * (g - A) : 0.0f;
     };
     if (vec) {
-      each_chunk([&](int c, const float (&g)[CH], const bool (&msk)[CH], const float (&y)[CH]) {
-        alignas(16) TO ov[CH];
+      for (int c0 = r; c0 < nch; c0 += U * TEAM) {
+        alignas(16) TG gv[U][CH];
+        alignas(16) float yv[U][CH];
+        alignas(16) bool mv[U][CH];
+        load_u(c0, gv, yv, mv);
 #pragma unroll
-        for (int v = 0; v < CH; ++v) ov[v] = from_float<TO>(dx(g[v], msk[v], y[v]));
-        stn<CH>(out + row + (i64)c * CH, ov);
-      });
+        for (int u = 0; u < U; ++u) {
+          const int c = c0 + u * TEAM;
+          if (c < nch) {
+            alignas(16) TO ov[CH];
+#pragma unroll
+            for (int v = 0; v < CH; ++v)
+              ov[v] = from_float<TO>(dx(scale * to_float(gv[u][v]), rmap ? mv[u][v] : true, yv[u][v]));
+            stn<CH>(out + row + (i64)c * CH, ov);
+          }
+        }
+      }
     } else {
       for (int e = r; e < E; e += TEAM)
         out[row + e] = from_float<TO>(dx(scale * to_float(grad[row + e]), rmap ? rmap[row + e] : true, inter[row + e]));
