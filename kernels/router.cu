@@ -39,11 +39,12 @@ constexpr int kList = 64;  // radix select: keys still in play are compacted onc
 #ifndef MOE_RT_FWD_U
 #define MOE_RT_FWD_U 2
 #endif
-// Chunks each thread loads before using the first: forward (generic kernel) and backward (by team size;
-// measured on H100: 4 helps the 512-thread backward, more than 1 slows the smaller teams).
-#ifndef MOE_RT_BWD_U
-#define MOE_RT_BWD_U(TEAM) ((TEAM) == 512 ? 4 : 1)
+// Chunks each thread loads before using the first: forward (generic kernel) and backward (512-thread team:
+// MOE_RT_BWD_ELEMS_512 elements per thread; on H100 loading more than one chunk slowed the smaller teams).
+#ifndef MOE_RT_BWD_ELEMS_512
+#define MOE_RT_BWD_ELEMS_512 16
 #endif
+#define MOE_RT_BWD_U(TEAM, CH) ((TEAM) == 512 && MOE_RT_BWD_ELEMS_512 > (CH) ? MOE_RT_BWD_ELEMS_512 / (CH) : 1)
 #define MOE_RT_FWD_MINB(TEAM) ((TEAM) == 128 ? 6 : ((TEAM) == 32 ? 4 : MOE_RT_FWD_MINB_512))
 #define MOE_RT_FWD_REG_MINB(V) ((V) <= 8 ? MOE_RT_FWD_REG_MINB_8 : ((V) <= 16 ? 4 : 3))
 template <int N> struct IC { static constexpr int value = N; };
@@ -1466,7 +1467,7 @@ router_bwd(const TG* __restrict__ grad, const bool* __restrict__ rmap, const flo
     float A = 0.0f, B = 0.0f;
     // U chunks are loaded before the first is used. (The two passes keep their own loops: one helper that
     // runs both through a lambda measured 9-25% slower for fp32 rows on H100.)
-    constexpr int U = MOE_RT_BWD_U(TEAM);
+    constexpr int U = MOE_RT_BWD_U(TEAM, CH);
     auto load_u = [&](int c0, TG (&gv)[U][CH], float (&yv)[U][CH], bool (&mv)[U][CH]) {
 #pragma unroll
       for (int u = 0; u < U; ++u) {
