@@ -36,11 +36,11 @@ constexpr int kList = 64;  // radix select: keys still in play are compacted onc
 #ifndef MOE_RT_FWD_REG_MINB_8
 #define MOE_RT_FWD_REG_MINB_8 6
 #endif
+// Chunks each thread loads before using the first: forward (generic kernel) and backward (512-thread team:
+// MOE_RT_BWD_ELEMS_512 elements per thread; on H100 loading more than one chunk slowed the smaller teams).
 #ifndef MOE_RT_FWD_U
 #define MOE_RT_FWD_U 2
 #endif
-// Chunks each thread loads before using the first: forward (generic kernel) and backward (512-thread team:
-// MOE_RT_BWD_ELEMS_512 elements per thread; on H100 loading more than one chunk slowed the smaller teams).
 #ifndef MOE_RT_BWD_ELEMS_512
 #define MOE_RT_BWD_ELEMS_512 16
 #endif
