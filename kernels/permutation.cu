@@ -34,6 +34,12 @@ __device__ __forceinline__ int expert_key(const IdxT* idx, i64 i, i64 L, int E) 
   return (v >= 0 && v < E) ? (int)v : -1;  // ids outside [0, E) are dropped, like -1
 }
 
+// A routing map [T, E] read as E slots per token: slot i = t*E + e holds expert e when set (L < 2^31).
+__device__ __forceinline__ int expert_key(const bool* map, i64 i, i64 L, int E) {
+  if (i >= L) return -1;
+  return map[i] ? (int)i % E : -1;
+}
+
 // Raw-unit streaming access; U is one of uint4, uint2, unsigned, unsigned short, unsigned char.
 template <typename U> __device__ __forceinline__ U ld_stream(const U* p) { return __ldcs(p); }
 template <typename U> __device__ __forceinline__ void st_stream(U* p, U v) { __stcs(p, v); }

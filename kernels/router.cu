@@ -1545,11 +1545,19 @@ router_bwd(const TG* __restrict__ grad, const bool* __restrict__ rmap, const flo
 }
 
 // ---- aux loss -----------------------------------------------------------------------------------------
+// tokens_per_expert is read as given: float (tkind 0), int32 (1) or int64 (2), converted to float (round to
+// nearest, as a cast on the host would).
+__device__ __forceinline__ float tpe_at(const void* t, int tkind, i64 c) {
+  if (tkind == 1) return (float)static_cast<const int*>(t)[c];
+  if (tkind == 2) return (float)static_cast<const long long*>(t)[c];
+  return static_cast<const float*>(t)[c];
+}
+
 // loss = coeff * sum_c tpe[c] * sum_r probs[r, c]. Block b sums rows [b*rpb, (b+1)*rpb) per column, dots
 // with tpe and writes partial[b]; aux_loss_final adds the partials in a fixed order. No atomics.
 template <typename T>
 __global__ void __launch_bounds__(256)
-aux_loss_partial(const T* __restrict__ probs, i64 R, int C, const float* __restrict__ tpe, i64 rpb,
+aux_loss_partial(const T* __restrict__ probs, i64 R, int C, const void* __restrict__ tpe, int tkind, i64 rpb,
                  float* __restrict__ partial, int vec) {
   __shared__ float scratch[32];
   constexpr int CHV = 16 / (int)sizeof(T);
@@ -1584,7 +1592,7 @@ aux_loss_partial(const T* __restrict__ probs, i64 R, int C, const float* __restr
         for (int v = 0; v < CH; ++v) cs[v] += to_float(a[v]);
       }
 #pragma unroll
-      for (int v = 0; v < CH; ++v) acc += tpe[c * CH + v] * cs[v];
+      for (int v = 0; v < CH; ++v) acc += tpe_at(tpe, tkind, (i64)c * CH + v) * cs[v];
     }
   };
   if (vec) run(IC<CHV>{});
@@ -1606,8 +1614,8 @@ aux_loss_final(const float* __restrict__ partial, int nb, float coeff, T* __rest
 // grad_probs[r, c] = (coeff * tpe[c]) * grad
 template <typename T>
 __global__ void __launch_bounds__(256)
-aux_loss_bwd(const T* __restrict__ grad, const float* __restrict__ tpe, i64 R, int C, float coeff, i64 rpb,
-             T* __restrict__ out, int vec) {
+aux_loss_bwd(const T* __restrict__ grad, const void* __restrict__ tpe, int tkind, i64 R, int C, float coeff,
+             i64 rpb, T* __restrict__ out, int vec) {
   const int tid = threadIdx.x;
   const float g = to_float(grad[0]);
   const i64 r0 = (i64)blockIdx.x * rpb, r1 = min(R, r0 + rpb);
@@ -1620,7 +1628,7 @@ aux_loss_bwd(const T* __restrict__ grad, const float* __restrict__ tpe, i64 R, i
     for (int c = tid % (nch < 256 ? nch : 256); c < nch; c += 256) {
       alignas(16) T o[CH];
 #pragma unroll
-      for (int v = 0; v < CH; ++v) o[v] = from_float<T>((coeff * tpe[c * CH + v]) * g);
+      for (int v = 0; v < CH; ++v) o[v] = from_float<T>((coeff * tpe_at(tpe, tkind, (i64)c * CH + v)) * g);
       for (i64 r = r0 + rsub; r < r1; r += RS) stn<CH>(out + r * C + (i64)c * CH, o);
     }
   };

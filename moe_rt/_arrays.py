@@ -13,6 +13,8 @@ given as a ``cupy.cuda.Stream``, a ``torch.cuda.Stream``, any object with ``__cu
 """
 from __future__ import annotations
 
+import threading as _threading
+
 import numpy as np
 
 from moe_rt import _dlpack
@@ -47,6 +49,8 @@ def _device_of(obj, name):
     fw = _framework_of(obj)
     if fw == "numpy":
         return "cpu", 0
+    if fw == "devarray":
+        return "cuda", obj.device_id
     if fw == "cupy":
         return "cuda", obj.device.id
     if fw == "torch" and hasattr(obj, "is_cuda"):
@@ -176,7 +180,144 @@ def _xla_view(obj, device_id):
     return _cupy_over(ptr, shape, dt, tuple(int(v) for v in st), obj, device_id)
 
 
+class _Flags:
+    __slots__ = ()
+    c_contiguous = True
+
+
+_CONTIGUOUS = _Flags()
+
+
+class DevArray:
+    """A C-contiguous array in device memory, as moe_rt's kernels see it: ``ptr``, ``shape``, ``dtype``
+    and ``owner``, the object whose memory it is (a torch tensor, an XLA buffer, a CuPy array), kept alive
+    by the view; ``offset`` counts elements from the owner's start (a slice of one plan buffer).
+
+    The hot ops' CUDA paths take these instead of CuPy arrays where the caller's memory or the caller's
+    allocator is at hand (torch tensors on torch's stream, XLA buffers in a JAX callback): they read only
+    what a launch needs (``data.ptr``, ``shape``, ``dtype``, ``size``, ``reshape``, 1-D slices), and
+    anything else goes through :meth:`cupy`, a CuPy view of the same memory."""
+
+    __slots__ = ("ptr", "shape", "dtype", "owner", "device_id", "offset", "_cp")
+    flags = _CONTIGUOUS
+
+    def __init__(self, ptr, shape, dtype, owner, device_id, offset=0):
+        self.ptr, self.shape, self.dtype, self.owner = ptr, shape, dtype, owner
+        self.device_id, self.offset, self._cp = device_id, offset, None
+
+    @property
+    def data(self):  # ``a.data.ptr`` reads like a CuPy array's
+        return self
+
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+    @property
+    def size(self):
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self):
+        return self.size * self.dtype.itemsize
+
+    def reshape(self, *shape):
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+            shape = shape[0]
+        shape = tuple(int(d) for d in shape)
+        n = self.size
+        if -1 in shape:
+            rest = 1
+            for d in shape:
+                rest *= d if d != -1 else 1
+            shape = tuple(d if d != -1 else (n // rest if rest else 0) for d in shape)
+        m = 1
+        for d in shape:
+            m *= d
+        if m != n:
+            raise ValueError(f"cannot reshape an array of {n} elements into shape {shape}")
+        return DevArray(self.ptr, shape, self.dtype, self.owner, self.device_id, self.offset)
+
+    def __getitem__(self, key):
+        if not isinstance(key, slice) or len(self.shape) != 1 or key.step not in (None, 1):
+            return self.cupy()[key]
+        start, stop, _ = key.indices(self.shape[0])
+        n = max(stop - start, 0)
+        return DevArray(self.ptr + start * self.dtype.itemsize, (n,), self.dtype, self.owner, self.device_id,
+                        self.offset + start)
+
+    def astype(self, dtype, copy=True):
+        if not copy and np.dtype(dtype) == self.dtype:
+            return self
+        return self.cupy().astype(dtype, copy=copy)
+
+    def cupy(self):
+        """A CuPy array over the same memory (made once)."""
+        if self._cp is None:
+            nbytes = self.nbytes
+            if nbytes == 0:
+                import cupy
+
+                with cupy.cuda.Device(self.device_id):
+                    self._cp = cupy.empty(self.shape, self.dtype)
+            else:
+                self._cp = _cupy_over_dense(self.ptr, self.shape, self.dtype, nbytes, self.owner, self.device_id)
+        return self._cp
+
+    def export(self, framework: str):
+        """The array in ``framework``: a view of a torch owner, else through CuPy (no copy)."""
+        o = self.owner
+        if framework == "torch" and _framework_of(o) == "torch":
+            if self.offset == 0 and o.numel() == self.size:
+                return o if o.shape == self.shape else o.view(self.shape)
+            flat = o.view(-1) if o.dim() != 1 else o
+            return flat[self.offset:self.offset + self.size].view(self.shape)
+        if framework == "devarray":
+            return self
+        return export(self.cupy(), framework)
+
+
+def _torch_dtype_of(dt):
+    """The torch dtype of a NumPy dtype moe_rt allocates (the inverse of :func:`_torch_np_dtype`)."""
+    if not _TORCH_DTYPES:
+        _torch_np_dtype(None)
+    t = _TORCH_BY_NP.get(dt)
+    if t is None:
+        _TORCH_BY_NP.update({v: k for k, v in _TORCH_DTYPES.items()})
+        t = _TORCH_BY_NP[dt]
+    return t
+
+
+_TORCH_BY_NP: dict = {}
+
+
+_serving = _threading.local()
+
+
+class serving:
+    """Within ``with serving(dsts):`` (``dsts``: DevArrays over XLA's output buffers), :meth:`Call.empty`
+    hands an op each buffer once, in order, to the first allocation of the same dtype and element count,
+    so results are computed straight into XLA's outputs."""
+
+    def __init__(self, dsts):
+        self.dsts = [d for d in dsts if d.size > 0]
+
+    def __enter__(self):
+        self.prev = getattr(_serving, "outs", None)
+        _serving.outs = self.dsts
+        return self
+
+    def __exit__(self, *exc):
+        _serving.outs = self.prev
+        return False
+
+
+_framework_by_type[DevArray] = "devarray"
 _devices: dict = {}
+_torch_devices: dict = {}
 
 
 class Call:
@@ -184,7 +325,7 @@ class Call:
     ``device_id``, ``stream`` (a cupy Stream, or None on CPU) and ``framework`` (of the first array
     argument: 'torch', 'jax', 'cupy', 'numpy' or 'other')."""
 
-    def __init__(self, arrays: dict, stream=None, *, xla_buffers: bool = False):
+    def __init__(self, arrays: dict, stream=None, *, xla_buffers: bool = False, lean: bool = False):
         self.framework = None
         self.backend = None
         self.device_id = 0
@@ -204,6 +345,11 @@ class Call:
             raise TypeError("no array argument was given")
         self._fast_torch = self.backend == "cuda" and stream is None and self.framework == "torch"
         self._on_xla_stream = xla_buffers and stream is not None
+        # lean: the op's CUDA path takes DevArrays (torch tensors on torch's stream, XLA buffers) and
+        # allocates through empty(): torch's allocator for torch callers, XLA's outputs in a callback
+        self._lean = lean and self.backend == "cuda"
+        self._serve = getattr(_serving, "outs", None) if self._lean else None
+        self._tdev = None
         if self.backend == "cuda":
             import cupy
 
@@ -226,11 +372,15 @@ class Call:
         fw = _framework_of(obj)
         if self.backend == "cuda" and fw == "cupy":
             return obj
+        if fw == "devarray":
+            return obj if self._lean else obj.cupy()
         if self._fast_torch and fw == "torch":
             # torch CUDA tensor on torch's current stream (the stream this call runs on): read its pointer,
             # shape and strides directly; DLPack's stream handshake would be a no-op here.
             dt = _torch_np_dtype(obj.dtype)
             if dt is not None and obj.is_cuda:
+                if self._lean and obj.is_contiguous():
+                    return DevArray(obj.data_ptr(), tuple(obj.shape), dt, obj, self.device_id)
                 return _cupy_over(obj.data_ptr(), tuple(obj.shape), dt,
                                   tuple(st * dt.itemsize for st in obj.stride()), obj, self.device_id)
         if self.backend == "cuda" and self._on_xla_stream:
@@ -261,9 +411,53 @@ class Call:
             self._device.__exit__(*exc)
         return False
 
+    # -- allocation ------------------------------------------------------------------------------------
+    @property
+    def serving(self) -> bool:
+        """Whether results go straight into XLA's output buffers (a lean call inside a JAX callback)."""
+        return self._serve is not None
+
+    def empty(self, shape, dtype):
+        """An uninitialized result array on the call's device and stream: in a lean call one of XLA's
+        output buffers (see :class:`serving`) or a torch tensor from torch's allocator (as a DevArray),
+        else a CuPy (CUDA) or NumPy (CPU) array."""
+        if self._lean:
+            dtype = np.dtype(dtype)
+            shape = tuple(shape)
+            if self._serve:
+                n = 1
+                for d in shape:
+                    n *= d
+                for i, d in enumerate(self._serve):
+                    if d.dtype == dtype and d.size == n:
+                        del self._serve[i]
+                        return d.reshape(shape)
+            if self._fast_torch:
+                return self._torch_empty(shape, dtype)
+        return self.xp.empty(shape, dtype=dtype)
+
+    def scratch(self, shape, dtype):
+        """Like :meth:`empty`, but never one of XLA's output buffers (working memory of one call)."""
+        if self._lean and self._fast_torch:
+            return self._torch_empty(tuple(shape), np.dtype(dtype))
+        return self.xp.empty(shape, dtype=dtype)
+
+    def _torch_empty(self, shape, dtype):
+        import torch
+
+        if self._tdev is None:
+            self._tdev = _torch_devices.get(self.device_id)
+            if self._tdev is None:
+                self._tdev = _torch_devices[self.device_id] = torch.device("cuda", self.device_id)
+        t = torch.empty(shape, dtype=_torch_dtype_of(dtype), device=self._tdev)
+        return DevArray(t.data_ptr(), shape, dtype, t, self.device_id)
+
     # -- export ----------------------------------------------------------------------------------------
     def out(self, arr):
-        """Hand ``arr`` (a CuPy or NumPy array made by the op) back in the caller's framework, no copy."""
+        """Hand ``arr`` (a CuPy or NumPy array or DevArray made by the op) back in the caller's framework,
+        no copy."""
+        if type(arr) is DevArray:
+            return arr.export(self.framework)
         if self._fast_torch and not isinstance(arr, np.ndarray):
             return _torch_from_cupy(arr, self.stream.ptr)
         return export(arr, self.framework)
@@ -303,8 +497,10 @@ def wrap(view):
 def export(arr, framework: str):
     """``arr`` (CuPy or NumPy) as an array of ``framework`` ('torch', 'jax', 'cupy', 'numpy', 'other'),
     on the same device, without copying."""
+    if type(arr) is DevArray:
+        return arr.export(framework)
     is_numpy = isinstance(arr, np.ndarray)
-    if framework in ("cupy", "other") or (framework == "numpy" and is_numpy):
+    if framework in ("cupy", "other", "devarray") or (framework == "numpy" and is_numpy):
         return arr
     if framework == "numpy":  # CUDA result for a NumPy caller cannot happen: backend follows the data
         return arr.get()
@@ -355,6 +551,21 @@ def check_shape(arr, name, shape):
 def contiguous(xp, arr):
     """``arr`` if C-contiguous, else a contiguous copy (made on the call's stream)."""
     return arr if arr.flags.c_contiguous else xp.ascontiguousarray(arr)
+
+
+def cupy_of(arr):
+    """A CuPy or NumPy array for ``arr``: a DevArray's CuPy view, anything else as it is."""
+    return arr.cupy() if type(arr) is DevArray else arr
+
+
+def as_f32(xp, arr):
+    """``arr`` as a C-contiguous float32 array: itself when it is one already, else a converted copy
+    (made on the call's stream)."""
+    if np.dtype(arr.dtype) == np.float32 and arr.flags.c_contiguous:
+        return arr
+    if type(arr) is DevArray:
+        arr = arr.cupy()
+    return xp.ascontiguousarray(arr.astype(np.float32))
 
 
 def check_int(value, name, *, low=None, high=None):

@@ -129,6 +129,8 @@ def function(file: str, name: str):
         return fn
 
 
+from moe_rt._arrays import DevArray  # noqa: E402
+
 try:
     from moe_rt import _launch as _driver
 except ImportError:  # pragma: no cover - the extension is built with the package
@@ -155,6 +157,7 @@ def launch_raw(fn, grid, block, args: tuple, shared_mem: int, stream) -> None:
         sptr = stream.ptr if stream is not None else _current_stream_ptr()
         if _driver.launch(function_ptr(fn), grid, block, args, sptr, shared_mem):
             return
+    args = tuple(a.ptr if type(a) is DevArray else a for a in args)  # CuPy's launcher takes the pointer
     fn(grid if type(grid) is tuple else (grid,), block if type(block) is tuple else (block,), args,
        shared_mem=shared_mem, stream=stream)
 

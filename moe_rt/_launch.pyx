@@ -6,7 +6,7 @@ CuPy's launcher builds a Python object per kernel argument; at the sizes where l
 arguments into a stack buffer and calls the driver, which libcuda (``dlopen``'ed on first use, nothing
 linked at build time) copies before returning.
 
-Argument types, as the ops pass them: a CuPy array (its device pointer), a Python int (a 64-bit value:
+Argument types, as the ops pass them: a CuPy array or a moe_rt DevArray (its device pointer), a Python int (a 64-bit value:
 pointers and ``long long`` parameters), and NumPy scalars ``int32``, ``uint32``, ``int64``, ``uint64``,
 ``float32``, ``float64`` (their own width). Any other type makes :func:`launch` return False without
 launching, and the caller falls back to CuPy's launcher.
@@ -34,12 +34,19 @@ cdef errstr_t _cu_errstr = NULL
 cdef int _state = 0  # 0: not tried, 1: loaded, -1: libcuda not found
 
 cdef object _ndarray = None
+cdef object _devarray = None
 cdef object _i32 = np.int32
 cdef object _u32 = np.uint32
 cdef object _i64 = np.int64
 cdef object _u64 = np.uint64
 cdef object _f32 = np.float32
 cdef object _f64 = np.float64
+
+
+cdef void _set_devarray():
+    global _devarray
+    from moe_rt._arrays import DevArray
+    _devarray = DevArray
 
 
 cdef int _load():
@@ -59,6 +66,7 @@ cdef int _load():
     except ImportError:
         return _state
     _ndarray = cupy.ndarray
+    _set_devarray()
     _state = 1
     return _state
 
@@ -101,6 +109,8 @@ cdef int _pack(tuple args, uint64_t* slots, void** params) except -2:
                 slots[i] = <uint64_t>a
         elif t is _ndarray:
             slots[i] = <uint64_t>(<uintptr_t>a.data.ptr)
+        elif t is _devarray:
+            slots[i] = <uint64_t>(<uintptr_t>a.ptr)
         elif t is _i32:
             v32 = a
             memcpy(&slots[i], &v32, 4)
@@ -137,6 +147,8 @@ def pack(tuple args):
             _ndarray = cupy.ndarray
         except ImportError:
             pass
+    if _devarray is None:
+        _set_devarray()
     if _pack(args, slots, params) != 0:
         return None
     return bytes((<char*>slots)[:8 * len(args)])

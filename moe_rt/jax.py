@@ -29,16 +29,19 @@ __all__ = ["JaxPlan", "make_plan", "dispatch", "combine", "topk_with_score", "sc
 _PLAN_ARRAYS = ("dst_row", "src_slot", "seg_start", "counts", "tokens_per_expert")
 
 
-def _run(fn, out_specs, *inputs):
-    """Run ``fn(*views)`` (views: CuPy or NumPy arrays over XLA's buffers; None inputs stay None) inside
-    a buffer_callback and put its results into XLA's outputs described by ``out_specs``.
+def _run(fn, out_specs, *inputs, lean=False):
+    """Run ``fn(*views)`` (views: CuPy or NumPy arrays over XLA's buffers, or DevArrays with ``lean``;
+    None inputs stay None) inside a buffer_callback and put its results into XLA's outputs described by
+    ``out_specs``.
 
-    On the GPU, results are computed straight into XLA's output buffers: while ``fn`` runs, a CuPy
-    allocation whose size equals that of exactly one output is served from that output's buffer (once). A
-    result that landed there needs no copy; anything else (a result computed elsewhere, or a scratch array
-    that took the buffer first) is copied in afterwards, so the outputs are right either way. moe_rt's ops
-    keep no device arrays between calls, so no buffer outlives the callback. A result for an output of
-    size zero is not read (it may be None)."""
+    On the GPU, results are computed straight into XLA's output buffers. ``lean`` (for ops whose CUDA
+    path takes DevArrays): the op's own allocations are served from XLA's outputs, each once, in order, to
+    the first allocation of its dtype and element count (:class:`moe_rt._arrays.serving`); otherwise a
+    CuPy allocation whose byte size equals that of exactly one output is served from that output's buffer
+    (once). A result that landed there needs no copy; anything else (a result computed elsewhere, or a
+    scratch array that took the buffer first) is copied in afterwards, so the outputs are right either
+    way. moe_rt's ops keep no device arrays between calls, so no buffer outlives the callback. A result
+    for an output of size zero is not read (it may be None)."""
     present = [i for i, a in enumerate(inputs) if a is not None]
     n_in = len(inputs)
 
@@ -53,11 +56,12 @@ def _run(fn, out_specs, *inputs):
             return
         stream, device, dev_id = on
         views = [None] * n_in
+        view = _dev_view if lean else _view
         for j, b in zip(present, ins):
-            views[j] = _view(b, dev_id)
-        dsts = [_view(o, dev_id) for o in outs]
+            views[j] = view(b, dev_id)
+        dsts = [view(o, dev_id) for o in outs]
         with device, stream:
-            with _into(dsts):
+            with (_arrays.serving(dsts) if lean else _into(dsts)):
                 results = fn(*views)
             _write(dsts, results, True)
     # vmap runs the callback once per batch element (every op is already batched over tokens; a batch of
@@ -85,23 +89,19 @@ _DTYPES: dict = {}
 
 
 def _view(buf, dev_id):
-    """A CuPy array over an XLA GPU buffer (dense row-major, as XLA hands them to callbacks), no copy."""
+    """A CuPy array over an XLA GPU buffer, no copy."""
+    return _arrays.cupy_of(_dev_view(buf, dev_id))
+
+
+def _dev_view(buf, dev_id):
+    """A DevArray over an XLA GPU buffer (dense row-major, as XLA hands them to callbacks), no copy."""
     cai = buf.__cuda_array_interface__
     if cai.get("strides") is not None:
         return _arrays._xla_view(buf, dev_id)
     dt = _DTYPES.get(buf.dtype)
     if dt is None:
         dt = _DTYPES[buf.dtype] = np.dtype(buf.dtype)
-    shape = cai["shape"]
-    n = dt.itemsize
-    for d in shape:
-        n *= d
-    if n == 0:
-        import cupy
-
-        with cupy.cuda.Device(dev_id):
-            return cupy.empty(shape, dt)
-    return _arrays._cupy_over_dense(cai["data"][0], shape, dt, n, buf, dev_id)
+    return _arrays.DevArray(cai["data"][0], tuple(cai["shape"]), dt, buf, dev_id)
 
 
 def _run_generic(fn, n_in, present, outs, ins, sptr):
@@ -125,11 +125,12 @@ def _write(dsts, results, on_gpu: bool):
     are left alone)."""
     for dst, r in zip(dsts, results):
         if dst.size and not (on_gpu and _in_place(r, dst)):
-            dst[...] = r
+            d = _arrays.cupy_of(dst)
+            d[...] = _arrays.cupy_of(r).reshape(d.shape)
 
 
 def _in_place(r, dst):
-    return (r.data.ptr == dst.data.ptr and r.dtype == dst.dtype and r.shape == dst.shape
+    return (r.data.ptr == dst.data.ptr and r.dtype == dst.dtype and r.size == dst.size
             and r.flags.c_contiguous)
 
 
@@ -190,7 +191,8 @@ def _as_plan(views, static):
         return _perm.Plan.from_arrays(*views, num_rows=num_rows, align_size=align_size,
                                       num_out_tokens=num_out_tokens)
     return _perm.Plan._trusted(views, num_rows=num_rows, align_size=align_size, num_out_tokens=num_out_tokens,
-                               backend="cuda", device_id=views[0].device.id, framework="cupy")
+                               backend="cuda", device_id=_arrays._device_of(views[0], "plan")[1],
+                               framework=_arrays._framework_of(views[0]))
 
 
 def _check_plan(plan):
@@ -226,7 +228,7 @@ def make_plan(routing, num_experts: int, *, align_size: int = 1, num_out_tokens:
         p = _perm.make_plan(r, E, align_size=align_size, num_out_tokens=num_out_tokens)
         return [getattr(p, k) for k in _PLAN_ARRAYS]
 
-    arrays = _run(fn, specs, routing)
+    arrays = _run(fn, specs, routing, lean=True)
     return JaxPlan(arrays, E, N, align_size, -1 if num_out_tokens is None else num_out_tokens)
 
 
@@ -241,7 +243,7 @@ def _dispatch_impl(x, plan, probs):
         xp_, pp = _perm.dispatch(xv, _as_plan(pa, static), pv)
         return [xp_, pp]
 
-    out = _run(fn, specs, x, probs, *plan.arrays)
+    out = _run(fn, specs, x, probs, *plan.arrays, lean=True)
     return out[0], (out[1] if probs is not None else None)
 
 
@@ -266,7 +268,7 @@ def _dispatch_bwd(res, cts):
         gx, gp = _perm.dispatch_backward(gv, _as_plan(pa, static), gpv)
         return [gx, gp]
 
-    gx, gp = _run(fn, specs, g_xp, g_pp if has_probs else None, *plan.arrays)
+    gx, gp = _run(fn, specs, g_xp, g_pp if has_probs else None, *plan.arrays, lean=True)
     return gx, None, (gp.astype(probs.dtype) if has_probs else None)
 
 
@@ -289,7 +291,7 @@ def _combine_impl(y_p, plan, probs):
     def fn(yv, pv, *pa):
         return [_perm.combine(yv, _as_plan(pa, static), pv)]
 
-    return _run(fn, [_spec((T, y_p.shape[1]), y_p.dtype)], y_p, probs, *plan.arrays)[0]
+    return _run(fn, [_spec((T, y_p.shape[1]), y_p.dtype)], y_p, probs, *plan.arrays, lean=True)[0]
 
 
 @jax.custom_vjp
@@ -311,7 +313,7 @@ def _combine_bwd(res, g):
         gyp, gp = _perm.combine_backward(gv, _as_plan(pa, static), yv, pv)
         return [gyp, gp]
 
-    gyp, gp = _run(fn, specs, g, y_p, probs, *plan.arrays)
+    gyp, gp = _run(fn, specs, g, y_p, probs, *plan.arrays, lean=True)
     return gyp, None, (gp.astype(probs.dtype) if probs is not None else None)
 
 
@@ -349,7 +351,7 @@ def _topk_fwd(logits, topk, score_function, use_pre_softmax, num_groups, group_t
                                               group_topk=group_topk, scaling_factor=scaling_factor,
                                               expert_bias=bv))
 
-    probs, routing_map, inter = _run(fn, specs, logits, expert_bias)
+    probs, routing_map, inter = _run(fn, specs, logits, expert_bias, lean=True)
     return (probs, routing_map), (routing_map, inter, expert_bias)
 
 
@@ -362,7 +364,7 @@ def _topk_bwd(topk, score_function, use_pre_softmax, num_groups, group_topk, sca
                                                    use_pre_softmax=use_pre_softmax,
                                                    scaling_factor=scaling_factor)]
 
-    (g,) = _run(fn, [_spec(g_probs.shape, g_probs.dtype)], g_probs, routing_map, inter)
+    (g,) = _run(fn, [_spec(g_probs.shape, g_probs.dtype)], g_probs, routing_map, inter, lean=True)
     return g, (None if expert_bias is None else jnp.zeros_like(expert_bias))
 
 
@@ -385,7 +387,7 @@ def _scores(logits, topk, score_function):
 def _scores_fwd(logits, topk, score_function):
     specs = [_spec(logits.shape, np.float32), _spec(logits.shape, np.bool_), _spec(logits.shape, np.float32)]
     scores, routing_map, inter = _run(lambda lv: list(_router().scores_for_aux_loss(lv, topk, score_function)),
-                                      specs, logits)
+                                      specs, logits, lean=True)
     return (scores, routing_map), (inter, jnp.zeros((0,), logits.dtype))
 
 
@@ -396,7 +398,7 @@ def _scores_bwd(topk, score_function, res, cts):
     def fn(gv, iv):
         return [_router().scores_for_aux_loss_backward(gv, iv, topk, score_function, dtype=like.dtype)]
 
-    (g,) = _run(fn, [_spec(g_scores.shape, like.dtype)], g_scores, inter)
+    (g,) = _run(fn, [_spec(g_scores.shape, like.dtype)], g_scores, inter, lean=True)
     return (g,)
 
 
@@ -418,7 +420,7 @@ def _aux_fwd(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coef
     def fn(pv, tv):
         return [_router().aux_loss(pv, tv, total_num_tokens, num_experts, topk, coeff).reshape(())]
 
-    (loss,) = _run(fn, [_spec((), probs.dtype)], probs, tokens_per_expert)
+    (loss,) = _run(fn, [_spec((), probs.dtype)], probs, tokens_per_expert, lean=True)
     return loss, (tokens_per_expert, jnp.zeros((probs.shape[0], 0), probs.dtype))
 
 
@@ -429,7 +431,7 @@ def _aux_bwd(total_num_tokens, num_experts, topk, coeff, res, g):
     def fn(gv, tv):
         return [_router().aux_loss_backward(gv, R, tv, total_num_tokens, num_experts, topk, coeff)]
 
-    (gp,) = _run(fn, [_spec((R, tpe.shape[0]), g.dtype)], g, tpe)
+    (gp,) = _run(fn, [_spec((R, tpe.shape[0]), g.dtype)], g, tpe, lean=True)
     zero_tpe = (jnp.zeros_like(tpe) if jnp.issubdtype(tpe.dtype, jnp.floating)
                 else np.zeros(tpe.shape, jax.dtypes.float0))
     return gp.astype(like.dtype), zero_tpe

@@ -44,7 +44,7 @@ def _combine_name(c: str, vec: bool, cfg=None) -> str:
     return f"combine_slices<{c}, {'true' if vec else 'false'}, {unroll}, {ku}, {lm}, {block_max}, {minb}>"
 
 
-_names = []
+_names = ["plan_count<bool>", "plan_assign<bool>"]  # routing maps, read in place
 for _i in _IDX.values():
     _names += [f"plan_count<{_i}>", f"plan_assign<{_i}>", f"chunk_offsets<{_i}>"]
 for _u in _UNITS.values():
@@ -213,7 +213,7 @@ def _chunk_for(L: int, E: int) -> int:
 
 
 def make_plan(routing, num_experts: int, *, align_size: int = 1, num_out_tokens: int | None = None,
-              stream=None) -> Plan:
+              stream=None, _apart: bool = False) -> Plan:
     """Build the dispatch plan of a routing, on the routing's device, without a host sync.
 
     Args:
@@ -227,6 +227,8 @@ def make_plan(routing, num_experts: int, *, align_size: int = 1, num_out_tokens:
             ``num_out_tokens`` routed slots in expert-major order (index-style capacity drop); the
             unpadded row count is then ``num_out_tokens`` instead of ``T*K``.
         stream: CUDA stream (None = the caller's current stream).
+        _apart: (internal) give each plan array its own allocation instead of views of one buffer
+            (torch custom ops may not return outputs that alias each other).
 
     Expert ids outside ``[-1, E)``: on the CPU backend a ValueError; on CUDA they are treated as ``-1``
     (the slot is dropped), since checking would need a device sync.
@@ -239,7 +241,7 @@ def make_plan(routing, num_experts: int, *, align_size: int = 1, num_out_tokens:
     A = _arrays.check_int(align_size, "align_size", low=1, high=1 << 20)
     if num_out_tokens is not None:
         num_out_tokens = _arrays.check_int(num_out_tokens, "num_out_tokens", low=0, high=_INT32_MAX)
-    with _arrays.Call({"routing": routing}, stream=stream) as call:
+    with _arrays.Call({"routing": routing}, stream=stream, lean=True) as call:
         r = call["routing"]
         xp = call.xp
         _arrays.check_ndim(r, "routing", 2)
@@ -279,7 +281,7 @@ def make_plan(routing, num_experts: int, *, align_size: int = 1, num_out_tokens:
             d = _ref.make_plan(idx, E, A, num_out_tokens)
             v = {k: d[k] for k in ("dst_row", "src_slot", "seg_start", "counts", "tokens_per_expert")}
         else:
-            v = _plan_cuda(call, r, is_map, T, K, E, A, N, num_out_tokens)
+            v = _plan_cuda(call, r, is_map, T, K, E, A, N, num_out_tokens, _apart)
         plan._v = v
         plan._framework = call.framework
         plan._exported = {}
@@ -332,24 +334,33 @@ def _plan_cfg(T, K, ic, E, A, N, num_out_tokens, dev):
             scan, assign)
 
 
-def _plan_cuda(call, r, is_map, T, K, E, A, N, num_out_tokens):
-    xp, dev, s = call.xp, call.device_id, call.stream
-    if is_map:
-        idx = xp.where(r, xp.arange(E, dtype=np.int32)[None, :], np.int32(-1)).astype(np.int32)
-    else:
-        idx = r if r.flags.c_contiguous else xp.ascontiguousarray(r)
+def _plan_cuda(call, r, is_map, T, K, E, A, N, num_out_tokens, apart=False):
+    dev, s = call.device_id, call.stream
+    # a routing map is read in place (slot t*E + e is expert e), an index array as int32 or int64
+    idx = _arrays.contiguous(call.xp, r)
     key = (T, K, idx.dtype, E, A, num_out_tokens, dev)
     cfg = _plan_cfgs.get(key)
     if cfg is None:
         if len(_plan_cfgs) > 512:
             _plan_cfgs.clear()
-        cfg = _plan_cfgs[key] = _plan_cfg(T, K, _IDX[idx.dtype.name], E, A, N, num_out_tokens, dev)
+        ic = "bool" if is_map else _IDX[idx.dtype.name]
+        cfg = _plan_cfgs[key] = _plan_cfg(T, K, ic, E, A, N, num_out_tokens, dev)
     total, n_out, n_part, spec, smem, f_count, f_scan, f_assign, count, scan, assign = cfg
-    buf = xp.empty(total, dtype=np.int32)
-    b = buf.data.ptr
-    dst, src, seg = b, b + 4 * spec["src_slot"][0], b + 4 * spec["seg_start"][0]
-    counts, tpe = b + 4 * spec["counts"][0], b + 4 * spec["tokens_per_expert"][0]
-    p_partial = b + 4 * n_out
+    if call.serving or apart:
+        # each plan array its own allocation (in a JAX callback: straight into its XLA output), the scratch
+        # apart
+        views = {k: call.empty(shape, np.int32) for k, (_, shape) in spec.items()}
+        dst, src, seg, counts, tpe = (views[k].data.ptr for k in spec)
+        sbuf = call.scratch((total - n_out,), np.int32)
+        p_partial = sbuf.data.ptr
+    else:
+        buf = call.empty((total,), np.int32)
+        b = buf.data.ptr
+        dst, src, seg = b, b + 4 * spec["src_slot"][0], b + 4 * spec["seg_start"][0]
+        counts, tpe = b + 4 * spec["counts"][0], b + 4 * spec["tokens_per_expert"][0]
+        p_partial = b + 4 * n_out
+        views = _PlanViews()
+        views._buf, views._spec = buf, spec
     p_base = p_partial + 4 * n_part
     p_totals = p_base + 4 * n_part
     p_done = p_totals + 4 * E
@@ -357,8 +368,6 @@ def _plan_cuda(call, r, is_map, T, K, E, A, N, num_out_tokens):
     _launch(f_count, count[0], count[1], (idx, *count[2], p_partial, src, N, p_done), s, smem)
     _launch(f_scan, scan[0], scan[1], (p_partial, p_base, p_totals, *scan[2], counts, tpe, seg, p_done), s)
     _launch(f_assign, assign[0], assign[1], (idx, *assign[2], p_base, counts, seg, dst, src), s, smem)
-    views = _PlanViews()
-    views._buf, views._spec = buf, spec
     return views
 
 
@@ -414,8 +423,9 @@ def _slot_probs(call, probs, plan: Plan, name: str):
 def _dense_to_slots(xp, probs, plan):
     # plan.src_slot / dst_row do not keep expert ids; recover them from the segments.
     T, K, E = plan.num_tokens, plan.topk, plan.num_experts
-    dst = plan._v["dst_row"]
-    seg = plan._v["seg_start"]
+    probs = _arrays.cupy_of(probs)
+    dst = _arrays.cupy_of(plan._v["dst_row"])
+    seg = _arrays.cupy_of(plan._v["seg_start"])
     e = xp.searchsorted(seg[1:], dst, side="right")  # segment of each row
     e = xp.minimum(e, E - 1)
     g = xp.take_along_axis(probs, e.astype(np.int64), axis=1)
@@ -437,7 +447,7 @@ def dispatch(x, plan: Plan, probs=None, *, stream=None):
         ``(x_permuted [N,H] x.dtype, probs_permuted [N] float32 or None)``; rows holding no routed slot
         (padding, unused tail) are zero, and so are their probs.
     """
-    with _arrays.Call({"x": x, "probs": probs}, stream=stream) as call:
+    with _arrays.Call({"x": x, "probs": probs}, stream=stream, lean=True) as call:
         _check_plan(plan, call)
         xv = call["x"]
         _check_tokens(xv, "x", plan.num_tokens, _TOKEN_DTYPES + _BYTE_DTYPES)
@@ -454,8 +464,8 @@ def _dispatch_cuda(call, xv, plan, pv):
     xp, s = call.xp, call.stream
     N, T, K = plan.num_rows, plan.num_tokens, plan.topk
     H = int(xv.shape[1])
-    out = xp.empty((N, H), dtype=xv.dtype)
-    pp = None if pv is None else xp.empty(N, dtype=np.float32)
+    out = call.empty((N, H), xv.dtype)
+    pp = None if pv is None else call.empty((N,), np.float32)
     _copy_rows(call, xv, out, plan)
     _fill(call, out, pp, pv, plan)
     return out, pp
@@ -502,7 +512,7 @@ def combine(y_permuted, plan: Plan, probs=None, *, stream=None):
         ``y [T,H]`` in ``y_permuted.dtype``: fp32 accumulation in k-ascending order (dropped slots skipped),
         one rounding at the end; tokens with no route give zero rows. Bitwise reproducible.
     """
-    with _arrays.Call({"y_permuted": y_permuted, "probs": probs}, stream=stream) as call:
+    with _arrays.Call({"y_permuted": y_permuted, "probs": probs}, stream=stream, lean=True) as call:
         _check_plan(plan, call)
         yv = call["y_permuted"]
         _check_tokens(yv, "y_permuted", plan.num_rows, _TOKEN_DTYPES)
@@ -517,7 +527,7 @@ def _combine_cuda(call, yv, plan, pv):
     xp = call.xp
     T, K = plan.num_tokens, plan.topk
     H = int(yv.shape[1])
-    out = xp.empty((T, H), dtype=yv.dtype)
+    out = call.empty((T, H), yv.dtype)
     if T == 0 or H == 0:
         return out
     isz = yv.dtype.itemsize
@@ -572,7 +582,7 @@ def dispatch_backward(grad_x_permuted, plan: Plan, grad_probs_permuted=None, *, 
         the dense ``[T,E]``).
     """
     with _arrays.Call({"grad_x_permuted": grad_x_permuted, "grad_probs_permuted": grad_probs_permuted},
-                      stream=stream) as call:
+                      stream=stream, lean=True) as call:
         _check_plan(plan, call)
         g = call["grad_x_permuted"]
         _check_tokens(g, "grad_x_permuted", plan.num_rows, _TOKEN_DTYPES)
@@ -589,7 +599,7 @@ def dispatch_backward(grad_x_permuted, plan: Plan, grad_probs_permuted=None, *, 
             gp = None
             if gpp is not None:
                 xp = call.xp
-                gp = xp.empty((plan.num_tokens, plan.topk), dtype=np.float32)
+                gp = call.empty((plan.num_tokens, plan.topk), np.float32)
                 L = gp.size
                 if L:
                     _launch(_fn("gather_slots", call.device_id), _row_grid(L // 32 + 1, call.device_id),
@@ -612,7 +622,8 @@ def combine_backward(grad_y, plan: Plan, y_permuted=None, probs=None, *, stream=
         no slot are zero) and ``grad_probs[t,k] = sum_h y_permuted[dst_row[t,k], h] * grad_y[t, h]`` (fp32,
         fixed order; 0 for dropped slots), in slot layout ``[T,K]``.
     """
-    with _arrays.Call({"grad_y": grad_y, "y_permuted": y_permuted, "probs": probs}, stream=stream) as call:
+    with _arrays.Call({"grad_y": grad_y, "y_permuted": y_permuted, "probs": probs}, stream=stream,
+                      lean=True) as call:
         _check_plan(plan, call)
         g = call["grad_y"]
         _check_tokens(g, "grad_y", plan.num_tokens, _TOKEN_DTYPES)
@@ -632,15 +643,15 @@ def combine_backward(grad_y, plan: Plan, y_permuted=None, probs=None, *, stream=
         xp = call.xp
         T, K, N = plan.num_tokens, plan.topk, plan.num_rows
         H = int(g.shape[1])
-        gyp = xp.empty((N, H), dtype=g.dtype)
+        gyp = call.empty((N, H), g.dtype)
         _fill(call, gyp, None, None, plan)
         if pv is None:
             _copy_rows(call, g, gyp, plan)
             return call.out(gyp), None
-        gp = xp.empty((T, K), dtype=np.float32)
+        gp = call.empty((T, K), np.float32)
         if T and K:
             if H == 0 or N == 0:
-                gp.fill(0)
+                _arrays.cupy_of(gp).fill(0)
             else:
                 isz = g.dtype.itemsize
                 vec = ((H * isz) % 16 == 0 and g.data.ptr % 16 == 0 and yv.data.ptr % 16 == 0

@@ -277,7 +277,7 @@ def topk_with_score(logits, topk, *, score_function="softmax", use_pre_softmax=F
         :func:`topk_with_score_backward` needs: sigmoid values, raw logits for sqrtsoftplus, the full
         softmax for pre-softmax, the selection's softmax and -inf elsewhere for post-softmax).
     """
-    with _arrays.Call({"logits": logits, "expert_bias": expert_bias}, stream=stream) as call:
+    with _arrays.Call({"logits": logits, "expert_bias": expert_bias}, stream=stream, lean=True) as call:
         lead, x, E, K, G, g, scale, pre, bv = _prepare_topk(call, topk, score_function, use_pre_softmax,
                                                             num_groups, group_topk, scaling_factor, expert_bias)
         T = x.shape[0]
@@ -285,11 +285,11 @@ def topk_with_score(logits, topk, *, score_function="softmax", use_pre_softmax=F
             probs, rmap, inter = ref.topk_with_score_fwd(x, K, **_ref_kwargs(score_function, pre, G, g, scale, bv))
         else:
             xp = call.xp
-            probs = xp.empty((T, E), dtype=x.dtype)
-            rmap = xp.empty((T, E), dtype=np.bool_)
-            inter = xp.empty((T, E), dtype=np.float32)
+            probs = call.empty((T, E), dtype=x.dtype)
+            rmap = call.empty((T, E), dtype=np.bool_)
+            inter = call.empty((T, E), dtype=np.float32)
             if T > 0:
-                b32 = None if bv is None else xp.ascontiguousarray(bv.astype(np.float32))
+                b32 = None if bv is None else _arrays.as_f32(xp, bv)
                 _launch_fwd(call, x, T, E, K, SCORE_FUNCTIONS[score_function], pre, 0, G, g, scale, b32,
                             probs, None, rmap, inter, None, None)
         shape = lead + (E,)
@@ -304,7 +304,7 @@ def topk_indices_with_score(logits, topk, *, score_function="softmax", use_pre_s
         ``(topk_idx, topk_weights)``: topk_idx ``[..., K]`` int32, the selected experts in ascending
         expert id; topk_weights ``[..., K]`` fp32, their probs (before the cast to the logits dtype).
     """
-    with _arrays.Call({"logits": logits, "expert_bias": expert_bias}, stream=stream) as call:
+    with _arrays.Call({"logits": logits, "expert_bias": expert_bias}, stream=stream, lean=True) as call:
         lead, x, E, K, G, g, scale, pre, bv = _prepare_topk(call, topk, score_function, use_pre_softmax,
                                                             num_groups, group_topk, scaling_factor, expert_bias)
         T = x.shape[0]
@@ -312,10 +312,10 @@ def topk_indices_with_score(logits, topk, *, score_function="softmax", use_pre_s
             idx, w = ref.topk_indices_fwd(x, K, **_ref_kwargs(score_function, pre, G, g, scale, bv))
         else:
             xp = call.xp
-            idx = xp.empty((T, K), dtype=np.int32)
-            w = xp.empty((T, K), dtype=np.float32)
+            idx = call.empty((T, K), dtype=np.int32)
+            w = call.empty((T, K), dtype=np.float32)
             if T > 0:
-                b32 = None if bv is None else xp.ascontiguousarray(bv.astype(np.float32))
+                b32 = None if bv is None else _arrays.as_f32(xp, bv)
                 _launch_fwd(call, x, T, E, K, SCORE_FUNCTIONS[score_function], pre, 0, G, g, scale, b32,
                             None, None, None, None, idx, w)
         return call.out(idx.reshape(lead + (K,))), call.out(w.reshape(lead + (K,)))
@@ -336,7 +336,7 @@ def topk_with_score_backward(grad_probs, routing_map, intermediate, topk, *, sco
         except for pre-softmax, whose gradient is dense).
     """
     with _arrays.Call({"grad_probs": grad_probs, "routing_map": routing_map, "intermediate": intermediate},
-                      stream=stream) as call:
+                      stream=stream, lean=True) as call:
         gv, mv, yv = call["grad_probs"], call["routing_map"], call["intermediate"]
         E = _check_logits(gv, "grad_probs")
         _arrays.check_dtype(mv, "routing_map", (np.dtype(np.bool_),))
@@ -354,7 +354,7 @@ def topk_with_score_backward(grad_probs, routing_map, intermediate, topk, *, sco
         if call.backend == "cpu":
             out = ref.topk_with_score_bwd(g, m, y, K, pre, scale, score_function)
         else:
-            out = xp.empty((T, E), dtype=g.dtype)
+            out = call.empty((T, E), dtype=g.dtype)
             if T > 0:
                 _launch_bwd(call, g, m, y, out, T, E, K, SCORE_FUNCTIONS[score_function], pre, 0, scale)
         return call.out(out.reshape(shape))
@@ -377,7 +377,7 @@ def scores_for_aux_loss(logits, topk, score_function, *, stream=None):
         (top-K of the scores), intermediate ``[..., E]`` fp32 (softmax values, sigmoid values, or the raw
         logits for sqrtsoftplus).
     """
-    with _arrays.Call({"logits": logits}, stream=stream) as call:
+    with _arrays.Call({"logits": logits}, stream=stream, lean=True) as call:
         xv = call["logits"]
         E = _check_logits(xv)
         _check_score_function(score_function)
@@ -389,9 +389,9 @@ def scores_for_aux_loss(logits, topk, score_function, *, stream=None):
             scores, rmap, inter = ref.scores_for_aux_loss_fwd(x, K, score_function)
         else:
             xp = call.xp
-            scores = xp.empty((T, E), dtype=np.float32)
-            rmap = xp.empty((T, E), dtype=np.bool_)
-            inter = xp.empty((T, E), dtype=np.float32)
+            scores = call.empty((T, E), dtype=np.float32)
+            rmap = call.empty((T, E), dtype=np.bool_)
+            inter = call.empty((T, E), dtype=np.float32)
             if T > 0:
                 _launch_fwd(call, x, T, E, K, SCORE_FUNCTIONS[score_function], 0, 1, 0, 0, 1.0, None,
                             None, scores, rmap, inter, None, None)
@@ -428,7 +428,8 @@ def scores_for_aux_loss_backward(grad_scores, intermediate, topk, score_function
     Returns:
         grad_logits ``[..., E]`` in ``dtype`` (dense).
     """
-    with _arrays.Call({"grad_scores": grad_scores, "intermediate": intermediate}, stream=stream) as call:
+    with _arrays.Call({"grad_scores": grad_scores, "intermediate": intermediate}, stream=stream,
+                      lean=True) as call:
         gv, yv = call["grad_scores"], call["intermediate"]
         E = _check_logits(gv, "grad_scores")
         _arrays.check_dtype(gv, "grad_scores", (np.dtype(np.float32),))
@@ -444,7 +445,7 @@ def scores_for_aux_loss_backward(grad_scores, intermediate, topk, score_function
         if call.backend == "cpu":
             out = ref.scores_for_aux_loss_bwd(g, y, K, score_function).astype(odt)
         else:
-            out = xp.empty((T, E), dtype=odt)
+            out = call.empty((T, E), dtype=odt)
             if T > 0:
                 _launch_bwd(call, g, None, y, out, T, E, K, SCORE_FUNCTIONS[score_function], 0, 1, 1.0)
         return call.out(out.reshape(shape))
@@ -467,6 +468,18 @@ def _check_aux_args(tv, C, total_num_tokens, num_experts, topk, coeff):
     return _check_float(coeff, "coeff")
 
 
+_TPE_KINDS = {np.dtype(np.float32): 0, np.dtype(np.int32): 1, np.dtype(np.int64): 2}
+
+
+def _tpe_arg(xp, tv):
+    """tokens_per_expert for the aux kernels, which read float32, int32 and int64 as they are: the array
+    and its kind (other dtypes are converted to float32 first)."""
+    kind = _TPE_KINDS.get(np.dtype(tv.dtype))
+    if kind is not None and tv.flags.c_contiguous:
+        return tv, kind
+    return _arrays.as_f32(xp, tv), 0
+
+
 def _aux_blocks(R):
     rpb = max(1, -(-R // 1024))  # the partition depends on R only: same bits on every device
     return rpb, -(-R // rpb) if R > 0 else 0
@@ -486,7 +499,8 @@ def aux_loss(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coef
     Returns:
         The loss as a 0-d array in the probs dtype. Bitwise reproducible (no atomics).
     """
-    with _arrays.Call({"probs": probs, "tokens_per_expert": tokens_per_expert}, stream=stream) as call:
+    with _arrays.Call({"probs": probs, "tokens_per_expert": tokens_per_expert}, stream=stream,
+                      lean=True) as call:
         pv, tv = call["probs"], call["tokens_per_expert"]
         _arrays.check_dtype(pv, "probs", _arrays.FLOAT_DTYPES)
         _arrays.check_ndim(pv, "probs", 2)
@@ -497,16 +511,17 @@ def aux_loss(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coef
             return call.out(np.array(out, copy=True))
         xp = call.xp
         p = _arrays.contiguous(xp, pv)
-        tpe = xp.ascontiguousarray(tv.astype(np.float32))
+        tpe, tkind = _tpe_arg(xp, tv)
         c = float(ref.aux_loss_coeff(total_num_tokens, num_experts, topk, coeff))
         rpb, nb = _aux_blocks(R)
-        partial = xp.empty((max(nb, 1),), dtype=np.float32)
-        out = xp.empty((), dtype=p.dtype)
+        partial = call.scratch((max(nb, 1),), dtype=np.float32)
+        out = call.empty((), dtype=p.dtype)
         ct = _jit.ctype(p.dtype)
         vec = _vec_ok([p], C, 16 // p.dtype.itemsize) if C > 0 else False
         if nb > 0 and C > 0:
             _jit.launch(_jit.function(_FILE, f"aux_loss_partial<{ct}>"), nb, 256,
-                        (p, np.int64(R), np.int32(C), tpe, np.int64(rpb), partial, np.int32(vec)),
+                        (p, np.int64(R), np.int32(C), tpe, np.int32(tkind), np.int64(rpb), partial,
+                         np.int32(vec)),
                         stream=call.stream)
         else:
             nb = 0
@@ -528,7 +543,7 @@ def aux_loss_backward(grad_aux_loss, num_rows, tokens_per_expert, total_num_toke
         grad_probs ``[R, C]`` in the grad_aux_loss dtype.
     """
     with _arrays.Call({"grad_aux_loss": grad_aux_loss, "tokens_per_expert": tokens_per_expert},
-                      stream=stream) as call:
+                      stream=stream, lean=True) as call:
         gv, tv = call["grad_aux_loss"], call["tokens_per_expert"]
         _arrays.check_dtype(gv, "grad_aux_loss", _arrays.FLOAT_DTYPES)
         if gv.size != 1 or gv.ndim > 1:
@@ -542,14 +557,15 @@ def aux_loss_backward(grad_aux_loss, num_rows, tokens_per_expert, total_num_toke
             out = ref.aux_loss_bwd(gv, R, tv, total_num_tokens, num_experts, topk, coeff)
             return call.out(np.array(out, copy=True))
         xp = call.xp
-        tpe = xp.ascontiguousarray(tv.astype(np.float32))
+        tpe, tkind = _tpe_arg(xp, tv)
         g = _arrays.contiguous(xp, gv)
-        out = xp.empty((R, C), dtype=g.dtype)
+        out = call.empty((R, C), dtype=g.dtype)
         c = float(ref.aux_loss_coeff(total_num_tokens, num_experts, topk, coeff))
         rpb, nb = _aux_blocks(R)
         vec = _vec_ok([out], C, 16 // out.dtype.itemsize)
         if nb > 0 and C > 0:
             _jit.launch(_jit.function(_FILE, f"aux_loss_bwd<{_jit.ctype(g.dtype)}>"), nb, 256,
-                        (g, tpe, np.int64(R), np.int32(C), np.float32(c), np.int64(rpb), out, np.int32(vec)),
+                        (g, tpe, np.int32(tkind), np.int64(R), np.int32(C), np.float32(c), np.int64(rpb), out,
+                         np.int32(vec)),
                         stream=call.stream)
         return call.out(out)

@@ -93,10 +93,14 @@ def _torch_plan(p, num_out_tokens: int) -> TorchPlan:
     if p.backend == "cuda" and isinstance(p._v, _perm._PlanViews):
         from moe_rt import _arrays
 
-        # one DLPack export of the plan's buffer, then five torch views of it
-        ptr = _arrays._default_stream("torch", p.device_id).ptr
-        with _arrays.as_cupy_stream(ptr, p.device_id):
-            whole = _arrays._torch_from_cupy(p._v._buf, ptr)
+        # the plan's one buffer in torch (torch's own tensor, or one DLPack export), then five views of it
+        buf = p._v._buf
+        if type(buf) is _arrays.DevArray and buf.offset == 0:
+            whole = buf.export("torch")
+        else:
+            ptr = _arrays._default_stream("torch", p.device_id).ptr
+            with _arrays.as_cupy_stream(ptr, p.device_id):
+                whole = _arrays._torch_from_cupy(_arrays.cupy_of(buf), ptr)
         arrays = []
         for k in _PLAN_ARRAYS:
             off, shape = p._v._spec[k]
@@ -113,7 +117,7 @@ def _torch_plan(p, num_out_tokens: int) -> TorchPlan:
 def _make_plan_op(routing: Tensor, num_experts: int, align_size: int,
                   num_out_tokens: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     p = _perm.make_plan(routing, num_experts, align_size=align_size,
-                        num_out_tokens=None if num_out_tokens < 0 else num_out_tokens)
+                        num_out_tokens=None if num_out_tokens < 0 else num_out_tokens, _apart=True)
     return tuple(getattr(p, k) for k in _PLAN_ARRAYS)
 
 
