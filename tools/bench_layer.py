@@ -24,7 +24,9 @@ launch gaps included, as a training step sees them); JAX rows with wall clock ar
 """
 from __future__ import annotations
 
+import gc
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -439,20 +441,28 @@ def bench_jax(s: Shape, args, table, save):
 
 # ---- adapter overhead ---------------------------------------------------------------------------------------
 
-def host_and_gpu_us(fn, sync, n=200, gpu=True):
-    """(wall us per call over ``n`` back-to-back calls ended by ``sync()``, device us per call or None)."""
+def host_and_gpu_us(fn, sync, n=100, reps=7, gpu=True):
+    """(wall us per call: the median over ``reps`` batches of ``n`` back-to-back calls, each batch ended by
+    ``sync()``, with Python's garbage collector paused as ``timeit`` does; device us per call or None)."""
     from bench_router import time_device
 
     for _ in range(10):
         fn()
     sync()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    sync()
-    host = (time.perf_counter() - t0) / n * 1e6
+    per = []
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            sync()
+            per.append((time.perf_counter() - t0) / n * 1e6)
+    finally:
+        gc.enable()
     dev = time_device(fn, 50) * 1e3 if gpu else None
-    return host, dev
+    return statistics.median(per), dev
 
 
 def overhead_rows(table, save, framework, cases, measure_adapter, measure_direct):
@@ -634,8 +644,8 @@ def main():
                             f"torch's stream; JAX: wall clock to block_until_ready of the jitted step")
     table.meta["x moe_rt"] = "time of the row / time of moe_rt in the same framework (> 1: moe_rt faster)"
     over = benchlib.Table("moe_rt adapter overhead per call, T=128 H=1024 E=64 K=8", OVERHEAD_COLUMNS)
-    over.meta["timing"] = ("us per call over 200 back-to-back calls ended by one sync (host-bound at this "
-                           "size); GPU us: device time per call with the host hidden behind a spin kernel; "
+    over.meta["timing"] = ("us per call: median over 7 batches of 100 back-to-back calls, each ended by one "
+                           "sync, garbage collector paused (host-bound at this size); GPU us: device time per call with the host hidden behind a spin kernel; "
                            "overhead = (adapter - direct) / ops in the pass; direct = the moe_rt op on the "
                            "same torch tensors, or on CuPy views of the JAX buffers")
     out_path = args.json
