@@ -14,6 +14,7 @@ Dispatch plans travel between ops as plain tensors: :func:`make_plan` returns a 
 """
 from __future__ import annotations
 
+import math
 import weakref
 from typing import NamedTuple, Optional
 
@@ -101,11 +102,11 @@ def _torch_plan(p, num_out_tokens: int) -> TorchPlan:
             ptr = _arrays._default_stream("torch", p.device_id).ptr
             with _arrays.as_cupy_stream(ptr, p.device_id):
                 whole = _arrays._torch_from_cupy(_arrays.cupy_of(buf), ptr)
-        arrays = []
-        for k in _PLAN_ARRAYS:
-            off, shape = p._v._spec[k]
-            n = shape[0] * shape[1] if len(shape) == 2 else shape[0]
-            arrays.append(whole[off:off + n].view(shape))
+        # the five arrays lie back to back at the start of the buffer, in _PLAN_ARRAYS order: one split
+        spec = p._v._spec
+        sizes = [math.prod(spec[k][1]) for k in _PLAN_ARRAYS]
+        arrays = list(whole[:sum(sizes)].split(sizes))
+        arrays[0] = arrays[0].view(spec["dst_row"][1])
     else:
         arrays = [getattr(p, k) for k in _PLAN_ARRAYS]
     tp = TorchPlan(*arrays, p.num_experts, p.num_rows, p.align_size, num_out_tokens)

@@ -645,7 +645,8 @@ def main():
     table.meta["x moe_rt"] = "time of the row / time of moe_rt in the same framework (> 1: moe_rt faster)"
     over = benchlib.Table("moe_rt adapter overhead per call, T=128 H=1024 E=64 K=8", OVERHEAD_COLUMNS)
     over.meta["timing"] = ("us per call: median over 7 batches of 100 back-to-back calls, each ended by one "
-                           "sync, garbage collector paused (host-bound at this size); GPU us: device time per call with the host hidden behind a spin kernel; "
+                           "sync, garbage collector paused (host-bound at this size); GPU us: device time per "
+                           "call with the host hidden behind a spin kernel; "
                            "overhead = (adapter - direct) / ops in the pass; direct = the moe_rt op on the "
                            "same torch tensors, or on CuPy views of the JAX buffers")
     out_path = args.json
