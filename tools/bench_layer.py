@@ -621,6 +621,69 @@ def bench_overhead_jax(table, save, T=128, H=1024, E=64, K=8):
         return host_and_gpu_us(call, lambda: jax.block_until_ready(holder["out"]), gpu=False)
 
     overhead_rows(table, save, "jax", cases, measure_adapter, lambda f: host_and_gpu_us(f, csync))
+    in_jit_chain(table, save, x, plan, probs, c, c_plan, csync)
+
+
+CHAIN = 20  # rounds of dispatch + combine in one jitted program
+
+
+def in_jit_chain(table, save, x, plan, probs, c, c_plan, csync):
+    """Per op inside one jitted program (the Python thread blocked while XLA runs the callbacks, as in a
+    training step): ``CHAIN`` rounds of dispatch + combine, against the same chain of empty buffer_callbacks
+    with the same buffers, XLA element-wise ops, and the direct moe_rt calls on CuPy views."""
+    import jax
+    from jax.experimental.buffer_callback import buffer_callback
+
+    import moe_rt
+    import moe_rt.jax as mj
+
+    def _cb(ctx, outs, *ins):
+        return None
+
+    def chain_moe(x_, p, pr):
+        for _ in range(CHAIN):
+            x_ = mj.combine(mj.dispatch(x_, p)[0], p, pr)
+        return x_
+
+    def chain_empty(x_, p, pr):
+        for _ in range(CHAIN):
+            y_ = buffer_callback(_cb, [jax.ShapeDtypeStruct((p.num_rows, x_.shape[1]), x_.dtype)])(x_, *p.arrays)[0]
+            x_ = buffer_callback(_cb, [jax.ShapeDtypeStruct(x_.shape, x_.dtype)])(y_, pr, *p.arrays)[0]
+        return x_
+
+    def chain_xla(x_, p, pr):
+        for _ in range(2 * CHAIN):
+            x_ = (x_ * 1.001).astype(x_.dtype)
+        return x_
+
+    def direct():
+        y_ = c["x"]
+        for _ in range(CHAIN):
+            y_ = moe_rt.combine(moe_rt.dispatch(y_, c_plan)[0], c_plan, c["probs"])
+        return y_
+
+    def blocked(f):
+        jf = jax.jit(f)
+        return lambda: jax.block_until_ready(jf(x, plan, probs))
+
+    n = 2 * CHAIN
+    try:
+        moe_us = host_and_gpu_us(blocked(chain_moe), lambda: None, n=10, gpu=False)[0] / n
+        empty_us = host_and_gpu_us(blocked(chain_empty), lambda: None, n=10, gpu=False)[0] / n
+        xla_us = host_and_gpu_us(blocked(chain_xla), lambda: None, n=10, gpu=False)[0] / n
+        direct_us = host_and_gpu_us(direct, csync, n=10, gpu=False)[0] / n
+    except Exception as e:  # noqa: BLE001 - report and go on
+        print(f"in-jit chain failed: {type(e).__name__}: {e}", flush=True)
+        traceback.print_exc()
+        return
+    what = f"fwd, in one jit ({n} ops)"
+    table.add(framework="jax", op="(empty buffer_callback)", **{"pass": what, "adapter us": empty_us,
+                                                                 "direct us": xla_us,
+                                                                 "overhead us/call": empty_us - xla_us})
+    table.add(framework="jax", op="dispatch / combine", **{"pass": what, "adapter us": moe_us,
+                                                           "direct us": direct_us,
+                                                           "overhead us/call": moe_us - direct_us})
+    save()
 
 
 # ---- main -------------------------------------------------------------------------------------------------
@@ -648,7 +711,9 @@ def main():
                            "sync, garbage collector paused (host-bound at this size); GPU us: device time per "
                            "call with the host hidden behind a spin kernel; "
                            "overhead = (adapter - direct) / ops in the pass; direct = the moe_rt op on the "
-                           "same torch tensors, or on CuPy views of the JAX buffers")
+                           "same torch tensors, or on CuPy views of the JAX buffers; 'in one jit' rows: us per op "
+                           "of a chain of dispatch and combine in one jitted call, blocked on (the empty "
+                           "buffer_callback row: direct = an XLA element-wise op)")
     out_path = args.json
     over_path = None
     if out_path:
