@@ -13,6 +13,7 @@ given as a ``cupy.cuda.Stream``, a ``torch.cuda.Stream``, any object with ``__cu
 """
 from __future__ import annotations
 
+import math
 import threading as _threading
 
 import numpy as np
@@ -215,10 +216,7 @@ class DevArray:
 
     @property
     def size(self):
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     @property
     def nbytes(self):
@@ -230,14 +228,9 @@ class DevArray:
         shape = tuple(int(d) for d in shape)
         n = self.size
         if -1 in shape:
-            rest = 1
-            for d in shape:
-                rest *= d if d != -1 else 1
+            rest = math.prod(d for d in shape if d != -1)
             shape = tuple(d if d != -1 else (n // rest if rest else 0) for d in shape)
-        m = 1
-        for d in shape:
-            m *= d
-        if m != n:
+        if math.prod(shape) != n:
             raise ValueError(f"cannot reshape an array of {n} elements into shape {shape}")
         return DevArray(self.ptr, shape, self.dtype, self.owner, self.device_id, self.offset)
 
@@ -425,9 +418,7 @@ class Call:
             dtype = np.dtype(dtype)
             shape = tuple(shape)
             if self._serve:
-                n = 1
-                for d in shape:
-                    n *= d
+                n = math.prod(shape)
                 for i, d in enumerate(self._serve):
                     if d.dtype == dtype and d.size == n:
                         del self._serve[i]
