@@ -325,6 +325,24 @@ __global__ void ep_expand_rows(const U* __restrict__ src, U* __restrict__ out, c
   }
 }
 
+// One warp per expert-major row n (grid-stride): rows with src_slot -1 become zero (when out is given);
+// probs_out[n] = src_slot >= 0 ? probs_flat[src_slot] : 0 (when probs_out is given).
+template <typename U>
+__global__ void ep_fill_rows(U* __restrict__ out, float* __restrict__ probs_out, const float* __restrict__ probs_flat,
+                             const int* __restrict__ src_slot, i64 N, i64 units) {
+  const int lane = threadIdx.x & 31;
+  const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
+  for (i64 n = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); n < N; n += warps) {
+    const int s = src_slot[n];
+    if (probs_out != nullptr && lane == 0) probs_out[n] = s >= 0 ? probs_flat[s] : 0.0f;
+    if (s < 0 && out != nullptr) {
+      U* o = out + n * units;
+      const U z{};
+      for (i64 i = lane; i < units; i += 32) __stcs(o + i, z);
+    }
+  }
+}
+
 // out[i] = dst_row[i] >= 0 ? vals[dst_row[i]] : 0 for i < n: expert-major row values back to the received
 // rows' [rows,K] slots (the probs gradient of dispatch_bwd).
 extern "C" __global__ void ep_slot_values(const float* __restrict__ vals, const int* __restrict__ dst_row,

@@ -95,6 +95,7 @@ for _c in _jit.CTYPES.values():
     for _v in ("true", "false"):
         _names += [f"ep_owner_sum<{_c}, {_v}>", f"ep_scale_rows<{_c}, {_v}>"]
 _names += [f"ep_expand_rows<{u}, 4>" for u in _UNITS.values()]
+_names += [f"ep_fill_rows<{u}>" for u in _UNITS.values()]
 _names += ["ep_scan_pairs", "ep_plan_meta", "ep_recv_local", "ep_gather_slots", "ep_slot_values"]
 _jit.register(_FILE, _names)
 
@@ -134,7 +135,11 @@ def _env_timeout() -> float:
     return _env_number("MOE_RT_EP_TIMEOUT", DEFAULT_TIMEOUT, float, lambda t: t > 0, "seconds > 0")
 
 
-_unit = permutation._unit  # widest unit (16, 8, 4, 2, 1 bytes) dividing the row and every pointer
+def _unit(row_bytes: int, *ptrs) -> int:
+    for u in (16, 8, 4, 2, 1):
+        if row_bytes % u == 0 and all(p % u == 0 for p in ptrs):
+            return u
+    return 1
 
 
 class EpGroup:
@@ -999,9 +1004,16 @@ def _expand_rows(call, h, buf, out, lo, hi):
 
 
 def _fill_rows(call, h, out, pp, pv):
-    """Zero the expert-major rows of ``out`` that hold no slot; ``pp[n] = pv[src_slot[n]]`` (0 for those):
-    the one-GPU dispatch's fill over the handle's plan."""
-    permutation._fill(call, out, pp, pv, _plan_view(h))
+    """Zero the expert-major rows of ``out`` that hold no slot; ``pp[n] = pv[src_slot[n]]`` (0 for those)."""
+    N = h.sizes["N"]
+    if N == 0 or (out is None and pp is None):
+        return
+    rb = int(out.shape[1]) * out.dtype.itemsize if out is not None else 0
+    u = _unit(rb, out.data.ptr) if out is not None else 16
+    sms = _jit.device_properties(call.device_id)["sm_count"]
+    _jit.launch(_jit.function(_FILE, f"ep_fill_rows<{_UNITS[u]}>"), max(1, min(-(-N // 8), sms * 16)), 256,
+                (out.data.ptr if out is not None else 0, pp if pp is not None else 0, pv if pv is not None else 0,
+                 h.view("src_slot"), np.int64(N), np.int64(rb // u)), stream=call.stream)
 
 
 def _slot_values(call, h, vals):
