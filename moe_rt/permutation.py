@@ -494,7 +494,7 @@ def _fill(call, out, pp, pv, plan):
     u = _unit(row_bytes, out.data.ptr) if out is not None else 16
     args = (out.data.ptr if out is not None and row_bytes else 0, pp if pp is not None else 0,
             pv if pv is not None else 0, plan._v["src_slot"], np.int64(N), np.int64(row_bytes // u))
-    if args[0] == 0 and args[1] == 0:
+    if args[0] == 0 and pp is None:  # nothing to zero (no row bytes) and no probs to write
         return
     _launch(_fn(f"fill_rows<{_UNITS[u]}>", call.device_id), _row_grid(N, call.device_id), 256, args, call.stream)
 
