@@ -2,11 +2,11 @@
 ``jax.grad``.
 
 Each op lowers to ``jax.experimental.buffer_callback``: inside a jitted computation the callback receives
-XLA's device buffers and XLA's stream, imports them by DLPack (no copy), runs moe_rt's kernels on that stream
-(or the NumPy reference for CPU buffers), and writes the results into XLA's output buffers: large results
-are computed straight into them (see ``_run``), small ones are copied in. Under ``vmap`` each op runs once
-per batch element, in order (a loop, not a batched kernel): every op is already batched over tokens, so
-folding a batch of token sets into the token dimension is the fast path where the math allows it.
+XLA's device buffers and XLA's stream, views them in place (their ``__cuda_array_interface__``; no copy),
+runs moe_rt's kernels on that stream (or the NumPy reference for CPU buffers), and computes the results
+straight into XLA's output buffers (see ``_run``); a result made elsewhere is copied in. Under ``vmap`` each
+op runs once per batch element, in order (a loop, not a batched kernel): every op is already batched over
+tokens, so folding a batch of token sets into the token dimension is the fast path where the math allows it.
 
 Dispatch plans travel as :class:`JaxPlan`, a pytree of int32 arrays with the static sizes as metadata, so a
 plan can be passed through ``jit``, ``grad``, ``checkpoint`` and ``custom_vjp`` residuals.
