@@ -181,6 +181,31 @@ def _xla_view(obj, device_id):
     return _cupy_over(ptr, shape, dt, tuple(int(v) for v in st), obj, device_id)
 
 
+class _Slot:
+    """The owner of a symbolic DevArray while an op is recorded (see :mod:`moe_rt._fast`): no memory, only
+    the array's number among the call's inputs and allocations."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+class Unrecordable(Exception):
+    """Raised inside an op being recorded when its path needs more than allocations and kernel launches."""
+
+
+# Recording (moe_rt._fast): RECORDING counts the threads recording now, so the ordinary path pays one global
+# read; the recorder itself is thread-local.
+RECORDING = 0
+_rec_state = _threading.local()
+
+
+def recorder():
+    """The recorder of this thread, or None."""
+    return getattr(_rec_state, "r", None) if RECORDING else None
+
+
 class _Flags:
     __slots__ = ()
     c_contiguous = True
@@ -249,6 +274,8 @@ class DevArray:
 
     def cupy(self):
         """A CuPy array over the same memory (made once)."""
+        if type(self.owner) is _Slot:
+            raise Unrecordable("the op needs a CuPy view of an array")
         if self._cp is None:
             nbytes = self.nbytes
             if nbytes == 0:
@@ -291,20 +318,22 @@ _serving = _threading.local()
 
 
 class serving:
-    """Within ``with serving(dsts):`` (``dsts``: DevArrays over XLA's output buffers), :meth:`Call.empty`
-    hands an op each buffer once, in order, to the first allocation of the same dtype and element count,
-    so results are computed straight into XLA's outputs."""
+    """Within ``with serving(dsts, stream_ptr):`` (``dsts``: DevArrays over XLA's output buffers;
+    ``stream_ptr``: XLA's stream, the current CuPy stream there), :meth:`Call.empty` hands an op each
+    buffer once, in order, to the first allocation of the same dtype and element count, so results are
+    computed straight into XLA's outputs."""
 
-    def __init__(self, dsts):
+    def __init__(self, dsts, stream_ptr=None):
         self.dsts = [d for d in dsts if d.size > 0]
+        self.stream_ptr = stream_ptr
 
     def __enter__(self):
-        self.prev = getattr(_serving, "outs", None)
-        _serving.outs = self.dsts
+        self.prev = (getattr(_serving, "outs", None), getattr(_serving, "stream", None))
+        _serving.outs, _serving.stream = self.dsts, self.stream_ptr
         return self
 
     def __exit__(self, *exc):
-        _serving.outs = self.prev
+        _serving.outs, _serving.stream = self.prev
         return False
 
 
@@ -342,6 +371,7 @@ class Call:
         # allocates through empty(): torch's allocator for torch callers, XLA's outputs in a callback
         self._lean = lean and self.backend == "cuda"
         self._serve = getattr(_serving, "outs", None) if self._lean else None
+        self._rec = recorder() if RECORDING and self._lean else None
         self._tdev = None
         if self.backend == "cuda":
             import cupy
@@ -415,6 +445,8 @@ class Call:
         output buffers (see :class:`serving`) or a torch tensor from torch's allocator (as a DevArray),
         else a CuPy (CUDA) or NumPy (CPU) array."""
         if self._lean:
+            if self._rec is not None:
+                return self._rec.alloc(shape, dtype, "empty", self.device_id)
             dtype = np.dtype(dtype)
             shape = tuple(shape)
             if self._serve:
@@ -429,6 +461,8 @@ class Call:
 
     def scratch(self, shape, dtype):
         """Like :meth:`empty`, but never one of XLA's output buffers (working memory of one call)."""
+        if self._lean and self._rec is not None:
+            return self._rec.alloc(shape, dtype, "scratch", self.device_id)
         if self._lean and self._fast_torch:
             return self._torch_empty(tuple(shape), np.dtype(dtype))
         return self.xp.empty(shape, dtype=dtype)

@@ -129,6 +129,7 @@ def function(file: str, name: str):
         return fn
 
 
+from moe_rt import _arrays  # noqa: E402
 from moe_rt._arrays import DevArray  # noqa: E402
 
 try:
@@ -152,7 +153,13 @@ def function_ptr(fn) -> int:
 
 def launch_raw(fn, grid, block, args: tuple, shared_mem: int, stream) -> None:
     """Launch ``fn`` (RawKernel or Function) on the CuPy ``stream`` (None = CuPy's current stream), with no
-    argument normalization: ``grid`` and ``block`` are ints or tuples of ints, nonzero."""
+    argument normalization: ``grid`` and ``block`` are ints or tuples of ints, nonzero. While the calling
+    thread records an op (:mod:`moe_rt._fast`), the launch is recorded instead of made."""
+    if _arrays.RECORDING:
+        rec = _arrays.recorder()
+        if rec is not None:
+            rec.launch(fn, grid, block, args, shared_mem)
+            return
     if _use_driver:
         sptr = stream.ptr if stream is not None else _current_stream_ptr()
         if _driver.launch(function_ptr(fn), grid, block, args, sptr, shared_mem):

@@ -61,7 +61,7 @@ def _run(fn, out_specs, *inputs, lean=False):
             views[j] = view(b, dev_id)
         dsts = [view(o, dev_id) for o in outs]
         with device, stream:
-            with (_arrays.serving(dsts) if lean else _into(dsts)):
+            with (_arrays.serving(dsts, int(sptr)) if lean else _into(dsts)):
                 results = fn(*views)
             _write(dsts, results, True)
     # vmap runs the callback once per batch element (every op is already batched over tokens; a batch of

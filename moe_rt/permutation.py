@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moe_rt import _arrays, _jit
+from moe_rt import _arrays, _fast, _jit
 from moe_rt.reference import permutation as _ref
 
 __all__ = ["Plan", "make_plan", "dispatch", "combine", "dispatch_backward", "combine_backward",
@@ -115,7 +115,7 @@ class Plan:
     """
 
     __slots__ = ("num_tokens", "topk", "num_experts", "num_rows", "align_size", "num_out_tokens",
-                 "from_routing_map", "backend", "device_id", "_v", "_framework", "_exported")
+                 "from_routing_map", "backend", "device_id", "_v", "_framework", "_exported", "_fk")
 
     def _array(self, name):
         # Exported to the caller's framework on first access (zero copy), then cached.
@@ -189,6 +189,42 @@ class Plan:
         d.update(num_tokens=self.num_tokens, topk=self.topk, num_experts=self.num_experts,
                  num_rows=self.num_rows, align_size=self.align_size)
         return d
+
+
+_PLAN_NAMES = ("dst_row", "src_slot", "seg_start", "counts", "tokens_per_expert")
+_PLAN_INTS = ("num_tokens", "topk", "num_experts", "num_rows", "align_size", "num_out_tokens", "from_routing_map",
+              "backend", "device_id")
+
+
+def _plan_parts(plan):
+    """What a replay (moe_rt._fast) needs of a CUDA plan: (its ints and the dtypes, shapes and alignments
+    of its arrays, the arrays, their metas, their pointers, its device); worked out once per plan (plans
+    are immutable). None for anything else."""
+    fk = getattr(plan, "_fk", None)
+    if fk is None:
+        if type(plan) is not Plan or plan.backend != "cuda":
+            return None
+        arrays = [plan._v[k] for k in _PLAN_NAMES]
+        ptrs = [a.data.ptr for a in arrays]
+        metas = tuple((np.dtype(a.dtype), tuple(a.shape), p & 15) for a, p in zip(arrays, ptrs))
+        fk = plan._fk = ((tuple(getattr(plan, k) for k in _PLAN_INTS), metas), arrays, metas, ptrs,
+                         plan.device_id)
+    return fk
+
+
+def _plan_symbolic(plan, arrays):
+    """``plan``'s ints over other arrays (the symbolic ones of a recording)."""
+    p = Plan()
+    for k in _PLAN_INTS:
+        setattr(p, k, getattr(plan, k))
+    p._v = dict(zip(_PLAN_NAMES, arrays))
+    p._framework = "devarray"
+    p._exported = {}
+    p._fk = None
+    return p
+
+
+_PLAN_FAST = ("plan", _plan_parts, _plan_symbolic)
 
 
 def _check_plan(plan, call: _arrays.Call):
@@ -434,6 +470,7 @@ def _dense_to_slots(xp, probs, plan):
 
 # -- dispatch / combine ----------------------------------------------------------------------------------
 
+@_fast.recorded("x", "probs", plan=_PLAN_FAST)
 def dispatch(x, plan: Plan, probs=None, *, stream=None):
     """Permute tokens (and their routing probs) into the plan's expert-major rows.
 
@@ -499,6 +536,7 @@ def _fill(call, out, pp, pv, plan):
     _launch(_fn(f"fill_rows<{_UNITS[u]}>", call.device_id), _row_grid(N, call.device_id), 256, args, call.stream)
 
 
+@_fast.recorded("y_permuted", "probs", plan=_PLAN_FAST)
 def combine(y_permuted, plan: Plan, probs=None, *, stream=None):
     """Weighted sum of each token's expert outputs: ``y[t] = sum_k w[t,k] * y_permuted[dst_row[t,k]]``.
 
@@ -567,6 +605,7 @@ def _resident_ctas(fn, block: int, device_id: int) -> int:
     return n
 
 
+@_fast.recorded("grad_x_permuted", "grad_probs_permuted", plan=_PLAN_FAST)
 def dispatch_backward(grad_x_permuted, plan: Plan, grad_probs_permuted=None, *, stream=None):
     """VJP of :func:`dispatch`.
 
@@ -607,6 +646,7 @@ def dispatch_backward(grad_x_permuted, plan: Plan, grad_probs_permuted=None, *, 
         return call.out(gx), (None if gp is None else call.out(gp))
 
 
+@_fast.recorded("grad_y", "y_permuted", "probs", plan=_PLAN_FAST)
 def combine_backward(grad_y, plan: Plan, y_permuted=None, probs=None, *, stream=None):
     """VJP of :func:`combine`.
 

@@ -19,7 +19,7 @@ import os
 
 import numpy as np
 
-from moe_rt import _arrays, _jit
+from moe_rt import _arrays, _fast, _jit
 from moe_rt.reference import router as ref
 
 SCORE_FUNCTIONS = {"sigmoid": 0, "softmax": 1, "sqrtsoftplus": 2}
@@ -28,6 +28,9 @@ MAX_TOPK = 64
 _TEAMS = (32, 128, 512)
 _REG_V = (8, 16, 32)  # keys per lane of router_fwd_reg (E <= 1024)
 _FILE = "router.cu"
+# kernel variants for benchmarks and tests, read once (tests patch these attributes)
+_FWD_VARIANT = os.environ.get("MOE_RT_ROUTER_FWD")
+_TEAM_VARIANT = os.environ.get("MOE_RT_ROUTER_TEAM")
 
 _jit.register(_FILE, [f"router_fwd<{c}, {team}>" for c in _jit.CTYPES.values() for team in _TEAMS]
               + [f"router_fwd_reg<{c}, {v}>" for c in ("float", "__nv_bfloat16") for v in _REG_V]
@@ -42,6 +45,10 @@ __all__ = ["topk_with_score", "topk_with_score_backward", "topk_indices_with_sco
 
 
 # ---- validation ---------------------------------------------------------------------------------------
+
+def _variant():
+    return _FWD_VARIANT, _TEAM_VARIANT
+
 
 def _check_score_function(score_function):
     if not isinstance(score_function, str) or score_function not in SCORE_FUNCTIONS:
@@ -108,12 +115,12 @@ def _vec_ok(arrays, E, ch):
 
 def _team(E, fwd=False):
     """Threads per token of the generic kernels: one warp up to E = 1024 (and for the forward up to 2304,
-    where it measured faster than 128 threads; the backward is faster with 128). MOE_RT_ROUTER_TEAM=32|128
-    picks it for 1024 < E <= 4096 (a benchmark and test variant)."""
+    where it measured faster than 128 threads; the backward is faster with 128). ``_TEAM_VARIANT`` (32 or
+    128, from MOE_RT_ROUTER_TEAM at import) picks it for 1024 < E <= 4096 (a benchmark and test variant)."""
     if E <= 1024:
         return 32
     if E <= 4096:
-        forced = os.environ.get("MOE_RT_ROUTER_TEAM")
+        forced = _TEAM_VARIANT
         if forced in ("32", "128"):
             return int(forced)
         return 32 if fwd and E <= 2304 else 128
@@ -134,8 +141,9 @@ def _reg_slot_words(E, G, K):
 
 def _reg_v(E, ch, vec, dtype):
     """Keys per lane of the register kernel (float32, bfloat16; E <= 1024) for this row, or 0 (generic
-    kernel). MOE_RT_ROUTER_FWD=generic forces the generic kernel (a benchmark and test variant)."""
-    if not vec or dtype == np.float16 or os.environ.get("MOE_RT_ROUTER_FWD") == "generic":
+    kernel). ``_FWD_VARIANT = "generic"`` (MOE_RT_ROUTER_FWD at import) forces the generic kernel (a benchmark
+    and test variant)."""
+    if not vec or dtype == np.float16 or _FWD_VARIANT == "generic":
         return 0
     need = -(-(E // ch) // 32) * ch
     return next((v for v in _REG_V if v >= need), 0)
@@ -176,8 +184,7 @@ def _launch_fwd(call, x, T, E, K, score_fn, pre, aux, G, g, scale, bias, probs, 
                 idx, w):
     ch = 16 // x.dtype.itemsize
     vec = _vec_ok([x, probs, scores, rmap, inter, bias], E, ch)
-    key = (x.dtype, E, K, G, vec, call.device_id, os.environ.get("MOE_RT_ROUTER_FWD"),
-           os.environ.get("MOE_RT_ROUTER_TEAM"))
+    key = (x.dtype, E, K, G, vec, call.device_id, _FWD_VARIANT, _TEAM_VARIANT)
     cfg = _fwd_cfgs.get(key)
     if cfg is None:
         if len(_fwd_cfgs) > 512:
@@ -254,6 +261,7 @@ def _ref_kwargs(score_function, pre, G, g, scale, bv):
 
 # ---- top-k with score function ---------------------------------------------------------------------
 
+@_fast.recorded("logits", "expert_bias", variant=_variant)
 def topk_with_score(logits, topk, *, score_function="softmax", use_pre_softmax=False, num_groups=None,
                     group_topk=None, scaling_factor=None, expert_bias=None, stream=None):
     """Route each token to its ``topk`` experts (TE ``fused_topk_with_score_function``).
@@ -296,6 +304,7 @@ def topk_with_score(logits, topk, *, score_function="softmax", use_pre_softmax=F
         return call.out(probs.reshape(shape)), call.out(rmap.reshape(shape)), call.out(inter.reshape(shape))
 
 
+@_fast.recorded("logits", "expert_bias", variant=_variant)
 def topk_indices_with_score(logits, topk, *, score_function="softmax", use_pre_softmax=False, num_groups=None,
                             group_topk=None, scaling_factor=None, expert_bias=None, stream=None):
     """Compact form of :func:`topk_with_score` (same arguments), the input of the dispatch ops.
@@ -321,6 +330,7 @@ def topk_indices_with_score(logits, topk, *, score_function="softmax", use_pre_s
         return call.out(idx.reshape(lead + (K,))), call.out(w.reshape(lead + (K,)))
 
 
+@_fast.recorded("grad_probs", "routing_map", "intermediate", variant=_variant)
 def topk_with_score_backward(grad_probs, routing_map, intermediate, topk, *, score_function,
                              use_pre_softmax=False, scaling_factor=None, stream=None):
     """Backward of :func:`topk_with_score`.
@@ -362,6 +372,7 @@ def topk_with_score_backward(grad_probs, routing_map, intermediate, topk, *, sco
 
 # ---- scores for the aux loss -----------------------------------------------------------------------
 
+@_fast.recorded("logits", variant=_variant)
 def scores_for_aux_loss(logits, topk, score_function, *, stream=None):
     """Dense router scores and a plain top-k map for the aux loss (TE ``fused_score_for_moe_aux_loss``;
     no bias, groups or scaling).
@@ -414,6 +425,7 @@ def _parse_dtype(dtype):
     return dt
 
 
+@_fast.recorded("grad_scores", "intermediate", variant=_variant)
 def scores_for_aux_loss_backward(grad_scores, intermediate, topk, score_function, *, dtype=None, stream=None):
     """Backward of :func:`scores_for_aux_loss`.
 
@@ -485,6 +497,7 @@ def _aux_blocks(R):
     return rpb, -(-R // rpb) if R > 0 else 0
 
 
+@_fast.recorded("probs", "tokens_per_expert")
 def aux_loss(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coeff, *, stream=None):
     """Switch load-balancing loss (TE ``fused_moe_aux_loss``), deterministic.
 
@@ -530,6 +543,7 @@ def aux_loss(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coef
         return call.out(out)
 
 
+@_fast.recorded("grad_aux_loss", "tokens_per_expert")
 def aux_loss_backward(grad_aux_loss, num_rows, tokens_per_expert, total_num_tokens, num_experts, topk, coeff,
                       *, stream=None):
     """Backward of :func:`aux_loss`: ``grad_probs[r, c] = (C_coeff * tokens_per_expert[c]) * grad``.

@@ -217,13 +217,20 @@ class _DispatchFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, probs, plan):
+        ctx.set_materialize_grads(False)  # no zero tensors made for outputs that get no gradient
         ctx.plan = plan
         ctx.probs_dtype = None if probs is None else probs.dtype
+        ctx.x_meta = (x.shape, x.dtype)
         return _perm.dispatch(x, plan, probs)
 
     @staticmethod
     def backward(ctx, grad_xp, grad_pp):
-        has_probs = ctx.probs_dtype is not None
+        has_probs = ctx.probs_dtype is not None and grad_pp is not None
+        if grad_xp is None:
+            if not has_probs:
+                return None, None, None
+            grad_xp = torch.zeros((ctx.plan.num_rows, ctx.x_meta[0][1]), dtype=ctx.x_meta[1],
+                                  device=grad_pp.device)
         gx, gp = _perm.dispatch_backward(grad_xp.contiguous(), ctx.plan, grad_pp if has_probs else None)
         return gx, (gp.to(ctx.probs_dtype) if has_probs else None), None
 
@@ -381,6 +388,7 @@ class _TopkFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, expert_bias, topk, kw):
+        ctx.set_materialize_grads(False)  # the map and the intermediate never get a gradient
         probs, routing_map, inter = _router().topk_with_score(logits, topk, expert_bias=expert_bias, **kw)
         ctx.args = (topk, kw["score_function"], kw["use_pre_softmax"], kw["scaling_factor"])
         ctx.mark_non_differentiable(routing_map, inter)
@@ -389,6 +397,8 @@ class _TopkFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_probs, _grad_map, _grad_inter):
+        if grad_probs is None:
+            return None, None, None, None
         routing_map, inter = ctx.saved_tensors
         topk, score_function, pre, scale = ctx.args
         g = _router().topk_with_score_backward(grad_probs.contiguous(), routing_map, inter, topk,
@@ -468,6 +478,7 @@ class _ScoresFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, topk, score_function):
+        ctx.set_materialize_grads(False)  # the map and the intermediate never get a gradient
         scores, routing_map, inter = _router().scores_for_aux_loss(logits, topk, score_function)
         ctx.args = (topk, score_function, logits.dtype)
         ctx.mark_non_differentiable(routing_map, inter)
@@ -476,6 +487,8 @@ class _ScoresFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_scores, _g_map, _g_inter):
+        if grad_scores is None:
+            return None, None, None
         (inter,) = ctx.saved_tensors
         topk, score_function, dtype = ctx.args
         g = _router().scores_for_aux_loss_backward(grad_scores.float().contiguous(), inter, topk, score_function,

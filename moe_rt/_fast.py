@@ -1,0 +1,393 @@
+"""Recorded launches: the host path of a hot op cut down to a dictionary lookup, its allocations and its
+driver launches, for torch CUDA tensors on torch's current stream and for XLA's buffers inside a JAX
+callback.
+
+The first call of an op with a given signature (each array's dtype, shape, device and pointer alignment;
+every other argument with its type) runs the op's ordinary path once over symbolic arrays: each input and
+each allocation is a DevArray at a made-up address in a window of its own, and the kernel launches are
+recorded instead of made. That shows everything the call does for this signature: which arrays it
+allocates (shape, dtype; result or scratch), which kernels it launches (function, grid, block, shared
+memory, and the arguments, each pointer as a window and an offset) and which arrays it returns. Later calls
+with the same signature replay it: allocate, put the real pointers in, launch, return the same views.
+
+The ordinary path stays the one source of truth: validation runs there (a signature whose recording raises
+is remembered as one to run the ordinary way, which then raises the same error), and so does every
+decision a launch depends on. A signature whose path needs more than allocations and launches (a CuPy view,
+a conversion kernel, a value read on the host) cannot be recorded and always runs the ordinary way.
+
+``MOE_RT_FAST=0`` turns replays off (a test and benchmark switch; both ways give the same bits).
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+import os
+import threading
+
+import numpy as np
+
+from moe_rt import _arrays, _jit
+from moe_rt._arrays import DevArray, Unrecordable, _Slot
+
+_WIN_SHIFT = 36  # each symbolic array has a 64 GiB window of made-up addresses
+_BASE = 0x5A5 << 40  # far above any size or count an op passes, far below 2**63
+_MAX_SLOTS = 256
+_CONST_TYPES = (int, np.int32, np.uint32, np.int64, np.uint64, np.float32, np.float64)
+_MAX_ENTRIES = 1024  # recipes kept per op
+
+ENABLED = os.environ.get("MOE_RT_FAST", "1") != "0"
+_lock = threading.Lock()
+_SLOW = "slow"  # cache value: run the ordinary path for this signature
+
+
+def _win(i: int) -> int:
+    return _BASE + (i << _WIN_SHIFT)
+
+
+class _Recorder:
+    """What one call of an op does, gathered while it runs over symbolic arrays."""
+
+    def __init__(self):
+        self.bases = []  # made-up address of each slot (inputs keep their real misalignment)
+        self.shapes = []
+        self.allocs = []  # (shape, dtype, kind) of each allocation, in order; kind: "empty" or "scratch"
+        self.launches = []
+
+    def _slot(self, base, shape):
+        i = len(self.bases)
+        if i >= _MAX_SLOTS:
+            raise Unrecordable("too many arrays")
+        self.bases.append(base)
+        self.shapes.append(shape)
+        return i
+
+    def input(self, dtype, shape, misalign, device_id):
+        i = len(self.bases)
+        base = _win(i) + misalign
+        self._slot(base, shape)
+        return DevArray(base, shape, dtype, _Slot(i), device_id)
+
+    def alloc(self, shape, dtype, kind, device_id):  # Call.empty / Call.scratch while recording
+        shape = tuple(int(d) for d in shape)
+        dtype = np.dtype(dtype)
+        i = len(self.bases)
+        self._slot(_win(i), shape)
+        self.allocs.append((shape, dtype, kind))
+        return DevArray(_win(i), shape, dtype, _Slot(i), device_id)
+
+    def launch(self, fn, grid, block, args, shared_mem):  # _jit.launch_raw while recording
+        tmpl, refs = [], []
+        top = _win(len(self.bases))
+        for pos, a in enumerate(args):
+            t = type(a)
+            if t is DevArray:
+                if type(a.owner) is not _Slot:
+                    raise Unrecordable("a launch argument is real device memory")
+                a, t = a.ptr, int
+            if t is int and _BASE <= a < top:
+                s = (a - _BASE) >> _WIN_SHIFT
+                refs.append((pos, s, a - self.bases[s]))
+                tmpl.append(0)
+            elif t in _CONST_TYPES:
+                tmpl.append(a)
+            else:
+                raise Unrecordable(f"a launch argument of type {t.__name__}")
+        self.launches.append((_jit.function_ptr(fn), grid, block, int(shared_mem), tuple(tmpl), tuple(refs)))
+
+    def describe(self, out):
+        """The op's result as slot references: (0, slot, shape, element offset, how) with how 0 = the slot
+        as allocated, 1 = a reshape of it, 2 = a slice; (type, items) for a tuple or list; None."""
+        if out is None:
+            return None
+        t = type(out)
+        if t is DevArray:
+            if type(out.owner) is not _Slot:
+                raise Unrecordable("the op returns real device memory")
+            s = out.owner.index
+            whole = out.offset == 0 and out.size == math.prod(self.shapes[s])
+            how = (0 if out.shape == self.shapes[s] else 1) if whole else 2
+            return (0, s, out.shape, out.offset, how)
+        if t is tuple or t is list:
+            return (t, tuple(self.describe(o) for o in out))
+        raise Unrecordable(f"the op returns a {t.__name__}")
+
+
+class _Recipe:
+    __slots__ = ("n_in", "allocs", "talloc", "launches", "result")
+
+    def __init__(self, rec: _Recorder, result, n_in: int):
+        self.n_in = n_in
+        self.allocs = tuple((shape, dtype, kind, math.prod(shape)) for shape, dtype, kind in rec.allocs)
+        self.talloc = None  # (shape, torch dtype) per allocation, made on the first torch replay
+        self.launches = tuple(rec.launches)
+        self.result = result
+
+
+def _record(op, args, kwargs, where, metas, device_id, plan=None):
+    """Run ``op`` over symbolic arrays in place of the real ones (``where[i]``: the position or keyword of
+    array i; ``metas[i]``: its (dtype, shape, misalignment) or None) and return its recipe. ``plan``:
+    (position or keyword, the plan, the metas of its arrays, a function making the same plan over
+    symbolic arrays), or None."""
+    rec = _Recorder()
+    args, kwargs = list(args), dict(kwargs)
+    n_in = 0
+    for w, m in zip(where, metas):
+        if m is None:
+            continue
+        sym = rec.input(m[0], m[1], m[2], device_id)
+        n_in += 1
+        if type(w) is int:
+            args[w] = sym
+        else:
+            kwargs[w] = sym
+    if plan is not None:
+        w, p, pmetas, symbolic = plan
+        syms = [rec.input(m[0], m[1], m[2], device_id) for m in pmetas]
+        n_in += len(syms)
+        sp = symbolic(p, syms)
+        if type(w) is int:
+            args[w] = sp
+        else:
+            kwargs[w] = sp
+    with _lock:
+        _arrays.RECORDING += 1
+    _arrays._rec_state.r = rec
+    try:
+        result = rec.describe(op(*args, **kwargs))
+    finally:
+        _arrays._rec_state.r = None
+        with _lock:
+            _arrays.RECORDING -= 1
+    return _Recipe(rec, result, n_in)
+
+
+# -- replay -------------------------------------------------------------------------------------------
+
+def _run_launches(rec: _Recipe, ptrs, stream: int):
+    launch = _jit._driver.launch
+    for fptr, grid, block, smem, tmpl, refs in rec.launches:
+        a = list(tmpl)
+        for pos, s, off in refs:
+            a[pos] = ptrs[s] + off
+        if not launch(fptr, grid, block, tuple(a), stream, smem):
+            raise RuntimeError("moe_rt: the CUDA driver launcher became unavailable")
+
+
+def _result(d, objs):
+    """The op's result from its description (see :meth:`_Recorder.describe`) over the replay's arrays (torch
+    tensors, DevArrays or CuPy arrays: each reshapes a contiguous array into a view)."""
+    if d is None:
+        return None
+    if d[0] == 0:
+        o = objs[d[1]]
+        how = d[4]
+        if how == 0:
+            return o
+        if how == 1:
+            return o.reshape(d[2])
+        return o.reshape(-1)[d[3]:d[3] + math.prod(d[2])].reshape(d[2])
+    return d[0]([_result(x, objs) for x in d[1]])
+
+
+_torch = None
+_Tensor = None
+_raw_stream = None
+_cur_device = None
+_tdevs: dict = {}
+
+
+def _load_torch():
+    """Bind torch's entry points the torch replay uses, if torch is imported (never imports it)."""
+    global _torch, _Tensor, _raw_stream, _cur_device
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None or not hasattr(torch, "_C"):
+        return False
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    cur = getattr(torch._C, "_cuda_getDevice", None)
+    if raw is None or cur is None:
+        return False
+    _torch, _Tensor, _raw_stream, _cur_device = torch, torch.Tensor, raw, cur
+    return True
+
+
+def _replay_torch(rec: _Recipe, tensors, ptrs, dev: int):
+    torch = _torch
+    if rec.talloc is None:
+        rec.talloc = tuple((shape, _arrays._torch_dtype_of(dtype)) for shape, dtype, _, _ in rec.allocs)
+    tdev = _tdevs.get(dev)
+    if tdev is None:
+        tdev = _tdevs[dev] = torch.device("cuda", dev)
+    objs = tensors
+    for shape, tdt in rec.talloc:
+        t = torch.empty(shape, dtype=tdt, device=tdev)
+        objs.append(t)
+        ptrs.append(t.data_ptr())
+    _run_launches(rec, ptrs, _raw_stream(dev))
+    return _result(rec.result, objs)
+
+
+def _replay_dev(rec: _Recipe, arrays, ptrs, serve, stream: int):
+    """Replay for DevArrays inside a JAX callback: results go into XLA's output buffers as the ordinary
+    path's Call.empty would put them (first unused buffer of the same dtype and size, in order); None when
+    one has no buffer (the ordinary path then runs)."""
+    avail = list(serve)
+    objs = arrays
+    for shape, dtype, kind, n in rec.allocs:
+        if kind == "empty":
+            for j, d in enumerate(avail):
+                if d.dtype == dtype and d.size == n:
+                    break
+            else:
+                return None
+            d = avail.pop(j)
+            if d.ptr & 15:
+                return None
+            o = d if d.shape == shape else d.reshape(shape)
+            objs.append(o)
+            ptrs.append(o.ptr)
+        else:
+            import cupy
+
+            c = cupy.empty(shape, dtype)
+            objs.append(c)
+            ptrs.append(c.data.ptr)
+    serve[:] = avail  # the buffers taken, as Call.empty takes them
+    _run_launches(rec, ptrs, stream)
+    return _result(rec.result, objs)
+
+
+# -- the wrapper --------------------------------------------------------------------------------------
+
+def recorded(*array_params, variant=None, plan=None):
+    """Give the op a replay path for the signatures it has recorded. ``array_params``: the names of its
+    array parameters (positional or keyword-only); ``variant``: a callable whose value joins the signature
+    (module settings the op's launches depend on); ``plan``: None or ``(name, parts, symbolic)`` for a
+    parameter holding a dispatch plan: ``parts(plan)`` gives None (no replay) or ``(signature, arrays,
+    metas, pointers, device id)`` of the plan, ``symbolic(plan, arrays)`` the same plan over other arrays."""
+
+    def deco(op):
+        params = list(inspect.signature(op).parameters.values())
+        index = {p.name: i for i, p in enumerate(params)}
+
+        def place(name):
+            p = params[index[name]]
+            return (index[name] if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) else None), name
+
+        where = tuple(place(name) for name in array_params)  # per array parameter: (position or None, name)
+        plan_at = None if plan is None else place(plan[0])
+        parts, symbolic = (None, None) if plan is None else plan[1:]
+        cache: dict = {}
+
+        @functools.wraps(op)
+        def fast(*args, **kwargs):
+            if not ENABLED or not _jit._use_driver or kwargs.get("stream") is not None or (
+                    _arrays.RECORDING and _arrays.recorder() is not None):
+                return op(*args, **kwargs)
+            n = len(args)
+            arrays = []
+            places = []
+            for pos, name in where:
+                if pos is not None and pos < n:
+                    arrays.append(args[pos])
+                    places.append(pos)
+                else:
+                    arrays.append(kwargs.get(name))
+                    places.append(name)
+            a0 = arrays[0]
+            t0 = type(a0)
+            if t0 is DevArray:
+                serve = getattr(_arrays._serving, "outs", None)
+                if serve is None:
+                    return op(*args, **kwargs)
+                mode = 1
+            elif t0 is _Tensor or (_Tensor is None and t0.__module__.startswith("torch") and _load_torch()
+                                   and t0 is _Tensor):
+                mode = 0
+            else:
+                return op(*args, **kwargs)
+            metas, ptrs, objs = [], [], []
+            dev = None
+            for a in arrays:
+                if a is None:
+                    metas.append(None)
+                    continue
+                if mode == 0:
+                    if type(a) is not _Tensor or not a.is_cuda or not a.is_contiguous():
+                        return op(*args, **kwargs)
+                    p = a.data_ptr()
+                    d = a.get_device()
+                else:
+                    if type(a) is not DevArray:
+                        return op(*args, **kwargs)
+                    p, d = a.ptr, a.device_id
+                if dev is None:
+                    dev = d
+                elif d != dev:
+                    return op(*args, **kwargs)  # the ordinary path names the mismatch
+                metas.append((a.dtype, a.shape, p & 15))
+                ptrs.append(p)
+                objs.append(a)
+            other = list(args)
+            kw = dict(kwargs)
+            for pl in places:
+                if type(pl) is int:
+                    other[pl] = None
+                else:
+                    kw[pl] = None
+            pkey = pinfo = None
+            if plan_at is not None:
+                pos, name = plan_at
+                if pos is not None and pos < n:
+                    pl_obj, pl_place = args[pos], pos
+                    other[pos] = None
+                else:
+                    pl_obj, pl_place = kwargs.get(name), name
+                    kw[name] = None
+                pp = parts(pl_obj)
+                if pp is None or (dev is not None and pp[4] != dev):
+                    return op(*args, **kwargs)
+                pkey, parrays, pmetas, pptrs, dev = pp
+                objs.extend(parrays)
+                ptrs.extend(pptrs)
+                pinfo = (pl_place, pl_obj, pmetas, symbolic)
+            if mode == 0 and _cur_device() != dev:
+                return op(*args, **kwargs)
+            try:
+                key = (mode, dev, tuple(metas), pkey, tuple(other), tuple(map(type, other)), tuple(kw.items()),
+                       tuple(map(type, kw.values())), variant() if variant is not None else None)
+                rec = cache.get(key)
+            except TypeError:  # an unhashable argument: the ordinary path judges it
+                return op(*args, **kwargs)
+            if rec is None:
+                try:
+                    np_metas = []
+                    for m in metas:
+                        if m is None:
+                            np_metas.append(None)
+                            continue
+                        dt = m[0] if mode == 1 else _arrays._torch_np_dtype(m[0])
+                        if dt is None:
+                            raise Unrecordable("a dtype moe_rt does not handle")
+                        np_metas.append((dt, tuple(m[1]), m[2]))
+                    rec = _record(op, args, kwargs, places, np_metas, dev, pinfo)
+                except Exception:  # noqa: BLE001 - unrecordable or bad input: the ordinary path runs (and raises)
+                    rec = _SLOW
+                if len(cache) >= _MAX_ENTRIES:
+                    cache.clear()
+                cache[key] = rec
+            if rec is _SLOW:
+                return op(*args, **kwargs)
+            if mode == 0:
+                return _replay_torch(rec, objs, ptrs, dev)
+            stream = getattr(_arrays._serving, "stream", None)
+            out = None if stream is None else _replay_dev(rec, objs, ptrs, serve, stream)
+            return op(*args, **kwargs) if out is None else out
+
+        fast.ordinary = op  # the path without replays
+        fast.recipes = cache
+        return fast
+
+    return deco

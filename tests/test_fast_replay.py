@@ -1,0 +1,279 @@
+"""Recorded launches (moe_rt._fast): a replay must make exactly the launches the op's ordinary path makes
+for the same arrays, and hand back the same results.
+
+CPU tests run the ops' CUDA paths against a fake device: kernels are named stand-ins, the driver's launcher
+writes down what it is asked to launch, and the arrays are DevArrays at made-up addresses served as a JAX
+callback serves XLA's buffers. GPU tests compare the bits of replayed and ordinary calls on torch tensors.
+"""
+import math
+
+import numpy as np
+import pytest
+
+import moe_rt.permutation as P
+import moe_rt.router as R
+from moe_rt import _arrays, _fast, _jit
+from moe_rt._arrays import DevArray
+
+F32, BF16 = np.dtype(np.float32), _arrays.BFLOAT16
+
+
+class _Fn:
+    def __init__(self, name):
+        self.name = name
+        self.ptr = 0x1000 + (hash(name) & 0xFFFFF) * 16
+        self.num_regs = 40
+        self.max_dynamic_shared_size_bytes = 0
+        self.kernel = self
+
+
+class _Driver:
+    def __init__(self):
+        self.calls = []
+
+    def launch(self, fptr, grid, block, args, stream, smem):
+        self.calls.append((fptr, grid, block, tuple(a.ptr if type(a) is DevArray else a for a in args), stream,
+                           smem))
+        return True
+
+
+class _Ctx:
+    def __init__(self, ptr=0):
+        self.ptr = ptr
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+STREAM = 0xABC0
+
+
+@pytest.fixture
+def fake_device(monkeypatch):
+    drv = _Driver()
+    fns = {}
+    monkeypatch.setattr(_jit, "function", lambda file, name: fns.setdefault((file, name), _Fn(name)))
+    monkeypatch.setattr(_jit, "device_properties",
+                        lambda dev: {"name": "fake", "sm_count": 132, "smem_per_block_optin": 227 * 1024,
+                                     "smem_per_sm": 228 * 1024, "l2_bytes": 50 << 20, "cc": (9, 0),
+                                     "total_memory": 80 << 30})
+    monkeypatch.setattr(_jit, "_driver", drv)
+    monkeypatch.setattr(_jit, "_use_driver", True)
+    monkeypatch.setattr(_jit, "_ptrs", {})
+    monkeypatch.setattr(P, "_fns", {})
+    monkeypatch.setattr(_arrays, "_default_stream", lambda fw, dev: _Ctx(STREAM))
+    monkeypatch.setitem(_arrays._devices, 0, _Ctx())
+    monkeypatch.setattr(_fast, "ENABLED", True)
+    return drv
+
+
+class _Mem:
+    """Made-up device memory: each array at its own 256-byte aligned address."""
+
+    def __init__(self):
+        self.next = 0x7F0000000000
+
+    def __call__(self, shape, dtype, misalign=0):
+        dtype = np.dtype(dtype)
+        ptr = self.next + misalign
+        self.next += (math.prod(shape) * dtype.itemsize + 4096) // 256 * 256
+        return DevArray(ptr, tuple(shape), dtype, object(), 0)
+
+
+def _run_both(drv, op, args, kwargs, outs):
+    """(launches, results) of the ordinary path and of the fast path (twice: the recording call and a
+    replay), each over fresh serving lists of the same output buffers."""
+    got = []
+    for fn in (op.ordinary, op, op):
+        drv.calls.clear()
+        with _arrays.serving(list(outs), STREAM):
+            res = fn(*args, **kwargs)
+        got.append((list(drv.calls), res))
+    return got
+
+
+def _flat(res):
+    if isinstance(res, (tuple, list)):
+        return [x for r in res for x in _flat(r)]
+    return [None if res is None else (res.ptr, res.shape, res.dtype)]
+
+
+def _check(drv, op, args, kwargs, outs, recorded=True):
+    (ord_calls, ord_res), (first_calls, first_res), (rep_calls, rep_res) = _run_both(drv, op, args, kwargs, outs)
+    assert ord_calls, "the ordinary path launched nothing"
+    assert first_calls == ord_calls
+    assert rep_calls == ord_calls
+    assert _flat(rep_res) == _flat(ord_res) == _flat(first_res)
+    recipes = [r for r in op.recipes.values()]
+    assert recipes and (recipes[-1] is not _fast._SLOW) == recorded
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("E,K,kw", [
+    (64, 8, {}),
+    (256, 8, dict(score_function="sigmoid", num_groups=8, group_topk=4, scaling_factor=2.5)),
+    (2304, 36, dict(score_function="sqrtsoftplus")),
+    (130, 2, dict(use_pre_softmax=True)),
+])
+def test_router_replay_matches_ordinary_launches(fake_device, dtype, E, K, kw):
+    mem = _Mem()
+    T = 77
+    x = mem((T, E), dtype)
+    outs = [mem((T, E), dtype), mem((T, E), np.bool_), mem((T, E), F32)]
+    _check(fake_device, R.topk_with_score, (x, K), kw, outs)
+    outs = [mem((T, K), np.int32), mem((T, K), F32)]
+    _check(fake_device, R.topk_indices_with_score, (x, K), kw, outs)
+    score = kw.get("score_function", "softmax")
+    g, m, i = mem((T, E), dtype), mem((T, E), np.bool_), mem((T, E), F32)
+    _check(fake_device, R.topk_with_score_backward, (g, m, i, K),
+           dict(score_function=score, use_pre_softmax=kw.get("use_pre_softmax", False),
+                scaling_factor=kw.get("scaling_factor")), [mem((T, E), dtype)])
+    _check(fake_device, R.scores_for_aux_loss, (x, K, score), {},
+           [mem((T, E), F32), mem((T, E), np.bool_), mem((T, E), F32)])
+    _check(fake_device, R.scores_for_aux_loss_backward, (mem((T, E), F32), mem((T, E), F32), K, score),
+           dict(dtype=dtype), [mem((T, E), dtype)])
+
+
+@pytest.mark.parametrize("tdtype", [np.int32, np.int64, F32])
+def test_aux_loss_replay_matches_ordinary_launches(fake_device, tdtype, monkeypatch):
+    import cupy
+
+    mem = _Mem()
+    monkeypatch.setattr(cupy, "empty", lambda shape, dtype=F32, **kw: mem(tuple(shape), dtype))  # scratch
+    R_, E = 3000, 64
+    p = mem((R_, E), BF16)
+    tpe = mem((E,), tdtype)
+    # aux_loss: a scratch array (its address differs from call to call) and the 0-d result
+    drv = fake_device
+    outs = [mem((), BF16)]
+    (oc, ores), (fc, fres), (rc, rres) = _run_both(drv, R.aux_loss, (p, tpe, 4096, E, 8, 1e-2), {}, outs)
+    assert len(oc) == len(rc) == 2
+    for a, b in zip(oc, rc):
+        assert a[:3] == b[:3] and a[4:] == b[4:]
+    # the partial sums: written by the first launch, read by the second, at the same address in one call
+    assert rc[0][3][6] == rc[1][3][0] and oc[0][3][6] == oc[1][3][0]
+    same = [j for j in range(len(oc[0][3])) if j != 6]
+    assert [oc[0][3][j] for j in same] == [rc[0][3][j] for j in same]
+    assert _flat(rres) == _flat(ores)
+    _check(drv, R.aux_loss_backward, (mem((), F32), R_, tpe, 4096, E, 8, 1e-2), {}, [mem((R_, E), F32)])
+
+
+def test_replay_keeps_misalignment_and_bias(fake_device):
+    mem = _Mem()
+    T, E, K = 33, 256, 8
+    x = mem((T, E), F32, misalign=4)  # not 16-byte aligned: the scalar kernel path
+    bias = mem((E,), F32)
+    outs = [mem((T, E), F32), mem((T, E), np.bool_), mem((T, E), F32)]
+    kw = dict(score_function="sigmoid", expert_bias=bias)
+    _check(fake_device, R.topk_with_score, (x, K), kw, outs)
+    # a bias that needs a conversion cannot be recorded: the ordinary path runs every time
+    R.topk_with_score.recipes.clear()
+    b16 = mem((E,), BF16)
+    with _arrays.serving(list(outs), STREAM):
+        with pytest.raises(Exception):  # noqa: B017 - the ordinary path's conversion needs a real device
+            R.topk_with_score(x, K, score_function="sigmoid", expert_bias=b16)
+    assert list(R.topk_with_score.recipes.values()) == [_fast._SLOW]
+
+
+def test_bad_input_still_raises_through_the_fast_path(fake_device):
+    mem = _Mem()
+    x = mem((5, 16), F32)
+    outs = [mem((5, 16), F32), mem((5, 16), np.bool_), mem((5, 16), F32)]
+    for _ in range(2):  # the signature is remembered as one for the ordinary path, which raises each time
+        with _arrays.serving(list(outs), STREAM):
+            with pytest.raises(ValueError, match="topk"):
+                R.topk_with_score(x, 17)
+            with pytest.raises(TypeError, match="topk"):
+                R.topk_with_score(x, True)
+            with pytest.raises(ValueError, match="scaling_factor"):
+                R.topk_with_score(x, 2, scaling_factor=float("inf"))
+    # 2 and 2.0 are different signatures: the float is refused, not replayed from the int's recipe
+    with _arrays.serving(list(outs), STREAM):
+        R.topk_with_score(x, 2)
+    with _arrays.serving(list(outs), STREAM):
+        with pytest.raises(TypeError, match="topk"):
+            R.topk_with_score(x, 2.0)
+
+
+def _fake_plan(mem, T, K, E, N, misalign=0):
+    arrays = [mem((T, K), np.int32, misalign), mem((N,), np.int32), mem((E + 1,), np.int32), mem((E,), np.int32),
+              mem((E,), np.int32)]
+    return P.Plan._trusted(arrays, num_rows=N, align_size=1, num_out_tokens=None, backend="cuda", device_id=0,
+                           framework="devarray")
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("H", [1024, 72, 13])
+def test_permutation_replay_matches_ordinary_launches(fake_device, dtype, H):
+    mem = _Mem()
+    T, K, E = 129, 8, 64
+    N = T * K
+    plan = _fake_plan(mem, T, K, E, N)
+    x, w = mem((T, H), dtype), mem((T, K), F32)
+    _check(fake_device, P.dispatch, (x, plan), {}, [mem((N, H), dtype)])
+    _check(fake_device, P.dispatch, (x, plan, w), {}, [mem((N, H), dtype), mem((N,), F32)])
+    yp = mem((N, H), dtype)
+    _check(fake_device, P.combine, (yp, plan), {}, [mem((T, H), dtype)])
+    _check(fake_device, P.combine, (yp, plan), dict(probs=w), [mem((T, H), dtype)])
+    _check(fake_device, P.dispatch_backward, (yp, plan, mem((N,), F32)), {}, [mem((T, H), dtype), mem((T, K), F32)])
+    gy = mem((T, H), dtype)
+    _check(fake_device, P.combine_backward, (gy, plan), {}, [mem((N, H), dtype)])
+    _check(fake_device, P.combine_backward, (gy, plan, yp, w), {}, [mem((N, H), dtype), mem((T, K), F32)])
+    # another plan of the same shapes replays the same recipe with its own pointers
+    plan2 = _fake_plan(mem, T, K, E, N)
+    n = len(P.combine.recipes)
+    _check(fake_device, P.combine, (yp, plan2), {}, [mem((T, H), dtype)])
+    assert len(P.combine.recipes) == n
+
+
+def test_no_replay_outside_a_callback_or_when_disabled(fake_device, monkeypatch):
+    mem = _Mem()
+    x = mem((5, 16), F32)
+    outs = [mem((5, 16), F32), mem((5, 16), np.bool_), mem((5, 16), F32)]
+    with _arrays.serving(list(outs), STREAM):
+        R.topk_with_score(x, 2)
+    n = len(R.topk_with_score.recipes)
+    monkeypatch.setattr(_fast, "ENABLED", False)
+    with _arrays.serving(list(outs), STREAM):
+        R.topk_with_score(x, 3)
+    assert len(R.topk_with_score.recipes) == n
+
+
+# -- GPU: torch tensors, replayed against the ordinary path, bitwise -------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_torch_replay_bitwise(dtype, rng):
+    torch = pytest.importorskip("torch")
+    T, E, K = 1031, 256, 8
+    dt = getattr(torch, dtype)
+    x = torch.tensor(rng.permutation(T * E).reshape(T, E) / (T * E), dtype=torch.float32, device="cuda").to(dt)
+    bias = torch.tensor(rng.standard_normal(E) * 0.1, dtype=torch.float32, device="cuda")
+    g = torch.tensor(rng.standard_normal((T, E)), dtype=dt, device="cuda")
+    kw = dict(score_function="sigmoid", num_groups=8, group_topk=4, scaling_factor=2.5, expert_bias=bias)
+
+    def calls(fns):
+        tk, tkb, sc, scb, aux, auxb = fns
+        probs, rmap, inter = tk(x, K, **kw)
+        gl = tkb(g, rmap, inter, K, score_function="sigmoid", scaling_factor=2.5)
+        s, smap, sint = sc(x, K, "softmax")
+        gs = scb(s * 0.5, sint, K, "softmax", dtype=x.dtype)
+        tpe = smap.sum(0, dtype=torch.int32)
+        loss = aux(s, tpe, T, E, K, 1e-2)
+        gp = auxb(torch.ones((), device="cuda"), T, tpe, T, E, K, 1e-2)
+        return [probs, rmap, inter, gl, s, smap, sint, gs, loss, gp]
+
+    ops = [R.topk_with_score, R.topk_with_score_backward, R.scores_for_aux_loss, R.scores_for_aux_loss_backward,
+           R.aux_loss, R.aux_loss_backward]
+    want = calls([f.ordinary for f in ops])
+    for _ in range(3):  # record, then replay twice
+        got = calls(ops)
+        for a, b in zip(got, want):
+            assert type(a) is torch.Tensor and a.shape == b.shape and a.dtype == b.dtype
+            assert torch.equal(a.view(torch.uint8) if a.dim() else a.reshape(1).view(torch.uint8),
+                               b.view(torch.uint8) if b.dim() else b.reshape(1).view(torch.uint8))
+    for f in ops:
+        assert any(v is not _fast._SLOW for v in f.recipes.values()), f.__name__
