@@ -1,6 +1,6 @@
 """Recorded launches: the host path of a hot op cut down to a dictionary lookup, its allocations and its
-driver launches, for torch CUDA tensors on torch's current stream and for XLA's buffers inside a JAX
-callback.
+driver launches, for torch CUDA tensors on torch's current stream, CuPy arrays on CuPy's current stream and
+XLA's buffers inside a JAX callback.
 
 The first call of an op with a given signature (each array's dtype, shape, device and pointer alignment;
 every other argument with its type) runs the op's ordinary path once over symbolic arrays: each input and
@@ -110,7 +110,22 @@ class _Recorder:
             return (0, s, out.shape, out.offset, how)
         if t is tuple or t is list:
             return (t, tuple(self.describe(o) for o in out))
+        h = _RESULT_TYPES.get(t)
+        if h is not None:
+            return (1, h[1], h[0](out, self.describe))
         raise Unrecordable(f"the op returns a {t.__name__}")
+
+
+# type -> (describe(obj, leaf), build(payload, get, framework)): results other than arrays and sequences
+_RESULT_TYPES: dict = {}
+
+
+def result_type(cls, describe, build):
+    """Let recorded ops return ``cls`` objects (a dispatch plan). ``describe(obj, leaf)`` gives what a
+    replay needs to make one again, with ``leaf(array)`` standing for each array in it;
+    ``build(payload, get, framework)`` makes it, ``get(leaf)`` giving the replay's array for a leaf as the
+    op's ordinary path would hold it for callers of ``framework`` (a DevArray for torch)."""
+    _RESULT_TYPES[cls] = (describe, build)
 
 
 class _Recipe:
@@ -174,12 +189,16 @@ def _run_launches(rec: _Recipe, ptrs, stream: int):
             raise RuntimeError("moe_rt: the CUDA driver launcher became unavailable")
 
 
-def _result(d, objs):
+_FRAMEWORKS = ("torch", "devarray", "cupy")  # by replay mode
+
+
+def _result(d, objs, mode, dev):
     """The op's result from its description (see :meth:`_Recorder.describe`) over the replay's arrays (torch
     tensors, DevArrays or CuPy arrays: each reshapes a contiguous array into a view)."""
     if d is None:
         return None
-    if d[0] == 0:
+    tag = d[0]
+    if tag == 0:
         o = objs[d[1]]
         how = d[4]
         if how == 0:
@@ -187,14 +206,36 @@ def _result(d, objs):
         if how == 1:
             return o.reshape(d[2])
         return o.reshape(-1)[d[3]:d[3] + math.prod(d[2])].reshape(d[2])
-    return d[0]([_result(x, objs) for x in d[1]])
+    if tag == 1:
+        get = (lambda leaf: _devarray_of(_result(leaf, objs, mode, dev), dev)) if mode == 0 else (
+            lambda leaf: _result(leaf, objs, mode, dev))
+        return d[1](d[2], get, _FRAMEWORKS[mode])
+    return tag([_result(x, objs, mode, dev) for x in d[1]])
 
 
+def _devarray_of(t, dev):
+    """A DevArray over a torch tensor made by a replay (what the ordinary path holds for torch callers)."""
+    return DevArray(t.data_ptr(), tuple(t.shape), _arrays._torch_np_dtype(t.dtype), t, dev)
+
+
+_cupy = None
+_ndarray = None  # cupy.ndarray once cupy is imported
 _torch = None
 _Tensor = None
 _raw_stream = None
 _cur_device = None
 _tdevs: dict = {}
+
+
+def _load_cupy():
+    global _cupy, _ndarray
+    import sys
+
+    cupy = sys.modules.get("cupy")
+    if cupy is None or not hasattr(cupy, "ndarray"):
+        return False
+    _cupy, _ndarray = cupy, cupy.ndarray
+    return True
 
 
 def _load_torch():
@@ -226,10 +267,10 @@ def _replay_torch(rec: _Recipe, tensors, ptrs, dev: int):
         objs.append(t)
         ptrs.append(t.data_ptr())
     _run_launches(rec, ptrs, _raw_stream(dev))
-    return _result(rec.result, objs)
+    return _result(rec.result, objs, 0, dev)
 
 
-def _replay_dev(rec: _Recipe, arrays, ptrs, serve, stream: int):
+def _replay_dev(rec: _Recipe, arrays, ptrs, serve, stream: int, dev: int):
     """Replay for DevArrays inside a JAX callback: results go into XLA's output buffers as the ordinary
     path's Call.empty would put them (first unused buffer of the same dtype and size, in order); None when
     one has no buffer (the ordinary path then runs)."""
@@ -256,7 +297,18 @@ def _replay_dev(rec: _Recipe, arrays, ptrs, serve, stream: int):
             ptrs.append(c.data.ptr)
     serve[:] = avail  # the buffers taken, as Call.empty takes them
     _run_launches(rec, ptrs, stream)
-    return _result(rec.result, objs)
+    return _result(rec.result, objs, 1, dev)
+
+
+def _replay_cupy(rec: _Recipe, arrays, ptrs, dev: int):
+    cupy = _cupy
+    objs = arrays
+    for shape, dtype, _, _ in rec.allocs:
+        c = cupy.empty(shape, dtype)
+        objs.append(c)
+        ptrs.append(c.data.ptr)
+    _run_launches(rec, ptrs, cupy.cuda.get_current_stream().ptr)
+    return _result(rec.result, objs, 2, dev)
 
 
 # -- the wrapper --------------------------------------------------------------------------------------
@@ -306,6 +358,9 @@ def recorded(*array_params, variant=None, plan=None):
             elif t0 is _Tensor or (_Tensor is None and t0.__module__.startswith("torch") and _load_torch()
                                    and t0 is _Tensor):
                 mode = 0
+            elif t0 is _ndarray or (_ndarray is None and t0.__module__.startswith("cupy") and _load_cupy()
+                                    and t0 is _ndarray):
+                mode = 2
             else:
                 return op(*args, **kwargs)
             metas, ptrs, objs = [], [], []
@@ -319,6 +374,11 @@ def recorded(*array_params, variant=None, plan=None):
                         return op(*args, **kwargs)
                     p = a.data_ptr()
                     d = a.get_device()
+                elif mode == 2:
+                    if type(a) is not _ndarray or not a.flags.c_contiguous:
+                        return op(*args, **kwargs)
+                    p = a.data.ptr
+                    d = a.device.id
                 else:
                     if type(a) is not DevArray:
                         return op(*args, **kwargs)
@@ -353,7 +413,7 @@ def recorded(*array_params, variant=None, plan=None):
                 objs.extend(parrays)
                 ptrs.extend(pptrs)
                 pinfo = (pl_place, pl_obj, pmetas, symbolic)
-            if mode == 0 and _cur_device() != dev:
+            if (mode == 0 and _cur_device() != dev) or (mode == 2 and _cupy.cuda.runtime.getDevice() != dev):
                 return op(*args, **kwargs)
             try:
                 key = (mode, dev, tuple(metas), pkey, tuple(other), tuple(map(type, other)), tuple(kw.items()),
@@ -368,7 +428,7 @@ def recorded(*array_params, variant=None, plan=None):
                         if m is None:
                             np_metas.append(None)
                             continue
-                        dt = m[0] if mode == 1 else _arrays._torch_np_dtype(m[0])
+                        dt = _arrays._torch_np_dtype(m[0]) if mode == 0 else m[0]
                         if dt is None:
                             raise Unrecordable("a dtype moe_rt does not handle")
                         np_metas.append((dt, tuple(m[1]), m[2]))
@@ -382,8 +442,10 @@ def recorded(*array_params, variant=None, plan=None):
                 return op(*args, **kwargs)
             if mode == 0:
                 return _replay_torch(rec, objs, ptrs, dev)
+            if mode == 2:
+                return _replay_cupy(rec, objs, ptrs, dev)
             stream = getattr(_arrays._serving, "stream", None)
-            out = None if stream is None else _replay_dev(rec, objs, ptrs, serve, stream)
+            out = None if stream is None else _replay_dev(rec, objs, ptrs, serve, stream, dev)
             return op(*args, **kwargs) if out is None else out
 
         fast.ordinary = op  # the path without replays

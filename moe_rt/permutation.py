@@ -248,6 +248,7 @@ def _chunk_for(L: int, E: int) -> int:
     return chunk
 
 
+@_fast.recorded("routing")
 def make_plan(routing, num_experts: int, *, align_size: int = 1, num_out_tokens: int | None = None,
               stream=None, _apart: bool = False) -> Plan:
     """Build the dispatch plan of a routing, on the routing's device, without a host sync.
@@ -340,6 +341,33 @@ class _PlanViews(dict):
             a = a.reshape(shape)
         self[name] = a
         return a
+
+
+def _describe_plan(plan, leaf):
+    """A recorded make_plan's Plan (moe_rt._fast): its ints, and its one buffer or its five arrays."""
+    v = plan._v
+    if type(v) is _PlanViews:
+        arrays = ("views", leaf(v._buf), v._spec)
+    else:
+        arrays = ("apart", tuple((k, leaf(v[k])) for k in _PLAN_NAMES))
+    return tuple(getattr(plan, k) for k in _PLAN_INTS), arrays
+
+
+def _build_plan(payload, get, framework):
+    ints, (kind, *rest) = payload
+    p = Plan()
+    for k, val in zip(_PLAN_INTS, ints):
+        setattr(p, k, val)
+    if kind == "views":
+        v = _PlanViews()
+        v._buf, v._spec = get(rest[0]), rest[1]
+    else:
+        v = {k: get(leaf) for k, leaf in rest[0]}
+    p._v, p._framework, p._exported, p._fk = v, framework, {}, None
+    return p
+
+
+_fast.result_type(Plan, _describe_plan, _build_plan)
 
 
 # (T, K, routing dtype, E, A, num_out_tokens, device) -> the launch set-up of the plan kernels, which

@@ -229,6 +229,36 @@ def test_permutation_replay_matches_ordinary_launches(fake_device, dtype, H):
     assert len(P.combine.recipes) == n
 
 
+@pytest.mark.parametrize("routing", ["index", "map"])
+def test_make_plan_replay_matches_ordinary_launches(fake_device, routing, monkeypatch):
+    import cupy
+
+    mem = _Mem()
+    monkeypatch.setattr(cupy, "empty", lambda shape, dtype=F32, **kw: mem(tuple(shape), dtype))  # scratch
+    T, K, E = 300, 8, 64
+    r = mem((T, K), np.int32) if routing == "index" else mem((T, E), np.bool_)
+    Kp = K if routing == "index" else E
+    N = T * K
+    outs = [mem((T, Kp), np.int32), mem((N,), np.int32), mem((E + 1,), np.int32), mem((E,), np.int32),
+            mem((E,), np.int32)]
+    got = []
+    for fn in (P.make_plan.ordinary, P.make_plan, P.make_plan):
+        fake_device.calls.clear()
+        with _arrays.serving(list(outs), STREAM):
+            plan = fn(r, E, num_out_tokens=N)
+        got.append((list(fake_device.calls), plan))
+    (oc, op_), (fc, fp), (rc, rp) = got
+    assert len(oc) == 3
+    for a, b in zip(oc, rc):  # the scratch (not an output) is the one argument allowed to move
+        assert a[:3] == b[:3] and a[4:] == b[4:]
+        assert [x for x in a[3] if x >= 0x7F0000000000 and any(x == o.ptr for o in outs)] == \
+               [x for x in b[3] if x >= 0x7F0000000000 and any(x == o.ptr for o in outs)]
+    for p in (fp, rp):
+        assert type(p) is P.Plan and repr(p) == repr(op_)
+        assert [p._v[k].ptr for k in P._PLAN_NAMES] == [o.ptr for o in outs]
+        assert p._v["dst_row"].shape == (T, Kp)
+
+
 def test_no_replay_outside_a_callback_or_when_disabled(fake_device, monkeypatch):
     mem = _Mem()
     x = mem((5, 16), F32)
@@ -275,5 +305,50 @@ def test_gpu_torch_replay_bitwise(dtype, rng):
             assert type(a) is torch.Tensor and a.shape == b.shape and a.dtype == b.dtype
             assert torch.equal(a.view(torch.uint8) if a.dim() else a.reshape(1).view(torch.uint8),
                                b.view(torch.uint8) if b.dim() else b.reshape(1).view(torch.uint8))
+    for f in ops:
+        assert any(v is not _fast._SLOW for v in f.recipes.values()), f.__name__
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("framework", ["torch", "cupy"])
+@pytest.mark.parametrize("routing", ["index", "map"])
+def test_gpu_permutation_replay_bitwise(framework, routing, rng):
+    import cupy as cp
+
+    import moe_rt
+
+    T, K, E, H = 517, 8, 64, 136
+    scores = rng.random((T, E))
+    idx = np.argsort(-scores, axis=1)[:, :K].astype(np.int32)
+    rmap = np.zeros((T, E), bool)
+    np.put_along_axis(rmap, idx, True, axis=1)
+    host = dict(r=idx if routing == "index" else rmap, x=rng.standard_normal((T, H)).astype(np.float32),
+                w=rng.random((T, K if routing == "index" else E)).astype(np.float32),
+                gy=rng.standard_normal((T, H)).astype(np.float32))
+    if framework == "torch":
+        torch = pytest.importorskip("torch")
+        a = {k: torch.from_numpy(v).cuda() for k, v in host.items()}
+        a["x"], a["gy"] = a["x"].bfloat16(), a["gy"].bfloat16()
+        raw = lambda t: t.contiguous().view(torch.uint8).cpu().numpy()  # noqa: E731
+    else:
+        a = {k: cp.asarray(v) for k, v in host.items()}
+        a["x"], a["gy"] = a["x"].astype(_arrays.BFLOAT16), a["gy"].astype(_arrays.BFLOAT16)
+        raw = lambda t: cp.ascontiguousarray(t).view(cp.uint8).get()  # noqa: E731
+
+    def run(mp, disp, comb, dbwd, cbwd):
+        plan = mp(a["r"], E, align_size=8, num_out_tokens=T * K - 5)
+        xp, pp = disp(a["x"], plan, a["w"])
+        y = comb(xp, plan, a["w"])
+        gx, gpp = dbwd(xp, plan, pp)
+        gyp, gw = cbwd(a["gy"], plan, xp, a["w"])
+        arrays = [getattr(plan, k) for k in P._PLAN_NAMES] + [xp, pp, y, gx, gpp, gyp, gw]
+        return [raw(t) for t in arrays]
+
+    ops = [moe_rt.make_plan, moe_rt.dispatch, moe_rt.combine, moe_rt.dispatch_backward, moe_rt.combine_backward]
+    want = run(*[f.ordinary for f in ops])
+    for _ in range(3):
+        got = run(*ops)
+        for g, w in zip(got, want):
+            assert g.tobytes() == w.tobytes()
     for f in ops:
         assert any(v is not _fast._SLOW for v in f.recipes.values()), f.__name__
