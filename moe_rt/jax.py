@@ -187,12 +187,16 @@ def _as_plan(views, static):
     """A moe_rt Plan over the five plan views (CuPy or NumPy; shapes checked by :func:`_check_plan` when
     the op was traced)."""
     _, num_rows, align_size, num_out_tokens = static
-    if isinstance(views[0], np.ndarray):
+    v0 = views[0]
+    if isinstance(v0, np.ndarray):
         return _perm.Plan.from_arrays(*views, num_rows=num_rows, align_size=align_size,
                                       num_out_tokens=num_out_tokens)
+    if type(v0) is _arrays.DevArray:
+        dev, fw = v0.device_id, "devarray"
+    else:
+        dev, fw = _arrays._device_of(v0, "plan")[1], _arrays._framework_of(v0)
     return _perm.Plan._trusted(views, num_rows=num_rows, align_size=align_size, num_out_tokens=num_out_tokens,
-                               backend="cuda", device_id=_arrays._device_of(views[0], "plan")[1],
-                               framework=_arrays._framework_of(views[0]))
+                               backend="cuda", device_id=dev, framework=fw)
 
 
 def _check_plan(plan):

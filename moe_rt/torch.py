@@ -89,6 +89,9 @@ def _plan_of(tp: TorchPlan):
     return plan
 
 
+_split_sizes: dict = {}  # id(plan spec) -> (spec, sizes of the five arrays, their sum)
+
+
 def _torch_plan(p, num_out_tokens: int) -> TorchPlan:
     """A TorchPlan over a moe_rt Plan's arrays (no copy), remembered for the eager ops."""
     if p.backend == "cuda" and isinstance(p._v, _perm._PlanViews):
@@ -102,10 +105,17 @@ def _torch_plan(p, num_out_tokens: int) -> TorchPlan:
             ptr = _arrays._default_stream("torch", p.device_id).ptr
             with _arrays.as_cupy_stream(ptr, p.device_id):
                 whole = _arrays._torch_from_cupy(_arrays.cupy_of(buf), ptr)
-        # the five arrays lie back to back at the start of the buffer, in _PLAN_ARRAYS order: one split
+        # the five arrays lie back to back at the start of the buffer, in _PLAN_ARRAYS order (the plan's
+        # scratch after them): one split
         spec = p._v._spec
-        sizes = [math.prod(spec[k][1]) for k in _PLAN_ARRAYS]
-        arrays = list(whole[:sum(sizes)].split(sizes))
+        sizes = _split_sizes.get(id(spec))
+        if sizes is None or sizes[0] is not spec:
+            n = [math.prod(spec[k][1]) for k in _PLAN_ARRAYS]
+            if len(_split_sizes) > 512:
+                _split_sizes.clear()
+            sizes = _split_sizes[id(spec)] = (spec, n, sum(n))
+        n = sizes[1]
+        arrays = list(torch.split_with_sizes(whole, n + [whole.shape[0] - sizes[2]])[:5])
         arrays[0] = arrays[0].view(spec["dst_row"][1])
     else:
         arrays = [getattr(p, k) for k in _PLAN_ARRAYS]

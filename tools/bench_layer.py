@@ -553,9 +553,24 @@ def bench_overhead_torch(table, save, T=128, H=1024, E=64, K=8):
         def backward(ctx, g):
             return g
 
+    class _Three(torch.autograd.Function):  # the shape of topk_with_score: one differentiable output of three
+        @staticmethod
+        def forward(ctx, a):
+            ctx.set_materialize_grads(False)
+            m, i = a.new_empty(a.shape, dtype=torch.bool), a.new_empty(a.shape)
+            ctx.mark_non_differentiable(m, i)
+            ctx.save_for_backward(m, i)
+            return a.view_as(a), m, i
+
+        @staticmethod
+        def backward(ctx, g, gm, gi):
+            return g
+
     # torch's floor for a fwd+bwd pass: autograd.grad through a Function that does nothing (the autograd
     # engine's own cost, which every differentiable op pays)
     cases.append(("(empty autograd.Function)", "fwd+bwd", lambda: grad(_Identity.apply(xg), xg, gy), lambda: None))
+    cases.append(("(empty autograd.Function, 3 outputs)", "fwd+bwd", lambda: grad(_Three.apply(lg)[0], lg, g_probs),
+                  lambda: None))
     overhead_rows(table, save, "torch", cases, lambda f: host_and_gpu_us(f, sync), lambda f: host_and_gpu_us(f, sync))
 
 
