@@ -164,13 +164,14 @@ extern "C" __global__ void ep_recv_local(const int* __restrict__ routing, const 
 // recv_off[me] + pos: the own share never goes through NCCL). U is the copy unit (16..1 bytes);
 // `units` units per row. Optional fp32 [T,K] weights travel the same way into [rows,K] buffers.
 // sel: 0 = every destination (grid.y = R); 1 = the remote destinations only (grid.y = R, the own row of
-// blocks returns); 2 = the own share only (grid.y = 1).
+// blocks returns); 2 = the own share only (grid.y = 1); 3 = the own share's weights only (its rows are
+// expanded straight from x by ep_expand_rows).
 template <typename U>
 __global__ void ep_pack_rows(const U* __restrict__ x, U* __restrict__ send_buf, U* __restrict__ recv_buf,
                              const float* __restrict__ w, float* __restrict__ send_w, float* __restrict__ recv_w,
                              const int* __restrict__ send_tok, const int* __restrict__ meta, int R, int me, int P,
                              int K, i64 units, int sel) {
-  const int dst = sel == 2 ? me : (int)blockIdx.y;
+  const int dst = sel >= 2 ? me : (int)blockIdx.y;
   if (sel == 1 && dst == me) return;
   int count = meta[META_SEND_COUNTS(R) + dst];
   count = count < P ? count : P;
@@ -181,10 +182,12 @@ __global__ void ep_pack_rows(const U* __restrict__ x, U* __restrict__ send_buf, 
   for (int pos = blockIdx.x; pos < count; pos += gridDim.x) {
     const i64 t = send_tok[(i64)dst * P + pos];
     const i64 row = base + pos;
-    const U* src = x + t * units;
-    U* d = out + row * units;
+    if (sel != 3) {
+      const U* src = x + t * units;
+      U* d = out + row * units;
 #pragma unroll 4
-    for (i64 u = threadIdx.x; u < units; u += blockDim.x) d[u] = src[u];
+      for (i64 u = threadIdx.x; u < units; u += blockDim.x) d[u] = src[u];
+    }
     if (w != nullptr) {
       for (int k = threadIdx.x; k < K; k += blockDim.x) out_w[row * K + k] = w[t * K + k];
     }
@@ -291,35 +294,39 @@ __global__ void ep_scale_rows(T* __restrict__ rows, const float* __restrict__ w,
 // they land, into the expert-major layout of the permutation plan (same result as the permutation
 // family's dispatch: a raw copy per kept slot, zero rows where no slot lands, probs following rows).
 
-// One CTA per received row r of a range (src, dst_row passed at the range's first row): out[dst_row[r][k]]
-// = src[r] for every k with dst_row >= 0. The row is read once (UNROLL units per thread in flight) and
+// A CTA per received row r of a range (grid-stride over the range's nrows rows; src, dst_row passed at the
+// range's first row): out[dst_row[r][k]]
+// = src[r] (src[src_rows[r]] when src_rows is given: the own share read straight from x) for every k with
+// dst_row >= 0. The row is read once (UNROLL units per thread in flight) and
 // stored with streaming stores.
 template <typename U, int UNROLL>
 __global__ void ep_expand_rows(const U* __restrict__ src, U* __restrict__ out, const int* __restrict__ dst_row,
-                               int K, i64 units) {
+                               const int* __restrict__ src_rows, int K, i64 units, i64 nrows) {
   extern __shared__ int s_dst[];
-  const i64 r = blockIdx.x;
-  for (int k = threadIdx.x; k < K; k += blockDim.x) s_dst[k] = dst_row[r * K + k];
-  __syncthreads();
-  bool any = false;
-  for (int k = 0; k < K; ++k) any |= s_dst[k] >= 0;
-  if (!any) return;  // an unused row (capacity-mode tail): nothing to read
-  const U* in = src + r * units;
-  for (i64 i0 = threadIdx.x; i0 < units; i0 += (i64)blockDim.x * UNROLL) {
-    U v[UNROLL];
-#pragma unroll
-    for (int j = 0; j < UNROLL; ++j) {
-      const i64 i = i0 + (i64)j * blockDim.x;
-      if (i < units) v[j] = __ldcs(in + i);
-    }
-    for (int k = 0; k < K; ++k) {
-      const int d = s_dst[k];
-      if (d < 0) continue;
-      U* o = out + (i64)d * units;
+  for (i64 r = blockIdx.x; r < nrows; r += gridDim.x) {
+    __syncthreads();  // the previous row's s_dst reads are done
+    for (int k = threadIdx.x; k < K; k += blockDim.x) s_dst[k] = dst_row[r * K + k];
+    __syncthreads();
+    bool any = false;
+    for (int k = 0; k < K; ++k) any |= s_dst[k] >= 0;
+    if (!any) continue;  // an unused row (capacity-mode tail): nothing to read
+    const U* in = src + (src_rows != nullptr ? (i64)src_rows[r] : r) * units;
+    for (i64 i0 = threadIdx.x; i0 < units; i0 += (i64)blockDim.x * UNROLL) {
+      U v[UNROLL];
 #pragma unroll
       for (int j = 0; j < UNROLL; ++j) {
         const i64 i = i0 + (i64)j * blockDim.x;
-        if (i < units) __stcs(o + i, v[j]);
+        if (i < units) v[j] = __ldcs(in + i);
+      }
+      for (int k = 0; k < K; ++k) {
+        const int d = s_dst[k];
+        if (d < 0) continue;
+        U* o = out + (i64)d * units;
+#pragma unroll
+        for (int j = 0; j < UNROLL; ++j) {
+          const i64 i = i0 + (i64)j * blockDim.x;
+          if (i < units) __stcs(o + i, v[j]);
+        }
       }
     }
   }

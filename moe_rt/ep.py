@@ -19,20 +19,26 @@ between ranks), ``topk_idx [T,K]`` (int32/int64, ``-1`` = no expert) and ``topk_
   (token, rank) back; the owner sums them over ranks in ascending rank order in fp32, rounding once.
 - :meth:`EpGroup.dispatch_bwd` / :meth:`EpGroup.combine_bwd`: the transposes.
 
-Overlap (``chunks > 1``; the default is 1, every op serially on the caller's stream, as above). On 2 H200s
-over NVLink the overlapped path measured slower than the serial one at most sizes (the NCCL kernels and the
-expand/reduce kernels compete for SMs and memory bandwidth; BENCHMARKS.md), so it is opt-in
-(``chunks=4`` or ``MOE_RT_EP_CHUNKS=4``), for links slower than device memory. The NCCL transfer runs on a second, non-blocking stream of the group; the
-rows each (src, dst) pair exchanges travel in up to ``chunks`` parts (parts of at least 4 MiB), one NCCL
-group per part, with events between the two streams:
+Transfer in parts and overlap. The rows each (src, dst) pair exchanges travel in up to ``chunks`` parts
+(default 2; parts of at least 4 MiB), one NCCL group per part; part i of a pair travels in group i on both
+of its ranks. The serial path (every op on the caller's stream: pack, the groups, expand) and the
+overlapped path send exactly the same groups, so each rank chooses on its own: ``overlap=None`` (the
+default, ``MOE_RT_EP_OVERLAP=auto``) overlaps a call when the rank sends at least 64 MiB of rows,
+``True``/``False`` always/never. Overlapped, the NCCL groups run on a second, non-blocking stream of the
+group at the device's highest priority, with events between the two streams:
 
 - dispatch direction (``dispatch``, ``combine_bwd``): the remote rows are packed first and sent part by
-  part; meanwhile the caller's stream packs the own share and expands it into the expert-major layout;
-  each received part is expanded as soon as its event fires. Padding rows are zeroed once, the received
-  weights are laid out after the last part.
+  part; meanwhile the caller's stream expands the own share into the expert-major layout straight from
+  ``x`` (never copied to a staging buffer) with a small grid (one CTA per two SMs), so that the NCCL
+  kernel keeps its share of memory bandwidth; each received part is expanded as soon as its event fires.
+  Padding rows are zeroed once, the received weights are laid out after the last part.
 - combine direction (``combine``, ``dispatch_bwd``): the rows going back to peers are reduced part by part
   and each part is sent as soon as it is ready; the own share is reduced while they travel; the owner sum
   runs after the transfer.
+
+On 2 H200s over NVLink (T=16384 per rank, H=7168, bf16; BENCHMARKS.md) the overlap takes dispatch from
+1.73 to 1.53 ms and combine from 1.65 to 1.46 ms; at small transfers the second stream costs more than it
+hides.
 
 Results are bitwise identical to the serial path. The caller's stream waits for the communication stream
 before the op returns (all later work on it, and the reuse of the op's buffers by CuPy's stream-ordered
@@ -108,7 +114,10 @@ _live_groups: "weakref.WeakValueDictionary[int, EpGroup]" = weakref.WeakValueDic
 _INT32_MAX = 2**31 - 1
 
 
-DEFAULT_CHUNKS = 1
+DEFAULT_CHUNKS = 2
+# overlap=None (auto): a call overlaps its transfer with the local work when this rank sends at least this
+# many bytes of rows (below it the second stream and its events cost more than they hide).
+_OVERLAP_MIN_BYTES = 64 << 20
 # The smallest part (bytes of rows) a (src, dst) pair's transfer is split into when chunks > 1: below it
 # one more NCCL group costs more than the overlap gains. Must be the same on every rank.
 _MIN_CHUNK_BYTES = 4 << 20
@@ -129,6 +138,13 @@ def _env_number(name, default, conv, ok, expected):
 
 def _env_chunks() -> int:
     return _env_number("MOE_RT_EP_CHUNKS", DEFAULT_CHUNKS, int, lambda c: 1 <= c <= 64, "an integer in [1, 64]")
+
+
+def _env_overlap():
+    v = os.environ.get("MOE_RT_EP_OVERLAP", "auto") or "auto"
+    if v not in ("0", "1", "auto"):
+        raise ValueError(f"MOE_RT_EP_OVERLAP: expected 0, 1 or auto, got {v!r}")
+    return None if v == "auto" else v == "1"
 
 
 def _env_timeout() -> float:
@@ -161,15 +177,17 @@ class EpGroup:
         topk: None, or the K every ``prepare`` must use (else fixed by the first ``prepare``).
         timeout: seconds for host-side waits before the communicator is aborted (default
             ``MOE_RT_EP_TIMEOUT`` or 300).
-        chunks: 1..64, how many parts each peer's rows travel in (default ``MOE_RT_EP_CHUNKS`` or 1); must
-            be the same on every rank. 1 runs every op serially on the caller's stream; > 1 overlaps the
-            NCCL transfer (on a second stream) with the local expand/reduce (see the module notes).
+        chunks: 1..64, how many parts each peer's rows travel in (default ``MOE_RT_EP_CHUNKS`` or 2); must
+            be the same on every rank.
+        overlap: None (default, or ``MOE_RT_EP_OVERLAP`` = ``auto``/``0``/``1``): overlap the NCCL transfer
+            (on a second stream) with the local expand/reduce when this rank sends at least 64 MiB of rows;
+            True/False: always/never. May differ between ranks (see the module notes).
     """
 
     def __init__(self, comm, num_experts: int, hidden: int, max_tokens_per_rank: int, *, mode: str = "exact",
                  capacity: int | None = None, pair_capacity: int | None = None, align_size: int = 1,
                  dtype=None, topk: int | None = None, timeout: float | None = None,
-                 chunks: int | None = None):
+                 chunks: int | None = None, overlap: bool | None = None):
         if comm is None:
             self.rank, self.size, self.device = 0, 1, None
         else:
@@ -212,6 +230,12 @@ class EpGroup:
             raise ValueError(f"timeout: expected a positive number of seconds, got {timeout!r}")
         self.timeout = float(timeout)
         self.chunks = _env_chunks() if chunks is None else _arrays.check_int(chunks, "chunks", low=1, high=64)
+        if overlap is None:
+            overlap = _env_overlap()
+        else:
+            _check_bool(overlap, "overlap")
+            overlap = bool(overlap)
+        self.overlap = overlap  # None: per call, by the size of the transfer
         self._cstream = None  # the communication stream of the overlapped path (made on first use)
         self._events = []     # reused CUDA events of the overlapped path
         if R * self.max_tokens_per_rank > _INT32_MAX:
@@ -224,7 +248,7 @@ class EpGroup:
     def __repr__(self):
         return (f"EpGroup(rank={self.rank}, size={self.size}, num_experts={self.num_experts}, "
                 f"hidden={self.hidden}, max_tokens_per_rank={self.max_tokens_per_rank}, mode={self.mode!r}, "
-                f"chunks={self.chunks})")
+                f"chunks={self.chunks}, overlap={self.overlap})")
 
     def close(self):
         """Mark the group closed (the communicator is borrowed and stays open). Idempotent."""
@@ -480,7 +504,8 @@ class EpGroup:
         return int(h.state["host_meta"][meta_index("send_rows", R)])
 
     def _pack(self, call, h, x, w, send_buf, recv_buf, send_w, recv_w, sel):
-        """ep_pack_rows: ``sel`` 0 = every destination, 1 = remote ones only, 2 = the own share only."""
+        """ep_pack_rows: ``sel`` 0 = every destination, 1 = remote ones only, 2 = the own share only, 3 = the
+        own share's weights only."""
         sz = h.sizes
         R, me, P, K, rows = sz["R"], sz["rank"], sz["P"], sz["K"], sz["rows"]
         send_rows = int(send_buf.shape[0])
@@ -491,7 +516,7 @@ class EpGroup:
         units = rb // u
         threads = int(min(512, max(32, -(-units // 4 // 32) * 32)))
         gx = max(1, min(P, _jit.device_properties(call.device_id)["sm_count"] * 8 // R))
-        _jit.launch(_jit.function(_FILE, f"ep_pack_rows<{_UNITS[u]}>"), (gx, 1 if sel == 2 else R), threads,
+        _jit.launch(_jit.function(_FILE, f"ep_pack_rows<{_UNITS[u]}>"), (gx, 1 if sel >= 2 else R), threads,
                     (x.data.ptr, send_buf.data.ptr if send_rows else 0, recv_buf.data.ptr if rows else 0,
                      w.data.ptr if w is not None else 0, send_w.data.ptr if send_w is not None and send_rows else 0,
                      recv_w.data.ptr if recv_w is not None and rows else 0,
@@ -516,16 +541,19 @@ class EpGroup:
         self._pack(call, h, x, w, send_buf, recv_buf, send_w, recv_w, 0)
         if self.size > 1:
             sc, so, rc, ro = self._host_counts(h)
-            self._exchange(s, rb, K, (send_buf, send_w, sc, so), (recv_buf, recv_w, rc, ro))
+            for c_sc, c_so, c_rc, c_ro in self._chunk_plan(sc, so, rc, ro, rb):
+                self._exchange(s, rb, K, (send_buf, send_w, c_sc, c_so), (recv_buf, recv_w, c_rc, c_ro))
         self._last_stream = s
         return recv_buf
 
-    def _forward_overlapped(self, call, h, x, w, consume, local=None):
+    def _forward_overlapped(self, call, h, x, w, consume, local=None, own_direct=False):
         """The forward transfer overlapped with its consumer. The remote rows are packed first; the
         communication stream (after an event on the caller's stream) sends them in parts, one NCCL group
-        and one event per part; meanwhile the caller's stream packs the own share and runs
-        ``consume(recv_buf, lo, hi)`` on its rows (after ``local()``, other local work to overlap), then
-        waits for each part's event and consumes that part.
+        and one event per part; meanwhile the caller's stream runs ``local()`` (other local work to
+        overlap) and consumes the own share, then waits for each part's event and runs ``consume(recv_buf,
+        lo, hi)`` on that part's received rows. The own share is packed into ``recv_buf`` and consumed
+        there, or, with ``own_direct``, consumed straight from x as ``consume(x, lo, hi, rows)`` (``rows``:
+        the x row of each received row; only its weights are packed).
         The caller's stream has waited for every part when this returns, so later work on it (including the
         reuse of these buffers by CuPy's pool, which is ordered on the caller's stream) follows the
         transfer."""
@@ -543,18 +571,27 @@ class EpGroup:
             for i, (c_sc, c_so, c_rc, c_ro) in enumerate(parts):
                 self._exchange(cs, rb, K, (send_buf, send_w, c_sc, c_so), (recv_buf, recv_w, c_rc, c_ro))
                 self._event(1 + i).record(cs)
+        if not own_direct:
             self._pack(call, h, x, w, send_buf, recv_buf, send_w, recv_w, 2)
-        else:
-            self._pack(call, h, x, w, send_buf, recv_buf, send_w, recv_w, 0)
+        elif w is not None:
+            self._pack(call, h, x, w, send_buf, recv_buf, send_w, recv_w, 3)
         if local is not None:
             local()
         if rc[me]:
-            consume(recv_buf, ro[me], ro[me] + rc[me])
+            side = bool(parts)
+            if own_direct:
+                P = h.sizes["P"]
+                consume(x, ro[me], ro[me] + rc[me], h.view("recv_tok")[me * P:me * P + rc[me]], side)
+            else:
+                consume(recv_buf, ro[me], ro[me] + rc[me])
         for i, (_, _, c_rc, c_ro) in enumerate(parts):
             s.wait_event(self._event(1 + i))
             for p in range(self.size):
                 if c_rc[p]:
-                    consume(recv_buf, c_ro[p], c_ro[p] + c_rc[p])
+                    if own_direct:
+                        consume(recv_buf, c_ro[p], c_ro[p] + c_rc[p], None, i + 1 < len(parts))
+                    else:
+                        consume(recv_buf, c_ro[p], c_ro[p] + c_rc[p])
         self._last_stream = s
         return recv_buf
 
@@ -597,7 +634,8 @@ class EpGroup:
         if self.size > 1:
             sc, so, rc, ro = self._host_counts(h)
             # the reverse of dispatch: what was received goes back, into the rows that were sent
-            self._exchange(s, rb, K, (z, zw, rc, ro), (back, back_w, sc, so))
+            for c_sc, c_so, c_rc, c_ro in self._chunk_plan(rc, ro, sc, so, rb):
+                self._exchange(s, rb, K, (z, zw, c_sc, c_so), (back, back_w, c_rc, c_ro))
         return self._owner_sum(call, h, z, 0, zw, back, back_w, T, out_dtype, want_w)
 
     def _backward_overlapped(self, call, h, produce, zw, T, dtype, want_w):
@@ -664,16 +702,25 @@ class EpGroup:
         return out, gw
 
     # -- overlap helpers -------------------------------------------------------------------------------
-    def _overlapped(self):
-        return self.size > 1 and self.chunks > 1
+    def _overlapped(self, h, itemsize):
+        """Whether this call overlaps its transfer with the local work. A local choice: the serial path sends
+        the same parts in the same NCCL groups, so ranks may choose differently."""
+        if self.size == 1:
+            return False
+        if self.overlap is not None:
+            return self.overlap
+        return self._send_rows(h) * self.hidden * itemsize >= _OVERLAP_MIN_BYTES
 
     def _comm_stream(self):
         """The group's communication stream (non-blocking: no implicit sync with the legacy stream)."""
         if self._cstream is None:
             import cupy
 
+            # The highest priority (CUDA clamps -100 to the device's greatest): the NCCL kernel's blocks are
+            # scheduled ahead of the expand/reduce kernels running beside it, which would otherwise hold
+            # every SM while the peer's matching blocks spin.
             with cupy.cuda.Device(self.device):
-                self._cstream = cupy.cuda.Stream(non_blocking=True)
+                self._cstream = cupy.cuda.Stream(non_blocking=True, priority=-100)
         return self._cstream
 
     def _event(self, i):
@@ -749,13 +796,14 @@ class EpGroup:
                 if wv is not None:
                     handle.view("recv_wk")[...] = handle.state["ref"]["recv_weights_slots"].reshape(-1)
                 return call.out(rx), (None if rw is None else call.out(rw)), call.out(tpe)
-            if self._overlapped():
+            if self._overlapped(handle, xv.dtype.itemsize):
                 N, xp = handle.sizes["N"], call.xp
                 rx = xp.empty((N, self.hidden), xv.dtype)
                 rw = None if wv is None else xp.empty(N, np.float32)
                 self._forward_overlapped(call, handle, xv, wv,
-                                         lambda buf, lo, hi: _expand_rows(call, handle, buf, rx, lo, hi),
-                                         lambda: _fill_rows(call, handle, rx, None, None))
+                                         lambda buf, lo, hi, rows=None, side=False: _expand_rows(
+                                             call, handle, buf, rx, lo, hi, rows, side),
+                                         lambda: _fill_rows(call, handle, rx, None, None), own_direct=True)
                 if rw is not None:  # after the last part: every received weight is in
                     _fill_rows(call, handle, None, rw, _recv_wk(handle))
             else:
@@ -792,7 +840,7 @@ class EpGroup:
             if call.backend == "cpu":
                 return call.out(_ref.combine([handle.state["ref"]], [yv], weighted=weighted)[0])
             pw = _recv_wk(handle) if weighted else None
-            if self._overlapped():
+            if self._overlapped(handle, yv.dtype.itemsize):
                 def produce(lo, hi):
                     return permutation.combine(yv, _subplan(handle, lo, hi), None if pw is None else pw[lo:hi],
                                                stream=call.stream)
@@ -829,7 +877,7 @@ class EpGroup:
             if call.backend == "cpu":
                 gx, gwt = _ref.dispatch_bwd([handle.state["ref"]], [g], None if gw is None else [gw])[0]
                 return call.out(gx), (None if gwt is None else call.out(gwt))
-            if self._overlapped():
+            if self._overlapped(handle, g.dtype.itemsize):
                 gp = None if gw is None else _slot_values(call, handle, gw)
 
                 def produce(lo, hi):
@@ -876,18 +924,20 @@ class EpGroup:
                 gy, gw = _ref.combine_bwd([handle.state["ref"]], [g], None if yv is None else [yv],
                                           weighted=weighted)[0]
                 return call.out(gy), (None if gw is None else call.out(gw))
-            if self._overlapped() and (not weighted or yv is None):
+            if self._overlapped(handle, g.dtype.itemsize) and (not weighted or yv is None):
                 # the dispatch direction: expand each part as it lands (the weights are the forward's)
                 N, xp = sz["N"], call.xp
                 gy = xp.empty((N, self.hidden), g.dtype)
                 pp = xp.empty(N, np.float32) if weighted else None
                 self._forward_overlapped(
-                    call, handle, g, None, lambda buf, lo, hi: _expand_rows(call, handle, buf, gy, lo, hi),
-                    lambda: _fill_rows(call, handle, gy, pp, _recv_wk(handle) if weighted else None))
+                    call, handle, g, None,
+                    lambda buf, lo, hi, rows=None, side=False: _expand_rows(call, handle, buf, gy, lo, hi, rows, side),
+                    lambda: _fill_rows(call, handle, gy, pp, _recv_wk(handle) if weighted else None),
+                    own_direct=True)
                 if weighted:
                     _scale_rows(call, gy, pp)
                 return call.out(gy), None
-            if self._overlapped():
+            if self._overlapped(handle, g.dtype.itemsize):
                 # weighted with y: the transfer still runs in parts; the expert-side kernel runs after it
                 recv_buf = self._forward_overlapped(call, handle, g, None, lambda buf, lo, hi: None)
             else:
@@ -986,8 +1036,9 @@ def _subplan(h, lo, hi):
     return plan
 
 
-def _expand_rows(call, h, buf, out, lo, hi):
-    """out[dst_row[r,k]] = buf[r] for the received rows lo <= r < hi (raw bytes; ep_expand_rows)."""
+def _expand_rows(call, h, buf, out, lo, hi, rows=None, side=False):
+    """out[dst_row[r,k]] = buf[r] for the received rows lo <= r < hi (raw bytes; ep_expand_rows); with
+    ``rows`` (int32 [hi-lo] on the device), out[dst_row[r,k]] = buf[rows[r-lo]] instead."""
     sz = h.sizes
     K, N = sz["K"], sz["N"]
     rb = int(buf.shape[1]) * buf.dtype.itemsize
@@ -999,8 +1050,13 @@ def _expand_rows(call, h, buf, out, lo, hi):
     _jit.set_max_dynamic_shared(fn, K * 4)
     per = -(-units // 4)  # 4 units per thread in flight
     threads = int(min(1024, max(32, -(-per // 32) * 32)))
-    _jit.launch(fn, hi - lo, threads, (buf.data.ptr + lo * rb, out.data.ptr, h.view("dst_row").data.ptr + lo * K * 4,
-                                       np.int32(K), np.int64(units)), shared_mem=K * 4, stream=call.stream)
+    src = buf.data.ptr if rows is not None else buf.data.ptr + lo * rb
+    # beside a transfer: one CTA per two SMs, so that the NCCL kernel keeps its share of memory bandwidth
+    grid = hi - lo if not side else min(hi - lo, max(1, _jit.device_properties(call.device_id)["sm_count"] // 2))
+    _jit.launch(fn, grid, threads, (src, out.data.ptr, h.view("dst_row").data.ptr + lo * K * 4,
+                                    rows.data.ptr if rows is not None else 0, np.int32(K), np.int64(units),
+                                    np.int64(hi - lo)),
+                shared_mem=K * 4, stream=call.stream)
 
 
 def _fill_rows(call, h, out, pp, pv):

@@ -6,9 +6,11 @@ Every rank draws every rank's inputs from the same seed, runs its own share on i
 and compares with the NumPy R-rank reference (moe_rt.reference.ep). Prints "ALL OK" (or "DEAD PEER OK")
 on success; any mismatch raises, so the rank exits non-zero and the launcher fails.
 
-Chunk counts (EpGroup ``chunks``): MOE_RT_EP_TEST_CHUNKS (default "4,1"). Every case runs with the first
-count against the reference and with the others bitwise against the first; the graph test captures one
-graph per count. The part-size floor is lifted so that the small test shapes are really split.
+Transfer configurations: MOE_RT_EP_TEST_CHUNKS (default "o4,s1,o1,2"): a chunk count (EpGroup ``chunks``),
+prefixed "s" for the serial path (``overlap=False``) or "o" for the overlapped one (``overlap=True``).
+Every case runs with the first configuration against the reference and with the others bitwise against
+the first; the graph test captures one graph per configuration. The part-size floor is lifted so that the
+small test shapes are really split.
 """
 import os
 import sys
@@ -18,7 +20,12 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-CHUNKS = [int(c) for c in os.environ.get("MOE_RT_EP_TEST_CHUNKS", "4,1").split(",")]
+CHUNKS = os.environ.get("MOE_RT_EP_TEST_CHUNKS", "o4,s1,o1,2").split(",")
+
+
+def cfg(c):
+    """EpGroup keywords of a configuration string ("4", "s1", "o2")."""
+    return {"chunks": int(c.lstrip("so")), "overlap": {"s": False, "o": True}.get(c[:1])}
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
 DEV = int(os.environ.get("LOCAL_RANK", RANK))
@@ -89,7 +96,7 @@ def one_case(cp, comm, seed, E, K, H, Ts, Tmax, kind, mode, align, dtype):
     kw = {} if mode == "exact" else {"pair_capacity": Tmax, "capacity": WORLD * Tmax * min(K, L)}
     hs = ref.prepare(idx, E, align_size=align, **kw)
     routs = ref.dispatch(hs, x, w)
-    g = EpGroup(comm, E, H, Tmax, mode=mode, align_size=align, timeout=60, chunks=CHUNKS[0])
+    g = EpGroup(comm, E, H, Tmax, mode=mode, align_size=align, timeout=60, **cfg(CHUNKS[0]))
     h = g.prepare(cp.asarray(idx[RANK]))
     rx, rw, tpe = g.dispatch(h, cp.asarray(x[RANK]), cp.asarray(w[RANK]))
     tag = f"[{kind} {mode} A={align} {np.dtype(dtype).name} H={H} T={Ts}]"
@@ -126,7 +133,7 @@ def one_case(cp, comm, seed, E, K, H, Ts, Tmax, kind, mode, align, dtype):
            "combine_bwd w": grw, "combine_bwd y without y": gy2, "combine_bwd unweighted": gy3}
     for c in CHUNKS[1:]:
         # the same ops with another chunk count: bitwise the same results
-        g2 = EpGroup(comm, E, H, Tmax, mode=mode, align_size=align, timeout=60, chunks=c)
+        g2 = EpGroup(comm, E, H, Tmax, mode=mode, align_size=align, timeout=60, **cfg(c))
         h2 = g2.prepare(cp.asarray(idx[RANK]))
         t2 = f"{tag} chunks={c} vs {CHUNKS[0]}"
         rx2, rw2, tpe2 = g2.dispatch(h2, cp.asarray(x[RANK]), cp.asarray(w[RANK]))
@@ -184,7 +191,7 @@ def graph(cp, comm):
     E, K, H, Tmax = 16, 4, 256, 128
     dtype = bf16()
     L = E // WORLD
-    groups = [EpGroup(comm, E, H, Tmax, mode="capacity", timeout=60, chunks=c) for c in CHUNKS]
+    groups = [EpGroup(comm, E, H, Tmax, mode="capacity", timeout=60, **cfg(c)) for c in CHUNKS]
     stream = cp.cuda.Stream(non_blocking=True)
     pool = cp.cuda.MemoryPool()
 
@@ -252,7 +259,7 @@ def graph(cp, comm):
     # 1000 eager iterations per mode: pool memory stays flat
     mp = cp.get_default_memory_pool()
     for mode in ("exact", "capacity"):
-        g2 = EpGroup(comm, E, H, Tmax, mode=mode, timeout=60, chunks=CHUNKS[0])
+        g2 = EpGroup(comm, E, H, Tmax, mode=mode, timeout=60, **cfg(CHUNKS[0]))
         rng = np.random.default_rng(5)
         d_idx = cp.asarray(routing(rng, 100, E, K, "uniform"))
         d_x = cp.asarray(rng.standard_normal((100, H)).astype(np.float32))

@@ -347,7 +347,7 @@ def test_group_validation(rng):
 
 def test_chunks_keyword_and_env(monkeypatch):
     monkeypatch.delenv("MOE_RT_EP_CHUNKS", raising=False)
-    assert EpGroup(None, 4, 4, 4).chunks == 1
+    assert EpGroup(None, 4, 4, 4).chunks == 2
     assert EpGroup(None, 4, 4, 4, chunks=4).chunks == 4
     monkeypatch.setenv("MOE_RT_EP_CHUNKS", "3")
     assert EpGroup(None, 4, 4, 4).chunks == 3
@@ -362,6 +362,37 @@ def test_chunks_keyword_and_env(monkeypatch):
         EpGroup(None, 4, 4, 4, chunks=0)
     with pytest.raises(TypeError, match="chunks"):
         EpGroup(None, 4, 4, 4, chunks=2.0)
+
+
+def test_overlap_keyword_env_and_auto_choice(monkeypatch):
+    from moe_rt import ep
+
+    monkeypatch.delenv("MOE_RT_EP_OVERLAP", raising=False)
+    assert EpGroup(None, 4, 4, 4).overlap is None  # auto
+    for v, want in (("auto", None), ("1", True), ("0", False), ("", None)):
+        monkeypatch.setenv("MOE_RT_EP_OVERLAP", v)
+        assert EpGroup(None, 4, 4, 4).overlap is want
+    monkeypatch.setenv("MOE_RT_EP_OVERLAP", "0")
+    assert EpGroup(None, 4, 4, 4, overlap=True).overlap is True  # the keyword wins
+    assert "overlap=False" in repr(EpGroup(None, 4, 4, 4))
+    monkeypatch.setenv("MOE_RT_EP_OVERLAP", "yes")
+    with pytest.raises(ValueError, match="MOE_RT_EP_OVERLAP"):
+        EpGroup(None, 4, 4, 4)
+    monkeypatch.delenv("MOE_RT_EP_OVERLAP")
+    with pytest.raises(TypeError, match="overlap"):
+        EpGroup(None, 4, 4, 4, overlap=1)
+
+    # auto: overlapped from _OVERLAP_MIN_BYTES of rows sent by this rank; never on one rank
+    monkeypatch.setattr(ep, "_OVERLAP_MIN_BYTES", 1000)
+    fake = type("C", (_FakeComm,), {"rank": 0, "size": 2})()
+    sent = {"rows": 0}
+    for overlap, rows, itemsize, want in ((None, 124, 2, False), (None, 125, 2, True), (None, 62, 4, False),
+                                          (None, 32, 8, True), (False, 10**6, 2, False), (True, 1, 2, True)):
+        g = EpGroup(fake, 4, 4, 8, overlap=overlap)
+        monkeypatch.setattr(g, "_send_rows", lambda h: sent["rows"])
+        sent["rows"] = rows
+        assert g._overlapped(None, itemsize) is want, (overlap, rows, itemsize)
+    assert EpGroup(None, 4, 4, 8, overlap=True)._overlapped(None, 2) is False
 
 
 @pytest.mark.parametrize("min_bytes", [0, 1000])

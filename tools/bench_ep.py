@@ -6,8 +6,9 @@
 
 Shapes: T in {512, 4096, 16384} tokens per rank, H=7168, bf16, E=256, K=8, uniform random top-k routing.
 For each mode (exact; capacity eager; capacity as one CUDA graph of prepare+dispatch+combine) it times
-prepare, then dispatch, combine and the round trip at chunk counts 1 (serial) and the default (the NCCL
-transfer in parts, overlapped with the local expand/reduce; ``--chunks`` changes the list), and side by
+prepare, then dispatch, combine and the round trip per transfer configuration (``--chunks``; default
+s1 = serial in one part, o2 = overlapped in two parts, 2 = the EpGroup default: two parts, overlapped when
+the rank sends at least 64 MiB), optionally the serial path's pieces alone (``--parts``), and side by
 side in the same run:
 
 (a) the torch.distributed pipeline a user writes: stable argsort permute (K rows per token), all-to-all of
@@ -43,7 +44,12 @@ def main():
 
     ap = benchlib.parser(__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="512,4096,16384")
-    ap.add_argument("--chunks", default=None, help="chunk counts to compare (default: 1 and 4)")
+    ap.add_argument("--chunks", default=None,
+                    help="transfer configurations to compare: a chunk count, prefixed 's' for the serial path "
+                         "or 'o' for the overlapped one (default: s1,o2,2; 2 alone is the default EpGroup)")
+    ap.add_argument("--parts", action="store_true",
+                    help="also time the serial dispatch/combine's parts alone (pack, NCCL exchange, expand; "
+                         "reduce, exchange, owner sum) in exact mode")
     args = ap.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dev = int(os.environ.get("LOCAL_RANK", rank))
@@ -58,7 +64,10 @@ def main():
     E, K, H = 256, 8, 7168
     L = E // world
     Ts = [512] if args.quick else [int(t) for t in args.tokens.split(",")]
-    chunk_counts = [1, 4] if args.chunks is None else [int(c) for c in args.chunks.split(",")]
+    chunk_counts = (args.chunks or "s1,o2,2").split(",")
+
+    def cfg(c):
+        return {"chunks": int(c.lstrip("so")), "overlap": {"s": False, "o": True}.get(c[:1])}
     iters, warm = args.iters, args.warmup
     table = benchlib.Table("EP dispatch/combine (moe_rt vs torch.distributed)",
                            ["op", "mode", "chunks", "T", "ms", "wire_MB", "wire_GB/s", "torch_ms", "raw_a2a_ms",
@@ -76,6 +85,34 @@ def main():
     def timed(fn):
         barrier()
         return benchlib.time_cuda(fn, iters=iters, warmup=warm)
+
+    def serial_parts(T, x, w, idx, y, wire, wire_w, t_raw):
+        """The serial path's pieces timed alone (exact mode): where dispatch and combine spend their time."""
+        from moe_rt import _arrays, permutation
+        from moe_rt import ep as ep_mod
+
+        gs = EpGroup(comm, E, H, T, mode="exact", overlap=False)
+        hp = gs.prepare(idx)
+        gs.dispatch(hp, x, w)
+        out = []
+        with _arrays.Call({"x": x, "w": w, "y": y}) as call:
+            xv, wv, yv, s = call["x"], call["w"], call["y"], call.stream
+            rb, sb, rbuf, sw, rw_ = gs._forward_buffers(call, hp, xv, wv)
+            sc, so, rc, ro = gs._host_counts(hp)
+            plan, pw = ep_mod._plan_view(hp), ep_mod._recv_wk(hp)
+            out.append(("dispatch: pack", timed(lambda: gs._pack(call, hp, xv, wv, sb, rbuf, sw, rw_, 0)), 0, t_raw))
+            out.append(("dispatch: NCCL exchange", timed(lambda: gs._exchange(s, rb, K, (sb, sw, sc, so),
+                                                                               (rbuf, rw_, rc, ro))),
+                        wire + wire_w, t_raw))
+            out.append(("dispatch: expand", timed(lambda: permutation.dispatch(rbuf, plan, pw, stream=s)), 0, t_raw))
+            z = permutation.combine(yv, plan, pw, stream=s)
+            back = call.xp.empty((int(sb.shape[0]), H), z.dtype)
+            out.append(("combine: reduce", timed(lambda: permutation.combine(yv, plan, pw, stream=s)), 0, t_raw))
+            out.append(("combine: NCCL exchange", timed(lambda: gs._exchange(s, rb, K, (z, None, rc, ro),
+                                                                              (back, None, sc, so))), wire, t_raw))
+            out.append(("combine: owner sum", timed(lambda: gs._owner_sum(call, hp, z, 0, None, back, None, T,
+                                                                          z.dtype, False)), 0, t_raw))
+        return [(op, "s1", ms, nb, None, raw) for op, ms, nb, raw in out]
 
     for T in Ts:
         g_ = torch.Generator(device="cuda").manual_seed(1234 + rank)
@@ -118,7 +155,7 @@ def main():
 
         for mode in ("exact", "capacity", "capacity+graph"):
             m = "capacity" if mode.startswith("capacity") else "exact"
-            grps = [EpGroup(comm, E, H, T, mode=m, chunks=c) for c in chunk_counts]
+            grps = [EpGroup(comm, E, H, T, mode=m, **cfg(c)) for c in chunk_counts]
             hs = [g.prepare(idx) for g in grps]
             rx, rw, tpe = grps[0].dispatch(hs[0], x, w)
             y = rx  # the expert-major layout is the same for every chunk count
@@ -140,6 +177,8 @@ def main():
 
             t_raw = timed(raw)
             rows = []
+            if args.parts and mode == "exact":
+                rows += serial_parts(T, x, w, idx, rx, wire, wire_w, t_raw)
             if mode == "capacity+graph":
                 xs, ws, ids = cp.from_dlpack(x), cp.from_dlpack(w), cp.from_dlpack(idx)  # DLPack: CAI has no bf16
                 for c, grp in zip(chunk_counts, grps):

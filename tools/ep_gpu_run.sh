@@ -22,7 +22,7 @@ grep -E "passed|failed|cases OK|replays OK|iterations flat|DEAD PEER OK|Error" "
 step adapters 300 python3 -m pytest -q -rA tests/test_ep_adapters.py -m "gpu or multi_gpu"
 grep -E "passed|failed|FAIL|Error|\[rank .\]  " "$OUT/adapters.log" | head -40
 if [ "${MOE_RT_SKIP_BENCH:-0}" != 1 ]; then
-  step bench_ep 240 python3 tools/bench_ep.py --json "$OUT/bench_ep.json"
+  step bench_ep 240 python3 tools/bench_ep.py --parts --json "$OUT/bench_ep.json"
   grep -E "Error|Traceback" "$OUT/bench_ep.log" | head -5; tail -42 "$OUT/bench_ep.log"
 fi
 for fw in torch jax; do
