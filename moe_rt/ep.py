@@ -37,7 +37,7 @@ group at the device's highest priority, with events between the two streams:
   runs after the transfer.
 
 On 2 H200s over NVLink (T=16384 per rank, H=7168, bf16; BENCHMARKS.md) the overlap takes dispatch from
-1.73 to 1.53 ms and combine from 1.65 to 1.46 ms; at small transfers the second stream costs more than it
+1.86 to 1.73 ms and combine from 1.68 to 1.51 ms; at small transfers the second stream costs more than it
 hides.
 
 Results are bitwise identical to the serial path. The caller's stream waits for the communication stream
