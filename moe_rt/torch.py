@@ -99,7 +99,9 @@ def _torch_plan(p, num_out_tokens: int) -> TorchPlan:
 
         # the plan's one buffer in torch (torch's own tensor, or one DLPack export), then five views of it
         buf = p._v._buf
-        if type(buf) is _arrays.DevArray and buf.offset == 0:
+        if isinstance(buf, torch.Tensor):  # a replayed make_plan allocates its buffer in torch
+            whole = buf
+        elif type(buf) is _arrays.DevArray and buf.offset == 0:
             whole = buf.export("torch")
         else:
             ptr = _arrays._default_stream("torch", p.device_id).ptr

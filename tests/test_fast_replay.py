@@ -352,3 +352,24 @@ def test_gpu_permutation_replay_bitwise(framework, routing, rng):
             assert g.tobytes() == w.tobytes()
     for f in ops:
         assert any(v is not _fast._SLOW for v in f.recipes.values()), f.__name__
+
+
+@pytest.mark.gpu
+def test_gpu_torch_make_plan_replay_gives_views_of_one_buffer(rng):
+    # moe_rt.torch.make_plan over a replayed plan: five views of the replay's own torch buffer (no copy, no
+    # round trip through CuPy), equal to the reference on every call.
+    torch = pytest.importorskip("torch")
+    import moe_rt.torch as mt
+
+    T, K, E = 517, 8, 64
+    idx = np.argsort(-rng.random((T, E)), axis=1)[:, :K].astype(np.int32)
+    ref = P.make_plan(idx, E, align_size=8)
+    dev_idx = torch.from_numpy(idx).cuda()
+    for _ in range(4):  # record, then replays
+        tp = mt.make_plan(dev_idx, E, align_size=8)
+        base = tp.dst_row.untyped_storage().data_ptr()
+        for k in mt._PLAN_ARRAYS:
+            t = getattr(tp, k)
+            assert t.is_cuda and t.untyped_storage().data_ptr() == base, k
+            np.testing.assert_array_equal(t.cpu().numpy(), getattr(ref, k), err_msg=k)
+    assert any(v is not _fast._SLOW for v in P.make_plan.recipes.values())
