@@ -12,8 +12,11 @@
 // taken from each lane's two largest keys leaves a short list that holds the top k, and the radix passes
 // read only that list. Grouped top-k with k/g > 8 works on every group at once, one lane segment per
 // group: a threshold from each lane's four largest keys lists the group's candidates (radix select per
-// segment when the list would be too long). Every sum is done in a fixed order, so outputs are bitwise
-// reproducible. Global traffic: logits read once, each output written once with 16-byte vectors (the K
+// segment when the list would be too long). In router_fwd_reg with at most 32 groups whose chunks sit on
+// aligned lanes, the group keys, the choice of groups and the mask stay in registers (shuffles and one
+// ballot), and for k <= 8 the argmax rounds hand each winner to a lane, which places it in index order
+// by ranking the winners' indices (no pass over the row). Every sum is done in a fixed order, so outputs
+// are bitwise reproducible. Global traffic: logits read once, each output written once with 16-byte vectors (the K
 // nonzero probs are patched in after the zero fill, while the lines are still in L2).
 #include "moe_rt/common.cuh"
 
@@ -834,9 +837,11 @@ template <int CH>
 __device__ __forceinline__ int reg_expert(int lane, int q) { return (lane + 32 * (q / CH)) * CH + q % CH; }
 
 // Iterative warp argmax over the registers (small k): each lane caches its best two keys; a lane that
-// wins twice without a fresh cache rescans its registers for the two next ones.
+// wins twice without a fresh cache rescans its registers for the two next ones. Lane r < k also gets the
+// r-th winner (wk, wi) (key descending, then index ascending).
 template <int V, int CH>
-__device__ __forceinline__ void argmax_reg(const unsigned (&key)[V], int k, unsigned& thr, int& ilast) {
+__device__ __forceinline__ void argmax_reg(const unsigned (&key)[V], int k, unsigned& thr, int& ilast,
+                                           unsigned& wk, int& wi) {
   const int lane = threadIdx.x & 31;
   unsigned b0k = 0, b1k = 0;
   int b0i = kIntMax, b1i = kIntMax;
@@ -851,6 +856,7 @@ __device__ __forceinline__ void argmax_reg(const unsigned (&key)[V], int k, unsi
   for (int round = 0;; ++round) {
     const unsigned mk = __reduce_max_sync(FULL_MASK, b0k);
     const int mi = (int)__reduce_min_sync(FULL_MASK, b0k == mk ? (unsigned)b0i : (unsigned)kIntMax);
+    if (lane == round) { wk = mk; wi = mi; }
     if (round == k - 1) { thr = mk; ilast = mi; return; }
     if (b0i == mi) {
       if (!stale) {
@@ -973,19 +979,52 @@ __device__ __forceinline__ void radix_select_reg(const unsigned (&key)[V], int n
 // top-MM of its chunk, the S lanes merge their lists with shuffles, and the first lane of each group writes
 // gkey (same sum, in the same order, as group_scores_reg).
 template <int V, int CH, int MM>
+__device__ __forceinline__ unsigned chunk_group_key(const unsigned (&key)[V], int j, int S, int m) {
+  unsigned top[MM];
+#pragma unroll
+  for (int u = 0; u < MM; ++u) top[u] = 0u;
+#pragma unroll
+  for (int v = 0; v < CH; ++v) insert_top<MM>(top, key[j * CH + v]);
+  merge_top_lanes<MM>(top, S);
+  return top_sum<MM>(top, m);  // every lane of the group gets its group's key
+}
+
+template <int V, int CH, int MM>
 __device__ __forceinline__ void group_scores_lanes(const unsigned (&key)[V], int nch, int S, int m, unsigned* gkey) {
   const int lane = threadIdx.x & 31;
 #pragma unroll
   for (int j = 0; j < V / CH; ++j) {
     const int c = lane + 32 * j;
-    unsigned top[MM];
-#pragma unroll
-    for (int u = 0; u < MM; ++u) top[u] = 0u;
-#pragma unroll
-    for (int v = 0; v < CH; ++v) insert_top<MM>(top, key[j * CH + v]);
-    merge_top_lanes<MM>(top, S);
-    if (c < nch && (c & (S - 1)) == 0) gkey[c / S] = top_sum<MM>(top, m);
+    const unsigned gk = chunk_group_key<V, CH, MM>(key, j, S, m);
+    if (c < nch && (c & (S - 1)) == 0) gkey[c / S] = gk;
   }
+}
+
+// The same group-limited selection as group_scores_lanes + select_topk + the mask, kept in registers when
+// there are at most 32 groups: returns the bit mask of the g selected groups (top g by group key, ties
+// to the lower group index, exactly as select_topk picks them). Lane l < G ranks group l against every
+// group key with G shuffles; one ballot gathers the mask.
+template <int V, int CH, int MM>
+__device__ __forceinline__ unsigned group_mask_lanes(const unsigned (&key)[V], int S, int sh, int m, int G,
+                                                     int g) {
+  constexpr int NJ = V / CH;
+  const int lane = threadIdx.x & 31;
+  unsigned gk[NJ];
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) gk[j] = chunk_group_key<V, CH, MM>(key, j, S, m);
+  const int c0 = lane << sh;  // the first chunk of group `lane`
+  unsigned mine = 0u;
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) {
+    const unsigned t = __shfl_sync(FULL_MASK, gk[j], c0 & 31);
+    if ((c0 >> 5) == j) mine = t;
+  }
+  int rank = 0;
+  for (int i = 0; i < G; ++i) {
+    const unsigned ki = __shfl_sync(FULL_MASK, mine, i);
+    rank += (ki > mine || (ki == mine && i < lane)) ? 1 : 0;
+  }
+  return __ballot_sync(FULL_MASK, lane < G && rank < g);
 }
 
 struct RegLayout {
@@ -1381,46 +1420,73 @@ router_fwd_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, int s
       });
     }
 
-    // Phase 2: group-limited selection mask (group scores from the registers, or from the keys staged in
-    // shared memory).
+    // Phase 2: group-limited selection mask: in registers (group_mask_lanes) when every chunk lies in one
+    // group, a group's chunks are S aligned lanes and there are at most 32 groups; otherwise group scores
+    // from the registers or from the keys staged in shared memory, then select_topk over them.
     if (G > 0) {
       const int n = E / G, S = n / CH;
-      if (m <= 8 && n % CH == 0 && S <= 32 && (S & (S - 1)) == 0) {
-        if (m == 1) group_scores_lanes<V, CH, 1>(key, nch, S, m, gkey);
-        else if (m == 2) group_scores_lanes<V, CH, 2>(key, nch, S, m, gkey);
-        else if (m <= 4) group_scores_lanes<V, CH, 4>(key, nch, S, m, gkey);
-        else group_scores_lanes<V, CH, 8>(key, nch, S, m, gkey);
+      const bool lanes = m <= 8 && n % CH == 0 && S <= 32 && (S & (S - 1)) == 0;
+      if (lanes && G <= 32) {
+        const int sh = __ffs(S) - 1;
+        unsigned gm;
+        if (m == 1) gm = group_mask_lanes<V, CH, 1>(key, S, sh, m, G, g);
+        else if (m == 2) gm = group_mask_lanes<V, CH, 2>(key, S, sh, m, G, g);
+        else if (m <= 4) gm = group_mask_lanes<V, CH, 4>(key, S, sh, m, G, g);
+        else gm = group_mask_lanes<V, CH, 8>(key, S, sh, m, G, g);
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) {
+          const int c = lane + 32 * j;
+          if (c < nch && !((gm >> (c >> sh)) & 1u)) {
+#pragma unroll
+            for (int v = 0; v < CH; ++v) key[j * CH + v] = 0u;
+          }
+        }
       } else {
-        for_chunks<NJ>(nch, [&](int j, int c) {
-          alignas(16) unsigned kv[CH];
+        if (lanes) {
+          if (m == 1) group_scores_lanes<V, CH, 1>(key, nch, S, m, gkey);
+          else if (m == 2) group_scores_lanes<V, CH, 2>(key, nch, S, m, gkey);
+          else if (m <= 4) group_scores_lanes<V, CH, 4>(key, nch, S, m, gkey);
+          else group_scores_lanes<V, CH, 8>(key, nch, S, m, gkey);
+        } else {
+          for_chunks<NJ>(nch, [&](int j, int c) {
+            alignas(16) unsigned kv[CH];
 #pragma unroll
-          for (int v = 0; v < CH; ++v) kv[v] = key[j * CH + v];
-          stn<CH>(skeys + c * CH, kv);
-        });
+            for (int v = 0; v < CH; ++v) kv[v] = key[j * CH + v];
+            stn<CH>(skeys + c * CH, kv);
+          });
+          __syncwarp();
+          group_scores<32>(skeys, G, n, m, gkey, hist);
+        }
         __syncwarp();
-        group_scores<32>(skeys, G, n, m, gkey, hist);
-      }
-      __syncwarp();
-      unsigned gthr;
-      int gil;
-      select_topk<32>(gkey, G, g, nullptr, nullptr, list, gthr, gil);
+        unsigned gthr;
+        int gil;
+        select_topk<32>(gkey, G, g, nullptr, nullptr, list, gthr, gil);
 #pragma unroll
-      for (int q = 0; q < V; ++q) {
-        const int e = reg_expert<CH>(lane, q);
-        const int jg = n == 1 ? e : (int)__umulhi((unsigned)e, gmagic);
-        if (lane + 32 * (q / CH) < nch && !selected(gkey[jg], jg, gthr, gil)) key[q] = 0u;
+        for (int q = 0; q < V; ++q) {
+          const int e = reg_expert<CH>(lane, q);
+          const int jg = n == 1 ? e : (int)__umulhi((unsigned)e, gmagic);
+          if (lane + 32 * (q / CH) < nch && !selected(gkey[jg], jg, gthr, gil)) key[q] = 0u;
+        }
       }
     }
 
-    // Phase 3: top-k.
+    // Phase 3: top-k; Phase 4: the selected experts in index order -> lidx/lkey. For k <= 8 the argmax
+    // rounds hand lane r its r-th winner; its place in index order is the count of winners with a lower
+    // index (the indices are distinct). Otherwise the registers are compacted by the selection rule.
     unsigned thr;
     int il;
-    if (K <= 8) argmax_reg<V, CH>(key, K, thr, il);
-    else radix_select_reg<V, CH>(key, nch, K, list, thr, il);
-
-    // Phase 4: the selected experts in index order -> lidx/lkey.
-    compact_reg<V, CH>(key, nch, K, [&](unsigned kk, int e) { return selected(kk, e, thr, il); },
-                       [&](int pos, unsigned kk, int e) { lkey[pos] = kk; lidx[pos] = e; });
+    if (K <= 8) {
+      unsigned wk = 0u;
+      int wi = kIntMax;
+      argmax_reg<V, CH>(key, K, thr, il, wk, wi);
+      int pos = 0;
+      for (int i = 0; i < K; ++i) pos += __shfl_sync(FULL_MASK, wi, i) < wi ? 1 : 0;
+      if (lane < K) { lkey[pos] = wk; lidx[pos] = wi; }
+    } else {
+      radix_select_reg<V, CH>(key, nch, K, list, thr, il);
+      compact_reg<V, CH>(key, nch, K, [&](unsigned kk, int e) { return selected(kk, e, thr, il); },
+                         [&](int pos, unsigned kk, int e) { lkey[pos] = kk; lidx[pos] = e; });
+    }
     __syncwarp();
 
     // Phase 5: the K weights.

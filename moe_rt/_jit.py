@@ -102,7 +102,10 @@ def cache_dir() -> str:
 
 
 def options() -> tuple[str, ...]:
-    return ("-std=c++17", f"-I{include_dir()}", f"-DMOE_RT_SOURCE_HASH=0x{source_hash()[:15]}")
+    """NVRTC options of every kernel file; ``MOE_RT_NVRTC_OPTIONS`` adds more (e.g. ``-lineinfo`` for a
+    profiler's source view)."""
+    extra = tuple(os.environ.get("MOE_RT_NVRTC_OPTIONS", "").split())
+    return ("-std=c++17", f"-I{include_dir()}", f"-DMOE_RT_SOURCE_HASH=0x{source_hash()[:15]}") + extra
 
 
 def function(file: str, name: str):

@@ -523,6 +523,9 @@ def test_gpu_torch_and_unaligned(rng):
 VARIANT_CASES = [
     (256, 8, BF16, "softmax", False, None, False, "MOE_RT_ROUTER_FWD=generic"),
     (256, 8, F32, "sigmoid", False, (8, 4), True, "MOE_RT_ROUTER_FWD=generic"),
+    (256, 8, F32, "sigmoid", False, (32, 4), True, "MOE_RT_ROUTER_FWD=generic"),
+    (256, 8, F32, "sqrtsoftplus", False, (64, 4), False, "MOE_RT_ROUTER_FWD=generic"),
+    (256, 8, BF16, "softmax", True, (16, 4), False, "MOE_RT_ROUTER_FWD=generic"),
     (256, 36, BF16, "softmax", True, None, False, "MOE_RT_ROUTER_FWD=generic"),
     (512, 4, F32, "sqrtsoftplus", False, (4, 1), False, "MOE_RT_ROUTER_FWD=generic"),
     (512, 64, BF16, "sigmoid", False, (8, 2), False, "MOE_RT_ROUTER_FWD=generic"),
