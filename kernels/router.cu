@@ -1514,6 +1514,32 @@ router_fwd_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, int s
 }
 
 // ---- backward of top-k (TG = TO = logits dtype) and of the aux scores (TG = float) --------------------
+// The per-element math of both backward kernels. A row's sums: A = sum of g*y (softmax), or A = sum of the
+// selection scores v and B = sum of g*v (sigmoid-like), over the routing map (the whole row in aux mode).
+__device__ __forceinline__ void bwd_acc(bool sig_like, int score_fn, float g, bool msk, float y, float& A,
+                                        float& B) {
+  if (sig_like) {
+    const float v = score_fn == SIGMOID ? y : sqrtsoftplusf(y);
+    if (msk) { A += v; B += g * v; }
+  } else if (msk) {
+    A += g * y;
+  }
+}
+
+__device__ __forceinline__ float bwd_dx(bool sig_like, int score_fn, bool normalize, bool aux_mode,
+                                        bool pre_softmax, float A, float Ae, float B, float g, bool msk, float y) {
+  if (sig_like) {
+    if (!msk) return 0.0f;
+    const float gh = normalize ? g / Ae - B / (Ae * Ae) : g;
+    if (score_fn == SIGMOID) return gh * y * (1.0f - y);
+    const float v = sqrtsoftplusf(y);
+    return y > 20.0f ? gh / (2.0f * v + kEps) : gh * sigmoidf(y) / (2.0f * v + kEps);
+  }
+  if (aux_mode) return y * (g - A);
+  if (pre_softmax) return y * ((msk ? g : 0.0f) - A);
+  return msk ? y * (g - A) : 0.0f;
+}
+
 template <typename TG, typename TO, int TEAM>
 __global__ void __launch_bounds__(TEAM == 32 ? 128 : TEAM)
 router_bwd(const TG* __restrict__ grad, const bool* __restrict__ rmap, const float* __restrict__ inter,
@@ -1545,14 +1571,7 @@ router_bwd(const TG* __restrict__ grad, const bool* __restrict__ rmap, const flo
         }
       }
     };
-    auto acc = [&](float g, bool msk, float y) {
-      if (sig_like) {
-        const float v = score_fn == SIGMOID ? y : sqrtsoftplusf(y);
-        if (msk) { A += v; B += g * v; }
-      } else if (msk) {
-        A += g * y;
-      }
-    };
+    auto acc = [&](float g, bool msk, float y) { bwd_acc(sig_like, score_fn, g, msk, y, A, B); };
     if (vec) {
       for (int c0 = r; c0 < nch; c0 += U * TEAM) {
         alignas(16) TG gv[U][CH];
@@ -1563,27 +1582,18 @@ router_bwd(const TG* __restrict__ grad, const bool* __restrict__ rmap, const flo
         for (int u = 0; u < U; ++u)
           if (c0 + u * TEAM < nch) {
 #pragma unroll
-            for (int v = 0; v < CH; ++v) acc(scale * to_float(gv[u][v]), rmap ? mv[u][v] : true, yv[u][v]);
+            for (int v = 0; v < CH; ++v) acc(__fmul_rn(scale, to_float(gv[u][v])), rmap ? mv[u][v] : true, yv[u][v]);
           }
       }
     } else {
       for (int e = r; e < E; e += TEAM)
-        acc(scale * to_float(grad[row + e]), rmap ? rmap[row + e] : true, inter[row + e]);
+        acc(__fmul_rn(scale, to_float(grad[row + e])), rmap ? rmap[row + e] : true, inter[row + e]);
     }
     A = TM::sum(A, red);
     if (sig_like) B = TM::sum(B, red);
     const float Ae = A + kEps;
     auto dx = [&](float g, bool msk, float y) -> float {
-      if (sig_like) {
-        if (!msk) return 0.0f;
-        const float gh = normalize ? g / Ae - B / (Ae * Ae) : g;
-        if (score_fn == SIGMOID) return gh * y * (1.0f - y);
-        const float v = sqrtsoftplusf(y);
-        return y > 20.0f ? gh / (2.0f * v + kEps) : gh * sigmoidf(y) / (2.0f * v + kEps);
-      }
-      if (aux_mode) return y * (g - A);
-      if (pre_softmax) return y * ((msk ? g : 0.0f) - A);
-      return msk ? y * (g - A) : 0.0f;
+      return bwd_dx(sig_like, score_fn, normalize, aux_mode, pre_softmax, A, Ae, B, g, msk, y);
     };
     if (vec) {
       for (int c0 = r; c0 < nch; c0 += U * TEAM) {
@@ -1598,14 +1608,98 @@ router_bwd(const TG* __restrict__ grad, const bool* __restrict__ rmap, const flo
             alignas(16) TO ov[CH];
 #pragma unroll
             for (int v = 0; v < CH; ++v)
-              ov[v] = from_float<TO>(dx(scale * to_float(gv[u][v]), rmap ? mv[u][v] : true, yv[u][v]));
+              ov[v] = from_float<TO>(dx(__fmul_rn(scale, to_float(gv[u][v])), rmap ? mv[u][v] : true, yv[u][v]));
             stn<CH>(out + row + (i64)c * CH, ov);
           }
         }
       }
     } else {
       for (int e = r; e < E; e += TEAM)
-        out[row + e] = from_float<TO>(dx(scale * to_float(grad[row + e]), rmap ? rmap[row + e] : true, inter[row + e]));
+        out[row + e] = from_float<TO>(dx(__fmul_rn(scale, to_float(grad[row + e])), rmap ? rmap[row + e] : true, inter[row + e]));
+    }
+  }
+}
+
+// Backward of top-k when the gradient is zero off the routing map (post-softmax, sigmoid, sqrtsoftplus):
+// reads the map and, of grad and intermediate, only the selected entries (K per row instead of E); every
+// output element is written: a 16-byte vector of zeros per chunk, then the chunk's selected elements. A
+// thread loads SEL_U map chunks before it reads the entries they select. Each thread takes the same
+// chunks in the same order as router_bwd, so the sums and the output bits are the same. Needs 16-byte
+// rows (E % CH == 0, aligned). A chunk's CH map bytes are read as one word (nonzero byte = selected).
+#ifndef MOE_RT_SEL_U_32
+#define MOE_RT_SEL_U_32 2
+#endif
+#ifndef MOE_RT_SEL_U_WIDE
+#define MOE_RT_SEL_U_WIDE 4
+#endif
+#define MOE_RT_SEL_U(TEAM) ((TEAM) == 32 ? MOE_RT_SEL_U_32 : MOE_RT_SEL_U_WIDE)
+template <int CH> struct MapWord {
+  using type = unsigned;
+  // bit 8*i set where byte i is nonzero
+  __device__ __forceinline__ static unsigned long long bits(unsigned w) { return __vcmpne4(w, 0u) & 0x01010101u; }
+};
+template <> struct MapWord<8> {
+  using type = unsigned long long;
+  __device__ __forceinline__ static unsigned long long bits(unsigned long long w) {
+    return (unsigned long long)(__vcmpne4((unsigned)w, 0u) & 0x01010101u) |
+           ((unsigned long long)(__vcmpne4((unsigned)(w >> 32), 0u) & 0x01010101u) << 32);
+  }
+};
+
+template <typename T, int TEAM>
+__global__ void __launch_bounds__(TEAM == 32 ? 128 : TEAM)
+router_bwd_sel(const T* __restrict__ grad, const bool* __restrict__ rmap, const float* __restrict__ inter,
+               i64 num_tokens, int E, int K, int score_fn, float scale, T* __restrict__ out) {
+  using TM = Team<TEAM>;
+  constexpr int SPB = TEAM == 32 ? 4 : 1;
+  constexpr int CH = sizeof(T) == 2 ? 8 : 4;
+  constexpr int U = MOE_RT_SEL_U(TEAM);
+  using MW = MapWord<CH>;
+  using W = typename MW::type;
+  __shared__ float red[32];
+  const int slot = threadIdx.x / TEAM, r = threadIdx.x % TEAM;
+  const bool sig_like = score_fn != SOFTMAX;
+  const int nch = E / CH;
+  const W* __restrict__ words = reinterpret_cast<const W*>(rmap);
+
+  for (i64 t = (i64)blockIdx.x * SPB + slot; t < num_tokens; t += (i64)gridDim.x * SPB) {
+    const i64 row = t * (i64)E;
+    const W* wrow = words + t * (i64)nch;
+    float A = 0.0f, B = 0.0f;
+    for (int c0 = r; c0 < nch; c0 += U * TEAM) {
+      W w[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) w[u] = c0 + u * TEAM < nch ? wrow[c0 + u * TEAM] : (W)0;
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        for (unsigned long long b = MW::bits(w[u]); b; b &= b - 1) {
+          const i64 e = row + (i64)(c0 + u * TEAM) * CH + ((__ffsll((long long)b) - 1) >> 3);
+          bwd_acc(sig_like, score_fn, __fmul_rn(scale, to_float(grad[e])), true, inter[e], A, B);
+        }
+    }
+    A = TM::sum(A, red);
+    if (sig_like) B = TM::sum(B, red);
+    const float Ae = A + kEps;
+    // the map words and the selected entries are read again (L1 hits) rather than kept in registers
+    for (int c0 = r; c0 < nch; c0 += U * TEAM) {
+      W w[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) w[u] = c0 + u * TEAM < nch ? wrow[c0 + u * TEAM] : (W)0;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int c = c0 + u * TEAM;
+        if (c < nch) {
+          alignas(16) T zero[CH];
+#pragma unroll
+          for (int v = 0; v < CH; ++v) zero[v] = from_float<T>(0.0f);
+          stn<CH>(out + row + (i64)c * CH, zero);
+          for (unsigned long long b = MW::bits(w[u]); b; b &= b - 1) {  // same thread: after the zeros
+            const i64 e = row + (i64)c * CH + ((__ffsll((long long)b) - 1) >> 3);
+            out[e] = from_float<T>(bwd_dx(sig_like, score_fn, K > 1, false, false, A, Ae, B,
+                                          __fmul_rn(scale, to_float(grad[e])), true, inter[e]));
+          }
+        }
+      }
     }
   }
 }

@@ -109,4 +109,13 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if sys.argv[1:2] == ["demo"]:
+        # The demo has finished and printed its report. It leaves without the interpreter's teardown: on
+        # the H100 test machine (torch 2.11, CuPy 14, Python 3.12) the torch demo aborted at exit in 2 of 6
+        # runs ("terminate called without an active exception", after all of its output), a race between a
+        # library's worker thread and finalization; the exit status is the demo's own.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

@@ -31,11 +31,14 @@ _FILE = "router.cu"
 # kernel variants for benchmarks and tests, read once (tests patch these attributes)
 _FWD_VARIANT = os.environ.get("MOE_RT_ROUTER_FWD")
 _TEAM_VARIANT = os.environ.get("MOE_RT_ROUTER_TEAM")
+# "dense": the top-k backward reads whole rows of grad and intermediate (a benchmark and test variant)
+_BWD_VARIANT = os.environ.get("MOE_RT_ROUTER_BWD")
 
 _jit.register(_FILE, [f"router_fwd<{c}, {team}>" for c in _jit.CTYPES.values() for team in _TEAMS]
               + [f"router_fwd_reg<{c}, {v}>" for c in ("float", "__nv_bfloat16") for v in _REG_V]
               + [f"router_bwd<{c}, {c}, {team}>" for c in _jit.CTYPES.values() for team in _TEAMS]
               + [f"router_bwd<float, {c}, {team}>" for c in ("__half", "__nv_bfloat16") for team in _TEAMS]
+              + [f"router_bwd_sel<{c}, {team}>" for c in _jit.CTYPES.values() for team in _TEAMS]
               + [f"aux_loss_partial<{c}>" for c in _jit.CTYPES.values()]
               + [f"aux_loss_final<{c}>" for c in _jit.CTYPES.values()]
               + [f"aux_loss_bwd<{c}>" for c in _jit.CTYPES.values()])
@@ -47,7 +50,7 @@ __all__ = ["topk_with_score", "topk_with_score_backward", "topk_indices_with_sco
 # ---- validation ---------------------------------------------------------------------------------------
 
 def _variant():
-    return _FWD_VARIANT, _TEAM_VARIANT
+    return _FWD_VARIANT, _TEAM_VARIANT, _BWD_VARIANT
 
 
 def _check_score_function(score_function):
@@ -209,12 +212,21 @@ def _launch_fwd(call, x, T, E, K, score_fn, pre, aux, G, g, scale, bias, probs, 
 def _launch_bwd(call, grad, rmap, inter, out, T, E, K, score_fn, pre, aux, scale):
     team = _team(E)
     tg = _jit.ctype(grad.dtype)
-    fn = _jit.function(_FILE, f"router_bwd<{tg}, {_jit.ctype(out.dtype)}, {team}>")
     spb = 4 if team == 32 else 1
     threads = team * spb
-    grid = _grid(-(-T // spb), threads, 0, call.device_id)
     ch = 8 if (grad.dtype.itemsize == 2 or out.dtype.itemsize == 2) else 4
     vec = _vec_ok([grad, rmap, inter, out], E, ch)
+    if vec and not pre and not aux and _BWD_VARIANT != "dense":
+        # zero gradient off the map: only the K selected entries of grad and intermediate are read
+        fn = _jit.function(_FILE, f"router_bwd_sel<{tg}, {team}>")
+        grid = _grid(-(-T // spb), threads, 0, call.device_id, getattr(fn, "num_regs", 0))
+        _jit.launch(fn, grid, threads,
+                    (grad, rmap, inter, np.int64(T), np.int32(E), np.int32(K), np.int32(score_fn),
+                     np.float32(scale), out),
+                    stream=call.stream)
+        return
+    grid = _grid(-(-T // spb), threads, 0, call.device_id)
+    fn = _jit.function(_FILE, f"router_bwd<{tg}, {_jit.ctype(out.dtype)}, {team}>")
     _jit.launch(fn, grid, threads,
                 (grad, rmap if rmap is not None else 0, inter, np.int64(T), np.int32(E), np.int32(K),
                  np.int32(score_fn), np.int32(pre), np.int32(aux), np.float32(scale), out, np.int32(vec)),
@@ -344,6 +356,10 @@ def topk_with_score_backward(grad_probs, routing_map, intermediate, topk, *, sco
     Returns:
         grad_logits ``[..., E]`` in the grad_probs dtype (every element written; zero off the selection
         except for pre-softmax, whose gradient is dense).
+
+    Off the routing map the gradient is zero (post-softmax, sigmoid, sqrtsoftplus), so on 16-byte rows the
+    kernel reads the map and only the selected entries of ``grad_probs`` and ``intermediate``: their values
+    elsewhere (NaN included) never reach the result, as in the reference.
     """
     with _arrays.Call({"grad_probs": grad_probs, "routing_map": routing_map, "intermediate": intermediate},
                       stream=stream, lean=True) as call:

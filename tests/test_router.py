@@ -593,3 +593,46 @@ def test_gpu_long_rows_ties_exact(rng, E, K, s):
     assert rmap[0, :K].all() and rmap.sum(1).tolist() == [K] * len(x)
     _close(probs, rp, F32, E, "probs")
     _close(inter, ri, F32, E, "intermediate")
+
+
+# (T, E, K, dtype, score): the top-k backward that reads only the selected entries (post-softmax, sigmoid,
+# sqrtsoftplus on 16-byte rows) against the kernel that reads whole rows (MOE_RT_ROUTER_BWD=dense): the same
+# bits, with grads that are NaN / inf off the routing map (never read, and not in the result) and the
+# memory pool poisoned before each call so an unwritten element shows.
+SEL_BWD_CASES = [(7, 8, 1, F32, "softmax"), (517, 8, 2, BF16, "sigmoid"), (517, 256, 8, F32, "softmax"),
+                 (517, 256, 8, BF16, "sigmoid"), (517, 256, 1, np.float16, "sqrtsoftplus"),
+                 (333, 2304, 36, F32, "sigmoid"), (333, 2304, 36, BF16, "softmax"),
+                 (65, 16384, 64, F32, "sqrtsoftplus"), (65, 16384, 8, BF16, "softmax")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", SEL_BWD_CASES, ids=lambda c: f"T{c[0]}-E{c[1]}-K{c[2]}-{np.dtype(c[3]).name}-{c[4]}")
+def test_gpu_topk_backward_selected_entries_only(rng, monkeypatch, case):
+    import cupy as cp
+
+    T, E, K, dtype, score = case
+    x = _tie_free(rng, T, E, dtype)
+    _, rmap, inter = R.topk_with_score(cp.asarray(x), K, score_function=score, scaling_factor=1.5)
+    gy = rng.standard_normal((T, E)).astype(F32)
+    off = ~rmap.get()
+    gy[off & (rng.random((T, E)) < 0.5)] = np.nan
+    gy[off & (rng.random((T, E)) < 0.1)] = np.inf
+    gy = cp.asarray(gy.astype(dtype))
+
+    def run():
+        a = cp.empty(8 * T * E * 4, dtype=cp.uint8)
+        a.fill(0xFF)
+        del a
+        return R.topk_with_score_backward(gy, rmap, inter, K, score_function=score, scaling_factor=1.5).get()
+
+    got = run()
+    monkeypatch.setattr(R, "_BWD_VARIANT", "dense")
+    want = run()
+    diff = got.view(np.uint8).reshape(T, -1) != want.view(np.uint8).reshape(T, -1)
+    assert not diff.any(), (f"{diff.any(1).sum()} rows differ; first: row {np.nonzero(diff.any(1))[0][:3]}, "
+                            f"max |got - want| {np.abs(got.astype(F32) - want.astype(F32)).max()}")
+    assert np.isfinite(got.astype(F32)).all() and (got[off] == 0).all()
+    rdx = ref.topk_with_score_bwd(gy.get(), rmap.get(), inter.get(), K, False, 1.5, score)
+    scale_row = np.abs(rdx.astype(F32)).max(1, keepdims=True) + 1e-30
+    np.testing.assert_allclose(got.astype(F32) / scale_row, rdx.astype(F32) / scale_row,
+                               atol=1e-5 if dtype == F32 else 2 ** -7)

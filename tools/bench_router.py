@@ -3,14 +3,15 @@
 Rows: topk_with_score forward and backward (softmax post-softmax; sigmoid with num_groups=8,
 group_topk=4 and an expert bias), and the aux-loss path (scores_for_aux_loss + aux_loss, forward and
 backward together). GB/s counts the minimal bytes each op must move: every input read once, every output
-written once. "ms" is device time per call (host overhead hidden behind a spin kernel, for every
+written once; for the top-k backward, whose gradient is zero off the routing map, grad and intermediate
+count only at the selected entries (the 32-byte sectors that hold them). "ms" is device time per call (host overhead hidden behind a spin kernel, for every
 column); "call ms" is the plain per-call time including moe_rt's Python overhead. Inputs are drawn on the
 GPU. torch.compile baselines are compiled once per shape (dynamic=False) and only at T=65536, the target
 shape (``--compile-all`` compiles at every T). ``--quick`` runs T=65536 only with fewer iterations;
-``--T`` picks the token counts, ``--ops fwd`` only the forward rows (for kernel variants selected by
-MOE_RT_ROUTER_FWD, see moe_rt/router.py).
+``--T`` picks the token counts, ``--ops fwd`` / ``bwd`` only the forward / top-k backward rows (for kernel variants selected by
+MOE_RT_ROUTER_FWD and MOE_RT_ROUTER_BWD, see moe_rt/router.py).
 
-    python tools/bench_router.py [--quick] [--T 4096,16384,65536] [--ops all|fwd] [--json PATH] [--no-compile]
+    python tools/bench_router.py [--quick] [--T 4096,16384,65536] [--ops all|fwd|bwd] [--json PATH] [--no-compile]
 """
 from __future__ import annotations
 
@@ -22,6 +23,23 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchlib  # noqa: E402
+
+
+# ---- the bytes an op must move ------------------------------------------------------------------------
+
+def _sel_bwd_bytes(cp, rmap, isz):
+    """Least traffic of the top-k backward (post-softmax, sigmoid): the gradient is zero off the routing map,
+    so grad and intermediate are needed only at the K selected entries of a row. Counted as the 32-byte
+    sectors holding them (the unit a GPU reads), plus the map read and grad_logits written whole."""
+    def sectors(itemsize):
+        per = 32 // itemsize
+        m = rmap.ravel()
+        pad = (-m.size) % per
+        if pad:
+            m = cp.concatenate([m, cp.zeros(pad, dtype=m.dtype)])
+        return int(m.reshape(-1, per).any(axis=1).sum())
+
+    return rmap.size * (1 + isz) + 32 * (sectors(isz) + sectors(4))
 
 
 # ---- the same math in torch (what a user would write) ------------------------------------------------
@@ -141,7 +159,8 @@ def _compiler(enabled):
 def main():
     ap = benchlib.parser(__doc__)
     ap.add_argument("--T", default=None, help="comma-separated token counts (default 4096,16384,65536)")
-    ap.add_argument("--ops", default="all", choices=["all", "fwd"], help="fwd: forward rows only")
+    ap.add_argument("--ops", default="all", choices=["all", "fwd", "bwd"],
+                    help="fwd: forward rows only; bwd: top-k backward rows only")
     ap.add_argument("--compile-all", action="store_true", help="torch.compile baselines at every T")
     args = ap.parse_args()
     import cupy as cp
@@ -163,6 +182,7 @@ def main():
     else:
         Ts = [65536] if args.quick else [4096, 16384, 65536]
     table.meta["variant"] = os.environ.get("MOE_RT_ROUTER_FWD", "default")
+    table.meta["bwd_variant"] = os.environ.get("MOE_RT_ROUTER_BWD", "default")
     shapes = [(256, 8), (2304, 36)]
     dtypes = [("float32", np.float32), ("bfloat16", _arrays.BFLOAT16)]
     compile_fn = _compiler(not args.no_compile)
@@ -196,7 +216,7 @@ def main():
         print(f"  [{op}: {time.perf_counter() - t0:.1f} s, total {time.perf_counter() - t_start:.0f} s]",
               file=sys.stderr, flush=True)
 
-    fwd_only = args.ops == "fwd"
+    fwd_only, bwd_only = args.ops == "fwd", args.ops == "bwd"
     for dtname, dt in dtypes:
         isz = np.dtype(dt).itemsize
         for T in Ts:
@@ -213,13 +233,14 @@ def main():
                 # softmax (post) fwd: read x, write probs, map, intermediate
                 outs = [R.topk_with_score(x, K) for x in xs]
                 fwd_b = n * (isz + isz + 1 + 4)
-                cs = cmp(f"sm_fwd{K}", lambda x, K=K: torch_topk_softmax_fwd(x, K))
-                row(dtname, T, E, K, "softmax fwd", fwd_b, lambda: R.topk_with_score(xs[nx()], K),
-                    lambda: torch_topk_softmax_fwd(xt[nx()], K), (lambda: cs(xt[nx()])) if cs else None)
+                if not bwd_only:
+                    cs = cmp(f"sm_fwd{K}", lambda x, K=K: torch_topk_softmax_fwd(x, K))
+                    row(dtname, T, E, K, "softmax fwd", fwd_b, lambda: R.topk_with_score(xs[nx()], K),
+                        lambda: torch_topk_softmax_fwd(xt[nx()], K), (lambda: cs(xt[nx()])) if cs else None)
                 gs = [_normal(cp, (T, E), dt, 20 + i) for i in range(ncopy)]
                 gt = [torch.from_dlpack(g) for g in gs]
                 ot = [tuple(torch.from_dlpack(a) for a in o) for o in outs]
-                bwd_b = n * (isz + 1 + 4 + isz)
+                bwd_b = _sel_bwd_bytes(cp, outs[0][1], isz)
 
                 def sm_bwd():
                     i = nx()
@@ -237,12 +258,14 @@ def main():
                 # sigmoid, groups 8/4, bias
                 kw = dict(score_function="sigmoid", num_groups=8, group_topk=4, expert_bias=bias)
                 outs = [R.topk_with_score(x, K, **kw) for x in xs]
-                cg = cmp(f"sig_fwd{K}", lambda x, K=K: torch_topk_sigmoid_grouped_fwd(x, K, bias_t, 8, 4))
-                row(dtname, T, E, K, "sigmoid g8/4 bias fwd", fwd_b + 4 * E,
-                    lambda: R.topk_with_score(xs[nx()], K, **kw),
-                    lambda: torch_topk_sigmoid_grouped_fwd(xt[nx()], K, bias_t, 8, 4),
-                    (lambda: cg(xt[nx()])) if cg else None)
+                if not bwd_only:
+                    cg = cmp(f"sig_fwd{K}", lambda x, K=K: torch_topk_sigmoid_grouped_fwd(x, K, bias_t, 8, 4))
+                    row(dtname, T, E, K, "sigmoid g8/4 bias fwd", fwd_b + 4 * E,
+                        lambda: R.topk_with_score(xs[nx()], K, **kw),
+                        lambda: torch_topk_sigmoid_grouped_fwd(xt[nx()], K, bias_t, 8, 4),
+                        (lambda: cg(xt[nx()])) if cg else None)
                 ot = [tuple(torch.from_dlpack(a) for a in o) for o in outs]
+                sg_bwd_b = _sel_bwd_bytes(cp, outs[0][1], isz)
 
                 def sg_bwd():
                     i = nx()
@@ -254,12 +277,12 @@ def main():
 
                 if not fwd_only:
                     cb2 = cmp("sig_bwd", torch_topk_sigmoid_bwd)
-                    row(dtname, T, E, K, "sigmoid bwd", bwd_b, sg_bwd, sg_bwd_t,
+                    row(dtname, T, E, K, "sigmoid bwd", sg_bwd_b, sg_bwd, sg_bwd_t,
                         (lambda: sg_bwd_t(cb2)) if cb2 else None)
                 del outs, ot, gs, gt, xs, xt
                 cp.get_default_memory_pool().free_all_blocks()
                 torch.cuda.empty_cache()
-            for E, K in ([] if fwd_only else [(256, 8), (16384, 8)]):
+            for E, K in ([] if fwd_only or bwd_only else [(256, 8), (16384, 8)]):
                 _aux_rows(R, cp, torch, table, row, cmp, dtname, dt, isz, T, E, K, l2)
                 cp.get_default_memory_pool().free_all_blocks()
                 torch.cuda.empty_cache()
