@@ -17,7 +17,8 @@
 // ballot), and for k <= 8 the argmax rounds hand each winner to a lane, which places it in index order
 // by ranking the winners' indices (no pass over the row). Every sum is done in a fixed order, so outputs
 // are bitwise reproducible. Global traffic: logits read once, each output written once with 16-byte vectors (the K
-// nonzero probs are patched in after the zero fill, while the lines are still in L2).
+// nonzero probs are patched in after the zero fill, while the lines are still in L2). The top-k backward
+// reads, where its gradient is zero off the map, only the map and the selected entries (router_bwd_sel).
 #include "moe_rt/common.cuh"
 
 using namespace moe_rt;
