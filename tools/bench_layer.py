@@ -2,7 +2,8 @@
 
 The layer (as in ``python -m moe_rt demo``): fp32 router logits ``x @ w_router`` -> top-k with softmax over
 the K selected, plus the Switch aux loss -> dispatch into expert-major rows -> SwiGLU experts (torch:
-``torch._grouped_mm``; JAX: ``jax.lax.ragged_dot``) -> weighted combine. The moe_rt layer runs router,
+``torch._grouped_mm``; JAX: ``jax.lax.ragged_dot`` with the weight gradient taken block by block, see
+``jax_grouped_matmul``) -> weighted combine. The moe_rt layer runs router,
 dispatch and combine on moe_rt's adapters (``moe_rt.torch``, ``moe_rt.jax``); the plain layer writes them
 the way MaxText / Megatron do (top-k + softmax, stable argsort of the expert ids, row gathers, gather back
 and an fp32 weighted sum). Both layers share the expert code. Rows:
@@ -304,7 +305,62 @@ def summary_rows(table, times, impls, base_impl, save):
 
 # ---- JAX --------------------------------------------------------------------------------------------------
 
-def jax_parts(s: Shape):
+def jax_grouped_matmul(block=256):
+    """``gmm(lhs[N, H], rhs[G, H, F], group_sizes[G]) -> [N, F]``: ``jax.lax.ragged_dot`` with a VJP whose
+    weight gradient works block by block. XLA's own gradient of ragged_dot with respect to ``rhs`` builds a
+    dense ``[G, N, H]`` operand (32 GiB at the benchmark's shape, more than an H100 holds). Here the rows of
+    each group are cut into blocks of ``block`` rows (the last one masked), and a scan adds
+    ``lhs_block^T @ grad_block`` (fp32) into the group's slice: at most ``N // block + G`` blocks, no buffer
+    beyond the fp32 gradient itself. The input gradient is a ragged_dot with the transposed weights."""
+    import jax
+    import jax.numpy as jnp
+
+    def weight_grad(lhs, g, gs, G):
+        N, H = lhs.shape
+        F = g.shape[1]
+        gs = gs.astype(jnp.int32)
+        start = jnp.cumsum(gs) - gs
+        nblk = (gs + block - 1) // block
+        first = jnp.cumsum(nblk) - nblk
+        M = N // block + G  # sum of ceil(gs / block) <= N / block + G
+        item = jnp.arange(M, dtype=jnp.int32)
+        grp = jnp.minimum(jnp.searchsorted(jnp.cumsum(nblk), item, side="right"), G - 1).astype(jnp.int32)
+        j = item - first[grp]
+        row0 = start[grp] + j * block
+        nrows = jnp.where(item < nblk.sum(), jnp.clip(gs[grp] - j * block, 0, block), 0)
+        pad = lambda a: jnp.concatenate([a, jnp.zeros((block, a.shape[1]), a.dtype)])  # noqa: E731
+        lhs_p, g_p = pad(lhs), pad(g)  # a slice that starts in range never gets shifted back
+
+        def body(acc, i):
+            keep = (jnp.arange(block) < nrows[i])[:, None]
+            a = jnp.where(keep, jax.lax.dynamic_slice_in_dim(lhs_p, row0[i], block), 0)
+            b = jax.lax.dynamic_slice_in_dim(g_p, row0[i], block)
+            prod = jnp.dot(a.T, b, preferred_element_type=jnp.float32)
+            cur = jax.lax.dynamic_index_in_dim(acc, grp[i], keepdims=False)
+            return jax.lax.dynamic_update_index_in_dim(acc, cur + prod, grp[i], 0), None
+
+        acc, _ = jax.lax.scan(body, jnp.zeros((G, H, F), jnp.float32), item)
+        return acc
+
+    @jax.custom_vjp
+    def gmm(lhs, rhs, gs):
+        return jax.lax.ragged_dot(lhs, rhs, gs)
+
+    def fwd(lhs, rhs, gs):
+        return gmm(lhs, rhs, gs), (lhs, rhs, gs)
+
+    def bwd(res, g):
+        lhs, rhs, gs = res
+        g = g.astype(lhs.dtype)
+        dlhs = jax.lax.ragged_dot(g, jnp.swapaxes(rhs, 1, 2), gs).astype(lhs.dtype)
+        drhs = weight_grad(lhs, g, gs, rhs.shape[0]).astype(rhs.dtype)
+        return dlhs, drhs, None
+
+    gmm.defvjp(fwd, bwd)
+    return gmm
+
+
+def jax_parts(s: Shape, experts_kind: str = "blocked"):
     import jax
     import jax.numpy as jnp
 
@@ -312,10 +368,11 @@ def jax_parts(s: Shape):
 
     T, E, K = s.T, s.E, s.K
     c_aux = E * COEFF / K / T / T
+    mm = jax_grouped_matmul() if experts_kind == "blocked" else jax.lax.ragged_dot
 
     def experts(xs, gs, w1, w3, w2):
-        h = jax.nn.silu(jax.lax.ragged_dot(xs, w1, gs)) * jax.lax.ragged_dot(xs, w3, gs)
-        return jax.lax.ragged_dot(h.astype(xs.dtype), w2, gs).astype(xs.dtype)
+        h = jax.nn.silu(mm(xs, w1, gs)) * mm(xs, w3, gs)
+        return mm(h.astype(xs.dtype), w2, gs).astype(xs.dtype)
 
     router, mr_dispatch, combine = moe_rt_stages(mj, s, lambda a: a.astype(jnp.float32),
                                                  lambda m: m.sum(0).astype(jnp.int32))
@@ -391,7 +448,9 @@ def bench_jax(s: Shape, args, table, save):
     import jax.numpy as jnp
 
     table.meta["jax"] = jax.__version__
-    P = jax_parts(s)
+    table.meta["jax experts"] = ("jax.lax.ragged_dot, weight gradient by blocks (jax_grouped_matmul)"
+                                 if args.jax_experts == "blocked" else "jax.lax.ragged_dot with XLA's gradient")
+    P = jax_parts(s, args.jax_experts)
     T, E, K, H, F, N = s.T, s.E, s.K, s.H, s.F, s.N
     keys = iter(jax.random.split(jax.random.PRNGKey(0), 16))
     bf = jnp.bfloat16
@@ -708,6 +767,9 @@ def main():
     ap.add_argument("--ffn", type=int, default=1408, help="expert FFN size F (default 1408)")
     ap.add_argument("--frameworks", default="torch,jax", help="comma list of torch, jax")
     ap.add_argument("--overhead-only", action="store_true", help="only the adapter overhead table")
+    ap.add_argument("--jax-experts", default="blocked", choices=["blocked", "ragged"],
+                    help="JAX expert weight gradient: by blocks (jax_grouped_matmul, default) or XLA's own "
+                         "gradient of ragged_dot (a dense [E, N, H] operand: out of memory at the default shape)")
     args = ap.parse_args()
     if args.quick:
         s = Shape(2048, 1024, 64, 8, 512)
