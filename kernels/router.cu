@@ -18,7 +18,8 @@
 // by ranking the winners' indices (no pass over the row). Every sum is done in a fixed order, so outputs
 // are bitwise reproducible. Global traffic: logits read once, each output written once with 16-byte vectors (the K
 // nonzero probs are patched in after the zero fill, while the lines are still in L2). The top-k backward
-// reads, where its gradient is zero off the map, only the map and the selected entries (router_bwd_sel).
+// reads, where its gradient is zero off the map, only the map and the selected entries (router_bwd_sel,
+// router_bwd_sel_reg).
 #include "moe_rt/common.cuh"
 
 using namespace moe_rt;
@@ -127,6 +128,21 @@ struct Team {
 #pragma unroll
       for (int w = 0; w < NW; ++w) t += red[w];
       return t;
+    }
+  }
+  // Two sums at once, each in the order of sum() (red: 2 * NW words).
+  __device__ __forceinline__ static void sum2(float& a, float& b, float* red) {
+    a = warp_sum(a);
+    b = warp_sum(b);
+    if constexpr (TEAM > 32) {
+      __syncthreads();
+      if ((threadIdx.x & 31) == 0) { red[threadIdx.x >> 5] = a; red[NW + (threadIdx.x >> 5)] = b; }
+      __syncthreads();
+      float ta = 0.0f, tb = 0.0f;
+#pragma unroll
+      for (int w = 0; w < NW; ++w) { ta += red[w]; tb += red[NW + w]; }
+      a = ta;
+      b = tb;
     }
   }
   __device__ __forceinline__ static float max(float v, float* red) {
@@ -312,10 +328,20 @@ __device__ int prefilter_list(const unsigned* keys, int n, int k, unsigned* list
   using TM = Team<TEAM>;
   const int r = TM::rank(), lane = threadIdx.x & 31;
   unsigned v[2] = {0u, 0u};  // v[0] >= v[1]: this thread's two largest keys (0 is below every real key)
-  for (int i = r; i < n; i += TEAM) {
-    const unsigned key = keys[i];
+  // Keys read 4 at a time where they are 16-byte vectors (which keys a thread sees changes tau, not the result).
+  const bool vec4 = (n & 3) == 0 && (reinterpret_cast<size_t>(keys) & 15) == 0;
+  const uint4* keys4 = reinterpret_cast<const uint4*>(keys);
+  auto top2 = [&](unsigned key) {
     v[1] = max(v[1], min(key, v[0]));
     v[0] = max(v[0], key);
+  };
+  if (vec4) {
+    for (int c = r; c < (n >> 2); c += TEAM) {
+      const uint4 k4 = keys4[c];
+      top2(k4.x); top2(k4.y); top2(k4.z); top2(k4.w);
+    }
+  } else {
+    for (int i = r; i < n; i += TEAM) top2(keys[i]);
   }
   // Element 2 * lane + s of the warp's 64; after the network they are in descending order.
 #pragma unroll
@@ -342,12 +368,21 @@ __device__ int prefilter_list(const unsigned* keys, int n, int k, unsigned* list
   tau = TM::vmax(tau, redi);
   unsigned* lcount = list + 2 * kList;
   int* lexp = reinterpret_cast<int*>(list + kList);
-  for (int i = r; i < n; i += TEAM) {
-    const unsigned key = keys[i];
+  auto append = [&](unsigned key, int i) {
     if (key >= tau) {
       const unsigned pos = atomicAdd(lcount, 1u);
       if (pos < (unsigned)kList) { list[pos] = key; lexp[pos] = i; }
     }
+  };
+  if (vec4) {
+    for (int c = r; c < (n >> 2); c += TEAM) {
+      const uint4 k4 = keys4[c];
+      if (max(max(k4.x, k4.y), max(k4.z, k4.w)) >= tau) {
+        append(k4.x, 4 * c); append(k4.y, 4 * c + 1); append(k4.z, 4 * c + 2); append(k4.w, 4 * c + 3);
+      }
+    }
+  } else {
+    for (int i = r; i < n; i += TEAM) append(keys[i], i);
   }
   TM::sync();
   const unsigned total = *lcount;
@@ -766,16 +801,15 @@ __device__ __forceinline__ Layout slot_layout(int E, int G, int K) {
   return L;
 }
 
-// Phase 6 for one 16-byte chunk of keys (experts e0 .. e0 + CH - 1): the routing map, zero probs and the
-// -inf post-softmax intermediate (each pointer may be null: not written).
+// Phase 6 for one 16-byte chunk (experts e0 .. e0 + CH - 1; bit v of sel: expert e0 + v is selected): the
+// routing map, zero probs and the -inf post-softmax intermediate (each pointer may be null: not written).
 template <typename T, int CH>
-__device__ __forceinline__ void dense_chunk_out(const unsigned (&kv)[CH], int e0, unsigned thr, int il, i64 row,
-                                                bool* __restrict__ rmap, T* __restrict__ probs,
-                                                float* __restrict__ inter) {
+__device__ __forceinline__ void dense_chunk_out(unsigned sel, int e0, i64 row, bool* __restrict__ rmap,
+                                                T* __restrict__ probs, float* __restrict__ inter) {
   if (rmap) {
     alignas(16) bool mv[CH];
 #pragma unroll
-    for (int v = 0; v < CH; ++v) mv[v] = selected(kv[v], e0 + v, thr, il);
+    for (int v = 0; v < CH; ++v) mv[v] = (sel >> v) & 1u;
     stn<CH>(rmap + row + e0, mv);
   }
   if (probs) {
@@ -790,6 +824,21 @@ __device__ __forceinline__ void dense_chunk_out(const unsigned (&kv)[CH], int e0
     for (int v = 0; v < CH; ++v) z[v] = -kInf;
     stn<CH>(inter + row + e0, z);
   }
+}
+
+template <int CH>
+__device__ __forceinline__ unsigned chunk_selection(const unsigned (&kv)[CH], int e0, unsigned thr, int il) {
+  unsigned sel = 0u;
+#pragma unroll
+  for (int v = 0; v < CH; ++v) sel |= selected(kv[v], e0 + v, thr, il) ? 1u << v : 0u;
+  return sel;
+}
+
+template <typename T, int CH>
+__device__ __forceinline__ void dense_chunk_out(const unsigned (&kv)[CH], int e0, unsigned thr, int il, i64 row,
+                                                bool* __restrict__ rmap, T* __restrict__ probs,
+                                                float* __restrict__ inter) {
+  dense_chunk_out<T, CH>(rmap ? chunk_selection<CH>(kv, e0, thr, il) : 0u, e0, row, rmap, probs, inter);
 }
 
 // The K weights of token t from its selection in index order (lidx, lkey): one warp, two per lane, fixed
@@ -1114,7 +1163,8 @@ router_fwd(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score
     const i64 row = t * (i64)E;
     float pmax = -kInf, psum = 0.0f;
     // Phase 1: activations, intermediate (sigmoid-like), selection keys.
-    auto p1 = [&](int e, float x, float& iv) -> unsigned {
+    // b: the expert's bias (read only when there is one).
+    auto p1 = [&](float x, float b, float& iv) -> unsigned {
       if (score_fn == SOFTMAX) {
         pmax = fmaxf(pmax, x);
         iv = x;
@@ -1123,8 +1173,9 @@ router_fwd(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score
       const float a = score_fn == SIGMOID ? sigmoidf(x) : sqrtsoftplusf(x);
       iv = score_fn == SIGMOID ? a : x;
       if (aux_mode) { psum += a; return fkey(a); }
-      return fkey(bias ? a + bias[e] : a);
+      return fkey(bias ? a + b : a);
     };
+    const bool use_bias = bias != nullptr && sig_like && !aux_mode;
     const bool write_inter1 = inter != nullptr && sig_like;
     if (vec) {
       constexpr int U = MOE_RT_FWD_U;  // chunks loaded before the first is used
@@ -1138,9 +1189,10 @@ router_fwd(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score
           const int c = c0 + u * TEAM;
           if (c < nch) {
             alignas(16) unsigned kv[CH];
-            alignas(16) float iv[CH];
+            alignas(16) float iv[CH], bv[CH];
+            if (use_bias) ldn<CH>(bias + c * CH, bv);
 #pragma unroll
-            for (int v = 0; v < CH; ++v) kv[v] = p1(c * CH + v, to_float(xv[u][v]), iv[v]);
+            for (int v = 0; v < CH; ++v) kv[v] = p1(to_float(xv[u][v]), use_bias ? bv[v] : 0.0f, iv[v]);
             stn<CH>(keys + c * CH, kv);
             if (write_inter1) stn<CH>(inter + row + (i64)c * CH, iv);
           }
@@ -1149,7 +1201,7 @@ router_fwd(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score
     } else {
       for (int e = r; e < E; e += TEAM) {
         float iv;
-        keys[e] = p1(e, to_float(logits[row + e]), iv);
+        keys[e] = p1(to_float(logits[row + e]), use_bias ? bias[e] : 0.0f, iv);
         if (write_inter1) inter[row + e] = iv;
       }
     }
@@ -1229,8 +1281,42 @@ router_fwd(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score
     int il;
     select_topk<TEAM>(keys, E, K, wcnt, redi, list, thr, il);
 
-    // Phase 4: the selected experts in index order -> lidx/lkey.
-    if constexpr (TEAM == 32) {
+    // Phase 4: the selected experts in index order -> lidx/lkey. One warp on 16-byte rows does phase 6's
+    // dense outputs in the same pass: rounds of 32 chunks (lane order = index order), each lane's selected
+    // experts placed by a warp scan of the lanes' counts.
+    const bool wprobs = !aux_mode && probs != nullptr, winter = post && inter != nullptr;
+    const bool dense_done = TEAM == 32 && vec;
+    if (dense_done) {
+      int cnt = 0;
+      for (int b0 = 0; b0 < nch; b0 += 32) {
+        const int c = b0 + lane;
+        alignas(16) unsigned kv[CH];
+        unsigned sel = 0u;
+        if (c < nch) {
+          ldn<CH>(keys + c * CH, kv);
+          sel = chunk_selection<CH>(kv, c * CH, thr, il);
+          dense_chunk_out<T, CH>(sel, c * CH, row, rmap, wprobs ? probs : nullptr, winter ? inter : nullptr);
+        }
+        const int n = __popc(sel);
+        int incl = n;
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+          const int o = __shfl_up_sync(FULL_MASK, incl, d);
+          if (lane >= d) incl += o;
+        }
+        if (!aux_mode && sel) {
+          int pos = cnt + incl - n;
+#pragma unroll
+          for (int v = 0; v < CH; ++v)
+            if ((sel >> v) & 1u) {
+              if (pos < K) { lidx[pos] = c * CH + v; lkey[pos] = kv[v]; }
+              ++pos;
+            }
+        }
+        cnt += __shfl_sync(FULL_MASK, incl, 31);
+      }
+      __syncwarp();
+    } else if constexpr (TEAM == 32) {
       int cnt = 0;
       for (int b0 = 0; b0 < E && cnt < K; b0 += 32) {
         const int i = b0 + lane;
@@ -1275,9 +1361,10 @@ router_fwd(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score
     TM::sync();
 
     // Phase 6: dense outputs: map, zero probs (-inf intermediate for post-softmax), then the K values.
-    const bool wprobs = !aux_mode && probs != nullptr, winter = post && inter != nullptr;
     if (rmap || wprobs || winter) {
-      if (vec) {
+      if (dense_done) {
+        // written with phase 4
+      } else if (vec) {
         for (int c = r; c < nch; c += TEAM) {
           alignas(16) unsigned kv[CH];
           ldn<CH>(keys + c * CH, kv);
@@ -1519,11 +1606,12 @@ router_fwd_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, int s
 // selection scores v and B = sum of g*v (sigmoid-like), over the routing map (the whole row in aux mode).
 __device__ __forceinline__ void bwd_acc(bool sig_like, int score_fn, float g, bool msk, float y, float& A,
                                         float& B) {
+  // explicit fused multiply-adds: every caller (inline or out of line) rounds them alike
   if (sig_like) {
     const float v = score_fn == SIGMOID ? y : sqrtsoftplusf(y);
-    if (msk) { A += v; B += g * v; }
+    if (msk) { A += v; B = __fmaf_rn(g, v, B); }
   } else if (msk) {
-    A += g * y;
+    A = __fmaf_rn(g, y, A);
   }
 }
 
@@ -1533,8 +1621,8 @@ __device__ __forceinline__ float bwd_dx(bool sig_like, int score_fn, bool normal
     if (!msk) return 0.0f;
     const float gh = normalize ? g / Ae - B / (Ae * Ae) : g;
     if (score_fn == SIGMOID) return gh * y * (1.0f - y);
-    const float v = sqrtsoftplusf(y);
-    return y > 20.0f ? gh / (2.0f * v + kEps) : gh * sigmoidf(y) / (2.0f * v + kEps);
+    const float v = sqrtsoftplusf(y), den = __fmaf_rn(2.0f, v, kEps);
+    return y > 20.0f ? gh / den : gh * sigmoidf(y) / den;
   }
   if (aux_mode) return y * (g - A);
   if (pre_softmax) return y * ((msk ? g : 0.0f) - A);
@@ -1622,11 +1710,17 @@ router_bwd(const TG* __restrict__ grad, const bool* __restrict__ rmap, const flo
 }
 
 // Backward of top-k when the gradient is zero off the routing map (post-softmax, sigmoid, sqrtsoftplus):
-// reads the map and, of grad and intermediate, only the selected entries (K per row instead of E); every
-// output element is written: a 16-byte vector of zeros per chunk, then the chunk's selected elements. A
-// thread loads SEL_U map chunks before it reads the entries they select. Each thread takes the same
-// chunks in the same order as router_bwd, so the sums and the output bits are the same. Needs 16-byte
-// rows (E % CH == 0, aligned). A chunk's CH map bytes are read as one word (nonzero byte = selected).
+// two kernels read the map and, of grad and intermediate, only the selected entries (K per row instead of
+// E), and write every output element: a 16-byte vector of zeros per chunk, then the chunk's selected
+// elements. A thread takes chunks c = r, r + TEAM, ... (the order of router_bwd, so the sums and the output
+// bits are the same) and reads each chunk's CH map bytes as one word (nonzero byte = selected). Both need
+// 16-byte rows (E % CH == 0, aligned).
+// - router_bwd_sel (few chunks per thread): two passes, each reading the map words and the entries they
+//   select (the second mostly from cache); SEL_U map chunks are loaded before the entries they select.
+// - router_bwd_sel_reg (several chunks per thread, where the second pass costs more than registers do):
+//   one pass; a thread keeps its first SELR_NR entries (offset, grad, intermediate) in registers from the
+//   sum to the write and reads any further ones again (sel_rest); the map words of its first SELR_U chunks
+//   of the next token load while this one is processed.
 #ifndef MOE_RT_SEL_U_32
 #define MOE_RT_SEL_U_32 2
 #endif
@@ -1634,6 +1728,12 @@ router_bwd(const TG* __restrict__ grad, const bool* __restrict__ rmap, const flo
 #define MOE_RT_SEL_U_WIDE 4
 #endif
 #define MOE_RT_SEL_U(TEAM) ((TEAM) == 32 ? MOE_RT_SEL_U_32 : MOE_RT_SEL_U_WIDE)
+#ifndef MOE_RT_SELR_U
+#define MOE_RT_SELR_U 5
+#endif
+#ifndef MOE_RT_SELR_NR
+#define MOE_RT_SELR_NR 4
+#endif
 template <int CH> struct MapWord {
   using type = unsigned;
   // bit 8*i set where byte i is nonzero
@@ -1646,6 +1746,26 @@ template <> struct MapWord<8> {
            ((unsigned long long)(__vcmpne4((unsigned)(w >> 32), 0u) & 0x01010101u) << 32);
   }
 };
+
+// router_bwd_sel_reg's entries past a thread's first `skip`, in order, read from memory: with out == nullptr
+// their sums are added to ab and returned; otherwise their gradients are written (A = ab.x, Ae, B). Kept
+// out of line: it runs only for a thread with more selected entries than it holds in registers.
+template <typename T, int CH, int TEAM>
+__device__ __noinline__ float2 sel_rest(const T* __restrict__ grad, const float* __restrict__ inter,
+                                        const typename MapWord<CH>::type* __restrict__ wrow, i64 row, int nch,
+                                        int r, int skip, float scale, bool sig_like, int score_fn, int K, float2 ab,
+                                        float Ae, float B, T* __restrict__ out) {
+  int seen = 0;
+  for (int c = r; c < nch; c += TEAM)
+    for (unsigned long long b = MapWord<CH>::bits(wrow[c]); b; b &= b - 1) {
+      if (seen++ < skip) continue;
+      const i64 e = row + (i64)c * CH + ((__ffsll((long long)b) - 1) >> 3);
+      const float g = __fmul_rn(scale, to_float(grad[e])), y = inter[e];
+      if (out == nullptr) bwd_acc(sig_like, score_fn, g, true, y, ab.x, ab.y);
+      else out[e] = from_float<T>(bwd_dx(sig_like, score_fn, K > 1, false, false, ab.x, Ae, B, g, true, y));
+    }
+  return ab;
+}
 
 template <typename T, int TEAM>
 __global__ void __launch_bounds__(TEAM == 32 ? 128 : TEAM)
@@ -1702,6 +1822,97 @@ router_bwd_sel(const T* __restrict__ grad, const bool* __restrict__ rmap, const 
         }
       }
     }
+  }
+}
+
+template <typename T, int TEAM>
+__global__ void __launch_bounds__(TEAM == 32 ? 128 : TEAM)
+router_bwd_sel_reg(const T* __restrict__ grad, const bool* __restrict__ rmap, const float* __restrict__ inter,
+                   i64 num_tokens, int E, int K, int score_fn, float scale, T* __restrict__ out) {
+  using TM = Team<TEAM>;
+  constexpr int SPB = TEAM == 32 ? 4 : 1;
+  constexpr int CH = sizeof(T) == 2 ? 8 : 4;
+  constexpr int U = MOE_RT_SELR_U;
+  constexpr int NR = MOE_RT_SELR_NR;
+  using MW = MapWord<CH>;
+  using W = typename MW::type;
+  __shared__ float red[64];
+  const int slot = threadIdx.x / TEAM, r = threadIdx.x % TEAM;
+  const bool sig_like = score_fn != SOFTMAX;
+  const int nch = E / CH;
+  const W* __restrict__ words = reinterpret_cast<const W*>(rmap);
+  const i64 stride = (i64)gridDim.x * SPB;
+  auto load_words = [&](i64 tt, int c0, W (&w)[U]) {
+    const W* wrow = words + tt * (i64)nch;
+#pragma unroll
+    for (int u = 0; u < U; ++u) w[u] = tt < num_tokens && c0 + u * TEAM < nch ? wrow[c0 + u * TEAM] : (W)0;
+  };
+  alignas(16) T zero[CH];
+#pragma unroll
+  for (int v = 0; v < CH; ++v) zero[v] = from_float<T>(0.0f);
+
+  W wnext[U];
+  i64 t = (i64)blockIdx.x * SPB + slot;
+  load_words(t, r, wnext);
+  for (; t < num_tokens; t += stride) {
+    W w[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) w[u] = wnext[u];
+    load_words(t + stride, r, wnext);
+    const i64 row = t * (i64)E;
+    // Zeros for every chunk (this thread patches its entries below), and the offsets in the row of its
+    // first NR selected entries, in order.
+    int off[NR];
+    int ne = 0;
+    bool more = false;
+    for (int c0 = r; c0 < nch; c0 += U * TEAM) {
+      if (c0 != r) load_words(t, c0, w);
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int c = c0 + u * TEAM;
+        if (c < nch) {
+          stn<CH>(out + row + (i64)c * CH, zero);
+          for (unsigned long long b = MW::bits(w[u]); b; b &= b - 1) {
+            const int o = c * CH + ((__ffsll((long long)b) - 1) >> 3);
+#pragma unroll
+            for (int q = 0; q < NR; ++q)
+              if (q == ne) off[q] = o;
+            more |= ne == NR;
+            ne += ne < NR ? 1 : 0;
+          }
+        }
+      }
+    }
+    float gq[NR], yq[NR];
+#pragma unroll
+    for (int q = 0; q < NR; ++q)
+      if (q < ne) {
+        gq[q] = __fmul_rn(scale, to_float(grad[row + off[q]]));
+        yq[q] = inter[row + off[q]];
+      }
+    float A = 0.0f, B = 0.0f;
+#pragma unroll
+    for (int q = 0; q < NR; ++q)
+      if (q < ne) bwd_acc(sig_like, score_fn, gq[q], true, yq[q], A, B);
+    if (more) {  // entries past the first NR, in order, read from memory (rare)
+      const float2 ab = sel_rest<T, CH, TEAM>(grad, inter, words + t * (i64)nch, row, nch, r, NR, scale, sig_like,
+                                             score_fn, K, make_float2(A, B), 0.0f, 0.0f, nullptr);
+      A = ab.x;
+      B = ab.y;
+    }
+    if (sig_like) {
+      TM::sum2(A, B, red);
+    } else {
+      A = TM::sum(A, red);
+    }
+    const float Ae = A + kEps;
+#pragma unroll
+    for (int q = 0; q < NR; ++q)
+      if (q < ne)
+        out[row + off[q]] = from_float<T>(bwd_dx(sig_like, score_fn, K > 1, false, false, A, Ae, B, gq[q], true, yq[q]));
+    if (more)
+      sel_rest<T, CH, TEAM>(grad, inter, words + t * (i64)nch, row, nch, r, NR, scale, sig_like, score_fn, K,
+                            make_float2(A, B), Ae, B, out);
   }
 }
 

@@ -39,6 +39,7 @@ _jit.register(_FILE, [f"router_fwd<{c}, {team}>" for c in _jit.CTYPES.values() f
               + [f"router_bwd<{c}, {c}, {team}>" for c in _jit.CTYPES.values() for team in _TEAMS]
               + [f"router_bwd<float, {c}, {team}>" for c in ("__half", "__nv_bfloat16") for team in _TEAMS]
               + [f"router_bwd_sel<{c}, {team}>" for c in _jit.CTYPES.values() for team in _TEAMS]
+              + [f"router_bwd_sel_reg<{c}, {team}>" for c in _jit.CTYPES.values() for team in _TEAMS]
               + [f"aux_loss_partial<{c}>" for c in _jit.CTYPES.values()]
               + [f"aux_loss_final<{c}>" for c in _jit.CTYPES.values()]
               + [f"aux_loss_bwd<{c}>" for c in _jit.CTYPES.values()])
@@ -209,6 +210,9 @@ def _launch_fwd(call, x, T, E, K, score_fn, pre, aux, G, g, scale, bias, probs, 
                     smem, call.stream)
 
 
+_SEL_REG_CHUNKS = 4
+
+
 def _launch_bwd(call, grad, rmap, inter, out, T, E, K, score_fn, pre, aux, scale):
     team = _team(E)
     tg = _jit.ctype(grad.dtype)
@@ -217,8 +221,11 @@ def _launch_bwd(call, grad, rmap, inter, out, T, E, K, score_fn, pre, aux, scale
     ch = 8 if (grad.dtype.itemsize == 2 or out.dtype.itemsize == 2) else 4
     vec = _vec_ok([grad, rmap, inter, out], E, ch)
     if vec and not pre and not aux and _BWD_VARIANT != "dense":
-        # zero gradient off the map: only the K selected entries of grad and intermediate are read
-        fn = _jit.function(_FILE, f"router_bwd_sel<{tg}, {team}>")
+        # zero gradient off the map: only the K selected entries of grad and intermediate are read; with
+        # _SEL_REG_CHUNKS or more 16-byte chunks per thread, in one pass with the entries in registers
+        # (on H100: 17% faster for fp32 E=2304, 5-20% slower with 1-2 chunks per thread)
+        reg = -(-(E // ch) // team) >= _SEL_REG_CHUNKS
+        fn = _jit.function(_FILE, f"router_bwd_sel{'_reg' if reg else ''}<{tg}, {team}>")
         grid = _grid(-(-T // spb), threads, 0, call.device_id, getattr(fn, "num_regs", 0))
         _jit.launch(fn, grid, threads,
                     (grad, rmap, inter, np.int64(T), np.int32(E), np.int32(K), np.int32(score_fn),

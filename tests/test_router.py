@@ -602,17 +602,22 @@ def test_gpu_long_rows_ties_exact(rng, E, K, s):
 SEL_BWD_CASES = [(7, 8, 1, F32, "softmax"), (517, 8, 2, BF16, "sigmoid"), (517, 256, 8, F32, "softmax"),
                  (517, 256, 8, BF16, "sigmoid"), (517, 256, 1, np.float16, "sqrtsoftplus"),
                  (333, 2304, 36, F32, "sigmoid"), (333, 2304, 36, BF16, "softmax"),
-                 (65, 16384, 64, F32, "sqrtsoftplus"), (65, 16384, 8, BF16, "softmax")]
+                 (65, 16384, 64, F32, "sqrtsoftplus"), (65, 16384, 8, BF16, "softmax"),
+                 # dense selections: threads with more selected entries than the kernel keeps in registers
+                 (517, 256, 64, F32, "sigmoid"), (517, 64, 16, BF16, "softmax"), (97, 1024, 64, F32, "softmax"),
+                 (129, 2304, 64, BF16, "sigmoid", dict(num_groups=8, group_topk=1)),
+                 (129, 2304, 64, F32, "softmax", dict(num_groups=32, group_topk=1))]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", SEL_BWD_CASES, ids=lambda c: f"T{c[0]}-E{c[1]}-K{c[2]}-{np.dtype(c[3]).name}-{c[4]}")
+@pytest.mark.parametrize("case", SEL_BWD_CASES, ids=lambda c: f"T{c[0]}-E{c[1]}-K{c[2]}-{np.dtype(c[3]).name}-{c[4]}{'-g' if len(c) > 5 else ''}")
 def test_gpu_topk_backward_selected_entries_only(rng, monkeypatch, case):
     import cupy as cp
 
-    T, E, K, dtype, score = case
+    T, E, K, dtype, score = case[:5]
+    kw = case[5] if len(case) > 5 else {}
     x = _tie_free(rng, T, E, dtype)
-    _, rmap, inter = R.topk_with_score(cp.asarray(x), K, score_function=score, scaling_factor=1.5)
+    _, rmap, inter = R.topk_with_score(cp.asarray(x), K, score_function=score, scaling_factor=1.5, **kw)
     gy = rng.standard_normal((T, E)).astype(F32)
     off = ~rmap.get()
     gy[off & (rng.random((T, E)) < 0.5)] = np.nan
