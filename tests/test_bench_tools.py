@@ -8,32 +8,62 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 
 
-@pytest.mark.parametrize("sizes", [[5, 0, 17, 3], [0, 0, 0, 9], [16, 16, 16, 16], [1, 40, 0, 2]])
-@pytest.mark.parametrize("extra_rows", [0, 7])
-def test_jax_grouped_matmul_matches_ragged_dot_gradient(sizes, extra_rows):
-    """bench_layer's blocked weight gradient against XLA's gradient of ragged_dot (small sizes, fp32), with
-    groups that are empty, shorter than a block, exactly a block and several blocks, and rows past the
-    last group (which ragged_dot leaves out)."""
+def _against_ragged_dot(make_gmm, sizes, extra_rows, seed):
+    """A grouped matmul of bench_layer against jax.lax.ragged_dot and XLA's gradient of it (fp32): the value,
+    and the gradients of lhs and rhs; rows past the last group get zero output and zero gradient."""
     jax = pytest.importorskip("jax")
     import jax.numpy as jnp
 
     import bench_layer
 
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     G, H, F = len(sizes), 6, 5
     N = sum(sizes) + extra_rows
     lhs = jnp.asarray(rng.standard_normal((N, H)).astype(np.float32))
     rhs = jnp.asarray(rng.standard_normal((G, H, F)).astype(np.float32))
     gs = jnp.asarray(np.array(sizes, np.int32))
     cot = jnp.asarray(rng.standard_normal((N, F)).astype(np.float32))
-    gmm = bench_layer.jax_grouped_matmul(block=8)
+    gmm = make_gmm(bench_layer)
 
     def loss(f):
         return lambda a, b: (f(a, b, gs) * cot).sum()
 
     want = jax.grad(loss(jax.lax.ragged_dot), argnums=(0, 1))(lhs, rhs)
     got = jax.jit(jax.grad(loss(gmm), argnums=(0, 1)))(lhs, rhs)
-    np.testing.assert_allclose(np.asarray(gmm(lhs, rhs, gs)), np.asarray(jax.lax.ragged_dot(lhs, rhs, gs)),
-                               rtol=1e-6, atol=1e-6)
+    out = np.asarray(jax.jit(gmm)(lhs, rhs, gs))
+    np.testing.assert_allclose(out, np.asarray(jax.lax.ragged_dot(lhs, rhs, gs)), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(out[sum(sizes):], 0)
+    np.testing.assert_array_equal(np.asarray(got[0])[sum(sizes):], 0)
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("sizes", [[5, 0, 17, 3], [0, 0, 0, 9], [16, 16, 16, 16], [1, 40, 0, 2]])
+@pytest.mark.parametrize("extra_rows", [0, 7])
+def test_jax_grouped_matmul_matches_ragged_dot_gradient(sizes, extra_rows):
+    """The blocked weight gradient (jax_grouped_matmul, blocks of 8 rows): groups that are empty, shorter
+    than a block, exactly a block and several blocks, and rows past the last group."""
+    _against_ragged_dot(lambda bl: bl.jax_grouped_matmul(block=8), sizes, extra_rows, 0)
+
+
+@pytest.mark.parametrize("sizes,capacity", [([5, 0, 17, 3], 17), ([0, 0, 0, 9], 16), ([16, 16, 16, 16], 16),
+                                            ([1, 40, 0, 2], 48)])
+@pytest.mark.parametrize("extra_rows", [0, 7])
+def test_jax_capacity_matmul_matches_ragged_dot(sizes, capacity, extra_rows):
+    """The capacity grouped matmul (dense einsums over [G, C, *]): empty groups, groups equal to the
+    capacity and shorter, and rows past the last group."""
+    _against_ragged_dot(lambda bl: bl.jax_capacity_matmul(capacity), sizes, extra_rows, 1)
+
+
+def test_profile_router_cases():
+    """tools/profile_router.py names one case per (op, score function, dtype, E) and refuses others."""
+    import profile_router
+
+    assert len(profile_router.CASES) == 16 and "bwd-softmax-f32-E2304" in profile_router.CASES
+    sys_argv = sys.argv
+    sys.argv = ["profile_router.py", "fwd-softmax-f64-E2304"]
+    try:
+        with pytest.raises(SystemExit, match="unknown case"):
+            profile_router.main()
+    finally:
+        sys.argv = sys_argv
