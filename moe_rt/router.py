@@ -223,7 +223,7 @@ def _launch_bwd(call, grad, rmap, inter, out, T, E, K, score_fn, pre, aux, scale
     if vec and not pre and not aux and _BWD_VARIANT != "dense":
         # zero gradient off the map: only the K selected entries of grad and intermediate are read; with
         # _SEL_REG_CHUNKS or more 16-byte chunks per thread, in one pass with the entries in registers
-        # (on H100: 17% faster for fp32 E=2304, 5-20% slower with 1-2 chunks per thread)
+        # (on H100: 17% faster for fp32 E=2304, 4-20% slower with 1-2 chunks per thread)
         reg = -(-(E // ch) // team) >= _SEL_REG_CHUNKS
         fn = _jit.function(_FILE, f"router_bwd_sel{'_reg' if reg else ''}<{tg}, {team}>")
         grid = _grid(-(-T // spb), threads, 0, call.device_id, getattr(fn, "num_regs", 0))
