@@ -51,6 +51,12 @@ constexpr int kList = 64;  // radix select: keys still in play are compacted onc
 #endif
 #define MOE_RT_BWD_U(TEAM, CH) ((TEAM) == 512 && MOE_RT_BWD_ELEMS_512 > (CH) ? MOE_RT_BWD_ELEMS_512 / (CH) : 1)
 #define MOE_RT_FWD_MINB(TEAM) ((TEAM) == 128 ? 6 : ((TEAM) == 32 ? 4 : MOE_RT_FWD_MINB_512))
+#ifndef MOE_RT_FWD_P1_SPLIT
+#define MOE_RT_FWD_P1_SPLIT 1
+#endif
+#ifndef MOE_RT_FWD_P1_SPLIT_REG
+#define MOE_RT_FWD_P1_SPLIT_REG MOE_RT_FWD_P1_SPLIT
+#endif
 #define MOE_RT_FWD_REG_MINB(V) ((V) <= 8 ? MOE_RT_FWD_REG_MINB_8 : ((V) <= 16 ? 4 : 3))
 template <int N> struct IC { static constexpr int value = N; };
 
@@ -1122,6 +1128,112 @@ __device__ __forceinline__ SlotPtrs slot_ptrs(unsigned* base, const LT& L) {
   return P;
 }
 
+// ---- phase 1, compiled per score function -------------------------------------------------------------
+// One element: the selection key of logit x (b: its bias); iv: the intermediate (the logit for softmax and
+// sqrtsoftplus, sigmoid(x) for sigmoid); pmax (softmax) and psum (aux, sigmoid-like) accumulate.
+template <int SF, bool AUX, bool BIAS>
+__device__ __forceinline__ unsigned p1_elem(float x, float b, float& iv, float& pmax, float& psum) {
+  if constexpr (SF == SOFTMAX) {
+    pmax = fmaxf(pmax, x);
+    iv = x;
+    return fkey(x);
+  } else {
+    const float a = SF == SIGMOID ? sigmoidf(x) : sqrtsoftplusf(x);
+    iv = SF == SIGMOID ? a : x;
+    if constexpr (AUX) {
+      psum += a;
+      return fkey(a);
+    } else {
+      return fkey(BIAS ? a + b : a);
+    }
+  }
+}
+
+// Calls f.template run<SF, AUX, BIAS>() for the runtime score function, aux mode and bias flag, so that each
+// phase-1 loop is compiled for one case. With the score function switched per element the unrolled bf16
+// loop carried every function's code, and its fetches missed the instruction cache (ncu, router_fwd<bf16>
+// at E=2304: 40% of the stall samples waiting for instructions).
+template <typename F>
+__device__ __forceinline__ void with_score_fn(int score_fn, bool aux, bool use_bias, F& f) {
+  if (score_fn == SOFTMAX) {
+    f.template run<SOFTMAX, false, false>();
+  } else if (score_fn == SIGMOID) {
+    if (aux) f.template run<SIGMOID, true, false>();
+    else if (use_bias) f.template run<SIGMOID, false, true>();
+    else f.template run<SIGMOID, false, false>();
+  } else {
+    if (aux) f.template run<SQRTSOFTPLUS, true, false>();
+    else if (use_bias) f.template run<SQRTSOFTPLUS, false, true>();
+    else f.template run<SQRTSOFTPLUS, false, false>();
+  }
+}
+
+// Phase 1 of router_fwd on 16-byte rows: TEAM threads, U chunks loaded before the first is used.
+template <typename T, int TEAM, int U>
+struct Phase1Vec {
+  static constexpr int CH = 16 / (int)sizeof(T);
+  const T* __restrict__ lrow;
+  const float* __restrict__ bias;
+  unsigned* keys;
+  float* __restrict__ irow;  // intermediate row, written for sigmoid-like functions (may be null)
+  int nch, r;
+  float &pmax, &psum;
+  template <int SF, bool AUX, bool BIAS>
+  __device__ __forceinline__ void run() {
+    for (int c0 = r; c0 < nch; c0 += U * TEAM) {
+      alignas(16) T xv[U][CH];
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (c0 + u * TEAM < nch) ldn<CH>(lrow + (i64)(c0 + u * TEAM) * CH, xv[u]);
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int c = c0 + u * TEAM;
+        if (c < nch) {
+          alignas(16) unsigned kv[CH];
+          alignas(16) float iv[CH], bv[CH];
+          if constexpr (BIAS) ldn<CH>(bias + c * CH, bv);
+#pragma unroll
+          for (int v = 0; v < CH; ++v)
+            kv[v] = p1_elem<SF, AUX, BIAS>(to_float(xv[u][v]), BIAS ? bv[v] : 0.0f, iv[v], pmax, psum);
+          stn<CH>(keys + c * CH, kv);
+          if (SF != SOFTMAX && irow != nullptr) stn<CH>(irow + (i64)c * CH, iv);
+        }
+      }
+    }
+  }
+};
+
+// Phase 1 of router_fwd_reg: the row's NJ chunks in registers (xv) -> keys in registers (key).
+template <typename T, int NJ>
+struct Phase1Reg {
+  static constexpr int CH = 16 / (int)sizeof(T);
+  const T (&xv)[NJ][CH];
+  unsigned (&key)[NJ * CH];
+  const float* __restrict__ bias;
+  float* __restrict__ irow;  // as in Phase1Vec
+  int nch, lane;
+  float &pmax, &psum;
+  template <int SF, bool AUX, bool BIAS>
+  __device__ __forceinline__ void run() {
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+      const int c = lane + 32 * j;
+      if (c < nch) {
+        alignas(16) float bv[CH];
+        if constexpr (BIAS) ldn<CH>(bias + c * CH, bv);
+        alignas(16) float iv[CH];
+#pragma unroll
+        for (int v = 0; v < CH; ++v)
+          key[j * CH + v] = p1_elem<SF, AUX, BIAS>(to_float(xv[j][v]), BIAS ? bv[v] : 0.0f, iv[v], pmax, psum);
+        if (SF != SOFTMAX && irow != nullptr) stn<CH>(irow + (i64)c * CH, iv);
+      } else {
+#pragma unroll
+        for (int v = 0; v < CH; ++v) key[j * CH + v] = 0u;
+      }
+    }
+  }
+};
+
 }  // namespace
 
 // ---- forward: top-k with score function, or (aux_mode) the dense scores for the aux loss --------------
@@ -1178,6 +1290,11 @@ router_fwd(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score
     const bool use_bias = bias != nullptr && sig_like && !aux_mode;
     const bool write_inter1 = inter != nullptr && sig_like;
     if (vec) {
+#if MOE_RT_FWD_P1_SPLIT
+      Phase1Vec<T, TEAM, MOE_RT_FWD_U> ph{logits + row, bias, keys, write_inter1 ? inter + row : nullptr,
+                                          nch, r, pmax, psum};
+      with_score_fn(score_fn, aux_mode, use_bias, ph);
+#else
       constexpr int U = MOE_RT_FWD_U;  // chunks loaded before the first is used
       for (int c0 = r; c0 < nch; c0 += U * TEAM) {
         alignas(16) T xv[U][CH];
@@ -1198,6 +1315,7 @@ router_fwd(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score
           }
         }
       }
+#endif
     } else {
       for (int e = r; e < E; e += TEAM) {
         float iv;
@@ -1445,6 +1563,10 @@ router_fwd_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, int s
         load_row(t, xv);
       }
       // Phase 1: activations, intermediate (sigmoid-like), selection keys.
+#if MOE_RT_FWD_P1_SPLIT_REG
+      Phase1Reg<T, NJ> ph{xv, key, bias, inter != nullptr ? inter + row : nullptr, nch, lane, pmax, psum};
+      with_score_fn(score_fn, aux_mode, use_bias, ph);
+#else
 #pragma unroll
       for (int j = 0; j < NJ; ++j) {
         const int c = lane + 32 * j;
@@ -1474,6 +1596,7 @@ router_fwd_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, int s
           for (int v = 0; v < CH; ++v) key[j * CH + v] = 0u;
         }
       }
+#endif
     }
     // Dense normalization: softmax over all E (pre-softmax, aux) or v / (sum v + eps) (aux sigmoid-like).
     if (dense_norm) {
