@@ -9,8 +9,9 @@
 // Selection: iterative warp argmax for k <= 8 (TEAM = 32), else a 4-bit radix select whose digit counts
 // live in registers (8-bit packed counters, reduced with shuffles; no shared-memory atomics) and that
 // stops as soon as the threshold bin is taken whole. On long rows a prefilter runs first: a threshold
-// taken from each lane's two largest keys leaves a short list that holds the top k, and the radix passes
-// read only that list. Grouped top-k with k/g > 8 works on every group at once, one lane segment per
+// taken from each lane's two largest keys leaves a short list that holds the top k; when it has at most 64
+// entries, each warp sorts them by (key, index) with a bitonic network and reads the k-th off (the radix
+// passes run only when the list overflows). Phase 1 is compiled per score function. Grouped top-k with k/g > 8 works on every group at once, one lane segment per
 // group: a threshold from each lane's four largest keys lists the group's candidates (radix select per
 // segment when the list would be too long). In router_fwd_reg with at most 32 groups whose chunks sit on
 // aligned lanes, the group keys, the choice of groups and the mask stay in registers (shuffles and one
@@ -41,8 +42,13 @@ constexpr int kList = 64;  // radix select: keys still in play are compacted onc
 #ifndef MOE_RT_FWD_REG_MINB_8
 #define MOE_RT_FWD_REG_MINB_8 6
 #endif
-// Chunks each thread loads before using the first: forward (generic kernel) and backward (512-thread team:
-// MOE_RT_BWD_ELEMS_512 elements per thread; on H100 loading more than one chunk slowed the smaller teams).
+// Chunks each thread loads before using the first: forward (generic kernel; on H100, 4 on one-warp teams:
+// fp32 E=2304 0.958 -> 0.872 ms, 2 on the larger teams: 4 was 4% slower for bf16 E=16384) and backward
+// (512-thread team: MOE_RT_BWD_ELEMS_512 elements per thread; on H100 loading more than one chunk slowed
+// the smaller teams).
+#ifndef MOE_RT_FWD_U_32
+#define MOE_RT_FWD_U_32 4
+#endif
 #ifndef MOE_RT_FWD_U
 #define MOE_RT_FWD_U 2
 #endif
@@ -51,12 +57,6 @@ constexpr int kList = 64;  // radix select: keys still in play are compacted onc
 #endif
 #define MOE_RT_BWD_U(TEAM, CH) ((TEAM) == 512 && MOE_RT_BWD_ELEMS_512 > (CH) ? MOE_RT_BWD_ELEMS_512 / (CH) : 1)
 #define MOE_RT_FWD_MINB(TEAM) ((TEAM) == 128 ? 6 : ((TEAM) == 32 ? 4 : MOE_RT_FWD_MINB_512))
-#ifndef MOE_RT_FWD_P1_SPLIT
-#define MOE_RT_FWD_P1_SPLIT 1
-#endif
-#ifndef MOE_RT_FWD_P1_SPLIT_REG
-#define MOE_RT_FWD_P1_SPLIT_REG MOE_RT_FWD_P1_SPLIT
-#endif
 #define MOE_RT_FWD_REG_MINB(V) ((V) <= 8 ? MOE_RT_FWD_REG_MINB_8 : ((V) <= 16 ? 4 : 3))
 template <int N> struct IC { static constexpr int value = N; };
 
@@ -324,6 +324,31 @@ __device__ __forceinline__ bool radix_pick(unsigned (&v)[16], unsigned* wcnt, in
   return cb == (unsigned)need;
 }
 
+// Bitonic sort of a warp's 64 values, element 2 * lane + s in v[s]: afterwards in descending order.
+template <typename V>
+__device__ __forceinline__ void sort64_desc(V (&v)[2], int lane) {
+#pragma unroll
+  for (int kk = 2; kk <= 64; kk <<= 1) {
+#pragma unroll
+    for (int j = kk >> 1; j > 0; j >>= 1) {
+      if (j == 1) {
+        const bool desc = ((lane * 2) & kk) == 0;
+        const V hi = max(v[0], v[1]), lo = min(v[0], v[1]);
+        v[0] = desc ? hi : lo;
+        v[1] = desc ? lo : hi;
+      } else {
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {
+          const V p = __shfl_xor_sync(FULL_MASK, v[s], j >> 1);
+          const int i = lane * 2 + s;
+          const bool keep_max = ((i & j) == 0) == ((i & kk) == 0);
+          v[s] = keep_max ? max(v[s], p) : min(v[s], p);
+        }
+      }
+    }
+  }
+}
+
 // Prefilter of the radix select for long rows (at least 8 keys per thread, k <= 64): each lane takes its
 // two largest keys and every warp sorts its 64 candidates (bitonic network, descending); the warp's k-th
 // candidate tau_w has at least k keys at or above it, so tau = max over the warps of tau_w does too, and
@@ -349,27 +374,7 @@ __device__ int prefilter_list(const unsigned* keys, int n, int k, unsigned* list
   } else {
     for (int i = r; i < n; i += TEAM) top2(keys[i]);
   }
-  // Element 2 * lane + s of the warp's 64; after the network they are in descending order.
-#pragma unroll
-  for (int kk = 2; kk <= 64; kk <<= 1) {
-#pragma unroll
-    for (int j = kk >> 1; j > 0; j >>= 1) {
-      if (j == 1) {
-        const bool desc = ((lane * 2) & kk) == 0;
-        const unsigned hi = max(v[0], v[1]), lo = min(v[0], v[1]);
-        v[0] = desc ? hi : lo;
-        v[1] = desc ? lo : hi;
-      } else {
-#pragma unroll
-        for (int s = 0; s < 2; ++s) {
-          const unsigned p = __shfl_xor_sync(FULL_MASK, v[s], j >> 1);
-          const int i = lane * 2 + s;
-          const bool keep_max = ((i & j) == 0) == ((i & kk) == 0);
-          v[s] = keep_max ? max(v[s], p) : min(v[s], p);
-        }
-      }
-    }
-  }
+  sort64_desc(v, lane);
   unsigned tau = __shfl_sync(FULL_MASK, ((k - 1) & 1) ? v[1] : v[0], (k - 1) >> 1);
   tau = TM::vmax(tau, redi);
   unsigned* lcount = list + 2 * kList;
@@ -404,7 +409,7 @@ __device__ int prefilter_list(const unsigned* keys, int n, int k, unsigned* list
 // Radix select, 4-bit digits from the top (wcnt: 2 * 16 * TEAM/32 words for TEAM > 32). list: 2 * kList + 4
 // words, list[2 * kList] zero on entry and exit: once the keys still in play are at most kList, they are
 // appended (key, index) to the list in any order and the remaining passes read only the list.
-template <int TEAM>
+template <int TEAM, bool PREFILTER = true>
 __device__ void radix_select(const unsigned* keys, int n, int k, unsigned* wcnt, int* redi, unsigned* list,
                              unsigned& thr, int& ilast) {
   using TM = Team<TEAM>;
@@ -415,13 +420,28 @@ __device__ void radix_select(const unsigned* keys, int n, int k, unsigned* wcnt,
   unsigned prefix = 0, mask = 0;
   int need = k, nlist = -1;  // -1: not compacted
   bool done = false;
-  // Prefiltered: the list holds every key >= tau (not only those matching the prefix), so a bin taken
-  // whole ends with the exact k-th key as the threshold (keys off the list may share its prefix).
-  bool pre = false;
 #ifndef MOE_RT_ROUTER_NO_PREFILTER
-  if (n >= 8 * TEAM && k <= 64) {
+  if (PREFILTER && n >= 8 * TEAM && k <= 64) {
     nlist = prefilter_list<TEAM>(keys, n, k, list, redi);
-    pre = nlist >= 0;
+    if (nlist >= 0) {
+      // At most 64 candidates: every warp sorts them by (key desc, index asc), packed as key << 32 | ~index,
+      // and reads the k-th (no radix passes, no tie scan).
+      const int lane = threadIdx.x & 31;
+      unsigned long long c[2];
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {
+        const int i = 2 * lane + s;
+        c[s] = i < nlist ? ((unsigned long long)lkeys[i] << 32) | (unsigned)~lexp[i] : 0ull;
+      }
+      sort64_desc(c, lane);
+      const unsigned long long ck = __shfl_sync(FULL_MASK, ((k - 1) & 1) ? c[1] : c[0], (k - 1) >> 1);
+      thr = (unsigned)(ck >> 32);
+      ilast = (int)~(unsigned)ck;
+      TM::sync();  // every list read is done
+      if (r == 0) *lcount = 0u;
+      TM::sync();
+      return;
+    }
   }
 #endif
   for (int shift = 28, pass = 0; shift >= 0; shift -= 4, ++pass) {
@@ -445,12 +465,6 @@ __device__ void radix_select(const unsigned* keys, int n, int k, unsigned* wcnt,
   }
   thr = prefix;
   if (done) {
-    if (pre) {
-      unsigned lo = 0xffffffffu;
-      for (int i = r; i < nlist; i += TEAM)
-        if (lkeys[i] >= prefix) lo = min(lo, lkeys[i]);
-      thr = ~TM::vmax(~lo, redi + 16);
-    }
     ilast = kIntMax;
   } else if (nlist >= 0) {
     // Ties at the exact k-th key: the need-th lowest index among the listed ties.
@@ -484,13 +498,14 @@ __device__ void radix_select(const unsigned* keys, int n, int k, unsigned* wcnt,
   }
 }
 
-template <int TEAM>
+// PREFILTER = false leaves out the long-row prefilter (short key sets, e.g. group scores: less code).
+template <int TEAM, bool PREFILTER = true>
 __device__ __forceinline__ void select_topk(const unsigned* keys, int n, int k, unsigned* wcnt, int* redi,
                                             unsigned* list, unsigned& thr, int& ilast) {
   if constexpr (TEAM == 32) {
     if (k <= 8) { argmax_select(keys, n, k, thr, ilast); return; }
   }
-  radix_select<TEAM>(keys, n, k, wcnt, redi, list, thr, ilast);
+  radix_select<TEAM, PREFILTER>(keys, n, k, wcnt, redi, list, thr, ilast);
 }
 
 // ---- grouped top-k: group score = sum of the top-m selection scores of the group -----------------------
@@ -1290,32 +1305,9 @@ router_fwd(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score
     const bool use_bias = bias != nullptr && sig_like && !aux_mode;
     const bool write_inter1 = inter != nullptr && sig_like;
     if (vec) {
-#if MOE_RT_FWD_P1_SPLIT
-      Phase1Vec<T, TEAM, MOE_RT_FWD_U> ph{logits + row, bias, keys, write_inter1 ? inter + row : nullptr,
-                                          nch, r, pmax, psum};
+      Phase1Vec<T, TEAM, TEAM == 32 ? MOE_RT_FWD_U_32 : MOE_RT_FWD_U> ph{
+          logits + row, bias, keys, write_inter1 ? inter + row : nullptr, nch, r, pmax, psum};
       with_score_fn(score_fn, aux_mode, use_bias, ph);
-#else
-      constexpr int U = MOE_RT_FWD_U;  // chunks loaded before the first is used
-      for (int c0 = r; c0 < nch; c0 += U * TEAM) {
-        alignas(16) T xv[U][CH];
-#pragma unroll
-        for (int u = 0; u < U; ++u)
-          if (c0 + u * TEAM < nch) ldn<CH>(logits + row + (i64)(c0 + u * TEAM) * CH, xv[u]);
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-          const int c = c0 + u * TEAM;
-          if (c < nch) {
-            alignas(16) unsigned kv[CH];
-            alignas(16) float iv[CH], bv[CH];
-            if (use_bias) ldn<CH>(bias + c * CH, bv);
-#pragma unroll
-            for (int v = 0; v < CH; ++v) kv[v] = p1(to_float(xv[u][v]), use_bias ? bv[v] : 0.0f, iv[v]);
-            stn<CH>(keys + c * CH, kv);
-            if (write_inter1) stn<CH>(inter + row + (i64)c * CH, iv);
-          }
-        }
-      }
-#endif
     } else {
       for (int e = r; e < E; e += TEAM) {
         float iv;
@@ -1386,10 +1378,18 @@ router_fwd(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score
       TM::sync();
       unsigned gthr;
       int gil;
-      select_topk<TEAM>(gkey, G, g, wcnt, redi, list, gthr, gil);
-      for (int e = r; e < E; e += TEAM) {
-        const int j = n == 1 ? e : (int)__umulhi((unsigned)e, gmagic);
-        if (!selected(gkey[j], j, gthr, gil)) keys[e] = 0u;
+      select_topk<TEAM, false>(gkey, G, g, wcnt, redi, list, gthr, gil);
+      if ((n & 3) == 0) {  // 4 keys at a time, all of one group
+        uint4* keys4 = reinterpret_cast<uint4*>(keys);
+        for (int c = r; c < (E >> 2); c += TEAM) {
+          const int j = (int)__umulhi((unsigned)(4 * c), gmagic);
+          if (!selected(gkey[j], j, gthr, gil)) keys4[c] = make_uint4(0u, 0u, 0u, 0u);
+        }
+      } else {
+        for (int e = r; e < E; e += TEAM) {
+          const int j = n == 1 ? e : (int)__umulhi((unsigned)e, gmagic);
+          if (!selected(gkey[j], j, gthr, gil)) keys[e] = 0u;
+        }
       }
       TM::sync();
     }
@@ -1423,13 +1423,13 @@ router_fwd(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score
           if (lane >= d) incl += o;
         }
         if (!aux_mode && sel) {
+          // only the set bits (a lane rarely has more than one; a loop over all CH bits cost ~600
+          // instructions per token at E=2304)
           int pos = cnt + incl - n;
-#pragma unroll
-          for (int v = 0; v < CH; ++v)
-            if ((sel >> v) & 1u) {
-              if (pos < K) { lidx[pos] = c * CH + v; lkey[pos] = kv[v]; }
-              ++pos;
-            }
+          for (unsigned b = sel; b != 0u; b &= b - 1u, ++pos) {
+            const int e = c * CH + __ffs(b) - 1;
+            if (pos < K) { lidx[pos] = e; lkey[pos] = keys[e]; }
+          }
         }
         cnt += __shfl_sync(FULL_MASK, incl, 31);
       }
@@ -1563,40 +1563,8 @@ router_fwd_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, int s
         load_row(t, xv);
       }
       // Phase 1: activations, intermediate (sigmoid-like), selection keys.
-#if MOE_RT_FWD_P1_SPLIT_REG
       Phase1Reg<T, NJ> ph{xv, key, bias, inter != nullptr ? inter + row : nullptr, nch, lane, pmax, psum};
       with_score_fn(score_fn, aux_mode, use_bias, ph);
-#else
-#pragma unroll
-      for (int j = 0; j < NJ; ++j) {
-        const int c = lane + 32 * j;
-        if (c < nch) {
-          alignas(16) float bv[CH];
-          if (use_bias) ldn<CH>(bias + c * CH, bv);
-          alignas(16) float iv[CH];
-#pragma unroll
-          for (int v = 0; v < CH; ++v) {
-            const float x = to_float(xv[j][v]);
-            unsigned kk;
-            if (score_fn == SOFTMAX) {
-              pmax = fmaxf(pmax, x);
-              kk = fkey(x);
-              iv[v] = x;
-            } else {
-              const float a = score_fn == SIGMOID ? sigmoidf(x) : sqrtsoftplusf(x);
-              iv[v] = score_fn == SIGMOID ? a : x;
-              if (aux_mode) { psum += a; kk = fkey(a); }
-              else kk = fkey(use_bias ? a + bv[v] : a);
-            }
-            key[j * CH + v] = kk;
-          }
-          if (inter != nullptr && sig_like) stn<CH>(inter + row + (i64)c * CH, iv);
-        } else {
-#pragma unroll
-          for (int v = 0; v < CH; ++v) key[j * CH + v] = 0u;
-        }
-      }
-#endif
     }
     // Dense normalization: softmax over all E (pre-softmax, aux) or v / (sum v + eps) (aux sigmoid-like).
     if (dense_norm) {
@@ -1671,7 +1639,7 @@ router_fwd_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, int s
         __syncwarp();
         unsigned gthr;
         int gil;
-        select_topk<32>(gkey, G, g, nullptr, nullptr, list, gthr, gil);
+        select_topk<32, false>(gkey, G, g, nullptr, nullptr, list, gthr, gil);
 #pragma unroll
         for (int q = 0; q < V; ++q) {
           const int e = reg_expert<CH>(lane, q);
