@@ -42,12 +42,13 @@ constexpr int kList = 64;  // radix select: keys still in play are compacted onc
 #ifndef MOE_RT_FWD_REG_MINB_8
 #define MOE_RT_FWD_REG_MINB_8 6
 #endif
-// Chunks each thread loads before using the first: forward (generic kernel; on H100, 4 on one-warp teams:
-// fp32 E=2304 0.958 -> 0.872 ms, 2 on the larger teams: 4 was 4% slower for bf16 E=16384) and backward
+// Chunks each thread loads before using the first: forward (generic kernel; on H100, 6 on one-warp teams:
+// fp32 E=2304 0.958 (2) -> 0.872 (4) -> 0.820 ms (6; 8: 0.830), 2 on the larger teams: 4 was 4% slower for
+// bf16 E=16384) and backward
 // (512-thread team: MOE_RT_BWD_ELEMS_512 elements per thread; on H100 loading more than one chunk slowed
 // the smaller teams).
 #ifndef MOE_RT_FWD_U_32
-#define MOE_RT_FWD_U_32 4
+#define MOE_RT_FWD_U_32 6
 #endif
 #ifndef MOE_RT_FWD_U
 #define MOE_RT_FWD_U 2
