@@ -11,16 +11,16 @@
 // stops as soon as the threshold bin is taken whole. On long rows a prefilter runs first: a threshold
 // taken from each lane's two largest keys leaves a short list that holds the top k; when it has at most 64
 // entries, each warp sorts them by (key, index) with a bitonic network and reads the k-th off (the radix
-// passes run only when the list overflows). Phase 1 is compiled per score function. Grouped top-k with k/g > 8 works on every group at once, one lane segment per
-// group: a threshold from each lane's four largest keys lists the group's candidates (radix select per
-// segment when the list would be too long). In router_fwd_reg with at most 32 groups whose chunks sit on
-// aligned lanes, the group keys, the choice of groups and the mask stay in registers (shuffles and one
-// ballot), and for k <= 8 the argmax rounds hand each winner to a lane, which places it in index order
-// by ranking the winners' indices (no pass over the row). Every sum is done in a fixed order, so outputs
-// are bitwise reproducible. Global traffic: logits read once, each output written once with 16-byte vectors (the K
-// nonzero probs are patched in after the zero fill, while the lines are still in L2). The top-k backward
-// reads, where its gradient is zero off the map, only the map and the selected entries (router_bwd_sel,
-// router_bwd_sel_reg).
+// passes run only when the list overflows). Phase 1 is compiled per score function. Grouped top-k with
+// k/g > 8 works on every group at once, one lane segment per group: a threshold from each lane's four
+// largest keys lists the group's candidates (radix select per segment when the list would be too long).
+// In router_fwd_reg with at most 32 groups whose chunks sit on aligned lanes, the group keys, the choice of
+// groups and the mask stay in registers (shuffles and one ballot), and for k <= 8 the argmax rounds hand
+// each winner to a lane, which places it in index order by ranking the winners' indices (no pass over the
+// row). Every sum is done in a fixed order, so outputs are bitwise reproducible. Global traffic: logits read
+// once, each output written once with 16-byte vectors (the K nonzero probs are patched in after the zero
+// fill, while the lines are still in L2). The top-k backward reads, where its gradient is zero off the map,
+// only the map and the selected entries (router_bwd_sel, router_bwd_sel_reg).
 #include "moe_rt/common.cuh"
 
 using namespace moe_rt;
@@ -42,11 +42,10 @@ constexpr int kList = 64;  // radix select: keys still in play are compacted onc
 #ifndef MOE_RT_FWD_REG_MINB_8
 #define MOE_RT_FWD_REG_MINB_8 6
 #endif
-// Chunks each thread loads before using the first: forward (generic kernel; on H100, 6 on one-warp teams:
-// fp32 E=2304 0.958 (2) -> 0.872 (4) -> 0.820 ms (6; 8: 0.830), 2 on the larger teams: 4 was 4% slower for
-// bf16 E=16384) and backward
-// (512-thread team: MOE_RT_BWD_ELEMS_512 elements per thread; on H100 loading more than one chunk slowed
-// the smaller teams).
+// Chunks each thread loads before using the first. Forward (generic kernel), on H100: 6 on one-warp teams
+// (fp32 E=2304 0.958 ms with 2, 0.872 with 4, 0.820 with 6, 0.830 with 8), 2 on the larger teams (4 was 4%
+// slower for bf16 E=16384). Backward: on the 512-thread team MOE_RT_BWD_ELEMS_512 elements per thread; on
+// H100 loading more than one chunk slowed the smaller teams.
 #ifndef MOE_RT_FWD_U_32
 #define MOE_RT_FWD_U_32 6
 #endif
