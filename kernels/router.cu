@@ -74,6 +74,11 @@ __device__ __forceinline__ float fdecode(unsigned k) {
 
 // __frcp_rn is the correctly rounded reciprocal: the same bits as 1.0f / y, without the general division.
 __device__ __forceinline__ float sigmoidf(float x) { return __frcp_rn(1.0f + expf(-x)); }
+// The forward's sigma: the hardware exp2 and reciprocal (ex2.approx.ftz, rcp.approx.ftz), 4 instructions
+// against about 20 for sigmoidf (ncu, grouped router_fwd<float, 32> at E = 2304: 15% of its instructions).
+// Relative error about 1e-6 where sigma > 1e-30, inside the spec's fp32 tolerance (max(1e-5, 4e-7 E));
+// values below about 1e-38 flush to zero. The backward reads the saved values, not this function.
+__device__ __forceinline__ float sigmoid_fwd(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
 __device__ __forceinline__ float sqrtsoftplusf(float x) { return x > 20.0f ? sqrtf(x) : sqrtf(log1pf(expf(x))); }
 
 __device__ __forceinline__ bool selected(unsigned key, int i, unsigned thr, int ilast) {
@@ -508,6 +513,8 @@ __device__ __forceinline__ void select_topk(const unsigned* keys, int n, int k, 
   radix_select<TEAM, PREFILTER>(keys, n, k, wcnt, redi, list, thr, ilast);
 }
 
+__device__ __forceinline__ int al4(int x) { return (x + 3) & ~3; }
+
 // ---- grouped top-k: group score = sum of the top-m selection scores of the group -----------------------
 template <int MM>
 __device__ __forceinline__ void insert_top(unsigned (&top)[MM], unsigned key) {
@@ -691,74 +698,103 @@ __device__ void group_scores_seg(const unsigned* keys, int G, int n, int m, int 
   Team<TEAM>::sync();
 }
 
-// m > 8, one warp (TEAM = 32), same segments as group_scores_seg: each lane keeps its 4 largest keys, and
-// tau, the m-th largest of the segment's 4L candidates, has at least m keys of the group at or above it.
-// Those keys are listed in scratch, ranked, and the m largest summed in descending order (the same sum as
-// group_scores_seg). False when some segment lists more than 16L - m keys (scratch left zero; the caller
-// then runs group_scores_seg). Requires m <= 4L.
-__device__ bool group_scores_pre(const unsigned* keys, int G, int n, int m, int L, unsigned* gkey,
-                                 unsigned* scratch_all) {
+// m > 8, one warp (TEAM = 32), same segments as group_scores_seg (L lanes per group), groups of n keys with
+// n % 4 == 0 and n >= 16 L (16-byte aligned groups, at least 4 chunks of 4 keys per lane). Each lane takes
+// the largest key of each of 4 blocks of its chunks; tau, the m-th largest of the segment's 4L block maxima
+// (distinct keys of the group), has at least m keys of the group at or above it. Those keys are appended to
+// the segment's list in any order (a shared-memory counter in the segment's last scratch word), placed by
+// rank and the m largest summed in descending order: the same sum as group_scores_seg.
+// False when some segment lists more than 16L - 4 - m keys (scratch left zero; the caller then runs
+// group_scores_seg). Requires m <= 4L. The per-lane top-4 lists and per-key ballots it replaces took about
+// 3600 of the 10600 instructions per token of router_fwd<float, 32> at E = 2304 (n = 288, L = 4, m = 9;
+// ncu). Kept out of line: inlined, it made the softmax forward of the same kernel slower (bf16 E = 2304:
+// 0.662 -> 0.673 ms on the H100).
+__device__ __noinline__ bool group_scores_pre(const unsigned* keys, int G, int n, int m, int L, unsigned* gkey,
+                                              unsigned* scratch_all) {
   const int lane = threadIdx.x & 31;
-  const int j = lane / L, sub = lane % L;
+  const int j = lane / L, sub = lane % L, n4 = n >> 2;
   const bool act = j < G;
-  const unsigned* gk = keys + (act ? j * n : 0);
-  const unsigned segmask = L == 32 ? FULL_MASK : (((1u << L) - 1u) << (lane & ~(L - 1)));
+  const uint4* g4 = reinterpret_cast<const uint4*>(keys + (act ? j * n : 0));
   unsigned* scratch = scratch_all + 16 * j * L;
-  const int cap = 16 * L - m;
-  unsigned top[4] = {0u, 0u, 0u, 0u};
+  uint4* s4 = reinterpret_cast<uint4*>(scratch);
+  unsigned* ctr = scratch + 16 * L - 1;
+  const int cap = 16 * L - 4 - m;  // list [0, cnt), ranks [al4(cnt), al4(cnt) + m), counter: the last word
+  auto max4 = [](const uint4& v) { return max(max(v.x, v.y), max(v.z, v.w)); };
+  unsigned c[4] = {0u, 0u, 0u, 0u};
   if (act) {
-    for (int e = sub; e < n; e += L) insert_top<4>(top, gk[e]);
+    for (int q0 = sub; q0 < n4; q0 += 4 * L) {
 #pragma unroll
-    for (int u = 0; u < 4; ++u) scratch[4 * sub + u] = top[u];
+      for (int u = 0; u < 4; ++u) {
+        const int q = q0 + u * L;
+        if (q < n4) c[u] = max(c[u], max4(g4[q]));
+      }
+    }
+    s4[sub] = make_uint4(c[0], c[1], c[2], c[3]);
   }
   __syncwarp();
+  // tau: the largest block maximum with at least m maxima of the segment at or above it
   unsigned tau = 0u;
   if (act) {
+    int ge[4] = {0, 0, 0, 0};
+    for (int l = 0; l < L; ++l) {
+      const uint4 w = s4[l];
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const int pu = 4 * sub + u;
-      int rk = 0;
-      for (int q = 0; q < 4 * L; ++q) {
-        const unsigned kq = scratch[q];
-        rk += (kq > top[u] || (kq == top[u] && q < pu)) ? 1 : 0;
-      }
-      if (rk == m - 1) tau = top[u];
+      for (int u = 0; u < 4; ++u)
+        ge[u] += (w.x >= c[u] ? 1 : 0) + (w.y >= c[u] ? 1 : 0) + (w.z >= c[u] ? 1 : 0) + (w.w >= c[u] ? 1 : 0);
     }
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+      if (ge[u] >= m) tau = max(tau, c[u]);
   }
   for (int off = 1; off < L; off <<= 1) tau = max(tau, __shfl_xor_sync(FULL_MASK, tau, off));
-  __syncwarp();  // every candidate is read before the list overwrites them
-  int cnt = 0;
-  for (int base = 0; base < n; base += L) {
-    const int e = base + sub;
-    const bool pred = act && e < n && gk[e] >= tau;
-    const unsigned bal = __ballot_sync(FULL_MASK, pred) & segmask;
-    const int pos = cnt + __popc(bal & ((1u << lane) - 1u));
-    if (pred && pos < cap) scratch[pos] = gk[e];
-    cnt += __popc(bal);
-  }
-  const bool ok = __all_sync(FULL_MASK, !act || cnt <= cap);
+  __syncwarp();  // every block maximum is read before they are cleared
+  if (act) s4[sub] = make_uint4(0u, 0u, 0u, 0u);
   __syncwarp();
+  if (act) {
+    for (int q = sub; q < n4; q += L) {
+      const uint4 v = g4[q];
+      if (max4(v) >= tau) {  // one atomic per chunk with keys at or above tau
+        const bool h0 = v.x >= tau, h1 = v.y >= tau, h2 = v.z >= tau, h3 = v.w >= tau;
+        unsigned pos = atomicAdd(ctr, (h0 ? 1u : 0u) + (h1 ? 1u : 0u) + (h2 ? 1u : 0u) + (h3 ? 1u : 0u));
+        if (h0) { if (pos < (unsigned)cap) scratch[pos] = v.x; ++pos; }
+        if (h1) { if (pos < (unsigned)cap) scratch[pos] = v.y; ++pos; }
+        if (h2) { if (pos < (unsigned)cap) scratch[pos] = v.z; ++pos; }
+        if (h3 && pos < (unsigned)cap) scratch[pos] = v.w;
+      }
+    }
+  }
+  __syncwarp();
+  const int cnt = act ? (int)*ctr : 0, c4 = al4(cnt);
+  const bool ok = __all_sync(FULL_MASK, cnt <= cap);
+  // Slot r of [c4, c4 + m) gets the key with exactly r larger keys in the list; equal keys share a slot,
+  // so an empty slot (0, below every real key) inside the top m repeats the slot before it.
   if (ok && act) {
-    for (int i = sub; i < cnt; i += L) {  // reads [0, cnt), writes [cnt, cnt + m)
+    for (int i = sub; i < cnt; i += L) {  // reads [0, c4) (zero beyond cnt)
       const unsigned ki = scratch[i];
       int rk = 0;
-      for (int u = 0; u < cnt; ++u) {
-        const unsigned ku = scratch[u];
-        rk += (ku > ki || (ku == ki && u < i)) ? 1 : 0;
+      for (int u = 0; u < c4; u += 4) {
+        const uint4 w = s4[u >> 2];
+        rk += (w.x > ki ? 1 : 0) + (w.y > ki ? 1 : 0) + (w.z > ki ? 1 : 0) + (w.w > ki ? 1 : 0);
       }
-      if (rk < m) scratch[cnt + rk] = ki;
+      if (rk < m) scratch[c4 + rk] = ki;
     }
   }
   __syncwarp();
   if (ok && act && sub == 0) {
-    float s = fdecode(scratch[cnt]);
-    for (int u = 1; u < m; ++u) s += fdecode(scratch[cnt + u]);
+    unsigned kp = scratch[c4];
+    float s = fdecode(kp);
+    for (int u = 1; u < m; ++u) {
+      const unsigned ku = scratch[c4 + u];
+      kp = ku != 0u ? ku : kp;
+      s += fdecode(kp);
+    }
     gkey[j] = fkey(s);
   }
   __syncwarp();
   if (act) {
-    const int used = max(4 * L, min(cnt, cap) + (ok ? m : 0));
-    for (int i = sub; i < used; i += L) scratch[i] = 0u;
+    const int used = ok ? al4(c4 + m) : al4(min(cnt, cap));
+    for (int q = sub; q < (used >> 2); q += L) s4[q] = make_uint4(0u, 0u, 0u, 0u);
+    if (sub == 0) *ctr = 0u;
   }
   __syncwarp();
   return ok;
@@ -777,7 +813,7 @@ __device__ __forceinline__ void group_scores(const unsigned* keys, int G, int n,
     if (G <= TEAM && 2 * m <= 16 * L) {
 #ifndef MOE_RT_ROUTER_NO_PREFILTER
       if constexpr (TEAM == 32) {
-        if (m <= 4 * L && n >= 8 * L && group_scores_pre(keys, G, n, m, L, gkey, hist)) return;
+        if (m <= 4 * L && (n & 3) == 0 && n >= 16 * L && group_scores_pre(keys, G, n, m, L, gkey, hist)) return;
       }
 #endif
       group_scores_seg<TEAM>(keys, G, n, m, L, gkey, hist);
@@ -791,8 +827,6 @@ __device__ __forceinline__ void group_scores(const unsigned* keys, int G, int n,
 struct Layout {
   int keys, gkey, hist, wcnt, red, wcount, wlist, list, lidx, lkey, lw, lp, total;
 };
-
-__device__ __forceinline__ int al4(int x) { return (x + 3) & ~3; }
 
 // The layout's common tail from word `list` on: radix list, then the K selected experts, keys, weights.
 template <typename LT>
@@ -1153,7 +1187,7 @@ __device__ __forceinline__ unsigned p1_elem(float x, float b, float& iv, float& 
     iv = x;
     return fkey(x);
   } else {
-    const float a = SF == SIGMOID ? sigmoidf(x) : sqrtsoftplusf(x);
+    const float a = SF == SIGMOID ? sigmoid_fwd(x) : sqrtsoftplusf(x);
     iv = SF == SIGMOID ? a : x;
     if constexpr (AUX) {
       psum += a;
@@ -1290,14 +1324,16 @@ router_fwd(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score
     const i64 row = t * (i64)E;
     float pmax = -kInf, psum = 0.0f;
     // Phase 1: activations, intermediate (sigmoid-like), selection keys.
-    // b: the expert's bias (read only when there is one).
+    // b: the expert's bias (read only when there is one). Rows that are not 16-byte vectors keep this
+    // per-element switch: compiled per score function like Phase1Vec, router_fwd<T, 512> spilled more
+    // registers (bf16 aux scores at E = 16384: 4.8% slower on the H100).
     auto p1 = [&](float x, float b, float& iv) -> unsigned {
       if (score_fn == SOFTMAX) {
         pmax = fmaxf(pmax, x);
         iv = x;
         return fkey(x);
       }
-      const float a = score_fn == SIGMOID ? sigmoidf(x) : sqrtsoftplusf(x);
+      const float a = score_fn == SIGMOID ? sigmoid_fwd(x) : sqrtsoftplusf(x);
       iv = score_fn == SIGMOID ? a : x;
       if (aux_mode) { psum += a; return fkey(a); }
       return fkey(bias ? a + b : a);
