@@ -750,10 +750,14 @@ __device__ __noinline__ bool group_scores_pre(const unsigned* keys, int G, int n
   __syncwarp();  // every block maximum is read before they are cleared
   if (act) s4[sub] = make_uint4(0u, 0u, 0u, 0u);
   __syncwarp();
+  // Rounds of up to 32 of the lane's chunks: first a bit per chunk holding a key >= tau, then those chunks
+  // only, one atomic each (appending inside the scan cost the warp the append path on nearly every chunk).
   if (act) {
-    for (int q = sub; q < n4; q += L) {
-      const uint4 v = g4[q];
-      if (max4(v) >= tau) {  // one atomic per chunk with keys at or above tau
+    for (int q0 = sub; q0 < n4; q0 += 32 * L) {
+      unsigned hit = 0u;
+      for (int i = 0; i < 32 && q0 + i * L < n4; ++i) hit |= (max4(g4[q0 + i * L]) >= tau ? 1u : 0u) << i;
+      for (; hit != 0u; hit &= hit - 1u) {
+        const uint4 v = g4[q0 + (__ffs(hit) - 1) * L];
         const bool h0 = v.x >= tau, h1 = v.y >= tau, h2 = v.z >= tau, h3 = v.w >= tau;
         unsigned pos = atomicAdd(ctr, (h0 ? 1u : 0u) + (h1 ? 1u : 0u) + (h2 ? 1u : 0u) + (h3 ? 1u : 0u));
         if (h0) { if (pos < (unsigned)cap) scratch[pos] = v.x; ++pos; }
