@@ -534,6 +534,7 @@ VARIANT_CASES = [
     (1024, 8, F32, "softmax", True, (8, 4), False, "MOE_RT_ROUTER_FWD=generic"),
     (2304, 36, BF16, "softmax", False, None, False, "MOE_RT_ROUTER_TEAM=128"),
     (2304, 36, F32, "sigmoid", False, (8, 4), True, "MOE_RT_ROUTER_TEAM=128"),
+    (2304, 36, BF16, "sigmoid", False, (8, 4), False, "MOE_RT_ROUTER_TEAM=128"),  # no bias: ties in the group lists
     (2304, 64, BF16, "sigmoid", False, (8, 2), False, "MOE_RT_ROUTER_TEAM=128"),
 ]
 
