@@ -360,13 +360,30 @@ __device__ __forceinline__ void sort64_desc(V (&v)[2], int lane) {
 // candidate tau_w has at least k keys at or above it, so tau = max over the warps of tau_w does too, and
 // the row's top k all lie at or above tau. Every key >= tau is appended to the list (any order; list[2 *
 // kList] counts them). Returns their number, or -1 (count reset to zero) when more than kList pass.
-template <int TEAM>
-__device__ int prefilter_list(const unsigned* keys, int n, int k, unsigned* list, int* redi) {
+// The n keys are read through `map`: key i is keys[4 * map(i / 4) + i % 4] (IdChunks: keys[i]); a map
+// with kIdentity false requires n % 4 == 0 and 16-byte aligned keys.
+struct IdChunks {
+  static constexpr bool kIdentity = true;
+  __device__ __forceinline__ int operator()(int c) const { return c; }
+};
+
+// Chunk c of the selected groups' keys laid end to end -> its chunk in the row: delta[i] = (group of the i-th
+// selected group - i) * chunks per group; magic divides by the group size (4 c < row length).
+struct GroupChunks {
+  static constexpr bool kIdentity = false;
+  const int* delta;
+  unsigned magic;
+  __device__ __forceinline__ int operator()(int c) const { return c + delta[__umulhi(4u * (unsigned)c, magic)]; }
+};
+
+template <int TEAM, typename Map>
+__device__ int prefilter_list(const unsigned* keys, int n, int k, unsigned* list, int* redi, Map map) {
   using TM = Team<TEAM>;
+  constexpr bool kId = Map::kIdentity;
   const int r = TM::rank(), lane = threadIdx.x & 31;
   unsigned v[2] = {0u, 0u};  // v[0] >= v[1]: this thread's two largest keys (0 is below every real key)
   // Keys read 4 at a time where they are 16-byte vectors (which keys a thread sees changes tau, not the result).
-  const bool vec4 = (n & 3) == 0 && (reinterpret_cast<size_t>(keys) & 15) == 0;
+  const bool vec4 = !kId || ((n & 3) == 0 && (reinterpret_cast<size_t>(keys) & 15) == 0);
   const uint4* keys4 = reinterpret_cast<const uint4*>(keys);
   auto top2 = [&](unsigned key) {
     v[1] = max(v[1], min(key, v[0]));
@@ -374,10 +391,10 @@ __device__ int prefilter_list(const unsigned* keys, int n, int k, unsigned* list
   };
   if (vec4) {
     for (int c = r; c < (n >> 2); c += TEAM) {
-      const uint4 k4 = keys4[c];
+      const uint4 k4 = keys4[map(c)];
       top2(k4.x); top2(k4.y); top2(k4.z); top2(k4.w);
     }
-  } else {
+  } else if constexpr (kId) {
     for (int i = r; i < n; i += TEAM) top2(keys[i]);
   }
   sort64_desc(v, lane);
@@ -393,12 +410,13 @@ __device__ int prefilter_list(const unsigned* keys, int n, int k, unsigned* list
   };
   if (vec4) {
     for (int c = r; c < (n >> 2); c += TEAM) {
-      const uint4 k4 = keys4[c];
+      const int pc = map(c);
+      const uint4 k4 = keys4[pc];
       if (max(max(k4.x, k4.y), max(k4.z, k4.w)) >= tau) {
-        append(k4.x, 4 * c); append(k4.y, 4 * c + 1); append(k4.z, 4 * c + 2); append(k4.w, 4 * c + 3);
+        append(k4.x, 4 * pc); append(k4.y, 4 * pc + 1); append(k4.z, 4 * pc + 2); append(k4.w, 4 * pc + 3);
       }
     }
-  } else {
+  } else if constexpr (kId) {
     for (int i = r; i < n; i += TEAM) append(keys[i], i);
   }
   TM::sync();
@@ -410,6 +428,31 @@ __device__ int prefilter_list(const unsigned* keys, int n, int k, unsigned* list
     return -1;
   }
   return (int)total;
+}
+
+// The k-th of the nlist <= 64 listed (key, index) pairs in the order (key desc, index asc): every warp sorts
+// them, packed as key << 32 | ~index, and reads the k-th (no radix passes, no tie scan). ilast is kIntMax when
+// no other listed key equals thr (the list holds every key >= thr), so that `key >= thr` alone selects. The
+// list count is reset.
+template <int TEAM>
+__device__ __forceinline__ void list_select(unsigned* list, int nlist, int k, unsigned& thr, int& ilast) {
+  const int lane = threadIdx.x & 31;
+  const unsigned* lkeys = list;
+  const int* lexp = reinterpret_cast<const int*>(list + kList);
+  unsigned long long c[2];
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {
+    const int i = 2 * lane + s;
+    c[s] = i < nlist ? ((unsigned long long)lkeys[i] << 32) | (unsigned)~lexp[i] : 0ull;
+  }
+  sort64_desc(c, lane);
+  const unsigned long long ck = __shfl_sync(FULL_MASK, ((k - 1) & 1) ? c[1] : c[0], (k - 1) >> 1);
+  const unsigned long long cn = __shfl_sync(FULL_MASK, (k & 1) ? c[1] : c[0], (k >> 1) & 31);
+  thr = (unsigned)(ck >> 32);
+  ilast = (k < nlist && (unsigned)(cn >> 32) == thr) ? (int)~(unsigned)ck : kIntMax;
+  Team<TEAM>::sync();  // every list read is done
+  if (Team<TEAM>::rank() == 0) list[2 * kList] = 0u;
+  Team<TEAM>::sync();
 }
 
 // Radix select, 4-bit digits from the top (wcnt: 2 * 16 * TEAM/32 words for TEAM > 32). list: 2 * kList + 4
@@ -428,24 +471,9 @@ __device__ void radix_select(const unsigned* keys, int n, int k, unsigned* wcnt,
   bool done = false;
 #ifndef MOE_RT_ROUTER_NO_PREFILTER
   if (PREFILTER && n >= 8 * TEAM && k <= 64) {
-    nlist = prefilter_list<TEAM>(keys, n, k, list, redi);
+    nlist = prefilter_list<TEAM>(keys, n, k, list, redi, IdChunks{});
     if (nlist >= 0) {
-      // At most 64 candidates: every warp sorts them by (key desc, index asc), packed as key << 32 | ~index,
-      // and reads the k-th (no radix passes, no tie scan).
-      const int lane = threadIdx.x & 31;
-      unsigned long long c[2];
-#pragma unroll
-      for (int s = 0; s < 2; ++s) {
-        const int i = 2 * lane + s;
-        c[s] = i < nlist ? ((unsigned long long)lkeys[i] << 32) | (unsigned)~lexp[i] : 0ull;
-      }
-      sort64_desc(c, lane);
-      const unsigned long long ck = __shfl_sync(FULL_MASK, ((k - 1) & 1) ? c[1] : c[0], (k - 1) >> 1);
-      thr = (unsigned)(ck >> 32);
-      ilast = (int)~(unsigned)ck;
-      TM::sync();  // every list read is done
-      if (r == 0) *lcount = 0u;
-      TM::sync();
+      list_select<TEAM>(list, nlist, k, thr, ilast);
       return;
     }
   }
@@ -867,10 +895,16 @@ template <typename T, int CH>
 __device__ __forceinline__ void dense_chunk_out(unsigned sel, int e0, i64 row, bool* __restrict__ rmap,
                                                 T* __restrict__ probs, float* __restrict__ inter) {
   if (rmap) {
-    alignas(16) bool mv[CH];
+    // bit v -> byte v: sel * (1 + 2^7 + 2^14 + 2^21) puts bit v at bit 8v with no two terms overlapping
+    auto bytes4 = [](unsigned b) { return (b * 0x204081u) & 0x01010101u; };
+    if constexpr (CH == 4) {
+      *reinterpret_cast<unsigned*>(rmap + row + e0) = bytes4(sel);
+    } else if constexpr (CH == 8) {
+      *reinterpret_cast<uint2*>(rmap + row + e0) = make_uint2(bytes4(sel & 15u), bytes4(sel >> 4));
+    } else {
 #pragma unroll
-    for (int v = 0; v < CH; ++v) mv[v] = (sel >> v) & 1u;
-    stn<CH>(rmap + row + e0, mv);
+      for (int v = 0; v < CH; ++v) rmap[row + e0 + v] = (sel >> v) & 1u;
+    }
   }
   if (probs) {
     alignas(16) T z[CH];
@@ -886,11 +920,18 @@ __device__ __forceinline__ void dense_chunk_out(unsigned sel, int e0, i64 row, b
   }
 }
 
+// Bit v: expert e0 + v is selected. The tie rule is applied only when the selection left ilast set (keys
+// equal to thr may then lie after ilast); otherwise `key >= thr` alone selects.
 template <int CH>
 __device__ __forceinline__ unsigned chunk_selection(const unsigned (&kv)[CH], int e0, unsigned thr, int il) {
   unsigned sel = 0u;
+  if (il == kIntMax) {
 #pragma unroll
-  for (int v = 0; v < CH; ++v) sel |= selected(kv[v], e0 + v, thr, il) ? 1u << v : 0u;
+    for (int v = 0; v < CH; ++v) sel |= kv[v] >= thr ? 1u << v : 0u;
+  } else {
+#pragma unroll
+    for (int v = 0; v < CH; ++v) sel |= selected(kv[v], e0 + v, thr, il) ? 1u << v : 0u;
+  }
   return sel;
 }
 
@@ -1292,8 +1333,9 @@ struct Phase1Reg {
 
 // ---- forward: top-k with score function, or (aux_mode) the dense scores for the aux loss --------------
 // probs/scores/rmap/inter/topk_idx/topk_w may be null (not written). vec: all pointers 16-byte aligned
-// and E % (16 / sizeof(T)) == 0. G = 0: no grouping.
-template <typename T, int TEAM>
+// and E % (16 / sizeof(T)) == 0. G = 0: no grouping; GROUPS = false compiles the kernel without it (G = 0 only:
+// the softmax forward of one warp measured up to 2.6% slower with the group code in the kernel).
+template <typename T, int TEAM, bool GROUPS = true>
 __global__ void __launch_bounds__(TEAM == 32 ? 128 : TEAM, MOE_RT_FWD_MINB(TEAM))
 router_fwd(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score_fn, int pre_softmax,
            int aux_mode, int G, int g, int m, unsigned gmagic, float scale, const float* __restrict__ bias,
@@ -1412,33 +1454,55 @@ router_fwd(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score
     }
     TM::sync();
 
-    // Phase 2: group-limited selection mask.
-    if (G > 0) {
+    // Phase 2: group-limited selection. One warp on 16-byte rows whose chunks each lie in one group (at most 32
+    // groups, k > 8) leaves the keys in place: the top-k prefilter reads only the selected groups' chunks and
+    // phase 4 drops the other groups' (gsel: their bit mask). Otherwise (or when the prefilter's list
+    // overflows) the other groups' keys are zeroed and phase 3 selects over the whole row.
+    unsigned thr, gsel = 0u;
+    int il;
+    if (GROUPS && G > 0) {
       const int n = E / G;
       group_scores<TEAM>(keys, G, n, m, gkey, hist);
       TM::sync();
       unsigned gthr;
       int gil;
       select_topk<TEAM, false>(gkey, G, g, wcnt, redi, list, gthr, gil);
-      if ((n & 3) == 0) {  // 4 keys at a time, all of one group
-        uint4* keys4 = reinterpret_cast<uint4*>(keys);
-        for (int c = r; c < (E >> 2); c += TEAM) {
-          const int j = (int)__umulhi((unsigned)(4 * c), gmagic);
-          if (!selected(gkey[j], j, gthr, gil)) keys4[c] = make_uint4(0u, 0u, 0u, 0u);
+      if constexpr (TEAM == 32) {
+        if (vec && G <= 32 && K > 8 && n % CH == 0 && g * n >= 8 * TEAM) {
+          const bool in = lane < G && selected(gkey[lane], lane, gthr, gil);
+          const unsigned gm = __ballot_sync(FULL_MASK, in);
+          int* gdelta = reinterpret_cast<int*>(red);  // the reduction scratch, unused by one warp
+          if (in) {
+            const int rk = __popc(gm & ((1u << lane) - 1u));
+            gdelta[rk] = (lane - rk) * (n >> 2);
+          }
+          __syncwarp();
+          const int nl = prefilter_list<32>(keys, g * n, K, list, redi, GroupChunks{gdelta, gmagic});
+          if (nl >= 0) {
+            list_select<32>(list, nl, K, thr, il);
+            gsel = gm;
+          }
         }
-      } else {
-        for (int e = r; e < E; e += TEAM) {
-          const int j = n == 1 ? e : (int)__umulhi((unsigned)e, gmagic);
-          if (!selected(gkey[j], j, gthr, gil)) keys[e] = 0u;
+      }
+      if (gsel == 0u) {
+        if ((n & 3) == 0) {  // 4 keys at a time, all of one group
+          uint4* keys4 = reinterpret_cast<uint4*>(keys);
+          for (int c = r; c < (E >> 2); c += TEAM) {
+            const int j = (int)__umulhi((unsigned)(4 * c), gmagic);
+            if (!selected(gkey[j], j, gthr, gil)) keys4[c] = make_uint4(0u, 0u, 0u, 0u);
+          }
+        } else {
+          for (int e = r; e < E; e += TEAM) {
+            const int j = n == 1 ? e : (int)__umulhi((unsigned)e, gmagic);
+            if (!selected(gkey[j], j, gthr, gil)) keys[e] = 0u;
+          }
         }
       }
       TM::sync();
     }
 
     // Phase 3: top-k.
-    unsigned thr;
-    int il;
-    select_topk<TEAM>(keys, E, K, wcnt, redi, list, thr, il);
+    if (gsel == 0u) select_topk<TEAM>(keys, E, K, wcnt, redi, list, thr, il);
 
     // Phase 4: the selected experts in index order -> lidx/lkey. One warp on 16-byte rows does phase 6's
     // dense outputs in the same pass: rounds of 32 chunks (lane order = index order), each lane's selected
@@ -1454,25 +1518,31 @@ router_fwd(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score
         if (c < nch) {
           ldn<CH>(keys + c * CH, kv);
           sel = chunk_selection<CH>(kv, c * CH, thr, il);
+          if (GROUPS && gsel != 0u && !((gsel >> __umulhi((unsigned)(c * CH), gmagic)) & 1u)) sel = 0u;
           dense_chunk_out<T, CH>(sel, c * CH, row, rmap, wprobs ? probs : nullptr, winter ? inter : nullptr);
         }
-        const int n = __popc(sel);
-        int incl = n;
-#pragma unroll
-        for (int d = 1; d < 32; d <<= 1) {
-          const int o = __shfl_up_sync(FULL_MASK, incl, d);
-          if (lane >= d) incl += o;
+        // This lane's first position: a ballot when no lane has two selected experts, else a warp scan.
+        const unsigned lanes = __ballot_sync(FULL_MASK, sel != 0u);
+        int excl, tot;
+        if (__any_sync(FULL_MASK, (sel & (sel - 1u)) != 0u)) {
+          const int n = __popc(sel);
+          const int incl = warp_inclusive_scan(n);
+          excl = incl - n;
+          tot = __shfl_sync(FULL_MASK, incl, 31);
+        } else {
+          excl = __popc(lanes & ((1u << lane) - 1u));
+          tot = __popc(lanes);
         }
         if (!aux_mode && sel) {
           // only the set bits (a lane rarely has more than one; a loop over all CH bits cost ~600
           // instructions per token at E=2304)
-          int pos = cnt + incl - n;
+          int pos = cnt + excl;
           for (unsigned b = sel; b != 0u; b &= b - 1u, ++pos) {
             const int e = c * CH + __ffs(b) - 1;
             if (pos < K) { lidx[pos] = e; lkey[pos] = keys[e]; }
           }
         }
-        cnt += __shfl_sync(FULL_MASK, incl, 31);
+        cnt += tot;
       }
       __syncwarp();
     } else if constexpr (TEAM == 32) {

@@ -35,6 +35,7 @@ _TEAM_VARIANT = os.environ.get("MOE_RT_ROUTER_TEAM")
 _BWD_VARIANT = os.environ.get("MOE_RT_ROUTER_BWD")
 
 _jit.register(_FILE, [f"router_fwd<{c}, {team}>" for c in _jit.CTYPES.values() for team in _TEAMS]
+              + [f"router_fwd<{c}, 32, false>" for c in _jit.CTYPES.values()]
               + [f"router_fwd_reg<{c}, {v}>" for c in ("float", "__nv_bfloat16") for v in _REG_V]
               + [f"router_bwd<{c}, {c}, {team}>" for c in _jit.CTYPES.values() for team in _TEAMS]
               + [f"router_bwd<float, {c}, {team}>" for c in ("__half", "__nv_bfloat16") for team in _TEAMS]
@@ -175,7 +176,8 @@ def _fwd_cfg(dtype, E, K, G, vec, device_id):
         smem = 4 * _reg_slot_words(E, G, K) * spb
     else:
         team = _team(E, fwd=True)
-        fn = _jit.function(_FILE, f"router_fwd<{_jit.ctype(dtype)}, {team}>")
+        # one warp without groups: a kernel compiled without the group-limited selection
+        fn = _jit.function(_FILE, f"router_fwd<{_jit.ctype(dtype)}, {team}{'' if G or team != 32 else ', false'}>")
         spb = 4 if team == 32 else 1
         smem = 4 * _slot_words(E, G, K, team) * spb
         threads = team * spb
