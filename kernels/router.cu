@@ -59,6 +59,8 @@ constexpr int kList = 64;  // radix select: keys still in play are compacted onc
 #define MOE_RT_FWD_MINB(TEAM) ((TEAM) == 128 ? 6 : ((TEAM) == 32 ? 4 : MOE_RT_FWD_MINB_512))
 #define MOE_RT_FWD_REG_MINB(V) ((V) <= 8 ? MOE_RT_FWD_REG_MINB_8 : ((V) <= 16 ? 4 : 3))
 template <int N> struct IC { static constexpr int value = N; };
+template <typename T> struct IsBf16 { static constexpr bool value = false; };
+template <> struct IsBf16<__nv_bfloat16> { static constexpr bool value = true; };
 
 __device__ __forceinline__ unsigned fkey(float v) {
   const unsigned b = __float_as_uint(v);
@@ -1030,6 +1032,51 @@ __device__ __forceinline__ void argmax_reg(const unsigned (&key)[V], int k, unsi
   }
 }
 
+// argmax_reg for the keys of bf16 logits (fkey of a float whose low 16 bits are zero: the key's low half is
+// all zeros or all ones). (high half, 0xffff - expert) packs key and tie rule into one distinct word, so a
+// round takes one max reduction and no index compare. Same results as argmax_reg; requires E <= 65536.
+template <int V, int CH>
+__device__ __forceinline__ void argmax_reg_bf16(const unsigned (&key)[V], int k, unsigned& thr, int& ilast,
+                                                unsigned& wk, int& wi) {
+  const int lane = threadIdx.x & 31;
+  auto pack = [&](int q) { return (key[q] & 0xffff0000u) | (0xffffu - (unsigned)reg_expert<CH>(lane, q)); };
+  // the key back from its high half (0xffff: NaN, whose key is all ones)
+  auto key_of = [](unsigned p) {
+    const unsigned h = p & 0xffff0000u;
+    return h == 0xffff0000u ? 0xffffffffu : ((h & 0x80000000u) ? h : (h | 0xffffu));
+  };
+  auto expert_of = [](unsigned p) { return (int)(0xffffu - (p & 0xffffu)); };
+  unsigned b0 = 0u, b1 = 0u;  // this lane's two largest packed words not yet taken
+  auto top2 = [&](unsigned p) {
+    b1 = max(b1, min(p, b0));
+    b0 = max(b0, p);
+  };
+#pragma unroll
+  for (int q = 0; q < V; ++q) top2(pack(q));
+  bool stale = false;  // b1 no longer known
+  for (int round = 0;; ++round) {
+    const unsigned mk = __reduce_max_sync(FULL_MASK, b0);
+    if (lane == round) { wk = key_of(mk); wi = expert_of(mk); }
+    if (round == k - 1) { thr = key_of(mk); ilast = expert_of(mk); return; }
+    if (b0 == mk) {
+      if (!stale) {
+        b0 = b1;
+        b1 = 0u;
+        stale = true;
+      } else {
+        b0 = 0u;
+        b1 = 0u;
+#pragma unroll
+        for (int q = 0; q < V; ++q) {
+          const unsigned p = pack(q);
+          if (p < mk) top2(p);
+        }
+        stale = false;
+      }
+    }
+  }
+}
+
 __device__ __forceinline__ int warp_inclusive_scan(int v) {
   const int lane = threadIdx.x & 31;
 #pragma unroll
@@ -1151,6 +1198,18 @@ __device__ __forceinline__ void group_scores_lanes(const unsigned (&key)[V], int
   }
 }
 
+// Lane l < G holds group l's key (G <= 32, the whole warp calls): the bit mask of the g groups first in the
+// order (key desc, index asc), the ones select_topk picks. Each lane ranks its group with G shuffles.
+__device__ __forceinline__ unsigned rank_groups(unsigned mine, int G, int g) {
+  const int lane = threadIdx.x & 31;
+  int rank = 0;
+  for (int i = 0; i < G; ++i) {
+    const unsigned ki = __shfl_sync(FULL_MASK, mine, i);
+    rank += (ki > mine || (ki == mine && i < lane)) ? 1 : 0;
+  }
+  return __ballot_sync(FULL_MASK, lane < G && rank < g);
+}
+
 // The same group-limited selection as group_scores_lanes + select_topk + the mask, kept in registers when
 // there are at most 32 groups: returns the bit mask of the g selected groups (top g by group key, ties
 // to the lower group index, exactly as select_topk picks them). Lane l < G ranks group l against every
@@ -1170,12 +1229,7 @@ __device__ __forceinline__ unsigned group_mask_lanes(const unsigned (&key)[V], i
     const unsigned t = __shfl_sync(FULL_MASK, gk[j], c0 & 31);
     if ((c0 >> 5) == j) mine = t;
   }
-  int rank = 0;
-  for (int i = 0; i < G; ++i) {
-    const unsigned ki = __shfl_sync(FULL_MASK, mine, i);
-    rank += (ki > mine || (ki == mine && i < lane)) ? 1 : 0;
-  }
-  return __ballot_sync(FULL_MASK, lane < G && rank < g);
+  return rank_groups(mine, G, g);
 }
 
 struct RegLayout {
@@ -1464,13 +1518,16 @@ router_fwd(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score
       const int n = E / G;
       group_scores<TEAM>(keys, G, n, m, gkey, hist);
       TM::sync();
-      unsigned gthr;
-      int gil;
-      select_topk<TEAM, false>(gkey, G, g, wcnt, redi, list, gthr, gil);
+      // the selected groups: by rank in one warp with at most 32 groups (gm: their bit mask), else select_topk
+      unsigned gthr = 0u, gm = 0u;
+      int gil = 0;
+      const bool by_rank = TEAM == 32 && G <= 32;
+      if (by_rank) gm = rank_groups(lane < G ? gkey[lane] : 0u, G, g);
+      else select_topk<TEAM, false>(gkey, G, g, wcnt, redi, list, gthr, gil);
+      auto gin = [&](int j) { return by_rank ? ((gm >> j) & 1u) != 0u : selected(gkey[j], j, gthr, gil); };
       if constexpr (TEAM == 32) {
         if (vec && G <= 32 && K > 8 && n % CH == 0 && g * n >= 8 * TEAM) {
-          const bool in = lane < G && selected(gkey[lane], lane, gthr, gil);
-          const unsigned gm = __ballot_sync(FULL_MASK, in);
+          const bool in = (gm >> lane) & 1u;
           int* gdelta = reinterpret_cast<int*>(red);  // the reduction scratch, unused by one warp
           if (in) {
             const int rk = __popc(gm & ((1u << lane) - 1u));
@@ -1489,12 +1546,12 @@ router_fwd(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score
           uint4* keys4 = reinterpret_cast<uint4*>(keys);
           for (int c = r; c < (E >> 2); c += TEAM) {
             const int j = (int)__umulhi((unsigned)(4 * c), gmagic);
-            if (!selected(gkey[j], j, gthr, gil)) keys4[c] = make_uint4(0u, 0u, 0u, 0u);
+            if (!gin(j)) keys4[c] = make_uint4(0u, 0u, 0u, 0u);
           }
         } else {
           for (int e = r; e < E; e += TEAM) {
             const int j = n == 1 ? e : (int)__umulhi((unsigned)e, gmagic);
-            if (!selected(gkey[j], j, gthr, gil)) keys[e] = 0u;
+            if (!gin(j)) keys[e] = 0u;
           }
         }
       }
@@ -1768,7 +1825,8 @@ router_fwd_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, int s
     if (K <= 8) {
       unsigned wk = 0u;
       int wi = kIntMax;
-      argmax_reg<V, CH>(key, K, thr, il, wk, wi);
+      if (IsBf16<T>::value && post) argmax_reg_bf16<V, CH>(key, K, thr, il, wk, wi);
+      else argmax_reg<V, CH>(key, K, thr, il, wk, wi);
       int pos = 0;
       for (int i = 0; i < K; ++i) pos += __shfl_sync(FULL_MASK, wi, i) < wi ? 1 : 0;
       if (lane < K) { lkey[pos] = wk; lidx[pos] = wi; }

@@ -485,12 +485,14 @@ def test_gpu_aux_loss(rng, R_, C, E, dtype, tdt):
 
 
 @pytest.mark.gpu
-def test_gpu_nan_rows():
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_gpu_nan_rows(dtype):
     import cupy as cp
 
     x = np.random.default_rng(0).standard_normal((5, 64)).astype(F32)
     x[1, 7] = np.nan
     x[3, :] = np.nan
+    x = x.astype(dtype)
     for score, pre in (("softmax", False), ("softmax", True), ("sigmoid", False), ("sqrtsoftplus", False)):
         gp, gm, _ = R.topk_with_score(cp.asarray(x), 4, score_function=score, use_pre_softmax=pre)
         rp, rm, _ = R.topk_with_score(x, 4, score_function=score, use_pre_softmax=pre)
