@@ -2007,6 +2007,16 @@ template <> struct MapWord<8> {
   }
 };
 
+// Constants and map-word type shared by the two selected-entry backward kernels: 4 token slots of one warp per
+// block (TEAM = 32), 16-byte chunks of CH entries, one map word per chunk.
+template <typename T, int TEAM>
+struct SelBwd {
+  static constexpr int SPB = TEAM == 32 ? 4 : 1;
+  static constexpr int CH = sizeof(T) == 2 ? 8 : 4;
+  using MW = MapWord<CH>;
+  using W = typename MW::type;
+};
+
 // router_bwd_sel_reg's entries past a thread's first `skip`, in order, read from memory: with out == nullptr
 // their sums are added to ab and returned; otherwise their gradients are written (A = ab.x, Ae, B). Kept
 // out of line: it runs only for a thread with more selected entries than it holds in registers.
@@ -2031,12 +2041,11 @@ template <typename T, int TEAM>
 __global__ void __launch_bounds__(TEAM == 32 ? 128 : TEAM)
 router_bwd_sel(const T* __restrict__ grad, const bool* __restrict__ rmap, const float* __restrict__ inter,
                i64 num_tokens, int E, int K, int score_fn, float scale, T* __restrict__ out) {
+  using S = SelBwd<T, TEAM>;
   using TM = Team<TEAM>;
-  constexpr int SPB = TEAM == 32 ? 4 : 1;
-  constexpr int CH = sizeof(T) == 2 ? 8 : 4;
-  constexpr int U = MOE_RT_SEL_U(TEAM);
-  using MW = MapWord<CH>;
-  using W = typename MW::type;
+  using MW = typename S::MW;
+  using W = typename S::W;
+  constexpr int SPB = S::SPB, CH = S::CH, U = MOE_RT_SEL_U(TEAM);
   __shared__ float red[32];
   const int slot = threadIdx.x / TEAM, r = threadIdx.x % TEAM;
   const bool sig_like = score_fn != SOFTMAX;
@@ -2089,13 +2098,11 @@ template <typename T, int TEAM>
 __global__ void __launch_bounds__(TEAM == 32 ? 128 : TEAM)
 router_bwd_sel_reg(const T* __restrict__ grad, const bool* __restrict__ rmap, const float* __restrict__ inter,
                    i64 num_tokens, int E, int K, int score_fn, float scale, T* __restrict__ out) {
+  using S = SelBwd<T, TEAM>;
   using TM = Team<TEAM>;
-  constexpr int SPB = TEAM == 32 ? 4 : 1;
-  constexpr int CH = sizeof(T) == 2 ? 8 : 4;
-  constexpr int U = MOE_RT_SELR_U;
-  constexpr int NR = MOE_RT_SELR_NR;
-  using MW = MapWord<CH>;
-  using W = typename MW::type;
+  using MW = typename S::MW;
+  using W = typename S::W;
+  constexpr int SPB = S::SPB, CH = S::CH, U = MOE_RT_SELR_U, NR = MOE_RT_SELR_NR;
   __shared__ float red[64];
   const int slot = threadIdx.x / TEAM, r = threadIdx.x % TEAM;
   const bool sig_like = score_fn != SOFTMAX;
