@@ -1526,7 +1526,7 @@ router_fwd(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score
       else select_topk<TEAM, false>(gkey, G, g, wcnt, redi, list, gthr, gil);
       auto gin = [&](int j) { return by_rank ? ((gm >> j) & 1u) != 0u : selected(gkey[j], j, gthr, gil); };
       if constexpr (TEAM == 32) {
-        if (vec && G <= 32 && K > 8 && n % CH == 0 && g * n >= 8 * TEAM) {
+        if (by_rank && vec && K > 8 && n % CH == 0 && g * n >= 8 * TEAM) {
           const bool in = (gm >> lane) & 1u;
           int* gdelta = reinterpret_cast<int*>(red);  // the reduction scratch, unused by one warp
           if (in) {
