@@ -15,7 +15,9 @@ and an fp32 weighted sum). Both layers share the expert code. Rows:
   what the targets compare, and "layer - experts" is the same share measured inside the layer;
 - adapter overhead per call at a small size (T=128) where launch overhead dominates: ``moe_rt.torch.<op>``
   against the moe_rt op called directly on the same torch tensors, ``jax.jit(moe_rt.jax.<op>)`` against the
-  moe_rt op on CuPy views of the same buffers (written to ``<json stem>_overhead.json``).
+  moe_rt op on CuPy views of the same buffers (written to ``<json stem>_overhead.json``); and per op inside
+  one autograd graph / one jitted program, where the framework's fixed cost of a backward pass or a jitted
+  call is paid once for a chain of 40 ops, as in a training step.
 
 torch rows are timed with CUDA events on torch's stream (median of ``--iters`` steps after warm-up, host
 launch gaps included, as a training step sees them); JAX rows with wall clock around each jitted call up to
@@ -656,6 +658,40 @@ def _noop_op(x):
     return op(x)
 
 
+def _empty_functions():
+    """torch's floors: (an autograd.Function that does nothing, one with the outputs of topk_with_score: one
+    differentiable output of three)."""
+    fns = _NOOP.get("functions")
+    if fns is not None:
+        return fns
+    import torch
+
+    class _Identity(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a):
+            return a.view_as(a)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    class _Three(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a):
+            ctx.set_materialize_grads(False)
+            m, i = a.new_empty(a.shape, dtype=torch.bool), a.new_empty(a.shape)
+            ctx.mark_non_differentiable(m, i)
+            ctx.save_for_backward(m, i)
+            return a.view_as(a), m, i
+
+        @staticmethod
+        def backward(ctx, g, gm, gi):
+            return g
+
+    fns = _NOOP["functions"] = (_Identity, _Three)
+    return fns
+
+
 def bench_overhead_torch(table, save, T=128, H=1024, E=64, K=8):
     import torch
 
@@ -698,34 +734,107 @@ def bench_overhead_torch(table, save, T=128, H=1024, E=64, K=8):
     ]
     cases.append(("(empty custom op)", "fwd", lambda: _noop_op(x), lambda: _noop_py(x)))
 
-    class _Identity(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, a):
-            return a.view_as(a)
-
-        @staticmethod
-        def backward(ctx, g):
-            return g
-
-    class _Three(torch.autograd.Function):  # the shape of topk_with_score: one differentiable output of three
-        @staticmethod
-        def forward(ctx, a):
-            ctx.set_materialize_grads(False)
-            m, i = a.new_empty(a.shape, dtype=torch.bool), a.new_empty(a.shape)
-            ctx.mark_non_differentiable(m, i)
-            ctx.save_for_backward(m, i)
-            return a.view_as(a), m, i
-
-        @staticmethod
-        def backward(ctx, g, gm, gi):
-            return g
-
+    _Identity, _Three = _empty_functions()
     # torch's floor for a fwd+bwd pass: autograd.grad through a Function that does nothing (the autograd
     # engine's own cost, which every differentiable op pays)
     cases.append(("(empty autograd.Function)", "fwd+bwd", lambda: grad(_Identity.apply(xg), xg, gy), lambda: None))
     cases.append(("(empty autograd.Function, 3 outputs)", "fwd+bwd", lambda: grad(_Three.apply(lg)[0], lg, g_probs),
                   lambda: None))
     overhead_rows(table, save, "torch", cases, lambda f: host_and_gpu_us(f, sync), lambda f: host_and_gpu_us(f, sync))
+    in_graph_chain_torch(table, save, dict(x=x, probs=probs, logits=logits, gy=gy, g_probs=g_probs), t_plan,
+                         core_plan, K, sync)
+
+
+def _chain_row(table, save, framework, op, what, ops, adapter_us, direct_us):
+    """One 'in one graph / jit' row: us per op (a fwd+bwd op is two calls: its forward and its backward)."""
+    calls = 2 if "fwd+bwd" in what else 1
+    a, d = adapter_us / ops, direct_us / ops
+    table.add(framework=framework, op=op, **{"pass": what, "adapter us": a, "direct us": d,
+                                             "overhead us/call": (a - d) / calls})
+    save()
+
+
+def in_graph_chain_torch(table, save, t, t_plan, core_plan, K, sync):
+    """Per call inside one autograd graph, as in a training step (the autograd engine starts once for the
+    whole chain): ``CHAIN`` rounds of dispatch + combine with gradients to x and probs, and ``2 * CHAIN``
+    top-k ops on one logits tensor, each differentiated by one ``autograd.grad``. Against the same graphs
+    of empty autograd.Functions (torch's floor) and the direct moe_rt calls (forward chain, then the
+    backward chain in reverse with the shared input's gradients summed, as autograd does)."""
+    import torch
+
+    import moe_rt
+    import moe_rt.torch as mt
+
+    x, probs, logits, gy, g_probs = t["x"], t["probs"], t["logits"], t["gy"], t["g_probs"]
+    xg, pg, lg = (a.clone().requires_grad_() for a in (x, probs, logits))
+    n = 2 * CHAIN
+    p_zero = torch.zeros_like(probs)
+
+    def perm_adapter():
+        y = xg
+        for _ in range(CHAIN):
+            y = mt.combine(mt.dispatch(y, t_plan)[0], t_plan, pg)
+        return torch.autograd.grad(y, (xg, pg), gy)
+
+    def perm_direct():
+        y, saved = x, []
+        for _ in range(CHAIN):
+            xp = moe_rt.dispatch(y, core_plan)[0]
+            saved.append(xp)
+            y = moe_rt.combine(xp, core_plan, probs)
+        g, gp_sum = gy, None
+        for xp in reversed(saved):
+            gxp, gp = moe_rt.combine_backward(g, core_plan, xp, probs)
+            gp_sum = gp if gp_sum is None else gp_sum + gp
+            g = moe_rt.dispatch_backward(gxp, core_plan)[0]
+        return g, gp_sum
+
+    _EmptyD, _EmptyTopk = _empty_functions()
+
+    class _EmptyC(torch.autograd.Function):  # two differentiable inputs, like combine
+        @staticmethod
+        def forward(ctx, a, p):
+            return a.view_as(a)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g, p_zero
+
+    def perm_empty():
+        y = xg
+        for _ in range(CHAIN):
+            y = _EmptyC.apply(_EmptyD.apply(y), pg)
+        return torch.autograd.grad(y, (xg, pg), gy)
+
+    def topk_adapter():
+        outs = [mt.topk_with_score(lg, K)[0] for _ in range(n)]
+        return torch.autograd.grad(outs, lg, [g_probs] * n)
+
+    def topk_empty():
+        outs = [_EmptyTopk.apply(lg)[0] for _ in range(n)]
+        return torch.autograd.grad(outs, lg, [g_probs] * n)
+
+    def topk_direct():
+        res = [moe_rt.topk_with_score(logits, K) for _ in range(n)]
+        g_sum = None
+        for _, m, i in res:
+            g = moe_rt.topk_with_score_backward(g_probs, m, i, K, score_function="softmax")
+            g_sum = g if g_sum is None else g_sum + g
+        return g_sum
+
+    what = f"fwd+bwd, in one graph ({n} ops)"
+    try:
+        us = {name: host_and_gpu_us(f, sync, n=10, gpu=False)[0]
+              for name, f in (("perm", perm_adapter), ("perm direct", perm_direct), ("perm empty", perm_empty),
+                              ("topk", topk_adapter), ("topk direct", topk_direct), ("topk empty", topk_empty))}
+    except Exception as e:  # noqa: BLE001 - report and go on
+        print(f"in-graph chain failed: {type(e).__name__}: {e}", flush=True)
+        traceback.print_exc()
+        return
+    _chain_row(table, save, "torch", "(empty autograd.Function)", what, n, us["perm empty"], 0.0)
+    _chain_row(table, save, "torch", "dispatch / combine", what, n, us["perm"], us["perm direct"])
+    _chain_row(table, save, "torch", "(empty autograd.Function, 3 outputs)", what, n, us["topk empty"], 0.0)
+    _chain_row(table, save, "torch", "topk_with_score", what, n, us["topk"], us["topk direct"])
 
 
 def bench_overhead_jax(table, save, T=128, H=1024, E=64, K=8):
@@ -790,13 +899,13 @@ def bench_overhead_jax(table, save, T=128, H=1024, E=64, K=8):
         return host_and_gpu_us(call, lambda: jax.block_until_ready(holder["out"]), gpu=False)
 
     overhead_rows(table, save, "jax", cases, measure_adapter, lambda f: host_and_gpu_us(f, csync))
-    in_jit_chain(table, save, x, plan, probs, c, c_plan, csync)
+    in_jit_chain(table, save, x, plan, probs, gy, c, c_plan, csync)
 
 
 CHAIN = 20  # rounds of dispatch + combine in one jitted program
 
 
-def in_jit_chain(table, save, x, plan, probs, c, c_plan, csync):
+def in_jit_chain(table, save, x, plan, probs, gy, c, c_plan, csync):
     """Per op inside one jitted program (the Python thread blocked while XLA runs the callbacks, as in a
     training step): ``CHAIN`` rounds of dispatch + combine, against the same chain of empty buffer_callbacks
     with the same buffers, XLA element-wise ops, and the direct moe_rt calls on CuPy views."""
@@ -835,12 +944,40 @@ def in_jit_chain(table, save, x, plan, probs, c, c_plan, csync):
         jf = jax.jit(f)
         return lambda: jax.block_until_ready(jf(x, plan, probs))
 
+    # fwd+bwd: the chain differentiated in the same jitted program (gradients to x and probs), against the
+    # direct forward chain, then the backward chain in reverse with the probs gradients summed
+    def chain_moe_vjp(x_, p, pr, g):
+        return jax.vjp(lambda a, b: chain_moe(a, p, b), x_, pr)[1](g)
+
+    def chain_empty2(x_, p, pr, g):  # as many empty callbacks as the fwd+bwd chain makes
+        return chain_empty(chain_empty(x_, p, pr), p, pr)
+
+    def direct_fb():
+        y_, saved = c["x"], []
+        for _ in range(CHAIN):
+            xp = moe_rt.dispatch(y_, c_plan)[0]
+            saved.append(xp)
+            y_ = moe_rt.combine(xp, c_plan, c["probs"])
+        g, gp_sum = c["gy"], None
+        for xp in reversed(saved):
+            gxp, gp = moe_rt.combine_backward(g, c_plan, xp, c["probs"])
+            gp_sum = gp if gp_sum is None else gp_sum + gp
+            g = moe_rt.dispatch_backward(gxp, c_plan)[0]
+        return g, gp_sum
+
+    def blocked_fb(f):
+        jf = jax.jit(f)
+        return lambda: jax.block_until_ready(jf(x, plan, probs, gy))
+
     n = 2 * CHAIN
     try:
         moe_us = host_and_gpu_us(blocked(chain_moe), lambda: None, n=10, gpu=False)[0] / n
         empty_us = host_and_gpu_us(blocked(chain_empty), lambda: None, n=10, gpu=False)[0] / n
         xla_us = host_and_gpu_us(blocked(chain_xla), lambda: None, n=10, gpu=False)[0] / n
         direct_us = host_and_gpu_us(direct, csync, n=10, gpu=False)[0] / n
+        fb_us = host_and_gpu_us(blocked_fb(chain_moe_vjp), lambda: None, n=10, gpu=False)[0]
+        fb_empty_us = host_and_gpu_us(blocked_fb(chain_empty2), lambda: None, n=10, gpu=False)[0]
+        fb_direct_us = host_and_gpu_us(direct_fb, csync, n=10, gpu=False)[0]
     except Exception as e:  # noqa: BLE001 - report and go on
         print(f"in-jit chain failed: {type(e).__name__}: {e}", flush=True)
         traceback.print_exc()
@@ -852,7 +989,9 @@ def in_jit_chain(table, save, x, plan, probs, c, c_plan, csync):
     table.add(framework="jax", op="dispatch / combine", **{"pass": what, "adapter us": moe_us,
                                                            "direct us": direct_us,
                                                            "overhead us/call": moe_us - direct_us})
-    save()
+    fb = f"fwd+bwd, in one jit ({n} ops)"
+    _chain_row(table, save, "jax", "(empty buffer_callback)", fb, n, fb_empty_us, 0.0)
+    _chain_row(table, save, "jax", "dispatch / combine", fb, n, fb_us, fb_direct_us)
 
 
 # ---- main -------------------------------------------------------------------------------------------------
@@ -886,9 +1025,11 @@ def main():
                            "sync, garbage collector paused (host-bound at this size); GPU us: device time per "
                            "call with the host hidden behind a spin kernel; "
                            "overhead = (adapter - direct) / ops in the pass; direct = the moe_rt op on the "
-                           "same torch tensors, or on CuPy views of the JAX buffers; 'in one jit' rows: us per op "
-                           "of a chain of dispatch and combine in one jitted call, blocked on (the empty "
-                           "buffer_callback row: direct = an XLA element-wise op)")
+                           "same torch tensors, or on CuPy views of the JAX buffers; 'in one jit' / 'in one graph' "
+                           "rows: us per op of a chain of 40 ops (dispatch and combine; top-k) in one jitted "
+                           "call, blocked on, or differentiated by one autograd.grad (fwd+bwd: an op is two "
+                           "calls; the empty buffer_callback / autograd.Function rows are the frameworks' floors: "
+                           "direct = an XLA element-wise op, or nothing)")
     out_path = args.json
     over_path = None
     if out_path:
