@@ -13,6 +13,7 @@ from moe_rt.permutation import (Plan, combine, combine_backward, dispatch, dispa
                                 sort_chunks, sort_chunks_backward)
 from moe_rt.ep import EpGroup, Handle
 from moe_rt import bootstrap  # noqa: F401 - unique-id helpers: moe_rt.bootstrap.init_communicator, ...
+from moe_rt._jit import l2_fetch_granularity
 
 __all__ = [
     "__version__",
@@ -26,4 +27,6 @@ __all__ = [
     "EpGroup", "Handle", "bootstrap",
     # NCCL
     "Communicator", "NcclError", "get_unique_id", "nccl_version",
+    # device setting (opt-in)
+    "l2_fetch_granularity",
 ]

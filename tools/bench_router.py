@@ -9,9 +9,11 @@ column); "call ms" is the plain per-call time including moe_rt's Python overhead
 GPU. torch.compile baselines are compiled once per shape (dynamic=False) and only at T=65536, the target
 shape (``--compile-all`` compiles at every T). ``--quick`` runs T=65536 only with fewer iterations;
 ``--T`` picks the token counts, ``--ops fwd`` / ``bwd`` only the forward / top-k backward rows (for kernel variants selected by
-MOE_RT_ROUTER_FWD and MOE_RT_ROUTER_BWD, see moe_rt/router.py).
+MOE_RT_ROUTER_FWD and MOE_RT_ROUTER_BWD, see moe_rt/router.py). ``--l2-fetch 32`` sets the L2 fetch granularity
+first (the opt-in ``moe_rt.l2_fetch_granularity``; the default leaves the device's, 64 bytes on an H100).
 
-    python tools/bench_router.py [--quick] [--T 4096,16384,65536] [--ops all|fwd|bwd] [--json PATH] [--no-compile]
+    python tools/bench_router.py [--quick] [--T 4096,16384,65536] [--ops all|fwd|bwd] [--l2-fetch 32|64|128]
+                                 [--json PATH] [--no-compile]
 """
 from __future__ import annotations
 
@@ -162,6 +164,8 @@ def main():
     ap.add_argument("--ops", default="all", choices=["all", "fwd", "bwd"],
                     help="fwd: forward rows only; bwd: top-k backward rows only")
     ap.add_argument("--compile-all", action="store_true", help="torch.compile baselines at every T")
+    ap.add_argument("--l2-fetch", type=int, default=None, choices=[32, 64, 128],
+                    help="set the L2 fetch granularity first (moe_rt.l2_fetch_granularity; default: leave it)")
     args = ap.parse_args()
     import cupy as cp
     import torch
@@ -170,6 +174,8 @@ def main():
     from moe_rt import _arrays, _jit
 
     iters = 20 if args.quick else args.iters
+    if args.l2_fetch is not None:
+        _jit.l2_fetch_granularity(args.l2_fetch)
     l2 = _jit.device_properties(cp.cuda.Device().id)["l2_bytes"]
     table = benchlib.Table("router", ["dtype", "T", "E", "K", "op", "ms", "call ms", "GB/s", "% copy", "eager ms",
                                       "x eager", "compile ms", "x compile"])
@@ -183,6 +189,7 @@ def main():
         Ts = [65536] if args.quick else [4096, 16384, 65536]
     table.meta["variant"] = os.environ.get("MOE_RT_ROUTER_FWD", "default")
     table.meta["bwd_variant"] = os.environ.get("MOE_RT_ROUTER_BWD", "default")
+    table.meta["l2_fetch_bytes"] = _jit.l2_fetch_granularity()
     shapes = [(256, 8), (2304, 36)]
     dtypes = [("float32", np.float32), ("bfloat16", _arrays.BFLOAT16)]
     compile_fn = _compiler(not args.no_compile)
