@@ -236,11 +236,16 @@ def l2_fetch_granularity(nbytes=None, *, device=None) -> int:
             raise TypeError(f"nbytes: expected an int (32, 64 or 128) or None, got {type(nbytes).__name__}")
         if int(nbytes) not in _L2_FETCH_SIZES:
             raise ValueError(f"nbytes: expected 32, 64 or 128, got {int(nbytes)}")
-    if device is not None and (isinstance(device, bool) or not isinstance(device, (int, np.integer))
-                               or int(device) < 0):
-        raise TypeError(f"device: expected a CUDA device id (int >= 0) or None, got {device!r}")
+    if device is not None:
+        if isinstance(device, bool) or not isinstance(device, (int, np.integer)):
+            raise TypeError(f"device: expected a CUDA device id (int) or None, got {type(device).__name__}")
+        if int(device) < 0:
+            raise ValueError(f"device: expected a CUDA device id >= 0, got {int(device)}")
     import cupy
 
+    if device is not None and int(device) >= cupy.cuda.runtime.getDeviceCount():
+        raise ValueError(f"device: {int(device)} is not a CUDA device of this machine "
+                         f"({cupy.cuda.runtime.getDeviceCount()} found)")
     dev = cupy.cuda.Device(device) if device is not None else cupy.cuda.Device()
     with dev:
         before = int(cupy.cuda.runtime.deviceGetLimit(_L2_FETCH_LIMIT))

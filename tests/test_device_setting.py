@@ -13,9 +13,9 @@ def test_l2_fetch_granularity_bad_nbytes(bad, exc):
         moe_rt.l2_fetch_granularity(bad)
 
 
-@pytest.mark.parametrize("bad", [-1, 1.0, "0", True])
-def test_l2_fetch_granularity_bad_device(bad):
-    with pytest.raises(TypeError, match="device"):
+@pytest.mark.parametrize("bad, exc", [(-1, ValueError), (1.0, TypeError), ("0", TypeError), (True, TypeError)])
+def test_l2_fetch_granularity_bad_device(bad, exc):
+    with pytest.raises(exc, match="device"):
         moe_rt.l2_fetch_granularity(32, device=bad)
 
 
@@ -36,6 +36,8 @@ def test_l2_fetch_granularity_set_and_restore():
         got = moe_rt.topk_with_score_backward(g, rmap, inter, K, score_function="softmax")
         cp.testing.assert_array_equal(got, want)  # a fetch size changes speed, never results
         assert moe_rt.l2_fetch_granularity(128, device=0) == 32
+        with pytest.raises(ValueError, match="device"):
+            moe_rt.l2_fetch_granularity(32, device=cp.cuda.runtime.getDeviceCount())
     finally:
         moe_rt.l2_fetch_granularity(before)
     assert moe_rt.l2_fetch_granularity() == before
