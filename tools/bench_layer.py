@@ -745,6 +745,24 @@ def bench_overhead_torch(table, save, T=128, H=1024, E=64, K=8):
                          core_plan, K, sync)
 
 
+def _direct_chain_fwd_bwd(x, plan, probs, gy):
+    """The direct moe_rt calls of ``CHAIN`` rounds of dispatch + combine, forward then backward in reverse,
+    with the probs gradients summed as autograd sums them (the baseline of the in-graph / in-jit rows)."""
+    import moe_rt
+
+    y, saved = x, []
+    for _ in range(CHAIN):
+        xp = moe_rt.dispatch(y, plan)[0]
+        saved.append(xp)
+        y = moe_rt.combine(xp, plan, probs)
+    g, gp_sum = gy, None
+    for xp in reversed(saved):
+        gxp, gp = moe_rt.combine_backward(g, plan, xp, probs)
+        gp_sum = gp if gp_sum is None else gp_sum + gp
+        g = moe_rt.dispatch_backward(gxp, plan)[0]
+    return g, gp_sum
+
+
 def _chain_row(table, save, framework, op, what, ops, adapter_us, direct_us):
     """One 'in one graph / jit' row: us per op (a fwd+bwd op is two calls: its forward and its backward)."""
     calls = 2 if "fwd+bwd" in what else 1
@@ -777,17 +795,7 @@ def in_graph_chain_torch(table, save, t, t_plan, core_plan, K, sync):
         return torch.autograd.grad(y, (xg, pg), gy)
 
     def perm_direct():
-        y, saved = x, []
-        for _ in range(CHAIN):
-            xp = moe_rt.dispatch(y, core_plan)[0]
-            saved.append(xp)
-            y = moe_rt.combine(xp, core_plan, probs)
-        g, gp_sum = gy, None
-        for xp in reversed(saved):
-            gxp, gp = moe_rt.combine_backward(g, core_plan, xp, probs)
-            gp_sum = gp if gp_sum is None else gp_sum + gp
-            g = moe_rt.dispatch_backward(gxp, core_plan)[0]
-        return g, gp_sum
+        return _direct_chain_fwd_bwd(x, core_plan, probs, gy)
 
     _EmptyD, _EmptyTopk = _empty_functions()
 
@@ -953,17 +961,7 @@ def in_jit_chain(table, save, x, plan, probs, gy, c, c_plan, csync):
         return chain_empty(chain_empty(x_, p, pr), p, pr)
 
     def direct_fb():
-        y_, saved = c["x"], []
-        for _ in range(CHAIN):
-            xp = moe_rt.dispatch(y_, c_plan)[0]
-            saved.append(xp)
-            y_ = moe_rt.combine(xp, c_plan, c["probs"])
-        g, gp_sum = c["gy"], None
-        for xp in reversed(saved):
-            gxp, gp = moe_rt.combine_backward(g, c_plan, xp, c["probs"])
-            gp_sum = gp if gp_sum is None else gp_sum + gp
-            g = moe_rt.dispatch_backward(gxp, c_plan)[0]
-        return g, gp_sum
+        return _direct_chain_fwd_bwd(c["x"], c_plan, c["probs"], c["gy"])
 
     def blocked_fb(f):
         jf = jax.jit(f)
