@@ -243,9 +243,10 @@ def l2_fetch_granularity(nbytes=None, *, device=None) -> int:
             raise ValueError(f"device: expected a CUDA device id >= 0, got {int(device)}")
     import cupy
 
-    if device is not None and int(device) >= cupy.cuda.runtime.getDeviceCount():
-        raise ValueError(f"device: {int(device)} is not a CUDA device of this machine "
-                         f"({cupy.cuda.runtime.getDeviceCount()} found)")
+    if device is not None:
+        count = cupy.cuda.runtime.getDeviceCount()
+        if int(device) >= count:
+            raise ValueError(f"device: {int(device)} is not a CUDA device of this machine ({count} found)")
     dev = cupy.cuda.Device(device) if device is not None else cupy.cuda.Device()
     with dev:
         before = int(cupy.cuda.runtime.deviceGetLimit(_L2_FETCH_LIMIT))
