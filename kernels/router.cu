@@ -17,7 +17,7 @@
 // In router_fwd_reg with at most 32 groups whose chunks sit on aligned lanes, the group keys, the choice of
 // groups and the mask stay in registers (shuffles and one ballot), and for k <= 8 the argmax rounds hand
 // each winner to a lane, which places it in index order by ranking the winners' indices (no pass over the
-// row). Every sum is done in a fixed order, so outputs are bitwise reproducible. Global traffic: logits read
+// row); with groups and 8 keys a lane, each lane sorts its keys and the max rounds pop the lanes' heads. Every sum is done in a fixed order, so outputs are bitwise reproducible. Global traffic: logits read
 // once, each output written once with 16-byte vectors (the K nonzero probs are patched in after the zero
 // fill, while the lines are still in L2). The top-k backward reads, where its gradient is zero off the map,
 // only the map and the selected entries (router_bwd_sel, router_bwd_sel_reg).
@@ -39,8 +39,13 @@ constexpr int kList = 64;  // radix select: keys still in play are compacted onc
 #ifndef MOE_RT_FWD_MINB_512
 #define MOE_RT_FWD_MINB_512 2
 #endif
+// router_fwd_reg with 8 keys a lane: 6 blocks (80 registers) for bf16; 5 for fp32, where 80 registers
+// spill (fp32 E = 256, T = 65536: softmax 86.7 us at 5 blocks, 91.8 at 6; grouped sigmoid 109.5 / 108.0).
 #ifndef MOE_RT_FWD_REG_MINB_8
 #define MOE_RT_FWD_REG_MINB_8 6
+#endif
+#ifndef MOE_RT_FWD_REG_MINB_8_F32
+#define MOE_RT_FWD_REG_MINB_8_F32 5
 #endif
 // Chunks each thread loads before using the first. Forward (generic kernel), on H100: 6 on one-warp teams
 // (fp32 E=2304 0.958 ms with 2, 0.872 with 4, 0.820 with 6, 0.830 with 8), 2 on the larger teams (4 was 4%
@@ -57,7 +62,8 @@ constexpr int kList = 64;  // radix select: keys still in play are compacted onc
 #endif
 #define MOE_RT_BWD_U(TEAM, CH) ((TEAM) == 512 && MOE_RT_BWD_ELEMS_512 > (CH) ? MOE_RT_BWD_ELEMS_512 / (CH) : 1)
 #define MOE_RT_FWD_MINB(TEAM) ((TEAM) == 128 ? 6 : ((TEAM) == 32 ? 4 : MOE_RT_FWD_MINB_512))
-#define MOE_RT_FWD_REG_MINB(V) ((V) <= 8 ? MOE_RT_FWD_REG_MINB_8 : ((V) <= 16 ? 4 : 3))
+#define MOE_RT_FWD_REG_MINB(V, T) \
+  ((V) <= 8 ? (sizeof(T) == 4 ? MOE_RT_FWD_REG_MINB_8_F32 : MOE_RT_FWD_REG_MINB_8) : ((V) <= 16 ? 4 : 3))
 template <int N> struct IC { static constexpr int value = N; };
 template <typename T> struct IsBf16 { static constexpr bool value = false; };
 template <> struct IsBf16<__nv_bfloat16> { static constexpr bool value = true; };
@@ -549,26 +555,28 @@ __device__ __forceinline__ int al4(int x) { return (x + 3) & ~3; }
 // ---- grouped top-k: group score = sum of the top-m selection scores of the group -----------------------
 template <int MM>
 __device__ __forceinline__ void insert_top(unsigned (&top)[MM], unsigned key) {
-  if (key > top[MM - 1]) {
-    top[MM - 1] = key;
+  // compare-exchange down the sorted list (2 MM - 1 min/max, no branches); the smallest falls off
 #pragma unroll
-    for (int u = MM - 1; u > 0; --u) {
-      if (top[u] > top[u - 1]) { const unsigned t = top[u]; top[u] = top[u - 1]; top[u - 1] = t; }
-    }
+  for (int u = 0; u < MM; ++u) {
+    const unsigned hi = max(top[u], key);
+    if (u + 1 < MM) key = min(top[u], key);
+    top[u] = hi;
   }
 }
 
 // Merge the sorted top-MM lists of L aligned lanes (xor butterfly): every lane ends with their union's top.
 template <int MM>
 __device__ __forceinline__ void merge_top_lanes(unsigned (&top)[MM], int L) {
-  for (int off = 1; off < L; off <<= 1) {
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    if (off >= L) break;
     unsigned other[MM];
 #pragma unroll
     for (int u = 0; u < MM; ++u) other[u] = __shfl_xor_sync(FULL_MASK, top[u], off);
-    // both lists are sorted: stop at the first key that no longer enters
 #pragma unroll
     for (int u = 0; u < MM; ++u) {
-      if (other[u] <= top[MM - 1]) break;
+      // both lists are sorted: for long lists stop at the first key that no longer enters
+      if (MM > 4 && other[u] <= top[MM - 1]) break;
       insert_top<MM>(top, other[u]);
     }
   }
@@ -952,7 +960,9 @@ __device__ __forceinline__ void topk_weights(i64 t, int K, int score_fn, int pre
                                              float* __restrict__ topk_w) {
   const int lane = threadIdx.x & 31;
   const int j0 = lane, j1 = lane + 32;
-  const bool h0 = j0 < K, h1 = j1 < K;
+  // h1 only when K > 32 (warp-uniform). The divisions run on the lanes holding a selection only: 0 / den
+  // takes the division's slow path (ncu, grouped router_fwd_reg<bf16, 8>: 77 of 1268 instructions a token).
+  const bool h0 = j0 < K, h1 = K > 32 && j1 < K;
   const float x0 = h0 ? fdecode(lkey[j0]) : 0.0f, x1 = h1 ? fdecode(lkey[j1]) : 0.0f;
   float w0 = 0.0f, w1 = 0.0f, q0 = 0.0f, q1 = 0.0f;
   if (score_fn == SOFTMAX) {
@@ -966,11 +976,13 @@ __device__ __forceinline__ void topk_weights(i64 t, int K, int score_fn, int pre
       w0 = scale * q0; w1 = scale * q1;
     }
   } else {
-    const float p0 = h0 ? (bias ? x0 - bias[lidx[j0]] : x0) : 0.0f;
-    const float p1v = h1 ? (bias ? x1 - bias[lidx[j1]] : x1) : 0.0f;
+    float p0 = 0.0f, p1v = 0.0f;
+    if (h0) p0 = bias ? x0 - bias[lidx[j0]] : x0;
+    if (h1) p1v = bias ? x1 - bias[lidx[j1]] : x1;
     if (K > 1) {
       const float den = warp_sum(p0 + p1v) + kEps;
-      w0 = scale * (p0 / den); w1 = scale * (p1v / den);
+      if (h0) w0 = scale * (p0 / den);
+      if (h1) w1 = scale * (p1v / den);
     } else {
       w0 = scale * p0; w1 = scale * p1v;
     }
@@ -1054,10 +1066,16 @@ __device__ __forceinline__ void argmax_reg_bf16(const unsigned (&key)[V], int k,
 #pragma unroll
   for (int q = 0; q < V; ++q) top2(pack(q));
   bool stale = false;  // b1 no longer known
+  unsigned mine = 0u;  // lane r: the r-th winner, packed (decoded once, after the rounds)
   for (int round = 0;; ++round) {
     const unsigned mk = __reduce_max_sync(FULL_MASK, b0);
-    if (lane == round) { wk = key_of(mk); wi = expert_of(mk); }
-    if (round == k - 1) { thr = key_of(mk); ilast = expert_of(mk); return; }
+    if (lane == round) mine = mk;
+    if (round == k - 1) {
+      thr = key_of(mk);
+      ilast = expert_of(mk);
+      if (lane < k) { wk = key_of(mine); wi = expert_of(mine); }
+      return;
+    }
     if (b0 == mk) {
       if (!stale) {
         b0 = b1;
@@ -1075,6 +1093,17 @@ __device__ __forceinline__ void argmax_reg_bf16(const unsigned (&key)[V], int k,
       }
     }
   }
+}
+
+// Sorts 8 words in descending order (19 compare-exchanges).
+__device__ __forceinline__ void sort8_desc(unsigned (&s)[8]) {
+  auto ce = [&](int i, int j) { const unsigned hi = max(s[i], s[j]); s[j] = min(s[i], s[j]); s[i] = hi; };
+  ce(0, 2); ce(1, 3); ce(4, 6); ce(5, 7);
+  ce(0, 4); ce(1, 5); ce(2, 6); ce(3, 7);
+  ce(0, 1); ce(2, 3); ce(4, 5); ce(6, 7);
+  ce(2, 4); ce(3, 5);
+  ce(1, 4); ce(3, 6);
+  ce(1, 2); ce(3, 4); ce(5, 6);
 }
 
 __device__ __forceinline__ int warp_inclusive_scan(int v) {
@@ -1113,6 +1142,80 @@ __device__ __forceinline__ int compact_reg(const unsigned (&key)[V], int nch, in
     }
   }
   return run;
+}
+
+// Top-k (k <= 8) over 8 registers a lane (V = 8): each lane sorts its keys, then each round's max reduction
+// takes the largest head key and every lane holding it drops it, until k keys are taken: thr, the k-th key.
+// ilast = kIntMax when no key equal to thr is left out (then `key >= thr` alone selects), else the index
+// of the last one taken in index order. Same selection as argmax_reg. The selection goes in index order
+// to (lkey, lidx), its bits per chunk round to selm. (Sorting argmax_reg_bf16's packed words instead was
+// 8% slower than its rounds for bf16 post-softmax at E = 256.)
+template <int CH>
+__device__ __forceinline__ void select_reg8(const unsigned (&key)[8], int k, unsigned* lkey, int* lidx,
+                                            unsigned& thr, int& ilast, unsigned (&selm)[8 / CH]) {
+  constexpr int NJ = 8 / CH;
+  const int lane = threadIdx.x & 31;
+  unsigned s[8];
+#pragma unroll
+  for (int q = 0; q < 8; ++q) s[q] = key[q];
+  sort8_desc(s);
+  int taken = 0;
+  unsigned mk;
+  bool win;
+  for (;;) {
+    mk = __reduce_max_sync(FULL_MASK, s[0]);
+    win = s[0] == mk;
+    taken += __popc(__ballot_sync(FULL_MASK, win));
+    if (taken >= k) break;
+#pragma unroll
+    for (int q = 0; q < 7; ++q) s[q] = win ? s[q + 1] : s[q];
+    s[7] = win ? 0u : s[7];
+  }
+  // No key equal to thr is left out when exactly k were taken and no winner's next key equals thr (the
+  // other lanes hold only smaller keys). Real keys are > 0: the zero keys of padding and masked groups
+  // never count.
+  thr = mk;
+  ilast = kIntMax;
+  if (taken != k || __any_sync(FULL_MASK, win && s[1] == mk)) {
+    // ties at thr: the first `need` equal keys in index order (chunk round, lane, v)
+    int ge = 0, eq = 0;
+#pragma unroll
+    for (int q = 0; q < 8; ++q) { ge += key[q] >= thr ? 1 : 0; eq += key[q] == thr ? 1 : 0; }
+    const int tot = (int)__reduce_add_sync(FULL_MASK, (unsigned)ge);
+    const int need = k - (tot - (int)__reduce_add_sync(FULL_MASK, (unsigned)eq));
+    int run = 0, found = -1;
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+      int c = 0;
+#pragma unroll
+      for (int v = 0; v < CH; ++v) c += key[j * CH + v] == thr ? 1 : 0;
+      const int incl = warp_inclusive_scan(c);
+      int pos = run + incl - c;
+#pragma unroll
+      for (int v = 0; v < CH; ++v)
+        if (key[j * CH + v] == thr) { if (pos == need - 1) found = reg_expert<CH>(lane, j * CH + v); ++pos; }
+      run += __shfl_sync(FULL_MASK, incl, 31);
+    }
+    ilast = __reduce_max_sync(FULL_MASK, found);
+  }
+  // the selection in index order: per-lane bit masks, a warp scan of their counts
+  int run = 0;
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) {
+    unsigned sel = 0u;
+#pragma unroll
+    for (int v = 0; v < CH; ++v)
+      sel |= selected(key[j * CH + v], reg_expert<CH>(lane, j * CH + v), thr, ilast) ? 1u << v : 0u;
+    selm[j] = sel;
+    const int c = __popc(sel);
+    const int incl = warp_inclusive_scan(c);
+    unsigned* kp = lkey + (run + incl - c);
+    int* ip = lidx + (run + incl - c);
+#pragma unroll
+    for (int v = 0; v < CH; ++v)
+      if ((sel >> v) & 1u) { *kp++ = key[j * CH + v]; *ip++ = reg_expert<CH>(lane, j * CH + v); }
+    run += __shfl_sync(FULL_MASK, incl, 31);
+  }
 }
 
 // Radix select over the registers (same rule and result as radix_select<32>). list: 2 * kList words. As
@@ -1199,15 +1302,20 @@ __device__ __forceinline__ void group_scores_lanes(const unsigned (&key)[V], int
 }
 
 // Lane l < G holds group l's key (G <= 32, the whole warp calls): the bit mask of the g groups first in the
-// order (key desc, index asc), the ones select_topk picks. Each lane ranks its group with G shuffles.
+// order (key desc, index asc), the ones select_topk picks. g rounds of one max reduction: the lowest lane
+// holding the largest key still in play is taken (every key is nonzero; lane = group index).
 __device__ __forceinline__ unsigned rank_groups(unsigned mine, int G, int g) {
   const int lane = threadIdx.x & 31;
-  int rank = 0;
-  for (int i = 0; i < G; ++i) {
-    const unsigned ki = __shfl_sync(FULL_MASK, mine, i);
-    rank += (ki > mine || (ki == mine && i < lane)) ? 1 : 0;
+  bool avail = lane < G;
+  unsigned taken = 0u;
+  for (int r = 0; r < g; ++r) {
+    const unsigned mk = __reduce_max_sync(FULL_MASK, avail ? mine : 0u);
+    const unsigned b = __ballot_sync(FULL_MASK, avail && mine == mk);
+    const unsigned w = b & (0u - b);
+    taken |= w;
+    avail = avail && !((w >> lane) & 1u);
   }
-  return __ballot_sync(FULL_MASK, lane < G && rank < g);
+  return taken;
 }
 
 // The same group-limited selection as group_scores_lanes + select_topk + the mask, kept in registers when
@@ -1679,7 +1787,7 @@ router_fwd(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score
 // ---- forward with the row in registers: one warp per token, 4 tokens per block -------------------------
 // Same parameters, outputs and bits as router_fwd<T, 32>; requires vec and E / CH <= 32 * V / CH.
 template <typename T, int V>
-__global__ void __launch_bounds__(128, MOE_RT_FWD_REG_MINB(V))
+__global__ void __launch_bounds__(128, MOE_RT_FWD_REG_MINB(V, T))
 router_fwd_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score_fn, int pre_softmax,
                int aux_mode, int G, int g, int m, unsigned gmagic, float scale, const float* __restrict__ bias,
                T* __restrict__ probs, float* __restrict__ scores, bool* __restrict__ rmap,
@@ -1703,6 +1811,7 @@ router_fwd_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, int s
   const bool dense_norm = aux_mode || (score_fn == SOFTMAX && pre_softmax);
   const bool use_bias = bias != nullptr && sig_like && !aux_mode;
   const int nch = E / CH;
+  const int gn = G > 0 ? E / G : 1, gS = gn / CH;  // group size in experts and in chunks
 
   // Small rows: the next token's logits are loaded while this one is processed.
   constexpr bool kPrefetch = V <= 16;
@@ -1771,7 +1880,7 @@ router_fwd_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, int s
     // group, a group's chunks are S aligned lanes and there are at most 32 groups; otherwise group scores
     // from the registers or from the keys staged in shared memory, then select_topk over them.
     if (G > 0) {
-      const int n = E / G, S = n / CH;
+      const int n = gn, S = gS;
       const bool lanes = m <= 8 && n % CH == 0 && S <= 32 && (S & (S - 1)) == 0;
       if (lanes && G <= 32) {
         const int sh = __ffs(S) - 1;
@@ -1817,20 +1926,31 @@ router_fwd_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, int s
       }
     }
 
-    // Phase 3: top-k; Phase 4: the selected experts in index order -> lidx/lkey. For k <= 8 the argmax
-    // rounds hand lane r its r-th winner; its place in index order is the count of winners with a lower
-    // index (the indices are distinct). Otherwise the registers are compacted by the selection rule.
+    // Phase 3: top-k; Phase 4: the selected experts in index order -> lidx/lkey. With groups, V = 8 and
+    // k <= 8: select_reg8 (on H100 at E = 256, T = 65536, 17-20% faster than the argmax rounds, whose rescans
+    // are frequent when the winners lie in few lanes; 2-4% slower than them without groups). Other k <= 8:
+    // the argmax rounds hand lane r its r-th winner; its place in index order is the count of winners with
+    // a lower index (the indices are distinct). Otherwise the registers are compacted by the selection rule.
     unsigned thr;
     int il;
-    if (K <= 8) {
+    bool sel8 = false;
+    unsigned selm[NJ];  // select_reg8: the selection bits of each chunk round
+    if constexpr (V == 8) {
+      if (K <= 8 && G > 0) {
+        select_reg8<CH>(key, K, lkey, lidx, thr, il, selm);
+        sel8 = true;
+      }
+    }
+    if (!sel8 && K <= 8) {
       unsigned wk = 0u;
       int wi = kIntMax;
       if (IsBf16<T>::value && post) argmax_reg_bf16<V, CH>(key, K, thr, il, wk, wi);
       else argmax_reg<V, CH>(key, K, thr, il, wk, wi);
-      int pos = 0;
-      for (int i = 0; i < K; ++i) pos += __shfl_sync(FULL_MASK, wi, i) < wi ? 1 : 0;
+      int pos = 0;  // lanes >= K hold wi = kIntMax, which counts for no lane
+#pragma unroll
+      for (int i = 0; i < 8; ++i) pos += __shfl_sync(FULL_MASK, wi, i) < wi ? 1 : 0;
       if (lane < K) { lkey[pos] = wk; lidx[pos] = wi; }
-    } else {
+    } else if (!sel8) {
       radix_select_reg<V, CH>(key, nch, K, list, thr, il);
       compact_reg<V, CH>(key, nch, K, [&](unsigned kk, int e) { return selected(kk, e, thr, il); },
                          [&](int pos, unsigned kk, int e) { lkey[pos] = kk; lidx[pos] = e; });
@@ -1847,7 +1967,11 @@ router_fwd_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, int s
       unsigned kv[CH];
 #pragma unroll
       for (int v = 0; v < CH; ++v) kv[v] = key[j * CH + v];
-      dense_chunk_out<T, CH>(kv, c * CH, thr, il, row, rmap, wprobs ? probs : nullptr, winter ? inter : nullptr);
+      if (sel8)
+        dense_chunk_out<T, CH>(rmap ? selm[j] : 0u, c * CH, row, rmap, wprobs ? probs : nullptr,
+                               winter ? inter : nullptr);
+      else
+        dense_chunk_out<T, CH>(kv, c * CH, thr, il, row, rmap, wprobs ? probs : nullptr, winter ? inter : nullptr);
     });
     if (wprobs || winter) {
       __syncwarp();  // orders the fill before the patch
