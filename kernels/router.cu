@@ -17,9 +17,10 @@
 // In router_fwd_reg with at most 32 groups whose chunks sit on aligned lanes, the group keys, the choice of
 // groups and the mask stay in registers (shuffles and one ballot), and for k <= 8 the argmax rounds hand
 // each winner to a lane, which places it in index order by ranking the winners' indices (no pass over the
-// row); with groups and 8 keys a lane, each lane sorts its keys and the max rounds pop the lanes' heads. Every sum is done in a fixed order, so outputs are bitwise reproducible. Global traffic: logits read
-// once, each output written once with 16-byte vectors (the K nonzero probs are patched in after the zero
-// fill, while the lines are still in L2). The top-k backward reads, where its gradient is zero off the map,
+// row); with groups and 8 keys a lane, each lane sorts its keys and the max rounds pop the lanes' heads.
+// Every sum is done in a fixed order, so outputs are bitwise reproducible. Global traffic: logits read once,
+// each output written once with 16-byte vectors (the K nonzero probs are patched in after the zero fill,
+// while the lines are still in L2). The top-k backward reads, where its gradient is zero off the map,
 // only the map and the selected entries (router_bwd_sel, router_bwd_sel_reg).
 #include "moe_rt/common.cuh"
 
@@ -39,13 +40,18 @@ constexpr int kList = 64;  // radix select: keys still in play are compacted onc
 #ifndef MOE_RT_FWD_MINB_512
 #define MOE_RT_FWD_MINB_512 2
 #endif
-// router_fwd_reg with 8 keys a lane: 6 blocks (80 registers) for bf16; 5 for fp32, where 80 registers
-// spill (fp32 E = 256, T = 65536: softmax 86.7 us at 5 blocks, 91.8 at 6; grouped sigmoid 109.5 / 108.0).
+// router_fwd_reg with 8 keys a lane (H100, E = 256, T = 65536): bf16 6 blocks (80 registers), and 8 for the
+// kernel without groups (softmax 70.3 us at 8 blocks, 72.1 at 6); fp32 5 blocks, where 80 registers spill
+// (softmax 86.7 us at 5, 91.8 at 6; grouped sigmoid 109.5 / 108.0). For fp32 the kernel without groups was
+// slower at 80 registers (softmax 89.5 us), so fp32 uses the one kernel.
 #ifndef MOE_RT_FWD_REG_MINB_8
 #define MOE_RT_FWD_REG_MINB_8 6
 #endif
 #ifndef MOE_RT_FWD_REG_MINB_8_F32
 #define MOE_RT_FWD_REG_MINB_8_F32 5
+#endif
+#ifndef MOE_RT_FWD_REG_MINB_8_NG
+#define MOE_RT_FWD_REG_MINB_8_NG 8
 #endif
 // Chunks each thread loads before using the first. Forward (generic kernel), on H100: 6 on one-warp teams
 // (fp32 E=2304 0.958 ms with 2, 0.872 with 4, 0.820 with 6, 0.830 with 8), 2 on the larger teams (4 was 4%
@@ -62,8 +68,9 @@ constexpr int kList = 64;  // radix select: keys still in play are compacted onc
 #endif
 #define MOE_RT_BWD_U(TEAM, CH) ((TEAM) == 512 && MOE_RT_BWD_ELEMS_512 > (CH) ? MOE_RT_BWD_ELEMS_512 / (CH) : 1)
 #define MOE_RT_FWD_MINB(TEAM) ((TEAM) == 128 ? 6 : ((TEAM) == 32 ? 4 : MOE_RT_FWD_MINB_512))
-#define MOE_RT_FWD_REG_MINB(V, T) \
-  ((V) <= 8 ? (sizeof(T) == 4 ? MOE_RT_FWD_REG_MINB_8_F32 : MOE_RT_FWD_REG_MINB_8) : ((V) <= 16 ? 4 : 3))
+#define MOE_RT_FWD_REG_MINB8(T, GROUPS) \
+  (sizeof(T) == 4 ? MOE_RT_FWD_REG_MINB_8_F32 : ((GROUPS) ? MOE_RT_FWD_REG_MINB_8 : MOE_RT_FWD_REG_MINB_8_NG))
+#define MOE_RT_FWD_REG_MINB(V, T, GROUPS) ((V) <= 8 ? MOE_RT_FWD_REG_MINB8(T, GROUPS) : ((V) <= 16 ? 4 : 3))
 template <int N> struct IC { static constexpr int value = N; };
 template <typename T> struct IsBf16 { static constexpr bool value = false; };
 template <> struct IsBf16<__nv_bfloat16> { static constexpr bool value = true; };
@@ -1785,9 +1792,10 @@ router_fwd(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score
 }
 
 // ---- forward with the row in registers: one warp per token, 4 tokens per block -------------------------
-// Same parameters, outputs and bits as router_fwd<T, 32>; requires vec and E / CH <= 32 * V / CH.
-template <typename T, int V>
-__global__ void __launch_bounds__(128, MOE_RT_FWD_REG_MINB(V, T))
+// Same parameters, outputs and bits as router_fwd<T, 32>; requires vec and E / CH <= 32 * V / CH. GROUPS =
+// false: compiled without the group-limited selection (G = 0 only), which frees registers.
+template <typename T, int V, bool GROUPS = true>
+__global__ void __launch_bounds__(128, MOE_RT_FWD_REG_MINB(V, T, GROUPS))
 router_fwd_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score_fn, int pre_softmax,
                int aux_mode, int G, int g, int m, unsigned gmagic, float scale, const float* __restrict__ bias,
                T* __restrict__ probs, float* __restrict__ scores, bool* __restrict__ rmap,
@@ -1879,7 +1887,7 @@ router_fwd_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, int s
     // Phase 2: group-limited selection mask: in registers (group_mask_lanes) when every chunk lies in one
     // group, a group's chunks are S aligned lanes and there are at most 32 groups; otherwise group scores
     // from the registers or from the keys staged in shared memory, then select_topk over them.
-    if (G > 0) {
+    if (GROUPS && G > 0) {
       const int n = gn, S = gS;
       const bool lanes = m <= 8 && n % CH == 0 && S <= 32 && (S & (S - 1)) == 0;
       if (lanes && G <= 32) {
@@ -1935,7 +1943,7 @@ router_fwd_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, int s
     int il;
     bool sel8 = false;
     unsigned selm[NJ];  // select_reg8: the selection bits of each chunk round
-    if constexpr (V == 8) {
+    if constexpr (V == 8 && GROUPS) {
       if (K <= 8 && G > 0) {
         select_reg8<CH>(key, K, lkey, lidx, thr, il, selm);
         sel8 = true;
