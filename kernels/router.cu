@@ -70,7 +70,18 @@ constexpr int kList = 64;  // radix select: keys still in play are compacted onc
 #define MOE_RT_FWD_MINB(TEAM) ((TEAM) == 128 ? 6 : ((TEAM) == 32 ? 4 : MOE_RT_FWD_MINB_512))
 #define MOE_RT_FWD_REG_MINB8(T, GROUPS) \
   (sizeof(T) == 4 ? MOE_RT_FWD_REG_MINB_8_F32 : ((GROUPS) ? MOE_RT_FWD_REG_MINB_8 : MOE_RT_FWD_REG_MINB_8_NG))
-#define MOE_RT_FWD_REG_MINB(V, T, GROUPS) ((V) <= 8 ? MOE_RT_FWD_REG_MINB8(T, GROUPS) : ((V) <= 16 ? 4 : 3))
+// The kernel for groups held in the lanes (LANESEL): 8 blocks for bf16 (64 registers; grouped sigmoid at E = 256
+// 87.5 us, 89.3 at its natural 72 registers, 96.8 for the kernel with every path, which spills at 80), 7 for fp32
+// (64 registers once its shared memory held the selection alone; 100.8 us at 72, 110.7 for the full kernel).
+#ifndef MOE_RT_FWD_REG_MINB_LS
+#define MOE_RT_FWD_REG_MINB_LS 8
+#endif
+#ifndef MOE_RT_FWD_REG_MINB_LS_F32
+#define MOE_RT_FWD_REG_MINB_LS_F32 7
+#endif
+#define MOE_RT_FWD_REG_MINB(V, T, GROUPS, LANESEL)                                                    \
+  ((LANESEL) ? (sizeof(T) == 4 ? MOE_RT_FWD_REG_MINB_LS_F32 : MOE_RT_FWD_REG_MINB_LS)                  \
+             : ((V) <= 8 ? MOE_RT_FWD_REG_MINB8(T, GROUPS) : ((V) <= 16 ? 4 : 3)))
 template <int N> struct IC { static constexpr int value = N; };
 template <typename T> struct IsBf16 { static constexpr bool value = false; };
 template <> struct IsBf16<__nv_bfloat16> { static constexpr bool value = true; };
@@ -1190,29 +1201,19 @@ __device__ __forceinline__ void select_reg8(const unsigned (&key)[8], int k, uns
     for (int q = 0; q < 8; ++q) { ge += key[q] >= thr ? 1 : 0; eq += key[q] == thr ? 1 : 0; }
     const int tot = (int)__reduce_add_sync(FULL_MASK, (unsigned)ge);
     const int need = k - (tot - (int)__reduce_add_sync(FULL_MASK, (unsigned)eq));
-    int run = 0, found = -1;
-#pragma unroll
-    for (int j = 0; j < NJ; ++j) {
-      int c = 0;
-#pragma unroll
-      for (int v = 0; v < CH; ++v) c += key[j * CH + v] == thr ? 1 : 0;
-      const int incl = warp_inclusive_scan(c);
-      int pos = run + incl - c;
-#pragma unroll
-      for (int v = 0; v < CH; ++v)
-        if (key[j * CH + v] == thr) { if (pos == need - 1) found = reg_expert<CH>(lane, j * CH + v); ++pos; }
-      run += __shfl_sync(FULL_MASK, incl, 31);
-    }
+    int found = -1;
+    compact_reg<8, CH>(key, 32 * NJ, need, [&](unsigned kk, int) { return kk == thr; },
+                       [&](int pos, unsigned, int e) { if (pos == need - 1) found = e; });
     ilast = __reduce_max_sync(FULL_MASK, found);
   }
   // the selection in index order: per-lane bit masks, a warp scan of their counts
   int run = 0;
 #pragma unroll
   for (int j = 0; j < NJ; ++j) {
-    unsigned sel = 0u;
+    unsigned kv[CH];
 #pragma unroll
-    for (int v = 0; v < CH; ++v)
-      sel |= selected(key[j * CH + v], reg_expert<CH>(lane, j * CH + v), thr, ilast) ? 1u << v : 0u;
+    for (int v = 0; v < CH; ++v) kv[v] = key[j * CH + v];
+    const unsigned sel = chunk_selection<CH>(kv, reg_expert<CH>(lane, j * CH), thr, ilast);
     selm[j] = sel;
     const int c = __popc(sel);
     const int incl = warp_inclusive_scan(c);
@@ -1353,8 +1354,18 @@ struct RegLayout {
 
 // Shared memory of one token slot of router_fwd_reg (32-bit words; mirrored in moe_rt/router.py). The
 // row's keys are staged in shared memory only for the group scores.
+template <bool LANESEL>
 __device__ __forceinline__ RegLayout reg_layout(int E, int G, int K) {
   RegLayout L;
+  if constexpr (LANESEL) {  // the selected experts, keys and weights only
+    const int Kp = al4(K);
+    L.keys = L.gkey = L.hist = L.list = L.lidx = 0;
+    L.lkey = Kp;
+    L.lw = 2 * Kp;
+    L.lp = 3 * Kp;
+    L.total = 4 * Kp;
+    return L;
+  }
   L.keys = 0;
   L.gkey = G > 0 ? al4(E) : 0;
   L.hist = L.gkey + al4(G);
@@ -1793,9 +1804,12 @@ router_fwd(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score
 
 // ---- forward with the row in registers: one warp per token, 4 tokens per block -------------------------
 // Same parameters, outputs and bits as router_fwd<T, 32>; requires vec and E / CH <= 32 * V / CH. GROUPS =
-// false: compiled without the group-limited selection (G = 0 only), which frees registers.
-template <typename T, int V, bool GROUPS = true>
-__global__ void __launch_bounds__(128, MOE_RT_FWD_REG_MINB(V, T, GROUPS))
+// false: compiled without the group-limited selection (G = 0 only), which frees registers. LANESEL = true
+// (V = 8): compiled for one path alone, the group-limited selection held in the lanes (at most 32 groups,
+// each on a power-of-two count of aligned lanes, k / g <= 8) and select_reg8 (k <= 8); no aux mode; its
+// shared memory holds only the K selected experts, keys and weights.
+template <typename T, int V, bool GROUPS = true, bool LANESEL = false>
+__global__ void __launch_bounds__(128, MOE_RT_FWD_REG_MINB(V, T, GROUPS, LANESEL))
 router_fwd_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score_fn, int pre_softmax,
                int aux_mode, int G, int g, int m, unsigned gmagic, float scale, const float* __restrict__ bias,
                T* __restrict__ probs, float* __restrict__ scores, bool* __restrict__ rmap,
@@ -1803,16 +1817,19 @@ router_fwd_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, int s
   constexpr int CH = 16 / (int)sizeof(T);
   constexpr int NJ = V / CH;
   static_assert(NJ * CH == V, "V must be a multiple of the chunk size");
+  static_assert(!LANESEL || (V == 8 && GROUPS), "LANESEL: 8 keys a lane, with groups");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int slot = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const RegLayout L = reg_layout(E, G, K);
+  const RegLayout L = reg_layout<LANESEL>(E, G, K);
   const SlotPtrs P = slot_ptrs(reinterpret_cast<unsigned*>(smem_raw) + (size_t)slot * L.total, L);
   unsigned *skeys = P.keys, *gkey = P.gkey, *hist = P.hist, *list = P.list, *lkey = P.lkey;
   int* lidx = P.lidx;
   float *lw = P.lw, *lp = P.lp;
+  if constexpr (!LANESEL) {
 #pragma unroll
-  for (int b = 0; b < 16; ++b) hist[b * 32 + lane] = 0u;
-  if (lane == 0) list[2 * kList] = 0u;
+    for (int b = 0; b < 16; ++b) hist[b * 32 + lane] = 0u;
+    if (lane == 0) list[2 * kList] = 0u;
+  }
 
   const bool sig_like = score_fn != SOFTMAX;
   const bool post = !aux_mode && score_fn == SOFTMAX && !pre_softmax;
@@ -1890,7 +1907,7 @@ router_fwd_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, int s
     if (GROUPS && G > 0) {
       const int n = gn, S = gS;
       const bool lanes = m <= 8 && n % CH == 0 && S <= 32 && (S & (S - 1)) == 0;
-      if (lanes && G <= 32) {
+      if (LANESEL || (lanes && G <= 32)) {
         const int sh = __ffs(S) - 1;
         unsigned gm;
         if (m == 1) gm = group_mask_lanes<V, CH, 1>(key, S, sh, m, G, g);
@@ -1905,7 +1922,7 @@ router_fwd_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, int s
             for (int v = 0; v < CH; ++v) key[j * CH + v] = 0u;
           }
         }
-      } else {
+      } else if constexpr (!LANESEL) {
         if (lanes) {
           if (m == 1) group_scores_lanes<V, CH, 1>(key, nch, S, m, gkey);
           else if (m == 2) group_scores_lanes<V, CH, 2>(key, nch, S, m, gkey);
@@ -1944,24 +1961,26 @@ router_fwd_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, int s
     bool sel8 = false;
     unsigned selm[NJ];  // select_reg8: the selection bits of each chunk round
     if constexpr (V == 8 && GROUPS) {
-      if (K <= 8 && G > 0) {
+      if (LANESEL || (K <= 8 && G > 0)) {
         select_reg8<CH>(key, K, lkey, lidx, thr, il, selm);
         sel8 = true;
       }
     }
-    if (!sel8 && K <= 8) {
-      unsigned wk = 0u;
-      int wi = kIntMax;
-      if (IsBf16<T>::value && post) argmax_reg_bf16<V, CH>(key, K, thr, il, wk, wi);
-      else argmax_reg<V, CH>(key, K, thr, il, wk, wi);
-      int pos = 0;  // lanes >= K hold wi = kIntMax, which counts for no lane
+    if constexpr (!LANESEL) {
+      if (!sel8 && K <= 8) {
+        unsigned wk = 0u;
+        int wi = kIntMax;
+        if (IsBf16<T>::value && post) argmax_reg_bf16<V, CH>(key, K, thr, il, wk, wi);
+        else argmax_reg<V, CH>(key, K, thr, il, wk, wi);
+        int pos = 0;  // lanes >= K hold wi = kIntMax, which counts for no lane
 #pragma unroll
-      for (int i = 0; i < 8; ++i) pos += __shfl_sync(FULL_MASK, wi, i) < wi ? 1 : 0;
-      if (lane < K) { lkey[pos] = wk; lidx[pos] = wi; }
-    } else if (!sel8) {
-      radix_select_reg<V, CH>(key, nch, K, list, thr, il);
-      compact_reg<V, CH>(key, nch, K, [&](unsigned kk, int e) { return selected(kk, e, thr, il); },
-                         [&](int pos, unsigned kk, int e) { lkey[pos] = kk; lidx[pos] = e; });
+        for (int i = 0; i < 8; ++i) pos += __shfl_sync(FULL_MASK, wi, i) < wi ? 1 : 0;
+        if (lane < K) { lkey[pos] = wk; lidx[pos] = wi; }
+      } else if (!sel8) {
+        radix_select_reg<V, CH>(key, nch, K, list, thr, il);
+        compact_reg<V, CH>(key, nch, K, [&](unsigned kk, int e) { return selected(kk, e, thr, il); },
+                           [&](int pos, unsigned kk, int e) { lkey[pos] = kk; lidx[pos] = e; });
+      }
     }
     __syncwarp();
 

@@ -33,11 +33,16 @@ _FWD_VARIANT = os.environ.get("MOE_RT_ROUTER_FWD")
 _TEAM_VARIANT = os.environ.get("MOE_RT_ROUTER_TEAM")
 # "dense": the top-k backward reads whole rows of grad and intermediate (a benchmark and test variant)
 _BWD_VARIANT = os.environ.get("MOE_RT_ROUTER_BWD")
+# tokens per warp (forward, backward) of the row kernels, 0 = one resident wave (MOE_RT_ROUTER_TPW="f,b" at
+# import overrides the defaults of _fwd_tpw / _bwd_tpw: a benchmark variant)
+_TPW_VARIANT = tuple(int(v) for v in os.environ["MOE_RT_ROUTER_TPW"].split(",")) if os.environ.get(
+    "MOE_RT_ROUTER_TPW") else None
 
 _jit.register(_FILE, [f"router_fwd<{c}, {team}>" for c in _jit.CTYPES.values() for team in _TEAMS]
               + [f"router_fwd<{c}, 32, false>" for c in _jit.CTYPES.values()]
               + [f"router_fwd_reg<{c}, {v}>" for c in ("float", "__nv_bfloat16") for v in _REG_V]
               + ["router_fwd_reg<__nv_bfloat16, 8, false>"]
+              + [f"router_fwd_reg<{c}, 8, true, true>" for c in ("float", "__nv_bfloat16")]
               + [f"router_bwd<{c}, {c}, {team}>" for c in _jit.CTYPES.values() for team in _TEAMS]
               + [f"router_bwd<float, {c}, {team}>" for c in ("__half", "__nv_bfloat16") for team in _TEAMS]
               + [f"router_bwd_sel<{c}, {team}>" for c in _jit.CTYPES.values() for team in _TEAMS]
@@ -53,7 +58,7 @@ __all__ = ["topk_with_score", "topk_with_score_backward", "topk_indices_with_sco
 # ---- validation ---------------------------------------------------------------------------------------
 
 def _variant():
-    return _FWD_VARIANT, _TEAM_VARIANT, _BWD_VARIANT
+    return _FWD_VARIANT, _TEAM_VARIANT, _BWD_VARIANT, _TPW_VARIANT
 
 
 def _check_score_function(score_function):
@@ -140,8 +145,10 @@ def _slot_words(E, G, K, team):
     return al4(E) + al4(G) + 16 * team + 32 * nw + 64 + 16 + nw * kp + 2 * 64 + 4 + 4 * kp
 
 
-def _reg_slot_words(E, G, K):
+def _reg_slot_words(E, G, K, lanesel=False):
     al4 = lambda x: (x + 3) & ~3  # noqa: E731
+    if lanesel:
+        return 4 * al4(K)
     return (al4(E) if G else 0) + al4(G) + 16 * 32 + 2 * 64 + 4 + 4 * al4(K)
 
 
@@ -153,6 +160,29 @@ def _reg_v(E, ch, vec, dtype):
         return 0
     need = -(-(E // ch) // 32) * ch
     return next((v for v in _REG_V if v >= need), 0)
+
+
+def _tpw_grid(T, spb, tpw, resident):
+    """Blocks for T tokens: tpw tokens per warp (token slot), or with tpw = 0 at most one resident wave
+    that strides over the rows."""
+    if tpw:
+        return max(1, -(-T // (spb * tpw)))
+    return max(1, min(-(-T // spb), resident))
+
+
+def _fwd_tpw(dtype, v, G, ls):
+    """Tokens per warp of the one-warp forward kernels. On H100 at T = 65536 (us, one resident wave -> this
+    setting): generic kernel, E = 2304: fp32 softmax 801 -> 771, grouped 1077 -> 1030, bf16 softmax 658 -> 600,
+    grouped 892 -> 848 (1 token); register kernel, E = 256: bf16 softmax 69.9 -> 65.0, grouped 84.8 -> 77.9,
+    fp32 grouped 97.7 -> 89.4 (2 tokens; 1 token: 68.9 / 80.6 / 91.7). fp32 without groups was faster as
+    one wave (softmax 87.2 us, 90.4 with 4 tokens, 108 with 1)."""
+    if _TPW_VARIANT is not None:
+        return _TPW_VARIANT[0]
+    if not v:
+        return 1
+    if v == 8 and (dtype.itemsize == 2 or ls):
+        return 2
+    return 0
 
 
 def _grid(n_slots_needed, threads, smem, device_id, regs=0):
@@ -168,16 +198,29 @@ def _grid(n_slots_needed, threads, smem, device_id, regs=0):
 _fwd_cfgs: dict = {}
 
 
-def _fwd_cfg(dtype, E, K, G, vec, device_id):
+def _lane_groups(E, K, G, g, ch):
+    """The group-limited selection of router_fwd_reg stays in registers: at most 32 groups, each group's
+    16-byte chunks on a power-of-two count of aligned lanes (at most 32), at most 8 keys summed per group."""
+    if not G or G > 32 or (E // G) % ch:
+        return False
+    S = E // G // ch
+    return K // g <= 8 and S <= 32 and S & (S - 1) == 0
+
+
+def _fwd_cfg(dtype, E, K, G, g, vec, device_id):
     ch = 16 // dtype.itemsize
     v = _reg_v(E, ch, vec, dtype)
     if v:
         # bf16, 8 keys a lane, no groups: the kernel compiled without the group-limited selection (on H100
-        # 2-4% faster; for fp32 it was slower, see kernels/router.cu)
+        # 2-4% faster; for fp32 it was slower, see kernels/router.cu). 8 keys a lane with groups held in the
+        # lanes and k <= 8: a kernel compiled for that path alone (LANESEL).
         ng = v == 8 and not G and dtype.itemsize == 2
-        fn = _jit.function(_FILE, f"router_fwd_reg<{_jit.ctype(dtype)}, {v}{', false' if ng else ''}>")
+        ls = v == 8 and K <= 8 and _lane_groups(E, K, G, g, ch) and _FWD_VARIANT != "nolanesel"
+        fn = _jit.function(_FILE, f"router_fwd_reg<{_jit.ctype(dtype)}, {v}"
+                                  f"{', false' if ng else ''}{', true, true' if ls else ''}>")
         spb, threads = 4, 128
-        smem = 4 * _reg_slot_words(E, G, K) * spb
+        smem = 4 * _reg_slot_words(E, G, K, ls) * spb
+        tpw = _fwd_tpw(dtype, v, G, ls)
     else:
         team = _team(E, fwd=True)
         # one warp without groups: a kernel compiled without the group-limited selection
@@ -185,23 +228,24 @@ def _fwd_cfg(dtype, E, K, G, vec, device_id):
         spb = 4 if team == 32 else 1
         smem = 4 * _slot_words(E, G, K, team) * spb
         threads = team * spb
+        tpw = _fwd_tpw(dtype, 0, G, False) if team == 32 else 0
     regs = getattr(fn, "num_regs", 0)
     _jit.set_max_dynamic_shared(fn, smem)
-    return fn, threads, spb, smem, _grid(1 << 30, threads, smem, device_id, regs)
+    return fn, threads, spb, smem, _grid(1 << 30, threads, smem, device_id, regs), tpw
 
 
 def _launch_fwd(call, x, T, E, K, score_fn, pre, aux, G, g, scale, bias, probs, scores, rmap, inter,
                 idx, w):
     ch = 16 // x.dtype.itemsize
     vec = _vec_ok([x, probs, scores, rmap, inter, bias], E, ch)
-    key = (x.dtype, E, K, G, vec, call.device_id, _FWD_VARIANT, _TEAM_VARIANT)
+    key = (x.dtype, E, K, G, g, vec, call.device_id, _FWD_VARIANT, _TEAM_VARIANT, _TPW_VARIANT)
     cfg = _fwd_cfgs.get(key)
     if cfg is None:
         if len(_fwd_cfgs) > 512:
             _fwd_cfgs.clear()
-        cfg = _fwd_cfgs[key] = _fwd_cfg(x.dtype, E, K, G, vec, call.device_id)
-    fn, threads, spb, smem, resident = cfg
-    grid = max(1, min(-(-T // spb), resident))
+        cfg = _fwd_cfgs[key] = _fwd_cfg(x.dtype, E, K, G, g, vec, call.device_id)
+    fn, threads, spb, smem, resident, tpw = cfg
+    grid = _tpw_grid(T, spb, tpw, resident)
     n = E // G if G else 1
     gmagic = (-(-(1 << 32) // n)) & 0xFFFFFFFF if n > 1 else 0
     m = K // g if G else 0
@@ -232,7 +276,10 @@ def _launch_bwd(call, grad, rmap, inter, out, T, E, K, score_fn, pre, aux, scale
         # (on H100: 17% faster for fp32 E=2304, 4-20% slower with 1-2 chunks per thread)
         reg = -(-(E // ch) // team) >= _SEL_REG_CHUNKS
         fn = _jit.function(_FILE, f"router_bwd_sel{'_reg' if reg else ''}<{tg}, {team}>")
-        grid = _grid(-(-T // spb), threads, 0, call.device_id, getattr(fn, "num_regs", 0))
+        # one token per warp (or per 128-thread block) where measured (H100, T = 65536, us: fp32 E=256 softmax
+        # 57.3 -> 54.2, E=2304 415 -> 395; bf16 E=256 41.7 -> 39.9, E=2304 320 -> 291), else one resident wave
+        tpw = (_TPW_VARIANT[1] if _TPW_VARIANT is not None else 1) if team <= 128 else 0
+        grid = _tpw_grid(T, spb, tpw, _grid(1 << 30, threads, 0, call.device_id, getattr(fn, "num_regs", 0)))
         _jit.launch(fn, grid, threads,
                     (grad, rmap, inter, np.int64(T), np.int32(E), np.int32(K), np.int32(score_fn),
                      np.float32(scale), out),

@@ -280,6 +280,22 @@ def test_bad_inputs_topk(kw, exc, word):
         R.topk_indices_with_score(x, topk, **kw)
 
 
+def test_launch_geometry():
+    # groups held in the lanes: at most 32 groups, a power-of-two count of 16-byte chunks per group
+    assert R._lane_groups(256, 8, 8, 4, 8)  # bf16: 4 chunks a group
+    assert R._lane_groups(256, 8, 8, 4, 4)  # fp32: 8 chunks a group
+    assert not R._lane_groups(256, 8, 64, 4, 8)  # 64 groups
+    assert not R._lane_groups(192, 8, 4, 4, 8)  # 6 chunks a group
+    assert not R._lane_groups(256, 8, 0, 0, 8)  # no groups
+    assert not R._lane_groups(256, 36, 4, 4, 8)  # 9 keys summed a group
+    # tokens per warp: ceil(T / (slots * tpw)) blocks; 0: at most one resident wave
+    assert R._tpw_grid(65536, 4, 2, 1056) == 8192
+    assert R._tpw_grid(65537, 4, 1, 1056) == 16385
+    assert R._tpw_grid(65536, 4, 0, 1056) == 1056
+    assert R._tpw_grid(5, 4, 0, 1056) == 2
+    assert R._tpw_grid(0, 4, 2, 1056) == R._tpw_grid(0, 4, 0, 1056) == 1
+
+
 def test_bad_inputs_other():
     x = np.zeros((4, 8), F32)
     m = np.zeros((4, 8), bool)
@@ -532,6 +548,13 @@ VARIANT_CASES = [
     (512, 4, F32, "sqrtsoftplus", False, (4, 1), False, "MOE_RT_ROUTER_FWD=generic"),
     (512, 64, BF16, "sigmoid", False, (8, 2), False, "MOE_RT_ROUTER_FWD=generic"),
     (1024, 8, BF16, "sigmoid", False, None, True, "MOE_RT_ROUTER_FWD=generic"),
+    (128, 6, BF16, "sqrtsoftplus", False, (4, 2), True, "MOE_RT_ROUTER_FWD=generic"),
+    # the kernel compiled for groups held in the lanes (LANESEL) against the one with every path
+    (256, 8, BF16, "sigmoid", False, (8, 4), True, "MOE_RT_ROUTER_FWD=nolanesel"),
+    (256, 8, F32, "softmax", True, (8, 2), False, "MOE_RT_ROUTER_FWD=nolanesel"),
+    # one resident wave striding over the rows against the default tokens per warp
+    (256, 8, BF16, "sigmoid", False, (8, 4), True, "MOE_RT_ROUTER_TPW=0,0"),
+    (2304, 36, F32, "softmax", False, None, False, "MOE_RT_ROUTER_TPW=0,0"),
     (1024, 36, F32, "sigmoid", False, (8, 4), True, "MOE_RT_ROUTER_FWD=generic"),
     (1024, 8, F32, "softmax", True, (8, 4), False, "MOE_RT_ROUTER_FWD=generic"),
     (2304, 36, BF16, "softmax", False, None, False, "MOE_RT_ROUTER_TEAM=128"),
@@ -564,7 +587,10 @@ def test_gpu_kernel_variants_agree(rng, monkeypatch, case, ties):
 
     got = run()
     name, value = env.split("=")
-    monkeypatch.setattr(R, {"MOE_RT_ROUTER_FWD": "_FWD_VARIANT", "MOE_RT_ROUTER_TEAM": "_TEAM_VARIANT"}[name], value)
+    if name == "MOE_RT_ROUTER_TPW":
+        monkeypatch.setattr(R, "_TPW_VARIANT", tuple(int(v) for v in value.split(",")))
+    else:
+        monkeypatch.setattr(R, {"MOE_RT_ROUTER_FWD": "_FWD_VARIANT", "MOE_RT_ROUTER_TEAM": "_TEAM_VARIANT"}[name], value)
     want = run()
     names = ["probs", "map", "inter", "idx", "weights", "aux scores", "aux map", "aux inter"]
     dense = {"aux scores", "aux inter"} | ({"probs", "inter"} if pre else set())
