@@ -170,7 +170,7 @@ def _tpw_grid(T, spb, tpw, resident):
     return max(1, min(-(-T // spb), resident))
 
 
-def _fwd_tpw(dtype, v, G, ls):
+def _fwd_tpw(dtype, v, ls, team=32):
     """Tokens per warp of the one-warp forward kernels. On H100 at T = 65536 (us, one resident wave -> this
     setting): generic kernel, E = 2304: fp32 softmax 801 -> 771, grouped 1077 -> 1030, bf16 softmax 658 -> 600,
     grouped 892 -> 848 (1 token); register kernel, E = 256: bf16 softmax 69.9 -> 65.0, grouped 84.8 -> 77.9,
@@ -179,7 +179,7 @@ def _fwd_tpw(dtype, v, G, ls):
     if _TPW_VARIANT is not None:
         return _TPW_VARIANT[0]
     if not v:
-        return 1
+        return 1 if team == 32 else 0
     if v == 8 and (dtype.itemsize == 2 or ls):
         return 2
     return 0
@@ -220,7 +220,7 @@ def _fwd_cfg(dtype, E, K, G, g, vec, device_id):
                                   f"{', false' if ng else ''}{', true, true' if ls else ''}>")
         spb, threads = 4, 128
         smem = 4 * _reg_slot_words(E, G, K, ls) * spb
-        tpw = _fwd_tpw(dtype, v, G, ls)
+        tpw = _fwd_tpw(dtype, v, ls)
     else:
         team = _team(E, fwd=True)
         # one warp without groups: a kernel compiled without the group-limited selection
@@ -228,7 +228,7 @@ def _fwd_cfg(dtype, E, K, G, g, vec, device_id):
         spb = 4 if team == 32 else 1
         smem = 4 * _slot_words(E, G, K, team) * spb
         threads = team * spb
-        tpw = _fwd_tpw(dtype, 0, G, False) if team == 32 else 0
+        tpw = _fwd_tpw(dtype, 0, False, team)
     regs = getattr(fn, "num_regs", 0)
     _jit.set_max_dynamic_shared(fn, smem)
     return fn, threads, spb, smem, _grid(1 << 30, threads, smem, device_id, regs), tpw
