@@ -72,7 +72,7 @@ constexpr int kList = 64;  // radix select: keys still in play are compacted onc
   (sizeof(T) == 4 ? MOE_RT_FWD_REG_MINB_8_F32 : ((GROUPS) ? MOE_RT_FWD_REG_MINB_8 : MOE_RT_FWD_REG_MINB_8_NG))
 // The kernel for groups held in the lanes (LANESEL): 8 blocks for bf16 (64 registers; grouped sigmoid at E = 256
 // 87.5 us, 89.3 at its natural 72 registers, 96.8 for the kernel with every path, which spills at 80), 7 for fp32
-// (64 registers once its shared memory held the selection alone; 100.8 us at 72, 110.7 for the full kernel).
+// (64 registers since its smaller shared-memory slot and selection bits; 100.8 us at 72, 110.7 for the full kernel).
 #ifndef MOE_RT_FWD_REG_MINB_LS
 #define MOE_RT_FWD_REG_MINB_LS 8
 #endif
