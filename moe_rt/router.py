@@ -213,7 +213,8 @@ def _fwd_cfg(dtype, E, K, G, g, vec, device_id):
     if v:
         # bf16, 8 keys a lane, no groups: the kernel compiled without the group-limited selection (on H100
         # 2-4% faster; for fp32 it was slower, see kernels/router.cu). 8 keys a lane with groups held in the
-        # lanes and k <= 8: a kernel compiled for that path alone (LANESEL).
+        # lanes and k <= 8: a kernel compiled for that path alone (LANESEL; _FWD_VARIANT = "nolanesel" keeps the
+        # kernel with every path: a test variant).
         ng = v == 8 and not G and dtype.itemsize == 2
         ls = v == 8 and K <= 8 and _lane_groups(E, K, G, g, ch) and _FWD_VARIANT != "nolanesel"
         fn = _jit.function(_FILE, f"router_fwd_reg<{_jit.ctype(dtype)}, {v}"

@@ -9,7 +9,7 @@ column); "call ms" is the plain per-call time including moe_rt's Python overhead
 GPU. torch.compile baselines are compiled once per shape (dynamic=False) and only at T=65536, the target
 shape (``--compile-all`` compiles at every T). ``--quick`` runs T=65536 only with fewer iterations;
 ``--T`` picks the token counts, ``--ops fwd`` / ``bwd`` only the forward / top-k backward rows (for kernel variants selected by
-MOE_RT_ROUTER_FWD and MOE_RT_ROUTER_BWD, see moe_rt/router.py). ``--l2-fetch 32`` sets the L2 fetch granularity
+MOE_RT_ROUTER_FWD, MOE_RT_ROUTER_BWD and MOE_RT_ROUTER_TPW, see moe_rt/router.py). ``--l2-fetch 32`` sets the L2 fetch granularity
 first (the opt-in ``moe_rt.l2_fetch_granularity``; the default leaves the device's, 64 bytes on an H100).
 
     python tools/bench_router.py [--quick] [--T 4096,16384,65536] [--ops all|fwd|bwd] [--l2-fetch 32|64|128]
