@@ -31,7 +31,8 @@ _FILE = "router.cu"
 # kernel variants for benchmarks and tests, read once (tests patch these attributes)
 _FWD_VARIANT = os.environ.get("MOE_RT_ROUTER_FWD")
 _TEAM_VARIANT = os.environ.get("MOE_RT_ROUTER_TEAM")
-# "dense": the top-k backward reads whole rows of grad and intermediate (a benchmark and test variant)
+# "dense": the top-k backward reads whole rows of grad and intermediate; "sel" / "selreg": the two-pass /
+# one-pass selected-entries kernel for every row length (benchmark and test variants)
 _BWD_VARIANT = os.environ.get("MOE_RT_ROUTER_BWD")
 # tokens per warp (forward, backward) of the row kernels, 0 = one resident wave (MOE_RT_ROUTER_TPW="f,b" at
 # import overrides the defaults of _fwd_tpw / _bwd_tpw: a benchmark variant)
@@ -275,7 +276,8 @@ def _launch_bwd(call, grad, rmap, inter, out, T, E, K, score_fn, pre, aux, scale
         # zero gradient off the map: only the K selected entries of grad and intermediate are read; with
         # _SEL_REG_CHUNKS or more 16-byte chunks per thread, in one pass with the entries in registers
         # (on H100: 17% faster for fp32 E=2304, 4-20% slower with 1-2 chunks per thread)
-        reg = -(-(E // ch) // team) >= _SEL_REG_CHUNKS
+        reg = -(-(E // ch) // team) >= _SEL_REG_CHUNKS if _BWD_VARIANT not in ("sel", "selreg") else \
+            _BWD_VARIANT == "selreg"
         fn = _jit.function(_FILE, f"router_bwd_sel{'_reg' if reg else ''}<{tg}, {team}>")
         # one token per warp (or per 128-thread block) where measured (H100, T = 65536, us: fp32 E=256 softmax
         # 57.3 -> 54.2, E=2304 415 -> 395; bf16 E=256 41.7 -> 39.9, E=2304 320 -> 291), else one resident wave

@@ -640,7 +640,8 @@ SEL_BWD_CASES = [(7, 8, 1, F32, "softmax"), (517, 8, 2, BF16, "sigmoid"), (517, 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", SEL_BWD_CASES, ids=lambda c: f"T{c[0]}-E{c[1]}-K{c[2]}-{np.dtype(c[3]).name}-{c[4]}{'-g' if len(c) > 5 else ''}")
-def test_gpu_topk_backward_selected_entries_only(rng, monkeypatch, case):
+@pytest.mark.parametrize("kernel", [None, "sel", "selreg"])  # the default choice, or one kernel for every row
+def test_gpu_topk_backward_selected_entries_only(rng, monkeypatch, case, kernel):
     import cupy as cp
 
     T, E, K, dtype, score = case[:5]
@@ -659,6 +660,7 @@ def test_gpu_topk_backward_selected_entries_only(rng, monkeypatch, case):
         del a
         return R.topk_with_score_backward(gy, rmap, inter, K, score_function=score, scaling_factor=1.5).get()
 
+    monkeypatch.setattr(R, "_BWD_VARIANT", kernel)
     got = run()
     monkeypatch.setattr(R, "_BWD_VARIANT", "dense")
     want = run()
