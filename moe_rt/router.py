@@ -35,7 +35,7 @@ _TEAM_VARIANT = os.environ.get("MOE_RT_ROUTER_TEAM")
 # one-pass selected-entries kernel for every row length (benchmark and test variants)
 _BWD_VARIANT = os.environ.get("MOE_RT_ROUTER_BWD")
 # tokens per warp (forward, backward) of the row kernels, 0 = one resident wave (MOE_RT_ROUTER_TPW="f,b" at
-# import overrides the defaults of _fwd_tpw / _bwd_tpw: a benchmark variant)
+# import overrides the defaults of _fwd_tpw and of _launch_bwd: a benchmark variant)
 _TPW_VARIANT = tuple(int(v) for v in os.environ["MOE_RT_ROUTER_TPW"].split(",")) if os.environ.get(
     "MOE_RT_ROUTER_TPW") else None
 
