@@ -40,8 +40,9 @@ constexpr int kList = 64;  // radix select: keys still in play are compacted onc
 #ifndef MOE_RT_FWD_MINB_512
 #define MOE_RT_FWD_MINB_512 2
 #endif
-// router_fwd_reg with 8 keys a lane (H100, E = 256, T = 65536): bf16 6 blocks (80 registers), and 8 for the
-// kernel without groups (softmax 70.3 us at 8 blocks, 72.1 at 6); fp32 5 blocks, where 80 registers spill
+// router_fwd_reg with 8 keys a lane (H100, E = 256, T = 65536): bf16 6 blocks (80 registers, 32-36 bytes of
+// spills; since LANESEL it runs only the grouped rows that kernel does not take), and 8 for the kernel
+// without groups (softmax 70.3 us at 8 blocks, 72.1 at 6); fp32 5 blocks, where 80 registers spill
 // (softmax 86.7 us at 5, 91.8 at 6; grouped sigmoid 109.5 at 5, 108.0 to 115 at 6 depending on the build).
 // For fp32 the kernel without groups was slower at 80 registers (softmax 89.5 us): fp32 uses the one kernel.
 #ifndef MOE_RT_FWD_REG_MINB_8

@@ -282,7 +282,8 @@ def _launch_bwd(call, grad, rmap, inter, out, T, E, K, score_fn, pre, aux, scale
         # one token per warp (or per 128-thread block) where measured (H100, T = 65536, us: fp32 E=256 softmax
         # 57.3 -> 54.2, E=2304 415 -> 395; bf16 E=256 41.7 -> 39.9, E=2304 320 -> 291), else one resident wave
         tpw = (_TPW_VARIANT[1] if _TPW_VARIANT is not None else 1) if team <= 128 else 0
-        grid = _tpw_grid(T, spb, tpw, _grid(1 << 30, threads, 0, call.device_id, getattr(fn, "num_regs", 0)))
+        grid = (_tpw_grid(T, spb, tpw, 0) if tpw
+                else _grid(-(-T // spb), threads, 0, call.device_id, getattr(fn, "num_regs", 0)))
         _jit.launch(fn, grid, threads,
                     (grad, rmap, inter, np.int64(T), np.int32(E), np.int32(K), np.int32(score_fn),
                      np.float32(scale), out),
