@@ -403,30 +403,35 @@ struct GroupChunks {
   __device__ __forceinline__ int operator()(int c) const { return c + delta[__umulhi(4u * (unsigned)c, magic)]; }
 };
 
+// tau0 != 0: a bound the caller already has (at least k of the n keys are >= tau0); the first pass is skipped.
 template <int TEAM, typename Map>
-__device__ int prefilter_list(const unsigned* keys, int n, int k, unsigned* list, int* redi, Map map) {
+__device__ int prefilter_list(const unsigned* keys, int n, int k, unsigned* list, int* redi, Map map,
+                              unsigned tau0 = 0u) {
   using TM = Team<TEAM>;
   constexpr bool kId = Map::kIdentity;
   const int r = TM::rank(), lane = threadIdx.x & 31;
-  unsigned v[2] = {0u, 0u};  // v[0] >= v[1]: this thread's two largest keys (0 is below every real key)
   // Keys read 4 at a time where they are 16-byte vectors (which keys a thread sees changes tau, not the result).
   const bool vec4 = !kId || ((n & 3) == 0 && (reinterpret_cast<size_t>(keys) & 15) == 0);
   const uint4* keys4 = reinterpret_cast<const uint4*>(keys);
-  auto top2 = [&](unsigned key) {
-    v[1] = max(v[1], min(key, v[0]));
-    v[0] = max(v[0], key);
-  };
-  if (vec4) {
-    for (int c = r; c < (n >> 2); c += TEAM) {
-      const uint4 k4 = keys4[map(c)];
-      top2(k4.x); top2(k4.y); top2(k4.z); top2(k4.w);
+  unsigned tau = tau0;
+  if (tau == 0u) {
+    unsigned v[2] = {0u, 0u};  // v[0] >= v[1]: this thread's two largest keys (0 is below every real key)
+    auto top2 = [&](unsigned key) {
+      v[1] = max(v[1], min(key, v[0]));
+      v[0] = max(v[0], key);
+    };
+    if (vec4) {
+      for (int c = r; c < (n >> 2); c += TEAM) {
+        const uint4 k4 = keys4[map(c)];
+        top2(k4.x); top2(k4.y); top2(k4.z); top2(k4.w);
+      }
+    } else if constexpr (kId) {
+      for (int i = r; i < n; i += TEAM) top2(keys[i]);
     }
-  } else if constexpr (kId) {
-    for (int i = r; i < n; i += TEAM) top2(keys[i]);
+    sort64_desc(v, lane);
+    tau = __shfl_sync(FULL_MASK, ((k - 1) & 1) ? v[1] : v[0], (k - 1) >> 1);
+    tau = TM::vmax(tau, redi);
   }
-  sort64_desc(v, lane);
-  unsigned tau = __shfl_sync(FULL_MASK, ((k - 1) & 1) ? v[1] : v[0], (k - 1) >> 1);
-  tau = TM::vmax(tau, redi);
   unsigned* lcount = list + 2 * kList;
   int* lexp = reinterpret_cast<int*>(list + kList);
   auto append = [&](unsigned key, int i) {
@@ -601,6 +606,53 @@ __device__ __forceinline__ void merge_top_lanes(unsigned (&top)[MM], int L) {
   }
 }
 
+// Bitonic sort of a segment of L lanes (a power of two, aligned) holding 8 values each, element 8 * sub + q
+// in v[q]: afterwards in descending order. Each merge starts by comparing mirrored elements (i with
+// i ^ (kk - 1)), so every compare keeps the larger value at the lower index: no per-element direction.
+__device__ __forceinline__ void cas_desc(unsigned& a, unsigned& b) {
+  const unsigned hi = max(a, b);
+  b = min(a, b);
+  a = hi;
+}
+template <int KK>
+__device__ __forceinline__ void mirror8(unsigned (&v)[8]) {
+#pragma unroll
+  for (int q = 0; q < 8; ++q)
+    if ((q & (KK >> 1)) == 0) cas_desc(v[q], v[q ^ (KK - 1)]);
+}
+template <int J>
+__device__ __forceinline__ void half8(unsigned (&v)[8]) {
+#pragma unroll
+  for (int q = 0; q < 8; ++q)
+    if ((q & J) == 0) cas_desc(v[q], v[q ^ J]);
+}
+__device__ __forceinline__ void seg_sort8_desc(unsigned (&v)[8], int L, int sub) {
+  mirror8<2>(v);
+  mirror8<4>(v); half8<1>(v);
+  mirror8<8>(v); half8<2>(v); half8<1>(v);
+  for (int kk = 16; kk <= 8 * L; kk <<= 1) {
+    {  // mirror across lanes: element 8 sub + q against 8 (sub ^ off) + (q ^ 7)
+      const int off = (kk - 1) >> 3;
+      const bool lower = (sub & (kk >> 4)) == 0;
+      unsigned p[8];
+#pragma unroll
+      for (int q = 0; q < 8; ++q) p[q] = __shfl_xor_sync(FULL_MASK, v[q ^ 7], off);
+#pragma unroll
+      for (int q = 0; q < 8; ++q) v[q] = lower ? max(v[q], p[q]) : min(v[q], p[q]);
+    }
+    for (int j = kk >> 2; j >= 8; j >>= 1) {
+      const int off = j >> 3;
+      const bool lower = (sub & off) == 0;
+#pragma unroll
+      for (int q = 0; q < 8; ++q) {
+        const unsigned p = __shfl_xor_sync(FULL_MASK, v[q], off);
+        v[q] = lower ? max(v[q], p) : min(v[q], p);
+      }
+    }
+    half8<4>(v); half8<2>(v); half8<1>(v);
+  }
+}
+
 // Key of the group score: the sum of the first m (<= MM) values of a sorted top list, in order.
 template <int MM>
 __device__ __forceinline__ unsigned top_sum(const unsigned (&top)[MM], int m) {
@@ -666,7 +718,7 @@ __device__ void group_scores_any(const unsigned* keys, int G, int n, int m, unsi
 // falls back to group_scores_any otherwise).
 template <int TEAM>
 __device__ void group_scores_seg(const unsigned* keys, int G, int n, int m, int L, unsigned* gkey,
-                                 unsigned* scratch_all) {
+                                 unsigned* gy, unsigned* scratch_all) {
   const int r = Team<TEAM>::rank(), lane = threadIdx.x & 31;
   const int j = r / L, sub = r % L, seg0 = j * L;
   const bool act = j < G;
@@ -749,6 +801,7 @@ __device__ void group_scores_seg(const unsigned* keys, int G, int n, int m, int 
     float s = fdecode(scratch[m]);
     for (int u = 1; u < m; ++u) s += fdecode(scratch[m + u]);
     gkey[j] = fkey(s);
+    if (gy) gy[j] = scratch[2 * m - 1];
   }
   __syncwarp();
   if (act)
@@ -768,7 +821,7 @@ __device__ void group_scores_seg(const unsigned* keys, int G, int n, int m, int 
 // ncu). Kept out of line: inlined, it made the softmax forward of the same kernel slower (bf16 E = 2304:
 // 0.662 -> 0.673 ms on the H100).
 __device__ __noinline__ bool group_scores_pre(const unsigned* keys, int G, int n, int m, int L, unsigned* gkey,
-                                              unsigned* scratch_all) {
+                                              unsigned* gy, unsigned* scratch_all) {
   const int lane = threadIdx.x & 31;
   const int j = lane / L, sub = lane % L, n4 = n >> 2;
   const bool act = j < G;
@@ -828,33 +881,63 @@ __device__ __noinline__ bool group_scores_pre(const unsigned* keys, int G, int n
   __syncwarp();
   const int cnt = act ? (int)*ctr : 0, c4 = al4(cnt);
   const bool ok = __all_sync(FULL_MASK, cnt <= cap);
-  // Slot r of [c4, c4 + m) gets the key with exactly r larger keys in the list; equal keys share a slot,
-  // so an empty slot (0, below every real key) inside the top m repeats the slot before it.
-  if (ok && act) {
-    for (int i = sub; i < cnt; i += L) {  // reads [0, c4) (zero beyond cnt)
-      const unsigned ki = scratch[i];
-      int rk = 0;
-      for (int u = 0; u < c4; u += 4) {
-        const uint4 w = s4[u >> 2];
-        rk += (w.x > ki ? 1 : 0) + (w.y > ki ? 1 : 0) + (w.z > ki ? 1 : 0) + (w.w > ki ? 1 : 0);
+  const bool in_regs = ok && __all_sync(FULL_MASK, cnt <= 8 * L);
+  if (in_regs) {
+    // The segment's 8L list slots (zero beyond cnt) as 8 registers a lane, sorted in descending order
+    // across the segment; the first m summed in that order.
+    unsigned v[8];
+    const uint4* mine = s4 + 2 * sub;
+    const uint4 a = act ? mine[0] : make_uint4(0u, 0u, 0u, 0u), b = act ? mine[1] : make_uint4(0u, 0u, 0u, 0u);
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+    seg_sort8_desc(v, L, sub);
+    const int seg0 = lane - sub;
+    float s = 0.0f;
+    unsigned y = 0u;
+    for (int blk = 0; 8 * blk < m; ++blk) {
+#pragma unroll
+      for (int q = 0; q < 8; ++q) {
+        const unsigned x = __shfl_sync(FULL_MASK, v[q], seg0 + blk);
+        const int u = 8 * blk + q;
+        if (u < m) {
+          s = u == 0 ? fdecode(x) : s + fdecode(x);
+          y = x;
+        }
       }
-      if (rk < m) scratch[c4 + rk] = ki;
     }
-  }
-  __syncwarp();
-  if (ok && act && sub == 0) {
-    unsigned kp = scratch[c4];
-    float s = fdecode(kp);
-    for (int u = 1; u < m; ++u) {
-      const unsigned ku = scratch[c4 + u];
-      kp = ku != 0u ? ku : kp;
-      s += fdecode(kp);
+    if (act && sub == 0) {
+      gkey[j] = fkey(s);
+      if (gy) gy[j] = y;
     }
-    gkey[j] = fkey(s);
+  } else if (ok) {
+    // Slot r of [c4, c4 + m) gets the key with exactly r larger keys in the list; equal keys share a slot,
+    // so an empty slot (0, below every real key) inside the top m repeats the slot before it.
+    if (act) {
+      for (int i = sub; i < cnt; i += L) {  // reads [0, c4) (zero beyond cnt)
+        const unsigned ki = scratch[i];
+        int rk = 0;
+        for (int u = 0; u < c4; u += 4) {
+          const uint4 w = s4[u >> 2];
+          rk += (w.x > ki ? 1 : 0) + (w.y > ki ? 1 : 0) + (w.z > ki ? 1 : 0) + (w.w > ki ? 1 : 0);
+        }
+        if (rk < m) scratch[c4 + rk] = ki;
+      }
+    }
+    __syncwarp();
+    if (act && sub == 0) {
+      unsigned kp = scratch[c4];
+      float s = fdecode(kp);
+      for (int u = 1; u < m; ++u) {
+        const unsigned ku = scratch[c4 + u];
+        kp = ku != 0u ? ku : kp;
+        s += fdecode(kp);
+      }
+      gkey[j] = fkey(s);
+      if (gy) gy[j] = kp;
+    }
   }
   __syncwarp();
   if (act) {
-    const int used = ok ? al4(c4 + m) : al4(min(cnt, cap));
+    const int used = in_regs ? c4 : ok ? al4(c4 + m) : al4(min(cnt, cap));
     for (int q = sub; q < (used >> 2); q += L) s4[q] = make_uint4(0u, 0u, 0u, 0u);
     if (sub == 0) *ctr = 0u;
   }
@@ -862,9 +945,12 @@ __device__ __noinline__ bool group_scores_pre(const unsigned* keys, int G, int n
   return ok;
 }
 
+// gkey[j]: the key of group j's score. Where m > 8 and the groups fit the team's segments, also gy[j] (gy may
+// be null): the m-th largest key of group j, so that each group has at least m keys >= gy[j]; returns
+// whether gy was written.
 template <int TEAM>
-__device__ __forceinline__ void group_scores(const unsigned* keys, int G, int n, int m, unsigned* gkey,
-                                             unsigned* hist) {
+__device__ __forceinline__ bool group_scores(const unsigned* keys, int G, int n, int m, unsigned* gkey,
+                                             unsigned* gy, unsigned* hist) {
   if (m == 1) group_scores_reg<TEAM, 1>(keys, G, n, m, gkey);
   else if (m == 2) group_scores_reg<TEAM, 2>(keys, G, n, m, gkey);
   else if (m <= 4) group_scores_reg<TEAM, 4>(keys, G, n, m, gkey);
@@ -875,14 +961,16 @@ __device__ __forceinline__ void group_scores(const unsigned* keys, int G, int n,
     if (G <= TEAM && 2 * m <= 16 * L) {
 #ifndef MOE_RT_ROUTER_NO_PREFILTER
       if constexpr (TEAM == 32) {
-        if (m <= 4 * L && (n & 3) == 0 && n >= 16 * L && group_scores_pre(keys, G, n, m, L, gkey, hist)) return;
+        if (m <= 4 * L && (n & 3) == 0 && n >= 16 * L && group_scores_pre(keys, G, n, m, L, gkey, gy, hist))
+          return gy != nullptr;
       }
 #endif
-      group_scores_seg<TEAM>(keys, G, n, m, L, gkey, hist);
-    } else {
-      group_scores_any<TEAM>(keys, G, n, m, gkey);
+      group_scores_seg<TEAM>(keys, G, n, m, L, gkey, gy, hist);
+      return gy != nullptr;
     }
+    group_scores_any<TEAM>(keys, G, n, m, gkey);
   }
+  return false;
 }
 
 // ---- shared-memory layout of one token slot (in 32-bit words; mirrored in moe_rt/router.py) ----------
@@ -1643,7 +1731,10 @@ router_fwd(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score
     int il;
     if (GROUPS && G > 0) {
       const int n = E / G;
-      group_scores<TEAM>(keys, G, n, m, gkey, hist);
+      // gy (one warp, at most 32 groups): each group's m-th largest key, in the second half of the reduction
+      // scratch (the first half takes gdelta below)
+      unsigned* gy = reinterpret_cast<unsigned*>(red) + 32;
+      const bool have_y = group_scores<TEAM>(keys, G, n, m, gkey, TEAM == 32 && G <= 32 ? gy : nullptr, hist);
       TM::sync();
       // the selected groups: by rank in one warp with at most 32 groups (gm: their bit mask), else select_topk
       unsigned gthr = 0u, gm = 0u;
@@ -1660,8 +1751,10 @@ router_fwd(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score
             const int rk = __popc(gm & ((1u << lane) - 1u));
             gdelta[rk] = (lane - rk) * (n >> 2);
           }
+          // The selected groups hold g m = K keys at or above the least of their gy: the prefilter's bound.
+          const unsigned tau0 = have_y ? __reduce_min_sync(FULL_MASK, in ? gy[lane] : 0xffffffffu) : 0u;
           __syncwarp();
-          const int nl = prefilter_list<32>(keys, g * n, K, list, redi, GroupChunks{gdelta, gmagic});
+          const int nl = prefilter_list<32>(keys, g * n, K, list, redi, GroupChunks{gdelta, gmagic}, tau0);
           if (nl >= 0) {
             list_select<32>(list, nl, K, thr, il);
             gsel = gm;
@@ -1937,7 +2030,7 @@ router_fwd_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, int s
             stn<CH>(skeys + c * CH, kv);
           });
           __syncwarp();
-          group_scores<32>(skeys, G, n, m, gkey, hist);
+          group_scores<32>(skeys, G, n, m, gkey, nullptr, hist);
         }
         __syncwarp();
         unsigned gthr;

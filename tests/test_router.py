@@ -624,6 +624,41 @@ def test_gpu_long_rows_ties_exact(rng, E, K, s):
     _close(inter, ri, F32, E, "intermediate")
 
 
+# Grouped top-k on long rows (E = 2304, 8 groups, top-4 groups, K = 36: m = 9 keys a group score) whose
+# groups hold c equal top keys, c from 1 to the whole group. In one warp a group's candidate list is then
+# sorted in registers (c <= 32), ranked in shared memory (c <= 51) or too long (the radix path of 128-key
+# segments); the selected groups' least m-th key bounds the top-k prefilter. Other keys: a tie-free grid
+# below the top value, so group scores that differ do so by far more than rounding.
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gpu_group_lists_with_equal_keys(rng, dtype, bias):
+    import cupy as cp
+
+    T, E, G, K = 130, 2304, 8, 36
+    n = E // G
+    x = _tie_free(rng, T, E, F32) * 0.75 - 1.0
+    counts = [1, 5, 8, 9, 12, 20, 31, 32, 33, 40, 51, 52, 60, 100, n]
+    for t in range(T):
+        for j in range(G):
+            c = counts[(t + 5 * j) % len(counts)]
+            x[t, j * n + rng.choice(n, c, replace=False)] = 3.0
+    x = x.astype(dtype)
+    # a bias constant per group keeps the equal keys equal
+    b = np.repeat(np.arange(G, dtype=F32)[::-1] * 2.0 ** -10, n) if bias else None
+    kw = dict(score_function="sigmoid", num_groups=G, group_topk=4, expert_bias=b)
+    a = cp.empty(16 * T * E, dtype=cp.uint8)
+    a.fill(0xFF)  # poisons the pool the outputs come from
+    del a
+    probs, rmap, inter = (v.get() for v in R.topk_with_score(cp.asarray(x), K, **dict(
+        kw, expert_bias=None if b is None else cp.asarray(b))))
+    rp, rm, ri = ref.topk_with_score_fwd(x, K, **kw)
+    np.testing.assert_array_equal(rmap, rm)
+    assert (rmap.sum(1) == K).all()
+    _close(probs, rp, dtype, E, "probs")
+    _close(inter, ri, F32, E, "intermediate")
+
+
 # (T, E, K, dtype, score): the top-k backward that reads only the selected entries (post-softmax, sigmoid,
 # sqrtsoftplus on 16-byte rows) against the kernel that reads whole rows (MOE_RT_ROUTER_BWD=dense): the same
 # bits, with grads that are NaN / inf off the routing map (never read, and not in the result) and the
