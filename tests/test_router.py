@@ -374,6 +374,8 @@ GPU_CASES = [
     (1, 256, 64, BF16, "sqrtsoftplus", False, (8, 8), False, None),
     (4099, 2304, 36, F32, "softmax", False, None, False, None),
     (4099, 2304, 36, BF16, "sigmoid", False, (8, 4), True, None),
+    (517, 2304, 36, F32, "sigmoid", False, (8, 4), True, None),
+    (517, 1020, 36, F32, "sigmoid", False, (5, 4), True, None),  # groups of 204: 4-key units, 4-key rounds
     (7, 2304, 8, BF16, "softmax", True, None, False, None),
     (7, 2304, 1, F32, "sqrtsoftplus", False, None, False, None),
     (7, 16384, 64, F32, "softmax", False, None, False, None),
@@ -556,6 +558,7 @@ VARIANT_CASES = [
     (256, 8, BF16, "sigmoid", False, (8, 4), True, "MOE_RT_ROUTER_TPW=0,0"),
     (2304, 36, F32, "softmax", False, None, False, "MOE_RT_ROUTER_TPW=0,0"),
     (1024, 36, F32, "sigmoid", False, (8, 4), True, "MOE_RT_ROUTER_FWD=generic"),
+    (1020, 36, F32, "sigmoid", False, (5, 4), True, "MOE_RT_ROUTER_FWD=generic"),
     (1024, 8, F32, "softmax", True, (8, 4), False, "MOE_RT_ROUTER_FWD=generic"),
     (2304, 36, BF16, "softmax", False, None, False, "MOE_RT_ROUTER_TEAM=128"),
     (2304, 36, F32, "sigmoid", False, (8, 4), True, "MOE_RT_ROUTER_TEAM=128"),
