@@ -444,8 +444,16 @@ __device__ int prefilter_list(const unsigned* keys, int n, int k, unsigned* list
     for (int c = r; c < (n >> 2); c += TEAM) {
       const int pc = map(c);
       const uint4 k4 = keys4[pc];
-      if (max(max(k4.x, k4.y), max(k4.z, k4.w)) >= tau) {
-        append(k4.x, 4 * pc); append(k4.y, 4 * pc + 1); append(k4.z, 4 * pc + 2); append(k4.w, 4 * pc + 3);
+      if (max(max(k4.x, k4.y), max(k4.z, k4.w)) >= tau) {  // one atomic for the chunk's keys >= tau
+        const bool h0 = k4.x >= tau, h1 = k4.y >= tau, h2 = k4.z >= tau, h3 = k4.w >= tau;
+        unsigned pos = atomicAdd(lcount, (h0 ? 1u : 0u) + (h1 ? 1u : 0u) + (h2 ? 1u : 0u) + (h3 ? 1u : 0u));
+        auto put = [&](bool h, unsigned key, int i) {
+          if (h) {
+            if (pos < (unsigned)kList) { list[pos] = key; lexp[pos] = i; }
+            ++pos;
+          }
+        };
+        put(h0, k4.x, 4 * pc); put(h1, k4.y, 4 * pc + 1); put(h2, k4.z, 4 * pc + 2); put(h3, k4.w, 4 * pc + 3);
       }
     }
   } else if constexpr (kId) {
