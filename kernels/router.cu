@@ -821,8 +821,10 @@ __device__ void group_scores_seg(const unsigned* keys, int G, int n, int m, int 
 // n % 4 == 0 and n >= 16 L (16-byte aligned groups, at least 4 chunks of 4 keys per lane). Each lane takes
 // the largest key of each of 4 blocks of its chunks; tau, the m-th largest of the segment's 4L block maxima
 // (distinct keys of the group), has at least m keys of the group at or above it. Those keys are appended to
-// the segment's list in any order (a shared-memory counter in the segment's last scratch word), placed by
-// rank and the m largest summed in descending order: the same sum as group_scores_seg.
+// the segment's list in any order (a shared-memory counter in the segment's last scratch word). A list of at
+// most 8 keys a lane is sorted in registers across the segment (seg_sort8_desc), a longer one placed by rank
+// in shared memory; the m largest are summed in descending order (the same sum as group_scores_seg) and
+// gy[j] (gy may be null) gets the m-th largest.
 // False when some segment lists more than 16L - 4 - m keys (scratch left zero; the caller then runs
 // group_scores_seg). Requires m <= 4L. The per-lane top-4 lists and per-key ballots it replaces took about
 // 3600 of the 10600 instructions per token of router_fwd<float, 32> at E = 2304 (n = 288, L = 4, m = 9;

@@ -628,9 +628,10 @@ def test_gpu_long_rows_ties_exact(rng, E, K, s):
 
 
 # Grouped top-k on long rows (E = 2304, 8 groups, top-4 groups, K = 36: m = 9 keys a group score) whose
-# groups hold c equal top keys, c from 1 to the whole group. In one warp a group's candidate list is then
-# sorted in registers (c <= 32), ranked in shared memory (c <= 51) or too long (the radix path of 128-key
-# segments); the selected groups' least m-th key bounds the top-k prefilter. Other keys: a tie-free grid
+# groups hold c equal top keys, c from 1 to the whole group, so that in one warp the group candidate lists
+# take each path: sorted in registers (at most 32 keys), ranked in shared memory (at most 51) and too long
+# (the radix select of each group's segment of lanes); the selected groups' least m-th key bounds the top-k
+# prefilter. Other keys: a tie-free grid
 # below the top value, so group scores that differ do so by far more than rounding.
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [F32, BF16])
