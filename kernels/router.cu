@@ -2368,7 +2368,7 @@ router_bwd_sel(const T* __restrict__ grad, const bool* __restrict__ rmap, const 
 }
 
 template <typename T, int TEAM>
-__global__ void __launch_bounds__(TEAM == 32 ? 128 : TEAM)
+__global__ void __launch_bounds__(TEAM == 32 ? 128 : TEAM, TEAM == 32 ? 16 : 1)
 router_bwd_sel_reg(const T* __restrict__ grad, const bool* __restrict__ rmap, const float* __restrict__ inter,
                    i64 num_tokens, int E, int K, int score_fn, float scale, T* __restrict__ out) {
   using S = SelBwd<T, TEAM>;
@@ -2395,6 +2395,57 @@ router_bwd_sel_reg(const T* __restrict__ grad, const bool* __restrict__ rmap, co
   i64 t = (i64)blockIdx.x * SPB + slot;
   load_words(t, r, wnext);
   for (; t < num_tokens; t += stride) {
+    if (TEAM == 32 && nch <= U * TEAM) {
+      // One warp, one round of chunks: the map words and each chunk's first selected entry stay in registers,
+      // and each chunk is written once, its first entry placed in the zero vector (later entries of the chunk,
+      // rare, are read again and written after it). H100, T = 65536, E = 256: bf16 softmax 39.6 -> 38.4 us,
+      // fp32 55.0 -> 53.1 us (against reading the map and the entries again after the sums).
+      W w[U];
+      float g0[U], y0[U];
+      int p0[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) w[u] = r + u * TEAM < nch ? wrow[r + u * TEAM] : (W)0;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        unsigned long long b = MW::bits(w[u]);
+        p0[u] = -1;
+        g0[u] = y0[u] = 0.0f;
+        if (b) {
+          p0[u] = (__ffsll((long long)b) - 1) >> 3;
+          const i64 e = row + (i64)(r + u * TEAM) * CH + p0[u];
+          g0[u] = __fmul_rn(scale, to_float(grad[e]));
+          y0[u] = inter[e];
+          bwd_acc(sig_like, score_fn, g0[u], true, y0[u], A, B);
+          for (b &= b - 1; b; b &= b - 1) {
+            const i64 e2 = row + (i64)(r + u * TEAM) * CH + ((__ffsll((long long)b) - 1) >> 3);
+            bwd_acc(sig_like, score_fn, __fmul_rn(scale, to_float(grad[e2])), true, inter[e2], A, B);
+          }
+        }
+      }
+      A = TM::sum(A, red);
+      if (sig_like) B = TM::sum(B, red);
+      const float Ae = A + kEps;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int c = r + u * TEAM;
+        if (c < nch) {
+          alignas(16) T o[CH];
+          const T d = from_float<T>(p0[u] >= 0 ? bwd_dx(sig_like, score_fn, K > 1, false, false, A, Ae, B, g0[u],
+                                                        true, y0[u])
+                                               : 0.0f);
+#pragma unroll
+          for (int v = 0; v < CH; ++v) o[v] = v == p0[u] ? d : from_float<T>(0.0f);
+          stn<CH>(out + row + (i64)c * CH, o);
+          unsigned long long b = MW::bits(w[u]);
+          for (b &= b - 1; b; b &= b - 1) {  // same thread: after the vector
+            const i64 e = row + (i64)c * CH + ((__ffsll((long long)b) - 1) >> 3);
+            out[e] = from_float<T>(bwd_dx(sig_like, score_fn, K > 1, false, false, A, Ae, B,
+                                          __fmul_rn(scale, to_float(grad[e])), true, inter[e]));
+          }
+        }
+      }
+      continue;
+    }
     W w[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) w[u] = wnext[u];
