@@ -54,12 +54,18 @@ constexpr int kList = 64;  // radix select: keys still in play are compacted onc
 #ifndef MOE_RT_FWD_REG_MINB_8_NG
 #define MOE_RT_FWD_REG_MINB_8_NG 8
 #endif
-// Chunks each thread loads before using the first. Forward (generic kernel), on H100: 6 on one-warp teams
-// (fp32 E=2304 0.958 ms with 2, 0.872 with 4, 0.820 with 6, 0.830 with 8), 2 on the larger teams (4 was 4%
-// slower for bf16 E=16384). Backward: on the 512-thread team MOE_RT_BWD_ELEMS_512 elements per thread; on
-// H100 loading more than one chunk slowed the smaller teams.
+// Chunks each thread loads before using the first. Forward (generic kernel), on H100: on one-warp teams 9
+// (the whole bf16 row at E = 2304, or two rounds of fp32 instead of three), but 6 for 16-bit logits in the
+// kernel with groups. E = 2304, T = 65536, 6 -> 9: bf16 softmax 613 -> 563 us, bf16 grouped sigmoid 779 ->
+// 1013 us, fp32 grouped sigmoid 970 -> 949 us, fp32 softmax 736 either way (earlier, fp32: 0.958 ms with 2,
+// 0.872 with 4, 0.820 with 6, 0.830 with 8). Different counts for the score functions of one kernel made
+// ptxas spill. 2 on the larger teams (4 was 4% slower for bf16 E=16384). Backward: on the 512-thread team
+// MOE_RT_BWD_ELEMS_512 elements per thread; on H100 loading more than one chunk slowed the smaller teams.
 #ifndef MOE_RT_FWD_U_32
-#define MOE_RT_FWD_U_32 6
+#define MOE_RT_FWD_U_32 9
+#endif
+#ifndef MOE_RT_FWD_U_32_H_G
+#define MOE_RT_FWD_U_32_H_G 6
 #endif
 #ifndef MOE_RT_FWD_U
 #define MOE_RT_FWD_U 2
@@ -1667,7 +1673,8 @@ router_fwd(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score
     const bool use_bias = bias != nullptr && sig_like && !aux_mode;
     const bool write_inter1 = inter != nullptr && sig_like;
     if (vec) {
-      Phase1Vec<T, TEAM, TEAM == 32 ? MOE_RT_FWD_U_32 : MOE_RT_FWD_U> ph{
+      constexpr int U = TEAM != 32 ? MOE_RT_FWD_U : sizeof(T) == 2 && GROUPS ? MOE_RT_FWD_U_32_H_G : MOE_RT_FWD_U_32;
+      Phase1Vec<T, TEAM, U> ph{
           logits + row, bias, keys, write_inter1 ? inter + row : nullptr, nch, r, pmax, psum};
       with_score_fn(score_fn, aux_mode, use_bias, ph);
     } else {
