@@ -906,16 +906,19 @@ __device__ __noinline__ bool group_scores_pre(const unsigned* keys, int G, int n
     const uint4 a = act ? mine[0] : make_uint4(0u, 0u, 0u, 0u), b = act ? mine[1] : make_uint4(0u, 0u, 0u, 0u);
     v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
     seg_sort8_desc(v, L, sub);
+    // The segment's first lane holds the 8 largest (m > 8): it adds its own, then the rest from the next
+    // lanes (only the m - 8 needed are shuffled).
     const int seg0 = lane - sub;
-    float s = 0.0f;
-    unsigned y = 0u;
-    for (int blk = 0; 8 * blk < m; ++blk) {
+    float s = fdecode(v[0]);
+#pragma unroll
+    for (int q = 1; q < 8; ++q) s += fdecode(v[q]);
+    unsigned y = v[7];
+    for (int blk = 1; 8 * blk < m; ++blk) {
 #pragma unroll
       for (int q = 0; q < 8; ++q) {
-        const unsigned x = __shfl_sync(FULL_MASK, v[q], seg0 + blk);
-        const int u = 8 * blk + q;
-        if (u < m) {
-          s = u == 0 ? fdecode(x) : s + fdecode(x);
+        if (8 * blk + q < m) {  // warp-uniform
+          const unsigned x = __shfl_sync(FULL_MASK, v[q], seg0 + blk);
+          s += fdecode(x);
           y = x;
         }
       }
