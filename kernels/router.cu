@@ -99,6 +99,14 @@ __device__ __forceinline__ unsigned fkey(float v) {
   return (v != v) ? 0xffffffffu : k;
 }
 
+// fkey for v computed by fp32 arithmetic (add, multiply, MUFU): the GPU gives every NaN result as the one
+// canonical NaN 0x7fffffff, whose key is already 0xffffffff, so the NaN test is left out (2 instructions a
+// key). Raw inputs (a logit as read) keep fkey: their NaNs may carry a sign and a payload.
+__device__ __forceinline__ unsigned fkey_arith(float v) {
+  const unsigned b = __float_as_uint(v);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
 __device__ __forceinline__ float fdecode(unsigned k) {
   if (k == 0xffffffffu) return __uint_as_float(0x7fffffffu);
   const unsigned b = (k & 0x80000000u) ? (k & 0x7fffffffu) : ~k;
@@ -1086,8 +1094,7 @@ __device__ __forceinline__ void topk_weights(i64 t, int K, int score_fn, int pre
                                              float* __restrict__ topk_w) {
   const int lane = threadIdx.x & 31;
   const int j0 = lane, j1 = lane + 32;
-  // h1 only when K > 32 (warp-uniform). The divisions run on the lanes holding a selection only: 0 / den
-  // takes the division's slow path (ncu, grouped router_fwd_reg<bf16, 8>: 77 of 1268 instructions a token).
+  // h1 only when K > 32 (warp-uniform). The divisions run on the lanes holding a selection only.
   const bool h0 = j0 < K, h1 = K > 32 && j1 < K;
   const float x0 = h0 ? fdecode(lkey[j0]) : 0.0f, x1 = h1 ? fdecode(lkey[j1]) : 0.0f;
   float w0 = 0.0f, w1 = 0.0f, q0 = 0.0f, q1 = 0.0f;
@@ -1107,8 +1114,11 @@ __device__ __forceinline__ void topk_weights(i64 t, int K, int score_fn, int pre
     if (h1) p1v = bias ? x1 - bias[lidx[j1]] : x1;
     if (K > 1) {
       const float den = warp_sum(p0 + p1v) + kEps;
-      if (h0) w0 = scale * (p0 / den);
-      if (h1) w1 = scale * (p1v / den);
+      // __fdividef: p * rcp(den), within 2 ulp for den below 2^126 (a sum of at most 64 sigmoid or
+      // sqrt-softplus values); the IEEE division cost about 20 instructions a token (H100, grouped bf16
+      // E = 256: 74.7 -> 73.4 us)
+      if (h0) w0 = scale * __fdividef(p0, den);
+      if (h1) w1 = scale * __fdividef(p1v, den);
     } else {
       w0 = scale * p0; w1 = scale * p1v;
     }
@@ -1270,32 +1280,33 @@ __device__ __forceinline__ int compact_reg(const unsigned (&key)[V], int nch, in
   return run;
 }
 
-// Top-k (k <= 8) over 8 registers a lane (V = 8): each lane sorts its keys, then each round's max reduction
+// Top-k (k <= 8) over 8 registers a lane (V = 8): each lane's keys sorted, each round's max reduction
 // takes the largest head key and every lane holding it drops it, until k keys are taken: thr, the k-th key.
 // ilast = kIntMax when no key equal to thr is left out (then `key >= thr` alone selects), else the index
 // of the last one taken in index order. Same selection as argmax_reg. The selection goes in index order
 // to (lkey, lidx), its bits per chunk round to selm. (Sorting argmax_reg_bf16's packed words instead was
-// 8% slower than its rounds for bf16 post-softmax at E = 256.)
+// 8% slower than its rounds for bf16 post-softmax at E = 256.) s: the lane's keys sorted in descending order
+// (sort8_desc; the caller may have sorted them for the group keys), consumed.
 template <int CH>
-__device__ __forceinline__ void select_reg8(const unsigned (&key)[8], int k, unsigned* lkey, int* lidx,
-                                            unsigned& thr, int& ilast, unsigned (&selm)[8 / CH]) {
+__device__ __forceinline__ void select_reg8(const unsigned (&key)[8], unsigned (&s)[8], int k, unsigned* lkey,
+                                            int* lidx, unsigned& thr, int& ilast, unsigned (&selm)[8 / CH]) {
   constexpr int NJ = 8 / CH;
   const int lane = threadIdx.x & 31;
-  unsigned s[8];
-#pragma unroll
-  for (int q = 0; q < 8; ++q) s[q] = key[q];
-  sort8_desc(s);
+  // At most k <= 8 rounds (each takes at least one key), unrolled: after round r (from 0) at most 7 - r rounds
+  // follow, which read at most s[0 .. 6 - r], so only those are shifted (28 selects in all, not 56). Deeper
+  // entries go stale; s[1] is read after the last round only to detect ties, and a stale entry there (a key
+  // already taken, never below thr) at most sends the row down the exact tie path.
   int taken = 0;
-  unsigned mk;
-  bool win;
-  for (;;) {
+  unsigned mk = 0u;
+  bool win = false;
+#pragma unroll
+  for (int rd = 0; rd < 8; ++rd) {
     mk = __reduce_max_sync(FULL_MASK, s[0]);
     win = s[0] == mk;
     taken += __popc(__ballot_sync(FULL_MASK, win));
     if (taken >= k) break;
 #pragma unroll
-    for (int q = 0; q < 7; ++q) s[q] = win ? s[q + 1] : s[q];
-    s[7] = win ? 0u : s[7];
+    for (int q = 0; q < 7 - rd; ++q) s[q] = win ? s[q + 1] : s[q];
   }
   // No key equal to thr is left out when exactly k were taken and no winner's next key equals thr (the
   // other lanes hold only smaller keys). Real keys are > 0: the zero keys of padding and masked groups
@@ -1456,6 +1467,21 @@ __device__ __forceinline__ unsigned group_mask_lanes(const unsigned (&key)[V], i
   return rank_groups(mine, G, g);
 }
 
+// group_mask_lanes for one chunk of 8 keys a lane (V = CH = 8) already sorted in descending order: the lane's
+// top-MM list is the head of s (the same list insert_top builds, so the same group keys and mask).
+template <int MM>
+__device__ __forceinline__ unsigned group_mask_sorted8(const unsigned (&s)[8], int S, int sh, int m, int G, int g) {
+  const int lane = threadIdx.x & 31;
+  unsigned top[MM];
+#pragma unroll
+  for (int u = 0; u < MM; ++u) top[u] = s[u];
+  merge_top_lanes<MM>(top, S);
+  const unsigned gk = top_sum<MM>(top, m);
+  const int c0 = lane << sh;  // the first chunk of group `lane`
+  const unsigned t = __shfl_sync(FULL_MASK, gk, c0 & 31);
+  return rank_groups(c0 < 32 ? t : 0u, G, g);
+}
+
 struct RegLayout {
   int keys, gkey, hist, list, lidx, lkey, lw, lp, total;
 };
@@ -1514,7 +1540,10 @@ __device__ __forceinline__ SlotPtrs slot_ptrs(unsigned* base, const LT& L) {
 // ---- phase 1, compiled per score function -------------------------------------------------------------
 // One element: the selection key of logit x (b: its bias); iv: the intermediate (the logit for softmax and
 // sqrtsoftplus, sigmoid(x) for sigmoid); pmax (softmax) and psum (aux, sigmoid-like) accumulate.
-template <int SF, bool AUX, bool BIAS>
+// ARITH: keys of sigmoid values (and of biased values) by fkey_arith. Phase1Vec keeps the NaN test: without
+// it the bf16 grouped forward at E = 2304 ran 4% slower on the H100 (788 -> 823 us; in its SASS the second
+// bias load of each chunk moved after the first half of the chunk's keys).
+template <int SF, bool AUX, bool BIAS, bool ARITH = true>
 __device__ __forceinline__ unsigned p1_elem(float x, float b, float& iv, float& pmax, float& psum) {
   if constexpr (SF == SOFTMAX) {
     pmax = fmaxf(pmax, x);
@@ -1523,11 +1552,13 @@ __device__ __forceinline__ unsigned p1_elem(float x, float b, float& iv, float& 
   } else {
     const float a = SF == SIGMOID ? sigmoid_fwd(x) : sqrtsoftplusf(x);
     iv = SF == SIGMOID ? a : x;
+    // sigmoid_fwd ends in a MUFU reciprocal and the bias in an add: canonical NaNs (fkey_arith). sqrtsoftplusf
+    // without a bias keeps the NaN test (sqrtf's special-case path).
     if constexpr (AUX) {
       psum += a;
-      return fkey(a);
+      return ARITH && SF == SIGMOID ? fkey_arith(a) : fkey(a);
     } else {
-      return fkey(BIAS ? a + b : a);
+      return ARITH && (SF == SIGMOID || BIAS) ? fkey_arith(BIAS ? a + b : a) : fkey(BIAS ? a + b : a);
     }
   }
 }
@@ -1577,7 +1608,7 @@ struct Phase1Vec {
           if constexpr (BIAS) ldn<CH>(bias + c * CH, bv);
 #pragma unroll
           for (int v = 0; v < CH; ++v)
-            kv[v] = p1_elem<SF, AUX, BIAS>(to_float(xv[u][v]), BIAS ? bv[v] : 0.0f, iv[v], pmax, psum);
+            kv[v] = p1_elem<SF, AUX, BIAS, false>(to_float(xv[u][v]), BIAS ? bv[v] : 0.0f, iv[v], pmax, psum);
           stn<CH>(keys + c * CH, kv);
           if (SF != SOFTMAX && irow != nullptr) stn<CH>(irow + (i64)c * CH, iv);
         }
@@ -2030,22 +2061,42 @@ router_fwd_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, int s
     // Phase 2: group-limited selection mask: in registers (group_mask_lanes) when every chunk lies in one
     // group, a group's chunks are S aligned lanes and there are at most 32 groups; otherwise group scores
     // from the registers or from the keys staged in shared memory, then select_topk over them.
+    // s8: the lane's keys sorted for select_reg8. With one chunk of 8 keys a lane (LANESEL, 16-bit logits)
+    // they are sorted before the group mask, whose top lists are then their heads.
+    unsigned s8[8];
+    constexpr bool kSortFirst = LANESEL && CH == 8;
+    if constexpr (kSortFirst) {
+#pragma unroll
+      for (int q = 0; q < 8; ++q) s8[q] = key[q];
+      sort8_desc(s8);
+    }
     if (GROUPS && G > 0) {
       const int n = gn, S = gS;
       const bool lanes = m <= 8 && n % CH == 0 && S <= 32 && (S & (S - 1)) == 0;
       if (LANESEL || (lanes && G <= 32)) {
         const int sh = __ffs(S) - 1;
         unsigned gm;
-        if (m == 1) gm = group_mask_lanes<V, CH, 1>(key, S, sh, m, G, g);
-        else if (m == 2) gm = group_mask_lanes<V, CH, 2>(key, S, sh, m, G, g);
-        else if (m <= 4) gm = group_mask_lanes<V, CH, 4>(key, S, sh, m, G, g);
-        else gm = group_mask_lanes<V, CH, 8>(key, S, sh, m, G, g);
+        if constexpr (kSortFirst) {
+          if (m == 1) gm = group_mask_sorted8<1>(s8, S, sh, m, G, g);
+          else if (m == 2) gm = group_mask_sorted8<2>(s8, S, sh, m, G, g);
+          else if (m <= 4) gm = group_mask_sorted8<4>(s8, S, sh, m, G, g);
+          else gm = group_mask_sorted8<8>(s8, S, sh, m, G, g);
+        } else {
+          if (m == 1) gm = group_mask_lanes<V, CH, 1>(key, S, sh, m, G, g);
+          else if (m == 2) gm = group_mask_lanes<V, CH, 2>(key, S, sh, m, G, g);
+          else if (m <= 4) gm = group_mask_lanes<V, CH, 4>(key, S, sh, m, G, g);
+          else gm = group_mask_lanes<V, CH, 8>(key, S, sh, m, G, g);
+        }
 #pragma unroll
         for (int j = 0; j < NJ; ++j) {
           const int c = lane + 32 * j;
           if (c < nch && !((gm >> (c >> sh)) & 1u)) {
 #pragma unroll
             for (int v = 0; v < CH; ++v) key[j * CH + v] = 0u;
+            if constexpr (kSortFirst) {
+#pragma unroll
+              for (int q = 0; q < 8; ++q) s8[q] = 0u;
+            }
           }
         }
       } else if constexpr (!LANESEL) {
@@ -2088,7 +2139,12 @@ router_fwd_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, int s
     unsigned selm[NJ];  // select_reg8: the selection bits of each chunk round
     if constexpr (V == 8 && GROUPS) {
       if (LANESEL || (K <= 8 && G > 0)) {
-        select_reg8<CH>(key, K, lkey, lidx, thr, il, selm);
+        if constexpr (!kSortFirst) {
+#pragma unroll
+          for (int q = 0; q < 8; ++q) s8[q] = key[q];
+          sort8_desc(s8);
+        }
+        select_reg8<CH>(key, s8, K, lkey, lidx, thr, il, selm);
         sel8 = true;
       }
     }
@@ -2321,7 +2377,7 @@ __device__ __noinline__ float2 sel_rest(const T* __restrict__ grad, const float*
 }
 
 template <typename T, int TEAM>
-__global__ void __launch_bounds__(TEAM == 32 ? 128 : TEAM)
+__global__ void __launch_bounds__(TEAM == 32 ? 128 : TEAM, TEAM == 32 ? 16 : 1)
 router_bwd_sel(const T* __restrict__ grad, const bool* __restrict__ rmap, const float* __restrict__ inter,
                i64 num_tokens, int E, int K, int score_fn, float scale, T* __restrict__ out) {
   using S = SelBwd<T, TEAM>;
@@ -2339,72 +2395,6 @@ router_bwd_sel(const T* __restrict__ grad, const bool* __restrict__ rmap, const 
     const i64 row = t * (i64)E;
     const W* wrow = words + t * (i64)nch;
     float A = 0.0f, B = 0.0f;
-    for (int c0 = r; c0 < nch; c0 += U * TEAM) {
-      W w[U];
-#pragma unroll
-      for (int u = 0; u < U; ++u) w[u] = c0 + u * TEAM < nch ? wrow[c0 + u * TEAM] : (W)0;
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-        for (unsigned long long b = MW::bits(w[u]); b; b &= b - 1) {
-          const i64 e = row + (i64)(c0 + u * TEAM) * CH + ((__ffsll((long long)b) - 1) >> 3);
-          bwd_acc(sig_like, score_fn, __fmul_rn(scale, to_float(grad[e])), true, inter[e], A, B);
-        }
-    }
-    A = TM::sum(A, red);
-    if (sig_like) B = TM::sum(B, red);
-    const float Ae = A + kEps;
-    // the map words and the selected entries are read again (L1 hits) rather than kept in registers
-    for (int c0 = r; c0 < nch; c0 += U * TEAM) {
-      W w[U];
-#pragma unroll
-      for (int u = 0; u < U; ++u) w[u] = c0 + u * TEAM < nch ? wrow[c0 + u * TEAM] : (W)0;
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int c = c0 + u * TEAM;
-        if (c < nch) {
-          alignas(16) T zero[CH];
-#pragma unroll
-          for (int v = 0; v < CH; ++v) zero[v] = from_float<T>(0.0f);
-          stn<CH>(out + row + (i64)c * CH, zero);
-          for (unsigned long long b = MW::bits(w[u]); b; b &= b - 1) {  // same thread: after the zeros
-            const i64 e = row + (i64)c * CH + ((__ffsll((long long)b) - 1) >> 3);
-            out[e] = from_float<T>(bwd_dx(sig_like, score_fn, K > 1, false, false, A, Ae, B,
-                                          __fmul_rn(scale, to_float(grad[e])), true, inter[e]));
-          }
-        }
-      }
-    }
-  }
-}
-
-template <typename T, int TEAM>
-__global__ void __launch_bounds__(TEAM == 32 ? 128 : TEAM, TEAM == 32 ? 16 : 1)
-router_bwd_sel_reg(const T* __restrict__ grad, const bool* __restrict__ rmap, const float* __restrict__ inter,
-                   i64 num_tokens, int E, int K, int score_fn, float scale, T* __restrict__ out) {
-  using S = SelBwd<T, TEAM>;
-  using TM = Team<TEAM>;
-  using MW = typename S::MW;
-  using W = typename S::W;
-  constexpr int SPB = S::SPB, CH = S::CH, U = MOE_RT_SELR_U, NR = MOE_RT_SELR_NR;
-  __shared__ float red[64];
-  const int slot = threadIdx.x / TEAM, r = threadIdx.x % TEAM;
-  const bool sig_like = score_fn != SOFTMAX;
-  const int nch = E / CH;
-  const W* __restrict__ words = reinterpret_cast<const W*>(rmap);
-  const i64 stride = (i64)gridDim.x * SPB;
-  auto load_words = [&](i64 tt, int c0, W (&w)[U]) {
-    const W* wrow = words + tt * (i64)nch;
-#pragma unroll
-    for (int u = 0; u < U; ++u) w[u] = tt < num_tokens && c0 + u * TEAM < nch ? wrow[c0 + u * TEAM] : (W)0;
-  };
-  alignas(16) T zero[CH];
-#pragma unroll
-  for (int v = 0; v < CH; ++v) zero[v] = from_float<T>(0.0f);
-
-  W wnext[U];
-  i64 t = (i64)blockIdx.x * SPB + slot;
-  load_words(t, r, wnext);
-  for (; t < num_tokens; t += stride) {
     if (TEAM == 32 && nch <= U * TEAM) {
       // One warp, one round of chunks: the map words and each chunk's first selected entry stay in registers,
       // and each chunk is written once, its first entry placed in the zero vector (later entries of the chunk,
@@ -2456,6 +2446,72 @@ router_bwd_sel_reg(const T* __restrict__ grad, const bool* __restrict__ rmap, co
       }
       continue;
     }
+    for (int c0 = r; c0 < nch; c0 += U * TEAM) {
+      W w[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) w[u] = c0 + u * TEAM < nch ? wrow[c0 + u * TEAM] : (W)0;
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        for (unsigned long long b = MW::bits(w[u]); b; b &= b - 1) {
+          const i64 e = row + (i64)(c0 + u * TEAM) * CH + ((__ffsll((long long)b) - 1) >> 3);
+          bwd_acc(sig_like, score_fn, __fmul_rn(scale, to_float(grad[e])), true, inter[e], A, B);
+        }
+    }
+    A = TM::sum(A, red);
+    if (sig_like) B = TM::sum(B, red);
+    const float Ae = A + kEps;
+    // the map words and the selected entries are read again (L1 hits) rather than kept in registers
+    for (int c0 = r; c0 < nch; c0 += U * TEAM) {
+      W w[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) w[u] = c0 + u * TEAM < nch ? wrow[c0 + u * TEAM] : (W)0;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int c = c0 + u * TEAM;
+        if (c < nch) {
+          alignas(16) T zero[CH];
+#pragma unroll
+          for (int v = 0; v < CH; ++v) zero[v] = from_float<T>(0.0f);
+          stn<CH>(out + row + (i64)c * CH, zero);
+          for (unsigned long long b = MW::bits(w[u]); b; b &= b - 1) {  // same thread: after the zeros
+            const i64 e = row + (i64)c * CH + ((__ffsll((long long)b) - 1) >> 3);
+            out[e] = from_float<T>(bwd_dx(sig_like, score_fn, K > 1, false, false, A, Ae, B,
+                                          __fmul_rn(scale, to_float(grad[e])), true, inter[e]));
+          }
+        }
+      }
+    }
+  }
+}
+
+template <typename T, int TEAM>
+__global__ void __launch_bounds__(TEAM == 32 ? 128 : TEAM)
+router_bwd_sel_reg(const T* __restrict__ grad, const bool* __restrict__ rmap, const float* __restrict__ inter,
+                   i64 num_tokens, int E, int K, int score_fn, float scale, T* __restrict__ out) {
+  using S = SelBwd<T, TEAM>;
+  using TM = Team<TEAM>;
+  using MW = typename S::MW;
+  using W = typename S::W;
+  constexpr int SPB = S::SPB, CH = S::CH, U = MOE_RT_SELR_U, NR = MOE_RT_SELR_NR;
+  __shared__ float red[64];
+  const int slot = threadIdx.x / TEAM, r = threadIdx.x % TEAM;
+  const bool sig_like = score_fn != SOFTMAX;
+  const int nch = E / CH;
+  const W* __restrict__ words = reinterpret_cast<const W*>(rmap);
+  const i64 stride = (i64)gridDim.x * SPB;
+  auto load_words = [&](i64 tt, int c0, W (&w)[U]) {
+    const W* wrow = words + tt * (i64)nch;
+#pragma unroll
+    for (int u = 0; u < U; ++u) w[u] = tt < num_tokens && c0 + u * TEAM < nch ? wrow[c0 + u * TEAM] : (W)0;
+  };
+  alignas(16) T zero[CH];
+#pragma unroll
+  for (int v = 0; v < CH; ++v) zero[v] = from_float<T>(0.0f);
+
+  W wnext[U];
+  i64 t = (i64)blockIdx.x * SPB + slot;
+  load_words(t, r, wnext);
+  for (; t < num_tokens; t += stride) {
     W w[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) w[u] = wnext[u];

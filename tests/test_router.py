@@ -519,6 +519,44 @@ def test_gpu_nan_rows(dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("E,K,groups", [(256, 8, (8, 4)), (2304, 36, (8, 4)), (2304, 8, None)])
+def test_gpu_nan_signs_and_payloads(dtype, E, K, groups):
+    """NaN logits of either sign and any payload are all the largest key and equal to each other (lowest
+    index first), through every score function, with and without bias and groups (keys of sigmoid values
+    skip the kernel's NaN test: the GPU's arithmetic gives one canonical NaN)."""
+    import cupy as cp
+
+    rng = np.random.default_rng(5)
+    T = 9
+    x = _tie_free(rng, T, E, dtype)
+    # NaN bit patterns written straight into the array: quiet and signaling, either sign, with payloads
+    if dtype == BF16:
+        bits, xb = np.array([0x7FC0, 0xFFC0, 0x7F81, 0xFFBF, 0x7FC5, 0xFF83], np.uint16), x.view(np.uint16)
+    else:
+        bits = np.array([0x7FC00000, 0xFFC00000, 0x7F800001, 0xFFBFFFFF, 0x7FC12345, 0xFF812345], np.uint32)
+        xb = x.view(np.uint32)
+    for t in range(1, T):  # row 0 keeps no NaN; row t has 3t NaNs at random places, the last row only NaNs
+        cols = rng.choice(E, size=min(t * 3, E), replace=False)
+        xb[t, cols] = bits[rng.integers(0, len(bits), cols.size)]
+    xb[T - 1, :] = bits[rng.integers(0, len(bits), E)]
+    assert np.isnan(x.astype(F32)).sum() == sum(min(3 * t, E) for t in range(1, T - 1)) + E
+    bias = (rng.permutation(E) * (0.1 / E)).astype(F32)
+    kw_g = dict(num_groups=groups[0], group_topk=groups[1]) if groups else {}
+    for score in ("softmax", "sigmoid", "sqrtsoftplus"):
+        for use_bias in ((False, True) if score != "softmax" else (False,)):
+            kw = dict(kw_g, score_function=score)
+            if use_bias:
+                kw["expert_bias"] = bias
+            gp, gm, _ = R.topk_with_score(cp.asarray(x), K, **dict(kw, **(
+                {"expert_bias": cp.asarray(bias)} if use_bias else {})))
+            rp, rm, _ = R.topk_with_score(x, K, **kw)
+            np.testing.assert_array_equal(gm.get(), rm, err_msg=f"{score} bias={use_bias}")
+            assert (gm.get().sum(axis=1) == K).all()
+            np.testing.assert_array_equal(np.isnan(gp.get().astype(F32)), np.isnan(rp.astype(F32)))
+
+
+@pytest.mark.gpu
 def test_gpu_torch_and_unaligned(rng):
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
