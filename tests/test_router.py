@@ -246,6 +246,20 @@ def test_nan_cpu():
         assert np.isnan(probs[rmap]).all()
 
 
+def test_nan_signs_and_payloads_equal_cpu():
+    # NaNs of either sign, quiet or signaling, with payloads: all equal and above +inf, so the lowest indices
+    # win among them. With groups of 2 and m = 2, groups 1-3 each hold a NaN, so their scores are NaN and
+    # equal: group 1, the lowest, is taken (experts 2 and 3), not group 0 with +inf
+    nans = np.array([0xFFC00000, 0x7F800001, 0xFF812345, 0x7FC12345], np.uint32).view(F32)
+    x = np.array([[np.inf, 5.0, nans[0], 1.0, nans[1], nans[2], 2.0, nans[3]]], F32)
+    for score in ("softmax", "sigmoid", "sqrtsoftplus"):
+        _, rmap, _ = R.topk_with_score(x, 3, score_function=score)
+        np.testing.assert_array_equal(rmap[0], [0, 0, 1, 0, 1, 1, 0, 0])
+    bias = np.linspace(0.5, 0.0, 8).astype(F32)
+    _, rmap, _ = R.topk_with_score(x, 2, score_function="sigmoid", expert_bias=bias, num_groups=4, group_topk=1)
+    np.testing.assert_array_equal(rmap[0], [0, 0, 1, 1, 0, 0, 0, 0])
+
+
 # ---- bad inputs ----------------------------------------------------------------------------------------
 
 BAD = [
@@ -546,11 +560,8 @@ def test_gpu_nan_signs_and_payloads(dtype, E, K, groups):
     for score in ("softmax", "sigmoid", "sqrtsoftplus"):
         for use_bias in ((False, True) if score != "softmax" else (False,)):
             kw = dict(kw_g, score_function=score)
-            if use_bias:
-                kw["expert_bias"] = bias
-            gp, gm, _ = R.topk_with_score(cp.asarray(x), K, **dict(kw, **(
-                {"expert_bias": cp.asarray(bias)} if use_bias else {})))
-            rp, rm, _ = R.topk_with_score(x, K, **kw)
+            gp, gm, _ = R.topk_with_score(cp.asarray(x), K, expert_bias=cp.asarray(bias) if use_bias else None, **kw)
+            rp, rm, _ = R.topk_with_score(x, K, expert_bias=bias if use_bias else None, **kw)
             np.testing.assert_array_equal(gm.get(), rm, err_msg=f"{score} bias={use_bias}")
             assert (gm.get().sum(axis=1) == K).all()
             np.testing.assert_array_equal(np.isnan(gp.get().astype(F32)), np.isnan(rp.astype(F32)))
