@@ -35,7 +35,7 @@ _TEAM_VARIANT = os.environ.get("MOE_RT_ROUTER_TEAM")
 # one-pass selected-entries kernel for every row length (benchmark and test variants)
 _BWD_VARIANT = os.environ.get("MOE_RT_ROUTER_BWD")
 # tokens per warp (forward, backward) of the row kernels, 0 = one resident wave (MOE_RT_ROUTER_TPW="f,b" at
-# import overrides the defaults of _fwd_tpw and of _launch_bwd: a benchmark variant)
+# import overrides the defaults of _fwd_tpw and of _launch_bwd, "f" the forward's only: a benchmark variant)
 _TPW_VARIANT = tuple(int(v) for v in os.environ["MOE_RT_ROUTER_TPW"].split(",")) if os.environ.get(
     "MOE_RT_ROUTER_TPW") else None
 
@@ -281,7 +281,7 @@ def _launch_bwd(call, grad, rmap, inter, out, T, E, K, score_fn, pre, aux, scale
         fn = _jit.function(_FILE, f"router_bwd_sel{'_reg' if reg else ''}<{tg}, {team}>")
         # one token per warp (or per 128-thread block) where measured (H100, T = 65536, us: fp32 E=256 softmax
         # 57.3 -> 54.2, E=2304 415 -> 395; bf16 E=256 41.7 -> 39.9, E=2304 320 -> 291), else one resident wave
-        tpw = (_TPW_VARIANT[1] if _TPW_VARIANT is not None else 1) if team <= 128 else 0
+        tpw = (_TPW_VARIANT[1] if _TPW_VARIANT is not None and len(_TPW_VARIANT) > 1 else 1) if team <= 128 else 0
         grid = (_tpw_grid(T, spb, tpw, 0) if tpw
                 else _grid(-(-T // spb), threads, 0, call.device_id, getattr(fn, "num_regs", 0)))
         _jit.launch(fn, grid, threads,
