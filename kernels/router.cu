@@ -18,6 +18,8 @@
 // groups and the mask stay in registers (shuffles and one ballot), and for k <= 8 the argmax rounds hand
 // each winner to a lane, which places it in index order by ranking the winners' indices (no pass over the
 // row); with groups and 8 keys a lane, each lane sorts its keys and the max rounds pop the lanes' heads.
+// On 16-bit rows in one warp (k/g > 8), phase 1 keeps each 8-key chunk's largest key: the group scores and
+// the top-k prefilter over the selected groups read only the chunks whose maximum reaches their bound.
 // Every sum is done in a fixed order, so outputs are bitwise reproducible. Global traffic: logits read once,
 // each output written once with 16-byte vectors (the K nonzero probs are patched in after the zero fill,
 // while the lines are still in L2). The top-k backward reads, where its gradient is zero off the map,
@@ -93,19 +95,16 @@ template <int N> struct IC { static constexpr int value = N; };
 template <typename T> struct IsBf16 { static constexpr bool value = false; };
 template <> struct IsBf16<__nv_bfloat16> { static constexpr bool value = true; };
 
-__device__ __forceinline__ unsigned fkey(float v) {
-  const unsigned b = __float_as_uint(v);
-  const unsigned k = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-  return (v != v) ? 0xffffffffu : k;
-}
-
 // fkey for v computed by fp32 arithmetic (add, multiply, MUFU): the GPU gives every NaN result as the one
-// canonical NaN 0x7fffffff, whose key is already 0xffffffff, so the NaN test is left out (2 instructions a
-// key). Raw inputs (a logit as read) keep fkey: their NaNs may carry a sign and a payload.
+// canonical NaN 0x7fffffff, whose key is already 0xffffffff, so the NaN test is left out. Raw inputs (a logit
+// as read) keep fkey: their NaNs may carry a sign and a payload. Negative values flip every bit, others the
+// sign bit: one shift and one xor (a select on the sign compiled to 3 instructions).
 __device__ __forceinline__ unsigned fkey_arith(float v) {
   const unsigned b = __float_as_uint(v);
-  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+  return b ^ ((unsigned)((int)b >> 31) | 0x80000000u);
 }
+
+__device__ __forceinline__ unsigned fkey(float v) { return (v != v) ? 0xffffffffu : fkey_arith(v); }
 
 __device__ __forceinline__ float fdecode(unsigned k) {
   if (k == 0xffffffffu) return __uint_as_float(0x7fffffffu);
@@ -120,7 +119,12 @@ __device__ __forceinline__ float sigmoidf(float x) { return __frcp_rn(1.0f + exp
 // Relative error about 1e-6 for |x| < 10, growing with |x| (x log2 e is rounded before the exp2), inside the
 // spec's fp32 tolerance (max(1e-5, 4e-7 E) absolute and relative); values below about 1e-38 flush to zero.
 // The backward reads the saved values, not this function.
-__device__ __forceinline__ float sigmoid_fwd(float x) { return __fdividef(1.0f, 1.0f + __expf(-x)); }
+// (rcp.approx written out: __fdividef(1, y) left a multiply by 1 after the reciprocal, as an add of -0.)
+__device__ __forceinline__ float sigmoid_fwd(float x) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.0f + __expf(-x)));
+  return r;
+}
 __device__ __forceinline__ float sqrtsoftplusf(float x) { return x > 20.0f ? sqrtf(x) : sqrtf(log1pf(expf(x))); }
 
 __device__ __forceinline__ bool selected(unsigned key, int i, unsigned thr, int ilast) {
@@ -128,6 +132,18 @@ __device__ __forceinline__ bool selected(unsigned key, int i, unsigned thr, int 
 }
 
 // ---- vector load/store of N elements (N * sizeof(T) in {4, 8, 16, 32, ...} bytes) ----------------------
+// Element v of a chunk as a float; bf16 pairs unpacked from their 32-bit word with one shift or one mask
+// (the conversion compiled to a byte permute and a shift for the upper half).
+template <int N, typename T>
+__device__ __forceinline__ float elem_f(const T (&x)[N], int v) {
+  if constexpr (IsBf16<T>::value) {
+    const unsigned w = reinterpret_cast<const unsigned*>(x)[v >> 1];
+    return __uint_as_float((v & 1) ? (w & 0xffff0000u) : (w << 16));
+  } else {
+    return to_float(x[v]);
+  }
+}
+
 template <int N, typename T>
 __device__ __forceinline__ void ldn(const T* p, T (&v)[N]) {
   constexpr int B = N * (int)sizeof(T);
@@ -484,26 +500,89 @@ __device__ int prefilter_list(const unsigned* keys, int n, int k, unsigned* list
   return (int)total;
 }
 
+// prefilter_list with a bound tau for one warp over the selected groups' 8-key chunks (the first nc8 chunks
+// of the selected groups laid end to end; delta as in GroupChunks), reading only the chunks whose maximum in
+// cmax reaches tau.
+__device__ int prefilter_cmax(const unsigned* keys, const unsigned* cmax, int nc8, unsigned* list, const int* delta,
+                              unsigned magic, unsigned tau) {
+  const int lane = threadIdx.x & 31;
+  unsigned* lcount = list + 2 * kList;
+  int* lexp = reinterpret_cast<int*>(list + kList);
+  for (int i = lane; i < nc8; i += 32) {
+    const int pc = i + (delta[__umulhi(8u * (unsigned)i, magic)] >> 1);  // delta counts 4-key chunks
+    if (cmax[pc] >= tau) {
+      const unsigned* ck = keys + 8 * pc;
+      const uint4 a = reinterpret_cast<const uint4*>(ck)[0], b = reinterpret_cast<const uint4*>(ck)[1];
+      const unsigned kv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+      unsigned bits = 0u;
+#pragma unroll
+      for (int v = 0; v < 8; ++v) bits |= (kv[v] >= tau ? 1u : 0u) << v;
+      unsigned pos = atomicAdd(lcount, (unsigned)__popc(bits));
+      for (; bits != 0u; bits &= bits - 1u, ++pos) {
+        if (pos < (unsigned)kList) {
+          const int v = __ffs(bits) - 1;
+          list[pos] = ck[v];
+          lexp[pos] = 8 * pc + v;
+        }
+      }
+    }
+  }
+  __syncwarp();
+  const unsigned total = *lcount;
+  if (total > (unsigned)kList) {
+    __syncwarp();
+    if (lane == 0) *lcount = 0u;
+    __syncwarp();
+    return -1;
+  }
+  return (int)total;
+}
+
 // The k-th of the nlist <= 64 listed (key, index) pairs in the order (key desc, index asc): every warp sorts
-// them, packed as key << 32 | ~index, and reads the k-th (no radix passes, no tie scan). ilast is kIntMax when
-// no other listed key equals thr (the list holds every key >= thr), so that `key >= thr` alone selects. The
-// list count is reset.
+// the keys and reads the k-th (no radix passes); only when the (k+1)-th key equals it are the listed keys
+// equal to it ranked by index. ilast is kIntMax when the (k+1)-th does not equal thr (the list holds every
+// key >= thr), so that `key >= thr` alone selects. The list count is reset.
 template <int TEAM>
 __device__ __forceinline__ void list_select(unsigned* list, int nlist, int k, unsigned& thr, int& ilast) {
   const int lane = threadIdx.x & 31;
   const unsigned* lkeys = list;
   const int* lexp = reinterpret_cast<const int*>(list + kList);
-  unsigned long long c[2];
+  // The keys alone first (32-bit compares): the k-th is the threshold unless the (k+1)-th equals it.
+  unsigned c32[2];
 #pragma unroll
-  for (int s = 0; s < 2; ++s) {
-    const int i = 2 * lane + s;
-    c[s] = i < nlist ? ((unsigned long long)lkeys[i] << 32) | (unsigned)~lexp[i] : 0ull;
+  for (int s = 0; s < 2; ++s) c32[s] = 2 * lane + s < nlist ? lkeys[2 * lane + s] : 0u;
+  sort64_desc(c32, lane);
+  thr = __shfl_sync(FULL_MASK, ((k - 1) & 1) ? c32[1] : c32[0], (k - 1) >> 1);
+  ilast = kIntMax;
+  const unsigned kn = __shfl_sync(FULL_MASK, (k & 1) ? c32[1] : c32[0], (k >> 1) & 31);
+  if (k < nlist && kn == thr) {
+    // A tie across the k-th place: of the listed keys equal to thr, the first k - (count above thr) in
+    // index order are selected; ilast is the last of them. Each tied entry ranks itself against the others.
+    bool tie[2];
+    int idx[2], above = 0;
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      const int i = 2 * lane + s;
+      const unsigned key = i < nlist ? lkeys[i] : 0u;
+      above += key > thr ? 1 : 0;
+      tie[s] = i < nlist && key == thr;
+      idx[s] = tie[s] ? lexp[i] : kIntMax;
+    }
+    const int need = k - __reduce_add_sync(FULL_MASK, above);
+    int rk[2] = {0, 0};
+#pragma unroll
+    for (int s2 = 0; s2 < 2; ++s2) {
+      for (unsigned b = __ballot_sync(FULL_MASK, tie[s2]); b != 0u; b &= b - 1u) {
+        const int e = __shfl_sync(FULL_MASK, idx[s2], __ffs(b) - 1);
+        rk[0] += e < idx[0] ? 1 : 0;
+        rk[1] += e < idx[1] ? 1 : 0;
+      }
+    }
+    int found = -1;
+#pragma unroll
+    for (int s = 0; s < 2; ++s) found = tie[s] && rk[s] == need - 1 ? idx[s] : found;
+    ilast = __reduce_max_sync(FULL_MASK, found);
   }
-  sort64_desc(c, lane);
-  const unsigned long long ck = __shfl_sync(FULL_MASK, ((k - 1) & 1) ? c[1] : c[0], (k - 1) >> 1);
-  const unsigned long long cn = __shfl_sync(FULL_MASK, (k & 1) ? c[1] : c[0], (k >> 1) & 31);
-  thr = (unsigned)(ck >> 32);
-  ilast = (k < nlist && (unsigned)(cn >> 32) == thr) ? (int)~(unsigned)ck : kIntMax;
   Team<TEAM>::sync();  // every list read is done
   if (Team<TEAM>::rank() == 0) list[2 * kList] = 0u;
   Team<TEAM>::sync();
@@ -628,50 +707,62 @@ __device__ __forceinline__ void merge_top_lanes(unsigned (&top)[MM], int L) {
   }
 }
 
-// Bitonic sort of a segment of L lanes (a power of two, aligned) holding 8 values each, element 8 * sub + q
-// in v[q]: afterwards in descending order. Each merge starts by comparing mirrored elements (i with
-// i ^ (kk - 1)), so every compare keeps the larger value at the lower index: no per-element direction.
+// Bitonic sort of a segment of L lanes (a power of two, aligned) holding NV values each (NV = 4 or 8),
+// element NV * sub + q in v[q]: afterwards in descending order. Each merge starts by comparing mirrored
+// elements (i with i ^ (kk - 1)), so every compare keeps the larger value at the lower index: no per-element
+// direction.
 __device__ __forceinline__ void cas_desc(unsigned& a, unsigned& b) {
   const unsigned hi = max(a, b);
   b = min(a, b);
   a = hi;
 }
-template <int KK>
-__device__ __forceinline__ void mirror8(unsigned (&v)[8]) {
+template <int NV, int KK>
+__device__ __forceinline__ void mirror_lane(unsigned (&v)[NV]) {
 #pragma unroll
-  for (int q = 0; q < 8; ++q)
+  for (int q = 0; q < NV; ++q)
     if ((q & (KK >> 1)) == 0) cas_desc(v[q], v[q ^ (KK - 1)]);
 }
-template <int J>
-__device__ __forceinline__ void half8(unsigned (&v)[8]) {
+// half-cleaners of distance J, J / 2, ..., 1 inside the lane
+template <int NV, int J>
+__device__ __forceinline__ void halves_lane(unsigned (&v)[NV]) {
+  if constexpr (J >= 1) {
 #pragma unroll
-  for (int q = 0; q < 8; ++q)
-    if ((q & J) == 0) cas_desc(v[q], v[q ^ J]);
+    for (int q = 0; q < NV; ++q)
+      if ((q & J) == 0) cas_desc(v[q], v[q ^ J]);
+    halves_lane<NV, J / 2>(v);
+  }
 }
-__device__ __forceinline__ void seg_sort8_desc(unsigned (&v)[8], int L, int sub) {
-  mirror8<2>(v);
-  mirror8<4>(v); half8<1>(v);
-  mirror8<8>(v); half8<2>(v); half8<1>(v);
-  for (int kk = 16; kk <= 8 * L; kk <<= 1) {
-    {  // mirror across lanes: element 8 sub + q against 8 (sub ^ off) + (q ^ 7)
-      const int off = (kk - 1) >> 3;
-      const bool lower = (sub & (kk >> 4)) == 0;
-      unsigned p[8];
+template <int NV, int KK = 2>
+__device__ __forceinline__ void sort_lane(unsigned (&v)[NV]) {
+  mirror_lane<NV, KK>(v);
+  halves_lane<NV, KK / 4>(v);
+  if constexpr (2 * KK <= NV) sort_lane<NV, 2 * KK>(v);
+}
+template <int NV>
+__device__ __forceinline__ void seg_sort_desc(unsigned (&v)[NV], int L, int sub) {
+  static_assert(NV == 4 || NV == 8, "4 or 8 values a lane");
+  constexpr int SH = NV == 8 ? 3 : 2;
+  sort_lane<NV>(v);
+  for (int kk = 2 * NV; kk <= NV * L; kk <<= 1) {
+    {  // mirror across lanes: element NV sub + q against NV (sub ^ off) + (q ^ (NV - 1))
+      const int off = (kk - 1) >> SH;
+      const bool lower = (sub & (kk >> (SH + 1))) == 0;
+      unsigned p[NV];
 #pragma unroll
-      for (int q = 0; q < 8; ++q) p[q] = __shfl_xor_sync(FULL_MASK, v[q ^ 7], off);
+      for (int q = 0; q < NV; ++q) p[q] = __shfl_xor_sync(FULL_MASK, v[q ^ (NV - 1)], off);
 #pragma unroll
-      for (int q = 0; q < 8; ++q) v[q] = lower ? max(v[q], p[q]) : min(v[q], p[q]);
+      for (int q = 0; q < NV; ++q) v[q] = lower ? max(v[q], p[q]) : min(v[q], p[q]);
     }
-    for (int j = kk >> 2; j >= 8; j >>= 1) {
-      const int off = j >> 3;
+    for (int j = kk >> 2; j >= NV; j >>= 1) {
+      const int off = j >> SH;
       const bool lower = (sub & off) == 0;
 #pragma unroll
-      for (int q = 0; q < 8; ++q) {
+      for (int q = 0; q < NV; ++q) {
         const unsigned p = __shfl_xor_sync(FULL_MASK, v[q], off);
         v[q] = lower ? max(v[q], p) : min(v[q], p);
       }
     }
-    half8<4>(v); half8<2>(v); half8<1>(v);
+    halves_lane<NV, NV / 2>(v);
   }
 }
 
@@ -735,9 +826,9 @@ __device__ void group_scores_any(const unsigned* keys, int G, int n, int m, unsi
 
 // m > 8: the threads of the team split into segments of L lanes (a power of two, one segment per group,
 // inside one warp); each segment radix-selects its group's top-m (digit counts in registers, summed over
-// the segment with shuffles), then sums the m values in descending order. `scratch` (16 * TEAM words, zero
-// on entry and exit) holds each segment's sort. Requires G * L <= TEAM and 2 * m <= 16 * L (the caller
-// falls back to group_scores_any otherwise).
+// the segment with shuffles), then sums the m values in descending order. `scratch` (16 * TEAM words; each
+// word it reads is written first, and left zero) holds each segment's sort. Requires G * L <= TEAM and
+// 2 * m <= 16 * L (the caller falls back to group_scores_any otherwise).
 template <int TEAM>
 __device__ void group_scores_seg(const unsigned* keys, int G, int n, int m, int L, unsigned* gkey,
                                  unsigned* gy, unsigned* scratch_all) {
@@ -836,7 +927,7 @@ __device__ void group_scores_seg(const unsigned* keys, int G, int n, int m, int 
 // the largest key of each of 4 blocks of its chunks; tau, the m-th largest of the segment's 4L block maxima
 // (distinct keys of the group), has at least m keys of the group at or above it. Those keys are appended to
 // the segment's list in any order (a shared-memory counter in the segment's last scratch word). A list of at
-// most 8 keys a lane is sorted in registers across the segment (seg_sort8_desc), a longer one placed by rank
+// most 8 keys a lane is sorted in registers across the segment (seg_sort_desc), a longer one placed by rank
 // in shared memory; the m largest are summed in descending order (the same sum as group_scores_seg) and
 // gy[j] (gy may be null) gets the m-th largest.
 // False when some segment lists more than 16L - 4 - m keys (scratch left zero; the caller then runs
@@ -913,7 +1004,7 @@ __device__ __noinline__ bool group_scores_pre(const unsigned* keys, int G, int n
     const uint4* mine = s4 + 2 * sub;
     const uint4 a = act ? mine[0] : make_uint4(0u, 0u, 0u, 0u), b = act ? mine[1] : make_uint4(0u, 0u, 0u, 0u);
     v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
-    seg_sort8_desc(v, L, sub);
+    seg_sort_desc<8>(v, L, sub);
     // The segment's first lane holds the 8 largest (m > 8): it adds its own, then the rest from the next
     // lanes (only the m - 8 needed are shuffled).
     const int seg0 = lane - sub;
@@ -970,6 +1061,118 @@ __device__ __noinline__ bool group_scores_pre(const unsigned* keys, int G, int n
   }
   __syncwarp();
   return ok;
+}
+
+// Element i of a segment sorted by seg_sort_desc (NV values a lane), taken to every lane of the segment.
+template <int NV>
+__device__ __forceinline__ unsigned seg_elem(const unsigned (&v)[NV], int i, int seg0) {
+  // masks, not a select chain: ptxas turned the chain into an indexed load from local memory
+  unsigned x = 0u;
+#pragma unroll
+  for (int q = 0; q < NV; ++q) x |= v[q] & (0u - (unsigned)((i % NV) == q));
+  return __shfl_sync(FULL_MASK, x, seg0 + i / NV);
+}
+
+// The segment's NV L sorted values: the sum of the first m in descending order (the sum of group_scores_seg)
+// and the m-th, both valid in the segment's first lane.
+template <int NV>
+__device__ __forceinline__ float seg_top_sum(const unsigned (&v)[NV], int m, int seg0, unsigned& y) {
+  float s = fdecode(v[0]);
+#pragma unroll
+  for (int q = 1; q < NV; ++q) s += fdecode(v[q]);  // m > 8 >= NV
+  y = v[NV - 1];
+  for (int u = NV; u < m; u += NV) {
+#pragma unroll
+    for (int q = 0; q < NV; ++q) {
+      if (u + q < m) {  // warp-uniform
+        const unsigned x = __shfl_sync(FULL_MASK, v[q], seg0 + u / NV);
+        s += fdecode(x);
+        y = x;
+      }
+    }
+  }
+  return s;
+}
+
+// m > 8, one warp, 8-key chunks (16-bit logits) whose largest keys phase 1 left in cmax (cmax[c]: chunk c of
+// the row), groups of nc whole chunks, on segments of L lanes (L G <= 32, m <= 4 L, nc <= kCmaxQ L). Lane sub of
+// group j takes the group's chunks sub, sub + L, ... (their maxima held in registers): its 4 largest chunk
+// maxima, sorted across the segment, give tau (the m-th largest of those 4 L), so at least m keys of the group
+// are >= tau. Only the chunks whose maximum reaches tau are read; their keys >= tau go to the group's list
+// (lists + j * cap, any order; cap a multiple of 4, counters ctrs[0, G)), which is sorted in registers (4 or 8
+// a lane) to sum the m largest in descending order. gy[j] (gy may be null) gets the m-th largest. False (gkey
+// and gy untouched) when some list would pass cap or 8 L keys; the caller then runs group_scores_seg. Kept
+// out of line, as group_scores_pre. On H100 (bf16 grouped sigmoid at E = 2304, T = 65536): 780 -> 670 us
+// with prefilter_cmax and the 32-bit list_select, against group_scores_pre.
+constexpr int kCmaxQ = 12;
+__device__ __noinline__ bool group_scores_cmax(const unsigned* keys, const unsigned* cmax, int G, int nc, int m,
+                                               int L, unsigned* gkey, unsigned* gy, unsigned* lists, int cap,
+                                               unsigned* ctrs) {
+  const int lane = threadIdx.x & 31, lg = __ffs(L) - 1;
+  const int j = lane >> lg, sub = lane & (L - 1), seg0 = lane - sub;
+  const bool act = j < G;
+  const unsigned* cm = cmax + (act ? j * nc : 0);
+  const unsigned* gk = keys + (act ? 8 * j * nc : 0);
+  unsigned* list = lists + (act ? j * cap : 0);
+  if (act && sub == 0) ctrs[j] = 0u;
+  const int nq = act ? (nc - sub + L - 1) >> lg : 0;  // this lane's chunks
+  unsigned c[kCmaxQ], t[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+  for (int i = 0; i < kCmaxQ; ++i) c[i] = i < nq ? cm[sub + i * L] : 0u;
+#pragma unroll
+  for (int i = 0; i < kCmaxQ; ++i)
+    if (i < nq) insert_top<4>(t, c[i]);
+  seg_sort_desc<4>(t, L, sub);
+  const unsigned tau = seg_elem<4>(t, m - 1, seg0);
+  __syncwarp();  // the counters are zero
+  // a bit per chunk of this lane that reaches tau, then those chunks only, then their keys >= tau only
+  unsigned hit = 0u;
+#pragma unroll
+  for (int i = 0; i < kCmaxQ; ++i) hit |= (i < nq && c[i] >= tau ? 1u : 0u) << i;
+  for (; hit != 0u; hit &= hit - 1u) {
+    const unsigned* ck = gk + 8 * (sub + (__ffs(hit) - 1) * L);
+    const uint4 a = reinterpret_cast<const uint4*>(ck)[0], b = reinterpret_cast<const uint4*>(ck)[1];
+    const unsigned kv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    unsigned bits = 0u;
+#pragma unroll
+    for (int v = 0; v < 8; ++v) bits |= (kv[v] >= tau ? 1u : 0u) << v;
+    unsigned pos = atomicAdd(ctrs + j, (unsigned)__popc(bits));
+    for (; bits != 0u; bits &= bits - 1u, ++pos)
+      if (pos < (unsigned)cap) list[pos] = ck[__ffs(bits) - 1];
+  }
+  __syncwarp();
+  const int cnt = act ? (int)ctrs[j] : 0;
+  const int cmaxn = __reduce_max_sync(FULL_MASK, cnt);
+  if (cmaxn > cap || cmaxn > 8 * L) return false;
+  float s;
+  unsigned y;
+  if (cmaxn <= 4 * L) {
+    unsigned v[4];
+    const uint4 a = act && 4 * sub < cnt ? reinterpret_cast<const uint4*>(list)[sub] : make_uint4(0u, 0u, 0u, 0u);
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) v[q] = 4 * sub + q < cnt ? v[q] : 0u;
+    seg_sort_desc<4>(v, L, sub);
+    s = seg_top_sum<4>(v, m, seg0, y);
+  } else {
+    unsigned v[8];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int c0 = 8 * sub + 4 * h;
+      const uint4 a = act && c0 < cnt ? reinterpret_cast<const uint4*>(list)[2 * sub + h] : make_uint4(0u, 0u, 0u, 0u);
+      v[4 * h] = a.x; v[4 * h + 1] = a.y; v[4 * h + 2] = a.z; v[4 * h + 3] = a.w;
+    }
+#pragma unroll
+    for (int q = 0; q < 8; ++q) v[q] = 8 * sub + q < cnt ? v[q] : 0u;
+    seg_sort_desc<8>(v, L, sub);
+    s = seg_top_sum<8>(v, m, seg0, y);
+  }
+  if (act && sub == 0) {
+    gkey[j] = fkey(s);
+    if (gy) gy[j] = y;
+  }
+  __syncwarp();
+  return true;
 }
 
 // gkey[j]: the key of group j's score. Where m > 8 and the groups fit the team's segments, also gy[j] (gy may
@@ -1540,9 +1743,8 @@ __device__ __forceinline__ SlotPtrs slot_ptrs(unsigned* base, const LT& L) {
 // ---- phase 1, compiled per score function -------------------------------------------------------------
 // One element: the selection key of logit x (b: its bias); iv: the intermediate (the logit for softmax and
 // sqrtsoftplus, sigmoid(x) for sigmoid); pmax (softmax) and psum (aux, sigmoid-like) accumulate.
-// ARITH: keys of sigmoid values (and of biased values) by fkey_arith. Phase1Vec keeps the NaN test: without
-// it the bf16 grouped forward at E = 2304 ran 4% slower on the H100 (788 -> 823 us; in its SASS the second
-// bias load of each chunk moved after the first half of the chunk's keys).
+// ARITH: keys of sigmoid values (and of biased values) by fkey_arith (false: fkey's NaN test kept; bf16
+// grouped sigmoid at E = 2304 on the H100: 670 us with the test, 662 without).
 template <int SF, bool AUX, bool BIAS, bool ARITH = true>
 __device__ __forceinline__ unsigned p1_elem(float x, float b, float& iv, float& pmax, float& psum) {
   if constexpr (SF == SOFTMAX) {
@@ -1590,6 +1792,7 @@ struct Phase1Vec {
   const float* __restrict__ bias;
   unsigned* keys;
   float* __restrict__ irow;  // intermediate row, written for sigmoid-like functions (may be null)
+  unsigned* cmax;            // one warp, 8-key chunks: each chunk's largest key (may be null)
   int nch, r;
   float &pmax, &psum;
   template <int SF, bool AUX, bool BIAS>
@@ -1608,9 +1811,13 @@ struct Phase1Vec {
           if constexpr (BIAS) ldn<CH>(bias + c * CH, bv);
 #pragma unroll
           for (int v = 0; v < CH; ++v)
-            kv[v] = p1_elem<SF, AUX, BIAS, false>(to_float(xv[u][v]), BIAS ? bv[v] : 0.0f, iv[v], pmax, psum);
+            kv[v] = p1_elem<SF, AUX, BIAS>(elem_f(xv[u], v), BIAS ? bv[v] : 0.0f, iv[v], pmax, psum);
           stn<CH>(keys + c * CH, kv);
           if (SF != SOFTMAX && irow != nullptr) stn<CH>(irow + (i64)c * CH, iv);
+          if constexpr (TEAM == 32 && CH == 8) {
+            if (cmax != nullptr)
+              cmax[c] = max(max(max(kv[0], kv[1]), max(kv[2], kv[3])), max(max(kv[4], kv[5]), max(kv[6], kv[7])));
+          }
         }
       }
     }
@@ -1638,7 +1845,7 @@ struct Phase1Reg {
         alignas(16) float iv[CH];
 #pragma unroll
         for (int v = 0; v < CH; ++v)
-          key[j * CH + v] = p1_elem<SF, AUX, BIAS>(to_float(xv[j][v]), BIAS ? bv[v] : 0.0f, iv[v], pmax, psum);
+          key[j * CH + v] = p1_elem<SF, AUX, BIAS>(elem_f(xv[j], v), BIAS ? bv[v] : 0.0f, iv[v], pmax, psum);
         if (SF != SOFTMAX && irow != nullptr) stn<CH>(irow + (i64)c * CH, iv);
       } else {
 #pragma unroll
@@ -1659,7 +1866,7 @@ __global__ void __launch_bounds__(TEAM == 32 ? 128 : TEAM, MOE_RT_FWD_MINB(TEAM)
 router_fwd(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score_fn, int pre_softmax,
            int aux_mode, int G, int g, int m, unsigned gmagic, float scale, const float* __restrict__ bias,
            T* __restrict__ probs, float* __restrict__ scores, bool* __restrict__ rmap,
-           float* __restrict__ inter, int* __restrict__ topk_idx, float* __restrict__ topk_w, int vec) {
+           float* __restrict__ inter, int* __restrict__ topk_idx, float* __restrict__ topk_w, int vec, int gcm) {
   using TM = Team<TEAM>;
   constexpr int SPB = TEAM == 32 ? 4 : 1;
   constexpr int CH = 16 / (int)sizeof(T);
@@ -1676,8 +1883,15 @@ router_fwd(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score
   int* redi = reinterpret_cast<int*>(base + L.red + 32);
   int* wcount = reinterpret_cast<int*>(base + L.wcount);
   int* wlist = reinterpret_cast<int*>(base + L.wlist);
+  // gcm != 0 (set by the host where group_scores_cmax applies): group scores from phase 1's chunk maxima,
+  // cmax at hist[0, nch), then the groups' lists of cm_cap keys (the counters in the reduction scratch, unused
+  // by one warp until phase 2's gdelta); cm_L lanes a group.
+  const int cm_cap = gcm & 0xffff, cm_L = gcm >> 16;
+  const bool cm_groups = TEAM == 32 && GROUPS && CH == 8 && cm_cap != 0;
+  if (!cm_groups) {
 #pragma unroll
-  for (int b = 0; b < 16; ++b) hist[b * TEAM + r] = 0u;
+    for (int b = 0; b < 16; ++b) hist[b * TEAM + r] = 0u;
+  }
   if (r == 0) list[2 * kList] = 0u;
 
   const bool sig_like = score_fn != SOFTMAX;
@@ -1709,7 +1923,7 @@ router_fwd(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score
     if (vec) {
       constexpr int U = TEAM != 32 ? MOE_RT_FWD_U : sizeof(T) == 2 && GROUPS ? MOE_RT_FWD_U_32_H_G : MOE_RT_FWD_U_32;
       Phase1Vec<T, TEAM, U> ph{
-          logits + row, bias, keys, write_inter1 ? inter + row : nullptr, nch, r, pmax, psum};
+          logits + row, bias, keys, write_inter1 ? inter + row : nullptr, cm_groups ? hist : nullptr, nch, r, pmax, psum};
       with_score_fn(score_fn, aux_mode, use_bias, ph);
     } else {
       for (int e = r; e < E; e += TEAM) {
@@ -1785,7 +1999,15 @@ router_fwd(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score
       // gy (one warp, at most 32 groups): each group's m-th largest key, in the second half of the reduction
       // scratch (the first half takes gdelta below)
       unsigned* gy = reinterpret_cast<unsigned*>(red) + 32;
-      const bool have_y = group_scores<TEAM>(keys, G, n, m, gkey, TEAM == 32 && G <= 32 ? gy : nullptr, hist);
+      bool have_y, cm_ok = false;  // cm_ok: the chunk maxima are still in hist
+      if (cm_groups) {
+        have_y = true;
+        cm_ok = group_scores_cmax(keys, hist, G, n >> 3, m, cm_L, gkey, gy, hist + al4(nch), cm_cap,
+                                  reinterpret_cast<unsigned*>(red));
+        if (!cm_ok) group_scores_seg<TEAM>(keys, G, n, m, cm_L, gkey, gy, hist);
+      } else {
+        have_y = group_scores<TEAM>(keys, G, n, m, gkey, TEAM == 32 && G <= 32 ? gy : nullptr, hist);
+      }
       TM::sync();
       // the selected groups: by rank in one warp with at most 32 groups (gm: their bit mask), else select_topk
       unsigned gthr = 0u, gm = 0u;
@@ -1805,7 +2027,8 @@ router_fwd(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score
           // The selected groups hold g m = K keys at or above the least of their gy: the prefilter's bound.
           const unsigned tau0 = have_y ? __reduce_min_sync(FULL_MASK, in ? gy[lane] : 0xffffffffu) : 0u;
           __syncwarp();
-          const int nl = prefilter_list<32>(keys, g * n, K, list, redi, GroupChunks{gdelta, gmagic}, tau0);
+          const int nl = cm_ok ? prefilter_cmax(keys, hist, g * (n >> 3), list, gdelta, gmagic, tau0)
+                               : prefilter_list<32>(keys, g * n, K, list, redi, GroupChunks{gdelta, gmagic}, tau0);
           if (nl >= 0) {
             list_select<32>(list, nl, K, thr, il);
             gsel = gm;
@@ -1970,7 +2193,8 @@ __global__ void __launch_bounds__(128, MOE_RT_FWD_REG_MINB(V, T, GROUPS, LANESEL
 router_fwd_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score_fn, int pre_softmax,
                int aux_mode, int G, int g, int m, unsigned gmagic, float scale, const float* __restrict__ bias,
                T* __restrict__ probs, float* __restrict__ scores, bool* __restrict__ rmap,
-               float* __restrict__ inter, int* __restrict__ topk_idx, float* __restrict__ topk_w, int vec) {
+               float* __restrict__ inter, int* __restrict__ topk_idx, float* __restrict__ topk_w, int vec,
+               int /* gcm: router_fwd's */) {
   constexpr int CH = 16 / (int)sizeof(T);
   constexpr int NJ = V / CH;
   static_assert(NJ * CH == V, "V must be a multiple of the chunk size");

@@ -194,8 +194,8 @@ def _grid(n_slots_needed, threads, smem, device_id, regs=0):
     return max(1, min(n_slots_needed, p["sm_count"] * per_sm))
 
 
-# (dtype, E, K, G, vec, device) -> (kernel, threads, slots per block, smem, resident slots): the launch
-# configuration of the forward depends on the shapes only, so it is worked out once per shape.
+# (dtype, E, K, G, vec, device) -> (kernel, threads, slots per block, smem, resident slots, tokens per warp,
+# gcm): the launch configuration of the forward depends on the shapes only, so it is worked out once per shape.
 _fwd_cfgs: dict = {}
 
 
@@ -206,6 +206,24 @@ def _lane_groups(E, K, G, g, ch):
         return False
     S = E // G // ch
     return K // g <= 8 and S <= 32 and S & (S - 1) == 0
+
+
+def _cmax_word(E, K, G, g, ch, vec, team):
+    """router_fwd's gcm argument: where group_scores_cmax applies (one warp, 8-key chunks, at most 32 groups
+    of whole chunks, each on L lanes with m = K / g in (8, 4 L] and at most kCmaxQ = 12 chunks a lane, and a
+    list of at least 4 L keys a group beside the row's chunk maxima in the slot's 16 * 32 scratch words), its
+    list capacity per group | L << 16; else 0. Not for aux scores or pre-softmax (their keys change after
+    phase 1)."""
+    if team != 32 or ch != 8 or not vec or not G or G > 32 or (E // G) % 8:
+        return 0
+    L = 1
+    while L < 32 and L * 2 * G <= 32:
+        L *= 2
+    m, nc = K // g, E // G // 8
+    cap = ((16 * 32 - ((E // 8 + 3) & ~3)) // G) & ~3
+    if not (8 < m <= 4 * L and nc <= 12 * L and cap >= 4 * L):
+        return 0
+    return cap | (L << 16)
 
 
 def _fwd_cfg(dtype, E, K, G, g, vec, device_id):
@@ -223,6 +241,7 @@ def _fwd_cfg(dtype, E, K, G, g, vec, device_id):
         spb, threads = 4, 128
         smem = 4 * _reg_slot_words(E, G, K, ls) * spb
         tpw = _fwd_tpw(dtype, v, ls)
+        gcm = 0
     else:
         team = _team(E, fwd=True)
         # one warp without groups: a kernel compiled without the group-limited selection
@@ -231,9 +250,10 @@ def _fwd_cfg(dtype, E, K, G, g, vec, device_id):
         smem = 4 * _slot_words(E, G, K, team) * spb
         threads = team * spb
         tpw = _fwd_tpw(dtype, 0, False, team)
+        gcm = _cmax_word(E, K, G, g, ch, vec, team)
     regs = getattr(fn, "num_regs", 0)
     _jit.set_max_dynamic_shared(fn, smem)
-    return fn, threads, spb, smem, _grid(1 << 30, threads, smem, device_id, regs), tpw
+    return fn, threads, spb, smem, _grid(1 << 30, threads, smem, device_id, regs), tpw, gcm
 
 
 def _launch_fwd(call, x, T, E, K, score_fn, pre, aux, G, g, scale, bias, probs, scores, rmap, inter,
@@ -246,7 +266,7 @@ def _launch_fwd(call, x, T, E, K, score_fn, pre, aux, G, g, scale, bias, probs, 
         if len(_fwd_cfgs) > 512:
             _fwd_cfgs.clear()
         cfg = _fwd_cfgs[key] = _fwd_cfg(x.dtype, E, K, G, g, vec, call.device_id)
-    fn, threads, spb, smem, resident, tpw = cfg
+    fn, threads, spb, smem, resident, tpw, gcm = cfg
     grid = _tpw_grid(T, spb, tpw, resident)
     n = E // G if G else 1
     gmagic = (-(-(1 << 32) // n)) & 0xFFFFFFFF if n > 1 else 0
@@ -258,7 +278,7 @@ def _launch_fwd(call, x, T, E, K, score_fn, pre, aux, G, g, scale, bias, probs, 
                      bias if bias is not None else null, probs if probs is not None else null,
                      scores if scores is not None else null, rmap if rmap is not None else null,
                      inter if inter is not None else null, idx if idx is not None else null,
-                     w if w is not None else null, np.int32(vec)),
+                     w if w is not None else null, np.int32(vec), np.int32(0 if aux or pre else gcm)),
                     smem, call.stream)
 
 

@@ -89,6 +89,22 @@ def test_grouped_top1_sum_vs_max():
     np.testing.assert_array_equal(rmap[0], [1, 0, 0, 0])
 
 
+def test_cmax_word_picks_the_chunk_maxima_group_scores():
+    # (E, K, G, g, ch, vec, team) -> list capacity per group | lanes per group << 16, or 0
+    assert R._cmax_word(2304, 36, 8, 4, 8, 1, 32) == 28 | 4 << 16  # (512 - 288) / 8 words a list
+    assert R._cmax_word(2304, 36, 4, 2, 8, 1, 32) == 56 | 8 << 16
+    assert R._cmax_word(2304, 64, 2, 1, 8, 1, 32) == 112 | 16 << 16
+    assert R._cmax_word(2304, 36, 8, 4, 4, 1, 32) == 0  # fp32: 4-key chunks
+    assert R._cmax_word(2304, 36, 8, 4, 8, 0, 32) == 0  # not 16-byte rows
+    assert R._cmax_word(2304, 36, 8, 4, 8, 1, 128) == 0  # not one warp
+    assert R._cmax_word(2304, 64, 8, 2, 8, 1, 32) == 0  # m = 32 > 4 lanes * 4
+    assert R._cmax_word(2304, 16, 8, 2, 8, 1, 32) == 0  # m = 8: the top-8 register path
+    assert R._cmax_word(2040, 36, 12, 4, 8, 1, 32) == 0  # groups of 170: not whole 8-key chunks
+    assert R._cmax_word(4608, 36, 4, 4, 8, 1, 32) == 0  # 144 chunks a group: over 12 a lane
+    assert R._cmax_word(3072, 36, 8, 4, 8, 1, 32) == 16 | 4 << 16  # 48 chunks a group: 12 a lane
+    assert R._cmax_word(2304, 36, 0, 0, 8, 1, 32) == 0
+
+
 def test_ties_lowest_index_and_nan_largest():
     x = np.array([[1.0, 2.0, 2.0, 2.0, 0.0], [0.0, np.nan, 1.0, np.inf, -0.0]], F32)
     _, rmap, _ = ref.topk_with_score_fwd(x, 2, score_function="softmax")
@@ -390,6 +406,13 @@ GPU_CASES = [
     (4099, 2304, 36, BF16, "sigmoid", False, (8, 4), True, None),
     (517, 2304, 36, F32, "sigmoid", False, (8, 4), True, None),
     (517, 1020, 36, F32, "sigmoid", False, (5, 4), True, None),  # groups of 204: 4-key units, 4-key rounds
+    # 16-bit rows whose group scores come from phase 1's chunk maxima (router._cmax_word): 4 lanes a group,
+    # 8, 16; other score functions; fp16
+    (517, 2304, 36, np.float16, "sigmoid", False, (8, 4), True, None),
+    (517, 2304, 36, BF16, "sqrtsoftplus", False, (8, 4), True, 1.5),
+    (517, 2304, 36, BF16, "softmax", False, (8, 4), False, None),
+    (517, 2304, 36, BF16, "sigmoid", False, (4, 2), True, None),
+    (129, 2304, 64, BF16, "sigmoid", False, (2, 1), True, None),
     (7, 2304, 8, BF16, "softmax", True, None, False, None),
     (7, 2304, 1, F32, "sqrtsoftplus", False, None, False, None),
     (7, 16384, 64, F32, "softmax", False, None, False, None),
@@ -612,6 +635,7 @@ VARIANT_CASES = [
     (2304, 36, BF16, "softmax", False, None, False, "MOE_RT_ROUTER_TEAM=128"),
     (2304, 36, F32, "sigmoid", False, (8, 4), True, "MOE_RT_ROUTER_TEAM=128"),
     (2304, 36, BF16, "sigmoid", False, (8, 4), False, "MOE_RT_ROUTER_TEAM=128"),  # no bias: ties in the group lists
+    (2304, 36, BF16, "sigmoid", False, (4, 2), False, "MOE_RT_ROUTER_TEAM=128"),
     (2304, 64, BF16, "sigmoid", False, (8, 2), False, "MOE_RT_ROUTER_TEAM=128"),
 ]
 
@@ -678,10 +702,11 @@ def test_gpu_long_rows_ties_exact(rng, E, K, s):
 
 # Grouped top-k on long rows (E = 2304, 8 groups, top-4 groups, K = 36: m = 9 keys a group score) whose
 # groups hold c equal top keys, c from 1 to the whole group, so that in one warp the group candidate lists
-# take each path: sorted in registers (at most 32 keys), ranked in shared memory (at most 51) and too long
-# (the radix select of each group's segment of lanes); the selected groups' least m-th key bounds the top-k
-# prefilter. Other keys: a tie-free grid
-# below the top value, so group scores that differ do so by far more than rounding.
+# take each path: fp32, sorted in registers (at most 32 keys), ranked in shared memory (at most 51); bf16
+# (lists from the chunk maxima), sorted 4 keys a lane (at most 16) or 8 (at most 28); both, too long (the
+# radix select of each group's segment of lanes). The selected groups' least m-th key bounds the top-k
+# prefilter. Other keys: a tie-free grid below the top value, so group scores that differ do so by far more
+# than rounding.
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [F32, BF16])
 @pytest.mark.parametrize("bias", [False, True])
