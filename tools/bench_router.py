@@ -4,8 +4,9 @@ Rows: topk_with_score forward and backward (softmax post-softmax; sigmoid with n
 group_topk=4 and an expert bias), and the aux-loss path (scores_for_aux_loss + aux_loss, forward and
 backward together). GB/s counts the minimal bytes each op must move: every input read once, every output
 written once; for the top-k backward, whose gradient is zero off the routing map, grad and intermediate
-count only at the selected entries (the 32-byte sectors that hold them). "ms" is device time per call (host overhead hidden behind a spin kernel, for every
-column); "call ms" is the plain per-call time including moe_rt's Python overhead. Inputs are drawn on the
+count only at the selected entries (the 32-byte sectors that hold them). "ms" is device time per call (host
+overhead hidden behind a spin kernel, for every column; the median of 5 batches); "call ms" is the plain
+per-call time including moe_rt's Python overhead. Inputs are drawn on the
 GPU. torch.compile baselines are compiled once per shape (dynamic=False) and only at T=65536, the target
 shape (``--compile-all`` compiles at every T). ``--quick`` runs T=65536 only with fewer iterations;
 ``--T`` picks the token counts, ``--ops fwd`` / ``bwd`` only the forward / top-k backward rows (for kernel variants selected by
@@ -113,9 +114,11 @@ def torch_aux_fwd_bwd(x, k, tpe, coeff):
 _SPIN = None
 
 
-def time_device(fn, iters, warmup=3):
+def time_device(fn, iters, warmup=3, batches=5):
     """Device time per call in ms, host overhead excluded: a spin kernel keeps the GPU busy while the host
-    enqueues all ``iters`` calls, so the events measure back-to-back execution only."""
+    enqueues all ``iters`` calls, so the events measure back-to-back execution only. The median over
+    ``batches`` such batches: a host stall longer than the spin lets the GPU idle inside one batch (seen once
+    in a run as 1.72 ms for a 0.07 ms row), which a single batch would report."""
     import cupy as cp
 
     global _SPIN
@@ -131,13 +134,16 @@ def time_device(fn, iters, warmup=3):
     import time
     h = time.perf_counter(); fn(); st.synchronize(); host = time.perf_counter() - h
     cycles = int(min(2e9, max(1e6, 2.0e9 * host * iters * 1.5)))
-    _SPIN((1,), (1,), (np.int64(cycles),))
-    t0.record(st)
-    for _ in range(iters):
-        fn()
-    t1.record(st)
-    t1.synchronize()
-    return cp.cuda.get_elapsed_time(t0, t1) / iters
+    per_call = []
+    for _ in range(batches):
+        _SPIN((1,), (1,), (np.int64(cycles),))
+        t0.record(st)
+        for _ in range(iters):
+            fn()
+        t1.record(st)
+        t1.synchronize()
+        per_call.append(cp.cuda.get_elapsed_time(t0, t1) / iters)
+    return float(np.median(per_call))
 
 
 def _normal(cp, shape, dt, seed):
