@@ -272,6 +272,189 @@ def test_no_replay_outside_a_callback_or_when_disabled(fake_device, monkeypatch)
     assert len(R.topk_with_score.recipes) == n
 
 
+# -- lanes: a JAX callback's launches from its buffers' pointers alone -----------------------------------
+
+class _Buf:
+    """An XLA buffer as a callback hands it over (a lane reads only its pointer)."""
+
+    def __init__(self, a, pad=0):
+        self.__cuda_array_interface__ = {"shape": a.shape, "typestr": a.dtype.str, "data": (a.ptr - pad, False),
+                                         "version": 3}
+
+
+def _tagged(calls, spans):
+    """The launches with each pointer into one of ``spans`` ((pointer, bytes, tag)) written (tag, offset)."""
+    out = []
+    for fptr, grid, block, args, stream, smem in calls:
+        a = []
+        for v in args:
+            hit = [(t, v - p) for p, n, t in spans if type(v) is int and p <= v < p + max(n, 1)]
+            a.append(hit[0] if len(hit) == 1 else v)
+        out.append((fptr, grid, block, tuple(a), stream, smem))
+    return out
+
+
+def _scratch_mem(mem, made):
+    def alloc(shape, dtype=F32, **kw):
+        a = mem(tuple(shape), dtype)
+        made.append(a)
+        return a
+    return alloc
+
+
+def _lane_case(drv, mem, op, make, monkeypatch, pad=0):
+    """Learn a lane from one call of ``op`` served as a JAX callback serves it, then check that the lane
+    makes, for buffers at other addresses, the launches the ordinary path makes for them. ``make(mem)``:
+    (args, kwargs, the callback's input arrays, its output arrays); ``pad``: each buffer starts that many
+    bytes before its array (pointers at an offset into a buffer). Returns the lane."""
+    import cupy
+
+    made = []
+    monkeypatch.setattr(cupy, "empty", _scratch_mem(mem, made))  # the ordinary path's scratch
+    args, kwargs, ins, outs = make(mem)
+    with _fast.capture() as log, _arrays.serving(list(outs), STREAM):
+        op(*args, **kwargs)
+    assert log and all(e is not None for e in log)
+    owned = []
+    lane = _fast.lane_of(log, [(a.ptr - pad, a.nbytes + pad) for a in ins + outs], STREAM, 0,
+                         scratch=lambda shape, dtype: (lambda a: (owned.append(a) or a.ptr, a))(mem(shape, dtype)))
+    assert lane is not None
+    for _ in range(2):  # each time at new addresses
+        args, kwargs, ins, outs = make(mem)
+        made.clear()
+        drv.calls.clear()
+        with _arrays.serving(list(outs), STREAM):
+            op.ordinary(*args, **kwargs)
+        want = _tagged(drv.calls, [(a.ptr, a.nbytes, ("buf", j)) for j, a in enumerate(ins + outs)]
+                       + [(a.ptr, a.nbytes, ("scratch", j)) for j, a in enumerate(made)])
+        drv.calls.clear()
+        assert lane.run([_Buf(a, pad) for a in ins + outs])
+        got = _tagged(drv.calls, [(a.ptr, a.nbytes, ("buf", j)) for j, a in enumerate(ins + outs)]
+                      + [(a.ptr, a.nbytes, ("scratch", j)) for j, a in enumerate(owned)])
+        assert want and got == want
+    return lane
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_lane_repeats_router_launches_at_new_addresses(fake_device, dtype, monkeypatch):
+    T, E, K = 77, 256, 8
+    kw = dict(score_function="sigmoid", num_groups=8, group_topk=4, scaling_factor=2.5)
+
+    def topk(mem):
+        x, bias = mem((T, E), dtype), mem((E,), F32)
+        outs = [mem((T, E), dtype), mem((T, E), np.bool_), mem((T, E), F32)]
+        return (x, K), dict(kw, expert_bias=bias), [x, bias], outs
+
+    def topk_bwd(mem):
+        g, m, i = mem((T, E), dtype), mem((T, E), np.bool_), mem((T, E), F32)
+        return (g, m, i, K), dict(score_function="sigmoid", scaling_factor=2.5), [g, m, i], [mem((T, E), dtype)]
+
+    def scores(mem):
+        x = mem((T, E), dtype)
+        return (x, K, "softmax"), {}, [x], [mem((T, E), F32), mem((T, E), np.bool_), mem((T, E), F32)]
+
+    def scores_bwd(mem):
+        g, i = mem((T, E), F32), mem((T, E), F32)
+        return (g, i, K, "softmax"), dict(dtype=dtype), [g, i], [mem((T, E), dtype)]
+
+    def aux(mem):  # a scratch array: the lane's own
+        p, tpe = mem((3000, E), dtype), mem((E,), np.int32)
+        return (p, tpe, 4096, E, K, 1e-2), {}, [p, tpe], [mem((), dtype)]
+
+    def aux_bwd(mem):
+        g, tpe = mem((), F32), mem((E,), np.int32)
+        return (g, 3000, tpe, 4096, E, K, 1e-2), {}, [g, tpe], [mem((3000, E), F32)]
+
+    for op, make in [(R.topk_with_score, topk), (R.topk_with_score_backward, topk_bwd),
+                     (R.scores_for_aux_loss, scores), (R.scores_for_aux_loss_backward, scores_bwd),
+                     (R.aux_loss, aux), (R.aux_loss_backward, aux_bwd)]:
+        lane = _lane_case(fake_device, _Mem(), op, make, monkeypatch)
+    assert len(lane.owned) == 0 and len(_lane_case(fake_device, _Mem(), R.aux_loss, aux, monkeypatch).owned) == 1
+
+
+@pytest.mark.parametrize("H", [1024, 13])
+def test_lane_repeats_permutation_launches_at_new_addresses(fake_device, H, monkeypatch):
+    T, K, E = 129, 8, 64
+    N = T * K
+
+    def with_plan(fn):
+        def make(mem):
+            plan = _fake_plan(mem, T, K, E, N)
+            args, kwargs, ins, outs = fn(mem, plan)
+            return args, kwargs, ins + [plan._v[k] for k in P._PLAN_NAMES], outs
+        return make
+
+    def make_plan(mem):
+        r = mem((T, K), np.int32)
+        outs = [mem((T, K), np.int32), mem((N,), np.int32), mem((E + 1,), np.int32), mem((E,), np.int32),
+                mem((E,), np.int32)]
+        return (r, E), dict(num_out_tokens=N), [r], outs
+
+    cases = [
+        (P.make_plan, make_plan),
+        (P.dispatch, with_plan(lambda mem, plan: (lambda x, w: ((x, plan, w), {}, [x, w],
+                                                                  [mem((N, H), BF16), mem((N,), F32)]))(
+            mem((T, H), BF16), mem((T, K), F32)))),
+        (P.dispatch, with_plan(lambda mem, plan: (lambda x: ((x, plan), {}, [x], [mem((N, H), BF16)]))(
+            mem((T, H), BF16)))),
+        (P.combine, with_plan(lambda mem, plan: (lambda y, w: ((y, plan), dict(probs=w), [y, w],
+                                                                 [mem((T, H), BF16)]))(
+            mem((N, H), BF16), mem((T, K), F32)))),
+        (P.dispatch_backward, with_plan(lambda mem, plan: (lambda g, gp: ((g, plan, gp), {}, [g, gp],
+                                                                            [mem((T, H), BF16), mem((T, K), F32)]))(
+            mem((N, H), BF16), mem((N,), F32)))),
+        (P.combine_backward, with_plan(lambda mem, plan: (lambda g, y, w: ((g, plan, y, w), {}, [g, y, w],
+                                                                             [mem((N, H), BF16), mem((T, K), F32)]))(
+            mem((T, H), BF16), mem((N, H), BF16), mem((T, K), F32)))),
+    ]
+    for op, make in cases:
+        for pad in (0, 256):
+            _lane_case(fake_device, _Mem(), op, make, monkeypatch, pad)
+
+
+def test_lane_declines_what_the_op_would_do_otherwise(fake_device, monkeypatch):
+    T, E, K = 40, 64, 4
+    mem = _Mem()
+
+    def make(mem, misalign=0):
+        x = mem((T, E), F32, misalign)
+        return (x, K), {}, [x], [mem((T, E), F32), mem((T, E), np.bool_), mem((T, E), F32)]
+
+    lane = _lane_case(fake_device, mem, R.topk_with_score, make, monkeypatch)
+    _, _, ins, outs = make(mem)
+    bufs = [_Buf(a) for a in ins + outs]
+    fake_device.calls.clear()
+    # another alignment: the op would pick another kernel
+    assert not lane.run([_Buf(a) for a in make(mem, misalign=4)[2]] + bufs[1:])
+    # replays switched off, or a router setting its launches depend on changed
+    monkeypatch.setattr(_fast, "ENABLED", False)
+    assert not lane.run(bufs)
+    monkeypatch.setattr(_fast, "ENABLED", True)
+    monkeypatch.setattr(R, "_FWD_VARIANT", "generic")
+    assert not lane.run(bufs)
+    assert fake_device.calls == []
+    monkeypatch.setattr(R, "_FWD_VARIANT", None)
+    assert lane.run(bufs) and len(fake_device.calls) == 1
+
+
+def test_no_lane_for_work_other_than_replays(fake_device, monkeypatch):
+    T, E, K = 40, 64, 4
+    mem = _Mem()
+    x = mem((T, E), F32)
+    outs = [mem((T, E), F32), mem((T, E), np.bool_), mem((T, E), F32)]
+    spans = [(a.ptr, a.nbytes) for a in [x] + outs]
+    with _fast.capture() as log, _arrays.serving(list(outs), STREAM):
+        R.topk_with_score(x, K)
+    assert _fast.lane_of(log, spans, STREAM, 0) is not None
+    assert _fast.lane_of(log, spans, STREAM + 16, 0) is None  # replays on another stream
+    assert _fast.lane_of(log, spans[:1] + spans[2:], STREAM, 0) is None  # a result outside the buffers
+    assert _fast.lane_of([], spans, STREAM, 0) is None
+    monkeypatch.setattr(_fast, "ENABLED", False)  # the ordinary path ran: nothing a lane can repeat
+    with _fast.capture() as log, _arrays.serving(list(outs), STREAM):
+        R.topk_with_score(x, K)
+    assert log == [None] and _fast.lane_of(log, spans, STREAM, 0) is None
+
+
 # -- GPU: torch tensors, replayed against the ordinary path, bitwise -------------------------------------
 
 @pytest.mark.gpu
