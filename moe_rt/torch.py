@@ -35,8 +35,8 @@ def _eager() -> bool:
 _is_compiling = torch.compiler.is_compiling
 
 
-def _needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+def _needs_grad(a: Tensor, b: Optional[Tensor] = None) -> bool:
+    return torch.is_grad_enabled() and (a.requires_grad or (b is not None and b.requires_grad))
 
 
 # -- plans -------------------------------------------------------------------------------------------
@@ -81,9 +81,11 @@ def _plan_of(tp: TorchPlan):
     if not isinstance(tp, TorchPlan):
         raise TypeError(f"plan: expected a TorchPlan from moe_rt.torch.make_plan, got {type(tp).__name__}")
     ent = _plans.get(id(tp.dst_row))
-    if (ent is not None and ent[0]() is tp.dst_row and all(a is b for a, b in zip(ent[1][:4], tp[1:5]))
-            and ent[1][4:] == tuple(tp[5:])):
-        return ent[2]
+    if ent is not None:
+        t = ent[1]
+        if (ent[0]() is tp[0] and t[0] is tp[1] and t[1] is tp[2] and t[2] is tp[3] and t[3] is tp[4]
+                and t[4:] == tp[5:]):
+            return ent[2]
     plan = _to_plan(*_plan_args(tp))
     _remember(tp, plan)
     return plan
