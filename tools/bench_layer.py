@@ -883,8 +883,12 @@ def bench_overhead_jax(table, save, T=128, H=1024, E=64, K=8):
         return None
 
     empty_j = jax.jit(lambda x_: buffer_callback(_empty_cb, [jax.ShapeDtypeStruct((1,), jnp.float32)])(x_))
+    # make_plan's floor: one input, five int32 outputs of the plan's shapes
+    empty5_j = jax.jit(lambda r: buffer_callback(_empty_cb, [jax.ShapeDtypeStruct(a.shape, jnp.int32)
+                                                             for a in plan.arrays])(r))
     cases = [
         ("(empty buffer_callback)", "fwd", lambda: empty_j(x), lambda: None),
+        ("(empty buffer_callback, 5 outputs)", "fwd", lambda: empty5_j(rmap), lambda: None),
         ("topk_with_score", "fwd", lambda: topk_j(logits), lambda: moe_rt.topk_with_score(c["logits"], K)),
         ("make_plan", "fwd", lambda: plan_j(rmap), lambda: moe_rt.make_plan(c["rmap"], E, num_out_tokens=T * K)),
         ("dispatch", "fwd", lambda: disp_j(x, plan), lambda: moe_rt.dispatch(c["x"], c_plan)),
