@@ -426,7 +426,10 @@ def lane_of(log, bufs, stream, device, scratch=_cupy_scratch):
                 held += n * dtype.itemsize
                 if held > _LANE_SCRATCH_MAX:
                     return None
-                p, owner = scratch(shape, dtype)
+                try:
+                    p, owner = scratch(shape, dtype)
+                except MemoryError:  # no room to keep it: the ordinary path goes on serving the callback
+                    return None
                 owned.append(owner)
                 mine[rec.n_in + i] = p
         for fptr, grid, block, smem, tmpl, refs in rec.launches:

@@ -370,6 +370,16 @@ def test_lane_repeats_router_launches_at_new_addresses(fake_device, dtype, monke
                      (R.aux_loss, aux), (R.aux_loss_backward, aux_bwd)]:
         lane = _lane_case(fake_device, _Mem(), op, make, monkeypatch)
     assert len(lane.owned) == 0 and len(_lane_case(fake_device, _Mem(), R.aux_loss, aux, monkeypatch).owned) == 1
+    # no room for the lane's own working memory: no lane (the callback keeps its ordinary path)
+    mem = _Mem()
+    args, kwargs, ins, outs = aux(mem)
+    with _fast.capture() as log, _arrays.serving(list(outs), STREAM):
+        R.aux_loss(*args, **kwargs)
+
+    def full(shape, dtype):
+        raise MemoryError("out of device memory")
+
+    assert _fast.lane_of(log, [(a.ptr, a.nbytes) for a in ins + outs], STREAM, 0, scratch=full) is None
 
 
 @pytest.mark.parametrize("H", [1024, 13])
