@@ -175,8 +175,9 @@ def _layer(x, probs, logits, idx, E, K, gp):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_eager_path_matches_custom_op_path(device, monkeypatch):
-    """Outside torch.compile the ops take a lean autograd.Function path; forcing the custom ops (the path
-    torch.compile traces) must give the same values and gradients, bitwise."""
+    """Outside torch.compile the ops take a lean autograd.Function path (torch's C apply); the full
+    Function.apply (taken under functorch transforms) and the custom ops (the path torch.compile traces)
+    must give the same values and gradients, bitwise."""
     gen = torch.Generator().manual_seed(11)
     T, E, K, H = 37, 8, 2, 24
     idx = _routing(T, E, K, gen, device)
@@ -185,17 +186,44 @@ def test_eager_path_matches_custom_op_path(device, monkeypatch):
     l0 = _tie_free_logits(T, E, gen, device)
     gp = torch.randn(T, E, generator=gen).to(device)
     results = []
-    for compiling in (False, True):
+    for compiling, full_apply in ((False, False), (False, True), (True, False)):
         monkeypatch.setattr(mt, "_is_compiling", lambda c=compiling: c)
+        monkeypatch.setattr(mt, "_functorch_active", lambda f=full_apply: f)
         x, probs, logits = (t.clone().requires_grad_() for t in (x0, p0, l0))
         loss, plan = _layer(x, probs, logits, idx, E, K, gp)
         assert isinstance(plan, mt.TorchPlan)
         grads = torch.autograd.grad(loss, [x, probs, logits])
         results.append((loss.detach(), plan[:5], grads))
-    (la, pa, ga), (lb, pb, gb) = results
-    assert torch.equal(la, lb)
-    for a, b in zip(pa + ga, pb + gb):
-        assert torch.equal(a, b)
+    (la, pa, ga) = results[0]
+    for lb, pb, gb in results[1:]:
+        assert torch.equal(la, lb)
+        for a, b in zip(pa + ga, pb + gb):
+            assert torch.equal(a, b)
+
+
+def test_functorch_transforms_take_the_full_apply():
+    """Under a torch.func transform the eager ops call the full Function.apply, never torch's C apply
+    directly: torch then names what it cannot do (the ops have no functorch rules) instead of running them
+    on wrapped tensors."""
+    gen = torch.Generator().manual_seed(13)
+    T, E, K, H = 9, 8, 2, 4
+    logits = _tie_free_logits(T, E, gen, "cpu")
+    idx = _routing(T, E, K, gen, "cpu")
+    plan = mt.make_plan(idx, E)
+    x = torch.randn(T, H, generator=gen)
+    probs = torch.rand(T, K, generator=gen)
+    calls = [
+        lambda a: mt.topk_with_score(a, K)[0].sum(),
+        lambda a: mt.scores_for_aux_loss(a, K, "softmax")[0].sum(),
+        lambda a: mt.aux_loss(a.softmax(-1), idx.ne(-1).sum(0).int(), T, E, K, 0.1),
+    ]
+    for f in calls:
+        with pytest.raises(RuntimeError, match="setup_context"):
+            torch.func.grad(f)(logits)
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.grad(lambda a: mt.dispatch(a, plan, probs)[0].sum())(x)
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.grad(lambda p: mt.combine(mt.dispatch(x, plan)[0], plan, p).sum())(probs)
 
 
 @pytest.mark.parametrize("device", DEVICES)
