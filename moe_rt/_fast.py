@@ -135,13 +135,14 @@ def result_type(cls, describe, build):
 
 
 class _Recipe:
-    __slots__ = ("n_in", "allocs", "talloc", "launches", "result")
+    __slots__ = ("n_in", "allocs", "talloc", "launches", "compiled", "result")
 
     def __init__(self, rec: _Recorder, result, n_in: int):
         self.n_in = n_in
         self.allocs = tuple((shape, dtype, kind, math.prod(shape)) for shape, dtype, kind in rec.allocs)
         self.talloc = None  # (shape, torch dtype) per allocation, made on the first torch replay
         self.launches = tuple(rec.launches)
+        self.compiled = None  # the launches packed for the driver launcher (see _run_launches)
         self.result = result
 
 
@@ -188,11 +189,25 @@ def _record(op, args, kwargs, where, metas, device_id, plan=None):
 
 # -- replay -------------------------------------------------------------------------------------------
 
-def _run_launches(launches, ptrs, stream: int):
-    """Launch each (function, grid, block, shared memory, arguments, pointer refs), every ref
-    ``(position, key, offset)`` an argument ``ptrs[key] + offset``."""
-    launch = _jit._driver.launch
-    for fptr, grid, block, smem, tmpl, refs in launches:
+def _run_launches(owner, ptrs, stream: int):
+    """Launch each of ``owner.launches`` (function, grid, block, shared memory, arguments, pointer refs),
+    every ref ``(position, key, offset)`` an argument ``ptrs[key] + offset``. With the driver launcher in
+    place the launches are packed once (``owner.compiled``, a ``_launch.Launches``) and each call only
+    writes the pointers; otherwise (a stand-in driver in tests) one launch call each."""
+    drv = _jit._driver
+    if drv is _jit._real_driver:
+        c = owner.compiled
+        if c is None:
+            try:
+                c = owner.compiled = drv.Launches(owner.launches)
+            except (AttributeError, ValueError):  # an extension built before Launches, or an odd argument
+                c = owner.compiled = False
+        if c is not False:
+            if not c.run(ptrs, stream):
+                raise RuntimeError("moe_rt: the CUDA driver launcher became unavailable")
+            return
+    launch = drv.launch
+    for fptr, grid, block, smem, tmpl, refs in owner.launches:
         a = list(tmpl)
         for pos, s, off in refs:
             a[pos] = ptrs[s] + off
@@ -277,7 +292,7 @@ def _replay_torch(rec: _Recipe, tensors, ptrs, dev: int):
         t = torch.empty(shape, dtype=tdt, device=tdev)
         objs.append(t)
         ptrs.append(t.data_ptr())
-    _run_launches(rec.launches, ptrs, _raw_stream(dev))
+    _run_launches(rec, ptrs, _raw_stream(dev))
     return _result(rec.result, objs, 0, dev)
 
 
@@ -307,7 +322,7 @@ def _replay_dev(rec: _Recipe, arrays, ptrs, serve, stream: int, dev: int):
             objs.append(c)
             ptrs.append(c.data.ptr)
     serve[:] = avail  # the buffers taken, as Call.empty takes them
-    _run_launches(rec.launches, ptrs, stream)
+    _run_launches(rec, ptrs, stream)
     return _result(rec.result, objs, 1, dev)
 
 
@@ -318,7 +333,7 @@ def _replay_cupy(rec: _Recipe, arrays, ptrs, dev: int):
         c = cupy.empty(shape, dtype)
         objs.append(c)
         ptrs.append(c.data.ptr)
-    _run_launches(rec.launches, ptrs, cupy.cuda.get_current_stream().ptr)
+    _run_launches(rec, ptrs, cupy.cuda.get_current_stream().ptr)
     return _result(rec.result, objs, 2, dev)
 
 
@@ -363,11 +378,12 @@ class Lane:
     :meth:`run` declines (returns False, launching nothing) when the op would take another path: replays
     switched off, a buffer of another alignment, a module setting the op's launches depend on changed."""
 
-    __slots__ = ("stream", "device", "need", "launches", "variants", "owned")
+    __slots__ = ("stream", "device", "need", "launches", "compiled", "variants", "owned")
 
     def __init__(self, stream, device, need, launches, variants, owned=()):
         self.stream, self.device, self.need = stream, device, need
         self.launches, self.variants, self.owned = launches, variants, owned
+        self.compiled = None
 
     def run(self, bufs) -> bool:
         """Launch for these buffers (the callback's inputs then outputs, each with a
@@ -383,7 +399,7 @@ class Lane:
             if p & 15 != al:
                 return False
             ptr[j] = p
-        _run_launches(self.launches, ptr, self.stream)
+        _run_launches(self, ptr, self.stream)
         return True
 
 

@@ -139,6 +139,7 @@ try:
     from moe_rt import _launch as _driver
 except ImportError:  # pragma: no cover - the extension is built with the package
     _driver = None
+_real_driver = _driver  # tests put a stand-in at _driver; recorded launches pack for the real one only
 
 # MOE_RT_LAUNCH=cupy launches every kernel through CuPy's launcher instead of the driver's (a test and
 # benchmark switch; both launch the same function with the same arguments).

@@ -37,6 +37,36 @@ class _Driver:
         return True
 
 
+class _PackedDriver:
+    """The driver launcher itself (``moe_rt._launch``: recorded launches packed once by ``Launches``) over its
+    stand-in for cuLaunchKernel; ``calls`` in the form of :class:`_Driver`'s, each argument as the 64-bit slot
+    the kernel would get."""
+
+    def __init__(self, launch_mod):
+        self._m = launch_mod
+        self.Launches = launch_mod.Launches
+        self._calls = []
+
+    def launch(self, fptr, grid, block, args, stream, smem):
+        return self._m.launch(fptr, grid, block, args, stream, smem)
+
+    @property
+    def calls(self):
+        for fptr, grid, block, smem, stream, packed in self._m._fake_driver(True):
+            self._calls.append((fptr, grid, block, tuple(np.frombuffer(packed, np.uint64).tolist()), stream, smem))
+        return self._calls
+
+
+def _norm(call):
+    """A _Driver call in _PackedDriver's form: grid and block as 3-tuples, arguments as 64-bit slots."""
+    fptr, grid, block, args, stream, smem = call
+    dims = [tuple(d) + (1,) * (3 - len(d)) if type(d) is tuple else (d, 1, 1) for d in (grid, block)]
+    from moe_rt import _launch
+
+    slots = tuple(np.frombuffer(_launch.pack(args), np.uint64).tolist())
+    return (fptr, dims[0], dims[1], slots, stream, smem)
+
+
 class _Ctx:
     def __init__(self, ptr=0):
         self.ptr = ptr
@@ -51,9 +81,20 @@ class _Ctx:
 STREAM = 0xABC0
 
 
-@pytest.fixture
-def fake_device(monkeypatch):
-    drv = _Driver()
+@pytest.fixture(params=["python", "packed"])
+def fake_device(monkeypatch, request):
+    """The fake device, its launches written down by a Python stand-in for the driver launcher ("python") or
+    by the driver launcher itself over a stand-in for cuLaunchKernel ("packed": recorded launches go through
+    ``_launch.Launches``)."""
+    if request.param == "packed":
+        from moe_rt import _launch
+
+        drv = _PackedDriver(_launch)
+        _launch._fake_driver(True)
+        request.addfinalizer(lambda: _launch._fake_driver(False))
+        monkeypatch.setattr(_jit, "_real_driver", drv)
+    else:
+        drv = _Driver()
     fns = {}
     monkeypatch.setattr(_jit, "function", lambda file, name: fns.setdefault((file, name), _Fn(name)))
     monkeypatch.setattr(_jit, "device_properties",

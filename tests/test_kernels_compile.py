@@ -82,3 +82,43 @@ def test_driver_launcher_packs_arguments():
     assert _launch.pack((np.int16(1),)) is None
     assert _launch.pack(tuple(range(49))) is None  # more arguments than the block holds
     assert _launch.launch(0, 1, 1, (np.int16(1),), 0) is False  # refused before any driver call
+
+
+def test_packed_launches_write_each_calls_pointers():
+    """``Launches``: constant arguments packed once, each run writes ``ptrs[key] + offset`` into the pointer
+    slots (a list or a dict of pointers) and launches with the recorded grid, block, shared memory; what
+    the stand-in for cuLaunchKernel gets is what ``launch`` would pass for the same arguments."""
+    import numpy as np
+
+    from moe_rt import _launch
+
+    seq = [(0x1230, 7, 256, 64, (0, np.int32(-3), 0, np.float32(1.5), np.int64(9)), ((0, 2, 16), (2, 0, 0))),
+           (0x990, (2, 3), (32, 4, 1), 0, (5, 0), ((1, 1, 8),))]
+    packed = _launch.Launches(seq)
+    assert len(packed) == 2
+    _launch._fake_driver(True)
+    try:
+        assert packed.run([1000, 2000, 3000], 77)
+        assert packed.run({0: 1 << 40, 1: 2, 2: 3}, 78)
+        got = _launch._fake_driver(True)
+        assert _launch.launch(0x1230, 7, 256, (19, np.int32(-3), 1 << 40, np.float32(1.5), np.int64(9)), 78, 64)
+        direct = _launch._fake_driver(True)
+    finally:
+        _launch._fake_driver(False)
+    want = [
+        (0x1230, (7, 1, 1), (256, 1, 1), 64, 77, (3016, np.int32(-3), 1000, np.float32(1.5), np.int64(9))),
+        (0x990, (2, 3, 1), (32, 4, 1), 0, 77, (5, 2008)),
+        (0x1230, (7, 1, 1), (256, 1, 1), 64, 78, (19, np.int32(-3), 1 << 40, np.float32(1.5), np.int64(9))),
+        (0x990, (2, 3, 1), (32, 4, 1), 0, 78, (5, 10)),
+    ]
+    assert got == [w[:5] + (_launch.pack(w[5]),) for w in want]
+    assert direct == got[2:3]
+    bad = [
+        [(1, 1, 1, 0, ("x",), ())],  # an argument type the launcher does not take
+        [(1, 1, 1, 0, (0,), ((1, 0, 0),))],  # a ref past the arguments
+        [(1, 1, 1, 0, (0,), ((0, -1, 0),))],  # a negative key
+        [(1, (1, 2, 3, 4), 1, 0, (0,), ())],  # a grid of four dimensions
+    ]
+    for b in bad:
+        with pytest.raises(ValueError):
+            _launch.Launches(b)
