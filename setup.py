@@ -1,4 +1,4 @@
-"""Build moe_rt: pure Python plus four Cython extensions that need gcc alone.
+"""Build moe_rt: pure Python plus five Cython extensions that need gcc alone.
 
 No CUDA header, library or compiler is used at build time: CUDA kernels are compiled at run time
 by NVRTC (through CuPy), and NCCL is dlopen'ed when first used.
@@ -22,6 +22,7 @@ extensions = [
     Extension("moe_rt._comm", ["moe_rt/_comm.pyx"], libraries=["dl"]),
     Extension("moe_rt._handle", ["moe_rt/_handle.pyx"]),
     Extension("moe_rt._launch", ["moe_rt/_launch.pyx"], libraries=["dl"]),
+    Extension("moe_rt._replay", ["moe_rt/_replay.pyx"]),
 ]
 
 setup(

@@ -43,6 +43,7 @@ _CONST_TYPES = (int, np.int32, np.uint32, np.int64, np.uint64, np.float32, np.fl
 _MAX_ENTRIES = 1024  # recipes kept per op
 
 ENABLED = os.environ.get("MOE_RT_FAST", "1") != "0"
+NATIVE = True  # torch replays through the compiled moe_rt._replay (False: the Python path here; same launches)
 _lock = threading.Lock()
 _SLOW = "slow"  # cache value: run the ordinary path for this signature
 
@@ -486,9 +487,19 @@ def recorded(*array_params, variant=None, plan=None):
         plan_at = None if plan is None else place(plan[0])
         parts, symbolic = (None, None) if plan is None else plan[1:]
         cache: dict = {}
+        try:  # the compiled replay for torch tensors, over the same cache
+            from moe_rt import _replay
+
+            hit, miss = _replay.TorchHit(where, plan_at, parts, variant, cache), _replay.MISS
+        except ImportError:  # pragma: no cover - the extension is built with the package
+            hit = miss = None
 
         @functools.wraps(op)
         def fast(*args, **kwargs):
+            if hit is not None:
+                r = hit(args, kwargs)
+                if r is not miss:
+                    return r
             if not ENABLED or not _jit._use_driver or kwargs.get("stream") is not None or (
                     _arrays.RECORDING and _arrays.recorder() is not None):
                 return _ordinary(op, args, kwargs)
@@ -569,7 +580,7 @@ def recorded(*array_params, variant=None, plan=None):
                 pinfo = (pl_place, pl_obj, pmetas, symbolic)
             if (mode == 0 and _cur_device() != dev) or (mode == 2 and _cupy.cuda.runtime.getDevice() != dev):
                 return _ordinary(op, args, kwargs)
-            try:
+            try:  # for torch (mode 0) moe_rt._replay.TorchHit builds the same key
                 key = (mode, dev, tuple(metas), pkey, tuple(other), tuple(map(type, other)), tuple(kw.items()),
                        tuple(map(type, kw.values())), variant() if variant is not None else None)
                 rec = cache.get(key)
@@ -611,6 +622,7 @@ def recorded(*array_params, variant=None, plan=None):
 
         fast.ordinary = op  # the path without replays
         fast.recipes = cache
+        fast.torch_hit = hit  # the compiled torch replay (None without the extension)
         return fast
 
     return deco

@@ -508,6 +508,159 @@ def test_no_lane_for_work_other_than_replays(fake_device, monkeypatch):
 
 # -- GPU: torch tensors, replayed against the ordinary path, bitwise -------------------------------------
 
+
+# -- the compiled torch replay (moe_rt._replay) against the Python one, on stand-in torch tensors --------
+
+class _FakeTensor:
+    """What the torch replay reads of a torch CUDA tensor, at a made-up address."""
+
+    is_cuda = True
+
+    def __init__(self, ptr, shape, dtype, device=0, contiguous=True):
+        import torch
+
+        self.ptr, self.shape, self.dtype = ptr, torch.Size(shape), dtype
+        self.device, self.contiguous = device, contiguous
+
+    def data_ptr(self):
+        return self.ptr
+
+    def get_device(self):
+        return self.device
+
+    def is_contiguous(self):
+        return self.contiguous
+
+    def reshape(self, *shape):
+        shape = shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape
+        if shape == (-1,):
+            shape = (math.prod(self.shape),)
+        return _FakeTensor(self.ptr, shape, self.dtype, self.device)
+
+    def __getitem__(self, sl):
+        start = sl.start or 0
+        return _FakeTensor(self.ptr + start * self.dtype.itemsize, (sl.stop - start,), self.dtype, self.device)
+
+
+class _FakeTorch:
+    """torch.empty and torch.device for the replay: outputs at made-up addresses, from ``base`` on."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.next = 0x6E0000000000
+
+    def empty(self, shape, dtype=None, device=None):
+        t = _FakeTensor(self.next, shape, dtype, device[1])
+        self.next += (math.prod(shape) * dtype.itemsize + 4096) // 256 * 256
+        return t
+
+    @staticmethod
+    def device(kind, index):
+        return (kind, index)
+
+
+@pytest.fixture
+def fake_torch(fake_device, monkeypatch):
+    torch = pytest.importorskip("torch")
+    ft = _FakeTorch()
+    monkeypatch.setattr(_fast, "_Tensor", _FakeTensor)
+    monkeypatch.setattr(_fast, "_torch", ft)
+    monkeypatch.setattr(_fast, "_raw_stream", lambda dev: STREAM + 16 * dev)
+    monkeypatch.setattr(_fast, "_cur_device", lambda: 0)
+    monkeypatch.setattr(_fast, "_tdevs", {})
+    return fake_device, ft, torch
+
+
+def _tflat(res):
+    if isinstance(res, (tuple, list)):
+        return [type(res)] + [x for r in res for x in _tflat(r)]
+    return [None if res is None else (res.ptr, tuple(res.shape), res.dtype)]
+
+
+def test_compiled_torch_replay_matches_the_python_one(fake_torch, monkeypatch):
+    """For torch tensors the compiled replay (``_replay.TorchHit``) makes the launches and returns the
+    results of the Python replay, for recipes either one finds in the shared cache."""
+    from moe_rt import _replay
+
+    drv, ft, torch = fake_torch
+    mem = _Mem()
+    T, K, E, H = 77, 8, 64, 72
+    N = T * K
+
+    def tensor(shape, dtype, misalign=0):
+        return _FakeTensor(mem(shape, np.uint8 if dtype == torch.bool else np.float32, misalign).ptr, shape, dtype)
+
+    plan = _fake_plan(mem, T, K, E, N)
+    logits, bias = tensor((T, E), torch.float32), tensor((E,), torch.float32)
+    x, w = tensor((T, H), torch.bfloat16), tensor((T, K), torch.float32)
+    yp, gy = tensor((N, H), torch.bfloat16), tensor((T, H), torch.bfloat16)
+    tpe = tensor((E,), torch.int32)
+    cases = [
+        (R.topk_with_score, (logits, K), {}),
+        (R.topk_with_score, (logits, K), dict(score_function="sigmoid", expert_bias=bias, scaling_factor=2.5)),
+        (R.topk_with_score, (tensor((T, E), torch.float32, misalign=4), K), {}),
+        (R.scores_for_aux_loss, (logits, K, "softmax"), {}),
+        (R.aux_loss, (logits, tpe, 4096, E, K, 1e-2), {}),
+        (P.dispatch, (x, plan), {}),
+        (P.dispatch, (x, plan, w), {}),
+        (P.dispatch, (x,), dict(plan=plan, probs=w)),
+        (P.combine, (yp, plan), dict(probs=w)),
+        (P.dispatch_backward, (yp, plan, tensor((N,), torch.float32)), {}),
+        (P.combine_backward, (gy, plan, yp, w), {}),
+    ]
+    python_replay = _fast._replay_torch
+    for op, args, kwargs in cases:
+        got = {}
+        for native in (False, True, False, True):  # the first call records (Python path)
+            monkeypatch.setattr(_fast, "NATIVE", native)
+            # the compiled path must not fall back to the Python replay
+            monkeypatch.setattr(_fast, "_replay_torch", python_replay if not native else None)
+            ft.reset()
+            drv.calls.clear()
+            with _fast.capture() as log:
+                res = op(*args, **kwargs)
+            assert log == [None]  # torch work is no lane's
+            got.setdefault(native, []).append((list(drv.calls), _tflat(res)))
+        assert got[True][0] == got[True][1] == got[False][1] == got[False][0], op.__name__
+        assert got[True][0][0], "nothing launched"
+        assert op.torch_hit(args, kwargs) is not _replay.MISS
+
+
+def test_compiled_torch_replay_leaves_other_calls_to_the_python_path(fake_torch, monkeypatch):
+    """``TorchHit`` serves recorded signatures of torch tensors on the current device alone: anything else
+    is MISS (the Python path then decides), and so is every call with replays or the compiled path off."""
+    from moe_rt import _replay
+
+    drv, ft, torch = fake_torch
+    mem = _Mem()
+    T, K, E = 33, 4, 16
+    logits = _FakeTensor(mem((T, E), F32).ptr, (T, E), torch.float32)
+    hit = R.topk_with_score.torch_hit
+    R.topk_with_score.recipes.clear()
+    assert hit((logits, K), {}) is _replay.MISS  # not recorded yet
+    R.topk_with_score(logits, K)  # records (Python path)
+    assert hit((logits, K), {}) is not _replay.MISS
+    MISS = _replay.MISS
+    assert hit((logits, K + 1), {}) is MISS  # another signature
+    assert hit((logits, K), dict(score_function="sigmoid")) is MISS
+    assert hit((logits, K), dict(stream=object())) is MISS
+    assert hit((_FakeTensor(logits.ptr, (T, E), torch.float32, contiguous=False), K), {}) is MISS
+    assert hit((_FakeTensor(logits.ptr, (T, E), torch.float32, device=1), K), {}) is MISS
+    assert hit((mem((T, E), F32), K), {}) is MISS  # not a torch tensor
+    bias = _FakeTensor(mem((E,), F32).ptr, (E,), torch.float32, device=1)
+    assert hit((logits, K), dict(expert_bias=bias)) is MISS  # arrays on two devices
+    assert hit((logits, [K]), {}) is MISS  # an unhashable argument
+    monkeypatch.setattr(_fast, "_cur_device", lambda: 1)
+    assert hit((logits, K), {}) is MISS  # another current device
+    monkeypatch.setattr(_fast, "_cur_device", lambda: 0)
+    for name in ("NATIVE", "ENABLED"):
+        monkeypatch.setattr(_fast, name, False)
+        assert hit((logits, K), {}) is MISS
+        monkeypatch.setattr(_fast, name, True)
+    assert hit((logits, K), {}) is not MISS
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gpu_torch_replay_bitwise(dtype, rng):

@@ -1,0 +1,149 @@
+# cython: boundscheck=False, wraparound=False
+"""The replay of a recorded op (``moe_rt._fast``) for torch CUDA tensors, compiled.
+
+A recorded op called on torch tensors whose signature has a recipe spends its host time in the Python of
+the replay: gathering the arrays, building the signature, allocating the outputs, writing the pointers,
+building the result. :class:`TorchHit` does that same work as compiled code, for that case alone: the
+arrays torch CUDA tensors, the signature one the op has recorded. Every other call (another framework, a
+signature not recorded yet or one that runs the ordinary way, anything unusual) gets :data:`MISS` back,
+and the Python path of ``moe_rt._fast`` runs as before. Both build the same signature key over the same
+cache, so they serve each other's recipes.
+"""
+from moe_rt import _arrays, _fast, _jit
+
+MISS = object()  # "not served here": the caller takes the Python path
+
+
+cdef class TorchHit:
+    """The replay of one recorded op for torch tensors; see the module docstring. Built by
+    ``_fast.recorded`` with the op's array parameters (``where``: (position or None, name) each), its plan
+    parameter (``plan_at``, ``parts``) and ``variant``, over the op's recipe ``cache``."""
+
+    cdef tuple where
+    cdef object plan_at
+    cdef object parts
+    cdef object variant
+    cdef dict cache
+
+    def __init__(self, tuple where, plan_at, parts, variant, dict cache):
+        self.where, self.plan_at, self.parts, self.variant, self.cache = where, plan_at, parts, variant, cache
+
+    def __call__(self, tuple args, dict kwargs):
+        cdef Py_ssize_t n = len(args)
+        cdef list arrays = []
+        cdef list places = []
+        cdef list metas = []
+        cdef list ptrs = []
+        cdef list objs = []
+        cdef list other
+        cdef dict kw
+        cdef object a, p, d, dev = None, pos, name, pl, rec, pkey = None
+        Tensor = _fast._Tensor
+        if Tensor is None or not _fast.NATIVE or not _fast.ENABLED or not _jit._use_driver or _arrays.RECORDING:
+            return MISS
+        if kwargs and kwargs.get("stream") is not None:
+            return MISS
+        for pos, name in self.where:
+            if pos is not None and pos < n:
+                arrays.append(args[pos])
+                places.append(pos)
+            else:
+                arrays.append(kwargs.get(name))
+                places.append(name)
+        if type(arrays[0]) is not Tensor:
+            return MISS
+        for a in arrays:
+            if a is None:
+                metas.append(None)
+                continue
+            if type(a) is not Tensor or not a.is_cuda or not a.is_contiguous():
+                return MISS
+            p = a.data_ptr()
+            d = a.get_device()
+            if dev is None:
+                dev = d
+            elif d != dev:
+                return MISS
+            metas.append((a.dtype, a.shape, p & 15))
+            ptrs.append(p)
+            objs.append(a)
+        other = list(args)
+        kw = dict(kwargs)
+        for pl in places:
+            if type(pl) is int:
+                other[pl] = None
+            else:
+                kw[pl] = None
+        if self.plan_at is not None:
+            pos, name = self.plan_at
+            if pos is not None and pos < n:
+                pl_obj = args[pos]
+                other[pos] = None
+            else:
+                pl_obj = kwargs.get(name)
+                kw[name] = None
+            pp = self.parts(pl_obj)
+            if pp is None or (dev is not None and pp[4] != dev):
+                return MISS
+            pkey = pp[0]
+            objs.extend(pp[1])
+            ptrs.extend(pp[3])
+            dev = pp[4]
+        if _fast._cur_device() != dev:
+            return MISS
+        vals = tuple(kw.values())
+        # the key _fast.recorded's Python path builds for mode 0 (torch), element for element: both look up
+        # and fill the one cache (tests/test_fast_replay.py checks that each serves the other's recipes)
+        try:
+            key = (0, dev, tuple(metas), pkey, tuple(other), tuple([type(o) for o in other]), tuple(kw.items()),
+                   tuple([type(v) for v in vals]), self.variant() if self.variant is not None else None)
+            rec = self.cache.get(key)
+        except TypeError:
+            return MISS
+        if rec is None or rec is _fast._SLOW:
+            return MISS
+        log = getattr(_fast._capture, "log", None)
+        if log is not None:
+            log.append(None)  # torch work: not a lane's
+        return _replay(rec, objs, ptrs, dev)
+
+
+cdef object _replay(rec, list objs, list ptrs, dev):
+    """``_fast._replay_torch``: allocate the recipe's arrays with torch, launch, build the result."""
+    talloc = rec.talloc
+    if talloc is None:
+        talloc = rec.talloc = tuple([(a[0], _arrays._torch_dtype_of(a[1])) for a in rec.allocs])
+    tdev = _fast._tdevs.get(dev)
+    if tdev is None:
+        tdev = _fast._tdevs[dev] = _fast._torch.device("cuda", dev)
+    empty = _fast._torch.empty
+    for shape, tdt in talloc:
+        t = empty(shape, dtype=tdt, device=tdev)
+        objs.append(t)
+        ptrs.append(t.data_ptr())
+    stream = _fast._raw_stream(dev)
+    c = rec.compiled
+    if c is not None and c is not False and _jit._driver is _jit._real_driver:
+        if not c.run(ptrs, stream):
+            raise RuntimeError("moe_rt: the CUDA driver launcher became unavailable")
+    else:
+        _fast._run_launches(rec, ptrs, stream)
+    return _result(rec.result, objs, dev)
+
+
+cdef object _result(d, list objs, dev):
+    """``_fast._result`` for torch (arrays, sequences, None here; other result types through it)."""
+    if d is None:
+        return None
+    tag = d[0]
+    if tag == 0:
+        o = objs[d[1]]
+        how = d[4]
+        if how == 0:
+            return o
+        if how == 1:
+            return o.reshape(d[2])
+        return _fast._result(d, objs, 0, dev)
+    if tag == 1:
+        return _fast._result(d, objs, 0, dev)
+    return tag([_result(x, objs, dev) for x in d[1]])
