@@ -21,6 +21,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from moe_rt import _arrays
 from moe_rt import permutation as _perm
 
 __all__ = ["TorchPlan", "make_plan", "dispatch", "combine", "topk_with_score", "scores_for_aux_loss", "aux_loss",
@@ -105,38 +106,40 @@ def _plan_of(tp: TorchPlan):
     return plan
 
 
-_split_sizes: dict = {}  # id(plan spec) -> (spec, sizes of the five arrays, their sum)
+_split_sizes: dict = {}  # id(plan spec) -> (spec, sizes of the five arrays, their sum, dst_row's shape)
 
 
 def _torch_plan(p, num_out_tokens: int) -> TorchPlan:
     """A TorchPlan over a moe_rt Plan's arrays (no copy), remembered for the eager ops."""
-    if p.backend == "cuda" and isinstance(p._v, _perm._PlanViews):
-        from moe_rt import _arrays
-
+    v = p._v
+    if p.backend == "cuda" and type(v) is _perm._PlanViews:
         # the plan's one buffer in torch (torch's own tensor, or one DLPack export), then five views of it
-        buf = p._v._buf
-        if isinstance(buf, torch.Tensor):  # a replayed make_plan allocates its buffer in torch
+        buf = v._buf
+        t = type(buf)
+        if t is torch.Tensor:
             whole = buf
-        elif type(buf) is _arrays.DevArray and buf.offset == 0:
-            whole = buf.export("torch")
+        elif t is _arrays.DevArray and buf.offset == 0:
+            o = buf.owner  # a replayed make_plan's buffer: a torch tensor
+            whole = o if type(o) is torch.Tensor and o.shape == buf.shape else buf.export("torch")
         else:
             ptr = _arrays._default_stream("torch", p.device_id).ptr
             with _arrays.as_cupy_stream(ptr, p.device_id):
                 whole = _arrays._torch_from_cupy(_arrays.cupy_of(buf), ptr)
         # the five arrays lie back to back at the start of the buffer, in _PLAN_ARRAYS order (the plan's
         # scratch after them): one split
-        spec = p._v._spec
+        spec = v._spec
         sizes = _split_sizes.get(id(spec))
         if sizes is None or sizes[0] is not spec:
             n = [math.prod(spec[k][1]) for k in _PLAN_ARRAYS]
             if len(_split_sizes) > 512:
                 _split_sizes.clear()
-            sizes = _split_sizes[id(spec)] = (spec, n, sum(n))
-        n = sizes[1]
-        arrays = list(torch.split_with_sizes(whole, n + [whole.shape[0] - sizes[2]])[:5])
-        arrays[0] = arrays[0].view(spec["dst_row"][1])
-    else:
-        arrays = [getattr(p, k) for k in _PLAN_ARRAYS]
+            sizes = _split_sizes[id(spec)] = (spec, n, sum(n), spec["dst_row"][1])
+        a = torch.split_with_sizes(whole, sizes[1] + [whole.shape[0] - sizes[2]])
+        tp = TorchPlan(a[0].view(sizes[3]), a[1], a[2], a[3], a[4], p.num_experts, p.num_rows, p.align_size,
+                       num_out_tokens)
+        _remember(tp, p)
+        return tp
+    arrays = [getattr(p, k) for k in _PLAN_ARRAYS]
     tp = TorchPlan(*arrays, p.num_experts, p.num_rows, p.align_size, num_out_tokens)
     _remember(tp, p)
     return tp
