@@ -22,6 +22,7 @@ from jax.experimental.buffer_callback import buffer_callback
 
 from moe_rt import _arrays, _fast
 from moe_rt import permutation as _perm
+from moe_rt import router as _rt
 
 __all__ = ["JaxPlan", "make_plan", "dispatch", "combine", "topk_with_score", "scores_for_aux_loss", "aux_loss",
            "JaxEpHandle", "ep_prepare", "ep_dispatch", "ep_combine"]
@@ -385,12 +386,6 @@ def combine(y_permuted, plan: JaxPlan, probs=None):
 
 # -- router --------------------------------------------------------------------------------------------
 
-def _router():
-    from moe_rt import router
-
-    return router
-
-
 @partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5, 6))
 def _topk(logits, topk, score_function, use_pre_softmax, num_groups, group_topk, scaling_factor, expert_bias):
     return _topk_fwd(logits, topk, score_function, use_pre_softmax, num_groups, group_topk, scaling_factor,
@@ -402,10 +397,10 @@ def _topk_fwd(logits, topk, score_function, use_pre_softmax, num_groups, group_t
     specs = [_spec(logits.shape, logits.dtype), _spec(logits.shape, np.bool_), _spec(logits.shape, np.float32)]
 
     def fn(lv, bv):
-        return list(_router().topk_with_score(lv, topk, score_function=score_function,
-                                              use_pre_softmax=use_pre_softmax, num_groups=num_groups,
-                                              group_topk=group_topk, scaling_factor=scaling_factor,
-                                              expert_bias=bv))
+        return list(_rt.topk_with_score(lv, topk, score_function=score_function,
+                                        use_pre_softmax=use_pre_softmax, num_groups=num_groups,
+                                        group_topk=group_topk, scaling_factor=scaling_factor,
+                                        expert_bias=bv))
 
     probs, routing_map, inter = _run(fn, specs, logits, expert_bias, lean=True)
     return (probs, routing_map), (routing_map, inter, expert_bias)
@@ -416,9 +411,9 @@ def _topk_bwd(topk, score_function, use_pre_softmax, num_groups, group_topk, sca
     g_probs = cts[0]
 
     def fn(gv, mv, iv):
-        return [_router().topk_with_score_backward(gv, mv, iv, topk, score_function=score_function,
-                                                   use_pre_softmax=use_pre_softmax,
-                                                   scaling_factor=scaling_factor)]
+        return [_rt.topk_with_score_backward(gv, mv, iv, topk, score_function=score_function,
+                                             use_pre_softmax=use_pre_softmax,
+                                             scaling_factor=scaling_factor)]
 
     (g,) = _run(fn, [_spec(g_probs.shape, g_probs.dtype)], g_probs, routing_map, inter, lean=True)
     return g, (None if expert_bias is None else jnp.zeros_like(expert_bias))
@@ -442,7 +437,7 @@ def _scores(logits, topk, score_function):
 
 def _scores_fwd(logits, topk, score_function):
     specs = [_spec(logits.shape, np.float32), _spec(logits.shape, np.bool_), _spec(logits.shape, np.float32)]
-    scores, routing_map, inter = _run(lambda lv: list(_router().scores_for_aux_loss(lv, topk, score_function)),
+    scores, routing_map, inter = _run(lambda lv: list(_rt.scores_for_aux_loss(lv, topk, score_function)),
                                       specs, logits, lean=True)
     return (scores, routing_map), (inter, jnp.zeros((0,), logits.dtype))
 
@@ -452,7 +447,7 @@ def _scores_bwd(topk, score_function, res, cts):
     g_scores = cts[0].astype(jnp.float32)
 
     def fn(gv, iv):
-        return [_router().scores_for_aux_loss_backward(gv, iv, topk, score_function, dtype=like.dtype)]
+        return [_rt.scores_for_aux_loss_backward(gv, iv, topk, score_function, dtype=like.dtype)]
 
     (g,) = _run(fn, [_spec(g_scores.shape, like.dtype)], g_scores, inter, lean=True)
     return (g,)
@@ -474,7 +469,7 @@ def _aux(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coeff):
 
 def _aux_fwd(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coeff):
     def fn(pv, tv):
-        return [_router().aux_loss(pv, tv, total_num_tokens, num_experts, topk, coeff).reshape(())]
+        return [_rt.aux_loss(pv, tv, total_num_tokens, num_experts, topk, coeff).reshape(())]
 
     (loss,) = _run(fn, [_spec((), probs.dtype)], probs, tokens_per_expert, lean=True)
     return loss, (tokens_per_expert, jnp.zeros((probs.shape[0], 0), probs.dtype))
@@ -485,7 +480,7 @@ def _aux_bwd(total_num_tokens, num_experts, topk, coeff, res, g):
     R = like.shape[0]
 
     def fn(gv, tv):
-        return [_router().aux_loss_backward(gv, R, tv, total_num_tokens, num_experts, topk, coeff)]
+        return [_rt.aux_loss_backward(gv, R, tv, total_num_tokens, num_experts, topk, coeff)]
 
     (gp,) = _run(fn, [_spec((R, tpe.shape[0]), g.dtype)], g, tpe, lean=True)
     zero_tpe = (jnp.zeros_like(tpe) if jnp.issubdtype(tpe.dtype, jnp.floating)

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from moe_rt import _arrays
 from moe_rt import permutation as _perm
+from moe_rt import router as _rt
 
 __all__ = ["TorchPlan", "make_plan", "dispatch", "combine", "topk_with_score", "scores_for_aux_loss", "aux_loss",
            "TorchEpHandle", "ep_prepare", "ep_dispatch", "ep_combine"]
@@ -370,12 +371,6 @@ def combine(y_permuted: Tensor, plan: TorchPlan, probs: Optional[Tensor] = None)
 
 # -- router --------------------------------------------------------------------------------------------
 
-def _router():
-    from moe_rt import router
-
-    return router
-
-
 def _opt(v: int):
     return None if v < 0 else v
 
@@ -383,7 +378,7 @@ def _opt(v: int):
 @torch.library.custom_op("moe_rt::topk_with_score", mutates_args=())
 def _topk_op(logits: Tensor, topk: int, score_function: str, use_pre_softmax: bool, num_groups: int,
              group_topk: int, scaling_factor: float, expert_bias: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-    return tuple(_router().topk_with_score(
+    return tuple(_rt.topk_with_score(
         logits, topk, score_function=score_function, use_pre_softmax=use_pre_softmax,
         num_groups=_opt(num_groups), group_topk=_opt(group_topk), scaling_factor=scaling_factor,
         expert_bias=expert_bias))
@@ -398,8 +393,8 @@ def _(logits, topk, score_function, use_pre_softmax, num_groups, group_topk, sca
 @torch.library.custom_op("moe_rt::topk_with_score_backward", mutates_args=())
 def _topk_bwd_op(grad_probs: Tensor, routing_map: Tensor, intermediate: Tensor, topk: int, score_function: str,
                  use_pre_softmax: bool, scaling_factor: float) -> Tensor:
-    return _router().topk_with_score_backward(grad_probs.contiguous(), routing_map, intermediate, topk,
-                                              score_function=score_function, use_pre_softmax=use_pre_softmax,
+    return _rt.topk_with_score_backward(grad_probs.contiguous(), routing_map, intermediate, topk,
+                                        score_function=score_function, use_pre_softmax=use_pre_softmax,
                                               scaling_factor=scaling_factor)
 
 
@@ -428,10 +423,10 @@ class _TopkFn(torch.autograd.Function):
     """Eager top-k: forward and backward straight to moe_rt."""
 
     @staticmethod
-    def forward(ctx, logits, expert_bias, topk, kw):
+    def forward(ctx, logits, topk, kw):
         ctx.set_materialize_grads(False)  # the map and the intermediate never get a gradient
-        probs, routing_map, inter = _router().topk_with_score(logits, topk, expert_bias=expert_bias, **kw)
-        ctx.args = (topk, kw["score_function"], kw["use_pre_softmax"], kw["scaling_factor"])
+        probs, routing_map, inter = _rt.topk_with_score(logits, topk, **kw)
+        ctx.args = (topk, kw)
         ctx.mark_non_differentiable(routing_map, inter)
         ctx.save_for_backward(routing_map, inter)
         return probs, routing_map, inter
@@ -439,13 +434,14 @@ class _TopkFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_probs, _grad_map, _grad_inter):
         if grad_probs is None:
-            return None, None, None, None
+            return None, None, None
         routing_map, inter = ctx.saved_tensors
-        topk, score_function, pre, scale = ctx.args
-        g = _router().topk_with_score_backward(grad_probs.contiguous(), routing_map, inter, topk,
-                                               score_function=score_function, use_pre_softmax=pre,
-                                               scaling_factor=scale)
-        return g, None, None, None
+        topk, kw = ctx.args
+        g = _rt.topk_with_score_backward(grad_probs.contiguous(), routing_map, inter, topk,
+                                         score_function=kw.get("score_function", "softmax"),
+                                         use_pre_softmax=kw.get("use_pre_softmax", False),
+                                         scaling_factor=kw.get("scaling_factor"))
+        return g, None, None
 
     @classmethod
     def apply(cls, *args):
@@ -463,14 +459,27 @@ def topk_with_score(logits: Tensor, topk: int, *, score_function: str = "softmax
     """Differentiable :func:`moe_rt.router.topk_with_score`: returns ``(probs [T,E] logits dtype,
     routing_map [T,E] bool)``; the gradient flows to ``logits`` (the expert bias gets none)."""
     if _eager():
-        kw = dict(score_function=score_function, use_pre_softmax=use_pre_softmax, num_groups=num_groups,
-                  group_topk=group_topk, scaling_factor=scaling_factor)
+        # only the keywords that differ from moe_rt's defaults: less to pass, and a shorter signature to key
+        # the op's replay on
+        kw = {}
+        if score_function != "softmax":
+            kw["score_function"] = score_function
+        if use_pre_softmax is not False:
+            kw["use_pre_softmax"] = use_pre_softmax
+        if num_groups is not None:
+            kw["num_groups"] = num_groups
+        if group_topk is not None:
+            kw["group_topk"] = group_topk
+        if scaling_factor is not None:
+            kw["scaling_factor"] = scaling_factor
+        if expert_bias is not None:
+            kw["expert_bias"] = expert_bias
         if _needs_grad(logits):
             if _functorch_active() or _unwrap_dead is None:
-                return _TopkFn.apply(logits, expert_bias, topk, kw)
-            probs, routing_map, _ = _topk_apply(_unwrap_dead(logits), expert_bias, topk, kw)
+                return _TopkFn.apply(logits, topk, kw)
+            probs, routing_map, _ = _topk_apply(_unwrap_dead(logits), topk, kw)
             return probs, routing_map
-        probs, routing_map, _ = _router().topk_with_score(logits, topk, expert_bias=expert_bias, **kw)
+        probs, routing_map, _ = _rt.topk_with_score(logits, topk, **kw)
         return probs, routing_map
     probs, routing_map, _ = _topk_op(logits, int(topk), str(score_function), bool(use_pre_softmax),
                                      -1 if num_groups is None else int(num_groups),
@@ -481,7 +490,7 @@ def topk_with_score(logits: Tensor, topk: int, *, score_function: str = "softmax
 
 @torch.library.custom_op("moe_rt::scores_for_aux_loss", mutates_args=())
 def _scores_op(logits: Tensor, topk: int, score_function: str) -> tuple[Tensor, Tensor, Tensor]:
-    return tuple(_router().scores_for_aux_loss(logits, topk, score_function))
+    return tuple(_rt.scores_for_aux_loss(logits, topk, score_function))
 
 
 @_scores_op.register_fake
@@ -496,8 +505,8 @@ def _scores_bwd_op(grad_scores: Tensor, intermediate: Tensor, topk: int, score_f
     from moe_rt import _arrays as _a
 
     dtype = _a.Call({"l": logits_like})["l"].dtype
-    return _router().scores_for_aux_loss_backward(grad_scores.contiguous(), intermediate, topk, score_function,
-                                                  dtype=dtype)
+    return _rt.scores_for_aux_loss_backward(grad_scores.contiguous(), intermediate, topk, score_function,
+                                            dtype=dtype)
 
 
 @_scores_bwd_op.register_fake
@@ -526,7 +535,7 @@ class _ScoresFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, topk, score_function):
         ctx.set_materialize_grads(False)  # the map and the intermediate never get a gradient
-        scores, routing_map, inter = _router().scores_for_aux_loss(logits, topk, score_function)
+        scores, routing_map, inter = _rt.scores_for_aux_loss(logits, topk, score_function)
         ctx.args = (topk, score_function, logits.dtype)
         ctx.mark_non_differentiable(routing_map, inter)
         ctx.save_for_backward(inter)
@@ -538,8 +547,8 @@ class _ScoresFn(torch.autograd.Function):
             return None, None, None
         (inter,) = ctx.saved_tensors
         topk, score_function, dtype = ctx.args
-        g = _router().scores_for_aux_loss_backward(grad_scores.float().contiguous(), inter, topk, score_function,
-                                                   dtype=dtype)
+        g = _rt.scores_for_aux_loss_backward(grad_scores.float().contiguous(), inter, topk, score_function,
+                                             dtype=dtype)
         return g, None, None
 
     @classmethod
@@ -560,7 +569,7 @@ def scores_for_aux_loss(logits: Tensor, topk: int, score_function: str) -> tuple
                 return _ScoresFn.apply(logits, topk, score_function)
             scores, routing_map, _ = _scores_apply(_unwrap_dead(logits), topk, score_function)
             return scores, routing_map
-        scores, routing_map, _ = _router().scores_for_aux_loss(logits, topk, score_function)
+        scores, routing_map, _ = _rt.scores_for_aux_loss(logits, topk, score_function)
         return scores, routing_map
     scores, routing_map, _ = _scores_op(logits, int(topk), str(score_function))
     return scores, routing_map
@@ -569,7 +578,7 @@ def scores_for_aux_loss(logits: Tensor, topk: int, score_function: str) -> tuple
 @torch.library.custom_op("moe_rt::aux_loss", mutates_args=())
 def _aux_op(probs: Tensor, tokens_per_expert: Tensor, total_num_tokens: int, num_experts: int, topk: int,
             coeff: float) -> Tensor:
-    return _router().aux_loss(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coeff)
+    return _rt.aux_loss(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coeff)
 
 
 @_aux_op.register_fake
@@ -580,8 +589,8 @@ def _(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coeff):
 @torch.library.custom_op("moe_rt::aux_loss_backward", mutates_args=())
 def _aux_bwd_op(grad: Tensor, num_rows: int, tokens_per_expert: Tensor, total_num_tokens: int, num_experts: int,
                 topk: int, coeff: float) -> Tensor:
-    return _router().aux_loss_backward(grad.contiguous(), num_rows, tokens_per_expert, total_num_tokens,
-                                       num_experts, topk, coeff).contiguous()
+    return _rt.aux_loss_backward(grad.contiguous(), num_rows, tokens_per_expert, total_num_tokens,
+                                 num_experts, topk, coeff).contiguous()
 
 
 @_aux_bwd_op.register_fake
@@ -615,12 +624,12 @@ class _AuxFn(torch.autograd.Function):
         ctx.num_rows = probs.shape[0]
         ctx.probs_dtype = probs.dtype
         ctx.save_for_backward(tokens_per_expert)
-        return _router().aux_loss(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coeff)
+        return _rt.aux_loss(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coeff)
 
     @staticmethod
     def backward(ctx, grad):
         (tpe,) = ctx.saved_tensors
-        g = _router().aux_loss_backward(grad.contiguous(), ctx.num_rows, tpe, *ctx.args)
+        g = _rt.aux_loss_backward(grad.contiguous(), ctx.num_rows, tpe, *ctx.args)
         return (g.contiguous().to(ctx.probs_dtype),) + (None,) * 5
 
 
@@ -636,7 +645,7 @@ def aux_loss(probs: Tensor, tokens_per_expert: Tensor, total_num_tokens: int, nu
             if _functorch_active() or _unwrap_dead is None:
                 return _AuxFn.apply(probs, *args)
             return _aux_apply(_unwrap_dead(probs), *args)
-        return _router().aux_loss(probs, *args)
+        return _rt.aux_loss(probs, *args)
     return _aux_op(probs, tokens_per_expert, int(total_num_tokens), int(num_experts), int(topk), float(coeff))
 
 

@@ -130,6 +130,31 @@ def test_topk_with_score_autograd_matches_plain_torch(device, sf, pre):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kw", [{}, dict(score_function="sigmoid", num_groups=4, group_topk=2, scaling_factor=2.0),
+                                dict(score_function="sigmoid", use_pre_softmax=False, scaling_factor=None)])
+def test_topk_keywords_and_bias_reach_the_op(device, kw, monkeypatch):
+    """The eager top-k passes moe_rt only the keywords that differ from its defaults; with the expert bias
+    or without, its values and gradients are the custom op's (the path torch.compile traces), bitwise."""
+    gen = torch.Generator().manual_seed(17)
+    T, E, K = 21, 16, 4
+    l0 = _tie_free_logits(T, E, gen, device)
+    bias = (torch.rand(E, generator=gen) * 0.1).to(device)
+    gp = torch.randn(T, E, generator=gen).to(device)
+    for b in (None, bias):
+        if b is not None and kw.get("score_function", "softmax") == "softmax":
+            continue  # the bias applies to sigmoid and sqrtsoftplus scores
+        got = []
+        for compiling in (False, True):
+            monkeypatch.setattr(mt, "_is_compiling", lambda c=compiling: c)
+            logits = l0.clone().requires_grad_()
+            probs, rmap = mt.topk_with_score(logits, K, expert_bias=b, **kw)
+            (g,) = torch.autograd.grad((probs * gp).sum(), logits)
+            got.append((probs.detach(), rmap, g))
+        for a, c in zip(*got):
+            assert torch.equal(a, c)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_router_aux_path_autograd_and_compile(device):
     gen = torch.Generator().manual_seed(5)
     T, E, K = 33, 8, 2
