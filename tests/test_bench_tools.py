@@ -67,3 +67,27 @@ def test_profile_router_cases():
             profile_router.main()
     finally:
         sys.argv = sys_argv
+
+
+def test_interleaved_timing_takes_turns(monkeypatch):
+    """bench_layer.interleaved_us: every function timed once per round in a rotated order (so that the host's
+    drift hits all alike), each batch closed by its own sync; per-call times are the medians over rounds."""
+    import bench_layer
+
+    clock = [0.0]
+    monkeypatch.setattr(bench_layer.time, "perf_counter", lambda: clock[0])
+    order, syncs = [], []
+
+    def fn(name, cost):
+        def call():
+            clock[0] += cost
+            if not order or order[-1] != name:
+                order.append(name)
+        return call
+
+    fns = [(k, fn(k, c), lambda k=k: syncs.append(k)) for k, c in (("a", 2e-6), ("b", 5e-6), ("c", 1e-6))]
+    us = bench_layer.interleaved_us(fns, n=4, reps=3)
+    assert us == pytest.approx({"a": 2.0, "b": 5.0, "c": 1.0})
+    # warm-up: each in turn; then three rounds, rotated: abc, bca, cab
+    assert order == list("abc") + list("abc") + list("bca") + list("cab")
+    assert syncs == list("abc") + list("abc") + list("bca") + list("cab")

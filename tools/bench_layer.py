@@ -597,37 +597,55 @@ def bench_jax(s: Shape, args, table, save):
 
 # ---- adapter overhead ---------------------------------------------------------------------------------------
 
-def host_and_gpu_us(fn, sync, n=100, reps=7, gpu=True):
-    """(wall us per call: the median over ``reps`` batches of ``n`` back-to-back calls, each batch ended by
-    ``sync()``, with Python's garbage collector paused as ``timeit`` does; device us per call or None)."""
+def device_us(fn):
+    """Device us per call of ``fn`` with the host hidden (bench_router.time_device)."""
     from bench_router import time_device
 
-    for _ in range(10):
-        fn()
-    sync()
-    per = []
+    return time_device(fn, 50) * 1e3
+
+
+def interleaved_us(fns, n=100, reps=7):
+    """Wall us per call of each ``(name, fn, sync)``, timed in turns: each of ``reps`` rounds times a batch of
+    ``n`` back-to-back calls of every fn, ended by its ``sync()``, the order rotated from round to round, so
+    that the host's drift (these machines' host speed moves by 2x within minutes) hits all of them alike.
+    Medians over the rounds, with Python's garbage collector paused as ``timeit`` does."""
+    fns = list(fns)
+    for _, fn, sync in fns:
+        for _ in range(10):
+            fn()
+        sync()
+    per = {name: [] for name, _, _ in fns}
     gc.collect()
     gc.disable()
     try:
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            for _ in range(n):
-                fn()
-            sync()
-            per.append((time.perf_counter() - t0) / n * 1e6)
+        for r in range(reps):
+            k = r % len(fns)
+            for name, fn, sync in fns[k:] + fns[:k]:
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    fn()
+                sync()
+                per[name].append((time.perf_counter() - t0) / n * 1e6)
     finally:
         gc.enable()
-    dev = time_device(fn, 50) * 1e3 if gpu else None
-    return statistics.median(per), dev
+    return {name: statistics.median(v) for name, v in per.items()}
 
 
-def overhead_rows(table, save, framework, cases, measure_adapter, measure_direct):
-    """One row per (op, pass, adapter call, direct call): host and device us per call, and the overhead per
-    adapter call (a fwd+bwd pass makes two)."""
+PAIRED_REPS = 11  # rounds of the adapter / direct turns of an overhead row
+
+
+def overhead_rows(table, save, framework, cases, adapter_sync, direct_sync, adapter_gpu=True):
+    """One row per (op, pass, adapter call, direct call): host us per call of the adapter and the direct call
+    timed in turns (:func:`interleaved_us`), device us per call, and the overhead per adapter call (a fwd+bwd
+    pass makes two). ``adapter_sync(fn)`` gives ``(fn to time, its sync)``; ``direct_sync`` is the direct
+    calls' sync."""
     for op, pas, adapter, direct in cases:
         try:
-            a_host, a_dev = measure_adapter(adapter)
-            d_host, d_dev = measure_direct(direct)
+            a_fn, a_sync = adapter_sync(adapter)
+            us = interleaved_us([("a", a_fn, a_sync), ("d", direct, direct_sync)], n=100, reps=PAIRED_REPS)
+            a_host, d_host = us["a"], us["d"]
+            a_dev = device_us(a_fn) if adapter_gpu else None
+            d_dev = device_us(direct)
         except Exception as e:  # noqa: BLE001 - report and go on with the other rows
             print(f"overhead {framework} {op} {pas} failed: {type(e).__name__}: {e}", flush=True)
             traceback.print_exc()
@@ -740,7 +758,7 @@ def bench_overhead_torch(table, save, T=128, H=1024, E=64, K=8):
     cases.append(("(empty autograd.Function)", "fwd+bwd", lambda: grad(_Identity.apply(xg), xg, gy), lambda: None))
     cases.append(("(empty autograd.Function, 3 outputs)", "fwd+bwd", lambda: grad(_Three.apply(lg)[0], lg, g_probs),
                   lambda: None))
-    overhead_rows(table, save, "torch", cases, lambda f: host_and_gpu_us(f, sync), lambda f: host_and_gpu_us(f, sync))
+    overhead_rows(table, save, "torch", cases, lambda f: (f, sync), sync)
     in_graph_chain_torch(table, save, dict(x=x, probs=probs, logits=logits, gy=gy, g_probs=g_probs), t_plan,
                          core_plan, K, sync)
 
@@ -832,9 +850,10 @@ def in_graph_chain_torch(table, save, t, t_plan, core_plan, K, sync):
 
     what = f"fwd+bwd, in one graph ({n} ops)"
     try:
-        us = {name: host_and_gpu_us(f, sync, n=10, gpu=False)[0]
-              for name, f in (("perm", perm_adapter), ("perm direct", perm_direct), ("perm empty", perm_empty),
-                              ("topk", topk_adapter), ("topk direct", topk_direct), ("topk empty", topk_empty))}
+        us = interleaved_us([(name, f, sync) for name, f in (("perm", perm_adapter), ("perm direct", perm_direct),
+                                                              ("perm empty", perm_empty))], n=10, reps=15)
+        us.update(interleaved_us([(name, f, sync) for name, f in (("topk", topk_adapter), ("topk direct", topk_direct),
+                                                                   ("topk empty", topk_empty))], n=10, reps=15))
     except Exception as e:  # noqa: BLE001 - report and go on
         print(f"in-graph chain failed: {type(e).__name__}: {e}", flush=True)
         traceback.print_exc()
@@ -902,15 +921,15 @@ def bench_overhead_jax(table, save, T=128, H=1024, E=64, K=8):
          lambda: (moe_rt.combine(c["ys"], c_plan, c["probs"]),
                   moe_rt.combine_backward(c["gy"], c_plan, c["ys"], c["probs"]))),
     ]
-    def measure_adapter(adapter):
+    def adapter_sync(adapter):
         holder = {}
 
         def call():
             holder["out"] = adapter()
 
-        return host_and_gpu_us(call, lambda: jax.block_until_ready(holder["out"]), gpu=False)
+        return call, lambda: jax.block_until_ready(holder["out"])
 
-    overhead_rows(table, save, "jax", cases, measure_adapter, lambda f: host_and_gpu_us(f, csync))
+    overhead_rows(table, save, "jax", cases, adapter_sync, csync, adapter_gpu=False)
     in_jit_chain(table, save, x, plan, probs, gy, c, c_plan, csync)
 
 
@@ -973,13 +992,13 @@ def in_jit_chain(table, save, x, plan, probs, gy, c, c_plan, csync):
 
     n = 2 * CHAIN
     try:
-        moe_us = host_and_gpu_us(blocked(chain_moe), lambda: None, n=10, gpu=False)[0] / n
-        empty_us = host_and_gpu_us(blocked(chain_empty), lambda: None, n=10, gpu=False)[0] / n
-        xla_us = host_and_gpu_us(blocked(chain_xla), lambda: None, n=10, gpu=False)[0] / n
-        direct_us = host_and_gpu_us(direct, csync, n=10, gpu=False)[0] / n
-        fb_us = host_and_gpu_us(blocked_fb(chain_moe_vjp), lambda: None, n=10, gpu=False)[0]
-        fb_empty_us = host_and_gpu_us(blocked_fb(chain_empty2), lambda: None, n=10, gpu=False)[0]
-        fb_direct_us = host_and_gpu_us(direct_fb, csync, n=10, gpu=False)[0]
+        none = lambda: None  # noqa: E731 - the blocked calls return when their results are ready
+        us = interleaved_us([("moe", blocked(chain_moe), none), ("empty", blocked(chain_empty), none),
+                             ("xla", blocked(chain_xla), none), ("direct", direct, csync)], n=10, reps=15)
+        moe_us, empty_us, xla_us, direct_us = (us[k] / n for k in ("moe", "empty", "xla", "direct"))
+        us = interleaved_us([("moe", blocked_fb(chain_moe_vjp), none), ("empty", blocked_fb(chain_empty2), none),
+                             ("direct", direct_fb, csync)], n=10, reps=15)
+        fb_us, fb_empty_us, fb_direct_us = us["moe"], us["empty"], us["direct"]
     except Exception as e:  # noqa: BLE001 - report and go on
         print(f"in-jit chain failed: {type(e).__name__}: {e}", flush=True)
         traceback.print_exc()
@@ -1023,8 +1042,10 @@ def main():
                             f"torch's stream; JAX: wall clock to block_until_ready of the jitted step")
     table.meta["x moe_rt"] = "time of the row / time of moe_rt in the same framework (> 1: moe_rt faster)"
     over = benchlib.Table("moe_rt adapter overhead per call, T=128 H=1024 E=64 K=8", OVERHEAD_COLUMNS)
-    over.meta["timing"] = ("us per call: median over 7 batches of 100 back-to-back calls, each ended by one "
-                           "sync, garbage collector paused (host-bound at this size); GPU us: device time per "
+    over.meta["timing"] = ("us per call: the adapter and the direct call timed in turns, the median over 11 "
+                           "rounds of one batch of 100 back-to-back calls each (the order rotated per round), "
+                           "each batch ended by one sync, garbage collector paused (host-bound at this size); "
+                           "the chains of a row and its floor likewise, 15 rounds of 10; GPU us: device time per "
                            "call with the host hidden behind a spin kernel; "
                            "overhead = (adapter - direct) / ops in the pass; direct = the moe_rt op on the "
                            "same torch tensors, or on CuPy views of the JAX buffers; 'in one jit' / 'in one graph' "
