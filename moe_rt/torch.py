@@ -116,10 +116,9 @@ def _torch_plan(p, num_out_tokens: int) -> TorchPlan:
     if p.backend == "cuda" and type(v) is _perm._PlanViews:
         # the plan's one buffer in torch (torch's own tensor, or one DLPack export), then five views of it
         buf = v._buf
-        t = type(buf)
-        if t is torch.Tensor:
+        if isinstance(buf, torch.Tensor):
             whole = buf
-        elif t is _arrays.DevArray and buf.offset == 0:
+        elif type(buf) is _arrays.DevArray and buf.offset == 0:
             o = buf.owner  # a replayed make_plan's buffer: a torch tensor
             whole = o if type(o) is torch.Tensor and o.shape == buf.shape else buf.export("torch")
         else:
@@ -462,7 +461,7 @@ def topk_with_score(logits: Tensor, topk: int, *, score_function: str = "softmax
         # only the keywords that differ from moe_rt's defaults: less to pass, and a shorter signature to key
         # the op's replay on
         kw = {}
-        if score_function != "softmax":
+        if type(score_function) is not str or score_function != "softmax":  # the op judges anything else
             kw["score_function"] = score_function
         if use_pre_softmax is not False:
             kw["use_pre_softmax"] = use_pre_softmax
