@@ -57,16 +57,6 @@ class _PackedDriver:
         return self._calls
 
 
-def _norm(call):
-    """A _Driver call in _PackedDriver's form: grid and block as 3-tuples, arguments as 64-bit slots."""
-    fptr, grid, block, args, stream, smem = call
-    dims = [tuple(d) + (1,) * (3 - len(d)) if type(d) is tuple else (d, 1, 1) for d in (grid, block)]
-    from moe_rt import _launch
-
-    slots = tuple(np.frombuffer(_launch.pack(args), np.uint64).tolist())
-    return (fptr, dims[0], dims[1], slots, stream, smem)
-
-
 class _Ctx:
     def __init__(self, ptr=0):
         self.ptr = ptr
@@ -506,9 +496,6 @@ def test_no_lane_for_work_other_than_replays(fake_device, monkeypatch):
     assert log == [None] and _fast.lane_of(log, spans, STREAM, 0) is None
 
 
-# -- GPU: torch tensors, replayed against the ordinary path, bitwise -------------------------------------
-
-
 # -- the compiled torch replay (moe_rt._replay) against the Python one, on stand-in torch tensors --------
 
 class _FakeTensor:
@@ -660,6 +647,9 @@ def test_compiled_torch_replay_leaves_other_calls_to_the_python_path(fake_torch,
         assert hit((logits, K), {}) is MISS
         monkeypatch.setattr(_fast, name, True)
     assert hit((logits, K), {}) is not MISS
+
+
+# -- GPU: torch tensors, replayed against the ordinary path, bitwise -------------------------------------
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
