@@ -39,7 +39,11 @@ cdef class TorchHit:
         cdef dict kw
         cdef object a, p, d, dev = None, pos, name, pl, rec, pkey = None
         Tensor = _fast._Tensor
-        if Tensor is None or not _fast.NATIVE or not _fast.ENABLED or not _jit._use_driver or _arrays.RECORDING:
+        pos, name = self.where[0]
+        a = args[pos] if pos is not None and pos < n else kwargs.get(name)
+        if Tensor is None or type(a) is not Tensor:  # other frameworks: straight to the Python path
+            return MISS
+        if not _fast.NATIVE or not _fast.ENABLED or not _jit._use_driver or _arrays.RECORDING:
             return MISS
         if kwargs and kwargs.get("stream") is not None:
             return MISS
@@ -50,8 +54,6 @@ cdef class TorchHit:
             else:
                 arrays.append(kwargs.get(name))
                 places.append(name)
-        if type(arrays[0]) is not Tensor:
-            return MISS
         for a in arrays:
             if a is None:
                 metas.append(None)
