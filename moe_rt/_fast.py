@@ -487,32 +487,25 @@ def recorded(*array_params, variant=None, plan=None):
         plan_at = None if plan is None else place(plan[0])
         parts, symbolic = (None, None) if plan is None else plan[1:]
         cache: dict = {}
-        try:  # the compiled replay for torch tensors, over the same cache
+        try:
             from moe_rt import _replay
-
-            hit, miss = _replay.TorchHit(where, plan_at, parts, variant, cache), _replay.MISS
-        except ImportError:  # pragma: no cover - the extension is built with the package
-            hit = miss = None
+        except ImportError:  # pragma: no cover - the extension is built with the package: no replays without it
+            op.ordinary, op.recipes, op.torch_hit = op, cache, None
+            return op
+        gather, signature = _replay.gather, _replay.signature
+        # the compiled replay for torch tensors, over the same cache and the same signatures
+        hit, miss = _replay.TorchHit(where, plan_at, parts, variant, cache), _replay.MISS
 
         @functools.wraps(op)
         def fast(*args, **kwargs):
-            if hit is not None:
-                r = hit(args, kwargs)
-                if r is not miss:
-                    return r
+            r = hit(args, kwargs)
+            if r is not miss:
+                return r
             if not ENABLED or not _jit._use_driver or kwargs.get("stream") is not None or (
                     _arrays.RECORDING and _arrays.recorder() is not None):
                 return _ordinary(op, args, kwargs)
             n = len(args)
-            arrays = []
-            places = []
-            for pos, name in where:
-                if pos is not None and pos < n:
-                    arrays.append(args[pos])
-                    places.append(pos)
-                else:
-                    arrays.append(kwargs.get(name))
-                    places.append(name)
+            arrays, places = gather(where, args, kwargs)
             a0 = arrays[0]
             t0 = type(a0)
             if t0 is DevArray:
@@ -555,22 +548,13 @@ def recorded(*array_params, variant=None, plan=None):
                 metas.append((a.dtype, a.shape, p & 15))
                 ptrs.append(p)
                 objs.append(a)
-            other = list(args)
-            kw = dict(kwargs)
-            for pl in places:
-                if type(pl) is int:
-                    other[pl] = None
-                else:
-                    kw[pl] = None
-            pkey = pinfo = None
+            pkey = pinfo = pl_place = None
             if plan_at is not None:
                 pos, name = plan_at
                 if pos is not None and pos < n:
                     pl_obj, pl_place = args[pos], pos
-                    other[pos] = None
                 else:
                     pl_obj, pl_place = kwargs.get(name), name
-                    kw[name] = None
                 pp = parts(pl_obj)
                 if pp is None or (dev is not None and pp[4] != dev):
                     return _ordinary(op, args, kwargs)
@@ -580,9 +564,8 @@ def recorded(*array_params, variant=None, plan=None):
                 pinfo = (pl_place, pl_obj, pmetas, symbolic)
             if (mode == 0 and _cur_device() != dev) or (mode == 2 and _cupy.cuda.runtime.getDevice() != dev):
                 return _ordinary(op, args, kwargs)
-            try:  # for torch (mode 0) moe_rt._replay.TorchHit builds the same key
-                key = (mode, dev, tuple(metas), pkey, tuple(other), tuple(map(type, other)), tuple(kw.items()),
-                       tuple(map(type, kw.values())), variant() if variant is not None else None)
+            try:
+                key = signature(mode, dev, metas, pkey, args, kwargs, places, pl_place, variant)
                 rec = cache.get(key)
             except TypeError:  # an unhashable argument: the ordinary path judges it
                 return _ordinary(op, args, kwargs)
@@ -622,7 +605,7 @@ def recorded(*array_params, variant=None, plan=None):
 
         fast.ordinary = op  # the path without replays
         fast.recipes = cache
-        fast.torch_hit = hit  # the compiled torch replay (None without the extension)
+        fast.torch_hit = hit  # the compiled torch replay
         return fast
 
     return deco

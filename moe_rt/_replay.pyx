@@ -6,12 +6,60 @@ the replay: gathering the arrays, building the signature, allocating the outputs
 building the result. :class:`TorchHit` does that same work as compiled code, for that case alone: the
 arrays torch CUDA tensors, the signature one the op has recorded. Every other call (another framework, a
 signature not recorded yet or one that runs the ordinary way, anything unusual) gets :data:`MISS` back,
-and the Python path of ``moe_rt._fast`` runs as before. Both build the same signature key over the same
-cache, so they serve each other's recipes.
+and the Python path of ``moe_rt._fast`` runs as before. Both gather the arrays with :func:`gather` and key
+the one cache with :func:`signature`, so each serves the recipes the other recorded.
 """
 from moe_rt import _arrays, _fast, _jit
 
 MISS = object()  # "not served here": the caller takes the Python path
+
+
+cdef int _gather(tuple where, tuple args, dict kwargs, list arrays, list places) except -1:
+    cdef Py_ssize_t n = len(args)
+    for pos, name in where:
+        if pos is not None and pos < n:
+            arrays.append(args[pos])
+            places.append(pos)
+        else:
+            arrays.append(kwargs.get(name))
+            places.append(name)
+    return 0
+
+
+def gather(tuple where, tuple args, dict kwargs):
+    """A recorded op's array arguments and where each was given: ``(arrays, places)``, ``places[i]`` the
+    position of array i in ``args`` or, when it was not passed by position, its name (``where``: the
+    op's array parameters as (position or None, name))."""
+    cdef list arrays = []
+    cdef list places = []
+    _gather(where, args, kwargs, arrays, places)
+    return arrays, places
+
+
+cdef tuple _signature(int mode, dev, list metas, pkey, tuple args, dict kwargs, list places, plan_place, variant):
+    cdef list other = list(args)
+    cdef dict kw = dict(kwargs)
+    for pl in places:
+        if type(pl) is int:
+            other[pl] = None
+        else:
+            kw[pl] = None
+    if plan_place is not None:
+        if type(plan_place) is int:
+            other[plan_place] = None
+        else:
+            kw[plan_place] = None
+    vals = tuple(kw.values())
+    return (mode, dev, tuple(metas), pkey, tuple(other), tuple([type(o) for o in other]), tuple(kw.items()),
+            tuple([type(v) for v in vals]), variant() if variant is not None else None)
+
+
+def signature(int mode, dev, list metas, pkey, tuple args, dict kwargs, list places, plan_place, variant):
+    """The key a recorded op's recipes are cached under: the replay mode (0 torch, 1 XLA buffers, 2 CuPy),
+    the device, each array's (dtype, shape, pointer misalignment) or None, the plan's key, every other
+    argument with its type (the arrays and the plan as None, at ``places`` and ``plan_place``), and the
+    value of ``variant()``. Raises TypeError for an unhashable argument only when the key is hashed."""
+    return _signature(mode, dev, metas, pkey, args, kwargs, places, plan_place, variant)
 
 
 cdef class TorchHit:
@@ -35,9 +83,7 @@ cdef class TorchHit:
         cdef list metas = []
         cdef list ptrs = []
         cdef list objs = []
-        cdef list other
-        cdef dict kw
-        cdef object a, p, d, dev = None, pos, name, pl, rec, pkey = None
+        cdef object a, p, d, dev = None, pos, name, rec, pkey = None, pl_place = None
         Tensor = _fast._Tensor
         pos, name = self.where[0]
         a = args[pos] if pos is not None and pos < n else kwargs.get(name)
@@ -47,13 +93,7 @@ cdef class TorchHit:
             return MISS
         if kwargs and kwargs.get("stream") is not None:
             return MISS
-        for pos, name in self.where:
-            if pos is not None and pos < n:
-                arrays.append(args[pos])
-                places.append(pos)
-            else:
-                arrays.append(kwargs.get(name))
-                places.append(name)
+        _gather(self.where, args, kwargs, arrays, places)
         for a in arrays:
             if a is None:
                 metas.append(None)
@@ -69,21 +109,12 @@ cdef class TorchHit:
             metas.append((a.dtype, a.shape, p & 15))
             ptrs.append(p)
             objs.append(a)
-        other = list(args)
-        kw = dict(kwargs)
-        for pl in places:
-            if type(pl) is int:
-                other[pl] = None
-            else:
-                kw[pl] = None
         if self.plan_at is not None:
             pos, name = self.plan_at
             if pos is not None and pos < n:
-                pl_obj = args[pos]
-                other[pos] = None
+                pl_obj, pl_place = args[pos], pos
             else:
-                pl_obj = kwargs.get(name)
-                kw[name] = None
+                pl_obj, pl_place = kwargs.get(name), name
             pp = self.parts(pl_obj)
             if pp is None or (dev is not None and pp[4] != dev):
                 return MISS
@@ -93,13 +124,8 @@ cdef class TorchHit:
             dev = pp[4]
         if _fast._cur_device() != dev:
             return MISS
-        vals = tuple(kw.values())
-        # the key _fast.recorded's Python path builds for mode 0 (torch), element for element: both look up
-        # and fill the one cache (tests/test_fast_replay.py checks that each serves the other's recipes)
         try:
-            key = (0, dev, tuple(metas), pkey, tuple(other), tuple([type(o) for o in other]), tuple(kw.items()),
-                   tuple([type(v) for v in vals]), self.variant() if self.variant is not None else None)
-            rec = self.cache.get(key)
+            rec = self.cache.get(_signature(0, dev, metas, pkey, args, kwargs, places, pl_place, self.variant))
         except TypeError:
             return MISS
         if rec is None or rec is _fast._SLOW:
