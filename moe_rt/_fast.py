@@ -216,30 +216,6 @@ def _run_launches(owner, ptrs, stream: int):
             raise RuntimeError("moe_rt: the CUDA driver launcher became unavailable")
 
 
-_FRAMEWORKS = ("torch", "devarray", "cupy")  # by replay mode
-
-
-def _result(d, objs, mode, dev):
-    """The op's result from its description (see :meth:`_Recorder.describe`) over the replay's arrays (torch
-    tensors, DevArrays or CuPy arrays: each reshapes a contiguous array into a view)."""
-    if d is None:
-        return None
-    tag = d[0]
-    if tag == 0:
-        o = objs[d[1]]
-        how = d[4]
-        if how == 0:
-            return o
-        if how == 1:
-            return o.reshape(d[2])
-        return o.reshape(-1)[d[3]:d[3] + math.prod(d[2])].reshape(d[2])
-    if tag == 1:
-        get = (lambda leaf: _devarray_of(_result(leaf, objs, mode, dev), dev)) if mode == 0 else (
-            lambda leaf: _result(leaf, objs, mode, dev))
-        return d[1](d[2], get, _FRAMEWORKS[mode])
-    return tag([_result(x, objs, mode, dev) for x in d[1]])
-
-
 def _devarray_of(t, dev):
     """A DevArray over a torch tensor made by a replay (what the ordinary path holds for torch callers)."""
     return DevArray(t.data_ptr(), tuple(t.shape), _arrays._torch_np_dtype(t.dtype), t, dev)
@@ -609,3 +585,9 @@ def recorded(*array_params, variant=None, plan=None):
         return fast
 
     return deco
+
+
+try:  # the result builder of every replay, compiled (moe_rt/_replay.pyx)
+    from moe_rt._replay import result as _result  # noqa: E402
+except ImportError:  # pragma: no cover - built with the package; without it recorded() replays nothing
+    _result = None

@@ -9,6 +9,8 @@ signature not recorded yet or one that runs the ordinary way, anything unusual) 
 and the Python path of ``moe_rt._fast`` runs as before. Both gather the arrays with :func:`gather` and key
 the one cache with :func:`signature`, so each serves the recipes the other recorded.
 """
+import math
+
 from moe_rt import _arrays, _fast, _jit
 
 MISS = object()  # "not served here": the caller takes the Python path
@@ -156,11 +158,16 @@ cdef object _replay(rec, list objs, list ptrs, dev):
             raise RuntimeError("moe_rt: the CUDA driver launcher became unavailable")
     else:
         _fast._run_launches(rec, ptrs, stream)
-    return _result(rec.result, objs, dev)
+    return result(rec.result, objs, 0, dev)
 
 
-cdef object _result(d, list objs, dev):
-    """``_fast._result`` for torch (arrays, sequences, None here; other result types through it)."""
+_FRAMEWORKS = ("torch", "devarray", "cupy")  # by replay mode
+
+
+def result(d, list objs, int mode, dev):
+    """A recorded op's result from its description (``_fast._Recorder.describe``) over a replay's arrays:
+    torch tensors (``mode`` 0), DevArrays (1) or CuPy arrays (2), each reshaped into a view where the
+    description says so."""
     if d is None:
         return None
     tag = d[0]
@@ -171,7 +178,11 @@ cdef object _result(d, list objs, dev):
             return o
         if how == 1:
             return o.reshape(d[2])
-        return _fast._result(d, objs, 0, dev)
+        return o.reshape(-1)[d[3]:d[3] + math.prod(d[2])].reshape(d[2])
     if tag == 1:
-        return _fast._result(d, objs, 0, dev)
-    return tag([_result(x, objs, dev) for x in d[1]])
+        if mode == 0:
+            get = lambda leaf: _fast._devarray_of(result(leaf, objs, mode, dev), dev)
+        else:
+            get = lambda leaf: result(leaf, objs, mode, dev)
+        return d[1](d[2], get, _FRAMEWORKS[mode])
+    return tag([result(x, objs, mode, dev) for x in d[1]])
