@@ -43,7 +43,7 @@ _CONST_TYPES = (int, np.int32, np.uint32, np.int64, np.uint64, np.float32, np.fl
 _MAX_ENTRIES = 1024  # recipes kept per op
 
 ENABLED = os.environ.get("MOE_RT_FAST", "1") != "0"
-NATIVE = True  # torch replays through the compiled moe_rt._replay (False: the Python path here; same launches)
+NATIVE = True  # torch replays served by _replay.TorchHit (False: found by the wrapper below; same launches)
 _lock = threading.Lock()
 _SLOW = "slow"  # cache value: run the ordinary path for this signature
 
@@ -255,22 +255,6 @@ def _load_torch():
         return False
     _torch, _Tensor, _raw_stream, _cur_device = torch, torch.Tensor, raw, cur
     return True
-
-
-def _replay_torch(rec: _Recipe, tensors, ptrs, dev: int):
-    torch = _torch
-    if rec.talloc is None:
-        rec.talloc = tuple((shape, _arrays._torch_dtype_of(dtype)) for shape, dtype, _, _ in rec.allocs)
-    tdev = _tdevs.get(dev)
-    if tdev is None:
-        tdev = _tdevs[dev] = torch.device("cuda", dev)
-    objs = tensors
-    for shape, tdt in rec.talloc:
-        t = torch.empty(shape, dtype=tdt, device=tdev)
-        objs.append(t)
-        ptrs.append(t.data_ptr())
-    _run_launches(rec, ptrs, _raw_stream(dev))
-    return _result(rec.result, objs, 0, dev)
 
 
 def _replay_dev(rec: _Recipe, arrays, ptrs, serve, stream: int, dev: int):
@@ -587,7 +571,8 @@ def recorded(*array_params, variant=None, plan=None):
     return deco
 
 
-try:  # the result builder of every replay, compiled (moe_rt/_replay.pyx)
+try:  # compiled (moe_rt/_replay.pyx): the result builder of every replay, and the torch replay
+    from moe_rt._replay import replay_torch as _replay_torch  # noqa: E402
     from moe_rt._replay import result as _result  # noqa: E402
 except ImportError:  # pragma: no cover - built with the package; without it recorded() replays nothing
-    _result = None
+    _result = _replay_torch = None

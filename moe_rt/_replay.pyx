@@ -135,11 +135,12 @@ cdef class TorchHit:
         log = getattr(_fast._capture, "log", None)
         if log is not None:
             log.append(None)  # torch work: not a lane's
-        return _replay(rec, objs, ptrs, dev)
+        return replay_torch(rec, objs, ptrs, dev)
 
 
-cdef object _replay(rec, list objs, list ptrs, dev):
-    """``_fast._replay_torch``: allocate the recipe's arrays with torch, launch, build the result."""
+def replay_torch(rec, list objs, list ptrs, dev):
+    """A recipe's replay for torch tensors (``objs``, ``ptrs``: the inputs' tensors and pointers, the
+    allocations appended): allocate the recipe's arrays with torch, launch, build the result."""
     talloc = rec.talloc
     if talloc is None:
         talloc = rec.talloc = tuple([(a[0], _arrays._torch_dtype_of(a[1])) for a in rec.allocs])
