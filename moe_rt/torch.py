@@ -187,6 +187,11 @@ def _plan_args(plan: TorchPlan):
     return (*plan[:5], plan.num_experts, plan.num_rows, plan.align_size, plan.num_out_tokens)
 
 
+def _as_dtype(t: Tensor, dtype) -> Tensor:
+    """``t`` in ``dtype``; itself when it already is (``Tensor.to`` costs a dispatcher call even then)."""
+    return t if t.dtype is dtype else t.to(dtype)
+
+
 def _empty_probs(like: Tensor) -> Tensor:
     return like.new_empty((0,), dtype=torch.float32)
 
@@ -263,7 +268,7 @@ class _DispatchFn(torch.autograd.Function):
             grad_xp = torch.zeros((ctx.plan.num_rows, ctx.x_meta[0][1]), dtype=ctx.x_meta[1],
                                   device=grad_pp.device)
         gx, gp = _perm.dispatch_backward(grad_xp.contiguous(), ctx.plan, grad_pp if has_probs else None)
-        return gx, (gp.to(ctx.probs_dtype) if has_probs else None), None
+        return gx, (_as_dtype(gp, ctx.probs_dtype) if has_probs else None), None
 
 
 _dispatch_apply = _c_apply(_DispatchFn)
@@ -349,7 +354,7 @@ class _CombineFn(torch.autograd.Function):
     def backward(ctx, grad_y):
         y_p, probs = ctx.saved_tensors
         gyp, gp = _perm.combine_backward(grad_y.contiguous(), ctx.plan, y_p, probs)
-        return gyp, (gp.to(ctx.probs_dtype) if probs is not None else None), None
+        return gyp, (_as_dtype(gp, ctx.probs_dtype) if probs is not None else None), None
 
 
 _combine_apply = _c_apply(_CombineFn)
@@ -418,6 +423,12 @@ def _topk_bwd(ctx, grad_probs, _grad_map, _grad_inter):
 _topk_op.register_autograd(_topk_bwd, setup_context=_topk_setup)
 
 
+# the forward's keywords that its backward takes too, with moe_rt's defaults (the backward's keywords when
+# the forward got none: one shared dict, never changed)
+_TOPK_BWD_KW = (("score_function", "softmax"), ("use_pre_softmax", False), ("scaling_factor", None))
+_TOPK_BWD_DEFAULT = dict(_TOPK_BWD_KW)
+
+
 class _TopkFn(torch.autograd.Function):
     """Eager top-k: forward and backward straight to moe_rt."""
 
@@ -425,7 +436,7 @@ class _TopkFn(torch.autograd.Function):
     def forward(ctx, logits, topk, kw):
         ctx.set_materialize_grads(False)  # the map and the intermediate never get a gradient
         probs, routing_map, inter = _rt.topk_with_score(logits, topk, **kw)
-        ctx.args = (topk, kw)
+        ctx.args = (topk, {k: kw.get(k, d) for k, d in _TOPK_BWD_KW} if kw else _TOPK_BWD_DEFAULT)
         ctx.mark_non_differentiable(routing_map, inter)
         ctx.save_for_backward(routing_map, inter)
         return probs, routing_map, inter
@@ -435,12 +446,8 @@ class _TopkFn(torch.autograd.Function):
         if grad_probs is None:
             return None, None, None
         routing_map, inter = ctx.saved_tensors
-        topk, kw = ctx.args
-        g = _rt.topk_with_score_backward(grad_probs.contiguous(), routing_map, inter, topk,
-                                         score_function=kw.get("score_function", "softmax"),
-                                         use_pre_softmax=kw.get("use_pre_softmax", False),
-                                         scaling_factor=kw.get("scaling_factor"))
-        return g, None, None
+        topk, bkw = ctx.args
+        return _rt.topk_with_score_backward(grad_probs.contiguous(), routing_map, inter, topk, **bkw), None, None
 
     @classmethod
     def apply(cls, *args):
