@@ -91,3 +91,31 @@ def test_interleaved_timing_takes_turns(monkeypatch):
     # warm-up: each in turn; then three rounds, rotated: abc, bca, cab
     assert order == list("abc") + list("abc") + list("bca") + list("cab")
     assert syncs == list("abc") + list("abc") + list("bca") + list("cab")
+
+
+def test_bare_functions_match_the_adapters():
+    """bench_layer's bare autograd.Functions (the in-graph floor of any Function wrapper of the moe_rt calls)
+    compute what the torch adapters compute: the same values and gradients, on the reference path."""
+    torch = pytest.importorskip("torch")
+    import bench_layer
+    import moe_rt.torch as mt
+
+    bare_d, bare_c, bare_topk = bench_layer._bare_functions()
+    g = torch.Generator().manual_seed(3)
+    T, H, E, K = 13, 24, 8, 3
+    logits = torch.randn(T, E, generator=g) + torch.arange(E) * (1e-3 / E)  # no ties
+    x = torch.randn(T, H, generator=g)
+    gy, gl = torch.randn(T, H, generator=g), torch.randn(T, E, generator=g)
+    probs, rmap = mt.topk_with_score(logits, K)
+    plan = mt.make_plan(rmap, E)
+    core = mt._plan_of(plan)
+    got = []
+    for bare in (False, True):
+        xg, pg, lg = (t.clone().requires_grad_() for t in (x, probs, logits))
+        if bare:
+            y, p = bare_c.apply(bare_d.apply(xg, core), pg, core), bare_topk.apply(lg, K)[0]
+        else:
+            y, p = mt.combine(mt.dispatch(xg, plan)[0], plan, pg), mt.topk_with_score(lg, K)[0]
+        got.append((y.detach(), p.detach(), *torch.autograd.grad((y, p), (xg, pg, lg), (gy, gl))))
+    for a, b in zip(*got):
+        assert torch.equal(a, b)
