@@ -1123,7 +1123,9 @@ def main():
                            "rows: us per op of a chain of 40 ops (dispatch and combine; top-k) in one jitted "
                            "call, blocked on, or differentiated by one autograd.grad (fwd+bwd: an op is two "
                            "calls; the empty buffer_callback / autograd.Function rows are the frameworks' floors: "
-                           "direct = an XLA element-wise op, or nothing)")
+                           "direct = an XLA element-wise op, or nothing; the bare autograd.Function rows: "
+                           "Functions whose forward and backward call the moe_rt ops and nothing else, the "
+                           "floor of any autograd.Function wrapper of them)")
     out_path = args.json
     over_path = None
     if out_path:
