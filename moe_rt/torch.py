@@ -107,7 +107,7 @@ def _plan_of(tp: TorchPlan):
     return plan
 
 
-_split_sizes: dict = {}  # id(plan spec) -> (spec, sizes of the five arrays, their sum, dst_row's shape)
+_split_sizes: dict = {}  # id(plan spec) -> (spec, buffer length, the split's sizes, dst_row's T and K)
 
 
 def _torch_plan(p, num_out_tokens: int) -> TorchPlan:
@@ -126,17 +126,20 @@ def _torch_plan(p, num_out_tokens: int) -> TorchPlan:
             with _arrays.as_cupy_stream(ptr, p.device_id):
                 whole = _arrays._torch_from_cupy(_arrays.cupy_of(buf), ptr)
         # the five arrays lie back to back at the start of the buffer, in _PLAN_ARRAYS order (the plan's
-        # scratch after them): one split
+        # scratch after them): one split. It does not track the pieces as views of the buffer for autograd
+        # (unsafe_split_with_sizes, a third cheaper): int32 tensors that never take part in autograd.
         spec = v._spec
+        length = whole.shape[0]
         sizes = _split_sizes.get(id(spec))
-        if sizes is None or sizes[0] is not spec:
+        if sizes is None or sizes[0] is not spec or sizes[1] != length:
             n = [math.prod(spec[k][1]) for k in _PLAN_ARRAYS]
             if len(_split_sizes) > 512:
                 _split_sizes.clear()
-            sizes = _split_sizes[id(spec)] = (spec, n, sum(n), spec["dst_row"][1])
-        a = torch.split_with_sizes(whole, sizes[1] + [whole.shape[0] - sizes[2]])
-        tp = TorchPlan(a[0].view(sizes[3]), a[1], a[2], a[3], a[4], p.num_experts, p.num_rows, p.align_size,
-                       num_out_tokens)
+            T, K = spec["dst_row"][1]
+            sizes = _split_sizes[id(spec)] = (spec, length, n + [length - sum(n)], T, K)
+        a = whole.unsafe_split_with_sizes(sizes[2])
+        tp = TorchPlan(a[0].view(sizes[3], sizes[4]), a[1], a[2], a[3], a[4], p.num_experts, p.num_rows,
+                       p.align_size, num_out_tokens)
         _remember(tp, p)
         return tp
     arrays = [getattr(p, k) for k in _PLAN_ARRAYS]

@@ -271,3 +271,34 @@ def test_eager_plan_rebuilt_or_swapped(device):
 
     gc.collect()
     assert torch.equal(mt.dispatch(x, pb)[0], want_b)
+
+
+def test_plan_views_split_from_one_buffer():
+    """A CUDA plan keeps its five arrays back to back in one int32 buffer (scratch after them); the torch
+    adapter hands them out as five views from one split. Checked on a CPU buffer laid out the same way:
+    each view holds its array's values and shape and shares the buffer's memory, for two layouts in turn
+    (the split sizes are cached per layout and buffer length)."""
+    from moe_rt import permutation as P
+
+    gen = torch.Generator().manual_seed(21)
+    specs = {}
+    for T, E, K, extra in ((17, 6, 2, 5), (9, 4, 3, 0), (17, 6, 2, 7)):
+        ref = P.make_plan(_routing(T, E, K, gen, "cpu"), E)
+        arrays = [torch.as_tensor(getattr(ref, k)) for k in mt._PLAN_ARRAYS]
+        spec, off = {}, 0
+        for k, a in zip(mt._PLAN_ARRAYS, arrays):
+            spec[k] = (off, tuple(a.shape))
+            off += a.numel()
+        spec = specs.setdefault(str(spec), spec)  # the third layout: the first's spec, a longer buffer
+        buf = torch.full((off + extra,), -7, dtype=torch.int32)
+        for k, a in zip(mt._PLAN_ARRAYS, arrays):
+            buf[spec[k][0]:spec[k][0] + a.numel()] = a.reshape(-1)
+        ints = tuple(getattr(ref, k) for k in P._PLAN_INTS if k not in ("backend", "device_id")) + ("cuda", 0)
+        plan = P._build_plan((ints, ("views", "buf", spec)), lambda _leaf: buf, "torch")
+        tp = mt._torch_plan(plan, -1)
+        assert (tp.num_experts, tp.num_rows, tp.align_size, tp.num_out_tokens) == (E, ref.num_rows, 1, -1)
+        for k, a, t in zip(mt._PLAN_ARRAYS, arrays, tp[:5]):
+            assert t.shape == a.shape and t.dtype == torch.int32, k
+            assert torch.equal(t, a.to(torch.int32)), k
+            assert t.data_ptr() == buf.data_ptr() + 4 * spec[k][0], k
+        assert mt._plan_of(tp) is plan
