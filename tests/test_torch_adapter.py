@@ -276,8 +276,8 @@ def test_eager_plan_rebuilt_or_swapped(device):
 def test_plan_views_split_from_one_buffer():
     """A CUDA plan keeps its five arrays back to back in one int32 buffer (scratch after them); the torch
     adapter hands them out as five views from one split. Checked on a CPU buffer laid out the same way:
-    each view holds its array's values and shape and shares the buffer's memory, for two layouts in turn
-    (the split sizes are cached per layout and buffer length)."""
+    each view holds its array's values and shape and shares the buffer's memory, for two layouts and then
+    the first layout again over a longer buffer (the split sizes are cached per layout and buffer length)."""
     from moe_rt import permutation as P
 
     gen = torch.Generator().manual_seed(21)
