@@ -50,25 +50,30 @@ def register(file: str, names) -> None:
                 lst.append(n)
 
 
-def _dir(package: str, fallback: str) -> Path:
+def _dir(package: str, fallback: str, marker: str) -> Path:
+    # A source checkout's own folder first (an editable install maps the package data of whichever checkout
+    # was installed, which need not be the one imported), then the installed package data.
+    here = Path(__file__).resolve().parent.parent / fallback
+    if (here / marker).is_file():
+        return here
     try:
         p = Path(str(importlib.resources.files(package)))
         if p.is_dir():
             return p
     except (ModuleNotFoundError, TypeError):
         pass
-    return Path(__file__).resolve().parent.parent / fallback
+    return here
 
 
 @functools.lru_cache(maxsize=None)
 def kernels_dir() -> Path:
-    return _dir("moe_rt.kernels", "kernels")
+    return _dir("moe_rt.kernels", "kernels", "common.cu")
 
 
 @functools.lru_cache(maxsize=None)
 def include_dir() -> Path:
     """The folder holding ``moe_rt/*.cuh`` (passed to NVRTC as ``-I``)."""
-    return _dir("moe_rt.include", "include")
+    return _dir("moe_rt.include", "include", "moe_rt/common.cuh")
 
 
 @functools.lru_cache(maxsize=None)
