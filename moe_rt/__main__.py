@@ -1,6 +1,6 @@
 """Command line: ``python -m moe_rt info`` (environment report), ``python -m moe_rt demo`` (a MoE layer,
 forward and backward in torch, JAX or CuPy, checked against plain framework code and timed per stage;
-``--ep N`` spreads it over N GPUs)."""
+``--ep N`` spreads it over N GPUs), ``python -m moe_rt warmup`` (compile every kernel ahead of use)."""
 from __future__ import annotations
 
 import argparse
@@ -43,7 +43,7 @@ def info_lines() -> list[str]:
     lines.append(f"ml_dtypes   {v if v else 'not installed (' + err + ')'}")
 
     cupy_v, err = _version_of("cupy")
-    gpus = []
+    gpus, gpus_cc = [], []
     if cupy_v is None:
         lines.append(f"cupy        not installed ({err}); CUDA arrays unavailable, CPU reference only")
     else:
@@ -72,11 +72,10 @@ def info_lines() -> list[str]:
         for i in range(n):
             p = cupy.cuda.runtime.getDeviceProperties(i)
             name = p["name"].decode() if isinstance(p["name"], bytes) else p["name"]
+            gpus_cc.append((int(p["major"]), int(p["minor"])))
             gpus.append(f"gpu {i}       {name}, sm_{p['major']}{p['minor']}, "
                         f"{p['totalGlobalMem'] / 2**30:.1f} GiB, {p['multiProcessorCount']} SMs")
-        from moe_rt import _jit
-
-        lines.append(f"kernel cache {_jit.cache_dir()}")
+    lines.extend(_cache_lines(gpus_cc))
     try:
         from moe_rt import _comm
 
@@ -90,13 +89,40 @@ def info_lines() -> list[str]:
     return lines
 
 
+def _cache_lines(gpus_cc) -> list[str]:
+    """The kernel cache folder, its size, and how many kernels of this build it holds for each GPU's
+    architecture (for each architecture folder in it, without a GPU)."""
+    import moe_rt  # noqa: F401 - registers every op module's kernels
+    from moe_rt import _jit
+
+    root = _jit.cache_dir()
+    lines = [f"kernel cache {root}  ({_jit.cache_size(root) / 2**20:.1f} MiB)"]
+    try:
+        archs = sorted({_jit.arch_for(cc) for cc in gpus_cc})
+        if not archs and os.path.isdir(root):
+            archs = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
+        total = len(_jit.registered())
+        for a in archs:
+            lines.append(f"  {a}: {_jit.cached_count(a, root)} of {total} kernels of this build cached"
+                         " (python -m moe_rt warmup compiles the rest)")
+    except Exception as e:  # noqa: BLE001 - no NVRTC: report, never raise
+        lines.append(f"  cached kernels unknown ({str(e).splitlines()[0][:100]})")
+    return lines
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m moe_rt", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, GPUs, NCCL, kernel cache, frameworks")
     sub.add_parser("demo", help="a MoE layer forward+backward on moe_rt (--framework torch|jax|cupy, --ep N), "
                                 "checked and timed", add_help=False)
+    sub.add_parser("warmup", help="compile every kernel ahead of use into the kernel cache (or --out DIR)",
+                   add_help=False)
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "warmup":
+        from moe_rt import _warmup
+
+        return _warmup.main(argv[1:])
     if argv and argv[0] == "demo":
         from moe_rt import demo
 

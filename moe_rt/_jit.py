@@ -1,22 +1,36 @@
-"""Kernel registry: (file, kernel name expression) -> compiled CUDA function, built once per process.
+"""Kernel registry and compile cache: (file, name expression) -> compiled CUDA function.
 
-Each op module registers the template instantiations it launches (``register``); the first launch of any
-kernel of a file compiles that whole file with NVRTC through CuPy ``RawModule``, for the current device's
-architecture, with every registered name expression. CuPy's on-disk cache does not hash included headers,
-so the options carry a hash of every file under ``kernels/`` and ``include/``: editing a header recompiles.
-Nothing is written into the package folder (CuPy's cache lives in ``CUPY_CACHE_DIR``, by default
-``~/.cupy/kernel_cache``).
+Each op module registers the template instantiations it launches (``register``). Every instantiation is its
+own NVRTC program, compiled when it is first launched (a router call compiles the one variant it runs, in a
+second or two, not the whole file) for the current device's architecture, and kept in an on-disk cache that
+processes share: the first process to need a kernel compiles it under a file lock, the others wait for the
+lock and load the result. The cache key covers the contents of every file under ``kernels/`` and
+``include/``, the compile options, the NVRTC version, the architecture and the name expression, so editing
+a header recompiles, and a cache folder copied to another machine is used there only where all of these
+match.
 
-``compile_offline`` builds the same sources for a named architecture with NVRTC alone, no GPU or driver
-needed; the test suite uses it to check every kernel file and instantiation in CI.
+Cache folder: ``MOE_RT_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/moe_rt/kernels`` (``~/.cache/moe_rt/kernels``).
+Inside: ``<arch>/<file stem>.<name>.<key>.cubin`` (``.ptx`` for an architecture NVRTC has no machine code
+for) with a ``.json`` beside it naming the kernel and its lowered (mangled) name; ``python -m moe_rt warmup``
+also writes ``manifest.json``, the index a loader without Python reads. Nothing is written into the package
+folder. A compile longer than a second says so on stderr (``MOE_RT_QUIET=1``, or a level above INFO on the
+``moe_rt`` logger, silences it).
+
+``compile_offline`` and ``kernel_image`` build the same programs for a named architecture with NVRTC alone,
+no GPU or driver needed; the test suite and ``warmup`` use them.
 """
 from __future__ import annotations
 
 import functools
 import hashlib
 import importlib.resources
+import json
+import logging
 import os
+import re
+import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -27,8 +41,9 @@ FLOAT_DTYPES = tuple(CTYPES)
 
 REGISTRY: dict[str, list[str]] = {}
 _lock = threading.Lock()
-_modules: dict[tuple[str, int], object] = {}
 _functions: dict[tuple[str, str, int], object] = {}
+_CACHE_FORMAT = 1  # part of every key: bump when the cache entries' format changes
+_SLOW_COMPILE_S = 1.0  # compiles (and waits for another process's compile) longer than this are reported
 
 
 def ctype(dtype) -> str:
@@ -42,12 +57,17 @@ def ctype(dtype) -> str:
 
 def register(file: str, names) -> None:
     """Declare the name expressions (``"kernel<__half, 4>"`` or ``"extern_c_kernel"``) of ``file`` that
-    ops launch. Must happen before the file's first compile in a process (module import time)."""
+    ops launch (at module import time)."""
     with _lock:
         lst = REGISTRY.setdefault(file, [])
         for n in names:
             if n not in lst:
                 lst.append(n)
+
+
+def registered() -> list[tuple[str, str]]:
+    """Every registered (file, name expression), in registration order."""
+    return [(f, n) for f, names in REGISTRY.items() for n in names]
 
 
 def _dir(package: str, fallback: str, marker: str) -> Path:
@@ -100,21 +120,288 @@ def source(file: str) -> str:
 
 
 def cache_dir() -> str:
-    """Where compiled kernels are cached on disk (CuPy's kernel cache; never the package folder)."""
-    if os.environ.get("CUPY_CACHE_IN_MEMORY", "0") not in ("", "0"):
-        return "in memory (CUPY_CACHE_IN_MEMORY)"
-    return os.environ.get("CUPY_CACHE_DIR", os.path.expanduser("~/.cupy/kernel_cache"))
+    """The kernel cache folder: ``MOE_RT_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/moe_rt/kernels``."""
+    env = os.environ.get("MOE_RT_KERNEL_CACHE")
+    if env:
+        return os.path.abspath(os.path.expanduser(env))
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "moe_rt", "kernels")
 
 
 def options() -> tuple[str, ...]:
-    """NVRTC options of every kernel file; ``MOE_RT_NVRTC_OPTIONS`` adds more (e.g. ``-lineinfo`` for a
+    """NVRTC options of every kernel program; ``MOE_RT_NVRTC_OPTIONS`` adds more (e.g. ``-lineinfo`` for a
     profiler's source view)."""
     extra = tuple(os.environ.get("MOE_RT_NVRTC_OPTIONS", "").split())
     return ("-std=c++17", f"-I{include_dir()}", f"-DMOE_RT_SOURCE_HASH=0x{source_hash()[:15]}") + extra
 
 
-def function(file: str, name: str):
-    """The compiled function ``name`` of ``file`` for the current CUDA device."""
+# ---- messages ----------------------------------------------------------------------------------------
+
+_log = logging.getLogger("moe_rt")
+
+
+def say(msg: str) -> None:
+    """One line on stderr about slow work (a compile), unless ``MOE_RT_QUIET=1``. A program that set a
+    level on the ``moe_rt`` logger gets it as an INFO record instead (and silences it with a higher level)."""
+    if os.environ.get("MOE_RT_QUIET", "0") not in ("", "0"):
+        return
+    if _log.level != logging.NOTSET or _log.handlers:
+        _log.info(msg)
+    else:
+        print(msg, file=sys.stderr, flush=True)
+
+
+# ---- NVRTC programs ----------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def nvrtc_version() -> tuple[int, int]:
+    from cupy.cuda import nvrtc
+
+    return tuple(int(v) for v in nvrtc.getVersion())
+
+
+@functools.lru_cache(maxsize=None)
+def _supported_archs() -> tuple[int, ...]:
+    from cupy.cuda import nvrtc
+
+    return tuple(int(a) for a in nvrtc.getSupportedArchs())
+
+
+def arch_for(cc: tuple[int, int]) -> str:
+    """The NVRTC target for a device of compute capability ``cc``: ``sm_XY`` (machine code) when NVRTC
+    knows the architecture, else PTX for the newest one it knows below it (``compute_XY``), which the
+    driver compiles when loading."""
+    want = int(cc[0]) * 10 + int(cc[1])
+    archs = _supported_archs()
+    if want in archs:
+        return f"sm_{want}"
+    older = [a for a in archs if a < want]
+    if not older:
+        raise RuntimeError(f"NVRTC {'.'.join(map(str, nvrtc_version()))} cannot compile for sm_{want} "
+                           f"(it knows {', '.join(f'sm_{a}' for a in archs)})")
+    return f"compute_{max(older)}"
+
+
+def check_arch(arch: str) -> str:
+    """``arch`` if it is ``sm_XY`` or ``compute_XY`` with an architecture NVRTC knows; ValueError else."""
+    m = re.fullmatch(r"(sm|compute)_(\d+)a?", arch or "")
+    if not m:
+        raise ValueError(f"arch: expected a name like sm_90 or compute_90, got {arch!r}")
+    if int(m.group(2)) not in _supported_archs():
+        raise ValueError(f"arch: NVRTC {'.'.join(map(str, nvrtc_version()))} does not know {arch} "
+                         f"(it knows {', '.join(f'sm_{a}' for a in _supported_archs())})")
+    return arch
+
+
+def cuda_include_dir() -> str:
+    """CUDA headers (cuda_bf16.h, ...) for NVRTC, as CuPy finds them."""
+    from cuda import pathfinder
+
+    d = pathfinder.find_nvidia_header_directory("cudart")
+    if d is None:
+        raise RuntimeError("CUDA headers not found; install the cu12 or cu13 extra of moe_rt")
+    return str(d)
+
+
+def _program_options(arch: str) -> list[str]:
+    return list(options()) + [f"-I{cuda_include_dir()}", f"-arch={arch}", "-ftz=true",
+                              "--device-as-default-execution-space"]
+
+
+def compile_offline(file: str, arch: str, names=None) -> tuple[bytes, dict[str, str]]:
+    """Compile ``names`` (default: every registered name) of ``file`` as one NVRTC program for ``arch``
+    (``sm_90``: a cubin; ``compute_90``: PTX), without a GPU. Returns the image and the lowered name of each
+    name expression; raises RuntimeError with NVRTC's log on failure."""
+    from cupy.cuda import nvrtc
+
+    names = list(REGISTRY.get(file, ())) if names is None else list(names)
+    prog = nvrtc.createProgram(source(file), file, [], [])
+    try:
+        for n in names:
+            nvrtc.addNameExpression(prog, n)
+        try:
+            nvrtc.compileProgram(prog, _program_options(arch))
+        except nvrtc.NVRTCError as e:
+            raise RuntimeError(f"NVRTC failed on {file} for {arch}:\n{nvrtc.getProgramLog(prog)}") from e
+        image = nvrtc.getCUBIN(prog) if arch.startswith("sm_") else nvrtc.getPTX(prog)
+        lowered = {n: nvrtc.getLoweredName(prog, n) for n in names}
+    finally:
+        nvrtc.destroyProgram(prog)
+    return image, lowered
+
+
+def cache_key(file: str, name: str, arch: str) -> str:
+    """The cache key of one kernel program (hex): sources and headers, options (without folder paths),
+    NVRTC version, architecture and name expression."""
+    opts = [o for o in options() if not o.startswith("-I")]
+    blob = json.dumps([_CACHE_FORMAT, source_hash(), file, name, arch, opts, nvrtc_version()])
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def _entry(root: str, file: str, name: str, arch: str) -> Path:
+    safe = re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_")[:80]
+    ext = "cubin" if arch.startswith("sm_") else "ptx"
+    return Path(root) / arch / f"{Path(file).stem}.{safe}.{cache_key(file, name, arch)}.{ext}"
+
+
+def _read_entry(path: Path):
+    meta = path.with_suffix(".json")
+    try:
+        info = json.loads(meta.read_text())
+        image = path.read_bytes()
+    except (OSError, ValueError):
+        return None
+    if not image or "lowered" not in info:
+        return None
+    return image, info["lowered"]
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+_unwritable: set = set()
+
+
+def kernel_image(file: str, name: str, arch: str, *, root: str | None = None) -> tuple[bytes, str, bool]:
+    """The compiled program of one kernel for ``arch``: ``(image, lowered name, compiled here)``.
+
+    Served from the cache folder (``root``, default :func:`cache_dir`) when there; otherwise compiled under a
+    file lock, so that concurrent processes compile it once and the others load what the first wrote. A
+    cache folder that cannot be written is said once; its kernels are then compiled in each process."""
+    root = cache_dir() if root is None else os.path.abspath(root)
+    path = _entry(root, file, name, arch)
+    got = _read_entry(path)
+    if got is not None:
+        return got[0], got[1], False
+    lock = None
+    if root not in _unwritable:
+        try:
+            import fcntl
+
+            path.parent.mkdir(parents=True, exist_ok=True)
+            lock = open(path.with_suffix(".lock"), "a+b")
+        except OSError as e:
+            _unwritable.add(root)
+            say(f"moe_rt: kernel cache {root} cannot be written ({e.strerror or e}); compiled kernels are "
+                "kept in this process only")
+    try:
+        if lock is not None:
+            t0 = time.perf_counter()
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            got = _read_entry(path)
+            if got is not None:
+                waited = time.perf_counter() - t0
+                if waited > _SLOW_COMPILE_S:
+                    say(f"moe_rt: waited {waited:.1f} s for another process to compile {name} ({file}) for {arch}")
+                return got[0], got[1], False
+        t0 = time.perf_counter()
+        image, lowered = compile_offline(file, arch, [name])
+        seconds = time.perf_counter() - t0
+        if seconds > _SLOW_COMPILE_S:
+            say(f"moe_rt: compiled {name} ({file}) for {arch} in {seconds:.1f} s")
+        if lock is not None:
+            info = {"file": file, "name": name, "lowered": lowered[name], "arch": arch,
+                    "nvrtc": ".".join(map(str, nvrtc_version())), "seconds": round(seconds, 3),
+                    "source_hash": source_hash()}
+            try:
+                _write_atomic(path.with_suffix(".json"), json.dumps(info).encode())
+                _write_atomic(path, image)  # the image last: its presence marks a complete entry
+            except OSError as e:
+                _unwritable.add(root)
+                say(f"moe_rt: kernel cache {root} cannot be written ({e.strerror or e}); compiled kernels "
+                    "are kept in this process only")
+        return image, lowered[name], True
+    finally:
+        if lock is not None:
+            lock.close()  # releases the lock
+
+
+def cached_count(arch: str, root: str | None = None) -> int:
+    """How many registered kernels of these sources have an entry for ``arch`` in the cache folder."""
+    root = cache_dir() if root is None else root
+    return sum(1 for f, n in registered() if _entry(root, f, n, arch).is_file())
+
+
+def cache_size(root: str | None = None) -> int:
+    """Bytes under the cache folder."""
+    root = Path(cache_dir() if root is None else root)
+    if not root.is_dir():
+        return 0
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def write_manifest(root: str, archs) -> Path:
+    """``root/manifest.json``: every registered kernel's entry for each of ``archs`` (file, name expression,
+    lowered name, image path relative to ``root``), for loaders that do not compute keys."""
+    rows = []
+    for arch in archs:
+        for f, n in registered():
+            path = _entry(root, f, n, arch)
+            got = _read_entry(path)
+            if got is None:
+                raise RuntimeError(f"kernel {n} ({f}) for {arch} is missing from {root}")
+            rows.append({"file": f, "name": n, "lowered": got[1], "arch": arch,
+                         "image": str(path.relative_to(root))})
+    out = Path(root) / "manifest.json"
+    _write_atomic(out, json.dumps({"format": _CACHE_FORMAT, "source_hash": source_hash(),
+                                   "nvrtc": ".".join(map(str, nvrtc_version())), "kernels": rows},
+                                  indent=1).encode())
+    return out
+
+
+# ---- loaded kernels ----------------------------------------------------------------------------------
+
+_CU_FUNC_ATTRIBUTE_NUM_REGS = 4
+_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+
+
+class Kernel:
+    """A loaded kernel: ``kernel`` is CuPy's ``Function`` (its ``ptr`` the CUfunction); calling it launches
+    through CuPy as ``Function`` does."""
+
+    __slots__ = ("kernel", "name", "_module")
+
+    def __init__(self, module, lowered: str, name: str):
+        self._module = module
+        self.kernel = module.get_function(lowered)
+        self.name = name
+
+    @property
+    def ptr(self) -> int:
+        return int(self.kernel.ptr)
+
+    @property
+    def num_regs(self) -> int:
+        from cupy.cuda import driver
+
+        return int(driver.funcGetAttribute(_CU_FUNC_ATTRIBUTE_NUM_REGS, self.kernel.ptr))
+
+    @property
+    def max_dynamic_shared_size_bytes(self) -> int:
+        from cupy.cuda import driver
+
+        return int(driver.funcGetAttribute(_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, self.kernel.ptr))
+
+    @max_dynamic_shared_size_bytes.setter
+    def max_dynamic_shared_size_bytes(self, nbytes: int) -> None:
+        from cupy.cuda import driver
+
+        driver.funcSetAttribute(self.kernel.ptr, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, int(nbytes))
+
+    def __call__(self, grid, block, args, shared_mem=0, stream=None):
+        self.kernel(grid, block, args, shared_mem=shared_mem, stream=stream)
+
+    def __repr__(self):
+        return f"Kernel({self.name!r})"
+
+
+def function(file: str, name: str) -> Kernel:
+    """The compiled kernel ``name`` of ``file`` for the current CUDA device: loaded from the cache, or
+    compiled (that one instantiation alone) on its first use."""
     import cupy
 
     dev = cupy.cuda.Device().id
@@ -123,17 +410,16 @@ def function(file: str, name: str):
     if fn is not None:
         return fn
     with _lock:
+        fn = _functions.get(key)
+        if fn is not None:
+            return fn
         if name not in REGISTRY.get(file, ()):
             raise KeyError(f"kernel {name!r} of {file} is not registered")
-        mod = _modules.get((file, dev))
-        if mod is None:
-            names = list(REGISTRY[file])
-            mod = cupy.RawModule(code=source(file), options=options(), name_expressions=names)
-            if os.environ.get("MOE_RT_JIT_VERBOSE"):
-                print(f"[moe_rt] compiling {file} for device {dev} ({len(names)} kernels)")
-            _modules[(file, dev)] = mod
-        fn = mod.get_function(name)
-        _functions[key] = fn
+        props = device_properties(dev)
+        image, lowered, _ = kernel_image(file, name, arch_for(props["cc"]))
+        mod = cupy.cuda.function.Module()
+        mod.load(image)
+        fn = _functions[key] = Kernel(mod, lowered, name)
         return fn
 
 
@@ -153,7 +439,7 @@ _ptrs: dict = {}
 
 
 def function_ptr(fn) -> int:
-    """The CUfunction of a compiled kernel (a CuPy ``RawKernel`` or ``Function``)."""
+    """The CUfunction of a compiled kernel (a :class:`Kernel` or CuPy ``Function``)."""
     p = _ptrs.get(id(fn))
     if p is None:
         p = _ptrs[id(fn)] = (fn, int(getattr(fn, "kernel", fn).ptr))
@@ -161,7 +447,7 @@ def function_ptr(fn) -> int:
 
 
 def launch_raw(fn, grid, block, args: tuple, shared_mem: int, stream) -> None:
-    """Launch ``fn`` (RawKernel or Function) on the CuPy ``stream`` (None = CuPy's current stream), with no
+    """Launch ``fn`` (a :class:`Kernel` or CuPy ``Function``) on the CuPy ``stream`` (None = CuPy's current stream), with no
     argument normalization: ``grid`` and ``block`` are ints or tuples of ints, nonzero. While the calling
     thread records an op (:mod:`moe_rt._fast`), the launch is recorded instead of made."""
     if _arrays.RECORDING:
@@ -259,43 +545,3 @@ def l2_fetch_granularity(nbytes=None, *, device=None) -> int:
         if nbytes is not None:
             cupy.cuda.runtime.deviceSetLimit(_L2_FETCH_LIMIT, int(nbytes))
     return before
-
-
-# ---- compile without a GPU -------------------------------------------------------------------------
-
-def cuda_include_dir() -> str:
-    """CUDA headers (cuda_bf16.h, ...) for NVRTC, as CuPy finds them."""
-    from cuda import pathfinder
-
-    d = pathfinder.find_nvidia_header_directory("cudart")
-    if d is None:
-        raise RuntimeError("CUDA headers not found; install the cu12 or cu13 extra of moe_rt")
-    return str(d)
-
-
-def compile_offline(file: str, arch: str, names=None) -> tuple[bytes, dict[str, str]]:
-    """Compile ``file`` for ``arch`` (e.g. ``"sm_90"``) with NVRTC, without a GPU: the same source and
-    options as at run time (plus what CuPy adds). Returns the cubin and the lowered name of each name
-    expression; raises RuntimeError with NVRTC's log on failure."""
-    from cupy.cuda import nvrtc
-
-    names = list(REGISTRY.get(file, ())) if names is None else list(names)
-    opts = list(options()) + [
-        f"-I{cuda_include_dir()}",
-        f"-arch={arch}",
-        "-ftz=true",
-        "--device-as-default-execution-space",
-    ]
-    prog = nvrtc.createProgram(source(file), file, [], [])
-    try:
-        for n in names:
-            nvrtc.addNameExpression(prog, n)
-        try:
-            nvrtc.compileProgram(prog, opts)
-        except nvrtc.NVRTCError as e:
-            raise RuntimeError(f"NVRTC failed on {file} for {arch}:\n{nvrtc.getProgramLog(prog)}") from e
-        cubin = nvrtc.getCUBIN(prog)
-        lowered = {n: nvrtc.getLoweredName(prog, n) for n in names}
-    finally:
-        nvrtc.destroyProgram(prog)
-    return cubin, lowered

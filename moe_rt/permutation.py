@@ -57,7 +57,7 @@ _names += ["plan_scan", "gather_slots"]
 _jit.register(_FILE, _names)
 
 # Loaded kernels (CuPy Function objects) by (name expression, device): a launch then skips the registry's
-# and the RawKernel's device queries.
+# lookup.
 _fns: dict = {}
 
 

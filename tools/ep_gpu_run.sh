@@ -6,7 +6,7 @@ set -u
 OUT=${1:?usage: tools/ep_gpu_run.sh OUTDIR}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
-export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/moe_rt_cupy_cache}
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 MOE_RT_KERNEL_CACHE=${MOE_RT_KERNEL_CACHE:-/tmp/moe_rt_kernel_cache}
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
 nvidia-smi -L
 step() {  # step NAME TIMEOUT CMD...: run, log to OUT/NAME.log, print the status and the time

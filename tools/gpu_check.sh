@@ -13,7 +13,7 @@ shift
 mkdir -p "$LOGDIR"
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/moe_rt_cupy_cache}
+export MOE_RT_KERNEL_CACHE=${MOE_RT_KERNEL_CACHE:-/tmp/moe_rt_kernel_cache}
 status=0
 
 if ! python3 -m pip install --no-deps --no-build-isolation -e . >"$LOGDIR/install.log" 2>&1; then
