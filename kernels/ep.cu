@@ -1,4 +1,4 @@
-// Expert parallelism (moe_rt/ep.py, specs/ep.md §8): the device side of prepare (routing all-gather
+// Expert parallelism (moe_rt/ep.py, docs/ep.md §2-§3): the device side of prepare (routing all-gather
 // input, per-pair membership scans, offsets and flags, the received rows' local routing), the row pack
 // before the NCCL send/recv, and the owner-side fixed-order sum over ranks after the reverse transfer.
 //

@@ -1,4 +1,4 @@
-// Single-GPU dispatch/combine (token permutation) kernels; semantics in specs/permutation.md §1, §5.
+// Single-GPU dispatch/combine (token permutation) kernels; semantics in docs/permutation.md §1.
 //
 // Plan (no atomics affect the result; every step is a deterministic integer computation):
 //   plan_count     one warp per chunk of flat slots (t*K+k): per-chunk expert histogram -> partial[c][e]

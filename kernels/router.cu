@@ -1,6 +1,6 @@
 // Router kernels: top-k with a score function (softmax pre/post, sigmoid, sqrtsoftplus; grouped top-k;
 // expert bias for selection only; scaling), its backward, the dense scores for the aux loss and their
-// backward, and a deterministic aux loss (forward and backward). Semantics: specs/router.md.
+// backward, and a deterministic aux loss (forward and backward). Semantics: docs/router.md.
 //
 // Row kernels: a "team" of TEAM threads handles one token (TEAM = 32: one warp, 4 tokens per block;
 // TEAM > 32: the whole block). The row's selection keys are order-preserving uint32 keys (NaN = largest,
@@ -117,7 +117,8 @@ __device__ __forceinline__ float sigmoidf(float x) { return __frcp_rn(1.0f + exp
 // The forward's sigma: the hardware exp2 and reciprocal (ex2.approx.ftz, rcp.approx.ftz), 4 instructions
 // against about 20 for sigmoidf (ncu, grouped router_fwd<float, 32> at E = 2304: 15% of its instructions).
 // Relative error about 1e-6 for |x| < 10, growing with |x| (x log2 e is rounded before the exp2), inside the
-// spec's fp32 tolerance (max(1e-5, 4e-7 E) absolute and relative); values below about 1e-38 flush to zero.
+// tests' fp32 tolerance (max(1e-5, 4e-7 E) absolute and relative; docs/router.md §6); values below about
+// 1e-38 flush to zero.
 // The backward reads the saved values, not this function.
 // (rcp.approx written out: __fdividef(1, y) left a multiply by 1 after the reciprocal, as an add of -0.)
 __device__ __forceinline__ float sigmoid_fwd(float x) {

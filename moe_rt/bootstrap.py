@@ -1,4 +1,4 @@
-"""Getting every rank the same 128-byte NCCL unique id (specs/ep.md §7), then a Communicator.
+"""Getting every rank the same 128-byte NCCL unique id (docs/ep.md §7), then a Communicator.
 
 Each helper returns the id (bytes); :func:`init_communicator` picks one from the environment and builds
 the :class:`moe_rt.Communicator`. Rank 0 makes the id with :func:`moe_rt.get_unique_id`, which (without

@@ -1,4 +1,4 @@
-"""Expert parallelism over NCCL, one process per GPU (specs/ep.md §1 and §8; DESIGN.md).
+"""Expert parallelism over NCCL, one process per GPU (docs/ep.md; docs/design.md).
 
 ``R`` ranks hold ``E`` experts, ``L = E / R`` each: expert ``e`` lives on rank ``e // L`` as local expert
 ``e % L``. Every rank has ``x [T,H]`` (``T <= max_tokens_per_rank``, ``T = 0`` allowed, ``T`` may differ

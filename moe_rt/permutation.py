@@ -1,4 +1,4 @@
-"""Dispatch and combine on one GPU: token permutation into expert-major rows and back (specs/permutation.md).
+"""Dispatch and combine on one GPU: token permutation into expert-major rows and back (docs/permutation.md).
 
 A MoE layer routes each token ``t`` to up to ``K`` experts. :func:`make_plan` turns that routing into a
 :class:`Plan`: where each routed slot ``(t, k)`` lands in the permuted buffer (``dst_row``) and which slot
@@ -842,7 +842,7 @@ def _sort_chunks_cuda(call, xv, s, o, pv, bwd):
 
 
 def sort_chunks(x, split_sizes, sorted_indices, *, probs=None, stream=None):
-    """Reorder chunks of rows (specs/permutation.md §1.7): the rows of ``x`` form ``S`` consecutive chunks
+    """Reorder chunks of rows (docs/permutation.md §1.7): the rows of ``x`` form ``S`` consecutive chunks
     of sizes ``split_sizes``; the output holds them in the order ``sorted_indices``. Rows at or beyond
     ``sum(split_sizes)`` stay in place.
 

@@ -1,5 +1,5 @@
 """Router ops: top-k with a score function, the dense scores for the aux loss, and the aux loss itself,
-each with its backward (specs/router.md). CUDA arrays run kernels/router.cu; CPU arrays run
+each with its backward (docs/router.md). CUDA arrays run kernels/router.cu; CPU arrays run
 :mod:`moe_rt.reference.router`. Results come back in the caller's framework and device.
 
 Shared conventions (both backends):

@@ -33,7 +33,7 @@ def _random_topk(rng, T, E, K, drop_frac=0.0):
 
 
 def _mask_formula(mask):
-    """specs §1.2 written out: dst(t,e) = off_e + rank(t,e) (TE's reference_make_row_id_map)."""
+    """docs/permutation.md §1.2 written out: dst(t,e) = off_e + rank(t,e) (TE's reference_make_row_id_map)."""
     m = mask.astype(np.int64)
     n = m.sum(0)
     off = np.concatenate([[0], np.cumsum(n)])[:-1]
@@ -116,7 +116,7 @@ def test_chunk_sort_hand_case():
     assert out[:, 0].tolist() == [3, 4, 5, 0, 1, 2, 6, 7]
     back, _ = R.sort_chunks_backward(out, [2, 1, 3], [2, 0, 1])
     np.testing.assert_array_equal(back, x)
-    # The inverse by the spec's recipe: s' = s[idx], idx' = argsort(idx).
+    # The inverse by docs/permutation.md §1.7's recipe: s' = s[idx], idx' = argsort(idx).
     s, idx = np.array([2, 1, 3]), np.array([2, 0, 1])
     inv, _ = R.sort_chunks(out, s[idx], np.argsort(idx))
     np.testing.assert_array_equal(inv, x)

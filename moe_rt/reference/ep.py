@@ -1,4 +1,4 @@
-"""NumPy oracle of expert parallelism (specs/ep.md §1, §8): R ranks simulated in one process.
+"""NumPy oracle of expert parallelism (docs/ep.md §1-§4): R ranks simulated in one process.
 
 Every function takes *lists* with one entry per rank (rank ``r`` is entry ``r``) and returns lists.
 

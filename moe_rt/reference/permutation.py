@@ -1,4 +1,5 @@
-"""NumPy oracle of the dispatch/combine (token permutation) family; specs/permutation.md §1 and §5.3.
+"""NumPy oracle of the dispatch/combine (token permutation) family; docs/permutation.md §1
+(the § marks below are its sections).
 
 Layout (§1.2): permuted rows are grouped expert-major (expert id ascending) and, within an expert, by flat
 slot index ``t*K + k`` ascending (a stable sort of the flat expert ids), hence token-ascending. Each expert

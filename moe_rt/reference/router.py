@@ -1,4 +1,4 @@
-"""NumPy oracle of the router ops (specs/router.md §1-§3), fp32 math.
+"""NumPy oracle of the router ops (docs/router.md §1-§5), fp32 math.
 
 Conventions shared with the CUDA kernels:
 
@@ -56,7 +56,7 @@ def _softmax(x):
 
 
 def group_limited_mask(r: np.ndarray, topk: int, num_groups: int, group_topk: int) -> np.ndarray:
-    """Mask of the experts in the chosen groups (§1.3) for selection scores r [T, E] (fp32)."""
+    """Mask of the experts in the chosen groups (docs/router.md §2) for selection scores r [T, E] (fp32)."""
     T, E = r.shape
     n, m = E // num_groups, topk // group_topk
     rg = r.reshape(T, num_groups, n)
@@ -136,7 +136,7 @@ def topk_indices_fwd(logits, topk, **kw):
 
 def topk_with_score_bwd(grad_probs, routing_map, intermediate, topk, use_pre_softmax=False,
                         scaling_factor=None, score_function="softmax"):
-    """grad_logits [T,E] (grad_probs dtype), §1.4."""
+    """grad_logits [T,E] (grad_probs dtype), docs/router.md §3."""
     grad_probs = np.asarray(grad_probs)
     s = F32(1.0 if scaling_factor is None else scaling_factor)
     g = (s * grad_probs.astype(F32)).astype(F32)
@@ -169,7 +169,7 @@ def topk_with_score_bwd(grad_probs, routing_map, intermediate, topk, use_pre_sof
 
 
 def scores_for_aux_loss_fwd(logits, topk, score_function):
-    """(scores [T,E] fp32, routing_map [T,E] bool, intermediate [T,E] fp32), §2."""
+    """(scores [T,E] fp32, routing_map [T,E] bool, intermediate [T,E] fp32), docs/router.md §4."""
     x = np.asarray(logits).astype(F32)
     x = x.reshape(-1, x.shape[-1])
     with np.errstate(invalid="ignore", over="ignore"):
@@ -186,7 +186,7 @@ def scores_for_aux_loss_fwd(logits, topk, score_function):
 
 
 def scores_for_aux_loss_bwd(grad_scores, intermediate, topk, score_function):
-    """grad_logits [T,E] fp32 (callers cast to the logits dtype), §2."""
+    """grad_logits [T,E] fp32 (callers cast to the logits dtype), docs/router.md §4."""
     g = np.asarray(grad_scores).astype(F32)
     y = np.asarray(intermediate).astype(F32)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
@@ -206,7 +206,7 @@ def scores_for_aux_loss_bwd(grad_scores, intermediate, topk, score_function):
 
 
 def aux_loss_coeff(total_num_tokens, num_experts, topk, coeff) -> np.float32:
-    """C_coeff = (E * coeff) / topk / T_tot / T_tot, sequential fp32 divisions (§3)."""
+    """C_coeff = (E * coeff) / topk / T_tot / T_tot, sequential fp32 divisions (docs/router.md §5)."""
     c = F32(num_experts) * F32(coeff)
     c = F32(c / F32(topk))
     c = F32(c / F32(total_num_tokens))
