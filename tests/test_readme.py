@@ -124,8 +124,21 @@ with open(README, encoding="utf-8") as _f:
 _RUN = Run(BLOCKS, GPU_COUNT)
 
 
+@pytest.fixture(scope="module")
+def _device_settings():
+    """The README sets the device-wide L2 fetch granularity (a GPU block): put it back for later tests."""
+    if GPU_COUNT < 1:
+        yield
+        return
+    import moe_rt
+
+    before = moe_rt.l2_fetch_granularity()
+    yield
+    moe_rt.l2_fetch_granularity(before)
+
+
 @pytest.mark.parametrize("i", range(len(BLOCKS)), ids=[f"line{b.line}" for b in BLOCKS])
-def test_readme_block(i):
+def test_readme_block(i, _device_settings):
     out = _RUN.until(i)
     if out is not None:
         pytest.skip(out[1])
