@@ -138,8 +138,8 @@ def error_of(w: np.ndarray, device_id: int) -> ValueError:
     slot = int(w[4] | (w[5] << np.uint64(32)))
     op, name = _FAMILIES.get(int(w[7]), ("an op", "topk_idx"))
     err = ValueError(message(name, int(w[6]), value))
-    note = (f"raised by moe_rt.check on cuda:{device_id}: {op} met this id at flat slot {slot} (t*K + k) and "
-            "dropped the slot (CUDA reports bad ids at the next host-visible point, the CPU path at once)")
+    note = (f"recorded on cuda:{device_id} by {op} at flat slot {slot} (t*K + k), which it dropped; CUDA "
+            "raises bad ids at the next host-visible point (moe_rt.check, EpGroup host waits), the CPU path at once")
     others = [o for bit, (o, _) in _FAMILIES.items() if int(w[0]) & bit and bit != int(w[7])]
     if others:
         note += f"; {', '.join(others)} also met bad ids since the last check"

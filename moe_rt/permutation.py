@@ -329,10 +329,11 @@ def make_plan(routing, num_experts: int, *, align_size: int = 1, num_out_tokens:
             d = _ref.make_plan(idx, E, A, num_out_tokens)
             v = {k: d[k] for k in ("dst_row", "src_slot", "seg_start", "counts", "tokens_per_expert")}
         else:
+            validate = validate and not is_map  # a routing map holds no expert ids
             if validate and _arrays.RECORDING and _arrays.recorder() is not None:
                 raise _arrays.Unrecordable("make_plan with validate syncs")  # such calls run the ordinary path
             v = _plan_cuda(call, r, is_map, T, K, E, A, N, num_out_tokens, _apart)
-            if validate and not is_map:
+            if validate:
                 _errors.sync_and_raise(call.device_id, call.stream)
         plan._v = v
         plan._framework = call.framework
