@@ -290,7 +290,7 @@ def make_plan(routing, num_experts: int, *, align_size: int = 1, num_out_tokens:
     A = _arrays.check_int(align_size, "align_size", low=1, high=1 << 20)
     if num_out_tokens is not None:
         num_out_tokens = _arrays.check_int(num_out_tokens, "num_out_tokens", low=0, high=_INT32_MAX)
-    validate = _errors.resolve_validate(validate)
+    validate = _errors.DEBUG if validate is None else _errors.resolve_validate(validate)
     with _arrays.Call({"routing": routing}, stream=stream, lean=True) as call:
         r = call["routing"]
         xp = call.xp

@@ -307,17 +307,25 @@ def test_gpu_check_with_a_stream_and_the_first_error_wins(rng):
     moe_rt.check(stream=s)
 
 
+EP_SIZES = dict(T=45, K=3, E=8, H=16, Tmax=64)
+
+
+def _ep_case(rng, which, mode):
+    """A one-GPU group of ``mode``, a routing with one bad id (``which``), and the CPU path's message."""
+    moe_rt.check()
+    T, K, E, H, Tmax = EP_SIZES.values()
+    v = _value(which, E)
+    idx = _bad_routing(rng, T, K, E, v)
+    want = _cpu_message(lambda: EpGroup(None, E, H, Tmax, mode=mode).prepare(idx))
+    assert want.startswith("topk_idx:")
+    return EpGroup(None, E, H, Tmax, mode=mode), idx, v, want
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("framework", ["cupy", "torch"])
 @pytest.mark.parametrize("which", BAD)
 def test_gpu_ep_exact_prepare_raises(rng, framework, which):
-    moe_rt.check()
-    T, K, E, H = 45, 3, 8, 16
-    v = _value(which, E)
-    idx = _bad_routing(rng, T, K, E, v)
-    want = _cpu_message(lambda: EpGroup(None, E, H, 64).prepare(idx))
-    assert want.startswith("topk_idx:")
-    g = EpGroup(None, E, H, 64)
+    g, idx, v, want = _ep_case(rng, which, "exact")
     with pytest.raises(ValueError) as e:
         g.prepare(_to_device(idx, framework))  # exact mode: raised at the count read
     assert str(e.value) == want
@@ -332,19 +340,15 @@ def test_gpu_ep_exact_prepare_raises(rng, framework, which):
 def test_gpu_ep_capacity_prepare_records(rng, framework, which):
     from moe_rt.reference import ep as ref
 
-    moe_rt.check()
-    T, K, E, H = 45, 3, 8, 16
-    v = _value(which, E)
-    idx = _bad_routing(rng, T, K, E, v)
+    g, idx, v, want = _ep_case(rng, which, "capacity")
+    T, K, E, H, Tmax = EP_SIZES.values()
     clean = np.where(idx == v, -1, idx)
-    want = _cpu_message(lambda: EpGroup(None, E, H, 64, mode="capacity").prepare(idx))
-    g = EpGroup(None, E, H, 64, mode="capacity")
     # no raise in prepare (capacity mode never syncs) nor in dispatch; the slot is dropped
     _poison_pool()
     h = g.prepare(_to_device(idx, framework))
     x, xd = _tokens(rng, T, H, framework)
     rx, _, tpe = g.dispatch(h, xd)
-    hs = ref.prepare([clean], E, pair_capacity=64, capacity=64 * min(K, E))
+    hs = ref.prepare([clean], E, pair_capacity=Tmax, capacity=Tmax * min(K, E))
     want_rx, _, want_tpe = ref.dispatch(hs, [x])[0]
     np.testing.assert_array_equal(_asnumpy(rx), want_rx)
     np.testing.assert_array_equal(_asnumpy(tpe), want_tpe)
