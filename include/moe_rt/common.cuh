@@ -128,7 +128,8 @@ __device__ __forceinline__ int block_inclusive_scan(int v, int* scratch, int* to
 #define MOE_RT_ERR_MAKE_PLAN 1u
 #define MOE_RT_ERR_EP_PREPARE 2u
 
-static __device__ __noinline__ void record_bad_expert_id(unsigned* err, unsigned family, i64 value, i64 slot, int E) {
+static __device__ __noinline__ void record_bad_expert_id(unsigned* err, unsigned family, i64 value, i64 slot,
+                                                         int E) {
   if (err == nullptr) return;
   atomicOr(err, family);
   if (atomicCAS(err + 1, 0u, 1u) == 0u) {
