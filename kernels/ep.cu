@@ -3,7 +3,8 @@
 // before the NCCL send/recv, and the owner-side fixed-order sum over ranks after the reverse transfer.
 //
 // Handle regions (include/moe_rt/moe_rt.h) are passed as separate pointers. Every result is written by
-// exactly one thread in a fixed order: no atomics, so plans and sums are bitwise reproducible.
+// exactly one thread in a fixed order: no atomics, so plans and sums are bitwise reproducible (the one
+// atomic is the error word's record of a bad expert id, which no result depends on).
 #include "moe_rt/common.cuh"
 
 using namespace moe_rt;
@@ -22,10 +23,11 @@ using namespace moe_rt;
 #define META_SEND_ROWS(R) (5 * (R) + 7)
 
 // routing[i] for i < Tmax*K: the expert id of flat slot i (-1 for no expert, ids outside [0, E) and
-// rows t >= T, so peers never read stale routing); routing[Tmax*K] = T.
+// rows t >= T, so peers never read stale routing); routing[Tmax*K] = T. Ids outside [-1, E) are
+// recorded in the device's error word `err` (common.cuh) before they become -1.
 template <typename IdxT>
 __global__ void ep_routing_pack(const IdxT* __restrict__ idx, i64 T, int Tmax, int K, int E,
-                                int* __restrict__ routing) {
+                                int* __restrict__ routing, unsigned* __restrict__ err) {
   const i64 n = (i64)Tmax * K;
   const i64 valid = T * K;
   for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i <= n; i += (i64)gridDim.x * blockDim.x) {
@@ -33,7 +35,9 @@ __global__ void ep_routing_pack(const IdxT* __restrict__ idx, i64 T, int Tmax, i
       routing[i] = (int)T;
     } else if (i < valid) {
       const i64 e = (i64)idx[i];
-      routing[i] = (e >= 0 && e < E) ? (int)e : -1;
+      const bool ok = e >= 0 && e < E;
+      if (!ok && e != -1) record_bad_expert_id(err, MOE_RT_ERR_EP_PREPARE, e, i, E);
+      routing[i] = ok ? (int)e : -1;
     } else {
       routing[i] = -1;
     }

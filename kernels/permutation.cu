@@ -2,6 +2,7 @@
 //
 // Plan (no atomics affect the result; every step is a deterministic integer computation):
 //   plan_count     one warp per chunk of flat slots (t*K+k): per-chunk expert histogram -> partial[c][e]
+//                  (ids outside [-1, E) count as -1 and are recorded in the device's error word)
 //   plan_scan      per expert, exclusive scan of partial over chunks -> base[c][e]; totals[e]; then the
 //                  last CTA: kept counts under num_out_tokens, align_size padding, segment starts
 //   plan_assign    one warp per chunk again: stable rank of each slot inside its expert (warp match +
@@ -27,15 +28,20 @@ __device__ __forceinline__ unsigned lanemask_lt() {
   return m;
 }
 
+// The expert of flat slot i (-1: none). Ids outside [-1, E) are taken as -1, so no kernel writes out of
+// bounds; with `err` (plan_count, the one kernel that reports them) they are recorded in the device's
+// error word first.
 template <typename IdxT>
-__device__ __forceinline__ int expert_key(const IdxT* idx, i64 i, i64 L, int E) {
+__device__ __forceinline__ int expert_key(const IdxT* idx, i64 i, i64 L, int E, unsigned* err = nullptr) {
   if (i >= L) return -1;
   const i64 v = (i64)idx[i];
-  return (v >= 0 && v < E) ? (int)v : -1;  // ids outside [0, E) are dropped, like -1
+  if (v >= 0 && v < E) return (int)v;
+  if (v != -1 && err != nullptr) record_bad_expert_id(err, MOE_RT_ERR_MAKE_PLAN, v, i, E);
+  return -1;
 }
 
 // A routing map [T, E] read as E slots per token: slot i = t*E + e holds expert e when set (L < 2^31).
-__device__ __forceinline__ int expert_key(const bool* map, i64 i, i64 L, int E) {
+__device__ __forceinline__ int expert_key(const bool* map, i64 i, i64 L, int E, unsigned* = nullptr) {
   if (i >= L) return -1;
   return map[i] ? (int)i % E : -1;
 }
@@ -82,10 +88,11 @@ template <typename T, bool VEC> struct Pack {
 // partial[c*E + e] = number of slots of chunk c routed to expert e. One warp per chunk of `chunk` slots
 // (a multiple of 32); dynamic shared memory: warps_per_block * E ints.
 // Also sets src_slot[0..N) to -1 (grid-stride), ready for plan_assign, and zeroes plan_scan's counter.
+// Ids outside [-1, E) are recorded in the error word `err` (common.cuh) and counted as -1.
 template <typename IdxT>
 __global__ void plan_count(const IdxT* __restrict__ idx, i64 L, int E, int chunk, int nchunks,
                            int* __restrict__ partial, int* __restrict__ src_slot, i64 N,
-                           unsigned* __restrict__ done) {
+                           unsigned* __restrict__ done, unsigned* __restrict__ err) {
   extern __shared__ int s_hist[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   if (blockIdx.x == 0 && threadIdx.x == 0) *done = 0u;  // for plan_scan's last-CTA step
@@ -98,7 +105,7 @@ __global__ void plan_count(const IdxT* __restrict__ idx, i64 L, int E, int chunk
   __syncwarp();
   const i64 begin = (i64)c * chunk;
   for (int j = 0; j < chunk; j += 32) {
-    const int key = expert_key(idx, begin + j + lane, L, E);
+    const int key = expert_key(idx, begin + j + lane, L, E, err);
     const unsigned peers = __match_any_sync(0xffffffffu, key);
     if (key >= 0 && lane == __ffs(peers) - 1) hist[key] += __popc(peers);
     __syncwarp();

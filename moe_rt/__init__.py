@@ -7,6 +7,7 @@ CPU arrays run the NumPy reference of every op. Autograd-aware wrappers: ``moe_r
 from moe_rt._version import __version__
 from moe_rt._comm import Communicator, NcclError, get_unique_id, nccl_version
 from moe_rt import _common_ops  # noqa: F401 - registers the utility kernels
+from moe_rt._errors import check, set_debug
 from moe_rt.router import (aux_loss, aux_loss_backward, scores_for_aux_loss, scores_for_aux_loss_backward,
                            topk_indices_with_score, topk_with_score, topk_with_score_backward)
 from moe_rt.permutation import (Plan, combine, combine_backward, dispatch, dispatch_backward, make_plan,
@@ -27,6 +28,8 @@ __all__ = [
     "EpGroup", "Handle", "bootstrap",
     # NCCL
     "Communicator", "NcclError", "get_unique_id", "nccl_version",
+    # bad routing on CUDA: raise what the kernels recorded (moe_rt._errors); the eager-check switch
+    "check", "set_debug",
     # device setting (opt-in)
     "l2_fetch_granularity",
 ]

@@ -423,6 +423,19 @@ def function(file: str, name: str) -> Kernel:
         return fn
 
 
+def global_ptr(file: str, kernel: str, symbol: str, device_id: int) -> int:
+    """The device address of the ``extern "C" __device__`` variable ``symbol`` in the program of the
+    registered kernel ``kernel`` of ``file`` on ``device_id``. Each kernel is its own program, with its own
+    copy of the globals its source defines, so the kernel names the copy meant. The program is loaded on
+    first use and never unloaded: the address holds for the life of the process."""
+    import cupy
+
+    with cupy.cuda.Device(device_id):
+        k = function(file, kernel)
+    g = k._module.get_global_var(symbol)  # the address (a MemoryPointer in some CuPy versions)
+    return int(getattr(g, "ptr", g))
+
+
 from moe_rt import _arrays  # noqa: E402
 from moe_rt._arrays import DevArray  # noqa: E402
 

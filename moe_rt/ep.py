@@ -59,8 +59,13 @@ Modes:
   :meth:`Handle.overflow` or :meth:`EpGroup.check_overflow` (those read the device: a sync). Dropped slots
   contribute nothing to combine and get zero gradients.
 
-Expert ids outside ``[-1, E)``: the CPU path raises ValueError; on the GPU they are dropped (as ``-1``),
-since checking would need a sync.
+Expert ids outside ``[-1, E)`` are a ValueError (``topk_idx: expert ids must be in [-1, num_experts=E),
+got V``) on every backend, raised later on CUDA: the CPU path raises in ``prepare``; on CUDA the routing
+pack records the id in the device's error word and drops the slot (as ``-1``; nothing is written out of
+bounds), and the error is raised at the next host-visible point: exact-mode ``prepare`` itself (at its count
+read), :meth:`EpGroup.synchronize`, :meth:`EpGroup.check_overflow` or :func:`moe_rt.check`; in
+capacity mode ``prepare`` raises only with ``validate=True`` or ``MOE_RT_DEBUG=1`` (a sync). In a group of
+several ranks only the rank whose routing was bad raises (:mod:`moe_rt._errors`).
 
 Dead peers: NCCL calls are asynchronous, so a missing rank shows up as a wait that never ends. Host-side
 waits (exact mode's count read in ``prepare``; :meth:`EpGroup.synchronize`; :meth:`EpGroup.check_overflow`)
@@ -84,7 +89,7 @@ import weakref
 
 import numpy as np
 
-from moe_rt import _arrays, _jit, permutation
+from moe_rt import _arrays, _errors, _jit, permutation
 from moe_rt import _handle
 from moe_rt._handle import Handle, meta_index
 from moe_rt.reference import ep as _ref
@@ -244,6 +249,7 @@ class EpGroup:
         _live_groups[self.id] = self
         self.closed = False
         self._last_stream = None
+        self._last_device = self.device  # of the last prepare (a local group has no device of its own)
 
     def __repr__(self):
         return (f"EpGroup(rank={self.rank}, size={self.size}, num_experts={self.num_experts}, "
@@ -312,18 +318,22 @@ class EpGroup:
 
     def synchronize(self, timeout: float | None = None, *, stream=None):
         """Wait until the work queued on ``stream`` (default: the stream of this group's last op) is done,
-        at most ``timeout`` seconds (default: the group's); then abort and raise TimeoutError."""
+        at most ``timeout`` seconds (default: the group's); then abort and raise TimeoutError. Then raise
+        the bad expert ids the device recorded (ValueError, as :func:`moe_rt.check`)."""
         self._alive("synchronize")
         if stream is None:
             stream = self._last_stream
         if stream is None:
             return
-        s = _arrays.as_cupy_stream(stream, self.device or 0)
+        dev = self.device if self.device is not None else (self._last_device or 0)
+        s = _arrays.as_cupy_stream(stream, dev)
         self._wait(s, "synchronize", timeout)
+        _errors.raise_pending(dev, s)
 
     def check_overflow(self, handle, *, stream=None):
         """Raise RuntimeError if ``handle`` dropped rows (capacity mode); reads the device (a sync, with the
-        group's timeout)."""
+        group's timeout), so it first raises the bad expert ids the device recorded (ValueError, as
+        :func:`moe_rt.check`)."""
         self._check_handle(handle, "check_overflow")
         if handle.state.get("backend") == "cuda":
             self.synchronize(stream=stream)
@@ -339,19 +349,26 @@ class EpGroup:
                 + "the excess rows were dropped")
 
     # -- prepare ---------------------------------------------------------------------------------------
-    def prepare(self, topk_idx, *, stream=None) -> Handle:
+    def prepare(self, topk_idx, *, stream=None, validate: bool | None = None) -> Handle:
         """Plan a dispatch (a collective: every rank calls it, in the same order).
 
         Args:
             topk_idx: ``[T,K]`` int32/int64, ``T <= max_tokens_per_rank``; ``-1`` = no expert. K must be
                 the same on every rank.
             stream: CUDA stream (None = the caller's current stream).
+            validate: None (follow ``MOE_RT_DEBUG`` / :func:`moe_rt.set_debug`) or a bool: on CUDA, raise
+                a bad expert id in this call (capacity mode then waits for the stream, with the group's
+                timeout; exact mode raises at its count read in any case).
 
         Returns:
             a :class:`Handle`. Exact mode reads the counts on the host (a device sync, with the group's
-            timeout); capacity mode never syncs.
+            timeout); capacity mode never syncs (unless ``validate``).
+
+        Expert ids outside ``[-1, E)``: ValueError, at once on CPU and in exact mode; in capacity mode on
+        CUDA at the next host-visible point (see the module notes).
         """
         self._alive("prepare")
+        validate = _errors.resolve_validate(validate)
         with _arrays.Call({"topk_idx": topk_idx}, stream=stream) as call:
             self._check_call(call, "prepare")
             idx = call["topk_idx"]
@@ -367,8 +384,8 @@ class EpGroup:
             self.topk = K
             if call.backend == "cpu":
                 return self._prepare_cpu(np.asarray(idx), T, K)
-            self._last_stream = call.stream
-            return self._prepare_cuda(call, idx, T, K)
+            self._last_stream, self._last_device = call.stream, call.device_id
+            return self._prepare_cuda(call, idx, T, K, validate)
 
     def _sizes(self, T, K):
         R, L = self.size, self.num_local_experts
@@ -380,9 +397,7 @@ class EpGroup:
                     T=T, H=self.hidden, A=self.align_size, capacity=cap)
 
     def _prepare_cpu(self, idx, T, K):
-        if idx.size and (idx.min() < -1 or idx.max() >= self.num_experts):
-            bad = idx[(idx < -1) | (idx >= self.num_experts)][0]
-            raise ValueError(f"topk_idx: expert ids must be in [-1, num_experts={self.num_experts}), got {int(bad)}")
+        _errors.check_ids(idx, self.num_experts, "topk_idx")
         sz = self._sizes(T, K)
         if self.mode == "capacity":
             d = _ref.prepare([idx], self.num_experts, align_size=self.align_size, pair_capacity=sz["P"],
@@ -397,7 +412,7 @@ class EpGroup:
         h.state.update(backend="cpu", ref=d, device_id=0)
         return h
 
-    def _prepare_cuda(self, call, idx, T, K):
+    def _prepare_cuda(self, call, idx, T, K, validate=False):
         xp, s = call.xp, call.stream
         sz = self._sizes(T, K)
         R, me, L, Tmax, P = sz["R"], sz["rank"], sz["L"], sz["Tmax"], sz["P"]
@@ -419,7 +434,10 @@ class EpGroup:
         _jit.launch(_jit.function(_FILE, f"ep_routing_pack<{_IDX[np.dtype(idx.dtype).name]}>"),
                     _grid(stride, call.device_id), 256,
                     (idx, np.int64(T), np.int32(Tmax), np.int32(K), np.int32(self.num_experts),
-                     routing[me * stride:].data.ptr), stream=s)
+                     routing[me * stride:].data.ptr, _errors.word(call.device_id)), stream=s)
+        if validate and not exact:
+            self._wait(s, "prepare")
+            _errors.raise_pending(call.device_id, s)
         if R > 1:
             # In place: rank r's block already sits at routing + r*stride.
             self.comm.all_gather(routing.data.ptr + me * stride * 4, routing.data.ptr, stride, "int32", s.ptr)
@@ -432,7 +450,7 @@ class EpGroup:
                     (meta, routing, np.int32(R), np.int32(me), np.int32(Tmax), np.int32(K), np.int32(P),
                      np.int32(1 if exact else 0), np.int64(cap)), stream=s)
         if exact:
-            host = self._read_meta(meta, s)
+            host = self._read_meta(meta, s, call.device_id)
             rows = int(host[meta_index("recv_rows", R)])
             slots = int(host[meta_index("total_slots", R)])
             N = _perm_ref.num_rows(rows, K, L, self.align_size, slots)
@@ -455,7 +473,7 @@ class EpGroup:
                          np.int32(Tmax), np.int32(K), np.int32(L), np.int32(P), np.int64(rows), recv_local),
                         stream=s)
         plan = permutation.make_plan(recv_local.reshape(rows, K), L, align_size=self.align_size,
-                                     num_out_tokens=sz["num_out"], stream=s)
+                                     num_out_tokens=sz["num_out"], stream=s, validate=False)
         if plan.num_rows != N:  # pragma: no cover - the two size formulas are the same function
             raise RuntimeError(f"internal: plan rows {plan.num_rows} != handle rows {N}")
         h.view("dst_row")[...] = plan.dst_row.reshape(-1)
@@ -466,18 +484,22 @@ class EpGroup:
         del buf0, plan
         return h
 
-    def _read_meta(self, meta, stream):
-        """The documented host sync of exact mode: copy the meta region into pinned memory and wait with
-        the group's deadline."""
+    def _read_meta(self, meta, stream, device_id):
+        """The documented host sync of exact mode: copy the meta region (and the device's error word, in
+        the same wait) into pinned memory and wait with the group's deadline; then raise a bad expert id
+        the routing pack recorded."""
         import cupy
 
-        n = int(meta.size)
-        pinned = cupy.cuda.alloc_pinned_memory(n * 4)
-        host = np.frombuffer(pinned, np.int32, n)
-        cupy.cuda.runtime.memcpyAsync(host.ctypes.data, meta.data.ptr, n * 4,
-                                      cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
+        n, nw = int(meta.size), _errors.WORDS
+        pinned = cupy.cuda.alloc_pinned_memory((n + nw) * 4)
+        host = np.frombuffer(pinned, np.int32, n + nw)
+        rt = cupy.cuda.runtime
+        rt.memcpyAsync(host.ctypes.data, meta.data.ptr, n * 4, rt.memcpyDeviceToHost, stream.ptr)
+        rt.memcpyAsync(host.ctypes.data + n * 4, _errors.word(device_id), nw * 4, rt.memcpyDeviceToHost,
+                       stream.ptr)
         self._wait(stream, "prepare")
-        return host.copy()
+        _errors.raise_word(host[n:].view(np.uint32).copy(), device_id, stream)
+        return host[:n].copy()
 
     # -- transport ---------------------------------------------------------------------------------------
     def _host_counts(self, h):

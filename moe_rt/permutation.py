@@ -16,12 +16,18 @@ routes) are zero in every output this module produces.
 CUDA arrays run the kernels of ``kernels/permutation.cu``; CPU arrays run the NumPy reference
 (:mod:`moe_rt.reference.permutation`). Everything is deterministic: integer plan construction with no
 atomics, and fixed summation orders (k ascending, fp32) in every reduction.
+
+Expert ids outside ``[-1, E)`` given to :func:`make_plan` are a ValueError on every backend, raised later
+on CUDA than on the CPU: the CPU path raises in the call; the CUDA plan kernel records the id in the
+device's error word, drops the slot (as ``-1``) and the error is raised by :func:`moe_rt.check` or the next
+host wait of an ``EpGroup``, or in the call itself with ``validate=True`` / ``MOE_RT_DEBUG=1``
+(:mod:`moe_rt._errors`).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from moe_rt import _arrays, _fast, _jit
+from moe_rt import _arrays, _errors, _fast, _jit
 from moe_rt.reference import permutation as _ref
 
 __all__ = ["Plan", "make_plan", "dispatch", "combine", "dispatch_backward", "combine_backward",
@@ -248,9 +254,9 @@ def _chunk_for(L: int, E: int) -> int:
     return chunk
 
 
-@_fast.recorded("routing")
+@_fast.recorded("routing", variant=_errors.debug)
 def make_plan(routing, num_experts: int, *, align_size: int = 1, num_out_tokens: int | None = None,
-              stream=None, _apart: bool = False) -> Plan:
+              stream=None, validate: bool | None = None, _apart: bool = False) -> Plan:
     """Build the dispatch plan of a routing, on the routing's device, without a host sync.
 
     Args:
@@ -264,11 +270,17 @@ def make_plan(routing, num_experts: int, *, align_size: int = 1, num_out_tokens:
             ``num_out_tokens`` routed slots in expert-major order (index-style capacity drop); the
             unpadded row count is then ``num_out_tokens`` instead of ``T*K``.
         stream: CUDA stream (None = the caller's current stream).
+        validate: None (follow ``MOE_RT_DEBUG`` / :func:`moe_rt.set_debug`) or a bool: on CUDA, wait for
+            the stream after the plan is made and raise a bad expert id at once (a device sync).
         _apart: (internal) give each plan array its own allocation instead of views of one buffer
             (torch custom ops may not return outputs that alias each other).
 
-    Expert ids outside ``[-1, E)``: on the CPU backend a ValueError; on CUDA they are treated as ``-1``
-    (the slot is dropped), since checking would need a device sync.
+    Expert ids outside ``[-1, E)`` raise ``ValueError("routing: expert ids must be in [-1,
+    num_experts=E), got V")`` on every backend, but not at the same moment: the CPU backend raises at once;
+    on CUDA the plan kernel records the id in the device's error word and treats it as ``-1`` (the slot
+    is dropped; nothing is written out of bounds), and the error is raised at the next host-visible point
+    (:func:`moe_rt.check`, an ``EpGroup`` host wait), or here with ``validate=True`` (see
+    :mod:`moe_rt._errors`).
 
     Returns:
         :class:`Plan`. ``num_rows`` is ``T*K`` (or ``num_out_tokens``) for ``A == 1``, else
@@ -278,6 +290,7 @@ def make_plan(routing, num_experts: int, *, align_size: int = 1, num_out_tokens:
     A = _arrays.check_int(align_size, "align_size", low=1, high=1 << 20)
     if num_out_tokens is not None:
         num_out_tokens = _arrays.check_int(num_out_tokens, "num_out_tokens", low=0, high=_INT32_MAX)
+    validate = _errors.DEBUG if validate is None else _errors.resolve_validate(validate)
     with _arrays.Call({"routing": routing}, stream=stream, lean=True) as call:
         r = call["routing"]
         xp = call.xp
@@ -312,13 +325,16 @@ def make_plan(routing, num_experts: int, *, align_size: int = 1, num_out_tokens:
                 idx = _ref.routing_map_to_topk(r)
             else:
                 idx = np.asarray(r)
-                if idx.size and (idx.min() < -1 or idx.max() >= E):
-                    bad = idx[(idx < -1) | (idx >= E)][0]
-                    raise ValueError(f"routing: expert ids must be in [-1, num_experts={E}), got {int(bad)}")
+                _errors.check_ids(idx, E, "routing")
             d = _ref.make_plan(idx, E, A, num_out_tokens)
             v = {k: d[k] for k in ("dst_row", "src_slot", "seg_start", "counts", "tokens_per_expert")}
         else:
+            validate = validate and not is_map  # a routing map holds no expert ids
+            if validate and _arrays.RECORDING and _arrays.recorder() is not None:
+                raise _arrays.Unrecordable("make_plan with validate syncs")  # such calls run the ordinary path
             v = _plan_cuda(call, r, is_map, T, K, E, A, N, num_out_tokens, _apart)
+            if validate:
+                _errors.sync_and_raise(call.device_id, call.stream)
         plan._v = v
         plan._framework = call.framework
         plan._exported = {}
@@ -390,8 +406,10 @@ def _plan_cfg(T, K, ic, E, A, N, num_out_tokens, dev):
     f_assign = _fn(f"plan_assign<{ic}>", dev, smem)
     f_scan = _fn("plan_scan", dev)
     num_out = L if num_out_tokens is None else num_out_tokens
-    # argument tails of the three kernels (the pointers are prepended per call)
-    count = (max(-(-nchunks // wpb), 1), 32 * wpb, (L, np.int32(E), np.int32(chunk), np.int32(nchunks)))
+    # argument tails of the three kernels (the pointers are prepended per call); plan_count's last argument
+    # is the device's error word, a constant address (recorded launches keep it as one)
+    count = (max(-(-nchunks // wpb), 1), 32 * wpb, (L, np.int32(E), np.int32(chunk), np.int32(nchunks)),
+             _errors.word(dev))
     scan = (-(-E // 32), 1024, (np.int32(nchunks), np.int32(E), np.int32(A), num_out))
     assign = (-(-nchunks // wpb), 32 * wpb, (L, np.int32(E), np.int32(chunk), np.int32(nchunks)))
     return (n_out + 2 * nchunks * E + E + 1, n_out, nchunks * E, spec, smem, f_count, f_scan, f_assign, count,
@@ -429,7 +447,7 @@ def _plan_cuda(call, r, is_map, T, K, E, A, N, num_out_tokens, apart=False):
     p_totals = p_base + 4 * n_part
     p_done = p_totals + 4 * E
     # plan_count always runs (it zeroes plan_scan's counter and fills src_slot with -1).
-    _launch(f_count, count[0], count[1], (idx, *count[2], p_partial, src, N, p_done), s, smem)
+    _launch(f_count, count[0], count[1], (idx, *count[2], p_partial, src, N, p_done, count[3]), s, smem)
     _launch(f_scan, scan[0], scan[1], (p_partial, p_base, p_totals, *scan[2], counts, tpe, seg, p_done), s)
     _launch(f_assign, assign[0], assign[1], (idx, *assign[2], p_base, counts, seg, dst, src), s, smem)
     return views

@@ -12,7 +12,7 @@ import pytest
 
 import moe_rt.permutation as P
 import moe_rt.router as R
-from moe_rt import _arrays, _fast, _jit
+from moe_rt import _arrays, _errors, _fast, _jit
 from moe_rt._arrays import DevArray
 
 F32, BF16 = np.dtype(np.float32), _arrays.BFLOAT16
@@ -69,6 +69,7 @@ class _Ctx:
 
 
 STREAM = 0xABC0
+ERR_WORD = 0x7E0000000100  # the fake device's error word (moe_rt._errors)
 
 
 @pytest.fixture(params=["python", "packed"])
@@ -95,6 +96,8 @@ def fake_device(monkeypatch, request):
     monkeypatch.setattr(_jit, "_use_driver", True)
     monkeypatch.setattr(_jit, "_ptrs", {})
     monkeypatch.setattr(P, "_fns", {})
+    monkeypatch.setattr(P, "_plan_cfgs", {})
+    monkeypatch.setattr(_errors, "_words", {0: ERR_WORD})
     monkeypatch.setattr(_arrays, "_default_stream", lambda fw, dev: _Ctx(STREAM))
     monkeypatch.setitem(_arrays._devices, 0, _Ctx())
     monkeypatch.setattr(_fast, "ENABLED", True)
@@ -280,6 +283,8 @@ def test_make_plan_replay_matches_ordinary_launches(fake_device, routing, monkey
         got.append((list(fake_device.calls), plan))
     (oc, op_), (fc, fp), (rc, rp) = got
     assert len(oc) == 3
+    # plan_count gets the device's error word: a constant address the replay passes unchanged
+    assert oc[0][3][-1] == fc[0][3][-1] == rc[0][3][-1] == ERR_WORD
     for a, b in zip(oc, rc):  # the scratch (not an output) is the one argument allowed to move
         assert a[:3] == b[:3] and a[4:] == b[4:]
         assert [x for x in a[3] if x >= 0x7F0000000000 and any(x == o.ptr for o in outs)] == \
@@ -288,6 +293,37 @@ def test_make_plan_replay_matches_ordinary_launches(fake_device, routing, monkey
         assert type(p) is P.Plan and repr(p) == repr(op_)
         assert [p._v[k].ptr for k in P._PLAN_NAMES] == [o.ptr for o in outs]
         assert p._v["dst_row"].shape == (T, Kp)
+
+
+@pytest.mark.parametrize("how", ["validate", "debug", "off"])
+def test_make_plan_eager_check_runs_the_ordinary_path(fake_device, how, monkeypatch):
+    """validate=True (or the debug switch) syncs after each call, so such calls are never replayed; with the
+    check off the same signature replays and nothing syncs."""
+    import cupy
+
+    mem = _Mem()
+    monkeypatch.setattr(cupy, "empty", lambda shape, dtype=F32, **kw: mem(tuple(shape), dtype))  # scratch
+    syncs = []
+    monkeypatch.setattr(_errors, "sync_and_raise", lambda dev, stream: syncs.append((dev, stream)))
+    monkeypatch.setattr(_errors, "DEBUG", how == "debug")
+    T, K, E = 50, 4, 16
+    r = mem((T, K), np.int32)
+    outs = [mem((T, K), np.int32), mem((T * K,), np.int32), mem((E + 1,), np.int32), mem((E,), np.int32),
+            mem((E,), np.int32)]
+    kw = {"validate": True} if how == "validate" else {}
+    P.make_plan.recipes.clear()
+    for _ in range(3):
+        fake_device.calls.clear()
+        with _arrays.serving(list(outs), STREAM):
+            P.make_plan(r, E, **kw)
+        assert len(fake_device.calls) == 3
+        assert fake_device.calls[0][3][-1] == ERR_WORD
+    recipes = list(P.make_plan.recipes.values())
+    if how == "off":
+        assert not syncs and recipes and recipes[-1] is not _fast._SLOW
+    else:
+        assert len(syncs) == 3 and syncs[0][0] == 0
+        assert recipes == [_fast._SLOW]
 
 
 def test_no_replay_outside_a_callback_or_when_disabled(fake_device, monkeypatch):

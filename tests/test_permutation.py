@@ -520,18 +520,29 @@ def test_gpu_against_reference(rng, T, E, H, K, A, num_out, dtype, drop):
 def test_gpu_edge_routings(rng):
     cp = _cp()
     T, E, H = 2000, 8, 264
-    # one expert takes every token; out-of-range ids are dropped on the GPU (defined behaviour)
+    # one expert takes every token; out-of-range ids are dropped on the GPU (as -1) and raised by
+    # moe_rt.check() (tests/test_errors.py)
+    import moe_rt
+
+    moe_rt.check()
     for idx in (np.full((T, 1), 5, np.int32),
                 np.where(rng.random((T, 2)) < 0.3, np.where(rng.random((T, 2)) < 0.5, 99, -7),
                          _random_topk(rng, T, E, 2)).astype(np.int64)):
         clean = np.where((idx >= 0) & (idx < E), idx, -1)
+        bad = bool((clean != idx).any())
         for A in (1, 16):
             ref = R.make_plan(clean, E, A)
-            plan = P.make_plan(cp.asarray(idx), E, align_size=A)
+            plan = P.make_plan(cp.asarray(idx), E, align_size=A, validate=False)
             _dev_plan_check(plan, ref)
             x = cp.asarray(rng.standard_normal((T, H), dtype=np.float32))
             xp, _ = P.dispatch(x, plan)
             assert bool((xp == _dev_dispatch_ref(cp, x, ref, None)[0]).all())
+            if bad:
+                with pytest.raises(ValueError) as e:
+                    moe_rt.check()
+                assert str(e.value) in [f"routing: expert ids must be in [-1, num_experts=8), got {v}"
+                                        for v in (99, -7)]
+            moe_rt.check()
     # routing map, uint8 raw bytes, misaligned base pointer (scalar path on a 16-byte row size)
     mask = rng.random((T, E)) < 0.3
     ref = R.make_plan(R.routing_map_to_topk(mask), E, 1, int(mask.sum()))

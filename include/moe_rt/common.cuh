@@ -118,4 +118,28 @@ __device__ __forceinline__ int block_inclusive_scan(int v, int* scratch, int* to
   return v;
 }
 
+// ---- the device's error word (moe_rt/_errors.py) ---------------------------------------------------
+// Kernels that read expert ids record an id outside [-1, E) here and go on treating it as -1, so nothing
+// is written out of bounds; the host raises it at its next host-visible point (moe_rt.check). Layout, 8
+// unsigned ints: [0] a bit per op family (atomicOr); [1] 0 until the first offender claims the record
+// (atomicCAS), which then writes [2..3] its value (int64, low word first), [4..5] its flat slot,
+// [6] num_experts, [7] its family's bit. Integer atomics only; graph replays write it like any launch.
+#define MOE_RT_ERR_WORDS 8
+#define MOE_RT_ERR_MAKE_PLAN 1u
+#define MOE_RT_ERR_EP_PREPARE 2u
+
+static __device__ __noinline__ void record_bad_expert_id(unsigned* err, unsigned family, i64 value, i64 slot,
+                                                         int E) {
+  if (err == nullptr) return;
+  atomicOr(err, family);
+  if (atomicCAS(err + 1, 0u, 1u) == 0u) {
+    err[2] = (unsigned)((unsigned long long)value & 0xffffffffull);
+    err[3] = (unsigned)((unsigned long long)value >> 32);
+    err[4] = (unsigned)((unsigned long long)slot & 0xffffffffull);
+    err[5] = (unsigned)((unsigned long long)slot >> 32);
+    err[6] = (unsigned)E;
+    err[7] = family;
+  }
+}
+
 }  // namespace moe_rt
