@@ -1013,7 +1013,7 @@ def _plan_view(h):
     if hasattr(permutation.Plan, "from_arrays"):
         plan = permutation.Plan.from_arrays(*arrays, num_rows=N, align_size=sz["A"], num_out_tokens=sz["num_out"])
     else:  # pragma: no cover - older permutation module: fill the documented fields directly
-        plan = permutation.Plan()
+        plan = permutation.Plan._blank()
         plan.num_tokens, plan.topk, plan.num_experts, plan.num_rows = rows, K, sz["L"], N
         plan.align_size, plan.num_out_tokens, plan.from_routing_map = sz["A"], sz["num_out"], False
         plan.backend, plan.device_id = h.state["backend"], h.state["device_id"]

@@ -19,6 +19,8 @@ atomics, and fixed summation orders (k ascending, fp32) in every reduction.
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from moe_rt import _arrays, _fast, _jit
@@ -117,6 +119,15 @@ class Plan:
     __slots__ = ("num_tokens", "topk", "num_experts", "num_rows", "align_size", "num_out_tokens",
                  "from_routing_map", "backend", "device_id", "_v", "_framework", "_exported", "_fk")
 
+    def __init__(self, *args, **kwargs):
+        raise TypeError("Plan: plans are made by moe_rt.make_plan (or Plan.from_arrays over a plan's five "
+                        "arrays), not by calling Plan()")
+
+    @classmethod
+    def _blank(cls) -> "Plan":
+        """An empty plan for this module's makers to fill in (``Plan()`` itself refuses)."""
+        return object.__new__(cls)
+
     def _array(self, name):
         # Exported to the caller's framework on first access (zero copy), then cached.
         a = self._exported.get(name)
@@ -150,7 +161,7 @@ class Plan:
         _arrays.check_shape(v["seg_start"], "seg_start", (E + 1,))
         _arrays.check_shape(v["counts"], "counts", (E,))
         _arrays.check_shape(v["tokens_per_expert"], "tokens_per_expert", (E,))
-        plan = cls()
+        plan = cls._blank()
         plan.num_tokens, plan.topk, plan.num_experts, plan.num_rows = T, K, E, N
         plan.align_size = _arrays.check_int(align_size, "align_size", low=1)
         plan.num_out_tokens = None if num_out_tokens is None or num_out_tokens < 0 else int(num_out_tokens)
@@ -166,7 +177,7 @@ class Plan:
                  framework: str) -> "Plan":
         """A plan over five C-contiguous int32 CuPy or NumPy arrays already known to be a consistent plan
         (the adapters check shapes when they trace): no checks, no imports."""
-        plan = cls()
+        plan = cls._blank()
         dst = arrays[0]
         plan.num_tokens, plan.topk = int(dst.shape[0]), int(dst.shape[1])
         plan.num_experts, plan.num_rows = int(arrays[3].shape[0]), num_rows
@@ -214,7 +225,7 @@ def _plan_parts(plan):
 
 def _plan_symbolic(plan, arrays):
     """``plan``'s ints over other arrays (the symbolic ones of a recording)."""
-    p = Plan()
+    p = Plan._blank()
     for k in _PLAN_INTS:
         setattr(p, k, getattr(plan, k))
     p._v = dict(zip(_PLAN_NAMES, arrays))
@@ -298,11 +309,16 @@ def make_plan(routing, num_experts: int, *, align_size: int = 1, num_out_tokens:
         L = T * K
         if L > _INT32_MAX:
             raise ValueError(f"routing: T*K = {T}*{K} slots must stay below 2^31")
+        if num_out_tokens is not None and num_out_tokens > L:
+            raise ValueError(f"num_out_tokens: must be <= T*K = {T}*{K} = {L} (the routed slots), got "
+                             f"{num_out_tokens}")
         N = _num_rows(T, K, E, A, num_out_tokens)
         if N > _INT32_MAX:
             raise ValueError(f"num_rows = {N} (from T*K / num_out_tokens and align_size) must stay below 2^31")
+        if call.backend == "cpu":
+            _check_host_memory(L, N)
 
-        plan = Plan()
+        plan = Plan._blank()
         plan.num_tokens, plan.topk, plan.num_experts, plan.num_rows = T, K, E, N
         plan.align_size, plan.num_out_tokens, plan.from_routing_map = A, num_out_tokens, is_map
         plan.backend, plan.device_id = call.backend, call.device_id
@@ -323,6 +339,30 @@ def make_plan(routing, num_experts: int, *, align_size: int = 1, num_out_tokens:
         plan._framework = call.framework
         plan._exported = {}
         return plan
+
+
+# bytes the CPU reference's plan holds at once per slot (the int64 ids, keys, sort order, rows, their int32
+# results and the routing's copy) and per row (src_slot in int64 and int32)
+_REF_BYTES_PER_SLOT = 64
+_REF_BYTES_PER_ROW = 12
+
+
+def _host_memory() -> int:
+    """This host's physical memory in bytes (0 when unknown)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # pragma: no cover - not a POSIX host
+        return 0
+
+
+def _check_host_memory(L: int, N: int) -> None:
+    """Refuse a CPU plan the reference cannot hold before it allocates anything (rather than exhausting the
+    host's memory)."""
+    need = L * _REF_BYTES_PER_SLOT + N * _REF_BYTES_PER_ROW
+    have = _host_memory()
+    if have and need > have // 2:
+        raise ValueError(f"routing: a plan of T*K = {L} slots and {N} rows needs about {need / 2**30:.1f} GiB on "
+                         f"the CPU backend, more than half of this host's {have / 2**30:.1f} GiB")
 
 
 class _PlanViews(dict):
@@ -355,7 +395,7 @@ def _describe_plan(plan, leaf):
 
 def _build_plan(payload, get, framework):
     ints, (kind, *rest) = payload
-    p = Plan()
+    p = Plan._blank()
     for k, val in zip(_PLAN_INTS, ints):
         setattr(p, k, val)
     if kind == "views":
@@ -457,11 +497,11 @@ def _row_grid(n_rows: int, device_id: int) -> int:
     return max(1, min(-(-n_rows // 8), cap))
 
 
-def _check_tokens(arr, name, T, dtypes):
+def _check_tokens(arr, name, T, dtypes, what="plan.num_tokens"):
     _arrays.check_ndim(arr, name, 2)
     _arrays.check_dtype(arr, name, dtypes)
     if arr.shape[0] != T:
-        raise ValueError(f"{name}: expected {T} rows (plan.num_tokens), got shape {tuple(arr.shape)}")
+        raise ValueError(f"{name}: expected {T} rows ({what}), got shape {tuple(arr.shape)}")
 
 
 def _slot_probs(call, probs, plan: Plan, name: str):
@@ -581,7 +621,7 @@ def combine(y_permuted, plan: Plan, probs=None, *, stream=None):
     with _arrays.Call({"y_permuted": y_permuted, "probs": probs}, stream=stream, lean=True) as call:
         _check_plan(plan, call)
         yv = call["y_permuted"]
-        _check_tokens(yv, "y_permuted", plan.num_rows, _TOKEN_DTYPES)
+        _check_tokens(yv, "y_permuted", plan.num_rows, _TOKEN_DTYPES, "plan.num_rows")
         pv = _slot_probs(call, call["probs"], plan, "probs")
         yv = _arrays.contiguous(call.xp, yv)
         if call.backend == "cpu":
@@ -652,7 +692,7 @@ def dispatch_backward(grad_x_permuted, plan: Plan, grad_probs_permuted=None, *, 
                       stream=stream, lean=True) as call:
         _check_plan(plan, call)
         g = call["grad_x_permuted"]
-        _check_tokens(g, "grad_x_permuted", plan.num_rows, _TOKEN_DTYPES)
+        _check_tokens(g, "grad_x_permuted", plan.num_rows, _TOKEN_DTYPES, "plan.num_rows")
         gpp = call["grad_probs_permuted"]
         if gpp is not None:
             _arrays.check_dtype(gpp, "grad_probs_permuted", _PROB_DTYPES)
