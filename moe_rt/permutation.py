@@ -259,6 +259,44 @@ def _chunk_for(L: int, E: int) -> int:
     return chunk
 
 
+def check_plan_settings(num_experts, align_size, num_out_tokens):
+    """:func:`make_plan`'s int settings, validated: ``(E, A, num_out_tokens)``."""
+    E = _arrays.check_int(num_experts, "num_experts", low=1, high=MAX_EXPERTS)
+    A = _arrays.check_int(align_size, "align_size", low=1, high=1 << 20)
+    if num_out_tokens is not None:
+        num_out_tokens = _arrays.check_int(num_out_tokens, "num_out_tokens", low=0, high=_INT32_MAX)
+    return E, A, num_out_tokens
+
+
+def check_routing(r, E, A, num_out_tokens):
+    """The shape and dtype checks of :func:`make_plan`'s routing (anything with ``shape``, ``ndim``,
+    ``dtype``; the settings from :func:`check_plan_settings`): ``(T, K, is_map, N)``."""
+    _arrays.check_ndim(r, "routing", 2)
+    dt = np.dtype(r.dtype)
+    is_map = dt == np.bool_
+    if not is_map and dt not in _arrays.INDEX_DTYPES:
+        raise TypeError(f"routing: expected topk_idx (int32 or int64) or a routing_map (bool), "
+                        f"got dtype {dt.name}")
+    T = int(r.shape[0])
+    if is_map:
+        if r.shape[1] != E:
+            raise ValueError(f"routing: a routing_map must have shape [T, num_experts={E}], "
+                             f"got {tuple(r.shape)}")
+        K = E
+    else:
+        K = int(r.shape[1])
+    L = T * K
+    if L > _INT32_MAX:
+        raise ValueError(f"routing: T*K = {T}*{K} slots must stay below 2^31")
+    if num_out_tokens is not None and num_out_tokens > L:
+        raise ValueError(f"num_out_tokens: must be <= T*K = {T}*{K} = {L} (the routed slots), got "
+                         f"{num_out_tokens}")
+    N = _num_rows(T, K, E, A, num_out_tokens)
+    if N > _INT32_MAX:
+        raise ValueError(f"num_rows = {N} (from T*K / num_out_tokens and align_size) must stay below 2^31")
+    return T, K, is_map, N
+
+
 @_fast.recorded("routing")
 def make_plan(routing, num_experts: int, *, align_size: int = 1, num_out_tokens: int | None = None,
               stream=None, _apart: bool = False) -> Plan:
@@ -285,36 +323,12 @@ def make_plan(routing, num_experts: int, *, align_size: int = 1, num_out_tokens:
         :class:`Plan`. ``num_rows`` is ``T*K`` (or ``num_out_tokens``) for ``A == 1``, else
         ``floor((kept + E*(A-1)) / A) * A``.
     """
-    E = _arrays.check_int(num_experts, "num_experts", low=1, high=MAX_EXPERTS)
-    A = _arrays.check_int(align_size, "align_size", low=1, high=1 << 20)
-    if num_out_tokens is not None:
-        num_out_tokens = _arrays.check_int(num_out_tokens, "num_out_tokens", low=0, high=_INT32_MAX)
+    E, A, num_out_tokens = check_plan_settings(num_experts, align_size, num_out_tokens)
     with _arrays.Call({"routing": routing}, stream=stream, lean=True) as call:
         r = call["routing"]
         xp = call.xp
-        _arrays.check_ndim(r, "routing", 2)
-        dt = np.dtype(r.dtype)
-        is_map = dt == np.bool_
-        if not is_map and dt not in _arrays.INDEX_DTYPES:
-            raise TypeError(f"routing: expected topk_idx (int32 or int64) or a routing_map (bool), "
-                            f"got dtype {dt.name}")
-        T = int(r.shape[0])
-        if is_map:
-            if r.shape[1] != E:
-                raise ValueError(f"routing: a routing_map must have shape [T, num_experts={E}], "
-                                 f"got {tuple(r.shape)}")
-            K = E
-        else:
-            K = int(r.shape[1])
+        T, K, is_map, N = check_routing(r, E, A, num_out_tokens)
         L = T * K
-        if L > _INT32_MAX:
-            raise ValueError(f"routing: T*K = {T}*{K} slots must stay below 2^31")
-        if num_out_tokens is not None and num_out_tokens > L:
-            raise ValueError(f"num_out_tokens: must be <= T*K = {T}*{K} = {L} (the routed slots), got "
-                             f"{num_out_tokens}")
-        N = _num_rows(T, K, E, A, num_out_tokens)
-        if N > _INT32_MAX:
-            raise ValueError(f"num_rows = {N} (from T*K / num_out_tokens and align_size) must stay below 2^31")
         if call.backend == "cpu":
             _check_host_memory(L, N)
 
@@ -509,19 +523,38 @@ def _slot_probs(call, probs, plan: Plan, name: str):
     if probs is None:
         return None
     T, K, E = plan.num_tokens, plan.topk, plan.num_experts
-    _arrays.check_ndim(probs, name, 2)
-    _arrays.check_dtype(probs, name, _PROB_DTYPES)
+    check_probs(probs, name, T, K, E)
     xp = call.xp
-    shape = tuple(probs.shape)
-    if shape == (T, K):
+    if tuple(probs.shape) == (T, K):
         p = probs
-    elif shape == (T, E):
+    else:
         # Dense [T,E] probs for an index plan: pick each slot's expert (ids out of range read 0).
         p = _dense_to_slots(xp, probs, plan)
-    else:
-        raise ValueError(f"{name}: expected shape [T,K] = {(T, K)} or dense [T,E] = {(T, E)}, got {shape}")
     p = p.astype(np.float32, copy=False)
     return _arrays.contiguous(xp, p)
+
+
+def check_probs(probs, name, T, K, E):
+    """Slot probs ``[T,K]`` or dense ``[T,E]`` of a float dtype (anything with ``shape``, ``ndim``, ``dtype``)."""
+    _arrays.check_ndim(probs, name, 2)
+    _arrays.check_dtype(probs, name, _PROB_DTYPES)
+    shape = tuple(probs.shape)
+    if shape != (T, K) and shape != (T, E):
+        raise ValueError(f"{name}: expected shape [T,K] = {(T, K)} or dense [T,E] = {(T, E)}, got {shape}")
+
+
+def check_dispatch_args(x, probs, T, K, E):
+    """The shape and dtype checks of :func:`dispatch` for a plan of T tokens, K slots, E experts."""
+    _check_tokens(x, "x", T, _TOKEN_DTYPES + _BYTE_DTYPES)
+    if probs is not None:
+        check_probs(probs, "probs", T, K, E)
+
+
+def check_combine_args(y_permuted, probs, T, K, E, N):
+    """The shape and dtype checks of :func:`combine` for a plan of T tokens, K slots, E experts, N rows."""
+    _check_tokens(y_permuted, "y_permuted", N, _TOKEN_DTYPES, "plan.num_rows")
+    if probs is not None:
+        check_probs(probs, "probs", T, K, E)
 
 
 def _dense_to_slots(xp, probs, plan):

@@ -369,24 +369,32 @@ def _flat(xp, arr, E):
     return arr.reshape(-1, E)
 
 
-def _bias(call, expert_bias, E, score_function):
-    if expert_bias is None:
+def _check_bias(bv, E, score_function):
+    if bv is None:
         return None
     if score_function == "softmax":
         raise ValueError("expert_bias: not allowed with score_function='softmax' (sigmoid or sqrtsoftplus only)")
-    bv = call["expert_bias"]
     _arrays.check_dtype(bv, "expert_bias", _arrays.FLOAT_DTYPES)
     _arrays.check_shape(bv, "expert_bias", (E,))
     return bv
 
 
-def _prepare_topk(call, topk, score_function, use_pre_softmax, num_groups, group_topk, scaling_factor,
-                  expert_bias):
-    xv = call["logits"]
+def check_topk_args(xv, bv, topk, score_function, use_pre_softmax, num_groups, group_topk, scaling_factor):
+    """Every check of :func:`topk_with_score` (and :func:`topk_indices_with_score`) that needs only shapes,
+    dtypes and the settings: ``(E, K, G, g, scale, pre)``. ``xv``, ``bv``: anything with ``shape``, ``ndim``
+    and ``dtype`` (arrays, or JAX tracers when ``moe_rt.jax`` traces)."""
     E = _check_logits(xv)
     K, scale, pre = _check_topk_flags(E, topk, score_function, use_pre_softmax, scaling_factor)
     G, g = _check_groups(num_groups, group_topk, K, E)
-    bv = _bias(call, expert_bias, E, score_function)
+    _check_bias(bv, E, score_function)
+    return E, K, G, g, scale, pre
+
+
+def _prepare_topk(call, topk, score_function, use_pre_softmax, num_groups, group_topk, scaling_factor,
+                  expert_bias):
+    xv, bv = call["logits"], call["expert_bias"]
+    E, K, G, g, scale, pre = check_topk_args(xv, bv, topk, score_function, use_pre_softmax, num_groups,
+                                             group_topk, scaling_factor)
     # rows flattened to [T, E]; ``lead`` restores the leading shape of the outputs
     return tuple(xv.shape[:-1]), _flat(call.xp, xv, E), E, K, G, g, scale, pre, bv
 
@@ -536,9 +544,7 @@ def scores_for_aux_loss(logits, topk, score_function, *, stream=None):
     """
     with _arrays.Call({"logits": logits}, stream=stream, lean=True) as call:
         xv = call["logits"]
-        E = _check_logits(xv)
-        _check_score_function(score_function)
-        K = _check_topk(topk, E)
+        E, K = check_scores_args(xv, topk, score_function)
         lead = tuple(xv.shape[:-1])
         x = _flat(call.xp, xv, E)
         T = x.shape[0]
@@ -554,6 +560,13 @@ def scores_for_aux_loss(logits, topk, score_function, *, stream=None):
                             None, scores, rmap, inter, None, None)
         shape = lead + (E,)
         return call.out(scores.reshape(shape)), call.out(rmap.reshape(shape)), call.out(inter.reshape(shape))
+
+
+def check_scores_args(xv, topk, score_function):
+    """The shape, dtype and settings checks of :func:`scores_for_aux_loss`: ``(E, K)``."""
+    E = _check_logits(xv)
+    _check_score_function(score_function)
+    return E, _check_topk(topk, E)
 
 
 def _parse_dtype(dtype):
@@ -633,6 +646,14 @@ def _check_aux_args(tv, C, total_num_tokens, num_experts, topk, coeff):
     return _check_float(coeff, "coeff")
 
 
+def check_aux_loss_args(pv, tv, total_num_tokens, num_experts, topk, coeff):
+    """The shape, dtype and settings checks of :func:`aux_loss`: ``(R, C, coeff)``."""
+    _arrays.check_dtype(pv, "probs", _arrays.FLOAT_DTYPES)
+    _arrays.check_ndim(pv, "probs", 2)
+    R, C = (int(s) for s in pv.shape)
+    return R, C, _check_aux_args(tv, C, total_num_tokens, num_experts, topk, coeff)
+
+
 _TPE_KINDS = {np.dtype(np.float32): 0, np.dtype(np.int32): 1, np.dtype(np.int64): 2}
 
 
@@ -668,10 +689,7 @@ def aux_loss(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coef
     with _arrays.Call({"probs": probs, "tokens_per_expert": tokens_per_expert}, stream=stream,
                       lean=True) as call:
         pv, tv = call["probs"], call["tokens_per_expert"]
-        _arrays.check_dtype(pv, "probs", _arrays.FLOAT_DTYPES)
-        _arrays.check_ndim(pv, "probs", 2)
-        R, C = (int(s) for s in pv.shape)
-        coeff = _check_aux_args(tv, C, total_num_tokens, num_experts, topk, coeff)
+        R, C, coeff = check_aux_loss_args(pv, tv, total_num_tokens, num_experts, topk, coeff)
         if call.backend == "cpu":
             out = ref.aux_loss_fwd(pv, tv, total_num_tokens, num_experts, topk, coeff)
             return call.out(np.array(out, copy=True))
