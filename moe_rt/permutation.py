@@ -16,6 +16,10 @@ routes) are zero in every output this module produces.
 CUDA arrays run the kernels of ``kernels/permutation.cu``; CPU arrays run the NumPy reference
 (:mod:`moe_rt.reference.permutation`). Everything is deterministic: integer plan construction with no
 atomics, and fixed summation orders (k ascending, fp32) in every reduction.
+
+No autograd: torch tensors that require grad while grad mode is on are refused with a TypeError (the
+differentiable ops are in :mod:`moe_rt.torch`; or pass ``.detach()`` / call under ``torch.no_grad()``), and
+so are JAX tracers (inside ``jax.jit``: use :mod:`moe_rt.jax`).
 """
 from __future__ import annotations
 
@@ -575,6 +579,9 @@ def _dense_to_slots(xp, probs, plan):
 def dispatch(x, plan: Plan, probs=None, *, stream=None):
     """Permute tokens (and their routing probs) into the plan's expert-major rows.
 
+    Records no autograd: use the op of the same name in ``moe_rt.torch`` / ``moe_rt.jax`` to differentiate
+    (torch tensors that require grad, and JAX tracers, are refused with a TypeError).
+
     Args:
         x: ``[T,H]`` fp32/fp16/bf16, or 1-byte data (uint8, int8, fp8) copied as raw bytes.
         plan: from :func:`make_plan` on the same device; ``T == plan.num_tokens``.
@@ -640,6 +647,9 @@ def _fill(call, out, pp, pv, plan):
 @_fast.recorded("y_permuted", "probs", plan=_PLAN_FAST)
 def combine(y_permuted, plan: Plan, probs=None, *, stream=None):
     """Weighted sum of each token's expert outputs: ``y[t] = sum_k w[t,k] * y_permuted[dst_row[t,k]]``.
+
+    Records no autograd: use the op of the same name in ``moe_rt.torch`` / ``moe_rt.jax`` to differentiate
+    (torch tensors that require grad, and JAX tracers, are refused with a TypeError).
 
     Args:
         y_permuted: ``[N,H]`` fp32/fp16/bf16, ``N == plan.num_rows``.

@@ -11,6 +11,9 @@ Shared conventions (both backends):
   its row's selected experts (post-softmax, pre-softmax and normalized sigmoid rows become NaN on the
   selection; a pre-softmax row with a NaN is NaN everywhere and selects its K lowest indices).
 - Outputs are bitwise reproducible run to run (fixed summation orders, no float atomics).
+- No autograd: torch tensors that require grad while grad mode is on are refused with a TypeError (the
+  differentiable ops are in :mod:`moe_rt.torch`; or pass ``.detach()`` / call under ``torch.no_grad()``), and
+  so are JAX tracers (inside ``jax.jit``: use :mod:`moe_rt.jax`).
 """
 from __future__ import annotations
 
@@ -412,6 +415,9 @@ def topk_with_score(logits, topk, *, score_function="softmax", use_pre_softmax=F
                     group_topk=None, scaling_factor=None, expert_bias=None, stream=None):
     """Route each token to its ``topk`` experts (TE ``fused_topk_with_score_function``).
 
+    Records no autograd: use the op of the same name in ``moe_rt.torch`` / ``moe_rt.jax`` to differentiate
+    (torch tensors that require grad, and JAX tracers, are refused with a TypeError).
+
     Args:
         logits: ``[..., E]`` fp32, bf16 or fp16 router logits (T = product of the leading dims).
         topk: int K, 1 <= K <= min(E, 64).
@@ -530,6 +536,9 @@ def topk_with_score_backward(grad_probs, routing_map, intermediate, topk, *, sco
 def scores_for_aux_loss(logits, topk, score_function, *, stream=None):
     """Dense router scores and a plain top-k map for the aux loss (TE ``fused_score_for_moe_aux_loss``;
     no bias, groups or scaling).
+
+    Records no autograd: use the op of the same name in ``moe_rt.torch`` / ``moe_rt.jax`` to differentiate
+    (torch tensors that require grad, and JAX tracers, are refused with a TypeError).
 
     Args:
         logits: ``[..., E]`` fp32/bf16/fp16.
@@ -674,6 +683,9 @@ def _aux_blocks(R):
 @_fast.recorded("probs", "tokens_per_expert")
 def aux_loss(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coeff, *, stream=None):
     """Switch load-balancing loss (TE ``fused_moe_aux_loss``), deterministic.
+
+    Records no autograd: use the op of the same name in ``moe_rt.torch`` / ``moe_rt.jax`` to differentiate
+    (torch tensors that require grad, and JAX tracers, are refused with a TypeError).
 
     ``loss = C_coeff * sum_c tokens_per_expert[c] * sum_r probs[r, c]`` with
     ``C_coeff = (num_experts * coeff) / topk / total_num_tokens / total_num_tokens`` (fp32, host).
