@@ -342,19 +342,81 @@ _devices: dict = {}
 _torch_devices: dict = {}
 
 
+_grad_enabled = None  # torch.is_grad_enabled, bound when the first torch tensor comes
+
+
+def _no_autograd(obj, name):
+    """Raise for a torch tensor that would need autograd: it requires grad and grad mode is on. The core ops
+    record no autograd graph, so their results would be silently cut off from the gradient."""
+    global _grad_enabled
+    if _grad_enabled is None:
+        import torch
+
+        _grad_enabled = torch.is_grad_enabled
+    if _grad_enabled():
+        raise TypeError(f"{name}: a torch tensor that requires grad (with grad mode on); moe_rt's core ops do "
+                        "not record autograd, so their results would get no gradient. Use the op of the same "
+                        "name in moe_rt.torch (differentiable), or pass .detach() / call under torch.no_grad()")
+
+
+_Tracer = None
+
+
+def _no_tracer(obj, name):
+    """Raise for a JAX tracer (a core op called inside jax.jit/grad/vmap): its values are not known yet."""
+    global _Tracer
+    if _Tracer is None:
+        import jax
+
+        _Tracer = jax.core.Tracer
+    if isinstance(obj, _Tracer):
+        raise TypeError(f"{name}: a JAX tracer (the op was called inside jax.jit, grad or vmap); moe_rt's core "
+                        "ops need concrete arrays. Use the op of the same name in moe_rt.jax, which works under "
+                        "jit, grad and vmap")
+
+
+def check_stream(stream):
+    """Raise TypeError unless ``stream`` is None, an int cudaStream_t, or a stream object (CuPy, torch, or
+    anything with ``__cuda_stream__``); the same on every backend (a CPU call ignores a valid one)."""
+    if stream is None:
+        return
+    if isinstance(stream, bool) or not (isinstance(stream, (int, np.integer)) or hasattr(stream, "__cuda_stream__")
+                                        or hasattr(stream, "cuda_stream")
+                                        or (type(stream).__module__.startswith("cupy") and hasattr(stream, "ptr"))):
+        raise TypeError(f"stream: expected a CUDA stream, an int cudaStream_t or None, got {type(stream).__name__}")
+    if not isinstance(stream, (int, np.integer)):
+        return
+    if not 0 <= int(stream) < 1 << 64:
+        raise ValueError(f"stream: an int cudaStream_t must be in [0, 2**64), got {int(stream)}")
+
+
 class Call:
     """One op call's view of its arguments: ``backend`` ('cuda' or 'cpu'), ``xp`` (cupy or numpy),
     ``device_id``, ``stream`` (a cupy Stream, or None on CPU) and ``framework`` (of the first array
-    argument: 'torch', 'jax', 'cupy', 'numpy' or 'other')."""
+    argument: 'torch', 'jax', 'cupy', 'numpy' or 'other').
+
+    Torch tensors that require grad while grad mode is on are refused with a TypeError (the core ops do not
+    record autograd; ``moe_rt.torch`` does), and so are JAX tracers (``moe_rt.jax`` works under jit). A NumPy
+    scalar is taken as a 0-d array."""
 
     def __init__(self, arrays: dict, stream=None, *, xla_buffers: bool = False, lean: bool = False):
         self.framework = None
         self.backend = None
         self.device_id = 0
+        if stream is not None:
+            check_stream(stream)
         first = None
         for name, obj in arrays.items():
             if obj is None:
                 continue
+            fw = _framework_of(obj)
+            if fw == "torch":
+                if obj.requires_grad:
+                    _no_autograd(obj, name)
+            elif fw == "jax":
+                _no_tracer(obj, name)
+            elif fw == "other" and isinstance(obj, np.generic):
+                obj = arrays[name] = np.asarray(obj)
             kind, dev = _device_of(obj, name)
             if first is None:
                 first = name

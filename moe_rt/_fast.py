@@ -488,8 +488,9 @@ def recorded(*array_params, variant=None, plan=None):
                     metas.append(None)
                     continue
                 if mode == 0:
-                    if type(a) is not _Tensor or not a.is_cuda or not a.is_contiguous():
-                        return _ordinary(op, args, kwargs)
+                    if (type(a) is not _Tensor or not a.is_cuda or not a.is_contiguous()
+                            or (a.requires_grad and _torch.is_grad_enabled())):
+                        return _ordinary(op, args, kwargs)  # which refuses a tensor needing autograd
                     p = a.data_ptr()
                     d = a.get_device()
                 elif mode == 2:

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_rt import _ep_adapt as _A
+from moe_rt import ep as _ep
 from moe_rt.jax import _run, _spec
 
 __all__ = ["JaxEpHandle", "ep_prepare", "ep_dispatch", "ep_combine"]
@@ -54,9 +55,7 @@ def ep_prepare(group, topk_idx) -> JaxEpHandle:
     if group.mode != "capacity":
         raise ValueError("ep_prepare: JAX needs static shapes; create the EpGroup with mode='capacity'")
     topk_idx = jax.lax.stop_gradient(jnp.asarray(topk_idx))
-    if topk_idx.ndim != 2:
-        raise ValueError(f"topk_idx: expected a 2-D array, got shape {topk_idx.shape}")
-    T, K = int(topk_idx.shape[0]), int(topk_idx.shape[1])
+    T, K = group._check_routing(topk_idx)  # shapes and dtypes are known when traced
     _, N, total = _A.sizes(group, T, K)
 
     def fn(idx):
@@ -140,8 +139,10 @@ def ep_dispatch(handle: JaxEpHandle, x, topk_weights=None):
     holding one of its experts, in expert-major order there. Returns ``(recv_x [N,H], recv_weights [N]
     fp32 or None)``; gradients flow to ``x`` and ``topk_weights``."""
     _check(handle)
-    if x.shape[0] != handle.num_tokens:
-        raise ValueError(f"x: expected {handle.num_tokens} rows (as in ep_prepare), got shape {x.shape}")
+    group = _A.lookup(handle.group_id)
+    group._check_rows(x, "x", handle.num_tokens)  # shapes and dtypes are known when traced
+    if topk_weights is not None:
+        _ep.check_weights(topk_weights, "topk_weights", (handle.num_tokens, handle.topk))
     return _dispatch(handle.static, handle.buffer, x, topk_weights)
 
 
@@ -193,6 +194,8 @@ def ep_combine(handle: JaxEpHandle, y, recv_weights=None):
     accumulation, fixed order). ``recv_weights [N]`` weights the rows (None: unweighted). Gradients flow to
     ``y`` and ``recv_weights``."""
     _check(handle)
-    if y.shape[0] != handle.num_rows:
-        raise ValueError(f"y: expected {handle.num_rows} rows (recv_x's), got shape {y.shape}")
+    group = _A.lookup(handle.group_id)
+    group._check_rows(y, "y", handle.num_rows)  # shapes and dtypes are known when traced
+    if recv_weights is not None:
+        _ep.check_weights(recv_weights, "recv_weights", (handle.num_rows,))
     return _combine(handle.static, handle.buffer, y, recv_weights)

@@ -102,6 +102,8 @@ cdef class TorchHit:
                 continue
             if type(a) is not Tensor or not a.is_cuda or not a.is_contiguous():
                 return MISS
+            if a.requires_grad and _fast._torch.is_grad_enabled():
+                return MISS  # the Python path refuses it (the core ops record no autograd)
             p = a.data_ptr()
             d = a.get_device()
             if dev is None:

@@ -74,12 +74,18 @@ def ep_prepare(group, topk_idx: Tensor) -> TorchEpHandle:
     """:meth:`moe_rt.EpGroup.prepare` for torch (a collective; not differentiable). ``topk_idx [T,K]``
     int32/int64 on the group's GPU (-1 = no expert)."""
     gid = _A.register(group)
-    if not isinstance(topk_idx, Tensor) or topk_idx.dim() != 2:
+    _tensor(topk_idx, "topk_idx")
+    if topk_idx.dim() != 2:
         raise ValueError(f"topk_idx: expected a 2-D tensor, got {getattr(topk_idx, 'shape', type(topk_idx))}")
     T, K = int(topk_idx.shape[0]), int(topk_idx.shape[1])
     buf, meta, tpe = _prepare_op(topk_idx, gid)
     _, N = _A.rows_of(group, T, K, None if group.mode == "capacity" else meta.numpy())
     return TorchEpHandle(buf, meta, tpe, gid, T, K, N)
+
+
+def _tensor(t, name: str, optional: bool = False) -> None:
+    if not isinstance(t, Tensor) and not (optional and t is None):
+        raise TypeError(f"{name}: expected a torch.Tensor{' or None' if optional else ''}, got {type(t).__name__}")
 
 
 def _check(handle):
@@ -147,6 +153,8 @@ def ep_dispatch(handle: TorchEpHandle, x: Tensor,
     [N] fp32 or None)``; gradients flow to ``x`` and ``topk_weights``. ``handle.tokens_per_expert`` gives
     the rows per local expert."""
     _check(handle)
+    _tensor(x, "x")
+    _tensor(topk_weights, "topk_weights", True)
     rx, rw = _dispatch_op(x, topk_weights, handle.buffer, handle.host_meta, handle.group_id, handle.topk,
                           handle.num_rows)
     return rx, (rw if topk_weights is not None else None)
@@ -214,5 +222,7 @@ def ep_combine(handle: TorchEpHandle, y: Tensor, recv_weights: Optional[Tensor] 
     accumulation, fixed order). ``recv_weights [N]`` (e.g. dispatch's ``recv_weights``) weights the rows;
     None sums them unweighted. Gradients flow to ``y`` and ``recv_weights``."""
     _check(handle)
+    _tensor(y, "y")
+    _tensor(recv_weights, "recv_weights", True)
     return _combine_op(y, recv_weights, handle.buffer, handle.host_meta, handle.group_id, handle.num_tokens,
                        handle.topk)

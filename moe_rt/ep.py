@@ -283,11 +283,30 @@ class EpGroup:
                              f"cuda:{self.device}")
 
     def _check_tokens(self, arr, name, rows, handle):
+        self._check_rows(arr, name, rows, handle.state.get("dtype"))
+
+    def _check_routing(self, idx):
+        """``topk_idx``'s shape and dtype (anything with ``shape``, ``ndim``, ``dtype``): ``(T, K)``."""
+        _arrays.check_ndim(idx, "topk_idx", 2)
+        _arrays.check_dtype(idx, "topk_idx", _arrays.INDEX_DTYPES)
+        T, K = int(idx.shape[0]), int(idx.shape[1])
+        if K < 1:
+            raise ValueError(f"topk_idx: K must be >= 1, got shape {tuple(idx.shape)}")
+        if self.topk is not None and K != self.topk:
+            raise ValueError(f"topk_idx: K must be {self.topk} (the group's topk), got {K}")
+        if T > self.max_tokens_per_rank:
+            raise ValueError(f"topk_idx: T={T} exceeds max_tokens_per_rank={self.max_tokens_per_rank}")
+        return T, K
+
+    def _check_rows(self, arr, name, rows, dtype=None):
+        """``arr`` is ``[rows, hidden]`` of a token dtype: the group's, else ``dtype`` when given (anything
+        with ``shape``, ``ndim``, ``dtype``: the JAX adapters check tracers with it)."""
         _arrays.check_ndim(arr, name, 2)
         _arrays.check_dtype(arr, name, _TOKEN_DTYPES)
         if tuple(arr.shape) != (rows, self.hidden):
-            raise ValueError(f"{name}: expected shape {(rows, self.hidden)}, got {tuple(arr.shape)}")
-        want = self.dtype or handle.state.get("dtype")
+            raise ValueError(f"{name}: expected shape {(rows, self.hidden)} ({rows} rows of hidden={self.hidden}), "
+                             f"got {tuple(arr.shape)}")
+        want = self.dtype or dtype
         if want is not None and np.dtype(arr.dtype) != want:
             raise TypeError(f"{name}: dtype must be {np.dtype(want).name} (as in dispatch / the group), "
                             f"got {np.dtype(arr.dtype).name}")
@@ -372,15 +391,7 @@ class EpGroup:
         with _arrays.Call({"topk_idx": topk_idx}, stream=stream) as call:
             self._check_call(call, "prepare")
             idx = call["topk_idx"]
-            _arrays.check_ndim(idx, "topk_idx", 2)
-            _arrays.check_dtype(idx, "topk_idx", _arrays.INDEX_DTYPES)
-            T, K = int(idx.shape[0]), int(idx.shape[1])
-            if K < 1:
-                raise ValueError(f"topk_idx: K must be >= 1, got shape {tuple(idx.shape)}")
-            if self.topk is not None and K != self.topk:
-                raise ValueError(f"topk_idx: K must be {self.topk} (the group's topk), got {K}")
-            if T > self.max_tokens_per_rank:
-                raise ValueError(f"topk_idx: T={T} exceeds max_tokens_per_rank={self.max_tokens_per_rank}")
+            T, K = self._check_routing(idx)
             self.topk = K
             if call.backend == "cpu":
                 return self._prepare_cpu(np.asarray(idx), T, K)
@@ -988,11 +999,16 @@ def _check_bool(v, name):
         raise TypeError(f"{name}: expected a bool, got {type(v).__name__}")
 
 
-def _fp32_weights(call, w, name, shape):
-    """Check a weight array (float, ``shape``) and return it as contiguous fp32."""
+def check_weights(w, name, shape):
+    """A weight array: float, ``shape`` (anything with ``shape``, ``ndim``, ``dtype``)."""
     _arrays.check_ndim(w, name, len(shape))
     _arrays.check_dtype(w, name, _WEIGHT_DTYPES)
     _arrays.check_shape(w, name, shape)
+
+
+def _fp32_weights(call, w, name, shape):
+    """Check a weight array (float, ``shape``) and return it as contiguous fp32."""
+    check_weights(w, name, shape)
     return _arrays.contiguous(call.xp, w.astype(np.float32, copy=False))
 
 
@@ -1035,7 +1051,7 @@ def _plan_view(h):
     if hasattr(permutation.Plan, "from_arrays"):
         plan = permutation.Plan.from_arrays(*arrays, num_rows=N, align_size=sz["A"], num_out_tokens=sz["num_out"])
     else:  # pragma: no cover - older permutation module: fill the documented fields directly
-        plan = permutation.Plan()
+        plan = permutation.Plan._blank()
         plan.num_tokens, plan.topk, plan.num_experts, plan.num_rows = rows, K, sz["L"], N
         plan.align_size, plan.num_out_tokens, plan.from_routing_map = sz["A"], sz["num_out"], False
         plan.backend, plan.device_id = h.state["backend"], h.state["device_id"]

@@ -270,14 +270,10 @@ def _check_plan(plan):
 
 def make_plan(routing, num_experts: int, *, align_size: int = 1, num_out_tokens: int | None = None) -> JaxPlan:
     """:func:`moe_rt.permutation.make_plan` for JAX (jit-compatible): ``routing`` is ``topk_idx [T,K]``
-    int32 (-1 = none) or ``routing_map [T,E]`` bool."""
+    int32 (-1 = none) or ``routing_map [T,E]`` bool. Shapes, dtypes and settings are checked when traced."""
     routing = jax.lax.stop_gradient(jnp.asarray(routing))  # discrete: no derivative flows through a plan
-    if routing.ndim != 2:
-        raise ValueError(f"routing: expected a 2-D array, got shape {routing.shape}")
-    T = routing.shape[0]
-    K = num_experts if routing.dtype == jnp.bool_ else routing.shape[1]
-    N = _perm._num_rows(T, K, num_experts, align_size, num_out_tokens)
-    E = int(num_experts)
+    E, align_size, num_out_tokens = _perm.check_plan_settings(num_experts, align_size, num_out_tokens)
+    T, K, _, N = _perm.check_routing(routing, E, align_size, num_out_tokens)
     specs = [_spec((T, K), np.int32), _spec((N,), np.int32), _spec((E + 1,), np.int32),
              _spec((E,), np.int32), _spec((E,), np.int32)]
 
@@ -332,10 +328,18 @@ def _dispatch_bwd(res, cts):
 _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
 
 
+def _plan_dims(plan):
+    T, K = plan.arrays[0].shape
+    return int(T), int(K), plan.num_experts, plan.num_rows
+
+
 def dispatch(x, plan: JaxPlan, probs=None):
     """Differentiable :func:`moe_rt.permutation.dispatch`: ``x [T,H]`` into the plan's expert-major rows;
-    ``probs`` None or ``[T,K]``. Returns ``(x_permuted [N,H], probs_permuted [N] fp32 or None)``."""
+    ``probs`` None or ``[T,K]``. Returns ``(x_permuted [N,H], probs_permuted [N] fp32 or None)``. Shapes
+    and dtypes are checked when traced."""
     _check_plan(plan)
+    T, K, E, _ = _plan_dims(plan)
+    _perm.check_dispatch_args(x, probs, T, K, E)
     return _dispatch(x, plan, probs)
 
 
@@ -379,8 +383,11 @@ _combine.defvjp(_combine_fwd, _combine_bwd)
 
 def combine(y_permuted, plan: JaxPlan, probs=None):
     """Differentiable :func:`moe_rt.permutation.combine`: ``y[t] = sum_k w[t,k] * y_permuted[dst_row[t,k]]``
-    with fp32 accumulation; gradients flow to ``y_permuted`` and ``probs``."""
+    with fp32 accumulation; gradients flow to ``y_permuted`` and ``probs``. Shapes and dtypes are checked
+    when traced."""
     _check_plan(plan)
+    T, K, E, N = _plan_dims(plan)
+    _perm.check_combine_args(y_permuted, probs, T, K, E, N)
     return _combine(y_permuted, plan, probs)
 
 
@@ -425,9 +432,12 @@ _topk.defvjp(_topk_fwd, _topk_bwd)
 def topk_with_score(logits, topk: int, *, score_function: str = "softmax", use_pre_softmax: bool = False,
                     num_groups=None, group_topk=None, scaling_factor=None, expert_bias=None):
     """Differentiable :func:`moe_rt.router.topk_with_score` for JAX: ``(probs [T,E] logits dtype,
-    routing_map [T,E] bool)``; the gradient flows to ``logits`` (the expert bias gets a zero one)."""
-    return _topk(logits, int(topk), str(score_function), bool(use_pre_softmax), num_groups, group_topk,
-                 scaling_factor, expert_bias)
+    routing_map [T,E] bool)``; the gradient flows to ``logits`` (the expert bias gets a zero one). Shapes,
+    dtypes and settings are checked when traced, as the core op checks them."""
+    _rt.check_topk_args(logits, expert_bias, topk, score_function, use_pre_softmax, num_groups, group_topk,
+                        scaling_factor)
+    return _topk(logits, topk, score_function, use_pre_softmax, num_groups, group_topk, scaling_factor,
+                 expert_bias)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(1, 2))
@@ -458,8 +468,9 @@ _scores.defvjp(_scores_fwd, _scores_bwd)
 
 def scores_for_aux_loss(logits, topk: int, score_function: str):
     """Differentiable :func:`moe_rt.router.scores_for_aux_loss` for JAX: ``(scores [T,E] fp32,
-    routing_map [T,E] bool)``."""
-    return _scores(logits, int(topk), str(score_function))
+    routing_map [T,E] bool)``. Shapes, dtypes and settings are checked when traced."""
+    _rt.check_scores_args(logits, topk, score_function)
+    return _scores(logits, topk, score_function)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
@@ -492,7 +503,9 @@ _aux.defvjp(_aux_fwd, _aux_bwd)
 
 
 def aux_loss(probs, tokens_per_expert, total_num_tokens: int, num_experts: int, topk: int, coeff: float):
-    """Differentiable :func:`moe_rt.router.aux_loss` for JAX: a 0-d loss; the gradient flows to ``probs``."""
+    """Differentiable :func:`moe_rt.router.aux_loss` for JAX: a 0-d loss; the gradient flows to ``probs``.
+    Shapes, dtypes and settings are checked when traced."""
+    _rt.check_aux_loss_args(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coeff)
     return _aux(probs, tokens_per_expert, int(total_num_tokens), int(num_experts), int(topk), float(coeff))
 
 

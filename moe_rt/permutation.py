@@ -22,8 +22,14 @@ on CUDA than on the CPU: the CPU path raises in the call; the CUDA plan kernel r
 device's error word, drops the slot (as ``-1``) and the error is raised by :func:`moe_rt.check` or the next
 host wait of an ``EpGroup``, or in the call itself with ``validate=True`` / ``MOE_RT_DEBUG=1``
 (:mod:`moe_rt._errors`).
+
+No autograd: torch tensors that require grad while grad mode is on are refused with a TypeError (the
+differentiable ops are in :mod:`moe_rt.torch`; or pass ``.detach()`` / call under ``torch.no_grad()``), and
+so are JAX tracers (inside ``jax.jit``: use :mod:`moe_rt.jax`).
 """
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
@@ -123,6 +129,15 @@ class Plan:
     __slots__ = ("num_tokens", "topk", "num_experts", "num_rows", "align_size", "num_out_tokens",
                  "from_routing_map", "backend", "device_id", "_v", "_framework", "_exported", "_fk")
 
+    def __init__(self, *args, **kwargs):
+        raise TypeError("Plan: plans are made by moe_rt.make_plan (or Plan.from_arrays over a plan's five "
+                        "arrays), not by calling Plan()")
+
+    @classmethod
+    def _blank(cls) -> "Plan":
+        """An empty plan for this module's makers to fill in (``Plan()`` itself refuses)."""
+        return object.__new__(cls)
+
     def _array(self, name):
         # Exported to the caller's framework on first access (zero copy), then cached.
         a = self._exported.get(name)
@@ -156,7 +171,7 @@ class Plan:
         _arrays.check_shape(v["seg_start"], "seg_start", (E + 1,))
         _arrays.check_shape(v["counts"], "counts", (E,))
         _arrays.check_shape(v["tokens_per_expert"], "tokens_per_expert", (E,))
-        plan = cls()
+        plan = cls._blank()
         plan.num_tokens, plan.topk, plan.num_experts, plan.num_rows = T, K, E, N
         plan.align_size = _arrays.check_int(align_size, "align_size", low=1)
         plan.num_out_tokens = None if num_out_tokens is None or num_out_tokens < 0 else int(num_out_tokens)
@@ -172,7 +187,7 @@ class Plan:
                  framework: str) -> "Plan":
         """A plan over five C-contiguous int32 CuPy or NumPy arrays already known to be a consistent plan
         (the adapters check shapes when they trace): no checks, no imports."""
-        plan = cls()
+        plan = cls._blank()
         dst = arrays[0]
         plan.num_tokens, plan.topk = int(dst.shape[0]), int(dst.shape[1])
         plan.num_experts, plan.num_rows = int(arrays[3].shape[0]), num_rows
@@ -220,7 +235,7 @@ def _plan_parts(plan):
 
 def _plan_symbolic(plan, arrays):
     """``plan``'s ints over other arrays (the symbolic ones of a recording)."""
-    p = Plan()
+    p = Plan._blank()
     for k in _PLAN_INTS:
         setattr(p, k, getattr(plan, k))
     p._v = dict(zip(_PLAN_NAMES, arrays))
@@ -252,6 +267,44 @@ def _chunk_for(L: int, E: int) -> int:
     while (-(-L // chunk)) * E > (4 << 20) and chunk < (1 << 20):
         chunk *= 2
     return chunk
+
+
+def check_plan_settings(num_experts, align_size, num_out_tokens):
+    """:func:`make_plan`'s int settings, validated: ``(E, A, num_out_tokens)``."""
+    E = _arrays.check_int(num_experts, "num_experts", low=1, high=MAX_EXPERTS)
+    A = _arrays.check_int(align_size, "align_size", low=1, high=1 << 20)
+    if num_out_tokens is not None:
+        num_out_tokens = _arrays.check_int(num_out_tokens, "num_out_tokens", low=0, high=_INT32_MAX)
+    return E, A, num_out_tokens
+
+
+def check_routing(r, E, A, num_out_tokens):
+    """The shape and dtype checks of :func:`make_plan`'s routing (anything with ``shape``, ``ndim``,
+    ``dtype``; the settings from :func:`check_plan_settings`): ``(T, K, is_map, N)``."""
+    _arrays.check_ndim(r, "routing", 2)
+    dt = np.dtype(r.dtype)
+    is_map = dt == np.bool_
+    if not is_map and dt not in _arrays.INDEX_DTYPES:
+        raise TypeError(f"routing: expected topk_idx (int32 or int64) or a routing_map (bool), "
+                        f"got dtype {dt.name}")
+    T = int(r.shape[0])
+    if is_map:
+        if r.shape[1] != E:
+            raise ValueError(f"routing: a routing_map must have shape [T, num_experts={E}], "
+                             f"got {tuple(r.shape)}")
+        K = E
+    else:
+        K = int(r.shape[1])
+    L = T * K
+    if L > _INT32_MAX:
+        raise ValueError(f"routing: T*K = {T}*{K} slots must stay below 2^31")
+    if num_out_tokens is not None and num_out_tokens > L:
+        raise ValueError(f"num_out_tokens: must be <= T*K = {T}*{K} = {L} (the routed slots), got "
+                         f"{num_out_tokens}")
+    N = _num_rows(T, K, E, A, num_out_tokens)
+    if N > _INT32_MAX:
+        raise ValueError(f"num_rows = {N} (from T*K / num_out_tokens and align_size) must stay below 2^31")
+    return T, K, is_map, N
 
 
 @_fast.recorded("routing", variant=_errors.debug)
@@ -286,36 +339,17 @@ def make_plan(routing, num_experts: int, *, align_size: int = 1, num_out_tokens:
         :class:`Plan`. ``num_rows`` is ``T*K`` (or ``num_out_tokens``) for ``A == 1``, else
         ``floor((kept + E*(A-1)) / A) * A``.
     """
-    E = _arrays.check_int(num_experts, "num_experts", low=1, high=MAX_EXPERTS)
-    A = _arrays.check_int(align_size, "align_size", low=1, high=1 << 20)
-    if num_out_tokens is not None:
-        num_out_tokens = _arrays.check_int(num_out_tokens, "num_out_tokens", low=0, high=_INT32_MAX)
+    E, A, num_out_tokens = check_plan_settings(num_experts, align_size, num_out_tokens)
     validate = _errors.DEBUG if validate is None else _errors.resolve_validate(validate)
     with _arrays.Call({"routing": routing}, stream=stream, lean=True) as call:
         r = call["routing"]
         xp = call.xp
-        _arrays.check_ndim(r, "routing", 2)
-        dt = np.dtype(r.dtype)
-        is_map = dt == np.bool_
-        if not is_map and dt not in _arrays.INDEX_DTYPES:
-            raise TypeError(f"routing: expected topk_idx (int32 or int64) or a routing_map (bool), "
-                            f"got dtype {dt.name}")
-        T = int(r.shape[0])
-        if is_map:
-            if r.shape[1] != E:
-                raise ValueError(f"routing: a routing_map must have shape [T, num_experts={E}], "
-                                 f"got {tuple(r.shape)}")
-            K = E
-        else:
-            K = int(r.shape[1])
+        T, K, is_map, N = check_routing(r, E, A, num_out_tokens)
         L = T * K
-        if L > _INT32_MAX:
-            raise ValueError(f"routing: T*K = {T}*{K} slots must stay below 2^31")
-        N = _num_rows(T, K, E, A, num_out_tokens)
-        if N > _INT32_MAX:
-            raise ValueError(f"num_rows = {N} (from T*K / num_out_tokens and align_size) must stay below 2^31")
+        if call.backend == "cpu":
+            _check_host_memory(L, N)
 
-        plan = Plan()
+        plan = Plan._blank()
         plan.num_tokens, plan.topk, plan.num_experts, plan.num_rows = T, K, E, N
         plan.align_size, plan.num_out_tokens, plan.from_routing_map = A, num_out_tokens, is_map
         plan.backend, plan.device_id = call.backend, call.device_id
@@ -339,6 +373,30 @@ def make_plan(routing, num_experts: int, *, align_size: int = 1, num_out_tokens:
         plan._framework = call.framework
         plan._exported = {}
         return plan
+
+
+# bytes the CPU reference's plan holds at once per slot (the int64 ids, keys, sort order, rows, their int32
+# results and the routing's copy) and per row (src_slot in int64 and int32)
+_REF_BYTES_PER_SLOT = 64
+_REF_BYTES_PER_ROW = 12
+
+
+def _host_memory() -> int:
+    """This host's physical memory in bytes (0 when unknown)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # pragma: no cover - not a POSIX host
+        return 0
+
+
+def _check_host_memory(L: int, N: int) -> None:
+    """Refuse a CPU plan the reference cannot hold before it allocates anything (rather than exhausting the
+    host's memory)."""
+    need = L * _REF_BYTES_PER_SLOT + N * _REF_BYTES_PER_ROW
+    have = _host_memory()
+    if have and need > have // 2:
+        raise ValueError(f"routing: a plan of T*K = {L} slots and {N} rows needs about {need / 2**30:.1f} GiB on "
+                         f"the CPU backend, more than half of this host's {have / 2**30:.1f} GiB")
 
 
 class _PlanViews(dict):
@@ -371,7 +429,7 @@ def _describe_plan(plan, leaf):
 
 def _build_plan(payload, get, framework):
     ints, (kind, *rest) = payload
-    p = Plan()
+    p = Plan._blank()
     for k, val in zip(_PLAN_INTS, ints):
         setattr(p, k, val)
     if kind == "views":
@@ -475,11 +533,11 @@ def _row_grid(n_rows: int, device_id: int) -> int:
     return max(1, min(-(-n_rows // 8), cap))
 
 
-def _check_tokens(arr, name, T, dtypes):
+def _check_tokens(arr, name, T, dtypes, what="plan.num_tokens"):
     _arrays.check_ndim(arr, name, 2)
     _arrays.check_dtype(arr, name, dtypes)
     if arr.shape[0] != T:
-        raise ValueError(f"{name}: expected {T} rows (plan.num_tokens), got shape {tuple(arr.shape)}")
+        raise ValueError(f"{name}: expected {T} rows ({what}), got shape {tuple(arr.shape)}")
 
 
 def _slot_probs(call, probs, plan: Plan, name: str):
@@ -487,19 +545,38 @@ def _slot_probs(call, probs, plan: Plan, name: str):
     if probs is None:
         return None
     T, K, E = plan.num_tokens, plan.topk, plan.num_experts
-    _arrays.check_ndim(probs, name, 2)
-    _arrays.check_dtype(probs, name, _PROB_DTYPES)
+    check_probs(probs, name, T, K, E)
     xp = call.xp
-    shape = tuple(probs.shape)
-    if shape == (T, K):
+    if tuple(probs.shape) == (T, K):
         p = probs
-    elif shape == (T, E):
+    else:
         # Dense [T,E] probs for an index plan: pick each slot's expert (ids out of range read 0).
         p = _dense_to_slots(xp, probs, plan)
-    else:
-        raise ValueError(f"{name}: expected shape [T,K] = {(T, K)} or dense [T,E] = {(T, E)}, got {shape}")
     p = p.astype(np.float32, copy=False)
     return _arrays.contiguous(xp, p)
+
+
+def check_probs(probs, name, T, K, E):
+    """Slot probs ``[T,K]`` or dense ``[T,E]`` of a float dtype (anything with ``shape``, ``ndim``, ``dtype``)."""
+    _arrays.check_ndim(probs, name, 2)
+    _arrays.check_dtype(probs, name, _PROB_DTYPES)
+    shape = tuple(probs.shape)
+    if shape != (T, K) and shape != (T, E):
+        raise ValueError(f"{name}: expected shape [T,K] = {(T, K)} or dense [T,E] = {(T, E)}, got {shape}")
+
+
+def check_dispatch_args(x, probs, T, K, E):
+    """The shape and dtype checks of :func:`dispatch` for a plan of T tokens, K slots, E experts."""
+    _check_tokens(x, "x", T, _TOKEN_DTYPES + _BYTE_DTYPES)
+    if probs is not None:
+        check_probs(probs, "probs", T, K, E)
+
+
+def check_combine_args(y_permuted, probs, T, K, E, N):
+    """The shape and dtype checks of :func:`combine` for a plan of T tokens, K slots, E experts, N rows."""
+    _check_tokens(y_permuted, "y_permuted", N, _TOKEN_DTYPES, "plan.num_rows")
+    if probs is not None:
+        check_probs(probs, "probs", T, K, E)
 
 
 def _dense_to_slots(xp, probs, plan):
@@ -519,6 +596,9 @@ def _dense_to_slots(xp, probs, plan):
 @_fast.recorded("x", "probs", plan=_PLAN_FAST)
 def dispatch(x, plan: Plan, probs=None, *, stream=None):
     """Permute tokens (and their routing probs) into the plan's expert-major rows.
+
+    Records no autograd: use the op of the same name in ``moe_rt.torch`` / ``moe_rt.jax`` to differentiate
+    (torch tensors that require grad, and JAX tracers, are refused with a TypeError).
 
     Args:
         x: ``[T,H]`` fp32/fp16/bf16, or 1-byte data (uint8, int8, fp8) copied as raw bytes.
@@ -586,6 +666,9 @@ def _fill(call, out, pp, pv, plan):
 def combine(y_permuted, plan: Plan, probs=None, *, stream=None):
     """Weighted sum of each token's expert outputs: ``y[t] = sum_k w[t,k] * y_permuted[dst_row[t,k]]``.
 
+    Records no autograd: use the op of the same name in ``moe_rt.torch`` / ``moe_rt.jax`` to differentiate
+    (torch tensors that require grad, and JAX tracers, are refused with a TypeError).
+
     Args:
         y_permuted: ``[N,H]`` fp32/fp16/bf16, ``N == plan.num_rows``.
         plan: from :func:`make_plan` on the same device.
@@ -599,7 +682,7 @@ def combine(y_permuted, plan: Plan, probs=None, *, stream=None):
     with _arrays.Call({"y_permuted": y_permuted, "probs": probs}, stream=stream, lean=True) as call:
         _check_plan(plan, call)
         yv = call["y_permuted"]
-        _check_tokens(yv, "y_permuted", plan.num_rows, _TOKEN_DTYPES)
+        _check_tokens(yv, "y_permuted", plan.num_rows, _TOKEN_DTYPES, "plan.num_rows")
         pv = _slot_probs(call, call["probs"], plan, "probs")
         yv = _arrays.contiguous(call.xp, yv)
         if call.backend == "cpu":
@@ -670,7 +753,7 @@ def dispatch_backward(grad_x_permuted, plan: Plan, grad_probs_permuted=None, *, 
                       stream=stream, lean=True) as call:
         _check_plan(plan, call)
         g = call["grad_x_permuted"]
-        _check_tokens(g, "grad_x_permuted", plan.num_rows, _TOKEN_DTYPES)
+        _check_tokens(g, "grad_x_permuted", plan.num_rows, _TOKEN_DTYPES, "plan.num_rows")
         gpp = call["grad_probs_permuted"]
         if gpp is not None:
             _arrays.check_dtype(gpp, "grad_probs_permuted", _PROB_DTYPES)

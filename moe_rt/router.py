@@ -11,6 +11,9 @@ Shared conventions (both backends):
   its row's selected experts (post-softmax, pre-softmax and normalized sigmoid rows become NaN on the
   selection; a pre-softmax row with a NaN is NaN everywhere and selects its K lowest indices).
 - Outputs are bitwise reproducible run to run (fixed summation orders, no float atomics).
+- No autograd: torch tensors that require grad while grad mode is on are refused with a TypeError (the
+  differentiable ops are in :mod:`moe_rt.torch`; or pass ``.detach()`` / call under ``torch.no_grad()``), and
+  so are JAX tracers (inside ``jax.jit``: use :mod:`moe_rt.jax`).
 """
 from __future__ import annotations
 
@@ -63,8 +66,27 @@ def _variant():
 
 
 def _check_score_function(score_function):
-    if not isinstance(score_function, str) or score_function not in SCORE_FUNCTIONS:
+    if not isinstance(score_function, str):
+        raise TypeError(f"score_function: expected a str, one of {sorted(SCORE_FUNCTIONS)}, got "
+                        f"{type(score_function).__name__}")
+    if score_function not in SCORE_FUNCTIONS:
         raise ValueError(f"score_function: expected one of {sorted(SCORE_FUNCTIONS)}, got {score_function!r}")
+
+
+def _check_bool(value, name):
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
+    return bool(value)
+
+
+def _check_topk_flags(E, topk, score_function, use_pre_softmax, scaling_factor):
+    """The settings :func:`topk_with_score` and its backward share, validated one way for both:
+    ``(K, scale, pre)``."""
+    _check_score_function(score_function)
+    K = _check_topk(topk, E)
+    scale = _check_scaling(scaling_factor)
+    pre = _check_bool(use_pre_softmax, "use_pre_softmax") and score_function == "softmax"
+    return K, scale, pre
 
 
 def _check_float(value, name):
@@ -317,34 +339,65 @@ def _launch_bwd(call, grad, rmap, inter, out, T, E, K, score_fn, pre, aux, scale
                 stream=call.stream)
 
 
+def _check_topk_agreement(m, y, K, score_function, pre):
+    """CPU check that the forward's routing map ``m`` and intermediate ``y`` ([T, E] NumPy) agree with
+    ``topk`` and the score function given to the backward (NaN entries pass)."""
+    if m.size == 0:
+        return
+    rows = np.count_nonzero(m, axis=1)
+    if (rows != K).any():
+        bad = int(rows[rows != K][0])
+        raise ValueError(f"topk: the routing_map has {bad} experts in a row but topk is {K}; pass the topk "
+                         "given to the forward")
+    if score_function == "softmax" and not pre:
+        off = y[~m]
+        if off.size and (off != -np.inf).any():
+            raise ValueError("score_function/use_pre_softmax: the intermediate is not a post-softmax one "
+                             "(-inf off the routing map); pass the settings given to the forward")
+    elif score_function == "sigmoid" or pre:
+        if ((y < 0) | (y > 1)).any():
+            what = "use_pre_softmax" if pre else "score_function"
+            raise ValueError(f"{what}: the intermediate has values outside [0, 1], which a "
+                             f"{'pre-softmax' if pre else 'sigmoid'} forward does not make; pass the settings "
+                             "given to the forward")
+        if pre:
+            sums = y.sum(axis=1, dtype=np.float64)
+            if (np.abs(sums - 1.0) > 1e-3).any():  # NaN rows compare False and pass
+                raise ValueError("use_pre_softmax: the intermediate's rows do not sum to 1, so it is not a "
+                                 "pre-softmax one; pass the settings given to the forward")
+
+
 def _flat(xp, arr, E):
     arr = _arrays.contiguous(xp, arr)
     return arr.reshape(-1, E)
 
 
-def _bias(call, expert_bias, E, score_function):
-    if expert_bias is None:
+def _check_bias(bv, E, score_function):
+    if bv is None:
         return None
     if score_function == "softmax":
         raise ValueError("expert_bias: not allowed with score_function='softmax' (sigmoid or sqrtsoftplus only)")
-    bv = call["expert_bias"]
     _arrays.check_dtype(bv, "expert_bias", _arrays.FLOAT_DTYPES)
     _arrays.check_shape(bv, "expert_bias", (E,))
     return bv
 
 
+def check_topk_args(xv, bv, topk, score_function, use_pre_softmax, num_groups, group_topk, scaling_factor):
+    """Every check of :func:`topk_with_score` (and :func:`topk_indices_with_score`) that needs only shapes,
+    dtypes and the settings: ``(E, K, G, g, scale, pre)``. ``xv``, ``bv``: anything with ``shape``, ``ndim``
+    and ``dtype`` (arrays, or JAX tracers when ``moe_rt.jax`` traces)."""
+    E = _check_logits(xv)
+    K, scale, pre = _check_topk_flags(E, topk, score_function, use_pre_softmax, scaling_factor)
+    G, g = _check_groups(num_groups, group_topk, K, E)
+    _check_bias(bv, E, score_function)
+    return E, K, G, g, scale, pre
+
+
 def _prepare_topk(call, topk, score_function, use_pre_softmax, num_groups, group_topk, scaling_factor,
                   expert_bias):
-    xv = call["logits"]
-    E = _check_logits(xv)
-    _check_score_function(score_function)
-    K = _check_topk(topk, E)
-    G, g = _check_groups(num_groups, group_topk, K, E)
-    scale = _check_scaling(scaling_factor)
-    if not isinstance(use_pre_softmax, (bool, np.bool_)):
-        raise TypeError(f"use_pre_softmax: expected a bool, got {type(use_pre_softmax).__name__}")
-    pre = bool(use_pre_softmax) and score_function == "softmax"
-    bv = _bias(call, expert_bias, E, score_function)
+    xv, bv = call["logits"], call["expert_bias"]
+    E, K, G, g, scale, pre = check_topk_args(xv, bv, topk, score_function, use_pre_softmax, num_groups,
+                                             group_topk, scaling_factor)
     # rows flattened to [T, E]; ``lead`` restores the leading shape of the outputs
     return tuple(xv.shape[:-1]), _flat(call.xp, xv, E), E, K, G, g, scale, pre, bv
 
@@ -361,6 +414,9 @@ def _ref_kwargs(score_function, pre, G, g, scale, bv):
 def topk_with_score(logits, topk, *, score_function="softmax", use_pre_softmax=False, num_groups=None,
                     group_topk=None, scaling_factor=None, expert_bias=None, stream=None):
     """Route each token to its ``topk`` experts (TE ``fused_topk_with_score_function``).
+
+    Records no autograd: use the op of the same name in ``moe_rt.torch`` / ``moe_rt.jax`` to differentiate
+    (torch tensors that require grad, and JAX tracers, are refused with a TypeError).
 
     Args:
         logits: ``[..., E]`` fp32, bf16 or fp16 router logits (T = product of the leading dims).
@@ -441,6 +497,12 @@ def topk_with_score_backward(grad_probs, routing_map, intermediate, topk, *, sco
         grad_logits ``[..., E]`` in the grad_probs dtype (every element written; zero off the selection
         except for pre-softmax, whose gradient is dense).
 
+    The flags are validated as the forward validates them. On the CPU backend the routing map and the
+    intermediate are also checked against them (K trues per row; -inf off the map for post-softmax; values in
+    [0, 1] for sigmoid and pre-softmax, rows summing to 1 for pre-softmax): a ValueError names a setting the forward's outputs cannot have come
+    from. On CUDA those checks would read the arrays on the host, so they are not made there; neither
+    backend can tell ``scaling_factor`` or (between sigmoid-like rows) a differing score function apart.
+
     Off the routing map the gradient is zero (post-softmax, sigmoid, sqrtsoftplus), so on 16-byte rows the
     kernel reads the map and only the selected entries of ``grad_probs`` and ``intermediate``: their values
     elsewhere (NaN included) never reach the result, as in the reference.
@@ -453,15 +515,13 @@ def topk_with_score_backward(grad_probs, routing_map, intermediate, topk, *, sco
         _arrays.check_dtype(yv, "intermediate", (np.dtype(np.float32),))
         _arrays.check_shape(mv, "routing_map", gv.shape)
         _arrays.check_shape(yv, "intermediate", gv.shape)
-        _check_score_function(score_function)
-        K = _check_topk(topk, E)
-        scale = _check_scaling(scaling_factor)
-        pre = bool(use_pre_softmax) and score_function == "softmax"
+        K, scale, pre = _check_topk_flags(E, topk, score_function, use_pre_softmax, scaling_factor)
         shape = tuple(gv.shape)
         xp = call.xp
         g, m, y = _flat(xp, gv, E), _flat(xp, mv, E), _flat(xp, yv, E)
         T = g.shape[0]
         if call.backend == "cpu":
+            _check_topk_agreement(m, y, K, score_function, pre)
             out = ref.topk_with_score_bwd(g, m, y, K, pre, scale, score_function)
         else:
             out = call.empty((T, E), dtype=g.dtype)
@@ -477,6 +537,9 @@ def scores_for_aux_loss(logits, topk, score_function, *, stream=None):
     """Dense router scores and a plain top-k map for the aux loss (TE ``fused_score_for_moe_aux_loss``;
     no bias, groups or scaling).
 
+    Records no autograd: use the op of the same name in ``moe_rt.torch`` / ``moe_rt.jax`` to differentiate
+    (torch tensors that require grad, and JAX tracers, are refused with a TypeError).
+
     Args:
         logits: ``[..., E]`` fp32/bf16/fp16.
         topk: int K, 1 <= K <= min(E, 64).
@@ -490,9 +553,7 @@ def scores_for_aux_loss(logits, topk, score_function, *, stream=None):
     """
     with _arrays.Call({"logits": logits}, stream=stream, lean=True) as call:
         xv = call["logits"]
-        E = _check_logits(xv)
-        _check_score_function(score_function)
-        K = _check_topk(topk, E)
+        E, K = check_scores_args(xv, topk, score_function)
         lead = tuple(xv.shape[:-1])
         x = _flat(call.xp, xv, E)
         T = x.shape[0]
@@ -508,6 +569,13 @@ def scores_for_aux_loss(logits, topk, score_function, *, stream=None):
                             None, scores, rmap, inter, None, None)
         shape = lead + (E,)
         return call.out(scores.reshape(shape)), call.out(rmap.reshape(shape)), call.out(inter.reshape(shape))
+
+
+def check_scores_args(xv, topk, score_function):
+    """The shape, dtype and settings checks of :func:`scores_for_aux_loss`: ``(E, K)``."""
+    E = _check_logits(xv)
+    _check_score_function(score_function)
+    return E, _check_topk(topk, E)
 
 
 def _parse_dtype(dtype):
@@ -532,8 +600,11 @@ def scores_for_aux_loss_backward(grad_scores, intermediate, topk, score_function
     Args:
         grad_scores: ``[..., E]`` fp32.
         intermediate: ``[..., E]`` fp32, from the forward.
-        topk: as given to the forward (unused by the math; validated).
-        score_function: as given to the forward.
+        topk: as given to the forward (unused by the math; validated as the forward does, but it cannot be
+            checked against the forward's: the intermediate does not record it).
+        score_function: as given to the forward. On the CPU backend an intermediate outside [0, 1] is
+            refused for softmax and sigmoid (sqrtsoftplus keeps raw logits); on CUDA that check would read
+            the array on the host and is not made.
         dtype: dtype of grad_logits, normally the logits dtype (float32, float16, bfloat16, as a NumPy,
             torch or string dtype); None = float32.
 
@@ -555,6 +626,10 @@ def scores_for_aux_loss_backward(grad_scores, intermediate, topk, score_function
         g, y = _flat(xp, gv, E), _flat(xp, yv, E)
         T = g.shape[0]
         if call.backend == "cpu":
+            if score_function != "sqrtsoftplus" and ((y < 0) | (y > 1)).any():
+                raise ValueError(f"score_function: the intermediate has values outside [0, 1], which a "
+                                 f"{score_function} forward does not make; pass the score_function given to "
+                                 "the forward")
             out = ref.scores_for_aux_loss_bwd(g, y, K, score_function).astype(odt)
         else:
             out = call.empty((T, E), dtype=odt)
@@ -580,6 +655,14 @@ def _check_aux_args(tv, C, total_num_tokens, num_experts, topk, coeff):
     return _check_float(coeff, "coeff")
 
 
+def check_aux_loss_args(pv, tv, total_num_tokens, num_experts, topk, coeff):
+    """The shape, dtype and settings checks of :func:`aux_loss`: ``(R, C, coeff)``."""
+    _arrays.check_dtype(pv, "probs", _arrays.FLOAT_DTYPES)
+    _arrays.check_ndim(pv, "probs", 2)
+    R, C = (int(s) for s in pv.shape)
+    return R, C, _check_aux_args(tv, C, total_num_tokens, num_experts, topk, coeff)
+
+
 _TPE_KINDS = {np.dtype(np.float32): 0, np.dtype(np.int32): 1, np.dtype(np.int64): 2}
 
 
@@ -601,6 +684,9 @@ def _aux_blocks(R):
 def aux_loss(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coeff, *, stream=None):
     """Switch load-balancing loss (TE ``fused_moe_aux_loss``), deterministic.
 
+    Records no autograd: use the op of the same name in ``moe_rt.torch`` / ``moe_rt.jax`` to differentiate
+    (torch tensors that require grad, and JAX tracers, are refused with a TypeError).
+
     ``loss = C_coeff * sum_c tokens_per_expert[c] * sum_r probs[r, c]`` with
     ``C_coeff = (num_experts * coeff) / topk / total_num_tokens / total_num_tokens`` (fp32, host).
 
@@ -615,10 +701,7 @@ def aux_loss(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coef
     with _arrays.Call({"probs": probs, "tokens_per_expert": tokens_per_expert}, stream=stream,
                       lean=True) as call:
         pv, tv = call["probs"], call["tokens_per_expert"]
-        _arrays.check_dtype(pv, "probs", _arrays.FLOAT_DTYPES)
-        _arrays.check_ndim(pv, "probs", 2)
-        R, C = (int(s) for s in pv.shape)
-        coeff = _check_aux_args(tv, C, total_num_tokens, num_experts, topk, coeff)
+        R, C, coeff = check_aux_loss_args(pv, tv, total_num_tokens, num_experts, topk, coeff)
         if call.backend == "cpu":
             out = ref.aux_loss_fwd(pv, tv, total_num_tokens, num_experts, topk, coeff)
             return call.out(np.array(out, copy=True))

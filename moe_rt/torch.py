@@ -50,6 +50,25 @@ _functorch_active = torch._C._are_functorch_transforms_active
 _unwrap_dead = getattr(getattr(torch._C, "_functorch", None), "unwrap_if_dead", None)
 
 
+def _tensor(t, name: str, optional: bool = False) -> None:
+    """TypeError unless ``t`` is a torch tensor (or None where ``optional``)."""
+    if type(t) is not Tensor and not isinstance(t, Tensor) and not (optional and t is None):
+        raise TypeError(f"{name}: expected a torch.Tensor{' or None' if optional else ''}, got {type(t).__name__} "
+                        "(moe_rt.torch ops take torch tensors; the core ops in moe_rt take any framework's arrays)")
+
+
+def _no_vmap(op: str):
+    """The ``vmap`` staticmethod of an op's autograd.Function: torch.vmap is refused with a clear error."""
+    def vmap(info, in_dims, *args):
+        raise NotImplementedError(
+            f"moe_rt.torch.{op}: torch.vmap is not supported. The ops already take a batch of tokens: fold the "
+            "vmapped dimension into the token dimension (reshape to [B*T, ...]) and call the op once")
+    return staticmethod(vmap)
+
+
+_once = torch.autograd.function.once_differentiable
+
+
 def _c_apply(fn_cls):
     """torch's C apply for ``fn_cls`` (its Function.apply minus the Python layer)."""
     return super(torch.autograd.Function, fn_cls).apply
@@ -165,10 +184,47 @@ def _(routing, num_experts, align_size, num_out_tokens):
     return new(T, K), new(N), new(num_experts + 1), new(num_experts), new(num_experts)
 
 
+_ft = getattr(torch._C, "_functorch", None)
+
+
+def _plain(t: Tensor, op: str) -> Tensor:
+    """``t`` without the wrappers of torch.func.grad/vjp (a plan is discrete: nothing to differentiate);
+    NotImplementedError under torch.vmap."""
+    if _ft is None:
+        return t
+    if _ft.is_batchedtensor(t):
+        _no_vmap(op).__func__(None, None)
+    while _ft.is_functorch_wrapped_tensor(t):
+        t = _ft.get_unwrapped(t)
+        if _ft.is_batchedtensor(t):
+            _no_vmap(op).__func__(None, None)
+    return t
+
+
+def _bwd_plain(op: str, *ts):
+    """A backward's tensors under torch.func.grad/vjp, where they come wrapped for the transform's level:
+    unwrapped one level (first-order gradients: the backward is once differentiable). Deeper wrappers
+    (nested transforms: higher-order derivatives) raise NotImplementedError, as does torch.vmap."""
+    if _ft is None:
+        return ts
+    out = []
+    for t in ts:
+        if t is not None and _ft.is_functorch_wrapped_tensor(t):
+            if _ft.is_batchedtensor(t):
+                _no_vmap(op).__func__(None, None)
+            t = _ft.get_unwrapped(t)
+            if _ft.is_functorch_wrapped_tensor(t):
+                raise NotImplementedError(f"moe_rt.torch.{op}: higher-order derivatives (nested torch.func "
+                                          "transforms) are not supported; the backward is once differentiable")
+        out.append(t)
+    return out
+
+
 def make_plan(routing: Tensor, num_experts: int, *, align_size: int = 1,
               num_out_tokens: Optional[int] = None) -> TorchPlan:
     """:func:`moe_rt.permutation.make_plan` for torch: ``routing`` is ``topk_idx [T,K]`` (int32/int64,
     -1 = none) or ``routing_map [T,E]`` (bool). Not differentiable (routing is discrete)."""
+    _tensor(routing, "routing")
     if routing.dtype == torch.bool and routing.dim() == 2 and routing.shape[1] != num_experts:
         raise ValueError(f"routing: a routing_map must have shape [T, num_experts={num_experts}], "
                          f"got {tuple(routing.shape)}")
@@ -176,6 +232,8 @@ def make_plan(routing: Tensor, num_experts: int, *, align_size: int = 1,
     if routing.dim() != 2:
         raise ValueError(f"routing: expected a 2-D array, got shape {tuple(routing.shape)}")
     if _eager():
+        if _functorch_active():
+            routing = _plain(routing, "make_plan")
         p = _perm.make_plan(routing, num_experts, align_size=align_size, num_out_tokens=num_out_tokens)
         return _torch_plan(p, nout)
     K = num_experts if routing.dtype == torch.bool else routing.shape[1]
@@ -255,14 +313,21 @@ class _DispatchFn(torch.autograd.Function):
     """Eager dispatch: forward and backward straight to moe_rt."""
 
     @staticmethod
-    def forward(ctx, x, probs, plan):
+    def forward(x, probs, plan):
+        return _perm.dispatch(x, plan, probs)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, probs, plan = inputs
         ctx.set_materialize_grads(False)  # no zero tensors made for outputs that get no gradient
         ctx.plan = plan
         ctx.probs_dtype = None if probs is None else probs.dtype
         ctx.x_meta = (x.shape, x.dtype)
-        return _perm.dispatch(x, plan, probs)
+
+    vmap = _no_vmap("dispatch")
 
     @staticmethod
+    @_once
     def backward(ctx, grad_xp, grad_pp):
         has_probs = ctx.probs_dtype is not None and grad_pp is not None
         if grad_xp is None:
@@ -270,7 +335,8 @@ class _DispatchFn(torch.autograd.Function):
                 return None, None, None
             grad_xp = torch.zeros((ctx.plan.num_rows, ctx.x_meta[0][1]), dtype=ctx.x_meta[1],
                                   device=grad_pp.device)
-        gx, gp = _perm.dispatch_backward(grad_xp.contiguous(), ctx.plan, grad_pp if has_probs else None)
+        grad_xp, grad_pp = _bwd_plain("dispatch", grad_xp.contiguous(), grad_pp if has_probs else None)
+        gx, gp = _perm.dispatch_backward(grad_xp, ctx.plan, grad_pp)
         return gx, (_as_dtype(gp, ctx.probs_dtype) if has_probs else None), None
 
 
@@ -281,10 +347,14 @@ def dispatch(x: Tensor, plan: TorchPlan, probs: Optional[Tensor] = None) -> tupl
     """Differentiable :func:`moe_rt.permutation.dispatch`: ``x [T,H]`` into the plan's expert-major rows.
     ``probs``: None or ``[T,K]`` slot probs (same layout as topk_idx). Returns ``(x_permuted [N,H],
     probs_permuted [N] fp32 or None)``; gradients flow to ``x`` and ``probs``."""
+    _tensor(x, "x")
+    _tensor(probs, "probs", True)
     if _eager():
         p = _plan_of(plan)
+        if _functorch_active():  # torch.func.grad/vjp (and vmap, which the Function refuses)
+            return _DispatchFn.apply(x, probs, p)
         if _needs_grad(x, probs):
-            if _functorch_active() or _unwrap_dead is None:
+            if _unwrap_dead is None:
                 return _DispatchFn.apply(x, probs, p)
             return _dispatch_apply(_unwrap_dead(x), None if probs is None else _unwrap_dead(probs), p)
         return _perm.dispatch(x, p, probs)
@@ -347,16 +417,23 @@ class _CombineFn(torch.autograd.Function):
     """Eager combine: forward and backward straight to moe_rt."""
 
     @staticmethod
-    def forward(ctx, y_permuted, probs, plan):
-        ctx.plan = plan
-        ctx.probs_dtype = None if probs is None else probs.dtype
-        ctx.save_for_backward(y_permuted if probs is not None else None, probs)
+    def forward(y_permuted, probs, plan):
         return _perm.combine(y_permuted, plan, probs)
 
     @staticmethod
+    def setup_context(ctx, inputs, output):
+        y_permuted, probs, plan = inputs
+        ctx.plan = plan
+        ctx.probs_dtype = None if probs is None else probs.dtype
+        ctx.save_for_backward(y_permuted if probs is not None else None, probs)
+
+    vmap = _no_vmap("combine")
+
+    @staticmethod
+    @_once
     def backward(ctx, grad_y):
-        y_p, probs = ctx.saved_tensors
-        gyp, gp = _perm.combine_backward(grad_y.contiguous(), ctx.plan, y_p, probs)
+        grad_y, y_p, probs = _bwd_plain("combine", grad_y.contiguous(), *ctx.saved_tensors)
+        gyp, gp = _perm.combine_backward(grad_y, ctx.plan, y_p, probs)
         return gyp, (_as_dtype(gp, ctx.probs_dtype) if probs is not None else None), None
 
 
@@ -366,10 +443,14 @@ _combine_apply = _c_apply(_CombineFn)
 def combine(y_permuted: Tensor, plan: TorchPlan, probs: Optional[Tensor] = None) -> Tensor:
     """Differentiable :func:`moe_rt.permutation.combine`: ``y[t] = sum_k w[t,k] * y_permuted[dst_row[t,k]]``
     (fp32 accumulation). Gradients flow to ``y_permuted`` and ``probs``."""
+    _tensor(y_permuted, "y_permuted")
+    _tensor(probs, "probs", True)
     if _eager():
         p = _plan_of(plan)
+        if _functorch_active():
+            return _CombineFn.apply(y_permuted, probs, p)
         if _needs_grad(y_permuted, probs):
-            if _functorch_active() or _unwrap_dead is None:
+            if _unwrap_dead is None:
                 return _CombineFn.apply(y_permuted, probs, p)
             return _combine_apply(_unwrap_dead(y_permuted), None if probs is None else _unwrap_dead(probs), p)
         return _perm.combine(y_permuted, p, probs)
@@ -436,26 +517,28 @@ class _TopkFn(torch.autograd.Function):
     """Eager top-k: forward and backward straight to moe_rt."""
 
     @staticmethod
-    def forward(ctx, logits, topk, kw):
+    def forward(logits, topk, kw):
+        return _rt.topk_with_score(logits, topk, **kw)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, topk, kw = inputs
+        _, routing_map, inter = output
         ctx.set_materialize_grads(False)  # the map and the intermediate never get a gradient
-        probs, routing_map, inter = _rt.topk_with_score(logits, topk, **kw)
         ctx.args = (topk, {k: kw.get(k, d) for k, d in _TOPK_BWD_KW} if kw else _TOPK_BWD_DEFAULT)
         ctx.mark_non_differentiable(routing_map, inter)
         ctx.save_for_backward(routing_map, inter)
-        return probs, routing_map, inter
+
+    vmap = _no_vmap("topk_with_score")
 
     @staticmethod
+    @_once
     def backward(ctx, grad_probs, _grad_map, _grad_inter):
         if grad_probs is None:
             return None, None, None
-        routing_map, inter = ctx.saved_tensors
+        grad_probs, routing_map, inter = _bwd_plain("topk_with_score", grad_probs.contiguous(), *ctx.saved_tensors)
         topk, bkw = ctx.args
-        return _rt.topk_with_score_backward(grad_probs.contiguous(), routing_map, inter, topk, **bkw), None, None
-
-    @classmethod
-    def apply(cls, *args):
-        probs, routing_map, _ = super().apply(*args)
-        return probs, routing_map
+        return _rt.topk_with_score_backward(grad_probs, routing_map, inter, topk, **bkw), None, None
 
 
 _topk_apply = _c_apply(_TopkFn)
@@ -467,6 +550,8 @@ def topk_with_score(logits: Tensor, topk: int, *, score_function: str = "softmax
                     expert_bias: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Differentiable :func:`moe_rt.router.topk_with_score`: returns ``(probs [T,E] logits dtype,
     routing_map [T,E] bool)``; the gradient flows to ``logits`` (the expert bias gets none)."""
+    _tensor(logits, "logits")
+    _tensor(expert_bias, "expert_bias", True)
     if _eager():
         # only the keywords that differ from moe_rt's defaults: less to pass, and a shorter signature to key
         # the op's replay on
@@ -483,9 +568,10 @@ def topk_with_score(logits: Tensor, topk: int, *, score_function: str = "softmax
             kw["scaling_factor"] = scaling_factor
         if expert_bias is not None:
             kw["expert_bias"] = expert_bias
+        if _functorch_active() or (_unwrap_dead is None and _needs_grad(logits)):
+            probs, routing_map, _ = _TopkFn.apply(logits, topk, kw)
+            return probs, routing_map
         if _needs_grad(logits):
-            if _functorch_active() or _unwrap_dead is None:
-                return _TopkFn.apply(logits, topk, kw)
             probs, routing_map, _ = _topk_apply(_unwrap_dead(logits), topk, kw)
             return probs, routing_map
         probs, routing_map, _ = _rt.topk_with_score(logits, topk, **kw)
@@ -542,28 +628,30 @@ class _ScoresFn(torch.autograd.Function):
     """Eager aux-loss scores: forward and backward straight to moe_rt."""
 
     @staticmethod
-    def forward(ctx, logits, topk, score_function):
+    def forward(logits, topk, score_function):
+        return _rt.scores_for_aux_loss(logits, topk, score_function)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        logits, topk, score_function = inputs
+        _, routing_map, inter = output
         ctx.set_materialize_grads(False)  # the map and the intermediate never get a gradient
-        scores, routing_map, inter = _rt.scores_for_aux_loss(logits, topk, score_function)
         ctx.args = (topk, score_function, logits.dtype)
         ctx.mark_non_differentiable(routing_map, inter)
         ctx.save_for_backward(inter)
-        return scores, routing_map, inter
+
+    vmap = _no_vmap("scores_for_aux_loss")
 
     @staticmethod
+    @_once
     def backward(ctx, grad_scores, _g_map, _g_inter):
         if grad_scores is None:
             return None, None, None
-        (inter,) = ctx.saved_tensors
+        grad_scores, inter = _bwd_plain("scores_for_aux_loss", grad_scores.float().contiguous(),
+                                        *ctx.saved_tensors)
         topk, score_function, dtype = ctx.args
-        g = _rt.scores_for_aux_loss_backward(grad_scores.float().contiguous(), inter, topk, score_function,
-                                             dtype=dtype)
+        g = _rt.scores_for_aux_loss_backward(grad_scores, inter, topk, score_function, dtype=dtype)
         return g, None, None
-
-    @classmethod
-    def apply(cls, *args):
-        scores, routing_map, _ = super().apply(*args)
-        return scores, routing_map
 
 
 _scores_apply = _c_apply(_ScoresFn)
@@ -572,10 +660,12 @@ _scores_apply = _c_apply(_ScoresFn)
 def scores_for_aux_loss(logits: Tensor, topk: int, score_function: str) -> tuple[Tensor, Tensor]:
     """Differentiable :func:`moe_rt.router.scores_for_aux_loss`: ``(scores [T,E] fp32, routing_map [T,E]
     bool)``; the gradient flows to ``logits``."""
+    _tensor(logits, "logits")
     if _eager():
+        if _functorch_active() or (_unwrap_dead is None and _needs_grad(logits)):
+            scores, routing_map, _ = _ScoresFn.apply(logits, topk, score_function)
+            return scores, routing_map
         if _needs_grad(logits):
-            if _functorch_active() or _unwrap_dead is None:
-                return _ScoresFn.apply(logits, topk, score_function)
             scores, routing_map, _ = _scores_apply(_unwrap_dead(logits), topk, score_function)
             return scores, routing_map
         scores, routing_map, _ = _rt.scores_for_aux_loss(logits, topk, score_function)
@@ -628,17 +718,24 @@ class _AuxFn(torch.autograd.Function):
     """Eager aux loss: forward and backward straight to moe_rt."""
 
     @staticmethod
-    def forward(ctx, probs, tokens_per_expert, total_num_tokens, num_experts, topk, coeff):
+    def forward(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coeff):
+        return _rt.aux_loss(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coeff)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        probs, tokens_per_expert, total_num_tokens, num_experts, topk, coeff = inputs
         ctx.args = (total_num_tokens, num_experts, topk, coeff)
         ctx.num_rows = probs.shape[0]
         ctx.probs_dtype = probs.dtype
         ctx.save_for_backward(tokens_per_expert)
-        return _rt.aux_loss(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coeff)
+
+    vmap = _no_vmap("aux_loss")
 
     @staticmethod
+    @_once
     def backward(ctx, grad):
-        (tpe,) = ctx.saved_tensors
-        g = _rt.aux_loss_backward(grad.contiguous(), ctx.num_rows, tpe, *ctx.args)
+        grad, tpe = _bwd_plain("aux_loss", grad.contiguous(), *ctx.saved_tensors)
+        g = _rt.aux_loss_backward(grad, ctx.num_rows, tpe, *ctx.args)
         return (g.contiguous().to(ctx.probs_dtype),) + (None,) * 5
 
 
@@ -648,10 +745,14 @@ _aux_apply = _c_apply(_AuxFn)
 def aux_loss(probs: Tensor, tokens_per_expert: Tensor, total_num_tokens: int, num_experts: int, topk: int,
              coeff: float) -> Tensor:
     """Differentiable :func:`moe_rt.router.aux_loss` (a 0-d tensor); the gradient flows to ``probs``."""
+    _tensor(probs, "probs")
+    _tensor(tokens_per_expert, "tokens_per_expert")
     if _eager():
         args = (tokens_per_expert, total_num_tokens, num_experts, topk, coeff)
+        if _functorch_active():
+            return _AuxFn.apply(probs, *args)
         if _needs_grad(probs):
-            if _functorch_active() or _unwrap_dead is None:
+            if _unwrap_dead is None:
                 return _AuxFn.apply(probs, *args)
             return _aux_apply(_unwrap_dead(probs), *args)
         return _rt.aux_loss(probs, *args)

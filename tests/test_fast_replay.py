@@ -539,11 +539,11 @@ class _FakeTensor:
 
     is_cuda = True
 
-    def __init__(self, ptr, shape, dtype, device=0, contiguous=True):
+    def __init__(self, ptr, shape, dtype, device=0, contiguous=True, requires_grad=False):
         import torch
 
         self.ptr, self.shape, self.dtype = ptr, torch.Size(shape), dtype
-        self.device, self.contiguous = device, contiguous
+        self.device, self.contiguous, self.requires_grad = device, contiguous, requires_grad
 
     def data_ptr(self):
         return self.ptr
@@ -573,6 +573,10 @@ class _FakeTorch:
 
     def reset(self):
         self.next = 0x6E0000000000
+        self.grad_mode = True
+
+    def is_grad_enabled(self):
+        return self.grad_mode
 
     def empty(self, shape, dtype=None, device=None):
         t = _FakeTensor(self.next, shape, dtype, device[1])
@@ -675,6 +679,11 @@ def test_compiled_torch_replay_leaves_other_calls_to_the_python_path(fake_torch,
     bias = _FakeTensor(mem((E,), F32).ptr, (E,), torch.float32, device=1)
     assert hit((logits, K), dict(expert_bias=bias)) is MISS  # arrays on two devices
     assert hit((logits, [K]), {}) is MISS  # an unhashable argument
+    needs_grad = _FakeTensor(logits.ptr, (T, E), torch.float32, requires_grad=True)
+    assert hit((needs_grad, K), {}) is MISS  # the ordinary path refuses it (no autograd in the core ops)
+    ft.grad_mode = False
+    assert hit((needs_grad, K), {}) is not MISS  # under no_grad it is served
+    ft.grad_mode = True
     monkeypatch.setattr(_fast, "_cur_device", lambda: 1)
     assert hit((logits, K), {}) is MISS  # another current device
     monkeypatch.setattr(_fast, "_cur_device", lambda: 0)

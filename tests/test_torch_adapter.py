@@ -1,5 +1,6 @@
 """moe_rt.torch: autograd and torch.compile over the moe_rt ops, checked against the same layer written
 in plain torch. CPU tensors run the NumPy reference behind the same custom ops; CUDA tensors the kernels."""
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -226,29 +227,71 @@ def test_eager_path_matches_custom_op_path(device, monkeypatch):
             assert torch.equal(a, b)
 
 
-def test_functorch_transforms_take_the_full_apply():
-    """Under a torch.func transform the eager ops call the full Function.apply, never torch's C apply
-    directly: torch then names what it cannot do (the ops have no functorch rules) instead of running them
-    on wrapped tensors."""
+def test_functorch_grad_and_vjp_match_autograd():
+    """torch.func.grad and torch.func.vjp run through the eager ops (setup_context Functions) and give the
+    gradients eager autograd gives, for every differentiable op of a MoE layer; torch.vmap is refused with a
+    NotImplementedError naming the op, as is a second derivative."""
     gen = torch.Generator().manual_seed(13)
-    T, E, K, H = 9, 8, 2, 4
+    T, E, K, H = 9, 8, 2, 5
     logits = _tie_free_logits(T, E, gen, "cpu")
+    x = torch.randn(T, H, generator=gen)
+    w = torch.randn(H, H, generator=gen)
+
+    def layer(lg, xx):
+        probs, routing_map = mt.topk_with_score(lg, K, score_function="sigmoid")
+        scores, _ = mt.scores_for_aux_loss(lg, K, "softmax")
+        plan = mt.make_plan(routing_map, E)
+        xp, pp = mt.dispatch(xx, plan, probs)
+        y = mt.combine(xp @ w * pp[:, None], plan, probs)
+        aux = mt.aux_loss(scores, plan.tokens_per_expert, T, E, K, 0.3)
+        return (y * y).sum() + aux
+
+    gl, gx = torch.func.grad(layer, argnums=(0, 1))(logits, x)
+    la, xa = logits.clone().requires_grad_(), x.clone().requires_grad_()
+    layer(la, xa).backward()
+    assert torch.allclose(gl, la.grad, rtol=1e-5, atol=1e-6) and torch.allclose(gx, xa.grad, rtol=1e-5, atol=1e-6)
+    assert gl.abs().sum() > 0 and gx.abs().sum() > 0
+
+    out, vjp = torch.func.vjp(lambda lg: mt.topk_with_score(lg, K)[0], logits)
+    ct = torch.randn(out.shape, generator=gen)
+    (g,) = vjp(ct)
+    lb = logits.clone().requires_grad_()
+    torch.autograd.backward(mt.topk_with_score(lb, K)[0], ct)
+    assert torch.equal(g, lb.grad)
+
+    batch = torch.stack([logits, logits.flip(0)])
+    with pytest.raises(NotImplementedError, match="topk_with_score.*vmap"):
+        torch.vmap(lambda lg: mt.topk_with_score(lg, K)[0])(batch)
+    with pytest.raises(NotImplementedError, match="make_plan.*vmap"):
+        torch.vmap(lambda r: mt.make_plan(r, E).dst_row)(torch.stack([_routing(T, E, K, gen, "cpu")] * 2))
+    with pytest.raises(NotImplementedError, match="higher-order"):
+        torch.func.grad(lambda lg: torch.func.grad(lambda a: mt.topk_with_score(a, K)[0].pow(2).sum())(lg).sum())(
+            logits)
+
+
+def test_non_tensor_arguments_are_type_errors():
+    """A NumPy array (or any non-tensor) given to a moe_rt.torch op is a TypeError naming the argument."""
+    gen = torch.Generator().manual_seed(14)
+    T, E, K, H = 5, 4, 2, 3
     idx = _routing(T, E, K, gen, "cpu")
     plan = mt.make_plan(idx, E)
     x = torch.randn(T, H, generator=gen)
-    probs = torch.rand(T, K, generator=gen)
-    calls = [
-        lambda a: mt.topk_with_score(a, K)[0].sum(),
-        lambda a: mt.scores_for_aux_loss(a, K, "softmax")[0].sum(),
-        lambda a: mt.aux_loss(a.softmax(-1), idx.ne(-1).sum(0).int(), T, E, K, 0.1),
+    a = np.ones((T, E), np.float32)
+    cases = [
+        (lambda: mt.topk_with_score(a, K), "logits"),
+        (lambda: mt.scores_for_aux_loss(a, K, "softmax"), "logits"),
+        (lambda: mt.aux_loss(a, np.ones(E, np.int32), T, E, K, 0.1), "probs"),
+        (lambda: mt.aux_loss(torch.ones(T, E), np.ones(E, np.int32), T, E, K, 0.1), "tokens_per_expert"),
+        (lambda: mt.make_plan(idx.numpy(), E), "routing"),
+        (lambda: mt.dispatch(x.numpy(), plan), "x"),
+        (lambda: mt.dispatch(x, plan, np.ones((T, K), np.float32)), "probs"),
+        (lambda: mt.combine(np.ones((plan.num_rows, H), np.float32), plan), "y_permuted"),
+        (lambda: mt.topk_with_score(torch.ones(T, E), K, score_function="sigmoid",
+                                    expert_bias=np.zeros(E, np.float32)), "expert_bias"),
     ]
-    for f in calls:
-        with pytest.raises(RuntimeError, match="setup_context"):
-            torch.func.grad(f)(logits)
-    with pytest.raises(RuntimeError, match="setup_context"):
-        torch.func.grad(lambda a: mt.dispatch(a, plan, probs)[0].sum())(x)
-    with pytest.raises(RuntimeError, match="setup_context"):
-        torch.func.grad(lambda p: mt.combine(mt.dispatch(x, plan)[0], plan, p).sum())(probs)
+    for f, name in cases:
+        with pytest.raises(TypeError, match=f"{name}: expected a torch.Tensor"):
+            f()
 
 
 @pytest.mark.parametrize("device", DEVICES)
