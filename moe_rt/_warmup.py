@@ -9,10 +9,13 @@ import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 
 
-def _compile_one(file: str, name: str, arch: str, root: str):
+def _compile_one(file: str, name: str, arch: str, root: str, source_hash: str):
     os.environ["MOE_RT_QUIET"] = "1"  # the parent reports progress
     from moe_rt import _jit
 
+    if _jit.source_hash() != source_hash:
+        raise RuntimeError(f"the kernel sources under {_jit.kernels_dir()} or {_jit.include_dir()} changed "
+                           "while warmup ran; run it again")
     t0 = time.perf_counter()
     _, _, compiled = _jit.kernel_image(file, name, arch, root=root)
     return compiled, time.perf_counter() - t0
@@ -76,7 +79,7 @@ def warmup(archs=None, out=None, jobs=None, progress: bool = True) -> dict:
     t0 = time.perf_counter()
     compiled = 0
     with ProcessPoolExecutor(min(jobs, len(tasks)), mp_context=multiprocessing.get_context("spawn")) as ex:
-        futs = {ex.submit(_compile_one, f, n, a, root): (f, n, a) for f, n, a in tasks}
+        futs = {ex.submit(_compile_one, f, n, a, root, _jit.source_hash()): (f, n, a) for f, n, a in tasks}
         for fut in as_completed(futs):
             f, n, a = futs[fut]
             c, _ = fut.result()  # a compile error raises here, with NVRTC's log
