@@ -198,26 +198,24 @@ __global__ void ep_pack_rows(const U* __restrict__ x, U* __restrict__ send_buf, 
   }
 }
 
-// Owner side of combine / dispatch_bwd: out[t] = sum over ranks r ascending of the partial row of (t, r),
-// accumulated in fp32 and rounded once. The partial of rank r sits in `back` at send_off[r] + pos (rows
-// returned by r) or, for r == me, in `own` at recv_off[me] + pos - own_shift, with pos = send_pos[r][t]
-// (own_shift = recv_off[me] when `own` holds just the own share, 0 when it is the whole [rows,H] array).
-// With grad_w: grad_w[t][k] = the [rows,K] weight gradient of slot k, taken from the rank of its expert
-// (`own_w` is always the whole [rows,K] array).
-template <typename T, bool VEC>
-__global__ void ep_owner_sum(const T* __restrict__ back, const T* __restrict__ own, T* __restrict__ out,
-                             const float* __restrict__ back_w, const float* __restrict__ own_w,
-                             float* __restrict__ grad_w, const int* __restrict__ send_pos,
-                             const int* __restrict__ routing_me, const int* __restrict__ meta, int R, int me,
-                             int Tmax, int K, int L, int Tn, i64 H, i64 own_shift) {
+// The owner's fixed-order sum, shared by both transports (so their results are bitwise equal):
+// out[t] = sum over ranks r ascending of the partial row of (t, r), accumulated in fp32 from 0 and rounded
+// once; pos = send_pos[r][t] (-1: not sent to r, contributes nothing), the partial at row src.base(r) + pos
+// of src.row(r, ...). With grad_w: grad_w[t][k] = the weight partial of slot k taken from the rank of its
+// expert (src.wrow). `src` names where the rows are (NcclOwnerRows: the returned rows and the own ones;
+// PeerOwnerRows: every rank's IPC stage).
+template <typename T, bool VEC, typename Src>
+__device__ __forceinline__ void owner_sum_body(const Src& src, T* __restrict__ out, float* __restrict__ grad_w,
+                                               const int* __restrict__ send_pos,
+                                               const int* __restrict__ routing_me, int R, int Tmax, int K,
+                                               int L, int Tn, i64 H) {
   extern __shared__ long long s_mem[];
   i64* s_row = reinterpret_cast<i64*>(s_mem);  // [R]: row of (t, r), -1 = not sent
   for (int t = blockIdx.x; t < Tn; t += gridDim.x) {
     __syncthreads();
     for (int r = threadIdx.x; r < R; r += blockDim.x) {
       const int pos = send_pos[(i64)r * Tmax + t];
-      const i64 base = r == me ? meta[META_RECV_OFF(R) + me] : meta[META_SEND_OFF(R) + r];
-      s_row[r] = pos >= 0 ? base + pos : -1;
+      s_row[r] = pos >= 0 ? src.base(r) + pos : -1;
     }
     __syncthreads();
     T* o = out + (i64)t * H;
@@ -231,7 +229,7 @@ __global__ void ep_owner_sum(const T* __restrict__ back, const T* __restrict__ o
         for (int r = 0; r < R; ++r) {
           const i64 row = s_row[r];
           if (row < 0) continue;
-          const Vec<T> a = load_vec((r == me ? own + (row - own_shift) * H : back + row * H) + v * N);
+          const Vec<T> a = load_vec(src.row(r, row, H) + v * N);
 #pragma unroll
           for (int j = 0; j < N; ++j) acc[j] += to_float(a.v[j]);
         }
@@ -245,7 +243,7 @@ __global__ void ep_owner_sum(const T* __restrict__ back, const T* __restrict__ o
         float acc = 0.0f;
         for (int r = 0; r < R; ++r) {
           const i64 row = s_row[r];
-          if (row >= 0) acc += to_float((r == me ? own + (row - own_shift) * H : back + row * H)[h]);
+          if (row >= 0) acc += to_float(src.row(r, row, H)[h]);
         }
         o[h] = from_float<T>(acc);
       }
@@ -257,12 +255,46 @@ __global__ void ep_owner_sum(const T* __restrict__ back, const T* __restrict__ o
         if (e >= 0) {
           const int r = e / L;
           const i64 row = s_row[r];
-          if (row >= 0) g = (r == me ? own_w : back_w)[row * K + k];
+          if (row >= 0) g = src.wrow(r, row, K)[k];
         }
         grad_w[(i64)t * K + k] = g;
       }
     }
   }
+}
+
+// The NCCL path's rows: the partial of rank r sits in `back` at send_off[r] + pos (rows returned by r) or,
+// for r == me, in `own` at recv_off[me] + pos - own_shift (own_shift = recv_off[me] when `own` holds just
+// the own share, 0 when it is the whole [rows,H] array); `own_w` is always the whole [rows,K] array.
+template <typename T>
+struct NcclOwnerRows {
+  const T* back;
+  const T* own;
+  const float* back_w;
+  const float* own_w;
+  const int* meta;
+  int R, me;
+  i64 own_shift;
+  __device__ __forceinline__ i64 base(int r) const {
+    return r == me ? meta[META_RECV_OFF(R) + me] : meta[META_SEND_OFF(R) + r];
+  }
+  __device__ __forceinline__ const T* row(int r, i64 row, i64 H) const {
+    return r == me ? own + (row - own_shift) * H : back + row * H;
+  }
+  __device__ __forceinline__ const float* wrow(int r, i64 row, int K) const {
+    return (r == me ? own_w : back_w) + row * K;
+  }
+};
+
+// Owner side of combine / dispatch_bwd after the NCCL transfer (owner_sum_body over NcclOwnerRows).
+template <typename T, bool VEC>
+__global__ void ep_owner_sum(const T* __restrict__ back, const T* __restrict__ own, T* __restrict__ out,
+                             const float* __restrict__ back_w, const float* __restrict__ own_w,
+                             float* __restrict__ grad_w, const int* __restrict__ send_pos,
+                             const int* __restrict__ routing_me, const int* __restrict__ meta, int R, int me,
+                             int Tmax, int K, int L, int Tn, i64 H, i64 own_shift) {
+  const NcclOwnerRows<T> src{back, own, back_w, own_w, meta, R, me, own_shift};
+  owner_sum_body<T, VEC>(src, out, grad_w, send_pos, routing_me, R, Tmax, K, L, Tn, H);
 }
 
 // out[n] = slots[src_slot[n]] (0 where src_slot is -1): a [rows,K] slot array in expert-major order.
@@ -362,4 +394,169 @@ extern "C" __global__ void ep_slot_values(const float* __restrict__ vals, const 
     const int d = dst_row[i];
     out[i] = d >= 0 ? vals[d] : 0.0f;
   }
+}
+
+// ---- The direct peer-memory transport within a node (moe_rt/_ep_direct.py) -----------------------------
+// Every rank holds IPC-shared buffers; the tables `peer_*` (int64 [R], device) hold each rank's buffer
+// address as mapped in this process (this rank's own buffer at [me]). A receive stage holds R*P rows:
+// row (src s, pos j) at s*P + j (P = pair capacity). `state` (uint32 [2], this rank's device memory):
+// [0] = the barrier epoch, advanced by ep_direct_barrier (so CUDA-graph replays stay valid), [1] = a sticky
+// failure flag (a barrier timed out: the later kernels of the transport do nothing).
+
+__device__ __forceinline__ unsigned ld_acquire_sys_u32(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_release_sys_u32(unsigned* p, unsigned v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ unsigned long long global_timer_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// One block. Every rank's barrier region (peer_bar[r]) holds uint32 slots [R]: slot s = the last epoch
+// rank s reached. Advances the epoch to e, stores e into every rank's slot[me] (a system-scope release
+// after a system fence: this rank's earlier writes, to its own or peers' memory, are visible first), then
+// waits until its own slots all reach e (acquire loads). After timeout_ns (%globaltimer) it gives up:
+// writes `op` to the host-mapped error word, raises the sticky failure flag and returns (never hangs).
+// Epochs compare with wrap-around (a signed difference).
+extern "C" __global__ void ep_direct_barrier(const long long* __restrict__ peer_bar, int R, int me,
+                                             unsigned* __restrict__ state, i64 timeout_ns,
+                                             int* __restrict__ err_word, int op) {
+  __shared__ unsigned s_epoch;
+  __shared__ int s_skip;
+  __shared__ int s_timeout;
+  if (threadIdx.x == 0) {
+    s_epoch = state[0] + 1u;
+    s_skip = (int)state[1];
+    s_timeout = 0;
+  }
+  __syncthreads();
+  if (s_skip) return;  // uniform: an earlier barrier failed
+  const unsigned e = s_epoch;
+  __threadfence_system();
+  for (int r = threadIdx.x; r < R; r += blockDim.x) {
+    st_release_sys_u32(reinterpret_cast<unsigned*>(peer_bar[r]) + me, e);
+  }
+  const unsigned* mine = reinterpret_cast<const unsigned*>(peer_bar[me]);
+  const unsigned long long t0 = global_timer_ns();
+  for (int r = threadIdx.x; r < R; r += blockDim.x) {
+    while ((int)(ld_acquire_sys_u32(mine + r) - e) < 0) {
+      if (global_timer_ns() - t0 > (unsigned long long)timeout_ns) {
+        atomicExch(&s_timeout, 1);
+        break;
+      }
+      __nanosleep(64);
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    state[0] = e;
+    if (s_timeout) {
+      state[1] = 1u;
+      *reinterpret_cast<volatile int*>(err_word) = op;
+    }
+    __threadfence_system();
+  }
+}
+
+// Push rows to their destinations' receive stages (blockIdx.y = destination d, the own share included):
+// for each kept position j of the (me, d) pair, x[send_tok[d][j]] is read once and stored into rank d's
+// stage row me*P + j; with w, its K fp32 weights into rank d's weight stage row me*P + j. U is the copy
+// unit (16 bytes when rows and pointers allow), `units` units per row, UNROLL units per thread in flight.
+// Each block ends with a system fence (the following barrier publishes the rows).
+template <typename U, int UNROLL>
+__global__ void ep_direct_push(const U* __restrict__ x, const float* __restrict__ w,
+                               const long long* __restrict__ peer_rows, const long long* __restrict__ peer_w,
+                               const int* __restrict__ send_tok, const int* __restrict__ meta,
+                               const unsigned* __restrict__ state, int R, int me, int P, int K, i64 units) {
+  if (state[1]) return;
+  const int dst = blockIdx.y;
+  int count = meta[META_SEND_COUNTS(R) + dst];
+  count = count < P ? count : P;
+  U* out = reinterpret_cast<U*>(peer_rows[dst]);
+  float* out_w = w != nullptr ? reinterpret_cast<float*>(peer_w[dst]) : nullptr;
+  for (int pos = blockIdx.x; pos < count; pos += gridDim.x) {
+    const i64 t = send_tok[(i64)dst * P + pos];
+    const i64 row = (i64)me * P + pos;
+    const U* src = x + t * units;
+    U* d = out + row * units;
+    for (i64 i0 = threadIdx.x; i0 < units; i0 += (i64)blockDim.x * UNROLL) {
+      U v[UNROLL];
+#pragma unroll
+      for (int j = 0; j < UNROLL; ++j) {
+        const i64 i = i0 + (i64)j * blockDim.x;
+        if (i < units) v[j] = src[i];
+      }
+#pragma unroll
+      for (int j = 0; j < UNROLL; ++j) {
+        const i64 i = i0 + (i64)j * blockDim.x;
+        if (i < units) d[i] = v[j];
+      }
+    }
+    if (out_w != nullptr) {
+      for (int k = threadIdx.x; k < K; k += blockDim.x) out_w[row * K + k] = w[t * K + k];
+    }
+  }
+  __threadfence_system();
+}
+
+// map[r] = s*P + (r - recv_off[s]) for received row r (recv_off[s] <= r < recv_off[s+1]): the stage row
+// of each row of the handle's received-row layout (the identity in capacity mode, where recv_off[s] = s*P).
+extern "C" __global__ void ep_direct_row_map(const int* __restrict__ meta, int R, int P, i64 rows,
+                                             int* __restrict__ map) {
+  const int* off = meta + META_RECV_OFF(R);
+  for (i64 r = (i64)blockIdx.x * blockDim.x + threadIdx.x; r < rows; r += (i64)gridDim.x * blockDim.x) {
+    int s = 0;
+    while (s + 1 < R && r >= off[s + 1]) ++s;
+    map[r] = (int)((i64)s * P + (r - off[s]));
+  }
+}
+
+// A CTA per row r < rows (grid-stride): dst[dst_map ? dst_map[r] : r] = src[src_map ? src_map[r] : r],
+// `units` units of U per row. Skipped after a failed barrier (state given).
+template <typename U>
+__global__ void ep_copy_rows(const U* __restrict__ src, const int* __restrict__ src_map, U* __restrict__ dst,
+                             const int* __restrict__ dst_map, const unsigned* __restrict__ state, i64 rows,
+                             i64 units) {
+  if (state != nullptr && state[1]) return;
+  for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+    const i64 sr = src_map != nullptr ? (i64)src_map[r] : r;
+    const i64 dr = dst_map != nullptr ? (i64)dst_map[r] : r;
+    const U* in = src + sr * units;
+    U* o = dst + dr * units;
+    for (i64 i = threadIdx.x; i < units; i += blockDim.x) o[i] = in[i];
+  }
+}
+
+// The direct path's rows for owner_sum_body: every rank r's partial of (t, me) sits in r's stage at row
+// me*P + pos (its weight partials likewise in r's weight stage).
+template <typename T>
+struct PeerOwnerRows {
+  const long long* peer_rows;
+  const long long* peer_w;
+  i64 base_me;
+  __device__ __forceinline__ i64 base(int) const { return base_me; }
+  __device__ __forceinline__ const T* row(int r, i64 row, i64 H) const {
+    return reinterpret_cast<const T*>(peer_rows[r]) + row * H;
+  }
+  __device__ __forceinline__ const float* wrow(int r, i64 row, int K) const {
+    return reinterpret_cast<const float*>(peer_w[r]) + row * K;
+  }
+};
+
+// Owner side of combine / dispatch_bwd on the direct path: pulls every rank's partial rows straight from
+// its stage (after the barrier that published them); the same order and rounding as ep_owner_sum.
+template <typename T, bool VEC>
+__global__ void ep_direct_owner_sum(const long long* __restrict__ peer_rows, const long long* __restrict__ peer_w,
+                                    T* __restrict__ out, float* __restrict__ grad_w,
+                                    const int* __restrict__ send_pos, const int* __restrict__ routing_me,
+                                    int R, int me, int P, int Tmax, int K, int L, int Tn, i64 H) {
+  const PeerOwnerRows<T> src{peer_rows, peer_w, (i64)me * P};
+  owner_sum_body<T, VEC>(src, out, grad_w, send_pos, routing_me, R, Tmax, K, L, Tn, H);
 }

@@ -1,0 +1,362 @@
+"""The direct peer-memory transport of expert parallelism within a node (moe_rt/ep.py; specs/ep.md §8.4,
+backend ``ipc``).
+
+:class:`moe_rt.ep.EpGroup` is the algorithm (plan, expand, reduce); this module moves its rows. Every rank
+owns a few plain ``cudaMalloc`` buffers (not CuPy pool sub-allocations: a CUDA IPC handle covers a whole
+allocation) and maps every peer's buffers into its own address space with ``cudaIpcOpenMemHandle`` (lazy
+peer access). The IPC handles travel once per buffer through the group's communicator (an all-gather on a
+device uint8 buffer, then a host read: buffers are made outside CUDA-graph capture). The mapped addresses
+of each buffer kind are kept in a small device int64 table ``[R]`` (this rank's own address at ``me``).
+
+Buffers:
+
+- the barrier region: uint32 slots ``[R]`` per rank (slot ``s`` of rank ``r`` = the last epoch rank ``s``
+  reached), made with the transport (at group creation);
+- ``state``: uint32 ``[2]`` in this rank's device memory: the barrier epoch (advanced by the barrier
+  kernel itself, so CUDA-graph replays stay valid) and a sticky failure flag;
+- the error word: one int32 of pinned host memory mapped into the device (``cudaHostAllocMapped``; with
+  unified addressing its host address is valid on the device): a timed-out barrier writes its op code
+  there, and host waits poll it (:meth:`DirectTransport.failed_op`);
+- receive stages, made on the first op that needs them (a collective: every rank issues the ops of a
+  group in the same order): ``R * P`` rows per rank (row ``(src s, pos j)`` at ``s*P + j``, ``P`` the
+  pair capacity: ``max_tokens_per_rank`` in exact mode), one per row size, plus one fp32 weight stage
+  ``[R*P, K]``. The dispatch direction pushes rows into the destination's stage; the combine direction
+  writes each rank's partial rows into its own stage and the owner pulls them.
+
+One op: barrier (every rank has finished the previous op, so nobody still reads a stage about to be
+written) -> write rows -> barrier (every row has arrived) -> read locally (dispatch) or from the peers'
+stages (combine). The next op's leading barrier protects the stages from being overwritten early.
+
+Teardown (:meth:`DirectTransport.close`, called by ``EpGroup.close``): wait for the device, close every
+IPC mapping of the peers' buffers, then free this rank's buffers and the error word. The communicator is
+borrowed and stays open. Close the group on every rank once no op is in flight on any rank.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import socket
+
+import numpy as np
+
+from moe_rt import _jit
+from moe_rt.permutation import _unit
+
+_FILE = "ep.cu"
+_UNITS = {16: "uint4", 8: "uint2", 4: "unsigned", 2: "unsigned short", 1: "unsigned char"}
+_PUSH_UNROLL = 4
+_names = ["ep_direct_barrier", "ep_direct_row_map"]
+_names += [f"ep_direct_push<{u}, {_PUSH_UNROLL}>" for u in _UNITS.values()]
+_names += [f"ep_copy_rows<{u}>" for u in _UNITS.values()]
+for _c in _jit.CTYPES.values():
+    for _v in ("true", "false"):
+        _names.append(f"ep_direct_owner_sum<{_c}, {_v}>")
+_jit.register(_FILE, _names)
+
+OPS = {1: "dispatch", 2: "combine", 3: "dispatch_bwd", 4: "combine_bwd"}
+OP_CODES = {v: k for k, v in OPS.items()}
+_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
+
+
+def host_identity() -> int:
+    """A 63-bit hash of this machine's hostname and boot id (two processes share it iff they run on one
+    node, up to hash collisions)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    d = hashlib.blake2b(f"{socket.gethostname()}\0{boot}".encode(), digest_size=8).digest()
+    return int.from_bytes(d, "little") & ((1 << 63) - 1)
+
+
+def _bus_code(bus_id: str) -> int:
+    """'dddd:bb:dd.f' (hex) -> one int64."""
+    try:
+        dom, bus, rest = bus_id.strip().split(":")
+        dev, fn = rest.split(".")
+        return (int(dom, 16) << 24) | (int(bus, 16) << 16) | (int(dev, 16) << 8) | int(fn, 16)
+    except ValueError:
+        raise RuntimeError(f"unexpected PCI bus id {bus_id!r}") from None
+
+
+def _bus_string(code: int) -> str:
+    return f"{code >> 24:04x}:{(code >> 16) & 0xff:02x}:{(code >> 8) & 0xff:02x}.{code & 0xf}"
+
+
+def all_gather_int64(comm, values, stream, wait) -> np.ndarray:
+    """``[R, n]`` int64: every rank's ``values`` (n int64), all-gathered through ``comm`` on a device buffer
+    on ``stream``; ``wait(stream)`` waits with the group's deadline before the host read."""
+    import cupy
+
+    v = np.asarray(values, np.int64).reshape(-1)
+    n, R, me = v.size, comm.size, comm.rank
+    with stream:
+        buf = cupy.zeros(R * n, np.int64)
+        buf[me * n:(me + 1) * n].set(v, stream=stream)
+        comm.all_gather(buf.data.ptr + me * n * 8, buf.data.ptr, n, "int64", stream.ptr)
+    wait(stream)
+    return buf.get(stream=stream).reshape(R, n)
+
+
+def probe_peers(comm, device, stream, wait):
+    """Whether every pair of ranks is on one node with peer access (a collective: two all-gathers).
+    Returns ``(ok, reason)``: the same on every rank; ``reason`` names the first pair that fails."""
+    from cupy.cuda import runtime
+
+    R, me = comm.size, comm.rank
+    ident = all_gather_int64(comm, [host_identity(), _bus_code(runtime.deviceGetPCIBusId(device)), device],
+                             stream, wait)
+    reason = ""
+    for p in range(R):
+        if p == me:
+            continue
+        if ident[p, 0] != ident[me, 0]:
+            reason = f"ranks {me} and {p} are on different nodes"
+            break
+        bus = _bus_string(int(ident[p, 1]))
+        try:
+            local = runtime.deviceGetByPCIBusId(bus)
+        except runtime.CUDARuntimeError:
+            reason = f"rank {p}'s GPU ({bus}) is not visible to rank {me} (CUDA_VISIBLE_DEVICES)"
+            break
+        if local == device:
+            reason = f"ranks {me} and {p} use the same GPU ({bus})"
+            break
+        if not runtime.deviceCanAccessPeer(device, local):
+            reason = f"rank {me}'s GPU cannot access rank {p}'s GPU ({bus}) as a peer"
+            break
+    oks = all_gather_int64(comm, [0 if reason else 1, len(reason)], stream, wait)
+    if all(int(o) for o in oks[:, 0]):
+        return True, ""
+    if reason:
+        return False, reason
+    bad = int(np.argmin(oks[:, 0]))
+    return False, f"rank {bad} found a pair without peer access"
+
+
+class _Shared:
+    """One IPC-shared allocation per rank: ``local`` (this rank's, from cudaMalloc), ``ptrs`` (every rank's,
+    as mapped here), ``table`` (the same as a device int64 [R] array)."""
+
+    def __init__(self, comm, nbytes, stream, wait, zero=False):
+        import cupy
+        from cupy.cuda import runtime
+
+        R, me = comm.size, comm.rank
+        self.local = 0
+        self.opened = []
+        self.local = int(runtime.malloc(max(int(nbytes), 256)))
+        try:
+            if zero:
+                runtime.memsetAsync(self.local, 0, max(int(nbytes), 256), stream.ptr)
+            handle = np.frombuffer(bytes(runtime.ipcGetMemHandle(self.local)), np.uint8)
+            if handle.size != _HANDLE_BYTES:  # pragma: no cover - fixed by the CUDA ABI
+                raise RuntimeError(f"unexpected IPC handle size {handle.size}")
+            with stream:
+                buf = cupy.zeros(R * _HANDLE_BYTES, np.uint8)
+                buf[me * _HANDLE_BYTES:(me + 1) * _HANDLE_BYTES].set(handle, stream=stream)
+                comm.all_gather(buf.data.ptr + me * _HANDLE_BYTES, buf.data.ptr, _HANDLE_BYTES, "uint8",
+                                stream.ptr)
+            wait(stream)
+            handles = buf.get(stream=stream).reshape(R, _HANDLE_BYTES)
+            ptrs = []
+            for r in range(R):
+                if r == me:
+                    ptrs.append(self.local)
+                else:
+                    p = int(runtime.ipcOpenMemHandle(handles[r].tobytes(), runtime.cudaIpcMemLazyEnablePeerAccess))
+                    self.opened.append(p)
+                    ptrs.append(p)
+            self.ptrs = ptrs
+            with stream:
+                self.table = cupy.asarray(np.array(ptrs, np.int64))
+        except BaseException:
+            self.close()
+            raise
+        self.nbytes = int(nbytes)
+
+    def close_mappings(self):
+        """Close this process's mappings of the peers' allocations (idempotent)."""
+        from cupy.cuda import runtime
+
+        opened, self.opened = self.opened, []
+        for p in opened:
+            runtime.ipcCloseMemHandle(p)
+
+    def free(self):
+        """Free this rank's allocation (idempotent; the device must be idle)."""
+        from cupy.cuda import runtime
+
+        if self.local:
+            local, self.local = self.local, 0
+            runtime.free(local)
+
+    def close(self):
+        self.close_mappings()
+        self.free()
+
+
+class DirectTransport:
+    """Rows between the ranks of one node through peer memory. Made by EpGroup (a collective)."""
+
+    def __init__(self, comm, device, pair_rows, timeout, stream, wait):
+        import cupy
+        from cupy.cuda import runtime
+
+        self.comm, self.device = comm, int(device)
+        self.R, self.me = int(comm.size), int(comm.rank)
+        self.P = int(pair_rows)
+        self.timeout_ns = int(min(float(timeout) * 1e9, 2**62))
+        self._wait = wait
+        self._stages = {}
+        self._order = []
+        self.closed = False
+        self._err_ptr = 0
+        self.bar = None
+        with cupy.cuda.Device(self.device):
+            self._err_ptr = int(runtime.hostAlloc(64, runtime.hostAllocMapped))
+            self._err = (ctypes.c_int32 * 1).from_address(self._err_ptr)
+            self._err[0] = 0
+            try:
+                with stream:
+                    self.state = cupy.zeros(2, np.uint32)
+                self.bar = _Shared(comm, 4 * self.R, stream, wait, zero=True)
+            except BaseException:
+                self.close()
+                raise
+
+    # -- errors ----------------------------------------------------------------------------------------
+    def failed_op(self):
+        """The op whose barrier timed out (read from the mapped error word), or None."""
+        if self.closed or not self._err_ptr:
+            return None
+        code = int(self._err[0])
+        return OPS.get(code, f"op {code}") if code else None
+
+    # -- buffers ---------------------------------------------------------------------------------------
+    def stages(self, row_bytes, K, stream):
+        """``(rows stage, weights stage)`` for rows of ``row_bytes`` and K fp32 weights, made on first use (a
+        collective: every rank asks in the same order; a host sync, so never inside CUDA-graph capture)."""
+        from cupy.cuda import runtime
+
+        out = []
+        for key, rb in ((("rows", int(row_bytes)), int(row_bytes)), (("weights", int(K)), 4 * int(K))):
+            st = self._stages.get(key)
+            if st is None:
+                if runtime.streamIsCapturing(stream.ptr):
+                    raise RuntimeError(
+                        f"the direct EP transport makes its {rb}-byte-row receive stage on the first op that "
+                        "needs it (a collective with a host sync): run that op once before CUDA-graph capture")
+                st = self._stages[key] = _Shared(self.comm, self.R * self.P * rb, stream, self._wait)
+                self._order.append(key)
+            out.append(st)
+        return out[0], out[1]
+
+    def view(self, st, rows, cols, dtype):
+        """A CuPy ``[rows, cols]`` array over this rank's part of stage ``st`` (no copy, not owned)."""
+        import cupy
+
+        dtype = np.dtype(dtype)
+        nbytes = rows * cols * dtype.itemsize
+        if nbytes > st.nbytes:  # pragma: no cover - sizes come from the group
+            raise RuntimeError(f"internal: stage of {st.nbytes} bytes, view of {nbytes}")
+        mem = cupy.cuda.UnownedMemory(st.local, max(nbytes, 1), self, self.device)
+        return cupy.ndarray((rows, cols), dtype, cupy.cuda.MemoryPointer(mem, 0))
+
+    # -- kernels ---------------------------------------------------------------------------------------
+    def barrier(self, stream, op):
+        """ep_direct_barrier on ``stream`` (``op`` names the op in a timeout)."""
+        _jit.launch(_jit.function(_FILE, "ep_direct_barrier"), 1, max(32, -(-self.R // 32) * 32),
+                    (self.bar.table, np.int32(self.R), np.int32(self.me), self.state, np.int64(self.timeout_ns),
+                     self._err_ptr, np.int32(OP_CODES[op])), stream=stream)
+
+    def push(self, call, h, x, w, rows_st, w_st):
+        """ep_direct_push: this rank's rows (and fp32 weights [T,K], or None) into every destination's
+        stages, at rows me*P + pos of each (me, dst) pair (the own share into the own stages)."""
+        sz = h.sizes
+        R, K, P, H = self.R, sz["K"], sz["P"], int(x.shape[1])
+        rb = H * x.dtype.itemsize
+        if not sz["T"] or rb == 0:
+            return
+        u = _unit(rb, x.data.ptr, *rows_st.ptrs)
+        units = rb // u
+        threads = int(min(512, max(32, -(-units // _PUSH_UNROLL // 32) * 32)))
+        gx = max(1, min(P, _jit.device_properties(call.device_id)["sm_count"] * 8 // R))
+        _jit.launch(_jit.function(_FILE, f"ep_direct_push<{_UNITS[u]}, {_PUSH_UNROLL}>"), (gx, R), threads,
+                    (x.data.ptr, w.data.ptr if w is not None else 0, rows_st.table, w_st.table,
+                     h.view("send_tok"), h.view("meta"), self.state, np.int32(R), np.int32(self.me), np.int32(P),
+                     np.int32(K), np.int64(units)), stream=call.stream)
+
+    def copy_rows(self, call, src_ptr, src_map, dst_ptr, dst_map, rows, row_bytes, guarded=True):
+        """ep_copy_rows: ``rows`` rows of ``row_bytes`` from src (row ``src_map[r]`` when a map is given) to dst
+        (row ``dst_map[r]``); skipped on the device after a failed barrier when ``guarded``."""
+        if rows <= 0 or row_bytes <= 0:
+            return
+        u = _unit(row_bytes, src_ptr, dst_ptr)
+        units = row_bytes // u
+        threads = int(min(512, max(32, -(-units // 32) * 32)))
+        grid = max(1, min(rows, _jit.device_properties(call.device_id)["sm_count"] * 16))
+        _jit.launch(_jit.function(_FILE, f"ep_copy_rows<{_UNITS[u]}>"), grid, threads,
+                    (src_ptr, src_map if src_map is not None else 0, dst_ptr, dst_map if dst_map is not None else 0,
+                     self.state if guarded else 0, np.int64(rows), np.int64(units)), stream=call.stream)
+
+    def owner_sum(self, call, h, rows_st, w_st, T, out_dtype, want_w):
+        """ep_direct_owner_sum: out [T,H] (and grad_w [T,K] fp32 when ``want_w``) from every rank's stage:
+        the sum over ranks in ascending order in fp32, rounded once (ep_owner_sum's code)."""
+        xp = call.xp
+        sz = h.sizes
+        R, me, K, L, Tmax, P = self.R, self.me, sz["K"], sz["L"], sz["Tmax"], sz["P"]
+        H = sz["H"]
+        out = xp.empty((T, H), out_dtype)
+        gw = xp.empty((T, K), np.float32) if want_w else None
+        if T:
+            isz = np.dtype(out_dtype).itemsize
+            vec = (H * isz) % 16 == 0 and all(p % 16 == 0 for p in [out.data.ptr] + list(rows_st.ptrs))
+            nper = 16 // isz if vec else 1
+            threads = int(min(512, max(32, -(-(H // nper) // 32) * 32)))
+            fn = _jit.function(_FILE, f"ep_direct_owner_sum<{_jit.ctype(out_dtype)}, {'true' if vec else 'false'}>")
+            _jit.set_max_dynamic_shared(fn, R * 8)
+            cap = _jit.device_properties(call.device_id)["sm_count"] * 8
+            _jit.launch(fn, max(1, min(T, cap)), threads,
+                        (rows_st.table, w_st.table, out, gw if gw is not None else 0, h.view("send_pos"),
+                         h.view("routing")[me * (Tmax * K + 1):], np.int32(R), np.int32(me), np.int32(P),
+                         np.int32(Tmax), np.int32(K), np.int32(L), np.int32(T), np.int64(H)),
+                        shared_mem=R * 8, stream=call.stream)
+        return out, gw
+
+    def row_map(self, call, h):
+        """int32 [rows]: the stage row (s*P + j) of each received row of the handle's layout."""
+        sz = h.sizes
+        rows = sz["rows"]
+        m = call.xp.empty(max(rows, 1), np.int32)
+        if rows:
+            grid = max(1, min(-(-rows // 256), _jit.device_properties(call.device_id)["sm_count"] * 8))
+            _jit.launch(_jit.function(_FILE, "ep_direct_row_map"), grid, 256,
+                        (h.view("meta"), np.int32(self.R), np.int32(sz["P"]), np.int64(rows), m), stream=call.stream)
+        return m
+
+    def close(self):
+        """Close every IPC mapping, then free this rank's buffers (idempotent). Waits for the device first:
+        a barrier still waiting ends within the group's timeout."""
+        if self.closed:
+            return
+        self.closed = True
+        import cupy
+        from cupy.cuda import runtime
+
+        with cupy.cuda.Device(self.device):
+            try:
+                runtime.deviceSynchronize()
+            finally:
+                shared = [self._stages[k] for k in reversed(self._order)] + ([self.bar] if self.bar else [])
+                self._stages, self._order, self.bar = {}, [], None
+                for st in shared:  # every IPC mapping of the peers' buffers first
+                    st.close_mappings()
+                for st in shared:  # then this rank's own allocations
+                    st.free()
+                self.state = None
+                if self._err_ptr:
+                    p, self._err_ptr = self._err_ptr, 0
+                    self._err = None
+                    runtime.freeHost(p)
