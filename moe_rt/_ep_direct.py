@@ -99,11 +99,18 @@ def all_gather_int64(comm, values, stream, wait) -> np.ndarray:
     return buf.get(stream=stream).reshape(R, n)
 
 
-def probe_peers(comm, device, stream, wait):
-    """Whether every pair of ranks is on one node with peer access (a collective: two all-gathers).
-    Returns ``(ok, reason)``: the same on every rank; ``reason`` names the first pair that fails."""
+def probe_peers(comm, device, wait):
+    """Whether every pair of ranks is on one node with peer access (a collective: two all-gathers on the
+    device's current stream). Returns ``(ok, reason)``: ``ok`` the same on every rank; ``reason`` names
+    the first pair that fails (as this rank sees it)."""
+    import cupy
     from cupy.cuda import runtime
 
+    with cupy.cuda.Device(device):
+        return _decide(comm, device, cupy.cuda.get_current_stream(), wait, runtime)
+
+
+def _decide(comm, device, stream, wait, runtime):
     R, me = comm.size, comm.rank
     ident = all_gather_int64(comm, [host_identity(), _bus_code(runtime.deviceGetPCIBusId(device)), device],
                              stream, wait)
@@ -200,7 +207,7 @@ class _Shared:
 class DirectTransport:
     """Rows between the ranks of one node through peer memory. Made by EpGroup (a collective)."""
 
-    def __init__(self, comm, device, pair_rows, timeout, stream, wait):
+    def __init__(self, comm, device, pair_rows, timeout, wait):
         import cupy
         from cupy.cuda import runtime
 
@@ -215,6 +222,7 @@ class DirectTransport:
         self._err_ptr = 0
         self.bar = None
         with cupy.cuda.Device(self.device):
+            stream = cupy.cuda.get_current_stream()
             self._err_ptr = int(runtime.hostAlloc(64, runtime.hostAllocMapped))
             self._err = (ctypes.c_int32 * 1).from_address(self._err_ptr)
             self._err[0] = 0

@@ -152,6 +152,16 @@ def _env_overlap():
     return None if v == "auto" else v == "1"
 
 
+TRANSPORTS = ("auto", "direct", "nccl")
+
+
+def _env_transport() -> str:
+    v = os.environ.get("MOE_RT_EP_TRANSPORT", "auto") or "auto"
+    if v not in TRANSPORTS:
+        raise ValueError(f"MOE_RT_EP_TRANSPORT: expected auto, direct or nccl, got {v!r}")
+    return v
+
+
 def _env_timeout() -> float:
     return _env_number("MOE_RT_EP_TIMEOUT", DEFAULT_TIMEOUT, float, lambda t: t > 0, "seconds > 0")
 
@@ -186,13 +196,18 @@ class EpGroup:
             be the same on every rank.
         overlap: None (default, or ``MOE_RT_EP_OVERLAP`` = ``auto``/``0``/``1``): overlap the NCCL transfer
             (on a second stream) with the local expand/reduce when this rank sends at least 64 MiB of rows;
-            True/False: always/never. May differ between ranks (see the module notes).
+            True/False: always/never. May differ between ranks (see the module notes). NCCL transport only.
+        transport: ``"auto"`` (default, or ``MOE_RT_EP_TRANSPORT``), ``"direct"`` or ``"nccl"``: how rows
+            move between ranks (``group.transport``; None for a 1-rank group). ``"direct"``: peer memory
+            within a node (:mod:`moe_rt._ep_direct`); needs every pair of ranks on one node with peer
+            access (ValueError at creation otherwise). ``"auto"`` picks direct when that holds, else nccl.
+            Must be the same on every rank.
     """
 
     def __init__(self, comm, num_experts: int, hidden: int, max_tokens_per_rank: int, *, mode: str = "exact",
                  capacity: int | None = None, pair_capacity: int | None = None, align_size: int = 1,
                  dtype=None, topk: int | None = None, timeout: float | None = None,
-                 chunks: int | None = None, overlap: bool | None = None):
+                 chunks: int | None = None, overlap: bool | None = None, transport: str | None = None):
         if comm is None:
             self.rank, self.size, self.device = 0, 1, None
         else:
@@ -245,20 +260,51 @@ class EpGroup:
         self._events = []     # reused CUDA events of the overlapped path
         if R * self.max_tokens_per_rank > _INT32_MAX:
             raise ValueError("R * max_tokens_per_rank must stay below 2^31")
+        if transport is None:
+            transport = _env_transport()
+        elif not isinstance(transport, str):
+            raise TypeError(f"transport: expected a str ('auto', 'direct' or 'nccl'), got {type(transport).__name__}")
+        elif transport not in TRANSPORTS:
+            raise ValueError(f"transport: expected 'auto', 'direct' or 'nccl', got {transport!r}")
+        self.closed = False
+        self._direct = None
+        self.transport = None if R == 1 else self._choose_transport(transport)
         self.id = next(_group_ids)
         _live_groups[self.id] = self
-        self.closed = False
         self._last_stream = None
         self._last_device = self.device  # of the last prepare (a local group has no device of its own)
 
+    def _choose_transport(self, want):
+        """The transport of a multi-rank group (a collective unless ``want`` is 'nccl'): probe where every
+        rank runs (host identity, PCI bus id, peer access; two all-gathers), then set up the direct
+        transport's shared buffers."""
+        if want == "nccl":
+            return "nccl"
+        from moe_rt import _ep_direct
+
+        wait = lambda s: self._wait(s, "__init__")  # noqa: E731
+        ok, reason = _ep_direct.probe_peers(self.comm, self.device, wait)
+        if not ok:
+            if want == "direct":
+                raise ValueError(f"transport='direct': {reason}; use transport='nccl' or 'auto'")
+            return "nccl"
+        P = self.pair_capacity if self.mode == "capacity" else self.max_tokens_per_rank
+        self._direct = _ep_direct.DirectTransport(self.comm, self.device, P, self.timeout, wait)
+        return "direct"
     def __repr__(self):
         return (f"EpGroup(rank={self.rank}, size={self.size}, num_experts={self.num_experts}, "
                 f"hidden={self.hidden}, max_tokens_per_rank={self.max_tokens_per_rank}, mode={self.mode!r}, "
-                f"chunks={self.chunks}, overlap={self.overlap})")
+                f"chunks={self.chunks}, overlap={self.overlap}, transport={self.transport!r})")
 
     def close(self):
-        """Mark the group closed (the communicator is borrowed and stays open). Idempotent."""
+        """Close the group (idempotent). Teardown order: the caller closes its handles first; the direct
+        transport then waits for the device, closes its IPC mappings of the peers' buffers and frees its
+        own; the communicator is borrowed and stays open. With the direct transport, close the group on
+        every rank once no op of it is in flight on any rank."""
         self.closed = True
+        d, self._direct = self._direct, None
+        if d is not None:
+            d.close()
 
     # -- common checks ---------------------------------------------------------------------------------
     def _alive(self, op):
@@ -322,6 +368,7 @@ class EpGroup:
         deadline = time.monotonic() + timeout
         delay = 1e-5
         while not ev.done:
+            self._check_direct()
             if self.comm is not None:
                 err = self.comm.async_error()
                 if err is not None:
@@ -334,6 +381,20 @@ class EpGroup:
                                    "did not call the same op); the communicator was aborted")
             time.sleep(delay)
             delay = min(delay * 2, 5e-3)
+        self._check_direct()
+
+    def _check_direct(self):
+        """Raise TimeoutError (after aborting the communicator) if a barrier of the direct transport timed
+        out: its kernel wrote the op into the mapped error word and returned."""
+        d = self._direct
+        op = d.failed_op() if d is not None else None
+        if op is None:
+            return
+        if self.comm is not None and not getattr(self.comm, "closed", False):
+            self.comm.abort()
+        raise TimeoutError(f"EpGroup.{op}: a peer rank did not reach the direct transport's barrier within "
+                           f"{self.timeout:g} s (it is dead or did not call the same op); the group is unusable "
+                           "and the communicator was aborted")
 
     def synchronize(self, timeout: float | None = None, *, stream=None):
         """Wait until the work queued on ``stream`` (default: the stream of this group's last op) is done,
@@ -492,6 +553,9 @@ class EpGroup:
         h.view("seg_start")[...] = plan.seg_start
         h.view("expert_counts")[...] = plan.counts
         h.view("tokens_per_expert")[...] = plan.tokens_per_expert
+        if self._direct is not None and exact:
+            # the direct transport's stages hold source s's row j at s*P + j; exact mode packs them
+            h.state["row_map"] = self._direct.row_map(call, h)
         del buf0, plan
         return h
 
@@ -734,11 +798,59 @@ class EpGroup:
         self._last_stream = s
         return out, gw
 
+    # -- the direct transport ----------------------------------------------------------------------------
+    def _direct_forward(self, call, h, x, w, op):
+        """The dispatch direction on the direct transport: barrier (every rank finished the previous op) ->
+        push this rank's rows (and weights) into the destinations' stages -> barrier (every row arrived).
+        Returns ``(stage [R*P,H] view, row map or None)``: received row r sits at stage row ``map[r]``
+        (capacity mode: at r). The received weights are copied into the handle's recv_wk."""
+        d, s = self._direct, call.stream
+        sz = h.sizes
+        R, P, K, H = sz["R"], sz["P"], sz["K"], self.hidden
+        rows_st, w_st = d.stages(H * x.dtype.itemsize, K, s)
+        d.barrier(s, op)
+        d.push(call, h, x, w, rows_st, w_st)
+        d.barrier(s, op)
+        row_map = h.state.get("row_map")
+        if w is not None:
+            d.copy_rows(call, w_st.local, row_map, h.view("recv_wk").data.ptr, None, sz["rows"], K * 4)
+        self._last_stream = s
+        return d.view(rows_st, R * P, H, x.dtype), row_map
+
+    def _direct_recv_buf(self, call, h, stage, row_map):
+        """The received rows in the handle's layout ([rows,H]): the stage itself in capacity mode, a packed
+        copy in exact mode."""
+        if row_map is None:
+            return stage
+        rows = h.sizes["rows"]
+        buf = call.xp.empty((rows, self.hidden), stage.dtype)
+        self._direct.copy_rows(call, stage.data.ptr, row_map, buf.data.ptr, None, rows,
+                               self.hidden * stage.dtype.itemsize)
+        return buf
+
+    def _direct_backward(self, call, h, z, zw, T, out_dtype, want_w, op):
+        """The combine direction on the direct transport: barrier (every rank finished reading the stages
+        of the previous op) -> this rank's partial rows z [rows,H] (and zw [rows,K]) into its own stages at
+        their s*P + j rows -> barrier (every partial is in) -> the owner pulls and sums over ranks."""
+        d, s = self._direct, call.stream
+        sz = h.sizes
+        K, rows = sz["K"], sz["rows"]
+        rb = self.hidden * np.dtype(out_dtype).itemsize
+        rows_st, w_st = d.stages(rb, K, s)
+        row_map = h.state.get("row_map")
+        d.barrier(s, op)
+        d.copy_rows(call, z.data.ptr, None, rows_st.local, row_map, rows, rb)
+        if zw is not None:
+            d.copy_rows(call, zw.data.ptr, None, w_st.local, row_map, rows, K * 4)
+        d.barrier(s, op)
+        self._last_stream = s
+        return d.owner_sum(call, h, rows_st, w_st, T, out_dtype, want_w)
+
     # -- overlap helpers -------------------------------------------------------------------------------
     def _overlapped(self, h, itemsize):
         """Whether this call overlaps its transfer with the local work. A local choice: the serial path sends
         the same parts in the same NCCL groups, so ranks may choose differently."""
-        if self.size == 1:
+        if self.size == 1 or self._direct is not None:
             return False
         if self.overlap is not None:
             return self.overlap
@@ -829,7 +941,14 @@ class EpGroup:
                 if wv is not None:
                     handle.view("recv_wk")[...] = handle.state["ref"]["recv_weights_slots"].reshape(-1)
                 return call.out(rx), (None if rw is None else call.out(rw)), call.out(tpe)
-            if self._overlapped(handle, xv.dtype.itemsize):
+            if self._direct is not None:
+                N, xp = handle.sizes["N"], call.xp
+                rx = xp.empty((N, self.hidden), xv.dtype)
+                rw = None if wv is None else xp.empty(N, np.float32)
+                stage, row_map = self._direct_forward(call, handle, xv, wv, "dispatch")
+                _fill_rows(call, handle, rx, rw, None if wv is None else _recv_wk(handle))
+                _expand_rows(call, handle, stage, rx, 0, handle.sizes["rows"], row_map)
+            elif self._overlapped(handle, xv.dtype.itemsize):
                 N, xp = handle.sizes["N"], call.xp
                 rx = xp.empty((N, self.hidden), xv.dtype)
                 rw = None if wv is None else xp.empty(N, np.float32)
@@ -873,6 +992,10 @@ class EpGroup:
             if call.backend == "cpu":
                 return call.out(_ref.combine([handle.state["ref"]], [yv], weighted=weighted)[0])
             pw = _recv_wk(handle) if weighted else None
+            if self._direct is not None:
+                z = permutation.combine(yv, _plan_view(handle), pw, stream=call.stream)
+                out, _ = self._direct_backward(call, handle, z, None, handle.sizes["T"], yv.dtype, False, "combine")
+                return call.out(out)
             if self._overlapped(handle, yv.dtype.itemsize):
                 def produce(lo, hi):
                     return permutation.combine(yv, _subplan(handle, lo, hi), None if pw is None else pw[lo:hi],
@@ -910,6 +1033,11 @@ class EpGroup:
             if call.backend == "cpu":
                 gx, gwt = _ref.dispatch_bwd([handle.state["ref"]], [g], None if gw is None else [gw])[0]
                 return call.out(gx), (None if gwt is None else call.out(gwt))
+            if self._direct is not None:
+                gz, gp = permutation.dispatch_backward(g, _plan_view(handle), gw, stream=call.stream)
+                out, gwt = self._direct_backward(call, handle, gz, gp, sz["T"], g.dtype, gw is not None,
+                                                 "dispatch_bwd")
+                return call.out(out), (None if gwt is None else call.out(gwt))
             if self._overlapped(handle, g.dtype.itemsize):
                 gp = None if gw is None else _slot_values(call, handle, gw)
 
@@ -957,7 +1085,19 @@ class EpGroup:
                 gy, gw = _ref.combine_bwd([handle.state["ref"]], [g], None if yv is None else [yv],
                                           weighted=weighted)[0]
                 return call.out(gy), (None if gw is None else call.out(gw))
-            if self._overlapped(handle, g.dtype.itemsize) and (not weighted or yv is None):
+            if self._direct is not None:
+                stage, row_map = self._direct_forward(call, handle, g, None, "combine_bwd")
+                if not weighted or yv is None:
+                    N = sz["N"]
+                    gy = call.xp.empty((N, self.hidden), g.dtype)
+                    pp = call.xp.empty(N, np.float32) if weighted else None
+                    _fill_rows(call, handle, gy, pp, _recv_wk(handle) if weighted else None)
+                    _expand_rows(call, handle, stage, gy, 0, sz["rows"], row_map)
+                    if weighted:
+                        _scale_rows(call, gy, pp)
+                    return call.out(gy), None
+                recv_buf = self._direct_recv_buf(call, handle, stage, row_map)
+            elif self._overlapped(handle, g.dtype.itemsize) and (not weighted or yv is None):
                 # the dispatch direction: expand each part as it lands (the weights are the forward's)
                 N, xp = sz["N"], call.xp
                 gy = xp.empty((N, self.hidden), g.dtype)
@@ -970,7 +1110,7 @@ class EpGroup:
                 if weighted:
                     _scale_rows(call, gy, pp)
                 return call.out(gy), None
-            if self._overlapped(handle, g.dtype.itemsize):
+            elif self._overlapped(handle, g.dtype.itemsize):
                 # weighted with y: the transfer still runs in parts; the expert-side kernel runs after it
                 recv_buf = self._forward_overlapped(call, handle, g, None, lambda buf, lo, hi: None)
             else:

@@ -288,7 +288,7 @@ def test_group_validation(rng):
         EpGroup(None, 4, 4, 4, dtype=np.int32)
     # a multi-rank group cannot run on CPU arrays
     with pytest.raises(TypeError, match="CUDA arrays"):
-        EpGroup(_FakeComm(), 4, 4, 4).prepare(np.zeros((2, 1), np.int32))
+        EpGroup(_FakeComm(), 4, 4, 4, transport="nccl").prepare(np.zeros((2, 1), np.int32))
 
     g = EpGroup(None, 4, 8, 6)
     with pytest.raises(ValueError, match="expert ids"):
@@ -388,7 +388,7 @@ def test_overlap_keyword_env_and_auto_choice(monkeypatch):
     sent = {"rows": 0}
     for overlap, rows, itemsize, want in ((None, 124, 2, False), (None, 125, 2, True), (None, 62, 4, False),
                                           (None, 32, 8, True), (False, 10**6, 2, False), (True, 1, 2, True)):
-        g = EpGroup(fake, 4, 4, 8, overlap=overlap)
+        g = EpGroup(fake, 4, 4, 8, overlap=overlap, transport="nccl")
         monkeypatch.setattr(g, "_send_rows", lambda h: sent["rows"])
         sent["rows"] = rows
         assert g._overlapped(None, itemsize) is want, (overlap, rows, itemsize)
@@ -410,7 +410,7 @@ def test_chunk_plan_parts_match_between_ranks(rng, monkeypatch, R, chunks, min_b
     groups = []
     for r in range(R):
         fake = type("C", (_FakeComm,), {"rank": r, "size": R})()
-        groups.append(EpGroup(fake, 2 * R, 4, 64, chunks=chunks))
+        groups.append(EpGroup(fake, 2 * R, 4, 64, chunks=chunks, transport="nccl"))
     plans = []
     for r, g in enumerate(groups):
         sc = [int(counts[r, d]) for d in range(R)]
