@@ -27,9 +27,11 @@ One op: barrier (every rank has finished the previous op, so nobody still reads 
 written) -> write rows -> barrier (every row has arrived) -> read locally (dispatch) or from the peers'
 stages (combine). The next op's leading barrier protects the stages from being overwritten early.
 
-Teardown (:meth:`DirectTransport.close`, called by ``EpGroup.close``): wait for the device, close every
-IPC mapping of the peers' buffers, then free this rank's buffers and the error word. The communicator is
-borrowed and stays open. Close the group on every rank once no op is in flight on any rank.
+Teardown (:meth:`DirectTransport.close`, called by ``EpGroup.close``; a collective): wait for the device,
+one last barrier (no peer still touches this rank's buffers; bounded by the timeout), close every IPC
+mapping of the peers' buffers, then free this rank's buffers and the error word. The caller closes its
+handles first; the communicator is borrowed and stays open (the group never closes it). Every rank closes
+the group at the same point of its op sequence.
 """
 from __future__ import annotations
 
@@ -53,7 +55,7 @@ for _c in _jit.CTYPES.values():
         _names.append(f"ep_direct_owner_sum<{_c}, {_v}>")
 _jit.register(_FILE, _names)
 
-OPS = {1: "dispatch", 2: "combine", 3: "dispatch_bwd", 4: "combine_bwd"}
+OPS = {1: "dispatch", 2: "combine", 3: "dispatch_bwd", 4: "combine_bwd", 5: "close"}
 OP_CODES = {v: k for k, v in OPS.items()}
 _HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
 
@@ -111,35 +113,35 @@ def probe_peers(comm, device, wait):
 
 
 def _decide(comm, device, stream, wait, runtime):
-    R, me = comm.size, comm.rank
     ident = all_gather_int64(comm, [host_identity(), _bus_code(runtime.deviceGetPCIBusId(device)), device],
                              stream, wait)
-    reason = ""
-    for p in range(R):
-        if p == me:
-            continue
-        if ident[p, 0] != ident[me, 0]:
-            reason = f"ranks {me} and {p} are on different nodes"
-            break
-        bus = _bus_string(int(ident[p, 1]))
-        try:
-            local = runtime.deviceGetByPCIBusId(bus)
-        except runtime.CUDARuntimeError:
-            reason = f"rank {p}'s GPU ({bus}) is not visible to rank {me} (CUDA_VISIBLE_DEVICES)"
-            break
-        if local == device:
-            reason = f"ranks {me} and {p} use the same GPU ({bus})"
-            break
-        if not runtime.deviceCanAccessPeer(device, local):
-            reason = f"rank {me}'s GPU cannot access rank {p}'s GPU ({bus}) as a peer"
-            break
-    oks = all_gather_int64(comm, [0 if reason else 1, len(reason)], stream, wait)
+    reason = local_reason(ident, comm.rank, device, runtime)
+    oks = all_gather_int64(comm, [0 if reason else 1], stream, wait)
     if all(int(o) for o in oks[:, 0]):
         return True, ""
     if reason:
         return False, reason
-    bad = int(np.argmin(oks[:, 0]))
-    return False, f"rank {bad} found a pair without peer access"
+    return False, f"rank {int(np.argmin(oks[:, 0]))} has a peer on another node or without peer access"
+
+
+def local_reason(ident, me, device, runtime) -> str:
+    """Why rank ``me`` (on local device ordinal ``device``) cannot reach some peer directly ("" if it can
+    reach all): ``ident[r]`` = (host identity, PCI bus code, ordinal) of rank r."""
+    for p in range(len(ident)):
+        if p == me:
+            continue
+        if ident[p][0] != ident[me][0]:
+            return f"ranks {me} and {p} are on different nodes"
+        bus = _bus_string(int(ident[p][1]))
+        try:
+            local = runtime.deviceGetByPCIBusId(bus)
+        except runtime.CUDARuntimeError:
+            return f"rank {p}'s GPU ({bus}) is not visible to rank {me} (CUDA_VISIBLE_DEVICES)"
+        if local == device:
+            return f"ranks {me} and {p} use the same GPU ({bus})"
+        if not runtime.deviceCanAccessPeer(device, local):
+            return f"rank {me}'s GPU cannot access rank {p}'s GPU ({bus}) as a peer"
+    return ""
 
 
 class _Shared:
@@ -345,18 +347,24 @@ class DirectTransport:
         return m
 
     def close(self):
-        """Close every IPC mapping, then free this rank's buffers (idempotent). Waits for the device first:
-        a barrier still waiting ends within the group's timeout."""
+        """Teardown (a collective; idempotent): wait for this device, one last barrier (every rank has
+        finished every op, so no peer still reads or writes this rank's buffers; it ends within the
+        group's timeout even if a peer never comes), close every IPC mapping of the peers' buffers, then
+        free this rank's own buffers and the error word."""
         if self.closed:
             return
-        self.closed = True
         import cupy
         from cupy.cuda import runtime
 
         with cupy.cuda.Device(self.device):
             try:
                 runtime.deviceSynchronize()
+                if self.bar is not None and self.failed_op() is None:
+                    stream = cupy.cuda.get_current_stream()
+                    self.barrier(stream, "close")
+                    stream.synchronize()
             finally:
+                self.closed = True
                 shared = [self._stages[k] for k in reversed(self._order)] + ([self.bar] if self.bar else [])
                 self._stages, self._order, self.bar = {}, [], None
                 for st in shared:  # every IPC mapping of the peers' buffers first

@@ -298,9 +298,9 @@ class EpGroup:
 
     def close(self):
         """Close the group (idempotent). Teardown order: the caller closes its handles first; the direct
-        transport then waits for the device, closes its IPC mappings of the peers' buffers and frees its
-        own; the communicator is borrowed and stays open. With the direct transport, close the group on
-        every rank once no op of it is in flight on any rank."""
+        transport then waits for the device, runs one last barrier with the peers (a collective: every
+        rank closes the group at the same point of its op sequence; bounded by the timeout), closes its IPC
+        mappings of the peers' buffers and frees its own; the communicator is borrowed and stays open."""
         self.closed = True
         d, self._direct = self._direct, None
         if d is not None:
@@ -375,6 +375,7 @@ class EpGroup:
                     self.comm.abort()
                     raise err
             if time.monotonic() > deadline:
+                self._check_direct()  # a barrier that timed out meanwhile names its op
                 if self.comm is not None:
                     self.comm.abort()
                 raise TimeoutError(f"EpGroup.{op}: no progress within {timeout:g} s (a peer rank is dead or "

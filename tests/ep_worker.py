@@ -1,13 +1,17 @@
 """Per-rank worker of the multi-GPU EP tests; run under the launcher, one process per GPU:
 
-    python tools/launch.py -n 2 tests/ep_worker.py correctness|graph|dead_peer
+    python tools/launch.py -n R tests/ep_worker.py correctness|graph|dead_peer|transports|graph_transports|dead_peer_direct
+
+Any world size R >= 2 (token counts are spread over the ranks; expert counts are multiples of R).
 
 Every rank draws every rank's inputs from the same seed, runs its own share on its GPU through EpGroup,
 and compares with the NumPy R-rank reference (moe_rt.reference.ep). Prints "ALL OK" (or "DEAD PEER OK")
 on success; any mismatch raises, so the rank exits non-zero and the launcher fails.
 
 Transfer configurations: MOE_RT_EP_TEST_CHUNKS (default "o4,s1,o1,2"): a chunk count (EpGroup ``chunks``),
-prefixed "s" for the serial path (``overlap=False``) or "o" for the overlapped one (``overlap=True``).
+prefixed "s" for the serial path (``overlap=False``) or "o" for the overlapped one (``overlap=True``), all
+on the NCCL transport; or "d", the direct peer-memory transport. ``transports`` and ``graph_transports``
+run "d,s1,o2" (direct first, against the reference; the NCCL ones bitwise against it).
 Every case runs with the first configuration against the reference and with the others bitwise against
 the first; the graph test captures one graph per configuration. The part-size floor is lifted so that the
 small test shapes are really split.
@@ -23,9 +27,24 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 CHUNKS = os.environ.get("MOE_RT_EP_TEST_CHUNKS", "o4,s1,o1,2").split(",")
 
 
+TRANSPORT_CHUNKS = ["d", "s1", "o2"]
+
+
 def cfg(c):
-    """EpGroup keywords of a configuration string ("4", "s1", "o2")."""
-    return {"chunks": int(c.lstrip("so")), "overlap": {"s": False, "o": True}.get(c[:1])}
+    """EpGroup keywords of a configuration string ("4", "s1", "o2": NCCL; "d": direct)."""
+    if c == "d":
+        return {"transport": "direct"}
+    return {"chunks": int(c.lstrip("so")), "overlap": {"s": False, "o": True}.get(c[:1]), "transport": "nccl"}
+
+
+def experts(n):
+    """n experts, or the next multiple of the world size."""
+    return n if n % WORLD == 0 else WORLD * -(-n // WORLD)
+
+
+def spread(Ts):
+    """Token counts for every rank from a pattern: rank r gets Ts[r % len] less 3 per round (0 stays 0)."""
+    return tuple(max(1, Ts[r % len(Ts)] - 3 * (r // len(Ts))) if Ts[r % len(Ts)] else 0 for r in range(WORLD))
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
 DEV = int(os.environ.get("LOCAL_RANK", RANK))
@@ -84,10 +103,12 @@ def same(name, got, want):
         raise AssertionError(f"{name}: not bitwise equal")
 
 
-def one_case(cp, comm, seed, E, K, H, Ts, Tmax, kind, mode, align, dtype):
+def one_case(cp, comm, seed, E, K, H, Ts, Tmax, kind, mode, align, dtype, chunks=None):
     from moe_rt.ep import EpGroup
     from moe_rt.reference import ep as ref
 
+    chunks = CHUNKS if chunks is None else chunks
+    Ts = spread(Ts)
     rng = np.random.default_rng(seed)
     idx = [routing(rng, T, E, K, kind) for T in Ts]
     x = [rng.standard_normal((T, H)).astype(np.float32).astype(dtype) for T in Ts]
@@ -96,7 +117,8 @@ def one_case(cp, comm, seed, E, K, H, Ts, Tmax, kind, mode, align, dtype):
     kw = {} if mode == "exact" else {"pair_capacity": Tmax, "capacity": WORLD * Tmax * min(K, L)}
     hs = ref.prepare(idx, E, align_size=align, **kw)
     routs = ref.dispatch(hs, x, w)
-    g = EpGroup(comm, E, H, Tmax, mode=mode, align_size=align, timeout=60, **cfg(CHUNKS[0]))
+    g = EpGroup(comm, E, H, Tmax, mode=mode, align_size=align, timeout=60, **cfg(chunks[0]))
+    assert g.transport == cfg(chunks[0])["transport"], (g.transport, chunks[0])
     h = g.prepare(cp.asarray(idx[RANK]))
     rx, rw, tpe = g.dispatch(h, cp.asarray(x[RANK]), cp.asarray(w[RANK]))
     tag = f"[{kind} {mode} A={align} {np.dtype(dtype).name} H={H} T={Ts}]"
@@ -131,11 +153,11 @@ def one_case(cp, comm, seed, E, K, H, Ts, Tmax, kind, mode, align, dtype):
     same(f"combine_bwd unweighted {tag}", gy3, ref.combine_bwd(hs, gout, weighted=False)[RANK][0])
     got = {"recv_x": rx, "recv_w": rw, "dispatch_bwd x": gx, "dispatch_bwd w": gwt, "combine_bwd y": gy,
            "combine_bwd w": grw, "combine_bwd y without y": gy2, "combine_bwd unweighted": gy3}
-    for c in CHUNKS[1:]:
-        # the same ops with another chunk count: bitwise the same results
+    for c in chunks[1:]:
+        # the same ops with another chunk count or transport: bitwise the same results
         g2 = EpGroup(comm, E, H, Tmax, mode=mode, align_size=align, timeout=60, **cfg(c))
         h2 = g2.prepare(cp.asarray(idx[RANK]))
-        t2 = f"{tag} chunks={c} vs {CHUNKS[0]}"
+        t2 = f"{tag} chunks={c} vs {chunks[0]}"
         rx2, rw2, tpe2 = g2.dispatch(h2, cp.asarray(x[RANK]), cp.asarray(w[RANK]))
         other = {"recv_x": rx2, "recv_w": rw2}
         same(f"tokens_per_local_expert {t2}", tpe2, tpe)
@@ -148,7 +170,9 @@ def one_case(cp, comm, seed, E, K, H, Ts, Tmax, kind, mode, align, dtype):
         for k, v in got.items():
             same(f"{k} {t2}", other[k], v)
         h2.close()
+        g2.close()
     h.close()
+    g.close()
 
 
 def correctness(cp, comm):
@@ -158,15 +182,15 @@ def correctness(cp, comm):
         for kind, Ts in (("uniform", (48, 37)), ("skewed", (64, 20)), ("one", (30, 41)), ("holes", (33, 50)),
                          ("uniform", (40, 0)), ("holes", (0, 0))):
             for align, dtype, H in ((1, f32, 256), (8, b16, 512), (1, f16, 100)):
-                one_case(cp, comm, 1000 + n, 16, 4, H, Ts, 64, kind, mode, align, dtype)
+                one_case(cp, comm, 1000 + n, experts(16), 4, H, Ts, 64, kind, mode, align, dtype)
                 n += 1
     # K > L, E = R
-    one_case(cp, comm, 7, 2, 2, 64, (10, 12), 16, "uniform", "exact", 1, f32)
-    one_case(cp, comm, 8, 8, 6, 64, (10, 12), 16, "holes", "capacity", 4, b16)
+    one_case(cp, comm, 7, WORLD, 2, 64, (10, 12), 16, "uniform", "exact", 1, f32)
+    one_case(cp, comm, 8, experts(8), 6, 64, (10, 12), 16, "holes", "capacity", 4, b16)
     # capacity overflow is flagged, never silent
     from moe_rt.ep import EpGroup
 
-    g = EpGroup(comm, 4, 64, 32, mode="capacity", capacity=10, timeout=60)
+    g = EpGroup(comm, experts(4), 64, 32, mode="capacity", capacity=10, timeout=60, **cfg(CHUNKS[0]))
     idx = np.full((32, 2), -1, np.int32)
     idx[:, 0] = 0
     h = g.prepare(cp.asarray(idx))
@@ -184,14 +208,15 @@ def correctness(cp, comm):
     log(f"{n + 3} cases OK")
 
 
-def graph(cp, comm):
+def graph(cp, comm, chunks=None, replays=100, memory=True):
     from moe_rt.ep import EpGroup
     from moe_rt.reference import ep as ref
 
-    E, K, H, Tmax = 16, 4, 256, 128
+    E, K, H, Tmax = experts(16), 4, 256, 128
     dtype = bf16()
     L = E // WORLD
-    groups = [EpGroup(comm, E, H, Tmax, mode="capacity", timeout=60, **cfg(c)) for c in CHUNKS]
+    chunks = CHUNKS if chunks is None else chunks
+    groups = [EpGroup(comm, E, H, Tmax, mode="capacity", timeout=60, **cfg(c)) for c in chunks]
     stream = cp.cuda.Stream(non_blocking=True)
     pool = cp.cuda.MemoryPool()
 
@@ -224,7 +249,7 @@ def graph(cp, comm):
         eager, captured, gr = eagers[0], outs[0], graphs[0]
     kw = {"pair_capacity": Tmax, "capacity": WORLD * Tmax * min(K, L)}
     first = None
-    for i in range(100):
+    for i in range(replays):
         idx, x, w = inputs(i)
         s_idx.set(idx[RANK], stream=stream)
         s_x.set(x[RANK], stream=stream)
@@ -232,10 +257,10 @@ def graph(cp, comm):
         for gg in graphs:
             gg.launch(stream)
         stream.synchronize()
-        for c, o in zip(CHUNKS[1:], outs[1:]):
+        for c, o in zip(chunks[1:], outs[1:]):
             for j, name in enumerate(("recv_x", "recv_w", "tpe", "combine", "dispatch_bwd x", "dispatch_bwd w",
                                       "combine_bwd y"), start=1):
-                same(f"graph {name} chunks={c} vs {CHUNKS[0]} {i}", o[j], captured[j])
+                same(f"graph {name} chunks={c} vs {chunks[0]} {i}", o[j], captured[j])
         hs = ref.prepare(idx, E, **kw)
         routs = ref.dispatch(hs, x, w)
         _, rx, rw, tpe, out = captured[:5]
@@ -254,12 +279,16 @@ def graph(cp, comm):
     stream.synchronize()
     same("graph replay determinism", captured[4], first)
     same("graph vs eager", captured[4], eager[4])
-    log(f"graph: 100 replays OK (chunks {CHUNKS})")
+    log(f"graph: {replays} replays OK (chunks {chunks})")
+    if not memory:
+        for g in groups:
+            g.close()
+        return
 
     # 1000 eager iterations per mode: pool memory stays flat
     mp = cp.get_default_memory_pool()
     for mode in ("exact", "capacity"):
-        g2 = EpGroup(comm, E, H, Tmax, mode=mode, timeout=60, **cfg(CHUNKS[0]))
+        g2 = EpGroup(comm, E, H, Tmax, mode=mode, timeout=60, **cfg(chunks[0]))
         rng = np.random.default_rng(5)
         d_idx = cp.asarray(routing(rng, 100, E, K, "uniform"))
         d_x = cp.asarray(rng.standard_normal((100, H)).astype(np.float32))
@@ -285,7 +314,7 @@ def dead_peer(cp, comm):
     from moe_rt import NcclError
     from moe_rt.ep import EpGroup
 
-    g = EpGroup(comm, 4, 64, 32, timeout=20)
+    g = EpGroup(comm, experts(4), 64, 32, timeout=20, transport="nccl")
     idx = np.tile(np.array([[0, 3]], np.int32), (32, 1))
     h = g.prepare(cp.asarray(idx))
     if RANK == 1:
@@ -305,10 +334,60 @@ def dead_peer(cp, comm):
     os._exit(0)  # the aborted communicator's stream may still hold NCCL work; skip teardown
 
 
+def transports(cp, comm):
+    """The direct transport against the reference, the NCCL transport bitwise against it: every op, both
+    modes, vector and scalar row widths."""
+    f32, b16, f16 = np.float32, bf16(), np.float16
+    n = 0
+    for mode in ("exact", "capacity"):
+        for kind, Ts, align, dtype, H in (("uniform", (48, 37), 1, f32, 256), ("holes", (33, 0), 8, b16, 512),
+                                          ("skewed", (64, 20), 1, f16, 100), ("one", (30, 41), 4, b16, 72)):
+            one_case(cp, comm, 3000 + n, experts(16), 4, H, Ts, 64, kind, mode, align, dtype,
+                     chunks=TRANSPORT_CHUNKS)
+            n += 1
+    one_case(cp, comm, 3100, experts(8), 6, 64, (10, 12), 16, "holes", "capacity", 4, b16, chunks=TRANSPORT_CHUNKS)
+    log(f"transports: {n + 1} cases OK ({TRANSPORT_CHUNKS})")
+
+
+def graph_transports(cp, comm):
+    graph(cp, comm, chunks=TRANSPORT_CHUNKS, replays=5, memory=False)
+
+
+def dead_peer_direct(cp, comm):
+    """Rank 1 skips a dispatch (and stays alive): every other rank gets TimeoutError naming dispatch within
+    the group's short timeout, and closes the group afterwards."""
+    from moe_rt.ep import EpGroup
+
+    timeout = 4.0
+    g = EpGroup(comm, experts(4), 64, 32, timeout=timeout, transport="direct")
+    assert g.transport == "direct" and "transport='direct'" in repr(g), repr(g)
+    idx = np.tile(np.array([[0, 3]], np.int32), (32, 1))
+    h = g.prepare(cp.asarray(idx))
+    if RANK == 1:
+        log("rank 1 skips the dispatch")
+        time.sleep(3 * timeout + 5)
+        os._exit(0)
+    t0 = time.monotonic()
+    try:
+        g.dispatch(h, cp.ones((32, 64), cp.float32))
+        g.synchronize()
+        raise AssertionError("dispatch with a dead peer completed")
+    except TimeoutError as e:
+        dt = time.monotonic() - t0
+        log(f"got {type(e).__name__} after {dt:.1f} s: {e}")
+        assert "dispatch" in str(e), e
+        assert dt < 2 * timeout + 5, dt
+    h.close()
+    g.close()  # teardown after a failure: IPC mappings closed, buffers freed, no hang
+    log("DEAD PEER OK")
+    os._exit(0)  # the communicator was aborted; skip its teardown
+
+
 def main():
     what = sys.argv[1] if len(sys.argv) > 1 else "correctness"
     cp, comm = setup()
-    {"correctness": correctness, "graph": graph, "dead_peer": dead_peer}[what](cp, comm)
+    {"correctness": correctness, "graph": graph, "dead_peer": dead_peer, "transports": transports,
+     "graph_transports": graph_transports, "dead_peer_direct": dead_peer_direct}[what](cp, comm)
     cp.cuda.Device().synchronize()
     comm.close()
     log("ALL OK")

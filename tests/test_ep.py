@@ -452,6 +452,155 @@ def test_env_timeout(monkeypatch):
         EpGroup(None, 4, 4, 4)
 
 
+# -- transports ----------------------------------------------------------------------------------------------
+
+def test_transport_keyword_env_and_one_rank(monkeypatch):
+    monkeypatch.delenv("MOE_RT_EP_TRANSPORT", raising=False)
+    for t in (None, "auto", "direct", "nccl"):
+        g = EpGroup(None, 4, 4, 4, transport=t)  # one rank: no transport, the local path unchanged
+        assert g.transport is None and "transport=None" in repr(g)
+    with pytest.raises(ValueError, match="transport"):
+        EpGroup(None, 4, 4, 4, transport="ipc")
+    with pytest.raises(TypeError, match="transport"):
+        EpGroup(None, 4, 4, 4, transport=1)
+    monkeypatch.setenv("MOE_RT_EP_TRANSPORT", "fast")
+    with pytest.raises(ValueError, match="MOE_RT_EP_TRANSPORT"):
+        EpGroup(None, 4, 4, 4)
+    # the env var is read (and a forced nccl never probes: the fake comm's all_gather raises)
+    monkeypatch.setenv("MOE_RT_EP_TRANSPORT", "nccl")
+    g = EpGroup(_FakeComm(), 4, 4, 4)
+    assert g.transport == "nccl" and "transport='nccl'" in repr(g)
+    monkeypatch.setenv("MOE_RT_EP_TRANSPORT", "direct")
+    assert EpGroup(_FakeComm(), 4, 4, 4, transport="nccl").transport == "nccl"  # the keyword wins
+
+
+def test_transport_choice_from_the_probe(monkeypatch):
+    from moe_rt import _ep_direct
+
+    monkeypatch.delenv("MOE_RT_EP_TRANSPORT", raising=False)
+    made, closed = [], []
+
+    class FakeDirect:
+        def __init__(self, comm, device, pair_rows, timeout, wait):
+            made.append((device, pair_rows, timeout))
+
+        def close(self):
+            closed.append(1)
+
+        def failed_op(self):
+            return None
+
+    monkeypatch.setattr(_ep_direct, "DirectTransport", FakeDirect)
+    monkeypatch.setattr(_ep_direct, "probe_peers", lambda comm, device, wait: (False, "ranks 0 and 1 are on different nodes"))
+    assert EpGroup(_FakeComm(), 4, 4, 4).transport == "nccl"  # auto falls back
+    assert EpGroup(_FakeComm(), 4, 4, 4, transport="auto").transport == "nccl"
+    with pytest.raises(ValueError, match="different nodes"):
+        EpGroup(_FakeComm(), 4, 4, 4, transport="direct")
+    assert not made
+    monkeypatch.setattr(_ep_direct, "probe_peers", lambda comm, device, wait: (True, ""))
+    g = EpGroup(_FakeComm(), 4, 4, 8, transport="auto", timeout=7)
+    assert g.transport == "direct" and "transport='direct'" in repr(g)
+    assert made == [(0, 8, 7.0)]  # exact mode: pair rows = max_tokens_per_rank
+    g2 = EpGroup(_FakeComm(), 4, 4, 8, mode="capacity", pair_capacity=3, transport="direct")
+    assert g2.transport == "direct" and made[-1][1] == 3
+    assert g2._overlapped(None, 2) is False  # the NCCL overlap never applies to the direct path
+    g.close()
+    g.close()
+    assert closed == [1]
+    with pytest.raises(ValueError, match="closed"):
+        g.synchronize()
+
+
+class _Runtime:
+    """A stand-in for cupy.cuda.runtime in the probe's decision (no GPU)."""
+
+    class CUDARuntimeError(RuntimeError):
+        pass
+
+    def __init__(self, visible, peer_ok):
+        self.visible, self.peer_ok = visible, peer_ok  # bus id -> local ordinal; (a, b) -> bool
+
+    def deviceGetPCIBusId(self, dev):
+        return {v: k for k, v in self.visible.items()}[dev]
+
+    def deviceGetByPCIBusId(self, bus):
+        if bus not in self.visible:
+            raise self.CUDARuntimeError("cudaErrorInvalidDevice")
+        return self.visible[bus]
+
+    def deviceCanAccessPeer(self, a, b):
+        return int(self.peer_ok.get((a, b), True))
+
+
+@pytest.mark.parametrize("case", ["ok", "other_node", "no_peer", "not_visible", "same_gpu"])
+def test_probe_decision(monkeypatch, case):
+    from moe_rt import _ep_direct
+
+    R = 3
+    buses = ["0000:1a:00.0", "0000:3c:00.0", "0001:9d:00.0"]
+    hosts = [11, 11, 22 if case == "other_node" else 11]
+    ident = np.array([[hosts[r], _ep_direct._bus_code(buses[r]), r] for r in range(R)], np.int64)
+    if case == "same_gpu":
+        ident[2, 1] = ident[1, 1]
+    visible = {b: i for i, b in enumerate(buses)}
+    if case == "not_visible":
+        del visible[buses[2]]
+    rt = _Runtime(visible, {(0, 1): case != "no_peer", (1, 0): case != "no_peer"})
+    # each rank's own verdict (as ranks 0 and 1 see the machine)
+    reasons = [_ep_direct.local_reason(ident, me, me, rt) for me in range(2)]
+    want = {"ok": "", "other_node": "different nodes", "no_peer": "cannot access", "not_visible": "not visible",
+            "same_gpu": "same GPU"}[case]
+    if case == "ok":
+        assert reasons == ["", ""]
+    else:
+        assert any(want in r for r in reasons), reasons
+    # the group decision: every rank's verdict all-gathered; not ok anywhere -> not ok everywhere
+    verdicts = np.array([[0 if r else 1] for r in reasons] + [[1]], np.int64)
+    for me in range(2):
+        n = {"calls": 0}
+
+        def gather(comm, values, stream, wait):
+            n["calls"] += 1
+            if n["calls"] == 1:
+                assert list(values)[:2] == [hosts[me], int(ident[me, 1])]
+                return ident
+            assert list(values) == [0 if reasons[me] else 1]
+            return verdicts
+
+        monkeypatch.setattr(_ep_direct, "all_gather_int64", gather)
+        monkeypatch.setattr(_ep_direct, "host_identity", lambda: hosts[me])
+        comm = type("C", (), {"rank": me, "size": R})()
+        rt.deviceGetPCIBusId = lambda dev: buses[dev] if case != "same_gpu" or dev != 2 else buses[1]
+        ok, reason = _ep_direct._decide(comm, me, None, None, rt)
+        assert n["calls"] == 2
+        assert ok == (case == "ok") and (ok or reason), (case, me, ok, reason)
+
+
+def test_bus_id_round_trip():
+    from moe_rt import _ep_direct
+
+    for b in ("0000:1a:00.0", "0001:9d:1f.7", "00000000:3C:00.0"):
+        code = _ep_direct._bus_code(b)
+        back = _ep_direct._bus_string(code)
+        assert _ep_direct._bus_code(back) == code
+    with pytest.raises(RuntimeError, match="PCI bus id"):
+        _ep_direct._bus_code("nonsense")
+    assert isinstance(_ep_direct.host_identity(), int) and 0 <= _ep_direct.host_identity() < 2**63
+    assert _ep_direct.host_identity() == _ep_direct.host_identity()
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
+def test_direct_kernels_compile(arch):
+    from moe_rt import _ep_direct, _jit
+
+    names = [n for f, n in _jit.registered() if f == _ep_direct._FILE and n in _ep_direct._names]
+    assert len(names) == len(_ep_direct._names) and any("ep_direct_barrier" in n for n in names)
+    image, lowered = _jit.compile_offline("ep.cu", arch, names)
+    assert set(lowered) == set(names)
+    # the NCCL path's owner sum shares the direct path's body: both still compile
+    _jit.compile_offline("ep.cu", arch, ["ep_owner_sum<__nv_bfloat16, true>", "ep_owner_sum<float, false>"])
+
+
 # -- the handle layout ---------------------------------------------------------------------------------------
 
 HEADER = ROOT / "include" / "moe_rt" / "moe_rt.h"
@@ -608,9 +757,20 @@ def test_bootstrap_store_and_env(monkeypatch):
 
 # -- multi-GPU: tests/ep_worker.py on 2 GPUs ------------------------------------------------------------------
 
-def _run_worker(*args, timeout=240):
+def _gpu_count():
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount()
+    except Exception:
+        return 0
+
+
+def _run_worker(*args, timeout=240, n=2):
+    if n > _gpu_count():
+        pytest.skip(f"needs {n} CUDA GPUs")
     env = dict(os.environ, MOE_RT_EP_TIMEOUT="60")
-    r = subprocess.run([sys.executable, str(LAUNCH), "-n", "2", "--timeout", str(timeout),
+    r = subprocess.run([sys.executable, str(LAUNCH), "-n", str(n), "--timeout", str(timeout),
                         str(ROOT / "tests" / "ep_worker.py"), *args], capture_output=True, text=True, env=env,
                        timeout=timeout + 60)
     print(r.stdout[-20000:])
@@ -633,4 +793,31 @@ def test_multi_gpu_graph_determinism_memory():
 @pytest.mark.multi_gpu
 def test_multi_gpu_dead_peer_times_out():
     r = _run_worker("dead_peer", timeout=120)
+    assert r.returncode == 0 and "[rank 0] DEAD PEER OK" in r.stdout
+
+
+# The direct peer-memory transport (moe_rt/_ep_direct.py) against the NCCL one, at every R up to the GPU
+# count (small shapes: a few seconds each).
+
+@pytest.mark.multi_gpu
+@pytest.mark.parametrize("n", [2, 4])
+def test_multi_gpu_transports_reference_and_bitwise(n):
+    # direct against the NumPy reference; NCCL (serial and overlapped) bitwise against direct: dispatch,
+    # combine, dispatch_bwd, combine_bwd, exact and capacity modes
+    r = _run_worker("transports", n=n, timeout=180)
+    assert r.returncode == 0 and "[rank 0] ALL OK" in r.stdout
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.parametrize("n", [2, 4])
+def test_multi_gpu_transports_graph_replay(n):
+    # capacity mode captured in a CUDA graph per transport, replayed with new routing
+    r = _run_worker("graph_transports", n=n, timeout=180)
+    assert r.returncode == 0 and "[rank 0] ALL OK" in r.stdout
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.parametrize("n", [2, 4])
+def test_multi_gpu_direct_dead_peer_times_out(n):
+    r = _run_worker("dead_peer_direct", n=n, timeout=120)
     assert r.returncode == 0 and "[rank 0] DEAD PEER OK" in r.stdout
