@@ -1,20 +1,25 @@
 #!/usr/bin/env python3
-"""Benchmark expert-parallel prepare / dispatch / combine on 2 GPUs (one process each).
+"""Benchmark expert-parallel prepare / dispatch / combine on R GPUs (one process each).
 
-    python tools/bench_ep.py [--json FILE] [--quick]     # launches itself on 2 local GPUs
-    python tools/launch.py -n 2 tools/bench_ep.py ...    # the same, explicitly
+    python tools/bench_ep.py [--json FILE] [--quick] [--transport direct|nccl|both]
+                                                         # launches itself on MOE_RT_BENCH_EP_NPROC (2) GPUs
+    python tools/launch.py -n 4 tools/bench_ep.py ...    # explicitly, on 4
 
 Shapes: T in {512, 4096, 16384} tokens per rank, H=7168, bf16, E=256, K=8, uniform random top-k routing.
 For each mode (exact; capacity eager; capacity as one CUDA graph of prepare+dispatch+combine) it times
 prepare, then dispatch, combine and the round trip per transfer configuration (``--chunks``; default
 s1 = serial in one part, o2 = overlapped in two parts, 2 = the EpGroup default: two parts, overlapped when
-the rank sends at least 64 MiB), optionally the serial path's pieces alone (``--parts``), and side by
-side in the same run:
+the rank sends at least 64 MiB) of the NCCL transport and the direct peer-memory transport (chunks column
+"d"; ``--transport``: direct, nccl or both, the default), optionally the serial path's pieces alone
+(``--parts``), and side by side in the same run:
 
 (a) the torch.distributed pipeline a user writes: stable argsort permute (K rows per token), all-to-all of
     per-expert counts, ``.tolist()``, ``all_to_all_single`` with splits, chunk sort to expert-major; and
     the reverse for combine (weighted unpermute);
-(b) a raw ``all_to_all_single`` moving the bytes moe_rt puts on the wire (own share excluded).
+(b) a raw ``all_to_all_single`` moving the bytes moe_rt puts on the wire (own share excluded);
+(c) where every pair has peer access: a CUDA-IPC copy-engine all-to-all of the same bytes (one
+    ``cudaMemcpyAsync`` of each peer's share straight into the peer's IPC-mapped buffer, one stream per
+    peer): the practical limit of the link (column ipc_ce_ms; x_vs_ipc_ce = ms / ipc_ce_ms).
 
 Rank 0 prints the table; ``--json`` writes it. Times are rank 0's CUDA-event medians (ranks are
 synchronized before every case).
@@ -47,6 +52,8 @@ def main():
     ap.add_argument("--chunks", default=None,
                     help="transfer configurations to compare: a chunk count, prefixed 's' for the serial path "
                          "or 'o' for the overlapped one (default: s1,o2,2; 2 alone is the default EpGroup)")
+    ap.add_argument("--transport", default="both", choices=("direct", "nccl", "both"),
+                    help="the EP transports to time side by side (direct: chunks column 'd')")
     ap.add_argument("--parts", action="store_true",
                     help="also time the serial dispatch/combine's parts alone (pack, NCCL exchange, expand; "
                          "reduce, exchange, owner sum) in exact mode")
@@ -64,14 +71,23 @@ def main():
     E, K, H = 256, 8, 7168
     L = E // world
     Ts = [512] if args.quick else [int(t) for t in args.tokens.split(",")]
-    chunk_counts = (args.chunks or "s1,o2,2").split(",")
+    from moe_rt import _ep_direct
+
+    peer_ok = world > 1 and _ep_direct.probe_peers(comm, dev, lambda s: s.synchronize())[0]
+    chunk_counts = (args.chunks or "s1,o2,2").split(",") if args.transport != "direct" else []
+    if args.transport != "nccl":
+        if not peer_ok:
+            raise SystemExit("--transport direct: some pair of ranks has no peer access")
+        chunk_counts = ["d"] + chunk_counts
 
     def cfg(c):
-        return {"chunks": int(c.lstrip("so")), "overlap": {"s": False, "o": True}.get(c[:1])}
+        if c == "d":
+            return {"transport": "direct"}
+        return {"chunks": int(c.lstrip("so")), "overlap": {"s": False, "o": True}.get(c[:1]), "transport": "nccl"}
     iters, warm = args.iters, args.warmup
     table = benchlib.Table("EP dispatch/combine (moe_rt vs torch.distributed)",
                            ["op", "mode", "chunks", "T", "ms", "wire_MB", "wire_GB/s", "torch_ms", "raw_a2a_ms",
-                            "x_vs_torch", "x_vs_raw"])
+                            "ipc_ce_ms", "x_vs_torch", "x_vs_raw", "x_vs_ipc_ce"])
     table.meta.update(ranks=world, experts=E, topk=K, hidden=H, dtype="bfloat16")
     if rank == 0:
         table.header()
@@ -91,7 +107,7 @@ def main():
         from moe_rt import _arrays, permutation
         from moe_rt import ep as ep_mod
 
-        gs = EpGroup(comm, E, H, T, mode="exact", overlap=False)
+        gs = EpGroup(comm, E, H, T, mode="exact", overlap=False, transport="nccl")
         hp = gs.prepare(idx)
         gs.dispatch(hp, x, w)
         out = []
@@ -112,7 +128,38 @@ def main():
                                                                               (back, None, sc, so))), wire, t_raw))
             out.append(("combine: owner sum", timed(lambda: gs._owner_sum(call, hp, z, 0, None, back, None, T,
                                                                           z.dtype, False)), 0, t_raw))
-        return [(op, "s1", ms, nb, None, raw) for op, ms, nb, raw in out]
+        return [(op, "s1", ms, nb, None, raw, None) for op, ms, nb, raw in out]
+
+    def ipc_copy_engine(T, per_peer):
+        """(c): every rank copies ``per_peer`` bf16 rows to each peer's IPC buffer (slot ``rank`` of T rows)
+        with one cudaMemcpyAsync per peer, each on its own stream; the time of this rank's copies."""
+        if not peer_ok:
+            return None
+        rb = H * 2
+        dst = _ep_direct._Shared(comm, world * T * rb, cp.cuda.get_current_stream(), lambda s: s.synchronize())
+        src = cp.empty(max(per_peer, 1) * rb, cp.uint8)
+        streams = [cp.cuda.Stream(non_blocking=True) for _ in range(world)]
+        fork, joins = cp.cuda.Event(disable_timing=True), [cp.cuda.Event(disable_timing=True) for _ in range(world)]
+        rt = cp.cuda.runtime
+
+        def run():
+            main_s = cp.cuda.get_current_stream()
+            fork.record(main_s)
+            for p in range(world):
+                if p == rank or not per_peer:
+                    continue
+                streams[p].wait_event(fork)
+                rt.memcpyAsync(dst.ptrs[p] + rank * T * rb, src.data.ptr, per_peer * rb, rt.memcpyDefault,
+                               streams[p].ptr)
+                joins[p].record(streams[p])
+                main_s.wait_event(joins[p])
+
+        try:
+            return timed(run)
+        finally:
+            cp.cuda.Device().synchronize()
+            barrier()  # no peer copies into this rank's buffer any more
+            dst.close()
 
     for T in Ts:
         g_ = torch.Generator(device="cuda").manual_seed(1234 + rank)
@@ -176,6 +223,7 @@ def main():
                 dist.all_to_all_single(a2a_out, a2a_in, splits, splits)
 
             t_raw = timed(raw)
+            t_ce = ipc_copy_engine(T, per_peer)
             rows = []
             if args.parts and mode == "exact":
                 rows += serial_parts(T, x, w, idx, rx, wire, wire_w, t_raw)
@@ -197,32 +245,42 @@ def main():
                         graph = stream.end_capture()
                     barrier()
                     t_rt = benchlib.time_cuda(lambda: graph.launch(stream), iters=iters, warmup=warm, stream=stream)
-                    rows.append(("round trip (graph)", c, t_rt, 2 * (wire + wire_w), t_trt, 2 * t_raw))
+                    rows.append(("round trip (graph)", c, t_rt, 2 * (wire + wire_w), t_trt, 2 * t_raw,
+                                 2 * t_ce if t_ce else None))
                     del graph, pool
             else:
-                t_prep = timed(lambda: grps[-1].prepare(idx))
-                rows.append(("prepare", None, t_prep, 0, None, None))
+                seen = set()
+                for c, grp in zip(chunk_counts, grps):
+                    if grp.transport in seen:  # prepare is the same for every chunk configuration
+                        continue
+                    seen.add(grp.transport)
+                    t_prep = timed(lambda: grp.prepare(idx))
+                    rows.append(("prepare", c, t_prep, 0, None, None, None))
                 for op in ("dispatch", "combine", "round trip"):
                     for c, grp, h in zip(chunk_counts, grps, hs):
                         if op == "dispatch":
                             ms = timed(lambda: grp.dispatch(h, x, w))
-                            rows.append((op, c, ms, wire + wire_w, t_tdisp, t_raw))
+                            rows.append((op, c, ms, wire + wire_w, t_tdisp, t_raw, t_ce))
                         elif op == "combine":
                             ms = timed(lambda: grp.combine(h, y))
-                            rows.append((op, c, ms, wire, t_tcomb, t_raw))
+                            rows.append((op, c, ms, wire, t_tcomb, t_raw, t_ce))
                         else:
                             def rt():
                                 hh = grp.prepare(idx)
                                 r, _, _ = grp.dispatch(hh, x, w)
                                 return grp.combine(hh, r)
 
-                            rows.append((op, c, timed(rt), 2 * wire + wire_w, t_trt, 2 * t_raw))
+                            rows.append((op, c, timed(rt), 2 * wire + wire_w, t_trt, 2 * t_raw,
+                                         2 * t_ce if t_ce else None))
             if rank == 0:
-                for op, c, ms, nbytes, tms, rawms in rows:
+                for op, c, ms, nbytes, tms, rawms, cems in rows:
                     table.add(op=op, mode=mode, chunks=c, T=T, ms=ms, wire_MB=nbytes / 1e6,
                               **{"wire_GB/s": (nbytes / (ms * 1e-3) / 1e9) if nbytes else None},
-                              torch_ms=tms, raw_a2a_ms=rawms,
-                              x_vs_torch=(tms / ms) if tms else None, x_vs_raw=(ms / rawms) if rawms else None)
+                              torch_ms=tms, raw_a2a_ms=rawms, ipc_ce_ms=cems,
+                              x_vs_torch=(tms / ms) if tms else None, x_vs_raw=(ms / rawms) if rawms else None,
+                              x_vs_ipc_ce=(ms / cems) if cems else None)
+            for g in grps:
+                g.close()  # a collective with the direct transport: every rank, in the same order
             h = grp = None
             del hs, grps, rx, rw, y, a2a_in, a2a_out
             cp.get_default_memory_pool().free_all_blocks()
