@@ -67,11 +67,28 @@ read), :meth:`EpGroup.synchronize`, :meth:`EpGroup.check_overflow` or :func:`moe
 capacity mode ``prepare`` raises only with ``validate=True`` or ``MOE_RT_DEBUG=1`` (a sync). In a group of
 several ranks only the rank whose routing was bad raises (:mod:`moe_rt._errors`).
 
+Transports (``transport=``, ``MOE_RT_EP_TRANSPORT``; ``group.transport``): the rows above move either
+through NCCL grouped send/recv (``"nccl"``: the pack, the parts and the overlap described above) or
+through peer memory within a node (``"direct"``, :mod:`moe_rt._ep_direct`): each rank pushes its rows
+straight into every destination's IPC-mapped receive stage (row ``(src s, pos j)`` at ``s*P + j``; the own
+share into its own stage), and the receiver expands from its stage with the same kernels as the overlapped
+path; in the combine direction each rank puts its partial rows into its own stage and the owner pulls and
+sums them with ep_owner_sum's code (same order, same rounding). Device barriers (epochs advanced on the
+device, so CUDA-graph replays stay valid) separate the steps; ``chunks`` and ``overlap`` do not apply.
+The two transports give bitwise equal results. ``"auto"`` (the default) probes at group creation (host
+identity, PCI bus ids and peer access, all-gathered: a collective) and picks direct when every pair of
+ranks is on one node with peer access, else nccl; ``"direct"`` raises ValueError at creation otherwise.
+The direct transport makes its receive stage for a row size on the first op that needs it (a collective
+with a host sync): run each op kind once before CUDA-graph capture. ``close()`` the group on every rank.
+
 Dead peers: NCCL calls are asynchronous, so a missing rank shows up as a wait that never ends. Host-side
 waits (exact mode's count read in ``prepare``; :meth:`EpGroup.synchronize`; :meth:`EpGroup.check_overflow`)
 poll ``comm.async_error()`` and the stream until ``timeout`` seconds (default ``MOE_RT_EP_TIMEOUT`` or
 300 s); then they ``abort()`` the communicator and raise ``TimeoutError`` naming the op (or the
-``NcclError`` NCCL reported). The group is unusable afterwards.
+``NcclError`` NCCL reported). The group is unusable afterwards. On the direct transport a barrier that
+waits longer than ``timeout`` gives up on the device, writes the op into a host-mapped error word and
+returns (later kernels of the transport do nothing); the host waits read that word and raise
+``TimeoutError`` naming the op.
 
 Streams: every op runs on the caller's current stream (``stream=None``) or the one given. The staging
 buffers of an op come from CuPy's pool on that stream. Ops of one group must be issued in the same order on
@@ -554,9 +571,6 @@ class EpGroup:
         h.view("seg_start")[...] = plan.seg_start
         h.view("expert_counts")[...] = plan.counts
         h.view("tokens_per_expert")[...] = plan.tokens_per_expert
-        if self._direct is not None and exact:
-            # the direct transport's stages hold source s's row j at s*P + j; exact mode packs them
-            h.state["row_map"] = self._direct.row_map(call, h)
         del buf0, plan
         return h
 
@@ -812,11 +826,22 @@ class EpGroup:
         d.barrier(s, op)
         d.push(call, h, x, w, rows_st, w_st)
         d.barrier(s, op)
-        row_map = h.state.get("row_map")
+        row_map = self._direct_row_map(call, h)
         if w is not None:
             d.copy_rows(call, w_st.local, row_map, h.view("recv_wk").data.ptr, None, sz["rows"], K * 4)
         self._last_stream = s
         return d.view(rows_st, R * P, H, x.dtype), row_map
+
+    def _direct_row_map(self, call, h):
+        """None in capacity mode (received row r is stage row r: recv_off[s] = s*P); in exact mode the stage
+        row s*P + j of each packed received row recv_off[s] + j (int32 [rows] on the device, made on first
+        use and cached on the handle: handles rebuilt from a buffer by the adapters make it again)."""
+        if h.mode == "capacity":
+            return None
+        m = h.state.get("row_map")
+        if m is None:
+            m = h.state["row_map"] = self._direct.row_map(call, h)
+        return m
 
     def _direct_recv_buf(self, call, h, stage, row_map):
         """The received rows in the handle's layout ([rows,H]): the stage itself in capacity mode, a packed
@@ -838,7 +863,7 @@ class EpGroup:
         K, rows = sz["K"], sz["rows"]
         rb = self.hidden * np.dtype(out_dtype).itemsize
         rows_st, w_st = d.stages(rb, K, s)
-        row_map = h.state.get("row_map")
+        row_map = self._direct_row_map(call, h)
         d.barrier(s, op)
         d.copy_rows(call, z.data.ptr, None, rows_st.local, row_map, rows, rb)
         if zw is not None:
