@@ -107,7 +107,7 @@ import weakref
 import numpy as np
 
 from moe_rt import _arrays, _errors, _jit, permutation
-from moe_rt import _handle
+from moe_rt import _ep_direct, _handle
 from moe_rt._handle import Handle, meta_index
 from moe_rt.reference import ep as _ref
 from moe_rt.reference import permutation as _perm_ref
@@ -297,8 +297,6 @@ class EpGroup:
         transport's shared buffers."""
         if want == "nccl":
             return "nccl"
-        from moe_rt import _ep_direct
-
         wait = lambda s: self._wait(s, "__init__")  # noqa: E731
         ok, reason = _ep_direct.probe_peers(self.comm, self.device, wait)
         if not ok:
