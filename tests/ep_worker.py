@@ -310,26 +310,39 @@ def graph(cp, comm, chunks=None, replays=100, memory=True):
     log("memory: 1000 iterations flat")
 
 
-def dead_peer(cp, comm):
+def dead_peer(cp, comm, direct=False):
+    """Rank 1 leaves after prepare (NCCL transport) or skips the dispatch and stays alive (direct: its peers
+    must not write into a dead process's memory): every other rank's dispatch + synchronize raises within
+    the group's timeout. The direct path's error names the op, and its group closes afterwards."""
     from moe_rt import NcclError
     from moe_rt.ep import EpGroup
 
-    g = EpGroup(comm, experts(4), 64, 32, timeout=20, transport="nccl")
+    timeout = 4.0 if direct else 20.0
+    g = EpGroup(comm, experts(4), 64, 32, timeout=timeout, transport="direct" if direct else "nccl")
+    if direct:
+        assert g.transport == "direct" and "transport='direct'" in repr(g), repr(g)
     idx = np.tile(np.array([[0, 3]], np.int32), (32, 1))
     h = g.prepare(cp.asarray(idx))
     if RANK == 1:
-        log("rank 1 leaves without dispatch")
+        log("rank 1 skips the dispatch" if direct else "rank 1 leaves without dispatch")
+        if direct:
+            time.sleep(3 * timeout + 5)
         os._exit(0)
-    time.sleep(1.0)
+    if not direct:
+        time.sleep(1.0)
     t0 = time.monotonic()
     try:
         g.dispatch(h, cp.ones((32, 64), cp.float32))
         g.synchronize()
         raise AssertionError("dispatch with a dead peer completed")
-    except (TimeoutError, NcclError) as e:
+    except (TimeoutError,) + (() if direct else (NcclError,)) as e:
         dt = time.monotonic() - t0
         log(f"got {type(e).__name__} after {dt:.1f} s: {e}")
-        assert dt < 60, dt
+        assert dt < (2 * timeout + 5 if direct else 60), dt
+        assert not direct or "dispatch" in str(e), e
+    if direct:
+        h.close()
+        g.close()  # teardown after a failure: IPC mappings closed, buffers freed, no hang
     log("DEAD PEER OK")
     os._exit(0)  # the aborted communicator's stream may still hold NCCL work; skip teardown
 
@@ -354,33 +367,7 @@ def graph_transports(cp, comm):
 
 
 def dead_peer_direct(cp, comm):
-    """Rank 1 skips a dispatch (and stays alive): every other rank gets TimeoutError naming dispatch within
-    the group's short timeout, and closes the group afterwards."""
-    from moe_rt.ep import EpGroup
-
-    timeout = 4.0
-    g = EpGroup(comm, experts(4), 64, 32, timeout=timeout, transport="direct")
-    assert g.transport == "direct" and "transport='direct'" in repr(g), repr(g)
-    idx = np.tile(np.array([[0, 3]], np.int32), (32, 1))
-    h = g.prepare(cp.asarray(idx))
-    if RANK == 1:
-        log("rank 1 skips the dispatch")
-        time.sleep(3 * timeout + 5)
-        os._exit(0)
-    t0 = time.monotonic()
-    try:
-        g.dispatch(h, cp.ones((32, 64), cp.float32))
-        g.synchronize()
-        raise AssertionError("dispatch with a dead peer completed")
-    except TimeoutError as e:
-        dt = time.monotonic() - t0
-        log(f"got {type(e).__name__} after {dt:.1f} s: {e}")
-        assert "dispatch" in str(e), e
-        assert dt < 2 * timeout + 5, dt
-    h.close()
-    g.close()  # teardown after a failure: IPC mappings closed, buffers freed, no hang
-    log("DEAD PEER OK")
-    os._exit(0)  # the communicator was aborted; skip its teardown
+    dead_peer(cp, comm, direct=True)
 
 
 def main():

@@ -801,18 +801,12 @@ def test_multi_gpu_dead_peer_times_out():
 
 @pytest.mark.multi_gpu
 @pytest.mark.parametrize("n", [2, 4])
-def test_multi_gpu_transports_reference_and_bitwise(n):
-    # direct against the NumPy reference; NCCL (serial and overlapped) bitwise against direct: dispatch,
-    # combine, dispatch_bwd, combine_bwd, exact and capacity modes
-    r = _run_worker("transports", n=n, timeout=180)
-    assert r.returncode == 0 and "[rank 0] ALL OK" in r.stdout
-
-
-@pytest.mark.multi_gpu
-@pytest.mark.parametrize("n", [2, 4])
-def test_multi_gpu_transports_graph_replay(n):
-    # capacity mode captured in a CUDA graph per transport, replayed with new routing
-    r = _run_worker("graph_transports", n=n, timeout=180)
+@pytest.mark.parametrize("what", ["transports", "graph_transports"])
+def test_multi_gpu_transports(what, n):
+    # transports: direct against the NumPy reference, NCCL (serial and overlapped) bitwise against direct:
+    # dispatch, combine, dispatch_bwd, combine_bwd in exact and capacity modes; graph_transports: capacity
+    # mode captured in a CUDA graph per transport, replayed with new routing, bitwise across transports
+    r = _run_worker(what, n=n, timeout=180)
     assert r.returncode == 0 and "[rank 0] ALL OK" in r.stdout
 
 

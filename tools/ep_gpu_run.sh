@@ -17,8 +17,8 @@ step() {  # step NAME TIMEOUT CMD...: run, log to OUT/NAME.log, print the status
   echo "== $name rc=$rc $(( $(date +%s) - t0 )) s"
   return $rc
 }
-step ep_tests 300 python3 -m pytest -q -x -rA tests/test_ep.py -k multi_gpu
-grep -E "passed|failed|cases OK|replays OK|iterations flat|DEAD PEER OK|Error" "$OUT/ep_tests.log" | head -20
+step ep_tests 600 python3 -m pytest -q -x -rA tests/test_ep.py -k multi_gpu
+grep -E "passed|failed|cases OK|replays OK|iterations flat|DEAD PEER OK|transports:|Error" "$OUT/ep_tests.log" | head -30
 step adapters 300 python3 -m pytest -q -rA tests/test_ep_adapters.py -m "gpu or multi_gpu"
 grep -E "passed|failed|FAIL|Error|\[rank .\]  " "$OUT/adapters.log" | head -40
 if [ "${MOE_RT_SKIP_BENCH:-0}" != 1 ]; then
