@@ -128,6 +128,7 @@ _names += ["ep_scan_pairs", "ep_plan_meta", "ep_recv_local", "ep_gather_slots", 
 _jit.register(_FILE, _names)
 
 DEFAULT_TIMEOUT = 300.0
+_SETUP_TIMEOUT = 120.0  # the least a group's creation waits for its peers
 _TOKEN_DTYPES = tuple(d for d in _arrays.FLOAT_DTYPES if d is not None)
 _WEIGHT_DTYPES = _TOKEN_DTYPES + (np.dtype(np.float64),)
 _group_ids = itertools.count(1)
@@ -207,8 +208,9 @@ class EpGroup:
         align_size: A >= 1; each local expert's rows are padded with zero rows to a multiple of A.
         dtype: None, or the token dtype every call must use (float32, float16, bfloat16).
         topk: None, or the K every ``prepare`` must use (else fixed by the first ``prepare``).
-        timeout: seconds for host-side waits before the communicator is aborted (default
-            ``MOE_RT_EP_TIMEOUT`` or 300).
+        timeout: seconds for host-side waits (and the direct transport's device barriers) before the
+            communicator is aborted (default ``MOE_RT_EP_TIMEOUT`` or 300); the group's creation waits at
+            least 120 s, since its first collectives also set up the connections.
         chunks: 1..64, how many parts each peer's rows travel in (default ``MOE_RT_EP_CHUNKS`` or 2); must
             be the same on every rank.
         overlap: None (default, or ``MOE_RT_EP_OVERLAP`` = ``auto``/``0``/``1``): overlap the NCCL transfer
@@ -297,7 +299,10 @@ class EpGroup:
         transport's shared buffers."""
         if want == "nccl":
             return "nccl"
-        wait = lambda s: self._wait(s, "__init__")  # noqa: E731
+        # The group's first collectives also set up NCCL's connections (seconds): creation waits for its
+        # peers at least _SETUP_TIMEOUT, whatever the (possibly short) timeout of the ops.
+        setup = max(self.timeout, _SETUP_TIMEOUT)
+        wait = lambda s: self._wait(s, "__init__", setup)  # noqa: E731
         ok, reason = _ep_direct.probe_peers(self.comm, self.device, wait)
         if not ok:
             if want == "direct":
