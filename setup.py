@@ -61,7 +61,7 @@ setup(
         "Topic :: Software Development :: Libraries :: Python Modules",
     ],
     python_requires=">=3.10",
-    packages=["moe_rt", "moe_rt.reference", "moe_rt.kernels", "moe_rt.include"],
+    packages=["moe_rt", "moe_rt.bench", "moe_rt.reference", "moe_rt.kernels", "moe_rt.include"],
     package_dir={"moe_rt.kernels": "kernels", "moe_rt.include": "include"},
     package_data={
         "moe_rt": ["*.pxd", "*.pyx", "py.typed"],

@@ -21,36 +21,82 @@ synchronized before every case).
 """
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+if __name__ == "__main__" and sys.path and os.path.abspath(sys.path[0]) == HERE:
+    del sys.path[0]  # run as a script by the launcher: this folder's modules are not top-level modules
+
+from moe_rt.bench import _lib as benchlib  # noqa: E402
 
 
-def _relaunch() -> int:
-    cmd = [sys.executable, os.path.join(HERE, "launch.py"), "-n", os.environ.get("MOE_RT_BENCH_EP_NPROC", "2"),
-           "--timeout", "1500", os.path.abspath(__file__), *sys.argv[1:]]
-    return subprocess.call(cmd)
+def _chunk_list(text: str) -> list[str]:
+    """argparse type of --chunks: comma-separated chunk counts >= 1, each optionally prefixed s or o."""
+    out = [c.strip() for c in text.split(",") if c.strip()]
+    for c in out:
+        n = c[1:] if c[:1] in ("s", "o") else c
+        if not n.isdigit() or int(n) < 1:
+            raise argparse.ArgumentTypeError(
+                f"expected chunk counts >= 1, each optionally prefixed s or o (e.g. s1,o2,2), got {text!r}")
+    if not out:
+        raise argparse.ArgumentTypeError(f"expected at least one chunk count, got {text!r}")
+    return out
 
 
-def main():
-    import benchlib
+def parser(prog: str | None = None):
+    ap = benchlib.parser(__doc__, prog=prog)
+    ap.add_argument("--tokens", type=benchlib.positive_int_list, default=[512, 4096, 16384],
+                    help="comma-separated tokens per rank (--quick: 512)")
+    ap.add_argument("--chunks", type=_chunk_list, default=["s1", "o2", "2"],
+                    help="transfer configurations to compare: a chunk count, prefixed 's' for the serial path "
+                         "or 'o' for the overlapped one (2 alone is the default EpGroup)")
+    ap.add_argument("--parts", action="store_true",
+                    help="also time the serial dispatch/combine's parts alone (pack, NCCL exchange, expand; "
+                         "reduce, exchange, owner sum) in exact mode")
+    ap.add_argument("--nproc", type=benchlib.positive_int,
+                    default=int(os.environ.get("MOE_RT_BENCH_EP_NPROC", "2")),
+                    help="ranks (one GPU each) when this script launches itself")
+    return ap
+
+
+def _relaunch(argv, nproc) -> int:
+    """Run this file on ``nproc`` local GPUs under the launcher (moe_rt.launch), moe_rt importable."""
+    pkg_parent = os.path.dirname(os.path.dirname(HERE))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([pkg_parent] + ([os.environ["PYTHONPATH"]]
+                                                                      if os.environ.get("PYTHONPATH") else [])))
+    cmd = [sys.executable, "-m", "moe_rt.launch", "-n", str(nproc), "--timeout", "1500",
+           os.path.abspath(__file__), *argv]
+    return subprocess.call(cmd, env=env)
+
+
+def main(argv=None, prog: str | None = None) -> int:
+    """Parse the flags (``--help`` and flag errors never start a rank), check the GPUs, then launch the ranks
+    (no ``WORLD_SIZE`` in the environment) or run this rank."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    ap = parser(prog)
+    args = ap.parse_args(argv)
+    benchlib.require_gpu(ap.prog)
+    if "WORLD_SIZE" not in os.environ:
+        import cupy as cp
+
+        n = cp.cuda.runtime.getDeviceCount()
+        if n < args.nproc:
+            sys.stderr.write(f"{ap.prog}: {args.nproc} ranks need {args.nproc} CUDA GPUs, found {n}\n")
+            return 2
+        return _relaunch(argv, args.nproc)
+    _rank(args)
+    return 0
+
+
+def _rank(args):
     import cupy as cp
     import numpy as np
     import torch
     import torch.distributed as dist
 
-    ap = benchlib.parser(__doc__.splitlines()[0])
-    ap.add_argument("--tokens", default="512,4096,16384")
-    ap.add_argument("--chunks", default=None,
-                    help="transfer configurations to compare: a chunk count, prefixed 's' for the serial path "
-                         "or 'o' for the overlapped one (default: s1,o2,2; 2 alone is the default EpGroup)")
-    ap.add_argument("--parts", action="store_true",
-                    help="also time the serial dispatch/combine's parts alone (pack, NCCL exchange, expand; "
-                         "reduce, exchange, owner sum) in exact mode")
-    args = ap.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dev = int(os.environ.get("LOCAL_RANK", rank))
     torch.cuda.set_device(dev)
@@ -63,8 +109,8 @@ def main():
     comm = init_communicator(method="file")
     E, K, H = 256, 8, 7168
     L = E // world
-    Ts = [512] if args.quick else [int(t) for t in args.tokens.split(",")]
-    chunk_counts = (args.chunks or "s1,o2,2").split(",")
+    Ts = [512] if args.quick else args.tokens
+    chunk_counts = args.chunks
 
     def cfg(c):
         return {"chunks": int(c.lstrip("so")), "overlap": {"s": False, "o": True}.get(c[:1])}
@@ -236,6 +282,4 @@ def main():
 
 
 if __name__ == "__main__":
-    if "WORLD_SIZE" not in os.environ:
-        sys.exit(_relaunch())
-    main()
+    sys.exit(main())

@@ -31,15 +31,13 @@ from __future__ import annotations
 import gc
 import os
 import statistics
-import sys
 import time
 import traceback
 
 import numpy as np
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX beside torch in one process
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import benchlib  # noqa: E402
+from moe_rt.bench import _lib as benchlib  # noqa: E402
 
 COLUMNS = ["part", "impl", "ms", "GB/s", "% copy", "x moe_rt"]
 OVERHEAD_COLUMNS = ["framework", "op", "pass", "adapter us", "direct us", "overhead us/call", "adapter GPU us",
@@ -599,7 +597,7 @@ def bench_jax(s: Shape, args, table, save):
 
 def device_us(fn):
     """Device us per call of ``fn`` with the host hidden (bench_router.time_device)."""
-    from bench_router import time_device
+    from moe_rt.bench.router import time_device
 
     return time_device(fn, 50) * 1e3
 
@@ -1088,9 +1086,9 @@ def in_jit_chain(table, save, x, plan, probs, gy, c, c_plan, csync):
 
 # ---- main -------------------------------------------------------------------------------------------------
 
-def main():
+def main(argv=None):
     ap = benchlib.parser(__doc__.splitlines()[0])
-    ap.add_argument("--ffn", type=int, default=1408, help="expert FFN size F (default 1408)")
+    ap.add_argument("--ffn", type=benchlib.positive_int, default=1408, help="expert FFN size F")
     ap.add_argument("--frameworks", default="torch,jax", help="comma list of torch, jax")
     ap.add_argument("--overhead-only", action="store_true", help="only the adapter overhead table")
     ap.add_argument("--jax-experts", default="capacity", choices=["capacity", "blocked", "ragged"],
@@ -1099,7 +1097,11 @@ def main():
                          "with the weight gradient by blocks (jax_grouped_matmul); ragged = ragged_dot with "
                          "XLA's gradient (on an H100 at the default shape: blocked 539 ms per moe_rt layer step "
                          "with a 32 GiB allocation attempt, out of memory in the plain layer)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    unknown = sorted({f for f in args.frameworks.split(",") if f} - {"torch", "jax"})
+    if unknown or not args.frameworks.strip(","):
+        ap.error(f"--frameworks: expected a comma list of torch, jax, got {args.frameworks!r}")
+    benchlib.require_gpu(ap.prog)
     if args.quick:
         s = Shape(2048, 1024, 64, 8, 512)
         args.iters, args.warmup = min(args.iters, 10), min(args.warmup, 3)
@@ -1142,31 +1144,27 @@ def main():
 
     table.header()
     t_start = time.perf_counter()
-    if "torch" in fws and not args.overhead_only:
+    layer_fws = [] if args.overhead_only else [fw for fw in ("torch", "jax") if fw in fws]
+    over_fws = [fw for fw in ("torch", "jax") if fw in fws]
+    benchlib.progress_start("layer", len(layer_fws) + len(over_fws))
+    for fw in layer_fws:
         try:
-            bench_torch(s, args, table, save)
+            (bench_torch if fw == "torch" else bench_jax)(s, args, table, save)
         except Exception:  # noqa: BLE001
             traceback.print_exc()
-    if "jax" in fws and not args.overhead_only:
-        try:
-            bench_jax(s, args, table, save)
-        except Exception:  # noqa: BLE001
-            traceback.print_exc()
+        benchlib.progress_advance(f"{fw} layer")
     print(f"(layer rows took {time.perf_counter() - t_start:.0f} s)", flush=True)
     over.header()
-    if "torch" in fws:
+    for fw in over_fws:
         try:
-            bench_overhead_torch(over, save)
+            (bench_overhead_torch if fw == "torch" else bench_overhead_jax)(over, save)
         except Exception:  # noqa: BLE001
             traceback.print_exc()
-    if "jax" in fws:
-        try:
-            bench_overhead_jax(over, save)
-        except Exception:  # noqa: BLE001
-            traceback.print_exc()
-    print(f"\n## {table.title}\n" + table.markdown())
-    print(f"\n## {over.title}\n" + over.markdown())
-    print_targets(table, over)
+        benchlib.progress_advance(f"{fw} adapter overhead")
+    if not benchlib.QUIET:
+        print(f"\n## {table.title}\n" + table.markdown())
+        print(f"\n## {over.title}\n" + over.markdown())
+        print_targets(table, over)
     save()
 
 

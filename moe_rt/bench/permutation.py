@@ -14,13 +14,11 @@ the same bits); --profile writes a cProfile of the host side of each op (where p
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import benchlib  # noqa: E402
+from moe_rt.bench import _lib as benchlib  # noqa: E402
 
 COLUMNS = ["op", "T", "E", "K", "H", "ms", "GB/s", "% copy", "torch ms", "x torch", "compile ms", "x compile"]
 
@@ -100,15 +98,16 @@ def _profile(ops, path, label, calls=200):
             f.write(f"==== {op} ({label}), {calls} calls\n{buf.getvalue()}\n")
 
 
-def main():
+def main(argv=None):
     ap = benchlib.parser(__doc__.splitlines()[0])
     ap.add_argument("--variants", action="store_true",
                     help="also time combine in each of COMBINE_VARIANTS at the first shape")
     ap.add_argument("--profile", help="write a cProfile (host side, per op) to this file")
-    ap.add_argument("--batch", type=int, default=8,
+    ap.add_argument("--batch", type=benchlib.positive_int, default=8,
                     help="calls per timed region (time reported per call): host launch overhead then "
                          "overlaps the previous call's GPU work, as in a real layer; 1 = isolated calls")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    benchlib.require_gpu(ap.prog)
     import cupy
     import torch
 
@@ -133,6 +132,7 @@ def main():
         shapes = [(4096, 256, 8), (8192, 256, 8), (32768, 256, 8), (4096, 64, 6), (8192, 64, 6), (32768, 64, 6)]
     compile_at = {8192}  # torch.compile only at the target shape: compiling costs tens of seconds per op
     b = 2
+    benchlib.progress_start("permutation", len(shapes))
     for T, E, K in shapes:
         N = T * K
         g = torch.Generator(device="cuda").manual_seed(T + E)
@@ -257,6 +257,7 @@ def main():
         del xs, yps, gpps, plan, ours, eager, compiled
         torch.cuda.empty_cache()
         cupy.get_default_memory_pool().free_all_blocks()
+        benchlib.progress_advance(f"T={T} E={E} K={K}")
     table.finish(args.json)
 
 

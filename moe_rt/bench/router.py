@@ -24,8 +24,7 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import benchlib  # noqa: E402
+from moe_rt.bench import _lib as benchlib  # noqa: E402
 
 
 # ---- the bytes an op must move ------------------------------------------------------------------------
@@ -164,15 +163,17 @@ def _compiler(enabled):
         return lambda fn: None
 
 
-def main():
+def main(argv=None):
     ap = benchlib.parser(__doc__)
-    ap.add_argument("--T", default=None, help="comma-separated token counts (default 4096,16384,65536)")
+    ap.add_argument("--T", type=benchlib.positive_int_list, default=None,
+                    help="comma-separated token counts (default 4096,16384,65536; --quick: 65536)")
     ap.add_argument("--ops", default="all", choices=["all", "fwd", "bwd"],
                     help="fwd: forward rows only; bwd: top-k backward rows only")
     ap.add_argument("--compile-all", action="store_true", help="torch.compile baselines at every T")
     ap.add_argument("--l2-fetch", type=int, default=None, choices=[32, 64, 128],
                     help="set the L2 fetch granularity first (moe_rt.l2_fetch_granularity; default: leave it)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    benchlib.require_gpu(ap.prog)
     import cupy as cp
     import torch
 
@@ -190,7 +191,7 @@ def main():
     table.header()
 
     if args.T:
-        Ts = [int(t) for t in args.T.split(",")]
+        Ts = args.T
     else:
         Ts = [65536] if args.quick else [4096, 16384, 65536]
     table.meta["variant"] = os.environ.get("MOE_RT_ROUTER_FWD", "default")
@@ -226,10 +227,12 @@ def main():
         table.add(dtype=dtname, T=T, E=E, K=K, op=op, ms=ms, **{"call ms": call_ms}, **{"GB/s": gbs, "% copy": 100 * gbs / bw},
                   **{"eager ms": e_ms, "x eager": (e_ms / ms) if e_ms else None, "compile ms": c_ms,
                      "x compile": (c_ms / ms) if c_ms else None})
-        print(f"  [{op}: {time.perf_counter() - t0:.1f} s, total {time.perf_counter() - t_start:.0f} s]",
-              file=sys.stderr, flush=True)
+        if benchlib.PROGRESS is None:
+            print(f"  [{op}: {time.perf_counter() - t0:.1f} s, total {time.perf_counter() - t_start:.0f} s]",
+                  file=sys.stderr, flush=True)
 
     fwd_only, bwd_only = args.ops == "fwd", args.ops == "bwd"
+    benchlib.progress_start("router", len(dtypes) * len(Ts))
     for dtname, dt in dtypes:
         isz = np.dtype(dt).itemsize
         for T in Ts:
@@ -299,6 +302,7 @@ def main():
                 _aux_rows(R, cp, torch, table, row, cmp, dtname, dt, isz, T, E, K, l2)
                 cp.get_default_memory_pool().free_all_blocks()
                 torch.cuda.empty_cache()
+            benchlib.progress_advance(f"{dtname} T={T}")
     table.finish(args.json)
 
 

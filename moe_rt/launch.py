@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Run N local copies of a Python script, one per GPU:
 
-    python tools/launch.py -n 2 script.py [args...]
+    python tools/launch.py -n 2 script.py [args...]     (or python -m moe_rt.launch ...)
 
 Each child gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MOE_RT_UID_FILE (a fresh path in a temp
 folder, for moe_rt.bootstrap's shared-file exchange) and NCCL_NVLS_ENABLE=0. Output lines are forwarded
@@ -31,15 +31,25 @@ def _pump(stream, prefix, out, lock):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from moe_rt._cli import HelpFormatter
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("-n", "--nproc", type=int, required=True, help="number of processes")
     ap.add_argument("--timeout", type=float, default=None, help="kill all children after this many seconds")
     ap.add_argument("--grace", type=float, default=10.0, help="seconds between terminate and kill")
+    ap.add_argument("--cpu", action="store_true", help="the ranks use no GPU: start them without one")
     ap.add_argument("script")
     ap.add_argument("args", nargs=argparse.REMAINDER)
     a = ap.parse_args(argv)
     if a.nproc < 1:
         ap.error("-n must be >= 1")
+    if not a.cpu:  # each rank takes a GPU: without one, say so before starting any
+        from moe_rt import _jit
+
+        why = _jit.no_gpu_reason()
+        if why is not None:
+            sys.stderr.write(f"{ap.prog}: {why} (--cpu starts ranks that need none)\n")
+            return 2
     tmp = tempfile.mkdtemp(prefix="moe_rt_launch_")
     lock = threading.Lock()
     procs, pumps = [], []
