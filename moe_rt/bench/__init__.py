@@ -106,7 +106,7 @@ def main(argv=None) -> int:
             for name in names:
                 try:
                     if name == "ep":
-                        _lib.PROGRESS.start("ep (2 GPUs, one process each)", 1)
+                        _lib.PROGRESS.start("ep", 1)  # its ranks run in their own processes
                         results.update(_run_ep(args, tmp))
                         _lib.PROGRESS.advance()
                     else:

@@ -16,6 +16,8 @@ def points(bench: str, rows: list[dict]) -> list[dict]:
     """One point per op and size: ``{"label", "pct_copy", "speedup", "baseline"}``. ``pct_copy``: the op's
     bytes per second as a percentage of the copy bandwidth (None where it does not apply, as for EP, whose
     wire is NVLink or the network); ``speedup``: the baseline's time over moe_rt's (> 1: moe_rt faster)."""
+    if bench not in BENCHES:
+        raise ValueError(f"bench: expected one of {', '.join(BENCHES)}, got {bench!r}")
     out = []
     for r in rows:
         if bench == "router":
@@ -41,8 +43,6 @@ def points(bench: str, rows: list[dict]) -> list[dict]:
             elif impl in ("torch eager", "jax.jit"):
                 out.append({"label": f"{r.get('part')} vs {impl}", "pct_copy": None,
                             "speedup": _num(r.get("x moe_rt")), "baseline": impl})
-        else:
-            raise ValueError(f"bench: expected one of {', '.join(BENCHES)}, got {bench!r}")
     return [p for p in out if p["pct_copy"] is not None or p["speedup"] is not None]
 
 
@@ -94,17 +94,17 @@ def require_matplotlib():
 
 def plot(results: dict, path: str) -> int:
     """Write the PNG: left, achieved bandwidth as % of the copy bandwidth per op and size; right, the
-    speed-up over the torch baseline (log scale). Returns the number of points drawn; ValueError if the
+    speed-up over the torch baseline. Returns the number of points drawn; ValueError if the
     results hold none."""
     plt = require_matplotlib()
     pts = [(b, p) for b, res in results.items() if b in BENCHES for p in points(b, res.get("rows", []))]
     bw = [(f"{b}: {p['label']}", p["pct_copy"]) for b, p in pts if p["pct_copy"] is not None]
-    sp = [(f"{b}: {p['label']}" + (f" (vs {p['baseline']})" if b == "layer" else ""), p["speedup"])
-          for b, p in pts if p["speedup"] is not None]
+    sp = [(f"{b}: {p['label']}", p["speedup"]) for b, p in pts if p["speedup"] is not None]
     if not bw and not sp:
         raise ValueError("no rows to plot: the benchmarks returned no bandwidth or speed-up figures")
     n = max(len(bw), len(sp), 1)
-    fig, axes = plt.subplots(1, 2, figsize=(18, max(3.0, 0.24 * n + 1.8)), squeeze=False)
+    fig, axes = plt.subplots(1, 2, figsize=(18, max(3.0, 0.24 * n + 1.8)), squeeze=False,
+                             constrained_layout=True)
     devices = sorted({str(res.get("meta", {}).get("device")) for res in results.values()
                       if res.get("meta", {}).get("device")})
     fig.suptitle("moe_rt benchmarks" + (f" on {', '.join(devices)}" if devices else ""))
@@ -120,17 +120,20 @@ def plot(results: dict, path: str) -> int:
             continue
         labels, values = zip(*data)
         y = list(range(len(values)))
-        ax.barh(y, values, color=["tab:green" if v >= ref else "tab:orange" for v in values])
+        if ref == 100.0:  # a share of the copy ceiling
+            colors = ["tab:blue"] * len(values)
+        else:  # a speed-up: faster or slower than the baseline
+            colors = ["tab:green" if v >= ref else "tab:red" for v in values]
+        ax.barh(y, values, color=colors)
         ax.axvline(ref, color="black", linewidth=1, linestyle="--")
         ax.set_yticks(y)
         ax.set_yticklabels(labels, fontsize=7)
         ax.invert_yaxis()
         ax.set_xlabel(xlabel)
-        if ref == 1.0 and min(values) > 0:
-            ax.set_xscale("log")
+        ax.set_xlim(0, max(max(values), ref) * 1.12)
+        unit = "%" if ref == 100.0 else "x"
         for yi, v in zip(y, values):
-            ax.text(v, yi, f" {v:.3g}", va="center", fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110, format="png")
+            ax.text(v, yi, f" {v:.3g}{unit}", va="center", fontsize=6)
+    fig.savefig(path, dpi=110, format="png", bbox_inches="tight")
     plt.close(fig)
     return len(bw) + len(sp)
