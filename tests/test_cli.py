@@ -116,7 +116,7 @@ def test_top_level_help_is_plain_text():
     r = subprocess.run([sys.executable, "-m", "moe_rt", "--help"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "``" not in r.stdout and ":func:" not in r.stdout and ":mod:" not in r.stdout, r.stdout
-    for s in ("{info,demo,bench}", "info    versions", "demo    a MoE layer", "bench   the benchmarks",
+    for s in ("{info,demo,warmup,bench}", "info    versions", "demo    a MoE layer", "bench   the benchmarks",
               'pip install "moe_rt[bench]"'):
         assert s in r.stdout, (s, r.stdout)
 
