@@ -61,7 +61,7 @@ setup(
         "Topic :: Software Development :: Libraries :: Python Modules",
     ],
     python_requires=">=3.10",
-    packages=["moe_rt", "moe_rt.reference", "moe_rt.kernels", "moe_rt.include"],
+    packages=["moe_rt", "moe_rt.bench", "moe_rt.reference", "moe_rt.kernels", "moe_rt.include"],
     package_dir={"moe_rt.kernels": "kernels", "moe_rt.include": "include"},
     package_data={
         "moe_rt": ["*.pxd", "*.pyx", "py.typed"],
@@ -76,8 +76,10 @@ setup(
     extras_require={
         "cu12": ["cupy-cuda12x[ctk]>=14", "nvidia-nccl-cu12"],
         "cu13": ["cupy-cuda13x[ctk]>=14", "nvidia-nccl-cu13"],
-        # torch==2.13.0 resolves to the CPU build on CPU-only CI machines; the tests skip what is missing.
-        "test": ["pytest>=7", "torch==2.13.0", "jax"],
+        # on a CPU-only machine pip picks torch's CPU build; the tests skip what is missing.
+        "test": ["pytest>=7", "torch>=2.4", "jax"],
+        # python -m moe_rt bench: the plot
+        "bench": ["matplotlib>=3.5"],
     },
     entry_points={"console_scripts": ["moe_rt=moe_rt.__main__:main"]},
     zip_safe=False,

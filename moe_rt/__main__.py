@@ -1,6 +1,17 @@
-"""Command line: ``python -m moe_rt info`` (environment report), ``python -m moe_rt demo`` (a MoE layer,
-forward and backward in torch, JAX or CuPy, checked against plain framework code and timed per stage;
-``--ep N`` spreads it over N GPUs), ``python -m moe_rt warmup`` (compile every kernel ahead of use)."""
+"""moe_rt's command line.
+
+commands:
+  info    versions of moe_rt, Python, NumPy, CuPy, CUDA, NVRTC, NCCL, torch and JAX; the GPUs and the
+          kernel cache (runs anywhere)
+  demo    a MoE layer, forward and backward, in torch, JAX or CuPy on moe_rt's ops, checked against the
+          same layer in plain framework code and timed per stage (--ep N spreads it over N GPUs; without
+          a GPU it runs the NumPy reference path at a small size)
+  warmup  compile every kernel ahead of use into the kernel cache
+  bench   the benchmarks (router, permutation, ep, layer or all) on the GPU against the torch baselines:
+          tables and a PNG plot (needs matplotlib: pip install "moe_rt[bench]")
+
+"python -m moe_rt COMMAND --help" describes each command's flags.
+"""
 from __future__ import annotations
 
 import argparse
@@ -111,13 +122,15 @@ def _cache_lines(gpus_cc) -> list[str]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m moe_rt", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
+    p = argparse.ArgumentParser(prog="python -m moe_rt", description=__doc__.split("\n\n")[0],
+                                epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, metavar="{info,demo,warmup,bench}")
     sub.add_parser("info", help="versions, GPUs, NCCL, kernel cache, frameworks")
     sub.add_parser("demo", help="a MoE layer forward+backward on moe_rt (--framework torch|jax|cupy, --ep N), "
                                 "checked and timed", add_help=False)
     sub.add_parser("warmup", help="compile every kernel ahead of use into the kernel cache (or --out DIR)",
                    add_help=False)
+    sub.add_parser("bench", help="the benchmarks against torch: tables and a PNG plot", add_help=False)
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "warmup":
         from moe_rt import _warmup
@@ -127,6 +140,10 @@ def main(argv=None) -> int:
         from moe_rt import demo
 
         return demo.main(argv[1:])
+    if argv and argv[0] == "bench":
+        from moe_rt import bench
+
+        return bench.main(argv[1:])
     args = p.parse_args(argv)
     if args.command == "info":
         print("\n".join(info_lines()))

@@ -202,13 +202,13 @@ cdef class Communicator:
         self.closed = True
 
     def __init__(self, unique_id, int rank, int size, int device):
-        _ensure_loaded()
         if not isinstance(unique_id, (bytes, bytearray)) or len(unique_id) != NCCL_UNIQUE_ID_BYTES:
             raise ValueError(f"unique_id must be {NCCL_UNIQUE_ID_BYTES} bytes")
         if size < 1:
             raise ValueError(f"size must be >= 1, got {size}")
         if not 0 <= rank < size:
             raise ValueError(f"rank must be in [0, {size}), got {rank}")
+        _ensure_loaded()
         import cupy
         cdef ncclUniqueId uid
         cdef bytes b = bytes(unique_id)

@@ -517,6 +517,33 @@ def device_properties(device_id: int) -> dict:
     }
 
 
+def no_gpu_reason() -> str | None:
+    """None when a CUDA GPU can be used, else one line saying why not (no CuPy, no driver, no device)."""
+    try:
+        import cupy
+    except ImportError:
+        return "no CUDA GPU: CuPy is not installed (pip install \"moe_rt[cu12]\" or \"moe_rt[cu13]\")"
+    rt = cupy.cuda.runtime
+    try:
+        n = rt.getDeviceCount()
+    except Exception as e:  # noqa: BLE001 - a CUDARuntimeError from the driver check
+        try:
+            driver = rt.driverGetVersion()
+        except Exception:  # noqa: BLE001
+            driver = 0
+        if not driver:
+            return "no CUDA GPU: no CUDA driver is installed on this machine"
+        return f"no usable CUDA GPU: {str(e).splitlines()[0]} (driver {driver // 1000}.{driver % 1000 // 10})"
+    return None if n > 0 else "no CUDA GPU: the CUDA driver reports no device"
+
+
+def require_gpu(what: str) -> None:
+    """Raise RuntimeError ``"<what> needs a CUDA GPU; no CUDA GPU: ..."`` unless a CUDA GPU can be used."""
+    why = no_gpu_reason()
+    if why is not None:
+        raise RuntimeError(f"{what} needs a CUDA GPU; {why}")
+
+
 _L2_FETCH_LIMIT = 5  # cudaLimitMaxL2FetchGranularity
 _L2_FETCH_SIZES = (32, 64, 128)
 
@@ -546,6 +573,7 @@ def l2_fetch_granularity(nbytes=None, *, device=None) -> int:
             raise TypeError(f"device: expected a CUDA device id (int) or None, got {type(device).__name__}")
         if int(device) < 0:
             raise ValueError(f"device: expected a CUDA device id >= 0, got {int(device)}")
+    require_gpu("moe_rt.l2_fetch_granularity")
     import cupy
 
     if device is not None:

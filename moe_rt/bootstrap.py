@@ -125,9 +125,10 @@ def init_communicator(rank: int | None = None, world_size: int | None = None, de
     """
     from moe_rt._comm import Communicator
 
-    rank = int(os.environ["RANK"]) if rank is None else int(rank)
-    world_size = int(os.environ["WORLD_SIZE"]) if world_size is None else int(world_size)
-    device = int(os.environ.get("LOCAL_RANK", rank)) if device is None else int(device)
+    rank = _env_int("RANK", "rank") if rank is None else int(rank)
+    world_size = _env_int("WORLD_SIZE", "world_size") if world_size is None else int(world_size)
+    device = (int(rank) if "LOCAL_RANK" not in os.environ else _env_int("LOCAL_RANK", "device")) \
+        if device is None else int(device)
     if method == "auto":
         method = _auto_method(store)
     if method == "env":
@@ -150,6 +151,20 @@ def init_communicator(rank: int | None = None, world_size: int | None = None, de
     else:
         raise ValueError(f"method: expected auto, env, file, store, jax or mpi, got {method!r}")
     return Communicator(uid, rank, world_size, device)
+
+
+def _env_int(var: str, arg: str) -> int:
+    """An int from the environment for the argument ``arg`` of init_communicator, or a ValueError that names
+    both (a launcher such as torchrun or tools/launch.py sets RANK, WORLD_SIZE and LOCAL_RANK)."""
+    text = os.environ.get(var)
+    if text is None:
+        raise ValueError(f"{arg}: not given and the environment variable {var} is not set; pass rank= and "
+                         "world_size= (and device=), or set RANK and WORLD_SIZE (and LOCAL_RANK) as a launcher "
+                         "such as torchrun or tools/launch.py does")
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{arg}: the environment variable {var} must be an integer, got {text!r}") from None
 
 
 def _auto_method(store):

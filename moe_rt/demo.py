@@ -545,33 +545,46 @@ def run_cupy(cfg: Config, device: str) -> dict:
 TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}
 
 
-def main(argv=None) -> int:
-    import argparse
+GPU_DEFAULTS = dict(tokens=4096, experts=64, topk=8, hidden=1024, ffn=512)
+CPU_DEFAULTS = dict(tokens=256, experts=8, topk=2, hidden=64, ffn=32)
 
-    p = argparse.ArgumentParser(prog="python -m moe_rt demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--framework", choices=["torch", "jax", "cupy"], default="torch")
-    p.add_argument("--tokens", type=int)
-    p.add_argument("--experts", type=int)
-    p.add_argument("--topk", type=int)
-    p.add_argument("--hidden", type=int)
-    p.add_argument("--ffn", type=int)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--ep", type=int, default=1, metavar="N",
+
+def parser():
+    from moe_rt._cli import ArgumentParser, HelpFormatter, plain_text, positive_int
+
+    p = ArgumentParser(prog="python -m moe_rt demo", description=plain_text(__doc__.split(": ", 1)[1]),
+                       formatter_class=HelpFormatter)
+    p.add_argument("--framework", choices=["torch", "jax", "cupy"], default="torch",
+                   help="the framework of the layer (cupy: no autograd, the backward written out)")
+    for k, what in (("tokens", "tokens T"), ("experts", "experts E"), ("topk", "experts per token K (<= E)"),
+                    ("hidden", "hidden size H"), ("ffn", "expert FFN size F")):
+        p.add_argument(f"--{k}", type=positive_int, default=None,
+                       help=f"{what}; when absent {GPU_DEFAULTS[k]} on a GPU, {CPU_DEFAULTS[k]} on the CPU path")
+    p.add_argument("--steps", type=positive_int, default=10, help="timed steps (median reported)")
+    p.add_argument("--ep", type=positive_int, default=1, metavar="N",
                    help="expert parallelism over N GPUs, one process each (N > 1); 1 = the one-GPU layer")
     p.add_argument("--cpu", action="store_true", help="run the NumPy reference path even with a GPU")
+    return p
+
+
+def main(argv=None) -> int:
+    p = parser()
     args = p.parse_args(argv)
-    if args.ep < 1:
-        p.error(f"--ep: expected N >= 1, got {args.ep}")
 
     from moe_rt.__main__ import _gpu_count
+    from moe_rt.router import MAX_EXPERTS, MAX_TOPK
 
     gpus = 0 if args.cpu else _gpu_count()
     gpu = gpus > 0
-    d = dict(tokens=4096, experts=64, topk=8, hidden=1024, ffn=512) if gpu else \
-        dict(tokens=256, experts=8, topk=2, hidden=64, ffn=32)
-    cfg = Config(tokens=args.tokens or d["tokens"], experts=args.experts or d["experts"],
-                 topk=args.topk or d["topk"], hidden=args.hidden or d["hidden"], ffn=args.ffn or d["ffn"],
-                 steps=args.steps)
+    d = GPU_DEFAULTS if gpu else CPU_DEFAULTS
+    sizes = {k: getattr(args, k) if getattr(args, k) is not None else d[k] for k in d}
+    cfg = Config(**sizes, steps=args.steps)
+    if cfg.experts > MAX_EXPERTS:
+        p.error(f"--experts: at most {MAX_EXPERTS}, got {cfg.experts}")
+    if cfg.topk > min(cfg.experts, MAX_TOPK):
+        p.error(f"--topk: must be <= the number of experts ({cfg.experts}) and <= {MAX_TOPK}, got {cfg.topk}")
+    if args.ep > 1 and cfg.experts % args.ep:
+        p.error(f"--experts {cfg.experts} must be a multiple of --ep {args.ep}")
     if args.ep > 1:
         if gpus < args.ep:
             why = "--cpu was given" if args.cpu else f"{gpus} CUDA GPU(s) found"

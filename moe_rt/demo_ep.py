@@ -21,7 +21,6 @@ fixed-size receive buffer.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import socket
 import subprocess
@@ -333,10 +332,13 @@ def _jax_worker(cfg, rank, n):
 def main(argv=None) -> int:
     from moe_rt.demo import Config
 
-    ap = argparse.ArgumentParser(description="one rank of `python -m moe_rt demo --ep N` (started by it)")
+    from moe_rt._cli import ArgumentParser, positive_int
+
+    ap = ArgumentParser(description="one rank of `python -m moe_rt demo --ep N` (started by it)")
     ap.add_argument("--framework", choices=("torch", "jax"), required=True)
-    for k in ("tokens", "experts", "topk", "hidden", "ffn", "steps", "seed"):
-        ap.add_argument(f"--{k}", type=int, required=True)
+    for k in ("tokens", "experts", "topk", "hidden", "ffn", "steps"):
+        ap.add_argument(f"--{k}", type=positive_int, required=True)
+    ap.add_argument("--seed", type=int, required=True)
     a = ap.parse_args(argv)
     cfg = Config(tokens=a.tokens, experts=a.experts, topk=a.topk, hidden=a.hidden, ffn=a.ffn, steps=a.steps,
                  seed=a.seed)

@@ -1,11 +1,19 @@
-"""CPU checks of benchmark helpers that carry math of their own (tools/)."""
+"""CPU checks of the benchmarks (moe_rt/bench, tools/): helpers that carry math of their own, the report's
+tables and plot on synthetic rows, the progress bar, and the tools' command lines without a GPU."""
+import io
 import os
+import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+from moe_rt.bench import _lib
+from moe_rt.bench import layer as bench_layer
+from moe_rt.bench import report
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 
 def _against_ragged_dot(make_gmm, sizes, extra_rows, seed):
@@ -13,8 +21,6 @@ def _against_ragged_dot(make_gmm, sizes, extra_rows, seed):
     and the gradients of lhs and rhs; rows past the last group get zero output and zero gradient."""
     jax = pytest.importorskip("jax")
     import jax.numpy as jnp
-
-    import bench_layer
 
     rng = np.random.default_rng(seed)
     G, H, F = len(sizes), 6, 5
@@ -72,8 +78,6 @@ def test_profile_router_cases():
 def test_interleaved_timing_takes_turns(monkeypatch):
     """bench_layer.interleaved_us: every function timed once per round in a rotated order (so that the host's
     drift hits all alike), each batch closed by its own sync; per-call times are the medians over rounds."""
-    import bench_layer
-
     clock = [0.0]
     monkeypatch.setattr(bench_layer.time, "perf_counter", lambda: clock[0])
     order, syncs = [], []
@@ -97,7 +101,6 @@ def test_bare_functions_match_the_adapters():
     """bench_layer's bare autograd.Functions (the in-graph floor of any Function wrapper of the moe_rt calls)
     compute what the torch adapters compute: the same values and gradients, on the reference path."""
     torch = pytest.importorskip("torch")
-    import bench_layer
     import moe_rt.torch as mt
 
     bare_d, bare_c, bare_topk = bench_layer._bare_functions()
@@ -119,3 +122,231 @@ def test_bare_functions_match_the_adapters():
         got.append((y.detach(), p.detach(), *torch.autograd.grad((y, p), (xg, pg, lg), (gy, gl))))
     for a, b in zip(*got):
         assert torch.equal(a, b)
+
+
+# ---- python -m moe_rt bench: the report on synthetic rows ------------------------------------------------
+
+ROUTER_ROWS = [
+    {"dtype": "bfloat16", "T": 4096, "E": 256, "K": 8, "op": "softmax fwd", "ms": 0.05, "GB/s": 2400.0,
+     "% copy": 80.0, "eager ms": 0.4, "x eager": 8.0, "compile ms": None, "x compile": None},
+    {"dtype": "float32", "T": 65536, "E": 2304, "K": 36, "op": "sigmoid bwd", "ms": 0.9, "GB/s": 1500.0,
+     "% copy": 50.0, "eager ms": 1.8, "x eager": 2.0, "compile ms": 1.0, "x compile": 1.1},
+]
+PERMUTATION_ROWS = [
+    {"op": "dispatch", "T": 8192, "E": 256, "K": 8, "H": 7168, "ms": 0.3, "GB/s": 2900.0, "% copy": 95.0,
+     "torch ms": 0.9, "x torch": 3.0},
+    {"op": "combine [cta128 k8 cs]", "T": 8192, "E": 256, "K": 8, "H": 7168, "ms": 0.4, "GB/s": 2000.0,
+     "% copy": 66.0},
+    {"op": "dispatch at copy floor", "T": 8192, "E": 256, "K": 8, "H": 7168, "ms": 0.28, "GB/s": 3000.0,
+     "% copy": 100.0, "torch ms": 0.9, "x torch": 3.2},
+    {"op": "make_plan (graph replay)", "T": 8192, "E": 256, "K": 8, "H": 7168, "ms": 0.02},
+]
+EP_ROWS = [
+    {"op": "dispatch", "mode": "exact", "chunks": "2", "T": 4096, "ms": 1.0, "wire_MB": 200.0,
+     "wire_GB/s": 200.0, "torch_ms": 3.0, "raw_a2a_ms": 0.9, "x_vs_torch": 3.0, "x_vs_raw": 1.1},
+    {"op": "prepare", "mode": "exact", "chunks": None, "T": 4096, "ms": 0.1, "wire_MB": 0.0},
+]
+LAYER_ROWS = [
+    {"part": "dispatch fwd+bwd", "impl": "moe_rt (torch)", "ms": 1.0, "GB/s": 2000.0, "% copy": 70.0},
+    {"part": "dispatch fwd+bwd", "impl": "torch eager", "ms": 4.0, "GB/s": 500.0, "% copy": 17.0,
+     "x moe_rt": 4.0},
+    {"part": "layer step", "impl": "torch.compile", "ms": 9.0, "x moe_rt": 1.5},
+]
+
+
+def _results():
+    meta = {"device": "NVIDIA H100 80GB HBM3", "date": "2026-01-01", "commit": "abc1234", "copy GB/s": 3000.0}
+    return {"router": {"meta": dict(meta, title="router", columns=list(ROUTER_ROWS[0])), "rows": ROUTER_ROWS},
+            "permutation": {"meta": dict(meta, title="dispatch/combine"), "rows": PERMUTATION_ROWS},
+            "ep": {"meta": dict(meta, title="EP"), "rows": EP_ROWS},
+            "layer": {"meta": dict(meta, title="layer"), "rows": LAYER_ROWS}}
+
+
+def test_report_points():
+    pts = report.points("router", ROUTER_ROWS)
+    assert [(p["pct_copy"], p["speedup"]) for p in pts] == [(80.0, 8.0), (50.0, 2.0)]
+    assert pts[0]["label"] == "softmax fwd bfloat16 T=4096 E=256" and pts[0]["baseline"] == "torch eager"
+    # permutation: the five ops only (variants, floors and replays stay in the table)
+    assert [p["label"] for p in report.points("permutation", PERMUTATION_ROWS)] == ["dispatch T=8192 E=256 K=8"]
+    ep = report.points("ep", EP_ROWS)  # EP: no copy share (the wire is not device memory); prepare: no baseline
+    assert len(ep) == 1 and ep[0]["pct_copy"] is None and ep[0]["speedup"] == 3.0
+    assert ep[0]["label"] == "dispatch exact chunks 2 T=4096" and ep[0]["baseline"] == "torch.distributed"
+    layer = report.points("layer", LAYER_ROWS)  # moe_rt's share of copy; speed-up over eager, not compile
+    assert [(p["label"], p["pct_copy"], p["speedup"]) for p in layer] == [
+        ("dispatch fwd+bwd [moe_rt (torch)]", 70.0, None), ("dispatch fwd+bwd vs torch eager", None, 4.0)]
+    with pytest.raises(ValueError, match="bench"):
+        report.points("nope", [])
+
+
+def test_report_tables():
+    text = report.tables(_results())
+    assert text.count("## ") == 4
+    assert "## router: router (NVIDIA H100 80GB HBM3, 2026-01-01, commit abc1234, copy 3000.0 GB/s)" in text
+    lines = text.splitlines()
+    head = lines.index("| " + " | ".join(ROUTER_ROWS[0]) + " |")
+    assert lines[head + 2] == "| bfloat16 | 4096 | 256 | 8 | softmax fwd | 0.05 | 2400 | 80.0 | 0.4 | 8 | - | - |"
+    # columns from the rows when the meta names none, in first-seen order
+    assert "| op | T | E | K | H | ms | GB/s | % copy | torch ms | x torch |" in text
+    assert "| op | mode | chunks | T | ms | wire_MB | wire_GB/s | torch_ms | raw_a2a_ms | x_vs_torch | x_vs_raw |" \
+        in text
+
+
+def test_report_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    import struct
+
+    path = tmp_path / "bench.png"
+    n = report.plot(_results(), str(path))
+    assert n == (2 + 1 + 1) + (2 + 1 + 1 + 1)  # bandwidth: router, permutation, layer; speed-up: and ep
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    w, h = struct.unpack(">II", data[16:24])
+    assert w > 1000 and h > 200
+    assert data[-8:-4] == b"IEND"
+
+
+def test_report_plot_with_no_rows(tmp_path):
+    pytest.importorskip("matplotlib")
+    with pytest.raises(ValueError, match="no rows to plot"):
+        report.plot({"ep": {"meta": {}, "rows": [EP_ROWS[1]]}}, str(tmp_path / "x.png"))
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_report_without_matplotlib(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    with pytest.raises(RuntimeError, match=r'pip install "moe_rt\[bench\]"'):
+        report.plot(_results(), str(tmp_path / "x.png"))
+
+
+def test_progress_bar():
+    out = io.StringIO()
+    bar = _lib.Progress(stream=out, width=10)
+    bar.start("router", 4)
+    for i in range(4):
+        bar.advance(f"T={i}")
+    text = out.getvalue()
+    frames = text.split("\r")[1:]
+    assert len(frames) == 5 and text.endswith("\n") and text.count("\n") == 1
+    assert frames[0].startswith("router [..........] 0/4")
+    assert frames[2].startswith("router [#####.....] 2/4 T=1")
+    assert frames[4].startswith("router [##########] 4/4 T=3")
+
+
+def test_quiet_table_keeps_rows(monkeypatch, capsys):
+    monkeypatch.setattr(_lib, "device_name", lambda: "test device")
+    monkeypatch.setattr(_lib, "QUIET", True)
+    t = _lib.Table("t", ["op", "ms"])
+    t.header()
+    t.add(op="dispatch", ms=0.5)
+    t.finish(None)
+    assert capsys.readouterr().out == "" and t.rows == [{"op": "dispatch", "ms": 0.5}]
+    monkeypatch.setattr(_lib, "QUIET", False)
+    t.add(op="combine", ms=1.25)
+    assert capsys.readouterr().out == "combine | 1.25\n"
+
+
+# ---- command lines: flag errors and no GPU, on CPU --------------------------------------------------------
+
+def _run(args, timeout=120, **kw):
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, **kw)
+
+
+def _one_line_error(r, *needles):
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    return lines[0]
+
+
+@pytest.mark.parametrize("tool", ["bench_router", "bench_permutation", "bench_layer", "bench_ep"])
+def test_tool_help(tool):
+    r = _run([f"tools/{tool}.py", "--help"], env=dict(os.environ, COLUMNS="200"))
+    assert r.returncode == 0 and r.stdout.startswith("usage:"), r.stdout + r.stderr
+    assert "--iters ITERS" in r.stdout and "(default: 50)" in r.stdout
+    assert "[rank" not in r.stdout + r.stderr and "``" not in r.stdout  # bench_ep: no rank started
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["tools/bench_router.py", "--T", "0,5"], "--T"),
+    (["tools/bench_router.py", "--iters", "0"], "--iters"),
+    (["tools/bench_permutation.py", "--batch", "-1"], "--batch"),
+    (["tools/bench_layer.py", "--frameworks", "torch,tf"], "--frameworks"),
+    (["tools/bench_layer.py", "--warmup", "-1"], "--warmup"),
+    (["tools/bench_ep.py", "--chunks", "x1"], "--chunks"),
+    (["tools/bench_ep.py", "--tokens", "512,zero"], "--tokens"),
+    (["-m", "moe_rt", "bench", "--iters", "0"], "--iters"),
+    (["-m", "moe_rt", "bench", "--warmup", "-2"], "--warmup"),
+    (["-m", "moe_rt", "bench", "everything"], "invalid choice"),
+    (["-m", "moe_rt", "bench", "--plot", "/nonexistent-folder/b.png"], "--plot"),
+])
+def test_flag_errors(args, needle):
+    _one_line_error(_run(args), "error:", needle)
+
+
+def _no_gpu():
+    from conftest import GPU_COUNT
+
+    if GPU_COUNT:
+        pytest.skip("a CUDA GPU is present")
+
+
+@pytest.mark.parametrize("args", [["tools/bench_router.py", "--quick"], ["tools/bench_permutation.py"],
+                                  ["tools/bench_layer.py", "--quick"], ["tools/bench_ep.py", "--quick"],
+                                  ["tools/launch.py", "-n", "2", "tests/ep_worker.py"],
+                                  ["-m", "moe_rt", "bench", "--no-plot"], ["-m", "moe_rt", "bench", "router"]])
+def test_no_gpu_is_one_line(args):
+    _no_gpu()
+    if args[-1] == "router":
+        pytest.importorskip("matplotlib")  # without it the plot's error comes first (its own test)
+    line = _one_line_error(_run(args), "no CUDA GPU")
+    assert "insufficient" not in line
+
+
+def test_bench_without_matplotlib_names_the_extra(tmp_path):
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys\nsys.modules['matplotlib'] = None  # import matplotlib raises ImportError\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT, os.environ.get("PYTHONPATH", "")]))
+    _one_line_error(_run(["-m", "moe_rt", "bench", "--plot", str(tmp_path / "b.png")], env=env),
+                    'pip install "moe_rt[bench]"', "--no-plot")
+
+
+def test_bench_help_shows_defaults():
+    r = _run(["-m", "moe_rt", "bench", "--help"], env=dict(os.environ, COLUMNS="200"))
+    assert r.returncode == 0, r.stderr
+    for s in ("{router,permutation,ep,layer,all}", "(default: all)", "(default: bench.png)", "(default: 50)",
+              "(default: 10)", "--no-compile", "--quick"):
+        assert s in r.stdout, (s, r.stdout)
+
+
+# ---- GPU: the bench command end to end ---------------------------------------------------------------------
+
+def _bench_on_gpu(tmp_path, which):
+    pytest.importorskip("torch")
+    pytest.importorskip("matplotlib")
+    png, js = tmp_path / "b.png", tmp_path / "b.json"
+    r = _run(["-m", "moe_rt", "bench", which, "--quick", "--iters", "3", "--warmup", "1", "--no-compile",
+              "--plot", str(png), "--json", str(js)], timeout=1200)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert f"{which} [" in r.stderr and f"plot: {png}" in r.stdout  # the progress bar; the plot
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    import json
+
+    rows = json.loads(js.read_text())[which]["rows"]
+    pts = report.points(which, rows)
+    assert pts and all(p["speedup"] is None or p["speedup"] > 0 for p in pts)
+    assert "| op |" in r.stdout
+    return pts
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("which", ["permutation", "router"])
+def test_bench_command_on_the_gpu(tmp_path, which):
+    pts = _bench_on_gpu(tmp_path, which)
+    assert all(0 < p["pct_copy"] < 150 for p in pts if p["pct_copy"] is not None)
+
+
+@pytest.mark.multi_gpu
+def test_bench_ep_command_on_two_gpus(tmp_path):
+    _bench_on_gpu(tmp_path, "ep")

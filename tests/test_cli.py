@@ -1,16 +1,30 @@
 """``python -m moe_rt``."""
+import importlib
+import os
 import subprocess
 import sys
 
 import numpy as np
 
 
+def _importable(module):
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
+
+
 def test_info_runs_everywhere():
     r = subprocess.run([sys.executable, "-m", "moe_rt", "info"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    for key in ("moe_rt", "numpy", "cupy", "nccl", "kernel cache", "torch", "jax"):
+    for key in ("moe_rt", "numpy", "cupy", "nccl", "torch", "jax"):
         assert key in r.stdout, (key, r.stdout)
     assert "gpu" in r.stdout
+    if not _importable("cupy"):
+        assert "CPU reference only" in r.stdout, r.stdout
+    else:
+        assert "kernel cache" in r.stdout, r.stdout
 
 
 def test_unknown_command_fails():
@@ -59,6 +73,52 @@ def test_demo_rejects_bad_ep():
     r = subprocess.run([sys.executable, "-m", "moe_rt", "demo", "--ep", "0"], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2 and "--ep" in r.stderr
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--tokens", "0"], "--tokens"), (["--topk", "0"], "--topk"), (["--hidden", "0"], "--hidden"),
+    (["--experts", "0"], "--experts"), (["--ffn", "0"], "--ffn"), (["--tokens", "-5"], "--tokens"),
+    (["--hidden", "-1"], "--hidden"), (["--steps", "0"], "--steps"), (["--steps", "-2"], "--steps"),
+    (["--topk", "9", "--experts", "8"], "--topk"), (["--topk", "9", "--cpu"], "--topk"),
+    (["--topk", "65", "--experts", "128"], "--topk"), (["--experts", "20000"], "--experts"),
+    (["--ep", "2", "--experts", "7", "--cpu"], "--ep 2"), (["--tokens", "many"], "--tokens"),
+    (["--framework", "tf"], "--framework"),
+])
+def test_demo_rejects_bad_flags(args, needle):
+    r = subprocess.run([sys.executable, "-m", "moe_rt", "demo", *args], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr and not r.stdout, r.stdout + r.stderr
+    assert lines[0].startswith("python -m moe_rt demo: error:") and needle in lines[0], lines[0]
+
+
+def test_demo_takes_the_sizes_given():
+    # every size given is used as given (none replaced by a default); the others keep the CPU defaults
+    r = subprocess.run([sys.executable, "-m", "moe_rt", "demo", "--framework", "cupy", "--cpu", "--steps", "1",
+                        "--tokens", "1", "--experts", "3", "--topk", "3", "--hidden", "5"], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "layer: tokens=1 experts=3 topk=3 hidden=5 ffn=32, 1 steps" in r.stdout, r.stdout
+
+
+def test_demo_help_shows_text_and_defaults():
+    r = subprocess.run([sys.executable, "-m", "moe_rt", "demo", "--help"], capture_output=True, text=True,
+                       timeout=120, env=dict(os.environ, COLUMNS="200"))  # help lines unwrapped
+    assert r.returncode == 0 and r.stdout.startswith("usage: python -m moe_rt demo"), r.stdout + r.stderr
+    for s in ("A whole MoE layer", "(default: torch)", "(default: 10)", "(default: 1)",
+              "when absent 4096 on a GPU, 256 on the CPU path", "experts per token K (<= E)"):
+        assert s in r.stdout, (s, r.stdout)
+    assert "``" not in r.stdout and ":func:" not in r.stdout and "(default: None)" not in r.stdout
+
+
+def test_top_level_help_is_plain_text():
+    r = subprocess.run([sys.executable, "-m", "moe_rt", "--help"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "``" not in r.stdout and ":func:" not in r.stdout and ":mod:" not in r.stdout, r.stdout
+    for s in ("{info,demo,warmup,bench}", "info    versions", "demo    a MoE layer", "bench   the benchmarks",
+              'pip install "moe_rt[bench]"'):
+        assert s in r.stdout, (s, r.stdout)
 
 
 def _layer_inputs(cfg, dtype, seed=0):

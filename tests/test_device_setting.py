@@ -19,6 +19,17 @@ def test_l2_fetch_granularity_bad_device(bad, exc):
         moe_rt.l2_fetch_granularity(32, device=bad)
 
 
+def test_l2_fetch_granularity_without_a_gpu_says_so():
+    from conftest import GPU_COUNT
+
+    if GPU_COUNT:
+        pytest.skip("a CUDA GPU is present")
+    for args in ((), (32,)):
+        with pytest.raises(RuntimeError, match="l2_fetch_granularity needs a CUDA GPU; no CUDA GPU") as e:
+            moe_rt.l2_fetch_granularity(*args)
+        assert "insufficient" not in str(e.value) and "\n" not in str(e.value)
+
+
 @pytest.mark.gpu
 def test_l2_fetch_granularity_set_and_restore():
     import cupy as cp

@@ -676,8 +676,8 @@ def test_handle_regions_and_dlpack(rng):
 def _launch(tmp_path, script_text, n=2, extra=(), timeout=60):
     script = tmp_path / "s.py"
     script.write_text(textwrap.dedent(script_text))
-    return subprocess.run([sys.executable, str(LAUNCH), "-n", str(n), *extra, str(script)], capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run([sys.executable, str(LAUNCH), "-n", str(n), "--cpu", *extra, str(script)],
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def test_launcher_env_and_prefix(tmp_path):
@@ -753,6 +753,25 @@ def test_bootstrap_store_and_env(monkeypatch):
         bootstrap.unique_id_from_env()
     with pytest.raises(ValueError, match="method"):
         bootstrap.init_communicator(0, 1, 0, method="carrier-pigeon")
+
+
+@pytest.mark.parametrize("given, env, match", [
+    ({}, {}, "rank: not given and the environment variable RANK is not set"),
+    ({"rank": 0}, {}, "world_size: not given and the environment variable WORLD_SIZE is not set"),
+    ({}, {"RANK": "x", "WORLD_SIZE": "2"}, "RANK must be an integer, got 'x'"),
+    ({}, {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": ""}, "LOCAL_RANK must be an integer"),
+])
+def test_init_communicator_names_the_missing_environment(monkeypatch, given, env, match):
+    from moe_rt import bootstrap
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValueError, match=match) as e:
+        bootstrap.init_communicator(**given, method="file")
+    if not env:
+        assert "RANK and WORLD_SIZE" in str(e.value)
 
 
 # -- multi-GPU: tests/ep_worker.py on 2 GPUs ------------------------------------------------------------------

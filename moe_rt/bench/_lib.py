@@ -1,4 +1,5 @@
-"""Timing helpers shared by tools/bench_*.py.
+"""Timing helpers shared by the benchmarks (moe_rt/bench/*.py, run by ``python -m moe_rt bench`` or
+tools/bench_*.py).
 
 Every benchmark times with CUDA events on one stream, warms up first, reports the median of many runs,
 rotates between several input sets so repeated runs are not served from L2, and measures the device's
@@ -16,14 +17,73 @@ import sys
 import numpy as np
 
 
-def parser(description: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description)
+from moe_rt._cli import (ArgumentParser, HelpFormatter, nonnegative_int, plain_text,  # noqa: E402,F401
+                         positive_int, positive_int_list)
+
+
+def parser(description: str, prog: str | None = None) -> argparse.ArgumentParser:
+    p = ArgumentParser(prog=prog, description=plain_text(description), formatter_class=HelpFormatter)
     p.add_argument("--json", help="write the rows to this file")
-    p.add_argument("--iters", type=int, default=50, help="timed runs per case (median reported)")
-    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--iters", type=positive_int, default=50, help="timed runs per case (median reported)")
+    p.add_argument("--warmup", type=nonnegative_int, default=10, help="untimed runs before the timed ones")
     p.add_argument("--quick", action="store_true", help="smallest shapes only")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines")
     return p
+
+
+def require_gpu(prog: str) -> None:
+    """Leave with status 2 and one line on stderr when no CUDA GPU can be used (before any CUDA call, whose
+    own error would speak of the driver version)."""
+    from moe_rt import _jit
+
+    why = _jit.no_gpu_reason()
+    if why is not None:
+        sys.stderr.write(f"{prog}: {why}\n")
+        sys.exit(2)
+
+
+# ---- what the benchmarks show while they run -------------------------------------------------------------
+
+QUIET = False  # True: rows are kept but not printed as they come (python -m moe_rt bench prints them at the end)
+
+
+class Progress:
+    """A progress bar on stderr: ``start(label, total)``, then ``advance(note)`` once per unit of work."""
+
+    def __init__(self, stream=None, width: int = 30):
+        self.stream = stream if stream is not None else sys.stderr
+        self.width = width
+        self.label, self.total, self.done = "", 0, 0
+
+    def start(self, label: str, total: int) -> None:
+        self.label, self.total, self.done = label, max(int(total), 1), 0
+        self._draw("")
+
+    def advance(self, note: str = "") -> None:
+        self.done = min(self.done + 1, self.total)
+        self._draw(note)
+        if self.done == self.total:
+            self.stream.write("\n")
+            self.stream.flush()
+
+    def _draw(self, note: str) -> None:
+        n = self.width * self.done // self.total
+        self.stream.write(f"\r{self.label} [{'#' * n}{'.' * (self.width - n)}] {self.done}/{self.total} {note}"
+                          .ljust(self.width + len(self.label) + 40))
+        self.stream.flush()
+
+
+PROGRESS: Progress | None = None  # set by python -m moe_rt bench
+
+
+def progress_start(label: str, total: int) -> None:
+    if PROGRESS is not None:
+        PROGRESS.start(label, total)
+
+
+def progress_advance(note: str = "") -> None:
+    if PROGRESS is not None:
+        PROGRESS.advance(note)
 
 
 def time_cuda(fn, *, iters: int = 50, warmup: int = 10, stream=None) -> float:
@@ -114,9 +174,12 @@ class Table:
 
     def add(self, **row):
         self.rows.append(row)
-        print(" | ".join(_fmt(row.get(c)) for c in self.columns), flush=True)
+        if not QUIET:
+            print(" | ".join(_fmt(row.get(c)) for c in self.columns), flush=True)
 
     def header(self):
+        if QUIET:
+            return
         print(f"\n## {self.title} ({self.meta['device']}, {self.meta['date']}, commit {self.meta['commit']})")
         for k, v in self.meta.items():
             if k not in ("title", "device", "date", "commit", "columns"):
@@ -131,8 +194,9 @@ class Table:
         return "\n".join(lines)
 
     def finish(self, json_path: str | None):
-        print()
-        print(self.markdown())
+        if not QUIET:
+            print()
+            print(self.markdown())
         if json_path:
             with open(json_path, "w") as f:
                 json.dump({"meta": self.meta, "rows": self.rows}, f, indent=1)

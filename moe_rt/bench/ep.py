@@ -1,0 +1,343 @@
+#!/usr/bin/env python3
+"""Benchmark expert-parallel prepare / dispatch / combine on R GPUs (one process each).
+
+    python tools/bench_ep.py [--json FILE] [--quick] [--transport direct|nccl|both]
+                                                         # launches itself on MOE_RT_BENCH_EP_NPROC (2) GPUs
+    python tools/launch.py -n 4 tools/bench_ep.py ...    # explicitly, on 4
+
+Shapes: T in {512, 4096, 16384} tokens per rank, H=7168, bf16, E=256, K=8, uniform random top-k routing.
+For each mode (exact; capacity eager; capacity as one CUDA graph of prepare+dispatch+combine) it times
+prepare, then dispatch, combine and the round trip per transfer configuration (``--chunks``; default
+s1 = serial in one part, o2 = overlapped in two parts, 2 = the EpGroup default: two parts, overlapped when
+the rank sends at least 64 MiB) of the NCCL transport and the direct peer-memory transport (chunks column
+"d"; ``--transport``: direct, nccl or both, the default), optionally the serial path's pieces alone
+(``--parts``), and side by side in the same run:
+
+(a) the torch.distributed pipeline a user writes: stable argsort permute (K rows per token), all-to-all of
+    per-expert counts, ``.tolist()``, ``all_to_all_single`` with splits, chunk sort to expert-major; and
+    the reverse for combine (weighted unpermute);
+(b) a raw ``all_to_all_single`` moving the bytes moe_rt puts on the wire (own share excluded);
+(c) where every pair has peer access: a CUDA-IPC copy-engine all-to-all of the same bytes (one
+    ``cudaMemcpyAsync`` of each peer's share straight into the peer's IPC-mapped buffer, one stream per
+    peer): the practical limit of the link (column ipc_ce_ms; x_vs_ipc_ce = ms / ipc_ce_ms).
+
+Rank 0 prints the table; ``--json`` writes it. Times are rank 0's CUDA-event medians (ranks are
+synchronized before every case).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if __name__ == "__main__" and sys.path and os.path.abspath(sys.path[0]) == HERE:
+    del sys.path[0]  # run as a script by the launcher: this folder's modules are not top-level modules
+
+from moe_rt.bench import _lib as benchlib  # noqa: E402
+
+
+def _chunk_list(text: str) -> list[str]:
+    """argparse type of --chunks: comma-separated chunk counts >= 1, each optionally prefixed s or o."""
+    out = [c.strip() for c in text.split(",") if c.strip()]
+    for c in out:
+        n = c[1:] if c[:1] in ("s", "o") else c
+        if not n.isdigit() or int(n) < 1:
+            raise argparse.ArgumentTypeError(
+                f"expected chunk counts >= 1, each optionally prefixed s or o (e.g. s1,o2,2), got {text!r}")
+    if not out:
+        raise argparse.ArgumentTypeError(f"expected at least one chunk count, got {text!r}")
+    return out
+
+
+def parser(prog: str | None = None):
+    ap = benchlib.parser(__doc__, prog=prog)
+    ap.add_argument("--tokens", type=benchlib.positive_int_list, default=[512, 4096, 16384],
+                    help="comma-separated tokens per rank (--quick: 512)")
+    ap.add_argument("--chunks", type=_chunk_list, default=["s1", "o2", "2"],
+                    help="transfer configurations to compare: a chunk count, prefixed 's' for the serial path "
+                         "or 'o' for the overlapped one (2 alone is the default EpGroup)")
+    ap.add_argument("--transport", default="both", choices=("direct", "nccl", "both"),
+                    help="the EP transports to time side by side (direct: chunks column 'd')")
+    ap.add_argument("--parts", action="store_true",
+                    help="also time the serial dispatch/combine's parts alone (pack, NCCL exchange, expand; "
+                         "reduce, exchange, owner sum) in exact mode")
+    ap.add_argument("--nproc", type=benchlib.positive_int,
+                    default=int(os.environ.get("MOE_RT_BENCH_EP_NPROC", "2")),
+                    help="ranks (one GPU each) when this script launches itself")
+    return ap
+
+
+def _relaunch(argv, nproc) -> int:
+    """Run this file on ``nproc`` local GPUs under the launcher (moe_rt.launch), moe_rt importable."""
+    pkg_parent = os.path.dirname(os.path.dirname(HERE))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([pkg_parent] + ([os.environ["PYTHONPATH"]]
+                                                                      if os.environ.get("PYTHONPATH") else [])))
+    cmd = [sys.executable, "-m", "moe_rt.launch", "-n", str(nproc), "--timeout", "1500",
+           os.path.abspath(__file__), *argv]
+    return subprocess.call(cmd, env=env)
+
+
+def main(argv=None, prog: str | None = None) -> int:
+    """Parse the flags (``--help`` and flag errors never start a rank), check the GPUs, then launch the ranks
+    (no ``WORLD_SIZE`` in the environment) or run this rank."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    ap = parser(prog)
+    args = ap.parse_args(argv)
+    benchlib.require_gpu(ap.prog)
+    if "WORLD_SIZE" not in os.environ:
+        import cupy as cp
+
+        n = cp.cuda.runtime.getDeviceCount()
+        if n < args.nproc:
+            sys.stderr.write(f"{ap.prog}: {args.nproc} ranks need {args.nproc} CUDA GPUs, found {n}\n")
+            return 2
+        return _relaunch(argv, args.nproc)
+    _rank(args)
+    return 0
+
+
+def _rank(args):
+    import cupy as cp
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dev = int(os.environ.get("LOCAL_RANK", rank))
+    torch.cuda.set_device(dev)
+    cp.cuda.Device(dev).use()
+    dist.init_process_group("nccl", init_method="file://" + os.environ["MOE_RT_UID_FILE"] + ".torch",
+                            rank=rank, world_size=world, device_id=torch.device("cuda", dev))
+    from moe_rt.bootstrap import init_communicator
+    from moe_rt.ep import EpGroup
+
+    comm = init_communicator(method="file")
+    E, K, H = 256, 8, 7168
+    L = E // world
+    Ts = [512] if args.quick else args.tokens
+    from moe_rt import _ep_direct
+
+    peer_ok = world > 1 and _ep_direct.probe_peers(comm, dev, lambda s: s.synchronize())[0]
+    chunk_counts = list(args.chunks) if args.transport != "direct" else []
+    if args.transport != "nccl":
+        if not peer_ok:
+            raise SystemExit("--transport direct: some pair of ranks has no peer access")
+        chunk_counts = ["d"] + chunk_counts
+
+    def cfg(c):
+        if c == "d":
+            return {"transport": "direct"}
+        return {"chunks": int(c.lstrip("so")), "overlap": {"s": False, "o": True}.get(c[:1]), "transport": "nccl"}
+    iters, warm = args.iters, args.warmup
+    table = benchlib.Table("EP dispatch/combine (moe_rt vs torch.distributed)",
+                           ["op", "mode", "chunks", "T", "ms", "wire_MB", "wire_GB/s", "torch_ms", "raw_a2a_ms",
+                            "ipc_ce_ms", "x_vs_torch", "x_vs_raw", "x_vs_ipc_ce"])
+    table.meta.update(ranks=world, experts=E, topk=K, hidden=H, dtype="bfloat16")
+    if rank == 0:
+        table.header()
+    bar = torch.zeros(1, device="cuda")
+
+    def barrier():
+        torch.cuda.synchronize()
+        dist.all_reduce(bar)
+        torch.cuda.synchronize()
+
+    def timed(fn):
+        barrier()
+        return benchlib.time_cuda(fn, iters=iters, warmup=warm)
+
+    def serial_parts(T, x, w, idx, y, wire, wire_w, t_raw):
+        """The serial path's pieces timed alone (exact mode): where dispatch and combine spend their time."""
+        from moe_rt import _arrays, permutation
+        from moe_rt import ep as ep_mod
+
+        gs = EpGroup(comm, E, H, T, mode="exact", overlap=False, transport="nccl")
+        hp = gs.prepare(idx)
+        gs.dispatch(hp, x, w)
+        out = []
+        with _arrays.Call({"x": x, "w": w, "y": y}) as call:
+            xv, wv, yv, s = call["x"], call["w"], call["y"], call.stream
+            rb, sb, rbuf, sw, rw_ = gs._forward_buffers(call, hp, xv, wv)
+            sc, so, rc, ro = gs._host_counts(hp)
+            plan, pw = ep_mod._plan_view(hp), ep_mod._recv_wk(hp)
+            out.append(("dispatch: pack", timed(lambda: gs._pack(call, hp, xv, wv, sb, rbuf, sw, rw_, 0)), 0, t_raw))
+            out.append(("dispatch: NCCL exchange", timed(lambda: gs._exchange(s, rb, K, (sb, sw, sc, so),
+                                                                               (rbuf, rw_, rc, ro))),
+                        wire + wire_w, t_raw))
+            out.append(("dispatch: expand", timed(lambda: permutation.dispatch(rbuf, plan, pw, stream=s)), 0, t_raw))
+            z = permutation.combine(yv, plan, pw, stream=s)
+            back = call.xp.empty((int(sb.shape[0]), H), z.dtype)
+            out.append(("combine: reduce", timed(lambda: permutation.combine(yv, plan, pw, stream=s)), 0, t_raw))
+            out.append(("combine: NCCL exchange", timed(lambda: gs._exchange(s, rb, K, (z, None, rc, ro),
+                                                                              (back, None, sc, so))), wire, t_raw))
+            out.append(("combine: owner sum", timed(lambda: gs._owner_sum(call, hp, z, 0, None, back, None, T,
+                                                                          z.dtype, False)), 0, t_raw))
+        return [(op, "s1", ms, nb, None, raw, None) for op, ms, nb, raw in out]
+
+    def ipc_copy_engine(T, per_peer):
+        """(c): every rank copies ``per_peer`` bf16 rows to each peer's IPC buffer (slot ``rank`` of T rows)
+        with one cudaMemcpyAsync per peer, each on its own stream; the time of this rank's copies."""
+        if not peer_ok:
+            return None
+        rb = H * 2
+        dst = _ep_direct._Shared(comm, world * T * rb, cp.cuda.get_current_stream(), lambda s: s.synchronize())
+        src = cp.empty(max(per_peer, 1) * rb, cp.uint8)
+        streams = [cp.cuda.Stream(non_blocking=True) for _ in range(world)]
+        fork, joins = cp.cuda.Event(disable_timing=True), [cp.cuda.Event(disable_timing=True) for _ in range(world)]
+        rt = cp.cuda.runtime
+
+        def run():
+            main_s = cp.cuda.get_current_stream()
+            fork.record(main_s)
+            for p in range(world):
+                if p == rank or not per_peer:
+                    continue
+                streams[p].wait_event(fork)
+                rt.memcpyAsync(dst.ptrs[p] + rank * T * rb, src.data.ptr, per_peer * rb, rt.memcpyDefault,
+                               streams[p].ptr)
+                joins[p].record(streams[p])
+                main_s.wait_event(joins[p])
+
+        try:
+            return timed(run)
+        finally:
+            cp.cuda.Device().synchronize()
+            barrier()  # no peer copies into this rank's buffer any more
+            dst.close()
+
+    for T in Ts:
+        g_ = torch.Generator(device="cuda").manual_seed(1234 + rank)
+        idx = torch.topk(torch.rand(T, E, device="cuda", generator=g_), K, dim=1).indices.to(torch.int32)
+        w = torch.rand(T, K, device="cuda", generator=g_)
+        x = torch.randn(T, H, device="cuda", generator=g_).to(torch.bfloat16)
+
+        # ---- (a) the torch pipeline ----
+        def torch_dispatch():
+            flat = idx.view(-1).long()
+            order = torch.argsort(flat, stable=True)
+            xp = x.index_select(0, order // K)
+            counts = torch.bincount(flat, minlength=E)
+            rcounts = torch.empty_like(counts)
+            dist.all_to_all_single(rcounts, counts)
+            send = counts.view(world, L).sum(1).tolist()
+            rmat = rcounts.view(world, L)
+            recv = rmat.sum(1).tolist()
+            rx = torch.empty(sum(recv), H, dtype=x.dtype, device="cuda")
+            dist.all_to_all_single(rx, xp, recv, send)
+            chunks = torch.split(rx, rmat.reshape(-1).tolist())
+            em = torch.cat([chunks[s * L + l_] for l_ in range(L) for s in range(world)])
+            return em, order, send, recv, rmat
+
+        def torch_combine(st, y):
+            em, order, send, recv, rmat = st
+            sizes = rmat.t().reshape(-1).tolist()
+            chunks = torch.split(y, sizes)
+            src_major = torch.cat([chunks[l_ * world + s] for s in range(world) for l_ in range(L)])
+            back = torch.empty(T * K, H, dtype=y.dtype, device="cuda")
+            dist.all_to_all_single(back, src_major, send, recv)
+            un = torch.empty_like(back)
+            un[order] = back
+            return (un.view(T, K, H).float() * w.unsqueeze(-1)).sum(1).to(y.dtype)
+
+        st = torch_dispatch()
+        t_tdisp = timed(torch_dispatch)
+        t_tcomb = timed(lambda: torch_combine(st, st[0]))
+        t_trt = timed(lambda: torch_combine(torch_dispatch(), st[0]))
+
+        for mode in ("exact", "capacity", "capacity+graph"):
+            m = "capacity" if mode.startswith("capacity") else "exact"
+            grps = [EpGroup(comm, E, H, T, mode=m, **cfg(c)) for c in chunk_counts]
+            hs = [g.prepare(idx) for g in grps]
+            rx, rw, tpe = grps[0].dispatch(hs[0], x, w)
+            y = rx  # the expert-major layout is the same for every chunk count
+            sz = hs[0].sizes
+            if m == "exact":
+                send_rows = int(grps[0]._send_rows(hs[0]))
+            else:
+                send_rows = (world - 1) * sz["P"]
+            wire = send_rows * H * 2
+            wire_w = send_rows * K * 4
+            # (b) raw all_to_all_single of the same bytes (own share excluded)
+            per_peer = send_rows // max(world - 1, 1)
+            splits = [0 if p == rank else per_peer for p in range(world)]
+            a2a_in = torch.empty(sum(splits), H, dtype=torch.bfloat16, device="cuda")
+            a2a_out = torch.empty_like(a2a_in)
+
+            def raw():
+                dist.all_to_all_single(a2a_out, a2a_in, splits, splits)
+
+            t_raw = timed(raw)
+            t_ce = ipc_copy_engine(T, per_peer)
+            rows = []
+            if args.parts and mode == "exact":
+                rows += serial_parts(T, x, w, idx, rx, wire, wire_w, t_raw)
+            if mode == "capacity+graph":
+                xs, ws, ids = cp.from_dlpack(x), cp.from_dlpack(w), cp.from_dlpack(idx)  # DLPack: CAI has no bf16
+                for c, grp in zip(chunk_counts, grps):
+                    stream = cp.cuda.Stream(non_blocking=True)
+                    pool = cp.cuda.MemoryPool()
+                    with cp.cuda.using_allocator(pool.malloc), stream:
+                        def step():
+                            hh = grp.prepare(ids)
+                            r, _, _ = grp.dispatch(hh, xs, ws)
+                            return grp.combine(hh, r)
+
+                        step()
+                        stream.synchronize()
+                        stream.begin_capture()
+                        step()
+                        graph = stream.end_capture()
+                    barrier()
+                    t_rt = benchlib.time_cuda(lambda: graph.launch(stream), iters=iters, warmup=warm, stream=stream)
+                    rows.append(("round trip (graph)", c, t_rt, 2 * (wire + wire_w), t_trt, 2 * t_raw,
+                                 2 * t_ce if t_ce else None))
+                    del graph, pool
+            else:
+                seen = set()
+                for c, grp in zip(chunk_counts, grps):
+                    if grp.transport in seen:  # prepare is the same for every chunk configuration
+                        continue
+                    seen.add(grp.transport)
+                    t_prep = timed(lambda: grp.prepare(idx))
+                    rows.append(("prepare", c, t_prep, 0, None, None, None))
+                for op in ("dispatch", "combine", "round trip"):
+                    for c, grp, h in zip(chunk_counts, grps, hs):
+                        if op == "dispatch":
+                            ms = timed(lambda: grp.dispatch(h, x, w))
+                            rows.append((op, c, ms, wire + wire_w, t_tdisp, t_raw, t_ce))
+                        elif op == "combine":
+                            ms = timed(lambda: grp.combine(h, y))
+                            rows.append((op, c, ms, wire, t_tcomb, t_raw, t_ce))
+                        else:
+                            def rt():
+                                hh = grp.prepare(idx)
+                                r, _, _ = grp.dispatch(hh, x, w)
+                                return grp.combine(hh, r)
+
+                            rows.append((op, c, timed(rt), 2 * wire + wire_w, t_trt, 2 * t_raw,
+                                         2 * t_ce if t_ce else None))
+            if rank == 0:
+                for op, c, ms, nbytes, tms, rawms, cems in rows:
+                    table.add(op=op, mode=mode, chunks=c, T=T, ms=ms, wire_MB=nbytes / 1e6,
+                              **{"wire_GB/s": (nbytes / (ms * 1e-3) / 1e9) if nbytes else None},
+                              torch_ms=tms, raw_a2a_ms=rawms, ipc_ce_ms=cems,
+                              x_vs_torch=(tms / ms) if tms else None, x_vs_raw=(ms / rawms) if rawms else None,
+                              x_vs_ipc_ce=(ms / cems) if cems else None)
+            for g in grps:
+                g.close()  # a collective with the direct transport: every rank, in the same order
+            h = grp = None
+            del hs, grps, rx, rw, y, a2a_in, a2a_out
+            cp.get_default_memory_pool().free_all_blocks()
+        del st
+        torch.cuda.empty_cache()
+    barrier()
+    if rank == 0:
+        table.finish(args.json)
+    comm.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
