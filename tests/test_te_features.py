@@ -359,3 +359,72 @@ def test_sort_chunks_jax(rng, device, with_probs):
                                           RP.sort_chunks_backward(np.asarray(w), split, order, np.asarray(wp))[1])
     with pytest.raises(ValueError, match="split_sizes"):
         mj.sort_chunks(x, [50, 1, 0, 0], order)
+
+
+# -- the new keywords through the ops' checkers (the JAX adapter checks them when it traces) ------------
+
+def test_checkers_take_the_new_keywords():
+    from moe_rt import router as R
+
+    r = np.zeros((5, 3), np.int8)
+    assert P.check_plan_settings(3, 1, None, "mask") == (3, 1, None)
+    with pytest.raises(ValueError, match="map_type"):
+        P.check_plan_settings(3, 1, None, "dense")
+    assert P.check_routing(r, 3, 1, None, "mask") == (5, 3, True, 15)
+    with pytest.raises(TypeError, match="routing map"):
+        P.check_routing(r.astype(np.float32), 3, 1, None, "mask")
+    with pytest.raises(ValueError, match="map_type='mask' or map_type='index'"):
+        P.check_routing(r.astype(np.int32), 3, 1, None)
+    assert P.check_routing(r.astype(np.int32), 3, 1, None, "index")[:3] == (5, 3, False)
+    x, pr = np.zeros((5, 4), np.float32), np.zeros((5, 3), np.float16)
+    assert P.check_dispatch_args(x, pr, 5, 3, 3) == np.float16
+    assert P.check_dispatch_args(x, pr, 5, 3, 3, "float32") == np.float32
+    assert P.check_dispatch_args(x, None, 5, 3, 3) is None
+    with pytest.raises(ValueError, match="probs_dtype"):
+        P.check_dispatch_args(x, pr, 5, 3, 3, "bfloat16")
+    p, tpe = np.zeros((5, 3), np.float32), np.zeros(3, np.int32)
+    for total in (7, np.array(7, np.int32), np.array([7], np.int64)):
+        assert R.check_aux_loss_args(p, tpe, total, 3, 2, 0.5) == (5, 3, 0.5)
+    for bad, err in ((7.0, TypeError), ("7", TypeError), (True, TypeError), (0, ValueError),
+                     (np.array(7.0), TypeError), (np.array([7, 7], np.int32), ValueError)):
+        with pytest.raises(err, match="total_num_tokens"):
+            R.check_aux_loss_args(p, tpe, bad, 3, 2, 0.5)
+        with pytest.raises(err, match="total_num_tokens"):
+            R.aux_loss(p, tpe, bad, 3, 2, 0.5)
+
+
+def test_jax_new_keywords_checked_when_traced():
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+    import moe_rt.jax as mj
+
+    calls = []
+    real = P.make_plan
+
+    def spy(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    r = jnp.zeros((5, 3), jnp.int32)
+    P.make_plan = spy  # a trace-time error must come before any core call
+    try:
+        with pytest.raises(ValueError, match="map_type"):
+            jax.jit(lambda a: mj.make_plan(a, 3, map_type="dense").arrays)(r)
+        with pytest.raises(ValueError, match="map_type='mask' or map_type='index'"):
+            jax.jit(lambda a: mj.make_plan(a, 3).arrays)(r)
+        with pytest.raises(TypeError, match="routing map"):
+            jax.jit(lambda a: mj.make_plan(a, 3, map_type="mask").arrays)(r.astype(jnp.float32))
+    finally:
+        P.make_plan = real
+    assert not calls
+    plan = mj.make_plan(jnp.zeros((5, 2), jnp.int32), 3)
+    x, pr = jnp.zeros((5, 4), jnp.float32), jnp.zeros((5, 2), jnp.float32)
+    with pytest.raises(ValueError, match="probs_dtype"):
+        jax.jit(lambda a, b: mj.dispatch(a, plan, b, probs_dtype="float16"))(x, pr)
+    p, tpe = jnp.zeros((5, 3), jnp.float32), jnp.zeros(3, jnp.int32)
+    with pytest.raises(TypeError, match="total_num_tokens"):
+        jax.jit(lambda a, t: mj.aux_loss(a, tpe, t, 3, 2, 0.5))(p, jnp.float32(7))
+    with pytest.raises(ValueError, match="total_num_tokens"):
+        jax.jit(lambda a, t: mj.aux_loss(a, tpe, t, 3, 2, 0.5))(p, jnp.zeros(2, jnp.int32))
+    with pytest.raises(TypeError, match="total_num_tokens"):
+        mj.aux_loss(p, tpe, 7.0, 3, 2, 0.5)
