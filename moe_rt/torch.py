@@ -757,18 +757,22 @@ class _AuxFn(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         probs, tokens_per_expert, total_num_tokens, num_experts, topk, coeff = inputs
-        ctx.args = (total_num_tokens, num_experts, topk, coeff)
         ctx.num_rows = probs.shape[0]
         ctx.probs_dtype = probs.dtype
-        ctx.save_for_backward(tokens_per_expert)
+        if isinstance(total_num_tokens, Tensor):  # the forward's value, whatever is written there later
+            ctx.args = (num_experts, topk, coeff)
+            ctx.save_for_backward(tokens_per_expert, total_num_tokens.clone())
+        else:
+            ctx.args = (total_num_tokens, num_experts, topk, coeff)
+            ctx.save_for_backward(tokens_per_expert)
 
     vmap = _no_vmap("aux_loss")
 
     @staticmethod
     @_once
     def backward(ctx, grad):
-        grad, tpe = _bwd_plain("aux_loss", grad.contiguous(), *ctx.saved_tensors)
-        g = _rt.aux_loss_backward(grad, ctx.num_rows, tpe, *ctx.args)
+        grad, tpe, *total = _bwd_plain("aux_loss", grad.contiguous(), *ctx.saved_tensors)
+        g = _rt.aux_loss_backward(grad, ctx.num_rows, tpe, *total, *ctx.args)
         return (g.contiguous().to(ctx.probs_dtype),) + (None,) * 5
 
 
@@ -783,8 +787,6 @@ def aux_loss(probs: Tensor, tokens_per_expert: Tensor, total_num_tokens, num_exp
     so both use the same value."""
     _tensor(probs, "probs")
     _tensor(tokens_per_expert, "tokens_per_expert")
-    if isinstance(total_num_tokens, Tensor):
-        return _aux_loss_dev(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coeff)
     if _eager():
         args = (tokens_per_expert, total_num_tokens, num_experts, topk, coeff)
         if _functorch_active():
@@ -794,6 +796,8 @@ def aux_loss(probs: Tensor, tokens_per_expert: Tensor, total_num_tokens, num_exp
                 return _AuxFn.apply(probs, *args)
             return _aux_apply(_unwrap_dead(probs), *args)
         return _rt.aux_loss(probs, *args)
+    if isinstance(total_num_tokens, Tensor):
+        return _aux_loss_dev(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coeff)
     return _aux_op(probs, tokens_per_expert, int(total_num_tokens), int(num_experts), int(topk), float(coeff))
 
 
@@ -838,7 +842,7 @@ _aux_dev_op.register_autograd(_aux_dev_bwd, setup_context=_aux_dev_setup)
 
 
 def _aux_loss_dev(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coeff):
-    # one path for eager and compile (the device-T loss is the CUDA-graph case, not a host-time hot path)
+    # under torch.compile (eager runs _AuxFn, which keeps the forward's value the same way)
     return _aux_dev_op(probs, tokens_per_expert, total_num_tokens, int(num_experts), int(topk), float(coeff))
 
 

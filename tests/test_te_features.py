@@ -428,3 +428,48 @@ def test_jax_new_keywords_checked_when_traced():
         jax.jit(lambda a, t: mj.aux_loss(a, tpe, t, 3, 2, 0.5))(p, jnp.zeros(2, jnp.int32))
     with pytest.raises(TypeError, match="total_num_tokens"):
         mj.aux_loss(p, tpe, 7.0, 3, 2, 0.5)
+
+
+def test_torch_func_grad_through_the_new_ops(rng):
+    """torch.func.grad through dispatch(probs_dtype=...), sort_chunks and aux_loss with a device
+    total_num_tokens equals eager autograd; torch.vmap is refused with the ops' NotImplementedError."""
+    torch = pytest.importorskip("torch")
+    import moe_rt.torch as mt
+
+    T, E, K, H = 7, 5, 2, 3
+    idx = torch.from_numpy(np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int32))
+    plan = mt.make_plan(idx, E)
+    x = torch.from_numpy(rng.standard_normal((T, H)).astype(np.float32))
+    p = torch.from_numpy(rng.random((T, K)))  # float64 probs, permuted as float32
+    w = torch.from_numpy(rng.standard_normal(T * K).astype(np.float32))
+
+    def eager_vs_func(f, *args):
+        g = torch.func.grad(f, argnums=tuple(range(len(args))))(*args)
+        leaves = [a.clone().requires_grad_() for a in args]
+        f(*leaves).backward()
+        for a, b in zip(g, leaves):
+            assert a.dtype == b.dtype
+            np.testing.assert_array_equal(a.numpy(), b.grad.numpy())
+
+    def disp(x, p):
+        xp, pp = mt.dispatch(x, plan, p, probs_dtype="float32")
+        assert pp.dtype == torch.float32
+        return (xp.sum(1) * pp * w).sum()
+
+    eager_vs_func(disp, x, p)
+    s, o = [3, 4], [1, 0]
+    pv = torch.from_numpy(rng.random(T).astype(np.float32))
+
+    def sort(x, pv):
+        out, po = mt.sort_chunks(x, s, o, probs=pv)
+        return (out.sum(1) * po * w[:T]).sum()
+
+    eager_vs_func(sort, x, pv)
+    pr = torch.from_numpy(rng.random((9, E)).astype(np.float32))
+    tpe = torch.from_numpy(rng.integers(0, 9, E).astype(np.int64))
+    total = torch.tensor(9, dtype=torch.int32)
+    eager_vs_func(lambda q: mt.aux_loss(q, tpe, total, E, K, 0.3), pr)
+    with pytest.raises(NotImplementedError, match="vmap"):
+        torch.vmap(lambda a: mt.sort_chunks(a, s, o))(x[None].repeat(2, 1, 1))
+    with pytest.raises(NotImplementedError, match="vmap"):
+        torch.vmap(lambda q: mt.aux_loss(q, tpe, total, E, K, 0.3))(pr[None].repeat(2, 1, 1))
