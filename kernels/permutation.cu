@@ -268,17 +268,24 @@ __global__ void dispatch_rows(const U* __restrict__ x, U* __restrict__ out, cons
   }
 }
 
+// Permuted probs in their output dtype: from fp32 slot probs (exact for fp16/bf16 probs, whose values fp32
+// holds exactly), or fp64 kept as it is.
+__device__ __forceinline__ float prob_cvt(float v, float*) { return v; }
+__device__ __forceinline__ __half prob_cvt(float v, __half*) { return __float2half_rn(v); }
+__device__ __forceinline__ __nv_bfloat16 prob_cvt(float v, __nv_bfloat16*) { return __float2bfloat16_rn(v); }
+__device__ __forceinline__ double prob_cvt(double v, double*) { return v; }
+
 // One warp per row (grid-stride): rows with src_slot -1 are zeroed (skipped when out is null);
-// probs_out[row] = src >= 0 ? probs_flat[src] : 0 (when probs_out is given).
-template <typename U>
-__global__ void fill_rows(U* __restrict__ out, float* __restrict__ probs_out,
-                          const float* __restrict__ probs_flat, const int* __restrict__ src_slot, i64 N,
+// probs_out[row] = src >= 0 ? probs_flat[src] : 0 (when probs_out is given), written as PO.
+template <typename U, typename PI = float, typename PO = float>
+__global__ void fill_rows(U* __restrict__ out, PO* __restrict__ probs_out,
+                          const PI* __restrict__ probs_flat, const int* __restrict__ src_slot, i64 N,
                           i64 row_units) {
   const int lane = threadIdx.x & 31;
   const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
   for (i64 r = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); r < N; r += warps) {
     const int s = src_slot[r];
-    if (probs_out != nullptr && lane == 0) probs_out[r] = s >= 0 ? probs_flat[s] : 0.0f;
+    if (probs_out != nullptr && lane == 0) probs_out[r] = prob_cvt(s >= 0 ? probs_flat[s] : PI(0), (PO*)nullptr);
     if (s < 0 && out != nullptr) {
       U* o = out + r * row_units;
       const U z = zero_unit<U>();

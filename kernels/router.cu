@@ -2855,10 +2855,22 @@ aux_loss_partial(const T* __restrict__ probs, i64 R, int C, const void* __restri
   if (tid == 0) partial[blockIdx.x] = s;
 }
 
+// total_num_tokens read on the device (total_kind 1: int32, 2: int64; 0: none, coeff is final): coeff
+// arrives as fl(fl(E*coeff)/topk) and is divided by T twice here, the host's order (no host read, so a
+// CUDA graph replays with the value in memory at launch).
+__device__ __forceinline__ float aux_coeff(float coeff, const void* total, int total_kind) {
+  if (total_kind == 0) return coeff;
+  const float t = total_kind == 1 ? (float)static_cast<const int*>(total)[0]
+                                  : (float)static_cast<const long long*>(total)[0];
+  return (coeff / t) / t;
+}
+
 template <typename T>
 __global__ void __launch_bounds__(256)
-aux_loss_final(const float* __restrict__ partial, int nb, float coeff, T* __restrict__ out) {
+aux_loss_final(const float* __restrict__ partial, int nb, float coeff, T* __restrict__ out,
+               const void* __restrict__ total, int total_kind) {
   __shared__ float scratch[32];
+  coeff = aux_coeff(coeff, total, total_kind);
   float acc = 0.0f;
   for (int i = threadIdx.x; i < nb; i += 256) acc += partial[i];
   const float s = block_sum(acc, scratch);
@@ -2869,8 +2881,9 @@ aux_loss_final(const float* __restrict__ partial, int nb, float coeff, T* __rest
 template <typename T>
 __global__ void __launch_bounds__(256)
 aux_loss_bwd(const T* __restrict__ grad, const void* __restrict__ tpe, int tkind, i64 R, int C, float coeff,
-             i64 rpb, T* __restrict__ out, int vec) {
+             i64 rpb, T* __restrict__ out, int vec, const void* __restrict__ total, int total_kind) {
   const int tid = threadIdx.x;
+  coeff = aux_coeff(coeff, total, total_kind);
   const float g = to_float(grad[0]);
   const i64 r0 = (i64)blockIdx.x * rpb, r1 = min(R, r0 + rpb);
   auto run = [&](auto chv) {

@@ -566,7 +566,7 @@ class EpGroup:
                          np.int32(Tmax), np.int32(K), np.int32(L), np.int32(P), np.int64(rows), recv_local),
                         stream=s)
         plan = permutation.make_plan(recv_local.reshape(rows, K), L, align_size=self.align_size,
-                                     num_out_tokens=sz["num_out"], stream=s, validate=False)
+                                     num_out_tokens=sz["num_out"], map_type="index", stream=s, validate=False)
         if plan.num_rows != N:  # pragma: no cover - the two size formulas are the same function
             raise RuntimeError(f"internal: plan rows {plan.num_rows} != handle rows {N}")
         h.view("dst_row")[...] = plan.dst_row.reshape(-1)

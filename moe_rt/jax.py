@@ -25,7 +25,7 @@ from moe_rt import permutation as _perm
 from moe_rt import router as _rt
 
 __all__ = ["JaxPlan", "make_plan", "dispatch", "combine", "topk_with_score", "scores_for_aux_loss", "aux_loss",
-           "JaxEpHandle", "ep_prepare", "ep_dispatch", "ep_combine"]
+           "sort_chunks", "JaxEpHandle", "ep_prepare", "ep_dispatch", "ep_combine"]
 
 _PLAN_ARRAYS = ("dst_row", "src_slot", "seg_start", "counts", "tokens_per_expert")
 
@@ -268,17 +268,23 @@ def _check_plan(plan):
             raise ValueError(f"plan: {name} must have shape {shape}, got {got}")
 
 
-def make_plan(routing, num_experts: int, *, align_size: int = 1, num_out_tokens: int | None = None) -> JaxPlan:
+def make_plan(routing, num_experts: int, *, align_size: int = 1, num_out_tokens: int | None = None,
+              map_type: str | None = None) -> JaxPlan:
     """:func:`moe_rt.permutation.make_plan` for JAX (jit-compatible): ``routing`` is ``topk_idx [T,K]``
-    int32 (-1 = none) or ``routing_map [T,E]`` bool. Shapes, dtypes and settings are checked when traced."""
+    int32 (-1 = none) or ``routing_map [T,E]`` bool (or integer 0/1 with ``map_type="mask"``);
+    ``map_type`` as in the core op (an integer ``[T, num_experts]`` array needs it). Shapes, dtypes and
+    settings are checked when traced."""
     routing = jax.lax.stop_gradient(jnp.asarray(routing))  # discrete: no derivative flows through a plan
-    E, align_size, num_out_tokens = _perm.check_plan_settings(num_experts, align_size, num_out_tokens)
-    T, K, _, N = _perm.check_routing(routing, E, align_size, num_out_tokens)
+    E, align_size, num_out_tokens = _perm.check_plan_settings(num_experts, align_size, num_out_tokens, map_type)
+    T, K, is_map, N = _perm.check_routing(routing, E, align_size, num_out_tokens, map_type)
+    if is_map and routing.dtype != jnp.bool_:
+        routing = routing != 0  # an integer 0/1 map (map_type="mask"), made bool here (traceable)
+    core_map_type = None if is_map else "index"
     specs = [_spec((T, K), np.int32), _spec((N,), np.int32), _spec((E + 1,), np.int32),
              _spec((E,), np.int32), _spec((E,), np.int32)]
 
     def fn(r):
-        p = _perm.make_plan(r, E, align_size=align_size, num_out_tokens=num_out_tokens)
+        p = _perm.make_plan(r, E, align_size=align_size, num_out_tokens=num_out_tokens, map_type=core_map_type)
         return [getattr(p, k) for k in _PLAN_ARRAYS]
 
     arrays = _run(fn, specs, routing, lean=True)
@@ -287,29 +293,30 @@ def make_plan(routing, num_experts: int, *, align_size: int = 1, num_out_tokens:
 
 # -- dispatch ------------------------------------------------------------------------------------------
 
-def _dispatch_impl(x, plan, probs):
+def _dispatch_impl(x, plan, probs, probs_f32=False):
     static = plan.static
-    specs = [_spec((plan.num_rows, x.shape[1]), x.dtype), _spec((plan.num_rows if probs is not None else 0,),
-                                                                  np.float32)]
+    pdt = np.float32 if probs is None or probs_f32 else probs.dtype
+    specs = [_spec((plan.num_rows, x.shape[1]), x.dtype), _spec((plan.num_rows if probs is not None else 0,), pdt)]
+    pkw = {"probs_dtype": "float32"} if probs_f32 else {}
 
     def fn(xv, pv, *pa):
-        xp_, pp = _perm.dispatch(xv, _as_plan(pa, static), pv)
+        xp_, pp = _perm.dispatch(xv, _as_plan(pa, static), pv, **pkw)
         return [xp_, pp]
 
     out = _run(fn, specs, x, probs, *plan.arrays, lean=True)
     return out[0], (out[1] if probs is not None else None)
 
 
-@jax.custom_vjp
-def _dispatch(x, plan, probs):
-    return _dispatch_impl(x, plan, probs)
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _dispatch(x, plan, probs, probs_f32=False):
+    return _dispatch_impl(x, plan, probs, probs_f32)
 
 
-def _dispatch_fwd(x, plan, probs):
-    return _dispatch_impl(x, plan, probs), (plan, probs)
+def _dispatch_fwd(x, plan, probs, probs_f32=False):
+    return _dispatch_impl(x, plan, probs, probs_f32), (plan, probs)
 
 
-def _dispatch_bwd(res, cts):
+def _dispatch_bwd(probs_f32, res, cts):
     plan, probs = res
     has_probs = probs is not None
     g_xp, g_pp = cts
@@ -333,14 +340,15 @@ def _plan_dims(plan):
     return int(T), int(K), plan.num_experts, plan.num_rows
 
 
-def dispatch(x, plan: JaxPlan, probs=None):
+def dispatch(x, plan: JaxPlan, probs=None, *, probs_dtype=None):
     """Differentiable :func:`moe_rt.permutation.dispatch`: ``x [T,H]`` into the plan's expert-major rows;
-    ``probs`` None or ``[T,K]``. Returns ``(x_permuted [N,H], probs_permuted [N] fp32 or None)``. Shapes
-    and dtypes are checked when traced."""
+    ``probs`` None or ``[T,K]``. Returns ``(x_permuted [N,H], probs_permuted [N] or None)``, the probs in
+    their own dtype (``probs_dtype=None``) or fp32 (``"float32"``). Shapes, dtypes and settings are checked
+    when traced."""
     _check_plan(plan)
     T, K, E, _ = _plan_dims(plan)
-    _perm.check_dispatch_args(x, probs, T, K, E)
-    return _dispatch(x, plan, probs)
+    _perm.check_dispatch_args(x, probs, T, K, E, probs_dtype)
+    return _dispatch(x, plan, probs, probs_dtype is not None)  # a probs_dtype that passed is float32
 
 
 # -- combine -------------------------------------------------------------------------------------------
@@ -502,11 +510,108 @@ def _aux_bwd(total_num_tokens, num_experts, topk, coeff, res, g):
 _aux.defvjp(_aux_fwd, _aux_bwd)
 
 
-def aux_loss(probs, tokens_per_expert, total_num_tokens: int, num_experts: int, topk: int, coeff: float):
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _aux_dev(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coeff):
+    return _aux_dev_fwd(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coeff)[0]
+
+
+def _aux_dev_fwd(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coeff):
+    def fn(pv, tv, nv):
+        return [_rt.aux_loss(pv, tv, nv, num_experts, topk, coeff).reshape(())]
+
+    (loss,) = _run(fn, [_spec((), probs.dtype)], probs, tokens_per_expert, total_num_tokens, lean=True)
+    return loss, (tokens_per_expert, total_num_tokens, jnp.zeros((probs.shape[0], 0), probs.dtype))
+
+
+def _float0_like(a):
+    return jnp.zeros_like(a) if jnp.issubdtype(a.dtype, jnp.floating) else np.zeros(a.shape, jax.dtypes.float0)
+
+
+def _aux_dev_bwd(num_experts, topk, coeff, res, g):
+    tpe, total, like = res
+    R = like.shape[0]
+
+    def fn(gv, tv, nv):
+        return [_rt.aux_loss_backward(gv, R, tv, nv, num_experts, topk, coeff)]
+
+    (gp,) = _run(fn, [_spec((R, tpe.shape[0]), g.dtype)], g, tpe, total, lean=True)
+    return gp.astype(like.dtype), _float0_like(tpe), _float0_like(total)
+
+
+_aux_dev.defvjp(_aux_dev_fwd, _aux_dev_bwd)
+
+
+def aux_loss(probs, tokens_per_expert, total_num_tokens, num_experts: int, topk: int, coeff: float):
     """Differentiable :func:`moe_rt.router.aux_loss` for JAX: a 0-d loss; the gradient flows to ``probs``.
-    Shapes, dtypes and settings are checked when traced."""
+    ``total_num_tokens``: a Python int (static), or a 0-d int32/int64 array (traced: read on the device,
+    so one compiled step serves every value). Shapes, dtypes and settings are checked when traced."""
+    device_total = not _rt._is_int(total_num_tokens) and hasattr(total_num_tokens, "shape")
+    if device_total:
+        total_num_tokens = jnp.asarray(total_num_tokens)
     _rt.check_aux_loss_args(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coeff)
+    if device_total:
+        return _aux_dev(probs, tokens_per_expert, total_num_tokens, int(num_experts), int(topk), float(coeff))
     return _aux(probs, tokens_per_expert, int(total_num_tokens), int(num_experts), int(topk), float(coeff))
+
+
+# -- chunk sort ----------------------------------------------------------------------------------------
+
+def _chunk_array(a, name):
+    if isinstance(a, (jax.Array, jax.core.Tracer)):
+        if not jnp.issubdtype(a.dtype, jnp.integer) or a.ndim != 1:
+            raise TypeError(f"{name}: expected a 1-D int32/int64 array, got {a.dtype} of shape {a.shape}")
+        return a.astype(jnp.int32) if a.dtype not in (jnp.int32, jnp.int64) else a
+    return jnp.asarray(np.asarray(a), dtype=jnp.int32)
+
+
+def _sort_chunks_run(x, s, o, probs, bwd):
+    specs = [_spec(x.shape, x.dtype), _spec((x.shape[0] if probs is not None else 0,), np.float32)]
+    f = _perm.sort_chunks_backward if bwd else _perm.sort_chunks
+
+    def fn(xv, sv, ov, pv):
+        if pv is None:
+            return [f(xv, sv, ov), None]
+        return list(f(xv, sv, ov, **({"grad_probs": pv} if bwd else {"probs": pv})))
+
+    out, po = _run(fn, specs, x, s, o, probs)
+    return out, (po if probs is not None else None)
+
+
+@jax.custom_vjp
+def _sort_chunks(x, s, o, probs):
+    return _sort_chunks_run(x, s, o, probs, False)
+
+
+def _sort_chunks_fwd(x, s, o, probs):
+    return _sort_chunks_run(x, s, o, probs, False), (s, o, None if probs is None else jnp.zeros((0,), probs.dtype))
+
+
+def _sort_chunks_bwd(res, cts):
+    s, o, like = res
+    g, gp = cts
+    gx, gpx = _sort_chunks_run(g, s, o, None if like is None else gp.astype(jnp.float32), True)
+    return gx, _float0_like(s), _float0_like(o), (None if like is None else gpx.astype(like.dtype))
+
+
+_sort_chunks.defvjp(_sort_chunks_fwd, _sort_chunks_bwd)
+
+
+def sort_chunks(x, split_sizes, sorted_indices, probs=None):
+    """Differentiable :func:`moe_rt.permutation.sort_chunks` for JAX (jit-compatible): the rows of
+    ``x [N, ...]`` form chunks of sizes ``split_sizes`` put in the order ``sorted_indices`` (int arrays,
+    traced or not; lists and NumPy arrays are validated at trace time). Returns ``out`` or, with
+    ``probs [N]``, ``(out, probs_out [N] fp32)``; gradients flow to ``x`` and ``probs``."""
+    x = jnp.asarray(x)
+    host = [a for a in (split_sizes, sorted_indices) if not isinstance(a, (jax.Array, jax.core.Tracer))]
+    if len(host) == 2:
+        _perm._chunk_args(split_sizes, sorted_indices, int(x.shape[0]) if x.ndim else 0)
+    s, o = _chunk_array(split_sizes, "split_sizes"), _chunk_array(sorted_indices, "sorted_indices")
+    if probs is not None:
+        probs = jnp.asarray(probs)
+        if probs.shape != (x.shape[0],):
+            raise ValueError(f"probs: expected shape ({x.shape[0]},), got {probs.shape}")
+    out, po = _sort_chunks(x, s, o, probs)
+    return out if probs is None else (out, po)
 
 
 # -- expert parallelism ------------------------------------------------------------------------------

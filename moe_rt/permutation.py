@@ -56,12 +56,16 @@ def _combine_name(c: str, vec: bool, cfg=None) -> str:
     return f"combine_slices<{c}, {'true' if vec else 'false'}, {unroll}, {ku}, {lm}, {block_max}, {minb}>"
 
 
+# fill_rows's (slot probs type, permuted probs type) per probs dtype other than fp32
+_PROB_OUT = {"float16": ("float", "__half"), "bfloat16": ("float", "__nv_bfloat16"), "float64": ("double", "double")}
 _names = ["plan_count<bool>", "plan_assign<bool>"]  # routing maps, read in place
 for _i in _IDX.values():
     _names += [f"plan_count<{_i}>", f"plan_assign<{_i}>", f"chunk_offsets<{_i}>"]
 for _u in _UNITS.values():
     _names += [f"dispatch_rows<{_u}, {_UNROLL}, true>", f"dispatch_rows<{_u}, {_UNROLL}, false>",
                f"fill_rows<{_u}>", f"chunk_sort_rows<{_u}, false>", f"chunk_sort_rows<{_u}, true>"]
+    # permuted probs in the probs' dtype (fp16/bf16 from fp32 slot probs; fp64 as it is)
+    _names += [f"fill_rows<{_u}, {_pi}, {_po}>" for _pi, _po in _PROB_OUT.values()]
 for _c in _jit.CTYPES.values():
     for _v in (True, False):
         _names += [_combine_name(_c, _v), f"combine_bwd_rows<{_c}, {'true' if _v else 'false'}, {_UNROLL}>"]
@@ -269,24 +273,60 @@ def _chunk_for(L: int, E: int) -> int:
     return chunk
 
 
-def check_plan_settings(num_experts, align_size, num_out_tokens):
-    """:func:`make_plan`'s int settings, validated: ``(E, A, num_out_tokens)``."""
+def check_plan_settings(num_experts, align_size, num_out_tokens, map_type=None):
+    """:func:`make_plan`'s settings, validated: ``(E, A, num_out_tokens)`` (``map_type`` is None, ``"mask"``
+    or ``"index"``)."""
     E = _arrays.check_int(num_experts, "num_experts", low=1, high=MAX_EXPERTS)
     A = _arrays.check_int(align_size, "align_size", low=1, high=1 << 20)
     if num_out_tokens is not None:
         num_out_tokens = _arrays.check_int(num_out_tokens, "num_out_tokens", low=0, high=_INT32_MAX)
+    _check_map_type(map_type)
     return E, A, num_out_tokens
 
 
-def check_routing(r, E, A, num_out_tokens):
+_MAP_TYPES = ("mask", "index")
+_MASK_INT_DTYPES = _arrays.INDEX_DTYPES + (np.dtype(np.int8), np.dtype(np.uint8))
+
+
+def _check_map_type(map_type):
+    if map_type is not None and (not isinstance(map_type, str) or map_type not in _MAP_TYPES):
+        raise ValueError(f"map_type: expected None, 'mask' or 'index', got {map_type!r}")
+
+
+def routing_kind(dtype, shape, num_experts: int, map_type) -> str:
+    """What a routing of ``dtype`` (a NumPy dtype) and ``shape`` is, by the rule of :func:`make_plan`:
+    ``"bool_map"`` (a bool routing map), ``"int_map"`` (an integer 0/1 map, ``map_type="mask"``) or
+    ``"index"`` (``topk_idx``). Judged from dtypes and shapes only (values would need a device sync);
+    raises TypeError/ValueError naming ``routing`` or ``map_type``. Shared by the adapters."""
+    _check_map_type(map_type)
+    dt = np.dtype(dtype)
+    if dt == np.bool_:
+        if map_type == "index":
+            raise TypeError("routing: map_type='index' takes topk_idx (int32 or int64), got a bool array")
+        return "bool_map"
+    if map_type == "mask":
+        if dt not in _MASK_INT_DTYPES:
+            raise TypeError(f"routing: a routing map is bool or integer 0/1 (int8, uint8, int32, int64), "
+                            f"got dtype {dt.name}")
+        if len(shape) != 2 or shape[1] != num_experts:
+            raise ValueError(f"routing: a routing_map must have shape [T, num_experts={num_experts}], "
+                             f"got {tuple(shape)}")
+        return "int_map"
+    if dt not in _arrays.INDEX_DTYPES:
+        raise TypeError(f"routing: expected topk_idx (int32 or int64) or a routing_map (bool), got dtype {dt.name}")
+    if map_type is None and len(shape) == 2 and shape[1] == num_experts:
+        raise ValueError(f"routing: an integer array of shape [T, num_experts={num_experts}] could be a 0/1 "
+                         f"routing map or topk_idx with topk == num_experts; pass map_type='mask' or "
+                         f"map_type='index'")
+    return "index"
+
+
+def check_routing(r, E, A, num_out_tokens, map_type=None):
     """The shape and dtype checks of :func:`make_plan`'s routing (anything with ``shape``, ``ndim``,
-    ``dtype``; the settings from :func:`check_plan_settings`): ``(T, K, is_map, N)``."""
+    ``dtype``; the settings from :func:`check_plan_settings`; the routing's kind by :func:`routing_kind`):
+    ``(T, K, is_map, N)`` (``is_map`` also for an integer 0/1 map)."""
     _arrays.check_ndim(r, "routing", 2)
-    dt = np.dtype(r.dtype)
-    is_map = dt == np.bool_
-    if not is_map and dt not in _arrays.INDEX_DTYPES:
-        raise TypeError(f"routing: expected topk_idx (int32 or int64) or a routing_map (bool), "
-                        f"got dtype {dt.name}")
+    is_map = routing_kind(r.dtype, tuple(r.shape), E, map_type) != "index"
     T = int(r.shape[0])
     if is_map:
         if r.shape[1] != E:
@@ -309,7 +349,8 @@ def check_routing(r, E, A, num_out_tokens):
 
 @_fast.recorded("routing", variant=_errors.debug)
 def make_plan(routing, num_experts: int, *, align_size: int = 1, num_out_tokens: int | None = None,
-              stream=None, validate: bool | None = None, _apart: bool = False) -> Plan:
+              map_type: str | None = None, stream=None, validate: bool | None = None,
+              _apart: bool = False) -> Plan:
     """Build the dispatch plan of a routing, on the routing's device, without a host sync.
 
     Args:
@@ -322,6 +363,11 @@ def make_plan(routing, num_experts: int, *, align_size: int = 1, num_out_tokens:
         num_out_tokens: None (keep every routed slot) or an int >= 0: keep only the first
             ``num_out_tokens`` routed slots in expert-major order (index-style capacity drop); the
             unpadded row count is then ``num_out_tokens`` instead of ``T*K``.
+        map_type: what ``routing`` is: None (from its dtype: bool is a routing map, int32/int64
+            ``topk_idx``), ``"mask"`` (a ``[T,E]`` routing map, bool or integer 0/1, nonzero = routed) or
+            ``"index"`` (``topk_idx``). An integer ``[T, num_experts]`` array is ambiguous (a 0/1 map, or
+            ids with ``topk == num_experts``): without ``map_type`` it raises ValueError rather than be
+            read one way silently. The rule looks at shapes only (no device sync).
         stream: CUDA stream (None = the caller's current stream).
         validate: None (follow ``MOE_RT_DEBUG`` / :func:`moe_rt.set_debug`) or a bool: on CUDA, wait for
             the stream after the plan is made and raise a bad expert id at once (a device sync).
@@ -339,12 +385,14 @@ def make_plan(routing, num_experts: int, *, align_size: int = 1, num_out_tokens:
         :class:`Plan`. ``num_rows`` is ``T*K`` (or ``num_out_tokens``) for ``A == 1``, else
         ``floor((kept + E*(A-1)) / A) * A``.
     """
-    E, A, num_out_tokens = check_plan_settings(num_experts, align_size, num_out_tokens)
+    E, A, num_out_tokens = check_plan_settings(num_experts, align_size, num_out_tokens, map_type)
     validate = _errors.DEBUG if validate is None else _errors.resolve_validate(validate)
     with _arrays.Call({"routing": routing}, stream=stream, lean=True) as call:
         r = call["routing"]
         xp = call.xp
-        T, K, is_map, N = check_routing(r, E, A, num_out_tokens)
+        T, K, is_map, N = check_routing(r, E, A, num_out_tokens, map_type)
+        if is_map and np.dtype(r.dtype) != np.bool_:  # an integer 0/1 map: nonzero = routed
+            r = np.asarray(r) != 0 if call.backend == "cpu" else _arrays.cupy_of(r) != 0
         L = T * K
         if call.backend == "cpu":
             _check_host_memory(L, N)
@@ -540,8 +588,9 @@ def _check_tokens(arr, name, T, dtypes, what="plan.num_tokens"):
         raise ValueError(f"{name}: expected {T} rows ({what}), got shape {tuple(arr.shape)}")
 
 
-def _slot_probs(call, probs, plan: Plan, name: str):
-    """``probs`` ([T,K] slot probs, or dense [T,E]) as contiguous float32 [T,K] (None stays None)."""
+def _slot_probs(call, probs, plan: Plan, name: str, keep_f64: bool = False):
+    """``probs`` ([T,K] slot probs, or dense [T,E]) as contiguous float32 [T,K] (None stays None);
+    ``keep_f64``: float64 probs stay float64."""
     if probs is None:
         return None
     T, K, E = plan.num_tokens, plan.topk, plan.num_experts
@@ -551,8 +600,8 @@ def _slot_probs(call, probs, plan: Plan, name: str):
         p = probs
     else:
         # Dense [T,E] probs for an index plan: pick each slot's expert (ids out of range read 0).
-        p = _dense_to_slots(xp, probs, plan)
-    p = p.astype(np.float32, copy=False)
+        p = _dense_to_slots(xp, probs, plan, keep_f64)
+    p = p.astype(np.float64 if keep_f64 and np.dtype(probs.dtype) == np.float64 else np.float32, copy=False)
     return _arrays.contiguous(xp, p)
 
 
@@ -565,11 +614,14 @@ def check_probs(probs, name, T, K, E):
         raise ValueError(f"{name}: expected shape [T,K] = {(T, K)} or dense [T,E] = {(T, E)}, got {shape}")
 
 
-def check_dispatch_args(x, probs, T, K, E):
-    """The shape and dtype checks of :func:`dispatch` for a plan of T tokens, K slots, E experts."""
+def check_dispatch_args(x, probs, T, K, E, probs_dtype=None):
+    """The shape, dtype and settings checks of :func:`dispatch` for a plan of T tokens, K slots, E experts:
+    the dtype of the permuted probs (None without probs)."""
     _check_tokens(x, "x", T, _TOKEN_DTYPES + _BYTE_DTYPES)
+    pdt = _probs_dtype(probs_dtype, probs)
     if probs is not None:
         check_probs(probs, "probs", T, K, E)
+    return pdt
 
 
 def check_combine_args(y_permuted, probs, T, K, E, N):
@@ -579,7 +631,7 @@ def check_combine_args(y_permuted, probs, T, K, E, N):
         check_probs(probs, "probs", T, K, E)
 
 
-def _dense_to_slots(xp, probs, plan):
+def _dense_to_slots(xp, probs, plan, keep_f64=False):
     # plan.src_slot / dst_row do not keep expert ids; recover them from the segments.
     T, K, E = plan.num_tokens, plan.topk, plan.num_experts
     probs = _arrays.cupy_of(probs)
@@ -588,13 +640,31 @@ def _dense_to_slots(xp, probs, plan):
     e = xp.searchsorted(seg[1:], dst, side="right")  # segment of each row
     e = xp.minimum(e, E - 1)
     g = xp.take_along_axis(probs, e.astype(np.int64), axis=1)
-    return xp.where(dst >= 0, g, 0).astype(np.float32)
+    keep = keep_f64 and np.dtype(probs.dtype) == np.float64
+    return xp.where(dst >= 0, g, 0).astype(np.float64 if keep else np.float32)
 
 
 # -- dispatch / combine ----------------------------------------------------------------------------------
 
+def _probs_dtype(probs_dtype, probs):
+    """The dtype of the permuted probs: ``probs_dtype`` None means the probs' own dtype; else float32."""
+    if probs_dtype is not None:
+        if str(probs_dtype) not in ("float32", "torch.float32") and not (
+                isinstance(probs_dtype, (type, np.dtype)) and _np_dtype(probs_dtype) == np.float32):
+            raise ValueError(f"probs_dtype: expected None (the probs' dtype) or 'float32', got {probs_dtype!r}")
+        return np.dtype(np.float32)
+    return None if probs is None else np.dtype(probs.dtype)
+
+
+def _np_dtype(d):
+    try:
+        return np.dtype(d)
+    except TypeError:
+        return None
+
+
 @_fast.recorded("x", "probs", plan=_PLAN_FAST)
-def dispatch(x, plan: Plan, probs=None, *, stream=None):
+def dispatch(x, plan: Plan, probs=None, *, probs_dtype=None, stream=None):
     """Permute tokens (and their routing probs) into the plan's expert-major rows.
 
     Records no autograd: use the op of the same name in ``moe_rt.torch`` / ``moe_rt.jax`` to differentiate
@@ -604,31 +674,32 @@ def dispatch(x, plan: Plan, probs=None, *, stream=None):
         x: ``[T,H]`` fp32/fp16/bf16, or 1-byte data (uint8, int8, fp8) copied as raw bytes.
         plan: from :func:`make_plan` on the same device; ``T == plan.num_tokens``.
         probs: None, ``[T,K]`` slot probs (the layout of ``topk_idx``), or dense ``[T,E]``; any float dtype.
+        probs_dtype: None (the permuted probs in the probs' dtype, bit-exact copies) or ``"float32"``.
         stream: CUDA stream (None = the caller's current stream).
 
     Returns:
-        ``(x_permuted [N,H] x.dtype, probs_permuted [N] float32 or None)``; rows holding no routed slot
-        (padding, unused tail) are zero, and so are their probs.
+        ``(x_permuted [N,H] x.dtype, probs_permuted [N] or None)``, the probs in ``probs_dtype``; rows
+        holding no routed slot (padding, unused tail) are zero, and so are their probs.
     """
     with _arrays.Call({"x": x, "probs": probs}, stream=stream, lean=True) as call:
         _check_plan(plan, call)
         xv = call["x"]
-        _check_tokens(xv, "x", plan.num_tokens, _TOKEN_DTYPES + _BYTE_DTYPES)
-        pv = _slot_probs(call, call["probs"], plan, "probs")
+        pdt = check_dispatch_args(xv, call["probs"], plan.num_tokens, plan.topk, plan.num_experts, probs_dtype)
+        pv = _slot_probs(call, call["probs"], plan, "probs", keep_f64=pdt == np.float64)
         xv = _arrays.contiguous(call.xp, xv)
         if call.backend == "cpu":
-            out, pp = _ref.dispatch(xv, plan._dict(), pv)
+            out, pp = _ref.dispatch(xv, plan._dict(), pv, probs_dtype=pdt)
         else:
-            out, pp = _dispatch_cuda(call, xv, plan, pv)
+            out, pp = _dispatch_cuda(call, xv, plan, pv, pdt)
         return call.out(out), (None if pp is None else call.out(pp))
 
 
-def _dispatch_cuda(call, xv, plan, pv):
+def _dispatch_cuda(call, xv, plan, pv, pdt=None):
     xp, s = call.xp, call.stream
     N, T, K = plan.num_rows, plan.num_tokens, plan.topk
     H = int(xv.shape[1])
     out = call.empty((N, H), xv.dtype)
-    pp = None if pv is None else call.empty((N,), np.float32)
+    pp = None if pv is None else call.empty((N,), np.float32 if pdt is None else pdt)
     _copy_rows(call, xv, out, plan)
     _fill(call, out, pp, pv, plan)
     return out, pp
@@ -659,7 +730,9 @@ def _fill(call, out, pp, pv, plan):
             pv if pv is not None else 0, plan._v["src_slot"], np.int64(N), np.int64(row_bytes // u))
     if args[0] == 0 and pp is None:  # nothing to zero (no row bytes) and no probs to write
         return
-    _launch(_fn(f"fill_rows<{_UNITS[u]}>", call.device_id), _row_grid(N, call.device_id), 256, args, call.stream)
+    po = _PROB_OUT.get(np.dtype(pp.dtype).name) if pp is not None else None
+    name = f"fill_rows<{_UNITS[u]}>" if po is None else f"fill_rows<{_UNITS[u]}, {po[0]}, {po[1]}>"
+    _launch(_fn(name, call.device_id), _row_grid(N, call.device_id), 256, args, call.stream)
 
 
 @_fast.recorded("y_permuted", "probs", plan=_PLAN_FAST)

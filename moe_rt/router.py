@@ -647,7 +647,7 @@ _TPE_DTYPES = (np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.float32), np.
 def _check_aux_args(tv, C, total_num_tokens, num_experts, topk, coeff):
     _arrays.check_dtype(tv, "tokens_per_expert", _TPE_DTYPES)
     _arrays.check_shape(tv, "tokens_per_expert", (C,))
-    _arrays.check_int(total_num_tokens, "total_num_tokens", low=1)
+    check_total_num_tokens(total_num_tokens)
     E = _arrays.check_int(num_experts, "num_experts", low=1)
     if C % E != 0:
         raise ValueError(f"num_experts: must divide the number of columns ({C}), got {E}")
@@ -675,6 +675,60 @@ def _tpe_arg(xp, tv):
     return _arrays.as_f32(xp, tv), 0
 
 
+_TOTAL_KINDS = {np.dtype(np.int32): 1, np.dtype(np.int64): 2}
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+def check_total_num_tokens(total_num_tokens):
+    """``total_num_tokens`` of the aux loss: an int >= 1, or a 0-d (or shape ``(1,)``) int32/int64 array
+    (anything with ``shape``, ``ndim``, ``dtype``: arrays, or JAX tracers when ``moe_rt.jax`` traces); its
+    value is not checked (that would need a device sync)."""
+    if _is_int(total_num_tokens):
+        _arrays.check_int(total_num_tokens, "total_num_tokens", low=1)
+        return
+    if not hasattr(total_num_tokens, "shape") or isinstance(total_num_tokens, (bool, np.bool_)):
+        raise TypeError(f"total_num_tokens: expected an int or a 0-d int32/int64 array on the probs' device, "
+                        f"got {type(total_num_tokens).__name__}")
+    _arrays.check_dtype(total_num_tokens, "total_num_tokens", tuple(_TOTAL_KINDS))
+    shape = tuple(total_num_tokens.shape)
+    if shape not in ((), (1,)):
+        raise ValueError(f"total_num_tokens: expected an int or a 0-d (or shape (1,)) int32/int64 array, "
+                         f"got shape {shape}")
+
+
+def _total_arg(call, total_num_tokens):
+    """A device ``total_num_tokens`` (the call's ``"total_num_tokens"`` array, checked by
+    :func:`check_total_num_tokens`): ``(array, kind)`` for the kernels (kind 1 int32, 2 int64), or on the
+    CPU backend its value. An int gives ``(None, 0)``."""
+    if _is_int(total_num_tokens):
+        return None, 0
+    tt = call["total_num_tokens"]
+    if call.backend == "cpu":
+        return np.asarray(tt).reshape(()), 0
+    if _arrays.recorder() is not None:  # the value is read at launch: no replay keyed on the array object
+        raise _arrays.Unrecordable("a device total_num_tokens")
+    return _arrays.contiguous(call.xp, tt), _TOTAL_KINDS[np.dtype(tt.dtype)]
+
+
+def _aux_arrays(tensors: dict, total_num_tokens) -> dict:
+    """The call's arrays, with a device ``total_num_tokens`` among them (anything else is left to
+    :func:`check_total_num_tokens`)."""
+    if not _is_int(total_num_tokens) and hasattr(total_num_tokens, "shape"):
+        tensors["total_num_tokens"] = total_num_tokens
+    return tensors
+
+
+def _host_coeff(total, total_num_tokens, num_experts, topk, coeff) -> float:
+    """The fp32 coefficient given to the kernels: final with an int T, else fl(fl(E*coeff)/topk), the
+    device dividing by T twice."""
+    if total is None:
+        return float(ref.aux_loss_coeff(total_num_tokens, num_experts, topk, coeff))
+    return float(ref.aux_loss_coeff(None, num_experts, topk, coeff))
+
+
 def _aux_blocks(R):
     rpb = max(1, -(-R // 1024))  # the partition depends on R only: same bits on every device
     return rpb, -(-R // rpb) if R > 0 else 0
@@ -688,27 +742,34 @@ def aux_loss(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coef
     (torch tensors that require grad, and JAX tracers, are refused with a TypeError).
 
     ``loss = C_coeff * sum_c tokens_per_expert[c] * sum_r probs[r, c]`` with
-    ``C_coeff = (num_experts * coeff) / topk / total_num_tokens / total_num_tokens`` (fp32, host).
+    ``C_coeff = (num_experts * coeff) / topk / total_num_tokens / total_num_tokens`` (fp32, host; the two
+    divisions by T on the device when T is a device array).
 
     Args:
         probs: ``[R, C]`` fp32/bf16/fp16; C a multiple of ``num_experts`` (C = B * E for the seq aux loss).
         tokens_per_expert: ``[C]`` int32, int64, fp32 (or fp16/bf16), one count per column.
-        total_num_tokens, num_experts, topk: ints >= 1.  coeff: finite float.
+        total_num_tokens: an int >= 1, or a 0-d (or shape ``(1,)``) int32/int64 array on the probs'
+            device, read by the kernel at launch (no host sync: a CUDA graph replays with the value in
+            memory then). A device value is not checked: T <= 0 gives inf/NaN, on every backend.
+        num_experts, topk: ints >= 1.  coeff: finite float.
 
     Returns:
         The loss as a 0-d array in the probs dtype. Bitwise reproducible (no atomics).
     """
-    with _arrays.Call({"probs": probs, "tokens_per_expert": tokens_per_expert}, stream=stream,
-                      lean=True) as call:
+    arrays = _aux_arrays({"probs": probs, "tokens_per_expert": tokens_per_expert}, total_num_tokens)
+    with _arrays.Call(arrays, stream=stream, lean=True) as call:
         pv, tv = call["probs"], call["tokens_per_expert"]
-        R, C, coeff = check_aux_loss_args(pv, tv, total_num_tokens, num_experts, topk, coeff)
+        tt = call["total_num_tokens"] if "total_num_tokens" in arrays else total_num_tokens
+        R, C, coeff = check_aux_loss_args(pv, tv, tt, num_experts, topk, coeff)
+        total, tot_kind = _total_arg(call, total_num_tokens)
         if call.backend == "cpu":
-            out = ref.aux_loss_fwd(pv, tv, total_num_tokens, num_experts, topk, coeff)
+            t = total_num_tokens if total is None else total
+            out = ref.aux_loss_fwd(pv, tv, t, num_experts, topk, coeff)
             return call.out(np.array(out, copy=True))
         xp = call.xp
         p = _arrays.contiguous(xp, pv)
         tpe, tkind = _tpe_arg(xp, tv)
-        c = float(ref.aux_loss_coeff(total_num_tokens, num_experts, topk, coeff))
+        c = _host_coeff(total, total_num_tokens, num_experts, topk, coeff)
         rpb, nb = _aux_blocks(R)
         partial = call.scratch((max(nb, 1),), dtype=np.float32)
         out = call.empty((), dtype=p.dtype)
@@ -722,7 +783,8 @@ def aux_loss(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coef
         else:
             nb = 0
         _jit.launch(_jit.function(_FILE, f"aux_loss_final<{ct}>"), 1, 256,
-                    (partial, np.int32(nb), np.float32(c), out), stream=call.stream)
+                    (partial, np.int32(nb), np.float32(c), out, total if total is not None else 0,
+                     np.int32(tot_kind)), stream=call.stream)
         return call.out(out)
 
 
@@ -734,13 +796,15 @@ def aux_loss_backward(grad_aux_loss, num_rows, tokens_per_expert, total_num_toke
     Args:
         grad_aux_loss: 0-d (or shape ``(1,)``) fp32/bf16/fp16, read on the device (no host sync).
         num_rows: int R, rows of ``probs``.
-        tokens_per_expert, total_num_tokens, num_experts, topk, coeff: as given to the forward.
+        tokens_per_expert, total_num_tokens, num_experts, topk, coeff: as given to the forward (a device
+            ``total_num_tokens`` is read at this launch).
 
     Returns:
         grad_probs ``[R, C]`` in the grad_aux_loss dtype.
     """
-    with _arrays.Call({"grad_aux_loss": grad_aux_loss, "tokens_per_expert": tokens_per_expert},
-                      stream=stream, lean=True) as call:
+    arrays = _aux_arrays({"grad_aux_loss": grad_aux_loss, "tokens_per_expert": tokens_per_expert},
+                         total_num_tokens)
+    with _arrays.Call(arrays, stream=stream, lean=True) as call:
         gv, tv = call["grad_aux_loss"], call["tokens_per_expert"]
         _arrays.check_dtype(gv, "grad_aux_loss", _arrays.FLOAT_DTYPES)
         if gv.size != 1 or gv.ndim > 1:
@@ -749,20 +813,23 @@ def aux_loss_backward(grad_aux_loss, num_rows, tokens_per_expert, total_num_toke
         if tv.ndim != 1:
             raise ValueError(f"tokens_per_expert: expected a 1-D array, got shape {tuple(tv.shape)}")
         C = int(tv.shape[0])
-        coeff = _check_aux_args(tv, C, total_num_tokens, num_experts, topk, coeff)
+        tt = call["total_num_tokens"] if "total_num_tokens" in arrays else total_num_tokens
+        coeff = _check_aux_args(tv, C, tt, num_experts, topk, coeff)
+        total, tot_kind = _total_arg(call, total_num_tokens)
         if call.backend == "cpu":
-            out = ref.aux_loss_bwd(gv, R, tv, total_num_tokens, num_experts, topk, coeff)
+            t = total_num_tokens if total is None else total
+            out = ref.aux_loss_bwd(gv, R, tv, t, num_experts, topk, coeff)
             return call.out(np.array(out, copy=True))
         xp = call.xp
         tpe, tkind = _tpe_arg(xp, tv)
         g = _arrays.contiguous(xp, gv)
         out = call.empty((R, C), dtype=g.dtype)
-        c = float(ref.aux_loss_coeff(total_num_tokens, num_experts, topk, coeff))
+        c = _host_coeff(total, total_num_tokens, num_experts, topk, coeff)
         rpb, nb = _aux_blocks(R)
         vec = _vec_ok([out], C, 16 // out.dtype.itemsize)
         if nb > 0 and C > 0:
             _jit.launch(_jit.function(_FILE, f"aux_loss_bwd<{_jit.ctype(g.dtype)}>"), nb, 256,
                         (g, tpe, np.int32(tkind), np.int64(R), np.int32(C), np.float32(c), np.int64(rpb), out,
-                         np.int32(vec)),
+                         np.int32(vec), total if total is not None else 0, np.int32(tot_kind)),
                         stream=call.stream)
         return call.out(out)

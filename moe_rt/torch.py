@@ -26,7 +26,7 @@ from moe_rt import permutation as _perm
 from moe_rt import router as _rt
 
 __all__ = ["TorchPlan", "make_plan", "dispatch", "combine", "topk_with_score", "scores_for_aux_loss", "aux_loss",
-           "TorchEpHandle", "ep_prepare", "ep_dispatch", "ep_combine"]
+           "sort_chunks", "TorchEpHandle", "ep_prepare", "ep_dispatch", "ep_combine"]
 
 
 def _eager() -> bool:
@@ -171,7 +171,8 @@ def _torch_plan(p, num_out_tokens: int) -> TorchPlan:
 def _make_plan_op(routing: Tensor, num_experts: int, align_size: int,
                   num_out_tokens: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     p = _perm.make_plan(routing, num_experts, align_size=align_size,
-                        num_out_tokens=None if num_out_tokens < 0 else num_out_tokens, _apart=True)
+                        num_out_tokens=None if num_out_tokens < 0 else num_out_tokens,
+                        map_type=None if routing.dtype == torch.bool else "index", _apart=True)
     return tuple(getattr(p, k) for k in _PLAN_ARRAYS)
 
 
@@ -220,11 +221,29 @@ def _bwd_plain(op: str, *ts):
     return out
 
 
+def _routing_of(routing, num_experts, map_type):
+    """``routing`` with an integer 0/1 map (``map_type="mask"``) made bool (a torch op, traceable), and
+    the core's ``map_type`` for it (the rule of :func:`moe_rt.permutation.routing_kind`)."""
+    if routing.dim() != 2:
+        raise ValueError(f"routing: expected a 2-D array, got shape {tuple(routing.shape)}")
+    np_dtype = _arrays._torch_np_dtype(routing.dtype)
+    if np_dtype is None:
+        raise TypeError(f"routing: expected topk_idx (int32 or int64) or a routing_map (bool), got dtype "
+                        f"{routing.dtype}")
+    kind = _perm.routing_kind(np_dtype, tuple(routing.shape), num_experts, map_type)
+    if kind == "int_map":
+        return routing != 0, None
+    return routing, (None if kind == "bool_map" else "index")
+
+
 def make_plan(routing: Tensor, num_experts: int, *, align_size: int = 1,
-              num_out_tokens: Optional[int] = None) -> TorchPlan:
+              num_out_tokens: Optional[int] = None, map_type: Optional[str] = None) -> TorchPlan:
     """:func:`moe_rt.permutation.make_plan` for torch: ``routing`` is ``topk_idx [T,K]`` (int32/int64,
-    -1 = none) or ``routing_map [T,E]`` (bool). Not differentiable (routing is discrete)."""
+    -1 = none) or ``routing_map [T,E]`` (bool, or integer 0/1 with ``map_type="mask"``); ``map_type``
+    as in the core op (an integer ``[T, num_experts]`` tensor needs it). Not differentiable (routing is
+    discrete)."""
     _tensor(routing, "routing")
+    routing, core_map_type = _routing_of(routing, num_experts, map_type)
     if routing.dtype == torch.bool and routing.dim() == 2 and routing.shape[1] != num_experts:
         raise ValueError(f"routing: a routing_map must have shape [T, num_experts={num_experts}], "
                          f"got {tuple(routing.shape)}")
@@ -234,7 +253,8 @@ def make_plan(routing: Tensor, num_experts: int, *, align_size: int = 1,
     if _eager():
         if _functorch_active():
             routing = _plain(routing, "make_plan")
-        p = _perm.make_plan(routing, num_experts, align_size=align_size, num_out_tokens=num_out_tokens)
+        p = _perm.make_plan(routing, num_experts, align_size=align_size, num_out_tokens=num_out_tokens,
+                            map_type=core_map_type)
         return _torch_plan(p, nout)
     K = num_experts if routing.dtype == torch.bool else routing.shape[1]
     N = _perm._num_rows(routing.shape[0], K, num_experts, align_size, num_out_tokens)
@@ -262,17 +282,19 @@ def _empty_probs(like: Tensor) -> Tensor:
 @torch.library.custom_op("moe_rt::dispatch", mutates_args=())
 def _dispatch_op(x: Tensor, dst_row: Tensor, src_slot: Tensor, seg_start: Tensor, counts: Tensor,
                  tpe: Tensor, num_experts: int, num_rows: int, align_size: int, num_out_tokens: int,
-                 probs: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+                 probs: Optional[Tensor], probs_f32: bool = False) -> tuple[Tensor, Tensor]:
     plan = _to_plan(dst_row, src_slot, seg_start, counts, tpe, num_experts, num_rows, align_size,
                     num_out_tokens)
-    xp, pp = _perm.dispatch(x, plan, probs)
+    xp, pp = _perm.dispatch(x, plan, probs, probs_dtype="float32" if probs_f32 else None)
     return xp, (_empty_probs(x) if pp is None else pp)
 
 
 @_dispatch_op.register_fake
-def _(x, dst_row, src_slot, seg_start, counts, tpe, num_experts, num_rows, align_size, num_out_tokens, probs):
+def _(x, dst_row, src_slot, seg_start, counts, tpe, num_experts, num_rows, align_size, num_out_tokens, probs,
+      probs_f32=False):
+    pdt = torch.float32 if probs is None or probs_f32 else probs.dtype
     return (x.new_empty((num_rows, x.shape[1])),
-            x.new_empty((num_rows if probs is not None else 0,), dtype=torch.float32))
+            x.new_empty((num_rows if probs is not None else 0,), dtype=pdt))
 
 
 def _dispatch_setup(ctx, inputs, output):
@@ -303,7 +325,7 @@ def _(grad_xp, dst_row, src_slot, seg_start, counts, tpe, num_experts, num_rows,
 def _dispatch_bwd(ctx, grad_xp, grad_pp):
     gpp = grad_pp if ctx.has_probs else None
     gx, gp = _dispatch_bwd_op(grad_xp, *ctx.saved_tensors, *ctx.plan_args[5:], gpp)
-    return (gx,) + (None,) * 9 + (gp.to(ctx.probs_dtype) if ctx.has_probs else None,)
+    return (gx,) + (None,) * 9 + (gp.to(ctx.probs_dtype) if ctx.has_probs else None, None)
 
 
 _dispatch_op.register_autograd(_dispatch_bwd, setup_context=_dispatch_setup)
@@ -313,12 +335,14 @@ class _DispatchFn(torch.autograd.Function):
     """Eager dispatch: forward and backward straight to moe_rt."""
 
     @staticmethod
-    def forward(x, probs, plan):
-        return _perm.dispatch(x, plan, probs)
+    def forward(x, probs, plan, probs_dtype=None):
+        if probs_dtype is None:
+            return _perm.dispatch(x, plan, probs)
+        return _perm.dispatch(x, plan, probs, probs_dtype=probs_dtype)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, probs, plan = inputs
+        x, probs, plan = inputs[:3]
         ctx.set_materialize_grads(False)  # no zero tensors made for outputs that get no gradient
         ctx.plan = plan
         ctx.probs_dtype = None if probs is None else probs.dtype
@@ -337,28 +361,37 @@ class _DispatchFn(torch.autograd.Function):
                                   device=grad_pp.device)
         grad_xp, grad_pp = _bwd_plain("dispatch", grad_xp.contiguous(), grad_pp if has_probs else None)
         gx, gp = _perm.dispatch_backward(grad_xp, ctx.plan, grad_pp)
-        return gx, (_as_dtype(gp, ctx.probs_dtype) if has_probs else None), None
+        return gx, (_as_dtype(gp, ctx.probs_dtype) if has_probs else None), None, None
 
 
 _dispatch_apply = _c_apply(_DispatchFn)
 
 
-def dispatch(x: Tensor, plan: TorchPlan, probs: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor]]:
+def dispatch(x: Tensor, plan: TorchPlan, probs: Optional[Tensor] = None, *,
+             probs_dtype=None) -> tuple[Tensor, Optional[Tensor]]:
     """Differentiable :func:`moe_rt.permutation.dispatch`: ``x [T,H]`` into the plan's expert-major rows.
     ``probs``: None or ``[T,K]`` slot probs (same layout as topk_idx). Returns ``(x_permuted [N,H],
-    probs_permuted [N] fp32 or None)``; gradients flow to ``x`` and ``probs``."""
+    probs_permuted [N] or None)``, the probs in their own dtype (``probs_dtype=None``) or fp32
+    (``"float32"`` / ``torch.float32``); gradients flow to ``x`` and ``probs``."""
     _tensor(x, "x")
     _tensor(probs, "probs", True)
+    if probs_dtype is not None:
+        probs_dtype = _perm._probs_dtype(probs_dtype, None).name  # "float32" (else ValueError)
     if _eager():
         p = _plan_of(plan)
         if _functorch_active():  # torch.func.grad/vjp (and vmap, which the Function refuses)
-            return _DispatchFn.apply(x, probs, p)
+            return _DispatchFn.apply(x, probs, p, probs_dtype)
         if _needs_grad(x, probs):
             if _unwrap_dead is None:
-                return _DispatchFn.apply(x, probs, p)
-            return _dispatch_apply(_unwrap_dead(x), None if probs is None else _unwrap_dead(probs), p)
-        return _perm.dispatch(x, p, probs)
-    xp, pp = _dispatch_op(x, *_plan_args(plan), probs)
+                return _DispatchFn.apply(x, probs, p, probs_dtype)
+            return _dispatch_apply(_unwrap_dead(x), None if probs is None else _unwrap_dead(probs), p, probs_dtype)
+        if probs_dtype is None:
+            return _perm.dispatch(x, p, probs)
+        return _perm.dispatch(x, p, probs, probs_dtype=probs_dtype)
+    if probs_dtype is None:
+        xp, pp = _dispatch_op(x, *_plan_args(plan), probs)
+    else:
+        xp, pp = _dispatch_op(x, *_plan_args(plan), probs, True)
     return xp, (pp if probs is not None else None)
 
 
@@ -724,27 +757,34 @@ class _AuxFn(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         probs, tokens_per_expert, total_num_tokens, num_experts, topk, coeff = inputs
-        ctx.args = (total_num_tokens, num_experts, topk, coeff)
         ctx.num_rows = probs.shape[0]
         ctx.probs_dtype = probs.dtype
-        ctx.save_for_backward(tokens_per_expert)
+        if isinstance(total_num_tokens, Tensor):  # the forward's value, whatever is written there later
+            ctx.args = (num_experts, topk, coeff)
+            ctx.save_for_backward(tokens_per_expert, total_num_tokens.clone())
+        else:
+            ctx.args = (total_num_tokens, num_experts, topk, coeff)
+            ctx.save_for_backward(tokens_per_expert)
 
     vmap = _no_vmap("aux_loss")
 
     @staticmethod
     @_once
     def backward(ctx, grad):
-        grad, tpe = _bwd_plain("aux_loss", grad.contiguous(), *ctx.saved_tensors)
-        g = _rt.aux_loss_backward(grad, ctx.num_rows, tpe, *ctx.args)
+        grad, tpe, *total = _bwd_plain("aux_loss", grad.contiguous(), *ctx.saved_tensors)
+        g = _rt.aux_loss_backward(grad, ctx.num_rows, tpe, *total, *ctx.args)
         return (g.contiguous().to(ctx.probs_dtype),) + (None,) * 5
 
 
 _aux_apply = _c_apply(_AuxFn)
 
 
-def aux_loss(probs: Tensor, tokens_per_expert: Tensor, total_num_tokens: int, num_experts: int, topk: int,
+def aux_loss(probs: Tensor, tokens_per_expert: Tensor, total_num_tokens, num_experts: int, topk: int,
              coeff: float) -> Tensor:
-    """Differentiable :func:`moe_rt.router.aux_loss` (a 0-d tensor); the gradient flows to ``probs``."""
+    """Differentiable :func:`moe_rt.router.aux_loss` (a 0-d tensor); the gradient flows to ``probs``.
+    ``total_num_tokens``: an int, or a 0-d (or one-element) int32/int64 tensor on the probs' device, read
+    on the device (no sync; CUDA-graph capturable): the forward keeps a device copy of it for the backward,
+    so both use the same value."""
     _tensor(probs, "probs")
     _tensor(tokens_per_expert, "tokens_per_expert")
     if _eager():
@@ -756,7 +796,167 @@ def aux_loss(probs: Tensor, tokens_per_expert: Tensor, total_num_tokens: int, nu
                 return _AuxFn.apply(probs, *args)
             return _aux_apply(_unwrap_dead(probs), *args)
         return _rt.aux_loss(probs, *args)
+    if isinstance(total_num_tokens, Tensor):
+        return _aux_loss_dev(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coeff)
     return _aux_op(probs, tokens_per_expert, int(total_num_tokens), int(num_experts), int(topk), float(coeff))
+
+
+@torch.library.custom_op("moe_rt::aux_loss_dev", mutates_args=())
+def _aux_dev_op(probs: Tensor, tokens_per_expert: Tensor, total_num_tokens: Tensor, num_experts: int, topk: int,
+                coeff: float) -> Tensor:
+    return _rt.aux_loss(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coeff)
+
+
+@_aux_dev_op.register_fake
+def _(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coeff):
+    return probs.new_empty(())
+
+
+@torch.library.custom_op("moe_rt::aux_loss_dev_backward", mutates_args=())
+def _aux_dev_bwd_op(grad: Tensor, num_rows: int, tokens_per_expert: Tensor, total_num_tokens: Tensor,
+                    num_experts: int, topk: int, coeff: float) -> Tensor:
+    return _rt.aux_loss_backward(grad.contiguous(), num_rows, tokens_per_expert, total_num_tokens, num_experts,
+                                 topk, coeff).contiguous()
+
+
+@_aux_dev_bwd_op.register_fake
+def _(grad, num_rows, tokens_per_expert, total_num_tokens, num_experts, topk, coeff):
+    return grad.new_empty((num_rows, tokens_per_expert.shape[0]))
+
+
+def _aux_dev_setup(ctx, inputs, output):
+    probs, tpe, total, E, topk, coeff = inputs
+    ctx.args = (E, topk, coeff)
+    ctx.num_rows = probs.shape[0]
+    ctx.probs_dtype = probs.dtype
+    ctx.save_for_backward(tpe, total.clone())  # the forward's value, whatever is written there later
+
+
+def _aux_dev_bwd(ctx, grad):
+    tpe, total = ctx.saved_tensors
+    g = _aux_dev_bwd_op(grad, ctx.num_rows, tpe, total, *ctx.args)
+    return (g.to(ctx.probs_dtype),) + (None,) * 5
+
+
+_aux_dev_op.register_autograd(_aux_dev_bwd, setup_context=_aux_dev_setup)
+
+
+def _aux_loss_dev(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coeff):
+    # under torch.compile (eager runs _AuxFn, which keeps the forward's value the same way)
+    return _aux_dev_op(probs, tokens_per_expert, total_num_tokens, int(num_experts), int(topk), float(coeff))
+
+
+# -- chunk sort ----------------------------------------------------------------------------------------
+
+def _chunk_tensor(a, name: str, x: Tensor) -> Tensor:
+    """split_sizes / sorted_indices as an int tensor on x's device (lists and NumPy arrays become int32)."""
+    if isinstance(a, Tensor):
+        if a.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{name}: expected int32 or int64, got dtype {a.dtype}")
+        return a if a.device == x.device else a.to(x.device)
+    try:
+        return torch.as_tensor(a, dtype=torch.int32, device=x.device)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise TypeError(f"{name}: expected a sequence of ints or an int tensor, got {type(a).__name__}") from e
+
+
+@torch.library.custom_op("moe_rt::sort_chunks", mutates_args=())
+def _sort_chunks_op(x: Tensor, split_sizes: Tensor, sorted_indices: Tensor,
+                    probs: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    r = _perm.sort_chunks(x, split_sizes, sorted_indices, probs=probs)
+    return (r[0], r[1]) if probs is not None else (r, _empty_probs(x))
+
+
+@_sort_chunks_op.register_fake
+def _(x, split_sizes, sorted_indices, probs):
+    return torch.empty_like(x), x.new_empty((x.shape[0] if probs is not None else 0,), dtype=torch.float32)
+
+
+@torch.library.custom_op("moe_rt::sort_chunks_backward", mutates_args=())
+def _sort_chunks_bwd_op(grad_out: Tensor, split_sizes: Tensor, sorted_indices: Tensor,
+                        grad_probs: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    r = _perm.sort_chunks_backward(grad_out.contiguous(), split_sizes, sorted_indices,
+                                   grad_probs=None if grad_probs is None else grad_probs.contiguous())
+    return (r[0], r[1]) if grad_probs is not None else (r, _empty_probs(grad_out))
+
+
+@_sort_chunks_bwd_op.register_fake
+def _(grad_out, split_sizes, sorted_indices, grad_probs):
+    return (torch.empty_like(grad_out),
+            grad_out.new_empty((grad_out.shape[0] if grad_probs is not None else 0,), dtype=torch.float32))
+
+
+def _sort_chunks_setup(ctx, inputs, output):
+    x, split_sizes, sorted_indices, probs = inputs
+    ctx.probs_dtype = None if probs is None else probs.dtype
+    ctx.save_for_backward(split_sizes, sorted_indices)
+
+
+def _sort_chunks_bwd(ctx, grad_out, grad_po):
+    split_sizes, sorted_indices = ctx.saved_tensors
+    has_probs = ctx.probs_dtype is not None
+    gx, gp = _sort_chunks_bwd_op(grad_out, split_sizes, sorted_indices, grad_po if has_probs else None)
+    return gx, None, None, (gp.to(ctx.probs_dtype) if has_probs else None)
+
+
+_sort_chunks_op.register_autograd(_sort_chunks_bwd, setup_context=_sort_chunks_setup)
+
+
+class _SortChunksFn(torch.autograd.Function):
+    """Eager chunk sort: forward and backward straight to moe_rt."""
+
+    @staticmethod
+    def forward(x, probs, split_sizes, sorted_indices):
+        r = _perm.sort_chunks(x, split_sizes, sorted_indices, probs=probs)
+        return (r[0], r[1]) if probs is not None else (r, None)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, probs, split_sizes, sorted_indices = inputs
+        ctx.set_materialize_grads(False)  # no zero tensors made for outputs that get no gradient
+        ctx.chunks = (split_sizes, sorted_indices)
+        ctx.meta = (x.shape, x.dtype, None if probs is None else probs.dtype)
+
+    vmap = _no_vmap("sort_chunks")
+
+    @staticmethod
+    @_once
+    def backward(ctx, grad_out, grad_po):
+        shape, dtype, pdt = ctx.meta
+        gpo = grad_po if pdt is not None else None
+        if grad_out is None and gpo is None:
+            return None, None, None, None
+        if grad_out is None:
+            grad_out = torch.zeros(shape, dtype=dtype, device=gpo.device)
+        grad_out, gpo = _bwd_plain("sort_chunks", grad_out.contiguous(), None if gpo is None else gpo.contiguous())
+        chunks = [_plain(c, "sort_chunks") if isinstance(c, Tensor) else c for c in ctx.chunks]
+        r = _perm.sort_chunks_backward(grad_out, *chunks, grad_probs=gpo)
+        if gpo is None:
+            return r, None, None, None
+        return r[0], r[1].to(pdt), None, None
+
+
+def sort_chunks(x: Tensor, split_sizes, sorted_indices, probs: Optional[Tensor] = None):
+    """Differentiable :func:`moe_rt.permutation.sort_chunks` (eager and ``torch.compile``): the rows of
+    ``x [N, ...]`` form chunks of sizes ``split_sizes`` put in the order ``sorted_indices`` (int tensors,
+    or lists checked on the host). Returns ``out`` or, with ``probs [N]``, ``(out, probs_out [N] fp32)``;
+    gradients flow to ``x`` and ``probs`` (the inverse reordering)."""
+    _tensor(x, "x")
+    _tensor(probs, "probs", True)
+    if _eager():
+        # host sizes (lists, NumPy, CPU tensors for CUDA x) are validated by the core op on the host
+        s, o = (a.numpy() if isinstance(a, Tensor) and a.device != x.device and a.device.type == "cpu" else a
+                for a in (split_sizes, sorted_indices))
+        if _functorch_active() or _needs_grad(x, probs):  # torch.func.grad/vjp (vmap is refused) or autograd
+            out, po = _SortChunksFn.apply(x, probs, s, o)
+        else:
+            r = _perm.sort_chunks(x, s, o, probs=probs)
+            out, po = (r[0], r[1]) if probs is not None else (r, None)
+        return out if probs is None else (out, po)
+    s = _chunk_tensor(split_sizes, "split_sizes", x)
+    o = _chunk_tensor(sorted_indices, "sorted_indices", x)
+    out, po = _sort_chunks_op(x, s, o, probs)
+    return out if probs is None else (out, po)
 
 
 # -- expert parallelism ------------------------------------------------------------------------------

@@ -92,9 +92,10 @@ def _slots(plan):
     return slots, dst[slots]
 
 
-def dispatch(x: np.ndarray, plan: dict, probs: np.ndarray | None = None):
+def dispatch(x: np.ndarray, plan: dict, probs: np.ndarray | None = None, probs_dtype=None):
     """``x_p[dst(t,k)] = x[t]`` (pure copy, any dtype), pad/unused rows zero; ``probs_p[dst] = probs[t,k]``
-    (float32, ``probs`` given as ``[T,K]``). Returns ``(x_p [N,H], probs_p [N] float32 or None)``."""
+    (``probs`` given as ``[T,K]``) in ``probs_dtype`` (None: float32). Returns ``(x_p [N,H], probs_p [N] or
+    None)``."""
     K = plan["topk"]
     slots, rows = _slots(plan)
     x = np.asarray(x)
@@ -102,8 +103,9 @@ def dispatch(x: np.ndarray, plan: dict, probs: np.ndarray | None = None):
     out[rows] = x[slots // K]
     pp = None
     if probs is not None:
-        pp = np.zeros(plan["num_rows"], np.float32)
-        pp[rows] = np.asarray(probs, np.float32).reshape(-1)[slots]
+        dt = np.dtype(np.float32 if probs_dtype is None else probs_dtype)
+        pp = np.zeros(plan["num_rows"], dt)
+        pp[rows] = np.asarray(probs).astype(np.float64 if dt == np.float64 else np.float32).reshape(-1)[slots]
     return out, pp
 
 

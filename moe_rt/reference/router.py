@@ -206,11 +206,17 @@ def scores_for_aux_loss_bwd(grad_scores, intermediate, topk, score_function):
 
 
 def aux_loss_coeff(total_num_tokens, num_experts, topk, coeff) -> np.float32:
-    """C_coeff = (E * coeff) / topk / T_tot / T_tot, sequential fp32 divisions (docs/router.md §5)."""
+    """C_coeff = (E * coeff) / topk / T_tot / T_tot, sequential fp32 divisions (docs/router.md §5).
+    ``total_num_tokens``: an int or a one-element int array (not checked: T <= 0 gives inf/NaN); None stops
+    before the divisions by T."""
     c = F32(num_experts) * F32(coeff)
     c = F32(c / F32(topk))
-    c = F32(c / F32(total_num_tokens))
-    return F32(c / F32(total_num_tokens))
+    if total_num_tokens is None:
+        return c
+    t = F32(np.asarray(total_num_tokens).reshape(-1)[0])
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        c = F32(c / t)
+        return F32(c / t)
 
 
 def aux_loss_fwd(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coeff):
