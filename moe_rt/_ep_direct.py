@@ -245,9 +245,10 @@ class DirectTransport:
         return OPS.get(code, f"op {code}") if code else None
 
     # -- buffers ---------------------------------------------------------------------------------------
-    def stages(self, row_bytes, K, stream):
+    def stages(self, row_bytes, K, stream, wait=None):
         """``(rows stage, weights stage)`` for rows of ``row_bytes`` and K fp32 weights, made on first use (a
-        collective: every rank asks in the same order; a host sync, so never inside CUDA-graph capture)."""
+        collective: every rank asks in the same order; a host sync, so never inside CUDA-graph capture).
+        ``wait(stream)``: the calling op's deadline wait for that exchange (default: the group creation's)."""
         from cupy.cuda import runtime
 
         out = []
@@ -258,7 +259,7 @@ class DirectTransport:
                     raise RuntimeError(
                         f"the direct EP transport makes its {rb}-byte-row receive stage on the first op that "
                         "needs it (a collective with a host sync): run that op once before CUDA-graph capture")
-                st = self._stages[key] = _Shared(self.comm, self.R * self.P * rb, stream, self._wait)
+                st = self._stages[key] = _Shared(self.comm, self.R * self.P * rb, stream, wait or self._wait)
                 self._order.append(key)
             out.append(st)
         return out[0], out[1]

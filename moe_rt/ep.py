@@ -825,7 +825,7 @@ class EpGroup:
         d, s = self._direct, call.stream
         sz = h.sizes
         R, P, K, H = sz["R"], sz["P"], sz["K"], self.hidden
-        rows_st, w_st = d.stages(H * x.dtype.itemsize, K, s)
+        rows_st, w_st = d.stages(H * x.dtype.itemsize, K, s, lambda st: self._wait(st, op))
         d.barrier(s, op)
         d.push(call, h, x, w, rows_st, w_st)
         d.barrier(s, op)
@@ -865,7 +865,7 @@ class EpGroup:
         sz = h.sizes
         K, rows = sz["K"], sz["rows"]
         rb = self.hidden * np.dtype(out_dtype).itemsize
-        rows_st, w_st = d.stages(rb, K, s)
+        rows_st, w_st = d.stages(rb, K, s, lambda st: self._wait(st, op))
         row_map = self._direct_row_map(call, h)
         d.barrier(s, op)
         d.copy_rows(call, z.data.ptr, None, rows_st.local, row_map, rows, rb)
