@@ -376,9 +376,22 @@ def test_jax_router(device):
     rng = np.random.default_rng(11)
     logits = jax.device_put(jnp.asarray(rng.permutation(2 * 7 * 64).reshape(2, 7, 64).astype(np.float32) * 1e-3),
                             dev)
+    host = np.asarray(logits)
+
+    def core(*args, **kw):
+        """The core op on the test's device (on CUDA the same kernel as the adapter: the same bits)."""
+        if device == "cpu":
+            return moe_rt.topk_with_score(host, *args, **kw)
+        import cupy
+
+        return tuple(cupy.asnumpy(a) for a in moe_rt.topk_with_score(cupy.asarray(host), *args, **kw))
+
     probs, rmap = jax.jit(lambda l: tj.fused_topk_with_score_function(l, 4))(logits)  # TE's defaults
-    cp, cm, _ = moe_rt.topk_with_score(np.asarray(logits), 4)
+    cp, cm, _ = core(4)
     assert probs.shape == (2, 7, 64) and np.array_equal(np.asarray(probs), cp) and np.array_equal(np.asarray(rmap), cm)
+    rp, rm, _ = moe_rt.topk_with_score(host, 4)  # and the NumPy reference, to rounding
+    np.testing.assert_allclose(np.asarray(probs), rp, rtol=1e-5, atol=1e-7)
+    assert np.array_equal(np.asarray(rmap), rm)
     for f in (lambda l: tj.fused_topk_with_score_function(l, 8, num_groups=8, group_topk=4, score_function="sigmoid",
                                                           scaling_factor=2),
               lambda l: tj.fused_topk_with_score_function(l, 8, score_function="sqrtsoftplus",
@@ -386,7 +399,7 @@ def test_jax_router(device):
         p, m = f(logits)
         assert p.dtype == logits.dtype and m.dtype == jnp.bool_
     p, _ = tj.fused_topk_with_score_function(logits, 8, num_groups=8, group_topk=4, score_function="sigmoid")
-    cp, _, _ = moe_rt.topk_with_score(np.asarray(logits), 8, score_function="sigmoid", num_groups=8, group_topk=4)
+    cp, _, _ = core(8, score_function="sigmoid", num_groups=8, group_topk=4)
     assert np.array_equal(np.asarray(p), cp)
     # compute_aux_scores: the dense scores (sigmoid normalized), bias/groups/scaling ignored
     s, m = tj.fused_topk_with_score_function(logits, 4, num_groups=8, group_topk=4, scaling_factor=3.0,
