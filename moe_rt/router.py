@@ -45,7 +45,7 @@ _TPW_VARIANT = tuple(int(v) for v in os.environ["MOE_RT_ROUTER_TPW"].split(","))
 _jit.register(_FILE, [f"router_fwd<{c}, {team}>" for c in _jit.CTYPES.values() for team in _TEAMS]
               + [f"router_fwd<{c}, 32, false>" for c in _jit.CTYPES.values()]
               + [f"router_fwd_reg<{c}, {v}>" for c in ("float", "__nv_bfloat16") for v in _REG_V]
-              + ["router_fwd_reg<__nv_bfloat16, 8, false>"]
+              + [f"router_fwd_reg<{c}, 8, false>" for c in ("float", "__nv_bfloat16")]
               + [f"router_fwd_reg<{c}, 8, true, true>" for c in ("float", "__nv_bfloat16")]
               + [f"router_bwd<{c}, {c}, {team}>" for c in _jit.CTYPES.values() for team in _TEAMS]
               + [f"router_bwd<float, {c}, {team}>" for c in ("__half", "__nv_bfloat16") for team in _TEAMS]
@@ -252,11 +252,12 @@ def _fwd_cfg(dtype, E, K, G, g, vec, device_id):
     ch = 16 // dtype.itemsize
     v = _reg_v(E, ch, vec, dtype)
     if v:
-        # bf16, 8 keys a lane, no groups: the kernel compiled without the group-limited selection (on H100
-        # 2-4% faster; for fp32 it was slower, see kernels/router.cu). 8 keys a lane with groups held in the
-        # lanes and k <= 8: a kernel compiled for that path alone (LANESEL; _FWD_VARIANT = "nolanesel" keeps the
-        # kernel with every path: a test variant).
-        ng = v == 8 and not G and dtype.itemsize == 2
+        # 8 keys a lane, no groups: the kernel compiled without the group-limited selection (bf16 on H100 2-4%
+        # faster; it also compiles in a quarter of the time, which is most of a first call's wait;
+        # _FWD_VARIANT = "f32groups" keeps fp32 on the kernel with groups, a benchmark variant). 8 keys a lane
+        # with groups held in the lanes and k <= 8: a kernel compiled for that path alone (LANESEL;
+        # _FWD_VARIANT = "nolanesel" keeps the kernel with every path: a test variant).
+        ng = v == 8 and not G and (dtype.itemsize == 2 or _FWD_VARIANT != "f32groups")
         ls = v == 8 and K <= 8 and _lane_groups(E, K, G, g, ch) and _FWD_VARIANT != "nolanesel"
         fn = _jit.function(_FILE, f"router_fwd_reg<{_jit.ctype(dtype)}, {v}"
                                   f"{', false' if ng else ''}{', true, true' if ls else ''}>")

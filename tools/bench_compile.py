@@ -82,6 +82,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the rows to this file")
     p.add_argument("--no-demo", action="store_true", help="skip the demo rows")
     p.add_argument("--ep", type=int, default=0, help="also time `demo --framework torch --ep N --tokens 2048`")
+    p.add_argument("--no-warmup", action="store_true", help="skip the warmup row")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="warmup worker processes")
     a = p.parse_args(argv)
     try:
@@ -126,12 +127,13 @@ def main(argv=None) -> int:
                         60.0, f"rc={r.returncode}")
                     if r.returncode:
                         print(r.stdout[-3000:] + r.stderr[-3000:], file=sys.stderr)
-        r, wall = run([sys.executable, "-m", "moe_rt", "warmup", "--quiet", "--jobs", str(a.jobs)],
-                      os.path.join(tmp, "warm"))
-        row(f"python -m moe_rt warmup (every kernel, {a.jobs} jobs)", wall, 60.0,
-            (r.stdout.strip().splitlines() or [""])[-1][:80] if not r.returncode else f"rc={r.returncode}")
-        if r.returncode:
-            print(r.stdout + r.stderr, file=sys.stderr)
+        if not a.no_warmup:
+            r, wall = run([sys.executable, "-m", "moe_rt", "warmup", "--quiet", "--jobs", str(a.jobs)],
+                          os.path.join(tmp, "warm"))
+            row(f"python -m moe_rt warmup (every kernel, {a.jobs} jobs)", wall, 60.0,
+                (r.stdout.strip().splitlines() or [""])[-1][:80] if not r.returncode else f"rc={r.returncode}")
+            if r.returncode:
+                print(r.stdout + r.stderr, file=sys.stderr)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(), "rows": rows}, f,
