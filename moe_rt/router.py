@@ -252,12 +252,13 @@ def _fwd_cfg(dtype, E, K, G, g, vec, device_id):
     ch = 16 // dtype.itemsize
     v = _reg_v(E, ch, vec, dtype)
     if v:
-        # 8 keys a lane, no groups: the kernel compiled without the group-limited selection (bf16 on H100 2-4%
-        # faster; it also compiles in a quarter of the time, which is most of a first call's wait;
-        # _FWD_VARIANT = "f32groups" keeps fp32 on the kernel with groups, a benchmark variant). 8 keys a lane
-        # with groups held in the lanes and k <= 8: a kernel compiled for that path alone (LANESEL;
-        # _FWD_VARIANT = "nolanesel" keeps the kernel with every path: a test variant).
-        ng = v == 8 and not G and (dtype.itemsize == 2 or _FWD_VARIANT != "f32groups")
+        # 8 keys a lane, no groups: bf16 runs the kernel compiled without the group-limited selection (on H100
+        # 2-4% faster). fp32 keeps the kernel with groups: the other computes the same bits and compiles in a
+        # quarter of the time (1.7 against 5.3-5.9 s on an H100 host), but ran 3.6% slower there (softmax,
+        # T=65536: 89.5 against 86.4 us); _FWD_VARIANT = "f32nogroups" selects it (a benchmark and test
+        # variant). 8 keys a lane with groups held in the lanes and k <= 8: a kernel compiled for that path
+        # alone (LANESEL; _FWD_VARIANT = "nolanesel" keeps the kernel with every path: a test variant).
+        ng = v == 8 and not G and (dtype.itemsize == 2 or _FWD_VARIANT == "f32nogroups")
         ls = v == 8 and K <= 8 and _lane_groups(E, K, G, g, ch) and _FWD_VARIANT != "nolanesel"
         fn = _jit.function(_FILE, f"router_fwd_reg<{_jit.ctype(dtype)}, {v}"
                                   f"{', false' if ng else ''}{', true, true' if ls else ''}>")

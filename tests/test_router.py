@@ -623,11 +623,11 @@ VARIANT_CASES = [
     (512, 64, BF16, "sigmoid", False, (8, 2), False, "MOE_RT_ROUTER_FWD=generic"),
     (1024, 8, BF16, "sigmoid", False, None, True, "MOE_RT_ROUTER_FWD=generic"),
     (128, 6, BF16, "sqrtsoftplus", False, (4, 2), True, "MOE_RT_ROUTER_FWD=generic"),
-    # fp32 without groups: the kernel compiled without the group-limited selection against the one with it
-    (256, 8, F32, "softmax", False, None, False, "MOE_RT_ROUTER_FWD=f32groups"),
-    (256, 8, F32, "softmax", True, None, False, "MOE_RT_ROUTER_FWD=f32groups"),
-    (256, 8, F32, "sigmoid", False, None, True, "MOE_RT_ROUTER_FWD=f32groups"),
-    (200, 5, F32, "sqrtsoftplus", False, None, False, "MOE_RT_ROUTER_FWD=f32groups"),
+    # fp32 without groups: the kernel with the group-limited selection against the one compiled without it
+    (256, 8, F32, "softmax", False, None, False, "MOE_RT_ROUTER_FWD=f32nogroups"),
+    (256, 8, F32, "softmax", True, None, False, "MOE_RT_ROUTER_FWD=f32nogroups"),
+    (256, 8, F32, "sigmoid", False, None, True, "MOE_RT_ROUTER_FWD=f32nogroups"),
+    (200, 5, F32, "sqrtsoftplus", False, None, False, "MOE_RT_ROUTER_FWD=f32nogroups"),
     # the kernel compiled for groups held in the lanes (LANESEL) against the one with every path
     (256, 8, BF16, "sigmoid", False, (8, 4), True, "MOE_RT_ROUTER_FWD=nolanesel"),
     (256, 8, F32, "softmax", True, (8, 2), False, "MOE_RT_ROUTER_FWD=nolanesel"),
