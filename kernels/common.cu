@@ -26,6 +26,7 @@ __global__ void scale_copy(const T* __restrict__ x, T* __restrict__ y, float alp
 }
 
 // Set nbytes bytes at p to `value`; 16-byte stores for the aligned middle.
+#if MOE_RT_WANTS(fill_bytes)
 extern "C" __global__ void fill_bytes(unsigned char* __restrict__ p, unsigned char value, i64 nbytes) {
   const i64 tid = (i64)blockIdx.x * blockDim.x + threadIdx.x;
   const i64 stride = (i64)gridDim.x * blockDim.x;
@@ -39,3 +40,4 @@ extern "C" __global__ void fill_bytes(unsigned char* __restrict__ p, unsigned ch
   for (i64 i = tid; i < nvec; i += stride) q[i] = v;
   for (i64 i = head + nvec * 16 + tid; i < nbytes; i += stride) p[i] = value;
 }
+#endif

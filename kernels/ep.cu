@@ -50,6 +50,7 @@ __global__ void ep_routing_pack(const IdxT* __restrict__ idx, i64 T, int Tmax, i
 //   send side: send_tok[dst][pos] = t, send_pos[dst][t] = pos (or -1), meta send_counts[dst]
 //   recv side: recv_tok[src][pos] = t, meta recv_counts[src], recv_slots[src] (local slots kept)
 // Positions >= P (pair capacity) are dropped; list entries past the kept count are -1.
+#if MOE_RT_WANTS(ep_scan_pairs)
 extern "C" __global__ void ep_scan_pairs(const int* __restrict__ routing, int R, int me, int Tmax, int K,
                                          int L, int P, int* __restrict__ send_tok, int* __restrict__ send_pos,
                                          int* __restrict__ recv_tok, int* __restrict__ meta) {
@@ -93,10 +94,12 @@ extern "C" __global__ void ep_scan_pairs(const int* __restrict__ routing, int R,
     }
   }
 }
+#endif
 
 // Offsets and flags (one thread; R is small). Exact mode (exact = 1): segments packed back to back with
 // the kept counts; capacity mode: every segment is P rows. The own destination takes no send rows.
 // capacity < 0: no expert-major capacity.
+#if MOE_RT_WANTS(ep_plan_meta)
 extern "C" __global__ void ep_plan_meta(int* __restrict__ meta, const int* __restrict__ routing, int R, int me,
                                         int Tmax, int K, int P, int exact, i64 capacity) {
   if (blockIdx.x != 0 || threadIdx.x != 0) return;
@@ -132,9 +135,11 @@ extern "C" __global__ void ep_plan_meta(int* __restrict__ meta, const int* __res
   meta[META_RECV_ROWS(R)] = (int)recv_rows;
   meta[META_SEND_ROWS(R)] = (int)send_rows;
 }
+#endif
 
 // recv_local[row][k]: local id of the k-th expert of the token received in `row` when it lives on this
 // rank, else -1 (and -1 for every k of an unused row). A routing for the permutation plan with L experts.
+#if MOE_RT_WANTS(ep_recv_local)
 extern "C" __global__ void ep_recv_local(const int* __restrict__ routing, const int* __restrict__ recv_tok,
                                          const int* __restrict__ meta, int R, int me, int Tmax, int K, int L,
                                          int P, i64 rows, int* __restrict__ recv_local) {
@@ -162,6 +167,7 @@ extern "C" __global__ void ep_recv_local(const int* __restrict__ routing, const 
     }
   }
 }
+#endif
 
 // Pack the rows this rank sends: block row (blockIdx.y = dst) copies x[send_tok[dst][pos]] to the send
 // buffer (dst != me, at send_off[dst] + pos) or straight into the receive buffer (dst == me, at
@@ -298,6 +304,7 @@ __global__ void ep_owner_sum(const T* __restrict__ back, const T* __restrict__ o
 }
 
 // out[n] = slots[src_slot[n]] (0 where src_slot is -1): a [rows,K] slot array in expert-major order.
+#if MOE_RT_WANTS(ep_gather_slots)
 extern "C" __global__ void ep_gather_slots(const float* __restrict__ slots, const int* __restrict__ src_slot,
                                            float* __restrict__ out, i64 n) {
   for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
@@ -305,6 +312,7 @@ extern "C" __global__ void ep_gather_slots(const float* __restrict__ slots, cons
     out[i] = s >= 0 ? slots[s] : 0.0f;
   }
 }
+#endif
 
 // rows[n] = round(w[n] * float(rows[n])) in place: the weighted gradient of combine when y is not given.
 template <typename T, bool VEC>
@@ -388,6 +396,7 @@ __global__ void ep_fill_rows(U* __restrict__ out, float* __restrict__ probs_out,
 
 // out[i] = dst_row[i] >= 0 ? vals[dst_row[i]] : 0 for i < n: expert-major row values back to the received
 // rows' [rows,K] slots (the probs gradient of dispatch_bwd).
+#if MOE_RT_WANTS(ep_slot_values)
 extern "C" __global__ void ep_slot_values(const float* __restrict__ vals, const int* __restrict__ dst_row,
                                           float* __restrict__ out, i64 n) {
   for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
@@ -395,6 +404,7 @@ extern "C" __global__ void ep_slot_values(const float* __restrict__ vals, const 
     out[i] = d >= 0 ? vals[d] : 0.0f;
   }
 }
+#endif
 
 // ---- The direct peer-memory transport within a node (moe_rt/_ep_direct.py) -----------------------------
 // Every rank holds IPC-shared buffers; the tables `peer_*` (int64 [R], device) hold each rank's buffer
@@ -425,6 +435,7 @@ __device__ __forceinline__ unsigned long long global_timer_ns() {
 // waits until its own slots all reach e (acquire loads). After timeout_ns (%globaltimer) it gives up:
 // writes `op` to the host-mapped error word, raises the sticky failure flag and returns (never hangs).
 // Epochs compare with wrap-around (a signed difference).
+#if MOE_RT_WANTS(ep_direct_barrier)
 extern "C" __global__ void ep_direct_barrier(const long long* __restrict__ peer_bar, int R, int me,
                                              unsigned* __restrict__ state, i64 timeout_ns,
                                              int* __restrict__ err_word, int op) {
@@ -464,6 +475,7 @@ extern "C" __global__ void ep_direct_barrier(const long long* __restrict__ peer_
     __threadfence_system();
   }
 }
+#endif
 
 // Push rows to their destinations' receive stages (blockIdx.y = destination d, the own share included):
 // for each kept position j of the (me, d) pair, x[send_tok[d][j]] is read once and stored into rank d's
@@ -508,6 +520,7 @@ __global__ void ep_direct_push(const U* __restrict__ x, const float* __restrict_
 
 // map[r] = s*P + (r - recv_off[s]) for received row r (recv_off[s] <= r < recv_off[s+1]): the stage row
 // of each row of the handle's received-row layout (the identity in capacity mode, where recv_off[s] = s*P).
+#if MOE_RT_WANTS(ep_direct_row_map)
 extern "C" __global__ void ep_direct_row_map(const int* __restrict__ meta, int R, int P, i64 rows,
                                              int* __restrict__ map) {
   const int* off = meta + META_RECV_OFF(R);
@@ -517,6 +530,7 @@ extern "C" __global__ void ep_direct_row_map(const int* __restrict__ meta, int R
     map[r] = (int)((i64)s * P + (r - off[s]));
   }
 }
+#endif
 
 // A CTA per row r < rows (grid-stride): dst[dst_map ? dst_map[r] : r] = src[src_map ? src_map[r] : r],
 // `units` units of U per row. Skipped after a failed barrier (state given).

@@ -154,6 +154,7 @@ __device__ void plan_offsets_block(const int* __restrict__ totals, int E, int al
 // contiguous ranges of chunks. base[c*E+e] = sum_{c'<c} partial[c'*E+e]; totals[e] = sum over all
 // chunks. The last CTA to finish (counter `done`, zeroed by plan_count) then runs plan_offsets_block:
 // an integer computation on the final totals, so the result does not depend on which CTA is last.
+#if MOE_RT_WANTS(plan_scan)
 __global__ void __launch_bounds__(1024) plan_scan(const int* __restrict__ partial, int* __restrict__ base,
                                                   int* __restrict__ totals, int nchunks, int E, int align,
                                                   i64 num_out, int* __restrict__ kept,
@@ -196,6 +197,7 @@ __global__ void __launch_bounds__(1024) plan_scan(const int* __restrict__ partia
   __threadfence();
   plan_offsets_block(totals, E, align, num_out, kept, tokens_per_expert, seg_start);
 }
+#endif
 
 // dst_row[i] = seg_start[e] + rank (or -1 if dropped); src_slot[dst] = i. The rank of slot i inside expert
 // e is base[c][e] + the number of earlier slots of chunk c routed to e: stable, hence token-ascending.
@@ -452,6 +454,7 @@ __global__ void combine_bwd_rows(const T* __restrict__ g, const T* __restrict__ 
 }
 
 // out[i] = dst_row[i] >= 0 ? vals[dst_row[i]] : 0 for i < L (grad of permuted probs back to [T,K]).
+#if MOE_RT_WANTS(gather_slots)
 extern "C" __global__ void gather_slots(const float* __restrict__ vals, const int* __restrict__ dst_row,
                                         float* __restrict__ out, i64 L) {
   for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < L; i += (i64)gridDim.x * blockDim.x) {
@@ -459,6 +462,7 @@ extern "C" __global__ void gather_slots(const float* __restrict__ vals, const in
     out[i] = d >= 0 ? vals[d] : 0.0f;
   }
 }
+#endif
 
 // ---- chunk sort --------------------------------------------------------------------------------------
 

@@ -42,7 +42,7 @@ FLOAT_DTYPES = tuple(CTYPES)
 REGISTRY: dict[str, list[str]] = {}
 _lock = threading.Lock()
 _functions: dict[tuple[str, str, int], object] = {}
-_CACHE_FORMAT = 1  # part of every key: bump when the cache entries' format changes
+_CACHE_FORMAT = 2  # part of every key: bump when the cache entries' format changes
 _SLOW_COMPILE_S = 1.0  # compiles (and waits for another process's compile) longer than this are reported
 
 
@@ -208,19 +208,31 @@ def _program_options(arch: str) -> list[str]:
                               "--device-as-default-execution-space"]
 
 
+def _one_kernel_options(name: str) -> list[str]:
+    """The defines of a program built for kernel ``name`` alone (include/moe_rt/common.cuh, MOE_RT_WANTS):
+    kernels that are not templates, which NVRTC emits wherever they are defined, are left out but for
+    ``name`` itself."""
+    opts = ["-DMOE_RT_ONE_KERNEL=1"]
+    if re.fullmatch(r"[A-Za-z_]\w*", name):
+        opts.append(f"-DMOE_RT_KERNEL_{name}=1")
+    return opts
+
+
 def compile_offline(file: str, arch: str, names=None) -> tuple[bytes, dict[str, str]]:
     """Compile ``names`` (default: every registered name) of ``file`` as one NVRTC program for ``arch``
-    (``sm_90``: a cubin; ``compute_90``: PTX), without a GPU. Returns the image and the lowered name of each
-    name expression; raises RuntimeError with NVRTC's log on failure."""
+    (``sm_90``: a cubin; ``compute_90``: PTX), without a GPU; a program for a single name holds that kernel
+    alone. Returns the image and the lowered name of each name expression; raises RuntimeError with NVRTC's
+    log on failure."""
     from cupy.cuda import nvrtc
 
     names = list(REGISTRY.get(file, ())) if names is None else list(names)
+    opts = _program_options(arch) + (_one_kernel_options(names[0]) if len(names) == 1 else [])
     prog = nvrtc.createProgram(source(file), file, [], [])
     try:
         for n in names:
             nvrtc.addNameExpression(prog, n)
         try:
-            nvrtc.compileProgram(prog, _program_options(arch))
+            nvrtc.compileProgram(prog, opts)
         except nvrtc.NVRTCError as e:
             raise RuntimeError(f"NVRTC failed on {file} for {arch}:\n{nvrtc.getProgramLog(prog)}") from e
         image = nvrtc.getCUBIN(prog) if arch.startswith("sm_") else nvrtc.getPTX(prog)

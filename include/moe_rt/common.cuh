@@ -2,6 +2,12 @@
 // warp and block reductions. Header-only; compiled by NVRTC with the kernels that include it.
 #pragma once
 
+// One kernel per NVRTC program (moe_rt/_jit.py): a program built for one kernel defines MOE_RT_ONE_KERNEL, and
+// for a kernel that is not a template also MOE_RT_KERNEL_<name>. A kernel that is not a template is emitted
+// wherever it is defined, so each is wrapped in `#if MOE_RT_WANTS(name)`: a program then holds its own kernel
+// alone. Names not defined read as 0 in #if, so a program built without MOE_RT_ONE_KERNEL holds every kernel.
+#define MOE_RT_WANTS(name) (!MOE_RT_ONE_KERNEL || MOE_RT_KERNEL_##name)
+
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 
