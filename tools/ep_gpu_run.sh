@@ -4,19 +4,8 @@
 #   tools/ep_gpu_run.sh OUTDIR
 set -u
 OUT=${1:?usage: tools/ep_gpu_run.sh OUTDIR}
-mkdir -p "$OUT"
-cd "$(dirname "$0")/.."
-export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 MOE_RT_KERNEL_CACHE=${MOE_RT_KERNEL_CACHE:-/tmp/moe_rt_kernel_cache}
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
-nvidia-smi -L
-step() {  # step NAME TIMEOUT CMD...: run, log to OUT/NAME.log, print the status and the time
-  local name=$1 t=$2; shift 2
-  local t0=$(date +%s)
-  timeout "$t" "$@" >"$OUT/$name.log" 2>&1
-  local rc=$?
-  echo "== $name rc=$rc $(( $(date +%s) - t0 )) s"
-  return $rc
-}
+source "$(dirname "$0")/gpu_lib.sh"
+export MOE_RT_KERNEL_CACHE=${MOE_RT_KERNEL_CACHE:-/tmp/moe_rt_kernel_cache}
 step ep_tests 600 python3 -m pytest -q -x -rA tests/test_ep.py -k multi_gpu
 grep -E "passed|failed|cases OK|replays OK|iterations flat|DEAD PEER OK|transports:|Error" "$OUT/ep_tests.log" | head -30
 step adapters 300 python3 -m pytest -q -rA tests/test_ep_adapters.py -m "gpu or multi_gpu"

@@ -5,19 +5,7 @@
 set -u
 OUT=${1:?usage: tools/ep_quick.sh OUTDIR [TOKENS]}
 TOK=${2:-4096,16384}
-mkdir -p "$OUT"
-cd "$(dirname "$0")/.."
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
-nvidia-smi -L
-step() {  # step NAME TIMEOUT CMD...: run, log to OUT/NAME.log, print the status and the time
-  local name=$1 t=$2; shift 2
-  local t0=$(date +%s.%N)
-  timeout "$t" "$@" >"$OUT/$name.log" 2>&1
-  local rc=$?
-  echo "== $name rc=$rc $(python3 -c "import time; print(f'{time.time() - $t0:.1f}')") s"
-  return $rc
-}
+source "$(dirname "$0")/gpu_lib.sh"
 step demo_ep4 150 env MOE_RT_KERNEL_CACHE=/tmp/moe_rt_empty_ep python3 -m moe_rt demo --framework torch --ep 4 --tokens 2048
 grep -E "rank 0\]|FAIL|Error|ok" "$OUT/demo_ep4.log" | head -12
 export MOE_RT_KERNEL_CACHE=/tmp/moe_rt_kc

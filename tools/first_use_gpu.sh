@@ -10,19 +10,7 @@ EP=0; ROUTER=0
 while [ $# -gt 0 ]; do
   case $1 in --ep) EP=$2; shift 2;; --router) ROUTER=1; shift;; *) echo "unknown argument $1"; exit 2;; esac
 done
-mkdir -p "$OUT"
-cd "$(dirname "$0")/.."
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
-nvidia-smi -L
-step() {  # step NAME TIMEOUT CMD...: run, log to OUT/NAME.log, print the status and the time
-  local name=$1 t=$2; shift 2
-  local t0=$(date +%s)
-  timeout "$t" "$@" >"$OUT/$name.log" 2>&1
-  local rc=$?
-  echo "== $name rc=$rc $(( $(date +%s) - t0 )) s"
-  return $rc
-}
+source "$(dirname "$0")/gpu_lib.sh"
 step bench_compile 200 python3 tools/bench_compile.py --ep "$EP" --json "$OUT/bench_compile.json"
 cat "$OUT/bench_compile.log" | tail -15
 export MOE_RT_KERNEL_CACHE=/tmp/moe_rt_empty_cache_$$

@@ -4,20 +4,8 @@
 #   tools/multi_gpu_check.sh OUTDIR
 set -u
 OUT=${1:?usage: tools/multi_gpu_check.sh OUTDIR}
-mkdir -p "$OUT"
-cd "$(dirname "$0")/.."
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+source "$(dirname "$0")/gpu_lib.sh"
 export MOE_RT_KERNEL_CACHE=${MOE_RT_KERNEL_CACHE:-/tmp/moe_rt_kc}
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
-nvidia-smi -L
-step() {
-  local name=$1 t=$2; shift 2
-  local t0=$(date +%s)
-  timeout "$t" "$@" >"$OUT/$name.log" 2>&1
-  local rc=$?
-  echo "== $name rc=$rc $(( $(date +%s) - t0 )) s"
-  return $rc
-}
 step warmup 90 python3 -m moe_rt warmup --quiet
 step multi_gpu 420 python3 -m pytest -q -rA -m multi_gpu tests
 grep -E "passed|failed|PASSED|FAILED|SKIPPED" "$OUT/multi_gpu.log" | head -40
