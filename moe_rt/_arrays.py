@@ -46,8 +46,9 @@ def _framework_of(obj) -> str:
     return fw
 
 
-def _device_of(obj, name):
-    fw = _framework_of(obj)
+def _device_of(obj, name, fw=None):
+    if fw is None:
+        fw = _framework_of(obj)
     if fw == "numpy":
         return "cpu", 0
     if fw == "devarray":
@@ -417,7 +418,7 @@ class Call:
                 _no_tracer(obj, name)
             elif fw == "other" and isinstance(obj, np.generic):
                 obj = arrays[name] = np.asarray(obj)
-            kind, dev = _device_of(obj, name)
+            kind, dev = _device_of(obj, name, fw if fw != "other" else None)
             if first is None:
                 first = name
                 self.backend, self.device_id = kind, dev
