@@ -196,6 +196,17 @@ class Unrecordable(Exception):
     """Raised inside an op being recorded when its path needs more than allocations and kernel launches."""
 
 
+class NotYet(Unrecordable):
+    """Raised inside an op being recorded when this call's path is provisional (a quick kernel standing in
+    while another compiles): the call runs the ordinary way and a later call is recorded."""
+
+
+def not_recordable_yet() -> None:
+    """Called by an op whose launch this time is provisional: while it is being recorded, stop (NotYet)."""
+    if RECORDING and recorder() is not None:
+        raise NotYet("a quick kernel stands in while the op's kernel compiles")
+
+
 # Recording (moe_rt._fast): RECORDING counts the threads recording now, so the ordinary path pays one global
 # read; the recorder itself is thread-local.
 RECORDING = 0

@@ -542,6 +542,8 @@ def recorded(*array_params, variant=None, plan=None):
                             raise Unrecordable("a dtype moe_rt does not handle")
                         np_metas.append((dt, tuple(m[1]), m[2]))
                     rec = _record(op, args, kwargs, places, np_metas, dev, pinfo)
+                except _arrays.NotYet:  # a quick kernel this time: run it the ordinary way, record a later call
+                    return _ordinary(op, args, kwargs)
                 except Exception:  # noqa: BLE001 - unrecordable or bad input: the ordinary path runs (and raises)
                     rec = _SLOW
                 if len(cache) >= _MAX_ENTRIES:

@@ -54,6 +54,12 @@ _jit.register(_FILE, [f"router_fwd<{c}, {team}>" for c in _jit.CTYPES.values() f
               + [f"aux_loss_partial<{c}>" for c in _jit.CTYPES.values()]
               + [f"aux_loss_final<{c}>" for c in _jit.CTYPES.values()]
               + [f"aux_loss_bwd<{c}>" for c in _jit.CTYPES.values()])
+# Quick kernels (_jit.function_tiered): compiled for one score case alone (_score_case), each computes the
+# bits of the kernel it stands in for in that case: a row of one warp without groups, and 8 to 32 keys a
+# lane without groups (for bf16 at 8 keys the kernel itself compiles in about a second).
+_jit.register(_FILE, [f"router_fwd<{c}, 32, false, {s}>" for c in _jit.CTYPES.values() for s in range(7)]
+              + [f"router_fwd_reg<{c}, {v}, false, false, {s}>" for c in ("float", "__nv_bfloat16")
+                 for v in _REG_V if v != 8 or c == "float" for s in range(7)], quick=True)
 
 __all__ = ["topk_with_score", "topk_with_score_backward", "topk_indices_with_score", "scores_for_aux_loss",
            "scores_for_aux_loss_backward", "aux_loss", "aux_loss_backward"]
@@ -248,7 +254,19 @@ def _cmax_word(E, K, G, g, ch, vec, team):
     return cap | (L << 16)
 
 
-def _fwd_cfg(dtype, E, K, G, g, vec, device_id):
+def _score_case(score_fn, aux, has_bias):
+    """The score case of the router kernels' with_score_fn: 0 softmax; 1, 2, 3 sigmoid with aux, bias,
+    plain; 4, 5, 6 the same for sqrtsoftplus."""
+    if score_fn == SCORE_FUNCTIONS["softmax"]:
+        return 0
+    base = 1 if score_fn == SCORE_FUNCTIONS["sigmoid"] else 4
+    return base + (0 if aux else 1 if has_bias else 2)
+
+
+def _fwd_cfg(dtype, E, K, G, g, vec, device_id, case):
+    """(kernel, threads, slots a block, shared memory, resident blocks, tokens a warp, gcm), and whether it
+    is final: False while the kernel is compiling in the background and a quick kernel for score ``case``
+    stands in (its configuration is the same but for the function)."""
     ch = 16 // dtype.itemsize
     v = _reg_v(E, ch, vec, dtype)
     if v:
@@ -260,8 +278,10 @@ def _fwd_cfg(dtype, E, K, G, g, vec, device_id):
         # alone (LANESEL; _FWD_VARIANT = "nolanesel" keeps the kernel with every path: a test variant).
         ng = v == 8 and not G and (dtype.itemsize == 2 or _FWD_VARIANT == "f32nogroups")
         ls = v == 8 and K <= 8 and _lane_groups(E, K, G, g, ch) and _FWD_VARIANT != "nolanesel"
-        fn = _jit.function(_FILE, f"router_fwd_reg<{_jit.ctype(dtype)}, {v}"
-                                  f"{', false' if ng else ''}{', true, true' if ls else ''}>")
+        quick = (f"router_fwd_reg<{_jit.ctype(dtype)}, {v}, false, false, {case}>"
+                 if not G and not (ng and v == 8) and (dtype.itemsize == 4 or v != 8) else None)
+        fn, final = _jit.function_tiered(_FILE, f"router_fwd_reg<{_jit.ctype(dtype)}, {v}"
+                                                f"{', false' if ng else ''}{', true, true' if ls else ''}>", quick)
         spb, threads = 4, 128
         smem = 4 * _reg_slot_words(E, G, K, ls) * spb
         tpw = _fwd_tpw(dtype, v, ls)
@@ -269,7 +289,9 @@ def _fwd_cfg(dtype, E, K, G, g, vec, device_id):
     else:
         team = _team(E, fwd=True)
         # one warp without groups: a kernel compiled without the group-limited selection
-        fn = _jit.function(_FILE, f"router_fwd<{_jit.ctype(dtype)}, {team}{'' if G or team != 32 else ', false'}>")
+        ng = not G and team == 32
+        fn, final = _jit.function_tiered(_FILE, f"router_fwd<{_jit.ctype(dtype)}, {team}{', false' if ng else ''}>",
+                                         f"router_fwd<{_jit.ctype(dtype)}, 32, false, {case}>" if ng else None)
         spb = 4 if team == 32 else 1
         smem = 4 * _slot_words(E, G, K, team) * spb
         threads = team * spb
@@ -277,7 +299,7 @@ def _fwd_cfg(dtype, E, K, G, g, vec, device_id):
         gcm = _cmax_word(E, K, G, g, ch, vec, team)
     regs = getattr(fn, "num_regs", 0)
     _jit.set_max_dynamic_shared(fn, smem)
-    return fn, threads, spb, smem, _grid(1 << 30, threads, smem, device_id, regs), tpw, gcm
+    return (fn, threads, spb, smem, _grid(1 << 30, threads, smem, device_id, regs), tpw, gcm), final
 
 
 def _launch_fwd(call, x, T, E, K, score_fn, pre, aux, G, g, scale, bias, probs, scores, rmap, inter,
@@ -287,9 +309,14 @@ def _launch_fwd(call, x, T, E, K, score_fn, pre, aux, G, g, scale, bias, probs, 
     key = (x.dtype, E, K, G, g, vec, call.device_id, _FWD_VARIANT, _TEAM_VARIANT, _TPW_VARIANT)
     cfg = _fwd_cfgs.get(key)
     if cfg is None:
-        if len(_fwd_cfgs) > 512:
-            _fwd_cfgs.clear()
-        cfg = _fwd_cfgs[key] = _fwd_cfg(x.dtype, E, K, G, g, vec, call.device_id)
+        cfg, final = _fwd_cfg(x.dtype, E, K, G, g, vec, call.device_id,
+                              _score_case(score_fn, aux, bias is not None))
+        if final:
+            if len(_fwd_cfgs) > 512:
+                _fwd_cfgs.clear()
+            _fwd_cfgs[key] = cfg
+        else:
+            _arrays.not_recordable_yet()  # a recording of this call would keep the quick kernel
     fn, threads, spb, smem, resident, tpw, gcm = cfg
     grid = _tpw_grid(T, spb, tpw, resident)
     n = E // G if G else 1

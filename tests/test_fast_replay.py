@@ -91,6 +91,7 @@ def fake_device(monkeypatch, request):
         drv = _Driver()
     fns = {}
     monkeypatch.setattr(_jit, "function", lambda file, name: fns.setdefault((file, name), _Fn(name)))
+    monkeypatch.setattr(_jit, "function_tiered", lambda file, name, quick: (_jit.function(file, name), True))
     monkeypatch.setattr(_jit, "device_properties",
                         lambda dev: {"name": "fake", "sm_count": 132, "smem_per_block_optin": 227 * 1024,
                                      "smem_per_sm": 228 * 1024, "l2_bytes": 50 << 20, "cc": (9, 0),
@@ -798,3 +799,41 @@ def test_gpu_torch_make_plan_replay_gives_views_of_one_buffer(rng):
             assert t.is_cuda and t.untyped_storage().data_ptr() == base, k
             np.testing.assert_array_equal(t.cpu().numpy(), getattr(ref, k), err_msg=k)
     assert any(v is not _fast._SLOW for v in P.make_plan.recipes.values())
+
+
+def test_a_call_running_a_quick_kernel_is_not_recorded(fake_device, monkeypatch):
+    """While a quick kernel stands in for the router kernel (its compile still running in the background), calls
+    run the ordinary way and nothing is recorded; the first call after the kernel is ready is recorded, and
+    its replays launch that kernel, not the quick one."""
+    ready = {"main": False}
+
+    def tiered(file, name, quick):
+        if quick is not None and not ready["main"]:
+            return _jit.function(file, quick), False
+        return _jit.function(file, name), True
+
+    monkeypatch.setattr(_jit, "function_tiered", tiered)
+    monkeypatch.setattr(R, "_fwd_cfgs", {})
+    mem = _Mem()
+    T, E, K = 83, 64, 8
+    x = mem((T, E), F32)
+    outs = [mem((T, E), F32), mem((T, E), np.bool_), mem((T, E), F32)]
+    op = R.topk_with_score
+    quick = _jit.function("router.cu", "router_fwd_reg<float, 8, false, false, 0>").ptr
+    main = _jit.function("router.cu", "router_fwd_reg<float, 8>").ptr
+
+    def call():
+        fake_device.calls.clear()
+        with _arrays.serving(list(outs), STREAM):
+            op(x, K)
+        return [c[0] for c in fake_device.calls]
+
+    op.recipes.clear()  # this signature may be recorded by the other fake driver's run
+    before = dict(op.recipes)
+    assert call() == [quick] and call() == [quick]
+    assert op.recipes == before  # not recorded, and not remembered as unrecordable either
+    ready["main"] = True
+    assert call() == [main]
+    new = [r for k, r in op.recipes.items() if k not in before]
+    assert len(new) == 1 and new[0] is not _fast._SLOW
+    assert call() == [main]  # the replay

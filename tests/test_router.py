@@ -488,6 +488,54 @@ def test_gpu_topk_vs_reference(rng, case):
     assert (p2.get().view(np.uint8) == probs.view(np.uint8)).all()
 
 
+QUICK_CASES = [(E, dt, score, bias, pre, aux) for E in (256, 520, 1000, 2304) for dt in (F32, BF16)
+               for score, bias, pre, aux in (("softmax", False, False, False), ("softmax", False, True, False),
+                                             ("sigmoid", False, False, False), ("sigmoid", True, False, False),
+                                             ("sqrtsoftplus", True, False, False), ("sqrtsoftplus", False, False, False),
+                                             ("sigmoid", False, False, True), ("softmax", False, False, True),
+                                             ("sqrtsoftplus", False, False, True))]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", QUICK_CASES, ids=lambda c: f"E{c[0]}-{np.dtype(c[1]).name}-{c[2]}"
+                         f"{'-b' if c[3] else ''}{'-pre' if c[4] else ''}{'-aux' if c[5] else ''}")
+def test_gpu_quick_kernels_give_the_same_bits(rng, monkeypatch, case):
+    """A quick kernel (standing in on a first call while the router kernel compiles: moe_rt._jit.function_tiered)
+    writes the bits the kernel it stands in for writes, on every output."""
+    import cupy as cp
+
+    from moe_rt import _jit
+
+    E, dtype, score, bias, pre, aux = case
+    x = cp.asarray(_tie_free(rng, 1031, E, dtype))
+    b = cp.asarray((rng.permutation(E) * (0.5 / E)).astype(F32)) if bias else None
+    used = []
+
+    def run(quick):
+        def tiered(file, name, q):
+            used.append(q if quick and q is not None else name)
+            return _jit.function(file, used[-1]), not (quick and q is not None)
+
+        monkeypatch.setattr(_jit, "function_tiered", tiered)
+        monkeypatch.setattr(R, "_fwd_cfgs", {})
+        if aux:
+            out = R.scores_for_aux_loss(x, 8, score)
+        else:
+            out = R.topk_with_score(x, 8, score_function=score, use_pre_softmax=pre, expert_bias=b)
+        out = out + R.topk_indices_with_score(x, 8, score_function=score, use_pre_softmax=pre, expert_bias=b) \
+            if not aux else out
+        return [o.get() for o in out]
+
+    want, got = run(False), run(True)
+    quick = [n for n in used[len(used) // 2:] if (R._FILE, n) in _jit.QUICK]
+    if E <= 1024 and dtype == BF16 and E // 8 <= 32:
+        pass  # bf16 at 8 keys a lane runs the kernel compiled without groups, which has no quick kernel
+    else:
+        assert quick, used
+    for w, g in zip(want, got):
+        assert (np.ascontiguousarray(w).view(np.uint8) == np.ascontiguousarray(g).view(np.uint8)).all(), used
+
+
 AUX_CASES = [(0, 256, 8, F32, "softmax"), (1, 8, 1, F32, "sigmoid"), (4099, 256, 8, F32, "sigmoid"),
              (4099, 256, 8, BF16, "softmax"), (7, 130, 36, F32, "sqrtsoftplus"), (4099, 2304, 36, BF16, "sigmoid"),
              (7, 16384, 64, F32, "softmax"), (7, 16384, 8, BF16, "sqrtsoftplus")]
