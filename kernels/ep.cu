@@ -204,12 +204,12 @@ __global__ void ep_pack_rows(const U* __restrict__ x, U* __restrict__ send_buf, 
   }
 }
 
-// The owner's fixed-order sum, shared by both transports (so their results are bitwise equal):
+// The owner's fixed-order sum of the NCCL path (ep_direct_combine's second phase sums in the same order
+// with the same rounding, so the transports' results are bitwise equal):
 // out[t] = sum over ranks r ascending of the partial row of (t, r), accumulated in fp32 from 0 and rounded
 // once; pos = send_pos[r][t] (-1: not sent to r, contributes nothing), the partial at row src.base(r) + pos
 // of src.row(r, ...). With grad_w: grad_w[t][k] = the weight partial of slot k taken from the rank of its
-// expert (src.wrow). `src` names where the rows are (NcclOwnerRows: the returned rows and the own ones;
-// PeerOwnerRows: every rank's IPC stage).
+// expert (src.wrow). `src` names where the rows are (NcclOwnerRows: the returned rows and the own ones).
 template <typename T, bool VEC, typename Src>
 __device__ __forceinline__ void owner_sum_body(const Src& src, T* __restrict__ out, float* __restrict__ grad_w,
                                                const int* __restrict__ send_pos,
@@ -477,47 +477,6 @@ extern "C" __global__ void ep_direct_barrier(const long long* __restrict__ peer_
 }
 #endif
 
-// Push rows to their destinations' receive stages (blockIdx.y = destination d, the own share included):
-// for each kept position j of the (me, d) pair, x[send_tok[d][j]] is read once and stored into rank d's
-// stage row me*P + j; with w, its K fp32 weights into rank d's weight stage row me*P + j. U is the copy
-// unit (16 bytes when rows and pointers allow), `units` units per row, UNROLL units per thread in flight.
-// Each block ends with a system fence (the following barrier publishes the rows).
-template <typename U, int UNROLL>
-__global__ void ep_direct_push(const U* __restrict__ x, const float* __restrict__ w,
-                               const long long* __restrict__ peer_rows, const long long* __restrict__ peer_w,
-                               const int* __restrict__ send_tok, const int* __restrict__ meta,
-                               const unsigned* __restrict__ state, int R, int me, int P, int K, i64 units) {
-  if (state[1]) return;
-  const int dst = blockIdx.y;
-  int count = meta[META_SEND_COUNTS(R) + dst];
-  count = count < P ? count : P;
-  U* out = reinterpret_cast<U*>(peer_rows[dst]);
-  float* out_w = w != nullptr ? reinterpret_cast<float*>(peer_w[dst]) : nullptr;
-  for (int pos = blockIdx.x; pos < count; pos += gridDim.x) {
-    const i64 t = send_tok[(i64)dst * P + pos];
-    const i64 row = (i64)me * P + pos;
-    const U* src = x + t * units;
-    U* d = out + row * units;
-    for (i64 i0 = threadIdx.x; i0 < units; i0 += (i64)blockDim.x * UNROLL) {
-      U v[UNROLL];
-#pragma unroll
-      for (int j = 0; j < UNROLL; ++j) {
-        const i64 i = i0 + (i64)j * blockDim.x;
-        if (i < units) v[j] = src[i];
-      }
-#pragma unroll
-      for (int j = 0; j < UNROLL; ++j) {
-        const i64 i = i0 + (i64)j * blockDim.x;
-        if (i < units) d[i] = v[j];
-      }
-    }
-    if (out_w != nullptr) {
-      for (int k = threadIdx.x; k < K; k += blockDim.x) out_w[row * K + k] = w[t * K + k];
-    }
-  }
-  __threadfence_system();
-}
-
 // map[r] = s*P + (r - recv_off[s]) for received row r (recv_off[s] <= r < recv_off[s+1]): the stage row
 // of each row of the handle's received-row layout (the identity in capacity mode, where recv_off[s] = s*P).
 #if MOE_RT_WANTS(ep_direct_row_map)
@@ -548,29 +507,368 @@ __global__ void ep_copy_rows(const U* __restrict__ src, const int* __restrict__ 
   }
 }
 
-// The direct path's rows for owner_sum_body: every rank r's partial of (t, me) sits in r's stage at row
-// me*P + pos (its weight partials likewise in r's weight stage).
-template <typename T>
-struct PeerOwnerRows {
-  const long long* peer_rows;
-  const long long* peer_w;
-  i64 base_me;
-  __device__ __forceinline__ i64 base(int) const { return base_me; }
-  __device__ __forceinline__ const T* row(int r, i64 row, i64 H) const {
-    return reinterpret_cast<const T*>(peer_rows[r]) + row * H;
-  }
-  __device__ __forceinline__ const float* wrow(int r, i64 row, int K) const {
-    return reinterpret_cast<const float*>(peer_w[r]) + row * K;
-  }
-};
+// ---- The direct transport's fused kernels: chunk flags instead of a closing barrier --------------------
+// Every rank holds flags (uint32 [R*P], IPC-shared): flags[s*P + c] = the epoch of the last op in which rank s
+// finished chunk c (positions [c*C, c*C + C) of its pair with this rank) of its writes into this rank's stages.
+// A writer block stores a chunk's rows, then (after the block barrier) one system-scope release of the flag
+// in the reader's memory; a reader block acquires the flag before reading the rows, so rows are consumed as
+// their chunks land while other chunks are still on the wire. The op's leading ep_direct_barrier advanced
+// the epoch e (state[0]), so flags never need resetting and CUDA-graph replays stay valid. The grid is at most
+// one resident wave and every block does all of its writes before it waits on anything (a dispatch block
+// only polls, without waiting, until its writes are done), so no block waits on a block that cannot run.
+// A wait longer than timeout_ns records `op` in the error word, raises the sticky failure flag (state[1])
+// and ends the kernel; every later kernel of the transport then does nothing.
 
-// Owner side of combine / dispatch_bwd on the direct path: pulls every rank's partial rows straight from
-// its stage (after the barrier that published them); the same order and rounding as ep_owner_sum.
+__device__ __forceinline__ bool flag_reached(const unsigned* f, unsigned e) {
+  return (int)(ld_acquire_sys_u32(f) - e) >= 0;
+}
+
+// One thread waits until *f reaches e. False after a timeout (recorded: op in the error word, the failure
+// flag raised) or a failure another block recorded.
+__device__ __noinline__ bool thread_wait_flag(const unsigned* f, unsigned e, unsigned* state, int* err_word,
+                                              i64 timeout_ns, int op) {
+  if (flag_reached(f, e)) return true;
+  const unsigned long long t0 = global_timer_ns();
+  while (!flag_reached(f, e)) {
+    if (*reinterpret_cast<volatile unsigned*>(state + 1)) return false;
+    if (global_timer_ns() - t0 > (unsigned long long)timeout_ns) {
+      atomicExch(state + 1, 1u);
+      *reinterpret_cast<volatile int*>(err_word) = op;
+      __threadfence_system();
+      return false;
+    }
+    __nanosleep(100);
+  }
+  return true;
+}
+
+// Thread 0 waits until *f reaches e; the block learns the outcome (thread_wait_flag's).
+__device__ __forceinline__ bool block_wait_flag(const unsigned* f, unsigned e, unsigned* state, int* err_word,
+                                                i64 timeout_ns, int op) {
+  __shared__ int s_ok;
+  __syncthreads();
+  if (threadIdx.x == 0) s_ok = thread_wait_flag(f, e, state, err_word, timeout_ns, op) ? 1 : 0;
+  __syncthreads();
+  return s_ok != 0;
+}
+
+// Whether *f has reached e (thread 0 looks once; the block learns it).
+__device__ __forceinline__ bool block_poll_flag(const unsigned* f, unsigned e) {
+  __shared__ int s_ready;
+  __syncthreads();
+  if (threadIdx.x == 0) s_ready = flag_reached(f, e) ? 1 : 0;
+  __syncthreads();
+  return s_ready != 0;
+}
+
+// The op's epoch (state[0], advanced by its leading barrier) for the block; false when an earlier barrier or
+// wait failed (state[1]): the kernel then does nothing.
+__device__ __forceinline__ bool block_epoch(const unsigned* state, unsigned& e) {
+  __shared__ unsigned s_e;
+  __shared__ int s_failed;
+  if (threadIdx.x == 0) {
+    s_e = state[0];
+    s_failed = (int)state[1];
+  }
+  __syncthreads();
+  e = s_e;
+  return s_failed == 0;
+}
+
+// After the block's writes of a chunk: publish them by setting *f (in the reader's memory) to e.
+__device__ __forceinline__ void block_signal(unsigned* f, unsigned e) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    st_release_sys_u32(f, e);
+  }
+}
+
+// One warp copies a row of `units` U: dst[i] = src[i] (src read with ld.global.cg when `fresh`: it may have
+// been written by a peer during this kernel).
+template <typename U, int UNROLL>
+__device__ __forceinline__ void warp_copy_row(const U* __restrict__ src, U* __restrict__ dst, i64 units, int lane) {
+  for (i64 i0 = lane; i0 < units; i0 += 32 * UNROLL) {
+    U v[UNROLL];
+#pragma unroll
+    for (int j = 0; j < UNROLL; ++j) {
+      const i64 i = i0 + 32 * j;
+      if (i < units) v[j] = __ldg(src + i);
+    }
+#pragma unroll
+    for (int j = 0; j < UNROLL; ++j) {
+      const i64 i = i0 + 32 * j;
+      if (i < units) dst[i] = v[j];
+    }
+  }
+}
+
+// One warp writes a row to the expert-major rows out[drow[k]] (k < K, drow[k] >= 0), reading it once.
+template <typename U, int UNROLL, bool FRESH>
+__device__ __forceinline__ void warp_expand_row(const U* __restrict__ src, U* __restrict__ out,
+                                                const int* __restrict__ drow, int K, i64 units, int lane) {
+  for (i64 i0 = lane; i0 < units; i0 += 32 * UNROLL) {
+    U v[UNROLL];
+#pragma unroll
+    for (int j = 0; j < UNROLL; ++j) {
+      const i64 i = i0 + 32 * j;
+      if (i < units) v[j] = FRESH ? __ldcg(src + i) : __ldg(src + i);
+    }
+    for (int k = 0; k < K; ++k) {
+      const int d = __ldg(drow + k);
+      if (d < 0) continue;
+      U* o = out + (i64)d * units;
+#pragma unroll
+      for (int j = 0; j < UNROLL; ++j) {
+        const i64 i = i0 + 32 * j;
+        if (i < units) __stcs(o + i, v[j]);
+      }
+    }
+  }
+}
+
+// The dispatch direction in one kernel. Push items (chunk c of the pair (me, d), d != me; chunk-major): x's
+// rows x[send_tok[d][j]] into rank d's stage rows me*P + j (weights w [T,K] into its weight stage), then
+// rank d's flag me*P + c. Expand items: first the own share (chunks of the pair (me, me), read straight
+// from x: the own rows never go through a stage; their weights go to the own weight stage), then the
+// chunks of each source s != me (chunk-major), each after its flag: stage row s*P + j -> out[dst_row[r][k]]
+// with r = recv_off[s] + j the row's place in the handle's received-row layout. out == nullptr: the own rows
+// are copied into the own stage and the other chunks only waited for (the caller reads the stage). A block alternates: one push item,
+// then one expand item if it is ready; once its pushes are done it waits for its remaining expand items.
+// One warp per row; blockDim.x a multiple of 32.
+template <typename U, int UNROLL>
+__global__ void __launch_bounds__(512) ep_direct_dispatch(
+    const U* __restrict__ x, const float* __restrict__ w, const long long* __restrict__ peer_rows,
+    const long long* __restrict__ peer_w, const long long* __restrict__ peer_flags,
+    const int* __restrict__ send_tok, const int* __restrict__ meta, const int* __restrict__ dst_row,
+    U* __restrict__ out, unsigned* __restrict__ state, int* __restrict__ err_word, i64 timeout_ns, int op,
+    int R, int me, int P, int K, int C, i64 units) {
+  unsigned e;
+  if (!block_epoch(state, e)) return;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  const int* send_counts = meta + META_SEND_COUNTS(R);
+  const int* recv_counts = meta + META_RECV_COUNTS(R);
+  const int* recv_off = meta + META_RECV_OFF(R);
+  int smax = 0, rmax = 0;  // the longest remote pair out and in (rows kept)
+  for (int r = 0; r < R; ++r) {
+    if (r == me) continue;
+    smax = max(smax, min(send_counts[r], P));
+    rmax = max(rmax, min(recv_counts[r], P));
+  }
+  const int Rm = R - 1;
+  const int own = min(send_counts[me], P);
+  const int n_push = (smax + C - 1) / C * Rm;
+  const int n_own = (own + C - 1) / C;
+  const int n_exp = n_own + (rmax + C - 1) / C * Rm;
+  const U* stage = reinterpret_cast<const U*>(peer_rows[me]);
+  const unsigned* my_flags = reinterpret_cast<const unsigned*>(peer_flags[me]);
+  float* own_w = w != nullptr ? reinterpret_cast<float*>(peer_w[me]) : nullptr;
+
+  auto push = [&](int item) {
+    const int c = item / Rm, di = item - c * Rm, d = di < me ? di : di + 1;
+    const int kept = min(send_counts[d], P), lo = c * C, hi = min(lo + C, kept);
+    if (lo >= hi) return;
+    U* dst = reinterpret_cast<U*>(peer_rows[d]);
+    float* dw = w != nullptr ? reinterpret_cast<float*>(peer_w[d]) : nullptr;
+    for (int j = lo + warp; j < hi; j += nw) {
+      const i64 t = send_tok[(i64)d * P + j];
+      const i64 row = (i64)me * P + j;
+      warp_copy_row<U, UNROLL>(x + t * units, dst + row * units, units, lane);
+      if (dw != nullptr)
+        for (int k = lane; k < K; k += 32) dw[row * K + k] = w[t * K + k];
+    }
+    block_signal(reinterpret_cast<unsigned*>(peer_flags[d]) + (i64)me * P + c, e);
+  };
+  // expand item -> (source, chunk); a remote chunk with no rows needs no flag
+  auto exp_src = [&](int item, int& s, int& c) {
+    if (item < n_own) {
+      s = me;
+      c = item;
+    } else {
+      const int q = item - n_own;
+      c = q / Rm;
+      const int si = q - c * Rm;
+      s = si < me ? si : si + 1;
+    }
+  };
+  auto expand = [&](int s, int c) {
+    const int kept = min(recv_counts[s], P), lo = c * C, hi = min(lo + C, kept);
+    for (int j = lo + warp; j < hi; j += nw) {
+      const i64 r = (i64)recv_off[s] + j;
+      if (s == me) {
+        const i64 t = send_tok[(i64)me * P + j];
+        if (out != nullptr)
+          warp_expand_row<U, UNROLL, false>(x + t * units, out, dst_row + r * K, K, units, lane);
+        else  // the caller reads the stage: the own rows go there too
+          warp_copy_row<U, UNROLL>(x + t * units, const_cast<U*>(stage) + ((i64)me * P + j) * units, units, lane);
+        if (own_w != nullptr)
+          for (int k = lane; k < K; k += 32) own_w[((i64)me * P + j) * K + k] = w[t * K + k];
+      } else if (out != nullptr) {
+        warp_expand_row<U, UNROLL, true>(stage + ((i64)s * P + j) * units, out, dst_row + r * K, K, units, lane);
+      }
+    }
+  };
+  auto has_rows = [&](int s, int c) { return c * C < min(recv_counts[s], P); };
+
+  int pi = blockIdx.x, ei = blockIdx.x;
+  while (pi < n_push) {
+    push(pi);
+    pi += gridDim.x;
+    if (ei < n_exp) {
+      int s, c;
+      exp_src(ei, s, c);
+      if (s == me || !has_rows(s, c) || block_poll_flag(my_flags + (i64)s * P + c, e)) {
+        expand(s, c);
+        ei += gridDim.x;
+      }
+    }
+  }
+  for (; ei < n_exp; ei += gridDim.x) {
+    int s, c;
+    exp_src(ei, s, c);
+    if (s != me && has_rows(s, c) && !block_wait_flag(my_flags + (i64)s * P + c, e, state, err_word, timeout_ns, op))
+      return;
+    expand(s, c);
+  }
+}
+
+// p[0, N) = the fp32 values a rounded to T (one 16-byte store when VEC, N = Vec<T>::N; else N = 1).
 template <typename T, bool VEC>
-__global__ void ep_direct_owner_sum(const long long* __restrict__ peer_rows, const long long* __restrict__ peer_w,
-                                    T* __restrict__ out, float* __restrict__ grad_w,
-                                    const int* __restrict__ send_pos, const int* __restrict__ routing_me,
-                                    int R, int me, int P, int Tmax, int K, int L, int Tn, i64 H) {
-  const PeerOwnerRows<T> src{peer_rows, peer_w, (i64)me * P};
-  owner_sum_body<T, VEC>(src, out, grad_w, send_pos, routing_me, R, Tmax, K, L, Tn, H);
+__device__ __forceinline__ void store_rounded(T* p, const float* a) {
+  if constexpr (VEC) {
+    Vec<T> res;
+#pragma unroll
+    for (int q = 0; q < Vec<T>::N; ++q) res.v[q] = from_float<T>(a[q]);
+    store_vec(p, res);
+  } else {
+    p[0] = from_float<T>(a[0]);
+  }
+}
+
+// The combine direction in one kernel. Phase 1 (every pair, the own one too; chunk-major): for each received
+// row r = recv_off[s] + j of chunk c of the pair (s, me), the partial z = sum_k wk * y[dst_row[r][k]] (k
+// ascending, fp32 fused multiply-adds from 0, wk = w[r][k] or 1: the arithmetic of the permutation family's
+// combine) rounded to T, stored into rank s's stage row me*P + j (zw's K weight partials [rows,K] into its
+// weight stage), then rank s's flag me*P + c. Phase 2 (after a block's phase-1 items): tokens t < Tn in groups
+// of one per warp: out[t] = the fp32 sum over ranks q ascending of stage row q*P + send_pos[q][t] (each after
+// its chunk's flag), rounded once (ep_owner_sum's order); grad_w[t][k] from the weight stage row of the
+// rank of slot k's expert. One warp per row or token.
+template <typename T, bool VEC>
+__global__ void __launch_bounds__(512) ep_direct_combine(
+    const T* __restrict__ y, const float* __restrict__ w, const float* __restrict__ zw,
+    const long long* __restrict__ peer_rows, const long long* __restrict__ peer_w,
+    const long long* __restrict__ peer_flags, const int* __restrict__ dst_row, const int* __restrict__ send_pos,
+    const int* __restrict__ routing_me, const int* __restrict__ meta, T* __restrict__ out,
+    float* __restrict__ grad_w, unsigned* __restrict__ state, int* __restrict__ err_word, i64 timeout_ns,
+    int op, int R, int me, int P, int K, int L, int Tmax, int Tn, int C, i64 H) {
+  __shared__ int s_fail;
+  __shared__ int s_pos[16][32];  // per warp: send_pos of its token for each rank (R <= 32)
+  unsigned e;
+  if (!block_epoch(state, e)) return;
+  if (threadIdx.x == 0) s_fail = 0;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  const int* recv_counts = meta + META_RECV_COUNTS(R);
+  const int* recv_off = meta + META_RECV_OFF(R);
+  int rmax = 0;
+  for (int s = 0; s < R; ++s) rmax = max(rmax, min(recv_counts[s], P));
+  const int n_red = (rmax + C - 1) / C * R;
+  constexpr int N = VEC ? Vec<T>::N : 1;
+  const i64 nv = H / N;
+
+  for (int item = blockIdx.x; item < n_red; item += gridDim.x) {
+    const int c = item / R, s = item - c * R;
+    const int kept = min(recv_counts[s], P), lo = c * C, hi = min(lo + C, kept);
+    if (lo >= hi) continue;
+    T* dst = reinterpret_cast<T*>(peer_rows[s]);
+    float* dw = zw != nullptr ? reinterpret_cast<float*>(peer_w[s]) : nullptr;
+    for (int j = lo + warp; j < hi; j += nw) {
+      const i64 r = (i64)recv_off[s] + j;
+      const i64 row = (i64)me * P + j;
+      const int* drow = dst_row + r * K;
+      T* o = dst + row * H;
+      for (i64 v = lane; v < nv; v += 32) {
+        float acc[N];
+#pragma unroll
+        for (int q = 0; q < N; ++q) acc[q] = 0.0f;
+        for (int k = 0; k < K; ++k) {
+          const int d = __ldg(drow + k);
+          if (d < 0) continue;
+          const float wk = w != nullptr ? __ldg(w + r * K + k) : 1.0f;
+          if constexpr (VEC) {
+            const Vec<T> a = load_vec(y + (i64)d * H + v * N);
+#pragma unroll
+            for (int q = 0; q < N; ++q) acc[q] = fmaf(wk, to_float(a.v[q]), acc[q]);
+          } else {
+            acc[0] = fmaf(wk, to_float(y[(i64)d * H + v]), acc[0]);
+          }
+        }
+        store_rounded<T, VEC>(o + v * N, acc);
+      }
+      if (dw != nullptr)
+        for (int k = lane; k < K; k += 32) dw[row * K + k] = zw[r * K + k];
+    }
+    block_signal(reinterpret_cast<unsigned*>(peer_flags[s]) + (i64)me * P + c, e);
+  }
+
+  const T* stage = reinterpret_cast<const T*>(peer_rows[me]);
+  const float* wstage = reinterpret_cast<const float*>(peer_w[me]);
+  const unsigned* my_flags = reinterpret_cast<const unsigned*>(peer_flags[me]);
+  const int n_tok = (Tn + nw - 1) / nw;
+  for (int item = blockIdx.x; item < n_tok; item += gridDim.x) {
+    const int t = item * nw + warp;
+    if (t < Tn && lane < R) s_pos[warp][lane] = send_pos[(i64)lane * Tmax + t];
+    __syncthreads();
+    if (threadIdx.x == 0) {  // every chunk this group of tokens reads (positions ascend with t: few distinct)
+      for (int q = 0; q < R; ++q) {
+        int last = -1;
+        for (int ww = 0; ww < nw && item * nw + ww < Tn; ++ww) {
+          const int pos = s_pos[ww][q];
+          if (pos < 0 || pos / C == last) continue;
+          last = pos / C;
+          if (!thread_wait_flag(my_flags + (i64)q * P + last, e, state, err_word, timeout_ns, op)) {
+            s_fail = 1;
+            break;
+          }
+        }
+        if (s_fail) break;
+      }
+    }
+    __syncthreads();
+    if (s_fail) return;
+    if (t < Tn) {
+      T* o = out + (i64)t * H;
+      for (i64 v = lane; v < nv; v += 32) {
+        float acc[N];
+#pragma unroll
+        for (int q = 0; q < N; ++q) acc[q] = 0.0f;
+        for (int r = 0; r < R; ++r) {
+          const int pos = s_pos[warp][r];
+          if (pos < 0) continue;
+          const T* src = stage + ((i64)r * P + pos) * H;
+          if constexpr (VEC) {
+            Vec<T> a;
+            a.raw = __ldcg(reinterpret_cast<const uint4*>(src + v * N));
+#pragma unroll
+            for (int q = 0; q < N; ++q) acc[q] += to_float(a.v[q]);
+          } else {
+            acc[0] += to_float(__ldcg(src + v));
+          }
+        }
+        store_rounded<T, VEC>(o + v * N, acc);
+      }
+      if (grad_w != nullptr) {
+        for (int k = lane; k < K; k += 32) {
+          const int ex = routing_me[(i64)t * K + k];
+          float g = 0.0f;
+          if (ex >= 0) {
+            const int q = ex / L;
+            const int pos = s_pos[warp][q];
+            if (pos >= 0) g = __ldcg(wstage + ((i64)q * P + pos) * K + k);
+          }
+          grad_w[(i64)t * K + k] = g;
+        }
+      }
+    }
+    __syncthreads();  // s_pos is rewritten by the next item
+  }
 }

@@ -20,12 +20,17 @@ Buffers:
 - receive stages, made on the first op that needs them (a collective: every rank issues the ops of a
   group in the same order): ``R * P`` rows per rank (row ``(src s, pos j)`` at ``s*P + j``, ``P`` the
   pair capacity: ``max_tokens_per_rank`` in exact mode), one per row size, plus one fp32 weight stage
-  ``[R*P, K]``. The dispatch direction pushes rows into the destination's stage; the combine direction
-  writes each rank's partial rows into its own stage and the owner pulls them.
+  ``[R*P, K]``. Both directions push rows into the reader's stage: dispatch each sent row, combine each
+  received row's partial over the local experts, back into its owner's stage;
+- chunk flags: uint32 ``[R*P]`` per rank (flag ``s*P + c``: the epoch in which rank ``s`` finished chunk
+  ``c``, ``C`` consecutive positions of its pair with this rank, of its writes into this rank's stages),
+  made at group creation.
 
 One op: barrier (every rank has finished the previous op, so nobody still reads a stage about to be
-written) -> write rows -> barrier (every row has arrived) -> read locally (dispatch) or from the peers'
-stages (combine). The next op's leading barrier protects the stages from being overwritten early.
+written) -> one kernel (``ep_direct_dispatch`` / ``ep_direct_combine``) whose blocks write their chunks into
+the peers' stages, each chunk followed by its flag, and consume the chunks written to this rank as their
+flags arrive (expand into the expert-major rows; sum over ranks, in ascending rank order). The next op's
+leading barrier protects the stages from being overwritten early.
 
 Teardown (:meth:`DirectTransport.close`, called by ``EpGroup.close``; a collective): wait for the device,
 one last barrier (no peer still touches this rank's buffers; bounded by the timeout), close every IPC
@@ -48,11 +53,13 @@ _FILE = "ep.cu"
 _UNITS = {16: "uint4", 8: "uint2", 4: "unsigned", 2: "unsigned short", 1: "unsigned char"}
 _PUSH_UNROLL = 4
 _names = ["ep_direct_barrier", "ep_direct_row_map"]
-_names += [f"ep_direct_push<{u}, {_PUSH_UNROLL}>" for u in _UNITS.values()]
 _names += [f"ep_copy_rows<{u}>" for u in _UNITS.values()]
+_names += [f"ep_direct_dispatch<{u}, {_PUSH_UNROLL}>" for u in _UNITS.values()]
 for _c in _jit.CTYPES.values():
     for _v in ("true", "false"):
-        _names.append(f"ep_direct_owner_sum<{_c}, {_v}>")
+        _names.append(f"ep_direct_combine<{_c}, {_v}>")
+_THREADS = 512  # the fused kernels: one warp per row, 16 rows of a chunk at a time
+_MAX_CHUNK = 32  # rows a chunk flag covers, at most
 _jit.register(_FILE, _names)
 
 OPS = {1: "dispatch", 2: "combine", 3: "dispatch_bwd", 4: "combine_bwd", 5: "close"}
@@ -222,7 +229,7 @@ class DirectTransport:
         self._order = []
         self.closed = False
         self._err_ptr = 0
-        self.bar = None
+        self.bar = self.flags = None
         with cupy.cuda.Device(self.device):
             stream = cupy.cuda.get_current_stream()
             self._err_ptr = int(runtime.hostAlloc(64, runtime.hostAllocMapped))
@@ -232,6 +239,7 @@ class DirectTransport:
                 with stream:
                     self.state = cupy.zeros(2, np.uint32)
                 self.bar = _Shared(comm, 4 * self.R, stream, wait, zero=True)
+                self.flags = _Shared(comm, 4 * self.R * self.P, stream, wait, zero=True)
             except BaseException:
                 self.close()
                 raise
@@ -282,22 +290,65 @@ class DirectTransport:
                     (self.bar.table, np.int32(self.R), np.int32(self.me), self.state, np.int64(self.timeout_ns),
                      self._err_ptr, np.int32(OP_CODES[op])), stream=stream)
 
-    def push(self, call, h, x, w, rows_st, w_st):
-        """ep_direct_push: this rank's rows (and fp32 weights [T,K], or None) into every destination's
-        stages, at rows me*P + pos of each (me, dst) pair (the own share into the own stages)."""
+    def _grid(self, fn, call, work):
+        """Blocks of a fused kernel: at most one resident wave (its blocks wait on each other's peers), at
+        most ``work`` items."""
+        from moe_rt.permutation import _resident_ctas
+
+        return max(1, min(int(work), _resident_ctas(fn, _THREADS, call.device_id)))
+
+    def chunk_rows(self, h):
+        """Rows a chunk flag covers, the same on every rank (writers and readers index flags by it): from the
+        pair capacity P, about four push items per block of a wave of two blocks on each of 132 SMs when
+        the pairs are full, 1 to _MAX_CHUNK rows."""
+        P = h.sizes["P"]
+        return int(max(1, min(_MAX_CHUNK, -(-P * max(1, self.R - 1) // (4 * 2 * 132)))))
+
+    def dispatch(self, call, h, x, w, rows_st, w_st, out, op):
+        """ep_direct_dispatch (after the op's leading barrier): this rank's rows (and fp32 weights [T,K], or
+        None) pushed into the peers' stages chunk by chunk, and every received row expanded into ``out``
+        (the expert-major [N,H] rows, or None: only wait for every chunk) as its chunk lands; the own share
+        straight from x."""
         sz = h.sizes
         R, K, P, H = self.R, sz["K"], sz["P"], int(x.shape[1])
         rb = H * x.dtype.itemsize
-        if not sz["T"] or rb == 0:
+        if rb == 0:
             return
-        u = _unit(rb, x.data.ptr, *rows_st.ptrs)
-        units = rb // u
-        threads = int(min(512, max(32, -(-units // _PUSH_UNROLL // 32) * 32)))
-        gx = max(1, min(P, _jit.device_properties(call.device_id)["sm_count"] * 8 // R))
-        _jit.launch(_jit.function(_FILE, f"ep_direct_push<{_UNITS[u]}, {_PUSH_UNROLL}>"), (gx, R), threads,
-                    (x.data.ptr, w.data.ptr if w is not None else 0, rows_st.table, w_st.table,
-                     h.view("send_tok"), h.view("meta"), self.state, np.int32(R), np.int32(self.me), np.int32(P),
-                     np.int32(K), np.int64(units)), stream=call.stream)
+        ptrs = [x.data.ptr, *rows_st.ptrs] + ([out.data.ptr] if out is not None else [])
+        u = _unit(rb, *ptrs)
+        fn = _jit.function(_FILE, f"ep_direct_dispatch<{_UNITS[u]}, {_PUSH_UNROLL}>")
+        C = self.chunk_rows(h)
+        work = -(-P // C) * R
+        _jit.launch(fn, self._grid(fn, call, work), _THREADS,
+                    (x.data.ptr, w.data.ptr if w is not None else 0, rows_st.table, w_st.table, self.flags.table,
+                     h.view("send_tok"), h.view("meta"), h.view("dst_row"), out.data.ptr if out is not None else 0,
+                     self.state, self._err_ptr, np.int64(self.timeout_ns), np.int32(OP_CODES[op]), np.int32(R),
+                     np.int32(self.me), np.int32(P), np.int32(K), np.int32(C), np.int64(rb // u)),
+                    stream=call.stream)
+
+    def combine(self, call, h, y, w, zw, rows_st, w_st, T, want_w, op):
+        """ep_direct_combine (after the op's leading barrier): each received row's partial over its local
+        experts (weights w [rows,K] or none; weight partials zw [rows,K] or None) pushed into its owner's stage
+        chunk by chunk, then this rank's tokens summed over ranks from its own stage as the chunks land.
+        Returns ``(out [T,H] in y's dtype, grad_w [T,K] fp32 or None)``."""
+        xp = call.xp
+        sz = h.sizes
+        R, me, K, L, Tmax, P, H = self.R, self.me, sz["K"], sz["L"], sz["Tmax"], sz["P"], int(y.shape[1])
+        out = xp.empty((T, H), y.dtype)
+        gw = xp.empty((T, K), np.float32) if want_w else None
+        isz = y.dtype.itemsize
+        vec = (H * isz) % 16 == 0 and all(p % 16 == 0 for p in [y.data.ptr, out.data.ptr] + list(rows_st.ptrs))
+        fn = _jit.function(_FILE, f"ep_direct_combine<{_jit.ctype(y.dtype)}, {'true' if vec else 'false'}>")
+        C = self.chunk_rows(h)
+        work = max(-(-P // C) * R, -(-T // (_THREADS // 32)))
+        _jit.launch(fn, self._grid(fn, call, work), _THREADS,
+                    (y.data.ptr if y.size else 0, w if w is not None else 0, zw if zw is not None else 0,
+                     rows_st.table, w_st.table, self.flags.table, h.view("dst_row"), h.view("send_pos"),
+                     h.view("routing")[me * (Tmax * K + 1):], h.view("meta"), out, gw if gw is not None else 0,
+                     self.state, self._err_ptr, np.int64(self.timeout_ns), np.int32(OP_CODES[op]), np.int32(R),
+                     np.int32(me), np.int32(P), np.int32(K), np.int32(L), np.int32(Tmax), np.int32(T), np.int32(C),
+                     np.int64(H)), stream=call.stream)
+        return out, gw
 
     def copy_rows(self, call, src_ptr, src_map, dst_ptr, dst_map, rows, row_bytes, guarded=True):
         """ep_copy_rows: ``rows`` rows of ``row_bytes`` from src (row ``src_map[r]`` when a map is given) to dst
@@ -311,30 +362,6 @@ class DirectTransport:
         _jit.launch(_jit.function(_FILE, f"ep_copy_rows<{_UNITS[u]}>"), grid, threads,
                     (src_ptr, src_map if src_map is not None else 0, dst_ptr, dst_map if dst_map is not None else 0,
                      self.state if guarded else 0, np.int64(rows), np.int64(units)), stream=call.stream)
-
-    def owner_sum(self, call, h, rows_st, w_st, T, out_dtype, want_w):
-        """ep_direct_owner_sum: out [T,H] (and grad_w [T,K] fp32 when ``want_w``) from every rank's stage:
-        the sum over ranks in ascending order in fp32, rounded once (ep_owner_sum's code)."""
-        xp = call.xp
-        sz = h.sizes
-        R, me, K, L, Tmax, P = self.R, self.me, sz["K"], sz["L"], sz["Tmax"], sz["P"]
-        H = sz["H"]
-        out = xp.empty((T, H), out_dtype)
-        gw = xp.empty((T, K), np.float32) if want_w else None
-        if T:
-            isz = np.dtype(out_dtype).itemsize
-            vec = (H * isz) % 16 == 0 and all(p % 16 == 0 for p in [out.data.ptr] + list(rows_st.ptrs))
-            nper = 16 // isz if vec else 1
-            threads = int(min(512, max(32, -(-(H // nper) // 32) * 32)))
-            fn = _jit.function(_FILE, f"ep_direct_owner_sum<{_jit.ctype(out_dtype)}, {'true' if vec else 'false'}>")
-            _jit.set_max_dynamic_shared(fn, R * 8)
-            cap = _jit.device_properties(call.device_id)["sm_count"] * 8
-            _jit.launch(fn, max(1, min(T, cap)), threads,
-                        (rows_st.table, w_st.table, out, gw if gw is not None else 0, h.view("send_pos"),
-                         h.view("routing")[me * (Tmax * K + 1):], np.int32(R), np.int32(me), np.int32(P),
-                         np.int32(Tmax), np.int32(K), np.int32(L), np.int32(T), np.int64(H)),
-                        shared_mem=R * 8, stream=call.stream)
-        return out, gw
 
     def row_map(self, call, h):
         """int32 [rows]: the stage row (s*P + j) of each received row of the handle's layout."""
@@ -366,8 +393,8 @@ class DirectTransport:
                     stream.synchronize()
             finally:
                 self.closed = True
-                shared = [self._stages[k] for k in reversed(self._order)] + ([self.bar] if self.bar else [])
-                self._stages, self._order, self.bar = {}, [], None
+                shared = [self._stages[k] for k in reversed(self._order)] + [b for b in (self.flags, self.bar) if b]
+                self._stages, self._order, self.bar, self.flags = {}, [], None, None
                 for st in shared:  # every IPC mapping of the peers' buffers first
                     st.close_mappings()
                 for st in shared:  # then this rank's own allocations

@@ -817,18 +817,19 @@ class EpGroup:
         return out, gw
 
     # -- the direct transport ----------------------------------------------------------------------------
-    def _direct_forward(self, call, h, x, w, op):
+    def _direct_forward(self, call, h, x, w, op, out):
         """The dispatch direction on the direct transport: barrier (every rank finished the previous op) ->
-        push this rank's rows (and weights) into the destinations' stages -> barrier (every row arrived).
-        Returns ``(stage [R*P,H] view, row map or None)``: received row r sits at stage row ``map[r]``
-        (capacity mode: at r). The received weights are copied into the handle's recv_wk."""
+        one kernel pushing this rank's rows (and weights) into the destinations' stages chunk by chunk and
+        expanding each received chunk into ``out`` (expert-major [N,H]; None: only wait for every chunk) as
+        it lands. Returns ``(stage [R*P,H] view, row map or None)``: received row r sits at stage row
+        ``map[r]`` (capacity mode: at r; the own share is not in the stage unless ``out`` is None). The
+        received weights are copied into the handle's recv_wk."""
         d, s = self._direct, call.stream
         sz = h.sizes
         R, P, K, H = sz["R"], sz["P"], sz["K"], self.hidden
         rows_st, w_st = d.stages(H * x.dtype.itemsize, K, s, lambda st: self._wait(st, op))
         d.barrier(s, op)
-        d.push(call, h, x, w, rows_st, w_st)
-        d.barrier(s, op)
+        d.dispatch(call, h, x, w, rows_st, w_st, out, op)
         row_map = self._direct_row_map(call, h)
         if w is not None:
             d.copy_rows(call, w_st.local, row_map, h.view("recv_wk").data.ptr, None, sz["rows"], K * 4)
@@ -857,23 +858,18 @@ class EpGroup:
                                self.hidden * stage.dtype.itemsize)
         return buf
 
-    def _direct_backward(self, call, h, z, zw, T, out_dtype, want_w, op):
-        """The combine direction on the direct transport: barrier (every rank finished reading the stages
-        of the previous op) -> this rank's partial rows z [rows,H] (and zw [rows,K]) into its own stages at
-        their s*P + j rows -> barrier (every partial is in) -> the owner pulls and sums over ranks."""
+    def _direct_reduce(self, call, h, y, w, zw, want_w, op):
+        """The combine direction on the direct transport: barrier (every rank finished reading the stages of
+        the previous op) -> one kernel reducing each received row over this rank's experts (y [N,H]
+        expert-major, weights w [rows,K] or None; weight partials zw [rows,K] or None) straight into its
+        owner's stage chunk by chunk, and summing this rank's tokens over ranks as their chunks land.
+        Returns ``(out [T,H], grad_w [T,K] or None)``."""
         d, s = self._direct, call.stream
         sz = h.sizes
-        K, rows = sz["K"], sz["rows"]
-        rb = self.hidden * np.dtype(out_dtype).itemsize
-        rows_st, w_st = d.stages(rb, K, s, lambda st: self._wait(st, op))
-        row_map = self._direct_row_map(call, h)
-        d.barrier(s, op)
-        d.copy_rows(call, z.data.ptr, None, rows_st.local, row_map, rows, rb)
-        if zw is not None:
-            d.copy_rows(call, zw.data.ptr, None, w_st.local, row_map, rows, K * 4)
+        rows_st, w_st = d.stages(self.hidden * y.dtype.itemsize, sz["K"], s, lambda st: self._wait(st, op))
         d.barrier(s, op)
         self._last_stream = s
-        return d.owner_sum(call, h, rows_st, w_st, T, out_dtype, want_w)
+        return d.combine(call, h, y, w, zw, rows_st, w_st, sz["T"], want_w, op)
 
     # -- overlap helpers -------------------------------------------------------------------------------
     def _overlapped(self, h, itemsize):
@@ -974,9 +970,8 @@ class EpGroup:
                 N, xp = handle.sizes["N"], call.xp
                 rx = xp.empty((N, self.hidden), xv.dtype)
                 rw = None if wv is None else xp.empty(N, np.float32)
-                stage, row_map = self._direct_forward(call, handle, xv, wv, "dispatch")
+                self._direct_forward(call, handle, xv, wv, "dispatch", rx)
                 _fill_rows(call, handle, rx, rw, None if wv is None else _recv_wk(handle))
-                _expand_rows(call, handle, stage, rx, 0, handle.sizes["rows"], row_map)
             elif self._overlapped(handle, xv.dtype.itemsize):
                 N, xp = handle.sizes["N"], call.xp
                 rx = xp.empty((N, self.hidden), xv.dtype)
@@ -1022,8 +1017,7 @@ class EpGroup:
                 return call.out(_ref.combine([handle.state["ref"]], [yv], weighted=weighted)[0])
             pw = _recv_wk(handle) if weighted else None
             if self._direct is not None:
-                z = permutation.combine(yv, _plan_view(handle), pw, stream=call.stream)
-                out, _ = self._direct_backward(call, handle, z, None, handle.sizes["T"], yv.dtype, False, "combine")
+                out, _ = self._direct_reduce(call, handle, yv, pw, None, False, "combine")
                 return call.out(out)
             if self._overlapped(handle, yv.dtype.itemsize):
                 def produce(lo, hi):
@@ -1063,9 +1057,8 @@ class EpGroup:
                 gx, gwt = _ref.dispatch_bwd([handle.state["ref"]], [g], None if gw is None else [gw])[0]
                 return call.out(gx), (None if gwt is None else call.out(gwt))
             if self._direct is not None:
-                gz, gp = permutation.dispatch_backward(g, _plan_view(handle), gw, stream=call.stream)
-                out, gwt = self._direct_backward(call, handle, gz, gp, sz["T"], g.dtype, gw is not None,
-                                                 "dispatch_bwd")
+                gp = None if gw is None else _slot_values(call, handle, gw)
+                out, gwt = self._direct_reduce(call, handle, g, None, gp, gw is not None, "dispatch_bwd")
                 return call.out(out), (None if gwt is None else call.out(gwt))
             if self._overlapped(handle, g.dtype.itemsize):
                 gp = None if gw is None else _slot_values(call, handle, gw)
@@ -1115,16 +1108,16 @@ class EpGroup:
                                           weighted=weighted)[0]
                 return call.out(gy), (None if gw is None else call.out(gw))
             if self._direct is not None:
-                stage, row_map = self._direct_forward(call, handle, g, None, "combine_bwd")
                 if not weighted or yv is None:
                     N = sz["N"]
                     gy = call.xp.empty((N, self.hidden), g.dtype)
                     pp = call.xp.empty(N, np.float32) if weighted else None
+                    self._direct_forward(call, handle, g, None, "combine_bwd", gy)
                     _fill_rows(call, handle, gy, pp, _recv_wk(handle) if weighted else None)
-                    _expand_rows(call, handle, stage, gy, 0, sz["rows"], row_map)
                     if weighted:
                         _scale_rows(call, gy, pp)
                     return call.out(gy), None
+                stage, row_map = self._direct_forward(call, handle, g, None, "combine_bwd", None)
                 recv_buf = self._direct_recv_buf(call, handle, stage, row_map)
             elif self._overlapped(handle, g.dtype.itemsize) and (not weighted or yv is None):
                 # the dispatch direction: expand each part as it lands (the weights are the forward's)
