@@ -40,7 +40,9 @@ WORDS = 8  # MOE_RT_ERR_WORDS in include/moe_rt/common.cuh
 # Op families: the bit a kernel sets (MOE_RT_ERR_* in common.cuh) -> (the op, the argument its message names)
 MAKE_PLAN = 1
 EP_PREPARE = 2
-_FAMILIES = {MAKE_PLAN: ("make_plan", "routing"), EP_PREPARE: ("EpGroup.prepare", "topk_idx")}
+ROUTER_BWD = 4
+_FAMILIES = {MAKE_PLAN: ("make_plan", "routing"), EP_PREPARE: ("EpGroup.prepare", "topk_idx"),
+             ROUTER_BWD: ("topk_with_score_backward", "topk_indices")}
 
 _words: dict = {}  # device id -> address of its error word
 
