@@ -23,7 +23,9 @@
 // Every sum is done in a fixed order, so outputs are bitwise reproducible. Global traffic: logits read once,
 // each output written once with 16-byte vectors (the K nonzero probs are patched in after the zero fill,
 // while the lines are still in L2). The top-k backward reads, where its gradient is zero off the map,
-// only the map and the selected entries (router_bwd_sel, router_bwd_sel_reg).
+// only the map and the selected entries (router_bwd_sel, router_bwd_sel_reg). The row kernels' BITMAP flag
+// writes (forward) or reads (backward) the routing map bit-packed instead of one byte per expert; the same
+// selection and sums otherwise. router_bwd_idx: the backward from dense top-k indices (no map).
 #include "moe_rt/common.cuh"
 
 using namespace moe_rt;
