@@ -564,31 +564,27 @@ _TOPK_BWD_KW = (("score_function", "softmax"), ("use_pre_softmax", False), ("sca
 _TOPK_BWD_DEFAULT = dict(_TOPK_BWD_KW)
 
 
-def _topk_bwd_kw(kw):
-    return {k: kw.get(k, d) for k, d in _TOPK_BWD_KW} if kw else _TOPK_BWD_DEFAULT
-
-
-def _topk_backward(ctx, grad_probs):
-    grad_probs, routing, inter = _bwd_plain("topk_with_score", grad_probs.contiguous(), *ctx.saved_tensors)
-    topk, bkw, by_indices = ctx.args
-    if by_indices:
-        return _rt.topk_with_score_backward(grad_probs, None, inter, topk, topk_indices=routing, **bkw)
-    return _rt.topk_with_score_backward(grad_probs, routing, inter, topk, **bkw)
-
-
 class _TopkFn(torch.autograd.Function):
-    """Eager top-k: forward and backward straight to moe_rt."""
+    """Eager top-k: forward and backward straight to moe_rt. ``buf`` (a 4th input, optional): the caller's
+    ``topk_indices`` buffer, written in place and marked dirty (the routing output is that tensor)."""
 
     @staticmethod
-    def forward(logits, topk, kw):
-        return _rt.topk_with_score(logits, topk, **kw)
+    def forward(logits, topk, kw, buf=None):
+        if buf is None:
+            return _rt.topk_with_score(logits, topk, **kw)
+        return _rt.topk_with_score(logits, topk, topk_indices=buf, **kw)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        _, topk, kw = inputs
+        topk, kw = inputs[1], inputs[2]
         _, routing_map, inter = output
         ctx.set_materialize_grads(False)  # the map and the intermediate never get a gradient
-        ctx.args = (topk, _topk_bwd_kw(kw), kw is not None and kw.get("topk_indices_dtype") is not None)
+        buf = inputs[3] if len(inputs) > 3 else None
+        by_indices = buf is not None or (kw is not None and kw.get("topk_indices_dtype") is not None)
+        ctx.args = (topk, {k: kw.get(k, d) for k, d in _TOPK_BWD_KW} if kw else _TOPK_BWD_DEFAULT, by_indices,
+                    len(inputs))
+        if buf is not None:
+            ctx.mark_dirty(buf)
         ctx.mark_non_differentiable(routing_map, inter)
         ctx.save_for_backward(routing_map, inter)
 
@@ -597,40 +593,18 @@ class _TopkFn(torch.autograd.Function):
     @staticmethod
     @_once
     def backward(ctx, grad_probs, _grad_map, _grad_inter):
+        topk, bkw, by_indices, n_in = ctx.args
         if grad_probs is None:
-            return None, None, None
-        return _topk_backward(ctx, grad_probs), None, None
+            return (None,) * n_in
+        grad_probs, routing, inter = _bwd_plain("topk_with_score", grad_probs.contiguous(), *ctx.saved_tensors)
+        if by_indices:
+            g = _rt.topk_with_score_backward(grad_probs, None, inter, topk, topk_indices=routing, **bkw)
+        else:
+            g = _rt.topk_with_score_backward(grad_probs, routing, inter, topk, **bkw)
+        return (g,) + (None,) * (n_in - 1)
 
 
 _topk_apply = _c_apply(_TopkFn)
-
-
-class _TopkIntoFn(torch.autograd.Function):
-    """Eager top-k writing the dense indices into the caller's buffer (an input, marked dirty: the routing
-    output is that tensor)."""
-
-    @staticmethod
-    def forward(logits, topk, kw, buf):
-        return _rt.topk_with_score(logits, topk, topk_indices=buf, **kw)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _, topk, kw, buf = inputs
-        _, idx, inter = output
-        ctx.set_materialize_grads(False)
-        ctx.args = (topk, _topk_bwd_kw(kw), True)
-        ctx.mark_dirty(buf)
-        ctx.mark_non_differentiable(idx, inter)
-        ctx.save_for_backward(idx, inter)
-
-    vmap = _no_vmap("topk_with_score")
-
-    @staticmethod
-    @_once
-    def backward(ctx, grad_probs, _grad_idx, _grad_inter):
-        if grad_probs is None:
-            return None, None, None, None
-        return _topk_backward(ctx, grad_probs), None, None, None
 
 
 def topk_with_score(logits: Tensor, topk: int, *, score_function: str = "softmax", use_pre_softmax: bool = False,
@@ -694,7 +668,7 @@ def _topk_formats(logits, topk, score_function, use_pre_softmax, num_groups, gro
               routing_map_format=routing_map_format)
     if _eager():
         if topk_indices is not None:
-            probs, idx, _ = _TopkIntoFn.apply(logits, topk, kw, topk_indices)
+            probs, idx, _ = _TopkFn.apply(logits, topk, kw, topk_indices)
             return probs, idx
         if topk_indices_dtype is not None:
             kw["topk_indices_dtype"] = topk_indices_dtype
