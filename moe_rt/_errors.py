@@ -187,7 +187,7 @@ def _check_stream_arg(stream) -> None:
 def check(device=None, *, stream=None) -> None:
     """Raise the bad expert ids the CUDA kernels recorded since the last check, as the CPU path raises them
     at once: ``ValueError("topk_idx: expert ids must be in [-1, num_experts=E), got V")`` (``routing:`` for
-    :func:`moe_rt.make_plan`). Reads and clears the device's error word.
+    :func:`moe_rt.make_plan`, ``topk_indices:`` for :func:`moe_rt.topk_with_score_backward` from indices). Reads and clears the device's error word.
 
     Args:
         device: None (every device moe_rt's routing kernels ran on) or a CUDA device id.
