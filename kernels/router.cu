@@ -23,7 +23,9 @@
 // Every sum is done in a fixed order, so outputs are bitwise reproducible. Global traffic: logits read once,
 // each output written once with 16-byte vectors (the K nonzero probs are patched in after the zero fill,
 // while the lines are still in L2). The top-k backward reads, where its gradient is zero off the map,
-// only the map and the selected entries (router_bwd_sel, router_bwd_sel_reg).
+// only the map and the selected entries (router_bwd_sel, router_bwd_sel_reg). The row kernels' BITMAP flag
+// writes (forward) or reads (backward) the routing map bit-packed instead of one byte per expert; the same
+// selection and sums otherwise. router_bwd_idx: the backward from dense top-k indices (no map).
 #include "moe_rt/common.cuh"
 
 using namespace moe_rt;
@@ -1290,11 +1292,52 @@ __device__ __forceinline__ void dense_chunk_out(const unsigned (&kv)[CH], int e0
   dense_chunk_out<T, CH>(rmap ? chunk_selection<CH>(kv, e0, thr, il) : 0u, e0, row, rmap, probs, inter);
 }
 
+// The bit-packed routing map (BITMAP kernels): row t is ceil(E / 8) bytes, bit e % 8 of byte e / 8 (LSB
+// first), padding bits 0; every byte is written by one thread with one store (no two threads share a byte).
+// One chunk's CH selection bits (sel; chunk c = experts c * CH ..): with CH = 8 its byte. With CH = 4 lanes
+// 2i and 2i + 1 hold chunks c and c + 1 of one byte, so every lane of the warp calls this (sel = 0 and
+// in_row = false past the row) and the even lane stores both halves.
+template <int CH>
+__device__ __forceinline__ void bitmap_chunk_out(unsigned sel, int c, bool in_row, unsigned char* __restrict__ brow) {
+  static_assert(CH == 4 || CH == 8, "4- or 8-expert chunks");
+  if constexpr (CH == 8) {
+    if (in_row) brow[c] = (unsigned char)sel;
+  } else {
+    const unsigned hi = __shfl_down_sync(FULL_MASK, sel, 1);
+    if (in_row && (c & 1) == 0) brow[c >> 1] = (unsigned char)(sel | (hi << 4));
+  }
+}
+
+// The whole bit-packed row from the keys in shared memory (the selection rule over keys whose unselected
+// groups were zeroed): thread r of the team takes bytes r, r + TEAM, ...
+template <int TEAM>
+__device__ __forceinline__ void bitmap_from_keys(const unsigned* keys, int E, unsigned thr, int il, int r,
+                                                 unsigned char* __restrict__ brow) {
+  const int nb = (E + 7) >> 3;
+  for (int b = r; b < nb; b += TEAM) {
+    unsigned byte = 0u;
+#pragma unroll
+    for (int v = 0; v < 8; ++v) {
+      const int e = 8 * b + v;
+      if (e < E && selected(keys[e], e, thr, il)) byte |= 1u << v;
+    }
+    brow[b] = (unsigned char)byte;
+  }
+}
+
+// Expert id v at slot i of an index output of idx_bytes-byte integers (2, 4 or 8).
+__device__ __forceinline__ void store_idx(void* __restrict__ p, int idx_bytes, i64 i, int v) {
+  if (idx_bytes == 4) static_cast<int*>(p)[i] = v;
+  else if (idx_bytes == 2) static_cast<short*>(p)[i] = (short)v;
+  else static_cast<i64*>(p)[i] = v;
+}
+
 // The K weights of token t from its selection in index order (lidx, lkey): one warp, two per lane, fixed
-// order. Writes lw (the probs before the cast), lp (post-softmax intermediate) and the compact outputs.
+// order. Writes lw (the probs before the cast), lp (post-softmax intermediate) and the compact outputs
+// (topk_idx of idx_bytes-byte ints; topk_w may be null: the indices alone).
 __device__ __forceinline__ void topk_weights(i64 t, int K, int score_fn, int pre_softmax, float scale,
                                              const float* __restrict__ bias, const int* lidx, const unsigned* lkey,
-                                             float* lw, float* lp, int* __restrict__ topk_idx,
+                                             float* lw, float* lp, void* __restrict__ topk_idx, int idx_bytes,
                                              float* __restrict__ topk_w) {
   const int lane = threadIdx.x & 31;
   const int j0 = lane, j1 = lane + 32;
@@ -1330,8 +1373,12 @@ __device__ __forceinline__ void topk_weights(i64 t, int K, int score_fn, int pre
   if (h0) { lw[j0] = w0; lp[j0] = q0; }
   if (h1) { lw[j1] = w1; lp[j1] = q1; }
   if (topk_idx) {
-    if (h0) { topk_idx[t * K + j0] = lidx[j0]; topk_w[t * K + j0] = w0; }
-    if (h1) { topk_idx[t * K + j1] = lidx[j1]; topk_w[t * K + j1] = w1; }
+    if (h0) store_idx(topk_idx, idx_bytes, t * K + j0, lidx[j0]);
+    if (h1) store_idx(topk_idx, idx_bytes, t * K + j1, lidx[j1]);
+    if (topk_w) {
+      if (h0) topk_w[t * K + j0] = w0;
+      if (h1) topk_w[t * K + j1] = w1;
+    }
   }
 }
 
@@ -1878,17 +1925,19 @@ struct Phase1Reg {
 // ---- forward: top-k with score function, or (aux_mode) the dense scores for the aux loss --------------
 // probs/scores/rmap/inter/topk_idx/topk_w may be null (not written). vec: all pointers 16-byte aligned
 // and E % (16 / sizeof(T)) == 0. G = 0: no grouping; GROUPS = false compiles the kernel without it (G = 0 only:
-// the softmax forward of one warp measured up to 2.6% slower with the group code in the kernel).
+// the softmax forward of one warp measured up to 2.6% slower with the group code in the kernel). BITMAP: rmap
+// is the bit-packed map (uint8 [T, ceil(E / 8)], bitmap_chunk_out). topk_idx: idx_bytes-byte ints (2, 4, 8).
 // SFO >= 0: a quick kernel (moe_rt/_jit.py, tiered compiles), the same bits for the one score case SFO
 // (with_score_fn) with phase 1 unrolled less: the first call of a shape runs it while the kernel for every
 // case compiles in the background (a sixth to a third of the compile time: bf16 without groups at E = 2304
 // 1.2 against 6.1 s on one CPU core).
-template <typename T, int TEAM, bool GROUPS = true, int SFO = -1>
+template <typename T, int TEAM, bool GROUPS = true, bool BITMAP = false, int SFO = -1>
 __global__ void __launch_bounds__(TEAM == 32 ? 128 : TEAM, MOE_RT_FWD_MINB(TEAM))
 router_fwd(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score_fn, int pre_softmax,
            int aux_mode, int G, int g, int m, unsigned gmagic, float scale, const float* __restrict__ bias,
            T* __restrict__ probs, float* __restrict__ scores, bool* __restrict__ rmap,
-           float* __restrict__ inter, int* __restrict__ topk_idx, float* __restrict__ topk_w, int vec, int gcm) {
+           float* __restrict__ inter, void* __restrict__ topk_idx, float* __restrict__ topk_w, int vec, int gcm,
+           int idx_bytes) {
   using TM = Team<TEAM>;
   constexpr int SPB = TEAM == 32 ? 4 : 1;
   constexpr int CH = 16 / (int)sizeof(T);
@@ -1921,6 +1970,9 @@ router_fwd(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score
   const bool dense_norm = aux_mode || (score_fn == SOFTMAX && pre_softmax);
   const int nch = vec ? E / CH : 0;
   const int Kp = al4(K);
+  // the byte map the dense outputs write (none in a BITMAP kernel: its bytes are written apart)
+  bool* const bmap = BITMAP ? nullptr : rmap;
+  const i64 nbytes = (E + 7) >> 3;
 
   for (i64 t = (i64)blockIdx.x * SPB + slot; t < num_tokens; t += (i64)gridDim.x * SPB) {
     const i64 row = t * (i64)E;
@@ -2097,7 +2149,10 @@ router_fwd(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score
           ldn<P>(keys + c * P, kv);
           sel = chunk_selection<P>(kv, c * P, thr, il);
           if (GROUPS && gsel != 0u && !((gsel >> __umulhi((unsigned)(c * P), gmagic)) & 1u)) sel = 0u;
-          dense_chunk_out<T, P>(sel, c * P, row, rmap, wprobs ? probs : nullptr, winter ? inter : nullptr);
+          dense_chunk_out<T, P>(sel, c * P, row, bmap, wprobs ? probs : nullptr, winter ? inter : nullptr);
+        }
+        if constexpr (BITMAP) {
+          if (rmap) bitmap_chunk_out<P>(sel, c, c < np, reinterpret_cast<unsigned char*>(rmap) + t * nbytes);
         }
         // This lane's first position: a ballot when no lane has two selected experts, else a warp scan.
         const unsigned lanes = __ballot_sync(FULL_MASK, sel != 0u);
@@ -2172,7 +2227,7 @@ router_fwd(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score
 
     // Phase 5: the K weights (warp 0 of the team).
     if (!aux_mode && warp == 0)
-      topk_weights(t, K, score_fn, pre_softmax, scale, bias, lidx, lkey, lw, lp, topk_idx, topk_w);
+      topk_weights(t, K, score_fn, pre_softmax, scale, bias, lidx, lkey, lw, lp, topk_idx, idx_bytes, topk_w);
     TM::sync();
 
     // Phase 6: dense outputs: map, zero probs (-inf intermediate for post-softmax), then the K values.
@@ -2183,14 +2238,18 @@ router_fwd(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score
         for (int c = r; c < nch; c += TEAM) {
           alignas(16) unsigned kv[CH];
           ldn<CH>(keys + c * CH, kv);
-          dense_chunk_out<T, CH>(kv, c * CH, thr, il, row, rmap, wprobs ? probs : nullptr, winter ? inter : nullptr);
+          dense_chunk_out<T, CH>(kv, c * CH, thr, il, row, bmap, wprobs ? probs : nullptr, winter ? inter : nullptr);
         }
       } else {
         for (int e = r; e < E; e += TEAM) {
-          if (rmap) rmap[row + e] = selected(keys[e], e, thr, il);
+          if (bmap) bmap[row + e] = selected(keys[e], e, thr, il);
           if (wprobs) probs[row + e] = from_float<T>(0.0f);
           if (winter) inter[row + e] = -kInf;
         }
+      }
+      if constexpr (BITMAP) {
+        if (rmap && !dense_done)
+          bitmap_from_keys<TEAM>(keys, E, thr, il, r, reinterpret_cast<unsigned char*>(rmap) + t * nbytes);
       }
       if (wprobs || winter) {
         TM::sync();  // orders the fill before the patch (same block)
@@ -2210,15 +2269,15 @@ router_fwd(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score
 // false: compiled without the group-limited selection (G = 0 only), which frees registers. LANESEL = true
 // (V = 8): compiled for one path alone, the group-limited selection held in the lanes (at most 32 groups,
 // each on a power-of-two count of aligned lanes, k / g <= 8) and select_reg8 (k <= 8); no aux mode; its
-// shared memory holds only the K selected experts, keys and weights.
-// SFO >= 0: a quick kernel for the one score case SFO (router_fwd, with_score_fn).
-template <typename T, int V, bool GROUPS = true, bool LANESEL = false, int SFO = -1>
+// shared memory holds only the K selected experts, keys and weights. BITMAP: as in router_fwd. SFO >= 0: a
+// quick kernel for the one score case SFO (router_fwd, with_score_fn).
+template <typename T, int V, bool GROUPS = true, bool LANESEL = false, bool BITMAP = false, int SFO = -1>
 __global__ void __launch_bounds__(128, MOE_RT_FWD_REG_MINB(V, T, GROUPS, LANESEL))
 router_fwd_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score_fn, int pre_softmax,
                int aux_mode, int G, int g, int m, unsigned gmagic, float scale, const float* __restrict__ bias,
                T* __restrict__ probs, float* __restrict__ scores, bool* __restrict__ rmap,
-               float* __restrict__ inter, int* __restrict__ topk_idx, float* __restrict__ topk_w, int vec,
-               int /* gcm: router_fwd's */) {
+               float* __restrict__ inter, void* __restrict__ topk_idx, float* __restrict__ topk_w, int vec,
+               int /* gcm: router_fwd's */, int idx_bytes) {
   constexpr int CH = 16 / (int)sizeof(T);
   constexpr int NJ = V / CH;
   static_assert(NJ * CH == V, "V must be a multiple of the chunk size");
@@ -2415,21 +2474,39 @@ router_fwd_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, int s
     __syncwarp();
 
     // Phase 5: the K weights.
-    if (!aux_mode) topk_weights(t, K, score_fn, pre_softmax, scale, bias, lidx, lkey, lw, lp, topk_idx, topk_w);
+    if (!aux_mode) topk_weights(t, K, score_fn, pre_softmax, scale, bias, lidx, lkey, lw, lp, topk_idx, idx_bytes, topk_w);
     __syncwarp();
 
     // Phase 6: dense outputs: map, zero probs (-inf intermediate for post-softmax), then the K values.
     const bool wprobs = !aux_mode && probs != nullptr, winter = post && inter != nullptr;
+    bool* const bmap = BITMAP ? nullptr : rmap;  // as in router_fwd
     for_chunks<NJ>(nch, [&](int j, int c) {
       unsigned kv[CH];
 #pragma unroll
       for (int v = 0; v < CH; ++v) kv[v] = key[j * CH + v];
       if (sel8)
-        dense_chunk_out<T, CH>(rmap ? selm[j] : 0u, c * CH, row, rmap, wprobs ? probs : nullptr,
+        dense_chunk_out<T, CH>(bmap ? selm[j] : 0u, c * CH, row, bmap, wprobs ? probs : nullptr,
                                winter ? inter : nullptr);
       else
-        dense_chunk_out<T, CH>(kv, c * CH, thr, il, row, rmap, wprobs ? probs : nullptr, winter ? inter : nullptr);
+        dense_chunk_out<T, CH>(kv, c * CH, thr, il, row, bmap, wprobs ? probs : nullptr, winter ? inter : nullptr);
     });
+    if constexpr (BITMAP) {
+      if (rmap) {
+        unsigned char* brow = reinterpret_cast<unsigned char*>(rmap) + t * (i64)((E + 7) >> 3);
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) {  // every lane, every round (bitmap_chunk_out's shuffle)
+          const int c = lane + 32 * j;
+          unsigned sel = 0u;
+          if (c < nch) {
+            unsigned kv[CH];
+#pragma unroll
+            for (int v = 0; v < CH; ++v) kv[v] = key[j * CH + v];
+            sel = sel8 ? selm[j] : chunk_selection<CH>(kv, c * CH, thr, il);
+          }
+          bitmap_chunk_out<CH>(sel, c, c < nch, brow);
+        }
+      }
+    }
     if (wprobs || winter) {
       __syncwarp();  // orders the fill before the patch
       for (int jj = lane; jj < K; jj += 32) {
@@ -2470,7 +2547,8 @@ __device__ __forceinline__ float bwd_dx(bool sig_like, int score_fn, bool normal
   return msk ? y * (g - A) : 0.0f;
 }
 
-template <typename TG, typename TO, int TEAM>
+// BITMAP: rmap is the bit-packed map (router_fwd's); the same math on its bits.
+template <typename TG, typename TO, int TEAM, bool BITMAP = false>
 __global__ void __launch_bounds__(TEAM == 32 ? 128 : TEAM)
 router_bwd(const TG* __restrict__ grad, const bool* __restrict__ rmap, const float* __restrict__ inter,
            i64 num_tokens, int E, int K, int score_fn, int pre_softmax, int aux_mode, float scale,
@@ -2487,6 +2565,10 @@ router_bwd(const TG* __restrict__ grad, const bool* __restrict__ rmap, const flo
   for (i64 t = (i64)blockIdx.x * SPB + slot; t < num_tokens; t += (i64)gridDim.x * SPB) {
     const i64 row = t * (i64)E;
     float A = 0.0f, B = 0.0f;
+    const unsigned char* brow = BITMAP ? reinterpret_cast<const unsigned char*>(rmap) + t * (i64)((E + 7) >> 3)
+                                       : nullptr;
+    // entry e of the map (rmap non-null)
+    auto map_at = [&](int e) -> bool { return BITMAP ? ((brow[e >> 3] >> (e & 7)) & 1u) != 0u : rmap[row + e]; };
     // U chunks are loaded before the first is used. (The two passes keep their own loops: one helper that
     // runs both through a lambda measured 9-25% slower for fp32 rows on H100.)
     constexpr int U = MOE_RT_BWD_U(TEAM, CH);
@@ -2497,7 +2579,15 @@ router_bwd(const TG* __restrict__ grad, const bool* __restrict__ rmap, const flo
         if (c < nch) {
           ldn<CH>(grad + row + (i64)c * CH, gv[u]);
           ldn<CH>(inter + row + (i64)c * CH, yv[u]);
-          if (rmap) ldn<CH>(rmap + row + (i64)c * CH, mv[u]);
+          if constexpr (BITMAP) {
+            if (rmap) {
+              const unsigned bits = CH == 8 ? brow[c] : (brow[c >> 1] >> ((c & 1) << 2)) & 15u;
+#pragma unroll
+              for (int v = 0; v < CH; ++v) mv[u][v] = ((bits >> v) & 1u) != 0u;
+            }
+          } else {
+            if (rmap) ldn<CH>(rmap + row + (i64)c * CH, mv[u]);
+          }
         }
       }
     };
@@ -2517,7 +2607,7 @@ router_bwd(const TG* __restrict__ grad, const bool* __restrict__ rmap, const flo
       }
     } else {
       for (int e = r; e < E; e += TEAM)
-        acc(__fmul_rn(scale, to_float(grad[row + e])), rmap ? rmap[row + e] : true, inter[row + e]);
+        acc(__fmul_rn(scale, to_float(grad[row + e])), rmap ? map_at(e) : true, inter[row + e]);
     }
     A = TM::sum(A, red);
     if (sig_like) B = TM::sum(B, red);
@@ -2545,7 +2635,7 @@ router_bwd(const TG* __restrict__ grad, const bool* __restrict__ rmap, const flo
       }
     } else {
       for (int e = r; e < E; e += TEAM)
-        out[row + e] = from_float<TO>(dx(__fmul_rn(scale, to_float(grad[row + e])), rmap ? rmap[row + e] : true, inter[row + e]));
+        out[row + e] = from_float<TO>(dx(__fmul_rn(scale, to_float(grad[row + e])), rmap ? map_at(e) : true, inter[row + e]));
     }
   }
 }
@@ -2594,27 +2684,57 @@ template <> struct MapWord<8> {
   }
 };
 
+// One token's routing map as one word per chunk c of CH entries, and bits(word): bit 8 i set where entry i
+// is selected. The byte map: the chunk's CH bytes. BITMAP: the chunk's CH bits of the bit-packed row (a byte,
+// or half of one), spread to bit 8 i.
+template <int CH, bool BITMAP>
+struct MapRow {
+  using W = typename MapWord<CH>::type;
+  const W* __restrict__ p;
+  __device__ __forceinline__ static MapRow at(const bool* m, i64 t, int E) {
+    return {reinterpret_cast<const W*>(m) + t * (i64)(E / CH)};
+  }
+  __device__ __forceinline__ W operator[](int c) const { return p[c]; }
+  __device__ __forceinline__ static unsigned long long bits(W w) { return MapWord<CH>::bits(w); }
+};
+template <int CH>
+struct MapRow<CH, true> {
+  using W = unsigned;
+  const unsigned char* __restrict__ p;
+  __device__ __forceinline__ static MapRow at(const bool* m, i64 t, int E) {
+    return {reinterpret_cast<const unsigned char*>(m) + t * (i64)((E + 7) >> 3)};
+  }
+  __device__ __forceinline__ W operator[](int c) const {
+    return CH == 8 ? (unsigned)p[c] : ((unsigned)p[c >> 1] >> ((c & 1) << 2)) & 15u;
+  }
+  __device__ __forceinline__ static unsigned long long bits(W w) {
+    // 4 bits to bytes: w * (1 + 2^7 + 2^14 + 2^21) puts bit v at bit 8 v with no two terms overlapping
+    const unsigned lo = ((w & 15u) * 0x204081u) & 0x01010101u;
+    if constexpr (CH == 4) return lo;
+    return (unsigned long long)lo | ((unsigned long long)((((w >> 4) & 15u) * 0x204081u) & 0x01010101u) << 32);
+  }
+};
+
 // Constants and map-word type shared by the two selected-entry backward kernels: 4 token slots of one warp per
 // block (TEAM = 32), 16-byte chunks of CH entries, one map word per chunk.
-template <typename T, int TEAM>
+template <typename T, int TEAM, bool BITMAP = false>
 struct SelBwd {
   static constexpr int SPB = TEAM == 32 ? 4 : 1;
   static constexpr int CH = sizeof(T) == 2 ? 8 : 4;
-  using MW = MapWord<CH>;
-  using W = typename MW::type;
+  using MW = MapRow<CH, BITMAP>;
+  using W = typename MW::W;
 };
 
 // router_bwd_sel_reg's entries past a thread's first `skip`, in order, read from memory: with out == nullptr
 // their sums are added to ab and returned; otherwise their gradients are written (A = ab.x, Ae, B). Kept
 // out of line: it runs only for a thread with more selected entries than it holds in registers.
-template <typename T, int CH, int TEAM>
-__device__ __noinline__ float2 sel_rest(const T* __restrict__ grad, const float* __restrict__ inter,
-                                        const typename MapWord<CH>::type* __restrict__ wrow, i64 row, int nch,
-                                        int r, int skip, float scale, bool sig_like, int score_fn, int K, float2 ab,
-                                        float Ae, float B, T* __restrict__ out) {
+template <typename T, int CH, int TEAM, typename MR>
+__device__ __noinline__ float2 sel_rest(const T* __restrict__ grad, const float* __restrict__ inter, MR wrow,
+                                        i64 row, int nch, int r, int skip, float scale, bool sig_like, int score_fn,
+                                        int K, float2 ab, float Ae, float B, T* __restrict__ out) {
   int seen = 0;
   for (int c = r; c < nch; c += TEAM)
-    for (unsigned long long b = MapWord<CH>::bits(wrow[c]); b; b &= b - 1) {
+    for (unsigned long long b = MR::bits(wrow[c]); b; b &= b - 1) {
       if (seen++ < skip) continue;
       const i64 e = row + (i64)c * CH + ((__ffsll((long long)b) - 1) >> 3);
       const float g = __fmul_rn(scale, to_float(grad[e])), y = inter[e];
@@ -2624,11 +2744,11 @@ __device__ __noinline__ float2 sel_rest(const T* __restrict__ grad, const float*
   return ab;
 }
 
-template <typename T, int TEAM>
+template <typename T, int TEAM, bool BITMAP = false>
 __global__ void __launch_bounds__(TEAM == 32 ? 128 : TEAM, TEAM == 32 ? 16 : 1)
 router_bwd_sel(const T* __restrict__ grad, const bool* __restrict__ rmap, const float* __restrict__ inter,
                i64 num_tokens, int E, int K, int score_fn, float scale, T* __restrict__ out) {
-  using S = SelBwd<T, TEAM>;
+  using S = SelBwd<T, TEAM, BITMAP>;
   using TM = Team<TEAM>;
   using MW = typename S::MW;
   using W = typename S::W;
@@ -2637,11 +2757,10 @@ router_bwd_sel(const T* __restrict__ grad, const bool* __restrict__ rmap, const 
   const int slot = threadIdx.x / TEAM, r = threadIdx.x % TEAM;
   const bool sig_like = score_fn != SOFTMAX;
   const int nch = E / CH;
-  const W* __restrict__ words = reinterpret_cast<const W*>(rmap);
 
   for (i64 t = (i64)blockIdx.x * SPB + slot; t < num_tokens; t += (i64)gridDim.x * SPB) {
     const i64 row = t * (i64)E;
-    const W* wrow = words + t * (i64)nch;
+    const MW wrow = MW::at(rmap, t, E);
     float A = 0.0f, B = 0.0f;
     if (TEAM == 32 && nch <= U * TEAM) {
       // One warp, one round of chunks: the map words and each chunk's first selected entry stay in registers,
@@ -2732,11 +2851,11 @@ router_bwd_sel(const T* __restrict__ grad, const bool* __restrict__ rmap, const 
   }
 }
 
-template <typename T, int TEAM>
+template <typename T, int TEAM, bool BITMAP = false>
 __global__ void __launch_bounds__(TEAM == 32 ? 128 : TEAM)
 router_bwd_sel_reg(const T* __restrict__ grad, const bool* __restrict__ rmap, const float* __restrict__ inter,
                    i64 num_tokens, int E, int K, int score_fn, float scale, T* __restrict__ out) {
-  using S = SelBwd<T, TEAM>;
+  using S = SelBwd<T, TEAM, BITMAP>;
   using TM = Team<TEAM>;
   using MW = typename S::MW;
   using W = typename S::W;
@@ -2745,10 +2864,9 @@ router_bwd_sel_reg(const T* __restrict__ grad, const bool* __restrict__ rmap, co
   const int slot = threadIdx.x / TEAM, r = threadIdx.x % TEAM;
   const bool sig_like = score_fn != SOFTMAX;
   const int nch = E / CH;
-  const W* __restrict__ words = reinterpret_cast<const W*>(rmap);
   const i64 stride = (i64)gridDim.x * SPB;
   auto load_words = [&](i64 tt, int c0, W (&w)[U]) {
-    const W* wrow = words + tt * (i64)nch;
+    const MW wrow = MW::at(rmap, tt, E);
 #pragma unroll
     for (int u = 0; u < U; ++u) w[u] = tt < num_tokens && c0 + u * TEAM < nch ? wrow[c0 + u * TEAM] : (W)0;
   };
@@ -2800,7 +2918,7 @@ router_bwd_sel_reg(const T* __restrict__ grad, const bool* __restrict__ rmap, co
     for (int q = 0; q < NR; ++q)
       if (q < ne) bwd_acc(sig_like, score_fn, gq[q], true, yq[q], A, B);
     if (more) {  // entries past the first NR, in order, read from memory (rare)
-      const float2 ab = sel_rest<T, CH, TEAM>(grad, inter, words + t * (i64)nch, row, nch, r, NR, scale, sig_like,
+      const float2 ab = sel_rest<T, CH, TEAM>(grad, inter, MW::at(rmap, t, E), row, nch, r, NR, scale, sig_like,
                                              score_fn, K, make_float2(A, B), 0.0f, 0.0f, nullptr);
       A = ab.x;
       B = ab.y;
@@ -2816,8 +2934,79 @@ router_bwd_sel_reg(const T* __restrict__ grad, const bool* __restrict__ rmap, co
       if (q < ne)
         out[row + off[q]] = from_float<T>(bwd_dx(sig_like, score_fn, K > 1, false, false, A, Ae, B, gq[q], true, yq[q]));
     if (more)
-      sel_rest<T, CH, TEAM>(grad, inter, words + t * (i64)nch, row, nch, r, NR, scale, sig_like, score_fn, K,
+      sel_rest<T, CH, TEAM>(grad, inter, MW::at(rmap, t, E), row, nch, r, NR, scale, sig_like, score_fn, K,
                             make_float2(A, B), Ae, B, out);
+  }
+}
+
+// ---- backward of top-k from the dense indices (no routing map) -----------------------------------------
+// One warp per token, 4 tokens a block. Lane j holds the row's selected entries j and j + 32 of topk_idx
+// (idx_bytes-byte ints, any order): their sums in a fixed order (each lane, then warp_sum), then the row:
+// zeros (pre-softmax: y * (0 - A), dense), and after them the K selected entries. An id outside [-1, E) is
+// recorded in the device's error word (err) and, like -1, selects nothing. vec: 16-byte rows (E % CH == 0,
+// grad, inter and out aligned).
+template <typename T>
+__global__ void __launch_bounds__(128)
+router_bwd_idx(const T* __restrict__ grad, const void* __restrict__ topk_idx, int idx_bytes,
+               const float* __restrict__ inter, i64 num_tokens, int E, int K, int score_fn, int pre_softmax,
+               float scale, T* __restrict__ out, int vec, unsigned* __restrict__ err) {
+  constexpr int CH = sizeof(T) == 2 ? 8 : 4;
+  const int slot = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const bool sig_like = score_fn != SOFTMAX;
+  const int nch = vec ? E / CH : 0;
+  for (i64 t = (i64)blockIdx.x * 4 + slot; t < num_tokens; t += (i64)gridDim.x * 4) {
+    const i64 row = t * (i64)E;
+    auto load = [&](int j, int& e, float& g, float& y) {
+      const i64 i = t * K + j;
+      const i64 v = idx_bytes == 4   ? (i64) static_cast<const int*>(topk_idx)[i]
+                    : idx_bytes == 2 ? (i64) static_cast<const short*>(topk_idx)[i]
+                                     : static_cast<const i64*>(topk_idx)[i];
+      if (v >= 0 && v < E) {
+        e = (int)v;
+        g = __fmul_rn(scale, to_float(grad[row + e]));
+        y = inter[row + e];
+      } else if (v != -1) {
+        record_bad_expert_id(err, MOE_RT_ERR_ROUTER_BWD, v, i, E);
+      }
+    };
+    int e0 = -1, e1 = -1;
+    float g0 = 0.0f, y0 = 0.0f, g1 = 0.0f, y1 = 0.0f;
+    if (lane < K) load(lane, e0, g0, y0);
+    if (lane + 32 < K) load(lane + 32, e1, g1, y1);
+    float A = 0.0f, B = 0.0f;
+    bwd_acc(sig_like, score_fn, g0, e0 >= 0, y0, A, B);
+    bwd_acc(sig_like, score_fn, g1, e1 >= 0, y1, A, B);
+    A = warp_sum(A);
+    if (sig_like) B = warp_sum(B);
+    const float Ae = A + kEps;
+    auto dx = [&](float g, bool msk, float y) {
+      return from_float<T>(bwd_dx(sig_like, score_fn, K > 1, false, pre_softmax, A, Ae, B, g, msk, y));
+    };
+    if (pre_softmax) {
+      if (vec) {
+        for (int c = lane; c < nch; c += 32) {
+          alignas(16) float yv[CH];
+          alignas(16) T o[CH];
+          ldn<CH>(inter + row + (i64)c * CH, yv);
+#pragma unroll
+          for (int v = 0; v < CH; ++v) o[v] = dx(0.0f, false, yv[v]);
+          stn<CH>(out + row + (i64)c * CH, o);
+        }
+      } else {
+        for (int e = lane; e < E; e += 32) out[row + e] = dx(0.0f, false, inter[row + e]);
+      }
+    } else if (vec) {
+      alignas(16) T zero[CH];
+#pragma unroll
+      for (int v = 0; v < CH; ++v) zero[v] = from_float<T>(0.0f);
+      for (int c = lane; c < nch; c += 32) stn<CH>(out + row + (i64)c * CH, zero);
+    } else {
+      for (int e = lane; e < E; e += 32) out[row + e] = from_float<T>(0.0f);
+    }
+    __syncwarp();  // orders the row before the patch
+    if (e0 >= 0) out[row + e0] = dx(g0, true, y0);
+    if (e1 >= 0) out[row + e1] = dx(g1, true, y1);
+    __syncwarp();
   }
 }
 

@@ -40,7 +40,9 @@ WORDS = 8  # MOE_RT_ERR_WORDS in include/moe_rt/common.cuh
 # Op families: the bit a kernel sets (MOE_RT_ERR_* in common.cuh) -> (the op, the argument its message names)
 MAKE_PLAN = 1
 EP_PREPARE = 2
-_FAMILIES = {MAKE_PLAN: ("make_plan", "routing"), EP_PREPARE: ("EpGroup.prepare", "topk_idx")}
+ROUTER_BWD = 4
+_FAMILIES = {MAKE_PLAN: ("make_plan", "routing"), EP_PREPARE: ("EpGroup.prepare", "topk_idx"),
+             ROUTER_BWD: ("topk_with_score_backward", "topk_indices")}
 
 _words: dict = {}  # device id -> address of its error word
 
@@ -185,7 +187,7 @@ def _check_stream_arg(stream) -> None:
 def check(device=None, *, stream=None) -> None:
     """Raise the bad expert ids the CUDA kernels recorded since the last check, as the CPU path raises them
     at once: ``ValueError("topk_idx: expert ids must be in [-1, num_experts=E), got V")`` (``routing:`` for
-    :func:`moe_rt.make_plan`). Reads and clears the device's error word.
+    :func:`moe_rt.make_plan`, ``topk_indices:`` for :func:`moe_rt.topk_with_score_backward` from indices). Reads and clears the device's error word.
 
     Args:
         device: None (every device moe_rt's routing kernels ran on) or a CUDA device id.

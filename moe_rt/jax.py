@@ -404,34 +404,54 @@ def combine(y_permuted, plan: JaxPlan, probs=None):
 
 # -- router --------------------------------------------------------------------------------------------
 
-@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5, 6))
-def _topk(logits, topk, score_function, use_pre_softmax, num_groups, group_topk, scaling_factor, expert_bias):
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5, 6, 8, 9))
+def _topk(logits, topk, score_function, use_pre_softmax, num_groups, group_topk, scaling_factor, expert_bias,
+          routing_map_format="bytemap", index_dtype=None):
     return _topk_fwd(logits, topk, score_function, use_pre_softmax, num_groups, group_topk, scaling_factor,
-                     expert_bias)[0]
+                     expert_bias, routing_map_format, index_dtype)[0]
+
+
+def _routing_spec(shape, topk, routing_map_format, index_dtype):
+    lead = tuple(shape[:-1])
+    if index_dtype is not None:
+        return _spec(lead + (topk,), index_dtype)
+    if routing_map_format == "bitmap_u8":
+        return _spec(lead + (_rt.bitmap_bytes(shape[-1]),), np.uint8)
+    return _spec(shape, np.bool_)
 
 
 def _topk_fwd(logits, topk, score_function, use_pre_softmax, num_groups, group_topk, scaling_factor,
-              expert_bias):
-    specs = [_spec(logits.shape, logits.dtype), _spec(logits.shape, np.bool_), _spec(logits.shape, np.float32)]
+              expert_bias, routing_map_format="bytemap", index_dtype=None):
+    specs = [_spec(logits.shape, logits.dtype), _routing_spec(logits.shape, topk, routing_map_format, index_dtype),
+             _spec(logits.shape, np.float32)]
+    extra = {}
+    if routing_map_format != "bytemap":
+        extra["routing_map_format"] = routing_map_format
+    if index_dtype is not None:
+        extra["topk_indices_dtype"] = index_dtype
 
     def fn(lv, bv):
         return list(_rt.topk_with_score(lv, topk, score_function=score_function,
                                         use_pre_softmax=use_pre_softmax, num_groups=num_groups,
                                         group_topk=group_topk, scaling_factor=scaling_factor,
-                                        expert_bias=bv))
+                                        expert_bias=bv, **extra))
 
     probs, routing_map, inter = _run(fn, specs, logits, expert_bias, lean=True)
     return (probs, routing_map), (routing_map, inter, expert_bias)
 
 
-def _topk_bwd(topk, score_function, use_pre_softmax, num_groups, group_topk, scaling_factor, res, cts):
+def _topk_bwd(topk, score_function, use_pre_softmax, num_groups, group_topk, scaling_factor, routing_map_format,
+              index_dtype, res, cts):
     routing_map, inter, expert_bias = res
     g_probs = cts[0]
 
     def fn(gv, mv, iv):
-        return [_rt.topk_with_score_backward(gv, mv, iv, topk, score_function=score_function,
-                                             use_pre_softmax=use_pre_softmax,
-                                             scaling_factor=scaling_factor)]
+        kw = dict(score_function=score_function, use_pre_softmax=use_pre_softmax, scaling_factor=scaling_factor)
+        if index_dtype is not None:
+            return [_rt.topk_with_score_backward(gv, None, iv, topk, topk_indices=mv, **kw)]
+        if routing_map_format != "bytemap":
+            kw["routing_map_format"] = routing_map_format
+        return [_rt.topk_with_score_backward(gv, mv, iv, topk, **kw)]
 
     (g,) = _run(fn, [_spec(g_probs.shape, g_probs.dtype)], g_probs, routing_map, inter, lean=True)
     return g, (None if expert_bias is None else jnp.zeros_like(expert_bias))
@@ -441,29 +461,40 @@ _topk.defvjp(_topk_fwd, _topk_bwd)
 
 
 def topk_with_score(logits, topk: int, *, score_function: str = "softmax", use_pre_softmax: bool = False,
-                    num_groups=None, group_topk=None, scaling_factor=None, expert_bias=None):
+                    num_groups=None, group_topk=None, scaling_factor=None, expert_bias=None,
+                    routing_map_format: str = "bytemap", topk_indices_dtype=None):
     """Differentiable :func:`moe_rt.router.topk_with_score` for JAX: ``(probs [T,E] logits dtype,
     routing_map [T,E] bool)``; the gradient flows to ``logits`` (the expert bias gets a zero one). Shapes,
-    dtypes and settings are checked when traced, as the core op checks them."""
+    dtypes and settings are checked when traced, as the core op checks them.
+
+    ``routing_map_format="bitmap_u8"``: the map bit-packed (uint8 ``[T, ceil(E/8)]``). ``topk_indices_dtype``
+    (int16, int32, or int64 with ``jax_enable_x64``): the dense indices ``[T, K]`` instead of a map, ascending
+    expert id per row, and the backward from them (JAX arrays are immutable: there is no buffer form)."""
     _rt.check_topk_args(logits, expert_bias, topk, score_function, use_pre_softmax, num_groups, group_topk,
                         scaling_factor)
+    _, idt = _rt.check_topk_outputs(logits, topk, routing_map_format, None, topk_indices_dtype)
+    if idt is not None and idt.itemsize == 8 and not jax.config.jax_enable_x64:
+        raise ValueError("topk_indices_dtype: int64 arrays need jax_enable_x64 (JAX would make them int32); "
+                         "enable it or pass int32")
     return _topk(logits, topk, score_function, use_pre_softmax, num_groups, group_topk, scaling_factor,
-                 expert_bias)
+                 expert_bias, routing_map_format, None if idt is None else idt.name)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _scores(logits, topk, score_function):
-    return _scores_fwd(logits, topk, score_function)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _scores(logits, topk, score_function, routing_map_format="bytemap"):
+    return _scores_fwd(logits, topk, score_function, routing_map_format)[0]
 
 
-def _scores_fwd(logits, topk, score_function):
-    specs = [_spec(logits.shape, np.float32), _spec(logits.shape, np.bool_), _spec(logits.shape, np.float32)]
-    scores, routing_map, inter = _run(lambda lv: list(_rt.scores_for_aux_loss(lv, topk, score_function)),
+def _scores_fwd(logits, topk, score_function, routing_map_format="bytemap"):
+    specs = [_spec(logits.shape, np.float32), _routing_spec(logits.shape, topk, routing_map_format, None),
+             _spec(logits.shape, np.float32)]
+    kw = {} if routing_map_format == "bytemap" else {"routing_map_format": routing_map_format}
+    scores, routing_map, inter = _run(lambda lv: list(_rt.scores_for_aux_loss(lv, topk, score_function, **kw)),
                                       specs, logits, lean=True)
     return (scores, routing_map), (inter, jnp.zeros((0,), logits.dtype))
 
 
-def _scores_bwd(topk, score_function, res, cts):
+def _scores_bwd(topk, score_function, routing_map_format, res, cts):
     inter, like = res
     g_scores = cts[0].astype(jnp.float32)
 
@@ -477,11 +508,13 @@ def _scores_bwd(topk, score_function, res, cts):
 _scores.defvjp(_scores_fwd, _scores_bwd)
 
 
-def scores_for_aux_loss(logits, topk: int, score_function: str):
+def scores_for_aux_loss(logits, topk: int, score_function: str, *, routing_map_format: str = "bytemap"):
     """Differentiable :func:`moe_rt.router.scores_for_aux_loss` for JAX: ``(scores [T,E] fp32,
-    routing_map [T,E] bool)``. Shapes, dtypes and settings are checked when traced."""
+    routing_map [T,E] bool)``; ``routing_map_format="bitmap_u8"``: the map bit-packed (uint8
+    ``[T, ceil(E/8)]``). Shapes, dtypes and settings are checked when traced."""
+    _rt.check_map_format(routing_map_format)
     _rt.check_scores_args(logits, topk, score_function)
-    return _scores(logits, topk, score_function)
+    return _scores(logits, topk, score_function, routing_map_format)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))

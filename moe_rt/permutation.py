@@ -300,6 +300,11 @@ def routing_kind(dtype, shape, num_experts: int, map_type) -> str:
     raises TypeError/ValueError naming ``routing`` or ``map_type``. Shared by the adapters."""
     _check_map_type(map_type)
     dt = np.dtype(dtype)
+    if dt == np.uint8 and len(shape) == 2 and shape[1] != num_experts and shape[1] == (num_experts + 7) // 8:
+        raise TypeError("routing: this looks like a bit-packed routing map (routing_map_format='bitmap_u8', uint8 "
+                        f"[T, ceil(num_experts/8)={shape[1]}]), which the dispatch ops do not take; unpack it "
+                        "first (np.unpackbits(m, axis=-1, count=num_experts, bitorder='little')) or route with "
+                        "the default 'bytemap'")
     if dt == np.bool_:
         if map_type == "index":
             raise TypeError("routing: map_type='index' takes topk_idx (int32 or int64), got a bool array")

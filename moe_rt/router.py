@@ -22,10 +22,13 @@ import os
 
 import numpy as np
 
-from moe_rt import _arrays, _fast, _jit
+from moe_rt import _arrays, _errors, _fast, _jit
 from moe_rt.reference import router as ref
 
 SCORE_FUNCTIONS = {"sigmoid": 0, "softmax": 1, "sqrtsoftplus": 2}
+# routing_map_format: "bytemap" (bool [..., E]) or "bitmap_u8" (uint8 [..., ceil(E/8)], bit e % 8 of byte e // 8)
+MAP_FORMATS = ("bytemap", "bitmap_u8")
+INDEX_DTYPES = (np.dtype(np.int16), np.dtype(np.int32), np.dtype(np.int64))
 MAX_EXPERTS = 16384
 MAX_TOPK = 64
 _TEAMS = (32, 128, 512)
@@ -51,14 +54,24 @@ _jit.register(_FILE, [f"router_fwd<{c}, {team}>" for c in _jit.CTYPES.values() f
               + [f"router_bwd<float, {c}, {team}>" for c in ("__half", "__nv_bfloat16") for team in _TEAMS]
               + [f"router_bwd_sel<{c}, {team}>" for c in _jit.CTYPES.values() for team in _TEAMS]
               + [f"router_bwd_sel_reg<{c}, {team}>" for c in _jit.CTYPES.values() for team in _TEAMS]
+              # the bit-packed routing map (routing_map_format="bitmap_u8"), and the backward from dense indices
+              + [f"router_fwd<{c}, {team}, true, true>" for c in _jit.CTYPES.values() for team in _TEAMS]
+              + [f"router_fwd<{c}, 32, false, true>" for c in _jit.CTYPES.values()]
+              + [f"router_fwd_reg<{c}, {v}, true, false, true>" for c in ("float", "__nv_bfloat16") for v in _REG_V]
+              + [f"router_fwd_reg<{c}, 8, false, false, true>" for c in ("float", "__nv_bfloat16")]
+              + [f"router_fwd_reg<{c}, 8, true, true, true>" for c in ("float", "__nv_bfloat16")]
+              + [f"router_bwd<{c}, {c}, {team}, true>" for c in _jit.CTYPES.values() for team in _TEAMS]
+              + [f"router_bwd_sel<{c}, {team}, true>" for c in _jit.CTYPES.values() for team in _TEAMS]
+              + [f"router_bwd_sel_reg<{c}, {team}, true>" for c in _jit.CTYPES.values() for team in _TEAMS]
+              + [f"router_bwd_idx<{c}>" for c in _jit.CTYPES.values()]
               + [f"aux_loss_partial<{c}>" for c in _jit.CTYPES.values()]
               + [f"aux_loss_final<{c}>" for c in _jit.CTYPES.values()]
               + [f"aux_loss_bwd<{c}>" for c in _jit.CTYPES.values()])
 # Quick kernels (_jit.function_tiered): compiled for one score case alone (_score_case), each computes the
 # bits of the kernel it stands in for in that case: a row of one warp without groups, and 8 to 32 keys a
 # lane without groups (for bf16 at 8 keys the kernel itself compiles in about a second).
-_jit.register(_FILE, [f"router_fwd<{c}, 32, false, {s}>" for c in _jit.CTYPES.values() for s in range(7)]
-              + [f"router_fwd_reg<{c}, {v}, false, false, {s}>" for c in ("float", "__nv_bfloat16")
+_jit.register(_FILE, [f"router_fwd<{c}, 32, false, false, {s}>" for c in _jit.CTYPES.values() for s in range(7)]
+              + [f"router_fwd_reg<{c}, {v}, false, false, false, {s}>" for c in ("float", "__nv_bfloat16")
                  for v in _REG_V if v != 8 or c == "float" for s in range(7)], quick=True)
 
 __all__ = ["topk_with_score", "topk_with_score_backward", "topk_indices_with_score", "scores_for_aux_loss",
@@ -68,7 +81,8 @@ __all__ = ["topk_with_score", "topk_with_score_backward", "topk_indices_with_sco
 # ---- validation ---------------------------------------------------------------------------------------
 
 def _variant():
-    return _FWD_VARIANT, _TEAM_VARIANT, _BWD_VARIANT, _TPW_VARIANT
+    # the debug switch: the index backward syncs after its launch under it
+    return _FWD_VARIANT, _TEAM_VARIANT, _BWD_VARIANT, _TPW_VARIANT, _errors.DEBUG
 
 
 def _check_score_function(score_function):
@@ -83,6 +97,64 @@ def _check_bool(value, name):
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
     return bool(value)
+
+
+def check_map_format(routing_map_format) -> bool:
+    """``routing_map_format``: ``"bytemap"`` or ``"bitmap_u8"`` (exact strings); True for the bitmap."""
+    if not isinstance(routing_map_format, str):
+        raise TypeError(f"routing_map_format: expected a str, one of {list(MAP_FORMATS)}, got "
+                        f"{type(routing_map_format).__name__}")
+    if routing_map_format not in MAP_FORMATS:
+        raise ValueError(f"routing_map_format: expected one of {list(MAP_FORMATS)}, got {routing_map_format!r}")
+    return routing_map_format == "bitmap_u8"
+
+
+def bitmap_bytes(num_experts: int) -> int:
+    """Bytes a row of the bit-packed routing map takes: ceil(E / 8)."""
+    return (num_experts + 7) // 8
+
+
+def parse_index_dtype(dtype, name="topk_indices_dtype") -> np.dtype:
+    """An index dtype given as a NumPy, torch or JAX dtype (or its name): int16, int32 or int64."""
+    if isinstance(dtype, bool) or dtype is None:
+        raise TypeError(f"{name}: expected int16, int32 or int64 (a dtype or its name), got {dtype!r}")
+    text = str(dtype)
+    if text.startswith("torch."):
+        text = text[len("torch."):]
+    try:
+        dt = np.dtype(text if isinstance(dtype, str) or str(dtype).startswith("torch.") else dtype)
+    except TypeError:
+        raise TypeError(f"{name}: expected int16, int32 or int64 (a dtype or its name), got {dtype!r}") from None
+    if dt not in INDEX_DTYPES:
+        raise ValueError(f"{name}: expected int16, int32 or int64, got {dt.name}")
+    return dt
+
+
+def check_topk_outputs(xv, topk, routing_map_format, topk_indices, topk_indices_dtype):
+    """The routing output of :func:`topk_with_score`: ``(bitmap, index dtype or None)``. ``topk_indices``:
+    a caller buffer (anything with ``shape`` and ``dtype``), ``topk_indices_dtype``: a dtype; at most one."""
+    bitmap = check_map_format(routing_map_format)
+    if topk_indices is None and topk_indices_dtype is None:
+        return bitmap, None
+    if topk_indices is not None and topk_indices_dtype is not None:
+        raise ValueError("topk_indices, topk_indices_dtype: pass a buffer or a dtype, not both")
+    if bitmap:
+        raise ValueError("topk_indices: the dense index output cannot be combined with "
+                         "routing_map_format='bitmap_u8' (pass one routing output)")
+    if topk_indices is not None:
+        if not hasattr(topk_indices, "shape") or not hasattr(topk_indices, "dtype"):
+            raise TypeError(f"topk_indices: expected an int16/int32/int64 array (a buffer for the indices), got "
+                            f"{type(topk_indices).__name__}")
+        try:
+            dt = parse_index_dtype(topk_indices.dtype, "topk_indices")
+        except ValueError as e:
+            raise TypeError(str(e)) from None
+    else:
+        dt = parse_index_dtype(topk_indices_dtype)
+    E = int(xv.shape[-1]) if len(xv.shape) else 0
+    if dt == np.int16 and E > 32767:
+        raise ValueError(f"topk_indices: int16 indices need num_experts <= 32767, got {E}")
+    return bitmap, dt
 
 
 def _check_topk_flags(E, topk, score_function, use_pre_softmax, scaling_factor):
@@ -263,7 +335,7 @@ def _score_case(score_fn, aux, has_bias):
     return base + (0 if aux else 1 if has_bias else 2)
 
 
-def _fwd_cfg(dtype, E, K, G, g, vec, device_id, case):
+def _fwd_cfg(dtype, E, K, G, g, vec, device_id, case, bitmap=False):
     """(kernel, threads, slots a block, shared memory, resident blocks, tokens a warp, gcm), and whether it
     is final: False while the kernel is compiling in the background and a quick kernel for score ``case``
     stands in (its configuration is the same but for the function)."""
@@ -278,10 +350,14 @@ def _fwd_cfg(dtype, E, K, G, g, vec, device_id, case):
         # alone (LANESEL; _FWD_VARIANT = "nolanesel" keeps the kernel with every path: a test variant).
         ng = v == 8 and not G and (dtype.itemsize == 2 or _FWD_VARIANT == "f32nogroups")
         ls = v == 8 and K <= 8 and _lane_groups(E, K, G, g, ch) and _FWD_VARIANT != "nolanesel"
-        quick = (f"router_fwd_reg<{_jit.ctype(dtype)}, {v}, false, false, {case}>"
-                 if not G and not (ng and v == 8) and (dtype.itemsize == 4 or v != 8) else None)
-        fn, final = _jit.function_tiered(_FILE, f"router_fwd_reg<{_jit.ctype(dtype)}, {v}"
-                                                f"{', false' if ng else ''}{', true, true' if ls else ''}>", quick)
+        if bitmap:  # the same kernel with the bit-packed map (every template argument spelled out)
+            fn, final = _jit.function(_FILE, f"router_fwd_reg<{_jit.ctype(dtype)}, {v}, {'false' if ng else 'true'}, "
+                                             f"{'true' if ls else 'false'}, true>"), True
+        else:
+            quick = (f"router_fwd_reg<{_jit.ctype(dtype)}, {v}, false, false, false, {case}>"
+                     if not G and not (ng and v == 8) and (dtype.itemsize == 4 or v != 8) else None)
+            fn, final = _jit.function_tiered(_FILE, f"router_fwd_reg<{_jit.ctype(dtype)}, {v}"
+                                                    f"{', false' if ng else ''}{', true, true' if ls else ''}>", quick)
         spb, threads = 4, 128
         smem = 4 * _reg_slot_words(E, G, K, ls) * spb
         tpw = _fwd_tpw(dtype, v, ls)
@@ -289,9 +365,14 @@ def _fwd_cfg(dtype, E, K, G, g, vec, device_id, case):
     else:
         team = _team(E, fwd=True)
         # one warp without groups: a kernel compiled without the group-limited selection
-        ng = not G and team == 32
-        fn, final = _jit.function_tiered(_FILE, f"router_fwd<{_jit.ctype(dtype)}, {team}{', false' if ng else ''}>",
-                                         f"router_fwd<{_jit.ctype(dtype)}, 32, false, {case}>" if ng else None)
+        groups = bool(G) or team != 32
+        if bitmap:
+            fn, final = _jit.function(
+                _FILE, f"router_fwd<{_jit.ctype(dtype)}, {team}, {'true' if groups else 'false'}, true>"), True
+        else:
+            fn, final = _jit.function_tiered(
+                _FILE, f"router_fwd<{_jit.ctype(dtype)}, {team}{'' if groups else ', false'}>",
+                None if groups else f"router_fwd<{_jit.ctype(dtype)}, 32, false, false, {case}>")
         spb = 4 if team == 32 else 1
         smem = 4 * _slot_words(E, G, K, team) * spb
         threads = team * spb
@@ -303,14 +384,15 @@ def _fwd_cfg(dtype, E, K, G, g, vec, device_id, case):
 
 
 def _launch_fwd(call, x, T, E, K, score_fn, pre, aux, G, g, scale, bias, probs, scores, rmap, inter,
-                idx, w):
+                idx, w, bitmap=False):
+    """``bitmap``: rmap is the bit-packed map (uint8 [T, ceil(E/8)]); ``idx``: int16/int32/int64 [T, K]."""
     ch = 16 // x.dtype.itemsize
-    vec = _vec_ok([x, probs, scores, rmap, inter, bias], E, ch)
-    key = (x.dtype, E, K, G, g, vec, call.device_id, _FWD_VARIANT, _TEAM_VARIANT, _TPW_VARIANT)
+    vec = _vec_ok([x, probs, scores, None if bitmap else rmap, inter, bias], E, ch)
+    key = (x.dtype, E, K, G, g, vec, call.device_id, _FWD_VARIANT, _TEAM_VARIANT, _TPW_VARIANT, bitmap)
     cfg = _fwd_cfgs.get(key)
     if cfg is None:
         cfg, final = _fwd_cfg(x.dtype, E, K, G, g, vec, call.device_id,
-                              _score_case(score_fn, aux, bias is not None))
+                              _score_case(score_fn, aux, bias is not None), bitmap)
         if final:
             if len(_fwd_cfgs) > 512:
                 _fwd_cfgs.clear()
@@ -329,27 +411,30 @@ def _launch_fwd(call, x, T, E, K, score_fn, pre, aux, G, g, scale, bias, probs, 
                      bias if bias is not None else null, probs if probs is not None else null,
                      scores if scores is not None else null, rmap if rmap is not None else null,
                      inter if inter is not None else null, idx if idx is not None else null,
-                     w if w is not None else null, np.int32(vec), np.int32(0 if aux or pre else gcm)),
+                     w if w is not None else null, np.int32(vec), np.int32(0 if aux or pre else gcm),
+                     np.int32(4 if idx is None else np.dtype(idx.dtype).itemsize)),
                     smem, call.stream)
 
 
 _SEL_REG_CHUNKS = 4
 
 
-def _launch_bwd(call, grad, rmap, inter, out, T, E, K, score_fn, pre, aux, scale):
+def _launch_bwd(call, grad, rmap, inter, out, T, E, K, score_fn, pre, aux, scale, bitmap=False):
+    """``bitmap``: rmap is the bit-packed map (the kernels' BITMAP instantiations: the same math and bits)."""
     team = _team(E)
     tg = _jit.ctype(grad.dtype)
     spb = 4 if team == 32 else 1
     threads = team * spb
     ch = 8 if (grad.dtype.itemsize == 2 or out.dtype.itemsize == 2) else 4
-    vec = _vec_ok([grad, rmap, inter, out], E, ch)
+    vec = _vec_ok([grad, None if bitmap else rmap, inter, out], E, ch)
+    bm = ", true" if bitmap else ""
     if vec and not pre and not aux and _BWD_VARIANT != "dense":
         # zero gradient off the map: only the K selected entries of grad and intermediate are read; with
         # _SEL_REG_CHUNKS or more 16-byte chunks per thread, in one pass with the entries in registers
         # (on H100: 17% faster for fp32 E=2304, 4-20% slower with 1-2 chunks per thread)
         reg = -(-(E // ch) // team) >= _SEL_REG_CHUNKS if _BWD_VARIANT not in ("sel", "selreg") else \
             _BWD_VARIANT == "selreg"
-        fn = _jit.function(_FILE, f"router_bwd_sel{'_reg' if reg else ''}<{tg}, {team}>")
+        fn = _jit.function(_FILE, f"router_bwd_sel{'_reg' if reg else ''}<{tg}, {team}{bm}>")
         # one token per warp (or per 128-thread block) where measured (H100, T = 65536, us: fp32 E=256 softmax
         # 57.3 -> 54.2, E=2304 415 -> 395; bf16 E=256 41.7 -> 39.9, E=2304 320 -> 291), else one resident wave
         tpw = (_TPW_VARIANT[1] if _TPW_VARIANT is not None and len(_TPW_VARIANT) > 1 else 1) if team <= 128 else 0
@@ -361,10 +446,23 @@ def _launch_bwd(call, grad, rmap, inter, out, T, E, K, score_fn, pre, aux, scale
                     stream=call.stream)
         return
     grid = _grid(-(-T // spb), threads, 0, call.device_id)
-    fn = _jit.function(_FILE, f"router_bwd<{tg}, {_jit.ctype(out.dtype)}, {team}>")
+    fn = _jit.function(_FILE, f"router_bwd<{tg}, {_jit.ctype(out.dtype)}, {team}{bm}>")
     _jit.launch(fn, grid, threads,
                 (grad, rmap if rmap is not None else 0, inter, np.int64(T), np.int32(E), np.int32(K),
                  np.int32(score_fn), np.int32(pre), np.int32(aux), np.float32(scale), out, np.int32(vec)),
+                stream=call.stream)
+
+
+def _launch_bwd_idx(call, grad, idx, inter, out, T, E, K, score_fn, pre, scale):
+    """The backward from dense indices (router_bwd_idx: one warp a token); bad ids go to the error word."""
+    ch = 8 if grad.dtype.itemsize == 2 else 4
+    vec = _vec_ok([grad, inter, out], E, ch)
+    fn = _jit.function(_FILE, f"router_bwd_idx<{_jit.ctype(grad.dtype)}>")
+    grid = _grid(-(-T // 4), 128, 0, call.device_id, getattr(fn, "num_regs", 0))
+    _jit.launch(fn, grid, 128,
+                (grad, idx, np.int32(np.dtype(idx.dtype).itemsize), inter, np.int64(T), np.int32(E), np.int32(K),
+                 np.int32(score_fn), np.int32(pre), np.float32(scale), out, np.int32(vec),
+                 _errors.word(call.device_id)),
                 stream=call.stream)
 
 
@@ -441,7 +539,8 @@ def _ref_kwargs(score_function, pre, G, g, scale, bv):
 
 @_fast.recorded("logits", "expert_bias", variant=_variant)
 def topk_with_score(logits, topk, *, score_function="softmax", use_pre_softmax=False, num_groups=None,
-                    group_topk=None, scaling_factor=None, expert_bias=None, stream=None):
+                    group_topk=None, scaling_factor=None, expert_bias=None, routing_map_format="bytemap",
+                    topk_indices=None, topk_indices_dtype=None, stream=None):
     """Route each token to its ``topk`` experts (TE ``fused_topk_with_score_function``).
 
     Records no autograd: use the op of the same name in ``moe_rt.torch`` / ``moe_rt.jax`` to differentiate
@@ -458,31 +557,91 @@ def topk_with_score(logits, topk, *, score_function="softmax", use_pre_softmax=F
             K/group_topk selection scores, and only the best ``group_topk`` groups are eligible.
         scaling_factor: float multiplied into the probs (None = 1.0; 0.0 zeroes them); finite.
         expert_bias: ``[E]`` fp32/bf16/fp16, sigmoid/sqrtsoftplus only; added for selection only.
+        routing_map_format: ``"bytemap"`` (default: routing_map bool ``[..., E]``) or ``"bitmap_u8"``:
+            routing_map uint8 ``[..., ceil(E/8)]``, bit ``e % 8`` of byte ``e // 8`` set where the token
+            routes to e (LSB first: ``np.packbits(m, axis=-1, bitorder="little")``), padding bits 0; each byte
+            written once, so the bytes are reproducible. :func:`topk_with_score_backward` takes it with
+            ``routing_map_format="bitmap_u8"`` and gives the byte map's gradient bit for bit. The dispatch
+            ops take no bitmap (:func:`moe_rt.reference.router.unpack_bitmap` or ``np.unpackbits`` first).
+        topk_indices: instead of a map, the dense top-k indices into this caller buffer: ``[..., K]``
+            int16/int32/int64, C-contiguous, writable, on the logits' device (not a JAX array: use
+            ``topk_indices_dtype``). It is written in place and returned as the routing output (the same
+            object). No ``[T, E]`` map is built; probs stay dense. int16 needs E <= 32767.
+        topk_indices_dtype: the same output, allocated: int16, int32 or int64 (a NumPy, torch or JAX dtype,
+            or its name). Not with ``topk_indices``. Neither combines with ``routing_map_format="bitmap_u8"``.
         stream: CUDA stream (None = the caller's current stream).
 
     Returns:
         ``(probs, routing_map, intermediate)``: probs ``[..., E]`` in the logits dtype (nonzero only on the
-        selection), routing_map ``[..., E]`` bool (K trues per row), intermediate ``[..., E]`` fp32 (what
+        selection), routing_map ``[..., E]`` bool (K trues per row) or the bitmap, or with an index output
+        the indices ``[..., K]``: each row's experts in ascending expert id (the order of
+        :func:`topk_indices_with_score`, not by score); intermediate ``[..., E]`` fp32 (what
         :func:`topk_with_score_backward` needs: sigmoid values, raw logits for sqrtsoftplus, the full
         softmax for pre-softmax, the selection's softmax and -inf elsewhere for post-softmax).
     """
-    with _arrays.Call({"logits": logits, "expert_bias": expert_bias}, stream=stream, lean=True) as call:
+    arrays = {"logits": logits, "expert_bias": expert_bias}
+    if topk_indices is not None:
+        arrays["topk_indices"] = topk_indices
+    with _arrays.Call(arrays, stream=stream, lean=True) as call:
+        bitmap, idt = check_topk_outputs(call["logits"], topk, routing_map_format, topk_indices,
+                                         topk_indices_dtype)
         lead, x, E, K, G, g, scale, pre, bv = _prepare_topk(call, topk, score_function, use_pre_softmax,
                                                             num_groups, group_topk, scaling_factor, expert_bias)
         T = x.shape[0]
+        buf = None
+        if topk_indices is not None:
+            buf = _index_buffer(call, topk_indices, lead + (K,))
         if call.backend == "cpu":
             probs, rmap, inter = ref.topk_with_score_fwd(x, K, **_ref_kwargs(score_function, pre, G, g, scale, bv))
+            if bitmap:
+                rmap = ref.pack_bitmap(rmap)
+            elif idt is not None:
+                idx = ref.map_to_indices(rmap, K).astype(idt)
+                if buf is not None:
+                    buf[...] = idx.reshape(buf.shape)
+                rmap = idx
         else:
             xp = call.xp
             probs = call.empty((T, E), dtype=x.dtype)
-            rmap = call.empty((T, E), dtype=np.bool_)
+            rmap = idx = None
+            if idt is None:
+                rmap = call.empty((T, bitmap_bytes(E)) if bitmap else (T, E), dtype=np.uint8 if bitmap else np.bool_)
+            elif buf is None:
+                idx = call.empty((T, K), dtype=idt)
+            else:
+                idx = buf.reshape(T, K)
             inter = call.empty((T, E), dtype=np.float32)
             if T > 0:
                 b32 = None if bv is None else _arrays.as_f32(xp, bv)
                 _launch_fwd(call, x, T, E, K, SCORE_FUNCTIONS[score_function], pre, 0, G, g, scale, b32,
-                            probs, None, rmap, inter, None, None)
+                            probs, None, rmap, inter, idx, None, bitmap)
+            if idx is not None:
+                rmap = idx
         shape = lead + (E,)
-        return call.out(probs.reshape(shape)), call.out(rmap.reshape(shape)), call.out(inter.reshape(shape))
+        if topk_indices is not None:
+            routing = topk_indices
+        else:
+            routing = call.out(rmap.reshape(lead + tuple(rmap.shape[1:]) if bitmap or idt is not None else shape))
+        return call.out(probs.reshape(shape)), routing, call.out(inter.reshape(shape))
+
+
+def _index_buffer(call, obj, shape):
+    """The view of the caller's ``topk_indices`` buffer ``obj``, checked: shape, contiguity, writability (its
+    dtype and device were checked with the call)."""
+    if _arrays.recorder() is not None:  # written in place and returned as itself: no replay of the call
+        raise _arrays.Unrecordable("a topk_indices buffer")
+    if type(obj).__module__.startswith("jax"):
+        raise TypeError("topk_indices: JAX arrays cannot be written in place; pass topk_indices_dtype instead")
+    v = call["topk_indices"]
+    _arrays.check_shape(v, "topk_indices", shape)
+    if hasattr(obj, "is_contiguous") and not obj.is_contiguous():  # torch
+        raise ValueError("topk_indices: the buffer must be C-contiguous")
+    flags = getattr(v, "flags", None)
+    if flags is not None and not flags.c_contiguous:
+        raise ValueError("topk_indices: the buffer must be C-contiguous")
+    if flags is not None and hasattr(flags, "writeable") and not flags.writeable:
+        raise ValueError("topk_indices: the buffer is read-only")
+    return v
 
 
 @_fast.recorded("logits", "expert_bias", variant=_variant)
@@ -507,20 +666,29 @@ def topk_indices_with_score(logits, topk, *, score_function="softmax", use_pre_s
             if T > 0:
                 b32 = None if bv is None else _arrays.as_f32(xp, bv)
                 _launch_fwd(call, x, T, E, K, SCORE_FUNCTIONS[score_function], pre, 0, G, g, scale, b32,
-                            None, None, None, None, idx, w)
+                            None, None, None, None, idx, w)  # int32 indices
         return call.out(idx.reshape(lead + (K,))), call.out(w.reshape(lead + (K,)))
 
 
-@_fast.recorded("grad_probs", "routing_map", "intermediate", variant=_variant)
+@_fast.recorded("grad_probs", "routing_map", "intermediate", "topk_indices", variant=_variant)
 def topk_with_score_backward(grad_probs, routing_map, intermediate, topk, *, score_function,
-                             use_pre_softmax=False, scaling_factor=None, stream=None):
+                             use_pre_softmax=False, scaling_factor=None, routing_map_format="bytemap",
+                             topk_indices=None, stream=None):
     """Backward of :func:`topk_with_score`.
 
     Args:
         grad_probs: ``[..., E]`` fp32/bf16/fp16, gradient of ``probs``.
-        routing_map: ``[..., E]`` bool, from the forward.
+        routing_map: ``[..., E]`` bool, from the forward; with ``routing_map_format="bitmap_u8"`` the
+            forward's bitmap, uint8 ``[..., ceil(E/8)]``. None when ``topk_indices`` is given.
         intermediate: ``[..., E]`` fp32, from the forward.
         topk, score_function, use_pre_softmax, scaling_factor: as given to the forward.
+        routing_map_format: ``"bytemap"`` or ``"bitmap_u8"``: what ``routing_map`` is.
+        topk_indices: instead of a map, the forward's dense indices ``[..., K]`` int16/int32/int64 (any
+            order within a row; -1 selects nothing). The sums then run over each row's K entries (fp32, in a
+            fixed order; the map's backward sums in another order, so the two may differ in the last bits).
+            Ids outside [-1, E) raise ValueError: at once on CPU; on CUDA the kernel records the id in the
+            device's error word and skips it, and the error is raised at the next host-visible point
+            (:func:`moe_rt.check`, or at once under the debug switch, :mod:`moe_rt._errors`).
 
     Returns:
         grad_logits ``[..., E]`` in the grad_probs dtype (every element written; zero off the selection
@@ -534,35 +702,69 @@ def topk_with_score_backward(grad_probs, routing_map, intermediate, topk, *, sco
 
     Off the routing map the gradient is zero (post-softmax, sigmoid, sqrtsoftplus), so on 16-byte rows the
     kernel reads the map and only the selected entries of ``grad_probs`` and ``intermediate``: their values
-    elsewhere (NaN included) never reach the result, as in the reference.
+    elsewhere (NaN included) never reach the result, as in the reference. The bitmap gives the byte map's
+    gradient bit for bit (the same kernels, reading bits).
     """
-    with _arrays.Call({"grad_probs": grad_probs, "routing_map": routing_map, "intermediate": intermediate},
-                      stream=stream, lean=True) as call:
-        gv, mv, yv = call["grad_probs"], call["routing_map"], call["intermediate"]
+    with _arrays.Call({"grad_probs": grad_probs, "routing_map": routing_map, "intermediate": intermediate,
+                       "topk_indices": topk_indices}, stream=stream, lean=True) as call:
+        gv, mv, yv, iv = call["grad_probs"], call["routing_map"], call["intermediate"], call["topk_indices"]
+        bitmap = check_map_format(routing_map_format)
         E = _check_logits(gv, "grad_probs")
-        _arrays.check_dtype(mv, "routing_map", (np.dtype(np.bool_),))
+        if iv is not None:
+            if mv is not None:
+                raise ValueError("routing_map, topk_indices: pass one (routing_map=None with topk_indices)")
+            if bitmap:
+                raise ValueError("topk_indices: cannot be combined with routing_map_format='bitmap_u8'")
+            _arrays.check_dtype(iv, "topk_indices", INDEX_DTYPES)
+        elif mv is None:
+            raise TypeError("routing_map: expected the forward's routing map (or topk_indices=), got None")
+        elif bitmap:
+            _arrays.check_dtype(mv, "routing_map", (np.dtype(np.uint8),))
+            _arrays.check_shape(mv, "routing_map", tuple(gv.shape[:-1]) + (bitmap_bytes(E),))
+        else:
+            _arrays.check_dtype(mv, "routing_map", (np.dtype(np.bool_),))
+            _arrays.check_shape(mv, "routing_map", gv.shape)
         _arrays.check_dtype(yv, "intermediate", (np.dtype(np.float32),))
-        _arrays.check_shape(mv, "routing_map", gv.shape)
         _arrays.check_shape(yv, "intermediate", gv.shape)
         K, scale, pre = _check_topk_flags(E, topk, score_function, use_pre_softmax, scaling_factor)
+        if iv is not None:
+            _arrays.check_shape(iv, "topk_indices", tuple(gv.shape[:-1]) + (K,))
         shape = tuple(gv.shape)
         xp = call.xp
-        g, m, y = _flat(xp, gv, E), _flat(xp, mv, E), _flat(xp, yv, E)
+        g, y = _flat(xp, gv, E), _flat(xp, yv, E)
         T = g.shape[0]
+        if iv is not None:
+            idx = _arrays.contiguous(xp, iv).reshape(T, K)
+            if call.backend == "cpu":
+                _errors.check_ids(idx, E, "topk_indices")
+                out = ref.topk_with_score_bwd_indices(g, idx, y, K, pre, scale, score_function)
+            else:
+                out = call.empty((T, E), dtype=g.dtype)
+                if T > 0:
+                    _launch_bwd_idx(call, g, idx, y, out, T, E, K, SCORE_FUNCTIONS[score_function], pre, scale)
+                    if _errors.DEBUG:
+                        _errors.sync_and_raise(call.device_id, call.stream)
+            return call.out(out.reshape(shape))
+        m = _arrays.contiguous(xp, mv).reshape(T, int(mv.shape[-1]))
         if call.backend == "cpu":
+            if bitmap:
+                if E % 8 and (m[:, -1] >> (E % 8)).any():
+                    raise ValueError("routing_map: padding bits past num_experts are set; a bitmap_u8 map from "
+                                     "the forward has them 0")
+                m = ref.unpack_bitmap(m, E)
             _check_topk_agreement(m, y, K, score_function, pre)
             out = ref.topk_with_score_bwd(g, m, y, K, pre, scale, score_function)
         else:
             out = call.empty((T, E), dtype=g.dtype)
             if T > 0:
-                _launch_bwd(call, g, m, y, out, T, E, K, SCORE_FUNCTIONS[score_function], pre, 0, scale)
+                _launch_bwd(call, g, m, y, out, T, E, K, SCORE_FUNCTIONS[score_function], pre, 0, scale, bitmap)
         return call.out(out.reshape(shape))
 
 
 # ---- scores for the aux loss -----------------------------------------------------------------------
 
 @_fast.recorded("logits", variant=_variant)
-def scores_for_aux_loss(logits, topk, score_function, *, stream=None):
+def scores_for_aux_loss(logits, topk, score_function, *, routing_map_format="bytemap", stream=None):
     """Dense router scores and a plain top-k map for the aux loss (TE ``fused_score_for_moe_aux_loss``;
     no bias, groups or scaling).
 
@@ -574,30 +776,35 @@ def scores_for_aux_loss(logits, topk, score_function, *, stream=None):
         topk: int K, 1 <= K <= min(E, 64).
         score_function: ``"softmax"`` (softmax over E) or ``"sigmoid"``/``"sqrtsoftplus"`` (f(x) / (sum f + 1e-20),
             always normalized, also for K = 1).
+        routing_map_format: ``"bytemap"`` or ``"bitmap_u8"`` (as for :func:`topk_with_score`).
 
     Returns:
         ``(scores, routing_map, intermediate)``: scores ``[..., E]`` fp32, routing_map ``[..., E]`` bool
-        (top-K of the scores), intermediate ``[..., E]`` fp32 (softmax values, sigmoid values, or the raw
+        (top-K of the scores; bitmap_u8: uint8 ``[..., ceil(E/8)]``), intermediate ``[..., E]`` fp32 (softmax values, sigmoid values, or the raw
         logits for sqrtsoftplus).
     """
     with _arrays.Call({"logits": logits}, stream=stream, lean=True) as call:
         xv = call["logits"]
+        bitmap = check_map_format(routing_map_format)
         E, K = check_scores_args(xv, topk, score_function)
         lead = tuple(xv.shape[:-1])
         x = _flat(call.xp, xv, E)
         T = x.shape[0]
         if call.backend == "cpu":
             scores, rmap, inter = ref.scores_for_aux_loss_fwd(x, K, score_function)
+            if bitmap:
+                rmap = ref.pack_bitmap(rmap)
         else:
             xp = call.xp
             scores = call.empty((T, E), dtype=np.float32)
-            rmap = call.empty((T, E), dtype=np.bool_)
+            rmap = call.empty((T, bitmap_bytes(E)) if bitmap else (T, E), dtype=np.uint8 if bitmap else np.bool_)
             inter = call.empty((T, E), dtype=np.float32)
             if T > 0:
                 _launch_fwd(call, x, T, E, K, SCORE_FUNCTIONS[score_function], 0, 1, 0, 0, 1.0, None,
-                            None, scores, rmap, inter, None, None)
+                            None, scores, rmap, inter, None, None, bitmap)
         shape = lead + (E,)
-        return call.out(scores.reshape(shape)), call.out(rmap.reshape(shape)), call.out(inter.reshape(shape))
+        return (call.out(scores.reshape(shape)), call.out(rmap.reshape(lead + tuple(rmap.shape[1:]))),
+                call.out(inter.reshape(shape)))
 
 
 def check_scores_args(xv, topk, score_function):

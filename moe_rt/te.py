@@ -10,10 +10,11 @@ moe_rt's kernels, CPU tensors the NumPy reference (TransformerEngine itself need
 TransformerEngine: up to 16384 experts, CPU tensors, and errors as ValueError/TypeError (where
 TransformerEngine asserts). docs/te.md maps each function and lists the differences.
 
-Not implemented (they need kernels moe_rt does not have yet): the bit-packed routing map
-(``routing_map_format="bitmap_u8"``), the dense ``topk_indices`` output, Quantile-Balancing histograms
-(``qb_*``) and FP8 ``Float8Tensor`` inputs. Passing anything but the default for those arguments raises
-NotImplementedError naming the feature.
+The bit-packed routing map (``routing_map_format="bitmap_u8"``) and the dense ``topk_indices`` output buffer
+work as in TransformerEngine (the permutation functions take neither a bitmap nor indices as a mask: a uint8
+routing map is refused). Not implemented (they need kernels moe_rt does not have yet): Quantile-Balancing
+histograms (``qb_*``) and FP8 ``Float8Tensor`` inputs. Passing anything but the default for those arguments
+raises NotImplementedError naming the feature.
 
 Host syncs: :func:`moe_permute_and_pad_with_probs` reads the padded row count on the host (TransformerEngine
 does the same), and :func:`moe_permute` with ``map_type="index"`` reads the largest expert id on the host
@@ -38,7 +39,7 @@ __all__ = ["RoutingMapFormat", "QBHistogramMode", "fused_topk_with_score_functio
 
 
 class RoutingMapFormat(enum.IntEnum):
-    """TransformerEngine's ``NVTERoutingMapFormat`` values (only BYTEMAP is implemented)."""
+    """TransformerEngine's ``NVTERoutingMapFormat`` values: BYTEMAP (bool map) and BITMAP_U8 (bit-packed)."""
     BYTEMAP = 0
     BITMAP_U8 = 1
 
@@ -53,8 +54,8 @@ _FORMATS = {"bytemap": 0, "bitmap_u8": 1}
 _QB_MODES = ("two_kernel", "fused_atomic")
 
 
-def _routing_map_format(fmt) -> None:
-    """TransformerEngine's validation of ``routing_map_format``; BITMAP_U8 raises NotImplementedError."""
+def _routing_map_format(fmt) -> str:
+    """TransformerEngine's validation of ``routing_map_format``: moe_rt's name of the format."""
     if isinstance(fmt, bool) or not isinstance(fmt, (int, str)):
         raise TypeError(f"routing_map_format: expected an int, a RoutingMapFormat or 'bytemap' / 'bitmap_u8', "
                         f"got {fmt!r}")
@@ -65,9 +66,7 @@ def _routing_map_format(fmt) -> None:
         fmt = _FORMATS[fmt]
     if int(fmt) not in (0, 1):
         raise ValueError(f"routing_map_format: an int must be 0 (BYTEMAP) or 1 (BITMAP_U8), got {fmt!r}")
-    if int(fmt) == 1:
-        raise NotImplementedError("routing_map_format='bitmap_u8' (the bit-packed routing map) is not "
-                                  "implemented in moe_rt; use the default BYTEMAP (a bool map)")
+    return "bitmap_u8" if int(fmt) == 1 else "bytemap"
 
 
 def _groups(v):
@@ -88,10 +87,18 @@ def fused_topk_with_score_function(logits: Tensor, topk: int, use_pre_softmax: b
     Returns ``(probs, routing_map)``: probs in the logits dtype and shape (zero off the selection),
     routing_map bool of the same shape. The gradient flows to ``logits``. ``logits`` may have any
     leading dims. ``num_groups``/``group_topk`` None (or <= 0) turn grouping off.
+
+    ``routing_map_format=BITMAP_U8`` (or 1, or ``"bitmap_u8"``): the routing map bit-packed, uint8
+    ``[..., ceil(E/8)]``, bit ``e % 8`` of byte ``e // 8`` (LSB first), padding bits 0; gradients equal the
+    bool map's bit for bit. ``topk_indices``: a caller buffer ``[..., topk]`` int16/int32/int64 (contiguous,
+    on the logits' device; int16 needs E <= 32767; not with BITMAP_U8): the expert ids are written into it
+    and it is returned as the routing output (the same tensor); no map is built, probs stay dense, and the
+    backward runs from the indices. Each row's ids are in ascending expert id (TransformerEngine's rows
+    follow its selection order; the sets are the same).
     """
     if isinstance(logits, Tensor) and logits.dtype == torch.float64:
         raise ValueError("logits: float64 router logits are not supported (fp32, bf16 or fp16)")
-    _routing_map_format(routing_map_format)
+    fmt = _routing_map_format(routing_map_format)
     qb = (qb_histogram, qb_bin_bounds, qb_histogram_mode)
     if any(v is not None for v in qb):
         if any(v is None for v in qb):
@@ -106,21 +113,30 @@ def fused_topk_with_score_function(logits: Tensor, topk: int, use_pre_softmax: b
             raise ValueError(f"qb_histogram_mode must be 'two_kernel' or 'fused_atomic', got {qb_histogram_mode!r}")
         raise NotImplementedError("Quantile Balancing (qb_histogram, qb_bin_bounds, qb_histogram_mode) is not "
                                   "implemented in moe_rt")
-    if topk_indices is not None:
-        raise NotImplementedError("topk_indices (the dense top-k index output buffer) is not implemented in "
-                                  "moe_rt; use the routing map it returns")
+    if topk_indices is not None and fmt != "bytemap":
+        raise ValueError("topk_indices: the dense index output cannot be combined with non-default "
+                         "routing_map_format (BITMAP_U8)")
+    if fmt == "bytemap" and topk_indices is None:
+        return _mt.topk_with_score(logits, topk, score_function=score_function, use_pre_softmax=use_pre_softmax,
+                                   num_groups=_groups(num_groups), group_topk=_groups(group_topk),
+                                   scaling_factor=scaling_factor, expert_bias=expert_bias)
     return _mt.topk_with_score(logits, topk, score_function=score_function, use_pre_softmax=use_pre_softmax,
                                num_groups=_groups(num_groups), group_topk=_groups(group_topk),
-                               scaling_factor=scaling_factor, expert_bias=expert_bias)
+                               scaling_factor=scaling_factor, expert_bias=expert_bias, routing_map_format=fmt,
+                               topk_indices=topk_indices)
 
 
 def fused_compute_score_for_moe_aux_loss(logits: Tensor, topk: int, score_function: str,
                                          routing_map_format: Union[str, RoutingMapFormat, int] =
                                          RoutingMapFormat.BYTEMAP):
     """The dense scores of the aux loss and their top-k map. Returns ``(routing_map bool, scores fp32)``
-    (TransformerEngine's order: the map first); the gradient flows to ``logits`` in its dtype."""
-    _routing_map_format(routing_map_format)
-    scores, routing_map = _mt.scores_for_aux_loss(logits, topk, score_function)
+    (TransformerEngine's order: the map first); the gradient flows to ``logits`` in its dtype. BITMAP_U8:
+    the map bit-packed, as for :func:`fused_topk_with_score_function`."""
+    fmt = _routing_map_format(routing_map_format)
+    if fmt == "bytemap":
+        scores, routing_map = _mt.scores_for_aux_loss(logits, topk, score_function)
+    else:
+        scores, routing_map = _mt.scores_for_aux_loss(logits, topk, score_function, routing_map_format=fmt)
     return routing_map, scores
 
 
@@ -193,6 +209,10 @@ def _mask_map(routing_map, name="routing_map"):
     _check_tensor(routing_map, name)
     if routing_map.dim() != 2:
         raise ValueError(f"{name}: expected [num_tokens, num_experts], got shape {tuple(routing_map.shape)}")
+    if routing_map.dtype == torch.uint8:
+        raise TypeError(f"{name}: uint8 is the bit-packed routing map's dtype (routing_map_format=BITMAP_U8), "
+                        "which the permutation functions do not take; pass the bool map (unpack the bitmap "
+                        "first, or route with the default BYTEMAP)")
     return routing_map
 
 

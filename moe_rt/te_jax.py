@@ -10,8 +10,9 @@ Every function works under ``jax.jit`` and ``jax.grad`` (``moe_rt.jax``); CUDA a
 CPU arrays the NumPy reference. Conventions kept from TransformerEngine: ``-1`` (any value <= 0) turns
 grouping off, ``[B,S,...]`` inputs are flattened to tokens, routing maps are 0/1 integer (or bool) arrays,
 the aux loss takes T and E from the probs' shape. Beyond TransformerEngine: ``"sqrtsoftplus"``, up to
-16384 experts, CPU arrays, no host syncs anywhere. Not implemented (needs kernels moe_rt does not have):
-``routing_map_format="bitmap_u8"``, which raises NotImplementedError. docs/te.md maps each function.
+16384 experts, CPU arrays, no host syncs anywhere. ``routing_map_format="bitmap_u8"`` returns the bit-packed
+map (uint8 ``[..., ceil(E/8)]``, LSB first, zero padding bits), which :func:`token_dispatch` does not take (a
+uint8 routing map is refused). docs/te.md maps each function.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ class ScoreFunction(enum.IntEnum):
 
 
 class RoutingMapFormat(enum.IntEnum):
-    """TransformerEngine's routing map formats (only BYTEMAP is implemented)."""
+    """TransformerEngine's routing map formats: BYTEMAP (bool map) and BITMAP_U8 (bit-packed)."""
     BYTEMAP = 0
     BITMAP_U8 = 1
 
@@ -51,7 +52,7 @@ def _score_function(sf) -> str:
     raise ValueError(f"score_function: expected a string or a ScoreFunction, got {sf!r}")
 
 
-def _routing_map_format(fmt) -> None:
+def _routing_map_format(fmt) -> str:
     if isinstance(fmt, str):
         v = {"bytemap": 0, "bitmap_u8": 1}.get(fmt.lower())
         if v is None:
@@ -62,9 +63,7 @@ def _routing_map_format(fmt) -> None:
             raise ValueError(f"routing_map_format: expected 0 (BYTEMAP) or 1 (BITMAP_U8), got {fmt!r}")
     else:
         raise ValueError(f"routing_map_format: expected a RoutingMapFormat, an int or a string, got {fmt!r}")
-    if v == 1:
-        raise NotImplementedError("routing_map_format='bitmap_u8' (the bit-packed routing map) is not "
-                                  "implemented in moe_rt; use the default BYTEMAP (a bool map)")
+    return "bitmap_u8" if v == 1 else "bytemap"
 
 
 def _group(v, name):
@@ -85,21 +84,24 @@ def fused_topk_with_score_function(logits, topk: int, use_pre_softmax: bool = Fa
     logits dtype (zero off the selection) and a bool map. ``compute_aux_scores=True`` ignores the bias,
     pre-softmax, groups and scaling and returns the dense scores (softmax, or sigmoid normalized by its row
     sum + 1e-20) in the logits dtype (computed in fp32) with their top-k map. The gradient flows to
-    ``logits`` only.
+    ``logits`` only. ``routing_map_format=BITMAP_U8`` (1, or ``"bitmap_u8"`` in any case): the map
+    bit-packed, uint8 ``[..., ceil(E/8)]``, bit ``e % 8`` of byte ``e // 8``; the gradients are the bool
+    map's, bit for bit.
     """
-    _routing_map_format(routing_map_format)
+    fmt = _routing_map_format(routing_map_format)
+    fkw = {} if fmt == "bytemap" else {"routing_map_format": fmt}
     sf = _score_function(score_function)
     if isinstance(scaling_factor, bool) or not isinstance(scaling_factor, (int, float)):
         raise TypeError(f"scaling_factor: expected a Python number, got {type(scaling_factor).__name__}")
     if expert_bias is not None and sf == "softmax":
         raise ValueError("expert_bias: only used with the sigmoid (or sqrtsoftplus) score function")
     if compute_aux_scores:
-        scores, routing_map = _mj.scores_for_aux_loss(logits, topk, sf)
+        scores, routing_map = _mj.scores_for_aux_loss(logits, topk, sf, **fkw)
         return scores.astype(logits.dtype), routing_map
     return _mj.topk_with_score(logits, topk, score_function=sf, use_pre_softmax=bool(use_pre_softmax),
                                num_groups=_group(num_groups, "num_groups"),
                                group_topk=_group(group_topk, "group_topk"),
-                               scaling_factor=float(scaling_factor), expert_bias=expert_bias)
+                               scaling_factor=float(scaling_factor), expert_bias=expert_bias, **fkw)
 
 
 def fused_moe_aux_loss(probs, tokens_per_expert, topk: int, coeff: float):
@@ -167,6 +169,9 @@ def token_dispatch(inp, routing_map, num_out_tokens: int, probs=None, align_size
     if inp.ndim not in (2, 3) or routing_map.ndim != inp.ndim:
         raise ValueError(f"inp, routing_map: expected [T,H] and [T,E] (or [B,S,H] and [B,S,E]), got shapes "
                          f"{inp.shape} and {routing_map.shape}")
+    if routing_map.dtype == jnp.uint8:
+        raise TypeError("routing_map: uint8 is the bit-packed routing map's dtype (routing_map_format=BITMAP_U8), "
+                        "which token_dispatch does not take; pass the 0/1 int32 (or bool) map")
     E = routing_map.shape[-1]
     x = inp.reshape(-1, inp.shape[-1])
     rmap = routing_map.reshape(-1, E)

@@ -498,35 +498,52 @@ def _opt(v: int):
 
 @torch.library.custom_op("moe_rt::topk_with_score", mutates_args=())
 def _topk_op(logits: Tensor, topk: int, score_function: str, use_pre_softmax: bool, num_groups: int,
-             group_topk: int, scaling_factor: float, expert_bias: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+             group_topk: int, scaling_factor: float, expert_bias: Optional[Tensor], routing_map_format: str,
+             index_dtype: Optional[torch.dtype]) -> tuple[Tensor, Tensor, Tensor]:
     return tuple(_rt.topk_with_score(
         logits, topk, score_function=score_function, use_pre_softmax=use_pre_softmax,
         num_groups=_opt(num_groups), group_topk=_opt(group_topk), scaling_factor=scaling_factor,
-        expert_bias=expert_bias))
+        expert_bias=expert_bias, routing_map_format=routing_map_format, topk_indices_dtype=index_dtype))
+
+
+def _routing_like(logits: Tensor, topk: int, routing_map_format: str, index_dtype) -> Tensor:
+    """An empty routing output of the right shape and dtype (the fake implementation's)."""
+    lead = tuple(logits.shape[:-1])
+    if index_dtype is not None:
+        return logits.new_empty(lead + (topk,), dtype=index_dtype)
+    if routing_map_format == "bitmap_u8":
+        return logits.new_empty(lead + (_rt.bitmap_bytes(logits.shape[-1]),), dtype=torch.uint8)
+    return torch.empty_like(logits, dtype=torch.bool)
 
 
 @_topk_op.register_fake
-def _(logits, topk, score_function, use_pre_softmax, num_groups, group_topk, scaling_factor, expert_bias):
-    return (torch.empty_like(logits), torch.empty_like(logits, dtype=torch.bool),
+def _(logits, topk, score_function, use_pre_softmax, num_groups, group_topk, scaling_factor, expert_bias,
+      routing_map_format, index_dtype):
+    return (torch.empty_like(logits), _routing_like(logits, topk, routing_map_format, index_dtype),
             torch.empty_like(logits, dtype=torch.float32))
 
 
 @torch.library.custom_op("moe_rt::topk_with_score_backward", mutates_args=())
 def _topk_bwd_op(grad_probs: Tensor, routing_map: Tensor, intermediate: Tensor, topk: int, score_function: str,
-                 use_pre_softmax: bool, scaling_factor: float) -> Tensor:
+                 use_pre_softmax: bool, scaling_factor: float, routing_map_format: str, by_indices: bool) -> Tensor:
+    if by_indices:
+        return _rt.topk_with_score_backward(grad_probs.contiguous(), None, intermediate, topk,
+                                            score_function=score_function, use_pre_softmax=use_pre_softmax,
+                                            scaling_factor=scaling_factor, topk_indices=routing_map)
     return _rt.topk_with_score_backward(grad_probs.contiguous(), routing_map, intermediate, topk,
                                         score_function=score_function, use_pre_softmax=use_pre_softmax,
-                                              scaling_factor=scaling_factor)
+                                        scaling_factor=scaling_factor, routing_map_format=routing_map_format)
 
 
 @_topk_bwd_op.register_fake
-def _(grad_probs, routing_map, intermediate, topk, score_function, use_pre_softmax, scaling_factor):
+def _(grad_probs, routing_map, intermediate, topk, score_function, use_pre_softmax, scaling_factor,
+      routing_map_format, by_indices):
     return torch.empty_like(grad_probs)
 
 
 def _topk_setup(ctx, inputs, output):
-    _, topk, score_function, use_pre_softmax, _, _, scaling_factor, _ = inputs
-    ctx.args = (topk, score_function, use_pre_softmax, scaling_factor)
+    _, topk, score_function, use_pre_softmax, _, _, scaling_factor, _, routing_map_format, index_dtype = inputs
+    ctx.args = (topk, score_function, use_pre_softmax, scaling_factor, routing_map_format, index_dtype is not None)
     ctx.mark_non_differentiable(output[1], output[2])
     ctx.save_for_backward(output[1], output[2])
 
@@ -534,7 +551,7 @@ def _topk_setup(ctx, inputs, output):
 def _topk_bwd(ctx, grad_probs, _grad_map, _grad_inter):
     routing_map, inter = ctx.saved_tensors
     g = _topk_bwd_op(grad_probs, routing_map, inter, *ctx.args)
-    return (g,) + (None,) * 7
+    return (g,) + (None,) * 9
 
 
 _topk_op.register_autograd(_topk_bwd, setup_context=_topk_setup)
@@ -542,23 +559,32 @@ _topk_op.register_autograd(_topk_bwd, setup_context=_topk_setup)
 
 # the forward's keywords that its backward takes too, with moe_rt's defaults (the backward's keywords when
 # the forward got none: one shared dict, never changed)
-_TOPK_BWD_KW = (("score_function", "softmax"), ("use_pre_softmax", False), ("scaling_factor", None))
+_TOPK_BWD_KW = (("score_function", "softmax"), ("use_pre_softmax", False), ("scaling_factor", None),
+                ("routing_map_format", "bytemap"))
 _TOPK_BWD_DEFAULT = dict(_TOPK_BWD_KW)
 
 
 class _TopkFn(torch.autograd.Function):
-    """Eager top-k: forward and backward straight to moe_rt."""
+    """Eager top-k: forward and backward straight to moe_rt. ``buf`` (a 4th input, optional): the caller's
+    ``topk_indices`` buffer, written in place and marked dirty (the routing output is that tensor)."""
 
     @staticmethod
-    def forward(logits, topk, kw):
-        return _rt.topk_with_score(logits, topk, **kw)
+    def forward(logits, topk, kw, buf=None):
+        if buf is None:
+            return _rt.topk_with_score(logits, topk, **kw)
+        return _rt.topk_with_score(logits, topk, topk_indices=buf, **kw)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        _, topk, kw = inputs
+        topk, kw = inputs[1], inputs[2]
         _, routing_map, inter = output
         ctx.set_materialize_grads(False)  # the map and the intermediate never get a gradient
-        ctx.args = (topk, {k: kw.get(k, d) for k, d in _TOPK_BWD_KW} if kw else _TOPK_BWD_DEFAULT)
+        buf = inputs[3] if len(inputs) > 3 else None
+        by_indices = buf is not None or (kw is not None and kw.get("topk_indices_dtype") is not None)
+        ctx.args = (topk, {k: kw.get(k, d) for k, d in _TOPK_BWD_KW} if kw else _TOPK_BWD_DEFAULT, by_indices,
+                    len(inputs))
+        if buf is not None:
+            ctx.mark_dirty(buf)
         ctx.mark_non_differentiable(routing_map, inter)
         ctx.save_for_backward(routing_map, inter)
 
@@ -567,11 +593,15 @@ class _TopkFn(torch.autograd.Function):
     @staticmethod
     @_once
     def backward(ctx, grad_probs, _grad_map, _grad_inter):
+        topk, bkw, by_indices, n_in = ctx.args
         if grad_probs is None:
-            return None, None, None
-        grad_probs, routing_map, inter = _bwd_plain("topk_with_score", grad_probs.contiguous(), *ctx.saved_tensors)
-        topk, bkw = ctx.args
-        return _rt.topk_with_score_backward(grad_probs, routing_map, inter, topk, **bkw), None, None
+            return (None,) * n_in
+        grad_probs, routing, inter = _bwd_plain("topk_with_score", grad_probs.contiguous(), *ctx.saved_tensors)
+        if by_indices:
+            g = _rt.topk_with_score_backward(grad_probs, None, inter, topk, topk_indices=routing, **bkw)
+        else:
+            g = _rt.topk_with_score_backward(grad_probs, routing, inter, topk, **bkw)
+        return (g,) + (None,) * (n_in - 1)
 
 
 _topk_apply = _c_apply(_TopkFn)
@@ -579,12 +609,23 @@ _topk_apply = _c_apply(_TopkFn)
 
 def topk_with_score(logits: Tensor, topk: int, *, score_function: str = "softmax", use_pre_softmax: bool = False,
                     num_groups: Optional[int] = None, group_topk: Optional[int] = None,
-                    scaling_factor: Optional[float] = None,
-                    expert_bias: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                    scaling_factor: Optional[float] = None, expert_bias: Optional[Tensor] = None,
+                    routing_map_format: str = "bytemap", topk_indices: Optional[Tensor] = None,
+                    topk_indices_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor]:
     """Differentiable :func:`moe_rt.router.topk_with_score`: returns ``(probs [T,E] logits dtype,
-    routing_map [T,E] bool)``; the gradient flows to ``logits`` (the expert bias gets none)."""
+    routing_map [T,E] bool)``; the gradient flows to ``logits`` (the expert bias gets none).
+
+    ``routing_map_format="bitmap_u8"`` returns the bit-packed map (uint8 ``[T, ceil(E/8)]``) instead;
+    ``topk_indices`` (an int16/int32/int64 ``[T, K]`` buffer, written in place and returned as the routing
+    output) or ``topk_indices_dtype`` (a torch integer dtype) return the dense indices, ascending expert id
+    per row; the backward then runs from the indices. Under ``torch.compile`` a buffer is filled by a copy
+    from the op's output."""
     _tensor(logits, "logits")
     _tensor(expert_bias, "expert_bias", True)
+    if topk_indices is not None or topk_indices_dtype is not None or (
+            type(routing_map_format) is not str or routing_map_format != "bytemap"):
+        return _topk_formats(logits, topk, score_function, use_pre_softmax, num_groups, group_topk, scaling_factor,
+                             expert_bias, routing_map_format, topk_indices, topk_indices_dtype)
     if _eager():
         # only the keywords that differ from moe_rt's defaults: less to pass, and a shorter signature to key
         # the op's replay on
@@ -612,18 +653,57 @@ def topk_with_score(logits: Tensor, topk: int, *, score_function: str = "softmax
     probs, routing_map, _ = _topk_op(logits, int(topk), str(score_function), bool(use_pre_softmax),
                                      -1 if num_groups is None else int(num_groups),
                                      -1 if group_topk is None else int(group_topk),
-                                     1.0 if scaling_factor is None else float(scaling_factor), expert_bias)
+                                     1.0 if scaling_factor is None else float(scaling_factor), expert_bias,
+                                     "bytemap", None)
     return probs, routing_map
 
 
+def _topk_formats(logits, topk, score_function, use_pre_softmax, num_groups, group_topk, scaling_factor,
+                  expert_bias, routing_map_format, topk_indices, topk_indices_dtype):
+    """:func:`topk_with_score` with a bitmap or index routing output."""
+    _tensor(topk_indices, "topk_indices", True)
+    _rt.check_topk_outputs(logits, topk, routing_map_format, topk_indices, topk_indices_dtype)
+    kw = dict(score_function=score_function, use_pre_softmax=use_pre_softmax, num_groups=num_groups,
+              group_topk=group_topk, scaling_factor=scaling_factor, expert_bias=expert_bias,
+              routing_map_format=routing_map_format)
+    if _eager():
+        if topk_indices is not None:
+            probs, idx, _ = _TopkFn.apply(logits, topk, kw, topk_indices)
+            return probs, idx
+        if topk_indices_dtype is not None:
+            kw["topk_indices_dtype"] = topk_indices_dtype
+        probs, routing, _ = _TopkFn.apply(logits, topk, kw)
+        return probs, routing
+    if topk_indices is not None:
+        index_dtype = topk_indices.dtype
+    elif topk_indices_dtype is not None:
+        index_dtype = _torch_index_dtype(topk_indices_dtype)
+    else:
+        index_dtype = None
+    probs, routing, _ = _topk_op(logits, int(topk), str(score_function), bool(use_pre_softmax),
+                                 -1 if num_groups is None else int(num_groups),
+                                 -1 if group_topk is None else int(group_topk),
+                                 1.0 if scaling_factor is None else float(scaling_factor), expert_bias,
+                                 routing_map_format, index_dtype)
+    if topk_indices is not None:
+        topk_indices.copy_(routing)
+        return probs, topk_indices
+    return probs, routing
+
+
+def _torch_index_dtype(dtype) -> torch.dtype:
+    return getattr(torch, _rt.parse_index_dtype(dtype).name)
+
+
 @torch.library.custom_op("moe_rt::scores_for_aux_loss", mutates_args=())
-def _scores_op(logits: Tensor, topk: int, score_function: str) -> tuple[Tensor, Tensor, Tensor]:
-    return tuple(_rt.scores_for_aux_loss(logits, topk, score_function))
+def _scores_op(logits: Tensor, topk: int, score_function: str,
+               routing_map_format: str) -> tuple[Tensor, Tensor, Tensor]:
+    return tuple(_rt.scores_for_aux_loss(logits, topk, score_function, routing_map_format=routing_map_format))
 
 
 @_scores_op.register_fake
-def _(logits, topk, score_function):
-    return (torch.empty_like(logits, dtype=torch.float32), torch.empty_like(logits, dtype=torch.bool),
+def _(logits, topk, score_function, routing_map_format):
+    return (torch.empty_like(logits, dtype=torch.float32), _routing_like(logits, topk, routing_map_format, None),
             torch.empty_like(logits, dtype=torch.float32))
 
 
@@ -643,7 +723,7 @@ def _(grad_scores, intermediate, topk, score_function, logits_like):
 
 
 def _scores_setup(ctx, inputs, output):
-    logits, topk, score_function = inputs
+    logits, topk, score_function, _ = inputs
     ctx.args = (topk, score_function)
     ctx.mark_non_differentiable(output[1], output[2])
     ctx.save_for_backward(output[2], logits.new_empty((0,)))
@@ -651,7 +731,7 @@ def _scores_setup(ctx, inputs, output):
 
 def _scores_bwd(ctx, grad_scores, _g_map, _g_inter):
     inter, like = ctx.saved_tensors
-    return _scores_bwd_op(grad_scores.float(), inter, *ctx.args, like), None, None
+    return _scores_bwd_op(grad_scores.float(), inter, *ctx.args, like), None, None, None
 
 
 _scores_op.register_autograd(_scores_bwd, setup_context=_scores_setup)
@@ -661,12 +741,12 @@ class _ScoresFn(torch.autograd.Function):
     """Eager aux-loss scores: forward and backward straight to moe_rt."""
 
     @staticmethod
-    def forward(logits, topk, score_function):
-        return _rt.scores_for_aux_loss(logits, topk, score_function)
+    def forward(logits, topk, score_function, routing_map_format="bytemap"):
+        return _rt.scores_for_aux_loss(logits, topk, score_function, routing_map_format=routing_map_format)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        logits, topk, score_function = inputs
+        logits, topk, score_function = inputs[:3]
         _, routing_map, inter = output
         ctx.set_materialize_grads(False)  # the map and the intermediate never get a gradient
         ctx.args = (topk, score_function, logits.dtype)
@@ -684,16 +764,25 @@ class _ScoresFn(torch.autograd.Function):
                                         *ctx.saved_tensors)
         topk, score_function, dtype = ctx.args
         g = _rt.scores_for_aux_loss_backward(grad_scores, inter, topk, score_function, dtype=dtype)
-        return g, None, None
+        return g, None, None, None
 
 
 _scores_apply = _c_apply(_ScoresFn)
 
 
-def scores_for_aux_loss(logits: Tensor, topk: int, score_function: str) -> tuple[Tensor, Tensor]:
+def scores_for_aux_loss(logits: Tensor, topk: int, score_function: str, *,
+                        routing_map_format: str = "bytemap") -> tuple[Tensor, Tensor]:
     """Differentiable :func:`moe_rt.router.scores_for_aux_loss`: ``(scores [T,E] fp32, routing_map [T,E]
-    bool)``; the gradient flows to ``logits``."""
+    bool)``; the gradient flows to ``logits``. ``routing_map_format="bitmap_u8"``: the map bit-packed (uint8
+    ``[T, ceil(E/8)]``)."""
     _tensor(logits, "logits")
+    if type(routing_map_format) is not str or routing_map_format != "bytemap":
+        _rt.check_map_format(routing_map_format)
+        if _eager():
+            scores, routing_map, _ = _ScoresFn.apply(logits, topk, score_function, routing_map_format)
+            return scores, routing_map
+        scores, routing_map, _ = _scores_op(logits, int(topk), str(score_function), routing_map_format)
+        return scores, routing_map
     if _eager():
         if _functorch_active() or (_unwrap_dead is None and _needs_grad(logits)):
             scores, routing_map, _ = _ScoresFn.apply(logits, topk, score_function)
@@ -703,7 +792,7 @@ def scores_for_aux_loss(logits: Tensor, topk: int, score_function: str) -> tuple
             return scores, routing_map
         scores, routing_map, _ = _rt.scores_for_aux_loss(logits, topk, score_function)
         return scores, routing_map
-    scores, routing_map, _ = _scores_op(logits, int(topk), str(score_function))
+    scores, routing_map, _ = _scores_op(logits, int(topk), str(score_function), "bytemap")
     return scores, routing_map
 
 

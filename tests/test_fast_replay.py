@@ -819,7 +819,7 @@ def test_a_call_running_a_quick_kernel_is_not_recorded(fake_device, monkeypatch)
     x = mem((T, E), F32)
     outs = [mem((T, E), F32), mem((T, E), np.bool_), mem((T, E), F32)]
     op = R.topk_with_score
-    quick = _jit.function("router.cu", "router_fwd_reg<float, 8, false, false, 0>").ptr
+    quick = _jit.function("router.cu", "router_fwd_reg<float, 8, false, false, false, 0>").ptr
     main = _jit.function("router.cu", "router_fwd_reg<float, 8>").ptr
 
     def call():

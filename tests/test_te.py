@@ -136,12 +136,9 @@ def test_router_bad_input():
         te.fused_topk_with_score_function(*args, routing_map_format=3)
     with pytest.raises(TypeError, match="routing_map_format"):
         te.fused_topk_with_score_function(*args, routing_map_format=1.0)
-    with pytest.raises(NotImplementedError, match="bitmap_u8"):
-        te.fused_topk_with_score_function(*args, routing_map_format="bitmap_u8")
-    with pytest.raises(NotImplementedError, match="bitmap_u8"):
-        te.fused_compute_score_for_moe_aux_loss(logits, 2, "sigmoid", te.RoutingMapFormat.BITMAP_U8)
-    with pytest.raises(NotImplementedError, match="topk_indices"):
-        te.fused_topk_with_score_function(*args, topk_indices=torch.empty(8, 2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="topk_indices"):  # tests/test_router_formats.py: the features
+        te.fused_topk_with_score_function(*args, routing_map_format="bitmap_u8",
+                                          topk_indices=torch.empty(8, 2, dtype=torch.int32))
     hist, bounds = torch.zeros(16, 10, dtype=torch.int32), torch.tensor([-1.0, 1.0])
     with pytest.raises(ValueError, match="together"):
         te.fused_topk_with_score_function(*args, qb_histogram=hist)
@@ -427,8 +424,8 @@ def test_jax_router_bad_input():
         tj.fused_topk_with_score_function(logits, 2, expert_bias=jnp.zeros(8))
     with pytest.raises(ValueError, match="routing_map_format"):
         tj.fused_topk_with_score_function(logits, 2, routing_map_format="packed")
-    with pytest.raises(NotImplementedError, match="bitmap_u8"):
-        tj.fused_topk_with_score_function(logits, 2, routing_map_format="BITMAP_U8")
+    _, bitmap = tj.fused_topk_with_score_function(logits, 2, routing_map_format="BITMAP_U8")
+    assert bitmap.shape == (4, 1) and bitmap.dtype == jnp.uint8
     with pytest.raises(ValueError, match="score_function"):
         tj.fused_topk_with_score_function(logits, 2, score_function="relu")
 

@@ -168,6 +168,71 @@ def topk_with_score_bwd(grad_probs, routing_map, intermediate, topk, use_pre_sof
     return dx.astype(F32).astype(grad_probs.dtype)
 
 
+def pack_bitmap(routing_map) -> np.ndarray:
+    """The bit-packed routing map: uint8 [..., ceil(E/8)], bit e % 8 of byte e // 8 set where the map routes
+    to e (LSB first, ``np.packbits(m, axis=-1, bitorder="little")``), padding bits 0."""
+    return np.packbits(np.asarray(routing_map).astype(bool), axis=-1, bitorder="little")
+
+
+def unpack_bitmap(bitmap, num_experts: int) -> np.ndarray:
+    """The bool [..., E] map of a bit-packed one (padding bits ignored)."""
+    return np.unpackbits(np.asarray(bitmap, dtype=np.uint8), axis=-1, count=num_experts,
+                         bitorder="little").astype(bool)
+
+
+def map_to_indices(routing_map, topk: int) -> np.ndarray:
+    """The selected experts of each row of a bool map, in ascending expert id: int64 [..., topk]."""
+    m = np.asarray(routing_map).astype(bool)
+    idx = np.argsort(~m, axis=-1, kind="stable")[..., :topk]
+    return np.sort(idx, axis=-1).astype(np.int64)
+
+
+def topk_with_score_bwd_indices(grad_probs, topk_indices, intermediate, topk, use_pre_softmax=False,
+                                scaling_factor=None, score_function="softmax"):
+    """grad_logits [T,E] (grad_probs dtype) from the dense indices [T,K] (any order; -1: no expert) and the
+    fp32 intermediate: the sums run over the K entries of each row in row order, in fp32; the row is zero
+    (pre-softmax: y * (0 - sum)) except at the selected experts. Equal to :func:`topk_with_score_bwd` up to
+    the order of the sums."""
+    grad_probs = np.asarray(grad_probs)
+    s = F32(1.0 if scaling_factor is None else scaling_factor)
+    g = (s * grad_probs.astype(F32)).astype(F32)
+    y = np.asarray(intermediate).astype(F32)
+    idx = np.asarray(topk_indices).astype(np.int64)
+    T, E = g.shape
+    valid = idx >= 0
+    e = np.where(valid, idx, 0)
+    gs = np.take_along_axis(g, e, axis=-1)
+    ys = np.take_along_axis(y, e, axis=-1)
+    sig_like = score_function in ("sigmoid", "sqrtsoftplus")
+    if score_function not in SCORE_FUNCTIONS:
+        raise ValueError(f"score_function: unknown {score_function!r}")
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        vs = ys if score_function != "sqrtsoftplus" else _sqrtsoftplus(ys)
+        A = np.zeros((T, 1), F32)
+        B = np.zeros((T, 1), F32)
+        for k in range(idx.shape[-1]):
+            on = valid[:, k:k + 1]
+            if sig_like:
+                A = np.where(on, (A + vs[:, k:k + 1]).astype(F32), A)
+                B = np.where(on, (B + gs[:, k:k + 1] * vs[:, k:k + 1]).astype(F32), B)
+            else:
+                A = np.where(on, (A + gs[:, k:k + 1] * ys[:, k:k + 1]).astype(F32), A)
+        if sig_like:
+            Ae = (A + EPS).astype(F32)
+            gh = (gs / Ae - B / (Ae * Ae)).astype(F32) if topk > 1 else gs
+            if score_function == "sigmoid":
+                dsel = gh * ys * (F32(1) - ys)
+            else:
+                dsel = np.where(ys > 20, gh / (F32(2) * vs + EPS), gh * _sigmoid(ys) / (F32(2) * vs + EPS))
+            out = np.zeros((T, E), F32)
+        else:
+            dsel = ys * (gs - A)
+            out = (y * (F32(0) - A)).astype(F32) if use_pre_softmax else np.zeros((T, E), F32)
+    rows = np.broadcast_to(np.arange(T)[:, None], idx.shape)
+    out[rows[valid], idx[valid]] = dsel.astype(F32)[valid]
+    return out.astype(grad_probs.dtype)
+
+
 def scores_for_aux_loss_fwd(logits, topk, score_function):
     """(scores [T,E] fp32, routing_map [T,E] bool, intermediate [T,E] fp32), docs/router.md §4."""
     x = np.asarray(logits).astype(F32)
