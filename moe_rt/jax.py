@@ -160,8 +160,10 @@ def _write(dsts, results, on_gpu: bool) -> bool:
     in_place = True
     for dst, r in zip(dsts, results):
         if dst.size and not (on_gpu and _in_place(r, dst)):
-            d = _arrays.cupy_of(dst)
-            d[...] = _arrays.cupy_of(r).reshape(d.shape)
+            d, r = _arrays.cupy_of(dst), _arrays.cupy_of(r)
+            if on_gpu and d.dtype in _arrays.FP8_DTYPES:  # CuPy has no arithmetic (and no copy) for FP8
+                d, r = d.view(np.uint8), r.view(np.uint8)
+            d[...] = r.reshape(d.shape)
             in_place = False
     return in_place
 
