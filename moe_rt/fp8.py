@@ -10,7 +10,7 @@ dispatch of FP8 rows together with their scales.
 The scale rule, exactly (the NumPy reference, :mod:`moe_rt.reference.fp8`, and the CUDA kernels of
 ``kernels/fp8.cu`` give the same bits): per token and block, ``amax = max |x|`` in fp32;
 ``scale = fl32(amax / 448)``, and ``scale = 1`` where that is 0 (an all-zero block, or an amax below about
-2.2e-43 whose quotient underflows); ``x_fp8 = e4m3(fl32(x / scale))``, the fp32 quotient rounded to nearest
+3.1e-43 whose quotient underflows); ``x_fp8 = e4m3(fl32(x / scale))``, the fp32 quotient rounded to nearest
 even into float8_e4m3fn and saturated to +-448. The stored scale is the dequantization multiplier
 (``x ~= x_fp8 * scale``, what TransformerEngine calls ``scale_inv`` and DeepEP/DeepGEMM take as the scale
 of a 1x128 FP8 block). Rows whose ``H`` is not a multiple of ``block`` end with a shorter block, which
