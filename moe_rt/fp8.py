@@ -69,8 +69,8 @@ def check_quantize_args(x, block) -> tuple[int, int, int]:
     _arrays.check_ndim(x, "x", 2)
     _arrays.check_dtype(x, "x", _TOKEN_DTYPES)
     T, H = (int(d) for d in x.shape)
-    if H >= 2**31:
-        raise ValueError(f"x: rows of {H} channels; at most 2^31 - 1")
+    if H + block >= 2**31:
+        raise ValueError(f"x: rows of {H} channels; H + block must stay below 2^31")
     return T, H, _ref.num_blocks(H, block)
 
 
@@ -88,6 +88,8 @@ def check_dequantize_args(x_fp8, scales, dtype, block) -> tuple[int, int, int, n
     dt = out_dtype(dtype)
     _check_fp8(x_fp8, "x_fp8")
     T, H = (int(d) for d in x_fp8.shape)
+    if H + block >= 2**31:
+        raise ValueError(f"x_fp8: rows of {H} channels; H + block must stay below 2^31")
     nb = _ref.num_blocks(H, block)
     _arrays.check_dtype(scales, "scales", (np.dtype(np.float32),))
     if tuple(scales.shape) != (T, nb):
