@@ -81,6 +81,27 @@ __device__ __forceinline__ void store4(T* p, const float* f) {
   else *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(&r);
 }
 
+// The (token, block) work items of a grid-stride loop, one per warp: item w is token t = w / nb, channels
+// [c0, c1) of block w % nb (the last block of a row may be shorter).
+struct BlockSpan {
+  i64 w, work, stride;
+  i64 t = 0;
+  int c0 = 0, c1 = 0, H, block, nb;
+  bool started = false;
+  __device__ BlockSpan(i64 num_tokens, int H_, int block_, int nb_)
+      : w(((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5), work(num_tokens * nb_),
+        stride(((i64)gridDim.x * blockDim.x) >> 5), H(H_), block(block_), nb(nb_) {}
+  __device__ bool next() {
+    if (started) w += stride;
+    started = true;
+    if (w >= work) return false;
+    t = w / nb;
+    c0 = (int)(w - t * nb) * block;
+    c1 = min(c0 + block, H);
+    return true;
+  }
+};
+
 }  // namespace
 
 // x [T, H] (T's elements), q [T, H] e4m3 bytes, scales [T, nb] fp32, nb = ceil(H / block).
@@ -88,14 +109,11 @@ template <typename T, bool V4>
 __global__ void quantize_fp8(const T* __restrict__ x, unsigned char* __restrict__ q, float* __restrict__ scales,
                              i64 num_tokens, int H, int block, int nb) {
   const int lane = threadIdx.x & 31;
-  const i64 nwarps = ((i64)gridDim.x * blockDim.x) >> 5;
-  const i64 work = num_tokens * nb;
-  for (i64 w = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; w < work; w += nwarps) {
-    const i64 t = w / nb;
-    const int c0 = (int)(w - t * nb) * block;
-    const int c1 = min(c0 + block, H);
-    const T* row = x + t * (i64)H;
-    unsigned char* qrow = q + t * (i64)H;
+  for (BlockSpan sp(num_tokens, H, block, nb); sp.next();) {
+    const i64 w = sp.w;
+    const int c0 = sp.c0, c1 = sp.c1;
+    const T* row = x + sp.t * (i64)H;
+    unsigned char* qrow = q + sp.t * (i64)H;
     unsigned m = 0;
     if (V4) {
       for (int c = c0 + lane * 4; c < c1; c += 128) {
@@ -131,15 +149,11 @@ template <typename T, bool V4>
 __global__ void dequantize_fp8(const unsigned char* __restrict__ q, const float* __restrict__ scales,
                                T* __restrict__ y, i64 num_tokens, int H, int block, int nb) {
   const int lane = threadIdx.x & 31;
-  const i64 nwarps = ((i64)gridDim.x * blockDim.x) >> 5;
-  const i64 work = num_tokens * nb;
-  for (i64 w = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; w < work; w += nwarps) {
-    const i64 t = w / nb;
-    const int c0 = (int)(w - t * nb) * block;
-    const int c1 = min(c0 + block, H);
-    const unsigned char* qrow = q + t * (i64)H;
-    T* yrow = y + t * (i64)H;
-    const float scale = scales[w];
+  for (BlockSpan sp(num_tokens, H, block, nb); sp.next();) {
+    const int c0 = sp.c0, c1 = sp.c1;
+    const unsigned char* qrow = q + sp.t * (i64)H;
+    T* yrow = y + sp.t * (i64)H;
+    const float scale = scales[sp.w];
     if (V4) {
       for (int c = c0 + lane * 4; c < c1; c += 128) {
         const unsigned packed = *reinterpret_cast<const unsigned*>(qrow + c);
