@@ -395,6 +395,16 @@ def _cupy():
     return cupy
 
 
+def _jax_gpu():
+    """JAX's first GPU, or None (JAX missing or without CUDA here)."""
+    if jax is None:
+        return None
+    try:
+        return jax.devices("gpu")[0]
+    except RuntimeError:
+        return None
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
 @pytest.mark.parametrize("T,H,block,offset", [(257, 7168, 128, 0), (33, 300, 128, 0), (31, 388, 128, 1),
@@ -430,8 +440,8 @@ def test_gpu_quantize_bit_exact(rng, dtype, T, H, block, offset):
         s2.synchronize()
         np.testing.assert_array_equal(yt.view(torch.int16).cpu().numpy(),
                                       bits(moe_rt.dequantize_fp8(qr, sr, BF16, block)).view(np.int16))
-    if jax is not None and T:
-        xj = jax.device_put(jnp.asarray(x), jax.devices("gpu")[0])
+    if _jax_gpu() is not None and T:
+        xj = jax.device_put(jnp.asarray(x), _jax_gpu())
         qj, sj = jax.jit(lambda a: moe_rt.jax.quantize_fp8(a, block))(xj)
         np.testing.assert_array_equal(bits(np.asarray(qj)), bits(qr))
         yj = jax.jit(lambda a, b: moe_rt.jax.dequantize_fp8(a, b, jnp.float32, block))(qj, sj)
@@ -492,8 +502,8 @@ def test_gpu_cupy_and_jax_fp8_dispatch(rng):
         out, _ = moe_rt.dispatch(cp.asarray(raw).view(fp8), plan)
         assert out.dtype == fp8
         np.testing.assert_array_equal(cp.asnumpy(out.view(np.uint8)), ref_x)
-    if jax is not None:
-        gpu = jax.devices("gpu")[0]
+    gpu = _jax_gpu()
+    if gpu is not None:
         xj = jax.lax.bitcast_convert_type(jax.device_put(jnp.asarray(raw), gpu), jnp.float8_e4m3fn)
         jplan = moe_rt.jax.make_plan(jax.device_put(jnp.asarray(idx), gpu), E, align_size=4)
         for o in (moe_rt.jax.dispatch(xj, jplan)[0], jax.jit(lambda a: moe_rt.jax.dispatch(a, jplan)[0])(xj),
