@@ -12,6 +12,7 @@ from moe_rt.router import (aux_loss, aux_loss_backward, scores_for_aux_loss, sco
                            topk_indices_with_score, topk_with_score, topk_with_score_backward)
 from moe_rt.permutation import (Plan, combine, combine_backward, dispatch, dispatch_backward, make_plan,
                                 sort_chunks, sort_chunks_backward)
+from moe_rt.fp8 import dequantize_fp8, dispatch_fp8, quantize_fp8
 from moe_rt.ep import EpGroup, Handle
 from moe_rt import bootstrap  # noqa: F401 - unique-id helpers: moe_rt.bootstrap.init_communicator, ...
 from moe_rt._jit import l2_fetch_granularity
@@ -24,6 +25,8 @@ __all__ = [
     # dispatch/combine on one GPU
     "Plan", "make_plan", "dispatch", "combine", "dispatch_backward", "combine_backward", "sort_chunks",
     "sort_chunks_backward",
+    # FP8: block quantization and dispatch with scales
+    "quantize_fp8", "dequantize_fp8", "dispatch_fp8",
     # expert parallelism
     "EpGroup", "Handle", "bootstrap",
     # NCCL

@@ -24,10 +24,16 @@ try:
     import ml_dtypes
 
     BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+    FLOAT8_E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+    FLOAT8_E5M2 = np.dtype(ml_dtypes.float8_e5m2)
 except ImportError:  # pragma: no cover - ml_dtypes is a dependency
-    BFLOAT16 = None
+    BFLOAT16 = FLOAT8_E4M3 = FLOAT8_E5M2 = None
 
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), BFLOAT16)
+# FP8 (ml_dtypes' NumPy dtypes, torch.float8_e4m3fn / float8_e5m2, jnp.float8_*): moved as raw bytes. CuPy
+# holds them as a dtype without arithmetic and cannot export them by DLPack, so on CUDA they are copied and
+# exported as uint8 views of the same memory and reinterpreted in the caller's framework (see export()).
+FP8_DTYPES = tuple(d for d in (FLOAT8_E4M3, FLOAT8_E5M2) if d is not None)
 INDEX_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 
 
@@ -139,6 +145,9 @@ def _torch_np_dtype(tdtype):
         _TORCH_DTYPES.update({k: np.dtype(v) for k, v in pairs.items()})
         if BFLOAT16 is not None:
             _TORCH_DTYPES[torch.bfloat16] = BFLOAT16
+        for name, dt in (("float8_e4m3fn", FLOAT8_E4M3), ("float8_e5m2", FLOAT8_E5M2)):
+            if dt is not None and hasattr(torch, name):
+                _TORCH_DTYPES[getattr(torch, name)] = dt
     return _TORCH_DTYPES.get(tdtype)
 
 
@@ -486,11 +495,23 @@ class Call:
                 return view
         if getattr(obj, "requires_grad", False):
             obj = obj.detach()  # torch refuses to export autograd leaves; detach is a zero-copy view
+        fp8 = None
+        if fw == "torch" and obj.dtype.itemsize == 1 and obj.is_floating_point():
+            # float8: through DLPack as its bytes (torch releases before 2.6 refuse to export float8), then
+            # the same bytes seen as the NumPy float8 dtype again
+            fp8 = _torch_np_dtype(obj.dtype)
+            if fp8 is None:
+                raise TypeError(f"{name}: torch dtype {obj.dtype} is not supported (FP8 dtypes moe_rt moves: "
+                                "float8_e4m3fn, float8_e5m2)")
+            import torch
+
+            obj = obj.view(torch.uint8)
         ptr = self.stream.ptr if self.stream is not None else None
         if ptr == 0:
             ptr = 1  # DLPack: 1 is the legacy default stream; 0 is disallowed
         view = _dlpack.consume(obj, stream=ptr)
-        return wrap(view)
+        arr = wrap(view)
+        return arr if fp8 is None else arr.view(fp8)
 
     def __getitem__(self, name):
         return self.views[name]
@@ -558,6 +579,8 @@ class Call:
         if type(arr) is DevArray:
             return arr.export(self.framework)
         if self._fast_torch and not isinstance(arr, np.ndarray):
+            if arr.dtype in FP8_DTYPES:  # CuPy exports no FP8 by DLPack: its bytes, seen as FP8 in torch
+                return as_fp8(_torch_from_cupy(arr.view(np.uint8), self.stream.ptr), arr.dtype, "torch")
             return _torch_from_cupy(arr, self.stream.ptr)
         return export(arr, self.framework)
 
@@ -603,6 +626,8 @@ def export(arr, framework: str):
         return arr
     if framework == "numpy":  # CUDA result for a NumPy caller cannot happen: backend follows the data
         return arr.get()
+    if not is_numpy and arr.dtype in FP8_DTYPES:
+        return as_fp8(export(arr.view(np.uint8), framework), arr.dtype, framework)
     src = _dlpack.Exported.from_numpy(arr) if is_numpy else arr
     if framework == "torch":
         import torch
@@ -628,6 +653,20 @@ def export(arr, framework: str):
     raise ValueError(f"unknown framework {framework!r}")
 
 
+def as_fp8(arr, dtype, framework: str):
+    """``arr``, a 1-byte array of ``framework`` ('torch' or 'jax'), reinterpreted as the FP8 NumPy dtype
+    ``dtype`` in that framework (the same bits: a view in torch, a bitcast in JAX)."""
+    if framework == "torch":
+        import torch
+
+        return arr.view(_torch_dtype_of(np.dtype(dtype)))
+    if framework == "jax":
+        import jax
+
+        return jax.lax.bitcast_convert_type(arr, np.dtype(dtype))
+    return arr.view(np.dtype(dtype))
+
+
 # -- validation helpers used by every op ---------------------------------------------------------------
 
 def check_dtype(arr, name, allowed):
@@ -648,8 +687,13 @@ def check_shape(arr, name, shape):
 
 
 def contiguous(xp, arr):
-    """``arr`` if C-contiguous, else a contiguous copy (made on the call's stream)."""
-    return arr if arr.flags.c_contiguous else xp.ascontiguousarray(arr)
+    """``arr`` if C-contiguous, else a contiguous copy (made on the call's stream; FP8 copied as bytes,
+    CuPy has no arithmetic for it)."""
+    if arr.flags.c_contiguous:
+        return arr
+    if arr.dtype in FP8_DTYPES and xp is not np:
+        return xp.ascontiguousarray(arr.view(np.uint8)).view(arr.dtype)
+    return xp.ascontiguousarray(arr)
 
 
 def cupy_of(arr):

@@ -21,11 +21,12 @@ import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
 from moe_rt import _arrays, _fast, _jit
+from moe_rt import fp8 as _fp8
 from moe_rt import permutation as _perm
 from moe_rt import router as _rt
 
 __all__ = ["JaxPlan", "make_plan", "dispatch", "combine", "topk_with_score", "scores_for_aux_loss", "aux_loss",
-           "sort_chunks", "JaxEpHandle", "ep_prepare", "ep_dispatch", "ep_combine"]
+           "sort_chunks", "quantize_fp8", "dequantize_fp8", "JaxEpHandle", "ep_prepare", "ep_dispatch", "ep_combine"]
 
 _PLAN_ARRAYS = ("dst_row", "src_slot", "seg_start", "counts", "tokens_per_expert")
 
@@ -163,8 +164,10 @@ def _write(dsts, results, on_gpu: bool) -> bool:
     in_place = True
     for dst, r in zip(dsts, results):
         if dst.size and not (on_gpu and _in_place(r, dst)):
-            d = _arrays.cupy_of(dst)
-            d[...] = _arrays.cupy_of(r).reshape(d.shape)
+            d, r = _arrays.cupy_of(dst), _arrays.cupy_of(r)
+            if on_gpu and d.dtype in _arrays.FP8_DTYPES:  # CuPy has no arithmetic (and no copy) for FP8
+                d, r = d.view(np.uint8), r.view(np.uint8)
+            d[...] = r.reshape(d.shape)
             in_place = False
     return in_place
 
@@ -648,6 +651,35 @@ def sort_chunks(x, split_sizes, sorted_indices, probs=None):
             raise ValueError(f"probs: expected shape ({x.shape[0]},), got {probs.shape}")
     out, po = _sort_chunks(x, s, o, probs)
     return out if probs is None else (out, po)
+
+
+# -- FP8 quantization --------------------------------------------------------------------------------
+
+def quantize_fp8(x, block: int = 128):
+    """:func:`moe_rt.fp8.quantize_fp8` for JAX (jit-compatible): ``x [T,H]`` fp32/bf16/fp16 ->
+    ``(x_fp8 [T,H] float8_e4m3fn, scales [T, ceil(H/block)] float32)``. Not differentiable (use
+    ``jax.lax.stop_gradient`` on ``x`` inside a differentiated function). Checked when traced."""
+    x = jnp.asarray(x)
+    T, H, nb = _fp8.check_quantize_args(x, block)
+    specs = [_spec((T, H), _arrays.FLOAT8_E4M3), _spec((T, nb), np.float32)]
+
+    def fn(xv):
+        return list(_fp8.quantize_fp8(xv, block))
+
+    q, s = _run(fn, specs, x, lean=True)
+    return q, s
+
+
+def dequantize_fp8(x_fp8, scales, dtype=jnp.bfloat16, block: int = 128):
+    """:func:`moe_rt.fp8.dequantize_fp8` for JAX (jit-compatible): ``y [T,H]`` in ``dtype`` (float32,
+    float16 or bfloat16). Not differentiable. Checked when traced."""
+    x_fp8, scales = jnp.asarray(x_fp8), jnp.asarray(scales)
+    T, H, _, dt = _fp8.check_dequantize_args(x_fp8, scales, dtype, block)
+
+    def fn(qv, sv):
+        return [_fp8.dequantize_fp8(qv, sv, dt, block)]
+
+    return _run(fn, [_spec((T, H), dt)], x_fp8, scales, lean=True)[0]
 
 
 # -- expert parallelism ------------------------------------------------------------------------------

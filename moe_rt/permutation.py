@@ -588,6 +588,11 @@ def _row_grid(n_rows: int, device_id: int) -> int:
 
 def _check_tokens(arr, name, T, dtypes, what="plan.num_tokens"):
     _arrays.check_ndim(arr, name, 2)
+    dt = np.dtype(arr.dtype)
+    if dt not in dtypes and dt in _BYTE_DTYPES:
+        raise TypeError(f"{name}: {dt.name} rows cannot be summed (a weighted sum needs float32, float16 or "
+                        f"bfloat16; FP8 values mean something only with their scales, as in TransformerEngine, "
+                        f"which refuses FP8 in unpermute): dequantize them first (moe_rt.dequantize_fp8)")
     _arrays.check_dtype(arr, name, dtypes)
     if arr.shape[0] != T:
         raise ValueError(f"{name}: expected {T} rows ({what}), got shape {tuple(arr.shape)}")

@@ -12,9 +12,14 @@ TransformerEngine asserts). docs/te.md maps each function and lists the differen
 
 The bit-packed routing map (``routing_map_format="bitmap_u8"``) and the dense ``topk_indices`` output buffer
 work as in TransformerEngine (the permutation functions take neither a bitmap nor indices as a mask: a uint8
-routing map is refused). Not implemented (they need kernels moe_rt does not have yet): Quantile-Balancing
-histograms (``qb_*``) and FP8 ``Float8Tensor`` inputs. Passing anything but the default for those arguments
-raises NotImplementedError naming the feature.
+routing map is refused). Not implemented (it needs kernels moe_rt does not have yet): Quantile-Balancing
+histograms (``qb_*``); passing them raises NotImplementedError naming the feature.
+
+FP8: plain ``torch.float8_e4m3fn`` / ``float8_e5m2`` tensors are permuted bit for bit by the permute
+functions (CPU and CUDA); their scale rows (e.g. ``[T, H/128]`` fp32) are permuted by the same call on the
+scales with the same routing map. TransformerEngine's own quantized tensor classes (``Float8Tensor``,
+``Float8BlockwiseQTensor``, ``MXFP8Tensor``) raise NotImplementedError: moe_rt cannot build them without
+TransformerEngine. ``moe_unpermute`` refuses FP8 rows with a TypeError, as TransformerEngine refuses them.
 
 Host syncs: :func:`moe_permute_and_pad_with_probs` reads the padded row count on the host (TransformerEngine
 does the same), and :func:`moe_permute` with ``map_type="index"`` reads the largest expert id on the host
@@ -151,22 +156,32 @@ def fused_moe_aux_loss(probs: Tensor, tokens_per_expert: Tensor, total_num_token
 
 # -- permutation helpers ---------------------------------------------------------------------------------
 
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 def _check_tensor(t, name):
     if not isinstance(t, Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.__class__ is not Tensor and t.__class__.__name__ in ("Float8Tensor", "MXFP8Tensor",
                                                                "Float8BlockwiseQTensor"):
-        raise NotImplementedError(f"{name}: FP8 tensors with scales ({t.__class__.__name__}) are not "
-                                  f"implemented in moe_rt's TransformerEngine API")
+        raise NotImplementedError(
+            f"{name}: TransformerEngine's quantized tensors ({t.__class__.__name__}) are not supported (moe_rt "
+            "does not depend on TransformerEngine and cannot build its tensor classes). Pass the FP8 data as a "
+            "plain torch.float8_e4m3fn / float8_e5m2 tensor (permuted bit for bit) and permute its scale rows "
+            "with the same call (moe_permute(scales [T, S], routing_map, num_out_tokens)), or use "
+            "moe_rt.dispatch_fp8(x_fp8, scales, plan); docs/te.md, 'FP8'")
 
 
 class _ZeroRows(torch.autograd.Function):
     """``out`` with the rows whose permuted prob is exactly 0.0 set to zero (TransformerEngine's permute
-    writes zero rows there); the gradient passes through unchanged, as in TransformerEngine's backward."""
+    writes zero rows there); the gradient passes through unchanged, as in TransformerEngine's backward.
+    FP8 rows are zeroed as bytes (the same bits: +0)."""
 
     @staticmethod
     def forward(ctx, out, permuted_probs):
         keep = (permuted_probs != 0).view(-1, *([1] * (out.dim() - 1)))
+        if out.dtype in _FP8:
+            return torch.where(keep, out.view(torch.uint8), 0).view(out.dtype)
         return torch.where(keep, out, torch.zeros((), dtype=out.dtype, device=out.device))
 
     @staticmethod
@@ -357,6 +372,9 @@ def moe_unpermute(inp: Tensor, row_id_map: Tensor, merging_probs: Optional[Tenso
         _check_tensor(merging_probs, "merging_probs")
     if inp.dim() != 2:
         raise ValueError(f"inp: expected [num_rows, hidden], got shape {tuple(inp.shape)}")
+    if inp.dtype in _FP8:
+        raise TypeError(f"inp: {inp.dtype} rows cannot be unpermuted (a weighted sum; TransformerEngine refuses "
+                        "FP8 in moe_unpermute too): dequantize them first (moe_rt.dequantize_fp8)")
     if row_id_map.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"row_id_map: expected int32, got dtype {row_id_map.dtype}")
     N, H = inp.shape

@@ -22,11 +22,12 @@ import torch
 from torch import Tensor
 
 from moe_rt import _arrays
+from moe_rt import fp8 as _fp8
 from moe_rt import permutation as _perm
 from moe_rt import router as _rt
 
 __all__ = ["TorchPlan", "make_plan", "dispatch", "combine", "topk_with_score", "scores_for_aux_loss", "aux_loss",
-           "sort_chunks", "TorchEpHandle", "ep_prepare", "ep_dispatch", "ep_combine"]
+           "sort_chunks", "quantize_fp8", "dequantize_fp8", "TorchEpHandle", "ep_prepare", "ep_dispatch", "ep_combine"]
 
 
 def _eager() -> bool:
@@ -354,14 +355,15 @@ class _DispatchFn(torch.autograd.Function):
     @_once
     def backward(ctx, grad_xp, grad_pp):
         has_probs = ctx.probs_dtype is not None and grad_pp is not None
-        if grad_xp is None:
+        rows_grad = grad_xp is not None
+        if not rows_grad:
             if not has_probs:
                 return None, None, None
-            grad_xp = torch.zeros((ctx.plan.num_rows, ctx.x_meta[0][1]), dtype=ctx.x_meta[1],
-                                  device=grad_pp.device)
+            # the probs' gradient alone (x may be FP8, which has no gradient): rows of width 0
+            grad_xp = torch.zeros((ctx.plan.num_rows, 0), dtype=torch.float32, device=grad_pp.device)
         grad_xp, grad_pp = _bwd_plain("dispatch", grad_xp.contiguous(), grad_pp if has_probs else None)
         gx, gp = _perm.dispatch_backward(grad_xp, ctx.plan, grad_pp)
-        return gx, (_as_dtype(gp, ctx.probs_dtype) if has_probs else None), None, None
+        return (gx if rows_grad else None), (_as_dtype(gp, ctx.probs_dtype) if has_probs else None), None, None
 
 
 _dispatch_apply = _c_apply(_DispatchFn)
@@ -1046,6 +1048,65 @@ def sort_chunks(x: Tensor, split_sizes, sorted_indices, probs: Optional[Tensor] 
     o = _chunk_tensor(sorted_indices, "sorted_indices", x)
     out, po = _sort_chunks_op(x, s, o, probs)
     return out if probs is None else (out, po)
+
+
+# -- FP8 quantization --------------------------------------------------------------------------------
+
+class _Meta:
+    """A tensor's shape and NumPy dtype, for the core ops' argument checks at trace time."""
+
+    def __init__(self, t: Tensor, name: str):
+        self.shape, self.ndim = tuple(t.shape), t.dim()
+        dt = _arrays._torch_np_dtype(t.dtype)
+        if dt is None:
+            raise TypeError(f"{name}: dtype {t.dtype} is not supported")
+        self.dtype = dt
+
+
+@torch.library.custom_op("moe_rt::quantize_fp8", mutates_args=())
+def _quantize_fp8_op(x: Tensor, block: int) -> tuple[Tensor, Tensor]:
+    return _fp8.quantize_fp8(x, block)
+
+
+@_quantize_fp8_op.register_fake
+def _(x, block):
+    T, H, nb = _fp8.check_quantize_args(_Meta(x, "x"), block)
+    return x.new_empty((T, H), dtype=torch.float8_e4m3fn), x.new_empty((T, nb), dtype=torch.float32)
+
+
+@torch.library.custom_op("moe_rt::dequantize_fp8", mutates_args=())
+def _dequantize_fp8_op(x_fp8: Tensor, scales: Tensor, dtype: torch.dtype, block: int) -> Tensor:
+    return _fp8.dequantize_fp8(x_fp8, scales, dtype, block)
+
+
+@_dequantize_fp8_op.register_fake
+def _(x_fp8, scales, dtype, block):
+    T, H, _, _ = _fp8.check_dequantize_args(_Meta(x_fp8, "x_fp8"), _Meta(scales, "scales"), dtype, block)
+    return x_fp8.new_empty((T, H), dtype=dtype)
+
+
+def quantize_fp8(x: Tensor, block: int = 128) -> tuple[Tensor, Tensor]:
+    """:func:`moe_rt.fp8.quantize_fp8` for torch (eager and ``torch.compile``): ``x [T,H]`` fp32/bf16/fp16 ->
+    ``(x_fp8 [T,H] torch.float8_e4m3fn, scales [T, ceil(H/block)] fp32)``. Not differentiable: the
+    outputs carry no gradient (``x`` is read detached)."""
+    _tensor(x, "x")
+    x = x.detach()
+    if _eager():
+        return _fp8.quantize_fp8(x, block)
+    return _quantize_fp8_op(x, block)
+
+
+def dequantize_fp8(x_fp8: Tensor, scales: Tensor, dtype: torch.dtype = torch.bfloat16, block: int = 128) -> Tensor:
+    """:func:`moe_rt.fp8.dequantize_fp8` for torch (eager and ``torch.compile``): ``y [T,H]`` in ``dtype``
+    (torch.float32, float16 or bfloat16). Not differentiable (the inputs are read detached)."""
+    _tensor(x_fp8, "x_fp8")
+    _tensor(scales, "scales")
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype: expected a torch.dtype (float32, float16 or bfloat16), got {dtype!r}")
+    x_fp8, scales = x_fp8.detach(), scales.detach()
+    if _eager():
+        return _fp8.dequantize_fp8(x_fp8, scales, dtype, block)
+    return _dequantize_fp8_op(x_fp8, scales, dtype, block)
 
 
 # -- expert parallelism ------------------------------------------------------------------------------

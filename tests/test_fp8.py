@@ -1,0 +1,513 @@
+"""FP8: the e4m3 block quantization (docs/fp8.md) against ml_dtypes and an independent implementation, the
+NumPy/torch/JAX CPU paths, FP8 dispatch with scales, bad input (always run), and the CUDA kernels and CUDA
+FP8 dispatch bit for bit against the reference (``-m gpu``)."""
+import ml_dtypes
+import numpy as np
+import pytest
+
+import moe_rt
+from moe_rt.reference import fp8 as RF
+from moe_rt.reference import permutation as RP
+
+try:
+    import torch
+
+    import moe_rt.torch  # noqa: F401 - moe_rt.torch.*
+except ImportError:  # pragma: no cover
+    torch = None
+try:
+    import jax
+    import jax.numpy as jnp
+
+    import moe_rt.jax  # noqa: F401 - moe_rt.jax.*
+except ImportError:  # pragma: no cover
+    jax = jnp = None
+
+E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+E5M2 = np.dtype(ml_dtypes.float8_e5m2)
+BF16 = np.dtype(ml_dtypes.bfloat16)
+DTYPES = [np.dtype(np.float32), BF16, np.dtype(np.float16)]
+
+
+# -- an independent implementation (ml_dtypes' cast after clipping, float max for amax) ------------------
+
+def independent_quantize(x, block):
+    x32 = np.asarray(x).astype(np.float32)
+    T, H = x32.shape
+    nb = -(-H // block)
+    scales = np.empty((T, nb), np.float32)
+    q = np.empty((T, H), E4M3)
+    for b in range(nb):
+        blk = x32[:, b * block:(b + 1) * block]
+        amax = np.abs(blk).max(axis=1) if blk.shape[1] else np.zeros(T, np.float32)
+        s = (amax / np.float32(448.0)).astype(np.float32)
+        s[s == 0] = np.float32(1.0)
+        scales[:, b] = s
+        quot = (blk / s[:, None]).astype(np.float32)
+        # ml_dtypes rounds to nearest even but does not saturate: clip first (same result for |v| >= 448)
+        q[:, b * block:(b + 1) * block] = np.clip(quot, -448.0, 448.0).astype(E4M3)
+    return q, scales
+
+
+def independent_dequantize(q, scales, dtype, block):
+    H = q.shape[1]
+    s = np.repeat(scales, block, axis=1)[:, :H]
+    with np.errstate(over="ignore"):  # fp16 overflows to inf, as the op does
+        return (q.astype(np.float32) * s).astype(np.float32).astype(dtype)
+
+
+def e4m3_values():
+    """Every finite e4m3 value, ascending (non-negative)."""
+    v = np.arange(0, 0x7F, dtype=np.uint8).view(E4M3).astype(np.float32)
+    return np.sort(v)
+
+
+def edge_inputs(rng, T, H, dtype, block):
+    """Fresh random rows with hard cases: zero rows and blocks, blocks of subnormals of ``dtype``, values far
+    past 448, huge and tiny magnitudes, and blocks whose scale is a power of two holding exact e4m3 ties."""
+    dtype = np.dtype(dtype)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    x *= np.exp2(rng.integers(-8, 12, (T, 1))).astype(np.float32)
+    nb = -(-H // block)
+    tiny = {np.dtype(np.float32): 1e-40, BF16: 1e-39, np.dtype(np.float16): 3e-6}[dtype]
+    big = {np.dtype(np.float32): 1e30, BF16: 1e30, np.dtype(np.float16): 6e4}[dtype]
+    vals = e4m3_values()
+    mids = ((vals[1:] + vals[:-1]) / 2).astype(np.float32)  # exact midpoints: round-to-even ties
+    for t in range(T):
+        kind = t % 7
+        b = int(rng.integers(0, nb))
+        lo, hi = b * block, min((b + 1) * block, H)
+        n = hi - lo
+        if kind == 0:
+            x[t] = 0
+        elif kind == 1:
+            x[t, lo:hi] = 0
+            if n > 1:
+                x[t, lo] = -0.0
+        elif kind == 2:
+            x[t, lo:hi] = rng.uniform(-1, 1, n).astype(np.float32) * np.float32(tiny)
+        elif kind == 3:
+            x[t, lo:hi] *= np.float32(big / max(np.abs(x[t, lo:hi]).max(), 1e-30))
+        elif kind == 4 and n >= 2:
+            k = int(rng.integers(-6, 4))
+            x[t, lo:hi] = rng.choice(mids, n) * np.float32(2.0 ** k) * rng.choice([-1, 1], n).astype(np.float32)
+            x[t, lo] = np.float32(448.0 * 2.0 ** k)  # amax: the scale is exactly 2^k
+        elif kind == 5:
+            x[t, lo:hi] = rng.uniform(-1, 1, n).astype(np.float32) * np.float32(2.0 ** -150)
+        # kind 6: plain random row
+    return x.astype(dtype)
+
+
+def bits(a):
+    return np.asarray(a).view(np.uint8) if np.dtype(np.asarray(a).dtype).itemsize == 1 else \
+        np.asarray(a).view(np.uint16 if np.asarray(a).dtype.itemsize == 2 else np.uint32)
+
+
+# -- the rounding itself ----------------------------------------------------------------------------------
+
+def test_e4m3_rounding_against_ml_dtypes(rng):
+    raw = rng.integers(0, 2**32, 400_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    raw = raw[np.isfinite(raw)]
+    scaled = (rng.standard_normal(400_000) * np.exp2(rng.integers(-16, 12, 400_000))).astype(np.float32)
+    vals = e4m3_values()
+    mids = ((vals[1:] + vals[:-1]) / 2).astype(np.float32)
+    near = np.concatenate([mids, np.nextafter(mids, np.float32(0)), np.nextafter(mids, np.float32(np.inf)), vals])
+    v = np.concatenate([raw, scaled, near, -near, [0.0, -0.0]]).astype(np.float32)
+    v = v[np.isfinite(v)]
+    got = RF.f32_to_e4m3_bits(v)
+    ref = v.astype(E4M3).view(np.uint8)
+    inr = np.abs(v) < 464  # 464 is the tie between 448 and the (NaN) code above: beyond it ml_dtypes gives NaN
+    np.testing.assert_array_equal(got[inr], ref[inr])
+    sign = ((v.view(np.uint32) >> 31) << 7).astype(np.uint8)
+    np.testing.assert_array_equal(got[~inr], (0x7E | sign)[~inr])
+    assert RF.f32_to_e4m3_bits(np.float32([np.inf, -np.inf, 464, 1e38])).tolist() == [0x7E, 0xFE, 0x7E, 0x7E]
+    assert RF.f32_to_e4m3_bits(np.float32([np.nan]))[0] & 0x7F == 0x7F
+
+
+def test_bit_helpers_against_numpy(rng):
+    """The reference's own conversions (computed on bits, so that a flush-to-zero floating-point mode, as in
+    a JAX CPU callback, cannot change them) against NumPy's and ml_dtypes' casts."""
+    v64 = np.concatenate([rng.standard_normal(50_000) * np.exp2(rng.integers(-160, 130, 50_000)),
+                          np.exp2(np.arange(-151.0, -120.0)) * 1.5, [0.0, -0.0, 2.0 ** -150, 3 * 2.0 ** -150]])
+    with np.errstate(over="ignore"):
+        np.testing.assert_array_equal(RF.f64_to_f32_bits(v64), v64.astype(np.float32).view(np.uint32))
+    b32 = rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32)
+    b32 = b32[np.isfinite(b32.view(np.float32))]
+    f32 = b32.view(np.float32)
+    np.testing.assert_array_equal(RF.f32_bits_to_f64(b32), f32.astype(np.float64))
+    np.testing.assert_array_equal(RF.f32_bits_to_bf16_bits(b32), f32.astype(BF16).view(np.uint16))
+    with np.errstate(over="ignore"):
+        np.testing.assert_array_equal(RF.f32_bits_to_f16_bits(b32), f32.astype(np.float16).view(np.uint16))
+    h = np.arange(2**16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    h = h[np.isfinite(h)]
+    np.testing.assert_array_equal(RF._f32_bits(h), h.astype(np.float32).view(np.uint32))
+
+
+def test_e4m3_decode_every_code():
+    codes = np.arange(256, dtype=np.uint8)
+    got = RF.e4m3_bits_to_f32(codes)
+    ref = codes.view(E4M3).astype(np.float32)
+    nan = np.isnan(ref)
+    assert np.array_equal(np.isnan(got), nan) and nan.sum() == 2
+    np.testing.assert_array_equal(got[~nan].view(np.uint32), ref[~nan].view(np.uint32))
+    np.testing.assert_array_equal(RF.f32_to_e4m3_bits(got[~nan]), codes[~nan])
+
+
+# -- the reference op against the independent implementation -------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("T,H,block", [(29, 7168, 128), (17, 300, 128), (9, 130, 64), (12, 7, 128), (7, 96, 32),
+                                       (5, 45, 7), (0, 256, 128), (3, 0, 128)])
+def test_quantize_reference(rng, dtype, T, H, block):
+    x = edge_inputs(rng, T, H, dtype, block) if T and H else np.zeros((T, H), dtype)
+    q, s = moe_rt.quantize_fp8(x, block)
+    assert q.dtype == E4M3 and s.dtype == np.float32
+    assert q.shape == (T, H) and s.shape == (T, -(-H // block))
+    qi, si = independent_quantize(x, block)
+    np.testing.assert_array_equal(bits(s), bits(si))
+    np.testing.assert_array_equal(bits(q), bits(qi))
+    for out in (np.float32, BF16, np.float16):
+        y = moe_rt.dequantize_fp8(q, s, out, block)
+        assert y.dtype == np.dtype(out)
+        np.testing.assert_array_equal(bits(y), bits(independent_dequantize(q, s, out, block)))
+    if T and H:
+        # round trip within e4m3's precision: half an ulp (2^-4 relative) or half the smallest step
+        y = moe_rt.dequantize_fp8(q, s, np.float32, block)
+        x32 = x.astype(np.float32)
+        step = np.repeat(s, block, axis=1)[:, :H]
+        err = np.abs(y - x32)
+        ok = (err <= np.abs(x32) * 2.0 ** -4 * 1.0001 + step * 2.0 ** -10 * 1.0001) | (np.abs(x32) < 2.0 ** -140)
+        assert ok.all()
+
+
+def test_scale_rule_cases():
+    x = np.zeros((4, 256), np.float32)
+    x[1, :128] = 448.0 * 2.0 ** -3
+    x[1, 5] = -3.0
+    x[2, 128] = np.float32(2.0 ** -149)  # amax / 448 underflows: scale 1
+    x[3, 0] = np.float32(1e-41)  # subnormal amax, subnormal scale kept
+    q, s = moe_rt.quantize_fp8(x)
+    assert s[0].tolist() == [1.0, 1.0] and not q[0].view(np.uint8).any()
+    assert s[1, 0] == np.float32(2.0 ** -3) and q[1, 0].astype(np.float32) == 448.0
+    assert q[1, 5].astype(np.float32) == -24.0
+    assert s[2, 1] == 1.0 and q[2, 128].view(np.uint8) == 0
+    assert s[3, 0] == np.float32(1e-41) / np.float32(448) and s[3, 0] != 0
+    assert q[3, 0].astype(np.float32) == 448.0
+    assert moe_rt.dequantize_fp8(q, s, np.float32)[3, 0] == np.float32(448) * s[3, 0]
+
+
+# -- frameworks on the CPU ------------------------------------------------------------------------------
+
+@pytest.mark.skipif(torch is None, reason="torch not installed")
+def test_torch_cpu(rng):
+    x = edge_inputs(rng, 13, 384, np.float32, 128)
+    q, s = moe_rt.quantize_fp8(x)
+    xt = torch.from_numpy(x).to(torch.bfloat16)
+    qr, sr = moe_rt.quantize_fp8(xt.float().numpy().astype(BF16))
+    for f in (moe_rt.quantize_fp8, moe_rt.torch.quantize_fp8):
+        qt, st = f(xt)
+        assert qt.dtype == torch.float8_e4m3fn and st.dtype == torch.float32
+        np.testing.assert_array_equal(qt.view(torch.uint8).numpy(), bits(qr))
+        np.testing.assert_array_equal(st.numpy(), sr)
+    for f in (moe_rt.dequantize_fp8, moe_rt.torch.dequantize_fp8):
+        y = f(qt, st, torch.float16)
+        assert y.dtype == torch.float16
+        np.testing.assert_array_equal(y.view(torch.int16).numpy(),
+                                      bits(moe_rt.dequantize_fp8(qr, sr, np.float16)).view(np.int16))
+    qc, sc = torch.compile(moe_rt.torch.quantize_fp8, fullgraph=True)(xt)
+    assert torch.equal(qc.view(torch.uint8), qt.view(torch.uint8)) and torch.equal(sc, st)
+    q2, _ = moe_rt.torch.quantize_fp8(xt.clone().requires_grad_())
+    assert not q2.requires_grad
+
+
+@pytest.mark.skipif(jax is None, reason="jax not installed")
+def test_jax_cpu(rng):
+    x = edge_inputs(rng, 11, 200, BF16, 128)
+    qr, sr = moe_rt.quantize_fp8(x)
+    xj = jnp.asarray(x)
+    for f in (moe_rt.quantize_fp8, moe_rt.jax.quantize_fp8, jax.jit(moe_rt.jax.quantize_fp8)):
+        q, s = f(xj)
+        assert q.dtype == jnp.float8_e4m3fn
+        np.testing.assert_array_equal(bits(np.asarray(q)), bits(qr))
+        np.testing.assert_array_equal(np.asarray(s), sr)
+    y = jax.jit(lambda a, b: moe_rt.jax.dequantize_fp8(a, b, jnp.float32))(q, s)
+    np.testing.assert_array_equal(np.asarray(y), moe_rt.dequantize_fp8(qr, sr, np.float32))
+    assert moe_rt.dequantize_fp8(q, s, jnp.bfloat16).dtype == jnp.bfloat16
+
+
+# -- FP8 dispatch on the CPU ----------------------------------------------------------------------------
+
+def _routing(rng, T, E, K):
+    idx = np.stack([rng.permutation(E)[:K] for _ in range(T)]).astype(np.int32)
+    idx[rng.random((T, K)) < 0.1] = -1
+    return idx
+
+
+@pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=lambda d: d.name)
+def test_cpu_fp8_dispatch(rng, fp8):
+    T, E, K, H = 37, 6, 3, 200
+    idx = _routing(rng, T, E, K)
+    raw = rng.integers(0, 256, (T, H), dtype=np.uint8)
+    scales = rng.random((T, 2), dtype=np.float32) + 0.5
+    probs = rng.random((T, K), dtype=np.float32)
+    plan = moe_rt.make_plan(idx, E, align_size=8)
+    ref_x, _ = RP.dispatch(raw, plan._dict())
+    ref_s, _ = RP.dispatch(scales, plan._dict())
+    x = raw.view(fp8)
+    out, _ = moe_rt.dispatch(x, plan)
+    assert out.dtype == fp8
+    np.testing.assert_array_equal(bits(out), ref_x)
+    xp, sp, pp = moe_rt.dispatch_fp8(x, scales, plan, probs)
+    np.testing.assert_array_equal(bits(xp), ref_x)
+    np.testing.assert_array_equal(sp, ref_s)
+    np.testing.assert_array_equal(pp, moe_rt.dispatch(scales, plan, probs)[1])
+    unused = np.asarray(plan.src_slot) < 0
+    assert unused.any() and not sp[unused].any() and not bits(xp)[unused].any()
+    if torch is not None:
+        tdt = {E4M3: torch.float8_e4m3fn, E5M2: torch.float8_e5m2}[fp8]
+        tplan = moe_rt.make_plan(torch.from_numpy(idx), E, align_size=8)
+        xt = torch.from_numpy(raw).view(tdt)
+        xpt, spt, _ = moe_rt.dispatch_fp8(xt, torch.from_numpy(scales), tplan)
+        assert xpt.dtype == tdt
+        np.testing.assert_array_equal(xpt.view(torch.uint8).numpy(), ref_x)
+        np.testing.assert_array_equal(spt.numpy(), ref_s)
+        xnc = torch.from_numpy(np.ascontiguousarray(np.repeat(raw, 2, axis=1))).view(tdt)[:, ::2]  # strided
+        np.testing.assert_array_equal(moe_rt.dispatch(xnc, tplan)[0].view(torch.uint8).numpy(), ref_x)
+        tp = moe_rt.torch.make_plan(torch.from_numpy(idx), E, align_size=8)
+        pr = torch.from_numpy(probs).requires_grad_()
+        xpa, ppa = moe_rt.torch.dispatch(xt, tp, pr)
+        np.testing.assert_array_equal(xpa.view(torch.uint8).numpy(), ref_x)
+        ppa.sum().backward()  # the probs' gradient alone; FP8 rows have none
+        np.testing.assert_array_equal(pr.grad.numpy(), (idx >= 0).astype(np.float32))
+    if jax is not None:
+        jplan = moe_rt.jax.make_plan(jnp.asarray(idx), E, align_size=8)
+        xj = jax.lax.bitcast_convert_type(jnp.asarray(raw), fp8)
+        for o in (moe_rt.jax.dispatch(xj, jplan)[0], jax.jit(lambda a: moe_rt.jax.dispatch(a, jplan)[0])(xj),
+                  moe_rt.dispatch(xj, moe_rt.make_plan(jnp.asarray(idx), E, align_size=8))[0]):
+            assert o.dtype == fp8
+            np.testing.assert_array_equal(bits(np.asarray(o)), ref_x)
+
+
+@pytest.mark.skipif(torch is None, reason="torch not installed")
+def test_te_fp8_permute(rng):
+    from moe_rt import te
+
+    T, E, H = 23, 5, 64
+    rm = torch.from_numpy(rng.random((T, E)) < 0.4)
+    n = int(rm.sum())
+    x = torch.from_numpy(rng.integers(0, 256, (T, H), dtype=np.uint8))
+    scales = torch.from_numpy(rng.random((T, H // 32), dtype=np.float32))
+    out, rid = te.moe_permute(x.view(torch.float8_e4m3fn), rm, n)
+    ref, _ = te.moe_permute(x, rm, n)
+    assert out.dtype == torch.float8_e4m3fn and torch.equal(out.view(torch.uint8), ref)
+    sp, rid2 = te.moe_permute(scales, rm, n)
+    assert torch.equal(rid, rid2)
+    for r in range(n):  # scale row r belongs to the token whose data row r holds
+        t = int(((rid[:, :E] == r).any(1)).nonzero()[0])
+        assert torch.equal(sp[r], scales[t]) and torch.equal(out[r].view(torch.uint8), x[t])
+    probs = torch.rand(T, E)
+    probs[0] = 0
+    o2, pp, _ = te.moe_permute_with_probs(x.view(torch.float8_e4m3fn), probs, rm, n)
+    assert not o2.view(torch.uint8)[pp == 0].any()
+    with pytest.raises(TypeError, match="inp: torch.float8_e4m3fn rows cannot be unpermuted"):
+        te.moe_unpermute(out, rid, restore_shape=(T, H))
+
+
+# -- bad input -------------------------------------------------------------------------------------------
+
+def test_bad_input(rng):
+    x = rng.standard_normal((4, 256)).astype(np.float32)
+    q, s = moe_rt.quantize_fp8(x)
+    cases = [
+        (lambda: moe_rt.quantize_fp8(x.astype(np.float64)), TypeError, "x: dtype"),
+        (lambda: moe_rt.quantize_fp8(x[0]), ValueError, "x: expected a 2-D"),
+        (lambda: moe_rt.quantize_fp8(x, 0), ValueError, "block: must be >= 1"),
+        (lambda: moe_rt.quantize_fp8(x, 1.5), TypeError, "block: expected an int"),
+        (lambda: moe_rt.dequantize_fp8(q.view(np.uint8), s), TypeError, "x_fp8: expected float8_e4m3fn"),
+        (lambda: moe_rt.dequantize_fp8(q.view(np.uint8).view(E5M2), s), TypeError, "x_fp8: expected float8_e4m3fn"),
+        (lambda: moe_rt.dequantize_fp8(q, s.astype(np.float16)), TypeError, "scales: dtype"),
+        (lambda: moe_rt.dequantize_fp8(q, s[:, :1]), ValueError, r"scales: expected shape \[T, ceil\(H/block\)\]"),
+        (lambda: moe_rt.dequantize_fp8(q, s, block=64), ValueError, "scales: expected shape"),
+        (lambda: moe_rt.dequantize_fp8(q, s, np.int32), TypeError, "dtype: expected float32"),
+        (lambda: moe_rt.dequantize_fp8(q, s, "float64"), TypeError, "dtype: expected float32"),
+    ]
+    plan = moe_rt.make_plan(np.zeros((4, 1), np.int32), 2)
+    cases += [
+        (lambda: moe_rt.dispatch_fp8(x, s, plan), TypeError, "x_fp8: expected FP8"),
+        (lambda: moe_rt.dispatch_fp8(q, s[:3], plan), ValueError, "scales: expected one row per token"),
+        (lambda: moe_rt.dispatch_fp8(q, s.astype(np.float64), plan), TypeError, "scales: dtype"),
+        (lambda: moe_rt.combine(moe_rt.dispatch(q, plan)[0], plan), TypeError, "y_permuted: float8_e4m3fn rows"),
+        (lambda: moe_rt.dispatch_backward(moe_rt.dispatch(q, plan)[0], plan), TypeError, "grad_x_permuted: float8"),
+    ]
+    for f, exc, msg in cases:
+        with pytest.raises(exc, match=msg):
+            f()
+    if torch is not None:
+        qt = torch.from_numpy(q.view(np.uint8)).view(torch.float8_e4m3fn)
+        with pytest.raises(TypeError, match="dtype: expected a torch.dtype"):
+            moe_rt.torch.dequantize_fp8(qt, torch.from_numpy(s), "bfloat16")
+        with pytest.raises(ValueError, match="scales: expected shape"):
+            moe_rt.torch.dequantize_fp8(qt, torch.from_numpy(s[:, :1]))
+        with pytest.raises(TypeError, match="x_fp8: expected float8_e4m3fn"):
+            moe_rt.torch.dequantize_fp8(qt.view(torch.float8_e5m2), torch.from_numpy(s))
+    if jax is not None:
+        with pytest.raises(ValueError, match="scales: expected shape"):
+            moe_rt.jax.dequantize_fp8(jnp.asarray(q), jnp.asarray(s[:, :1]))
+        with pytest.raises(TypeError, match="x: dtype"):
+            moe_rt.jax.quantize_fp8(jnp.zeros((2, 128), jnp.int32))
+
+
+# -- the kernels compile without a GPU ------------------------------------------------------------------
+
+def _nvrtc():
+    try:
+        from cupy.cuda import nvrtc
+
+        nvrtc.getVersion()
+        moe_rt._jit.cuda_include_dir()
+        return True
+    except Exception:
+        return False
+
+
+@pytest.mark.skipif(not _nvrtc(), reason="NVRTC or CUDA headers not installed")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_fp8_kernels_compile_offline(arch):
+    """Every registered instantiation of kernels/fp8.cu (cuda_fp8.h found through the include path) compiles
+    alone for sm_80 (the conversions emulated) and sm_90 (the hardware e4m3 conversions)."""
+    from moe_rt import _jit
+
+    names = _jit.REGISTRY["fp8.cu"]
+    assert len(names) == 12
+    for n in names:
+        image, lowered = _jit.compile_offline("fp8.cu", arch, [n])
+        assert lowered[n].encode() in image
+    ptx, _ = _jit.compile_offline("fp8.cu", "compute_90", ["quantize_fp8<__nv_bfloat16, true>"])
+    ptx = ptx.decode()
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "div.rn.f32" in ptx and "div.rn.ftz" not in ptx
+
+
+# -- CUDA ------------------------------------------------------------------------------------------------
+
+def _cupy():
+    import cupy
+
+    return cupy
+
+
+def _jax_gpu():
+    """JAX's first GPU, or None (JAX missing or without CUDA here)."""
+    if jax is None:
+        return None
+    try:
+        return jax.devices("gpu")[0]
+    except RuntimeError:
+        return None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("T,H,block,offset", [(257, 7168, 128, 0), (33, 300, 128, 0), (31, 388, 128, 1),
+                                              (19, 130, 64, 0), (7, 45, 7, 0), (65, 512, 256, 0), (1, 4, 128, 0),
+                                              (0, 128, 128, 0)])
+def test_gpu_quantize_bit_exact(rng, dtype, T, H, block, offset):
+    cp = _cupy()
+    x = edge_inputs(rng, T, H, dtype, block) if T else np.zeros((T, H), dtype)
+    qr, sr = moe_rt.quantize_fp8(x, block)
+    # offset 1: the rows start one element past an aligned address (the scalar kernels)
+    buf = cp.asarray(np.concatenate([np.zeros(offset, dtype), x.reshape(-1)]))
+    xd = buf[offset:].reshape(T, H)
+    q, s = moe_rt.quantize_fp8(xd, block)
+    assert q.dtype == E4M3 and s.dtype == np.float32
+    np.testing.assert_array_equal(cp.asnumpy(q.view(np.uint8)), bits(qr))
+    np.testing.assert_array_equal(cp.asnumpy(s).view(np.uint32), sr.view(np.uint32))
+    for out in (np.float32, BF16, np.float16):
+        y = moe_rt.dequantize_fp8(q, s, out, block)
+        yr = moe_rt.dequantize_fp8(qr, sr, out, block)
+        np.testing.assert_array_equal(bits(cp.asnumpy(y)), bits(yr))
+    if torch is not None and T:
+        xt = torch.from_numpy(x.astype(np.float32)).cuda().to(
+            {np.dtype(np.float32): torch.float32, BF16: torch.bfloat16, np.dtype(np.float16): torch.float16}[dtype])
+        for f in (moe_rt.quantize_fp8, moe_rt.torch.quantize_fp8,
+                  torch.compile(moe_rt.torch.quantize_fp8, fullgraph=True)):
+            qt, st = f(xt, block)
+            assert qt.dtype == torch.float8_e4m3fn and qt.is_cuda
+            np.testing.assert_array_equal(qt.view(torch.uint8).cpu().numpy(), bits(qr))
+            np.testing.assert_array_equal(st.cpu().numpy().view(np.uint32), sr.view(np.uint32))
+        s2 = torch.cuda.Stream()
+        with torch.cuda.stream(s2):
+            yt = moe_rt.dequantize_fp8(qt, st, torch.bfloat16, block, stream=s2)
+        s2.synchronize()
+        np.testing.assert_array_equal(yt.view(torch.int16).cpu().numpy(),
+                                      bits(moe_rt.dequantize_fp8(qr, sr, BF16, block)).view(np.int16))
+    if _jax_gpu() is not None and T:
+        xj = jax.device_put(jnp.asarray(x), _jax_gpu())
+        qj, sj = jax.jit(lambda a: moe_rt.jax.quantize_fp8(a, block))(xj)
+        np.testing.assert_array_equal(bits(np.asarray(qj)), bits(qr))
+        yj = jax.jit(lambda a, b: moe_rt.jax.dequantize_fp8(a, b, jnp.float32, block))(qj, sj)
+        np.testing.assert_array_equal(np.asarray(yj), moe_rt.dequantize_fp8(qr, sr, np.float32, block))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch is None, reason="torch not installed")
+@pytest.mark.parametrize("tname", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("T,E,K,H,A", [(129, 8, 2, 7168, 1), (37, 5, 3, 33, 16), (64, 16, 4, 256, 128)])
+def test_gpu_torch_fp8_dispatch(rng, tname, T, E, K, H, A):
+    tdt = getattr(torch, tname)
+    idx = _routing(rng, T, E, K)
+    raw = rng.integers(0, 256, (T, H), dtype=np.uint8)
+    scales = rng.random((T, -(-H // 128)), dtype=np.float32)
+    probs = rng.random((T, K), dtype=np.float32)
+    cplan = moe_rt.make_plan(idx, E, align_size=A)
+    ref_x, ref_p = RP.dispatch(raw, cplan._dict(), probs)
+    ref_s, _ = RP.dispatch(scales, cplan._dict())
+    dev = torch.device("cuda")
+    plan = moe_rt.make_plan(torch.from_numpy(idx).to(dev), E, align_size=A)
+    xt = torch.from_numpy(raw).to(dev).view(tdt)
+    st, pt = torch.from_numpy(scales).to(dev), torch.from_numpy(probs).to(dev)
+    for _ in range(2):  # the second call may replay a recorded launch
+        out, pp = moe_rt.dispatch(xt, plan, pt)
+        assert out.dtype == tdt and out.is_cuda
+        np.testing.assert_array_equal(out.view(torch.uint8).cpu().numpy(), ref_x)
+        np.testing.assert_array_equal(pp.cpu().numpy(), ref_p)
+    s2 = torch.cuda.Stream()
+    with torch.cuda.stream(s2):
+        out2, _ = moe_rt.dispatch(xt, plan, stream=s2)  # through DLPack
+    s2.synchronize()
+    assert out2.dtype == tdt
+    np.testing.assert_array_equal(out2.view(torch.uint8).cpu().numpy(), ref_x)
+    wide = torch.from_numpy(np.repeat(raw, 2, axis=1)).to(dev).view(tdt)[:, ::2]  # not contiguous
+    np.testing.assert_array_equal(moe_rt.dispatch(wide, plan)[0].view(torch.uint8).cpu().numpy(), ref_x)
+    xp, sp, _ = moe_rt.dispatch_fp8(xt, st, plan)
+    np.testing.assert_array_equal(xp.view(torch.uint8).cpu().numpy(), ref_x)
+    np.testing.assert_array_equal(sp.cpu().numpy(), ref_s)
+    tp = moe_rt.torch.make_plan(torch.from_numpy(idx).to(dev), E, align_size=A)
+    xa, pa = moe_rt.torch.dispatch(xt, tp, pt.clone().requires_grad_())
+    np.testing.assert_array_equal(xa.view(torch.uint8).cpu().numpy(), ref_x)
+    pa.sum().backward()
+    with pytest.raises(TypeError, match="float8"):
+        moe_rt.combine(out, plan)
+
+
+@pytest.mark.gpu
+def test_gpu_cupy_and_jax_fp8_dispatch(rng):
+    cp = _cupy()
+    T, E, K, H = 45, 6, 2, 96
+    idx = _routing(rng, T, E, K)
+    raw = rng.integers(0, 256, (T, H), dtype=np.uint8)
+    cplan = moe_rt.make_plan(idx, E, align_size=4)
+    ref_x, _ = RP.dispatch(raw, cplan._dict())
+    plan = moe_rt.make_plan(cp.asarray(idx), E, align_size=4)
+    for fp8 in (E4M3, E5M2):
+        out, _ = moe_rt.dispatch(cp.asarray(raw).view(fp8), plan)
+        assert out.dtype == fp8
+        np.testing.assert_array_equal(cp.asnumpy(out.view(np.uint8)), ref_x)
+    gpu = _jax_gpu()
+    if gpu is not None:
+        xj = jax.lax.bitcast_convert_type(jax.device_put(jnp.asarray(raw), gpu), jnp.float8_e4m3fn)
+        jplan = moe_rt.jax.make_plan(jax.device_put(jnp.asarray(idx), gpu), E, align_size=4)
+        for o in (moe_rt.jax.dispatch(xj, jplan)[0], jax.jit(lambda a: moe_rt.jax.dispatch(a, jplan)[0])(xj),
+                  moe_rt.dispatch(xj, moe_rt.make_plan(jax.device_put(jnp.asarray(idx), gpu), E,
+                                                       align_size=4))[0]):
+            assert o.dtype == jnp.float8_e4m3fn
+            np.testing.assert_array_equal(bits(np.asarray(o)), ref_x)
