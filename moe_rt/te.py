@@ -10,15 +10,19 @@ moe_rt's kernels, CPU tensors the NumPy reference (TransformerEngine itself need
 TransformerEngine: up to 16384 experts, CPU tensors, and errors as ValueError/TypeError (where
 TransformerEngine asserts). docs/te.md maps each function and lists the differences.
 
+Quantile Balancing (``qb_histogram``, ``qb_bin_bounds``, ``qb_histogram_mode``) runs
+:func:`moe_rt.torch.topk_with_score_qb`; the bounds' values are checked on the host once per tensor version
+(TransformerEngine's rule, so a CUDA graph can be captured after one eager call; docs/te.md).
+
 Not implemented (they need kernels moe_rt does not have yet): the bit-packed routing map
-(``routing_map_format="bitmap_u8"``), the dense ``topk_indices`` output, Quantile-Balancing histograms
-(``qb_*``) and FP8 ``Float8Tensor`` inputs. Passing anything but the default for those arguments raises
-NotImplementedError naming the feature.
+(``routing_map_format="bitmap_u8"``), the dense ``topk_indices`` output and FP8 ``Float8Tensor`` inputs.
+Passing anything but the default for those arguments raises NotImplementedError naming the feature.
 
 Host syncs: :func:`moe_permute_and_pad_with_probs` reads the padded row count on the host (TransformerEngine
 does the same), and :func:`moe_permute` with ``map_type="index"`` reads the largest expert id on the host
 unless ``num_experts=`` (a moe_rt keyword) is given, since TransformerEngine's index map does not say how
-many experts there are. Nothing else syncs.
+many experts there are. A Quantile-Balancing call reads ``qb_bin_bounds`` on the host the first time it
+sees a tensor version of it (TransformerEngine does the same). Nothing else syncs.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from typing import Optional, Union
 
 import torch
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from moe_rt import torch as _mt
 
@@ -44,7 +49,7 @@ class RoutingMapFormat(enum.IntEnum):
 
 
 class QBHistogramMode(enum.IntEnum):
-    """TransformerEngine's ``NVTEQBHistogramMode`` values (Quantile Balancing is not implemented)."""
+    """TransformerEngine's ``NVTEQBHistogramMode`` values (``qb_histogram_mode`` takes the lowercase names)."""
     TWO_KERNEL = 0
     FUSED_ATOMIC = 1
 
@@ -68,6 +73,39 @@ def _routing_map_format(fmt) -> None:
     if int(fmt) == 1:
         raise NotImplementedError("routing_map_format='bitmap_u8' (the bit-packed routing map) is not "
                                   "implemented in moe_rt; use the default BYTEMAP (a bool map)")
+
+
+# qb_bin_bounds tensors checked on the host, with the tensor version (``_version``) they were checked at: a
+# tracked in-place write (fill_, copy_, ...) bumps the version and forces a new check
+_qb_checked = WeakIdKeyDictionary()
+
+
+def _qb_bounds_validated(bounds) -> bool:
+    """TransformerEngine's bounds bookkeeping: the values of ``qb_bin_bounds`` are checked (finite, lower <
+    upper: ValueError) on the host once per tensor version, then the router runs unchecked (True), so
+    that a CUDA graph can be captured after one eager call; the kernels read the bounds on the device, so
+    replays see the values written there then (unchecked). Under torch.compile the op checks them itself
+    (False). Unchecked bounds while a CUDA stream is captured raise RuntimeError, as in TransformerEngine."""
+    if not isinstance(bounds, Tensor):
+        raise TypeError(f"qb_bin_bounds: expected a torch.Tensor, got {type(bounds).__name__}")
+    if torch.compiler.is_compiling():
+        return False
+    if bounds.dtype != torch.float32:
+        raise TypeError(f"qb_bin_bounds: dtype must be float32, got {bounds.dtype}")
+    if bounds.numel() != 2 or bounds.dim() != 1:
+        raise ValueError(f"qb_bin_bounds: expected shape (2,), got {tuple(bounds.shape)}")
+    version = bounds._version
+    if _qb_checked.get(bounds) == version:
+        return True
+    if bounds.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("qb_bin_bounds must be validated by an eager router call before CUDA graph capture "
+                           "(its values are checked on the host once per tensor version)")
+    lo, hi = bounds.detach().cpu().tolist()
+    from moe_rt.router import check_qb_bounds_values
+
+    check_qb_bounds_values(lo, hi)
+    _qb_checked[bounds] = version
+    return True
 
 
 def _groups(v):
@@ -104,8 +142,13 @@ def fused_topk_with_score_function(logits: Tensor, topk: int, use_pre_softmax: b
             raise ValueError("Quantile Balancing does not support grouped Top-k")
         if qb_histogram_mode not in _QB_MODES:
             raise ValueError(f"qb_histogram_mode must be 'two_kernel' or 'fused_atomic', got {qb_histogram_mode!r}")
-        raise NotImplementedError("Quantile Balancing (qb_histogram, qb_bin_bounds, qb_histogram_mode) is not "
-                                  "implemented in moe_rt")
+        if topk_indices is not None:
+            raise NotImplementedError("topk_indices (the dense top-k index output buffer) is not implemented in "
+                                      "moe_rt; use the routing map it returns")
+        return _mt.topk_with_score_qb(logits, topk, expert_bias=expert_bias, qb_histogram=qb_histogram,
+                                      qb_bin_bounds=qb_bin_bounds, qb_histogram_mode=qb_histogram_mode,
+                                      scaling_factor=scaling_factor,
+                                      bounds_validated=_qb_bounds_validated(qb_bin_bounds))
     if topk_indices is not None:
         raise NotImplementedError("topk_indices (the dense top-k index output buffer) is not implemented in "
                                   "moe_rt; use the routing map it returns")
