@@ -1335,6 +1335,54 @@ __device__ __forceinline__ void topk_weights(i64 t, int K, int score_fn, int pre
   }
 }
 
+// The k selected experts of a row (the team's selection (thr, il) over keys[0, E)) in index order -> lidx/lkey.
+// One warp: ballots over the row. Larger teams: each warp lists the selected experts of its share of the row
+// (wlist: NW * Kp words, wcount: NW words), then each thread r < k places the r-th by the warps' counts. r: the
+// thread's rank in the team, lane and warp its lane and warp in the team.
+template <int TEAM>
+__device__ __forceinline__ void selected_in_order(const unsigned* keys, int E, int K, int Kp, unsigned thr, int il,
+                                                  int* lidx, unsigned* lkey, int* wlist, int* wcount, int r, int lane,
+                                                  int warp) {
+  if constexpr (TEAM == 32) {
+    int cnt = 0;
+    for (int b0 = 0; b0 < E && cnt < K; b0 += 32) {
+      const int i = b0 + lane;
+      const unsigned key = i < E ? keys[i] : 0u;
+      const bool pred = i < E && selected(key, i, thr, il);
+      const unsigned bal = __ballot_sync(FULL_MASK, pred);
+      if (pred) {
+        const int pos = cnt + __popc(bal & ((1u << lane) - 1u));
+        lidx[pos] = i;
+        lkey[pos] = key;
+      }
+      cnt += __popc(bal);
+    }
+    __syncwarp();
+  } else {
+    constexpr int NW = TEAM / 32;
+    const int R = ((E + NW - 1) / NW + 31) & ~31;
+    const int lo = warp * R, hi = min(E, lo + R);
+    int cnt = 0;
+    for (int b0 = lo; b0 < hi && cnt < K; b0 += 32) {
+      const int i = b0 + lane;
+      const bool pred = i < hi && selected(keys[i], i, thr, il);
+      const unsigned bal = __ballot_sync(FULL_MASK, pred);
+      if (pred) wlist[warp * Kp + cnt + __popc(bal & ((1u << lane) - 1u))] = i;
+      cnt += __popc(bal);
+    }
+    if (lane == 0) wcount[warp] = cnt;
+    __syncthreads();
+    if (r < K) {
+      int j = r, w = 0;
+      while (j >= wcount[w]) { j -= wcount[w]; ++w; }
+      const int i = wlist[w * Kp + j];
+      lidx[r] = i;
+      lkey[r] = keys[i];
+    }
+    __syncthreads();
+  }
+}
+
 // ---- row in registers (one warp per token) ----------------------------------------------------------
 // Lane l holds the 16-byte chunks c = l + 32 j (j < NJ = V / CH) of the row: register q = j * CH + v is
 // expert (l + 32 j) * CH + v; chunks c >= E / CH hold key 0 (below every real key) and are never counted.
@@ -2131,43 +2179,8 @@ router_fwd(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score
         if (E % 8 == 0 && (G == 0 || (E / G) % 8 == 0)) dense_pass(IC<8>{});
         else dense_pass(IC<CH>{});
       }
-    } else if constexpr (TEAM == 32) {
-      int cnt = 0;
-      for (int b0 = 0; b0 < E && cnt < K; b0 += 32) {
-        const int i = b0 + lane;
-        const unsigned key = i < E ? keys[i] : 0u;
-        const bool pred = i < E && selected(key, i, thr, il);
-        const unsigned bal = __ballot_sync(FULL_MASK, pred);
-        if (pred) {
-          const int pos = cnt + __popc(bal & ((1u << lane) - 1u));
-          lidx[pos] = i;
-          lkey[pos] = key;
-        }
-        cnt += __popc(bal);
-      }
-      __syncwarp();
     } else {
-      constexpr int NW = TEAM / 32;
-      const int R = ((E + NW - 1) / NW + 31) & ~31;
-      const int lo = warp * R, hi = min(E, lo + R);
-      int cnt = 0;
-      for (int b0 = lo; b0 < hi && cnt < K; b0 += 32) {
-        const int i = b0 + lane;
-        const bool pred = i < hi && selected(keys[i], i, thr, il);
-        const unsigned bal = __ballot_sync(FULL_MASK, pred);
-        if (pred) wlist[warp * Kp + cnt + __popc(bal & ((1u << lane) - 1u))] = i;
-        cnt += __popc(bal);
-      }
-      if (lane == 0) wcount[warp] = cnt;
-      __syncthreads();
-      if (r < K) {
-        int j = r, w = 0;
-        while (j >= wcount[w]) { j -= wcount[w]; ++w; }
-        const int i = wlist[w * Kp + j];
-        lidx[r] = i;
-        lkey[r] = keys[i];
-      }
-      __syncthreads();
+      selected_in_order<TEAM>(keys, E, K, Kp, thr, il, lidx, lkey, wlist, wcount, r, lane, warp);
     }
 
     // Phase 5: the K weights (warp 0 of the team).
@@ -2515,44 +2528,7 @@ router_fwd_qb(const T* __restrict__ logits, i64 num_tokens, int E, int K, float 
     select_topk<TEAM>(keys, E, K1, wcnt, redi, list, thr, il);
 
     // The k + 1 candidates in index order -> lidx/lkey.
-    if constexpr (TEAM == 32) {
-      int cnt = 0;
-      for (int b0 = 0; b0 < E && cnt < K1; b0 += 32) {
-        const int i = b0 + lane;
-        const unsigned key = i < E ? keys[i] : 0u;
-        const bool pred = i < E && selected(key, i, thr, il);
-        const unsigned bal = __ballot_sync(FULL_MASK, pred);
-        if (pred) {
-          const int pos = cnt + __popc(bal & ((1u << lane) - 1u));
-          lidx[pos] = i;
-          lkey[pos] = key;
-        }
-        cnt += __popc(bal);
-      }
-      __syncwarp();
-    } else {
-      constexpr int NW = TEAM / 32;
-      const int R = ((E + NW - 1) / NW + 31) & ~31;
-      const int lo_i = warp * R, hi_i = min(E, lo_i + R);
-      int cnt = 0;
-      for (int b0 = lo_i; b0 < hi_i && cnt < K1; b0 += 32) {
-        const int i = b0 + lane;
-        const bool pred = i < hi_i && selected(keys[i], i, thr, il);
-        const unsigned bal = __ballot_sync(FULL_MASK, pred);
-        if (pred) wlist[warp * Kp + cnt + __popc(bal & ((1u << lane) - 1u))] = i;
-        cnt += __popc(bal);
-      }
-      if (lane == 0) wcount[warp] = cnt;
-      __syncthreads();
-      if (r < K1) {
-        int j = r, w = 0;
-        while (j >= wcount[w]) { j -= wcount[w]; ++w; }
-        const int i = wlist[w * Kp + j];
-        lidx[r] = i;
-        lkey[r] = keys[i];
-      }
-      __syncthreads();
-    }
+    selected_in_order<TEAM>(keys, E, K1, Kp, thr, il, lidx, lkey, wlist, wcount, r, lane, warp);
 
     // The cutoff: the least key among the k + 1, the last such position (the larger id) on ties; it leaves
     // the list, the other k keep their index order.
