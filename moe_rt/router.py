@@ -802,12 +802,12 @@ def update_expert_bias_with_quantile(qb_histogram, qb_bin_bounds, expert_bias, t
     frac = clamp((target - before) / max(hist[j], 1), 0, 1), b = lower + (j + frac) * (upper - lower) / B;
     then b is centred (its mean over the experts subtracted) and written into ``expert_bias``, the bounds
     become ``[min b - 1, max b + 1]``, and the histogram is zeroed. Where N = 0 the bias and bounds are kept
-    (the histogram is zero already). The arithmetic is float64, rounded once into each output's dtype.
+    (the histogram is zero already). The arithmetic is float64, rounded once into fp32.
 
     Args:
         qb_histogram: ``[..., E, B]`` int32 (all-reduced over the data-parallel ranks by the caller).
         qb_bin_bounds: ``[..., 2]`` fp32.
-        expert_bias: ``[..., E]`` fp32/bf16/fp16.
+        expert_bias: ``[..., E]`` fp32.
         topk: int K, 1 <= K < E.
 
     Returns:
@@ -823,7 +823,7 @@ def update_expert_bias_with_quantile(qb_histogram, qb_bin_bounds, expert_bias, t
         lead, E = tuple(hv.shape[:-2]), int(hv.shape[-2])
         _arrays.check_dtype(dv, "qb_bin_bounds", (_F32,))
         _arrays.check_shape(dv, "qb_bin_bounds", lead + (2,))
-        _arrays.check_dtype(bv, "expert_bias", _arrays.FLOAT_DTYPES)
+        _arrays.check_dtype(bv, "expert_bias", (_F32,))
         _arrays.check_shape(bv, "expert_bias", lead + (E,))
         K = _arrays.check_int(topk, "topk", low=1)
         if K >= E:

@@ -466,6 +466,10 @@ def test_bias_update_bad_input():
         moe_rt.update_expert_bias_with_quantile(h, d, np.zeros(5, F32), 1)
     with pytest.raises(ValueError, match="topk"):
         moe_rt.update_expert_bias_with_quantile(h, d, b, 4)
+    with pytest.raises(TypeError, match="expert_bias"):
+        moe_rt.update_expert_bias_with_quantile(h, d, b.astype(BF16), 1)
+    with pytest.raises(ValueError, match="contiguous"):
+        moe_rt.update_expert_bias_with_quantile(np.zeros((8, 4), np.int32).T, d, b, 1)
 
 
 # ---- GPU ---------------------------------------------------------------------------------------------------
@@ -621,3 +625,23 @@ def test_gpu_torch_grads(rng):
     (gd,) = torch.autograd.grad(s / (s.sum(-1, keepdim=True) + 1e-20), xd, g.double())
     torch.testing.assert_close(gx.double(), gd, rtol=1e-5, atol=1e-5)
     assert int(hist.sum()) == T * E
+
+
+@pytest.mark.gpu
+def test_gpu_bias_update(rng):
+    import cupy as cp
+
+    L, E, B, K = 2, 64, 1000, 8
+    hist = np.zeros((L, E, B), np.int32)
+    for layer in range(L):  # histograms the op made: every row counts the same tokens
+        x, bias, bounds = te_case(rng, 300, E)
+        R.topk_with_score_qb(x, K, expert_bias=bias, qb_histogram=hist[layer], qb_bin_bounds=bounds)
+    bounds = np.array([[-1.2, 1.2], [-0.7, 1.5]], F32)
+    bias = rng.standard_normal((L, E)).astype(F32)
+    hg, dg, bg = cp.asarray(hist), cp.asarray(bounds), cp.asarray(bias)
+    ptrs = (hg.data.ptr, dg.data.ptr, bg.data.ptr)
+    moe_rt.update_expert_bias_with_quantile(hg, dg, bg, K)
+    moe_rt.update_expert_bias_with_quantile(hist, bounds, bias, K)
+    assert (hg.data.ptr, dg.data.ptr, bg.data.ptr) == ptrs and not hg.any()
+    np.testing.assert_allclose(bg.get(), bias, rtol=0, atol=1e-6)  # float64 means summed in other orders
+    np.testing.assert_allclose(dg.get(), bounds, rtol=0, atol=1e-6)

@@ -288,7 +288,7 @@ def expert_bias_from_quantile(xp, hist, bounds, bias, topk):
     target = N * topk / E
     rank = xp.maximum(1.0, xp.ceil(target))
     reach = C >= rank
-    j = xp.where(reach.any(axis=-1), xp.argmax(reach, axis=-1), B - 1)[..., None]  # [..., E, 1]
+    j = xp.where(reach.any(axis=-1), xp.argmax(reach.astype(xp.int8), axis=-1), B - 1)[..., None]  # [..., E, 1]
     before = xp.where(j > 0, xp.take_along_axis(C, xp.maximum(j - 1, 0), axis=-1), 0).astype(xp.float64)
     hj = xp.take_along_axis(h, j, axis=-1).astype(xp.float64)
     frac = xp.clip((target - before) / xp.maximum(hj, 1.0), 0.0, 1.0)
