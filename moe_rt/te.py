@@ -142,16 +142,14 @@ def fused_topk_with_score_function(logits: Tensor, topk: int, use_pre_softmax: b
             raise ValueError("Quantile Balancing does not support grouped Top-k")
         if qb_histogram_mode not in _QB_MODES:
             raise ValueError(f"qb_histogram_mode must be 'two_kernel' or 'fused_atomic', got {qb_histogram_mode!r}")
-        if topk_indices is not None:
-            raise NotImplementedError("topk_indices (the dense top-k index output buffer) is not implemented in "
-                                      "moe_rt; use the routing map it returns")
+    if topk_indices is not None:
+        raise NotImplementedError("topk_indices (the dense top-k index output buffer) is not implemented in "
+                                  "moe_rt; use the routing map it returns")
+    if qb_histogram is not None:
         return _mt.topk_with_score_qb(logits, topk, expert_bias=expert_bias, qb_histogram=qb_histogram,
                                       qb_bin_bounds=qb_bin_bounds, qb_histogram_mode=qb_histogram_mode,
                                       scaling_factor=scaling_factor,
                                       bounds_validated=_qb_bounds_validated(qb_bin_bounds))
-    if topk_indices is not None:
-        raise NotImplementedError("topk_indices (the dense top-k index output buffer) is not implemented in "
-                                  "moe_rt; use the routing map it returns")
     return _mt.topk_with_score(logits, topk, score_function=score_function, use_pre_softmax=use_pre_softmax,
                                num_groups=_groups(num_groups), group_topk=_groups(group_topk),
                                scaling_factor=scaling_factor, expert_bias=expert_bias)
