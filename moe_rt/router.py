@@ -74,12 +74,16 @@ def _variant():
     return _FWD_VARIANT, _TEAM_VARIANT, _BWD_VARIANT, _TPW_VARIANT
 
 
+def _check_choice(value, name, choices):
+    """TypeError unless ``value`` is a str, ValueError unless it is one of ``choices`` (a list)."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name}: expected a str, one of {choices}, got {type(value).__name__}")
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
+
+
 def _check_score_function(score_function):
-    if not isinstance(score_function, str):
-        raise TypeError(f"score_function: expected a str, one of {sorted(SCORE_FUNCTIONS)}, got "
-                        f"{type(score_function).__name__}")
-    if score_function not in SCORE_FUNCTIONS:
-        raise ValueError(f"score_function: expected one of {sorted(SCORE_FUNCTIONS)}, got {score_function!r}")
+    _check_choice(score_function, "score_function", sorted(SCORE_FUNCTIONS))
 
 
 def _check_bool(value, name):
@@ -571,11 +575,7 @@ _F32 = np.dtype(np.float32)
 
 
 def _check_qb_mode(mode):
-    if not isinstance(mode, str):
-        raise TypeError(f"qb_histogram_mode: expected a str, 'two_kernel' or 'fused_atomic', got "
-                        f"{type(mode).__name__}")
-    if mode not in QB_HISTOGRAM_MODES:
-        raise ValueError(f"qb_histogram_mode: expected 'two_kernel' or 'fused_atomic', got {mode!r}")
+    _check_choice(mode, "qb_histogram_mode", list(QB_HISTOGRAM_MODES))
     return mode == "fused_atomic"
 
 
