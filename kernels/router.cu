@@ -1382,6 +1382,54 @@ __device__ __forceinline__ void topk_weights(i64 t, int K, int score_fn, int pre
   }
 }
 
+// The k selected experts of a row (the team's selection (thr, il) over keys[0, E)) in index order -> lidx/lkey.
+// One warp: ballots over the row. Larger teams: each warp lists the selected experts of its share of the row
+// (wlist: NW * Kp words, wcount: NW words), then each thread r < k places the r-th by the warps' counts. r: the
+// thread's rank in the team, lane and warp its lane and warp in the team.
+template <int TEAM>
+__device__ __forceinline__ void selected_in_order(const unsigned* keys, int E, int K, int Kp, unsigned thr, int il,
+                                                  int* lidx, unsigned* lkey, int* wlist, int* wcount, int r, int lane,
+                                                  int warp) {
+  if constexpr (TEAM == 32) {
+    int cnt = 0;
+    for (int b0 = 0; b0 < E && cnt < K; b0 += 32) {
+      const int i = b0 + lane;
+      const unsigned key = i < E ? keys[i] : 0u;
+      const bool pred = i < E && selected(key, i, thr, il);
+      const unsigned bal = __ballot_sync(FULL_MASK, pred);
+      if (pred) {
+        const int pos = cnt + __popc(bal & ((1u << lane) - 1u));
+        lidx[pos] = i;
+        lkey[pos] = key;
+      }
+      cnt += __popc(bal);
+    }
+    __syncwarp();
+  } else {
+    constexpr int NW = TEAM / 32;
+    const int R = ((E + NW - 1) / NW + 31) & ~31;
+    const int lo = warp * R, hi = min(E, lo + R);
+    int cnt = 0;
+    for (int b0 = lo; b0 < hi && cnt < K; b0 += 32) {
+      const int i = b0 + lane;
+      const bool pred = i < hi && selected(keys[i], i, thr, il);
+      const unsigned bal = __ballot_sync(FULL_MASK, pred);
+      if (pred) wlist[warp * Kp + cnt + __popc(bal & ((1u << lane) - 1u))] = i;
+      cnt += __popc(bal);
+    }
+    if (lane == 0) wcount[warp] = cnt;
+    __syncthreads();
+    if (r < K) {
+      int j = r, w = 0;
+      while (j >= wcount[w]) { j -= wcount[w]; ++w; }
+      const int i = wlist[w * Kp + j];
+      lidx[r] = i;
+      lkey[r] = keys[i];
+    }
+    __syncthreads();
+  }
+}
+
 // ---- row in registers (one warp per token) ----------------------------------------------------------
 // Lane l holds the 16-byte chunks c = l + 32 j (j < NJ = V / CH) of the row: register q = j * CH + v is
 // expert (l + 32 j) * CH + v; chunks c >= E / CH hold key 0 (below every real key) and are never counted.
@@ -2186,43 +2234,8 @@ router_fwd(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score
         if (E % 8 == 0 && (G == 0 || (E / G) % 8 == 0)) dense_pass(IC<8>{});
         else dense_pass(IC<CH>{});
       }
-    } else if constexpr (TEAM == 32) {
-      int cnt = 0;
-      for (int b0 = 0; b0 < E && cnt < K; b0 += 32) {
-        const int i = b0 + lane;
-        const unsigned key = i < E ? keys[i] : 0u;
-        const bool pred = i < E && selected(key, i, thr, il);
-        const unsigned bal = __ballot_sync(FULL_MASK, pred);
-        if (pred) {
-          const int pos = cnt + __popc(bal & ((1u << lane) - 1u));
-          lidx[pos] = i;
-          lkey[pos] = key;
-        }
-        cnt += __popc(bal);
-      }
-      __syncwarp();
     } else {
-      constexpr int NW = TEAM / 32;
-      const int R = ((E + NW - 1) / NW + 31) & ~31;
-      const int lo = warp * R, hi = min(E, lo + R);
-      int cnt = 0;
-      for (int b0 = lo; b0 < hi && cnt < K; b0 += 32) {
-        const int i = b0 + lane;
-        const bool pred = i < hi && selected(keys[i], i, thr, il);
-        const unsigned bal = __ballot_sync(FULL_MASK, pred);
-        if (pred) wlist[warp * Kp + cnt + __popc(bal & ((1u << lane) - 1u))] = i;
-        cnt += __popc(bal);
-      }
-      if (lane == 0) wcount[warp] = cnt;
-      __syncthreads();
-      if (r < K) {
-        int j = r, w = 0;
-        while (j >= wcount[w]) { j -= wcount[w]; ++w; }
-        const int i = wlist[w * Kp + j];
-        lidx[r] = i;
-        lkey[r] = keys[i];
-      }
-      __syncthreads();
+      selected_in_order<TEAM>(keys, E, K, Kp, thr, il, lidx, lkey, wlist, wcount, r, lane, warp);
     }
 
     // Phase 5: the K weights (warp 0 of the team).
@@ -2518,6 +2531,174 @@ router_fwd_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, int s
     __syncwarp();
   }
 }
+
+// ---- Quantile Balancing (docs/router.md "Quantile Balancing") ------------------------------------------
+// sigmoid + expert bias: the top k + 1 by biased score in the order (key desc, index asc); the last of them
+// (the least biased score, the larger id on ties) is the token's cutoff, the other k are its routes (the
+// same k as the plain sigmoid + bias forward selects) with the plain forward's probs. Every expert e of
+// token t adds one count to hist[e, bin(cutoff_t - raw_te)], raw = sigmoid(logit) before the bias:
+//   bin = clamp(floor((r - lower) * (B / (upper - lower))), 0, B - 1)  in fp32, NaN -> 0,
+// with the bounds read on the device at every launch (a CUDA graph replays with the values in memory).
+// Integer atomics only: the counts are exact and do not depend on the order. router_fwd_qb adds them in
+// its epilogue (hist != null: "fused_atomic"); qb_histogram_accumulate adds them from (raw, cutoff) in a
+// second kernel ("two_kernel"); both bin through qb_bin, so the two modes count the same bins.
+namespace {
+
+__device__ __forceinline__ float qb_scale(const float* __restrict__ bounds, int B, float& lo) {
+  lo = bounds[0];
+  return __fdiv_rn((float)B, __fsub_rn(bounds[1], lo));
+}
+
+// Explicitly rounded operations: no contraction into a fused multiply-add, so the reference's fp32 steps
+// give the same bins. fmaxf/fminf return the number when the other operand is NaN: a NaN lands in bin 0.
+__device__ __forceinline__ int qb_bin(float cut, float raw, float lo, float sc, int B) {
+  const float v = floorf(__fmul_rn(__fsub_rn(__fsub_rn(cut, raw), lo), sc));
+  return (int)fminf(fmaxf(v, 0.0f), (float)(B - 1));
+}
+
+// The one place router_fwd_qb writes the routing map: entry e of the row at `row` (a bool byte map).
+__device__ __forceinline__ void qb_map_out(bool* __restrict__ rmap, i64 row, int e, bool routed) {
+  rmap[row + e] = routed;
+}
+
+}  // namespace
+
+// One team of TEAM threads per token (TEAM = 32: 4 tokens a block), the row's keys in shared memory (the
+// slot layout of router_fwd for k + 1 and no groups). probs, rmap, inter and cutoff are written for every
+// token; hist (may be null: the two-kernel mode) is [E, B] int32, accumulated with global atomics.
+template <typename T, int TEAM>
+__global__ void __launch_bounds__(TEAM == 32 ? 128 : TEAM)
+router_fwd_qb(const T* __restrict__ logits, i64 num_tokens, int E, int K, float scale,
+              const float* __restrict__ bias, T* __restrict__ probs, bool* __restrict__ rmap,
+              float* __restrict__ inter, float* __restrict__ cutoff, const float* __restrict__ bounds,
+              int* __restrict__ hist, int B) {
+  using TM = Team<TEAM>;
+  constexpr int SPB = TEAM == 32 ? 4 : 1;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int slot = threadIdx.x / TEAM, r = threadIdx.x % TEAM, lane = threadIdx.x & 31, warp = r >> 5;
+  const int K1 = K + 1, Kp = al4(K1);
+  const Layout L = slot_layout<TEAM>(E, 0, K1);
+  unsigned* base = reinterpret_cast<unsigned*>(smem_raw) + (size_t)slot * L.total;
+  const SlotPtrs P = slot_ptrs(base, L);
+  unsigned *keys = P.keys, *list = P.list, *lkey = P.lkey;
+  unsigned* cut_word = P.hist;  // the slot's group scratch, unused without groups: the cutoff's (key, index)
+  int* lidx = P.lidx;
+  unsigned* wcnt = base + L.wcnt;
+  int* redi = reinterpret_cast<int*>(base + L.red + 32);
+  int* wcount = reinterpret_cast<int*>(base + L.wcount);
+  int* wlist = reinterpret_cast<int*>(base + L.wlist);
+  if (r == 0) list[2 * kList] = 0u;
+  float lo = 0.0f, sc = 0.0f;
+  if (hist) sc = qb_scale(bounds, B, lo);
+  TM::sync();
+
+  for (i64 t = (i64)blockIdx.x * SPB + slot; t < num_tokens; t += (i64)gridDim.x * SPB) {
+    const i64 row = t * (i64)E;
+    for (int e = r; e < E; e += TEAM) {
+      const float a = sigmoid_fwd(to_float(logits[row + e]));
+      inter[row + e] = a;
+      keys[e] = fkey_arith(a + bias[e]);
+    }
+    TM::sync();
+    unsigned thr;
+    int il;
+    select_topk<TEAM>(keys, E, K1, wcnt, redi, list, thr, il);
+
+    // The k + 1 candidates in index order -> lidx/lkey.
+    selected_in_order<TEAM>(keys, E, K1, Kp, thr, il, lidx, lkey, wlist, wcount, r, lane, warp);
+
+    // The cutoff: the least key among the k + 1, the last such position (the larger id) on ties; it leaves
+    // the list, the other k keep their index order.
+    if (warp == 0) {
+      unsigned ck[3];
+      int ci[3];
+      unsigned best = 0xffffffffu;
+      int bpos = -1;
+#pragma unroll
+      for (int s = 0; s < 3; ++s) {
+        const int j = lane + 32 * s;
+        ck[s] = j < K1 ? lkey[j] : 0u;
+        ci[s] = j < K1 ? lidx[j] : 0;
+        if (j < K1 && (bpos < 0 || ck[s] <= best)) { best = ck[s]; bpos = j; }
+      }
+      const unsigned mk = __reduce_min_sync(FULL_MASK, bpos >= 0 ? best : 0xffffffffu);
+      const int mp = (int)__reduce_max_sync(FULL_MASK, (unsigned)(bpos >= 0 && best == mk ? bpos + 1 : 0)) - 1;
+      __syncwarp();
+#pragma unroll
+      for (int s = 0; s < 3; ++s) {
+        const int j = lane + 32 * s;
+        if (j < K1 && j != mp) {
+          const int d = j > mp ? j - 1 : j;
+          lidx[d] = ci[s];
+          lkey[d] = ck[s];
+        }
+      }
+#pragma unroll
+      for (int s = 0; s < 3; ++s)
+        if (lane + 32 * s == mp) {
+          cutoff[t] = fdecode(mk);
+          cut_word[0] = mk;
+          cut_word[1] = (unsigned)ci[s];
+        }
+      __syncwarp();
+      topk_weights(t, K, SIGMOID, 0, scale, bias, lidx, lkey, P.lw, P.lp, nullptr, nullptr);
+    }
+    TM::sync();
+
+    // Dense outputs: the map (the k routes; the cutoff expert is not routed), zero probs, then the k probs.
+    const unsigned ck = cut_word[0];
+    const int cidx = (int)cut_word[1];
+    for (int e = r; e < E; e += TEAM) {
+      qb_map_out(rmap, row, e, e != cidx && selected(keys[e], e, thr, il));
+      probs[row + e] = from_float<T>(0.0f);
+    }
+    TM::sync();  // orders the fill before the patch (same block)
+    for (int j = r; j < K; j += TEAM) probs[row + lidx[j]] = from_float<T>(P.lw[j]);
+    if (hist) {
+      // this thread wrote these raw values above (same thread, same addresses: no fence needed)
+      const float cut = fdecode(ck);
+      for (int e = r; e < E; e += TEAM)
+        atomicAdd(hist + (i64)e * B + qb_bin(cut, inter[row + e], lo, sc, B), 1);
+    }
+    TM::sync();
+  }
+}
+
+// The two-kernel mode's histogram: block (bx, by) counts experts [8 bx, 8 bx + 8) over its share of the
+// tokens (grid.y parts) in shared memory (SMEM: 8 * B int32; without it, straight global atomics) and adds
+// its counts to hist. raw [T, E] fp32 (sigmoid before the bias), cutoff [T] fp32.
+#if MOE_RT_WANTS(qb_histogram_accumulate)
+extern "C" __global__ void __launch_bounds__(256)
+qb_histogram_accumulate(const float* __restrict__ raw, const float* __restrict__ cutoff, long long num_tokens,
+                        int E, const float* __restrict__ bounds, int* __restrict__ hist, int B, int use_smem) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  int* sh = reinterpret_cast<int*>(smem_raw);
+  const int e0 = blockIdx.x * 8, ne = min(8, E - e0);
+  const long long per = (num_tokens + gridDim.y - 1) / gridDim.y;
+  const long long t0 = (long long)blockIdx.y * per, t1 = min(num_tokens, t0 + per);
+  float lo;
+  const float sc = qb_scale(bounds, B, lo);
+  if (use_smem) {
+    for (int i = threadIdx.x; i < ne * B; i += 256) sh[i] = 0;
+    __syncthreads();
+  }
+  const long long n = t1 > t0 ? (t1 - t0) * ne : 0;
+  for (long long i = threadIdx.x; i < n; i += 256) {
+    const long long t = t0 + i / ne;
+    const int el = (int)(i % ne);
+    const int bin = qb_bin(cutoff[t], raw[t * E + e0 + el], lo, sc, B);
+    if (use_smem) atomicAdd(sh + el * B + bin, 1);
+    else atomicAdd(hist + (long long)(e0 + el) * B + bin, 1);
+  }
+  if (use_smem) {
+    __syncthreads();
+    for (int i = threadIdx.x; i < ne * B; i += 256) {
+      const int c = sh[i];
+      if (c) atomicAdd(hist + (long long)e0 * B + i, c);
+    }
+  }
+}
+#endif
 
 // ---- backward of top-k (TG = TO = logits dtype) and of the aux scores (TG = float) --------------------
 // The per-element math of both backward kernels. A row's sums: A = sum of g*y (softmax), or A = sum of the

@@ -8,8 +8,9 @@ from moe_rt._version import __version__
 from moe_rt._comm import Communicator, NcclError, get_unique_id, nccl_version
 from moe_rt import _common_ops  # noqa: F401 - registers the utility kernels
 from moe_rt._errors import check, set_debug
-from moe_rt.router import (aux_loss, aux_loss_backward, scores_for_aux_loss, scores_for_aux_loss_backward,
-                           topk_indices_with_score, topk_with_score, topk_with_score_backward)
+from moe_rt.router import (aux_loss, aux_loss_backward, qb_histogram_accumulate, scores_for_aux_loss,
+                           scores_for_aux_loss_backward, topk_indices_with_score, topk_with_score,
+                           topk_with_score_backward, topk_with_score_qb, update_expert_bias_with_quantile)
 from moe_rt.permutation import (Plan, combine, combine_backward, dispatch, dispatch_backward, make_plan,
                                 sort_chunks, sort_chunks_backward)
 from moe_rt.fp8 import dequantize_fp8, dispatch_fp8, quantize_fp8
@@ -21,7 +22,8 @@ __all__ = [
     "__version__",
     # router
     "topk_with_score", "topk_with_score_backward", "topk_indices_with_score", "scores_for_aux_loss",
-    "scores_for_aux_loss_backward", "aux_loss", "aux_loss_backward",
+    "scores_for_aux_loss_backward", "aux_loss", "aux_loss_backward", "topk_with_score_qb", "qb_histogram_accumulate",
+    "update_expert_bias_with_quantile",
     # dispatch/combine on one GPU
     "Plan", "make_plan", "dispatch", "combine", "dispatch_backward", "combine_backward", "sort_chunks",
     "sort_chunks_backward",

@@ -25,8 +25,9 @@ from moe_rt import fp8 as _fp8
 from moe_rt import permutation as _perm
 from moe_rt import router as _rt
 
-__all__ = ["JaxPlan", "make_plan", "dispatch", "combine", "topk_with_score", "scores_for_aux_loss", "aux_loss",
-           "sort_chunks", "quantize_fp8", "dequantize_fp8", "JaxEpHandle", "ep_prepare", "ep_dispatch", "ep_combine"]
+__all__ = ["JaxPlan", "make_plan", "dispatch", "combine", "topk_with_score", "topk_with_score_qb",
+           "scores_for_aux_loss", "aux_loss", "sort_chunks", "quantize_fp8", "dequantize_fp8", "JaxEpHandle",
+           "ep_prepare", "ep_dispatch", "ep_combine"]
 
 _PLAN_ARRAYS = ("dst_row", "src_slot", "seg_start", "counts", "tokens_per_expert")
 
@@ -481,6 +482,59 @@ def topk_with_score(logits, topk: int, *, score_function: str = "softmax", use_p
                          "enable it or pass int32")
     return _topk(logits, topk, score_function, use_pre_softmax, num_groups, group_topk, scaling_factor,
                  expert_bias, routing_map_format, None if idt is None else idt.name)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _qb(logits, expert_bias, qb_histogram, qb_bin_bounds, topk, qb_histogram_mode, scaling_factor):
+    return _qb_fwd(logits, expert_bias, qb_histogram, qb_bin_bounds, topk, qb_histogram_mode, scaling_factor)[0]
+
+
+def _qb_fwd(logits, expert_bias, qb_histogram, qb_bin_bounds, topk, qb_histogram_mode, scaling_factor):
+    specs = [_spec(logits.shape, logits.dtype), _spec(logits.shape, np.bool_), _spec(logits.shape, np.float32),
+             _spec(qb_histogram.shape, np.int32)]
+
+    def fn(lv, bv, hv, dv):
+        # the new histogram: a copy of the old one (on the GPU allocated in XLA's output buffer), accumulated
+        hist = _arrays.cupy_of(hv).copy()
+        probs, routing_map, inter, _ = _rt.topk_with_score_qb(
+            lv, topk, expert_bias=bv, qb_histogram=hist, qb_bin_bounds=dv, qb_histogram_mode=qb_histogram_mode,
+            scaling_factor=scaling_factor, bounds_validated=True)
+        return [probs, routing_map, inter, hist]
+
+    probs, routing_map, inter, hist = _run(fn, specs, logits, expert_bias, qb_histogram, qb_bin_bounds)
+    return (probs, routing_map, hist), (routing_map, inter, expert_bias, qb_histogram, qb_bin_bounds)
+
+
+def _qb_bwd(topk, qb_histogram_mode, scaling_factor, res, cts):
+    routing_map, inter, expert_bias, hist, bounds = res
+    g_probs = cts[0]
+
+    def fn(gv, mv, iv):
+        return [_rt.topk_with_score_backward(gv, mv, iv, topk, score_function="sigmoid",
+                                             scaling_factor=scaling_factor)]
+
+    (g,) = _run(fn, [_spec(g_probs.shape, g_probs.dtype)], g_probs, routing_map, inter, lean=True)
+    return g, jnp.zeros_like(expert_bias), _float0_like(hist), jnp.zeros_like(bounds)
+
+
+_qb.defvjp(_qb_fwd, _qb_bwd)
+
+
+def topk_with_score_qb(logits, topk: int, *, expert_bias, qb_histogram, qb_bin_bounds,
+                       qb_histogram_mode: str = "fused_atomic", scaling_factor=None):
+    """Differentiable :func:`moe_rt.router.topk_with_score_qb` for JAX, functional: returns ``(probs [T,E]
+    logits dtype, routing_map [T,E] bool, new_histogram [E,B] int32)``, the new histogram being
+    ``qb_histogram`` plus this call's counts (JAX arrays are immutable; under ``jit`` with donation XLA may
+    reuse the old buffer). The gradient flows to ``logits`` (the sigmoid backward over the k routes); the
+    bias and bounds get zero ones. Shapes, dtypes and settings are checked when traced; the bounds' values
+    (finite, lower < upper) are checked on the host when they are concrete, and are read on the device
+    unchecked when traced."""
+    _rt.check_qb_args(logits, expert_bias, qb_histogram, qb_bin_bounds, topk, "sigmoid", None, None, scaling_factor,
+                      qb_histogram_mode)
+    if not isinstance(qb_bin_bounds, jax.core.Tracer):
+        lo, hi = np.asarray(qb_bin_bounds, dtype=np.float32).reshape(2)
+        _rt.check_qb_bounds_values(lo, hi)
+    return _qb(logits, expert_bias, qb_histogram, qb_bin_bounds, int(topk), qb_histogram_mode, scaling_factor)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))

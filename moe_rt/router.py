@@ -66,7 +66,9 @@ _jit.register(_FILE, [f"router_fwd<{c}, {team}>" for c in _jit.CTYPES.values() f
               + [f"router_bwd_idx<{c}>" for c in _jit.CTYPES.values()]
               + [f"aux_loss_partial<{c}>" for c in _jit.CTYPES.values()]
               + [f"aux_loss_final<{c}>" for c in _jit.CTYPES.values()]
-              + [f"aux_loss_bwd<{c}>" for c in _jit.CTYPES.values()])
+              + [f"aux_loss_bwd<{c}>" for c in _jit.CTYPES.values()]
+              + [f"router_fwd_qb<{c}, {team}>" for c in _jit.CTYPES.values() for team in _TEAMS]
+              + ["qb_histogram_accumulate"])
 # Quick kernels (_jit.function_tiered): compiled for one score case alone (_score_case), each computes the
 # bits of the kernel it stands in for in that case: a row of one warp without groups, and 8 to 32 keys a
 # lane without groups (for bf16 at 8 keys the kernel itself compiles in about a second).
@@ -75,7 +77,8 @@ _jit.register(_FILE, [f"router_fwd<{c}, 32, false, false, {s}>" for c in _jit.CT
                  for v in _REG_V if v != 8 or c == "float" for s in range(7)], quick=True)
 
 __all__ = ["topk_with_score", "topk_with_score_backward", "topk_indices_with_score", "scores_for_aux_loss",
-           "scores_for_aux_loss_backward", "aux_loss", "aux_loss_backward"]
+           "scores_for_aux_loss_backward", "aux_loss", "aux_loss_backward", "topk_with_score_qb",
+           "qb_histogram_accumulate", "update_expert_bias_with_quantile"]
 
 
 # ---- validation ---------------------------------------------------------------------------------------
@@ -85,12 +88,16 @@ def _variant():
     return _FWD_VARIANT, _TEAM_VARIANT, _BWD_VARIANT, _TPW_VARIANT, _errors.DEBUG
 
 
+def _check_choice(value, name, choices):
+    """TypeError unless ``value`` is a str, ValueError unless it is one of ``choices`` (a list)."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name}: expected a str, one of {choices}, got {type(value).__name__}")
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
+
+
 def _check_score_function(score_function):
-    if not isinstance(score_function, str):
-        raise TypeError(f"score_function: expected a str, one of {sorted(SCORE_FUNCTIONS)}, got "
-                        f"{type(score_function).__name__}")
-    if score_function not in SCORE_FUNCTIONS:
-        raise ValueError(f"score_function: expected one of {sorted(SCORE_FUNCTIONS)}, got {score_function!r}")
+    _check_choice(score_function, "score_function", sorted(SCORE_FUNCTIONS))
 
 
 def _check_bool(value, name):
@@ -759,6 +766,280 @@ def topk_with_score_backward(grad_probs, routing_map, intermediate, topk, *, sco
             if T > 0:
                 _launch_bwd(call, g, m, y, out, T, E, K, SCORE_FUNCTIONS[score_function], pre, 0, scale, bitmap)
         return call.out(out.reshape(shape))
+
+
+# ---- Quantile Balancing ------------------------------------------------------------------------------
+
+QB_HISTOGRAM_MODES = ("two_kernel", "fused_atomic")
+MAX_QB_BINS = 1 << 24  # bins are counted in fp32 arithmetic: B - 1 must be exact
+_I32 = np.dtype(np.int32)
+_F32 = np.dtype(np.float32)
+
+
+def _check_qb_mode(mode):
+    _check_choice(mode, "qb_histogram_mode", list(QB_HISTOGRAM_MODES))
+    return mode == "fused_atomic"
+
+
+def _check_qb_histogram(hv, E):
+    _arrays.check_dtype(hv, "qb_histogram", (_I32,))
+    if hv.ndim != 2 or int(hv.shape[0]) != E or int(hv.shape[1]) < 1:
+        raise ValueError(f"qb_histogram: expected an int32 [num_experts, num_bins] array with num_experts = {E} "
+                         f"and num_bins >= 1, got shape {tuple(hv.shape)}")
+    B = int(hv.shape[1])
+    if B > MAX_QB_BINS:
+        raise ValueError(f"qb_histogram: at most {MAX_QB_BINS} bins are supported, got {B}")
+    return B
+
+
+def _check_qb_bounds(dv):
+    _arrays.check_dtype(dv, "qb_bin_bounds", (_F32,))
+    _arrays.check_shape(dv, "qb_bin_bounds", (2,))
+
+
+def check_qb_bounds_values(lower, upper):
+    """ValueError unless the bin bounds are finite with lower < upper (TE's check of ``qb_bin_bounds``)."""
+    lower, upper = float(lower), float(upper)
+    if not (math.isfinite(lower) and math.isfinite(upper) and lower < upper):
+        raise ValueError(f"qb_bin_bounds: must be finite with lower < upper, got [{lower}, {upper}]")
+
+
+def check_qb_args(xv, bv, hv, dv, topk, score_function, num_groups, group_topk, scaling_factor,
+                  qb_histogram_mode):
+    """Every check of :func:`topk_with_score_qb` that needs only shapes, dtypes and the settings (not the
+    bounds' values): ``(E, K, B, scale, fused)``. Arrays: anything with ``shape``, ``ndim`` and ``dtype``
+    (JAX tracers too)."""
+    E = _check_logits(xv)
+    _check_score_function(score_function)
+    if score_function != "sigmoid":
+        raise ValueError(f"score_function: Quantile Balancing supports 'sigmoid' only, got {score_function!r}")
+    if num_groups is not None or group_topk is not None:
+        raise ValueError("num_groups/group_topk: Quantile Balancing does not support group-limited top-k; pass "
+                         "None for both")
+    if bv is None:
+        raise ValueError("expert_bias: Quantile Balancing requires an expert bias ([num_experts] float)")
+    _check_bias(bv, E, score_function)
+    K = _check_topk(topk, E)
+    if K >= E:
+        raise ValueError(f"topk: Quantile Balancing selects topk + 1 experts, so topk must be < num_experts "
+                         f"({E}), got {K}")
+    scale = _check_scaling(scaling_factor)
+    fused = _check_qb_mode(qb_histogram_mode)
+    if hv is None or dv is None:
+        raise ValueError("qb_histogram, qb_bin_bounds: Quantile Balancing needs both (and qb_histogram_mode)")
+    B = _check_qb_histogram(hv, E)
+    _check_qb_bounds(dv)
+    return E, K, B, scale, fused
+
+
+def _writable_histogram(hv, backend):
+    """The histogram is accumulated in place: it must be C-contiguous, and writable on the host."""
+    if not hv.flags.c_contiguous:
+        raise ValueError("qb_histogram: must be C-contiguous (it is accumulated in place)")
+    if backend == "cpu" and not hv.flags.writeable:
+        raise TypeError("qb_histogram: a read-only array (JAX arrays are immutable); it is accumulated in "
+                        "place: pass a writable one, or use moe_rt.jax.topk_with_score_qb, which returns the "
+                        "new histogram")
+
+
+def _bounds_checked(call, dv, validated):
+    """The bounds for the kernels (fp32 [2], contiguous), their values checked unless ``validated``: on CUDA
+    that is a read on the host (a sync)."""
+    d = _arrays.contiguous(call.xp, dv)
+    if call.backend == "cpu":
+        check_qb_bounds_values(d[0], d[1])
+    elif not validated:
+        lo, hi = _arrays.cupy_of(d).get()
+        check_qb_bounds_values(lo, hi)
+    return d
+
+
+def _qb_hist_grid(T, E, B, device_id):
+    """(grid, shared memory bytes, use_smem) of qb_histogram_accumulate: ceil(E/8) x min(4, max(1,
+    ceil(T/1024))) blocks, 8 experts' bins a block in shared memory when they fit."""
+    smem = 8 * B * 4
+    use = smem <= _jit.device_properties(device_id)["smem_per_block_optin"]
+    return (-(-E // 8), min(4, max(1, -(-T // 1024)))), (smem if use else 0), use
+
+
+def _launch_qb_hist(call, raw, cut, T, E, bounds, hist, B):
+    grid, smem, use = _qb_hist_grid(T, E, B, call.device_id)
+    fn = _jit.function(_FILE, "qb_histogram_accumulate")
+    _jit.set_max_dynamic_shared(fn, smem)
+    _jit.launch(fn, grid, 256, (raw, cut, np.int64(T), np.int32(E), bounds, hist, np.int32(B), np.int32(use)),
+                shared_mem=smem, stream=call.stream)
+
+
+def topk_with_score_qb(logits, topk, *, expert_bias, qb_histogram, qb_bin_bounds, qb_histogram_mode="fused_atomic",
+                       score_function="sigmoid", num_groups=None, group_topk=None, scaling_factor=None,
+                       bounds_validated=False, stream=None):
+    """Top-k routing with Quantile-Balancing histogram accumulation (TE ``fused_topk_with_score_function``
+    with ``qb_histogram``/``qb_bin_bounds``/``qb_histogram_mode``; docs/router.md "Quantile Balancing").
+
+    Per token t: raw = sigmoid(logits) (fp32), biased = raw + expert_bias; the top ``topk + 1`` by biased
+    score in the order (value desc, index asc); the last of them (the least biased score, the larger expert
+    id on ties) is the **cutoff** and is dropped; the other ``topk`` are the routes, with exactly the probs,
+    map and intermediate of :func:`topk_with_score` with ``score_function="sigmoid"`` and the same bias
+    (the same experts, as the dropped one is the (k+1)-th in that order). Then for **every** expert e:
+    ``r = cutoff_t - raw_te``, ``bin = clamp(floor((r - lower) * (B / (upper - lower))), 0, B - 1)`` in
+    fp32 (a NaN r counts in bin 0), ``qb_histogram[e, bin] += 1``: each call adds T to every expert's row.
+    The histogram is never zeroed here (:func:`update_expert_bias_with_quantile` consumes and zeroes it).
+
+    Records no autograd: use the op of the same name in ``moe_rt.torch`` / ``moe_rt.jax`` (backward: the
+    sigmoid backward of :func:`topk_with_score_backward` over the ``topk`` routes; no gradient for the bias,
+    histogram or bounds).
+
+    Args:
+        logits: ``[..., E]`` fp32/bf16/fp16.
+        topk: int K, 1 <= K < E, K <= 64.
+        expert_bias: ``[E]`` fp32/bf16/fp16 (required; used as fp32).
+        qb_histogram: ``[E, B]`` int32, C-contiguous, on the logits' device: **accumulated in place**.
+        qb_bin_bounds: ``[2]`` fp32 ``[lower, upper]`` on the logits' device, finite with lower < upper.
+            The kernels read it on the device at launch, so a CUDA graph replays with the values then in
+            memory.
+        qb_histogram_mode: ``"fused_atomic"`` (the router kernel adds the counts with integer atomics) or
+            ``"two_kernel"`` (the router writes the cutoff, then a second kernel bins (raw, cutoff) through
+            shared-memory histograms). Both give the same bits in every output and the same counts.
+        score_function, num_groups, group_topk: accepted for the signature of :func:`topk_with_score`;
+            only ``"sigmoid"`` and no groups are allowed (ValueError).
+        scaling_factor: as in :func:`topk_with_score`.
+        bounds_validated: False (default) checks the bounds' values first: on CUDA a host read of two
+            floats (a sync; not allowed while a stream is captured). True skips it (values then unchecked:
+            for CUDA graph capture after a checked call). On the CPU backend they are always checked.
+        stream: CUDA stream (None = the caller's current stream).
+
+    Returns:
+        ``(probs, routing_map, intermediate, cutoff)``: as :func:`topk_with_score` (intermediate = raw
+        sigmoid values), cutoff ``[...]`` fp32 (the leading dims: each token's cutoff biased score).
+    """
+    arrays = {"logits": logits, "expert_bias": expert_bias, "qb_histogram": qb_histogram,
+              "qb_bin_bounds": qb_bin_bounds}
+    with _arrays.Call(arrays, stream=stream, lean=True) as call:
+        xv, bv, hv, dv = (call[n] for n in arrays)
+        E, K, B, scale, fused = check_qb_args(xv, bv, hv, dv, topk, score_function, num_groups, group_topk,
+                                              scaling_factor, qb_histogram_mode)
+        _check_bool(bounds_validated, "bounds_validated")
+        _writable_histogram(hv, call.backend)
+        lead = tuple(xv.shape[:-1])
+        x = _flat(call.xp, xv, E)
+        T = x.shape[0]
+        d = _bounds_checked(call, dv, bounds_validated)
+        if call.backend == "cpu":
+            probs, rmap, inter, cut = ref.topk_with_score_qb_fwd(x, K, np.asarray(bv), scale)
+            ref.qb_histogram_accumulate(inter, cut, d, hv)
+        else:
+            xp = call.xp
+            probs = call.empty((T, E), dtype=x.dtype)
+            rmap = call.empty((T, E), dtype=np.bool_)
+            inter = call.empty((T, E), dtype=np.float32)
+            cut = call.empty((T,), dtype=np.float32)
+            if T > 0:
+                b32 = _arrays.as_f32(xp, bv)
+                team = _team(E, fwd=True)
+                spb = 4 if team == 32 else 1
+                fn = _jit.function(_FILE, f"router_fwd_qb<{_jit.ctype(x.dtype)}, {team}>")
+                smem = 4 * _slot_words(E, 0, K + 1, team) * spb
+                _jit.set_max_dynamic_shared(fn, smem)
+                grid = _grid(-(-T // spb), team * spb, smem, call.device_id, getattr(fn, "num_regs", 0))
+                _jit.launch(fn, grid, team * spb,
+                            (x, np.int64(T), np.int32(E), np.int32(K), np.float32(scale), b32, probs, rmap, inter,
+                             cut, d, hv if fused else 0, np.int32(B)),
+                            shared_mem=smem, stream=call.stream)
+                if not fused:
+                    _launch_qb_hist(call, inter, cut, T, E, d, hv, B)
+        shape = lead + (E,)
+        return (call.out(probs.reshape(shape)), call.out(rmap.reshape(shape)), call.out(inter.reshape(shape)),
+                call.out(cut.reshape(lead)))
+
+
+def qb_histogram_accumulate(raw, cutoff, qb_bin_bounds, qb_histogram, *, bounds_validated=False, stream=None):
+    """The two-kernel mode's second step alone (TE ``nvte_qb_histogram_accumulate``): for every token t and
+    expert e, ``qb_histogram[e, bin(cutoff[t] - raw[t, e])] += 1`` with the binning of
+    :func:`topk_with_score_qb`, in place.
+
+    Args:
+        raw: ``[..., E]`` fp32 (the sigmoid values before the bias: the QB forward's intermediate).
+        cutoff: ``[...]`` fp32 (the leading dims of ``raw``).
+        qb_bin_bounds: ``[2]`` fp32, finite with lower < upper (checked as in :func:`topk_with_score_qb`,
+            per ``bounds_validated``).
+        qb_histogram: ``[E, B]`` int32, C-contiguous: accumulated in place.
+
+    Returns:
+        None.
+    """
+    arrays = {"raw": raw, "cutoff": cutoff, "qb_bin_bounds": qb_bin_bounds, "qb_histogram": qb_histogram}
+    with _arrays.Call(arrays, stream=stream, lean=True) as call:
+        rv, cv, dv, hv = (call[n] for n in arrays)
+        _arrays.check_dtype(rv, "raw", (_F32,))
+        if rv.ndim < 1:
+            raise ValueError(f"raw: expected a [..., num_experts] array, got shape {tuple(rv.shape)}")
+        E = int(rv.shape[-1])
+        if E < 1:
+            raise ValueError("raw: num_experts (last dim) must be >= 1, got 0")
+        _arrays.check_dtype(cv, "cutoff", (_F32,))
+        _arrays.check_shape(cv, "cutoff", tuple(rv.shape[:-1]))
+        B = _check_qb_histogram(hv, E)
+        _check_qb_bounds(dv)
+        _check_bool(bounds_validated, "bounds_validated")
+        _writable_histogram(hv, call.backend)
+        d = _bounds_checked(call, dv, bounds_validated)
+        xp = call.xp
+        r = _flat(xp, rv, E)
+        c = _arrays.contiguous(xp, cv).reshape(-1)
+        T = r.shape[0]
+        if call.backend == "cpu":
+            ref.qb_histogram_accumulate(r, c, d, hv)
+        elif T > 0:
+            _launch_qb_hist(call, r, c, T, E, d, hv, B)
+        return None
+
+
+def update_expert_bias_with_quantile(qb_histogram, qb_bin_bounds, expert_bias, topk, *, stream=None):
+    """The bias update that consumes QB histograms (Megatron's ``get_updated_expert_bias_with_quantile``),
+    **in place** on all three arrays (pointers stay put, so CUDA graphs that read them stay valid); no sync.
+
+    For each expert (leading dims ``...`` are independent problems, e.g. one per layer): C = cumsum of its
+    histogram row, N = C[-1] of expert 0 (the tokens counted), target = N * topk / E, rank = max(1,
+    ceil(target)), j = the first bin with C >= rank, before = C[j-1] (0 for j = 0),
+    frac = clamp((target - before) / max(hist[j], 1), 0, 1), b = lower + (j + frac) * (upper - lower) / B;
+    then b is centred (its mean over the experts subtracted) and written into ``expert_bias``, the bounds
+    become ``[min b - 1, max b + 1]``, and the histogram is zeroed. Where N = 0 the bias and bounds are kept
+    (the histogram is zero already). The arithmetic is float64, rounded once into fp32.
+
+    Args:
+        qb_histogram: ``[..., E, B]`` int32 (all-reduced over the data-parallel ranks by the caller).
+        qb_bin_bounds: ``[..., 2]`` fp32.
+        expert_bias: ``[..., E]`` fp32.
+        topk: int K, 1 <= K < E.
+
+    Returns:
+        None.
+    """
+    arrays = {"qb_histogram": qb_histogram, "qb_bin_bounds": qb_bin_bounds, "expert_bias": expert_bias}
+    with _arrays.Call(arrays, stream=stream) as call:
+        hv, dv, bv = (call[n] for n in arrays)
+        _arrays.check_dtype(hv, "qb_histogram", (_I32,))
+        if hv.ndim < 2 or int(hv.shape[-1]) < 1 or int(hv.shape[-2]) < 1:
+            raise ValueError(f"qb_histogram: expected an int32 [..., num_experts, num_bins] array, got shape "
+                             f"{tuple(hv.shape)}")
+        lead, E = tuple(hv.shape[:-2]), int(hv.shape[-2])
+        _arrays.check_dtype(dv, "qb_bin_bounds", (_F32,))
+        _arrays.check_shape(dv, "qb_bin_bounds", lead + (2,))
+        _arrays.check_dtype(bv, "expert_bias", (_F32,))
+        _arrays.check_shape(bv, "expert_bias", lead + (E,))
+        K = _arrays.check_int(topk, "topk", low=1)
+        if K >= E:
+            raise ValueError(f"topk: must be < num_experts ({E}), got {K}")
+        for name, v in (("qb_histogram", hv), ("qb_bin_bounds", dv), ("expert_bias", bv)):
+            if not v.flags.c_contiguous:
+                raise ValueError(f"{name}: must be C-contiguous (updated in place)")
+            if call.backend == "cpu" and not v.flags.writeable:
+                raise TypeError(f"{name}: a read-only array (JAX arrays are immutable); it is updated in place")
+        bias, bounds = ref.expert_bias_from_quantile(call.xp, hv, dv, bv, K)
+        bv[...] = bias.astype(bv.dtype)
+        dv[...] = bounds.astype(dv.dtype)
+        hv[...] = 0
+        return None
 
 
 # ---- scores for the aux loss -----------------------------------------------------------------------

@@ -12,8 +12,10 @@ TransformerEngine asserts). docs/te.md maps each function and lists the differen
 
 The bit-packed routing map (``routing_map_format="bitmap_u8"``) and the dense ``topk_indices`` output buffer
 work as in TransformerEngine (the permutation functions take neither a bitmap nor indices as a mask: a uint8
-routing map is refused). Not implemented (it needs kernels moe_rt does not have yet): Quantile-Balancing
-histograms (``qb_*``); passing them raises NotImplementedError naming the feature.
+routing map is refused). Quantile Balancing (``qb_histogram``, ``qb_bin_bounds``, ``qb_histogram_mode``) runs
+:func:`moe_rt.torch.topk_with_score_qb`, with any of the routing outputs; the bounds' values are checked on
+the host once per tensor version (TransformerEngine's rule, so a CUDA graph can be captured after one eager
+call; docs/te.md).
 
 FP8: plain ``torch.float8_e4m3fn`` / ``float8_e5m2`` tensors are permuted bit for bit by the permute
 functions (CPU and CUDA); their scale rows (e.g. ``[T, H/128]`` fp32) are permuted by the same call on the
@@ -24,7 +26,8 @@ TransformerEngine. ``moe_unpermute`` refuses FP8 rows with a TypeError, as Trans
 Host syncs: :func:`moe_permute_and_pad_with_probs` reads the padded row count on the host (TransformerEngine
 does the same), and :func:`moe_permute` with ``map_type="index"`` reads the largest expert id on the host
 unless ``num_experts=`` (a moe_rt keyword) is given, since TransformerEngine's index map does not say how
-many experts there are. Nothing else syncs.
+many experts there are. A Quantile-Balancing call reads ``qb_bin_bounds`` on the host the first time it
+sees a tensor version of it (TransformerEngine does the same). Nothing else syncs.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ from typing import Optional, Union
 
 import torch
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from moe_rt import torch as _mt
 
@@ -50,7 +54,7 @@ class RoutingMapFormat(enum.IntEnum):
 
 
 class QBHistogramMode(enum.IntEnum):
-    """TransformerEngine's ``NVTEQBHistogramMode`` values (Quantile Balancing is not implemented)."""
+    """TransformerEngine's ``NVTEQBHistogramMode`` values (``qb_histogram_mode`` takes the lowercase names)."""
     TWO_KERNEL = 0
     FUSED_ATOMIC = 1
 
@@ -72,6 +76,39 @@ def _routing_map_format(fmt) -> str:
     if int(fmt) not in (0, 1):
         raise ValueError(f"routing_map_format: an int must be 0 (BYTEMAP) or 1 (BITMAP_U8), got {fmt!r}")
     return "bitmap_u8" if int(fmt) == 1 else "bytemap"
+
+
+# qb_bin_bounds tensors checked on the host, with the tensor version (``_version``) they were checked at: a
+# tracked in-place write (fill_, copy_, ...) bumps the version and forces a new check
+_qb_checked = WeakIdKeyDictionary()
+
+
+def _qb_bounds_validated(bounds) -> bool:
+    """TransformerEngine's bounds bookkeeping: the values of ``qb_bin_bounds`` are checked (finite, lower <
+    upper: ValueError) on the host once per tensor version, then the router runs unchecked (True), so
+    that a CUDA graph can be captured after one eager call; the kernels read the bounds on the device, so
+    replays see the values written there then (unchecked). Under torch.compile the op checks them itself
+    (False). Unchecked bounds while a CUDA stream is captured raise RuntimeError, as in TransformerEngine."""
+    if not isinstance(bounds, Tensor):
+        raise TypeError(f"qb_bin_bounds: expected a torch.Tensor, got {type(bounds).__name__}")
+    if torch.compiler.is_compiling():
+        return False
+    if bounds.dtype != torch.float32:
+        raise TypeError(f"qb_bin_bounds: dtype must be float32, got {bounds.dtype}")
+    if bounds.numel() != 2 or bounds.dim() != 1:
+        raise ValueError(f"qb_bin_bounds: expected shape (2,), got {tuple(bounds.shape)}")
+    version = bounds._version
+    if _qb_checked.get(bounds) == version:
+        return True
+    if bounds.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("qb_bin_bounds must be validated by an eager router call before CUDA graph capture "
+                           "(its values are checked on the host once per tensor version)")
+    lo, hi = bounds.detach().cpu().tolist()
+    from moe_rt.router import check_qb_bounds_values
+
+    check_qb_bounds_values(lo, hi)
+    _qb_checked[bounds] = version
+    return True
 
 
 def _groups(v):
@@ -116,11 +153,12 @@ def fused_topk_with_score_function(logits: Tensor, topk: int, use_pre_softmax: b
             raise ValueError("Quantile Balancing does not support grouped Top-k")
         if qb_histogram_mode not in _QB_MODES:
             raise ValueError(f"qb_histogram_mode must be 'two_kernel' or 'fused_atomic', got {qb_histogram_mode!r}")
-        raise NotImplementedError("Quantile Balancing (qb_histogram, qb_bin_bounds, qb_histogram_mode) is not "
-                                  "implemented in moe_rt")
     if topk_indices is not None and fmt != "bytemap":
         raise ValueError("topk_indices: the dense index output cannot be combined with non-default "
                          "routing_map_format (BITMAP_U8)")
+    if qb_histogram is not None:
+        return _qb_topk(logits, topk, expert_bias, qb_histogram, qb_bin_bounds, qb_histogram_mode, scaling_factor,
+                        fmt, topk_indices)
     if fmt == "bytemap" and topk_indices is None:
         return _mt.topk_with_score(logits, topk, score_function=score_function, use_pre_softmax=use_pre_softmax,
                                    num_groups=_groups(num_groups), group_topk=_groups(group_topk),
@@ -129,6 +167,37 @@ def fused_topk_with_score_function(logits: Tensor, topk: int, use_pre_softmax: b
                                num_groups=_groups(num_groups), group_topk=_groups(group_topk),
                                scaling_factor=scaling_factor, expert_bias=expert_bias, routing_map_format=fmt,
                                topk_indices=topk_indices)
+
+
+def _qb_topk(logits, topk, expert_bias, hist, bounds, mode, scaling_factor, fmt, topk_indices):
+    """The Quantile-Balancing router with TransformerEngine's routing outputs: the bool map, the bit-packed
+    map (the core op's packing) or the dense indices written into ``topk_indices`` (ascending expert id)."""
+    from moe_rt import router as _router
+
+    if topk_indices is not None:
+        _router.check_topk_outputs(logits, topk, "bytemap", topk_indices, None)
+        if tuple(topk_indices.shape) != tuple(logits.shape[:-1]) + (int(topk),):
+            raise ValueError(f"topk_indices: expected shape {tuple(logits.shape[:-1]) + (int(topk),)}, got "
+                             f"{tuple(topk_indices.shape)}")
+        if topk_indices.device != logits.device or not topk_indices.is_contiguous():
+            raise ValueError("topk_indices: the buffer must be contiguous and on the logits' device")
+    probs, routing_map = _mt.topk_with_score_qb(logits, topk, expert_bias=expert_bias, qb_histogram=hist,
+                                                qb_bin_bounds=bounds, qb_histogram_mode=mode,
+                                                scaling_factor=scaling_factor,
+                                                bounds_validated=_qb_bounds_validated(bounds))
+    if topk_indices is not None:  # the k selected ids in ascending order: a stable sort puts them first
+        ids = torch.argsort(routing_map.to(torch.int8), dim=-1, descending=True, stable=True)[..., :int(topk)]
+        with torch.no_grad():
+            topk_indices.copy_(ids)
+        return probs, topk_indices
+    if fmt != "bytemap":
+        E = routing_map.shape[-1]
+        pad = -E % 8
+        bits = torch.nn.functional.pad(routing_map.to(torch.uint8), (0, pad))
+        weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=bits.device)
+        packed = (bits.reshape(*bits.shape[:-1], -1, 8) * weights).sum(-1, dtype=torch.uint8)
+        return probs, packed
+    return probs, routing_map
 
 
 def fused_compute_score_for_moe_aux_loss(logits: Tensor, topk: int, score_function: str,

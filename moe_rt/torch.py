@@ -26,8 +26,9 @@ from moe_rt import fp8 as _fp8
 from moe_rt import permutation as _perm
 from moe_rt import router as _rt
 
-__all__ = ["TorchPlan", "make_plan", "dispatch", "combine", "topk_with_score", "scores_for_aux_loss", "aux_loss",
-           "sort_chunks", "quantize_fp8", "dequantize_fp8", "TorchEpHandle", "ep_prepare", "ep_dispatch", "ep_combine"]
+__all__ = ["TorchPlan", "make_plan", "dispatch", "combine", "topk_with_score", "topk_with_score_qb",
+           "scores_for_aux_loss", "aux_loss", "sort_chunks", "quantize_fp8", "dequantize_fp8", "TorchEpHandle",
+           "ep_prepare", "ep_dispatch", "ep_combine"]
 
 
 def _eager() -> bool:
@@ -796,6 +797,88 @@ def scores_for_aux_loss(logits: Tensor, topk: int, score_function: str, *,
         return scores, routing_map
     scores, routing_map, _ = _scores_op(logits, int(topk), str(score_function), "bytemap")
     return scores, routing_map
+
+
+# -- Quantile Balancing ----------------------------------------------------------------------------------
+
+@torch.library.custom_op("moe_rt::topk_with_score_qb", mutates_args=("qb_histogram",))
+def _qb_op(logits: Tensor, expert_bias: Tensor, qb_histogram: Tensor, qb_bin_bounds: Tensor, topk: int,
+           qb_histogram_mode: str, scaling_factor: float, bounds_validated: bool) -> tuple[Tensor, Tensor, Tensor]:
+    probs, routing_map, inter, _ = _rt.topk_with_score_qb(
+        logits, topk, expert_bias=expert_bias, qb_histogram=qb_histogram, qb_bin_bounds=qb_bin_bounds,
+        qb_histogram_mode=qb_histogram_mode, scaling_factor=scaling_factor, bounds_validated=bounds_validated)
+    return probs, routing_map, inter
+
+
+@_qb_op.register_fake
+def _(logits, expert_bias, qb_histogram, qb_bin_bounds, topk, qb_histogram_mode, scaling_factor, bounds_validated):
+    return (torch.empty_like(logits), torch.empty_like(logits, dtype=torch.bool),
+            torch.empty_like(logits, dtype=torch.float32))
+
+
+class _QbFn(torch.autograd.Function):
+    """Top-k with QB histograms: the core op eagerly, the mutating custom op (histogram in place) under
+    torch.compile; the backward is the sigmoid top-k backward over the k routes (no gradient for the bias,
+    histogram or bounds)."""
+
+    @staticmethod
+    def forward(logits, expert_bias, hist, bounds, topk, mode, scale, validated):
+        if _eager():
+            return _rt.topk_with_score_qb(logits, topk, expert_bias=expert_bias, qb_histogram=hist,
+                                          qb_bin_bounds=bounds, qb_histogram_mode=mode, scaling_factor=scale,
+                                          bounds_validated=validated)[:3]
+        return _qb_op(logits, expert_bias, hist, bounds, topk, mode, scale, validated)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, routing_map, inter = output
+        ctx.set_materialize_grads(False)
+        ctx.args = (inputs[4], inputs[6])
+        ctx.mark_non_differentiable(routing_map, inter)
+        ctx.save_for_backward(routing_map, inter)
+
+    vmap = _no_vmap("topk_with_score_qb")
+
+    @staticmethod
+    def backward(ctx, grad_probs, _grad_map, _grad_inter):
+        if grad_probs is None:
+            return (None,) * 8
+        topk, scale = ctx.args
+        routing_map, inter = ctx.saved_tensors
+        if _eager():
+            grad_probs, routing_map, inter = _bwd_plain("topk_with_score_qb", grad_probs.contiguous(), routing_map,
+                                                        inter)
+            g = _rt.topk_with_score_backward(grad_probs, routing_map, inter, topk, score_function="sigmoid",
+                                             scaling_factor=scale)
+        else:
+            g = _topk_bwd_op(grad_probs, routing_map, inter, topk, "sigmoid", False, scale, "bytemap", False)
+        return (g,) + (None,) * 7
+
+
+def topk_with_score_qb(logits: Tensor, topk: int, *, expert_bias: Tensor, qb_histogram: Tensor,
+                       qb_bin_bounds: Tensor, qb_histogram_mode: str = "fused_atomic",
+                       scaling_factor: Optional[float] = None,
+                       bounds_validated: bool = False) -> tuple[Tensor, Tensor]:
+    """Differentiable :func:`moe_rt.router.topk_with_score_qb`: returns ``(probs [T,E] logits dtype,
+    routing_map [T,E] bool)`` and accumulates ``qb_histogram`` ([E, B] int32) in place. The gradient flows
+    to ``logits`` (the sigmoid backward over the k routes); the bias, histogram and bounds get none.
+    ``bounds_validated=True`` skips the host read that checks the bounds' values (for CUDA graph capture
+    after a checked call; ``moe_rt.te`` does that bookkeeping per tensor version)."""
+    _tensor(logits, "logits")
+    for t, name in ((expert_bias, "expert_bias"), (qb_histogram, "qb_histogram"), (qb_bin_bounds, "qb_bin_bounds")):
+        _tensor(t, name)
+    scale = 1.0 if scaling_factor is None else scaling_factor
+    if _eager() and not _functorch_active() and not _needs_grad(logits):
+        probs, routing_map, _, _ = _rt.topk_with_score_qb(
+            logits, topk, expert_bias=expert_bias, qb_histogram=qb_histogram, qb_bin_bounds=qb_bin_bounds,
+            qb_histogram_mode=qb_histogram_mode, scaling_factor=scaling_factor, bounds_validated=bounds_validated)
+        return probs, routing_map
+    if not _eager():
+        topk, qb_histogram_mode, scale, bounds_validated = (int(topk), str(qb_histogram_mode), float(scale),
+                                                             bool(bounds_validated))
+    probs, routing_map, _ = _QbFn.apply(logits, expert_bias, qb_histogram, qb_bin_bounds, topk, qb_histogram_mode,
+                                        scale, bounds_validated)
+    return probs, routing_map
 
 
 @torch.library.custom_op("moe_rt::aux_loss", mutates_args=())

@@ -302,3 +302,65 @@ def aux_loss_bwd(grad_aux_loss, num_rows, tokens_per_expert, total_num_tokens, n
     c = aux_loss_coeff(total_num_tokens, num_experts, topk, coeff)
     row = ((c * tpe).astype(F32) * g).astype(F32)
     return np.broadcast_to(row, (num_rows, tpe.shape[0])).astype(grad.dtype)
+
+
+# ---- Quantile Balancing ------------------------------------------------------------------------------
+
+def topk_with_score_qb_fwd(logits, topk, expert_bias, scaling_factor=None):
+    """(probs, routing_map, intermediate, cutoff [T] fp32) of the QB forward (docs/router.md "Quantile
+    Balancing"): sigmoid + bias, the top topk + 1 in the order (key desc, index asc), the last of them the
+    cutoff (its biased score), the other topk routed exactly as :func:`topk_with_score_fwd` routes them."""
+    probs, sel, inter = topk_with_score_fwd(logits, topk, scaling_factor=scaling_factor, score_function="sigmoid",
+                                            expert_bias=expert_bias)
+    b = np.asarray(expert_bias).astype(F32).reshape(1, -1)
+    with np.errstate(invalid="ignore", over="ignore"):
+        r = (inter + b).astype(F32)
+    last = np.argsort(~float_keys(r), axis=-1, kind="stable")[:, topk:topk + 1]
+    return probs, sel, inter, np.take_along_axis(r, last, axis=-1)[:, 0].astype(F32)
+
+
+def qb_bins(raw, cutoff, lower, upper, num_bins):
+    """int64 [T, E] bins of r = cutoff[t] - raw[t, e]: clamp(floor((r - lower) * (B / (upper - lower))), 0,
+    B - 1), every step in fp32; a NaN lands in bin 0 (fmax/fmin keep the number)."""
+    lo, hi = F32(lower), F32(upper)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        sc = F32(F32(num_bins) / F32(hi - lo))
+        r = (np.asarray(cutoff, F32).reshape(-1, 1) - np.asarray(raw, F32)).astype(F32)
+        v = np.floor(((r - lo).astype(F32) * sc).astype(F32))
+    return np.fmin(np.fmax(v, F32(0)), F32(num_bins - 1)).astype(np.int64)
+
+
+def qb_histogram_accumulate(raw, cutoff, bounds, hist):
+    """hist [E, B] int32 += the counts of :func:`qb_bins` per (expert, bin), in place (int32 wraps, as the
+    device's atomics do)."""
+    E, B = hist.shape
+    raw = np.asarray(raw, F32).reshape(-1, E)
+    bounds = np.asarray(bounds, F32).reshape(2)
+    bins = qb_bins(raw, cutoff, bounds[0], bounds[1], B)
+    flat = (np.arange(E, dtype=np.int64)[None, :] * B + bins).reshape(-1)
+    counts = np.bincount(flat, minlength=E * B).reshape(E, B)
+    np.add(hist, counts.astype(np.int32), out=hist, casting="unsafe")
+
+
+def expert_bias_from_quantile(xp, hist, bounds, bias, topk):
+    """(new bias [..., E], new bounds [..., 2]) in float64 from QB histograms [..., E, B] (Megatron's
+    ``get_updated_expert_bias_with_quantile``; :func:`moe_rt.router.update_expert_bias_with_quantile` states
+    the steps). ``xp``: numpy or cupy (array ops only: no host read)."""
+    h = hist.astype(xp.int64)
+    E, B = int(h.shape[-2]), int(h.shape[-1])
+    C = xp.cumsum(h, axis=-1)
+    N = C[..., 0:1, B - 1:B].astype(xp.float64)  # [..., 1, 1]: the tokens counted (expert 0's total)
+    target = N * topk / E
+    rank = xp.maximum(1.0, xp.ceil(target))
+    reach = C >= rank
+    j = xp.where(reach.any(axis=-1), xp.argmax(reach.astype(xp.int8), axis=-1), B - 1)[..., None]  # [..., E, 1]
+    before = xp.where(j > 0, xp.take_along_axis(C, xp.maximum(j - 1, 0), axis=-1), 0).astype(xp.float64)
+    hj = xp.take_along_axis(h, j, axis=-1).astype(xp.float64)
+    frac = xp.clip((target - before) / xp.maximum(hj, 1.0), 0.0, 1.0)
+    bd = bounds.astype(xp.float64)
+    lo, hi = bd[..., 0:1], bd[..., 1:2]  # [..., 1]
+    b = lo + ((j[..., 0] + frac[..., 0]) * (hi - lo)) / B  # [..., E]
+    b = b - b.mean(axis=-1, keepdims=True)
+    nb = xp.concatenate([b.min(axis=-1, keepdims=True) - 1.0, b.max(axis=-1, keepdims=True) + 1.0], axis=-1)
+    keep = N[..., 0] == 0  # [..., 1]
+    return xp.where(keep, bias.astype(xp.float64), b), xp.where(keep, bd, nb)
