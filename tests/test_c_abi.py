@@ -6,6 +6,7 @@ router -> plan -> dispatch -> expert -> combine against the NumPy reference."""
 from __future__ import annotations
 
 import ctypes as C
+import importlib.util
 import json
 import os
 import shutil
@@ -20,10 +21,9 @@ import pytest
 from moe_rt import _jit, permutation, router
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "csrc"))
-import build as cbuild  # noqa: E402
-
-sys.path.pop(0)
+_spec = importlib.util.spec_from_file_location("moe_rt_libbuild", ROOT / "csrc" / "libbuild.py")
+cbuild = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(cbuild)
 
 F32, F16, BF16, I32, I64, BOOL, U8, I8 = 0, 1, 2, 3, 4, 5, 6, 7
 DT_NAMES = {F32: "float32", F16: "float16", BF16: "bfloat16"}
@@ -123,6 +123,9 @@ def ctx(lib):
 def _launches(lib, ctx):
     info = PlanInfo()
     assert lib.moe_rt_last_plan(ctx, C.byref(info)) == OK, lib.moe_rt_last_error()
+    for i in range(info.num_launches):  # every kernel the C planner picks is one warmup writes
+        file, name = info.launch[i].file.decode(), info.launch[i].kernel.decode()
+        assert name in _jit.REGISTRY.get(file, ()), (file, name)
     return [(info.launch[i].kernel.decode(), info.launch[i].grid, info.launch[i].block, info.launch[i].shared_mem)
             for i in range(info.num_launches) if info.launch[i].grid > 0]
 
@@ -667,12 +670,19 @@ def test_header_compiles_as_cxx(tmp_path):
     assert r.returncode == 0, r.stderr
 
 
-@pytest.mark.gpu
-def test_example_runs_on_gpu(libpath, tmp_path):
-    cache = tmp_path / "kernels"
+# ---- on a GPU ---------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def kernel_cache(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("kernels")
     r = subprocess.run([sys.executable, "-m", "moe_rt", "warmup", "--out", str(cache), "--quiet"], cwd=ROOT,
                        capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, r.stdout + r.stderr
+    return cache
+
+
+@pytest.mark.gpu
+def test_example_runs_on_gpu(libpath, kernel_cache, tmp_path):
     data = tmp_path / "moe_layer.bin"
     r = subprocess.run([sys.executable, str(ROOT / "examples" / "make_reference.py"), str(data)], cwd=ROOT,
                        capture_output=True, text=True, timeout=300)
@@ -681,6 +691,152 @@ def test_example_runs_on_gpu(libpath, tmp_path):
     subprocess.run([*_compiler().split(), "-std=c11", f"-I{ROOT / 'include'}", str(ROOT / "examples" / "moe_layer.c"),
                     f"-L{libpath.parent}", "-lmoe_rt", f"-Wl,-rpath,{libpath.parent}", "-lm", "-o", str(exe)],
                    check=True)
-    r = subprocess.run([str(exe), str(cache), str(data)], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([str(exe), str(kernel_cache), str(data)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "moe_layer: OK" in r.stdout, r.stdout
+
+
+def _dev(cp, a, poison=None):
+    """A CuPy copy of NumPy array a (bf16 as its uint16 bits), or a poisoned empty one of a's shape."""
+    bits = a.view(np.uint16) if a.dtype == router._arrays.BFLOAT16 else a
+    if poison is None:
+        return cp.asarray(bits)
+    out = cp.empty(bits.shape, bits.dtype)
+    out.fill(poison)
+    return out
+
+
+def _host(cp, d, dtype):
+    h = cp.asnumpy(d)
+    return h.view(router._arrays.BFLOAT16) if np.dtype(dtype) == router._arrays.BFLOAT16 else h
+
+
+def _close(got, want, dt, what):
+    tol = 2e-2 if np.dtype(dt).itemsize == 2 else 2e-5
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol * 1e-2,
+                               err_msg=what)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dt", [F32, BF16], ids=["float32", "bfloat16"])
+def test_c_router_ops_match_reference_on_gpu(lib, kernel_cache, dt, rng):
+    import moe_rt
+
+    cp = pytest.importorskip("cupy")
+    ctx = P()
+    _ok(lib, lib.moe_rt_context_create(str(kernel_cache).encode(), 0, C.byref(ctx)))
+    npdt = _np(dt)
+    try:
+        for T, E, K, sf, pre, G, g, with_bias in [(37, 100, 6, SIGMOID, 0, 4, 2, True), (300, 256, 8, SOFTMAX, 1, 0, 0, False),
+                                                  (64, 2304, 36, SOFTMAX, 0, 0, 0, False),
+                                                  (5, 7, 3, SQRTSOFTPLUS, 0, 0, 0, True)]:
+            what = f"T={T} E={E} K={K} sf={sf} pre={pre} G={G} g={g}"
+            logits = rng.standard_normal((T, E)).astype(np.float32).astype(npdt)
+            bias = rng.standard_normal(E).astype(np.float32) * 0.1 if with_bias else None
+            name = {SIGMOID: "sigmoid", SOFTMAX: "softmax", SQRTSOFTPLUS: "sqrtsoftplus"}[sf]
+            kw = dict(score_function=name, use_pre_softmax=bool(pre), num_groups=G or None, group_topk=g or None,
+                      scaling_factor=1.5, expert_bias=bias)
+            probs, rmap, inter = moe_rt.topk_with_score(logits, K, **kw)
+            idx, w = moe_rt.topk_indices_with_score(logits, K, **kw)
+            dl = _dev(cp, logits)
+            db = None if bias is None else cp.asarray(bias)
+            dp, dm, di = _dev(cp, probs, 0x7FFF if dt == BF16 else np.nan), cp.full((T, E), 7, cp.uint8), \
+                cp.full((T, E), np.nan, cp.float32)
+            _ok(lib, lib.moe_rt_topk_with_score(ctx, dl.data.ptr, dt, T, E, K, sf, pre, G, g, 1.5,
+                                                None if db is None else db.data.ptr, dp.data.ptr, dm.data.ptr,
+                                                di.data.ptr, None))
+            didx, dw = cp.full((T, K), -7, cp.int32), cp.full((T, K), np.nan, cp.float32)
+            _ok(lib, lib.moe_rt_topk_indices_with_score(ctx, dl.data.ptr, dt, T, E, K, sf, pre, G, g, 1.5,
+                                                        None if db is None else db.data.ptr, didx.data.ptr,
+                                                        dw.data.ptr, None))
+            cp.cuda.runtime.deviceSynchronize()
+            np.testing.assert_array_equal(cp.asnumpy(dm), rmap.astype(np.uint8), err_msg=what)
+            np.testing.assert_array_equal(cp.asnumpy(didx), idx, err_msg=what)
+            _close(_host(cp, dp, npdt), probs, npdt, what)
+            _close(cp.asnumpy(di), inter, np.float32, what)
+            _close(cp.asnumpy(dw), w, np.float32, what)
+            grad = rng.standard_normal((T, E)).astype(np.float32).astype(npdt)
+            want = moe_rt.topk_with_score_backward(grad, rmap, inter, K, score_function=name,
+                                                   use_pre_softmax=bool(pre), scaling_factor=1.5)
+            dg, dout, dinter = _dev(cp, grad), _dev(cp, grad, 0x7FFF if dt == BF16 else np.nan), cp.asarray(inter)
+            _ok(lib, lib.moe_rt_topk_with_score_backward(ctx, dg.data.ptr, dt, dm.data.ptr, dinter.data.ptr,
+                                                         T, E, K, sf, pre, 1.5, dout.data.ptr, None))
+            cp.cuda.runtime.deviceSynchronize()
+            _close(_host(cp, dout, npdt), want, npdt, what + " backward")
+    finally:
+        lib.moe_rt_context_destroy(ctx)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dt,H,A,num_out", [(BF16, 129, 4, None), (F32, 64, 1, 50), (F16, 40, 8, None)],
+                         ids=["bf16-H129-A4", "f32-H64-drop", "f16-H40-A8"])
+def test_c_permutation_ops_match_reference_on_gpu(lib, kernel_cache, dt, H, A, num_out, rng):
+    import moe_rt
+
+    cp = pytest.importorskip("cupy")
+    ctx = P()
+    _ok(lib, lib.moe_rt_context_create(str(kernel_cache).encode(), 0, C.byref(ctx)))
+    npdt = _np(dt)
+    try:
+        T, E, K = 37, 7, 3
+        idx = np.stack([rng.permutation(E)[:K] for _ in range(T)]).astype(np.int32)
+        idx[3, 1] = -1  # a slot with no expert
+        x = rng.standard_normal((T, H)).astype(np.float32).astype(npdt)
+        w = rng.uniform(0.1, 1.0, (T, K)).astype(np.float32)
+        plan = moe_rt.make_plan(idx, E, align_size=A, num_out_tokens=num_out)
+        N = plan.num_rows
+        ws = S()
+        _ok(lib, lib.moe_rt_make_plan_workspace_size(T, K, E, C.byref(ws)))
+        arrs = [cp.full(n, -9, cp.int32) for n in (T * K, N, E + 1, E, E)]
+        dws = cp.full(ws.value // 4, 12345, cp.int32)
+        cplan = CPlan(*(a.data.ptr for a in arrs))
+        didx = cp.asarray(idx)
+        _ok(lib, lib.moe_rt_make_plan(ctx, didx.data.ptr, I32, T, K, E, A, -1 if num_out is None else num_out,
+                                      C.byref(cplan), dws.data.ptr, ws.value, None))
+        assert cplan.num_rows == N
+        for a, name in zip(arrs, ("dst_row", "src_slot", "seg_start", "counts", "tokens_per_expert")):
+            np.testing.assert_array_equal(cp.asnumpy(a).reshape(-1), np.asarray(getattr(plan, name)).reshape(-1),
+                                          err_msg=name)
+        _ok(lib, lib.moe_rt_check(ctx, None))
+        xp_want, pp_want = moe_rt.dispatch(x, plan, w)
+        dx, dw = _dev(cp, x), cp.asarray(w)
+        dxp = _dev(cp, np.zeros((N, H), npdt), 0x7F7F if npdt.itemsize == 2 else np.nan)
+        dpp = cp.full(N, 0x7F7F, cp.uint16)  # permuted probs in bf16
+        _ok(lib, lib.moe_rt_dispatch(ctx, C.byref(cplan), dx.data.ptr, dt, H, dw.data.ptr, dxp.data.ptr,
+                                     dpp.data.ptr, BF16, None))
+        cp.cuda.runtime.deviceSynchronize()
+        np.testing.assert_array_equal(_host(cp, dxp, npdt).view(np.uint8), xp_want.view(np.uint8))
+        _close(cp.asnumpy(dpp).view(router._arrays.BFLOAT16), pp_want, router._arrays.BFLOAT16, "probs_permuted")
+        yp = rng.standard_normal((N, H)).astype(np.float32).astype(npdt)
+        y_want = moe_rt.combine(yp, plan, w)
+        dyp, dy = _dev(cp, yp), _dev(cp, np.zeros((T, H), npdt), 0x7F7F if npdt.itemsize == 2 else np.nan)
+        _ok(lib, lib.moe_rt_combine(ctx, C.byref(cplan), dyp.data.ptr, dt, H, dw.data.ptr, dy.data.ptr, None))
+        gy = rng.standard_normal((T, H)).astype(np.float32).astype(npdt)
+        gyp_want, gw_want = moe_rt.combine_backward(gy, plan, yp, w)
+        dgy = _dev(cp, gy)
+        dgyp = _dev(cp, np.zeros((N, H), npdt), 0x7F7F if npdt.itemsize == 2 else np.nan)
+        dgw = cp.full((T, K), np.nan, cp.float32)
+        _ok(lib, lib.moe_rt_combine_backward(ctx, C.byref(cplan), dgy.data.ptr, dt, H, dyp.data.ptr, dw.data.ptr,
+                                             dgyp.data.ptr, dgw.data.ptr, None))
+        gpp = rng.standard_normal(N).astype(np.float32)
+        gx_want, gp_want = moe_rt.dispatch_backward(yp, plan, gpp)
+        dgx = _dev(cp, np.zeros((T, H), npdt), 0x7F7F if npdt.itemsize == 2 else np.nan)
+        dgp, dgpp = cp.full((T, K), np.nan, cp.float32), cp.asarray(gpp)
+        _ok(lib, lib.moe_rt_dispatch_backward(ctx, C.byref(cplan), dyp.data.ptr, dt, H, dgpp.data.ptr,
+                                              dgx.data.ptr, dgp.data.ptr, None))
+        cp.cuda.runtime.deviceSynchronize()
+        _close(_host(cp, dy, npdt), y_want, npdt, "combine")
+        _close(_host(cp, dgyp, npdt), gyp_want, npdt, "combine_backward grad_y_permuted")
+        _close(cp.asnumpy(dgw), gw_want, np.float16 if npdt.itemsize == 2 else np.float32, "combine_backward grad_probs")
+        _close(_host(cp, dgx, npdt), gx_want, npdt, "dispatch_backward grad_x")
+        _close(cp.asnumpy(dgp), gp_want, np.float32, "dispatch_backward grad_probs")
+        # an expert id out of range: dropped, then reported by moe_rt_check with the Python side's message
+        bad = idx.copy()
+        bad[5, 2] = E + 3
+        dbad = cp.asarray(bad)
+        _ok(lib, lib.moe_rt_make_plan(ctx, dbad.data.ptr, I32, T, K, E, A, -1 if num_out is None else num_out,
+                                      C.byref(cplan), dws.data.ptr, ws.value, None))
+        _err(lib, lib.moe_rt_check(ctx, None), 6, f"routing: expert ids must be in [-1, num_experts={E}), got {E + 3}")
+        _ok(lib, lib.moe_rt_check(ctx, None))  # read and cleared
+    finally:
+        lib.moe_rt_context_destroy(ctx)

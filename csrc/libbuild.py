@@ -1,6 +1,6 @@
 """Build libmoe_rt.so, the C core and ABI (include/moe_rt/moe_rt.h), with a C compiler alone: no CUDA
 header, library or compiler (the driver is dlopen'ed at run time). Used by setup.py and the tests;
-``python3 csrc/build.py OUT.so`` builds it by hand."""
+``python3 csrc/libbuild.py [OUT.so]`` builds it by hand (default: moe_rt/lib/libmoe_rt.so)."""
 from __future__ import annotations
 
 import hashlib
