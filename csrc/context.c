@@ -650,6 +650,8 @@ moe_rt_status moe_rt_last_plan(const moe_rt_context* ctx, moe_rt_plan_info* info
     info->launch[i].grid = l->grid;
     info->launch[i].block = l->block;
     info->launch[i].shared_mem = l->smem;
+    info->launch[i].scalars[0] = l->scalars[0];
+    info->launch[i].scalars[1] = l->scalars[1];
   }
   pthread_mutex_unlock((pthread_mutex_t*)&ctx->lock);
   return MOE_RT_SUCCESS;

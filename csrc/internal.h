@@ -73,6 +73,7 @@ typedef struct mrt_launch {
   int64_t grid;
   int32_t block;
   int32_t smem;
+  int64_t scalars[2]; /* moe_rt_launch_info.scalars */
 } mrt_launch;
 
 #define MRT_MAX_LAUNCHES 4

@@ -188,6 +188,9 @@ static moe_rt_status router_fwd(moe_rt_context* ctx, const void* x, int dtype, i
   moe_rt_status st = fwd_plan(ctx, dtype, E, K, G, g, vec, &p);
   if (st) return st;
   p.launch[0].grid = tpw_grid(T, (int)p.ints[FWD_SPB], (int)p.ints[FWD_TPW], p.ints[FWD_RESIDENT]);
+  const int32_t gcm = aux || pre ? 0 : (int32_t)p.ints[FWD_GCM];
+  p.launch[0].scalars[0] = vec;
+  p.launch[0].scalars[1] = gcm;
   if (mrt_is_planning(ctx)) {
     mrt_record(ctx, &p);
     return MOE_RT_SUCCESS;
@@ -215,7 +218,7 @@ static moe_rt_status router_fwd(moe_rt_context* ctx, const void* x, int dtype, i
   mrt_arg_ptr(&a, idx);
   mrt_arg_ptr(&a, w);
   mrt_arg_i32(&a, vec);
-  mrt_arg_i32(&a, aux || pre ? 0 : (int32_t)p.ints[FWD_GCM]);
+  mrt_arg_i32(&a, gcm);
   return mrt_launch_one(ctx, &p.launch[0], &a, stream);
 }
 
@@ -332,6 +335,7 @@ static moe_rt_status router_bwd(moe_rt_context* ctx, const void* grad, int tg, c
     p.ints[BWD_RESIDENT_REGS] = sel ? regs : 0; /* the dense kernel's grid ignores registers */
     mrt_plan_put(ctx, &key, sizeof key, &p);
   }
+  l->scalars[0] = sel ? 0 : vec;
   if (p.ints[BWD_TPW]) l->grid = tpw_grid(T, spb, (int)p.ints[BWD_TPW], 0);
   else l->grid = mrt_resident_grid(mrt_device(ctx), mrt_cdiv(T, spb), threads, 0, (int)p.ints[BWD_RESIDENT_REGS]);
   if (mrt_is_planning(ctx)) {

@@ -40,7 +40,7 @@ class DeviceInfo(C.Structure):
 
 class LaunchInfo(C.Structure):
     _fields_ = [("file", C.c_char * 32), ("kernel", C.c_char * 128), ("grid", C.c_int64), ("block", C.c_int32),
-                ("shared_mem", C.c_int32)]
+                ("shared_mem", C.c_int32), ("scalars", C.c_int64 * 2)]
 
 
 class PlanInfo(C.Structure):
@@ -130,6 +130,25 @@ def _launches(lib, ctx):
             for i in range(info.num_launches) if info.launch[i].grid > 0]
 
 
+def _scalars(lib, ctx):
+    info = PlanInfo()
+    assert lib.moe_rt_last_plan(ctx, C.byref(info)) == OK, lib.moe_rt_last_error()
+    return [tuple(info.launch[i].scalars) for i in range(info.num_launches) if info.launch[i].grid > 0]
+
+
+def _py_scalars(launch_args):
+    """The variant arguments of the Python side's router launches, as moe_rt_launch_info.scalars holds them."""
+    out = []
+    for name, args in launch_args:
+        if name.startswith("router_fwd"):
+            out.append((int(args[-2]), int(args[-1])))
+        elif name.startswith("router_bwd<"):
+            out.append((int(args[-1]), 0))
+        else:
+            out.append((0, 0))
+    return out
+
+
 def _ok(lib, status):
     assert status == OK, f"{lib.moe_rt_status_name(status).decode()}: {lib.moe_rt_last_error().decode()}"
 
@@ -167,7 +186,8 @@ class _Arr:
 def pyside(monkeypatch):
     """Runs the Python planners with a stand-in device: returns (set_device, launches list)."""
     state = {"dev": H100, "regs": 0}
-    launches = []
+    launches = _Launches()
+    launches.args = []
 
     def function(file, name):
         return _Kernel(file, name, state["regs"])
@@ -181,6 +201,7 @@ def pyside(monkeypatch):
         g = grid[0] if isinstance(grid, tuple) else grid
         b = block[0] if isinstance(block, tuple) else block
         launches.append((fn.name, int(g), int(b), int(shared_mem)))
+        launches.args.append((fn.name, args))
 
     monkeypatch.setattr(_jit, "function", function)
     monkeypatch.setattr(_jit, "device_properties", props)
@@ -200,6 +221,14 @@ def pyside(monkeypatch):
     return set_device, launches
 
 
+class _Launches(list):
+    """The Python side's launches (name, grid, block, shared memory), with their arguments in ``args``."""
+
+    def clear(self):
+        del self[:]
+        del self.args[:]
+
+
 CALL = types.SimpleNamespace(device_id=0, stream=None)
 BASE = 1 << 20  # an address aligned to 16 bytes; BASE + 4 is aligned to 4 only
 
@@ -217,7 +246,8 @@ FWD_CASES = [
     (BF16, 1000, 10, SOFTMAX, 0, 0, 0), (F32, 1030, 5, SOFTMAX, 0, 2, 1), (F16, 2304, 36, SIGMOID, 0, 8, 4),
     (F32, 3000, 12, SIGMOID, 0, 0, 0), (BF16, 4096, 8, SOFTMAX, 0, 0, 0), (F32, 5000, 20, SIGMOID, 0, 10, 5),
     (BF16, 16384, 64, SOFTMAX, 0, 0, 0), (F32, 384, 32, SIGMOID, 0, 8, 2), (BF16, 256, 40, SIGMOID, 0, 8, 4),
-    (F32, 96, 1, SIGMOID, 0, 0, 0), (BF16, 64, 8, SIGMOID, 0, 8, 8),
+    (F32, 96, 1, SIGMOID, 0, 0, 0), (BF16, 64, 8, SIGMOID, 0, 8, 8), (BF16, 2304, 32, SIGMOID, 0, 8, 2),
+    (F16, 1536, 24, SQRTSOFTPLUS, 0, 4, 2),
 ]
 TOKENS = [1, 37, 4096, 65536]
 
@@ -235,7 +265,7 @@ def test_router_forward_plan_equals_python(lib, pyside, case, dev, regs):
                 base = BASE if aligned else BASE + 4
                 bias = BASE if sf != SOFTMAX else None
                 for indices in (False, True):
-                    del launches[:]
+                    launches.clear()
                     x = _Arr(DT_NAMES[dt], base)
                     if indices:
                         router._launch_fwd(CALL, x, T, E, K, sf, pre, 0, G, g, 1.0, None if bias is None else
@@ -250,6 +280,7 @@ def test_router_forward_plan_equals_python(lib, pyside, case, dev, regs):
                         _ok(lib, lib.moe_rt_topk_with_score(ctx, base, dt, T, E, K, sf, pre, G, g, 1.0, bias, BASE,
                                                             BASE, BASE, None))
                     assert _launches(lib, ctx) == launches, (T, aligned, indices)
+                    assert _scalars(lib, ctx) == _py_scalars(launches.args), (T, aligned, indices)
     finally:
         lib.moe_rt_context_destroy(ctx)
 
@@ -260,11 +291,12 @@ def test_scores_for_aux_loss_plan_equals_python(lib, pyside, ctx, case):
     _, launches = pyside
     dt, E, K, sf = case
     for T in TOKENS:
-        del launches[:]
+        launches.clear()
         router._launch_fwd(CALL, _Arr(DT_NAMES[dt], BASE), T, E, K, sf, 0, 1, 0, 0, 1.0, None, None,
                            _Arr("float32", BASE), _Arr("bool", BASE), _Arr("float32", BASE), None, None)
         _ok(lib, lib.moe_rt_scores_for_aux_loss(ctx, BASE, dt, T, E, K, sf, BASE, BASE, BASE, None))
         assert _launches(lib, ctx) == launches
+        assert _scalars(lib, ctx) == _py_scalars(launches.args)
 
 
 # ---- router backward -------------------------------------------------------------------------------------------
@@ -286,19 +318,21 @@ def test_router_backward_plan_equals_python(lib, pyside, case, dev, regs):
             for aligned in (True, False):
                 base = BASE if aligned else BASE + 4
                 for sf, pre in ((SOFTMAX, 0), (SOFTMAX, 1), (SIGMOID, 0)):
-                    del launches[:]
+                    launches.clear()
                     router._launch_bwd(CALL, _Arr(DT_NAMES[dt], base), _Arr("bool", BASE), _Arr("float32", BASE),
                                        _Arr(DT_NAMES[dt], BASE), T, E, K, sf, pre, 0, 1.0)
                     _ok(lib, lib.moe_rt_topk_with_score_backward(ctx, base, dt, BASE, BASE, T, E, K, sf, pre, 1.0,
                                                                  BASE, None))
                     assert _launches(lib, ctx) == launches, (T, aligned, sf, pre)
+                    assert _scalars(lib, ctx) == _py_scalars(launches.args), (T, aligned, sf, pre)
                 for odt in (F32, F16, BF16):
-                    del launches[:]
+                    launches.clear()
                     router._launch_bwd(CALL, _Arr("float32", base), None, _Arr("float32", BASE),
                                        _Arr(DT_NAMES[odt], BASE), T, E, K, SIGMOID, 0, 1, 1.0)
                     _ok(lib, lib.moe_rt_scores_for_aux_loss_backward(ctx, base, BASE, T, E, K, SIGMOID, BASE, odt,
                                                                      None))
                     assert _launches(lib, ctx) == launches, (T, aligned, odt)
+                    assert _scalars(lib, ctx) == _py_scalars(launches.args), (T, aligned, odt)
     finally:
         lib.moe_rt_context_destroy(ctx)
 
@@ -388,7 +422,7 @@ def test_dispatch_combine_plans_equal_python(lib, pyside, ctx, case):
     for off in sorted({0, 4, 2 if isz <= 2 else 0, 1 if isz == 1 else 0}):
         xp = BASE + off
         for pdt in (None, F32, F16, BF16):
-            del launches[:]
+            launches.clear()
             pp = None if pdt is None else _Arr(_np(pdt), BASE)
             pv = None if pdt is None else _Arr("float32", BASE)
             out = _shaped(_Arr(_np(dt), BASE), N, H)
@@ -400,20 +434,20 @@ def test_dispatch_combine_plans_equal_python(lib, pyside, ctx, case):
         if dt not in DT_NAMES:
             continue
         for probs in (None, BASE):
-            del launches[:]
+            launches.clear()
             permutation._combine_cuda(call, _shaped(_Arr(_np(dt), xp), N, H), pyp,
                                       None if probs is None else _Arr("float32", probs))
             _ok(lib, lib.moe_rt_combine(ctx, C.byref(cp), xp, dt, H, probs, BASE, None))
             assert _launches(lib, ctx) == launches, ("combine", off, probs)
         # dispatch_backward: the unweighted combine, then gather_slots for the probs' gradient
-        del launches[:]
+        launches.clear()
         permutation._combine_cuda(call, _shaped(_Arr(_np(dt), xp), N, H), pyp, None)
         if T * K:
             launches.append(("gather_slots", permutation._row_grid(T * K // 32 + 1, 0), 256, 0))
         _ok(lib, lib.moe_rt_dispatch_backward(ctx, C.byref(cp), xp, dt, H, BASE, BASE, BASE, None))
         assert _launches(lib, ctx) == launches, ("dispatch_backward", off)
         # combine_backward without probs: zero the padding rows, copy grad_y to each slot's row
-        del launches[:]
+        launches.clear()
         g = _shaped(_Arr(_np(dt), xp), T, H)
         gyp = _shaped(_Arr(_np(dt), BASE), N, H)
         permutation._fill(CALL, gyp, None, None, pyp)
@@ -421,7 +455,7 @@ def test_dispatch_combine_plans_equal_python(lib, pyside, ctx, case):
         _ok(lib, lib.moe_rt_combine_backward(ctx, C.byref(cp), xp, dt, H, None, None, BASE, None, None))
         assert _launches(lib, ctx) == launches, ("combine_backward", off)
         # with probs: the fused row kernel (as permutation.combine_backward launches it)
-        del launches[:]
+        launches.clear()
         permutation._fill(CALL, gyp, None, None, pyp)
         if T and K and H and N:
             vec = (H * isz) % 16 == 0 and off % 16 == 0

@@ -133,6 +133,9 @@ typedef struct moe_rt_launch_info {
   int64_t grid;                        /* blocks (1-D); 0 = not launched */
   int32_t block;                       /* threads per block */
   int32_t shared_mem;                  /* dynamic shared memory, bytes */
+  int64_t scalars[2];                  /* variant arguments the planner chose: router_fwd*: the 16-byte
+                                          vector flag and the grouped-selection word; router_bwd: the
+                                          vector flag; 0 otherwise */
 } moe_rt_launch_info;
 
 typedef struct moe_rt_plan_info {
