@@ -114,7 +114,8 @@ typedef struct moe_rt_device_info {
 /* A context on CUDA device `device` (its primary context, made current on the calling thread) with the
  * kernels of `kernel_cache_dir` (NULL = the MOE_RT_KERNEL_CACHE environment variable). The folder must hold
  * manifest.json from `python3 -m moe_rt warmup --out DIR` for the device's architecture (or PTX for an older
- * one), made from the sources this library was built with. Kernels are loaded on first use. */
+ * one), made from the sources this library was built with. Kernels are loaded on first use. The driver is
+ * dlopen("libcuda.so.1") (MOE_RT_LIBCUDA names another file); without it: MOE_RT_ERROR_NO_DRIVER. */
 moe_rt_status moe_rt_context_create(const char* kernel_cache_dir, int device, moe_rt_context** ctx);
 /* A planning context: no driver, no device, no kernels. Ops called on it validate and plan exactly as on
  * a device context (pointers are only checked for NULL and alignment), launch nothing and return
