@@ -247,9 +247,9 @@ FWD_CASES = [
     (F32, 3000, 12, SIGMOID, 0, 0, 0), (BF16, 4096, 8, SOFTMAX, 0, 0, 0), (F32, 5000, 20, SIGMOID, 0, 10, 5),
     (BF16, 16384, 64, SOFTMAX, 0, 0, 0), (F32, 384, 32, SIGMOID, 0, 8, 2), (BF16, 256, 40, SIGMOID, 0, 8, 4),
     (F32, 96, 1, SIGMOID, 0, 0, 0), (BF16, 64, 8, SIGMOID, 0, 8, 8), (BF16, 2304, 32, SIGMOID, 0, 8, 2),
-    (F16, 1536, 24, SQRTSOFTPLUS, 0, 4, 2),
+    (F16, 1536, 24, SQRTSOFTPLUS, 0, 4, 2), (BF16, 64, 8, SOFTMAX, 0, 0, 0),  # the layer benchmark's router
 ]
-TOKENS = [1, 37, 4096, 65536]
+TOKENS = [1, 37, 128, 4096, 8192, 16384, 65536]
 
 
 @pytest.mark.parametrize("dev,regs", [(H100, 0), (H100, 72), (A100, 40)], ids=["h100", "h100-r72", "a100-r40"])
@@ -356,8 +356,9 @@ def test_aux_loss_plan_equals_python(lib, ctx, R, Cols, dt):
 
 # ---- permutation -----------------------------------------------------------------------------------------------
 
-# (T, E, K): the permutation benchmark's shapes (H = 7168 bf16) and odd ones
-PERM_CASES = [(4096, 256, 8), (8192, 256, 8), (32768, 256, 8), (4096, 64, 6), (8192, 64, 6), (32768, 64, 6),
+# (T, E, K): the permutation benchmark's shapes (H = 7168 bf16), the layer benchmark's (8192, 64, 8; a routing
+# map with num_out_tokens = T*K) and odd ones
+PERM_CASES = [(4096, 256, 8), (8192, 256, 8), (8192, 64, 8), (128, 64, 8), (32768, 256, 8), (4096, 64, 6), (8192, 64, 6), (32768, 64, 6),
               (37, 7, 3), (1, 1, 1), (0, 5, 2), (128, 16384, 8), (5000, 13000, 2), (70000, 4096, 64),
               (2048, 128, 128)]
 
@@ -370,7 +371,7 @@ def test_make_plan_plan_equals_python(lib, pyside, ctx, case):
         KK = E if dt == BOOL else K
         if T * KK >= 2**31:
             continue
-        for A, num_out in ((1, None), (16, None), (1, max(T * KK // 2, 0)), (128, T * KK)):
+        for A, num_out in ((1, None), (16, None), (1, max(T * KK // 2, 0)), (128, T * KK), (1, T * K)):
             N = permutation._num_rows(T, KK, E, A, num_out)
             cfg = permutation._plan_cfg(T, KK, ic, E, A, N, num_out, 0)
             total, n_out = cfg[0], cfg[1]
@@ -399,8 +400,9 @@ def _c_plan(T, K, E, N):
     return CPlan(BASE, BASE, BASE, BASE, BASE, T, K, E, N, 1)
 
 
-# (T, E, K, H, dtype): the benchmark's bf16 H = 7168 rows and odd sizes, fp32/fp16, 1-byte data
-ROWS_CASES = [(4096, 256, 8, 7168, BF16), (32768, 64, 6, 7168, BF16), (37, 7, 3, 33, F32), (37, 7, 3, 64, F16),
+# (T, E, K, H, dtype): the permutation benchmark's bf16 H = 7168 rows, the layer benchmark's (a routing map:
+# K = E = 64, H = 4096; T = 128, H = 1024), odd sizes, fp32/fp16, 1-byte data
+ROWS_CASES = [(4096, 256, 8, 7168, BF16), (8192, 64, 64, 4096, BF16), (128, 64, 8, 1024, BF16), (32768, 64, 6, 7168, BF16), (37, 7, 3, 33, F32), (37, 7, 3, 64, F16),
               (5, 4, 2, 1, BF16), (1, 1, 1, 4096, F32), (19, 5, 5, 0, F32), (0, 3, 2, 16, F32),
               (300, 8, 2, 100000, BF16), (64, 16, 4, 7168, U8), (33, 9, 4, 131, I8)]
 
