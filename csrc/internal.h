@@ -74,6 +74,8 @@ typedef struct mrt_launch {
   int32_t block;
   int32_t smem;
   int64_t scalars[2]; /* moe_rt_launch_info.scalars */
+  int32_t kind;       /* which launch of its op it is (an op's executor builds the arguments by kind) */
+  int64_t arg[2];     /* sizes the planner worked out for the arguments */
 } mrt_launch;
 
 #define MRT_MAX_LAUNCHES 4

@@ -260,62 +260,57 @@ static moe_rt_status check_token_dtype(const char* op, const char* name, int dty
                   op, name, bytes_ok ? " (or 1-byte uint8, int8, float8)" : "", mrt_dtype_name(dtype), dtype);
 }
 
+/* ---- the row ops' plans: launches appended to p, no launching (executed by run_rows) -------------------- */
+
+enum { K_COPY = 1, K_FILL, K_COMBINE, K_GATHER, K_COMBINE_BWD };
+
+static mrt_launch* add_launch(mrt_plan* p, int kind) {
+  mrt_launch* l = &p->launch[p->num_launches++];
+  memset(l, 0, sizeof *l);
+  l->kind = kind;
+  return l;
+}
+
 /* out[dst_row[t,k]] = src[t] for every kept slot, as raw bytes (permutation.py _copy_rows). */
-static moe_rt_status copy_rows(moe_rt_context* ctx, mrt_plan* p, const moe_rt_plan* plan, const void* src,
-                               void* out, int64_t row_bytes, moe_rt_stream stream) {
+static moe_rt_status plan_copy(moe_rt_context* ctx, mrt_plan* p, const moe_rt_plan* plan, const void* src,
+                               const void* out, int64_t row_bytes) {
   if (plan->num_tokens == 0 || row_bytes == 0 || plan->num_rows == 0) return MOE_RT_SUCCESS;
   const int u = unit_of(row_bytes, src, out);
   const int64_t units = row_bytes / u;
-  mrt_launch* l = &p->launch[p->num_launches++];
+  mrt_launch* l = add_launch(p, K_COPY);
   snprintf(l->name, sizeof l->name, "dispatch_rows<%s, %d, true>", unit_type(u), UNROLL);
   int regs = 0;
   moe_rt_status st = mrt_kernel(ctx, l, FILE_PERM, &regs);
-  if (st) return st;
   l->grid = plan->num_tokens;
   l->block = threads_for(units);
   l->smem = (int32_t)(plan->topk * 4);
-  if (mrt_is_planning(ctx)) return MOE_RT_SUCCESS;
-  mrt_args a = {0};
-  mrt_arg_ptr(&a, src);
-  mrt_arg_ptr(&a, out);
-  mrt_arg_ptr(&a, plan->dst_row);
-  mrt_arg_i32(&a, (int32_t)plan->topk);
-  mrt_arg_i64(&a, units);
-  return mrt_launch_one(ctx, l, &a, stream);
+  l->arg[0] = units;
+  return st;
 }
 
 /* Zero the rows of out holding no slot; pp[row] = pv[src_slot[row]] (0 for those rows) (_fill). */
-static moe_rt_status fill_rows(moe_rt_context* ctx, mrt_plan* p, const moe_rt_plan* plan, void* out, int64_t row_bytes,
-                               void* pp, int pp_dtype, const float* pv, moe_rt_stream stream) {
-  const int64_t N = plan->num_rows;
-  if (N == 0) return MOE_RT_SUCCESS;
+static moe_rt_status plan_fill(moe_rt_context* ctx, mrt_plan* p, const moe_rt_plan* plan, const void* out,
+                               int64_t row_bytes, int with_pp, int pp_dtype) {
+  if (plan->num_rows == 0) return MOE_RT_SUCCESS;
   const int u = unit_of(row_bytes, out, NULL);
-  void* out_arg = row_bytes ? out : NULL;
-  if (out_arg == NULL && pp == NULL) return MOE_RT_SUCCESS;
-  mrt_launch* l = &p->launch[p->num_launches++];
-  if (pp == NULL || pp_dtype == MOE_RT_FLOAT32)
+  if (row_bytes == 0 && !with_pp) return MOE_RT_SUCCESS; /* nothing to zero and no probs to write */
+  mrt_launch* l = add_launch(p, K_FILL);
+  if (!with_pp || pp_dtype == MOE_RT_FLOAT32)
     snprintf(l->name, sizeof l->name, "fill_rows<%s>", unit_type(u));
   else
     snprintf(l->name, sizeof l->name, "fill_rows<%s, float, %s>", unit_type(u), mrt_ctype(pp_dtype));
   int regs = 0;
   moe_rt_status st = mrt_kernel(ctx, l, FILE_PERM, &regs);
-  if (st) return st;
-  l->grid = row_grid(ctx, N);
+  l->grid = row_grid(ctx, plan->num_rows);
   l->block = 256;
-  if (mrt_is_planning(ctx)) return MOE_RT_SUCCESS;
-  mrt_args a = {0};
-  mrt_arg_ptr(&a, out_arg);
-  mrt_arg_ptr(&a, pp);
-  mrt_arg_ptr(&a, pv);
-  mrt_arg_ptr(&a, plan->src_slot);
-  mrt_arg_i64(&a, N);
-  mrt_arg_i64(&a, row_bytes / u);
-  return mrt_launch_one(ctx, l, &a, stream);
+  l->arg[0] = row_bytes / u;
+  l->arg[1] = row_bytes != 0; /* rows to zero */
+  return st;
 }
 
-/* y[t] = sum_k w[t,k] y_p[dst_row[t,k]] (_combine_cuda). */
-static moe_rt_status combine_rows(moe_rt_context* ctx, mrt_plan* p, const moe_rt_plan* plan, const void* y_p,
-                                  int dtype, int64_t H, const float* w, void* out, moe_rt_stream stream) {
+/* y[t] = sum_k w[t,k] y_p[dst_row[t,k]] (_combine_cuda, _slices). */
+static moe_rt_status plan_combine(moe_rt_context* ctx, mrt_plan* p, const moe_rt_plan* plan, const void* y_p,
+                                  int dtype, int64_t H, const void* out) {
   const int64_t T = plan->num_tokens;
   if (T == 0 || H == 0) return MOE_RT_SUCCESS;
   const int isz = mrt_dtype_size(dtype);
@@ -323,32 +318,133 @@ static moe_rt_status combine_rows(moe_rt_context* ctx, mrt_plan* p, const moe_rt
   const int64_t units = H / (vec ? 16 / isz : 1);
   const int64_t slices = mrt_max(1, mrt_cdiv(units, COMBINE_BLOCK_MAX * COMBINE_UNROLL));
   const int64_t per = mrt_cdiv(units, slices * COMBINE_UNROLL);
-  const int block = (int)mrt_min(COMBINE_BLOCK_MAX, mrt_max(32, mrt_cdiv(per, 32) * 32));
-  const int64_t work = T * slices;
-  mrt_launch* l = &p->launch[p->num_launches++];
+  mrt_launch* l = add_launch(p, K_COMBINE);
   snprintf(l->name, sizeof l->name, "combine_slices<%s, %s, %d, %d, %d, %d, %d>", mrt_ctype(dtype),
            vec ? "true" : "false", COMBINE_UNROLL, COMBINE_KU, COMBINE_LM, COMBINE_BLOCK_MAX, COMBINE_MINB);
   int regs = 0;
   moe_rt_status st = mrt_kernel(ctx, l, FILE_PERM, &regs);
-  if (st) return st;
-  l->grid = mrt_min(work, INT32_MAX_); /* grid-stride beyond */
-  l->block = block;
-  if (mrt_is_planning(ctx)) return MOE_RT_SUCCESS;
-  mrt_args a = {0};
-  mrt_arg_ptr(&a, y_p);
-  mrt_arg_ptr(&a, out);
-  mrt_arg_ptr(&a, plan->dst_row);
-  mrt_arg_ptr(&a, w);
-  mrt_arg_i32(&a, (int32_t)plan->topk);
-  mrt_arg_i64(&a, H);
-  mrt_arg_i32(&a, (int32_t)slices);
-  mrt_arg_i64(&a, work);
-  return mrt_launch_one(ctx, l, &a, stream);
+  l->grid = mrt_min(T * slices, INT32_MAX_); /* grid-stride beyond */
+  l->block = (int)mrt_min(COMBINE_BLOCK_MAX, mrt_max(32, mrt_cdiv(per, 32) * 32));
+  l->arg[0] = slices;
+  l->arg[1] = T * slices;
+  return st;
 }
 
-static moe_rt_status finish(moe_rt_context* ctx, const mrt_plan* p) {
-  if (mrt_is_planning(ctx)) mrt_record(ctx, p);
+/* grad_probs[t,k] = vals[dst_row[t,k]] (dispatch_backward). */
+static moe_rt_status plan_gather(moe_rt_context* ctx, mrt_plan* p, int64_t L) {
+  if (L == 0) return MOE_RT_SUCCESS;
+  mrt_launch* l = add_launch(p, K_GATHER);
+  snprintf(l->name, sizeof l->name, "gather_slots");
+  int regs = 0;
+  moe_rt_status st = mrt_kernel(ctx, l, FILE_PERM, &regs);
+  l->grid = row_grid(ctx, L / 32 + 1);
+  l->block = 256;
+  l->arg[0] = L;
+  return st;
+}
+
+/* The fused backward of a weighted combine (combine_backward with probs). */
+static moe_rt_status plan_combine_bwd(moe_rt_context* ctx, mrt_plan* p, const moe_rt_plan* plan, int dtype, int64_t H,
+                                      const void* g, const void* y_p, const void* g_p) {
+  const int64_t T = plan->num_tokens, K = plan->topk;
+  if (!T || !K || !H || !plan->num_rows) return MOE_RT_SUCCESS;
+  const int isz = mrt_dtype_size(dtype);
+  const int vec = (H * isz) % 16 == 0 && mrt_aligned16(g) && mrt_aligned16(y_p) && mrt_aligned16(g_p);
+  const int threads = threads_for(H / (vec ? 16 / isz : 1));
+  mrt_launch* l = add_launch(p, K_COMBINE_BWD);
+  snprintf(l->name, sizeof l->name, "combine_bwd_rows<%s, %s, %d>", mrt_ctype(dtype), vec ? "true" : "false", UNROLL);
+  int regs = 0;
+  moe_rt_status st = mrt_kernel(ctx, l, FILE_PERM, &regs);
+  l->grid = T;
+  l->block = threads;
+  l->smem = (int32_t)(K * 8 + (threads / 32) * K * 4);
+  return st;
+}
+
+/* ---- the row ops' executor --------------------------------------------------------------------------------- */
+
+typedef struct rows_io {
+  const void* copy_src; void* copy_dst;                   /* K_COPY */
+  void* fill_out; void* fill_pp; const float* fill_pv;    /* K_FILL */
+  const void* comb_in; void* comb_out; const float* comb_w; /* K_COMBINE */
+  const float* gather_vals; float* gather_out;            /* K_GATHER */
+  const void* cb_g; const void* cb_yp; void* cb_gp; const float* cb_w; float* cb_dw; /* K_COMBINE_BWD */
+  int64_t hidden;
+} rows_io;
+
+static moe_rt_status run_rows(moe_rt_context* ctx, const mrt_plan* p, const moe_rt_plan* plan, const rows_io* io,
+                              moe_rt_stream stream) {
+  if (mrt_is_planning(ctx)) {
+    mrt_record(ctx, p);
+    return MOE_RT_SUCCESS;
+  }
+  for (int i = 0; i < p->num_launches; ++i) {
+    const mrt_launch* l = &p->launch[i];
+    mrt_args a = {0};
+    switch (l->kind) {
+      case K_COPY:
+        mrt_arg_ptr(&a, io->copy_src);
+        mrt_arg_ptr(&a, io->copy_dst);
+        mrt_arg_ptr(&a, plan->dst_row);
+        mrt_arg_i32(&a, (int32_t)plan->topk);
+        mrt_arg_i64(&a, l->arg[0]);
+        break;
+      case K_FILL:
+        mrt_arg_ptr(&a, l->arg[1] ? io->fill_out : NULL);
+        mrt_arg_ptr(&a, io->fill_pp);
+        mrt_arg_ptr(&a, io->fill_pv);
+        mrt_arg_ptr(&a, plan->src_slot);
+        mrt_arg_i64(&a, plan->num_rows);
+        mrt_arg_i64(&a, l->arg[0]);
+        break;
+      case K_COMBINE:
+        mrt_arg_ptr(&a, io->comb_in);
+        mrt_arg_ptr(&a, io->comb_out);
+        mrt_arg_ptr(&a, plan->dst_row);
+        mrt_arg_ptr(&a, io->comb_w);
+        mrt_arg_i32(&a, (int32_t)plan->topk);
+        mrt_arg_i64(&a, io->hidden);
+        mrt_arg_i32(&a, (int32_t)l->arg[0]);
+        mrt_arg_i64(&a, l->arg[1]);
+        break;
+      case K_GATHER:
+        mrt_arg_ptr(&a, io->gather_vals);
+        mrt_arg_ptr(&a, plan->dst_row);
+        mrt_arg_ptr(&a, io->gather_out);
+        mrt_arg_i64(&a, l->arg[0]);
+        break;
+      case K_COMBINE_BWD:
+        mrt_arg_ptr(&a, io->cb_g);
+        mrt_arg_ptr(&a, io->cb_yp);
+        mrt_arg_ptr(&a, io->cb_gp);
+        mrt_arg_ptr(&a, plan->dst_row);
+        mrt_arg_ptr(&a, io->cb_w);
+        mrt_arg_ptr(&a, io->cb_dw);
+        mrt_arg_i32(&a, (int32_t)plan->topk);
+        mrt_arg_i64(&a, io->hidden);
+        break;
+    }
+    moe_rt_status st = mrt_launch_one(ctx, l, &a, stream);
+    if (st) return st;
+  }
   return MOE_RT_SUCCESS;
+}
+
+/* The signature a row op's plan is cached by: the op, dtypes, sizes, and each pointer's alignment (16 = NULL). */
+typedef struct rows_key {
+  int32_t op, dtype, pdt, flags;
+  int64_t T, K, N, H;
+  uint8_t align[6];
+} rows_key;
+
+static rows_key make_key(int op, int dtype, int pdt, int flags, const moe_rt_plan* plan, int64_t H,
+                         const void* const* ptrs, int n) {
+  rows_key k;
+  memset(&k, 0, sizeof k);
+  k.op = op; k.dtype = dtype; k.pdt = pdt; k.flags = flags;
+  k.T = plan->num_tokens; k.K = plan->topk; k.N = plan->num_rows; k.H = H;
+  for (int i = 0; i < n && i < 6; ++i) k.align[i] = ptrs[i] ? (uint8_t)((uintptr_t)ptrs[i] & 15u) : 16;
+  return k;
 }
 
 /* ---- the ops ------------------------------------------------------------------------------------------ */
@@ -371,13 +467,26 @@ moe_rt_status moe_rt_dispatch(moe_rt_context* ctx, const moe_rt_plan* plan, cons
   const int64_t T = plan->num_tokens, N = plan->num_rows;
   if ((T * H > 0 && (st = check_ptr(op, "x", x))) || (N * H > 0 && (st = check_ptr(op, "x_permuted", x_permuted))))
     return st;
-  mrt_plan p;
-  memset(&p, 0, sizeof p);
   const int64_t row_bytes = H * mrt_dtype_size(dtype);
-  if ((st = copy_rows(ctx, &p, plan, x, x_permuted, row_bytes, stream)) ||
-      (st = fill_rows(ctx, &p, plan, x_permuted, row_bytes, probs_permuted, probs_dtype, probs, stream)))
-    return st;
-  return finish(ctx, &p);
+  const void* ptrs[2] = {x, x_permuted};
+  const int pdt = probs ? probs_dtype : -1;
+  rows_key key = make_key(1, mrt_dtype_size(dtype), pdt, 0, plan, H, ptrs, 2);
+  mrt_plan p;
+  const mrt_plan* hit = mrt_plan_get(ctx, &key, sizeof key);
+  if (hit) {
+    p = *hit;
+  } else {
+    memset(&p, 0, sizeof p);
+    if ((st = plan_copy(ctx, &p, plan, x, x_permuted, row_bytes)) ||
+        (st = plan_fill(ctx, &p, plan, x_permuted, row_bytes, probs != NULL, probs_dtype)))
+      return st;
+    mrt_plan_put(ctx, &key, sizeof key, &p);
+  }
+  rows_io io = {0};
+  io.copy_src = x; io.copy_dst = x_permuted;
+  io.fill_out = x_permuted; io.fill_pp = probs_permuted; io.fill_pv = probs;
+  io.hidden = H;
+  return run_rows(ctx, &p, plan, &io, stream);
 }
 
 moe_rt_status moe_rt_combine(moe_rt_context* ctx, const moe_rt_plan* plan, const void* y_permuted, int dtype,
@@ -390,10 +499,21 @@ moe_rt_status moe_rt_combine(moe_rt_context* ctx, const moe_rt_plan* plan, const
   const int64_t T = plan->num_tokens, N = plan->num_rows;
   if ((N * H > 0 && (st = check_ptr(op, "y_permuted", y_permuted))) || (T * H > 0 && (st = check_ptr(op, "y", y))))
     return st;
+  const void* ptrs[2] = {y_permuted, y};
+  rows_key key = make_key(2, dtype, -1, 0, plan, H, ptrs, 2);
   mrt_plan p;
-  memset(&p, 0, sizeof p);
-  if ((st = combine_rows(ctx, &p, plan, y_permuted, dtype, H, probs, y, stream))) return st;
-  return finish(ctx, &p);
+  const mrt_plan* hit = mrt_plan_get(ctx, &key, sizeof key);
+  if (hit) {
+    p = *hit;
+  } else {
+    memset(&p, 0, sizeof p);
+    if ((st = plan_combine(ctx, &p, plan, y_permuted, dtype, H, y))) return st;
+    mrt_plan_put(ctx, &key, sizeof key, &p);
+  }
+  rows_io io = {0};
+  io.comb_in = y_permuted; io.comb_out = y; io.comb_w = probs;
+  io.hidden = H;
+  return run_rows(ctx, &p, plan, &io, stream);
 }
 
 moe_rt_status moe_rt_dispatch_backward(moe_rt_context* ctx, const moe_rt_plan* plan, const void* grad_x_permuted,
@@ -404,33 +524,31 @@ moe_rt_status moe_rt_dispatch_backward(moe_rt_context* ctx, const moe_rt_plan* p
   if ((st = mrt_check_ctx(ctx, op)) || (st = check_plan_arg(op, plan)) ||
       (st = check_token_dtype(op, "dtype", dtype, 0)) || (st = check_hidden(op, H, dtype)))
     return st;
-  const int64_t T = plan->num_tokens, N = plan->num_rows, L = T * plan->topk;
+  const int64_t T = plan->num_tokens, N = plan->num_rows;
   if ((N * H > 0 && (st = check_ptr(op, "grad_x_permuted", grad_x_permuted))) ||
       (T * H > 0 && (st = check_ptr(op, "grad_x", grad_x))))
     return st;
   if (!grad_probs_permuted != !grad_probs)
     return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: grad_probs_permuted and grad_probs go together; %s is NULL", op,
                     grad_probs ? "grad_probs_permuted" : "grad_probs");
+  const void* ptrs[2] = {grad_x_permuted, grad_x};
+  rows_key key = make_key(3, dtype, -1, grad_probs != NULL, plan, H, ptrs, 2);
   mrt_plan p;
-  memset(&p, 0, sizeof p);
-  if ((st = combine_rows(ctx, &p, plan, grad_x_permuted, dtype, H, NULL, grad_x, stream))) return st;
-  if (grad_probs && L) {
-    mrt_launch* l = &p.launch[p.num_launches++];
-    snprintf(l->name, sizeof l->name, "gather_slots");
-    int regs = 0;
-    if ((st = mrt_kernel(ctx, l, FILE_PERM, &regs))) return st;
-    l->grid = row_grid(ctx, L / 32 + 1);
-    l->block = 256;
-    if (!mrt_is_planning(ctx)) {
-      mrt_args a = {0};
-      mrt_arg_ptr(&a, grad_probs_permuted);
-      mrt_arg_ptr(&a, plan->dst_row);
-      mrt_arg_ptr(&a, grad_probs);
-      mrt_arg_i64(&a, L);
-      if ((st = mrt_launch_one(ctx, l, &a, stream))) return st;
-    }
+  const mrt_plan* hit = mrt_plan_get(ctx, &key, sizeof key);
+  if (hit) {
+    p = *hit;
+  } else {
+    memset(&p, 0, sizeof p);
+    if ((st = plan_combine(ctx, &p, plan, grad_x_permuted, dtype, H, grad_x)) ||
+        (grad_probs && (st = plan_gather(ctx, &p, T * plan->topk))))
+      return st;
+    mrt_plan_put(ctx, &key, sizeof key, &p);
   }
-  return finish(ctx, &p);
+  rows_io io = {0};
+  io.comb_in = grad_x_permuted; io.comb_out = grad_x;
+  io.gather_vals = grad_probs_permuted; io.gather_out = grad_probs;
+  io.hidden = H;
+  return run_rows(ctx, &p, plan, &io, stream);
 }
 
 moe_rt_status moe_rt_combine_backward(moe_rt_context* ctx, const moe_rt_plan* plan, const void* grad_y, int dtype,
@@ -453,43 +571,28 @@ moe_rt_status moe_rt_combine_backward(moe_rt_context* ctx, const moe_rt_plan* pl
   } else if (grad_probs) {
     return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: grad_probs is given but probs is NULL", op);
   }
-  mrt_plan p;
-  memset(&p, 0, sizeof p);
   const int64_t row_bytes = H * mrt_dtype_size(dtype);
-  if ((st = fill_rows(ctx, &p, plan, grad_y_permuted, row_bytes, NULL, MOE_RT_FLOAT32, NULL, stream))) return st;
-  if (!probs) {
-    if ((st = copy_rows(ctx, &p, plan, grad_y, grad_y_permuted, row_bytes, stream))) return st;
-    return finish(ctx, &p);
+  const void* ptrs[3] = {grad_y, grad_y_permuted, y_permuted};
+  rows_key key = make_key(4, dtype, -1, probs != NULL, plan, H, ptrs, 3);
+  mrt_plan p;
+  const mrt_plan* hit = mrt_plan_get(ctx, &key, sizeof key);
+  if (hit) {
+    p = *hit;
+  } else {
+    memset(&p, 0, sizeof p);
+    if ((st = plan_fill(ctx, &p, plan, grad_y_permuted, row_bytes, 0, MOE_RT_FLOAT32)) ||
+        (!probs && (st = plan_copy(ctx, &p, plan, grad_y, grad_y_permuted, row_bytes))) ||
+        (probs && (st = plan_combine_bwd(ctx, &p, plan, dtype, H, grad_y, y_permuted, grad_y_permuted))))
+      return st;
+    mrt_plan_put(ctx, &key, sizeof key, &p);
   }
-  if (T && K) {
-    if (H == 0 || N == 0) {
-      if ((st = mrt_memset0(ctx, grad_probs, (size_t)(T * K) * 4, stream))) return st;
-    } else {
-      const int isz = mrt_dtype_size(dtype);
-      const int vec = (H * isz) % 16 == 0 && mrt_aligned16(grad_y) && mrt_aligned16(y_permuted) &&
-                      mrt_aligned16(grad_y_permuted);
-      const int threads = threads_for(H / (vec ? 16 / isz : 1));
-      mrt_launch* l = &p.launch[p.num_launches++];
-      snprintf(l->name, sizeof l->name, "combine_bwd_rows<%s, %s, %d>", mrt_ctype(dtype), vec ? "true" : "false",
-               UNROLL);
-      int regs = 0;
-      if ((st = mrt_kernel(ctx, l, FILE_PERM, &regs))) return st;
-      l->grid = T;
-      l->block = threads;
-      l->smem = (int32_t)(K * 8 + (threads / 32) * K * 4);
-      if (!mrt_is_planning(ctx)) {
-        mrt_args a = {0};
-        mrt_arg_ptr(&a, grad_y);
-        mrt_arg_ptr(&a, y_permuted);
-        mrt_arg_ptr(&a, grad_y_permuted);
-        mrt_arg_ptr(&a, plan->dst_row);
-        mrt_arg_ptr(&a, probs);
-        mrt_arg_ptr(&a, grad_probs);
-        mrt_arg_i32(&a, (int32_t)K);
-        mrt_arg_i64(&a, H);
-        if ((st = mrt_launch_one(ctx, l, &a, stream))) return st;
-      }
-    }
-  }
-  return finish(ctx, &p);
+  /* with probs but nothing to reduce (H or N zero): the probs' gradient is zero */
+  if (probs && T && K && (H == 0 || N == 0) && (st = mrt_memset0(ctx, grad_probs, (size_t)(T * K) * 4, stream)))
+    return st;
+  rows_io io = {0};
+  io.fill_out = grad_y_permuted;
+  io.copy_src = grad_y; io.copy_dst = grad_y_permuted;
+  io.cb_g = grad_y; io.cb_yp = y_permuted; io.cb_gp = grad_y_permuted; io.cb_w = probs; io.cb_dw = grad_probs;
+  io.hidden = H;
+  return run_rows(ctx, &p, plan, &io, stream);
 }
