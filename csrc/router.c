@@ -397,6 +397,11 @@ moe_rt_status moe_rt_scores_for_aux_loss_backward(moe_rt_context* ctx, const flo
 
 /* ---- aux loss (router.py aux_loss, aux_loss_backward) ----------------------------------------------- */
 
+typedef struct aux_key {
+  int32_t op, dtype, C, pad;
+  int64_t R;
+} aux_key;
+
 static void aux_blocks(int64_t R, int64_t* rpb, int64_t* nb) {
   *rpb = mrt_max(1, mrt_cdiv(R, 1024)); /* the partition depends on R only: same bits on every device */
   *nb = R > 0 ? mrt_cdiv(R, *rpb) : 0;
@@ -480,20 +485,29 @@ moe_rt_status moe_rt_aux_loss(moe_rt_context* ctx, const void* probs, int dtype,
   aux_blocks(R, &rpb, &nb);
   const int vec = C > 0 && C % (16 / mrt_dtype_size(dtype)) == 0 && mrt_aligned16(probs);
   if (!(nb > 0 && C > 0)) nb = 0;
+  aux_key key;
+  memset(&key, 0, sizeof key);
+  key.op = 5; key.dtype = dtype; key.R = R; key.C = C;
   mrt_plan p;
-  memset(&p, 0, sizeof p);
-  p.num_launches = 2;
-  int regs = 0;
-  snprintf(p.launch[0].name, sizeof p.launch[0].name, "aux_loss_partial<%s>", mrt_ctype(dtype));
-  snprintf(p.launch[1].name, sizeof p.launch[1].name, "aux_loss_final<%s>", mrt_ctype(dtype));
-  if ((nb && (st = mrt_kernel(ctx, &p.launch[0], FILE_ROUTER, &regs))) ||
-      (st = mrt_kernel(ctx, &p.launch[1], FILE_ROUTER, &regs)))
-    return st;
-  p.launch[0].file = FILE_ROUTER;
-  p.launch[0].grid = nb;
-  p.launch[0].block = 256;
-  p.launch[1].grid = 1;
-  p.launch[1].block = 256;
+  const mrt_plan* hit = mrt_plan_get(ctx, &key, sizeof key);
+  if (hit) {
+    p = *hit;
+  } else {
+    memset(&p, 0, sizeof p);
+    p.num_launches = 2;
+    int regs = 0;
+    snprintf(p.launch[0].name, sizeof p.launch[0].name, "aux_loss_partial<%s>", mrt_ctype(dtype));
+    snprintf(p.launch[1].name, sizeof p.launch[1].name, "aux_loss_final<%s>", mrt_ctype(dtype));
+    if ((nb && (st = mrt_kernel(ctx, &p.launch[0], FILE_ROUTER, &regs))) ||
+        (st = mrt_kernel(ctx, &p.launch[1], FILE_ROUTER, &regs)))
+      return st;
+    p.launch[0].file = FILE_ROUTER;
+    p.launch[0].grid = nb;
+    p.launch[0].block = 256;
+    p.launch[1].grid = 1;
+    p.launch[1].block = 256;
+    mrt_plan_put(ctx, &key, sizeof key, &p);
+  }
   if (mrt_is_planning(ctx)) {
     mrt_record(ctx, &p);
     return MOE_RT_SUCCESS;
@@ -535,15 +549,24 @@ moe_rt_status moe_rt_aux_loss_backward(moe_rt_context* ctx, const void* grad, in
   int64_t rpb, nb;
   aux_blocks(R, &rpb, &nb);
   const int vec = C % (16 / mrt_dtype_size(dtype)) == 0 && mrt_aligned16(grad_probs);
+  aux_key key;
+  memset(&key, 0, sizeof key);
+  key.op = 6; key.dtype = dtype; key.R = R; key.C = C;
   mrt_plan p;
-  memset(&p, 0, sizeof p);
-  if (nb > 0 && C > 0) {
-    p.num_launches = 1;
-    snprintf(p.launch[0].name, sizeof p.launch[0].name, "aux_loss_bwd<%s>", mrt_ctype(dtype));
-    int regs = 0;
-    if ((st = mrt_kernel(ctx, &p.launch[0], FILE_ROUTER, &regs))) return st;
-    p.launch[0].grid = nb;
-    p.launch[0].block = 256;
+  const mrt_plan* hit = mrt_plan_get(ctx, &key, sizeof key);
+  if (hit) {
+    p = *hit;
+  } else {
+    memset(&p, 0, sizeof p);
+    if (nb > 0 && C > 0) {
+      p.num_launches = 1;
+      snprintf(p.launch[0].name, sizeof p.launch[0].name, "aux_loss_bwd<%s>", mrt_ctype(dtype));
+      int regs = 0;
+      if ((st = mrt_kernel(ctx, &p.launch[0], FILE_ROUTER, &regs))) return st;
+      p.launch[0].grid = nb;
+      p.launch[0].block = 256;
+    }
+    mrt_plan_put(ctx, &key, sizeof key, &p);
   }
   if (mrt_is_planning(ctx) || !p.num_launches) {
     if (mrt_is_planning(ctx)) mrt_record(ctx, &p);
