@@ -1,12 +1,12 @@
 /* moe_rt: the C ABI.
  *
- * Part 1 (below the handle layout): the single-GPU ops over device pointers, sizes, dtype codes and a
+ * Part 1: the single-GPU ops over device pointers, sizes, dtype codes and a
  * stream, for native code without Python. A context loads the kernels as cubins (or PTX) from a kernel-cache
  * folder written by `python3 -m moe_rt warmup --out DIR` (its manifest.json), reaching the CUDA driver API
  * through dlopen("libcuda.so.1"); no CUDA header is needed to compile against this file. Link with
  * -lmoe_rt (moe_rt/lib/libmoe_rt.so inside the installed package).
  *
- * Part 2: the C view of the expert-parallel handle (moe_rt.ep.EpGroup.prepare).
+ * Part 2 (after Part 1): the C view of the expert-parallel handle (moe_rt.ep.EpGroup.prepare).
  *
  * A handle is ONE byte buffer (device memory on CUDA) holding the arrays below, in this order, each
  * starting on a 256-byte boundary. The Python definition is moe_rt._handle.REGIONS / layout(); the test
