@@ -148,6 +148,11 @@ moe_rt_status mrt_check_ctx(const moe_rt_context* ctx, const char* op) {
   return MOE_RT_SUCCESS;
 }
 
+moe_rt_status mrt_check_ptr(const char* op, const char* name, const void* p) {
+  if (p == NULL) return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: %s is NULL", op, name);
+  return MOE_RT_SUCCESS;
+}
+
 static moe_rt_status load_driver(mrt_driver* d) {
   memset(d, 0, sizeof *d);
   const char* libname = getenv("MOE_RT_LIBCUDA");
@@ -868,6 +873,16 @@ const mrt_plan* mrt_plan_get(moe_rt_context* ctx, const void* key, size_t n) {
   }
   pthread_mutex_unlock(&ctx->lock);
   return found; /* entries are never moved or freed while the context lives, except by mrt_plan_put's clear */
+}
+
+int mrt_plan_lookup(moe_rt_context* ctx, const void* key, size_t n, mrt_plan* plan) {
+  const mrt_plan* hit = mrt_plan_get(ctx, key, n);
+  if (hit) {
+    *plan = *hit;
+    return 1;
+  }
+  memset(plan, 0, sizeof *plan);
+  return 0;
 }
 
 void mrt_plan_put(moe_rt_context* ctx, const void* key, size_t n, const mrt_plan* plan) {

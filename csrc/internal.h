@@ -95,6 +95,8 @@ const moe_rt_device_info* mrt_device(const moe_rt_context* ctx);
 /* The plan cache: a plan by its signature (key bytes), NULL when absent; mrt_plan_put stores a copy. */
 const mrt_plan* mrt_plan_get(moe_rt_context* ctx, const void* key, size_t key_bytes);
 void mrt_plan_put(moe_rt_context* ctx, const void* key, size_t key_bytes, const mrt_plan* plan);
+/* *plan = the cached plan of this signature (returns 1), or zeroed to be planned and put (returns 0). */
+int mrt_plan_lookup(moe_rt_context* ctx, const void* key, size_t key_bytes, mrt_plan* plan);
 
 /* Execute: launch each of plan's launches with grid > 0, with its argument list; or, in a planning
  * context, record the plan as the context's last one. */
@@ -125,6 +127,7 @@ moe_rt_status mrt_error_word(moe_rt_context* ctx, unsigned long long* ptr);
 
 /* ---- validation helpers --------------------------------------------------------------------------- */
 moe_rt_status mrt_check_ctx(const moe_rt_context* ctx, const char* op);
+moe_rt_status mrt_check_ptr(const char* op, const char* name, const void* p); /* "op: name is NULL" */
 int mrt_dtype_size(int dtype);
 int mrt_is_float_dtype(int dtype); /* float32, float16, bfloat16 */
 const char* mrt_ctype(int dtype);   /* the kernels' C++ type of a float dtype */

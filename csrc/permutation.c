@@ -27,11 +27,6 @@ static const char* unit_type(int u) {
   return "unsigned char";
 }
 
-static moe_rt_status check_ptr(const char* op, const char* name, const void* p) {
-  if (p == NULL) return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: %s is NULL", op, name);
-  return MOE_RT_SUCCESS;
-}
-
 /* ---- sizes -------------------------------------------------------------------------------------------- */
 
 static int64_t num_rows_of(int64_t T, int64_t K, int64_t E, int64_t A, int64_t num_out) {
@@ -67,7 +62,7 @@ moe_rt_status moe_rt_plan_num_rows(int64_t T, int64_t K, int E, int A, int64_t n
   static const char op[] = "moe_rt_plan_num_rows";
   mrt_clear_error();
   moe_rt_status st;
-  if ((st = check_ptr(op, "num_rows", num_rows)) || (st = check_plan_sizes(op, T, K, E, A, num_out))) return st;
+  if ((st = mrt_check_ptr(op, "num_rows", num_rows)) || (st = check_plan_sizes(op, T, K, E, A, num_out))) return st;
   *num_rows = num_rows_of(T, K, E, A, num_out);
   return MOE_RT_SUCCESS;
 }
@@ -88,7 +83,7 @@ moe_rt_status moe_rt_make_plan_workspace_size(int64_t T, int64_t K, int E, size_
   static const char op[] = "moe_rt_make_plan_workspace_size";
   mrt_clear_error();
   moe_rt_status st;
-  if ((st = check_ptr(op, "bytes", bytes)) || (st = check_plan_sizes(op, T, K, E, 1, -1))) return st;
+  if ((st = mrt_check_ptr(op, "bytes", bytes)) || (st = check_plan_sizes(op, T, K, E, 1, -1))) return st;
   *bytes = (size_t)plan_workspace_ints(T * K, E) * 4;
   return MOE_RT_SUCCESS;
 }
@@ -105,7 +100,7 @@ moe_rt_status moe_rt_make_plan(moe_rt_context* ctx, const void* routing, int rou
                                size_t workspace_bytes, moe_rt_stream stream) {
   static const char op[] = "moe_rt_make_plan";
   moe_rt_status st;
-  if ((st = mrt_check_ctx(ctx, op)) || (st = check_ptr(op, "plan", plan))) return st;
+  if ((st = mrt_check_ctx(ctx, op)) || (st = mrt_check_ptr(op, "plan", plan))) return st;
   const char* ic = routing_dtype == MOE_RT_INT32 ? "int" : routing_dtype == MOE_RT_INT64 ? "long long"
                  : routing_dtype == MOE_RT_BOOL ? "bool" : NULL;
   if (!ic)
@@ -116,10 +111,10 @@ moe_rt_status moe_rt_make_plan(moe_rt_context* ctx, const void* routing, int rou
     return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: routing: a routing map must have shape [T, num_experts=%d]; "
                     "pass topk = %d, got %lld", op, E, E, (long long)K);
   const int64_t L = T * K, N = num_rows_of(T, K, E, A, num_out);
-  if ((st = check_ptr(op, "plan->dst_row", plan->dst_row)) || (st = check_ptr(op, "plan->src_slot", plan->src_slot)) ||
-      (st = check_ptr(op, "plan->seg_start", plan->seg_start)) || (st = check_ptr(op, "plan->counts", plan->counts)) ||
-      (st = check_ptr(op, "plan->tokens_per_expert", plan->tokens_per_expert)) ||
-      (L > 0 && (st = check_ptr(op, "routing", routing))) || (st = check_ptr(op, "workspace", workspace)))
+  if ((st = mrt_check_ptr(op, "plan->dst_row", plan->dst_row)) || (st = mrt_check_ptr(op, "plan->src_slot", plan->src_slot)) ||
+      (st = mrt_check_ptr(op, "plan->seg_start", plan->seg_start)) || (st = mrt_check_ptr(op, "plan->counts", plan->counts)) ||
+      (st = mrt_check_ptr(op, "plan->tokens_per_expert", plan->tokens_per_expert)) ||
+      (L > 0 && (st = mrt_check_ptr(op, "routing", routing))) || (st = mrt_check_ptr(op, "workspace", workspace)))
     return st;
   const size_t need = (size_t)plan_workspace_ints(L, E) * 4;
   if (workspace_bytes < need)
@@ -139,11 +134,7 @@ moe_rt_status moe_rt_make_plan(moe_rt_context* ctx, const void* routing, int rou
   memset(&key, 0, sizeof key);
   key.op = 3; key.idx_dtype = routing_dtype; key.E = E; key.A = A; key.T = T; key.K = K; key.num_out = num_out;
   mrt_plan p;
-  const mrt_plan* hit = mrt_plan_get(ctx, &key, sizeof key);
-  if (hit) {
-    p = *hit;
-  } else {
-    memset(&p, 0, sizeof p);
+  if (!mrt_plan_lookup(ctx, &key, sizeof key, &p)) {
     p.num_launches = 3;
     snprintf(p.launch[0].name, sizeof p.launch[0].name, "plan_count<%s>", ic);
     snprintf(p.launch[1].name, sizeof p.launch[1].name, "plan_scan");
@@ -241,7 +232,7 @@ static moe_rt_status check_plan_arg(const char* op, const moe_rt_plan* plan) {
   if (plan->num_rows < 0 || plan->num_rows > INT32_MAX_)
     return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: plan->num_rows must be in [0, 2^31), got %lld", op,
                     (long long)plan->num_rows);
-  if ((st = check_ptr(op, "plan->dst_row", plan->dst_row)) || (st = check_ptr(op, "plan->src_slot", plan->src_slot)))
+  if ((st = mrt_check_ptr(op, "plan->dst_row", plan->dst_row)) || (st = mrt_check_ptr(op, "plan->src_slot", plan->src_slot)))
     return st;
   return MOE_RT_SUCCESS;
 }
@@ -465,18 +456,14 @@ moe_rt_status moe_rt_dispatch(moe_rt_context* ctx, const moe_rt_plan* plan, cons
     return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: probs_dtype: expected float32, float16 or bfloat16, got %s (%d)",
                     op, mrt_dtype_name(probs_dtype), probs_dtype);
   const int64_t T = plan->num_tokens, N = plan->num_rows;
-  if ((T * H > 0 && (st = check_ptr(op, "x", x))) || (N * H > 0 && (st = check_ptr(op, "x_permuted", x_permuted))))
+  if ((T * H > 0 && (st = mrt_check_ptr(op, "x", x))) || (N * H > 0 && (st = mrt_check_ptr(op, "x_permuted", x_permuted))))
     return st;
   const int64_t row_bytes = H * mrt_dtype_size(dtype);
   const void* ptrs[2] = {x, x_permuted};
   const int pdt = probs ? probs_dtype : -1;
   rows_key key = make_key(1, mrt_dtype_size(dtype), pdt, 0, plan, H, ptrs, 2);
   mrt_plan p;
-  const mrt_plan* hit = mrt_plan_get(ctx, &key, sizeof key);
-  if (hit) {
-    p = *hit;
-  } else {
-    memset(&p, 0, sizeof p);
+  if (!mrt_plan_lookup(ctx, &key, sizeof key, &p)) {
     if ((st = plan_copy(ctx, &p, plan, x, x_permuted, row_bytes)) ||
         (st = plan_fill(ctx, &p, plan, x_permuted, row_bytes, probs != NULL, probs_dtype)))
       return st;
@@ -497,16 +484,12 @@ moe_rt_status moe_rt_combine(moe_rt_context* ctx, const moe_rt_plan* plan, const
       (st = check_token_dtype(op, "dtype", dtype, 0)) || (st = check_hidden(op, H, dtype)))
     return st;
   const int64_t T = plan->num_tokens, N = plan->num_rows;
-  if ((N * H > 0 && (st = check_ptr(op, "y_permuted", y_permuted))) || (T * H > 0 && (st = check_ptr(op, "y", y))))
+  if ((N * H > 0 && (st = mrt_check_ptr(op, "y_permuted", y_permuted))) || (T * H > 0 && (st = mrt_check_ptr(op, "y", y))))
     return st;
   const void* ptrs[2] = {y_permuted, y};
   rows_key key = make_key(2, dtype, -1, 0, plan, H, ptrs, 2);
   mrt_plan p;
-  const mrt_plan* hit = mrt_plan_get(ctx, &key, sizeof key);
-  if (hit) {
-    p = *hit;
-  } else {
-    memset(&p, 0, sizeof p);
+  if (!mrt_plan_lookup(ctx, &key, sizeof key, &p)) {
     if ((st = plan_combine(ctx, &p, plan, y_permuted, dtype, H, y))) return st;
     mrt_plan_put(ctx, &key, sizeof key, &p);
   }
@@ -525,8 +508,8 @@ moe_rt_status moe_rt_dispatch_backward(moe_rt_context* ctx, const moe_rt_plan* p
       (st = check_token_dtype(op, "dtype", dtype, 0)) || (st = check_hidden(op, H, dtype)))
     return st;
   const int64_t T = plan->num_tokens, N = plan->num_rows;
-  if ((N * H > 0 && (st = check_ptr(op, "grad_x_permuted", grad_x_permuted))) ||
-      (T * H > 0 && (st = check_ptr(op, "grad_x", grad_x))))
+  if ((N * H > 0 && (st = mrt_check_ptr(op, "grad_x_permuted", grad_x_permuted))) ||
+      (T * H > 0 && (st = mrt_check_ptr(op, "grad_x", grad_x))))
     return st;
   if (!grad_probs_permuted != !grad_probs)
     return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: grad_probs_permuted and grad_probs go together; %s is NULL", op,
@@ -534,11 +517,7 @@ moe_rt_status moe_rt_dispatch_backward(moe_rt_context* ctx, const moe_rt_plan* p
   const void* ptrs[2] = {grad_x_permuted, grad_x};
   rows_key key = make_key(3, dtype, -1, grad_probs != NULL, plan, H, ptrs, 2);
   mrt_plan p;
-  const mrt_plan* hit = mrt_plan_get(ctx, &key, sizeof key);
-  if (hit) {
-    p = *hit;
-  } else {
-    memset(&p, 0, sizeof p);
+  if (!mrt_plan_lookup(ctx, &key, sizeof key, &p)) {
     if ((st = plan_combine(ctx, &p, plan, grad_x_permuted, dtype, H, grad_x)) ||
         (grad_probs && (st = plan_gather(ctx, &p, T * plan->topk))))
       return st;
@@ -560,14 +539,14 @@ moe_rt_status moe_rt_combine_backward(moe_rt_context* ctx, const moe_rt_plan* pl
       (st = check_token_dtype(op, "dtype", dtype, 0)) || (st = check_hidden(op, H, dtype)))
     return st;
   const int64_t T = plan->num_tokens, K = plan->topk, N = plan->num_rows;
-  if ((T * H > 0 && (st = check_ptr(op, "grad_y", grad_y))) ||
-      (N * H > 0 && (st = check_ptr(op, "grad_y_permuted", grad_y_permuted))))
+  if ((T * H > 0 && (st = mrt_check_ptr(op, "grad_y", grad_y))) ||
+      (N * H > 0 && (st = mrt_check_ptr(op, "grad_y_permuted", grad_y_permuted))))
     return st;
   if (probs) {
     if (!y_permuted && N * H > 0)
       return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: y_permuted: the forward input is needed to differentiate with "
                       "probs", op);
-    if ((st = check_ptr(op, "grad_probs", grad_probs))) return st;
+    if ((st = mrt_check_ptr(op, "grad_probs", grad_probs))) return st;
   } else if (grad_probs) {
     return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: grad_probs is given but probs is NULL", op);
   }
@@ -575,11 +554,7 @@ moe_rt_status moe_rt_combine_backward(moe_rt_context* ctx, const moe_rt_plan* pl
   const void* ptrs[3] = {grad_y, grad_y_permuted, y_permuted};
   rows_key key = make_key(4, dtype, -1, probs != NULL, plan, H, ptrs, 3);
   mrt_plan p;
-  const mrt_plan* hit = mrt_plan_get(ctx, &key, sizeof key);
-  if (hit) {
-    p = *hit;
-  } else {
-    memset(&p, 0, sizeof p);
+  if (!mrt_plan_lookup(ctx, &key, sizeof key, &p)) {
     if ((st = plan_fill(ctx, &p, plan, grad_y_permuted, row_bytes, 0, MOE_RT_FLOAT32)) ||
         (!probs && (st = plan_copy(ctx, &p, plan, grad_y, grad_y_permuted, row_bytes))) ||
         (probs && (st = plan_combine_bwd(ctx, &p, plan, dtype, H, grad_y, y_permuted, grad_y_permuted))))

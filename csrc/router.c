@@ -21,11 +21,6 @@ static moe_rt_status check_float_dtype(const char* op, const char* name, int dty
   return MOE_RT_SUCCESS;
 }
 
-static moe_rt_status check_ptr(const char* op, const char* name, const void* p) {
-  if (p == NULL) return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: %s is NULL", op, name);
-  return MOE_RT_SUCCESS;
-}
-
 static moe_rt_status check_sizes(const char* op, int64_t T, int E, int K) {
   if (T < 0) return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: num_tokens must be >= 0, got %lld", op, (long long)T);
   if (E < 1 || E > MOE_RT_MAX_EXPERTS)
@@ -244,8 +239,8 @@ moe_rt_status moe_rt_topk_with_score(moe_rt_context* ctx, const void* logits, in
   if ((st = mrt_check_ctx(ctx, op)) ||
       (st = check_topk_settings(op, dtype, T, E, K, score_function, num_groups, group_topk, scaling_factor,
                                 expert_bias)) ||
-      (st = check_ptr(op, "logits", logits)) || (st = check_ptr(op, "probs", probs)) ||
-      (st = check_ptr(op, "routing_map", routing_map)) || (st = check_ptr(op, "intermediate", intermediate)))
+      (st = mrt_check_ptr(op, "logits", logits)) || (st = mrt_check_ptr(op, "probs", probs)) ||
+      (st = mrt_check_ptr(op, "routing_map", routing_map)) || (st = mrt_check_ptr(op, "intermediate", intermediate)))
     return st;
   int G = group_topk ? num_groups : 0, g = group_topk ? group_topk : 0;
   int pre = use_pre_softmax && score_function == MOE_RT_SCORE_SOFTMAX;
@@ -262,8 +257,8 @@ moe_rt_status moe_rt_topk_indices_with_score(moe_rt_context* ctx, const void* lo
   if ((st = mrt_check_ctx(ctx, op)) ||
       (st = check_topk_settings(op, dtype, T, E, K, score_function, num_groups, group_topk, scaling_factor,
                                 expert_bias)) ||
-      (st = check_ptr(op, "logits", logits)) || (st = check_ptr(op, "topk_idx", topk_idx)) ||
-      (st = check_ptr(op, "topk_weights", topk_weights)))
+      (st = mrt_check_ptr(op, "logits", logits)) || (st = mrt_check_ptr(op, "topk_idx", topk_idx)) ||
+      (st = mrt_check_ptr(op, "topk_weights", topk_weights)))
     return st;
   int G = group_topk ? num_groups : 0, g = group_topk ? group_topk : 0;
   int pre = use_pre_softmax && score_function == MOE_RT_SCORE_SOFTMAX;
@@ -278,8 +273,8 @@ moe_rt_status moe_rt_scores_for_aux_loss(moe_rt_context* ctx, const void* logits
   moe_rt_status st;
   if ((st = mrt_check_ctx(ctx, op)) || (st = check_float_dtype(op, "dtype", dtype)) ||
       (st = check_sizes(op, T, E, K)) || (st = check_score(op, score_function)) ||
-      (st = check_ptr(op, "logits", logits)) || (st = check_ptr(op, "scores", scores)) ||
-      (st = check_ptr(op, "routing_map", routing_map)) || (st = check_ptr(op, "intermediate", intermediate)))
+      (st = mrt_check_ptr(op, "logits", logits)) || (st = mrt_check_ptr(op, "scores", scores)) ||
+      (st = mrt_check_ptr(op, "routing_map", routing_map)) || (st = mrt_check_ptr(op, "intermediate", intermediate)))
     return st;
   return router_fwd(ctx, logits, dtype, T, E, K, score_function, 0, 1, 0, 0, 1.0f, NULL, NULL, scores, routing_map,
                     intermediate, NULL, NULL, stream);
@@ -371,9 +366,9 @@ moe_rt_status moe_rt_topk_with_score_backward(moe_rt_context* ctx, const void* g
   moe_rt_status st;
   if ((st = mrt_check_ctx(ctx, op)) || (st = check_float_dtype(op, "dtype", dtype)) ||
       (st = check_sizes(op, T, E, K)) || (st = check_score(op, score_function)) ||
-      (st = check_scale(op, scaling_factor)) || (st = check_ptr(op, "grad_probs", grad_probs)) ||
-      (st = check_ptr(op, "routing_map", routing_map)) || (st = check_ptr(op, "intermediate", intermediate)) ||
-      (st = check_ptr(op, "grad_logits", grad_logits)))
+      (st = check_scale(op, scaling_factor)) || (st = mrt_check_ptr(op, "grad_probs", grad_probs)) ||
+      (st = mrt_check_ptr(op, "routing_map", routing_map)) || (st = mrt_check_ptr(op, "intermediate", intermediate)) ||
+      (st = mrt_check_ptr(op, "grad_logits", grad_logits)))
     return st;
   int pre = use_pre_softmax && score_function == MOE_RT_SCORE_SOFTMAX;
   return router_bwd(ctx, grad_probs, dtype, routing_map, intermediate, grad_logits, dtype, T, E, K, score_function,
@@ -388,8 +383,8 @@ moe_rt_status moe_rt_scores_for_aux_loss_backward(moe_rt_context* ctx, const flo
   moe_rt_status st;
   if ((st = mrt_check_ctx(ctx, op)) || (st = check_float_dtype(op, "grad_dtype", grad_dtype)) ||
       (st = check_sizes(op, T, E, K)) || (st = check_score(op, score_function)) ||
-      (st = check_ptr(op, "grad_scores", grad_scores)) || (st = check_ptr(op, "intermediate", intermediate)) ||
-      (st = check_ptr(op, "grad_logits", grad_logits)))
+      (st = mrt_check_ptr(op, "grad_scores", grad_scores)) || (st = mrt_check_ptr(op, "intermediate", intermediate)) ||
+      (st = mrt_check_ptr(op, "grad_logits", grad_logits)))
     return st;
   return router_bwd(ctx, grad_scores, MOE_RT_FLOAT32, NULL, intermediate, grad_logits, grad_dtype, T, E, K,
                     score_function, 0, 1, 1.0f, stream);
@@ -450,7 +445,7 @@ static moe_rt_status check_aux(const char* op, int64_t R, int C, const void* tpe
   if (tpe_kind(tpe_dtype) < 0)
     return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: tokens_per_expert: expected dtype int32, int64 or float32, "
                     "got %s (%d)", op, mrt_dtype_name(tpe_dtype), tpe_dtype);
-  if ((st = check_ptr(op, "tokens_per_expert", tpe))) return st;
+  if ((st = mrt_check_ptr(op, "tokens_per_expert", tpe))) return st;
   if (total_device) {
     if (total != 0)
       return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: total_num_tokens: pass 0 with total_device (got %lld)", op,
@@ -473,8 +468,8 @@ moe_rt_status moe_rt_aux_loss(moe_rt_context* ctx, const void* probs, int dtype,
   moe_rt_status st;
   if ((st = mrt_check_ctx(ctx, op)) || (st = check_float_dtype(op, "dtype", dtype)) ||
       (st = check_aux(op, R, C, tpe, tpe_dtype, total, total_device, total_dtype, E, topk, coeff)) ||
-      (st = check_ptr(op, "probs", probs)) || (st = check_ptr(op, "out", out)) ||
-      (st = check_ptr(op, "workspace", workspace)))
+      (st = mrt_check_ptr(op, "probs", probs)) || (st = mrt_check_ptr(op, "out", out)) ||
+      (st = mrt_check_ptr(op, "workspace", workspace)))
     return st;
   size_t need = 0;
   moe_rt_aux_loss_workspace_size(R, &need);
@@ -489,11 +484,7 @@ moe_rt_status moe_rt_aux_loss(moe_rt_context* ctx, const void* probs, int dtype,
   memset(&key, 0, sizeof key);
   key.op = 5; key.dtype = dtype; key.R = R; key.C = C;
   mrt_plan p;
-  const mrt_plan* hit = mrt_plan_get(ctx, &key, sizeof key);
-  if (hit) {
-    p = *hit;
-  } else {
-    memset(&p, 0, sizeof p);
+  if (!mrt_plan_lookup(ctx, &key, sizeof key, &p)) {
     p.num_launches = 2;
     int regs = 0;
     snprintf(p.launch[0].name, sizeof p.launch[0].name, "aux_loss_partial<%s>", mrt_ctype(dtype));
@@ -544,7 +535,7 @@ moe_rt_status moe_rt_aux_loss_backward(moe_rt_context* ctx, const void* grad, in
   moe_rt_status st;
   if ((st = mrt_check_ctx(ctx, op)) || (st = check_float_dtype(op, "dtype", dtype)) ||
       (st = check_aux(op, R, C, tpe, tpe_dtype, total, total_device, total_dtype, E, topk, coeff)) ||
-      (st = check_ptr(op, "grad_aux_loss", grad)) || (st = check_ptr(op, "grad_probs", grad_probs)))
+      (st = mrt_check_ptr(op, "grad_aux_loss", grad)) || (st = mrt_check_ptr(op, "grad_probs", grad_probs)))
     return st;
   int64_t rpb, nb;
   aux_blocks(R, &rpb, &nb);
@@ -553,11 +544,7 @@ moe_rt_status moe_rt_aux_loss_backward(moe_rt_context* ctx, const void* grad, in
   memset(&key, 0, sizeof key);
   key.op = 6; key.dtype = dtype; key.R = R; key.C = C;
   mrt_plan p;
-  const mrt_plan* hit = mrt_plan_get(ctx, &key, sizeof key);
-  if (hit) {
-    p = *hit;
-  } else {
-    memset(&p, 0, sizeof p);
+  if (!mrt_plan_lookup(ctx, &key, sizeof key, &p)) {
     if (nb > 0 && C > 0) {
       p.num_launches = 1;
       snprintf(p.launch[0].name, sizeof p.launch[0].name, "aux_loss_bwd<%s>", mrt_ctype(dtype));
