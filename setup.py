@@ -1,13 +1,16 @@
-"""Build moe_rt: pure Python plus five Cython extensions that need gcc alone.
+"""Build moe_rt: pure Python, five Cython extensions and the C library libmoe_rt.so (the C ABI,
+include/moe_rt/moe_rt.h), all needing gcc alone.
 
 No CUDA header, library or compiler is used at build time: CUDA kernels are compiled at run time
-by NVRTC (through CuPy), and NCCL is dlopen'ed when first used.
+by NVRTC (through CuPy), and the CUDA driver and NCCL are dlopen'ed when first used.
 """
+import importlib.util
 import os
 import re
 
 from Cython.Build import cythonize
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -15,6 +18,35 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def _version():
     with open(os.path.join(HERE, "moe_rt", "_version.py")) as f:
         return re.search(r'__version__ = "([^"]+)"', f.read()).group(1)
+
+
+def _libbuild():
+    spec = importlib.util.spec_from_file_location("moe_rt_libbuild", os.path.join(HERE, "csrc", "libbuild.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class BuildExt(build_ext):
+    """The Cython extensions, then libmoe_rt.so into moe_rt/lib/ (of the build, or of the tree with --inplace)."""
+
+    def _lib_target(self):
+        base = HERE if self.inplace else self.build_lib
+        return os.path.join(base, "moe_rt", "lib", "libmoe_rt.so")
+
+    def run(self):
+        super().run()
+        lib = _libbuild()
+        target = self._lib_target()
+        self.announce(f"building {target}", level=2)
+        try:
+            lib.build(target)
+        except Exception as e:  # the compiler's own output says why
+            out = getattr(e, "stdout", "") + getattr(e, "stderr", "")
+            raise RuntimeError(f"building libmoe_rt.so failed: {e}\n{out}") from e
+
+    def get_outputs(self):
+        return super().get_outputs() + [self._lib_target()]
 
 
 extensions = [
@@ -68,6 +100,7 @@ setup(
         "moe_rt.kernels": ["*.cu"],
         "moe_rt.include": ["moe_rt/*.cuh", "moe_rt/*.h"],
     },
+    cmdclass={"build_ext": BuildExt},
     ext_modules=cythonize(
         extensions,
         compiler_directives={"language_level": 3, "embedsignature": True, "binding": True},

@@ -1,4 +1,12 @@
-/* moe_rt: the C view of the expert-parallel handle (moe_rt.ep.EpGroup.prepare).
+/* moe_rt: the C ABI.
+ *
+ * Part 1: the single-GPU ops over device pointers, sizes, dtype codes and a
+ * stream, for native code without Python. A context loads the kernels as cubins (or PTX) from a kernel-cache
+ * folder written by `python3 -m moe_rt warmup --out DIR` (its manifest.json), reaching the CUDA driver API
+ * through dlopen("libcuda.so.1"); no CUDA header is needed to compile against this file. Link with
+ * -lmoe_rt (moe_rt/lib/libmoe_rt.so inside the installed package).
+ *
+ * Part 2 (after Part 1): the C view of the expert-parallel handle (moe_rt.ep.EpGroup.prepare).
  *
  * A handle is ONE byte buffer (device memory on CUDA) holding the arrays below, in this order, each
  * starting on a 256-byte boundary. The Python definition is moe_rt._handle.REGIONS / layout(); the test
@@ -29,7 +37,238 @@
 #ifndef MOE_RT_H_
 #define MOE_RT_H_
 
+#include <stddef.h>
 #include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ======================================================================================================
+ * Part 1: the single-GPU ops
+ *
+ * Conventions. Every function returns a moe_rt_status; on failure moe_rt_last_error() gives a readable
+ * message naming the argument (thread-local, valid until the next moe_rt call on the thread). Bad input
+ * (NULL pointers, negative or too large sizes, unknown dtype codes, topk > num_experts, ...) is refused
+ * before anything is launched. Arrays are C-contiguous device memory; T tokens, E experts, K = topk,
+ * H hidden size, N permuted rows. Ops launch on `stream` (a cudaStream_t / CUstream; NULL = the default
+ * stream) and never synchronize, except moe_rt_check and the copy helpers. The semantics are those of the
+ * Python ops of the same names (docs/router.md, docs/permutation.md); the kernel choices (variant, grid,
+ * block, shared memory) equal the Python side's. Each op plans (shapes, dtypes, alignment, device ->
+ * kernels and launch shapes; cached by that signature in the context) and then launches.
+ * A context may be used from several threads (its caches are locked); the ops on one stream are ordered.
+ * ====================================================================================================== */
+
+typedef void* moe_rt_stream; /* a cudaStream_t (CUstream); NULL = the legacy default stream */
+
+typedef enum moe_rt_status {
+  MOE_RT_SUCCESS = 0,
+  MOE_RT_ERROR_INVALID_ARGUMENT = 1, /* bad pointer, size, dtype code or setting */
+  MOE_RT_ERROR_NO_DRIVER = 2,        /* libcuda.so.1 cannot be loaded, or lacks a needed function */
+  MOE_RT_ERROR_NO_DEVICE = 3,        /* no CUDA device, or the device index is out of range */
+  MOE_RT_ERROR_KERNEL_CACHE = 4,     /* cache folder or manifest missing/unreadable, or a kernel absent */
+  MOE_RT_ERROR_CUDA = 5,             /* a CUDA driver call failed (the message holds its error string) */
+  MOE_RT_ERROR_BAD_EXPERT_ID = 6,    /* moe_rt_check: make_plan met expert ids outside [-1, E) */
+  MOE_RT_ERROR_NOT_SUPPORTED = 7     /* e.g. launching in a planning context */
+} moe_rt_status;
+
+typedef enum moe_rt_dtype {
+  MOE_RT_FLOAT32 = 0,
+  MOE_RT_FLOAT16 = 1,
+  MOE_RT_BFLOAT16 = 2,
+  MOE_RT_INT32 = 3,
+  MOE_RT_INT64 = 4,
+  MOE_RT_BOOL = 5, /* 1 byte, 0 or 1 */
+  MOE_RT_UINT8 = 6,
+  MOE_RT_INT8 = 7,
+  MOE_RT_FLOAT8_E4M3 = 8,
+  MOE_RT_FLOAT8_E5M2 = 9
+} moe_rt_dtype;
+
+typedef enum moe_rt_score_function {
+  MOE_RT_SCORE_SIGMOID = 0,
+  MOE_RT_SCORE_SOFTMAX = 1,
+  MOE_RT_SCORE_SQRTSOFTPLUS = 2
+} moe_rt_score_function;
+
+#define MOE_RT_MAX_EXPERTS 16384
+#define MOE_RT_MAX_TOPK 64
+
+/* Readable message of the last failure on this thread ("" when none). */
+const char* moe_rt_last_error(void);
+/* A status code's name, e.g. "MOE_RT_ERROR_INVALID_ARGUMENT". */
+const char* moe_rt_status_name(moe_rt_status status);
+
+typedef struct moe_rt_context moe_rt_context;
+
+/* What the planners read of a device. */
+typedef struct moe_rt_device_info {
+  int32_t sm_count;             /* multiprocessors */
+  int32_t smem_per_sm;          /* shared memory per multiprocessor, bytes (0 = unknown: 228 KiB assumed) */
+  int32_t smem_per_block_optin; /* opt-in shared memory per block, bytes */
+  int32_t cc_major, cc_minor;   /* compute capability */
+  int32_t assumed_regs;         /* planning contexts only: registers per thread assumed for every kernel
+                                   (0 = not limiting); a device context reads each kernel's own */
+} moe_rt_device_info;
+
+/* A context on CUDA device `device` (its primary context, made current on the calling thread) with the
+ * kernels of `kernel_cache_dir` (NULL = the MOE_RT_KERNEL_CACHE environment variable). The folder must hold
+ * manifest.json from `python3 -m moe_rt warmup --out DIR` for the device's architecture (or PTX for an older
+ * one), made from the sources this library was built with. Kernels are loaded on first use. The driver is
+ * dlopen("libcuda.so.1") (MOE_RT_LIBCUDA names another file); without it: MOE_RT_ERROR_NO_DRIVER. */
+moe_rt_status moe_rt_context_create(const char* kernel_cache_dir, int device, moe_rt_context** ctx);
+/* A planning context: no driver, no device, no kernels. Ops called on it validate and plan exactly as on
+ * a device context (pointers are only checked for NULL and alignment), launch nothing and return
+ * MOE_RT_SUCCESS; moe_rt_last_plan() then describes the launches the op would have made. */
+moe_rt_status moe_rt_context_create_planning(const moe_rt_device_info* device, moe_rt_context** ctx);
+/* Frees the context's modules and memory (NULL is a no-op). */
+void moe_rt_context_destroy(moe_rt_context* ctx);
+moe_rt_status moe_rt_context_device_info(const moe_rt_context* ctx, moe_rt_device_info* info);
+
+#define MOE_RT_KERNEL_NAME_MAX 128
+#define MOE_RT_MAX_LAUNCHES 4
+
+typedef struct moe_rt_launch_info {
+  char file[32];                       /* kernels/<file>, e.g. "router.cu" */
+  char kernel[MOE_RT_KERNEL_NAME_MAX]; /* name expression, e.g. "router_fwd_reg<float, 8>" */
+  int64_t grid;                        /* blocks (1-D); 0 = not launched */
+  int32_t block;                       /* threads per block */
+  int32_t shared_mem;                  /* dynamic shared memory, bytes */
+  int64_t scalars[2];                  /* variant arguments the planner chose: router_fwd*: the 16-byte
+                                          vector flag and the grouped-selection word; router_bwd: the
+                                          vector flag; 0 otherwise */
+} moe_rt_launch_info;
+
+typedef struct moe_rt_plan_info {
+  int32_t num_launches;
+  moe_rt_launch_info launch[MOE_RT_MAX_LAUNCHES];
+} moe_rt_plan_info;
+
+/* Planning contexts: the launches of the last op called on ctx (from any thread). */
+moe_rt_status moe_rt_last_plan(const moe_rt_context* ctx, moe_rt_plan_info* info);
+
+/* Wait for `stream`, then read and clear the context's error word: MOE_RT_ERROR_BAD_EXPERT_ID with the
+ * Python side's message ("routing: expert ids must be in [-1, num_experts=E), got V") when make_plan met
+ * ids outside [-1, E) since the last check (those slots were dropped, as -1). A host sync. */
+moe_rt_status moe_rt_check(moe_rt_context* ctx, moe_rt_stream stream);
+
+/* Helpers for callers without CUDA headers (synchronous, on the context's device). */
+moe_rt_status moe_rt_malloc(moe_rt_context* ctx, size_t bytes, void** ptr);
+moe_rt_status moe_rt_free(moe_rt_context* ctx, void* ptr);
+moe_rt_status moe_rt_copy_to_device(moe_rt_context* ctx, void* dst, const void* src, size_t bytes);
+moe_rt_status moe_rt_copy_to_host(moe_rt_context* ctx, void* dst, const void* src, size_t bytes);
+moe_rt_status moe_rt_stream_synchronize(moe_rt_context* ctx, moe_rt_stream stream);
+
+/* ---- router (moe_rt.router) ------------------------------------------------------------------------
+ * logits [T, E] in `dtype` (float32, float16, bfloat16); 1 <= E <= 16384; 1 <= topk <= min(E, 64).
+ * score_function: moe_rt_score_function. use_pre_softmax: softmax only (ignored otherwise).
+ * Group-limited top-k: group_topk = 0 for none (num_groups is then ignored, but must be >= 0); else
+ * num_groups divides E, group_topk <= num_groups, group_topk divides topk, topk/group_topk <= E/num_groups.
+ * scaling_factor: finite (1 = none). expert_bias: NULL or [E] float32, sigmoid/sqrtsoftplus only. */
+
+/* probs [T, E] `dtype` (nonzero on the selection), routing_map [T, E] bool (1 byte), intermediate [T, E]
+ * float32 (what the backward needs). */
+moe_rt_status moe_rt_topk_with_score(moe_rt_context* ctx, const void* logits, int dtype, int64_t num_tokens,
+                                     int num_experts, int topk, int score_function, int use_pre_softmax,
+                                     int num_groups, int group_topk, float scaling_factor,
+                                     const float* expert_bias, void* probs, uint8_t* routing_map,
+                                     float* intermediate, moe_rt_stream stream);
+/* The compact form: topk_idx [T, K] int32 (ascending expert id), topk_weights [T, K] float32. */
+moe_rt_status moe_rt_topk_indices_with_score(moe_rt_context* ctx, const void* logits, int dtype,
+                                             int64_t num_tokens, int num_experts, int topk, int score_function,
+                                             int use_pre_softmax, int num_groups, int group_topk,
+                                             float scaling_factor, const float* expert_bias, int32_t* topk_idx,
+                                             float* topk_weights, moe_rt_stream stream);
+/* grad_probs [T, E] `dtype`, routing_map and intermediate from the forward -> grad_logits [T, E] `dtype`. */
+moe_rt_status moe_rt_topk_with_score_backward(moe_rt_context* ctx, const void* grad_probs, int dtype,
+                                              const uint8_t* routing_map, const float* intermediate,
+                                              int64_t num_tokens, int num_experts, int topk, int score_function,
+                                              int use_pre_softmax, float scaling_factor, void* grad_logits,
+                                              moe_rt_stream stream);
+/* scores [T, E] float32, routing_map [T, E] bool, intermediate [T, E] float32. */
+moe_rt_status moe_rt_scores_for_aux_loss(moe_rt_context* ctx, const void* logits, int dtype, int64_t num_tokens,
+                                         int num_experts, int topk, int score_function, float* scores,
+                                         uint8_t* routing_map, float* intermediate, moe_rt_stream stream);
+/* grad_scores, intermediate [T, E] float32 -> grad_logits [T, E] in grad_dtype (float32/16, bfloat16). */
+moe_rt_status moe_rt_scores_for_aux_loss_backward(moe_rt_context* ctx, const float* grad_scores,
+                                                  const float* intermediate, int64_t num_tokens, int num_experts,
+                                                  int topk, int score_function, void* grad_logits, int grad_dtype,
+                                                  moe_rt_stream stream);
+
+/* Aux loss: loss = C * sum_c tokens_per_expert[c] * sum_r probs[r, c], C = (E*coeff)/topk/T_tot/T_tot
+ * (fp32). probs [R, C] `dtype`; tokens_per_expert [C] int32, int64 or float32 (tpe_dtype); C a multiple of
+ * num_experts. The total token count: total_num_tokens >= 1 on the host, or total_num_tokens = 0 and
+ * total_device a device int32/int64 (total_dtype) read by the kernel at launch (not checked). The forward
+ * needs `workspace` of moe_rt_aux_loss_workspace_size(R) bytes (device memory, used on `stream` only) and
+ * writes the loss to out[0] (`dtype`). */
+moe_rt_status moe_rt_aux_loss_workspace_size(int64_t num_rows, size_t* bytes);
+moe_rt_status moe_rt_aux_loss(moe_rt_context* ctx, const void* probs, int dtype, int64_t num_rows, int num_cols,
+                              const void* tokens_per_expert, int tpe_dtype, int64_t total_num_tokens,
+                              const void* total_device, int total_dtype, int num_experts, int topk, float coeff,
+                              void* workspace, size_t workspace_bytes, void* out, moe_rt_stream stream);
+/* grad_aux_loss: one element of `dtype` (device) -> grad_probs [R, C] `dtype`. */
+moe_rt_status moe_rt_aux_loss_backward(moe_rt_context* ctx, const void* grad_aux_loss, int dtype, int64_t num_rows,
+                                       int num_cols, const void* tokens_per_expert, int tpe_dtype,
+                                       int64_t total_num_tokens, const void* total_device, int total_dtype,
+                                       int num_experts, int topk, float coeff, void* grad_probs,
+                                       moe_rt_stream stream);
+
+/* ---- dispatch on one GPU (moe_rt.permutation) -------------------------------------------------------
+ * A plan: where each routed slot (t, k) lands in the expert-major permuted rows (docs/permutation.md). The
+ * caller allocates its five int32 arrays and sets the pointers; moe_rt_make_plan fills them and the sizes.
+ *   dst_row [T, K]: row of slot (t, k), -1 when dropped;  src_slot [N]: slot t*K+k of each row, -1 = padding;
+ *   seg_start [E+1]: expert e owns rows [seg_start[e], seg_start[e+1]);  counts [E]: kept slots per expert;
+ *   tokens_per_expert [E]: the group sizes of a grouped GEMM (counts padded to align_size). */
+typedef struct moe_rt_plan {
+  int32_t* dst_row;
+  int32_t* src_slot;
+  int32_t* seg_start;
+  int32_t* counts;
+  int32_t* tokens_per_expert;
+  int64_t num_tokens, topk, num_experts, num_rows, align_size;
+} moe_rt_plan;
+
+/* The permuted row count N, known on the host: kept = T*K (or num_out_tokens >= 0; -1 = none); N = kept
+ * with align_size 1, else floor((kept + E*(A-1)) / A) * A. */
+moe_rt_status moe_rt_plan_num_rows(int64_t num_tokens, int64_t topk, int num_experts, int align_size,
+                                   int64_t num_out_tokens, int64_t* num_rows);
+/* Device workspace of moe_rt_make_plan, bytes (topk = E for a routing map). */
+moe_rt_status moe_rt_make_plan_workspace_size(int64_t num_tokens, int64_t topk, int num_experts, size_t* bytes);
+/* routing: topk_idx [T, topk] int32/int64 (expert ids, -1 = none), or a routing map [T, E] bool
+ * (routing_dtype MOE_RT_BOOL; topk must equal E). align_size 1..2^20; num_out_tokens -1 (keep all) or
+ * 0..T*K. Fills plan's arrays (pointers set by the caller, sized from moe_rt_plan_num_rows) and sizes. Ids
+ * outside [-1, E) are dropped and recorded for moe_rt_check. */
+moe_rt_status moe_rt_make_plan(moe_rt_context* ctx, const void* routing, int routing_dtype, int64_t num_tokens,
+                               int64_t topk, int num_experts, int align_size, int64_t num_out_tokens,
+                               moe_rt_plan* plan, void* workspace, size_t workspace_bytes, moe_rt_stream stream);
+/* x [T, H] `dtype` (float, or 1-byte data moved as bytes) -> x_permuted [N, H]; probs NULL or [T, K]
+ * float32 slot probs -> probs_permuted [N] in probs_dtype (float32, float16, bfloat16; NULL with probs
+ * NULL). Rows holding no slot are zero. */
+moe_rt_status moe_rt_dispatch(moe_rt_context* ctx, const moe_rt_plan* plan, const void* x, int dtype,
+                              int64_t hidden, const float* probs, void* x_permuted, void* probs_permuted,
+                              int probs_dtype, moe_rt_stream stream);
+/* y[t] = sum_k w[t,k] * y_permuted[dst_row[t,k]] (fp32, k ascending; w = 1 with probs NULL).
+ * y_permuted [N, H] `dtype` (float32/16, bfloat16), probs NULL or [T, K] float32 -> y [T, H]. */
+moe_rt_status moe_rt_combine(moe_rt_context* ctx, const moe_rt_plan* plan, const void* y_permuted, int dtype,
+                             int64_t hidden, const float* probs, void* y, moe_rt_stream stream);
+/* VJP of dispatch: grad_x [T, H] = unweighted combine of grad_x_permuted [N, H]; grad_probs [T, K] float32
+ * (NULL with grad_probs_permuted NULL) = grad_probs_permuted [N] float32 gathered (0 for dropped slots). */
+moe_rt_status moe_rt_dispatch_backward(moe_rt_context* ctx, const moe_rt_plan* plan, const void* grad_x_permuted,
+                                       int dtype, int64_t hidden, const float* grad_probs_permuted, void* grad_x,
+                                       float* grad_probs, moe_rt_stream stream);
+/* VJP of combine: grad_y [T, H] -> grad_y_permuted [N, H] (w * grad_y at each slot's row, zero elsewhere);
+ * with probs [T, K] float32 also y_permuted [N, H] (the forward's input) and grad_probs [T, K] float32. */
+moe_rt_status moe_rt_combine_backward(moe_rt_context* ctx, const moe_rt_plan* plan, const void* grad_y, int dtype,
+                                      int64_t hidden, const void* y_permuted, const float* probs,
+                                      void* grad_y_permuted, float* grad_probs, moe_rt_stream stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+/* ======================================================================================================
+ * Part 2: the expert-parallel handle
+ * ====================================================================================================== */
 
 #define MOE_RT_EP_HANDLE_ALIGN 256
 

@@ -1,0 +1,145 @@
+/* moe_rt core: what the C sources share (not installed; the public ABI is include/moe_rt/moe_rt.h). */
+#ifndef MOE_RT_INTERNAL_H_
+#define MOE_RT_INTERNAL_H_
+
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "moe_rt/moe_rt.h"
+
+/* Everything below is internal to the library (only moe_rt_* symbols are exported). */
+#pragma GCC visibility push(hidden)
+
+/* ---- the CUDA driver API, reached through dlopen("libcuda.so.1") ---------------------------------- */
+typedef int CUresult;
+typedef int CUdevice;
+typedef struct CUctx_st* CUcontext;
+typedef struct CUmod_st* CUmodule;
+typedef struct CUfunc_st* CUfunction;
+typedef struct CUstream_st* CUstream;
+typedef unsigned long long CUdeviceptr;
+
+#define CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT 16
+#define CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR 75
+#define CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR 76
+#define CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR 81
+#define CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN 97
+#define CU_FUNC_ATTRIBUTE_NUM_REGS 4
+#define CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES 8
+
+typedef struct mrt_driver {
+  void* lib;
+  CUresult (*cuInit)(unsigned);
+  CUresult (*cuDeviceGetCount)(int*);
+  CUresult (*cuDeviceGet)(CUdevice*, int);
+  CUresult (*cuDeviceGetAttribute)(int*, int, CUdevice);
+  CUresult (*cuDevicePrimaryCtxRetain)(CUcontext*, CUdevice);
+  CUresult (*cuDevicePrimaryCtxRelease)(CUdevice);
+  CUresult (*cuCtxGetCurrent)(CUcontext*);
+  CUresult (*cuCtxSetCurrent)(CUcontext);
+  CUresult (*cuModuleLoadData)(CUmodule*, const void*);
+  CUresult (*cuModuleUnload)(CUmodule);
+  CUresult (*cuModuleGetFunction)(CUfunction*, CUmodule, const char*);
+  CUresult (*cuModuleGetGlobal)(CUdeviceptr*, size_t*, CUmodule, const char*);
+  CUresult (*cuFuncGetAttribute)(int*, int, CUfunction);
+  CUresult (*cuFuncSetAttribute)(CUfunction, int, int);
+  CUresult (*cuLaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                             CUstream, void**, void**);
+  CUresult (*cuMemAlloc)(CUdeviceptr*, size_t);
+  CUresult (*cuMemFree)(CUdeviceptr);
+  CUresult (*cuMemsetD8Async)(CUdeviceptr, unsigned char, size_t, CUstream);
+  CUresult (*cuMemcpyHtoD)(CUdeviceptr, const void*, size_t);
+  CUresult (*cuMemcpyDtoH)(void*, CUdeviceptr, size_t);
+  CUresult (*cuMemcpyDtoHAsync)(void*, CUdeviceptr, size_t, CUstream);
+  CUresult (*cuStreamSynchronize)(CUstream);
+  CUresult (*cuGetErrorString)(CUresult, const char**);
+} mrt_driver;
+
+/* ---- the last error (thread-local) ---------------------------------------------------------------- */
+moe_rt_status mrt_fail(moe_rt_status status, const char* fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+void mrt_clear_error(void);
+/* A driver call's failure as MOE_RT_ERROR_CUDA, naming the call and cuGetErrorString's text. */
+moe_rt_status mrt_cuda_fail(const mrt_driver* d, CUresult r, const char* what);
+
+/* ---- planning ------------------------------------------------------------------------------------- */
+/* One kernel launch of a plan: the kernel (file and name expression), its loaded function (NULL in a
+ * planning context) and the launch shape. */
+typedef struct mrt_launch {
+  const char* file;
+  char name[MOE_RT_KERNEL_NAME_MAX];
+  CUfunction fn;
+  int64_t grid;
+  int32_t block;
+  int32_t smem;
+  int64_t scalars[2]; /* moe_rt_launch_info.scalars */
+  int32_t kind;       /* which launch of its op it is (an op's executor builds the arguments by kind) */
+  int64_t arg[2];     /* sizes the planner worked out for the arguments */
+} mrt_launch;
+
+#define MRT_MAX_LAUNCHES 4
+
+typedef struct mrt_plan {
+  int num_launches;
+  mrt_launch launch[MRT_MAX_LAUNCHES];
+  int64_t ints[8]; /* op-specific values worked out with the plan (e.g. the router's gcm word) */
+  uint64_t workspace_bytes;
+} mrt_plan;
+
+/* Planning helpers a planner calls: the kernel's registers (loads it in a device context; the planning
+ * context's assumed value otherwise). Returns a status; *regs set on success. */
+moe_rt_status mrt_kernel(moe_rt_context* ctx, mrt_launch* l, const char* file, int* regs);
+const moe_rt_device_info* mrt_device(const moe_rt_context* ctx);
+
+/* The plan cache: a plan by its signature (key bytes), NULL when absent; mrt_plan_put stores a copy. */
+const mrt_plan* mrt_plan_get(moe_rt_context* ctx, const void* key, size_t key_bytes);
+void mrt_plan_put(moe_rt_context* ctx, const void* key, size_t key_bytes, const mrt_plan* plan);
+/* *plan = the cached plan of this signature (returns 1), or zeroed to be planned and put (returns 0). */
+int mrt_plan_lookup(moe_rt_context* ctx, const void* key, size_t key_bytes, mrt_plan* plan);
+
+/* Execute: launch each of plan's launches with grid > 0, with its argument list; or, in a planning
+ * context, record the plan as the context's last one. */
+typedef struct mrt_args {
+  int n;
+  void* ptr[24];
+  union {
+    int32_t i32;
+    uint32_t u32;
+    int64_t i64;
+    float f32;
+    unsigned long long p;
+  } val[24];
+} mrt_args;
+void mrt_arg_i32(mrt_args* a, int32_t v);
+void mrt_arg_u32(mrt_args* a, uint32_t v);
+void mrt_arg_i64(mrt_args* a, int64_t v);
+void mrt_arg_f32(mrt_args* a, float v);
+void mrt_arg_ptr(mrt_args* a, const void* v);
+
+int mrt_is_planning(const moe_rt_context* ctx);
+void mrt_record(moe_rt_context* ctx, const mrt_plan* plan);
+moe_rt_status mrt_launch_one(moe_rt_context* ctx, const mrt_launch* l, mrt_args* args, moe_rt_stream stream);
+/* Zero nbytes at p on stream (a no-op in a planning context). */
+moe_rt_status mrt_memset0(moe_rt_context* ctx, void* p, size_t nbytes, moe_rt_stream stream);
+/* The device's error word of this context (0 in a planning context). */
+moe_rt_status mrt_error_word(moe_rt_context* ctx, unsigned long long* ptr);
+
+/* ---- validation helpers --------------------------------------------------------------------------- */
+moe_rt_status mrt_check_ctx(const moe_rt_context* ctx, const char* op);
+moe_rt_status mrt_check_ptr(const char* op, const char* name, const void* p); /* "op: name is NULL" */
+int mrt_dtype_size(int dtype);
+int mrt_is_float_dtype(int dtype); /* float32, float16, bfloat16 */
+const char* mrt_ctype(int dtype);   /* the kernels' C++ type of a float dtype */
+const char* mrt_dtype_name(int dtype);
+static inline int mrt_aligned16(const void* p) { return ((uintptr_t)p & 15u) == 0; }
+static inline int64_t mrt_cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+static inline int64_t mrt_min(int64_t a, int64_t b) { return a < b ? a : b; }
+static inline int64_t mrt_max(int64_t a, int64_t b) { return a > b ? a : b; }
+
+/* Resident-wave grid of the router kernels (router.py _grid). */
+int64_t mrt_resident_grid(const moe_rt_device_info* dev, int64_t n_needed, int threads, int smem, int regs);
+
+#pragma GCC visibility pop
+
+#endif /* MOE_RT_INTERNAL_H_ */

@@ -1,0 +1,575 @@
+/* moe_rt core: the router ops (kernels/router.cu). Each op validates, plans (kernel variant, grid, block,
+ * shared memory; cached by signature) and launches. The variant choices are those of moe_rt/router.py
+ * (tests/test_c_abi.py compares the two for a table of shapes). */
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "internal.h"
+
+#define FILE_ROUTER "router.cu"
+#define SEL_REG_CHUNKS 4
+
+static int al4(int x) { return (x + 3) & ~3; }
+
+/* ---- validation (router.py _check_*) ----------------------------------------------------------------- */
+
+static moe_rt_status check_float_dtype(const char* op, const char* name, int dtype) {
+  if (!mrt_is_float_dtype(dtype))
+    return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: %s: expected dtype float32, float16 or bfloat16 "
+                    "(MOE_RT_FLOAT32/FLOAT16/BFLOAT16), got %s (%d)", op, name, mrt_dtype_name(dtype), dtype);
+  return MOE_RT_SUCCESS;
+}
+
+static moe_rt_status check_sizes(const char* op, int64_t T, int E, int K) {
+  if (T < 0) return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: num_tokens must be >= 0, got %lld", op, (long long)T);
+  if (E < 1 || E > MOE_RT_MAX_EXPERTS)
+    return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: num_experts must be in [1, %d], got %d", op,
+                    MOE_RT_MAX_EXPERTS, E);
+  if (K < 1) return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: topk must be >= 1, got %d", op, K);
+  if (K > E)
+    return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: topk: must be <= num_experts (%d), got %d", op, E, K);
+  if (K > MOE_RT_MAX_TOPK)
+    return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: topk: at most %d is supported, got %d", op, MOE_RT_MAX_TOPK, K);
+  if (T > ((int64_t)1 << 62) / E)
+    return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: num_tokens * num_experts overflows", op);
+  return MOE_RT_SUCCESS;
+}
+
+static moe_rt_status check_score(const char* op, int score_function) {
+  if (score_function < MOE_RT_SCORE_SIGMOID || score_function > MOE_RT_SCORE_SQRTSOFTPLUS)
+    return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: score_function: expected MOE_RT_SCORE_SIGMOID (0), "
+                    "MOE_RT_SCORE_SOFTMAX (1) or MOE_RT_SCORE_SQRTSOFTPLUS (2), got %d", op, score_function);
+  return MOE_RT_SUCCESS;
+}
+
+static moe_rt_status check_groups(const char* op, int G, int g, int K, int E) {
+  if (G < 0) return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: num_groups must be >= 0, got %d", op, G);
+  if (g < 0) return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: group_topk must be >= 0 (0 = no groups), got %d", op, g);
+  if (g == 0) return MOE_RT_SUCCESS;
+  if (G == 0)
+    return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: group_topk: given without num_groups; pass num_groups too "
+                    "(or group_topk = 0)", op);
+  if (E % G) return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: num_groups: must divide num_experts (%d), got %d", op, E, G);
+  if (g > G) return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: group_topk: must be <= num_groups (%d), got %d", op, G, g);
+  if (K % g) return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: group_topk: must divide topk (%d), got %d", op, K, g);
+  if (K / g > E / G)
+    return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: topk/group_topk (%d) must be <= num_experts/num_groups (%d)",
+                    op, K / g, E / G);
+  return MOE_RT_SUCCESS;
+}
+
+static moe_rt_status check_scale(const char* op, float scale) {
+  if (!isfinite(scale))
+    return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: scaling_factor: must be finite, got %g", op, (double)scale);
+  return MOE_RT_SUCCESS;
+}
+
+/* ---- the forward's plan (router.py _fwd_cfg, _launch_fwd) ------------------------------------------- */
+
+static int team_for(int E, int fwd) {
+  if (E <= 1024) return 32;
+  if (E <= 4096) return fwd && E <= 2304 ? 32 : 128;
+  return 512;
+}
+
+static int slot_words(int E, int G, int K, int team) {
+  int nw = team / 32, kp = al4(K);
+  return al4(E) + al4(G) + 16 * team + 32 * nw + 64 + 16 + nw * kp + 2 * 64 + 4 + 4 * kp;
+}
+
+static int reg_slot_words(int E, int G, int K, int lanesel) {
+  if (lanesel) return 4 * al4(K);
+  return (G ? al4(E) : 0) + al4(G) + 16 * 32 + 2 * 64 + 4 + 4 * al4(K);
+}
+
+static int reg_v(int E, int ch, int vec, int dtype) {
+  if (!vec || dtype == MOE_RT_FLOAT16) return 0;
+  int need = (int)mrt_cdiv(E / ch, 32) * ch;
+  static const int vs[3] = {8, 16, 32};
+  for (int i = 0; i < 3; ++i)
+    if (vs[i] >= need) return vs[i];
+  return 0;
+}
+
+static int lane_groups(int E, int K, int G, int g, int ch) {
+  if (!G || G > 32 || (E / G) % ch) return 0;
+  int S = E / G / ch;
+  return K / g <= 8 && S <= 32 && (S & (S - 1)) == 0;
+}
+
+static int cmax_word(int E, int K, int G, int g, int ch, int vec, int team) {
+  if (team != 32 || ch != 8 || !vec || !G || G > 32 || (E / G) % 8) return 0;
+  int L = 1;
+  while (L < 32 && L * 2 * G <= 32) L *= 2;
+  int m = K / g, nc = E / G / 8;
+  int cap = ((16 * 32 - ((E / 8 + 3) & ~3)) / G) & ~3;
+  if (!(8 < m && m <= 4 * L && nc <= 12 * L && cap >= 4 * L)) return 0;
+  return cap | (L << 16);
+}
+
+static int64_t tpw_grid(int64_t T, int spb, int tpw, int64_t resident) {
+  if (tpw) return mrt_max(1, mrt_cdiv(T, (int64_t)spb * tpw));
+  return mrt_max(1, mrt_min(mrt_cdiv(T, spb), resident));
+}
+
+typedef struct fwd_key {
+  int32_t op, dtype, E, K, G, g, vec;
+} fwd_key;
+
+enum { FWD_SPB = 0, FWD_TPW = 1, FWD_RESIDENT = 2, FWD_GCM = 3 };
+
+static moe_rt_status fwd_plan(moe_rt_context* ctx, int dtype, int E, int K, int G, int g, int vec, mrt_plan* out) {
+  fwd_key key;
+  memset(&key, 0, sizeof key);
+  key.op = 1; key.dtype = dtype; key.E = E; key.K = K; key.G = G; key.g = g; key.vec = vec;
+  const mrt_plan* hit = mrt_plan_get(ctx, &key, sizeof key);
+  if (hit) { *out = *hit; return MOE_RT_SUCCESS; }
+  mrt_plan p;
+  memset(&p, 0, sizeof p);
+  p.num_launches = 1;
+  mrt_launch* l = &p.launch[0];
+  const int isz = mrt_dtype_size(dtype), ch = 16 / isz;
+  const char* ct = mrt_ctype(dtype);
+  int v = reg_v(E, ch, vec, dtype), spb, threads, smem, tpw, gcm = 0;
+  if (v) {
+    /* 8 keys a lane, no groups, bf16: the kernel compiled without the group-limited selection; 8 keys a lane
+     * with groups held in the lanes and k <= 8: the kernel compiled for that path alone. */
+    int ng = v == 8 && !G && isz == 2;
+    int ls = v == 8 && K <= 8 && lane_groups(E, K, G, g, ch);
+    snprintf(l->name, sizeof l->name, "router_fwd_reg<%s, %d%s%s>", ct, v, ng ? ", false" : "",
+             ls ? ", true, true" : "");
+    spb = 4;
+    threads = 128;
+    smem = 4 * reg_slot_words(E, G, K, ls) * spb;
+    tpw = v == 8 && (isz == 2 || ls) ? 2 : 0;
+  } else {
+    int team = team_for(E, 1);
+    snprintf(l->name, sizeof l->name, "router_fwd<%s, %d%s>", ct, team, (G || team != 32) ? "" : ", false");
+    spb = team == 32 ? 4 : 1;
+    smem = 4 * slot_words(E, G, K, team) * spb;
+    threads = team * spb;
+    tpw = team == 32 ? 1 : 0;
+    gcm = cmax_word(E, K, G, g, ch, vec, team);
+  }
+  int regs = 0;
+  moe_rt_status st = mrt_kernel(ctx, l, FILE_ROUTER, &regs);
+  if (st) return st;
+  l->block = threads;
+  l->smem = smem;
+  p.ints[FWD_SPB] = spb;
+  p.ints[FWD_TPW] = tpw;
+  p.ints[FWD_RESIDENT] = mrt_resident_grid(mrt_device(ctx), (int64_t)1 << 30, threads, smem, regs);
+  p.ints[FWD_GCM] = gcm;
+  mrt_plan_put(ctx, &key, sizeof key, &p);
+  *out = p;
+  return MOE_RT_SUCCESS;
+}
+
+static moe_rt_status router_fwd(moe_rt_context* ctx, const void* x, int dtype, int64_t T, int E, int K, int score_fn,
+                                int pre, int aux, int G, int g, float scale, const float* bias, void* probs,
+                                float* scores, uint8_t* rmap, float* inter, int32_t* idx, float* w,
+                                moe_rt_stream stream) {
+  mrt_plan p;
+  memset(&p, 0, sizeof p);
+  if (T == 0) {
+    if (mrt_is_planning(ctx)) mrt_record(ctx, &p);
+    return MOE_RT_SUCCESS;
+  }
+  const int ch = 16 / mrt_dtype_size(dtype);
+  const void* ptrs[6] = {x, probs, scores, rmap, inter, bias};
+  int vec = E % ch == 0;
+  for (int i = 0; i < 6; ++i) vec = vec && (ptrs[i] == NULL || mrt_aligned16(ptrs[i]));
+  moe_rt_status st = fwd_plan(ctx, dtype, E, K, G, g, vec, &p);
+  if (st) return st;
+  p.launch[0].grid = tpw_grid(T, (int)p.ints[FWD_SPB], (int)p.ints[FWD_TPW], p.ints[FWD_RESIDENT]);
+  const int32_t gcm = aux || pre ? 0 : (int32_t)p.ints[FWD_GCM];
+  p.launch[0].scalars[0] = vec;
+  p.launch[0].scalars[1] = gcm;
+  if (mrt_is_planning(ctx)) {
+    mrt_record(ctx, &p);
+    return MOE_RT_SUCCESS;
+  }
+  int n = G ? E / G : 1;
+  uint32_t gmagic = n > 1 ? (uint32_t)((((uint64_t)1 << 32) + (uint64_t)n - 1) / (uint64_t)n) : 0u;
+  mrt_args a = {0};
+  mrt_arg_ptr(&a, x);
+  mrt_arg_i64(&a, T);
+  mrt_arg_i32(&a, E);
+  mrt_arg_i32(&a, K);
+  mrt_arg_i32(&a, score_fn);
+  mrt_arg_i32(&a, pre);
+  mrt_arg_i32(&a, aux);
+  mrt_arg_i32(&a, G);
+  mrt_arg_i32(&a, g);
+  mrt_arg_i32(&a, G ? K / g : 0);
+  mrt_arg_u32(&a, gmagic);
+  mrt_arg_f32(&a, scale);
+  mrt_arg_ptr(&a, bias);
+  mrt_arg_ptr(&a, probs);
+  mrt_arg_ptr(&a, scores);
+  mrt_arg_ptr(&a, rmap);
+  mrt_arg_ptr(&a, inter);
+  mrt_arg_ptr(&a, idx);
+  mrt_arg_ptr(&a, w);
+  mrt_arg_i32(&a, vec);
+  mrt_arg_i32(&a, gcm);
+  return mrt_launch_one(ctx, &p.launch[0], &a, stream);
+}
+
+static moe_rt_status check_topk_settings(const char* op, int dtype, int64_t T, int E, int K, int score_function,
+                                         int num_groups, int group_topk, float scale, const float* bias) {
+  moe_rt_status st;
+  if ((st = check_float_dtype(op, "dtype", dtype)) || (st = check_sizes(op, T, E, K)) ||
+      (st = check_score(op, score_function)) || (st = check_groups(op, num_groups, group_topk, K, E)) ||
+      (st = check_scale(op, scale)))
+    return st;
+  if (bias && score_function == MOE_RT_SCORE_SOFTMAX)
+    return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: expert_bias: not allowed with score_function softmax "
+                    "(sigmoid or sqrtsoftplus only)", op);
+  return MOE_RT_SUCCESS;
+}
+
+moe_rt_status moe_rt_topk_with_score(moe_rt_context* ctx, const void* logits, int dtype, int64_t T, int E, int K,
+                                     int score_function, int use_pre_softmax, int num_groups, int group_topk,
+                                     float scaling_factor, const float* expert_bias, void* probs,
+                                     uint8_t* routing_map, float* intermediate, moe_rt_stream stream) {
+  static const char op[] = "moe_rt_topk_with_score";
+  moe_rt_status st;
+  if ((st = mrt_check_ctx(ctx, op)) ||
+      (st = check_topk_settings(op, dtype, T, E, K, score_function, num_groups, group_topk, scaling_factor,
+                                expert_bias)) ||
+      (st = mrt_check_ptr(op, "logits", logits)) || (st = mrt_check_ptr(op, "probs", probs)) ||
+      (st = mrt_check_ptr(op, "routing_map", routing_map)) || (st = mrt_check_ptr(op, "intermediate", intermediate)))
+    return st;
+  int G = group_topk ? num_groups : 0, g = group_topk ? group_topk : 0;
+  int pre = use_pre_softmax && score_function == MOE_RT_SCORE_SOFTMAX;
+  return router_fwd(ctx, logits, dtype, T, E, K, score_function, pre, 0, G, g, scaling_factor, expert_bias, probs,
+                    NULL, routing_map, intermediate, NULL, NULL, stream);
+}
+
+moe_rt_status moe_rt_topk_indices_with_score(moe_rt_context* ctx, const void* logits, int dtype, int64_t T, int E,
+                                             int K, int score_function, int use_pre_softmax, int num_groups,
+                                             int group_topk, float scaling_factor, const float* expert_bias,
+                                             int32_t* topk_idx, float* topk_weights, moe_rt_stream stream) {
+  static const char op[] = "moe_rt_topk_indices_with_score";
+  moe_rt_status st;
+  if ((st = mrt_check_ctx(ctx, op)) ||
+      (st = check_topk_settings(op, dtype, T, E, K, score_function, num_groups, group_topk, scaling_factor,
+                                expert_bias)) ||
+      (st = mrt_check_ptr(op, "logits", logits)) || (st = mrt_check_ptr(op, "topk_idx", topk_idx)) ||
+      (st = mrt_check_ptr(op, "topk_weights", topk_weights)))
+    return st;
+  int G = group_topk ? num_groups : 0, g = group_topk ? group_topk : 0;
+  int pre = use_pre_softmax && score_function == MOE_RT_SCORE_SOFTMAX;
+  return router_fwd(ctx, logits, dtype, T, E, K, score_function, pre, 0, G, g, scaling_factor, expert_bias, NULL,
+                    NULL, NULL, NULL, topk_idx, topk_weights, stream);
+}
+
+moe_rt_status moe_rt_scores_for_aux_loss(moe_rt_context* ctx, const void* logits, int dtype, int64_t T, int E,
+                                         int K, int score_function, float* scores, uint8_t* routing_map,
+                                         float* intermediate, moe_rt_stream stream) {
+  static const char op[] = "moe_rt_scores_for_aux_loss";
+  moe_rt_status st;
+  if ((st = mrt_check_ctx(ctx, op)) || (st = check_float_dtype(op, "dtype", dtype)) ||
+      (st = check_sizes(op, T, E, K)) || (st = check_score(op, score_function)) ||
+      (st = mrt_check_ptr(op, "logits", logits)) || (st = mrt_check_ptr(op, "scores", scores)) ||
+      (st = mrt_check_ptr(op, "routing_map", routing_map)) || (st = mrt_check_ptr(op, "intermediate", intermediate)))
+    return st;
+  return router_fwd(ctx, logits, dtype, T, E, K, score_function, 0, 1, 0, 0, 1.0f, NULL, NULL, scores, routing_map,
+                    intermediate, NULL, NULL, stream);
+}
+
+/* ---- the backward's plan (router.py _launch_bwd) ---------------------------------------------------- */
+
+typedef struct bwd_key {
+  int32_t op, tg, to, E, vec, sel;
+} bwd_key;
+
+enum { BWD_SPB = 0, BWD_TPW = 1, BWD_RESIDENT_REGS = 2 };
+
+static moe_rt_status router_bwd(moe_rt_context* ctx, const void* grad, int tg, const uint8_t* rmap,
+                                const float* inter, void* out, int to, int64_t T, int E, int K, int score_fn,
+                                int pre, int aux, float scale, moe_rt_stream stream) {
+  mrt_plan p;
+  memset(&p, 0, sizeof p);
+  if (T == 0) {
+    if (mrt_is_planning(ctx)) mrt_record(ctx, &p);
+    return MOE_RT_SUCCESS;
+  }
+  const int team = team_for(E, 0), spb = team == 32 ? 4 : 1, threads = team * spb;
+  const int ch = (mrt_dtype_size(tg) == 2 || mrt_dtype_size(to) == 2) ? 8 : 4;
+  const void* ptrs[4] = {grad, rmap, inter, out};
+  int vec = E % ch == 0;
+  for (int i = 0; i < 4; ++i) vec = vec && (ptrs[i] == NULL || mrt_aligned16(ptrs[i]));
+  const int sel = vec && !pre && !aux;
+  bwd_key key;
+  memset(&key, 0, sizeof key);
+  key.op = 2; key.tg = tg; key.to = to; key.E = E; key.vec = vec; key.sel = sel;
+  const mrt_plan* hit = mrt_plan_get(ctx, &key, sizeof key);
+  mrt_launch* l = &p.launch[0];
+  if (hit) {
+    p = *hit;
+  } else {
+    p.num_launches = 1;
+    if (sel) {
+      /* zero gradient off the map: the K selected entries only; in one pass with them in registers from
+       * SEL_REG_CHUNKS 16-byte chunks per thread */
+      int reg = mrt_cdiv(E / ch, team) >= SEL_REG_CHUNKS;
+      snprintf(l->name, sizeof l->name, "router_bwd_sel%s<%s, %d>", reg ? "_reg" : "", mrt_ctype(tg), team);
+      p.ints[BWD_TPW] = team <= 128 ? 1 : 0;
+    } else {
+      snprintf(l->name, sizeof l->name, "router_bwd<%s, %s, %d>", mrt_ctype(tg), mrt_ctype(to), team);
+    }
+    int regs = 0;
+    moe_rt_status st = mrt_kernel(ctx, l, FILE_ROUTER, &regs);
+    if (st) return st;
+    l->block = threads;
+    l->smem = 0;
+    p.ints[BWD_SPB] = spb;
+    p.ints[BWD_RESIDENT_REGS] = sel ? regs : 0; /* the dense kernel's grid ignores registers */
+    mrt_plan_put(ctx, &key, sizeof key, &p);
+  }
+  l->scalars[0] = sel ? 0 : vec;
+  if (p.ints[BWD_TPW]) l->grid = tpw_grid(T, spb, (int)p.ints[BWD_TPW], 0);
+  else l->grid = mrt_resident_grid(mrt_device(ctx), mrt_cdiv(T, spb), threads, 0, (int)p.ints[BWD_RESIDENT_REGS]);
+  if (mrt_is_planning(ctx)) {
+    mrt_record(ctx, &p);
+    return MOE_RT_SUCCESS;
+  }
+  mrt_args a = {0};
+  mrt_arg_ptr(&a, grad);
+  mrt_arg_ptr(&a, rmap);
+  mrt_arg_ptr(&a, inter);
+  mrt_arg_i64(&a, T);
+  mrt_arg_i32(&a, E);
+  mrt_arg_i32(&a, K);
+  mrt_arg_i32(&a, score_fn);
+  if (sel) {
+    mrt_arg_f32(&a, scale);
+    mrt_arg_ptr(&a, out);
+  } else {
+    mrt_arg_i32(&a, pre);
+    mrt_arg_i32(&a, aux);
+    mrt_arg_f32(&a, scale);
+    mrt_arg_ptr(&a, out);
+    mrt_arg_i32(&a, vec);
+  }
+  return mrt_launch_one(ctx, l, &a, stream);
+}
+
+moe_rt_status moe_rt_topk_with_score_backward(moe_rt_context* ctx, const void* grad_probs, int dtype,
+                                              const uint8_t* routing_map, const float* intermediate, int64_t T,
+                                              int E, int K, int score_function, int use_pre_softmax,
+                                              float scaling_factor, void* grad_logits, moe_rt_stream stream) {
+  static const char op[] = "moe_rt_topk_with_score_backward";
+  moe_rt_status st;
+  if ((st = mrt_check_ctx(ctx, op)) || (st = check_float_dtype(op, "dtype", dtype)) ||
+      (st = check_sizes(op, T, E, K)) || (st = check_score(op, score_function)) ||
+      (st = check_scale(op, scaling_factor)) || (st = mrt_check_ptr(op, "grad_probs", grad_probs)) ||
+      (st = mrt_check_ptr(op, "routing_map", routing_map)) || (st = mrt_check_ptr(op, "intermediate", intermediate)) ||
+      (st = mrt_check_ptr(op, "grad_logits", grad_logits)))
+    return st;
+  int pre = use_pre_softmax && score_function == MOE_RT_SCORE_SOFTMAX;
+  return router_bwd(ctx, grad_probs, dtype, routing_map, intermediate, grad_logits, dtype, T, E, K, score_function,
+                    pre, 0, scaling_factor, stream);
+}
+
+moe_rt_status moe_rt_scores_for_aux_loss_backward(moe_rt_context* ctx, const float* grad_scores,
+                                                  const float* intermediate, int64_t T, int E, int K,
+                                                  int score_function, void* grad_logits, int grad_dtype,
+                                                  moe_rt_stream stream) {
+  static const char op[] = "moe_rt_scores_for_aux_loss_backward";
+  moe_rt_status st;
+  if ((st = mrt_check_ctx(ctx, op)) || (st = check_float_dtype(op, "grad_dtype", grad_dtype)) ||
+      (st = check_sizes(op, T, E, K)) || (st = check_score(op, score_function)) ||
+      (st = mrt_check_ptr(op, "grad_scores", grad_scores)) || (st = mrt_check_ptr(op, "intermediate", intermediate)) ||
+      (st = mrt_check_ptr(op, "grad_logits", grad_logits)))
+    return st;
+  return router_bwd(ctx, grad_scores, MOE_RT_FLOAT32, NULL, intermediate, grad_logits, grad_dtype, T, E, K,
+                    score_function, 0, 1, 1.0f, stream);
+}
+
+/* ---- aux loss (router.py aux_loss, aux_loss_backward) ----------------------------------------------- */
+
+typedef struct aux_key {
+  int32_t op, dtype, C, pad;
+  int64_t R;
+} aux_key;
+
+static void aux_blocks(int64_t R, int64_t* rpb, int64_t* nb) {
+  *rpb = mrt_max(1, mrt_cdiv(R, 1024)); /* the partition depends on R only: same bits on every device */
+  *nb = R > 0 ? mrt_cdiv(R, *rpb) : 0;
+}
+
+moe_rt_status moe_rt_aux_loss_workspace_size(int64_t R, size_t* bytes) {
+  mrt_clear_error();
+  if (!bytes) return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "moe_rt_aux_loss_workspace_size: bytes is NULL");
+  if (R < 0)
+    return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "moe_rt_aux_loss_workspace_size: num_rows must be >= 0, got %lld",
+                    (long long)R);
+  int64_t rpb, nb;
+  aux_blocks(R, &rpb, &nb);
+  *bytes = (size_t)mrt_max(nb, 1) * sizeof(float);
+  return MOE_RT_SUCCESS;
+}
+
+static int tpe_kind(int dtype) {
+  return dtype == MOE_RT_FLOAT32 ? 0 : dtype == MOE_RT_INT32 ? 1 : dtype == MOE_RT_INT64 ? 2 : -1;
+}
+
+/* The fp32 coefficient of the kernels (reference/router.py aux_loss_coeff): (E*coeff)/topk, then /T/T when
+ * T is on the host (the device divides by a device T). */
+static float aux_coeff(int64_t total, int E, int topk, float coeff) {
+  volatile float c = (float)E * coeff;
+  c = c / (float)topk;
+  if (total > 0) {
+    float t = (float)total;
+    c = c / t;
+    c = c / t;
+  }
+  return c;
+}
+
+static moe_rt_status check_aux(const char* op, int64_t R, int C, const void* tpe, int tpe_dtype, int64_t total,
+                               const void* total_device, int total_dtype, int E, int topk, float coeff) {
+  moe_rt_status st;
+  if (R < 0) return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: num_rows must be >= 0, got %lld", op, (long long)R);
+  if (C < 0) return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: num_cols must be >= 0, got %d", op, C);
+  if (E < 1) return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: num_experts must be >= 1, got %d", op, E);
+  if (C % E)
+    return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: num_experts: must divide the number of columns (%d), got %d",
+                    op, C, E);
+  if (topk < 1) return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: topk must be >= 1, got %d", op, topk);
+  if (!isfinite(coeff)) return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: coeff: must be finite, got %g", op, (double)coeff);
+  if (tpe_kind(tpe_dtype) < 0)
+    return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: tokens_per_expert: expected dtype int32, int64 or float32, "
+                    "got %s (%d)", op, mrt_dtype_name(tpe_dtype), tpe_dtype);
+  if ((st = mrt_check_ptr(op, "tokens_per_expert", tpe))) return st;
+  if (total_device) {
+    if (total != 0)
+      return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: total_num_tokens: pass 0 with total_device (got %lld)", op,
+                      (long long)total);
+    if (total_dtype != MOE_RT_INT32 && total_dtype != MOE_RT_INT64)
+      return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: total_dtype: expected int32 or int64 for total_device, got "
+                      "%s (%d)", op, mrt_dtype_name(total_dtype), total_dtype);
+  } else if (total < 1) {
+    return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: total_num_tokens: must be >= 1 (or 0 with total_device), got "
+                    "%lld", op, (long long)total);
+  }
+  return MOE_RT_SUCCESS;
+}
+
+moe_rt_status moe_rt_aux_loss(moe_rt_context* ctx, const void* probs, int dtype, int64_t R, int C,
+                              const void* tpe, int tpe_dtype, int64_t total, const void* total_device, int total_dtype,
+                              int E, int topk, float coeff, void* workspace, size_t workspace_bytes, void* out,
+                              moe_rt_stream stream) {
+  static const char op[] = "moe_rt_aux_loss";
+  moe_rt_status st;
+  if ((st = mrt_check_ctx(ctx, op)) || (st = check_float_dtype(op, "dtype", dtype)) ||
+      (st = check_aux(op, R, C, tpe, tpe_dtype, total, total_device, total_dtype, E, topk, coeff)) ||
+      (st = mrt_check_ptr(op, "probs", probs)) || (st = mrt_check_ptr(op, "out", out)) ||
+      (st = mrt_check_ptr(op, "workspace", workspace)))
+    return st;
+  size_t need = 0;
+  moe_rt_aux_loss_workspace_size(R, &need);
+  if (workspace_bytes < need)
+    return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: workspace_bytes: need %zu (moe_rt_aux_loss_workspace_size), "
+                    "got %zu", op, need, workspace_bytes);
+  int64_t rpb, nb;
+  aux_blocks(R, &rpb, &nb);
+  const int vec = C > 0 && C % (16 / mrt_dtype_size(dtype)) == 0 && mrt_aligned16(probs);
+  if (!(nb > 0 && C > 0)) nb = 0;
+  aux_key key;
+  memset(&key, 0, sizeof key);
+  key.op = 5; key.dtype = dtype; key.R = R; key.C = C;
+  mrt_plan p;
+  if (!mrt_plan_lookup(ctx, &key, sizeof key, &p)) {
+    p.num_launches = 2;
+    int regs = 0;
+    snprintf(p.launch[0].name, sizeof p.launch[0].name, "aux_loss_partial<%s>", mrt_ctype(dtype));
+    snprintf(p.launch[1].name, sizeof p.launch[1].name, "aux_loss_final<%s>", mrt_ctype(dtype));
+    if ((nb && (st = mrt_kernel(ctx, &p.launch[0], FILE_ROUTER, &regs))) ||
+        (st = mrt_kernel(ctx, &p.launch[1], FILE_ROUTER, &regs)))
+      return st;
+    p.launch[0].file = FILE_ROUTER;
+    p.launch[0].grid = nb;
+    p.launch[0].block = 256;
+    p.launch[1].grid = 1;
+    p.launch[1].block = 256;
+    mrt_plan_put(ctx, &key, sizeof key, &p);
+  }
+  if (mrt_is_planning(ctx)) {
+    mrt_record(ctx, &p);
+    return MOE_RT_SUCCESS;
+  }
+  const int tkind = tpe_kind(tpe_dtype), tot_kind = total_device ? (total_dtype == MOE_RT_INT32 ? 1 : 2) : 0;
+  const float c = aux_coeff(total_device ? 0 : total, E, topk, coeff);
+  if (nb) {
+    mrt_args a = {0};
+    mrt_arg_ptr(&a, probs);
+    mrt_arg_i64(&a, R);
+    mrt_arg_i32(&a, C);
+    mrt_arg_ptr(&a, tpe);
+    mrt_arg_i32(&a, tkind);
+    mrt_arg_i64(&a, rpb);
+    mrt_arg_ptr(&a, workspace);
+    mrt_arg_i32(&a, vec);
+    if ((st = mrt_launch_one(ctx, &p.launch[0], &a, stream))) return st;
+  }
+  mrt_args b = {0};
+  mrt_arg_ptr(&b, workspace);
+  mrt_arg_i32(&b, (int32_t)nb);
+  mrt_arg_f32(&b, c);
+  mrt_arg_ptr(&b, out);
+  mrt_arg_ptr(&b, total_device);
+  mrt_arg_i32(&b, tot_kind);
+  return mrt_launch_one(ctx, &p.launch[1], &b, stream);
+}
+
+moe_rt_status moe_rt_aux_loss_backward(moe_rt_context* ctx, const void* grad, int dtype, int64_t R, int C,
+                                       const void* tpe, int tpe_dtype, int64_t total, const void* total_device,
+                                       int total_dtype, int E, int topk, float coeff, void* grad_probs,
+                                       moe_rt_stream stream) {
+  static const char op[] = "moe_rt_aux_loss_backward";
+  moe_rt_status st;
+  if ((st = mrt_check_ctx(ctx, op)) || (st = check_float_dtype(op, "dtype", dtype)) ||
+      (st = check_aux(op, R, C, tpe, tpe_dtype, total, total_device, total_dtype, E, topk, coeff)) ||
+      (st = mrt_check_ptr(op, "grad_aux_loss", grad)) || (st = mrt_check_ptr(op, "grad_probs", grad_probs)))
+    return st;
+  int64_t rpb, nb;
+  aux_blocks(R, &rpb, &nb);
+  const int vec = C % (16 / mrt_dtype_size(dtype)) == 0 && mrt_aligned16(grad_probs);
+  aux_key key;
+  memset(&key, 0, sizeof key);
+  key.op = 6; key.dtype = dtype; key.R = R; key.C = C;
+  mrt_plan p;
+  if (!mrt_plan_lookup(ctx, &key, sizeof key, &p)) {
+    if (nb > 0 && C > 0) {
+      p.num_launches = 1;
+      snprintf(p.launch[0].name, sizeof p.launch[0].name, "aux_loss_bwd<%s>", mrt_ctype(dtype));
+      int regs = 0;
+      if ((st = mrt_kernel(ctx, &p.launch[0], FILE_ROUTER, &regs))) return st;
+      p.launch[0].grid = nb;
+      p.launch[0].block = 256;
+    }
+    mrt_plan_put(ctx, &key, sizeof key, &p);
+  }
+  if (mrt_is_planning(ctx) || !p.num_launches) {
+    if (mrt_is_planning(ctx)) mrt_record(ctx, &p);
+    return MOE_RT_SUCCESS;
+  }
+  mrt_args a = {0};
+  mrt_arg_ptr(&a, grad);
+  mrt_arg_ptr(&a, tpe);
+  mrt_arg_i32(&a, tpe_kind(tpe_dtype));
+  mrt_arg_i64(&a, R);
+  mrt_arg_i32(&a, C);
+  mrt_arg_f32(&a, aux_coeff(total_device ? 0 : total, E, topk, coeff));
+  mrt_arg_i64(&a, rpb);
+  mrt_arg_ptr(&a, grad_probs);
+  mrt_arg_i32(&a, vec);
+  mrt_arg_ptr(&a, total_device);
+  mrt_arg_i32(&a, total_device ? (total_dtype == MOE_RT_INT32 ? 1 : 2) : 0);
+  return mrt_launch_one(ctx, &p.launch[0], &a, stream);
+}

@@ -1,0 +1,881 @@
+"""The C ABI (include/moe_rt/moe_rt.h, libmoe_rt.so): it builds with a C compiler alone; its planners make the
+same kernel choices as the Python ops (moe_rt/router.py, moe_rt/permutation.py) for the benchmark shapes and
+odd ones, compared through a planning context; bad input returns an error status and a message, never a
+crash; no driver gives a clear status; the example program compiles and links (CPU) and, on a GPU, runs
+router -> plan -> dispatch -> expert -> combine against the NumPy reference."""
+from __future__ import annotations
+
+import ctypes as C
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moe_rt import _jit, permutation, router
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("moe_rt_libbuild", ROOT / "csrc" / "libbuild.py")
+cbuild = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(cbuild)
+
+F32, F16, BF16, I32, I64, BOOL, U8, I8 = 0, 1, 2, 3, 4, 5, 6, 7
+DT_NAMES = {F32: "float32", F16: "float16", BF16: "bfloat16"}
+SIGMOID, SOFTMAX, SQRTSOFTPLUS = 0, 1, 2
+OK, INVALID, NO_DRIVER, NO_DEVICE, KERNEL_CACHE = 0, 1, 2, 3, 4
+H100 = dict(sm_count=132, smem_per_sm=233472, smem_per_block_optin=232448, cc_major=9, cc_minor=0)
+A100 = dict(sm_count=108, smem_per_sm=167936, smem_per_block_optin=166912, cc_major=8, cc_minor=0)
+
+
+class DeviceInfo(C.Structure):
+    _fields_ = [("sm_count", C.c_int32), ("smem_per_sm", C.c_int32), ("smem_per_block_optin", C.c_int32),
+                ("cc_major", C.c_int32), ("cc_minor", C.c_int32), ("assumed_regs", C.c_int32)]
+
+
+class LaunchInfo(C.Structure):
+    _fields_ = [("file", C.c_char * 32), ("kernel", C.c_char * 128), ("grid", C.c_int64), ("block", C.c_int32),
+                ("shared_mem", C.c_int32), ("scalars", C.c_int64 * 2)]
+
+
+class PlanInfo(C.Structure):
+    _fields_ = [("num_launches", C.c_int32), ("launch", LaunchInfo * 4)]
+
+
+class CPlan(C.Structure):
+    _fields_ = [(n, C.c_void_p) for n in ("dst_row", "src_slot", "seg_start", "counts", "tokens_per_expert")] + \
+               [(n, C.c_int64) for n in ("num_tokens", "topk", "num_experts", "num_rows", "align_size")]
+
+
+P, I, L, F, S = C.c_void_p, C.c_int, C.c_int64, C.c_float, C.c_size_t
+SIGNATURES = {
+    "moe_rt_last_error": (C.c_char_p, []),
+    "moe_rt_status_name": (C.c_char_p, [I]),
+    "moe_rt_context_create": (I, [C.c_char_p, I, C.POINTER(P)]),
+    "moe_rt_context_create_planning": (I, [C.POINTER(DeviceInfo), C.POINTER(P)]),
+    "moe_rt_context_destroy": (None, [P]),
+    "moe_rt_context_device_info": (I, [P, C.POINTER(DeviceInfo)]),
+    "moe_rt_last_plan": (I, [P, C.POINTER(PlanInfo)]),
+    "moe_rt_check": (I, [P, P]),
+    "moe_rt_malloc": (I, [P, S, C.POINTER(P)]),
+    "moe_rt_topk_with_score": (I, [P, P, I, L, I, I, I, I, I, I, F, P, P, P, P, P]),
+    "moe_rt_topk_indices_with_score": (I, [P, P, I, L, I, I, I, I, I, I, F, P, P, P, P]),
+    "moe_rt_topk_with_score_backward": (I, [P, P, I, P, P, L, I, I, I, I, F, P, P]),
+    "moe_rt_scores_for_aux_loss": (I, [P, P, I, L, I, I, I, P, P, P, P]),
+    "moe_rt_scores_for_aux_loss_backward": (I, [P, P, P, L, I, I, I, P, I, P]),
+    "moe_rt_aux_loss_workspace_size": (I, [L, C.POINTER(S)]),
+    "moe_rt_aux_loss": (I, [P, P, I, L, I, P, I, L, P, I, I, I, F, P, S, P, P]),
+    "moe_rt_aux_loss_backward": (I, [P, P, I, L, I, P, I, L, P, I, I, I, F, P, P]),
+    "moe_rt_plan_num_rows": (I, [L, L, I, I, L, C.POINTER(L)]),
+    "moe_rt_make_plan_workspace_size": (I, [L, L, I, C.POINTER(S)]),
+    "moe_rt_make_plan": (I, [P, P, I, L, L, I, I, L, C.POINTER(CPlan), P, S, P]),
+    "moe_rt_dispatch": (I, [P, C.POINTER(CPlan), P, I, L, P, P, P, I, P]),
+    "moe_rt_combine": (I, [P, C.POINTER(CPlan), P, I, L, P, P, P]),
+    "moe_rt_dispatch_backward": (I, [P, C.POINTER(CPlan), P, I, L, P, P, P, P]),
+    "moe_rt_combine_backward": (I, [P, C.POINTER(CPlan), P, I, L, P, P, P, P, P]),
+}
+
+
+def _compiler():
+    return cbuild.compiler() if (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")) else None
+
+
+@pytest.fixture(scope="module")
+def libpath(tmp_path_factory):
+    if _compiler() is None:
+        pytest.skip("no C compiler on PATH")
+    out = tmp_path_factory.mktemp("libmoe_rt") / "libmoe_rt.so"
+    try:
+        cbuild.build(out)
+    except subprocess.CalledProcessError as e:
+        pytest.fail(f"libmoe_rt did not build:\n{e.stdout}{e.stderr}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def lib(libpath):
+    lib = C.CDLL(str(libpath))
+    for name, (res, args) in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = res, args
+    return lib
+
+
+def _planning(lib, dev=H100, regs=0):
+    ctx = P()
+    info = DeviceInfo(assumed_regs=regs, **dev)
+    assert lib.moe_rt_context_create_planning(C.byref(info), C.byref(ctx)) == OK, lib.moe_rt_last_error()
+    return ctx
+
+
+@pytest.fixture
+def ctx(lib):
+    c = _planning(lib)
+    yield c
+    lib.moe_rt_context_destroy(c)
+
+
+def _launches(lib, ctx):
+    info = PlanInfo()
+    assert lib.moe_rt_last_plan(ctx, C.byref(info)) == OK, lib.moe_rt_last_error()
+    for i in range(info.num_launches):  # every kernel the C planner picks is one warmup writes
+        file, name = info.launch[i].file.decode(), info.launch[i].kernel.decode()
+        assert name in _jit.REGISTRY.get(file, ()) and (file, name) not in _jit.QUICK, (file, name)
+    return [(info.launch[i].kernel.decode(), info.launch[i].grid, info.launch[i].block, info.launch[i].shared_mem)
+            for i in range(info.num_launches) if info.launch[i].grid > 0]
+
+
+def _scalars(lib, ctx):
+    info = PlanInfo()
+    assert lib.moe_rt_last_plan(ctx, C.byref(info)) == OK, lib.moe_rt_last_error()
+    return [tuple(info.launch[i].scalars) for i in range(info.num_launches) if info.launch[i].grid > 0]
+
+
+def _py_scalars(launch_args):
+    """The variant arguments of the Python side's router launches, as moe_rt_launch_info.scalars holds them."""
+    out = []
+    for name, args in launch_args:
+        if name.startswith("router_fwd"):
+            out.append((int(args[-2]), int(args[-1])))
+        elif name.startswith("router_bwd<"):
+            out.append((int(args[-1]), 0))
+        else:
+            out.append((0, 0))
+    return out
+
+
+def _ok(lib, status):
+    assert status == OK, f"{lib.moe_rt_status_name(status).decode()}: {lib.moe_rt_last_error().decode()}"
+
+
+def _err(lib, status, code, *words):
+    msg = lib.moe_rt_last_error().decode()
+    assert status == code, f"status {status} ({msg}), expected {code}"
+    for w in words:
+        assert w in msg, f"{w!r} not in {msg!r}"
+    return msg
+
+
+# ---- the Python side's choices, with stand-ins for the device, the kernels and the launcher ----------------
+
+class _Kernel:
+    def __init__(self, file, name, regs):
+        self.file, self.name, self.num_regs = file, name, regs
+        self.kernel = self
+        self.max_dynamic_shared_size_bytes = 48 * 1024
+
+    @property
+    def ptr(self):
+        return id(self)
+
+
+class _Arr:
+    """What the planners read of an array: dtype and address."""
+
+    def __init__(self, dtype, ptr):
+        self.dtype = np.dtype(dtype)
+        self.data = types.SimpleNamespace(ptr=ptr)
+
+
+@pytest.fixture
+def pyside(monkeypatch):
+    """Runs the Python planners with a stand-in device: returns (set_device, launches list)."""
+    state = {"dev": H100, "regs": 0}
+    launches = _Launches()
+    launches.args = []
+
+    def function(file, name):
+        return _Kernel(file, name, state["regs"])
+
+    def props(device_id):
+        d = state["dev"]
+        return {"sm_count": d["sm_count"], "smem_per_sm": d["smem_per_sm"],
+                "smem_per_block_optin": d["smem_per_block_optin"], "cc": (d["cc_major"], d["cc_minor"])}
+
+    def launch_raw(fn, grid, block, args, shared_mem, stream):
+        g = grid[0] if isinstance(grid, tuple) else grid
+        b = block[0] if isinstance(block, tuple) else block
+        launches.append((fn.name, int(g), int(b), int(shared_mem)))
+        launches.args.append((fn.name, args))
+
+    monkeypatch.setattr(_jit, "function", function)
+    # the kernels the C library loads are the final ones (warmup writes no quick kernels): the choice of the
+    # Python side once its background compiles are done
+    monkeypatch.setattr(_jit, "function_tiered", lambda file, name, quick: (function(file, name), True))
+    monkeypatch.setattr(_jit, "device_properties", props)
+    monkeypatch.setattr(_jit, "launch_raw", launch_raw)
+    monkeypatch.setattr(_jit, "set_max_dynamic_shared", lambda fn, n: None)
+    monkeypatch.setattr(router, "_fwd_cfgs", {})
+    monkeypatch.setattr(router, "_FWD_VARIANT", None)
+    monkeypatch.setattr(router, "_TEAM_VARIANT", None)
+    monkeypatch.setattr(router, "_BWD_VARIANT", None)
+    monkeypatch.setattr(router, "_TPW_VARIANT", None)
+    monkeypatch.setattr(permutation, "_fns", {})
+    monkeypatch.setattr(permutation._errors, "word", lambda dev: 0)
+
+    def set_device(dev, regs):
+        state["dev"], state["regs"] = dev, regs
+
+    return set_device, launches
+
+
+class _Launches(list):
+    """The Python side's launches (name, grid, block, shared memory), with their arguments in ``args``."""
+
+    def clear(self):
+        del self[:]
+        del self.args[:]
+
+
+CALL = types.SimpleNamespace(device_id=0, stream=None)
+BASE = 1 << 20  # an address aligned to 16 bytes; BASE + 4 is aligned to 4 only
+
+
+# ---- router forward ------------------------------------------------------------------------------------------
+
+# (dtype, E, K, score_function, pre, G, g): the router benchmark's shapes (E=256 K=8, E=2304 K=36; fp32 and
+# bf16), DeepSeek-style groups, and odd sizes reaching every kernel variant and team size
+FWD_CASES = [
+    (F32, 256, 8, SOFTMAX, 0, 0, 0), (BF16, 256, 8, SOFTMAX, 0, 0, 0), (F32, 2304, 36, SOFTMAX, 0, 0, 0),
+    (BF16, 2304, 36, SOFTMAX, 0, 0, 0), (F32, 256, 8, SIGMOID, 0, 8, 4), (BF16, 256, 8, SIGMOID, 0, 8, 4),
+    (F32, 2304, 36, SIGMOID, 0, 8, 4), (BF16, 2304, 36, SQRTSOFTPLUS, 0, 36, 6), (F16, 256, 8, SOFTMAX, 0, 0, 0),
+    (F32, 256, 8, SOFTMAX, 1, 0, 0), (F32, 7, 3, SOFTMAX, 0, 0, 0), (BF16, 7, 3, SIGMOID, 0, 7, 3),
+    (F32, 100, 6, SQRTSOFTPLUS, 0, 4, 2), (BF16, 512, 16, SIGMOID, 0, 16, 8), (F32, 1024, 64, SIGMOID, 0, 0, 0),
+    (BF16, 1000, 10, SOFTMAX, 0, 0, 0), (F32, 1030, 5, SOFTMAX, 0, 2, 1), (F16, 2304, 36, SIGMOID, 0, 8, 4),
+    (F32, 3000, 12, SIGMOID, 0, 0, 0), (BF16, 4096, 8, SOFTMAX, 0, 0, 0), (F32, 5000, 20, SIGMOID, 0, 10, 5),
+    (BF16, 16384, 64, SOFTMAX, 0, 0, 0), (F32, 384, 32, SIGMOID, 0, 8, 2), (BF16, 256, 40, SIGMOID, 0, 8, 4),
+    (F32, 96, 1, SIGMOID, 0, 0, 0), (BF16, 64, 8, SIGMOID, 0, 8, 8), (BF16, 2304, 32, SIGMOID, 0, 8, 2),
+    (F16, 1536, 24, SQRTSOFTPLUS, 0, 4, 2), (BF16, 64, 8, SOFTMAX, 0, 0, 0),  # the layer benchmark's router
+]
+TOKENS = [1, 37, 128, 4096, 8192, 16384, 65536]
+
+
+@pytest.mark.parametrize("dev,regs", [(H100, 0), (H100, 72), (A100, 40)], ids=["h100", "h100-r72", "a100-r40"])
+@pytest.mark.parametrize("case", FWD_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_router_forward_plan_equals_python(lib, pyside, case, dev, regs):
+    set_device, launches = pyside
+    set_device(dev, regs)
+    dt, E, K, sf, pre, G, g = case
+    ctx = _planning(lib, dev, regs)
+    try:
+        for T in TOKENS:
+            for aligned in (True, False):
+                base = BASE if aligned else BASE + 4
+                bias = BASE if sf != SOFTMAX else None
+                for indices in (False, True):
+                    launches.clear()
+                    x = _Arr(DT_NAMES[dt], base)
+                    if indices:
+                        router._launch_fwd(CALL, x, T, E, K, sf, pre, 0, G, g, 1.0, None if bias is None else
+                                           _Arr("float32", bias), None, None, None, None, _Arr("int32", BASE),
+                                           _Arr("float32", BASE))
+                        _ok(lib, lib.moe_rt_topk_indices_with_score(ctx, base, dt, T, E, K, sf, pre, G, g, 1.0, bias,
+                                                                    BASE, BASE, None))
+                    else:
+                        router._launch_fwd(CALL, x, T, E, K, sf, pre, 0, G, g, 1.0, None if bias is None else
+                                           _Arr("float32", bias), _Arr(DT_NAMES[dt], BASE), None, _Arr("bool", BASE),
+                                           _Arr("float32", BASE), None, None)
+                        _ok(lib, lib.moe_rt_topk_with_score(ctx, base, dt, T, E, K, sf, pre, G, g, 1.0, bias, BASE,
+                                                            BASE, BASE, None))
+                    assert _launches(lib, ctx) == launches, (T, aligned, indices)
+                    assert _scalars(lib, ctx) == _py_scalars(launches.args), (T, aligned, indices)
+    finally:
+        lib.moe_rt_context_destroy(ctx)
+
+
+@pytest.mark.parametrize("case", [(F32, 256, 8, SOFTMAX), (BF16, 2304, 36, SIGMOID), (F16, 7, 3, SQRTSOFTPLUS),
+                                  (F32, 5000, 20, SOFTMAX), (BF16, 1030, 5, SIGMOID)], ids=str)
+def test_scores_for_aux_loss_plan_equals_python(lib, pyside, ctx, case):
+    _, launches = pyside
+    dt, E, K, sf = case
+    for T in TOKENS:
+        launches.clear()
+        router._launch_fwd(CALL, _Arr(DT_NAMES[dt], BASE), T, E, K, sf, 0, 1, 0, 0, 1.0, None, None,
+                           _Arr("float32", BASE), _Arr("bool", BASE), _Arr("float32", BASE), None, None)
+        _ok(lib, lib.moe_rt_scores_for_aux_loss(ctx, BASE, dt, T, E, K, sf, BASE, BASE, BASE, None))
+        assert _launches(lib, ctx) == launches
+        assert _scalars(lib, ctx) == _py_scalars(launches.args)
+
+
+# ---- router backward -------------------------------------------------------------------------------------------
+
+BWD_CASES = [(F32, 256, 8), (BF16, 256, 8), (F32, 2304, 36), (BF16, 2304, 36), (F16, 7, 3), (F32, 100, 6),
+             (BF16, 1000, 10), (F32, 1030, 5), (BF16, 3000, 12), (F32, 4096, 8), (BF16, 5000, 20),
+             (F32, 16384, 64), (F16, 2304, 36)]
+
+
+@pytest.mark.parametrize("dev,regs", [(H100, 0), (A100, 64)], ids=["h100", "a100-r64"])
+@pytest.mark.parametrize("case", BWD_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_router_backward_plan_equals_python(lib, pyside, case, dev, regs):
+    set_device, launches = pyside
+    set_device(dev, regs)
+    dt, E, K = case
+    ctx = _planning(lib, dev, regs)
+    try:
+        for T in TOKENS:
+            for aligned in (True, False):
+                base = BASE if aligned else BASE + 4
+                for sf, pre in ((SOFTMAX, 0), (SOFTMAX, 1), (SIGMOID, 0)):
+                    launches.clear()
+                    router._launch_bwd(CALL, _Arr(DT_NAMES[dt], base), _Arr("bool", BASE), _Arr("float32", BASE),
+                                       _Arr(DT_NAMES[dt], BASE), T, E, K, sf, pre, 0, 1.0)
+                    _ok(lib, lib.moe_rt_topk_with_score_backward(ctx, base, dt, BASE, BASE, T, E, K, sf, pre, 1.0,
+                                                                 BASE, None))
+                    assert _launches(lib, ctx) == launches, (T, aligned, sf, pre)
+                    assert _scalars(lib, ctx) == _py_scalars(launches.args), (T, aligned, sf, pre)
+                for odt in (F32, F16, BF16):
+                    launches.clear()
+                    router._launch_bwd(CALL, _Arr("float32", base), None, _Arr("float32", BASE),
+                                       _Arr(DT_NAMES[odt], BASE), T, E, K, SIGMOID, 0, 1, 1.0)
+                    _ok(lib, lib.moe_rt_scores_for_aux_loss_backward(ctx, base, BASE, T, E, K, SIGMOID, BASE, odt,
+                                                                     None))
+                    assert _launches(lib, ctx) == launches, (T, aligned, odt)
+                    assert _scalars(lib, ctx) == _py_scalars(launches.args), (T, aligned, odt)
+    finally:
+        lib.moe_rt_context_destroy(ctx)
+
+
+@pytest.mark.parametrize("R,Cols", [(0, 8), (1, 8), (37, 7), (4096, 256), (65536, 256), (100000, 64), (5, 0)])
+@pytest.mark.parametrize("dt", [F32, BF16, F16])
+def test_aux_loss_plan_equals_python(lib, ctx, R, Cols, dt):
+    rpb, nb = router._aux_blocks(R)
+    ws = S()
+    _ok(lib, lib.moe_rt_aux_loss_workspace_size(R, C.byref(ws)))
+    assert ws.value == 4 * max(nb, 1)
+    c = _jit.CTYPES[DT_NAMES[dt]]
+    E = max(Cols, 1) if Cols else 1
+    _ok(lib, lib.moe_rt_aux_loss(ctx, BASE, dt, R, Cols, BASE, I32, 1000, None, I32, E, 2, 0.01, BASE, ws.value,
+                                 BASE, None))
+    want = ([(f"aux_loss_partial<{c}>", nb, 256, 0)] if nb and Cols else []) + [(f"aux_loss_final<{c}>", 1, 256, 0)]
+    assert _launches(lib, ctx) == want
+    _ok(lib, lib.moe_rt_aux_loss_backward(ctx, BASE, dt, R, Cols, BASE, I64, 0, BASE, I64, E, 2, 0.01, BASE, None))
+    assert _launches(lib, ctx) == ([(f"aux_loss_bwd<{c}>", nb, 256, 0)] if nb and Cols else [])
+
+
+# ---- permutation -----------------------------------------------------------------------------------------------
+
+# (T, E, K): the permutation benchmark's shapes (H = 7168 bf16), the layer benchmark's (8192, 64, 8; a routing
+# map with num_out_tokens = T*K) and odd ones
+PERM_CASES = [(4096, 256, 8), (8192, 256, 8), (8192, 64, 8), (128, 64, 8), (32768, 256, 8), (4096, 64, 6), (8192, 64, 6), (32768, 64, 6),
+              (37, 7, 3), (1, 1, 1), (0, 5, 2), (128, 16384, 8), (5000, 13000, 2), (70000, 4096, 64),
+              (2048, 128, 128)]
+
+
+@pytest.mark.parametrize("case", PERM_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_make_plan_plan_equals_python(lib, pyside, ctx, case):
+    _, launches = pyside
+    T, E, K = case
+    for dt, ic in ((I32, "int"), (I64, "long long"), (BOOL, "bool")):
+        KK = E if dt == BOOL else K
+        if T * KK >= 2**31:
+            continue
+        for A, num_out in ((1, None), (16, None), (1, max(T * KK // 2, 0)), (128, T * KK), (1, T * K)):
+            N = permutation._num_rows(T, KK, E, A, num_out)
+            cfg = permutation._plan_cfg(T, KK, ic, E, A, N, num_out, 0)
+            total, n_out = cfg[0], cfg[1]
+            smem, f_count, f_scan, f_assign, count, scan, assign = cfg[4:]
+            want = [(f_count.name, count[0], count[1], smem), (f_scan.name, scan[0], scan[1], 0),
+                    (f_assign.name, assign[0], assign[1], smem)]
+            want = [w for w in want if w[1] > 0]
+            rows, ws = L(), S()
+            _ok(lib, lib.moe_rt_plan_num_rows(T, KK, E, A, -1 if num_out is None else num_out, C.byref(rows)))
+            assert rows.value == N
+            _ok(lib, lib.moe_rt_make_plan_workspace_size(T, KK, E, C.byref(ws)))
+            assert ws.value == 4 * (total - n_out)
+            plan = CPlan(BASE, BASE, BASE, BASE, BASE)
+            _ok(lib, lib.moe_rt_make_plan(ctx, BASE, dt, T, KK, E, A, -1 if num_out is None else num_out,
+                                          C.byref(plan), BASE, ws.value, None))
+            assert (plan.num_tokens, plan.topk, plan.num_experts, plan.num_rows, plan.align_size) == (T, KK, E, N, A)
+            assert _launches(lib, ctx) == want, (dt, A, num_out)
+
+
+def _py_plan(T, K, E, N):
+    return types.SimpleNamespace(num_tokens=T, topk=K, num_experts=E, num_rows=N,
+                                 _v={"dst_row": _Arr("int32", BASE), "src_slot": _Arr("int32", BASE)})
+
+
+def _c_plan(T, K, E, N):
+    return CPlan(BASE, BASE, BASE, BASE, BASE, T, K, E, N, 1)
+
+
+# (T, E, K, H, dtype): the permutation benchmark's bf16 H = 7168 rows, the layer benchmark's (a routing map:
+# K = E = 64, H = 4096; T = 128, H = 1024), odd sizes, fp32/fp16, 1-byte data
+ROWS_CASES = [(4096, 256, 8, 7168, BF16), (8192, 64, 64, 4096, BF16), (128, 64, 8, 1024, BF16), (32768, 64, 6, 7168, BF16), (37, 7, 3, 33, F32), (37, 7, 3, 64, F16),
+              (5, 4, 2, 1, BF16), (1, 1, 1, 4096, F32), (19, 5, 5, 0, F32), (0, 3, 2, 16, F32),
+              (300, 8, 2, 100000, BF16), (64, 16, 4, 7168, U8), (33, 9, 4, 131, I8)]
+
+
+def _np(dt):
+    return {F32: np.dtype(np.float32), F16: np.dtype(np.float16), BF16: router._arrays.BFLOAT16,
+            U8: np.dtype(np.uint8), I8: np.dtype(np.int8)}[dt]
+
+
+@pytest.mark.parametrize("case", ROWS_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_dispatch_combine_plans_equal_python(lib, pyside, ctx, case):
+    _, launches = pyside
+    T, E, K, H, dt = case
+    N = T * K
+    pyp, cp = _py_plan(T, K, E, N), _c_plan(T, K, E, N)
+    isz = _np(dt).itemsize
+    call = types.SimpleNamespace(device_id=0, stream=None, xp=np,
+                                 empty=lambda shape, dtype: _shaped(_Arr(dtype, BASE), *shape))
+    for off in sorted({0, 4, 2 if isz <= 2 else 0, 1 if isz == 1 else 0}):
+        xp = BASE + off
+        for pdt in (None, F32, F16, BF16):
+            launches.clear()
+            pp = None if pdt is None else _Arr(_np(pdt), BASE)
+            pv = None if pdt is None else _Arr("float32", BASE)
+            out = _shaped(_Arr(_np(dt), BASE), N, H)
+            permutation._copy_rows(CALL, _shaped(_Arr(_np(dt), xp), T, H), out, pyp)
+            permutation._fill(CALL, out, pp, pv, pyp)
+            _ok(lib, lib.moe_rt_dispatch(ctx, C.byref(cp), xp, dt, H, None if pv is None else BASE, BASE,
+                                         None if pp is None else BASE, F32 if pdt is None else pdt, None))
+            assert _launches(lib, ctx) == launches, ("dispatch", off, pdt)
+        if dt not in DT_NAMES:
+            continue
+        for probs in (None, BASE):
+            launches.clear()
+            permutation._combine_cuda(call, _shaped(_Arr(_np(dt), xp), N, H), pyp,
+                                      None if probs is None else _Arr("float32", probs))
+            _ok(lib, lib.moe_rt_combine(ctx, C.byref(cp), xp, dt, H, probs, BASE, None))
+            assert _launches(lib, ctx) == launches, ("combine", off, probs)
+        # dispatch_backward: the unweighted combine, then gather_slots for the probs' gradient
+        launches.clear()
+        permutation._combine_cuda(call, _shaped(_Arr(_np(dt), xp), N, H), pyp, None)
+        if T * K:
+            launches.append(("gather_slots", permutation._row_grid(T * K // 32 + 1, 0), 256, 0))
+        _ok(lib, lib.moe_rt_dispatch_backward(ctx, C.byref(cp), xp, dt, H, BASE, BASE, BASE, None))
+        assert _launches(lib, ctx) == launches, ("dispatch_backward", off)
+        # combine_backward without probs: zero the padding rows, copy grad_y to each slot's row
+        launches.clear()
+        g = _shaped(_Arr(_np(dt), xp), T, H)
+        gyp = _shaped(_Arr(_np(dt), BASE), N, H)
+        permutation._fill(CALL, gyp, None, None, pyp)
+        permutation._copy_rows(CALL, g, gyp, pyp)
+        _ok(lib, lib.moe_rt_combine_backward(ctx, C.byref(cp), xp, dt, H, None, None, BASE, None, None))
+        assert _launches(lib, ctx) == launches, ("combine_backward", off)
+        # with probs: the fused row kernel (as permutation.combine_backward launches it)
+        launches.clear()
+        permutation._fill(CALL, gyp, None, None, pyp)
+        if T and K and H and N:
+            vec = (H * isz) % 16 == 0 and off % 16 == 0
+            threads = permutation._threads(H // (16 // isz if vec else 1))
+            launches.append((f"combine_bwd_rows<{_jit.CTYPES[DT_NAMES[dt]]}, {'true' if vec else 'false'}, "
+                             f"{permutation._UNROLL}>", T, threads, K * 8 + (threads // 32) * K * 4))
+        _ok(lib, lib.moe_rt_combine_backward(ctx, C.byref(cp), xp, dt, H, BASE, BASE, BASE, BASE, None))
+        assert _launches(lib, ctx) == launches, ("combine_backward probs", off)
+
+
+def _shaped(a, *shape):
+    a.shape = shape
+    a.size = int(np.prod(shape))
+    return a
+
+
+# ---- bad input: an error status and a message, never a crash -----------------------------------------------------
+
+def test_bad_router_input(lib, ctx):
+    args = dict(dt=F32, T=4, E=8, K=2, sf=SOFTMAX, pre=0, G=0, g=0, scale=1.0, bias=None)
+
+    def fwd(**kw):
+        a = {**args, **kw}
+        return lib.moe_rt_topk_with_score(a.get("ctx", ctx), a.get("x", BASE), a["dt"], a["T"], a["E"], a["K"], a["sf"],
+                                          a["pre"], a["G"], a["g"], a["scale"], a["bias"], a.get("probs", BASE),
+                                          a.get("rmap", BASE), a.get("inter", BASE), None)
+
+    _ok(lib, fwd())
+    _err(lib, fwd(ctx=None), INVALID, "ctx is NULL")
+    _err(lib, fwd(x=None), INVALID, "logits is NULL")
+    _err(lib, fwd(probs=None), INVALID, "probs is NULL")
+    _err(lib, fwd(rmap=None), INVALID, "routing_map is NULL")
+    _err(lib, fwd(inter=None), INVALID, "intermediate is NULL")
+    _err(lib, fwd(dt=I32), INVALID, "dtype", "int32")
+    _err(lib, fwd(dt=99), INVALID, "dtype", "99")
+    _err(lib, fwd(T=-1), INVALID, "num_tokens")
+    _err(lib, fwd(E=0), INVALID, "num_experts")
+    _err(lib, fwd(E=16385, K=2), INVALID, "num_experts")
+    _err(lib, fwd(K=9), INVALID, "topk", "<= num_experts (8)")
+    _err(lib, fwd(K=0), INVALID, "topk")
+    _err(lib, fwd(E=100, K=65), INVALID, "topk", "64")
+    _err(lib, fwd(sf=3), INVALID, "score_function")
+    _err(lib, fwd(sf=-1), INVALID, "score_function")
+    _err(lib, fwd(G=3, g=1), INVALID, "num_groups", "divide")
+    _err(lib, fwd(G=0, g=1), INVALID, "group_topk", "num_groups")
+    _err(lib, fwd(G=2, g=4, K=4), INVALID, "group_topk", "<= num_groups")
+    _err(lib, fwd(G=4, g=3, K=2), INVALID, "group_topk")
+    _err(lib, fwd(G=4, g=1, K=4), INVALID, "topk/group_topk")
+    _err(lib, fwd(G=-1), INVALID, "num_groups")
+    _err(lib, fwd(g=-1), INVALID, "group_topk")
+    _err(lib, fwd(scale=float("nan")), INVALID, "scaling_factor")
+    _err(lib, fwd(scale=float("inf")), INVALID, "scaling_factor")
+    _err(lib, fwd(bias=BASE), INVALID, "expert_bias", "softmax")
+    _ok(lib, fwd(bias=BASE, sf=SIGMOID))
+    _ok(lib, fwd(T=0))
+    bwd = lib.moe_rt_topk_with_score_backward
+    _err(lib, bwd(ctx, BASE, F32, None, BASE, 4, 8, 2, SOFTMAX, 0, 1.0, BASE, None), INVALID, "routing_map")
+    _err(lib, bwd(ctx, BASE, F32, BASE, BASE, 4, 8, 9, SOFTMAX, 0, 1.0, BASE, None), INVALID, "topk")
+    _err(lib, bwd(ctx, BASE, BOOL, BASE, BASE, 4, 8, 2, SOFTMAX, 0, 1.0, BASE, None), INVALID, "dtype")
+    _err(lib, bwd(ctx, BASE, F32, BASE, BASE, 4, 8, 2, SOFTMAX, 0, 1.0, None, None), INVALID, "grad_logits")
+    _err(lib, lib.moe_rt_topk_indices_with_score(ctx, BASE, F32, 4, 8, 2, SOFTMAX, 0, 0, 0, 1.0, None, None, BASE,
+                                                 None), INVALID, "topk_idx")
+    _err(lib, lib.moe_rt_scores_for_aux_loss(ctx, BASE, F32, 4, 8, 2, 7, BASE, BASE, BASE, None), INVALID,
+         "score_function")
+    _err(lib, lib.moe_rt_scores_for_aux_loss_backward(ctx, BASE, BASE, 4, 8, 2, SIGMOID, BASE, I64, None), INVALID,
+         "grad_dtype")
+
+
+def test_bad_aux_loss_input(lib, ctx):
+    ws = S()
+    _ok(lib, lib.moe_rt_aux_loss_workspace_size(10, C.byref(ws)))
+    _err(lib, lib.moe_rt_aux_loss_workspace_size(-1, C.byref(ws)), INVALID, "num_rows")
+    _err(lib, lib.moe_rt_aux_loss_workspace_size(1, None), INVALID, "bytes")
+
+    def fwd(**kw):
+        a = dict(p=BASE, dt=F32, R=10, Cc=8, tpe=BASE, tdt=I32, tot=100, totd=None, totdt=I32, E=8, k=2, coeff=0.1,
+                 ws=BASE, wsb=ws.value, out=BASE)
+        a.update(kw)
+        return lib.moe_rt_aux_loss(ctx, a["p"], a["dt"], a["R"], a["Cc"], a["tpe"], a["tdt"], a["tot"], a["totd"],
+                                   a["totdt"], a["E"], a["k"], a["coeff"], a["ws"], a["wsb"], a["out"], None)
+
+    _ok(lib, fwd())
+    _ok(lib, fwd(tot=0, totd=BASE, totdt=I64))
+    _err(lib, fwd(p=None), INVALID, "probs is NULL")
+    _err(lib, fwd(out=None), INVALID, "out is NULL")
+    _err(lib, fwd(tpe=None), INVALID, "tokens_per_expert is NULL")
+    _err(lib, fwd(tdt=F16), INVALID, "tokens_per_expert", "float16")
+    _err(lib, fwd(dt=I32), INVALID, "dtype")
+    _err(lib, fwd(E=3), INVALID, "num_experts", "divide")
+    _err(lib, fwd(E=0), INVALID, "num_experts")
+    _err(lib, fwd(k=0), INVALID, "topk")
+    _err(lib, fwd(tot=0), INVALID, "total_num_tokens")
+    _err(lib, fwd(tot=5, totd=BASE), INVALID, "total_num_tokens")
+    _err(lib, fwd(tot=0, totd=BASE, totdt=F32), INVALID, "total_dtype")
+    _err(lib, fwd(coeff=float("nan")), INVALID, "coeff")
+    _err(lib, fwd(R=-1), INVALID, "num_rows")
+    _err(lib, fwd(wsb=0), INVALID, "workspace_bytes")
+    _err(lib, fwd(ws=None), INVALID, "workspace is NULL")
+    _err(lib, lib.moe_rt_aux_loss_backward(ctx, None, F32, 10, 8, BASE, I32, 100, None, I32, 8, 2, 0.1, BASE, None),
+         INVALID, "grad_aux_loss")
+    _err(lib, lib.moe_rt_aux_loss_backward(ctx, BASE, F32, 10, 8, BASE, I32, 100, None, I32, 8, 2, 0.1, None, None),
+         INVALID, "grad_probs")
+
+
+def test_bad_permutation_input(lib, ctx):
+    rows, ws = L(), S()
+    _err(lib, lib.moe_rt_plan_num_rows(4, 2, 8, 0, -1, C.byref(rows)), INVALID, "align_size")
+    _err(lib, lib.moe_rt_plan_num_rows(4, 2, 8, 1, 9, C.byref(rows)), INVALID, "num_out_tokens", "<= T*K")
+    _err(lib, lib.moe_rt_plan_num_rows(4, 2, 8, 1, -2, C.byref(rows)), INVALID, "num_out_tokens")
+    _err(lib, lib.moe_rt_plan_num_rows(2**20, 2**12, 8, 1, -1, C.byref(rows)), INVALID, "2^31")
+    _err(lib, lib.moe_rt_plan_num_rows(4, 2, 8, 1, -1, None), INVALID, "num_rows is NULL")
+    _err(lib, lib.moe_rt_plan_num_rows(4, 2, 0, 1, -1, C.byref(rows)), INVALID, "num_experts")
+    _err(lib, lib.moe_rt_plan_num_rows(-4, 2, 8, 1, -1, C.byref(rows)), INVALID, "num_tokens")
+    _err(lib, lib.moe_rt_make_plan_workspace_size(4, 0, 8, C.byref(ws)), INVALID, "topk")
+    _ok(lib, lib.moe_rt_make_plan_workspace_size(4, 2, 8, C.byref(ws)))
+
+    def mk(**kw):
+        a = dict(r=BASE, dt=I32, T=4, K=2, E=8, A=1, no=-1, plan=CPlan(BASE, BASE, BASE, BASE, BASE), ws=BASE,
+                 wsb=ws.value)
+        a.update(kw)
+        plan = a["plan"]
+        return lib.moe_rt_make_plan(ctx, a["r"], a["dt"], a["T"], a["K"], a["E"], a["A"], a["no"],
+                                    None if plan is None else C.byref(plan), a["ws"], a["wsb"], None)
+
+    _ok(lib, mk())
+    _err(lib, mk(r=None), INVALID, "routing is NULL")
+    _err(lib, mk(dt=F32), INVALID, "routing_dtype", "float32")
+    _err(lib, mk(dt=BOOL), INVALID, "routing map", "num_experts=8")
+    _ok(lib, mk(dt=BOOL, K=8, ws=BASE, wsb=10**6))
+    _err(lib, mk(plan=None), INVALID, "plan is NULL")
+    _err(lib, mk(plan=CPlan(BASE, None, BASE, BASE, BASE)), INVALID, "src_slot")
+    _err(lib, mk(plan=CPlan(BASE, BASE, BASE, BASE, None)), INVALID, "tokens_per_expert")
+    _err(lib, mk(E=16385), INVALID, "num_experts")
+    _err(lib, mk(A=(1 << 20) + 1), INVALID, "align_size")
+    _err(lib, mk(wsb=ws.value - 4), INVALID, "workspace_bytes")
+    _err(lib, mk(ws=None), INVALID, "workspace is NULL")
+    _err(lib, mk(no=100), INVALID, "num_out_tokens")
+
+    plan = _c_plan(4, 2, 8, 8)
+    d = lib.moe_rt_dispatch
+    _ok(lib, d(ctx, C.byref(plan), BASE, BF16, 16, BASE, BASE, BASE, F32, None))
+    _err(lib, d(ctx, None, BASE, BF16, 16, None, BASE, None, F32, None), INVALID, "plan is NULL")
+    _err(lib, d(ctx, C.byref(plan), None, BF16, 16, None, BASE, None, F32, None), INVALID, "x is NULL")
+    _err(lib, d(ctx, C.byref(plan), BASE, BF16, 16, None, None, None, F32, None), INVALID, "x_permuted is NULL")
+    _err(lib, d(ctx, C.byref(plan), BASE, I64, 16, None, BASE, None, F32, None), INVALID, "dtype", "int64")
+    _err(lib, d(ctx, C.byref(plan), BASE, BOOL, 16, None, BASE, None, F32, None), INVALID, "dtype")
+    _err(lib, d(ctx, C.byref(plan), BASE, BF16, -1, None, BASE, None, F32, None), INVALID, "hidden")
+    _err(lib, d(ctx, C.byref(plan), BASE, BF16, 16, BASE, BASE, None, F32, None), INVALID, "probs_permuted")
+    _err(lib, d(ctx, C.byref(plan), BASE, BF16, 16, None, BASE, BASE, F32, None), INVALID, "probs_permuted")
+    _err(lib, d(ctx, C.byref(plan), BASE, BF16, 16, BASE, BASE, BASE, I32, None), INVALID, "probs_dtype")
+    bad = _c_plan(4, 2, 8, 8)
+    bad.dst_row = None
+    _err(lib, d(ctx, C.byref(bad), BASE, BF16, 16, None, BASE, None, F32, None), INVALID, "dst_row")
+    bad = _c_plan(4, 0, 8, 8)
+    _err(lib, d(ctx, C.byref(bad), BASE, BF16, 16, None, BASE, None, F32, None), INVALID, "topk")
+    bad = _c_plan(4, 2, 8, -1)
+    _err(lib, d(ctx, C.byref(bad), BASE, BF16, 16, None, BASE, None, F32, None), INVALID, "num_rows")
+    _err(lib, lib.moe_rt_combine(ctx, C.byref(plan), BASE, U8, 16, None, BASE, None), INVALID, "dtype")
+    _err(lib, lib.moe_rt_combine(ctx, C.byref(plan), None, F32, 16, None, BASE, None), INVALID, "y_permuted")
+    _err(lib, lib.moe_rt_combine(ctx, C.byref(plan), BASE, F32, 16, None, None, None), INVALID, "y is NULL")
+    _err(lib, lib.moe_rt_dispatch_backward(ctx, C.byref(plan), BASE, F32, 16, BASE, BASE, None, None), INVALID,
+         "grad_probs")
+    _err(lib, lib.moe_rt_combine_backward(ctx, C.byref(plan), BASE, F32, 16, None, BASE, BASE, BASE, None), INVALID,
+         "y_permuted")
+    _err(lib, lib.moe_rt_combine_backward(ctx, C.byref(plan), BASE, F32, 16, BASE, BASE, BASE, None, None), INVALID,
+         "grad_probs")
+    _err(lib, lib.moe_rt_combine_backward(ctx, C.byref(plan), BASE, F32, 16, None, None, BASE, BASE, None), INVALID,
+         "grad_probs")
+
+
+def test_contexts_and_driver_errors(lib, tmp_path, monkeypatch):
+    ctx = P()
+    _err(lib, lib.moe_rt_context_create_planning(None, C.byref(ctx)), INVALID, "device is NULL")
+    bad = DeviceInfo(sm_count=0, cc_major=9)
+    _err(lib, lib.moe_rt_context_create_planning(C.byref(bad), C.byref(ctx)), INVALID, "sm_count")
+    _err(lib, lib.moe_rt_context_create(str(tmp_path).encode(), 0, None), INVALID, "ctx is NULL")
+    _err(lib, lib.moe_rt_context_create(str(tmp_path).encode(), -1, C.byref(ctx)), INVALID, "device")
+    monkeypatch.delenv("MOE_RT_KERNEL_CACHE", raising=False)
+    _err(lib, lib.moe_rt_context_create(None, 0, C.byref(ctx)), INVALID, "MOE_RT_KERNEL_CACHE")
+    # the kernel-cache folder is read before the driver is touched
+    _err(lib, lib.moe_rt_context_create(str(tmp_path / "none").encode(), 0, C.byref(ctx)), KERNEL_CACHE,
+         "manifest.json", "warmup")
+    (tmp_path / "manifest.json").write_text('{"format": 2, "kernels": [{"file": "a.cu"')
+    _err(lib, lib.moe_rt_context_create(str(tmp_path).encode(), 0, C.byref(ctx)), KERNEL_CACHE, "malformed")
+    (tmp_path / "manifest.json").write_text(json.dumps({"format": 2, "source_hash": "0" * 40, "kernels": []}))
+    _err(lib, lib.moe_rt_context_create(str(tmp_path).encode(), 0, C.byref(ctx)), KERNEL_CACHE, "kernel sources",
+         "warmup")
+    good = {"format": 2, "source_hash": _jit.source_hash(), "nvrtc": "12.8",
+            "kernels": [{"file": "router.cu", "name": "router_fwd<float, 32>", "lowered": "_Z1fv", "arch": "sm_90",
+                         "image": "sm_90/x.cubin", "extra": [1, {"a": "b\\\"c"}, None, True, -1.5e3]}]}
+    (tmp_path / "manifest.json").write_text(json.dumps(good))
+    monkeypatch.setenv("MOE_RT_LIBCUDA", str(tmp_path / "libcuda-missing.so.1"))
+    _err(lib, lib.moe_rt_context_create(str(tmp_path).encode(), 0, C.byref(ctx)), NO_DRIVER, "no CUDA driver",
+         "libcuda-missing")
+    monkeypatch.delenv("MOE_RT_LIBCUDA")
+    monkeypatch.setenv("MOE_RT_KERNEL_CACHE", str(tmp_path))
+    st = lib.moe_rt_context_create(None, 0, C.byref(ctx))
+    if st == OK:  # a machine with a GPU: the folder is used, the kernels load on first use
+        lib.moe_rt_context_destroy(ctx)
+    else:
+        assert st in (NO_DRIVER, NO_DEVICE, KERNEL_CACHE), lib.moe_rt_last_error()
+        assert lib.moe_rt_last_error().decode()
+    # a planning context refuses device work, clearly
+    pctx = _planning(lib)
+    try:
+        ptr = P()
+        _err(lib, lib.moe_rt_malloc(pctx, 16, C.byref(ptr)), 7, "planning context")
+        _ok(lib, lib.moe_rt_check(pctx, None))
+        info = DeviceInfo()
+        _ok(lib, lib.moe_rt_context_device_info(pctx, C.byref(info)))
+        assert (info.sm_count, info.cc_major) == (H100["sm_count"], 9)
+    finally:
+        lib.moe_rt_context_destroy(pctx)
+    lib.moe_rt_context_destroy(None)
+    assert lib.moe_rt_status_name(1) == b"MOE_RT_ERROR_INVALID_ARGUMENT"
+
+
+def test_source_hash_and_exports(lib, libpath):
+    assert cbuild.source_hash() == _jit.source_hash()
+    assert not hasattr(lib, "mrt_fail") and not hasattr(lib, "mrt_plan_get")  # only moe_rt_* is exported
+
+
+def test_example_compiles_and_links(libpath, tmp_path):
+    exe = tmp_path / "moe_layer"
+    cmd = [*_compiler().split(), "-std=c11", "-Wall", "-Wextra", "-Werror", f"-I{ROOT / 'include'}",
+           str(ROOT / "examples" / "moe_layer.c"), f"-L{libpath.parent}", "-lmoe_rt", f"-Wl,-rpath,{libpath.parent}",
+           "-lm", "-o", str(exe)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    # without a kernel cache it exits with the library's message, not a crash
+    env = {k: v for k, v in os.environ.items() if k != "MOE_RT_KERNEL_CACHE"}
+    r = subprocess.run([str(exe), str(tmp_path / "no-cache"), str(tmp_path / "no-data.bin")], capture_output=True,
+                       text=True, env=env, timeout=60)
+    assert r.returncode not in (0,) and r.returncode > 0, (r.returncode, r.stdout, r.stderr)
+    assert "moe_layer:" in r.stderr
+
+
+def test_header_compiles_as_cxx(tmp_path):
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no C++ compiler on PATH")
+    src = tmp_path / "h.cc"
+    src.write_text('#include "moe_rt/moe_rt.h"\nint main() { return moe_rt_last_error() == nullptr; }\n')
+    r = subprocess.run([cxx, "-std=c++17", "-fsyntax-only", "-Wall", f"-I{ROOT / 'include'}", str(src)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+# ---- on a GPU ---------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def kernel_cache(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("kernels")
+    r = subprocess.run([sys.executable, "-m", "moe_rt", "warmup", "--out", str(cache), "--quiet"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return cache
+
+
+@pytest.mark.gpu
+def test_example_runs_on_gpu(libpath, kernel_cache, tmp_path):
+    data = tmp_path / "moe_layer.bin"
+    r = subprocess.run([sys.executable, str(ROOT / "examples" / "make_reference.py"), str(data)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    exe = tmp_path / "moe_layer"
+    subprocess.run([*_compiler().split(), "-std=c11", f"-I{ROOT / 'include'}", str(ROOT / "examples" / "moe_layer.c"),
+                    f"-L{libpath.parent}", "-lmoe_rt", f"-Wl,-rpath,{libpath.parent}", "-lm", "-o", str(exe)],
+                   check=True)
+    r = subprocess.run([str(exe), str(kernel_cache), str(data)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "moe_layer: OK" in r.stdout, r.stdout
+
+
+def _dev(cp, a, poison=None):
+    """A CuPy copy of NumPy array a (bf16 as its uint16 bits), or a poisoned empty one of a's shape."""
+    bits = a.view(np.uint16) if a.dtype == router._arrays.BFLOAT16 else a
+    if poison is None:
+        return cp.asarray(bits)
+    out = cp.empty(bits.shape, bits.dtype)
+    out.fill(poison)
+    return out
+
+
+def _host(cp, d, dtype):
+    h = cp.asnumpy(d)
+    return h.view(router._arrays.BFLOAT16) if np.dtype(dtype) == router._arrays.BFLOAT16 else h
+
+
+def _close(got, want, dt, what):
+    tol = 2e-2 if np.dtype(dt).itemsize == 2 else 2e-5
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol * 1e-2,
+                               err_msg=what)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dt", [F32, BF16], ids=["float32", "bfloat16"])
+def test_c_router_ops_match_reference_on_gpu(lib, kernel_cache, dt, rng):
+    import moe_rt
+
+    cp = pytest.importorskip("cupy")
+    ctx = P()
+    _ok(lib, lib.moe_rt_context_create(str(kernel_cache).encode(), 0, C.byref(ctx)))
+    npdt = _np(dt)
+    try:
+        for T, E, K, sf, pre, G, g, with_bias in [(37, 100, 6, SIGMOID, 0, 4, 2, True), (300, 256, 8, SOFTMAX, 1, 0, 0, False),
+                                                  (64, 2304, 36, SOFTMAX, 0, 0, 0, False),
+                                                  (5, 7, 3, SQRTSOFTPLUS, 0, 0, 0, True)]:
+            what = f"T={T} E={E} K={K} sf={sf} pre={pre} G={G} g={g}"
+            logits = rng.standard_normal((T, E)).astype(np.float32).astype(npdt)
+            bias = rng.standard_normal(E).astype(np.float32) * 0.1 if with_bias else None
+            name = {SIGMOID: "sigmoid", SOFTMAX: "softmax", SQRTSOFTPLUS: "sqrtsoftplus"}[sf]
+            kw = dict(score_function=name, use_pre_softmax=bool(pre), num_groups=G or None, group_topk=g or None,
+                      scaling_factor=1.5, expert_bias=bias)
+            probs, rmap, inter = moe_rt.topk_with_score(logits, K, **kw)
+            idx, w = moe_rt.topk_indices_with_score(logits, K, **kw)
+            dl = _dev(cp, logits)
+            db = None if bias is None else cp.asarray(bias)
+            dp, dm, di = _dev(cp, probs, 0x7FFF if dt == BF16 else np.nan), cp.full((T, E), 7, cp.uint8), \
+                cp.full((T, E), np.nan, cp.float32)
+            _ok(lib, lib.moe_rt_topk_with_score(ctx, dl.data.ptr, dt, T, E, K, sf, pre, G, g, 1.5,
+                                                None if db is None else db.data.ptr, dp.data.ptr, dm.data.ptr,
+                                                di.data.ptr, None))
+            didx, dw = cp.full((T, K), -7, cp.int32), cp.full((T, K), np.nan, cp.float32)
+            _ok(lib, lib.moe_rt_topk_indices_with_score(ctx, dl.data.ptr, dt, T, E, K, sf, pre, G, g, 1.5,
+                                                        None if db is None else db.data.ptr, didx.data.ptr,
+                                                        dw.data.ptr, None))
+            cp.cuda.runtime.deviceSynchronize()
+            np.testing.assert_array_equal(cp.asnumpy(dm), rmap.astype(np.uint8), err_msg=what)
+            np.testing.assert_array_equal(cp.asnumpy(didx), idx, err_msg=what)
+            _close(_host(cp, dp, npdt), probs, npdt, what)
+            _close(cp.asnumpy(di), inter, np.float32, what)
+            _close(cp.asnumpy(dw), w, np.float32, what)
+            grad = rng.standard_normal((T, E)).astype(np.float32).astype(npdt)
+            want = moe_rt.topk_with_score_backward(grad, rmap, inter, K, score_function=name,
+                                                   use_pre_softmax=bool(pre), scaling_factor=1.5)
+            dg, dout, dinter = _dev(cp, grad), _dev(cp, grad, 0x7FFF if dt == BF16 else np.nan), cp.asarray(inter)
+            _ok(lib, lib.moe_rt_topk_with_score_backward(ctx, dg.data.ptr, dt, dm.data.ptr, dinter.data.ptr,
+                                                         T, E, K, sf, pre, 1.5, dout.data.ptr, None))
+            cp.cuda.runtime.deviceSynchronize()
+            _close(_host(cp, dout, npdt), want, npdt, what + " backward")
+    finally:
+        lib.moe_rt_context_destroy(ctx)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dt,H,A,num_out", [(BF16, 129, 4, None), (F32, 64, 1, 50), (F16, 40, 8, None)],
+                         ids=["bf16-H129-A4", "f32-H64-drop", "f16-H40-A8"])
+def test_c_permutation_ops_match_reference_on_gpu(lib, kernel_cache, dt, H, A, num_out, rng):
+    import moe_rt
+
+    cp = pytest.importorskip("cupy")
+    ctx = P()
+    _ok(lib, lib.moe_rt_context_create(str(kernel_cache).encode(), 0, C.byref(ctx)))
+    npdt = _np(dt)
+    try:
+        T, E, K = 37, 7, 3
+        idx = np.stack([rng.permutation(E)[:K] for _ in range(T)]).astype(np.int32)
+        idx[3, 1] = -1  # a slot with no expert
+        x = rng.standard_normal((T, H)).astype(np.float32).astype(npdt)
+        w = rng.uniform(0.1, 1.0, (T, K)).astype(np.float32)
+        plan = moe_rt.make_plan(idx, E, align_size=A, num_out_tokens=num_out)
+        N = plan.num_rows
+        ws = S()
+        _ok(lib, lib.moe_rt_make_plan_workspace_size(T, K, E, C.byref(ws)))
+        arrs = [cp.full(n, -9, cp.int32) for n in (T * K, N, E + 1, E, E)]
+        dws = cp.full(ws.value // 4, 12345, cp.int32)
+        cplan = CPlan(*(a.data.ptr for a in arrs))
+        didx = cp.asarray(idx)
+        _ok(lib, lib.moe_rt_make_plan(ctx, didx.data.ptr, I32, T, K, E, A, -1 if num_out is None else num_out,
+                                      C.byref(cplan), dws.data.ptr, ws.value, None))
+        assert cplan.num_rows == N
+        for a, name in zip(arrs, ("dst_row", "src_slot", "seg_start", "counts", "tokens_per_expert")):
+            np.testing.assert_array_equal(cp.asnumpy(a).reshape(-1), np.asarray(getattr(plan, name)).reshape(-1),
+                                          err_msg=name)
+        _ok(lib, lib.moe_rt_check(ctx, None))
+        xp_want, pp_want = moe_rt.dispatch(x, plan, w)
+        dx, dw = _dev(cp, x), cp.asarray(w)
+        dxp = _dev(cp, np.zeros((N, H), npdt), 0x7F7F if npdt.itemsize == 2 else np.nan)
+        dpp = cp.full(N, 0x7F7F, cp.uint16)  # permuted probs in bf16
+        _ok(lib, lib.moe_rt_dispatch(ctx, C.byref(cplan), dx.data.ptr, dt, H, dw.data.ptr, dxp.data.ptr,
+                                     dpp.data.ptr, BF16, None))
+        cp.cuda.runtime.deviceSynchronize()
+        np.testing.assert_array_equal(_host(cp, dxp, npdt).view(np.uint8), xp_want.view(np.uint8))
+        _close(cp.asnumpy(dpp).view(router._arrays.BFLOAT16), pp_want, router._arrays.BFLOAT16, "probs_permuted")
+        yp = rng.standard_normal((N, H)).astype(np.float32).astype(npdt)
+        y_want = moe_rt.combine(yp, plan, w)
+        dyp, dy = _dev(cp, yp), _dev(cp, np.zeros((T, H), npdt), 0x7F7F if npdt.itemsize == 2 else np.nan)
+        _ok(lib, lib.moe_rt_combine(ctx, C.byref(cplan), dyp.data.ptr, dt, H, dw.data.ptr, dy.data.ptr, None))
+        gy = rng.standard_normal((T, H)).astype(np.float32).astype(npdt)
+        gyp_want, gw_want = moe_rt.combine_backward(gy, plan, yp, w)
+        dgy = _dev(cp, gy)
+        dgyp = _dev(cp, np.zeros((N, H), npdt), 0x7F7F if npdt.itemsize == 2 else np.nan)
+        dgw = cp.full((T, K), np.nan, cp.float32)
+        _ok(lib, lib.moe_rt_combine_backward(ctx, C.byref(cplan), dgy.data.ptr, dt, H, dyp.data.ptr, dw.data.ptr,
+                                             dgyp.data.ptr, dgw.data.ptr, None))
+        gpp = rng.standard_normal(N).astype(np.float32)
+        gx_want, gp_want = moe_rt.dispatch_backward(yp, plan, gpp)
+        dgx = _dev(cp, np.zeros((T, H), npdt), 0x7F7F if npdt.itemsize == 2 else np.nan)
+        dgp, dgpp = cp.full((T, K), np.nan, cp.float32), cp.asarray(gpp)
+        _ok(lib, lib.moe_rt_dispatch_backward(ctx, C.byref(cplan), dyp.data.ptr, dt, H, dgpp.data.ptr,
+                                              dgx.data.ptr, dgp.data.ptr, None))
+        cp.cuda.runtime.deviceSynchronize()
+        _close(_host(cp, dy, npdt), y_want, npdt, "combine")
+        _close(_host(cp, dgyp, npdt), gyp_want, npdt, "combine_backward grad_y_permuted")
+        _close(cp.asnumpy(dgw), gw_want, np.float16 if npdt.itemsize == 2 else np.float32, "combine_backward grad_probs")
+        _close(_host(cp, dgx, npdt), gx_want, npdt, "dispatch_backward grad_x")
+        _close(cp.asnumpy(dgp), gp_want, np.float32, "dispatch_backward grad_probs")
+        # an expert id out of range: dropped, then reported by moe_rt_check with the Python side's message
+        bad = idx.copy()
+        bad[5, 2] = E + 3
+        dbad = cp.asarray(bad)
+        _ok(lib, lib.moe_rt_make_plan(ctx, dbad.data.ptr, I32, T, K, E, A, -1 if num_out is None else num_out,
+                                      C.byref(cplan), dws.data.ptr, ws.value, None))
+        _err(lib, lib.moe_rt_check(ctx, None), 6, f"routing: expert ids must be in [-1, num_experts={E}), got {E + 3}")
+        _ok(lib, lib.moe_rt_check(ctx, None))  # read and cleared
+    finally:
+        lib.moe_rt_context_destroy(ctx)
