@@ -214,6 +214,7 @@ static moe_rt_status router_fwd(moe_rt_context* ctx, const void* x, int dtype, i
   mrt_arg_ptr(&a, w);
   mrt_arg_i32(&a, vec);
   mrt_arg_i32(&a, gcm);
+  mrt_arg_i32(&a, 4); /* idx_bytes: int32 indices */
   return mrt_launch_one(ctx, &p.launch[0], &a, stream);
 }
 

@@ -140,8 +140,8 @@ def _py_scalars(launch_args):
     """The variant arguments of the Python side's router launches, as moe_rt_launch_info.scalars holds them."""
     out = []
     for name, args in launch_args:
-        if name.startswith("router_fwd"):
-            out.append((int(args[-2]), int(args[-1])))
+        if name.startswith("router_fwd"):  # ..., vec, gcm, idx_bytes
+            out.append((int(args[-3]), int(args[-2])))
         elif name.startswith("router_bwd<"):
             out.append((int(args[-1]), 0))
         else:
