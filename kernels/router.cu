@@ -2641,7 +2641,7 @@ router_fwd_qb(const T* __restrict__ logits, i64 num_tokens, int E, int K, float 
           cut_word[1] = (unsigned)ci[s];
         }
       __syncwarp();
-      topk_weights(t, K, SIGMOID, 0, scale, bias, lidx, lkey, P.lw, P.lp, nullptr, nullptr);
+      topk_weights(t, K, SIGMOID, 0, scale, bias, lidx, lkey, P.lw, P.lp, nullptr, 4, nullptr);
     }
     TM::sync();
 

@@ -70,9 +70,11 @@ _jit.register(_FILE, [f"router_fwd<{c}, {team}>" for c in _jit.CTYPES.values() f
               + [f"router_fwd_qb<{c}, {team}>" for c in _jit.CTYPES.values() for team in _TEAMS]
               + ["qb_histogram_accumulate"])
 # Quick kernels (_jit.function_tiered): compiled for one score case alone (_score_case), each computes the
-# bits of the kernel it stands in for in that case: a row of one warp without groups, and 8 to 32 keys a
-# lane without groups (for bf16 at 8 keys the kernel itself compiles in about a second).
-_jit.register(_FILE, [f"router_fwd<{c}, 32, false, false, {s}>" for c in _jit.CTYPES.values() for s in range(7)]
+# bits of the kernel it stands in for in that case: a row of one warp, with groups (for the one-warp and
+# register kernels with groups; no aux mode there) or without, and 8 to 32 keys a lane without groups (for
+# bf16 at 8 keys the kernel itself compiles in about a second).
+_jit.register(_FILE, [f"router_fwd<{c}, 32, {gr}, false, {s}>" for c in _jit.CTYPES.values()
+                      for gr, cases in (("false", range(7)), ("true", (0, 2, 3, 5, 6))) for s in cases]
               + [f"router_fwd_reg<{c}, {v}, false, false, false, {s}>" for c in ("float", "__nv_bfloat16")
                  for v in _REG_V if v != 8 or c == "float" for s in range(7)], quick=True)
 
@@ -345,7 +347,9 @@ def _score_case(score_fn, aux, has_bias):
 def _fwd_cfg(dtype, E, K, G, g, vec, device_id, case, bitmap=False):
     """(kernel, threads, slots a block, shared memory, resident blocks, tokens a warp, gcm), and whether it
     is final: False while the kernel is compiling in the background and a quick kernel for score ``case``
-    stands in (its configuration is the same but for the function)."""
+    stands in (the same kernel compiled for that case alone, with this configuration; with groups, the
+    one-warp row kernel with its own configuration: router_fwd_reg computes router_fwd<T, 32>'s bits)."""
+    ct = _jit.ctype(dtype)
     ch = 16 // dtype.itemsize
     v = _reg_v(E, ch, vec, dtype)
     if v:
@@ -358,36 +362,45 @@ def _fwd_cfg(dtype, E, K, G, g, vec, device_id, case, bitmap=False):
         ng = v == 8 and not G and (dtype.itemsize == 2 or _FWD_VARIANT == "f32nogroups")
         ls = v == 8 and K <= 8 and _lane_groups(E, K, G, g, ch) and _FWD_VARIANT != "nolanesel"
         if bitmap:  # the same kernel with the bit-packed map (every template argument spelled out)
-            fn, final = _jit.function(_FILE, f"router_fwd_reg<{_jit.ctype(dtype)}, {v}, {'false' if ng else 'true'}, "
+            fn, final = _jit.function(_FILE, f"router_fwd_reg<{ct}, {v}, {'false' if ng else 'true'}, "
                                              f"{'true' if ls else 'false'}, true>"), True
         else:
-            quick = (f"router_fwd_reg<{_jit.ctype(dtype)}, {v}, false, false, false, {case}>"
-                     if not G and not (ng and v == 8) and (dtype.itemsize == 4 or v != 8) else None)
-            fn, final = _jit.function_tiered(_FILE, f"router_fwd_reg<{_jit.ctype(dtype)}, {v}"
+            if not G:
+                quick = (f"router_fwd_reg<{ct}, {v}, false, false, false, {case}>"
+                         if not ng and (dtype.itemsize == 4 or v != 8) else None)
+            else:
+                quick = None if ls else f"router_fwd<{ct}, 32, true, false, {case}>"
+            fn, final = _jit.function_tiered(_FILE, f"router_fwd_reg<{ct}, {v}"
                                                     f"{', false' if ng else ''}{', true, true' if ls else ''}>", quick)
-        spb, threads = 4, 128
-        smem = 4 * _reg_slot_words(E, G, K, ls) * spb
-        tpw = _fwd_tpw(dtype, v, ls)
-        gcm = 0
+        if final or not G:
+            spb, threads = 4, 128
+            smem = 4 * _reg_slot_words(E, G, K, ls) * spb
+            tpw = _fwd_tpw(dtype, v, ls)
+            gcm = 0
+            return _fwd_cfg_out(fn, threads, spb, smem, tpw, gcm, device_id), final
+        team = 32  # the quick kernel for groups: the one-warp row kernel
     else:
         team = _team(E, fwd=True)
         # one warp without groups: a kernel compiled without the group-limited selection
         groups = bool(G) or team != 32
         if bitmap:
-            fn, final = _jit.function(
-                _FILE, f"router_fwd<{_jit.ctype(dtype)}, {team}, {'true' if groups else 'false'}, true>"), True
+            fn, final = _jit.function(_FILE, f"router_fwd<{ct}, {team}, {'true' if groups else 'false'}, true>"), True
         else:
             fn, final = _jit.function_tiered(
-                _FILE, f"router_fwd<{_jit.ctype(dtype)}, {team}{'' if groups else ', false'}>",
-                None if groups else f"router_fwd<{_jit.ctype(dtype)}, 32, false, false, {case}>")
-        spb = 4 if team == 32 else 1
-        smem = 4 * _slot_words(E, G, K, team) * spb
-        threads = team * spb
-        tpw = _fwd_tpw(dtype, 0, False, team)
-        gcm = _cmax_word(E, K, G, g, ch, vec, team)
+                _FILE, f"router_fwd<{ct}, {team}{'' if groups else ', false'}>",
+                None if team != 32 else f"router_fwd<{ct}, 32, {'true' if groups else 'false'}, false, {case}>")
+    spb = 4 if team == 32 else 1
+    smem = 4 * _slot_words(E, G, K, team) * spb
+    threads = team * spb
+    tpw = _fwd_tpw(dtype, 0, False, team)
+    gcm = _cmax_word(E, K, G, g, ch, vec, team)
+    return _fwd_cfg_out(fn, threads, spb, smem, tpw, gcm, device_id), final
+
+
+def _fwd_cfg_out(fn, threads, spb, smem, tpw, gcm, device_id):
     regs = getattr(fn, "num_regs", 0)
     _jit.set_max_dynamic_shared(fn, smem)
-    return (fn, threads, spb, smem, _grid(1 << 30, threads, smem, device_id, regs), tpw, gcm), final
+    return fn, threads, spb, smem, _grid(1 << 30, threads, smem, device_id, regs), tpw, gcm
 
 
 def _launch_fwd(call, x, T, E, K, score_fn, pre, aux, G, g, scale, bias, probs, scores, rmap, inter,

@@ -17,6 +17,7 @@ if [ "$WHAT" = compile ]; then
   tail -2 "$OUT/warmup.log"
 else
   if [ $# -eq 0 ]; then set -- -m gpu tests; fi
-  step gpu_tests 420 python3 -m pytest -q -rf "$@"
+  [ -f /tmp/moe_rt_kc/manifest.json ] || step warmup 120 python3 -m moe_rt warmup --quiet
+  step gpu_tests 480 python3 -m pytest -q -rf "$@"
   grep -E "^FAILED|^ERROR" "$OUT/gpu_tests.log" | head -40; tail -3 "$OUT/gpu_tests.log"
 fi
