@@ -18,6 +18,14 @@ if [ "$WHAT" = compile ]; then
 else
   if [ $# -eq 0 ]; then set -- -m gpu tests; fi
   [ -f /tmp/moe_rt_kc/manifest.json ] || step warmup 120 python3 -m moe_rt warmup --quiet
-  step gpu_tests 480 python3 -m pytest -q -rf "$@"
+  step gpu_tests 400 python3 -m pytest -q -rf "$@"
   grep -E "^FAILED|^ERROR" "$OUT/gpu_tests.log" | head -40; tail -3 "$OUT/gpu_tests.log"
+  if [ -n "${ROUTER_BENCH:-}" ]; then
+    step bench_router 150 python3 tools/bench_router.py --quick --no-compile --json "$OUT/bench_router.json"
+    grep -E "^\|" "$OUT/bench_router.log" | head -30
+  fi
+  if [ -n "${COMPILE_BENCH:-}" ]; then
+    step bench_compile 200 env -u MOE_RT_KERNEL_CACHE python3 tools/bench_compile.py --no-demo --no-warmup --json "$OUT/bench_compile.json"
+    grep -E "^first" "$OUT/bench_compile.log" | cut -c1-400
+  fi
 fi
