@@ -775,10 +775,10 @@ __global__ void __launch_bounds__(512) ep_direct_combine(
   constexpr int N = VEC ? Vec<T>::N : 1;
   const i64 nv = H / N;
 
-  for (int item = blockIdx.x; item < n_red; item += gridDim.x) {
+  auto reduce = [&](int item) {
     const int c = item / R, s = item - c * R;
     const int kept = min(recv_counts[s], P), lo = c * C, hi = min(lo + C, kept);
-    if (lo >= hi) continue;
+    if (lo >= hi) return;
     T* dst = reinterpret_cast<T*>(peer_rows[s]);
     float* dw = zw != nullptr ? reinterpret_cast<float*>(peer_w[s]) : nullptr;
     for (int j = lo + warp; j < hi; j += nw) {
@@ -808,34 +808,40 @@ __global__ void __launch_bounds__(512) ep_direct_combine(
         for (int k = lane; k < K; k += 32) dw[row * K + k] = zw[r * K + k];
     }
     block_signal(reinterpret_cast<unsigned*>(peer_flags[s]) + (i64)me * P + c, e);
-  }
+  };
 
   const T* stage = reinterpret_cast<const T*>(peer_rows[me]);
   const float* wstage = reinterpret_cast<const float*>(peer_w[me]);
   const unsigned* my_flags = reinterpret_cast<const unsigned*>(peer_flags[me]);
   const int n_tok = (Tn + nw - 1) / nw;
-  for (int item = blockIdx.x; item < n_tok; item += gridDim.x) {
+  // Sum item: tokens [item*nw, item*nw + nw), one a warp. 1 when summed; 0 when not all its chunks have landed
+  // (wait = false: nothing done); -1 after a failed wait.
+  auto sum = [&](int item, bool wait) -> int {
     const int t = item * nw + warp;
     if (t < Tn && lane < R) s_pos[warp][lane] = send_pos[(i64)lane * Tmax + t];
     __syncthreads();
     if (threadIdx.x == 0) {  // every chunk this group of tokens reads (positions ascend with t: few distinct)
-      for (int q = 0; q < R; ++q) {
+      int ok = 1;
+      for (int q = 0; q < R && ok == 1; ++q) {
         int last = -1;
         for (int ww = 0; ww < nw && item * nw + ww < Tn; ++ww) {
           const int pos = s_pos[ww][q];
           if (pos < 0 || pos / C == last) continue;
           last = pos / C;
-          if (!thread_wait_flag(my_flags + (i64)q * P + last, e, state, err_word, timeout_ns, op)) {
-            s_fail = 1;
+          const unsigned* f = my_flags + (i64)q * P + last;
+          if (!wait) {
+            if (!flag_reached(f, e)) { ok = 0; break; }
+          } else if (!thread_wait_flag(f, e, state, err_word, timeout_ns, op)) {
+            ok = -1;
             break;
           }
         }
-        if (s_fail) break;
       }
+      s_fail = ok;
     }
     __syncthreads();
-    if (s_fail) return;
-    if (t < Tn) {
+    const int ok = s_fail;
+    if (ok == 1 && t < Tn) {
       T* o = out + (i64)t * H;
       for (i64 v = lane; v < nv; v += 32) {
         float acc[N];
@@ -869,6 +875,18 @@ __global__ void __launch_bounds__(512) ep_direct_combine(
         }
       }
     }
-    __syncthreads();  // s_pos is rewritten by the next item
+    __syncthreads();  // s_pos and s_fail are rewritten by the next item
+    return ok;
+  };
+
+  // A block alternates: one reduce item, then its next sum item if that one's chunks have all landed; once its
+  // reduce items are done it waits for its remaining sum items.
+  int ri = blockIdx.x, si = blockIdx.x;
+  while (ri < n_red) {
+    reduce(ri);
+    ri += gridDim.x;
+    if (si < n_tok && sum(si, false) == 1) si += gridDim.x;
   }
+  for (; si < n_tok; si += gridDim.x)
+    if (sum(si, true) < 0) return;
 }
