@@ -765,7 +765,7 @@ def as_f32(xp, arr):
     (made on the call's stream)."""
     if np.dtype(arr.dtype) == np.float32 and arr.flags.c_contiguous:
         return arr
-    if type(arr) is DevArray:
+    if type(arr) is DevArray and arr.dtype not in FP8_DTYPES:  # FP8: DevArray.astype refuses
         arr = arr.cupy()
     return xp.ascontiguousarray(arr.astype(np.float32))
 
