@@ -511,7 +511,7 @@ class Call:
             return obj
         fw = _framework_of(obj)
         if self.backend == "cuda" and fw == "cupy":
-            if obj.dtype in FP8_DTYPES:
+            if obj.dtype.itemsize == 1 and obj.dtype in FP8_DTYPES:
                 raise TypeError(f"{name}: a CuPy {obj.dtype.name} array; CuPy has no FP8 dtype moe_rt can use, so "
                                 "FP8 on CUDA is taken from torch and JAX only (or pass the bytes as uint8 to "
                                 "moe_rt.dispatch, which moves them unchanged)")

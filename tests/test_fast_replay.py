@@ -1048,3 +1048,36 @@ def test_fp8_torch_replay_still_recorded(fake_torch, monkeypatch):
     assert got[0] == got[1] and got[0]
     (rec,) = P.dispatch.recipes.values()
     assert rec is not _fast._SLOW and [a[1] for a in rec.allocs] == [E4M3]
+
+
+def test_fp8_dlpack_import_on_cuda_keeps_the_bytes_as_uint8(fake_device, cupy_without_fp8, monkeypatch):
+    """An FP8 array exported by DLPack as FP8 (JAX does) is seen by CuPy as its uint8 bytes, the FP8 dtype on
+    the DevArray; the op's checks see FP8."""
+    from moe_rt import fp8 as F
+
+    class View:  # what _dlpack.consume gives for a CUDA FP8 array
+        device_type, device_id, dtype, shape, strides, ptr = "cuda", 0, E4M3, (6, 40), (40, 1), 0x7C0000000000
+        size = span = 240
+
+    class Producer:  # a DLPack producer on CUDA device 0
+        def __dlpack__(self, stream=None, **kw):
+            raise AssertionError("consumed through _dlpack.consume")
+
+        def __dlpack_device__(self):
+            return (2, 0)
+
+    def wrap(view, dtype=None):
+        dt = np.dtype(view.dtype if dtype is None else dtype)
+        if dt in _arrays.FP8_DTYPES:
+            raise ValueError(f"Unsupported dtype {dt.name}")
+        return _CpArr(view.ptr, view.shape, dt, view, 0)
+
+    monkeypatch.setattr(_arrays._dlpack, "consume", lambda obj, stream=None: View())
+    monkeypatch.setattr(_arrays, "wrap", wrap)
+    call = _arrays.Call({"x_fp8": Producer()})
+    v = call["x_fp8"]
+    assert type(v) is DevArray and v.dtype == E4M3 and v.shape == (6, 40) and v.ptr == View.ptr
+    assert v.owner.dtype == U8
+    with pytest.raises(TypeError, match="scales: dtype must be one of"):
+        F.check_dispatch_fp8_args(v, v)
+    F.check_dequantize_args(v, DevArray(0x7D0000000000, (6, 1), F32, None, 0), F32, 128)
