@@ -31,9 +31,11 @@ except ImportError:  # pragma: no cover - ml_dtypes is a dependency
 
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), BFLOAT16)
 # FP8 (ml_dtypes' NumPy dtypes, torch.float8_e4m3fn / float8_e5m2, jnp.float8_*): moved as raw bytes. CuPy
-# holds them as a dtype without arithmetic and cannot export them by DLPack, so on CUDA they are copied and
-# exported as uint8 views of the same memory and reinterpreted in the caller's framework (see export()).
+# holds no FP8 dtype (it refuses to make or view such arrays), so on CUDA an FP8 array is a DevArray whose
+# dtype is the FP8 dtype over memory CuPy sees as uint8 (see fp8_array); results go back to torch and JAX as
+# their FP8 types (DevArray.export). CuPy callers cannot pass or receive FP8 (a TypeError naming the argument).
 FP8_DTYPES = tuple(d for d in (FLOAT8_E4M3, FLOAT8_E5M2) if d is not None)
+_UINT8 = np.dtype(np.uint8)
 INDEX_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 
 
@@ -171,9 +173,10 @@ def _cupy_over_dense(ptr, shape, dtype, nbytes, owner, device_id):
     return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0))
 
 
-def _xla_view(obj, device_id):
+def _xla_view(obj, device_id, stream=None):
     """A CuPy array over an XLA buffer inside a JAX callback (already ordered on XLA's stream, which the call
-    runs on) through its ``__cuda_array_interface__``; None if the buffer does not offer one."""
+    runs on) through its ``__cuda_array_interface__`` (an FP8 buffer: a DevArray, see :func:`fp8_array`;
+    ``stream``: where a strided one is copied); None if the buffer does not offer one."""
     try:
         cai = obj.__cuda_array_interface__
         dt = np.dtype(obj.dtype)
@@ -188,7 +191,30 @@ def _xla_view(obj, device_id):
             st.append(acc)
             acc *= n
         st = reversed(st)
+    if dt in FP8_DTYPES:
+        return fp8_array(_cupy_over(ptr, shape, _UINT8, tuple(int(v) for v in st), obj, device_id), dt, stream)
     return _cupy_over(ptr, shape, dt, tuple(int(v) for v in st), obj, device_id)
+
+
+def fp8_array(u8, dtype, stream=None):
+    """The FP8 array of ``dtype`` over the bytes of ``u8``, a CuPy uint8 array (CuPy holds no FP8 dtype): a
+    DevArray of that dtype, over ``u8``'s memory when it is C-contiguous, else over a contiguous copy of its
+    bytes made on ``stream`` (a CuPy stream; None: CuPy's current stream) on ``u8``'s device."""
+    if not u8.flags.c_contiguous:
+        import cupy
+
+        with u8.device, (stream if stream is not None else cupy.cuda.get_current_stream()):
+            u8 = cupy.ascontiguousarray(u8)
+    return DevArray(u8.data.ptr, tuple(u8.shape), dtype, u8, u8.device.id)
+
+
+def _fp8_export(u8, dtype, framework: str):
+    """``u8`` (a CuPy uint8 array holding FP8 values of ``dtype``) as FP8 in ``framework``, no copy in torch
+    (a view), a bitcast in JAX."""
+    if framework not in ("torch", "jax"):
+        raise TypeError(f"an FP8 ({np.dtype(dtype).name}) result for a {framework} caller: CuPy holds no FP8 "
+                        "dtype, so moe_rt hands FP8 back to torch and JAX callers only")
+    return as_fp8(export(u8, framework), dtype, framework)
 
 
 class _Slot:
@@ -291,21 +317,26 @@ class DevArray:
     def astype(self, dtype, copy=True):
         if not copy and np.dtype(dtype) == self.dtype:
             return self
+        if self.dtype in FP8_DTYPES:
+            raise TypeError(f"{self.dtype.name} values cannot be converted on CUDA here (CuPy holds no FP8): "
+                            "dequantize them (moe_rt.dequantize_fp8)")
         return self.cupy().astype(dtype, copy=copy)
 
     def cupy(self):
-        """A CuPy array over the same memory (made once)."""
+        """A CuPy array over the same memory (made once); for an FP8 array, its bytes as uint8 (CuPy holds no
+        FP8 dtype)."""
         if type(self.owner) is _Slot:
             raise Unrecordable("the op needs a CuPy view of an array")
         if self._cp is None:
             nbytes = self.nbytes
+            dt = _UINT8 if self.dtype in FP8_DTYPES else self.dtype
             if nbytes == 0:
                 import cupy
 
                 with cupy.cuda.Device(self.device_id):
-                    self._cp = cupy.empty(self.shape, self.dtype)
+                    self._cp = cupy.empty(self.shape, dt)
             else:
-                self._cp = _cupy_over_dense(self.ptr, self.shape, self.dtype, nbytes, self.owner, self.device_id)
+                self._cp = _cupy_over_dense(self.ptr, self.shape, dt, nbytes, self.owner, self.device_id)
         return self._cp
 
     def export(self, framework: str):
@@ -318,6 +349,8 @@ class DevArray:
             return flat[self.offset:self.offset + self.size].view(self.shape)
         if framework == "devarray":
             return self
+        if self.dtype in FP8_DTYPES:
+            return _fp8_export(self.cupy(), self.dtype, framework)
         return export(self.cupy(), framework)
 
 
@@ -448,6 +481,7 @@ class Call:
                                  "all arrays of one call must be on the same device")
         if first is None:
             raise TypeError("no array argument was given")
+        self._first = first
         self._fast_torch = self.backend == "cuda" and stream is None and self.framework == "torch"
         self._on_xla_stream = xla_buffers and stream is not None
         # lean: the op's CUDA path takes DevArrays (torch tensors on torch's stream, XLA buffers) and
@@ -477,20 +511,28 @@ class Call:
             return obj
         fw = _framework_of(obj)
         if self.backend == "cuda" and fw == "cupy":
+            if obj.dtype.itemsize == 1 and obj.dtype in FP8_DTYPES:
+                raise TypeError(f"{name}: a CuPy {obj.dtype.name} array; CuPy has no FP8 dtype moe_rt can use, so "
+                                "FP8 on CUDA is taken from torch and JAX only (or pass the bytes as uint8 to "
+                                "moe_rt.dispatch, which moves them unchanged)")
             return obj
         if fw == "devarray":
-            return obj if self._lean else obj.cupy()
+            return obj if self._lean or obj.dtype in FP8_DTYPES else obj.cupy()
         if self._fast_torch and fw == "torch":
             # torch CUDA tensor on torch's current stream (the stream this call runs on): read its pointer,
             # shape and strides directly; DLPack's stream handshake would be a no-op here.
             dt = _torch_np_dtype(obj.dtype)
             if dt is not None and obj.is_cuda:
-                if self._lean and obj.is_contiguous():
+                fp8 = dt.itemsize == 1 and dt in FP8_DTYPES
+                if (self._lean or fp8) and obj.is_contiguous():
                     return DevArray(obj.data_ptr(), tuple(obj.shape), dt, obj, self.device_id)
+                if fp8:
+                    return fp8_array(_cupy_over(obj.data_ptr(), tuple(obj.shape), _UINT8, tuple(obj.stride()),
+                                                obj, self.device_id), dt, self.stream)
                 return _cupy_over(obj.data_ptr(), tuple(obj.shape), dt,
                                   tuple(st * dt.itemsize for st in obj.stride()), obj, self.device_id)
         if self.backend == "cuda" and self._on_xla_stream:
-            view = _xla_view(obj, self.device_id)
+            view = _xla_view(obj, self.device_id, self.stream)
             if view is not None:
                 return view
         if getattr(obj, "requires_grad", False):
@@ -510,6 +552,11 @@ class Call:
         if ptr == 0:
             ptr = 1  # DLPack: 1 is the legacy default stream; 0 is disallowed
         view = _dlpack.consume(obj, stream=ptr)
+        if view.device_type == "cuda":
+            if fp8 is None and view.dtype in FP8_DTYPES:  # a JAX (or other) FP8 array exported as FP8
+                fp8 = view.dtype
+            if fp8 is not None:  # CuPy holds no FP8: its bytes as uint8, the dtype on the DevArray
+                return fp8_array(wrap(view, _UINT8), fp8, self.stream)
         arr = wrap(view)
         return arr if fp8 is None else arr.view(fp8)
 
@@ -538,7 +585,7 @@ class Call:
     def empty(self, shape, dtype):
         """An uninitialized result array on the call's device and stream: in a lean call one of XLA's
         output buffers (see :class:`serving`) or a torch tensor from torch's allocator (as a DevArray),
-        else a CuPy (CUDA) or NumPy (CPU) array."""
+        else a CuPy (CUDA) or NumPy (CPU) array; FP8 on CUDA: a DevArray (see :func:`fp8_array`)."""
         if self._lean:
             if self._rec is not None:
                 return self._rec.alloc(shape, dtype, "empty", self.device_id)
@@ -552,6 +599,8 @@ class Call:
                         return d.reshape(shape)
             if self._fast_torch:
                 return self._torch_empty(shape, dtype)
+        if self.backend == "cuda" and np.dtype(dtype) in FP8_DTYPES:
+            return self._fp8_empty(shape, np.dtype(dtype))
         return self.xp.empty(shape, dtype=dtype)
 
     def scratch(self, shape, dtype):
@@ -560,7 +609,19 @@ class Call:
             return self._rec.alloc(shape, dtype, "scratch", self.device_id)
         if self._lean and self._fast_torch:
             return self._torch_empty(tuple(shape), np.dtype(dtype))
+        if self.backend == "cuda" and np.dtype(dtype) in FP8_DTYPES:
+            return self._fp8_empty(shape, np.dtype(dtype))
         return self.xp.empty(shape, dtype=dtype)
+
+    def _fp8_empty(self, shape, dtype):
+        """An FP8 array on CUDA: uint8 memory from CuPy, the FP8 dtype on the DevArray; refused for callers
+        whose framework cannot take FP8 back (CuPy)."""
+        if self.framework not in ("torch", "jax", "devarray"):
+            raise TypeError(f"{self._first}: a {self.framework} array, and the result would be FP8 "
+                            f"({dtype.name}), which CuPy cannot hold; pass torch or JAX arrays for FP8 on CUDA")
+        import cupy
+
+        return fp8_array(cupy.empty(tuple(shape), dtype=_UINT8), dtype)
 
     def _torch_empty(self, shape, dtype):
         import torch
@@ -579,8 +640,6 @@ class Call:
         if type(arr) is DevArray:
             return arr.export(self.framework)
         if self._fast_torch and not isinstance(arr, np.ndarray):
-            if arr.dtype in FP8_DTYPES:  # CuPy exports no FP8 by DLPack: its bytes, seen as FP8 in torch
-                return as_fp8(_torch_from_cupy(arr.view(np.uint8), self.stream.ptr), arr.dtype, "torch")
             return _torch_from_cupy(arr, self.stream.ptr)
         return export(arr, self.framework)
 
@@ -597,22 +656,26 @@ def _torch_from_cupy(arr, stream_ptr):
     return importer(arr.__dlpack__(stream=stream_ptr if stream_ptr else 1, max_version=(1, 0)))
 
 
-def wrap(view):
-    """A CuPy (CUDA) or NumPy (CPU) array over an :class:`moe_rt._dlpack.Imported` view, no copy."""
+def wrap(view, dtype=None):
+    """A CuPy (CUDA) or NumPy (CPU) array over an :class:`moe_rt._dlpack.Imported` view, no copy; ``dtype``:
+    another dtype of the same item size to see the elements as (None: the view's)."""
     itemsize = view.dtype.itemsize
     byte_strides = tuple(s * itemsize for s in view.strides)
+    dt = view.dtype if dtype is None else np.dtype(dtype)
+    if dt.itemsize != itemsize:
+        raise ValueError(f"wrap: {dt.name} has not the item size of {view.dtype.name}")
     if view.device_type == "cuda":
         import cupy
 
         if view.size == 0:
             with cupy.cuda.Device(view.device_id):
-                return cupy.empty(view.shape, view.dtype)
+                return cupy.empty(view.shape, dt)
         mem = cupy.cuda.UnownedMemory(view.ptr, view.span, view, view.device_id)
-        return cupy.ndarray(view.shape, view.dtype, cupy.cuda.MemoryPointer(mem, 0), strides=byte_strides)
+        return cupy.ndarray(view.shape, dt, cupy.cuda.MemoryPointer(mem, 0), strides=byte_strides)
     if view.size == 0:
-        return np.empty(view.shape, view.dtype)
+        return np.empty(view.shape, dt)
     buf = _dlpack.HostBuffer(view.ptr, view.span, view, view.readonly)
-    arr = np.ndarray(view.shape, view.dtype, buffer=buf, strides=byte_strides)
+    arr = np.ndarray(view.shape, dt, buffer=buf, strides=byte_strides)
     return arr
 
 
@@ -626,8 +689,6 @@ def export(arr, framework: str):
         return arr
     if framework == "numpy":  # CUDA result for a NumPy caller cannot happen: backend follows the data
         return arr.get()
-    if not is_numpy and arr.dtype in FP8_DTYPES:
-        return as_fp8(export(arr.view(np.uint8), framework), arr.dtype, framework)
     src = _dlpack.Exported.from_numpy(arr) if is_numpy else arr
     if framework == "torch":
         import torch
@@ -687,12 +748,10 @@ def check_shape(arr, name, shape):
 
 
 def contiguous(xp, arr):
-    """``arr`` if C-contiguous, else a contiguous copy (made on the call's stream; FP8 copied as bytes,
-    CuPy has no arithmetic for it)."""
+    """``arr`` if C-contiguous, else a contiguous copy (made on the call's stream). FP8 arrays on CUDA are
+    DevArrays, C-contiguous from their import on (see :func:`fp8_array`)."""
     if arr.flags.c_contiguous:
         return arr
-    if arr.dtype in FP8_DTYPES and xp is not np:
-        return xp.ascontiguousarray(arr.view(np.uint8)).view(arr.dtype)
     return xp.ascontiguousarray(arr)
 
 
@@ -706,7 +765,7 @@ def as_f32(xp, arr):
     (made on the call's stream)."""
     if np.dtype(arr.dtype) == np.float32 and arr.flags.c_contiguous:
         return arr
-    if type(arr) is DevArray:
+    if type(arr) is DevArray and arr.dtype not in FP8_DTYPES:  # FP8: DevArray.astype refuses
         arr = arr.cupy()
     return xp.ascontiguousarray(arr.astype(np.float32))
 

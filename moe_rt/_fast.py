@@ -53,9 +53,12 @@ def _win(i: int) -> int:
 
 
 class _Recorder:
-    """What one call of an op does, gathered while it runs over symbolic arrays."""
+    """What one call of an op does, gathered while it runs over symbolic arrays. ``fp8``: whether FP8 arrays
+    may take part (a torch replay allocates them as torch tensors; the CuPy and XLA-buffer replays would need
+    CuPy to hold FP8, which it cannot)."""
 
-    def __init__(self):
+    def __init__(self, fp8=False):
+        self.fp8 = fp8
         self.bases = []  # made-up address of each slot (inputs keep their real misalignment)
         self.shapes = []
         self.allocs = []  # (shape, dtype, kind) of each allocation, in order; kind: "empty" or "scratch"
@@ -69,7 +72,12 @@ class _Recorder:
         self.shapes.append(shape)
         return i
 
+    def _no_fp8(self, dtype):
+        if not self.fp8 and dtype in _arrays.FP8_DTYPES:
+            raise Unrecordable("FP8 arrays are replayed for torch tensors only (CuPy holds no FP8)")
+
     def input(self, dtype, shape, misalign, device_id):
+        self._no_fp8(dtype)
         i = len(self.bases)
         base = _win(i) + misalign
         self._slot(base, shape)
@@ -78,6 +86,7 @@ class _Recorder:
     def alloc(self, shape, dtype, kind, device_id):  # Call.empty / Call.scratch while recording
         shape = tuple(int(d) for d in shape)
         dtype = np.dtype(dtype)
+        self._no_fp8(dtype)
         i = len(self.bases)
         self._slot(_win(i), shape)
         self.allocs.append((shape, dtype, kind))
@@ -147,12 +156,12 @@ class _Recipe:
         self.result = result
 
 
-def _record(op, args, kwargs, where, metas, device_id, plan=None):
+def _record(op, args, kwargs, where, metas, device_id, plan=None, fp8=False):
     """Run ``op`` over symbolic arrays in place of the real ones (``where[i]``: the position or keyword of
     array i; ``metas[i]``: its (dtype, shape, misalignment) or None) and return its recipe. ``plan``:
     (position or keyword, the plan, the metas of its arrays, a function making the same plan over
-    symbolic arrays), or None."""
-    rec = _Recorder()
+    symbolic arrays), or None. ``fp8``: whether FP8 arrays may take part (torch replays only)."""
+    rec = _Recorder(fp8)
     args, kwargs = list(args), dict(kwargs)
     n_in = 0
     for w, m in zip(where, metas):
@@ -541,7 +550,7 @@ def recorded(*array_params, variant=None, plan=None):
                         if dt is None:
                             raise Unrecordable("a dtype moe_rt does not handle")
                         np_metas.append((dt, tuple(m[1]), m[2]))
-                    rec = _record(op, args, kwargs, places, np_metas, dev, pinfo)
+                    rec = _record(op, args, kwargs, places, np_metas, dev, pinfo, fp8=mode == 0)
                 except _arrays.NotYet:  # a quick kernel this time: run it the ordinary way, record a later call
                     return _ordinary(op, args, kwargs)
                 except Exception:  # noqa: BLE001 - unrecordable or bad input: the ordinary path runs (and raises)

@@ -118,7 +118,8 @@ def quantize_fp8(x, block: int = 128, *, stream=None):
         stream: CUDA stream (None = the caller's current stream).
 
     Returns:
-        ``(x_fp8 [T,H] float8_e4m3fn, scales [T, ceil(H/block)] float32)`` in x's framework and device:
+        ``(x_fp8 [T,H] float8_e4m3fn, scales [T, ceil(H/block)] float32)`` in x's framework and device
+        (torch, JAX or NumPy: CuPy holds no FP8, so a CuPy ``x`` is refused with a TypeError):
         ``scale = amax/448`` of the block in fp32 (1 where that is 0), ``x_fp8 = e4m3(x/scale)`` (fp32
         quotient, round to nearest even, saturating to +-448), so ``x ~= x_fp8 * scale`` (the scale is the
         dequantization multiplier). Bitwise equal on every backend.

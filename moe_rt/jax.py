@@ -128,8 +128,9 @@ _DTYPES: dict = {}
 
 
 def _view(buf, dev_id):
-    """A CuPy array over an XLA GPU buffer, no copy."""
-    return _arrays.cupy_of(_dev_view(buf, dev_id))
+    """A CuPy array over an XLA GPU buffer, no copy (an FP8 buffer stays a DevArray: CuPy holds no FP8)."""
+    v = _dev_view(buf, dev_id)
+    return v if v.dtype in _arrays.FP8_DTYPES else _arrays.cupy_of(v)
 
 
 def _dev_view(buf, dev_id):
@@ -165,9 +166,8 @@ def _write(dsts, results, on_gpu: bool) -> bool:
     in_place = True
     for dst, r in zip(dsts, results):
         if dst.size and not (on_gpu and _in_place(r, dst)):
+            # (FP8 on the GPU: DevArrays, whose CuPy views are their bytes as uint8)
             d, r = _arrays.cupy_of(dst), _arrays.cupy_of(r)
-            if on_gpu and d.dtype in _arrays.FP8_DTYPES:  # CuPy has no arithmetic (and no copy) for FP8
-                d, r = d.view(np.uint8), r.view(np.uint8)
             d[...] = r.reshape(d.shape)
             in_place = False
     return in_place
@@ -183,7 +183,7 @@ def _into(dsts):
     import cupy
 
     sizes = [int(d.nbytes) for d in dsts]
-    offer = {n: d.data for d, n in zip(dsts, sizes) if n > 0 and sizes.count(n) == 1}
+    offer = {n: _arrays.cupy_of(d).data for d, n in zip(dsts, sizes) if n > 0 and sizes.count(n) == 1}
     pool = cupy.get_default_memory_pool()
 
     def alloc(nbytes):

@@ -1003,7 +1003,7 @@ def _sort_chunks_cuda(call, xv, s, o, pv, bwd):
     if np.dtype(s.dtype) != np.dtype(o.dtype):
         s, o = s.astype(np.int32), o.astype(np.int32)
     s, o = _arrays.contiguous(xp, s), _arrays.contiguous(xp, o)
-    out = xp.empty_like(xv)
+    out = call.empty(xv.shape, xv.dtype)  # FP8 rows: a DevArray over uint8 memory (CuPy holds no FP8)
     po = None if pv is None else xp.empty(N, dtype=np.float32)
     if N == 0:
         return out, po

@@ -837,3 +837,247 @@ def test_a_call_running_a_quick_kernel_is_not_recorded(fake_device, monkeypatch)
     new = [r for k, r in op.recipes.items() if k not in before]
     assert len(new) == 1 and new[0] is not _fast._SLOW
     assert call() == [main]  # the replay
+
+
+# -- FP8 on the CUDA paths: CuPy never holds an FP8 dtype ------------------------------------------------
+# CuPy (14.x) refuses to make or view arrays of ml_dtypes' float8 dtypes ("Unsupported dtype"); moe_rt keeps
+# FP8 device arrays as DevArrays of the FP8 dtype over memory CuPy sees as uint8.
+
+E4M3, E5M2, U8 = _arrays.FLOAT8_E4M3, _arrays.FLOAT8_E5M2, np.dtype(np.uint8)
+
+
+class _Dev0:
+    id = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _CpArr(DevArray):
+    """What the stand-in ``cupy.empty`` hands out: made-up memory with a CuPy array's ``device``."""
+
+    __slots__ = ()
+    device = _Dev0()
+
+
+_CpArr.__module__ = "cupy._core.core"  # a CuPy array to moe_rt's Call
+
+
+@pytest.fixture
+def cupy_without_fp8(monkeypatch):
+    """CuPy's array creation as CuPy 14.2 does it for FP8 (ValueError), made-up memory for anything else;
+    CuPy views over device memory refuse FP8 the same way. Returns the arrays ``cupy.empty`` made."""
+    import cupy
+
+    mem, made = _Mem(), []
+
+    def refuse(dtype):
+        if np.dtype(dtype) in _arrays.FP8_DTYPES:
+            raise ValueError(f"Unsupported dtype {np.dtype(dtype).name}")
+
+    def empty(shape, dtype=F32, **kw):
+        refuse(dtype)
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        a = mem(shape, dtype)
+        made.append(_CpArr(a.ptr, a.shape, a.dtype, a.owner, 0))
+        return made[-1]
+
+    def over(*args, **kw):
+        refuse(args[2])
+        raise AssertionError("no CuPy view of device memory is expected on this path")
+
+    monkeypatch.setattr(cupy, "empty", empty)
+    monkeypatch.setattr(_arrays, "_cupy_over", over)
+    monkeypatch.setattr(_arrays, "_cupy_over_dense", over)
+    return made
+
+
+class _FakeCupy:
+    """A CuPy array as moe_rt's Call sees one (framework 'cupy', on device 0)."""
+
+    device = _Dev0()
+
+    class flags:
+        c_contiguous = True
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype, self.ndim = tuple(shape), np.dtype(dtype), len(shape)
+        self.size = math.prod(shape)
+        self.data = DevArray(0x7A0000000000, self.shape, self.dtype, None, 0)
+
+
+_FakeCupy.__module__ = "cupy._core.core"
+
+
+@pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=lambda d: d.name)
+def test_fp8_dispatch_cuda_path_moves_bytes_without_cupy_fp8(fake_device, cupy_without_fp8, fp8):
+    mem = _Mem()
+    T, K, E, H = 77, 4, 16, 96
+    N = T * K
+    plan = _fake_plan(mem, T, K, E, N)
+    x, out = mem((T, H), fp8), mem((N, H), fp8)
+    as_u8 = lambda a: DevArray(a.ptr, a.shape, U8, a.owner, 0)  # noqa: E731 - the same bytes as uint8
+    want = []
+    fake_device.calls.clear()
+    with _arrays.serving([as_u8(out)], STREAM):
+        P.dispatch.ordinary(as_u8(x), plan)
+    want = list(fake_device.calls)
+    assert want
+    # served as a JAX callback serves XLA's buffers: FP8 is not recorded (the XLA-buffer and CuPy replays
+    # would need CuPy to hold it); the ordinary path computes into the FP8 buffer, moving the bytes as uint8
+    P.dispatch.recipes.clear()
+    for fn in (P.dispatch.ordinary, P.dispatch, P.dispatch):
+        fake_device.calls.clear()
+        with _arrays.serving([out], STREAM):
+            r, pp = fn(x, plan)
+        assert type(r) is DevArray and r.dtype == fp8 and r.ptr == out.ptr and pp is None
+        assert fake_device.calls == want
+    assert list(P.dispatch.recipes.values()) == [_fast._SLOW]
+    # not served: uint8 memory from CuPy, the FP8 dtype on the DevArray
+    fake_device.calls.clear()
+    r, _ = P.dispatch(x, plan)
+    assert type(r) is DevArray and r.dtype == fp8 and r.shape == (N, H)
+    assert r.owner is cupy_without_fp8[-1] and r.owner.dtype == U8 and r.ptr == r.owner.ptr
+    assert [c[:3] for c in fake_device.calls] == [c[:3] for c in want]
+    # the checks see the FP8 dtype: refused where rows are summed, naming the argument
+    w = mem((T, K), F32)
+    for args, kw, name in [((r, plan), {}, "y_permuted"), ((r, plan), dict(probs=w), "y_permuted"),
+                           ((mem((T, H), fp8), plan), {}, "grad_y")]:
+        op = P.combine if name == "y_permuted" else P.combine_backward
+        for served in (False, True):
+            with _arrays.serving([mem((T, H), F32)] if served else [], STREAM):
+                with pytest.raises(TypeError, match=f"{name}: {fp8.name} rows cannot be summed"):
+                    op(*args, **kw)
+    with pytest.raises(TypeError, match=f"grad_x_permuted: {fp8.name} rows cannot be summed"):
+        P.dispatch_backward(r, plan)
+
+
+def test_fp8_quantize_cuda_path_allocates_uint8(fake_device, cupy_without_fp8):
+    from moe_rt import fp8 as F
+
+    mem = _Mem()
+    T, H, block = 33, 300, 128
+    nb = -(-H // block)
+    x = mem((T, H), BF16)
+    fake_device.calls.clear()
+    q, s = F.quantize_fp8(x, block)
+    assert type(q) is DevArray and q.dtype == E4M3 and q.shape == (T, H) and q.owner.dtype == U8
+    assert s.dtype == F32 and s.shape == (T, nb)
+    (call,) = fake_device.calls
+    assert call[3][:3] == (x.ptr, q.ptr, s.data.ptr)
+    outs = [mem((T, H), E4M3), mem((T, nb), F32)]
+    with _arrays.serving(list(outs), STREAM):
+        q2, s2 = F.quantize_fp8(x, block)
+    assert (q2.ptr, q2.dtype, s2.ptr) == (outs[0].ptr, E4M3, outs[1].ptr)
+    fake_device.calls.clear()
+    y = F.dequantize_fp8(q, s, F32, block)
+    assert y.dtype == F32 and fake_device.calls[0][3][:2] == (q.ptr, s.data.ptr)
+    with pytest.raises(TypeError, match="x_fp8: expected float8_e4m3fn"):
+        F.dequantize_fp8(mem((T, H), E5M2), s, F32, block)
+    with pytest.raises(TypeError, match="x_fp8: expected float8_e4m3fn"):
+        F.dequantize_fp8(mem((T, H), U8), s, F32, block)
+
+
+def test_fp8_refused_for_cupy_callers_with_a_clear_error(fake_device, cupy_without_fp8):
+    from moe_rt import fp8 as F
+
+    mem = _Mem()
+    T, K, E, H = 9, 2, 4, 32
+    plan = _fake_plan(mem, T, K, E, T * K)
+    with pytest.raises(TypeError, match=r"x: a cupy array, and the result would be FP8 \(float8_e4m3fn\)"):
+        F.quantize_fp8(_FakeCupy((T, H), F32))
+    scales = _FakeCupy((T, 1), F32)
+    for fp8 in (E4M3, E5M2):
+        with pytest.raises(TypeError, match=f"x: a CuPy {fp8.name} array"):
+            P.dispatch(_FakeCupy((T, H), fp8), plan)
+        with pytest.raises(TypeError, match=f"x_fp8: a CuPy {fp8.name} array"):
+            F.dispatch_fp8(_FakeCupy((T, H), fp8), scales, plan)
+    with pytest.raises(TypeError, match="x_fp8: a CuPy float8_e4m3fn array"):
+        F.dequantize_fp8(_FakeCupy((T, H), E4M3), scales)
+    assert cupy_without_fp8 == []  # refused before anything was allocated
+
+
+def test_fp8_devarray_views_and_exports(cupy_without_fp8, monkeypatch):
+    torch = pytest.importorskip("torch")
+    seen = []
+
+    def over(ptr, shape, dtype, nbytes, owner, dev):
+        seen.append(dtype)
+        return _CpArr(ptr, shape, dtype, owner, dev)
+
+    monkeypatch.setattr(_arrays, "_cupy_over_dense", over)
+    a = DevArray(0x7B0000000000, (3, 5), E5M2, object(), 0)
+    u8 = a.cupy()
+    assert seen == [U8] and u8.dtype == U8 and u8.ptr == a.ptr  # CuPy sees the bytes
+    with pytest.raises(TypeError, match="float8_e5m2 values cannot be converted"):
+        a.astype(F32)
+    assert a.astype(E5M2, copy=False) is a
+    assert a.export("devarray") is a
+    for fw in ("cupy", "other"):
+        with pytest.raises(TypeError, match=f"FP8 \\(float8_e5m2\\) result for a {fw} caller"):
+            a.export(fw)
+    # torch and JAX get their FP8 types over the uint8 export of the bytes
+    monkeypatch.setattr(_arrays, "export", lambda arr, fw: torch.zeros(arr.shape, dtype=torch.uint8))
+    t = a.export("torch")
+    assert t.dtype == torch.float8_e5m2 and tuple(t.shape) == (3, 5)
+    jnp = pytest.importorskip("jax.numpy")
+    monkeypatch.setattr(_arrays, "export", lambda arr, fw: jnp.zeros(arr.shape, jnp.uint8))
+    j = a.export("jax")
+    assert j.dtype == jnp.float8_e5m2 and j.shape == (3, 5)
+
+
+def test_fp8_torch_replay_still_recorded(fake_torch, monkeypatch):
+    """torch replays allocate FP8 as torch tensors: FP8 dispatch stays recorded for torch callers."""
+    drv, ft, torch = fake_torch
+    mem = _Mem()
+    T, K, E, H = 21, 2, 8, 64
+    N = T * K
+    plan = _fake_plan(mem, T, K, E, N)
+    x = _FakeTensor(mem((T, H), U8).ptr, (T, H), torch.float8_e4m3fn)
+    P.dispatch.recipes.clear()
+    got = []
+    for _ in range(2):
+        ft.reset()
+        drv.calls.clear()
+        out, _ = P.dispatch(x, plan)
+        assert out.dtype == torch.float8_e4m3fn and tuple(out.shape) == (N, H)
+        got.append(list(drv.calls))
+    assert got[0] == got[1] and got[0]
+    (rec,) = P.dispatch.recipes.values()
+    assert rec is not _fast._SLOW and [a[1] for a in rec.allocs] == [E4M3]
+
+
+def test_fp8_dlpack_import_on_cuda_keeps_the_bytes_as_uint8(fake_device, cupy_without_fp8, monkeypatch):
+    """An FP8 array exported by DLPack as FP8 (JAX does) is seen by CuPy as its uint8 bytes, the FP8 dtype on
+    the DevArray; the op's checks see FP8."""
+    from moe_rt import fp8 as F
+
+    class View:  # what _dlpack.consume gives for a CUDA FP8 array
+        device_type, device_id, dtype, shape, strides, ptr = "cuda", 0, E4M3, (6, 40), (40, 1), 0x7C0000000000
+        size = span = 240
+
+    class Producer:  # a DLPack producer on CUDA device 0
+        def __dlpack__(self, stream=None, **kw):
+            raise AssertionError("consumed through _dlpack.consume")
+
+        def __dlpack_device__(self):
+            return (2, 0)
+
+    def wrap(view, dtype=None):
+        dt = np.dtype(view.dtype if dtype is None else dtype)
+        if dt in _arrays.FP8_DTYPES:
+            raise ValueError(f"Unsupported dtype {dt.name}")
+        return _CpArr(view.ptr, view.shape, dt, view, 0)
+
+    monkeypatch.setattr(_arrays._dlpack, "consume", lambda obj, stream=None: View())
+    monkeypatch.setattr(_arrays, "wrap", wrap)
+    call = _arrays.Call({"x_fp8": Producer()})
+    v = call["x_fp8"]
+    assert type(v) is DevArray and v.dtype == E4M3 and v.shape == (6, 40) and v.ptr == View.ptr
+    assert v.owner.dtype == U8
+    with pytest.raises(TypeError, match="scales: dtype must be one of"):
+        F.check_dispatch_fp8_args(v, v)
+    F.check_dequantize_args(v, DevArray(0x7D0000000000, (6, 1), F32, None, 0), F32, 128)

@@ -414,20 +414,24 @@ def test_gpu_quantize_bit_exact(rng, dtype, T, H, block, offset):
     cp = _cupy()
     x = edge_inputs(rng, T, H, dtype, block) if T else np.zeros((T, H), dtype)
     qr, sr = moe_rt.quantize_fp8(x, block)
-    # offset 1: the rows start one element past an aligned address (the scalar kernels)
-    buf = cp.asarray(np.concatenate([np.zeros(offset, dtype), x.reshape(-1)]))
-    xd = buf[offset:].reshape(T, H)
-    q, s = moe_rt.quantize_fp8(xd, block)
-    assert q.dtype == E4M3 and s.dtype == np.float32
-    np.testing.assert_array_equal(cp.asnumpy(q.view(np.uint8)), bits(qr))
-    np.testing.assert_array_equal(cp.asnumpy(s).view(np.uint32), sr.view(np.uint32))
-    for out in (np.float32, BF16, np.float16):
-        y = moe_rt.dequantize_fp8(q, s, out, block)
-        yr = moe_rt.dequantize_fp8(qr, sr, out, block)
-        np.testing.assert_array_equal(bits(cp.asnumpy(y)), bits(yr))
+    # CuPy holds no FP8 dtype: a CuPy caller is refused, naming the argument
+    with pytest.raises(TypeError, match=r"x: a cupy array, and the result would be FP8"):
+        moe_rt.quantize_fp8(cp.asarray(x), block)
+    if torch is not None:
+        tdt = {np.dtype(np.float32): torch.float32, BF16: torch.bfloat16, np.dtype(np.float16): torch.float16}[dtype]
+        # offset 1: the rows start one element past an aligned address (the scalar kernels)
+        buf = torch.from_numpy(np.concatenate([np.zeros(offset, np.float32), x.astype(np.float32).reshape(-1)]))
+        xd = buf.cuda().to(tdt)[offset:].view(T, H)
+        q, s = moe_rt.quantize_fp8(xd, block)
+        assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32 and q.is_cuda
+        np.testing.assert_array_equal(q.view(torch.uint8).cpu().numpy(), bits(qr))
+        np.testing.assert_array_equal(s.cpu().numpy().view(np.uint32), sr.view(np.uint32))
+        for out, tout in ((np.float32, torch.int32), (BF16, torch.int16), (np.float16, torch.int16)):
+            y = moe_rt.dequantize_fp8(q, s, out, block)
+            yr = moe_rt.dequantize_fp8(qr, sr, out, block)
+            np.testing.assert_array_equal(y.view(tout).cpu().numpy().view(bits(yr).dtype), bits(yr))
     if torch is not None and T:
-        xt = torch.from_numpy(x.astype(np.float32)).cuda().to(
-            {np.dtype(np.float32): torch.float32, BF16: torch.bfloat16, np.dtype(np.float16): torch.float16}[dtype])
+        xt = torch.from_numpy(x.astype(np.float32)).cuda().to(tdt)
         for f in (moe_rt.quantize_fp8, moe_rt.torch.quantize_fp8,
                   torch.compile(moe_rt.torch.quantize_fp8, fullgraph=True)):
             qt, st = f(xt, block)
@@ -436,14 +440,23 @@ def test_gpu_quantize_bit_exact(rng, dtype, T, H, block, offset):
             np.testing.assert_array_equal(st.cpu().numpy().view(np.uint32), sr.view(np.uint32))
         s2 = torch.cuda.Stream()
         with torch.cuda.stream(s2):
+            qs, ss = moe_rt.quantize_fp8(xt, block, stream=s2)  # through DLPack: FP8 made as uint8 there
             yt = moe_rt.dequantize_fp8(qt, st, torch.bfloat16, block, stream=s2)
         s2.synchronize()
+        assert qs.dtype == torch.float8_e4m3fn
+        np.testing.assert_array_equal(qs.view(torch.uint8).cpu().numpy(), bits(qr))
+        np.testing.assert_array_equal(ss.cpu().numpy().view(np.uint32), sr.view(np.uint32))
         np.testing.assert_array_equal(yt.view(torch.int16).cpu().numpy(),
                                       bits(moe_rt.dequantize_fp8(qr, sr, BF16, block)).view(np.int16))
     if _jax_gpu() is not None and T:
         xj = jax.device_put(jnp.asarray(x), _jax_gpu())
         qj, sj = jax.jit(lambda a: moe_rt.jax.quantize_fp8(a, block))(xj)
         np.testing.assert_array_equal(bits(np.asarray(qj)), bits(qr))
+        qe, se = moe_rt.quantize_fp8(xj, block)  # the core op on JAX arrays (eager, through DLPack)
+        assert qe.dtype == jnp.float8_e4m3fn
+        np.testing.assert_array_equal(bits(np.asarray(qe)), bits(qr))
+        np.testing.assert_array_equal(bits(np.asarray(moe_rt.dequantize_fp8(qe, se, np.float32, block))),
+                                      bits(moe_rt.dequantize_fp8(qr, sr, np.float32, block)))
         yj = jax.jit(lambda a, b: moe_rt.jax.dequantize_fp8(a, b, jnp.float32, block))(qj, sj)
         np.testing.assert_array_equal(np.asarray(yj), moe_rt.dequantize_fp8(qr, sr, np.float32, block))
 
@@ -487,6 +500,21 @@ def test_gpu_torch_fp8_dispatch(rng, tname, T, E, K, H, A):
     pa.sum().backward()
     with pytest.raises(TypeError, match="float8"):
         moe_rt.combine(out, plan)
+    with pytest.raises(TypeError, match="y_permuted: float8"):
+        moe_rt.combine(out, plan, stream=s2)
+    # chunks of FP8 rows reordered as bytes (contiguous and strided, on torch's stream and another one)
+    split = rng.multinomial(T - 3, np.ones(5) / 5).astype(np.int32)
+    order = rng.permutation(5).astype(np.int32)
+    exp, _ = RP.sort_chunks(raw, split, order)
+    for xs, kw in ((xt, {}), (wide, {}), (xt, dict(stream=s2))):
+        got = moe_rt.sort_chunks(xs, split, order, **kw)
+        s2.synchronize()
+        assert got.dtype == tdt
+        np.testing.assert_array_equal(got.view(torch.uint8).cpu().numpy(), exp)
+        back = moe_rt.sort_chunks_backward(got, split, order, **kw)
+        s2.synchronize()
+        assert back.dtype == tdt
+        np.testing.assert_array_equal(back.view(torch.uint8).cpu().numpy(), raw)
 
 
 @pytest.mark.gpu
@@ -498,10 +526,20 @@ def test_gpu_cupy_and_jax_fp8_dispatch(rng):
     cplan = moe_rt.make_plan(idx, E, align_size=4)
     ref_x, _ = RP.dispatch(raw, cplan._dict())
     plan = moe_rt.make_plan(cp.asarray(idx), E, align_size=4)
-    for fp8 in (E4M3, E5M2):
-        out, _ = moe_rt.dispatch(cp.asarray(raw).view(fp8), plan)
-        assert out.dtype == fp8
-        np.testing.assert_array_equal(cp.asnumpy(out.view(np.uint8)), ref_x)
+    for _ in range(2):  # the second call may replay a recorded launch
+        for fp8 in (E4M3, E5M2):
+            # CuPy holds no FP8 dtype moe_rt can use: a CuPy FP8 array (if this CuPy can view bytes as one) is
+            # refused, naming the argument; the bytes as uint8 are moved unchanged
+            try:
+                xc = cp.asarray(raw).view(fp8)
+            except (TypeError, ValueError):
+                xc = None
+            if xc is not None:
+                with pytest.raises(TypeError, match=f"x: a CuPy {fp8.name} array"):
+                    moe_rt.dispatch(xc, plan)
+        out, _ = moe_rt.dispatch(cp.asarray(raw), plan)
+        assert out.dtype == np.uint8
+        np.testing.assert_array_equal(cp.asnumpy(out), ref_x)
     gpu = _jax_gpu()
     if gpu is not None:
         xj = jax.lax.bitcast_convert_type(jax.device_put(jnp.asarray(raw), gpu), jnp.float8_e4m3fn)
