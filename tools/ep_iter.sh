@@ -10,6 +10,10 @@ export MOE_RT_KERNEL_CACHE=/tmp/moe_rt_kc
 step warmup 150 python3 -m moe_rt warmup --quiet
 step ep_direct 420 python3 -m pytest -q -x -rA tests/test_ep.py -k "transports or direct_dead"
 grep -E "passed|failed|PASSED|FAILED|Error|error|mismatch" "$OUT/ep_direct.log" | head -30
+if [ -n "${EXTRA_TESTS:-}" ]; then  # single-GPU tests on GPU 0 of the same machine
+  step extra_tests 300 python3 -m pytest -q -rf -m gpu $EXTRA_TESTS
+  grep -E "^FAILED|^ERROR" "$OUT/extra_tests.log" | head -30; tail -2 "$OUT/extra_tests.log"
+fi
 for n in 4 2; do
   step bench_ep$n 240 env MOE_RT_BENCH_EP_NPROC=$n python3 tools/bench_ep.py --tokens "$TOK" --chunks 2 --json "$OUT/bench_ep$n.json"
   grep -E "Error|Traceback" "$OUT/bench_ep$n.log" | head -5; tail -24 "$OUT/bench_ep$n.log"
