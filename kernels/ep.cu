@@ -773,6 +773,7 @@ __global__ void __launch_bounds__(512) ep_direct_combine(
   for (int s = 0; s < R; ++s) rmax = max(rmax, min(recv_counts[s], P));
   const int n_red = (rmax + C - 1) / C * R;
   constexpr int N = VEC ? Vec<T>::N : 1;
+  constexpr int KU = 4;  // slots whose rows are loaded together
   const i64 nv = H / N;
 
   auto reduce = [&](int item) {
@@ -790,16 +791,26 @@ __global__ void __launch_bounds__(512) ep_direct_combine(
         float acc[N];
 #pragma unroll
         for (int q = 0; q < N; ++q) acc[q] = 0.0f;
-        for (int k = 0; k < K; ++k) {
-          const int d = __ldg(drow + k);
-          if (d < 0) continue;
-          const float wk = w != nullptr ? __ldg(w + r * K + k) : 1.0f;
-          if constexpr (VEC) {
-            const Vec<T> a = load_vec(y + (i64)d * H + v * N);
+        for (int k0 = 0; k0 < K; k0 += KU) {  // the loads of KU slots in flight, then their FMAs in k order
+          int d[KU];
+          float wk[KU];
+          Vec<T> a[KU];
 #pragma unroll
-            for (int q = 0; q < N; ++q) acc[q] = fmaf(wk, to_float(a.v[q]), acc[q]);
-          } else {
-            acc[0] = fmaf(wk, to_float(y[(i64)d * H + v]), acc[0]);
+          for (int u = 0; u < KU; ++u) {
+            d[u] = k0 + u < K ? __ldg(drow + k0 + u) : -1;
+            wk[u] = d[u] >= 0 && w != nullptr ? __ldg(w + r * K + k0 + u) : 1.0f;
+          }
+#pragma unroll
+          for (int u = 0; u < KU; ++u) {
+            if (d[u] < 0) continue;
+            if constexpr (VEC) a[u] = load_vec(y + (i64)d[u] * H + v * N);
+            else a[u].v[0] = y[(i64)d[u] * H + v];
+          }
+#pragma unroll
+          for (int u = 0; u < KU; ++u) {
+            if (d[u] < 0) continue;
+#pragma unroll
+            for (int q = 0; q < N; ++q) acc[q] = fmaf(wk[u], to_float(a[u].v[q]), acc[q]);
           }
         }
         store_rounded<T, VEC>(o + v * N, acc);

@@ -51,7 +51,7 @@ from moe_rt.permutation import _unit
 
 _FILE = "ep.cu"
 _UNITS = {16: "uint4", 8: "uint2", 4: "unsigned", 2: "unsigned short", 1: "unsigned char"}
-_PUSH_UNROLL = 4
+_PUSH_UNROLL = 8  # 16-byte units a lane has in flight while copying or expanding a row
 _names = ["ep_direct_barrier", "ep_direct_row_map"]
 _names += [f"ep_copy_rows<{u}>" for u in _UNITS.values()]
 _names += [f"ep_direct_dispatch<{u}, {_PUSH_UNROLL}>" for u in _UNITS.values()]
