@@ -69,12 +69,13 @@ several ranks only the rank whose routing was bad raises (:mod:`moe_rt._errors`)
 
 Transports (``transport=``, ``MOE_RT_EP_TRANSPORT``; ``group.transport``): the rows above move either
 through NCCL grouped send/recv (``"nccl"``: the pack, the parts and the overlap described above) or
-through peer memory within a node (``"direct"``, :mod:`moe_rt._ep_direct`): each rank pushes its rows
-straight into every destination's IPC-mapped receive stage (row ``(src s, pos j)`` at ``s*P + j``; the own
-share into its own stage), and the receiver expands from its stage with the same kernels as the overlapped
-path; in the combine direction each rank puts its partial rows into its own stage and the owner pulls and
-sums them with ep_owner_sum's code (same order, same rounding). Device barriers (epochs advanced on the
-device, so CUDA-graph replays stay valid) separate the steps; ``chunks`` and ``overlap`` do not apply.
+through peer memory within a node (``"direct"``, :mod:`moe_rt._ep_direct`): after a device barrier, one
+kernel per op pushes each rank's rows chunk by chunk into every destination's IPC-mapped receive stage
+(row ``(src s, pos j)`` at ``s*P + j``), each chunk announced by an epoch flag, and expands the chunks it
+receives as they land (the own share straight from x); in the combine direction each received row's
+partial over the local experts goes straight into its owner's stage, and the owner sums its tokens over
+ranks in ep_owner_sum's order and rounding as their chunks land. Epochs advance on the device, so CUDA-graph
+replays stay valid; ``chunks`` and ``overlap`` do not apply.
 The two transports give bitwise equal results. ``"auto"`` (the default) probes at group creation (host
 identity, PCI bus ids and peer access, all-gathered: a collective) and picks direct when every pair of
 ranks is on one node with peer access, else nccl; ``"direct"`` raises ValueError at creation otherwise.
