@@ -174,6 +174,10 @@ def main(argv=None):
     ap.add_argument("--ops", default="all", choices=["all", "fwd", "bwd"],
                     help="fwd: forward rows only; bwd: top-k backward rows only")
     ap.add_argument("--compile-all", action="store_true", help="torch.compile baselines at every T")
+    ap.add_argument("--formats", action="store_true",
+                    help="also the other routing outputs (bit-packed map, int32 indices: forward and backward) and "
+                         "the Quantile-Balancing forward (sigmoid + bias, top-(k+1), fused histogram), each beside "
+                         "the byte-map row it extends")
     ap.add_argument("--l2-fetch", type=int, default=None, choices=[32, 64, 128],
                     help="set the L2 fetch granularity first (moe_rt.l2_fetch_granularity; default: leave it)")
     args = ap.parse_args(argv)
@@ -274,6 +278,8 @@ def main(argv=None):
                     cb = cmp("sm_bwd", torch_topk_softmax_bwd)
                     row(dtname, T, E, K, "softmax bwd", bwd_b, sm_bwd, sm_bwd_t,
                         (lambda: sm_bwd_t(cb)) if cb else None)
+                if args.formats:
+                    _format_rows(R, cp, row, args, xs, gs, outs, nx, bias, dtname, isz, T, E, K, fwd_b, bwd_b)
                 del outs, ot
                 # sigmoid, groups 8/4, bias
                 kw = dict(score_function="sigmoid", num_groups=8, group_topk=4, expert_bias=bias)
@@ -308,6 +314,44 @@ def main(argv=None):
                 torch.cuda.empty_cache()
             benchlib.progress_advance(f"{dtname} T={T}")
     table.finish(args.json)
+
+
+def _format_rows(R, cp, row, args, xs, gs, outs, nx, bias, dtname, isz, T, E, K, fwd_b, bwd_b):
+    """The routing outputs beside the byte map (softmax): the bit-packed map and int32 indices, forward and
+    backward; and the Quantile-Balancing forward. Bytes: the byte-map row's with the map's T*E bytes replaced
+    by the output's (T*ceil(E/8) bytes, or T*K*4); the index backward reads the indices and the K selected
+    entries of grad and intermediate (32-byte sectors, as the byte-map backward's count) and writes grad."""
+    n, nb = T * E, T * ((E + 7) // 8)
+    if args.ops != "bwd":
+        row(dtname, T, E, K, "softmax fwd bitmap", fwd_b - n + nb,
+            lambda: R.topk_with_score(xs[nx()], K, routing_map_format="bitmap_u8"), None, None)
+        row(dtname, T, E, K, "softmax fwd idx32", fwd_b - n + T * K * 4,
+            lambda: R.topk_with_score(xs[nx()], K, topk_indices_dtype=np.int32), None, None)
+    if args.ops != "fwd":
+        bm = [R.topk_with_score(x, K, routing_map_format="bitmap_u8") for x in xs]
+        ix = [R.topk_with_score(x, K, topk_indices_dtype=np.int32) for x in xs]
+
+        def bwd_bitmap():
+            i = nx()
+            return R.topk_with_score_backward(gs[i], bm[i][1], bm[i][2], K, score_function="softmax",
+                                              routing_map_format="bitmap_u8")
+
+        def bwd_idx():
+            i = nx()
+            return R.topk_with_score_backward(gs[i], None, ix[i][2], K, score_function="softmax",
+                                              topk_indices=ix[i][1])
+
+        row(dtname, T, E, K, "softmax bwd bitmap", bwd_b - n + nb, bwd_bitmap, None, None)
+        row(dtname, T, E, K, "softmax bwd idx32", bwd_b - n + T * K * 4, bwd_idx, None, None)
+        del bm, ix
+    if args.ops != "bwd":
+        hist = cp.zeros((E, 64), np.int32)
+        bounds = cp.asarray(np.array([-1.0, 1.0], np.float32))
+        row(dtname, T, E, K, "sigmoid bias fwd", fwd_b + 4 * E,
+            lambda: R.topk_with_score(xs[nx()], K, score_function="sigmoid", expert_bias=bias), None, None)
+        row(dtname, T, E, K, "sigmoid qb fwd (fused hist)", fwd_b + 4 * E + 4 * T,
+            lambda: R.topk_with_score_qb(xs[nx()], K, expert_bias=bias, qb_histogram=hist, qb_bin_bounds=bounds,
+                                         qb_histogram_mode="fused_atomic", bounds_validated=True), None, None)
 
 
 def _aux_rows(R, cp, torch, table, row, cmp, dtname, dt, isz, T, E, K, l2):
