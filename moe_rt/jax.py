@@ -52,6 +52,14 @@ def _run(fn, out_specs, *inputs, lean=False):
     present = [i for i, a in enumerate(inputs) if a is not None]
     n_in = len(inputs)
     lanes: dict = {}  # XLA stream -> Lane, or False: this op's calls on it take the ordinary path
+    # FP8 never crosses the callback boundary as FP8 (XLA's GPU buffers of an FP8 type offer no
+    # __cuda_array_interface__): its bytes go in and come out as uint8 (a bitcast, free in XLA), and the
+    # views inside the callback carry the FP8 dtype again (see _as_fp8)
+    fp8_in = {j: np.dtype(inputs[j].dtype) for j in present if np.dtype(inputs[j].dtype) in _arrays.FP8_DTYPES}
+    out_specs = list(out_specs)
+    fp8_out = {k: np.dtype(s.dtype) for k, s in enumerate(out_specs) if np.dtype(s.dtype) in _arrays.FP8_DTYPES}
+    for k in fp8_out:
+        out_specs[k] = _spec(out_specs[k].shape, np.uint8)
 
     def callback(ctx, outs, *ins):
         try:
@@ -63,14 +71,15 @@ def _run(fn, out_specs, *inputs, lean=False):
             return
         on = _gpu_stream(sptr, ins[0] if ins else outs[0]) if sptr else None
         if on is None:
-            _run_generic(fn, n_in, present, outs, ins, sptr)
+            _run_generic(fn, n_in, present, outs, ins, sptr, fp8_in, fp8_out)
             return
         stream, device, dev_id = on
         views = [None] * n_in
         view = _dev_view if lean else _view
         for j, b in zip(present, ins):
-            views[j] = view(b, dev_id)
-        dsts = [view(o, dev_id) for o in outs]
+            views[j] = view(b, dev_id) if j not in fp8_in else _as_fp8(_dev_view(b, dev_id), fp8_in[j])
+        dsts = [view(o, dev_id) if k not in fp8_out else _as_fp8(_dev_view(o, dev_id), fp8_out[k])
+                for k, o in enumerate(outs)]
         with device, stream:
             if lane is None:  # the first call on this stream: learn whether a lane can repeat it
                 quick = _jit.provisional_calls
@@ -87,7 +96,21 @@ def _run(fn, out_specs, *inputs, lean=False):
             _write(dsts, results, True)
     # vmap runs the callback once per batch element (every op is already batched over tokens; a batch of
     # plans or routings is a loop), in order, which also keeps EP collectives matched across ranks.
-    return buffer_callback(callback, list(out_specs), vmap_method="sequential")(*[inputs[i] for i in present])
+    args = [inputs[i] if i not in fp8_in else jax.lax.bitcast_convert_type(inputs[i], jnp.uint8) for i in present]
+    results = buffer_callback(callback, out_specs, vmap_method="sequential")(*args)
+    if not fp8_out:
+        return results
+    return [r if k not in fp8_out else jax.lax.bitcast_convert_type(r, fp8_out[k]) for k, r in enumerate(results)]
+
+
+def _as_fp8(v, dtype):
+    """``v``, a view of a uint8 XLA buffer holding FP8 values of ``dtype``, as that FP8 array (the same
+    bytes): a DevArray of ``dtype`` on the GPU (CuPy holds no FP8), a NumPy view on the CPU."""
+    if type(v) is _arrays.DevArray:
+        return _arrays.DevArray(v.ptr, v.shape, dtype, v.owner, v.device_id, v.offset)
+    if isinstance(v, np.ndarray):
+        return v.view(dtype)
+    return _arrays.fp8_array(v, dtype)  # a CuPy uint8 array (C-contiguous: no copy)
 
 
 def _cur_device():
@@ -128,9 +151,8 @@ _DTYPES: dict = {}
 
 
 def _view(buf, dev_id):
-    """A CuPy array over an XLA GPU buffer, no copy (an FP8 buffer stays a DevArray: CuPy holds no FP8)."""
-    v = _dev_view(buf, dev_id)
-    return v if v.dtype in _arrays.FP8_DTYPES else _arrays.cupy_of(v)
+    """A CuPy array over an XLA GPU buffer, no copy (FP8 buffers come as uint8: see _run)."""
+    return _arrays.cupy_of(_dev_view(buf, dev_id))
 
 
 def _dev_view(buf, dev_id):
@@ -144,14 +166,16 @@ def _dev_view(buf, dev_id):
     return _arrays.DevArray(cai["data"][0], tuple(cai["shape"]), dt, buf, dev_id)
 
 
-def _run_generic(fn, n_in, present, outs, ins, sptr):
-    """The callback body through :class:`moe_rt._arrays.Call` (CPU buffers, and GPU buffers seen first)."""
+def _run_generic(fn, n_in, present, outs, ins, sptr, fp8_in, fp8_out):
+    """The callback body through :class:`moe_rt._arrays.Call` (CPU buffers, and GPU buffers seen first);
+    ``fp8_in`` / ``fp8_out``: the FP8 dtype of each input / output passed as its uint8 bytes."""
     arrays = {f"i{j}": a for j, a in zip(present, ins)}
     arrays.update({f"o{j}": o for j, o in enumerate(outs)})
     call = _arrays.Call(arrays, stream=sptr if sptr else None, xla_buffers=True)
     with call:
-        views = [call[f"i{j}"] if j in present else None for j in range(n_in)]
-        dsts = [call[f"o{j}"] for j in range(len(outs))]
+        views = [None if j not in present else call[f"i{j}"] if j not in fp8_in else
+                 _as_fp8(call[f"i{j}"], fp8_in[j]) for j in range(n_in)]
+        dsts = [call[f"o{k}"] if k not in fp8_out else _as_fp8(call[f"o{k}"], fp8_out[k]) for k in range(len(outs))]
         if call.backend == "cuda":
             with _into(dsts):
                 results = fn(*views)

@@ -288,6 +288,105 @@ def test_cpu_fp8_dispatch(rng, fp8):
             np.testing.assert_array_equal(bits(np.asarray(o)), ref_x)
 
 
+def _callbacks(jaxpr):
+    """Every buffer_callback equation in ``jaxpr`` and the jaxprs nested in its equations' parameters."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "buffer_callback":
+            found.append(eqn)
+        for v in eqn.params.values():
+            for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found += _callbacks(inner)
+    return found
+
+
+@pytest.mark.skipif(jax is None, reason="jax not installed")
+def test_jax_fp8_crosses_callbacks_as_uint8(rng, monkeypatch):
+    """XLA's GPU buffers of an FP8 type offer no __cuda_array_interface__: every moe_rt.jax op taking or
+    giving FP8 passes those bytes into and out of its buffer_callback as uint8 (a bitcast in the traced
+    program), while the op inside still sees the FP8 dtype (bit-identical results; combine refuses FP8)."""
+    T, E, K, H, block = 29, 5, 2, 70, 32
+    idx = _routing(rng, T, E, K)
+    x = edge_inputs(rng, T, H, BF16, block)
+    raw = rng.integers(0, 256, (T, H), dtype=np.uint8)
+    probs = rng.random((T, K), dtype=np.float32)
+    qr, sr = moe_rt.quantize_fp8(x, block)
+    cplan = moe_rt.make_plan(idx, E, align_size=4)
+    ref_x, ref_p = RP.dispatch(raw, cplan._dict(), probs)
+    split = rng.multinomial(T, np.ones(4) / 4).astype(np.int32)
+    order = rng.permutation(4).astype(np.int32)
+    ref_sc, _ = RP.sort_chunks(raw, split, order)
+    jplan = moe_rt.jax.make_plan(jnp.asarray(idx), E, align_size=4)
+    fp8 = {E4M3: jnp.float8_e4m3fn, E5M2: jnp.float8_e5m2}
+
+    # what the callbacks receive and must give, seen when each runs (eager and under jit)
+    seen = []
+    real = moe_rt.jax.buffer_callback
+
+    def watching(callback, result_specs, **kw):
+        def cb(ctx, outs, *ins):
+            seen.append(tuple(np.dtype(b.dtype) for b in ins) + tuple(np.dtype(o.dtype) for o in outs))
+            return callback(ctx, outs, *ins)
+        return real(cb, result_specs, **kw)
+
+    monkeypatch.setattr(moe_rt.jax, "buffer_callback", watching)
+
+    progs = {
+        "quantize": (lambda a: moe_rt.jax.quantize_fp8(a, block), (jnp.asarray(x),)),
+        "dequantize": (lambda q, s: moe_rt.jax.dequantize_fp8(q, s, jnp.float32, block),
+                       (jnp.asarray(qr), jnp.asarray(sr))),
+    }
+    for dt, jdt in fp8.items():
+        xj = jax.lax.bitcast_convert_type(jnp.asarray(raw), jdt)
+        progs[f"dispatch {dt.name}"] = (lambda a, p: moe_rt.jax.dispatch(a, jplan, p), (xj, jnp.asarray(probs)))
+        progs[f"sort_chunks {dt.name}"] = (lambda a: moe_rt.jax.sort_chunks(a, split, order), (xj,))
+        # the backward pass: FP8 cotangents of sort_chunks' rows go back through a callback too
+        progs[f"sort_chunks vjp {dt.name}"] = (
+            lambda a: jax.vjp(lambda b: moe_rt.jax.sort_chunks(b, split, order), a)[1](a)[0], (xj,))
+    for name, (f, args) in progs.items():
+        jaxpr = jax.make_jaxpr(f)(*args).jaxpr
+        cbs = _callbacks(jaxpr)
+        assert cbs, name
+        for eqn in cbs:
+            dts = [np.dtype(v.aval.dtype) for v in eqn.invars] + [np.dtype(a.dtype) for a in eqn.params["result_avals"]]
+            assert not any(d in (E4M3, E5M2) for d in dts), (name, dts)
+        text = str(jaxpr)
+        assert "bitcast_convert_type" in text, name
+        seen.clear()
+        for run in (f, jax.jit(f)):
+            out = run(*args)
+            assert seen and not any(d in (E4M3, E5M2) for ent in seen for d in ent), (name, seen)
+            seen.clear()
+            if name == "quantize":
+                assert out[0].dtype == jnp.float8_e4m3fn
+                np.testing.assert_array_equal(bits(np.asarray(out[0])), bits(qr))
+                np.testing.assert_array_equal(np.asarray(out[1]), sr)
+            elif name == "dequantize":
+                np.testing.assert_array_equal(np.asarray(out), moe_rt.dequantize_fp8(qr, sr, np.float32, block))
+            elif name.startswith("dispatch"):
+                assert out[0].dtype == args[0].dtype
+                np.testing.assert_array_equal(bits(np.asarray(out[0])), ref_x)
+                np.testing.assert_array_equal(np.asarray(out[1]), ref_p)
+            elif name.startswith("sort_chunks vjp"):
+                assert out.dtype == args[0].dtype  # rows sorted back from the sorted order: raw's bytes
+                np.testing.assert_array_equal(bits(np.asarray(out)), RP.sort_chunks_backward(raw, split, order)[0])
+            else:
+                assert out.dtype == args[0].dtype
+                np.testing.assert_array_equal(bits(np.asarray(out)), ref_sc)
+    # batched: vmap runs the callback per batch element, the bytes still uint8 across it
+    xb = jax.lax.bitcast_convert_type(jnp.asarray(np.stack([raw, raw[::-1]])), jnp.float8_e4m3fn)
+    ob = jax.jit(jax.vmap(lambda a: moe_rt.jax.dispatch(a, jplan)[0]))(xb)
+    assert ob.dtype == jnp.float8_e4m3fn
+    np.testing.assert_array_equal(bits(np.asarray(ob[0])), ref_x)
+    np.testing.assert_array_equal(bits(np.asarray(ob[1])), RP.dispatch(raw[::-1], cplan._dict())[0])
+    # the op inside the callback sees FP8: combine refuses it when traced, as the core op does
+    xp = moe_rt.jax.dispatch(jax.lax.bitcast_convert_type(jnp.asarray(raw), jnp.float8_e4m3fn), jplan)[0]
+    with pytest.raises(TypeError, match="y_permuted: float8_e4m3fn rows"):
+        moe_rt.jax.combine(xp, jplan)
+
+
 @pytest.mark.skipif(torch is None, reason="torch not installed")
 def test_te_fp8_permute(rng):
     from moe_rt import te
