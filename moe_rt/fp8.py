@@ -68,7 +68,7 @@ def check_quantize_args(x, block) -> tuple[int, int, int]:
     block = check_block(block)
     _arrays.check_ndim(x, "x", 2)
     _arrays.check_dtype(x, "x", _TOKEN_DTYPES)
-    T, H = (int(d) for d in x.shape)
+    T, H = x.shape[0], int(x.shape[1])  # T as given: torch.compile's fakes keep the token count symbolic
     if H + block >= 2**31:
         raise ValueError(f"x: rows of {H} channels; H + block must stay below 2^31")
     return T, H, _ref.num_blocks(H, block)
@@ -87,7 +87,7 @@ def check_dequantize_args(x_fp8, scales, dtype, block) -> tuple[int, int, int, n
     block = check_block(block)
     dt = out_dtype(dtype)
     _check_fp8(x_fp8, "x_fp8")
-    T, H = (int(d) for d in x_fp8.shape)
+    T, H = x_fp8.shape[0], int(x_fp8.shape[1])  # T as given (symbolic in torch.compile's fakes)
     if H + block >= 2**31:
         raise ValueError(f"x_fp8: rows of {H} channels; H + block must stay below 2^31")
     nb = _ref.num_blocks(H, block)

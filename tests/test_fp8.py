@@ -220,6 +220,35 @@ def test_torch_cpu(rng):
     assert not q2.requires_grad
 
 
+@pytest.mark.skipif(torch is None, reason="torch not installed")
+def test_torch_compile_recompiles(rng):
+    """The compiled quantize/dequantize ops compile once per dtype and block, not once per call: the same
+    shape never recompiles, and token counts past the first two share one graph (T stays symbolic)."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    cc = CompileCounter()
+    fq = torch.compile(moe_rt.torch.quantize_fp8, backend=cc, fullgraph=True)
+    fd = torch.compile(moe_rt.torch.dequantize_fp8, backend=cc, fullgraph=True)
+    counts = []
+    for T in (13, 13, 17, 19, 23, 31):
+        x = edge_inputs(rng, T, 200, BF16, 64)
+        qr, sr = moe_rt.quantize_fp8(x, 64)
+        xt = torch.from_numpy(x.astype(np.float32)).to(torch.bfloat16)
+        for _ in range(2):
+            q, s = fq(xt, 64)
+            assert q.dtype == torch.float8_e4m3fn and q.shape == (T, 200)
+            np.testing.assert_array_equal(q.view(torch.uint8).numpy(), bits(qr))
+            np.testing.assert_array_equal(s.numpy().view(np.uint32), sr.view(np.uint32))
+            y = fd(q, s, torch.float16, 64)
+            np.testing.assert_array_equal(y.view(torch.int16).numpy(),
+                                          bits(moe_rt.dequantize_fp8(qr, sr, np.float16, 64)).view(np.int16))
+        counts.append(cc.frame_count)
+    # T=13: one graph each; T=17: one more each (Dynamo then marks T dynamic); later T: none
+    assert counts == [2, 2, 4, 4, 4, 4], counts
+    torch._dynamo.reset()
+
+
 @pytest.mark.skipif(jax is None, reason="jax not installed")
 def test_jax_cpu(rng):
     x = edge_inputs(rng, 11, 200, BF16, 128)
@@ -531,6 +560,9 @@ def test_gpu_quantize_bit_exact(rng, dtype, T, H, block, offset):
             np.testing.assert_array_equal(y.view(tout).cpu().numpy().view(bits(yr).dtype), bits(yr))
     if torch is not None and T:
         xt = torch.from_numpy(x.astype(np.float32)).cuda().to(tdt)
+        # each case compiles afresh: the cases' shapes and dtypes would pass Dynamo's recompile limit on one
+        # code object (recompiles across calls are checked in test_torch_compile_recompiles)
+        torch._dynamo.reset()
         for f in (moe_rt.quantize_fp8, moe_rt.torch.quantize_fp8,
                   torch.compile(moe_rt.torch.quantize_fp8, fullgraph=True)):
             qt, st = f(xt, block)
