@@ -548,12 +548,20 @@ class Call:
             import torch
 
             obj = obj.view(torch.uint8)
+        elif fw == "jax" and obj.dtype.itemsize == 1 and obj.dtype in FP8_DTYPES:
+            # JAX FP8: through DLPack as its bytes too (FP8 is outside jax.dlpack's supported dtypes, and
+            # XLA's GPU buffers of FP8 offer no __cuda_array_interface__), bitcast to uint8 in XLA (ordered
+            # before this call's stream by DLPack's handshake); the FP8 dtype is put back below
+            import jax
+
+            fp8 = np.dtype(obj.dtype)
+            obj = jax.lax.bitcast_convert_type(obj, np.uint8)
         ptr = self.stream.ptr if self.stream is not None else None
         if ptr == 0:
             ptr = 1  # DLPack: 1 is the legacy default stream; 0 is disallowed
         view = _dlpack.consume(obj, stream=ptr)
         if view.device_type == "cuda":
-            if fp8 is None and view.dtype in FP8_DTYPES:  # a JAX (or other) FP8 array exported as FP8
+            if fp8 is None and view.dtype in FP8_DTYPES:  # another framework's FP8 array exported as FP8
                 fp8 = view.dtype
             if fp8 is not None:  # CuPy holds no FP8: its bytes as uint8, the dtype on the DevArray
                 return fp8_array(wrap(view, _UINT8), fp8, self.stream)

@@ -414,6 +414,26 @@ def test_jax_fp8_crosses_callbacks_as_uint8(rng, monkeypatch):
     xp = moe_rt.jax.dispatch(jax.lax.bitcast_convert_type(jnp.asarray(raw), jnp.float8_e4m3fn), jplan)[0]
     with pytest.raises(TypeError, match="y_permuted: float8_e4m3fn rows"):
         moe_rt.jax.combine(xp, jplan)
+    # the core ops given JAX FP8 arrays import them through DLPack as uint8 (a bitcast), never as FP8
+    consumed = []
+    consume = moe_rt._dlpack.consume
+
+    def consume_watched(obj, **kw):
+        consumed.append(np.dtype(obj.dtype))
+        return consume(obj, **kw)
+
+    monkeypatch.setattr(moe_rt._dlpack, "consume", consume_watched)
+    for dt, jdt in fp8.items():
+        o = moe_rt.dispatch(jax.lax.bitcast_convert_type(jnp.asarray(raw), jdt),
+                            moe_rt.make_plan(jnp.asarray(idx), E, align_size=4))[0]
+        assert o.dtype == jdt
+        np.testing.assert_array_equal(bits(np.asarray(o)), ref_x)
+        sc = moe_rt.sort_chunks(jax.lax.bitcast_convert_type(jnp.asarray(raw), jdt), split, order)
+        assert sc.dtype == jdt
+        np.testing.assert_array_equal(bits(np.asarray(sc)), ref_sc)
+    y = moe_rt.dequantize_fp8(jnp.asarray(qr), jnp.asarray(sr), np.float32, block)
+    np.testing.assert_array_equal(np.asarray(y), moe_rt.dequantize_fp8(qr, sr, np.float32, block))
+    assert np.dtype(np.uint8) in consumed and not any(d in (E4M3, E5M2) for d in consumed), consumed
 
 
 @pytest.mark.skipif(torch is None, reason="torch not installed")
