@@ -6,6 +6,10 @@ set -u
 OUT=${1:?usage: tools/ep_iter.sh OUTDIR [TOKENS]}
 TOK=${2:-4096,16384}
 source "$(dirname "$0")/gpu_lib.sh"
+if [ -n "${DEMO_EP:-}" ]; then  # first use: the torch EP demo on an empty kernel cache, timed
+  step demo_ep4 150 env MOE_RT_KERNEL_CACHE=/tmp/moe_rt_empty_ep python3 -m moe_rt demo --framework torch --ep 4 --tokens 2048
+  grep -E "rank 0\]|FAIL|Error|ok" "$OUT/demo_ep4.log" | head -8
+fi
 export MOE_RT_KERNEL_CACHE=/tmp/moe_rt_kc
 step warmup 150 python3 -m moe_rt warmup --quiet
 step ep_direct 420 python3 -m pytest -q -x -rA tests/test_ep.py -k "transports or direct_dead"
