@@ -1,7 +1,10 @@
 """The direct peer-memory transport of expert parallelism within a node (moe_rt/ep.py; specs/ep.md §8.4,
 backend ``ipc``).
 
-:class:`moe_rt.ep.EpGroup` is the algorithm (plan, expand, reduce); this module moves its rows. Every rank
+:class:`moe_rt.ep.EpGroup` is the algorithm (validation, the plan, the handle); this module moves its rows,
+behind the interface every transport offers (see :mod:`moe_rt.ep`): :meth:`DirectTransport.forward` (the
+dispatch direction) and :meth:`DirectTransport.reduce` (the combine direction), each a barrier and one
+fused kernel, plus ``failed_op`` and ``close``. Every rank
 owns a few plain ``cudaMalloc`` buffers (not CuPy pool sub-allocations: a CUDA IPC handle covers a whole
 allocation) and maps every peer's buffers into its own address space with ``cudaIpcOpenMemHandle`` (lazy
 peer access). The IPC handles travel once per buffer through the group's communicator (an all-gather on a

@@ -273,16 +273,19 @@ class NcclTransport:
         finally:
             comm.group_end()
 
+    def _back_buffers(self, call, h, dtype, with_w):
+        """(row bytes, rows coming back [send rows, H], their weight partials [send rows, K] or None) of a
+        reverse transfer: what was received goes back, into the rows that were sent."""
+        xp, K, H = call.xp, h.sizes["K"], self.hidden
+        send_rows = self._send_rows(h)
+        return (H * np.dtype(dtype).itemsize, xp.empty((send_rows, H), dtype),
+                xp.empty((send_rows, K), np.float32) if with_w else None)
+
     def _backward(self, call, h, z, zw, T, out_dtype, want_w):
         """Send each source's partial rows z [rows,H] (and zw [rows,K]) back; the owner sums over ranks.
         Serial, on the caller's stream."""
-        xp, s = call.xp, call.stream
-        sz = h.sizes
-        K, H = sz["K"], self.hidden
-        rb = H * z.dtype.itemsize
-        send_rows = self._send_rows(h)
-        back = xp.empty((send_rows, H), z.dtype)
-        back_w = xp.empty((send_rows, K), np.float32) if zw is not None else None
+        s, K = call.stream, h.sizes["K"]
+        rb, back, back_w = self._back_buffers(call, h, z.dtype, zw is not None)
         if self.size > 1:
             sc, so, rc, ro = self._host_counts(h)
             # the reverse of dispatch: what was received goes back, into the rows that were sent
@@ -298,13 +301,8 @@ class NcclTransport:
         communication stream; the own share is produced while they travel; the caller's stream then waits
         for the communication stream (the produced parts stay referenced until then) and runs the owner
         sum."""
-        xp, s = call.xp, call.stream
-        sz = h.sizes
-        K, H, me = sz["K"], self.hidden, self.rank
-        rb = H * np.dtype(dtype).itemsize
-        send_rows = self._send_rows(h)
-        back = xp.empty((send_rows, H), dtype)
-        back_w = xp.empty((send_rows, K), np.float32) if zw is not None else None
+        s, K, me = call.stream, h.sizes["K"], self.rank
+        rb, back, back_w = self._back_buffers(call, h, dtype, zw is not None)
         sc, so, rc, ro = self._host_counts(h)
         # the reverse of dispatch: what was received goes back, into the rows that were sent
         parts = self._chunk_plan(rc, ro, sc, so, rb)

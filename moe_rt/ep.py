@@ -1,4 +1,4 @@
-"""Expert parallelism over NCCL, one process per GPU (docs/ep.md; docs/design.md).
+"""Expert parallelism, one process per GPU (docs/ep.md; docs/design.md).
 
 ``R`` ranks hold ``E`` experts, ``L = E / R`` each: expert ``e`` lives on rank ``e // L`` as local expert
 ``e % L``. Every rank has ``x [T,H]`` (``T <= max_tokens_per_rank``, ``T = 0`` allowed, ``T`` may differ
@@ -12,39 +12,52 @@ between ranks), ``topk_idx [T,K]`` (int32/int64, ``-1`` = no expert) and ``topk_
   :func:`moe_rt.permutation.make_plan` with ``num_experts = L``, giving the expert-major layout (grouped
   by local expert, ``(src, t)`` ascending inside an expert, padding rows zero). The result is a
   :class:`moe_rt._handle.Handle`: one uint8 buffer laid out as in ``include/moe_rt/moe_rt.h``.
-- :meth:`EpGroup.dispatch`: pack the rows for each destination, NCCL grouped send/recv (the own share is
-  copied locally, never sent), then the permutation family's dispatch into expert-major rows.
+- :meth:`EpGroup.dispatch`: send each token's row once to every rank holding one of its experts (the own
+  share is copied locally, never sent) and lay the received rows out expert-major.
 - :meth:`EpGroup.combine`: each rank reduces the local expert rows of every received token (weighted by
   the received weights or not; fp32 accumulation; one rounding to ``y.dtype``), sends one row per
   (token, rank) back; the owner sums them over ranks in ascending rank order in fp32, rounding once.
 - :meth:`EpGroup.dispatch_bwd` / :meth:`EpGroup.combine_bwd`: the transposes.
 
-Transfer in parts and overlap. The rows each (src, dst) pair exchanges travel in up to ``chunks`` parts
-(default 2; parts of at least 4 MiB), one NCCL group per part; part i of a pair travels in group i on both
-of its ranks. The serial path (every op on the caller's stream: pack, the groups, expand) and the
-overlapped path send exactly the same groups, so each rank chooses on its own: ``overlap=None`` (the
-default, ``MOE_RT_EP_OVERLAP=auto``) overlaps a call when the rank sends at least 64 MiB of rows,
-``True``/``False`` always/never. Overlapped, the NCCL groups run on a second, non-blocking stream of the
-group at the device's highest priority, with events between the two streams:
+This module is the algorithm: validation, the plan and the handle, the CPU reference path, the choice of
+transport. Each public op validates its arguments, then calls its transport once and returns the results.
+Transports (``transport=``, ``MOE_RT_EP_TRANSPORT``; ``group.transport``) move the rows; each is a module
+with one class offering the same small interface (a third transport is one more such module):
 
-- dispatch direction (``dispatch``, ``combine_bwd``): the remote rows are packed first and sent part by
-  part; meanwhile the caller's stream expands the own share into the expert-major layout straight from
-  ``x`` (never copied to a staging buffer) with a small grid (one CTA per two SMs), so that the NCCL
-  kernel keeps its share of memory bandwidth; each received part is expanded as soon as its event fires.
-  Padding rows are zeroed once, the received weights are laid out after the last part.
-- combine direction (``combine``, ``dispatch_bwd``): the rows going back to peers are reduced part by part
-  and each part is sent as soon as it is ready; the own share is reduced while they travel; the owner sum
-  runs after the transfer.
+- ``forward(call, handle, x, w, op, *, expand=True, want_w=False)``: the dispatch direction (``dispatch``,
+  ``combine_bwd``): the rows of ``x [T,H]`` (and fp32 weights ``w [T,K]`` or None, received into the
+  handle's ``recv_wk``) to the ranks of their experts. Returns ``(rows [N,H] expert-major, weights [N] or
+  None)`` (padding rows zero; ``weights[n] = recv_wk[src_slot[n]]`` when ``want_w``), or with
+  ``expand=False`` the received rows ``[rows,H]`` in the handle's layout (source-major);
+- ``reduce(call, handle, y, w, gw, op)``: the combine direction (``combine``: weights ``w [rows,K]`` or
+  None; ``dispatch_bwd``: ``gw [N]`` or None, the gradient of the received weights, back to the slots).
+  Returns ``(out [T,H], grad_w [T,K] fp32 or None)``;
+- ``failed_op()`` (the op whose device-side wait gave up, or None) and ``close()`` (a collective where the
+  transport holds shared buffers).
 
-On 2 H200s over NVLink (T=16384 per rank, H=7168, bf16; BENCHMARKS.md) the overlap takes dispatch from
-1.86 to 1.73 ms and combine from 1.68 to 1.51 ms; at small transfers the second stream costs more than it
-hides.
+The transports give bitwise equal results:
 
-Results are bitwise identical to the serial path. The caller's stream waits for the communication stream
-before the op returns (all later work on it, and the reuse of the op's buffers by CuPy's stream-ordered
-pool, follows the transfer), so capacity mode stays CUDA-graph capturable: the second stream joins the
-capture through the first event and is joined back by the last. ``combine_bwd`` with ``weighted=True`` and
-``y`` given sends in parts but runs its expert-side kernel after the transfer.
+- ``"nccl"`` (:mod:`moe_rt._ep_nccl`): pack the rows per destination, NCCL grouped send/recv, then the
+  permutation family's kernels; the rows of a pair travel in up to ``chunks`` parts (one NCCL group per
+  part), and a rank that sends at least 64 MiB of rows overlaps the transfer with its local expand or
+  reduce on a second stream (``overlap=None``, the default, ``MOE_RT_EP_OVERLAP=auto``; ``True``/``False``
+  always/never). The serial and overlapped paths send exactly the same groups, so each rank chooses on its
+  own; results are bitwise identical. A 1-rank group on CUDA runs this path without an exchange
+  (``group.transport`` is None).
+- ``"direct"`` (:mod:`moe_rt._ep_direct`): peer memory within a node: after a device barrier, one kernel
+  per op pushes each rank's rows chunk by chunk into every destination's IPC-mapped receive stage (row
+  ``(src s, pos j)`` at ``s*P + j``), each chunk announced by an epoch flag, and expands the chunks it
+  receives as they land (the own share straight from x); in the combine direction each received row's
+  partial over the local experts goes straight into its owner's stage, and the owner sums its tokens over
+  ranks in ep_owner_sum's order and rounding as their chunks land. Epochs advance on the device, so
+  CUDA-graph replays stay valid; ``chunks`` and ``overlap`` do not apply.
+
+``"auto"`` (the default) probes at group creation (host identity, PCI bus ids and peer access,
+all-gathered: a collective) and picks direct when every pair of ranks is on one node with peer access, else
+nccl; ``"direct"`` raises ValueError at creation otherwise. The direct transport makes its receive stage
+for a row size on the first op that needs it (a collective with a host sync): run each op kind once before
+CUDA-graph capture. ``close()`` the group on every rank. Row kernels that the group and both transports
+share (zero rows, lay out and scale weights) live in :mod:`moe_rt._ep_rows`.
 
 Modes:
 
@@ -66,21 +79,6 @@ bounds), and the error is raised at the next host-visible point: exact-mode ``pr
 read), :meth:`EpGroup.synchronize`, :meth:`EpGroup.check_overflow` or :func:`moe_rt.check`; in
 capacity mode ``prepare`` raises only with ``validate=True`` or ``MOE_RT_DEBUG=1`` (a sync). In a group of
 several ranks only the rank whose routing was bad raises (:mod:`moe_rt._errors`).
-
-Transports (``transport=``, ``MOE_RT_EP_TRANSPORT``; ``group.transport``): the rows above move either
-through NCCL grouped send/recv (``"nccl"``: the pack, the parts and the overlap described above) or
-through peer memory within a node (``"direct"``, :mod:`moe_rt._ep_direct`): after a device barrier, one
-kernel per op pushes each rank's rows chunk by chunk into every destination's IPC-mapped receive stage
-(row ``(src s, pos j)`` at ``s*P + j``), each chunk announced by an epoch flag, and expands the chunks it
-receives as they land (the own share straight from x); in the combine direction each received row's
-partial over the local experts goes straight into its owner's stage, and the owner sums its tokens over
-ranks in ep_owner_sum's order and rounding as their chunks land. Epochs advance on the device, so CUDA-graph
-replays stay valid; ``chunks`` and ``overlap`` do not apply.
-The two transports give bitwise equal results. ``"auto"`` (the default) probes at group creation (host
-identity, PCI bus ids and peer access, all-gathered: a collective) and picks direct when every pair of
-ranks is on one node with peer access, else nccl; ``"direct"`` raises ValueError at creation otherwise.
-The direct transport makes its receive stage for a row size on the first op that needs it (a collective
-with a host sync): run each op kind once before CUDA-graph capture. ``close()`` the group on every rank.
 
 Dead peers: NCCL calls are asynchronous, so a missing rank shows up as a wait that never ends. Host-side
 waits (exact mode's count read in ``prepare``; :meth:`EpGroup.synchronize`; :meth:`EpGroup.check_overflow`)

@@ -474,6 +474,25 @@ def test_transport_keyword_env_and_one_rank(monkeypatch):
     assert EpGroup(_FakeComm(), 4, 4, 4, transport="nccl").transport == "nccl"  # the keyword wins
 
 
+def test_transports_share_one_interface():
+    # EpGroup calls only these on its transport: a transport is one class with the same signatures
+    import inspect
+
+    from moe_rt import _ep_direct, _ep_nccl
+
+    for name in ("forward", "reduce", "failed_op", "close"):
+        sigs = [inspect.signature(getattr(cls, name)) for cls in (_ep_nccl.NcclTransport, _ep_direct.DirectTransport)]
+        assert sigs[0] == sigs[1], (name, sigs)
+    g = EpGroup(_FakeComm(), 4, 4, 8, transport="nccl", chunks=3, overlap=False)
+    t = g._transport
+    assert isinstance(t, _ep_nccl.NcclTransport) and (t.chunks, t.overlap, t.hidden) == (3, False, 4)
+    assert t.failed_op() is None
+    one = EpGroup(None, 4, 4, 8)  # one rank: the NCCL path without an exchange, no public transport
+    assert one.transport is None and isinstance(one._transport, _ep_nccl.NcclTransport)
+    g.close()
+    assert g._transport is None
+
+
 def test_transport_choice_from_the_probe(monkeypatch):
     from moe_rt import _ep_direct
 
