@@ -1,6 +1,6 @@
 """Per-rank worker of the multi-GPU EP tests; run under the launcher, one process per GPU:
 
-    python tools/launch.py -n R tests/ep_worker.py correctness|graph|dead_peer|transports|graph_transports|dead_peer_direct
+    python tools/launch.py -n R tests/ep_worker.py correctness|graph|dead_peer|transports|graph_transports|dead_peer_direct|direct_lifecycle
 
 Any world size R >= 2 (token counts are spread over the ranks; expert counts are multiples of R).
 
@@ -365,6 +365,45 @@ def transports(cp, comm):
     log(f"transports: {n + 1} cases OK ({TRANSPORT_CHUNKS})")
 
 
+def direct_lifecycle(cp, comm):
+    """The direct transport over a long run and its teardown: graph capture and replays, 1000 eager
+    iterations per mode with flat pool memory (graph()), then the teardown order: handles closed first, then
+    the group (its last barrier, the IPC mappings of the peers' buffers closed, its own buffers freed); after
+    it every op of the group raises ValueError naming the op, the communicator stays usable (an all-reduce
+    gives the right sum), and a new direct group on the same communicator works and closes again."""
+    from moe_rt.ep import EpGroup
+
+    graph(cp, comm, chunks=["d"], replays=20, memory=True)
+    E, H, Tmax, K = experts(8), 64, 32, 2
+    rng = np.random.default_rng(11)
+    idx = cp.asarray(routing(rng, Tmax, E, K, "uniform"))
+    x = cp.asarray(rng.standard_normal((Tmax, H)).astype(np.float32))
+    for round_ in range(2):
+        g = EpGroup(comm, E, H, Tmax, timeout=60, transport="direct")
+        assert g.transport == "direct"
+        h = g.prepare(idx)
+        rx, _, _ = g.dispatch(h, x)
+        out = g.combine(h, rx, weighted=False)
+        cp.cuda.Device().synchronize()
+        h.close()
+        g.close()
+        g.close()  # idempotent
+        for op, call in (("prepare", lambda: g.prepare(idx)), ("dispatch", lambda: g.dispatch(h, x))):
+            try:
+                call()
+            except ValueError as e:
+                assert op in str(e) and ("closed" in str(e)), str(e)
+            else:
+                raise AssertionError(f"{op} after close did not raise")
+        v = cp.full(4, float(RANK + 1), np.float32)
+        s = cp.empty_like(v)
+        comm.all_reduce(v.data.ptr, s.data.ptr, 4, "float32", cp.cuda.get_current_stream().ptr)
+        cp.cuda.Device().synchronize()
+        assert float(s.get()[0]) == WORLD * (WORLD + 1) / 2, s.get()
+        del out, rx
+    log("direct lifecycle: graph, 1000 iterations flat, teardown, communicator alive, reopened")
+
+
 def graph_transports(cp, comm):
     graph(cp, comm, chunks=TRANSPORT_CHUNKS, replays=5, memory=False)
 
@@ -377,7 +416,8 @@ def main():
     what = sys.argv[1] if len(sys.argv) > 1 else "correctness"
     cp, comm = setup()
     {"correctness": correctness, "graph": graph, "dead_peer": dead_peer, "transports": transports,
-     "graph_transports": graph_transports, "dead_peer_direct": dead_peer_direct}[what](cp, comm)
+     "graph_transports": graph_transports, "dead_peer_direct": dead_peer_direct,
+     "direct_lifecycle": direct_lifecycle}[what](cp, comm)
     cp.cuda.Device().synchronize()
     comm.close()
     log("ALL OK")

@@ -852,6 +852,14 @@ def test_multi_gpu_transports(what, n):
 
 @pytest.mark.multi_gpu
 @pytest.mark.parametrize("n", [2, 4])
+def test_multi_gpu_direct_lifecycle(n):
+    # graph replay, 1000 eager iterations with flat memory, and teardown order on the direct transport
+    r = _run_worker("direct_lifecycle", n=n, timeout=300)
+    assert r.returncode == 0 and "[rank 0] ALL OK" in r.stdout
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.parametrize("n", [2, 4])
 def test_multi_gpu_direct_dead_peer_times_out(n):
     r = _run_worker("dead_peer_direct", n=n, timeout=120)
     assert r.returncode == 0 and "[rank 0] DEAD PEER OK" in r.stdout
