@@ -47,7 +47,7 @@ import socket
 import numpy as np
 
 from moe_rt import _jit
-from moe_rt.permutation import _unit
+from moe_rt.permutation import _resident_ctas, _unit
 
 _FILE = "ep.cu"
 _UNITS = {16: "uint4", 8: "uint2", 4: "unsigned", 2: "unsigned short", 1: "unsigned char"}
@@ -293,8 +293,6 @@ class DirectTransport:
     def _grid(self, fn, call, work):
         """Blocks of a fused kernel: at most one resident wave (its blocks wait on each other's peers), at
         most ``work`` items."""
-        from moe_rt.permutation import _resident_ctas
-
         return max(1, min(int(work), _resident_ctas(fn, _THREADS, call.device_id)))
 
     def chunk_rows(self, h):
