@@ -1,7 +1,10 @@
 """The direct peer-memory transport of expert parallelism within a node (moe_rt/ep.py; specs/ep.md §8.4,
 backend ``ipc``).
 
-:class:`moe_rt.ep.EpGroup` is the algorithm (plan, expand, reduce); this module moves its rows. Every rank
+:class:`moe_rt.ep.EpGroup` is the algorithm (validation, the plan, the handle); this module moves its rows,
+behind the interface every transport offers (see :mod:`moe_rt.ep`): :meth:`DirectTransport.forward` (the
+dispatch direction) and :meth:`DirectTransport.reduce` (the combine direction), each a barrier and one
+fused kernel, plus ``failed_op`` and ``close``. Every rank
 owns a few plain ``cudaMalloc`` buffers (not CuPy pool sub-allocations: a CUDA IPC handle covers a whole
 allocation) and maps every peer's buffers into its own address space with ``cudaIpcOpenMemHandle`` (lazy
 peer access). The IPC handles travel once per buffer through the group's communicator (an all-gather on a
@@ -47,6 +50,7 @@ import socket
 import numpy as np
 
 from moe_rt import _jit
+from moe_rt._ep_rows import fill_rows, recv_wk, slot_values
 from moe_rt.permutation import _resident_ctas, _unit
 
 _FILE = "ep.cu"
@@ -214,9 +218,13 @@ class _Shared:
 
 
 class DirectTransport:
-    """Rows between the ranks of one node through peer memory. Made by EpGroup (a collective)."""
+    """Rows between the ranks of one node through peer memory. Made by EpGroup (a collective).
 
-    def __init__(self, comm, device, pair_rows, timeout, wait):
+    ``wait(stream)`` waits for the exchanges of the creation (with the creation's deadline);
+    ``op_wait(stream, op)`` (default: ``wait``) those of an op that makes a receive stage (with the op's
+    deadline, naming the op)."""
+
+    def __init__(self, comm, device, pair_rows, timeout, wait, op_wait=None):
         import cupy
         from cupy.cuda import runtime
 
@@ -225,6 +233,7 @@ class DirectTransport:
         self.P = int(pair_rows)
         self.timeout_ns = int(min(float(timeout) * 1e9, 2**62))
         self._wait = wait
+        self._op_wait = op_wait if op_wait is not None else (lambda stream, op: wait(stream))
         self._stages = {}
         self._order = []
         self.closed = False
@@ -282,6 +291,78 @@ class DirectTransport:
             raise RuntimeError(f"internal: stage of {st.nbytes} bytes, view of {nbytes}")
         mem = cupy.cuda.UnownedMemory(st.local, max(nbytes, 1), self, self.device)
         return cupy.ndarray((rows, cols), dtype, cupy.cuda.MemoryPointer(mem, 0))
+
+    # -- the interface ---------------------------------------------------------------------------------
+    def forward(self, call, h, x, w, op, *, expand=True, want_w=False):
+        """The dispatch direction (``op``: ``"dispatch"`` or ``"combine_bwd"``): barrier (every rank finished
+        the previous op) -> one kernel pushing this rank's rows of ``x [T,H]`` (and fp32 weights ``w [T,K]``
+        or None, received into the handle's recv_wk) into the destinations' stages chunk by chunk.
+
+        Returns, with ``expand``, ``(rows [N,H] expert-major, weights [N] fp32 or None)``: the kernel expands
+        each received chunk as it lands, then padding rows are zeroed and ``weights[n] =
+        recv_wk[src_slot[n]]`` laid out when ``want_w``; without, the received rows ``[rows,H]`` in the
+        handle's layout (the stage itself in capacity mode, a packed copy in exact mode)."""
+        if not expand:
+            stage, row_map = self._push(call, h, x, w, op, None)
+            return self._recv_buf(call, h, stage, row_map)
+        N, xp = h.sizes["N"], call.xp
+        out = xp.empty((N, int(x.shape[1])), x.dtype)
+        out_w = xp.empty(N, np.float32) if want_w else None
+        self._push(call, h, x, w, op, out)
+        fill_rows(call, h, out, out_w, recv_wk(h) if want_w else None)
+        return out, out_w
+
+    def reduce(self, call, h, y, w, gw, op):
+        """The combine direction (``op``: ``"combine"`` or ``"dispatch_bwd"``): barrier (every rank finished
+        reading the stages of the previous op) -> one kernel reducing each received row over this rank's
+        experts (``y [N,H]`` expert-major, weights ``w [rows,K]`` or None; ``gw [N]`` fp32 or None taken
+        back to the slots as weight partials) straight into its owner's stage chunk by chunk, and summing
+        this rank's tokens over ranks as their chunks land.
+
+        Returns ``(out [T,H] y.dtype, grad_w [T,K] fp32, or None when gw is None)``."""
+        zw = None if gw is None else slot_values(call, h, gw)
+        s, sz = call.stream, h.sizes
+        rows_st, w_st = self.stages(int(y.shape[1]) * y.dtype.itemsize, sz["K"], s,
+                                    lambda st: self._op_wait(st, op))
+        self.barrier(s, op)
+        return self.combine(call, h, y, w, zw, rows_st, w_st, sz["T"], gw is not None, op)
+
+    def _push(self, call, h, x, w, op, out):
+        """The stages for x's rows, the op's barrier, then :meth:`dispatch` expanding into ``out`` (expert-major
+        [N,H]; None: only wait for every chunk). Returns ``(stage [R*P,H] view, row map or None)``: received
+        row r sits at stage row ``map[r]`` (capacity mode: at r; the own share is not in the stage unless
+        ``out`` is None). The received weights are copied into the handle's recv_wk."""
+        s = call.stream
+        sz = h.sizes
+        R, P, K, H = sz["R"], sz["P"], sz["K"], int(x.shape[1])
+        rows_st, w_st = self.stages(H * x.dtype.itemsize, K, s, lambda st: self._op_wait(st, op))
+        self.barrier(s, op)
+        self.dispatch(call, h, x, w, rows_st, w_st, out, op)
+        row_map = self._row_map(call, h)
+        if w is not None:
+            self.copy_rows(call, w_st.local, row_map, h.view("recv_wk").data.ptr, None, sz["rows"], K * 4)
+        return self.view(rows_st, R * P, H, x.dtype), row_map
+
+    def _row_map(self, call, h):
+        """None in capacity mode (received row r is stage row r: recv_off[s] = s*P); in exact mode the stage
+        row s*P + j of each packed received row recv_off[s] + j (int32 [rows] on the device, made on first
+        use and cached on the handle: handles rebuilt from a buffer by the adapters make it again)."""
+        if h.mode == "capacity":
+            return None
+        m = h.state.get("row_map")
+        if m is None:
+            m = h.state["row_map"] = self.row_map(call, h)
+        return m
+
+    def _recv_buf(self, call, h, stage, row_map):
+        """The received rows in the handle's layout ([rows,H]): the stage itself in capacity mode, a packed
+        copy in exact mode."""
+        if row_map is None:
+            return stage
+        rows, H = h.sizes["rows"], int(stage.shape[1])
+        buf = call.xp.empty((rows, H), stage.dtype)
+        self.copy_rows(call, stage.data.ptr, row_map, buf.data.ptr, None, rows, H * stage.dtype.itemsize)
+        return buf
 
     # -- kernels ---------------------------------------------------------------------------------------
     def barrier(self, stream, op):

@@ -1,4 +1,4 @@
-"""Expert parallelism over NCCL, one process per GPU (docs/ep.md; docs/design.md).
+"""Expert parallelism, one process per GPU (docs/ep.md; docs/design.md).
 
 ``R`` ranks hold ``E`` experts, ``L = E / R`` each: expert ``e`` lives on rank ``e // L`` as local expert
 ``e % L``. Every rank has ``x [T,H]`` (``T <= max_tokens_per_rank``, ``T = 0`` allowed, ``T`` may differ
@@ -12,39 +12,52 @@ between ranks), ``topk_idx [T,K]`` (int32/int64, ``-1`` = no expert) and ``topk_
   :func:`moe_rt.permutation.make_plan` with ``num_experts = L``, giving the expert-major layout (grouped
   by local expert, ``(src, t)`` ascending inside an expert, padding rows zero). The result is a
   :class:`moe_rt._handle.Handle`: one uint8 buffer laid out as in ``include/moe_rt/moe_rt.h``.
-- :meth:`EpGroup.dispatch`: pack the rows for each destination, NCCL grouped send/recv (the own share is
-  copied locally, never sent), then the permutation family's dispatch into expert-major rows.
+- :meth:`EpGroup.dispatch`: send each token's row once to every rank holding one of its experts (the own
+  share is copied locally, never sent) and lay the received rows out expert-major.
 - :meth:`EpGroup.combine`: each rank reduces the local expert rows of every received token (weighted by
   the received weights or not; fp32 accumulation; one rounding to ``y.dtype``), sends one row per
   (token, rank) back; the owner sums them over ranks in ascending rank order in fp32, rounding once.
 - :meth:`EpGroup.dispatch_bwd` / :meth:`EpGroup.combine_bwd`: the transposes.
 
-Transfer in parts and overlap. The rows each (src, dst) pair exchanges travel in up to ``chunks`` parts
-(default 2; parts of at least 4 MiB), one NCCL group per part; part i of a pair travels in group i on both
-of its ranks. The serial path (every op on the caller's stream: pack, the groups, expand) and the
-overlapped path send exactly the same groups, so each rank chooses on its own: ``overlap=None`` (the
-default, ``MOE_RT_EP_OVERLAP=auto``) overlaps a call when the rank sends at least 64 MiB of rows,
-``True``/``False`` always/never. Overlapped, the NCCL groups run on a second, non-blocking stream of the
-group at the device's highest priority, with events between the two streams:
+This module is the algorithm: validation, the plan and the handle, the CPU reference path, the choice of
+transport. Each public op validates its arguments, then calls its transport once and returns the results.
+Transports (``transport=``, ``MOE_RT_EP_TRANSPORT``; ``group.transport``) move the rows; each is a module
+with one class offering the same small interface (a third transport is one more such module):
 
-- dispatch direction (``dispatch``, ``combine_bwd``): the remote rows are packed first and sent part by
-  part; meanwhile the caller's stream expands the own share into the expert-major layout straight from
-  ``x`` (never copied to a staging buffer) with a small grid (one CTA per two SMs), so that the NCCL
-  kernel keeps its share of memory bandwidth; each received part is expanded as soon as its event fires.
-  Padding rows are zeroed once, the received weights are laid out after the last part.
-- combine direction (``combine``, ``dispatch_bwd``): the rows going back to peers are reduced part by part
-  and each part is sent as soon as it is ready; the own share is reduced while they travel; the owner sum
-  runs after the transfer.
+- ``forward(call, handle, x, w, op, *, expand=True, want_w=False)``: the dispatch direction (``dispatch``,
+  ``combine_bwd``): the rows of ``x [T,H]`` (and fp32 weights ``w [T,K]`` or None, received into the
+  handle's ``recv_wk``) to the ranks of their experts. Returns ``(rows [N,H] expert-major, weights [N] or
+  None)`` (padding rows zero; ``weights[n] = recv_wk[src_slot[n]]`` when ``want_w``), or with
+  ``expand=False`` the received rows ``[rows,H]`` in the handle's layout (source-major);
+- ``reduce(call, handle, y, w, gw, op)``: the combine direction (``combine``: weights ``w [rows,K]`` or
+  None; ``dispatch_bwd``: ``gw [N]`` or None, the gradient of the received weights, back to the slots).
+  Returns ``(out [T,H], grad_w [T,K] fp32 or None)``;
+- ``failed_op()`` (the op whose device-side wait gave up, or None) and ``close()`` (a collective where the
+  transport holds shared buffers).
 
-On 2 H200s over NVLink (T=16384 per rank, H=7168, bf16; BENCHMARKS.md) the overlap takes dispatch from
-1.86 to 1.73 ms and combine from 1.68 to 1.51 ms; at small transfers the second stream costs more than it
-hides.
+The transports give bitwise equal results:
 
-Results are bitwise identical to the serial path. The caller's stream waits for the communication stream
-before the op returns (all later work on it, and the reuse of the op's buffers by CuPy's stream-ordered
-pool, follows the transfer), so capacity mode stays CUDA-graph capturable: the second stream joins the
-capture through the first event and is joined back by the last. ``combine_bwd`` with ``weighted=True`` and
-``y`` given sends in parts but runs its expert-side kernel after the transfer.
+- ``"nccl"`` (:mod:`moe_rt._ep_nccl`): pack the rows per destination, NCCL grouped send/recv, then the
+  permutation family's kernels; the rows of a pair travel in up to ``chunks`` parts (one NCCL group per
+  part), and a rank that sends at least 64 MiB of rows overlaps the transfer with its local expand or
+  reduce on a second stream (``overlap=None``, the default, ``MOE_RT_EP_OVERLAP=auto``; ``True``/``False``
+  always/never). The serial and overlapped paths send exactly the same groups, so each rank chooses on its
+  own; results are bitwise identical. A 1-rank group on CUDA runs this path without an exchange
+  (``group.transport`` is None).
+- ``"direct"`` (:mod:`moe_rt._ep_direct`): peer memory within a node: after a device barrier, one kernel
+  per op pushes each rank's rows chunk by chunk into every destination's IPC-mapped receive stage (row
+  ``(src s, pos j)`` at ``s*P + j``), each chunk announced by an epoch flag, and expands the chunks it
+  receives as they land (the own share straight from x); in the combine direction each received row's
+  partial over the local experts goes straight into its owner's stage, and the owner sums its tokens over
+  ranks in ep_owner_sum's order and rounding as their chunks land. Epochs advance on the device, so
+  CUDA-graph replays stay valid; ``chunks`` and ``overlap`` do not apply.
+
+``"auto"`` (the default) probes at group creation (host identity, PCI bus ids and peer access,
+all-gathered: a collective) and picks direct when every pair of ranks is on one node with peer access, else
+nccl; ``"direct"`` raises ValueError at creation otherwise. The direct transport makes its receive stage
+for a row size on the first op that needs it (a collective with a host sync): run each op kind once before
+CUDA-graph capture. ``close()`` the group on every rank. Row kernels that the group and both transports
+share (zero rows, lay out and scale weights) live in :mod:`moe_rt._ep_rows`.
 
 Modes:
 
@@ -66,21 +79,6 @@ bounds), and the error is raised at the next host-visible point: exact-mode ``pr
 read), :meth:`EpGroup.synchronize`, :meth:`EpGroup.check_overflow` or :func:`moe_rt.check`; in
 capacity mode ``prepare`` raises only with ``validate=True`` or ``MOE_RT_DEBUG=1`` (a sync). In a group of
 several ranks only the rank whose routing was bad raises (:mod:`moe_rt._errors`).
-
-Transports (``transport=``, ``MOE_RT_EP_TRANSPORT``; ``group.transport``): the rows above move either
-through NCCL grouped send/recv (``"nccl"``: the pack, the parts and the overlap described above) or
-through peer memory within a node (``"direct"``, :mod:`moe_rt._ep_direct`): after a device barrier, one
-kernel per op pushes each rank's rows chunk by chunk into every destination's IPC-mapped receive stage
-(row ``(src s, pos j)`` at ``s*P + j``), each chunk announced by an epoch flag, and expands the chunks it
-receives as they land (the own share straight from x); in the combine direction each received row's
-partial over the local experts goes straight into its owner's stage, and the owner sums its tokens over
-ranks in ep_owner_sum's order and rounding as their chunks land. Epochs advance on the device, so CUDA-graph
-replays stay valid; ``chunks`` and ``overlap`` do not apply.
-The two transports give bitwise equal results. ``"auto"`` (the default) probes at group creation (host
-identity, PCI bus ids and peer access, all-gathered: a collective) and picks direct when every pair of
-ranks is on one node with peer access, else nccl; ``"direct"`` raises ValueError at creation otherwise.
-The direct transport makes its receive stage for a row size on the first op that needs it (a collective
-with a host sync): run each op kind once before CUDA-graph capture. ``close()`` the group on every rank.
 
 Dead peers: NCCL calls are asynchronous, so a missing rank shows up as a wait that never ends. Host-side
 waits (exact mode's count read in ``prepare``; :meth:`EpGroup.synchronize`; :meth:`EpGroup.check_overflow`)
@@ -108,15 +106,17 @@ import weakref
 import numpy as np
 
 from moe_rt import _arrays, _errors, _jit, permutation
-from moe_rt import _ep_direct, _handle
+from moe_rt import _ep_direct, _ep_nccl, _handle
+from moe_rt._ep_rows import FILE as _FILE, UNITS as _UNITS
+from moe_rt._ep_rows import grid as _grid, plan_view, recv_wk, routing_view, scale_rows
 from moe_rt._handle import Handle, meta_index
 from moe_rt.reference import ep as _ref
 from moe_rt.reference import permutation as _perm_ref
 
 __all__ = ["EpGroup", "Handle", "DEFAULT_TIMEOUT"]
 
-_FILE = "ep.cu"
-_UNITS = {16: "uint4", 8: "uint2", 4: "unsigned", 2: "unsigned short", 1: "unsigned char"}
+# The kernels of ep.cu that this module, moe_rt._ep_rows and moe_rt._ep_nccl launch (moe_rt._ep_direct
+# registers its own).
 _IDX = {"int32": "int", "int64": "long long"}
 _names = [f"ep_routing_pack<{i}>" for i in _IDX.values()]
 _names += [f"ep_pack_rows<{u}>" for u in _UNITS.values()]
@@ -137,14 +137,7 @@ _group_ids = itertools.count(1)
 _live_groups: "weakref.WeakValueDictionary[int, EpGroup]" = weakref.WeakValueDictionary()
 _INT32_MAX = 2**31 - 1
 
-
 DEFAULT_CHUNKS = 2
-# overlap=None (auto): a call overlaps its transfer with the local work when this rank sends at least this
-# many bytes of rows (below it the second stream and its events cost more than they hide).
-_OVERLAP_MIN_BYTES = 64 << 20
-# The smallest part (bytes of rows) a (src, dst) pair's transfer is split into when chunks > 1: below it
-# one more NCCL group costs more than the overlap gains. Must be the same on every rank.
-_MIN_CHUNK_BYTES = 4 << 20
 
 
 def _env_number(name, default, conv, ok, expected):
@@ -183,13 +176,6 @@ def _env_transport() -> str:
 
 def _env_timeout() -> float:
     return _env_number("MOE_RT_EP_TIMEOUT", DEFAULT_TIMEOUT, float, lambda t: t > 0, "seconds > 0")
-
-
-def _unit(row_bytes: int, *ptrs) -> int:
-    for u in (16, 8, 4, 2, 1):
-        if row_bytes % u == 0 and all(p % u == 0 for p in ptrs):
-            return u
-    return 1
 
 
 class EpGroup:
@@ -276,8 +262,6 @@ class EpGroup:
             _check_bool(overlap, "overlap")
             overlap = bool(overlap)
         self.overlap = overlap  # None: per call, by the size of the transfer
-        self._cstream = None  # the communication stream of the overlapped path (made on first use)
-        self._events = []     # reused CUDA events of the overlapped path
         if R * self.max_tokens_per_rank > _INT32_MAX:
             raise ValueError("R * max_tokens_per_rank must stay below 2^31")
         if transport is None:
@@ -287,19 +271,22 @@ class EpGroup:
         elif transport not in TRANSPORTS:
             raise ValueError(f"transport: expected 'auto', 'direct' or 'nccl', got {transport!r}")
         self.closed = False
-        self._direct = None
-        self.transport = None if R == 1 else self._choose_transport(transport)
+        self._transport = None  # what moves the rows on CUDA: an NcclTransport or a DirectTransport
+        self.transport = self._choose_transport(transport)
         self.id = next(_group_ids)
         _live_groups[self.id] = self
         self._last_stream = None
         self._last_device = self.device  # of the last prepare (a local group has no device of its own)
 
     def _choose_transport(self, want):
-        """The transport of a multi-rank group (a collective unless ``want`` is 'nccl'): probe where every
-        rank runs (host identity, PCI bus id, peer access; two all-gathers), then set up the direct
-        transport's shared buffers."""
-        if want == "nccl":
-            return "nccl"
+        """Make the group's transport and return its name (None for one rank, whose CUDA ops run the NCCL
+        transport's path without an exchange). A multi-rank group's choice is a collective unless ``want`` is
+        'nccl': probe where every rank runs (host identity, PCI bus id, peer access; two all-gathers), then
+        set up the direct transport's shared buffers."""
+        if self.size == 1 or want == "nccl":
+            self._transport = _ep_nccl.NcclTransport(self.comm, self.rank, self.size, self.device, self.hidden,
+                                                     self.chunks, self.overlap)
+            return None if self.size == 1 else "nccl"
         # The group's first collectives also set up NCCL's connections (seconds): creation waits for its
         # peers at least _SETUP_TIMEOUT, whatever the (possibly short) timeout of the ops.
         setup = max(self.timeout, _SETUP_TIMEOUT)
@@ -308,10 +295,12 @@ class EpGroup:
         if not ok:
             if want == "direct":
                 raise ValueError(f"transport='direct': {reason}; use transport='nccl' or 'auto'")
-            return "nccl"
+            return self._choose_transport("nccl")
         P = self.pair_capacity if self.mode == "capacity" else self.max_tokens_per_rank
-        self._direct = _ep_direct.DirectTransport(self.comm, self.device, P, self.timeout, wait)
+        self._transport = _ep_direct.DirectTransport(self.comm, self.device, P, self.timeout, wait,
+                                                     op_wait=lambda s, op: self._wait(s, op))
         return "direct"
+
     def __repr__(self):
         return (f"EpGroup(rank={self.rank}, size={self.size}, num_experts={self.num_experts}, "
                 f"hidden={self.hidden}, max_tokens_per_rank={self.max_tokens_per_rank}, mode={self.mode!r}, "
@@ -323,9 +312,9 @@ class EpGroup:
         rank closes the group at the same point of its op sequence; bounded by the timeout), closes its IPC
         mappings of the peers' buffers and frees its own; the communicator is borrowed and stays open."""
         self.closed = True
-        d, self._direct = self._direct, None
-        if d is not None:
-            d.close()
+        t, self._transport = self._transport, None
+        if t is not None:
+            t.close()
 
     # -- common checks ---------------------------------------------------------------------------------
     def _alive(self, op):
@@ -389,27 +378,27 @@ class EpGroup:
         deadline = time.monotonic() + timeout
         delay = 1e-5
         while not ev.done:
-            self._check_direct()
+            self._check_transport()
             if self.comm is not None:
                 err = self.comm.async_error()
                 if err is not None:
                     self.comm.abort()
                     raise err
             if time.monotonic() > deadline:
-                self._check_direct()  # a barrier that timed out meanwhile names its op
+                self._check_transport()  # a barrier that timed out meanwhile names its op
                 if self.comm is not None:
                     self.comm.abort()
                 raise TimeoutError(f"EpGroup.{op}: no progress within {timeout:g} s (a peer rank is dead or "
                                    "did not call the same op); the communicator was aborted")
             time.sleep(delay)
             delay = min(delay * 2, 5e-3)
-        self._check_direct()
+        self._check_transport()
 
-    def _check_direct(self):
+    def _check_transport(self):
         """Raise TimeoutError (after aborting the communicator) if a barrier of the direct transport timed
         out: its kernel wrote the op into the mapped error word and returned."""
-        d = self._direct
-        op = d.failed_op() if d is not None else None
+        t = self._transport
+        op = t.failed_op() if t is not None else None
         if op is None:
             return
         if self.comm is not None and not getattr(self.comm, "closed", False):
@@ -595,345 +584,6 @@ class EpGroup:
         _errors.raise_word(host[n:].view(np.uint32).copy(), device_id, stream)
         return host[:n].copy()
 
-    # -- transport ---------------------------------------------------------------------------------------
-    def _host_counts(self, h):
-        """(send rows per peer, send offsets, recv rows per peer, recv offsets) on the host."""
-        R, P = self.size, h.sizes["P"]
-        if h.mode == "capacity":
-            send_off, o = [], 0
-            for d in range(R):
-                send_off.append(o)
-                if d != self.rank:
-                    o += P
-            return [P] * R, send_off, [P] * R, [s * P for s in range(R)]
-        m = h.state["host_meta"]
-        sc = [min(int(m[meta_index("send_counts", R) + d]), P) for d in range(R)]
-        rc = [min(int(m[meta_index("recv_counts", R) + s]), P) for s in range(R)]
-        so = [int(m[meta_index("send_off", R) + d]) for d in range(R)]
-        ro = [int(m[meta_index("recv_off", R) + s]) for s in range(R)]
-        return sc, so, rc, ro
-
-    def _send_rows(self, h):
-        R, P = self.size, h.sizes["P"]
-        if h.mode == "capacity":
-            return (R - 1) * P
-        return int(h.state["host_meta"][meta_index("send_rows", R)])
-
-    def _pack(self, call, h, x, w, send_buf, recv_buf, send_w, recv_w, sel):
-        """ep_pack_rows: ``sel`` 0 = every destination, 1 = remote ones only, 2 = the own share only, 3 = the
-        own share's weights only."""
-        sz = h.sizes
-        R, me, P, K, rows = sz["R"], sz["rank"], sz["P"], sz["K"], sz["rows"]
-        send_rows = int(send_buf.shape[0])
-        if not sz["T"] or not rows + send_rows:
-            return
-        rb = self.hidden * x.dtype.itemsize
-        u = _unit(rb, x.data.ptr, send_buf.data.ptr if send_rows else 0, recv_buf.data.ptr if rows else 0)
-        units = rb // u
-        threads = int(min(512, max(32, -(-units // 4 // 32) * 32)))
-        gx = max(1, min(P, _jit.device_properties(call.device_id)["sm_count"] * 8 // R))
-        _jit.launch(_jit.function(_FILE, f"ep_pack_rows<{_UNITS[u]}>"), (gx, 1 if sel >= 2 else R), threads,
-                    (x.data.ptr, send_buf.data.ptr if send_rows else 0, recv_buf.data.ptr if rows else 0,
-                     w.data.ptr if w is not None else 0, send_w.data.ptr if send_w is not None and send_rows else 0,
-                     recv_w.data.ptr if recv_w is not None and rows else 0,
-                     h.view("send_tok"), h.view("meta"), np.int32(R), np.int32(me), np.int32(P), np.int32(K),
-                     np.int64(units), np.int32(sel)), stream=call.stream)
-
-    def _forward_buffers(self, call, h, x, w):
-        """(row bytes, send rows, receive rows, send weights, receive weights) of a forward transfer; the
-        received weights land in the handle's recv_wk."""
-        xp, sz, H = call.xp, h.sizes, self.hidden
-        send_rows = self._send_rows(h)
-        return (H * x.dtype.itemsize, xp.empty((send_rows, H), x.dtype), xp.empty((sz["rows"], H), x.dtype),
-                xp.empty((send_rows, sz["K"]), np.float32) if w is not None else None,
-                h.view("recv_wk") if w is not None else None)
-
-    def _forward(self, call, h, x, w):
-        """Rows of x (and weights [T,K]) to every rank that needs them: returns the [rows,H] receive buffer
-        (source-major) and writes received weights into the handle's recv_wk. Serial, on the caller's
-        stream."""
-        s, K = call.stream, h.sizes["K"]
-        rb, send_buf, recv_buf, send_w, recv_w = self._forward_buffers(call, h, x, w)
-        self._pack(call, h, x, w, send_buf, recv_buf, send_w, recv_w, 0)
-        if self.size > 1:
-            sc, so, rc, ro = self._host_counts(h)
-            for c_sc, c_so, c_rc, c_ro in self._chunk_plan(sc, so, rc, ro, rb):
-                self._exchange(s, rb, K, (send_buf, send_w, c_sc, c_so), (recv_buf, recv_w, c_rc, c_ro))
-        self._last_stream = s
-        return recv_buf
-
-    def _forward_overlapped(self, call, h, x, w, consume, local=None, own_direct=False):
-        """The forward transfer overlapped with its consumer. The remote rows are packed first; the
-        communication stream (after an event on the caller's stream) sends them in parts, one NCCL group
-        and one event per part; meanwhile the caller's stream runs ``local()`` (other local work to
-        overlap) and consumes the own share, then waits for each part's event and runs ``consume(recv_buf,
-        lo, hi)`` on that part's received rows. The own share is packed into ``recv_buf`` and consumed
-        there, or, with ``own_direct``, consumed straight from x as ``consume(x, lo, hi, rows)`` (``rows``:
-        the x row of each received row; only its weights are packed).
-        The caller's stream has waited for every part when this returns, so later work on it (including the
-        reuse of these buffers by CuPy's pool, which is ordered on the caller's stream) follows the
-        transfer."""
-        s, K, me = call.stream, h.sizes["K"], self.rank
-        # every buffer the communication stream touches exists before the event it first waits on
-        rb, send_buf, recv_buf, send_w, recv_w = self._forward_buffers(call, h, x, w)
-        sc, so, rc, ro = self._host_counts(h)
-        parts = self._chunk_plan(sc, so, rc, ro, rb)
-        if parts:
-            self._pack(call, h, x, w, send_buf, recv_buf, send_w, recv_w, 1)
-            cs = self._comm_stream()
-            ev = self._event(0)
-            ev.record(s)
-            cs.wait_event(ev)
-            for i, (c_sc, c_so, c_rc, c_ro) in enumerate(parts):
-                self._exchange(cs, rb, K, (send_buf, send_w, c_sc, c_so), (recv_buf, recv_w, c_rc, c_ro))
-                self._event(1 + i).record(cs)
-        if not own_direct:
-            self._pack(call, h, x, w, send_buf, recv_buf, send_w, recv_w, 2)
-        elif w is not None:
-            self._pack(call, h, x, w, send_buf, recv_buf, send_w, recv_w, 3)
-        if local is not None:
-            local()
-        if rc[me]:
-            side = bool(parts)
-            if own_direct:
-                P = h.sizes["P"]
-                consume(x, ro[me], ro[me] + rc[me], h.view("recv_tok")[me * P:me * P + rc[me]], side)
-            else:
-                consume(recv_buf, ro[me], ro[me] + rc[me])
-        for i, (_, _, c_rc, c_ro) in enumerate(parts):
-            s.wait_event(self._event(1 + i))
-            for p in range(self.size):
-                if c_rc[p]:
-                    if own_direct:
-                        consume(recv_buf, c_ro[p], c_ro[p] + c_rc[p], None, i + 1 < len(parts))
-                    else:
-                        consume(recv_buf, c_ro[p], c_ro[p] + c_rc[p])
-        self._last_stream = s
-        return recv_buf
-
-    def _exchange(self, s, rb, K, send, recv):
-        """One grouped NCCL exchange with every peer on stream ``s``. ``send`` and ``recv`` are ``(rows,
-        weights or None, counts[R], offsets[R])``: peer p gets ``counts[p]`` rows of ``rb`` bytes (and K fp32
-        weights each) from row ``offsets[p]``. The send rows may instead be a list over peers of arrays
-        holding exactly the rows for that peer (the offsets then apply to the weights only). The rank's
-        own share never goes through NCCL."""
-        (s_rows, s_w, sc, so), (r_rows, r_w, rc, ro) = send, recv
-        comm, me = self.comm, self.rank
-        wb = K * 4
-        comm.group_start()
-        try:
-            for p in range(comm.size):
-                if p == me:
-                    continue
-                if sc[p]:
-                    ptr = s_rows[p].data.ptr if isinstance(s_rows, list) else s_rows.data.ptr + so[p] * rb
-                    comm.send(ptr, sc[p] * rb, "uint8", p, s.ptr)
-                    if s_w is not None:
-                        comm.send(s_w.data.ptr + so[p] * wb, sc[p] * wb, "uint8", p, s.ptr)
-                if rc[p]:
-                    comm.recv(r_rows.data.ptr + ro[p] * rb, rc[p] * rb, "uint8", p, s.ptr)
-                    if r_w is not None:
-                        comm.recv(r_w.data.ptr + ro[p] * wb, rc[p] * wb, "uint8", p, s.ptr)
-        finally:
-            comm.group_end()
-
-    def _backward(self, call, h, z, zw, T, out_dtype, want_w):
-        """Send each source's partial rows z [rows,H] (and zw [rows,K]) back; the owner sums over ranks.
-        Serial, on the caller's stream."""
-        xp, s = call.xp, call.stream
-        sz = h.sizes
-        K, H = sz["K"], self.hidden
-        rb = H * z.dtype.itemsize
-        send_rows = self._send_rows(h)
-        back = xp.empty((send_rows, H), z.dtype)
-        back_w = xp.empty((send_rows, K), np.float32) if zw is not None else None
-        if self.size > 1:
-            sc, so, rc, ro = self._host_counts(h)
-            # the reverse of dispatch: what was received goes back, into the rows that were sent
-            for c_sc, c_so, c_rc, c_ro in self._chunk_plan(rc, ro, sc, so, rb):
-                self._exchange(s, rb, K, (z, zw, c_sc, c_so), (back, back_w, c_rc, c_ro))
-        return self._owner_sum(call, h, z, 0, zw, back, back_w, T, out_dtype, want_w)
-
-    def _backward_overlapped(self, call, h, produce, zw, T, dtype, want_w):
-        """The reverse transfer overlapped with its producer. ``produce(lo, hi)`` returns (on the caller's
-        stream) the partial rows ``[hi-lo, H]`` of received rows ``[lo, hi)``; ``zw`` is None or the whole
-        ``[rows,K]`` weight partials, complete before this is called. The parts going back to peers are
-        produced first, each followed by an event on the caller's stream and its NCCL group on the
-        communication stream; the own share is produced while they travel; the caller's stream then waits
-        for the communication stream (the produced parts stay referenced until then) and runs the owner
-        sum."""
-        xp, s = call.xp, call.stream
-        sz = h.sizes
-        K, H, me = sz["K"], self.hidden, self.rank
-        rb = H * np.dtype(dtype).itemsize
-        send_rows = self._send_rows(h)
-        back = xp.empty((send_rows, H), dtype)
-        back_w = xp.empty((send_rows, K), np.float32) if zw is not None else None
-        sc, so, rc, ro = self._host_counts(h)
-        # the reverse of dispatch: what was received goes back, into the rows that were sent
-        parts = self._chunk_plan(rc, ro, sc, so, rb)
-        cs = self._comm_stream() if parts else None
-        sent = []
-        for i, (c_sc, c_so, c_rc, c_ro) in enumerate(parts):
-            pieces = [produce(c_so[p], c_so[p] + c_sc[p]) if c_sc[p] else None for p in range(self.size)]
-            sent.append(pieces)
-            ev = self._event(i)
-            ev.record(s)
-            cs.wait_event(ev)
-            self._exchange(cs, rb, K, (pieces, zw, c_sc, c_so), (back, back_w, c_rc, c_ro))
-        own = produce(ro[me], ro[me] + rc[me]) if rc[me] else None
-        if parts:
-            ev = self._event(len(parts))
-            ev.record(cs)
-            s.wait_event(ev)
-        out = self._owner_sum(call, h, own, ro[me], zw, back, back_w, T, dtype, want_w)
-        del sent
-        return out
-
-    def _owner_sum(self, call, h, own, own_shift, zw, back, back_w, T, out_dtype, want_w):
-        """out [T,H] (and grad_w [T,K]): the owner's fp32 sum over ranks; ``own`` holds the own partial rows
-        from received row ``own_shift`` on (the whole [rows,H] partials with 0)."""
-        xp, s = call.xp, call.stream
-        sz = h.sizes
-        R, me, K, L, Tmax, H = sz["R"], sz["rank"], sz["K"], sz["L"], sz["Tmax"], self.hidden
-        out = xp.empty((T, H), out_dtype)
-        gw = xp.empty((T, K), np.float32) if want_w else None
-        if T:
-            isz = np.dtype(out_dtype).itemsize
-            has_own = own is not None and own.size
-            ptrs = [out.data.ptr] + ([own.data.ptr] if has_own else []) + ([back.data.ptr] if back.size else [])
-            vec = (H * isz) % 16 == 0 and all(p % 16 == 0 for p in ptrs)
-            nper = 16 // isz if vec else 1
-            threads = int(min(512, max(32, -(-(H // nper) // 32) * 32)))
-            fn = _jit.function(_FILE, f"ep_owner_sum<{_jit.ctype(out_dtype)}, {'true' if vec else 'false'}>")
-            _jit.set_max_dynamic_shared(fn, R * 8)
-            _jit.launch(fn, _grid(T * 8, call.device_id, threads=8), threads,
-                        (back.data.ptr if back.size else 0, own.data.ptr if has_own else 0, out,
-                         back_w.data.ptr if back_w is not None and back_w.size else 0,
-                         zw.data.ptr if zw is not None and zw.size else 0, gw if gw is not None else 0,
-                         h.view("send_pos"), routing_view(h)[me * (Tmax * K + 1):], h.view("meta"),
-                         np.int32(R), np.int32(me), np.int32(Tmax), np.int32(K), np.int32(L), np.int32(T),
-                         np.int64(H), np.int64(own_shift)), shared_mem=R * 8, stream=s)
-        self._last_stream = s
-        return out, gw
-
-    # -- the direct transport ----------------------------------------------------------------------------
-    def _direct_forward(self, call, h, x, w, op, out):
-        """The dispatch direction on the direct transport: barrier (every rank finished the previous op) ->
-        one kernel pushing this rank's rows (and weights) into the destinations' stages chunk by chunk and
-        expanding each received chunk into ``out`` (expert-major [N,H]; None: only wait for every chunk) as
-        it lands. Returns ``(stage [R*P,H] view, row map or None)``: received row r sits at stage row
-        ``map[r]`` (capacity mode: at r; the own share is not in the stage unless ``out`` is None). The
-        received weights are copied into the handle's recv_wk."""
-        d, s = self._direct, call.stream
-        sz = h.sizes
-        R, P, K, H = sz["R"], sz["P"], sz["K"], self.hidden
-        rows_st, w_st = d.stages(H * x.dtype.itemsize, K, s, lambda st: self._wait(st, op))
-        d.barrier(s, op)
-        d.dispatch(call, h, x, w, rows_st, w_st, out, op)
-        row_map = self._direct_row_map(call, h)
-        if w is not None:
-            d.copy_rows(call, w_st.local, row_map, h.view("recv_wk").data.ptr, None, sz["rows"], K * 4)
-        self._last_stream = s
-        return d.view(rows_st, R * P, H, x.dtype), row_map
-
-    def _direct_row_map(self, call, h):
-        """None in capacity mode (received row r is stage row r: recv_off[s] = s*P); in exact mode the stage
-        row s*P + j of each packed received row recv_off[s] + j (int32 [rows] on the device, made on first
-        use and cached on the handle: handles rebuilt from a buffer by the adapters make it again)."""
-        if h.mode == "capacity":
-            return None
-        m = h.state.get("row_map")
-        if m is None:
-            m = h.state["row_map"] = self._direct.row_map(call, h)
-        return m
-
-    def _direct_recv_buf(self, call, h, stage, row_map):
-        """The received rows in the handle's layout ([rows,H]): the stage itself in capacity mode, a packed
-        copy in exact mode."""
-        if row_map is None:
-            return stage
-        rows = h.sizes["rows"]
-        buf = call.xp.empty((rows, self.hidden), stage.dtype)
-        self._direct.copy_rows(call, stage.data.ptr, row_map, buf.data.ptr, None, rows,
-                               self.hidden * stage.dtype.itemsize)
-        return buf
-
-    def _direct_reduce(self, call, h, y, w, zw, want_w, op):
-        """The combine direction on the direct transport: barrier (every rank finished reading the stages of
-        the previous op) -> one kernel reducing each received row over this rank's experts (y [N,H]
-        expert-major, weights w [rows,K] or None; weight partials zw [rows,K] or None) straight into its
-        owner's stage chunk by chunk, and summing this rank's tokens over ranks as their chunks land.
-        Returns ``(out [T,H], grad_w [T,K] or None)``."""
-        d, s = self._direct, call.stream
-        sz = h.sizes
-        rows_st, w_st = d.stages(self.hidden * y.dtype.itemsize, sz["K"], s, lambda st: self._wait(st, op))
-        d.barrier(s, op)
-        self._last_stream = s
-        return d.combine(call, h, y, w, zw, rows_st, w_st, sz["T"], want_w, op)
-
-    # -- overlap helpers -------------------------------------------------------------------------------
-    def _overlapped(self, h, itemsize):
-        """Whether this call overlaps its transfer with the local work. A local choice: the serial path sends
-        the same parts in the same NCCL groups, so ranks may choose differently."""
-        if self.size == 1 or self._direct is not None:
-            return False
-        if self.overlap is not None:
-            return self.overlap
-        return self._send_rows(h) * self.hidden * itemsize >= _OVERLAP_MIN_BYTES
-
-    def _comm_stream(self):
-        """The group's communication stream (non-blocking: no implicit sync with the legacy stream)."""
-        if self._cstream is None:
-            import cupy
-
-            # The highest priority (CUDA clamps -100 to the device's greatest): the NCCL kernel's blocks are
-            # scheduled ahead of the expand/reduce kernels running beside it, which would otherwise hold
-            # every SM while the peer's matching blocks spin.
-            with cupy.cuda.Device(self.device):
-                self._cstream = cupy.cuda.Stream(non_blocking=True, priority=-100)
-        return self._cstream
-
-    def _event(self, i):
-        """Reused event ``i``. Re-recording is safe: a wait binds to the record made before it."""
-        import cupy
-
-        while len(self._events) <= i:
-            with cupy.cuda.Device(self.device):
-                self._events.append(cupy.cuda.Event(disable_timing=True))
-        return self._events[i]
-
-    def _parts(self, n, rb):
-        """Row bounds of the parts of a pair's ``n`` rows (a function of n alone: both ends agree)."""
-        if n <= 0:
-            return []
-        c = self.chunks
-        if _MIN_CHUNK_BYTES > 0:
-            c = min(c, max(1, n * rb // _MIN_CHUNK_BYTES))
-        c = min(c, n)
-        return [(n * i // c, n * (i + 1) // c) for i in range(c)]
-
-    def _chunk_plan(self, sc, so, rc, ro, rb):
-        """The transfer split into parts: ``[(send counts, send offsets, recv counts, recv offsets)]`` over
-        peers, one tuple per NCCL group. Part i of the rows of a pair travels in group i on both of its
-        ranks, so each group's sends and receives are matched inside it and the groups cannot deadlock."""
-        R, me = self.size, self.rank
-        sp = [[] if p == me else self._parts(sc[p], rb) for p in range(R)]
-        rp = [[] if p == me else self._parts(rc[p], rb) for p in range(R)]
-        n = max(len(x) for x in sp + rp)
-        plan = []
-        for i in range(n):
-            c_sc, c_so, c_rc, c_ro = [0] * R, [0] * R, [0] * R, [0] * R
-            for p in range(R):
-                if i < len(sp[p]):
-                    lo, hi = sp[p][i]
-                    c_sc[p], c_so[p] = hi - lo, so[p] + lo
-                if i < len(rp[p]):
-                    lo, hi = rp[p][i]
-                    c_rc[p], c_ro[p] = hi - lo, ro[p] + lo
-            plan.append((c_sc, c_so, c_rc, c_ro))
-        return plan
-
     # -- ops -------------------------------------------------------------------------------------------
     def dispatch(self, handle, x, topk_weights=None, *, stream=None):
         """Send tokens to the ranks of their experts, in expert-major order (a collective).
@@ -967,27 +617,8 @@ class EpGroup:
                 if wv is not None:
                     handle.view("recv_wk")[...] = handle.state["ref"]["recv_weights_slots"].reshape(-1)
                 return call.out(rx), (None if rw is None else call.out(rw)), call.out(tpe)
-            if self._direct is not None:
-                N, xp = handle.sizes["N"], call.xp
-                rx = xp.empty((N, self.hidden), xv.dtype)
-                rw = None if wv is None else xp.empty(N, np.float32)
-                self._direct_forward(call, handle, xv, wv, "dispatch", rx)
-                _fill_rows(call, handle, rx, rw, None if wv is None else _recv_wk(handle))
-            elif self._overlapped(handle, xv.dtype.itemsize):
-                N, xp = handle.sizes["N"], call.xp
-                rx = xp.empty((N, self.hidden), xv.dtype)
-                rw = None if wv is None else xp.empty(N, np.float32)
-                self._forward_overlapped(call, handle, xv, wv,
-                                         lambda buf, lo, hi, rows=None, side=False: _expand_rows(
-                                             call, handle, buf, rx, lo, hi, rows, side),
-                                         lambda: _fill_rows(call, handle, rx, None, None), own_direct=True)
-                if rw is not None:  # after the last part: every received weight is in
-                    _fill_rows(call, handle, None, rw, _recv_wk(handle))
-            else:
-                recv_buf = self._forward(call, handle, xv, wv)
-                plan = _plan_view(handle)
-                rx, rw = permutation.dispatch(recv_buf, plan, None if wv is None else _recv_wk(handle),
-                                              stream=call.stream)
+            rx, rw = self._transport.forward(call, handle, xv, wv, "dispatch", want_w=wv is not None)
+            self._last_stream = call.stream
             tpe = handle.view("tokens_per_expert").copy()
             return call.out(rx), (None if rw is None else call.out(rw)), call.out(tpe)
 
@@ -1016,19 +647,9 @@ class EpGroup:
             yv = _arrays.contiguous(call.xp, yv)
             if call.backend == "cpu":
                 return call.out(_ref.combine([handle.state["ref"]], [yv], weighted=weighted)[0])
-            pw = _recv_wk(handle) if weighted else None
-            if self._direct is not None:
-                out, _ = self._direct_reduce(call, handle, yv, pw, None, False, "combine")
-                return call.out(out)
-            if self._overlapped(handle, yv.dtype.itemsize):
-                def produce(lo, hi):
-                    return permutation.combine(yv, _subplan(handle, lo, hi), None if pw is None else pw[lo:hi],
-                                               stream=call.stream)
-
-                out, _ = self._backward_overlapped(call, handle, produce, None, handle.sizes["T"], yv.dtype, False)
-                return call.out(out)
-            z = permutation.combine(yv, _plan_view(handle), pw, stream=call.stream)
-            out, _ = self._backward(call, handle, z, None, handle.sizes["T"], yv.dtype, False)
+            pw = recv_wk(handle) if weighted else None
+            out, _ = self._transport.reduce(call, handle, yv, pw, None, "combine")
+            self._last_stream = call.stream
             return call.out(out)
 
     def dispatch_bwd(self, handle, grad_recv_x, grad_recv_w=None, *, stream=None):
@@ -1057,20 +678,8 @@ class EpGroup:
             if call.backend == "cpu":
                 gx, gwt = _ref.dispatch_bwd([handle.state["ref"]], [g], None if gw is None else [gw])[0]
                 return call.out(gx), (None if gwt is None else call.out(gwt))
-            if self._direct is not None:
-                gp = None if gw is None else _slot_values(call, handle, gw)
-                out, gwt = self._direct_reduce(call, handle, g, None, gp, gw is not None, "dispatch_bwd")
-                return call.out(out), (None if gwt is None else call.out(gwt))
-            if self._overlapped(handle, g.dtype.itemsize):
-                gp = None if gw is None else _slot_values(call, handle, gw)
-
-                def produce(lo, hi):
-                    return permutation.dispatch_backward(g, _subplan(handle, lo, hi), stream=call.stream)[0]
-
-                out, gwt = self._backward_overlapped(call, handle, produce, gp, sz["T"], g.dtype, gw is not None)
-                return call.out(out), (None if gwt is None else call.out(gwt))
-            gz, gp = permutation.dispatch_backward(g, _plan_view(handle), gw, stream=call.stream)
-            out, gwt = self._backward(call, handle, gz, gp, sz["T"], g.dtype, gw is not None)
+            out, gwt = self._transport.reduce(call, handle, g, None, gw, "dispatch_bwd")
+            self._last_stream = call.stream
             return call.out(out), (None if gwt is None else call.out(gwt))
 
     def combine_bwd(self, handle, grad_out, y=None, *, weighted: bool = True, stream=None):
@@ -1108,45 +717,18 @@ class EpGroup:
                 gy, gw = _ref.combine_bwd([handle.state["ref"]], [g], None if yv is None else [yv],
                                           weighted=weighted)[0]
                 return call.out(gy), (None if gw is None else call.out(gw))
-            if self._direct is not None:
-                if not weighted or yv is None:
-                    N = sz["N"]
-                    gy = call.xp.empty((N, self.hidden), g.dtype)
-                    pp = call.xp.empty(N, np.float32) if weighted else None
-                    self._direct_forward(call, handle, g, None, "combine_bwd", gy)
-                    _fill_rows(call, handle, gy, pp, _recv_wk(handle) if weighted else None)
-                    if weighted:
-                        _scale_rows(call, gy, pp)
-                    return call.out(gy), None
-                stage, row_map = self._direct_forward(call, handle, g, None, "combine_bwd", None)
-                recv_buf = self._direct_recv_buf(call, handle, stage, row_map)
-            elif self._overlapped(handle, g.dtype.itemsize) and (not weighted or yv is None):
-                # the dispatch direction: expand each part as it lands (the weights are the forward's)
-                N, xp = sz["N"], call.xp
-                gy = xp.empty((N, self.hidden), g.dtype)
-                pp = xp.empty(N, np.float32) if weighted else None
-                self._forward_overlapped(
-                    call, handle, g, None,
-                    lambda buf, lo, hi, rows=None, side=False: _expand_rows(call, handle, buf, gy, lo, hi, rows, side),
-                    lambda: _fill_rows(call, handle, gy, pp, _recv_wk(handle) if weighted else None),
-                    own_direct=True)
+            if not weighted or yv is None:
+                # the dispatch direction into the expert-major rows (the weights are the forward's)
+                gy, pp = self._transport.forward(call, handle, g, None, "combine_bwd", want_w=weighted)
+                self._last_stream = call.stream
                 if weighted:
-                    _scale_rows(call, gy, pp)
+                    scale_rows(call, gy, pp)
                 return call.out(gy), None
-            elif self._overlapped(handle, g.dtype.itemsize):
-                # weighted with y: the transfer still runs in parts; the expert-side kernel runs after it
-                recv_buf = self._forward_overlapped(call, handle, g, None, lambda buf, lo, hi: None)
-            else:
-                recv_buf = self._forward(call, handle, g, None)
-            plan = _plan_view(handle)
-            if not weighted:
-                gy, _ = permutation.combine_backward(recv_buf, plan, stream=call.stream)
-                return call.out(gy), None
-            if yv is None:
-                gy, pp = permutation.dispatch(recv_buf, plan, _recv_wk(handle), stream=call.stream)
-                _scale_rows(call, gy, pp)
-                return call.out(gy), None
-            gy, gp = permutation.combine_backward(recv_buf, plan, yv, _recv_wk(handle), stream=call.stream)
+            # weighted with y: the received rows, then the permutation family's expert-side kernel
+            recv_buf = self._transport.forward(call, handle, g, None, "combine_bwd", expand=False)
+            self._last_stream = call.stream
+            gy, gp = permutation.combine_backward(recv_buf, plan_view(handle), yv, recv_wk(handle),
+                                                  stream=call.stream)
             N = sz["N"]
             gw = call.xp.empty(N, np.float32)
             if N:
@@ -1181,121 +763,9 @@ def _check_backend(handle, call, op):
         raise ValueError(f"{op}: the handle was made on {hb} but the arrays are on {call.backend}")
 
 
-def _grid(n, device_id, threads=256):
-    if n <= 0:
-        return 0
-    cap = _jit.device_properties(device_id)["sm_count"] * 8
-    return max(1, min(-(-n // threads), cap))
-
-
-def routing_view(h):
-    return h.view("routing")
-
-
-def _recv_wk(h):
-    sz = h.sizes
-    return h.view("recv_wk")[:sz["rows"] * sz["K"]].reshape(sz["rows"], sz["K"])
-
-
 def _meta_host(h):
     m = h.view("meta")
     return m if isinstance(m, np.ndarray) else m.get()
-
-
-def _plan_view(h):
-    """A permutation Plan over the handle's regions (no copy), cached on the handle."""
-    plan = h.state.get("plan")
-    if plan is not None:
-        return plan
-    sz = h.sizes
-    rows, K, N = sz["rows"], sz["K"], sz["N"]
-    arrays = (h.view("dst_row")[:rows * K].reshape(rows, K), h.view("src_slot")[:N], h.view("seg_start"),
-              h.view("expert_counts"), h.view("tokens_per_expert"))
-    if hasattr(permutation.Plan, "from_arrays"):
-        plan = permutation.Plan.from_arrays(*arrays, num_rows=N, align_size=sz["A"], num_out_tokens=sz["num_out"])
-    else:  # pragma: no cover - older permutation module: fill the documented fields directly
-        plan = permutation.Plan._blank()
-        plan.num_tokens, plan.topk, plan.num_experts, plan.num_rows = rows, K, sz["L"], N
-        plan.align_size, plan.num_out_tokens, plan.from_routing_map = sz["A"], sz["num_out"], False
-        plan.backend, plan.device_id = h.state["backend"], h.state["device_id"]
-        plan._v = dict(zip(("dst_row", "src_slot", "seg_start", "counts", "tokens_per_expert"), arrays))
-    h.state["plan"] = plan
-    return plan
-
-
-def _subplan(h, lo, hi):
-    """The permutation plan of received rows ``[lo, hi)``: the same expert-major layout (``num_rows`` N),
-    ``dst_row`` restricted to those rows; views, no copy; cached on the handle."""
-    cache = h.state.setdefault("subplans", {})
-    plan = cache.get((lo, hi))
-    if plan is None:
-        full = _plan_view(h)
-        v = full._v
-        plan = cache[(lo, hi)] = permutation.Plan.from_arrays(
-            v["dst_row"][lo:hi], v["src_slot"], v["seg_start"], v["counts"], v["tokens_per_expert"],
-            num_rows=full.num_rows, align_size=full.align_size, num_out_tokens=full.num_out_tokens)
-    return plan
-
-
-def _expand_rows(call, h, buf, out, lo, hi, rows=None, side=False):
-    """out[dst_row[r,k]] = buf[r] for the received rows lo <= r < hi (raw bytes; ep_expand_rows); with
-    ``rows`` (int32 [hi-lo] on the device), out[dst_row[r,k]] = buf[rows[r-lo]] instead."""
-    sz = h.sizes
-    K, N = sz["K"], sz["N"]
-    rb = int(buf.shape[1]) * buf.dtype.itemsize
-    if hi <= lo or N == 0 or rb == 0:
-        return
-    u = _unit(rb, buf.data.ptr, out.data.ptr)
-    units = rb // u
-    fn = _jit.function(_FILE, f"ep_expand_rows<{_UNITS[u]}, 4>")
-    _jit.set_max_dynamic_shared(fn, K * 4)
-    per = -(-units // 4)  # 4 units per thread in flight
-    threads = int(min(1024, max(32, -(-per // 32) * 32)))
-    src = buf.data.ptr if rows is not None else buf.data.ptr + lo * rb
-    # beside a transfer: one CTA per two SMs, so that the NCCL kernel keeps its share of memory bandwidth
-    grid = hi - lo if not side else min(hi - lo, max(1, _jit.device_properties(call.device_id)["sm_count"] // 2))
-    _jit.launch(fn, grid, threads, (src, out.data.ptr, h.view("dst_row").data.ptr + lo * K * 4,
-                                    rows.data.ptr if rows is not None else 0, np.int32(K), np.int64(units),
-                                    np.int64(hi - lo)),
-                shared_mem=K * 4, stream=call.stream)
-
-
-def _fill_rows(call, h, out, pp, pv):
-    """Zero the expert-major rows of ``out`` that hold no slot; ``pp[n] = pv[src_slot[n]]`` (0 for those)."""
-    N = h.sizes["N"]
-    if N == 0 or (out is None and pp is None):
-        return
-    rb = int(out.shape[1]) * out.dtype.itemsize if out is not None else 0
-    u = _unit(rb, out.data.ptr) if out is not None else 16
-    sms = _jit.device_properties(call.device_id)["sm_count"]
-    _jit.launch(_jit.function(_FILE, f"ep_fill_rows<{_UNITS[u]}>"), max(1, min(-(-N // 8), sms * 16)), 256,
-                (out.data.ptr if out is not None else 0, pp if pp is not None else 0, pv if pv is not None else 0,
-                 h.view("src_slot"), np.int64(N), np.int64(rb // u)), stream=call.stream)
-
-
-def _slot_values(call, h, vals):
-    """[rows,K] float32: vals[dst_row[r,k]] (0 for slots with no row): the expert-major row values back to
-    the received rows' slots."""
-    sz = h.sizes
-    out = call.xp.empty((sz["rows"], sz["K"]), np.float32)
-    n = out.size
-    if n:
-        _jit.launch(_jit.function(_FILE, "ep_slot_values"), _grid(n, call.device_id), 256,
-                    (vals if vals.size else 0, h.view("dst_row"), out, np.int64(n)), stream=call.stream)
-    return out
-
-
-def _scale_rows(call, rows, w):
-    n, H = int(rows.shape[0]), int(rows.shape[1])
-    if n == 0 or H == 0:
-        return
-    isz = rows.dtype.itemsize
-    vec = (H * isz) % 16 == 0 and rows.data.ptr % 16 == 0
-    nper = 16 // isz if vec else 1
-    threads = int(min(512, max(32, -(-(H // nper) // 32) * 32)))
-    fn = _jit.function(_FILE, f"ep_scale_rows<{_jit.ctype(rows.dtype)}, {'true' if vec else 'false'}>")
-    _jit.launch(fn, _grid(n * 8, call.device_id, threads=8), threads, (rows, w, np.int64(n), np.int64(H)),
-                stream=call.stream)
 
 
 def _fill_from_reference(h, d):

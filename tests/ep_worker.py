@@ -58,10 +58,10 @@ def setup():
     import cupy as cp
 
     cp.cuda.Device(DEV).use()
-    from moe_rt import ep
+    from moe_rt import _ep_nccl
     from moe_rt.bootstrap import init_communicator
 
-    ep._MIN_CHUNK_BYTES = 0  # split even the smallest transfers into parts
+    _ep_nccl._MIN_CHUNK_BYTES = 0  # split even the smallest transfers into parts
 
     return cp, init_communicator(method="file")
 

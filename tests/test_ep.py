@@ -365,7 +365,7 @@ def test_chunks_keyword_and_env(monkeypatch):
 
 
 def test_overlap_keyword_env_and_auto_choice(monkeypatch):
-    from moe_rt import ep
+    from moe_rt import _ep_nccl
 
     monkeypatch.delenv("MOE_RT_EP_OVERLAP", raising=False)
     assert EpGroup(None, 4, 4, 4).overlap is None  # auto
@@ -383,16 +383,16 @@ def test_overlap_keyword_env_and_auto_choice(monkeypatch):
         EpGroup(None, 4, 4, 4, overlap=1)
 
     # auto: overlapped from _OVERLAP_MIN_BYTES of rows sent by this rank; never on one rank
-    monkeypatch.setattr(ep, "_OVERLAP_MIN_BYTES", 1000)
+    monkeypatch.setattr(_ep_nccl, "_OVERLAP_MIN_BYTES", 1000)
     fake = type("C", (_FakeComm,), {"rank": 0, "size": 2})()
     sent = {"rows": 0}
     for overlap, rows, itemsize, want in ((None, 124, 2, False), (None, 125, 2, True), (None, 62, 4, False),
                                           (None, 32, 8, True), (False, 10**6, 2, False), (True, 1, 2, True)):
         g = EpGroup(fake, 4, 4, 8, overlap=overlap, transport="nccl")
-        monkeypatch.setattr(g, "_send_rows", lambda h: sent["rows"])
+        monkeypatch.setattr(g._transport, "_send_rows", lambda h: sent["rows"])
         sent["rows"] = rows
-        assert g._overlapped(None, itemsize) is want, (overlap, rows, itemsize)
-    assert EpGroup(None, 4, 4, 8, overlap=True)._overlapped(None, 2) is False
+        assert g._transport._overlapped(None, itemsize) is want, (overlap, rows, itemsize)
+    assert EpGroup(None, 4, 4, 8, overlap=True)._transport._overlapped(None, 2) is False
 
 
 @pytest.mark.parametrize("min_bytes", [0, 1000])
@@ -401,9 +401,9 @@ def test_overlap_keyword_env_and_auto_choice(monkeypatch):
 def test_chunk_plan_parts_match_between_ranks(rng, monkeypatch, R, chunks, min_bytes):
     # Part i of a pair's rows must travel in group i on both ranks of the pair, with the same rows; the
     # parts must tile each peer's range exactly once.
-    from moe_rt import ep
+    from moe_rt import _ep_nccl
 
-    monkeypatch.setattr(ep, "_MIN_CHUNK_BYTES", min_bytes)
+    monkeypatch.setattr(_ep_nccl, "_MIN_CHUNK_BYTES", min_bytes)
     rb = 64
     counts = rng.integers(0, 40, size=(R, R))  # counts[s, d]: rows s sends to d
     counts[0, 1] = 0
@@ -417,7 +417,7 @@ def test_chunk_plan_parts_match_between_ranks(rng, monkeypatch, R, chunks, min_b
         rc = [int(counts[s, r]) for s in range(R)]
         so = list(np.cumsum([0] + [0 if d == r else sc[d] for d in range(R)])[:R])
         ro = list(np.cumsum([0] + rc)[:R])
-        plan = g._chunk_plan(sc, so, rc, ro, rb)
+        plan = g._transport._chunk_plan(sc, so, rc, ro, rb)
         plans.append(plan)
         for p in range(R):
             if p == r:
@@ -474,6 +474,25 @@ def test_transport_keyword_env_and_one_rank(monkeypatch):
     assert EpGroup(_FakeComm(), 4, 4, 4, transport="nccl").transport == "nccl"  # the keyword wins
 
 
+def test_transports_share_one_interface():
+    # EpGroup calls only these on its transport: a transport is one class with the same signatures
+    import inspect
+
+    from moe_rt import _ep_direct, _ep_nccl
+
+    for name in ("forward", "reduce", "failed_op", "close"):
+        sigs = [inspect.signature(getattr(cls, name)) for cls in (_ep_nccl.NcclTransport, _ep_direct.DirectTransport)]
+        assert sigs[0] == sigs[1], (name, sigs)
+    g = EpGroup(_FakeComm(), 4, 4, 8, transport="nccl", chunks=3, overlap=False)
+    t = g._transport
+    assert isinstance(t, _ep_nccl.NcclTransport) and (t.chunks, t.overlap, t.hidden) == (3, False, 4)
+    assert t.failed_op() is None
+    one = EpGroup(None, 4, 4, 8)  # one rank: the NCCL path without an exchange, no public transport
+    assert one.transport is None and isinstance(one._transport, _ep_nccl.NcclTransport)
+    g.close()
+    assert g._transport is None
+
+
 def test_transport_choice_from_the_probe(monkeypatch):
     from moe_rt import _ep_direct
 
@@ -481,8 +500,9 @@ def test_transport_choice_from_the_probe(monkeypatch):
     made, closed = [], []
 
     class FakeDirect:
-        def __init__(self, comm, device, pair_rows, timeout, wait):
+        def __init__(self, comm, device, pair_rows, timeout, wait, op_wait=None):
             made.append((device, pair_rows, timeout))
+            self.op_wait = op_wait
 
         def close(self):
             closed.append(1)
@@ -503,7 +523,8 @@ def test_transport_choice_from_the_probe(monkeypatch):
     assert made == [(0, 8, 7.0)]  # exact mode: pair rows = max_tokens_per_rank
     g2 = EpGroup(_FakeComm(), 4, 4, 8, mode="capacity", pair_capacity=3, transport="direct")
     assert g2.transport == "direct" and made[-1][1] == 3
-    assert g2._overlapped(None, 2) is False  # the NCCL overlap never applies to the direct path
+    assert isinstance(g2._transport, FakeDirect)  # the NCCL path (and its overlap) never runs on it
+    assert g2._transport.op_wait is not None
     g.close()
     g.close()
     assert closed == [1]

@@ -150,29 +150,29 @@ def _rank(args):
 
     def serial_parts(T, x, w, idx, y, wire, wire_w, t_raw):
         """The serial path's pieces timed alone (exact mode): where dispatch and combine spend their time."""
-        from moe_rt import _arrays, permutation
-        from moe_rt import ep as ep_mod
+        from moe_rt import _arrays, _ep_rows, permutation
 
         gs = EpGroup(comm, E, H, T, mode="exact", overlap=False, transport="nccl")
+        nt = gs._transport  # the NCCL transport's pieces
         hp = gs.prepare(idx)
         gs.dispatch(hp, x, w)
         out = []
         with _arrays.Call({"x": x, "w": w, "y": y}) as call:
             xv, wv, yv, s = call["x"], call["w"], call["y"], call.stream
-            rb, sb, rbuf, sw, rw_ = gs._forward_buffers(call, hp, xv, wv)
-            sc, so, rc, ro = gs._host_counts(hp)
-            plan, pw = ep_mod._plan_view(hp), ep_mod._recv_wk(hp)
-            out.append(("dispatch: pack", timed(lambda: gs._pack(call, hp, xv, wv, sb, rbuf, sw, rw_, 0)), 0, t_raw))
-            out.append(("dispatch: NCCL exchange", timed(lambda: gs._exchange(s, rb, K, (sb, sw, sc, so),
+            rb, sb, rbuf, sw, rw_ = nt._forward_buffers(call, hp, xv, wv)
+            sc, so, rc, ro = nt._host_counts(hp)
+            plan, pw = _ep_rows.plan_view(hp), _ep_rows.recv_wk(hp)
+            out.append(("dispatch: pack", timed(lambda: nt._pack(call, hp, xv, wv, sb, rbuf, sw, rw_, 0)), 0, t_raw))
+            out.append(("dispatch: NCCL exchange", timed(lambda: nt._exchange(s, rb, K, (sb, sw, sc, so),
                                                                                (rbuf, rw_, rc, ro))),
                         wire + wire_w, t_raw))
             out.append(("dispatch: expand", timed(lambda: permutation.dispatch(rbuf, plan, pw, stream=s)), 0, t_raw))
             z = permutation.combine(yv, plan, pw, stream=s)
             back = call.xp.empty((int(sb.shape[0]), H), z.dtype)
             out.append(("combine: reduce", timed(lambda: permutation.combine(yv, plan, pw, stream=s)), 0, t_raw))
-            out.append(("combine: NCCL exchange", timed(lambda: gs._exchange(s, rb, K, (z, None, rc, ro),
+            out.append(("combine: NCCL exchange", timed(lambda: nt._exchange(s, rb, K, (z, None, rc, ro),
                                                                               (back, None, sc, so))), wire, t_raw))
-            out.append(("combine: owner sum", timed(lambda: gs._owner_sum(call, hp, z, 0, None, back, None, T,
+            out.append(("combine: owner sum", timed(lambda: nt._owner_sum(call, hp, z, 0, None, back, None, T,
                                                                           z.dtype, False)), 0, t_raw))
         return [(op, "s1", ms, nb, None, raw, None) for op, ms, nb, raw in out]
 

@@ -1,0 +1,103 @@
+"""Row kernels and handle views shared by :class:`moe_rt.ep.EpGroup` and its transports (docs/ep.md).
+
+The group and both transports (:mod:`moe_rt._ep_nccl`, :mod:`moe_rt._ep_direct`) launch these kernels of
+``kernels/ep.cu`` (their names are registered by :mod:`moe_rt.ep`): zeroing the expert-major rows that hold
+no slot and laying out their weights (``fill_rows``), taking expert-major values back to the received rows'
+slots (``slot_values``), scaling rows by a weight (``scale_rows``); and the handle's regions as arrays
+(``recv_wk``, ``routing_view``) or as a permutation plan (``plan_view``).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from moe_rt import _jit, permutation
+
+FILE = "ep.cu"
+UNITS = {16: "uint4", 8: "uint2", 4: "unsigned", 2: "unsigned short", 1: "unsigned char"}
+
+
+def unit(row_bytes: int, *ptrs) -> int:
+    """The widest copy unit (16 to 1 bytes) dividing ``row_bytes`` and every pointer."""
+    for u in (16, 8, 4, 2, 1):
+        if row_bytes % u == 0 and all(p % u == 0 for p in ptrs):
+            return u
+    return 1
+
+
+def grid(n, device_id, threads=256):
+    """Blocks of ``threads`` for ``n`` items, at most eight per SM."""
+    if n <= 0:
+        return 0
+    cap = _jit.device_properties(device_id)["sm_count"] * 8
+    return max(1, min(-(-n // threads), cap))
+
+
+def routing_view(h):
+    """The handle's all-gathered routing (int32 ``[R * (Tmax*K + 1)]``)."""
+    return h.view("routing")
+
+
+def recv_wk(h):
+    """The received rows' slot weights (fp32 ``[rows,K]``, a view of the handle)."""
+    sz = h.sizes
+    return h.view("recv_wk")[:sz["rows"] * sz["K"]].reshape(sz["rows"], sz["K"])
+
+
+def plan_view(h):
+    """A permutation Plan over the handle's regions (no copy), cached on the handle."""
+    plan = h.state.get("plan")
+    if plan is not None:
+        return plan
+    sz = h.sizes
+    rows, K, N = sz["rows"], sz["K"], sz["N"]
+    arrays = (h.view("dst_row")[:rows * K].reshape(rows, K), h.view("src_slot")[:N], h.view("seg_start"),
+              h.view("expert_counts"), h.view("tokens_per_expert"))
+    if hasattr(permutation.Plan, "from_arrays"):
+        plan = permutation.Plan.from_arrays(*arrays, num_rows=N, align_size=sz["A"], num_out_tokens=sz["num_out"])
+    else:  # pragma: no cover - older permutation module: fill the documented fields directly
+        plan = permutation.Plan._blank()
+        plan.num_tokens, plan.topk, plan.num_experts, plan.num_rows = rows, K, sz["L"], N
+        plan.align_size, plan.num_out_tokens, plan.from_routing_map = sz["A"], sz["num_out"], False
+        plan.backend, plan.device_id = h.state["backend"], h.state["device_id"]
+        plan._v = dict(zip(("dst_row", "src_slot", "seg_start", "counts", "tokens_per_expert"), arrays))
+    h.state["plan"] = plan
+    return plan
+
+
+def fill_rows(call, h, out, pp, pv):
+    """Zero the expert-major rows of ``out`` that hold no slot; ``pp[n] = pv[src_slot[n]]`` (0 for those)."""
+    N = h.sizes["N"]
+    if N == 0 or (out is None and pp is None):
+        return
+    rb = int(out.shape[1]) * out.dtype.itemsize if out is not None else 0
+    u = unit(rb, out.data.ptr) if out is not None else 16
+    sms = _jit.device_properties(call.device_id)["sm_count"]
+    _jit.launch(_jit.function(FILE, f"ep_fill_rows<{UNITS[u]}>"), max(1, min(-(-N // 8), sms * 16)), 256,
+                (out.data.ptr if out is not None else 0, pp if pp is not None else 0, pv if pv is not None else 0,
+                 h.view("src_slot"), np.int64(N), np.int64(rb // u)), stream=call.stream)
+
+
+def slot_values(call, h, vals):
+    """[rows,K] float32: vals[dst_row[r,k]] (0 for slots with no row): the expert-major row values back to
+    the received rows' slots."""
+    sz = h.sizes
+    out = call.xp.empty((sz["rows"], sz["K"]), np.float32)
+    n = out.size
+    if n:
+        _jit.launch(_jit.function(FILE, "ep_slot_values"), grid(n, call.device_id), 256,
+                    (vals if vals.size else 0, h.view("dst_row"), out, np.int64(n)), stream=call.stream)
+    return out
+
+
+def scale_rows(call, rows, w):
+    """``rows[n] *= w[n]`` (fp32 product, one rounding), in place."""
+    n, H = int(rows.shape[0]), int(rows.shape[1])
+    if n == 0 or H == 0:
+        return
+    isz = rows.dtype.itemsize
+    vec = (H * isz) % 16 == 0 and rows.data.ptr % 16 == 0
+    nper = 16 // isz if vec else 1
+    threads = int(min(512, max(32, -(-(H // nper) // 32) * 32)))
+    fn = _jit.function(FILE, f"ep_scale_rows<{_jit.ctype(rows.dtype)}, {'true' if vec else 'false'}>")
+    _jit.launch(fn, grid(n * 8, call.device_id, threads=8), threads, (rows, w, np.int64(n), np.int64(H)),
+                stream=call.stream)
