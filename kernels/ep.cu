@@ -998,7 +998,7 @@ __global__ void __launch_bounds__(512) ep_ll_dispatch(
       for (i64 i = (i64)t0 * K + threadIdx.x; i < (i64)t1 * K; i += blockDim.x) {
         const i64 v = (i64)idx[i];
         const int ex = expert(i);
-        if (ex < 0 && v != -1) record_bad_expert_id(err, MOE_RT_ERR_EP_PREPARE, v, i, E);
+        if (ex < 0 && v != -1) record_bad_expert_id(err, MOE_RT_ERR_EP_LL_DISPATCH, v, i, E);
         const float wk = w != nullptr ? w[i] : 0.0f;
         if (idx_out != nullptr) idx_out[i] = ex;
         if (w_out != nullptr) w_out[i] = wk;

@@ -233,7 +233,8 @@ class EpGroup:
         self.max_tokens_per_rank = _arrays.check_int(max_tokens_per_rank, "max_tokens_per_rank", low=1,
                                                      high=1 << 24)
         if mode not in ("exact", "capacity"):
-            raise ValueError(f"mode: expected 'exact' or 'capacity', got {mode!r}")
+            hint = " (the low-latency mode is moe_rt.LowLatencyGroup)" if mode == "low_latency" else ""
+            raise ValueError(f"mode: expected 'exact' or 'capacity', got {mode!r}{hint}")
         self.mode = mode
         if mode == "exact" and (capacity is not None or pair_capacity is not None):
             raise ValueError("capacity/pair_capacity: only meaningful with mode='capacity'")
