@@ -1040,7 +1040,12 @@ __global__ void __launch_bounds__(512) ep_ll_dispatch(
       for (i64 j = warp; j < RT; j += nw) {
         if (zero_k[(i64)l * RT + j] >= 0) continue;
         T* row = my_recv + ((i64)l * RT + j) * H;
-        for (i64 h = lane; h < H; h += 32) row[h] = from_float<T>(0.0f);
+        if constexpr (VEC) {
+          for (i64 v = lane; v < H / Vec<T>::N; v += 32)
+            *reinterpret_cast<uint4*>(row + v * Vec<T>::N) = make_uint4(0u, 0u, 0u, 0u);
+        } else {
+          for (i64 h = lane; h < H; h += 32) row[h] = from_float<T>(0.0f);
+        }
       }
     }
     // every chunk of every rank (each rank's flags [0][s][c] for c < NC)

@@ -315,6 +315,7 @@ class LowLatencyGroup:
             xv, idx = _arrays.contiguous(xp, xv), _arrays.contiguous(xp, idx)
             wv = _arrays.as_f32(xp, wv)
             if call.backend == "cpu":
+                _errors.check_ids(np.asarray(idx), self.num_experts, "topk_idx")
                 recv, counts, h = _ref.dispatch([np.asarray(xv)], [np.asarray(idx)], [np.asarray(wv)],
                                                 self.num_experts, self.max_tokens_per_rank)[0]
                 handle = LowLatencyHandle(self, T, K, "cpu", 0, h)
