@@ -123,22 +123,10 @@ class LowLatencyGroup:
 
     def __init__(self, comm, num_experts: int, hidden: int, max_tokens_per_rank: int, *, topk: int,
                  dtype="bfloat16", timeout: float | None = None):
-        if comm is None:
-            self.rank, self.size, self.device = 0, 1, None
-        else:
-            for attr in ("rank", "size", "device", "all_gather"):
-                if not hasattr(comm, attr):
-                    raise TypeError(f"comm: expected a moe_rt.Communicator (or None), got {type(comm).__name__}")
-            if getattr(comm, "closed", False):
-                raise ValueError("comm: the communicator is closed")
-            self.rank, self.size, self.device = int(comm.rank), int(comm.size), int(comm.device)
+        (self.rank, self.size, self.device, self.num_experts, self.num_local_experts,
+         self.hidden) = _ep.group_identity(comm, ("rank", "size", "device", "all_gather"), num_experts, hidden)
         self.comm = comm
         R = self.size
-        self.num_experts = _arrays.check_int(num_experts, "num_experts", low=1, high=1 << 20)
-        if self.num_experts % R:
-            raise ValueError(f"num_experts: {self.num_experts} is not a multiple of the {R} ranks")
-        self.num_local_experts = self.num_experts // R
-        self.hidden = _arrays.check_int(hidden, "hidden", low=1, high=1 << 24)
         self.max_tokens_per_rank = _arrays.check_int(max_tokens_per_rank, "max_tokens_per_rank", low=1,
                                                      high=MAX_TOKENS_PER_RANK)
         self.topk = _arrays.check_int(topk, "topk", low=1, high=64)
@@ -231,19 +219,10 @@ class LowLatencyGroup:
         mem = cupy.cuda.UnownedMemory(self._buf.local + off, max(nb, 1), self._direct, self.device)
         return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0))
 
-    def close(self):
-        """Close the group (idempotent; a collective on several ranks: one last barrier, then the IPC
-        mappings are closed and the buffers freed). The communicator stays open."""
-        self.closed = True
-        d, self._direct = self._direct, None
-        if d is not None:
-            d.close()
-
-    def _alive(self, op):
-        if self.closed:
-            raise ValueError(f"{op}: the group is closed")
-        if self.comm is not None and getattr(self.comm, "closed", False):
-            raise ValueError(f"{op}: the communicator is closed or was aborted")
+    # close() (a collective on several ranks: one last barrier, then the IPC mappings are closed and the
+    # buffers freed; the communicator stays open) and the closed-group check: EpGroup's.
+    close = _ep.EpGroup.close
+    _alive = _ep.EpGroup._alive
 
     def synchronize(self, timeout: float | None = None, *, stream=None):
         """Wait for ``stream`` (default: the last op's) with the group's deadline; raise TimeoutError for a

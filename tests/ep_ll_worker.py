@@ -15,28 +15,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-RANK = int(os.environ["RANK"])
-WORLD = int(os.environ["WORLD_SIZE"])
-DEV = int(os.environ.get("LOCAL_RANK", RANK))
-
-
-def log(*a):
-    print(*a, flush=True)
-
-
-def setup():
-    import cupy as cp
-
-    cp.cuda.Device(DEV).use()
-    from moe_rt.bootstrap import init_communicator
-
-    return cp, init_communicator(method="file")
-
-
-def bf16():
-    import ml_dtypes
-
-    return np.dtype(ml_dtypes.bfloat16)
+from ep_worker import RANK, WORLD, bf16, log, setup  # noqa: E402 - the same launch environment and bootstrap
 
 
 def case(seed, L, K, Ts, H, dt):

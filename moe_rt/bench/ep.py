@@ -111,9 +111,10 @@ def main(argv=None, prog: str | None = None) -> int:
     return 0
 
 
-def _rank(args):
+def _init_rank():
+    """This rank's device, torch.distributed process group and moe_rt communicator: ``(rank, world, dev,
+    comm)``."""
     import cupy as cp
-    import numpy as np
     import torch
     import torch.distributed as dist
 
@@ -124,11 +125,70 @@ def _rank(args):
     dist.init_process_group("nccl", init_method="file://" + os.environ["MOE_RT_UID_FILE"] + ".torch",
                             rank=rank, world_size=world, device_id=torch.device("cuda", dev))
     from moe_rt.bootstrap import init_communicator
+
+    return rank, world, dev, init_communicator(method="file")
+
+
+def _torch_pipeline(x, idx, w, E, K, world):
+    """(a): the torch.distributed pipeline a user writes, as ``(dispatch(), combine(state, y))``: stable argsort
+    permute, all-to-all of per-expert counts, ``.tolist()``, ``all_to_all_single`` with splits, chunk sort to
+    expert-major; the reverse for combine (weighted unpermute)."""
+    import torch
+    import torch.distributed as dist
+
+    T, H, L = int(x.shape[0]), int(x.shape[1]), E // world
+
+    def torch_dispatch():
+        flat = idx.view(-1).long()
+        order = torch.argsort(flat, stable=True)
+        xp = x.index_select(0, order // K)
+        counts = torch.bincount(flat, minlength=E)
+        rcounts = torch.empty_like(counts)
+        dist.all_to_all_single(rcounts, counts)
+        send = counts.view(world, L).sum(1).tolist()
+        rmat = rcounts.view(world, L)
+        recv = rmat.sum(1).tolist()
+        rx = torch.empty(sum(recv), H, dtype=x.dtype, device="cuda")
+        dist.all_to_all_single(rx, xp, recv, send)
+        chunks = torch.split(rx, rmat.reshape(-1).tolist())
+        em = torch.cat([chunks[s * L + l_] for l_ in range(L) for s in range(world)])
+        return em, order, send, recv, rmat
+
+    def torch_combine(st, y):
+        em, order, send, recv, rmat = st
+        sizes = rmat.t().reshape(-1).tolist()
+        chunks = torch.split(y, sizes)
+        src_major = torch.cat([chunks[l_ * world + s] for s in range(world) for l_ in range(L)])
+        back = torch.empty(T * K, H, dtype=y.dtype, device="cuda")
+        dist.all_to_all_single(back, src_major, send, recv)
+        un = torch.empty_like(back)
+        un[order] = back
+        return (un.view(T, K, H).float() * w.unsqueeze(-1)).sum(1).to(y.dtype)
+
+    return torch_dispatch, torch_combine
+
+
+def _finish(barrier, rank, table, args, comm):
+    """Every rank done: rank 0 prints (and writes) the table; the communicators close."""
+    import torch.distributed as dist
+
+    barrier()
+    if rank == 0:
+        table.finish(args.json)
+    comm.close()
+    dist.destroy_process_group()
+
+
+def _rank(args):
+    import cupy as cp
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
     from moe_rt.ep import EpGroup
 
-    comm = init_communicator(method="file")
+    rank, world, dev, comm = _init_rank()
     E, K, H = 256, 8, 7168
-    L = E // world
     Ts = [512] if args.quick else (args.tokens or [512, 4096, 16384])
     from moe_rt import _ep_direct
 
@@ -227,32 +287,7 @@ def _rank(args):
         x = torch.randn(T, H, device="cuda", generator=g_).to(torch.bfloat16)
 
         # ---- (a) the torch pipeline ----
-        def torch_dispatch():
-            flat = idx.view(-1).long()
-            order = torch.argsort(flat, stable=True)
-            xp = x.index_select(0, order // K)
-            counts = torch.bincount(flat, minlength=E)
-            rcounts = torch.empty_like(counts)
-            dist.all_to_all_single(rcounts, counts)
-            send = counts.view(world, L).sum(1).tolist()
-            rmat = rcounts.view(world, L)
-            recv = rmat.sum(1).tolist()
-            rx = torch.empty(sum(recv), H, dtype=x.dtype, device="cuda")
-            dist.all_to_all_single(rx, xp, recv, send)
-            chunks = torch.split(rx, rmat.reshape(-1).tolist())
-            em = torch.cat([chunks[s * L + l_] for l_ in range(L) for s in range(world)])
-            return em, order, send, recv, rmat
-
-        def torch_combine(st, y):
-            em, order, send, recv, rmat = st
-            sizes = rmat.t().reshape(-1).tolist()
-            chunks = torch.split(y, sizes)
-            src_major = torch.cat([chunks[l_ * world + s] for s in range(world) for l_ in range(L)])
-            back = torch.empty(T * K, H, dtype=y.dtype, device="cuda")
-            dist.all_to_all_single(back, src_major, send, recv)
-            un = torch.empty_like(back)
-            un[order] = back
-            return (un.view(T, K, H).float() * w.unsqueeze(-1)).sum(1).to(y.dtype)
+        torch_dispatch, torch_combine = _torch_pipeline(x, idx, w, E, K, world)
 
         st = torch_dispatch()
         t_tdisp = timed(torch_dispatch)
@@ -345,30 +380,18 @@ def _rank(args):
             cp.get_default_memory_pool().free_all_blocks()
         del st
         torch.cuda.empty_cache()
-    barrier()
-    if rank == 0:
-        table.finish(args.json)
-    comm.close()
-    dist.destroy_process_group()
+    _finish(barrier, rank, table, args, comm)
 
 
 def _rank_low_latency(args):
     """--mode low_latency: LowLatencyGroup's rows (module notes)."""
     import cupy as cp
-    import numpy as np
     import torch
     import torch.distributed as dist
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dev = int(os.environ.get("LOCAL_RANK", rank))
-    torch.cuda.set_device(dev)
-    cp.cuda.Device(dev).use()
-    dist.init_process_group("nccl", init_method="file://" + os.environ["MOE_RT_UID_FILE"] + ".torch",
-                            rank=rank, world_size=world, device_id=torch.device("cuda", dev))
-    from moe_rt.bootstrap import init_communicator
     from moe_rt.ep_ll import LowLatencyGroup
 
-    comm = init_communicator(method="file")
+    rank, world, _, comm = _init_rank()
     E, K, H = 256, 8, 7168
     L = E // world
     Ts = [128] if args.quick else (args.tokens or [128])
@@ -403,29 +426,15 @@ def _rank_low_latency(args):
         wire = remote * H * 2
 
         # the torch pipeline (a) and a raw all_to_all_single of the same rows
-        def torch_rt():
-            flat = idx_t.view(-1).long()
-            order = torch.argsort(flat, stable=True)
-            xp = x_t.index_select(0, order // K)
-            counts = torch.bincount(flat, minlength=E)
-            rcounts = torch.empty_like(counts)
-            dist.all_to_all_single(rcounts, counts)
-            send = counts.view(world, L).sum(1).tolist()
-            recv = rcounts.view(world, L).sum(1).tolist()
-            rx = torch.empty(sum(recv), H, dtype=x_t.dtype, device="cuda")
-            dist.all_to_all_single(rx, xp, recv, send)
-            back = torch.empty(T * K, H, dtype=x_t.dtype, device="cuda")
-            dist.all_to_all_single(back, rx, send, recv)
-            un = torch.empty_like(back)
-            un[order] = back
-            return (un.view(T, K, H).float() * w_t.unsqueeze(-1)).sum(1).to(x_t.dtype)
+        torch_dispatch, torch_combine = _torch_pipeline(x_t, idx_t, w_t, E, K, world)
+        st = torch_dispatch()
 
         per_peer = -(-remote // max(world - 1, 1))
         splits = [0 if p == rank else per_peer for p in range(world)]
         a2a_in = torch.empty(sum(splits), H, dtype=torch.bfloat16, device="cuda")
         a2a_out = torch.empty_like(a2a_in)
         t_raw = timed(lambda: dist.all_to_all_single(a2a_out, a2a_in, splits, splits))
-        t_torch = timed(torch_rt)
+        t_torch = timed(lambda: torch_combine(torch_dispatch(), st[0]))
 
         g = LowLatencyGroup(comm, E, H, T, topk=K, dtype="bfloat16")
         stream = cp.cuda.Stream(non_blocking=True)
@@ -465,11 +474,7 @@ def _rank_low_latency(args):
         g.close()
         cp.get_default_memory_pool().free_all_blocks()
         torch.cuda.empty_cache()
-    barrier()
-    if rank == 0:
-        table.finish(args.json)
-    comm.close()
-    dist.destroy_process_group()
+    _finish(barrier, rank, table, args, comm)
 
 
 if __name__ == "__main__":

@@ -96,9 +96,14 @@ def dispatch(x, topk_idx, topk_weights, num_experts: int, max_tokens_per_rank: i
     return out
 
 
-def _slot_of(h, e, t):
+def _routed(h):
+    """``(t, k, d, l, j)`` for every valid slot of the owner ``h``: expert rank d, local expert l, slot column j."""
     L, Tmax = h["L"], h["Tmax"]
-    return e // L, e % L, h["rank"] * Tmax + t
+    for t in range(h["T"]):
+        for k in range(h["K"]):
+            e = int(h["idx"][t, k])
+            if e >= 0:
+                yield t, k, e // L, e % L, h["rank"] * Tmax + t
 
 
 def combine(handles, expert_out):
@@ -108,15 +113,9 @@ def combine(handles, expert_out):
     ys = [np.asarray(y) for y in expert_out]
     res = []
     for h in handles:
-        T, K, H = h["T"], h["K"], ys[0].shape[2]
-        acc = np.zeros((T, H), np.float32)
-        for t in range(T):
-            for k in range(K):
-                e = int(h["idx"][t, k])
-                if e < 0:
-                    continue
-                d, l, j = _slot_of(h, e, t)
-                acc[t] = acc[t] + np.float32(h["w"][t, k]) * ys[d][l, j].astype(np.float32)
+        acc = np.zeros((h["T"], ys[0].shape[2]), np.float32)
+        for t, k, d, l, j in _routed(h):
+            acc[t] = acc[t] + np.float32(h["w"][t, k]) * ys[d][l, j].astype(np.float32)
         res.append(acc.astype(ys[0].dtype))
     return res
 
@@ -129,20 +128,14 @@ def dispatch_bwd(handles, grad_recv_x, grad_recv_weights=None):
     gws = None if grad_recv_weights is None else [np.asarray(g, np.float32) for g in grad_recv_weights]
     res = []
     for h in handles:
-        T, K, H = h["T"], h["K"], gs[0].shape[2]
         kf = first_k(h["idx"])
-        acc = np.zeros((T, H), np.float32)
-        gw = np.zeros((T, K), np.float32) if gws is not None else None
-        for t in range(T):
-            for k in range(K):
-                e = int(h["idx"][t, k])
-                if e < 0:
-                    continue
-                d, l, j = _slot_of(h, e, t)
-                if kf[t, k] == k:
-                    acc[t] = acc[t] + gs[d][l, j].astype(np.float32)
-                if gw is not None:
-                    gw[t, k] = gws[d][l, j]
+        acc = np.zeros((h["T"], gs[0].shape[2]), np.float32)
+        gw = np.zeros((h["T"], h["K"]), np.float32) if gws is not None else None
+        for t, k, d, l, j in _routed(h):
+            if kf[t, k] == k:
+                acc[t] = acc[t] + gs[d][l, j].astype(np.float32)
+            if gw is not None:
+                gw[t, k] = gws[d][l, j]
         res.append((acc.astype(gs[0].dtype), gw))
     return res
 
@@ -163,13 +156,8 @@ def combine_bwd(handles, grad_out, expert_out=None):
                 gy[l, j] = (h["slot_w"][l, j] * gs[s][t].astype(np.float32)).astype(gs[0].dtype)
         gw = None
         if ys is not None:
-            T, K = h["T"], h["K"]
-            gw = np.zeros((T, K), np.float32)
-            for t in range(T):
-                for k in range(K):
-                    e = int(h["idx"][t, k])
-                    if e >= 0:
-                        dd, l, j = _slot_of(h, e, t)
-                        gw[t, k] = np.dot(ys[dd][l, j].astype(np.float64), gs[d][t].astype(np.float64))
+            gw = np.zeros((h["T"], h["K"]), np.float32)
+            for t, k, dd, l, j in _routed(h):
+                gw[t, k] = np.dot(ys[dd][l, j].astype(np.float64), gs[d][t].astype(np.float64))
         res.append((gy, gw))
     return res
