@@ -378,8 +378,8 @@ class EpGroup:
                 self._check_transport()  # a barrier that timed out meanwhile names its op
                 if self.comm is not None:
                     self.comm.abort()
-                raise TimeoutError(f"{type(self).__name__}.{op}: no progress within {timeout:g} s (a peer rank is dead or "
-                                   "did not call the same op); the communicator was aborted")
+                raise TimeoutError(f"{type(self).__name__}.{op}: no progress within {timeout:g} s (a peer rank is dead "
+                                   "or did not call the same op); the communicator was aborted")
             time.sleep(delay)
             delay = min(delay * 2, 5e-3)
         self._check_transport()
@@ -393,9 +393,9 @@ class EpGroup:
             return
         if self.comm is not None and not getattr(self.comm, "closed", False):
             self.comm.abort()
-        raise TimeoutError(f"{type(self).__name__}.{op}: a peer rank did not reach the direct transport's barrier within "
-                           f"{self.timeout:g} s (it is dead or did not call the same op); the group is unusable "
-                           "and the communicator was aborted")
+        raise TimeoutError(f"{type(self).__name__}.{op}: a peer rank did not reach the direct transport's barrier "
+                           f"within {self.timeout:g} s (it is dead or did not call the same op); the group is "
+                           "unusable and the communicator was aborted")
 
     def synchronize(self, timeout: float | None = None, *, stream=None):
         """Wait until the work queued on ``stream`` (default: the stream of this group's last op) is done,
