@@ -150,14 +150,14 @@ class LowLatencyGroup:
             raise ValueError("the receive buffer [L, R*max_tokens_per_rank, hidden] is too large")
         self.id = next(_ids)
         self.closed = False
-        self._direct = None
+        self._transport = None
         self._buf = None
         self._last_stream = None
         self.chunk = chunk_tokens(self.max_tokens_per_rank)
 
-    # The host waits and the timeout report of EpGroup (they use comm, timeout and _direct alone).
+    # The host waits and the timeout report of EpGroup (they use comm, timeout and _transport alone).
     _wait = _ep.EpGroup._wait
-    _check_direct = _ep.EpGroup._check_direct
+    _check_transport = _ep.EpGroup._check_transport
 
     def __repr__(self):
         return (f"LowLatencyGroup(rank={self.rank}, size={self.size}, num_experts={self.num_experts}, "
@@ -178,7 +178,7 @@ class LowLatencyGroup:
         import cupy
         from cupy.cuda import runtime
 
-        if self._direct is not None:
+        if self._transport is not None:
             return
         if self.device is None:
             self.device = device_id
@@ -210,13 +210,13 @@ class LowLatencyGroup:
             except BaseException:
                 d.close()
                 raise
-            self._direct, self._buf, self._offs = d, sh, offs
+            self._transport, self._buf, self._offs = d, sh, offs
 
     def _view(self, name, shape, dtype):
         import cupy
 
         off, nb = self._offs[name]
-        mem = cupy.cuda.UnownedMemory(self._buf.local + off, max(nb, 1), self._direct, self.device)
+        mem = cupy.cuda.UnownedMemory(self._buf.local + off, max(nb, 1), self._transport, self.device)
         return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0))
 
     # close() (a collective on several ranks: one last barrier, then the IPC mappings are closed and the
@@ -310,7 +310,7 @@ class LowLatencyGroup:
         a = dict(idx=xp.empty((T, K), np.int32), w=xp.empty((T, K), np.float32),
                  route=xp.empty((R, Tmax, K), np.int32), slot_k=xp.empty((L, R * Tmax), np.int32),
                  slot_w=xp.empty((L, R * Tmax), np.float32), counts=xp.empty(L, np.int32))
-        self._direct.barrier(s, "dispatch")
+        self._transport.barrier(s, "dispatch")
         self._launch_dispatch(call, xv, idx, wv, T, meta=True, scaled=False, out=a, zero_k=None, op="dispatch")
         self._last_stream = s
         handle = LowLatencyHandle(self, T, K, "cuda", call.device_id, a)
@@ -327,7 +327,7 @@ class LowLatencyGroup:
         return max(1, min(int(work), _resident_ctas(fn, _THREADS, call.device_id)))
 
     def _launch_dispatch(self, call, xv, idx, wv, T, *, meta, scaled, out, zero_k, op):
-        d, R, L, Tmax, K = self._direct, self.size, self.num_local_experts, self.max_tokens_per_rank, self.topk
+        d, R, L, Tmax, K = self._transport, self.size, self.num_local_experts, self.max_tokens_per_rank, self.topk
         xptr = xv.data.ptr if T else 0
         vec = self._vec(xptr, self._buf.local)
         fn = _jit.function(_FILE, f"ep_ll_dispatch<{_jit.ctype(self.dtype)}, {_IDX[np.dtype(idx.dtype).name]}, "
@@ -345,7 +345,7 @@ class LowLatencyGroup:
                      np.int64(self.hidden)), stream=call.stream)
 
     def _launch_combine(self, call, handle, y, gws, w, out, grad_w, op):
-        d, R, L, Tmax, K = self._direct, self.size, self.num_local_experts, self.max_tokens_per_rank, self.topk
+        d, R, L, Tmax, K = self._transport, self.size, self.num_local_experts, self.max_tokens_per_rank, self.topk
         a, T = handle._a, handle.num_tokens
         vec = self._vec(y.data.ptr if y is not None else 0, out.data.ptr if out is not None else 0, self._buf.local)
         fn = _jit.function(_FILE, f"ep_ll_combine<{_jit.ctype(self.dtype)}, {'true' if vec else 'false'}>")
@@ -381,7 +381,7 @@ class LowLatencyGroup:
                 return call.out(_ref.combine([handle._a], [np.asarray(y)])[0])
             T = handle.num_tokens
             out = call.xp.empty((T, self.hidden), self.dtype)
-            self._direct.barrier(call.stream, "combine")
+            self._transport.barrier(call.stream, "combine")
             self._launch_combine(call, handle, y, None, handle._a["w"], out, None, "combine")
             self._last_stream = call.stream
             return call.out(out)
@@ -416,7 +416,7 @@ class LowLatencyGroup:
             T, K = handle.num_tokens, self.topk
             gx = call.xp.empty((T, self.hidden), self.dtype)
             gwt = call.xp.empty((T, K), np.float32) if gw is not None else None
-            self._direct.barrier(call.stream, "dispatch_bwd")
+            self._transport.barrier(call.stream, "dispatch_bwd")
             self._launch_combine(call, handle, g, gw, None, gx, gwt, "dispatch_bwd")
             self._last_stream = call.stream
             return call.out(gx), (None if gwt is None else call.out(gwt))
@@ -458,7 +458,7 @@ class LowLatencyGroup:
                                      "it); pass a copy")
             a, s = handle._a, call.stream
             gy = self._view("recv", self._slots_shape(), self.dtype)
-            self._direct.barrier(s, "combine_bwd")
+            self._transport.barrier(s, "combine_bwd")
             self._launch_dispatch(call, g, a["idx"], a["w"], T, meta=False, scaled=y is None, out=None,
                                   zero_k=a["slot_k"], op="combine_bwd")
             gwt = None
@@ -471,7 +471,7 @@ class LowLatencyGroup:
                 _jit.launch(fn, grid, 256, (gy, y, a["slot_k"], a["slot_w"], dots, np.int64(n), np.int64(self.hidden)),
                             stream=s)
                 gwt = call.xp.empty((T, self.topk), np.float32)
-                self._direct.barrier(s, "combine_bwd")
+                self._transport.barrier(s, "combine_bwd")
                 self._launch_combine(call, handle, None, dots, None, None, gwt, "combine_bwd")
             self._last_stream = s
             return call.out(gy), (None if gwt is None else call.out(gwt))
