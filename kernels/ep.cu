@@ -901,3 +901,337 @@ __global__ void __launch_bounds__(512) ep_direct_combine(
   for (; si < n_tok; si += gridDim.x)
     if (sum(si, true) < 0) return;
 }
+
+// ---- The low-latency mode (moe_rt/ep_ll.py, docs/ep.md §8) --------------------------------------------
+// Fixed slots, no plan: token t of source s for local expert l of rank d lands in rank d's receive buffer
+// recv [L, R*Tmax, H] at row (l, s*Tmax + t). Every rank's IPC-shared buffers (tables peer_*, [R]):
+//   recv   [L, R*Tmax, H]      dispatch direction (dispatch, combine_bwd): rows pushed by the sources
+//   route  int32 [R, Tmax*K+1] per source s: local expert of each (t, k) on this rank or -1, then T_s
+//   rw     fp32  [R, Tmax*K]   per source s: the weight of each (t, k) on this rank, else 0
+//   back   [Tmax*K, H]         combine direction (combine, dispatch_bwd): row t*K + kf of this rank's token t
+//                              from the rank holding its expert idx[t][kf] (kf: the first k of that expert)
+//   bw     fp32  [Tmax*K]      combine direction: the value of slot (t, kf)
+//   flags  uint32 [2, R, Tmax] flags[dir][s][c] = the epoch in which rank s finished chunk c (tokens
+//                              [c*C, c*C + C)) of its writes into this rank's buffers of direction dir
+// The op's leading ep_direct_barrier advanced the epoch (state[0]); flags are epoch-valued (never reset,
+// graph replays stay valid). The grid is at most one resident wave and every block does all of its pushes
+// before it waits, so no block waits on one that cannot run; a wait past timeout_ns records `op` in the
+// host-mapped error word and raises the sticky failure flag (state[1]). Sums: fp32, k ascending, products
+// and additions rounded separately (__fmul_rn, __fadd_rn: the NumPy reference's fp32 arithmetic, bit for
+// bit), one final rounding.
+
+// Publish a block's writes of chunk c to every rank's flag [dir][me][c] (threads 0..R-1).
+__device__ __forceinline__ void ll_signal_all(const long long* __restrict__ peer_flags, int R, i64 idx,
+                                              unsigned e) {
+  __syncthreads();
+  for (int r = threadIdx.x; r < R; r += blockDim.x) {
+    __threadfence_system();
+    st_release_sys_u32(reinterpret_cast<unsigned*>(peer_flags[r]) + idx, e);
+  }
+}
+
+// The whole block waits until flags f[i] (i < n) all reach e; false after a failed wait.
+__device__ __forceinline__ bool ll_block_wait_all(const unsigned* f, int n, unsigned e, unsigned* state,
+                                                  int* err_word, i64 timeout_ns, int op) {
+  int ok = 1;
+  for (int i = threadIdx.x; i < n && ok; i += blockDim.x)
+    if (!thread_wait_flag(f + i, e, state, err_word, timeout_ns, op)) ok = 0;
+  return __syncthreads_and(ok) != 0;
+}
+
+// One warp: dst[0, H) = src row (scaled: rounded fp32 product s * src), reading src with ld.global.
+template <typename T, bool VEC>
+__device__ __forceinline__ void ll_warp_row(const T* __restrict__ src, T* __restrict__ dst, i64 H, bool scaled,
+                                            float s, int lane) {
+  constexpr int N = VEC ? Vec<T>::N : 1;
+  const i64 nv = H / N;
+  for (i64 v = lane; v < nv; v += 32) {
+    if constexpr (VEC) {
+      Vec<T> a = load_vec(src + v * N);
+      if (scaled) {
+#pragma unroll
+        for (int q = 0; q < N; ++q) a.v[q] = from_float<T>(__fmul_rn(s, to_float(a.v[q])));
+      }
+      store_vec(dst + v * N, a);
+    } else {
+      dst[v] = scaled ? from_float<T>(__fmul_rn(s, to_float(src[v]))) : src[v];
+    }
+  }
+}
+
+// The dispatch direction, one kernel. Push items (chunks c of this rank's tokens, C tokens each):
+//   meta (dispatch): every rank r gets route[me][t*K+k] = l for its experts (else -1), rw[me][t*K+k] the
+//     weight (else 0), and, from chunk 0, route[me][Tmax*K] = Tn; idx_out/w_out get the owner's copies
+//     (int32 ids, outside [-1, E) recorded in `err` and taken as -1; fp32 weights);
+//   rows: for each (t, k) whose expert e = idx[t][k] is valid and not chosen by an earlier k of t: x[t]
+//     into rank e/L's recv row (e%L, me*Tmax + t); scaled: times ws = the fp32 sum (k ascending) of the
+//     weights of t's slots with expert e, rounded once;
+//   then flags[0][me][c] of every rank.
+// Receiver items (local experts l): zero_k given: zero recv rows (l, j) whose zero_k[l][j] < 0 (not waited
+// for: no peer writes them); then wait for every rank's every chunk; then, when slot_k is given, slot_k[l][j]
+// = the first k of source s = j / Tmax's token t = j % Tmax (< T_s) with local expert l, or -1, slot_w[l][j] =
+// the fp32 sum of those slots' weights (k ascending; 0 when invalid), counts[l] = the valid slots; route_out
+// (a share of [R, Tmax, K] per item) = route with the rows t >= T_s as -1.
+template <typename T, typename IdxT, bool VEC>
+__global__ void __launch_bounds__(512) ep_ll_dispatch(
+    const T* __restrict__ x, const IdxT* __restrict__ idx, const float* __restrict__ w, int Tn, int meta,
+    int scaled, const long long* __restrict__ peer_recv, const long long* __restrict__ peer_route,
+    const long long* __restrict__ peer_rw, const long long* __restrict__ peer_flags, int* __restrict__ idx_out,
+    float* __restrict__ w_out, int* __restrict__ route_out, int* __restrict__ slot_k, float* __restrict__ slot_w,
+    int* __restrict__ counts, const int* __restrict__ zero_k, unsigned* __restrict__ err,
+    unsigned* __restrict__ state, int* __restrict__ err_word, i64 timeout_ns, int op, int R, int me, int L,
+    int Tmax, int K, int C, i64 H) {
+  unsigned e;
+  if (!block_epoch(state, e)) return;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  const int E = L * R;
+  const int NC = (Tmax + C - 1) / C;
+  const i64 RT = (i64)R * Tmax;
+  const i64 route_stride = (i64)Tmax * K + 1;
+  auto expert = [&](i64 i) -> int {  // the validated expert id of flat slot i (t < Tn)
+    const i64 v = (i64)idx[i];
+    return v >= 0 && v < E ? (int)v : -1;
+  };
+  for (int c = blockIdx.x; c < NC; c += gridDim.x) {
+    const int t0 = c * C, t1 = min(t0 + C, Tn);
+    if (meta) {
+      for (i64 i = (i64)t0 * K + threadIdx.x; i < (i64)t1 * K; i += blockDim.x) {
+        const i64 v = (i64)idx[i];
+        const int ex = expert(i);
+        if (ex < 0 && v != -1) record_bad_expert_id(err, MOE_RT_ERR_EP_LL_DISPATCH, v, i, E);
+        const float wk = w != nullptr ? w[i] : 0.0f;
+        if (idx_out != nullptr) idx_out[i] = ex;
+        if (w_out != nullptr) w_out[i] = wk;
+        const int d = ex >= 0 ? ex / L : -1;
+        for (int r = 0; r < R; ++r) {
+          reinterpret_cast<int*>(peer_route[r])[(i64)me * route_stride + i] = r == d ? ex - d * L : -1;
+          reinterpret_cast<float*>(peer_rw[r])[(i64)me * (route_stride - 1) + i] = r == d ? wk : 0.0f;
+        }
+      }
+      if (c == 0)
+        for (int r = threadIdx.x; r < R; r += blockDim.x)
+          reinterpret_cast<int*>(peer_route[r])[(i64)me * route_stride + route_stride - 1] = Tn;
+    }
+    for (int p = warp; p < (t1 - t0) * K; p += nw) {
+      const int t = t0 + p / K, k = p - (p / K) * K;
+      const i64 base = (i64)t * K;
+      const int ex = expert(base + k);
+      if (ex < 0) continue;
+      bool first = true;
+      for (int q = 0; q < k; ++q) first = first && expert(base + q) != ex;
+      if (!first) continue;
+      float ws = 0.0f;
+      if (scaled)
+        for (int q = 0; q < K; ++q)
+          if (expert(base + q) == ex) ws = __fadd_rn(ws, w[base + q]);
+      const int d = ex / L, l = ex - d * L;
+      T* dst = reinterpret_cast<T*>(peer_recv[d]) + ((i64)l * RT + (i64)me * Tmax + t) * H;
+      ll_warp_row<T, VEC>(x + (i64)t * H, dst, H, scaled != 0, ws, lane);
+    }
+    ll_signal_all(peer_flags, R, (i64)me * Tmax + c, e);
+  }
+  // receiver items
+  const unsigned* my_flags = reinterpret_cast<const unsigned*>(peer_flags[me]);
+  const int* st_route = reinterpret_cast<const int*>(peer_route[me]);
+  const float* st_rw = reinterpret_cast<const float*>(peer_rw[me]);
+  T* my_recv = reinterpret_cast<T*>(peer_recv[me]);
+  for (int l = blockIdx.x; l < L; l += gridDim.x) {
+    if (zero_k != nullptr) {
+      for (i64 j = warp; j < RT; j += nw) {
+        if (zero_k[(i64)l * RT + j] >= 0) continue;
+        T* row = my_recv + ((i64)l * RT + j) * H;
+        if constexpr (VEC) {
+          for (i64 v = lane; v < H / Vec<T>::N; v += 32)
+            *reinterpret_cast<uint4*>(row + v * Vec<T>::N) = make_uint4(0u, 0u, 0u, 0u);
+        } else {
+          for (i64 h = lane; h < H; h += 32) row[h] = from_float<T>(0.0f);
+        }
+      }
+    }
+    // every chunk of every rank (each rank's flags [0][s][c] for c < NC)
+    int ok = 1;
+    for (int s = 0; s < R && ok; ++s)
+      ok = ll_block_wait_all(my_flags + (i64)s * Tmax, NC, e, state, err_word, timeout_ns, op) ? 1 : 0;
+    if (!ok) return;
+    if (slot_k != nullptr) {
+      int cnt = 0;
+      for (i64 j0 = 0; j0 < RT; j0 += blockDim.x) {
+        const i64 j = j0 + threadIdx.x;
+        int kf = -1;
+        if (j < RT) {
+          const int s = (int)(j / Tmax), t = (int)(j - (i64)s * Tmax);
+          const int* rrow = st_route + (i64)s * route_stride;
+          float ws = 0.0f;
+          if (t < __ldcg(rrow + route_stride - 1)) {
+            for (int k = 0; k < K; ++k) {
+              if (__ldcg(rrow + (i64)t * K + k) != l) continue;
+              if (kf < 0) kf = k;
+              ws = __fadd_rn(ws, __ldcg(st_rw + (i64)s * (route_stride - 1) + (i64)t * K + k));
+            }
+          }
+          slot_k[(i64)l * RT + j] = kf;
+          slot_w[(i64)l * RT + j] = ws;
+        }
+        cnt += __syncthreads_count(kf >= 0);
+      }
+      if (threadIdx.x == 0) counts[l] = cnt;
+    }
+    if (route_out != nullptr) {
+      const i64 n = RT * K, lo = n * l / L, hi = n * (l + 1) / L;
+      for (i64 i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+        const int s = (int)(i / ((i64)Tmax * K));
+        const i64 q = i - (i64)s * Tmax * K;
+        const int t = (int)(q / K);
+        const int* rrow = st_route + (i64)s * route_stride;
+        route_out[i] = t < __ldcg(rrow + route_stride - 1) ? __ldcg(rrow + q) : -1;
+      }
+    }
+  }
+}
+
+// The combine direction, one kernel. Push items (chunk c of source rank s's tokens; item c*R + s): for each
+// (t, k) with l = route[s][t][k] >= 0 not taken by an earlier k of the row: y row (l, s*Tmax + t) (y given)
+// into rank s's back row t*K + k and gws[l][s*Tmax + t] (given) into its bw[t*K + k]; then rank s's flag
+// [1][me][c]. Owner items (one warp per token t < Tn, nw tokens an item): after the flags [1][d][c(t)] of
+// every rank d: out[t] = sum over k ascending with e = idx[t][k] >= 0 of (w given: __fmul_rn(w[t][k],
+// back[t*K + kf]); else only k == kf: back[t*K + k]), fp32, rounded once (out given); grad_w[t][k] =
+// bw[t*K + kf] (0 for e < 0; grad_w given).
+template <typename T, bool VEC>
+__global__ void __launch_bounds__(512) ep_ll_combine(
+    const T* __restrict__ y, const float* __restrict__ gws, const int* __restrict__ route,
+    const int* __restrict__ idx, const float* __restrict__ w, const long long* __restrict__ peer_back,
+    const long long* __restrict__ peer_bw, const long long* __restrict__ peer_flags, T* __restrict__ out,
+    float* __restrict__ grad_w, unsigned* __restrict__ state, int* __restrict__ err_word, i64 timeout_ns, int op,
+    int R, int me, int L, int Tmax, int K, int Tn, int C, i64 H) {
+  unsigned e;
+  if (!block_epoch(state, e)) return;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  const int NC = (Tmax + C - 1) / C;
+  const i64 RT = (i64)R * Tmax;
+  for (int item = blockIdx.x; item < NC * R; item += gridDim.x) {
+    const int c = item / R, s = item - c * R;
+    const int t0 = c * C, t1 = min(t0 + C, Tmax);
+    T* dst = reinterpret_cast<T*>(peer_back[s]);
+    float* dw = reinterpret_cast<float*>(peer_bw[s]);
+    for (int p = warp; p < (t1 - t0) * K; p += nw) {
+      const int t = t0 + p / K, k = p - (p / K) * K;
+      const int* rrow = route + ((i64)s * Tmax + t) * K;
+      const int l = rrow[k];
+      if (l < 0) continue;
+      bool first = true;
+      for (int q = 0; q < k; ++q) first = first && rrow[q] != l;
+      if (!first) continue;
+      const i64 slot = (i64)l * RT + (i64)s * Tmax + t;
+      if (y != nullptr) ll_warp_row<T, VEC>(y + slot * H, dst + ((i64)t * K + k) * H, H, false, 0.0f, lane);
+      if (gws != nullptr && lane == 0) dw[(i64)t * K + k] = gws[slot];
+    }
+    if (true) {  // rank s's flag [1][me][c]
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        __threadfence_system();
+        st_release_sys_u32(reinterpret_cast<unsigned*>(peer_flags[s]) + RT + (i64)me * Tmax + c, e);
+      }
+    }
+  }
+  const unsigned* my_flags = reinterpret_cast<const unsigned*>(peer_flags[me]) + RT;
+  const T* back = reinterpret_cast<const T*>(peer_back[me]);
+  const float* bw = reinterpret_cast<const float*>(peer_bw[me]);
+  constexpr int N = VEC ? Vec<T>::N : 1;
+  const i64 nv = H / N;
+  const int n_tok = (Tn + nw - 1) / nw;
+  for (int item = blockIdx.x; item < n_tok; item += gridDim.x) {
+    const int ta = item * nw, tb = min(ta + nw, Tn);
+    // the chunks of tokens [ta, tb) from every rank
+    const int ca = ta / C, cb = (tb - 1) / C;
+    int ok = 1;
+    for (int d = 0; d < R && ok; ++d)
+      ok = ll_block_wait_all(my_flags + (i64)d * Tmax + ca, cb - ca + 1, e, state, err_word, timeout_ns, op) ? 1
+                                                                                                              : 0;
+    if (!ok) return;
+    const int t = ta + warp;
+    if (t >= tb) continue;
+    const int* irow = idx + (i64)t * K;
+    if (out != nullptr) {
+      T* o = out + (i64)t * H;
+      for (i64 v = lane; v < nv; v += 32) {
+        float acc[N];
+#pragma unroll
+        for (int q = 0; q < N; ++q) acc[q] = 0.0f;
+        for (int k = 0; k < K; ++k) {
+          const int ex = irow[k];
+          if (ex < 0) continue;
+          int kf = 0;
+          while (irow[kf] != ex) ++kf;
+          if (w == nullptr && kf != k) continue;
+          const T* src = back + ((i64)t * K + kf) * H + v * N;
+          const float wk = w != nullptr ? w[(i64)t * K + k] : 1.0f;
+          if constexpr (VEC) {
+            Vec<T> a;
+            a.raw = __ldcg(reinterpret_cast<const uint4*>(src));
+#pragma unroll
+            for (int q = 0; q < N; ++q)
+              acc[q] = __fadd_rn(acc[q], w != nullptr ? __fmul_rn(wk, to_float(a.v[q])) : to_float(a.v[q]));
+          } else {
+            const float a = to_float(__ldcg(src));
+            acc[0] = __fadd_rn(acc[0], w != nullptr ? __fmul_rn(wk, a) : a);
+          }
+        }
+        store_rounded<T, VEC>(o + v * N, acc);
+      }
+    }
+    if (grad_w != nullptr) {
+      for (int k = lane; k < K; k += 32) {
+        const int ex = irow[k];
+        float g = 0.0f;
+        if (ex >= 0) {
+          int kf = 0;
+          while (irow[kf] != ex) ++kf;
+          g = __ldcg(bw + (i64)t * K + kf);
+        }
+        grad_w[(i64)t * K + k] = g;
+      }
+    }
+  }
+}
+
+// combine_bwd's expert side with y (local; after the dispatch-direction kernel delivered the unscaled
+// gradient rows into g = recv): one warp per slot j < n: valid (slot_k[j] >= 0): dots[j] = sum_h y[j][h] *
+// g[j][h] in fp32 (each lane's elements in order, then a fixed butterfly over lanes), then g[j] = the rounded
+// fp32 product slot_w[j] * g[j]; invalid: dots[j] = 0.
+template <typename T, bool VEC>
+__global__ void ep_ll_slot_dot(T* __restrict__ g, const T* __restrict__ y, const int* __restrict__ slot_k,
+                               const float* __restrict__ slot_w, float* __restrict__ dots, i64 n, i64 H) {
+  const int lane = threadIdx.x & 31;
+  const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
+  constexpr int N = VEC ? Vec<T>::N : 1;
+  const i64 nv = H / N;
+  for (i64 j = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); j < n; j += warps) {
+    if (slot_k[j] < 0) {
+      if (lane == 0) dots[j] = 0.0f;
+      continue;
+    }
+    const float s = slot_w[j];
+    T* gr = g + j * H;
+    const T* yr = y + j * H;
+    float acc = 0.0f;
+    for (i64 v = lane; v < nv; v += 32) {
+      if constexpr (VEC) {
+        Vec<T> a = load_vec(gr + v * N), b = load_vec(yr + v * N);
+#pragma unroll
+        for (int q = 0; q < N; ++q) {
+          const float gv = to_float(a.v[q]);
+          acc = fmaf(to_float(b.v[q]), gv, acc);
+          a.v[q] = from_float<T>(__fmul_rn(s, gv));
+        }
+        store_vec(gr + v * N, a);
+      } else {
+        const float gv = to_float(gr[v]);
+        acc = fmaf(to_float(yr[v]), gv, acc);
+        gr[v] = from_float<T>(__fmul_rn(s, gv));
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    if (lane == 0) dots[j] = acc;
+  }
+}

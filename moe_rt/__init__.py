@@ -15,6 +15,7 @@ from moe_rt.permutation import (Plan, combine, combine_backward, dispatch, dispa
                                 sort_chunks, sort_chunks_backward)
 from moe_rt.fp8 import dequantize_fp8, dispatch_fp8, quantize_fp8
 from moe_rt.ep import EpGroup, Handle
+from moe_rt.ep_ll import LowLatencyGroup, LowLatencyHandle
 from moe_rt import bootstrap  # noqa: F401 - unique-id helpers: moe_rt.bootstrap.init_communicator, ...
 from moe_rt._jit import l2_fetch_granularity
 
@@ -30,7 +31,7 @@ __all__ = [
     # FP8: block quantization and dispatch with scales
     "quantize_fp8", "dequantize_fp8", "dispatch_fp8",
     # expert parallelism
-    "EpGroup", "Handle", "bootstrap",
+    "EpGroup", "Handle", "LowLatencyGroup", "LowLatencyHandle", "bootstrap",
     # NCCL
     "Communicator", "NcclError", "get_unique_id", "nccl_version",
     # bad routing on CUDA: raise what the kernels recorded (moe_rt._errors); the eager-check switch

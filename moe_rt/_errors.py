@@ -41,8 +41,10 @@ WORDS = 8  # MOE_RT_ERR_WORDS in include/moe_rt/common.cuh
 MAKE_PLAN = 1
 EP_PREPARE = 2
 ROUTER_BWD = 4
+EP_LL_DISPATCH = 8
 _FAMILIES = {MAKE_PLAN: ("make_plan", "routing"), EP_PREPARE: ("EpGroup.prepare", "topk_idx"),
-             ROUTER_BWD: ("topk_with_score_backward", "topk_indices")}
+             ROUTER_BWD: ("topk_with_score_backward", "topk_indices"),
+             EP_LL_DISPATCH: ("LowLatencyGroup.dispatch", "topk_idx")}
 
 _words: dict = {}  # device id -> address of its error word
 

@@ -214,26 +214,16 @@ class EpGroup:
                  capacity: int | None = None, pair_capacity: int | None = None, align_size: int = 1,
                  dtype=None, topk: int | None = None, timeout: float | None = None,
                  chunks: int | None = None, overlap: bool | None = None, transport: str | None = None):
-        if comm is None:
-            self.rank, self.size, self.device = 0, 1, None
-        else:
-            for attr in ("rank", "size", "device", "all_gather", "send", "recv", "group_start", "group_end"):
-                if not hasattr(comm, attr):
-                    raise TypeError(f"comm: expected a moe_rt.Communicator (or None), got {type(comm).__name__}")
-            if getattr(comm, "closed", False):
-                raise ValueError("comm: the communicator is closed")
-            self.rank, self.size, self.device = int(comm.rank), int(comm.size), int(comm.device)
+        (self.rank, self.size, self.device, self.num_experts, self.num_local_experts,
+         self.hidden) = group_identity(comm, ("rank", "size", "device", "all_gather", "send", "recv", "group_start",
+                                              "group_end"), num_experts, hidden)
         self.comm = comm
         R = self.size
-        self.num_experts = _arrays.check_int(num_experts, "num_experts", low=1, high=1 << 20)
-        if self.num_experts % R:
-            raise ValueError(f"num_experts: {self.num_experts} is not a multiple of the {R} ranks")
-        self.num_local_experts = self.num_experts // R
-        self.hidden = _arrays.check_int(hidden, "hidden", low=1, high=1 << 24)
         self.max_tokens_per_rank = _arrays.check_int(max_tokens_per_rank, "max_tokens_per_rank", low=1,
                                                      high=1 << 24)
         if mode not in ("exact", "capacity"):
-            raise ValueError(f"mode: expected 'exact' or 'capacity', got {mode!r}")
+            hint = " (the low-latency mode is moe_rt.LowLatencyGroup)" if mode == "low_latency" else ""
+            raise ValueError(f"mode: expected 'exact' or 'capacity', got {mode!r}{hint}")
         self.mode = mode
         if mode == "exact" and (capacity is not None or pair_capacity is not None):
             raise ValueError("capacity/pair_capacity: only meaningful with mode='capacity'")
@@ -388,8 +378,8 @@ class EpGroup:
                 self._check_transport()  # a barrier that timed out meanwhile names its op
                 if self.comm is not None:
                     self.comm.abort()
-                raise TimeoutError(f"EpGroup.{op}: no progress within {timeout:g} s (a peer rank is dead or "
-                                   "did not call the same op); the communicator was aborted")
+                raise TimeoutError(f"{type(self).__name__}.{op}: no progress within {timeout:g} s (a peer rank is dead "
+                                   "or did not call the same op); the communicator was aborted")
             time.sleep(delay)
             delay = min(delay * 2, 5e-3)
         self._check_transport()
@@ -403,9 +393,9 @@ class EpGroup:
             return
         if self.comm is not None and not getattr(self.comm, "closed", False):
             self.comm.abort()
-        raise TimeoutError(f"EpGroup.{op}: a peer rank did not reach the direct transport's barrier within "
-                           f"{self.timeout:g} s (it is dead or did not call the same op); the group is unusable "
-                           "and the communicator was aborted")
+        raise TimeoutError(f"{type(self).__name__}.{op}: a peer rank did not reach the direct transport's barrier "
+                           f"within {self.timeout:g} s (it is dead or did not call the same op); the group is "
+                           "unusable and the communicator was aborted")
 
     def synchronize(self, timeout: float | None = None, *, stream=None):
         """Wait until the work queued on ``stream`` (default: the stream of this group's last op) is done,
@@ -738,6 +728,25 @@ class EpGroup:
 
 
 # -- helpers ---------------------------------------------------------------------------------------------
+
+def group_identity(comm, attrs, num_experts, hidden):
+    """``(rank, size, device, E, L, H)`` of a group: its communicator's place (``(0, 1, None)`` for None, after
+    checking that it has ``attrs`` (TypeError) and is open (ValueError)) and the checked expert count and row
+    width."""
+    if comm is None:
+        rank, size, device = 0, 1, None
+    else:
+        for attr in attrs:
+            if not hasattr(comm, attr):
+                raise TypeError(f"comm: expected a moe_rt.Communicator (or None), got {type(comm).__name__}")
+        if getattr(comm, "closed", False):
+            raise ValueError("comm: the communicator is closed")
+        rank, size, device = int(comm.rank), int(comm.size), int(comm.device)
+    E = _arrays.check_int(num_experts, "num_experts", low=1, high=1 << 20)
+    if E % size:
+        raise ValueError(f"num_experts: {E} is not a multiple of the {size} ranks")
+    return rank, size, device, E, E // size, _arrays.check_int(hidden, "hidden", low=1, high=1 << 24)
+
 
 def _check_bool(v, name):
     if not isinstance(v, (bool, np.bool_)):

@@ -151,7 +151,8 @@ def _word(family, value, slot, E, flags=None):
     return np.array([family if flags is None else flags, 1, lo(v), hi(v), lo(s), hi(s), E, family], np.uint32)
 
 
-@pytest.mark.parametrize("family,name", [(_errors.MAKE_PLAN, "routing"), (_errors.EP_PREPARE, "topk_idx")])
+@pytest.mark.parametrize("family,name", [(_errors.MAKE_PLAN, "routing"), (_errors.EP_PREPARE, "topk_idx"),
+                                         (_errors.EP_LL_DISPATCH, "topk_idx")])
 @pytest.mark.parametrize("value", [8, 13, -2, 2**40 + 3, -(2**33)])
 def test_error_word_gives_the_cpu_message(family, name, value):
     err = _errors.error_of(_word(family, value, 5 * 2**31 + 7, 8), 1)

@@ -134,6 +134,7 @@ __device__ __forceinline__ int block_inclusive_scan(int v, int* scratch, int* to
 #define MOE_RT_ERR_MAKE_PLAN 1u
 #define MOE_RT_ERR_EP_PREPARE 2u
 #define MOE_RT_ERR_ROUTER_BWD 4u
+#define MOE_RT_ERR_EP_LL_DISPATCH 8u
 
 static __device__ __noinline__ void record_bad_expert_id(unsigned* err, unsigned family, i64 value, i64 slot,
                                                          int E) {

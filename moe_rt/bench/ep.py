@@ -21,6 +21,11 @@ the rank sends at least 64 MiB) of the NCCL transport and the direct peer-memory
     ``cudaMemcpyAsync`` of each peer's share straight into the peer's IPC-mapped buffer, one stream per
     peer): the practical limit of the link (column ipc_ce_ms; x_vs_ipc_ce = ms / ipc_ce_ms).
 
+``--mode low_latency`` times :class:`moe_rt.LowLatencyGroup` instead (T=128 by default, the same E, K, H):
+dispatch and combine alone, eager and captured alone in a CUDA graph (the graph rows are device time), the
+eager round trip (host included) and the round trip as one graph, beside a raw ``all_to_all_single`` of the
+rows it moves and the torch pipeline (a).
+
 Rank 0 prints the table; ``--json`` writes it. Times are rank 0's CUDA-event medians (ranks are
 synchronized before every case).
 """
@@ -53,8 +58,13 @@ def _chunk_list(text: str) -> list[str]:
 
 def parser(prog: str | None = None):
     ap = benchlib.parser(__doc__, prog=prog)
-    ap.add_argument("--tokens", type=benchlib.positive_int_list, default=[512, 4096, 16384],
-                    help="comma-separated tokens per rank (--quick: 512)")
+    ap.add_argument("--tokens", type=benchlib.positive_int_list, default=None,
+                    help="comma-separated tokens per rank (default 512,4096,16384; --mode low_latency: 128; "
+                         "--quick: 512, or 128)")
+    ap.add_argument("--mode", default="normal", choices=("normal", "low_latency"),
+                    help="normal: EpGroup's exact and capacity modes; low_latency: LowLatencyGroup "
+                         "(max_tokens_per_rank = T): dispatch and combine alone (eager and as a CUDA graph: "
+                         "device time), the eager round trip and the graph round trip")
     ap.add_argument("--chunks", type=_chunk_list, default=["s1", "o2", "2"],
                     help="transfer configurations to compare: a chunk count, prefixed 's' for the serial path "
                          "or 'o' for the overlapped one (2 alone is the default EpGroup)")
@@ -94,13 +104,17 @@ def main(argv=None, prog: str | None = None) -> int:
             sys.stderr.write(f"{ap.prog}: {args.nproc} ranks need {args.nproc} CUDA GPUs, found {n}\n")
             return 2
         return _relaunch(argv, args.nproc)
-    _rank(args)
+    if args.mode == "low_latency":
+        _rank_low_latency(args)
+    else:
+        _rank(args)
     return 0
 
 
-def _rank(args):
+def _init_rank():
+    """This rank's device, torch.distributed process group and moe_rt communicator: ``(rank, world, dev,
+    comm)``."""
     import cupy as cp
-    import numpy as np
     import torch
     import torch.distributed as dist
 
@@ -111,12 +125,71 @@ def _rank(args):
     dist.init_process_group("nccl", init_method="file://" + os.environ["MOE_RT_UID_FILE"] + ".torch",
                             rank=rank, world_size=world, device_id=torch.device("cuda", dev))
     from moe_rt.bootstrap import init_communicator
+
+    return rank, world, dev, init_communicator(method="file")
+
+
+def _torch_pipeline(x, idx, w, E, K, world):
+    """(a): the torch.distributed pipeline a user writes, as ``(dispatch(), combine(state, y))``: stable argsort
+    permute, all-to-all of per-expert counts, ``.tolist()``, ``all_to_all_single`` with splits, chunk sort to
+    expert-major; the reverse for combine (weighted unpermute)."""
+    import torch
+    import torch.distributed as dist
+
+    T, H, L = int(x.shape[0]), int(x.shape[1]), E // world
+
+    def torch_dispatch():
+        flat = idx.view(-1).long()
+        order = torch.argsort(flat, stable=True)
+        xp = x.index_select(0, order // K)
+        counts = torch.bincount(flat, minlength=E)
+        rcounts = torch.empty_like(counts)
+        dist.all_to_all_single(rcounts, counts)
+        send = counts.view(world, L).sum(1).tolist()
+        rmat = rcounts.view(world, L)
+        recv = rmat.sum(1).tolist()
+        rx = torch.empty(sum(recv), H, dtype=x.dtype, device="cuda")
+        dist.all_to_all_single(rx, xp, recv, send)
+        chunks = torch.split(rx, rmat.reshape(-1).tolist())
+        em = torch.cat([chunks[s * L + l_] for l_ in range(L) for s in range(world)])
+        return em, order, send, recv, rmat
+
+    def torch_combine(st, y):
+        em, order, send, recv, rmat = st
+        sizes = rmat.t().reshape(-1).tolist()
+        chunks = torch.split(y, sizes)
+        src_major = torch.cat([chunks[l_ * world + s] for s in range(world) for l_ in range(L)])
+        back = torch.empty(T * K, H, dtype=y.dtype, device="cuda")
+        dist.all_to_all_single(back, src_major, send, recv)
+        un = torch.empty_like(back)
+        un[order] = back
+        return (un.view(T, K, H).float() * w.unsqueeze(-1)).sum(1).to(y.dtype)
+
+    return torch_dispatch, torch_combine
+
+
+def _finish(barrier, rank, table, args, comm):
+    """Every rank done: rank 0 prints (and writes) the table; the communicators close."""
+    import torch.distributed as dist
+
+    barrier()
+    if rank == 0:
+        table.finish(args.json)
+    comm.close()
+    dist.destroy_process_group()
+
+
+def _rank(args):
+    import cupy as cp
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
     from moe_rt.ep import EpGroup
 
-    comm = init_communicator(method="file")
+    rank, world, dev, comm = _init_rank()
     E, K, H = 256, 8, 7168
-    L = E // world
-    Ts = [512] if args.quick else args.tokens
+    Ts = [512] if args.quick else (args.tokens or [512, 4096, 16384])
     from moe_rt import _ep_direct
 
     peer_ok = world > 1 and _ep_direct.probe_peers(comm, dev, lambda s: s.synchronize())[0]
@@ -214,32 +287,7 @@ def _rank(args):
         x = torch.randn(T, H, device="cuda", generator=g_).to(torch.bfloat16)
 
         # ---- (a) the torch pipeline ----
-        def torch_dispatch():
-            flat = idx.view(-1).long()
-            order = torch.argsort(flat, stable=True)
-            xp = x.index_select(0, order // K)
-            counts = torch.bincount(flat, minlength=E)
-            rcounts = torch.empty_like(counts)
-            dist.all_to_all_single(rcounts, counts)
-            send = counts.view(world, L).sum(1).tolist()
-            rmat = rcounts.view(world, L)
-            recv = rmat.sum(1).tolist()
-            rx = torch.empty(sum(recv), H, dtype=x.dtype, device="cuda")
-            dist.all_to_all_single(rx, xp, recv, send)
-            chunks = torch.split(rx, rmat.reshape(-1).tolist())
-            em = torch.cat([chunks[s * L + l_] for l_ in range(L) for s in range(world)])
-            return em, order, send, recv, rmat
-
-        def torch_combine(st, y):
-            em, order, send, recv, rmat = st
-            sizes = rmat.t().reshape(-1).tolist()
-            chunks = torch.split(y, sizes)
-            src_major = torch.cat([chunks[l_ * world + s] for s in range(world) for l_ in range(L)])
-            back = torch.empty(T * K, H, dtype=y.dtype, device="cuda")
-            dist.all_to_all_single(back, src_major, send, recv)
-            un = torch.empty_like(back)
-            un[order] = back
-            return (un.view(T, K, H).float() * w.unsqueeze(-1)).sum(1).to(y.dtype)
+        torch_dispatch, torch_combine = _torch_pipeline(x, idx, w, E, K, world)
 
         st = torch_dispatch()
         t_tdisp = timed(torch_dispatch)
@@ -332,11 +380,101 @@ def _rank(args):
             cp.get_default_memory_pool().free_all_blocks()
         del st
         torch.cuda.empty_cache()
-    barrier()
+    _finish(barrier, rank, table, args, comm)
+
+
+def _rank_low_latency(args):
+    """--mode low_latency: LowLatencyGroup's rows (module notes)."""
+    import cupy as cp
+    import torch
+    import torch.distributed as dist
+
+    from moe_rt.ep_ll import LowLatencyGroup
+
+    rank, world, _, comm = _init_rank()
+    E, K, H = 256, 8, 7168
+    L = E // world
+    Ts = [128] if args.quick else (args.tokens or [128])
+    iters, warm = args.iters, args.warmup
+    table = benchlib.Table("EP low-latency dispatch/combine (moe_rt LowLatencyGroup vs torch.distributed)",
+                           ["op", "T", "us", "wire_MB", "wire_GB/s", "raw_a2a_us", "torch_us", "x_vs_torch"])
+    table.meta.update(ranks=world, experts=E, topk=K, hidden=H, dtype="bfloat16", mode="low_latency")
     if rank == 0:
-        table.finish(args.json)
-    comm.close()
-    dist.destroy_process_group()
+        table.header()
+    bar = torch.zeros(1, device="cuda")
+
+    def barrier():
+        torch.cuda.synchronize()
+        cp.cuda.Device().synchronize()
+        dist.all_reduce(bar)
+        torch.cuda.synchronize()
+
+    def timed(fn, stream=None):
+        barrier()
+        return 1e3 * benchlib.time_cuda(fn, iters=iters, warmup=warm, stream=stream)
+
+    for T in Ts:
+        g_ = torch.Generator(device="cuda").manual_seed(1234 + rank)
+        idx_t = torch.topk(torch.rand(T, E, device="cuda", generator=g_), K, dim=1).indices.to(torch.int32)
+        w_t = torch.rand(T, K, device="cuda", generator=g_)
+        x_t = torch.randn(T, H, device="cuda", generator=g_).to(torch.bfloat16)
+        torch.cuda.synchronize()
+        x, w, idx = cp.from_dlpack(x_t), cp.from_dlpack(w_t), cp.from_dlpack(idx_t)
+        # rows this rank pushes to other ranks: one per (token, distinct expert on another rank)
+        e = idx_t.long().cpu().numpy()
+        remote = sum(len({int(v) for v in row if v // L != rank}) for row in e)
+        wire = remote * H * 2
+
+        # the torch pipeline (a) and a raw all_to_all_single of the same rows
+        torch_dispatch, torch_combine = _torch_pipeline(x_t, idx_t, w_t, E, K, world)
+        st = torch_dispatch()
+
+        per_peer = -(-remote // max(world - 1, 1))
+        splits = [0 if p == rank else per_peer for p in range(world)]
+        a2a_in = torch.empty(sum(splits), H, dtype=torch.bfloat16, device="cuda")
+        a2a_out = torch.empty_like(a2a_in)
+        t_raw = timed(lambda: dist.all_to_all_single(a2a_out, a2a_in, splits, splits))
+        t_torch = timed(lambda: torch_combine(torch_dispatch(), st[0]))
+
+        g = LowLatencyGroup(comm, E, H, T, topk=K, dtype="bfloat16")
+        stream = cp.cuda.Stream(non_blocking=True)
+        rows = []
+        with stream:
+            recv, counts, h = g.dispatch(x, idx, w)
+            y = recv.copy()  # the expert stand-in: identity
+            g.combine(h, y)
+            g.synchronize()
+            rows.append(("dispatch (eager)", timed(lambda: g.dispatch(x, idx, w), stream), wire + remote * K * 8,
+                         t_raw, None))
+            rows.append(("combine (eager)", timed(lambda: g.combine(h, y), stream), wire, t_raw, None))
+            rows.append(("round trip (eager)", timed(lambda: g.combine(g.dispatch(x, idx, w)[2], y), stream),
+                         2 * wire, 2 * t_raw, t_torch))
+            graphs = {}
+            for name, fn in (("dispatch (graph)", lambda: g.dispatch(x, idx, w)),
+                             ("combine (graph)", lambda: g.combine(h, y)),
+                             ("round trip (graph)", lambda: g.combine(g.dispatch(x, idx, w)[2], y))):
+                fn()
+                stream.synchronize()
+                stream.begin_capture()
+                keep = fn()
+                graphs[name] = (stream.end_capture(), keep)
+            for name, nb, raw, tt in (("dispatch (graph)", wire + remote * K * 8, t_raw, None),
+                                      ("combine (graph)", wire, t_raw, None),
+                                      ("round trip (graph)", 2 * wire, 2 * t_raw, t_torch)):
+                graph = graphs[name][0]
+                rows.append((name, timed(lambda: graph.launch(stream), stream), nb, raw, tt))
+            g.synchronize()
+        if rank == 0:
+            for op, us, nbytes, raw, tt in rows:
+                table.add(op=op, T=T, us=us, wire_MB=nbytes / 1e6,
+                          **{"wire_GB/s": (nbytes / (us * 1e-6) / 1e9) if nbytes else None},
+                          raw_a2a_us=raw, torch_us=tt, x_vs_torch=(tt / us) if tt else None)
+        del graphs
+        barrier()
+        g.close()
+        cp.get_default_memory_pool().free_all_blocks()
+        torch.cuda.empty_cache()
+    _finish(barrier, rank, table, args, comm)
 
 
 if __name__ == "__main__":

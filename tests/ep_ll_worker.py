@@ -1,0 +1,182 @@
+"""Per-rank worker of the multi-GPU low-latency EP tests (moe_rt/ep_ll.py); one process per GPU:
+
+    python tools/launch.py -n R tests/ep_ll_worker.py correctness|graph|dead_peer
+
+Every rank draws every rank's inputs from the same seed, runs its own share through LowLatencyGroup and
+compares with the NumPy R-rank reference (moe_rt.reference.ep_ll): dispatch's valid slots, counts and slot
+tables, combine and both backwards bitwise (combine_bwd's weight gradient within fp32 rounding), each case
+twice (run to run bitwise, over buffers the previous case filled). Prints "ALL OK" (or "DEAD PEER OK").
+"""
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from ep_worker import RANK, WORLD, bf16, log, setup  # noqa: E402 - the same launch environment and bootstrap
+
+
+def case(seed, L, K, Ts, H, dt):
+    from test_ep_ll import make_case
+
+    return make_case(np.random.default_rng(seed), WORLD, L, K, Ts, H, dt)
+
+
+def spread(Ts):
+    return tuple(Ts[r % len(Ts)] for r in range(WORLD))
+
+
+def bits(a):
+    return np.ascontiguousarray(a).view(np.uint8)
+
+
+def check_all(cp, g, seed, L, K, Ts, Tmax, H, dt):
+    from moe_rt.reference import ep_ll as ref
+
+    R, me = WORLD, RANK
+    xs, idxs, ws = case(seed, L, K, Ts, H, dt)
+    rng = np.random.default_rng(seed + 1)
+    Y = rng.standard_normal((R, L, R * Tmax, H)).astype(dt)
+    G = rng.standard_normal((R, L, R * Tmax, H)).astype(dt)
+    GW = rng.standard_normal((R, L, R * Tmax)).astype(np.float32)
+    GO = [rng.standard_normal((T, H)).astype(dt) for T in Ts]
+    res = ref.dispatch(xs, idxs, ws, R * L, Tmax)
+    handles = [h for _, _, h in res]
+    rx, rc, rh = res[me]
+    valid = rh["slot_k"] >= 0
+    idx = idxs[me].astype(np.int32) if seed % 2 else idxs[me]  # int32 and int64 routing
+    recv, counts, h = g.dispatch(cp.asarray(xs[me]), cp.asarray(idx), cp.asarray(ws[me]))
+    assert recv.shape == (L, R * Tmax, H) and recv.dtype == dt
+    assert (bits(cp.asnumpy(recv)[valid]) == bits(rx[valid])).all(), "dispatch rows"
+    assert (cp.asnumpy(counts) == rc).all(), "counts"
+    assert (cp.asnumpy(h.slot_topk) == rh["slot_k"]).all(), "slot_topk"
+    assert (bits(cp.asnumpy(h.slot_weights)) == bits(rh["slot_w"])).all(), "slot_weights"
+    recv_keep = recv.copy()
+    out = g.combine(h, cp.asarray(Y[me]))
+    assert (bits(cp.asnumpy(out)) == bits(ref.combine(handles, list(Y))[me])).all(), "combine"
+    gx, gw = g.dispatch_bwd(h, cp.asarray(G[me]), cp.asarray(GW[me]))
+    wx, ww = ref.dispatch_bwd(handles, list(G), list(GW))[me]
+    assert (bits(cp.asnumpy(gx)) == bits(wx)).all(), "dispatch_bwd"
+    assert (cp.asnumpy(gw) == ww).all(), "dispatch_bwd weights"
+    assert g.dispatch_bwd(h, cp.asarray(G[me]))[1] is None
+    gy, gw = g.combine_bwd(h, cp.asarray(GO[me]), cp.asarray(Y[me]))
+    wy, ww = ref.combine_bwd(handles, GO, list(Y))[me]
+    assert (bits(cp.asnumpy(gy)) == bits(wy)).all(), "combine_bwd (zero at invalid slots)"
+    np.testing.assert_allclose(cp.asnumpy(gw), ww, rtol=2e-5, atol=2e-5, err_msg="combine_bwd weights")
+    gy2, none = g.combine_bwd(h, cp.asarray(GO[me]))
+    assert none is None and (bits(cp.asnumpy(gy2)) == bits(wy)).all(), "combine_bwd without y"
+    g.synchronize()
+    return cp.asnumpy(recv_keep)[valid], cp.asnumpy(out)
+
+
+def correctness(cp, comm):
+    from moe_rt.ep_ll import LowLatencyGroup
+
+    n = 0
+    for dt in (np.float32, bf16(), np.float16):
+        for L, K, Ts, Tmax, H in [(3, 4, (7, 0, 5, 2), 7, 13), (2, 3, (4, 4), 4, 64), (8, 8, (128,), 128, 512),
+                                  (1, 2, (1, 3), 3, 5), (5, 6, (33, 17, 0, 40), 40, 1000)]:
+            Ts = spread(Ts)
+            g = LowLatencyGroup(comm, WORLD * L, H, Tmax, topk=min(K, WORLD * L), dtype=dt)
+            K = g.topk
+            first = check_all(cp, g, 100 + n, L, K, Ts, Tmax, H, dt)
+            again = check_all(cp, g, 100 + n, L, K, Ts, Tmax, H, dt)
+            assert all((bits(a) == bits(b)).all() for a, b in zip(first, again)), "run to run"
+            g.close()
+            n += 1
+            log(f"case {n} ok: dtype={np.dtype(dt).name} L={L} K={K} Ts={Ts} Tmax={Tmax} H={H}")
+    # the rank's errors: T > Tmax before anything is launched (every rank raises alike)
+    g = LowLatencyGroup(comm, WORLD * 2, 8, 4, topk=2, dtype=np.float32)
+    try:
+        g.dispatch(cp.zeros((5, 8), np.float32), cp.zeros((5, 2), np.int32), cp.ones((5, 2), np.float32))
+        raise AssertionError("T > max_tokens_per_rank accepted")
+    except ValueError as e:
+        assert "max_tokens_per_rank" in str(e)
+    g.close()
+
+
+def graph(cp, comm):
+    """dispatch + expert stand-in + combine captured once, replayed with new routing, tokens and weights."""
+    from moe_rt.ep_ll import LowLatencyGroup
+    from moe_rt.reference import ep_ll as ref
+
+    dt = bf16()
+    L, K, Tmax, H = 4, 3, 24, 256
+    Ts = spread((24, 19, 0, 7))
+    g = LowLatencyGroup(comm, WORLD * L, H, Tmax, topk=K, dtype=dt)
+    xs, idxs, ws = case(7, L, K, Ts, H, dt)
+    x, idx, w = cp.asarray(xs[RANK]), cp.asarray(idxs[RANK]), cp.asarray(ws[RANK])
+    scale = cp.asarray(np.linspace(0.5, 1.5, L).astype(np.float32))
+    g.combine(g.dispatch(x, idx, w)[2], cp.zeros((L, WORLD * Tmax, H), dt))  # setup and compile first
+    r0, _, _ = g.dispatch(x, idx, w)
+    (r0.astype(cp.float32) * scale[:, None, None]).astype(dt)  # CuPy's kernels compiled before capture too
+    g.synchronize()
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        s.begin_capture()
+        recv, counts, h = g.dispatch(x, idx, w)
+        y = (recv.astype(cp.float32) * scale[:, None, None]).astype(dt)
+        out = g.combine(h, y)
+        gr = s.end_capture()
+    for it in range(5):
+        xs, idxs, ws = case(1000 + it, L, K, Ts, H, dt)
+        x[...] = cp.asarray(xs[RANK])
+        idx[...] = cp.asarray(idxs[RANK])
+        w[...] = cp.asarray(ws[RANK])
+        gr.launch(s)
+        s.synchronize()
+        res = ref.dispatch(xs, idxs, ws, WORLD * L, Tmax)
+        sc = cp.asnumpy(scale)
+        Y = [(r.astype(np.float32) * sc[:, None, None]).astype(dt) for r, _, _ in res]
+        want = ref.combine([hh for _, _, hh in res], Y)[RANK]
+        assert (cp.asnumpy(counts) == res[RANK][1]).all(), f"replay {it}: counts"
+        assert (bits(cp.asnumpy(out)) == bits(want)).all(), f"replay {it}: combine"
+        log(f"replay {it} ok")
+    g.synchronize()
+    g.close()
+
+
+def dead_peer(cp, comm):
+    """Rank 1 skips a dispatch (and stays alive: its peers' memory stays mapped): every other rank's
+    dispatch gives up on the device within the timeout, and synchronize raises TimeoutError naming it."""
+    from moe_rt.ep_ll import LowLatencyGroup
+
+    timeout = 4.0
+    g = LowLatencyGroup(comm, WORLD * 2, 64, 32, topk=2, dtype=np.float32, timeout=timeout)
+    x = cp.ones((32, 64), cp.float32)
+    idx = cp.asarray(np.tile(np.array([[0, 3]], np.int32), (32, 1)))
+    w = cp.ones((32, 2), cp.float32)
+    g.dispatch(x, idx, w)
+    g.synchronize()
+    if RANK == 1:
+        log("rank 1 skips the dispatch")
+        time.sleep(3 * timeout + 5)
+        os._exit(0)
+    t0 = time.monotonic()
+    try:
+        g.dispatch(x, idx, w)
+        g.synchronize()
+        raise AssertionError("dispatch with a dead peer completed")
+    except TimeoutError as e:
+        dt = time.monotonic() - t0
+        log(f"got TimeoutError after {dt:.1f} s: {e}")
+        assert dt < 2 * timeout + 5, dt
+        assert "dispatch" in str(e), e
+    g.close()  # teardown after a failure: no hang
+    log("DEAD PEER OK")
+    os._exit(0)
+
+
+def main():
+    what = sys.argv[1] if len(sys.argv) > 1 else "correctness"
+    cp, comm = setup()
+    {"correctness": correctness, "graph": graph, "dead_peer": dead_peer}[what](cp, comm)
+    cp.cuda.Device().synchronize()
+    comm.close()
+    log("ALL OK")
+
+
+if __name__ == "__main__":
+    main()

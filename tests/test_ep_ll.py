@@ -1,0 +1,477 @@
+"""The low-latency EP mode (moe_rt/ep_ll.py): the NumPy R-rank reference against an independent vectorized
+implementation at R = 1, 2, 4 (odd sizes, duplicate experts, -1 holes, T = 0 ranks, bf16), adjointness,
+LowLatencyGroup's CPU path and its validation, the kernels' NVRTC compile, and the GPU tests (one GPU:
+the 1-rank group against the reference, graph replay; several: tests/ep_ll_worker.py at 2 and 4 ranks)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import moe_rt
+from moe_rt.ep_ll import LowLatencyGroup, LowLatencyHandle
+from moe_rt.reference import ep_ll as ref
+
+ROOT = Path(__file__).resolve().parent.parent
+LAUNCH = ROOT / "tools" / "launch.py"
+
+
+def bf16():
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def make_case(rng, R, L, K, Ts, H, dtype=np.float32, dup=0.15, hole=0.15):
+    """Every rank's (x [T,H], topk_idx [T,K] int64, topk_weights [T,K] fp32): distinct experts per token,
+    then some slots repeat an earlier expert of the row (``dup``) or become -1 (``hole``)."""
+    E = R * L
+    xs, idxs, ws = [], [], []
+    for T in Ts:
+        idx = np.argsort(-rng.random((T, E)), axis=1)[:, :K].astype(np.int64)
+        for t in range(T):
+            for k in range(1, K):
+                if rng.random() < dup:
+                    idx[t, k] = idx[t, rng.integers(0, k)]
+        idx[rng.random((T, K)) < hole] = -1
+        xs.append(rng.standard_normal((T, H)).astype(dtype))
+        idxs.append(idx)
+        ws.append((rng.random((T, K)) + 0.25).astype(np.float32))
+    return xs, idxs, ws
+
+
+# -- an independent implementation: every (rank, token, k) pair as flat arrays, vectorized -------------------
+
+def pairs(idxs, L, Tmax):
+    """Flat arrays over every valid (source s, token t, k): s, t, k, d (expert rank), l, j (slot column),
+    first (the first k of its row with that expert)."""
+    cols = {n: [] for n in ("s", "t", "k", "d", "l", "j", "first")}
+    for s, idx in enumerate(idxs):
+        T, K = idx.shape
+        t, k = np.nonzero(idx >= 0)
+        e = idx[t, k]
+        earlier = np.array([np.any(idx[tt, :kk] == ee) for tt, kk, ee in zip(t, k, e)], bool)
+        for n, v in (("s", np.full(t.size, s)), ("t", t), ("k", k), ("d", e // L), ("l", e % L),
+                     ("j", s * Tmax + t), ("first", ~earlier)):
+            cols[n].append(v)
+    return {n: np.concatenate(v).astype(np.int64) if v else np.zeros(0, np.int64) for n, v in cols.items()}
+
+
+def naive_dispatch(xs, idxs, ws, R, L, Tmax):
+    p = pairs(idxs, L, Tmax)
+    H, dt = xs[0].shape[1], xs[0].dtype
+    recv = np.zeros((R, L, R * Tmax, H), dt)
+    slot_k = np.full((R, L, R * Tmax), -1, np.int32)
+    slot_w = np.zeros((R, L, R * Tmax), np.float32)
+    f = p["first"].astype(bool)
+    X = [np.asarray(x) for x in xs]
+    for i in np.nonzero(f)[0]:
+        recv[p["d"][i], p["l"][i], p["j"][i]] = X[p["s"][i]][p["t"][i]]
+        slot_k[p["d"][i], p["l"][i], p["j"][i]] = p["k"][i]
+    for i in range(p["s"].size):  # pairs come in (s, t, k) order: k ascending inside a token
+        key = (p["d"][i], p["l"][i], p["j"][i])
+        slot_w[key] = np.float32(slot_w[key] + ws[p["s"][i]][p["t"][i], p["k"][i]])
+    counts = (slot_k >= 0).sum(axis=2).astype(np.int32)
+    return recv, slot_k, slot_w, counts
+
+
+def naive_combine(idxs, ws, Y, L, Tmax, weighted=True, unique=False):
+    """Y [R, L, R*Tmax, H] (every rank's expert rows stacked) -> every rank's [T,H]."""
+    outs = []
+    for s, idx in enumerate(idxs):
+        T, K = idx.shape
+        acc = np.zeros((T, Y.shape[3]), np.float32)
+        for k in range(K):
+            e = idx[:, k]
+            m = e >= 0
+            if unique:
+                m &= ~np.array([np.any(idx[t, :k] == idx[t, k]) for t in range(T)], bool).reshape(T)
+            ee = np.where(m, e, 0)
+            rows = Y[ee // L, ee % L, s * Tmax + np.arange(T)].astype(np.float32)
+            term = ws[s][:, k:k + 1] * rows if weighted else rows
+            acc = np.where(m[:, None], acc + term, acc).astype(np.float32)
+        outs.append(acc.astype(Y.dtype))
+    return outs
+
+
+SHAPES = [
+    (1, 3, 2, (5,), 5, 7),
+    (1, 2, 3, (0,), 4, 3),
+    (2, 3, 3, (5, 2), 5, 9),
+    (2, 1, 4, (3, 0), 3, 5),       # E = 2 < K = 4: K is clamped to 2
+    (4, 3, 4, (7, 0, 3, 7), 7, 11),
+    (4, 2, 5, (1, 4, 4, 2), 4, 1),
+]
+
+
+def _K(R, L, K):
+    return min(K, R * L)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("R,L,K,Ts,Tmax,H", SHAPES)
+def test_reference_against_naive(rng, R, L, K, Ts, Tmax, H, dtype):
+    dt = bf16() if dtype == "bfloat16" else np.dtype(dtype)
+    K = _K(R, L, K)
+    xs, idxs, ws = make_case(rng, R, L, K, Ts, H, dt)
+    res = ref.dispatch(xs, idxs, ws, R * L, Tmax)
+    recv, slot_k, slot_w, counts = naive_dispatch(xs, idxs, ws, R, L, Tmax)
+    for d in range(R):
+        r_x, r_c, h = res[d]
+        assert r_x.dtype == dt and r_x.shape == (L, R * Tmax, H)
+        np.testing.assert_array_equal(r_x.view(np.uint8), recv[d].view(np.uint8))
+        np.testing.assert_array_equal(h["slot_k"], slot_k[d])
+        np.testing.assert_array_equal(h["slot_w"].view(np.uint32), slot_w[d].view(np.uint32))
+        np.testing.assert_array_equal(r_c, counts[d])
+        assert r_c.dtype == np.int32
+    assert sum(int(c.sum()) for _, c, _ in res) == sum(
+        len({int(e) for e in row if e >= 0}) for idx in idxs for row in idx)
+    handles = [h for _, _, h in res]
+    Y = rng.standard_normal((R, L, R * Tmax, H)).astype(dt)
+    outs = ref.combine(handles, list(Y))
+    for o, n in zip(outs, naive_combine(idxs, ws, Y, L, Tmax)):
+        assert o.dtype == dt
+        np.testing.assert_array_equal(o.view(np.uint8), n.view(np.uint8))
+    G = rng.standard_normal((R, L, R * Tmax, H)).astype(dt)
+    GW = rng.standard_normal((R, L, R * Tmax)).astype(np.float32)
+    back = ref.dispatch_bwd(handles, list(G), list(GW))
+    for s, ((gx, gw), n) in enumerate(zip(back, naive_combine(idxs, ws, G, L, Tmax, weighted=False, unique=True))):
+        np.testing.assert_array_equal(gx.view(np.uint8), n.view(np.uint8))
+        idx = idxs[s]
+        ee = np.where(idx >= 0, idx, 0)
+        want = np.where(idx >= 0, GW[ee // L, ee % L, s * Tmax + np.arange(idx.shape[0])[:, None]], 0)
+        np.testing.assert_array_equal(gw, want.astype(np.float32))
+    gouts = [rng.standard_normal((T, H)).astype(dt) for T in Ts]
+    cb = ref.combine_bwd(handles, gouts, list(Y))
+    for d, (gy, gw) in enumerate(cb):
+        want = np.zeros((L, R * Tmax, H), dt)
+        for l, j in zip(*np.nonzero(slot_k[d] >= 0)):
+            s, t = divmod(int(j), Tmax)
+            want[l, j] = (slot_w[d][l, j] * gouts[s][t].astype(np.float32)).astype(dt)
+        np.testing.assert_array_equal(gy.view(np.uint8), want.view(np.uint8))
+    for s, idx in enumerate(idxs):
+        gw = cb[s][1]
+        for t, k in zip(*np.nonzero(idx >= 0)):
+            e = int(idx[t, k])
+            want = float(np.dot(Y[e // L, e % L, s * Tmax + t].astype(np.float64), gouts[s][t].astype(np.float64)))
+            assert gw[t, k] == pytest.approx(want, rel=1e-6, abs=1e-6)
+        assert np.all(gw[idx < 0] == 0)
+
+
+@pytest.mark.parametrize("R,L,K,Ts,Tmax,H", SHAPES)
+def test_reference_adjoint(rng, R, L, K, Ts, Tmax, H):
+    """<dispatch(x), g> = <x, dispatch_bwd(g)> and <combine(y), g> = <y, combine_bwd(g)> (float64 sums)."""
+    K = _K(R, L, K)
+    xs, idxs, ws = make_case(rng, R, L, K, Ts, H)
+    res = ref.dispatch(xs, idxs, ws, R * L, Tmax)
+    handles = [h for _, _, h in res]
+    G = rng.standard_normal((R, L, R * Tmax, H)).astype(np.float32)
+    mask = np.stack([h["slot_k"] >= 0 for h in handles])[..., None]
+    lhs = sum(float(np.sum(np.where(mask[d], res[d][0], 0).astype(np.float64) * G[d])) for d in range(R))
+    back = ref.dispatch_bwd(handles, list(G))
+    rhs = sum(float(np.sum(xs[s].astype(np.float64) * back[s][0])) for s in range(R))
+    assert lhs == pytest.approx(rhs, rel=1e-5, abs=1e-4)
+    Y = rng.standard_normal((R, L, R * Tmax, H)).astype(np.float32)
+    gouts = [rng.standard_normal((T, H)).astype(np.float32) for T in Ts]
+    outs = ref.combine(handles, list(Y))
+    lhs = sum(float(np.sum(outs[s].astype(np.float64) * gouts[s])) for s in range(R))
+    gy = ref.combine_bwd(handles, gouts)
+    rhs = sum(float(np.sum(Y[d].astype(np.float64) * gy[d][0])) for d in range(R))
+    assert lhs == pytest.approx(rhs, rel=1e-5, abs=1e-4)
+
+
+def test_reference_weight_gradients_by_finite_difference(rng):
+    R, L, K, Ts, Tmax, H = 2, 2, 3, (3, 2), 4, 5
+    xs, idxs, ws = make_case(rng, R, L, K, Ts, H)
+    res = ref.dispatch(xs, idxs, ws, R * L, Tmax)
+    handles = [h for _, _, h in res]
+    Y = rng.standard_normal((R, L, R * Tmax, H)).astype(np.float32)
+    gouts = [rng.standard_normal((T, H)).astype(np.float32) for T in Ts]
+    gw = [g for _, g in ref.combine_bwd(handles, gouts, list(Y))]
+    # d/dw[t,k] of sum_t <combine(y)[t], g[t]> is <y[slot(t,k)], g[t]>: combine is linear in each w[t,k]
+    for s in range(R):
+        for t in range(Ts[s]):
+            for k in range(K):
+                e = int(idxs[s][t, k])
+                want = 0.0 if e < 0 else float(np.dot(Y[e // L, e % L, s * Tmax + t].astype(np.float64), gouts[s][t]))
+                assert gw[s][t, k] == pytest.approx(want, rel=1e-6, abs=1e-6)
+
+
+def test_reference_rejects():
+    x = [np.zeros((3, 4), np.float32)]
+    w = [np.ones((3, 2), np.float32)]
+    with pytest.raises(ValueError, match="expert ids must be in"):
+        ref.dispatch(x, [np.array([[0, 4]] * 3)], w, 4, 8)
+    with pytest.raises(ValueError, match="exceeds max_tokens_per_rank"):
+        ref.dispatch(x, [np.zeros((3, 2), np.int64)], w, 4, 2)
+    with pytest.raises(ValueError, match="multiple"):
+        ref.dispatch(x + x, [np.zeros((3, 2), np.int64)] * 2, w + w, 3, 8)
+
+
+# -- LowLatencyGroup on CPU (one rank: the reference) ------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_group_cpu_matches_reference(rng, dtype):
+    dt = bf16() if dtype == "bfloat16" else np.dtype(dtype)
+    L, K, T, Tmax, H = 5, 3, 6, 9, 7
+    xs, idxs, ws = make_case(rng, 1, L, K, (T,), H, dt)
+    g = LowLatencyGroup(None, L, H, Tmax, topk=K, dtype=dt)
+    recv, counts, h = g.dispatch(xs[0], idxs[0].astype(np.int32), ws[0])
+    assert isinstance(h, LowLatencyHandle)
+    rx, rc, rh = ref.dispatch(xs, idxs, ws, L, Tmax)[0]
+    np.testing.assert_array_equal(recv.view(np.uint8), rx.view(np.uint8))
+    np.testing.assert_array_equal(counts, rc)
+    np.testing.assert_array_equal(h.slot_topk, rh["slot_k"])
+    np.testing.assert_array_equal(h.slot_weights, rh["slot_w"])
+    y = rng.standard_normal((L, Tmax, H)).astype(dt)
+    np.testing.assert_array_equal(g.combine(h, y).view(np.uint8), ref.combine([rh], [y])[0].view(np.uint8))
+    gr = rng.standard_normal((L, Tmax, H)).astype(dt)
+    gwr = rng.standard_normal((L, Tmax)).astype(np.float32)
+    gx, gw = g.dispatch_bwd(h, gr, gwr)
+    wx, ww = ref.dispatch_bwd([rh], [gr], [gwr])[0]
+    np.testing.assert_array_equal(gx.view(np.uint8), wx.view(np.uint8))
+    np.testing.assert_array_equal(gw, ww)
+    assert g.dispatch_bwd(h, gr)[1] is None
+    go = rng.standard_normal((T, H)).astype(dt)
+    gy, gw = g.combine_bwd(h, go, y)
+    wy, ww = ref.combine_bwd([rh], [go], [y])[0]
+    np.testing.assert_array_equal(gy.view(np.uint8), wy.view(np.uint8))
+    np.testing.assert_array_equal(gw, ww)
+    assert g.combine_bwd(h, go)[1] is None
+
+
+def test_group_cpu_torch_tensors(rng):
+    torch = pytest.importorskip("torch")
+    L, K, T, Tmax, H = 3, 2, 4, 4, 5
+    xs, idxs, ws = make_case(rng, 1, L, K, (T,), H)
+    g = LowLatencyGroup(None, L, H, Tmax, topk=K, dtype=np.float32)
+    recv, counts, h = g.dispatch(torch.from_numpy(xs[0]), torch.from_numpy(idxs[0]), torch.from_numpy(ws[0]))
+    assert isinstance(recv, torch.Tensor) and isinstance(counts, torch.Tensor)
+    out = g.combine(h, recv)
+    rx, _, rh = ref.dispatch(xs, idxs, ws, L, Tmax)[0]
+    np.testing.assert_array_equal(out.numpy(), ref.combine([rh], [rx])[0])
+
+
+def test_group_validation(rng):
+    L, K, T, Tmax, H = 4, 2, 3, 5, 6
+    g = LowLatencyGroup(None, L, H, Tmax, topk=K, dtype=np.float32)
+    x = np.zeros((T, H), np.float32)
+    idx = np.zeros((T, K), np.int32)
+    w = np.ones((T, K), np.float32)
+    with pytest.raises(ValueError, match="max_tokens_per_rank"):
+        LowLatencyGroup(None, L, H, 1025, topk=K)
+    with pytest.raises(ValueError, match="max_tokens_per_rank"):
+        LowLatencyGroup(None, L, H, 0, topk=K)
+    with pytest.raises(TypeError, match="max_tokens_per_rank"):
+        LowLatencyGroup(None, L, H, 4.0, topk=K)
+    with pytest.raises(ValueError, match="topk"):
+        LowLatencyGroup(None, L, H, Tmax, topk=0)
+    with pytest.raises(TypeError, match="dtype"):
+        LowLatencyGroup(None, L, H, Tmax, topk=K, dtype=np.int32)
+    with pytest.raises(ValueError, match="hidden"):
+        LowLatencyGroup(None, L, 0, Tmax, topk=K)
+    with pytest.raises(ValueError, match="timeout"):
+        LowLatencyGroup(None, L, H, Tmax, topk=K, timeout=0)
+    with pytest.raises(TypeError, match="comm"):
+        LowLatencyGroup(object(), L, H, Tmax, topk=K)
+    with pytest.raises(ValueError, match="exceeds max_tokens_per_rank=5"):
+        g.dispatch(np.zeros((6, H), np.float32), np.zeros((6, K), np.int32), np.ones((6, K), np.float32))
+    with pytest.raises(TypeError, match="x: dtype must be float32"):
+        g.dispatch(x.astype(np.float16), idx, w)
+    with pytest.raises(TypeError, match="topk_idx"):
+        g.dispatch(x, idx.astype(np.float32), w)
+    with pytest.raises(ValueError, match="K must be 2"):
+        g.dispatch(x, np.zeros((T, 3), np.int32), np.ones((T, 3), np.float32))
+    with pytest.raises(ValueError, match="x: expected shape"):
+        g.dispatch(np.zeros((T, H + 1), np.float32), idx, w)
+    with pytest.raises(ValueError, match="x: expected shape"):
+        g.dispatch(np.zeros((T - 1, H), np.float32), idx, w)
+    with pytest.raises(ValueError, match="topk_weights"):
+        g.dispatch(x, idx, np.ones((T, K + 1), np.float32))
+    with pytest.raises(TypeError, match="topk_weights"):
+        g.dispatch(x, idx, np.ones((T, K), np.int32))
+    with pytest.raises(TypeError, match="topk_weights"):
+        g.dispatch(x, idx, None)
+    with pytest.raises(ValueError, match=r"topk_idx: expert ids must be in \[-1, num_experts=4\), got 4"):
+        g.dispatch(x, np.full((T, K), 4, np.int32), w)
+    _, _, h = g.dispatch(x, idx, w)
+    y = np.zeros((L, Tmax, H), np.float32)
+    with pytest.raises(TypeError, match="handle"):
+        g.combine(object(), y)
+    other = LowLatencyGroup(None, L, H, Tmax, topk=K, dtype=np.float32)
+    with pytest.raises(ValueError, match="another group"):
+        other.combine(h, y)
+    with pytest.raises(ValueError, match="expert_out: expected shape"):
+        g.combine(h, np.zeros((L, Tmax + 1, H), np.float32))
+    with pytest.raises(TypeError, match="expert_out: dtype"):
+        g.combine(h, y.astype(np.float16))
+    with pytest.raises(ValueError, match="grad_recv_x: expected shape"):
+        g.dispatch_bwd(h, np.zeros((L, Tmax, H + 1), np.float32))
+    with pytest.raises(ValueError, match="grad_recv_weights"):
+        g.dispatch_bwd(h, y, np.zeros((L, Tmax + 1), np.float32))
+    with pytest.raises(ValueError, match="grad_out: expected shape"):
+        g.combine_bwd(h, np.zeros((T + 1, H), np.float32))
+    with pytest.raises(ValueError, match="expert_out: expected shape"):
+        g.combine_bwd(h, x, np.zeros((L, Tmax, 1), np.float32))
+    g.close()
+    with pytest.raises(ValueError, match="closed"):
+        g.dispatch(x, idx, w)
+
+
+def test_epgroup_names_the_low_latency_class():
+    with pytest.raises(ValueError, match="LowLatencyGroup"):
+        moe_rt.EpGroup(None, 4, 8, 4, mode="low_latency")
+
+
+def test_chunk_tokens():
+    from moe_rt.ep_ll import chunk_tokens
+
+    assert [chunk_tokens(n) for n in (1, 128, 129, 1024)] == [1, 1, 2, 8]
+    assert all(-(-n // chunk_tokens(n)) <= 128 for n in range(1, 1025))
+
+
+# -- the kernels compile (NVRTC, no GPU) -----------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
+def test_low_latency_kernels_compile(arch):
+    from moe_rt import _jit, ep_ll
+
+    names = [n for f, n in _jit.registered() if f == ep_ll._FILE and n in ep_ll._names]
+    assert len(names) == len(ep_ll._names) == 24
+    image, lowered = _jit.compile_offline("ep.cu", arch, names)
+    assert set(lowered) == set(names) and image
+
+
+# -- one GPU: the 1-rank group against the reference; graph replay ---------------------------------------
+
+def _gpu_case(rng, cp, L, K, T, Tmax, H, dt):
+    xs, idxs, ws = make_case(rng, 1, L, K, (T,), H, dt)
+    return xs, idxs, ws, cp.asarray(xs[0]), cp.asarray(idxs[0]), cp.asarray(ws[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float16"])
+@pytest.mark.parametrize("L,K,T,Tmax,H", [(5, 3, 7, 9, 13), (8, 4, 128, 128, 256), (3, 2, 0, 4, 8)])
+def test_gpu_one_rank_against_reference(rng, dtype, L, K, T, Tmax, H):
+    import cupy as cp
+
+    dt = bf16() if dtype == "bfloat16" else np.dtype(dtype)
+    g = LowLatencyGroup(None, L, H, Tmax, topk=K, dtype=dt)
+    try:
+        for _ in range(2):  # the second call over buffers the first one filled
+            xs, idxs, ws, x, idx, w = _gpu_case(rng, cp, L, K, T, Tmax, H, dt)
+            recv, counts, h = g.dispatch(x, idx, w)
+            rx, rc, rh = ref.dispatch(xs, idxs, ws, L, Tmax)[0]
+            valid = rh["slot_k"] >= 0
+            np.testing.assert_array_equal(cp.asnumpy(recv)[valid].view(np.uint8), rx[valid].view(np.uint8))
+            np.testing.assert_array_equal(cp.asnumpy(counts), rc)
+            np.testing.assert_array_equal(cp.asnumpy(h.slot_topk), rh["slot_k"])
+            np.testing.assert_array_equal(cp.asnumpy(h.slot_weights), rh["slot_w"])
+            y = rng.standard_normal((L, Tmax, H)).astype(dt)
+            out = g.combine(h, cp.asarray(y))
+            np.testing.assert_array_equal(cp.asnumpy(out).view(np.uint8), ref.combine([rh], [y])[0].view(np.uint8))
+            gr = rng.standard_normal((L, Tmax, H)).astype(dt)
+            gwr = rng.standard_normal((L, Tmax)).astype(np.float32)
+            gx, gw = g.dispatch_bwd(h, cp.asarray(gr), cp.asarray(gwr))
+            wx, ww = ref.dispatch_bwd([rh], [gr], [gwr])[0]
+            np.testing.assert_array_equal(cp.asnumpy(gx).view(np.uint8), wx.view(np.uint8))
+            np.testing.assert_array_equal(cp.asnumpy(gw), ww)
+            go = rng.standard_normal((T, H)).astype(dt)
+            gy, gw = g.combine_bwd(h, cp.asarray(go), cp.asarray(y))
+            wy, ww = ref.combine_bwd([rh], [go], [y])[0]
+            np.testing.assert_array_equal(cp.asnumpy(gy).view(np.uint8), wy.view(np.uint8))  # zero at invalid
+            np.testing.assert_allclose(cp.asnumpy(gw), ww, rtol=1e-5, atol=1e-5)
+            gy2, _ = g.combine_bwd(h, cp.asarray(go))
+            np.testing.assert_array_equal(cp.asnumpy(gy2).view(np.uint8), wy.view(np.uint8))
+            g.synchronize()
+    finally:
+        g.close()
+
+
+@pytest.mark.gpu
+def test_gpu_one_rank_bad_ids_raise_at_synchronize(rng):
+    import cupy as cp
+
+    g = LowLatencyGroup(None, 4, 8, 4, topk=2, dtype=np.float32)
+    try:
+        g.dispatch(cp.zeros((3, 8), np.float32), cp.asarray(np.array([[0, 9], [1, 2], [3, -1]], np.int32)),
+                   cp.ones((3, 2), np.float32))
+        with pytest.raises(ValueError, match=r"topk_idx: expert ids must be in \[-1, num_experts=4\), got 9"):
+            g.synchronize()
+    finally:
+        g.close()
+
+
+@pytest.mark.gpu
+def test_gpu_one_rank_graph_replay_with_new_routing(rng):
+    import cupy as cp
+
+    dt = bf16()
+    L, K, T, Tmax, H = 6, 3, 11, 16, 64
+    g = LowLatencyGroup(None, L, H, Tmax, topk=K, dtype=dt)
+    try:
+        xs, idxs, ws, x, idx, w = _gpu_case(rng, cp, L, K, T, Tmax, H, dt)
+        y = cp.asarray(rng.standard_normal((L, Tmax, H)).astype(dt))
+        g.combine(g.dispatch(x, idx, w)[2], y)  # buffers and kernels before capture
+        s = cp.cuda.Stream(non_blocking=True)
+        with s:
+            s.begin_capture()
+            recv, counts, h = g.dispatch(x, idx, w)
+            out = g.combine(h, y)
+            graph = s.end_capture()
+        for _ in range(3):
+            xs, idxs, ws = make_case(rng, 1, L, K, (T,), H, dt)
+            x[...] = cp.asarray(xs[0])
+            idx[...] = cp.asarray(idxs[0])
+            w[...] = cp.asarray(ws[0])
+            graph.launch(s)
+            s.synchronize()
+            rx, rc, rh = ref.dispatch(xs, idxs, ws, L, Tmax)[0]
+            np.testing.assert_array_equal(cp.asnumpy(counts), rc)
+            np.testing.assert_array_equal(cp.asnumpy(out).view(np.uint8),
+                                          ref.combine([rh], [cp.asnumpy(y)])[0].view(np.uint8))
+    finally:
+        g.close()
+
+
+# -- several GPUs: tests/ep_ll_worker.py ------------------------------------------------------------------
+
+def _gpu_count():
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount()
+    except Exception:
+        return 0
+
+
+def _run_worker(what, n, timeout=240):
+    if n > _gpu_count():
+        pytest.skip(f"needs {n} CUDA GPUs")
+    env = dict(os.environ, MOE_RT_EP_TIMEOUT="60")
+    r = subprocess.run([sys.executable, str(LAUNCH), "-n", str(n), "--timeout", str(timeout),
+                        str(ROOT / "tests" / "ep_ll_worker.py"), what], capture_output=True, text=True, env=env,
+                       timeout=timeout + 60)
+    print(r.stdout[-20000:])
+    print(r.stderr[-5000:])
+    return r
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("what", ["correctness", "graph"])
+def test_multi_gpu_low_latency(what, n):
+    # correctness: dispatch, combine, dispatch_bwd, combine_bwd against the NumPy R-rank reference (fp32,
+    # fp16, bf16; odd shapes, T = 0 ranks, duplicates, holes), run to run bitwise; graph: dispatch + combine
+    # captured once and replayed with new routing and tokens, against the reference each time
+    r = _run_worker(what, n)
+    assert r.returncode == 0 and "[rank 0] ALL OK" in r.stdout
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.parametrize("n", [2, 4])
+def test_multi_gpu_low_latency_dead_peer_times_out(n):
+    r = _run_worker("dead_peer", n, timeout=120)
+    assert r.returncode == 0 and "[rank 0] DEAD PEER OK" in r.stdout
