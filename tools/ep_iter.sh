@@ -1,24 +1,39 @@
 #!/usr/bin/env bash
-# The direct EP transport on a multi-GPU machine in one call: warmup, its multi-GPU tests (2 and 4 ranks:
-# against the reference, bitwise against NCCL, graph replay, dead peer), and the EP benchmark at 4 and 2 ranks.
+# Expert parallelism on a multi-GPU machine in one call: warmup, the multi-GPU tests (direct and NCCL transports
+# against the reference and each other, graph replay, lifecycle, dead peer; with LL=1 the low-latency mode's
+# too), and the EP benchmark at each rank count in RANKS.
 #   tools/ep_iter.sh OUTDIR [TOKENS]      (TOKENS: bench_ep's --tokens, default 4096,16384)
+# Environment: RANKS (default "4 2"; "2" on a 2-GPU machine), LL=1 (low-latency tests and bench at T=128),
+# TESTS (pytest -k expression for tests/test_ep.py's multi-GPU tests, default every one), EXTRA_TESTS (one-GPU
+# pytest arguments run on GPU 0 after), DEMO_EP=1 (the torch EP demo on an empty kernel cache first, timed).
 set -u
 OUT=${1:?usage: tools/ep_iter.sh OUTDIR [TOKENS]}
 TOK=${2:-4096,16384}
+RANKS=${RANKS:-4 2}
 source "$(dirname "$0")/gpu_lib.sh"
-if [ -n "${DEMO_EP:-}" ]; then  # first use: the torch EP demo on an empty kernel cache, timed
-  step demo_ep4 150 env MOE_RT_KERNEL_CACHE=/tmp/moe_rt_empty_ep python3 -m moe_rt demo --framework torch --ep 4 --tokens 2048
-  grep -E "rank 0\]|FAIL|Error|ok" "$OUT/demo_ep4.log" | head -8
+NMAX=$(echo $RANKS | tr ' ' '\n' | sort -n | tail -1)
+if [ -n "${DEMO_EP:-}" ]; then
+  step demo_ep 150 env MOE_RT_KERNEL_CACHE=/tmp/moe_rt_empty_ep python3 -m moe_rt demo --framework torch --ep "$NMAX" --tokens 2048
+  grep -E "rank 0\]|FAIL|Error|ok" "$OUT/demo_ep.log" | head -8
 fi
 export MOE_RT_KERNEL_CACHE=/tmp/moe_rt_kc
 step warmup 150 python3 -m moe_rt warmup --quiet
-step ep_direct 420 python3 -m pytest -q -x -rA tests/test_ep.py -k "transports or direct_dead"
-grep -E "passed|failed|PASSED|FAILED|Error|error|mismatch" "$OUT/ep_direct.log" | head -30
-if [ -n "${EXTRA_TESTS:-}" ]; then  # single-GPU tests on GPU 0 of the same machine
+step ep_multi 420 python3 -m pytest -q -rA -m multi_gpu tests/test_ep.py ${TESTS:+-k "$TESTS"}
+grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|mismatch" "$OUT/ep_multi.log" | head -30
+if [ -n "${LL:-}" ]; then
+  step ll_tests 300 python3 -m pytest -q -rA tests/test_ep_ll.py -m "gpu or multi_gpu"
+  grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/ll_tests.log" | head -30
+fi
+if [ -n "${EXTRA_TESTS:-}" ]; then
   step extra_tests 300 python3 -m pytest -q -rf -m gpu $EXTRA_TESTS
   grep -E "^FAILED|^ERROR" "$OUT/extra_tests.log" | head -30; tail -2 "$OUT/extra_tests.log"
 fi
-for n in 4 2; do
+for n in $RANKS; do
   step bench_ep$n 240 env MOE_RT_BENCH_EP_NPROC=$n python3 tools/bench_ep.py --tokens "$TOK" --chunks 2 --json "$OUT/bench_ep$n.json"
   grep -E "Error|Traceback" "$OUT/bench_ep$n.log" | head -5; tail -24 "$OUT/bench_ep$n.log"
+  if [ -n "${LL:-}" ]; then
+    step bench_ll$n 200 env MOE_RT_BENCH_EP_NPROC=$n python3 tools/bench_ep.py --mode low_latency --tokens 128 \
+      --json "$OUT/bench_ll$n.json"
+    grep -E "Error|Traceback" "$OUT/bench_ll$n.log" | head -5; tail -14 "$OUT/bench_ll$n.log"
+  fi
 done
