@@ -40,6 +40,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if __name__ == "__main__" and sys.path and os.path.abspath(sys.path[0]) == HERE:
     del sys.path[0]  # run as a script by the launcher: this folder's modules are not top-level modules
 
+from moe_rt._handle import meta_index  # noqa: E402
 from moe_rt.bench import _lib as benchlib  # noqa: E402
 
 
@@ -302,7 +303,7 @@ def _rank(args):
             y = rx  # the expert-major layout is the same for every chunk count
             sz = hs[0].sizes
             if m == "exact":
-                send_rows = int(grps[0]._send_rows(hs[0]))
+                send_rows = int(hs[0].state["host_meta"][meta_index("send_rows", world)])
             else:
                 send_rows = (world - 1) * sz["P"]
             wire = send_rows * H * 2
