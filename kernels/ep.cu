@@ -939,22 +939,52 @@ __device__ __forceinline__ bool ll_block_wait_all(const unsigned* f, int n, unsi
   return __syncthreads_and(ok) != 0;
 }
 
-// One warp: dst[0, H) = src row (scaled: rounded fp32 product s * src), reading src with ld.global.
+// The rows a block moves for one chunk: at most LL_MAX_ROWS (chunk_tokens() <= 8 tokens times K <= 64).
+constexpr int LL_MAX_ROWS = 512;
+constexpr int LL_UNROLL = 4;  // 16-byte loads a thread has in flight before its stores
+
+// The whole block moves n rows of H elements: dst[i][h] = src[i][h], or (`scaled`) the rounded fp32
+// product scale[i] * src[i][h]; rows with dst[i] == nullptr are skipped. The
+// (row, vector) pairs are spread over every thread of the block, each with LL_UNROLL loads in flight, so a
+// chunk of a few rows still keeps the block's loads and peer stores pipelined. Sources are local arrays
+// written before the kernel (plain loads).
 template <typename T, bool VEC>
-__device__ __forceinline__ void ll_warp_row(const T* __restrict__ src, T* __restrict__ dst, i64 H, bool scaled,
-                                            float s, int lane) {
+__device__ __forceinline__ void ll_block_rows(const T* const* src, T* const* dst, const float* scale, int n,
+                                              i64 H, bool scaled) {
   constexpr int N = VEC ? Vec<T>::N : 1;
-  const i64 nv = H / N;
-  for (i64 v = lane; v < nv; v += 32) {
-    if constexpr (VEC) {
-      Vec<T> a = load_vec(src + v * N);
-      if (scaled) {
+  const int nv = (int)(H / N);
+  const int total = n * nv;
+  for (int i0 = threadIdx.x; i0 < total; i0 += blockDim.x * LL_UNROLL) {
+    Vec<T> a[LL_UNROLL];
+    T b[LL_UNROLL];
+    int r[LL_UNROLL], v[LL_UNROLL];
 #pragma unroll
-        for (int q = 0; q < N; ++q) a.v[q] = from_float<T>(__fmul_rn(s, to_float(a.v[q])));
+    for (int u = 0; u < LL_UNROLL; ++u) {
+      const int i = i0 + u * (int)blockDim.x;
+      r[u] = -1;
+      if (i < total) {
+        const int q = i / nv;
+        if (dst[q] != nullptr) {
+          r[u] = q;
+          v[u] = i - q * nv;
+          if constexpr (VEC) a[u] = load_vec(src[q] + (i64)v[u] * N);
+          else b[u] = src[q][v[u]];
+        }
       }
-      store_vec(dst + v * N, a);
-    } else {
-      dst[v] = scaled ? from_float<T>(__fmul_rn(s, to_float(src[v]))) : src[v];
+    }
+#pragma unroll
+    for (int u = 0; u < LL_UNROLL; ++u) {
+      if (r[u] < 0) continue;
+      const float sc = scale[r[u]];
+      if constexpr (VEC) {
+        if (scaled) {
+#pragma unroll
+          for (int q = 0; q < N; ++q) a[u].v[q] = from_float<T>(__fmul_rn(sc, to_float(a[u].v[q])));
+        }
+        store_vec(dst[r[u]] + (i64)v[u] * N, a[u]);
+      } else {
+        dst[r[u]][v[u]] = scaled ? from_float<T>(__fmul_rn(sc, to_float(b[u]))) : b[u];
+      }
     }
   }
 }
@@ -981,6 +1011,9 @@ __global__ void __launch_bounds__(512) ep_ll_dispatch(
     int* __restrict__ counts, const int* __restrict__ zero_k, unsigned* __restrict__ err,
     unsigned* __restrict__ state, int* __restrict__ err_word, i64 timeout_ns, int op, int R, int me, int L,
     int Tmax, int K, int C, i64 H) {
+  __shared__ const T* s_src[LL_MAX_ROWS];
+  __shared__ T* s_dst[LL_MAX_ROWS];
+  __shared__ float s_scale[LL_MAX_ROWS];
   unsigned e;
   if (!block_epoch(state, e)) return;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -1012,22 +1045,29 @@ __global__ void __launch_bounds__(512) ep_ll_dispatch(
         for (int r = threadIdx.x; r < R; r += blockDim.x)
           reinterpret_cast<int*>(peer_route[r])[(i64)me * route_stride + route_stride - 1] = Tn;
     }
-    for (int p = warp; p < (t1 - t0) * K; p += nw) {
+    // the chunk's rows: one entry per (t, k), nullptr where the slot is invalid or repeats an earlier k's
+    // expert (that k's row carries it)
+    for (int p = threadIdx.x; p < (t1 - t0) * K; p += blockDim.x) {
       const int t = t0 + p / K, k = p - (p / K) * K;
       const i64 base = (i64)t * K;
       const int ex = expert(base + k);
-      if (ex < 0) continue;
-      bool first = true;
-      for (int q = 0; q < k; ++q) first = first && expert(base + q) != ex;
-      if (!first) continue;
+      bool first = ex >= 0;
+      for (int q = 0; q < k && first; ++q) first = expert(base + q) != ex;
       float ws = 0.0f;
-      if (scaled)
-        for (int q = 0; q < K; ++q)
-          if (expert(base + q) == ex) ws = __fadd_rn(ws, w[base + q]);
-      const int d = ex / L, l = ex - d * L;
-      T* dst = reinterpret_cast<T*>(peer_recv[d]) + ((i64)l * RT + (i64)me * Tmax + t) * H;
-      ll_warp_row<T, VEC>(x + (i64)t * H, dst, H, scaled != 0, ws, lane);
+      T* dst = nullptr;
+      if (first) {
+        if (scaled)
+          for (int q = 0; q < K; ++q)
+            if (expert(base + q) == ex) ws = __fadd_rn(ws, w[base + q]);
+        const int d = ex / L, l = ex - d * L;
+        dst = reinterpret_cast<T*>(peer_recv[d]) + ((i64)l * RT + (i64)me * Tmax + t) * H;
+      }
+      s_src[p] = x + (i64)t * H;
+      s_dst[p] = dst;
+      s_scale[p] = ws;
     }
+    __syncthreads();
+    ll_block_rows<T, VEC>(s_src, s_dst, s_scale, (t1 - t0) * K, H, scaled != 0);
     ll_signal_all(peer_flags, R, (i64)me * Tmax + c, e);
   }
   // receiver items
@@ -1103,9 +1143,13 @@ __global__ void __launch_bounds__(512) ep_ll_combine(
     const long long* __restrict__ peer_bw, const long long* __restrict__ peer_flags, T* __restrict__ out,
     float* __restrict__ grad_w, unsigned* __restrict__ state, int* __restrict__ err_word, i64 timeout_ns, int op,
     int R, int me, int L, int Tmax, int K, int Tn, int C, i64 H) {
+  __shared__ const T* s_src[LL_MAX_ROWS];
+  __shared__ T* s_dst[LL_MAX_ROWS];
+  __shared__ float s_scale[LL_MAX_ROWS];
+  __shared__ int s_kf[64];
+  __shared__ float s_w[64];
   unsigned e;
   if (!block_epoch(state, e)) return;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
   const int NC = (Tmax + C - 1) / C;
   const i64 RT = (i64)R * Tmax;
   for (int item = blockIdx.x; item < NC * R; item += gridDim.x) {
@@ -1113,74 +1157,53 @@ __global__ void __launch_bounds__(512) ep_ll_combine(
     const int t0 = c * C, t1 = min(t0 + C, Tmax);
     T* dst = reinterpret_cast<T*>(peer_back[s]);
     float* dw = reinterpret_cast<float*>(peer_bw[s]);
-    for (int p = warp; p < (t1 - t0) * K; p += nw) {
+    for (int p = threadIdx.x; p < (t1 - t0) * K; p += blockDim.x) {
       const int t = t0 + p / K, k = p - (p / K) * K;
       const int* rrow = route + ((i64)s * Tmax + t) * K;
       const int l = rrow[k];
-      if (l < 0) continue;
-      bool first = true;
-      for (int q = 0; q < k; ++q) first = first && rrow[q] != l;
-      if (!first) continue;
+      bool first = l >= 0;
+      for (int q = 0; q < k && first; ++q) first = rrow[q] != l;
       const i64 slot = (i64)l * RT + (i64)s * Tmax + t;
-      if (y != nullptr) ll_warp_row<T, VEC>(y + slot * H, dst + ((i64)t * K + k) * H, H, false, 0.0f, lane);
-      if (gws != nullptr && lane == 0) dw[(i64)t * K + k] = gws[slot];
+      s_src[p] = first && y != nullptr ? y + slot * H : nullptr;
+      s_dst[p] = first && y != nullptr ? dst + ((i64)t * K + k) * H : nullptr;
+      s_scale[p] = 0.0f;
+      if (first && gws != nullptr) dw[(i64)t * K + k] = gws[slot];
     }
-    if (true) {  // rank s's flag [1][me][c]
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        __threadfence_system();
-        st_release_sys_u32(reinterpret_cast<unsigned*>(peer_flags[s]) + RT + (i64)me * Tmax + c, e);
-      }
-    }
+    __syncthreads();
+    if (y != nullptr) ll_block_rows<T, VEC>(s_src, s_dst, s_scale, (t1 - t0) * K, H, false);
+    // rank s's flag [1][me][c]
+    block_signal(reinterpret_cast<unsigned*>(peer_flags[s]) + RT + (i64)me * Tmax + c, e);
   }
+  // Owner items: (token t, slice of its row's 16-byte vectors), so that a few tokens still spread over every
+  // block; each thread loads the row's K slots together, then sums them in k order.
   const unsigned* my_flags = reinterpret_cast<const unsigned*>(peer_flags[me]) + RT;
   const T* back = reinterpret_cast<const T*>(peer_back[me]);
   const float* bw = reinterpret_cast<const float*>(peer_bw[me]);
   constexpr int N = VEC ? Vec<T>::N : 1;
-  const i64 nv = H / N;
-  const int n_tok = (Tn + nw - 1) / nw;
-  for (int item = blockIdx.x; item < n_tok; item += gridDim.x) {
-    const int ta = item * nw, tb = min(ta + nw, Tn);
-    // the chunks of tokens [ta, tb) from every rank
-    const int ca = ta / C, cb = (tb - 1) / C;
+  const int nv = (int)(H / N);
+  const int S = out != nullptr ? (nv + blockDim.x - 1) / blockDim.x : 1;
+  for (int item = blockIdx.x; item < Tn * S; item += gridDim.x) {
+    const int t = item / S, sl = item - t * S;
+    // chunk t / C of every rank d
+    __syncthreads();  // the previous item's s_kf / s_w readers are done
     int ok = 1;
-    for (int d = 0; d < R && ok; ++d)
-      ok = ll_block_wait_all(my_flags + (i64)d * Tmax + ca, cb - ca + 1, e, state, err_word, timeout_ns, op) ? 1
-                                                                                                              : 0;
-    if (!ok) return;
-    const int t = ta + warp;
-    if (t >= tb) continue;
+    if (threadIdx.x < R)
+      ok = thread_wait_flag(my_flags + (i64)threadIdx.x * Tmax + t / C, e, state, err_word, timeout_ns, op) ? 1 : 0;
     const int* irow = idx + (i64)t * K;
-    if (out != nullptr) {
-      T* o = out + (i64)t * H;
-      for (i64 v = lane; v < nv; v += 32) {
-        float acc[N];
-#pragma unroll
-        for (int q = 0; q < N; ++q) acc[q] = 0.0f;
-        for (int k = 0; k < K; ++k) {
-          const int ex = irow[k];
-          if (ex < 0) continue;
-          int kf = 0;
-          while (irow[kf] != ex) ++kf;
-          if (w == nullptr && kf != k) continue;
-          const T* src = back + ((i64)t * K + kf) * H + v * N;
-          const float wk = w != nullptr ? w[(i64)t * K + k] : 1.0f;
-          if constexpr (VEC) {
-            Vec<T> a;
-            a.raw = __ldcg(reinterpret_cast<const uint4*>(src));
-#pragma unroll
-            for (int q = 0; q < N; ++q)
-              acc[q] = __fadd_rn(acc[q], w != nullptr ? __fmul_rn(wk, to_float(a.v[q])) : to_float(a.v[q]));
-          } else {
-            const float a = to_float(__ldcg(src));
-            acc[0] = __fadd_rn(acc[0], w != nullptr ? __fmul_rn(wk, a) : a);
-          }
-        }
-        store_rounded<T, VEC>(o + v * N, acc);
+    if (threadIdx.x < K) {
+      const int k = threadIdx.x, ex = irow[k];
+      int kf = -1;
+      if (ex >= 0) {
+        kf = 0;
+        while (irow[kf] != ex) ++kf;
+        if (w == nullptr && kf != k) kf = -1;  // unweighted: each expert's row once
       }
+      s_kf[k] = kf;
+      s_w[k] = w != nullptr ? w[(i64)t * K + k] : 1.0f;
     }
-    if (grad_w != nullptr) {
-      for (int k = lane; k < K; k += 32) {
+    if (!__syncthreads_and(ok)) return;
+    if (grad_w != nullptr && sl == 0) {
+      for (int k = threadIdx.x; k < K; k += blockDim.x) {
         const int ex = irow[k];
         float g = 0.0f;
         if (ex >= 0) {
@@ -1191,6 +1214,41 @@ __global__ void __launch_bounds__(512) ep_ll_combine(
         grad_w[(i64)t * K + k] = g;
       }
     }
+    if (out == nullptr) continue;
+    const int v = sl * blockDim.x + threadIdx.x;
+    if (v >= nv) continue;
+    const T* rows = back + (i64)t * K * H + (i64)v * N;
+    float acc[N];
+#pragma unroll
+    for (int q = 0; q < N; ++q) acc[q] = 0.0f;
+    constexpr int KB = 8;  // slots loaded together
+    for (int k0 = 0; k0 < K; k0 += KB) {
+      Vec<T> a[KB];
+      T b[KB];
+#pragma unroll
+      for (int j = 0; j < KB; ++j) {
+        const int k = k0 + j;
+        if (k < K && s_kf[k] >= 0) {
+          if constexpr (VEC) a[j].raw = __ldcg(reinterpret_cast<const uint4*>(rows + (i64)s_kf[k] * H));
+          else b[j] = __ldcg(rows + (i64)s_kf[k] * H);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < KB; ++j) {
+        const int k = k0 + j;
+        if (k >= K || s_kf[k] < 0) continue;
+        const float wk = s_w[k];
+        if constexpr (VEC) {
+#pragma unroll
+          for (int q = 0; q < N; ++q)
+            acc[q] = __fadd_rn(acc[q], w != nullptr ? __fmul_rn(wk, to_float(a[j].v[q])) : to_float(a[j].v[q]));
+        } else {
+          const float x = to_float(b[j]);
+          acc[0] = __fadd_rn(acc[0], w != nullptr ? __fmul_rn(wk, x) : x);
+        }
+      }
+    }
+    store_rounded<T, VEC>(out + (i64)t * H + (i64)v * N, acc);
   }
 }
 

@@ -351,7 +351,10 @@ class LowLatencyGroup:
         fn = _jit.function(_FILE, f"ep_ll_combine<{_jit.ctype(self.dtype)}, {'true' if vec else 'false'}>")
         C = self.chunk
         NC = -(-Tmax // C)
-        _jit.launch(fn, self._grid(fn, call, max(NC * R, -(-T // (_THREADS // 32)))), _THREADS,
+        # owner items: (token, slice of _THREADS 16-byte vectors of its row)
+        nv = self.hidden // (16 // self.dtype.itemsize) if vec else self.hidden
+        slices = -(-nv // _THREADS) if out is not None else 1
+        _jit.launch(fn, self._grid(fn, call, max(NC * R, T * slices)), _THREADS,
                     (y.data.ptr if y is not None else 0, gws.data.ptr if gws is not None else 0, a["route"],
                      a["idx"].data.ptr if T else 0, w.data.ptr if w is not None and T else 0,
                      self._tables["back"], self._tables["bw"], d.flags.table,
