@@ -913,8 +913,9 @@ __global__ void __launch_bounds__(512) ep_direct_combine(
 //   bw     fp32  [Tmax*K]      combine direction: the value of slot (t, kf)
 //   flags  uint32 [2, R, Tmax] flags[dir][s][c] = the epoch in which rank s finished chunk c (tokens
 //                              [c*C, c*C + C)) of its writes into this rank's buffers of direction dir
-// The op's leading ep_direct_barrier advanced the epoch (state[0]); flags are epoch-valued (never reset,
-// graph replays stay valid). The grid is at most one resident wave and every block does all of its pushes
+// A group of num_buffers sets has these buffers once per set (the tables passed are the set's; flag_base
+// = set * 2*R*Tmax offsets the flags). The op's leading ep_direct_barrier advanced the epoch (state[0]); flags
+// are epoch-valued (never reset, graph replays stay valid). The grid is at most one resident wave and every block does all of its pushes
 // before it waits, so no block waits on one that cannot run; a wait past timeout_ns records `op` in the
 // host-mapped error word and raises the sticky failure flag (state[1]). Sums: fp32, k ascending, products
 // and additions rounded separately (__fmul_rn, __fadd_rn: the NumPy reference's fp32 arithmetic, bit for
@@ -942,6 +943,7 @@ __device__ __forceinline__ bool ll_block_wait_all(const unsigned* f, int n, unsi
 // The rows a block moves for one chunk: at most LL_MAX_ROWS (chunk_tokens() <= 8 tokens times K <= 64).
 constexpr int LL_MAX_ROWS = 512;
 constexpr int LL_UNROLL = 4;  // 16-byte loads a thread has in flight before its stores
+constexpr int LL_PUSH = 1, LL_RECEIVE = 2;  // ep_ll_dispatch's phases (both: 3)
 
 // The whole block moves n rows of H elements: dst[i][h] = src[i][h], or (`scaled`) the rounded fp32
 // product scale[i] * src[i][h]; rows with dst[i] == nullptr are skipped. The
@@ -1002,6 +1004,8 @@ __device__ __forceinline__ void ll_block_rows(const T* const* src, T* const* dst
 // = the first k of source s = j / Tmax's token t = j % Tmax (< T_s) with local expert l, or -1, slot_w[l][j] =
 // the fp32 sum of those slots' weights (k ascending; 0 when invalid), counts[l] = the valid slots; route_out
 // (a share of [R, Tmax, K] per item) = route with the rows t >= T_s as -1.
+// phases: LL_PUSH | LL_RECEIVE in one launch, or split (a receive hook): the push launch records its epoch in
+// *set_epoch (given), the later LL_RECEIVE launch (no barrier before it) waits for that epoch's flags.
 template <typename T, typename IdxT, bool VEC>
 __global__ void __launch_bounds__(512) ep_ll_dispatch(
     const T* __restrict__ x, const IdxT* __restrict__ idx, const float* __restrict__ w, int Tn, int meta,
@@ -1010,12 +1014,17 @@ __global__ void __launch_bounds__(512) ep_ll_dispatch(
     float* __restrict__ w_out, int* __restrict__ route_out, int* __restrict__ slot_k, float* __restrict__ slot_w,
     int* __restrict__ counts, const int* __restrict__ zero_k, unsigned* __restrict__ err,
     unsigned* __restrict__ state, int* __restrict__ err_word, i64 timeout_ns, int op, int R, int me, int L,
-    int Tmax, int K, int C, i64 H) {
+    int Tmax, int K, int C, i64 H, int phases, i64 flag_base, unsigned* __restrict__ set_epoch) {
   __shared__ const T* s_src[LL_MAX_ROWS];
   __shared__ T* s_dst[LL_MAX_ROWS];
   __shared__ float s_scale[LL_MAX_ROWS];
   unsigned e;
   if (!block_epoch(state, e)) return;
+  if (phases == LL_RECEIVE) {  // a receive hook: the epoch its push launch ran in
+    e = *reinterpret_cast<volatile unsigned*>(set_epoch);
+  } else if (set_epoch != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
+    *set_epoch = e;
+  }
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
   const int E = L * R;
   const int NC = (Tmax + C - 1) / C;
@@ -1025,7 +1034,7 @@ __global__ void __launch_bounds__(512) ep_ll_dispatch(
     const i64 v = (i64)idx[i];
     return v >= 0 && v < E ? (int)v : -1;
   };
-  for (int c = blockIdx.x; c < NC; c += gridDim.x) {
+  for (int c = blockIdx.x; c < NC && (phases & LL_PUSH); c += gridDim.x) {
     const int t0 = c * C, t1 = min(t0 + C, Tn);
     if (meta) {
       for (i64 i = (i64)t0 * K + threadIdx.x; i < (i64)t1 * K; i += blockDim.x) {
@@ -1068,10 +1077,11 @@ __global__ void __launch_bounds__(512) ep_ll_dispatch(
     }
     __syncthreads();
     ll_block_rows<T, VEC>(s_src, s_dst, s_scale, (t1 - t0) * K, H, scaled != 0);
-    ll_signal_all(peer_flags, R, (i64)me * Tmax + c, e);
+    ll_signal_all(peer_flags, R, flag_base + (i64)me * Tmax + c, e);
   }
+  if (!(phases & LL_RECEIVE)) return;
   // receiver items
-  const unsigned* my_flags = reinterpret_cast<const unsigned*>(peer_flags[me]);
+  const unsigned* my_flags = reinterpret_cast<const unsigned*>(peer_flags[me]) + flag_base;
   const int* st_route = reinterpret_cast<const int*>(peer_route[me]);
   const float* st_rw = reinterpret_cast<const float*>(peer_rw[me]);
   T* my_recv = reinterpret_cast<T*>(peer_recv[me]);
@@ -1142,7 +1152,7 @@ __global__ void __launch_bounds__(512) ep_ll_combine(
     const int* __restrict__ idx, const float* __restrict__ w, const long long* __restrict__ peer_back,
     const long long* __restrict__ peer_bw, const long long* __restrict__ peer_flags, T* __restrict__ out,
     float* __restrict__ grad_w, unsigned* __restrict__ state, int* __restrict__ err_word, i64 timeout_ns, int op,
-    int R, int me, int L, int Tmax, int K, int Tn, int C, i64 H) {
+    int R, int me, int L, int Tmax, int K, int Tn, int C, i64 H, i64 flag_base) {
   __shared__ const T* s_src[LL_MAX_ROWS];
   __shared__ T* s_dst[LL_MAX_ROWS];
   __shared__ float s_scale[LL_MAX_ROWS];
@@ -1172,11 +1182,11 @@ __global__ void __launch_bounds__(512) ep_ll_combine(
     __syncthreads();
     if (y != nullptr) ll_block_rows<T, VEC>(s_src, s_dst, s_scale, (t1 - t0) * K, H, false);
     // rank s's flag [1][me][c]
-    block_signal(reinterpret_cast<unsigned*>(peer_flags[s]) + RT + (i64)me * Tmax + c, e);
+    block_signal(reinterpret_cast<unsigned*>(peer_flags[s]) + flag_base + RT + (i64)me * Tmax + c, e);
   }
   // Owner items: (token t, slice of its row's 16-byte vectors), so that a few tokens still spread over every
   // block; each thread loads the row's K slots together, then sums them in k order.
-  const unsigned* my_flags = reinterpret_cast<const unsigned*>(peer_flags[me]) + RT;
+  const unsigned* my_flags = reinterpret_cast<const unsigned*>(peer_flags[me]) + flag_base + RT;
   const T* back = reinterpret_cast<const T*>(peer_back[me]);
   const float* bw = reinterpret_cast<const float*>(peer_bw[me]);
   constexpr int N = VEC ? Vec<T>::N : 1;

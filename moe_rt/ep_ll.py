@@ -35,6 +35,10 @@ has its own row). A token that names an expert twice has one slot for it.
   that an expert weight gradient summed over all rows is exact; with ``expert_out`` also ``grad_topk_weights
   [t,k] = <y[slot], grad_out[t]>``; its result is again a view of the receive buffer).
 
+``dispatch(..., return_recv_hook=True)`` splits the op: the call pushes and returns a ``hook`` that launches
+the receive half later (so compute queued in between overlaps the transfer); with ``num_buffers=2`` two
+micro-batches can be in flight, their dispatches alternating between two sets of the shared buffers.
+
 Nothing reads the device on the host: the ops are CUDA-graph capturable and replay with new routing
 (epoch flags advanced on the device). Every op takes ``stream=None`` (the caller's current stream). Dead
 peers: a wait longer than ``timeout`` gives up on the device and records the op in a host-mapped word;
@@ -74,6 +78,31 @@ _ids = itertools.count(1)
 _ALIGN = 256
 
 
+_PUSH, _RECEIVE = 1, 2  # ep_ll_dispatch's phases (LL_PUSH, LL_RECEIVE in kernels/ep.cu)
+
+
+class _Launch:
+    """The stream and device of a launch outside an array call (a receive hook)."""
+
+    def __init__(self, stream, device_id):
+        self.stream, self.device_id = stream, device_id
+
+
+class _Hook:
+    """The receive half of ``dispatch(..., return_recv_hook=True)``: call it once (``hook(stream=None)``)."""
+
+    def __init__(self, group, handle, keep):
+        self._group, self._handle, self._keep = group, handle, keep
+        handle.received = False
+
+    def __call__(self, stream=None):
+        if self._handle.received:
+            raise ValueError("receive hook: already called (each split dispatch receives once)")
+        self._group._receive(self._handle, self._keep, stream)
+        self._handle.received = True
+        self._keep = None
+
+
 def chunk_tokens(max_tokens_per_rank: int) -> int:
     """Tokens a flag covers, the same on every rank: at most 128 chunks per rank."""
     return max(1, -(-int(max_tokens_per_rank) // 128))
@@ -103,6 +132,8 @@ class LowLatencyHandle:
         self.backend, self.device_id = backend, device_id
         self._a = arrays  # idx [T,K] i32, w [T,K] f32, route [R,Tmax,K] i32, slot_k, slot_w, counts (or ref)
         self.slot_topk = self.slot_weights = self.counts = None
+        self.buffer_set = 0  # the group's buffer set its rows went through
+        self.received = True  # False between a split dispatch and its receive hook
 
 
 class LowLatencyGroup:
@@ -116,13 +147,16 @@ class LowLatencyGroup:
         topk: K in [1, 64], the same on every rank and call.
         dtype: token dtype of every call (float32, float16, bfloat16; default bfloat16).
         timeout: seconds a device wait gives up after (default ``MOE_RT_EP_TIMEOUT`` or 300).
+        num_buffers: 1 or 2 sets of shared buffers (default 1). Dispatches alternate between the sets, so
+            with 2 two micro-batches can be in flight at once (``dispatch(..., return_recv_hook=True)`` of
+            one while the other computes); memory doubles.
 
     A collective on several ranks (IPC buffers exchanged; a host sync, outside graph capture). ``close()``
     on every rank at the same point of its op sequence.
     """
 
     def __init__(self, comm, num_experts: int, hidden: int, max_tokens_per_rank: int, *, topk: int,
-                 dtype="bfloat16", timeout: float | None = None):
+                 dtype="bfloat16", timeout: float | None = None, num_buffers: int = 1):
         (self.rank, self.size, self.device, self.num_experts, self.num_local_experts,
          self.hidden) = _ep.group_identity(comm, ("rank", "size", "device", "all_gather"), num_experts, hidden)
         self.comm = comm
@@ -148,8 +182,11 @@ class LowLatencyGroup:
         self.timeout = float(timeout)
         if self.num_local_experts * R * self.max_tokens_per_rank * self.hidden >= 1 << 62:
             raise ValueError("the receive buffer [L, R*max_tokens_per_rank, hidden] is too large")
+        self.num_buffers = _arrays.check_int(num_buffers, "num_buffers", low=1, high=2)
         self.id = next(_ids)
         self.closed = False
+        self._next_set = 0
+        self._pending = [None] * self.num_buffers  # per set: the handle whose receive hook has not run
         self._transport = None
         self._buf = None
         self._last_stream = None
@@ -166,11 +203,12 @@ class LowLatencyGroup:
 
     # -- buffers ---------------------------------------------------------------------------------------
     def _regions(self):
-        """(name, bytes) of the one IPC-shared allocation, in order (each at a 256-byte boundary)."""
+        """((name, set), bytes) of the one IPC-shared allocation, in order (each at a 256-byte boundary)."""
         R, L, Tmax, K, H = self.size, self.num_local_experts, self.max_tokens_per_rank, self.topk, self.hidden
         isz = self.dtype.itemsize
-        return [("recv", L * R * Tmax * H * isz), ("route", R * (Tmax * K + 1) * 4), ("rw", R * Tmax * K * 4),
-                ("back", Tmax * K * H * isz), ("bw", Tmax * K * 4)]
+        one = [("recv", L * R * Tmax * H * isz), ("route", R * (Tmax * K + 1) * 4), ("rw", R * Tmax * K * 4),
+               ("back", Tmax * K * H * isz), ("bw", Tmax * K * 4)]
+        return [((name, b), nb) for b in range(self.num_buffers) for name, nb in one]
 
     def _setup(self, device_id):
         """The transport and the shared buffers, on this group's first CUDA op (a collective with a host
@@ -195,8 +233,10 @@ class LowLatencyGroup:
                 if not ok:
                     raise ValueError(f"LowLatencyGroup needs every pair of ranks on one node with peer access: "
                                      f"{reason}")
-            # flags [2, R, Tmax]: the transport's chunk flags with a pair capacity of 2*Tmax
-            d = _ep_direct.DirectTransport(comm, self.device, 2 * self.max_tokens_per_rank, self.timeout, wait)
+            # flags [num_buffers, 2, R, Tmax]: the transport's chunk flags with a pair capacity of
+            # 2*Tmax*num_buffers
+            d = _ep_direct.DirectTransport(comm, self.device, 2 * self.max_tokens_per_rank * self.num_buffers,
+                                           self.timeout, wait)
             try:
                 offs, o = {}, 0
                 for name, nb in self._regions():
@@ -207,15 +247,16 @@ class LowLatencyGroup:
                 d._order.append(("low_latency", 0))
                 with stream:
                     self._tables = {n: sh.table + off for n, (off, _) in offs.items()}
+                    self._set_epoch = cupy.zeros(self.num_buffers, np.uint32)
             except BaseException:
                 d.close()
                 raise
             self._transport, self._buf, self._offs = d, sh, offs
 
-    def _view(self, name, shape, dtype):
+    def _view(self, name, b, shape, dtype):
         import cupy
 
-        off, nb = self._offs[name]
+        off, nb = self._offs[(name, b)]
         mem = cupy.cuda.UnownedMemory(self._buf.local + off, max(nb, 1), self._transport, self.device)
         return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0))
 
@@ -257,23 +298,34 @@ class LowLatencyGroup:
             raise ValueError(f"{op}: handle: made by another group")
         if handle.backend != call.backend or (call.backend == "cuda" and handle.device_id != call.device_id):
             raise ValueError(f"{op}: the handle was made on {handle.backend} but the arrays are on {call.backend}")
+        if not handle.received:
+            raise ValueError(f"{op}: handle: its dispatch's receive hook has not run yet; call the hook first")
 
     def _slots_shape(self):
         return (self.num_local_experts, self.size * self.max_tokens_per_rank, self.hidden)
 
     # -- ops -------------------------------------------------------------------------------------------
-    def dispatch(self, x, topk_idx, topk_weights, *, stream=None):
+    def dispatch(self, x, topk_idx, topk_weights, *, return_recv_hook: bool = False, stream=None):
         """Send each token to the fixed slots of its experts (a collective; no host sync).
 
         Args:
             x: ``[T,H]`` in the group's dtype, ``T <= max_tokens_per_rank``.
             topk_idx: ``[T,K]`` int32/int64, ids in ``[-1, E)``.
             topk_weights: ``[T,K]`` float (used as fp32).
+            return_recv_hook: False: one kernel sends and receives. True: this call only sends (it returns
+                once the pushes are queued, without waiting for the peers) and also returns ``hook``;
+                ``hook(stream=None)`` queues the receive (wait for every peer's rows, fill ``counts`` and the
+                handle's slot tables) on ``stream`` (default: the caller's current one). ``recv_x``,
+                ``counts`` and the handle are valid after the hook, in stream order; combine and the
+                backwards refuse a handle whose hook has not run. Work queued between the two overlaps the
+                transfer (another micro-batch's expert compute; with ``num_buffers=2`` also its dispatch).
 
         Returns:
-            ``(recv_x [L, R*Tmax, H], counts [L] int32, handle)`` (module notes: slots, validity, lifetime).
+            ``(recv_x [L, R*Tmax, H], counts [L] int32, handle)`` (module notes: slots, validity, lifetime),
+            and ``hook`` last when ``return_recv_hook``.
         """
         self._alive("dispatch")
+        _ep._check_bool(return_recv_hook, "return_recv_hook")
         with _arrays.Call({"x": x, "topk_idx": topk_idx, "topk_weights": topk_weights}, stream=stream) as call:
             self._call_checks(call, "dispatch")
             idx = call["topk_idx"]
@@ -300,23 +352,53 @@ class LowLatencyGroup:
                 handle = LowLatencyHandle(self, T, K, "cpu", 0, h)
                 handle.slot_topk, handle.slot_weights = call.out(h["slot_k"]), call.out(h["slot_w"])
                 handle.counts = call.out(counts)
-                return call.out(recv), handle.counts, handle
-            return self._dispatch_cuda(call, xv, idx, wv, T, K)
+                res = (call.out(recv), handle.counts, handle)
+                # the reference has already received: the hook only checks that it runs once
+                return res + (_Hook(self, handle, None),) if return_recv_hook else res
+            return self._dispatch_cuda(call, xv, idx, wv, T, K, return_recv_hook)
 
-    def _dispatch_cuda(self, call, xv, idx, wv, T, K):
+    def _dispatch_cuda(self, call, xv, idx, wv, T, K, split):
         self._setup(call.device_id)
         xp, s = call.xp, call.stream
         R, L, Tmax = self.size, self.num_local_experts, self.max_tokens_per_rank
+        b = self._next_set
+        if self._pending[b] is not None:
+            raise ValueError(f"dispatch: buffer set {b} still waits for the receive hook of an earlier dispatch; "
+                             f"call that hook first (or create the group with num_buffers=2 for two dispatches "
+                             f"in flight)")
         a = dict(idx=xp.empty((T, K), np.int32), w=xp.empty((T, K), np.float32),
                  route=xp.empty((R, Tmax, K), np.int32), slot_k=xp.empty((L, R * Tmax), np.int32),
                  slot_w=xp.empty((L, R * Tmax), np.float32), counts=xp.empty(L, np.int32))
         self._transport.barrier(s, "dispatch")
-        self._launch_dispatch(call, xv, idx, wv, T, meta=True, scaled=False, out=a, zero_k=None, op="dispatch")
-        self._last_stream = s
         handle = LowLatencyHandle(self, T, K, "cuda", call.device_id, a)
+        handle.buffer_set = b
+        self._launch_dispatch(call, xv, idx, wv, T, b, meta=True, scaled=False, out=a, zero_k=None, op="dispatch",
+                              phases=_PUSH if split else _PUSH | _RECEIVE)
+        self._next_set = (b + 1) % self.num_buffers
+        self._last_stream = s
         handle.slot_topk, handle.slot_weights = call.out(a["slot_k"]), call.out(a["slot_w"])
         handle.counts = call.out(a["counts"])
-        return call.out(self._view("recv", self._slots_shape(), self.dtype)), handle.counts, handle
+        res = (call.out(self._view("recv", b, self._slots_shape(), self.dtype)), handle.counts, handle)
+        if not split:
+            return res
+        self._pending[b] = handle
+        return res + (_Hook(self, handle, (xv, idx, wv)),)
+
+    def _receive(self, handle, keep, stream):
+        """The receive half of a split dispatch (``_Hook.__call__``)."""
+        self._alive("dispatch")
+        if handle.backend == "cpu":
+            return
+        import cupy
+
+        s = _arrays.as_cupy_stream(stream, handle.device_id)
+        xv, idx, wv = keep
+        with cupy.cuda.Device(handle.device_id):
+            self._launch_dispatch(_Launch(s, handle.device_id), xv, idx, wv, handle.num_tokens, handle.buffer_set,
+                                  meta=True, scaled=False, out=handle._a, zero_k=None, op="dispatch",
+                                  phases=_RECEIVE)
+        self._pending[handle.buffer_set] = None
+        self._last_stream = s
 
     def _vec(self, *ptrs):
         return (self.hidden * self.dtype.itemsize) % 16 == 0 and all(p % 16 == 0 for p in ptrs)
@@ -326,7 +408,7 @@ class LowLatencyGroup:
 
         return max(1, min(int(work), _resident_ctas(fn, _THREADS, call.device_id)))
 
-    def _launch_dispatch(self, call, xv, idx, wv, T, *, meta, scaled, out, zero_k, op):
+    def _launch_dispatch(self, call, xv, idx, wv, T, b, *, meta, scaled, out, zero_k, op, phases=None):
         d, R, L, Tmax, K = self._transport, self.size, self.num_local_experts, self.max_tokens_per_rank, self.topk
         xptr = xv.data.ptr if T else 0
         vec = self._vec(xptr, self._buf.local)
@@ -335,18 +417,21 @@ class LowLatencyGroup:
         C = self.chunk
         NC = -(-Tmax // C)
         ptr = lambda k: out[k].data.ptr if out is not None else 0  # noqa: E731
+        tab = self._tables
+        phases = _PUSH | _RECEIVE if phases is None else phases
         _jit.launch(fn, self._grid(fn, call, max(NC, L)), _THREADS,
                     (xptr, idx.data.ptr if T else 0, wv.data.ptr if T else 0, np.int32(T), np.int32(int(meta)),
-                     np.int32(int(scaled)), self._tables["recv"], self._tables["route"], self._tables["rw"],
+                     np.int32(int(scaled)), tab[("recv", b)], tab[("route", b)], tab[("rw", b)],
                      d.flags.table, ptr("idx"), ptr("w"), ptr("route"), ptr("slot_k"), ptr("slot_w"), ptr("counts"),
                      zero_k.data.ptr if zero_k is not None else 0, _errors.word(call.device_id), d.state,
                      d._err_ptr, np.int64(d.timeout_ns), np.int32(_ep_direct.OP_CODES[op]), np.int32(R),
                      np.int32(self.rank), np.int32(L), np.int32(Tmax), np.int32(K), np.int32(C),
-                     np.int64(self.hidden)), stream=call.stream)
+                     np.int64(self.hidden), np.int32(phases), np.int64(2 * R * Tmax * b),
+                     self._set_epoch.data.ptr + 4 * b if phases != _PUSH | _RECEIVE else 0), stream=call.stream)
 
     def _launch_combine(self, call, handle, y, gws, w, out, grad_w, op):
         d, R, L, Tmax, K = self._transport, self.size, self.num_local_experts, self.max_tokens_per_rank, self.topk
-        a, T = handle._a, handle.num_tokens
+        a, T, b = handle._a, handle.num_tokens, handle.buffer_set
         vec = self._vec(y.data.ptr if y is not None else 0, out.data.ptr if out is not None else 0, self._buf.local)
         fn = _jit.function(_FILE, f"ep_ll_combine<{_jit.ctype(self.dtype)}, {'true' if vec else 'false'}>")
         C = self.chunk
@@ -357,11 +442,11 @@ class LowLatencyGroup:
         _jit.launch(fn, self._grid(fn, call, max(NC * R, T * slices)), _THREADS,
                     (y.data.ptr if y is not None else 0, gws.data.ptr if gws is not None else 0, a["route"],
                      a["idx"].data.ptr if T else 0, w.data.ptr if w is not None and T else 0,
-                     self._tables["back"], self._tables["bw"], d.flags.table,
+                     self._tables[("back", b)], self._tables[("bw", b)], d.flags.table,
                      out.data.ptr if out is not None and T else 0, grad_w.data.ptr if grad_w is not None and T else 0,
                      d.state, d._err_ptr, np.int64(d.timeout_ns), np.int32(_ep_direct.OP_CODES[op]), np.int32(R),
                      np.int32(self.rank), np.int32(L), np.int32(Tmax), np.int32(K), np.int32(T), np.int32(C),
-                     np.int64(self.hidden)), stream=call.stream)
+                     np.int64(self.hidden), np.int64(2 * R * Tmax * b)), stream=call.stream)
 
     def combine(self, handle, expert_out, *, stream=None):
         """Reduce each token's expert outputs, weighted by ``topk_weights`` (a collective; no host sync).
@@ -455,14 +540,15 @@ class LowLatencyGroup:
                 return call.out(gy), (None if gw is None else call.out(gw))
             self._setup(call.device_id)
             if y is not None:
-                lo, hi = self._buf.local, self._buf.local + self._offs["recv"][1]
-                if y.data.ptr < hi and y.data.ptr + y.nbytes > lo:
+                lo, n = self._offs[("recv", handle.buffer_set)]
+                lo += self._buf.local
+                if y.data.ptr < lo + n and y.data.ptr + y.nbytes > lo:
                     raise ValueError("expert_out: must not be the group's receive buffer (combine_bwd overwrites "
                                      "it); pass a copy")
             a, s = handle._a, call.stream
-            gy = self._view("recv", self._slots_shape(), self.dtype)
+            gy = self._view("recv", handle.buffer_set, self._slots_shape(), self.dtype)
             self._transport.barrier(s, "combine_bwd")
-            self._launch_dispatch(call, g, a["idx"], a["w"], T, meta=False, scaled=y is None, out=None,
+            self._launch_dispatch(call, g, a["idx"], a["w"], T, handle.buffer_set, meta=False, scaled=y is None, out=None,
                                   zero_k=a["slot_k"], op="combine_bwd")
             gwt = None
             if y is not None:

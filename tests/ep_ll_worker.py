@@ -1,6 +1,6 @@
 """Per-rank worker of the multi-GPU low-latency EP tests (moe_rt/ep_ll.py); one process per GPU:
 
-    python tools/launch.py -n R tests/ep_ll_worker.py correctness|graph|dead_peer
+    python tools/launch.py -n R tests/ep_ll_worker.py correctness|graph|split|dead_peer
 
 Every rank draws every rank's inputs from the same seed, runs its own share through LowLatencyGroup and
 compares with the NumPy R-rank reference (moe_rt.reference.ep_ll): dispatch's valid slots, counts and slot
@@ -138,6 +138,83 @@ def graph(cp, comm):
     g.close()
 
 
+def split(cp, comm):
+    """Two micro-batches in flight (num_buffers=2): dispatch A and B with receive hooks, then both hooks, then
+    both combines, against the reference; then the same sequence captured as a CUDA graph and replayed with
+    new routing."""
+    from moe_rt.ep_ll import LowLatencyGroup
+    from moe_rt.reference import ep_ll as ref
+
+    dt = bf16()
+    L, K, Tmax, H = 3, 4, 20, 384
+    Ts = spread((20, 9, 0, 13))
+    g = LowLatencyGroup(comm, WORLD * L, H, Tmax, topk=K, dtype=dt, num_buffers=2)
+    rng = np.random.default_rng(5)
+    Y = [cp.asarray(rng.standard_normal((L, WORLD * Tmax, H)).astype(dt)) for _ in range(2)]
+
+    def inputs(seed):
+        xs, idxs, ws = case(seed, L, K, Ts, H, dt)
+        return (xs, idxs, ws), [cp.asarray(a[RANK]) for a in (xs, idxs, ws)]
+
+    def want(host, y):
+        res = ref.dispatch(*host, WORLD * L, Tmax)
+        # every rank's expert output for this micro-batch: the same array on every rank (seeded alike)
+        Yall = [cp.asnumpy(y)] * WORLD
+        return res[RANK], ref.combine([hh for _, _, hh in res], Yall)[RANK]
+
+    def run(dev):
+        (ra, ca, ha, hook_a) = g.dispatch(*dev[0], return_recv_hook=True)
+        (rb, cb, hb, hook_b) = g.dispatch(*dev[1], return_recv_hook=True)
+        assert ha.buffer_set != hb.buffer_set
+        hook_a()
+        hook_b()
+        return (ra, ca, ha, g.combine(ha, Y[0])), (rb, cb, hb, g.combine(hb, Y[1]))
+
+    def check(outs, hosts, tag):
+        for (r, c, h, out), host, y in zip(outs, hosts, Y):
+            (rx, rc, rh), wout = want(host, y)
+            valid = rh["slot_k"] >= 0
+            assert (bits(cp.asnumpy(r)[valid]) == bits(rx[valid])).all(), f"{tag}: dispatch rows"
+            assert (cp.asnumpy(c) == rc).all(), f"{tag}: counts"
+            assert (bits(cp.asnumpy(out)) == bits(wout)).all(), f"{tag}: combine"
+
+    hosts, devs = zip(*(inputs(s) for s in (11, 12)))
+    outs = run(devs)
+    g.synchronize()
+    check(outs, hosts, "eager")
+    log("split eager ok")
+    try:  # a third dispatch into a set whose hook is pending is refused on every rank alike
+        _, _, _, hook = g.dispatch(*devs[0], return_recv_hook=True)
+        g.dispatch(*devs[1], return_recv_hook=True)
+        g.dispatch(*devs[0])
+        raise AssertionError("dispatch into a set with a pending hook accepted")
+    except ValueError as e:
+        assert "receive hook" in str(e), e
+    hook()
+    g.dispatch(*devs[0])  # set 0 again (its hook ran); set 1's pending receive is abandoned with the group
+    g.synchronize()
+    g.close()
+    g = LowLatencyGroup(comm, WORLD * L, H, Tmax, topk=K, dtype=dt, num_buffers=2)
+    run(devs)
+    g.synchronize()
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        s.begin_capture()
+        outs = run(devs)
+        gr = s.end_capture()
+    for it in range(3):
+        hosts, new = zip(*(inputs(2000 + 2 * it + j) for j in range(2)))
+        for d, n in zip(devs, new):
+            for a, b in zip(d, n):
+                a[...] = b
+        gr.launch(s)
+        s.synchronize()
+        check(outs, hosts, f"replay {it}")
+        log(f"split replay {it} ok")
+    g.synchronize()
+    g.close()
+
+
 def dead_peer(cp, comm):
     """Rank 1 skips a dispatch (and stays alive: its peers' memory stays mapped): every other rank's
     dispatch gives up on the device within the timeout, and synchronize raises TimeoutError naming it."""
@@ -172,7 +249,7 @@ def dead_peer(cp, comm):
 def main():
     what = sys.argv[1] if len(sys.argv) > 1 else "correctness"
     cp, comm = setup()
-    {"correctness": correctness, "graph": graph, "dead_peer": dead_peer}[what](cp, comm)
+    {"correctness": correctness, "graph": graph, "split": split, "dead_peer": dead_peer}[what](cp, comm)
     cp.cuda.Device().synchronize()
     comm.close()
     log("ALL OK")

@@ -320,6 +320,34 @@ def test_group_validation(rng):
         g.dispatch(x, idx, w)
 
 
+def test_group_cpu_split_dispatch(rng):
+    L, K, T, Tmax, H = 4, 3, 5, 6, 7
+    xs, idxs, ws = make_case(rng, 1, L, K, (T,), H)
+    for nb in (1, 2):
+        g = LowLatencyGroup(None, L, H, Tmax, topk=K, dtype=np.float32, num_buffers=nb)
+        assert g.num_buffers == nb
+        recv, counts, h, hook = g.dispatch(xs[0], idxs[0], ws[0], return_recv_hook=True)
+        with pytest.raises(ValueError, match="receive hook has not run"):
+            g.combine(h, recv)
+        with pytest.raises(ValueError, match="receive hook has not run"):
+            g.dispatch_bwd(h, recv)
+        hook()
+        with pytest.raises(ValueError, match="already called"):
+            hook()
+        rx, rc, rh = ref.dispatch(xs, idxs, ws, L, Tmax)[0]
+        np.testing.assert_array_equal(recv, rx)
+        np.testing.assert_array_equal(counts, rc)
+        np.testing.assert_array_equal(g.combine(h, recv), ref.combine([rh], [rx])[0])
+        assert len(g.dispatch(xs[0], idxs[0], ws[0])) == 3
+    with pytest.raises(TypeError, match="return_recv_hook"):
+        g.dispatch(xs[0], idxs[0], ws[0], return_recv_hook=1)
+    for bad in (0, 3):
+        with pytest.raises(ValueError, match="num_buffers"):
+            LowLatencyGroup(None, L, H, Tmax, topk=K, num_buffers=bad)
+    with pytest.raises(TypeError, match="num_buffers"):
+        LowLatencyGroup(None, L, H, Tmax, topk=K, num_buffers=1.0)
+
+
 def test_epgroup_names_the_low_latency_class():
     with pytest.raises(ValueError, match="LowLatencyGroup"):
         moe_rt.EpGroup(None, 4, 8, 4, mode="low_latency")
@@ -436,6 +464,50 @@ def test_gpu_one_rank_graph_replay_with_new_routing(rng):
         g.close()
 
 
+@pytest.mark.gpu
+def test_gpu_one_rank_split_dispatch_two_in_flight(rng):
+    import cupy as cp
+
+    dt = bf16()
+    L, K, T, Tmax, H = 5, 3, 13, 16, 136
+    g = LowLatencyGroup(None, L, H, Tmax, topk=K, dtype=dt, num_buffers=2)
+    try:
+        cases = [_gpu_case(rng, cp, L, K, T, Tmax, H, dt) for _ in range(2)]
+        Ys = [rng.standard_normal((L, Tmax, H)).astype(dt) for _ in range(2)]
+        for _ in range(2):  # the second round over buffers (and flags) the first one used
+            got = [g.dispatch(*c[3:], return_recv_hook=True) for c in cases]
+            assert [h.buffer_set for _, _, h, _ in got] == [0, 1]
+            with pytest.raises(ValueError, match="receive hook has not run"):
+                g.combine(got[0][2], cp.asarray(Ys[0]))
+            for *_, hook in got:
+                hook()
+            with pytest.raises(ValueError, match="already called"):
+                got[0][3]()
+            for (recv, counts, h, _), c, y in zip(got, cases, Ys):
+                rx, rc, rh = ref.dispatch(c[0], c[1], c[2], L, Tmax)[0]
+                valid = rh["slot_k"] >= 0
+                np.testing.assert_array_equal(cp.asnumpy(recv)[valid].view(np.uint8), rx[valid].view(np.uint8))
+                np.testing.assert_array_equal(cp.asnumpy(counts), rc)
+                np.testing.assert_array_equal(cp.asnumpy(h.slot_topk), rh["slot_k"])
+                out = g.combine(h, cp.asarray(y))
+                np.testing.assert_array_equal(cp.asnumpy(out).view(np.uint8),
+                                              ref.combine([rh], [y])[0].view(np.uint8))
+            g.synchronize()
+    finally:
+        g.close()
+    g = LowLatencyGroup(None, L, H, Tmax, topk=K, dtype=dt)  # one set: a second dispatch waits for the hook
+    try:
+        c = cases[0]
+        *_, hook = g.dispatch(*c[3:], return_recv_hook=True)
+        with pytest.raises(ValueError, match="buffer set 0 still waits for the receive hook"):
+            g.dispatch(*c[3:])
+        hook()
+        g.dispatch(*c[3:])
+        g.synchronize()
+    finally:
+        g.close()
+
+
 # -- several GPUs: tests/ep_ll_worker.py ------------------------------------------------------------------
 
 def _gpu_count():
@@ -461,11 +533,12 @@ def _run_worker(what, n, timeout=240):
 
 @pytest.mark.multi_gpu
 @pytest.mark.parametrize("n", [2, 4])
-@pytest.mark.parametrize("what", ["correctness", "graph"])
+@pytest.mark.parametrize("what", ["correctness", "graph", "split"])
 def test_multi_gpu_low_latency(what, n):
     # correctness: dispatch, combine, dispatch_bwd, combine_bwd against the NumPy R-rank reference (fp32,
     # fp16, bf16; odd shapes, T = 0 ranks, duplicates, holes), run to run bitwise; graph: dispatch + combine
-    # captured once and replayed with new routing and tokens, against the reference each time
+    # captured once and replayed with new routing and tokens, against the reference each time; split: two
+    # micro-batches in flight through receive hooks (num_buffers=2), eager and replayed from a graph
     r = _run_worker(what, n)
     assert r.returncode == 0 and "[rank 0] ALL OK" in r.stdout
 
