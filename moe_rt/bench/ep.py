@@ -459,7 +459,18 @@ def _rank_low_latency(args):
                 stream.begin_capture()
                 keep = fn()
                 graphs[name] = (stream.end_capture(), keep)
+            # the split dispatch's halves: the send (barrier + pushes + flags) and, replayed after a send,
+            # the receive (its waits find the flags already set: the receive side's own work)
+            stream.begin_capture()
+            *_, hook = g.dispatch(x, idx, w, return_recv_hook=True)
+            graphs["dispatch send (graph)"] = (stream.end_capture(), None)
+            stream.begin_capture()
+            hook()
+            graphs["dispatch receive (graph)"] = (stream.end_capture(), None)
+            graphs["dispatch send (graph)"][0].launch(stream)
             for name, nb, raw, tt in (("dispatch (graph)", wire + remote * K * 8, t_raw, None),
+                                      ("dispatch send (graph)", wire + remote * K * 8, t_raw, None),
+                                      ("dispatch receive (graph)", 0, None, None),
                                       ("combine (graph)", wire, t_raw, None),
                                       ("round trip (graph)", 2 * wire, 2 * t_raw, t_torch)):
                 graph = graphs[name][0]
