@@ -2539,9 +2539,23 @@ router_fwd_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, int s
 // token t adds one count to hist[e, bin(cutoff_t - raw_te)], raw = sigmoid(logit) before the bias:
 //   bin = clamp(floor((r - lower) * (B / (upper - lower))), 0, B - 1)  in fp32, NaN -> 0,
 // with the bounds read on the device at every launch (a CUDA graph replays with the values in memory).
-// Integer atomics only: the counts are exact and do not depend on the order. router_fwd_qb adds them in
-// its epilogue (hist != null: "fused_atomic"); qb_histogram_accumulate adds them from (raw, cutoff) in a
-// second kernel ("two_kernel"); both bin through qb_bin, so the two modes count the same bins.
+// Integer atomics only: the counts are exact and do not depend on the order. The forward kernels
+// (router_fwd_qb_reg, router_fwd_qb) add them in their epilogue ("fused_atomic"); qb_histogram_accumulate
+// adds them from (raw, cutoff) in a second kernel ("two_kernel"); all bin through qb_bin, so the modes count
+// the same bins.
+//
+// The selection of k + 1 (thr, il) holds the cutoff: its key is thr, its expert the largest index among the
+// selected keys equal to thr (il, or where the selection left il = kIntMax, the largest index with key thr).
+// The routes are then the experts with selected(key, e, thr, cidx - 1): the k + 1 without the cutoff.
+//
+// The forward kernels' histogram (hmode): 0 none (the two-kernel mode), 1 one global int32 atomic a sample,
+// 2 a histogram of the block in shared memory after the token slots, 16-bit counters two to a word (sample
+// (e, bin) at i = e B + bin: word i / 2, half i % 2), added to hist by global atomics at the block's end. The
+// host keeps every block under 65536 tokens, so no counter passes 0xffff (a sample adds one to one counter
+// per token). Modes 1 and 2 add the same integers.
+#ifndef MOE_RT_QB_ARGMAX_K1
+#define MOE_RT_QB_ARGMAX_K1 9  // router_fwd_qb_reg: the argmax rounds select k + 1 up to this, radix select above
+#endif
 namespace {
 
 __device__ __forceinline__ float qb_scale(const float* __restrict__ bounds, int B, float& lo) {
@@ -2556,29 +2570,205 @@ __device__ __forceinline__ int qb_bin(float cut, float raw, float lo, float sc, 
   return (int)fminf(fmaxf(v, 0.0f), (float)(B - 1));
 }
 
-// The one place router_fwd_qb writes the routing map: entry e of the row at `row` (a bool byte map).
+// The histogram of a forward kernel (hmode 1 or 2 above).
+struct QbHist {
+  int* __restrict__ g;  // [E, B] int32 in global memory
+  unsigned* s;          // hmode 2: the block's 16-bit counters
+  int B, mode;
+  float lo, sc;
+  __device__ __forceinline__ void add(int e, float cut, float raw) const {
+    const int bin = qb_bin(cut, raw, lo, sc, B);
+    if (mode == 2) {
+      const int i = e * B + bin;  // E B < 2^17 in this mode
+      atomicAdd(s + (i >> 1), 1u << ((i & 1) << 4));
+    } else {
+      atomicAdd(g + (i64)e * B + bin, 1);
+    }
+  }
+};
+
+// hmode 2: zero the block's counters (before the first token; the caller syncs the block after).
+__device__ __forceinline__ void qb_smem_zero(unsigned* s, int E, int B) {
+  const int words = (E * B + 1) >> 1;
+  for (int w = threadIdx.x; w < words; w += blockDim.x) s[w] = 0u;
+}
+
+// hmode 2: the block's counts into hist (after the last token; the caller syncs the block before).
+__device__ __forceinline__ void qb_smem_flush(const unsigned* s, int* __restrict__ g, int E, int B) {
+  const int n = E * B, words = (n + 1) >> 1;
+  for (int w = threadIdx.x; w < words; w += blockDim.x) {
+    const unsigned c = s[w];
+    if (c & 0xffffu) atomicAdd(g + 2 * w, (int)(c & 0xffffu));
+    if (c >> 16) atomicAdd(g + 2 * w + 1, (int)(c >> 16));
+  }
+}
+
+// The one place router_fwd_qb writes the routing map element by element: entry e of the row at `row`.
 __device__ __forceinline__ void qb_map_out(bool* __restrict__ rmap, i64 row, int e, bool routed) {
   rmap[row + e] = routed;
 }
 
 }  // namespace
 
-// One team of TEAM threads per token (TEAM = 32: 4 tokens a block), the row's keys in shared memory (the
-// slot layout of router_fwd for k + 1 and no groups). probs, rmap, inter and cutoff are written for every
-// token; hist (may be null: the two-kernel mode) is [E, B] int32, accumulated with global atomics.
+// The QB forward with the row in registers (router_fwd_reg's machinery: one warp a token, 4 tokens a block,
+// 16-byte rows, V keys a lane; requires vec and E / CH <= 32 * V / CH). probs, rmap (byte map), inter and
+// cutoff are written for every token; hist [E, B] int32 is accumulated by hmode (above; 0: not touched).
+// Shared memory: 4 slots of the radix list and the k routes' experts, keys and weights (layout_tail from word
+// 0: no group scratch), then (hmode 2) ceil(E B / 2) words of counters. Built for router_fwd_reg's blocks a
+// multiprocessor with groups (fp32 5, bf16 6 at V = 8: the shared histogram of E = 256, B = 64 leaves room
+// for 6).
+template <typename T, int V>
+__global__ void __launch_bounds__(128, MOE_RT_FWD_REG_MINB(V, T, true, false))
+router_fwd_qb_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, float scale,
+                  const float* __restrict__ bias, T* __restrict__ probs, bool* __restrict__ rmap,
+                  float* __restrict__ inter, float* __restrict__ cutoff, const float* __restrict__ bounds,
+                  int* __restrict__ hist, int B, int hmode) {
+  constexpr int CH = 16 / (int)sizeof(T);
+  constexpr int NJ = V / CH;
+  static_assert(NJ * CH == V, "V must be a multiple of the chunk size");
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int slot = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  RegLayout L;
+  L.keys = L.gkey = L.hist = 0;
+  layout_tail(L, 0, K);
+  unsigned* const sbase = reinterpret_cast<unsigned*>(smem_raw);
+  const SlotPtrs P = slot_ptrs(sbase + (size_t)slot * L.total, L);
+  unsigned *list = P.list, *lkey = P.lkey;
+  int* lidx = P.lidx;
+  float *lw = P.lw, *lp = P.lp;
+  if (lane == 0) list[2 * kList] = 0u;
+  QbHist H{hist, sbase + 4 * L.total, B, hmode, 0.0f, 0.0f};
+  if (hmode) H.sc = qb_scale(bounds, B, H.lo);
+  if (hmode == 2) qb_smem_zero(H.s, E, B);
+  __syncthreads();
+
+  const int nch = E / CH;
+  const int K1 = K + 1;
+  constexpr bool kPrefetch = V <= 16;
+  const i64 stride = (i64)gridDim.x * 4;
+  auto load_row = [&](i64 tt, T (&xv)[NJ][CH]) {
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+      if (lane + 32 * j < nch) ldn<CH>(logits + tt * (i64)E + (i64)(lane + 32 * j) * CH, xv[j]);
+  };
+  alignas(16) T xnext[NJ][CH];
+  if (kPrefetch && (i64)blockIdx.x * 4 + slot < num_tokens) load_row((i64)blockIdx.x * 4 + slot, xnext);
+
+  for (i64 t = (i64)blockIdx.x * 4 + slot; t < num_tokens; t += stride) {
+    const i64 row = t * (i64)E;
+    unsigned key[V];
+    float raw[V];
+    {
+      alignas(16) T xv[NJ][CH];
+      if constexpr (kPrefetch) {
+#pragma unroll
+        for (int j = 0; j < NJ; ++j)
+#pragma unroll
+          for (int v = 0; v < CH; ++v) xv[j][v] = xnext[j][v];
+        if (t + stride < num_tokens) load_row(t + stride, xnext);
+      } else {
+        load_row(t, xv);
+      }
+      // Phase 1 (router_fwd_reg's sigmoid + bias case, p1_elem): raw -> intermediate, keys of raw + bias.
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) {
+        const int c = lane + 32 * j;
+        if (c < nch) {
+          alignas(16) float bv[CH];
+          alignas(16) float av[CH];
+          ldn<CH>(bias + c * CH, bv);
+#pragma unroll
+          for (int v = 0; v < CH; ++v) {
+            av[v] = sigmoid_fwd(elem_f(xv[j], v));
+            raw[j * CH + v] = av[v];
+            key[j * CH + v] = fkey_arith(av[v] + bv[v]);
+          }
+          stn<CH>(inter + row + (i64)c * CH, av);
+        } else {
+#pragma unroll
+          for (int v = 0; v < CH; ++v) { key[j * CH + v] = 0u; raw[j * CH + v] = 0.0f; }
+        }
+      }
+    }
+
+    // Top k + 1 -> (thr, il); the cutoff expert cidx; the k routes in index order -> lidx/lkey.
+    unsigned thr;
+    int il, cidx;
+    if (K1 <= MOE_RT_QB_ARGMAX_K1) {
+      // lane r < k + 1 gets the r-th winner; the last (lane k) is the cutoff, il its expert
+      unsigned wk = 0u;
+      int wi = kIntMax;
+      argmax_reg<V, CH>(key, K1, thr, il, wk, wi);
+      cidx = il;
+      const int wr = lane < K ? wi : kIntMax;  // the routes; lanes >= k count for no lane
+      int pos = 0;
+      for (int i = 0; i < K; ++i) pos += __shfl_sync(FULL_MASK, wr, i) < wr ? 1 : 0;
+      if (lane < K) { lkey[pos] = wk; lidx[pos] = wi; }
+    } else {
+      radix_select_reg<V, CH>(key, nch, K1, list, thr, il);
+      cidx = il;
+      if (il == kIntMax) {  // every key equal to thr was taken: the cutoff is the last of them
+        int last = -1;
+#pragma unroll
+        for (int q = 0; q < V; ++q)
+          if (lane + 32 * (q / CH) < nch && key[q] == thr) last = max(last, reg_expert<CH>(lane, q));
+        cidx = __reduce_max_sync(FULL_MASK, last);
+      }
+      compact_reg<V, CH>(key, nch, K, [&](unsigned kk, int e) { return selected(kk, e, thr, cidx - 1); },
+                         [&](int pos, unsigned kk, int e) { lkey[pos] = kk; lidx[pos] = e; });
+    }
+    const int ilr = cidx - 1;  // the routes: selected(key, e, thr, ilr)
+    if (lane == 0) cutoff[t] = fdecode(thr);
+    __syncwarp();
+
+    // The k weights (the plain sigmoid + bias forward's).
+    topk_weights(t, K, SIGMOID, 0, scale, bias, lidx, lkey, lw, lp, nullptr, 4, nullptr);
+    __syncwarp();
+
+    // Dense outputs: the map (the k routes), zero probs, then the k probs; the histogram from the registers.
+    for_chunks<NJ>(nch, [&](int j, int c) {
+      unsigned kv[CH];
+#pragma unroll
+      for (int v = 0; v < CH; ++v) kv[v] = key[j * CH + v];
+      dense_chunk_out<T, CH>(kv, c * CH, thr, ilr, row, rmap, probs, nullptr);
+    });
+    __syncwarp();  // orders the fill before the patch
+    for (int jj = lane; jj < K; jj += 32) probs[row + lidx[jj]] = from_float<T>(lw[jj]);
+    if (hmode) {
+      const float cut = fdecode(thr);
+      for_chunks<NJ>(nch, [&](int j, int c) {
+#pragma unroll
+        for (int v = 0; v < CH; ++v) H.add(c * CH + v, cut, raw[j * CH + v]);
+      });
+    }
+    __syncwarp();
+  }
+  if (hmode == 2) {
+    __syncthreads();
+    qb_smem_flush(H.s, hist, E, B);
+  }
+}
+
+// The QB forward of any row: one team of TEAM threads per token (TEAM = 32: 4 tokens a block), the row's keys
+// in shared memory (the slot layout of router_fwd for k + 1 and no groups); vec (16-byte rows, as in
+// router_fwd): phase 1 and the dense outputs in 16-byte chunks. probs, rmap, inter and cutoff are written for
+// every token; hist [E, B] int32 is accumulated by hmode (above; 0: not touched). Shared memory: SPB slots,
+// then (hmode 2) ceil(E B / 2) words of counters.
 template <typename T, int TEAM>
 __global__ void __launch_bounds__(TEAM == 32 ? 128 : TEAM)
 router_fwd_qb(const T* __restrict__ logits, i64 num_tokens, int E, int K, float scale,
               const float* __restrict__ bias, T* __restrict__ probs, bool* __restrict__ rmap,
               float* __restrict__ inter, float* __restrict__ cutoff, const float* __restrict__ bounds,
-              int* __restrict__ hist, int B) {
+              int* __restrict__ hist, int B, int hmode, int vec) {
   using TM = Team<TEAM>;
   constexpr int SPB = TEAM == 32 ? 4 : 1;
+  constexpr int CH = 16 / (int)sizeof(T);
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int slot = threadIdx.x / TEAM, r = threadIdx.x % TEAM, lane = threadIdx.x & 31, warp = r >> 5;
   const int K1 = K + 1, Kp = al4(K1);
   const Layout L = slot_layout<TEAM>(E, 0, K1);
-  unsigned* base = reinterpret_cast<unsigned*>(smem_raw) + (size_t)slot * L.total;
+  unsigned* const sbase = reinterpret_cast<unsigned*>(smem_raw);
+  unsigned* base = sbase + (size_t)slot * L.total;
   const SlotPtrs P = slot_ptrs(base, L);
   unsigned *keys = P.keys, *list = P.list, *lkey = P.lkey;
   unsigned* cut_word = P.hist;  // the slot's group scratch, unused without groups: the cutoff's (key, index)
@@ -2588,16 +2778,24 @@ router_fwd_qb(const T* __restrict__ logits, i64 num_tokens, int E, int K, float 
   int* wcount = reinterpret_cast<int*>(base + L.wcount);
   int* wlist = reinterpret_cast<int*>(base + L.wlist);
   if (r == 0) list[2 * kList] = 0u;
-  float lo = 0.0f, sc = 0.0f;
-  if (hist) sc = qb_scale(bounds, B, lo);
-  TM::sync();
+  QbHist H{hist, sbase + SPB * L.total, B, hmode, 0.0f, 0.0f};
+  if (hmode) H.sc = qb_scale(bounds, B, H.lo);
+  if (hmode == 2) qb_smem_zero(H.s, E, B);
+  __syncthreads();
+  const int nch = vec ? E / CH : 0;
 
   for (i64 t = (i64)blockIdx.x * SPB + slot; t < num_tokens; t += (i64)gridDim.x * SPB) {
     const i64 row = t * (i64)E;
-    for (int e = r; e < E; e += TEAM) {
-      const float a = sigmoid_fwd(to_float(logits[row + e]));
-      inter[row + e] = a;
-      keys[e] = fkey_arith(a + bias[e]);
+    if (vec) {  // router_fwd's phase 1 on 16-byte rows, sigmoid + bias
+      float pmax = -kInf, psum = 0.0f;
+      Phase1Vec<T, TEAM, MOE_RT_FWD_U> ph{logits + row, bias, keys, inter + row, nullptr, nch, r, pmax, psum};
+      ph.template run<SIGMOID, false, true>();
+    } else {
+      for (int e = r; e < E; e += TEAM) {
+        const float a = sigmoid_fwd(to_float(logits[row + e]));
+        inter[row + e] = a;
+        keys[e] = fkey_arith(a + bias[e]);
+      }
     }
     TM::sync();
     unsigned thr;
@@ -2648,19 +2846,39 @@ router_fwd_qb(const T* __restrict__ logits, i64 num_tokens, int E, int K, float 
     // Dense outputs: the map (the k routes; the cutoff expert is not routed), zero probs, then the k probs.
     const unsigned ck = cut_word[0];
     const int cidx = (int)cut_word[1];
-    for (int e = r; e < E; e += TEAM) {
-      qb_map_out(rmap, row, e, e != cidx && selected(keys[e], e, thr, il));
-      probs[row + e] = from_float<T>(0.0f);
+    if (vec) {
+      for (int c = r; c < nch; c += TEAM) {
+        alignas(16) unsigned kv[CH];
+        ldn<CH>(keys + c * CH, kv);
+        dense_chunk_out<T, CH>(kv, c * CH, ck, cidx - 1, row, rmap, probs, nullptr);
+      }
+    } else {
+      for (int e = r; e < E; e += TEAM) {
+        qb_map_out(rmap, row, e, e != cidx && selected(keys[e], e, thr, il));
+        probs[row + e] = from_float<T>(0.0f);
+      }
     }
     TM::sync();  // orders the fill before the patch (same block)
     for (int j = r; j < K; j += TEAM) probs[row + lidx[j]] = from_float<T>(P.lw[j]);
-    if (hist) {
+    if (hmode) {
       // this thread wrote these raw values above (same thread, same addresses: no fence needed)
       const float cut = fdecode(ck);
-      for (int e = r; e < E; e += TEAM)
-        atomicAdd(hist + (i64)e * B + qb_bin(cut, inter[row + e], lo, sc, B), 1);
+      if (vec) {
+        for (int c = r; c < nch; c += TEAM) {
+          alignas(16) float av[CH];
+          ldn<CH>(inter + row + (i64)c * CH, av);
+#pragma unroll
+          for (int v = 0; v < CH; ++v) H.add(c * CH + v, cut, av[v]);
+        }
+      } else {
+        for (int e = r; e < E; e += TEAM) H.add(e, cut, inter[row + e]);
+      }
     }
     TM::sync();
+  }
+  if (hmode == 2) {
+    __syncthreads();
+    qb_smem_flush(H.s, hist, E, B);
   }
 }
 
@@ -2682,13 +2900,24 @@ qb_histogram_accumulate(const float* __restrict__ raw, const float* __restrict__
     for (int i = threadIdx.x; i < ne * B; i += 256) sh[i] = 0;
     __syncthreads();
   }
-  const long long n = t1 > t0 ? (t1 - t0) * ne : 0;
-  for (long long i = threadIdx.x; i < n; i += 256) {
-    const long long t = t0 + i / ne;
-    const int el = (int)(i % ne);
-    const int bin = qb_bin(cutoff[t], raw[t * E + e0 + el], lo, sc, B);
-    if (use_smem) atomicAdd(sh + el * B + bin, 1);
-    else atomicAdd(hist + (long long)(e0 + el) * B + bin, 1);
+  if (ne == 8) {
+    // thread i takes expert e0 + i % 8 of tokens t0 + i / 8, + 32, ...: the samples of the loop below, without
+    // its 64-bit division a sample
+    const int el = threadIdx.x & 7;
+    const float* __restrict__ rp = raw + e0 + el;
+    int* const hp = use_smem ? sh + el * B : hist + (long long)(e0 + el) * B;
+#pragma unroll 4
+    for (long long t = t0 + (threadIdx.x >> 3); t < t1; t += 32)
+      atomicAdd(hp + qb_bin(cutoff[t], rp[t * E], lo, sc, B), 1);
+  } else {
+    const long long n = t1 > t0 ? (t1 - t0) * ne : 0;
+    for (long long i = threadIdx.x; i < n; i += 256) {
+      const long long t = t0 + i / ne;
+      const int el = (int)(i % ne);
+      const int bin = qb_bin(cutoff[t], raw[t * E + e0 + el], lo, sc, B);
+      if (use_smem) atomicAdd(sh + el * B + bin, 1);
+      else atomicAdd(hist + (long long)(e0 + el) * B + bin, 1);
+    }
   }
   if (use_smem) {
     __syncthreads();

@@ -68,6 +68,7 @@ _jit.register(_FILE, [f"router_fwd<{c}, {team}>" for c in _jit.CTYPES.values() f
               + [f"aux_loss_final<{c}>" for c in _jit.CTYPES.values()]
               + [f"aux_loss_bwd<{c}>" for c in _jit.CTYPES.values()]
               + [f"router_fwd_qb<{c}, {team}>" for c in _jit.CTYPES.values() for team in _TEAMS]
+              + [f"router_fwd_qb_reg<{c}, {v}>" for c in ("float", "__nv_bfloat16") for v in _REG_V]
               + ["qb_histogram_accumulate"])
 # Quick kernels (_jit.function_tiered): compiled for one score case alone (_score_case), each computes the
 # bits of the kernel it stands in for in that case: a row of one warp, with groups (for the one-warp and
@@ -260,6 +261,11 @@ def _reg_slot_words(E, G, K, lanesel=False):
     if lanesel:
         return 4 * al4(K)
     return (al4(E) if G else 0) + al4(G) + 16 * 32 + 2 * 64 + 4 + 4 * al4(K)
+
+
+def _qb_reg_slot_words(K):
+    """A token slot of router_fwd_qb_reg: the radix list, then the K routes' experts, keys, weights, probs."""
+    return 2 * 64 + 4 + 4 * ((K + 3) & ~3)
 
 
 def _reg_v(E, ch, vec, dtype):
@@ -883,6 +889,59 @@ def _launch_qb_hist(call, raw, cut, T, E, bounds, hist, B):
                 shared_mem=smem, stream=call.stream)
 
 
+# The fused histogram of the QB forward kernels: a per-block histogram of 16-bit counters in shared memory
+# (flushed by global atomics at the block's end) where its ceil(E B / 2) words take at most this many bytes,
+# else one global atomic a sample. Both add the same integers. MOE_RT_QB_SMEM_HIST_BYTES at import sets it
+# (0: global atomics always; a benchmark and test variant; tests patch the attribute).
+_QB_SMEM_HIST_BYTES = int(os.environ.get("MOE_RT_QB_SMEM_HIST_BYTES", 48 * 1024))
+_QB_BLOCK_TOKENS = 65532  # hmode 2: tokens a block at most (a multiple of 4 below 2^16: no counter wraps)
+
+
+def _qb_hmode(E, B, fused):
+    """hmode of the QB forward kernels: 0 none (two-kernel mode), 1 global atomics, 2 the block's shared
+    histogram (kernels/router.cu, "Quantile Balancing")."""
+    if not fused:
+        return 0
+    return 2 if 4 * ((E * B + 1) // 2) <= _QB_SMEM_HIST_BYTES else 1
+
+
+def _qb_fwd_cfg(dtype, E, K, B, vec, fused):
+    """(kernel name, threads, slots a block, shared memory bytes, tokens a warp, hmode) of the QB forward:
+    router_fwd_qb_reg (the row in registers, as router_fwd_reg) where the plain forward takes
+    router_fwd_reg (16-byte rows, float32/bfloat16, E / 8 chunks within 32 lanes of 32 keys), else
+    router_fwd_qb (the team of _team(E, fwd=True), 16-byte chunks where vec)."""
+    ct = _jit.ctype(dtype)
+    hmode = _qb_hmode(E, B, fused)
+    hbytes = 4 * ((E * B + 1) // 2) if hmode == 2 else 0
+    v = _reg_v(E, 16 // dtype.itemsize, vec, dtype)
+    if v:
+        # tokens a warp as the plain forward's register kernel (no lane groups); one resident wave with the
+        # block's histogram (its flush is per block)
+        tpw = 0 if hmode == 2 else _fwd_tpw(dtype, v, False)
+        return f"router_fwd_qb_reg<{ct}, {v}>", 128, 4, 4 * 4 * _qb_reg_slot_words(K) + hbytes, tpw, hmode
+    team = _team(E, fwd=True)
+    spb = 4 if team == 32 else 1
+    return (f"router_fwd_qb<{ct}, {team}>", team * spb, spb, 4 * spb * _slot_words(E, 0, K + 1, team) + hbytes,
+            0, hmode)
+
+
+def _launch_qb_fwd(call, x, T, E, K, scale, b32, probs, rmap, inter, cut, bounds, hist, B, fused):
+    ch = 16 // x.dtype.itemsize
+    vec = _vec_ok([x, probs, rmap, inter, b32], E, ch)
+    name, threads, spb, smem, tpw, hmode = _qb_fwd_cfg(x.dtype, E, K, B, vec, fused)
+    fn = _jit.function(_FILE, name)
+    _jit.set_max_dynamic_shared(fn, smem)
+    resident = _grid(1 << 30, threads, smem, call.device_id, getattr(fn, "num_regs", 0))
+    grid = _tpw_grid(T, spb, tpw, resident)
+    if hmode == 2:  # every block under 2^16 tokens: its 16-bit counters do not wrap
+        grid = max(grid, -(-T // _QB_BLOCK_TOKENS))
+    args = (x, np.int64(T), np.int32(E), np.int32(K), np.float32(scale), b32, probs, rmap, inter, cut, bounds,
+            hist if hmode else 0, np.int32(B), np.int32(hmode))
+    if name.startswith("router_fwd_qb<"):
+        args += (np.int32(vec),)
+    _jit.launch(fn, grid, threads, args, shared_mem=smem, stream=call.stream)
+
+
 def topk_with_score_qb(logits, topk, *, expert_bias, qb_histogram, qb_bin_bounds, qb_histogram_mode="fused_atomic",
                        score_function="sigmoid", num_groups=None, group_topk=None, scaling_factor=None,
                        bounds_validated=False, stream=None):
@@ -948,16 +1007,7 @@ def topk_with_score_qb(logits, topk, *, expert_bias, qb_histogram, qb_bin_bounds
             cut = call.empty((T,), dtype=np.float32)
             if T > 0:
                 b32 = _arrays.as_f32(xp, bv)
-                team = _team(E, fwd=True)
-                spb = 4 if team == 32 else 1
-                fn = _jit.function(_FILE, f"router_fwd_qb<{_jit.ctype(x.dtype)}, {team}>")
-                smem = 4 * _slot_words(E, 0, K + 1, team) * spb
-                _jit.set_max_dynamic_shared(fn, smem)
-                grid = _grid(-(-T // spb), team * spb, smem, call.device_id, getattr(fn, "num_regs", 0))
-                _jit.launch(fn, grid, team * spb,
-                            (x, np.int64(T), np.int32(E), np.int32(K), np.float32(scale), b32, probs, rmap, inter,
-                             cut, d, hv if fused else 0, np.int32(B)),
-                            shared_mem=smem, stream=call.stream)
+                _launch_qb_fwd(call, x, T, E, K, scale, b32, probs, rmap, inter, cut, d, hv, B, fused)
                 if not fused:
                     _launch_qb_hist(call, inter, cut, T, E, d, hv, B)
         shape = lead + (E,)
