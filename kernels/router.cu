@@ -2755,7 +2755,7 @@ router_fwd_qb_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, fl
 // every token; hist [E, B] int32 is accumulated by hmode (above; 0: not touched). Shared memory: SPB slots,
 // then (hmode 2) ceil(E B / 2) words of counters.
 template <typename T, int TEAM>
-__global__ void __launch_bounds__(TEAM == 32 ? 128 : TEAM)
+__global__ void __launch_bounds__(TEAM == 32 ? 128 : TEAM, MOE_RT_FWD_MINB(TEAM))
 router_fwd_qb(const T* __restrict__ logits, i64 num_tokens, int E, int K, float scale,
               const float* __restrict__ bias, T* __restrict__ probs, bool* __restrict__ rmap,
               float* __restrict__ inter, float* __restrict__ cutoff, const float* __restrict__ bounds,
@@ -2786,9 +2786,10 @@ router_fwd_qb(const T* __restrict__ logits, i64 num_tokens, int E, int K, float 
 
   for (i64 t = (i64)blockIdx.x * SPB + slot; t < num_tokens; t += (i64)gridDim.x * SPB) {
     const i64 row = t * (i64)E;
-    if (vec) {  // router_fwd's phase 1 on 16-byte rows, sigmoid + bias
+    if (vec) {  // router_fwd's phase 1 on 16-byte rows, sigmoid + bias (its chunks loaded ahead without groups)
+      constexpr int U = TEAM == 32 ? MOE_RT_FWD_U_32 : MOE_RT_FWD_U;
       float pmax = -kInf, psum = 0.0f;
-      Phase1Vec<T, TEAM, MOE_RT_FWD_U> ph{logits + row, bias, keys, inter + row, nullptr, nch, r, pmax, psum};
+      Phase1Vec<T, TEAM, U> ph{logits + row, bias, keys, inter + row, nullptr, nch, r, pmax, psum};
       ph.template run<SIGMOID, false, true>();
     } else {
       for (int e = r; e < E; e += TEAM) {
