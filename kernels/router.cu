@@ -2277,6 +2277,44 @@ router_fwd(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score
   }
 }
 
+namespace {
+
+// The rows of a register kernel (one warp a token, 4 tokens a block, `stride` tokens apart): lane `lane` holds
+// chunks lane + 32 j (j < NJ) of 16 bytes. PREFETCH (small rows): the next token's chunks are loaded while
+// this one is processed. (router_fwd_reg keeps the same steps inline: written with this struct, its code
+// changed (H100 SASS 128-256 bytes longer), unmeasured.)
+template <typename T, int NJ, bool PREFETCH>
+struct RegRows {
+  static constexpr int CH = 16 / (int)sizeof(T);
+  const T* __restrict__ logits;
+  i64 num_tokens, stride;
+  int E, nch, lane;
+  alignas(16) T next[NJ][CH];
+  __device__ __forceinline__ void load(i64 tt, T (&xv)[NJ][CH]) const {
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+      if (lane + 32 * j < nch) ldn<CH>(logits + tt * (i64)E + (i64)(lane + 32 * j) * CH, xv[j]);
+  }
+  // before the first token t0
+  __device__ __forceinline__ void start(i64 t0) {
+    if (PREFETCH && t0 < num_tokens) load(t0, next);
+  }
+  // token t's chunks into xv
+  __device__ __forceinline__ void get(i64 t, T (&xv)[NJ][CH]) {
+    if constexpr (PREFETCH) {
+#pragma unroll
+      for (int j = 0; j < NJ; ++j)
+#pragma unroll
+        for (int v = 0; v < CH; ++v) xv[j][v] = next[j][v];
+      if (t + stride < num_tokens) load(t + stride, next);
+    } else {
+      load(t, xv);
+    }
+  }
+};
+
+}  // namespace
+
 // ---- forward with the row in registers: one warp per token, 4 tokens per block -------------------------
 // Same parameters, outputs and bits as router_fwd<T, 32>; requires vec and E / CH <= 32 * V / CH. GROUPS =
 // false: compiled without the group-limited selection (G = 0 only), which frees registers. LANESEL = true
@@ -2593,10 +2631,13 @@ __device__ __forceinline__ void qb_smem_zero(unsigned* s, int E, int B) {
   for (int w = threadIdx.x; w < words; w += blockDim.x) s[w] = 0u;
 }
 
-// hmode 2: the block's counts into hist (after the last token; the caller syncs the block before).
+// hmode 2: the block's counts into hist (after the last token; the caller syncs the block before). Each block
+// starts at its own word, so that blocks ending together send their atomics to different addresses.
 __device__ __forceinline__ void qb_smem_flush(const unsigned* s, int* __restrict__ g, int E, int B) {
   const int n = E * B, words = (n + 1) >> 1;
-  for (int w = threadIdx.x; w < words; w += blockDim.x) {
+  const int first = (int)(((unsigned long long)blockIdx.x * 4099u) % (unsigned)words);
+  for (int i = threadIdx.x; i < words; i += blockDim.x) {
+    const int w = i < words - first ? i + first : i - (words - first);
     const unsigned c = s[w];
     if (c & 0xffffu) atomicAdd(g + 2 * w, (int)(c & 0xffffu));
     if (c >> 16) atomicAdd(g + 2 * w + 1, (int)(c >> 16));
@@ -2644,15 +2685,9 @@ router_fwd_qb_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, fl
 
   const int nch = E / CH;
   const int K1 = K + 1;
-  constexpr bool kPrefetch = V <= 16;
   const i64 stride = (i64)gridDim.x * 4;
-  auto load_row = [&](i64 tt, T (&xv)[NJ][CH]) {
-#pragma unroll
-    for (int j = 0; j < NJ; ++j)
-      if (lane + 32 * j < nch) ldn<CH>(logits + tt * (i64)E + (i64)(lane + 32 * j) * CH, xv[j]);
-  };
-  alignas(16) T xnext[NJ][CH];
-  if (kPrefetch && (i64)blockIdx.x * 4 + slot < num_tokens) load_row((i64)blockIdx.x * 4 + slot, xnext);
+  RegRows<T, NJ, (V <= 16)> rows{logits, num_tokens, stride, E, nch, lane};
+  rows.start((i64)blockIdx.x * 4 + slot);
 
   for (i64 t = (i64)blockIdx.x * 4 + slot; t < num_tokens; t += stride) {
     const i64 row = t * (i64)E;
@@ -2660,15 +2695,7 @@ router_fwd_qb_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, fl
     float raw[V];
     {
       alignas(16) T xv[NJ][CH];
-      if constexpr (kPrefetch) {
-#pragma unroll
-        for (int j = 0; j < NJ; ++j)
-#pragma unroll
-          for (int v = 0; v < CH; ++v) xv[j][v] = xnext[j][v];
-        if (t + stride < num_tokens) load_row(t + stride, xnext);
-      } else {
-        load_row(t, xv);
-      }
+      rows.get(t, xv);
       // Phase 1 (router_fwd_reg's sigmoid + bias case, p1_elem): raw -> intermediate, keys of raw + bias.
 #pragma unroll
       for (int j = 0; j < NJ; ++j) {
