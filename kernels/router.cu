@@ -2871,37 +2871,33 @@ router_fwd_qb(const T* __restrict__ logits, i64 num_tokens, int E, int K, float 
     }
     TM::sync();
 
-    // Dense outputs: the map (the k routes; the cutoff expert is not routed), zero probs, then the k probs.
+    // Dense outputs: the map (the k routes; the cutoff expert is not routed), zero probs, then the k probs;
+    // the histogram in the same pass (this thread wrote these raw values above: same thread, same addresses,
+    // no fence needed).
     const unsigned ck = cut_word[0];
     const int cidx = (int)cut_word[1];
+    const float cut = fdecode(ck);
     if (vec) {
       for (int c = r; c < nch; c += TEAM) {
         alignas(16) unsigned kv[CH];
         ldn<CH>(keys + c * CH, kv);
         dense_chunk_out<T, CH>(kv, c * CH, ck, cidx - 1, row, rmap, probs, nullptr);
-      }
-    } else {
-      for (int e = r; e < E; e += TEAM) {
-        qb_map_out(rmap, row, e, e != cidx && selected(keys[e], e, thr, il));
-        probs[row + e] = from_float<T>(0.0f);
-      }
-    }
-    TM::sync();  // orders the fill before the patch (same block)
-    for (int j = r; j < K; j += TEAM) probs[row + lidx[j]] = from_float<T>(P.lw[j]);
-    if (hmode) {
-      // this thread wrote these raw values above (same thread, same addresses: no fence needed)
-      const float cut = fdecode(ck);
-      if (vec) {
-        for (int c = r; c < nch; c += TEAM) {
+        if (hmode) {
           alignas(16) float av[CH];
           ldn<CH>(inter + row + (i64)c * CH, av);
 #pragma unroll
           for (int v = 0; v < CH; ++v) H.add(c * CH + v, cut, av[v]);
         }
-      } else {
-        for (int e = r; e < E; e += TEAM) H.add(e, cut, inter[row + e]);
+      }
+    } else {
+      for (int e = r; e < E; e += TEAM) {
+        qb_map_out(rmap, row, e, e != cidx && selected(keys[e], e, thr, il));
+        probs[row + e] = from_float<T>(0.0f);
+        if (hmode) H.add(e, cut, inter[row + e]);
       }
     }
+    TM::sync();  // orders the fill before the patch (same block)
+    for (int j = r; j < K; j += TEAM) probs[row + lidx[j]] = from_float<T>(P.lw[j]);
     TM::sync();
   }
   if (hmode == 2) {
