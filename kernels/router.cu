@@ -2582,9 +2582,13 @@ router_fwd_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, int s
 // adds them from (raw, cutoff) in a second kernel ("two_kernel"); all bin through qb_bin, so the modes count
 // the same bins.
 //
-// The selection of k + 1 (thr, il) holds the cutoff: its key is thr, its expert the largest index among the
-// selected keys equal to thr (il, or where the selection left il = kIntMax, the largest index with key thr).
-// The routes are then the experts with selected(key, e, thr, cidx - 1): the k + 1 without the cutoff.
+// The selection of k + 1 (thr, il) holds the cutoff: its key is the least selected key, its expert the
+// largest index among the selected keys equal to it. Where the selection left il set, that is (thr, il).
+// Where it left il = kIntMax (the selection is every key >= thr), thr may be no key at all: the radix
+// selects stop early with thr a digit prefix below the selected keys. The cutoff is then the least key >= thr
+// and the largest index holding it (router_fwd_qb takes the least of its k + 1 listed keys; router_fwd_qb_reg
+// reduces over its registers). With (ck, cidx) the cutoff, the routes are the experts with
+// selected(key, e, ck, cidx - 1): the k + 1 without the cutoff.
 //
 // The forward kernels' histogram (hmode): 0 none (the two-kernel mode), 1 one global int32 atomic a sample,
 // 2 a histogram of the block in shared memory after the token slots, 16-bit counters two to a word (sample
@@ -2734,7 +2738,16 @@ router_fwd_qb_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, fl
     } else {
       radix_select_reg<V, CH>(key, nch, K1, list, thr, il);
       cidx = il;
-      if (il == kIntMax) {  // every key equal to thr was taken: the cutoff is the last of them
+      if (il == kIntMax) {
+        // The k + 1 are exactly the keys >= thr, but thr need not be one of them: the radix select stops at
+        // the first digit whose bin holds exactly the keys still needed, and its thr is then that digit's
+        // prefix with zero low bits, a bound below them. The cutoff is their least key (thr from here on),
+        // on ties the last in index order.
+        unsigned least = 0xffffffffu;
+#pragma unroll
+        for (int q = 0; q < V; ++q)
+          if (lane + 32 * (q / CH) < nch && key[q] >= thr) least = min(least, key[q]);
+        thr = __reduce_min_sync(FULL_MASK, least);
         int last = -1;
 #pragma unroll
         for (int q = 0; q < V; ++q)
