@@ -2578,9 +2578,10 @@ router_fwd_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, int s
 //   bin = clamp(floor((r - lower) * (B / (upper - lower))), 0, B - 1)  in fp32, NaN -> 0,
 // with the bounds read on the device at every launch (a CUDA graph replays with the values in memory).
 // Integer atomics only: the counts are exact and do not depend on the order. The forward kernels
-// (router_fwd_qb_reg, router_fwd_qb) add them in their epilogue ("fused_atomic"); qb_histogram_accumulate
-// adds them from (raw, cutoff) in a second kernel ("two_kernel"); all bin through qb_bin, so the modes count
-// the same bins.
+// (router_fwd_qb_reg, router_fwd_qb) add them in their epilogue ("fused_atomic" where the histogram of a block
+// fits its shared memory, or T E is small); qb_histogram_accumulate adds them from (raw, cutoff) in a second
+// kernel ("two_kernel", and "fused_atomic" otherwise); all bin through qb_bin, so the modes count the same
+// bins.
 //
 // The selection of k + 1 (thr, il) holds the cutoff: its key is the least selected key, its expert the
 // largest index among the selected keys equal to it. Where the selection left il set, that is (thr, il).
@@ -2590,11 +2591,13 @@ router_fwd_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, int s
 // reduces over its registers). With (ck, cidx) the cutoff, the routes are the experts with
 // selected(key, e, ck, cidx - 1): the k + 1 without the cutoff.
 //
-// The forward kernels' histogram (hmode): 0 none (the two-kernel mode), 1 one global int32 atomic a sample,
-// 2 a histogram of the block in shared memory after the token slots, 16-bit counters two to a word (sample
-// (e, bin) at i = e B + bin: word i / 2, half i % 2), added to hist by global atomics at the block's end. The
-// host keeps every block under 65536 tokens, so no counter passes 0xffff (a sample adds one to one counter
-// per token). Modes 1 and 2 add the same integers.
+// The forward kernels' histogram (hmode): 0 none (qb_histogram_accumulate counts after the kernel), 1 one
+// global int32 atomic a sample, 2 a histogram of the block in shared memory after the token slots, 16-bit
+// counters two to a word (sample (e, bin) at i = e B + bin: word i / 2, half i % 2), added to hist by global
+// atomics at the block's end. The host keeps every block under 65536 tokens, so no counter passes 0xffff (a
+// sample adds one to one counter per token). Modes 1 and 2 add the same integers. In mode 2 the flush is the
+// cost that grows with the blocks (up to E B atomics each, at the end of a single resident wave), so
+// router_fwd_qb_reg then runs one block of every warp a multiprocessor holds (blockDim a multiple of 32).
 #ifndef MOE_RT_QB_ARGMAX_K1
 #define MOE_RT_QB_ARGMAX_K1 9  // router_fwd_qb_reg: the argmax rounds select k + 1 up to this, radix select above
 #endif
@@ -2655,15 +2658,16 @@ __device__ __forceinline__ void qb_map_out(bool* __restrict__ rmap, i64 row, int
 
 }  // namespace
 
-// The QB forward with the row in registers (router_fwd_reg's machinery: one warp a token, 4 tokens a block,
-// 16-byte rows, V keys a lane; requires vec and E / CH <= 32 * V / CH). probs, rmap (byte map), inter and
-// cutoff are written for every token; hist [E, B] int32 is accumulated by hmode (above; 0: not touched).
-// Shared memory: 4 slots of the radix list and the k routes' experts, keys and weights (layout_tail from word
-// 0: no group scratch), then (hmode 2) ceil(E B / 2) words of counters. Built for router_fwd_reg's blocks a
-// multiprocessor with groups (fp32 5, bf16 6 at V = 8: the shared histogram of E = 256, B = 64 leaves room
-// for 6).
+// The QB forward with the row in registers (router_fwd_reg's machinery: one warp a token, a token slot a
+// warp, 16-byte rows, V keys a lane; requires vec and E / CH <= 32 * V / CH). probs, rmap (byte map), inter
+// and cutoff are written for every token; hist [E, B] int32 is accumulated by hmode (above; 0: not touched).
+// Shared memory: a slot a warp of the radix list and the k routes' experts, keys and weights (layout_tail
+// from word 0: no group scratch), then (hmode 2) ceil(E B / 2) words of counters. Built for the register
+// budget of router_fwd_reg's blocks a multiprocessor with groups (fp32 5, bf16 6 blocks of 128 threads at
+// V = 8), taken as one block of up to 128 times as many threads: launched with 128 threads (hmode 0, 1) as
+// router_fwd_reg, or (hmode 2) with every warp a multiprocessor holds sharing one histogram.
 template <typename T, int V>
-__global__ void __launch_bounds__(128, MOE_RT_FWD_REG_MINB(V, T, true, false))
+__global__ void __launch_bounds__(128 * MOE_RT_FWD_REG_MINB(V, T, true, false), 1)
 router_fwd_qb_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, float scale,
                   const float* __restrict__ bias, T* __restrict__ probs, bool* __restrict__ rmap,
                   float* __restrict__ inter, float* __restrict__ cutoff, const float* __restrict__ bounds,
@@ -2682,18 +2686,19 @@ router_fwd_qb_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, fl
   int* lidx = P.lidx;
   float *lw = P.lw, *lp = P.lp;
   if (lane == 0) list[2 * kList] = 0u;
-  QbHist H{hist, sbase + 4 * L.total, B, hmode, 0.0f, 0.0f};
+  const int spb = blockDim.x >> 5;  // token slots a block
+  QbHist H{hist, sbase + (size_t)spb * L.total, B, hmode, 0.0f, 0.0f};
   if (hmode) H.sc = qb_scale(bounds, B, H.lo);
   if (hmode == 2) qb_smem_zero(H.s, E, B);
   __syncthreads();
 
   const int nch = E / CH;
   const int K1 = K + 1;
-  const i64 stride = (i64)gridDim.x * 4;
+  const i64 stride = (i64)gridDim.x * spb;
   RegRows<T, NJ, (V <= 16)> rows{logits, num_tokens, stride, E, nch, lane};
-  rows.start((i64)blockIdx.x * 4 + slot);
+  rows.start((i64)blockIdx.x * spb + slot);
 
-  for (i64 t = (i64)blockIdx.x * 4 + slot; t < num_tokens; t += stride) {
+  for (i64 t = (i64)blockIdx.x * spb + slot; t < num_tokens; t += stride) {
     const i64 row = t * (i64)E;
     unsigned key[V];
     float raw[V];
@@ -2919,48 +2924,53 @@ router_fwd_qb(const T* __restrict__ logits, i64 num_tokens, int E, int K, float 
   }
 }
 
-// The two-kernel mode's histogram: block (bx, by) counts experts [8 bx, 8 bx + 8) over its share of the
-// tokens (grid.y parts) in shared memory (SMEM: 8 * B int32; without it, straight global atomics) and adds
-// its counts to hist. raw [T, E] fp32 (sigmoid before the bias), cutoff [T] fp32.
+// The histogram from (raw, cutoff) after the forward kernel (the two-kernel mode; "fused_atomic" where the
+// forward keeps no histogram): block (bx, by) counts experts [32 bx, 32 bx + 32) (lane l: expert 32 bx + l, so
+// a warp reads 128 contiguous bytes of a row) over the by-th share of the tokens (warp w: tokens t0 + w,
+// t0 + w + nw, ...; U rows loaded before the first is counted). SMEM: the 32 experts' bins in shared memory,
+// lane l's at l S + bin with S = B | 1 (odd: lanes with equal bins hit distinct banks), added to hist at the
+// block's end; without it, straight global atomics. raw [T, E] fp32 (sigmoid before the bias), cutoff [T]
+// fp32; blockDim a multiple of 32.
 #if MOE_RT_WANTS(qb_histogram_accumulate)
 extern "C" __global__ void __launch_bounds__(256)
 qb_histogram_accumulate(const float* __restrict__ raw, const float* __restrict__ cutoff, long long num_tokens,
                         int E, const float* __restrict__ bounds, int* __restrict__ hist, int B, int use_smem) {
+  constexpr int U = 8;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   int* sh = reinterpret_cast<int*>(smem_raw);
-  const int e0 = blockIdx.x * 8, ne = min(8, E - e0);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  const int e0 = blockIdx.x * 32, e = e0 + lane, S = B | 1;
+  const bool valid = e < E;
   const long long per = (num_tokens + gridDim.y - 1) / gridDim.y;
   const long long t0 = (long long)blockIdx.y * per, t1 = min(num_tokens, t0 + per);
   float lo;
   const float sc = qb_scale(bounds, B, lo);
   if (use_smem) {
-    for (int i = threadIdx.x; i < ne * B; i += 256) sh[i] = 0;
+    for (int i = threadIdx.x; i < 32 * S; i += blockDim.x) sh[i] = 0;
     __syncthreads();
   }
-  if (ne == 8) {
-    // thread i takes expert e0 + i % 8 of tokens t0 + i / 8, + 32, ...: the samples of the loop below, without
-    // its 64-bit division a sample
-    const int el = threadIdx.x & 7;
-    const float* __restrict__ rp = raw + e0 + el;
-    int* const hp = use_smem ? sh + el * B : hist + (long long)(e0 + el) * B;
-#pragma unroll 4
-    for (long long t = t0 + (threadIdx.x >> 3); t < t1; t += 32)
-      atomicAdd(hp + qb_bin(cutoff[t], rp[t * E], lo, sc, B), 1);
-  } else {
-    const long long n = t1 > t0 ? (t1 - t0) * ne : 0;
-    for (long long i = threadIdx.x; i < n; i += 256) {
-      const long long t = t0 + i / ne;
-      const int el = (int)(i % ne);
-      const int bin = qb_bin(cutoff[t], raw[t * E + e0 + el], lo, sc, B);
-      if (use_smem) atomicAdd(sh + el * B + bin, 1);
-      else atomicAdd(hist + (long long)(e0 + el) * B + bin, 1);
+  int* const hp = use_smem ? sh + lane * S : hist + (long long)e * B;
+  const float* __restrict__ rp = raw + e;
+  for (long long t = t0 + warp; t < t1; t += (long long)nw * U) {
+    float r[U], c[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const long long tt = t + (long long)u * nw;
+      r[u] = 0.0f;
+      c[u] = 0.0f;
+      if (valid && tt < t1) { r[u] = rp[tt * E]; c[u] = cutoff[tt]; }
     }
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (valid && t + (long long)u * nw < t1) atomicAdd(hp + qb_bin(c[u], r[u], lo, sc, B), 1);
   }
   if (use_smem) {
     __syncthreads();
-    for (int i = threadIdx.x; i < ne * B; i += 256) {
-      const int c = sh[i];
-      if (c) atomicAdd(hist + (long long)e0 * B + i, c);
+    const int ne = min(32, E - e0);
+    for (int i = threadIdx.x; i < ne * B; i += blockDim.x) {
+      const int l = i / B, bin = i - l * B;
+      const int cnt = sh[l * S + bin];
+      if (cnt) atomicAdd(hist + (long long)e0 * B + i, cnt);
     }
   }
 }

@@ -583,7 +583,7 @@ def test_gpu_tie_and_bin_clamping(mode):
 def test_gpu_histogram_accumulate_alone(rng):
     import cupy as cp
 
-    T, E, B = 3000, 37, 9000  # 8 * B int32 above the shared memory: straight global atomics
+    T, E, B = 3000, 37, 9000  # 32 (B | 1) int32 above the shared memory: straight global atomics; then B = 50
     raw = rng.random((T, E)).astype(F32)
     cut = rng.random(T).astype(F32)
     bounds = np.array([-0.5, 0.5], F32)
@@ -685,26 +685,36 @@ def test_gpu_bias_update(rng):
 def test_forward_kernel_choice():
     """router_fwd_qb_reg where the plain forward takes router_fwd_reg (16-byte float32/bfloat16 rows up to
     E = 1024), router_fwd_qb otherwise; the shared-memory histogram (hmode 2) where ceil(E B / 2) words fit
-    _QB_SMEM_HIST_BYTES, global atomics (1) else, none (0) in the two-kernel mode; every name registered."""
+    _QB_SMEM_HIST_BYTES (router_fwd_qb_reg: one block of every warp it takes a multiprocessor, sized at
+    launch), else global atomics (1) up to _QB_ATOMIC_SAMPLES samples T E, else none (0: the histogram by
+    qb_histogram_accumulate after the kernel, as in the two-kernel mode, which is always 0); every name
+    registered."""
     names = _jit.REGISTRY["router.cu"]
-    cases = [((F32, 256, 8, 64, True, True), ("router_fwd_qb_reg<float, 8>", 2)),
-             ((BF16, 256, 8, 64, True, True), ("router_fwd_qb_reg<__nv_bfloat16, 8>", 2)),
-             ((F32, 512, 16, 48, True, True), ("router_fwd_qb_reg<float, 16>", 2)),
-             ((F32, 512, 16, 49, True, True), ("router_fwd_qb_reg<float, 16>", 1)),
-             ((F32, 1024, 8, 64, True, True), ("router_fwd_qb_reg<float, 32>", 1)),
-             ((BF16, 1024, 8, 4000, True, False), ("router_fwd_qb_reg<__nv_bfloat16, 32>", 0)),
-             ((F32, 256, 8, 64, False, True), ("router_fwd_qb<float, 32>", 2)),
-             ((np.float16, 256, 8, 64, True, True), ("router_fwd_qb<__half, 32>", 2)),
-             ((F32, 2304, 36, 64, True, True), ("router_fwd_qb<float, 32>", 1)),
-             ((BF16, 3000, 64, 5, True, True), ("router_fwd_qb<__nv_bfloat16, 128>", 2)),
-             ((F32, 16384, 17, 64, True, True), ("router_fwd_qb<float, 512>", 1))]
-    for (dt, E, K, B, vec, fused), (name, hmode) in cases:
-        got = R._qb_fwd_cfg(np.dtype(dt), E, K, B, vec, fused)
-        assert (got[0], got[5]) == (name, hmode), (dt, E, K, B, vec, fused, got)
+    T = 65536
+    cases = [((F32, T, 256, 8, 64, True, True), ("router_fwd_qb_reg<float, 8>", 2)),
+             ((BF16, T, 256, 8, 64, True, True), ("router_fwd_qb_reg<__nv_bfloat16, 8>", 2)),
+             ((F32, T, 512, 16, 48, True, True), ("router_fwd_qb_reg<float, 16>", 2)),
+             ((F32, T, 512, 16, 49, True, True), ("router_fwd_qb_reg<float, 16>", 0)),
+             ((F32, 512, 512, 16, 49, True, True), ("router_fwd_qb_reg<float, 16>", 1)),
+             ((F32, T, 1024, 8, 64, True, True), ("router_fwd_qb_reg<float, 32>", 0)),
+             ((BF16, T, 1024, 8, 4000, True, False), ("router_fwd_qb_reg<__nv_bfloat16, 32>", 0)),
+             ((F32, T, 256, 8, 64, False, True), ("router_fwd_qb<float, 32>", 2)),
+             ((np.float16, T, 256, 8, 64, True, True), ("router_fwd_qb<__half, 32>", 2)),
+             ((F32, T, 2304, 36, 64, True, True), ("router_fwd_qb<float, 32>", 0)),
+             ((F32, 113, 2304, 36, 64, True, True), ("router_fwd_qb<float, 32>", 1)),
+             ((BF16, T, 3000, 64, 5, True, True), ("router_fwd_qb<__nv_bfloat16, 128>", 2)),
+             ((F32, 16, 16384, 17, 64, True, True), ("router_fwd_qb<float, 512>", 1)),
+             ((F32, 17, 16384, 17, 64, True, True), ("router_fwd_qb<float, 512>", 0))]
+    for (dt, n, E, K, B, vec, fused), (name, hmode) in cases:
+        got = R._qb_fwd_cfg(np.dtype(dt), n, E, K, B, vec, fused)
+        assert (got[0], got[5]) == (name, hmode), (dt, n, E, K, B, vec, fused, got)
         assert got[0] in names
         hbytes = 4 * ((E * B + 1) // 2) if hmode == 2 else 0
         if got[0].startswith("router_fwd_qb_reg"):
-            assert got[1:4] == (128, 4, 16 * (2 * 64 + 4 + 4 * ((K + 3) & ~3)) + hbytes)
+            if hmode == 2:
+                assert got[1:5] == (None, None, hbytes, 0)
+            else:
+                assert got[1:4] == (128, 4, 16 * (2 * 64 + 4 + 4 * ((K + 3) & ~3)))
         else:
             team = R._team(E, fwd=True)
             spb = 4 if team == 32 else 1
@@ -712,10 +722,26 @@ def test_forward_kernel_choice():
     old = R._QB_SMEM_HIST_BYTES
     try:
         R._QB_SMEM_HIST_BYTES = 0
-        assert R._qb_hmode(8, 1, True) == 1 and R._qb_hmode(8, 1, False) == 0
+        assert R._qb_hmode(8, 8, 1, True) == 1 and R._qb_hmode(8, 8, 1, False) == 0
+        assert R._qb_hmode(1 << 15, 8, 1, True) == 1 and R._qb_hmode((1 << 15) + 1, 8, 1, True) == 0
     finally:
         R._QB_SMEM_HIST_BYTES = old
-    assert R._qb_hmode(256, 64, True) == 2 and R._qb_hmode(256, 97, True) == 1
+    assert R._qb_hmode(65536, 256, 64, True) == 2 and R._qb_hmode(65536, 256, 97, True) == 0
+    assert R._qb_hmode(1000, 256, 97, True) == 1 and R._qb_hmode(1000, 256, 64, False) == 0
+
+
+def test_histogram_kernel_grid(monkeypatch):
+    """qb_histogram_accumulate: strips of 32 experts, token shares filling one resident wave with them (each
+    of at least max(256, 4 B) tokens), the strip's 32 (B | 1) counters in shared memory when they fit."""
+    props = {"sm_count": 132, "smem_per_block_optin": 227 * 1024, "smem_per_sm": 228 * 1024}
+    monkeypatch.setattr(_jit, "device_properties", lambda dev: props)
+    # 48 registers: 5 blocks of 256 threads a multiprocessor, 660 resident
+    assert R._qb_hist_grid(65536, 256, 64, 0, 48) == ((8, 82), 4 * 32 * 65, True)
+    assert R._qb_hist_grid(65536, 2304, 64, 0, 48) == ((72, 9), 4 * 32 * 65, True)
+    assert R._qb_hist_grid(65536, 16384, 64, 0, 48) == ((512, 1), 4 * 32 * 65, True)
+    assert R._qb_hist_grid(1000, 100, 64, 0, 48) == ((4, 3), 4 * 32 * 65, True)
+    assert R._qb_hist_grid(7, 37, 5, 0, 48) == ((2, 1), 4 * 32 * 5, True)
+    assert R._qb_hist_grid(65536, 256, 2000, 0, 48) == ((8, 8), 0, False)  # 32 * 2001 int32 > 227 KiB
 
 
 def _qb_gpu_run(cp, x, bias, bounds, start, K, mode="fused_atomic"):
@@ -755,12 +781,18 @@ def test_gpu_kernel_paths_agree(rng, monkeypatch, case):
     bounds = np.array([-1.5, 1.5], F32)
     start = rng.integers(0, 1000, (E, B)).astype(np.int32)
     runs = {}
-    for variant, smem_bytes, block_tokens in [(None, 48 * 1024, 65532), (None, 0, 65532), ("generic", 48 * 1024, 65532),
-                                              ("generic", 0, 65532), (None, 48 * 1024, 4)]:
+    # (kernel variant, shared histogram bytes, tokens a block, samples for global atomics): the shared histogram,
+    # global atomics, the histogram kernel after the forward, for each forward kernel; blocks of a few tokens
+    many = 1 << 40
+    for variant, smem_bytes, block_tokens, atomic_samples in [
+            (None, 48 * 1024, 65535, many), (None, 0, 65535, many), (None, 0, 65535, 0),
+            ("generic", 48 * 1024, 65535, many), ("generic", 0, 65535, many), ("generic", 0, 65535, 0),
+            (None, 48 * 1024, 4, many), ("generic", 48 * 1024, 4, many)]:
         monkeypatch.setattr(R, "_FWD_VARIANT", variant)
         monkeypatch.setattr(R, "_QB_SMEM_HIST_BYTES", smem_bytes)
         monkeypatch.setattr(R, "_QB_BLOCK_TOKENS", block_tokens)
-        runs[(variant, smem_bytes, block_tokens)] = _qb_gpu_run(cp, x, bias, bounds, start, K)
+        monkeypatch.setattr(R, "_QB_ATOMIC_SAMPLES", atomic_samples)
+        runs[(variant, smem_bytes, block_tokens, atomic_samples)] = _qb_gpu_run(cp, x, bias, bounds, start, K)
     monkeypatch.setattr(R, "_FWD_VARIANT", None)
     runs["two_kernel"] = _qb_gpu_run(cp, x, bias, bounds, start, K, "two_kernel")
     first = next(iter(runs.values()))
@@ -795,5 +827,5 @@ def test_gpu_shared_histogram_counters_near_wrap(monkeypatch, variant):
     hist = cp.full((E, 1), 7, cp.int32)
     R.topk_with_score_qb(cp.asarray(x), K, expert_bias=cp.zeros(E, cp.float32), qb_histogram=hist,
                          qb_bin_bounds=cp.asarray([-1.0, 1.0], cp.float32))
-    assert R._qb_hmode(E, 1, True) == 2
+    assert R._qb_hmode(T, E, 1, True) == 2
     np.testing.assert_array_equal(hist.get(), np.full((E, 1), T + 7, np.int32))
