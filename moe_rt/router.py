@@ -906,6 +906,10 @@ def _launch_qb_hist(call, raw, cut, T, E, bounds, hist, B):
 _QB_SMEM_HIST_BYTES = int(os.environ.get("MOE_RT_QB_SMEM_HIST_BYTES", 48 * 1024))
 _QB_ATOMIC_SAMPLES = 1 << 18
 _QB_BLOCK_TOKENS = 65535  # hmode 2: tokens a block at most (below 2^16: no counter wraps)
+# router_fwd_qb_reg with the shared histogram: warps a block at most (0: every warp the kernel takes on a
+# multiprocessor; 4: the plain forward's blocks, 5-6 histograms and flushes a multiprocessor). A benchmark
+# variant, MOE_RT_QB_REG_WARPS at import; tests patch the attribute.
+_QB_REG_WARPS = int(os.environ.get("MOE_RT_QB_REG_WARPS", 0))
 
 
 def _qb_hmode(T, E, B, fused):
@@ -948,8 +952,9 @@ def _launch_qb_fwd(call, x, T, E, K, scale, b32, probs, rmap, inter, cut, bounds
     name, threads, spb, smem, tpw, hmode = _qb_fwd_cfg(x.dtype, T, E, K, B, vec, fused)
     fn = _jit.function(_FILE, name)
     if threads is None:
-        threads = fn.max_threads_per_block // 32 * 32
-        spb = threads // 32
+        spb = fn.max_threads_per_block // 32
+        spb = min(spb, _QB_REG_WARPS) if _QB_REG_WARPS > 0 else spb
+        threads = 32 * spb
         smem += 4 * spb * _qb_reg_slot_words(K)
     _jit.set_max_dynamic_shared(fn, smem)
     resident = _grid(1 << 30, threads, smem, call.device_id, getattr(fn, "num_regs", 0))

@@ -781,18 +781,17 @@ def test_gpu_kernel_paths_agree(rng, monkeypatch, case):
     bounds = np.array([-1.5, 1.5], F32)
     start = rng.integers(0, 1000, (E, B)).astype(np.int32)
     runs = {}
-    # (kernel variant, shared histogram bytes, tokens a block, samples for global atomics): the shared histogram,
-    # global atomics, the histogram kernel after the forward, for each forward kernel; blocks of a few tokens
+    # (kernel variant, shared histogram bytes, tokens a block, samples for global atomics, register kernel's
+    # warps a block): the shared histogram, global atomics, the histogram kernel after the forward, for each
+    # forward kernel; blocks of a few tokens; the register kernel's shared histogram on blocks of 4 warps
     many = 1 << 40
-    for variant, smem_bytes, block_tokens, atomic_samples in [
-            (None, 48 * 1024, 65535, many), (None, 0, 65535, many), (None, 0, 65535, 0),
-            ("generic", 48 * 1024, 65535, many), ("generic", 0, 65535, many), ("generic", 0, 65535, 0),
-            (None, 48 * 1024, 4, many), ("generic", 48 * 1024, 4, many)]:
-        monkeypatch.setattr(R, "_FWD_VARIANT", variant)
-        monkeypatch.setattr(R, "_QB_SMEM_HIST_BYTES", smem_bytes)
-        monkeypatch.setattr(R, "_QB_BLOCK_TOKENS", block_tokens)
-        monkeypatch.setattr(R, "_QB_ATOMIC_SAMPLES", atomic_samples)
-        runs[(variant, smem_bytes, block_tokens, atomic_samples)] = _qb_gpu_run(cp, x, bias, bounds, start, K)
+    for cfg in [(None, 48 * 1024, 65535, many, 0), (None, 0, 65535, many, 0), (None, 0, 65535, 0, 0),
+                ("generic", 48 * 1024, 65535, many, 0), ("generic", 0, 65535, many, 0), ("generic", 0, 65535, 0, 0),
+                (None, 48 * 1024, 4, many, 0), ("generic", 48 * 1024, 4, many, 0), (None, 48 * 1024, 65535, many, 4)]:
+        for attr, value in zip(("_FWD_VARIANT", "_QB_SMEM_HIST_BYTES", "_QB_BLOCK_TOKENS", "_QB_ATOMIC_SAMPLES",
+                                "_QB_REG_WARPS"), cfg):
+            monkeypatch.setattr(R, attr, value)
+        runs[cfg] = _qb_gpu_run(cp, x, bias, bounds, start, K)
     monkeypatch.setattr(R, "_FWD_VARIANT", None)
     runs["two_kernel"] = _qb_gpu_run(cp, x, bias, bounds, start, K, "two_kernel")
     first = next(iter(runs.values()))
