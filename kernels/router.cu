@@ -2593,8 +2593,8 @@ router_fwd_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, int s
 //
 // The forward kernels' histogram (hmode): 0 none (qb_histogram_accumulate counts after the kernel), 1 one
 // global int32 atomic a sample, 2 a histogram of the block in shared memory after the token slots, 16-bit
-// counters two to a word (sample (e, bin) at i = e B + bin: word i / 2, half i % 2), added to hist by global
-// atomics at the block's end. The host keeps every block under 65536 tokens, so no counter passes 0xffff (a
+// counters two to a word (E ceil(B / 2) words; qb_smem_word), added to hist by global atomics at the block's
+// end. The host keeps every block under 65536 tokens, so no counter passes 0xffff (a
 // sample adds one to one counter per token). Modes 1 and 2 add the same integers. In mode 2 the flush is the
 // cost that grows with the blocks (up to E B atomics each, at the end of a single resident wave), so
 // router_fwd_qb_reg then runs one block of every warp a multiprocessor holds (blockDim a multiple of 32).
@@ -2615,17 +2615,29 @@ __device__ __forceinline__ int qb_bin(float cut, float raw, float lo, float sc, 
   return (int)fminf(fmaxf(v, 0.0f), (float)(B - 1));
 }
 
+// hmode 2's layout: expert e's bins in R = ceil(B / 2) words from word e R, bins 2 p and 2 p + 1 in word p
+// (low and high half) rotated by the expert's 16-byte chunk (e >> csh) modulo a power of two <= R: word
+// e R + (p + rot) mod R. The lanes of a warp add to the experts of consecutive chunks at once; without the
+// rotation their words would share a bank whenever their bins' halves agree (R a multiple of 32, e.g. B = 64:
+// bank = p), and the bins of one token's experts bunch around a few values, so most lanes would wait on a
+// few banks. With it, lanes with equal p (and R a multiple of 32) use distinct banks.
+__device__ __forceinline__ int qb_rot_mask(int R) { return (1 << (31 - __clz(R))) - 1; }
+__device__ __forceinline__ int qb_smem_word(int e, int p, int R, int csh) {
+  const int q = p + ((e >> csh) & qb_rot_mask(R));
+  return e * R + (q >= R ? q - R : q);
+}
+
 // The histogram of a forward kernel (hmode 1 or 2 above).
 struct QbHist {
   int* __restrict__ g;  // [E, B] int32 in global memory
-  unsigned* s;          // hmode 2: the block's 16-bit counters
+  unsigned* s;          // hmode 2: the block's 16-bit counters (qb_smem_word)
   int B, mode;
   float lo, sc;
+  int csh;  // log2 of the experts a 16-byte chunk holds (the rotation's unit)
   __device__ __forceinline__ void add(int e, float cut, float raw) const {
     const int bin = qb_bin(cut, raw, lo, sc, B);
     if (mode == 2) {
-      const int i = e * B + bin;  // E B < 2^17 in this mode
-      atomicAdd(s + (i >> 1), 1u << ((i & 1) << 4));
+      atomicAdd(s + qb_smem_word(e, bin >> 1, (B + 1) >> 1, csh), 1u << ((bin & 1) << 4));
     } else {
       atomicAdd(g + (i64)e * B + bin, 1);
     }
@@ -2634,20 +2646,25 @@ struct QbHist {
 
 // hmode 2: zero the block's counters (before the first token; the caller syncs the block after).
 __device__ __forceinline__ void qb_smem_zero(unsigned* s, int E, int B) {
-  const int words = (E * B + 1) >> 1;
+  const int words = E * ((B + 1) >> 1);
   for (int w = threadIdx.x; w < words; w += blockDim.x) s[w] = 0u;
 }
 
 // hmode 2: the block's counts into hist (after the last token; the caller syncs the block before). Each block
 // starts at its own word, so that blocks ending together send their atomics to different addresses.
-__device__ __forceinline__ void qb_smem_flush(const unsigned* s, int* __restrict__ g, int E, int B) {
-  const int n = E * B, words = (n + 1) >> 1;
+__device__ __forceinline__ void qb_smem_flush(const unsigned* s, int* __restrict__ g, int E, int B, int csh) {
+  const int R = (B + 1) >> 1, words = E * R, rmask = qb_rot_mask(R);
   const int first = (int)(((unsigned long long)blockIdx.x * 4099u) % (unsigned)words);
   for (int i = threadIdx.x; i < words; i += blockDim.x) {
     const int w = i < words - first ? i + first : i - (words - first);
     const unsigned c = s[w];
-    if (c & 0xffffu) atomicAdd(g + 2 * w, (int)(c & 0xffffu));
-    if (c >> 16) atomicAdd(g + 2 * w + 1, (int)(c >> 16));
+    if (c == 0u) continue;
+    const int e = w / R;
+    int p = w - e * R - ((e >> csh) & rmask);  // qb_smem_word inverted
+    p = p < 0 ? p + R : p;
+    int* const ge = g + (i64)e * B + 2 * p;
+    if (c & 0xffffu) atomicAdd(ge, (int)(c & 0xffffu));
+    if (c >> 16) atomicAdd(ge + 1, (int)(c >> 16));  // bin 2 p + 1 < B: an odd B's last high half stays 0
   }
 }
 
@@ -2662,7 +2679,7 @@ __device__ __forceinline__ void qb_map_out(bool* __restrict__ rmap, i64 row, int
 // warp, 16-byte rows, V keys a lane; requires vec and E / CH <= 32 * V / CH). probs, rmap (byte map), inter
 // and cutoff are written for every token; hist [E, B] int32 is accumulated by hmode (above; 0: not touched).
 // Shared memory: a slot a warp of the radix list and the k routes' experts, keys and weights (layout_tail
-// from word 0: no group scratch), then (hmode 2) ceil(E B / 2) words of counters. Built for the register
+// from word 0: no group scratch), then (hmode 2) E ceil(B / 2) words of counters. Built for the register
 // budget of router_fwd_reg's blocks a multiprocessor with groups (fp32 5, bf16 6 blocks of 128 threads at
 // V = 8), taken as one block of up to 128 times as many threads: launched with 128 threads (hmode 0, 1) as
 // router_fwd_reg, or (hmode 2) with every warp a multiprocessor holds sharing one histogram.
@@ -2687,7 +2704,7 @@ router_fwd_qb_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, fl
   float *lw = P.lw, *lp = P.lp;
   if (lane == 0) list[2 * kList] = 0u;
   const int spb = blockDim.x >> 5;  // token slots a block
-  QbHist H{hist, sbase + (size_t)spb * L.total, B, hmode, 0.0f, 0.0f};
+  QbHist H{hist, sbase + (size_t)spb * L.total, B, hmode, 0.0f, 0.0f, CH == 8 ? 3 : 2};
   if (hmode) H.sc = qb_scale(bounds, B, H.lo);
   if (hmode == 2) qb_smem_zero(H.s, E, B);
   __syncthreads();
@@ -2790,7 +2807,7 @@ router_fwd_qb_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, fl
   }
   if (hmode == 2) {
     __syncthreads();
-    qb_smem_flush(H.s, hist, E, B);
+    qb_smem_flush(H.s, hist, E, B, H.csh);
   }
 }
 
@@ -2798,7 +2815,7 @@ router_fwd_qb_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, fl
 // in shared memory (the slot layout of router_fwd for k + 1 and no groups); vec (16-byte rows, as in
 // router_fwd): phase 1 and the dense outputs in 16-byte chunks. probs, rmap, inter and cutoff are written for
 // every token; hist [E, B] int32 is accumulated by hmode (above; 0: not touched). Shared memory: SPB slots,
-// then (hmode 2) ceil(E B / 2) words of counters.
+// then (hmode 2) E ceil(B / 2) words of counters.
 template <typename T, int TEAM>
 __global__ void __launch_bounds__(TEAM == 32 ? 128 : TEAM, MOE_RT_FWD_MINB(TEAM))
 router_fwd_qb(const T* __restrict__ logits, i64 num_tokens, int E, int K, float scale,
@@ -2823,7 +2840,7 @@ router_fwd_qb(const T* __restrict__ logits, i64 num_tokens, int E, int K, float 
   int* wcount = reinterpret_cast<int*>(base + L.wcount);
   int* wlist = reinterpret_cast<int*>(base + L.wlist);
   if (r == 0) list[2 * kList] = 0u;
-  QbHist H{hist, sbase + SPB * L.total, B, hmode, 0.0f, 0.0f};
+  QbHist H{hist, sbase + SPB * L.total, B, hmode, 0.0f, 0.0f, CH == 8 ? 3 : 2};
   if (hmode) H.sc = qb_scale(bounds, B, H.lo);
   if (hmode == 2) qb_smem_zero(H.s, E, B);
   __syncthreads();
@@ -2920,7 +2937,7 @@ router_fwd_qb(const T* __restrict__ logits, i64 num_tokens, int E, int K, float 
   }
   if (hmode == 2) {
     __syncthreads();
-    qb_smem_flush(H.s, hist, E, B);
+    qb_smem_flush(H.s, hist, E, B, H.csh);
   }
 }
 

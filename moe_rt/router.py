@@ -896,7 +896,7 @@ def _launch_qb_hist(call, raw, cut, T, E, bounds, hist, B):
 
 
 # The "fused_atomic" histogram: in the forward kernel, a per-block histogram of 16-bit counters in shared
-# memory (flushed by global atomics at the block's end) where its ceil(E B / 2) words take at most this many
+# memory (flushed by global atomics at the block's end) where its E ceil(B / 2) words take at most this many
 # bytes; else, up to _QB_ATOMIC_SAMPLES samples (T E), one global atomic a sample in the forward kernel; else
 # the forward kernel counts nothing and qb_histogram_accumulate runs after it, as in the two-kernel mode (on
 # H100, E = 2304, T = 65536: 151M global atomics from the forward took 2.42 ms, the two kernels 1.27 ms; the
@@ -918,7 +918,7 @@ def _qb_hmode(T, E, B, fused):
     atomics, 2 the block's shared histogram (kernels/router.cu, "Quantile Balancing")."""
     if not fused:
         return 0
-    if 4 * ((E * B + 1) // 2) <= _QB_SMEM_HIST_BYTES:
+    if 4 * E * ((B + 1) // 2) <= _QB_SMEM_HIST_BYTES:
         return 2
     return 1 if T * E <= _QB_ATOMIC_SAMPLES else 0
 
@@ -932,7 +932,7 @@ def _qb_fwd_cfg(dtype, T, E, K, B, vec, fused):
     takes (resolved at launch; shared memory: the histogram's bytes here, plus a slot a warp then)."""
     ct = _jit.ctype(dtype)
     hmode = _qb_hmode(T, E, B, fused)
-    hbytes = 4 * ((E * B + 1) // 2) if hmode == 2 else 0
+    hbytes = 4 * E * ((B + 1) // 2) if hmode == 2 else 0
     v = _reg_v(E, 16 // dtype.itemsize, vec, dtype)
     if v:
         name = f"router_fwd_qb_reg<{ct}, {v}>"

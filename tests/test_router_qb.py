@@ -684,7 +684,7 @@ def test_gpu_bias_update(rng):
 
 def test_forward_kernel_choice():
     """router_fwd_qb_reg where the plain forward takes router_fwd_reg (16-byte float32/bfloat16 rows up to
-    E = 1024), router_fwd_qb otherwise; the shared-memory histogram (hmode 2) where ceil(E B / 2) words fit
+    E = 1024), router_fwd_qb otherwise; the shared-memory histogram (hmode 2) where E ceil(B / 2) words fit
     _QB_SMEM_HIST_BYTES (router_fwd_qb_reg: one block of every warp it takes a multiprocessor, sized at
     launch), else global atomics (1) up to _QB_ATOMIC_SAMPLES samples T E, else none (0: the histogram by
     qb_histogram_accumulate after the kernel, as in the two-kernel mode, which is always 0); every name
@@ -709,7 +709,7 @@ def test_forward_kernel_choice():
         got = R._qb_fwd_cfg(np.dtype(dt), n, E, K, B, vec, fused)
         assert (got[0], got[5]) == (name, hmode), (dt, n, E, K, B, vec, fused, got)
         assert got[0] in names
-        hbytes = 4 * ((E * B + 1) // 2) if hmode == 2 else 0
+        hbytes = 4 * E * ((B + 1) // 2) if hmode == 2 else 0
         if got[0].startswith("router_fwd_qb_reg"):
             if hmode == 2:
                 assert got[1:5] == (None, None, hbytes, 0)
