@@ -3,6 +3,7 @@ implementation of the semantics, TransformerEngine's test cases, the bias update
 adapters and moe_rt.te on CPU, and (marker ``gpu``) both CUDA modes against the reference, bitwise against
 each other, and under CUDA graph replay with new bounds."""
 import math
+import re
 
 import numpy as np
 import pytest
@@ -758,6 +759,32 @@ QB_PATH_CASES = [(1000, 256, 8, 64, F32, False), (1000, 256, 8, 64, BF16, False)
                  (300, 1024, 31, 24, F32, False), (300, 1024, 40, 24, BF16, True), (129, 2304, 36, 64, F32, False),
                  (129, 2304, 36, 10, BF16, True), (61, 100, 5, 33, F32, False), (59, 37, 6, 5, np.float16, True),
                  (65, 3000, 64, 8, BF16, False)]
+
+
+def test_gpu_cases_reach_every_selection(monkeypatch):
+    """The GPU tables reach every selection of the k + 1 in the QB forward kernels, without ties too:
+    router_fwd_qb_reg's argmax rounds (k + 1 <= MOE_RT_QB_ARGMAX_K1) and its radix select (above; its early
+    stop leaves thr below the selected keys, which once routed all k + 1 in every row: E = 896, K = 16 of
+    GPU_CASES), router_fwd_qb's one-warp argmax (k + 1 <= 8) and radix select, and the larger teams'."""
+    k1 = int(re.search(r"#define MOE_RT_QB_ARGMAX_K1 (\d+)", _jit.source("router.cu")).group(1))
+
+    def selection(dtype, E, K, variant):
+        monkeypatch.setattr(R, "_FWD_VARIANT", variant)
+        dt = np.dtype(dtype)
+        name = R._qb_fwd_cfg(dt, 1, E, K, 1, E % (16 // dt.itemsize) == 0, False)[0]
+        if name.startswith("router_fwd_qb_reg"):
+            return "register", "argmax" if K + 1 <= k1 else "radix"
+        if R._team(E, fwd=True) == 32:
+            return "one warp", "argmax" if K + 1 <= 8 else "radix"
+        return "team", "radix"
+
+    every = {("register", "argmax"), ("register", "radix"), ("one warp", "argmax"), ("one warp", "radix"),
+             ("team", "radix")}
+    untied = {selection(c[4], c[1], c[2], None) for c in GPU_CASES}
+    untied |= {selection(c[4], c[1], c[2], v) for c in QB_PATH_CASES if not c[5] for v in (None, "generic")}
+    assert untied == every
+    assert {selection(c[4], c[1], c[2], v) for c in QB_PATH_CASES if c[5] for v in (None, "generic")} >= {
+        ("register", "argmax"), ("register", "radix"), ("one warp", "argmax"), ("one warp", "radix")}
 
 
 @pytest.mark.gpu
