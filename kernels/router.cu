@@ -2277,6 +2277,44 @@ router_fwd(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score
   }
 }
 
+namespace {
+
+// The rows of a register kernel (one warp a token, 4 tokens a block, `stride` tokens apart): lane `lane` holds
+// chunks lane + 32 j (j < NJ) of 16 bytes. PREFETCH (small rows): the next token's chunks are loaded while
+// this one is processed. (router_fwd_reg keeps the same steps inline: written with this struct, its code
+// changed (H100 SASS 128-256 bytes longer), unmeasured.)
+template <typename T, int NJ, bool PREFETCH>
+struct RegRows {
+  static constexpr int CH = 16 / (int)sizeof(T);
+  const T* __restrict__ logits;
+  i64 num_tokens, stride;
+  int E, nch, lane;
+  alignas(16) T next[NJ][CH];
+  __device__ __forceinline__ void load(i64 tt, T (&xv)[NJ][CH]) const {
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+      if (lane + 32 * j < nch) ldn<CH>(logits + tt * (i64)E + (i64)(lane + 32 * j) * CH, xv[j]);
+  }
+  // before the first token t0
+  __device__ __forceinline__ void start(i64 t0) {
+    if (PREFETCH && t0 < num_tokens) load(t0, next);
+  }
+  // token t's chunks into xv
+  __device__ __forceinline__ void get(i64 t, T (&xv)[NJ][CH]) {
+    if constexpr (PREFETCH) {
+#pragma unroll
+      for (int j = 0; j < NJ; ++j)
+#pragma unroll
+        for (int v = 0; v < CH; ++v) xv[j][v] = next[j][v];
+      if (t + stride < num_tokens) load(t + stride, next);
+    } else {
+      load(t, xv);
+    }
+  }
+};
+
+}  // namespace
+
 // ---- forward with the row in registers: one warp per token, 4 tokens per block -------------------------
 // Same parameters, outputs and bits as router_fwd<T, 32>; requires vec and E / CH <= 32 * V / CH. GROUPS =
 // false: compiled without the group-limited selection (G = 0 only), which frees registers. LANESEL = true
@@ -2539,9 +2577,30 @@ router_fwd_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, int s
 // token t adds one count to hist[e, bin(cutoff_t - raw_te)], raw = sigmoid(logit) before the bias:
 //   bin = clamp(floor((r - lower) * (B / (upper - lower))), 0, B - 1)  in fp32, NaN -> 0,
 // with the bounds read on the device at every launch (a CUDA graph replays with the values in memory).
-// Integer atomics only: the counts are exact and do not depend on the order. router_fwd_qb adds them in
-// its epilogue (hist != null: "fused_atomic"); qb_histogram_accumulate adds them from (raw, cutoff) in a
-// second kernel ("two_kernel"); both bin through qb_bin, so the two modes count the same bins.
+// Integer atomics only: the counts are exact and do not depend on the order. The forward kernels
+// (router_fwd_qb_reg, router_fwd_qb) add them in their epilogue ("fused_atomic" where the histogram of a block
+// fits its shared memory, or T E is small); qb_histogram_accumulate adds them from (raw, cutoff) in a second
+// kernel ("two_kernel", and "fused_atomic" otherwise); all bin through qb_bin, so the modes count the same
+// bins.
+//
+// The selection of k + 1 (thr, il) holds the cutoff: its key is the least selected key, its expert the
+// largest index among the selected keys equal to it. Where the selection left il set, that is (thr, il).
+// Where it left il = kIntMax (the selection is every key >= thr), thr may be no key at all: the radix
+// selects stop early with thr a digit prefix below the selected keys. The cutoff is then the least key >= thr
+// and the largest index holding it (router_fwd_qb takes the least of its k + 1 listed keys; router_fwd_qb_reg
+// reduces over its registers). With (ck, cidx) the cutoff, the routes are the experts with
+// selected(key, e, ck, cidx - 1): the k + 1 without the cutoff.
+//
+// The forward kernels' histogram (hmode): 0 none (qb_histogram_accumulate counts after the kernel), 1 one
+// global int32 atomic a sample, 2 a histogram of the block in shared memory after the token slots, 16-bit
+// counters two to a word (E ceil(B / 2) words; qb_smem_word), added to hist by global atomics at the block's
+// end. The host keeps every block under 65536 tokens, so no counter passes 0xffff (a
+// sample adds one to one counter per token). Modes 1 and 2 add the same integers. In mode 2 the flush is the
+// cost that grows with the blocks (up to E B atomics each, at the end of a single resident wave), so
+// router_fwd_qb_reg then runs one block of every warp a multiprocessor holds (blockDim a multiple of 32).
+#ifndef MOE_RT_QB_ARGMAX_K1
+#define MOE_RT_QB_ARGMAX_K1 9  // router_fwd_qb_reg: the argmax rounds select k + 1 up to this, radix select above
+#endif
 namespace {
 
 __device__ __forceinline__ float qb_scale(const float* __restrict__ bounds, int B, float& lo) {
@@ -2556,29 +2615,222 @@ __device__ __forceinline__ int qb_bin(float cut, float raw, float lo, float sc, 
   return (int)fminf(fmaxf(v, 0.0f), (float)(B - 1));
 }
 
-// The one place router_fwd_qb writes the routing map: entry e of the row at `row` (a bool byte map).
+// hmode 2's layout: expert e's bins in R = ceil(B / 2) words from word e R, bins 2 p and 2 p + 1 in word p
+// (low and high half) rotated by the expert's 16-byte chunk (e >> csh) modulo a power of two <= R: word
+// e R + (p + rot) mod R. The lanes of a warp add to the experts of consecutive chunks at once; without the
+// rotation their words would share a bank whenever their bins' halves agree (R a multiple of 32, e.g. B = 64:
+// bank = p), and the bins of one token's experts bunch around a few values, so most lanes would wait on a
+// few banks. With it, lanes with equal p (and R a multiple of 32) use distinct banks.
+__device__ __forceinline__ int qb_rot_mask(int R) { return (1 << (31 - __clz(R))) - 1; }
+__device__ __forceinline__ int qb_smem_word(int e, int p, int R, int csh) {
+  const int q = p + ((e >> csh) & qb_rot_mask(R));
+  return e * R + (q >= R ? q - R : q);
+}
+
+// The histogram of a forward kernel (hmode 1 or 2 above).
+struct QbHist {
+  int* __restrict__ g;  // [E, B] int32 in global memory
+  unsigned* s;          // hmode 2: the block's 16-bit counters (qb_smem_word)
+  int B, mode;
+  float lo, sc;
+  int csh;  // log2 of the experts a 16-byte chunk holds (the rotation's unit)
+  __device__ __forceinline__ void add(int e, float cut, float raw) const {
+    const int bin = qb_bin(cut, raw, lo, sc, B);
+    if (mode == 2) {
+      atomicAdd(s + qb_smem_word(e, bin >> 1, (B + 1) >> 1, csh), 1u << ((bin & 1) << 4));
+    } else {
+      atomicAdd(g + (i64)e * B + bin, 1);
+    }
+  }
+};
+
+// hmode 2: zero the block's counters (before the first token; the caller syncs the block after).
+__device__ __forceinline__ void qb_smem_zero(unsigned* s, int E, int B) {
+  const int words = E * ((B + 1) >> 1);
+  for (int w = threadIdx.x; w < words; w += blockDim.x) s[w] = 0u;
+}
+
+// hmode 2: the block's counts into hist (after the last token; the caller syncs the block before). Each block
+// starts at its own word, so that blocks ending together send their atomics to different addresses.
+__device__ __forceinline__ void qb_smem_flush(const unsigned* s, int* __restrict__ g, int E, int B, int csh) {
+  const int R = (B + 1) >> 1, words = E * R, rmask = qb_rot_mask(R);
+  const int first = (int)(((unsigned long long)blockIdx.x * 4099u) % (unsigned)words);
+  for (int i = threadIdx.x; i < words; i += blockDim.x) {
+    const int w = i < words - first ? i + first : i - (words - first);
+    const unsigned c = s[w];
+    if (c == 0u) continue;
+    const int e = w / R;
+    int p = w - e * R - ((e >> csh) & rmask);  // qb_smem_word inverted
+    p = p < 0 ? p + R : p;
+    int* const ge = g + (i64)e * B + 2 * p;
+    if (c & 0xffffu) atomicAdd(ge, (int)(c & 0xffffu));
+    if (c >> 16) atomicAdd(ge + 1, (int)(c >> 16));  // bin 2 p + 1 < B: an odd B's last high half stays 0
+  }
+}
+
+// The one place router_fwd_qb writes the routing map element by element: entry e of the row at `row`.
 __device__ __forceinline__ void qb_map_out(bool* __restrict__ rmap, i64 row, int e, bool routed) {
   rmap[row + e] = routed;
 }
 
 }  // namespace
 
-// One team of TEAM threads per token (TEAM = 32: 4 tokens a block), the row's keys in shared memory (the
-// slot layout of router_fwd for k + 1 and no groups). probs, rmap, inter and cutoff are written for every
-// token; hist (may be null: the two-kernel mode) is [E, B] int32, accumulated with global atomics.
+// The QB forward with the row in registers (router_fwd_reg's machinery: one warp a token, a token slot a
+// warp, 16-byte rows, V keys a lane; requires vec and E / CH <= 32 * V / CH). probs, rmap (byte map), inter
+// and cutoff are written for every token; hist [E, B] int32 is accumulated by hmode (above; 0: not touched).
+// Shared memory: a slot a warp of the radix list and the k routes' experts, keys and weights (layout_tail
+// from word 0: no group scratch), then (hmode 2) E ceil(B / 2) words of counters. Built for the register
+// budget of router_fwd_reg's blocks a multiprocessor with groups (fp32 5, bf16 6 blocks of 128 threads at
+// V = 8), taken as one block of up to 128 times as many threads: launched with 128 threads (hmode 0, 1) as
+// router_fwd_reg, or (hmode 2) with every warp a multiprocessor holds sharing one histogram.
+template <typename T, int V>
+__global__ void __launch_bounds__(128 * MOE_RT_FWD_REG_MINB(V, T, true, false), 1)
+router_fwd_qb_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, float scale,
+                  const float* __restrict__ bias, T* __restrict__ probs, bool* __restrict__ rmap,
+                  float* __restrict__ inter, float* __restrict__ cutoff, const float* __restrict__ bounds,
+                  int* __restrict__ hist, int B, int hmode) {
+  constexpr int CH = 16 / (int)sizeof(T);
+  constexpr int NJ = V / CH;
+  static_assert(NJ * CH == V, "V must be a multiple of the chunk size");
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int slot = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  RegLayout L;
+  L.keys = L.gkey = L.hist = 0;
+  layout_tail(L, 0, K);
+  unsigned* const sbase = reinterpret_cast<unsigned*>(smem_raw);
+  const SlotPtrs P = slot_ptrs(sbase + (size_t)slot * L.total, L);
+  unsigned *list = P.list, *lkey = P.lkey;
+  int* lidx = P.lidx;
+  float *lw = P.lw, *lp = P.lp;
+  if (lane == 0) list[2 * kList] = 0u;
+  const int spb = blockDim.x >> 5;  // token slots a block
+  QbHist H{hist, sbase + (size_t)spb * L.total, B, hmode, 0.0f, 0.0f, CH == 8 ? 3 : 2};
+  if (hmode) H.sc = qb_scale(bounds, B, H.lo);
+  if (hmode == 2) qb_smem_zero(H.s, E, B);
+  __syncthreads();
+
+  const int nch = E / CH;
+  const int K1 = K + 1;
+  const i64 stride = (i64)gridDim.x * spb;
+  RegRows<T, NJ, (V <= 16)> rows{logits, num_tokens, stride, E, nch, lane};
+  rows.start((i64)blockIdx.x * spb + slot);
+
+  for (i64 t = (i64)blockIdx.x * spb + slot; t < num_tokens; t += stride) {
+    const i64 row = t * (i64)E;
+    unsigned key[V];
+    float raw[V];
+    {
+      alignas(16) T xv[NJ][CH];
+      rows.get(t, xv);
+      // Phase 1 (router_fwd_reg's sigmoid + bias case, p1_elem): raw -> intermediate, keys of raw + bias.
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) {
+        const int c = lane + 32 * j;
+        if (c < nch) {
+          alignas(16) float bv[CH];
+          alignas(16) float av[CH];
+          ldn<CH>(bias + c * CH, bv);
+#pragma unroll
+          for (int v = 0; v < CH; ++v) {
+            av[v] = sigmoid_fwd(elem_f(xv[j], v));
+            raw[j * CH + v] = av[v];
+            key[j * CH + v] = fkey_arith(av[v] + bv[v]);
+          }
+          stn<CH>(inter + row + (i64)c * CH, av);
+        } else {
+#pragma unroll
+          for (int v = 0; v < CH; ++v) { key[j * CH + v] = 0u; raw[j * CH + v] = 0.0f; }
+        }
+      }
+    }
+
+    // Top k + 1 -> (thr, il); the cutoff expert cidx; the k routes in index order -> lidx/lkey.
+    unsigned thr;
+    int il, cidx;
+    if (K1 <= MOE_RT_QB_ARGMAX_K1) {
+      // lane r < k + 1 gets the r-th winner; the last (lane k) is the cutoff, il its expert
+      unsigned wk = 0u;
+      int wi = kIntMax;
+      argmax_reg<V, CH>(key, K1, thr, il, wk, wi);
+      cidx = il;
+      const int wr = lane < K ? wi : kIntMax;  // the routes; lanes >= k count for no lane
+      int pos = 0;
+      for (int i = 0; i < K; ++i) pos += __shfl_sync(FULL_MASK, wr, i) < wr ? 1 : 0;
+      if (lane < K) { lkey[pos] = wk; lidx[pos] = wi; }
+    } else {
+      radix_select_reg<V, CH>(key, nch, K1, list, thr, il);
+      cidx = il;
+      if (il == kIntMax) {
+        // The k + 1 are exactly the keys >= thr, but thr need not be one of them: the radix select stops at
+        // the first digit whose bin holds exactly the keys still needed, and its thr is then that digit's
+        // prefix with zero low bits, a bound below them. The cutoff is their least key (thr from here on),
+        // on ties the last in index order.
+        unsigned least = 0xffffffffu;
+#pragma unroll
+        for (int q = 0; q < V; ++q)
+          if (lane + 32 * (q / CH) < nch && key[q] >= thr) least = min(least, key[q]);
+        thr = __reduce_min_sync(FULL_MASK, least);
+        int last = -1;
+#pragma unroll
+        for (int q = 0; q < V; ++q)
+          if (lane + 32 * (q / CH) < nch && key[q] == thr) last = max(last, reg_expert<CH>(lane, q));
+        cidx = __reduce_max_sync(FULL_MASK, last);
+      }
+      compact_reg<V, CH>(key, nch, K, [&](unsigned kk, int e) { return selected(kk, e, thr, cidx - 1); },
+                         [&](int pos, unsigned kk, int e) { lkey[pos] = kk; lidx[pos] = e; });
+    }
+    const int ilr = cidx - 1;  // the routes: selected(key, e, thr, ilr)
+    if (lane == 0) cutoff[t] = fdecode(thr);
+    __syncwarp();
+
+    // The k weights (the plain sigmoid + bias forward's).
+    topk_weights(t, K, SIGMOID, 0, scale, bias, lidx, lkey, lw, lp, nullptr, 4, nullptr);
+    __syncwarp();
+
+    // Dense outputs: the map (the k routes), zero probs, then the k probs; the histogram from the registers.
+    for_chunks<NJ>(nch, [&](int j, int c) {
+      unsigned kv[CH];
+#pragma unroll
+      for (int v = 0; v < CH; ++v) kv[v] = key[j * CH + v];
+      dense_chunk_out<T, CH>(kv, c * CH, thr, ilr, row, rmap, probs, nullptr);
+    });
+    __syncwarp();  // orders the fill before the patch
+    for (int jj = lane; jj < K; jj += 32) probs[row + lidx[jj]] = from_float<T>(lw[jj]);
+    if (hmode) {
+      const float cut = fdecode(thr);
+      for_chunks<NJ>(nch, [&](int j, int c) {
+#pragma unroll
+        for (int v = 0; v < CH; ++v) H.add(c * CH + v, cut, raw[j * CH + v]);
+      });
+    }
+    __syncwarp();
+  }
+  if (hmode == 2) {
+    __syncthreads();
+    qb_smem_flush(H.s, hist, E, B, H.csh);
+  }
+}
+
+// The QB forward of any row: one team of TEAM threads per token (TEAM = 32: 4 tokens a block), the row's keys
+// in shared memory (the slot layout of router_fwd for k + 1 and no groups); vec (16-byte rows, as in
+// router_fwd): phase 1 and the dense outputs in 16-byte chunks. probs, rmap, inter and cutoff are written for
+// every token; hist [E, B] int32 is accumulated by hmode (above; 0: not touched). Shared memory: SPB slots,
+// then (hmode 2) E ceil(B / 2) words of counters.
 template <typename T, int TEAM>
-__global__ void __launch_bounds__(TEAM == 32 ? 128 : TEAM)
+__global__ void __launch_bounds__(TEAM == 32 ? 128 : TEAM, MOE_RT_FWD_MINB(TEAM))
 router_fwd_qb(const T* __restrict__ logits, i64 num_tokens, int E, int K, float scale,
               const float* __restrict__ bias, T* __restrict__ probs, bool* __restrict__ rmap,
               float* __restrict__ inter, float* __restrict__ cutoff, const float* __restrict__ bounds,
-              int* __restrict__ hist, int B) {
+              int* __restrict__ hist, int B, int hmode, int vec) {
   using TM = Team<TEAM>;
   constexpr int SPB = TEAM == 32 ? 4 : 1;
+  constexpr int CH = 16 / (int)sizeof(T);
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int slot = threadIdx.x / TEAM, r = threadIdx.x % TEAM, lane = threadIdx.x & 31, warp = r >> 5;
   const int K1 = K + 1, Kp = al4(K1);
   const Layout L = slot_layout<TEAM>(E, 0, K1);
-  unsigned* base = reinterpret_cast<unsigned*>(smem_raw) + (size_t)slot * L.total;
+  unsigned* const sbase = reinterpret_cast<unsigned*>(smem_raw);
+  unsigned* base = sbase + (size_t)slot * L.total;
   const SlotPtrs P = slot_ptrs(base, L);
   unsigned *keys = P.keys, *list = P.list, *lkey = P.lkey;
   unsigned* cut_word = P.hist;  // the slot's group scratch, unused without groups: the cutoff's (key, index)
@@ -2588,16 +2840,25 @@ router_fwd_qb(const T* __restrict__ logits, i64 num_tokens, int E, int K, float 
   int* wcount = reinterpret_cast<int*>(base + L.wcount);
   int* wlist = reinterpret_cast<int*>(base + L.wlist);
   if (r == 0) list[2 * kList] = 0u;
-  float lo = 0.0f, sc = 0.0f;
-  if (hist) sc = qb_scale(bounds, B, lo);
-  TM::sync();
+  QbHist H{hist, sbase + SPB * L.total, B, hmode, 0.0f, 0.0f, CH == 8 ? 3 : 2};
+  if (hmode) H.sc = qb_scale(bounds, B, H.lo);
+  if (hmode == 2) qb_smem_zero(H.s, E, B);
+  __syncthreads();
+  const int nch = vec ? E / CH : 0;
 
   for (i64 t = (i64)blockIdx.x * SPB + slot; t < num_tokens; t += (i64)gridDim.x * SPB) {
     const i64 row = t * (i64)E;
-    for (int e = r; e < E; e += TEAM) {
-      const float a = sigmoid_fwd(to_float(logits[row + e]));
-      inter[row + e] = a;
-      keys[e] = fkey_arith(a + bias[e]);
+    if (vec) {  // router_fwd's phase 1 on 16-byte rows, sigmoid + bias (its chunks loaded ahead without groups)
+      constexpr int U = TEAM == 32 ? MOE_RT_FWD_U_32 : MOE_RT_FWD_U;
+      float pmax = -kInf, psum = 0.0f;
+      Phase1Vec<T, TEAM, U> ph{logits + row, bias, keys, inter + row, nullptr, nch, r, pmax, psum};
+      ph.template run<SIGMOID, false, true>();
+    } else {
+      for (int e = r; e < E; e += TEAM) {
+        const float a = sigmoid_fwd(to_float(logits[row + e]));
+        inter[row + e] = a;
+        keys[e] = fkey_arith(a + bias[e]);
+      }
     }
     TM::sync();
     unsigned thr;
@@ -2645,56 +2906,88 @@ router_fwd_qb(const T* __restrict__ logits, i64 num_tokens, int E, int K, float 
     }
     TM::sync();
 
-    // Dense outputs: the map (the k routes; the cutoff expert is not routed), zero probs, then the k probs.
+    // Dense outputs: the map (the k routes; the cutoff expert is not routed), zero probs, then the k probs;
+    // the histogram in the same pass (this thread wrote these raw values above: same thread, same addresses,
+    // no fence needed).
     const unsigned ck = cut_word[0];
     const int cidx = (int)cut_word[1];
-    for (int e = r; e < E; e += TEAM) {
-      qb_map_out(rmap, row, e, e != cidx && selected(keys[e], e, thr, il));
-      probs[row + e] = from_float<T>(0.0f);
+    const float cut = fdecode(ck);
+    if (vec) {
+      for (int c = r; c < nch; c += TEAM) {
+        alignas(16) unsigned kv[CH];
+        ldn<CH>(keys + c * CH, kv);
+        dense_chunk_out<T, CH>(kv, c * CH, ck, cidx - 1, row, rmap, probs, nullptr);
+        if (hmode) {
+          alignas(16) float av[CH];
+          ldn<CH>(inter + row + (i64)c * CH, av);
+#pragma unroll
+          for (int v = 0; v < CH; ++v) H.add(c * CH + v, cut, av[v]);
+        }
+      }
+    } else {
+      for (int e = r; e < E; e += TEAM) {
+        qb_map_out(rmap, row, e, e != cidx && selected(keys[e], e, thr, il));
+        probs[row + e] = from_float<T>(0.0f);
+        if (hmode) H.add(e, cut, inter[row + e]);
+      }
     }
     TM::sync();  // orders the fill before the patch (same block)
     for (int j = r; j < K; j += TEAM) probs[row + lidx[j]] = from_float<T>(P.lw[j]);
-    if (hist) {
-      // this thread wrote these raw values above (same thread, same addresses: no fence needed)
-      const float cut = fdecode(ck);
-      for (int e = r; e < E; e += TEAM)
-        atomicAdd(hist + (i64)e * B + qb_bin(cut, inter[row + e], lo, sc, B), 1);
-    }
     TM::sync();
+  }
+  if (hmode == 2) {
+    __syncthreads();
+    qb_smem_flush(H.s, hist, E, B, H.csh);
   }
 }
 
-// The two-kernel mode's histogram: block (bx, by) counts experts [8 bx, 8 bx + 8) over its share of the
-// tokens (grid.y parts) in shared memory (SMEM: 8 * B int32; without it, straight global atomics) and adds
-// its counts to hist. raw [T, E] fp32 (sigmoid before the bias), cutoff [T] fp32.
+// The histogram from (raw, cutoff) after the forward kernel (the two-kernel mode; "fused_atomic" where the
+// forward keeps no histogram): block (bx, by) counts experts [32 bx, 32 bx + 32) (lane l: expert 32 bx + l, so
+// a warp reads 128 contiguous bytes of a row) over the by-th share of the tokens (warp w: tokens t0 + w,
+// t0 + w + nw, ...; U rows loaded before the first is counted). SMEM: the 32 experts' bins in shared memory,
+// lane l's at l S + bin with S = B | 1 (odd: lanes with equal bins hit distinct banks), added to hist at the
+// block's end; without it, straight global atomics. raw [T, E] fp32 (sigmoid before the bias), cutoff [T]
+// fp32; blockDim a multiple of 32.
 #if MOE_RT_WANTS(qb_histogram_accumulate)
 extern "C" __global__ void __launch_bounds__(256)
 qb_histogram_accumulate(const float* __restrict__ raw, const float* __restrict__ cutoff, long long num_tokens,
                         int E, const float* __restrict__ bounds, int* __restrict__ hist, int B, int use_smem) {
+  constexpr int U = 8;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   int* sh = reinterpret_cast<int*>(smem_raw);
-  const int e0 = blockIdx.x * 8, ne = min(8, E - e0);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  const int e0 = blockIdx.x * 32, e = e0 + lane, S = B | 1;
+  const bool valid = e < E;
   const long long per = (num_tokens + gridDim.y - 1) / gridDim.y;
   const long long t0 = (long long)blockIdx.y * per, t1 = min(num_tokens, t0 + per);
   float lo;
   const float sc = qb_scale(bounds, B, lo);
   if (use_smem) {
-    for (int i = threadIdx.x; i < ne * B; i += 256) sh[i] = 0;
+    for (int i = threadIdx.x; i < 32 * S; i += blockDim.x) sh[i] = 0;
     __syncthreads();
   }
-  const long long n = t1 > t0 ? (t1 - t0) * ne : 0;
-  for (long long i = threadIdx.x; i < n; i += 256) {
-    const long long t = t0 + i / ne;
-    const int el = (int)(i % ne);
-    const int bin = qb_bin(cutoff[t], raw[t * E + e0 + el], lo, sc, B);
-    if (use_smem) atomicAdd(sh + el * B + bin, 1);
-    else atomicAdd(hist + (long long)(e0 + el) * B + bin, 1);
+  int* const hp = use_smem ? sh + lane * S : hist + (long long)e * B;
+  const float* __restrict__ rp = raw + e;
+  for (long long t = t0 + warp; t < t1; t += (long long)nw * U) {
+    float r[U], c[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const long long tt = t + (long long)u * nw;
+      r[u] = 0.0f;
+      c[u] = 0.0f;
+      if (valid && tt < t1) { r[u] = rp[tt * E]; c[u] = cutoff[tt]; }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (valid && t + (long long)u * nw < t1) atomicAdd(hp + qb_bin(c[u], r[u], lo, sc, B), 1);
   }
   if (use_smem) {
     __syncthreads();
-    for (int i = threadIdx.x; i < ne * B; i += 256) {
-      const int c = sh[i];
-      if (c) atomicAdd(hist + (long long)e0 * B + i, c);
+    const int ne = min(32, E - e0);
+    for (int i = threadIdx.x; i < ne * B; i += blockDim.x) {
+      const int l = i / B, bin = i - l * B;
+      const int cnt = sh[l * S + bin];
+      if (cnt) atomicAdd(hist + (long long)e0 * B + i, cnt);
     }
   }
 }
@@ -3032,8 +3325,18 @@ router_bwd_sel(const T* __restrict__ grad, const bool* __restrict__ rmap, const 
   }
 }
 
+// Blocks a multiprocessor router_bwd_sel_reg is built for: 0 (no bound: the code of no bound given), but 8 for the bit-packed map with
+// fp32 rows on teams of up to 128 threads: left free it took 72 registers where the byte map's kernel takes 64
+// (7 blocks of 128 threads against 8), and ran 12% slower on the H100 (E = 2304, T = 65536: 0.444 ms against
+// 0.395); at 8 it has the byte map's register count.
+#ifndef MOE_RT_SELR_MINB_BITMAP_F32
+#define MOE_RT_SELR_MINB_BITMAP_F32 8
+#endif
+#define MOE_RT_SELR_MINB(T, TEAM, BITMAP) \
+  ((BITMAP) && sizeof(T) == 4 && (TEAM) <= 128 ? MOE_RT_SELR_MINB_BITMAP_F32 : 0)
+
 template <typename T, int TEAM, bool BITMAP = false>
-__global__ void __launch_bounds__(TEAM == 32 ? 128 : TEAM)
+__global__ void __launch_bounds__(TEAM == 32 ? 128 : TEAM, MOE_RT_SELR_MINB(T, TEAM, BITMAP))
 router_bwd_sel_reg(const T* __restrict__ grad, const bool* __restrict__ rmap, const float* __restrict__ inter,
                    i64 num_tokens, int E, int K, int score_fn, float scale, T* __restrict__ out) {
   using S = SelBwd<T, TEAM, BITMAP>;

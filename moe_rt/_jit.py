@@ -373,6 +373,7 @@ def write_manifest(root: str, archs) -> Path:
 
 # ---- loaded kernels ----------------------------------------------------------------------------------
 
+_CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK = 0
 _CU_FUNC_ATTRIBUTE_NUM_REGS = 4
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 
@@ -391,6 +392,13 @@ class Kernel:
     @property
     def ptr(self) -> int:
         return int(self.kernel.ptr)
+
+    @property
+    def max_threads_per_block(self) -> int:
+        """The most threads a block of this kernel may have (its launch bounds and registers)."""
+        from cupy.cuda import driver
+
+        return int(driver.funcGetAttribute(_CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, self.kernel.ptr))
 
     @property
     def num_regs(self) -> int:

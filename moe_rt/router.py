@@ -68,6 +68,7 @@ _jit.register(_FILE, [f"router_fwd<{c}, {team}>" for c in _jit.CTYPES.values() f
               + [f"aux_loss_final<{c}>" for c in _jit.CTYPES.values()]
               + [f"aux_loss_bwd<{c}>" for c in _jit.CTYPES.values()]
               + [f"router_fwd_qb<{c}, {team}>" for c in _jit.CTYPES.values() for team in _TEAMS]
+              + [f"router_fwd_qb_reg<{c}, {v}>" for c in ("float", "__nv_bfloat16") for v in _REG_V]
               + ["qb_histogram_accumulate"])
 # Quick kernels (_jit.function_tiered): compiled for one score case alone (_score_case), each computes the
 # bits of the kernel it stands in for in that case: a row of one warp, with groups (for the one-warp and
@@ -260,6 +261,11 @@ def _reg_slot_words(E, G, K, lanesel=False):
     if lanesel:
         return 4 * al4(K)
     return (al4(E) if G else 0) + al4(G) + 16 * 32 + 2 * 64 + 4 + 4 * al4(K)
+
+
+def _qb_reg_slot_words(K):
+    """A token slot of router_fwd_qb_reg: the radix list, then the K routes' experts, keys, weights, probs."""
+    return 2 * 64 + 4 + 4 * ((K + 3) & ~3)
 
 
 def _reg_v(E, ch, vec, dtype):
@@ -867,20 +873,102 @@ def _bounds_checked(call, dv, validated):
     return d
 
 
-def _qb_hist_grid(T, E, B, device_id):
-    """(grid, shared memory bytes, use_smem) of qb_histogram_accumulate: ceil(E/8) x min(4, max(1,
-    ceil(T/1024))) blocks, 8 experts' bins a block in shared memory when they fit."""
-    smem = 8 * B * 4
+def _qb_hist_grid(T, E, B, device_id, regs=0):
+    """(grid, shared memory bytes, use_smem) of qb_histogram_accumulate (256 threads): ceil(E / 32) strips of
+    32 experts x shares of the tokens, as many shares as fill one resident wave with the strips, each of at
+    least max(256, 4 B) tokens (a block's flush, up to 32 B atomics, stays under a quarter of its samples);
+    the strip's bins in shared memory (32 (B | 1) int32) when they fit a block."""
+    smem = 4 * 32 * (B | 1)
     use = smem <= _jit.device_properties(device_id)["smem_per_block_optin"]
-    return (-(-E // 8), min(4, max(1, -(-T // 1024)))), (smem if use else 0), use
+    smem = smem if use else 0
+    gx = -(-E // 32)
+    resident = _grid(1 << 30, 256, smem, device_id, regs)
+    gy = max(1, min(resident // gx, T // max(256, 4 * B)))
+    return (gx, gy), smem, use
 
 
 def _launch_qb_hist(call, raw, cut, T, E, bounds, hist, B):
-    grid, smem, use = _qb_hist_grid(T, E, B, call.device_id)
     fn = _jit.function(_FILE, "qb_histogram_accumulate")
+    grid, smem, use = _qb_hist_grid(T, E, B, call.device_id, getattr(fn, "num_regs", 0))
     _jit.set_max_dynamic_shared(fn, smem)
     _jit.launch(fn, grid, 256, (raw, cut, np.int64(T), np.int32(E), bounds, hist, np.int32(B), np.int32(use)),
                 shared_mem=smem, stream=call.stream)
+
+
+# The "fused_atomic" histogram: in the forward kernel, a per-block histogram of 16-bit counters in shared
+# memory (flushed by global atomics at the block's end) where its E ceil(B / 2) words take at most this many
+# bytes; else, up to _QB_ATOMIC_SAMPLES samples (T E), one global atomic a sample in the forward kernel; else
+# the forward kernel counts nothing and qb_histogram_accumulate runs after it, as in the two-kernel mode (on
+# H100, E = 2304, T = 65536: 151M global atomics from the forward took 2.42 ms, the two kernels 1.27 ms; the
+# atomics' rate there, about 1e11 a second, puts 2^18 of them near 3 us, a second launch's cost). All add the
+# same integers. MOE_RT_QB_SMEM_HIST_BYTES at import sets the first (0: never the shared histogram; a benchmark
+# and test variant); tests patch the attributes.
+_QB_SMEM_HIST_BYTES = int(os.environ.get("MOE_RT_QB_SMEM_HIST_BYTES", 48 * 1024))
+_QB_ATOMIC_SAMPLES = 1 << 18
+_QB_BLOCK_TOKENS = 65535  # hmode 2: tokens a block at most (below 2^16: no counter wraps)
+# router_fwd_qb_reg with the shared histogram: warps a block at most (0: every warp the kernel takes on a
+# multiprocessor; 4: the plain forward's blocks, 5-6 histograms and flushes a multiprocessor). A benchmark
+# variant, MOE_RT_QB_REG_WARPS at import; tests patch the attribute.
+_QB_REG_WARPS = int(os.environ.get("MOE_RT_QB_REG_WARPS", 0))
+
+
+def _qb_hmode(T, E, B, fused):
+    """hmode of the QB forward kernels: 0 none (the histogram by qb_histogram_accumulate after the kernel:
+    the two-kernel mode, and "fused_atomic" for large T E whose histogram does not fit shared memory), 1 global
+    atomics, 2 the block's shared histogram (kernels/router.cu, "Quantile Balancing")."""
+    if not fused:
+        return 0
+    if 4 * E * ((B + 1) // 2) <= _QB_SMEM_HIST_BYTES:
+        return 2
+    return 1 if T * E <= _QB_ATOMIC_SAMPLES else 0
+
+
+def _qb_fwd_cfg(dtype, T, E, K, B, vec, fused):
+    """(kernel name, threads, slots a block, shared memory bytes, tokens a warp, hmode) of the QB forward:
+    router_fwd_qb_reg (the row in registers, as router_fwd_reg) where the plain forward takes
+    router_fwd_reg (16-byte rows, float32/bfloat16, E / 8 chunks within 32 lanes of 32 keys), else
+    router_fwd_qb (the team of _team(E, fwd=True), 16-byte chunks where vec). threads = slots = None:
+    router_fwd_qb_reg with the shared histogram, one block a multiprocessor of as many warps as the kernel
+    takes (resolved at launch; shared memory: the histogram's bytes here, plus a slot a warp then)."""
+    ct = _jit.ctype(dtype)
+    hmode = _qb_hmode(T, E, B, fused)
+    hbytes = 4 * E * ((B + 1) // 2) if hmode == 2 else 0
+    v = _reg_v(E, 16 // dtype.itemsize, vec, dtype)
+    if v:
+        name = f"router_fwd_qb_reg<{ct}, {v}>"
+        if hmode == 2:  # one resident wave, one histogram (and one flush) a multiprocessor
+            return name, None, None, hbytes, 0, hmode
+        # tokens a warp as the plain forward's register kernel (no lane groups)
+        return name, 128, 4, 4 * 4 * _qb_reg_slot_words(K), _fwd_tpw(dtype, v, False), hmode
+    team = _team(E, fwd=True)
+    spb = 4 if team == 32 else 1
+    return (f"router_fwd_qb<{ct}, {team}>", team * spb, spb, 4 * spb * _slot_words(E, 0, K + 1, team) + hbytes,
+            0, hmode)
+
+
+def _launch_qb_fwd(call, x, T, E, K, scale, b32, probs, rmap, inter, cut, bounds, hist, B, fused):
+    ch = 16 // x.dtype.itemsize
+    vec = _vec_ok([x, probs, rmap, inter, b32], E, ch)
+    name, threads, spb, smem, tpw, hmode = _qb_fwd_cfg(x.dtype, T, E, K, B, vec, fused)
+    fn = _jit.function(_FILE, name)
+    if threads is None:
+        spb = fn.max_threads_per_block // 32
+        spb = min(spb, _QB_REG_WARPS) if _QB_REG_WARPS > 0 else spb
+        threads = 32 * spb
+        smem += 4 * spb * _qb_reg_slot_words(K)
+    _jit.set_max_dynamic_shared(fn, smem)
+    resident = _grid(1 << 30, threads, smem, call.device_id, getattr(fn, "num_regs", 0))
+    grid = _tpw_grid(T, spb, tpw, resident)
+    if hmode == 2:
+        # every block under 2^16 tokens (its 16-bit counters do not wrap): a block takes at most spb tokens
+        # for every spb * grid, so at most spb * ceil(T / (spb * grid)) <= spb * max(1, limit // spb)
+        grid = max(grid, -(-T // (spb * max(1, _QB_BLOCK_TOKENS // spb))))
+    args = (x, np.int64(T), np.int32(E), np.int32(K), np.float32(scale), b32, probs, rmap, inter, cut, bounds,
+            hist if hmode else 0, np.int32(B), np.int32(hmode))
+    if name.startswith("router_fwd_qb<"):
+        args += (np.int32(vec),)
+    _jit.launch(fn, grid, threads, args, shared_mem=smem, stream=call.stream)
+    return hmode
 
 
 def topk_with_score_qb(logits, topk, *, expert_bias, qb_histogram, qb_bin_bounds, qb_histogram_mode="fused_atomic",
@@ -910,9 +998,11 @@ def topk_with_score_qb(logits, topk, *, expert_bias, qb_histogram, qb_bin_bounds
         qb_bin_bounds: ``[2]`` fp32 ``[lower, upper]`` on the logits' device, finite with lower < upper.
             The kernels read it on the device at launch, so a CUDA graph replays with the values then in
             memory.
-        qb_histogram_mode: ``"fused_atomic"`` (the router kernel adds the counts with integer atomics) or
-            ``"two_kernel"`` (the router writes the cutoff, then a second kernel bins (raw, cutoff) through
-            shared-memory histograms). Both give the same bits in every output and the same counts.
+        qb_histogram_mode: ``"fused_atomic"`` (the router kernel adds the counts with integer atomics where
+            its block's histogram fits shared memory or T E is small; otherwise the two-kernel mode's second
+            kernel counts them, which is faster there) or ``"two_kernel"`` (the router writes the cutoff, then
+            a second kernel bins (raw, cutoff) through shared-memory histograms). Both give the same bits in
+            every output and the same counts.
         score_function, num_groups, group_topk: accepted for the signature of :func:`topk_with_score`;
             only ``"sigmoid"`` and no groups are allowed (ValueError).
         scaling_factor: as in :func:`topk_with_score`.
@@ -948,17 +1038,7 @@ def topk_with_score_qb(logits, topk, *, expert_bias, qb_histogram, qb_bin_bounds
             cut = call.empty((T,), dtype=np.float32)
             if T > 0:
                 b32 = _arrays.as_f32(xp, bv)
-                team = _team(E, fwd=True)
-                spb = 4 if team == 32 else 1
-                fn = _jit.function(_FILE, f"router_fwd_qb<{_jit.ctype(x.dtype)}, {team}>")
-                smem = 4 * _slot_words(E, 0, K + 1, team) * spb
-                _jit.set_max_dynamic_shared(fn, smem)
-                grid = _grid(-(-T // spb), team * spb, smem, call.device_id, getattr(fn, "num_regs", 0))
-                _jit.launch(fn, grid, team * spb,
-                            (x, np.int64(T), np.int32(E), np.int32(K), np.float32(scale), b32, probs, rmap, inter,
-                             cut, d, hv if fused else 0, np.int32(B)),
-                            shared_mem=smem, stream=call.stream)
-                if not fused:
+                if _launch_qb_fwd(call, x, T, E, K, scale, b32, probs, rmap, inter, cut, d, hv, B, fused) == 0:
                     _launch_qb_hist(call, inter, cut, T, E, d, hv, B)
         shape = lead + (E,)
         return (call.out(probs.reshape(shape)), call.out(rmap.reshape(shape)), call.out(inter.reshape(shape)),

@@ -3,13 +3,14 @@ implementation of the semantics, TransformerEngine's test cases, the bias update
 adapters and moe_rt.te on CPU, and (marker ``gpu``) both CUDA modes against the reference, bitwise against
 each other, and under CUDA graph replay with new bounds."""
 import math
+import re
 
 import numpy as np
 import pytest
 
 import moe_rt
 import moe_rt.router as R
-from moe_rt import _arrays
+from moe_rt import _arrays, _jit
 from moe_rt.reference import router as ref
 
 F32 = np.float32
@@ -583,7 +584,7 @@ def test_gpu_tie_and_bin_clamping(mode):
 def test_gpu_histogram_accumulate_alone(rng):
     import cupy as cp
 
-    T, E, B = 3000, 37, 9000  # 8 * B int32 above the shared memory: straight global atomics
+    T, E, B = 3000, 37, 9000  # 32 (B | 1) int32 above the shared memory: straight global atomics; then B = 50
     raw = rng.random((T, E)).astype(F32)
     cut = rng.random(T).astype(F32)
     bounds = np.array([-0.5, 0.5], F32)
@@ -678,3 +679,179 @@ def test_gpu_bias_update(rng):
     assert (hg.data.ptr, dg.data.ptr, bg.data.ptr) == ptrs and not hg.any()
     np.testing.assert_allclose(bg.get(), bias, rtol=0, atol=1e-6)  # float64 means summed in other orders
     np.testing.assert_allclose(dg.get(), bounds, rtol=0, atol=1e-6)
+
+
+# ---- the forward kernels' paths (kernels/router.cu "Quantile Balancing") ------------------------------------
+
+def test_forward_kernel_choice():
+    """router_fwd_qb_reg where the plain forward takes router_fwd_reg (16-byte float32/bfloat16 rows up to
+    E = 1024), router_fwd_qb otherwise; the shared-memory histogram (hmode 2) where E ceil(B / 2) words fit
+    _QB_SMEM_HIST_BYTES (router_fwd_qb_reg: one block of every warp it takes a multiprocessor, sized at
+    launch), else global atomics (1) up to _QB_ATOMIC_SAMPLES samples T E, else none (0: the histogram by
+    qb_histogram_accumulate after the kernel, as in the two-kernel mode, which is always 0); every name
+    registered."""
+    names = _jit.REGISTRY["router.cu"]
+    T = 65536
+    cases = [((F32, T, 256, 8, 64, True, True), ("router_fwd_qb_reg<float, 8>", 2)),
+             ((BF16, T, 256, 8, 64, True, True), ("router_fwd_qb_reg<__nv_bfloat16, 8>", 2)),
+             ((F32, T, 512, 16, 48, True, True), ("router_fwd_qb_reg<float, 16>", 2)),
+             ((F32, T, 512, 16, 49, True, True), ("router_fwd_qb_reg<float, 16>", 0)),
+             ((F32, 512, 512, 16, 49, True, True), ("router_fwd_qb_reg<float, 16>", 1)),
+             ((F32, T, 1024, 8, 64, True, True), ("router_fwd_qb_reg<float, 32>", 0)),
+             ((BF16, T, 1024, 8, 4000, True, False), ("router_fwd_qb_reg<__nv_bfloat16, 32>", 0)),
+             ((F32, T, 256, 8, 64, False, True), ("router_fwd_qb<float, 32>", 2)),
+             ((np.float16, T, 256, 8, 64, True, True), ("router_fwd_qb<__half, 32>", 2)),
+             ((F32, T, 2304, 36, 64, True, True), ("router_fwd_qb<float, 32>", 0)),
+             ((F32, 113, 2304, 36, 64, True, True), ("router_fwd_qb<float, 32>", 1)),
+             ((BF16, T, 3000, 64, 5, True, True), ("router_fwd_qb<__nv_bfloat16, 128>", 2)),
+             ((F32, 16, 16384, 17, 64, True, True), ("router_fwd_qb<float, 512>", 1)),
+             ((F32, 17, 16384, 17, 64, True, True), ("router_fwd_qb<float, 512>", 0))]
+    for (dt, n, E, K, B, vec, fused), (name, hmode) in cases:
+        got = R._qb_fwd_cfg(np.dtype(dt), n, E, K, B, vec, fused)
+        assert (got[0], got[5]) == (name, hmode), (dt, n, E, K, B, vec, fused, got)
+        assert got[0] in names
+        hbytes = 4 * E * ((B + 1) // 2) if hmode == 2 else 0
+        if got[0].startswith("router_fwd_qb_reg"):
+            if hmode == 2:
+                assert got[1:5] == (None, None, hbytes, 0)
+            else:
+                assert got[1:4] == (128, 4, 16 * (2 * 64 + 4 + 4 * ((K + 3) & ~3)))
+        else:
+            team = R._team(E, fwd=True)
+            spb = 4 if team == 32 else 1
+            assert got[1:4] == (team * spb, spb, 4 * spb * R._slot_words(E, 0, K + 1, team) + hbytes)
+    old = R._QB_SMEM_HIST_BYTES
+    try:
+        R._QB_SMEM_HIST_BYTES = 0
+        assert R._qb_hmode(8, 8, 1, True) == 1 and R._qb_hmode(8, 8, 1, False) == 0
+        assert R._qb_hmode(1 << 15, 8, 1, True) == 1 and R._qb_hmode((1 << 15) + 1, 8, 1, True) == 0
+    finally:
+        R._QB_SMEM_HIST_BYTES = old
+    assert R._qb_hmode(65536, 256, 64, True) == 2 and R._qb_hmode(65536, 256, 97, True) == 0
+    assert R._qb_hmode(1000, 256, 97, True) == 1 and R._qb_hmode(1000, 256, 64, False) == 0
+
+
+def test_histogram_kernel_grid(monkeypatch):
+    """qb_histogram_accumulate: strips of 32 experts, token shares filling one resident wave with them (each
+    of at least max(256, 4 B) tokens), the strip's 32 (B | 1) counters in shared memory when they fit."""
+    props = {"sm_count": 132, "smem_per_block_optin": 227 * 1024, "smem_per_sm": 228 * 1024}
+    monkeypatch.setattr(_jit, "device_properties", lambda dev: props)
+    # 48 registers: 5 blocks of 256 threads a multiprocessor, 660 resident
+    assert R._qb_hist_grid(65536, 256, 64, 0, 48) == ((8, 82), 4 * 32 * 65, True)
+    assert R._qb_hist_grid(65536, 2304, 64, 0, 48) == ((72, 9), 4 * 32 * 65, True)
+    assert R._qb_hist_grid(65536, 16384, 64, 0, 48) == ((512, 1), 4 * 32 * 65, True)
+    assert R._qb_hist_grid(1000, 100, 64, 0, 48) == ((4, 3), 4 * 32 * 65, True)
+    assert R._qb_hist_grid(7, 37, 5, 0, 48) == ((2, 1), 4 * 32 * 5, True)
+    assert R._qb_hist_grid(65536, 256, 2000, 0, 48) == ((8, 8), 0, False)  # 32 * 2001 int32 > 227 KiB
+
+
+def _qb_gpu_run(cp, x, bias, bounds, start, K, mode="fused_atomic"):
+    hist = cp.asarray(start)
+    outs = R.topk_with_score_qb(cp.asarray(x), K, expert_bias=cp.asarray(bias), qb_histogram=hist,
+                                qb_bin_bounds=cp.asarray(bounds), qb_histogram_mode=mode)
+    return [a.get() for a in outs] + [hist.get()]
+
+
+# (T, E, K, B, dtype, ties): the register kernel at 8, 16 and 32 keys a lane, k + 1 by the argmax rounds (<= 9)
+# and by the radix select, ties of the cutoff (few distinct logits), odd and 16-bit rows for router_fwd_qb
+QB_PATH_CASES = [(1000, 256, 8, 64, F32, False), (1000, 256, 8, 64, BF16, False), (777, 256, 3, 64, BF16, True),
+                 (777, 256, 8, 64, F32, True), (513, 512, 16, 48, F32, False), (513, 512, 12, 48, BF16, True),
+                 (300, 1024, 31, 24, F32, False), (300, 1024, 40, 24, BF16, True), (129, 2304, 36, 64, F32, False),
+                 (129, 2304, 36, 10, BF16, True), (61, 100, 5, 33, F32, False), (59, 37, 6, 5, np.float16, True),
+                 (65, 3000, 64, 8, BF16, False)]
+
+
+def test_gpu_cases_reach_every_selection(monkeypatch):
+    """The GPU tables reach every selection of the k + 1 in the QB forward kernels, without ties too:
+    router_fwd_qb_reg's argmax rounds (k + 1 <= MOE_RT_QB_ARGMAX_K1) and its radix select (above; its early
+    stop leaves thr below the selected keys, which once routed all k + 1 in every row: E = 896, K = 16 of
+    GPU_CASES), router_fwd_qb's one-warp argmax (k + 1 <= 8) and radix select, and the larger teams'."""
+    k1 = int(re.search(r"#define MOE_RT_QB_ARGMAX_K1 (\d+)", _jit.source("router.cu")).group(1))
+
+    def selection(dtype, E, K, variant):
+        monkeypatch.setattr(R, "_FWD_VARIANT", variant)
+        dt = np.dtype(dtype)
+        name = R._qb_fwd_cfg(dt, 1, E, K, 1, E % (16 // dt.itemsize) == 0, False)[0]
+        if name.startswith("router_fwd_qb_reg"):
+            return "register", "argmax" if K + 1 <= k1 else "radix"
+        if R._team(E, fwd=True) == 32:
+            return "one warp", "argmax" if K + 1 <= 8 else "radix"
+        return "team", "radix"
+
+    every = {("register", "argmax"), ("register", "radix"), ("one warp", "argmax"), ("one warp", "radix"),
+             ("team", "radix")}
+    untied = {selection(c[4], c[1], c[2], None) for c in GPU_CASES}
+    untied |= {selection(c[4], c[1], c[2], v) for c in QB_PATH_CASES if not c[5] for v in (None, "generic")}
+    assert untied == every
+    assert {selection(c[4], c[1], c[2], v) for c in QB_PATH_CASES if c[5] for v in (None, "generic")} >= {
+        ("register", "argmax"), ("register", "radix"), ("one warp", "argmax"), ("one warp", "radix")}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", QB_PATH_CASES,
+                         ids=lambda c: f"T{c[0]}-E{c[1]}-K{c[2]}-B{c[3]}-{np.dtype(c[4]).name}{'-ties' if c[5] else ''}")
+def test_gpu_kernel_paths_agree(rng, monkeypatch, case):
+    """Every path of the QB forward gives the same bits and counts: the register kernel or router_fwd_qb
+    (MOE_RT_ROUTER_FWD=generic), the shared-memory or the global-atomic histogram, blocks of a few tokens
+    (the shared histogram flushed by many blocks); against the semantics on the device's raw values, the
+    plain sigmoid + bias forward and the two-kernel mode."""
+    import cupy as cp
+
+    T, E, K, B, dtype, ties = case
+    if ties:
+        x = (rng.integers(-3, 4, (T, E)) / 2).astype(dtype)
+        bias = (rng.integers(-2, 3, E) / 8).astype(F32)
+    else:
+        x, bias, _ = te_case(rng, T, E, dtype)
+        bias = rng.permutation(bias)
+    x[T // 2, E // 3] = np.nan  # a NaN logit: selected first, its r NaN (bin 0)
+    bounds = np.array([-1.5, 1.5], F32)
+    start = rng.integers(0, 1000, (E, B)).astype(np.int32)
+    runs = {}
+    # (kernel variant, shared histogram bytes, tokens a block, samples for global atomics, register kernel's
+    # warps a block): the shared histogram, global atomics, the histogram kernel after the forward, for each
+    # forward kernel; blocks of a few tokens; the register kernel's shared histogram on blocks of 4 warps
+    many = 1 << 40
+    for cfg in [(None, 48 * 1024, 65535, many, 0), (None, 0, 65535, many, 0), (None, 0, 65535, 0, 0),
+                ("generic", 48 * 1024, 65535, many, 0), ("generic", 0, 65535, many, 0), ("generic", 0, 65535, 0, 0),
+                (None, 48 * 1024, 4, many, 0), ("generic", 48 * 1024, 4, many, 0), (None, 48 * 1024, 65535, many, 4)]:
+        for attr, value in zip(("_FWD_VARIANT", "_QB_SMEM_HIST_BYTES", "_QB_BLOCK_TOKENS", "_QB_ATOMIC_SAMPLES",
+                                "_QB_REG_WARPS"), cfg):
+            monkeypatch.setattr(R, attr, value)
+        runs[cfg] = _qb_gpu_run(cp, x, bias, bounds, start, K)
+    monkeypatch.setattr(R, "_FWD_VARIANT", None)
+    runs["two_kernel"] = _qb_gpu_run(cp, x, bias, bounds, start, K, "two_kernel")
+    first = next(iter(runs.values()))
+    for key, outs in runs.items():
+        for a, b in zip(outs, first):
+            np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8), err_msg=str(key))  # NaN included
+    probs, rmap, raw, cut, hist = first
+    assert np.isnan(raw[T // 2, E // 3]) and rmap[T // 2, E // 3]
+    ok = ~np.isnan(raw).any(1)
+    sel, wcut = _from_raw(raw[ok], bias, K)
+    np.testing.assert_array_equal(rmap[ok], sel)
+    np.testing.assert_array_equal(cut[ok], wcut)
+    np.testing.assert_array_equal(hist, start + _hist_of(raw, cut, bounds, B))
+    assert (hist - start).sum(1).tolist() == [T] * E
+    p0, m0, i0 = R.topk_with_score(cp.asarray(x), K, score_function="sigmoid", expert_bias=cp.asarray(bias))
+    np.testing.assert_array_equal(rmap, m0.get())
+    np.testing.assert_array_equal(probs.view(np.uint8), p0.get().view(np.uint8))
+    np.testing.assert_array_equal(raw.view(np.uint8), i0.get().view(np.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", [None, "generic"])
+def test_gpu_shared_histogram_counters_near_wrap(monkeypatch, variant):
+    """One bin an expert and the fewest blocks the 16-bit counters allow (every block under 65536 tokens):
+    a counter reaches tens of thousands beside its neighbour in the same word, and the counts stay exact."""
+    import cupy as cp
+
+    T, E, K = 140_000, 8, 2
+    monkeypatch.setattr(R, "_FWD_VARIANT", variant)
+    monkeypatch.setattr(R, "_grid", lambda *a, **k: 1)
+    x = np.random.default_rng(5).standard_normal((T, E)).astype(F32)
+    hist = cp.full((E, 1), 7, cp.int32)
+    R.topk_with_score_qb(cp.asarray(x), K, expert_bias=cp.zeros(E, cp.float32), qb_histogram=hist,
+                         qb_bin_bounds=cp.asarray([-1.0, 1.0], cp.float32))
+    assert R._qb_hmode(T, E, 1, True) == 2
+    np.testing.assert_array_equal(hist.get(), np.full((E, 1), T + 7, np.int32))

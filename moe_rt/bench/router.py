@@ -176,7 +176,8 @@ def main(argv=None):
     ap.add_argument("--compile-all", action="store_true", help="torch.compile baselines at every T")
     ap.add_argument("--formats", action="store_true",
                     help="also the other routing outputs (bit-packed map, int32 indices: forward and backward) and "
-                         "the Quantile-Balancing forward (sigmoid + bias, top-(k+1), fused histogram), each beside "
+                         "the Quantile-Balancing forward (sigmoid + bias, top-(k+1); fused histogram, and the two-kernel "
+                         "mode), each beside "
                          "the byte-map row it extends")
     ap.add_argument("--l2-fetch", type=int, default=None, choices=[32, 64, 128],
                     help="set the L2 fetch granularity first (moe_rt.l2_fetch_granularity; default: leave it)")
@@ -352,6 +353,9 @@ def _format_rows(R, cp, row, args, xs, gs, outs, nx, bias, dtname, isz, T, E, K,
         row(dtname, T, E, K, "sigmoid qb fwd (fused hist)", fwd_b + 4 * E + 4 * T,
             lambda: R.topk_with_score_qb(xs[nx()], K, expert_bias=bias, qb_histogram=hist, qb_bin_bounds=bounds,
                                          qb_histogram_mode="fused_atomic", bounds_validated=True), None, None)
+        row(dtname, T, E, K, "sigmoid qb fwd (two kernel)", fwd_b + 4 * E + 4 * T,
+            lambda: R.topk_with_score_qb(xs[nx()], K, expert_bias=bias, qb_histogram=hist, qb_bin_bounds=bounds,
+                                         qb_histogram_mode="two_kernel", bounds_validated=True), None, None)
 
 
 def _aux_rows(R, cp, torch, table, row, cmp, dtname, dt, isz, T, E, K, l2):
