@@ -391,8 +391,8 @@ def test_overlap_keyword_env_and_auto_choice(monkeypatch):
         g = EpGroup(fake, 4, 4, 8, overlap=overlap, transport="nccl")
         monkeypatch.setattr(g._transport, "_send_rows", lambda h: sent["rows"])
         sent["rows"] = rows
-        assert g._transport._overlapped(None, itemsize) is want, (overlap, rows, itemsize)
-    assert EpGroup(None, 4, 4, 8, overlap=True)._transport._overlapped(None, 2) is False
+        assert g._transport._overlapped(None, 4 * itemsize) is want, (overlap, rows, itemsize)  # rows of H=4
+    assert EpGroup(None, 4, 4, 8, overlap=True)._transport._overlapped(None, 8) is False
 
 
 @pytest.mark.parametrize("min_bytes", [0, 1000])
