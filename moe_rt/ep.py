@@ -106,7 +106,7 @@ import weakref
 import numpy as np
 
 from moe_rt import _arrays, _errors, _jit, permutation
-from moe_rt import _ep_direct, _ep_nccl, _handle
+from moe_rt import _ep_adapt, _ep_direct, _ep_nccl, _handle
 from moe_rt import fp8 as _fp8
 from moe_rt._ep_rows import FILE as _FILE, UNITS as _UNITS
 from moe_rt._ep_rows import grid as _grid, plan_view, recv_wk, routing_view, scale_rows
@@ -620,17 +620,10 @@ class EpGroup:
         transpose as after an unquantized dispatch (gradients are never FP8).
         """
         self._check_handle(handle, "dispatch")
-        _check_bool(fp8, "fp8")
-        _check_bool(dequantize, "dequantize")
+        _ep_adapt.check_fp8_flags(fp8, dequantize)
         pair = isinstance(x, (tuple, list))
-        if pair and len(x) != 2:
-            raise TypeError(f"x: expected an array [T,H] or an (x_fp8, scales) pair, got a {type(x).__name__} "
-                            f"of {len(x)} items")
-        if pair and not fp8:
-            raise TypeError("x: an (x_fp8, scales) pair is FP8 input: pass fp8=True (the result is then the FP8 "
-                            "rows and their scales)")
-        if dequantize and not fp8:
-            raise ValueError("dequantize: only meaningful with fp8=True")
+        if pair:
+            _ep_adapt.check_pair_arity(x, fp8)
         if fp8:
             return self._dispatch_fp8(handle, x, topk_weights, pair, dequantize, stream)
         with _arrays.Call({"x": x, "topk_weights": topk_weights}, stream=stream) as call:
