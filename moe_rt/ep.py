@@ -18,6 +18,10 @@ between ranks), ``topk_idx [T,K]`` (int32/int64, ``-1`` = no expert) and ``topk_
   the received weights or not; fp32 accumulation; one rounding to ``y.dtype``), sends one row per
   (token, rank) back; the owner sums them over ranks in ascending rank order in fp32, rounding once.
 - :meth:`EpGroup.dispatch_bwd` / :meth:`EpGroup.combine_bwd`: the transposes.
+- ``dispatch(..., fp8=True)``: FP8 rows on the wire (quantized on the sending side, or a pre-quantized
+  ``(x_fp8, scales)`` pair): the e4m3 rows and then their fp32 block-scale rows through the transport with
+  the same handle; returns the FP8 rows and scales, or with ``dequantize=True`` the rows dequantized on the
+  receiving side (docs/ep.md §9). The gradient path stays in the float dtype.
 
 This module is the algorithm: validation, the plan and the handle, the CPU reference path, the choice of
 transport. Each public op validates its arguments, then calls its transport once and returns the results.
@@ -25,7 +29,7 @@ Transports (``transport=``, ``MOE_RT_EP_TRANSPORT``; ``group.transport``) move t
 with one class offering the same small interface (a third transport is one more such module):
 
 - ``forward(call, handle, x, w, op, *, expand=True, want_w=False)``: the dispatch direction (``dispatch``,
-  ``combine_bwd``): the rows of ``x [T,H]`` (and fp32 weights ``w [T,K]`` or None, received into the
+  ``combine_bwd``): the rows of ``x [T,H]`` (or of any width: an FP8 dispatch also sends its scale rows) (and fp32 weights ``w [T,K]`` or None, received into the
   handle's ``recv_wk``) to the ranks of their experts. Returns ``(rows [N,H] expert-major, weights [N] or
   None)`` (padding rows zero; ``weights[n] = recv_wk[src_slot[n]]`` when ``want_w``), or with
   ``expand=False`` the received rows ``[rows,H]`` in the handle's layout (source-major);
