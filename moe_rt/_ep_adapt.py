@@ -37,6 +37,25 @@ def register(group) -> int:
     return group.id
 
 
+def check_fp8_flags(fp8, dequantize) -> None:
+    """The ``fp8`` / ``dequantize`` flags of an EP dispatch, as :meth:`moe_rt.EpGroup.dispatch` checks them."""
+    for name, v in (("fp8", fp8), ("dequantize", dequantize)):
+        if not isinstance(v, (bool, np.bool_)):
+            raise TypeError(f"{name}: expected a bool, got {type(v).__name__}")
+    if dequantize and not fp8:
+        raise ValueError("dequantize: only meaningful with fp8=True")
+
+
+def check_pair_arity(x, fp8) -> None:
+    """``x`` given as a tuple/list: an ``(x_fp8, scales)`` pair, and only with ``fp8=True``."""
+    if len(x) != 2:
+        raise TypeError(f"x: expected an array [T,H] or an (x_fp8, scales) pair, got a {type(x).__name__} of "
+                        f"{len(x)} items")
+    if not fp8:
+        raise TypeError("x: an (x_fp8, scales) pair is FP8 input: pass fp8=True (the result is then the FP8 rows "
+                        "and their scales)")
+
+
 def lookup(group_id: int):
     from moe_rt.ep import _live_groups
 

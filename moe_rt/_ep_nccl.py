@@ -82,15 +82,16 @@ class NcclTransport:
         Returns, with ``expand``, ``(rows [N,H] expert-major, weights [N] fp32 or None)``: padding rows
         zero, ``weights[n] = recv_wk[src_slot[n]]`` when ``want_w``; without, the received rows ``[rows,H]``
         in the handle's layout (source-major)."""
+        rb = int(x.shape[1]) * x.dtype.itemsize  # the rows' width: hidden, or another row set (FP8 scales)
         if not expand:
-            if self._overlapped(h, x.dtype.itemsize):
+            if self._overlapped(h, rb):
                 # the transfer still runs in parts; the expert-side kernel runs after it
                 return self._forward_overlapped(call, h, x, w, lambda buf, lo, hi: None)
             return self._forward(call, h, x, w)
-        if self._overlapped(h, x.dtype.itemsize):
+        if self._overlapped(h, rb):
             # expand each part as it lands
             N, xp = h.sizes["N"], call.xp
-            out = xp.empty((N, self.hidden), x.dtype)
+            out = xp.empty((N, int(x.shape[1])), x.dtype)
             out_w = xp.empty(N, np.float32) if want_w else None
             pv = recv_wk(h) if want_w else None
             # weights received with the rows are in after the last part; the forward's (w None) from the start
@@ -117,7 +118,7 @@ class NcclTransport:
         Returns ``(out [T,H] y.dtype, grad_w [T,K] fp32, or None when gw is None)``."""
         T = h.sizes["T"]
         want_w = gw is not None
-        if self._overlapped(h, y.dtype.itemsize):
+        if self._overlapped(h, self.hidden * y.dtype.itemsize):
             zw = slot_values(call, h, gw) if want_w else None
             if op == "combine":
                 def produce(lo, hi):
@@ -165,7 +166,7 @@ class NcclTransport:
         send_rows = int(send_buf.shape[0])
         if not sz["T"] or not rows + send_rows:
             return
-        rb = self.hidden * x.dtype.itemsize
+        rb = int(x.shape[1]) * x.dtype.itemsize
         u = unit(rb, x.data.ptr, send_buf.data.ptr if send_rows else 0, recv_buf.data.ptr if rows else 0)
         units = rb // u
         threads = int(min(512, max(32, -(-units // 4 // 32) * 32)))
@@ -180,7 +181,7 @@ class NcclTransport:
     def _forward_buffers(self, call, h, x, w):
         """(row bytes, send rows, receive rows, send weights, receive weights) of a forward transfer; the
         received weights land in the handle's recv_wk."""
-        xp, sz, H = call.xp, h.sizes, self.hidden
+        xp, sz, H = call.xp, h.sizes, int(x.shape[1])
         send_rows = self._send_rows(h)
         return (H * x.dtype.itemsize, xp.empty((send_rows, H), x.dtype), xp.empty((sz["rows"], H), x.dtype),
                 xp.empty((send_rows, sz["K"]), np.float32) if w is not None else None,
@@ -351,14 +352,15 @@ class NcclTransport:
         return out, gw
 
     # -- overlap helpers -------------------------------------------------------------------------------
-    def _overlapped(self, h, itemsize):
-        """Whether this call overlaps its transfer with the local work. A local choice: the serial path sends
-        the same parts in the same NCCL groups, so ranks may choose differently."""
+    def _overlapped(self, h, row_bytes):
+        """Whether this call overlaps its transfer of rows of ``row_bytes`` with the local work. A local
+        choice: the serial path sends the same parts in the same NCCL groups, so ranks may choose
+        differently."""
         if self.size == 1:
             return False
         if self.overlap is not None:
             return self.overlap
-        return self._send_rows(h) * self.hidden * itemsize >= _OVERLAP_MIN_BYTES
+        return self._send_rows(h) * row_bytes >= _OVERLAP_MIN_BYTES
 
     def _comm_stream(self):
         """The group's communication stream (non-blocking: no implicit sync with the legacy stream)."""

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from moe_rt import _arrays
 from moe_rt import _ep_adapt as _A
+from moe_rt import ep as _ep
 
 __all__ = ["TorchEpHandle", "ep_prepare", "ep_dispatch", "ep_combine"]
 
@@ -99,15 +100,16 @@ def _check(handle):
 
 @torch.library.custom_op("moe_rt::ep_dispatch", mutates_args=())
 def _dispatch_op(x: Tensor, topk_weights: Optional[Tensor], buffer: Tensor, host_meta: Tensor, group_id: int,
-                 topk: int, num_rows: int) -> tuple[Tensor, Tensor]:
+                 topk: int, num_rows: int, fp8: bool = False) -> tuple[Tensor, Tensor]:
     # dispatch stores the received weights in the handle: run it on a copy so the input stays unchanged
     group, h = _handle(group_id, buffer, host_meta, x.shape[0], topk, copy=topk_weights is not None)
-    rx, rw, _ = group.dispatch(h, x.contiguous(), topk_weights)
+    # fp8: FP8 on the wire, rows dequantized on the receiving side (the same autograd: straight-through)
+    rx, rw, _ = group.dispatch(h, x.contiguous(), topk_weights, fp8=fp8, dequantize=fp8)
     return rx, (_empty_f32(x) if rw is None else rw)
 
 
 @_dispatch_op.register_fake
-def _(x, topk_weights, buffer, host_meta, group_id, topk, num_rows):
+def _(x, topk_weights, buffer, host_meta, group_id, topk, num_rows, fp8=False):
     return (x.new_empty((num_rows, x.shape[1])),
             x.new_empty((num_rows if topk_weights is not None else 0,), dtype=torch.float32))
 
@@ -127,7 +129,7 @@ def _(grad_recv_x, grad_recv_w, buffer, host_meta, group_id, num_tokens, topk):
 
 
 def _dispatch_setup(ctx, inputs, output):
-    x, w, buffer, host_meta, gid, topk, _ = inputs
+    x, w, buffer, host_meta, gid, topk = inputs[:6]
     ctx.args = (gid, x.shape[0], topk)
     ctx.w_dtype = None if w is None else w.dtype
     ctx.save_for_backward(buffer, host_meta)
@@ -140,24 +142,107 @@ def _dispatch_bwd(ctx, grad_rx, grad_rw):
     if has_w and grad_rw is None:
         grad_rw = torch.zeros((grad_rx.shape[0],), dtype=torch.float32, device=grad_rx.device)
     gx, gw = _dispatch_bwd_op(grad_rx, grad_rw if has_w else None, buffer, host_meta, gid, T, K)
-    return gx, (gw.to(ctx.w_dtype) if has_w else None), None, None, None, None, None
+    return gx, (gw.to(ctx.w_dtype) if has_w else None), None, None, None, None, None, None
 
 
 _dispatch_op.register_autograd(_dispatch_bwd, setup_context=_dispatch_setup)
 
 
-def ep_dispatch(handle: TorchEpHandle, x: Tensor,
-                topk_weights: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor]]:
+def _grad_dtype(group, x_dtype):
+    """The float dtype of an FP8 dispatch's gradient path: x's for a float x, else the group's (bfloat16)."""
+    if x_dtype.is_floating_point and x_dtype.itemsize > 1:
+        return x_dtype
+    return _arrays._torch_dtype_of(group.dtype or _arrays.BFLOAT16)
+
+
+@torch.library.custom_op("moe_rt::ep_dispatch_fp8", mutates_args=())
+def _dispatch_fp8_op(x: Tensor, scales: Optional[Tensor], topk_weights: Optional[Tensor], buffer: Tensor,
+                     host_meta: Tensor, group_id: int, topk: int, num_rows: int,
+                     dequantize: bool) -> tuple[Tensor, Tensor, Tensor]:
+    group, h = _handle(group_id, buffer, host_meta, x.shape[0], topk, copy=topk_weights is not None)
+    xin = x.contiguous() if scales is None else (x.contiguous(), scales.contiguous())
+    out = group.dispatch(h, xin, topk_weights, fp8=True, dequantize=dequantize)
+    if dequantize:
+        (ry, rw, _), rs = out, _empty_f32(x)
+    else:
+        ry, rs, rw, _ = out
+    return ry, rs, (_empty_f32(x) if rw is None else rw)
+
+
+@_dispatch_fp8_op.register_fake
+def _(x, scales, topk_weights, buffer, host_meta, group_id, topk, num_rows, dequantize):
+    group = _A.lookup(group_id)
+    H = x.shape[1]
+    if dequantize:
+        rows, rs = x.new_empty((num_rows, H), dtype=_grad_dtype(group, x.dtype)), _empty_f32(x)
+    else:
+        rows = x.new_empty((num_rows, H), dtype=torch.float8_e4m3fn if scales is None else x.dtype)
+        rs = x.new_empty((num_rows, -(-H // _ep.FP8_BLOCK)), dtype=torch.float32)
+    return rows, rs, x.new_empty((num_rows if topk_weights is not None else 0,), dtype=torch.float32)
+
+
+def _dispatch_fp8_setup(ctx, inputs, output):
+    x, _, w, buffer, host_meta, gid, topk = inputs[:7]
+    ctx.args = (gid, x.shape[0], topk, _grad_dtype(_A.lookup(gid), x.dtype))
+    ctx.w_dtype = None if w is None else w.dtype
+    ctx.mark_non_differentiable(output[0], output[1])
+    ctx.save_for_backward(buffer, host_meta)
+
+
+def _dispatch_fp8_bwd(ctx, _g_rows, _g_scales, grad_rw):
+    """Only the received weights carry a gradient (to topk_weights): dispatch_bwd of zero rows."""
+    buffer, host_meta = ctx.saved_tensors
+    gid, T, K, gdt = ctx.args
+    gw = None
+    if ctx.w_dtype is not None and grad_rw is not None:
+        zeros = grad_rw.new_zeros((grad_rw.shape[0], _A.lookup(gid).hidden), dtype=gdt)
+        gw = _dispatch_bwd_op(zeros, grad_rw, buffer, host_meta, gid, T, K)[1].to(ctx.w_dtype)
+    return None, None, gw, None, None, None, None, None, None
+
+
+_dispatch_fp8_op.register_autograd(_dispatch_fp8_bwd, setup_context=_dispatch_fp8_setup)
+
+
+def ep_dispatch(handle: TorchEpHandle, x, topk_weights: Optional[Tensor] = None, *, fp8: bool = False,
+                dequantize: bool = False):
     """Differentiable :meth:`moe_rt.EpGroup.dispatch` (a collective): ``x [T,H]`` goes once to each rank
-    holding one of its experts and lands there in expert-major order. Returns ``(recv_x [N,H], recv_weights
-    [N] fp32 or None)``; gradients flow to ``x`` and ``topk_weights``. ``handle.tokens_per_expert`` gives
-    the rows per local expert."""
+    holding one of its experts and lands there in expert-major order. ``handle.tokens_per_expert`` gives
+    the rows per local expert.
+
+    - ``fp8=False``: returns ``(recv_x [N,H], recv_weights [N] fp32 or None)``; gradients flow to ``x`` and
+      ``topk_weights``.
+    - ``fp8=True``: FP8 on the wire (``H + 4*ceil(H/128)`` bytes a row; docs/ep.md). ``x`` is a float
+      tensor (quantized on the sending side) or a pre-quantized pair ``(x_fp8 [T,H] float8_e4m3fn or
+      uint8, scales [T, ceil(H/128)] fp32)``. Returns ``(recv_x_fp8 [N,H] torch.float8_e4m3fn (uint8 for
+      a uint8 pair), recv_scales [N, ceil(H/128)] fp32, recv_weights [N] fp32 or None)``, for an FP8
+      grouped GEMM. The FP8 rows and scales carry **no gradient** (``x`` gets none from this call; for
+      training, pass ``dequantize=True``, or take the received rows' bf16 gradient to
+      :meth:`moe_rt.EpGroup.dispatch_bwd` yourself); ``recv_weights`` stays differentiable (its backward
+      runs a dispatch_bwd of zero rows).
+    - ``fp8=True, dequantize=True``: returns ``(recv_x [N,H], recv_weights)`` dequantized on the receiving
+      side, in x's dtype (a pair: the group's dtype, bfloat16 without one). For a float ``x`` the gradient
+      is **straight-through**: the quantization counts as the identity in the backward, so ``x`` gets the
+      bf16 ``dispatch_bwd`` of ``recv_x``'s gradient (the usual FP8-training convention; gradients never
+      travel as FP8). A pair gets no gradient (FP8 inputs); ``recv_weights`` as above.
+    """
     _check(handle)
-    _tensor(x, "x")
+    _A.check_fp8_flags(fp8, dequantize)
     _tensor(topk_weights, "topk_weights", True)
-    rx, rw = _dispatch_op(x, topk_weights, handle.buffer, handle.host_meta, handle.group_id, handle.topk,
-                          handle.num_rows)
-    return rx, (rw if topk_weights is not None else None)
+    pair = isinstance(x, (tuple, list))
+    if pair:
+        _A.check_pair_arity(x, fp8)
+        _tensor(x[0], "x_fp8")
+        _tensor(x[1], "scales")
+    else:
+        _tensor(x, "x")
+    args = (handle.buffer, handle.host_meta, handle.group_id, handle.topk, handle.num_rows)
+    if not fp8 or (dequantize and not pair):
+        rx, rw = _dispatch_op(x, topk_weights, *args, fp8)
+        return rx, (rw if topk_weights is not None else None)
+    x0, sc = (x[0].detach(), x[1].detach()) if pair else (x.detach(), None)
+    ry, rs, rw = _dispatch_fp8_op(x0, sc, topk_weights, *args, dequantize)
+    rw = rw if topk_weights is not None else None
+    return (ry, rw) if dequantize else (ry, rs, rw)
 
 
 # -- combine ---------------------------------------------------------------------------------------------

@@ -18,6 +18,10 @@ between ranks), ``topk_idx [T,K]`` (int32/int64, ``-1`` = no expert) and ``topk_
   the received weights or not; fp32 accumulation; one rounding to ``y.dtype``), sends one row per
   (token, rank) back; the owner sums them over ranks in ascending rank order in fp32, rounding once.
 - :meth:`EpGroup.dispatch_bwd` / :meth:`EpGroup.combine_bwd`: the transposes.
+- ``dispatch(..., fp8=True)``: FP8 rows on the wire (quantized on the sending side, or a pre-quantized
+  ``(x_fp8, scales)`` pair): the e4m3 rows and then their fp32 block-scale rows through the transport with
+  the same handle; returns the FP8 rows and scales, or with ``dequantize=True`` the rows dequantized on the
+  receiving side (docs/ep.md §9). The gradient path stays in the float dtype.
 
 This module is the algorithm: validation, the plan and the handle, the CPU reference path, the choice of
 transport. Each public op validates its arguments, then calls its transport once and returns the results.
@@ -25,7 +29,7 @@ Transports (``transport=``, ``MOE_RT_EP_TRANSPORT``; ``group.transport``) move t
 with one class offering the same small interface (a third transport is one more such module):
 
 - ``forward(call, handle, x, w, op, *, expand=True, want_w=False)``: the dispatch direction (``dispatch``,
-  ``combine_bwd``): the rows of ``x [T,H]`` (and fp32 weights ``w [T,K]`` or None, received into the
+  ``combine_bwd``): the rows of ``x [T,H]`` (or of any width: an FP8 dispatch also sends its scale rows) (and fp32 weights ``w [T,K]`` or None, received into the
   handle's ``recv_wk``) to the ranks of their experts. Returns ``(rows [N,H] expert-major, weights [N] or
   None)`` (padding rows zero; ``weights[n] = recv_wk[src_slot[n]]`` when ``want_w``), or with
   ``expand=False`` the received rows ``[rows,H]`` in the handle's layout (source-major);
@@ -106,11 +110,13 @@ import weakref
 import numpy as np
 
 from moe_rt import _arrays, _errors, _jit, permutation
-from moe_rt import _ep_direct, _ep_nccl, _handle
+from moe_rt import _ep_adapt, _ep_direct, _ep_nccl, _handle
+from moe_rt import fp8 as _fp8
 from moe_rt._ep_rows import FILE as _FILE, UNITS as _UNITS
 from moe_rt._ep_rows import grid as _grid, plan_view, recv_wk, routing_view, scale_rows
 from moe_rt._handle import Handle, meta_index
 from moe_rt.reference import ep as _ref
+from moe_rt.reference import fp8 as _fp8_ref
 from moe_rt.reference import permutation as _perm_ref
 
 __all__ = ["EpGroup", "Handle", "DEFAULT_TIMEOUT"]
@@ -132,6 +138,9 @@ DEFAULT_TIMEOUT = 300.0
 _SETUP_TIMEOUT = 120.0  # the least a group's creation waits for its peers
 _TOKEN_DTYPES = tuple(d for d in _arrays.FLOAT_DTYPES if d is not None)
 _WEIGHT_DTYPES = _TOKEN_DTYPES + (np.dtype(np.float64),)
+FP8_BLOCK = 128  # channels per fp32 scale of an FP8 dispatch
+_FP8_ROW_DTYPES = (_arrays.FLOAT8_E4M3, np.dtype(np.uint8))
+_BF16 = _arrays.BFLOAT16  # dequantized rows of a pre-quantized pair in a group without a dtype
 _group_ids = itertools.count(1)
 # Live groups by id: framework adapters carry only the id (an int) through traced code.
 _live_groups: "weakref.WeakValueDictionary[int, EpGroup]" = weakref.WeakValueDictionary()
@@ -575,42 +584,162 @@ class EpGroup:
         return host[:n].copy()
 
     # -- ops -------------------------------------------------------------------------------------------
-    def dispatch(self, handle, x, topk_weights=None, *, stream=None):
+    def dispatch(self, handle, x, topk_weights=None, *, fp8: bool = False, dequantize: bool = False,
+                 stream=None):
         """Send tokens to the ranks of their experts, in expert-major order (a collective).
 
         Args:
             handle: from :meth:`prepare` of this group.
-            x: ``[T,H]`` fp32/fp16/bf16, T as in ``prepare``.
+            x: ``[T,H]`` fp32/fp16/bf16, T as in ``prepare``; or, with ``fp8=True``, a pre-quantized pair
+                ``(x_fp8, scales)``: ``x_fp8 [T,H]`` float8_e4m3fn (torch, JAX or ml_dtypes) or uint8 (its
+                e4m3 codes), ``scales [T, ceil(H/128)]`` fp32 (one dequantization multiplier per 128
+                channels of each token, as :func:`moe_rt.quantize_fp8` returns). A pair without
+                ``fp8=True`` is a TypeError (the return value depends on ``fp8``).
             topk_weights: None or ``[T,K]`` float (used as fp32).
+            fp8: send FP8 rows (docs/fp8.md): a float ``x`` is quantized on the sending side
+                (:func:`moe_rt.quantize_fp8`'s rule, bit for bit), and each row travels as its ``H`` e4m3
+                bytes plus its ``ceil(H/128)`` fp32 scales (``H + 4*ceil(H/128)`` bytes instead of ``2H``
+                for bf16), the scale rows with the same handle as the token rows.
+            dequantize: with ``fp8=True``: return rows dequantized on the receiving side instead of the
+                FP8 pair: in x's dtype for a float ``x``; for a pair, in the group's ``dtype`` (bfloat16
+                when the group has none).
             stream: CUDA stream (None = the caller's current stream).
 
         Returns:
-            ``(recv_x [N,H] x.dtype, recv_weights [N] float32 or None, tokens_per_local_expert [L] int32)``:
-            rows grouped by local expert (segments ``handle.view('seg_start')``), padding and unused rows
-            zero. The received weights are also kept in the handle for ``combine(weighted=True)``.
+            - ``fp8=False``: ``(recv_x [N,H] x.dtype, recv_weights [N] float32 or None,
+              tokens_per_local_expert [L] int32)``: rows grouped by local expert (segments
+              ``handle.view('seg_start')``), padding and unused rows zero. The received weights are also
+              kept in the handle for ``combine(weighted=True)``.
+            - ``fp8=True``: ``(recv_x_fp8 [N,H], recv_scales [N, ceil(H/128)] float32, recv_weights,
+              tokens_per_local_expert)`` in the same layout, ready for an FP8 grouped GEMM:
+              ``recv_x_fp8`` is float8_e4m3fn (torch, JAX, NumPy/ml_dtypes), or uint8 when the pair's
+              ``x_fp8`` was uint8; padding rows have zero codes and zero scales. A CuPy float ``x``
+              cannot get FP8 rows back (CuPy holds no FP8): TypeError; pass uint8 codes or
+              ``dequantize=True``.
+            - ``fp8=True, dequantize=True``: ``(recv_x [N,H], recv_weights, tokens_per_local_expert)``
+              with ``recv_x = dequantize_fp8(recv_x_fp8, recv_scales)``.
+
+        The backward of an FP8 dispatch is the bf16 path: :meth:`dispatch_bwd` takes the gradient of the
+        received rows in a float dtype (x's dtype for a float ``x``) and is the same combine-direction
+        transpose as after an unquantized dispatch (gradients are never FP8).
         """
         self._check_handle(handle, "dispatch")
+        _ep_adapt.check_fp8_flags(fp8, dequantize)
+        pair = isinstance(x, (tuple, list))
+        if pair:
+            _ep_adapt.check_pair_arity(x, fp8)
+        if fp8:
+            return self._dispatch_fp8(handle, x, topk_weights, pair, dequantize, stream)
         with _arrays.Call({"x": x, "topk_weights": topk_weights}, stream=stream) as call:
             self._check_call(call, "dispatch")
             _check_backend(handle, call, "dispatch")
             sz = handle.sizes
             xv = call["x"]
             self._check_tokens(xv, "x", sz["T"], handle)
-            wv = call["topk_weights"]
-            if wv is not None:
-                wv = _fp32_weights(call, wv, "topk_weights", (sz["T"], sz["K"]))
+            wv = self._dispatch_weights(call, handle)
             xv = _arrays.contiguous(call.xp, xv)
             handle.state["dtype"] = np.dtype(xv.dtype)
             handle.state["has_weights"] = wv is not None
             if call.backend == "cpu":
                 rx, rw, tpe = _ref.dispatch([handle.state["ref"]], [xv], None if wv is None else [wv])[0]
-                if wv is not None:
-                    handle.view("recv_wk")[...] = handle.state["ref"]["recv_weights_slots"].reshape(-1)
+                self._keep_ref_weights(handle, wv)
                 return call.out(rx), (None if rw is None else call.out(rw)), call.out(tpe)
             rx, rw = self._transport.forward(call, handle, xv, wv, "dispatch", want_w=wv is not None)
             self._last_stream = call.stream
             tpe = handle.view("tokens_per_expert").copy()
             return call.out(rx), (None if rw is None else call.out(rw)), call.out(tpe)
+
+    def _dispatch_weights(self, call, handle):
+        wv = call["topk_weights"]
+        if wv is not None:
+            wv = _fp32_weights(call, wv, "topk_weights", (handle.sizes["T"], handle.sizes["K"]))
+        return wv
+
+    @staticmethod
+    def _keep_ref_weights(handle, wv):
+        if wv is not None:
+            handle.view("recv_wk")[...] = handle.state["ref"]["recv_weights_slots"].reshape(-1)
+
+    def check_fp8_pair(self, x_fp8, scales, rows):
+        """An FP8 pair of ``rows`` tokens (anything with ``shape``, ``ndim``, ``dtype``: the adapters check
+        tracers with it): ``x_fp8 [rows, hidden]`` float8_e4m3fn or uint8, ``scales [rows, ceil(hidden/128)]``
+        float32. TypeError / ValueError naming the argument."""
+        _arrays.check_ndim(x_fp8, "x_fp8", 2)
+        dt = np.dtype(x_fp8.dtype)
+        if dt not in _FP8_ROW_DTYPES:
+            raise TypeError(f"x_fp8: expected float8_e4m3fn values or their uint8 codes, got dtype {dt.name}")
+        if tuple(x_fp8.shape) != (rows, self.hidden):
+            raise ValueError(f"x_fp8: expected shape {(rows, self.hidden)} ({rows} rows of hidden={self.hidden}), "
+                             f"got {tuple(x_fp8.shape)}")
+        _arrays.check_ndim(scales, "scales", 2)
+        _arrays.check_dtype(scales, "scales", (np.dtype(np.float32),))
+        S = _fp8_ref.num_blocks(self.hidden, FP8_BLOCK)
+        if tuple(scales.shape) != (rows, S):
+            raise ValueError(f"scales: expected shape [T, ceil(H/{FP8_BLOCK})] = {(rows, S)} (one fp32 scale per "
+                             f"{FP8_BLOCK} channels of each token), got {tuple(scales.shape)}")
+
+    def _dispatch_fp8(self, handle, x, topk_weights, pair, dequantize, stream):
+        """:meth:`dispatch` with ``fp8=True`` (checked flags): quantize (a float x) on the sending side, the
+        e4m3 rows (with the weights) and then the scale rows through the transport with the same handle,
+        dequantize on the receiving side when asked."""
+        arrays = {"x_fp8": x[0], "scales": x[1]} if pair else {"x": x}
+        arrays["topk_weights"] = topk_weights
+        with _arrays.Call(arrays, stream=stream) as call:
+            self._check_call(call, "dispatch")
+            _check_backend(handle, call, "dispatch")
+            T, H = handle.sizes["T"], self.hidden
+            if pair:
+                self.check_fp8_pair(call["x_fp8"], call["scales"], T)
+                codes = np.dtype(call["x_fp8"].dtype)  # the rows come back in their own dtype
+                out_dt = self.dtype or _BF16
+            else:
+                xv = call["x"]
+                self._check_tokens(xv, "x", T, handle)
+                codes = _arrays.FLOAT8_E4M3
+                out_dt = np.dtype(xv.dtype)
+            if (call.backend == "cuda" and not dequantize and codes != np.uint8
+                    and call.framework not in ("torch", "jax", "devarray")):
+                raise TypeError(f"x: a {call.framework} array, and the FP8 rows would come back as float8_e4m3fn, "
+                                "which CuPy cannot hold; pass torch or JAX arrays, a uint8 (x_fp8, scales) pair, "
+                                "or dequantize=True")
+            wv = self._dispatch_weights(call, handle)
+            # the gradient path of an FP8 dispatch is the float one (dispatch_bwd, combine): in x's dtype
+            handle.state["dtype"] = out_dt if not pair or dequantize else self.dtype
+            handle.state["has_weights"] = wv is not None
+            if call.backend == "cpu":
+                if pair:
+                    q = np.ascontiguousarray(call["x_fp8"])
+                    sc = np.ascontiguousarray(call["scales"])
+                else:
+                    q, sc = _fp8_ref.quantize_fp8(np.ascontiguousarray(xv), FP8_BLOCK)
+                rq, rs, rw, tpe = _ref.dispatch_fp8([handle.state["ref"]], [q], [sc],
+                                                    None if wv is None else [wv])[0]
+                self._keep_ref_weights(handle, wv)
+                rw = None if rw is None else call.out(rw)
+                if dequantize:
+                    return call.out(_fp8_ref.dequantize_fp8(rq, rs, out_dt, FP8_BLOCK)), rw, call.out(tpe)
+                return call.out(rq), call.out(rs), rw, call.out(tpe)
+            xp, s = call.xp, call.stream
+            if pair:
+                q = xp.ascontiguousarray(_arrays.cupy_of(call["x_fp8"]))  # FP8 on CUDA: its bytes as uint8
+                sc = xp.ascontiguousarray(_arrays.cupy_of(call["scales"]))
+            else:
+                xv = _arrays.contiguous(xp, xv)
+                q = xp.empty((T, H), np.uint8)
+                sc = xp.empty((T, _fp8_ref.num_blocks(H, FP8_BLOCK)), np.float32)
+                _fp8.launch_quantize(xv, q, sc, FP8_BLOCK, call.device_id, s)
+            # two row sets through one plan: the e4m3 rows (with the weights), then their scale rows
+            rq, rw = self._transport.forward(call, handle, q, wv, "dispatch", want_w=wv is not None)
+            rs, _ = self._transport.forward(call, handle, sc, None, "dispatch")
+            self._last_stream = s
+            tpe = handle.view("tokens_per_expert").copy()
+            rw = None if rw is None else call.out(rw)
+            if dequantize:
+                y = xp.empty(rq.shape, out_dt)
+                _fp8.launch_dequantize(rq, rs, y, FP8_BLOCK, call.device_id, s)
+                return call.out(y), rw, call.out(tpe)
+            rq_out = rq if codes == np.uint8 else _arrays.fp8_array(rq, codes)
+            return call.out(rq_out), call.out(rs), rw, call.out(tpe)
 
     def combine(self, handle, y, *, weighted: bool = True, stream=None):
         """Sum each token's expert outputs back on its own rank (a collective).

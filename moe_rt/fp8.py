@@ -109,6 +109,35 @@ def _v4(block: int, H: int, *ptr_align) -> bool:
     return block % 128 == 0 and H % 4 == 0 and all(p % a == 0 for p, a in ptr_align)
 
 
+def launch_quantize(x, q, scales, block: int, device_id: int, stream) -> None:
+    """The quantize kernel on checked, C-contiguous device arrays: ``x [T,H]`` fp32/bf16/fp16 into ``q [T,H]``
+    (any 1-byte array: e4m3 codes) and ``scales [T, ceil(H/block)]`` fp32, on ``stream``."""
+    T, H = int(x.shape[0]), int(x.shape[1])
+    if not T or not H:
+        return
+    nb = _ref.num_blocks(H, block)
+    v4 = _v4(block, H, (x.data.ptr, 4 * x.dtype.itemsize), (q.data.ptr, 4))
+    fn = _jit.function(_FILE, f"quantize_fp8<{_jit.ctype(x.dtype)}, {'true' if v4 else 'false'}>")
+    _jit.launch(fn, _grid(T * nb, device_id), _THREADS,
+                (x.data.ptr, q.data.ptr, scales.data.ptr, np.int64(T), np.int32(H), np.int32(block),
+                 np.int32(nb)), stream=stream)
+
+
+def launch_dequantize(q, scales, y, block: int, device_id: int, stream) -> None:
+    """The dequantize kernel on checked, C-contiguous device arrays: ``q [T,H]`` (1-byte e4m3 codes) and
+    ``scales [T, ceil(H/block)]`` fp32 into ``y [T,H]`` (fp32/bf16/fp16), on ``stream``."""
+    T, H = int(q.shape[0]), int(q.shape[1])
+    if not T or not H:
+        return
+    nb = _ref.num_blocks(H, block)
+    dt = np.dtype(y.dtype)
+    v4 = _v4(block, H, (q.data.ptr, 4), (y.data.ptr, 4 * dt.itemsize))
+    fn = _jit.function(_FILE, f"dequantize_fp8<{_jit.ctype(dt)}, {'true' if v4 else 'false'}>")
+    _jit.launch(fn, _grid(T * nb, device_id), _THREADS,
+                (q.data.ptr, scales.data.ptr, y.data.ptr, np.int64(T), np.int32(H), np.int32(block),
+                 np.int32(nb)), stream=stream)
+
+
 def quantize_fp8(x, block: int = 128, *, stream=None):
     """Quantize ``x`` to float8_e4m3fn with one fp32 scale per ``block`` channels of each token.
 
@@ -133,13 +162,7 @@ def quantize_fp8(x, block: int = 128, *, stream=None):
             return call.out(q), call.out(s)
         q = call.empty((T, H), _E4M3)
         s = call.empty((T, nb), np.float32)
-        if T and H:
-            isz = xv.dtype.itemsize
-            v4 = _v4(block, H, (xv.data.ptr, 4 * isz), (q.data.ptr, 4))
-            fn = _jit.function(_FILE, f"quantize_fp8<{_jit.ctype(xv.dtype)}, {'true' if v4 else 'false'}>")
-            _jit.launch(fn, _grid(T * nb, call.device_id), _THREADS,
-                        (xv.data.ptr, q.data.ptr, s.data.ptr, np.int64(T), np.int32(H), np.int32(block),
-                         np.int32(nb)), stream=call.stream)
+        launch_quantize(xv, q, s, block, call.device_id, call.stream)
         return call.out(q), call.out(s)
 
 
@@ -164,12 +187,7 @@ def dequantize_fp8(x_fp8, scales, dtype="bfloat16", block: int = 128, *, stream=
         if call.backend == "cpu":
             return call.out(_ref.dequantize_fp8(np.asarray(qv), np.asarray(sv), dt, block))
         y = call.empty((T, H), dt)
-        if T and H:
-            v4 = _v4(block, H, (qv.data.ptr, 4), (y.data.ptr, 4 * dt.itemsize))
-            fn = _jit.function(_FILE, f"dequantize_fp8<{_jit.ctype(dt)}, {'true' if v4 else 'false'}>")
-            _jit.launch(fn, _grid(T * nb, call.device_id), _THREADS,
-                        (qv.data.ptr, sv.data.ptr, y.data.ptr, np.int64(T), np.int32(H), np.int32(block),
-                         np.int32(nb)), stream=call.stream)
+        launch_dequantize(qv, sv, y, block, call.device_id, call.stream)
         return call.out(y)
 
 

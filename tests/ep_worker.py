@@ -1,6 +1,6 @@
 """Per-rank worker of the multi-GPU EP tests; run under the launcher, one process per GPU:
 
-    python tools/launch.py -n R tests/ep_worker.py correctness|graph|dead_peer|transports|graph_transports|dead_peer_direct|direct_lifecycle
+    python tools/launch.py -n R tests/ep_worker.py correctness|graph|dead_peer|transports|graph_transports|dead_peer_direct|direct_lifecycle|fp8
 
 Any world size R >= 2 (token counts are spread over the ranks; expert counts are multiples of R).
 
@@ -365,6 +365,110 @@ def transports(cp, comm):
     log(f"transports: {n + 1} cases OK ({TRANSPORT_CHUNKS})")
 
 
+def fp8_case(cp, comm, seed, E, K, H, Ts, Tmax, kind, mode, align, dtype):
+    """FP8 dispatch (EpGroup.dispatch(fp8=True)) on every transport configuration of TRANSPORT_CHUNKS: the
+    e4m3 rows and scales bitwise equal to quantize_fp8 then the reference dispatch of the codes and of the
+    scales; a pre-quantized uint8 pair (CuPy) gives the same bits; dequantize=True equals the reference
+    dequantization; the received weights, weighted combine and dispatch_bwd after an FP8 dispatch equal
+    those after a dispatch of x itself; every configuration bitwise equal to the first (direct)."""
+    import torch
+
+    from moe_rt.ep import EpGroup
+    from moe_rt.reference import ep as ref
+    from moe_rt.reference import fp8 as fref
+
+    Ts = spread(Ts)
+    rng = np.random.default_rng(seed)
+    idx = [routing(rng, T, E, K, kind) for T in Ts]
+    x = [(rng.standard_normal((T, H)) * rng.choice([1e-3, 1.0, 40.0], size=(T, 1))).astype(np.float32).astype(dtype)
+         for T in Ts]
+    w = [rng.random((T, K)).astype(np.float32) for T in Ts]
+    L = E // WORLD
+    kw = {} if mode == "exact" else {"pair_capacity": Tmax, "capacity": WORLD * Tmax * min(K, L)}
+    hs = ref.prepare(idx, E, align_size=align, **kw)
+    qs = [fref.quantize_fp8(xi) for xi in x]
+    rq = ref.dispatch(hs, [q for q, _ in qs], w)[RANK]
+    rs = ref.dispatch(hs, [s for _, s in qs])[RANK][0]
+    rdq = fref.dequantize_fp8(rq[0], rs, dtype)
+    outs = ref.dispatch(hs, x, w)  # last: the reference's weighted combine takes the weights of this one
+    plain = outs[RANK]
+    y = [rng.standard_normal(o[0].shape).astype(np.float32).astype(dtype) for o in outs]
+    gw = [rng.standard_normal(o[1].shape).astype(np.float32) for o in outs]
+
+    def to_torch(a):
+        a = np.ascontiguousarray(a)
+        t = torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16) if a.dtype == bf16() else torch.from_numpy(a)
+        return t.to(f"cuda:{DEV}")
+
+    x_t, w_t = to_torch(x[RANK]), to_torch(w[RANK])
+    torch.cuda.synchronize()
+    tag = f"[fp8 {kind} {mode} A={align} {np.dtype(dtype).name} H={H} T={Ts}]"
+    first = None
+    for c in TRANSPORT_CHUNKS:
+        t = f"{tag} {c}"
+        g = EpGroup(comm, E, H, Tmax, mode=mode, align_size=align, timeout=60, **cfg(c))
+        assert g.transport == cfg(c)["transport"], (g.transport, c)
+        h = g.prepare(cp.asarray(idx[RANK]))
+        got = {}
+        q_t, s_t, rw_t, tpe_t = g.dispatch(h, x_t, w_t, fp8=True)
+        assert q_t.dtype == torch.float8_e4m3fn and s_t.dtype == torch.float32, (q_t.dtype, s_t.dtype)
+        got["recv_x_fp8"] = cp.from_dlpack(q_t.view(torch.uint8))
+        got["recv_scales"] = cp.from_dlpack(s_t)
+        got["recv_w"] = cp.from_dlpack(rw_t)
+        same(f"recv_x_fp8 {t}", got["recv_x_fp8"], rq[0].view(np.uint8))
+        same(f"recv_scales {t}", got["recv_scales"], rs)
+        same(f"recv_w {t}", got["recv_w"], rq[1])
+        same(f"tokens_per_local_expert {t}", cp.from_dlpack(tpe_t), rq[2])
+        # weighted combine and dispatch_bwd after the FP8 dispatch: the bf16 path, as after a dispatch of x
+        yd, gwd = cp.asarray(y[RANK]), cp.asarray(gw[RANK])
+        got["combine"] = g.combine(h, yd, weighted=True)
+        got["dispatch_bwd x"], got["dispatch_bwd w"] = g.dispatch_bwd(h, yd, gwd)
+        close(f"combine after fp8 {t}", got["combine"], ref.combine(hs, y, weighted=True)[RANK], dtype)
+        rgx, rgw = ref.dispatch_bwd(hs, y, gw)[RANK]
+        close(f"dispatch_bwd x after fp8 {t}", got["dispatch_bwd x"], rgx, dtype)
+        same(f"dispatch_bwd w after fp8 {t}", got["dispatch_bwd w"], rgw)
+        # a pre-quantized uint8 pair (CuPy): the same bits
+        pq, ps, prw, _ = g.dispatch(h, (cp.asarray(qs[RANK][0].view(np.uint8)), cp.asarray(qs[RANK][1])),
+                                    cp.asarray(w[RANK]), fp8=True)
+        assert pq.dtype == np.uint8, pq.dtype
+        same(f"pair recv_x_fp8 {t}", pq, rq[0].view(np.uint8))
+        same(f"pair recv_scales {t}", ps, rs)
+        same(f"pair recv_w {t}", prw, rq[1])
+        # dequantized on the receiving side
+        dq, drw, _ = g.dispatch(h, cp.asarray(x[RANK]), cp.asarray(w[RANK]), fp8=True, dequantize=True)
+        got["dequantized"] = dq
+        same(f"dequantized {t}", dq, rdq)
+        same(f"dequantized recv_w {t}", drw, rq[1])
+        # the same ops after a dispatch of x itself give the same bits
+        bx, bw, _ = g.dispatch(h, cp.asarray(x[RANK]), cp.asarray(w[RANK]))
+        same(f"bf16 dispatch beside fp8 {t}", bx, plain[0])
+        same(f"combine after bf16 vs fp8 {t}", g.combine(h, yd, weighted=True), got["combine"])
+        gx2, gw2 = g.dispatch_bwd(h, yd, gwd)
+        same(f"dispatch_bwd x after bf16 vs fp8 {t}", gx2, got["dispatch_bwd x"])
+        same(f"dispatch_bwd w after bf16 vs fp8 {t}", gw2, got["dispatch_bwd w"])
+        if first is None:
+            first = got
+        else:
+            for k, v in got.items():
+                same(f"{k} {t} vs {TRANSPORT_CHUNKS[0]}", v, first[k])
+        h.close()
+        g.close()
+
+
+def fp8(cp, comm):
+    """FP8 dispatch in the exact and capacity modes on both transports (fp8_case)."""
+    f32, b16, f16 = np.float32, bf16(), np.float16
+    n = 0
+    for mode in ("exact", "capacity"):
+        for kind, Ts, align, dtype, H in (("uniform", (48, 37), 1, b16, 512), ("holes", (33, 0), 8, b16, 300),
+                                          ("skewed", (64, 20), 1, f32, 100), ("one", (30, 41), 4, f16, 7168)):
+            fp8_case(cp, comm, 5000 + n, experts(16), 4, H, Ts, 64, kind, mode, align, dtype)
+            n += 1
+    fp8_case(cp, comm, 5100, experts(8), 6, 64, (10, 12), 16, "holes", "capacity", 4, b16)
+    fp8_case(cp, comm, 5101, experts(8), 2, 256, (0, 0), 16, "uniform", "exact", 1, b16)
+    log(f"fp8: {n + 2} cases OK ({TRANSPORT_CHUNKS})")
+
+
 def direct_lifecycle(cp, comm):
     """The direct transport over a long run and its teardown: graph capture and replays, 1000 eager
     iterations per mode with flat pool memory (graph()), then the teardown order: handles closed first, then
@@ -417,7 +521,7 @@ def main():
     cp, comm = setup()
     {"correctness": correctness, "graph": graph, "dead_peer": dead_peer, "transports": transports,
      "graph_transports": graph_transports, "dead_peer_direct": dead_peer_direct,
-     "direct_lifecycle": direct_lifecycle}[what](cp, comm)
+     "direct_lifecycle": direct_lifecycle, "fp8": fp8}[what](cp, comm)
     cp.cuda.Device().synchronize()
     comm.close()
     log("ALL OK")

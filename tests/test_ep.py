@@ -200,6 +200,55 @@ def test_reference_capacity_overflow_flagged(rng):
     assert np.allclose(back[1][:5], x[1][:5]) and not back[1][5:].any()
 
 
+def _fp8_inputs(rng, Ts, H, dtype):
+    """Per-rank tokens whose rows span very different magnitudes (tiny, unit, large; one all-zero token)."""
+    x = []
+    for T in Ts:
+        a = rng.standard_normal((T, H)) * rng.choice([1e-30, 1e-3, 1.0, 300.0], size=(T, 1))
+        if T:
+            a[T // 2] = 0.0
+        x.append(a.astype(np.float32).astype(dtype))
+    return x
+
+
+@pytest.mark.parametrize("R,E,K,Ts,kind", CASES)
+@pytest.mark.parametrize("mode", ["exact", "capacity"])
+def test_reference_dispatch_fp8_brute_force(rng, R, E, K, Ts, kind, mode):
+    # every expert-major row holds its token's e4m3 codes and scales (quantize_fp8's, bit for bit); rows
+    # holding no slot are zero in both; the received weights are those of the unquantized dispatch
+    from ml_dtypes import bfloat16
+
+    from moe_rt.reference import fp8 as fref
+
+    H = 300  # three scale blocks, the last one of 44 channels
+    idx, _, w = _case(rng, R, E, K, Ts, kind)
+    x = _fp8_inputs(rng, Ts, H, bfloat16)
+    P = max(Ts) or 1
+    kw = {} if mode == "exact" else {"pair_capacity": P, "capacity": R * P * min(K, E // R)}
+    hs = ref.prepare(idx, E, align_size=4, **kw)
+    qs = [fref.quantize_fp8(xi) for xi in x]
+    outs = ref.dispatch_fp8(hs, [q for q, _ in qs], [s for _, s in qs], w)
+    plain = ref.dispatch(hs, x, w)
+    for d, (h, (rq, rs, rw, tpe), p) in enumerate(zip(hs, outs, plain)):
+        assert rq.dtype == qs[0][0].dtype and rs.dtype == np.float32 and rs.shape == (h["num_rows"], 3)
+        assert np.array_equal(rw, p[1]) and np.array_equal(tpe, p[2])
+        src = h["plan"]["src_slot"]
+        for n in range(h["num_rows"]):
+            if src[n] < 0:
+                assert not rq[n].view(np.uint8).any() and not rs[n].any()
+                continue
+            r = int(src[n]) // K
+            s_, t = int(h["recv_src"][r]), int(h["recv_tok"][r])
+            assert np.array_equal(rq[n].view(np.uint8), qs[s_][0][t].view(np.uint8))
+            assert np.array_equal(rs[n], qs[s_][1][t])
+        # dequantized rows are the tokens within e4m3's precision (3 mantissa bits) of their block's amax
+        y = fref.dequantize_fp8(rq, rs, np.float32)
+        xs = p[0].astype(np.float32)
+        amax = np.repeat(np.maximum.reduceat(np.abs(xs), [0, 128, 256], axis=1), 128, axis=1)[:, :H] \
+            if xs.size else xs
+        assert np.all(np.abs(y - xs) <= amax * 2.0 ** -4 + 1e-38)
+
+
 def test_reference_rejects_bad_ids():
     with pytest.raises(ValueError, match="expert ids"):
         ref.prepare([np.array([[0, 4]], np.int32)], 4)
@@ -238,6 +287,142 @@ def test_group_cpu_matches_reference(rng, mode, align):
     assert np.array_equal(gy, r[0]) and np.array_equal(grw, r[1])
     assert not h.overflow()
     g.check_overflow(h)
+
+
+@pytest.mark.parametrize("mode", ["exact", "capacity"])
+@pytest.mark.parametrize("dtype,H,align", [("bfloat16", 300, 1), ("float32", 100, 8), ("float16", 256, 4)])
+def test_group_cpu_fp8_dispatch(rng, mode, dtype, H, align):
+    # fp8=True: quantize_fp8 then the reference dispatch of the codes and of the scales, bit for bit; a
+    # pre-quantized pair (float8_e4m3fn or uint8) gives the same bits in its own dtype; dequantize=True is
+    # dequantize_fp8 of those rows; combine and the backwards afterwards are those after a dispatch of x
+    import ml_dtypes
+
+    from moe_rt.reference import fp8 as fref
+
+    dt = np.dtype(getattr(ml_dtypes, dtype) if dtype == "bfloat16" else dtype)
+    E, K, T = 8, 3, 13
+    g = EpGroup(None, E, H, 16, mode=mode, align_size=align)
+    idx = make_routing(rng, T, E, K, "holes")
+    x = _fp8_inputs(rng, [T], H, dt)[0]
+    w = rng.random((T, K)).astype(np.float32)
+    h = g.prepare(idx)
+    kw = {} if mode == "exact" else {"pair_capacity": 16, "capacity": 16 * min(K, E)}
+    hs = ref.prepare([idx], E, align_size=align, **kw)
+    q, s = fref.quantize_fp8(x)
+    wq = ref.dispatch(hs, [q], [w])[0]
+    ws = ref.dispatch(hs, [s])[0][0]
+    wx = ref.dispatch(hs, [x], [w])[0]
+    rq, rs, rw, tpe = g.dispatch(h, x, w, fp8=True)
+    assert rq.dtype == ml_dtypes.float8_e4m3fn and rs.dtype == np.float32
+    assert np.array_equal(rq.view(np.uint8), wq[0].view(np.uint8)) and np.array_equal(rs, ws)
+    assert np.array_equal(rw, wq[1]) and np.array_equal(tpe, wq[2])
+    for pair in ((q, s), (q.view(np.uint8), s), [q, s]):
+        pq, ps, pw, ptpe = g.dispatch(h, pair, w, fp8=True)
+        assert pq.dtype == pair[0].dtype
+        assert np.array_equal(pq.view(np.uint8), wq[0].view(np.uint8)) and np.array_equal(ps, ws)
+        assert np.array_equal(pw, wq[1]) and np.array_equal(ptpe, wq[2])
+    dq, dw, dtpe = g.dispatch(h, x, w, fp8=True, dequantize=True)
+    assert dq.dtype == dt and np.array_equal(dq, fref.dequantize_fp8(wq[0], ws, dt))
+    assert np.array_equal(dw, wq[1]) and np.array_equal(dtpe, wq[2])
+    # a pair dequantizes to the group's dtype (bfloat16 without one), which then holds for the handle
+    hp = g.prepare(idx)
+    pd, _, _ = g.dispatch(hp, (q, s), fp8=True, dequantize=True)
+    assert pd.dtype == ml_dtypes.bfloat16
+    assert np.array_equal(pd, fref.dequantize_fp8(wq[0], ws, ml_dtypes.bfloat16))
+    # the gradient path after an FP8 dispatch is the one after a dispatch of x (handle weights and dtype)
+    g.dispatch(h, x, w, fp8=True)
+    y = rng.standard_normal(rq.shape).astype(np.float32).astype(dt)
+    gw = rng.standard_normal(rw.shape).astype(np.float32)
+    after_fp8 = (g.combine(h, y), *g.dispatch_bwd(h, y, gw), *g.combine_bwd(h, x, y))
+    with pytest.raises(TypeError, match="grad_recv_x: dtype"):
+        g.dispatch_bwd(h, y.astype(np.float32 if dt != np.float32 else np.float16))
+    rx, _, _ = g.dispatch(h, x, w)
+    assert np.array_equal(rx, wx[0])
+    after_x = (g.combine(h, y), *g.dispatch_bwd(h, y, gw), *g.combine_bwd(h, x, y))
+    for a, b in zip(after_fp8, after_x):
+        assert np.array_equal(a, b)
+    assert np.array_equal(after_fp8[1], ref.dispatch_bwd(hs, [y], [gw])[0][0])
+    # a group with a fixed dtype: a pair dequantizes to it
+    g16 = EpGroup(None, E, H, 16, mode=mode, align_size=align, dtype=np.float16)
+    h16 = g16.prepare(idx)
+    assert g16.dispatch(h16, (q, s), fp8=True, dequantize=True)[0].dtype == np.float16
+
+
+def test_group_cpu_fp8_torch_tensors(rng):
+    torch = pytest.importorskip("torch")
+    import ml_dtypes
+
+    from moe_rt.reference import fp8 as fref
+
+    E, K, T, H = 4, 2, 5, 130
+    g = EpGroup(None, E, H, 8)
+    idx = make_routing(rng, T, E, K)
+    h = g.prepare(torch.tensor(idx))
+    x = torch.randn(T, H, dtype=torch.bfloat16)
+    rq, rs, rw, tpe = g.dispatch(h, x, torch.rand(T, K), fp8=True)
+    assert rq.dtype == torch.float8_e4m3fn and rs.dtype == torch.float32 and rw.dtype == torch.float32
+    assert isinstance(tpe, torch.Tensor) and rq.shape == (T * K, H) and rs.shape == (T * K, 2)
+    q, s = fref.quantize_fp8(x.view(torch.int16).numpy().view(ml_dtypes.bfloat16))
+    want = ref.dispatch(ref.prepare([idx], E), [q])[0][0]
+    assert np.array_equal(rq.view(torch.uint8).numpy(), want.view(np.uint8))
+    pq, ps, _, _ = g.dispatch(h, (torch.from_numpy(q.view(np.uint8)), torch.from_numpy(s)), fp8=True)
+    assert pq.dtype == torch.uint8 and np.array_equal(pq.numpy(), want.view(np.uint8))
+    y, _, _ = g.dispatch(h, x, fp8=True, dequantize=True)
+    assert y.dtype == torch.bfloat16
+
+
+def test_group_fp8_bad_inputs(rng):
+    import ml_dtypes
+
+    from moe_rt.reference import fp8 as fref
+
+    E, K, T, H = 4, 2, 6, 260
+    g = EpGroup(None, E, H, 8)
+    h = g.prepare(make_routing(rng, T, E, K))
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    q, s = fref.quantize_fp8(x)
+    with pytest.raises(TypeError, match="fp8=True"):
+        g.dispatch(h, (q, s))
+    with pytest.raises(TypeError, match="x: expected an array"):
+        g.dispatch(h, (q, s, s), fp8=True)
+    with pytest.raises(ValueError, match="dequantize"):
+        g.dispatch(h, x, dequantize=True)
+    with pytest.raises(TypeError, match="fp8"):
+        g.dispatch(h, x, fp8=1)
+    with pytest.raises(TypeError, match="dequantize"):
+        g.dispatch(h, x, fp8=True, dequantize="yes")
+    with pytest.raises(TypeError, match="x_fp8: expected float8_e4m3fn"):
+        g.dispatch(h, (q.view(ml_dtypes.float8_e5m2), s), fp8=True)
+    with pytest.raises(TypeError, match="x_fp8: expected float8_e4m3fn"):
+        g.dispatch(h, (x.astype(np.float16), s), fp8=True)
+    with pytest.raises(TypeError, match="x_fp8"):
+        g.dispatch(h, (q.view(np.int8), s), fp8=True)
+    with pytest.raises(ValueError, match="x_fp8: expected shape"):
+        g.dispatch(h, (q[:, :-1], s), fp8=True)  # H not the group's hidden size
+    with pytest.raises(ValueError, match="x_fp8: expected shape"):
+        g.dispatch(h, (q[:-1], s[:-1]), fp8=True)  # T not the handle's
+    with pytest.raises(ValueError, match="x_fp8: expected a 2-D"):
+        g.dispatch(h, (q.reshape(-1), s), fp8=True)
+    with pytest.raises(TypeError, match="scales: dtype"):
+        g.dispatch(h, (q, s.astype(np.float16)), fp8=True)
+    with pytest.raises(TypeError, match="scales: dtype"):
+        g.dispatch(h, (q, s.view(np.uint8)[:, :3]), fp8=True)
+    with pytest.raises(ValueError, match=r"scales: expected shape \[T, ceil\(H/128\)\] = \(6, 3\)"):
+        g.dispatch(h, (q, np.ones((T, 2), np.float32)), fp8=True)
+    with pytest.raises(ValueError, match="scales: expected shape"):
+        g.dispatch(h, (q, s[:-1]), fp8=True)
+    with pytest.raises(ValueError, match="scales: expected a 2-D"):
+        g.dispatch(h, (q, s.reshape(-1)), fp8=True)
+    with pytest.raises(ValueError, match="x: expected shape"):
+        g.dispatch(h, x[:, :-1], fp8=True)
+    with pytest.raises(TypeError, match="x: dtype"):
+        g.dispatch(h, q, fp8=True)  # FP8 codes alone: the scales are needed too
+    with pytest.raises(ValueError, match="topk_weights"):
+        g.dispatch(h, x, np.ones((T, 3), np.float32), fp8=True)
+    g16 = EpGroup(None, E, H, 8, dtype=np.float16)
+    h16 = g16.prepare(make_routing(rng, T, E, K))
+    with pytest.raises(TypeError, match="float16"):
+        g16.dispatch(h16, x, fp8=True)
 
 
 def test_group_cpu_torch_tensors(rng):
@@ -391,8 +576,8 @@ def test_overlap_keyword_env_and_auto_choice(monkeypatch):
         g = EpGroup(fake, 4, 4, 8, overlap=overlap, transport="nccl")
         monkeypatch.setattr(g._transport, "_send_rows", lambda h: sent["rows"])
         sent["rows"] = rows
-        assert g._transport._overlapped(None, itemsize) is want, (overlap, rows, itemsize)
-    assert EpGroup(None, 4, 4, 8, overlap=True)._transport._overlapped(None, 2) is False
+        assert g._transport._overlapped(None, 4 * itemsize) is want, (overlap, rows, itemsize)  # rows of H=4
+    assert EpGroup(None, 4, 4, 8, overlap=True)._transport._overlapped(None, 8) is False
 
 
 @pytest.mark.parametrize("min_bytes", [0, 1000])
@@ -847,6 +1032,17 @@ def test_multi_gpu_transports(what, n):
     # dispatch, combine, dispatch_bwd, combine_bwd in exact and capacity modes; graph_transports: capacity
     # mode captured in a CUDA graph per transport, replayed with new routing, bitwise across transports
     r = _run_worker(what, n=n, timeout=180)
+    assert r.returncode == 0 and "[rank 0] ALL OK" in r.stdout
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.parametrize("n", [2, 4])
+def test_multi_gpu_fp8_dispatch(n):
+    # EpGroup.dispatch(fp8=True) in exact and capacity modes on the direct and NCCL transports: bitwise equal
+    # to quantize_fp8 then the reference dispatch (torch bf16/fp16/fp32 in, float8_e4m3fn out; a CuPy uint8
+    # pair; dequantize=True), combine and dispatch_bwd afterwards as after a dispatch of x, direct == NCCL
+    pytest.importorskip("torch")
+    r = _run_worker("fp8", n=n, timeout=240)
     assert r.returncode == 0 and "[rank 0] ALL OK" in r.stdout
 
 

@@ -109,7 +109,143 @@ def test_torch_ep_bad_input(rng):
         mt.ep_dispatch(h, torch.randn(5, H))
 
 
+def _fp8_reference(x, idx, w, mode):
+    """quantize_fp8 then the 1-rank reference dispatch of the codes and of the scales: (codes uint8 [N,H],
+    scales [N,S], recv_weights [N], the rows dequantized to x's dtype)."""
+    from moe_rt.reference import ep as ref
+    from moe_rt.reference import fp8 as fref
+
+    kw = {} if mode == "exact" else {"pair_capacity": 32, "capacity": 32 * min(K, E)}
+    hs = ref.prepare([idx], E, **kw)
+    q, s = fref.quantize_fp8(x)
+    rq, rw, _ = ref.dispatch(hs, [q], [w])[0]
+    rs = ref.dispatch(hs, [s])[0][0]
+    return rq.view(np.uint8), rs, rw, fref.dequantize_fp8(rq, rs, x.dtype), (q, s)
+
+
+def _torch_bf16(a, device):
+    return torch.from_numpy(np.ascontiguousarray(a).view(np.uint16)).view(torch.bfloat16).to(device)
+
+
+@pytest.mark.parametrize("device", TORCH_DEVICES)
+@pytest.mark.parametrize("mode", ["exact", "capacity"])
+def test_torch_ep_fp8_dispatch(device, mode, rng):
+    # fp8=True: float8_e4m3fn rows + fp32 scales bitwise equal to quantize-then-dispatch; no gradient through
+    # them, recv_weights' gradient as after a plain dispatch; dequantize=True: straight-through gradient,
+    # equal to the plain dispatch's; pairs (float8 or uint8) give the same bits
+    import ml_dtypes
+
+    T = 19
+    Hf = 200  # two scale blocks, the last one of 72 channels
+    idx = _routing(rng, T)
+    x = rng.standard_normal((T, Hf)).astype(np.float32).astype(ml_dtypes.bfloat16)
+    w = rng.random((T, K)).astype(np.float32)
+    rq, rs, rw, rdq, (q, s) = _fp8_reference(x, idx, w, mode)
+    group = moe_rt.EpGroup(None, E, Hf, 32, mode=mode)
+    h = mt.ep_prepare(group, torch.tensor(idx, device=device))
+    xt = _torch_bf16(x, device).requires_grad_(True)
+    wt = torch.tensor(w, device=device, requires_grad=True)
+    tq, ts, tw = mt.ep_dispatch(h, xt, wt, fp8=True)
+    assert tq.dtype == torch.float8_e4m3fn and ts.dtype == torch.float32
+    assert not tq.requires_grad and not ts.requires_grad and tw.requires_grad
+    assert np.array_equal(tq.view(torch.uint8).cpu().numpy(), rq) and np.array_equal(ts.cpu().numpy(), rs)
+    assert np.array_equal(tw.detach().cpu().numpy(), rw)
+    gw_out = torch.randn(h.num_rows, device=device)
+    (gw_fp8,) = torch.autograd.grad((tw * gw_out).sum(), [wt])
+    _, pw = mt.ep_dispatch(h, xt, wt)
+    (gw_plain,) = torch.autograd.grad((pw * gw_out).sum(), [wt])
+    assert torch.equal(gw_fp8, gw_plain)
+    # dequantize=True: rows dequantized on the receiving side, straight-through gradient to x
+    y, yw = mt.ep_dispatch(h, xt, wt, fp8=True, dequantize=True)
+    assert y.dtype == torch.bfloat16 and np.array_equal(y.detach().view(torch.int16).cpu().numpy(),
+                                                       rdq.view(np.int16))
+    gy = torch.randn(h.num_rows, Hf, device=device).to(torch.bfloat16)
+    gx_fp8, gw_deq = torch.autograd.grad((y.float() * gy.float()).sum() + (yw * gw_out).sum(), [xt, wt])
+    px, pw = mt.ep_dispatch(h, xt, wt)
+    gx_plain, _ = torch.autograd.grad((px.float() * gy.float()).sum() + (pw * gw_out).sum(), [xt, wt])
+    assert torch.equal(gx_fp8, gx_plain) and torch.equal(gw_deq, gw_plain)
+    # pre-quantized pairs
+    tq8 = torch.from_numpy(q.view(np.uint8)).to(device)
+    for pair in ((tq8.view(torch.float8_e4m3fn), torch.from_numpy(s).to(device)),
+                 (tq8, torch.from_numpy(s).to(device))):
+        pq, ps, pw2 = mt.ep_dispatch(h, pair, fp8=True)
+        assert pq.dtype == pair[0].dtype and pw2 is None
+        assert np.array_equal(pq.view(torch.uint8).cpu().numpy(), rq) and np.array_equal(ps.cpu().numpy(), rs)
+        pd, _ = mt.ep_dispatch(h, pair, fp8=True, dequantize=True)
+        assert pd.dtype == torch.bfloat16 and torch.equal(pd, y.detach())
+    # bad input
+    with pytest.raises(TypeError, match="fp8=True"):
+        mt.ep_dispatch(h, pair)
+    with pytest.raises(ValueError, match="dequantize"):
+        mt.ep_dispatch(h, xt, dequantize=True)
+    with pytest.raises(ValueError, match="scales: expected shape"):
+        mt.ep_dispatch(h, (tq8, torch.ones(T, 3, device=device)), fp8=True)
+    with pytest.raises(TypeError, match="x_fp8"):
+        mt.ep_dispatch(h, (tq8.to(torch.float16), torch.from_numpy(s).to(device)), fp8=True)
+    with pytest.raises(TypeError, match="scales"):
+        mt.ep_dispatch(h, (tq8, np.asarray(s)), fp8=True)
+    if mode == "capacity":
+        f = torch.compile(lambda x, w: mt.ep_dispatch(h, x, w, fp8=True), fullgraph=True,
+                          backend="inductor" if device == "cuda" else "aot_eager")
+        cq, cs, _ = f(xt.detach(), wt.detach())
+        assert torch.equal(cq.view(torch.uint8), tq.view(torch.uint8)) and torch.equal(cs, ts)
+
+
 JAX_DEVICES = [pytest.param("cpu"), pytest.param("gpu", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", JAX_DEVICES)
+def test_jax_ep_fp8_dispatch(device, rng):
+    # as test_torch_ep_fp8_dispatch, under jit: jnp.float8_e4m3fn rows + scales; recv_weights' gradient;
+    # dequantize=True with the straight-through VJP; pairs; trace-time checks
+    import ml_dtypes
+
+    T, Hf = 19, 200
+    idx = _routing(rng, T)
+    x = rng.standard_normal((T, Hf)).astype(np.float32).astype(ml_dtypes.bfloat16)
+    w = rng.random((T, K)).astype(np.float32)
+    rq, rs, rw, rdq, (q, s) = _fp8_reference(x, idx, w, "capacity")
+    group = moe_rt.EpGroup(None, E, Hf, 32, mode="capacity")
+    with jax.default_device(jax.devices(device)[0]):
+        h = mj.ep_prepare(group, jnp.asarray(idx))
+        jx, jw = jnp.asarray(x), jnp.asarray(w)
+        jq, js, jrw = jax.jit(lambda h, x, w: mj.ep_dispatch(h, x, w, fp8=True))(h, jx, jw)
+        assert jq.dtype == jnp.float8_e4m3fn and js.dtype == jnp.float32
+        assert np.array_equal(np.asarray(jq).view(np.uint8), rq) and np.array_equal(np.asarray(js), rs)
+        assert np.array_equal(np.asarray(jrw), rw)
+        gw_out = jnp.asarray(rng.standard_normal(h.num_rows).astype(np.float32))
+        gy = jnp.asarray(rng.standard_normal((h.num_rows, Hf)).astype(np.float32))
+
+        def loss(x, w, fp8):
+            if fp8 == "rows":
+                return (mj.ep_dispatch(h, x, w, fp8=True)[2] * gw_out).sum()
+            rx, rw_ = mj.ep_dispatch(h, x, w, fp8=fp8, dequantize=fp8)
+            return (rx.astype(jnp.float32) * gy).sum() + (rw_ * gw_out).sum()
+
+        g_rows = jax.jit(jax.grad(lambda w: loss(jx, w, "rows")))(jw)
+        gx_deq, gw_deq = jax.jit(jax.grad(lambda x, w: loss(x, w, True), argnums=(0, 1)))(jx, jw)
+        gx_plain, gw_plain = jax.grad(lambda x, w: loss(x, w, False), argnums=(0, 1))(jx, jw)
+        assert np.array_equal(np.asarray(g_rows), np.asarray(gw_plain))
+        assert np.array_equal(np.asarray(gx_deq), np.asarray(gx_plain))
+        assert np.array_equal(np.asarray(gw_deq), np.asarray(gw_plain))
+        y, _ = mj.ep_dispatch(h, jx, jw, fp8=True, dequantize=True)
+        assert y.dtype == jnp.bfloat16 and np.array_equal(np.asarray(y).view(np.int16), rdq.view(np.int16))
+        for pair in ((jnp.asarray(q), jnp.asarray(s)), (jnp.asarray(q.view(np.uint8)), jnp.asarray(s))):
+            pq, ps, pw = jax.jit(lambda h, a, b: mj.ep_dispatch(h, (a, b), fp8=True))(h, *pair)
+            assert pq.dtype == pair[0].dtype and pw is None
+            assert np.array_equal(np.asarray(pq).view(np.uint8), rq) and np.array_equal(np.asarray(ps), rs)
+            pd, _ = mj.ep_dispatch(h, pair, fp8=True, dequantize=True)
+            assert np.array_equal(np.asarray(pd).view(np.int16), rdq.view(np.int16))
+        with pytest.raises(TypeError, match="fp8=True"):
+            mj.ep_dispatch(h, pair)
+        with pytest.raises(ValueError, match="scales: expected shape"):
+            mj.ep_dispatch(h, (pair[0], jnp.ones((T, 3), jnp.float32)), fp8=True)
+        with pytest.raises(TypeError, match="scales: dtype"):
+            mj.ep_dispatch(h, (pair[0], jnp.ones((T, 2), jnp.bfloat16)), fp8=True)
+        with pytest.raises(TypeError, match="x_fp8"):
+            mj.ep_dispatch(h, (jnp.zeros((T, Hf), jnp.float8_e5m2), pair[1]), fp8=True)
+        with pytest.raises(ValueError, match="x_fp8: expected shape"):
+            mj.ep_dispatch(h, (pair[0][:, :-1], pair[1]), fp8=True)
 
 
 @pytest.mark.parametrize("device", JAX_DEVICES)

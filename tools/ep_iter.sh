@@ -5,7 +5,7 @@
 #   tools/ep_iter.sh OUTDIR [TOKENS]      (TOKENS: bench_ep's --tokens, default 4096,16384)
 # Environment: RANKS (default "4 2"; "2" on a 2-GPU machine), LL=1 (low-latency tests and bench at T=128),
 # TESTS (pytest -k expression for tests/test_ep.py's multi-GPU tests, default every one; none: skip them), EXTRA_TESTS (one-GPU
-# pytest arguments run on GPU 0 after), DEMO_EP=1 (the torch EP demo on an empty kernel cache first, timed).
+# pytest arguments run on GPU 0 after), FP8=1 (bench_ep --fp8: FP8 dispatch rows beside bf16), DEMO_EP=1 (the torch EP demo on an empty kernel cache first, timed).
 set -u
 OUT=${1:?usage: tools/ep_iter.sh OUTDIR [TOKENS]}
 TOK=${2:-4096,16384}
@@ -31,7 +31,7 @@ if [ -n "${EXTRA_TESTS:-}" ]; then
   grep -E "^FAILED|^ERROR" "$OUT/extra_tests.log" | head -30; tail -2 "$OUT/extra_tests.log"
 fi
 for n in $RANKS; do
-  step bench_ep$n 240 env MOE_RT_BENCH_EP_NPROC=$n python3 tools/bench_ep.py --tokens "$TOK" --chunks 2 --json "$OUT/bench_ep$n.json"
+  step bench_ep$n 240 env MOE_RT_BENCH_EP_NPROC=$n python3 tools/bench_ep.py --tokens "$TOK" --chunks 2 ${FP8:+--fp8} --json "$OUT/bench_ep$n.json"
   grep -E "Error|Traceback" "$OUT/bench_ep$n.log" | head -5; tail -24 "$OUT/bench_ep$n.log"
   if [ -n "${LL:-}" ]; then
     step bench_ll$n 200 env MOE_RT_BENCH_EP_NPROC=$n python3 tools/bench_ep.py --mode low_latency --tokens 128 \

@@ -21,6 +21,11 @@ the rank sends at least 64 MiB) of the NCCL transport and the direct peer-memory
     ``cudaMemcpyAsync`` of each peer's share straight into the peer's IPC-mapped buffer, one stream per
     peer): the practical limit of the link (column ipc_ce_ms; x_vs_ipc_ce = ms / ipc_ce_ms).
 
+``--fp8`` adds a row "dispatch fp8" after each "dispatch" row (exact and capacity eager, every transfer
+configuration, the same T and inputs): :meth:`EpGroup.dispatch` with ``fp8=True`` (quantize on the sending
+side, the e4m3 rows and their fp32 block scales on the wire: ``H + 4*ceil(H/128)`` bytes a row instead of
+``2H``), and the column x_vs_bf16 = the bf16 dispatch's time / the FP8 one's (the speedup).
+
 ``--mode low_latency`` times :class:`moe_rt.LowLatencyGroup` instead (T=128 by default, the same E, K, H):
 dispatch and combine alone, eager and captured alone in a CUDA graph (the graph rows are device time), the
 eager round trip (host included) and the round trip as one graph, beside a raw ``all_to_all_single`` of the
@@ -71,6 +76,10 @@ def parser(prog: str | None = None):
                          "or 'o' for the overlapped one (2 alone is the default EpGroup)")
     ap.add_argument("--transport", default="both", choices=("direct", "nccl", "both"),
                     help="the EP transports to time side by side (direct: chunks column 'd')")
+    ap.add_argument("--fp8", action="store_true",
+                    help="also time the FP8 dispatch (EpGroup.dispatch(fp8=True): quantize on the sender, e4m3 rows "
+                         "and their fp32 block scales on the wire) beside the bf16 one, per mode and transfer "
+                         "configuration (exact and capacity eager), with the speedup x_vs_bf16")
     ap.add_argument("--parts", action="store_true",
                     help="also time the serial dispatch/combine's parts alone (pack, NCCL exchange, expand; "
                          "reduce, exchange, owner sum) in exact mode")
@@ -207,7 +216,7 @@ def _rank(args):
     iters, warm = args.iters, args.warmup
     table = benchlib.Table("EP dispatch/combine (moe_rt vs torch.distributed)",
                            ["op", "mode", "chunks", "T", "ms", "wire_MB", "wire_GB/s", "torch_ms", "raw_a2a_ms",
-                            "ipc_ce_ms", "x_vs_torch", "x_vs_raw", "x_vs_ipc_ce"])
+                            "ipc_ce_ms", "x_vs_torch", "x_vs_raw", "x_vs_ipc_ce"] + (["x_vs_bf16"] if args.fp8 else []))
     table.meta.update(ranks=world, experts=E, topk=K, hidden=H, dtype="bfloat16")
     if rank == 0:
         table.header()
@@ -308,6 +317,7 @@ def _rank(args):
                 send_rows = (world - 1) * sz["P"]
             wire = send_rows * H * 2
             wire_w = send_rows * K * 4
+            wire_fp8 = send_rows * (H + 4 * -(-H // 128))  # e4m3 rows and their fp32 block scales
             # (b) raw all_to_all_single of the same bytes (own share excluded)
             per_peer = send_rows // max(world - 1, 1)
             splits = [0 if p == rank else per_peer for p in range(world)]
@@ -356,6 +366,10 @@ def _rank(args):
                         if op == "dispatch":
                             ms = timed(lambda: grp.dispatch(h, x, w))
                             rows.append((op, c, ms, wire + wire_w, t_tdisp, t_raw, t_ce))
+                            if args.fp8:
+                                ms8 = timed(lambda: grp.dispatch(h, x, w, fp8=True))
+                                rows.append(("dispatch fp8", c, ms8, wire_fp8 + wire_w, t_tdisp, t_raw, t_ce,
+                                             ms / ms8))
                         elif op == "combine":
                             ms = timed(lambda: grp.combine(h, y))
                             rows.append((op, c, ms, wire, t_tcomb, t_raw, t_ce))
@@ -368,12 +382,13 @@ def _rank(args):
                             rows.append((op, c, timed(rt), 2 * wire + wire_w, t_trt, 2 * t_raw,
                                          2 * t_ce if t_ce else None))
             if rank == 0:
-                for op, c, ms, nbytes, tms, rawms, cems in rows:
+                for op, c, ms, nbytes, tms, rawms, cems, *vs_bf16 in rows:
                     table.add(op=op, mode=mode, chunks=c, T=T, ms=ms, wire_MB=nbytes / 1e6,
                               **{"wire_GB/s": (nbytes / (ms * 1e-3) / 1e9) if nbytes else None},
                               torch_ms=tms, raw_a2a_ms=rawms, ipc_ce_ms=cems,
                               x_vs_torch=(tms / ms) if tms else None, x_vs_raw=(ms / rawms) if rawms else None,
-                              x_vs_ipc_ce=(ms / cems) if cems else None)
+                              x_vs_ipc_ce=(ms / cems) if cems else None,
+                              **({"x_vs_bf16": vs_bf16[0] if vs_bf16 else None} if args.fp8 else {}))
             for g in grps:
                 g.close()  # a collective with the direct transport: every rank, in the same order
             h = grp = None

@@ -176,6 +176,21 @@ def dispatch(handles, x, topk_weights=None):
     return out
 
 
+def dispatch_fp8(handles, x_fp8, scales, topk_weights=None):
+    """FP8 rows and their scale rows through the same plans: ``x_fp8[r] [T_r,H]`` (float8_e4m3fn or uint8
+    codes, moved bit for bit), ``scales[r] [T_r,S]`` fp32 (S = ceil(H/128) block scales), ``topk_weights`` as
+    in :func:`dispatch`. Returns a list of ``(recv_x_fp8 [N,H], recv_scales [N,S], recv_weights [N] fp32 or
+    None, tokens_per_local_expert [L])``: the scale rows land where their token's rows land, zero in padding
+    rows (which dequantize to zero). Stores the received slot weights as :func:`dispatch` does."""
+    R = len(handles)
+    _check_list("scales", scales, R)
+    rows = dispatch(handles, x_fp8, topk_weights)
+    S = np.asarray(scales[0]).shape[1]
+    recv_s = _gather_rows(handles, [np.asarray(s, np.float32) for s in scales], (S,), np.float32)
+    return [(rx, _perm.dispatch(rs, h["plan"])[0], rw, tpe)
+            for (rx, rw, tpe), rs, h in zip(rows, recv_s, handles)]
+
+
 def _owner_sum(handles, partials, dtype, H):
     """out[s][t] = sum over ranks d ascending of partials[d][row of (s,t)], high precision, rounded once."""
     R = len(handles)
