@@ -367,7 +367,8 @@ def ll_dispatch(group, x, topk_idx, topk_weights, *, zero_empty_slots: bool = Tr
         ``x`` and to ``topk_weights`` (through :func:`ll_combine` and ``handle.slot_weights``).
     """
     gid = _ll_register(group)
-    x, topk_idx, topk_weights = jnp.asarray(x), jnp.asarray(topk_idx), jnp.asarray(topk_weights)
+    x, topk_idx = jnp.asarray(x), jnp.asarray(topk_idx)
+    topk_weights = None if topk_weights is None else jnp.asarray(topk_weights)
     T, K = group._check_dispatch(x, topk_idx, topk_weights)  # shapes and dtypes are known when traced
     recv, counts, arrays = _ll_dispatch((gid, bool(zero_empty_slots)), x, jax.lax.stop_gradient(topk_idx),
                                         topk_weights)
