@@ -235,8 +235,8 @@ def ep_combine(handle: TorchEpHandle, y: Tensor, recv_weights: Optional[Tensor] 
 # every dispatch-direction op, and each such op bumps the version counter of the one tensor over that
 # buffer. A custom op may neither return an alias of memory it does not take as an input nor mutate hidden
 # state, so these calls are eager only: under torch.compile they run outside the graph
-# (torch.compiler.disable; a graph break, an error under fullgraph=True). The low-latency mode is for
-# decode and small batches, where CUDA graphs of the group's ops (LowLatencyGroup's notes) serve better.
+# (torch.compiler.disable). The low-latency mode is for decode and small batches, where CUDA graphs of the
+# group's ops (LowLatencyGroup's notes) serve better than compilation.
 
 import weakref  # noqa: E402
 
@@ -287,9 +287,12 @@ def _ll_recv_view(group, fresh: Tensor) -> Tensor:
 
 class _LLDispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, topk_weights, group, topk_idx):
+    def forward(ctx, x, topk_weights, group, topk_idx, copy):
         recv, counts, core = group.dispatch(x.detach(), topk_idx.detach(), topk_weights.detach())
-        recv = _ll_recv_view(group, recv)
+        if copy:  # a new tensor, zero at empty slots (the receive buffer is still rewritten: bump it)
+            recv = torch.where(core.slot_topk[..., None] >= 0, _ll_recv_view(group, recv), 0)
+        else:
+            recv = _ll_recv_view(group, recv)
         ctx.group, ctx.core = group, core
         ctx.w_dtype = topk_weights.dtype
         ctx.mark_non_differentiable(core.slot_topk, counts)
@@ -300,7 +303,7 @@ class _LLDispatch(torch.autograd.Function):
         need_w = ctx.needs_input_grad[1]
         gx, gw = ctx.group.dispatch_bwd(ctx.core, grad_recv.contiguous(),
                                         grad_slot_weights.contiguous() if need_w else None)
-        return (gx if ctx.needs_input_grad[0] else None), (gw.to(ctx.w_dtype) if need_w else None), None, None
+        return (gx if ctx.needs_input_grad[0] else None), (gw.to(ctx.w_dtype) if need_w else None), None, None, None
 
 
 class _LLCombine(torch.autograd.Function):
@@ -334,7 +337,8 @@ def _ll_group(group):
 
 
 @torch.compiler.disable
-def ll_dispatch(group, x: Tensor, topk_idx: Tensor, topk_weights: Tensor) -> tuple[Tensor, Tensor, TorchLLHandle]:
+def ll_dispatch(group, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, *,
+                copy: bool = False) -> tuple[Tensor, Tensor, TorchLLHandle]:
     """Differentiable :meth:`moe_rt.LowLatencyGroup.dispatch` (a collective; no host sync).
 
     Args:
@@ -342,10 +346,15 @@ def ll_dispatch(group, x: Tensor, topk_idx: Tensor, topk_weights: Tensor) -> tup
         x: ``[T,H]`` in the group's dtype, ``T <= max_tokens_per_rank``.
         topk_idx: ``[T,K]`` int32/int64, ids in ``[-1, E)`` (not differentiable).
         topk_weights: ``[T,K]`` float: the weights :func:`ll_combine` applies.
+        copy: False (default): ``recv_x`` is a view of the group's receive buffer (zero copy; the rules
+            below). True: a new tensor with zero rows at empty slots, the caller's to keep (one pass over
+            ``[L, R*Tmax, H]``): the form for training, and the one to use under ``torch.compile``, whose
+            partitioner may save ``recv_x`` itself to recompute a copy made in the compiled graph.
 
     Returns:
         ``(recv_x [L, R*Tmax, H], counts [L] int32, handle)``: token ``t`` of rank ``s`` for local expert
-        ``l`` at row ``(l, s*Tmax + t)``; rows of empty slots (``handle.slot_topk < 0``) unspecified.
+        ``l`` at row ``(l, s*Tmax + t)``; rows of empty slots (``handle.slot_topk < 0``) unspecified
+        (zero with ``copy=True``).
         Gradients flow to ``x`` (through ``dispatch_bwd``) and to ``topk_weights`` (through
         :func:`ll_combine` and ``handle.slot_weights``).
 
@@ -353,20 +362,20 @@ def ll_dispatch(group, x: Tensor, topk_idx: Tensor, topk_weights: Tensor) -> tup
     combine backward (which writes the expert outputs' gradient there). Autograd enforces it: every such
     write bumps the buffer's version counter, so an expert that saved ``recv_x`` for its backward raises
     "one of the variables needed for gradient computation has been modified by an inplace operation"
-    instead of reading the gradient. Training code runs the expert on a copy, e.g. ``rows =
-    torch.where(handle.slot_topk[..., None] >= 0, recv_x, 0)`` (which also zeroes the empty slots, so
-    that an expert weight gradient over every row stays finite and exact).
+    instead of reading the gradient. Training code runs the expert on a copy: ``copy=True``, or in eager
+    code ``torch.where(handle.slot_topk[..., None] >= 0, recv_x, 0)`` (the same; the zero rows keep an
+    expert weight gradient over every row finite and exact).
 
     Eager only: a ``torch.autograd.Function``, not a ``torch.library`` custom op, since ``recv_x`` aliases
     the group's buffer and each op bumps its version counter (a custom op may do neither); under
-    ``torch.compile`` the call runs outside the graph (a graph break). Every rank must run the same
+    ``torch.compile`` the call runs outside the compiled graph. Every rank must run the same
     sequence of these ops, forward and backward.
     """
     _ll_group(group)
     _tensor(x, "x")
     _tensor(topk_idx, "topk_idx")
     _tensor(topk_weights, "topk_weights")
-    recv, slot_w, slot_k, counts, core = _LLDispatch.apply(x, topk_weights, group, topk_idx)
+    recv, slot_w, slot_k, counts, core = _LLDispatch.apply(x, topk_weights, group, topk_idx, bool(copy))
     return recv, counts, TorchLLHandle(slot_k, slot_w, counts, topk_weights, group, core)
 
 

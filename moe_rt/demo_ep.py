@@ -22,8 +22,9 @@ fixed-size receive buffer.
 ``--ep-mode low_latency`` runs the layer through a :class:`moe_rt.LowLatencyGroup` instead (``--tokens`` at
 most 1024): ``ll_dispatch`` -> the SwiGLU of each local expert as one batched matmul over its fixed slots
 ``[L, N*T, H]`` -> ``ll_combine`` weighted by the router's weights, no prepare and no host read. torch runs
-the experts on a copy of ``recv_x`` with zero rows at empty slots (``recv_x`` is the group's receive buffer,
-which combine's backward overwrites); JAX's ``recv_x`` is its own array, zero at empty slots already.
+the experts on a copy of ``recv_x`` with zero rows at empty slots (``ll_dispatch(..., copy=True)``: by default
+``recv_x`` is the group's receive buffer, which combine's backward overwrites); JAX's ``recv_x`` is its own
+array, zero at empty slots already.
 """
 from __future__ import annotations
 
@@ -184,12 +185,11 @@ def _torch_worker(cfg, rank, n, ep_mode="normal"):
         aux = mt.aux_loss(scores, smap.sum(0, dtype=torch.int32), T, E, K, cfg.aux_coeff)
         mark("router")
         if ll:
-            rx, _, h = mt.ll_dispatch(group, x, idx.int(), weights)
+            # copy=True: recv_x as a new tensor, zero at empty slots (by default it is the group's receive
+            # buffer, which combine's backward overwrites with the gradient)
+            rows, _, h = mt.ll_dispatch(group, x, idx.int(), weights, copy=True)
             mark("dispatch")
-            # recv_x is the group's receive buffer (combine's backward writes the gradient there): the
-            # experts run on a copy, zero at empty slots, each one batched matmul over its [N*T, H] slots
-            rows = torch.where(h.slot_topk[..., None] >= 0, rx, 0)
-            yp = swiglu(rows, w1, w3, w2)
+            yp = swiglu(rows, w1, w3, w2)  # each local expert: one batched matmul over its [N*T, H] slots
             mark("experts")
             y = mt.ll_combine(h, yp)
             mark("combine")

@@ -169,11 +169,20 @@ def test_torch_ll_saved_recv_x_raises(device, rng):
     mt.ll_dispatch(group, x, idx, w)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()
-    # the documented pattern: run the expert on a copy with zero rows at empty slots
+    # the documented patterns: run the expert on a copy with zero rows at empty slots
     rx, _, h = mt.ll_dispatch(group, x, idx, w)
     rows = torch.where(h.slot_topk[..., None] >= 0, rx, 0)
     mt.ll_combine(h, torch.bmm(rows, wexp)).sum().backward()
-    assert torch.isfinite(wexp.grad).all() and x.grad is not None and w.grad is not None
+    g_where = [t.grad.clone() for t in (x, w, wexp)]
+    for t in (x, w, wexp):
+        t.grad = None
+    rows, _, h = mt.ll_dispatch(group, x, idx, w, copy=True)
+    assert rows.data_ptr() != rx.data_ptr() and not rows[h.slot_topk < 0].any()
+    torch.testing.assert_close(rows, torch.where(h.slot_topk[..., None] >= 0, rx, 0))
+    mt.ll_combine(h, torch.bmm(rows, wexp)).sum().backward()
+    for t, g in zip((x, w, wexp), g_where):
+        torch.testing.assert_close(t.grad, g)
+        assert torch.isfinite(t.grad).all()
 
 
 def test_torch_ll_recv_view_version_mechanism():
@@ -374,3 +383,25 @@ def test_ep_layer_low_latency_two_gpus_matches_single_gpu(framework):
     for rank in (0, 1):
         assert f"[rank {rank}]   grad w_router" in r.stdout
     assert "low-latency" in r.stdout and "FAIL" not in r.stdout
+
+
+def test_torch_ll_under_torch_compile_runs_outside_the_graph(rng):
+    """ll_dispatch / ll_combine are eager-only (torch.compiler.disable): a compiled layer around them (graph
+    breaks) gives the eager results and gradients."""
+    T = 8
+    group = moe_rt.LowLatencyGroup(None, E, H, TMAX, topk=K, dtype="float32")
+    idx = torch.tensor(_routing(rng, T))
+    x = torch.randn(T, H, requires_grad=True)
+    w = torch.rand(T, K, requires_grad=True)
+
+    def layer(x, w):
+        rows, _, h = mt.ll_dispatch(group, torch.nn.functional.silu(x), idx, w, copy=True)
+        return mt.ll_combine(h, rows.square()) * 2
+
+    eager = layer(x, w)
+    ge = torch.autograd.grad(eager.sum(), [x, w])
+    compiled = torch.compile(layer, backend="aot_eager")(x, w)
+    gc = torch.autograd.grad(compiled.sum(), [x, w])
+    torch.testing.assert_close(compiled, eager)
+    for a, b in zip(gc, ge):
+        torch.testing.assert_close(a, b)
