@@ -252,6 +252,10 @@ def _ll_register(group) -> int:
     if not isinstance(group, LowLatencyGroup):
         raise TypeError(f"group: expected a moe_rt.LowLatencyGroup, got {type(group).__name__}")
     group._alive("dispatch")
+    if group.num_buffers != 1:
+        raise ValueError(f"group: moe_rt.jax.ll_dispatch needs a LowLatencyGroup with num_buffers=1, got "
+                         f"{group.num_buffers} (a dispatch takes its buffer set when it runs, and combine would "
+                         f"need that choice on the host)")
     _ll_groups[group.id] = group
     return group.id
 
@@ -357,6 +361,8 @@ def ll_dispatch(group, x, topk_idx, topk_weights, *, zero_empty_slots: bool = Tr
         topk_weights: ``[T,K]`` float: the weights :func:`ll_combine` applies.
         zero_empty_slots: rows of empty slots in ``recv_x`` are zero (default); False leaves them
             unspecified (as the group's op does), saving one write of the whole ``[L, R*Tmax, H]`` output.
+
+    Each call is a whole dispatch (no receive hook) on a group with ``num_buffers=1``.
 
     Returns:
         ``(recv_x [L, R*Tmax, H], counts [L] int32, handle)`` (a :class:`JaxLLHandle`): token ``t`` of rank

@@ -187,20 +187,48 @@ def test_torch_ll_saved_recv_x_raises(device, rng):
 
 def test_torch_ll_recv_view_version_mechanism():
     """The mechanism itself: every dispatch-direction write hands out a new alias of the group's one buffer
-    tensor after bumping the version counter they all share."""
-    from moe_rt._torch_ep import _ll_recv, _ll_recv_view
+    tensor (per buffer set) after bumping the version counter they all share."""
+    from moe_rt._torch_ep import _ll_buffers, _ll_recv_view
 
     group = moe_rt.LowLatencyGroup(None, E, H, TMAX, topk=K, dtype="float32")
     fresh = torch.randn(E, TMAX, H)
-    a = _ll_recv_view(group, fresh)
+    a = _ll_recv_view(group, 0, fresh)
     v = a._version
-    b = _ll_recv_view(group, fresh * 2)
-    assert a.data_ptr() == b.data_ptr() == _ll_recv[group].data_ptr()
+    b = _ll_recv_view(group, 0, fresh * 2)
+    assert a.data_ptr() == b.data_ptr() == _ll_buffers(group).tensors[0].data_ptr()
     assert a._version == b._version == v + 2  # the copy and the explicit bump
     torch.testing.assert_close(a, fresh * 2)  # the same memory
     with torch.inference_mode():
-        c = _ll_recv_view(group, fresh)
+        c = _ll_recv_view(group, 0, fresh)
     assert not c.is_inference() and c._version == v + 4
+
+
+@pytest.mark.parametrize("device", TORCH_DEVICES)
+@pytest.mark.parametrize("num_buffers", [1, 2])
+def test_torch_ll_buffer_sets(device, num_buffers, rng):
+    """With num_buffers=2 a second dispatch leaves the first one's recv_x alone (the sets alternate, on CPU
+    as on the GPU); with 1 it rewrites it (a new version). Either way combine's backward rewrites the
+    handle's own set, so an expert that saved recv_x is reported."""
+    T = 6
+    group = moe_rt.LowLatencyGroup(None, E, H, TMAX, topk=K, dtype="float32", num_buffers=num_buffers)
+    idx = torch.tensor(_routing(rng, T), device=device)
+    w = torch.rand(T, K, device=device, requires_grad=True)
+    wexp = torch.randn(E, H, H, device=device, requires_grad=True)
+    x1, x2 = (torch.randn(T, H, device=device, requires_grad=True) for _ in range(2))
+    rx1, _, h1 = mt.ll_dispatch(group, x1, idx, w)
+    first, v1 = rx1.detach().clone(), rx1._version
+    y1 = mt.ll_combine(h1, torch.bmm(rx1, wexp))  # saves rx1
+    rx2, _, h2 = mt.ll_dispatch(group, x2, idx, w)
+    valid = h1.slot_topk >= 0
+    if num_buffers == 2:
+        assert (h1.buffer_set, h2.buffer_set) == (0, 1) and rx1.data_ptr() != rx2.data_ptr()
+        assert rx1._version == v1
+        torch.testing.assert_close(rx1[valid], first[valid])
+    else:
+        assert (h1.buffer_set, h2.buffer_set) == (0, 0) and rx1.data_ptr() == rx2.data_ptr()
+        assert rx1._version > v1
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y1.sum().backward()
 
 
 def test_torch_ll_bad_input_same_messages_as_core(rng):
@@ -325,6 +353,8 @@ def test_jax_ll_bad_input_same_messages_as_core(rng):
                  rng.random((T, K)).astype(np.float32))
     with pytest.raises(TypeError, match="LowLatencyGroup"):
         mj.ll_dispatch(moe_rt.EpGroup(None, E, H, 8), x, idx, w)
+    with pytest.raises(ValueError, match="num_buffers=1"):
+        mj.ll_dispatch(moe_rt.LowLatencyGroup(None, E, H, TMAX, topk=K, dtype="float32", num_buffers=2), x, idx, w)
     bad = [(x[:, 1:], idx, w), (x, idx[:, :2], w[:, :2]), (x.astype(np.float16), idx, w),
            (x, idx.astype(np.float32), w), (x, idx, w[:, :2]), (x, idx, None),
            (np.zeros((TMAX + 1, H), np.float32), np.zeros((TMAX + 1, K), np.int32), np.ones((TMAX + 1, K), np.float32))]
