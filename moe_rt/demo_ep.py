@@ -104,8 +104,8 @@ def _rel(a, b) -> float:
 def _report(rank, n, cfg, framework, checks, times, dtype, mode):
     tol = TOL[dtype]
     ok = all(v <= tol for v in checks.values())
-    lines = [f"[rank {rank}] {framework} EP layer ({mode}) over {n} GPUs, {cfg.tokens} tokens/rank, {cfg.experts} experts "
-             f"(top-{cfg.topk}), hidden {cfg.hidden}, ffn {cfg.ffn}, {dtype}: checks against the plain layer "
+    lines = [f"[rank {rank}] {framework} EP layer ({mode}) over {n} GPUs, {cfg.tokens} tokens/rank, "
+             f"{cfg.experts} experts (top-{cfg.topk}), hidden {cfg.hidden}, ffn {cfg.ffn}, {dtype}: checks against the plain layer "
              f"on one GPU (relative error, tolerance {tol:g})"]
     for k, v in checks.items():
         lines.append(f"[rank {rank}]   {k:<16} {v:.2e}  {'ok' if v <= tol else 'FAIL'}")
