@@ -259,6 +259,28 @@ def test_torch_ll_bad_input_same_messages_as_core(rng):
     assert str(ours.value) == str(core.value)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "float16", "int8"])
+@pytest.mark.parametrize("H", [1, 3, 8, 33, 1000])
+@pytest.mark.parametrize("zero_rest", [True, False])
+def test_copy_kept_rows_gpu(dtype, H, zero_rest, rng):
+    """The kernel behind JAX's recv_x copy: kept rows copied, the others zeroed or left as they were (odd
+    row sizes pick every unit width; the output is poisoned first)."""
+    cp = pytest.importorskip("cupy")
+    from moe_rt import permutation
+
+    shape = (5, 37, H)
+    src_np = (rng.standard_normal(shape) * 50).astype(dtype)
+    keep_np = np.where(rng.random(shape[:2]) < 0.4, rng.integers(0, 4, shape[:2]), -1).astype(np.int32)
+    src, keep = cp.asarray(src_np), cp.asarray(keep_np)
+    poison = np.full(shape, 7, dtype)
+    out = cp.asarray(poison)
+    permutation.copy_kept_rows(src, out, keep, zero_rest=zero_rest, device_id=src.device.id,
+                               stream=cp.cuda.get_current_stream())
+    want = np.where(keep_np[..., None] >= 0, src_np, np.zeros_like(src_np) if zero_rest else poison)
+    np.testing.assert_array_equal(out.get(), want)
+
+
 # -- JAX -----------------------------------------------------------------------------------------------------
 
 JAX_DEVICES = [pytest.param("cpu"), pytest.param("gpu", marks=pytest.mark.gpu)]
