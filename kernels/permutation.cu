@@ -10,6 +10,7 @@
 // Data movement (rows moved as raw units U of 1..16 bytes, so any dtype is a pure copy):
 //   dispatch_rows  one CTA per token: read the row once, write it to each of its K destination rows
 //   fill_rows      rows whose src_slot is -1 (padding, unused tail) become zero; probs follow rows
+//   copy_kept_rows out[r] = src[r] where keep[r] >= 0, else zero (only kept rows read)
 //   combine_slices y[t] = sum_k w[t,k] * y_p[dst[t,k]], fp32, k ascending; a CTA sums a slice of H of
 //                  one token with the loads of all K rows in flight (small CTAs, many per SM)
 //   combine_bwd_rows  one CTA per token: g_p[dst] = w*g[t], dw[t,k] = <y_p[dst], g[t]> (block reduce)
@@ -290,6 +291,34 @@ __global__ void fill_rows(U* __restrict__ out, PO* __restrict__ probs_out,
     if (probs_out != nullptr && lane == 0) probs_out[r] = prob_cvt(s >= 0 ? probs_flat[s] : PI(0), (PO*)nullptr);
     if (s < 0 && out != nullptr) {
       U* o = out + r * row_units;
+      const U z = zero_unit<U>();
+      for (i64 i = lane; i < row_units; i += 32) st_stream(o + i, z);
+    }
+  }
+}
+
+// out[r] = src[r] for the rows whose keep[r] >= 0, zero for the others (left as they are when zero_rest is
+// 0): one warp per row (grid-stride), 4 units per lane in flight; only kept rows are read. (The JAX
+// low-latency adapter's copy of the receive buffer into XLA's output: keep = the slot table.)
+template <typename U>
+__global__ void copy_kept_rows(const U* __restrict__ src, U* __restrict__ out, const int* __restrict__ keep,
+                               i64 N, i64 row_units, int zero_rest) {
+  const int lane = threadIdx.x & 31;
+  const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
+  for (i64 r = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); r < N; r += warps) {
+    U* o = out + r * row_units;
+    if (keep[r] >= 0) {
+      const U* s = src + r * row_units;
+      for (i64 i = lane; i < row_units; i += 32 * 4) {
+        U v[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          if (i + 32 * j < row_units) v[j] = ld_stream(s + i + 32 * j);
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          if (i + 32 * j < row_units) st_stream(o + i + 32 * j, v[j]);
+      }
+    } else if (zero_rest) {
       const U z = zero_unit<U>();
       for (i64 i = lane; i < row_units; i += 32) st_stream(o + i, z);
     }

@@ -295,3 +295,233 @@ def ep_combine(handle: JaxEpHandle, y, recv_weights=None):
     if recv_weights is not None:
         _ep.check_weights(recv_weights, "recv_weights", (handle.num_rows,))
     return _combine(handle.static, handle.buffer, y, recv_weights)
+
+
+# -- the low-latency mode (moe_rt.LowLatencyGroup) ---------------------------------------------------------
+#
+# ll_dispatch / ll_combine: custom_vjp functions over buffer_callback, like ep_dispatch / ep_combine. XLA
+# owns every output buffer, so recv_x (and the expert outputs' gradient, which the group writes into its
+# receive buffer) is copied out of the group's receive buffer: only the rows of valid slots are read.
+
+import weakref  # noqa: E402
+
+from moe_rt import permutation as _perm  # noqa: E402
+
+__all__ += ["JaxLLHandle", "ll_dispatch", "ll_combine"]
+
+_LL_ARRAYS = ("topk_idx", "topk_weights", "route", "slot_topk", "slot_weights", "counts")
+_ll_groups: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> LowLatencyGroup
+
+
+@jax.tree_util.register_pytree_node_class
+class JaxLLHandle:
+    """The routing of one :func:`ll_dispatch` as JAX arrays: ``topk_idx`` (int32 ``[T,K]``), ``topk_weights``
+    (fp32 ``[T,K]``, the weights :func:`ll_combine` applies; its gradient reaches ``ll_dispatch``'s
+    ``topk_weights``), ``route`` (int32 ``[R,Tmax,K]``), ``slot_topk`` (int32 ``[L,R*Tmax]``, -1 = empty
+    slot: the validity mask is ``slot_topk >= 0``), ``slot_weights`` (fp32 ``[L,R*Tmax]``, differentiable),
+    ``counts`` (int32 ``[L]``); static ``group_id``, ``num_tokens`` (T), ``topk`` (K)."""
+
+    def __init__(self, arrays, group_id, num_tokens, topk):
+        self.arrays = tuple(arrays)
+        self.group_id, self.num_tokens, self.topk = int(group_id), int(num_tokens), int(topk)
+
+    def __getattr__(self, name):
+        if name in _LL_ARRAYS:
+            return self.arrays[_LL_ARRAYS.index(name)]
+        raise AttributeError(name)
+
+    @property
+    def static(self):
+        return (self.group_id, self.num_tokens, self.topk)
+
+    def tree_flatten(self):
+        return self.arrays, self.static
+
+    @classmethod
+    def tree_unflatten(cls, static, arrays):
+        return cls(arrays, *static)
+
+
+def _ll_register(group) -> int:
+    from moe_rt.ep_ll import LowLatencyGroup
+
+    if not isinstance(group, LowLatencyGroup):
+        raise TypeError(f"group: expected a moe_rt.LowLatencyGroup, got {type(group).__name__}")
+    group._alive("dispatch")
+    if group.num_buffers != 1:
+        raise ValueError(f"group: moe_rt.jax.ll_dispatch needs a LowLatencyGroup with num_buffers=1, got "
+                         f"{group.num_buffers} (a dispatch takes its buffer set when it runs, and combine would "
+                         f"need that choice on the host)")
+    _ll_groups[group.id] = group
+    return group.id
+
+
+def _ll_lookup(group_id: int):
+    group = _ll_groups.get(int(group_id))
+    if group is None:
+        raise ValueError(f"low-latency group {group_id} is gone (garbage collected); keep the LowLatencyGroup "
+                         "alive while its handles are used")
+    return group
+
+
+def _ll_core(group, T, K, arrays):
+    """A :class:`moe_rt.LowLatencyHandle` over the handle's arrays as seen inside a callback (NumPy on the
+    CPU, CuPy on the GPU; no copy)."""
+    from moe_rt.ep_ll import LowLatencyHandle
+
+    idx, w, route, slot_k, slot_w, counts = arrays
+    a = dict(idx=idx, w=w, route=route, slot_k=slot_k, slot_w=slot_w, counts=counts)
+    if isinstance(idx, np.ndarray):  # the reference's handle (moe_rt.reference.ep_ll.dispatch)
+        a.update(rank=group.rank, R=group.size, L=group.num_local_experts, Tmax=group.max_tokens_per_rank, K=K,
+                 H=group.hidden, dtype=group.dtype, T=T)
+        return LowLatencyHandle(group, T, K, "cpu", 0, a)
+    return LowLatencyHandle(group, T, K, "cuda", int(idx.device.id), a)
+
+
+def _ll_specs(group, T, K):
+    R, L, Tmax = group.size, group.num_local_experts, group.max_tokens_per_rank
+    i32, f32 = np.int32, np.float32
+    return [_spec((T, K), i32), _spec((T, K), f32), _spec((R, Tmax, K), i32), _spec((L, R * Tmax), i32),
+            _spec((L, R * Tmax), f32), _spec((L,), i32)]
+
+
+def _ll_rows(buf, slot_k, zero: bool):
+    """The receive buffer's rows ``buf [L,R*Tmax,H]`` as a new array (on the GPU allocated inside the
+    callback, so it lands in XLA's output): valid slots copied, the others zero when ``zero`` (else left
+    unspecified). The reference's arrays are new already, zero at empty slots."""
+    if isinstance(buf, np.ndarray):
+        return buf
+    import cupy
+
+    out = cupy.empty(buf.shape, buf.dtype)
+    _perm.copy_kept_rows(buf, out, slot_k, zero_rest=zero, device_id=buf.device.id,
+                         stream=cupy.cuda.get_current_stream())
+    return out
+
+
+def _ll_handle_arrays(a):
+    return [a["idx"].astype(np.int32, copy=False), a["w"], a["route"], a["slot_k"], a["slot_w"], a["counts"]]
+
+
+# -- dispatch --------------------------------------------------------------------------------------------
+
+def _ll_dispatch_impl(static, x, idx, w):
+    gid, zero = static
+    group = _ll_lookup(gid)
+    T, K = int(idx.shape[0]), int(idx.shape[1])
+
+    def fn(xv, iv, wv):
+        recv, _, h = group.dispatch(xv, iv, wv)
+        return [_ll_rows(recv, h._a["slot_k"], zero)] + _ll_handle_arrays(h._a)
+
+    out = _run(fn, [_spec(group._slots_shape(), x.dtype)] + _ll_specs(group, T, K), x, idx, w)
+    return out[0], out[-1], tuple(out[1:])
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ll_dispatch(static, x, idx, w):
+    return _ll_dispatch_impl(static, x, idx, w)
+
+
+def _ll_dispatch_fwd(static, x, idx, w):
+    out = _ll_dispatch_impl(static, x, idx, w)
+    return out, (out[2], jnp.zeros((0,), w.dtype))
+
+
+def _ll_dispatch_bwd(static, res, cts):
+    arrays, w_tag = res
+    g_recv, _, g_arrays = cts
+    group = _ll_lookup(static[0])
+    T, K = int(arrays[0].shape[0]), int(arrays[0].shape[1])
+
+    def fn(gv, gsv, *hv):
+        gx, gw = group.dispatch_bwd(_ll_core(group, T, K, hv), gv, gsv)
+        return [gx, gw]
+
+    gx, gw = _run(fn, [_spec((T, group.hidden), g_recv.dtype), _spec((T, K), np.float32)], g_recv,
+                  g_arrays[4], *arrays)
+    # the handle's topk_weights (what ll_combine applies) are ll_dispatch's topk_weights as fp32
+    return gx, None, (gw + g_arrays[1]).astype(w_tag.dtype)
+
+
+_ll_dispatch.defvjp(_ll_dispatch_fwd, _ll_dispatch_bwd)
+
+
+def ll_dispatch(group, x, topk_idx, topk_weights, *, zero_empty_slots: bool = True):
+    """Differentiable :meth:`moe_rt.LowLatencyGroup.dispatch` for JAX (a collective; jit-compatible).
+
+    Args:
+        group: a :class:`moe_rt.LowLatencyGroup`.
+        x: ``[T,H]`` in the group's dtype, ``T <= max_tokens_per_rank``.
+        topk_idx: ``[T,K]`` int32/int64, ids in ``[-1, E)`` (not differentiable).
+        topk_weights: ``[T,K]`` float: the weights :func:`ll_combine` applies.
+        zero_empty_slots: rows of empty slots in ``recv_x`` are zero (default); False leaves them
+            unspecified (as the group's op does), saving one write of the whole ``[L, R*Tmax, H]`` output.
+
+    Each call is a whole dispatch (no receive hook) on a group with ``num_buffers=1``.
+
+    Returns:
+        ``(recv_x [L, R*Tmax, H], counts [L] int32, handle)`` (a :class:`JaxLLHandle`): token ``t`` of rank
+        ``s`` for local expert ``l`` at row ``(l, s*Tmax + t)``. ``recv_x`` is XLA's own array, copied out
+        of the group's receive buffer (only valid slots are read). Zero rows keep an expert run over every
+        row finite: its weight gradient multiplies them by the zero gradient rows of :func:`ll_combine`'s
+        backward, which would give NaN for unspecified rows holding non-finite bits. Gradients flow to
+        ``x`` and to ``topk_weights`` (through :func:`ll_combine` and ``handle.slot_weights``).
+    """
+    gid = _ll_register(group)
+    x, topk_idx = jnp.asarray(x), jnp.asarray(topk_idx)
+    topk_weights = None if topk_weights is None else jnp.asarray(topk_weights)
+    T, K = group._check_dispatch(x, topk_idx, topk_weights)  # shapes and dtypes are known when traced
+    recv, counts, arrays = _ll_dispatch((gid, bool(zero_empty_slots)), x, jax.lax.stop_gradient(topk_idx),
+                                        topk_weights)
+    return recv, counts, JaxLLHandle(arrays, gid, T, K)
+
+
+# -- combine ---------------------------------------------------------------------------------------------
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ll_combine(static, y, arrays):
+    gid, T, K = static
+    group = _ll_lookup(gid)
+
+    def fn(yv, *hv):
+        return [group.combine(_ll_core(group, T, K, hv), yv)]
+
+    return _run(fn, [_spec((T, group.hidden), y.dtype)], y, *arrays)[0]
+
+
+def _ll_combine_fwd(static, y, arrays):
+    return _ll_combine(static, y, arrays), (y, arrays)
+
+
+def _ll_combine_bwd(static, res, g):
+    y, arrays = res
+    gid, T, K = static
+    group = _ll_lookup(gid)
+
+    def fn(gv, yv, *hv):
+        core = _ll_core(group, T, K, hv)
+        gy, gw = group.combine_bwd(core, gv, yv)
+        # gy is the receive buffer, zero at empty slots: the copy reads the valid rows and zeroes the rest
+        return [_ll_rows(gy, core._a["slot_k"], True), gw]
+
+    gy, gw = _run(fn, [_spec(group._slots_shape(), y.dtype), _spec((T, K), np.float32)], g, y, *arrays)
+    return gy, (None, gw, None, None, None, None)
+
+
+_ll_combine.defvjp(_ll_combine_fwd, _ll_combine_bwd)
+
+
+def ll_combine(handle: JaxLLHandle, expert_out):
+    """Differentiable :meth:`moe_rt.LowLatencyGroup.combine` for JAX (a collective; jit-compatible):
+    ``out[t] = sum_k w[t,k] * expert_out[slot(t,k)]`` (fp32, k ascending, rounded once) with the weights
+    of :func:`ll_dispatch`. ``expert_out [L, R*Tmax, H]`` in ``recv_x``'s layout (only valid slots are
+    read). Gradients flow to ``expert_out`` (zero at empty slots) and to ``topk_weights``; the backward
+    always computes the weight gradient (one more exchange)."""
+    if not isinstance(handle, JaxLLHandle):
+        raise TypeError(f"handle: expected a JaxLLHandle from moe_rt.jax.ll_dispatch, got {type(handle).__name__}")
+    group = _ll_lookup(handle.group_id)
+    group._alive("combine")
+    expert_out = jnp.asarray(expert_out)
+    group._check_tokens(expert_out, "expert_out", group._slots_shape())  # known when traced
+    return _ll_combine(handle.static, expert_out, handle.arrays)

@@ -311,3 +311,194 @@ def ep_combine(handle: TorchEpHandle, y: Tensor, recv_weights: Optional[Tensor] 
     _tensor(recv_weights, "recv_weights", True)
     return _combine_op(y, recv_weights, handle.buffer, handle.host_meta, handle.group_id, handle.num_tokens,
                        handle.topk)
+
+
+# -- the low-latency mode (moe_rt.LowLatencyGroup) ---------------------------------------------------------
+#
+# ll_dispatch / ll_combine are torch.autograd.Function calls, not torch.library custom ops: recv_x (and the
+# gradient combine's backward gives the expert outputs) is a view of the group's receive buffer, reused by
+# every dispatch-direction op, and each such op bumps the version counter of the one tensor over that
+# buffer. A custom op may neither return an alias of memory it does not take as an input nor mutate hidden
+# state, so these calls are eager only: under torch.compile they run outside the graph
+# (torch.compiler.disable). The low-latency mode is for decode and small batches, where CUDA graphs of the
+# group's ops (LowLatencyGroup's notes) serve better than compilation.
+
+import weakref  # noqa: E402
+
+from torch.autograd.graph import increment_version  # noqa: E402
+
+__all__ += ["TorchLLHandle", "ll_dispatch", "ll_combine"]
+
+
+class _LLBuffers:
+    """The torch tensors over a group's receive buffers, one per buffer set (``num_buffers``). On CPU they
+    are buffers the reference's results are copied into, the sets taking turns as the GPU's do, so that
+    ``recv_x`` lives and dies by the same rule on every backend."""
+
+    def __init__(self, num_buffers: int):
+        self.tensors = [None] * num_buffers
+        self.next_cpu = 0
+
+
+_ll_recv: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # LowLatencyGroup -> _LLBuffers
+
+
+def _ll_buffers(group) -> _LLBuffers:
+    st = _ll_recv.get(group)
+    if st is None:
+        st = _ll_recv[group] = _LLBuffers(group.num_buffers)
+    return st
+
+
+class TorchLLHandle(NamedTuple):
+    """The routing of one :func:`ll_dispatch`: ``slot_topk`` (int32 ``[L, R*Tmax]``, the first k of the
+    slot's token with that expert, -1 = empty slot: the validity mask is ``slot_topk >= 0``),
+    ``slot_weights`` (fp32 ``[L, R*Tmax]``, differentiable: its gradient reaches ``topk_weights``),
+    ``counts`` (int32 ``[L]``, valid slots per local expert), ``topk_weights`` (the caller's tensor, through
+    which :func:`ll_combine`'s weight gradient flows), ``group``, ``core`` (the
+    :class:`moe_rt.LowLatencyHandle`) and ``buffer_set`` (the group's buffer set ``recv_x`` lives in)."""
+    slot_topk: Tensor
+    slot_weights: Tensor
+    counts: Tensor
+    topk_weights: Tensor
+    group: object
+    core: object
+    buffer_set: int
+
+
+def _ll_recv_view(group, b: int, fresh: Tensor) -> Tensor:
+    """A new alias of the tensor over the group's receive buffer of set ``b``, which a dispatch-direction op
+    has just written (its result is ``fresh``): the tensor's version counter is bumped first, so autograd
+    raises "modified by an inplace operation" for any alias saved before."""
+    st = _ll_buffers(group)
+    buf = st.tensors[b]
+    if fresh.device.type == "cpu":
+        if buf is None:
+            with torch.inference_mode(False):
+                buf = st.tensors[b] = torch.empty_like(fresh)
+        with torch.no_grad():
+            buf.copy_(fresh)
+    elif buf is None or buf.data_ptr() != fresh.data_ptr():
+        with torch.inference_mode(False):  # inference tensors have no version counter
+            buf = st.tensors[b] = _arrays.export(group._view("recv", b, group._slots_shape(), group.dtype), "torch")
+        if buf.data_ptr() != fresh.data_ptr():
+            raise RuntimeError("LowLatencyGroup: the op's result is not the group's receive buffer")
+    increment_version(buf)
+    with torch.inference_mode(False):
+        return buf.detach()
+
+
+class _LLDispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, topk_weights, group, topk_idx, copy):
+        recv, counts, core = group.dispatch(x.detach(), topk_idx.detach(), topk_weights.detach())
+        if core.backend == "cpu":  # the reference has no buffer sets: take turns as the GPU does
+            st = _ll_buffers(group)
+            b, st.next_cpu = st.next_cpu, (st.next_cpu + 1) % group.num_buffers
+        else:
+            b = core.buffer_set
+        if copy:  # a new tensor, zero at empty slots (the receive buffer is still rewritten: bump it)
+            recv = torch.where(core.slot_topk[..., None] >= 0, _ll_recv_view(group, b, recv), 0)
+        else:
+            recv = _ll_recv_view(group, b, recv)
+        ctx.group, ctx.core = group, core
+        ctx.w_dtype = topk_weights.dtype
+        ctx.mark_non_differentiable(core.slot_topk, counts)
+        return recv, core.slot_weights, core.slot_topk, counts, core, b
+
+    @staticmethod
+    def backward(ctx, grad_recv, grad_slot_weights, _slot_topk, _counts, _core, _set):
+        need_w = ctx.needs_input_grad[1]
+        gx, gw = ctx.group.dispatch_bwd(ctx.core, grad_recv.contiguous(),
+                                        grad_slot_weights.contiguous() if need_w else None)
+        return (gx if ctx.needs_input_grad[0] else None), (gw.to(ctx.w_dtype) if need_w else None), None, None, None
+
+
+class _LLCombine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, expert_out, topk_weights, group, core, b):
+        out = group.combine(core, expert_out.detach())
+        ctx.group, ctx.core, ctx.set, ctx.w_dtype = group, core, b, topk_weights.dtype
+        ctx.save_for_backward(expert_out if ctx.needs_input_grad[1] else None)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (y,) = ctx.saved_tensors  # checked against later writes of the receive buffer by autograd
+        group = ctx.group
+        if y is not None:
+            y = y.detach()
+            buf = _ll_buffers(group).tensors[ctx.set]
+            if buf is not None and y.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr():
+                y = y.clone()  # expert_out is recv_x itself (an identity expert): combine_bwd overwrites it
+        gy, gw = group.combine_bwd(ctx.core, grad_out.contiguous(), y)
+        gy = _ll_recv_view(group, ctx.set, gy)
+        return ((gy if ctx.needs_input_grad[0] else None), (gw.to(ctx.w_dtype) if y is not None else None), None,
+                None, None)
+
+
+def _ll_group(group):
+    from moe_rt.ep_ll import LowLatencyGroup
+
+    if not isinstance(group, LowLatencyGroup):
+        raise TypeError(f"group: expected a moe_rt.LowLatencyGroup, got {type(group).__name__}")
+    return group
+
+
+@torch.compiler.disable
+def ll_dispatch(group, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, *,
+                copy: bool = False) -> tuple[Tensor, Tensor, TorchLLHandle]:
+    """Differentiable :meth:`moe_rt.LowLatencyGroup.dispatch` (a collective; no host sync).
+
+    Args:
+        group: a :class:`moe_rt.LowLatencyGroup`.
+        x: ``[T,H]`` in the group's dtype, ``T <= max_tokens_per_rank``.
+        topk_idx: ``[T,K]`` int32/int64, ids in ``[-1, E)`` (not differentiable).
+        topk_weights: ``[T,K]`` float: the weights :func:`ll_combine` applies.
+        copy: False (default): ``recv_x`` is a view of the group's receive buffer (zero copy; the rules
+            below). True: a new tensor with zero rows at empty slots, the caller's to keep (one pass over
+            ``[L, R*Tmax, H]``): the form for training, and the one to use under ``torch.compile``, whose
+            partitioner may save ``recv_x`` itself to recompute a copy made in the compiled graph.
+
+    Returns:
+        ``(recv_x [L, R*Tmax, H], counts [L] int32, handle)``: token ``t`` of rank ``s`` for local expert
+        ``l`` at row ``(l, s*Tmax + t)``; rows of empty slots (``handle.slot_topk < 0``) unspecified
+        (zero with ``copy=True``).
+        Gradients flow to ``x`` (through ``dispatch_bwd``) and to ``topk_weights`` (through
+        :func:`ll_combine` and ``handle.slot_weights``).
+
+    ``recv_x`` is a view of the group's receive buffer, valid until the group's next dispatch or
+    combine backward (which writes the expert outputs' gradient there) in the same buffer set (with
+    ``num_buffers=2`` dispatches alternate between two sets). Autograd enforces it: every such
+    write bumps the buffer's version counter, so an expert that saved ``recv_x`` for its backward raises
+    "one of the variables needed for gradient computation has been modified by an inplace operation"
+    instead of reading the gradient. Training code runs the expert on a copy: ``copy=True``, or in eager
+    code ``torch.where(handle.slot_topk[..., None] >= 0, recv_x, 0)`` (the same; the zero rows keep an
+    expert weight gradient over every row finite and exact).
+
+    Each call is a whole dispatch (the group's split ``return_recv_hook`` is not offered here).
+    Eager only: a ``torch.autograd.Function``, not a ``torch.library`` custom op, since ``recv_x`` aliases
+    the group's buffer and each op bumps its version counter (a custom op may do neither); under
+    ``torch.compile`` the call runs outside the compiled graph. Every rank must run the same
+    sequence of these ops, forward and backward.
+    """
+    _ll_group(group)
+    _tensor(x, "x")
+    _tensor(topk_idx, "topk_idx")
+    _tensor(topk_weights, "topk_weights")
+    recv, slot_w, slot_k, counts, core, b = _LLDispatch.apply(x, topk_weights, group, topk_idx, bool(copy))
+    return recv, counts, TorchLLHandle(slot_k, slot_w, counts, topk_weights, group, core, b)
+
+
+@torch.compiler.disable
+def ll_combine(handle: TorchLLHandle, expert_out: Tensor) -> Tensor:
+    """Differentiable :meth:`moe_rt.LowLatencyGroup.combine` (a collective; no host sync): ``out[t] = sum_k
+    topk_weights[t,k] * expert_out[slot(t,k)]`` (fp32, k ascending, rounded once) with the weights given
+    to :func:`ll_dispatch`. ``expert_out [L, R*Tmax, H]`` in ``recv_x``'s layout (only valid slots are
+    read). Gradients flow to ``expert_out`` (a view of the receive buffer, zero at empty slots, valid until
+    the group's next dispatch-direction op) and to ``topk_weights``."""
+    if not isinstance(handle, TorchLLHandle):
+        raise TypeError(f"handle: expected a TorchLLHandle from moe_rt.torch.ll_dispatch, got "
+                        f"{type(handle).__name__}")
+    _tensor(expert_out, "expert_out")
+    return _LLCombine.apply(expert_out, handle.topk_weights, handle.group, handle.core, handle.buffer_set)

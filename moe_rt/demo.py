@@ -9,7 +9,9 @@ times the moe_rt layer per stage over several steps.
 
 Frameworks: torch (autograd through :mod:`moe_rt.torch`), JAX (``jax.jit`` + ``jax.grad`` through
 :mod:`moe_rt.jax`) and CuPy (no autograd: the forward and the backward written out with moe_rt's ops and
-their backward ops). ``--ep N`` runs the layer with expert parallelism over N GPUs (:mod:`moe_rt.demo_ep`).
+their backward ops). ``--ep N`` runs the layer with expert parallelism over N GPUs (:mod:`moe_rt.demo_ep`),
+``--ep-mode low_latency`` through a :class:`moe_rt.LowLatencyGroup` (torch and JAX, at most 1024 tokens per
+rank).
 
 With a GPU the demo runs on it in bf16; without one it runs moe_rt's NumPy reference path (CPU tensors, or
 NumPy arrays for CuPy) at a small default size and says so.
@@ -568,6 +570,9 @@ def parser():
     p.add_argument("--steps", type=positive_int, default=10, help="timed steps (median reported)")
     p.add_argument("--ep", type=positive_int, default=1, metavar="N",
                    help="expert parallelism over N GPUs, one process each (N > 1); 1 = the one-GPU layer")
+    p.add_argument("--ep-mode", choices=["normal", "low_latency"], default="normal",
+                   help="with --ep: normal = an EpGroup (exact mode in torch, capacity mode in JAX); low_latency "
+                        "= a LowLatencyGroup (fixed slots, no prepare, no host sync; --tokens <= 1024)")
     p.add_argument("--cpu", action="store_true", help="run the NumPy reference path even with a GPU")
     return p
 
@@ -588,6 +593,13 @@ def main(argv=None) -> int:
         p.error(f"--experts: at most {MAX_EXPERTS}, got {cfg.experts}")
     if cfg.topk > min(cfg.experts, MAX_TOPK):
         p.error(f"--topk: must be <= the number of experts ({cfg.experts}) and <= {MAX_TOPK}, got {cfg.topk}")
+    if args.ep_mode == "low_latency":
+        from moe_rt.ep_ll import MAX_TOKENS_PER_RANK
+
+        if args.ep < 2:
+            p.error("--ep-mode low_latency runs the expert-parallel layer: give --ep N (N >= 2)")
+        if cfg.tokens > MAX_TOKENS_PER_RANK:
+            p.error(f"--ep-mode low_latency: --tokens (per rank) at most {MAX_TOKENS_PER_RANK}, got {cfg.tokens}")
     if args.ep > 1 and cfg.experts % args.ep:
         p.error(f"--experts {cfg.experts} must be a multiple of --ep {args.ep}")
     if args.ep > 1:
@@ -598,7 +610,7 @@ def main(argv=None) -> int:
             return 2
         from moe_rt import demo_ep
 
-        return demo_ep.run(cfg, args.framework, args.ep)
+        return demo_ep.run(cfg, args.framework, args.ep, args.ep_mode)
     where = "GPU (moe_rt CUDA kernels)" if gpu else "CPU: no GPU in use, running moe_rt's NumPy reference path"
     print(f"moe_rt demo: {args.framework}, {where}")
     print(f"layer: tokens={cfg.tokens} experts={cfg.experts} topk={cfg.topk} hidden={cfg.hidden} "

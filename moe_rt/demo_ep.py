@@ -18,6 +18,13 @@ checks pass.
 torch runs an exact-mode group (one host read of the counts in prepare; experts loop over the exact
 segments); JAX needs static shapes, so it runs a capacity-mode group and ``jax.lax.ragged_dot`` over the
 fixed-size receive buffer.
+
+``--ep-mode low_latency`` runs the layer through a :class:`moe_rt.LowLatencyGroup` instead (``--tokens`` at
+most 1024): ``ll_dispatch`` -> the SwiGLU of each local expert as one batched matmul over its fixed slots
+``[L, N*T, H]`` -> ``ll_combine`` weighted by the router's weights, no prepare and no host read. torch runs
+the experts on a copy of ``recv_x`` with zero rows at empty slots (``ll_dispatch(..., copy=True)``: by default
+``recv_x`` is the group's receive buffer, which combine's backward overwrites); JAX's ``recv_x`` is its own
+array, zero at empty slots already.
 """
 from __future__ import annotations
 
@@ -31,6 +38,7 @@ import time
 import numpy as np
 
 TOL = {"bfloat16": 3e-2, "float32": 1e-4}
+EP_MODES = ("normal", "low_latency")
 
 
 def _free_port() -> int:
@@ -39,8 +47,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(cfg, framework: str, n: int) -> int:
-    """Start ``n`` workers (one per GPU), wait for them, return 0 iff all passed."""
+def run(cfg, framework: str, n: int, ep_mode: str = "normal") -> int:
+    """Start ``n`` workers (one per GPU), wait for them, return 0 iff all passed. ``ep_mode``: "normal" (an
+    EpGroup: exact mode in torch, capacity mode in JAX) or "low_latency" (a LowLatencyGroup)."""
     if framework not in ("torch", "jax"):
         print(f"demo --ep: framework {framework!r} has no expert-parallel layer; use torch or jax")
         return 2
@@ -57,6 +66,7 @@ def run(cfg, framework: str, n: int) -> int:
         args = [sys.executable, "-m", "moe_rt.demo_ep", "--framework", framework]
         for k in ("tokens", "experts", "topk", "hidden", "ffn", "steps", "seed"):
             args += [f"--{k}", str(getattr(cfg, k))]
+        args += ["--ep-mode", ep_mode]
         procs.append(subprocess.Popen(args, env=env))
     codes = [None] * n
     while any(c is None for c in codes):
@@ -91,11 +101,11 @@ def _rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def _report(rank, n, cfg, framework, checks, times, dtype):
+def _report(rank, n, cfg, framework, checks, times, dtype, mode):
     tol = TOL[dtype]
     ok = all(v <= tol for v in checks.values())
-    lines = [f"[rank {rank}] {framework} EP layer over {n} GPUs, {cfg.tokens} tokens/rank, {cfg.experts} experts "
-             f"(top-{cfg.topk}), hidden {cfg.hidden}, ffn {cfg.ffn}, {dtype}: checks against the plain layer "
+    lines = [f"[rank {rank}] {framework} EP layer ({mode}) over {n} GPUs, {cfg.tokens} tokens/rank, "
+             f"{cfg.experts} experts (top-{cfg.topk}), hidden {cfg.hidden}, ffn {cfg.ffn}, {dtype}: checks against the plain layer "
              f"on one GPU (relative error, tolerance {tol:g})"]
     for k, v in checks.items():
         lines.append(f"[rank {rank}]   {k:<16} {v:.2e}  {'ok' if v <= tol else 'FAIL'}")
@@ -110,7 +120,7 @@ def _report(rank, n, cfg, framework, checks, times, dtype):
 
 # ---- torch ----------------------------------------------------------------------------------------------
 
-def _torch_worker(cfg, rank, n):
+def _torch_worker(cfg, rank, n, ep_mode="normal"):
     import torch
 
     import moe_rt
@@ -125,7 +135,11 @@ def _torch_worker(cfg, rank, n):
     dev, dtype = ("cpu", torch.float32) if cpu else ("cuda", torch.bfloat16)
     T, E, K, H, F = cfg.tokens, cfg.experts, cfg.topk, cfg.hidden, cfg.ffn
     L = E // n
-    group = moe_rt.EpGroup(comm, E, H, T, mode="exact")
+    ll = ep_mode == "low_latency"
+    if ll:
+        group = moe_rt.LowLatencyGroup(comm, E, H, T, topk=K, dtype=str(dtype).replace("torch.", ""))
+    else:
+        group = moe_rt.EpGroup(comm, E, H, T, mode="exact")
     gen = torch.Generator().manual_seed(cfg.seed)
 
     def rand(*shape, scale):
@@ -170,6 +184,16 @@ def _torch_worker(cfg, rank, n):
         scores, smap = mt.scores_for_aux_loss(logits, K, "softmax")
         aux = mt.aux_loss(scores, smap.sum(0, dtype=torch.int32), T, E, K, cfg.aux_coeff)
         mark("router")
+        if ll:
+            # copy=True: recv_x as a new tensor, zero at empty slots (by default it is the group's receive
+            # buffer, which combine's backward overwrites with the gradient)
+            rows, _, h = mt.ll_dispatch(group, x, idx.int(), weights, copy=True)
+            mark("dispatch")
+            yp = swiglu(rows, w1, w3, w2)  # each local expert: one batched matmul over its [N*T, H] slots
+            mark("experts")
+            y = mt.ll_combine(h, yp)
+            mark("combine")
+            return y, aux, backward_of(y, aux)
         h = mt.ep_prepare(group, idx.int())
         rx, rw = mt.ep_dispatch(h, x, weights)
         mark("dispatch")
@@ -179,10 +203,13 @@ def _torch_worker(cfg, rank, n):
         mark("experts")
         y = mt.ep_combine(h, yp, rw)
         mark("combine")
+        return y, aux, backward_of(y, aux)
+
+    def backward_of(y, aux):
         loss = (y.float() * gy.float()).sum() + aux
         g = torch.autograd.grad(loss, [x, wr, w1, w3, w2])
         mark("backward")
-        return y, aux, g
+        return g
 
     def plain():
         p = [leaf(t) for t in (X, WR, W1, W3, W2)]
@@ -226,7 +253,10 @@ def _torch_worker(cfg, rank, n):
         if rank == 0:
             _progress(i, cfg.steps, f"torch EP layer ({n} GPUs)")
     times = {k: float(np.median(v)) for k, v in samples.items()}
-    ok = _report(rank, n, cfg, "torch", checks, times, str(dtype).replace("torch.", ""))
+    ok = _report(rank, n, cfg, "torch", checks, times, str(dtype).replace("torch.", ""),
+                 "low-latency mode" if ll else "exact mode")
+    if ll:
+        group.close()  # a collective: its IPC mappings go before the communicator
     if comm is not None:
         comm.close()
     return ok
@@ -234,7 +264,7 @@ def _torch_worker(cfg, rank, n):
 
 # ---- JAX ------------------------------------------------------------------------------------------------
 
-def _jax_worker(cfg, rank, n):
+def _jax_worker(cfg, rank, n, ep_mode="normal"):
     import jax
 
     cpu = _cpu_dry_run(n)
@@ -253,7 +283,11 @@ def _jax_worker(cfg, rank, n):
     dtype = jnp.float32 if cpu else jnp.bfloat16
     T, E, K, H, F = cfg.tokens, cfg.experts, cfg.topk, cfg.hidden, cfg.ffn
     L = E // n
-    group = moe_rt.EpGroup(comm, E, H, T, mode="capacity")
+    ll = ep_mode == "low_latency"
+    if ll:
+        group = moe_rt.LowLatencyGroup(comm, E, H, T, topk=K, dtype=jnp.dtype(dtype).name)
+    else:
+        group = moe_rt.EpGroup(comm, E, H, T, mode="capacity")
     keys = jax.random.split(jax.random.PRNGKey(cfg.seed), 6)
 
     def rand(k, shape, scale):
@@ -270,6 +304,12 @@ def _jax_worker(cfg, rank, n):
         h = jax.nn.silu(jax.lax.ragged_dot(rows, w1, gs)) * jax.lax.ragged_dot(rows, w3, gs)
         return jax.lax.ragged_dot(h.astype(dtype), w2, gs).astype(dtype)
 
+    def ll_experts(rows, w1, w3, w2):
+        # each local expert's SwiGLU as one batched matmul over its fixed slots [N*T, H] (empty slots are
+        # zero rows in JAX's recv_x)
+        h = jax.nn.silu(rows @ w1) * (rows @ w3)
+        return (h.astype(dtype) @ w2).astype(dtype)
+
     def router(x, wr):
         logits = x.astype(jnp.float32) @ wr.astype(jnp.float32)
         probs, _ = mj.topk_with_score(logits, K, score_function="softmax")
@@ -281,6 +321,10 @@ def _jax_worker(cfg, rank, n):
     def ep_loss(p):
         x, wr, w1, w3, w2 = p
         weights, idx, aux = router(x, wr)
+        if ll:
+            rx, _, h = mj.ll_dispatch(group, x, idx, weights)
+            y = mj.ll_combine(h, ll_experts(rx, w1, w3, w2))
+            return (y.astype(jnp.float32) * gy.astype(jnp.float32)).sum() + aux, (y, aux)
         h = mj.ep_prepare(group, idx)
         rx, rw = mj.ep_dispatch(h, x, weights)
         y = mj.ep_combine(h, experts(rx, h.tokens_per_expert, w1, w3, w2), rw)
@@ -311,21 +355,34 @@ def _jax_worker(cfg, rank, n):
     x, wr, w1, w3, w2 = params
     r_fn = jax.jit(router)
     weights, idx, _ = r_fn(x, wr)
-    p_fn = jax.jit(lambda i: mj.ep_prepare(group, i))
-    h = p_fn(idx)
-    d_fn = jax.jit(lambda h, x, w: mj.ep_dispatch(h, x, w))
-    rx, rw = d_fn(h, x, weights)
-    e_fn = jax.jit(experts)
-    yp = e_fn(rx, h.tokens_per_expert, w1, w3, w2)
-    c_fn = jax.jit(lambda h, yp, rw: mj.ep_combine(h, yp, rw))
-    stages = {"router": lambda: r_fn(x, wr), "dispatch": lambda: d_fn(p_fn(idx), x, weights),
-              "experts": lambda: e_fn(rx, h.tokens_per_expert, w1, w3, w2), "combine": lambda: c_fn(h, yp, rw),
-              "step": lambda: step(params)}
+    if ll:
+        d_fn = jax.jit(lambda x, i, w: mj.ll_dispatch(group, x, i, w))
+        rx, _, h = d_fn(x, idx, weights)
+        e_fn = jax.jit(ll_experts)
+        yp = e_fn(rx, w1, w3, w2)
+        c_fn = jax.jit(mj.ll_combine)
+        stages = {"router": lambda: r_fn(x, wr), "dispatch": lambda: d_fn(x, idx, weights),
+                  "experts": lambda: e_fn(rx, w1, w3, w2), "combine": lambda: c_fn(h, yp),
+                  "step": lambda: step(params)}
+    else:
+        p_fn = jax.jit(lambda i: mj.ep_prepare(group, i))
+        h = p_fn(idx)
+        d_fn = jax.jit(lambda h, x, w: mj.ep_dispatch(h, x, w))
+        rx, rw = d_fn(h, x, weights)
+        e_fn = jax.jit(experts)
+        yp = e_fn(rx, h.tokens_per_expert, w1, w3, w2)
+        c_fn = jax.jit(lambda h, yp, rw: mj.ep_combine(h, yp, rw))
+        stages = {"router": lambda: r_fn(x, wr), "dispatch": lambda: d_fn(p_fn(idx), x, weights),
+                  "experts": lambda: e_fn(rx, h.tokens_per_expert, w1, w3, w2), "combine": lambda: c_fn(h, yp, rw),
+                  "step": lambda: step(params)}
     times = jax_stage_times(stages, cfg.steps, f"jax EP layer ({n} GPUs)", show=rank == 0)
-    ok = _report(rank, n, cfg, "jax", checks, times, jnp.dtype(dtype).name)
+    ok = _report(rank, n, cfg, "jax", checks, times, jnp.dtype(dtype).name,
+                 "low-latency mode" if ll else "capacity mode")
+    if ll:
+        group.close()  # a collective: its IPC mappings go before the communicator
     if rank == 0:
-        print("[rank 0] (JAX stages are separate jitted calls, dispatch includes prepare; backward = the whole "
-              "jitted step minus their sum)", flush=True)
+        print(f"[rank 0] (JAX stages are separate jitted calls{'' if ll else ', dispatch includes prepare'}; "
+              "backward = the whole jitted step minus their sum)", flush=True)
     return ok
 
 
@@ -339,12 +396,13 @@ def main(argv=None) -> int:
     for k in ("tokens", "experts", "topk", "hidden", "ffn", "steps"):
         ap.add_argument(f"--{k}", type=positive_int, required=True)
     ap.add_argument("--seed", type=int, required=True)
+    ap.add_argument("--ep-mode", choices=EP_MODES, default="normal")
     a = ap.parse_args(argv)
     cfg = Config(tokens=a.tokens, experts=a.experts, topk=a.topk, hidden=a.hidden, ffn=a.ffn, steps=a.steps,
                  seed=a.seed)
     rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     worker = _torch_worker if a.framework == "torch" else _jax_worker
-    return 0 if worker(cfg, rank, n) else 1
+    return 0 if worker(cfg, rank, n, a.ep_mode) else 1
 
 
 if __name__ == "__main__":

@@ -301,6 +301,22 @@ class LowLatencyGroup:
         if not handle.received:
             raise ValueError(f"{op}: handle: its dispatch's receive hook has not run yet; call the hook first")
 
+    def _check_dispatch(self, x, topk_idx, topk_weights):
+        """Shapes and dtypes of dispatch's arguments (anything with ``shape``, ``ndim`` and ``dtype``: the
+        framework adapters check traced arrays with it too); returns ``(T, K)``."""
+        _arrays.check_ndim(topk_idx, "topk_idx", 2)
+        _arrays.check_dtype(topk_idx, "topk_idx", _arrays.INDEX_DTYPES)
+        T, K = int(topk_idx.shape[0]), int(topk_idx.shape[1])
+        if T > self.max_tokens_per_rank:
+            raise ValueError(f"topk_idx: T={T} exceeds max_tokens_per_rank={self.max_tokens_per_rank}")
+        if K != self.topk:
+            raise ValueError(f"topk_idx: K must be {self.topk} (the group's topk), got {K}")
+        self._check_tokens(x, "x", (T, self.hidden))
+        if topk_weights is None:
+            raise TypeError("topk_weights: expected a [T, K] float array, got None")
+        _ep.check_weights(topk_weights, "topk_weights", (T, K))
+        return T, K
+
     def _slots_shape(self):
         return (self.num_local_experts, self.size * self.max_tokens_per_rank, self.hidden)
 
@@ -328,20 +344,8 @@ class LowLatencyGroup:
         _ep._check_bool(return_recv_hook, "return_recv_hook")
         with _arrays.Call({"x": x, "topk_idx": topk_idx, "topk_weights": topk_weights}, stream=stream) as call:
             self._call_checks(call, "dispatch")
-            idx = call["topk_idx"]
-            _arrays.check_ndim(idx, "topk_idx", 2)
-            _arrays.check_dtype(idx, "topk_idx", _arrays.INDEX_DTYPES)
-            T, K = int(idx.shape[0]), int(idx.shape[1])
-            if T > self.max_tokens_per_rank:
-                raise ValueError(f"topk_idx: T={T} exceeds max_tokens_per_rank={self.max_tokens_per_rank}")
-            if K != self.topk:
-                raise ValueError(f"topk_idx: K must be {self.topk} (the group's topk), got {K}")
-            xv = call["x"]
-            self._check_tokens(xv, "x", (T, self.hidden))
-            wv = call["topk_weights"]
-            if wv is None:
-                raise TypeError("topk_weights: expected a [T, K] float array, got None")
-            _ep.check_weights(wv, "topk_weights", (T, K))
+            xv, idx, wv = call["x"], call["topk_idx"], call["topk_weights"]
+            T, K = self._check_dispatch(xv, idx, wv)
             xp = call.xp
             xv, idx = _arrays.contiguous(xp, xv), _arrays.contiguous(xp, idx)
             wv = _arrays.as_f32(xp, wv)

@@ -763,3 +763,6 @@ def dequantize_fp8(x_fp8, scales, dtype=jnp.bfloat16, block: int = 128):
 # -- expert parallelism ------------------------------------------------------------------------------
 
 from moe_rt._jax_ep import JaxEpHandle, ep_combine, ep_dispatch, ep_prepare  # noqa: E402
+from moe_rt._jax_ep import JaxLLHandle, ll_combine, ll_dispatch  # noqa: E402
+
+__all__ += ["JaxLLHandle", "ll_dispatch", "ll_combine"]

@@ -63,7 +63,8 @@ for _i in _IDX.values():
     _names += [f"plan_count<{_i}>", f"plan_assign<{_i}>", f"chunk_offsets<{_i}>"]
 for _u in _UNITS.values():
     _names += [f"dispatch_rows<{_u}, {_UNROLL}, true>", f"dispatch_rows<{_u}, {_UNROLL}, false>",
-               f"fill_rows<{_u}>", f"chunk_sort_rows<{_u}, false>", f"chunk_sort_rows<{_u}, true>"]
+               f"fill_rows<{_u}>", f"chunk_sort_rows<{_u}, false>", f"chunk_sort_rows<{_u}, true>",
+               f"copy_kept_rows<{_u}>"]
     # permuted probs in the probs' dtype (fp16/bf16 from fp32 slot probs; fp64 as it is)
     _names += [f"fill_rows<{_u}, {_pi}, {_po}>" for _pi, _po in _PROB_OUT.values()]
 for _c in _jit.CTYPES.values():
@@ -743,6 +744,20 @@ def _fill(call, out, pp, pv, plan):
     po = _PROB_OUT.get(np.dtype(pp.dtype).name) if pp is not None else None
     name = f"fill_rows<{_UNITS[u]}>" if po is None else f"fill_rows<{_UNITS[u]}, {po[0]}, {po[1]}>"
     _launch(_fn(name, call.device_id), _row_grid(N, call.device_id), 256, args, call.stream)
+
+
+def copy_kept_rows(src, out, keep, *, zero_rest: bool, device_id: int, stream) -> None:
+    """``out[r] = src[r]`` for the rows with ``keep[r] >= 0`` (only those are read), zero for the others
+    (left as they are unless ``zero_rest``). CuPy arrays on ``device_id``: ``src``/``out`` C-contiguous of
+    one shape ``[..., H]`` and dtype, ``keep`` int32 with one entry per row; ``stream`` a CuPy stream."""
+    N = int(keep.size)
+    row_bytes = int(src.shape[-1]) * src.dtype.itemsize if src.ndim else 0
+    if N == 0 or row_bytes == 0:
+        return
+    u = _unit(row_bytes, src.data.ptr, out.data.ptr)
+    _launch(_fn(f"copy_kept_rows<{_UNITS[u]}>", device_id), _row_grid(N, device_id), 256,
+            (src.data.ptr, out.data.ptr, keep.data.ptr, np.int64(N), np.int64(row_bytes // u),
+             np.int32(int(zero_rest))), stream)
 
 
 @_fast.recorded("y_permuted", "probs", plan=_PLAN_FAST)

@@ -1195,3 +1195,6 @@ def dequantize_fp8(x_fp8: Tensor, scales: Tensor, dtype: torch.dtype = torch.bfl
 # -- expert parallelism ------------------------------------------------------------------------------
 
 from moe_rt._torch_ep import TorchEpHandle, ep_combine, ep_dispatch, ep_prepare  # noqa: E402
+from moe_rt._torch_ep import TorchLLHandle, ll_combine, ll_dispatch  # noqa: E402
+
+__all__ += ["TorchLLHandle", "ll_dispatch", "ll_combine"]

@@ -1,7 +1,8 @@
 """Expert-parallel adapters: moe_rt.torch.ep_* (autograd custom ops) and moe_rt.jax.ep_* (custom_vjp over
 buffer_callback, inside jit). One-rank groups (no NCCL) on CPU (the reference behind the same ops) and on
 one GPU, checked against the same math in plain framework code; the EP layer over 2 GPUs through the demo
-(`python -m moe_rt demo --ep 2`), which checks itself against the single-GPU plain layer."""
+(`python -m moe_rt demo --ep 2`, also `--ep-mode low_latency`), which checks itself against the single-GPU
+plain layer."""
 import os
 import subprocess
 import sys
@@ -315,10 +316,11 @@ def test_jax_vmap_runs_each_element(rng):
 # -- 2 GPUs: the EP layer of the demo, checked against the plain single-GPU layer -------------------------------
 
 @pytest.mark.multi_gpu
+@pytest.mark.parametrize("ep_mode", ["normal", "low_latency"])
 @pytest.mark.parametrize("framework", ["torch", "jax"])
-def test_ep_layer_two_gpus_matches_single_gpu(framework):
+def test_ep_layer_two_gpus_matches_single_gpu(framework, ep_mode):
     cmd = [sys.executable, "-m", "moe_rt", "demo", "--framework", framework, "--ep", "2", "--tokens", "512",
-           "--experts", "16", "--topk", "4", "--hidden", "256", "--ffn", "128", "--steps", "3"]
+           "--experts", "16", "--topk", "4", "--hidden", "256", "--ffn", "128", "--steps", "3", "--ep-mode", ep_mode]
     env = dict(os.environ, MOE_RT_EP_TIMEOUT="60")
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
     print(r.stdout[-8000:])
@@ -329,13 +331,16 @@ def test_ep_layer_two_gpus_matches_single_gpu(framework):
     assert "FAIL" not in r.stdout
 
 
+@pytest.mark.parametrize("ep_mode", ["normal", "low_latency"])
 @pytest.mark.parametrize("framework", ["torch", "jax"])
-def test_ep_layer_worker_cpu_dry_run(framework):
-    """The EP layer code of `demo --ep` on one CPU rank (1-rank group, reference path) against the plain layer."""
+def test_ep_layer_worker_cpu_dry_run(framework, ep_mode):
+    """The EP layer code of `demo --ep [--ep-mode low_latency]` on one CPU rank (1-rank group, reference path)
+    against the plain layer."""
     cmd = [sys.executable, "-m", "moe_rt.demo_ep", "--framework", framework, "--tokens", "40", "--experts", "8",
-           "--topk", "2", "--hidden", "16", "--ffn", "8", "--steps", "1", "--seed", "3"]
+           "--topk", "2", "--hidden", "16", "--ffn", "8", "--steps", "1", "--seed", "3", "--ep-mode", ep_mode]
     env = dict(os.environ, MOE_RT_DEMO_EP_CPU="1", RANK="0", WORLD_SIZE="1", JAX_PLATFORMS="cpu")
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     print(r.stdout[-4000:], r.stderr[-4000:])
     assert r.returncode == 0
     assert r.stdout.count(" ok") == 7 and "FAIL" not in r.stdout
+    assert ("low-latency mode" in r.stdout) == (ep_mode == "low_latency")

@@ -1,0 +1,428 @@
+"""The low-latency EP mode in the framework adapters: moe_rt.torch.ll_dispatch / ll_combine (autograd.Function,
+recv_x a view of the group's receive buffer guarded by its version counter) and moe_rt.jax.ll_dispatch /
+ll_combine (custom_vjp over buffer_callback). One-rank groups on CPU (the NumPy reference behind the group)
+and on one GPU, checked against the group's own ops and against the slot semantics written out in plain
+framework code; the demo's flag checks (its EP layer in low-latency mode: tests/test_ep_adapters.py)."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import moe_rt
+
+torch = pytest.importorskip("torch")
+jax = pytest.importorskip("jax")
+jnp = jax.numpy
+mt = pytest.importorskip("moe_rt.torch")
+mj = pytest.importorskip("moe_rt.jax")
+
+E, H, K, TMAX = 6, 20, 3, 13  # one rank: L = E local experts, slots [E, TMAX]
+
+
+def _routing(rng, T, dup=True):
+    """[T,K] ids: distinct experts per token, some -1, and (dup) a few tokens naming one expert twice."""
+    idx = np.array([rng.permutation(E)[:K] for _ in range(T)], np.int32).reshape(T, K)
+    idx[::4, -1] = -1
+    if dup and T > 2:
+        idx[1, 2] = idx[1, 0]
+    return idx
+
+
+# -- the slot semantics in plain torch (float64, differentiable; one rank) --------------------------------------
+
+def _valid(idx):
+    """[E, TMAX] bool: slot (l, t) holds token t (one rank)."""
+    v = np.zeros((E, TMAX), bool)
+    for t, k in zip(*np.nonzero(idx >= 0)):
+        v[idx[t, k], t] = True
+    return v
+
+
+def plain_dispatch(x, idx, w):
+    """(recv [E,TMAX,H], slot_w [E,TMAX]): slot (l, t) holds x[t] when token t names expert l (once, however
+    many k name it), slot_w the sum of those k's weights."""
+    T = x.shape[0]
+    onehot = torch.zeros(T, K, E, dtype=x.dtype)
+    valid = idx >= 0
+    onehot[valid] = torch.nn.functional.one_hot(idx[valid].long(), E).to(x.dtype)
+    present = onehot.amax(1)  # [T, E]
+    recv = torch.zeros(E, TMAX, x.shape[1], dtype=x.dtype)
+    recv[:, :T] = present.T[..., None] * x[None]
+    slot_w = torch.zeros(E, TMAX, dtype=x.dtype)
+    slot_w[:, :T] = (onehot * w[..., None]).sum(1).T
+    return recv, slot_w
+
+
+def plain_combine(y, idx, w):
+    """out[t] = sum over k with idx[t,k] >= 0 of w[t,k] * y[idx[t,k], t]."""
+    T = idx.shape[0]
+    t = torch.arange(T)[:, None].expand(T, K)
+    rows = y[idx.clamp(min=0).long(), t]  # [T, K, H]
+    return ((idx >= 0).to(y.dtype) * w)[..., None].mul(rows).sum(1)
+
+
+def _expert(recv, scale):
+    """A per-expert scale (no saved recv_x: the multiplier does not require grad)."""
+    return recv * scale[:, None, None]
+
+
+# -- torch ---------------------------------------------------------------------------------------------------
+
+TORCH_DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", TORCH_DEVICES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("T", [0, 1, 11, TMAX])
+def test_torch_ll_autograd_matches_core_and_plain(device, dtype, T, rng):
+    tdt = getattr(torch, dtype)
+    idx = _routing(rng, T)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    w = rng.random((T, K)).astype(np.float32)
+    scale = rng.random(E).astype(np.float32) + 0.5
+    g_out = rng.standard_normal((T, H)).astype(np.float32)
+    g_sw = rng.standard_normal((E, TMAX)).astype(np.float32)
+    group = moe_rt.LowLatencyGroup(None, E, H, TMAX, topk=K, dtype=dtype)
+    xt = torch.tensor(x, device=device).to(tdt).requires_grad_()
+    wt = torch.tensor(w, device=device, requires_grad=True)
+    it = torch.tensor(idx, device=device)
+    sc = torch.tensor(scale, device=device).to(tdt)
+    rx, counts, h = mt.ll_dispatch(group, xt, it, wt)
+    rx_host = rx.detach().float().cpu().numpy().copy()  # before combine's backward reuses the buffer
+    assert isinstance(h, mt.TorchLLHandle) and rx.shape == (E, TMAX, H) and rx.dtype == tdt
+    assert counts.dtype == torch.int32 and h.slot_topk.dtype == torch.int32
+    assert rx.requires_grad and h.slot_weights.requires_grad and not h.slot_topk.requires_grad
+    y = _expert(rx, sc)
+    out = mt.ll_combine(h, y)
+    loss = (out.float() * torch.tensor(g_out, device=device)).sum() + (h.slot_weights *
+                                                                        torch.tensor(g_sw, device=device)).sum()
+    loss.backward()
+
+    # against the group's own ops on the same inputs (bitwise: the same core calls)
+    r2, c2, core = group.dispatch(xt.detach(), it, wt.detach())
+    valid = _valid(idx)
+    np.testing.assert_array_equal(core.slot_topk.cpu().numpy() >= 0, valid)
+    np.testing.assert_array_equal(counts.cpu().numpy(), c2.cpu().numpy())
+    np.testing.assert_array_equal(h.slot_topk.cpu().numpy(), core.slot_topk.cpu().numpy())
+    np.testing.assert_array_equal(rx_host[valid], r2.float().cpu().numpy()[valid])
+    y2 = _expert(r2, sc).contiguous()
+    np.testing.assert_array_equal(out.detach().float().cpu().numpy(),
+                                  group.combine(core, y2).float().cpu().numpy())
+    gy, gw_c = group.combine_bwd(core, torch.tensor(g_out, device=device).to(tdt), y2)
+    gx_core, gw_d = group.dispatch_bwd(core, _expert(gy, sc).contiguous(), torch.tensor(g_sw, device=device))
+    np.testing.assert_array_equal(xt.grad.float().cpu().numpy(), gx_core.float().cpu().numpy())
+    np.testing.assert_allclose(wt.grad.cpu().numpy(), (gw_c + gw_d).cpu().numpy(), rtol=1e-6, atol=1e-6)
+
+    # against the slot semantics in plain float64 torch autograd
+    xd = torch.tensor(xt.detach().float().cpu().numpy(), dtype=torch.float64, requires_grad=True)
+    wd = torch.tensor(w, dtype=torch.float64, requires_grad=True)
+    i64 = torch.tensor(idx)
+    recv_p, sw_p = plain_dispatch(xd, i64, wd)
+    out_p = plain_combine(_expert(recv_p, torch.tensor(sc.float().cpu().numpy(), dtype=torch.float64)), i64, wd)
+    (out_p * torch.tensor(g_out, dtype=torch.float64)).sum().add((sw_p * torch.tensor(g_sw, dtype=torch.float64))
+                                                                 .sum()).backward()
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == "float32" else dict(rtol=3e-2, atol=3e-2)
+    np.testing.assert_allclose(rx_host[valid], recv_p.detach().numpy()[valid], **tol)
+    np.testing.assert_allclose(h.slot_weights.detach().cpu().numpy(), sw_p.detach().numpy(), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(out.detach().float().cpu().numpy(), out_p.detach().numpy(), **tol)
+    np.testing.assert_allclose(xt.grad.float().cpu().numpy(), xd.grad.numpy(), **tol)
+    np.testing.assert_allclose(wt.grad.cpu().numpy(), wd.grad.numpy(), **tol)
+
+
+@pytest.mark.parametrize("device", TORCH_DEVICES)
+def test_torch_ll_identity_expert(device, rng):
+    """expert_out = recv_x itself: combine's backward copies it before the group overwrites the buffer."""
+    T = 9
+    idx = _routing(rng, T)
+    group = moe_rt.LowLatencyGroup(None, E, H, TMAX, topk=K, dtype="float32")
+    x = torch.tensor(rng.standard_normal((T, H)).astype(np.float32), device=device, requires_grad=True)
+    w = torch.tensor(rng.random((T, K)).astype(np.float32), device=device, requires_grad=True)
+    g = torch.tensor(rng.standard_normal((T, H)).astype(np.float32), device=device)
+    rx, _, h = mt.ll_dispatch(group, x, torch.tensor(idx, device=device), w)
+    (mt.ll_combine(h, rx) * g).sum().backward()
+    valid = torch.tensor(idx >= 0, device=device)
+    # out[t] = x[t] * sum_k w[t,k] (valid k); grad x = g * sum_k w; grad w[t,k] = <x[t], g[t]>
+    torch.testing.assert_close(x.grad, g * (w.detach() * valid).sum(1, keepdim=True), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w.grad, (x.detach() * g).sum(1, keepdim=True) * valid, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", TORCH_DEVICES)
+def test_torch_ll_saved_recv_x_raises(device, rng):
+    """An expert that saves recv_x for its backward is caught: combine's backward writes the expert outputs'
+    gradient into the receive buffer and bumps its version, so autograd refuses the stale view; a copy
+    (torch.where with the validity mask) trains."""
+    T = 7
+    group = moe_rt.LowLatencyGroup(None, E, H, TMAX, topk=K, dtype="float32")
+    x = torch.randn(T, H, device=device, requires_grad=True)
+    w = torch.rand(T, K, device=device, requires_grad=True)
+    idx = torch.tensor(_routing(rng, T), device=device)
+    wexp = torch.randn(E, H, H, device=device, requires_grad=True)
+    rx, _, h = mt.ll_dispatch(group, x, idx, w)
+    out = mt.ll_combine(h, torch.bmm(rx, wexp))  # bmm saves rx for wexp's gradient
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+    # a later dispatch invalidates the first one's recv_x as well
+    rx, _, h = mt.ll_dispatch(group, x, idx, w)
+    y = torch.bmm(rx, wexp)
+    mt.ll_dispatch(group, x, idx, w)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    # the documented patterns: run the expert on a copy with zero rows at empty slots
+    rx, _, h = mt.ll_dispatch(group, x, idx, w)
+    rows = torch.where(h.slot_topk[..., None] >= 0, rx, 0)
+    mt.ll_combine(h, torch.bmm(rows, wexp)).sum().backward()
+    g_where = [t.grad.clone() for t in (x, w, wexp)]
+    for t in (x, w, wexp):
+        t.grad = None
+    rows, _, h = mt.ll_dispatch(group, x, idx, w, copy=True)
+    assert rows.data_ptr() != rx.data_ptr() and not rows[h.slot_topk < 0].any()
+    torch.testing.assert_close(rows, torch.where(h.slot_topk[..., None] >= 0, rx, 0))
+    mt.ll_combine(h, torch.bmm(rows, wexp)).sum().backward()
+    for t, g in zip((x, w, wexp), g_where):
+        torch.testing.assert_close(t.grad, g)
+        assert torch.isfinite(t.grad).all()
+
+
+def test_torch_ll_recv_view_version_mechanism():
+    """The mechanism itself: every dispatch-direction write hands out a new alias of the group's one buffer
+    tensor (per buffer set) after bumping the version counter they all share."""
+    from moe_rt._torch_ep import _ll_buffers, _ll_recv_view
+
+    group = moe_rt.LowLatencyGroup(None, E, H, TMAX, topk=K, dtype="float32")
+    fresh = torch.randn(E, TMAX, H)
+    a = _ll_recv_view(group, 0, fresh)
+    v = a._version
+    b = _ll_recv_view(group, 0, fresh * 2)
+    assert a.data_ptr() == b.data_ptr() == _ll_buffers(group).tensors[0].data_ptr()
+    assert a._version == b._version == v + 2  # the copy and the explicit bump
+    torch.testing.assert_close(a, fresh * 2)  # the same memory
+    with torch.inference_mode():
+        c = _ll_recv_view(group, 0, fresh)
+    assert not c.is_inference() and c._version == v + 4
+
+
+@pytest.mark.parametrize("device", TORCH_DEVICES)
+@pytest.mark.parametrize("num_buffers", [1, 2])
+def test_torch_ll_buffer_sets(device, num_buffers, rng):
+    """With num_buffers=2 a second dispatch leaves the first one's recv_x alone (the sets alternate, on CPU
+    as on the GPU); with 1 it rewrites it (a new version). Either way combine's backward rewrites the
+    handle's own set, so an expert that saved recv_x is reported."""
+    T = 6
+    group = moe_rt.LowLatencyGroup(None, E, H, TMAX, topk=K, dtype="float32", num_buffers=num_buffers)
+    idx = torch.tensor(_routing(rng, T), device=device)
+    w = torch.rand(T, K, device=device, requires_grad=True)
+    wexp = torch.randn(E, H, H, device=device, requires_grad=True)
+    x1, x2 = (torch.randn(T, H, device=device, requires_grad=True) for _ in range(2))
+    rx1, _, h1 = mt.ll_dispatch(group, x1, idx, w)
+    first, v1 = rx1.detach().clone(), rx1._version
+    y1 = mt.ll_combine(h1, torch.bmm(rx1, wexp))  # saves rx1
+    rx2, _, h2 = mt.ll_dispatch(group, x2, idx, w)
+    valid = h1.slot_topk >= 0
+    if num_buffers == 2:
+        assert (h1.buffer_set, h2.buffer_set) == (0, 1) and rx1.data_ptr() != rx2.data_ptr()
+        assert rx1._version == v1
+        torch.testing.assert_close(rx1[valid], first[valid])
+    else:
+        assert (h1.buffer_set, h2.buffer_set) == (0, 0) and rx1.data_ptr() == rx2.data_ptr()
+        assert rx1._version > v1
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y1.sum().backward()
+
+
+def test_torch_ll_bad_input_same_messages_as_core(rng):
+    T = 5
+    group = moe_rt.LowLatencyGroup(None, E, H, TMAX, topk=K, dtype="float32")
+    x, idx, w = torch.randn(T, H), torch.tensor(_routing(rng, T)), torch.rand(T, K)
+    with pytest.raises(TypeError, match="LowLatencyGroup"):
+        mt.ll_dispatch(moe_rt.EpGroup(None, E, H, 8), x, idx, w)
+    with pytest.raises(TypeError, match="x: expected a torch.Tensor"):
+        mt.ll_dispatch(group, x.numpy(), idx, w)
+    with pytest.raises(TypeError, match="topk_weights"):
+        mt.ll_dispatch(group, x, idx, None)
+    bad = [(x[:, 1:], idx, w), (x, idx[:, :2], w[:, :2]), (x.double(), idx, w), (x, idx.float(), w),
+           (x, idx, w[:, :2]), (torch.randn(TMAX + 1, H), torch.zeros(TMAX + 1, K, dtype=torch.int32),
+                                 torch.rand(TMAX + 1, K)), (x, idx + E, w)]
+    for args in bad:
+        with pytest.raises((TypeError, ValueError)) as core:
+            group.dispatch(*args)
+        with pytest.raises(core.type) as ours:
+            mt.ll_dispatch(group, *args)
+        assert str(ours.value) == str(core.value)
+    rx, _, h = mt.ll_dispatch(group, x, idx, w)
+    with pytest.raises(TypeError, match="TorchLLHandle"):
+        mt.ll_combine(h.core, rx)
+    with pytest.raises(ValueError) as core:
+        group.combine(h.core, rx[:, 1:])
+    with pytest.raises(ValueError) as ours:
+        mt.ll_combine(h, rx[:, 1:])
+    assert str(ours.value) == str(core.value)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "float16", "int8"])
+@pytest.mark.parametrize("H", [1, 3, 8, 33, 1000])
+@pytest.mark.parametrize("zero_rest", [True, False])
+def test_copy_kept_rows_gpu(dtype, H, zero_rest, rng):
+    """The kernel behind JAX's recv_x copy: kept rows copied, the others zeroed or left as they were (odd
+    row sizes pick every unit width; the output is poisoned first)."""
+    cp = pytest.importorskip("cupy")
+    from moe_rt import permutation
+
+    shape = (5, 37, H)
+    src_np = (rng.standard_normal(shape) * 50).astype(dtype)
+    keep_np = np.where(rng.random(shape[:2]) < 0.4, rng.integers(0, 4, shape[:2]), -1).astype(np.int32)
+    src, keep = cp.asarray(src_np), cp.asarray(keep_np)
+    poison = np.full(shape, 7, dtype)
+    out = cp.asarray(poison)
+    permutation.copy_kept_rows(src, out, keep, zero_rest=zero_rest, device_id=src.device.id,
+                               stream=cp.cuda.get_current_stream())
+    want = np.where(keep_np[..., None] >= 0, src_np, np.zeros_like(src_np) if zero_rest else poison)
+    np.testing.assert_array_equal(out.get(), want)
+
+
+# -- JAX -----------------------------------------------------------------------------------------------------
+
+JAX_DEVICES = [pytest.param("cpu"), pytest.param("gpu", marks=pytest.mark.gpu)]
+
+
+def _jax_plain_loss(x, w, idx, scale, g_out, g_sw):
+    """The same layer as plain jnp math (one rank): dispatch to slots, scale, weighted combine."""
+    T = x.shape[0]
+    onehot = jax.nn.one_hot(jnp.where(idx >= 0, idx, E), E + 1)[..., :E]  # [T,K,E]
+    present = onehot.max(1)
+    recv = jnp.zeros((E, TMAX, H), x.dtype).at[:, :T].set(present.T[..., None] * x[None])
+    slot_w = jnp.zeros((E, TMAX), w.dtype).at[:, :T].set((onehot * w[..., None]).sum(1).T)
+    y = recv * scale[:, None, None]
+    rows = y[jnp.maximum(idx, 0), jnp.arange(T)[:, None]]
+    out = ((idx >= 0) * w)[..., None].__mul__(rows).sum(1)
+    return (out * g_out).sum() + (slot_w * g_sw).sum(), (out, recv, slot_w)
+
+
+@pytest.mark.parametrize("device", JAX_DEVICES)
+@pytest.mark.parametrize("T", [0, 1, 11, TMAX])
+@pytest.mark.parametrize("remat", [False, True])
+def test_jax_ll_jit_grad_matches_core_and_plain(device, T, remat, rng):
+    idx = _routing(rng, T)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    w = rng.random((T, K)).astype(np.float32)
+    scale = (rng.random(E) + 0.5).astype(np.float32)
+    g_out = rng.standard_normal((T, H)).astype(np.float32)
+    g_sw = rng.standard_normal((E, TMAX)).astype(np.float32)
+    group = moe_rt.LowLatencyGroup(None, E, H, TMAX, topk=K, dtype="float32")
+    with jax.default_device(jax.devices(device)[0]):
+        def loss(x, w):
+            rx, counts, h = mj.ll_dispatch(group, x, jnp.asarray(idx), w)
+            out = mj.ll_combine(h, rx * jnp.asarray(scale)[:, None, None])
+            return (out * g_out).sum() + (h.slot_weights * g_sw).sum(), (out, rx, counts, h)
+
+        f = jax.checkpoint(loss) if remat else loss
+        (_, (out, rx, counts, h)), (gx, gw) = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(
+            jnp.asarray(x), jnp.asarray(w))
+        (_, (out_p, recv_p, sw_p)), (gx_p, gw_p) = jax.value_and_grad(_jax_plain_loss, argnums=(0, 1),
+                                                                       has_aux=True)(
+            jnp.asarray(x), jnp.asarray(w), jnp.asarray(idx), jnp.asarray(scale), g_out, g_sw)
+    assert isinstance(h, mj.JaxLLHandle) and rx.shape == (E, TMAX, H)
+    leaves, tree = jax.tree_util.tree_flatten(h)
+    assert [np.dtype(a.dtype) for a in leaves] == [np.int32, np.float32, np.int32, np.int32, np.float32, np.int32]
+    assert jax.tree_util.tree_unflatten(tree, leaves).static == h.static == (h.group_id, T, K)
+    # the group's own ops (the reference, as NumPy), bit for bit
+    r_ref, c_ref, core = group.dispatch(x, idx, w)
+    np.testing.assert_array_equal(np.asarray(counts), c_ref)
+    np.testing.assert_array_equal(np.asarray(h.slot_topk), core.slot_topk)
+    np.testing.assert_array_equal(np.asarray(h.slot_weights), core.slot_weights)
+    np.testing.assert_array_equal(np.asarray(rx), r_ref)  # empty slots zero (zero_empty_slots=True)
+    y = (r_ref * scale[:, None, None]).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(out), group.combine(core, y))
+    gy, gw_c = group.combine_bwd(core, g_out, y)
+    gx_core, gw_d = group.dispatch_bwd(core, (gy * scale[:, None, None]).astype(np.float32), g_sw)
+    np.testing.assert_array_equal(np.asarray(gx), gx_core)
+    np.testing.assert_allclose(np.asarray(gw), gw_c + gw_d, rtol=1e-6, atol=1e-6)
+    # the slot semantics as plain jnp
+    for a, b in ((rx, recv_p), (h.slot_weights, sw_p), (out, out_p), (gx, gx_p), (gw, gw_p)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", JAX_DEVICES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_jax_ll_forward_bf16_and_unspecified_empty_slots(device, dtype, rng):
+    """bf16 through the adapter equals the group's op; zero_empty_slots=False leaves the valid rows and the
+    combine unchanged."""
+    T = 10
+    idx = _routing(rng, T)
+    group = moe_rt.LowLatencyGroup(None, E, H, TMAX, topk=K, dtype=dtype)
+    with jax.default_device(jax.devices(device)[0]):
+        x = jnp.asarray(rng.standard_normal((T, H)), getattr(jnp, dtype))
+        w = jnp.asarray(rng.random((T, K)).astype(np.float32))
+        outs = []
+        for zero in (True, False):
+            fn = jax.jit(lambda x, w, zero=zero: (lambda r: (r[0], mj.ll_combine(r[2], r[0] * 2)))(
+                mj.ll_dispatch(group, x, jnp.asarray(idx), w, zero_empty_slots=zero)))
+            outs.append(fn(x, w))
+    valid = _valid(idx)
+    r_ref, _, core = group.dispatch(np.asarray(x), idx, np.asarray(w))
+    for rx, out in outs:
+        np.testing.assert_array_equal(np.asarray(rx)[valid], np.asarray(r_ref)[valid])
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(group.combine(core, np.asarray(r_ref) * 2)))
+    assert not np.asarray(outs[0][0], np.float32)[~valid].any()
+
+
+def test_jax_ll_bad_input_same_messages_as_core(rng):
+    T = 5
+    group = moe_rt.LowLatencyGroup(None, E, H, TMAX, topk=K, dtype="float32")
+    x, idx, w = (rng.standard_normal((T, H)).astype(np.float32), _routing(rng, T),
+                 rng.random((T, K)).astype(np.float32))
+    with pytest.raises(TypeError, match="LowLatencyGroup"):
+        mj.ll_dispatch(moe_rt.EpGroup(None, E, H, 8), x, idx, w)
+    with pytest.raises(ValueError, match="num_buffers=1"):
+        mj.ll_dispatch(moe_rt.LowLatencyGroup(None, E, H, TMAX, topk=K, dtype="float32", num_buffers=2), x, idx, w)
+    bad = [(x[:, 1:], idx, w), (x, idx[:, :2], w[:, :2]), (x.astype(np.float16), idx, w),
+           (x, idx.astype(np.float32), w), (x, idx, w[:, :2]), (x, idx, None),
+           (np.zeros((TMAX + 1, H), np.float32), np.zeros((TMAX + 1, K), np.int32), np.ones((TMAX + 1, K), np.float32))]
+    with jax.default_device(jax.devices("cpu")[0]):
+        for args in bad:
+            with pytest.raises((TypeError, ValueError)) as core:
+                group.dispatch(*args)
+            with pytest.raises(core.type) as ours:
+                jax.jit(lambda *a: mj.ll_dispatch(group, *a)[0])(*args)
+            assert str(ours.value) == str(core.value)
+        rx, _, h = mj.ll_dispatch(group, x, idx, w)
+        with pytest.raises(TypeError, match="JaxLLHandle"):
+            mj.ll_combine(None, rx)
+        with pytest.raises(ValueError, match="expert_out: expected shape"):
+            mj.ll_combine(h, rx[:, 1:])
+
+
+# -- the demo's EP layer in low-latency mode ----------------------------------------------------------------------
+
+def test_demo_low_latency_flag_checks():
+    from moe_rt import demo
+
+    for argv, msg in ((["--ep-mode", "low_latency"], "--ep N"),
+                      (["--ep", "2", "--ep-mode", "low_latency", "--tokens", "1025"], "1024")):
+        r = subprocess.run([sys.executable, "-m", "moe_rt", "demo", "--cpu"] + argv, capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 2 and msg in r.stderr + r.stdout, (argv, r.stdout, r.stderr)
+    assert "low_latency" in demo.parser().format_help()
+
+
+def test_torch_ll_under_torch_compile_runs_outside_the_graph(rng):
+    """ll_dispatch / ll_combine are eager-only (torch.compiler.disable): a compiled layer around them (graph
+    breaks) gives the eager results and gradients."""
+    T = 8
+    group = moe_rt.LowLatencyGroup(None, E, H, TMAX, topk=K, dtype="float32")
+    idx = torch.tensor(_routing(rng, T))
+    x = torch.randn(T, H, requires_grad=True)
+    w = torch.rand(T, K, requires_grad=True)
+
+    def layer(x, w):
+        rows, _, h = mt.ll_dispatch(group, torch.nn.functional.silu(x), idx, w, copy=True)
+        return mt.ll_combine(h, rows.square()) * 2
+
+    eager = layer(x, w)
+    ge = torch.autograd.grad(eager.sum(), [x, w])
+    compiled = torch.compile(layer, backend="aot_eager")(x, w)
+    gc = torch.autograd.grad(compiled.sum(), [x, w])
+    torch.testing.assert_close(compiled, eager)
+    for a, b in zip(gc, ge):
+        torch.testing.assert_close(a, b)
