@@ -242,7 +242,8 @@ class LowLatencyGroup:
                 for name, nb in self._regions():
                     offs[name] = (o, nb)
                     o += -(-nb // _ALIGN) * _ALIGN
-                sh = _ep_direct._Shared(comm, o, stream, wait)
+                # zeroed once: the rows of slots no token has written yet read as zeros
+                sh = _ep_direct._Shared(comm, o, stream, wait, zero=True)
                 d._stages[("low_latency", 0)] = sh  # closed with the transport
                 d._order.append(("low_latency", 0))
                 with stream:
@@ -552,8 +553,8 @@ class LowLatencyGroup:
             a, s = handle._a, call.stream
             gy = self._view("recv", handle.buffer_set, self._slots_shape(), self.dtype)
             self._transport.barrier(s, "combine_bwd")
-            self._launch_dispatch(call, g, a["idx"], a["w"], T, handle.buffer_set, meta=False, scaled=y is None, out=None,
-                                  zero_k=a["slot_k"], op="combine_bwd")
+            self._launch_dispatch(call, g, a["idx"], a["w"], T, handle.buffer_set, meta=False, scaled=y is None,
+                                  out=None, zero_k=a["slot_k"], op="combine_bwd")
             gwt = None
             if y is not None:
                 n = gy.shape[0] * gy.shape[1]
