@@ -99,6 +99,22 @@ EXPORT int moe_rt_xla_load_kernel(int device, const char* file, const char* name
   return st;
 }
 
+/* Read and clear the error word of device `device`'s context (bad expert ids met by make_plan), after the
+ * caller waited for the device: MOE_RT_ERROR_BAD_EXPERT_ID with the Python side's message, or success (also
+ * without a context). A host sync (moe_rt_check). */
+EXPORT int moe_rt_xla_check(int device) {
+  if (device < 0 || device >= MAX_DEVICES) return MOE_RT_SUCCESS;
+  moe_rt_context* c = __atomic_load_n(&g_ctx[device], __ATOMIC_ACQUIRE);
+  if (!c) return MOE_RT_SUCCESS;
+  moe_rt_status st = moe_rt_check(c, NULL);
+  if (st) {
+    pthread_mutex_lock(&g_lock);
+    snprintf(g_message, sizeof g_message, "%s", moe_rt_last_error());
+    pthread_mutex_unlock(&g_lock);
+  }
+  return st;
+}
+
 /* ---- decoding a call frame ------------------------------------------------------------------------ */
 
 typedef struct frame {

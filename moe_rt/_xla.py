@@ -37,6 +37,8 @@ _lock = threading.RLock()
 _lib = None
 _core = None
 _prepared: set = set()
+_devices: set = set()  # CUDA ordinals whose handler context was made
+BAD_EXPERT_ID = 6  # MOE_RT_ERROR_BAD_EXPERT_ID
 
 
 def target(op: str) -> str:
@@ -212,6 +214,7 @@ def library() -> ctypes.CDLL:
         lib.moe_rt_xla_last_error.restype = ctypes.c_char_p
         lib.moe_rt_xla_set_kernel_cache.argtypes = [ctypes.c_char_p]
         lib.moe_rt_xla_load_kernel.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_char_p]
+        lib.moe_rt_xla_check.argtypes = [ctypes.c_int]
         traits = xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE
         for op in HANDLERS:
             jax.ffi.register_ffi_target(target(op), jax.ffi.pycapsule(getattr(lib, "moe_rt_xla_" + op)),
@@ -258,4 +261,26 @@ def prepare(op: str, **facts) -> None:
                 if lib.moe_rt_xla_load_kernel(int(d.local_hardware_id), file.encode(), name.encode()):
                     raise RuntimeError(f"moe_rt.jax: loading {name} ({file}) on {d}: "
                                        f"{lib.moe_rt_xla_last_error().decode()}")
+            _devices.add(int(d.local_hardware_id))
         _prepared.add(key)
+
+
+def check(device=None) -> None:
+    """Raise, as ValueError with the CPU path's message, the bad expert ids the handlers' make_plan
+    recorded on ``device`` (None: every device with a handler context) since the last check; waits for the
+    device first (a host sync). A no-op where no handler ran."""
+    if _lib is None:
+        return
+    for d in sorted(_devices) if device is None else [int(device)]:
+        if d not in _devices:
+            continue
+        import cupy
+
+        with cupy.cuda.Device(d):
+            cupy.cuda.runtime.deviceSynchronize()
+        st = _lib.moe_rt_xla_check(d)
+        if st == BAD_EXPERT_ID:
+            raise ValueError(_lib.moe_rt_xla_last_error().decode())
+        if st:
+            raise RuntimeError(f"moe_rt.jax: reading the error word of device {d}: "
+                               f"{_lib.moe_rt_xla_last_error().decode()}")

@@ -494,6 +494,22 @@ def test_ffi_under_vmap_equals_a_loop_on_gpu(rng):
             assert _bits(g[b]) == _bits(v)
 
 
+@pytest.mark.gpu
+def test_bad_expert_ids_raise_at_check(rng):
+    import moe_rt
+
+    T, E, K = 37, 8, 2
+    idx = np.stack([rng.permutation(E)[:K] for _ in range(T)]).astype(np.int32)
+    idx[5, 1] = E + 3
+    moe_rt.check()
+    plan = jax.jit(lambda i: mj.make_plan(i, E))(jnp.asarray(idx))
+    jax.block_until_ready(plan.arrays)
+    with pytest.raises(ValueError, match=rf"routing: expert ids must be in \[-1, num_experts={E}\), got {E + 3}"):
+        moe_rt.check()
+    moe_rt.check()  # read and cleared
+    assert int(np.asarray(plan.counts).sum()) == T * K - 1  # the bad slot was dropped
+
+
 _COMMAND_BUFFER_SCRIPT = textwrap.dedent("""
     import sys
     import numpy as np
