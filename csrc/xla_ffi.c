@@ -363,6 +363,13 @@ static XLA_FFI_Error* want_dtype(const frame* fr, const buf* b, const char* name
   return NULL;
 }
 
+/* Does nothing (after the frame checks every handler makes): JAX's floor for a custom call, which
+ * tools/bench_layer.py times beside the ops. */
+EXPORT XLA_FFI_Error* moe_rt_xla_noop(XLA_FFI_CallFrame* f) {
+  BEGIN("moe_rt_xla_noop");
+  return NULL;
+}
+
 /* ---- router --------------------------------------------------------------------------------------- */
 
 /* args: logits [T, E] (float), then expert_bias [E] float32 when has_bias; rets: probs [T, E] (logits'

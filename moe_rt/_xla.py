@@ -27,7 +27,7 @@ SRC_DIR = Path(__file__).resolve().parent.parent / "csrc"
 XLA_LIB = "libmoe_rt_xla.so"
 TARGET_PREFIX = "moe_rt_"
 HANDLERS = ("topk_with_score", "topk_with_score_backward", "make_plan", "dispatch", "dispatch_backward", "combine",
-            "combine_backward")
+            "combine_backward", "noop")  # noop: a custom call that does nothing (the benchmark's floor)
 SCORE_CODES = {"sigmoid": 0, "softmax": 1, "sqrtsoftplus": 2}
 # moe_rt_dtype codes (include/moe_rt/moe_rt.h)
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2, "int32": 3, "int64": 4, "bool": 5, "uint8": 6, "int8": 7,
