@@ -498,27 +498,47 @@ EXPORT XLA_FFI_Error* moe_rt_xla_make_plan(XLA_FFI_CallFrame* f) {
   return NULL;
 }
 
+/* The row ops' frame: the plan (arguments 0-4), the data argument [rows, H] (5), then the optional
+ * arguments (all present or none), and the results (the first [rows, H]); with the device and stream. */
+typedef struct opt_spec {
+  const char* name;
+  int rank;
+  int dtype; /* -1: the data argument's dtype */
+} opt_spec;
+
+typedef struct rows_frame {
+  moe_rt_plan plan;
+  buf data, opt[2], out[2];
+  int has_opt;
+  moe_rt_context* ctx;
+  moe_rt_stream stream;
+} rows_frame;
+
+static XLA_FFI_Error* rows_begin(const frame* fr, const opt_spec* opts, int n_opt, int n_rets, rows_frame* r) {
+  memset(r, 0, sizeof *r);
+  r->has_opt = fr->f->args.size == 6 + n_opt;
+  TRY(counts(fr, r->has_opt ? 6 + n_opt : 6, n_rets));
+  TRY(plan_args(fr, &r->plan));
+  TRY(arg(fr, 5, 2, &r->data));
+  for (int i = 0; r->has_opt && i < n_opt; ++i) {
+    TRY(arg(fr, 6 + i, opts[i].rank, &r->opt[i]));
+    TRY(want_dtype(fr, &r->opt[i], opts[i].name, opts[i].dtype < 0 ? r->data.dtype : opts[i].dtype));
+  }
+  for (int i = 0; i < n_rets; ++i) TRY(ret(fr, i, i == 0 ? 2 : -1, &r->out[i]));
+  return device(fr, &r->ctx, &r->stream);
+}
+
+#define OPT(r, i) ((r).has_opt ? (r).opt[i].data : NULL)
+
 /* args: the plan (5), x [T, H], then probs [T, K] float32 when present; rets: x_permuted [N, H],
  * probs_permuted [N] (float32/16, bfloat16; [0] without probs). attrs: align_size. */
 EXPORT XLA_FFI_Error* moe_rt_xla_dispatch(XLA_FFI_CallFrame* f) {
   BEGIN("moe_rt_xla_dispatch");
-  const int has_probs = fr.f->args.size == 7;
-  TRY(counts(&fr, has_probs ? 7 : 6, 2));
-  moe_rt_plan p;
-  TRY(plan_args(&fr, &p));
-  buf x, probs = {0}, xp, pp;
-  TRY(arg(&fr, 5, 2, &x));
-  if (has_probs) {
-    TRY(arg(&fr, 6, 2, &probs));
-    TRY(want_dtype(&fr, &probs, "probs", MOE_RT_FLOAT32));
-  }
-  TRY(ret(&fr, 0, 2, &xp));
-  TRY(ret(&fr, 1, 1, &pp));
-  moe_rt_context* ctx;
-  moe_rt_stream stream;
-  TRY(device(&fr, &ctx, &stream));
-  CORE(moe_rt_dispatch(ctx, &p, x.data, x.dtype, x.dims[1], has_probs ? probs.data : NULL, xp.data,
-                       has_probs ? pp.data : NULL, has_probs ? pp.dtype : MOE_RT_FLOAT32, stream));
+  static const opt_spec opts[1] = {{"probs", 2, MOE_RT_FLOAT32}};
+  rows_frame r;
+  TRY(rows_begin(&fr, opts, 1, 2, &r));
+  CORE(moe_rt_dispatch(r.ctx, &r.plan, r.data.data, r.data.dtype, r.data.dims[1], OPT(r, 0), r.out[0].data,
+                       r.has_opt ? r.out[1].data : NULL, r.has_opt ? r.out[1].dtype : MOE_RT_FLOAT32, r.stream));
   return NULL;
 }
 
@@ -526,23 +546,11 @@ EXPORT XLA_FFI_Error* moe_rt_xla_dispatch(XLA_FFI_CallFrame* f) {
  * grad_x [T, H], grad_probs [T, K] float32 ([0] without). attrs: align_size. */
 EXPORT XLA_FFI_Error* moe_rt_xla_dispatch_backward(XLA_FFI_CallFrame* f) {
   BEGIN("moe_rt_xla_dispatch_backward");
-  const int has_probs = fr.f->args.size == 7;
-  TRY(counts(&fr, has_probs ? 7 : 6, 2));
-  moe_rt_plan p;
-  TRY(plan_args(&fr, &p));
-  buf g, gpp = {0}, gx, gp;
-  TRY(arg(&fr, 5, 2, &g));
-  if (has_probs) {
-    TRY(arg(&fr, 6, 1, &gpp));
-    TRY(want_dtype(&fr, &gpp, "grad_probs_permuted", MOE_RT_FLOAT32));
-  }
-  TRY(ret(&fr, 0, 2, &gx));
-  TRY(ret(&fr, 1, -1, &gp));
-  moe_rt_context* ctx;
-  moe_rt_stream stream;
-  TRY(device(&fr, &ctx, &stream));
-  CORE(moe_rt_dispatch_backward(ctx, &p, g.data, g.dtype, g.dims[1], has_probs ? gpp.data : NULL, gx.data,
-                                has_probs ? gp.data : NULL, stream));
+  static const opt_spec opts[1] = {{"grad_probs_permuted", 1, MOE_RT_FLOAT32}};
+  rows_frame r;
+  TRY(rows_begin(&fr, opts, 1, 2, &r));
+  CORE(moe_rt_dispatch_backward(r.ctx, &r.plan, r.data.data, r.data.dtype, r.data.dims[1], OPT(r, 0), r.out[0].data,
+                                r.has_opt ? r.out[1].data : NULL, r.stream));
   return NULL;
 }
 
@@ -550,21 +558,11 @@ EXPORT XLA_FFI_Error* moe_rt_xla_dispatch_backward(XLA_FFI_CallFrame* f) {
  * attrs: align_size. */
 EXPORT XLA_FFI_Error* moe_rt_xla_combine(XLA_FFI_CallFrame* f) {
   BEGIN("moe_rt_xla_combine");
-  const int has_probs = fr.f->args.size == 7;
-  TRY(counts(&fr, has_probs ? 7 : 6, 1));
-  moe_rt_plan p;
-  TRY(plan_args(&fr, &p));
-  buf yp, probs = {0}, y;
-  TRY(arg(&fr, 5, 2, &yp));
-  if (has_probs) {
-    TRY(arg(&fr, 6, 2, &probs));
-    TRY(want_dtype(&fr, &probs, "probs", MOE_RT_FLOAT32));
-  }
-  TRY(ret(&fr, 0, 2, &y));
-  moe_rt_context* ctx;
-  moe_rt_stream stream;
-  TRY(device(&fr, &ctx, &stream));
-  CORE(moe_rt_combine(ctx, &p, yp.data, yp.dtype, yp.dims[1], has_probs ? probs.data : NULL, y.data, stream));
+  static const opt_spec opts[1] = {{"probs", 2, MOE_RT_FLOAT32}};
+  rows_frame r;
+  TRY(rows_begin(&fr, opts, 1, 1, &r));
+  CORE(moe_rt_combine(r.ctx, &r.plan, r.data.data, r.data.dtype, r.data.dims[1], OPT(r, 0), r.out[0].data,
+                      r.stream));
   return NULL;
 }
 
@@ -572,24 +570,10 @@ EXPORT XLA_FFI_Error* moe_rt_xla_combine(XLA_FFI_CallFrame* f) {
  * given; rets: grad_y_permuted [N, H], grad_probs [T, K] float32 ([0] without). attrs: align_size. */
 EXPORT XLA_FFI_Error* moe_rt_xla_combine_backward(XLA_FFI_CallFrame* f) {
   BEGIN("moe_rt_xla_combine_backward");
-  const int has_probs = fr.f->args.size == 8;
-  TRY(counts(&fr, has_probs ? 8 : 6, 2));
-  moe_rt_plan p;
-  TRY(plan_args(&fr, &p));
-  buf g, yp = {0}, probs = {0}, gyp, gp;
-  TRY(arg(&fr, 5, 2, &g));
-  if (has_probs) {
-    TRY(arg(&fr, 6, 2, &yp));
-    TRY(arg(&fr, 7, 2, &probs));
-    TRY(want_dtype(&fr, &yp, "y_permuted", g.dtype));
-    TRY(want_dtype(&fr, &probs, "probs", MOE_RT_FLOAT32));
-  }
-  TRY(ret(&fr, 0, 2, &gyp));
-  TRY(ret(&fr, 1, -1, &gp));
-  moe_rt_context* ctx;
-  moe_rt_stream stream;
-  TRY(device(&fr, &ctx, &stream));
-  CORE(moe_rt_combine_backward(ctx, &p, g.data, g.dtype, g.dims[1], has_probs ? yp.data : NULL,
-                               has_probs ? probs.data : NULL, gyp.data, has_probs ? gp.data : NULL, stream));
+  static const opt_spec opts[2] = {{"y_permuted", 2, -1}, {"probs", 2, MOE_RT_FLOAT32}};
+  rows_frame r;
+  TRY(rows_begin(&fr, opts, 2, 2, &r));
+  CORE(moe_rt_combine_backward(r.ctx, &r.plan, r.data.data, r.data.dtype, r.data.dims[1], OPT(r, 0), OPT(r, 1),
+                               r.out[0].data, r.has_opt ? r.out[1].data : NULL, r.stream));
   return NULL;
 }

@@ -355,20 +355,24 @@ def cache_size(root: str | None = None) -> int:
 def write_manifest(root: str, archs) -> Path:
     """``root/manifest.json``: every registered kernel's entry for each of ``archs`` (file, name expression,
     lowered name, image path relative to ``root``), for loaders that do not compute keys."""
-    rows = []
-    for arch in archs:
-        for f, n in registered(quick=False):
-            path = _entry(root, f, n, arch)
-            got = _read_entry(path)
-            if got is None:
-                raise RuntimeError(f"kernel {n} ({f}) for {arch} is missing from {root}")
-            rows.append({"file": f, "name": n, "lowered": got[1], "arch": arch,
-                         "image": str(path.relative_to(root))})
+    rows = [_manifest_row(root, f, n, arch) for arch in archs for f, n in registered(quick=False)]
     out = Path(root) / "manifest.json"
+    _write_manifest(out, rows)
+    return out
+
+
+def _manifest_row(root: str, file: str, name: str, arch: str) -> dict:
+    path = _entry(root, file, name, arch)
+    got = _read_entry(path)
+    if got is None:
+        raise RuntimeError(f"kernel {name} ({file}) for {arch} is missing from {root}")
+    return {"file": file, "name": name, "lowered": got[1], "arch": arch, "image": str(path.relative_to(root))}
+
+
+def _write_manifest(out: Path, rows: list) -> None:
     _write_atomic(out, json.dumps({"format": _CACHE_FORMAT, "source_hash": source_hash(),
                                    "nvrtc": ".".join(map(str, nvrtc_version())), "kernels": rows},
                                   indent=1).encode())
-    return out
 
 
 def add_to_manifest(root: str, kernels) -> Path:
@@ -394,18 +398,11 @@ def add_to_manifest(root: str, kernels) -> Path:
         for file, name, arch in kernels:
             if (file, name, arch) in have:
                 continue
-            path = _entry(root, file, name, arch)
-            got = _read_entry(path)
-            if got is None:
-                raise RuntimeError(f"kernel {name} ({file}) for {arch} is missing from {root}")
-            rows.append({"file": file, "name": name, "lowered": got[1], "arch": arch,
-                         "image": str(path.relative_to(root_p))})
+            rows.append(_manifest_row(root, file, name, arch))
             have.add((file, name, arch))
             added = True
         if added or not out.is_file():
-            _write_atomic(out, json.dumps({"format": _CACHE_FORMAT, "source_hash": source_hash(),
-                                           "nvrtc": ".".join(map(str, nvrtc_version())), "kernels": rows},
-                                          indent=1).encode())
+            _write_manifest(out, rows)
     return out
 
 
