@@ -374,7 +374,7 @@ def _router_case(rng, T, E, dtype):
 
 
 def _bits(a):
-    a = np.asarray(a)
+    a = a.get() if type(a).__module__.startswith("cupy") else np.asarray(a)
     return a.dtype, a.shape, a.tobytes()
 
 
@@ -444,14 +444,14 @@ def test_permutation_ffi_matches_reference_and_direct_path(dtype, align_size, nu
     T, E, K, H = 517, 64, 8, 136
     idx, x, w, gy = _perm_case(rng, T, E, K, H, jnp.dtype(dtype))
 
-    def step(x, w):
+    def step(x, w, idx, gy):
         plan = mj.make_plan(idx, E, align_size=align_size, num_out_tokens=num_out)
         xp, pp = mj.dispatch(x, plan, w)
         y = mj.combine(xp * 2, plan, w)
         return (y.astype(jnp.float32) * gy).sum() + (pp ** 2).sum(), (plan, xp, pp, y)
 
     f = jax.checkpoint(step) if remat else step
-    (val, (plan, xp, pp, y)), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(x, w)
+    (val, (plan, xp, pp, y)), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(x, w, idx, gy)
     # the direct path, op by op, on the same device arrays
     dplan = moe_rt.make_plan(idx, E, align_size=align_size, num_out_tokens=num_out)
     for name, a in zip(mj._PLAN_ARRAYS, plan.arrays):
@@ -463,15 +463,15 @@ def test_permutation_ffi_matches_reference_and_direct_path(dtype, align_size, nu
     # the reference: the same step on the CPU
     cpu = jax.devices("cpu")[0]
     with jax.default_device(cpu):
-        rv, rg = jax.jit(jax.value_and_grad(lambda a, b: f(a, b)[0], argnums=(0, 1)))(
-            jax.device_put(x, cpu), jax.device_put(w, cpu))
+        rv, rg = jax.jit(jax.value_and_grad(lambda *a: f(*a)[0], argnums=(0, 1)))(
+            *(jax.device_put(a, cpu) for a in (x, w, idx, gy)))
     tol = 2e-2 if dtype == "bfloat16" else 1e-5
     np.testing.assert_allclose(float(val), float(rv), rtol=tol)
     for g, r in zip(grads, rg):
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32), rtol=tol, atol=tol)
     # checkpointed and plain give the same bits
     if remat:
-        _, plain = jax.jit(jax.value_and_grad(lambda a, b: step(a, b)[0], argnums=(0, 1)))(x, w)
+        _, plain = jax.jit(jax.value_and_grad(lambda *a: step(*a)[0], argnums=(0, 1)))(x, w, idx, gy)
         for a, b in zip(grads, plain):
             assert _bits(a) == _bits(b)
 
