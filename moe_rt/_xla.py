@@ -253,10 +253,12 @@ def prepare(op: str, **facts) -> None:
         for d in devices:
             cc = tuple(int(v) for v in str(d.compute_capability).split("."))
             arch = _jit.arch_for(cc)
-            names = by_arch.setdefault(arch, planned_kernels(op, cc, **facts))
-            for file, name in names:
-                _jit.kernel_image(file, name, arch, root=root, where=" for moe_rt.jax")
-            _jit.add_to_manifest(root, [(f, n, arch) for f, n in names])
+            if arch not in by_arch:
+                names = by_arch[arch] = planned_kernels(op, cc, **facts)
+                for file, name in names:
+                    _jit.kernel_image(file, name, arch, root=root, where=" for moe_rt.jax")
+                _jit.add_to_manifest(root, [(f, n, arch) for f, n in names])
+            names = by_arch[arch]
             for file, name in names:
                 if lib.moe_rt_xla_load_kernel(int(d.local_hardware_id), file.encode(), name.encode()):
                     raise RuntimeError(f"moe_rt.jax: loading {name} ({file}) on {d}: "
