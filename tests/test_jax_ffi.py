@@ -240,6 +240,37 @@ def test_library_built_on_first_use_when_not_packaged(tmp_path, monkeypatch):
     assert _xla.library_path() == path  # built once, then found
 
 
+def test_prepare_compiles_lists_and_loads_the_kernels(tmp_path, monkeypatch):
+    # A stand-in CUDA device (sm_90) on this machine: the op's kernels are compiled by NVRTC into the kernel
+    # cache folder and listed in its manifest; loading them then needs the driver, and says so.
+    try:
+        from cupy.cuda import nvrtc
+
+        nvrtc.getVersion()
+        _jit.cuda_include_dir()
+    except Exception as e:  # noqa: BLE001 - any reason NVRTC cannot run here
+        pytest.skip(f"NVRTC or CUDA headers not installed ({e})")
+
+    class Device:
+        compute_capability = "9.0"
+        local_hardware_id = 0
+
+    monkeypatch.setenv("MOE_RT_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("MOE_RT_LIBCUDA", str(tmp_path / "no_libcuda.so"))
+    monkeypatch.setattr(_xla, "cuda_devices", lambda: [Device()])
+    facts = dict(T=37, K=2, E=8, N=74, align_size=1, H=16, dtype=0, has_probs=False, probs_dtype=0)
+    with pytest.raises(RuntimeError, match="no CUDA driver: cannot load"):
+        _xla.prepare("dispatch", **facts)
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["source_hash"] == _jit.source_hash()
+    want = _xla.planned_kernels("dispatch", (9, 0), **facts)
+    assert want and [(r["file"], r["name"]) for r in manifest["kernels"]] == want
+    for row in manifest["kernels"]:
+        assert row["arch"] == _jit.arch_for((9, 0)) and (tmp_path / row["image"]).is_file()
+    _jit.add_to_manifest(str(tmp_path), [(f, n, row["arch"]) for f, n in want])  # merging adds nothing twice
+    assert json.loads((tmp_path / "manifest.json").read_text())["kernels"] == manifest["kernels"]
+
+
 # ---- lowering --------------------------------------------------------------------------------------------
 
 T, E, K, H = 23, 8, 2, 16
