@@ -1,5 +1,6 @@
 """Build moe_rt: pure Python, five Cython extensions and the C library libmoe_rt.so (the C ABI,
-include/moe_rt/moe_rt.h), all needing gcc alone.
+include/moe_rt/moe_rt.h), all needing gcc alone; and, where jaxlib's XLA FFI headers are importable at build
+time, libmoe_rt_xla.so (moe_rt.jax's XLA FFI handlers; without it moe_rt.jax builds it on first use).
 
 No CUDA header, library or compiler is used at build time: CUDA kernels are compiled at run time
 by NVRTC (through CuPy), and the CUDA driver and NCCL are dlopen'ed when first used.
@@ -30,9 +31,9 @@ def _libbuild():
 class BuildExt(build_ext):
     """The Cython extensions, then libmoe_rt.so into moe_rt/lib/ (of the build, or of the tree with --inplace)."""
 
-    def _lib_target(self):
+    def _lib_target(self, name="libmoe_rt.so"):
         base = HERE if self.inplace else self.build_lib
-        return os.path.join(base, "moe_rt", "lib", "libmoe_rt.so")
+        return os.path.join(base, "moe_rt", "lib", name)
 
     def run(self):
         super().run()
@@ -44,9 +45,28 @@ class BuildExt(build_ext):
         except Exception as e:  # the compiler's own output says why
             out = getattr(e, "stdout", "") + getattr(e, "stderr", "")
             raise RuntimeError(f"building libmoe_rt.so failed: {e}\n{out}") from e
+        xla_target = self._lib_target(lib.XLA_LIB)
+        include = lib.xla_include_dir()
+        if include is None:
+            # pip builds in an isolated environment without jax: moe_rt.jax then builds the library into the
+            # kernel cache folder on first use (or: pip install --no-build-isolation with jax installed)
+            print(f"moe_rt: not building {lib.XLA_LIB} (moe_rt.jax's XLA FFI handlers): jaxlib's XLA FFI headers "
+                  "are not importable here; moe_rt.jax builds it on first use")
+            self._xla_built = False
+            return
+        self.announce(f"building {xla_target}", level=2)
+        try:
+            lib.build_xla(xla_target, target, include)
+        except Exception as e:
+            out = getattr(e, "stdout", "") + getattr(e, "stderr", "")
+            raise RuntimeError(f"building {lib.XLA_LIB} failed: {e}\n{out}") from e
+        self._xla_built = True
 
     def get_outputs(self):
-        return super().get_outputs() + [self._lib_target()]
+        extra = [self._lib_target()]
+        if getattr(self, "_xla_built", False):
+            extra.append(self._lib_target(_libbuild().XLA_LIB))
+        return super().get_outputs() + extra
 
 
 extensions = [

@@ -501,6 +501,16 @@ static moe_rt_status select_arch(moe_rt_context* ctx) {
   return MOE_RT_SUCCESS;
 }
 
+static void free_entries(moe_rt_context* ctx) {
+  for (int i = 0; i < ctx->num_entries; ++i) {
+    free(ctx->entries[i].file); free(ctx->entries[i].name); free(ctx->entries[i].lowered);
+    free(ctx->entries[i].image);
+  }
+  free(ctx->entries);
+  ctx->entries = NULL;
+  ctx->num_entries = 0;
+}
+
 static moe_rt_status bind(moe_rt_context* ctx) {
   CUcontext cur = NULL;
   CUresult r = ctx->drv.cuCtxGetCurrent(&cur);
@@ -520,13 +530,9 @@ static void context_free(moe_rt_context* ctx) {
     }
     dlclose(ctx->drv.lib);
   }
-  for (int i = 0; i < ctx->num_entries; ++i) {
-    free(ctx->entries[i].file); free(ctx->entries[i].name); free(ctx->entries[i].lowered);
-    free(ctx->entries[i].image);
-  }
+  free_entries(ctx);
   for (int i = 0; i < ctx->num_rows; ++i) free_row(&ctx->rows[i]);
   free(ctx->rows);
-  free(ctx->entries);
   free(ctx->loaded);
   free(ctx->cache);
   free(ctx->root);
@@ -670,6 +676,44 @@ void mrt_record(moe_rt_context* ctx, const mrt_plan* plan) {
 
 /* ---- kernels --------------------------------------------------------------------------------------- */
 
+static const mrt_entry* find_entry(const moe_rt_context* ctx, const char* file, const char* name) {
+  for (int i = 0; i < ctx->num_entries; ++i)
+    if (!strcmp(ctx->entries[i].name, name) && !strcmp(ctx->entries[i].file, file)) return &ctx->entries[i];
+  return NULL;
+}
+
+/* Read the manifest again and keep its kernels of the context's architecture (loaded kernels stay loaded);
+ * the caller holds ctx->lock. On failure the old entries are kept. */
+static moe_rt_status reload_manifest(moe_rt_context* ctx) {
+  mrt_entry* old = ctx->entries;
+  const int num_old = ctx->num_entries;
+  char arch[sizeof ctx->arch];
+  memcpy(arch, ctx->arch, sizeof arch);
+  ctx->entries = NULL;
+  ctx->num_entries = 0;
+  moe_rt_status st = read_manifest(ctx);
+  if (!st) st = select_arch(ctx);
+  if (st) {
+    for (int i = 0; i < ctx->num_rows; ++i) free_row(&ctx->rows[i]);
+    free(ctx->rows);
+    ctx->rows = NULL;
+    ctx->num_rows = 0;
+    free_entries(ctx);
+    ctx->entries = old;
+    ctx->num_entries = num_old;
+    memcpy(ctx->arch, arch, sizeof arch);
+    return st;
+  }
+  mrt_entry* fresh = ctx->entries;
+  const int num_fresh = ctx->num_entries;
+  ctx->entries = old;
+  ctx->num_entries = num_old;
+  free_entries(ctx);
+  ctx->entries = fresh;
+  ctx->num_entries = num_fresh;
+  return MOE_RT_SUCCESS;
+}
+
 /* Load (once) kernel `name` of `file`; the caller holds ctx->lock. */
 static moe_rt_status load_kernel(moe_rt_context* ctx, const char* file, const char* name, mrt_loaded** out) {
   for (int i = 0; i < ctx->num_loaded; ++i)
@@ -677,9 +721,14 @@ static moe_rt_status load_kernel(moe_rt_context* ctx, const char* file, const ch
       *out = &ctx->loaded[i];
       return MOE_RT_SUCCESS;
     }
-  const mrt_entry* e = NULL;
-  for (int i = 0; i < ctx->num_entries && !e; ++i)
-    if (!strcmp(ctx->entries[i].name, name) && !strcmp(ctx->entries[i].file, file)) e = &ctx->entries[i];
+  const mrt_entry* e = find_entry(ctx, file, name);
+  if (!e) {
+    /* the folder may have gained kernels since the manifest was read (moe_rt.jax adds the kernels an op
+     * needs when it is traced): read it again */
+    moe_rt_status st = reload_manifest(ctx);
+    if (st) return st;
+    e = find_entry(ctx, file, name);
+  }
   if (!e)
     return mrt_fail(MOE_RT_ERROR_KERNEL_CACHE, "kernel cache: %s has no kernel %s (%s) for %s; write it with "
                     "`python3 -m moe_rt warmup --out %s`", ctx->root, name, file, ctx->arch, ctx->root);
@@ -740,6 +789,22 @@ moe_rt_status mrt_kernel(moe_rt_context* ctx, mrt_launch* l, const char* file, i
     l->fn = k->fn;
     *regs = k->regs;
   }
+  pthread_mutex_unlock(&ctx->lock);
+  return st;
+}
+
+moe_rt_status moe_rt_context_load_kernel(moe_rt_context* ctx, const char* file, const char* name) {
+  static const char op[] = "moe_rt_context_load_kernel";
+  moe_rt_status st;
+  if ((st = mrt_check_ctx(ctx, op)) || (st = mrt_check_ptr(op, "file", file)) || (st = mrt_check_ptr(op, "name", name)))
+    return st;
+  if (strlen(file) >= sizeof(((mrt_loaded*)0)->file) || strlen(name) >= MOE_RT_KERNEL_NAME_MAX)
+    return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: file or name too long (at most %d characters)", op,
+                    MOE_RT_KERNEL_NAME_MAX - 1);
+  if (ctx->planning) return MOE_RT_SUCCESS;
+  pthread_mutex_lock(&ctx->lock);
+  mrt_loaded* k = NULL;
+  st = load_kernel(ctx, file, name, &k);
   pthread_mutex_unlock(&ctx->lock);
   return st;
 }

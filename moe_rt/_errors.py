@@ -7,7 +7,8 @@ record the first bad id they meet in the device's **error word** and go on treat
 is written out of bounds, the slot is dropped. The error is raised, with the CPU path's message, at the
 next host-visible point:
 
-- :func:`check` (``moe_rt.check``): waits for the device, reads and clears the word, raises;
+- :func:`check` (``moe_rt.check``): waits for the device, reads and clears the word, raises (also the word
+  of the C core's context on which moe_rt.jax's XLA handlers run ``make_plan``);
 - the host reads moe_rt already makes: exact-mode ``EpGroup.prepare``'s count read,
   ``EpGroup.synchronize`` and ``EpGroup.check_overflow``;
 - at once, with a sync after the op, under the debug switch: ``validate=True`` on ``make_plan`` /
@@ -207,6 +208,11 @@ def check(device=None, *, stream=None) -> None:
             raise ValueError(f"device: expected a CUDA device id >= 0, got {int(device)}")
         device = int(device)
     _check_stream_arg(stream)
+    import sys
+
+    xla = sys.modules.get("moe_rt._xla")
+    if xla is not None:  # moe_rt.jax's XLA handlers run make_plan in the C core, with its own error word
+        xla.check(device)
     if not _words:
         return
     import cupy

@@ -355,19 +355,54 @@ def cache_size(root: str | None = None) -> int:
 def write_manifest(root: str, archs) -> Path:
     """``root/manifest.json``: every registered kernel's entry for each of ``archs`` (file, name expression,
     lowered name, image path relative to ``root``), for loaders that do not compute keys."""
-    rows = []
-    for arch in archs:
-        for f, n in registered(quick=False):
-            path = _entry(root, f, n, arch)
-            got = _read_entry(path)
-            if got is None:
-                raise RuntimeError(f"kernel {n} ({f}) for {arch} is missing from {root}")
-            rows.append({"file": f, "name": n, "lowered": got[1], "arch": arch,
-                         "image": str(path.relative_to(root))})
+    rows = [_manifest_row(root, f, n, arch) for arch in archs for f, n in registered(quick=False)]
     out = Path(root) / "manifest.json"
+    _write_manifest(out, rows)
+    return out
+
+
+def _manifest_row(root: str, file: str, name: str, arch: str) -> dict:
+    path = _entry(root, file, name, arch)
+    got = _read_entry(path)
+    if got is None:
+        raise RuntimeError(f"kernel {name} ({file}) for {arch} is missing from {root}")
+    return {"file": file, "name": name, "lowered": got[1], "arch": arch, "image": str(path.relative_to(root))}
+
+
+def _write_manifest(out: Path, rows: list) -> None:
     _write_atomic(out, json.dumps({"format": _CACHE_FORMAT, "source_hash": source_hash(),
                                    "nvrtc": ".".join(map(str, nvrtc_version())), "kernels": rows},
                                   indent=1).encode())
+
+
+def add_to_manifest(root: str, kernels) -> Path:
+    """Add ``kernels`` ((file, name expression, arch) each, already compiled into ``root``) to
+    ``root/manifest.json``, under a file lock so that processes merge their additions; a manifest written
+    from other kernel sources is replaced. The C core reads the manifest again when it misses a kernel."""
+    import fcntl
+
+    root_p = Path(root)
+    root_p.mkdir(parents=True, exist_ok=True)
+    out = root_p / "manifest.json"
+    with open(root_p / "manifest.lock", "a+b") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        rows = []
+        try:
+            old = json.loads(out.read_text())
+            if old.get("source_hash") == source_hash() and old.get("format") == _CACHE_FORMAT:
+                rows = list(old.get("kernels", []))
+        except (OSError, ValueError):
+            pass
+        have = {(r.get("file"), r.get("name"), r.get("arch")) for r in rows}
+        added = False
+        for file, name, arch in kernels:
+            if (file, name, arch) in have:
+                continue
+            rows.append(_manifest_row(root, file, name, arch))
+            have.add((file, name, arch))
+            added = True
+        if added or not out.is_file():
+            _write_manifest(out, rows)
     return out
 
 

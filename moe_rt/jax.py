@@ -1,12 +1,20 @@
 """JAX adapters: moe_rt ops as ``jax.custom_vjp`` functions usable inside ``jax.jit`` and under
 ``jax.grad``.
 
-Each op lowers to ``jax.experimental.buffer_callback``: inside a jitted computation the callback receives
-XLA's device buffers and XLA's stream, views them in place (their ``__cuda_array_interface__``; no copy),
-runs moe_rt's kernels on that stream (or the NumPy reference for CPU buffers), and computes the results
-straight into XLA's output buffers (see ``_run``); a result made elsewhere is copied in. Under ``vmap`` each
-op runs once per batch element, in order (a loop, not a batched kernel): every op is already batched over
-tokens, so folding a batch of token sets into the token dimension is the fast path where the math allows it.
+On the GPU, the router top-k (forward and backward, byte-map form), ``make_plan``, ``dispatch`` and
+``combine`` (forward and backward) lower to XLA FFI custom calls: handlers in compiled C
+(csrc/xla_ffi.c, ``libmoe_rt_xla.so``) that run the C core's ops on XLA's stream, with no Python at run time,
+and that XLA may capture in command buffers (CUDA graphs). Their static facts (topk, score function, groups,
+scaling, align size, ...) are the calls' attributes; the kernels they launch are compiled into the kernel
+cache folder and loaded when the op is lowered (:mod:`moe_rt._xla`). The other ops (``scores_for_aux_loss``,
+``aux_loss``, the bit-packed map and dense-index forms of the top-k, ``topk_with_score_qb``,
+``sort_chunks``, the FP8 casts, the EP ops) and every op on the CPU (the NumPy reference) lower to
+``jax.experimental.buffer_callback``: inside a jitted computation the callback receives XLA's buffers and
+stream, views them in place (their ``__cuda_array_interface__``; no copy), runs moe_rt's kernels on that
+stream (or the NumPy reference for CPU buffers), and computes the results straight into XLA's output
+buffers (see ``_run``); a result made elsewhere is copied in. Under ``vmap`` each op runs once per batch
+element, in order (a loop, not a batched kernel): every op is already batched over tokens, so folding a
+batch of token sets into the token dimension is the fast path where the math allows it.
 
 Dispatch plans travel as :class:`JaxPlan`, a pytree of int32 arrays with the static sizes as metadata, so a
 plan can be passed through ``jit``, ``grad``, ``checkpoint`` and ``custom_vjp`` residuals.
@@ -19,8 +27,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
 
-from moe_rt import _arrays, _fast, _jit
+from moe_rt import _arrays, _fast, _jit, _xla
 from moe_rt import fp8 as _fp8
 from moe_rt import permutation as _perm
 from moe_rt import router as _rt
@@ -221,6 +231,71 @@ def _spec(shape, dtype):
     return jax.ShapeDtypeStruct(tuple(int(s) for s in shape), jnp.dtype(dtype))
 
 
+# -- XLA FFI (CUDA) ------------------------------------------------------------------------------------
+#
+# The ops moved to XLA FFI (router top-k forward/backward, make_plan, dispatch and combine with their
+# backwards) lower, for CUDA, to custom calls whose handlers (csrc/xla_ffi.c) run the C core on XLA's stream:
+# no Python at run time, capturable in command buffers. Their static facts are the calls' attributes; the
+# kernels they launch are made ready when they are traced (moe_rt._xla.prepare). For other platforms (the
+# CPU: the NumPy reference) they lower to the callback path above, chosen per platform by
+# jax.lax.platform_dependent. Under vmap a custom call runs once per batch element, in order, as the
+# callbacks do.
+
+def _ffi(op, out_specs, *args, **attrs):
+    return jax.ffi.ffi_call(_xla.target(op), out_specs, vmap_method="sequential")(*args, **attrs)
+
+
+def _dtype_code(dt):
+    return _xla.DTYPE_CODES[jnp.dtype(dt).name]
+
+
+# One primitive whose lowering is per platform: ``cuda(*args)`` lowered for CUDA, ``default(*args)`` for
+# the others, both traced only when lowered (so the kernels are prepared only when the op is lowered for
+# CUDA). (jax.lax.platform_dependent is no use here: its cond is resolved to the default branch when some
+# outputs of a custom_vjp function go unused.)
+_per_platform_p = Primitive("moe_rt_per_platform")
+_per_platform_p.multiple_results = True
+_per_platform_p.def_abstract_eval(lambda *avals, cuda, default, out_avals: list(out_avals))
+# outside jit: compiled and run for the arrays' device, as any primitive
+_per_platform_p.def_impl(lambda *args, **params: jax.jit(partial(_per_platform_p.bind, **params))(*args))
+mlir.register_lowering(_per_platform_p, lambda ctx, *args, cuda, default, out_avals:
+                       mlir.lower_fun(default, multiple_results=True)(ctx, *args))
+mlir.register_lowering(_per_platform_p, lambda ctx, *args, cuda, default, out_avals:
+                       mlir.lower_fun(cuda, multiple_results=True)(ctx, *args), platform="cuda")
+
+
+def _per_platform_batch(args, dims, **params):
+    # vmap: once per batch element, in order (as the callbacks and jax.ffi's "sequential" method do)
+    mapped = [d is not None for d in dims]
+    moved = [jnp.moveaxis(a, d, 0) for a, d in zip(args, dims) if d is not None]
+
+    def one(xs):
+        it = iter(xs)
+        return _per_platform_p.bind(*[next(it) if m else a for a, m in zip(args, mapped)], **params)
+
+    outs = jax.lax.map(one, moved)
+    return outs, [0] * len(outs)
+
+
+batching.primitive_batchers[_per_platform_p] = _per_platform_batch
+
+
+def _on_platform(args, cuda, default, out_specs):
+    """``cuda(*args)`` when lowered for CUDA, ``default(*args)`` otherwise (``args`` may hold None); both
+    return arrays matching ``out_specs``."""
+    present = [i for i, a in enumerate(args) if a is not None]
+
+    def full(flat):
+        out = [None] * len(args)
+        for i, a in zip(present, flat):
+            out[i] = a
+        return out
+
+    avals = tuple(jax.core.ShapedArray(tuple(s.shape), jnp.dtype(s.dtype)) for s in out_specs)
+    return _per_platform_p.bind(*[args[i] for i in present], cuda=lambda *f: list(cuda(*full(f))),
+                                default=lambda *f: list(default(*full(f))), out_avals=avals)
+
+
 # -- plans ---------------------------------------------------------------------------------------------
 
 @jax.tree_util.register_pytree_node_class
@@ -314,15 +389,40 @@ def make_plan(routing, num_experts: int, *, align_size: int = 1, num_out_tokens:
     specs = [_spec((T, K), np.int32), _spec((N,), np.int32), _spec((E + 1,), np.int32),
              _spec((E,), np.int32), _spec((E,), np.int32)]
 
+    num_out = -1 if num_out_tokens is None else int(num_out_tokens)
+
     def fn(r):
         p = _perm.make_plan(r, E, align_size=align_size, num_out_tokens=num_out_tokens, map_type=core_map_type)
         return [getattr(p, k) for k in _PLAN_ARRAYS]
 
-    arrays = _run(fn, specs, routing, lean=True)
-    return JaxPlan(arrays, E, N, align_size, -1 if num_out_tokens is None else num_out_tokens)
+    def on_cuda(r):
+        rdt = _dtype_code(r.dtype)
+        _xla.prepare("make_plan", routing_dtype=rdt, T=T, K=K, E=E, align_size=align_size, num_out_tokens=num_out)
+        ws = _spec((_xla.make_plan_workspace_bytes(T, K, E),), np.uint8)
+        return _ffi("make_plan", specs + [ws], r, num_experts=np.int32(E), align_size=np.int32(align_size),
+                    num_out_tokens=np.int64(num_out))[:5]
+
+    arrays = _on_platform((routing,), on_cuda, lambda r: _run(fn, specs, r), specs)
+    return JaxPlan(arrays, E, N, align_size, num_out)
 
 
 # -- dispatch ------------------------------------------------------------------------------------------
+
+def _plan_facts(plan, H, dtype, has_probs):
+    T, K, E, N = _plan_dims(plan)
+    return dict(T=T, K=K, E=E, N=N, align_size=plan.align_size, H=int(H), dtype=_dtype_code(dtype),
+                has_probs=bool(has_probs))
+
+
+def _slot_probs(probs, plan_arrays):
+    """Slot probs ``[T,K]`` float32 from ``[T,K]`` or dense ``[T,E]`` probs (each slot's expert recovered
+    from the plan's segments; dropped slots 0), as moe_rt.permutation does before its kernels."""
+    dst, _, seg = plan_arrays[:3]
+    if tuple(probs.shape) != tuple(dst.shape):
+        e = jnp.minimum(jnp.searchsorted(seg[1:], dst, side="right"), seg.shape[0] - 2)
+        probs = jnp.where(dst >= 0, jnp.take_along_axis(probs, e, axis=1), 0)
+    return probs.astype(jnp.float32)
+
 
 def _dispatch_impl(x, plan, probs, probs_f32=False):
     static = plan.static
@@ -334,7 +434,13 @@ def _dispatch_impl(x, plan, probs, probs_f32=False):
         xp_, pp = _perm.dispatch(xv, _as_plan(pa, static), pv, **pkw)
         return [xp_, pp]
 
-    out = _run(fn, specs, x, probs, *plan.arrays, lean=True)
+    def on_cuda(x, probs, *pa):
+        facts = _plan_facts(plan, x.shape[1], x.dtype, probs is not None)
+        _xla.prepare("dispatch", probs_dtype=_dtype_code(pdt), **facts)
+        extra = () if probs is None else (_slot_probs(probs, pa),)
+        return _ffi("dispatch", specs, *pa, x, *extra, align_size=np.int32(plan.align_size))
+
+    out = _on_platform((x, probs, *plan.arrays), on_cuda, lambda *a: _run(fn, specs, *a), specs)
     return out[0], (out[1] if probs is not None else None)
 
 
@@ -359,7 +465,13 @@ def _dispatch_bwd(probs_f32, res, cts):
         gx, gp = _perm.dispatch_backward(gv, _as_plan(pa, static), gpv)
         return [gx, gp]
 
-    gx, gp = _run(fn, specs, g_xp, g_pp if has_probs else None, *plan.arrays, lean=True)
+    def on_cuda(g, gpp, *pa):
+        _xla.prepare("dispatch_backward", **_plan_facts(plan, g.shape[1], g.dtype, gpp is not None))
+        extra = () if gpp is None else (gpp.astype(jnp.float32),)
+        return _ffi("dispatch_backward", specs, *pa, g, *extra, align_size=np.int32(plan.align_size))
+
+    gx, gp = _on_platform((g_xp, g_pp if has_probs else None, *plan.arrays), on_cuda,
+                          lambda *a: _run(fn, specs, *a), specs)
     return gx, None, (gp.astype(probs.dtype) if has_probs else None)
 
 
@@ -388,10 +500,17 @@ def _combine_impl(y_p, plan, probs):
     static = plan.static
     T = plan.arrays[0].shape[0]
 
+    specs = [_spec((T, y_p.shape[1]), y_p.dtype)]
+
     def fn(yv, pv, *pa):
         return [_perm.combine(yv, _as_plan(pa, static), pv)]
 
-    return _run(fn, [_spec((T, y_p.shape[1]), y_p.dtype)], y_p, probs, *plan.arrays, lean=True)[0]
+    def on_cuda(y_p, probs, *pa):
+        _xla.prepare("combine", **_plan_facts(plan, y_p.shape[1], y_p.dtype, probs is not None))
+        extra = () if probs is None else (_slot_probs(probs, pa),)
+        return _ffi("combine", specs, *pa, y_p, *extra, align_size=np.int32(plan.align_size))
+
+    return _on_platform((y_p, probs, *plan.arrays), on_cuda, lambda *a: _run(fn, specs, *a), specs)[0]
 
 
 @jax.custom_vjp
@@ -413,7 +532,12 @@ def _combine_bwd(res, g):
         gyp, gp = _perm.combine_backward(gv, _as_plan(pa, static), yv, pv)
         return [gyp, gp]
 
-    gyp, gp = _run(fn, specs, g, y_p, probs, *plan.arrays, lean=True)
+    def on_cuda(g, y_p, probs, *pa):
+        _xla.prepare("combine_backward", **_plan_facts(plan, g.shape[1], g.dtype, probs is not None))
+        extra = () if probs is None else (y_p, _slot_probs(probs, pa))
+        return _ffi("combine_backward", specs, *pa, g, *extra, align_size=np.int32(plan.align_size))
+
+    gyp, gp = _on_platform((g, y_p, probs, *plan.arrays), on_cuda, lambda *a: _run(fn, specs, *a), specs)
     return gyp, None, (gp.astype(probs.dtype) if probs is not None else None)
 
 
@@ -464,7 +588,25 @@ def _topk_fwd(logits, topk, score_function, use_pre_softmax, num_groups, group_t
                                         group_topk=group_topk, scaling_factor=scaling_factor,
                                         expert_bias=bv, **extra))
 
-    probs, routing_map, inter = _run(fn, specs, logits, expert_bias, lean=True)
+    if extra:  # the bit-packed map and the dense indices stay on the callback path
+        probs, routing_map, inter = _run(fn, specs, logits, expert_bias, lean=True)
+        return (probs, routing_map), (routing_map, inter, expert_bias)
+
+    def on_cuda(lv, bv):
+        E, K, G, g, scale, pre = _rt.check_topk_args(lv, bv, topk, score_function, use_pre_softmax, num_groups,
+                                                     group_topk, scaling_factor)
+        facts = dict(topk=K, score_function=_xla.SCORE_CODES[score_function], use_pre_softmax=int(bool(pre)),
+                     num_groups=int(G or 0), group_topk=int(g or 0), scaling_factor=float(np.float32(scale)))
+        _xla.prepare("topk_with_score", dtype=_dtype_code(lv.dtype), T=int(np.prod(lv.shape[:-1])), E=E,
+                     has_bias=bv is not None, **facts)
+        T = int(np.prod(lv.shape[:-1]))
+        flat = [_spec((T, E), lv.dtype), _spec((T, E), np.bool_), _spec((T, E), np.float32)]
+        args = (lv.reshape(T, E),) + (() if bv is None else (bv.astype(jnp.float32),))
+        attrs = {k: (np.float32(v) if k == "scaling_factor" else np.int32(v)) for k, v in facts.items()}
+        outs = _ffi("topk_with_score", flat, *args, has_bias=np.int32(bv is not None), **attrs)
+        return [o.reshape(lv.shape) for o in outs]
+
+    probs, routing_map, inter = _on_platform((logits, expert_bias), on_cuda, lambda *a: _run(fn, specs, *a), specs)
     return (probs, routing_map), (routing_map, inter, expert_bias)
 
 
@@ -481,7 +623,25 @@ def _topk_bwd(topk, score_function, use_pre_softmax, num_groups, group_topk, sca
             kw["routing_map_format"] = routing_map_format
         return [_rt.topk_with_score_backward(gv, mv, iv, topk, **kw)]
 
-    (g,) = _run(fn, [_spec(g_probs.shape, g_probs.dtype)], g_probs, routing_map, inter, lean=True)
+    specs = [_spec(g_probs.shape, g_probs.dtype)]
+    if index_dtype is not None or routing_map_format != "bytemap":
+        (g,) = _run(fn, specs, g_probs, routing_map, inter, lean=True)
+        return g, (None if expert_bias is None else jnp.zeros_like(expert_bias))
+
+    def on_cuda(gv, mv, iv):
+        E = int(gv.shape[-1])
+        T = int(np.prod(gv.shape[:-1]))
+        scale = 1.0 if scaling_factor is None else float(np.float32(scaling_factor))
+        pre = int(bool(use_pre_softmax) and score_function == "softmax")
+        facts = dict(topk=int(topk), score_function=_xla.SCORE_CODES[score_function], use_pre_softmax=pre,
+                     scaling_factor=scale)
+        _xla.prepare("topk_with_score_backward", dtype=_dtype_code(gv.dtype), T=T, E=E, **facts)
+        attrs = {k: (np.float32(v) if k == "scaling_factor" else np.int32(v)) for k, v in facts.items()}
+        (out,) = _ffi("topk_with_score_backward", [_spec((T, E), gv.dtype)], gv.reshape(T, E), mv.reshape(T, E),
+                      iv.reshape(T, E), **attrs)
+        return [out.reshape(gv.shape)]
+
+    (g,) = _on_platform((g_probs, routing_map, inter), on_cuda, lambda *a: _run(fn, specs, *a), specs)
     return g, (None if expert_bias is None else jnp.zeros_like(expert_bias))
 
 

@@ -121,6 +121,11 @@ moe_rt_status moe_rt_context_create(const char* kernel_cache_dir, int device, mo
  * a device context (pointers are only checked for NULL and alignment), launch nothing and return
  * MOE_RT_SUCCESS; moe_rt_last_plan() then describes the launches the op would have made. */
 moe_rt_status moe_rt_context_create_planning(const moe_rt_device_info* device, moe_rt_context** ctx);
+/* Load kernel `name` (a name expression, e.g. "router_fwd_reg<float, 8>") of kernels/`file` now, e.g. before
+ * a CUDA graph capture (the ops otherwise load their kernels on first use). A kernel the manifest lacks makes
+ * the context read the folder's manifest.json again (ops do the same), so kernels added to the folder after
+ * the context was made are found. A no-op on a planning context. */
+moe_rt_status moe_rt_context_load_kernel(moe_rt_context* ctx, const char* file, const char* name);
 /* Frees the context's modules and memory (NULL is a no-op). */
 void moe_rt_context_destroy(moe_rt_context* ctx);
 moe_rt_status moe_rt_context_device_info(const moe_rt_context* ctx, moe_rt_device_info* info);

@@ -1,0 +1,579 @@
+/* moe_rt for XLA: the single-GPU ops as XLA FFI handlers (libmoe_rt_xla.so, linked to libmoe_rt.so).
+ *
+ * Each handler decodes XLA's call frame by hand (buffers, results, attributes by name, the stream and the
+ * device ordinal through the API), then calls the C core's op on XLA's stream: no Python, no host sync, no
+ * allocation (scratch comes as an extra result). The static facts of a call (topk, score function, groups,
+ * scaling, align size, ...) are attributes fixed when the op was traced; sizes and dtypes come from the
+ * buffers. One moe_rt context per device, created on first use (moe_rt.jax makes it when an op is traced,
+ * outside any graph capture) and kept for the process. Every handler declares itself command-buffer
+ * compatible: the launches depend on the attributes, shapes and buffer addresses alone. A failure returns
+ * an XLA FFI error carrying moe_rt_last_error().
+ *
+ * Built against xla/ffi/api/c_api.h of the installed jaxlib (jax.ffi.include_dir()); the API's major
+ * version and the struct sizes this file relies on are checked at every call. */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "moe_rt/moe_rt.h"
+#include "xla/ffi/api/c_api.h"
+
+#define EXPORT __attribute__((visibility("default")))
+#define MAX_DEVICES 256
+
+/* ---- the contexts ------------------------------------------------------------------------------- */
+
+static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
+static char* g_cache_dir;
+static moe_rt_context* g_ctx[MAX_DEVICES];
+static char g_message[1200]; /* the last failure of the functions below that are called from Python */
+
+EXPORT const char* moe_rt_xla_last_error(void) { return g_message; }
+
+/* The kernel-cache folder the contexts load from (moe_rt.jax sets it when it traces an op). Returns 0, or
+ * 1 when contexts were made from another folder already (the message says which). */
+EXPORT int moe_rt_xla_set_kernel_cache(const char* dir) {
+  int rc = 0;
+  pthread_mutex_lock(&g_lock);
+  if (g_cache_dir && strcmp(g_cache_dir, dir) != 0) {
+    int made = 0;
+    for (int i = 0; i < MAX_DEVICES; ++i) made |= g_ctx[i] != NULL;
+    if (made) {
+      snprintf(g_message, sizeof g_message, "moe_rt.jax: the kernel cache folder changed from %s to %s after XLA "
+               "ops ran; set MOE_RT_KERNEL_CACHE before the first op of the process", g_cache_dir, dir);
+      rc = 1;
+    }
+  }
+  if (!rc) {
+    free(g_cache_dir);
+    g_cache_dir = strdup(dir);
+  }
+  pthread_mutex_unlock(&g_lock);
+  return rc;
+}
+
+/* The context of CUDA device `device` (made on first use). Returns a moe_rt_status. */
+static moe_rt_status context_for(int device, moe_rt_context** out) {
+  if (device < 0 || device >= MAX_DEVICES) {
+    pthread_mutex_lock(&g_lock);
+    snprintf(g_message, sizeof g_message, "moe_rt.jax: device ordinal %d is out of range", device);
+    pthread_mutex_unlock(&g_lock);
+    return MOE_RT_ERROR_NO_DEVICE;
+  }
+  moe_rt_context* c = __atomic_load_n(&g_ctx[device], __ATOMIC_ACQUIRE);
+  if (c) {
+    *out = c;
+    return MOE_RT_SUCCESS;
+  }
+  moe_rt_status st = MOE_RT_SUCCESS;
+  pthread_mutex_lock(&g_lock);
+  c = g_ctx[device];
+  if (!c) {
+    if (!g_cache_dir) {
+      snprintf(g_message, sizeof g_message, "moe_rt.jax: no kernel cache folder is set (moe_rt.jax sets it when an "
+               "op is traced)");
+      st = MOE_RT_ERROR_KERNEL_CACHE;
+    } else if ((st = moe_rt_context_create(g_cache_dir, device, &c)) != MOE_RT_SUCCESS) {
+      snprintf(g_message, sizeof g_message, "%s", moe_rt_last_error());
+      c = NULL;
+    } else {
+      __atomic_store_n(&g_ctx[device], c, __ATOMIC_RELEASE);
+    }
+  }
+  pthread_mutex_unlock(&g_lock);
+  *out = c;
+  return st;
+}
+
+/* Make device `device`'s context (if needed) and load kernel `name` of kernels/`file` into it, outside any
+ * graph capture. Returns a moe_rt_status; moe_rt_xla_last_error() says why on failure. */
+EXPORT int moe_rt_xla_load_kernel(int device, const char* file, const char* name) {
+  moe_rt_context* c = NULL;
+  moe_rt_status st = context_for(device, &c);
+  if (st) return st;
+  st = moe_rt_context_load_kernel(c, file, name);
+  if (st) snprintf(g_message, sizeof g_message, "%s", moe_rt_last_error());
+  return st;
+}
+
+/* Read and clear the error word of device `device`'s context (bad expert ids met by make_plan), after the
+ * caller waited for the device: MOE_RT_ERROR_BAD_EXPERT_ID with the Python side's message, or success (also
+ * without a context). A host sync (moe_rt_check). */
+EXPORT int moe_rt_xla_check(int device) {
+  if (device < 0 || device >= MAX_DEVICES) return MOE_RT_SUCCESS;
+  moe_rt_context* c = __atomic_load_n(&g_ctx[device], __ATOMIC_ACQUIRE);
+  if (!c) return MOE_RT_SUCCESS;
+  moe_rt_status st = moe_rt_check(c, NULL);
+  if (st) {
+    pthread_mutex_lock(&g_lock);
+    snprintf(g_message, sizeof g_message, "%s", moe_rt_last_error());
+    pthread_mutex_unlock(&g_lock);
+  }
+  return st;
+}
+
+/* ---- decoding a call frame ------------------------------------------------------------------------ */
+
+typedef struct frame {
+  XLA_FFI_CallFrame* f;
+  const XLA_FFI_Api* api;
+  const char* op;
+} frame;
+
+static XLA_FFI_Error* fail(const frame* fr, XLA_FFI_Error_Code code, const char* fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static XLA_FFI_Error* fail(const frame* fr, XLA_FFI_Error_Code code, const char* fmt, ...) {
+  char msg[1400];
+  int n = snprintf(msg, sizeof msg, "%s: ", fr->op);
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg + n, sizeof msg - (size_t)n, fmt, ap);
+  va_end(ap);
+  XLA_FFI_Error_Create_Args a;
+  memset(&a, 0, sizeof a);
+  a.struct_size = XLA_FFI_Error_Create_Args_STRUCT_SIZE;
+  a.message = msg;
+  a.errc = code;
+  return fr->api->XLA_FFI_Error_Create(&a);
+}
+
+static XLA_FFI_Error_Code code_of(moe_rt_status st) {
+  switch (st) {
+    case MOE_RT_ERROR_INVALID_ARGUMENT: return XLA_FFI_Error_Code_INVALID_ARGUMENT;
+    case MOE_RT_ERROR_NO_DRIVER: case MOE_RT_ERROR_NO_DEVICE: return XLA_FFI_Error_Code_UNAVAILABLE;
+    case MOE_RT_ERROR_KERNEL_CACHE: return XLA_FFI_Error_Code_NOT_FOUND;
+    case MOE_RT_ERROR_NOT_SUPPORTED: return XLA_FFI_Error_Code_UNIMPLEMENTED;
+    default: return XLA_FFI_Error_Code_INTERNAL;
+  }
+}
+
+/* The core's failure as an FFI error carrying moe_rt_last_error(). */
+static XLA_FFI_Error* fail_core(const frame* fr, moe_rt_status st, const char* message) {
+  return fail(fr, code_of(st), "%s (%s)", message, moe_rt_status_name(st));
+}
+
+/* Checks the frame; answers XLA's metadata query (API version, traits) with *done set. NULL = go on. */
+static XLA_FFI_Error* begin(XLA_FFI_CallFrame* f, frame* fr, const char* op, int* done) {
+  *done = 0;
+  fr->f = f;
+  fr->api = f->api;
+  fr->op = op;
+  /* without the API no error can be made: the sizes below are what XLA of any version provides */
+  if (f->struct_size < XLA_FFI_CallFrame_STRUCT_SIZE)
+    return fail(fr, XLA_FFI_Error_Code_FAILED_PRECONDITION, "the XLA call frame is smaller (%zu bytes) than this "
+                "library was built for (%zu)", f->struct_size, (size_t)XLA_FFI_CallFrame_STRUCT_SIZE);
+  if (f->api->api_version.major_version != XLA_FFI_API_MAJOR)
+    return fail(fr, XLA_FFI_Error_Code_FAILED_PRECONDITION, "XLA FFI API %d.%d; this library was built for major "
+                "version %d", f->api->api_version.major_version, f->api->api_version.minor_version,
+                XLA_FFI_API_MAJOR);
+  if (f->extension_start && f->extension_start->type == XLA_FFI_Extension_Metadata) {
+    XLA_FFI_Metadata_Extension* ext = (XLA_FFI_Metadata_Extension*)f->extension_start;
+    if (ext->extension_base.struct_size < XLA_FFI_Metadata_Extension_STRUCT_SIZE ||
+        ext->metadata->struct_size < XLA_FFI_Metadata_STRUCT_SIZE)
+      return fail(fr, XLA_FFI_Error_Code_FAILED_PRECONDITION, "XLA's metadata structs are smaller than expected");
+    ext->metadata->api_version.struct_size = XLA_FFI_Api_Version_STRUCT_SIZE;
+    ext->metadata->api_version.extension_start = NULL;
+    ext->metadata->api_version.major_version = XLA_FFI_API_MAJOR;
+    ext->metadata->api_version.minor_version = XLA_FFI_API_MINOR;
+    ext->metadata->traits = XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE;
+    ext->metadata->state_type_id.type_id = 0;
+    *done = 1;
+    return NULL;
+  }
+  if (f->api->struct_size < XLA_FFI_Api_STRUCT_SIZE)
+    return fail(fr, XLA_FFI_Error_Code_FAILED_PRECONDITION, "the XLA FFI API table is smaller (%zu bytes) than "
+                "this library needs (%zu: the device ordinal getter)", f->api->struct_size,
+                (size_t)XLA_FFI_Api_STRUCT_SIZE);
+  if (f->stage != XLA_FFI_ExecutionStage_EXECUTE)
+    return fail(fr, XLA_FFI_Error_Code_INVALID_ARGUMENT, "called at execution stage %d; only execute (%d) is "
+                "handled", (int)f->stage, (int)XLA_FFI_ExecutionStage_EXECUTE);
+  return NULL;
+}
+
+static int dtype_code(XLA_FFI_DataType t) {
+  switch (t) {
+    case XLA_FFI_DataType_F32: return MOE_RT_FLOAT32;
+    case XLA_FFI_DataType_F16: return MOE_RT_FLOAT16;
+    case XLA_FFI_DataType_BF16: return MOE_RT_BFLOAT16;
+    case XLA_FFI_DataType_S32: return MOE_RT_INT32;
+    case XLA_FFI_DataType_S64: return MOE_RT_INT64;
+    case XLA_FFI_DataType_PRED: return MOE_RT_BOOL;
+    case XLA_FFI_DataType_U8: return MOE_RT_UINT8;
+    case XLA_FFI_DataType_S8: return MOE_RT_INT8;
+    case XLA_FFI_DataType_F8E4M3FN: return MOE_RT_FLOAT8_E4M3;
+    case XLA_FFI_DataType_F8E5M2: return MOE_RT_FLOAT8_E5M2;
+    default: return -1;
+  }
+}
+
+typedef struct buf {
+  void* data;
+  int dtype; /* moe_rt_dtype, -1 for others */
+  int64_t rank;
+  const int64_t* dims;
+} buf;
+
+static XLA_FFI_Error* one_buffer(const frame* fr, XLA_FFI_Buffer* b, const char* what, int64_t i, int rank,
+                                 buf* out) {
+  if (b->struct_size < XLA_FFI_Buffer_STRUCT_SIZE)
+    return fail(fr, XLA_FFI_Error_Code_FAILED_PRECONDITION, "%s %lld: buffer struct too small", what, (long long)i);
+  if (rank >= 0 && b->rank != rank)
+    return fail(fr, XLA_FFI_Error_Code_INVALID_ARGUMENT, "%s %lld: expected rank %d, got %lld", what, (long long)i,
+                rank, (long long)b->rank);
+  out->data = b->data;
+  out->dtype = dtype_code(b->dtype);
+  out->rank = b->rank;
+  out->dims = b->dims;
+  return NULL;
+}
+
+/* Argument i as a buffer of `rank` (-1: any). */
+static XLA_FFI_Error* arg(const frame* fr, int64_t i, int rank, buf* out) {
+  const XLA_FFI_Args* a = &fr->f->args;
+  if (i >= a->size)
+    return fail(fr, XLA_FFI_Error_Code_INVALID_ARGUMENT, "expected more than %lld arguments", (long long)a->size);
+  if (a->types[i] != XLA_FFI_ArgType_BUFFER)
+    return fail(fr, XLA_FFI_Error_Code_INVALID_ARGUMENT, "argument %lld is not a buffer", (long long)i);
+  return one_buffer(fr, (XLA_FFI_Buffer*)a->args[i], "argument", i, rank, out);
+}
+
+static XLA_FFI_Error* ret(const frame* fr, int64_t i, int rank, buf* out) {
+  const XLA_FFI_Rets* r = &fr->f->rets;
+  if (i >= r->size)
+    return fail(fr, XLA_FFI_Error_Code_INVALID_ARGUMENT, "expected more than %lld results", (long long)r->size);
+  if (r->types[i] != XLA_FFI_RetType_BUFFER)
+    return fail(fr, XLA_FFI_Error_Code_INVALID_ARGUMENT, "result %lld is not a buffer", (long long)i);
+  return one_buffer(fr, (XLA_FFI_Buffer*)r->rets[i], "result", i, rank, out);
+}
+
+static XLA_FFI_Error* counts(const frame* fr, int64_t nargs, int64_t nrets) {
+  if (fr->f->args.size != nargs || fr->f->rets.size != nrets)
+    return fail(fr, XLA_FFI_Error_Code_INVALID_ARGUMENT, "expected %lld arguments and %lld results, got %lld and "
+                "%lld", (long long)nargs, (long long)nrets, (long long)fr->f->args.size, (long long)fr->f->rets.size);
+  return NULL;
+}
+
+static const XLA_FFI_Scalar* scalar_attr(const frame* fr, const char* name, XLA_FFI_Error** err) {
+  const XLA_FFI_Attrs* a = &fr->f->attrs;
+  const size_t n = strlen(name);
+  for (int64_t i = 0; i < a->size; ++i) {
+    const XLA_FFI_ByteSpan* s = a->names[i];
+    if (s->len != n || memcmp(s->ptr, name, n) != 0) continue;
+    if (a->types[i] != XLA_FFI_AttrType_SCALAR) {
+      *err = fail(fr, XLA_FFI_Error_Code_INVALID_ARGUMENT, "attribute %s is not a scalar", name);
+      return NULL;
+    }
+    return (const XLA_FFI_Scalar*)a->attrs[i];
+  }
+  *err = fail(fr, XLA_FFI_Error_Code_INVALID_ARGUMENT, "attribute %s is missing", name);
+  return NULL;
+}
+
+static XLA_FFI_Error* attr_i64(const frame* fr, const char* name, int64_t* out) {
+  XLA_FFI_Error* err = NULL;
+  const XLA_FFI_Scalar* s = scalar_attr(fr, name, &err);
+  if (!s) return err;
+  switch (s->dtype) {
+    case XLA_FFI_DataType_PRED: *out = *(const uint8_t*)s->value != 0; return NULL;
+    case XLA_FFI_DataType_S8: *out = *(const int8_t*)s->value; return NULL;
+    case XLA_FFI_DataType_S16: *out = *(const int16_t*)s->value; return NULL;
+    case XLA_FFI_DataType_S32: *out = *(const int32_t*)s->value; return NULL;
+    case XLA_FFI_DataType_S64: *out = *(const int64_t*)s->value; return NULL;
+    case XLA_FFI_DataType_U8: *out = *(const uint8_t*)s->value; return NULL;
+    case XLA_FFI_DataType_U32: *out = *(const uint32_t*)s->value; return NULL;
+    default:
+      return fail(fr, XLA_FFI_Error_Code_INVALID_ARGUMENT, "attribute %s: expected an integer, got XLA type %d", name,
+                  (int)s->dtype);
+  }
+}
+
+static XLA_FFI_Error* attr_int(const frame* fr, const char* name, int* out) {
+  int64_t v = 0;
+  XLA_FFI_Error* err = attr_i64(fr, name, &v);
+  if (err) return err;
+  if (v < -2147483647LL - 1 || v > 2147483647LL)
+    return fail(fr, XLA_FFI_Error_Code_INVALID_ARGUMENT, "attribute %s: %lld does not fit in 32 bits", name,
+                (long long)v);
+  *out = (int)v;
+  return NULL;
+}
+
+static XLA_FFI_Error* attr_f32(const frame* fr, const char* name, float* out) {
+  XLA_FFI_Error* err = NULL;
+  const XLA_FFI_Scalar* s = scalar_attr(fr, name, &err);
+  if (!s) return err;
+  if (s->dtype == XLA_FFI_DataType_F32) *out = *(const float*)s->value;
+  else if (s->dtype == XLA_FFI_DataType_F64) *out = (float)*(const double*)s->value;
+  else
+    return fail(fr, XLA_FFI_Error_Code_INVALID_ARGUMENT, "attribute %s: expected a float, got XLA type %d", name,
+                (int)s->dtype);
+  return NULL;
+}
+
+/* XLA's stream and this device's moe_rt context. */
+static XLA_FFI_Error* device(const frame* fr, moe_rt_context** ctx, moe_rt_stream* stream) {
+  XLA_FFI_Stream_Get_Args sa;
+  memset(&sa, 0, sizeof sa);
+  sa.struct_size = XLA_FFI_Stream_Get_Args_STRUCT_SIZE;
+  sa.ctx = fr->f->ctx;
+  XLA_FFI_Error* err = fr->api->XLA_FFI_Stream_Get(&sa);
+  if (err) return err;
+  XLA_FFI_DeviceOrdinal_Get_Args da;
+  memset(&da, 0, sizeof da);
+  da.struct_size = XLA_FFI_DeviceOrdinal_Get_Args_STRUCT_SIZE;
+  da.ctx = fr->f->ctx;
+  if ((err = fr->api->XLA_FFI_DeviceOrdinal_Get(&da))) return err;
+  moe_rt_status st = context_for(da.device_ordinal, ctx);
+  if (st) {
+    char msg[sizeof g_message];
+    pthread_mutex_lock(&g_lock);
+    snprintf(msg, sizeof msg, "%s", g_message);
+    pthread_mutex_unlock(&g_lock);
+    return fail_core(fr, st, msg);
+  }
+  *stream = (moe_rt_stream)sa.stream;
+  return NULL;
+}
+
+#define TRY(x)                       \
+  do {                               \
+    XLA_FFI_Error* err_ = (x);       \
+    if (err_) return err_;           \
+  } while (0)
+
+#define BEGIN(op)                                  \
+  frame fr;                                        \
+  int done_ = 0;                                   \
+  TRY(begin(f, &fr, op, &done_));                  \
+  if (done_) return NULL
+
+#define CORE(call)                                                   \
+  do {                                                               \
+    moe_rt_status st_ = (call);                                      \
+    if (st_) return fail_core(&fr, st_, moe_rt_last_error());        \
+  } while (0)
+
+static XLA_FFI_Error* want_dtype(const frame* fr, const buf* b, const char* name, int dtype) {
+  if (b->dtype != dtype)
+    return fail(fr, XLA_FFI_Error_Code_INVALID_ARGUMENT, "%s: expected dtype code %d, got %d", name, dtype, b->dtype);
+  return NULL;
+}
+
+/* Does nothing (after the frame checks every handler makes): JAX's floor for a custom call, which
+ * tools/bench_layer.py times beside the ops. */
+EXPORT XLA_FFI_Error* moe_rt_xla_noop(XLA_FFI_CallFrame* f) {
+  BEGIN("moe_rt_xla_noop");
+  return NULL;
+}
+
+/* ---- router --------------------------------------------------------------------------------------- */
+
+/* args: logits [T, E] (float), then expert_bias [E] float32 when has_bias; rets: probs [T, E] (logits'
+ * dtype), routing_map [T, E] bool, intermediate [T, E] float32. attrs: topk, score_function,
+ * use_pre_softmax, num_groups, group_topk, scaling_factor, has_bias. */
+EXPORT XLA_FFI_Error* moe_rt_xla_topk_with_score(XLA_FFI_CallFrame* f) {
+  BEGIN("moe_rt_xla_topk_with_score");
+  int topk, score, pre, groups, gtopk, has_bias;
+  float scale;
+  TRY(attr_int(&fr, "topk", &topk));
+  TRY(attr_int(&fr, "score_function", &score));
+  TRY(attr_int(&fr, "use_pre_softmax", &pre));
+  TRY(attr_int(&fr, "num_groups", &groups));
+  TRY(attr_int(&fr, "group_topk", &gtopk));
+  TRY(attr_int(&fr, "has_bias", &has_bias));
+  TRY(attr_f32(&fr, "scaling_factor", &scale));
+  TRY(counts(&fr, has_bias ? 2 : 1, 3));
+  buf logits, bias = {0}, probs, rmap, inter;
+  TRY(arg(&fr, 0, 2, &logits));
+  if (has_bias) {
+    TRY(arg(&fr, 1, 1, &bias));
+    TRY(want_dtype(&fr, &bias, "expert_bias", MOE_RT_FLOAT32));
+  }
+  TRY(ret(&fr, 0, 2, &probs));
+  TRY(ret(&fr, 1, 2, &rmap));
+  TRY(ret(&fr, 2, 2, &inter));
+  TRY(want_dtype(&fr, &probs, "probs", logits.dtype));
+  TRY(want_dtype(&fr, &rmap, "routing_map", MOE_RT_BOOL));
+  TRY(want_dtype(&fr, &inter, "intermediate", MOE_RT_FLOAT32));
+  const int64_t T = logits.dims[0], E = logits.dims[1];
+  if (E > MOE_RT_MAX_EXPERTS)
+    return fail(&fr, XLA_FFI_Error_Code_INVALID_ARGUMENT, "num_experts %lld is too large", (long long)E);
+  moe_rt_context* ctx;
+  moe_rt_stream stream;
+  TRY(device(&fr, &ctx, &stream));
+  CORE(moe_rt_topk_with_score(ctx, logits.data, logits.dtype, T, (int)E, topk, score, pre, groups, gtopk, scale,
+                              has_bias ? bias.data : NULL, probs.data, rmap.data, inter.data, stream));
+  return NULL;
+}
+
+/* args: grad_probs [T, E], routing_map [T, E] bool, intermediate [T, E] float32; rets: grad_logits [T, E]
+ * (grad_probs' dtype). attrs: topk, score_function, use_pre_softmax, scaling_factor. */
+EXPORT XLA_FFI_Error* moe_rt_xla_topk_with_score_backward(XLA_FFI_CallFrame* f) {
+  BEGIN("moe_rt_xla_topk_with_score_backward");
+  int topk, score, pre;
+  float scale;
+  TRY(attr_int(&fr, "topk", &topk));
+  TRY(attr_int(&fr, "score_function", &score));
+  TRY(attr_int(&fr, "use_pre_softmax", &pre));
+  TRY(attr_f32(&fr, "scaling_factor", &scale));
+  TRY(counts(&fr, 3, 1));
+  buf g, rmap, inter, out;
+  TRY(arg(&fr, 0, 2, &g));
+  TRY(arg(&fr, 1, 2, &rmap));
+  TRY(arg(&fr, 2, 2, &inter));
+  TRY(ret(&fr, 0, 2, &out));
+  TRY(want_dtype(&fr, &rmap, "routing_map", MOE_RT_BOOL));
+  TRY(want_dtype(&fr, &inter, "intermediate", MOE_RT_FLOAT32));
+  TRY(want_dtype(&fr, &out, "grad_logits", g.dtype));
+  const int64_t T = g.dims[0], E = g.dims[1];
+  if (E > MOE_RT_MAX_EXPERTS)
+    return fail(&fr, XLA_FFI_Error_Code_INVALID_ARGUMENT, "num_experts %lld is too large", (long long)E);
+  moe_rt_context* ctx;
+  moe_rt_stream stream;
+  TRY(device(&fr, &ctx, &stream));
+  CORE(moe_rt_topk_with_score_backward(ctx, g.data, g.dtype, rmap.data, inter.data, T, (int)E, topk, score, pre,
+                                       scale, out.data, stream));
+  return NULL;
+}
+
+/* ---- dispatch on one GPU -------------------------------------------------------------------------- */
+
+/* The plan over the first five arguments: dst_row [T, K], src_slot [N], seg_start [E+1], counts [E],
+ * tokens_per_expert [E] (int32); attr align_size. */
+static XLA_FFI_Error* plan_args(const frame* fr, moe_rt_plan* p) {
+  buf b[5];
+  static const char* names[5] = {"dst_row", "src_slot", "seg_start", "counts", "tokens_per_expert"};
+  static const int ranks[5] = {2, 1, 1, 1, 1};
+  for (int i = 0; i < 5; ++i) {
+    TRY(arg(fr, i, ranks[i], &b[i]));
+    TRY(want_dtype(fr, &b[i], names[i], MOE_RT_INT32));
+  }
+  int64_t align = 0;
+  TRY(attr_i64(fr, "align_size", &align));
+  memset(p, 0, sizeof *p);
+  p->dst_row = b[0].data;
+  p->src_slot = b[1].data;
+  p->seg_start = b[2].data;
+  p->counts = b[3].data;
+  p->tokens_per_expert = b[4].data;
+  p->num_tokens = b[0].dims[0];
+  p->topk = b[0].dims[1];
+  p->num_rows = b[1].dims[0];
+  p->num_experts = b[3].dims[0];
+  p->align_size = align;
+  return NULL;
+}
+
+/* args: routing: topk_idx [T, K] int32/int64 or a routing map [T, E] bool; rets: the plan's five arrays,
+ * then the workspace (uint8, moe_rt_make_plan_workspace_size bytes). attrs: num_experts, align_size,
+ * num_out_tokens (-1 = keep all). */
+EXPORT XLA_FFI_Error* moe_rt_xla_make_plan(XLA_FFI_CallFrame* f) {
+  BEGIN("moe_rt_xla_make_plan");
+  int E, A;
+  int64_t num_out;
+  TRY(attr_int(&fr, "num_experts", &E));
+  TRY(attr_int(&fr, "align_size", &A));
+  TRY(attr_i64(&fr, "num_out_tokens", &num_out));
+  TRY(counts(&fr, 1, 6));
+  buf routing, r[6];
+  TRY(arg(&fr, 0, 2, &routing));
+  for (int i = 0; i < 6; ++i) TRY(ret(&fr, i, i == 0 ? 2 : 1, &r[i]));
+  moe_rt_plan p;
+  memset(&p, 0, sizeof p);
+  p.dst_row = r[0].data;
+  p.src_slot = r[1].data;
+  p.seg_start = r[2].data;
+  p.counts = r[3].data;
+  p.tokens_per_expert = r[4].data;
+  const size_t ws_bytes = (size_t)r[5].dims[0];
+  moe_rt_context* ctx;
+  moe_rt_stream stream;
+  TRY(device(&fr, &ctx, &stream));
+  CORE(moe_rt_make_plan(ctx, routing.data, routing.dtype, routing.dims[0], routing.dims[1], E, A, num_out, &p,
+                        r[5].data, ws_bytes, stream));
+  return NULL;
+}
+
+/* The row ops' frame: the plan (arguments 0-4), the data argument [rows, H] (5), then the optional
+ * arguments (all present or none), and the results (the first [rows, H]); with the device and stream. */
+typedef struct opt_spec {
+  const char* name;
+  int rank;
+  int dtype; /* -1: the data argument's dtype */
+} opt_spec;
+
+typedef struct rows_frame {
+  moe_rt_plan plan;
+  buf data, opt[2], out[2];
+  int has_opt;
+  moe_rt_context* ctx;
+  moe_rt_stream stream;
+} rows_frame;
+
+static XLA_FFI_Error* rows_begin(const frame* fr, const opt_spec* opts, int n_opt, int n_rets, rows_frame* r) {
+  memset(r, 0, sizeof *r);
+  r->has_opt = fr->f->args.size == 6 + n_opt;
+  TRY(counts(fr, r->has_opt ? 6 + n_opt : 6, n_rets));
+  TRY(plan_args(fr, &r->plan));
+  TRY(arg(fr, 5, 2, &r->data));
+  for (int i = 0; r->has_opt && i < n_opt; ++i) {
+    TRY(arg(fr, 6 + i, opts[i].rank, &r->opt[i]));
+    TRY(want_dtype(fr, &r->opt[i], opts[i].name, opts[i].dtype < 0 ? r->data.dtype : opts[i].dtype));
+  }
+  for (int i = 0; i < n_rets; ++i) TRY(ret(fr, i, i == 0 ? 2 : -1, &r->out[i]));
+  return device(fr, &r->ctx, &r->stream);
+}
+
+#define OPT(r, i) ((r).has_opt ? (r).opt[i].data : NULL)
+
+/* args: the plan (5), x [T, H], then probs [T, K] float32 when present; rets: x_permuted [N, H],
+ * probs_permuted [N] (float32/16, bfloat16; [0] without probs). attrs: align_size. */
+EXPORT XLA_FFI_Error* moe_rt_xla_dispatch(XLA_FFI_CallFrame* f) {
+  BEGIN("moe_rt_xla_dispatch");
+  static const opt_spec opts[1] = {{"probs", 2, MOE_RT_FLOAT32}};
+  rows_frame r;
+  TRY(rows_begin(&fr, opts, 1, 2, &r));
+  CORE(moe_rt_dispatch(r.ctx, &r.plan, r.data.data, r.data.dtype, r.data.dims[1], OPT(r, 0), r.out[0].data,
+                       r.has_opt ? r.out[1].data : NULL, r.has_opt ? r.out[1].dtype : MOE_RT_FLOAT32, r.stream));
+  return NULL;
+}
+
+/* args: the plan (5), grad_x_permuted [N, H], then grad_probs_permuted [N] float32 when present; rets:
+ * grad_x [T, H], grad_probs [T, K] float32 ([0] without). attrs: align_size. */
+EXPORT XLA_FFI_Error* moe_rt_xla_dispatch_backward(XLA_FFI_CallFrame* f) {
+  BEGIN("moe_rt_xla_dispatch_backward");
+  static const opt_spec opts[1] = {{"grad_probs_permuted", 1, MOE_RT_FLOAT32}};
+  rows_frame r;
+  TRY(rows_begin(&fr, opts, 1, 2, &r));
+  CORE(moe_rt_dispatch_backward(r.ctx, &r.plan, r.data.data, r.data.dtype, r.data.dims[1], OPT(r, 0), r.out[0].data,
+                                r.has_opt ? r.out[1].data : NULL, r.stream));
+  return NULL;
+}
+
+/* args: the plan (5), y_permuted [N, H], then probs [T, K] float32 when present; rets: y [T, H].
+ * attrs: align_size. */
+EXPORT XLA_FFI_Error* moe_rt_xla_combine(XLA_FFI_CallFrame* f) {
+  BEGIN("moe_rt_xla_combine");
+  static const opt_spec opts[1] = {{"probs", 2, MOE_RT_FLOAT32}};
+  rows_frame r;
+  TRY(rows_begin(&fr, opts, 1, 1, &r));
+  CORE(moe_rt_combine(r.ctx, &r.plan, r.data.data, r.data.dtype, r.data.dims[1], OPT(r, 0), r.out[0].data,
+                      r.stream));
+  return NULL;
+}
+
+/* args: the plan (5), grad_y [T, H], then y_permuted [N, H] and probs [T, K] float32 when probs were
+ * given; rets: grad_y_permuted [N, H], grad_probs [T, K] float32 ([0] without). attrs: align_size. */
+EXPORT XLA_FFI_Error* moe_rt_xla_combine_backward(XLA_FFI_CallFrame* f) {
+  BEGIN("moe_rt_xla_combine_backward");
+  static const opt_spec opts[2] = {{"y_permuted", 2, -1}, {"probs", 2, MOE_RT_FLOAT32}};
+  rows_frame r;
+  TRY(rows_begin(&fr, opts, 2, 2, &r));
+  CORE(moe_rt_combine_backward(r.ctx, &r.plan, r.data.data, r.data.dtype, r.data.dims[1], OPT(r, 0), OPT(r, 1),
+                               r.out[0].data, r.has_opt ? r.out[1].data : NULL, r.stream));
+  return NULL;
+}

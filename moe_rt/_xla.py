@@ -1,0 +1,288 @@
+"""moe_rt.jax's XLA FFI side: the handler library (``libmoe_rt_xla.so``, csrc/xla_ffi.c), its registration
+with XLA for CUDA, and the trace-time preparation of each op's kernels.
+
+An op traced for the GPU runs as an XLA custom call whose handler, compiled C, calls the C core on XLA's
+stream. What the handler's C context needs is made ready when the op is traced, in Python: the kernels the
+op will launch (found by planning the op in a planning context of the C core, with the traced shapes, dtypes
+and settings) are compiled into the kernel cache folder for each local GPU's architecture, listed in the
+folder's ``manifest.json``, and loaded into the device's context (outside any CUDA graph capture). At run
+time no Python runs.
+
+The library is built by setup.py where jaxlib's FFI headers are present at build time; otherwise it is built
+here on first use (with the C compiler, into the kernel cache folder, said on stderr) from the source tree.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import importlib.util
+import os
+import threading
+from pathlib import Path
+
+from moe_rt import _jit
+
+LIB_DIR = Path(__file__).resolve().parent / "lib"
+SRC_DIR = Path(__file__).resolve().parent.parent / "csrc"
+XLA_LIB = "libmoe_rt_xla.so"
+TARGET_PREFIX = "moe_rt_"
+HANDLERS = ("topk_with_score", "topk_with_score_backward", "make_plan", "dispatch", "dispatch_backward", "combine",
+            "combine_backward", "noop")  # noop: a custom call that does nothing (the benchmark's floor)
+SCORE_CODES = {"sigmoid": 0, "softmax": 1, "sqrtsoftplus": 2}
+# moe_rt_dtype codes (include/moe_rt/moe_rt.h)
+DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2, "int32": 3, "int64": 4, "bool": 5, "uint8": 6, "int8": 7,
+               "float8_e4m3fn": 8, "float8_e5m2": 9}
+
+_lock = threading.RLock()
+_lib = None
+_core = None
+_prepared: set = set()
+_devices: set = set()  # CUDA ordinals whose handler context was made
+BAD_EXPERT_ID = 6  # MOE_RT_ERROR_BAD_EXPERT_ID
+
+
+def target(op: str) -> str:
+    """The XLA custom call target of handler ``op``."""
+    return TARGET_PREFIX + op
+
+
+# ---- the C core through ctypes (planning) ---------------------------------------------------------------
+
+class _DeviceInfo(ctypes.Structure):
+    _fields_ = [("sm_count", ctypes.c_int32), ("smem_per_sm", ctypes.c_int32),
+                ("smem_per_block_optin", ctypes.c_int32), ("cc_major", ctypes.c_int32),
+                ("cc_minor", ctypes.c_int32), ("assumed_regs", ctypes.c_int32)]
+
+
+class _LaunchInfo(ctypes.Structure):
+    _fields_ = [("file", ctypes.c_char * 32), ("kernel", ctypes.c_char * 128), ("grid", ctypes.c_int64),
+                ("block", ctypes.c_int32), ("shared_mem", ctypes.c_int32), ("scalars", ctypes.c_int64 * 2)]
+
+
+class _PlanInfo(ctypes.Structure):
+    _fields_ = [("num_launches", ctypes.c_int32), ("launch", _LaunchInfo * 4)]
+
+
+class _Plan(ctypes.Structure):
+    _fields_ = [("dst_row", ctypes.c_void_p), ("src_slot", ctypes.c_void_p), ("seg_start", ctypes.c_void_p),
+                ("counts", ctypes.c_void_p), ("tokens_per_expert", ctypes.c_void_p), ("num_tokens", ctypes.c_int64),
+                ("topk", ctypes.c_int64), ("num_experts", ctypes.c_int64), ("num_rows", ctypes.c_int64),
+                ("align_size", ctypes.c_int64)]
+
+
+def core() -> ctypes.CDLL:
+    """libmoe_rt.so of this package (the one libmoe_rt_xla.so links to)."""
+    global _core
+    with _lock:
+        if _core is None:
+            path = LIB_DIR / "libmoe_rt.so"
+            if not path.is_file():
+                raise RuntimeError(f"moe_rt.jax: {path} is missing; build moe_rt (python3 setup.py build_ext "
+                                   "--inplace, or pip install)")
+            lib = ctypes.CDLL(str(path))
+            lib.moe_rt_last_error.restype = ctypes.c_char_p
+            lib.moe_rt_make_plan_workspace_size.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+                                                            ctypes.POINTER(ctypes.c_size_t)]
+            _core = lib
+        return _core
+
+
+def _check(status: int, what: str) -> None:
+    if status:
+        raise RuntimeError(f"moe_rt.jax: {what}: {core().moe_rt_last_error().decode()}")
+
+
+def make_plan_workspace_bytes(num_tokens: int, topk: int, num_experts: int) -> int:
+    """Device workspace of the C make_plan, bytes."""
+    n = ctypes.c_size_t()
+    _check(core().moe_rt_make_plan_workspace_size(num_tokens, topk, num_experts, ctypes.byref(n)),
+           "moe_rt_make_plan_workspace_size")
+    return int(n.value)
+
+
+# Distinct 256-byte aligned stand-ins for device pointers: a planning context checks them for NULL and
+# alignment only, and XLA's buffers are aligned at least as well.
+def _ptr(i: int) -> ctypes.c_void_p:
+    return ctypes.c_void_p((i + 1) << 20)
+
+
+def planned_kernels(op: str, cc: tuple[int, int], **kw) -> list[tuple[str, str]]:
+    """The kernels ((file, name expression) each) the C core launches for handler ``op`` with these static
+    facts, on a device of compute capability ``cc``; planned with 16-byte aligned buffers, as XLA gives."""
+    lib = core()
+    dev = _DeviceInfo(132, 228 * 1024, 227 * 1024, int(cc[0]), int(cc[1]), 0)
+    ctx = ctypes.c_void_p()
+    _check(lib.moe_rt_context_create_planning(ctypes.byref(dev), ctypes.byref(ctx)), "planning context")
+    try:
+        i64, c_int, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_float
+        if op == "topk_with_score":
+            st = lib.moe_rt_topk_with_score(
+                ctx, _ptr(0), c_int(kw["dtype"]), i64(kw["T"]), c_int(kw["E"]), c_int(kw["topk"]),
+                c_int(kw["score_function"]), c_int(kw["use_pre_softmax"]), c_int(kw["num_groups"]),
+                c_int(kw["group_topk"]), f32(kw["scaling_factor"]), _ptr(1) if kw["has_bias"] else None, _ptr(2),
+                _ptr(3), _ptr(4), None)
+        elif op == "topk_with_score_backward":
+            st = lib.moe_rt_topk_with_score_backward(
+                ctx, _ptr(0), c_int(kw["dtype"]), _ptr(1), _ptr(2), i64(kw["T"]), c_int(kw["E"]), c_int(kw["topk"]),
+                c_int(kw["score_function"]), c_int(kw["use_pre_softmax"]), f32(kw["scaling_factor"]), _ptr(3), None)
+        elif op == "make_plan":
+            plan = _Plan(_ptr(1), _ptr(2), _ptr(3), _ptr(4), _ptr(5))
+            ws = make_plan_workspace_bytes(kw["T"], kw["K"], kw["E"])
+            st = lib.moe_rt_make_plan(ctx, _ptr(0), c_int(kw["routing_dtype"]), i64(kw["T"]), i64(kw["K"]),
+                                      c_int(kw["E"]), c_int(kw["align_size"]), i64(kw["num_out_tokens"]),
+                                      ctypes.byref(plan), _ptr(6), ctypes.c_size_t(ws), None)
+        else:
+            plan = _Plan(_ptr(1), _ptr(2), _ptr(3), _ptr(4), _ptr(5), kw["T"], kw["K"], kw["E"], kw["N"],
+                         kw["align_size"])
+            H, dt, probs = i64(kw["H"]), c_int(kw["dtype"]), kw["has_probs"]
+            if op == "dispatch":
+                st = lib.moe_rt_dispatch(ctx, ctypes.byref(plan), _ptr(6), dt, H, _ptr(7) if probs else None, _ptr(8),
+                                         _ptr(9) if probs else None, c_int(kw.get("probs_dtype", 0)), None)
+            elif op == "dispatch_backward":
+                st = lib.moe_rt_dispatch_backward(ctx, ctypes.byref(plan), _ptr(6), dt, H, _ptr(7) if probs else None,
+                                                  _ptr(8), _ptr(9) if probs else None, None)
+            elif op == "combine":
+                st = lib.moe_rt_combine(ctx, ctypes.byref(plan), _ptr(6), dt, H, _ptr(7) if probs else None, _ptr(8),
+                                        None)
+            elif op == "combine_backward":
+                st = lib.moe_rt_combine_backward(ctx, ctypes.byref(plan), _ptr(6), dt, H, _ptr(7) if probs else None,
+                                                 _ptr(8) if probs else None, _ptr(9), _ptr(10) if probs else None, None)
+            else:
+                raise ValueError(f"unknown moe_rt XLA op {op!r}")
+        _check(st, f"planning {op}")
+        info = _PlanInfo()
+        _check(lib.moe_rt_last_plan(ctx, ctypes.byref(info)), "moe_rt_last_plan")
+        names = [(info.launch[i].file.decode(), info.launch[i].kernel.decode()) for i in range(info.num_launches)]
+    finally:
+        lib.moe_rt_context_destroy(ctx)
+    if op == "make_plan":
+        names.append(("errors.cu", "error_word_clear"))  # the device error word's module
+    return names
+
+
+# ---- the handler library ----------------------------------------------------------------------------------
+
+def _libbuild():
+    spec = importlib.util.spec_from_file_location("moe_rt_libbuild", SRC_DIR / "libbuild.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def library_path() -> Path:
+    """libmoe_rt_xla.so: the one built with the package, else one built now from the source tree into the
+    kernel cache folder (keyed by the sources, jaxlib's FFI header and the core library's path)."""
+    packaged = LIB_DIR / XLA_LIB
+    if packaged.is_file():
+        return packaged
+    if not (SRC_DIR / "xla_ffi.c").is_file():
+        raise RuntimeError(f"moe_rt.jax: {packaged} was not built (jaxlib's XLA FFI headers were absent when moe_rt "
+                           "was built) and the C sources are not here to build it; reinstall moe_rt with jax "
+                           "installed: pip install --no-build-isolation .")
+    lb = _libbuild()
+    include = lb.xla_include_dir()
+    if include is None:
+        raise RuntimeError("moe_rt.jax: jaxlib's XLA FFI headers (jax.ffi.include_dir()) are missing")
+    h = hashlib.sha256()
+    for p in [SRC_DIR / s for s in lb.XLA_SOURCES] + [SRC_DIR.parent / "include" / "moe_rt" / "moe_rt.h",
+                                                      Path(include) / "xla" / "ffi" / "api" / "c_api.h"]:
+        h.update(p.read_bytes())
+    h.update(str(LIB_DIR / "libmoe_rt.so").encode())
+    out = Path(_jit.cache_dir()) / "xla" / f"libmoe_rt_xla-{h.hexdigest()[:20]}.so"
+    if not out.is_file():
+        tmp = out.with_name(f".{out.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            lb.build_xla(tmp, LIB_DIR / "libmoe_rt.so", include)
+        except Exception as e:  # the compiler's own output says why
+            msg = getattr(e, "stdout", "") + getattr(e, "stderr", "")
+            raise RuntimeError(f"moe_rt.jax: building {XLA_LIB} failed: {e}\n{msg}") from e
+        os.replace(tmp, out)
+        _jit.say(f"moe_rt: built {XLA_LIB} (moe_rt.jax's XLA FFI handlers) into {out}")
+    return out
+
+
+def library() -> ctypes.CDLL:
+    """The handler library, loaded and its handlers registered with XLA for CUDA (once per process)."""
+    global _lib
+    with _lock:
+        if _lib is not None:
+            return _lib
+        import jax.ffi
+        from jaxlib import xla_client
+
+        lib = ctypes.CDLL(str(library_path()))
+        lib.moe_rt_xla_last_error.restype = ctypes.c_char_p
+        lib.moe_rt_xla_set_kernel_cache.argtypes = [ctypes.c_char_p]
+        lib.moe_rt_xla_load_kernel.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_char_p]
+        lib.moe_rt_xla_check.argtypes = [ctypes.c_int]
+        traits = xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE
+        for op in HANDLERS:
+            jax.ffi.register_ffi_target(target(op), jax.ffi.pycapsule(getattr(lib, "moe_rt_xla_" + op)),
+                                        platform="CUDA", api_version=1, traits=traits)
+        _lib = lib
+        return lib
+
+
+def cuda_devices() -> list:
+    """JAX's local CUDA devices ([] without a CUDA backend)."""
+    import jax
+
+    try:
+        return list(jax.local_devices(backend="cuda"))
+    except RuntimeError:
+        return []
+
+
+def prepare(op: str, **facts) -> None:
+    """Make handler ``op`` ready to run with these static facts on every local GPU: the library loaded and
+    registered, the kernels it launches compiled into the kernel cache folder, listed in its manifest and
+    loaded into each device's context. Called when the op is traced; a no-op without a CUDA backend (the
+    op then lowers for another platform). Raises RuntimeError saying what is missing."""
+    devices = cuda_devices()
+    if not devices:
+        return
+    key = (op, tuple(sorted(facts.items())))
+    with _lock:
+        if key in _prepared:
+            return
+        lib = library()
+        root = _jit.cache_dir()
+        if lib.moe_rt_xla_set_kernel_cache(root.encode()):
+            raise RuntimeError(lib.moe_rt_xla_last_error().decode())
+        by_arch: dict = {}
+        for d in devices:
+            cc = tuple(int(v) for v in str(d.compute_capability).split("."))
+            arch = _jit.arch_for(cc)
+            if arch not in by_arch:
+                names = by_arch[arch] = planned_kernels(op, cc, **facts)
+                for file, name in names:
+                    _jit.kernel_image(file, name, arch, root=root, where=" for moe_rt.jax")
+                _jit.add_to_manifest(root, [(f, n, arch) for f, n in names])
+            names = by_arch[arch]
+            for file, name in names:
+                if lib.moe_rt_xla_load_kernel(int(d.local_hardware_id), file.encode(), name.encode()):
+                    raise RuntimeError(f"moe_rt.jax: loading {name} ({file}) on {d}: "
+                                       f"{lib.moe_rt_xla_last_error().decode()}")
+            _devices.add(int(d.local_hardware_id))
+        _prepared.add(key)
+
+
+def check(device=None) -> None:
+    """Raise, as ValueError with the CPU path's message, the bad expert ids the handlers' make_plan
+    recorded on ``device`` (None: every device with a handler context) since the last check; waits for the
+    device first (a host sync). A no-op where no handler ran."""
+    if _lib is None:
+        return
+    for d in sorted(_devices) if device is None else [int(device)]:
+        if d not in _devices:
+            continue
+        import cupy
+
+        with cupy.cuda.Device(d):
+            cupy.cuda.runtime.deviceSynchronize()
+        st = _lib.moe_rt_xla_check(d)
+        if st == BAD_EXPERT_ID:
+            raise ValueError(_lib.moe_rt_xla_last_error().decode())
+        if st:
+            raise RuntimeError(f"moe_rt.jax: reading the error word of device {d}: "
+                               f"{_lib.moe_rt_xla_last_error().decode()}")

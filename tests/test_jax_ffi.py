@@ -1,0 +1,606 @@
+"""moe_rt.jax through XLA FFI: the handler library (csrc/xla_ffi.c -> libmoe_rt_xla.so) builds against
+jaxlib's FFI headers and registers with XLA; the moved ops (router top-k forward/backward, make_plan,
+dispatch and combine with their backwards) lower for CUDA to custom calls carrying their static facts as
+attributes (checked here by lowering for CUDA on a CPU machine), and for the CPU to the NumPy reference; the
+handlers, called with hand-built call frames, answer XLA's metadata query and fail cleanly with an FFI error
+(no crash) where there is no kernel cache or no GPU. On a GPU: every moved op under jit, grad, vmap and
+checkpoint against the NumPy reference and bitwise equal to the direct (CuPy) path, and the layer step with
+XLA command buffers enabled."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax", reason="jax is not installed: moe_rt.jax and its XLA FFI handlers need it")
+jnp = jax.numpy
+mj = pytest.importorskip("moe_rt.jax")
+
+from moe_rt import _jit, _xla  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("moe_rt_libbuild", ROOT / "csrc" / "libbuild.py")
+cbuild = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(cbuild)
+
+
+def _cc():
+    cc = cbuild.compiler()
+    if cc is None:
+        pytest.skip("no C compiler on PATH")
+    return cc
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """libmoe_rt.so and libmoe_rt_xla.so built from this tree into a temporary folder."""
+    _cc()
+    out = tmp_path_factory.mktemp("xla_lib")
+    include = cbuild.xla_include_dir()
+    assert include is not None, "jax is installed but jax.ffi.include_dir() holds no xla/ffi/api/c_api.h"
+    try:
+        core = cbuild.build(out / "libmoe_rt.so")
+        xla = cbuild.build_xla(out / cbuild.XLA_LIB, core, include)
+    except subprocess.CalledProcessError as e:
+        pytest.fail(f"the libraries did not build:\n{e.stdout}{e.stderr}")
+    return core, xla, include
+
+
+def test_ffi_library_builds_and_exports_the_handlers(built):
+    import ctypes
+
+    _, xla, _ = built
+    lib = ctypes.CDLL(str(xla))
+    for op in _xla.HANDLERS:
+        assert getattr(lib, "moe_rt_xla_" + op)
+    for name in ("moe_rt_xla_set_kernel_cache", "moe_rt_xla_load_kernel", "moe_rt_xla_last_error"):
+        assert getattr(lib, name)
+    nm = subprocess.run(["nm", "-D", "--defined-only", str(xla)], capture_output=True, text=True)
+    if nm.returncode == 0:  # only moe_rt_xla_* symbols are exported
+        syms = [line.split()[-1] for line in nm.stdout.splitlines() if line.split()[1:2] == ["T"]]
+        assert syms and all(s.startswith("moe_rt_xla_") for s in syms), syms
+
+
+_FRAME_TEST = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "xla/ffi/api/c_api.h"
+
+struct XLA_FFI_Error { XLA_FFI_Error_Code code; char msg[2048]; };
+static XLA_FFI_Error* err_create(XLA_FFI_Error_Create_Args* a) {
+  XLA_FFI_Error* e = calloc(1, sizeof *e);
+  e->code = a->errc;
+  snprintf(e->msg, sizeof e->msg, "%s", a->message);
+  return e;
+}
+static XLA_FFI_Error* stream_get(XLA_FFI_Stream_Get_Args* a) { a->stream = NULL; return NULL; }
+static XLA_FFI_Error* ordinal_get(XLA_FFI_DeviceOrdinal_Get_Args* a) { a->device_ordinal = 0; return NULL; }
+
+XLA_FFI_Error* moe_rt_xla_topk_with_score(XLA_FFI_CallFrame*);
+XLA_FFI_Error* moe_rt_xla_make_plan(XLA_FFI_CallFrame*);
+int moe_rt_xla_set_kernel_cache(const char*);
+
+static void report(const char* what, XLA_FFI_Error* e) {
+  if (!e) printf("%s: ok\n", what);
+  else { printf("%s: code=%d msg=%s\n", what, (int)e->code, e->msg); free(e); }
+}
+
+int main(int argc, char** argv) {
+  XLA_FFI_Api api;
+  memset(&api, 0, sizeof api);
+  api.struct_size = XLA_FFI_Api_STRUCT_SIZE;
+  api.api_version.struct_size = XLA_FFI_Api_Version_STRUCT_SIZE;
+  api.api_version.major_version = XLA_FFI_API_MAJOR;
+  api.api_version.minor_version = XLA_FFI_API_MINOR;
+  api.XLA_FFI_Error_Create = err_create;
+  api.XLA_FFI_Stream_Get = stream_get;
+  api.XLA_FFI_DeviceOrdinal_Get = ordinal_get;
+
+  XLA_FFI_CallFrame f;
+  memset(&f, 0, sizeof f);
+  f.struct_size = XLA_FFI_CallFrame_STRUCT_SIZE;
+  f.api = &api;
+  f.stage = XLA_FFI_ExecutionStage_EXECUTE;
+
+  /* XLA's metadata query */
+  XLA_FFI_Metadata md;
+  memset(&md, 0, sizeof md);
+  md.struct_size = XLA_FFI_Metadata_STRUCT_SIZE;
+  XLA_FFI_Metadata_Extension ext;
+  memset(&ext, 0, sizeof ext);
+  ext.extension_base.struct_size = XLA_FFI_Metadata_Extension_STRUCT_SIZE;
+  ext.extension_base.type = XLA_FFI_Extension_Metadata;
+  ext.metadata = &md;
+  f.extension_start = &ext.extension_base;
+  report("metadata", moe_rt_xla_topk_with_score(&f));
+  printf("traits=%u api=%d.%d\n", md.traits, md.api_version.major_version, md.api_version.minor_version);
+  f.extension_start = NULL;
+
+  /* router top-k over host buffers: logits [5, 8] float32 -> probs, routing_map, intermediate */
+  float logits[40], probs[40], inter[40];
+  unsigned char rmap[40];
+  for (int i = 0; i < 40; ++i) logits[i] = (float)i / 40.0f;
+  int64_t dims[2] = {5, 8};
+  XLA_FFI_Buffer in = {XLA_FFI_Buffer_STRUCT_SIZE, NULL, XLA_FFI_DataType_F32, logits, 2, dims};
+  XLA_FFI_Buffer out0 = {XLA_FFI_Buffer_STRUCT_SIZE, NULL, XLA_FFI_DataType_F32, probs, 2, dims};
+  XLA_FFI_Buffer out1 = {XLA_FFI_Buffer_STRUCT_SIZE, NULL, XLA_FFI_DataType_PRED, rmap, 2, dims};
+  XLA_FFI_Buffer out2 = {XLA_FFI_Buffer_STRUCT_SIZE, NULL, XLA_FFI_DataType_F32, inter, 2, dims};
+  XLA_FFI_ArgType at[1] = {XLA_FFI_ArgType_BUFFER};
+  void* args[1] = {&in};
+  XLA_FFI_RetType rt[3] = {XLA_FFI_RetType_BUFFER, XLA_FFI_RetType_BUFFER, XLA_FFI_RetType_BUFFER};
+  void* rets[3] = {&out0, &out1, &out2};
+  f.args.struct_size = XLA_FFI_Args_STRUCT_SIZE;
+  f.args.size = 1; f.args.types = at; f.args.args = args;
+  f.rets.struct_size = XLA_FFI_Rets_STRUCT_SIZE;
+  f.rets.size = 3; f.rets.types = rt; f.rets.rets = rets;
+  /* attributes, sorted by name as XLA gives them */
+  static const char* names[7] = {"group_topk", "has_bias", "num_groups", "scaling_factor", "score_function", "topk",
+                                 "use_pre_softmax"};
+  int32_t iv[7] = {0, 0, 0, 0, 0, 2, 0};
+  float scale = 1.0f;
+  XLA_FFI_ByteSpan spans[7];
+  XLA_FFI_ByteSpan* span_ptrs[7];
+  XLA_FFI_Scalar sc[7];
+  void* attrs[7];
+  XLA_FFI_AttrType types[7];
+  for (int i = 0; i < 7; ++i) {
+    spans[i].ptr = names[i]; spans[i].len = strlen(names[i]); span_ptrs[i] = &spans[i];
+    sc[i].dtype = i == 3 ? XLA_FFI_DataType_F32 : XLA_FFI_DataType_S32;
+    sc[i].value = i == 3 ? (void*)&scale : (void*)&iv[i];
+    attrs[i] = &sc[i];
+    types[i] = XLA_FFI_AttrType_SCALAR;
+  }
+  f.attrs.struct_size = XLA_FFI_Attrs_STRUCT_SIZE;
+  f.attrs.size = 7; f.attrs.types = types; f.attrs.names = span_ptrs; f.attrs.attrs = attrs;
+
+  report("no kernel cache set", moe_rt_xla_topk_with_score(&f));
+  if (moe_rt_xla_set_kernel_cache(argv[1])) { printf("set_kernel_cache failed\n"); return 1; }
+  report("empty kernel cache", moe_rt_xla_topk_with_score(&f));
+  if (moe_rt_xla_set_kernel_cache(argv[2])) { printf("set_kernel_cache failed\n"); return 1; }
+  report("no driver", moe_rt_xla_topk_with_score(&f));
+  f.attrs.size = 5; /* score_function is the last one left: topk is missing */
+  report("missing attribute", moe_rt_xla_topk_with_score(&f));
+  f.attrs.size = 7;
+  f.args.size = 0;
+  report("missing argument", moe_rt_xla_topk_with_score(&f));
+  f.args.size = 1;
+  f.stage = XLA_FFI_ExecutionStage_PREPARE;
+  report("prepare stage", moe_rt_xla_topk_with_score(&f));
+  f.stage = XLA_FFI_ExecutionStage_EXECUTE;
+  api.api_version.major_version = XLA_FFI_API_MAJOR + 1;
+  report("other major version", moe_rt_xla_topk_with_score(&f));
+  return 0;
+}
+"""
+
+
+def test_handlers_with_hand_built_call_frames(built, tmp_path):
+    # No GPU is touched: every call ends in an FFI error with the core's message, or answers metadata.
+    core, xla, include = built
+    src = tmp_path / "frames.c"
+    src.write_text(_FRAME_TEST)
+    exe = tmp_path / "frames"
+    subprocess.run([*_cc().split(), "-std=c11", "-Wall", f"-I{include}", str(src), f"-L{xla.parent}",
+                    "-l:" + xla.name, f"-Wl,-rpath,{xla.parent}", "-o", str(exe)], check=True)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "manifest.json").write_text(json.dumps({"format": 2, "source_hash": cbuild.source_hash(),
+                                                     "kernels": []}))
+    env = dict(os.environ, MOE_RT_LIBCUDA=str(tmp_path / "no_libcuda.so"))
+    r = subprocess.run([str(exe), str(empty), str(cache)], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = dict(line.split(": ", 1) for line in r.stdout.splitlines() if ": " in line)
+    assert lines["metadata"] == "ok"
+    assert "traits=1 api=0." in r.stdout  # XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE
+    assert lines["no kernel cache set"].startswith("code=5 ") and "no kernel cache folder" in lines["no kernel cache set"]
+    assert lines["empty kernel cache"].startswith("code=5 ")  # NOT_FOUND, the core's message
+    assert f"cannot read {empty}/manifest.json" in lines["empty kernel cache"]
+    assert "MOE_RT_ERROR_KERNEL_CACHE" in lines["empty kernel cache"]
+    assert lines["no driver"].startswith("code=14 ")  # UNAVAILABLE
+    assert "no CUDA driver: cannot load" in lines["no driver"] and "MOE_RT_ERROR_NO_DRIVER" in lines["no driver"]
+    assert "moe_rt_xla_topk_with_score: attribute topk is missing" in lines["missing attribute"]
+    assert lines["missing argument"].startswith("code=3 ")
+    assert "execution stage 1" in lines["prepare stage"]
+    assert "this library was built for major" in lines["other major version"]
+
+
+def test_handlers_register_with_xla_for_cuda():
+    lib = _xla.library()
+    assert _xla.library() is lib  # once per process
+    if not _xla.cuda_devices():
+        # no CUDA backend: XLA keeps the registrations until the CUDA plugin loads
+        from jaxlib import xla_client
+
+        pending = {entry[0]: entry for entry in getattr(xla_client, "_custom_callback", {}).get("CUDA", [])}
+        for op in _xla.HANDLERS:
+            name, _, api_version, traits = pending[_xla.target(op)]
+            assert api_version == 1 and int(traits) == 1
+
+
+def test_library_built_on_first_use_when_not_packaged(tmp_path, monkeypatch):
+    _cc()
+    monkeypatch.setenv("MOE_RT_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(_xla, "XLA_LIB", "libmoe_rt_xla_absent.so")
+    path = _xla.library_path()
+    assert path.parent == tmp_path / "xla" and path.is_file()
+    import ctypes
+
+    assert ctypes.CDLL(str(path)).moe_rt_xla_topk_with_score
+    assert _xla.library_path() == path  # built once, then found
+
+
+def test_prepare_compiles_lists_and_loads_the_kernels(tmp_path, monkeypatch):
+    # A stand-in CUDA device (sm_90) on this machine: the op's kernels are compiled by NVRTC into the kernel
+    # cache folder and listed in its manifest; loading them then needs the driver, and says so.
+    try:
+        from cupy.cuda import nvrtc
+
+        nvrtc.getVersion()
+        _jit.cuda_include_dir()
+    except Exception as e:  # noqa: BLE001 - any reason NVRTC cannot run here
+        pytest.skip(f"NVRTC or CUDA headers not installed ({e})")
+
+    class Device:
+        compute_capability = "9.0"
+        local_hardware_id = 0
+
+    monkeypatch.setenv("MOE_RT_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("MOE_RT_LIBCUDA", str(tmp_path / "no_libcuda.so"))
+    monkeypatch.setattr(_xla, "cuda_devices", lambda: [Device()])
+    facts = dict(T=37, K=2, E=8, N=74, align_size=1, H=16, dtype=0, has_probs=False, probs_dtype=0)
+    with pytest.raises(RuntimeError, match="no CUDA driver: cannot load"):
+        _xla.prepare("dispatch", **facts)
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["source_hash"] == _jit.source_hash()
+    want = _xla.planned_kernels("dispatch", (9, 0), **facts)
+    assert want and [(r["file"], r["name"]) for r in manifest["kernels"]] == want
+    for row in manifest["kernels"]:
+        assert row["arch"] == _jit.arch_for((9, 0)) and (tmp_path / row["image"]).is_file()
+    _jit.add_to_manifest(str(tmp_path), [(f, n, row["arch"]) for f, n in want])  # merging adds nothing twice
+    assert json.loads((tmp_path / "manifest.json").read_text())["kernels"] == manifest["kernels"]
+
+
+# ---- lowering --------------------------------------------------------------------------------------------
+
+T, E, K, H = 23, 8, 2, 16
+
+
+def _layer(logits, x, bias):
+    probs, _ = mj.topk_with_score(logits, K, score_function="sigmoid", num_groups=4, group_topk=2,
+                                  scaling_factor=2.5, expert_bias=bias)
+    w, idx = jax.lax.top_k(probs.astype(jnp.float32), K)
+    plan = mj.make_plan(idx.astype(jnp.int32), E, align_size=8)
+    xp, pp = mj.dispatch(x, plan, w)
+    y = mj.combine(xp * 2, plan, w)
+    return (y.astype(jnp.float32) ** 2).sum() + (pp ** 2).sum()
+
+
+def _inputs():
+    return (jnp.zeros((T, E), jnp.float32), jnp.zeros((T, H), jnp.bfloat16), jnp.zeros((E,), jnp.float32))
+
+
+def _custom_calls(text):
+    """{target: [(attribute dict, operand count, result types)]} of the lowered module's custom calls."""
+    calls: dict = {}
+    for m in re.finditer(r"stablehlo\.custom_call @(\w+)\(([^)]*)\) \{[^\n]*?mhlo\.backend_config = \{([^}]*)\}"
+                         r"[^\n]*-> \(?([^\n]*)", text):
+        attrs = dict(kv.strip().split(" = ", 1) for kv in m.group(3).split(","))
+        calls.setdefault(m.group(1), []).append((attrs, len([a for a in m.group(2).split(",") if a.strip()]),
+                                                 m.group(4)))
+    return calls
+
+
+def test_lowering_for_cuda_gives_custom_calls_with_the_static_facts():
+    f = jax.jit(jax.value_and_grad(_layer, argnums=(0, 1)))
+    text = f.trace(*_inputs()).lower(lowering_platforms=("cuda",)).as_text()
+    calls = _custom_calls(text)
+    assert "xla_buffer_python_gpu_callback" not in text
+    for op in ("topk_with_score", "topk_with_score_backward", "make_plan", "dispatch", "dispatch_backward",
+               "combine", "combine_backward"):
+        assert _xla.target(op) in calls, (op, sorted(calls))
+    (topk, n_in, _), = calls["moe_rt_topk_with_score"]
+    assert topk == {"group_topk": "2 : i32", "has_bias": "1 : i32", "num_groups": "4 : i32",
+                    "scaling_factor": "2.500000e+00 : f32", "score_function": "0 : i32", "topk": "2 : i32",
+                    "use_pre_softmax": "0 : i32"}
+    assert n_in == 2  # logits, expert_bias
+    (bwd, n_in, _), = calls["moe_rt_topk_with_score_backward"]
+    assert bwd == {"scaling_factor": "2.500000e+00 : f32", "score_function": "0 : i32", "topk": "2 : i32",
+                   "use_pre_softmax": "0 : i32"} and n_in == 3
+    (plan, n_in, results), = calls["moe_rt_make_plan"]
+    assert plan == {"align_size": "8 : i32", "num_experts": "8 : i32", "num_out_tokens": "-1 : i64"} and n_in == 1
+    ws = _xla.make_plan_workspace_bytes(T, K, E)
+    assert f"tensor<{ws}xui8>" in results  # the workspace comes from XLA, as a result
+    (disp, n_in, results), = calls["moe_rt_dispatch"]
+    assert disp == {"align_size": "8 : i32"} and n_in == 7  # the plan's five arrays, x, probs
+    N = (T * K + E * 7) // 8 * 8
+    assert f"tensor<{N}x{H}xbf16>" in results and f"tensor<{N}xf32>" in results
+    assert calls["moe_rt_combine_backward"][0][1] == 8  # the plan, grad_y, y_permuted, probs
+    assert calls["moe_rt_dispatch_backward"][0][1] == 7
+
+
+def test_lowering_for_cpu_runs_the_reference():
+    text = jax.jit(_layer).trace(*_inputs()).lower(lowering_platforms=("cpu",)).as_text()
+    assert "@moe_rt_" not in text and "xla_buffer_python" in text
+
+
+def test_lowering_without_probs_and_under_vmap():
+    def f(idx, x):
+        plan = mj.make_plan(idx, E, num_out_tokens=T)
+        xp, pp = mj.dispatch(x, plan)
+        assert pp is None
+        return mj.combine(xp, plan)
+
+    idx = jnp.zeros((3, T, K), jnp.int32)
+    x = jnp.zeros((3, T, H), jnp.float32)
+    text = jax.jit(jax.vmap(f)).trace(idx, x).lower(lowering_platforms=("cuda",)).as_text()
+    calls = _custom_calls(text)
+    assert calls["moe_rt_make_plan"][0][0]["num_out_tokens"] == f"{T} : i64"
+    assert calls["moe_rt_dispatch"][0][1] == 6 and calls["moe_rt_combine"][0][1] == 6
+    assert "stablehlo.while" in text  # once per batch element, in order
+
+
+def test_formats_not_moved_keep_the_callback_path():
+    def f(logits):
+        return mj.topk_with_score(logits, K, routing_map_format="bitmap_u8")
+
+    text = jax.jit(f).trace(jnp.zeros((T, E), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "@moe_rt_" not in text and "xla_buffer_python_gpu_callback" in text
+
+
+def test_bad_input_raises_when_traced_as_before():
+    lg, x, bias = _inputs()
+    with pytest.raises(ValueError, match="topk"):
+        jax.jit(lambda l: mj.topk_with_score(l, E + 1)).trace(lg)
+    with pytest.raises(ValueError, match="expert_bias"):
+        jax.jit(lambda l, b: mj.topk_with_score(l, K, score_function="softmax", expert_bias=b)).trace(lg, bias)
+    with pytest.raises(ValueError, match="align_size"):
+        jax.jit(lambda i: mj.make_plan(i, E, align_size=0)).trace(jnp.zeros((T, K), jnp.int32))
+    with pytest.raises(TypeError, match="routing"):
+        jax.jit(lambda i: mj.make_plan(i, E)).trace(jnp.zeros((T, K), jnp.float32))
+
+    def bad_x(x):
+        plan = mj.make_plan(jnp.zeros((T, K), jnp.int32), E)
+        return mj.dispatch(x[:-1], plan)
+
+    with pytest.raises(ValueError, match="x: expected 23 rows"):
+        jax.jit(bad_x).trace(x)
+
+
+def test_vmap_on_cpu_equals_a_loop(rng):
+    idx = np.stack([np.stack([rng.permutation(E)[:K] for _ in range(T)]) for _ in range(3)]).astype(np.int32)
+    idx[:, ::5, -1] = -1
+    x = rng.standard_normal((3, T, H)).astype(np.float32)
+    w = rng.random((3, T, K)).astype(np.float32)
+
+    def f(i, x, w):
+        plan = mj.make_plan(i, E, align_size=4)
+        xp, pp = mj.dispatch(x, plan, w)
+        return mj.combine(xp * 3, plan, w), pp
+
+    with jax.default_device(jax.devices("cpu")[0]):
+        got = jax.jit(jax.vmap(f))(idx, x, w)
+        for b in range(3):
+            want = f(idx[b], x[b], w[b])
+            for g, v in zip(got, want):
+                np.testing.assert_array_equal(np.asarray(g[b]), np.asarray(v))
+
+
+# ---- on a GPU -----------------------------------------------------------------------------------------------
+
+def _router_case(rng, T, E, dtype):
+    # tie-free logits: a permutation of distinct values
+    logits = jnp.asarray((rng.permutation(T * E).reshape(T, E) / (T * E) - 0.5) * 8, dtype)
+    return logits, jnp.asarray(rng.standard_normal(E) * 0.1, jnp.float32)
+
+
+def _bits(a):
+    a = a.get() if type(a).__module__.startswith("cupy") else np.asarray(a)
+    return a.dtype, a.shape, a.tobytes()
+
+
+ROUTER_CASES = [
+    dict(score_function="sigmoid", num_groups=8, group_topk=4, scaling_factor=2.5, bias=True),
+    dict(score_function="softmax", use_pre_softmax=True),
+    dict(score_function="softmax"),
+    dict(score_function="sqrtsoftplus", bias=True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case", ROUTER_CASES, ids=lambda c: c["score_function"])
+def test_router_ffi_matches_reference_and_direct_path(dtype, case, rng):
+    import moe_rt
+
+    T, E, K = 517, 64, 8
+    case = dict(case)
+    bias_on = case.pop("bias", False)
+    logits, bias = _router_case(rng, T, E, jnp.dtype(dtype))
+    bias = bias if bias_on else None
+    gy = jnp.asarray(rng.standard_normal((T, E)), jnp.dtype(dtype))
+
+    def fwd(l, b):
+        return mj.topk_with_score(l, K, expert_bias=b, **case)
+
+    def loss(l, b):
+        probs, _ = fwd(l, b)
+        return (probs.astype(jnp.float32) * gy.astype(jnp.float32)).sum()
+
+    probs, rmap = jax.jit(fwd)(logits, bias)
+    grad = jax.jit(jax.grad(loss))(logits, bias)
+    # the direct path (moe_rt's op on the same device arrays, kernels through CuPy): the same bits
+    dp, dm, di = moe_rt.topk_with_score(logits, K, expert_bias=bias, **case)
+    assert _bits(probs) == _bits(dp) and _bits(rmap) == _bits(dm)
+    g_direct = moe_rt.topk_with_score_backward(
+        (gy.astype(jnp.float32) * 1).astype(jnp.dtype(dtype)), dm, di, K, score_function=case["score_function"],
+        use_pre_softmax=case.get("use_pre_softmax", False), scaling_factor=case.get("scaling_factor"))
+    assert _bits(grad) == _bits(g_direct)
+    # the NumPy reference (the same function on the CPU)
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        lc, bc = jax.device_put(logits, cpu), None if bias is None else jax.device_put(bias, cpu)
+        rp, rm = jax.jit(fwd)(lc, bc)
+    np.testing.assert_array_equal(np.asarray(rmap), np.asarray(rm))
+    tol = 2e-2 if dtype == "bfloat16" else 1e-5
+    np.testing.assert_allclose(np.asarray(probs, np.float32), np.asarray(rp, np.float32), rtol=tol, atol=tol)
+
+
+def _perm_case(rng, T, E, K, H, dtype):
+    idx = np.stack([rng.permutation(E)[:K] for _ in range(T)]).astype(np.int32)
+    idx[::7, -1] = -1
+    x = jnp.asarray(rng.standard_normal((T, H)), dtype)
+    w = jnp.asarray(rng.random((T, K)), jnp.float32)
+    gy = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
+    return jnp.asarray(idx), x, w, gy
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("align_size,num_out", [(1, None), (16, None), (8, 900)])
+@pytest.mark.parametrize("remat", [False, True])
+def test_permutation_ffi_matches_reference_and_direct_path(dtype, align_size, num_out, remat, rng):
+    import moe_rt
+
+    T, E, K, H = 517, 64, 8, 136
+    idx, x, w, gy = _perm_case(rng, T, E, K, H, jnp.dtype(dtype))
+
+    def step(x, w, idx, gy):
+        plan = mj.make_plan(idx, E, align_size=align_size, num_out_tokens=num_out)
+        xp, pp = mj.dispatch(x, plan, w)
+        y = mj.combine(xp * 2, plan, w)
+        return (y.astype(jnp.float32) * gy).sum() + (pp ** 2).sum(), (plan, xp, pp, y)
+
+    f = jax.checkpoint(step) if remat else step
+    (val, (plan, xp, pp, y)), grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(x, w, idx, gy)
+    # the direct path, op by op, on the same device arrays
+    dplan = moe_rt.make_plan(idx, E, align_size=align_size, num_out_tokens=num_out)
+    for name, a in zip(mj._PLAN_ARRAYS, plan.arrays):
+        assert _bits(a) == _bits(getattr(dplan, name)), name
+    dxp, dpp = moe_rt.dispatch(x, dplan, w)
+    assert _bits(xp) == _bits(dxp) and _bits(pp) == _bits(dpp)
+    dy = moe_rt.combine(dxp * 2, dplan, w)
+    assert _bits(y) == _bits(dy)
+    # the reference: the same step on the CPU
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        rv, rg = jax.jit(jax.value_and_grad(lambda *a: f(*a)[0], argnums=(0, 1)))(
+            *(jax.device_put(a, cpu) for a in (x, w, idx, gy)))
+    tol = 2e-2 if dtype == "bfloat16" else 1e-5
+    np.testing.assert_allclose(float(val), float(rv), rtol=tol)
+    for g, r in zip(grads, rg):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32), rtol=tol, atol=tol)
+    # checkpointed and plain give the same bits
+    if remat:
+        _, plain = jax.jit(jax.value_and_grad(lambda *a: step(*a)[0], argnums=(0, 1)))(x, w, idx, gy)
+        for a, b in zip(grads, plain):
+            assert _bits(a) == _bits(b)
+
+
+@pytest.mark.gpu
+def test_ffi_under_vmap_equals_a_loop_on_gpu(rng):
+    T, E, K, H = 129, 16, 4, 72
+    cases = [_perm_case(rng, T, E, K, H, jnp.bfloat16) for _ in range(3)]
+    idx, x, w, _ = (jnp.stack(a) for a in zip(*cases))
+
+    def f(i, x, w):
+        plan = mj.make_plan(i, E, align_size=8)
+        xp, pp = mj.dispatch(x, plan, w)
+        return mj.combine(xp, plan, w), pp, plan.tokens_per_expert
+
+    got = jax.jit(jax.vmap(f))(idx, x, w)
+    for b in range(3):
+        want = jax.jit(f)(idx[b], x[b], w[b])
+        for g, v in zip(got, want):
+            assert _bits(g[b]) == _bits(v)
+
+
+@pytest.mark.gpu
+def test_bad_expert_ids_raise_at_check(rng):
+    import moe_rt
+
+    T, E, K = 37, 8, 2
+    idx = np.stack([rng.permutation(E)[:K] for _ in range(T)]).astype(np.int32)
+    idx[5, 1] = E + 3
+    moe_rt.check()
+    plan = jax.jit(lambda i: mj.make_plan(i, E))(jnp.asarray(idx))
+    jax.block_until_ready(plan.arrays)
+    with pytest.raises(ValueError, match=rf"routing: expert ids must be in \[-1, num_experts={E}\), got {E + 3}"):
+        moe_rt.check()
+    moe_rt.check()  # read and cleared
+    assert int(np.asarray(plan.counts).sum()) == T * K - 1  # the bad slot was dropped
+
+
+_COMMAND_BUFFER_SCRIPT = textwrap.dedent("""
+    import sys
+    import numpy as np
+    import jax, jax.numpy as jnp
+    import moe_rt.jax as mj
+
+    T, E, K, H = 517, 64, 8, 136
+    rng = np.random.default_rng(3)
+
+    def loss(logits, x, bias, gy):
+        probs, _ = mj.topk_with_score(logits, K, score_function="sigmoid", num_groups=8, group_topk=4,
+                                      scaling_factor=2.5, expert_bias=bias)
+        w, idx = jax.lax.top_k(probs.astype(jnp.float32), K)
+        plan = mj.make_plan(idx.astype(jnp.int32), E, align_size=8)
+        xp, pp = mj.dispatch(x, plan, w)
+        y = mj.combine(xp * 2, plan, w)
+        return (y.astype(jnp.float32) * gy).sum() + (pp ** 2).sum()
+
+    args = (jnp.asarray(rng.permutation(T * E).reshape(T, E) / (T * E), jnp.float32),
+            jnp.asarray(rng.standard_normal((T, H)), jnp.bfloat16),
+            jnp.asarray(rng.standard_normal(E) * 0.1, jnp.float32),
+            jnp.asarray(rng.standard_normal((T, H)), jnp.float32))
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    compiled = step.lower(*args).compile()
+    print("COMMAND_BUFFER_HLO", "command_buffer" in compiled.as_text())
+    outs = [step(*args) for _ in range(3)]
+    leaves = [np.asarray(a) for a in jax.tree_util.tree_leaves(outs[-1])]
+    for o in outs[:-1]:
+        assert all(np.asarray(a).tobytes() == b.tobytes() for a, b in zip(jax.tree_util.tree_leaves(o), leaves))
+    np.savez(sys.argv[1], *leaves)
+""")
+
+
+def _mentions_command_buffer(dump: Path) -> bool:
+    """Whether XLA's dumps show a command buffer (not counting the flags themselves)."""
+    for p in dump.rglob("*"):
+        if not p.is_file() or "debug_options" in p.name:
+            continue
+        for line in p.read_text(errors="ignore").lower().splitlines():
+            if ("command_buffer" in line or "commandbuffer" in line) and "xla_gpu_" not in line:
+                return True
+    return False
+
+
+@pytest.mark.gpu
+def test_layer_step_with_command_buffers_gives_the_same_bits(tmp_path):
+    script = tmp_path / "step.py"
+    script.write_text(_COMMAND_BUFFER_SCRIPT)
+    results = {}
+    for name, flags in (("off", "--xla_gpu_enable_command_buffer="),
+                        ("on", "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1")):
+        dump = tmp_path / f"dump_{name}"
+        env = dict(os.environ, XLA_FLAGS=f"{flags} --xla_dump_to={dump}")
+        r = subprocess.run([sys.executable, str(script), str(tmp_path / f"{name}.npz")], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stdout + r.stderr
+        # command buffers show in the optimized HLO or, where XLA forms them from thunks, in its dumps
+        results[name] = "COMMAND_BUFFER_HLO True" in r.stdout or _mentions_command_buffer(dump)
+    assert results["on"], "no command buffer was formed with command buffers enabled"
+    off, on = np.load(tmp_path / "off.npz"), np.load(tmp_path / "on.npz")
+    assert sorted(off.files) == sorted(on.files)
+    for k in off.files:
+        assert off[k].dtype == on[k].dtype and off[k].tobytes() == on[k].tobytes(), k
