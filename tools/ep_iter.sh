@@ -4,8 +4,9 @@
 # too), and the EP benchmark at each rank count in RANKS.
 #   tools/ep_iter.sh OUTDIR [TOKENS]      (TOKENS: bench_ep's --tokens, default 4096,16384)
 # Environment: RANKS (default "4 2"; "2" on a 2-GPU machine), LL=1 (low-latency tests and bench at T=128),
-# TESTS (pytest -k expression for tests/test_ep.py's multi-GPU tests, default every one; none: skip them), EXTRA_TESTS (one-GPU
-# pytest arguments run on GPU 0 after), FP8=1 (bench_ep --fp8: FP8 dispatch rows beside bf16), DEMO_EP=1 (the torch EP demo on an empty kernel cache first, timed).
+# TESTS (pytest -k expression for tests/test_ep.py's multi-GPU tests, default every one; none: skip them),
+# EXTRA_TESTS (more pytest arguments, run with -m "gpu or multi_gpu" after), FP8=1 (bench_ep --fp8: FP8 dispatch
+# rows beside bf16), DEMO_EP=1 (the torch EP demo on an empty kernel cache first, timed).
 set -u
 OUT=${1:?usage: tools/ep_iter.sh OUTDIR [TOKENS]}
 TOK=${2:-4096,16384}
@@ -27,7 +28,7 @@ if [ -n "${LL:-}" ]; then
   grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/ll_tests.log" | head -30
 fi
 if [ -n "${EXTRA_TESTS:-}" ]; then
-  step extra_tests 300 python3 -m pytest -q -rf -m gpu $EXTRA_TESTS
+  step extra_tests 300 python3 -m pytest -q -rf -m "gpu or multi_gpu" $EXTRA_TESTS
   grep -E "^FAILED|^ERROR" "$OUT/extra_tests.log" | head -30; tail -2 "$OUT/extra_tests.log"
 fi
 for n in $RANKS; do
