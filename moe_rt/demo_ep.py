@@ -1,7 +1,8 @@
 """``python -m moe_rt demo --ep N``: the demo's MoE layer with expert parallelism over N GPUs.
 
 The parent process starts N workers (``python -m moe_rt.demo_ep``), one per GPU (each sees only its GPU
-through ``CUDA_VISIBLE_DEVICES``); they share the NCCL unique id through a file (torch) or jax.distributed's
+through ``CUDA_VISIBLE_DEVICES``; in the low-latency mode, which needs peer access, every GPU, rank r using GPU
+r through ``LOCAL_RANK``); they share the NCCL unique id through a file (torch) or jax.distributed's
 key-value store (JAX). Each rank holds ``--tokens`` tokens and ``E/N`` experts and runs:
 
 router (fp32 logits -> ``topk_with_score``, top-k of the probs as ``topk_idx``/``topk_weights``, the aux
@@ -63,6 +64,12 @@ def run(cfg, framework: str, n: int, ep_mode: str = "normal") -> int:
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK="0", CUDA_VISIBLE_DEVICES=str(r),
                    MOE_RT_UID_FILE=os.path.join(tmp, "nccl_uid"), MOE_RT_COORDINATOR=f"127.0.0.1:{port}",
                    NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1", XLA_PYTHON_CLIENT_PREALLOCATE="false")
+        if ep_mode == "low_latency":  # peer access needs every GPU visible: rank r uses GPU r
+            env["LOCAL_RANK"] = str(r)
+            if "CUDA_VISIBLE_DEVICES" in os.environ:
+                env["CUDA_VISIBLE_DEVICES"] = os.environ["CUDA_VISIBLE_DEVICES"]
+            else:
+                del env["CUDA_VISIBLE_DEVICES"]
         args = [sys.executable, "-m", "moe_rt.demo_ep", "--framework", framework]
         for k in ("tokens", "experts", "topk", "hidden", "ffn", "steps", "seed"):
             args += [f"--{k}", str(getattr(cfg, k))]
@@ -129,9 +136,10 @@ def _torch_worker(cfg, rank, n, ep_mode="normal"):
     from moe_rt.demo import _progress
 
     cpu = _cpu_dry_run(n)
+    local = int(os.environ.get("LOCAL_RANK", "0"))  # the GPU among the visible ones
     if not cpu:
-        torch.cuda.set_device(0)
-    comm = None if cpu else init_communicator(rank, n, 0, method="file")
+        torch.cuda.set_device(local)
+    comm = None if cpu else init_communicator(rank, n, local, method="file")
     dev, dtype = ("cpu", torch.float32) if cpu else ("cuda", torch.bfloat16)
     T, E, K, H, F = cfg.tokens, cfg.experts, cfg.topk, cfg.hidden, cfg.ffn
     L = E // n
@@ -270,7 +278,7 @@ def _jax_worker(cfg, rank, n, ep_mode="normal"):
     cpu = _cpu_dry_run(n)
     if not cpu:
         jax.distributed.initialize(coordinator_address=os.environ["MOE_RT_COORDINATOR"], num_processes=n,
-                                   process_id=rank, local_device_ids=[0])
+                                   process_id=rank, local_device_ids=[int(os.environ.get("LOCAL_RANK", "0"))])
     import jax.numpy as jnp
 
     import moe_rt
@@ -278,7 +286,7 @@ def _jax_worker(cfg, rank, n, ep_mode="normal"):
     from moe_rt.bootstrap import init_communicator
     from moe_rt.demo import jax_plain_aux, jax_plain_moe, jax_stage_times
 
-    comm = None if cpu else init_communicator(rank, n, 0, method="jax")
+    comm = None if cpu else init_communicator(rank, n, int(os.environ.get("LOCAL_RANK", "0")), method="jax")
     dev = jax.devices("cpu")[0] if cpu else jax.local_devices()[0]
     dtype = jnp.float32 if cpu else jnp.bfloat16
     T, E, K, H, F = cfg.tokens, cfg.experts, cfg.topk, cfg.hidden, cfg.ffn
@@ -343,9 +351,10 @@ def _jax_worker(cfg, rank, n, ep_mode="normal"):
     if comm is not None:
         import cupy as cp
 
-        g_dev = cp.asarray(g_wr)  # this rank's share; the sum over ranks is the whole batch's gradient
-        comm.all_reduce(g_dev.data.ptr, g_dev.data.ptr, g_dev.size, "float32", cp.cuda.get_current_stream().ptr)
-        g_wr = g_dev.get()
+        with cp.cuda.Device(int(os.environ.get("LOCAL_RANK", "0"))):
+            g_dev = cp.asarray(g_wr)  # this rank's share; the sum over ranks is the whole batch's gradient
+            comm.all_reduce(g_dev.data.ptr, g_dev.data.ptr, g_dev.size, "float32", cp.cuda.get_current_stream().ptr)
+            g_wr = g_dev.get()
     host = lambda a: np.asarray(jnp.asarray(a, jnp.float32))  # noqa: E731
     checks = {"output": _rel(host(y), host(y_ref[lo:lo + T])), "aux_loss": _rel(host(aux), host(aux_ref[rank])),
               "grad x": _rel(host(g[0]), host(g_ref[0][lo:lo + T])), "grad w_router": _rel(g_wr, host(g_ref[1]))}
