@@ -1,5 +1,5 @@
-// Expert parallelism (moe_rt/ep.py, docs/ep.md §2-§3): the device side of prepare (routing all-gather
-// input, per-pair membership scans, offsets and flags, the received rows' local routing), the row pack
+// Expert parallelism (moe_rt/ep.py, docs/ep.md §2-§3): the device side of prepare (per-pair membership
+// scans and counts, offsets and flags, the received rows' local routing), the row pack
 // before the NCCL send/recv, and the owner-side fixed-order sum over ranks after the reverse transfer.
 //
 // Handle regions (include/moe_rt/moe_rt.h) are passed as separate pointers. Every result is written by
@@ -22,15 +22,39 @@ using namespace moe_rt;
 #define META_RECV_ROWS(R) (5 * (R) + 6)
 #define META_SEND_ROWS(R) (5 * (R) + 7)
 
-// routing[i] for i < Tmax*K: the expert id of flat slot i (-1 for no expert, ids outside [0, E) and
-// rows t >= T, so peers never read stale routing); routing[Tmax*K] = T. Ids outside [-1, E) are
-// recorded in the device's error word `err` (common.cuh) before they become -1.
+// ---- prepare (moe_rt/ep.py _prepare_cuda) -----------------------------------------------------------
+// Only counts and the rows' own routing cross between ranks; no rank sees another's whole routing table.
+// A "box" (per receiving rank) holds what each source s sends it: counts [R][2] (s*2 + 0: tokens of the
+// pair before pair-capacity drops, s*2 + 1: local expert slots of the kept tokens) and rows [R][P][K+1]
+// (s*P + j: the j-th kept token t of the pair, then the local ids of its K experts on the receiver, -1 for
+// the others). Direct transport: every rank's box is IPC-shared (peer_box[r], two halves of half_ints ints
+// picked by the parity of the barrier epoch: the writers of one prepare and the readers of the previous
+// one never share a half, since a writer has passed every rank's barrier of the op in between). NCCL
+// transport: the counts of rank s to d at counts[s*2R + 2d] (an all-gather of [R][2] per rank), the rows
+// to d != me in a local outbox [R][P][K+1] sent with grouped send/recv into the inbox (own share written
+// there straight away).
+
+// One block per destination d (grid R). Spread over the blocks, this rank's routing into the handle:
+// routing[i] for i < Tmax*K the expert id of flat slot i (-1 for no expert, ids outside [0, E) and rows
+// t >= T), routing[Tmax*K] = T; ids outside [-1, E) are recorded in the device's error word `err`
+// (common.cuh) and count as -1. Then block d walks the tokens in ascending order with a block-wide scan
+// (list positions are stable; a token is a member of the pair (me, d) when one of its experts lives on d):
+// send_tok[d][pos] = t, send_pos[d][t] = pos (or -1), meta send_counts[d]; positions >= P (pair capacity)
+// are dropped, list entries past the kept count are -1; each kept token's box row and the pair's counts
+// go to d's box (direct: peer_box, the half of epoch state[0] + 1, the one the op's barrier advances to;
+// skipped after a failed barrier) or to counts / outbox / inbox (NCCL).
 template <typename IdxT>
-__global__ void ep_routing_pack(const IdxT* __restrict__ idx, i64 T, int Tmax, int K, int E,
-                                int* __restrict__ routing, unsigned* __restrict__ err) {
+__global__ void ep_prepare_send(const IdxT* __restrict__ idx, i64 T, int Tmax, int K, int E, int R, int me, int L,
+                                int P, int* __restrict__ routing, int* __restrict__ send_tok,
+                                int* __restrict__ send_pos, int* __restrict__ meta,
+                                const long long* __restrict__ peer_box, const unsigned* __restrict__ state,
+                                i64 half_ints, int* __restrict__ counts, int* __restrict__ outbox,
+                                int* __restrict__ inbox, unsigned* __restrict__ err) {
+  __shared__ int scratch[32];
+  const int d = blockIdx.x;
   const i64 n = (i64)Tmax * K;
   const i64 valid = T * K;
-  for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i <= n; i += (i64)gridDim.x * blockDim.x) {
+  for (i64 i = (i64)d * blockDim.x + threadIdx.x; i <= n; i += (i64)gridDim.x * blockDim.x) {
     if (i == n) {
       routing[i] = (int)T;
     } else if (i < valid) {
@@ -42,67 +66,70 @@ __global__ void ep_routing_pack(const IdxT* __restrict__ idx, i64 T, int Tmax, i
       routing[i] = -1;
     }
   }
-}
-
-// One block per pair involving this rank: blocks [0, R) scan (src = me, dst = j), blocks [R, 2R) scan
-// (src = j - R, dst = me). A token is a member of (src, dst) when one of its experts lives on dst. The
-// block walks tokens in ascending order with a block-wide scan, so list positions are stable.
-//   send side: send_tok[dst][pos] = t, send_pos[dst][t] = pos (or -1), meta send_counts[dst]
-//   recv side: recv_tok[src][pos] = t, meta recv_counts[src], recv_slots[src] (local slots kept)
-// Positions >= P (pair capacity) are dropped; list entries past the kept count are -1.
-#if MOE_RT_WANTS(ep_scan_pairs)
-extern "C" __global__ void ep_scan_pairs(const int* __restrict__ routing, int R, int me, int Tmax, int K,
-                                         int L, int P, int* __restrict__ send_tok, int* __restrict__ send_pos,
-                                         int* __restrict__ recv_tok, int* __restrict__ meta) {
-  __shared__ int scratch[32];
-  const int j = blockIdx.x;
-  const bool send = j < R;
-  const int src = send ? me : j - R;
-  const int dst = send ? j : me;
-  const int* rt = routing + (i64)src * ((i64)Tmax * K + 1);
-  int Tsrc = rt[(i64)Tmax * K];
-  Tsrc = Tsrc < 0 ? 0 : (Tsrc > Tmax ? Tmax : Tsrc);
-  int* list = (send ? send_tok : recv_tok) + (i64)(send ? dst : src) * P;
+  const int W = K + 1;
+  int* rows_d;
+  int* cnt_d;
+  bool boxed = true;
+  if (peer_box != nullptr) {
+    boxed = state[1] == 0u;
+    int* box = reinterpret_cast<int*>(peer_box[d]) + (i64)((state[0] + 1u) & 1u) * half_ints;
+    cnt_d = box + 2 * me;
+    rows_d = box + 2 * R + (i64)me * P * W;
+  } else {
+    cnt_d = counts + 2 * d;
+    rows_d = d == me ? inbox + (i64)me * P * W : outbox + (i64)d * P * W;
+  }
+  const i64 lo = (i64)d * L, hi = lo + L;
   int carry = 0, slot_acc = 0;
   for (int base = 0; base < Tmax; base += blockDim.x) {
     const int t = base + threadIdx.x;
     int flag = 0, slots = 0;
-    if (t < Tsrc) {
-      const int* row = rt + (i64)t * K;
+    if (t < T) {
+      const IdxT* row = idx + (i64)t * K;
       for (int k = 0; k < K; ++k) {
-        const int e = row[k];
-        if (e >= 0 && e / L == dst) { flag = 1; ++slots; }
+        const i64 e = (i64)row[k];
+        if (e >= lo && e < hi) { flag = 1; ++slots; }
       }
     }
     int total;
     const int incl = block_inclusive_scan(flag, scratch, &total);
     const int pos = carry + incl - flag;
     const bool kept = flag && pos < P;
-    if (kept) { list[pos] = t; slot_acc += slots; }
-    if (send && t < Tmax) send_pos[(i64)dst * Tmax + t] = kept ? pos : -1;
+    if (kept) {
+      send_tok[(i64)d * P + pos] = t;
+      slot_acc += slots;
+      if (boxed) {
+        const IdxT* row = idx + (i64)t * K;
+        int* o = rows_d + (i64)pos * W;
+        o[0] = t;
+        for (int k = 0; k < K; ++k) {
+          const i64 e = (i64)row[k];
+          o[1 + k] = (e >= lo && e < hi) ? (int)(e - lo) : -1;
+        }
+      }
+    }
+    if (t < Tmax) send_pos[(i64)d * Tmax + t] = kept ? pos : -1;
     carry += total;
   }
-  for (int p = (carry < P ? carry : P) + threadIdx.x; p < P; p += blockDim.x) list[p] = -1;
+  for (int p = (carry < P ? carry : P) + threadIdx.x; p < P; p += blockDim.x) send_tok[(i64)d * P + p] = -1;
   int slots_total;
   block_inclusive_scan(slot_acc, scratch, &slots_total);
   if (threadIdx.x == 0) {
-    if (send) {
-      meta[META_SEND_COUNTS(R) + dst] = carry;
-    } else {
-      meta[META_RECV_COUNTS(R) + src] = carry;
-      meta[META_RECV_SLOTS(R) + src] = slots_total;
+    meta[META_SEND_COUNTS(R) + d] = carry;
+    if (d == 0) meta[META_NUM_TOKENS(R)] = (int)T;
+    if (boxed) {
+      cnt_d[0] = carry;
+      cnt_d[1] = slots_total;
     }
   }
 }
-#endif
 
-// Offsets and flags (one thread; R is small). Exact mode (exact = 1): segments packed back to back with
-// the kept counts; capacity mode: every segment is P rows. The own destination takes no send rows.
-// capacity < 0: no expert-major capacity.
-#if MOE_RT_WANTS(ep_plan_meta)
-extern "C" __global__ void ep_plan_meta(int* __restrict__ meta, const int* __restrict__ routing, int R, int me,
-                                        int Tmax, int K, int P, int exact, i64 capacity) {
-  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+// Offsets and flags (one thread; R is small), after the counts arrived: source s's counts at
+// counts[s*cstride] (the direct transport's box already shifted to the epoch's half). Exact mode
+// (exact = 1): segments packed back to back with the kept counts; capacity mode: every segment is P rows.
+// The own destination takes no send rows. capacity < 0: no expert-major capacity.
+__device__ void plan_meta_body(int* __restrict__ meta, const int* __restrict__ counts, i64 cstride, int R, int me,
+                               int P, int exact, i64 capacity) {
   int pair_over = 0;
   i64 o = 0, send_rows = 0;
   for (int d = 0; d < R; ++d) {
@@ -119,52 +146,88 @@ extern "C" __global__ void ep_plan_meta(int* __restrict__ meta, const int* __res
   o = 0;
   i64 recv_rows = 0, slots = 0;
   for (int s = 0; s < R; ++s) {
-    const int c = meta[META_RECV_COUNTS(R) + s];
+    const int c = counts[(i64)s * cstride];
+    const int sl = counts[(i64)s * cstride + 1];
+    meta[META_RECV_COUNTS(R) + s] = c;
+    meta[META_RECV_SLOTS(R) + s] = sl;
     pair_over |= c > P;
     const int kept = c < P ? c : P;
     meta[META_RECV_OFF(R) + s] = (int)o;
     o += exact ? kept : P;
     recv_rows += kept;
-    slots += meta[META_RECV_SLOTS(R) + s];
+    slots += sl;
   }
   meta[META_RECV_OFF(R) + R] = (int)o;
   meta[META_PAIR_OVERFLOW(R)] = pair_over;
   meta[META_EXPERT_OVERFLOW(R)] = (capacity >= 0 && slots > capacity) ? 1 : 0;
   meta[META_TOTAL_SLOTS(R)] = (int)slots;
-  meta[META_NUM_TOKENS(R)] = routing[(i64)me * ((i64)Tmax * K + 1) + (i64)Tmax * K];
   meta[META_RECV_ROWS(R)] = (int)recv_rows;
   meta[META_SEND_ROWS(R)] = (int)send_rows;
+  meta[META_SEND_ROWS(R) + 1] = 0;  // the region's spare words
+  meta[META_SEND_ROWS(R) + 2] = 0;
+}
+
+// The counts' half of the direct transport's box (state given: the half of epoch state[0]), else `p`.
+__device__ __forceinline__ const int* box_half(const int* p, const unsigned* state, i64 half_ints) {
+  return state != nullptr ? p + (i64)(state[0] & 1u) * half_ints : p;
+}
+
+// plan_meta_body as a kernel of one thread: exact mode, whose host read of the counts sizes the handle
+// before ep_prepare_recv runs (that kernel writes the same meta again).
+#if MOE_RT_WANTS(ep_plan_meta)
+extern "C" __global__ void ep_plan_meta(int* __restrict__ meta, const int* __restrict__ counts, i64 cstride,
+                                        const unsigned* __restrict__ state, i64 half_ints, int R, int me, int P,
+                                        int exact, i64 capacity) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  plan_meta_body(meta, box_half(counts, state, half_ints), cstride, R, me, P, exact, capacity);
 }
 #endif
 
-// recv_local[row][k]: local id of the k-th expert of the token received in `row` when it lives on this
-// rank, else -1 (and -1 for every k of an unused row). A routing for the permutation plan with L experts.
-#if MOE_RT_WANTS(ep_recv_local)
-extern "C" __global__ void ep_recv_local(const int* __restrict__ routing, const int* __restrict__ recv_tok,
-                                         const int* __restrict__ meta, int R, int me, int Tmax, int K, int L,
-                                         int P, i64 rows, int* __restrict__ recv_local) {
-  const int* off = meta + META_RECV_OFF(R);
-  for (i64 row = (i64)blockIdx.x * blockDim.x + threadIdx.x; row < rows; row += (i64)gridDim.x * blockDim.x) {
-    int t = -1, src = 0;
+// The received side of the plan once the counts and box rows arrived (as ep_plan_meta: counts of source s
+// at counts[s*cstride]; its row j at rows_in + (s*P + j)*(K+1); both + the epoch's half when state is
+// given). Block 0's thread 0 writes the meta region (plan_meta_body); every block derives the received
+// rows' segments itself (dynamic shared memory: 2R + 1 ints). recv_tok[s][j] = the token (-1 past the
+// kept count); recv_local[row][k] = the local id of the k-th expert of the token received in `row` when it
+// lives on this rank, else -1 (-1 for every k of an unused row): a routing for the permutation plan with
+// L experts.
+#if MOE_RT_WANTS(ep_prepare_recv)
+extern "C" __global__ void ep_prepare_recv(int* __restrict__ meta, const int* __restrict__ counts, i64 cstride,
+                                           const int* __restrict__ rows_in, const unsigned* __restrict__ state,
+                                           i64 half_ints, int R, int me, int P, int K, int exact, i64 capacity,
+                                           i64 rows, int* __restrict__ recv_tok, int* __restrict__ recv_local) {
+  extern __shared__ int seg[];  // seg[s] = first row of source s (s <= R), seg[R + 1 + s] = its kept count
+  counts = box_half(counts, state, half_ints);
+  rows_in = box_half(rows_in, state, half_ints);
+  if (threadIdx.x == 0) {
+    if (blockIdx.x == 0) plan_meta_body(meta, counts, cstride, R, me, P, exact, capacity);
+    int o = 0;
     for (int s = 0; s < R; ++s) {
-      const i64 lo = off[s];
-      const i64 kept = min(meta[META_RECV_COUNTS(R) + s], P);
-      if (row >= lo && row < lo + kept) {
-        src = s;
-        t = recv_tok[(i64)s * P + (row - lo)];
+      const int c = counts[(i64)s * cstride];
+      const int kept = c < P ? c : P;
+      seg[s] = o;
+      seg[R + 1 + s] = kept;
+      o += exact ? kept : P;
+    }
+    seg[R] = o;
+  }
+  __syncthreads();
+  const int W = K + 1;
+  const i64 step = (i64)gridDim.x * blockDim.x;
+  const i64 first = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+  for (i64 i = first; i < (i64)R * P; i += step) {
+    const int s = (int)(i / P);
+    recv_tok[i] = i - (i64)s * P < seg[R + 1 + s] ? rows_in[i * W] : -1;
+  }
+  for (i64 row = first; row < rows; row += step) {
+    const int* src = nullptr;
+    for (int s = 0; s < R; ++s) {
+      if (row >= seg[s] && row < (i64)seg[s] + seg[R + 1 + s]) {
+        src = rows_in + ((i64)s * P + (row - seg[s])) * W + 1;
         break;
       }
     }
     int* out = recv_local + row * K;
-    if (t < 0) {
-      for (int k = 0; k < K; ++k) out[k] = -1;
-      continue;
-    }
-    const int* rt = routing + (i64)src * ((i64)Tmax * K + 1) + (i64)t * K;
-    for (int k = 0; k < K; ++k) {
-      const int e = rt[k];
-      out[k] = (e >= 0 && e / L == me) ? e - me * L : -1;
-    }
+    for (int k = 0; k < K; ++k) out[k] = src != nullptr ? src[k] : -1;
   }
 }
 #endif

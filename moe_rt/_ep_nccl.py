@@ -273,6 +273,23 @@ class NcclTransport:
         finally:
             comm.group_end()
 
+    def exchange_box(self, s, outbox, inbox, send, recv, row_ints, P):
+        """prepare's rows (kernels/ep.cu, prepare) in one grouped NCCL exchange on stream ``s``: peer p gets
+        ``send[p]`` rows of ``row_ints`` int32 from ``outbox`` + its p*P rows, and this rank receives
+        ``recv[p]`` rows into ``inbox`` + p*P rows (device addresses; the own share never goes through NCCL)."""
+        comm, me, b = self.comm, self.rank, 4 * row_ints
+        comm.group_start()
+        try:
+            for p in range(comm.size):
+                if p == me:
+                    continue
+                if send[p]:
+                    comm.send(outbox + p * P * b, send[p] * row_ints, "int32", p, s.ptr)
+                if recv[p]:
+                    comm.recv(inbox + p * P * b, recv[p] * row_ints, "int32", p, s.ptr)
+        finally:
+            comm.group_end()
+
     def _back_buffers(self, call, h, dtype, with_w):
         """(row bytes, rows coming back [send rows, H], their weight partials [send rows, K] or None) of a
         reverse transfer: what was received goes back, into the rows that were sent."""
@@ -345,7 +362,7 @@ class NcclTransport:
                         (back.data.ptr if back.size else 0, own.data.ptr if has_own else 0, out,
                          back_w.data.ptr if back_w is not None and back_w.size else 0,
                          zw.data.ptr if zw is not None and zw.size else 0, gw if gw is not None else 0,
-                         h.view("send_pos"), routing_view(h)[me * (Tmax * K + 1):], h.view("meta"),
+                         h.view("send_pos"), routing_view(h), h.view("meta"),
                          np.int32(R), np.int32(me), np.int32(Tmax), np.int32(K), np.int32(L), np.int32(T),
                          np.int64(H), np.int64(own_shift)), shared_mem=R * 8, stream=s)
         return out, gw

@@ -4,14 +4,17 @@
 ``e % L``. Every rank has ``x [T,H]`` (``T <= max_tokens_per_rank``, ``T = 0`` allowed, ``T`` may differ
 between ranks), ``topk_idx [T,K]`` (int32/int64, ``-1`` = no expert) and ``topk_weights [T,K]`` (fp32).
 
-- :meth:`EpGroup.prepare` (a collective) all-gathers every rank's routing once (int32
-  ``[Tmax*K + 1]`` per rank: the ids, then ``T``) and computes the plan on the device, deterministically:
-  for each (src, dst) pair the ascending list of src tokens with at least one expert on dst (a token is
-  sent **once** per destination rank, not K times); the receive layout (source-major, token ascending);
-  each received row's local experts ``[rows, K]``, which is a routing for
-  :func:`moe_rt.permutation.make_plan` with ``num_experts = L``, giving the expert-major layout (grouped
-  by local expert, ``(src, t)`` ascending inside an expert, padding rows zero). The result is a
-  :class:`moe_rt._handle.Handle`: one uint8 buffer laid out as in ``include/moe_rt/moe_rt.h``.
+- :meth:`EpGroup.prepare` (a collective) computes the plan on the device, deterministically, and no rank
+  sees another's whole routing: each rank lists, for each destination, the ascending tokens with at
+  least one expert there (a token is sent **once** per destination rank, not K times) and sends each
+  destination only its counts (tokens, local expert slots) and, per token it sends, the token id and the
+  local ids of its K experts there (``-1`` for the others); the direct transport stores these into the
+  peers' memory (then one device barrier), the NCCL one all-gathers the ``[R][2]`` counts and sends the
+  rows with one grouped send/recv. The receiver lays its rows out source-major, token ascending; their
+  local experts ``[rows, K]`` are a routing for the permutation plan with ``num_experts = L``, giving the
+  expert-major layout (grouped by local expert, ``(src, t)`` ascending inside an expert, padding rows
+  zero). The result is a :class:`moe_rt._handle.Handle`: one uint8 buffer laid out as in
+  ``include/moe_rt/moe_rt.h``.
 - :meth:`EpGroup.dispatch`: send each token's row once to every rank holding one of its experts (the own
   share is copied locally, never sent) and lay the received rows out expert-major.
 - :meth:`EpGroup.combine`: each rank reduces the local expert rows of every received token (weighted by
@@ -61,8 +64,8 @@ share (zero rows, lay out and scale weights) live in :mod:`moe_rt._ep_rows`.
 
 Modes:
 
-- ``"exact"``: after the routing all-gather, ``prepare`` reads the count matrix on the host **once (a
-  device sync)** and sizes every buffer exactly (with ``align_size > 1`` the expert-major row count is the
+- ``"exact"``: after the count exchange, ``prepare`` reads the counts on the host **once (a device
+  sync)** and sizes every buffer exactly (with ``align_size > 1`` the expert-major row count is the
   permutation family's bound ``floor((slots + L*(A-1)) / A) * A``; rows past ``seg_start[L]`` are zero).
 - ``"capacity"``: fixed worst-case sizes: ``pair_capacity`` rows per (src, dst) pair (default
   ``max_tokens_per_rank``, which never overflows) and at most ``capacity`` expert slots per rank (default
@@ -74,7 +77,7 @@ Modes:
 
 Expert ids outside ``[-1, E)`` are a ValueError (``topk_idx: expert ids must be in [-1, num_experts=E),
 got V``) on every backend, raised later on CUDA: the CPU path raises in ``prepare``; on CUDA the routing
-pack records the id in the device's error word and drops the slot (as ``-1``; nothing is written out of
+scan records the id in the device's error word and drops the slot (as ``-1``; nothing is written out of
 bounds), and the error is raised at the next host-visible point: exact-mode ``prepare`` itself (at its count
 read), :meth:`EpGroup.synchronize`, :meth:`EpGroup.check_overflow` or :func:`moe_rt.check`; in
 capacity mode ``prepare`` raises only with ``validate=True`` or ``MOE_RT_DEBUG=1`` (a sync). In a group of
@@ -108,7 +111,7 @@ import numpy as np
 from moe_rt import _arrays, _errors, _jit, permutation
 from moe_rt import _ep_direct, _ep_nccl, _handle
 from moe_rt._ep_rows import FILE as _FILE, UNITS as _UNITS
-from moe_rt._ep_rows import grid as _grid, plan_view, recv_wk, routing_view, scale_rows
+from moe_rt._ep_rows import grid as _grid, plan_view, recv_wk, scale_rows
 from moe_rt._handle import Handle, meta_index
 from moe_rt.reference import ep as _ref
 from moe_rt.reference import permutation as _perm_ref
@@ -118,14 +121,14 @@ __all__ = ["EpGroup", "Handle", "DEFAULT_TIMEOUT"]
 # The kernels of ep.cu that this module, moe_rt._ep_rows and moe_rt._ep_nccl launch (moe_rt._ep_direct
 # registers its own).
 _IDX = {"int32": "int", "int64": "long long"}
-_names = [f"ep_routing_pack<{i}>" for i in _IDX.values()]
+_names = [f"ep_prepare_send<{i}>" for i in _IDX.values()]
 _names += [f"ep_pack_rows<{u}>" for u in _UNITS.values()]
 for _c in _jit.CTYPES.values():
     for _v in ("true", "false"):
         _names += [f"ep_owner_sum<{_c}, {_v}>", f"ep_scale_rows<{_c}, {_v}>"]
 _names += [f"ep_expand_rows<{u}, 4>" for u in _UNITS.values()]
 _names += [f"ep_fill_rows<{u}>" for u in _UNITS.values()]
-_names += ["ep_scan_pairs", "ep_plan_meta", "ep_recv_local", "ep_gather_slots", "ep_slot_values"]
+_names += ["ep_plan_meta", "ep_prepare_recv", "ep_gather_slots", "ep_slot_values"]
 _jit.register(_FILE, _names)
 
 DEFAULT_TIMEOUT = 300.0
@@ -267,6 +270,7 @@ class EpGroup:
         _live_groups[self.id] = self
         self._last_stream = None
         self._last_device = self.device  # of the last prepare (a local group has no device of its own)
+        self._prep_cfgs = {}  # (T, K, device) -> prepare's sizes and launch set-up (_prep_cfg)
 
     def _choose_transport(self, want):
         """Make the group's transport and return its name (None for one rank, whose CUDA ops run the NCCL
@@ -485,82 +489,126 @@ class EpGroup:
         h.state.update(backend="cpu", ref=d, device_id=0)
         return h
 
-    def _prepare_cuda(self, call, idx, T, K, validate=False):
-        xp, s = call.xp, call.stream
+    def _prep_cfg(self, T, K, dev):
+        """What prepare needs for (T, K) on device ``dev``, in plain ints (cached, so a call's Python work does
+        not grow with R): the sizes; the handle layout and bytes (capacity mode: final; exact mode: of the
+        regions that do not depend on the received rows, meta .. recv_tok); the bytes of the NCCL path's
+        scratch (counts [R][R][2], inbox, outbox); the plan kernels' set-up and scratch (capacity mode)."""
+        key = (T, K, dev)
+        c = self._prep_cfgs.get(key)
+        if c is not None:
+            return c
+        if len(self._prep_cfgs) > 64:
+            self._prep_cfgs.clear()
         sz = self._sizes(T, K)
-        R, me, L, Tmax, P = sz["R"], sz["rank"], sz["L"], sz["Tmax"], sz["P"]
-        exact = self.mode == "exact"
-        idx = _arrays.contiguous(xp, idx)
-        if exact:
-            lay0, _ = _handle.layout(R, L, Tmax, K, P, 0, 0)
-            fixed = lay0["recv_local"][0]
-            buf0 = xp.empty(fixed, np.uint8)
-        else:
+        R, L, Tmax, P, A = sz["R"], sz["L"], sz["Tmax"], sz["P"], sz["A"]
+        box = R * P * (K + 1)  # int32 words of the rows part of a box
+        nccl = 0 if self.transport == "direct" else 4 * (2 * R * R + box * (2 if R > 1 else 1))
+        plan = None
+        if self.mode == "capacity":
+            permutation.check_plan_settings(L, A, sz["capacity"], "index")
             rows = R * P
-            N = _perm_ref.num_rows(rows, K, L, self.align_size, sz["capacity"])
-            lay0, total = _handle.layout(R, L, Tmax, K, P, rows, N)
-            buf0 = xp.empty(total, np.uint8)
-        v = lambda name: buf0[lay0[name][0]:lay0[name][0] + 4 * lay0[name][2]].view(np.int32)  # noqa: E731
-        meta, routing = v("meta"), v("routing")
-        meta.fill(0)
-        stride = Tmax * K + 1
-        _jit.launch(_jit.function(_FILE, f"ep_routing_pack<{_IDX[np.dtype(idx.dtype).name]}>"),
-                    _grid(stride, call.device_id), 256,
-                    (idx, np.int64(T), np.int32(Tmax), np.int32(K), np.int32(self.num_experts),
-                     routing[me * stride:].data.ptr, _errors.word(call.device_id)), stream=s)
+            if sz["capacity"] > rows * K:  # make_plan's own check of num_out_tokens
+                raise ValueError(f"num_out_tokens: must be <= T*K = {rows}*{K} = {rows * K} (the routed slots), "
+                                 f"got {sz['capacity']}")
+            N = _perm_ref.num_rows(rows, K, L, A, sz["capacity"])
+            _check_plan_rows(rows, K, N)
+            sz.update(rows=rows, N=N, num_out=sz["capacity"])
+            lay, total = _handle.layout(R, L, Tmax, K, P, rows, N)
+            plan = permutation.plan_config(rows, K, np.int32, L, A, N, sz["capacity"], dev)
+        else:
+            permutation.check_plan_settings(L, A, None, "index")
+            lay, total = _handle.layout(R, L, Tmax, K, P, 0, 0)
+        threads = int(min(1024, max(32, -(-Tmax // 32) * 32)))
+        c = self._prep_cfgs[key] = (sz, lay, total, nccl, plan, threads, box, [P] * R)
+        return c
+
+    def _prepare_cuda(self, call, idx, T, K, validate=False):
+        """Launches: ep_prepare_send (routing into the handle, send lists, each destination's counts and rows
+        into its box); the exchange (direct: ep_direct_barrier, the boxes being peer memory; NCCL: an
+        all-gather of the [R][2] counts and one grouped send/recv of the rows); exact mode: ep_plan_meta and
+        the host read of the counts; ep_prepare_recv (meta, recv_tok, recv_local); the permutation plan's
+        three kernels writing straight into the handle."""
+        xp, s, dev = call.xp, call.stream, call.device_id
+        sz, lay, total, nccl, plan, threads, box, fixed_rows = self._prep_cfg(T, K, dev)
+        R, me, L, Tmax, P, A = sz["R"], sz["rank"], sz["L"], sz["Tmax"], sz["P"], sz["A"]
+        exact = self.mode == "exact"
+        cap = -1 if exact else sz["capacity"]
+        idx = _arrays.contiguous(xp, idx)
+        buf = xp.empty(total, np.uint8)
+        b = buf.data.ptr
+        meta = b + lay["meta"][0]
+        direct = self.transport == "direct"
+        if direct:
+            st, half = self._transport.prepare_box(K, s, lambda st_: self._wait(st_, "prepare"))
+            state, peer, counts, cstride, rows_in = self._transport.state, st.table, st.local, 2, st.local + 8 * R
+            work = outbox = inbox = own_counts = 0
+        else:
+            state, peer, half = 0, 0, 0
+            work = xp.empty(nccl // 4, np.int32)
+            gathered = work.data.ptr  # [R][R][2]: rank s's counts for each destination at s*2R
+            own_counts = gathered + 8 * R * me
+            inbox = gathered + 8 * R * R
+            outbox = inbox + 4 * box if R > 1 else inbox
+            counts, cstride, rows_in = gathered + 8 * me, 2 * R, inbox
+        _jit.launch(_jit.function(_FILE, f"ep_prepare_send<{_IDX[idx.dtype.name]}>"), R, threads,
+                    (idx, np.int64(T), np.int32(Tmax), np.int32(K), np.int32(self.num_experts), np.int32(R),
+                     np.int32(me), np.int32(L), np.int32(P), b + lay["routing"][0], b + lay["send_tok"][0],
+                     b + lay["send_pos"][0], meta, peer, state, np.int64(half), own_counts, outbox,
+                     inbox, _errors.word(dev)), stream=s)
         if validate and not exact:
             self._wait(s, "prepare")
-            _errors.raise_pending(call.device_id, s)
-        if R > 1:
-            # In place: rank r's block already sits at routing + r*stride.
-            self.comm.all_gather(routing.data.ptr + me * stride * 4, routing.data.ptr, stride, "int32", s.ptr)
-        threads = int(min(1024, max(32, -(-Tmax // 32) * 32)))
-        _jit.launch(_jit.function(_FILE, "ep_scan_pairs"), 2 * R, threads,
-                    (routing, np.int32(R), np.int32(me), np.int32(Tmax), np.int32(K), np.int32(L), np.int32(P),
-                     v("send_tok"), v("send_pos"), v("recv_tok"), meta), stream=s)
-        cap = -1 if sz["capacity"] is None else sz["capacity"]
-        _jit.launch(_jit.function(_FILE, "ep_plan_meta"), 1, 32,
-                    (meta, routing, np.int32(R), np.int32(me), np.int32(Tmax), np.int32(K), np.int32(P),
-                     np.int32(1 if exact else 0), np.int64(cap)), stream=s)
+            _errors.raise_pending(dev, s)
+        if direct:
+            self._transport.barrier(s, "prepare")
+        elif R > 1:
+            self.comm.all_gather(own_counts, gathered, 2 * R, "int32", s.ptr)
+            if not exact:
+                self._transport.exchange_box(s, outbox, inbox, fixed_rows, fixed_rows, K + 1, P)
+        host = None
         if exact:
-            host = self._read_meta(meta, s, call.device_id)
+            _jit.launch(_jit.function(_FILE, "ep_plan_meta"), 1, 32,
+                        (meta, counts, np.int64(cstride), state, np.int64(half), np.int32(R), np.int32(me),
+                         np.int32(P), np.int32(1), np.int64(-1)), stream=s)
+            mv = buf[lay["meta"][0]:lay["meta"][0] + 4 * lay["meta"][2]].view(np.int32)
+            host = self._read_meta(mv, s, dev)
             rows = int(host[meta_index("recv_rows", R)])
             slots = int(host[meta_index("total_slots", R)])
-            N = _perm_ref.num_rows(rows, K, L, self.align_size, slots)
+            N = _perm_ref.num_rows(rows, K, L, A, slots)
+            _check_plan_rows(rows, K, N)
+            fixed = lay["recv_local"][0]
             lay, total = _handle.layout(R, L, Tmax, K, P, rows, N)
-            buf = xp.empty(total, np.uint8)
-            buf[:fixed] = buf0
-            sz.update(num_out=slots)
-        else:
-            host, lay, buf = None, lay0, buf0
-            sz.update(num_out=sz["capacity"])
-        sz.update(rows=rows, N=N)
-        if N > _INT32_MAX or rows * K > _INT32_MAX:
-            raise ValueError(f"the plan needs {N} expert-major rows / {rows}x{K} slots; must stay below 2^31")
+            buf0, buf = buf, xp.empty(total, np.uint8)
+            buf[:fixed] = buf0[:fixed]
+            b, meta = buf.data.ptr, buf.data.ptr + lay["meta"][0]
+            sz = dict(sz, rows=rows, N=N, num_out=slots)
+            if not direct and R > 1:
+                sent = [min(int(v), P) for v in host[meta_index("send_counts", R):][:R]]
+                got = [min(int(v), P) for v in host[meta_index("recv_counts", R):][:R]]
+                self._transport.exchange_box(s, outbox, inbox, sent, got, K + 1, P)
+            plan = permutation.plan_config(rows, K, np.int32, L, A, N, slots, dev)
+        rows, N = sz["rows"], sz["N"]
+        recv_local = b + lay["recv_local"][0]
+        fn = _jit.function(_FILE, "ep_prepare_recv")
+        smem = 4 * (2 * R + 1)
+        _jit.set_max_dynamic_shared(fn, smem)
+        _jit.launch(fn, _grid(max(rows, R * P), dev), 256,
+                    (meta, counts, np.int64(cstride), rows_in, state, np.int64(half), np.int32(R), np.int32(me),
+                     np.int32(P), np.int32(K), np.int32(1 if exact else 0), np.int64(cap), np.int64(rows),
+                     b + lay["recv_tok"][0], recv_local), shared_mem=smem, stream=s)
+        scratch = xp.empty(plan[0] - plan[1], np.int32)
+        permutation.plan_kernels(plan, recv_local, N, b + lay["dst_row"][0], b + lay["src_slot"][0],
+                                 b + lay["seg_start"][0], b + lay["expert_counts"][0],
+                                 b + lay["tokens_per_expert"][0], scratch.data.ptr, s)
         h = Handle(buf, lay, self.id, self.mode, sz)
-        h.state.update(backend="cuda", device_id=call.device_id, host_meta=host)
-        recv_local = h.view("recv_local")
-        if rows:
-            _jit.launch(_jit.function(_FILE, "ep_recv_local"), _grid(rows, call.device_id), 256,
-                        (routing_view(h), h.view("recv_tok"), h.view("meta"), np.int32(R), np.int32(me),
-                         np.int32(Tmax), np.int32(K), np.int32(L), np.int32(P), np.int64(rows), recv_local),
-                        stream=s)
-        plan = permutation.make_plan(recv_local.reshape(rows, K), L, align_size=self.align_size,
-                                     num_out_tokens=sz["num_out"], map_type="index", stream=s, validate=False)
-        if plan.num_rows != N:  # pragma: no cover - the two size formulas are the same function
-            raise RuntimeError(f"internal: plan rows {plan.num_rows} != handle rows {N}")
-        h.view("dst_row")[...] = plan.dst_row.reshape(-1)
-        h.view("src_slot")[...] = plan.src_slot
-        h.view("seg_start")[...] = plan.seg_start
-        h.view("expert_counts")[...] = plan.counts
-        h.view("tokens_per_expert")[...] = plan.tokens_per_expert
-        del buf0, plan
+        h.state.update(backend="cuda", device_id=dev, host_meta=host)
+        del work, scratch  # the pool reuses them in stream order
         return h
 
     def _read_meta(self, meta, stream, device_id):
         """The documented host sync of exact mode: copy the meta region (and the device's error word, in
         the same wait) into pinned memory and wait with the group's deadline; then raise a bad expert id
-        the routing pack recorded."""
+        prepare's scan recorded."""
         import cupy
 
         n, nw = int(meta.size), _errors.WORDS
@@ -748,6 +796,11 @@ def group_identity(comm, attrs, num_experts, hidden):
     return rank, size, device, E, E // size, _arrays.check_int(hidden, "hidden", low=1, high=1 << 24)
 
 
+def _check_plan_rows(rows, K, N):
+    if N > _INT32_MAX or rows * K > _INT32_MAX:
+        raise ValueError(f"the plan needs {N} expert-major rows / {rows}x{K} slots; must stay below 2^31")
+
+
 def _check_bool(v, name):
     if not isinstance(v, (bool, np.bool_)):
         raise TypeError(f"{name}: expected a bool, got {type(v).__name__}")
@@ -780,7 +833,7 @@ def _meta_host(h):
 def _fill_from_reference(h, d):
     """Write a reference plan (dict from moe_rt.reference.ep.prepare) into a CPU handle's regions."""
     sz = h.sizes
-    R, me, Tmax, K, P = sz["R"], sz["rank"], sz["Tmax"], sz["K"], sz["P"]
+    R, me, Tmax, P = sz["R"], sz["rank"], sz["Tmax"], sz["P"]
     meta = h.view("meta")
     sc = d["send_counts"]
     rc = d["recv_counts"]
@@ -805,11 +858,11 @@ def _fill_from_reference(h, d):
     meta[meta_index("num_tokens", R)] = d["num_tokens"]
     meta[meta_index("recv_rows", R)] = int((d["recv_tok"] >= 0).sum())
     meta[meta_index("send_rows", R)] = sum(kept(int(sc[x])) for x in range(R) if x != me)
-    routing = h.view("routing").reshape(R, Tmax * K + 1)
+    routing = h.view("routing")
     routing[...] = -1
     idx = d["topk_idx"]
-    routing[me, :idx.size] = idx.reshape(-1)
-    routing[me, -1] = idx.shape[0]
+    routing[:idx.size] = idx.reshape(-1)
+    routing[-1] = idx.shape[0]
     send_tok = h.view("send_tok").reshape(R, P)
     send_tok[...] = -1
     send_pos = h.view("send_pos").reshape(R, Tmax)
