@@ -270,7 +270,7 @@ class EpGroup:
         _live_groups[self.id] = self
         self._last_stream = None
         self._last_device = self.device  # of the last prepare (a local group has no device of its own)
-        self._prep_cfgs = {}  # (T, K, device) -> prepare's sizes and launch set-up (_prep_cfg)
+        self._prep_cfgs = {}  # (T, K, device, id dtype) -> prepare's set-up (_PrepCfg)
 
     def _choose_transport(self, want):
         """Make the group's transport and return its name (None for one rank, whose CUDA ops run the NCCL
@@ -489,95 +489,70 @@ class EpGroup:
         h.state.update(backend="cpu", ref=d, device_id=0)
         return h
 
-    def _prep_cfg(self, T, K, dev):
-        """What prepare needs for (T, K) on device ``dev``, in plain ints (cached, so a call's Python work does
-        not grow with R): the sizes; the handle layout and bytes (capacity mode: final; exact mode: of the
-        regions that do not depend on the received rows, meta .. recv_tok); the bytes of the NCCL path's
-        scratch (counts [R][R][2], inbox, outbox); the plan kernels' set-up and scratch (capacity mode)."""
-        key = (T, K, dev)
+    def _prep_cfg(self, T, K, dev, idx_dtype):
+        """What prepare needs for (T, K) on device ``dev``, computed once in plain ints and launch-ready
+        argument tails (cached, so a call's Python work does not grow with R): see :class:`_PrepCfg`."""
+        key = (T, K, dev, idx_dtype)
         c = self._prep_cfgs.get(key)
-        if c is not None:
-            return c
-        if len(self._prep_cfgs) > 64:
-            self._prep_cfgs.clear()
-        sz = self._sizes(T, K)
-        R, L, Tmax, P, A = sz["R"], sz["L"], sz["Tmax"], sz["P"], sz["A"]
-        box = R * P * (K + 1)  # int32 words of the rows part of a box
-        nccl = 0 if self.transport == "direct" else 4 * (2 * R * R + box * (2 if R > 1 else 1))
-        plan = None
-        if self.mode == "capacity":
-            permutation.check_plan_settings(L, A, sz["capacity"], "index")
-            rows = R * P
-            if sz["capacity"] > rows * K:  # make_plan's own check of num_out_tokens
-                raise ValueError(f"num_out_tokens: must be <= T*K = {rows}*{K} = {rows * K} (the routed slots), "
-                                 f"got {sz['capacity']}")
-            N = _perm_ref.num_rows(rows, K, L, A, sz["capacity"])
-            _check_plan_rows(rows, K, N)
-            sz.update(rows=rows, N=N, num_out=sz["capacity"])
-            lay, total = _handle.layout(R, L, Tmax, K, P, rows, N)
-            plan = permutation.plan_config(rows, K, np.int32, L, A, N, sz["capacity"], dev)
-        else:
-            permutation.check_plan_settings(L, A, None, "index")
-            lay, total = _handle.layout(R, L, Tmax, K, P, 0, 0)
-        threads = int(min(1024, max(32, -(-Tmax // 32) * 32)))
-        c = self._prep_cfgs[key] = (sz, lay, total, nccl, plan, threads, box, [P] * R)
+        if c is None:
+            if len(self._prep_cfgs) > 64:
+                self._prep_cfgs.clear()
+            c = self._prep_cfgs[key] = _PrepCfg(self, T, K, dev, idx_dtype)
         return c
 
     def _prepare_cuda(self, call, idx, T, K, validate=False):
         """Launches: ep_prepare_send (routing into the handle, send lists, each destination's counts and rows
         into its box); the exchange (direct: ep_direct_barrier, the boxes being peer memory; NCCL: an
-        all-gather of the [R][2] counts and one grouped send/recv of the rows); exact mode: ep_plan_meta and
-        the host read of the counts; ep_prepare_recv (meta, recv_tok, recv_local); the permutation plan's
-        three kernels writing straight into the handle."""
+        all-gather of the [R][2] counts and one grouped send/recv of the rows); exact mode: ep_plan_meta, the
+        host read of the counts and a copy of the leading regions into the buffer sized from them;
+        ep_prepare_recv (meta, recv_tok, recv_local); the permutation plan's three kernels writing straight
+        into the handle. Capacity mode: two allocations (the handle, the scratch) and no host sync."""
         xp, s, dev = call.xp, call.stream, call.device_id
-        sz, lay, total, nccl, plan, threads, box, fixed_rows = self._prep_cfg(T, K, dev)
-        R, me, L, Tmax, P, A = sz["R"], sz["rank"], sz["L"], sz["Tmax"], sz["P"], sz["A"]
-        exact = self.mode == "exact"
-        cap = -1 if exact else sz["capacity"]
         idx = _arrays.contiguous(xp, idx)
-        buf = xp.empty(total, np.uint8)
+        c = self._prep_cfg(T, K, dev, idx.dtype.name)
+        R, me, P = c.R, self.rank, c.P
+        exact = self.mode == "exact"
+        buf = xp.empty(c.total, np.uint8)
         b = buf.data.ptr
+        lay = c.lay
         meta = b + lay["meta"][0]
         direct = self.transport == "direct"
+        work = xp.empty(c.work_words, np.int32)
+        w = work.data.ptr  # NCCL: counts [R][R][2], inbox, outbox; then the plan's scratch
         if direct:
             st, half = self._transport.prepare_box(K, s, lambda st_: self._wait(st_, "prepare"))
-            state, peer, counts, cstride, rows_in = self._transport.state, st.table, st.local, 2, st.local + 8 * R
-            work = outbox = inbox = own_counts = 0
+            state, peer, counts, rows_in = self._transport.state, st.table, st.local, st.local + 8 * R
+            own_counts = outbox = inbox = 0
         else:
-            state, peer, half = 0, 0, 0
-            work = xp.empty(nccl // 4, np.int32)
-            gathered = work.data.ptr  # [R][R][2]: rank s's counts for each destination at s*2R
-            own_counts = gathered + 8 * R * me
-            inbox = gathered + 8 * R * R
-            outbox = inbox + 4 * box if R > 1 else inbox
-            counts, cstride, rows_in = gathered + 8 * me, 2 * R, inbox
-        _jit.launch(_jit.function(_FILE, f"ep_prepare_send<{_IDX[idx.dtype.name]}>"), R, threads,
-                    (idx, np.int64(T), np.int32(Tmax), np.int32(K), np.int32(self.num_experts), np.int32(R),
-                     np.int32(me), np.int32(L), np.int32(P), b + lay["routing"][0], b + lay["send_tok"][0],
-                     b + lay["send_pos"][0], meta, peer, state, np.int64(half), own_counts, outbox,
-                     inbox, _errors.word(dev)), stream=s)
+            state = peer = half = 0
+            own_counts, inbox = w + 8 * R * me, w + 8 * R * R
+            outbox = inbox + 4 * c.box if R > 1 else inbox
+            counts, rows_in = w + 8 * me, inbox
+        _jit.launch_raw(c.f_send, R, c.threads,
+                        (idx, *c.send_head, b + lay["routing"][0], b + lay["send_tok"][0], b + lay["send_pos"][0],
+                         meta, peer, state, np.int64(half), own_counts, outbox, inbox, c.err), 0, s)
         if validate and not exact:
             self._wait(s, "prepare")
             _errors.raise_pending(dev, s)
         if direct:
             self._transport.barrier(s, "prepare")
         elif R > 1:
-            self.comm.all_gather(own_counts, gathered, 2 * R, "int32", s.ptr)
+            self.comm.all_gather(own_counts, w, 2 * R, "int32", s.ptr)
             if not exact:
-                self._transport.exchange_box(s, outbox, inbox, fixed_rows, fixed_rows, K + 1, P)
-        host = None
+                self._transport.exchange_box(s, outbox, inbox, c.full_rows, c.full_rows, K + 1, P)
+        host, sz, plan, scratch = None, c.sz, c.plan, w + 4 * c.box_words
         if exact:
-            _jit.launch(_jit.function(_FILE, "ep_plan_meta"), 1, 32,
-                        (meta, counts, np.int64(cstride), state, np.int64(half), np.int32(R), np.int32(me),
-                         np.int32(P), np.int32(1), np.int64(-1)), stream=s)
-            mv = buf[lay["meta"][0]:lay["meta"][0] + 4 * lay["meta"][2]].view(np.int32)
-            host = self._read_meta(mv, s, dev)
+            _jit.launch_raw(_jit.function(_FILE, "ep_plan_meta"), 1, 32,
+                            (meta, counts, np.int64(c.cstride), state, np.int64(half), np.int32(R), np.int32(me),
+                             np.int32(P), np.int32(1), np.int64(-1)), 0, s)
+            host = self._read_meta(buf[lay["meta"][0]:lay["meta"][0] + 4 * lay["meta"][2]].view(np.int32), s, dev)
             rows = int(host[meta_index("recv_rows", R)])
             slots = int(host[meta_index("total_slots", R)])
+            L, A = c.L, self.align_size
             N = _perm_ref.num_rows(rows, K, L, A, slots)
             _check_plan_rows(rows, K, N)
             fixed = lay["recv_local"][0]
-            lay, total = _handle.layout(R, L, Tmax, K, P, rows, N)
+            lay, total = _handle.layout(R, L, c.Tmax, K, P, rows, N)
             buf0, buf = buf, xp.empty(total, np.uint8)
             buf[:fixed] = buf0[:fixed]
             b, meta = buf.data.ptr, buf.data.ptr + lay["meta"][0]
@@ -587,22 +562,20 @@ class EpGroup:
                 got = [min(int(v), P) for v in host[meta_index("recv_counts", R):][:R]]
                 self._transport.exchange_box(s, outbox, inbox, sent, got, K + 1, P)
             plan = permutation.plan_config(rows, K, np.int32, L, A, N, slots, dev)
-        rows, N = sz["rows"], sz["N"]
+            scratch_buf = xp.empty(plan[0] - plan[1], np.int32)
+            scratch = scratch_buf.data.ptr
+            recv_grid = _grid(max(rows, R * P), dev)
+        else:
+            rows, N, recv_grid = c.rows, c.N, c.recv_grid
         recv_local = b + lay["recv_local"][0]
-        fn = _jit.function(_FILE, "ep_prepare_recv")
-        smem = 4 * (2 * R + 1)
-        _jit.set_max_dynamic_shared(fn, smem)
-        _jit.launch(fn, _grid(max(rows, R * P), dev), 256,
-                    (meta, counts, np.int64(cstride), rows_in, state, np.int64(half), np.int32(R), np.int32(me),
-                     np.int32(P), np.int32(K), np.int32(1 if exact else 0), np.int64(cap), np.int64(rows),
-                     b + lay["recv_tok"][0], recv_local), shared_mem=smem, stream=s)
-        scratch = xp.empty(plan[0] - plan[1], np.int32)
+        _jit.launch_raw(c.f_recv, recv_grid, 256,
+                        (meta, counts, np.int64(c.cstride), rows_in, state, np.int64(half), *c.recv_mid,
+                         np.int64(rows), b + lay["recv_tok"][0], recv_local), c.recv_smem, s)
         permutation.plan_kernels(plan, recv_local, N, b + lay["dst_row"][0], b + lay["src_slot"][0],
                                  b + lay["seg_start"][0], b + lay["expert_counts"][0],
-                                 b + lay["tokens_per_expert"][0], scratch.data.ptr, s)
+                                 b + lay["tokens_per_expert"][0], scratch, s)
         h = Handle(buf, lay, self.id, self.mode, sz)
         h.state.update(backend="cuda", device_id=dev, host_meta=host)
-        del work, scratch  # the pool reuses them in stream order
         return h
 
     def _read_meta(self, meta, stream, device_id):
@@ -794,6 +767,60 @@ def group_identity(comm, attrs, num_experts, hidden):
     if E % size:
         raise ValueError(f"num_experts: {E} is not a multiple of the {size} ranks")
     return rank, size, device, E, E // size, _arrays.check_int(hidden, "hidden", low=1, high=1 << 24)
+
+
+class _PrepCfg:
+    """EpGroup.prepare's set-up for one (T, K, device, id dtype), in plain ints (made once, cached by the
+    group): sizes, the handle layout and bytes (capacity mode: final; exact mode: of the regions before
+    recv_local, which do not depend on the received rows), the scratch in int32 words (NCCL: the counts
+    [R][R][2], inbox and outbox of the rows; then the plan kernels' scratch, capacity mode), the kernels and
+    the constant parts of their arguments."""
+
+    __slots__ = ("sz", "R", "L", "Tmax", "P", "lay", "total", "box", "box_words", "work_words", "cstride", "plan",
+                 "rows", "N", "threads", "f_send", "send_head", "err", "f_recv", "recv_mid", "recv_grid",
+                 "recv_smem", "full_rows")
+
+    def __init__(self, g, T, K, dev, idx_dtype):
+        sz = g._sizes(T, K)
+        R, L, Tmax, P, A, me = sz["R"], sz["L"], sz["Tmax"], sz["P"], sz["A"], sz["rank"]
+        self.R, self.L, self.Tmax, self.P = R, L, Tmax, P
+        direct = g.transport == "direct"
+        self.box = R * P * (K + 1)  # int32 words of the rows part of a box
+        self.box_words = 0 if direct else 2 * R * R + self.box * (2 if R > 1 else 1)
+        self.cstride = 2 if direct else 2 * R
+        self.plan = None
+        if g.mode == "capacity":
+            cap = sz["capacity"]
+            permutation.check_plan_settings(L, A, cap, "index")
+            rows = R * P
+            if cap > rows * K:  # make_plan's own check of num_out_tokens
+                raise ValueError(f"num_out_tokens: must be <= T*K = {rows}*{K} = {rows * K} (the routed slots), "
+                                 f"got {cap}")
+            N = _perm_ref.num_rows(rows, K, L, A, cap)
+            _check_plan_rows(rows, K, N)
+            sz.update(rows=rows, N=N, num_out=cap)
+            self.lay, self.total = _handle.layout(R, L, Tmax, K, P, rows, N)
+            self.plan = permutation.plan_config(rows, K, np.int32, L, A, N, cap, dev)
+            self.rows, self.N, self.recv_grid = rows, N, _grid(rows, dev)
+            self.work_words = self.box_words + self.plan[0] - self.plan[1]
+        else:
+            cap = -1
+            permutation.check_plan_settings(L, A, None, "index")
+            self.lay, self.total = _handle.layout(R, L, Tmax, K, P, 0, 0)
+            self.rows = self.N = self.recv_grid = None
+            self.work_words = max(self.box_words, 1)
+        self.sz = sz
+        self.threads = int(min(1024, max(32, -(-Tmax // 32) * 32)))
+        self.f_send = _jit.function(_FILE, f"ep_prepare_send<{_IDX[idx_dtype]}>")
+        self.send_head = (np.int64(T), np.int32(Tmax), np.int32(K), np.int32(g.num_experts), np.int32(R),
+                          np.int32(me), np.int32(L), np.int32(P))
+        self.err = _errors.word(dev)
+        self.f_recv = _jit.function(_FILE, "ep_prepare_recv")
+        self.recv_smem = 4 * (2 * R + 1)
+        _jit.set_max_dynamic_shared(self.f_recv, self.recv_smem)
+        self.recv_mid = (np.int32(R), np.int32(me), np.int32(P), np.int32(K), np.int32(1 if g.mode == "exact" else 0),
+                         np.int64(cap))
+        self.full_rows = [P] * R
 
 
 def _check_plan_rows(rows, K, N):

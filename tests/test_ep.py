@@ -863,3 +863,153 @@ def test_multi_gpu_direct_lifecycle(n):
 def test_multi_gpu_direct_dead_peer_times_out(n):
     r = _run_worker("dead_peer_direct", n=n, timeout=120)
     assert r.returncode == 0 and "[rank 0] DEAD PEER OK" in r.stdout
+
+
+# -- prepare's launches on CUDA, traced on the CPU --------------------------------------------------------------
+
+class _Arr:
+    """A stand-in device array: an address and a size (prepare only takes pointers of its buffers)."""
+    _next = [1 << 20]
+
+    def __init__(self, n, dtype, ptr=None):
+        self.dtype, self.size = np.dtype(dtype), int(n)
+        if ptr is None:
+            ptr = _Arr._next[0]
+            _Arr._next[0] += (self.size * self.dtype.itemsize + 255) // 256 * 256 + 256
+        self.data = type("Ptr", (), {"ptr": ptr})()
+
+    def __getitem__(self, sl):
+        start = sl.start or 0
+        stop = self.size if sl.stop is None else sl.stop
+        return _Arr(stop - start, self.dtype, self.data.ptr + start * self.dtype.itemsize)
+
+    def __setitem__(self, sl, other):
+        _Trace.events.append(("copy", sl.stop - (sl.start or 0)))
+
+    def view(self, dtype):
+        return _Arr(self.size * self.dtype.itemsize // np.dtype(dtype).itemsize, dtype, self.data.ptr)
+
+
+class _Trace:
+    events = []
+
+    @staticmethod
+    def empty(n, dtype):
+        _Trace.events.append(("alloc", int(n)))
+        return _Arr(n, dtype)
+
+
+class _Kernel:
+    def __init__(self, name):
+        self.name = self.kernel = name
+
+
+class _RecComm(_FakeComm):
+    def __init__(self, rank, size):
+        self.rank, self.size = rank, size
+
+    def all_gather(self, send, recv, count, dtype, stream):
+        _Trace.events.append(("all_gather", count, dtype))
+
+    def group_start(self):
+        _Trace.events.append(("group_start",))
+
+    def group_end(self):
+        _Trace.events.append(("group_end",))
+
+    def send(self, ptr, count, dtype, peer, stream):
+        _Trace.events.append(("send", peer, count))
+
+    def recv(self, ptr, count, dtype, peer, stream):
+        _Trace.events.append(("recv", peer, count))
+
+
+class _RecDirect:
+    state = _Arr(2, np.uint32)
+
+    def prepare_box(self, K, stream, wait):
+        return type("Box", (), {"table": _Arr(2, np.int64), "local": 1 << 40})(), 12345
+
+    def barrier(self, stream, op):
+        _Trace.events.append(("ep_direct_barrier", op))
+
+    def failed_op(self):
+        return None
+
+
+def _kernel_params(file, name):
+    """Parameter count of kernel ``name`` in kernels/``file``."""
+    text = (ROOT / "kernels" / file).read_text()
+    m = re.search(rf"\b{name}\(([^)]*)\)\s*\{{", text)
+    assert m, name
+    return len([p for p in m.group(1).split(",") if p.strip()])
+
+
+@pytest.mark.parametrize("transport,R", [("nccl", 1), ("nccl", 3), ("direct", 3)])
+@pytest.mark.parametrize("mode", ["capacity", "exact"])
+def test_prepare_launch_trace(monkeypatch, transport, R, mode):
+    """The launches, collectives and allocations of prepare on CUDA, per transport and mode (drivers, kernels
+    and memory stood in for): no all-gather of the routing table, only counts and the sent rows; each launch
+    passes as many arguments as its kernel takes."""
+    from moe_rt import _arrays, _errors, _jit, permutation
+    from moe_rt import ep as ep_mod
+
+    _Trace.events = []
+
+    def launch_raw(fn, grid, block, args, smem, stream):
+        name = (fn if isinstance(fn, str) else fn.name).split("<")[0]  # permutation launches Kernel.kernel
+        _Trace.events.append((name, grid))
+        file = "ep.cu" if name.startswith("ep_") else "permutation.cu"
+        assert len(args) == _kernel_params(file, name), name
+
+    monkeypatch.setattr(_jit, "function", lambda file, name: _Kernel(name))
+    monkeypatch.setattr(_jit, "launch_raw", launch_raw)
+    monkeypatch.setattr(_jit, "set_max_dynamic_shared", lambda fn, n: None)
+    monkeypatch.setattr(_jit, "device_properties", lambda dev: {"sm_count": 4})
+    monkeypatch.setattr(_errors, "word", lambda dev: 64)
+    monkeypatch.setattr(_arrays, "contiguous", lambda xp, a: a)
+    monkeypatch.setattr(permutation, "_fns", {})
+    monkeypatch.setattr(permutation, "_plan_cfgs", {})
+    E, K, Tmax, T, me = 4 * R, 2, 16, 11, R - 1
+    comm = None if R == 1 else _RecComm(me, R)
+    g = EpGroup(comm, E, 8, Tmax, mode=mode, transport="nccl")
+    if transport == "direct":
+        g.transport, g._transport = "direct", _RecDirect()
+    rows, slots = 7 * R, 9 * R
+    host = np.zeros(5 * R + 10, np.int32)
+    host[_handle.meta_index("recv_rows", R)] = rows
+    host[_handle.meta_index("total_slots", R)] = slots
+    host[_handle.meta_index("send_counts", R):][:R] = np.arange(R) + 3
+    host[_handle.meta_index("recv_counts", R):][:R] = np.arange(R) + 5
+    monkeypatch.setattr(g, "_read_meta", lambda meta, s, dev: (_Trace.events.append(("host read",)), host)[1])
+    call = type("Call", (), {"xp": _Trace, "stream": type("S", (), {"ptr": 9})(), "device_id": 0})()
+    idx = _Arr(T * K, np.int32)
+    for _ in range(2):  # the second call runs from the cached set-up
+        _Trace.events = []
+        h = g._prepare_cuda(call, idx, T, K)
+    names = [e[0] for e in _Trace.events if e[0] not in ("alloc", "copy")]
+    exchange = {"direct": ["ep_direct_barrier"], "nccl": ["all_gather"] if R > 1 else []}[transport]
+    P = Tmax if mode == "exact" else g.pair_capacity
+    rows_ex = []
+    if transport == "nccl" and R > 1:
+        rows_ex = ["group_start"] + ["send", "recv"] * (R - 1) + ["group_end"]
+        sent = [e for e in _Trace.events if e[0] == "send"]
+        got = [e for e in _Trace.events if e[0] == "recv"]
+        if mode == "capacity":  # fixed P rows of K+1 words per peer
+            assert all(e[2] == P * (K + 1) for e in sent + got)
+        else:  # the kept rows the host read gave
+            assert [e[2] for e in sent] == [min(3 + p, P) * (K + 1) for p in range(R) if p != me]
+            assert [e[2] for e in got] == [min(5 + p, P) * (K + 1) for p in range(R) if p != me]
+        assert [e for e in _Trace.events if e[0] == "all_gather"] == [("all_gather", 2 * R, "int32")]
+    plan = ["plan_count", "plan_scan", "plan_assign"]
+    if mode == "capacity":
+        want = ["ep_prepare_send"] + exchange + rows_ex + ["ep_prepare_recv"] + plan
+    else:
+        want = ["ep_prepare_send"] + exchange + ["ep_plan_meta", "host read"] + rows_ex + ["ep_prepare_recv"] + plan
+    assert names == want
+    allocs = [e for e in _Trace.events if e[0] == "alloc"]
+    assert len(allocs) == (2 if mode == "capacity" else 4)  # the handle and the scratch (+ exact: both again)
+    assert [e for e in _Trace.events if e[0] == "copy"] == ([] if mode == "capacity" else
+                                                            [("copy", h.layout["recv_local"][0])])
+    assert h.sizes["rows"] == (R * P if mode == "capacity" else rows)
+    assert h.layout["routing"][2] == Tmax * K + 1  # this rank's routing only
