@@ -279,8 +279,8 @@ class DirectTransport:
 
     def prepare_box(self, K, stream, wait=None):
         """``(box, half)``: prepare's box for top-``K`` routing (kernels/ep.cu, prepare): per rank two halves of
-        ``half`` int32 words (counts [R][2], then rows [R][P][K+1]), IPC-shared; made on the first prepare
-        with this K (a collective with a host sync, so never inside CUDA-graph capture)."""
+        ``half`` int32 words (counts [R][2], then rows [R][P][K+1]; EpGroup's _PrepCfg.half is the same), IPC-shared;
+        made on the first prepare with this K (a collective with a host sync, so never inside CUDA-graph capture)."""
         half = 2 * self.R + self.R * self.P * (int(K) + 1)
         st = self._stages.get(("prepare", int(K)))
         if st is None:

@@ -509,7 +509,7 @@ class EpGroup:
         into the handle. Capacity mode: two allocations (the handle, the scratch) and no host sync."""
         xp, s, dev = call.xp, call.stream, call.device_id
         idx = _arrays.contiguous(xp, idx)
-        c = self._prep_cfg(T, K, dev, idx.dtype.name)
+        c = self._prep_cfg(T, K, dev, idx.dtype)
         R, me, P = c.R, self.rank, c.P
         exact = self.mode == "exact"
         buf = xp.empty(c.total, np.uint8)
@@ -520,17 +520,17 @@ class EpGroup:
         work = xp.empty(c.work_words, np.int32)
         w = work.data.ptr  # NCCL: counts [R][R][2], inbox, outbox; then the plan's scratch
         if direct:
-            st, half = self._transport.prepare_box(K, s, lambda st_: self._wait(st_, "prepare"))
+            st, _ = self._transport.prepare_box(K, s, lambda st_: self._wait(st_, "prepare"))
             state, peer, counts, rows_in = self._transport.state, st.table, st.local, st.local + 8 * R
             own_counts = outbox = inbox = 0
         else:
-            state = peer = half = 0
+            state = peer = 0
             own_counts, inbox = w + 8 * R * me, w + 8 * R * R
             outbox = inbox + 4 * c.box if R > 1 else inbox
             counts, rows_in = w + 8 * me, inbox
         _jit.launch_raw(c.f_send, R, c.threads,
                         (idx, *c.send_head, b + lay["routing"][0], b + lay["send_tok"][0], b + lay["send_pos"][0],
-                         meta, peer, state, np.int64(half), own_counts, outbox, inbox, c.err), 0, s)
+                         meta, peer, state, c.half, own_counts, outbox, inbox, c.err), 0, s)
         if validate and not exact:
             self._wait(s, "prepare")
             _errors.raise_pending(dev, s)
@@ -543,7 +543,7 @@ class EpGroup:
         host, sz, plan, scratch = None, c.sz, c.plan, w + 4 * c.box_words
         if exact:
             _jit.launch_raw(_jit.function(_FILE, "ep_plan_meta"), 1, 32,
-                            (meta, counts, np.int64(c.cstride), state, np.int64(half), np.int32(R), np.int32(me),
+                            (meta, counts, c.cstride, state, c.half, np.int32(R), np.int32(me),
                              np.int32(P), np.int32(1), np.int64(-1)), 0, s)
             host = self._read_meta(buf[lay["meta"][0]:lay["meta"][0] + 4 * lay["meta"][2]].view(np.int32), s, dev)
             rows = int(host[meta_index("recv_rows", R)])
@@ -569,7 +569,7 @@ class EpGroup:
             rows, N, recv_grid = c.rows, c.N, c.recv_grid
         recv_local = b + lay["recv_local"][0]
         _jit.launch_raw(c.f_recv, recv_grid, 256,
-                        (meta, counts, np.int64(c.cstride), rows_in, state, np.int64(half), *c.recv_mid,
+                        (meta, counts, c.cstride, rows_in, state, c.half, *c.recv_mid,
                          np.int64(rows), b + lay["recv_tok"][0], recv_local), c.recv_smem, s)
         permutation.plan_kernels(plan, recv_local, N, b + lay["dst_row"][0], b + lay["src_slot"][0],
                                  b + lay["seg_start"][0], b + lay["expert_counts"][0],
@@ -776,8 +776,8 @@ class _PrepCfg:
     [R][R][2], inbox and outbox of the rows; then the plan kernels' scratch, capacity mode), the kernels and
     the constant parts of their arguments."""
 
-    __slots__ = ("sz", "R", "L", "Tmax", "P", "lay", "total", "box", "box_words", "work_words", "cstride", "plan",
-                 "rows", "N", "threads", "f_send", "send_head", "err", "f_recv", "recv_mid", "recv_grid",
+    __slots__ = ("sz", "R", "L", "Tmax", "P", "lay", "total", "box", "box_words", "work_words", "cstride", "half",
+                 "plan", "rows", "N", "threads", "f_send", "send_head", "err", "f_recv", "recv_mid", "recv_grid",
                  "recv_smem", "full_rows")
 
     def __init__(self, g, T, K, dev, idx_dtype):
@@ -787,7 +787,9 @@ class _PrepCfg:
         direct = g.transport == "direct"
         self.box = R * P * (K + 1)  # int32 words of the rows part of a box
         self.box_words = 0 if direct else 2 * R * R + self.box * (2 if R > 1 else 1)
-        self.cstride = 2 if direct else 2 * R
+        self.cstride = np.int64(2 if direct else 2 * R)  # the counts of consecutive sources, int32 words apart
+        # int32 words of one half of the direct transport's box (DirectTransport.prepare_box); 0 on NCCL
+        self.half = np.int64(2 * R + self.box if direct else 0)
         self.plan = None
         if g.mode == "capacity":
             cap = sz["capacity"]
@@ -811,7 +813,7 @@ class _PrepCfg:
             self.work_words = max(self.box_words, 1)
         self.sz = sz
         self.threads = int(min(1024, max(32, -(-Tmax // 32) * 32)))
-        self.f_send = _jit.function(_FILE, f"ep_prepare_send<{_IDX[idx_dtype]}>")
+        self.f_send = _jit.function(_FILE, f"ep_prepare_send<{_IDX[np.dtype(idx_dtype).name]}>")
         self.send_head = (np.int64(T), np.int32(Tmax), np.int32(K), np.int32(g.num_experts), np.int32(R),
                           np.int32(me), np.int32(L), np.int32(P))
         self.err = _errors.word(dev)

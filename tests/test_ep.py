@@ -867,6 +867,11 @@ def test_multi_gpu_direct_dead_peer_times_out(n):
 
 # -- prepare's launches on CUDA, traced on the CPU --------------------------------------------------------------
 
+class _Ptr:
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+
 class _Arr:
     """A stand-in device array: an address and a size (prepare only takes pointers of its buffers)."""
     _next = [1 << 20]
@@ -876,7 +881,7 @@ class _Arr:
         if ptr is None:
             ptr = _Arr._next[0]
             _Arr._next[0] += (self.size * self.dtype.itemsize + 255) // 256 * 256 + 256
-        self.data = type("Ptr", (), {"ptr": ptr})()
+        self.data = _Ptr(ptr)
 
     def __getitem__(self, sl):
         start = sl.start or 0
@@ -924,11 +929,15 @@ class _RecComm(_FakeComm):
         _Trace.events.append(("recv", peer, count))
 
 
+class _Box:
+    table, local = _Arr(2, np.int64), 1 << 40
+
+
 class _RecDirect:
     state = _Arr(2, np.uint32)
 
     def prepare_box(self, K, stream, wait):
-        return type("Box", (), {"table": _Arr(2, np.int64), "local": 1 << 40})(), 12345
+        return _Box, 12345
 
     def barrier(self, stream, op):
         _Trace.events.append(("ep_direct_barrier", op))
