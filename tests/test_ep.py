@@ -1022,3 +1022,34 @@ def test_prepare_launch_trace(monkeypatch, transport, R, mode):
                                                             [("copy", h.layout["recv_local"][0])])
     assert h.sizes["rows"] == (R * P if mode == "capacity" else rows)
     assert h.layout["routing"][2] == Tmax * K + 1  # this rank's routing only
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode,align,pair", [("exact", 1, None), ("exact", 4, None), ("capacity", 1, None),
+                                             ("capacity", 8, 5), ("capacity", 1, 3)])
+@pytest.mark.parametrize("id_dtype", [np.int32, np.int64])
+def test_one_gpu_prepare_matches_cpu_handle(rng, mode, align, pair, id_dtype):
+    """A 1-rank group on one GPU: prepare's handle holds, region by region, what the CPU path writes (poisoned
+    pool memory underneath), for odd sizes, T = 0 and T = Tmax, dropped pairs and slots; dispatch's rows match."""
+    import cupy as cp
+
+    E, K, H, Tmax = 7, 3, 40, 13
+    kw = {} if mode == "exact" else {"pair_capacity": pair, "capacity": 8}
+    g_gpu = EpGroup(None, E, H, Tmax, mode=mode, align_size=align, **kw)
+    g_cpu = EpGroup(None, E, H, Tmax, mode=mode, align_size=align, **kw)
+    for T in (Tmax, 0, 9, 1):
+        idx = make_routing(rng, T, E, K, "holes").astype(id_dtype)
+        cp.cuda.Device().synchronize()
+        poison = cp.full(1 << 20, 0x5A, cp.uint8)  # freed into the pool: later allocations start dirty
+        del poison
+        h = g_gpu.prepare(cp.asarray(idx))
+        hc = g_cpu.prepare(idx)
+        assert h.layout == hc.layout and h.sizes == hc.sizes
+        for region in ("meta", "routing", "send_tok", "send_pos", "recv_tok", "recv_local", "dst_row", "src_slot",
+                       "seg_start", "expert_counts", "tokens_per_expert"):
+            assert np.array_equal(h.view(region).get(), hc.view(region)), (T, region)
+        x = rng.standard_normal((T, H)).astype(np.float32)
+        w = rng.random((T, K)).astype(np.float32)
+        rx, rw, tpe = g_gpu.dispatch(h, cp.asarray(x), cp.asarray(w))
+        crx, crw, ctpe = g_cpu.dispatch(hc, x, w)
+        assert np.array_equal(rx.get(), crx) and np.array_equal(rw.get(), crw) and np.array_equal(tpe.get(), ctpe)
