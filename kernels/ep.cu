@@ -6,6 +6,7 @@
 // exactly one thread in a fixed order: no atomics, so plans and sums are bitwise reproducible (the one
 // atomic is the error word's record of a bad expert id, which no result depends on).
 #include "moe_rt/common.cuh"
+#include "moe_rt/plan.cuh"
 
 using namespace moe_rt;
 
@@ -23,16 +24,18 @@ using namespace moe_rt;
 #define META_SEND_ROWS(R) (5 * (R) + 7)
 
 // ---- prepare (moe_rt/ep.py _prepare_cuda) -----------------------------------------------------------
-// Only counts and the rows' own routing cross between ranks; no rank sees another's whole routing table.
-// A "box" (per receiving rank) holds what each source s sends it: counts [R][2] (s*2 + 0: tokens of the
-// pair before pair-capacity drops, s*2 + 1: local expert slots of the kept tokens) and rows [R][P][K+1]
-// (s*P + j: the j-th kept token t of the pair, then the local ids of its K experts on the receiver, -1 for
-// the others). Direct transport: every rank's box is IPC-shared (peer_box[r], two halves of half_ints ints
-// picked by the parity of the barrier epoch: the writers of one prepare and the readers of the previous
-// one never share a half, since a writer has passed every rank's barrier of the op in between). NCCL
-// transport: the counts of rank s to d at counts[s*2R + 2d] (an all-gather of [R][2] per rank), the rows
-// to d != me in a local outbox [R][P][K+1] sent with grouped send/recv into the inbox (own share written
-// there straight away).
+// Only counts and the sent rows' own routing cross between ranks; no rank sees another's whole routing table.
+// A "box" (per receiving rank) holds what each source s sends it: counts [R][CW] (CW = L + 2; s*CW + 0: tokens
+// of the pair before pair-capacity drops, + 1: local expert slots of the kept tokens, + 2 + l: those of local
+// expert l) and rows [R][P][W] (W = 2K + 1; s*P + j: the j-th kept token t of the pair, then the local ids
+// of its K experts on the receiver (-1 for the others), then each such slot's rank among the source's kept
+// slots of that local expert in (t, k) order). The direct transport's boxes are IPC-shared (peer_box[r], two
+// halves of half_ints ints picked by the parity of the barrier epoch: the writers of one prepare and the
+// readers of the previous one never share a half, since a writer has passed every rank's barrier of the op
+// in between). NCCL transport: the counts of rank s for d at counts[(s*R + d)*CW] (an all-gather of [R][CW]
+// per rank), the rows for d != me in a local outbox [R][P][W] sent with grouped send/recv into the inbox (the
+// own share written there straight away). With the ranks and every source's per-expert counts, the receiver
+// places every slot in the expert-major layout without another pass over the slots (ep_prepare_plan).
 
 // One block per destination d (grid R). Spread over the blocks, this rank's routing into the handle:
 // routing[i] for i < Tmax*K the expert id of flat slot i (-1 for no expert, ids outside [0, E) and rows
@@ -42,15 +45,30 @@ using namespace moe_rt;
 // send_tok[d][pos] = t, send_pos[d][t] = pos (or -1), meta send_counts[d]; positions >= P (pair capacity)
 // are dropped, list entries past the kept count are -1; each kept token's box row and the pair's counts
 // go to d's box (direct: peer_box, the half of epoch state[0] + 1, the one the op's barrier advances to;
-// skipped after a failed barrier) or to counts / outbox / inbox (NCCL).
+// skipped after a failed barrier) or to counts / outbox / inbox (NCCL). The ranks: warps [0, nw) take
+// contiguous ranges of the flat slots t*K + k (each a multiple of 32 long): a per-warp count of each local
+// expert's kept slots (warp match), an exclusive scan over the warps, then the same walk again assigning
+// ranks (the permutation plan's method). Dynamic shared memory: nw * L ints.
+// The local expert of flat slot f (< end) when it lives on [lo, hi) and its token is kept for the pair
+// (kept_pos[t] >= 0), else -1.
+template <typename IdxT>
+__device__ __forceinline__ int kept_slot_key(const IdxT* __restrict__ idx, i64 f, i64 end, int K, i64 lo, i64 hi,
+                                             const int* __restrict__ kept_pos) {
+  if (f >= end) return -1;
+  const i64 e = (i64)idx[f];
+  if (e < lo || e >= hi || kept_pos[f / K] < 0) return -1;
+  return (int)(e - lo);
+}
+
 template <typename IdxT>
 __global__ void ep_prepare_send(const IdxT* __restrict__ idx, i64 T, int Tmax, int K, int E, int R, int me, int L,
                                 int P, int* __restrict__ routing, int* __restrict__ send_tok,
                                 int* __restrict__ send_pos, int* __restrict__ meta,
                                 const long long* __restrict__ peer_box, const unsigned* __restrict__ state,
                                 i64 half_ints, int* __restrict__ counts, int* __restrict__ outbox,
-                                int* __restrict__ inbox, unsigned* __restrict__ err) {
+                                int* __restrict__ inbox, unsigned* __restrict__ err, int nw) {
   __shared__ int scratch[32];
+  extern __shared__ int hist[];  // [nw][L]
   const int d = blockIdx.x;
   const i64 n = (i64)Tmax * K;
   const i64 valid = T * K;
@@ -66,17 +84,17 @@ __global__ void ep_prepare_send(const IdxT* __restrict__ idx, i64 T, int Tmax, i
       routing[i] = -1;
     }
   }
-  const int W = K + 1;
+  const int W = 2 * K + 1, CW = L + 2;
   int* rows_d;
   int* cnt_d;
   bool boxed = true;
   if (peer_box != nullptr) {
     boxed = state[1] == 0u;
     int* box = reinterpret_cast<int*>(peer_box[d]) + (i64)((state[0] + 1u) & 1u) * half_ints;
-    cnt_d = box + 2 * me;
-    rows_d = box + 2 * R + (i64)me * P * W;
+    cnt_d = box + (i64)CW * me;
+    rows_d = box + (i64)CW * R + (i64)me * P * W;
   } else {
-    cnt_d = counts + 2 * d;
+    cnt_d = counts + (i64)CW * d;
     rows_d = d == me ? inbox + (i64)me * P * W : outbox + (i64)d * P * W;
   }
   const i64 lo = (i64)d * L, hi = lo + L;
@@ -120,6 +138,50 @@ __global__ void ep_prepare_send(const IdxT* __restrict__ idx, i64 T, int Tmax, i
     if (boxed) {
       cnt_d[0] = carry;
       cnt_d[1] = slots_total;
+    }
+  }
+  // ranks of the kept slots per local expert (send_pos of every token is written: the block's own stores)
+  __syncthreads();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const i64 nslots = T * K;
+  const i64 span = ((nslots + nw - 1) / nw + 31) / 32 * 32;
+  int* hw = hist + (i64)warp * L;
+  const i64 begin = (i64)warp * span, end = min(begin + span, nslots);
+  const int* kept_pos = send_pos + (i64)d * Tmax;
+  if (warp < nw) {
+    for (int l = lane; l < L; l += 32) hw[l] = 0;
+    __syncwarp();
+    for (i64 f0 = begin; f0 < end; f0 += 32) {
+      const int key = kept_slot_key(idx, f0 + lane, end, K, lo, hi, kept_pos);
+      const unsigned peers = __match_any_sync(0xffffffffu, key);
+      if (key >= 0 && lane == __ffs(peers) - 1) hw[key] += __popc(peers);
+      __syncwarp();
+    }
+  }
+  __syncthreads();
+  for (int l = threadIdx.x; l < L; l += blockDim.x) {
+    int run = 0;
+    for (int w = 0; w < nw; ++w) {
+      const int v = hist[(i64)w * L + l];
+      hist[(i64)w * L + l] = run;
+      run += v;
+    }
+    if (boxed) cnt_d[2 + l] = run;
+  }
+  __syncthreads();
+  if (warp < nw && boxed) {
+    const unsigned lt = lanemask_lt();
+    for (i64 f0 = begin; f0 < end; f0 += 32) {
+      const i64 f = f0 + lane;
+      const int key = kept_slot_key(idx, f, end, K, lo, hi, kept_pos);
+      const unsigned peers = __match_any_sync(0xffffffffu, key);
+      if (key >= 0) {
+        const i64 t = f / K;
+        rows_d[(i64)kept_pos[t] * W + 1 + K + (f - t * K)] = hw[key] + __popc(peers & lt);
+      }
+      __syncwarp();
+      if (key >= 0 && lane == __ffs(peers) - 1) hw[key] += __popc(peers);
+      __syncwarp();
     }
   }
 }
@@ -184,7 +246,7 @@ extern "C" __global__ void ep_plan_meta(int* __restrict__ meta, const int* __res
 #endif
 
 // The received side of the plan once the counts and box rows arrived (as ep_plan_meta: counts of source s
-// at counts[s*cstride]; its row j at rows_in + (s*P + j)*(K+1); both + the epoch's half when state is
+// at counts[s*cstride]; its row j at rows_in + (s*P + j)*(2K+1); both + the epoch's half when state is
 // given). Block 0's thread 0 writes the meta region (plan_meta_body); every block derives the received
 // rows' segments itself (dynamic shared memory: 2R + 1 ints). recv_tok[s][j] = the token (-1 past the
 // kept count); recv_local[row][k] = the local id of the k-th expert of the token received in `row` when it
@@ -211,7 +273,7 @@ extern "C" __global__ void ep_prepare_recv(int* __restrict__ meta, const int* __
     seg[R] = o;
   }
   __syncthreads();
-  const int W = K + 1;
+  const int W = 2 * K + 1;
   const i64 step = (i64)gridDim.x * blockDim.x;
   const i64 first = (i64)blockIdx.x * blockDim.x + threadIdx.x;
   for (i64 i = first; i < (i64)R * P; i += step) {
@@ -228,6 +290,111 @@ extern "C" __global__ void ep_prepare_recv(int* __restrict__ meta, const int* __
     }
     int* out = recv_local + row * K;
     for (int k = 0; k < K; ++k) out[k] = src != nullptr ? src[k] : -1;
+  }
+}
+#endif
+
+// The whole received side of the plan in one kernel (ep_prepare_recv's outputs, and the permutation plan's of
+// recv_local without a pass of its own), from the box (as ep_prepare_recv). Every block derives in shared
+// memory, from every source's per-expert counts: pre[s][l] = slots of local expert l from sources before s,
+// the totals, and the plan's offsets (plan_offsets_block: num_out = capacity, or every slot when capacity <
+// 0). Slot (row, k) of source s with local expert l and rank q (the sender's) is the expert-major slot
+// p = pre[s][l] + q of l: kept when p < kept[l], at row seg_start[l] + p (dst_row; src_slot there = row*K +
+// k), else dropped (-1). src_slot is -1 on padding rows and past seg_start[L] (the rows no slot reaches).
+// Block 0 writes meta (plan_meta_body), seg_start, expert_counts and tokens_per_expert. Dynamic shared
+// memory: 2R + 1 + R*L + 4L + 1 ints.
+#if MOE_RT_WANTS(ep_prepare_plan)
+extern "C" __global__ void ep_prepare_plan(int* __restrict__ meta, const int* __restrict__ counts, i64 cstride,
+                                           const int* __restrict__ rows_in, const unsigned* __restrict__ state,
+                                           i64 half_ints, int R, int me, int P, int K, int L, int align, int exact,
+                                           i64 capacity, i64 rows, i64 N, int* __restrict__ recv_tok,
+                                           int* __restrict__ recv_local, int* __restrict__ dst_row,
+                                           int* __restrict__ src_slot, int* __restrict__ seg_start,
+                                           int* __restrict__ expert_counts, int* __restrict__ tokens_per_expert) {
+  extern __shared__ int sm[];
+  int* seg = sm;                // seg[s] = first row of source s (s <= R), seg[R + 1 + s] = its kept count
+  int* pre = seg + 2 * R + 1;   // [R][L]
+  int* tot = pre + (i64)R * L;  // [L]
+  int* kept = tot + L;          // [L]
+  int* padded = kept + L;       // [L]
+  int* start = padded + L;      // [L + 1]
+  counts = box_half(counts, state, half_ints);
+  rows_in = box_half(rows_in, state, half_ints);
+  if (threadIdx.x == 0) {
+    if (blockIdx.x == 0) plan_meta_body(meta, counts, cstride, R, me, P, exact, capacity);
+    int o = 0;
+    for (int s = 0; s < R; ++s) {
+      const int c = counts[(i64)s * cstride];
+      const int k = c < P ? c : P;
+      seg[s] = o;
+      seg[R + 1 + s] = k;
+      o += exact ? k : P;
+    }
+    seg[R] = o;
+  }
+  for (int l = threadIdx.x; l < L; l += blockDim.x) {
+    int run = 0;
+    for (int s = 0; s < R; ++s) {
+      pre[(i64)s * L + l] = run;
+      run += counts[(i64)s * cstride + 2 + l];
+    }
+    tot[l] = run;
+  }
+  __syncthreads();
+  plan_offsets_block<false>(tot, L, align, capacity < 0 ? ((i64)1 << 62) : capacity, kept, padded, start);
+  __syncthreads();
+  if (blockIdx.x == 0) {
+    for (int l = threadIdx.x; l <= L; l += blockDim.x) {
+      seg_start[l] = start[l];
+      if (l < L) {
+        expert_counts[l] = kept[l];
+        tokens_per_expert[l] = padded[l];
+      }
+    }
+  }
+  const int W = 2 * K + 1;
+  const i64 step = (i64)gridDim.x * blockDim.x;
+  const i64 first = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+  for (i64 i = first; i < (i64)R * P; i += step) {
+    const int s = (int)(i / P);
+    recv_tok[i] = i - (i64)s * P < seg[R + 1 + s] ? rows_in[i * W] : -1;
+  }
+  for (i64 row = first; row < rows; row += step) {
+    int src = -1;
+    i64 j = 0;
+    for (int s = 0; s < R; ++s) {
+      if (row >= seg[s] && row < (i64)seg[s] + seg[R + 1 + s]) {
+        src = s;
+        j = row - seg[s];
+        break;
+      }
+    }
+    const int* in = src >= 0 ? rows_in + ((i64)src * P + j) * W : nullptr;
+    for (int k = 0; k < K; ++k) {
+      const int l = in != nullptr ? in[1 + k] : -1;
+      int d = -1;
+      if (l >= 0) {
+        const i64 p = (i64)pre[(i64)src * L + l] + in[1 + K + k];
+        if (p < kept[l]) {
+          d = (int)(start[l] + p);
+          src_slot[d] = (int)(row * K + k);
+        }
+      }
+      recv_local[row * K + k] = l;
+      dst_row[row * K + k] = d;
+    }
+  }
+  for (i64 n = first; n < N; n += step) {
+    if (n >= start[L]) {
+      src_slot[n] = -1;
+      continue;
+    }
+    int a = 0, b = L - 1;  // the last l with start[l] <= n (start[0] = 0 <= n)
+    while (a < b) {
+      const int m = (a + b + 1) >> 1;
+      if (start[m] <= n) a = m; else b = m - 1;
+    }
+    if (n - start[a] >= kept[a]) src_slot[n] = -1;
   }
 }
 #endif

@@ -26,7 +26,7 @@ Buffers:
   ``[R*P, K]``. Both directions push rows into the reader's stage: dispatch each sent row, combine each
   received row's partial over the local experts, back into its owner's stage;
 - prepare's box (one per top-k, made on the first ``prepare`` with it, a collective): int32, two halves
-  alternating with the barrier epoch, each ``[R][2]`` counts then ``[R][P][K+1]`` rows, written by every
+  alternating with the barrier epoch, each ``[R][L+2]`` counts then ``[R][P][2K+1]`` rows, written by every
   source's ``ep_prepare_send`` before prepare's barrier (:meth:`DirectTransport.prepare_box`; kernels/ep.cu);
 - chunk flags: uint32 ``[R*P]`` per rank (flag ``s*P + c``: the epoch in which rank ``s`` finished chunk
   ``c``, ``C`` consecutive positions of its pair with this rank, of its writes into this rank's stages),
@@ -277,15 +277,15 @@ class DirectTransport:
             out.append(st)
         return out[0], out[1]
 
-    def prepare_box(self, K, stream, wait=None):
-        """``(box, half)``: prepare's box for top-``K`` routing (kernels/ep.cu, prepare): per rank two halves of
-        ``half`` int32 words (counts [R][2], then rows [R][P][K+1]; EpGroup's _PrepCfg.half is the same), IPC-shared;
-        made on the first prepare with this K (a collective with a host sync, so never inside CUDA-graph capture)."""
-        half = 2 * self.R + self.R * self.P * (int(K) + 1)
-        st = self._stages.get(("prepare", int(K)))
+    def prepare_box(self, K, half, stream, wait=None):
+        """prepare's box for top-``K`` routing (kernels/ep.cu, prepare): per rank two halves of ``half`` int32
+        words (counts, then rows; the group sizes them), IPC-shared; made on the first prepare with this K (a
+        collective with a host sync, so never inside CUDA-graph capture)."""
+        key = ("prepare", int(K))
+        st = self._stages.get(key)
         if st is None:
-            st = self._shared(("prepare", int(K)), 8 * half, f"the box of prepare for topk={int(K)}", stream, wait)
-        return st, half
+            st = self._shared(key, 8 * int(half), f"the box of prepare for topk={int(K)}", stream, wait)
+        return st
 
     def _shared(self, key, nbytes, what, stream, wait):
         """Make and keep the shared buffer ``key`` (a collective; refused during CUDA-graph capture)."""

@@ -7,13 +7,13 @@ between ranks), ``topk_idx [T,K]`` (int32/int64, ``-1`` = no expert) and ``topk_
 - :meth:`EpGroup.prepare` (a collective) computes the plan on the device, deterministically, and no rank
   sees another's whole routing: each rank lists, for each destination, the ascending tokens with at
   least one expert there (a token is sent **once** per destination rank, not K times) and sends each
-  destination only its counts (tokens, local expert slots) and, per token it sends, the token id and the
-  local ids of its K experts there (``-1`` for the others); the direct transport stores these into the
-  peers' memory (then one device barrier), the NCCL one all-gathers the ``[R][2]`` counts and sends the
-  rows with one grouped send/recv. The receiver lays its rows out source-major, token ascending; their
-  local experts ``[rows, K]`` are a routing for the permutation plan with ``num_experts = L``, giving the
-  expert-major layout (grouped by local expert, ``(src, t)`` ascending inside an expert, padding rows
-  zero). The result is a :class:`moe_rt._handle.Handle`: one uint8 buffer laid out as in
+  destination only its counts (tokens, local expert slots, per local expert) and, per token it sends, the
+  token id, the local ids of its K experts there (``-1`` for the others) and each slot's rank among its
+  expert's slots; the direct transport stores these into the peers' memory (then one device barrier), the
+  NCCL one all-gathers the ``[R][L+2]`` counts and sends the rows with one grouped send/recv. The receiver
+  lays its rows out source-major, token ascending; their local experts ``[rows, K]`` are a routing for the
+  permutation plan with ``num_experts = L``, whose expert-major layout (grouped by local expert, ``(src,
+  t)`` ascending inside an expert, padding rows zero) one kernel writes from the counts and ranks. The result is a :class:`moe_rt._handle.Handle`: one uint8 buffer laid out as in
   ``include/moe_rt/moe_rt.h``.
 - :meth:`EpGroup.dispatch`: send each token's row once to every rank holding one of its experts (the own
   share is copied locally, never sent) and lay the received rows out expert-major.
@@ -128,7 +128,7 @@ for _c in _jit.CTYPES.values():
         _names += [f"ep_owner_sum<{_c}, {_v}>", f"ep_scale_rows<{_c}, {_v}>"]
 _names += [f"ep_expand_rows<{u}, 4>" for u in _UNITS.values()]
 _names += [f"ep_fill_rows<{u}>" for u in _UNITS.values()]
-_names += ["ep_plan_meta", "ep_prepare_recv", "ep_gather_slots", "ep_slot_values"]
+_names += ["ep_plan_meta", "ep_prepare_recv", "ep_prepare_plan", "ep_gather_slots", "ep_slot_values"]
 _jit.register(_FILE, _names)
 
 DEFAULT_TIMEOUT = 300.0
@@ -503,14 +503,15 @@ class EpGroup:
     def _prepare_cuda(self, call, idx, T, K, validate=False):
         """Launches: ep_prepare_send (routing into the handle, send lists, each destination's counts and rows
         into its box); the exchange (direct: ep_direct_barrier, the boxes being peer memory; NCCL: an
-        all-gather of the [R][2] counts and one grouped send/recv of the rows); exact mode: ep_plan_meta, the
-        host read of the counts and a copy of the leading regions into the buffer sized from them;
-        ep_prepare_recv (meta, recv_tok, recv_local); the permutation plan's three kernels writing straight
-        into the handle. Capacity mode: two allocations (the handle, the scratch) and no host sync."""
+        all-gather of the [R][L+2] counts and one grouped send/recv of the rows); exact mode: ep_plan_meta,
+        the host read of the counts and a copy of the leading regions into the buffer sized from them; then
+        ep_prepare_plan (every received-side region), or where its shared memory would not fit (R*L large)
+        ep_prepare_recv and the permutation plan's three kernels. Capacity mode: two allocations (the handle,
+        the scratch), no host sync; the direct transport's is three launches."""
         xp, s, dev = call.xp, call.stream, call.device_id
         idx = _arrays.contiguous(xp, idx)
         c = self._prep_cfg(T, K, dev, idx.dtype)
-        R, me, P = c.R, self.rank, c.P
+        R, me, P, CW = c.R, self.rank, c.P, c.CW
         exact = self.mode == "exact"
         buf = xp.empty(c.total, np.uint8)
         b = buf.data.ptr
@@ -518,28 +519,28 @@ class EpGroup:
         meta = b + lay["meta"][0]
         direct = self.transport == "direct"
         work = xp.empty(c.work_words, np.int32)
-        w = work.data.ptr  # NCCL: counts [R][R][2], inbox, outbox; then the plan's scratch
+        w = work.data.ptr  # NCCL: counts [R][R][CW], inbox, outbox; then the plan kernels' scratch
         if direct:
-            st, _ = self._transport.prepare_box(K, s, lambda st_: self._wait(st_, "prepare"))
-            state, peer, counts, rows_in = self._transport.state, st.table, st.local, st.local + 8 * R
+            st = self._transport.prepare_box(K, int(c.half), s, lambda st_: self._wait(st_, "prepare"))
+            state, peer, counts, rows_in = self._transport.state, st.table, st.local, st.local + 4 * CW * R
             own_counts = outbox = inbox = 0
         else:
             state = peer = 0
-            own_counts, inbox = w + 8 * R * me, w + 8 * R * R
+            own_counts, inbox = w + 4 * CW * R * me, w + 4 * CW * R * R
             outbox = inbox + 4 * c.box if R > 1 else inbox
-            counts, rows_in = w + 8 * me, inbox
+            counts, rows_in = w + 4 * CW * me, inbox
         _jit.launch_raw(c.f_send, R, c.threads,
                         (idx, *c.send_head, b + lay["routing"][0], b + lay["send_tok"][0], b + lay["send_pos"][0],
-                         meta, peer, state, c.half, own_counts, outbox, inbox, c.err), 0, s)
+                         meta, peer, state, c.half, own_counts, outbox, inbox, c.err, c.rank_warps), c.send_smem, s)
         if validate and not exact:
             self._wait(s, "prepare")
             _errors.raise_pending(dev, s)
         if direct:
             self._transport.barrier(s, "prepare")
         elif R > 1:
-            self.comm.all_gather(own_counts, w, 2 * R, "int32", s.ptr)
+            self.comm.all_gather(own_counts, w, CW * R, "int32", s.ptr)
             if not exact:
-                self._transport.exchange_box(s, outbox, inbox, c.full_rows, c.full_rows, K + 1, P)
+                self._transport.exchange_box(s, outbox, inbox, c.full_rows, c.full_rows, c.W, P)
         host, sz, plan, scratch = None, c.sz, c.plan, w + 4 * c.box_words
         if exact:
             _jit.launch_raw(_jit.function(_FILE, "ep_plan_meta"), 1, 32,
@@ -560,20 +561,28 @@ class EpGroup:
             if not direct and R > 1:
                 sent = [min(int(v), P) for v in host[meta_index("send_counts", R):][:R]]
                 got = [min(int(v), P) for v in host[meta_index("recv_counts", R):][:R]]
-                self._transport.exchange_box(s, outbox, inbox, sent, got, K + 1, P)
-            plan = permutation.plan_config(rows, K, np.int32, L, A, N, slots, dev)
-            scratch_buf = xp.empty(plan[0] - plan[1], np.int32)
-            scratch = scratch_buf.data.ptr
-            recv_grid = _grid(max(rows, R * P), dev)
+                self._transport.exchange_box(s, outbox, inbox, sent, got, c.W, P)
+            grid = _grid(max(rows, N, R * P), dev)
+            if not c.fused:
+                plan = permutation.plan_config(rows, K, np.int32, L, A, N, slots, dev)
+                scratch_buf = xp.empty(plan[0] - plan[1], np.int32)
+                scratch = scratch_buf.data.ptr
         else:
-            rows, N, recv_grid = c.rows, c.N, c.recv_grid
-        recv_local = b + lay["recv_local"][0]
-        _jit.launch_raw(c.f_recv, recv_grid, 256,
-                        (meta, counts, c.cstride, rows_in, state, c.half, *c.recv_mid,
-                         np.int64(rows), b + lay["recv_tok"][0], recv_local), c.recv_smem, s)
-        permutation.plan_kernels(plan, recv_local, N, b + lay["dst_row"][0], b + lay["src_slot"][0],
-                                 b + lay["seg_start"][0], b + lay["expert_counts"][0],
-                                 b + lay["tokens_per_expert"][0], scratch, s)
+            rows, N, grid = c.rows, c.N, c.recv_grid
+        out = (b + lay["recv_tok"][0], b + lay["recv_local"][0])
+        if c.fused:
+            _jit.launch_raw(c.f_plan, grid, 256,
+                            (meta, counts, c.cstride, rows_in, state, c.half, *c.plan_mid, np.int64(rows),
+                             np.int64(N), *out, b + lay["dst_row"][0], b + lay["src_slot"][0],
+                             b + lay["seg_start"][0], b + lay["expert_counts"][0], b + lay["tokens_per_expert"][0]),
+                            c.plan_smem, s)
+        else:
+            _jit.launch_raw(c.f_recv, grid, 256,
+                            (meta, counts, c.cstride, rows_in, state, c.half, *c.recv_mid, np.int64(rows), *out),
+                            c.recv_smem, s)
+            permutation.plan_kernels(plan, out[1], N, b + lay["dst_row"][0], b + lay["src_slot"][0],
+                                     b + lay["seg_start"][0], b + lay["expert_counts"][0],
+                                     b + lay["tokens_per_expert"][0], scratch, s)
         h = Handle(buf, lay, self.id, self.mode, sz)
         h.state.update(backend="cuda", device_id=dev, host_meta=host)
         return h
@@ -772,25 +781,36 @@ def group_identity(comm, attrs, num_experts, hidden):
 class _PrepCfg:
     """EpGroup.prepare's set-up for one (T, K, device, id dtype), in plain ints (made once, cached by the
     group): sizes, the handle layout and bytes (capacity mode: final; exact mode: of the regions before
-    recv_local, which do not depend on the received rows), the scratch in int32 words (NCCL: the counts
-    [R][R][2], inbox and outbox of the rows; then the plan kernels' scratch, capacity mode), the kernels and
-    the constant parts of their arguments."""
+    recv_local, which do not depend on the received rows), the box layout (kernels/ep.cu, prepare: counts
+    [R][CW], CW = L + 2; rows [R][P][W], W = 2K + 1), the scratch in int32 words (NCCL: the counts
+    [R][R][CW], inbox and outbox; then the plan kernels' scratch where ep_prepare_plan does not fit), the
+    kernels and the constant parts of their arguments."""
 
-    __slots__ = ("sz", "R", "L", "Tmax", "P", "lay", "total", "box", "box_words", "work_words", "cstride", "half",
-                 "plan", "rows", "N", "threads", "f_send", "send_head", "err", "f_recv", "recv_mid", "recv_grid",
-                 "recv_smem", "full_rows")
+    __slots__ = ("sz", "R", "L", "Tmax", "P", "CW", "W", "lay", "total", "box", "box_words", "work_words", "cstride",
+                 "half", "plan", "rows", "N", "threads", "f_send", "send_head", "send_smem", "rank_warps", "err",
+                 "fused", "f_plan", "plan_mid", "plan_smem", "f_recv", "recv_mid", "recv_grid", "recv_smem",
+                 "full_rows")
+
+    # ep_prepare_plan's shared memory (its per-source, per-expert offsets) must fit this; larger R*L take
+    # ep_prepare_recv and the permutation plan's kernels
+    FUSED_SMEM = 40 * 1024
 
     def __init__(self, g, T, K, dev, idx_dtype):
         sz = g._sizes(T, K)
         R, L, Tmax, P, A, me = sz["R"], sz["L"], sz["Tmax"], sz["P"], sz["A"], sz["rank"]
         self.R, self.L, self.Tmax, self.P = R, L, Tmax, P
         direct = g.transport == "direct"
-        self.box = R * P * (K + 1)  # int32 words of the rows part of a box
-        self.box_words = 0 if direct else 2 * R * R + self.box * (2 if R > 1 else 1)
-        self.cstride = np.int64(2 if direct else 2 * R)  # the counts of consecutive sources, int32 words apart
+        self.CW, self.W = L + 2, 2 * K + 1
+        self.box = R * P * self.W  # int32 words of the rows part of a box
+        self.box_words = 0 if direct else self.CW * R * R + self.box * (2 if R > 1 else 1)
+        self.cstride = np.int64(self.CW if direct else self.CW * R)  # the counts of consecutive sources, in words
         # int32 words of one half of the direct transport's box (DirectTransport.prepare_box); 0 on NCCL
-        self.half = np.int64(2 * R + self.box if direct else 0)
+        self.half = np.int64(self.CW * R + self.box if direct else 0)
+        self.plan_smem = 4 * (2 * R + 1 + R * L + 4 * L + 1)
+        self.fused = self.plan_smem <= self.FUSED_SMEM
+        cap = -1
         self.plan = None
+        self.rows = self.N = self.recv_grid = None
         if g.mode == "capacity":
             cap = sz["capacity"]
             permutation.check_plan_settings(L, A, cap, "index")
@@ -802,26 +822,34 @@ class _PrepCfg:
             _check_plan_rows(rows, K, N)
             sz.update(rows=rows, N=N, num_out=cap)
             self.lay, self.total = _handle.layout(R, L, Tmax, K, P, rows, N)
-            self.plan = permutation.plan_config(rows, K, np.int32, L, A, N, cap, dev)
-            self.rows, self.N, self.recv_grid = rows, N, _grid(rows, dev)
-            self.work_words = self.box_words + self.plan[0] - self.plan[1]
+            self.rows, self.N, self.recv_grid = rows, N, _grid(max(rows, N), dev)
+            self.work_words = self.box_words
+            if not self.fused:
+                self.plan = permutation.plan_config(rows, K, np.int32, L, A, N, cap, dev)
+                self.work_words += self.plan[0] - self.plan[1]
         else:
-            cap = -1
             permutation.check_plan_settings(L, A, None, "index")
             self.lay, self.total = _handle.layout(R, L, Tmax, K, P, 0, 0)
-            self.rows = self.N = self.recv_grid = None
-            self.work_words = max(self.box_words, 1)
+            self.work_words = self.box_words
+        self.work_words = max(self.work_words, 1)
         self.sz = sz
         self.threads = int(min(1024, max(32, -(-Tmax // 32) * 32)))
         self.f_send = _jit.function(_FILE, f"ep_prepare_send<{_IDX[np.dtype(idx_dtype).name]}>")
+        # the warps that rank the slots, each with L ints of shared memory
+        room = max(48 * 1024, _jit.device_properties(dev).get("smem_per_block_optin", 0)) - 1024
+        self.rank_warps = np.int32(max(1, min(self.threads // 32, room // (4 * L))))
+        self.send_smem = 4 * L * int(self.rank_warps)
+        _jit.set_max_dynamic_shared(self.f_send, self.send_smem)
         self.send_head = (np.int64(T), np.int32(Tmax), np.int32(K), np.int32(g.num_experts), np.int32(R),
                           np.int32(me), np.int32(L), np.int32(P))
         self.err = _errors.word(dev)
+        exact = np.int32(1 if g.mode == "exact" else 0)
+        self.f_plan = _jit.function(_FILE, "ep_prepare_plan")
+        self.plan_mid = (np.int32(R), np.int32(me), np.int32(P), np.int32(K), np.int32(L), np.int32(A), exact,
+                         np.int64(cap))
         self.f_recv = _jit.function(_FILE, "ep_prepare_recv")
         self.recv_smem = 4 * (2 * R + 1)
-        _jit.set_max_dynamic_shared(self.f_recv, self.recv_smem)
-        self.recv_mid = (np.int32(R), np.int32(me), np.int32(P), np.int32(K), np.int32(1 if g.mode == "exact" else 0),
-                         np.int64(cap))
+        self.recv_mid = (np.int32(R), np.int32(me), np.int32(P), np.int32(K), exact, np.int64(cap))
         self.full_rows = [P] * R
 
 

@@ -210,6 +210,10 @@ def correctness(cp, comm):
     # K > L, E = R
     one_case(cp, comm, 7, WORLD, 2, 64, (10, 12), 16, "uniform", "exact", 1, f32)
     one_case(cp, comm, 8, experts(8), 6, 64, (10, 12), 16, "holes", "capacity", 4, b16)
+    # many local experts: prepare's received side in ep_prepare_recv and the permutation plan's kernels
+    # (ep_prepare_plan's shared memory would not hold R*L offsets)
+    one_case(cp, comm, 9, WORLD * 4096, 3, 64, (10, 12), 16, "uniform", "capacity", 2, f32)
+    one_case(cp, comm, 10, WORLD * 4096, 2, 64, (9, 13), 16, "holes", "exact", 1, b16)
     # capacity overflow is flagged, never silent
     from moe_rt.ep import EpGroup
 
@@ -228,7 +232,7 @@ def correctness(cp, comm):
         assert int(tpe.get()[0]) == 10
     else:
         assert not h.overflow()
-    log(f"{n + 3} cases OK")
+    log(f"{n + 5} cases OK")
 
 
 def graph(cp, comm, chunks=None, replays=100, memory=True):

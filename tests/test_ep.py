@@ -936,8 +936,8 @@ class _Box:
 class _RecDirect:
     state = _Arr(2, np.uint32)
 
-    def prepare_box(self, K, stream, wait):
-        return _Box, 12345
+    def prepare_box(self, K, half, stream, wait):
+        return _Box
 
     def barrier(self, stream, op):
         _Trace.events.append(("ep_direct_barrier", op))
@@ -956,10 +956,12 @@ def _kernel_params(file, name):
 
 @pytest.mark.parametrize("transport,R", [("nccl", 1), ("nccl", 3), ("direct", 3)])
 @pytest.mark.parametrize("mode", ["capacity", "exact"])
-def test_prepare_launch_trace(monkeypatch, transport, R, mode):
+@pytest.mark.parametrize("fused", [True, False])
+def test_prepare_launch_trace(monkeypatch, transport, R, mode, fused):
     """The launches, collectives and allocations of prepare on CUDA, per transport and mode (drivers, kernels
-    and memory stood in for): no all-gather of the routing table, only counts and the sent rows; each launch
-    passes as many arguments as its kernel takes."""
+    and memory stood in for): no all-gather of the routing table, only counts and the sent rows; one kernel
+    for the received side (ep_prepare_plan) unless its shared memory would not fit (then ep_prepare_recv and
+    the permutation plan's kernels); each launch passes as many arguments as its kernel takes."""
     from moe_rt import _arrays, _errors, _jit, permutation
     from moe_rt import ep as ep_mod
 
@@ -979,6 +981,8 @@ def test_prepare_launch_trace(monkeypatch, transport, R, mode):
     monkeypatch.setattr(_arrays, "contiguous", lambda xp, a: a)
     monkeypatch.setattr(permutation, "_fns", {})
     monkeypatch.setattr(permutation, "_plan_cfgs", {})
+    if not fused:
+        monkeypatch.setattr(ep_mod._PrepCfg, "FUSED_SMEM", 0)
     E, K, Tmax, T, me = 4 * R, 2, 16, 11, R - 1
     comm = None if R == 1 else _RecComm(me, R)
     g = EpGroup(comm, E, 8, Tmax, mode=mode, transport="nccl")
@@ -1005,19 +1009,21 @@ def test_prepare_launch_trace(monkeypatch, transport, R, mode):
         sent = [e for e in _Trace.events if e[0] == "send"]
         got = [e for e in _Trace.events if e[0] == "recv"]
         if mode == "capacity":  # fixed P rows of K+1 words per peer
-            assert all(e[2] == P * (K + 1) for e in sent + got)
+            assert all(e[2] == P * (2 * K + 1) for e in sent + got)
         else:  # the kept rows the host read gave
-            assert [e[2] for e in sent] == [min(3 + p, P) * (K + 1) for p in range(R) if p != me]
-            assert [e[2] for e in got] == [min(5 + p, P) * (K + 1) for p in range(R) if p != me]
-        assert [e for e in _Trace.events if e[0] == "all_gather"] == [("all_gather", 2 * R, "int32")]
-    plan = ["plan_count", "plan_scan", "plan_assign"]
+            assert [e[2] for e in sent] == [min(3 + p, P) * (2 * K + 1) for p in range(R) if p != me]
+            assert [e[2] for e in got] == [min(5 + p, P) * (2 * K + 1) for p in range(R) if p != me]
+        L = E // R
+        assert [e for e in _Trace.events if e[0] == "all_gather"] == [("all_gather", R * (L + 2), "int32")]
+    recv = ["ep_prepare_plan"] if fused else ["ep_prepare_recv", "plan_count", "plan_scan", "plan_assign"]
     if mode == "capacity":
-        want = ["ep_prepare_send"] + exchange + rows_ex + ["ep_prepare_recv"] + plan
+        want = ["ep_prepare_send"] + exchange + rows_ex + recv
     else:
-        want = ["ep_prepare_send"] + exchange + ["ep_plan_meta", "host read"] + rows_ex + ["ep_prepare_recv"] + plan
+        want = ["ep_prepare_send"] + exchange + ["ep_plan_meta", "host read"] + rows_ex + recv
     assert names == want
     allocs = [e for e in _Trace.events if e[0] == "alloc"]
-    assert len(allocs) == (2 if mode == "capacity" else 4)  # the handle and the scratch (+ exact: both again)
+    # the handle and the scratch (exact: a second handle sized from the host read, and the plan's scratch)
+    assert len(allocs) == (2 if mode == "capacity" else 3 if fused else 4)
     assert [e for e in _Trace.events if e[0] == "copy"] == ([] if mode == "capacity" else
                                                             [("copy", h.layout["recv_local"][0])])
     assert h.sizes["rows"] == (R * P if mode == "capacity" else rows)
@@ -1028,12 +1034,13 @@ def test_prepare_launch_trace(monkeypatch, transport, R, mode):
 @pytest.mark.parametrize("mode,align,pair", [("exact", 1, None), ("exact", 4, None), ("capacity", 1, None),
                                              ("capacity", 8, 5), ("capacity", 1, 3)])
 @pytest.mark.parametrize("id_dtype", [np.int32, np.int64])
-def test_one_gpu_prepare_matches_cpu_handle(rng, mode, align, pair, id_dtype):
+@pytest.mark.parametrize("E", [7, 3001])  # 3001 experts: ep_prepare_recv and the plan kernels (not fused)
+def test_one_gpu_prepare_matches_cpu_handle(rng, mode, align, pair, id_dtype, E):
     """A 1-rank group on one GPU: prepare's handle holds, region by region, what the CPU path writes (poisoned
     pool memory underneath), for odd sizes, T = 0 and T = Tmax, dropped pairs and slots; dispatch's rows match."""
     import cupy as cp
 
-    E, K, H, Tmax = 7, 3, 40, 13
+    K, H, Tmax = 3, 40, 13
     kw = {} if mode == "exact" else {"pair_capacity": pair, "capacity": 8}
     g_gpu = EpGroup(None, E, H, Tmax, mode=mode, align_size=align, **kw)
     g_cpu = EpGroup(None, E, H, Tmax, mode=mode, align_size=align, **kw)
