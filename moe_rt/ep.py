@@ -562,7 +562,7 @@ class EpGroup:
                 sent = [min(int(v), P) for v in host[meta_index("send_counts", R):][:R]]
                 got = [min(int(v), P) for v in host[meta_index("recv_counts", R):][:R]]
                 self._transport.exchange_box(s, outbox, inbox, sent, got, c.W, P)
-            grid = _grid(max(rows, N, R * P), dev)
+            grid = _prep_grid(c.fused, max(rows, N, R * P), dev)
             if not c.fused:
                 plan = permutation.plan_config(rows, K, np.int32, L, A, N, slots, dev)
                 scratch_buf = xp.empty(plan[0] - plan[1], np.int32)
@@ -822,7 +822,7 @@ class _PrepCfg:
             _check_plan_rows(rows, K, N)
             sz.update(rows=rows, N=N, num_out=cap)
             self.lay, self.total = _handle.layout(R, L, Tmax, K, P, rows, N)
-            self.rows, self.N, self.recv_grid = rows, N, _grid(max(rows, N), dev)
+            self.rows, self.N, self.recv_grid = rows, N, _prep_grid(self.fused, max(rows, N), dev)
             self.work_words = self.box_words
             if not self.fused:
                 self.plan = permutation.plan_config(rows, K, np.int32, L, A, N, cap, dev)
@@ -851,6 +851,14 @@ class _PrepCfg:
         self.recv_smem = 4 * (2 * R + 1)
         self.recv_mid = (np.int32(R), np.int32(me), np.int32(P), np.int32(K), exact, np.int64(cap))
         self.full_rows = [P] * R
+
+
+def _prep_grid(fused, n, dev):
+    """Blocks of 256 threads for prepare's received side over ``n`` items: ep_prepare_plan's blocks each derive
+    the offsets of every (source, local expert) first, so at most two per SM; ep_prepare_recv's as _grid."""
+    if not fused:
+        return _grid(n, dev)
+    return max(1, min(-(-n // 256), 2 * _jit.device_properties(dev)["sm_count"]))
 
 
 def _check_plan_rows(rows, K, N):
