@@ -234,6 +234,44 @@ __device__ __forceinline__ const int* box_half(const int* p, const unsigned* sta
   return state != nullptr ? p + (i64)(state[0] & 1u) * half_ints : p;
 }
 
+// The received side's common start (thread 0 of each block): block 0 writes meta (plan_meta_body); every block
+// derives the received rows' segments: seg[s] = first row of source s (s <= R), seg[R + 1 + s] = its kept
+// count (seg: 2R + 1 ints of shared memory).
+__device__ void recv_segments(int* __restrict__ meta, const int* __restrict__ counts, i64 cstride, int R, int me,
+                              int P, int exact, i64 capacity, int* __restrict__ seg) {
+  if (blockIdx.x == 0) plan_meta_body(meta, counts, cstride, R, me, P, exact, capacity);
+  int o = 0;
+  for (int s = 0; s < R; ++s) {
+    const int c = counts[(i64)s * cstride];
+    const int kept = c < P ? c : P;
+    seg[s] = o;
+    seg[R + 1 + s] = kept;
+    o += exact ? kept : P;
+  }
+  seg[R] = o;
+}
+
+// recv_tok[s][j] = the token of box row (s, j) (-1 past the kept count), grid-stride from `first`.
+__device__ void recv_tokens(const int* __restrict__ rows_in, const int* __restrict__ seg, int R, int P, int W,
+                            i64 first, i64 step, int* __restrict__ recv_tok) {
+  for (i64 i = first; i < (i64)R * P; i += step) {
+    const int s = (int)(i / P);
+    recv_tok[i] = i - (i64)s * P < seg[R + 1 + s] ? rows_in[i * W] : -1;
+  }
+}
+
+// The box row of received row `row` (nullptr for an unused row) and its source (*src).
+__device__ __forceinline__ const int* recv_box_row(i64 row, const int* __restrict__ rows_in,
+                                                   const int* __restrict__ seg, int R, int P, int W, int* src) {
+  for (int s = 0; s < R; ++s) {
+    if (row >= seg[s] && row < (i64)seg[s] + seg[R + 1 + s]) {
+      *src = s;
+      return rows_in + ((i64)s * P + (row - seg[s])) * W;
+    }
+  }
+  return nullptr;
+}
+
 // plan_meta_body as a kernel of one thread: exact mode, whose host read of the counts sizes the handle
 // before ep_prepare_recv runs (that kernel writes the same meta again).
 #if MOE_RT_WANTS(ep_plan_meta)
@@ -257,39 +295,20 @@ extern "C" __global__ void ep_prepare_recv(int* __restrict__ meta, const int* __
                                            const int* __restrict__ rows_in, const unsigned* __restrict__ state,
                                            i64 half_ints, int R, int me, int P, int K, int exact, i64 capacity,
                                            i64 rows, int* __restrict__ recv_tok, int* __restrict__ recv_local) {
-  extern __shared__ int seg[];  // seg[s] = first row of source s (s <= R), seg[R + 1 + s] = its kept count
+  extern __shared__ int seg[];  // recv_segments
   counts = box_half(counts, state, half_ints);
   rows_in = box_half(rows_in, state, half_ints);
-  if (threadIdx.x == 0) {
-    if (blockIdx.x == 0) plan_meta_body(meta, counts, cstride, R, me, P, exact, capacity);
-    int o = 0;
-    for (int s = 0; s < R; ++s) {
-      const int c = counts[(i64)s * cstride];
-      const int kept = c < P ? c : P;
-      seg[s] = o;
-      seg[R + 1 + s] = kept;
-      o += exact ? kept : P;
-    }
-    seg[R] = o;
-  }
+  if (threadIdx.x == 0) recv_segments(meta, counts, cstride, R, me, P, exact, capacity, seg);
   __syncthreads();
   const int W = 2 * K + 1;
   const i64 step = (i64)gridDim.x * blockDim.x;
   const i64 first = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-  for (i64 i = first; i < (i64)R * P; i += step) {
-    const int s = (int)(i / P);
-    recv_tok[i] = i - (i64)s * P < seg[R + 1 + s] ? rows_in[i * W] : -1;
-  }
+  recv_tokens(rows_in, seg, R, P, W, first, step, recv_tok);
   for (i64 row = first; row < rows; row += step) {
-    const int* src = nullptr;
-    for (int s = 0; s < R; ++s) {
-      if (row >= seg[s] && row < (i64)seg[s] + seg[R + 1 + s]) {
-        src = rows_in + ((i64)s * P + (row - seg[s])) * W + 1;
-        break;
-      }
-    }
+    int src;
+    const int* in = recv_box_row(row, rows_in, seg, R, P, W, &src);
     int* out = recv_local + row * K;
-    for (int k = 0; k < K; ++k) out[k] = src != nullptr ? src[k] : -1;
+    for (int k = 0; k < K; ++k) out[k] = in != nullptr ? in[1 + k] : -1;
   }
 }
 #endif
@@ -312,7 +331,7 @@ extern "C" __global__ void ep_prepare_plan(int* __restrict__ meta, const int* __
                                            int* __restrict__ src_slot, int* __restrict__ seg_start,
                                            int* __restrict__ expert_counts, int* __restrict__ tokens_per_expert) {
   extern __shared__ int sm[];
-  int* seg = sm;                // seg[s] = first row of source s (s <= R), seg[R + 1 + s] = its kept count
+  int* seg = sm;                // recv_segments
   int* pre = seg + 2 * R + 1;   // [R][L]
   int* tot = pre + (i64)R * L;  // [L]
   int* kept = tot + L;          // [L]
@@ -320,18 +339,7 @@ extern "C" __global__ void ep_prepare_plan(int* __restrict__ meta, const int* __
   int* start = padded + L;      // [L + 1]
   counts = box_half(counts, state, half_ints);
   rows_in = box_half(rows_in, state, half_ints);
-  if (threadIdx.x == 0) {
-    if (blockIdx.x == 0) plan_meta_body(meta, counts, cstride, R, me, P, exact, capacity);
-    int o = 0;
-    for (int s = 0; s < R; ++s) {
-      const int c = counts[(i64)s * cstride];
-      const int k = c < P ? c : P;
-      seg[s] = o;
-      seg[R + 1 + s] = k;
-      o += exact ? k : P;
-    }
-    seg[R] = o;
-  }
+  if (threadIdx.x == 0) recv_segments(meta, counts, cstride, R, me, P, exact, capacity, seg);
   for (int l = threadIdx.x; l < L; l += blockDim.x) {
     int run = 0;
     for (int s = 0; s < R; ++s) {
@@ -355,21 +363,10 @@ extern "C" __global__ void ep_prepare_plan(int* __restrict__ meta, const int* __
   const int W = 2 * K + 1;
   const i64 step = (i64)gridDim.x * blockDim.x;
   const i64 first = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-  for (i64 i = first; i < (i64)R * P; i += step) {
-    const int s = (int)(i / P);
-    recv_tok[i] = i - (i64)s * P < seg[R + 1 + s] ? rows_in[i * W] : -1;
-  }
+  recv_tokens(rows_in, seg, R, P, W, first, step, recv_tok);
   for (i64 row = first; row < rows; row += step) {
-    int src = -1;
-    i64 j = 0;
-    for (int s = 0; s < R; ++s) {
-      if (row >= seg[s] && row < (i64)seg[s] + seg[R + 1 + s]) {
-        src = s;
-        j = row - seg[s];
-        break;
-      }
-    }
-    const int* in = src >= 0 ? rows_in + ((i64)src * P + j) * W : nullptr;
+    int src = 0;
+    const int* in = recv_box_row(row, rows_in, seg, R, P, W, &src);
     for (int k = 0; k < K; ++k) {
       const int l = in != nullptr ? in[1 + k] : -1;
       int d = -1;
