@@ -25,16 +25,16 @@ using namespace moe_rt;
 
 // ---- prepare (moe_rt/ep.py _prepare_cuda) -----------------------------------------------------------
 // Only counts and the sent rows' own routing cross between ranks; no rank sees another's whole routing table.
-// A "box" (per receiving rank) holds what each source s sends it: counts [R][CW] (CW = L + 2; s*CW + 0: tokens
-// of the pair before pair-capacity drops, + 1: local expert slots of the kept tokens, + 2 + l: those of local
-// expert l) and rows [R][P][W] (W = 2K + 1; s*P + j: the j-th kept token t of the pair, then the local ids
-// of its K experts on the receiver (-1 for the others), then each such slot's rank among the source's kept
-// slots of that local expert in (t, k) order). The direct transport's boxes are IPC-shared (peer_box[r], two
-// halves of half_ints ints picked by the parity of the barrier epoch: the writers of one prepare and the
-// readers of the previous one never share a half, since a writer has passed every rank's barrier of the op
-// in between). NCCL transport: the counts of rank s for d at counts[(s*R + d)*CW] (an all-gather of [R][CW]
-// per rank), the rows for d != me in a local outbox [R][P][W] sent with grouped send/recv into the inbox (the
-// own share written there straight away). With the ranks and every source's per-expert counts, the receiver
+// A "box" (per receiving rank) holds one segment of SEG = CW + P*W int32 words per source s (at s*SEG): its
+// counts (CW = L + 2 words: tokens of the pair before pair-capacity drops, local expert slots of the kept
+// tokens, then those of each local expert l) and its rows (P rows of W = 2K + 1 words: row j the j-th kept
+// token t of the pair, then the local ids of its K experts on the receiver (-1 for the others), then each
+// such slot's rank among the source's kept slots of that local expert in (t, k) order). The direct
+// transport's boxes are IPC-shared (peer_box[r], two halves of half_ints words picked by the parity of the
+// barrier epoch: the writers of one prepare and the readers of the previous one never share a half, since a
+// writer has passed every rank's barrier of the op in between). NCCL transport: the segment for d != me is
+// written into a local outbox (segment d) and sent with grouped send/recv into d's inbox (segment me); the
+// own one goes to the inbox straight away. With the ranks and every source's per-expert counts, the receiver
 // places every slot in the expert-major layout without another pass over the slots (ep_prepare_plan).
 
 // One block per destination d (grid R). Spread over the blocks, this rank's routing into the handle:
@@ -44,8 +44,8 @@ using namespace moe_rt;
 // (list positions are stable; a token is a member of the pair (me, d) when one of its experts lives on d):
 // send_tok[d][pos] = t, send_pos[d][t] = pos (or -1), meta send_counts[d]; positions >= P (pair capacity)
 // are dropped, list entries past the kept count are -1; each kept token's box row and the pair's counts
-// go to d's box (direct: peer_box, the half of epoch state[0] + 1, the one the op's barrier advances to;
-// skipped after a failed barrier) or to counts / outbox / inbox (NCCL). The ranks: warps [0, nw) take
+// go to segment me of d's box (direct: peer_box, the half of epoch state[0] + 1, the one the op's barrier
+// advances to; skipped after a failed barrier), or to segment d of the outbox (NCCL; the inbox for d = me). The ranks: warps [0, nw) take
 // contiguous ranges of the flat slots t*K + k (each a multiple of 32 long): a per-warp count of each local
 // expert's kept slots (warp match), an exclusive scan over the warps, then the same walk again assigning
 // ranks (the permutation plan's method). Dynamic shared memory: nw * L ints.
@@ -65,8 +65,8 @@ __global__ void ep_prepare_send(const IdxT* __restrict__ idx, i64 T, int Tmax, i
                                 int P, int* __restrict__ routing, int* __restrict__ send_tok,
                                 int* __restrict__ send_pos, int* __restrict__ meta,
                                 const long long* __restrict__ peer_box, const unsigned* __restrict__ state,
-                                i64 half_ints, int* __restrict__ counts, int* __restrict__ outbox,
-                                int* __restrict__ inbox, unsigned* __restrict__ err, int nw) {
+                                i64 half_ints, int* __restrict__ outbox, int* __restrict__ inbox,
+                                unsigned* __restrict__ err, int nw) {
   __shared__ int scratch[32];
   extern __shared__ int hist[];  // [nw][L]
   const int d = blockIdx.x;
@@ -85,18 +85,16 @@ __global__ void ep_prepare_send(const IdxT* __restrict__ idx, i64 T, int Tmax, i
     }
   }
   const int W = 2 * K + 1, CW = L + 2;
-  int* rows_d;
-  int* cnt_d;
+  const i64 SEG = CW + (i64)P * W;
+  int* cnt_d;  // this rank's segment for d: counts, then rows
   bool boxed = true;
   if (peer_box != nullptr) {
     boxed = state[1] == 0u;
-    int* box = reinterpret_cast<int*>(peer_box[d]) + (i64)((state[0] + 1u) & 1u) * half_ints;
-    cnt_d = box + (i64)CW * me;
-    rows_d = box + (i64)CW * R + (i64)me * P * W;
+    cnt_d = reinterpret_cast<int*>(peer_box[d]) + (i64)((state[0] + 1u) & 1u) * half_ints + SEG * me;
   } else {
-    cnt_d = counts + (i64)CW * d;
-    rows_d = d == me ? inbox + (i64)me * P * W : outbox + (i64)d * P * W;
+    cnt_d = (d == me ? inbox : outbox) + SEG * d;
   }
+  int* rows_d = cnt_d + CW;
   const i64 lo = (i64)d * L, hi = lo + L;
   int carry = 0, slot_acc = 0;
   for (int base = 0; base < Tmax; base += blockDim.x) {
@@ -187,7 +185,7 @@ __global__ void ep_prepare_send(const IdxT* __restrict__ idx, i64 T, int Tmax, i
 }
 
 // Offsets and flags (one thread; R is small), after the counts arrived: source s's counts at
-// counts[s*cstride] (the direct transport's box already shifted to the epoch's half). Exact mode
+// counts[s*seg] (the box's segment of s; the direct transport's box already shifted to the epoch's half). Exact mode
 // (exact = 1): segments packed back to back with the kept counts; capacity mode: every segment is P rows.
 // The own destination takes no send rows. capacity < 0: no expert-major capacity.
 __device__ void plan_meta_body(int* __restrict__ meta, const int* __restrict__ counts, i64 cstride, int R, int me,
@@ -251,22 +249,24 @@ __device__ void recv_segments(int* __restrict__ meta, const int* __restrict__ co
   seg[R] = o;
 }
 
-// recv_tok[s][j] = the token of box row (s, j) (-1 past the kept count), grid-stride from `first`.
-__device__ void recv_tokens(const int* __restrict__ rows_in, const int* __restrict__ seg, int R, int P, int W,
-                            i64 first, i64 step, int* __restrict__ recv_tok) {
+// recv_tok[s][j] = the token of box row j of source s (at rows_in + s*sstride + j*W; -1 past the kept
+// count), grid-stride from `first`.
+__device__ void recv_tokens(const int* __restrict__ rows_in, i64 sstride, const int* __restrict__ seg, int R,
+                            int P, int W, i64 first, i64 step, int* __restrict__ recv_tok) {
   for (i64 i = first; i < (i64)R * P; i += step) {
     const int s = (int)(i / P);
-    recv_tok[i] = i - (i64)s * P < seg[R + 1 + s] ? rows_in[i * W] : -1;
+    const i64 j = i - (i64)s * P;
+    recv_tok[i] = j < seg[R + 1 + s] ? rows_in[s * sstride + j * W] : -1;
   }
 }
 
 // The box row of received row `row` (nullptr for an unused row) and its source (*src).
-__device__ __forceinline__ const int* recv_box_row(i64 row, const int* __restrict__ rows_in,
-                                                   const int* __restrict__ seg, int R, int P, int W, int* src) {
+__device__ __forceinline__ const int* recv_box_row(i64 row, const int* __restrict__ rows_in, i64 sstride,
+                                                   const int* __restrict__ seg, int R, int W, int* src) {
   for (int s = 0; s < R; ++s) {
     if (row >= seg[s] && row < (i64)seg[s] + seg[R + 1 + s]) {
       *src = s;
-      return rows_in + ((i64)s * P + (row - seg[s])) * W;
+      return rows_in + s * sstride + (row - seg[s]) * W;
     }
   }
   return nullptr;
@@ -283,9 +283,9 @@ extern "C" __global__ void ep_plan_meta(int* __restrict__ meta, const int* __res
 }
 #endif
 
-// The received side of the plan once the counts and box rows arrived (as ep_plan_meta: counts of source s
-// at counts[s*cstride]; its row j at rows_in + (s*P + j)*(2K+1); both + the epoch's half when state is
-// given). Block 0's thread 0 writes the meta region (plan_meta_body); every block derives the received
+// The received side of the plan once the box's segments arrived (source s's counts at counts + s*cstride, its
+// row j at rows_in + s*cstride + j*(2K+1): cstride = SEG, rows_in = counts + CW; both + the epoch's half when
+// state is given). Block 0's thread 0 writes the meta region (plan_meta_body); every block derives the received
 // rows' segments itself (dynamic shared memory: 2R + 1 ints). recv_tok[s][j] = the token (-1 past the
 // kept count); recv_local[row][k] = the local id of the k-th expert of the token received in `row` when it
 // lives on this rank, else -1 (-1 for every k of an unused row): a routing for the permutation plan with
@@ -303,10 +303,10 @@ extern "C" __global__ void ep_prepare_recv(int* __restrict__ meta, const int* __
   const int W = 2 * K + 1;
   const i64 step = (i64)gridDim.x * blockDim.x;
   const i64 first = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-  recv_tokens(rows_in, seg, R, P, W, first, step, recv_tok);
+  recv_tokens(rows_in, cstride, seg, R, P, W, first, step, recv_tok);
   for (i64 row = first; row < rows; row += step) {
     int src;
-    const int* in = recv_box_row(row, rows_in, seg, R, P, W, &src);
+    const int* in = recv_box_row(row, rows_in, cstride, seg, R, W, &src);
     int* out = recv_local + row * K;
     for (int k = 0; k < K; ++k) out[k] = in != nullptr ? in[1 + k] : -1;
   }
@@ -363,10 +363,10 @@ extern "C" __global__ void ep_prepare_plan(int* __restrict__ meta, const int* __
   const int W = 2 * K + 1;
   const i64 step = (i64)gridDim.x * blockDim.x;
   const i64 first = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-  recv_tokens(rows_in, seg, R, P, W, first, step, recv_tok);
+  recv_tokens(rows_in, cstride, seg, R, P, W, first, step, recv_tok);
   for (i64 row = first; row < rows; row += step) {
     int src = 0;
-    const int* in = recv_box_row(row, rows_in, seg, R, P, W, &src);
+    const int* in = recv_box_row(row, rows_in, cstride, seg, R, W, &src);
     for (int k = 0; k < K; ++k) {
       const int l = in != nullptr ? in[1 + k] : -1;
       int d = -1;

@@ -273,20 +273,22 @@ class NcclTransport:
         finally:
             comm.group_end()
 
-    def exchange_box(self, s, outbox, inbox, send, recv, row_ints, P):
-        """prepare's rows (kernels/ep.cu, prepare) in one grouped NCCL exchange on stream ``s``: peer p gets
-        ``send[p]`` rows of ``row_ints`` int32 from ``outbox`` + its p*P rows, and this rank receives
-        ``recv[p]`` rows into ``inbox`` + p*P rows (device addresses; the own share never goes through NCCL)."""
-        comm, me, b = self.comm, self.rank, 4 * row_ints
+    def exchange_box(self, s, outbox, inbox, send, recv, seg, off):
+        """Part of prepare's box (kernels/ep.cu, prepare) in one grouped NCCL exchange on stream ``s``: peer p
+        gets ``send[p]`` int32 words from ``outbox`` + ``p*seg + off`` words (its segment), and this rank
+        receives ``recv[p]`` words into ``inbox`` + ``p*seg + off`` (device addresses; the own segment never
+        goes through NCCL)."""
+        comm, me = self.comm, self.rank
         comm.group_start()
         try:
             for p in range(comm.size):
                 if p == me:
                     continue
+                at = 4 * (p * seg + off)
                 if send[p]:
-                    comm.send(outbox + p * P * b, send[p] * row_ints, "int32", p, s.ptr)
+                    comm.send(outbox + at, send[p], "int32", p, s.ptr)
                 if recv[p]:
-                    comm.recv(inbox + p * P * b, recv[p] * row_ints, "int32", p, s.ptr)
+                    comm.recv(inbox + at, recv[p], "int32", p, s.ptr)
         finally:
             comm.group_end()
 

@@ -10,7 +10,7 @@ between ranks), ``topk_idx [T,K]`` (int32/int64, ``-1`` = no expert) and ``topk_
   destination only its counts (tokens, local expert slots, per local expert) and, per token it sends, the
   token id, the local ids of its K experts there (``-1`` for the others) and each slot's rank among its
   expert's slots; the direct transport stores these into the peers' memory (then one device barrier), the
-  NCCL one all-gathers the ``[R][L+2]`` counts and sends the rows with one grouped send/recv. The receiver
+  NCCL one sends them with grouped send/recv (nothing is all-gathered). The receiver
   lays its rows out source-major, token ascending; their local experts ``[rows, K]`` are a routing for the
   permutation plan with ``num_experts = L``, whose expert-major layout (grouped by local expert, ``(src,
   t)`` ascending inside an expert, padding rows zero) one kernel writes from the counts and ranks. The result is a :class:`moe_rt._handle.Handle`: one uint8 buffer laid out as in
@@ -503,15 +503,16 @@ class EpGroup:
     def _prepare_cuda(self, call, idx, T, K, validate=False):
         """Launches: ep_prepare_send (routing into the handle, send lists, each destination's counts and rows
         into its box); the exchange (direct: ep_direct_barrier, the boxes being peer memory; NCCL: an
-        all-gather of the [R][L+2] counts and one grouped send/recv of the rows); exact mode: ep_plan_meta,
-        the host read of the counts and a copy of the leading regions into the buffer sized from them; then
+        grouped send/recv of each destination's segment: capacity mode whole, exact mode its counts, then after
+        the host read its kept rows); exact mode: ep_plan_meta, the host read of the counts and a copy of the
+        leading regions into the buffer sized from them; then
         ep_prepare_plan (every received-side region), or where its shared memory would not fit (R*L large)
         ep_prepare_recv and the permutation plan's three kernels. Capacity mode: two allocations (the handle,
         the scratch), no host sync; the direct transport's is three launches."""
         xp, s, dev = call.xp, call.stream, call.device_id
         idx = _arrays.contiguous(xp, idx)
         c = self._prep_cfg(T, K, dev, idx.dtype)
-        R, me, P, CW = c.R, self.rank, c.P, c.CW
+        R, me, P, CW, SEG = c.R, self.rank, c.P, c.CW, c.SEG
         exact = self.mode == "exact"
         buf = xp.empty(c.total, np.uint8)
         b = buf.data.ptr
@@ -519,28 +520,27 @@ class EpGroup:
         meta = b + lay["meta"][0]
         direct = self.transport == "direct"
         work = xp.empty(c.work_words, np.int32)
-        w = work.data.ptr  # NCCL: counts [R][R][CW], inbox, outbox; then the plan kernels' scratch
+        w = work.data.ptr  # NCCL: the inbox and the outbox (R segments each); then the plan kernels' scratch
         if direct:
             st = self._transport.prepare_box(K, int(c.half), s, lambda st_: self._wait(st_, "prepare"))
-            state, peer, counts, rows_in = self._transport.state, st.table, st.local, st.local + 4 * CW * R
-            own_counts = outbox = inbox = 0
+            state, peer, counts = self._transport.state, st.table, st.local
+            outbox = inbox = 0
         else:
             state = peer = 0
-            own_counts, inbox = w + 4 * CW * R * me, w + 4 * CW * R * R
-            outbox = inbox + 4 * c.box if R > 1 else inbox
-            counts, rows_in = w + 4 * CW * me, inbox
+            inbox = counts = w
+            outbox = inbox + 4 * R * SEG if R > 1 else inbox
+        rows_in = counts + 4 * CW  # source s's rows follow its counts, s*SEG words in
         _jit.launch_raw(c.f_send, R, c.threads,
                         (idx, *c.send_head, b + lay["routing"][0], b + lay["send_tok"][0], b + lay["send_pos"][0],
-                         meta, peer, state, c.half, own_counts, outbox, inbox, c.err, c.rank_warps), c.send_smem, s)
+                         meta, peer, state, c.half, outbox, inbox, c.err, c.rank_warps), c.send_smem, s)
         if validate and not exact:
             self._wait(s, "prepare")
             _errors.raise_pending(dev, s)
         if direct:
             self._transport.barrier(s, "prepare")
-        elif R > 1:
-            self.comm.all_gather(own_counts, w, CW * R, "int32", s.ptr)
-            if not exact:
-                self._transport.exchange_box(s, outbox, inbox, c.full_rows, c.full_rows, c.W, P)
+        elif R > 1:  # capacity mode: whole segments; exact mode: the counts now, the kept rows after the host read
+            part = c.full_segments if not exact else c.counts_only
+            self._transport.exchange_box(s, outbox, inbox, part, part, SEG, 0)
         host, sz, plan, scratch = None, c.sz, c.plan, w + 4 * c.box_words
         if exact:
             _jit.launch_raw(_jit.function(_FILE, "ep_plan_meta"), 1, 32,
@@ -559,9 +559,9 @@ class EpGroup:
             b, meta = buf.data.ptr, buf.data.ptr + lay["meta"][0]
             sz = dict(sz, rows=rows, N=N, num_out=slots)
             if not direct and R > 1:
-                sent = [min(int(v), P) for v in host[meta_index("send_counts", R):][:R]]
-                got = [min(int(v), P) for v in host[meta_index("recv_counts", R):][:R]]
-                self._transport.exchange_box(s, outbox, inbox, sent, got, c.W, P)
+                sent = [min(int(v), P) * c.W for v in host[meta_index("send_counts", R):][:R]]
+                got = [min(int(v), P) * c.W for v in host[meta_index("recv_counts", R):][:R]]
+                self._transport.exchange_box(s, outbox, inbox, sent, got, SEG, CW)
             grid = _prep_grid(c.fused, max(rows, N, R * P), dev)
             if not c.fused:
                 plan = permutation.plan_config(rows, K, np.int32, L, A, N, slots, dev)
@@ -781,15 +781,15 @@ def group_identity(comm, attrs, num_experts, hidden):
 class _PrepCfg:
     """EpGroup.prepare's set-up for one (T, K, device, id dtype), in plain ints (made once, cached by the
     group): sizes, the handle layout and bytes (capacity mode: final; exact mode: of the regions before
-    recv_local, which do not depend on the received rows), the box layout (kernels/ep.cu, prepare: counts
-    [R][CW], CW = L + 2; rows [R][P][W], W = 2K + 1), the scratch in int32 words (NCCL: the counts
-    [R][R][CW], inbox and outbox; then the plan kernels' scratch where ep_prepare_plan does not fit), the
+    recv_local, which do not depend on the received rows), the box layout (kernels/ep.cu, prepare: a segment
+    of SEG = CW + P*W words per source, counts (CW = L + 2) then rows (W = 2K + 1)), the scratch in int32
+    words (NCCL: inbox and outbox; then the plan kernels' scratch where ep_prepare_plan does not fit), the
     kernels and the constant parts of their arguments."""
 
-    __slots__ = ("sz", "R", "L", "Tmax", "P", "CW", "W", "lay", "total", "box", "box_words", "work_words", "cstride",
+    __slots__ = ("sz", "R", "L", "Tmax", "P", "CW", "W", "SEG", "lay", "total", "box_words", "work_words", "cstride",
                  "half", "plan", "rows", "N", "threads", "f_send", "send_head", "send_smem", "rank_warps", "err",
                  "fused", "f_plan", "plan_mid", "plan_smem", "f_recv", "recv_mid", "recv_grid", "recv_smem",
-                 "full_rows")
+                 "full_segments", "counts_only")
 
     # ep_prepare_plan's shared memory (its per-source, per-expert offsets) must fit this; larger R*L take
     # ep_prepare_recv and the permutation plan's kernels
@@ -801,11 +801,11 @@ class _PrepCfg:
         self.R, self.L, self.Tmax, self.P = R, L, Tmax, P
         direct = g.transport == "direct"
         self.CW, self.W = L + 2, 2 * K + 1
-        self.box = R * P * self.W  # int32 words of the rows part of a box
-        self.box_words = 0 if direct else self.CW * R * R + self.box * (2 if R > 1 else 1)
-        self.cstride = np.int64(self.CW if direct else self.CW * R)  # the counts of consecutive sources, in words
+        self.SEG = self.CW + P * self.W  # int32 words of one source's segment of a box
+        self.box_words = 0 if direct else R * self.SEG * (2 if R > 1 else 1)  # NCCL: inbox, outbox
+        self.cstride = np.int64(self.SEG)
         # int32 words of one half of the direct transport's box (DirectTransport.prepare_box); 0 on NCCL
-        self.half = np.int64(self.CW * R + self.box if direct else 0)
+        self.half = np.int64(R * self.SEG if direct else 0)
         self.plan_smem = 4 * (2 * R + 1 + R * L + 4 * L + 1)
         self.fused = self.plan_smem <= self.FUSED_SMEM
         cap = -1
@@ -850,7 +850,7 @@ class _PrepCfg:
         self.f_recv = _jit.function(_FILE, "ep_prepare_recv")
         self.recv_smem = 4 * (2 * R + 1)
         self.recv_mid = (np.int32(R), np.int32(me), np.int32(P), np.int32(K), exact, np.int64(cap))
-        self.full_rows = [P] * R
+        self.full_segments, self.counts_only = [self.SEG] * R, [self.CW] * R
 
 
 def _prep_grid(fused, n, dev):

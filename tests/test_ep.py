@@ -900,8 +900,9 @@ class _Trace:
 
     @staticmethod
     def empty(n, dtype):
-        _Trace.events.append(("alloc", int(n)))
-        return _Arr(n, dtype)
+        a = _Arr(n, dtype)
+        _Trace.events.append(("alloc", int(n), a.data.ptr))
+        return a
 
 
 class _Kernel:
@@ -923,10 +924,10 @@ class _RecComm(_FakeComm):
         _Trace.events.append(("group_end",))
 
     def send(self, ptr, count, dtype, peer, stream):
-        _Trace.events.append(("send", peer, count))
+        _Trace.events.append(("send", peer, count, ptr))
 
     def recv(self, ptr, count, dtype, peer, stream):
-        _Trace.events.append(("recv", peer, count))
+        _Trace.events.append(("recv", peer, count, ptr))
 
 
 class _Box:
@@ -1001,27 +1002,35 @@ def test_prepare_launch_trace(monkeypatch, transport, R, mode, fused):
         _Trace.events = []
         h = g._prepare_cuda(call, idx, T, K)
     names = [e[0] for e in _Trace.events if e[0] not in ("alloc", "copy")]
-    exchange = {"direct": ["ep_direct_barrier"], "nccl": ["all_gather"] if R > 1 else []}[transport]
-    P = Tmax if mode == "exact" else g.pair_capacity
-    rows_ex = []
-    if transport == "nccl" and R > 1:
-        rows_ex = ["group_start"] + ["send", "recv"] * (R - 1) + ["group_end"]
-        sent = [e for e in _Trace.events if e[0] == "send"]
-        got = [e for e in _Trace.events if e[0] == "recv"]
-        if mode == "capacity":  # fixed P rows of K+1 words per peer
-            assert all(e[2] == P * (2 * K + 1) for e in sent + got)
-        else:  # the kept rows the host read gave
-            assert [e[2] for e in sent] == [min(3 + p, P) * (2 * K + 1) for p in range(R) if p != me]
-            assert [e[2] for e in got] == [min(5 + p, P) * (2 * K + 1) for p in range(R) if p != me]
-        L = E // R
-        assert [e for e in _Trace.events if e[0] == "all_gather"] == [("all_gather", R * (L + 2), "int32")]
+    P, L = (Tmax if mode == "exact" else g.pair_capacity), E // R
+    CW, W = L + 2, 2 * K + 1
+    group = ["group_start"] + ["send", "recv"] * (R - 1) + ["group_end"] if transport == "nccl" and R > 1 else []
+    exchange = ["ep_direct_barrier"] if transport == "direct" else group
     recv = ["ep_prepare_plan"] if fused else ["ep_prepare_recv", "plan_count", "plan_scan", "plan_assign"]
     if mode == "capacity":
-        want = ["ep_prepare_send"] + exchange + rows_ex + recv
+        want = ["ep_prepare_send"] + exchange + recv
     else:
-        want = ["ep_prepare_send"] + exchange + ["ep_plan_meta", "host read"] + rows_ex + recv
+        want = ["ep_prepare_send"] + exchange + ["ep_plan_meta", "host read"] + group + recv
     assert names == want
+    assert "all_gather" not in names  # nothing is all-gathered: every rank gets its own part only
+    sent = [e[2] for e in _Trace.events if e[0] == "send"]
+    got = [e[2] for e in _Trace.events if e[0] == "recv"]
+    peers = [p for p in range(R) if p != me]
+    if group and mode == "capacity":  # each destination's whole segment: counts, then P rows
+        assert sent == got == [CW + P * W] * (R - 1)
+    elif group:  # the counts, then the kept rows the host read gave
+        assert sent == [CW] * (R - 1) + [min(3 + p, P) * W for p in peers]
+        assert got == [CW] * (R - 1) + [min(5 + p, P) * W for p in peers]
     allocs = [e for e in _Trace.events if e[0] == "alloc"]
+    if group:  # segment p of the outbox goes to peer p; peer p's arrives in segment p of the inbox
+        inbox = allocs[1][2]
+        outbox = inbox + 4 * R * (CW + P * W)
+        offs = [0] * (R - 1) + ([CW] * (R - 1) if mode == "exact" else [])
+        seg = CW + P * W
+        assert [e[3] for e in _Trace.events if e[0] == "send"] == [
+            outbox + 4 * (p * seg + o) for p, o in zip(peers * 2, offs)]
+        assert [e[3] for e in _Trace.events if e[0] == "recv"] == [
+            inbox + 4 * (p * seg + o) for p, o in zip(peers * 2, offs)]
     # the handle and the scratch (exact: a second handle sized from the host read, and the plan's scratch)
     assert len(allocs) == (2 if mode == "capacity" else 3 if fused else 4)
     assert [e for e in _Trace.events if e[0] == "copy"] == ([] if mode == "capacity" else
