@@ -25,30 +25,23 @@ using namespace moe_rt;
 
 // ---- prepare (moe_rt/ep.py _prepare_cuda) -----------------------------------------------------------
 // Only counts and the sent rows' own routing cross between ranks; no rank sees another's whole routing table.
-// A "box" (per receiving rank) holds one segment of SEG = CW + P*W int32 words per source s (at s*SEG): its
-// counts (CW = L + 2 words: tokens of the pair before pair-capacity drops, local expert slots of the kept
-// tokens, then those of each local expert l) and its rows (P rows of W = 2K + 1 words: row j the j-th kept
-// token t of the pair, then the local ids of its K experts on the receiver (-1 for the others), then each
-// such slot's rank among the source's kept slots of that local expert in (t, k) order). The direct
-// transport's boxes are IPC-shared (peer_box[r], two halves of half_ints words picked by the parity of the
-// barrier epoch: the writers of one prepare and the readers of the previous one never share a half, since a
-// writer has passed every rank's barrier of the op in between). NCCL transport: the segment for d != me is
-// written into a local outbox (segment d) and sent with grouped send/recv into d's inbox (segment me); the
-// own one goes to the inbox straight away. With the ranks and every source's per-expert counts, the receiver
-// places every slot in the expert-major layout without another pass over the slots (ep_prepare_plan).
+// A "box" holds one segment of SEG = CW + P*W int32 words per (source, destination) pair: the counts (CW = L
+// + 2 words: tokens of the pair before pair-capacity drops, local expert slots of the kept tokens, then those
+// of each local expert l) and the rows (P rows of W = 2K + 1 words: row j the j-th kept token t of the pair,
+// then the local ids of its K experts on the destination (-1 for the others), then each such slot's rank
+// among the pair's kept slots of that local expert in (t, k) order). Every source writes its segments into
+// local memory; the destination reads them (Segments below):
+// - direct transport: each rank's box (IPC-shared, peer_box[r]) holds its outgoing segments (segment d for
+//   destination d) in two halves of half_ints words picked by the parity of the barrier epoch: the source
+//   writes the half of epoch state[0] + 1 before prepare's barrier advances the epoch to it, and the
+//   destinations read it over peer memory after (the reads are spread over every SM of the reader); a source
+//   rewrites a half only two epochs later, after every reader has passed a barrier (or a prepare's barrier)
+//   that follows its read;
+// - NCCL transport: a local outbox (segment d for destination d != me) sent with grouped send/recv into the
+//   destinations' inbox (segment s from source s); the own segment is written to the inbox straight away.
+// With the ranks and every source's per-expert counts, the destination places every slot in the expert-major
+// layout without another pass over the slots (ep_prepare_plan).
 
-// One block per destination d (grid R). Spread over the blocks, this rank's routing into the handle:
-// routing[i] for i < Tmax*K the expert id of flat slot i (-1 for no expert, ids outside [0, E) and rows
-// t >= T), routing[Tmax*K] = T; ids outside [-1, E) are recorded in the device's error word `err`
-// (common.cuh) and count as -1. Then block d walks the tokens in ascending order with a block-wide scan
-// (list positions are stable; a token is a member of the pair (me, d) when one of its experts lives on d):
-// send_tok[d][pos] = t, send_pos[d][t] = pos (or -1), meta send_counts[d]; positions >= P (pair capacity)
-// are dropped, list entries past the kept count are -1; each kept token's box row and the pair's counts
-// go to segment me of d's box (direct: peer_box, the half of epoch state[0] + 1, the one the op's barrier
-// advances to; skipped after a failed barrier), or to segment d of the outbox (NCCL; the inbox for d = me). The ranks: warps [0, nw) take
-// contiguous ranges of the flat slots t*K + k (each a multiple of 32 long): a per-warp count of each local
-// expert's kept slots (warp match), an exclusive scan over the warps, then the same walk again assigning
-// ranks (the permutation plan's method). Dynamic shared memory: nw * L ints.
 // The local expert of flat slot f (< end) when it lives on [lo, hi) and its token is kept for the pair
 // (kept_pos[t] >= 0), else -1.
 template <typename IdxT>
@@ -60,11 +53,22 @@ __device__ __forceinline__ int kept_slot_key(const IdxT* __restrict__ idx, i64 f
   return (int)(e - lo);
 }
 
+// One block per destination d (grid R). Spread over the blocks, this rank's routing into the handle:
+// routing[i] for i < Tmax*K the expert id of flat slot i (-1 for no expert, ids outside [0, E) and rows
+// t >= T), routing[Tmax*K] = T; ids outside [-1, E) are recorded in the device's error word `err`
+// (common.cuh) and count as -1. Then block d walks the tokens in ascending order with a block-wide scan
+// (list positions are stable; a token is a member of the pair (me, d) when one of its experts lives on d):
+// send_tok[d][pos] = t, send_pos[d][t] = pos (or -1), meta send_counts[d]; positions >= P (pair capacity)
+// are dropped, list entries past the kept count are -1; each kept token's box row and the pair's counts
+// go to segment d of this rank's outgoing box (direct: the box, the half of epoch state[0] + 1; NCCL: the
+// outbox, or the inbox for d = me). The ranks: warps [0, nw) take contiguous ranges of the flat slots t*K + k
+// (each a multiple of 32 long): a per-warp count of each local expert's kept slots (warp match), an exclusive
+// scan over the warps, then the same walk again assigning ranks (the permutation plan's method). Dynamic
+// shared memory: nw * L ints.
 template <typename IdxT>
 __global__ void ep_prepare_send(const IdxT* __restrict__ idx, i64 T, int Tmax, int K, int E, int R, int me, int L,
                                 int P, int* __restrict__ routing, int* __restrict__ send_tok,
-                                int* __restrict__ send_pos, int* __restrict__ meta,
-                                const long long* __restrict__ peer_box, const unsigned* __restrict__ state,
+                                int* __restrict__ send_pos, int* __restrict__ meta, const unsigned* __restrict__ state,
                                 i64 half_ints, int* __restrict__ outbox, int* __restrict__ inbox,
                                 unsigned* __restrict__ err, int nw) {
   __shared__ int scratch[32];
@@ -86,14 +90,8 @@ __global__ void ep_prepare_send(const IdxT* __restrict__ idx, i64 T, int Tmax, i
   }
   const int W = 2 * K + 1, CW = L + 2;
   const i64 SEG = CW + (i64)P * W;
-  int* cnt_d;  // this rank's segment for d: counts, then rows
-  bool boxed = true;
-  if (peer_box != nullptr) {
-    boxed = state[1] == 0u;
-    cnt_d = reinterpret_cast<int*>(peer_box[d]) + (i64)((state[0] + 1u) & 1u) * half_ints + SEG * me;
-  } else {
-    cnt_d = (d == me ? inbox : outbox) + SEG * d;
-  }
+  int* cnt_d = (d == me ? inbox : outbox) + SEG * d;  // this rank's segment for d: counts, then rows
+  if (state != nullptr) cnt_d += (i64)((state[0] + 1u) & 1u) * half_ints;
   int* rows_d = cnt_d + CW;
   const i64 lo = (i64)d * L, hi = lo + L;
   int carry = 0, slot_acc = 0;
@@ -114,7 +112,7 @@ __global__ void ep_prepare_send(const IdxT* __restrict__ idx, i64 T, int Tmax, i
     if (kept) {
       send_tok[(i64)d * P + pos] = t;
       slot_acc += slots;
-      if (boxed) {
+      {
         const IdxT* row = idx + (i64)t * K;
         int* o = rows_d + (i64)pos * W;
         o[0] = t;
@@ -133,10 +131,8 @@ __global__ void ep_prepare_send(const IdxT* __restrict__ idx, i64 T, int Tmax, i
   if (threadIdx.x == 0) {
     meta[META_SEND_COUNTS(R) + d] = carry;
     if (d == 0) meta[META_NUM_TOKENS(R)] = (int)T;
-    if (boxed) {
-      cnt_d[0] = carry;
-      cnt_d[1] = slots_total;
-    }
+    cnt_d[0] = carry;
+    cnt_d[1] = slots_total;
   }
   // ranks of the kept slots per local expert (send_pos of every token is written: the block's own stores)
   __syncthreads();
@@ -164,10 +160,10 @@ __global__ void ep_prepare_send(const IdxT* __restrict__ idx, i64 T, int Tmax, i
       hist[(i64)w * L + l] = run;
       run += v;
     }
-    if (boxed) cnt_d[2 + l] = run;
+    cnt_d[2 + l] = run;
   }
   __syncthreads();
-  if (warp < nw && boxed) {
+  if (warp < nw) {
     const unsigned lt = lanemask_lt();
     for (i64 f0 = begin; f0 < end; f0 += 32) {
       const i64 f = f0 + lane;
@@ -184,12 +180,30 @@ __global__ void ep_prepare_send(const IdxT* __restrict__ idx, i64 T, int Tmax, i
   }
 }
 
-// Offsets and flags (one thread; R is small), after the counts arrived: source s's counts at
-// counts[s*seg] (the box's segment of s; the direct transport's box already shifted to the epoch's half). Exact mode
-// (exact = 1): segments packed back to back with the kept counts; capacity mode: every segment is P rows.
-// The own destination takes no send rows. capacity < 0: no expert-major capacity.
-__device__ void plan_meta_body(int* __restrict__ meta, const int* __restrict__ counts, i64 cstride, int R, int me,
-                               int P, int exact, i64 capacity) {
+// Where a destination finds the segment source s sent it: direct transport (peer != nullptr): in s's box
+// (as mapped here), the half of the current epoch (state[0], advanced by prepare's barrier), segment me;
+// NCCL: in the inbox, segment s.
+struct Segments {
+  const int* inbox;
+  const long long* peer;
+  i64 seg, at;  // words per segment; the offset of this rank's segment in a peer's box
+
+  __device__ Segments(const int* inbox_, const long long* peer_, i64 seg_, const unsigned* state, i64 half_ints,
+                      int me)
+      : inbox(inbox_), peer(peer_), seg(seg_),
+        at(state != nullptr ? (i64)(state[0] & 1u) * half_ints + seg_ * me : 0) {}
+
+  __device__ __forceinline__ const int* of(int s) const {
+    return peer != nullptr ? reinterpret_cast<const int*>(peer[s]) + at : inbox + s * seg;
+  }
+};
+
+// Offsets and flags (one thread; R is small), after the segments arrived (word 0 of source s's segment: its
+// tokens for this rank, word 1: the kept slots). Exact mode (exact = 1): segments packed back to back with
+// the kept counts; capacity mode: every segment is P rows. The own destination takes no send rows.
+// capacity < 0: no expert-major capacity.
+__device__ void plan_meta_body(int* __restrict__ meta, const Segments& in, int R, int me, int P, int exact,
+                               i64 capacity) {
   int pair_over = 0;
   i64 o = 0, send_rows = 0;
   for (int d = 0; d < R; ++d) {
@@ -206,8 +220,8 @@ __device__ void plan_meta_body(int* __restrict__ meta, const int* __restrict__ c
   o = 0;
   i64 recv_rows = 0, slots = 0;
   for (int s = 0; s < R; ++s) {
-    const int c = counts[(i64)s * cstride];
-    const int sl = counts[(i64)s * cstride + 1];
+    const int* cs = in.of(s);
+    const int c = cs[0], sl = cs[1];
     meta[META_RECV_COUNTS(R) + s] = c;
     meta[META_RECV_SLOTS(R) + s] = sl;
     pair_over |= c > P;
@@ -227,20 +241,15 @@ __device__ void plan_meta_body(int* __restrict__ meta, const int* __restrict__ c
   meta[META_SEND_ROWS(R) + 2] = 0;
 }
 
-// The counts' half of the direct transport's box (state given: the half of epoch state[0]), else `p`.
-__device__ __forceinline__ const int* box_half(const int* p, const unsigned* state, i64 half_ints) {
-  return state != nullptr ? p + (i64)(state[0] & 1u) * half_ints : p;
-}
-
 // The received side's common start (thread 0 of each block): block 0 writes meta (plan_meta_body); every block
 // derives the received rows' segments: seg[s] = first row of source s (s <= R), seg[R + 1 + s] = its kept
 // count (seg: 2R + 1 ints of shared memory).
-__device__ void recv_segments(int* __restrict__ meta, const int* __restrict__ counts, i64 cstride, int R, int me,
-                              int P, int exact, i64 capacity, int* __restrict__ seg) {
-  if (blockIdx.x == 0) plan_meta_body(meta, counts, cstride, R, me, P, exact, capacity);
+__device__ void recv_segments(int* __restrict__ meta, const Segments& in, int R, int me, int P, int exact,
+                              i64 capacity, int* __restrict__ seg) {
+  if (blockIdx.x == 0) plan_meta_body(meta, in, R, me, P, exact, capacity);
   int o = 0;
   for (int s = 0; s < R; ++s) {
-    const int c = counts[(i64)s * cstride];
+    const int c = in.of(s)[0];
     const int kept = c < P ? c : P;
     seg[s] = o;
     seg[R + 1 + s] = kept;
@@ -249,87 +258,88 @@ __device__ void recv_segments(int* __restrict__ meta, const int* __restrict__ co
   seg[R] = o;
 }
 
-// recv_tok[s][j] = the token of box row j of source s (at rows_in + s*sstride + j*W; -1 past the kept
-// count), grid-stride from `first`.
-__device__ void recv_tokens(const int* __restrict__ rows_in, i64 sstride, const int* __restrict__ seg, int R,
-                            int P, int W, i64 first, i64 step, int* __restrict__ recv_tok) {
+// recv_tok[s][j] = the token of row j of source s's segment (rows at word CW; -1 past the kept count),
+// grid-stride from `first`.
+__device__ void recv_tokens(const Segments& in, int CW, const int* __restrict__ seg, int R, int P, int W, i64 first,
+                            i64 step, int* __restrict__ recv_tok) {
   for (i64 i = first; i < (i64)R * P; i += step) {
     const int s = (int)(i / P);
     const i64 j = i - (i64)s * P;
-    recv_tok[i] = j < seg[R + 1 + s] ? rows_in[s * sstride + j * W] : -1;
+    recv_tok[i] = j < seg[R + 1 + s] ? in.of(s)[CW + j * W] : -1;
   }
 }
 
-// The box row of received row `row` (nullptr for an unused row) and its source (*src).
-__device__ __forceinline__ const int* recv_box_row(i64 row, const int* __restrict__ rows_in, i64 sstride,
+// The segment row of received row `row` (nullptr for an unused row) and its source (*src).
+__device__ __forceinline__ const int* recv_box_row(i64 row, const Segments& in, int CW,
                                                    const int* __restrict__ seg, int R, int W, int* src) {
   for (int s = 0; s < R; ++s) {
     if (row >= seg[s] && row < (i64)seg[s] + seg[R + 1 + s]) {
       *src = s;
-      return rows_in + s * sstride + (row - seg[s]) * W;
+      return in.of(s) + CW + (row - seg[s]) * W;
     }
   }
   return nullptr;
 }
 
 // plan_meta_body as a kernel of one thread: exact mode, whose host read of the counts sizes the handle
-// before ep_prepare_recv runs (that kernel writes the same meta again).
+// before the received side's kernel runs (which writes the same meta again). Segments: inbox (NCCL) or
+// peer_box (direct) with state and half_ints; seg words each.
 #if MOE_RT_WANTS(ep_plan_meta)
-extern "C" __global__ void ep_plan_meta(int* __restrict__ meta, const int* __restrict__ counts, i64 cstride,
+extern "C" __global__ void ep_plan_meta(int* __restrict__ meta, const int* __restrict__ inbox,
+                                        const long long* __restrict__ peer_box, i64 seg_words,
                                         const unsigned* __restrict__ state, i64 half_ints, int R, int me, int P,
                                         int exact, i64 capacity) {
   if (blockIdx.x != 0 || threadIdx.x != 0) return;
-  plan_meta_body(meta, box_half(counts, state, half_ints), cstride, R, me, P, exact, capacity);
+  plan_meta_body(meta, Segments(inbox, peer_box, seg_words, state, half_ints, me), R, me, P, exact, capacity);
 }
 #endif
 
-// The received side of the plan once the box's segments arrived (source s's counts at counts + s*cstride, its
-// row j at rows_in + s*cstride + j*(2K+1): cstride = SEG, rows_in = counts + CW; both + the epoch's half when
-// state is given). Block 0's thread 0 writes the meta region (plan_meta_body); every block derives the received
-// rows' segments itself (dynamic shared memory: 2R + 1 ints). recv_tok[s][j] = the token (-1 past the
-// kept count); recv_local[row][k] = the local id of the k-th expert of the token received in `row` when it
-// lives on this rank, else -1 (-1 for every k of an unused row): a routing for the permutation plan with
-// L experts.
+// The received side of the plan once the segments arrived (Segments as ep_plan_meta). Block 0's thread 0 writes
+// the meta region (plan_meta_body); every block derives the received rows' segments itself (dynamic shared
+// memory: 2R + 1 ints). recv_tok[s][j] = the token (-1 past the kept count); recv_local[row][k] = the local
+// id of the k-th expert of the token received in `row` when it lives on this rank, else -1 (-1 for every k of
+// an unused row): a routing for the permutation plan with L experts.
 #if MOE_RT_WANTS(ep_prepare_recv)
-extern "C" __global__ void ep_prepare_recv(int* __restrict__ meta, const int* __restrict__ counts, i64 cstride,
-                                           const int* __restrict__ rows_in, const unsigned* __restrict__ state,
-                                           i64 half_ints, int R, int me, int P, int K, int exact, i64 capacity,
-                                           i64 rows, int* __restrict__ recv_tok, int* __restrict__ recv_local) {
+extern "C" __global__ void ep_prepare_recv(int* __restrict__ meta, const int* __restrict__ inbox,
+                                           const long long* __restrict__ peer_box, i64 seg_words,
+                                           const unsigned* __restrict__ state, i64 half_ints, int R, int me, int P,
+                                           int K, int L, int exact, i64 capacity, i64 rows,
+                                           int* __restrict__ recv_tok, int* __restrict__ recv_local) {
   extern __shared__ int seg[];  // recv_segments
-  counts = box_half(counts, state, half_ints);
-  rows_in = box_half(rows_in, state, half_ints);
-  if (threadIdx.x == 0) recv_segments(meta, counts, cstride, R, me, P, exact, capacity, seg);
+  const Segments in(inbox, peer_box, seg_words, state, half_ints, me);
+  if (threadIdx.x == 0) recv_segments(meta, in, R, me, P, exact, capacity, seg);
   __syncthreads();
-  const int W = 2 * K + 1;
+  const int W = 2 * K + 1, CW = L + 2;
   const i64 step = (i64)gridDim.x * blockDim.x;
   const i64 first = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-  recv_tokens(rows_in, cstride, seg, R, P, W, first, step, recv_tok);
+  recv_tokens(in, CW, seg, R, P, W, first, step, recv_tok);
   for (i64 row = first; row < rows; row += step) {
     int src;
-    const int* in = recv_box_row(row, rows_in, cstride, seg, R, W, &src);
+    const int* r = recv_box_row(row, in, CW, seg, R, W, &src);
     int* out = recv_local + row * K;
-    for (int k = 0; k < K; ++k) out[k] = in != nullptr ? in[1 + k] : -1;
+    for (int k = 0; k < K; ++k) out[k] = r != nullptr ? r[1 + k] : -1;
   }
 }
 #endif
 
 // The whole received side of the plan in one kernel (ep_prepare_recv's outputs, and the permutation plan's of
-// recv_local without a pass of its own), from the box (as ep_prepare_recv). Every block derives in shared
-// memory, from every source's per-expert counts: pre[s][l] = slots of local expert l from sources before s,
-// the totals, and the plan's offsets (plan_offsets_block: num_out = capacity, or every slot when capacity <
-// 0). Slot (row, k) of source s with local expert l and rank q (the sender's) is the expert-major slot
-// p = pre[s][l] + q of l: kept when p < kept[l], at row seg_start[l] + p (dst_row; src_slot there = row*K +
-// k), else dropped (-1). src_slot is -1 on padding rows and past seg_start[L] (the rows no slot reaches).
-// Block 0 writes meta (plan_meta_body), seg_start, expert_counts and tokens_per_expert. Dynamic shared
-// memory: 2R + 1 + R*L + 4L + 1 ints.
+// recv_local without a pass of its own; Segments as ep_plan_meta). Every block derives in shared memory, from
+// every source's per-expert counts: pre[s][l] = slots of local expert l from sources before s, the totals,
+// and the plan's offsets (plan_offsets_block: num_out = capacity, or every slot when capacity < 0). Slot
+// (row, k) of source s with local expert l and rank q (the sender's) is the expert-major slot p = pre[s][l] +
+// q of l: kept when p < kept[l], at row seg_start[l] + p (dst_row; src_slot there = row*K + k), else dropped
+// (-1). src_slot is -1 on padding rows and past seg_start[L] (the rows no slot reaches). Block 0 writes meta
+// (plan_meta_body), seg_start, expert_counts and tokens_per_expert. Dynamic shared memory: 2R + 1 + R*L +
+// 4L + 1 ints.
 #if MOE_RT_WANTS(ep_prepare_plan)
-extern "C" __global__ void ep_prepare_plan(int* __restrict__ meta, const int* __restrict__ counts, i64 cstride,
-                                           const int* __restrict__ rows_in, const unsigned* __restrict__ state,
-                                           i64 half_ints, int R, int me, int P, int K, int L, int align, int exact,
-                                           i64 capacity, i64 rows, i64 N, int* __restrict__ recv_tok,
-                                           int* __restrict__ recv_local, int* __restrict__ dst_row,
-                                           int* __restrict__ src_slot, int* __restrict__ seg_start,
-                                           int* __restrict__ expert_counts, int* __restrict__ tokens_per_expert) {
+extern "C" __global__ void ep_prepare_plan(int* __restrict__ meta, const int* __restrict__ inbox,
+                                           const long long* __restrict__ peer_box, i64 seg_words,
+                                           const unsigned* __restrict__ state, i64 half_ints, int R, int me, int P,
+                                           int K, int L, int align, int exact, i64 capacity, i64 rows, i64 N,
+                                           int* __restrict__ recv_tok, int* __restrict__ recv_local,
+                                           int* __restrict__ dst_row, int* __restrict__ src_slot,
+                                           int* __restrict__ seg_start, int* __restrict__ expert_counts,
+                                           int* __restrict__ tokens_per_expert) {
   extern __shared__ int sm[];
   int* seg = sm;                // recv_segments
   int* pre = seg + 2 * R + 1;   // [R][L]
@@ -337,14 +347,13 @@ extern "C" __global__ void ep_prepare_plan(int* __restrict__ meta, const int* __
   int* kept = tot + L;          // [L]
   int* padded = kept + L;       // [L]
   int* start = padded + L;      // [L + 1]
-  counts = box_half(counts, state, half_ints);
-  rows_in = box_half(rows_in, state, half_ints);
-  if (threadIdx.x == 0) recv_segments(meta, counts, cstride, R, me, P, exact, capacity, seg);
+  const Segments in(inbox, peer_box, seg_words, state, half_ints, me);
+  if (threadIdx.x == 0) recv_segments(meta, in, R, me, P, exact, capacity, seg);
   for (int l = threadIdx.x; l < L; l += blockDim.x) {
     int run = 0;
     for (int s = 0; s < R; ++s) {
       pre[(i64)s * L + l] = run;
-      run += counts[(i64)s * cstride + 2 + l];
+      run += in.of(s)[2 + l];
     }
     tot[l] = run;
   }
@@ -360,18 +369,18 @@ extern "C" __global__ void ep_prepare_plan(int* __restrict__ meta, const int* __
       }
     }
   }
-  const int W = 2 * K + 1;
+  const int W = 2 * K + 1, CW = L + 2;
   const i64 step = (i64)gridDim.x * blockDim.x;
   const i64 first = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-  recv_tokens(rows_in, cstride, seg, R, P, W, first, step, recv_tok);
+  recv_tokens(in, CW, seg, R, P, W, first, step, recv_tok);
   for (i64 row = first; row < rows; row += step) {
     int src = 0;
-    const int* in = recv_box_row(row, rows_in, cstride, seg, R, W, &src);
+    const int* r = recv_box_row(row, in, CW, seg, R, W, &src);
     for (int k = 0; k < K; ++k) {
-      const int l = in != nullptr ? in[1 + k] : -1;
+      const int l = r != nullptr ? r[1 + k] : -1;
       int d = -1;
       if (l >= 0) {
-        const i64 p = (i64)pre[(i64)src * L + l] + in[1 + K + k];
+        const i64 p = (i64)pre[(i64)src * L + l] + r[1 + K + k];
         if (p < kept[l]) {
           d = (int)(start[l] + p);
           src_slot[d] = (int)(row * K + k);

@@ -6,15 +6,15 @@ between ranks), ``topk_idx [T,K]`` (int32/int64, ``-1`` = no expert) and ``topk_
 
 - :meth:`EpGroup.prepare` (a collective) computes the plan on the device, deterministically, and no rank
   sees another's whole routing: each rank lists, for each destination, the ascending tokens with at
-  least one expert there (a token is sent **once** per destination rank, not K times) and sends each
+  least one expert there (a token is sent **once** per destination rank, not K times) and gives each
   destination only its counts (tokens, local expert slots, per local expert) and, per token it sends, the
   token id, the local ids of its K experts there (``-1`` for the others) and each slot's rank among its
-  expert's slots; the direct transport stores these into the peers' memory (then one device barrier), the
-  NCCL one sends them with grouped send/recv (nothing is all-gathered). The receiver
-  lays its rows out source-major, token ascending; their local experts ``[rows, K]`` are a routing for the
+  expert's slots: on the direct transport the destinations read these from the sources' memory after one
+  device barrier, on NCCL they travel by grouped send/recv (nothing is all-gathered). The receiver lays
+  its rows out source-major, token ascending; their local experts ``[rows, K]`` are a routing for the
   permutation plan with ``num_experts = L``, whose expert-major layout (grouped by local expert, ``(src,
-  t)`` ascending inside an expert, padding rows zero) one kernel writes from the counts and ranks. The result is a :class:`moe_rt._handle.Handle`: one uint8 buffer laid out as in
-  ``include/moe_rt/moe_rt.h``.
+  t)`` ascending inside an expert, padding rows zero) one kernel writes from the counts and ranks. The
+  result is a :class:`moe_rt._handle.Handle`: one uint8 buffer laid out as in ``include/moe_rt/moe_rt.h``.
 - :meth:`EpGroup.dispatch`: send each token's row once to every rank holding one of its experts (the own
   share is copied locally, never sent) and lay the received rows out expert-major.
 - :meth:`EpGroup.combine`: each rank reduces the local expert rows of every received token (weighted by
@@ -501,14 +501,14 @@ class EpGroup:
         return c
 
     def _prepare_cuda(self, call, idx, T, K, validate=False):
-        """Launches: ep_prepare_send (routing into the handle, send lists, each destination's counts and rows
-        into its box); the exchange (direct: ep_direct_barrier, the boxes being peer memory; NCCL: an
-        grouped send/recv of each destination's segment: capacity mode whole, exact mode its counts, then after
-        the host read its kept rows); exact mode: ep_plan_meta, the host read of the counts and a copy of the
-        leading regions into the buffer sized from them; then
-        ep_prepare_plan (every received-side region), or where its shared memory would not fit (R*L large)
-        ep_prepare_recv and the permutation plan's three kernels. Capacity mode: two allocations (the handle,
-        the scratch), no host sync; the direct transport's is three launches."""
+        """Launches: ep_prepare_send (routing into the handle, send lists, each destination's segment: counts and
+        rows, kernels/ep.cu); the exchange (direct: ep_direct_barrier, the destinations then read the segments
+        from the sources' IPC-shared boxes; NCCL: grouped send/recv of the segments, capacity mode whole, exact
+        mode the counts, then after the host read the kept rows); exact mode: ep_plan_meta, the host read of
+        the counts and a copy of the leading regions into the buffer sized from them; then ep_prepare_plan
+        (every received-side region), or where its shared memory would not fit (R*L large) ep_prepare_recv and
+        the permutation plan's three kernels. Capacity mode: two allocations (the handle, the scratch), no host
+        sync; on the direct transport three launches."""
         xp, s, dev = call.xp, call.stream, call.device_id
         idx = _arrays.contiguous(xp, idx)
         c = self._prep_cfg(T, K, dev, idx.dtype)
@@ -521,18 +521,19 @@ class EpGroup:
         direct = self.transport == "direct"
         work = xp.empty(c.work_words, np.int32)
         w = work.data.ptr  # NCCL: the inbox and the outbox (R segments each); then the plan kernels' scratch
-        if direct:
+        if direct:  # this rank's outgoing segments in its own box; the destinations read them (peer table)
             st = self._transport.prepare_box(K, int(c.half), s, lambda st_: self._wait(st_, "prepare"))
-            state, peer, counts = self._transport.state, st.table, st.local
-            outbox = inbox = 0
+            state, peer, outbox = self._transport.state, st.table, st.local
+            inbox = outbox
+            segs = (0, peer, c.cstride, state, c.half)  # where the receiving kernels find the segments
         else:
             state = peer = 0
-            inbox = counts = w
+            inbox = w
             outbox = inbox + 4 * R * SEG if R > 1 else inbox
-        rows_in = counts + 4 * CW  # source s's rows follow its counts, s*SEG words in
+            segs = (inbox, 0, c.cstride, 0, c.half)
         _jit.launch_raw(c.f_send, R, c.threads,
                         (idx, *c.send_head, b + lay["routing"][0], b + lay["send_tok"][0], b + lay["send_pos"][0],
-                         meta, peer, state, c.half, outbox, inbox, c.err, c.rank_warps), c.send_smem, s)
+                         meta, state, c.half, outbox, inbox, c.err, c.rank_warps), c.send_smem, s)
         if validate and not exact:
             self._wait(s, "prepare")
             _errors.raise_pending(dev, s)
@@ -544,8 +545,7 @@ class EpGroup:
         host, sz, plan, scratch = None, c.sz, c.plan, w + 4 * c.box_words
         if exact:
             _jit.launch_raw(_jit.function(_FILE, "ep_plan_meta"), 1, 32,
-                            (meta, counts, c.cstride, state, c.half, np.int32(R), np.int32(me),
-                             np.int32(P), np.int32(1), np.int64(-1)), 0, s)
+                            (meta, *segs, np.int32(R), np.int32(me), np.int32(P), np.int32(1), np.int64(-1)), 0, s)
             host = self._read_meta(buf[lay["meta"][0]:lay["meta"][0] + 4 * lay["meta"][2]].view(np.int32), s, dev)
             rows = int(host[meta_index("recv_rows", R)])
             slots = int(host[meta_index("total_slots", R)])
@@ -572,13 +572,13 @@ class EpGroup:
         out = (b + lay["recv_tok"][0], b + lay["recv_local"][0])
         if c.fused:
             _jit.launch_raw(c.f_plan, grid, 256,
-                            (meta, counts, c.cstride, rows_in, state, c.half, *c.plan_mid, np.int64(rows),
+                            (meta, *segs, *c.plan_mid, np.int64(rows),
                              np.int64(N), *out, b + lay["dst_row"][0], b + lay["src_slot"][0],
                              b + lay["seg_start"][0], b + lay["expert_counts"][0], b + lay["tokens_per_expert"][0]),
                             c.plan_smem, s)
         else:
             _jit.launch_raw(c.f_recv, grid, 256,
-                            (meta, counts, c.cstride, rows_in, state, c.half, *c.recv_mid, np.int64(rows), *out),
+                            (meta, *segs, *c.recv_mid, np.int64(rows), *out),
                             c.recv_smem, s)
             permutation.plan_kernels(plan, out[1], N, b + lay["dst_row"][0], b + lay["src_slot"][0],
                                      b + lay["seg_start"][0], b + lay["expert_counts"][0],
@@ -849,7 +849,7 @@ class _PrepCfg:
                          np.int64(cap))
         self.f_recv = _jit.function(_FILE, "ep_prepare_recv")
         self.recv_smem = 4 * (2 * R + 1)
-        self.recv_mid = (np.int32(R), np.int32(me), np.int32(P), np.int32(K), exact, np.int64(cap))
+        self.recv_mid = (np.int32(R), np.int32(me), np.int32(P), np.int32(K), np.int32(L), exact, np.int64(cap))
         self.full_segments, self.counts_only = [self.SEG] * R, [self.CW] * R
 
 
