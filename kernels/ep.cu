@@ -323,14 +323,15 @@ extern "C" __global__ void ep_prepare_recv(int* __restrict__ meta, const int* __
 #endif
 
 // The whole received side of the plan in one kernel (ep_prepare_recv's outputs, and the permutation plan's of
-// recv_local without a pass of its own; Segments as ep_plan_meta). Every block derives in shared memory, from
-// every source's per-expert counts: pre[s][l] = slots of local expert l from sources before s, the totals,
-// and the plan's offsets (plan_offsets_block: num_out = capacity, or every slot when capacity < 0). Slot
+// recv_local without a pass of its own; Segments as ep_plan_meta). Every block loads every source's counts
+// into shared memory (one pass) and derives from the per-expert ones: pre[s][l] = slots of local expert l
+// from sources before s, the totals, and the plan's offsets (plan_offsets_block: num_out = capacity, or every
+// slot when capacity < 0). Slot
 // (row, k) of source s with local expert l and rank q (the sender's) is the expert-major slot p = pre[s][l] +
 // q of l: kept when p < kept[l], at row seg_start[l] + p (dst_row; src_slot there = row*K + k), else dropped
 // (-1). src_slot is -1 on padding rows and past seg_start[L] (the rows no slot reaches). Block 0 writes meta
-// (plan_meta_body), seg_start, expert_counts and tokens_per_expert. Dynamic shared memory: 2R + 1 + R*L +
-// 4L + 1 ints.
+// (plan_meta_body), seg_start, expert_counts and tokens_per_expert. Dynamic shared memory: 2R + 1 + R*(L +
+// 2) + 4L + 1 ints.
 #if MOE_RT_WANTS(ep_prepare_plan)
 extern "C" __global__ void ep_prepare_plan(int* __restrict__ meta, const int* __restrict__ inbox,
                                            const long long* __restrict__ peer_box, i64 seg_words,
@@ -341,19 +342,28 @@ extern "C" __global__ void ep_prepare_plan(int* __restrict__ meta, const int* __
                                            int* __restrict__ seg_start, int* __restrict__ expert_counts,
                                            int* __restrict__ tokens_per_expert) {
   extern __shared__ int sm[];
-  int* seg = sm;                // recv_segments
-  int* pre = seg + 2 * R + 1;   // [R][L]
-  int* tot = pre + (i64)R * L;  // [L]
-  int* kept = tot + L;          // [L]
-  int* padded = kept + L;       // [L]
-  int* start = padded + L;      // [L + 1]
+  const int W = 2 * K + 1, CW = L + 2;
+  int* seg = sm;                 // recv_segments
+  int* cnt = seg + 2 * R + 1;    // [R][CW]: every source's counts; then word 2 + l holds pre[s][l]
+  int* tot = cnt + (i64)R * CW;  // [L]
+  int* kept = tot + L;           // [L]
+  int* padded = kept + L;        // [L]
+  int* start = padded + L;       // [L + 1]
   const Segments in(inbox, peer_box, seg_words, state, half_ints, me);
-  if (threadIdx.x == 0) recv_segments(meta, in, R, me, P, exact, capacity, seg);
+  for (i64 i = threadIdx.x; i < (i64)R * CW; i += blockDim.x) {  // one pass of loads (peer memory: direct)
+    const int s = (int)(i / CW);
+    cnt[i] = in.of(s)[i - (i64)s * CW];
+  }
+  __syncthreads();
+  const Segments counts(cnt, nullptr, CW, nullptr, 0, me);  // the same counts, from shared memory
+  if (threadIdx.x == 0) recv_segments(meta, counts, R, me, P, exact, capacity, seg);
   for (int l = threadIdx.x; l < L; l += blockDim.x) {
     int run = 0;
     for (int s = 0; s < R; ++s) {
-      pre[(i64)s * L + l] = run;
-      run += in.of(s)[2 + l];
+      int* c = cnt + (i64)s * CW + 2 + l;
+      const int v = *c;
+      *c = run;
+      run += v;
     }
     tot[l] = run;
   }
@@ -369,7 +379,6 @@ extern "C" __global__ void ep_prepare_plan(int* __restrict__ meta, const int* __
       }
     }
   }
-  const int W = 2 * K + 1, CW = L + 2;
   const i64 step = (i64)gridDim.x * blockDim.x;
   const i64 first = (i64)blockIdx.x * blockDim.x + threadIdx.x;
   recv_tokens(in, CW, seg, R, P, W, first, step, recv_tok);
@@ -380,7 +389,7 @@ extern "C" __global__ void ep_prepare_plan(int* __restrict__ meta, const int* __
       const int l = r != nullptr ? r[1 + k] : -1;
       int d = -1;
       if (l >= 0) {
-        const i64 p = (i64)pre[(i64)src * L + l] + r[1 + K + k];
+        const i64 p = (i64)cnt[(i64)src * CW + 2 + l] + r[1 + K + k];
         if (p < kept[l]) {
           d = (int)(start[l] + p);
           src_slot[d] = (int)(row * K + k);

@@ -806,7 +806,7 @@ class _PrepCfg:
         self.cstride = np.int64(self.SEG)
         # int32 words of one half of the direct transport's box (DirectTransport.prepare_box); 0 on NCCL
         self.half = np.int64(R * self.SEG if direct else 0)
-        self.plan_smem = 4 * (2 * R + 1 + R * L + 4 * L + 1)
+        self.plan_smem = 4 * (2 * R + 1 + R * self.CW + 4 * L + 1)
         self.fused = self.plan_smem <= self.FUSED_SMEM
         cap = -1
         self.plan = None
