@@ -1,11 +1,12 @@
-// Expert parallelism (moe_rt/ep.py, docs/ep.md §2-§3): the device side of prepare (routing all-gather
-// input, per-pair membership scans, offsets and flags, the received rows' local routing), the row pack
+// Expert parallelism (moe_rt/ep.py, docs/ep.md §2-§3): the device side of prepare (per-pair membership
+// scans and counts, offsets and flags, the received rows' local routing), the row pack
 // before the NCCL send/recv, and the owner-side fixed-order sum over ranks after the reverse transfer.
 //
 // Handle regions (include/moe_rt/moe_rt.h) are passed as separate pointers. Every result is written by
 // exactly one thread in a fixed order: no atomics, so plans and sums are bitwise reproducible (the one
 // atomic is the error word's record of a bad expert id, which no result depends on).
 #include "moe_rt/common.cuh"
+#include "moe_rt/plan.cuh"
 
 using namespace moe_rt;
 
@@ -22,15 +23,60 @@ using namespace moe_rt;
 #define META_RECV_ROWS(R) (5 * (R) + 6)
 #define META_SEND_ROWS(R) (5 * (R) + 7)
 
-// routing[i] for i < Tmax*K: the expert id of flat slot i (-1 for no expert, ids outside [0, E) and
-// rows t >= T, so peers never read stale routing); routing[Tmax*K] = T. Ids outside [-1, E) are
-// recorded in the device's error word `err` (common.cuh) before they become -1.
+// ---- prepare (moe_rt/ep.py _prepare_cuda) -----------------------------------------------------------
+// Only counts and the sent rows' own routing cross between ranks; no rank sees another's whole routing table.
+// A "box" holds one segment of SEG = CW + P*W int32 words per (source, destination) pair: the counts (CW = L
+// + 2 words: tokens of the pair before pair-capacity drops, local expert slots of the kept tokens, then those
+// of each local expert l) and the rows (P rows of W = 2K + 1 words: row j the j-th kept token t of the pair,
+// then the local ids of its K experts on the destination (-1 for the others), then each such slot's rank
+// among the pair's kept slots of that local expert in (t, k) order). Every source writes its segments into
+// local memory; the destination reads them (Segments below):
+// - direct transport: each rank's box (IPC-shared, peer_box[r]) holds its outgoing segments (segment d for
+//   destination d) in two halves of half_ints words picked by the parity of the barrier epoch: the source
+//   writes the half of epoch state[0] + 1 before prepare's barrier advances the epoch to it, and the
+//   destinations read it over peer memory after (the reads are spread over every SM of the reader); a source
+//   rewrites a half only two epochs later, after every reader has passed a barrier (or a prepare's barrier)
+//   that follows its read;
+// - NCCL transport: a local outbox (segment d for destination d != me) sent with grouped send/recv into the
+//   destinations' inbox (segment s from source s); the own segment is written to the inbox straight away.
+// With the ranks and every source's per-expert counts, the destination places every slot in the expert-major
+// layout without another pass over the slots (ep_prepare_plan).
+
+// The local expert of flat slot f (< end) when it lives on [lo, hi) and its token is kept for the pair
+// (kept_pos[t] >= 0), else -1.
 template <typename IdxT>
-__global__ void ep_routing_pack(const IdxT* __restrict__ idx, i64 T, int Tmax, int K, int E,
-                                int* __restrict__ routing, unsigned* __restrict__ err) {
+__device__ __forceinline__ int kept_slot_key(const IdxT* __restrict__ idx, i64 f, i64 end, int K, i64 lo, i64 hi,
+                                             const int* __restrict__ kept_pos) {
+  if (f >= end) return -1;
+  const i64 e = (i64)idx[f];
+  if (e < lo || e >= hi || kept_pos[f / K] < 0) return -1;
+  return (int)(e - lo);
+}
+
+// One block per destination d (grid R). Spread over the blocks, this rank's routing into the handle:
+// routing[i] for i < Tmax*K the expert id of flat slot i (-1 for no expert, ids outside [0, E) and rows
+// t >= T), routing[Tmax*K] = T; ids outside [-1, E) are recorded in the device's error word `err`
+// (common.cuh) and count as -1. Then block d walks the tokens in ascending order with a block-wide scan
+// (list positions are stable; a token is a member of the pair (me, d) when one of its experts lives on d):
+// send_tok[d][pos] = t, send_pos[d][t] = pos (or -1), meta send_counts[d]; positions >= P (pair capacity)
+// are dropped, list entries past the kept count are -1; each kept token's box row and the pair's counts
+// go to segment d of this rank's outgoing box (direct: the box, the half of epoch state[0] + 1; NCCL: the
+// outbox, or the inbox for d = me). The ranks: warps [0, nw) take contiguous ranges of the flat slots t*K + k
+// (each a multiple of 32 long): a per-warp count of each local expert's kept slots (warp match), an exclusive
+// scan over the warps, then the same walk again assigning ranks (the permutation plan's method). Dynamic
+// shared memory: nw * L ints.
+template <typename IdxT>
+__global__ void ep_prepare_send(const IdxT* __restrict__ idx, i64 T, int Tmax, int K, int E, int R, int me, int L,
+                                int P, int* __restrict__ routing, int* __restrict__ send_tok,
+                                int* __restrict__ send_pos, int* __restrict__ meta, const unsigned* __restrict__ state,
+                                i64 half_ints, int* __restrict__ outbox, int* __restrict__ inbox,
+                                unsigned* __restrict__ err, int nw) {
+  __shared__ int scratch[32];
+  extern __shared__ int hist[];  // [nw][L]
+  const int d = blockIdx.x;
   const i64 n = (i64)Tmax * K;
   const i64 valid = T * K;
-  for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i <= n; i += (i64)gridDim.x * blockDim.x) {
+  for (i64 i = (i64)d * blockDim.x + threadIdx.x; i <= n; i += (i64)gridDim.x * blockDim.x) {
     if (i == n) {
       routing[i] = (int)T;
     } else if (i < valid) {
@@ -42,67 +88,122 @@ __global__ void ep_routing_pack(const IdxT* __restrict__ idx, i64 T, int Tmax, i
       routing[i] = -1;
     }
   }
-}
-
-// One block per pair involving this rank: blocks [0, R) scan (src = me, dst = j), blocks [R, 2R) scan
-// (src = j - R, dst = me). A token is a member of (src, dst) when one of its experts lives on dst. The
-// block walks tokens in ascending order with a block-wide scan, so list positions are stable.
-//   send side: send_tok[dst][pos] = t, send_pos[dst][t] = pos (or -1), meta send_counts[dst]
-//   recv side: recv_tok[src][pos] = t, meta recv_counts[src], recv_slots[src] (local slots kept)
-// Positions >= P (pair capacity) are dropped; list entries past the kept count are -1.
-#if MOE_RT_WANTS(ep_scan_pairs)
-extern "C" __global__ void ep_scan_pairs(const int* __restrict__ routing, int R, int me, int Tmax, int K,
-                                         int L, int P, int* __restrict__ send_tok, int* __restrict__ send_pos,
-                                         int* __restrict__ recv_tok, int* __restrict__ meta) {
-  __shared__ int scratch[32];
-  const int j = blockIdx.x;
-  const bool send = j < R;
-  const int src = send ? me : j - R;
-  const int dst = send ? j : me;
-  const int* rt = routing + (i64)src * ((i64)Tmax * K + 1);
-  int Tsrc = rt[(i64)Tmax * K];
-  Tsrc = Tsrc < 0 ? 0 : (Tsrc > Tmax ? Tmax : Tsrc);
-  int* list = (send ? send_tok : recv_tok) + (i64)(send ? dst : src) * P;
+  const int W = 2 * K + 1, CW = L + 2;
+  const i64 SEG = CW + (i64)P * W;
+  int* cnt_d = (d == me ? inbox : outbox) + SEG * d;  // this rank's segment for d: counts, then rows
+  if (state != nullptr) cnt_d += (i64)((state[0] + 1u) & 1u) * half_ints;
+  int* rows_d = cnt_d + CW;
+  const i64 lo = (i64)d * L, hi = lo + L;
   int carry = 0, slot_acc = 0;
   for (int base = 0; base < Tmax; base += blockDim.x) {
     const int t = base + threadIdx.x;
     int flag = 0, slots = 0;
-    if (t < Tsrc) {
-      const int* row = rt + (i64)t * K;
+    if (t < T) {
+      const IdxT* row = idx + (i64)t * K;
       for (int k = 0; k < K; ++k) {
-        const int e = row[k];
-        if (e >= 0 && e / L == dst) { flag = 1; ++slots; }
+        const i64 e = (i64)row[k];
+        if (e >= lo && e < hi) { flag = 1; ++slots; }
       }
     }
     int total;
     const int incl = block_inclusive_scan(flag, scratch, &total);
     const int pos = carry + incl - flag;
     const bool kept = flag && pos < P;
-    if (kept) { list[pos] = t; slot_acc += slots; }
-    if (send && t < Tmax) send_pos[(i64)dst * Tmax + t] = kept ? pos : -1;
+    if (kept) {
+      send_tok[(i64)d * P + pos] = t;
+      slot_acc += slots;
+      {
+        const IdxT* row = idx + (i64)t * K;
+        int* o = rows_d + (i64)pos * W;
+        o[0] = t;
+        for (int k = 0; k < K; ++k) {
+          const i64 e = (i64)row[k];
+          o[1 + k] = (e >= lo && e < hi) ? (int)(e - lo) : -1;
+        }
+      }
+    }
+    if (t < Tmax) send_pos[(i64)d * Tmax + t] = kept ? pos : -1;
     carry += total;
   }
-  for (int p = (carry < P ? carry : P) + threadIdx.x; p < P; p += blockDim.x) list[p] = -1;
+  for (int p = (carry < P ? carry : P) + threadIdx.x; p < P; p += blockDim.x) send_tok[(i64)d * P + p] = -1;
   int slots_total;
   block_inclusive_scan(slot_acc, scratch, &slots_total);
   if (threadIdx.x == 0) {
-    if (send) {
-      meta[META_SEND_COUNTS(R) + dst] = carry;
-    } else {
-      meta[META_RECV_COUNTS(R) + src] = carry;
-      meta[META_RECV_SLOTS(R) + src] = slots_total;
+    meta[META_SEND_COUNTS(R) + d] = carry;
+    if (d == 0) meta[META_NUM_TOKENS(R)] = (int)T;
+    cnt_d[0] = carry;
+    cnt_d[1] = slots_total;
+  }
+  // ranks of the kept slots per local expert (send_pos of every token is written: the block's own stores)
+  __syncthreads();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const i64 nslots = T * K;
+  const i64 span = ((nslots + nw - 1) / nw + 31) / 32 * 32;
+  int* hw = hist + (i64)warp * L;
+  const i64 begin = (i64)warp * span, end = min(begin + span, nslots);
+  const int* kept_pos = send_pos + (i64)d * Tmax;
+  if (warp < nw) {
+    for (int l = lane; l < L; l += 32) hw[l] = 0;
+    __syncwarp();
+    for (i64 f0 = begin; f0 < end; f0 += 32) {
+      const int key = kept_slot_key(idx, f0 + lane, end, K, lo, hi, kept_pos);
+      const unsigned peers = __match_any_sync(0xffffffffu, key);
+      if (key >= 0 && lane == __ffs(peers) - 1) hw[key] += __popc(peers);
+      __syncwarp();
+    }
+  }
+  __syncthreads();
+  for (int l = threadIdx.x; l < L; l += blockDim.x) {
+    int run = 0;
+    for (int w = 0; w < nw; ++w) {
+      const int v = hist[(i64)w * L + l];
+      hist[(i64)w * L + l] = run;
+      run += v;
+    }
+    cnt_d[2 + l] = run;
+  }
+  __syncthreads();
+  if (warp < nw) {
+    const unsigned lt = lanemask_lt();
+    for (i64 f0 = begin; f0 < end; f0 += 32) {
+      const i64 f = f0 + lane;
+      const int key = kept_slot_key(idx, f, end, K, lo, hi, kept_pos);
+      const unsigned peers = __match_any_sync(0xffffffffu, key);
+      if (key >= 0) {
+        const i64 t = f / K;
+        rows_d[(i64)kept_pos[t] * W + 1 + K + (f - t * K)] = hw[key] + __popc(peers & lt);
+      }
+      __syncwarp();
+      if (key >= 0 && lane == __ffs(peers) - 1) hw[key] += __popc(peers);
+      __syncwarp();
     }
   }
 }
-#endif
 
-// Offsets and flags (one thread; R is small). Exact mode (exact = 1): segments packed back to back with
+// Where a destination finds the segment source s sent it: direct transport (peer != nullptr): in s's box
+// (as mapped here), the half of the current epoch (state[0], advanced by prepare's barrier), segment me;
+// NCCL: in the inbox, segment s.
+struct Segments {
+  const int* inbox;
+  const long long* peer;
+  i64 seg, at;  // words per segment; the offset of this rank's segment in a peer's box
+
+  __device__ Segments(const int* inbox_, const long long* peer_, i64 seg_, const unsigned* state, i64 half_ints,
+                      int me)
+      : inbox(inbox_), peer(peer_), seg(seg_),
+        at(state != nullptr ? (i64)(state[0] & 1u) * half_ints + seg_ * me : 0) {}
+
+  __device__ __forceinline__ const int* of(int s) const {
+    return peer != nullptr ? reinterpret_cast<const int*>(peer[s]) + at : inbox + s * seg;
+  }
+};
+
+// Offsets and flags (one thread; R is small), after the segments arrived (word 0 of source s's segment: its
+// tokens for this rank, word 1: the kept slots). Exact mode (exact = 1): segments packed back to back with
 // the kept counts; capacity mode: every segment is P rows. The own destination takes no send rows.
 // capacity < 0: no expert-major capacity.
-#if MOE_RT_WANTS(ep_plan_meta)
-extern "C" __global__ void ep_plan_meta(int* __restrict__ meta, const int* __restrict__ routing, int R, int me,
-                                        int Tmax, int K, int P, int exact, i64 capacity) {
-  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+__device__ void plan_meta_body(int* __restrict__ meta, const Segments& in, int R, int me, int P, int exact,
+                               i64 capacity) {
   int pair_over = 0;
   i64 o = 0, send_rows = 0;
   for (int d = 0; d < R; ++d) {
@@ -119,52 +220,196 @@ extern "C" __global__ void ep_plan_meta(int* __restrict__ meta, const int* __res
   o = 0;
   i64 recv_rows = 0, slots = 0;
   for (int s = 0; s < R; ++s) {
-    const int c = meta[META_RECV_COUNTS(R) + s];
+    const int* cs = in.of(s);
+    const int c = cs[0], sl = cs[1];
+    meta[META_RECV_COUNTS(R) + s] = c;
+    meta[META_RECV_SLOTS(R) + s] = sl;
     pair_over |= c > P;
     const int kept = c < P ? c : P;
     meta[META_RECV_OFF(R) + s] = (int)o;
     o += exact ? kept : P;
     recv_rows += kept;
-    slots += meta[META_RECV_SLOTS(R) + s];
+    slots += sl;
   }
   meta[META_RECV_OFF(R) + R] = (int)o;
   meta[META_PAIR_OVERFLOW(R)] = pair_over;
   meta[META_EXPERT_OVERFLOW(R)] = (capacity >= 0 && slots > capacity) ? 1 : 0;
   meta[META_TOTAL_SLOTS(R)] = (int)slots;
-  meta[META_NUM_TOKENS(R)] = routing[(i64)me * ((i64)Tmax * K + 1) + (i64)Tmax * K];
   meta[META_RECV_ROWS(R)] = (int)recv_rows;
   meta[META_SEND_ROWS(R)] = (int)send_rows;
+  meta[META_SEND_ROWS(R) + 1] = 0;  // the region's spare words
+  meta[META_SEND_ROWS(R) + 2] = 0;
+}
+
+// The received side's common start (thread 0 of each block): block 0 writes meta (plan_meta_body); every block
+// derives the received rows' segments: seg[s] = first row of source s (s <= R), seg[R + 1 + s] = its kept
+// count (seg: 2R + 1 ints of shared memory).
+__device__ void recv_segments(int* __restrict__ meta, const Segments& in, int R, int me, int P, int exact,
+                              i64 capacity, int* __restrict__ seg) {
+  if (blockIdx.x == 0) plan_meta_body(meta, in, R, me, P, exact, capacity);
+  int o = 0;
+  for (int s = 0; s < R; ++s) {
+    const int c = in.of(s)[0];
+    const int kept = c < P ? c : P;
+    seg[s] = o;
+    seg[R + 1 + s] = kept;
+    o += exact ? kept : P;
+  }
+  seg[R] = o;
+}
+
+// recv_tok[s][j] = the token of row j of source s's segment (rows at word CW; -1 past the kept count),
+// grid-stride from `first`.
+__device__ void recv_tokens(const Segments& in, int CW, const int* __restrict__ seg, int R, int P, int W, i64 first,
+                            i64 step, int* __restrict__ recv_tok) {
+  for (i64 i = first; i < (i64)R * P; i += step) {
+    const int s = (int)(i / P);
+    const i64 j = i - (i64)s * P;
+    recv_tok[i] = j < seg[R + 1 + s] ? in.of(s)[CW + j * W] : -1;
+  }
+}
+
+// The segment row of received row `row` (nullptr for an unused row) and its source (*src).
+__device__ __forceinline__ const int* recv_box_row(i64 row, const Segments& in, int CW,
+                                                   const int* __restrict__ seg, int R, int W, int* src) {
+  for (int s = 0; s < R; ++s) {
+    if (row >= seg[s] && row < (i64)seg[s] + seg[R + 1 + s]) {
+      *src = s;
+      return in.of(s) + CW + (row - seg[s]) * W;
+    }
+  }
+  return nullptr;
+}
+
+// plan_meta_body as a kernel of one thread: exact mode, whose host read of the counts sizes the handle
+// before the received side's kernel runs (which writes the same meta again). Segments: inbox (NCCL) or
+// peer_box (direct) with state and half_ints; seg words each.
+#if MOE_RT_WANTS(ep_plan_meta)
+extern "C" __global__ void ep_plan_meta(int* __restrict__ meta, const int* __restrict__ inbox,
+                                        const long long* __restrict__ peer_box, i64 seg_words,
+                                        const unsigned* __restrict__ state, i64 half_ints, int R, int me, int P,
+                                        int exact, i64 capacity) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  plan_meta_body(meta, Segments(inbox, peer_box, seg_words, state, half_ints, me), R, me, P, exact, capacity);
 }
 #endif
 
-// recv_local[row][k]: local id of the k-th expert of the token received in `row` when it lives on this
-// rank, else -1 (and -1 for every k of an unused row). A routing for the permutation plan with L experts.
-#if MOE_RT_WANTS(ep_recv_local)
-extern "C" __global__ void ep_recv_local(const int* __restrict__ routing, const int* __restrict__ recv_tok,
-                                         const int* __restrict__ meta, int R, int me, int Tmax, int K, int L,
-                                         int P, i64 rows, int* __restrict__ recv_local) {
-  const int* off = meta + META_RECV_OFF(R);
-  for (i64 row = (i64)blockIdx.x * blockDim.x + threadIdx.x; row < rows; row += (i64)gridDim.x * blockDim.x) {
-    int t = -1, src = 0;
+// The received side of the plan once the segments arrived (Segments as ep_plan_meta). Block 0's thread 0 writes
+// the meta region (plan_meta_body); every block derives the received rows' segments itself (dynamic shared
+// memory: 2R + 1 ints). recv_tok[s][j] = the token (-1 past the kept count); recv_local[row][k] = the local
+// id of the k-th expert of the token received in `row` when it lives on this rank, else -1 (-1 for every k of
+// an unused row): a routing for the permutation plan with L experts.
+#if MOE_RT_WANTS(ep_prepare_recv)
+extern "C" __global__ void ep_prepare_recv(int* __restrict__ meta, const int* __restrict__ inbox,
+                                           const long long* __restrict__ peer_box, i64 seg_words,
+                                           const unsigned* __restrict__ state, i64 half_ints, int R, int me, int P,
+                                           int K, int L, int exact, i64 capacity, i64 rows,
+                                           int* __restrict__ recv_tok, int* __restrict__ recv_local) {
+  extern __shared__ int seg[];  // recv_segments
+  const Segments in(inbox, peer_box, seg_words, state, half_ints, me);
+  if (threadIdx.x == 0) recv_segments(meta, in, R, me, P, exact, capacity, seg);
+  __syncthreads();
+  const int W = 2 * K + 1, CW = L + 2;
+  const i64 step = (i64)gridDim.x * blockDim.x;
+  const i64 first = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+  recv_tokens(in, CW, seg, R, P, W, first, step, recv_tok);
+  for (i64 row = first; row < rows; row += step) {
+    int src;
+    const int* r = recv_box_row(row, in, CW, seg, R, W, &src);
+    int* out = recv_local + row * K;
+    for (int k = 0; k < K; ++k) out[k] = r != nullptr ? r[1 + k] : -1;
+  }
+}
+#endif
+
+// The whole received side of the plan in one kernel (ep_prepare_recv's outputs, and the permutation plan's of
+// recv_local without a pass of its own; Segments as ep_plan_meta). Every block loads every source's counts
+// into shared memory (one pass) and derives from the per-expert ones: pre[s][l] = slots of local expert l
+// from sources before s, the totals, and the plan's offsets (plan_offsets_block: num_out = capacity, or every
+// slot when capacity < 0). Slot
+// (row, k) of source s with local expert l and rank q (the sender's) is the expert-major slot p = pre[s][l] +
+// q of l: kept when p < kept[l], at row seg_start[l] + p (dst_row; src_slot there = row*K + k), else dropped
+// (-1). src_slot is -1 on padding rows and past seg_start[L] (the rows no slot reaches). Block 0 writes meta
+// (plan_meta_body), seg_start, expert_counts and tokens_per_expert. Dynamic shared memory: 2R + 1 + R*(L +
+// 2) + 4L + 1 ints.
+#if MOE_RT_WANTS(ep_prepare_plan)
+extern "C" __global__ void ep_prepare_plan(int* __restrict__ meta, const int* __restrict__ inbox,
+                                           const long long* __restrict__ peer_box, i64 seg_words,
+                                           const unsigned* __restrict__ state, i64 half_ints, int R, int me, int P,
+                                           int K, int L, int align, int exact, i64 capacity, i64 rows, i64 N,
+                                           int* __restrict__ recv_tok, int* __restrict__ recv_local,
+                                           int* __restrict__ dst_row, int* __restrict__ src_slot,
+                                           int* __restrict__ seg_start, int* __restrict__ expert_counts,
+                                           int* __restrict__ tokens_per_expert) {
+  extern __shared__ int sm[];
+  const int W = 2 * K + 1, CW = L + 2;
+  int* seg = sm;                 // recv_segments
+  int* cnt = seg + 2 * R + 1;    // [R][CW]: every source's counts; then word 2 + l holds pre[s][l]
+  int* tot = cnt + (i64)R * CW;  // [L]
+  int* kept = tot + L;           // [L]
+  int* padded = kept + L;        // [L]
+  int* start = padded + L;       // [L + 1]
+  const Segments in(inbox, peer_box, seg_words, state, half_ints, me);
+  for (i64 i = threadIdx.x; i < (i64)R * CW; i += blockDim.x) {  // one pass of loads (peer memory: direct)
+    const int s = (int)(i / CW);
+    cnt[i] = in.of(s)[i - (i64)s * CW];
+  }
+  __syncthreads();
+  const Segments counts(cnt, nullptr, CW, nullptr, 0, me);  // the same counts, from shared memory
+  if (threadIdx.x == 0) recv_segments(meta, counts, R, me, P, exact, capacity, seg);
+  for (int l = threadIdx.x; l < L; l += blockDim.x) {
+    int run = 0;
     for (int s = 0; s < R; ++s) {
-      const i64 lo = off[s];
-      const i64 kept = min(meta[META_RECV_COUNTS(R) + s], P);
-      if (row >= lo && row < lo + kept) {
-        src = s;
-        t = recv_tok[(i64)s * P + (row - lo)];
-        break;
+      int* c = cnt + (i64)s * CW + 2 + l;
+      const int v = *c;
+      *c = run;
+      run += v;
+    }
+    tot[l] = run;
+  }
+  __syncthreads();
+  plan_offsets_block<false>(tot, L, align, capacity < 0 ? ((i64)1 << 62) : capacity, kept, padded, start);
+  __syncthreads();
+  if (blockIdx.x == 0) {
+    for (int l = threadIdx.x; l <= L; l += blockDim.x) {
+      seg_start[l] = start[l];
+      if (l < L) {
+        expert_counts[l] = kept[l];
+        tokens_per_expert[l] = padded[l];
       }
     }
-    int* out = recv_local + row * K;
-    if (t < 0) {
-      for (int k = 0; k < K; ++k) out[k] = -1;
+  }
+  const i64 step = (i64)gridDim.x * blockDim.x;
+  const i64 first = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+  recv_tokens(in, CW, seg, R, P, W, first, step, recv_tok);
+  for (i64 row = first; row < rows; row += step) {
+    int src = 0;
+    const int* r = recv_box_row(row, in, CW, seg, R, W, &src);
+    for (int k = 0; k < K; ++k) {
+      const int l = r != nullptr ? r[1 + k] : -1;
+      int d = -1;
+      if (l >= 0) {
+        const i64 p = (i64)cnt[(i64)src * CW + 2 + l] + r[1 + K + k];
+        if (p < kept[l]) {
+          d = (int)(start[l] + p);
+          src_slot[d] = (int)(row * K + k);
+        }
+      }
+      recv_local[row * K + k] = l;
+      dst_row[row * K + k] = d;
+    }
+  }
+  for (i64 n = first; n < N; n += step) {
+    if (n >= start[L]) {
+      src_slot[n] = -1;
       continue;
     }
-    const int* rt = routing + (i64)src * ((i64)Tmax * K + 1) + (i64)t * K;
-    for (int k = 0; k < K; ++k) {
-      const int e = rt[k];
-      out[k] = (e >= 0 && e / L == me) ? e - me * L : -1;
+    int a = 0, b = L - 1;  // the last l with start[l] <= n (start[0] = 0 <= n)
+    while (a < b) {
+      const int m = (a + b + 1) >> 1;
+      if (start[m] <= n) a = m; else b = m - 1;
     }
+    if (n - start[a] >= kept[a]) src_slot[n] = -1;
   }
 }
 #endif

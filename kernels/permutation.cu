@@ -18,16 +18,11 @@
 //   chunk_offsets / chunk_sort_rows   sort_chunks forward (scatter) and backward (gather)
 // Row offsets are 64-bit everywhere (row * row_units can exceed 2^31).
 #include "moe_rt/common.cuh"
+#include "moe_rt/plan.cuh"
 
 using namespace moe_rt;
 
 namespace {
-
-__device__ __forceinline__ unsigned lanemask_lt() {
-  unsigned m;
-  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
-  return m;
-}
 
 // The expert of flat slot i (-1: none). Ids outside [-1, E) are taken as -1, so no kernel writes out of
 // bounds; with `err` (plan_count, the one kernel that reports them) they are recorded in the device's
@@ -115,42 +110,6 @@ __global__ void plan_count(const IdxT* __restrict__ idx, i64 L, int E, int chunk
   for (int e = lane; e < E; e += 32) out[e] = hist[e];
 }
 
-// kept[e] = routed slots of e among the first num_out slots in expert-major order; tokens_per_expert[e]
-// = padded (align > 1) or kept; seg_start = exclusive scan of the padded counts, seg_start[E] = rows in
-// use. Run by one whole CTA (blockDim multiple of 32); totals are read through L2 (written by other CTAs).
-__device__ void plan_offsets_block(const int* __restrict__ totals, int E, int align, i64 num_out,
-                                   int* __restrict__ kept, int* __restrict__ tokens_per_expert,
-                                   int* __restrict__ seg_start) {
-  __shared__ int scratch[32];
-  __shared__ i64 carry[2];
-  if (threadIdx.x == 0) carry[0] = carry[1] = 0;
-  __syncthreads();
-  for (int e0 = 0; e0 < E; e0 += blockDim.x) {
-    const int e = e0 + threadIdx.x;
-    const int n = e < E ? __ldcg(totals + e) : 0;
-    int tot;
-    const int incl = block_inclusive_scan(n, scratch, &tot);
-    const i64 off = carry[0] + incl - n;  // unpadded expert-major offset of expert e
-    i64 k = num_out - off;
-    k = k < 0 ? 0 : (k > n ? n : k);
-    const int target = align > 1 ? (int)((k + align - 1) / align * align) : (int)k;
-    int tot2;
-    const int incl2 = block_inclusive_scan(target, scratch, &tot2);
-    if (e < E) {
-      kept[e] = (int)k;
-      tokens_per_expert[e] = target;
-      seg_start[e] = (int)(carry[1] + incl2 - target);
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      carry[0] += tot;
-      carry[1] += tot2;
-    }
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) seg_start[E] = (int)carry[1];
-}
-
 // Block of 1024 threads: lane (threadIdx.x & 31) picks the expert (32 per block), warp one of 32
 // contiguous ranges of chunks. base[c*E+e] = sum_{c'<c} partial[c'*E+e]; totals[e] = sum over all
 // chunks. The last CTA to finish (counter `done`, zeroed by plan_count) then runs plan_offsets_block:
@@ -196,7 +155,7 @@ __global__ void __launch_bounds__(1024) plan_scan(const int* __restrict__ partia
   __syncthreads();
   if (!s_last) return;
   __threadfence();
-  plan_offsets_block(totals, E, align, num_out, kept, tokens_per_expert, seg_start);
+  plan_offsets_block<true>(totals, E, align, num_out, kept, tokens_per_expert, seg_start);
 }
 #endif
 

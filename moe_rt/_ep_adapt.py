@@ -110,9 +110,8 @@ def handle_from(group, buf, T: int, K: int, host_meta=None, *, copy: bool = Fals
                          f"{np.dtype(buf.dtype).name} {tuple(buf.shape)}")
     sz = group._sizes(T, K)
     if isinstance(buf, np.ndarray):
-        routing = buf[group_layout(group, T, K, rows, N)["routing"][0]:].view(np.int32)
-        stride = sz["Tmax"] * K + 1
-        row = routing[sz["rank"] * stride:(sz["rank"] + 1) * stride]
+        off = group_layout(group, T, K, rows, N)["routing"][0]
+        row = buf[off:off + 4 * (sz["Tmax"] * K + 1)].view(np.int32)
         if int(row[-1]) != T:
             raise ValueError(f"handle buffer: made for T={int(row[-1])} tokens, not {T}")
         return group._prepare_cpu(np.array(row[:T * K]).reshape(T, K), T, K)

@@ -25,6 +25,10 @@ Buffers:
   pair capacity: ``max_tokens_per_rank`` in exact mode), one per row size, plus one fp32 weight stage
   ``[R*P, K]``. Both directions push rows into the reader's stage: dispatch each sent row, combine each
   received row's partial over the local experts, back into its owner's stage;
+- prepare's box (one per top-k, made on the first ``prepare`` with it, a collective): int32, two halves
+  alternating with the barrier epoch, each one segment per destination (counts, then rows), written by this
+  rank's ``ep_prepare_send`` before prepare's barrier and read by the destinations after it
+  (:meth:`DirectTransport.prepare_box`; kernels/ep.cu);
 - chunk flags: uint32 ``[R*P]`` per rank (flag ``s*P + c``: the epoch in which rank ``s`` finished chunk
   ``c``, ``C`` consecutive positions of its pair with this rank, of its writes into this rank's stages),
   made at group creation.
@@ -66,7 +70,7 @@ _THREADS = 512  # the fused kernels: one warp per row, 16 rows of a chunk at a t
 _MAX_CHUNK = 32  # rows a chunk flag covers, at most
 _jit.register(_FILE, _names)
 
-OPS = {1: "dispatch", 2: "combine", 3: "dispatch_bwd", 4: "combine_bwd", 5: "close"}
+OPS = {1: "dispatch", 2: "combine", 3: "dispatch_bwd", 4: "combine_bwd", 5: "close", 6: "prepare"}
 OP_CODES = {v: k for k, v in OPS.items()}
 _HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
 
@@ -266,20 +270,34 @@ class DirectTransport:
         """``(rows stage, weights stage)`` for rows of ``row_bytes`` and K fp32 weights, made on first use (a
         collective: every rank asks in the same order; a host sync, so never inside CUDA-graph capture).
         ``wait(stream)``: the calling op's deadline wait for that exchange (default: the group creation's)."""
-        from cupy.cuda import runtime
-
         out = []
         for key, rb in ((("rows", int(row_bytes)), int(row_bytes)), (("weights", int(K)), 4 * int(K))):
             st = self._stages.get(key)
             if st is None:
-                if runtime.streamIsCapturing(stream.ptr):
-                    raise RuntimeError(
-                        f"the direct EP transport makes its {rb}-byte-row receive stage on the first op that "
-                        "needs it (a collective with a host sync): run that op once before CUDA-graph capture")
-                st = self._stages[key] = _Shared(self.comm, self.R * self.P * rb, stream, wait or self._wait)
-                self._order.append(key)
+                st = self._shared(key, self.R * self.P * rb, f"its {rb}-byte-row receive stage", stream, wait)
             out.append(st)
         return out[0], out[1]
+
+    def prepare_box(self, K, half, stream, wait=None):
+        """prepare's box for top-``K`` routing (kernels/ep.cu, prepare): per rank two halves of ``half`` int32
+        words (counts, then rows; the group sizes them), IPC-shared; made on the first prepare with this K (a
+        collective with a host sync, so never inside CUDA-graph capture)."""
+        key = ("prepare", int(K))
+        st = self._stages.get(key)
+        if st is None:
+            st = self._shared(key, 8 * int(half), f"the box of prepare for topk={int(K)}", stream, wait)
+        return st
+
+    def _shared(self, key, nbytes, what, stream, wait):
+        """Make and keep the shared buffer ``key`` (a collective; refused during CUDA-graph capture)."""
+        from cupy.cuda import runtime
+
+        if runtime.streamIsCapturing(stream.ptr):
+            raise RuntimeError(f"the direct EP transport makes {what} on the first op that needs it (a collective "
+                               "with a host sync): run that op once before CUDA-graph capture")
+        st = self._stages[key] = _Shared(self.comm, nbytes, stream, wait or self._wait)
+        self._order.append(key)
+        return st
 
     def view(self, st, rows, cols, dtype):
         """A CuPy ``[rows, cols]`` array over this rank's part of stage ``st`` (no copy, not owned)."""
@@ -426,7 +444,7 @@ class DirectTransport:
         _jit.launch(fn, self._grid(fn, call, work), _THREADS,
                     (y.data.ptr if y.size else 0, w if w is not None else 0, zw if zw is not None else 0,
                      rows_st.table, w_st.table, self.flags.table, h.view("dst_row"), h.view("send_pos"),
-                     h.view("routing")[me * (Tmax * K + 1):], h.view("meta"), out, gw if gw is not None else 0,
+                     h.view("routing"), h.view("meta"), out, gw if gw is not None else 0,
                      self.state, self._err_ptr, np.int64(self.timeout_ns), np.int32(OP_CODES[op]), np.int32(R),
                      np.int32(me), np.int32(P), np.int32(K), np.int32(L), np.int32(Tmax), np.int32(T), np.int32(C),
                      np.int64(H)), stream=call.stream)

@@ -274,6 +274,25 @@ class NcclTransport:
         finally:
             comm.group_end()
 
+    def exchange_box(self, s, outbox, inbox, send, recv, seg, off):
+        """Part of prepare's box (kernels/ep.cu, prepare) in one grouped NCCL exchange on stream ``s``: peer p
+        gets ``send[p]`` int32 words from ``outbox`` + ``p*seg + off`` words (its segment), and this rank
+        receives ``recv[p]`` words into ``inbox`` + ``p*seg + off`` (device addresses; the own segment never
+        goes through NCCL)."""
+        comm, me = self.comm, self.rank
+        comm.group_start()
+        try:
+            for p in range(comm.size):
+                if p == me:
+                    continue
+                at = 4 * (p * seg + off)
+                if send[p]:
+                    comm.send(outbox + at, send[p], "int32", p, s.ptr)
+                if recv[p]:
+                    comm.recv(inbox + at, recv[p], "int32", p, s.ptr)
+        finally:
+            comm.group_end()
+
     def _back_buffers(self, call, h, dtype, with_w):
         """(row bytes, rows coming back [send rows, H], their weight partials [send rows, K] or None) of a
         reverse transfer: what was received goes back, into the rows that were sent."""
@@ -346,7 +365,7 @@ class NcclTransport:
                         (back.data.ptr if back.size else 0, own.data.ptr if has_own else 0, out,
                          back_w.data.ptr if back_w is not None and back_w.size else 0,
                          zw.data.ptr if zw is not None and zw.size else 0, gw if gw is not None else 0,
-                         h.view("send_pos"), routing_view(h)[me * (Tmax * K + 1):], h.view("meta"),
+                         h.view("send_pos"), routing_view(h), h.view("meta"),
                          np.int32(R), np.int32(me), np.int32(Tmax), np.int32(K), np.int32(L), np.int32(T),
                          np.int64(H), np.int64(own_shift)), shared_mem=R * 8, stream=s)
         return out, gw

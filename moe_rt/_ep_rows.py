@@ -33,7 +33,7 @@ def grid(n, device_id, threads=256):
 
 
 def routing_view(h):
-    """The handle's all-gathered routing (int32 ``[R * (Tmax*K + 1)]``)."""
+    """This rank's routing in the handle (int32 ``[Tmax*K + 1]``: the expert ids, then T)."""
     return h.view("routing")
 
 

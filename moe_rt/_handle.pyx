@@ -14,7 +14,7 @@ ALIGN = 256
 # rank, K top-k, P per-pair capacity, rows received rows, N expert-major rows).
 REGIONS = (
     ("meta", "int32", "5*R + 10"),
-    ("routing", "int32", "R*(Tmax*K + 1)"),
+    ("routing", "int32", "Tmax*K + 1"),
     ("send_tok", "int32", "R*P"),
     ("send_pos", "int32", "R*Tmax"),
     ("recv_tok", "int32", "R*P"),

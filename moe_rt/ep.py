@@ -4,14 +4,17 @@
 ``e % L``. Every rank has ``x [T,H]`` (``T <= max_tokens_per_rank``, ``T = 0`` allowed, ``T`` may differ
 between ranks), ``topk_idx [T,K]`` (int32/int64, ``-1`` = no expert) and ``topk_weights [T,K]`` (fp32).
 
-- :meth:`EpGroup.prepare` (a collective) all-gathers every rank's routing once (int32
-  ``[Tmax*K + 1]`` per rank: the ids, then ``T``) and computes the plan on the device, deterministically:
-  for each (src, dst) pair the ascending list of src tokens with at least one expert on dst (a token is
-  sent **once** per destination rank, not K times); the receive layout (source-major, token ascending);
-  each received row's local experts ``[rows, K]``, which is a routing for
-  :func:`moe_rt.permutation.make_plan` with ``num_experts = L``, giving the expert-major layout (grouped
-  by local expert, ``(src, t)`` ascending inside an expert, padding rows zero). The result is a
-  :class:`moe_rt._handle.Handle`: one uint8 buffer laid out as in ``include/moe_rt/moe_rt.h``.
+- :meth:`EpGroup.prepare` (a collective) computes the plan on the device, deterministically, and no rank
+  sees another's whole routing: each rank lists, for each destination, the ascending tokens with at
+  least one expert there (a token is sent **once** per destination rank, not K times) and gives each
+  destination only its counts (tokens, local expert slots, per local expert) and, per token it sends, the
+  token id, the local ids of its K experts there (``-1`` for the others) and each slot's rank among its
+  expert's slots: on the direct transport the destinations read these from the sources' memory after one
+  device barrier, on NCCL they travel by grouped send/recv (nothing is all-gathered). The receiver lays
+  its rows out source-major, token ascending; their local experts ``[rows, K]`` are a routing for the
+  permutation plan with ``num_experts = L``, whose expert-major layout (grouped by local expert, ``(src,
+  t)`` ascending inside an expert, padding rows zero) one kernel writes from the counts and ranks. The
+  result is a :class:`moe_rt._handle.Handle`: one uint8 buffer laid out as in ``include/moe_rt/moe_rt.h``.
 - :meth:`EpGroup.dispatch`: send each token's row once to every rank holding one of its experts (the own
   share is copied locally, never sent) and lay the received rows out expert-major.
 - :meth:`EpGroup.combine`: each rank reduces the local expert rows of every received token (weighted by
@@ -65,8 +68,8 @@ share (zero rows, lay out and scale weights) live in :mod:`moe_rt._ep_rows`.
 
 Modes:
 
-- ``"exact"``: after the routing all-gather, ``prepare`` reads the count matrix on the host **once (a
-  device sync)** and sizes every buffer exactly (with ``align_size > 1`` the expert-major row count is the
+- ``"exact"``: after the count exchange, ``prepare`` reads the counts on the host **once (a device
+  sync)** and sizes every buffer exactly (with ``align_size > 1`` the expert-major row count is the
   permutation family's bound ``floor((slots + L*(A-1)) / A) * A``; rows past ``seg_start[L]`` are zero).
 - ``"capacity"``: fixed worst-case sizes: ``pair_capacity`` rows per (src, dst) pair (default
   ``max_tokens_per_rank``, which never overflows) and at most ``capacity`` expert slots per rank (default
@@ -78,7 +81,7 @@ Modes:
 
 Expert ids outside ``[-1, E)`` are a ValueError (``topk_idx: expert ids must be in [-1, num_experts=E),
 got V``) on every backend, raised later on CUDA: the CPU path raises in ``prepare``; on CUDA the routing
-pack records the id in the device's error word and drops the slot (as ``-1``; nothing is written out of
+scan records the id in the device's error word and drops the slot (as ``-1``; nothing is written out of
 bounds), and the error is raised at the next host-visible point: exact-mode ``prepare`` itself (at its count
 read), :meth:`EpGroup.synchronize`, :meth:`EpGroup.check_overflow` or :func:`moe_rt.check`; in
 capacity mode ``prepare`` raises only with ``validate=True`` or ``MOE_RT_DEBUG=1`` (a sync). In a group of
@@ -113,7 +116,7 @@ from moe_rt import _arrays, _errors, _jit, permutation
 from moe_rt import _ep_adapt, _ep_direct, _ep_nccl, _handle
 from moe_rt import fp8 as _fp8
 from moe_rt._ep_rows import FILE as _FILE, UNITS as _UNITS
-from moe_rt._ep_rows import grid as _grid, plan_view, recv_wk, routing_view, scale_rows
+from moe_rt._ep_rows import grid as _grid, plan_view, recv_wk, scale_rows
 from moe_rt._handle import Handle, meta_index
 from moe_rt.reference import ep as _ref
 from moe_rt.reference import fp8 as _fp8_ref
@@ -124,14 +127,14 @@ __all__ = ["EpGroup", "Handle", "DEFAULT_TIMEOUT"]
 # The kernels of ep.cu that this module, moe_rt._ep_rows and moe_rt._ep_nccl launch (moe_rt._ep_direct
 # registers its own).
 _IDX = {"int32": "int", "int64": "long long"}
-_names = [f"ep_routing_pack<{i}>" for i in _IDX.values()]
+_names = [f"ep_prepare_send<{i}>" for i in _IDX.values()]
 _names += [f"ep_pack_rows<{u}>" for u in _UNITS.values()]
 for _c in _jit.CTYPES.values():
     for _v in ("true", "false"):
         _names += [f"ep_owner_sum<{_c}, {_v}>", f"ep_scale_rows<{_c}, {_v}>"]
 _names += [f"ep_expand_rows<{u}, 4>" for u in _UNITS.values()]
 _names += [f"ep_fill_rows<{u}>" for u in _UNITS.values()]
-_names += ["ep_scan_pairs", "ep_plan_meta", "ep_recv_local", "ep_gather_slots", "ep_slot_values"]
+_names += ["ep_plan_meta", "ep_prepare_recv", "ep_prepare_plan", "ep_gather_slots", "ep_slot_values"]
 _jit.register(_FILE, _names)
 
 DEFAULT_TIMEOUT = 300.0
@@ -276,6 +279,7 @@ class EpGroup:
         _live_groups[self.id] = self
         self._last_stream = None
         self._last_device = self.device  # of the last prepare (a local group has no device of its own)
+        self._prep_cfgs = {}  # (T, K, device, id dtype) -> prepare's set-up (_PrepCfg)
 
     def _choose_transport(self, want):
         """Make the group's transport and return its name (None for one rank, whose CUDA ops run the NCCL
@@ -494,82 +498,108 @@ class EpGroup:
         h.state.update(backend="cpu", ref=d, device_id=0)
         return h
 
+    def _prep_cfg(self, T, K, dev, idx_dtype):
+        """What prepare needs for (T, K) on device ``dev``, computed once in plain ints and launch-ready
+        argument tails (cached, so a call's Python work does not grow with R): see :class:`_PrepCfg`."""
+        key = (T, K, dev, idx_dtype)
+        c = self._prep_cfgs.get(key)
+        if c is None:
+            if len(self._prep_cfgs) > 64:
+                self._prep_cfgs.clear()
+            c = self._prep_cfgs[key] = _PrepCfg(self, T, K, dev, idx_dtype)
+        return c
+
     def _prepare_cuda(self, call, idx, T, K, validate=False):
-        xp, s = call.xp, call.stream
-        sz = self._sizes(T, K)
-        R, me, L, Tmax, P = sz["R"], sz["rank"], sz["L"], sz["Tmax"], sz["P"]
-        exact = self.mode == "exact"
+        """Launches: ep_prepare_send (routing into the handle, send lists, each destination's segment: counts and
+        rows, kernels/ep.cu); the exchange (direct: ep_direct_barrier, the destinations then read the segments
+        from the sources' IPC-shared boxes; NCCL: grouped send/recv of the segments, capacity mode whole, exact
+        mode the counts, then after the host read the kept rows); exact mode: ep_plan_meta, the host read of
+        the counts and a copy of the leading regions into the buffer sized from them; then ep_prepare_plan
+        (every received-side region), or where its shared memory would not fit (R*L large) ep_prepare_recv and
+        the permutation plan's three kernels. Capacity mode: two allocations (the handle, the scratch), no host
+        sync; on the direct transport three launches."""
+        xp, s, dev = call.xp, call.stream, call.device_id
         idx = _arrays.contiguous(xp, idx)
-        if exact:
-            lay0, _ = _handle.layout(R, L, Tmax, K, P, 0, 0)
-            fixed = lay0["recv_local"][0]
-            buf0 = xp.empty(fixed, np.uint8)
+        c = self._prep_cfg(T, K, dev, idx.dtype)
+        R, me, P, CW, SEG = c.R, self.rank, c.P, c.CW, c.SEG
+        exact = self.mode == "exact"
+        buf = xp.empty(c.total, np.uint8)
+        b = buf.data.ptr
+        lay = c.lay
+        meta = b + lay["meta"][0]
+        direct = self.transport == "direct"
+        work = xp.empty(c.work_words, np.int32)
+        w = work.data.ptr  # NCCL: the inbox and the outbox (R segments each); then the plan kernels' scratch
+        if direct:  # this rank's outgoing segments in its own box; the destinations read them (peer table)
+            st = self._transport.prepare_box(K, int(c.half), s, lambda st_: self._wait(st_, "prepare"))
+            state, peer, outbox = self._transport.state, st.table, st.local
+            inbox = outbox
+            segs = (0, peer, c.cstride, state, c.half)  # where the receiving kernels find the segments
         else:
-            rows = R * P
-            N = _perm_ref.num_rows(rows, K, L, self.align_size, sz["capacity"])
-            lay0, total = _handle.layout(R, L, Tmax, K, P, rows, N)
-            buf0 = xp.empty(total, np.uint8)
-        v = lambda name: buf0[lay0[name][0]:lay0[name][0] + 4 * lay0[name][2]].view(np.int32)  # noqa: E731
-        meta, routing = v("meta"), v("routing")
-        meta.fill(0)
-        stride = Tmax * K + 1
-        _jit.launch(_jit.function(_FILE, f"ep_routing_pack<{_IDX[np.dtype(idx.dtype).name]}>"),
-                    _grid(stride, call.device_id), 256,
-                    (idx, np.int64(T), np.int32(Tmax), np.int32(K), np.int32(self.num_experts),
-                     routing[me * stride:].data.ptr, _errors.word(call.device_id)), stream=s)
+            state = peer = 0
+            inbox = w
+            outbox = inbox + 4 * R * SEG if R > 1 else inbox
+            segs = (inbox, 0, c.cstride, 0, c.half)
+        _jit.launch_raw(c.f_send, R, c.threads,
+                        (idx, *c.send_head, b + lay["routing"][0], b + lay["send_tok"][0], b + lay["send_pos"][0],
+                         meta, state, c.half, outbox, inbox, c.err, c.rank_warps), c.send_smem, s)
         if validate and not exact:
             self._wait(s, "prepare")
-            _errors.raise_pending(call.device_id, s)
-        if R > 1:
-            # In place: rank r's block already sits at routing + r*stride.
-            self.comm.all_gather(routing.data.ptr + me * stride * 4, routing.data.ptr, stride, "int32", s.ptr)
-        threads = int(min(1024, max(32, -(-Tmax // 32) * 32)))
-        _jit.launch(_jit.function(_FILE, "ep_scan_pairs"), 2 * R, threads,
-                    (routing, np.int32(R), np.int32(me), np.int32(Tmax), np.int32(K), np.int32(L), np.int32(P),
-                     v("send_tok"), v("send_pos"), v("recv_tok"), meta), stream=s)
-        cap = -1 if sz["capacity"] is None else sz["capacity"]
-        _jit.launch(_jit.function(_FILE, "ep_plan_meta"), 1, 32,
-                    (meta, routing, np.int32(R), np.int32(me), np.int32(Tmax), np.int32(K), np.int32(P),
-                     np.int32(1 if exact else 0), np.int64(cap)), stream=s)
+            _errors.raise_pending(dev, s)
+        if direct:
+            self._transport.barrier(s, "prepare")
+        elif R > 1:  # capacity mode: whole segments; exact mode: the counts now, the kept rows after the host read
+            part = c.full_segments if not exact else c.counts_only
+            self._transport.exchange_box(s, outbox, inbox, part, part, SEG, 0)
+        host, sz, plan, scratch = None, c.sz, c.plan, w + 4 * c.box_words
         if exact:
-            host = self._read_meta(meta, s, call.device_id)
+            _jit.launch_raw(_jit.function(_FILE, "ep_plan_meta"), 1, 32,
+                            (meta, *segs, np.int32(R), np.int32(me), np.int32(P), np.int32(1), np.int64(-1)), 0, s)
+            host = self._read_meta(buf[lay["meta"][0]:lay["meta"][0] + 4 * lay["meta"][2]].view(np.int32), s, dev)
             rows = int(host[meta_index("recv_rows", R)])
             slots = int(host[meta_index("total_slots", R)])
-            N = _perm_ref.num_rows(rows, K, L, self.align_size, slots)
-            lay, total = _handle.layout(R, L, Tmax, K, P, rows, N)
-            buf = xp.empty(total, np.uint8)
-            buf[:fixed] = buf0
-            sz.update(num_out=slots)
+            L, A = c.L, self.align_size
+            N = _perm_ref.num_rows(rows, K, L, A, slots)
+            _check_plan_rows(rows, K, N)
+            fixed = lay["recv_local"][0]
+            lay, total = _handle.layout(R, L, c.Tmax, K, P, rows, N)
+            buf0, buf = buf, xp.empty(total, np.uint8)
+            buf[:fixed] = buf0[:fixed]
+            b, meta = buf.data.ptr, buf.data.ptr + lay["meta"][0]
+            sz = dict(sz, rows=rows, N=N, num_out=slots)
+            if not direct and R > 1:
+                sent = [min(int(v), P) * c.W for v in host[meta_index("send_counts", R):][:R]]
+                got = [min(int(v), P) * c.W for v in host[meta_index("recv_counts", R):][:R]]
+                self._transport.exchange_box(s, outbox, inbox, sent, got, SEG, CW)
+            grid = _prep_grid(c.fused, max(rows, N, R * P), dev)
+            if not c.fused:
+                plan = permutation.plan_config(rows, K, np.int32, L, A, N, slots, dev)
+                scratch_buf = xp.empty(plan[0] - plan[1], np.int32)
+                scratch = scratch_buf.data.ptr
         else:
-            host, lay, buf = None, lay0, buf0
-            sz.update(num_out=sz["capacity"])
-        sz.update(rows=rows, N=N)
-        if N > _INT32_MAX or rows * K > _INT32_MAX:
-            raise ValueError(f"the plan needs {N} expert-major rows / {rows}x{K} slots; must stay below 2^31")
+            rows, N, grid = c.rows, c.N, c.recv_grid
+        out = (b + lay["recv_tok"][0], b + lay["recv_local"][0])
+        if c.fused:
+            _jit.launch_raw(c.f_plan, grid, 256,
+                            (meta, *segs, *c.plan_mid, np.int64(rows),
+                             np.int64(N), *out, b + lay["dst_row"][0], b + lay["src_slot"][0],
+                             b + lay["seg_start"][0], b + lay["expert_counts"][0], b + lay["tokens_per_expert"][0]),
+                            c.plan_smem, s)
+        else:
+            _jit.launch_raw(c.f_recv, grid, 256,
+                            (meta, *segs, *c.recv_mid, np.int64(rows), *out),
+                            c.recv_smem, s)
+            permutation.plan_kernels(plan, out[1], N, b + lay["dst_row"][0], b + lay["src_slot"][0],
+                                     b + lay["seg_start"][0], b + lay["expert_counts"][0],
+                                     b + lay["tokens_per_expert"][0], scratch, s)
         h = Handle(buf, lay, self.id, self.mode, sz)
-        h.state.update(backend="cuda", device_id=call.device_id, host_meta=host)
-        recv_local = h.view("recv_local")
-        if rows:
-            _jit.launch(_jit.function(_FILE, "ep_recv_local"), _grid(rows, call.device_id), 256,
-                        (routing_view(h), h.view("recv_tok"), h.view("meta"), np.int32(R), np.int32(me),
-                         np.int32(Tmax), np.int32(K), np.int32(L), np.int32(P), np.int64(rows), recv_local),
-                        stream=s)
-        plan = permutation.make_plan(recv_local.reshape(rows, K), L, align_size=self.align_size,
-                                     num_out_tokens=sz["num_out"], map_type="index", stream=s, validate=False)
-        if plan.num_rows != N:  # pragma: no cover - the two size formulas are the same function
-            raise RuntimeError(f"internal: plan rows {plan.num_rows} != handle rows {N}")
-        h.view("dst_row")[...] = plan.dst_row.reshape(-1)
-        h.view("src_slot")[...] = plan.src_slot
-        h.view("seg_start")[...] = plan.seg_start
-        h.view("expert_counts")[...] = plan.counts
-        h.view("tokens_per_expert")[...] = plan.tokens_per_expert
-        del buf0, plan
+        h.state.update(backend="cuda", device_id=dev, host_meta=host)
         return h
 
     def _read_meta(self, meta, stream, device_id):
         """The documented host sync of exact mode: copy the meta region (and the device's error word, in
         the same wait) into pinned memory and wait with the group's deadline; then raise a bad expert id
-        the routing pack recorded."""
+        prepare's scan recorded."""
         import cupy
 
         n, nw = int(meta.size), _errors.WORDS
@@ -877,6 +907,94 @@ def group_identity(comm, attrs, num_experts, hidden):
     return rank, size, device, E, E // size, _arrays.check_int(hidden, "hidden", low=1, high=1 << 24)
 
 
+class _PrepCfg:
+    """EpGroup.prepare's set-up for one (T, K, device, id dtype), in plain ints (made once, cached by the
+    group): sizes, the handle layout and bytes (capacity mode: final; exact mode: of the regions before
+    recv_local, which do not depend on the received rows), the box layout (kernels/ep.cu, prepare: a segment
+    of SEG = CW + P*W words per source, counts (CW = L + 2) then rows (W = 2K + 1)), the scratch in int32
+    words (NCCL: inbox and outbox; then the plan kernels' scratch where ep_prepare_plan does not fit), the
+    kernels and the constant parts of their arguments."""
+
+    __slots__ = ("sz", "R", "L", "Tmax", "P", "CW", "W", "SEG", "lay", "total", "box_words", "work_words", "cstride",
+                 "half", "plan", "rows", "N", "threads", "f_send", "send_head", "send_smem", "rank_warps", "err",
+                 "fused", "f_plan", "plan_mid", "plan_smem", "f_recv", "recv_mid", "recv_grid", "recv_smem",
+                 "full_segments", "counts_only")
+
+    # ep_prepare_plan's shared memory (its per-source, per-expert offsets) must fit this; larger R*L take
+    # ep_prepare_recv and the permutation plan's kernels
+    FUSED_SMEM = 40 * 1024
+
+    def __init__(self, g, T, K, dev, idx_dtype):
+        sz = g._sizes(T, K)
+        R, L, Tmax, P, A, me = sz["R"], sz["L"], sz["Tmax"], sz["P"], sz["A"], sz["rank"]
+        self.R, self.L, self.Tmax, self.P = R, L, Tmax, P
+        direct = g.transport == "direct"
+        self.CW, self.W = L + 2, 2 * K + 1
+        self.SEG = self.CW + P * self.W  # int32 words of one source's segment of a box
+        self.box_words = 0 if direct else R * self.SEG * (2 if R > 1 else 1)  # NCCL: inbox, outbox
+        self.cstride = np.int64(self.SEG)
+        # int32 words of one half of the direct transport's box (DirectTransport.prepare_box); 0 on NCCL
+        self.half = np.int64(R * self.SEG if direct else 0)
+        self.plan_smem = 4 * (2 * R + 1 + R * self.CW + 4 * L + 1)
+        self.fused = self.plan_smem <= self.FUSED_SMEM
+        cap = -1
+        self.plan = None
+        self.rows = self.N = self.recv_grid = None
+        if g.mode == "capacity":
+            cap = sz["capacity"]
+            permutation.check_plan_settings(L, A, cap, "index")
+            rows = R * P
+            if cap > rows * K:  # make_plan's own check of num_out_tokens
+                raise ValueError(f"num_out_tokens: must be <= T*K = {rows}*{K} = {rows * K} (the routed slots), "
+                                 f"got {cap}")
+            N = _perm_ref.num_rows(rows, K, L, A, cap)
+            _check_plan_rows(rows, K, N)
+            sz.update(rows=rows, N=N, num_out=cap)
+            self.lay, self.total = _handle.layout(R, L, Tmax, K, P, rows, N)
+            self.rows, self.N, self.recv_grid = rows, N, _prep_grid(self.fused, max(rows, N), dev)
+            self.work_words = self.box_words
+            if not self.fused:
+                self.plan = permutation.plan_config(rows, K, np.int32, L, A, N, cap, dev)
+                self.work_words += self.plan[0] - self.plan[1]
+        else:
+            permutation.check_plan_settings(L, A, None, "index")
+            self.lay, self.total = _handle.layout(R, L, Tmax, K, P, 0, 0)
+            self.work_words = self.box_words
+        self.work_words = max(self.work_words, 1)
+        self.sz = sz
+        self.threads = int(min(1024, max(32, -(-Tmax // 32) * 32)))
+        self.f_send = _jit.function(_FILE, f"ep_prepare_send<{_IDX[np.dtype(idx_dtype).name]}>")
+        # the warps that rank the slots, each with L ints of shared memory
+        room = max(48 * 1024, _jit.device_properties(dev).get("smem_per_block_optin", 0)) - 1024
+        self.rank_warps = np.int32(max(1, min(self.threads // 32, room // (4 * L))))
+        self.send_smem = 4 * L * int(self.rank_warps)
+        _jit.set_max_dynamic_shared(self.f_send, self.send_smem)
+        self.send_head = (np.int64(T), np.int32(Tmax), np.int32(K), np.int32(g.num_experts), np.int32(R),
+                          np.int32(me), np.int32(L), np.int32(P))
+        self.err = _errors.word(dev)
+        exact = np.int32(1 if g.mode == "exact" else 0)
+        self.f_plan = _jit.function(_FILE, "ep_prepare_plan")
+        self.plan_mid = (np.int32(R), np.int32(me), np.int32(P), np.int32(K), np.int32(L), np.int32(A), exact,
+                         np.int64(cap))
+        self.f_recv = _jit.function(_FILE, "ep_prepare_recv")
+        self.recv_smem = 4 * (2 * R + 1)
+        self.recv_mid = (np.int32(R), np.int32(me), np.int32(P), np.int32(K), np.int32(L), exact, np.int64(cap))
+        self.full_segments, self.counts_only = [self.SEG] * R, [self.CW] * R
+
+
+def _prep_grid(fused, n, dev):
+    """Blocks of 256 threads for prepare's received side over ``n`` items: ep_prepare_plan's blocks each derive
+    the offsets of every (source, local expert) first, so at most two per SM; ep_prepare_recv's as _grid."""
+    if not fused:
+        return _grid(n, dev)
+    return max(1, min(-(-n // 256), 2 * _jit.device_properties(dev)["sm_count"]))
+
+
+def _check_plan_rows(rows, K, N):
+    if N > _INT32_MAX or rows * K > _INT32_MAX:
+        raise ValueError(f"the plan needs {N} expert-major rows / {rows}x{K} slots; must stay below 2^31")
+
+
 def _check_bool(v, name):
     if not isinstance(v, (bool, np.bool_)):
         raise TypeError(f"{name}: expected a bool, got {type(v).__name__}")
@@ -909,7 +1027,7 @@ def _meta_host(h):
 def _fill_from_reference(h, d):
     """Write a reference plan (dict from moe_rt.reference.ep.prepare) into a CPU handle's regions."""
     sz = h.sizes
-    R, me, Tmax, K, P = sz["R"], sz["rank"], sz["Tmax"], sz["K"], sz["P"]
+    R, me, Tmax, P = sz["R"], sz["rank"], sz["Tmax"], sz["P"]
     meta = h.view("meta")
     sc = d["send_counts"]
     rc = d["recv_counts"]
@@ -934,11 +1052,11 @@ def _fill_from_reference(h, d):
     meta[meta_index("num_tokens", R)] = d["num_tokens"]
     meta[meta_index("recv_rows", R)] = int((d["recv_tok"] >= 0).sum())
     meta[meta_index("send_rows", R)] = sum(kept(int(sc[x])) for x in range(R) if x != me)
-    routing = h.view("routing").reshape(R, Tmax * K + 1)
+    routing = h.view("routing")
     routing[...] = -1
     idx = d["topk_idx"]
-    routing[me, :idx.size] = idx.reshape(-1)
-    routing[me, -1] = idx.shape[0]
+    routing[:idx.size] = idx.reshape(-1)
+    routing[-1] = idx.shape[0]
     send_tok = h.view("send_tok").reshape(R, P)
     send_tok[...] = -1
     send_pos = h.view("send_pos").reshape(R, Tmax)

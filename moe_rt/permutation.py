@@ -539,7 +539,7 @@ def _plan_cuda(call, r, is_map, T, K, E, A, N, num_out_tokens, apart=False):
             _plan_cfgs.clear()
         ic = "bool" if is_map else _IDX[idx.dtype.name]
         cfg = _plan_cfgs[key] = _plan_cfg(T, K, ic, E, A, N, num_out_tokens, dev)
-    total, n_out, n_part, spec, smem, f_count, f_scan, f_assign, count, scan, assign = cfg
+    total, n_out, spec = cfg[0], cfg[1], cfg[3]
     if call.serving or apart:
         # each plan array its own allocation (in a JAX callback: straight into its XLA output), the scratch
         # apart
@@ -555,6 +555,28 @@ def _plan_cuda(call, r, is_map, T, K, E, A, N, num_out_tokens, apart=False):
         p_partial = b + 4 * n_out
         views = _PlanViews()
         views._buf, views._spec = buf, spec
+    plan_kernels(cfg, idx, N, dst, src, seg, counts, tpe, p_partial, s)
+    return views
+
+
+def plan_config(T, K, idx_dtype, E, A, N, num_out_tokens, dev):
+    """The cached launch set-up of the plan kernels for these shapes (``idx_dtype``: int32 or int64). Its
+    first item is the scratch plus outputs in int32 words, its second the outputs' words: the scratch
+    :func:`plan_kernels` needs is the difference."""
+    key = (T, K, np.dtype(idx_dtype), E, A, num_out_tokens, dev)
+    cfg = _plan_cfgs.get(key)
+    if cfg is None:
+        if len(_plan_cfgs) > 512:
+            _plan_cfgs.clear()
+        cfg = _plan_cfgs[key] = _plan_cfg(T, K, _IDX[np.dtype(idx_dtype).name], E, A, N, num_out_tokens, dev)
+    return cfg
+
+
+def plan_kernels(cfg, idx, N, dst, src, seg, counts, tpe, p_partial, s):
+    """The three plan kernels of ``cfg`` on stream ``s``: routing ``idx`` -> the plan arrays at the given
+    device addresses (``src`` holds N rows); ``p_partial`` is int32 scratch of ``cfg[0] - cfg[1]`` words."""
+    E = cfg[3]["counts"][1][0]  # the spec's counts array holds E entries
+    n_part, smem, f_count, f_scan, f_assign, count, scan, assign = cfg[2], *cfg[4:]
     p_base = p_partial + 4 * n_part
     p_totals = p_base + 4 * n_part
     p_done = p_totals + 4 * E
@@ -562,7 +584,6 @@ def _plan_cuda(call, r, is_map, T, K, E, A, N, num_out_tokens, apart=False):
     _launch(f_count, count[0], count[1], (idx, *count[2], p_partial, src, N, p_done, count[3]), s, smem)
     _launch(f_scan, scan[0], scan[1], (p_partial, p_base, p_totals, *scan[2], counts, tpe, seg, p_done), s)
     _launch(f_assign, assign[0], assign[1], (idx, *assign[2], p_base, counts, seg, dst, src), s, smem)
-    return views
 
 
 # -- helpers ---------------------------------------------------------------------------------------------

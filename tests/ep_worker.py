@@ -103,6 +103,26 @@ def same(name, got, want):
         raise AssertionError(f"{name}: not bitwise equal")
 
 
+# The handle regions prepare (and dispatch) fill, compared with the CPU path's handle of the same plan
+# (recv_wk is left out: capacity mode leaves the weights of unused rows unspecified).
+PLAN_REGIONS = ("meta", "routing", "send_tok", "send_pos", "recv_tok", "recv_local", "dst_row", "src_slot",
+                "seg_start", "expert_counts", "tokens_per_expert")
+
+
+def same_handle(name, h, d):
+    """The CUDA handle ``h`` holds, region by region, what the CPU path writes for the reference plan ``d``
+    of this rank (moe_rt.reference.ep.prepare)."""
+    from moe_rt import _handle, ep
+
+    sz = h.sizes
+    lay, total = _handle.layout(sz["R"], sz["L"], sz["Tmax"], sz["K"], sz["P"], sz["rows"], sz["N"])
+    assert lay == h.layout and total == h.nbytes, (name, lay, h.layout)
+    want = _handle.Handle(np.zeros(total, np.uint8), lay, h.group_id, h.mode, sz)
+    ep._fill_from_reference(want, d)
+    for region in PLAN_REGIONS:
+        same(f"{name}: handle region {region}", h.view(region), want.view(region))
+
+
 def one_case(cp, comm, seed, E, K, H, Ts, Tmax, kind, mode, align, dtype, chunks=None):
     from moe_rt.ep import EpGroup
     from moe_rt.reference import ep as ref
@@ -120,8 +140,10 @@ def one_case(cp, comm, seed, E, K, H, Ts, Tmax, kind, mode, align, dtype, chunks
     g = EpGroup(comm, E, H, Tmax, mode=mode, align_size=align, timeout=60, **cfg(chunks[0]))
     assert g.transport == cfg(chunks[0])["transport"], (g.transport, chunks[0])
     h = g.prepare(cp.asarray(idx[RANK]))
-    rx, rw, tpe = g.dispatch(h, cp.asarray(x[RANK]), cp.asarray(w[RANK]))
     tag = f"[{kind} {mode} A={align} {np.dtype(dtype).name} H={H} T={Ts}]"
+    same_handle(f"prepare {tag}", h, hs[RANK])
+    rx, rw, tpe = g.dispatch(h, cp.asarray(x[RANK]), cp.asarray(w[RANK]))
+    same_handle(f"dispatch {tag}", h, hs[RANK])
     same(f"recv_x {tag}", rx, routs[RANK][0])
     same(f"recv_w {tag}", rw, routs[RANK][1])
     same(f"tokens_per_local_expert {tag}", tpe, routs[RANK][2])
@@ -158,6 +180,7 @@ def one_case(cp, comm, seed, E, K, H, Ts, Tmax, kind, mode, align, dtype, chunks
         g2 = EpGroup(comm, E, H, Tmax, mode=mode, align_size=align, timeout=60, **cfg(c))
         h2 = g2.prepare(cp.asarray(idx[RANK]))
         t2 = f"{tag} chunks={c} vs {chunks[0]}"
+        same_handle(f"prepare {t2}", h2, hs[RANK])
         rx2, rw2, tpe2 = g2.dispatch(h2, cp.asarray(x[RANK]), cp.asarray(w[RANK]))
         other = {"recv_x": rx2, "recv_w": rw2}
         same(f"tokens_per_local_expert {t2}", tpe2, tpe)
@@ -187,6 +210,10 @@ def correctness(cp, comm):
     # K > L, E = R
     one_case(cp, comm, 7, WORLD, 2, 64, (10, 12), 16, "uniform", "exact", 1, f32)
     one_case(cp, comm, 8, experts(8), 6, 64, (10, 12), 16, "holes", "capacity", 4, b16)
+    # many local experts: prepare's received side in ep_prepare_recv and the permutation plan's kernels
+    # (ep_prepare_plan's shared memory would not hold R*L offsets)
+    one_case(cp, comm, 9, WORLD * 4096, 3, 64, (10, 12), 16, "uniform", "capacity", 2, f32)
+    one_case(cp, comm, 10, WORLD * 4096, 2, 64, (9, 13), 16, "holes", "exact", 1, b16)
     # capacity overflow is flagged, never silent
     from moe_rt.ep import EpGroup
 
@@ -205,7 +232,7 @@ def correctness(cp, comm):
         assert int(tpe.get()[0]) == 10
     else:
         assert not h.overflow()
-    log(f"{n + 3} cases OK")
+    log(f"{n + 5} cases OK")
 
 
 def graph(cp, comm, chunks=None, replays=100, memory=True):
@@ -263,6 +290,8 @@ def graph(cp, comm, chunks=None, replays=100, memory=True):
                 same(f"graph {name} chunks={c} vs {chunks[0]} {i}", o[j], captured[j])
         hs = ref.prepare(idx, E, **kw)
         routs = ref.dispatch(hs, x, w)
+        for c, o in zip(chunks, outs):
+            same_handle(f"graph handle chunks={c} {i}", o[0], hs[RANK])
         _, rx, rw, tpe, out = captured[:5]
         same(f"graph recv_x {i}", rx, routs[RANK][0])
         same(f"graph recv_w {i}", rw, routs[RANK][1])

@@ -1059,3 +1059,209 @@ def test_multi_gpu_direct_lifecycle(n):
 def test_multi_gpu_direct_dead_peer_times_out(n):
     r = _run_worker("dead_peer_direct", n=n, timeout=120)
     assert r.returncode == 0 and "[rank 0] DEAD PEER OK" in r.stdout
+
+
+# -- prepare's launches on CUDA, traced on the CPU --------------------------------------------------------------
+
+class _Ptr:
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+
+class _Arr:
+    """A stand-in device array: an address and a size (prepare only takes pointers of its buffers)."""
+    _next = [1 << 20]
+
+    def __init__(self, n, dtype, ptr=None):
+        self.dtype, self.size = np.dtype(dtype), int(n)
+        if ptr is None:
+            ptr = _Arr._next[0]
+            _Arr._next[0] += (self.size * self.dtype.itemsize + 255) // 256 * 256 + 256
+        self.data = _Ptr(ptr)
+
+    def __getitem__(self, sl):
+        start = sl.start or 0
+        stop = self.size if sl.stop is None else sl.stop
+        return _Arr(stop - start, self.dtype, self.data.ptr + start * self.dtype.itemsize)
+
+    def __setitem__(self, sl, other):
+        _Trace.events.append(("copy", sl.stop - (sl.start or 0)))
+
+    def view(self, dtype):
+        return _Arr(self.size * self.dtype.itemsize // np.dtype(dtype).itemsize, dtype, self.data.ptr)
+
+
+class _Trace:
+    events = []
+
+    @staticmethod
+    def empty(n, dtype):
+        a = _Arr(n, dtype)
+        _Trace.events.append(("alloc", int(n), a.data.ptr))
+        return a
+
+
+class _Kernel:
+    def __init__(self, name):
+        self.name = self.kernel = name
+
+
+class _RecComm(_FakeComm):
+    def __init__(self, rank, size):
+        self.rank, self.size = rank, size
+
+    def all_gather(self, send, recv, count, dtype, stream):
+        _Trace.events.append(("all_gather", count, dtype))
+
+    def group_start(self):
+        _Trace.events.append(("group_start",))
+
+    def group_end(self):
+        _Trace.events.append(("group_end",))
+
+    def send(self, ptr, count, dtype, peer, stream):
+        _Trace.events.append(("send", peer, count, ptr))
+
+    def recv(self, ptr, count, dtype, peer, stream):
+        _Trace.events.append(("recv", peer, count, ptr))
+
+
+class _Box:
+    table, local = _Arr(2, np.int64), 1 << 40
+
+
+class _RecDirect:
+    state = _Arr(2, np.uint32)
+
+    def prepare_box(self, K, half, stream, wait):
+        return _Box
+
+    def barrier(self, stream, op):
+        _Trace.events.append(("ep_direct_barrier", op))
+
+    def failed_op(self):
+        return None
+
+
+def _kernel_params(file, name):
+    """Parameter count of kernel ``name`` in kernels/``file``."""
+    text = (ROOT / "kernels" / file).read_text()
+    m = re.search(rf"\b{name}\(([^)]*)\)\s*\{{", text)
+    assert m, name
+    return len([p for p in m.group(1).split(",") if p.strip()])
+
+
+@pytest.mark.parametrize("transport,R", [("nccl", 1), ("nccl", 3), ("direct", 3)])
+@pytest.mark.parametrize("mode", ["capacity", "exact"])
+@pytest.mark.parametrize("fused", [True, False])
+def test_prepare_launch_trace(monkeypatch, transport, R, mode, fused):
+    """The launches, collectives and allocations of prepare on CUDA, per transport and mode (drivers, kernels
+    and memory stood in for): no all-gather of the routing table, only counts and the sent rows; one kernel
+    for the received side (ep_prepare_plan) unless its shared memory would not fit (then ep_prepare_recv and
+    the permutation plan's kernels); each launch passes as many arguments as its kernel takes."""
+    from moe_rt import _arrays, _errors, _jit, permutation
+    from moe_rt import ep as ep_mod
+
+    _Trace.events = []
+
+    def launch_raw(fn, grid, block, args, smem, stream):
+        name = (fn if isinstance(fn, str) else fn.name).split("<")[0]  # permutation launches Kernel.kernel
+        _Trace.events.append((name, grid))
+        file = "ep.cu" if name.startswith("ep_") else "permutation.cu"
+        assert len(args) == _kernel_params(file, name), name
+
+    monkeypatch.setattr(_jit, "function", lambda file, name: _Kernel(name))
+    monkeypatch.setattr(_jit, "launch_raw", launch_raw)
+    monkeypatch.setattr(_jit, "set_max_dynamic_shared", lambda fn, n: None)
+    monkeypatch.setattr(_jit, "device_properties", lambda dev: {"sm_count": 4})
+    monkeypatch.setattr(_errors, "word", lambda dev: 64)
+    monkeypatch.setattr(_arrays, "contiguous", lambda xp, a: a)
+    monkeypatch.setattr(permutation, "_fns", {})
+    monkeypatch.setattr(permutation, "_plan_cfgs", {})
+    if not fused:
+        monkeypatch.setattr(ep_mod._PrepCfg, "FUSED_SMEM", 0)
+    E, K, Tmax, T, me = 4 * R, 2, 16, 11, R - 1
+    comm = None if R == 1 else _RecComm(me, R)
+    g = EpGroup(comm, E, 8, Tmax, mode=mode, transport="nccl")
+    if transport == "direct":
+        g.transport, g._transport = "direct", _RecDirect()
+    rows, slots = 7 * R, 9 * R
+    host = np.zeros(5 * R + 10, np.int32)
+    host[_handle.meta_index("recv_rows", R)] = rows
+    host[_handle.meta_index("total_slots", R)] = slots
+    host[_handle.meta_index("send_counts", R):][:R] = np.arange(R) + 3
+    host[_handle.meta_index("recv_counts", R):][:R] = np.arange(R) + 5
+    monkeypatch.setattr(g, "_read_meta", lambda meta, s, dev: (_Trace.events.append(("host read",)), host)[1])
+    call = type("Call", (), {"xp": _Trace, "stream": type("S", (), {"ptr": 9})(), "device_id": 0})()
+    idx = _Arr(T * K, np.int32)
+    for _ in range(2):  # the second call runs from the cached set-up
+        _Trace.events = []
+        h = g._prepare_cuda(call, idx, T, K)
+    names = [e[0] for e in _Trace.events if e[0] not in ("alloc", "copy")]
+    P, L = (Tmax if mode == "exact" else g.pair_capacity), E // R
+    CW, W = L + 2, 2 * K + 1
+    group = ["group_start"] + ["send", "recv"] * (R - 1) + ["group_end"] if transport == "nccl" and R > 1 else []
+    exchange = ["ep_direct_barrier"] if transport == "direct" else group
+    recv = ["ep_prepare_plan"] if fused else ["ep_prepare_recv", "plan_count", "plan_scan", "plan_assign"]
+    if mode == "capacity":
+        want = ["ep_prepare_send"] + exchange + recv
+    else:
+        want = ["ep_prepare_send"] + exchange + ["ep_plan_meta", "host read"] + group + recv
+    assert names == want
+    assert "all_gather" not in names  # nothing is all-gathered: every rank gets its own part only
+    sent = [e[2] for e in _Trace.events if e[0] == "send"]
+    got = [e[2] for e in _Trace.events if e[0] == "recv"]
+    peers = [p for p in range(R) if p != me]
+    if group and mode == "capacity":  # each destination's whole segment: counts, then P rows
+        assert sent == got == [CW + P * W] * (R - 1)
+    elif group:  # the counts, then the kept rows the host read gave
+        assert sent == [CW] * (R - 1) + [min(3 + p, P) * W for p in peers]
+        assert got == [CW] * (R - 1) + [min(5 + p, P) * W for p in peers]
+    allocs = [e for e in _Trace.events if e[0] == "alloc"]
+    if group:  # segment p of the outbox goes to peer p; peer p's arrives in segment p of the inbox
+        inbox = allocs[1][2]
+        outbox = inbox + 4 * R * (CW + P * W)
+        offs = [0] * (R - 1) + ([CW] * (R - 1) if mode == "exact" else [])
+        seg = CW + P * W
+        assert [e[3] for e in _Trace.events if e[0] == "send"] == [
+            outbox + 4 * (p * seg + o) for p, o in zip(peers * 2, offs)]
+        assert [e[3] for e in _Trace.events if e[0] == "recv"] == [
+            inbox + 4 * (p * seg + o) for p, o in zip(peers * 2, offs)]
+    # the handle and the scratch (exact: a second handle sized from the host read, and the plan's scratch)
+    assert len(allocs) == (2 if mode == "capacity" else 3 if fused else 4)
+    assert [e for e in _Trace.events if e[0] == "copy"] == ([] if mode == "capacity" else
+                                                            [("copy", h.layout["recv_local"][0])])
+    assert h.sizes["rows"] == (R * P if mode == "capacity" else rows)
+    assert h.layout["routing"][2] == Tmax * K + 1  # this rank's routing only
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode,align,pair", [("exact", 1, None), ("exact", 4, None), ("capacity", 1, None),
+                                             ("capacity", 8, 5), ("capacity", 1, 3)])
+@pytest.mark.parametrize("id_dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("E", [7, 3001])  # 3001 experts: ep_prepare_recv and the plan kernels (not fused)
+def test_one_gpu_prepare_matches_cpu_handle(rng, mode, align, pair, id_dtype, E):
+    """A 1-rank group on one GPU: prepare's handle holds, region by region, what the CPU path writes (poisoned
+    pool memory underneath), for odd sizes, T = 0 and T = Tmax, dropped pairs and slots; dispatch's rows match."""
+    import cupy as cp
+
+    K, H, Tmax = 3, 40, 13
+    kw = {} if mode == "exact" else {"pair_capacity": pair, "capacity": 8}
+    g_gpu = EpGroup(None, E, H, Tmax, mode=mode, align_size=align, **kw)
+    g_cpu = EpGroup(None, E, H, Tmax, mode=mode, align_size=align, **kw)
+    for T in (Tmax, 0, 9, 1):
+        idx = make_routing(rng, T, E, K, "holes").astype(id_dtype)
+        cp.cuda.Device().synchronize()
+        poison = cp.full(1 << 20, 0x5A, cp.uint8)  # freed into the pool: later allocations start dirty
+        del poison
+        h = g_gpu.prepare(cp.asarray(idx))
+        hc = g_cpu.prepare(idx)
+        assert h.layout == hc.layout and h.sizes == hc.sizes
+        for region in ("meta", "routing", "send_tok", "send_pos", "recv_tok", "recv_local", "dst_row", "src_slot",
+                       "seg_start", "expert_counts", "tokens_per_expert"):
+            assert np.array_equal(h.view(region).get(), hc.view(region)), (T, region)
+        x = rng.standard_normal((T, H)).astype(np.float32)
+        w = rng.random((T, K)).astype(np.float32)
+        rx, rw, tpe = g_gpu.dispatch(h, cp.asarray(x), cp.asarray(w))
+        crx, crw, ctpe = g_cpu.dispatch(hc, x, w)
+        assert np.array_equal(rx.get(), crx) and np.array_equal(rw.get(), crw) and np.array_equal(tpe.get(), ctpe)

@@ -18,8 +18,8 @@
  *
  *   region              type     count            contents
  *   meta                int32    5*R + 10         counts, offsets, flags (MOE_RT_EP_META_* below)
- *   routing             int32    R*(Tmax*K + 1)   all-gathered routing: rank r's [Tmax][K] expert ids
- *                                                 (-1 = none or out of range), then its T
+ *   routing             int32    Tmax*K + 1       this rank's routing: [Tmax][K] expert ids (-1 = none or
+ *                                                 out of range), then its T
  *   send_tok            int32    R*P              [dst][pos]: pos-th token this rank sends to dst (-1 unused)
  *   send_pos            int32    R*Tmax           [dst][t]: position of token t in dst's list, -1 = not sent
  *   recv_tok            int32    R*P              [src][pos]: src's token in received position pos
@@ -319,7 +319,7 @@ static inline uint64_t moe_rt_ep_handle_layout(moe_rt_ep_handle_desc* d) {
   const uint64_t Tmax = (uint64_t)d->max_tokens_per_rank, K = (uint64_t)d->topk;
   const uint64_t P = (uint64_t)d->pair_capacity, rows = (uint64_t)d->recv_rows, N = (uint64_t)d->num_rows;
   const uint64_t count[MOE_RT_EP_NUM_REGIONS] = {
-      5 * R + 10, R * (Tmax * K + 1), R * P, R * Tmax, R * P, rows * K,
+      5 * R + 10, Tmax * K + 1, R * P, R * Tmax, R * P, rows * K,
       rows * K,   rows * K,           N,     L + 1,    L,     L};
   uint64_t off = 0;
   for (int i = 0; i < MOE_RT_EP_NUM_REGIONS; ++i) {

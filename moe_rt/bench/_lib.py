@@ -110,6 +110,26 @@ def time_cuda(fn, *, iters: int = 50, warmup: int = 10, stream=None) -> float:
     return float(np.median(times))
 
 
+def time_host(fn, *, iters: int = 50, warmup: int = 10, stream=None) -> float:
+    """Median host time of ``fn()`` on the calling thread in microseconds (``time.perf_counter`` around the
+    call; the stream is synchronized between calls, outside the timed span, so queued work never backs up)."""
+    import time
+
+    import cupy
+
+    stream = stream or cupy.cuda.get_current_stream()
+    for _ in range(max(1, warmup)):
+        fn()
+    stream.synchronize()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+        stream.synchronize()
+    return float(np.median(times))
+
+
 def rotating(items):
     """A callable returning the next item of ``items`` round-robin (for rotating input sets)."""
     state = {"i": 0}

@@ -7,7 +7,8 @@
 
 Shapes: T in {512, 4096, 16384} tokens per rank, H=7168, bf16, E=256, K=8, uniform random top-k routing.
 For each mode (exact; capacity eager; capacity as one CUDA graph of prepare+dispatch+combine) it times
-prepare, then dispatch, combine and the round trip per transfer configuration (``--chunks``; default
+prepare (eager: CUDA-event time and, column host_us, the calling thread's median host time of the call;
+capacity+graph: "prepare (graph)", prepare alone captured in a graph, its device time), then dispatch, combine and the round trip per transfer configuration (``--chunks``; default
 s1 = serial in one part, o2 = overlapped in two parts, 2 = the EpGroup default: two parts, overlapped when
 the rank sends at least 64 MiB) of the NCCL transport and the direct peer-memory transport (chunks column
 "d"; ``--transport``: direct, nccl or both, the default), optionally the serial path's pieces alone
@@ -215,8 +216,9 @@ def _rank(args):
         return {"chunks": int(c.lstrip("so")), "overlap": {"s": False, "o": True}.get(c[:1]), "transport": "nccl"}
     iters, warm = args.iters, args.warmup
     table = benchlib.Table("EP dispatch/combine (moe_rt vs torch.distributed)",
-                           ["op", "mode", "chunks", "T", "ms", "wire_MB", "wire_GB/s", "torch_ms", "raw_a2a_ms",
-                            "ipc_ce_ms", "x_vs_torch", "x_vs_raw", "x_vs_ipc_ce"] + (["x_vs_bf16"] if args.fp8 else []))
+                           ["op", "mode", "chunks", "T", "ms", "host_us", "wire_MB", "wire_GB/s", "torch_ms",
+                            "raw_a2a_ms", "ipc_ce_ms", "x_vs_torch", "x_vs_raw", "x_vs_ipc_ce"]
+                           + (["x_vs_bf16"] if args.fp8 else []))
     table.meta.update(ranks=world, experts=E, topk=K, hidden=H, dtype="bfloat16")
     if rank == 0:
         table.header()
@@ -230,6 +232,10 @@ def _rank(args):
     def timed(fn):
         barrier()
         return benchlib.time_cuda(fn, iters=iters, warmup=warm)
+
+    def host_timed(fn):
+        barrier()
+        return benchlib.time_host(fn, iters=iters, warmup=warm)
 
     def serial_parts(T, x, w, idx, y, wire, wire_w, t_raw):
         """The serial path's pieces timed alone (exact mode): where dispatch and combine spend their time."""
@@ -257,7 +263,7 @@ def _rank(args):
                                                                               (back, None, sc, so))), wire, t_raw))
             out.append(("combine: owner sum", timed(lambda: nt._owner_sum(call, hp, z, 0, None, back, None, T,
                                                                           z.dtype, False)), 0, t_raw))
-        return [(op, "s1", ms, nb, None, raw, None) for op, ms, nb, raw in out]
+        return [(op, "s1", ms, nb, None, raw, None, None) for op, ms, nb, raw in out]
 
     def ipc_copy_engine(T, per_peer):
         """(c): every rank copies ``per_peer`` bf16 rows to each peer's IPC buffer (slot ``rank`` of T rows)
@@ -334,6 +340,24 @@ def _rank(args):
                 rows += serial_parts(T, x, w, idx, rx, wire, wire_w, t_raw)
             if mode == "capacity+graph":
                 xs, ws, ids = cp.from_dlpack(x), cp.from_dlpack(w), cp.from_dlpack(idx)  # DLPack: CAI has no bf16
+                seen = set()
+                for c, grp in zip(chunk_counts, grps):
+                    if grp.transport in seen:  # prepare is the same for every chunk configuration
+                        continue
+                    seen.add(grp.transport)
+                    # prepare alone captured in a graph: its device time, no host work
+                    stream = cp.cuda.Stream(non_blocking=True)
+                    pool = cp.cuda.MemoryPool()
+                    with cp.cuda.using_allocator(pool.malloc), stream:
+                        grp.prepare(ids)
+                        stream.synchronize()
+                        stream.begin_capture()
+                        grp.prepare(ids)
+                        graph = stream.end_capture()
+                    barrier()
+                    t_pg = benchlib.time_cuda(lambda: graph.launch(stream), iters=iters, warmup=warm, stream=stream)
+                    rows.append(("prepare (graph)", c, t_pg, 0, None, None, None, None))
+                    del graph, pool
                 for c, grp in zip(chunk_counts, grps):
                     stream = cp.cuda.Stream(non_blocking=True)
                     pool = cp.cuda.MemoryPool()
@@ -351,7 +375,7 @@ def _rank(args):
                     barrier()
                     t_rt = benchlib.time_cuda(lambda: graph.launch(stream), iters=iters, warmup=warm, stream=stream)
                     rows.append(("round trip (graph)", c, t_rt, 2 * (wire + wire_w), t_trt, 2 * t_raw,
-                                 2 * t_ce if t_ce else None))
+                                 2 * t_ce if t_ce else None, None))
                     del graph, pool
             else:
                 seen = set()
@@ -360,19 +384,19 @@ def _rank(args):
                         continue
                     seen.add(grp.transport)
                     t_prep = timed(lambda: grp.prepare(idx))
-                    rows.append(("prepare", c, t_prep, 0, None, None, None))
+                    rows.append(("prepare", c, t_prep, 0, None, None, None, host_timed(lambda: grp.prepare(idx))))
                 for op in ("dispatch", "combine", "round trip"):
                     for c, grp, h in zip(chunk_counts, grps, hs):
                         if op == "dispatch":
                             ms = timed(lambda: grp.dispatch(h, x, w))
-                            rows.append((op, c, ms, wire + wire_w, t_tdisp, t_raw, t_ce))
+                            rows.append((op, c, ms, wire + wire_w, t_tdisp, t_raw, t_ce, None))
                             if args.fp8:
                                 ms8 = timed(lambda: grp.dispatch(h, x, w, fp8=True))
-                                rows.append(("dispatch fp8", c, ms8, wire_fp8 + wire_w, t_tdisp, t_raw, t_ce,
+                                rows.append(("dispatch fp8", c, ms8, wire_fp8 + wire_w, t_tdisp, t_raw, t_ce, None,
                                              ms / ms8))
                         elif op == "combine":
                             ms = timed(lambda: grp.combine(h, y))
-                            rows.append((op, c, ms, wire, t_tcomb, t_raw, t_ce))
+                            rows.append((op, c, ms, wire, t_tcomb, t_raw, t_ce, None))
                         else:
                             def rt():
                                 hh = grp.prepare(idx)
@@ -380,10 +404,10 @@ def _rank(args):
                                 return grp.combine(hh, r)
 
                             rows.append((op, c, timed(rt), 2 * wire + wire_w, t_trt, 2 * t_raw,
-                                         2 * t_ce if t_ce else None))
+                                         2 * t_ce if t_ce else None, None))
             if rank == 0:
-                for op, c, ms, nbytes, tms, rawms, cems, *vs_bf16 in rows:
-                    table.add(op=op, mode=mode, chunks=c, T=T, ms=ms, wire_MB=nbytes / 1e6,
+                for op, c, ms, nbytes, tms, rawms, cems, hus, *vs_bf16 in rows:
+                    table.add(op=op, mode=mode, chunks=c, T=T, ms=ms, host_us=hus, wire_MB=nbytes / 1e6,
                               **{"wire_GB/s": (nbytes / (ms * 1e-3) / 1e9) if nbytes else None},
                               torch_ms=tms, raw_a2a_ms=rawms, ipc_ce_ms=cems,
                               x_vs_torch=(tms / ms) if tms else None, x_vs_raw=(ms / rawms) if rawms else None,
