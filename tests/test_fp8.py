@@ -318,10 +318,12 @@ def test_cpu_fp8_dispatch(rng, fp8):
 
 
 def _callbacks(jaxpr):
-    """Every buffer_callback equation in ``jaxpr`` and the jaxprs nested in its equations' parameters."""
+    """Every buffer_callback equation in ``jaxpr`` and the jaxprs nested in its equations' parameters, and
+    every op that lowers per platform (an XLA FFI custom call on CUDA, a buffer_callback elsewhere: its FP8
+    bytes are checked when the callback runs)."""
     found = []
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "buffer_callback":
+        if eqn.primitive.name in ("buffer_callback", "moe_rt_per_platform"):
             found.append(eqn)
         for v in eqn.params.values():
             for sub in (v if isinstance(v, (tuple, list)) else (v,)):
@@ -378,11 +380,12 @@ def test_jax_fp8_crosses_callbacks_as_uint8(rng, monkeypatch):
         jaxpr = jax.make_jaxpr(f)(*args).jaxpr
         cbs = _callbacks(jaxpr)
         assert cbs, name
-        for eqn in cbs:
+        callbacks = [eqn for eqn in cbs if eqn.primitive.name == "buffer_callback"]
+        for eqn in callbacks:
             dts = [np.dtype(v.aval.dtype) for v in eqn.invars] + [np.dtype(a.dtype) for a in eqn.params["result_avals"]]
             assert not any(d in (E4M3, E5M2) for d in dts), (name, dts)
-        text = str(jaxpr)
-        assert "bitcast_convert_type" in text, name
+        if callbacks:
+            assert "bitcast_convert_type" in str(jaxpr), name
         seen.clear()
         for run in (f, jax.jit(f)):
             out = run(*args)
