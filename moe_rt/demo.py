@@ -11,7 +11,8 @@ Frameworks: torch (autograd through :mod:`moe_rt.torch`), JAX (``jax.jit`` + ``j
 :mod:`moe_rt.jax`) and CuPy (no autograd: the forward and the backward written out with moe_rt's ops and
 their backward ops). ``--ep N`` runs the layer with expert parallelism over N GPUs (:mod:`moe_rt.demo_ep`),
 ``--ep-mode low_latency`` through a :class:`moe_rt.LowLatencyGroup` (torch and JAX, at most 1024 tokens per
-rank).
+rank), ``--fp8`` with the normal mode's dispatch sending FP8 rows (dequantized on arrival; the plain layer the
+ranks check against gets the same rounding of the experts' input).
 
 With a GPU the demo runs on it in bf16; without one it runs moe_rt's NumPy reference path (CPU tensors, or
 NumPy arrays for CuPy) at a small default size and says so.
@@ -573,6 +574,9 @@ def parser():
     p.add_argument("--ep-mode", choices=["normal", "low_latency"], default="normal",
                    help="with --ep: normal = an EpGroup (exact mode in torch, capacity mode in JAX); low_latency "
                         "= a LowLatencyGroup (fixed slots, no prepare, no host sync; --tokens <= 1024)")
+    p.add_argument("--fp8", action="store_true",
+                   help="with --ep N (normal mode): the dispatch sends FP8 rows (e4m3, one scale per 128 channels), "
+                        "dequantized on arrival; the plain layer it is checked against gets the same rounding")
     p.add_argument("--cpu", action="store_true", help="run the NumPy reference path even with a GPU")
     return p
 
@@ -600,6 +604,9 @@ def main(argv=None) -> int:
             p.error("--ep-mode low_latency runs the expert-parallel layer: give --ep N (N >= 2)")
         if cfg.tokens > MAX_TOKENS_PER_RANK:
             p.error(f"--ep-mode low_latency: --tokens (per rank) at most {MAX_TOKENS_PER_RANK}, got {cfg.tokens}")
+    if args.fp8 and (args.ep < 2 or args.ep_mode != "normal"):
+        p.error("--fp8 sends the normal expert-parallel mode's rows as FP8: give --ep N (N >= 2) and no "
+                "--ep-mode low_latency (the low-latency mode has no FP8 dispatch)")
     if args.ep > 1 and cfg.experts % args.ep:
         p.error(f"--experts {cfg.experts} must be a multiple of --ep {args.ep}")
     if args.ep > 1:
@@ -610,7 +617,7 @@ def main(argv=None) -> int:
             return 2
         from moe_rt import demo_ep
 
-        return demo_ep.run(cfg, args.framework, args.ep, args.ep_mode)
+        return demo_ep.run(cfg, args.framework, args.ep, args.ep_mode, args.fp8)
     where = "GPU (moe_rt CUDA kernels)" if gpu else "CPU: no GPU in use, running moe_rt's NumPy reference path"
     print(f"moe_rt demo: {args.framework}, {where}")
     print(f"layer: tokens={cfg.tokens} experts={cfg.experts} topk={cfg.topk} hidden={cfg.hidden} "

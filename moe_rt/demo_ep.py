@@ -48,9 +48,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(cfg, framework: str, n: int, ep_mode: str = "normal") -> int:
+def run(cfg, framework: str, n: int, ep_mode: str = "normal", fp8: bool = False) -> int:
     """Start ``n`` workers (one per GPU), wait for them, return 0 iff all passed. ``ep_mode``: "normal" (an
-    EpGroup: exact mode in torch, capacity mode in JAX) or "low_latency" (a LowLatencyGroup)."""
+    EpGroup: exact mode in torch, capacity mode in JAX) or "low_latency" (a LowLatencyGroup). ``fp8``: the
+    normal mode's dispatch sends FP8 rows (``ep_dispatch(..., fp8=True, dequantize=True)``)."""
     if framework not in ("torch", "jax"):
         print(f"demo --ep: framework {framework!r} has no expert-parallel layer; use torch or jax")
         return 2
@@ -73,7 +74,7 @@ def run(cfg, framework: str, n: int, ep_mode: str = "normal") -> int:
         args = [sys.executable, "-m", "moe_rt.demo_ep", "--framework", framework]
         for k in ("tokens", "experts", "topk", "hidden", "ffn", "steps", "seed"):
             args += [f"--{k}", str(getattr(cfg, k))]
-        args += ["--ep-mode", ep_mode]
+        args += ["--ep-mode", ep_mode] + (["--fp8"] if fp8 else [])
         procs.append(subprocess.Popen(args, env=env))
     codes = [None] * n
     while any(c is None for c in codes):
@@ -127,7 +128,16 @@ def _report(rank, n, cfg, framework, checks, times, dtype, mode):
 
 # ---- torch ----------------------------------------------------------------------------------------------
 
-def _torch_worker(cfg, rank, n, ep_mode="normal"):
+def _fp8_torch(t):
+    """Straight-through FP8 round trip of t's rows (e4m3, one scale per 128 channels: what an FP8 dispatch
+    delivers): the values of dequantize(quantize(t)), the gradient of the identity."""
+    import moe_rt
+
+    q = moe_rt.dequantize_fp8(*moe_rt.quantize_fp8(t.detach()), t.dtype)
+    return t + (q - t.detach())
+
+
+def _torch_worker(cfg, rank, n, ep_mode="normal", fp8=False):
     import torch
 
     import moe_rt
@@ -203,7 +213,7 @@ def _torch_worker(cfg, rank, n, ep_mode="normal"):
             mark("combine")
             return y, aux, backward_of(y, aux)
         h = mt.ep_prepare(group, idx.int())
-        rx, rw = mt.ep_dispatch(h, x, weights)
+        rx, rw = mt.ep_dispatch(h, x, weights, fp8=True, dequantize=True) if fp8 else mt.ep_dispatch(h, x, weights)
         mark("dispatch")
         bounds = [0] + np.cumsum(h.tokens_per_expert.tolist()).tolist()  # host copy of L counts
         yp = torch.cat([swiglu(rx[bounds[j]:bounds[j + 1]], w1[j], w3[j], w2[j]) for j in range(L)]
@@ -222,6 +232,7 @@ def _torch_worker(cfg, rank, n, ep_mode="normal"):
     def plain():
         p = [leaf(t) for t in (X, WR, W1, W3, W2)]
         Xp, WRp, W1p, W3p, W2p = p
+        Xe = _fp8_torch(Xp) if fp8 else Xp  # the experts' input: what the dispatch delivers
         logits = Xp.float() @ WRp.float()
         v, idx = logits.topk(K, dim=-1)
         wts = torch.softmax(v, -1)
@@ -229,7 +240,7 @@ def _torch_worker(cfg, rank, n, ep_mode="normal"):
         for e in range(E):
             tok, slot = (idx == e).nonzero(as_tuple=True)
             if tok.numel():
-                y.index_add_(0, tok, wts[tok, slot, None] * swiglu(Xp[tok], W1p[e], W3p[e], W2p[e]).float())
+                y.index_add_(0, tok, wts[tok, slot, None] * swiglu(Xe[tok], W1p[e], W3p[e], W2p[e]).float())
         y = y.to(dtype)
         auxes = [aux_of(logits[r * T:(r + 1) * T], T) for r in range(n)]
         loss = (y.float() * GY.float()).sum() + sum(auxes)
@@ -262,7 +273,7 @@ def _torch_worker(cfg, rank, n, ep_mode="normal"):
             _progress(i, cfg.steps, f"torch EP layer ({n} GPUs)")
     times = {k: float(np.median(v)) for k, v in samples.items()}
     ok = _report(rank, n, cfg, "torch", checks, times, str(dtype).replace("torch.", ""),
-                 "low-latency mode" if ll else "exact mode")
+                 "low-latency mode" if ll else "exact mode" + (", FP8 dispatch" if fp8 else ""))
     if ll:
         group.close()  # a collective: its IPC mappings go before the communicator
     if comm is not None:
@@ -272,7 +283,7 @@ def _torch_worker(cfg, rank, n, ep_mode="normal"):
 
 # ---- JAX ------------------------------------------------------------------------------------------------
 
-def _jax_worker(cfg, rank, n, ep_mode="normal"):
+def _jax_worker(cfg, rank, n, ep_mode="normal", fp8=False):
     import jax
 
     cpu = _cpu_dry_run(n)
@@ -312,6 +323,13 @@ def _jax_worker(cfg, rank, n, ep_mode="normal"):
         h = jax.nn.silu(jax.lax.ragged_dot(rows, w1, gs)) * jax.lax.ragged_dot(rows, w3, gs)
         return jax.lax.ragged_dot(h.astype(dtype), w2, gs).astype(dtype)
 
+    def fp8_rows(rows):
+        # straight-through FP8 round trip of each row (what an FP8 dispatch delivers; identity without --fp8)
+        if not fp8:
+            return rows
+        q = mj.dequantize_fp8(*mj.quantize_fp8(jax.lax.stop_gradient(rows)), rows.dtype)
+        return rows + jax.lax.stop_gradient(q - rows)
+
     def ll_experts(rows, w1, w3, w2):
         # each local expert's SwiGLU as one batched matmul over its fixed slots [N*T, H] (empty slots are
         # zero rows in JAX's recv_x)
@@ -334,13 +352,13 @@ def _jax_worker(cfg, rank, n, ep_mode="normal"):
             y = mj.ll_combine(h, ll_experts(rx, w1, w3, w2))
             return (y.astype(jnp.float32) * gy.astype(jnp.float32)).sum() + aux, (y, aux)
         h = mj.ep_prepare(group, idx)
-        rx, rw = mj.ep_dispatch(h, x, weights)
+        rx, rw = mj.ep_dispatch(h, x, weights, fp8=True, dequantize=True) if fp8 else mj.ep_dispatch(h, x, weights)
         y = mj.ep_combine(h, experts(rx, h.tokens_per_expert, w1, w3, w2), rw)
         return (y.astype(jnp.float32) * gy.astype(jnp.float32)).sum() + aux, (y, aux)
 
     def plain_loss(p):
         x, wr, w1, w3, w2 = p
-        y, logits = jax_plain_moe(x, wr, K, E, lambda rows, gs: experts(rows, gs, w1, w3, w2))
+        y, logits = jax_plain_moe(x, wr, K, E, lambda rows, gs: experts(fp8_rows(rows), gs, w1, w3, w2))
         auxes = jnp.stack([jax_plain_aux(logits[r * T:(r + 1) * T], K, E, cfg.aux_coeff) for r in range(n)])
         return (y.astype(jnp.float32) * GY.astype(jnp.float32)).sum() + auxes.sum(), (y, auxes)
 
@@ -376,7 +394,8 @@ def _jax_worker(cfg, rank, n, ep_mode="normal"):
     else:
         p_fn = jax.jit(lambda i: mj.ep_prepare(group, i))
         h = p_fn(idx)
-        d_fn = jax.jit(lambda h, x, w: mj.ep_dispatch(h, x, w))
+        d_fn = jax.jit(lambda h, x, w: mj.ep_dispatch(h, x, w, fp8=True, dequantize=True) if fp8
+                       else mj.ep_dispatch(h, x, w))
         rx, rw = d_fn(h, x, weights)
         e_fn = jax.jit(experts)
         yp = e_fn(rx, h.tokens_per_expert, w1, w3, w2)
@@ -386,7 +405,7 @@ def _jax_worker(cfg, rank, n, ep_mode="normal"):
                   "step": lambda: step(params)}
     times = jax_stage_times(stages, cfg.steps, f"jax EP layer ({n} GPUs)", show=rank == 0)
     ok = _report(rank, n, cfg, "jax", checks, times, jnp.dtype(dtype).name,
-                 "low-latency mode" if ll else "capacity mode")
+                 "low-latency mode" if ll else "capacity mode" + (", FP8 dispatch" if fp8 else ""))
     if ll:
         group.close()  # a collective: its IPC mappings go before the communicator
     if rank == 0:
@@ -406,12 +425,13 @@ def main(argv=None) -> int:
         ap.add_argument(f"--{k}", type=positive_int, required=True)
     ap.add_argument("--seed", type=int, required=True)
     ap.add_argument("--ep-mode", choices=EP_MODES, default="normal")
+    ap.add_argument("--fp8", action="store_true")
     a = ap.parse_args(argv)
     cfg = Config(tokens=a.tokens, experts=a.experts, topk=a.topk, hidden=a.hidden, ffn=a.ffn, steps=a.steps,
                  seed=a.seed)
     rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     worker = _torch_worker if a.framework == "torch" else _jax_worker
-    return 0 if worker(cfg, rank, n, a.ep_mode) else 1
+    return 0 if worker(cfg, rank, n, a.ep_mode, a.fp8) else 1
 
 
 if __name__ == "__main__":

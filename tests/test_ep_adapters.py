@@ -316,11 +316,13 @@ def test_jax_vmap_runs_each_element(rng):
 # -- 2 GPUs: the EP layer of the demo, checked against the plain single-GPU layer -------------------------------
 
 @pytest.mark.multi_gpu
-@pytest.mark.parametrize("ep_mode", ["normal", "low_latency"])
+@pytest.mark.parametrize("ep_mode", ["normal", "low_latency", "normal-fp8"])
 @pytest.mark.parametrize("framework", ["torch", "jax"])
 def test_ep_layer_two_gpus_matches_single_gpu(framework, ep_mode):
+    mode, _, fp8 = ep_mode.partition("-")
     cmd = [sys.executable, "-m", "moe_rt", "demo", "--framework", framework, "--ep", "2", "--tokens", "512",
-           "--experts", "16", "--topk", "4", "--hidden", "256", "--ffn", "128", "--steps", "3", "--ep-mode", ep_mode]
+           "--experts", "16", "--topk", "4", "--hidden", "256", "--ffn", "128", "--steps", "3", "--ep-mode", mode]
+    cmd += ["--fp8"] if fp8 else []
     env = dict(os.environ, MOE_RT_EP_TIMEOUT="60")
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
     print(r.stdout[-8000:])
@@ -331,16 +333,20 @@ def test_ep_layer_two_gpus_matches_single_gpu(framework, ep_mode):
     assert "FAIL" not in r.stdout
 
 
-@pytest.mark.parametrize("ep_mode", ["normal", "low_latency"])
+@pytest.mark.parametrize("ep_mode", ["normal", "low_latency", "normal-fp8"])
 @pytest.mark.parametrize("framework", ["torch", "jax"])
 def test_ep_layer_worker_cpu_dry_run(framework, ep_mode):
-    """The EP layer code of `demo --ep [--ep-mode low_latency]` on one CPU rank (1-rank group, reference path)
-    against the plain layer."""
+    """The EP layer code of `demo --ep [--ep-mode low_latency] [--fp8]` on one CPU rank (1-rank group,
+    reference path) against the plain layer (with --fp8: its experts' input rounded through FP8 alike, so
+    the fp32 tolerance holds; without that rounding the FP8 rows differ by about 3%)."""
+    mode, _, fp8 = ep_mode.partition("-")
     cmd = [sys.executable, "-m", "moe_rt.demo_ep", "--framework", framework, "--tokens", "40", "--experts", "8",
-           "--topk", "2", "--hidden", "16", "--ffn", "8", "--steps", "1", "--seed", "3", "--ep-mode", ep_mode]
+           "--topk", "2", "--hidden", "200", "--ffn", "8", "--steps", "1", "--seed", "3", "--ep-mode", mode]
+    cmd += ["--fp8"] if fp8 else []
     env = dict(os.environ, MOE_RT_DEMO_EP_CPU="1", RANK="0", WORLD_SIZE="1", JAX_PLATFORMS="cpu")
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     print(r.stdout[-4000:], r.stderr[-4000:])
     assert r.returncode == 0
     assert r.stdout.count(" ok") == 7 and "FAIL" not in r.stdout
     assert ("low-latency mode" in r.stdout) == (ep_mode == "low_latency")
+    assert ("FP8 dispatch" in r.stdout) == bool(fp8)

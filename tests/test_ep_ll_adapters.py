@@ -399,7 +399,8 @@ def test_demo_low_latency_flag_checks():
     from moe_rt import demo
 
     for argv, msg in ((["--ep-mode", "low_latency"], "--ep N"),
-                      (["--ep", "2", "--ep-mode", "low_latency", "--tokens", "1025"], "1024")):
+                      (["--ep", "2", "--ep-mode", "low_latency", "--tokens", "1025"], "1024"),
+                      (["--fp8"], "--fp8"), (["--ep", "2", "--ep-mode", "low_latency", "--fp8"], "no FP8 dispatch")):
         r = subprocess.run([sys.executable, "-m", "moe_rt", "demo", "--cpu"] + argv, capture_output=True,
                            text=True, timeout=120)
         assert r.returncode == 2 and msg in r.stderr + r.stdout, (argv, r.stdout, r.stderr)
