@@ -66,7 +66,7 @@ __all__ = ["LowLatencyGroup", "LowLatencyHandle", "MAX_TOKENS_PER_RANK"]
 
 MAX_TOKENS_PER_RANK = _ref.MAX_TOKENS_PER_RANK
 _FILE = "ep.cu"
-_THREADS = 512
+_THREADS = _ep_direct._THREADS  # the block of the transport's fused kernels (its _grid sizes waves of it)
 _IDX = {"int32": "int", "int64": "long long"}
 _names = []
 for _c in _jit.CTYPES.values():
@@ -408,12 +408,7 @@ class LowLatencyGroup:
     def _vec(self, *ptrs):
         return (self.hidden * self.dtype.itemsize) % 16 == 0 and all(p % 16 == 0 for p in ptrs)
 
-    def _grid(self, fn, call, work):
-        from moe_rt.permutation import _resident_ctas
-
-        return max(1, min(int(work), _resident_ctas(fn, _THREADS, call.device_id)))
-
-    def _launch_dispatch(self, call, xv, idx, wv, T, b, *, meta, scaled, out, zero_k, op, phases=None):
+    def _launch_dispatch(self, call, xv, idx, wv, T, b, *, meta, scaled, out, zero_k, op, phases=_PUSH | _RECEIVE):
         d, R, L, Tmax, K = self._transport, self.size, self.num_local_experts, self.max_tokens_per_rank, self.topk
         xptr = xv.data.ptr if T else 0
         vec = self._vec(xptr, self._buf.local)
@@ -423,8 +418,7 @@ class LowLatencyGroup:
         NC = -(-Tmax // C)
         ptr = lambda k: out[k].data.ptr if out is not None else 0  # noqa: E731
         tab = self._tables
-        phases = _PUSH | _RECEIVE if phases is None else phases
-        _jit.launch(fn, self._grid(fn, call, max(NC, L)), _THREADS,
+        _jit.launch(fn, self._transport._grid(fn, call, max(NC, L)), _THREADS,
                     (xptr, idx.data.ptr if T else 0, wv.data.ptr if T else 0, np.int32(T), np.int32(int(meta)),
                      np.int32(int(scaled)), tab[("recv", b)], tab[("route", b)], tab[("rw", b)],
                      d.flags.table, ptr("idx"), ptr("w"), ptr("route"), ptr("slot_k"), ptr("slot_w"), ptr("counts"),
@@ -444,7 +438,7 @@ class LowLatencyGroup:
         # owner items: (token, slice of _THREADS 16-byte vectors of its row)
         nv = self.hidden // (16 // self.dtype.itemsize) if vec else self.hidden
         slices = -(-nv // _THREADS) if out is not None else 1
-        _jit.launch(fn, self._grid(fn, call, max(NC * R, T * slices)), _THREADS,
+        _jit.launch(fn, self._transport._grid(fn, call, max(NC * R, T * slices)), _THREADS,
                     (y.data.ptr if y is not None else 0, gws.data.ptr if gws is not None else 0, a["route"],
                      a["idx"].data.ptr if T else 0, w.data.ptr if w is not None and T else 0,
                      self._tables[("back", b)], self._tables[("bw", b)], d.flags.table,
