@@ -679,15 +679,17 @@ def test_transports_share_one_interface():
 
 
 def test_transport_choice_from_the_probe(monkeypatch):
-    from moe_rt import _ep_direct
+    from moe_rt import _ep_direct, _ep_mixed
 
     monkeypatch.delenv("MOE_RT_EP_TRANSPORT", raising=False)
-    made, closed = [], []
+    monkeypatch.delenv("MOE_RT_EP_LOCAL_SIZE", raising=False)
+    made, closed, probed = [], [], []
 
     class FakeDirect:
-        def __init__(self, comm, device, pair_rows, timeout, wait, op_wait=None):
-            made.append((device, pair_rows, timeout))
+        def __init__(self, comm, device, pair_rows, timeout, wait, op_wait=None, node=None):
+            made.append((device, pair_rows, timeout, node))
             self.op_wait = op_wait
+            self.lo, self.hi = node
 
         def close(self):
             closed.append(1)
@@ -695,24 +697,45 @@ def test_transport_choice_from_the_probe(monkeypatch):
         def failed_op(self):
             return None
 
+    def probe(verdict):
+        def f(comm, device, wait, local_size):
+            probed.append(local_size)
+            return verdict
+        return f
+
     monkeypatch.setattr(_ep_direct, "DirectTransport", FakeDirect)
-    monkeypatch.setattr(_ep_direct, "probe_peers", lambda comm, device, wait: (False, "ranks 0 and 1 are on different nodes"))
+    monkeypatch.setattr(_ep_direct, "probe_nodes", probe((2, False, "rank 1's GPU cannot access rank 0's GPU")))
     assert EpGroup(_FakeComm(), 4, 4, 4).transport == "nccl"  # auto falls back
     assert EpGroup(_FakeComm(), 4, 4, 4, transport="auto").transport == "nccl"
+    with pytest.raises(ValueError, match="cannot access"):
+        EpGroup(_FakeComm(), 4, 4, 4, transport="direct")
+    assert not made and probed == [None] * 3
+    # two hosts of one rank each: auto picks the mixed path, direct refuses
+    monkeypatch.setattr(_ep_direct, "probe_nodes", probe((1, True, "")))
     with pytest.raises(ValueError, match="different nodes"):
         EpGroup(_FakeComm(), 4, 4, 4, transport="direct")
-    assert not made
-    monkeypatch.setattr(_ep_direct, "probe_peers", lambda comm, device, wait: (True, ""))
+    g1 = EpGroup(_FakeComm(), 4, 4, 4)
+    assert g1.transport == "mixed" and g1.local_size == 1 and "local_size=1" in repr(g1)
+    assert isinstance(g1._transport, _ep_mixed.MixedTransport) and made[-1][3] == (0, 1)
+    assert (g1._transport.lo, g1._transport.hi) == (0, 1) and g1._transport.nccl.chunks == g1.chunks
+    # one node: direct, over every rank
+    monkeypatch.setattr(_ep_direct, "probe_nodes", probe((2, True, "")))
     g = EpGroup(_FakeComm(), 4, 4, 8, transport="auto", timeout=7)
-    assert g.transport == "direct" and "transport='direct'" in repr(g)
-    assert made == [(0, 8, 7.0)]  # exact mode: pair rows = max_tokens_per_rank
+    assert g.transport == "direct" and "transport='direct'" in repr(g) and g.local_size == 2
+    assert made[-1] == (0, 8, 7.0, (0, 2))  # exact mode: pair rows = max_tokens_per_rank
     g2 = EpGroup(_FakeComm(), 4, 4, 8, mode="capacity", pair_capacity=3, transport="direct")
     assert g2.transport == "direct" and made[-1][1] == 3
     assert isinstance(g2._transport, FakeDirect)  # the NCCL path (and its overlap) never runs on it
     assert g2._transport.op_wait is not None
+    n_made = len(made)
+    with pytest.raises(ValueError, match="local_size=1 makes 2 nodes"):  # refused before any probe
+        EpGroup(_FakeComm(), 4, 4, 8, transport="direct", local_size=1)
+    assert len(made) == n_made and probed[-1] is None
     g.close()
     g.close()
     assert closed == [1]
+    g1.close()
+    assert closed == [1, 1]  # the mixed transport closes its direct part
     with pytest.raises(ValueError, match="closed"):
         g.synchronize()
 
