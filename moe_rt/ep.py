@@ -59,9 +59,17 @@ The transports give bitwise equal results:
   ranks in ep_owner_sum's order and rounding as their chunks land. Epochs advance on the device, so
   CUDA-graph replays stay valid; ``chunks`` and ``overlap`` do not apply.
 
-``"auto"`` (the default) probes at group creation (host identity, PCI bus ids and peer access,
-all-gathered: a collective) and picks direct when every pair of ranks is on one node with peer access, else
-nccl; ``"direct"`` raises ValueError at creation otherwise. The direct transport makes its receive stage
+- ``"mixed"`` (:mod:`moe_rt._ep_mixed`; picked by ``"auto"``, never named): a group spanning several nodes
+  (``local_size``: ranks ``[n*local_size, (n+1)*local_size)`` form node n) moves rows to the ranks of its
+  node through the direct transport (its barrier and fused kernels restricted to the node) and to the other
+  nodes through NCCL, within the same op and into the same receive layout; the NCCL pass runs after the
+  direct kernel (dispatch direction) or before it (combine direction), on the caller's stream.
+
+``"auto"`` (the default) probes at group creation (host identity, PCI bus ids and peer access within each
+node, all-gathered: a collective; ``local_size=None``, the default, or ``MOE_RT_EP_LOCAL_SIZE``, derives the
+nodes from the hosts) and picks direct when the group is one node with peer access everywhere, mixed when it
+spans several nodes with peer access within each, else nccl; ``"direct"`` raises ValueError at creation
+otherwise. The direct transport makes its receive stage
 for a row size on the first op that needs it (a collective with a host sync): run each op kind once before
 CUDA-graph capture. ``close()`` the group on every rank. Row kernels that the group and both transports
 share (zero rows, lay out and scale weights) live in :mod:`moe_rt._ep_rows`.

@@ -6,7 +6,9 @@
 # Environment: RANKS (default "4 2"; "2" on a 2-GPU machine), LL=1 (low-latency tests and bench at T=128),
 # TESTS (pytest -k expression for tests/test_ep.py's multi-GPU tests, default every one; none: skip them),
 # EXTRA_TESTS (more pytest arguments, run with -m "gpu or multi_gpu" after), FP8=1 (bench_ep --fp8: FP8 dispatch
-# rows beside bf16), DEMO_EP=1 (the torch EP demo on an empty kernel cache first, timed).
+# rows beside bf16), DEMO_EP=1 (the torch EP demo on an empty kernel cache first, timed), CHUNKS (bench_ep's --chunks,
+# default 2; e.g. 2,m1,m2: the mixed groups of nodes of 1 and 2 ranks beside it; an m<n> that does not divide a
+# rank count in RANKS is dropped for that count).
 set -u
 OUT=${1:?usage: tools/ep_iter.sh OUTDIR [TOKENS]}
 TOK=${2:-4096,16384}
@@ -32,7 +34,8 @@ if [ -n "${EXTRA_TESTS:-}" ]; then
   grep -E "^FAILED|^ERROR" "$OUT/extra_tests.log" | head -30; tail -2 "$OUT/extra_tests.log"
 fi
 for n in $RANKS; do
-  step bench_ep$n 240 env MOE_RT_BENCH_EP_NPROC=$n python3 tools/bench_ep.py --tokens "$TOK" --chunks 2 ${FP8:+--fp8} --json "$OUT/bench_ep$n.json"
+  CH=$(echo "${CHUNKS:-2}" | tr ',' '\n' | awk -v n=$n '!/^m/ || (n % substr($0, 2) == 0)' | paste -sd, -)
+  step bench_ep$n 240 env MOE_RT_BENCH_EP_NPROC=$n python3 tools/bench_ep.py --tokens "$TOK" --chunks "$CH" ${FP8:+--fp8} --json "$OUT/bench_ep$n.json"
   grep -E "Error|Traceback" "$OUT/bench_ep$n.log" | head -5; tail -24 "$OUT/bench_ep$n.log"
   if [ -n "${LL:-}" ]; then
     step bench_ll$n 200 env MOE_RT_BENCH_EP_NPROC=$n python3 tools/bench_ep.py --mode low_latency --tokens 128 \
