@@ -663,11 +663,15 @@ def test_transports_share_one_interface():
     # EpGroup calls only these on its transport: a transport is one class with the same signatures
     import inspect
 
-    from moe_rt import _ep_direct, _ep_nccl
+    from moe_rt import _ep_direct, _ep_mixed, _ep_nccl
 
     for name in ("forward", "reduce", "failed_op", "close"):
-        sigs = [inspect.signature(getattr(cls, name)) for cls in (_ep_nccl.NcclTransport, _ep_direct.DirectTransport)]
-        assert sigs[0] == sigs[1], (name, sigs)
+        sigs = [inspect.signature(getattr(cls, name)) for cls in (_ep_nccl.NcclTransport, _ep_direct.DirectTransport,
+                                                                  _ep_mixed.MixedTransport)]
+        assert sigs[0] == sigs[1] == sigs[2], (name, sigs)
+    # prepare's NCCL exchange of segments: the mixed transport offers the NCCL transport's
+    assert inspect.signature(_ep_mixed.MixedTransport.exchange_box) == inspect.signature(
+        _ep_nccl.NcclTransport.exchange_box)
     g = EpGroup(_FakeComm(), 4, 4, 8, transport="nccl", chunks=3, overlap=False)
     t = g._transport
     assert isinstance(t, _ep_nccl.NcclTransport) and (t.chunks, t.overlap, t.hidden) == (3, False, 4)
@@ -1198,7 +1202,7 @@ def _kernel_params(file, name):
     return len([p for p in m.group(1).split(",") if p.strip()])
 
 
-@pytest.mark.parametrize("transport,R", [("nccl", 1), ("nccl", 3), ("direct", 3)])
+@pytest.mark.parametrize("transport,R", [("nccl", 1), ("nccl", 3), ("direct", 3), ("mixed", 3)])
 @pytest.mark.parametrize("mode", ["capacity", "exact"])
 @pytest.mark.parametrize("fused", [True, False])
 def test_prepare_launch_trace(monkeypatch, transport, R, mode, fused):
@@ -1232,6 +1236,11 @@ def test_prepare_launch_trace(monkeypatch, transport, R, mode, fused):
     g = EpGroup(comm, E, 8, Tmax, mode=mode, transport="nccl")
     if transport == "direct":
         g.transport, g._transport = "direct", _RecDirect()
+    if transport == "mixed":  # prepare's segments through NCCL with every peer, as on the NCCL transport
+        from moe_rt import _ep_mixed
+
+        node = type("D", (), {"lo": me - 1, "hi": me + 1})()
+        g.transport, g._transport = "mixed", _ep_mixed.MixedTransport(node, g._transport)
     rows, slots = 7 * R, 9 * R
     host = np.zeros(5 * R + 10, np.int32)
     host[_handle.meta_index("recv_rows", R)] = rows
@@ -1247,7 +1256,7 @@ def test_prepare_launch_trace(monkeypatch, transport, R, mode, fused):
     names = [e[0] for e in _Trace.events if e[0] not in ("alloc", "copy")]
     P, L = (Tmax if mode == "exact" else g.pair_capacity), E // R
     CW, W = L + 2, 2 * K + 1
-    group = ["group_start"] + ["send", "recv"] * (R - 1) + ["group_end"] if transport == "nccl" and R > 1 else []
+    group = ["group_start"] + ["send", "recv"] * (R - 1) + ["group_end"] if transport != "direct" and R > 1 else []
     exchange = ["ep_direct_barrier"] if transport == "direct" else group
     recv = ["ep_prepare_plan"] if fused else ["ep_prepare_recv", "plan_count", "plan_scan", "plan_assign"]
     if mode == "capacity":
