@@ -398,8 +398,8 @@ def dead_peer(cp, comm, direct=False, local_size=None):
         dt = time.monotonic() - t0
         log(f"got {type(e).__name__} after {dt:.1f} s: {e}")
         assert dt < (2 * timeout + 5 if direct else 60), dt
-        node_peer = not mixed or RANK // local_size == 1 // local_size
-        assert not direct or not node_peer or "dispatch" in str(e), e
+        node_peer = not mixed or RANK // local_size == 1 // local_size  # its waits on rank 1 are the barrier's
+        assert not direct or not node_peer or "dispatch" in str(e) or (mixed and isinstance(e, NcclError)), e
         if mixed:  # NCCL work with the skipping rank may still be queued: no teardown
             log("DEAD PEER OK")
             os._exit(0)
