@@ -1049,16 +1049,19 @@ def test_multi_gpu_dead_peer_times_out():
 
 
 # The direct peer-memory transport (moe_rt/_ep_direct.py) against the NCCL one, at every R up to the GPU
-# count (small shapes: a few seconds each).
+# count (small shapes: a few seconds each), and the mixed group (transport="auto", local_size=n: peer memory
+# within nodes of n ranks, NCCL between them; moe_rt/_ep_mixed.py) at n in {1, R/2, R}.
 
 @pytest.mark.multi_gpu
 @pytest.mark.parametrize("n", [2, 4])
-@pytest.mark.parametrize("what", ["transports", "graph_transports"])
+@pytest.mark.parametrize("what", ["transports", "graph_transports", "mixed", "graph_mixed"])
 def test_multi_gpu_transports(what, n):
     # transports: direct against the NumPy reference, NCCL (serial and overlapped) bitwise against direct:
     # dispatch, combine, dispatch_bwd, combine_bwd in exact and capacity modes; graph_transports: capacity
-    # mode captured in a CUDA graph per transport, replayed with new routing, bitwise across transports
-    r = _run_worker(what, n=n, timeout=180)
+    # mode captured in a CUDA graph per transport, replayed with new routing, bitwise across transports;
+    # mixed / graph_mixed: the same per node size (and an FP8 dispatch with torch), against the reference and
+    # bitwise against direct and NCCL
+    r = _run_worker(what, n=n, timeout=300 if "mixed" in what else 180)
     assert r.returncode == 0 and "[rank 0] ALL OK" in r.stdout
 
 
@@ -1083,32 +1086,11 @@ def test_multi_gpu_direct_lifecycle(n):
 
 @pytest.mark.multi_gpu
 @pytest.mark.parametrize("n", [2, 4])
-def test_multi_gpu_direct_dead_peer_times_out(n):
-    r = _run_worker("dead_peer_direct", n=n, timeout=120)
-    assert r.returncode == 0 and "[rank 0] DEAD PEER OK" in r.stdout
-
-
-# The mixed group (transport="auto", local_size=n: peer memory within nodes of n ranks, NCCL between them) at
-# n in {1, R/2, R}: against the reference and bitwise against the direct and NCCL transports, graph capture and
-# replay with new routing, a dead peer reported within the timeout.
-
-@pytest.mark.multi_gpu
-@pytest.mark.parametrize("n", [2, 4])
-@pytest.mark.parametrize("what", ["mixed", "graph_mixed"])
-def test_multi_gpu_mixed(what, n):
-    # mixed: every op in exact and capacity modes (and an FP8 dispatch with torch) per node size against the
-    # reference, bitwise against direct and NCCL; graph_mixed: capacity mode captured per node size and
-    # transport, replayed with new routing, bitwise across them and against the reference
-    r = _run_worker(what, n=n, timeout=300)
-    assert r.returncode == 0 and "[rank 0] ALL OK" in r.stdout
-
-
-@pytest.mark.multi_gpu
-@pytest.mark.parametrize("n", [2, 4])
-def test_multi_gpu_mixed_dead_peer_times_out(n):
-    # nodes of R/2 ranks (1 at R = 2): rank 1 skips a dispatch; rank 0 (its node peer at R = 4: the direct
-    # barrier's error naming the op; at R = 2 its NCCL exchange) and every other rank raise within the timeout
-    r = _run_worker("dead_peer_mixed", n=n, timeout=120)
+@pytest.mark.parametrize("what", ["dead_peer_direct", "dead_peer_mixed"])
+def test_multi_gpu_direct_dead_peer_times_out(what, n):
+    # dead_peer_mixed: nodes of R/2 ranks (1 at R = 2); rank 1 skips a dispatch: its node peers see the direct
+    # barrier's error naming the op, the other nodes' ranks their NCCL exchange time out
+    r = _run_worker(what, n=n, timeout=120)
     assert r.returncode == 0 and "[rank 0] DEAD PEER OK" in r.stdout
 
 
