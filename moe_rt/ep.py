@@ -236,8 +236,9 @@ class EpGroup:
             peer memory within a node and NCCL between nodes (:mod:`moe_rt._ep_mixed`) when every pair of
             ranks within a node has peer access, else nccl; ``"direct"`` with nodes > 1 is a ValueError.
         local_size: ranks per node: ranks ``[n*local_size, (n+1)*local_size)`` form node ``n`` (an int that
-            divides R; default ``MOE_RT_EP_LOCAL_SIZE``, else derived at creation from the ranks' hosts: the
-            ranks that share a host; ``group.local_size``, None when not probed (``transport="nccl"``)).
+            divides R; default ``MOE_RT_EP_LOCAL_SIZE`` (ignored by a 1-rank group), else derived at creation
+            from the ranks' hosts: the ranks that share a host; ``group.local_size``, None when not probed
+            (``transport="nccl"``)).
             ``local_size=1`` makes every peer remote (all NCCL through the mixed path), ``local_size=R`` one
             node (the direct transport): on one machine it simulates several nodes. The same on every rank.
     """
@@ -295,6 +296,8 @@ class EpGroup:
             raise ValueError(f"transport: expected 'auto', 'direct' or 'nccl', got {transport!r}")
         if local_size is None:
             local_size = _env_local_size()
+            if R == 1:  # a setting for the multi-rank groups of the process: a 1-rank group is one node
+                local_size = None
         elif isinstance(local_size, (bool, np.bool_)) or not isinstance(local_size, (int, np.integer)):
             raise TypeError(f"local_size: expected an int (ranks per node) or None, got {type(local_size).__name__}")
         if local_size is not None:

@@ -1330,6 +1330,7 @@ def test_local_size_keyword_env_and_errors(monkeypatch):
         EpGroup(fake4(), 8, 4, 4, transport="direct", local_size=2)
     monkeypatch.setenv("MOE_RT_EP_LOCAL_SIZE", "2")
     assert EpGroup(fake4(), 8, 4, 4, transport="nccl").local_size == 2
+    assert EpGroup(None, 4, 4, 4).local_size == 1  # the variable is for multi-rank groups
     with pytest.raises(ValueError, match="local_size=2 makes 2 nodes"):
         EpGroup(fake4(), 8, 4, 4, transport="direct")
     assert EpGroup(fake4(), 8, 4, 4, transport="nccl", local_size=4).local_size == 4  # the keyword wins
