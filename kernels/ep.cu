@@ -418,16 +418,17 @@ extern "C" __global__ void ep_prepare_plan(int* __restrict__ meta, const int* __
 // buffer (dst != me, at send_off[dst] + pos) or straight into the receive buffer (dst == me, at
 // recv_off[me] + pos: the own share never goes through NCCL). U is the copy unit (16..1 bytes);
 // `units` units per row. Optional fp32 [T,K] weights travel the same way into [rows,K] buffers.
-// sel: 0 = every destination (grid.y = R); 1 = the remote destinations only (grid.y = R, the own row of
-// blocks returns); 2 = the own share only (grid.y = 1); 3 = the own share's weights only (its rows are
-// expanded straight from x by ep_expand_rows).
+// sel: 0 = every destination (grid.y = R); 1 = the destinations outside this rank's node [node_lo, node_hi)
+// only (grid.y = R; the NCCL transport's node is [me, me + 1): every remote destination; the mixed transport's
+// node peers get their rows through peer memory); 2 = the own share only (grid.y = 1); 3 = the own share's
+// weights only (its rows are expanded straight from x by ep_expand_rows).
 template <typename U>
 __global__ void ep_pack_rows(const U* __restrict__ x, U* __restrict__ send_buf, U* __restrict__ recv_buf,
                              const float* __restrict__ w, float* __restrict__ send_w, float* __restrict__ recv_w,
                              const int* __restrict__ send_tok, const int* __restrict__ meta, int R, int me, int P,
-                             int K, i64 units, int sel) {
+                             int K, i64 units, int sel, int node_lo, int node_hi) {
   const int dst = sel >= 2 ? me : (int)blockIdx.y;
-  if (sel == 1 && dst == me) return;
+  if (sel == 1 && (dst == me || (dst >= node_lo && dst < node_hi))) return;
   int count = meta[META_SEND_COUNTS(R) + dst];
   count = count < P ? count : P;
   const bool own = dst == me;
@@ -675,15 +676,17 @@ __device__ __forceinline__ unsigned long long global_timer_ns() {
 }
 
 // One block. Every rank's barrier region (peer_bar[r]) holds uint32 slots [R]: slot s = the last epoch
-// rank s reached. Advances the epoch to e, stores e into every rank's slot[me] (a system-scope release
-// after a system fence: this rank's earlier writes, to its own or peers' memory, are visible first), then
-// waits until its own slots all reach e (acquire loads). After timeout_ns (%globaltimer) it gives up:
+// rank s reached. Advances the epoch to e, stores e into the slot[me] of every rank of this rank's node
+// [lo, hi) (a system-scope release after a system fence: this rank's earlier writes, to its own or peers'
+// memory, are visible first), then waits until its own slots of the node's ranks all reach e (acquire
+// loads). The direct transport's node is every rank ([0, R)); the mixed transport's the ranks it reaches
+// through peer memory (peer_bar holds no address for the others). After timeout_ns (%globaltimer) it gives up:
 // writes `op` to the host-mapped error word, raises the sticky failure flag and returns (never hangs).
 // Epochs compare with wrap-around (a signed difference).
 #if MOE_RT_WANTS(ep_direct_barrier)
 extern "C" __global__ void ep_direct_barrier(const long long* __restrict__ peer_bar, int R, int me,
                                              unsigned* __restrict__ state, i64 timeout_ns,
-                                             int* __restrict__ err_word, int op) {
+                                             int* __restrict__ err_word, int op, int lo, int hi) {
   __shared__ unsigned s_epoch;
   __shared__ int s_skip;
   __shared__ int s_timeout;
@@ -696,12 +699,12 @@ extern "C" __global__ void ep_direct_barrier(const long long* __restrict__ peer_
   if (s_skip) return;  // uniform: an earlier barrier failed
   const unsigned e = s_epoch;
   __threadfence_system();
-  for (int r = threadIdx.x; r < R; r += blockDim.x) {
+  for (int r = lo + threadIdx.x; r < hi; r += blockDim.x) {
     st_release_sys_u32(reinterpret_cast<unsigned*>(peer_bar[r]) + me, e);
   }
   const unsigned* mine = reinterpret_cast<const unsigned*>(peer_bar[me]);
   const unsigned long long t0 = global_timer_ns();
-  for (int r = threadIdx.x; r < R; r += blockDim.x) {
+  for (int r = lo + threadIdx.x; r < hi; r += blockDim.x) {
     while ((int)(ld_acquire_sys_u32(mine + r) - e) < 0) {
       if (global_timer_ns() - t0 > (unsigned long long)timeout_ns) {
         atomicExch(&s_timeout, 1);
@@ -880,27 +883,31 @@ __device__ __forceinline__ void warp_expand_row(const U* __restrict__ src, U* __
 // with r = recv_off[s] + j the row's place in the handle's received-row layout. out == nullptr: the own rows
 // are copied into the own stage and the other chunks only waited for (the caller reads the stage). A block alternates: one push item,
 // then one expand item if it is ready; once its pushes are done it waits for its remaining expand items.
-// One warp per row; blockDim.x a multiple of 32.
+// One warp per row; blockDim.x a multiple of 32. Only the ranks of this rank's node [lo, hi) are pushed to
+// and expanded from (the direct transport: [0, R); the mixed transport moves the other pairs through NCCL
+// into the same expert-major rows).
 template <typename U, int UNROLL>
 __global__ void __launch_bounds__(512) ep_direct_dispatch(
     const U* __restrict__ x, const float* __restrict__ w, const long long* __restrict__ peer_rows,
     const long long* __restrict__ peer_w, const long long* __restrict__ peer_flags,
     const int* __restrict__ send_tok, const int* __restrict__ meta, const int* __restrict__ dst_row,
     U* __restrict__ out, unsigned* __restrict__ state, int* __restrict__ err_word, i64 timeout_ns, int op,
-    int R, int me, int P, int K, int C, i64 units) {
+    int R, int me, int P, int K, int C, i64 units, int lo, int hi) {
   unsigned e;
   if (!block_epoch(state, e)) return;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
   const int* send_counts = meta + META_SEND_COUNTS(R);
   const int* recv_counts = meta + META_RECV_COUNTS(R);
   const int* recv_off = meta + META_RECV_OFF(R);
-  int smax = 0, rmax = 0;  // the longest remote pair out and in (rows kept)
-  for (int r = 0; r < R; ++r) {
+  int smax = 0, rmax = 0;  // the longest pair with another rank of the node, out and in (rows kept)
+  for (int r = lo; r < hi; ++r) {
     if (r == me) continue;
     smax = max(smax, min(send_counts[r], P));
     rmax = max(rmax, min(recv_counts[r], P));
   }
-  const int Rm = R - 1;
+  const int Rm = hi - lo - 1;  // the node's other ranks
+  const int Rd = Rm > 0 ? Rm : 1;  // a divisor (with Rm = 0 there are no push or remote expand items)
+  auto peer = [&](int i) { const int d = lo + i; return d < me ? d : d + 1; };  // the node's i-th other rank
   const int own = min(send_counts[me], P);
   const int n_push = (smax + C - 1) / C * Rm;
   const int n_own = (own + C - 1) / C;
@@ -910,12 +917,12 @@ __global__ void __launch_bounds__(512) ep_direct_dispatch(
   float* own_w = w != nullptr ? reinterpret_cast<float*>(peer_w[me]) : nullptr;
 
   auto push = [&](int item) {
-    const int c = item / Rm, di = item - c * Rm, d = di < me ? di : di + 1;
-    const int kept = min(send_counts[d], P), lo = c * C, hi = min(lo + C, kept);
-    if (lo >= hi) return;
+    const int c = item / Rd, d = peer(item - c * Rd);
+    const int kept = min(send_counts[d], P), j0 = c * C, j1 = min(j0 + C, kept);
+    if (j0 >= j1) return;
     U* dst = reinterpret_cast<U*>(peer_rows[d]);
     float* dw = w != nullptr ? reinterpret_cast<float*>(peer_w[d]) : nullptr;
-    for (int j = lo + warp; j < hi; j += nw) {
+    for (int j = j0 + warp; j < j1; j += nw) {
       const i64 t = send_tok[(i64)d * P + j];
       const i64 row = (i64)me * P + j;
       warp_copy_row<U, UNROLL>(x + t * units, dst + row * units, units, lane);
@@ -931,14 +938,13 @@ __global__ void __launch_bounds__(512) ep_direct_dispatch(
       c = item;
     } else {
       const int q = item - n_own;
-      c = q / Rm;
-      const int si = q - c * Rm;
-      s = si < me ? si : si + 1;
+      c = q / Rd;
+      s = peer(q - c * Rd);
     }
   };
   auto expand = [&](int s, int c) {
-    const int kept = min(recv_counts[s], P), lo = c * C, hi = min(lo + C, kept);
-    for (int j = lo + warp; j < hi; j += nw) {
+    const int kept = min(recv_counts[s], P), j0 = c * C, j1 = min(j0 + C, kept);
+    for (int j = j0 + warp; j < j1; j += nw) {
       const i64 r = (i64)recv_off[s] + j;
       if (s == me) {
         const i64 t = send_tok[(i64)me * P + j];
@@ -997,7 +1003,10 @@ __device__ __forceinline__ void store_rounded(T* p, const float* a) {
 // weight stage), then rank s's flag me*P + c. Phase 2 (after a block's phase-1 items): tokens t < Tn in groups
 // of one per warp: out[t] = the fp32 sum over ranks q ascending of stage row q*P + send_pos[q][t] (each after
 // its chunk's flag), rounded once (ep_owner_sum's order); grad_w[t][k] from the weight stage row of the
-// rank of slot k's expert. One warp per row or token.
+// rank of slot k's expert. One warp per row or token. Phase 1 serves the sources of this rank's node [lo, hi)
+// only, and phase 2 waits for the flags of those ranks only: the mixed transport has put the other ranks'
+// partials into this rank's stage (rows q*P + pos, through NCCL) before this kernel (the direct transport:
+// [0, R)).
 template <typename T, bool VEC>
 __global__ void __launch_bounds__(512) ep_direct_combine(
     const T* __restrict__ y, const float* __restrict__ w, const float* __restrict__ zw,
@@ -1005,7 +1014,7 @@ __global__ void __launch_bounds__(512) ep_direct_combine(
     const long long* __restrict__ peer_flags, const int* __restrict__ dst_row, const int* __restrict__ send_pos,
     const int* __restrict__ routing_me, const int* __restrict__ meta, T* __restrict__ out,
     float* __restrict__ grad_w, unsigned* __restrict__ state, int* __restrict__ err_word, i64 timeout_ns,
-    int op, int R, int me, int P, int K, int L, int Tmax, int Tn, int C, i64 H) {
+    int op, int R, int me, int P, int K, int L, int Tmax, int Tn, int C, i64 H, int lo, int hi) {
   __shared__ int s_fail;
   __shared__ int s_pos[16][32];  // per warp: send_pos of its token for each rank (R <= 32)
   unsigned e;
@@ -1015,19 +1024,20 @@ __global__ void __launch_bounds__(512) ep_direct_combine(
   const int* recv_counts = meta + META_RECV_COUNTS(R);
   const int* recv_off = meta + META_RECV_OFF(R);
   int rmax = 0;
-  for (int s = 0; s < R; ++s) rmax = max(rmax, min(recv_counts[s], P));
-  const int n_red = (rmax + C - 1) / C * R;
+  for (int s = lo; s < hi; ++s) rmax = max(rmax, min(recv_counts[s], P));
+  const int Rn = hi - lo;  // the node's ranks
+  const int n_red = (rmax + C - 1) / C * Rn;
   constexpr int N = VEC ? Vec<T>::N : 1;
   constexpr int KU = 4;  // slots whose rows are loaded together
   const i64 nv = H / N;
 
   auto reduce = [&](int item) {
-    const int c = item / R, s = item - c * R;
-    const int kept = min(recv_counts[s], P), lo = c * C, hi = min(lo + C, kept);
-    if (lo >= hi) return;
+    const int c = item / Rn, s = lo + item - c * Rn;
+    const int kept = min(recv_counts[s], P), j0 = c * C, j1 = min(j0 + C, kept);
+    if (j0 >= j1) return;
     T* dst = reinterpret_cast<T*>(peer_rows[s]);
     float* dw = zw != nullptr ? reinterpret_cast<float*>(peer_w[s]) : nullptr;
-    for (int j = lo + warp; j < hi; j += nw) {
+    for (int j = j0 + warp; j < j1; j += nw) {
       const i64 r = (i64)recv_off[s] + j;
       const i64 row = (i64)me * P + j;
       const int* drow = dst_row + r * K;
@@ -1078,7 +1088,7 @@ __global__ void __launch_bounds__(512) ep_direct_combine(
     __syncthreads();
     if (threadIdx.x == 0) {  // every chunk this group of tokens reads (positions ascend with t: few distinct)
       int ok = 1;
-      for (int q = 0; q < R && ok == 1; ++q) {
+      for (int q = lo; q < hi && ok == 1; ++q) {  // the other ranks' rows arrived before the kernel
         int last = -1;
         for (int ww = 0; ww < nw && item * nw + ww < Tn; ++ww) {
           const int pos = s_pos[ww][q];

@@ -139,10 +139,54 @@ def _decide(comm, device, stream, wait, runtime):
     return False, f"rank {int(np.argmin(oks[:, 0]))} has a peer on another node or without peer access"
 
 
-def local_reason(ident, me, device, runtime) -> str:
+def probe_nodes(comm, device, wait, local_size=None):
+    """The group's nodes and whether every pair of ranks within a node has peer access (a collective: two
+    all-gathers on the device's current stream, as :func:`probe_peers`). ``local_size``: the ranks per node
+    (node n = ranks ``[n*local_size, (n+1)*local_size)``), or None to derive it from the ranks' hosts
+    (:func:`node_size`). Returns ``(local_size, ok, reason)``, the same on every rank but ``reason`` (as
+    this rank sees it); ``local_size`` is None, and ``ok`` False, when the hosts do not form such nodes."""
+    import cupy
+    from cupy.cuda import runtime
+
+    with cupy.cuda.Device(device):
+        return _decide_nodes(comm, device, cupy.cuda.get_current_stream(), wait, runtime, local_size)
+
+
+def node_size(hosts):
+    """Ranks per node from each rank's host identity: ``n`` when ranks ``[k*n, (k+1)*n)`` share a host and
+    each such block has a host of its own (``n`` = the ranks on rank 0's host), else None."""
+    R = len(hosts)
+    n = sum(1 for h in hosts if h == hosts[0])
+    if R % n:
+        return None
+    blocks = [list(hosts[k * n:(k + 1) * n]) for k in range(R // n)]
+    if any(len(set(b)) != 1 for b in blocks) or len({b[0] for b in blocks}) != len(blocks):
+        return None
+    return n
+
+
+def _decide_nodes(comm, device, stream, wait, runtime, local_size):
+    ident = all_gather_int64(comm, [host_identity(), _bus_code(runtime.deviceGetPCIBusId(device)), device],
+                             stream, wait)
+    me = comm.rank
+    n = local_size if local_size is not None else node_size([int(v) for v in ident[:, 0]])
+    if n is None:  # every rank sees the same identities: none of them takes the second all-gather
+        return None, False, "the ranks' hosts do not form nodes of consecutive ranks of equal size"
+    lo = me // n * n
+    reason = local_reason(ident, me, device, runtime, peers=range(lo, lo + n))
+    oks = all_gather_int64(comm, [0 if reason else 1], stream, wait)
+    if all(int(o) for o in oks[:, 0]):
+        return n, True, ""
+    if reason:
+        return n, False, reason
+    return n, False, f"rank {int(np.argmin(oks[:, 0]))} has a node peer on another host or without peer access"
+
+
+def local_reason(ident, me, device, runtime, peers=None) -> str:
     """Why rank ``me`` (on local device ordinal ``device``) cannot reach some peer directly ("" if it can
-    reach all): ``ident[r]`` = (host identity, PCI bus code, ordinal) of rank r."""
-    for p in range(len(ident)):
+    reach all): ``ident[r]`` = (host identity, PCI bus code, ordinal) of rank r; ``peers``: the ranks to
+    check (default every rank)."""
+    for p in (range(len(ident)) if peers is None else peers):
         if p == me:
             continue
         if ident[p][0] != ident[me][0]:
@@ -161,9 +205,11 @@ def local_reason(ident, me, device, runtime) -> str:
 
 class _Shared:
     """One IPC-shared allocation per rank: ``local`` (this rank's, from cudaMalloc), ``ptrs`` (every rank's,
-    as mapped here), ``table`` (the same as a device int64 [R] array)."""
+    as mapped here; 0 for a rank outside ``peers``), ``table`` (the same as a device int64 [R] array).
+    ``peers``: the ranks whose allocations this rank maps (default every rank; the mixed transport's node:
+    IPC handles of another node's GPUs cannot be opened). The handles are all-gathered over every rank."""
 
-    def __init__(self, comm, nbytes, stream, wait, zero=False):
+    def __init__(self, comm, nbytes, stream, wait, zero=False, peers=None):
         import cupy
         from cupy.cuda import runtime
 
@@ -185,9 +231,12 @@ class _Shared:
             wait(stream)
             handles = buf.get(stream=stream).reshape(R, _HANDLE_BYTES)
             ptrs = []
+            peers = range(R) if peers is None else peers
             for r in range(R):
                 if r == me:
                     ptrs.append(self.local)
+                elif r not in peers:
+                    ptrs.append(0)
                 else:
                     p = int(runtime.ipcOpenMemHandle(handles[r].tobytes(), runtime.cudaIpcMemLazyEnablePeerAccess))
                     self.opened.append(p)
@@ -226,14 +275,19 @@ class DirectTransport:
 
     ``wait(stream)`` waits for the exchanges of the creation (with the creation's deadline);
     ``op_wait(stream, op)`` (default: ``wait``) those of an op that makes a receive stage (with the op's
-    deadline, naming the op)."""
+    deadline, naming the op). ``node``: ``(lo, hi)``, the ranks this rank reaches through peer memory
+    (default every rank; the mixed transport (:mod:`moe_rt._ep_mixed`) passes this rank's node): only
+    their buffers are mapped, the barrier and the fused kernels serve only them."""
 
-    def __init__(self, comm, device, pair_rows, timeout, wait, op_wait=None):
+    def __init__(self, comm, device, pair_rows, timeout, wait, op_wait=None, node=None):
         import cupy
         from cupy.cuda import runtime
 
         self.comm, self.device = comm, int(device)
         self.R, self.me = int(comm.size), int(comm.rank)
+        self.lo, self.hi = (0, self.R) if node is None else (int(node[0]), int(node[1]))
+        if not self.lo <= self.me < self.hi <= self.R:  # pragma: no cover - made by EpGroup
+            raise RuntimeError(f"internal: rank {self.me} outside its node [{self.lo}, {self.hi})")
         self.P = int(pair_rows)
         self.timeout_ns = int(min(float(timeout) * 1e9, 2**62))
         self._wait = wait
@@ -251,8 +305,9 @@ class DirectTransport:
             try:
                 with stream:
                     self.state = cupy.zeros(2, np.uint32)
-                self.bar = _Shared(comm, 4 * self.R, stream, wait, zero=True)
-                self.flags = _Shared(comm, 4 * self.R * self.P, stream, wait, zero=True)
+                peers = range(self.lo, self.hi)
+                self.bar = _Shared(comm, 4 * self.R, stream, wait, zero=True, peers=peers)
+                self.flags = _Shared(comm, 4 * self.R * self.P, stream, wait, zero=True, peers=peers)
             except BaseException:
                 self.close()
                 raise
@@ -295,7 +350,8 @@ class DirectTransport:
         if runtime.streamIsCapturing(stream.ptr):
             raise RuntimeError(f"the direct EP transport makes {what} on the first op that needs it (a collective "
                                "with a host sync): run that op once before CUDA-graph capture")
-        st = self._stages[key] = _Shared(self.comm, nbytes, stream, wait or self._wait)
+        st = self._stages[key] = _Shared(self.comm, nbytes, stream, wait or self._wait,
+                                         peers=range(self.lo, self.hi))
         self._order.append(key)
         return st
 
@@ -384,10 +440,10 @@ class DirectTransport:
 
     # -- kernels ---------------------------------------------------------------------------------------
     def barrier(self, stream, op):
-        """ep_direct_barrier on ``stream`` (``op`` names the op in a timeout)."""
-        _jit.launch(_jit.function(_FILE, "ep_direct_barrier"), 1, max(32, -(-self.R // 32) * 32),
+        """ep_direct_barrier on ``stream`` among the ranks of the node (``op`` names the op in a timeout)."""
+        _jit.launch(_jit.function(_FILE, "ep_direct_barrier"), 1, max(32, -(-(self.hi - self.lo) // 32) * 32),
                     (self.bar.table, np.int32(self.R), np.int32(self.me), self.state, np.int64(self.timeout_ns),
-                     self._err_ptr, np.int32(OP_CODES[op])), stream=stream)
+                     self._err_ptr, np.int32(OP_CODES[op]), np.int32(self.lo), np.int32(self.hi)), stream=stream)
 
     def _grid(self, fn, call, work):
         """Blocks of a fused kernel: at most one resident wave (its blocks wait on each other's peers), at
@@ -399,9 +455,10 @@ class DirectTransport:
         pair capacity P, about four push items per block of a wave of two blocks on each of 132 SMs when
         the pairs are full, at least one row per warp of a block (the kernels move a chunk's rows one warp
         each: a smaller chunk leaves warps idle; measured on 2 H100 at T=4096, C=4 kept 4 of 16 warps
-        busy), at most _MAX_CHUNK rows; never more than P."""
+        busy), at most _MAX_CHUNK rows; never more than P. (The pairs pushed: those with the node's other
+        ranks.)"""
         P = h.sizes["P"]
-        c = max(_THREADS // 32, -(-P * max(1, self.R - 1) // (4 * 2 * 132)))
+        c = max(_THREADS // 32, -(-P * max(1, self.hi - self.lo - 1) // (4 * 2 * 132)))
         return int(max(1, min(_MAX_CHUNK, P, c)))
 
     def dispatch(self, call, h, x, w, rows_st, w_st, out, op):
@@ -418,13 +475,13 @@ class DirectTransport:
         u = _unit(rb, *ptrs)
         fn = _jit.function(_FILE, f"ep_direct_dispatch<{_UNITS[u]}, {_PUSH_UNROLL}>")
         C = self.chunk_rows(h)
-        work = -(-P // C) * R
+        work = -(-P // C) * (self.hi - self.lo)
         _jit.launch(fn, self._grid(fn, call, work), _THREADS,
                     (x.data.ptr, w.data.ptr if w is not None else 0, rows_st.table, w_st.table, self.flags.table,
                      h.view("send_tok"), h.view("meta"), h.view("dst_row"), out.data.ptr if out is not None else 0,
                      self.state, self._err_ptr, np.int64(self.timeout_ns), np.int32(OP_CODES[op]), np.int32(R),
-                     np.int32(self.me), np.int32(P), np.int32(K), np.int32(C), np.int64(rb // u)),
-                    stream=call.stream)
+                     np.int32(self.me), np.int32(P), np.int32(K), np.int32(C), np.int64(rb // u), np.int32(self.lo),
+                     np.int32(self.hi)), stream=call.stream)
 
     def combine(self, call, h, y, w, zw, rows_st, w_st, T, want_w, op):
         """ep_direct_combine (after the op's leading barrier): each received row's partial over its local
@@ -440,14 +497,14 @@ class DirectTransport:
         vec = (H * isz) % 16 == 0 and all(p % 16 == 0 for p in [y.data.ptr, out.data.ptr] + list(rows_st.ptrs))
         fn = _jit.function(_FILE, f"ep_direct_combine<{_jit.ctype(y.dtype)}, {'true' if vec else 'false'}>")
         C = self.chunk_rows(h)
-        work = max(-(-P // C) * R, -(-T // (_THREADS // 32)))
+        work = max(-(-P // C) * (self.hi - self.lo), -(-T // (_THREADS // 32)))
         _jit.launch(fn, self._grid(fn, call, work), _THREADS,
                     (y.data.ptr if y.size else 0, w if w is not None else 0, zw if zw is not None else 0,
                      rows_st.table, w_st.table, self.flags.table, h.view("dst_row"), h.view("send_pos"),
                      h.view("routing"), h.view("meta"), out, gw if gw is not None else 0,
                      self.state, self._err_ptr, np.int64(self.timeout_ns), np.int32(OP_CODES[op]), np.int32(R),
                      np.int32(me), np.int32(P), np.int32(K), np.int32(L), np.int32(Tmax), np.int32(T), np.int32(C),
-                     np.int64(H)), stream=call.stream)
+                     np.int64(H), np.int32(self.lo), np.int32(self.hi)), stream=call.stream)
         return out, gw
 
     def copy_rows(self, call, src_ptr, src_map, dst_ptr, dst_map, rows, row_bytes, guarded=True):

@@ -158,9 +158,10 @@ class NcclTransport:
             return (R - 1) * P
         return int(h.state["host_meta"][meta_index("send_rows", R)])
 
-    def _pack(self, call, h, x, w, send_buf, recv_buf, send_w, recv_w, sel):
-        """ep_pack_rows: ``sel`` 0 = every destination, 1 = remote ones only, 2 = the own share only, 3 = the
-        own share's weights only."""
+    def _pack(self, call, h, x, w, send_buf, recv_buf, send_w, recv_w, sel, node=None):
+        """ep_pack_rows: ``sel`` 0 = every destination, 1 = the destinations outside ``node`` (``(lo, hi)``,
+        default this rank alone: every remote one) only, 2 = the own share only, 3 = the own share's weights
+        only."""
         sz = h.sizes
         R, me, P, K, rows = sz["R"], sz["rank"], sz["P"], sz["K"], sz["rows"]
         send_rows = int(send_buf.shape[0])
@@ -171,12 +172,13 @@ class NcclTransport:
         units = rb // u
         threads = int(min(512, max(32, -(-units // 4 // 32) * 32)))
         gx = max(1, min(P, _jit.device_properties(call.device_id)["sm_count"] * 8 // R))
+        lo, hi = (me, me + 1) if node is None else node
         _jit.launch(_jit.function(FILE, f"ep_pack_rows<{UNITS[u]}>"), (gx, 1 if sel >= 2 else R), threads,
                     (x.data.ptr, send_buf.data.ptr if send_rows else 0, recv_buf.data.ptr if rows else 0,
                      w.data.ptr if w is not None else 0, send_w.data.ptr if send_w is not None and send_rows else 0,
                      recv_w.data.ptr if recv_w is not None and rows else 0,
                      h.view("send_tok"), h.view("meta"), np.int32(R), np.int32(me), np.int32(P), np.int32(K),
-                     np.int64(units), np.int32(sel)), stream=call.stream)
+                     np.int64(units), np.int32(sel), np.int32(lo), np.int32(hi)), stream=call.stream)
 
     def _forward_buffers(self, call, h, x, w):
         """(row bytes, send rows, receive rows, send weights, receive weights) of a forward transfer; the

@@ -59,9 +59,17 @@ The transports give bitwise equal results:
   ranks in ep_owner_sum's order and rounding as their chunks land. Epochs advance on the device, so
   CUDA-graph replays stay valid; ``chunks`` and ``overlap`` do not apply.
 
-``"auto"`` (the default) probes at group creation (host identity, PCI bus ids and peer access,
-all-gathered: a collective) and picks direct when every pair of ranks is on one node with peer access, else
-nccl; ``"direct"`` raises ValueError at creation otherwise. The direct transport makes its receive stage
+- ``"mixed"`` (:mod:`moe_rt._ep_mixed`; picked by ``"auto"``, never named): a group spanning several nodes
+  (``local_size``: ranks ``[n*local_size, (n+1)*local_size)`` form node n) moves rows to the ranks of its
+  node through the direct transport (its barrier and fused kernels restricted to the node) and to the other
+  nodes through NCCL, within the same op and into the same receive layout; the NCCL pass runs after the
+  direct kernel (dispatch direction) or before it (combine direction), on the caller's stream.
+
+``"auto"`` (the default) probes at group creation (host identity, PCI bus ids and peer access within each
+node, all-gathered: a collective; ``local_size=None``, the default, or ``MOE_RT_EP_LOCAL_SIZE``, derives the
+nodes from the hosts) and picks direct when the group is one node with peer access everywhere, mixed when it
+spans several nodes with peer access within each, else nccl; ``"direct"`` raises ValueError at creation
+otherwise. The direct transport makes its receive stage
 for a row size on the first op that needs it (a collective with a host sync): run each op kind once before
 CUDA-graph capture. ``close()`` the group on every rank. Row kernels that the group and both transports
 share (zero rows, lay out and scale weights) live in :mod:`moe_rt._ep_rows`.
@@ -113,7 +121,7 @@ import weakref
 import numpy as np
 
 from moe_rt import _arrays, _errors, _jit, permutation
-from moe_rt import _ep_adapt, _ep_direct, _ep_nccl, _handle
+from moe_rt import _ep_adapt, _ep_direct, _ep_mixed, _ep_nccl, _handle
 from moe_rt import fp8 as _fp8
 from moe_rt._ep_rows import FILE as _FILE, UNITS as _UNITS
 from moe_rt._ep_rows import grid as _grid, plan_view, recv_wk, scale_rows
@@ -186,6 +194,11 @@ def _env_transport() -> str:
     return v
 
 
+def _env_local_size():
+    """``MOE_RT_EP_LOCAL_SIZE``: ranks per node (an integer >= 1), or unset/empty: derived from the ranks' hosts."""
+    return _env_number("MOE_RT_EP_LOCAL_SIZE", None, int, lambda n: n >= 1, "an integer >= 1")
+
+
 def _env_timeout() -> float:
     return _env_number("MOE_RT_EP_TIMEOUT", DEFAULT_TIMEOUT, float, lambda t: t > 0, "seconds > 0")
 
@@ -219,13 +232,22 @@ class EpGroup:
             move between ranks (``group.transport``; None for a 1-rank group). ``"direct"``: peer memory
             within a node (:mod:`moe_rt._ep_direct`); needs every pair of ranks on one node with peer
             access (ValueError at creation otherwise). ``"auto"`` picks direct when that holds, else nccl.
-            Must be the same on every rank.
+            Must be the same on every rank. ``"auto"`` with nodes > 1 (see ``local_size``) picks ``"mixed"``:
+            peer memory within a node and NCCL between nodes (:mod:`moe_rt._ep_mixed`) when every pair of
+            ranks within a node has peer access, else nccl; ``"direct"`` with nodes > 1 is a ValueError.
+        local_size: ranks per node: ranks ``[n*local_size, (n+1)*local_size)`` form node ``n`` (an int that
+            divides R; default ``MOE_RT_EP_LOCAL_SIZE`` (ignored by a 1-rank group), else derived at creation
+            from the ranks' hosts: the ranks that share a host; ``group.local_size``, None when not probed
+            (``transport="nccl"``)).
+            ``local_size=1`` makes every peer remote (all NCCL through the mixed path), ``local_size=R`` one
+            node (the direct transport): on one machine it simulates several nodes. The same on every rank.
     """
 
     def __init__(self, comm, num_experts: int, hidden: int, max_tokens_per_rank: int, *, mode: str = "exact",
                  capacity: int | None = None, pair_capacity: int | None = None, align_size: int = 1,
                  dtype=None, topk: int | None = None, timeout: float | None = None,
-                 chunks: int | None = None, overlap: bool | None = None, transport: str | None = None):
+                 chunks: int | None = None, overlap: bool | None = None, transport: str | None = None,
+                 local_size: int | None = None):
         (self.rank, self.size, self.device, self.num_experts, self.num_local_experts,
          self.hidden) = group_identity(comm, ("rank", "size", "device", "all_gather", "send", "recv", "group_start",
                                               "group_end"), num_experts, hidden)
@@ -272,8 +294,19 @@ class EpGroup:
             raise TypeError(f"transport: expected a str ('auto', 'direct' or 'nccl'), got {type(transport).__name__}")
         elif transport not in TRANSPORTS:
             raise ValueError(f"transport: expected 'auto', 'direct' or 'nccl', got {transport!r}")
+        if local_size is None:
+            local_size = _env_local_size()
+            if R == 1:  # a setting for the multi-rank groups of the process: a 1-rank group is one node
+                local_size = None
+        elif isinstance(local_size, (bool, np.bool_)) or not isinstance(local_size, (int, np.integer)):
+            raise TypeError(f"local_size: expected an int (ranks per node) or None, got {type(local_size).__name__}")
+        if local_size is not None:
+            local_size = int(local_size)
+            if local_size < 1 or R % local_size:
+                raise ValueError(f"local_size: must divide the {R} ranks of the group (ranks per node), got {local_size}")
+        self.local_size = 1 if R == 1 else local_size  # None: derived by the probe (transport="nccl": never)
         self.closed = False
-        self._transport = None  # what moves the rows on CUDA: an NcclTransport or a DirectTransport
+        self._transport = None  # what moves the rows on CUDA: an NcclTransport, DirectTransport or MixedTransport
         self.transport = self._choose_transport(transport)
         self.id = next(_group_ids)
         _live_groups[self.id] = self
@@ -284,30 +317,49 @@ class EpGroup:
     def _choose_transport(self, want):
         """Make the group's transport and return its name (None for one rank, whose CUDA ops run the NCCL
         transport's path without an exchange). A multi-rank group's choice is a collective unless ``want`` is
-        'nccl': probe where every rank runs (host identity, PCI bus id, peer access; two all-gathers), then
-        set up the direct transport's shared buffers."""
-        if self.size == 1 or want == "nccl":
-            self._transport = _ep_nccl.NcclTransport(self.comm, self.rank, self.size, self.device, self.hidden,
-                                                     self.chunks, self.overlap)
-            return None if self.size == 1 else "nccl"
+        'nccl': probe where every rank runs (host identity, PCI bus id, peer access within each node; two
+        all-gathers), then set up the direct transport's shared buffers (over the node's ranks: "direct" when
+        the group is one node, "mixed" when it spans several)."""
+        R = self.size
+        nccl = lambda: _ep_nccl.NcclTransport(self.comm, self.rank, R, self.device, self.hidden,  # noqa: E731
+                                              self.chunks, self.overlap)
+        if R == 1 or want == "nccl":
+            self._transport = nccl()
+            return None if R == 1 else "nccl"
+        if want == "direct" and self.local_size is not None and self.local_size < R:
+            raise ValueError(f"transport='direct': local_size={self.local_size} makes {R // self.local_size} nodes "
+                             "and the direct transport needs one; use transport='auto' (peer memory within a node, "
+                             "NCCL between nodes) or 'nccl'")
         # The group's first collectives also set up NCCL's connections (seconds): creation waits for its
         # peers at least _SETUP_TIMEOUT, whatever the (possibly short) timeout of the ops.
         setup = max(self.timeout, _SETUP_TIMEOUT)
         wait = lambda s: self._wait(s, "__init__", setup)  # noqa: E731
-        ok, reason = _ep_direct.probe_peers(self.comm, self.device, wait)
+        n, ok, reason = _ep_direct.probe_nodes(self.comm, self.device, wait, self.local_size)
+        if n is not None:
+            self.local_size = n
+        if ok and want == "direct" and n < R:
+            ok, reason = False, (f"the ranks are on different nodes ({R // n} nodes of {n} ranks), and the direct "
+                                 "transport needs one")
         if not ok:
             if want == "direct":
                 raise ValueError(f"transport='direct': {reason}; use transport='nccl' or 'auto'")
-            return self._choose_transport("nccl")
+            self._transport = nccl()
+            return "nccl"
         P = self.pair_capacity if self.mode == "capacity" else self.max_tokens_per_rank
-        self._transport = _ep_direct.DirectTransport(self.comm, self.device, P, self.timeout, wait,
-                                                     op_wait=lambda s, op: self._wait(s, op))
-        return "direct"
+        lo = self.rank // n * n
+        direct = _ep_direct.DirectTransport(self.comm, self.device, P, self.timeout, wait,
+                                            op_wait=lambda s, op: self._wait(s, op), node=(lo, lo + n))
+        if n == R:
+            self._transport = direct
+            return "direct"
+        self._transport = _ep_mixed.MixedTransport(direct, nccl())
+        return "mixed"
 
     def __repr__(self):
         return (f"EpGroup(rank={self.rank}, size={self.size}, num_experts={self.num_experts}, "
                 f"hidden={self.hidden}, max_tokens_per_rank={self.max_tokens_per_rank}, mode={self.mode!r}, "
-                f"chunks={self.chunks}, overlap={self.overlap}, transport={self.transport!r})")
+                f"chunks={self.chunks}, overlap={self.overlap}, transport={self.transport!r}, "
+                f"local_size={self.local_size})")
 
     def close(self):
         """Close the group (idempotent). Teardown order: the caller closes its handles first; the direct

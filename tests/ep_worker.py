@@ -1,6 +1,6 @@
 """Per-rank worker of the multi-GPU EP tests; run under the launcher, one process per GPU:
 
-    python tools/launch.py -n R tests/ep_worker.py correctness|graph|dead_peer|transports|graph_transports|dead_peer_direct|direct_lifecycle|fp8
+    python tools/launch.py -n R tests/ep_worker.py correctness|graph|dead_peer|transports|graph_transports|dead_peer_direct|direct_lifecycle|fp8|mixed|graph_mixed|dead_peer_mixed
 
 Any world size R >= 2 (token counts are spread over the ranks; expert counts are multiples of R).
 
@@ -11,7 +11,10 @@ on success; any mismatch raises, so the rank exits non-zero and the launcher fai
 Transfer configurations: MOE_RT_EP_TEST_CHUNKS (default "o4,s1,o1,2"): a chunk count (EpGroup ``chunks``),
 prefixed "s" for the serial path (``overlap=False``) or "o" for the overlapped one (``overlap=True``), all
 on the NCCL transport; or "d", the direct peer-memory transport. ``transports`` and ``graph_transports``
-run "d,s1,o2" (direct first, against the reference; the NCCL ones bitwise against it).
+run "d,s1,o2" (direct first, against the reference; the NCCL ones bitwise against it). "m<n>": the group
+made with ``transport="auto", local_size=n`` (nodes of n ranks): the mixed transport (peer memory within a
+node, NCCL between nodes) for n < R, the direct one for n = R; ``mixed``, ``graph_mixed`` and
+``dead_peer_mixed`` run it for n in {1, R/2, R}.
 Every case runs with the first configuration against the reference and with the others bitwise against
 the first; the graph test captures one graph per configuration. The part-size floor is lifted so that the
 small test shapes are really split.
@@ -31,10 +34,25 @@ TRANSPORT_CHUNKS = ["d", "s1", "o2"]
 
 
 def cfg(c):
-    """EpGroup keywords of a configuration string ("4", "s1", "o2": NCCL; "d": direct)."""
+    """EpGroup keywords of a configuration string ("4", "s1", "o2": NCCL; "d": direct; "m2": local_size 2)."""
     if c == "d":
         return {"transport": "direct"}
+    if c.startswith("m"):
+        return {"transport": "auto", "local_size": int(c[1:])}
     return {"chunks": int(c.lstrip("so")), "overlap": {"s": False, "o": True}.get(c[:1]), "transport": "nccl"}
+
+
+def transport_of(c):
+    """The ``group.transport`` a configuration string gives (on a machine whose GPUs all see each other)."""
+    if c.startswith("m"):
+        return "mixed" if int(c[1:]) < WORLD else "direct"
+    return cfg(c)["transport"]
+
+
+def mixed_configs():
+    """"m<n>" for the node sizes n in {1, R/2 (when integral and new), R}: every code path of the mixed group."""
+    sizes = sorted({1, WORLD} | ({WORLD // 2} if WORLD % 2 == 0 else set()))
+    return [f"m{n}" for n in sizes]
 
 
 def experts(n):
@@ -138,7 +156,8 @@ def one_case(cp, comm, seed, E, K, H, Ts, Tmax, kind, mode, align, dtype, chunks
     hs = ref.prepare(idx, E, align_size=align, **kw)
     routs = ref.dispatch(hs, x, w)
     g = EpGroup(comm, E, H, Tmax, mode=mode, align_size=align, timeout=60, **cfg(chunks[0]))
-    assert g.transport == cfg(chunks[0])["transport"], (g.transport, chunks[0])
+    assert g.transport == transport_of(chunks[0]), (g.transport, chunks[0])
+    assert g.local_size == cfg(chunks[0]).get("local_size", g.local_size), (g.local_size, chunks[0])
     h = g.prepare(cp.asarray(idx[RANK]))
     tag = f"[{kind} {mode} A={align} {np.dtype(dtype).name} H={H} T={Ts}]"
     same_handle(f"prepare {tag}", h, hs[RANK])
@@ -178,6 +197,7 @@ def one_case(cp, comm, seed, E, K, H, Ts, Tmax, kind, mode, align, dtype, chunks
     for c in chunks[1:]:
         # the same ops with another chunk count or transport: bitwise the same results
         g2 = EpGroup(comm, E, H, Tmax, mode=mode, align_size=align, timeout=60, **cfg(c))
+        assert g2.transport == transport_of(c), (g2.transport, c)
         h2 = g2.prepare(cp.asarray(idx[RANK]))
         t2 = f"{tag} chunks={c} vs {chunks[0]}"
         same_handle(f"prepare {t2}", h2, hs[RANK])
@@ -339,16 +359,23 @@ def graph(cp, comm, chunks=None, replays=100, memory=True):
     log("memory: 1000 iterations flat")
 
 
-def dead_peer(cp, comm, direct=False):
-    """Rank 1 leaves after prepare (NCCL transport) or skips the dispatch and stays alive (direct: its peers
-    must not write into a dead process's memory): every other rank's dispatch + synchronize raises within
-    the group's timeout. The direct path's error names the op, and its group closes afterwards."""
+def dead_peer(cp, comm, direct=False, local_size=None):
+    """Rank 1 leaves after prepare (NCCL transport) or skips the dispatch and stays alive (direct, and the mixed
+    transport with nodes of ``local_size`` ranks: its peers must not write into a dead process's memory):
+    every other rank's dispatch + synchronize raises within the group's timeout. The direct path's error
+    names the op (on the mixed transport: on the ranks of rank 1's node; the other nodes' ranks see their
+    NCCL exchange with it time out), and its group closes afterwards."""
     from moe_rt import NcclError
     from moe_rt.ep import EpGroup
 
+    mixed = local_size is not None
+    direct = direct or mixed
     timeout = 4.0 if direct else 20.0
-    g = EpGroup(comm, experts(4), 64, 32, timeout=timeout, transport="direct" if direct else "nccl")
-    if direct:
+    kw = {"transport": "auto", "local_size": local_size} if mixed else {"transport": "direct" if direct else "nccl"}
+    g = EpGroup(comm, experts(4), 64, 32, timeout=timeout, **kw)
+    if mixed:
+        assert g.transport == "mixed" and f"local_size={local_size}" in repr(g), repr(g)
+    elif direct:
         assert g.transport == "direct" and "transport='direct'" in repr(g), repr(g)
     idx = np.tile(np.array([[0, 3]], np.int32), (32, 1))
     h = g.prepare(cp.asarray(idx))
@@ -367,11 +394,15 @@ def dead_peer(cp, comm, direct=False):
         g.dispatch(h, cp.ones((32, 64), cp.float32))
         g.synchronize()
         raise AssertionError("dispatch with a dead peer completed")
-    except (TimeoutError,) + (() if direct else (NcclError,)) as e:
+    except (TimeoutError,) + (() if direct and not mixed else (NcclError,)) as e:
         dt = time.monotonic() - t0
         log(f"got {type(e).__name__} after {dt:.1f} s: {e}")
         assert dt < (2 * timeout + 5 if direct else 60), dt
-        assert not direct or "dispatch" in str(e), e
+        node_peer = not mixed or RANK // local_size == 1 // local_size  # its waits on rank 1 are the barrier's
+        assert not direct or not node_peer or "dispatch" in str(e) or (mixed and isinstance(e, NcclError)), e
+        if mixed:  # NCCL work with the skipping rank may still be queued: no teardown
+            log("DEAD PEER OK")
+            os._exit(0)
     if direct:
         h.close()
         g.close()  # teardown after a failure: IPC mappings closed, buffers freed, no hang
@@ -394,8 +425,9 @@ def transports(cp, comm):
     log(f"transports: {n + 1} cases OK ({TRANSPORT_CHUNKS})")
 
 
-def fp8_case(cp, comm, seed, E, K, H, Ts, Tmax, kind, mode, align, dtype):
-    """FP8 dispatch (EpGroup.dispatch(fp8=True)) on every transport configuration of TRANSPORT_CHUNKS: the
+def fp8_case(cp, comm, seed, E, K, H, Ts, Tmax, kind, mode, align, dtype, configs=None):
+    """FP8 dispatch (EpGroup.dispatch(fp8=True)) on every transport configuration of ``configs`` (default
+    TRANSPORT_CHUNKS): the
     e4m3 rows and scales bitwise equal to quantize_fp8 then the reference dispatch of the codes and of the
     scales; a pre-quantized uint8 pair (CuPy) gives the same bits; dequantize=True equals the reference
     dequantization; the received weights, weighted combine and dispatch_bwd after an FP8 dispatch equal
@@ -433,10 +465,11 @@ def fp8_case(cp, comm, seed, E, K, H, Ts, Tmax, kind, mode, align, dtype):
     torch.cuda.synchronize()
     tag = f"[fp8 {kind} {mode} A={align} {np.dtype(dtype).name} H={H} T={Ts}]"
     first = None
-    for c in TRANSPORT_CHUNKS:
+    configs = TRANSPORT_CHUNKS if configs is None else configs
+    for c in configs:
         t = f"{tag} {c}"
         g = EpGroup(comm, E, H, Tmax, mode=mode, align_size=align, timeout=60, **cfg(c))
-        assert g.transport == cfg(c)["transport"], (g.transport, c)
+        assert g.transport == transport_of(c), (g.transport, c)
         h = g.prepare(cp.asarray(idx[RANK]))
         got = {}
         q_t, s_t, rw_t, tpe_t = g.dispatch(h, x_t, w_t, fp8=True)
@@ -479,7 +512,7 @@ def fp8_case(cp, comm, seed, E, K, H, Ts, Tmax, kind, mode, align, dtype):
             first = got
         else:
             for k, v in got.items():
-                same(f"{k} {t} vs {TRANSPORT_CHUNKS[0]}", v, first[k])
+                same(f"{k} {t} vs {configs[0]}", v, first[k])
         h.close()
         g.close()
 
@@ -541,6 +574,47 @@ def graph_transports(cp, comm):
     graph(cp, comm, chunks=TRANSPORT_CHUNKS, replays=5, memory=False)
 
 
+def mixed(cp, comm):
+    """The group in nodes of n ranks (transport="auto", local_size=n) for n in {1, R/2, R}: every op against the
+    reference, bitwise against the direct and NCCL transports, both modes, vector and scalar row widths (n = R,
+    the direct transport reached through local_size, once per mode); an FP8 dispatch (with torch) bitwise
+    across them."""
+    f32, b16, f16 = np.float32, bf16(), np.float16
+    n = 0
+    shapes = (("uniform", (48, 37), 1, f32, 256), ("holes", (33, 0), 8, b16, 512), ("skewed", (64, 20), 1, f16, 100),
+              ("one", (30, 41), 4, b16, 72))
+    for ls in mixed_configs():
+        chunks = [ls, "d", "s1"]
+        for mode in ("exact", "capacity"):
+            for kind, Ts, align, dtype, H in (shapes if int(ls[1:]) < WORLD else shapes[1:2]):
+                one_case(cp, comm, 6000 + n, experts(16), 4, H, Ts, 64, kind, mode, align, dtype, chunks=chunks)
+                n += 1
+        if int(ls[1:]) < WORLD:
+            one_case(cp, comm, 6000 + n, experts(8), 6, 64, (10, 12), 16, "holes", "capacity", 4, b16, chunks=chunks)
+            one_case(cp, comm, 6001 + n, WORLD, 2, 64, (10, 0), 16, "uniform", "exact", 1, f32, chunks=chunks)
+            n += 2
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        log("mixed: no torch, FP8 dispatch skipped")
+    else:
+        for mode in ("exact", "capacity"):
+            fp8_case(cp, comm, 6300, experts(16), 4, 512, (48, 37), 64, "uniform", mode, 1, b16,
+                     configs=mixed_configs() + ["d", "s1"])
+    log(f"mixed: {n} cases OK ({mixed_configs()})")
+
+
+def graph_mixed(cp, comm):
+    """Capacity mode captured in a CUDA graph per node size, replayed with new routing: against the reference and
+    bitwise against the direct and NCCL transports."""
+    graph(cp, comm, chunks=mixed_configs() + ["d", "s1"], replays=5, memory=False)
+
+
+def dead_peer_mixed(cp, comm):
+    """Nodes of R/2 ranks (1 at R = 2): rank 1 skips a dispatch (dead_peer)."""
+    dead_peer(cp, comm, local_size=max(1, WORLD // 2))
+
+
 def dead_peer_direct(cp, comm):
     dead_peer(cp, comm, direct=True)
 
@@ -550,7 +624,8 @@ def main():
     cp, comm = setup()
     {"correctness": correctness, "graph": graph, "dead_peer": dead_peer, "transports": transports,
      "graph_transports": graph_transports, "dead_peer_direct": dead_peer_direct,
-     "direct_lifecycle": direct_lifecycle, "fp8": fp8}[what](cp, comm)
+     "direct_lifecycle": direct_lifecycle, "fp8": fp8, "mixed": mixed, "graph_mixed": graph_mixed,
+     "dead_peer_mixed": dead_peer_mixed}[what](cp, comm)
     cp.cuda.Device().synchronize()
     comm.close()
     log("ALL OK")

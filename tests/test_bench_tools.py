@@ -275,6 +275,8 @@ def test_tool_help(tool):
     (["tools/bench_layer.py", "--frameworks", "torch,tf"], "--frameworks"),
     (["tools/bench_layer.py", "--warmup", "-1"], "--warmup"),
     (["tools/bench_ep.py", "--chunks", "x1"], "--chunks"),
+    (["tools/bench_ep.py", "--chunks", "m0"], "--chunks"),
+    (["tools/bench_ep.py", "--chunks", "s1,m"], "--chunks"),
     (["tools/bench_ep.py", "--tokens", "512,zero"], "--tokens"),
     (["-m", "moe_rt", "bench", "--iters", "0"], "--iters"),
     (["-m", "moe_rt", "bench", "--warmup", "-2"], "--warmup"),
@@ -283,6 +285,17 @@ def test_tool_help(tool):
 ])
 def test_flag_errors(args, needle):
     _one_line_error(_run(args), "error:", needle)
+
+
+def test_bench_ep_chunks_accepts_mixed_groups():
+    from moe_rt.bench import ep as bench_ep
+
+    assert bench_ep._chunk_list("m2") == ["m2"]
+    assert bench_ep._chunk_list("s1, o2,2,m1,m4") == ["s1", "o2", "2", "m1", "m4"]
+    assert bench_ep.parser().parse_args(["--chunks", "m2,2"]).chunks == ["m2", "2"]
+    for bad in ("m0", "m", "mm2", "m-1", "2m"):
+        with pytest.raises(Exception, match="m<n>"):
+            bench_ep._chunk_list(bad)
 
 
 def _no_gpu():

@@ -663,11 +663,15 @@ def test_transports_share_one_interface():
     # EpGroup calls only these on its transport: a transport is one class with the same signatures
     import inspect
 
-    from moe_rt import _ep_direct, _ep_nccl
+    from moe_rt import _ep_direct, _ep_mixed, _ep_nccl
 
     for name in ("forward", "reduce", "failed_op", "close"):
-        sigs = [inspect.signature(getattr(cls, name)) for cls in (_ep_nccl.NcclTransport, _ep_direct.DirectTransport)]
-        assert sigs[0] == sigs[1], (name, sigs)
+        sigs = [inspect.signature(getattr(cls, name)) for cls in (_ep_nccl.NcclTransport, _ep_direct.DirectTransport,
+                                                                  _ep_mixed.MixedTransport)]
+        assert sigs[0] == sigs[1] == sigs[2], (name, sigs)
+    # prepare's NCCL exchange of segments: the mixed transport offers the NCCL transport's
+    assert inspect.signature(_ep_mixed.MixedTransport.exchange_box) == inspect.signature(
+        _ep_nccl.NcclTransport.exchange_box)
     g = EpGroup(_FakeComm(), 4, 4, 8, transport="nccl", chunks=3, overlap=False)
     t = g._transport
     assert isinstance(t, _ep_nccl.NcclTransport) and (t.chunks, t.overlap, t.hidden) == (3, False, 4)
@@ -679,15 +683,17 @@ def test_transports_share_one_interface():
 
 
 def test_transport_choice_from_the_probe(monkeypatch):
-    from moe_rt import _ep_direct
+    from moe_rt import _ep_direct, _ep_mixed
 
     monkeypatch.delenv("MOE_RT_EP_TRANSPORT", raising=False)
-    made, closed = [], []
+    monkeypatch.delenv("MOE_RT_EP_LOCAL_SIZE", raising=False)
+    made, closed, probed = [], [], []
 
     class FakeDirect:
-        def __init__(self, comm, device, pair_rows, timeout, wait, op_wait=None):
-            made.append((device, pair_rows, timeout))
+        def __init__(self, comm, device, pair_rows, timeout, wait, op_wait=None, node=None):
+            made.append((device, pair_rows, timeout, node))
             self.op_wait = op_wait
+            self.lo, self.hi = node
 
         def close(self):
             closed.append(1)
@@ -695,24 +701,45 @@ def test_transport_choice_from_the_probe(monkeypatch):
         def failed_op(self):
             return None
 
+    def probe(verdict):
+        def f(comm, device, wait, local_size):
+            probed.append(local_size)
+            return verdict
+        return f
+
     monkeypatch.setattr(_ep_direct, "DirectTransport", FakeDirect)
-    monkeypatch.setattr(_ep_direct, "probe_peers", lambda comm, device, wait: (False, "ranks 0 and 1 are on different nodes"))
+    monkeypatch.setattr(_ep_direct, "probe_nodes", probe((2, False, "rank 1's GPU cannot access rank 0's GPU")))
     assert EpGroup(_FakeComm(), 4, 4, 4).transport == "nccl"  # auto falls back
     assert EpGroup(_FakeComm(), 4, 4, 4, transport="auto").transport == "nccl"
+    with pytest.raises(ValueError, match="cannot access"):
+        EpGroup(_FakeComm(), 4, 4, 4, transport="direct")
+    assert not made and probed == [None] * 3
+    # two hosts of one rank each: auto picks the mixed path, direct refuses
+    monkeypatch.setattr(_ep_direct, "probe_nodes", probe((1, True, "")))
     with pytest.raises(ValueError, match="different nodes"):
         EpGroup(_FakeComm(), 4, 4, 4, transport="direct")
-    assert not made
-    monkeypatch.setattr(_ep_direct, "probe_peers", lambda comm, device, wait: (True, ""))
+    g1 = EpGroup(_FakeComm(), 4, 4, 4)
+    assert g1.transport == "mixed" and g1.local_size == 1 and "local_size=1" in repr(g1)
+    assert isinstance(g1._transport, _ep_mixed.MixedTransport) and made[-1][3] == (0, 1)
+    assert (g1._transport.lo, g1._transport.hi) == (0, 1) and g1._transport.nccl.chunks == g1.chunks
+    # one node: direct, over every rank
+    monkeypatch.setattr(_ep_direct, "probe_nodes", probe((2, True, "")))
     g = EpGroup(_FakeComm(), 4, 4, 8, transport="auto", timeout=7)
-    assert g.transport == "direct" and "transport='direct'" in repr(g)
-    assert made == [(0, 8, 7.0)]  # exact mode: pair rows = max_tokens_per_rank
+    assert g.transport == "direct" and "transport='direct'" in repr(g) and g.local_size == 2
+    assert made[-1] == (0, 8, 7.0, (0, 2))  # exact mode: pair rows = max_tokens_per_rank
     g2 = EpGroup(_FakeComm(), 4, 4, 8, mode="capacity", pair_capacity=3, transport="direct")
     assert g2.transport == "direct" and made[-1][1] == 3
     assert isinstance(g2._transport, FakeDirect)  # the NCCL path (and its overlap) never runs on it
     assert g2._transport.op_wait is not None
+    n_made = len(made)
+    with pytest.raises(ValueError, match="local_size=1 makes 2 nodes"):  # refused before any probe
+        EpGroup(_FakeComm(), 4, 4, 8, transport="direct", local_size=1)
+    assert len(made) == n_made and probed[-1] is None
     g.close()
     g.close()
     assert closed == [1]
+    g1.close()
+    assert closed == [1, 1]  # the mixed transport closes its direct part
     with pytest.raises(ValueError, match="closed"):
         g.synchronize()
 
@@ -1022,16 +1049,19 @@ def test_multi_gpu_dead_peer_times_out():
 
 
 # The direct peer-memory transport (moe_rt/_ep_direct.py) against the NCCL one, at every R up to the GPU
-# count (small shapes: a few seconds each).
+# count (small shapes: a few seconds each), and the mixed group (transport="auto", local_size=n: peer memory
+# within nodes of n ranks, NCCL between them; moe_rt/_ep_mixed.py) at n in {1, R/2, R}.
 
 @pytest.mark.multi_gpu
 @pytest.mark.parametrize("n", [2, 4])
-@pytest.mark.parametrize("what", ["transports", "graph_transports"])
+@pytest.mark.parametrize("what", ["transports", "graph_transports", "mixed", "graph_mixed"])
 def test_multi_gpu_transports(what, n):
     # transports: direct against the NumPy reference, NCCL (serial and overlapped) bitwise against direct:
     # dispatch, combine, dispatch_bwd, combine_bwd in exact and capacity modes; graph_transports: capacity
-    # mode captured in a CUDA graph per transport, replayed with new routing, bitwise across transports
-    r = _run_worker(what, n=n, timeout=180)
+    # mode captured in a CUDA graph per transport, replayed with new routing, bitwise across transports;
+    # mixed / graph_mixed: the same per node size (and an FP8 dispatch with torch), against the reference and
+    # bitwise against direct and NCCL
+    r = _run_worker(what, n=n, timeout=300 if "mixed" in what else 180)
     assert r.returncode == 0 and "[rank 0] ALL OK" in r.stdout
 
 
@@ -1056,8 +1086,11 @@ def test_multi_gpu_direct_lifecycle(n):
 
 @pytest.mark.multi_gpu
 @pytest.mark.parametrize("n", [2, 4])
-def test_multi_gpu_direct_dead_peer_times_out(n):
-    r = _run_worker("dead_peer_direct", n=n, timeout=120)
+@pytest.mark.parametrize("what", ["dead_peer_direct", "dead_peer_mixed"])
+def test_multi_gpu_direct_dead_peer_times_out(what, n):
+    # dead_peer_mixed: nodes of R/2 ranks (1 at R = 2); rank 1 skips a dispatch: its node peers see the direct
+    # barrier's error naming the op, the other nodes' ranks their NCCL exchange time out
+    r = _run_worker(what, n=n, timeout=120)
     assert r.returncode == 0 and "[rank 0] DEAD PEER OK" in r.stdout
 
 
@@ -1151,7 +1184,7 @@ def _kernel_params(file, name):
     return len([p for p in m.group(1).split(",") if p.strip()])
 
 
-@pytest.mark.parametrize("transport,R", [("nccl", 1), ("nccl", 3), ("direct", 3)])
+@pytest.mark.parametrize("transport,R", [("nccl", 1), ("nccl", 3), ("direct", 3), ("mixed", 3)])
 @pytest.mark.parametrize("mode", ["capacity", "exact"])
 @pytest.mark.parametrize("fused", [True, False])
 def test_prepare_launch_trace(monkeypatch, transport, R, mode, fused):
@@ -1185,6 +1218,11 @@ def test_prepare_launch_trace(monkeypatch, transport, R, mode, fused):
     g = EpGroup(comm, E, 8, Tmax, mode=mode, transport="nccl")
     if transport == "direct":
         g.transport, g._transport = "direct", _RecDirect()
+    if transport == "mixed":  # prepare's segments through NCCL with every peer, as on the NCCL transport
+        from moe_rt import _ep_mixed
+
+        node = type("D", (), {"lo": me - 1, "hi": me + 1})()
+        g.transport, g._transport = "mixed", _ep_mixed.MixedTransport(node, g._transport)
     rows, slots = 7 * R, 9 * R
     host = np.zeros(5 * R + 10, np.int32)
     host[_handle.meta_index("recv_rows", R)] = rows
@@ -1200,7 +1238,7 @@ def test_prepare_launch_trace(monkeypatch, transport, R, mode, fused):
     names = [e[0] for e in _Trace.events if e[0] not in ("alloc", "copy")]
     P, L = (Tmax if mode == "exact" else g.pair_capacity), E // R
     CW, W = L + 2, 2 * K + 1
-    group = ["group_start"] + ["send", "recv"] * (R - 1) + ["group_end"] if transport == "nccl" and R > 1 else []
+    group = ["group_start"] + ["send", "recv"] * (R - 1) + ["group_end"] if transport != "direct" and R > 1 else []
     exchange = ["ep_direct_barrier"] if transport == "direct" else group
     recv = ["ep_prepare_plan"] if fused else ["ep_prepare_recv", "plan_count", "plan_scan", "plan_assign"]
     if mode == "capacity":
@@ -1265,3 +1303,346 @@ def test_one_gpu_prepare_matches_cpu_handle(rng, mode, align, pair, id_dtype, E)
         rx, rw, tpe = g_gpu.dispatch(h, cp.asarray(x), cp.asarray(w))
         crx, crw, ctpe = g_cpu.dispatch(hc, x, w)
         assert np.array_equal(rx.get(), crx) and np.array_equal(rw.get(), crw) and np.array_equal(tpe.get(), ctpe)
+
+
+# -- the mixed transport (peer memory within a node, NCCL between nodes): arguments, nodes, traced ops --------
+
+def test_local_size_keyword_env_and_errors(monkeypatch):
+    monkeypatch.delenv("MOE_RT_EP_TRANSPORT", raising=False)
+    monkeypatch.delenv("MOE_RT_EP_LOCAL_SIZE", raising=False)
+    fake4 = type("C", (_FakeComm,), {"rank": 1, "size": 4})
+    for bad in (2.0, "2", True, [2]):
+        with pytest.raises(TypeError, match="local_size"):
+            EpGroup(fake4(), 8, 4, 4, transport="nccl", local_size=bad)
+    for bad in (0, -2, 3, 8):
+        with pytest.raises(ValueError, match="local_size: must divide the 4 ranks"):
+            EpGroup(fake4(), 8, 4, 4, transport="nccl", local_size=bad)
+    g = EpGroup(fake4(), 8, 4, 4, transport="nccl", local_size=np.int64(2))  # transport='nccl' never probes
+    assert g.local_size == 2 and type(g.local_size) is int and "local_size=2" in repr(g)
+    assert EpGroup(fake4(), 8, 4, 4, transport="nccl").local_size is None  # not probed: unknown
+    one = EpGroup(None, 4, 4, 4, local_size=1)
+    assert one.local_size == 1 and one.transport is None and "local_size=1" in repr(one)
+    assert EpGroup(None, 4, 4, 4).local_size == 1
+    with pytest.raises(ValueError, match="local_size"):
+        EpGroup(None, 4, 4, 4, local_size=2)
+    # 'direct' with several nodes: refused at creation, before any collective (the fake comm's all_gather raises)
+    with pytest.raises(ValueError, match="transport='direct': local_size=2 makes 2 nodes"):
+        EpGroup(fake4(), 8, 4, 4, transport="direct", local_size=2)
+    monkeypatch.setenv("MOE_RT_EP_LOCAL_SIZE", "2")
+    assert EpGroup(fake4(), 8, 4, 4, transport="nccl").local_size == 2
+    assert EpGroup(None, 4, 4, 4).local_size == 1  # the variable is for multi-rank groups
+    with pytest.raises(ValueError, match="local_size=2 makes 2 nodes"):
+        EpGroup(fake4(), 8, 4, 4, transport="direct")
+    assert EpGroup(fake4(), 8, 4, 4, transport="nccl", local_size=4).local_size == 4  # the keyword wins
+    for bad in ("two", "0", "-1", "1.5"):
+        monkeypatch.setenv("MOE_RT_EP_LOCAL_SIZE", bad)
+        with pytest.raises(ValueError, match="MOE_RT_EP_LOCAL_SIZE"):
+            EpGroup(fake4(), 8, 4, 4, transport="nccl")
+    monkeypatch.setenv("MOE_RT_EP_LOCAL_SIZE", "3")
+    with pytest.raises(ValueError, match="local_size: must divide"):
+        EpGroup(fake4(), 8, 4, 4, transport="nccl")
+    monkeypatch.setenv("MOE_RT_EP_LOCAL_SIZE", "")
+    assert EpGroup(fake4(), 8, 4, 4, transport="nccl").local_size is None
+
+
+def test_node_partition():
+    from moe_rt import _ep_direct
+
+    assert _ep_direct.node_size([7, 7, 7, 7]) == 4
+    assert _ep_direct.node_size([7, 7, 9, 9]) == 2
+    assert _ep_direct.node_size([7, 9, 5, 3]) == 1
+    assert _ep_direct.node_size([7, 7, 9, 9, 5, 5]) == 2
+    assert _ep_direct.node_size([7, 9, 7, 9]) is None  # a host's ranks not consecutive
+    assert _ep_direct.node_size([7, 7, 9, 9, 9, 9]) is None  # unequal nodes
+    assert _ep_direct.node_size([7, 7, 7, 9]) is None
+    assert _ep_direct.node_size([7, 7, 9, 9, 7, 7]) is None  # one host, two blocks
+
+
+@pytest.mark.parametrize("case", ["one_node", "two_hosts", "explicit_2", "explicit_1", "no_peer_in_node",
+                                  "no_peer_across", "interleaved"])
+def test_node_probe_decision(monkeypatch, case):
+    """probe_nodes' decision on R = 4 ranks (hosts, PCI bus ids and peer access stood in for): the node size (given
+    or derived from the hosts), and peer access checked within each node only."""
+    from moe_rt import _ep_direct
+
+    R = 4
+    buses = ["0000:1a:00.0", "0000:3c:00.0", "0000:5e:00.0", "0000:7f:00.0"]
+    hosts = {"two_hosts": [11, 11, 22, 22], "no_peer_across": [11, 11, 11, 11],
+             "interleaved": [11, 22, 11, 22]}.get(case, [11] * R)
+    given = {"explicit_2": 2, "explicit_1": 1, "no_peer_across": 2}.get(case)
+    ident = np.array([[hosts[r], _ep_direct._bus_code(buses[r]), r % 2 if hosts != [11] * R else r]
+                      for r in range(R)], np.int64)
+    no_peer = {"no_peer_in_node": {(0, 1), (1, 0)}, "no_peer_across": {(1, 2), (2, 1)}}.get(case, set())
+    want_n = {"one_node": 4, "two_hosts": 2, "explicit_2": 2, "explicit_1": 1, "no_peer_in_node": 4,
+              "no_peer_across": 2, "interleaved": None}[case]
+    want_ok = case not in ("no_peer_in_node", "interleaved")
+    def runtime(me):  # what rank me sees: the GPUs of its host, ordinals by bus id
+        visible = {buses[r]: int(ident[r, 2]) for r in range(R) if hosts[r] == hosts[me]}
+        rt = _Runtime(visible, {(a, b): (a, b) not in no_peer for a in range(R) for b in range(R)})
+        rt.deviceGetPCIBusId = lambda dev: buses[me]
+        return rt
+
+    verdicts = []  # each rank's own verdict on its node's peers
+    for me in range(R):
+        lo = me // want_n * want_n if want_n else 0
+        reason = _ep_direct.local_reason(ident, me, int(ident[me, 2]), runtime(me), peers=range(lo, lo + want_n)) \
+            if want_n else "no nodes"
+        verdicts.append([0 if reason else 1])
+    for me in range(R):
+        calls = []
+
+        def gather(comm, values, stream, wait):
+            calls.append(list(values))
+            return ident if len(calls) == 1 else np.array(verdicts, np.int64)
+
+        monkeypatch.setattr(_ep_direct, "all_gather_int64", gather)
+        monkeypatch.setattr(_ep_direct, "host_identity", lambda: hosts[me])
+        comm = type("C", (), {"rank": me, "size": R})()
+        n, ok, why = _ep_direct._decide_nodes(comm, int(ident[me, 2]), None, None, runtime(me), given)
+        assert n == want_n, (case, me, n)
+        assert len(calls) == (1 if want_n is None else 2)  # the same on every rank: no mismatched collective
+        assert calls[0][0] == hosts[me]
+        if want_n is not None:
+            assert calls[1] == verdicts[me]
+        assert ok == want_ok and (ok or why), (case, me, why)
+    if case == "no_peer_across":  # ranks 1 and 2 lack peer access, but they are on different nodes
+        assert verdicts == [[1]] * R
+
+
+class _Dev:
+    """A stand-in device array: shape, dtype and an address (the traced ops take pointers and row slices)."""
+    _next = [1 << 32]
+
+    def __init__(self, shape, dtype, ptr=None):
+        self.shape = tuple(int(n) for n in (shape if isinstance(shape, tuple) else (shape,)))
+        self.dtype = np.dtype(dtype)
+        self.size = int(np.prod(self.shape))
+        if ptr is None:
+            ptr = _Dev._next[0]
+            _Dev._next[0] += (self.size * self.dtype.itemsize + 255) // 256 * 256 + 256
+        self.data = _Ptr(ptr)
+
+    def row_bytes(self):
+        return int(np.prod(self.shape[1:])) * self.dtype.itemsize
+
+    def __getitem__(self, sl):
+        start, stop, _ = sl.indices(self.shape[0])
+        return _Dev((stop - start,) + self.shape[1:], self.dtype, self.data.ptr + start * self.row_bytes())
+
+    def reshape(self, *shape):
+        return _Dev(shape, self.dtype, self.data.ptr)
+
+    @staticmethod
+    def empty(shape, dtype):
+        return _Dev(shape, dtype)
+
+
+class _DevHandle:
+    """A stand-in handle: sizes, mode, host counts (exact mode) and one device region per name."""
+
+    def __init__(self, sizes, mode, host_meta=None):
+        self.sizes, self.mode, self.state, self._v = sizes, mode, {"host_meta": host_meta}, {}
+
+    def view(self, name):
+        if name not in self._v:
+            self._v[name] = _Dev(1 << 16, np.float32 if name == "recv_wk" else np.int32)
+        return self._v[name]
+
+
+def _mixed_transport(monkeypatch, R, local_size, me, P, events):
+    """A MixedTransport of rank ``me`` (kernels, NCCL and the IPC-shared stages stood in for)."""
+    from moe_rt import _ep_direct, _ep_mixed, _ep_nccl, _jit, permutation
+
+    def launch(fn, grid, block, args, *, shared_mem=0, stream=None):
+        name = fn.name.split("<")[0]
+        assert len(args) == _kernel_params("ep.cu", name), name
+        events.append(("launch", name, args))
+
+    monkeypatch.setattr(_jit, "function", lambda file, name: _Kernel(name))
+    monkeypatch.setattr(_jit, "launch", launch)
+    monkeypatch.setattr(_jit, "set_max_dynamic_shared", lambda fn, n: None)
+    monkeypatch.setattr(_jit, "device_properties", lambda dev: {"sm_count": 4})
+    monkeypatch.setattr(_ep_direct, "_resident_ctas", lambda fn, threads, dev: 8)
+    monkeypatch.setattr(_ep_mixed, "_subplan", lambda h, lo, hi: ("rows", lo, hi))
+
+    def combine(y, plan, w=None, *, stream=None):
+        events.append(("combine", plan, None if w is None else w.data.ptr))
+        return _Dev((plan[2] - plan[1], y.shape[1]), y.dtype)
+
+    def dispatch_backward(y, plan, gw=None, *, stream=None):
+        events.append(("dispatch_backward", plan))
+        return _Dev((plan[2] - plan[1], y.shape[1]), y.dtype), None
+
+    monkeypatch.setattr(permutation, "combine", combine)
+    monkeypatch.setattr(permutation, "dispatch_backward", dispatch_backward)
+
+    class Comm(_RecComm):
+        def send(self, ptr, count, dtype, peer, stream):
+            events.append(("send", peer, count, ptr))
+
+        def recv(self, ptr, count, dtype, peer, stream):
+            events.append(("recv", peer, count, ptr))
+
+        def group_start(self):
+            events.append(("group_start",))
+
+        def group_end(self):
+            events.append(("group_end",))
+
+    comm = Comm(me, R)
+    lo = me // local_size * local_size
+    d = object.__new__(_ep_direct.DirectTransport)  # what __init__ sets, without the CUDA calls
+    d.comm, d.device, d.R, d.me, d.lo, d.hi, d.P = comm, 0, R, me, lo, lo + local_size, P
+    d.timeout_ns, d._stages, d._order, d.closed, d._err_ptr = 10**9, {}, [], False, 64
+    d._wait = d._op_wait = None
+    d.state = _Dev(2, np.uint32)
+    d.bar = d.flags = type("Sh", (), {"table": _Dev(R, np.int64)})()
+    d.view = lambda st, rows, cols, dtype: _Dev((rows, cols), dtype, st.local)
+
+    def stages(row_bytes, K, stream, wait=None):
+        out = []
+        for key, rb in ((("rows", row_bytes), row_bytes), (("weights", K), 4 * K)):
+            if key not in d._stages:
+                local = _Dev(R * P * rb, np.uint8).data.ptr
+                d._stages[key] = type("St", (), {"local": local, "ptrs": [local + (r << 24) for r in range(R)],
+                                                  "table": _Dev(R, np.int64), "nbytes": R * P * rb})()
+            out.append(d._stages[key])
+        return out
+
+    d.stages = stages
+    nc = _ep_nccl.NcclTransport(comm, me, R, 0, 8, 1, False)
+    return _ep_mixed.MixedTransport(d, nc)
+
+
+def _mixed_handle(R, me, P, K, mode, rng):
+    """Sizes and, in exact mode, host counts (kept rows per pair, offsets) of a stand-in handle."""
+    T, L = 2 * P, 2
+    sz = dict(R=R, rank=me, L=L, E=L * R, Tmax=2 * P, K=K, P=P, T=T, H=8, A=1)
+    if mode == "capacity":
+        sz.update(rows=R * P, N=R * P * K)
+        return _DevHandle(sz, mode)
+    sc = [int(v) for v in rng.integers(0, P + 1, R)]
+    rc = [int(v) for v in rng.integers(0, P + 1, R)]
+    rc[me] = sc[me]
+    so, o = [], 0
+    for p in range(R):
+        so.append(o)
+        o += 0 if p == me else sc[p]
+    ro = list(np.concatenate([[0], np.cumsum(rc)]).astype(int))
+    meta = np.zeros(5 * R + 10, np.int32)
+    for name, vals in (("send_counts", sc), ("recv_counts", rc), ("send_off", so), ("recv_off", ro[:R])):
+        meta[_handle.meta_index(name, R):][:R] = vals
+    meta[_handle.meta_index("send_rows", R)] = sum(sc) - sc[me]
+    sz.update(rows=int(ro[R]), N=int(ro[R]) * K)
+    return _DevHandle(sz, mode, meta)
+
+
+@pytest.mark.parametrize("R,local_size,me", [(4, 2, 1), (4, 2, 2), (2, 1, 0), (2, 1, 1)])
+@pytest.mark.parametrize("mode", ["capacity", "exact"])
+def test_mixed_op_trace(monkeypatch, rng, R, local_size, me, mode):
+    """The launches and NCCL calls of the mixed transport's ops, traced on the CPU: the barrier and the fused
+    direct kernels serve the node's ranks [lo, lo + local_size) (their arguments), NCCL carries exactly the rows
+    of the other nodes' ranks (peers, sizes, addresses: out of the send buffer at send_off, into the receive
+    layout at recv_off; in the combine direction straight into the owner's stage row p*P + pos), the remote
+    rows are expanded into the same expert-major rows, and each launch passes as many arguments as its kernel
+    takes."""
+    from moe_rt import _ep_direct
+
+    events = []
+    P, K, H = 5, 2, 8
+    t = _mixed_transport(monkeypatch, R, local_size, me, P, events)
+    lo, hi = me // local_size * local_size, me // local_size * local_size + local_size
+    node = set(range(lo, hi))
+    remote = [p for p in range(R) if p not in node]
+    h = _mixed_handle(R, me, P, K, mode, rng)
+    sc, so, rc, ro = t.nccl._host_counts(h)
+    rb = H * 4
+    call = type("Call", (), {"xp": _Dev, "stream": type("S", (), {"ptr": 9})(), "device_id": 0})()
+    x = _Dev((h.sizes["T"], H), np.float32)
+    w = _Dev((h.sizes["T"], K), np.float32)
+
+    def launches(name):
+        return [e[2] for e in events if e[0] == "launch" and e[1] == name]
+
+    def nccl(kind):
+        return [e[1:] for e in events if e[0] == kind]
+
+    # -- the dispatch direction, expanded into the expert-major rows
+    out, out_w = t.forward(call, h, x, w, "dispatch", want_w=True)
+    assert out.shape == (h.sizes["N"], H) and out_w.shape == (h.sizes["N"],)
+    names = [e[1] if e[0] == "launch" else e[0] for e in events]
+    direct = ["ep_direct_barrier", "ep_direct_dispatch"] + (["ep_direct_row_map"] if mode == "exact" else [])
+    direct += ["ep_copy_rows"]  # the direct pass's weights into recv_wk, before the NCCL pass writes the remote ones
+    groups = ["group_start"] + ["send", "send", "recv", "recv"] * len(remote) + ["group_end"]
+    expands = ["ep_expand_rows"] * len(t.remote_ranges())
+    assert names == direct + ["ep_pack_rows"] + groups + expands + ["ep_fill_rows"], names
+    bar, = launches("ep_direct_barrier")
+    assert tuple(int(v) for v in bar[-3:]) == (_ep_direct.OP_CODES["dispatch"], lo, hi)
+    disp, = launches("ep_direct_dispatch")
+    assert tuple(int(v) for v in disp[-2:]) == (lo, hi)
+    pack, = launches("ep_pack_rows")
+    assert tuple(int(v) for v in pack[-3:]) == (1, lo, hi)  # only the destinations outside the node
+    sends, recvs = nccl("send"), nccl("recv")
+    assert [s[0] for s in sends] == [p for p in remote for _ in (0, 1)]
+    assert [r[0] for r in recvs] == [p for p in remote for _ in (0, 1)]
+    sbuf = sends[0][2] - so[remote[0]] * rb
+    for i, p in enumerate(remote):
+        assert sends[2 * i][1:] == (sc[p] * rb, sbuf + so[p] * rb)  # rows
+        assert sends[2 * i + 1][1] == sc[p] * K * 4  # weights
+        assert recvs[2 * i][1] == rc[p] * rb
+        assert recvs[2 * i + 1][1:] == (rc[p] * K * 4, h.view("recv_wk").data.ptr + ro[p] * K * 4)
+    rbuf = recvs[0][2] - ro[remote[0]] * rb
+    assert [r[2] for r in recvs[::2]] == [rbuf + ro[p] * rb for p in remote]
+    ranges = t.remote_ranges()
+    for args, (a, b) in zip(launches("ep_expand_rows"), ranges):
+        first, last = ro[a], ro[b - 1] + rc[b - 1]
+        assert args[0] == rbuf + first * rb  # the remote sources' received rows
+        assert args[2] == h.view("dst_row").data.ptr + first * K * 4 and int(args[6]) == last - first
+
+    # -- the dispatch direction, received rows in the handle's layout (combine_bwd with y)
+    events.clear()
+    buf = t.forward(call, h, x, None, "combine_bwd", expand=False)
+    names = [e[1] if e[0] == "launch" else e[0] for e in events]
+    direct = ["ep_direct_barrier", "ep_direct_dispatch"]
+    if mode == "exact":  # the stage's rows packed into the handle's layout (the row map is cached on the handle)
+        direct += ["ep_copy_rows"]
+    groups = ["group_start"] + ["send", "recv"] * len(remote) + ["group_end"]
+    assert names == direct + ["ep_pack_rows"] + groups, names
+    stage = t.direct._stages[("rows", rb)].local
+    assert buf.data.ptr == (stage if mode == "capacity" else buf.data.ptr) and buf.shape == (h.sizes["rows"], H)
+    assert [r[1:] for r in nccl("recv")] == [(rc[p] * rb, buf.data.ptr + ro[p] * rb) for p in remote]
+
+    # -- the combine direction: remote partials through NCCL into the owners' stages, then the direct kernel
+    for op in ("combine", "dispatch_bwd"):
+        events.clear()
+        y = _Dev((h.sizes["N"], H), np.float32)
+        wk = _Dev((h.sizes["rows"], K), np.float32) if op == "combine" else None
+        gw = _Dev(h.sizes["N"], np.float32) if op == "dispatch_bwd" else None
+        o, g = t.reduce(call, h, y, wk, gw, op)
+        assert o.shape == (h.sizes["T"], H) and (g is None) == (gw is None)
+        names = [e[1] if e[0] == "launch" else e[0] for e in events]
+        partial = "combine" if op == "combine" else "dispatch_backward"
+        n_w = 2 if gw is not None else 1
+        want = (["ep_slot_values"] if gw is not None else []) + ["ep_direct_barrier"]
+        want += [partial] * len(ranges) + ["group_start"] + (["send"] * n_w + ["recv"] * n_w) * len(remote)
+        want += ["group_end", "ep_direct_combine"]
+        assert names == want, (op, names)
+        bar, = launches("ep_direct_barrier")
+        assert tuple(int(v) for v in bar[-3:]) == (_ep_direct.OP_CODES[op], lo, hi)
+        comb, = launches("ep_direct_combine")
+        assert tuple(int(v) for v in comb[-2:]) == (lo, hi)
+        parts = [e for e in events if e[0] in ("combine", "dispatch_backward")]
+        assert [e[1][1:] for e in parts] == [(ro[a], ro[b - 1] + rc[b - 1]) for a, b in ranges]
+        if op == "combine":
+            assert [e[2] for e in parts] == [wk.data.ptr + ro[a] * K * 4 for a, _ in ranges]
+        stage = t.direct._stages[("rows", rb)].local
+        wstage = t.direct._stages[("weights", K)].local
+        recvs = [e[1:] for e in events if e[0] == "recv"]
+        sends = [e[1:] for e in events if e[0] == "send"]
+        # back to the owner: what this rank received from p; into this rank's stage rows p*P + pos
+        assert [r[:2] for r in recvs[::n_w]] == [(p, sc[p] * rb) for p in remote]
+        assert [r[2] for r in recvs[::n_w]] == [stage + p * P * rb for p in remote]
+        assert [s[:2] for s in sends[::n_w]] == [(p, rc[p] * rb) for p in remote]
+        if gw is not None:
+            assert [r[1:] for r in recvs[1::2]] == [(sc[p] * K * 4, wstage + p * P * K * 4) for p in remote]
+            assert [s[1] for s in sends[1::2]] == [rc[p] * K * 4 for p in remote]

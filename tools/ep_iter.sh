@@ -4,9 +4,12 @@
 # too), and the EP benchmark at each rank count in RANKS.
 #   tools/ep_iter.sh OUTDIR [TOKENS]      (TOKENS: bench_ep's --tokens, default 4096,16384)
 # Environment: RANKS (default "4 2"; "2" on a 2-GPU machine), LL=1 (low-latency tests and bench at T=128),
-# TESTS (pytest -k expression for tests/test_ep.py's multi-GPU tests, default every one; none: skip them),
+# TESTS (pytest -k expression for tests/test_ep.py's multi-GPU tests, default every one; none: skip them; "mixed":
+# the mixed group's), TESTS_TIMEOUT (seconds for them, default 420),
 # EXTRA_TESTS (more pytest arguments, run with -m "gpu or multi_gpu" after), FP8=1 (bench_ep --fp8: FP8 dispatch
-# rows beside bf16), DEMO_EP=1 (the torch EP demo on an empty kernel cache first, timed).
+# rows beside bf16), DEMO_EP=1 (the torch EP demo on an empty kernel cache first, timed), CHUNKS (bench_ep's --chunks,
+# default 2; e.g. 2,m1,m2: the mixed groups of nodes of 1 and 2 ranks beside it; an m<n> that does not divide a
+# rank count in RANKS is dropped for that count).
 set -u
 OUT=${1:?usage: tools/ep_iter.sh OUTDIR [TOKENS]}
 TOK=${2:-4096,16384}
@@ -20,7 +23,7 @@ fi
 export MOE_RT_KERNEL_CACHE=/tmp/moe_rt_kc
 step warmup 150 python3 -m moe_rt warmup --quiet
 if [ "${TESTS:-}" != none ]; then
-  step ep_multi 420 python3 -m pytest -q -rA -m multi_gpu tests/test_ep.py ${TESTS:+-k "$TESTS"}
+  step ep_multi ${TESTS_TIMEOUT:-420} python3 -m pytest -q -rA -m multi_gpu tests/test_ep.py ${TESTS:+-k "$TESTS"}
   grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|mismatch" "$OUT/ep_multi.log" | head -30
 fi
 if [ -n "${LL:-}" ]; then
@@ -32,7 +35,8 @@ if [ -n "${EXTRA_TESTS:-}" ]; then
   grep -E "^FAILED|^ERROR" "$OUT/extra_tests.log" | head -30; tail -2 "$OUT/extra_tests.log"
 fi
 for n in $RANKS; do
-  step bench_ep$n 240 env MOE_RT_BENCH_EP_NPROC=$n python3 tools/bench_ep.py --tokens "$TOK" --chunks 2 ${FP8:+--fp8} --json "$OUT/bench_ep$n.json"
+  CH=$(echo "${CHUNKS:-2}" | tr ',' '\n' | awk -v n=$n '!/^m/ || (n % substr($0, 2) == 0)' | paste -sd, -)
+  step bench_ep$n 240 env MOE_RT_BENCH_EP_NPROC=$n python3 tools/bench_ep.py --tokens "$TOK" --chunks "$CH" ${FP8:+--fp8} --json "$OUT/bench_ep$n.json"
   grep -E "Error|Traceback" "$OUT/bench_ep$n.log" | head -5; tail -24 "$OUT/bench_ep$n.log"
   if [ -n "${LL:-}" ]; then
     step bench_ll$n 200 env MOE_RT_BENCH_EP_NPROC=$n python3 tools/bench_ep.py --mode low_latency --tokens 128 \

@@ -11,7 +11,10 @@ prepare (eager: CUDA-event time and, column host_us, the calling thread's median
 capacity+graph: "prepare (graph)", prepare alone captured in a graph, its device time), then dispatch, combine and the round trip per transfer configuration (``--chunks``; default
 s1 = serial in one part, o2 = overlapped in two parts, 2 = the EpGroup default: two parts, overlapped when
 the rank sends at least 64 MiB) of the NCCL transport and the direct peer-memory transport (chunks column
-"d"; ``--transport``: direct, nccl or both, the default), optionally the serial path's pieces alone
+"d"; ``--transport``: direct, nccl or both, the default), and, given in ``--chunks`` as ``m<n>`` (e.g. m1,m2),
+the mixed group of nodes of n ranks (``EpGroup(transport="auto", local_size=n)``: peer memory within a node,
+NCCL between nodes, one machine run as R/n simulated nodes; n must divide R and every pair within a node have
+peer access), optionally the serial path's pieces alone
 (``--parts``), and side by side in the same run:
 
 (a) the torch.distributed pipeline a user writes: stable argsort permute (K rows per token), all-to-all of
@@ -51,13 +54,15 @@ from moe_rt.bench import _lib as benchlib  # noqa: E402
 
 
 def _chunk_list(text: str) -> list[str]:
-    """argparse type of --chunks: comma-separated chunk counts >= 1, each optionally prefixed s or o."""
+    """argparse type of --chunks: comma-separated chunk counts >= 1, each optionally prefixed s or o, or m<n>:
+    the mixed group of nodes of n >= 1 ranks."""
     out = [c.strip() for c in text.split(",") if c.strip()]
     for c in out:
-        n = c[1:] if c[:1] in ("s", "o") else c
+        n = c[1:] if c[:1] in ("s", "o", "m") else c
         if not n.isdigit() or int(n) < 1:
             raise argparse.ArgumentTypeError(
-                f"expected chunk counts >= 1, each optionally prefixed s or o (e.g. s1,o2,2), got {text!r}")
+                f"expected chunk counts >= 1, each optionally prefixed s or o, or m<n> (nodes of n ranks) "
+                f"(e.g. s1,o2,2,m2), got {text!r}")
     if not out:
         raise argparse.ArgumentTypeError(f"expected at least one chunk count, got {text!r}")
     return out
@@ -74,7 +79,9 @@ def parser(prog: str | None = None):
                          "device time), the eager round trip and the graph round trip")
     ap.add_argument("--chunks", type=_chunk_list, default=["s1", "o2", "2"],
                     help="transfer configurations to compare: a chunk count, prefixed 's' for the serial path "
-                         "or 'o' for the overlapped one (2 alone is the default EpGroup)")
+                         "or 'o' for the overlapped one (2 alone is the default EpGroup), or m<n>: the mixed "
+                         "group of nodes of n ranks (transport='auto', local_size=n; peer memory within a node, "
+                         "NCCL between nodes)")
     ap.add_argument("--transport", default="both", choices=("direct", "nccl", "both"),
                     help="the EP transports to time side by side (direct: chunks column 'd')")
     ap.add_argument("--fp8", action="store_true",
@@ -204,16 +211,29 @@ def _rank(args):
     from moe_rt import _ep_direct
 
     peer_ok = world > 1 and _ep_direct.probe_peers(comm, dev, lambda s: s.synchronize())[0]
-    chunk_counts = list(args.chunks) if args.transport != "direct" else []
+    chunk_counts = list(args.chunks) if args.transport != "direct" else [c for c in args.chunks if c[:1] == "m"]
     if args.transport != "nccl":
         if not peer_ok:
             raise SystemExit("--transport direct: some pair of ranks has no peer access")
         chunk_counts = ["d"] + chunk_counts
+    for c in chunk_counts:
+        if c[:1] == "m" and world % int(c[1:]):
+            raise SystemExit(f"--chunks {c}: nodes of {c[1:]} ranks must divide the {world} ranks")
 
     def cfg(c):
         if c == "d":
             return {"transport": "direct"}
+        if c[:1] == "m":
+            return {"transport": "auto", "local_size": int(c[1:])}
         return {"chunks": int(c.lstrip("so")), "overlap": {"s": False, "o": True}.get(c[:1]), "transport": "nccl"}
+
+    def check_transport(c, grp):
+        """An m<n> column is the mixed group (the direct transport for n = R), never a silent NCCL fallback."""
+        if c[:1] == "m":
+            want = "mixed" if int(c[1:]) < world else "direct"
+            if grp.transport != want:
+                raise SystemExit(f"--chunks {c}: the group chose transport {grp.transport!r}, not {want!r} "
+                                 "(some pair of ranks within a node has no peer access)")
     iters, warm = args.iters, args.warmup
     table = benchlib.Table("EP dispatch/combine (moe_rt vs torch.distributed)",
                            ["op", "mode", "chunks", "T", "ms", "host_us", "wire_MB", "wire_GB/s", "torch_ms",
@@ -313,6 +333,8 @@ def _rank(args):
         for mode in ("exact", "capacity", "capacity+graph"):
             m = "capacity" if mode.startswith("capacity") else "exact"
             grps = [EpGroup(comm, E, H, T, mode=m, **cfg(c)) for c in chunk_counts]
+            for c, grp in zip(chunk_counts, grps):
+                check_transport(c, grp)
             hs = [g.prepare(idx) for g in grps]
             rx, rw, tpe = grps[0].dispatch(hs[0], x, w)
             y = rx  # the expert-major layout is the same for every chunk count
@@ -343,7 +365,7 @@ def _rank(args):
                 seen = set()
                 for c, grp in zip(chunk_counts, grps):
                     if grp.transport in seen:  # prepare is the same for every chunk configuration
-                        continue
+                        continue  # (the mixed group's prepare is the NCCL one's: its row shows it again)
                     seen.add(grp.transport)
                     # prepare alone captured in a graph: its device time, no host work
                     stream = cp.cuda.Stream(non_blocking=True)
