@@ -60,7 +60,6 @@ import numpy as np
 
 from moe_rt import _arrays, _ep_adapt, _ep_direct, _errors, _jit
 from moe_rt import ep as _ep
-from moe_rt import fp8 as _fp8
 from moe_rt.reference import ep_ll as _ref
 from moe_rt.reference import fp8 as _fp8_ref
 

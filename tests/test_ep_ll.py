@@ -700,6 +700,151 @@ def test_gpu_one_rank_split_dispatch_two_in_flight(rng):
         g.close()
 
 
+def _torch_cuda():
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
+def fp8_dequantized(rq, rs, dt):
+    """The reference's received FP8 pair dequantized in ``dt`` (rows of ``[L, R*Tmax, H]``)."""
+    L, RT, H = rq.shape
+    return moe_rt.dequantize_fp8(rq.reshape(-1, H), rs.reshape(L * RT, -1), dt).reshape(L, RT, H)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float16"])
+@pytest.mark.parametrize("L,K,T,Tmax,H", [(5, 3, 7, 9, 13), (8, 4, 128, 128, 256), (3, 2, 0, 4, 16),
+                                          (4, 3, 33, 40, 7168), (6, 2, 9, 9, 200)])
+def test_gpu_one_rank_fp8_against_reference(rng, dtype, L, K, T, Tmax, H):
+    """FP8 dispatch on one GPU, bit for bit: a float x quantized in the push (dequantized on receipt; with torch
+    also the e4m3 codes themselves, equal to the quantize_fp8 kernel's), a uint8 pair pushed as is; counts and
+    slot tables as the reference's; combine and both backwards after it as after a float dispatch. H = 13 and
+    200 run the scalar path (H % 16 != 0)."""
+    import cupy as cp
+
+    dt = bf16() if dtype == "bfloat16" else np.dtype(dtype)
+    torch = _torch_cuda()
+    g = LowLatencyGroup(None, L, H, Tmax, topk=K, dtype=dt, fp8=True)
+    try:
+        for _ in range(2):  # the second call over buffers the first one filled
+            xs, idxs, ws = fp8_case(rng, 1, L, K, (T,), H, dt)
+            rq, rs, rc, rh = ref.dispatch_fp8(xs, idxs, ws, L, Tmax)[0]
+            sk = rh["slot_k"]
+            x, idx, w = cp.asarray(xs[0]), cp.asarray(idxs[0]), cp.asarray(ws[0])
+            with pytest.raises(TypeError, match="which CuPy cannot hold"):
+                g.dispatch(x, idx, w, fp8=True)
+            y, counts, h = g.dispatch(x, idx, w, fp8=True, dequantize=True)
+            assert y.dtype == dt and y.shape == (L, Tmax, H)
+            np.testing.assert_array_equal(fp8_valid_rows(cp.asnumpy(y), sk),
+                                          fp8_valid_rows(fp8_dequantized(rq, rs, dt), sk))
+            np.testing.assert_array_equal(cp.asnumpy(counts), rc)
+            np.testing.assert_array_equal(cp.asnumpy(h.slot_topk), sk)
+            np.testing.assert_array_equal(cp.asnumpy(h.slot_weights), rh["slot_w"])
+            xq, xsc = moe_rt.quantize_fp8(xs[0])
+            q, sc, counts, _ = g.dispatch((cp.asarray(xq.view(np.uint8)), cp.asarray(xsc)), idx, w, fp8=True)
+            assert q.dtype == np.uint8 and sc.dtype == np.float32 and sc.shape == (L, Tmax, -(-H // 128))
+            np.testing.assert_array_equal(fp8_valid_rows(cp.asnumpy(q), sk), fp8_valid_rows(rq, sk))
+            np.testing.assert_array_equal(fp8_valid_rows(cp.asnumpy(sc), sk), fp8_valid_rows(rs, sk))
+            np.testing.assert_array_equal(cp.asnumpy(counts), rc)
+            if torch is not None:
+                tdt = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[dtype]
+                xt = torch.from_numpy(xs[0].astype(np.float32)).cuda().to(tdt)
+                it, wt = torch.from_numpy(idxs[0]).cuda(), torch.from_numpy(ws[0]).cuda()
+                q, sc, counts, _ = g.dispatch(xt, it, wt, fp8=True)
+                assert q.dtype == torch.float8_e4m3fn and sc.dtype == torch.float32
+                qn, sn = q.view(torch.uint8).cpu().numpy(), sc.cpu().numpy()
+                np.testing.assert_array_equal(fp8_valid_rows(qn, sk), fp8_valid_rows(rq, sk))
+                np.testing.assert_array_equal(fp8_valid_rows(sn, sk), fp8_valid_rows(rs, sk))
+                if T:  # the push's quantization is the quantize_fp8 kernel's: slot (l, t) holds token t
+                    qk, skk = moe_rt.quantize_fp8(xt)
+                    ll, tt = np.nonzero(sk >= 0)
+                    np.testing.assert_array_equal(qn[ll, tt], qk.view(torch.uint8).cpu().numpy()[tt])
+                    np.testing.assert_array_equal(sn[ll, tt].view(np.uint32), skk.cpu().numpy()[tt].view(np.uint32))
+                q2, _, _, _ = g.dispatch((moe_rt.quantize_fp8(xt)[0], torch.from_numpy(xsc).cuda()), it, wt, fp8=True)
+                assert q2.dtype == torch.float8_e4m3fn
+                np.testing.assert_array_equal(fp8_valid_rows(q2.view(torch.uint8).cpu().numpy(), sk),
+                                              fp8_valid_rows(rq, sk))
+            # combine and both backwards with the handle of the FP8 dispatch
+            yo = rng.standard_normal((L, Tmax, H)).astype(dt)
+            out = g.combine(h, cp.asarray(yo))
+            np.testing.assert_array_equal(cp.asnumpy(out).view(np.uint8), ref.combine([rh], [yo])[0].view(np.uint8))
+            gx, _ = g.dispatch_bwd(h, cp.asarray(yo))
+            np.testing.assert_array_equal(cp.asnumpy(gx).view(np.uint8),
+                                          ref.dispatch_bwd([rh], [yo])[0][0].view(np.uint8))
+            go = rng.standard_normal((T, H)).astype(dt)
+            gy, _ = g.combine_bwd(h, cp.asarray(go))
+            np.testing.assert_array_equal(cp.asnumpy(gy).view(np.uint8),
+                                          ref.combine_bwd([rh], [go])[0][0].view(np.uint8))
+            g.synchronize()
+    finally:
+        g.close()
+
+
+@pytest.mark.gpu
+def test_gpu_one_rank_fp8_graph_replay_and_split(rng):
+    """FP8 dispatch (dequantized) + combine captured once and replayed with new tokens and routing; two
+    micro-batches in flight through receive hooks (num_buffers=2: an FP8 pair and a quantized float x), eager
+    and replayed from a graph."""
+    import cupy as cp
+
+    dt = bf16()
+    L, K, T, Tmax, H = 6, 3, 11, 16, 384
+    g = LowLatencyGroup(None, L, H, Tmax, topk=K, dtype=dt, fp8=True, num_buffers=2)
+    try:
+        xs, idxs, ws = fp8_case(rng, 1, L, K, (T,), H, dt)
+        x, idx, w = cp.asarray(xs[0]), cp.asarray(idxs[0]), cp.asarray(ws[0])
+        xq, xsc = (cp.asarray(a) for a in moe_rt.quantize_fp8(xs[0]))
+        xq = xq.view(np.uint8) if xq.dtype != np.uint8 else xq
+        yo = cp.asarray(rng.standard_normal((L, Tmax, H)).astype(dt))
+
+        def check(outs, tag):
+            (qa, _), cb, yb, oa, ob = outs
+            rq, rs, rc, rh = ref.dispatch_fp8(xs, idxs, ws, L, Tmax)[0]
+            sk = rh["slot_k"]
+            want_y = fp8_dequantized(rq, rs, dt)
+            np.testing.assert_array_equal(fp8_valid_rows(cp.asnumpy(qa), sk), fp8_valid_rows(rq, sk), tag)
+            np.testing.assert_array_equal(fp8_valid_rows(cp.asnumpy(yb), sk), fp8_valid_rows(want_y, sk), tag)
+            np.testing.assert_array_equal(cp.asnumpy(cb), rc, tag)
+            np.testing.assert_array_equal(cp.asnumpy(oa).view(np.uint8),
+                                          ref.combine([rh], [cp.asnumpy(yo)])[0].view(np.uint8), tag)
+            np.testing.assert_array_equal(cp.asnumpy(ob).view(np.uint8),
+                                          ref.combine([rh], [np.where(sk[..., None] >= 0, want_y, 0).astype(dt)])[0]
+                                          .view(np.uint8), tag)
+
+        def split_step():
+            (qa, sa, _, ha, hook_a) = g.dispatch((xq, xsc), idx, w, fp8=True, return_recv_hook=True)
+            (yb, cb, hb, hook_b) = g.dispatch(x, idx, w, fp8=True, dequantize=True, return_recv_hook=True)
+            assert ha.buffer_set != hb.buffer_set
+            hook_a()
+            hook_b()
+            return (qa, sa), cb, yb, g.combine(ha, yo), g.combine(hb, yb)
+
+        check(split_step(), "eager")
+        g.synchronize()
+        s = cp.cuda.Stream(non_blocking=True)
+        with s:
+            s.begin_capture()
+            outs = split_step()
+            graph = s.end_capture()
+        for it in range(3):
+            xs, idxs, ws = fp8_case(rng, 1, L, K, (T,), H, dt)
+            x[...] = cp.asarray(xs[0])
+            idx[...] = cp.asarray(idxs[0])
+            w[...] = cp.asarray(ws[0])
+            q0, s0 = moe_rt.quantize_fp8(xs[0])
+            xq[...] = cp.asarray(q0.view(np.uint8))
+            xsc[...] = cp.asarray(s0)
+            graph.launch(s)
+            s.synchronize()
+            check(outs, f"replay {it}")
+        g.synchronize()
+    finally:
+        g.close()
+
+
 # -- several GPUs: tests/ep_ll_worker.py ------------------------------------------------------------------
 
 def _gpu_count():
