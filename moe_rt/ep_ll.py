@@ -35,6 +35,13 @@ has its own row). A token that names an expert twice has one slot for it.
   that an expert weight gradient summed over all rows is exact; with ``expert_out`` also ``grad_topk_weights
   [t,k] = <y[slot], grad_out[t]>``; its result is again a view of the receive buffer).
 
+``dispatch(..., fp8=True)`` (a group made with ``fp8=True``, which holds FP8 receive buffers) sends FP8 rows:
+a float ``x`` is quantized inside the push kernel (each token row read once; :func:`moe_rt.quantize_fp8`'s
+rule, bit for bit), a pre-quantized ``(x_fp8, scales)`` pair is pushed as is; each slot receives ``H`` e4m3
+codes and ``ceil(H/128)`` fp32 scales (``recv_x_fp8``, ``recv_scales``), or with ``dequantize=True`` the row
+dequantized on the receiving side in the group's dtype. The handle, combine and both backwards are the float
+ones (docs/ep.md §8).
+
 ``dispatch(..., return_recv_hook=True)`` splits the op: the call pushes and returns a ``hook`` that launches
 the receive half later (so compute queued in between overlaps the transfer); with ``num_buffers=2`` two
 micro-batches can be in flight, their dispatches alternating between two sets of the shared buffers.
@@ -50,7 +57,8 @@ Transport: the direct peer-memory one (:mod:`moe_rt._ep_direct`); a group of sev
 pair on one node with peer access (ValueError at creation otherwise). ``LowLatencyGroup(None, ...)`` is a
 1-rank group: CPU arrays run the NumPy reference :mod:`moe_rt.reference.ep_ll`, CUDA arrays the kernels.
 Memory per rank: ``(L*R*Tmax + Tmax*K) * H`` token elements plus small tables (bf16, E=256, R=4, Tmax=128,
-H=7168: 470 MB, as DeepEP's low-latency buffer).
+H=7168: 470 MB, as DeepEP's low-latency buffer), per buffer set; ``fp8=True`` adds ``L*R*Tmax*(H +
+4*ceil(H/128))`` bytes per set.
 """
 from __future__ import annotations
 

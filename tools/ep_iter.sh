@@ -6,7 +6,7 @@
 # Environment: RANKS (default "4 2"; "2" on a 2-GPU machine), LL=1 (low-latency tests and bench at T=128),
 # TESTS (pytest -k expression for tests/test_ep.py's multi-GPU tests, default every one; none: skip them),
 # EXTRA_TESTS (more pytest arguments, run with -m "gpu or multi_gpu" after), FP8=1 (bench_ep --fp8: FP8 dispatch
-# rows beside bf16), DEMO_EP=1 (the torch EP demo on an empty kernel cache first, timed).
+# rows beside bf16; with LL=1 also the low-latency FP8 dispatch rows), DEMO_EP=1 (the torch EP demo on an empty kernel cache first, timed).
 set -u
 OUT=${1:?usage: tools/ep_iter.sh OUTDIR [TOKENS]}
 TOK=${2:-4096,16384}
@@ -36,7 +36,7 @@ for n in $RANKS; do
   grep -E "Error|Traceback" "$OUT/bench_ep$n.log" | head -5; tail -24 "$OUT/bench_ep$n.log"
   if [ -n "${LL:-}" ]; then
     step bench_ll$n 200 env MOE_RT_BENCH_EP_NPROC=$n python3 tools/bench_ep.py --mode low_latency --tokens 128 \
-      --json "$OUT/bench_ll$n.json"
-    grep -E "Error|Traceback" "$OUT/bench_ll$n.log" | head -5; tail -14 "$OUT/bench_ll$n.log"
+      ${FP8:+--fp8} --json "$OUT/bench_ll$n.json"
+    grep -E "Error|Traceback" "$OUT/bench_ll$n.log" | head -5; tail -16 "$OUT/bench_ll$n.log"
   fi
 done

@@ -83,7 +83,8 @@ def parser(prog: str | None = None):
     ap.add_argument("--fp8", action="store_true",
                     help="also time the FP8 dispatch (EpGroup.dispatch(fp8=True): quantize on the sender, e4m3 rows "
                          "and their fp32 block scales on the wire) beside the bf16 one, per mode and transfer "
-                         "configuration (exact and capacity eager), with the speedup x_vs_bf16")
+                         "configuration (exact and capacity eager), with the speedup x_vs_bf16; --mode low_latency: "
+                         "'dispatch fp8 (graph)' and 'dispatch fp8 dequant (graph)' beside 'dispatch (graph)'")
     ap.add_argument("--parts", action="store_true",
                     help="also time the serial dispatch/combine's parts alone (pack, NCCL exchange, expand; "
                          "reduce, exchange, owner sum) in exact mode")
