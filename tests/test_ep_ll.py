@@ -799,8 +799,8 @@ def test_gpu_one_rank_fp8_graph_replay_and_split(rng):
     try:
         xs, idxs, ws = fp8_case(rng, 1, L, K, (T,), H, dt)
         x, idx, w = cp.asarray(xs[0]), cp.asarray(idxs[0]), cp.asarray(ws[0])
-        xq, xsc = (cp.asarray(a) for a in moe_rt.quantize_fp8(xs[0]))
-        xq = xq.view(np.uint8) if xq.dtype != np.uint8 else xq
+        q0, s0 = moe_rt.quantize_fp8(xs[0])
+        xq, xsc = cp.asarray(q0.view(np.uint8)), cp.asarray(s0)  # CuPy holds FP8 codes as uint8
         yo = cp.asarray(rng.standard_normal((L, Tmax, H)).astype(dt))
 
         def check(outs, tag):

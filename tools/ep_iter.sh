@@ -3,7 +3,8 @@
 # against the reference and each other, graph replay, lifecycle, dead peer; with LL=1 the low-latency mode's
 # too), and the EP benchmark at each rank count in RANKS.
 #   tools/ep_iter.sh OUTDIR [TOKENS]      (TOKENS: bench_ep's --tokens, default 4096,16384)
-# Environment: RANKS (default "4 2"; "2" on a 2-GPU machine), LL=1 (low-latency tests and bench at T=128),
+# Environment: RANKS (default "4 2"; "2" on a 2-GPU machine), LL=1 (low-latency tests and bench at T=128; LL_K: a
+# pytest -k expression for those tests),
 # TESTS (pytest -k expression for tests/test_ep.py's multi-GPU tests, default every one; none: skip them),
 # EXTRA_TESTS (more pytest arguments, run with -m "gpu or multi_gpu" after), FP8=1 (bench_ep --fp8: FP8 dispatch
 # rows beside bf16; with LL=1 also the low-latency FP8 dispatch rows), DEMO_EP=1 (the torch EP demo on an empty kernel cache first, timed).
@@ -24,7 +25,7 @@ if [ "${TESTS:-}" != none ]; then
   grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|mismatch" "$OUT/ep_multi.log" | head -30
 fi
 if [ -n "${LL:-}" ]; then
-  step ll_tests 300 python3 -m pytest -q -rA tests/test_ep_ll.py -m "gpu or multi_gpu"
+  step ll_tests 540 python3 -m pytest -q -rA tests/test_ep_ll.py -m "gpu or multi_gpu" ${LL_K:+-k "$LL_K"}
   grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/ll_tests.log" | head -30
 fi
 if [ -n "${EXTRA_TESTS:-}" ]; then
