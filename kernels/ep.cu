@@ -6,6 +6,7 @@
 // exactly one thread in a fixed order: no atomics, so plans and sums are bitwise reproducible (the one
 // atomic is the error word's record of a bad expert id, which no result depends on).
 #include "moe_rt/common.cuh"
+#include "moe_rt/fp8.cuh"
 #include "moe_rt/plan.cuh"
 
 using namespace moe_rt;
@@ -1246,33 +1247,174 @@ __device__ __forceinline__ void ll_block_rows(const T* const* src, T* const* dst
   }
 }
 
-// The dispatch direction, one kernel. Push items (chunks c of this rank's tokens, C tokens each):
+// FP8 rows (ep_ll_dispatch_fp8): each slot row travels as H e4m3 codes into recv_q [L, R*Tmax, H] and
+// S = ceil(H/128) fp32 scales into recv_s [L, R*Tmax, S] (H + 4S bytes instead of H * sizeof(T)).
+constexpr int LL_FP8_BLOCK = 128;                     // channels per scale (docs/fp8.md)
+constexpr int LL_FP8_CH = 16;                         // channels a thread takes: 16 codes, one 16-byte store
+constexpr int LL_FP8_LANES = LL_FP8_BLOCK / LL_FP8_CH;  // threads per 128-channel block
+constexpr int LL_FP8_UNROLL = 2;                      // blocks a thread has loaded before it stores
+
+// The FP8 push of one chunk (tokens t0 .. t0 + n - 1) by the whole block, in (token, 128-channel block)
+// items of LL_FP8_LANES threads, each thread 16 channels: a float x is read once and quantized (quantize_fp8's
+// rule: amax as the largest |x| bit pattern, scale = e4m3_block_scale(amax), codes e4m3(x / scale)), a
+// pre-quantized pair (xq codes [T,H], xs scales [T,S]) is read as is; the item's codes and scale go to every
+// destination row of its token (qdst[i*K + k], sdst likewise; nullptr skipped). Items are spread over every
+// thread of the block (a chunk of a few tokens keeps the loads and peer stores pipelined); the loop bound is
+// the same for every thread, so the 8-lane amax shuffles always see full warps. VEC: H % 16 == 0 and the
+// sources 16-byte aligned (the host checks).
+template <typename T, bool VEC>
+__device__ __forceinline__ void ll_block_fp8(const T* x, const unsigned char* xq, const float* xs, int t0, int n,
+                                             int K, unsigned char* const* qdst, float* const* sdst, i64 H, int S) {
+  union Codes {
+    uint4 raw;
+    unsigned char b[LL_FP8_CH];
+  };
+  const int g = threadIdx.x % LL_FP8_LANES, slot = threadIdx.x / LL_FP8_LANES;
+  const int per_pass = blockDim.x / LL_FP8_LANES;
+  const int items = n * S;
+  for (int i0 = 0; i0 < items; i0 += per_pass * LL_FP8_UNROLL) {  // the same trip count in every thread
+    Codes q[LL_FP8_UNROLL];
+    float f[LL_FP8_UNROLL][LL_FP8_CH], sc[LL_FP8_UNROLL];
+    int tok[LL_FP8_UNROLL], blk[LL_FP8_UNROLL], c0[LL_FP8_UNROLL], c1[LL_FP8_UNROLL];
+#pragma unroll
+    for (int u = 0; u < LL_FP8_UNROLL; ++u) {
+      const int it = i0 + u * per_pass + slot;
+      tok[u] = -1;
+      if (it < items) {
+        tok[u] = it / S;
+        blk[u] = it - tok[u] * S;
+        c0[u] = blk[u] * LL_FP8_BLOCK + g * LL_FP8_CH;
+        c1[u] = (int)min((i64)(blk[u] + 1) * LL_FP8_BLOCK, H);
+        const i64 row = (i64)(t0 + tok[u]) * H;
+        if (xq != nullptr) {
+          sc[u] = xs[(i64)(t0 + tok[u]) * S + blk[u]];
+          if constexpr (VEC) {
+            if (c0[u] < c1[u]) q[u].raw = *reinterpret_cast<const uint4*>(xq + row + c0[u]);
+          } else {
+#pragma unroll
+            for (int j = 0; j < LL_FP8_CH; ++j) q[u].b[j] = c0[u] + j < c1[u] ? xq[row + c0[u] + j] : 0;
+          }
+        } else if (VEC) {
+          if (c0[u] < c1[u]) {
+#pragma unroll
+            for (int j = 0; j < LL_FP8_CH; j += Vec<T>::N) {
+              const Vec<T> v = load_vec(x + row + c0[u] + j);
+#pragma unroll
+              for (int q2 = 0; q2 < Vec<T>::N; ++q2) f[u][j + q2] = to_float(v.v[q2]);
+            }
+          } else {
+#pragma unroll
+            for (int j = 0; j < LL_FP8_CH; ++j) f[u][j] = 0.0f;
+          }
+        } else {
+#pragma unroll
+          for (int j = 0; j < LL_FP8_CH; ++j) f[u][j] = c0[u] + j < c1[u] ? to_float(x[row + c0[u] + j]) : 0.0f;
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < LL_FP8_UNROLL; ++u) {
+      if (xq == nullptr) {  // quantize: every thread shuffles (inactive items give 0), lanes of one item reduce
+        unsigned m = 0;
+        if (tok[u] >= 0) {
+#pragma unroll
+          for (int j = 0; j < LL_FP8_CH; ++j) m = max(m, abs_bits(f[u][j]));
+        }
+#pragma unroll
+        for (int o = LL_FP8_LANES / 2; o > 0; o >>= 1) {
+          const unsigned v = __shfl_xor_sync(0xffffffffu, m, o);
+          m = v > m ? v : m;
+        }
+        if (tok[u] >= 0) {
+          sc[u] = e4m3_block_scale(m);
+#pragma unroll
+          for (int j = 0; j < LL_FP8_CH; ++j) q[u].b[j] = to_e4m3(div_rn(f[u][j], sc[u]));
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < LL_FP8_UNROLL; ++u) {
+      if (tok[u] < 0) continue;
+      for (int k = 0; k < K; ++k) {
+        unsigned char* dst = qdst[tok[u] * K + k];
+        if (dst == nullptr) continue;
+        if (g == 0) sdst[tok[u] * K + k][blk[u]] = sc[u];
+        if constexpr (VEC) {
+          if (c0[u] < c1[u]) *reinterpret_cast<uint4*>(dst + c0[u]) = q[u].raw;
+        } else {
+          for (int j = 0; j < LL_FP8_CH && c0[u] + j < c1[u]; ++j) dst[c0[u] + j] = q[u].b[j];
+        }
+      }
+    }
+  }
+}
+
+// The receiving side's dequantization of local expert l's valid slots (slot_k >= 0; one warp a row):
+// recv[l][j][h] = store_as<T>(mul_rn(e4m3 recv_q[l][j][h], recv_s[l][j][h / 128])) (dequantize_fp8's rule).
+// The codes and scales were written by peers before the flags this block acquired: read past L1 (ldcg).
+template <typename T, bool VEC>
+__device__ __forceinline__ void ll_dequantize_rows(const unsigned char* recv_q, const float* recv_s, T* recv,
+                                                   const int* slot_k, i64 RT, i64 H, int S) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  for (i64 j = warp; j < RT; j += nw) {
+    if (slot_k[j] < 0) continue;
+    const unsigned char* q = recv_q + j * H;
+    const float* sc = recv_s + j * S;
+    T* y = recv + j * H;
+    if constexpr (VEC) {
+      for (i64 c = (i64)lane * LL_FP8_CH; c < H; c += 32 * LL_FP8_CH) {
+        const uint4 raw = __ldcg(reinterpret_cast<const uint4*>(q + c));
+        const unsigned char* b = reinterpret_cast<const unsigned char*>(&raw);
+        const float s = __ldcg(sc + c / LL_FP8_BLOCK);
+#pragma unroll
+        for (int j2 = 0; j2 < LL_FP8_CH; j2 += Vec<T>::N) {
+          Vec<T> v;
+#pragma unroll
+          for (int q2 = 0; q2 < Vec<T>::N; ++q2) v.v[q2] = store_as<T>(mul_rn(from_e4m3(b[j2 + q2]), s));
+          store_vec(y + c + j2, v);
+        }
+      }
+    } else {
+      for (i64 c = lane; c < H; c += 32)
+        y[c] = store_as<T>(mul_rn(from_e4m3(__ldcg(q + c)), __ldcg(sc + c / LL_FP8_BLOCK)));
+    }
+  }
+}
+
+// The dispatch direction, one kernel (ll_dispatch: the body of ep_ll_dispatch and ep_ll_dispatch_fp8).
+// Push items (chunks c of this rank's tokens, C tokens each):
 //   meta (dispatch): every rank r gets route[me][t*K+k] = l for its experts (else -1), rw[me][t*K+k] the
 //     weight (else 0), and, from chunk 0, route[me][Tmax*K] = Tn; idx_out/w_out get the owner's copies
 //     (int32 ids, outside [-1, E) recorded in `err` and taken as -1; fp32 weights);
 //   rows: for each (t, k) whose expert e = idx[t][k] is valid and not chosen by an earlier k of t: x[t]
 //     into rank e/L's recv row (e%L, me*Tmax + t); scaled: times ws = the fp32 sum (k ascending) of the
-//     weights of t's slots with expert e, rounded once;
+//     weights of t's slots with expert e, rounded once; FP8: the row's codes and scales (ll_block_fp8)
+//     into rank e/L's recv_q and recv_s rows instead;
 //   then flags[0][me][c] of every rank.
 // Receiver items (local experts l): zero_k given: zero recv rows (l, j) whose zero_k[l][j] < 0 (not waited
 // for: no peer writes them); then wait for every rank's every chunk; then, when slot_k is given, slot_k[l][j]
 // = the first k of source s = j / Tmax's token t = j % Tmax (< T_s) with local expert l, or -1, slot_w[l][j] =
 // the fp32 sum of those slots' weights (k ascending; 0 when invalid), counts[l] = the valid slots; route_out
-// (a share of [R, Tmax, K] per item) = route with the rows t >= T_s as -1.
+// (a share of [R, Tmax, K] per item) = route with the rows t >= T_s as -1; FP8 with `dequant`: the valid
+// rows of l dequantized from recv_q / recv_s into recv (ll_dequantize_rows).
 // phases: LL_PUSH | LL_RECEIVE in one launch, or split (a receive hook): the push launch records its epoch in
 // *set_epoch (given), the later LL_RECEIVE launch (no barrier before it) waits for that epoch's flags.
-template <typename T, typename IdxT, bool VEC>
-__global__ void __launch_bounds__(512) ep_ll_dispatch(
-    const T* __restrict__ x, const IdxT* __restrict__ idx, const float* __restrict__ w, int Tn, int meta,
-    int scaled, const long long* __restrict__ peer_recv, const long long* __restrict__ peer_route,
+template <typename T, typename IdxT, bool VEC, bool FP8>
+__device__ __forceinline__ void ll_dispatch(
+    const T* __restrict__ x, const unsigned char* __restrict__ xq, const float* __restrict__ xs,
+    const IdxT* __restrict__ idx, const float* __restrict__ w, int Tn, int meta, int scaled,
+    const long long* __restrict__ peer_recv, const long long* __restrict__ peer_recv_q,
+    const long long* __restrict__ peer_recv_s, const long long* __restrict__ peer_route,
     const long long* __restrict__ peer_rw, const long long* __restrict__ peer_flags, int* __restrict__ idx_out,
     float* __restrict__ w_out, int* __restrict__ route_out, int* __restrict__ slot_k, float* __restrict__ slot_w,
-    int* __restrict__ counts, const int* __restrict__ zero_k, unsigned* __restrict__ err,
+    int* __restrict__ counts, const int* __restrict__ zero_k, int dequant, unsigned* __restrict__ err,
     unsigned* __restrict__ state, int* __restrict__ err_word, i64 timeout_ns, int op, int R, int me, int L,
-    int Tmax, int K, int C, i64 H, int phases, i64 flag_base, unsigned* __restrict__ set_epoch) {
-  __shared__ const T* s_src[LL_MAX_ROWS];
-  __shared__ T* s_dst[LL_MAX_ROWS];
-  __shared__ float s_scale[LL_MAX_ROWS];
+    int Tmax, int K, int C, i64 H, int S, int phases, i64 flag_base, unsigned* __restrict__ set_epoch) {
+  __shared__ const T* s_src[FP8 ? 1 : LL_MAX_ROWS];
+  __shared__ T* s_dst[FP8 ? 1 : LL_MAX_ROWS];
+  __shared__ float s_scale[FP8 ? 1 : LL_MAX_ROWS];
+  __shared__ unsigned char* s_qdst[FP8 ? LL_MAX_ROWS : 1];
+  __shared__ float* s_sdst[FP8 ? LL_MAX_ROWS : 1];
   unsigned e;
   if (!block_epoch(state, e)) return;
   if (phases == LL_RECEIVE) {  // a receive hook: the epoch its push launch ran in
@@ -1317,21 +1459,24 @@ __global__ void __launch_bounds__(512) ep_ll_dispatch(
       const int ex = expert(base + k);
       bool first = ex >= 0;
       for (int q = 0; q < k && first; ++q) first = expert(base + q) != ex;
-      float ws = 0.0f;
-      T* dst = nullptr;
-      if (first) {
-        if (scaled)
+      const int d = first ? ex / L : 0;
+      const i64 row = first ? (i64)(ex - d * L) * RT + (i64)me * Tmax + t : 0;
+      if constexpr (FP8) {
+        s_qdst[p] = first ? reinterpret_cast<unsigned char*>(peer_recv_q[d]) + row * H : nullptr;
+        s_sdst[p] = first ? reinterpret_cast<float*>(peer_recv_s[d]) + row * S : nullptr;
+      } else {
+        float ws = 0.0f;
+        if (first && scaled)
           for (int q = 0; q < K; ++q)
             if (expert(base + q) == ex) ws = __fadd_rn(ws, w[base + q]);
-        const int d = ex / L, l = ex - d * L;
-        dst = reinterpret_cast<T*>(peer_recv[d]) + ((i64)l * RT + (i64)me * Tmax + t) * H;
+        s_src[p] = x + (i64)t * H;
+        s_dst[p] = first ? reinterpret_cast<T*>(peer_recv[d]) + row * H : nullptr;
+        s_scale[p] = ws;
       }
-      s_src[p] = x + (i64)t * H;
-      s_dst[p] = dst;
-      s_scale[p] = ws;
     }
     __syncthreads();
-    ll_block_rows<T, VEC>(s_src, s_dst, s_scale, (t1 - t0) * K, H, scaled != 0);
+    if constexpr (FP8) ll_block_fp8<T, VEC>(x, xq, xs, t0, t1 - t0, K, s_qdst, s_sdst, H, S);
+    else ll_block_rows<T, VEC>(s_src, s_dst, s_scale, (t1 - t0) * K, H, scaled != 0);
     ll_signal_all(peer_flags, R, flag_base + (i64)me * Tmax + c, e);
   }
   if (!(phases & LL_RECEIVE)) return;
@@ -1380,6 +1525,12 @@ __global__ void __launch_bounds__(512) ep_ll_dispatch(
         cnt += __syncthreads_count(kf >= 0);
       }
       if (threadIdx.x == 0) counts[l] = cnt;
+      if constexpr (FP8) {
+        if (dequant)  // slot_k's row of l is this block's own writes, ordered by __syncthreads_count
+          ll_dequantize_rows<T, VEC>(reinterpret_cast<const unsigned char*>(peer_recv_q[me]) + (i64)l * RT * H,
+                                     reinterpret_cast<const float*>(peer_recv_s[me]) + (i64)l * RT * S,
+                                     my_recv + (i64)l * RT * H, slot_k + (i64)l * RT, RT, H, S);
+      }
     }
     if (route_out != nullptr) {
       const i64 n = RT * K, lo = n * l / L, hi = n * (l + 1) / L;
@@ -1392,6 +1543,40 @@ __global__ void __launch_bounds__(512) ep_ll_dispatch(
       }
     }
   }
+}
+
+template <typename T, typename IdxT, bool VEC>
+__global__ void __launch_bounds__(512) ep_ll_dispatch(
+    const T* __restrict__ x, const IdxT* __restrict__ idx, const float* __restrict__ w, int Tn, int meta,
+    int scaled, const long long* __restrict__ peer_recv, const long long* __restrict__ peer_route,
+    const long long* __restrict__ peer_rw, const long long* __restrict__ peer_flags, int* __restrict__ idx_out,
+    float* __restrict__ w_out, int* __restrict__ route_out, int* __restrict__ slot_k, float* __restrict__ slot_w,
+    int* __restrict__ counts, const int* __restrict__ zero_k, unsigned* __restrict__ err,
+    unsigned* __restrict__ state, int* __restrict__ err_word, i64 timeout_ns, int op, int R, int me, int L,
+    int Tmax, int K, int C, i64 H, int phases, i64 flag_base, unsigned* __restrict__ set_epoch) {
+  ll_dispatch<T, IdxT, VEC, false>(x, nullptr, nullptr, idx, w, Tn, meta, scaled, peer_recv, nullptr, nullptr,
+                                   peer_route, peer_rw, peer_flags, idx_out, w_out, route_out, slot_k, slot_w,
+                                   counts, zero_k, 0, err, state, err_word, timeout_ns, op, R, me, L, Tmax, K, C,
+                                   H, 0, phases, flag_base, set_epoch);
+}
+
+// dispatch with FP8 rows (docs/ep.md §8): x (a float x in T, quantized here) or the pair xq / xs (pushed as
+// is); T is the group's dtype (of x, and of the rows dequantized into recv when `dequant`).
+template <typename T, typename IdxT, bool VEC>
+__global__ void __launch_bounds__(512) ep_ll_dispatch_fp8(
+    const T* __restrict__ x, const unsigned char* __restrict__ xq, const float* __restrict__ xs,
+    const IdxT* __restrict__ idx, const float* __restrict__ w, int Tn, const long long* __restrict__ peer_recv,
+    const long long* __restrict__ peer_recv_q, const long long* __restrict__ peer_recv_s,
+    const long long* __restrict__ peer_route, const long long* __restrict__ peer_rw,
+    const long long* __restrict__ peer_flags, int* __restrict__ idx_out, float* __restrict__ w_out,
+    int* __restrict__ route_out, int* __restrict__ slot_k, float* __restrict__ slot_w, int* __restrict__ counts,
+    int dequant, unsigned* __restrict__ err, unsigned* __restrict__ state, int* __restrict__ err_word,
+    i64 timeout_ns, int op, int R, int me, int L, int Tmax, int K, int C, i64 H, int S, int phases,
+    i64 flag_base, unsigned* __restrict__ set_epoch) {
+  ll_dispatch<T, IdxT, VEC, true>(x, xq, xs, idx, w, Tn, 1, 0, peer_recv, peer_recv_q, peer_recv_s, peer_route,
+                                  peer_rw, peer_flags, idx_out, w_out, route_out, slot_k, slot_w, counts, nullptr,
+                                  dequant, err, state, err_word, timeout_ns, op, R, me, L, Tmax, K, C, H, S, phases,
+                                  flag_base, set_epoch);
 }
 
 // The combine direction, one kernel. Push items (chunk c of source rank s's tokens; item c*R + s): for each

@@ -9,45 +9,11 @@
 // (div.rn / mul.rn without .ftz, whatever -ftz says: subnormal scales and products are kept), the zero test
 // of the scale is on its bits, and fp32 -> bf16 rounds on the bits. V4: each lane takes 4 consecutive
 // channels (block % 128 == 0, H % 4 == 0, pointers aligned; the host checks); else one channel per lane.
-#include "moe_rt/common.cuh"
-#include <cuda_fp8.h>
+#include "moe_rt/fp8.cuh"
 
 using namespace moe_rt;
 
 namespace {
-
-__device__ __forceinline__ float div_rn(float a, float b) {
-  float r;
-  asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-}
-
-__device__ __forceinline__ float mul_rn(float a, float b) {
-  float r;
-  asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-}
-
-__device__ __forceinline__ unsigned char to_e4m3(float v) {
-  return (unsigned char)__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
-}
-
-__device__ __forceinline__ float from_e4m3(unsigned char c) {
-  __half_raw h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)c, __NV_E4M3);
-  return __half2float(__half(h));  // both steps exact
-}
-
-// fp32 -> output dtype, round to nearest even; bf16 on the bits (subnormal products stay subnormal).
-template <typename T> __device__ __forceinline__ T store_as(float v) { return from_float<T>(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 store_as<__nv_bfloat16>(float v) {
-  unsigned u = __float_as_uint(v);
-  unsigned short b;
-  if ((u & 0x7fffffffu) > 0x7f800000u) b = (unsigned short)((u >> 16) | 0x40u);  // NaN stays NaN
-  else b = (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-  __nv_bfloat16_raw r;
-  r.x = b;
-  return __nv_bfloat16(r);
-}
 
 __device__ __forceinline__ unsigned warp_max_u32(unsigned v) {
 #pragma unroll
@@ -57,8 +23,6 @@ __device__ __forceinline__ unsigned warp_max_u32(unsigned v) {
   }
   return v;
 }
-
-__device__ __forceinline__ unsigned abs_bits(float v) { return __float_as_uint(v) & 0x7fffffffu; }
 
 // Four consecutive elements of T as fp32 (8-byte loads for 16-bit T, 16-byte for fp32).
 template <typename T> struct Four { T v[4]; };
@@ -126,8 +90,7 @@ __global__ void quantize_fp8(const T* __restrict__ x, unsigned char* __restrict_
       for (int c = c0 + lane; c < c1; c += 32) m = max(m, abs_bits(to_float(row[c])));
     }
     m = warp_max_u32(m);
-    float scale = div_rn(__uint_as_float(m), 448.0f);
-    if (__float_as_uint(scale) == 0u) scale = 1.0f;  // amax 0, or amax / 448 underflowed (bits: no ftz)
+    const float scale = e4m3_block_scale(m);
     if (lane == 0) scales[w] = scale;
     if (V4) {
       for (int c = c0 + lane * 4; c < c1; c += 128) {

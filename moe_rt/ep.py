@@ -203,6 +203,16 @@ def _env_timeout() -> float:
     return _env_number("MOE_RT_EP_TIMEOUT", DEFAULT_TIMEOUT, float, lambda t: t > 0, "seconds > 0")
 
 
+def check_fp8_rows_holdable(call, codes, dequantize) -> None:
+    """An FP8 dispatch whose rows come back as ``codes`` (float8_e4m3fn or uint8): CuPy cannot hold
+    float8_e4m3fn, so a CuPy float ``x`` needs ``dequantize=True`` or a uint8 pair (TypeError)."""
+    if (call.backend == "cuda" and not dequantize and codes != np.uint8
+            and call.framework not in ("torch", "jax", "devarray")):
+        raise TypeError(f"x: a {call.framework} array, and the FP8 rows would come back as float8_e4m3fn, "
+                        "which CuPy cannot hold; pass torch or JAX arrays, a uint8 (x_fp8, scales) pair, "
+                        "or dequantize=True")
+
+
 class EpGroup:
     """An expert-parallel group over a communicator.
 
@@ -779,11 +789,7 @@ class EpGroup:
                 self._check_tokens(xv, "x", T, handle)
                 codes = _arrays.FLOAT8_E4M3
                 out_dt = np.dtype(xv.dtype)
-            if (call.backend == "cuda" and not dequantize and codes != np.uint8
-                    and call.framework not in ("torch", "jax", "devarray")):
-                raise TypeError(f"x: a {call.framework} array, and the FP8 rows would come back as float8_e4m3fn, "
-                                "which CuPy cannot hold; pass torch or JAX arrays, a uint8 (x_fp8, scales) pair, "
-                                "or dequantize=True")
+            check_fp8_rows_holdable(call, codes, dequantize)
             wv = self._dispatch_weights(call, handle)
             # the gradient path of an FP8 dispatch is the float one (dispatch_bwd, combine): in x's dtype
             handle.state["dtype"] = out_dt if not pair or dequantize else self.dtype

@@ -35,6 +35,13 @@ has its own row). A token that names an expert twice has one slot for it.
   that an expert weight gradient summed over all rows is exact; with ``expert_out`` also ``grad_topk_weights
   [t,k] = <y[slot], grad_out[t]>``; its result is again a view of the receive buffer).
 
+``dispatch(..., fp8=True)`` (a group made with ``fp8=True``, which holds FP8 receive buffers) sends FP8 rows:
+a float ``x`` is quantized inside the push kernel (each token row read once; :func:`moe_rt.quantize_fp8`'s
+rule, bit for bit), a pre-quantized ``(x_fp8, scales)`` pair is pushed as is; each slot receives ``H`` e4m3
+codes and ``ceil(H/128)`` fp32 scales (``recv_x_fp8``, ``recv_scales``), or with ``dequantize=True`` the row
+dequantized on the receiving side in the group's dtype. The handle, combine and both backwards are the float
+ones (docs/ep.md §8).
+
 ``dispatch(..., return_recv_hook=True)`` splits the op: the call pushes and returns a ``hook`` that launches
 the receive half later (so compute queued in between overlaps the transfer); with ``num_buffers=2`` two
 micro-batches can be in flight, their dispatches alternating between two sets of the shared buffers.
@@ -50,7 +57,8 @@ Transport: the direct peer-memory one (:mod:`moe_rt._ep_direct`); a group of sev
 pair on one node with peer access (ValueError at creation otherwise). ``LowLatencyGroup(None, ...)`` is a
 1-rank group: CPU arrays run the NumPy reference :mod:`moe_rt.reference.ep_ll`, CUDA arrays the kernels.
 Memory per rank: ``(L*R*Tmax + Tmax*K) * H`` token elements plus small tables (bf16, E=256, R=4, Tmax=128,
-H=7168: 470 MB, as DeepEP's low-latency buffer).
+H=7168: 470 MB, as DeepEP's low-latency buffer), per buffer set; ``fp8=True`` adds ``L*R*Tmax*(H +
+4*ceil(H/128))`` bytes per set.
 """
 from __future__ import annotations
 
@@ -58,9 +66,10 @@ import itertools
 
 import numpy as np
 
-from moe_rt import _arrays, _ep_direct, _errors, _jit
+from moe_rt import _arrays, _ep_adapt, _ep_direct, _errors, _jit
 from moe_rt import ep as _ep
 from moe_rt.reference import ep_ll as _ref
+from moe_rt.reference import fp8 as _fp8_ref
 
 __all__ = ["LowLatencyGroup", "LowLatencyHandle", "MAX_TOKENS_PER_RANK"]
 
@@ -72,10 +81,12 @@ _names = []
 for _c in _jit.CTYPES.values():
     for _v in ("true", "false"):
         _names += [f"ep_ll_dispatch<{_c}, {_i}, {_v}>" for _i in _IDX.values()]
+        _names += [f"ep_ll_dispatch_fp8<{_c}, {_i}, {_v}>" for _i in _IDX.values()]
         _names += [f"ep_ll_combine<{_c}, {_v}>", f"ep_ll_slot_dot<{_c}, {_v}>"]
 _jit.register(_FILE, _names)
 _ids = itertools.count(1)
 _ALIGN = 256
+FP8_BLOCK = _ref.FP8_BLOCK  # channels per FP8 scale
 
 
 _PUSH, _RECEIVE = 1, 2  # ep_ll_dispatch's phases (LL_PUSH, LL_RECEIVE in kernels/ep.cu)
@@ -89,7 +100,9 @@ class _Launch:
 
 
 class _Hook:
-    """The receive half of ``dispatch(..., return_recv_hook=True)``: call it once (``hook(stream=None)``)."""
+    """The receive half of ``dispatch(..., return_recv_hook=True)``: call it once (``hook(stream=None)``).
+    ``keep``: None (the reference has received already) or ``keep(launch)`` queueing the receive launch (it
+    holds the push's arrays alive until then)."""
 
     def __init__(self, group, handle, keep):
         self._group, self._handle, self._keep = group, handle, keep
@@ -150,13 +163,16 @@ class LowLatencyGroup:
         num_buffers: 1 or 2 sets of shared buffers (default 1). Dispatches alternate between the sets, so
             with 2 two micro-batches can be in flight at once (``dispatch(..., return_recv_hook=True)`` of
             one while the other computes); memory doubles.
+        fp8: also make the FP8 receive buffers (per set: codes ``[L, R*Tmax, H]`` uint8 and scales ``[L,
+            R*Tmax, ceil(H/128)]`` fp32, ``L*R*Tmax*(H + 4*ceil(H/128))`` bytes) that ``dispatch(...,
+            fp8=True)`` needs (default False: a group without them keeps that memory).
 
     A collective on several ranks (IPC buffers exchanged; a host sync, outside graph capture). ``close()``
     on every rank at the same point of its op sequence.
     """
 
     def __init__(self, comm, num_experts: int, hidden: int, max_tokens_per_rank: int, *, topk: int,
-                 dtype="bfloat16", timeout: float | None = None, num_buffers: int = 1):
+                 dtype="bfloat16", timeout: float | None = None, num_buffers: int = 1, fp8: bool = False):
         (self.rank, self.size, self.device, self.num_experts, self.num_local_experts,
          self.hidden) = _ep.group_identity(comm, ("rank", "size", "device", "all_gather"), num_experts, hidden)
         self.comm = comm
@@ -183,6 +199,9 @@ class LowLatencyGroup:
         if self.num_local_experts * R * self.max_tokens_per_rank * self.hidden >= 1 << 62:
             raise ValueError("the receive buffer [L, R*max_tokens_per_rank, hidden] is too large")
         self.num_buffers = _arrays.check_int(num_buffers, "num_buffers", low=1, high=2)
+        _ep._check_bool(fp8, "fp8")
+        self.fp8 = bool(fp8)
+        self.num_scales = _fp8_ref.num_blocks(self.hidden, FP8_BLOCK)
         self.id = next(_ids)
         self.closed = False
         self._next_set = 0
@@ -199,7 +218,7 @@ class LowLatencyGroup:
     def __repr__(self):
         return (f"LowLatencyGroup(rank={self.rank}, size={self.size}, num_experts={self.num_experts}, "
                 f"hidden={self.hidden}, max_tokens_per_rank={self.max_tokens_per_rank}, topk={self.topk}, "
-                f"dtype={self.dtype.name})")
+                f"dtype={self.dtype.name}{', fp8=True' if self.fp8 else ''})")
 
     # -- buffers ---------------------------------------------------------------------------------------
     def _regions(self):
@@ -208,6 +227,8 @@ class LowLatencyGroup:
         isz = self.dtype.itemsize
         one = [("recv", L * R * Tmax * H * isz), ("route", R * (Tmax * K + 1) * 4), ("rw", R * Tmax * K * 4),
                ("back", Tmax * K * H * isz), ("bw", Tmax * K * 4)]
+        if self.fp8:  # the FP8 rows of dispatch(..., fp8=True): e4m3 codes and their per-128 scales
+            one += [("recv_q", L * R * Tmax * H), ("recv_s", L * R * Tmax * self.num_scales * 4)]
         return [((name, b), nb) for b in range(self.num_buffers) for name, nb in one]
 
     def _setup(self, device_id):
@@ -302,9 +323,10 @@ class LowLatencyGroup:
         if not handle.received:
             raise ValueError(f"{op}: handle: its dispatch's receive hook has not run yet; call the hook first")
 
-    def _check_dispatch(self, x, topk_idx, topk_weights):
+    def _check_dispatch(self, x, topk_idx, topk_weights, pair=False):
         """Shapes and dtypes of dispatch's arguments (anything with ``shape``, ``ndim`` and ``dtype``: the
-        framework adapters check traced arrays with it too); returns ``(T, K)``."""
+        framework adapters check traced arrays with it too; ``pair``: ``x`` is an ``(x_fp8, scales)`` pair);
+        returns ``(T, K)``."""
         _arrays.check_ndim(topk_idx, "topk_idx", 2)
         _arrays.check_dtype(topk_idx, "topk_idx", _arrays.INDEX_DTYPES)
         T, K = int(topk_idx.shape[0]), int(topk_idx.shape[1])
@@ -312,57 +334,117 @@ class LowLatencyGroup:
             raise ValueError(f"topk_idx: T={T} exceeds max_tokens_per_rank={self.max_tokens_per_rank}")
         if K != self.topk:
             raise ValueError(f"topk_idx: K must be {self.topk} (the group's topk), got {K}")
-        self._check_tokens(x, "x", (T, self.hidden))
+        if pair:
+            self.check_fp8_pair(x[0], x[1], T)
+        else:
+            self._check_tokens(x, "x", (T, self.hidden))
         if topk_weights is None:
             raise TypeError("topk_weights: expected a [T, K] float array, got None")
         _ep.check_weights(topk_weights, "topk_weights", (T, K))
         return T, K
 
+    # An (x_fp8, scales) pair of dispatch(..., fp8=True): EpGroup's check (it reads hidden alone).
+    check_fp8_pair = _ep.EpGroup.check_fp8_pair
+
     def _slots_shape(self):
         return (self.num_local_experts, self.size * self.max_tokens_per_rank, self.hidden)
 
     # -- ops -------------------------------------------------------------------------------------------
-    def dispatch(self, x, topk_idx, topk_weights, *, return_recv_hook: bool = False, stream=None):
+    def dispatch(self, x, topk_idx, topk_weights, *, fp8: bool = False, dequantize: bool = False,
+                 return_recv_hook: bool = False, stream=None):
         """Send each token to the fixed slots of its experts (a collective; no host sync).
 
         Args:
-            x: ``[T,H]`` in the group's dtype, ``T <= max_tokens_per_rank``.
+            x: ``[T,H]`` in the group's dtype, ``T <= max_tokens_per_rank``; or, with ``fp8=True``, a
+                pre-quantized pair ``(x_fp8, scales)``: ``x_fp8 [T,H]`` float8_e4m3fn (torch, JAX or
+                ml_dtypes) or uint8 (its e4m3 codes), ``scales [T, ceil(H/128)]`` float32 (as
+                :func:`moe_rt.quantize_fp8` returns). A pair without ``fp8=True`` is a TypeError.
             topk_idx: ``[T,K]`` int32/int64, ids in ``[-1, E)``.
             topk_weights: ``[T,K]`` float (used as fp32).
+            fp8: send FP8 rows (docs/fp8.md; the group needs ``fp8=True`` at creation, ValueError
+                otherwise): a float ``x`` is quantized inside the push (each token row read once;
+                :func:`moe_rt.quantize_fp8`'s rule, bit for bit: e4m3, one fp32 scale per 128 channels, round
+                to nearest even), a pair is pushed as is; each slot row travels as ``H + 4*ceil(H/128)``
+                bytes instead of ``H * itemsize``.
+            dequantize: with ``fp8=True``: return the received rows dequantized (the valid slots, on the
+                receiving side in the same kernel; :func:`moe_rt.dequantize_fp8`'s rule) in the group's dtype
+                instead of the FP8 pair (ValueError without ``fp8=True``).
             return_recv_hook: False: one kernel sends and receives. True: this call only sends (it returns
                 once the pushes are queued, without waiting for the peers) and also returns ``hook``;
                 ``hook(stream=None)`` queues the receive (wait for every peer's rows, fill ``counts`` and the
-                handle's slot tables) on ``stream`` (default: the caller's current one). ``recv_x``,
-                ``counts`` and the handle are valid after the hook, in stream order; combine and the
-                backwards refuse a handle whose hook has not run. Work queued between the two overlaps the
-                transfer (another micro-batch's expert compute; with ``num_buffers=2`` also its dispatch).
+                handle's slot tables, dequantize when asked) on ``stream`` (default: the caller's current
+                one). The received rows, ``counts`` and the handle are valid after the hook, in stream order;
+                combine and the backwards refuse a handle whose hook has not run. Work queued between the two
+                overlaps the transfer (another micro-batch's expert compute; with ``num_buffers=2`` also its
+                dispatch).
 
         Returns:
-            ``(recv_x [L, R*Tmax, H], counts [L] int32, handle)`` (module notes: slots, validity, lifetime),
-            and ``hook`` last when ``return_recv_hook``.
+            - ``(recv_x [L, R*Tmax, H], counts [L] int32, handle)`` (module notes: slots, validity, lifetime);
+            - ``fp8=True``: ``(recv_x_fp8 [L, R*Tmax, H], recv_scales [L, R*Tmax, ceil(H/128)] float32,
+              counts, handle)``, views of the group's FP8 receive buffers with ``recv_x``'s lifetime:
+              ``recv_x_fp8`` is float8_e4m3fn (torch, JAX, NumPy/ml_dtypes), or uint8 when the pair's
+              ``x_fp8`` was uint8 (CuPy holds no FP8: a CuPy float ``x`` needs ``dequantize=True`` or a uint8
+              pair, TypeError otherwise); rows of slots with no token unspecified, as ``recv_x``'s;
+            - ``fp8=True, dequantize=True``: ``(recv_x, counts, handle)``, ``recv_x`` in the group's dtype;
+            and ``hook`` last when ``return_recv_hook``. After an FP8 dispatch, combine and both backwards are
+            the float ones (gradients in the group's dtype, never FP8).
         """
         self._alive("dispatch")
         _ep._check_bool(return_recv_hook, "return_recv_hook")
-        with _arrays.Call({"x": x, "topk_idx": topk_idx, "topk_weights": topk_weights}, stream=stream) as call:
+        _ep_adapt.check_fp8_flags(fp8, dequantize)
+        pair = isinstance(x, (tuple, list))
+        if pair:
+            _ep_adapt.check_pair_arity(x, fp8)
+        if fp8 and not self.fp8:
+            raise ValueError("fp8: this group has no FP8 receive buffers; create it with "
+                             "LowLatencyGroup(..., fp8=True)")
+        arrays = {"x_fp8": x[0], "scales": x[1]} if pair else {"x": x}
+        arrays.update(topk_idx=topk_idx, topk_weights=topk_weights)
+        with _arrays.Call(arrays, stream=stream) as call:
             self._call_checks(call, "dispatch")
-            xv, idx, wv = call["x"], call["topk_idx"], call["topk_weights"]
-            T, K = self._check_dispatch(xv, idx, wv)
+            idx, wv = call["topk_idx"], call["topk_weights"]
+            xv = (call["x_fp8"], call["scales"]) if pair else call["x"]
+            T, K = self._check_dispatch(xv, idx, wv, pair)
+            codes = None  # the dtype FP8 rows come back in
+            if fp8:
+                codes = np.dtype(xv[0].dtype) if pair else _arrays.FLOAT8_E4M3
+                _ep.check_fp8_rows_holdable(call, codes, dequantize)
             xp = call.xp
-            xv, idx = _arrays.contiguous(xp, xv), _arrays.contiguous(xp, idx)
+            idx = _arrays.contiguous(xp, idx)
             wv = _arrays.as_f32(xp, wv)
+            if pair:
+                xv = tuple(_arrays.contiguous(xp, _arrays.cupy_of(a) if call.backend == "cuda" else a)
+                           for a in xv)  # FP8 on CUDA: its bytes as uint8
+            else:
+                xv = _arrays.contiguous(xp, xv)
             if call.backend == "cpu":
-                _errors.check_ids(np.asarray(idx), self.num_experts, "topk_idx")
-                recv, counts, h = _ref.dispatch([np.asarray(xv)], [np.asarray(idx)], [np.asarray(wv)],
-                                                self.num_experts, self.max_tokens_per_rank)[0]
-                handle = LowLatencyHandle(self, T, K, "cpu", 0, h)
-                handle.slot_topk, handle.slot_weights = call.out(h["slot_k"]), call.out(h["slot_w"])
-                handle.counts = call.out(counts)
-                res = (call.out(recv), handle.counts, handle)
-                # the reference has already received: the hook only checks that it runs once
-                return res + (_Hook(self, handle, None),) if return_recv_hook else res
-            return self._dispatch_cuda(call, xv, idx, wv, T, K, return_recv_hook)
+                return self._dispatch_cpu(call, xv, idx, wv, T, K, fp8, pair, dequantize, return_recv_hook)
+            return self._dispatch_cuda(call, xv, idx, wv, T, K, return_recv_hook, fp8, pair, dequantize, codes)
 
-    def _dispatch_cuda(self, call, xv, idx, wv, T, K, split):
+    def _dispatch_cpu(self, call, xv, idx, wv, T, K, fp8, pair, dequantize, split):
+        """The reference's dispatch of one rank (the 1-rank group on CPU arrays)."""
+        _errors.check_ids(np.asarray(idx), self.num_experts, "topk_idx")
+        args = ([np.asarray(idx)], [np.asarray(wv)], self.num_experts, self.max_tokens_per_rank)
+        if fp8:
+            rq, rs, counts, h = _ref.dispatch_fp8([np.asarray(xv[0] if pair else xv)], *args,
+                                                  scales=[np.asarray(xv[1])] if pair else None)[0]
+            if dequantize:  # [L, R*Tmax, ...] as [L*R*Tmax, ...] rows
+                y = _fp8_ref.dequantize_fp8(rq.reshape(-1, self.hidden), rs.reshape(-1, self.num_scales), self.dtype,
+                                            FP8_BLOCK)
+                rows = (y.reshape(rq.shape),)
+            else:
+                rows = (rq, rs)
+        else:
+            recv, counts, h = _ref.dispatch([np.asarray(xv)], *args)[0]
+            rows = (recv,)
+        handle = LowLatencyHandle(self, T, K, "cpu", 0, h)
+        handle.slot_topk, handle.slot_weights = call.out(h["slot_k"]), call.out(h["slot_w"])
+        handle.counts = call.out(counts)
+        res = tuple(call.out(r) for r in rows) + (handle.counts, handle)
+        # the reference has already received: the hook only checks that it runs once
+        return res + (_Hook(self, handle, None),) if split else res
+
+    def _dispatch_cuda(self, call, xv, idx, wv, T, K, split, fp8=False, pair=False, dequantize=False, codes=None):
         self._setup(call.device_id)
         xp, s = call.xp, call.stream
         R, L, Tmax = self.size, self.num_local_experts, self.max_tokens_per_rank
@@ -377,17 +459,32 @@ class LowLatencyGroup:
         self._transport.barrier(s, "dispatch")
         handle = LowLatencyHandle(self, T, K, "cuda", call.device_id, a)
         handle.buffer_set = b
-        self._launch_dispatch(call, xv, idx, wv, T, b, meta=True, scaled=False, out=a, zero_k=None, op="dispatch",
-                              phases=_PUSH if split else _PUSH | _RECEIVE)
+        if fp8:
+            x, xq, xs = (None,) + xv if pair else (xv, None, None)
+
+            def launch(c, phases):
+                self._launch_dispatch_fp8(c, x, xq, xs, idx, wv, T, b, a, dequantize, phases)
+        else:
+            def launch(c, phases):
+                self._launch_dispatch(c, xv, idx, wv, T, b, meta=True, scaled=False, out=a, zero_k=None,
+                                      op="dispatch", phases=phases)
+        launch(call, _PUSH if split else _PUSH | _RECEIVE)
         self._next_set = (b + 1) % self.num_buffers
         self._last_stream = s
         handle.slot_topk, handle.slot_weights = call.out(a["slot_k"]), call.out(a["slot_w"])
         handle.counts = call.out(a["counts"])
-        res = (call.out(self._view("recv", b, self._slots_shape(), self.dtype)), handle.counts, handle)
+        if fp8 and not dequantize:
+            q = self._view("recv_q", b, self._slots_shape(), np.uint8)
+            rows = (q if codes == np.uint8 else _arrays.fp8_array(q, codes),
+                    self._view("recv_s", b, self._slots_shape()[:2] + (self.num_scales,), np.float32))
+        else:
+            rows = (self._view("recv", b, self._slots_shape(), self.dtype),)
+        res = tuple(call.out(r) for r in rows) + (handle.counts, handle)
         if not split:
             return res
         self._pending[b] = handle
-        return res + (_Hook(self, handle, (xv, idx, wv)),)
+        # the receive launch keeps the push's arrays (and their pointers) alive until it is queued
+        return res + (_Hook(self, handle, lambda c: launch(c, _RECEIVE)),)
 
     def _receive(self, handle, keep, stream):
         """The receive half of a split dispatch (``_Hook.__call__``)."""
@@ -397,11 +494,8 @@ class LowLatencyGroup:
         import cupy
 
         s = _arrays.as_cupy_stream(stream, handle.device_id)
-        xv, idx, wv = keep
         with cupy.cuda.Device(handle.device_id):
-            self._launch_dispatch(_Launch(s, handle.device_id), xv, idx, wv, handle.num_tokens, handle.buffer_set,
-                                  meta=True, scaled=False, out=handle._a, zero_k=None, op="dispatch",
-                                  phases=_RECEIVE)
+            keep(_Launch(s, handle.device_id))
         self._pending[handle.buffer_set] = None
         self._last_stream = s
 
@@ -426,6 +520,32 @@ class LowLatencyGroup:
                      d._err_ptr, np.int64(d.timeout_ns), np.int32(_ep_direct.OP_CODES[op]), np.int32(R),
                      np.int32(self.rank), np.int32(L), np.int32(Tmax), np.int32(K), np.int32(C),
                      np.int64(self.hidden), np.int32(phases), np.int64(2 * R * Tmax * b),
+                     self._set_epoch.data.ptr + 4 * b if phases != _PUSH | _RECEIVE else 0), stream=call.stream)
+
+    def _launch_dispatch_fp8(self, call, x, xq, xs, idx, wv, T, b, out, dequant, phases):
+        """ep_ll_dispatch_fp8: a float ``x`` quantized in the push, or the pair ``xq`` (uint8 codes) / ``xs``
+        (fp32 scales) pushed as is; ``dequant``: the receive half also dequantizes the valid slots into the
+        set's ``recv``."""
+        d, R, L, Tmax, K, H = (self._transport, self.size, self.num_local_experts, self.max_tokens_per_rank,
+                               self.topk, self.hidden)
+        src = xq if xq is not None else x
+        sptr = src.data.ptr if T else 0
+        # 16 channels a thread: 16-byte loads of x (or of the codes) and 16-byte stores of the codes
+        vec = H % 16 == 0 and sptr % 16 == 0 and self._buf.local % 16 == 0
+        fn = _jit.function(_FILE, f"ep_ll_dispatch_fp8<{_jit.ctype(self.dtype)}, "
+                                  f"{_IDX[np.dtype(idx.dtype).name]}, {'true' if vec else 'false'}>")
+        NC = -(-Tmax // self.chunk)
+        tab = self._tables
+        ptr = lambda a: a.data.ptr if a is not None and T else 0  # noqa: E731
+        _jit.launch(fn, self._grid(fn, call, max(NC, L)), _THREADS,
+                    (ptr(x), ptr(xq), ptr(xs), ptr(idx), ptr(wv), np.int32(T), tab[("recv", b)],
+                     tab[("recv_q", b)], tab[("recv_s", b)], tab[("route", b)], tab[("rw", b)], d.flags.table,
+                     out["idx"].data.ptr, out["w"].data.ptr, out["route"].data.ptr, out["slot_k"].data.ptr,
+                     out["slot_w"].data.ptr, out["counts"].data.ptr, np.int32(int(dequant)),
+                     _errors.word(call.device_id), d.state, d._err_ptr, np.int64(d.timeout_ns),
+                     np.int32(_ep_direct.OP_CODES["dispatch"]), np.int32(R), np.int32(self.rank), np.int32(L),
+                     np.int32(Tmax), np.int32(K), np.int32(self.chunk), np.int64(H), np.int32(self.num_scales),
+                     np.int32(phases), np.int64(2 * R * Tmax * b),
                      self._set_epoch.data.ptr + 4 * b if phases != _PUSH | _RECEIVE else 0), stream=call.stream)
 
     def _launch_combine(self, call, handle, y, gws, w, out, grad_w, op):

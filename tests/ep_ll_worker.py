@@ -1,6 +1,6 @@
 """Per-rank worker of the multi-GPU low-latency EP tests (moe_rt/ep_ll.py); one process per GPU:
 
-    python tools/launch.py -n R tests/ep_ll_worker.py correctness|graph|split|dead_peer
+    python tools/launch.py -n R tests/ep_ll_worker.py correctness|graph|split|fp8|dead_peer
 
 Every rank draws every rank's inputs from the same seed, runs its own share through LowLatencyGroup and
 compares with the NumPy R-rank reference (moe_rt.reference.ep_ll): dispatch's valid slots, counts and slot
@@ -215,6 +215,118 @@ def split(cp, comm):
     g.close()
 
 
+def fp8(cp, comm):
+    """FP8 dispatch (LowLatencyGroup(..., fp8=True)) against the reference's dispatch_fp8, bit for bit: a float
+    x quantized in the push and dequantized on receipt, a uint8 (codes, scales) pair pushed as is; counts and
+    slot tables; combine and both backwards with the FP8 dispatch's handle; each case twice (over buffers the
+    first filled). Then two micro-batches in flight through receive hooks (num_buffers=2: a pair, and a float
+    x dequantized), eager and captured in a CUDA graph replayed with new tokens and routing."""
+    import moe_rt
+    from moe_rt.ep_ll import LowLatencyGroup
+    from moe_rt.reference import ep_ll as ref
+    from test_ep_ll import fp8_case, fp8_dequantized
+
+    R, me = WORLD, RANK
+    n = 0
+    for dt in (bf16(), np.float32, np.float16):
+        shapes = [(3, 4, (7, 0, 5, 2), 7, 200), (2, 3, (4, 4), 4, 13), (5, 6, (33, 17, 0, 40), 40, 1024)]
+        if dt == bf16():
+            shapes.append((8, 8, (128,), 128, 7168))
+        for L, K, Ts, Tmax, H in shapes:
+            Ts = spread(Ts)
+            g = LowLatencyGroup(comm, R * L, H, Tmax, topk=min(K, R * L), dtype=dt, fp8=True)
+            K = g.topk
+            for rep in range(2):
+                xs, idxs, ws = fp8_case(np.random.default_rng(300 + n), R, L, K, Ts, H, dt)
+                rng = np.random.default_rng(400 + n)
+                Y = rng.standard_normal((R, L, R * Tmax, H)).astype(dt)
+                GO = [rng.standard_normal((T, H)).astype(dt) for T in Ts]
+                res = ref.dispatch_fp8(xs, idxs, ws, R * L, Tmax)
+                handles = [hh for _, _, _, hh in res]
+                rq, rs, rc, rh = res[me]
+                valid = rh["slot_k"] >= 0
+                x, idx, w = cp.asarray(xs[me]), cp.asarray(idxs[me]), cp.asarray(ws[me])
+                y, counts, h = g.dispatch(x, idx, w, fp8=True, dequantize=True)
+                assert y.dtype == dt and y.shape == (L, R * Tmax, H)
+                want_y = fp8_dequantized(rq, rs, rh["slot_k"], dt)
+                assert (bits(cp.asnumpy(y)[valid]) == bits(want_y[valid])).all(), "dequantized rows"
+                assert (cp.asnumpy(counts) == rc).all(), "counts"
+                assert (cp.asnumpy(h.slot_topk) == rh["slot_k"]).all(), "slot_topk"
+                assert (bits(cp.asnumpy(h.slot_weights)) == bits(rh["slot_w"])).all(), "slot_weights"
+                xq, xsc = moe_rt.quantize_fp8(xs[me])
+                q, sc, counts2, h2 = g.dispatch((cp.asarray(xq.view(np.uint8)), cp.asarray(xsc)), idx, w, fp8=True)
+                assert q.dtype == np.uint8 and sc.shape == (L, R * Tmax, -(-H // 128))
+                assert (bits(cp.asnumpy(q)[valid]) == bits(rq[valid])).all(), "codes"
+                assert (bits(cp.asnumpy(sc)[valid]) == bits(rs[valid])).all(), "scales"
+                assert (cp.asnumpy(counts2) == rc).all(), "counts (pair)"
+                out = g.combine(h2, cp.asarray(Y[me]))
+                assert (bits(cp.asnumpy(out)) == bits(ref.combine(handles, list(Y))[me])).all(), "combine"
+                gx, _ = g.dispatch_bwd(h2, cp.asarray(Y[me]))
+                assert (bits(cp.asnumpy(gx)) == bits(ref.dispatch_bwd(handles, list(Y))[me][0])).all(), "dispatch_bwd"
+                gy, _ = g.combine_bwd(h2, cp.asarray(GO[me]))
+                assert (bits(cp.asnumpy(gy)) == bits(ref.combine_bwd(handles, GO)[me][0])).all(), "combine_bwd"
+                g.synchronize()
+            g.close()
+            n += 1
+            log(f"fp8 case {n} ok: dtype={np.dtype(dt).name} L={L} K={K} Ts={Ts} Tmax={Tmax} H={H}")
+    # split hooks, two sets, eager and from a graph
+    dt = bf16()
+    L, K, Tmax, H = 3, 4, 20, 384
+    Ts = spread((20, 9, 0, 13))
+    g = LowLatencyGroup(comm, R * L, H, Tmax, topk=K, dtype=dt, fp8=True, num_buffers=2)
+    Yd = cp.asarray(np.random.default_rng(5).standard_normal((L, R * Tmax, H)).astype(dt))
+
+    def host(seed):
+        xs, idxs, ws = fp8_case(np.random.default_rng(seed), R, L, K, Ts, H, dt)
+        xq, xsc = moe_rt.quantize_fp8(xs[me])
+        return (xs, idxs, ws), [xs[me], idxs[me], ws[me], xq.view(np.uint8), xsc]
+
+    (hst, arrs) = host(21)
+    x, idx, w, xq, xsc = (cp.asarray(a) for a in arrs)
+
+    def run():
+        qa, sa, ca, ha, hook_a = g.dispatch((xq, xsc), idx, w, fp8=True, return_recv_hook=True)
+        yb, cb, hb, hook_b = g.dispatch(x, idx, w, fp8=True, dequantize=True, return_recv_hook=True)
+        assert ha.buffer_set != hb.buffer_set
+        hook_a()
+        hook_b()
+        return qa, sa, ca, yb, cb, g.combine(ha, Yd), g.combine(hb, yb)
+
+    def check(outs, hst, tag):
+        qa, sa, ca, yb, cb, oa, ob = outs
+        res = ref.dispatch_fp8(*hst, R * L, Tmax)
+        handles = [hh for _, _, _, hh in res]
+        rq, rs, rc, rh = res[me]
+        valid = rh["slot_k"] >= 0
+        assert (bits(cp.asnumpy(qa)[valid]) == bits(rq[valid])).all(), f"{tag}: codes"
+        assert (bits(cp.asnumpy(sa)[valid]) == bits(rs[valid])).all(), f"{tag}: scales"
+        ys = [fp8_dequantized(r[0], r[1], r[3]["slot_k"], dt) for r in res]
+        assert (bits(cp.asnumpy(yb)[valid]) == bits(ys[me][valid])).all(), f"{tag}: dequantized rows"
+        assert (cp.asnumpy(ca) == rc).all() and (cp.asnumpy(cb) == rc).all(), f"{tag}: counts"
+        want_a = ref.combine(handles, [cp.asnumpy(Yd)] * R)[me]  # Yd is the same on every rank
+        assert (bits(cp.asnumpy(oa)) == bits(want_a)).all(), f"{tag}: combine (pair)"
+        assert (bits(cp.asnumpy(ob)) == bits(ref.combine(handles, ys)[me])).all(), f"{tag}: combine (dequantized)"
+
+    check(run(), hst, "split eager")
+    g.synchronize()
+    log("fp8 split eager ok")
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        s.begin_capture()
+        outs = run()
+        gr = s.end_capture()
+    for it in range(3):
+        hst, arrs = host(3000 + it)
+        for a, b in zip((x, idx, w, xq, xsc), arrs):
+            a[...] = cp.asarray(b)
+        gr.launch(s)
+        s.synchronize()
+        check(outs, hst, f"fp8 replay {it}")
+        log(f"fp8 split replay {it} ok")
+    g.synchronize()
+    g.close()
+
+
 def dead_peer(cp, comm):
     """Rank 1 skips a dispatch (and stays alive: its peers' memory stays mapped): every other rank's
     dispatch gives up on the device within the timeout, and synchronize raises TimeoutError naming it."""
@@ -249,7 +361,7 @@ def dead_peer(cp, comm):
 def main():
     what = sys.argv[1] if len(sys.argv) > 1 else "correctness"
     cp, comm = setup()
-    {"correctness": correctness, "graph": graph, "split": split, "dead_peer": dead_peer}[what](cp, comm)
+    {"correctness": correctness, "graph": graph, "split": split, "fp8": fp8, "dead_peer": dead_peer}[what](cp, comm)
     cp.cuda.Device().synchronize()
     comm.close()
     log("ALL OK")

@@ -348,6 +348,198 @@ def test_group_cpu_split_dispatch(rng):
         LowLatencyGroup(None, L, H, Tmax, topk=K, num_buffers=1.0)
 
 
+# -- FP8 dispatch (dispatch(..., fp8=True)) ----------------------------------------------------------------
+
+def fp8_case(rng, R, L, K, Ts, H, dtype):
+    """make_case with the rows replaced by FP8's hard cases (tests/test_fp8.py edge_inputs: zero blocks,
+    subnormals, values past 448, exact e4m3 ties)."""
+    from test_fp8 import edge_inputs
+
+    xs, idxs, ws = make_case(rng, R, L, K, Ts, H, dtype)
+    return [edge_inputs(rng, T, H, dtype, 128) for T in Ts], idxs, ws
+
+
+def fp8_valid_rows(arr, slot_k):
+    """The rows of valid slots as bytes (the others are unspecified on the GPU)."""
+    return np.ascontiguousarray(np.asarray(arr)[slot_k >= 0]).view(np.uint8)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("R,L,K,Ts,Tmax,H", SHAPES + [(2, 2, 3, (4, 3), 4, 200), (1, 3, 2, (6,), 6, 256)])
+def test_reference_fp8_is_quantize_then_dispatch(rng, R, L, K, Ts, Tmax, H, dtype):
+    """dispatch_fp8 of float rows = the independent slots (naive_dispatch) of quantize_fp8's codes and of its
+    scales (each checked against tests/test_fp8.py's independent quantization), with dispatch's handle."""
+    from test_fp8 import independent_quantize
+
+    dt = bf16() if dtype == "bfloat16" else np.dtype(dtype)
+    K = _K(R, L, K)
+    xs, idxs, ws = fp8_case(rng, R, L, K, Ts, H, dt)
+    res = ref.dispatch_fp8(xs, idxs, ws, R * L, Tmax)
+    pairs = [moe_rt.quantize_fp8(x) for x in xs]
+    for x, (q, sc) in zip(xs, pairs):
+        iq, isc = independent_quantize(x, 128)
+        np.testing.assert_array_equal(sc.view(np.uint32), isc.view(np.uint32))
+        np.testing.assert_array_equal(q.view(np.uint8), iq.view(np.uint8))
+    S = -(-H // 128)
+    codes, _, _, _ = naive_dispatch([q.view(np.uint8) for q, _ in pairs], idxs, ws, R, L, Tmax)
+    scales, slot_k, slot_w, counts = naive_dispatch([sc for _, sc in pairs], idxs, ws, R, L, Tmax)
+    plain = ref.dispatch(xs, idxs, ws, R * L, Tmax)
+    for d in range(R):
+        rq, rs, rc, h = res[d]
+        assert rq.dtype == np.dtype(ml_dtypes().float8_e4m3fn) and rq.shape == (L, R * Tmax, H)
+        assert rs.dtype == np.float32 and rs.shape == (L, R * Tmax, S)
+        np.testing.assert_array_equal(rq.view(np.uint8), codes[d])
+        np.testing.assert_array_equal(rs.view(np.uint32), scales[d].view(np.uint32))
+        np.testing.assert_array_equal(rc, counts[d])
+        np.testing.assert_array_equal(h["slot_k"], slot_k[d])
+        np.testing.assert_array_equal(h["slot_w"].view(np.uint32), slot_w[d].view(np.uint32))
+        for key in ("idx", "w", "route", "slot_k", "slot_w", "counts"):
+            np.testing.assert_array_equal(h[key], plain[d][2][key])
+    # a pre-quantized pair (uint8 codes) goes through as is, in its own dtype
+    again = ref.dispatch_fp8([q.view(np.uint8) for q, _ in pairs], idxs, ws, R * L, Tmax,
+                             scales=[sc for _, sc in pairs])
+    for (rq, rs, _, _), (q2, s2, _, _) in zip(res, again):
+        assert q2.dtype == np.uint8
+        np.testing.assert_array_equal(q2, rq.view(np.uint8))
+        np.testing.assert_array_equal(s2.view(np.uint32), rs.view(np.uint32))
+
+
+def ml_dtypes():
+    import ml_dtypes as m
+
+    return m
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("H", [7, 200, 256])
+def test_group_cpu_fp8_matches_reference(rng, dtype, H):
+    dt = bf16() if dtype == "bfloat16" else np.dtype(dtype)
+    L, K, T, Tmax = 5, 3, 6, 9
+    xs, idxs, ws = fp8_case(rng, 1, L, K, (T,), H, dt)
+    g = LowLatencyGroup(None, L, H, Tmax, topk=K, dtype=dt, fp8=True)
+    assert g.fp8 and "fp8=True" in repr(g)
+    rq, rs, rc, rh = ref.dispatch_fp8(xs, idxs, ws, L, Tmax)[0]
+    q, s, counts, h = g.dispatch(xs[0], idxs[0].astype(np.int32), ws[0], fp8=True)
+    assert q.dtype == rq.dtype and s.dtype == np.float32
+    np.testing.assert_array_equal(q.view(np.uint8), rq.view(np.uint8))
+    np.testing.assert_array_equal(s.view(np.uint32), rs.view(np.uint32))
+    np.testing.assert_array_equal(counts, rc)
+    np.testing.assert_array_equal(h.slot_topk, rh["slot_k"])
+    np.testing.assert_array_equal(h.slot_weights, rh["slot_w"])
+    # dequantize=True: the valid rows are dequantize_fp8 of the received pair, in the group's dtype
+    y, counts2, h2 = g.dispatch(xs[0], idxs[0], ws[0], fp8=True, dequantize=True)
+    assert y.dtype == dt and y.shape == (L, Tmax, H)
+    want = moe_rt.dequantize_fp8(rq.reshape(-1, H), rs.reshape(-1, s.shape[2]), dt).reshape(y.shape)
+    np.testing.assert_array_equal(fp8_valid_rows(y, rh["slot_k"]), fp8_valid_rows(want, rh["slot_k"]))
+    np.testing.assert_array_equal(counts2, rc)
+    # pre-quantized pairs: float8_e4m3fn and uint8 codes come back in their own dtype
+    xq, xsc = moe_rt.quantize_fp8(xs[0])
+    for codes in (xq, xq.view(np.uint8)):
+        q3, s3, _, _ = g.dispatch((codes, xsc), idxs[0], ws[0], fp8=True)
+        assert q3.dtype == codes.dtype
+        np.testing.assert_array_equal(q3.view(np.uint8), rq.view(np.uint8))
+        np.testing.assert_array_equal(s3.view(np.uint32), rs.view(np.uint32))
+    y3, _, _ = g.dispatch((xq.view(np.uint8), xsc), idxs[0], ws[0], fp8=True, dequantize=True)
+    np.testing.assert_array_equal(y3.view(np.uint8), y.view(np.uint8))
+    # combine and both backwards after an FP8 dispatch: the float ones (the handle is dispatch's)
+    yo = rng.standard_normal((L, Tmax, H)).astype(dt)
+    np.testing.assert_array_equal(g.combine(h, yo).view(np.uint8), ref.combine([rh], [yo])[0].view(np.uint8))
+    gx, _ = g.dispatch_bwd(h2, yo)
+    np.testing.assert_array_equal(gx.view(np.uint8), ref.dispatch_bwd([rh], [yo])[0][0].view(np.uint8))
+    go = rng.standard_normal((T, H)).astype(dt)
+    gy, gw = g.combine_bwd(h, go, yo)
+    wy, ww = ref.combine_bwd([rh], [go], [yo])[0]
+    np.testing.assert_array_equal(gy.view(np.uint8), wy.view(np.uint8))
+    np.testing.assert_array_equal(gw, ww)
+    # a bf16 dispatch on the same group still works
+    recv, _, _ = g.dispatch(xs[0], idxs[0], ws[0])
+    np.testing.assert_array_equal(recv.view(np.uint8), ref.dispatch(xs, idxs, ws, L, Tmax)[0][0].view(np.uint8))
+
+
+def test_group_cpu_fp8_split_and_torch(rng):
+    torch = pytest.importorskip("torch")
+    L, K, T, Tmax, H = 4, 3, 5, 6, 130
+    xs, idxs, ws = fp8_case(rng, 1, L, K, (T,), H, bf16())
+    rq, rs, rc, rh = ref.dispatch_fp8(xs, idxs, ws, L, Tmax)[0]
+    for nb in (1, 2):
+        g = LowLatencyGroup(None, L, H, Tmax, topk=K, dtype=bf16(), num_buffers=nb, fp8=True)
+        q, s, counts, h, hook = g.dispatch(xs[0], idxs[0], ws[0], fp8=True, return_recv_hook=True)
+        with pytest.raises(ValueError, match="receive hook has not run"):
+            g.combine(h, np.zeros((L, Tmax, H), bf16()))
+        hook()
+        with pytest.raises(ValueError, match="already called"):
+            hook()
+        np.testing.assert_array_equal(q.view(np.uint8), rq.view(np.uint8))
+        np.testing.assert_array_equal(s, rs)
+        assert len(g.dispatch(xs[0], idxs[0], ws[0], fp8=True, dequantize=True, return_recv_hook=True)) == 4
+    xt = torch.from_numpy(xs[0].view(np.uint16)).view(torch.bfloat16)
+    q, s, counts, h = g.dispatch(xt, torch.from_numpy(idxs[0]), torch.from_numpy(ws[0]), fp8=True)
+    assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32
+    np.testing.assert_array_equal(q.view(torch.uint8).numpy(), rq.view(np.uint8))
+    y, _, _ = g.dispatch(xt, torch.from_numpy(idxs[0]), torch.from_numpy(ws[0]), fp8=True, dequantize=True)
+    assert y.dtype == torch.bfloat16
+    qt, st = moe_rt.quantize_fp8(xt)
+    q2, s2, _, _ = g.dispatch((qt, st), torch.from_numpy(idxs[0]), torch.from_numpy(ws[0]), fp8=True)
+    assert q2.dtype == torch.float8_e4m3fn
+    np.testing.assert_array_equal(q2.view(torch.uint8).numpy(), rq.view(np.uint8))
+
+
+def test_group_fp8_validation(rng):
+    L, K, T, Tmax, H = 4, 2, 3, 5, 200
+    S = 2
+    x = np.zeros((T, H), np.float32)
+    idx = np.zeros((T, K), np.int32)
+    w = np.ones((T, K), np.float32)
+    q = np.zeros((T, H), np.uint8)
+    sc = np.ones((T, S), np.float32)
+    plain = LowLatencyGroup(None, L, H, Tmax, topk=K, dtype=np.float32)
+    assert not plain.fp8
+    with pytest.raises(ValueError, match=r"fp8: this group has no FP8 receive buffers.*fp8=True"):
+        plain.dispatch(x, idx, w, fp8=True)
+    with pytest.raises(ValueError, match="fp8: this group has no FP8"):
+        plain.dispatch((q, sc), idx, w, fp8=True, dequantize=True)
+    with pytest.raises(TypeError, match="fp8"):
+        LowLatencyGroup(None, L, H, Tmax, topk=K, fp8=1)
+    g = LowLatencyGroup(None, L, H, Tmax, topk=K, dtype=np.float32, fp8=True)
+    for grp in (plain, g):
+        with pytest.raises(ValueError, match="dequantize: only meaningful with fp8=True"):
+            grp.dispatch(x, idx, w, dequantize=True)
+        with pytest.raises(TypeError, match="pair is FP8 input: pass fp8=True"):
+            grp.dispatch((q, sc), idx, w)
+    with pytest.raises(TypeError, match="fp8: expected a bool"):
+        g.dispatch(x, idx, w, fp8=1)
+    with pytest.raises(TypeError, match="dequantize: expected a bool"):
+        g.dispatch(x, idx, w, fp8=True, dequantize="yes")
+    with pytest.raises(TypeError, match="x: expected an array"):
+        g.dispatch((q, sc, sc), idx, w, fp8=True)
+    with pytest.raises(TypeError, match="x: dtype must be float32"):
+        g.dispatch(x.astype(np.float16), idx, w, fp8=True)
+    for bad in (x, q.view(ml_dtypes().float8_e5m2), q.astype(np.int8)):
+        with pytest.raises(TypeError, match="x_fp8: expected float8_e4m3fn values or their uint8 codes"):
+            g.dispatch((bad, sc), idx, w, fp8=True)
+    with pytest.raises(ValueError, match="x_fp8: expected shape"):
+        g.dispatch((np.zeros((T, H + 1), np.uint8), sc), idx, w, fp8=True)
+    with pytest.raises(ValueError, match="x_fp8: expected shape"):
+        g.dispatch((np.zeros((T + 1, H), np.uint8), sc), idx, w, fp8=True)
+    with pytest.raises(ValueError, match="x_fp8: expected a 2-D array"):
+        g.dispatch((q.reshape(-1), sc), idx, w, fp8=True)
+    for bad in (sc.astype(np.float16), sc.astype(np.float64), sc.view(np.uint32)):
+        with pytest.raises(TypeError, match="scales"):
+            g.dispatch((q, bad), idx, w, fp8=True)
+    for bad in (np.ones((T, S + 1), np.float32), np.ones((T - 1, S), np.float32), np.ones((T, 1), np.float32)):
+        with pytest.raises(ValueError, match=r"scales: expected shape \[T, ceil\(H/128\)\] = \(3, 2\)"):
+            g.dispatch((q, bad), idx, w, fp8=True)
+    with pytest.raises(ValueError, match="scales: expected a 2-D array"):
+        g.dispatch((q, sc.reshape(-1)), idx, w, fp8=True)
+    with pytest.raises(ValueError, match="exceeds max_tokens_per_rank"):
+        g.dispatch((np.zeros((6, H), np.uint8), np.ones((6, S), np.float32)), np.zeros((6, K), np.int32),
+                   np.ones((6, K), np.float32), fp8=True)
+    with pytest.raises(ValueError, match="expert ids must be in"):
+        g.dispatch((q, sc), np.full((T, K), 9, np.int32), w, fp8=True)
+    with pytest.raises(TypeError, match="topk_weights"):
+        g.dispatch((q, sc), idx, None, fp8=True)
+
+
 def test_epgroup_names_the_low_latency_class():
     with pytest.raises(ValueError, match="LowLatencyGroup"):
         moe_rt.EpGroup(None, 4, 8, 4, mode="low_latency")
@@ -367,7 +559,7 @@ def test_low_latency_kernels_compile(arch):
     from moe_rt import _jit, ep_ll
 
     names = [n for f, n in _jit.registered() if f == ep_ll._FILE and n in ep_ll._names]
-    assert len(names) == len(ep_ll._names) == 24
+    assert len(names) == len(ep_ll._names) == 36
     image, lowered = _jit.compile_offline("ep.cu", arch, names)
     assert set(lowered) == set(names) and image
 
@@ -508,6 +700,154 @@ def test_gpu_one_rank_split_dispatch_two_in_flight(rng):
         g.close()
 
 
+def _torch_cuda():
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
+def fp8_dequantized(rq, rs, slot_k, dt):
+    """The reference's received FP8 pair ``[L, R*Tmax, ...]`` dequantized in ``dt`` at the valid slots (only
+    those rows are converted), zero elsewhere."""
+    valid = slot_k >= 0
+    y = np.zeros(rq.shape, dt)
+    y[valid] = moe_rt.dequantize_fp8(rq[valid], rs[valid], dt)
+    return y
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float16"])
+@pytest.mark.parametrize("L,K,T,Tmax,H", [(5, 3, 7, 9, 13), (8, 4, 128, 128, 256), (3, 2, 0, 4, 16),
+                                          (4, 3, 33, 40, 7168), (6, 2, 9, 9, 200)])
+def test_gpu_one_rank_fp8_against_reference(rng, dtype, L, K, T, Tmax, H):
+    """FP8 dispatch on one GPU, bit for bit: a float x quantized in the push (dequantized on receipt; with torch
+    also the e4m3 codes themselves, equal to the quantize_fp8 kernel's), a uint8 pair pushed as is; counts and
+    slot tables as the reference's; combine and both backwards after it as after a float dispatch. H = 13 and
+    200 run the scalar path (H % 16 != 0)."""
+    import cupy as cp
+
+    dt = bf16() if dtype == "bfloat16" else np.dtype(dtype)
+    torch = _torch_cuda()
+    g = LowLatencyGroup(None, L, H, Tmax, topk=K, dtype=dt, fp8=True)
+    try:
+        for _ in range(2):  # the second call over buffers the first one filled
+            xs, idxs, ws = fp8_case(rng, 1, L, K, (T,), H, dt)
+            rq, rs, rc, rh = ref.dispatch_fp8(xs, idxs, ws, L, Tmax)[0]
+            sk = rh["slot_k"]
+            x, idx, w = cp.asarray(xs[0]), cp.asarray(idxs[0]), cp.asarray(ws[0])
+            with pytest.raises(TypeError, match="which CuPy cannot hold"):
+                g.dispatch(x, idx, w, fp8=True)
+            y, counts, h = g.dispatch(x, idx, w, fp8=True, dequantize=True)
+            assert y.dtype == dt and y.shape == (L, Tmax, H)
+            np.testing.assert_array_equal(fp8_valid_rows(cp.asnumpy(y), sk),
+                                          fp8_valid_rows(fp8_dequantized(rq, rs, sk, dt), sk))
+            np.testing.assert_array_equal(cp.asnumpy(counts), rc)
+            np.testing.assert_array_equal(cp.asnumpy(h.slot_topk), sk)
+            np.testing.assert_array_equal(cp.asnumpy(h.slot_weights), rh["slot_w"])
+            xq, xsc = moe_rt.quantize_fp8(xs[0])
+            q, sc, counts, _ = g.dispatch((cp.asarray(xq.view(np.uint8)), cp.asarray(xsc)), idx, w, fp8=True)
+            assert q.dtype == np.uint8 and sc.dtype == np.float32 and sc.shape == (L, Tmax, -(-H // 128))
+            np.testing.assert_array_equal(fp8_valid_rows(cp.asnumpy(q), sk), fp8_valid_rows(rq, sk))
+            np.testing.assert_array_equal(fp8_valid_rows(cp.asnumpy(sc), sk), fp8_valid_rows(rs, sk))
+            np.testing.assert_array_equal(cp.asnumpy(counts), rc)
+            if torch is not None:
+                tdt = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[dtype]
+                xt = torch.from_numpy(xs[0].astype(np.float32)).cuda().to(tdt)
+                it, wt = torch.from_numpy(idxs[0]).cuda(), torch.from_numpy(ws[0]).cuda()
+                q, sc, counts, _ = g.dispatch(xt, it, wt, fp8=True)
+                assert q.dtype == torch.float8_e4m3fn and sc.dtype == torch.float32
+                qn, sn = q.view(torch.uint8).cpu().numpy(), sc.cpu().numpy()
+                np.testing.assert_array_equal(fp8_valid_rows(qn, sk), fp8_valid_rows(rq, sk))
+                np.testing.assert_array_equal(fp8_valid_rows(sn, sk), fp8_valid_rows(rs, sk))
+                if T:  # the push's quantization is the quantize_fp8 kernel's: slot (l, t) holds token t
+                    qk, skk = moe_rt.quantize_fp8(xt)
+                    ll, tt = np.nonzero(sk >= 0)
+                    np.testing.assert_array_equal(qn[ll, tt], qk.view(torch.uint8).cpu().numpy()[tt])
+                    np.testing.assert_array_equal(sn[ll, tt].view(np.uint32), skk.cpu().numpy()[tt].view(np.uint32))
+                q2, _, _, _ = g.dispatch((moe_rt.quantize_fp8(xt)[0], torch.from_numpy(xsc).cuda()), it, wt, fp8=True)
+                assert q2.dtype == torch.float8_e4m3fn
+                np.testing.assert_array_equal(fp8_valid_rows(q2.view(torch.uint8).cpu().numpy(), sk),
+                                              fp8_valid_rows(rq, sk))
+            # combine and both backwards with the handle of the FP8 dispatch
+            yo = rng.standard_normal((L, Tmax, H)).astype(dt)
+            out = g.combine(h, cp.asarray(yo))
+            np.testing.assert_array_equal(cp.asnumpy(out).view(np.uint8), ref.combine([rh], [yo])[0].view(np.uint8))
+            gx, _ = g.dispatch_bwd(h, cp.asarray(yo))
+            np.testing.assert_array_equal(cp.asnumpy(gx).view(np.uint8),
+                                          ref.dispatch_bwd([rh], [yo])[0][0].view(np.uint8))
+            go = rng.standard_normal((T, H)).astype(dt)
+            gy, _ = g.combine_bwd(h, cp.asarray(go))
+            np.testing.assert_array_equal(cp.asnumpy(gy).view(np.uint8),
+                                          ref.combine_bwd([rh], [go])[0][0].view(np.uint8))
+            g.synchronize()
+    finally:
+        g.close()
+
+
+@pytest.mark.gpu
+def test_gpu_one_rank_fp8_graph_replay_and_split(rng):
+    """FP8 dispatch (dequantized) + combine captured once and replayed with new tokens and routing; two
+    micro-batches in flight through receive hooks (num_buffers=2: an FP8 pair and a quantized float x), eager
+    and replayed from a graph."""
+    import cupy as cp
+
+    dt = bf16()
+    L, K, T, Tmax, H = 6, 3, 11, 16, 384
+    g = LowLatencyGroup(None, L, H, Tmax, topk=K, dtype=dt, fp8=True, num_buffers=2)
+    try:
+        xs, idxs, ws = fp8_case(rng, 1, L, K, (T,), H, dt)
+        x, idx, w = cp.asarray(xs[0]), cp.asarray(idxs[0]), cp.asarray(ws[0])
+        q0, s0 = moe_rt.quantize_fp8(xs[0])
+        xq, xsc = cp.asarray(q0.view(np.uint8)), cp.asarray(s0)  # CuPy holds FP8 codes as uint8
+        yo = cp.asarray(rng.standard_normal((L, Tmax, H)).astype(dt))
+
+        def check(outs, tag):
+            (qa, _), cb, yb, oa, ob = outs
+            rq, rs, rc, rh = ref.dispatch_fp8(xs, idxs, ws, L, Tmax)[0]
+            sk = rh["slot_k"]
+            want_y = fp8_dequantized(rq, rs, sk, dt)
+            np.testing.assert_array_equal(fp8_valid_rows(cp.asnumpy(qa), sk), fp8_valid_rows(rq, sk), tag)
+            np.testing.assert_array_equal(fp8_valid_rows(cp.asnumpy(yb), sk), fp8_valid_rows(want_y, sk), tag)
+            np.testing.assert_array_equal(cp.asnumpy(cb), rc, tag)
+            np.testing.assert_array_equal(cp.asnumpy(oa).view(np.uint8),
+                                          ref.combine([rh], [cp.asnumpy(yo)])[0].view(np.uint8), tag)
+            np.testing.assert_array_equal(cp.asnumpy(ob).view(np.uint8),
+                                          ref.combine([rh], [want_y])[0]
+                                          .view(np.uint8), tag)
+
+        def split_step():
+            (qa, sa, _, ha, hook_a) = g.dispatch((xq, xsc), idx, w, fp8=True, return_recv_hook=True)
+            (yb, cb, hb, hook_b) = g.dispatch(x, idx, w, fp8=True, dequantize=True, return_recv_hook=True)
+            assert ha.buffer_set != hb.buffer_set
+            hook_a()
+            hook_b()
+            return (qa, sa), cb, yb, g.combine(ha, yo), g.combine(hb, yb)
+
+        check(split_step(), "eager")
+        g.synchronize()
+        s = cp.cuda.Stream(non_blocking=True)
+        with s:
+            s.begin_capture()
+            outs = split_step()
+            graph = s.end_capture()
+        for it in range(3):
+            xs, idxs, ws = fp8_case(rng, 1, L, K, (T,), H, dt)
+            x[...] = cp.asarray(xs[0])
+            idx[...] = cp.asarray(idxs[0])
+            w[...] = cp.asarray(ws[0])
+            q0, s0 = moe_rt.quantize_fp8(xs[0])
+            xq[...] = cp.asarray(q0.view(np.uint8))
+            xsc[...] = cp.asarray(s0)
+            graph.launch(s)
+            s.synchronize()
+            check(outs, f"replay {it}")
+        g.synchronize()
+    finally:
+        g.close()
+
+
 # -- several GPUs: tests/ep_ll_worker.py ------------------------------------------------------------------
 
 def _gpu_count():
@@ -533,12 +873,14 @@ def _run_worker(what, n, timeout=240):
 
 @pytest.mark.multi_gpu
 @pytest.mark.parametrize("n", [2, 4])
-@pytest.mark.parametrize("what", ["correctness", "graph", "split"])
+@pytest.mark.parametrize("what", ["correctness", "graph", "split", "fp8"])
 def test_multi_gpu_low_latency(what, n):
     # correctness: dispatch, combine, dispatch_bwd, combine_bwd against the NumPy R-rank reference (fp32,
     # fp16, bf16; odd shapes, T = 0 ranks, duplicates, holes), run to run bitwise; graph: dispatch + combine
     # captured once and replayed with new routing and tokens, against the reference each time; split: two
-    # micro-batches in flight through receive hooks (num_buffers=2), eager and replayed from a graph
+    # micro-batches in flight through receive hooks (num_buffers=2), eager and replayed from a graph; fp8:
+    # FP8 dispatch (quantized in the push, and pre-quantized pairs) bitwise against the reference, combine and
+    # backwards after it, split hooks and graph replay
     r = _run_worker(what, n)
     assert r.returncode == 0 and "[rank 0] ALL OK" in r.stdout
 

@@ -33,7 +33,10 @@ side, the e4m3 rows and their fp32 block scales on the wire: ``H + 4*ceil(H/128)
 ``--mode low_latency`` times :class:`moe_rt.LowLatencyGroup` instead (T=128 by default, the same E, K, H):
 dispatch and combine alone, eager and captured alone in a CUDA graph (the graph rows are device time), the
 eager round trip (host included) and the round trip as one graph, beside a raw ``all_to_all_single`` of the
-rows it moves and the torch pipeline (a).
+rows it moves and the torch pipeline (a). With ``--fp8`` (a group made with ``fp8=True``) it adds "dispatch fp8
+(graph)" (``dispatch(x, ..., fp8=True)``: e4m3 codes quantized in the push, ``H + 4*ceil(H/128)`` bytes a
+row) and "dispatch fp8 dequant (graph)" (the same, dequantized to bf16 on the receiving side) after
+"dispatch (graph)", with x_vs_bf16 = the bf16 dispatch graph's time / the row's.
 
 Rank 0 prints the table; ``--json`` writes it. Times are rank 0's CUDA-event medians (ranks are
 synchronized before every case).
@@ -87,7 +90,8 @@ def parser(prog: str | None = None):
     ap.add_argument("--fp8", action="store_true",
                     help="also time the FP8 dispatch (EpGroup.dispatch(fp8=True): quantize on the sender, e4m3 rows "
                          "and their fp32 block scales on the wire) beside the bf16 one, per mode and transfer "
-                         "configuration (exact and capacity eager), with the speedup x_vs_bf16")
+                         "configuration (exact and capacity eager), with the speedup x_vs_bf16; --mode low_latency: "
+                         "'dispatch fp8 (graph)' and 'dispatch fp8 dequant (graph)' beside 'dispatch (graph)'")
     ap.add_argument("--parts", action="store_true",
                     help="also time the serial dispatch/combine's parts alone (pack, NCCL exchange, expand; "
                          "reduce, exchange, owner sum) in exact mode")
@@ -459,7 +463,8 @@ def _rank_low_latency(args):
     Ts = [128] if args.quick else (args.tokens or [128])
     iters, warm = args.iters, args.warmup
     table = benchlib.Table("EP low-latency dispatch/combine (moe_rt LowLatencyGroup vs torch.distributed)",
-                           ["op", "T", "us", "wire_MB", "wire_GB/s", "raw_a2a_us", "torch_us", "x_vs_torch"])
+                           ["op", "T", "us", "wire_MB", "wire_GB/s", "raw_a2a_us", "torch_us", "x_vs_torch"]
+                           + (["x_vs_bf16"] if args.fp8 else []))
     table.meta.update(ranks=world, experts=E, topk=K, hidden=H, dtype="bfloat16", mode="low_latency")
     if rank == 0:
         table.header()
@@ -486,6 +491,7 @@ def _rank_low_latency(args):
         e = idx_t.long().cpu().numpy()
         remote = sum(len({int(v) for v in row if v // L != rank}) for row in e)
         wire = remote * H * 2
+        wire_fp8 = remote * (H + 4 * -(-H // 128))  # e4m3 codes and their fp32 block scales
 
         # the torch pipeline (a) and a raw all_to_all_single of the same rows
         torch_dispatch, torch_combine = _torch_pipeline(x_t, idx_t, w_t, E, K, world)
@@ -498,7 +504,7 @@ def _rank_low_latency(args):
         t_raw = timed(lambda: dist.all_to_all_single(a2a_out, a2a_in, splits, splits))
         t_torch = timed(lambda: torch_combine(torch_dispatch(), st[0]))
 
-        g = LowLatencyGroup(comm, E, H, T, topk=K, dtype="bfloat16")
+        g = LowLatencyGroup(comm, E, H, T, topk=K, dtype="bfloat16", fp8=args.fp8)
         stream = cp.cuda.Stream(non_blocking=True)
         rows = []
         with stream:
@@ -512,9 +518,20 @@ def _rank_low_latency(args):
             rows.append(("round trip (eager)", timed(lambda: g.combine(g.dispatch(x, idx, w)[2], y), stream),
                          2 * wire, 2 * t_raw, t_torch))
             graphs = {}
-            for name, fn in (("dispatch (graph)", lambda: g.dispatch(x, idx, w)),
-                             ("combine (graph)", lambda: g.combine(h, y)),
-                             ("round trip (graph)", lambda: g.combine(g.dispatch(x, idx, w)[2], y))):
+            captured = [("dispatch (graph)", lambda: g.dispatch(x, idx, w)),
+                        ("combine (graph)", lambda: g.combine(h, y)),
+                        ("round trip (graph)", lambda: g.combine(g.dispatch(x, idx, w)[2], y))]
+            if args.fp8:
+                ext = torch.cuda.ExternalStream(stream.ptr)
+
+                def fp8_dispatch():  # torch arrays (CuPy holds no float8_e4m3fn), on the capturing stream
+                    with torch.cuda.stream(ext):
+                        return g.dispatch(x_t, idx_t, w_t, fp8=True)
+
+                captured += [("dispatch fp8 (graph)", fp8_dispatch),
+                             ("dispatch fp8 dequant (graph)",
+                              lambda: g.dispatch(x, idx, w, fp8=True, dequantize=True))]
+            for name, fn in captured:
                 fn()
                 stream.synchronize()
                 stream.begin_capture()
@@ -529,19 +546,25 @@ def _rank_low_latency(args):
             hook()
             graphs["dispatch receive (graph)"] = (stream.end_capture(), None)
             graphs["dispatch send (graph)"][0].launch(stream)
-            for name, nb, raw, tt in (("dispatch (graph)", wire + remote * K * 8, t_raw, None),
-                                      ("dispatch send (graph)", wire + remote * K * 8, t_raw, None),
-                                      ("dispatch receive (graph)", 0, None, None),
-                                      ("combine (graph)", wire, t_raw, None),
-                                      ("round trip (graph)", 2 * wire, 2 * t_raw, t_torch)):
+            fp8_rows = ((("dispatch fp8 (graph)", wire_fp8 + remote * K * 8, t_raw, None),
+                         ("dispatch fp8 dequant (graph)", wire_fp8 + remote * K * 8, t_raw, None))
+                        if args.fp8 else ())
+            for name, nb, raw, tt in ((("dispatch (graph)", wire + remote * K * 8, t_raw, None),) + fp8_rows
+                                      + (("dispatch send (graph)", wire + remote * K * 8, t_raw, None),
+                                         ("dispatch receive (graph)", 0, None, None),
+                                         ("combine (graph)", wire, t_raw, None),
+                                         ("round trip (graph)", 2 * wire, 2 * t_raw, t_torch))):
                 graph = graphs[name][0]
                 rows.append((name, timed(lambda: graph.launch(stream), stream), nb, raw, tt))
             g.synchronize()
         if rank == 0:
+            bf16_graph = next(us for op, us, *_ in rows if op == "dispatch (graph)")
             for op, us, nbytes, raw, tt in rows:
                 table.add(op=op, T=T, us=us, wire_MB=nbytes / 1e6,
                           **{"wire_GB/s": (nbytes / (us * 1e-6) / 1e9) if nbytes else None},
-                          raw_a2a_us=raw, torch_us=tt, x_vs_torch=(tt / us) if tt else None)
+                          raw_a2a_us=raw, torch_us=tt, x_vs_torch=(tt / us) if tt else None,
+                          **({"x_vs_bf16": bf16_graph / us if op.startswith("dispatch fp8") else None}
+                             if args.fp8 else {}))
         del graphs
         barrier()
         g.close()

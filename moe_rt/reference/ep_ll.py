@@ -14,6 +14,11 @@ Semantics (the same as :class:`moe_rt.ep_ll.LowLatencyGroup` on the GPU, bit for
   the GPU they are left as they were: unspecified). ``slot_k[d][l, j]`` = the first ``k`` of the slot's
   token with that expert, or ``-1`` (the validity mask is ``slot_k >= 0``); ``slot_w`` = the fp32 sum of the
   weights of those ``k`` (ascending), 0 when invalid; ``counts[d][l]`` = the valid slots of ``l`` (int32).
+- **dispatch_fp8**: the same slots with FP8 rows: a float ``x`` is quantized per rank first
+  (:func:`moe_rt.reference.fp8.quantize_fp8`, block 128, bit for bit the kernel's rule), or a pre-quantized
+  ``(x_fp8, scales)`` pair is taken as is; ``recv_q[d][l, s*Tmax + t]`` = the token's e4m3 codes and
+  ``recv_s[d][l, s*Tmax + t]`` its ``ceil(H/128)`` fp32 scales; the handle is ``dispatch``'s (the backward and
+  combine are the float ones). Rows of invalid slots are zero here (unspecified on the GPU).
 - **combine**: ``out[t] = sum over k ascending (e = idx[t,k] >= 0) of w[t,k] * y[d][l, me*Tmax + t]`` in fp32,
   each product and each addition rounded to fp32, then one rounding to ``y``'s dtype.
 - **dispatch_bwd**: ``grad_x[t] = sum over the k with kf(t,k) == k`` (ascending) of ``g[d][l, slot]`` (fp32
@@ -94,6 +99,28 @@ def dispatch(x, topk_idx, topk_weights, num_experts: int, max_tokens_per_rank: i
                  w=ws[d], route=route, slot_k=slot_k, slot_w=slot_w, counts=counts)
         out.append((recv, counts, h))
     return out
+
+
+FP8_BLOCK = 128
+
+
+def dispatch_fp8(x, topk_idx, topk_weights, num_experts: int, max_tokens_per_rank: int, scales=None):
+    """Every rank's ``(recv_q [L,R*Tmax,H], recv_s [L,R*Tmax,ceil(H/128)] float32, counts [L] int32, handle)``.
+
+    ``x``: per rank a float ``[T,H]`` (quantized here, :func:`moe_rt.reference.fp8.quantize_fp8`), or with
+    ``scales`` (per rank ``[T, ceil(H/128)]`` float32) the e4m3 codes ``[T,H]`` (float8_e4m3fn or uint8),
+    which ``recv_q`` keeps the dtype of."""
+    from moe_rt.reference import fp8 as _fp8
+
+    R = len(x)
+    if scales is None:
+        pairs = [_fp8.quantize_fp8(np.asarray(a), FP8_BLOCK) for a in x]
+        x, scales = [q for q, _ in pairs], [sc for _, sc in pairs]
+    _check_list("scales", scales, R)
+    rows = dispatch(x, topk_idx, topk_weights, num_experts, max_tokens_per_rank)
+    srows = dispatch([np.asarray(sc, np.float32) for sc in scales], topk_idx, topk_weights, num_experts,
+                     max_tokens_per_rank)
+    return [(q, sc, counts, h) for (q, counts, h), (sc, _, _) in zip(rows, srows)]
 
 
 def _routed(h):

@@ -1,0 +1,54 @@
+// FP8 e4m3 helpers shared by kernels/fp8.cu and the low-latency FP8 dispatch of kernels/ep.cu (docs/fp8.md):
+// IEEE fp32 division and product without flush-to-zero (div.rn / mul.rn, whatever -ftz says: subnormal
+// scales and products are kept), the saturating round-to-nearest-even conversion to e4m3 and its exact
+// inverse, and the fp32 -> output dtype rounding (bf16 on the bits). Bit-exact with moe_rt/reference/fp8.py.
+#pragma once
+
+#include "moe_rt/common.cuh"
+#include <cuda_fp8.h>
+
+namespace moe_rt {
+
+__device__ __forceinline__ float div_rn(float a, float b) {
+  float r;
+  asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
+__device__ __forceinline__ float mul_rn(float a, float b) {
+  float r;
+  asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
+__device__ __forceinline__ unsigned char to_e4m3(float v) {
+  return (unsigned char)__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
+}
+
+__device__ __forceinline__ float from_e4m3(unsigned char c) {
+  __half_raw h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)c, __NV_E4M3);
+  return __half2float(__half(h));  // both steps exact
+}
+
+// fp32 -> output dtype, round to nearest even; bf16 on the bits (subnormal products stay subnormal).
+template <typename T> __device__ __forceinline__ T store_as(float v) { return from_float<T>(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 store_as<__nv_bfloat16>(float v) {
+  unsigned u = __float_as_uint(v);
+  unsigned short b;
+  if ((u & 0x7fffffffu) > 0x7f800000u) b = (unsigned short)((u >> 16) | 0x40u);  // NaN stays NaN
+  else b = (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  __nv_bfloat16_raw r;
+  r.x = b;
+  return __nv_bfloat16(r);
+}
+
+__device__ __forceinline__ unsigned abs_bits(float v) { return __float_as_uint(v) & 0x7fffffffu; }
+
+// The scale of a block from the largest |x| bit pattern: amax / 448 (one IEEE division), 1 where that is 0
+// (amax 0, or amax / 448 underflowed; tested on the bits: no ftz).
+__device__ __forceinline__ float e4m3_block_scale(unsigned amax_bits) {
+  const float scale = div_rn(__uint_as_float(amax_bits), 448.0f);
+  return __float_as_uint(scale) == 0u ? 1.0f : scale;
+}
+
+}  // namespace moe_rt
