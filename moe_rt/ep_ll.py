@@ -537,7 +537,7 @@ class LowLatencyGroup:
         NC = -(-Tmax // self.chunk)
         tab = self._tables
         ptr = lambda a: a.data.ptr if a is not None and T else 0  # noqa: E731
-        _jit.launch(fn, self._grid(fn, call, max(NC, L)), _THREADS,
+        _jit.launch(fn, self._transport._grid(fn, call, max(NC, L)), _THREADS,
                     (ptr(x), ptr(xq), ptr(xs), ptr(idx), ptr(wv), np.int32(T), tab[("recv", b)],
                      tab[("recv_q", b)], tab[("recv_s", b)], tab[("route", b)], tab[("rw", b)], d.flags.table,
                      out["idx"].data.ptr, out["w"].data.ptr, out["route"].data.ptr, out["slot_k"].data.ptr,
