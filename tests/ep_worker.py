@@ -266,6 +266,9 @@ def graph(cp, comm, chunks=None, replays=100, memory=True):
     groups = [EpGroup(comm, E, H, Tmax, mode="capacity", timeout=60, **cfg(c)) for c in chunks]
     stream = cp.cuda.Stream(non_blocking=True)
     pool = cp.cuda.MemoryPool()
+    # one pool per captured graph, used for nothing else: the memory a capture frees (the ops' scratch) is
+    # still its graph's at replay, so it must not be handed out again (CuPy has no graph-private pools)
+    graph_pools = [cp.cuda.MemoryPool() for _ in chunks]
 
     def inputs(seed):
         rng = np.random.default_rng(seed)
@@ -287,12 +290,13 @@ def graph(cp, comm, chunks=None, replays=100, memory=True):
             return h, rx, rw, tpe, out, gx, gwt, gy
 
         eagers, graphs, outs = [], [], []
-        for g in groups:
+        for g, gp in zip(groups, graph_pools):
             eagers.append(step(g))
             stream.synchronize()
-            stream.begin_capture()
-            outs.append(step(g))
-            graphs.append(stream.end_capture())
+            with cp.cuda.using_allocator(gp.malloc):
+                stream.begin_capture()
+                outs.append(step(g))
+                graphs.append(stream.end_capture())
         eager, captured, gr = eagers[0], outs[0], graphs[0]
     kw = {"pair_capacity": Tmax, "capacity": WORLD * Tmax * min(K, L)}
     first = None
