@@ -58,6 +58,7 @@ int mrt_dtype_size(int dtype) {
     case MOE_RT_FLOAT32: case MOE_RT_INT32: return 4;
     case MOE_RT_FLOAT16: case MOE_RT_BFLOAT16: return 2;
     case MOE_RT_INT64: return 8;
+    case MOE_RT_INT16: return 2;
     case MOE_RT_BOOL: case MOE_RT_UINT8: case MOE_RT_INT8: case MOE_RT_FLOAT8_E4M3: case MOE_RT_FLOAT8_E5M2:
       return 1;
   }
@@ -79,8 +80,8 @@ const char* mrt_ctype(int dtype) {
 
 const char* mrt_dtype_name(int dtype) {
   static const char* names[] = {"float32", "float16", "bfloat16", "int32", "int64", "bool",
-                                "uint8", "int8", "float8_e4m3", "float8_e5m2"};
-  return dtype >= 0 && dtype <= MOE_RT_FLOAT8_E5M2 ? names[dtype] : "an unknown dtype code";
+                                "uint8", "int8", "float8_e4m3", "float8_e5m2", "int16"};
+  return dtype >= 0 && dtype <= MOE_RT_INT16 ? names[dtype] : "an unknown dtype code";
 }
 
 /* ---- the context ------------------------------------------------------------------------------------ */

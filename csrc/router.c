@@ -114,15 +114,16 @@ static int64_t tpw_grid(int64_t T, int spb, int tpw, int64_t resident) {
 }
 
 typedef struct fwd_key {
-  int32_t op, dtype, E, K, G, g, vec;
+  int32_t op, dtype, E, K, G, g, vec, bitmap;
 } fwd_key;
 
 enum { FWD_SPB = 0, FWD_TPW = 1, FWD_RESIDENT = 2, FWD_GCM = 3 };
 
-static moe_rt_status fwd_plan(moe_rt_context* ctx, int dtype, int E, int K, int G, int g, int vec, mrt_plan* out) {
+static moe_rt_status fwd_plan(moe_rt_context* ctx, int dtype, int E, int K, int G, int g, int vec, int bitmap,
+                              mrt_plan* out) {
   fwd_key key;
   memset(&key, 0, sizeof key);
-  key.op = 1; key.dtype = dtype; key.E = E; key.K = K; key.G = G; key.g = g; key.vec = vec;
+  key.op = 1; key.dtype = dtype; key.E = E; key.K = K; key.G = G; key.g = g; key.vec = vec; key.bitmap = bitmap;
   const mrt_plan* hit = mrt_plan_get(ctx, &key, sizeof key);
   if (hit) { *out = *hit; return MOE_RT_SUCCESS; }
   mrt_plan p;
@@ -134,18 +135,27 @@ static moe_rt_status fwd_plan(moe_rt_context* ctx, int dtype, int E, int K, int 
   int v = reg_v(E, ch, vec, dtype), spb, threads, smem, tpw, gcm = 0;
   if (v) {
     /* 8 keys a lane, no groups, bf16: the kernel compiled without the group-limited selection; 8 keys a lane
-     * with groups held in the lanes and k <= 8: the kernel compiled for that path alone. */
+     * with groups held in the lanes and k <= 8: the kernel compiled for that path alone. The bit-packed map:
+     * the same kernel's BITMAP instantiation (every template argument spelled out). */
     int ng = v == 8 && !G && isz == 2;
     int ls = v == 8 && K <= 8 && lane_groups(E, K, G, g, ch);
-    snprintf(l->name, sizeof l->name, "router_fwd_reg<%s, %d%s%s>", ct, v, ng ? ", false" : "",
-             ls ? ", true, true" : "");
+    if (bitmap)
+      snprintf(l->name, sizeof l->name, "router_fwd_reg<%s, %d, %s, %s, true>", ct, v, ng ? "false" : "true",
+               ls ? "true" : "false");
+    else
+      snprintf(l->name, sizeof l->name, "router_fwd_reg<%s, %d%s%s>", ct, v, ng ? ", false" : "",
+               ls ? ", true, true" : "");
     spb = 4;
     threads = 128;
     smem = 4 * reg_slot_words(E, G, K, ls) * spb;
     tpw = v == 8 && (isz == 2 || ls) ? 2 : 0;
   } else {
     int team = team_for(E, 1);
-    snprintf(l->name, sizeof l->name, "router_fwd<%s, %d%s>", ct, team, (G || team != 32) ? "" : ", false");
+    const int groups = G || team != 32;
+    if (bitmap)
+      snprintf(l->name, sizeof l->name, "router_fwd<%s, %d, %s, true>", ct, team, groups ? "true" : "false");
+    else
+      snprintf(l->name, sizeof l->name, "router_fwd<%s, %d%s>", ct, team, groups ? "" : ", false");
     spb = team == 32 ? 4 : 1;
     smem = 4 * slot_words(E, G, K, team) * spb;
     threads = team * spb;
@@ -166,10 +176,11 @@ static moe_rt_status fwd_plan(moe_rt_context* ctx, int dtype, int E, int K, int 
   return MOE_RT_SUCCESS;
 }
 
+/* rmap: the byte map, or with `bitmap` the bit-packed one; idx: indices of idx_bytes each. */
 static moe_rt_status router_fwd(moe_rt_context* ctx, const void* x, int dtype, int64_t T, int E, int K, int score_fn,
                                 int pre, int aux, int G, int g, float scale, const float* bias, void* probs,
-                                float* scores, uint8_t* rmap, float* inter, int32_t* idx, float* w,
-                                moe_rt_stream stream) {
+                                float* scores, void* rmap, int bitmap, float* inter, void* idx, int idx_bytes,
+                                float* w, moe_rt_stream stream) {
   mrt_plan p;
   memset(&p, 0, sizeof p);
   if (T == 0) {
@@ -177,10 +188,10 @@ static moe_rt_status router_fwd(moe_rt_context* ctx, const void* x, int dtype, i
     return MOE_RT_SUCCESS;
   }
   const int ch = 16 / mrt_dtype_size(dtype);
-  const void* ptrs[6] = {x, probs, scores, rmap, inter, bias};
+  const void* ptrs[6] = {x, probs, scores, bitmap ? NULL : rmap, inter, bias};
   int vec = E % ch == 0;
   for (int i = 0; i < 6; ++i) vec = vec && (ptrs[i] == NULL || mrt_aligned16(ptrs[i]));
-  moe_rt_status st = fwd_plan(ctx, dtype, E, K, G, g, vec, &p);
+  moe_rt_status st = fwd_plan(ctx, dtype, E, K, G, g, vec, bitmap, &p);
   if (st) return st;
   p.launch[0].grid = tpw_grid(T, (int)p.ints[FWD_SPB], (int)p.ints[FWD_TPW], p.ints[FWD_RESIDENT]);
   const int32_t gcm = aux || pre ? 0 : (int32_t)p.ints[FWD_GCM];
@@ -214,7 +225,7 @@ static moe_rt_status router_fwd(moe_rt_context* ctx, const void* x, int dtype, i
   mrt_arg_ptr(&a, w);
   mrt_arg_i32(&a, vec);
   mrt_arg_i32(&a, gcm);
-  mrt_arg_i32(&a, 4); /* idx_bytes: int32 indices */
+  mrt_arg_i32(&a, idx_bytes);
   return mrt_launch_one(ctx, &p.launch[0], &a, stream);
 }
 
@@ -231,22 +242,37 @@ static moe_rt_status check_topk_settings(const char* op, int dtype, int64_t T, i
   return MOE_RT_SUCCESS;
 }
 
+/* The routing form of routing_dtype: *bitmap for the bit-packed map, *idx_bytes for indices (0 otherwise). */
+static moe_rt_status routing_form(const char* op, int routing_dtype, int indices_ok, int* bitmap, int* idx_bytes) {
+  *bitmap = routing_dtype == MOE_RT_UINT8;
+  *idx_bytes = !indices_ok ? 0 : routing_dtype == MOE_RT_INT16 ? 2 : routing_dtype == MOE_RT_INT32 ? 4
+               : routing_dtype == MOE_RT_INT64 ? 8 : 0;
+  if (routing_dtype == MOE_RT_BOOL || *bitmap || *idx_bytes) return MOE_RT_SUCCESS;
+  return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: routing_dtype: expected MOE_RT_BOOL (a routing map) or "
+                  "MOE_RT_UINT8 (bit-packed)%s, got %s (%d)", op,
+                  indices_ok ? ", or MOE_RT_INT16/INT32/INT64 (indices)" : "", mrt_dtype_name(routing_dtype),
+                  routing_dtype);
+}
+
 moe_rt_status moe_rt_topk_with_score(moe_rt_context* ctx, const void* logits, int dtype, int64_t T, int E, int K,
                                      int score_function, int use_pre_softmax, int num_groups, int group_topk,
-                                     float scaling_factor, const float* expert_bias, void* probs,
-                                     uint8_t* routing_map, float* intermediate, moe_rt_stream stream) {
+                                     float scaling_factor, const float* expert_bias, void* probs, void* routing,
+                                     int routing_dtype, float* intermediate, moe_rt_stream stream) {
   static const char op[] = "moe_rt_topk_with_score";
   moe_rt_status st;
+  int bitmap, idx_bytes;
   if ((st = mrt_check_ctx(ctx, op)) ||
       (st = check_topk_settings(op, dtype, T, E, K, score_function, num_groups, group_topk, scaling_factor,
                                 expert_bias)) ||
+      (st = routing_form(op, routing_dtype, 1, &bitmap, &idx_bytes)) ||
       (st = mrt_check_ptr(op, "logits", logits)) || (st = mrt_check_ptr(op, "probs", probs)) ||
-      (st = mrt_check_ptr(op, "routing_map", routing_map)) || (st = mrt_check_ptr(op, "intermediate", intermediate)))
+      (st = mrt_check_ptr(op, "routing", routing)) || (st = mrt_check_ptr(op, "intermediate", intermediate)))
     return st;
   int G = group_topk ? num_groups : 0, g = group_topk ? group_topk : 0;
   int pre = use_pre_softmax && score_function == MOE_RT_SCORE_SOFTMAX;
   return router_fwd(ctx, logits, dtype, T, E, K, score_function, pre, 0, G, g, scaling_factor, expert_bias, probs,
-                    NULL, routing_map, intermediate, NULL, NULL, stream);
+                    NULL, idx_bytes ? NULL : routing, bitmap, intermediate, idx_bytes ? routing : NULL,
+                    idx_bytes ? idx_bytes : 4, NULL, stream);
 }
 
 moe_rt_status moe_rt_topk_indices_with_score(moe_rt_context* ctx, const void* logits, int dtype, int64_t T, int E,
@@ -264,32 +290,35 @@ moe_rt_status moe_rt_topk_indices_with_score(moe_rt_context* ctx, const void* lo
   int G = group_topk ? num_groups : 0, g = group_topk ? group_topk : 0;
   int pre = use_pre_softmax && score_function == MOE_RT_SCORE_SOFTMAX;
   return router_fwd(ctx, logits, dtype, T, E, K, score_function, pre, 0, G, g, scaling_factor, expert_bias, NULL,
-                    NULL, NULL, NULL, topk_idx, topk_weights, stream);
+                    NULL, NULL, 0, NULL, topk_idx, 4, topk_weights, stream);
 }
 
 moe_rt_status moe_rt_scores_for_aux_loss(moe_rt_context* ctx, const void* logits, int dtype, int64_t T, int E,
-                                         int K, int score_function, float* scores, uint8_t* routing_map,
-                                         float* intermediate, moe_rt_stream stream) {
+                                         int K, int score_function, float* scores, void* routing_map,
+                                         int routing_dtype, float* intermediate, moe_rt_stream stream) {
   static const char op[] = "moe_rt_scores_for_aux_loss";
   moe_rt_status st;
+  int bitmap, idx_bytes;
   if ((st = mrt_check_ctx(ctx, op)) || (st = check_float_dtype(op, "dtype", dtype)) ||
       (st = check_sizes(op, T, E, K)) || (st = check_score(op, score_function)) ||
+      (st = routing_form(op, routing_dtype, 0, &bitmap, &idx_bytes)) ||
       (st = mrt_check_ptr(op, "logits", logits)) || (st = mrt_check_ptr(op, "scores", scores)) ||
       (st = mrt_check_ptr(op, "routing_map", routing_map)) || (st = mrt_check_ptr(op, "intermediate", intermediate)))
     return st;
   return router_fwd(ctx, logits, dtype, T, E, K, score_function, 0, 1, 0, 0, 1.0f, NULL, NULL, scores, routing_map,
-                    intermediate, NULL, NULL, stream);
+                    bitmap, intermediate, NULL, 4, NULL, stream);
 }
 
 /* ---- the backward's plan (router.py _launch_bwd) ---------------------------------------------------- */
 
 typedef struct bwd_key {
-  int32_t op, tg, to, E, vec, sel;
+  int32_t op, tg, to, E, vec, sel, bitmap;
 } bwd_key;
 
 enum { BWD_SPB = 0, BWD_TPW = 1, BWD_RESIDENT_REGS = 2 };
 
-static moe_rt_status router_bwd(moe_rt_context* ctx, const void* grad, int tg, const uint8_t* rmap,
+/* rmap: the byte map, or with `bitmap` the bit-packed one (the kernels' BITMAP instantiations). */
+static moe_rt_status router_bwd(moe_rt_context* ctx, const void* grad, int tg, const void* rmap, int bitmap,
                                 const float* inter, void* out, int to, int64_t T, int E, int K, int score_fn,
                                 int pre, int aux, float scale, moe_rt_stream stream) {
   mrt_plan p;
@@ -300,13 +329,14 @@ static moe_rt_status router_bwd(moe_rt_context* ctx, const void* grad, int tg, c
   }
   const int team = team_for(E, 0), spb = team == 32 ? 4 : 1, threads = team * spb;
   const int ch = (mrt_dtype_size(tg) == 2 || mrt_dtype_size(to) == 2) ? 8 : 4;
-  const void* ptrs[4] = {grad, rmap, inter, out};
+  const void* ptrs[4] = {grad, bitmap ? NULL : rmap, inter, out};
   int vec = E % ch == 0;
   for (int i = 0; i < 4; ++i) vec = vec && (ptrs[i] == NULL || mrt_aligned16(ptrs[i]));
   const int sel = vec && !pre && !aux;
+  const char* bm = bitmap ? ", true" : "";
   bwd_key key;
   memset(&key, 0, sizeof key);
-  key.op = 2; key.tg = tg; key.to = to; key.E = E; key.vec = vec; key.sel = sel;
+  key.op = 2; key.tg = tg; key.to = to; key.E = E; key.vec = vec; key.sel = sel; key.bitmap = bitmap;
   const mrt_plan* hit = mrt_plan_get(ctx, &key, sizeof key);
   mrt_launch* l = &p.launch[0];
   if (hit) {
@@ -317,10 +347,10 @@ static moe_rt_status router_bwd(moe_rt_context* ctx, const void* grad, int tg, c
       /* zero gradient off the map: the K selected entries only; in one pass with them in registers from
        * SEL_REG_CHUNKS 16-byte chunks per thread */
       int reg = mrt_cdiv(E / ch, team) >= SEL_REG_CHUNKS;
-      snprintf(l->name, sizeof l->name, "router_bwd_sel%s<%s, %d>", reg ? "_reg" : "", mrt_ctype(tg), team);
+      snprintf(l->name, sizeof l->name, "router_bwd_sel%s<%s, %d%s>", reg ? "_reg" : "", mrt_ctype(tg), team, bm);
       p.ints[BWD_TPW] = team <= 128 ? 1 : 0;
     } else {
-      snprintf(l->name, sizeof l->name, "router_bwd<%s, %s, %d>", mrt_ctype(tg), mrt_ctype(to), team);
+      snprintf(l->name, sizeof l->name, "router_bwd<%s, %s, %d%s>", mrt_ctype(tg), mrt_ctype(to), team, bm);
     }
     int regs = 0;
     moe_rt_status st = mrt_kernel(ctx, l, FILE_ROUTER, &regs);
@@ -359,21 +389,78 @@ static moe_rt_status router_bwd(moe_rt_context* ctx, const void* grad, int tg, c
   return mrt_launch_one(ctx, l, &a, stream);
 }
 
+/* The backward from indices (router.py _launch_bwd_idx: router_bwd_idx, one warp a token); ids outside
+ * [-1, E) go to the error word. */
+static moe_rt_status router_bwd_idx(moe_rt_context* ctx, const void* grad, int dtype, const void* idx, int idx_bytes,
+                                    const float* inter, void* out, int64_t T, int E, int K, int score_fn, int pre,
+                                    float scale, moe_rt_stream stream) {
+  mrt_plan p;
+  memset(&p, 0, sizeof p);
+  if (T == 0) {
+    if (mrt_is_planning(ctx)) mrt_record(ctx, &p);
+    return MOE_RT_SUCCESS;
+  }
+  const int ch = mrt_dtype_size(dtype) == 2 ? 8 : 4;
+  const int vec = E % ch == 0 && mrt_aligned16(grad) && mrt_aligned16(inter) && mrt_aligned16(out);
+  bwd_key key;
+  memset(&key, 0, sizeof key);
+  key.op = 3; key.tg = dtype; key.to = dtype;
+  mrt_launch* l = &p.launch[0];
+  if (!mrt_plan_lookup(ctx, &key, sizeof key, &p)) {
+    p.num_launches = 1;
+    snprintf(l->name, sizeof l->name, "router_bwd_idx<%s>", mrt_ctype(dtype));
+    int regs = 0;
+    moe_rt_status st = mrt_kernel(ctx, l, FILE_ROUTER, &regs);
+    if (st) return st;
+    l->block = 128;
+    p.ints[BWD_RESIDENT_REGS] = regs;
+    mrt_plan_put(ctx, &key, sizeof key, &p);
+  }
+  l->grid = mrt_resident_grid(mrt_device(ctx), mrt_cdiv(T, 4), 128, 0, (int)p.ints[BWD_RESIDENT_REGS]);
+  l->scalars[0] = vec;
+  if (mrt_is_planning(ctx)) {
+    mrt_record(ctx, &p);
+    return MOE_RT_SUCCESS;
+  }
+  unsigned long long err = 0;
+  moe_rt_status st = mrt_error_word(ctx, &err);
+  if (st) return st;
+  mrt_args a = {0};
+  mrt_arg_ptr(&a, grad);
+  mrt_arg_ptr(&a, idx);
+  mrt_arg_i32(&a, idx_bytes);
+  mrt_arg_ptr(&a, inter);
+  mrt_arg_i64(&a, T);
+  mrt_arg_i32(&a, E);
+  mrt_arg_i32(&a, K);
+  mrt_arg_i32(&a, score_fn);
+  mrt_arg_i32(&a, pre);
+  mrt_arg_f32(&a, scale);
+  mrt_arg_ptr(&a, out);
+  mrt_arg_i32(&a, vec);
+  mrt_arg_ptr(&a, (const void*)(uintptr_t)err);
+  return mrt_launch_one(ctx, l, &a, stream);
+}
+
 moe_rt_status moe_rt_topk_with_score_backward(moe_rt_context* ctx, const void* grad_probs, int dtype,
-                                              const uint8_t* routing_map, const float* intermediate, int64_t T,
-                                              int E, int K, int score_function, int use_pre_softmax,
+                                              const void* routing, int routing_dtype, const float* intermediate,
+                                              int64_t T, int E, int K, int score_function, int use_pre_softmax,
                                               float scaling_factor, void* grad_logits, moe_rt_stream stream) {
   static const char op[] = "moe_rt_topk_with_score_backward";
   moe_rt_status st;
+  int bitmap, idx_bytes;
   if ((st = mrt_check_ctx(ctx, op)) || (st = check_float_dtype(op, "dtype", dtype)) ||
       (st = check_sizes(op, T, E, K)) || (st = check_score(op, score_function)) ||
-      (st = check_scale(op, scaling_factor)) || (st = mrt_check_ptr(op, "grad_probs", grad_probs)) ||
-      (st = mrt_check_ptr(op, "routing_map", routing_map)) || (st = mrt_check_ptr(op, "intermediate", intermediate)) ||
-      (st = mrt_check_ptr(op, "grad_logits", grad_logits)))
+      (st = check_scale(op, scaling_factor)) || (st = routing_form(op, routing_dtype, 1, &bitmap, &idx_bytes)) ||
+      (st = mrt_check_ptr(op, "grad_probs", grad_probs)) || (st = mrt_check_ptr(op, "routing", routing)) ||
+      (st = mrt_check_ptr(op, "intermediate", intermediate)) || (st = mrt_check_ptr(op, "grad_logits", grad_logits)))
     return st;
   int pre = use_pre_softmax && score_function == MOE_RT_SCORE_SOFTMAX;
-  return router_bwd(ctx, grad_probs, dtype, routing_map, intermediate, grad_logits, dtype, T, E, K, score_function,
-                    pre, 0, scaling_factor, stream);
+  if (idx_bytes)
+    return router_bwd_idx(ctx, grad_probs, dtype, routing, idx_bytes, intermediate, grad_logits, T, E, K,
+                          score_function, pre, scaling_factor, stream);
+  return router_bwd(ctx, grad_probs, dtype, routing, bitmap, intermediate, grad_logits, dtype, T, E, K,
+                    score_function, pre, 0, scaling_factor, stream);
 }
 
 moe_rt_status moe_rt_scores_for_aux_loss_backward(moe_rt_context* ctx, const float* grad_scores,
@@ -387,7 +474,7 @@ moe_rt_status moe_rt_scores_for_aux_loss_backward(moe_rt_context* ctx, const flo
       (st = mrt_check_ptr(op, "grad_scores", grad_scores)) || (st = mrt_check_ptr(op, "intermediate", intermediate)) ||
       (st = mrt_check_ptr(op, "grad_logits", grad_logits)))
     return st;
-  return router_bwd(ctx, grad_scores, MOE_RT_FLOAT32, NULL, intermediate, grad_logits, grad_dtype, T, E, K,
+  return router_bwd(ctx, grad_scores, MOE_RT_FLOAT32, NULL, 0, intermediate, grad_logits, grad_dtype, T, E, K,
                     score_function, 0, 1, 1.0f, stream);
 }
 

@@ -201,6 +201,7 @@ static int dtype_code(XLA_FFI_DataType t) {
     case XLA_FFI_DataType_BF16: return MOE_RT_BFLOAT16;
     case XLA_FFI_DataType_S32: return MOE_RT_INT32;
     case XLA_FFI_DataType_S64: return MOE_RT_INT64;
+    case XLA_FFI_DataType_S16: return MOE_RT_INT16;
     case XLA_FFI_DataType_PRED: return MOE_RT_BOOL;
     case XLA_FFI_DataType_U8: return MOE_RT_UINT8;
     case XLA_FFI_DataType_S8: return MOE_RT_INT8;
@@ -373,7 +374,8 @@ EXPORT XLA_FFI_Error* moe_rt_xla_noop(XLA_FFI_CallFrame* f) {
 /* ---- router --------------------------------------------------------------------------------------- */
 
 /* args: logits [T, E] (float), then expert_bias [E] float32 when has_bias; rets: probs [T, E] (logits'
- * dtype), routing_map [T, E] bool, intermediate [T, E] float32. attrs: topk, score_function,
+ * dtype), the routing (its dtype says the form: routing_map [T, E] bool, the bit-packed map [T, ceil(E/8)]
+ * uint8, or the indices [T, K] int16/int32/int64), intermediate [T, E] float32. attrs: topk, score_function,
  * use_pre_softmax, num_groups, group_topk, scaling_factor, has_bias. */
 EXPORT XLA_FFI_Error* moe_rt_xla_topk_with_score(XLA_FFI_CallFrame* f) {
   BEGIN("moe_rt_xla_topk_with_score");
@@ -397,7 +399,6 @@ EXPORT XLA_FFI_Error* moe_rt_xla_topk_with_score(XLA_FFI_CallFrame* f) {
   TRY(ret(&fr, 1, 2, &rmap));
   TRY(ret(&fr, 2, 2, &inter));
   TRY(want_dtype(&fr, &probs, "probs", logits.dtype));
-  TRY(want_dtype(&fr, &rmap, "routing_map", MOE_RT_BOOL));
   TRY(want_dtype(&fr, &inter, "intermediate", MOE_RT_FLOAT32));
   const int64_t T = logits.dims[0], E = logits.dims[1];
   if (E > MOE_RT_MAX_EXPERTS)
@@ -406,12 +407,12 @@ EXPORT XLA_FFI_Error* moe_rt_xla_topk_with_score(XLA_FFI_CallFrame* f) {
   moe_rt_stream stream;
   TRY(device(&fr, &ctx, &stream));
   CORE(moe_rt_topk_with_score(ctx, logits.data, logits.dtype, T, (int)E, topk, score, pre, groups, gtopk, scale,
-                              has_bias ? bias.data : NULL, probs.data, rmap.data, inter.data, stream));
+                              has_bias ? bias.data : NULL, probs.data, rmap.data, rmap.dtype, inter.data, stream));
   return NULL;
 }
 
-/* args: grad_probs [T, E], routing_map [T, E] bool, intermediate [T, E] float32; rets: grad_logits [T, E]
- * (grad_probs' dtype). attrs: topk, score_function, use_pre_softmax, scaling_factor. */
+/* args: grad_probs [T, E], the forward's routing (any of its forms), intermediate [T, E] float32; rets:
+ * grad_logits [T, E] (grad_probs' dtype). attrs: topk, score_function, use_pre_softmax, scaling_factor. */
 EXPORT XLA_FFI_Error* moe_rt_xla_topk_with_score_backward(XLA_FFI_CallFrame* f) {
   BEGIN("moe_rt_xla_topk_with_score_backward");
   int topk, score, pre;
@@ -426,7 +427,6 @@ EXPORT XLA_FFI_Error* moe_rt_xla_topk_with_score_backward(XLA_FFI_CallFrame* f) 
   TRY(arg(&fr, 1, 2, &rmap));
   TRY(arg(&fr, 2, 2, &inter));
   TRY(ret(&fr, 0, 2, &out));
-  TRY(want_dtype(&fr, &rmap, "routing_map", MOE_RT_BOOL));
   TRY(want_dtype(&fr, &inter, "intermediate", MOE_RT_FLOAT32));
   TRY(want_dtype(&fr, &out, "grad_logits", g.dtype));
   const int64_t T = g.dims[0], E = g.dims[1];
@@ -435,8 +435,126 @@ EXPORT XLA_FFI_Error* moe_rt_xla_topk_with_score_backward(XLA_FFI_CallFrame* f) 
   moe_rt_context* ctx;
   moe_rt_stream stream;
   TRY(device(&fr, &ctx, &stream));
-  CORE(moe_rt_topk_with_score_backward(ctx, g.data, g.dtype, rmap.data, inter.data, T, (int)E, topk, score, pre,
-                                       scale, out.data, stream));
+  CORE(moe_rt_topk_with_score_backward(ctx, g.data, g.dtype, rmap.data, rmap.dtype, inter.data, T, (int)E, topk,
+                                       score, pre, scale, out.data, stream));
+  return NULL;
+}
+
+/* args: logits [T, E] (float); rets: scores [T, E] float32, the routing map ([T, E] bool or bit-packed
+ * [T, ceil(E/8)] uint8), intermediate [T, E] float32. attrs: topk, score_function. */
+EXPORT XLA_FFI_Error* moe_rt_xla_scores_for_aux_loss(XLA_FFI_CallFrame* f) {
+  BEGIN("moe_rt_xla_scores_for_aux_loss");
+  int topk, score;
+  TRY(attr_int(&fr, "topk", &topk));
+  TRY(attr_int(&fr, "score_function", &score));
+  TRY(counts(&fr, 1, 3));
+  buf logits, scores, rmap, inter;
+  TRY(arg(&fr, 0, 2, &logits));
+  TRY(ret(&fr, 0, 2, &scores));
+  TRY(ret(&fr, 1, 2, &rmap));
+  TRY(ret(&fr, 2, 2, &inter));
+  TRY(want_dtype(&fr, &scores, "scores", MOE_RT_FLOAT32));
+  TRY(want_dtype(&fr, &inter, "intermediate", MOE_RT_FLOAT32));
+  const int64_t T = logits.dims[0], E = logits.dims[1];
+  if (E > MOE_RT_MAX_EXPERTS)
+    return fail(&fr, XLA_FFI_Error_Code_INVALID_ARGUMENT, "num_experts %lld is too large", (long long)E);
+  moe_rt_context* ctx;
+  moe_rt_stream stream;
+  TRY(device(&fr, &ctx, &stream));
+  CORE(moe_rt_scores_for_aux_loss(ctx, logits.data, logits.dtype, T, (int)E, topk, score, scores.data, rmap.data,
+                                  rmap.dtype, inter.data, stream));
+  return NULL;
+}
+
+/* args: grad_scores [T, E] float32, intermediate [T, E] float32; rets: grad_logits [T, E] (float, its dtype
+ * the logits'). attrs: topk, score_function. */
+EXPORT XLA_FFI_Error* moe_rt_xla_scores_for_aux_loss_backward(XLA_FFI_CallFrame* f) {
+  BEGIN("moe_rt_xla_scores_for_aux_loss_backward");
+  int topk, score;
+  TRY(attr_int(&fr, "topk", &topk));
+  TRY(attr_int(&fr, "score_function", &score));
+  TRY(counts(&fr, 2, 1));
+  buf g, inter, out;
+  TRY(arg(&fr, 0, 2, &g));
+  TRY(arg(&fr, 1, 2, &inter));
+  TRY(ret(&fr, 0, 2, &out));
+  TRY(want_dtype(&fr, &g, "grad_scores", MOE_RT_FLOAT32));
+  TRY(want_dtype(&fr, &inter, "intermediate", MOE_RT_FLOAT32));
+  const int64_t T = g.dims[0], E = g.dims[1];
+  if (E > MOE_RT_MAX_EXPERTS)
+    return fail(&fr, XLA_FFI_Error_Code_INVALID_ARGUMENT, "num_experts %lld is too large", (long long)E);
+  moe_rt_context* ctx;
+  moe_rt_stream stream;
+  TRY(device(&fr, &ctx, &stream));
+  CORE(moe_rt_scores_for_aux_loss_backward(ctx, g.data, inter.data, T, (int)E, topk, score, out.data, out.dtype,
+                                           stream));
+  return NULL;
+}
+
+/* The aux loss's frame: the first argument (probs [R, C] or the loss's gradient, 0-d), tokens_per_expert
+ * [C], then total_num_tokens (0-d int32/int64) when read on the device; attrs num_experts, topk, coeff,
+ * total_num_tokens (the host value; 0 with the device one). */
+typedef struct aux_frame {
+  buf first, tpe, total;
+  int has_total, E, topk;
+  float coeff;
+  int64_t host_total;
+} aux_frame;
+
+static XLA_FFI_Error* aux_begin(const frame* fr, int first_rank, int n_rets, aux_frame* a) {
+  memset(a, 0, sizeof *a);
+  TRY(attr_int(fr, "num_experts", &a->E));
+  TRY(attr_int(fr, "topk", &a->topk));
+  TRY(attr_f32(fr, "coeff", &a->coeff));
+  TRY(attr_i64(fr, "total_num_tokens", &a->host_total));
+  a->has_total = fr->f->args.size == 3;
+  TRY(counts(fr, a->has_total ? 3 : 2, n_rets));
+  TRY(arg(fr, 0, first_rank, &a->first));
+  TRY(arg(fr, 1, 1, &a->tpe));
+  if (a->has_total) TRY(arg(fr, 2, -1, &a->total));
+  return NULL;
+}
+
+/* args: probs [R, C] (float), tokens_per_expert [C] (int32, int64, float32), [total_num_tokens]; rets: the
+ * loss (0-d, probs' dtype), the workspace (uint8, moe_rt_aux_loss_workspace_size(R) bytes). */
+EXPORT XLA_FFI_Error* moe_rt_xla_aux_loss(XLA_FFI_CallFrame* f) {
+  BEGIN("moe_rt_xla_aux_loss");
+  aux_frame a;
+  TRY(aux_begin(&fr, 2, 2, &a));
+  buf loss, ws;
+  TRY(ret(&fr, 0, 0, &loss));
+  TRY(ret(&fr, 1, 1, &ws));
+  TRY(want_dtype(&fr, &loss, "loss", a.first.dtype));
+  moe_rt_context* ctx;
+  moe_rt_stream stream;
+  TRY(device(&fr, &ctx, &stream));
+  if (a.first.dims[1] != a.tpe.dims[0] || a.first.dims[1] > 2147483647LL)
+    return fail(&fr, XLA_FFI_Error_Code_INVALID_ARGUMENT, "probs: %lld columns, tokens_per_expert %lld",
+                (long long)a.first.dims[1], (long long)a.tpe.dims[0]);
+  CORE(moe_rt_aux_loss(ctx, a.first.data, a.first.dtype, a.first.dims[0], (int)a.first.dims[1], a.tpe.data,
+                       a.tpe.dtype, a.host_total, a.has_total ? a.total.data : NULL, a.total.dtype, a.E, a.topk,
+                       a.coeff, ws.data, (size_t)ws.dims[0], loss.data, stream));
+  return NULL;
+}
+
+/* args: grad_aux_loss (0-d, float), tokens_per_expert [C], [total_num_tokens]; rets: grad_probs [R, C]
+ * (grad_aux_loss' dtype). */
+EXPORT XLA_FFI_Error* moe_rt_xla_aux_loss_backward(XLA_FFI_CallFrame* f) {
+  BEGIN("moe_rt_xla_aux_loss_backward");
+  aux_frame a;
+  TRY(aux_begin(&fr, 0, 1, &a));
+  buf out;
+  TRY(ret(&fr, 0, 2, &out));
+  TRY(want_dtype(&fr, &out, "grad_probs", a.first.dtype));
+  if (out.dims[1] != a.tpe.dims[0] || out.dims[1] > 2147483647LL)
+    return fail(&fr, XLA_FFI_Error_Code_INVALID_ARGUMENT, "grad_probs: %lld columns, tokens_per_expert %lld",
+                (long long)out.dims[1], (long long)a.tpe.dims[0]);
+  moe_rt_context* ctx;
+  moe_rt_stream stream;
+  TRY(device(&fr, &ctx, &stream));
+  CORE(moe_rt_aux_loss_backward(ctx, a.first.data, a.first.dtype, out.dims[0], (int)out.dims[1], a.tpe.data,
+                                a.tpe.dtype, a.host_total, a.has_total ? a.total.data : NULL, a.total.dtype, a.E,
+                                a.topk, a.coeff, out.data, stream));
   return NULL;
 }
 

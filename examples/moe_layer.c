@@ -184,7 +184,7 @@ int main(int argc, char** argv) {
   CHECK(moe_rt_topk_indices_with_score(g_ctx, d_logits, MOE_RT_FLOAT32, T, E, K, MOE_RT_SCORE_SOFTMAX, 0, 0, 0, 1.0f,
                                        NULL, d_idx, d_w, s));
   CHECK(moe_rt_topk_with_score(g_ctx, d_logits, MOE_RT_FLOAT32, T, E, K, MOE_RT_SCORE_SOFTMAX, 0, 0, 0, 1.0f, NULL,
-                               d_probs, d_rmap, d_inter, s));
+                               d_probs, d_rmap, MOE_RT_BOOL, d_inter, s));
 
   /* plan: rows grouped by expert, each expert padded to a multiple of A */
   int64_t N = 0;
@@ -240,7 +240,7 @@ int main(int argc, char** argv) {
     for (int64_t k = 0; k < K; ++k) grad_probs[t * E + idx[t * K + k]] = gw[t * K + k];
   float* d_gprobs = upload(grad_probs, T * E * f4);
   float* d_glogits = dev(T * E * f4);
-  CHECK(moe_rt_topk_with_score_backward(g_ctx, d_gprobs, MOE_RT_FLOAT32, d_rmap, d_inter, T, E, K,
+  CHECK(moe_rt_topk_with_score_backward(g_ctx, d_gprobs, MOE_RT_FLOAT32, d_rmap, MOE_RT_BOOL, d_inter, T, E, K,
                                         MOE_RT_SCORE_SOFTMAX, 0, 1.0f, d_glogits, s));
 
   /* the aux loss over the dense scores, with the plan's per-expert counts, and its backward */
@@ -248,7 +248,7 @@ int main(int argc, char** argv) {
   uint8_t* d_rmap_aux = dev(T * E);
   float* d_inter_aux = dev(T * E * f4);
   CHECK(moe_rt_scores_for_aux_loss(g_ctx, d_logits, MOE_RT_FLOAT32, T, E, K, MOE_RT_SCORE_SOFTMAX, d_scores,
-                                   d_rmap_aux, d_inter_aux, s));
+                                   d_rmap_aux, MOE_RT_BOOL, d_inter_aux, s));
   size_t aux_ws_bytes = 0;
   CHECK(moe_rt_aux_loss_workspace_size(T, &aux_ws_bytes));
   void* d_aux_ws = dev(aux_ws_bytes);

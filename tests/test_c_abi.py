@@ -25,7 +25,7 @@ _spec = importlib.util.spec_from_file_location("moe_rt_libbuild", ROOT / "csrc" 
 cbuild = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(cbuild)
 
-F32, F16, BF16, I32, I64, BOOL, U8, I8 = 0, 1, 2, 3, 4, 5, 6, 7
+F32, F16, BF16, I32, I64, BOOL, U8, I8, I16 = 0, 1, 2, 3, 4, 5, 6, 7, 10
 DT_NAMES = {F32: "float32", F16: "float16", BF16: "bfloat16"}
 SIGMOID, SOFTMAX, SQRTSOFTPLUS = 0, 1, 2
 OK, INVALID, NO_DRIVER, NO_DEVICE, KERNEL_CACHE = 0, 1, 2, 3, 4
@@ -63,10 +63,10 @@ SIGNATURES = {
     "moe_rt_last_plan": (I, [P, C.POINTER(PlanInfo)]),
     "moe_rt_check": (I, [P, P]),
     "moe_rt_malloc": (I, [P, S, C.POINTER(P)]),
-    "moe_rt_topk_with_score": (I, [P, P, I, L, I, I, I, I, I, I, F, P, P, P, P, P]),
+    "moe_rt_topk_with_score": (I, [P, P, I, L, I, I, I, I, I, I, F, P, P, P, I, P, P]),
     "moe_rt_topk_indices_with_score": (I, [P, P, I, L, I, I, I, I, I, I, F, P, P, P, P]),
-    "moe_rt_topk_with_score_backward": (I, [P, P, I, P, P, L, I, I, I, I, F, P, P]),
-    "moe_rt_scores_for_aux_loss": (I, [P, P, I, L, I, I, I, P, P, P, P]),
+    "moe_rt_topk_with_score_backward": (I, [P, P, I, P, I, P, L, I, I, I, I, F, P, P]),
+    "moe_rt_scores_for_aux_loss": (I, [P, P, I, L, I, I, I, P, P, I, P, P]),
     "moe_rt_scores_for_aux_loss_backward": (I, [P, P, P, L, I, I, I, P, I, P]),
     "moe_rt_aux_loss_workspace_size": (I, [L, C.POINTER(S)]),
     "moe_rt_aux_loss": (I, [P, P, I, L, I, P, I, L, P, I, I, I, F, P, S, P, P]),
@@ -144,6 +144,8 @@ def _py_scalars(launch_args):
             out.append((int(args[-3]), int(args[-2])))
         elif name.startswith("router_bwd<"):
             out.append((int(args[-1]), 0))
+        elif name.startswith("router_bwd_idx"):  # ..., vec, error word
+            out.append((int(args[-2]), 0))
         else:
             out.append((0, 0))
     return out
@@ -281,11 +283,75 @@ def test_router_forward_plan_equals_python(lib, pyside, case, dev, regs):
                                            _Arr("float32", bias), _Arr(DT_NAMES[dt], BASE), None, _Arr("bool", BASE),
                                            _Arr("float32", BASE), None, None)
                         _ok(lib, lib.moe_rt_topk_with_score(ctx, base, dt, T, E, K, sf, pre, G, g, 1.0, bias, BASE,
-                                                            BASE, BASE, None))
+                                                            BASE, BOOL, BASE, None))
                     assert _launches(lib, ctx) == launches, (T, aligned, indices)
                     assert _scalars(lib, ctx) == _py_scalars(launches.args), (T, aligned, indices)
     finally:
         lib.moe_rt_context_destroy(ctx)
+
+
+# the routing forms other than the byte map: the bit-packed map and the indices (moe_rt.jax's custom calls)
+FORMS = [(U8, "uint8"), (I16, "int16"), (I32, "int32"), (I64, "int64")]
+
+
+@pytest.mark.parametrize("case", FWD_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_router_forward_forms_plan_equal_python(lib, pyside, ctx, case):
+    _, launches = pyside
+    dt, E, K, sf, pre, G, g = case
+    bias = BASE if sf != SOFTMAX else None
+    for T in (1, 37, 4096, 65536):
+        for base in (BASE, BASE + 4):
+            for code, name in FORMS:
+                launches.clear()
+                bitmap = code == U8
+                routing = _Arr(name, BASE)
+                router._launch_fwd(CALL, _Arr(DT_NAMES[dt], base), T, E, K, sf, pre, 0, G, g, 1.0,
+                                   None if bias is None else _Arr("float32", bias), _Arr(DT_NAMES[dt], BASE), None,
+                                   routing if bitmap else None, _Arr("float32", BASE), None if bitmap else routing,
+                                   None, bitmap)
+                _ok(lib, lib.moe_rt_topk_with_score(ctx, base, dt, T, E, K, sf, pre, G, g, 1.0, bias, BASE, BASE, code,
+                                                    BASE, None))
+                assert _launches(lib, ctx) == launches, (T, base, name)
+                assert _scalars(lib, ctx) == _py_scalars(launches.args), (T, base, name)
+                assert [a[-1] for _, a in launches.args] == [4 if bitmap else np.dtype(name).itemsize]
+
+
+BWD_FORM_CASES = [(F32, 256, 8), (BF16, 256, 8), (BF16, 2304, 36), (F16, 7, 3), (F32, 1030, 5), (BF16, 5000, 20),
+                  (F32, 16384, 64)]
+
+
+@pytest.mark.parametrize("case", BWD_FORM_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_router_backward_forms_plan_equal_python(lib, pyside, ctx, case):
+    _, launches = pyside
+    dt, E, K = case
+    for T in (1, 37, 4096, 65536):
+        for base in (BASE, BASE + 4):
+            for sf, pre in ((SOFTMAX, 0), (SOFTMAX, 1), (SIGMOID, 0)):
+                for code, name in FORMS:
+                    launches.clear()
+                    grad, inter, out = _Arr(DT_NAMES[dt], base), _Arr("float32", BASE), _Arr(DT_NAMES[dt], BASE)
+                    if code == U8:
+                        router._launch_bwd(CALL, grad, _Arr("uint8", BASE), inter, out, T, E, K, sf, pre, 0, 1.0, True)
+                    elif T:
+                        router._launch_bwd_idx(CALL, grad, _Arr(name, BASE), inter, out, T, E, K, sf, pre, 1.0)
+                    _ok(lib, lib.moe_rt_topk_with_score_backward(ctx, base, dt, BASE, code, BASE, T, E, K, sf, pre,
+                                                                 1.0, BASE, None))
+                    assert _launches(lib, ctx) == launches, (T, base, sf, pre, name)
+                    assert _scalars(lib, ctx) == _py_scalars(launches.args), (T, base, sf, pre, name)
+
+
+@pytest.mark.parametrize("case", [(F32, 256, 8, SOFTMAX), (BF16, 2304, 36, SIGMOID), (F16, 7, 3, SQRTSOFTPLUS),
+                                  (F32, 5000, 20, SOFTMAX), (BF16, 1030, 5, SIGMOID)], ids=str)
+def test_scores_for_aux_loss_bitmap_plan_equals_python(lib, pyside, ctx, case):
+    _, launches = pyside
+    dt, E, K, sf = case
+    for T in TOKENS:
+        launches.clear()
+        router._launch_fwd(CALL, _Arr(DT_NAMES[dt], BASE), T, E, K, sf, 0, 1, 0, 0, 1.0, None, None,
+                           _Arr("float32", BASE), _Arr("uint8", BASE + 4), _Arr("float32", BASE), None, None, True)
+        _ok(lib, lib.moe_rt_scores_for_aux_loss(ctx, BASE, dt, T, E, K, sf, BASE, BASE + 4, U8, BASE, None))
+        assert _launches(lib, ctx) == launches
+        assert _scalars(lib, ctx) == _py_scalars(launches.args)
 
 
 @pytest.mark.parametrize("case", [(F32, 256, 8, SOFTMAX), (BF16, 2304, 36, SIGMOID), (F16, 7, 3, SQRTSOFTPLUS),
@@ -297,7 +363,7 @@ def test_scores_for_aux_loss_plan_equals_python(lib, pyside, ctx, case):
         launches.clear()
         router._launch_fwd(CALL, _Arr(DT_NAMES[dt], BASE), T, E, K, sf, 0, 1, 0, 0, 1.0, None, None,
                            _Arr("float32", BASE), _Arr("bool", BASE), _Arr("float32", BASE), None, None)
-        _ok(lib, lib.moe_rt_scores_for_aux_loss(ctx, BASE, dt, T, E, K, sf, BASE, BASE, BASE, None))
+        _ok(lib, lib.moe_rt_scores_for_aux_loss(ctx, BASE, dt, T, E, K, sf, BASE, BASE, BOOL, BASE, None))
         assert _launches(lib, ctx) == launches
         assert _scalars(lib, ctx) == _py_scalars(launches.args)
 
@@ -324,7 +390,7 @@ def test_router_backward_plan_equals_python(lib, pyside, case, dev, regs):
                     launches.clear()
                     router._launch_bwd(CALL, _Arr(DT_NAMES[dt], base), _Arr("bool", BASE), _Arr("float32", BASE),
                                        _Arr(DT_NAMES[dt], BASE), T, E, K, sf, pre, 0, 1.0)
-                    _ok(lib, lib.moe_rt_topk_with_score_backward(ctx, base, dt, BASE, BASE, T, E, K, sf, pre, 1.0,
+                    _ok(lib, lib.moe_rt_topk_with_score_backward(ctx, base, dt, BASE, BOOL, BASE, T, E, K, sf, pre, 1.0,
                                                                  BASE, None))
                     assert _launches(lib, ctx) == launches, (T, aligned, sf, pre)
                     assert _scalars(lib, ctx) == _py_scalars(launches.args), (T, aligned, sf, pre)
@@ -486,13 +552,17 @@ def test_bad_router_input(lib, ctx):
         a = {**args, **kw}
         return lib.moe_rt_topk_with_score(a.get("ctx", ctx), a.get("x", BASE), a["dt"], a["T"], a["E"], a["K"], a["sf"],
                                           a["pre"], a["G"], a["g"], a["scale"], a["bias"], a.get("probs", BASE),
-                                          a.get("rmap", BASE), a.get("inter", BASE), None)
+                                          a.get("rmap", BASE), a.get("rdt", BOOL), a.get("inter", BASE), None)
 
     _ok(lib, fwd())
     _err(lib, fwd(ctx=None), INVALID, "ctx is NULL")
     _err(lib, fwd(x=None), INVALID, "logits is NULL")
     _err(lib, fwd(probs=None), INVALID, "probs is NULL")
-    _err(lib, fwd(rmap=None), INVALID, "routing_map is NULL")
+    _err(lib, fwd(rmap=None), INVALID, "routing is NULL")
+    for rdt in (F32, I8, 99, -1):
+        _err(lib, fwd(rdt=rdt), INVALID, "routing_dtype", "MOE_RT_UINT8", "MOE_RT_INT16")
+    for rdt in (U8, I16, I32, I64):
+        _ok(lib, fwd(rdt=rdt))
     _err(lib, fwd(inter=None), INVALID, "intermediate is NULL")
     _err(lib, fwd(dt=I32), INVALID, "dtype", "int32")
     _err(lib, fwd(dt=99), INVALID, "dtype", "99")
@@ -517,14 +587,18 @@ def test_bad_router_input(lib, ctx):
     _ok(lib, fwd(bias=BASE, sf=SIGMOID))
     _ok(lib, fwd(T=0))
     bwd = lib.moe_rt_topk_with_score_backward
-    _err(lib, bwd(ctx, BASE, F32, None, BASE, 4, 8, 2, SOFTMAX, 0, 1.0, BASE, None), INVALID, "routing_map")
-    _err(lib, bwd(ctx, BASE, F32, BASE, BASE, 4, 8, 9, SOFTMAX, 0, 1.0, BASE, None), INVALID, "topk")
-    _err(lib, bwd(ctx, BASE, BOOL, BASE, BASE, 4, 8, 2, SOFTMAX, 0, 1.0, BASE, None), INVALID, "dtype")
-    _err(lib, bwd(ctx, BASE, F32, BASE, BASE, 4, 8, 2, SOFTMAX, 0, 1.0, None, None), INVALID, "grad_logits")
+    _err(lib, bwd(ctx, BASE, F32, None, BOOL, BASE, 4, 8, 2, SOFTMAX, 0, 1.0, BASE, None), INVALID, "routing is NULL")
+    _err(lib, bwd(ctx, BASE, F32, BASE, F16, BASE, 4, 8, 2, SOFTMAX, 0, 1.0, BASE, None), INVALID, "routing_dtype",
+         "float16")
+    _err(lib, bwd(ctx, BASE, F32, BASE, BOOL, BASE, 4, 8, 9, SOFTMAX, 0, 1.0, BASE, None), INVALID, "topk")
+    _err(lib, bwd(ctx, BASE, BOOL, BASE, BOOL, BASE, 4, 8, 2, SOFTMAX, 0, 1.0, BASE, None), INVALID, "dtype")
+    _err(lib, bwd(ctx, BASE, F32, BASE, I64, BASE, 4, 8, 2, SOFTMAX, 0, 1.0, None, None), INVALID, "grad_logits")
     _err(lib, lib.moe_rt_topk_indices_with_score(ctx, BASE, F32, 4, 8, 2, SOFTMAX, 0, 0, 0, 1.0, None, None, BASE,
                                                  None), INVALID, "topk_idx")
-    _err(lib, lib.moe_rt_scores_for_aux_loss(ctx, BASE, F32, 4, 8, 2, 7, BASE, BASE, BASE, None), INVALID,
+    _err(lib, lib.moe_rt_scores_for_aux_loss(ctx, BASE, F32, 4, 8, 2, 7, BASE, BASE, BOOL, BASE, None), INVALID,
          "score_function")
+    _err(lib, lib.moe_rt_scores_for_aux_loss(ctx, BASE, F32, 4, 8, 2, SOFTMAX, BASE, BASE, I32, BASE, None), INVALID,
+         "routing_dtype", "int32")
     _err(lib, lib.moe_rt_scores_for_aux_loss_backward(ctx, BASE, BASE, 4, 8, 2, SIGMOID, BASE, I64, None), INVALID,
          "grad_dtype")
 
@@ -783,7 +857,7 @@ def test_c_router_ops_match_reference_on_gpu(lib, kernel_cache, dt, rng):
                 cp.full((T, E), np.nan, cp.float32)
             _ok(lib, lib.moe_rt_topk_with_score(ctx, dl.data.ptr, dt, T, E, K, sf, pre, G, g, 1.5,
                                                 None if db is None else db.data.ptr, dp.data.ptr, dm.data.ptr,
-                                                di.data.ptr, None))
+                                                BOOL, di.data.ptr, None))
             didx, dw = cp.full((T, K), -7, cp.int32), cp.full((T, K), np.nan, cp.float32)
             _ok(lib, lib.moe_rt_topk_indices_with_score(ctx, dl.data.ptr, dt, T, E, K, sf, pre, G, g, 1.5,
                                                         None if db is None else db.data.ptr, didx.data.ptr,
@@ -798,7 +872,7 @@ def test_c_router_ops_match_reference_on_gpu(lib, kernel_cache, dt, rng):
             want = moe_rt.topk_with_score_backward(grad, rmap, inter, K, score_function=name,
                                                    use_pre_softmax=bool(pre), scaling_factor=1.5)
             dg, dout, dinter = _dev(cp, grad), _dev(cp, grad, 0x7FFF if dt == BF16 else np.nan), cp.asarray(inter)
-            _ok(lib, lib.moe_rt_topk_with_score_backward(ctx, dg.data.ptr, dt, dm.data.ptr, dinter.data.ptr,
+            _ok(lib, lib.moe_rt_topk_with_score_backward(ctx, dg.data.ptr, dt, dm.data.ptr, BOOL, dinter.data.ptr,
                                                          T, E, K, sf, pre, 1.5, dout.data.ptr, None))
             cp.cuda.runtime.deviceSynchronize()
             _close(_host(cp, dout, npdt), want, npdt, what + " backward")

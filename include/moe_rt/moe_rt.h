@@ -82,7 +82,8 @@ typedef enum moe_rt_dtype {
   MOE_RT_UINT8 = 6,
   MOE_RT_INT8 = 7,
   MOE_RT_FLOAT8_E4M3 = 8,
-  MOE_RT_FLOAT8_E5M2 = 9
+  MOE_RT_FLOAT8_E5M2 = 9,
+  MOE_RT_INT16 = 10
 } moe_rt_dtype;
 
 typedef enum moe_rt_score_function {
@@ -140,8 +141,8 @@ typedef struct moe_rt_launch_info {
   int32_t block;                       /* threads per block */
   int32_t shared_mem;                  /* dynamic shared memory, bytes */
   int64_t scalars[2];                  /* variant arguments the planner chose: router_fwd*: the 16-byte
-                                          vector flag and the grouped-selection word; router_bwd: the
-                                          vector flag; 0 otherwise */
+                                          vector flag and the grouped-selection word; router_bwd and
+                                          router_bwd_idx: the vector flag; 0 otherwise */
 } moe_rt_launch_info;
 
 typedef struct moe_rt_plan_info {
@@ -171,12 +172,14 @@ moe_rt_status moe_rt_stream_synchronize(moe_rt_context* ctx, moe_rt_stream strea
  * num_groups divides E, group_topk <= num_groups, group_topk divides topk, topk/group_topk <= E/num_groups.
  * scaling_factor: finite (1 = none). expert_bias: NULL or [E] float32, sigmoid/sqrtsoftplus only. */
 
-/* probs [T, E] `dtype` (nonzero on the selection), routing_map [T, E] bool (1 byte), intermediate [T, E]
- * float32 (what the backward needs). */
+/* probs [T, E] `dtype` (nonzero on the selection); the routing in the form routing_dtype says:
+ * MOE_RT_BOOL: the routing map [T, E] (1 byte each); MOE_RT_UINT8: the map bit-packed, [T, ceil(E/8)] (bit
+ * e % 8 of byte e / 8, padding bits 0); MOE_RT_INT16, MOE_RT_INT32 or MOE_RT_INT64: the indices [T, K], each
+ * row's experts in ascending expert id. intermediate [T, E] float32 (what the backward needs). */
 moe_rt_status moe_rt_topk_with_score(moe_rt_context* ctx, const void* logits, int dtype, int64_t num_tokens,
                                      int num_experts, int topk, int score_function, int use_pre_softmax,
                                      int num_groups, int group_topk, float scaling_factor,
-                                     const float* expert_bias, void* probs, uint8_t* routing_map,
+                                     const float* expert_bias, void* probs, void* routing, int routing_dtype,
                                      float* intermediate, moe_rt_stream stream);
 /* The compact form: topk_idx [T, K] int32 (ascending expert id), topk_weights [T, K] float32. */
 moe_rt_status moe_rt_topk_indices_with_score(moe_rt_context* ctx, const void* logits, int dtype,
@@ -184,16 +187,20 @@ moe_rt_status moe_rt_topk_indices_with_score(moe_rt_context* ctx, const void* lo
                                              int use_pre_softmax, int num_groups, int group_topk,
                                              float scaling_factor, const float* expert_bias, int32_t* topk_idx,
                                              float* topk_weights, moe_rt_stream stream);
-/* grad_probs [T, E] `dtype`, routing_map and intermediate from the forward -> grad_logits [T, E] `dtype`. */
+/* grad_probs [T, E] `dtype`, the forward's routing (routing_dtype as for the forward; indices in any order
+ * within a row, -1 = none; ids outside [-1, E) are skipped and recorded for moe_rt_check) and intermediate
+ * -> grad_logits [T, E] `dtype`. */
 moe_rt_status moe_rt_topk_with_score_backward(moe_rt_context* ctx, const void* grad_probs, int dtype,
-                                              const uint8_t* routing_map, const float* intermediate,
+                                              const void* routing, int routing_dtype, const float* intermediate,
                                               int64_t num_tokens, int num_experts, int topk, int score_function,
                                               int use_pre_softmax, float scaling_factor, void* grad_logits,
                                               moe_rt_stream stream);
-/* scores [T, E] float32, routing_map [T, E] bool, intermediate [T, E] float32. */
+/* scores [T, E] float32, routing_map [T, E] bool (routing_dtype MOE_RT_BOOL) or bit-packed [T, ceil(E/8)]
+ * (MOE_RT_UINT8), intermediate [T, E] float32. */
 moe_rt_status moe_rt_scores_for_aux_loss(moe_rt_context* ctx, const void* logits, int dtype, int64_t num_tokens,
                                          int num_experts, int topk, int score_function, float* scores,
-                                         uint8_t* routing_map, float* intermediate, moe_rt_stream stream);
+                                         void* routing_map, int routing_dtype, float* intermediate,
+                                         moe_rt_stream stream);
 /* grad_scores, intermediate [T, E] float32 -> grad_logits [T, E] in grad_dtype (float32/16, bfloat16). */
 moe_rt_status moe_rt_scores_for_aux_loss_backward(moe_rt_context* ctx, const float* grad_scores,
                                                   const float* intermediate, int64_t num_tokens, int num_experts,
