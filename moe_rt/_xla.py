@@ -26,12 +26,15 @@ LIB_DIR = Path(__file__).resolve().parent / "lib"
 SRC_DIR = Path(__file__).resolve().parent.parent / "csrc"
 XLA_LIB = "libmoe_rt_xla.so"
 TARGET_PREFIX = "moe_rt_"
-HANDLERS = ("topk_with_score", "topk_with_score_backward", "make_plan", "dispatch", "dispatch_backward", "combine",
+HANDLERS = ("topk_with_score", "topk_with_score_backward", "scores_for_aux_loss", "scores_for_aux_loss_backward",
+            "aux_loss", "aux_loss_backward", "make_plan", "dispatch", "dispatch_backward", "combine",
             "combine_backward", "noop")  # noop: a custom call that does nothing (the benchmark's floor)
 SCORE_CODES = {"sigmoid": 0, "softmax": 1, "sqrtsoftplus": 2}
 # moe_rt_dtype codes (include/moe_rt/moe_rt.h)
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2, "int32": 3, "int64": 4, "bool": 5, "uint8": 6, "int8": 7,
-               "float8_e4m3fn": 8, "float8_e5m2": 9}
+               "float8_e4m3fn": 8, "float8_e5m2": 9, "int16": 10}
+
+INDEX_CODES = (DTYPE_CODES["int16"], DTYPE_CODES["int32"], DTYPE_CODES["int64"])  # the top-k's index forms
 
 _lock = threading.RLock()
 _lib = None
@@ -83,6 +86,7 @@ def core() -> ctypes.CDLL:
             lib.moe_rt_last_error.restype = ctypes.c_char_p
             lib.moe_rt_make_plan_workspace_size.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
                                                             ctypes.POINTER(ctypes.c_size_t)]
+            lib.moe_rt_aux_loss_workspace_size.argtypes = [ctypes.c_int64, ctypes.POINTER(ctypes.c_size_t)]
             _core = lib
         return _core
 
@@ -97,6 +101,13 @@ def make_plan_workspace_bytes(num_tokens: int, topk: int, num_experts: int) -> i
     n = ctypes.c_size_t()
     _check(core().moe_rt_make_plan_workspace_size(num_tokens, topk, num_experts, ctypes.byref(n)),
            "moe_rt_make_plan_workspace_size")
+    return int(n.value)
+
+
+def aux_loss_workspace_bytes(num_rows: int) -> int:
+    """Device workspace of the C aux_loss, bytes."""
+    n = ctypes.c_size_t()
+    _check(core().moe_rt_aux_loss_workspace_size(num_rows, ctypes.byref(n)), "moe_rt_aux_loss_workspace_size")
     return int(n.value)
 
 
@@ -120,11 +131,29 @@ def planned_kernels(op: str, cc: tuple[int, int], **kw) -> list[tuple[str, str]]
                 ctx, _ptr(0), c_int(kw["dtype"]), i64(kw["T"]), c_int(kw["E"]), c_int(kw["topk"]),
                 c_int(kw["score_function"]), c_int(kw["use_pre_softmax"]), c_int(kw["num_groups"]),
                 c_int(kw["group_topk"]), f32(kw["scaling_factor"]), _ptr(1) if kw["has_bias"] else None, _ptr(2),
-                _ptr(3), _ptr(4), None)
+                _ptr(3), c_int(kw["routing_dtype"]), _ptr(4), None)
         elif op == "topk_with_score_backward":
             st = lib.moe_rt_topk_with_score_backward(
-                ctx, _ptr(0), c_int(kw["dtype"]), _ptr(1), _ptr(2), i64(kw["T"]), c_int(kw["E"]), c_int(kw["topk"]),
-                c_int(kw["score_function"]), c_int(kw["use_pre_softmax"]), f32(kw["scaling_factor"]), _ptr(3), None)
+                ctx, _ptr(0), c_int(kw["dtype"]), _ptr(1), c_int(kw["routing_dtype"]), _ptr(2), i64(kw["T"]),
+                c_int(kw["E"]), c_int(kw["topk"]), c_int(kw["score_function"]), c_int(kw["use_pre_softmax"]),
+                f32(kw["scaling_factor"]), _ptr(3), None)
+        elif op == "scores_for_aux_loss":
+            st = lib.moe_rt_scores_for_aux_loss(ctx, _ptr(0), c_int(kw["dtype"]), i64(kw["T"]), c_int(kw["E"]),
+                                                c_int(kw["topk"]), c_int(kw["score_function"]), _ptr(1), _ptr(2),
+                                                c_int(kw["routing_dtype"]), _ptr(3), None)
+        elif op == "scores_for_aux_loss_backward":
+            st = lib.moe_rt_scores_for_aux_loss_backward(ctx, _ptr(0), _ptr(1), i64(kw["T"]), c_int(kw["E"]),
+                                                         c_int(kw["topk"]), c_int(kw["score_function"]), _ptr(2),
+                                                         c_int(kw["dtype"]), None)
+        elif op in ("aux_loss", "aux_loss_backward"):
+            # the kernels depend on the dtype and sizes alone: planned with a host total of 1
+            common = (c_int(kw["dtype"]), i64(kw["R"]), c_int(kw["C"]), _ptr(1), c_int(kw["tpe_dtype"]), i64(1), None,
+                      c_int(0), c_int(kw["num_experts"]), c_int(kw["topk"]), f32(kw["coeff"]))
+            if op == "aux_loss":
+                ws = aux_loss_workspace_bytes(kw["R"])
+                st = lib.moe_rt_aux_loss(ctx, _ptr(0), *common, _ptr(2), ctypes.c_size_t(ws), _ptr(3), None)
+            else:
+                st = lib.moe_rt_aux_loss_backward(ctx, _ptr(0), *common, _ptr(2), None)
         elif op == "make_plan":
             plan = _Plan(_ptr(1), _ptr(2), _ptr(3), _ptr(4), _ptr(5))
             ws = make_plan_workspace_bytes(kw["T"], kw["K"], kw["E"])
@@ -155,7 +184,7 @@ def planned_kernels(op: str, cc: tuple[int, int], **kw) -> list[tuple[str, str]]
         names = [(info.launch[i].file.decode(), info.launch[i].kernel.decode()) for i in range(info.num_launches)]
     finally:
         lib.moe_rt_context_destroy(ctx)
-    if op == "make_plan":
+    if op == "make_plan" or (op == "topk_with_score_backward" and kw["routing_dtype"] in INDEX_CODES):
         names.append(("errors.cu", "error_word_clear"))  # the device error word's module
     return names
 

@@ -588,23 +588,19 @@ def _topk_fwd(logits, topk, score_function, use_pre_softmax, num_groups, group_t
                                         group_topk=group_topk, scaling_factor=scaling_factor,
                                         expert_bias=bv, **extra))
 
-    if extra:  # the bit-packed map and the dense indices stay on the callback path
-        probs, routing_map, inter = _run(fn, specs, logits, expert_bias, lean=True)
-        return (probs, routing_map), (routing_map, inter, expert_bias)
-
     def on_cuda(lv, bv):
         E, K, G, g, scale, pre = _rt.check_topk_args(lv, bv, topk, score_function, use_pre_softmax, num_groups,
                                                      group_topk, scaling_factor)
+        T = int(np.prod(lv.shape[:-1]))
         facts = dict(topk=K, score_function=_xla.SCORE_CODES[score_function], use_pre_softmax=int(bool(pre)),
                      num_groups=int(G or 0), group_topk=int(g or 0), scaling_factor=float(np.float32(scale)))
-        _xla.prepare("topk_with_score", dtype=_dtype_code(lv.dtype), T=int(np.prod(lv.shape[:-1])), E=E,
-                     has_bias=bv is not None, **facts)
-        T = int(np.prod(lv.shape[:-1]))
-        flat = [_spec((T, E), lv.dtype), _spec((T, E), np.bool_), _spec((T, E), np.float32)]
+        rspec = _routing_spec((T, E), K, routing_map_format, index_dtype)
+        _xla.prepare("topk_with_score", dtype=_dtype_code(lv.dtype), T=T, E=E, has_bias=bv is not None,
+                     routing_dtype=_dtype_code(rspec.dtype), **facts)
+        flat = [_spec((T, E), lv.dtype), rspec, _spec((T, E), np.float32)]
         args = (lv.reshape(T, E),) + (() if bv is None else (bv.astype(jnp.float32),))
-        attrs = {k: (np.float32(v) if k == "scaling_factor" else np.int32(v)) for k, v in facts.items()}
-        outs = _ffi("topk_with_score", flat, *args, has_bias=np.int32(bv is not None), **attrs)
-        return [o.reshape(lv.shape) for o in outs]
+        outs = _ffi("topk_with_score", flat, *args, has_bias=np.int32(bv is not None), **_attrs(facts))
+        return [o.reshape(sp.shape) for o, sp in zip(outs, specs)]
 
     probs, routing_map, inter = _on_platform((logits, expert_bias), on_cuda, lambda *a: _run(fn, specs, *a), specs)
     return (probs, routing_map), (routing_map, inter, expert_bias)
@@ -624,25 +620,29 @@ def _topk_bwd(topk, score_function, use_pre_softmax, num_groups, group_topk, sca
         return [_rt.topk_with_score_backward(gv, mv, iv, topk, **kw)]
 
     specs = [_spec(g_probs.shape, g_probs.dtype)]
-    if index_dtype is not None or routing_map_format != "bytemap":
-        (g,) = _run(fn, specs, g_probs, routing_map, inter, lean=True)
-        return g, (None if expert_bias is None else jnp.zeros_like(expert_bias))
-
-    def on_cuda(gv, mv, iv):
-        E = int(gv.shape[-1])
-        T = int(np.prod(gv.shape[:-1]))
-        scale = 1.0 if scaling_factor is None else float(np.float32(scaling_factor))
-        pre = int(bool(use_pre_softmax) and score_function == "softmax")
-        facts = dict(topk=int(topk), score_function=_xla.SCORE_CODES[score_function], use_pre_softmax=pre,
-                     scaling_factor=scale)
-        _xla.prepare("topk_with_score_backward", dtype=_dtype_code(gv.dtype), T=T, E=E, **facts)
-        attrs = {k: (np.float32(v) if k == "scaling_factor" else np.int32(v)) for k, v in facts.items()}
-        (out,) = _ffi("topk_with_score_backward", [_spec((T, E), gv.dtype)], gv.reshape(T, E), mv.reshape(T, E),
-                      iv.reshape(T, E), **attrs)
-        return [out.reshape(gv.shape)]
-
+    on_cuda = partial(_topk_bwd_cuda, topk, score_function, use_pre_softmax, scaling_factor)
     (g,) = _on_platform((g_probs, routing_map, inter), on_cuda, lambda *a: _run(fn, specs, *a), specs)
     return g, (None if expert_bias is None else jnp.zeros_like(expert_bias))
+
+
+def _attrs(facts):
+    """Static facts as the custom call's attributes (scaling_factor and coeff float32, the others int32)."""
+    return {k: (np.float32(v) if k in ("scaling_factor", "coeff") else np.int32(v)) for k, v in facts.items()}
+
+
+def _topk_bwd_cuda(topk, score_function, use_pre_softmax, scaling_factor, gv, mv, iv):
+    """The top-k backward's custom call, from the forward's routing in any of its forms (its dtype says)."""
+    E = int(gv.shape[-1])
+    T = int(np.prod(gv.shape[:-1]))
+    scale = 1.0 if scaling_factor is None else float(np.float32(scaling_factor))
+    pre = int(bool(use_pre_softmax) and score_function == "softmax")
+    facts = dict(topk=int(topk), score_function=_xla.SCORE_CODES[score_function], use_pre_softmax=pre,
+                 scaling_factor=scale)
+    _xla.prepare("topk_with_score_backward", dtype=_dtype_code(gv.dtype), T=T, E=E,
+                 routing_dtype=_dtype_code(mv.dtype), **facts)
+    (out,) = _ffi("topk_with_score_backward", [_spec((T, E), gv.dtype)], gv.reshape(T, E),
+                  mv.reshape(T, mv.shape[-1]), iv.reshape(T, E), **_attrs(facts))
+    return [out.reshape(gv.shape)]
 
 
 _topk.defvjp(_topk_fwd, _topk_bwd)
@@ -697,7 +697,9 @@ def _qb_bwd(topk, qb_histogram_mode, scaling_factor, res, cts):
         return [_rt.topk_with_score_backward(gv, mv, iv, topk, score_function="sigmoid",
                                              scaling_factor=scaling_factor)]
 
-    (g,) = _run(fn, [_spec(g_probs.shape, g_probs.dtype)], g_probs, routing_map, inter, lean=True)
+    specs = [_spec(g_probs.shape, g_probs.dtype)]
+    on_cuda = partial(_topk_bwd_cuda, topk, "sigmoid", False, scaling_factor)  # the top-k backward's call
+    (g,) = _on_platform((g_probs, routing_map, inter), on_cuda, lambda *a: _run(fn, specs, *a), specs)
     return g, jnp.zeros_like(expert_bias), _float0_like(hist), jnp.zeros_like(bounds)
 
 
@@ -730,19 +732,42 @@ def _scores_fwd(logits, topk, score_function, routing_map_format="bytemap"):
     specs = [_spec(logits.shape, np.float32), _routing_spec(logits.shape, topk, routing_map_format, None),
              _spec(logits.shape, np.float32)]
     kw = {} if routing_map_format == "bytemap" else {"routing_map_format": routing_map_format}
-    scores, routing_map, inter = _run(lambda lv: list(_rt.scores_for_aux_loss(lv, topk, score_function, **kw)),
-                                      specs, logits, lean=True)
+
+    def on_cuda(lv):
+        E = int(lv.shape[-1])
+        T = int(np.prod(lv.shape[:-1]))
+        facts = dict(topk=int(topk), score_function=_xla.SCORE_CODES[score_function])
+        rspec = _routing_spec((T, E), topk, routing_map_format, None)
+        _xla.prepare("scores_for_aux_loss", dtype=_dtype_code(lv.dtype), T=T, E=E,
+                     routing_dtype=_dtype_code(rspec.dtype), **facts)
+        outs = _ffi("scores_for_aux_loss", [_spec((T, E), np.float32), rspec, _spec((T, E), np.float32)],
+                    lv.reshape(T, E), **_attrs(facts))
+        return [o.reshape(sp.shape) for o, sp in zip(outs, specs)]
+
+    scores, routing_map, inter = _on_platform(
+        (logits,), on_cuda, lambda lv: _run(lambda v: list(_rt.scores_for_aux_loss(v, topk, score_function, **kw)),
+                                            specs, lv), specs)
     return (scores, routing_map), (inter, jnp.zeros((0,), logits.dtype))
 
 
 def _scores_bwd(topk, score_function, routing_map_format, res, cts):
     inter, like = res
     g_scores = cts[0].astype(jnp.float32)
+    specs = [_spec(g_scores.shape, like.dtype)]
 
     def fn(gv, iv):
         return [_rt.scores_for_aux_loss_backward(gv, iv, topk, score_function, dtype=like.dtype)]
 
-    (g,) = _run(fn, [_spec(g_scores.shape, like.dtype)], g_scores, inter, lean=True)
+    def on_cuda(gv, iv):
+        E = int(gv.shape[-1])
+        T = int(np.prod(gv.shape[:-1]))
+        facts = dict(topk=int(topk), score_function=_xla.SCORE_CODES[score_function])
+        _xla.prepare("scores_for_aux_loss_backward", dtype=_dtype_code(like.dtype), T=T, E=E, **facts)
+        (out,) = _ffi("scores_for_aux_loss_backward", [_spec((T, E), like.dtype)], gv.reshape(T, E),
+                      iv.reshape(T, E), **_attrs(facts))
+        return [out.reshape(gv.shape)]
+
+    (g,) = _on_platform((g_scores, inter), on_cuda, lambda *a: _run(fn, specs, *a), specs)
     return (g,)
 
 
@@ -758,16 +783,42 @@ def scores_for_aux_loss(logits, topk: int, score_function: str, *, routing_map_f
     return _scores(logits, topk, score_function, routing_map_format)
 
 
+_TPE_CODES = ("int32", "int64", "float32")  # what the aux kernels read as it is (others: as float32)
+
+
+def _aux_call(op, first, tpe, total, out_spec, host_total, num_experts, topk, coeff, fn):
+    """The aux loss's forward (``first``: probs) or backward (``first``: the loss's gradient) as a custom
+    call on CUDA (a device ``total`` read at launch, else ``host_total``), ``fn`` on the CPU."""
+    specs = [out_spec]
+
+    def on_cuda(first, tpe, total):
+        if jnp.dtype(tpe.dtype).name not in _TPE_CODES:
+            tpe = tpe.astype(jnp.float32)
+        R, C = (first.shape if op == "aux_loss" else out_spec.shape)
+        facts = dict(num_experts=num_experts, topk=topk, coeff=coeff)
+        _xla.prepare(op, dtype=_dtype_code(first.dtype), R=int(R), C=int(C), tpe_dtype=_dtype_code(tpe.dtype),
+                     **facts)
+        rets = [out_spec]
+        if op == "aux_loss":
+            rets.append(_spec((_xla.aux_loss_workspace_bytes(int(R)),), np.uint8))
+        extra = () if total is None else (total.reshape(()),)
+        outs = _ffi(op, rets, first, tpe, *extra, total_num_tokens=np.int64(host_total), **_attrs(facts))
+        return outs[:1]
+
+    return _on_platform((first, tpe, total), on_cuda, lambda *a: _run(fn, specs, *a), specs)[0]
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
 def _aux(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coeff):
     return _aux_fwd(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coeff)[0]
 
 
 def _aux_fwd(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coeff):
-    def fn(pv, tv):
+    def fn(pv, tv, _):
         return [_rt.aux_loss(pv, tv, total_num_tokens, num_experts, topk, coeff).reshape(())]
 
-    (loss,) = _run(fn, [_spec((), probs.dtype)], probs, tokens_per_expert, lean=True)
+    loss = _aux_call("aux_loss", probs, tokens_per_expert, None, _spec((), probs.dtype), total_num_tokens,
+                     num_experts, topk, coeff, fn)
     return loss, (tokens_per_expert, jnp.zeros((probs.shape[0], 0), probs.dtype))
 
 
@@ -775,13 +826,12 @@ def _aux_bwd(total_num_tokens, num_experts, topk, coeff, res, g):
     tpe, like = res
     R = like.shape[0]
 
-    def fn(gv, tv):
+    def fn(gv, tv, _):
         return [_rt.aux_loss_backward(gv, R, tv, total_num_tokens, num_experts, topk, coeff)]
 
-    (gp,) = _run(fn, [_spec((R, tpe.shape[0]), g.dtype)], g, tpe, lean=True)
-    zero_tpe = (jnp.zeros_like(tpe) if jnp.issubdtype(tpe.dtype, jnp.floating)
-                else np.zeros(tpe.shape, jax.dtypes.float0))
-    return gp.astype(like.dtype), zero_tpe
+    gp = _aux_call("aux_loss_backward", g, tpe, None, _spec((R, tpe.shape[0]), g.dtype), total_num_tokens,
+                   num_experts, topk, coeff, fn)
+    return gp.astype(like.dtype), _float0_like(tpe)
 
 
 _aux.defvjp(_aux_fwd, _aux_bwd)
@@ -796,7 +846,8 @@ def _aux_dev_fwd(probs, tokens_per_expert, total_num_tokens, num_experts, topk, 
     def fn(pv, tv, nv):
         return [_rt.aux_loss(pv, tv, nv, num_experts, topk, coeff).reshape(())]
 
-    (loss,) = _run(fn, [_spec((), probs.dtype)], probs, tokens_per_expert, total_num_tokens, lean=True)
+    loss = _aux_call("aux_loss", probs, tokens_per_expert, total_num_tokens, _spec((), probs.dtype), 0,
+                     num_experts, topk, coeff, fn)
     return loss, (tokens_per_expert, total_num_tokens, jnp.zeros((probs.shape[0], 0), probs.dtype))
 
 
@@ -811,7 +862,8 @@ def _aux_dev_bwd(num_experts, topk, coeff, res, g):
     def fn(gv, tv, nv):
         return [_rt.aux_loss_backward(gv, R, tv, nv, num_experts, topk, coeff)]
 
-    (gp,) = _run(fn, [_spec((R, tpe.shape[0]), g.dtype)], g, tpe, total, lean=True)
+    gp = _aux_call("aux_loss_backward", g, tpe, total, _spec((R, tpe.shape[0]), g.dtype), 0, num_experts, topk,
+                   coeff, fn)
     return gp.astype(like.dtype), _float0_like(tpe), _float0_like(total)
 
 

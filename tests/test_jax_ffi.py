@@ -350,12 +350,86 @@ def test_lowering_without_probs_and_under_vmap():
     assert "stablehlo.while" in text  # once per batch element, in order
 
 
-def test_formats_not_moved_keep_the_callback_path():
-    def f(logits):
-        return mj.topk_with_score(logits, K, routing_map_format="bitmap_u8")
+def _router_layer(logits, tpe, total):
+    """Every router op moved to FFI in one differentiated step: the top-k in its other forms, the aux scores
+    (both map forms) and the aux loss (a static and a device total)."""
+    p_bits, _ = mj.topk_with_score(logits, K, score_function="sigmoid", routing_map_format="bitmap_u8")
+    p_idx, _ = mj.topk_with_score(logits, K, topk_indices_dtype="int16", scaling_factor=1.5)
+    scores, _ = mj.scores_for_aux_loss(logits, K, "softmax")
+    s_bits, _ = mj.scores_for_aux_loss(logits, K, "sigmoid", routing_map_format="bitmap_u8")
+    loss = mj.aux_loss(scores, tpe, T, E, K, 0.01) + mj.aux_loss(s_bits, tpe.astype(jnp.float16), total, E, K, 0.5)
+    return loss + (p_bits.astype(jnp.float32) ** 2).sum() + (p_idx.astype(jnp.float32) ** 2).sum()
 
-    text = jax.jit(f).trace(jnp.zeros((T, E), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
-    assert "@moe_rt_" not in text and "xla_buffer_python_gpu_callback" in text
+
+def _router_inputs():
+    return jnp.zeros((T, E), jnp.bfloat16), jnp.zeros((E,), jnp.int32), jnp.asarray(T, jnp.int32)
+
+
+def test_router_ops_lower_to_custom_calls_in_every_form():
+    text = jax.jit(jax.value_and_grad(_router_layer)).trace(*_router_inputs()).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "xla_buffer_python_gpu_callback" not in text
+    calls = _custom_calls(text)
+    fwd = calls["moe_rt_topk_with_score"]
+    assert len(fwd) == 2
+    assert any("tensor<23x1xui8>" in r for _, _, r in fwd) and any("tensor<23x2xi16>" in r for _, _, r in fwd)
+    assert {a["scaling_factor"] for a, _, _ in fwd} == {"1.000000e+00 : f32", "1.500000e+00 : f32"}
+    assert len(calls["moe_rt_topk_with_score_backward"]) == 2  # from the bitmap and from the int16 indices
+    sc = calls["moe_rt_scores_for_aux_loss"]
+    assert sorted(a["score_function"] for a, _, _ in sc) == ["0 : i32", "1 : i32"]
+    assert all(a["topk"] == "2 : i32" for a, _, _ in sc) and any("tensor<23x1xui8>" in r for _, _, r in sc)
+    assert len(calls["moe_rt_scores_for_aux_loss_backward"]) == 2
+    aux = calls["moe_rt_aux_loss"]
+    assert sorted((a["total_num_tokens"], n) for a, n, _ in aux) == [("0 : i64", 3), (f"{T} : i64", 2)]
+    ws = _xla.aux_loss_workspace_bytes(T)
+    assert all(f"tensor<{ws}xui8>" in r for _, _, r in aux)  # the workspace comes from XLA, as a result
+    assert {a["coeff"] for a, _, _ in aux} == {"0.00999999977 : f32", "5.000000e-01 : f32"}  # fp32 0.01
+    assert sorted(n for _, n, _ in calls["moe_rt_aux_loss_backward"]) == [2, 3]
+    # the float16 counts reach the kernel as float32 (it reads int32, int64 and float32 as they are)
+    assert "tensor<8xf16>) -> tensor<8xf32>" in text
+
+
+def test_router_ops_on_cpu_run_the_reference(rng):
+    logits = jnp.asarray(rng.standard_normal((T, E)), jnp.bfloat16)
+    tpe = jnp.asarray(rng.integers(0, 9, E), jnp.int32)
+    text = jax.jit(jax.grad(_router_layer)).trace(logits, tpe, jnp.asarray(T, jnp.int32)).lower(
+        lowering_platforms=("cpu",)).as_text()
+    assert "@moe_rt_" not in text and "xla_buffer_python" in text
+    g = jax.jit(jax.grad(_router_layer))(logits, tpe, jnp.asarray(T, jnp.int32))
+    assert g.shape == (T, E) and np.isfinite(np.asarray(g, np.float32)).all()
+
+
+@pytest.mark.parametrize("op,facts,extra", [
+    ("topk_with_score", dict(dtype=2, T=37, E=64, topk=8, score_function=0, use_pre_softmax=0, num_groups=8,
+                             group_topk=4, scaling_factor=2.5, has_bias=True, routing_dtype=6), []),
+    ("topk_with_score", dict(dtype=0, T=37, E=7, topk=3, score_function=1, use_pre_softmax=1, num_groups=0,
+                             group_topk=0, scaling_factor=1.0, has_bias=False, routing_dtype=10), []),
+    ("topk_with_score_backward", dict(dtype=2, T=37, E=64, topk=8, score_function=1, use_pre_softmax=0,
+                                      scaling_factor=1.0, routing_dtype=6), []),
+    ("topk_with_score_backward", dict(dtype=0, T=37, E=64, topk=8, score_function=1, use_pre_softmax=0,
+                                      scaling_factor=1.0, routing_dtype=4), [("errors.cu", "error_word_clear")]),
+    ("scores_for_aux_loss", dict(dtype=1, T=5, E=100, topk=6, score_function=2, routing_dtype=6), []),
+    ("scores_for_aux_loss_backward", dict(dtype=2, T=5, E=100, topk=6, score_function=0), []),
+    ("aux_loss", dict(dtype=2, R=4096, C=256, tpe_dtype=3, num_experts=64, topk=8, coeff=0.01), []),
+    ("aux_loss_backward", dict(dtype=0, R=37, C=7, tpe_dtype=0, num_experts=7, topk=2, coeff=1.0), []),
+])
+def test_planned_kernels_of_the_router_ops(op, facts, extra):
+    # what moe_rt.jax prepares at trace time: the C planner's launches (tests/test_c_abi.py compares those
+    # with the Python side's), every one a kernel that warmup writes
+    names = _xla.planned_kernels(op, (9, 0), **facts)
+    assert names and names[-len(extra):] == extra if extra else names
+    for file, name in names[:len(names) - len(extra)]:
+        assert file == "router.cu" and name in _jit.REGISTRY["router.cu"], name
+    if op == "topk_with_score" and facts["routing_dtype"] == 6:
+        assert names[0][1].endswith(", true>")  # the bit-packed map's instantiation
+
+
+def test_planning_bad_facts_raises_with_the_core_message():
+    with pytest.raises(RuntimeError, match="routing_dtype"):
+        _xla.planned_kernels("scores_for_aux_loss", (9, 0), dtype=0, T=5, E=8, topk=2, score_function=1,
+                             routing_dtype=3)
+    with pytest.raises(RuntimeError, match="num_experts: must divide"):
+        _xla.planned_kernels("aux_loss", (9, 0), dtype=0, R=5, C=8, tpe_dtype=3, num_experts=3, topk=2, coeff=0.1)
 
 
 def test_bad_input_raises_when_traced_as_before():
@@ -454,6 +528,121 @@ def test_router_ffi_matches_reference_and_direct_path(dtype, case, rng):
     np.testing.assert_array_equal(np.asarray(rmap), np.asarray(rm))
     tol = 2e-2 if dtype == "bfloat16" else 1e-5
     np.testing.assert_allclose(np.asarray(probs, np.float32), np.asarray(rp, np.float32), rtol=tol, atol=tol)
+
+
+FORM_CASES = [
+    dict(routing_map_format="bitmap_u8", score_function="sigmoid", num_groups=8, group_topk=4, bias=True, E=64),
+    dict(routing_map_format="bitmap_u8", score_function="softmax", E=61),
+    dict(topk_indices_dtype="int16", score_function="softmax", scaling_factor=1.5, E=61),
+    dict(topk_indices_dtype="int32", score_function="softmax", use_pre_softmax=True, E=64),
+    dict(topk_indices_dtype="int32", score_function="sqrtsoftplus", bias=True, E=100),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case", FORM_CASES, ids=lambda c: f"{c.get('topk_indices_dtype', 'bitmap')}-"
+                         f"{c['score_function']}-{c['E']}")
+def test_router_forms_ffi_match_reference_and_direct_path(dtype, case, rng):
+    import moe_rt
+
+    case = dict(case)
+    T, K, E = 517, 8, case.pop("E")
+    bias_on = case.pop("bias", False)
+    logits, bias = _router_case(rng, T, E, jnp.dtype(dtype))
+    bias = bias if bias_on else None
+    gy = jnp.asarray(rng.standard_normal((T, E)), jnp.dtype(dtype))
+
+    def fwd(l, b):
+        return mj.topk_with_score(l, K, expert_bias=b, **case)
+
+    def loss(l, b):
+        return (fwd(l, b)[0].astype(jnp.float32) * gy.astype(jnp.float32)).sum()
+
+    probs, routing = jax.jit(fwd)(logits, bias)
+    grad = jax.jit(jax.grad(loss))(logits, bias)
+    assert _bits(jax.jit(jax.grad(jax.checkpoint(loss)))(logits, bias)) == _bits(grad)
+    # the direct path (CuPy kernels on the same device arrays): the same bits
+    dp, dr, di = moe_rt.topk_with_score(logits, K, expert_bias=bias, **case)
+    assert _bits(probs) == _bits(dp) and _bits(routing) == _bits(dr)
+    kw = dict(score_function=case["score_function"], use_pre_softmax=case.get("use_pre_softmax", False),
+              scaling_factor=case.get("scaling_factor"))
+    if "topk_indices_dtype" in case:
+        g_direct = moe_rt.topk_with_score_backward(gy, None, di, K, topk_indices=dr, **kw)
+    else:
+        g_direct = moe_rt.topk_with_score_backward(gy, dr, di, K, routing_map_format="bitmap_u8", **kw)
+    assert _bits(grad) == _bits(g_direct)
+    # the NumPy reference (the same function on the CPU)
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        lc, bc = jax.device_put(logits, cpu), None if bias is None else jax.device_put(bias, cpu)
+        rp, rr = jax.jit(fwd)(lc, bc)
+        rg = jax.jit(jax.grad(loss))(lc, bc)
+    np.testing.assert_array_equal(np.asarray(routing), np.asarray(rr))
+    tol = 2e-2 if dtype == "bfloat16" else 1e-5
+    np.testing.assert_allclose(np.asarray(probs, np.float32), np.asarray(rp, np.float32), rtol=tol, atol=tol)
+    np.testing.assert_allclose(np.asarray(grad, np.float32), np.asarray(rg, np.float32), rtol=tol, atol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("fmt", ["bytemap", "bitmap_u8"])
+@pytest.mark.parametrize("sf", ["softmax", "sigmoid", "sqrtsoftplus"])
+@pytest.mark.parametrize("device_total", [False, True])
+def test_aux_ops_ffi_match_reference_and_direct_path(dtype, fmt, sf, device_total, rng):
+    import moe_rt
+
+    T, E, K = 333, 37, 5
+    logits, _ = _router_case(rng, T, E, jnp.dtype(dtype))
+    tpe = jnp.asarray(rng.integers(0, 3 * T, E), jnp.int64 if jax.config.jax_enable_x64 else jnp.int32)
+    total = jnp.asarray(T * 3, jnp.int32) if device_total else T * 3
+    gs = jnp.asarray(rng.standard_normal((T, E)), jnp.float32)
+
+    def f(l, total):
+        scores, rmap = mj.scores_for_aux_loss(l, K, sf, routing_map_format=fmt)
+        loss = mj.aux_loss(scores.astype(l.dtype), tpe, total, E, K, 0.01)
+        return loss.astype(jnp.float32) + (scores * gs).sum(), (scores, rmap, loss)
+
+    step = jax.jit(jax.value_and_grad(f, has_aux=True), static_argnums=() if device_total else (1,))
+    (val, (scores, rmap, loss)), grad = step(logits, total)
+    (_, _), grad_remat = jax.jit(jax.value_and_grad(jax.checkpoint(f, static_argnums=() if device_total else (1,)),
+                                                    has_aux=True), static_argnums=() if device_total else (1,))(
+        logits, total)
+    assert _bits(grad_remat) == _bits(grad)
+    # the direct path: the same bits
+    ds, dm, di = moe_rt.scores_for_aux_loss(logits, K, sf, routing_map_format=fmt)
+    assert _bits(scores) == _bits(ds) and _bits(rmap) == _bits(dm)
+    dl = moe_rt.aux_loss(ds.astype(logits.dtype), tpe, total, E, K, 0.01)
+    assert _bits(loss) == _bits(jnp.asarray(dl).reshape(()))
+    # the NumPy reference
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        lc = jax.device_put(logits, cpu)
+        tc = jax.device_put(total, cpu) if device_total else total
+        (rv, (rs, rm, rl)), rg = step(lc, tc)
+    np.testing.assert_array_equal(np.asarray(rmap), np.asarray(rm))
+    tol = 2e-2 if dtype == "bfloat16" else 1e-5
+    for got, want in ((scores, rs), (loss, rl), (grad, rg), (val, rv)):
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)
+
+
+@pytest.mark.gpu
+def test_router_forms_under_vmap_equal_a_loop_on_gpu(rng):
+    T, E, K = 129, 24, 4
+    logits = jnp.stack([_router_case(rng, T, E, jnp.bfloat16)[0] for _ in range(3)])
+    tpe = jnp.asarray(rng.integers(0, T, (3, E)), jnp.int32)
+
+    def f(l, t):
+        p1, m1 = mj.topk_with_score(l, K, routing_map_format="bitmap_u8")
+        p2, i2 = mj.topk_with_score(l, K, topk_indices_dtype="int16")
+        s, m3 = mj.scores_for_aux_loss(l, K, "sigmoid")
+        return p1, m1, p2, i2, s, m3, mj.aux_loss(s, t, T, E, K, 0.1)
+
+    got = jax.jit(jax.vmap(f))(logits, tpe)
+    for b in range(3):
+        want = jax.jit(f)(logits[b], tpe[b])
+        for g, v in zip(got, want):
+            assert _bits(g[b]) == _bits(v)
 
 
 def _perm_case(rng, T, E, K, H, dtype):
@@ -557,7 +746,12 @@ _COMMAND_BUFFER_SCRIPT = textwrap.dedent("""
         plan = mj.make_plan(idx.astype(jnp.int32), E, align_size=8)
         xp, pp = mj.dispatch(x, plan, w)
         y = mj.combine(xp * 2, plan, w)
-        return (y.astype(jnp.float32) * gy).sum() + (pp ** 2).sum()
+        p_bits, _ = mj.topk_with_score(logits, K, routing_map_format="bitmap_u8")
+        p_idx, _ = mj.topk_with_score(logits, K, topk_indices_dtype="int16", score_function="sigmoid")
+        scores, _ = mj.scores_for_aux_loss(logits, K, "softmax", routing_map_format="bitmap_u8")
+        aux = mj.aux_loss(scores, plan.tokens_per_expert, jnp.asarray(T, jnp.int32), E, K, 0.01)
+        return ((y.astype(jnp.float32) * gy).sum() + (pp ** 2).sum() + aux + (p_bits * gy[:, :E]).sum()
+                + (p_idx * gy[:, E:2 * E]).sum())
 
     args = (jnp.asarray(rng.permutation(T * E).reshape(T, E) / (T * E), jnp.float32),
             jnp.asarray(rng.standard_normal((T, H)), jnp.bfloat16),
