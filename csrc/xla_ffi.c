@@ -695,3 +695,43 @@ EXPORT XLA_FFI_Error* moe_rt_xla_combine_backward(XLA_FFI_CallFrame* f) {
                                r.out[0].data, r.has_opt ? r.out[1].data : NULL, r.stream));
   return NULL;
 }
+
+/* ---- FP8 block casts ------------------------------------------------------------------------------ */
+
+/* args: x [T, H] (float); rets: x_fp8 [T, H] float8_e4m3fn, scales [T, ceil(H/block)] float32. attrs: block. */
+EXPORT XLA_FFI_Error* moe_rt_xla_quantize_fp8(XLA_FFI_CallFrame* f) {
+  BEGIN("moe_rt_xla_quantize_fp8");
+  int block;
+  TRY(attr_int(&fr, "block", &block));
+  TRY(counts(&fr, 1, 2));
+  buf x, q, s;
+  TRY(arg(&fr, 0, 2, &x));
+  TRY(ret(&fr, 0, 2, &q));
+  TRY(ret(&fr, 1, 2, &s));
+  TRY(want_dtype(&fr, &q, "x_fp8", MOE_RT_FLOAT8_E4M3));
+  TRY(want_dtype(&fr, &s, "scales", MOE_RT_FLOAT32));
+  moe_rt_context* ctx;
+  moe_rt_stream stream;
+  TRY(device(&fr, &ctx, &stream));
+  CORE(moe_rt_quantize_fp8(ctx, x.data, x.dtype, x.dims[0], x.dims[1], block, q.data, s.data, stream));
+  return NULL;
+}
+
+/* args: x_fp8 [T, H] float8_e4m3fn, scales [T, ceil(H/block)] float32; rets: y [T, H] (float). attrs: block. */
+EXPORT XLA_FFI_Error* moe_rt_xla_dequantize_fp8(XLA_FFI_CallFrame* f) {
+  BEGIN("moe_rt_xla_dequantize_fp8");
+  int block;
+  TRY(attr_int(&fr, "block", &block));
+  TRY(counts(&fr, 2, 1));
+  buf q, s, y;
+  TRY(arg(&fr, 0, 2, &q));
+  TRY(arg(&fr, 1, 2, &s));
+  TRY(ret(&fr, 0, 2, &y));
+  TRY(want_dtype(&fr, &q, "x_fp8", MOE_RT_FLOAT8_E4M3));
+  TRY(want_dtype(&fr, &s, "scales", MOE_RT_FLOAT32));
+  moe_rt_context* ctx;
+  moe_rt_stream stream;
+  TRY(device(&fr, &ctx, &stream));
+  CORE(moe_rt_dequantize_fp8(ctx, q.data, s.data, q.dims[0], q.dims[1], block, y.data, y.dtype, stream));
+  return NULL;
+}

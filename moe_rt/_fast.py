@@ -15,12 +15,6 @@ is remembered as one to run the ordinary way, which then raises the same error),
 decision a launch depends on. A signature whose path needs more than allocations and launches (a CuPy view,
 a conversion kernel, a value read on the host) cannot be recorded and always runs the ordinary way.
 
-Inside a JAX callback one step further is possible: the callback's shapes and dtypes are fixed when it is
-traced, so a lean callback whose first call was nothing but replays into XLA's buffers makes the same
-launches on every later call, with only the buffers' addresses changed. A :class:`Lane` holds those
-launches with each pointer written as (buffer, offset) and repeats them straight from the buffers'
-pointers, skipping the views, the contexts and the op call.
-
 ``MOE_RT_FAST=0`` turns replays off (a test and benchmark switch; both ways give the same bits).
 """
 from __future__ import annotations
@@ -185,12 +179,9 @@ def _record(op, args, kwargs, where, metas, device_id, plan=None, fp8=False):
     with _lock:
         _arrays.RECORDING += 1
     _arrays._rec_state.r = rec
-    log = getattr(_capture, "log", None)
-    _capture.log = None  # the ops a recording runs are not the caller's work
     try:
         result = rec.describe(op(*args, **kwargs))
     finally:
-        _capture.log = log
         _arrays._rec_state.r = None
         with _lock:
             _arrays.RECORDING -= 1
@@ -307,134 +298,6 @@ def _replay_cupy(rec: _Recipe, arrays, ptrs, dev: int):
     return _result(rec.result, objs, 2, dev)
 
 
-# -- lanes: a JAX callback's launches straight from XLA's buffer pointers ------------------------------
-
-_capture = threading.local()
-
-
-class capture:
-    """``with capture() as log:`` writes down the work of the recorded ops called on this thread: for each
-    replay into XLA's buffers ``(recipe, slot pointers, stream, variant, variant value)``, for any other call
-    None (work a :class:`Lane` cannot repeat)."""
-
-    def __enter__(self):
-        self.prev = getattr(_capture, "log", None)
-        self.log = _capture.log = []
-        return self.log
-
-    def __exit__(self, *exc):
-        _capture.log = self.prev
-        return False
-
-
-def _not_a_lane():
-    log = getattr(_capture, "log", None)
-    if log is not None:
-        log.append(None)
-
-
-def _ordinary(op, args, kwargs):
-    _not_a_lane()
-    return op(*args, **kwargs)
-
-
-class Lane:
-    """The launches one JAX callback makes, as a function of its buffers' pointers alone.
-
-    A lean callback (one recorded op over XLA's buffers, its results computed in place) makes, for its
-    static shapes and dtypes, the same launches on every call: only the buffers' addresses change. Built by
-    :func:`lane_of` from what one ordinary call did (:class:`capture`), a lane reads the pointers of the
-    buffers its launches use and launches: no views, no device or stream contexts, no op call.
-    :meth:`run` declines (returns False, launching nothing) when the op would take another path: replays
-    switched off, a buffer of another alignment, a module setting the op's launches depend on changed."""
-
-    __slots__ = ("stream", "device", "need", "launches", "compiled", "variants", "owned")
-
-    def __init__(self, stream, device, need, launches, variants, owned=()):
-        self.stream, self.device, self.need = stream, device, need
-        self.launches, self.variants, self.owned = launches, variants, owned
-        self.compiled = None
-
-    def run(self, bufs) -> bool:
-        """Launch for these buffers (the callback's inputs then outputs, each with a
-        ``__cuda_array_interface__``) on the lane's stream."""
-        if not ENABLED or not _jit._use_driver:
-            return False
-        for vfn, val in self.variants:
-            if vfn() != val:
-                return False
-        ptr = {}
-        for j, al in self.need:
-            p = bufs[j].__cuda_array_interface__["data"][0]
-            if p & 15 != al:
-                return False
-            ptr[j] = p
-        _run_launches(self, ptr, self.stream)
-        return True
-
-
-_LANE_SCRATCH_MAX = 64 << 20  # bytes of working memory a lane may hold
-
-
-def _cupy_scratch(shape, dtype):
-    import cupy
-
-    a = cupy.empty(shape, dtype)
-    return a.data.ptr, a
-
-
-def lane_of(log, bufs, stream, device, scratch=_cupy_scratch):
-    """The :class:`Lane` repeating the work in ``log`` (from :class:`capture`) on ``stream`` of ``device``
-    for any pointers of the buffers ``bufs`` (``(pointer, bytes)`` of the callback's inputs then outputs,
-    as in this call), or None when that work is not only replays on ``stream`` whose every pointer lies in
-    exactly one buffer or in the op's working memory.
-
-    The working memory of the replays (their scratch allocations) becomes the lane's own, made here by
-    ``scratch(shape, dtype) -> (pointer, owner)`` on the current device and stream (call this inside the
-    callback's device and stream contexts) and kept for the lane's life: every call of the lane is on the
-    one stream, so each call's kernels run after the previous call's are done with it."""
-    if not log:
-        return None
-    spans = [(p, p + n, j) for j, (p, n) in enumerate(bufs) if n > 0]
-    launches, variants, need, owned = [], [], {}, []
-    held = 0
-    for ent in log:
-        if ent is None:
-            return None
-        rec, ptrs, st, vfn, vval = ent
-        if st != stream:
-            return None
-        if vfn is not None:
-            variants.append((vfn, vval))
-        mine = {}  # slot -> pointer of the lane's own working memory
-        for i, (shape, dtype, kind, n) in enumerate(rec.allocs):
-            if kind == "scratch":
-                held += n * dtype.itemsize
-                if held > _LANE_SCRATCH_MAX:
-                    return None
-                try:
-                    p, owner = scratch(shape, dtype)
-                except MemoryError:  # no room to keep it: the ordinary path goes on serving the callback
-                    return None
-                owned.append(owner)
-                mine[rec.n_in + i] = p
-        for fptr, grid, block, smem, tmpl, refs in rec.launches:
-            moved, fixed = [], list(tmpl)
-            for pos, s, off in refs:
-                if s in mine:
-                    fixed[pos] = mine[s] + off
-                    continue
-                p = ptrs[s] + off
-                hit = [(j, lo) for lo, hi, j in spans if lo <= p < hi]
-                if len(hit) != 1:
-                    return None
-                j, lo = hit[0]
-                need[j] = lo & 15
-                moved.append((pos, j, p - lo))
-            launches.append((fptr, grid, block, smem, tuple(fixed), tuple(moved)))
-    return Lane(stream, device, tuple(sorted(need.items())), tuple(launches), tuple(variants), tuple(owned))
-
-
 # -- the wrapper --------------------------------------------------------------------------------------
 
 def recorded(*array_params, variant=None, plan=None):
@@ -472,7 +335,7 @@ def recorded(*array_params, variant=None, plan=None):
                 return r
             if not ENABLED or not _jit._use_driver or kwargs.get("stream") is not None or (
                     _arrays.RECORDING and _arrays.recorder() is not None):
-                return _ordinary(op, args, kwargs)
+                return op(*args, **kwargs)
             n = len(args)
             arrays, places = gather(where, args, kwargs)
             a0 = arrays[0]
@@ -480,7 +343,7 @@ def recorded(*array_params, variant=None, plan=None):
             if t0 is DevArray:
                 serve = getattr(_arrays._serving, "outs", None)
                 if serve is None:
-                    return _ordinary(op, args, kwargs)
+                    return op(*args, **kwargs)
                 mode = 1
             elif t0 is _Tensor or (_Tensor is None and t0.__module__.startswith("torch") and _load_torch()
                                    and t0 is _Tensor):
@@ -489,7 +352,7 @@ def recorded(*array_params, variant=None, plan=None):
                                     and t0 is _ndarray):
                 mode = 2
             else:
-                return _ordinary(op, args, kwargs)
+                return op(*args, **kwargs)
             metas, ptrs, objs = [], [], []
             dev = None
             for a in arrays:
@@ -499,22 +362,22 @@ def recorded(*array_params, variant=None, plan=None):
                 if mode == 0:
                     if (type(a) is not _Tensor or not a.is_cuda or not a.is_contiguous()
                             or (a.requires_grad and _torch.is_grad_enabled())):
-                        return _ordinary(op, args, kwargs)  # which refuses a tensor needing autograd
+                        return op(*args, **kwargs)  # which refuses a tensor needing autograd
                     p = a.data_ptr()
                     d = a.get_device()
                 elif mode == 2:
                     if type(a) is not _ndarray or not a.flags.c_contiguous:
-                        return _ordinary(op, args, kwargs)
+                        return op(*args, **kwargs)
                     p = a.data.ptr
                     d = a.device.id
                 else:
                     if type(a) is not DevArray:
-                        return _ordinary(op, args, kwargs)
+                        return op(*args, **kwargs)
                     p, d = a.ptr, a.device_id
                 if dev is None:
                     dev = d
                 elif d != dev:
-                    return _ordinary(op, args, kwargs)  # the ordinary path names the mismatch
+                    return op(*args, **kwargs)  # the ordinary path names the mismatch
                 metas.append((a.dtype, a.shape, p & 15))
                 ptrs.append(p)
                 objs.append(a)
@@ -527,18 +390,18 @@ def recorded(*array_params, variant=None, plan=None):
                     pl_obj, pl_place = kwargs.get(name), name
                 pp = parts(pl_obj)
                 if pp is None or (dev is not None and pp[4] != dev):
-                    return _ordinary(op, args, kwargs)
+                    return op(*args, **kwargs)
                 pkey, parrays, pmetas, pptrs, dev = pp
                 objs.extend(parrays)
                 ptrs.extend(pptrs)
                 pinfo = (pl_place, pl_obj, pmetas, symbolic)
             if (mode == 0 and _cur_device() != dev) or (mode == 2 and _cupy.cuda.runtime.getDevice() != dev):
-                return _ordinary(op, args, kwargs)
+                return op(*args, **kwargs)
             try:
                 key = signature(mode, dev, metas, pkey, args, kwargs, places, pl_place, variant)
                 rec = cache.get(key)
             except TypeError:  # an unhashable argument: the ordinary path judges it
-                return _ordinary(op, args, kwargs)
+                return op(*args, **kwargs)
             if rec is None:
                 try:
                     np_metas = []
@@ -552,28 +415,21 @@ def recorded(*array_params, variant=None, plan=None):
                         np_metas.append((dt, tuple(m[1]), m[2]))
                     rec = _record(op, args, kwargs, places, np_metas, dev, pinfo, fp8=mode == 0)
                 except _arrays.NotYet:  # a quick kernel this time: run it the ordinary way, record a later call
-                    return _ordinary(op, args, kwargs)
+                    return op(*args, **kwargs)
                 except Exception:  # noqa: BLE001 - unrecordable or bad input: the ordinary path runs (and raises)
                     rec = _SLOW
                 if len(cache) >= _MAX_ENTRIES:
                     cache.clear()
                 cache[key] = rec
             if rec is _SLOW:
-                return _ordinary(op, args, kwargs)
+                return op(*args, **kwargs)
             if mode == 0:
-                _not_a_lane()
                 return _replay_torch(rec, objs, ptrs, dev)
             if mode == 2:
-                _not_a_lane()
                 return _replay_cupy(rec, objs, ptrs, dev)
             stream = getattr(_arrays._serving, "stream", None)
             out = None if stream is None else _replay_dev(rec, objs, ptrs, serve, stream, dev)
-            if out is None:
-                return _ordinary(op, args, kwargs)
-            log = getattr(_capture, "log", None)
-            if log is not None:
-                log.append((rec, ptrs, stream, variant, key[-1]))
-            return out
+            return op(*args, **kwargs) if out is None else out
 
         fast.ordinary = op  # the path without replays
         fast.recipes = cache

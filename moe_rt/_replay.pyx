@@ -134,9 +134,6 @@ cdef class TorchHit:
             return MISS
         if rec is None or rec is _fast._SLOW:
             return MISS
-        log = getattr(_fast._capture, "log", None)
-        if log is not None:
-            log.append(None)  # torch work: not a lane's
         return replay_torch(rec, objs, ptrs, dev)
 
 

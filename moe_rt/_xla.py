@@ -28,7 +28,7 @@ XLA_LIB = "libmoe_rt_xla.so"
 TARGET_PREFIX = "moe_rt_"
 HANDLERS = ("topk_with_score", "topk_with_score_backward", "scores_for_aux_loss", "scores_for_aux_loss_backward",
             "aux_loss", "aux_loss_backward", "make_plan", "dispatch", "dispatch_backward", "combine",
-            "combine_backward", "noop")  # noop: a custom call that does nothing (the benchmark's floor)
+            "combine_backward", "quantize_fp8", "dequantize_fp8", "noop")  # noop: a custom call that does nothing (the benchmark's floor)
 SCORE_CODES = {"sigmoid": 0, "softmax": 1, "sqrtsoftplus": 2}
 # moe_rt_dtype codes (include/moe_rt/moe_rt.h)
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2, "int32": 3, "int64": 4, "bool": 5, "uint8": 6, "int8": 7,
@@ -145,6 +145,12 @@ def planned_kernels(op: str, cc: tuple[int, int], **kw) -> list[tuple[str, str]]
             st = lib.moe_rt_scores_for_aux_loss_backward(ctx, _ptr(0), _ptr(1), i64(kw["T"]), c_int(kw["E"]),
                                                          c_int(kw["topk"]), c_int(kw["score_function"]), _ptr(2),
                                                          c_int(kw["dtype"]), None)
+        elif op == "quantize_fp8":
+            st = lib.moe_rt_quantize_fp8(ctx, _ptr(0), c_int(kw["dtype"]), i64(kw["T"]), i64(kw["H"]),
+                                         c_int(kw["block"]), _ptr(1), _ptr(2), None)
+        elif op == "dequantize_fp8":
+            st = lib.moe_rt_dequantize_fp8(ctx, _ptr(0), _ptr(1), i64(kw["T"]), i64(kw["H"]), c_int(kw["block"]),
+                                           _ptr(2), c_int(kw["dtype"]), None)
         elif op in ("aux_loss", "aux_loss_backward"):
             # the kernels depend on the dtype and sizes alone: planned with a host total of 1
             common = (c_int(kw["dtype"]), i64(kw["R"]), c_int(kw["C"]), _ptr(1), c_int(kw["tpe_dtype"]), i64(1), None,

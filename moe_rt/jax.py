@@ -30,7 +30,7 @@ from jax.experimental.buffer_callback import buffer_callback
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
-from moe_rt import _arrays, _fast, _jit, _xla
+from moe_rt import _arrays, _xla
 from moe_rt import fp8 as _fp8
 from moe_rt import permutation as _perm
 from moe_rt import router as _rt
@@ -42,26 +42,16 @@ __all__ = ["JaxPlan", "make_plan", "dispatch", "combine", "topk_with_score", "to
 _PLAN_ARRAYS = ("dst_row", "src_slot", "seg_start", "counts", "tokens_per_expert")
 
 
-def _run(fn, out_specs, *inputs, lean=False):
-    """Run ``fn(*views)`` (views: CuPy or NumPy arrays over XLA's buffers, or DevArrays with ``lean``;
-    None inputs stay None) inside a buffer_callback and put its results into XLA's outputs described by
-    ``out_specs``.
+def _run(fn, out_specs, *inputs):
+    """Run ``fn(*views)`` (views: CuPy or NumPy arrays over XLA's buffers; None inputs stay None) inside a
+    buffer_callback and put its results into XLA's outputs described by ``out_specs``.
 
-    On the GPU, results are computed straight into XLA's output buffers. ``lean`` (for ops whose CUDA
-    path takes DevArrays): the op's own allocations are served from XLA's outputs, each once, in order, to
-    the first allocation of its dtype and element count (:class:`moe_rt._arrays.serving`); otherwise a
-    CuPy allocation whose byte size equals that of exactly one output is served from that output's buffer
-    (once). A result that landed there needs no copy; anything else (a result computed elsewhere, or a
-    scratch array that took the buffer first) is copied in afterwards, so the outputs are right either
-    way. moe_rt's ops keep no device arrays between calls, so no buffer outlives the callback. A result
-    for an output of size zero is not read (it may be None).
-
-    A lean callback whose first GPU call on a stream was nothing but replays of recorded launches into
-    XLA's buffers (:mod:`moe_rt._fast`) makes its later calls on that stream through a
-    :class:`moe_rt._fast.Lane`: the same launches, fed the buffers' new pointers."""
+    On the GPU, a CuPy allocation whose byte size equals that of exactly one output is served from that
+    output's buffer (once); a result that landed there needs no copy, anything else is copied in
+    afterwards. moe_rt's ops keep no device arrays between calls, so no buffer outlives the callback. A
+    result for an output of size zero is not read (it may be None)."""
     present = [i for i, a in enumerate(inputs) if a is not None]
     n_in = len(inputs)
-    lanes: dict = {}  # XLA stream -> Lane, or False: this op's calls on it take the ordinary path
     # FP8 never crosses the callback boundary as FP8 (XLA's GPU buffers of an FP8 type offer no
     # __cuda_array_interface__): its bytes go in and come out as uint8 (a bitcast, free in XLA), and the
     # views inside the callback carry the FP8 dtype again (see _as_fp8)
@@ -76,34 +66,19 @@ def _run(fn, out_specs, *inputs, lean=False):
             sptr = ctx.stream  # XLA's compute stream (GPU only)
         except Exception:  # noqa: BLE001 - CPU buffers have no stream
             sptr = None
-        lane = lanes.get(sptr) if lean and sptr else False
-        if lane and _cur_device() == lane.device and lane.run(ins + tuple(outs)):
-            return
         on = _gpu_stream(sptr, ins[0] if ins else outs[0]) if sptr else None
         if on is None:
             _run_generic(fn, n_in, present, outs, ins, sptr, fp8_in, fp8_out)
             return
         stream, device, dev_id = on
         views = [None] * n_in
-        view = _dev_view if lean else _view
         for j, b in zip(present, ins):
-            views[j] = view(b, dev_id) if j not in fp8_in else _as_fp8(_dev_view(b, dev_id), fp8_in[j])
-        dsts = [view(o, dev_id) if k not in fp8_out else _as_fp8(_dev_view(o, dev_id), fp8_out[k])
+            views[j] = _view(b, dev_id) if j not in fp8_in else _as_fp8(_dev_view(b, dev_id), fp8_in[j])
+        dsts = [_view(o, dev_id) if k not in fp8_out else _as_fp8(_dev_view(o, dev_id), fp8_out[k])
                 for k, o in enumerate(outs)]
-        with device, stream:
-            if lane is None:  # the first call on this stream: learn whether a lane can repeat it
-                quick = _jit.provisional_calls
-                with _fast.capture() as log, _arrays.serving(dsts, int(sptr)):
-                    results = fn(*views)
-                in_place = _write(dsts, results, True)
-                if _jit.provisional_calls != quick:  # a quick kernel stood in: learn from a later call
-                    return
-                bufs = [_span(views[j]) for j in present] + [_span(d) for d in dsts]
-                lanes[sptr] = (in_place and _fast.lane_of(log, bufs, int(sptr), dev_id)) or False
-                return
-            with (_arrays.serving(dsts, int(sptr)) if lean else _into(dsts)):
-                results = fn(*views)
-            _write(dsts, results, True)
+        with device, stream, _into(dsts):
+            results = fn(*views)
+        _write(dsts, results, True)
     # vmap runs the callback once per batch element (every op is already batched over tokens; a batch of
     # plans or routings is a loop), in order, which also keeps EP collectives matched across ranks.
     args = [inputs[i] if i not in fp8_in else jax.lax.bitcast_convert_type(inputs[i], jnp.uint8) for i in present]
@@ -121,24 +96,6 @@ def _as_fp8(v, dtype):
     if isinstance(v, np.ndarray):
         return v.view(dtype)
     return _arrays.fp8_array(v, dtype)  # a CuPy uint8 array (C-contiguous: no copy)
-
-
-def _cur_device():
-    """The calling thread's current CUDA device (the lane launches without a device context)."""
-    global _get_device
-    if _get_device is None:
-        import cupy
-
-        _get_device = cupy.cuda.runtime.getDevice
-    return _get_device()
-
-
-_get_device = None
-
-
-def _span(v):
-    """(pointer, bytes) of a view over an XLA buffer (a DevArray or a CuPy array)."""
-    return (v.ptr, v.nbytes) if type(v) is _arrays.DevArray else (v.data.ptr, v.nbytes)
 
 
 # XLA stream (cudaStream_t) -> (CuPy stream, CuPy device, device id): a stream belongs to one device.
@@ -194,17 +151,14 @@ def _run_generic(fn, n_in, present, outs, ins, sptr, fp8_in, fp8_out):
         _write(dsts, results, call.backend == "cuda")
 
 
-def _write(dsts, results, on_gpu: bool) -> bool:
+def _write(dsts, results, on_gpu: bool) -> None:
     """Copy each result into its XLA output unless it was computed there already (outputs of size zero
-    are left alone); True when nothing needed a copy."""
-    in_place = True
+    are left alone)."""
     for dst, r in zip(dsts, results):
         if dst.size and not (on_gpu and _in_place(r, dst)):
             # (FP8 on the GPU: DevArrays, whose CuPy views are their bytes as uint8)
             d, r = _arrays.cupy_of(dst), _arrays.cupy_of(r)
             d[...] = r.reshape(d.shape)
-            in_place = False
-    return in_place
 
 
 def _in_place(r, dst):
@@ -326,36 +280,11 @@ class JaxPlan:
         return cls(arrays, *static)
 
 
-# Plans over XLA buffers met inside callbacks, by (static sizes, device, pointers, shapes). A Plan is only
-# views of device memory whose contents are read at launch time, so one made over the same pointers and
-# shapes serves every later call.
-_dev_plans: dict = {}
-
-
 def _as_plan(views, static):
-    """A moe_rt Plan over the five plan views (CuPy or NumPy; shapes checked by :func:`_check_plan` when
-    the op was traced)."""
+    """A moe_rt Plan over the five plan arrays (NumPy: the plan ops' callbacks run on the CPU only; shapes
+    checked by :func:`_check_plan` when the op was traced)."""
     _, num_rows, align_size, num_out_tokens = static
-    v0 = views[0]
-    if isinstance(v0, np.ndarray):
-        return _perm.Plan.from_arrays(*views, num_rows=num_rows, align_size=align_size,
-                                      num_out_tokens=num_out_tokens)
-    if type(v0) is _arrays.DevArray:
-        # XLA hands the same plan buffers to every op of a step: one Plan per (pointers, shapes, sizes),
-        # so the replays (moe_rt._fast) find its launch parts already worked out
-        key = (static, v0.device_id, tuple(v.ptr for v in views), v0.shape, views[3].shape, views[1].shape)
-        plan = _dev_plans.get(key)
-        if plan is None:
-            if len(_dev_plans) >= 256:
-                _dev_plans.clear()
-            plan = _dev_plans[key] = _perm.Plan._trusted(
-                views, num_rows=num_rows, align_size=align_size, num_out_tokens=num_out_tokens, backend="cuda",
-                device_id=v0.device_id, framework="devarray")
-        return plan
-    else:
-        dev, fw = _arrays._device_of(v0, "plan")[1], _arrays._framework_of(v0)
-    return _perm.Plan._trusted(views, num_rows=num_rows, align_size=align_size, num_out_tokens=num_out_tokens,
-                               backend="cuda", device_id=dev, framework=fw)
+    return _perm.Plan.from_arrays(*views, num_rows=num_rows, align_size=align_size, num_out_tokens=num_out_tokens)
 
 
 def _check_plan(plan):
@@ -953,10 +882,12 @@ def quantize_fp8(x, block: int = 128):
     T, H, nb = _fp8.check_quantize_args(x, block)
     specs = [_spec((T, H), _arrays.FLOAT8_E4M3), _spec((T, nb), np.float32)]
 
-    def fn(xv):
-        return list(_fp8.quantize_fp8(xv, block))
+    def on_cuda(xv):
+        _xla.prepare("quantize_fp8", dtype=_dtype_code(xv.dtype), T=T, H=H, block=int(block))
+        return _ffi("quantize_fp8", specs, xv, block=np.int32(block))
 
-    q, s = _run(fn, specs, x, lean=True)
+    q, s = _on_platform((x,), on_cuda, lambda xv: _run(lambda v: list(_fp8.quantize_fp8(v, block)), specs, xv),
+                        specs)
     return q, s
 
 
@@ -965,11 +896,16 @@ def dequantize_fp8(x_fp8, scales, dtype=jnp.bfloat16, block: int = 128):
     float16 or bfloat16). Not differentiable. Checked when traced."""
     x_fp8, scales = jnp.asarray(x_fp8), jnp.asarray(scales)
     T, H, _, dt = _fp8.check_dequantize_args(x_fp8, scales, dtype, block)
+    specs = [_spec((T, H), dt)]
 
     def fn(qv, sv):
         return [_fp8.dequantize_fp8(qv, sv, dt, block)]
 
-    return _run(fn, [_spec((T, H), dt)], x_fp8, scales, lean=True)[0]
+    def on_cuda(qv, sv):
+        _xla.prepare("dequantize_fp8", dtype=_dtype_code(dt), T=T, H=H, block=int(block))
+        return _ffi("dequantize_fp8", specs, qv, sv, block=np.int32(block))
+
+    return _on_platform((x_fp8, scales), on_cuda, lambda *a: _run(fn, specs, *a), specs)[0]
 
 
 # -- expert parallelism ------------------------------------------------------------------------------

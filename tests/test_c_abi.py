@@ -78,6 +78,8 @@ SIGNATURES = {
     "moe_rt_combine": (I, [P, C.POINTER(CPlan), P, I, L, P, P, P]),
     "moe_rt_dispatch_backward": (I, [P, C.POINTER(CPlan), P, I, L, P, P, P, P]),
     "moe_rt_combine_backward": (I, [P, C.POINTER(CPlan), P, I, L, P, P, P, P, P]),
+    "moe_rt_quantize_fp8": (I, [P, P, I, L, L, I, P, P, P]),
+    "moe_rt_dequantize_fp8": (I, [P, P, P, L, L, I, P, I, P]),
 }
 
 
@@ -541,6 +543,47 @@ def _shaped(a, *shape):
     a.shape = shape
     a.size = int(np.prod(shape))
     return a
+
+
+# ---- FP8 block casts -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("T,H,block", [(4096, 7168, 128), (37, 130, 128), (5, 64, 64), (1, 3, 1), (0, 128, 128),
+                                       (33, 0, 128), (65536, 4096, 128), (7, 1000, 100), (2, 70000, 65536)])
+@pytest.mark.parametrize("dt", [F32, BF16, F16])
+def test_fp8_casts_plan_equal_python(lib, pyside, ctx, T, H, block, dt):
+    from moe_rt import fp8
+
+    _, launches = pyside
+    isz = _np(dt).itemsize
+    for off in sorted({0, 4, 2 * isz, 4 * isz}):
+        launches.clear()
+        x, q = _shaped(_Arr(_np(dt), BASE + off), T, H), _shaped(_Arr("uint8", BASE + off), T, H)
+        fp8.launch_quantize(x, q, _Arr("float32", BASE), block, 0, None)
+        _ok(lib, lib.moe_rt_quantize_fp8(ctx, BASE + off, dt, T, H, block, BASE + off, BASE, None))
+        assert _launches(lib, ctx) == launches, ("quantize", off)
+        launches.clear()
+        fp8.launch_dequantize(_shaped(_Arr("uint8", BASE), T, H), _Arr("float32", BASE), x, block, 0, None)
+        _ok(lib, lib.moe_rt_dequantize_fp8(ctx, BASE, BASE, T, H, block, BASE + off, dt, None))
+        assert _launches(lib, ctx) == launches, ("dequantize", off)
+
+
+def test_bad_fp8_input(lib, ctx):
+    q, dq = lib.moe_rt_quantize_fp8, lib.moe_rt_dequantize_fp8
+    _ok(lib, q(ctx, BASE, F32, 4, 256, 128, BASE, BASE, None))
+    _err(lib, q(None, BASE, F32, 4, 256, 128, BASE, BASE, None), INVALID, "ctx is NULL")
+    _err(lib, q(ctx, None, F32, 4, 256, 128, BASE, BASE, None), INVALID, "x is NULL")
+    _err(lib, q(ctx, BASE, F32, 4, 256, 128, None, BASE, None), INVALID, "x_fp8 is NULL")
+    _err(lib, q(ctx, BASE, F32, 4, 256, 128, BASE, None, None), INVALID, "scales is NULL")
+    _err(lib, q(ctx, BASE, I32, 4, 256, 128, BASE, BASE, None), INVALID, "dtype", "int32")
+    _err(lib, q(ctx, BASE, F32, -1, 256, 128, BASE, BASE, None), INVALID, "num_tokens")
+    _err(lib, q(ctx, BASE, F32, 4, -2, 128, BASE, BASE, None), INVALID, "hidden")
+    _err(lib, q(ctx, BASE, F32, 4, 2**31 - 100, 128, BASE, BASE, None), INVALID, "hidden", "2^31")
+    for block in (0, -1, 65537):
+        _err(lib, q(ctx, BASE, F32, 4, 256, block, BASE, BASE, None), INVALID, "block", "65536")
+    _ok(lib, dq(ctx, BASE, BASE, 4, 256, 128, BASE, BF16, None))
+    _err(lib, dq(ctx, BASE, BASE, 4, 256, 128, None, BF16, None), INVALID, "y is NULL")
+    _err(lib, dq(ctx, BASE, BASE, 4, 256, 128, BASE, U8, None), INVALID, "dtype", "uint8")
+    _err(lib, dq(ctx, BASE, None, 4, 256, 128, BASE, F16, None), INVALID, "scales is NULL")
 
 
 # ---- bad input: an error status and a message, never a crash -----------------------------------------------------

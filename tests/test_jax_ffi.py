@@ -432,6 +432,25 @@ def test_planning_bad_facts_raises_with_the_core_message():
         _xla.planned_kernels("aux_loss", (9, 0), dtype=0, R=5, C=8, tpe_dtype=3, num_experts=3, topk=2, coeff=0.1)
 
 
+def test_fp8_casts_lower_to_custom_calls():
+    def f(x):
+        q, s = mj.quantize_fp8(x, 64)
+        return mj.dequantize_fp8(q, s, jnp.float16, 64)
+
+    text = jax.jit(f).trace(jnp.zeros((T, 130), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "xla_buffer_python_gpu_callback" not in text
+    calls = _custom_calls(text)
+    (attrs, n_in, results), = calls["moe_rt_quantize_fp8"]
+    assert attrs == {"block": "64 : i32"} and n_in == 1
+    assert f"tensor<{T}x130xf8E4M3FN>" in results and f"tensor<{T}x3xf32>" in results
+    (attrs, n_in, results), = calls["moe_rt_dequantize_fp8"]
+    assert attrs == {"block": "64 : i32"} and n_in == 2 and f"tensor<{T}x130xf16>" in results
+    assert _xla.planned_kernels("quantize_fp8", (9, 0), dtype=2, T=T, H=128, block=64) == [
+        ("fp8.cu", "quantize_fp8<__nv_bfloat16, false>")]
+    assert _xla.planned_kernels("dequantize_fp8", (9, 0), dtype=0, T=T, H=256, block=128) == [
+        ("fp8.cu", "dequantize_fp8<float, true>")]
+
+
 def test_bad_input_raises_when_traced_as_before():
     lg, x, bias = _inputs()
     with pytest.raises(ValueError, match="topk"):
@@ -627,6 +646,24 @@ def test_aux_ops_ffi_match_reference_and_direct_path(dtype, fmt, sf, device_tota
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("T,H,block", [(517, 7168, 128), (37, 130, 128), (9, 100, 7)])
+def test_fp8_ffi_matches_reference_and_direct_path(dtype, T, H, block, rng):
+    from moe_rt import fp8
+
+    x = jnp.asarray(rng.standard_normal((T, H)) * 10, jnp.dtype(dtype))
+    x = x.at[3, : min(H, block)].set(0)  # an all-zero block: scale 1
+    q, s = jax.jit(lambda v: mj.quantize_fp8(v, block))(x)
+    y = jax.jit(lambda a, b: mj.dequantize_fp8(a, b, jnp.dtype(dtype), block))(q, s)
+    dq, ds = fp8.quantize_fp8(x, block)  # the direct path: the same bits
+    assert _bits(q) == _bits(dq) and _bits(s) == _bits(ds)
+    assert _bits(y) == _bits(fp8.dequantize_fp8(dq, ds, dtype, block))
+    rq, rs = fp8.quantize_fp8(np.asarray(x), block)  # the NumPy reference: bitwise equal on every backend
+    assert _bits(q) == _bits(rq) and _bits(s) == _bits(rs)
+    assert _bits(jax.jit(jax.vmap(lambda v: mj.quantize_fp8(v, block)[0]))(jnp.stack([x, x]))[1]) == _bits(q)
+
+
+@pytest.mark.gpu
 def test_router_forms_under_vmap_equal_a_loop_on_gpu(rng):
     T, E, K = 129, 24, 4
     logits = jnp.stack([_router_case(rng, T, E, jnp.bfloat16)[0] for _ in range(3)])
@@ -750,8 +787,9 @@ _COMMAND_BUFFER_SCRIPT = textwrap.dedent("""
         p_idx, _ = mj.topk_with_score(logits, K, topk_indices_dtype="int16", score_function="sigmoid")
         scores, _ = mj.scores_for_aux_loss(logits, K, "softmax", routing_map_format="bitmap_u8")
         aux = mj.aux_loss(scores, plan.tokens_per_expert, jnp.asarray(T, jnp.int32), E, K, 0.01)
+        xq = mj.dequantize_fp8(*mj.quantize_fp8(jax.lax.stop_gradient(x)), jnp.float32)
         return ((y.astype(jnp.float32) * gy).sum() + (pp ** 2).sum() + aux + (p_bits * gy[:, :E]).sum()
-                + (p_idx * gy[:, E:2 * E]).sum())
+                + (p_idx * gy[:, E:2 * E]).sum() + (xq * gy).sum())
 
     args = (jnp.asarray(rng.permutation(T * E).reshape(T, E) / (T * E), jnp.float32),
             jnp.asarray(rng.standard_normal((T, H)), jnp.bfloat16),

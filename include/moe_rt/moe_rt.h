@@ -274,6 +274,16 @@ moe_rt_status moe_rt_combine_backward(moe_rt_context* ctx, const moe_rt_plan* pl
                                       int64_t hidden, const void* y_permuted, const float* probs,
                                       void* grad_y_permuted, float* grad_probs, moe_rt_stream stream);
 
+/* ---- FP8 block casts (moe_rt.fp8) ------------------------------------------------------------------
+ * One float32 scale per `block` channels of each token (1 <= block <= 65536; a row whose H is not a
+ * multiple ends with a shorter block; H + block < 2^31). x [T, H] `dtype` (float32/16, bfloat16) ->
+ * x_fp8 [T, H] float8_e4m3fn codes and scales [T, ceil(H/block)] float32: scale = amax/448 of the block
+ * (1 where that is 0), x_fp8 = e4m3(x/scale). The inverse: y [T, H] `dtype` = x_fp8 * scale. */
+moe_rt_status moe_rt_quantize_fp8(moe_rt_context* ctx, const void* x, int dtype, int64_t num_tokens, int64_t hidden,
+                                  int block, void* x_fp8, float* scales, moe_rt_stream stream);
+moe_rt_status moe_rt_dequantize_fp8(moe_rt_context* ctx, const void* x_fp8, const float* scales, int64_t num_tokens,
+                                    int64_t hidden, int block, void* y, int dtype, moe_rt_stream stream);
+
 #ifdef __cplusplus
 }
 #endif

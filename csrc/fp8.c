@@ -1,0 +1,79 @@
+/* moe_rt core: the FP8 block casts (kernels/fp8.cu). The kernel choices are those of moe_rt/fp8.py
+ * (launch_quantize, launch_dequantize; tests/test_c_abi.py compares the two). */
+#include <stdio.h>
+#include <string.h>
+
+#include "internal.h"
+
+#define FILE_FP8 "fp8.cu"
+#define FP8_THREADS 256
+#define FP8_MAX_BLOCK 65536
+
+typedef struct fp8_key {
+  int32_t op, dtype, v4, pad;
+} fp8_key;
+
+/* Validate, plan and launch one cast: `in`/`out` as the kernel takes them (quantize: x, q, scales; dequantize:
+ * q, scales, y); `data` is the float side (x or y) and `codes` the e4m3 side (q). */
+static moe_rt_status cast(moe_rt_context* ctx, const char* op, int quantize, int dtype, int64_t T, int64_t H,
+                          int block, const void* data, const void* codes, const void* scales, const void* a0,
+                          const void* a1, const void* a2, moe_rt_stream stream) {
+  moe_rt_status st;
+  if ((st = mrt_check_ctx(ctx, op))) return st;
+  if (!mrt_is_float_dtype(dtype))
+    return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: dtype: expected float32, float16 or bfloat16, got %s (%d)", op,
+                    mrt_dtype_name(dtype), dtype);
+  if (T < 0) return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: num_tokens must be >= 0, got %lld", op, (long long)T);
+  if (block < 1 || block > FP8_MAX_BLOCK)
+    return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: block must be in [1, %d], got %d", op, FP8_MAX_BLOCK, block);
+  if (H < 0 || H + block >= ((int64_t)1 << 31))
+    return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: hidden must be >= 0 with hidden + block below 2^31, got %lld",
+                    op, (long long)H);
+  if ((st = mrt_check_ptr(op, quantize ? "x" : "y", data)) || (st = mrt_check_ptr(op, "x_fp8", codes)) ||
+      (st = mrt_check_ptr(op, "scales", scales)))
+    return st;
+  mrt_plan p;
+  memset(&p, 0, sizeof p);
+  const int64_t nb = mrt_cdiv(H, block);
+  if (T == 0 || H == 0) {
+    if (mrt_is_planning(ctx)) mrt_record(ctx, &p);
+    return MOE_RT_SUCCESS;
+  }
+  const int isz = mrt_dtype_size(dtype);
+  const int v4 = block % 128 == 0 && H % 4 == 0 && ((uintptr_t)data % (uintptr_t)(4 * isz)) == 0 &&
+                 ((uintptr_t)codes % 4) == 0;
+  fp8_key key = {quantize ? 7 : 8, dtype, v4, 0};
+  if (!mrt_plan_lookup(ctx, &key, sizeof key, &p)) {
+    p.num_launches = 1;
+    snprintf(p.launch[0].name, sizeof p.launch[0].name, "%s<%s, %s>", quantize ? "quantize_fp8" : "dequantize_fp8",
+             mrt_ctype(dtype), v4 ? "true" : "false");
+    int regs = 0;
+    if ((st = mrt_kernel(ctx, &p.launch[0], FILE_FP8, &regs))) return st;
+    p.launch[0].block = FP8_THREADS;
+    mrt_plan_put(ctx, &key, sizeof key, &p);
+  }
+  p.launch[0].grid = mrt_max(1, mrt_min(mrt_cdiv(T * nb, FP8_THREADS / 32), (int64_t)mrt_device(ctx)->sm_count * 32));
+  if (mrt_is_planning(ctx)) {
+    mrt_record(ctx, &p);
+    return MOE_RT_SUCCESS;
+  }
+  mrt_args a = {0};
+  mrt_arg_ptr(&a, a0);
+  mrt_arg_ptr(&a, a1);
+  mrt_arg_ptr(&a, a2);
+  mrt_arg_i64(&a, T);
+  mrt_arg_i32(&a, (int32_t)H);
+  mrt_arg_i32(&a, block);
+  mrt_arg_i32(&a, (int32_t)nb);
+  return mrt_launch_one(ctx, &p.launch[0], &a, stream);
+}
+
+moe_rt_status moe_rt_quantize_fp8(moe_rt_context* ctx, const void* x, int dtype, int64_t T, int64_t H, int block,
+                                  void* x_fp8, float* scales, moe_rt_stream stream) {
+  return cast(ctx, "moe_rt_quantize_fp8", 1, dtype, T, H, block, x, x_fp8, scales, x, x_fp8, scales, stream);
+}
+
+moe_rt_status moe_rt_dequantize_fp8(moe_rt_context* ctx, const void* x_fp8, const float* scales, int64_t T, int64_t H,
+                                    int block, void* y, int dtype, moe_rt_stream stream) {
+  return cast(ctx, "moe_rt_dequantize_fp8", 0, dtype, T, H, block, y, x_fp8, scales, x_fp8, scales, y, stream);
+}
