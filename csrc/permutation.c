@@ -571,3 +571,106 @@ moe_rt_status moe_rt_combine_backward(moe_rt_context* ctx, const moe_rt_plan* pl
   io.hidden = H;
   return run_rows(ctx, &p, plan, &io, stream);
 }
+
+/* ---- sort_chunks (permutation.py _sort_chunks_cuda) ------------------------------------------------------ */
+
+typedef struct chunks_key {
+  int32_t op, unit, bwd, idx_dtype;
+} chunks_key;
+
+moe_rt_status moe_rt_sort_chunks_workspace_size(int64_t num_chunks, size_t* bytes) {
+  mrt_clear_error();
+  if (!bytes) return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "moe_rt_sort_chunks_workspace_size: bytes is NULL");
+  if (num_chunks < 0 || num_chunks > INT32_MAX / 2)
+    return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "moe_rt_sort_chunks_workspace_size: num_chunks must be in [0, "
+                    "2^30), got %lld", (long long)num_chunks);
+  *bytes = (size_t)(2 * num_chunks + 1) * sizeof(int32_t);
+  return MOE_RT_SUCCESS;
+}
+
+moe_rt_status moe_rt_sort_chunks(moe_rt_context* ctx, const void* x, int64_t N, int64_t row_bytes,
+                                 const void* split_sizes, const void* sorted_indices, int index_dtype, int64_t S,
+                                 const float* probs, void* out, float* probs_out, int backward, void* workspace,
+                                 size_t workspace_bytes, moe_rt_stream stream) {
+  static const char op[] = "moe_rt_sort_chunks";
+  moe_rt_status st;
+  size_t need = 0;
+  if ((st = mrt_check_ctx(ctx, op))) return st;
+  if (N < 0 || N > INT32_MAX)
+    return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: num_rows must be in [0, 2^31), got %lld", op, (long long)N);
+  if (row_bytes < 0)
+    return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: row_bytes must be >= 0, got %lld", op, (long long)row_bytes);
+  if (index_dtype != MOE_RT_INT32 && index_dtype != MOE_RT_INT64)
+    return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: index_dtype: expected int32 or int64 (split_sizes and "
+                    "sorted_indices alike), got %s (%d)", op, mrt_dtype_name(index_dtype), index_dtype);
+  if ((st = moe_rt_sort_chunks_workspace_size(S, &need))) return st;
+  if (workspace_bytes < need)
+    return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: workspace_bytes: need %zu "
+                    "(moe_rt_sort_chunks_workspace_size), got %zu", op, need, workspace_bytes);
+  if ((probs == NULL) != (probs_out == NULL))
+    return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: probs and probs_out: pass both or neither", op);
+  if ((st = mrt_check_ptr(op, "x", x)) || (st = mrt_check_ptr(op, "out", out)) ||
+      (st = mrt_check_ptr(op, "workspace", workspace)) ||
+      (S > 0 && ((st = mrt_check_ptr(op, "split_sizes", split_sizes)) ||
+                 (st = mrt_check_ptr(op, "sorted_indices", sorted_indices)))))
+    return st;
+  mrt_plan p;
+  memset(&p, 0, sizeof p);
+  if (N == 0) {
+    if (mrt_is_planning(ctx)) mrt_record(ctx, &p);
+    return MOE_RT_SUCCESS;
+  }
+  int u = 16;
+  if (row_bytes) {
+    static const int units[5] = {16, 8, 4, 2, 1};
+    for (int i = 0; i < 5; ++i) {
+      u = units[i];
+      if (row_bytes % u == 0 && (uintptr_t)x % (uintptr_t)u == 0 && (uintptr_t)out % (uintptr_t)u == 0) break;
+    }
+  }
+  const int64_t row_units = row_bytes / u;
+  chunks_key key = {9, u, backward != 0, index_dtype};
+  if (!mrt_plan_lookup(ctx, &key, sizeof key, &p)) {
+    p.num_launches = 2;
+    int regs = 0;
+    snprintf(p.launch[0].name, sizeof p.launch[0].name, "chunk_offsets<%s>",
+             index_dtype == MOE_RT_INT32 ? "int" : "long long");
+    snprintf(p.launch[1].name, sizeof p.launch[1].name, "chunk_sort_rows<%s, %s>", unit_type(u),
+             backward ? "true" : "false");
+    if ((st = mrt_kernel(ctx, &p.launch[0], FILE_PERM, &regs)) || (st = mrt_kernel(ctx, &p.launch[1], FILE_PERM, &regs)))
+      return st;
+    p.launch[0].block = 1024;
+    mrt_plan_put(ctx, &key, sizeof key, &p);
+  }
+  p.launch[0].grid = S > 0;
+  p.launch[1].grid = N;
+  p.launch[1].block = (int32_t)mrt_min(256, mrt_max(32, mrt_cdiv(row_units, 32) * 32));
+  if (mrt_is_planning(ctx)) {
+    mrt_record(ctx, &p);
+    return MOE_RT_SUCCESS;
+  }
+  int32_t* in_start = workspace;
+  int32_t* out_start = in_start + S + 1;
+  if (S > 0) {
+    mrt_args a = {0};
+    mrt_arg_ptr(&a, split_sizes);
+    mrt_arg_ptr(&a, sorted_indices);
+    mrt_arg_i32(&a, (int32_t)S);
+    mrt_arg_ptr(&a, in_start);
+    mrt_arg_ptr(&a, out_start);
+    if ((st = mrt_launch_one(ctx, &p.launch[0], &a, stream))) return st;
+  } else if ((st = mrt_memset0(ctx, in_start, sizeof(int32_t), stream))) {
+    return st;
+  }
+  mrt_args b = {0};
+  mrt_arg_ptr(&b, x);
+  mrt_arg_ptr(&b, out);
+  mrt_arg_ptr(&b, in_start);
+  mrt_arg_ptr(&b, out_start);
+  mrt_arg_i32(&b, (int32_t)S);
+  mrt_arg_i64(&b, N);
+  mrt_arg_i64(&b, row_units);
+  mrt_arg_ptr(&b, probs);
+  mrt_arg_ptr(&b, probs_out);
+  return mrt_launch_one(ctx, &p.launch[1], &b, stream);
+}

@@ -696,6 +696,59 @@ EXPORT XLA_FFI_Error* moe_rt_xla_combine_backward(XLA_FFI_CallFrame* f) {
   return NULL;
 }
 
+/* ---- sort_chunks ---------------------------------------------------------------------------------- */
+
+/* Bytes of one element of an XLA type (0 for types without a fixed size). */
+static int64_t xla_size(XLA_FFI_DataType t) {
+  switch (t) {
+    case XLA_FFI_DataType_PRED: case XLA_FFI_DataType_S8: case XLA_FFI_DataType_U8:
+    case XLA_FFI_DataType_F8E4M3FN: case XLA_FFI_DataType_F8E5M2: return 1;
+    case XLA_FFI_DataType_S16: case XLA_FFI_DataType_U16: case XLA_FFI_DataType_F16: case XLA_FFI_DataType_BF16:
+      return 2;
+    case XLA_FFI_DataType_S32: case XLA_FFI_DataType_U32: case XLA_FFI_DataType_F32: return 4;
+    case XLA_FFI_DataType_S64: case XLA_FFI_DataType_U64: case XLA_FFI_DataType_F64: return 8;
+    default: return 0;
+  }
+}
+
+/* args: x [N, ...] (any type of fixed size: rows moved as bytes), split_sizes [S], sorted_indices [S] (both
+ * int32 or both int64), then probs [N] float32 when present; rets: out (x's shape and type), probs_out [N]
+ * float32 ([0] without probs), the workspace (uint8, moe_rt_sort_chunks_workspace_size(S) bytes). attrs:
+ * backward. */
+EXPORT XLA_FFI_Error* moe_rt_xla_sort_chunks(XLA_FFI_CallFrame* f) {
+  BEGIN("moe_rt_xla_sort_chunks");
+  int backward;
+  TRY(attr_int(&fr, "backward", &backward));
+  const int has_probs = fr.f->args.size == 4;
+  TRY(counts(&fr, has_probs ? 4 : 3, 3));
+  buf x, split, order, probs = {0}, out, pout, ws;
+  TRY(arg(&fr, 0, -1, &x));
+  TRY(arg(&fr, 1, 1, &split));
+  TRY(arg(&fr, 2, 1, &order));
+  if (has_probs) {
+    TRY(arg(&fr, 3, 1, &probs));
+    TRY(want_dtype(&fr, &probs, "probs", MOE_RT_FLOAT32));
+  }
+  TRY(ret(&fr, 0, (int)x.rank, &out));
+  TRY(ret(&fr, 1, 1, &pout));
+  TRY(ret(&fr, 2, 1, &ws));
+  TRY(want_dtype(&fr, &order, "sorted_indices", split.dtype));
+  const XLA_FFI_Buffer* xb = (const XLA_FFI_Buffer*)fr.f->args.args[0];
+  const int64_t isz = xla_size(xb->dtype);
+  if (x.rank < 1 || isz == 0)
+    return fail(&fr, XLA_FFI_Error_Code_INVALID_ARGUMENT, "x: expected at least 1 dimension and a type of fixed "
+                "size, got rank %lld, XLA type %d", (long long)x.rank, (int)xb->dtype);
+  int64_t row_bytes = isz;
+  for (int64_t i = 1; i < x.rank; ++i) row_bytes *= x.dims[i];
+  moe_rt_context* ctx;
+  moe_rt_stream stream;
+  TRY(device(&fr, &ctx, &stream));
+  CORE(moe_rt_sort_chunks(ctx, x.data, x.dims[0], row_bytes, split.data, order.data, split.dtype, split.dims[0],
+                          has_probs ? probs.data : NULL, out.data, has_probs ? pout.data : NULL, backward, ws.data,
+                          (size_t)ws.dims[0], stream));
+  return NULL;
+}
+
 /* ---- FP8 block casts ------------------------------------------------------------------------------ */
 
 /* args: x [T, H] (float); rets: x_fp8 [T, H] float8_e4m3fn, scales [T, ceil(H/block)] float32. attrs: block. */

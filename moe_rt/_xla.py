@@ -28,7 +28,7 @@ XLA_LIB = "libmoe_rt_xla.so"
 TARGET_PREFIX = "moe_rt_"
 HANDLERS = ("topk_with_score", "topk_with_score_backward", "scores_for_aux_loss", "scores_for_aux_loss_backward",
             "aux_loss", "aux_loss_backward", "make_plan", "dispatch", "dispatch_backward", "combine",
-            "combine_backward", "quantize_fp8", "dequantize_fp8", "noop")  # noop: a custom call that does nothing (the benchmark's floor)
+            "combine_backward", "sort_chunks", "quantize_fp8", "dequantize_fp8", "noop")  # noop: a custom call that does nothing (the benchmark's floor)
 SCORE_CODES = {"sigmoid": 0, "softmax": 1, "sqrtsoftplus": 2}
 # moe_rt_dtype codes (include/moe_rt/moe_rt.h)
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2, "int32": 3, "int64": 4, "bool": 5, "uint8": 6, "int8": 7,
@@ -87,6 +87,7 @@ def core() -> ctypes.CDLL:
             lib.moe_rt_make_plan_workspace_size.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
                                                             ctypes.POINTER(ctypes.c_size_t)]
             lib.moe_rt_aux_loss_workspace_size.argtypes = [ctypes.c_int64, ctypes.POINTER(ctypes.c_size_t)]
+            lib.moe_rt_sort_chunks_workspace_size.argtypes = [ctypes.c_int64, ctypes.POINTER(ctypes.c_size_t)]
             _core = lib
         return _core
 
@@ -108,6 +109,14 @@ def aux_loss_workspace_bytes(num_rows: int) -> int:
     """Device workspace of the C aux_loss, bytes."""
     n = ctypes.c_size_t()
     _check(core().moe_rt_aux_loss_workspace_size(num_rows, ctypes.byref(n)), "moe_rt_aux_loss_workspace_size")
+    return int(n.value)
+
+
+def sort_chunks_workspace_bytes(num_chunks: int) -> int:
+    """Device workspace of the C sort_chunks, bytes."""
+    n = ctypes.c_size_t()
+    _check(core().moe_rt_sort_chunks_workspace_size(num_chunks, ctypes.byref(n)),
+           "moe_rt_sort_chunks_workspace_size")
     return int(n.value)
 
 
@@ -145,6 +154,13 @@ def planned_kernels(op: str, cc: tuple[int, int], **kw) -> list[tuple[str, str]]
             st = lib.moe_rt_scores_for_aux_loss_backward(ctx, _ptr(0), _ptr(1), i64(kw["T"]), c_int(kw["E"]),
                                                          c_int(kw["topk"]), c_int(kw["score_function"]), _ptr(2),
                                                          c_int(kw["dtype"]), None)
+        elif op == "sort_chunks":
+            ws = sort_chunks_workspace_bytes(kw["S"])
+            probs = kw["has_probs"]
+            st = lib.moe_rt_sort_chunks(ctx, _ptr(0), i64(kw["N"]), i64(kw["row_bytes"]), _ptr(1), _ptr(2),
+                                        c_int(kw["index_dtype"]), i64(kw["S"]), _ptr(3) if probs else None, _ptr(4),
+                                        _ptr(5) if probs else None, c_int(kw["backward"]), _ptr(6),
+                                        ctypes.c_size_t(ws), None)
         elif op == "quantize_fp8":
             st = lib.moe_rt_quantize_fp8(ctx, _ptr(0), c_int(kw["dtype"]), i64(kw["T"]), i64(kw["H"]),
                                          c_int(kw["block"]), _ptr(1), _ptr(2), None)

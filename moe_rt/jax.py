@@ -831,7 +831,18 @@ def _sort_chunks_run(x, s, o, probs, bwd):
             return [f(xv, sv, ov), None]
         return list(f(xv, sv, ov, **({"grad_probs": pv} if bwd else {"probs": pv})))
 
-    out, po = _run(fn, specs, x, s, o, probs)
+    def on_cuda(xv, sv, ov, pv):
+        if sv.dtype != ov.dtype:
+            sv, ov = sv.astype(jnp.int32), ov.astype(jnp.int32)
+        S = int(sv.shape[0])
+        row_bytes = int(np.prod(xv.shape[1:], dtype=np.int64)) * jnp.dtype(xv.dtype).itemsize
+        _xla.prepare("sort_chunks", N=int(xv.shape[0]), row_bytes=row_bytes, S=S, index_dtype=_dtype_code(sv.dtype),
+                     backward=int(bwd), has_probs=pv is not None)
+        ws = _spec((_xla.sort_chunks_workspace_bytes(S),), np.uint8)
+        extra = () if pv is None else (pv.astype(jnp.float32),)
+        return _ffi("sort_chunks", specs + [ws], xv, sv, ov, *extra, backward=np.int32(bwd))[:2]
+
+    out, po = _on_platform((x, s, o, probs), on_cuda, lambda *a: _run(fn, specs, *a), specs)
     return out, (po if probs is not None else None)
 
 
@@ -860,6 +871,9 @@ def sort_chunks(x, split_sizes, sorted_indices, probs=None):
     traced or not; lists and NumPy arrays are validated at trace time). Returns ``out`` or, with
     ``probs [N]``, ``(out, probs_out [N] fp32)``; gradients flow to ``x`` and ``probs``."""
     x = jnp.asarray(x)
+    if x.ndim < 1:
+        raise ValueError(f"x: expected at least 1 dimension, got shape {tuple(x.shape)}")
+    _arrays.check_dtype(x, "x", _perm.CHUNK_DTYPES)
     host = [a for a in (split_sizes, sorted_indices) if not isinstance(a, (jax.Array, jax.core.Tracer))]
     if len(host) == 2:
         _perm._chunk_args(split_sizes, sorted_indices, int(x.shape[0]) if x.ndim else 0)

@@ -986,6 +986,9 @@ def _chunk_args(split_sizes, sorted_indices, n_rows):
     return s, o
 
 
+CHUNK_DTYPES = _TOKEN_DTYPES + _BYTE_DTYPES + (np.dtype(np.float64),) + _arrays.INDEX_DTYPES  # sort_chunks' rows
+
+
 def _sort_chunks(x, split_sizes, sorted_indices, probs, stream, bwd):
     xname, pname = ("grad_out", "grad_probs") if bwd else ("x", "probs")
     if x is None:
@@ -1001,8 +1004,7 @@ def _sort_chunks(x, split_sizes, sorted_indices, probs, stream, bwd):
         xv = call[xname]
         if xv.ndim < 1:
             raise ValueError(f"{xname}: expected at least 1 dimension, got shape {tuple(xv.shape)}")
-        _arrays.check_dtype(xv, xname, _TOKEN_DTYPES + _BYTE_DTYPES + (np.dtype(np.float64),)
-                            + _arrays.INDEX_DTYPES)
+        _arrays.check_dtype(xv, xname, CHUNK_DTYPES)
         N = int(xv.shape[0])
         pv = call[pname]
         if pv is not None:

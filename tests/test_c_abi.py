@@ -78,6 +78,8 @@ SIGNATURES = {
     "moe_rt_combine": (I, [P, C.POINTER(CPlan), P, I, L, P, P, P]),
     "moe_rt_dispatch_backward": (I, [P, C.POINTER(CPlan), P, I, L, P, P, P, P]),
     "moe_rt_combine_backward": (I, [P, C.POINTER(CPlan), P, I, L, P, P, P, P, P]),
+    "moe_rt_sort_chunks_workspace_size": (I, [L, C.POINTER(S)]),
+    "moe_rt_sort_chunks": (I, [P, P, L, L, P, P, I, L, P, P, P, I, P, S, P]),
     "moe_rt_quantize_fp8": (I, [P, P, I, L, L, I, P, P, P]),
     "moe_rt_dequantize_fp8": (I, [P, P, P, L, L, I, P, I, P]),
 }
@@ -543,6 +545,74 @@ def _shaped(a, *shape):
     a.shape = shape
     a.size = int(np.prod(shape))
     return a
+
+
+# ---- sort_chunks -------------------------------------------------------------------------------------------------
+
+# (N rows, row shape, dtype, S chunks): TE's sort_chunks_by_index shapes (EP: chunks = ranks x local experts),
+# odd row sizes reaching every copy unit, FP8 rows, no chunks, no rows
+CHUNK_CASES = [(8192, (7168,), "bfloat16", 64), (4096, (4096,), "float32", 256), (37, (33,), "float16", 5),
+               (37, (3, 5), "float32", 7), (19, (7,), "uint8", 3), (19, (6,), "int16", 4), (11, (1,), "int8", 2),
+               (64, (129,), "float8_e4m3fn", 8), (5, (), "float64", 2), (9, (4,), "int64", 0), (0, (16,), "float32", 3),
+               (3, (0,), "float32", 2)]
+
+
+@pytest.mark.parametrize("case", CHUNK_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_sort_chunks_plan_equals_python(lib, pyside, ctx, case):
+    _, launches = pyside
+    N, row, dt, S_ = case
+    dtype = np.dtype(router._arrays.FLOAT8_E4M3 if dt == "float8_e4m3fn" else dt)
+    row_bytes = int(np.prod(row, dtype=np.int64)) * dtype.itemsize
+    ws = S()
+    _ok(lib, lib.moe_rt_sort_chunks_workspace_size(S_, C.byref(ws)))
+    assert ws.value == 4 * (2 * S_ + 1)
+    for idt, code in (("int32", I32), ("int64", I64)):
+        for xoff, ooff in ((0, 0), (4, 0), (0, 2), (8, 8), (1, 0)):
+            for probs in (False, True):
+                for bwd in (False, True):
+                    launches.clear()
+                    call = types.SimpleNamespace(device_id=0, stream=None, xp=np,
+                                                 empty=lambda shape, dtype: _shaped(_Arr(dtype, BASE + ooff), *shape))
+                    xv = _shaped(_Arr(dtype, BASE + xoff), N, *row)
+                    pv = np.zeros(N, np.float32) if probs else None
+                    permutation._sort_chunks_cuda(call, xv, np.zeros(S_, idt), np.zeros(S_, idt), pv, bwd)
+                    _ok(lib, lib.moe_rt_sort_chunks(ctx, BASE + xoff, N, row_bytes, BASE, BASE, code, S_,
+                                                    BASE if probs else None, BASE + ooff, BASE if probs else None,
+                                                    int(bwd), BASE, ws.value, None))
+                    assert _launches(lib, ctx) == launches, (idt, xoff, ooff, probs, bwd)
+
+
+def test_bad_sort_chunks_input(lib, ctx):
+    ws = S()
+    _ok(lib, lib.moe_rt_sort_chunks_workspace_size(4, C.byref(ws)))
+    _err(lib, lib.moe_rt_sort_chunks_workspace_size(-1, C.byref(ws)), INVALID, "num_chunks")
+    _err(lib, lib.moe_rt_sort_chunks_workspace_size(4, None), INVALID, "bytes")
+
+    def sc(**kw):
+        a = dict(x=BASE, N=10, rb=16, s=BASE, o=BASE, idt=I32, S=4, p=None, out=BASE, po=None, bwd=0, ws=BASE,
+                 wsb=ws.value)
+        a.update(kw)
+        return lib.moe_rt_sort_chunks(ctx, a["x"], a["N"], a["rb"], a["s"], a["o"], a["idt"], a["S"], a["p"], a["out"],
+                                      a["po"], a["bwd"], a["ws"], a["wsb"], None)
+
+    _ok(lib, sc())
+    _ok(lib, sc(p=BASE, po=BASE, bwd=1, idt=I64))
+    _ok(lib, sc(S=0, s=None, o=None))
+    _err(lib, lib.moe_rt_sort_chunks(None, BASE, 10, 16, BASE, BASE, I32, 4, None, BASE, None, 0, BASE, ws.value,
+                                     None), INVALID, "ctx is NULL")
+    _err(lib, sc(x=None), INVALID, "x is NULL")
+    _err(lib, sc(out=None), INVALID, "out is NULL")
+    _err(lib, sc(ws=None), INVALID, "workspace is NULL")
+    _err(lib, sc(s=None), INVALID, "split_sizes is NULL")
+    _err(lib, sc(o=None), INVALID, "sorted_indices is NULL")
+    _err(lib, sc(p=BASE), INVALID, "probs and probs_out")
+    _err(lib, sc(po=BASE), INVALID, "probs and probs_out")
+    _err(lib, sc(idt=F32), INVALID, "index_dtype", "float32")
+    _err(lib, sc(N=-1), INVALID, "num_rows")
+    _err(lib, sc(N=2**31), INVALID, "num_rows")
+    _err(lib, sc(rb=-1), INVALID, "row_bytes")
+    _err(lib, sc(S=-1), INVALID, "num_chunks")
+    _err(lib, sc(wsb=ws.value - 1), INVALID, "workspace_bytes")
 
 
 # ---- FP8 block casts -------------------------------------------------------------------------------------------

@@ -451,6 +451,27 @@ def test_fp8_casts_lower_to_custom_calls():
         ("fp8.cu", "dequantize_fp8<float, true>")]
 
 
+def test_sort_chunks_lowers_to_custom_calls():
+    def f(x, p, split, order):
+        out, po = mj.sort_chunks(x, split, order, probs=p)
+        return (out.astype(jnp.float32) ** 2).sum() + (po ** 2).sum() + mj.sort_chunks(x[:, :3], [T], [0]).sum()
+
+    args = (jnp.zeros((T, H), jnp.bfloat16), jnp.zeros((T,), jnp.bfloat16), jnp.asarray([5, 7, 11], jnp.int32),
+            jnp.asarray([2, 0, 1], jnp.int32))
+    text = jax.jit(jax.value_and_grad(f, argnums=(0, 1))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "xla_buffer_python_gpu_callback" not in text
+    calls = _custom_calls(text)["moe_rt_sort_chunks"]
+    assert sorted((a["backward"], n) for a, n, _ in calls) == [("0 : i32", 3), ("0 : i32", 4), ("1 : i32", 3),
+                                                               ("1 : i32", 4)]
+    ws = _xla.sort_chunks_workspace_bytes(3)
+    assert any(f"tensor<{ws}xui8>" in r and f"tensor<{T}x{H}xbf16>" in r for _, _, r in calls)
+    assert _xla.planned_kernels("sort_chunks", (9, 0), N=T, row_bytes=6, S=3, index_dtype=3, backward=1,
+                                has_probs=True) == [("permutation.cu", "chunk_offsets<int>"),
+                                                    ("permutation.cu", "chunk_sort_rows<unsigned short, true>")]
+    with pytest.raises(TypeError, match="x: dtype must be one of"):
+        jax.jit(lambda x: mj.sort_chunks(x, [T], [0])).trace(jnp.zeros((T, 2), jnp.bool_))
+
+
 def test_bad_input_raises_when_traced_as_before():
     lg, x, bias = _inputs()
     with pytest.raises(ValueError, match="topk"):
@@ -664,6 +685,48 @@ def test_fp8_ffi_matches_reference_and_direct_path(dtype, T, H, block, rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype,row", [("bfloat16", (136,)), ("float32", (3, 5)), ("float8_e4m3fn", (129,)),
+                                       ("int64", ())])
+@pytest.mark.parametrize("traced", [False, True])
+def test_sort_chunks_ffi_matches_reference_and_direct_path(dtype, row, traced, rng):
+    import moe_rt
+
+    N, S = 517, 12
+    split = rng.multinomial(N - 20, np.ones(S) / S).astype(np.int32)  # 20 rows past the chunks stay put
+    order = rng.permutation(S).astype(np.int32)
+    raw = rng.standard_normal((N,) + row) * 100
+    x = jnp.asarray(raw).astype(jnp.dtype(dtype))
+    p = jnp.asarray(rng.random(N), jnp.bfloat16)
+    gy = jnp.asarray(rng.standard_normal((N,) + row), jnp.float32)
+    sv, ov = (jnp.asarray(split, jnp.int64 if jax.config.jax_enable_x64 else jnp.int32), jnp.asarray(order)) \
+        if traced else (split, order)
+
+    def f(x, p, sv, ov):
+        return mj.sort_chunks(x, sv, ov, probs=p)
+
+    def loss(xf, p, sv, ov):
+        out, po = f(xf, p, sv, ov)
+        return (out * gy).sum() + (po.astype(jnp.float32) ** 2).sum()
+
+    out, po = jax.jit(f)(x, p, sv, ov)
+    d_out, d_po = moe_rt.sort_chunks(x, split, order, probs=p)  # the direct path: the same bits
+    assert _bits(out) == _bits(d_out) and _bits(po) == _bits(d_po)
+    ref, rp = moe_rt.sort_chunks(np.asarray(x), split, order, probs=np.asarray(p, np.float32))
+    assert _bits(out) == _bits(ref) and _bits(po) == _bits(rp)
+    if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != jnp.float8_e4m3fn:
+        xf = x.astype(jnp.float32)
+        gx, gp = jax.jit(jax.grad(loss, argnums=(0, 1)))(xf, p, sv, ov)
+        gx2, gp2 = jax.jit(jax.grad(jax.checkpoint(loss), argnums=(0, 1)))(xf, p, sv, ov)
+        assert _bits(gx) == _bits(gx2) and _bits(gp) == _bits(gp2)
+        want, wp = moe_rt.sort_chunks_backward(np.asarray(gy), split, order,
+                                               grad_probs=2 * np.asarray(rp, np.float32))
+        assert _bits(gx) == _bits(want)
+        np.testing.assert_allclose(np.asarray(gp, np.float32), wp, rtol=1e-2, atol=1e-2)
+    got = jax.jit(jax.vmap(lambda a: mj.sort_chunks(a, sv, ov)))(jnp.stack([x, x[::-1]]))
+    assert _bits(got[0]) == _bits(out) and _bits(got[1]) == _bits(moe_rt.sort_chunks(x[::-1], split, order))
+
+
+@pytest.mark.gpu
 def test_router_forms_under_vmap_equal_a_loop_on_gpu(rng):
     T, E, K = 129, 24, 4
     logits = jnp.stack([_router_case(rng, T, E, jnp.bfloat16)[0] for _ in range(3)])
@@ -788,8 +851,9 @@ _COMMAND_BUFFER_SCRIPT = textwrap.dedent("""
         scores, _ = mj.scores_for_aux_loss(logits, K, "softmax", routing_map_format="bitmap_u8")
         aux = mj.aux_loss(scores, plan.tokens_per_expert, jnp.asarray(T, jnp.int32), E, K, 0.01)
         xq = mj.dequantize_fp8(*mj.quantize_fp8(jax.lax.stop_gradient(x)), jnp.float32)
+        xs = mj.sort_chunks(y, jnp.asarray([100, 17, 300], jnp.int32), jnp.asarray([2, 0, 1], jnp.int32))
         return ((y.astype(jnp.float32) * gy).sum() + (pp ** 2).sum() + aux + (p_bits * gy[:, :E]).sum()
-                + (p_idx * gy[:, E:2 * E]).sum() + (xq * gy).sum())
+                + (p_idx * gy[:, E:2 * E]).sum() + (xq * gy).sum() + (xs.astype(jnp.float32) * gy).sum())
 
     args = (jnp.asarray(rng.permutation(T * E).reshape(T, E) / (T * E), jnp.float32),
             jnp.asarray(rng.standard_normal((T, H)), jnp.bfloat16),

@@ -274,6 +274,17 @@ moe_rt_status moe_rt_combine_backward(moe_rt_context* ctx, const moe_rt_plan* pl
                                       int64_t hidden, const void* y_permuted, const float* probs,
                                       void* grad_y_permuted, float* grad_probs, moe_rt_stream stream);
 
+/* sort_chunks: the rows of x [N, row_bytes bytes] form chunks of sizes split_sizes [S] put in the order
+ * sorted_indices [S] (a permutation of 0..S-1; both int32 or both int64, index_dtype; device arrays, not
+ * checked); rows past the chunks stay in place. backward != 0: the inverse (the VJP). probs NULL or [N]
+ * float32 -> probs_out [N] float32 moved alike. Needs `workspace` of moe_rt_sort_chunks_workspace_size(S)
+ * bytes (device memory, used on `stream` only). */
+moe_rt_status moe_rt_sort_chunks_workspace_size(int64_t num_chunks, size_t* bytes);
+moe_rt_status moe_rt_sort_chunks(moe_rt_context* ctx, const void* x, int64_t num_rows, int64_t row_bytes,
+                                 const void* split_sizes, const void* sorted_indices, int index_dtype,
+                                 int64_t num_chunks, const float* probs, void* out, float* probs_out, int backward,
+                                 void* workspace, size_t workspace_bytes, moe_rt_stream stream);
+
 /* ---- FP8 block casts (moe_rt.fp8) ------------------------------------------------------------------
  * One float32 scale per `block` channels of each token (1 <= block <= 65536; a row whose H is not a
  * multiple ends with a shorter block; H + block < 2^31). x [T, H] `dtype` (float32/16, bfloat16) ->
