@@ -496,6 +496,7 @@ def function(file: str, name: str) -> Kernel:
 TIERED = os.environ.get("MOE_RT_TIERED", "1") != "0"
 _background: dict = {}  # (file, name, arch) -> its compiling thread
 _compiled: dict = {}  # (file, name, arch) -> (image, lowered): compiled in the background, not yet loaded
+provisional_calls = 0  # launches of quick kernels so far (tools/bench_compile.py reports them)
 
 
 def _device_id() -> int:
@@ -516,6 +517,7 @@ def function_tiered(file: str, name: str, quick: str | None) -> tuple[Kernel, bo
     """``(kernel, final)``: :func:`function` of ``name`` when it is loaded or in the cache (or ``quick`` is
     None); otherwise the registered ``quick`` kernel, which the caller has chosen to compute the same bits
     as ``name`` for this call, with ``final`` False, and ``name`` compiling in the background."""
+    global provisional_calls
     dev = _device_id()
     fn = _functions.get((file, name, dev))
     if fn is not None:
@@ -531,6 +533,7 @@ def function_tiered(file: str, name: str, quick: str | None) -> tuple[Kernel, bo
                                                      name=f"moe_rt compile {name}")
             th.start()
     if th is not None and th.is_alive():
+        provisional_calls += 1
         return function(file, quick), False
     return function(file, name), True
 

@@ -1,20 +1,19 @@
 """JAX adapters: moe_rt ops as ``jax.custom_vjp`` functions usable inside ``jax.jit`` and under
 ``jax.grad``.
 
-On the GPU, the router top-k (forward and backward, byte-map form), ``make_plan``, ``dispatch`` and
-``combine`` (forward and backward) lower to XLA FFI custom calls: handlers in compiled C
-(csrc/xla_ffi.c, ``libmoe_rt_xla.so``) that run the C core's ops on XLA's stream, with no Python at run time,
-and that XLA may capture in command buffers (CUDA graphs). Their static facts (topk, score function, groups,
-scaling, align size, ...) are the calls' attributes; the kernels they launch are compiled into the kernel
-cache folder and loaded when the op is lowered (:mod:`moe_rt._xla`). The other ops (``scores_for_aux_loss``,
-``aux_loss``, the bit-packed map and dense-index forms of the top-k, ``topk_with_score_qb``,
-``sort_chunks``, the FP8 casts, the EP ops) and every op on the CPU (the NumPy reference) lower to
-``jax.experimental.buffer_callback``: inside a jitted computation the callback receives XLA's buffers and
-stream, views them in place (their ``__cuda_array_interface__``; no copy), runs moe_rt's kernels on that
-stream (or the NumPy reference for CPU buffers), and computes the results straight into XLA's output
-buffers (see ``_run``); a result made elsewhere is copied in. Under ``vmap`` each op runs once per batch
-element, in order (a loop, not a batched kernel): every op is already batched over tokens, so folding a
-batch of token sets into the token dimension is the fast path where the math allows it.
+On the GPU, the single-GPU ops (the router top-k in every routing form, ``scores_for_aux_loss``,
+``aux_loss``, ``make_plan``, ``dispatch``, ``combine``, ``sort_chunks``, the FP8 casts; forward and
+backward) lower to XLA FFI custom calls: handlers in compiled C (csrc/xla_ffi.c, ``libmoe_rt_xla.so``) that
+run the C core's ops on XLA's stream, with no Python at run time, and that XLA may capture in command
+buffers (CUDA graphs). Their static facts (topk, score function, groups, scaling, align size, ...) are the
+calls' attributes; the kernels they launch are compiled into the kernel cache folder and loaded when the op
+is lowered (:mod:`moe_rt._xla`). The Quantile Balancing forward and the EP ops on the GPU, and every op on
+the CPU (the NumPy reference), lower to ``jax.experimental.buffer_callback``: inside a jitted computation
+the callback receives XLA's buffers and stream, views them in place (their ``__cuda_array_interface__``; no
+copy), runs moe_rt's kernels on that stream (or the NumPy reference for CPU buffers) and puts the results
+into XLA's output buffers (see ``_run``). Under ``vmap`` each op runs once per batch element, in order (a
+loop, not a batched kernel): every op is already batched over tokens, so folding a batch of token sets into
+the token dimension is the fast path where the math allows it.
 
 Dispatch plans travel as :class:`JaxPlan`, a pytree of int32 arrays with the static sizes as metadata, so a
 plan can be passed through ``jit``, ``grad``, ``checkpoint`` and ``custom_vjp`` residuals.
@@ -187,9 +186,8 @@ def _spec(shape, dtype):
 
 # -- XLA FFI (CUDA) ------------------------------------------------------------------------------------
 #
-# The ops moved to XLA FFI (router top-k forward/backward, make_plan, dispatch and combine with their
-# backwards) lower, for CUDA, to custom calls whose handlers (csrc/xla_ffi.c) run the C core on XLA's stream:
-# no Python at run time, capturable in command buffers. Their static facts are the calls' attributes; the
+# The ops moved to XLA FFI (see the module's docstring) lower, for CUDA, to custom calls whose handlers
+# (csrc/xla_ffi.c) run the C core on XLA's stream: no Python at run time, capturable in command buffers. Their static facts are the calls' attributes; the
 # kernels they launch are made ready when they are traced (moe_rt._xla.prepare). For other platforms (the
 # CPU: the NumPy reference) they lower to the callback path above, chosen per platform by
 # jax.lax.platform_dependent. Under vmap a custom call runs once per batch element, in order, as the

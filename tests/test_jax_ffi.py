@@ -1,6 +1,6 @@
 """moe_rt.jax through XLA FFI: the handler library (csrc/xla_ffi.c -> libmoe_rt_xla.so) builds against
-jaxlib's FFI headers and registers with XLA; the moved ops (router top-k forward/backward, make_plan,
-dispatch and combine with their backwards) lower for CUDA to custom calls carrying their static facts as
+jaxlib's FFI headers and registers with XLA; the moved ops (the router top-k in every routing form, the aux
+scores and loss, make_plan, dispatch, combine, sort_chunks, the FP8 casts; forward and backward) lower for CUDA to custom calls carrying their static facts as
 attributes (checked here by lowering for CUDA on a CPU machine), and for the CPU to the NumPy reference; the
 handlers, called with hand-built call frames, answer XLA's metadata query and fail cleanly with an FFI error
 (no crash) where there is no kernel cache or no GPU. On a GPU: every moved op under jit, grad, vmap and
@@ -87,6 +87,10 @@ static XLA_FFI_Error* ordinal_get(XLA_FFI_DeviceOrdinal_Get_Args* a) { a->device
 
 XLA_FFI_Error* moe_rt_xla_topk_with_score(XLA_FFI_CallFrame*);
 XLA_FFI_Error* moe_rt_xla_make_plan(XLA_FFI_CallFrame*);
+XLA_FFI_Error* moe_rt_xla_scores_for_aux_loss(XLA_FFI_CallFrame*);
+XLA_FFI_Error* moe_rt_xla_aux_loss(XLA_FFI_CallFrame*);
+XLA_FFI_Error* moe_rt_xla_sort_chunks(XLA_FFI_CallFrame*);
+XLA_FFI_Error* moe_rt_xla_quantize_fp8(XLA_FFI_CallFrame*);
 int moe_rt_xla_set_kernel_cache(const char*);
 
 static void report(const char* what, XLA_FFI_Error* e) {
@@ -167,6 +171,10 @@ int main(int argc, char** argv) {
   report("empty kernel cache", moe_rt_xla_topk_with_score(&f));
   if (moe_rt_xla_set_kernel_cache(argv[2])) { printf("set_kernel_cache failed\n"); return 1; }
   report("no driver", moe_rt_xla_topk_with_score(&f));
+  report("scores no driver", moe_rt_xla_scores_for_aux_loss(&f)); /* its attributes are among the top-k's */
+  report("aux missing attribute", moe_rt_xla_aux_loss(&f));
+  report("sort missing attribute", moe_rt_xla_sort_chunks(&f));
+  report("fp8 missing attribute", moe_rt_xla_quantize_fp8(&f));
   f.attrs.size = 5; /* score_function is the last one left: topk is missing */
   report("missing attribute", moe_rt_xla_topk_with_score(&f));
   f.attrs.size = 7;
@@ -210,6 +218,10 @@ def test_handlers_with_hand_built_call_frames(built, tmp_path):
     assert lines["no driver"].startswith("code=14 ")  # UNAVAILABLE
     assert "no CUDA driver: cannot load" in lines["no driver"] and "MOE_RT_ERROR_NO_DRIVER" in lines["no driver"]
     assert "moe_rt_xla_topk_with_score: attribute topk is missing" in lines["missing attribute"]
+    assert lines["scores no driver"].startswith("code=14 ") and "MOE_RT_ERROR_NO_DRIVER" in lines["scores no driver"]
+    assert "moe_rt_xla_aux_loss: attribute num_experts is missing" in lines["aux missing attribute"]
+    assert "moe_rt_xla_sort_chunks: attribute backward is missing" in lines["sort missing attribute"]
+    assert "moe_rt_xla_quantize_fp8: attribute block is missing" in lines["fp8 missing attribute"]
     assert lines["missing argument"].startswith("code=3 ")
     assert "execution stage 1" in lines["prepare stage"]
     assert "this library was built for major" in lines["other major version"]

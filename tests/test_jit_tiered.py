@@ -45,8 +45,10 @@ def tiered(monkeypatch, tmp_path):
 
 def test_the_quick_kernel_stands_in_until_the_kernel_is_compiled(tiered):
     gate, compiled, loaded = tiered
+    n0 = _jit.provisional_calls
     assert _jit.function_tiered("router.cu", "big<float>", "small<float, 0>") == (("kernel", "small<float, 0>", False), False)
     assert _jit.function_tiered("router.cu", "big<float>", "small<float, 3>") == (("kernel", "small<float, 3>", False), False)
+    assert _jit.provisional_calls == n0 + 2
     assert compiled == [("big<float>", " (in the background)")]  # one background compile, said as such
     assert not _jit.settle(timeout=0.05)  # still compiling
     gate.set()
