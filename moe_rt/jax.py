@@ -189,8 +189,8 @@ def _spec(shape, dtype):
 # The ops moved to XLA FFI (see the module's docstring) lower, for CUDA, to custom calls whose handlers
 # (csrc/xla_ffi.c) run the C core on XLA's stream: no Python at run time, capturable in command buffers. Their static facts are the calls' attributes; the
 # kernels they launch are made ready when they are traced (moe_rt._xla.prepare). For other platforms (the
-# CPU: the NumPy reference) they lower to the callback path above, chosen per platform by
-# jax.lax.platform_dependent. Under vmap a custom call runs once per batch element, in order, as the
+# CPU: the NumPy reference) they lower to the callback path above, chosen per platform by the primitive
+# below. Under vmap a custom call runs once per batch element, in order, as the
 # callbacks do.
 
 def _ffi(op, out_specs, *args, **attrs):
