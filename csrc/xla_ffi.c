@@ -373,6 +373,15 @@ EXPORT XLA_FFI_Error* moe_rt_xla_noop(XLA_FFI_CallFrame* f) {
 
 /* ---- router --------------------------------------------------------------------------------------- */
 
+/* T, E of a router array [T, E] (E within the core's bound, so that it fits an int). */
+static XLA_FFI_Error* router_dims(const frame* fr, const buf* b, int64_t* T, int* E) {
+  if (b->dims[1] > MOE_RT_MAX_EXPERTS)
+    return fail(fr, XLA_FFI_Error_Code_INVALID_ARGUMENT, "num_experts %lld is too large", (long long)b->dims[1]);
+  *T = b->dims[0];
+  *E = (int)b->dims[1];
+  return NULL;
+}
+
 /* args: logits [T, E] (float), then expert_bias [E] float32 when has_bias; rets: probs [T, E] (logits'
  * dtype), the routing (its dtype says the form: routing_map [T, E] bool, the bit-packed map [T, ceil(E/8)]
  * uint8, or the indices [T, K] int16/int32/int64), intermediate [T, E] float32. attrs: topk, score_function,
@@ -400,13 +409,13 @@ EXPORT XLA_FFI_Error* moe_rt_xla_topk_with_score(XLA_FFI_CallFrame* f) {
   TRY(ret(&fr, 2, 2, &inter));
   TRY(want_dtype(&fr, &probs, "probs", logits.dtype));
   TRY(want_dtype(&fr, &inter, "intermediate", MOE_RT_FLOAT32));
-  const int64_t T = logits.dims[0], E = logits.dims[1];
-  if (E > MOE_RT_MAX_EXPERTS)
-    return fail(&fr, XLA_FFI_Error_Code_INVALID_ARGUMENT, "num_experts %lld is too large", (long long)E);
+  int64_t T;
+  int E;
+  TRY(router_dims(&fr, &logits, &T, &E));
   moe_rt_context* ctx;
   moe_rt_stream stream;
   TRY(device(&fr, &ctx, &stream));
-  CORE(moe_rt_topk_with_score(ctx, logits.data, logits.dtype, T, (int)E, topk, score, pre, groups, gtopk, scale,
+  CORE(moe_rt_topk_with_score(ctx, logits.data, logits.dtype, T, E, topk, score, pre, groups, gtopk, scale,
                               has_bias ? bias.data : NULL, probs.data, rmap.data, rmap.dtype, inter.data, stream));
   return NULL;
 }
@@ -429,67 +438,55 @@ EXPORT XLA_FFI_Error* moe_rt_xla_topk_with_score_backward(XLA_FFI_CallFrame* f) 
   TRY(ret(&fr, 0, 2, &out));
   TRY(want_dtype(&fr, &inter, "intermediate", MOE_RT_FLOAT32));
   TRY(want_dtype(&fr, &out, "grad_logits", g.dtype));
-  const int64_t T = g.dims[0], E = g.dims[1];
-  if (E > MOE_RT_MAX_EXPERTS)
-    return fail(&fr, XLA_FFI_Error_Code_INVALID_ARGUMENT, "num_experts %lld is too large", (long long)E);
+  int64_t T;
+  int E;
+  TRY(router_dims(&fr, &g, &T, &E));
   moe_rt_context* ctx;
   moe_rt_stream stream;
   TRY(device(&fr, &ctx, &stream));
-  CORE(moe_rt_topk_with_score_backward(ctx, g.data, g.dtype, rmap.data, rmap.dtype, inter.data, T, (int)E, topk,
+  CORE(moe_rt_topk_with_score_backward(ctx, g.data, g.dtype, rmap.data, rmap.dtype, inter.data, T, E, topk,
                                        score, pre, scale, out.data, stream));
   return NULL;
 }
 
-/* args: logits [T, E] (float); rets: scores [T, E] float32, the routing map ([T, E] bool or bit-packed
- * [T, ceil(E/8)] uint8), intermediate [T, E] float32. attrs: topk, score_function. */
-EXPORT XLA_FFI_Error* moe_rt_xla_scores_for_aux_loss(XLA_FFI_CallFrame* f) {
-  BEGIN("moe_rt_xla_scores_for_aux_loss");
+/* forward: args logits [T, E] (float); rets scores [T, E] float32, the routing map ([T, E] bool or bit-packed
+ * [T, ceil(E/8)] uint8), intermediate [T, E] float32. backward: args grad_scores [T, E] float32,
+ * intermediate [T, E] float32; rets grad_logits [T, E] (float, the logits' dtype). attrs: topk,
+ * score_function. */
+static XLA_FFI_Error* aux_scores(XLA_FFI_CallFrame* f, int backward) {
+  BEGIN(backward ? "moe_rt_xla_scores_for_aux_loss_backward" : "moe_rt_xla_scores_for_aux_loss");
   int topk, score;
   TRY(attr_int(&fr, "topk", &topk));
   TRY(attr_int(&fr, "score_function", &score));
-  TRY(counts(&fr, 1, 3));
-  buf logits, scores, rmap, inter;
-  TRY(arg(&fr, 0, 2, &logits));
-  TRY(ret(&fr, 0, 2, &scores));
-  TRY(ret(&fr, 1, 2, &rmap));
-  TRY(ret(&fr, 2, 2, &inter));
-  TRY(want_dtype(&fr, &scores, "scores", MOE_RT_FLOAT32));
+  TRY(counts(&fr, backward ? 2 : 1, backward ? 1 : 3));
+  buf in, inter, out, rmap; /* in: logits or grad_scores; out: scores or grad_logits */
+  TRY(arg(&fr, 0, 2, &in));
+  TRY(backward ? arg(&fr, 1, 2, &inter) : ret(&fr, 2, 2, &inter));
+  TRY(ret(&fr, 0, 2, &out));
+  if (!backward) {
+    TRY(ret(&fr, 1, 2, &rmap));
+    TRY(want_dtype(&fr, &out, "scores", MOE_RT_FLOAT32));
+  } else {
+    TRY(want_dtype(&fr, &in, "grad_scores", MOE_RT_FLOAT32));
+  }
   TRY(want_dtype(&fr, &inter, "intermediate", MOE_RT_FLOAT32));
-  const int64_t T = logits.dims[0], E = logits.dims[1];
-  if (E > MOE_RT_MAX_EXPERTS)
-    return fail(&fr, XLA_FFI_Error_Code_INVALID_ARGUMENT, "num_experts %lld is too large", (long long)E);
+  int64_t T;
+  int E;
+  TRY(router_dims(&fr, &in, &T, &E));
   moe_rt_context* ctx;
   moe_rt_stream stream;
   TRY(device(&fr, &ctx, &stream));
-  CORE(moe_rt_scores_for_aux_loss(ctx, logits.data, logits.dtype, T, (int)E, topk, score, scores.data, rmap.data,
-                                  rmap.dtype, inter.data, stream));
+  if (backward)
+    CORE(moe_rt_scores_for_aux_loss_backward(ctx, in.data, inter.data, T, E, topk, score, out.data, out.dtype,
+                                             stream));
+  else
+    CORE(moe_rt_scores_for_aux_loss(ctx, in.data, in.dtype, T, E, topk, score, out.data, rmap.data, rmap.dtype,
+                                    inter.data, stream));
   return NULL;
 }
 
-/* args: grad_scores [T, E] float32, intermediate [T, E] float32; rets: grad_logits [T, E] (float, its dtype
- * the logits'). attrs: topk, score_function. */
-EXPORT XLA_FFI_Error* moe_rt_xla_scores_for_aux_loss_backward(XLA_FFI_CallFrame* f) {
-  BEGIN("moe_rt_xla_scores_for_aux_loss_backward");
-  int topk, score;
-  TRY(attr_int(&fr, "topk", &topk));
-  TRY(attr_int(&fr, "score_function", &score));
-  TRY(counts(&fr, 2, 1));
-  buf g, inter, out;
-  TRY(arg(&fr, 0, 2, &g));
-  TRY(arg(&fr, 1, 2, &inter));
-  TRY(ret(&fr, 0, 2, &out));
-  TRY(want_dtype(&fr, &g, "grad_scores", MOE_RT_FLOAT32));
-  TRY(want_dtype(&fr, &inter, "intermediate", MOE_RT_FLOAT32));
-  const int64_t T = g.dims[0], E = g.dims[1];
-  if (E > MOE_RT_MAX_EXPERTS)
-    return fail(&fr, XLA_FFI_Error_Code_INVALID_ARGUMENT, "num_experts %lld is too large", (long long)E);
-  moe_rt_context* ctx;
-  moe_rt_stream stream;
-  TRY(device(&fr, &ctx, &stream));
-  CORE(moe_rt_scores_for_aux_loss_backward(ctx, g.data, inter.data, T, (int)E, topk, score, out.data, out.dtype,
-                                           stream));
-  return NULL;
-}
+EXPORT XLA_FFI_Error* moe_rt_xla_scores_for_aux_loss(XLA_FFI_CallFrame* f) { return aux_scores(f, 0); }
+EXPORT XLA_FFI_Error* moe_rt_xla_scores_for_aux_loss_backward(XLA_FFI_CallFrame* f) { return aux_scores(f, 1); }
 
 /* The aux loss's frame: the first argument (probs [R, C] or the loss's gradient, 0-d), tokens_per_expert
  * [C], then total_num_tokens (0-d int32/int64) when read on the device; attrs num_experts, topk, coeff,
@@ -751,40 +748,32 @@ EXPORT XLA_FFI_Error* moe_rt_xla_sort_chunks(XLA_FFI_CallFrame* f) {
 
 /* ---- FP8 block casts ------------------------------------------------------------------------------ */
 
-/* args: x [T, H] (float); rets: x_fp8 [T, H] float8_e4m3fn, scales [T, ceil(H/block)] float32. attrs: block. */
-EXPORT XLA_FFI_Error* moe_rt_xla_quantize_fp8(XLA_FFI_CallFrame* f) {
-  BEGIN("moe_rt_xla_quantize_fp8");
+/* quantize: args x [T, H] (float); rets x_fp8 [T, H] float8_e4m3fn, scales [T, ceil(H/block)] float32.
+ * dequantize: args x_fp8, scales; rets y [T, H] (float). attrs: block. */
+static XLA_FFI_Error* fp8_cast(XLA_FFI_CallFrame* f, int quantize) {
+  BEGIN(quantize ? "moe_rt_xla_quantize_fp8" : "moe_rt_xla_dequantize_fp8");
   int block;
   TRY(attr_int(&fr, "block", &block));
-  TRY(counts(&fr, 1, 2));
-  buf x, q, s;
-  TRY(arg(&fr, 0, 2, &x));
-  TRY(ret(&fr, 0, 2, &q));
-  TRY(ret(&fr, 1, 2, &s));
+  TRY(counts(&fr, quantize ? 1 : 2, quantize ? 2 : 1));
+  buf x, q, s; /* x: the float side (the input, or the result y) */
+  if (quantize) {
+    TRY(arg(&fr, 0, 2, &x));
+    TRY(ret(&fr, 0, 2, &q));
+    TRY(ret(&fr, 1, 2, &s));
+  } else {
+    TRY(arg(&fr, 0, 2, &q));
+    TRY(arg(&fr, 1, 2, &s));
+    TRY(ret(&fr, 0, 2, &x));
+  }
   TRY(want_dtype(&fr, &q, "x_fp8", MOE_RT_FLOAT8_E4M3));
   TRY(want_dtype(&fr, &s, "scales", MOE_RT_FLOAT32));
   moe_rt_context* ctx;
   moe_rt_stream stream;
   TRY(device(&fr, &ctx, &stream));
-  CORE(moe_rt_quantize_fp8(ctx, x.data, x.dtype, x.dims[0], x.dims[1], block, q.data, s.data, stream));
+  if (quantize) CORE(moe_rt_quantize_fp8(ctx, x.data, x.dtype, x.dims[0], x.dims[1], block, q.data, s.data, stream));
+  else CORE(moe_rt_dequantize_fp8(ctx, q.data, s.data, q.dims[0], q.dims[1], block, x.data, x.dtype, stream));
   return NULL;
 }
 
-/* args: x_fp8 [T, H] float8_e4m3fn, scales [T, ceil(H/block)] float32; rets: y [T, H] (float). attrs: block. */
-EXPORT XLA_FFI_Error* moe_rt_xla_dequantize_fp8(XLA_FFI_CallFrame* f) {
-  BEGIN("moe_rt_xla_dequantize_fp8");
-  int block;
-  TRY(attr_int(&fr, "block", &block));
-  TRY(counts(&fr, 2, 1));
-  buf q, s, y;
-  TRY(arg(&fr, 0, 2, &q));
-  TRY(arg(&fr, 1, 2, &s));
-  TRY(ret(&fr, 0, 2, &y));
-  TRY(want_dtype(&fr, &q, "x_fp8", MOE_RT_FLOAT8_E4M3));
-  TRY(want_dtype(&fr, &s, "scales", MOE_RT_FLOAT32));
-  moe_rt_context* ctx;
-  moe_rt_stream stream;
-  TRY(device(&fr, &ctx, &stream));
-  CORE(moe_rt_dequantize_fp8(ctx, q.data, s.data, q.dims[0], q.dims[1], block, y.data, y.dtype, stream));
-  return NULL;
-}
+EXPORT XLA_FFI_Error* moe_rt_xla_quantize_fp8(XLA_FFI_CallFrame* f) { return fp8_cast(f, 1); }
+EXPORT XLA_FFI_Error* moe_rt_xla_dequantize_fp8(XLA_FFI_CallFrame* f) { return fp8_cast(f, 0); }

@@ -535,71 +535,32 @@ def _bits(a):
     return a.dtype, a.shape, a.tobytes()
 
 
-ROUTER_CASES = [
+ROUTER_CASES = [  # the byte map (E = 64), then the other routing forms (odd E: bitmap padding bits)
     dict(score_function="sigmoid", num_groups=8, group_topk=4, scaling_factor=2.5, bias=True),
     dict(score_function="softmax", use_pre_softmax=True),
     dict(score_function="softmax"),
     dict(score_function="sqrtsoftplus", bias=True),
-]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("case", ROUTER_CASES, ids=lambda c: c["score_function"])
-def test_router_ffi_matches_reference_and_direct_path(dtype, case, rng):
-    import moe_rt
-
-    T, E, K = 517, 64, 8
-    case = dict(case)
-    bias_on = case.pop("bias", False)
-    logits, bias = _router_case(rng, T, E, jnp.dtype(dtype))
-    bias = bias if bias_on else None
-    gy = jnp.asarray(rng.standard_normal((T, E)), jnp.dtype(dtype))
-
-    def fwd(l, b):
-        return mj.topk_with_score(l, K, expert_bias=b, **case)
-
-    def loss(l, b):
-        probs, _ = fwd(l, b)
-        return (probs.astype(jnp.float32) * gy.astype(jnp.float32)).sum()
-
-    probs, rmap = jax.jit(fwd)(logits, bias)
-    grad = jax.jit(jax.grad(loss))(logits, bias)
-    # the direct path (moe_rt's op on the same device arrays, kernels through CuPy): the same bits
-    dp, dm, di = moe_rt.topk_with_score(logits, K, expert_bias=bias, **case)
-    assert _bits(probs) == _bits(dp) and _bits(rmap) == _bits(dm)
-    g_direct = moe_rt.topk_with_score_backward(
-        (gy.astype(jnp.float32) * 1).astype(jnp.dtype(dtype)), dm, di, K, score_function=case["score_function"],
-        use_pre_softmax=case.get("use_pre_softmax", False), scaling_factor=case.get("scaling_factor"))
-    assert _bits(grad) == _bits(g_direct)
-    # the NumPy reference (the same function on the CPU)
-    cpu = jax.devices("cpu")[0]
-    with jax.default_device(cpu):
-        lc, bc = jax.device_put(logits, cpu), None if bias is None else jax.device_put(bias, cpu)
-        rp, rm = jax.jit(fwd)(lc, bc)
-    np.testing.assert_array_equal(np.asarray(rmap), np.asarray(rm))
-    tol = 2e-2 if dtype == "bfloat16" else 1e-5
-    np.testing.assert_allclose(np.asarray(probs, np.float32), np.asarray(rp, np.float32), rtol=tol, atol=tol)
-
-
-FORM_CASES = [
-    dict(routing_map_format="bitmap_u8", score_function="sigmoid", num_groups=8, group_topk=4, bias=True, E=64),
+    dict(routing_map_format="bitmap_u8", score_function="sigmoid", num_groups=8, group_topk=4, bias=True),
     dict(routing_map_format="bitmap_u8", score_function="softmax", E=61),
     dict(topk_indices_dtype="int16", score_function="softmax", scaling_factor=1.5, E=61),
-    dict(topk_indices_dtype="int32", score_function="softmax", use_pre_softmax=True, E=64),
+    dict(topk_indices_dtype="int32", score_function="softmax", use_pre_softmax=True),
     dict(topk_indices_dtype="int32", score_function="sqrtsoftplus", bias=True, E=100),
 ]
 
 
+def _router_id(c):
+    form = c.get("topk_indices_dtype") or c.get("routing_map_format", "bytemap")
+    return f"{form}-{c['score_function']}{'-pre' if c.get('use_pre_softmax') else ''}-{c.get('E', 64)}"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("case", FORM_CASES, ids=lambda c: f"{c.get('topk_indices_dtype', 'bitmap')}-"
-                         f"{c['score_function']}-{c['E']}")
-def test_router_forms_ffi_match_reference_and_direct_path(dtype, case, rng):
+@pytest.mark.parametrize("case", ROUTER_CASES, ids=_router_id)
+def test_router_ffi_matches_reference_and_direct_path(dtype, case, rng):
     import moe_rt
 
     case = dict(case)
-    T, K, E = 517, 8, case.pop("E")
+    T, K, E = 517, 8, case.pop("E", 64)
     bias_on = case.pop("bias", False)
     logits, bias = _router_case(rng, T, E, jnp.dtype(dtype))
     bias = bias if bias_on else None
@@ -614,7 +575,7 @@ def test_router_forms_ffi_match_reference_and_direct_path(dtype, case, rng):
     probs, routing = jax.jit(fwd)(logits, bias)
     grad = jax.jit(jax.grad(loss))(logits, bias)
     assert _bits(jax.jit(jax.grad(jax.checkpoint(loss)))(logits, bias)) == _bits(grad)
-    # the direct path (CuPy kernels on the same device arrays): the same bits
+    # the direct path (moe_rt's op on the same device arrays, kernels through CuPy): the same bits
     dp, dr, di = moe_rt.topk_with_score(logits, K, expert_bias=bias, **case)
     assert _bits(probs) == _bits(dp) and _bits(routing) == _bits(dr)
     kw = dict(score_function=case["score_function"], use_pre_softmax=case.get("use_pre_softmax", False),
@@ -622,7 +583,8 @@ def test_router_forms_ffi_match_reference_and_direct_path(dtype, case, rng):
     if "topk_indices_dtype" in case:
         g_direct = moe_rt.topk_with_score_backward(gy, None, di, K, topk_indices=dr, **kw)
     else:
-        g_direct = moe_rt.topk_with_score_backward(gy, dr, di, K, routing_map_format="bitmap_u8", **kw)
+        g_direct = moe_rt.topk_with_score_backward(gy, dr, di, K, routing_map_format=case.get(
+            "routing_map_format", "bytemap"), **kw)
     assert _bits(grad) == _bits(g_direct)
     # the NumPy reference (the same function on the CPU)
     cpu = jax.devices("cpu")[0]
