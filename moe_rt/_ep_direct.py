@@ -26,9 +26,10 @@ Buffers:
   ``[R*P, K]``. Both directions push rows into the reader's stage: dispatch each sent row, combine each
   received row's partial over the local experts, back into its owner's stage;
 - prepare's box (one per top-k, made on the first ``prepare`` with it, a collective): int32, two halves
-  alternating with the barrier epoch, each one segment per destination (counts, then rows), written by this
-  rank's ``ep_prepare_send`` before prepare's barrier and read by the destinations after it
-  (:meth:`DirectTransport.prepare_box`; kernels/ep.cu);
+  alternating with the barrier epoch, each one segment per source (counts, then rows), pushed into it over
+  peer memory by each source's send side before prepare's barrier and read by this rank after it
+  (:meth:`DirectTransport.prepare_box`; kernels/ep.cu: in capacity mode one kernel, ``ep_prepare_direct``,
+  runs the send side, the barrier and the received side);
 - chunk flags: uint32 ``[R*P]`` per rank (flag ``s*P + c``: the epoch in which rank ``s`` finished chunk
   ``c``, ``C`` consecutive positions of its pair with this rank, of its writes into this rank's stages),
   made at group creation.
