@@ -1549,19 +1549,24 @@ class _DevHandle:
 
 def _mixed_transport(monkeypatch, R, local_size, me, P, events):
     """A MixedTransport of rank ``me`` (kernels, NCCL and the IPC-shared stages stood in for)."""
-    from moe_rt import _ep_direct, _ep_mixed, _ep_nccl, _jit, permutation
+    from moe_rt import _ep_direct, _ep_mixed, _ep_nccl, _ep_rows, _jit, permutation
 
     def launch(fn, grid, block, args, *, shared_mem=0, stream=None):
         name = fn.name.split("<")[0]
         assert len(args) == _kernel_params("ep.cu", name), name
         events.append(("launch", name, args))
 
+    def launch_raw(fn, grid, block, args, shared_mem, stream):
+        launch(fn, grid, block, args, shared_mem=shared_mem, stream=stream)
+
     monkeypatch.setattr(_jit, "function", lambda file, name: _Kernel(name))
     monkeypatch.setattr(_jit, "launch", launch)
+    monkeypatch.setattr(_jit, "launch_raw", launch_raw)
     monkeypatch.setattr(_jit, "set_max_dynamic_shared", lambda fn, n: None)
     monkeypatch.setattr(_jit, "device_properties", lambda dev: {"sm_count": 4})
     monkeypatch.setattr(_ep_direct, "_resident_ctas", lambda fn, threads, dev: 8)
     monkeypatch.setattr(_ep_mixed, "_subplan", lambda h, lo, hi: ("rows", lo, hi))
+    monkeypatch.setattr(_ep_rows, "_launches", {})  # set-ups made with the stand-in kernels stay here
 
     def combine(y, plan, w=None, *, stream=None):
         events.append(("combine", plan, None if w is None else w.data.ptr))
@@ -1592,6 +1597,7 @@ def _mixed_transport(monkeypatch, R, local_size, me, P, events):
     d = object.__new__(_ep_direct.DirectTransport)  # what __init__ sets, without the CUDA calls
     d.comm, d.device, d.R, d.me, d.lo, d.hi, d.P = comm, 0, R, me, lo, lo + local_size, P
     d.timeout_ns, d._stages, d._order, d.closed, d._err_ptr = 10**9, {}, [], False, 64
+    d._pairs, d._launches, d._views = {}, {}, {}
     d._wait = d._op_wait = None
     d.state = _Dev(2, np.uint32)
     d.bar = d.flags = type("Sh", (), {"table": _Dev(R, np.int64)})()
