@@ -323,6 +323,7 @@ class EpGroup:
         self._last_stream = None
         self._last_device = self.device  # of the last prepare (a local group has no device of its own)
         self._prep_cfgs = {}  # (T, K, device, id dtype) -> prepare's set-up (_PrepCfg)
+        self._gsync = {}  # device -> grid_sync's words (prepare's send side)
 
     def _choose_transport(self, want):
         """Make the group's transport and return its name (None for one rank, whose CUDA ops run the NCCL
@@ -594,8 +595,8 @@ class EpGroup:
         # kernels' scratch
         w = work.data.ptr
         part = w + 4 * c.box_words
-        if c.gs is None:  # grid_sync's words (kernels/ep.cu): zero when made, back to zero after each barrier
-            c.gs = xp.zeros(2, np.uint32)
+        if c.gs is None:
+            c.gs = self._grid_sync_words(dev, s)
         if c.box is None and self.transport == "direct":
             c.set_box(self._transport, K, s, lambda st_: self._wait(st_, "prepare"))
         if c.direct_args is not None:  # one kernel
@@ -667,6 +668,18 @@ class EpGroup:
                             c.recv_smem, s)
             permutation.plan_kernels(plan, b + o_rl, N, b + o_dr, b + o_ss, b + o_sg, b + o_ec, b + o_tpe, scratch, s)
         return self._handle(buf, lay, sz, dev, host)
+
+    def _grid_sync_words(self, dev, stream):
+        """The address of the two uint32 words of grid_sync (kernels/ep.cu) on device ``dev``: one plain device
+        allocation per group and device (not from a memory pool, which a CUDA-graph user may free while the
+        group lives), zeroed on ``stream`` when made; each grid-wide barrier leaves them ready for the next."""
+        m = self._gsync.get(dev)
+        if m is None:
+            import cupy
+
+            m = self._gsync[dev] = cupy.cuda.Memory(8)
+            cupy.cuda.runtime.memsetAsync(m.ptr, 0, 8, stream.ptr)
+        return m.ptr
 
     def _handle(self, buf, lay, sz, dev, host):
         h = Handle(buf, lay, self.id, self.mode, sz)
@@ -1090,7 +1103,7 @@ class _PrepCfg:
         st = t.prepare_box(K, int(self.half), stream, wait)
         self.box = (t.state.data.ptr, st.table.data.ptr, st.local)
         if self.f_direct is not None:
-            self.direct_args = (self.box[0], self.half, self.box[1], self.err, self.rank_warps, 0, self.gs.data.ptr,
+            self.direct_args = (self.box[0], self.half, self.box[1], self.err, self.rank_warps, 0, self.gs,
                                 t.bar.table.data.ptr, np.int64(t.timeout_ns), t._err_ptr,
                                 np.int32(_ep_direct.OP_CODES["prepare"]), np.int32(self.sz["A"]),
                                 np.int64(self.sz["capacity"]), np.int64(self.rows), np.int64(self.N))

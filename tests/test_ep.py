@@ -1189,6 +1189,8 @@ def _traced_group(R, me, E, Tmax, mode, transport):
     buffers stood in for: _Trace records what prepare issues)."""
     comm = None if R == 1 else _RecComm(me, R)
     g = EpGroup(comm, E, 8, Tmax, mode=mode, transport="nccl")
+    # grid_sync's words: a plain device allocation, zeroed once per group and device
+    g._grid_sync_words = lambda dev, stream: (_Trace.events.append(("memset", 8)), 1 << 36)[1]
     if transport == "direct":
         g.transport, g._transport = "direct", _RecDirect()
     if transport == "mixed":  # prepare's segments through NCCL with every peer, as on the NCCL transport
@@ -1336,7 +1338,7 @@ def test_prepare_capacity_launch_budget(monkeypatch, transport, R, T):
         kernels, groups = _PREPARE_LAUNCH_BUDGET[transport]
         assert len(launches) <= kernels, launches
         assert [e[0] for e in _Trace.events].count("group_start") <= groups
-        assert not [e for e in _Trace.events if e[0] in ("zeros", "all_gather", "ep_direct_barrier")]
+        assert not [e for e in _Trace.events if e[0] in ("memset", "zeros", "all_gather", "ep_direct_barrier")]
         c = next(iter(g._prep_cfgs.values()))
         assert c.B * c.TC >= T and c.B <= ep_mod._PrepCfg.MAX_CHUNKS and c.TC % 32 == 0
         grid = launches[0][1]
