@@ -1184,6 +1184,29 @@ class _RecDirect:
         return None
 
 
+def _stand_in_prepare(monkeypatch, record, sms, resident):
+    """Kernels, devices and the scratch stood in for prepare on the CPU: each launch goes to ``record(name,
+    grid, block)`` after checking that it passes as many arguments as its kernel takes; ``sms`` SMs, ``resident``
+    blocks of any kernel resident at once."""
+    from moe_rt import _arrays, _errors, _jit, permutation
+    from moe_rt import ep as ep_mod
+
+    def launch_raw(fn, grid, block, args, smem, stream):
+        name = (fn if isinstance(fn, str) else fn.name).split("<")[0]  # permutation launches Kernel.kernel
+        record(name, grid, block)
+        assert len(args) == _kernel_params("ep.cu" if name.startswith("ep_") else "permutation.cu", name), name
+
+    monkeypatch.setattr(_jit, "function", lambda file, name: _Kernel(name))
+    monkeypatch.setattr(_jit, "launch_raw", launch_raw)
+    monkeypatch.setattr(_jit, "set_max_dynamic_shared", lambda fn, n: None)
+    monkeypatch.setattr(_jit, "device_properties", lambda dev: {"sm_count": sms})
+    monkeypatch.setattr(_errors, "word", lambda dev: 64)
+    monkeypatch.setattr(_arrays, "contiguous", lambda xp, a: a)
+    monkeypatch.setattr(permutation, "_fns", {})
+    monkeypatch.setattr(permutation, "_plan_cfgs", {})
+    monkeypatch.setattr(ep_mod, "_resident", lambda fn, threads, smem, dev: resident)
+
+
 def _traced_group(R, me, E, Tmax, mode, transport):
     """A group of rank ``me`` of ``R`` on the given transport (kernels, NCCL and the direct transport's shared
     buffers stood in for: _Trace records what prepare issues)."""
@@ -1217,26 +1240,10 @@ def test_prepare_launch_trace(monkeypatch, transport, R, mode, fused):
     and memory stood in for): no all-gather of the routing table, only counts and the sent rows; one kernel
     for the received side (ep_prepare_plan) unless its shared memory would not fit (then ep_prepare_recv and
     the permutation plan's kernels); each launch passes as many arguments as its kernel takes."""
-    from moe_rt import _arrays, _errors, _jit, permutation
     from moe_rt import ep as ep_mod
 
     _Trace.events = []
-
-    def launch_raw(fn, grid, block, args, smem, stream):
-        name = (fn if isinstance(fn, str) else fn.name).split("<")[0]  # permutation launches Kernel.kernel
-        _Trace.events.append((name, grid))
-        file = "ep.cu" if name.startswith("ep_") else "permutation.cu"
-        assert len(args) == _kernel_params(file, name), name
-
-    monkeypatch.setattr(_jit, "function", lambda file, name: _Kernel(name))
-    monkeypatch.setattr(_jit, "launch_raw", launch_raw)
-    monkeypatch.setattr(_jit, "set_max_dynamic_shared", lambda fn, n: None)
-    monkeypatch.setattr(_jit, "device_properties", lambda dev: {"sm_count": 4})
-    monkeypatch.setattr(_errors, "word", lambda dev: 64)
-    monkeypatch.setattr(_arrays, "contiguous", lambda xp, a: a)
-    monkeypatch.setattr(permutation, "_fns", {})
-    monkeypatch.setattr(permutation, "_plan_cfgs", {})
-    monkeypatch.setattr(ep_mod, "_resident", lambda fn, threads, smem, dev: 6)
+    _stand_in_prepare(monkeypatch, lambda name, grid, block: _Trace.events.append((name, grid)), 4, 6)
     if not fused:
         monkeypatch.setattr(ep_mod._PrepCfg, "FUSED_SMEM", 0)
     E, K, Tmax, T, me = 4 * R, 2, 16, 11, R - 1
@@ -1305,27 +1312,13 @@ def test_prepare_capacity_launch_budget(monkeypatch, transport, R, T):
     """A capacity-mode prepare (after its first call, which makes the set-up) issues at most the budgeted
     kernel launches and NCCL groups, no memset and no host read, the same at every R (nothing per peer but
     the NCCL group's send/recv pairs); its send side's grid covers its chunks within one resident wave."""
-    from moe_rt import _arrays, _errors, _jit, permutation
+    from moe_rt import _jit
     from moe_rt import ep as ep_mod
 
     launches = []
-
-    def launch_raw(fn, grid, block, args, smem, stream):
-        name = (fn if isinstance(fn, str) else fn.name).split("<")[0]
-        launches.append((name, grid, block))
-        assert len(args) == _kernel_params("ep.cu" if name.startswith("ep_") else "permutation.cu", name), name
-
-    monkeypatch.setattr(_jit, "function", lambda file, name: _Kernel(name))
-    monkeypatch.setattr(_jit, "launch_raw", launch_raw)
-    monkeypatch.setattr(_jit, "launch", lambda *a, **k: launches.append(("launch",)))
-    monkeypatch.setattr(_jit, "set_max_dynamic_shared", lambda fn, n: None)
-    monkeypatch.setattr(_jit, "device_properties", lambda dev: {"sm_count": 132})
-    monkeypatch.setattr(_errors, "word", lambda dev: 64)
-    monkeypatch.setattr(_arrays, "contiguous", lambda xp, a: a)
-    monkeypatch.setattr(permutation, "_fns", {})
-    monkeypatch.setattr(permutation, "_plan_cfgs", {})
     resident = 2 * 132
-    monkeypatch.setattr(ep_mod, "_resident", lambda fn, threads, smem, dev: resident)
+    _stand_in_prepare(monkeypatch, lambda name, grid, block: launches.append((name, grid, block)), 132, resident)
+    monkeypatch.setattr(_jit, "launch", lambda *a, **k: launches.append(("launch",)))
     E, K, Tmax, me = 256, 8, 4096, R - 1
     g = _traced_group(R, me, E, Tmax, "capacity", transport)
     monkeypatch.setattr(g, "_read_meta", lambda *a: pytest.fail("capacity mode read the device"))
