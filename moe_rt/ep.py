@@ -9,8 +9,9 @@ between ranks), ``topk_idx [T,K]`` (int32/int64, ``-1`` = no expert) and ``topk_
   least one expert there (a token is sent **once** per destination rank, not K times) and gives each
   destination only its counts (tokens, local expert slots, per local expert) and, per token it sends, the
   token id, the local ids of its K experts there (``-1`` for the others) and each slot's rank among its
-  expert's slots: on the direct transport the destinations read these from the sources' memory after one
-  device barrier, on NCCL they travel by grouped send/recv (nothing is all-gathered). The receiver lays
+  expert's slots: on the direct transport the sources push these into the destinations' memory and one
+  device barrier follows (capacity mode: all in one kernel), on NCCL they travel by grouped send/recv
+  (nothing is all-gathered). The receiver lays
   its rows out source-major, token ascending; their local experts ``[rows, K]`` are a routing for the
   permutation plan with ``num_experts = L``, whose expert-major layout (grouped by local expert, ``(src,
   t)`` ascending inside an expert, padding rows zero) one kernel writes from the counts and ranks. The
