@@ -1035,6 +1035,7 @@ class _PrepCfg:
         self.B = max(1, min(self.MAX_CHUNKS, -(-T // self.MIN_CHUNK)), -(-T // self.MAX_CHUNK))
         per = -(-T // self.B)
         self.TC = max(32, -(-per // 32) * 32)
+        self.B = max(1, -(-T // self.TC))  # no chunk left empty by the rounding
         self.part_words = R * self.B * (L + 1)
         cap = -1
         self.plan = None
