@@ -55,7 +55,7 @@ import socket
 import numpy as np
 
 from moe_rt import _jit
-from moe_rt._ep_rows import fill_rows, recv_wk, slot_values
+from moe_rt._ep_rows import bound, fill_rows, recv_wk, slot_values
 from moe_rt.permutation import _resident_ctas, _unit
 
 _FILE = "ep.cu"
@@ -466,6 +466,7 @@ class DirectTransport:
         """ep_direct_barrier on ``stream`` among the ranks of the node (``op`` names the op in a timeout)."""
         c = self._launches.get(op)
         if c is None:  # every argument is fixed per op
+            bound(self._launches)
             c = self._launches[op] = (
                 _jit.function(_FILE, "ep_direct_barrier"), max(32, -(-(self.hi - self.lo) // 32) * 32),
                 (self.bar.table, np.int32(self.R), np.int32(self.me), self.state, np.int64(self.timeout_ns),
@@ -503,6 +504,7 @@ class DirectTransport:
         key = ("dispatch", rb, u, K, P, op, call.device_id)
         c = self._launches.get(key)
         if c is None:  # the kernel, its grid, the stage tables and the arguments after the op's pointers
+            bound(self._launches)
             fn = _jit.function(_FILE, f"ep_direct_dispatch<{_UNITS[u]}, {_PUSH_UNROLL}>")
             C = self.chunk_rows(h)
             c = self._launches[key] = (
@@ -529,6 +531,7 @@ class DirectTransport:
         key = ("combine", y.dtype, vec, K, T, H, op, call.device_id)
         c = self._launches.get(key)
         if c is None:  # the kernel, its grid, the stage tables and the arguments after the op's pointers
+            bound(self._launches)
             L, Tmax, P = sz["L"], sz["Tmax"], sz["P"]
             fn = _jit.function(_FILE, f"ep_direct_combine<{_jit.ctype(y.dtype)}, {'true' if vec else 'false'}>")
             C = self.chunk_rows(h)
@@ -553,6 +556,7 @@ class DirectTransport:
         key = ("copy", rows, row_bytes, u, guarded, call.device_id)
         c = self._launches.get(key)
         if c is None:
+            bound(self._launches)
             units = row_bytes // u
             c = self._launches[key] = (
                 _jit.function(_FILE, f"ep_copy_rows<{_UNITS[u]}>"),

@@ -45,7 +45,7 @@ from __future__ import annotations
 import numpy as np
 
 from moe_rt import _jit, permutation
-from moe_rt._ep_rows import FILE, UNITS, fill_rows, grid, plan_view, recv_wk, routing_view, slot_values, unit
+from moe_rt._ep_rows import FILE, UNITS, bound, fill_rows, grid, plan_view, recv_wk, routing_view, slot_values, unit
 from moe_rt._handle import meta_index
 
 # overlap=None (auto): a call overlaps its transfer with the local work when this rank sends at least this
@@ -189,6 +189,7 @@ class NcclTransport:
         key = ("pack", rb, u, sel, node, P, K, call.device_id)
         c = self._launches.get(key)
         if c is None:
+            bound(self._launches)
             units = rb // u
             lo, hi = (me, me + 1) if node is None else node
             c = self._launches[key] = (
@@ -381,6 +382,7 @@ class NcclTransport:
             key = ("owner_sum", dt, vec, T, K, call.device_id)
             c = self._launches.get(key)
             if c is None:
+                bound(self._launches)
                 nper = 16 // dt.itemsize if vec else 1
                 fn = _jit.function(FILE, f"ep_owner_sum<{_jit.ctype(dt)}, {'true' if vec else 'false'}>")
                 _jit.set_max_dynamic_shared(fn, R * 8)

@@ -16,6 +16,13 @@ FILE = "ep.cu"
 UNITS = {16: "uint4", 8: "uint2", 4: "unsigned", 2: "unsigned short", 1: "unsigned char"}
 # launch set-ups (kernel, grid, threads, constant arguments) by what they depend on, made once
 _launches: dict = {}
+_MAX_SETUPS = 256
+
+
+def bound(cache: dict) -> None:
+    """Empty a cache of launch set-ups that reached _MAX_SETUPS entries (sizes that keep changing)."""
+    if len(cache) >= _MAX_SETUPS:
+        cache.clear()
 
 
 def unit(row_bytes: int, *ptrs) -> int:
@@ -79,6 +86,7 @@ def fill_rows(call, h, out, pp, pv):
     key = ("fill", N, rb, u, call.device_id)
     c = _launches.get(key)
     if c is None:
+        bound(_launches)
         sms = _jit.device_properties(call.device_id)["sm_count"]
         c = _launches[key] = (_jit.function(FILE, f"ep_fill_rows<{UNITS[u]}>"), max(1, min(-(-N // 8), sms * 16)),
                               (np.int64(N), np.int64(rb // u)))
@@ -96,6 +104,7 @@ def slot_values(call, h, vals):
         key = ("slot_values", n, call.device_id)
         c = _launches.get(key)
         if c is None:
+            bound(_launches)
             c = _launches[key] = (_jit.function(FILE, "ep_slot_values"), grid(n, call.device_id), np.int64(n))
         _jit.launch_raw(c[0], c[1], 256, (vals if vals.size else 0, h.view("dst_row"), out, c[2]), 0, call.stream)
     return out
@@ -111,6 +120,7 @@ def scale_rows(call, rows, w):
     key = ("scale", rows.dtype, vec, n, H, call.device_id)
     c = _launches.get(key)
     if c is None:
+        bound(_launches)
         nper = 16 // isz if vec else 1
         c = _launches[key] = (
             _jit.function(FILE, f"ep_scale_rows<{_jit.ctype(rows.dtype)}, {'true' if vec else 'false'}>"),
