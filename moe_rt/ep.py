@@ -324,7 +324,7 @@ class EpGroup:
         self._last_stream = None
         self._last_device = self.device  # of the last prepare (a local group has no device of its own)
         self._prep_cfgs = {}  # (T, K, device, id dtype) -> prepare's set-up (_PrepCfg)
-        self._gsync = {}  # device -> grid_sync's words (prepare's send side)
+        self._gsync = {}  # (device, stream) -> grid_sync's words (prepare's send side)
 
     def _choose_transport(self, want):
         """Make the group's transport and return its name (None for one rank, whose CUDA ops run the NCCL
@@ -596,14 +596,15 @@ class EpGroup:
         # kernels' scratch
         w = work.data.ptr
         part = w + 4 * c.box_words
-        if c.gs is None:
-            c.gs = self._grid_sync_words(dev, s)
+        gs = c.gs.get(s.ptr) if c.gs else None
+        if gs is None:
+            gs = c.gs[s.ptr] = self._grid_sync_words(dev, s)
         if c.box is None and self.transport == "direct":
             c.set_box(self._transport, K, s, lambda st_: self._wait(st_, "prepare"))
         if c.direct_args is not None:  # one kernel
-            a = c.direct_args
+            head, tail = c.direct_args  # around the send side's scratch and grid_sync's words
             _jit.launch_raw(c.f_direct, c.direct_grid, c.threads,
-                            (idx, *c.send_mid, b + o_rt, b + o_st, b + o_sp, meta, *a[:5], part, *a[6:],
+                            (idx, *c.send_mid, b + o_rt, b + o_st, b + o_sp, meta, *head, part, gs, *tail,
                              b + o_rtok, b + o_rl, b + o_dr, b + o_ss, b + o_sg, b + o_ec, b + o_tpe),
                             c.direct_smem, s)
             if validate:
@@ -623,7 +624,7 @@ class EpGroup:
         segs = (inbox, c.cstride, state, c.half)  # where the receiving kernels find the segments
         _jit.launch_raw(c.f_send, c.send_grid, c.threads,
                         (idx, *c.send_mid, b + o_rt, b + o_st, b + o_sp, meta, state, c.half, peer, outbox, inbox,
-                         c.err, c.rank_warps, part, c.gs), c.send_smem, s)
+                         c.err, c.rank_warps, part, gs), c.send_smem, s)
         if validate and not exact:
             self._wait(s, "prepare")
             _errors.raise_pending(dev, s)
@@ -671,14 +672,18 @@ class EpGroup:
         return self._handle(buf, lay, sz, dev, host)
 
     def _grid_sync_words(self, dev, stream):
-        """The address of the two uint32 words of grid_sync (kernels/ep.cu) on device ``dev``: one plain device
-        allocation per group and device (not from a memory pool, which a CUDA-graph user may free while the
-        group lives), zeroed on ``stream`` when made; each grid-wide barrier leaves them ready for the next."""
-        m = self._gsync.get(dev)
+        """The address of the two uint32 words of grid_sync (kernels/ep.cu) for prepares of this group on
+        ``stream`` of device ``dev``: one plain device allocation per group, device and stream (not from a
+        memory pool, which a CUDA-graph user may free while the group lives; per stream, so that prepares of
+        one group on two streams may run at once), zeroed on ``stream`` when made; each grid-wide barrier
+        leaves them ready for the next. (A CUDA graph that holds a prepare uses the words of the stream it was
+        captured on: replay it where no other prepare of the group runs on that stream at the same time.)"""
+        key = (dev, stream.ptr)
+        m = self._gsync.get(key)
         if m is None:
             import cupy
 
-            m = self._gsync[dev] = cupy.cuda.Memory(8)
+            m = self._gsync[key] = cupy.cuda.Memory(8)
             cupy.cuda.runtime.memsetAsync(m.ptr, 0, 8, stream.ptr)
         return m.ptr
 
@@ -1090,7 +1095,8 @@ class _PrepCfg:
         self.offsets = tuple(lay[k][0] for k in ("routing", "send_tok", "send_pos", "meta") + _RECV_REGIONS)
         # capacity mode on the direct transport with the received side in one block's shared memory: one
         # kernel (ep_prepare_direct)
-        self.gs = self.box = self.f_direct = self.direct_args = None
+        self.box = self.f_direct = self.direct_args = None
+        self.gs = {}  # stream -> grid_sync's words (EpGroup._grid_sync_words)
         if direct and g.mode == "capacity" and self.fused:
             self.f_direct = _jit.function(_FILE, f"ep_prepare_direct<{ctype}>")
             self.direct_smem = max(self.send_smem, self.plan_smem)
@@ -1101,14 +1107,15 @@ class _PrepCfg:
     def set_box(self, t, K, stream, wait):
         """The direct transport ``t``'s box for top-``K`` routing (made on the first prepare with this K: a
         collective) as ``box = (state, box table, this rank's box)`` device addresses, and, where prepare is one
-        kernel, the arguments of ep_prepare_direct between the handle's send regions and its received ones."""
+        kernel, the arguments of ep_prepare_direct before and after the send side's scratch and grid_sync's
+        words (``direct_args = (head, tail)``)."""
         st = t.prepare_box(K, int(self.half), stream, wait)
         self.box = (t.state.data.ptr, st.table.data.ptr, st.local)
         if self.f_direct is not None:
-            self.direct_args = (self.box[0], self.half, self.box[1], self.err, self.rank_warps, 0, self.gs,
-                                t.bar.table.data.ptr, np.int64(t.timeout_ns), t._err_ptr,
-                                np.int32(_ep_direct.OP_CODES["prepare"]), np.int32(self.sz["A"]),
-                                np.int64(self.sz["capacity"]), np.int64(self.rows), np.int64(self.N))
+            self.direct_args = ((self.box[0], self.half, self.box[1], self.err, self.rank_warps),
+                                (t.bar.table.data.ptr, np.int64(t.timeout_ns), t._err_ptr,
+                                 np.int32(_ep_direct.OP_CODES["prepare"]), np.int32(self.sz["A"]),
+                                 np.int64(self.sz["capacity"]), np.int64(self.rows), np.int64(self.N)))
 
 
 # the handle's regions that prepare's received side writes (in its kernels' argument order)

@@ -1339,6 +1339,40 @@ def test_prepare_capacity_launch_budget(monkeypatch, transport, R, T):
         assert launches[0][2] == c.threads == 256
 
 
+@pytest.mark.parametrize("transport", ["direct", "nccl"])
+def test_prepare_grid_sync_words_per_stream(monkeypatch, transport):
+    """prepare's send side synchronizes its blocks through two words of device memory per group and stream,
+    made (and zeroed) once: later calls on a stream reuse its words, another stream gets its own, another
+    group its own."""
+    from moe_rt import _jit
+
+    _stand_in_prepare(monkeypatch, lambda *a: None, 132, 264)
+    sent = []
+    monkeypatch.setattr(_jit, "launch_raw",
+                        lambda fn, grid, block, args, smem, stream: sent.append((fn.name.split("<")[0], args)))
+    made = []
+
+    def words(g):
+        def make(dev, stream):
+            made.append((id(g), stream.ptr))
+            return 4096 * len(made)
+        return make
+
+    gs = [_traced_group(2, 1, 16, 64, "capacity", transport) for _ in range(2)]
+    for g in gs:
+        g._grid_sync_words = words(g)
+    streams = [type("S", (), {"ptr": p})() for p in (9, 10)]
+    idx = _Arr(40 * 2, np.int32)
+    for g, stream in [(gs[0], streams[0]), (gs[0], streams[0]), (gs[0], streams[1]), (gs[1], streams[0]),
+                      (gs[0], streams[1])]:
+        call = type("Call", (), {"xp": _Trace, "stream": stream, "device_id": 0})()
+        g._prepare_cuda(call, idx, 40, 2)
+    # the send side's last argument (ep_prepare_send); ep_prepare_direct's 22nd (after the send side's scratch)
+    name, at = ("ep_prepare_send", -1) if transport == "nccl" else ("ep_prepare_direct", 21)
+    assert [a[at] for n, a in sent if n == name] == [4096, 4096, 8192, 12288, 8192]
+    assert made == [(id(gs[0]), 9), (id(gs[0]), 10), (id(gs[1]), 9)]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode,pair", [("capacity", 700), ("capacity", None), ("exact", None)])
 @pytest.mark.parametrize("id_dtype", [np.int32, np.int64])
