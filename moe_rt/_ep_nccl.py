@@ -45,7 +45,7 @@ from __future__ import annotations
 import numpy as np
 
 from moe_rt import _jit, permutation
-from moe_rt._ep_rows import FILE, UNITS, fill_rows, grid, plan_view, recv_wk, routing_view, slot_values, unit
+from moe_rt._ep_rows import FILE, UNITS, bound, fill_rows, grid, plan_view, recv_wk, routing_view, slot_values, unit
 from moe_rt._handle import meta_index
 
 # overlap=None (auto): a call overlaps its transfer with the local work when this rank sends at least this
@@ -66,6 +66,8 @@ class NcclTransport:
         self.overlap = overlap  # None: per call, by the size of the transfer
         self._cstream = None  # the communication stream of the overlapped path (made on first use)
         self._events = []     # reused CUDA events of the overlapped path
+        self._transfers = {}  # capacity mode: (P, row bytes, reverse) -> _transfer's result, made once
+        self._launches = {}   # launch set-ups (kernel, grid, threads, constant arguments), made once
 
     def failed_op(self):
         """None: NCCL reports its failures through the communicator (``comm.async_error()``)."""
@@ -152,6 +154,20 @@ class NcclTransport:
         ro = [int(m[meta_index("recv_off", R) + s]) for s in range(R)]
         return sc, so, rc, ro
 
+    def _transfer(self, h, rb, reverse):
+        """``(sc, so, rc, ro, parts)``: :meth:`_host_counts` and the parts of a transfer of rows of ``rb`` bytes
+        (:meth:`_chunk_plan`; ``reverse``: the combine direction, what was received goes back); in capacity
+        mode the same for every handle of a row size, made once."""
+        key = (h.sizes["P"], rb, reverse) if h.mode == "capacity" else None
+        t = self._transfers.get(key) if key is not None else None
+        if t is None:
+            sc, so, rc, ro = self._host_counts(h)
+            parts = self._chunk_plan(rc, ro, sc, so, rb) if reverse else self._chunk_plan(sc, so, rc, ro, rb)
+            t = (sc, so, rc, ro, parts)
+            if key is not None:
+                self._transfers[key] = t
+        return t
+
     def _send_rows(self, h):
         R, P = self.size, h.sizes["P"]
         if h.mode == "capacity":
@@ -167,18 +183,26 @@ class NcclTransport:
         send_rows = int(send_buf.shape[0])
         if not sz["T"] or not rows + send_rows:
             return
-        rb = int(x.shape[1]) * x.dtype.itemsize
-        u = unit(rb, x.data.ptr, send_buf.data.ptr if send_rows else 0, recv_buf.data.ptr if rows else 0)
-        units = rb // u
-        threads = int(min(512, max(32, -(-units // 4 // 32) * 32)))
-        gx = max(1, min(P, _jit.device_properties(call.device_id)["sm_count"] * 8 // R))
-        lo, hi = (me, me + 1) if node is None else node
-        _jit.launch(_jit.function(FILE, f"ep_pack_rows<{UNITS[u]}>"), (gx, 1 if sel >= 2 else R), threads,
-                    (x.data.ptr, send_buf.data.ptr if send_rows else 0, recv_buf.data.ptr if rows else 0,
-                     w.data.ptr if w is not None else 0, send_w.data.ptr if send_w is not None and send_rows else 0,
-                     recv_w.data.ptr if recv_w is not None and rows else 0,
-                     h.view("send_tok"), h.view("meta"), np.int32(R), np.int32(me), np.int32(P), np.int32(K),
-                     np.int64(units), np.int32(sel), np.int32(lo), np.int32(hi)), stream=call.stream)
+        rb = x.shape[1] * x.dtype.itemsize
+        sp, rp = (send_buf.data.ptr if send_rows else 0), (recv_buf.data.ptr if rows else 0)
+        u = unit(rb, x.data.ptr, sp, rp)
+        key = ("pack", rb, u, sel, node, P, K, call.device_id)
+        c = self._launches.get(key)
+        if c is None:
+            bound(self._launches)
+            units = rb // u
+            lo, hi = (me, me + 1) if node is None else node
+            c = self._launches[key] = (
+                _jit.function(FILE, f"ep_pack_rows<{UNITS[u]}>"),
+                (max(1, min(P, _jit.device_properties(call.device_id)["sm_count"] * 8 // R)), 1 if sel >= 2 else R),
+                int(min(512, max(32, -(-units // 4 // 32) * 32))),
+                (np.int32(R), np.int32(me), np.int32(P), np.int32(K), np.int64(units), np.int32(sel), np.int32(lo),
+                 np.int32(hi)))
+        _jit.launch_raw(c[0], c[1], c[2],
+                        (x.data.ptr, sp, rp, w.data.ptr if w is not None else 0,
+                         send_w.data.ptr if send_w is not None and send_rows else 0,
+                         recv_w.data.ptr if recv_w is not None and rows else 0, h.view("send_tok"), h.view("meta"),
+                         *c[3]), 0, call.stream)
 
     def _forward_buffers(self, call, h, x, w):
         """(row bytes, send rows, receive rows, send weights, receive weights) of a forward transfer; the
@@ -197,8 +221,7 @@ class NcclTransport:
         rb, send_buf, recv_buf, send_w, recv_w = self._forward_buffers(call, h, x, w)
         self._pack(call, h, x, w, send_buf, recv_buf, send_w, recv_w, 0)
         if self.size > 1:
-            sc, so, rc, ro = self._host_counts(h)
-            for c_sc, c_so, c_rc, c_ro in self._chunk_plan(sc, so, rc, ro, rb):
+            for c_sc, c_so, c_rc, c_ro in self._transfer(h, rb, False)[4]:
                 self._exchange(s, rb, K, (send_buf, send_w, c_sc, c_so), (recv_buf, recv_w, c_rc, c_ro))
         return recv_buf
 
@@ -216,8 +239,7 @@ class NcclTransport:
         s, K, me = call.stream, h.sizes["K"], self.rank
         # every buffer the communication stream touches exists before the event it first waits on
         rb, send_buf, recv_buf, send_w, recv_w = self._forward_buffers(call, h, x, w)
-        sc, so, rc, ro = self._host_counts(h)
-        parts = self._chunk_plan(sc, so, rc, ro, rb)
+        sc, so, rc, ro, parts = self._transfer(h, rb, False)
         if parts:
             self._pack(call, h, x, w, send_buf, recv_buf, send_w, recv_w, 1)
             cs = self._comm_stream()
@@ -309,9 +331,8 @@ class NcclTransport:
         s, K = call.stream, h.sizes["K"]
         rb, back, back_w = self._back_buffers(call, h, z.dtype, zw is not None)
         if self.size > 1:
-            sc, so, rc, ro = self._host_counts(h)
             # the reverse of dispatch: what was received goes back, into the rows that were sent
-            for c_sc, c_so, c_rc, c_ro in self._chunk_plan(rc, ro, sc, so, rb):
+            for c_sc, c_so, c_rc, c_ro in self._transfer(h, rb, True)[4]:
                 self._exchange(s, rb, K, (z, zw, c_sc, c_so), (back, back_w, c_rc, c_ro))
         return self._owner_sum(call, h, z, 0, zw, back, back_w, T, out_dtype, want_w)
 
@@ -325,9 +346,8 @@ class NcclTransport:
         sum."""
         s, K, me = call.stream, h.sizes["K"], self.rank
         rb, back, back_w = self._back_buffers(call, h, dtype, zw is not None)
-        sc, so, rc, ro = self._host_counts(h)
         # the reverse of dispatch: what was received goes back, into the rows that were sent
-        parts = self._chunk_plan(rc, ro, sc, so, rb)
+        sc, so, rc, ro, parts = self._transfer(h, rb, True)
         cs = self._comm_stream() if parts else None
         sent = []
         for i, (c_sc, c_so, c_rc, c_ro) in enumerate(parts):
@@ -355,21 +375,25 @@ class NcclTransport:
         out = xp.empty((T, H), out_dtype)
         gw = xp.empty((T, K), np.float32) if want_w else None
         if T:
-            isz = np.dtype(out_dtype).itemsize
+            dt = np.dtype(out_dtype)
             has_own = own is not None and own.size
-            ptrs = [out.data.ptr] + ([own.data.ptr] if has_own else []) + ([back.data.ptr] if back.size else [])
-            vec = (H * isz) % 16 == 0 and all(p % 16 == 0 for p in ptrs)
-            nper = 16 // isz if vec else 1
-            threads = int(min(512, max(32, -(-(H // nper) // 32) * 32)))
-            fn = _jit.function(FILE, f"ep_owner_sum<{_jit.ctype(out_dtype)}, {'true' if vec else 'false'}>")
-            _jit.set_max_dynamic_shared(fn, R * 8)
-            _jit.launch(fn, grid(T * 8, call.device_id, threads=8), threads,
-                        (back.data.ptr if back.size else 0, own.data.ptr if has_own else 0, out,
-                         back_w.data.ptr if back_w is not None and back_w.size else 0,
-                         zw.data.ptr if zw is not None and zw.size else 0, gw if gw is not None else 0,
-                         h.view("send_pos"), routing_view(h), h.view("meta"),
-                         np.int32(R), np.int32(me), np.int32(Tmax), np.int32(K), np.int32(L), np.int32(T),
-                         np.int64(H), np.int64(own_shift)), shared_mem=R * 8, stream=s)
+            bp, op_, outp = (back.data.ptr if back.size else 0), (own.data.ptr if has_own else 0), out.data.ptr
+            vec = (H * dt.itemsize) % 16 == 0 and outp % 16 == 0 and op_ % 16 == 0 and bp % 16 == 0
+            key = ("owner_sum", dt, vec, T, K, call.device_id)
+            c = self._launches.get(key)
+            if c is None:
+                bound(self._launches)
+                nper = 16 // dt.itemsize if vec else 1
+                fn = _jit.function(FILE, f"ep_owner_sum<{_jit.ctype(dt)}, {'true' if vec else 'false'}>")
+                _jit.set_max_dynamic_shared(fn, R * 8)
+                c = self._launches[key] = (
+                    fn, grid(T * 8, call.device_id, threads=8), int(min(512, max(32, -(-(H // nper) // 32) * 32))),
+                    (np.int32(R), np.int32(me), np.int32(Tmax), np.int32(K), np.int32(L), np.int32(T), np.int64(H)))
+            _jit.launch_raw(c[0], c[1], c[2],
+                            (bp, op_, outp, back_w.data.ptr if back_w is not None and back_w.size else 0,
+                             zw.data.ptr if zw is not None and zw.size else 0, gw if gw is not None else 0,
+                             h.view("send_pos"), routing_view(h), h.view("meta"), *c[3], np.int64(own_shift)),
+                            R * 8, s)
         return out, gw
 
     # -- overlap helpers -------------------------------------------------------------------------------

@@ -14,6 +14,15 @@ from moe_rt import _jit, permutation
 
 FILE = "ep.cu"
 UNITS = {16: "uint4", 8: "uint2", 4: "unsigned", 2: "unsigned short", 1: "unsigned char"}
+# launch set-ups (kernel, grid, threads, constant arguments) by what they depend on, made once
+_launches: dict = {}
+_MAX_SETUPS = 256
+
+
+def bound(cache: dict) -> None:
+    """Empty a cache of launch set-ups that reached _MAX_SETUPS entries (sizes that keep changing)."""
+    if len(cache) >= _MAX_SETUPS:
+        cache.clear()
 
 
 def unit(row_bytes: int, *ptrs) -> int:
@@ -38,9 +47,12 @@ def routing_view(h):
 
 
 def recv_wk(h):
-    """The received rows' slot weights (fp32 ``[rows,K]``, a view of the handle)."""
-    sz = h.sizes
-    return h.view("recv_wk")[:sz["rows"] * sz["K"]].reshape(sz["rows"], sz["K"])
+    """The received rows' slot weights (fp32 ``[rows,K]``, a view of the handle; made once per handle)."""
+    v = h.state.get("recv_wk")
+    if v is None:
+        sz = h.sizes
+        v = h.state["recv_wk"] = h.view("recv_wk")[:sz["rows"] * sz["K"]].reshape(sz["rows"], sz["K"])
+    return v
 
 
 def plan_view(h):
@@ -69,12 +81,17 @@ def fill_rows(call, h, out, pp, pv):
     N = h.sizes["N"]
     if N == 0 or (out is None and pp is None):
         return
-    rb = int(out.shape[1]) * out.dtype.itemsize if out is not None else 0
+    rb = out.shape[1] * out.dtype.itemsize if out is not None else 0
     u = unit(rb, out.data.ptr) if out is not None else 16
-    sms = _jit.device_properties(call.device_id)["sm_count"]
-    _jit.launch(_jit.function(FILE, f"ep_fill_rows<{UNITS[u]}>"), max(1, min(-(-N // 8), sms * 16)), 256,
-                (out.data.ptr if out is not None else 0, pp if pp is not None else 0, pv if pv is not None else 0,
-                 h.view("src_slot"), np.int64(N), np.int64(rb // u)), stream=call.stream)
+    key = ("fill", N, rb, u, call.device_id)
+    c = _launches.get(key)
+    if c is None:
+        bound(_launches)
+        sms = _jit.device_properties(call.device_id)["sm_count"]
+        c = _launches[key] = (_jit.function(FILE, f"ep_fill_rows<{UNITS[u]}>"), max(1, min(-(-N // 8), sms * 16)),
+                              (np.int64(N), np.int64(rb // u)))
+    _jit.launch_raw(c[0], c[1], 256, (out.data.ptr if out is not None else 0, pp if pp is not None else 0,
+                                      pv if pv is not None else 0, h.view("src_slot"), *c[2]), 0, call.stream)
 
 
 def slot_values(call, h, vals):
@@ -84,8 +101,12 @@ def slot_values(call, h, vals):
     out = call.xp.empty((sz["rows"], sz["K"]), np.float32)
     n = out.size
     if n:
-        _jit.launch(_jit.function(FILE, "ep_slot_values"), grid(n, call.device_id), 256,
-                    (vals if vals.size else 0, h.view("dst_row"), out, np.int64(n)), stream=call.stream)
+        key = ("slot_values", n, call.device_id)
+        c = _launches.get(key)
+        if c is None:
+            bound(_launches)
+            c = _launches[key] = (_jit.function(FILE, "ep_slot_values"), grid(n, call.device_id), np.int64(n))
+        _jit.launch_raw(c[0], c[1], 256, (vals if vals.size else 0, h.view("dst_row"), out, c[2]), 0, call.stream)
     return out
 
 
@@ -96,8 +117,13 @@ def scale_rows(call, rows, w):
         return
     isz = rows.dtype.itemsize
     vec = (H * isz) % 16 == 0 and rows.data.ptr % 16 == 0
-    nper = 16 // isz if vec else 1
-    threads = int(min(512, max(32, -(-(H // nper) // 32) * 32)))
-    fn = _jit.function(FILE, f"ep_scale_rows<{_jit.ctype(rows.dtype)}, {'true' if vec else 'false'}>")
-    _jit.launch(fn, grid(n * 8, call.device_id, threads=8), threads, (rows, w, np.int64(n), np.int64(H)),
-                stream=call.stream)
+    key = ("scale", rows.dtype, vec, n, H, call.device_id)
+    c = _launches.get(key)
+    if c is None:
+        bound(_launches)
+        nper = 16 // isz if vec else 1
+        c = _launches[key] = (
+            _jit.function(FILE, f"ep_scale_rows<{_jit.ctype(rows.dtype)}, {'true' if vec else 'false'}>"),
+            grid(n * 8, call.device_id, threads=8), int(min(512, max(32, -(-(H // nper) // 32) * 32))),
+            (np.int64(n), np.int64(H)))
+    _jit.launch_raw(c[0], c[1], c[2], (rows, w, *c[3]), 0, call.stream)

@@ -1133,6 +1133,12 @@ class _Trace:
         _Trace.events.append(("alloc", int(n), a.data.ptr))
         return a
 
+    @staticmethod
+    def zeros(n, dtype):
+        a = _Arr(n, dtype)
+        _Trace.events.append(("zeros", int(n), a.data.ptr))
+        return a
+
 
 class _Kernel:
     def __init__(self, name):
@@ -1165,6 +1171,8 @@ class _Box:
 
 class _RecDirect:
     state = _Arr(2, np.uint32)
+    bar = _Box
+    timeout_ns, _err_ptr = 10**9, 128
 
     def prepare_box(self, K, half, stream, wait):
         return _Box
@@ -1174,6 +1182,46 @@ class _RecDirect:
 
     def failed_op(self):
         return None
+
+
+def _stand_in_prepare(monkeypatch, record, sms, resident):
+    """Kernels, devices and the scratch stood in for prepare on the CPU: each launch goes to ``record(name,
+    grid, block)`` after checking that it passes as many arguments as its kernel takes; ``sms`` SMs, ``resident``
+    blocks of any kernel resident at once."""
+    from moe_rt import _arrays, _errors, _jit, permutation
+    from moe_rt import ep as ep_mod
+
+    def launch_raw(fn, grid, block, args, smem, stream):
+        name = (fn if isinstance(fn, str) else fn.name).split("<")[0]  # permutation launches Kernel.kernel
+        record(name, grid, block)
+        assert len(args) == _kernel_params("ep.cu" if name.startswith("ep_") else "permutation.cu", name), name
+
+    monkeypatch.setattr(_jit, "function", lambda file, name: _Kernel(name))
+    monkeypatch.setattr(_jit, "launch_raw", launch_raw)
+    monkeypatch.setattr(_jit, "set_max_dynamic_shared", lambda fn, n: None)
+    monkeypatch.setattr(_jit, "device_properties", lambda dev: {"sm_count": sms})
+    monkeypatch.setattr(_errors, "word", lambda dev: 64)
+    monkeypatch.setattr(_arrays, "contiguous", lambda xp, a: a)
+    monkeypatch.setattr(permutation, "_fns", {})
+    monkeypatch.setattr(permutation, "_plan_cfgs", {})
+    monkeypatch.setattr(ep_mod, "_resident", lambda fn, threads, smem, dev: resident)
+
+
+def _traced_group(R, me, E, Tmax, mode, transport):
+    """A group of rank ``me`` of ``R`` on the given transport (kernels, NCCL and the direct transport's shared
+    buffers stood in for: _Trace records what prepare issues)."""
+    comm = None if R == 1 else _RecComm(me, R)
+    g = EpGroup(comm, E, 8, Tmax, mode=mode, transport="nccl")
+    # grid_sync's words: a plain device allocation, zeroed once per group and device
+    g._grid_sync_words = lambda dev, stream: (_Trace.events.append(("memset", 8)), 1 << 36)[1]
+    if transport == "direct":
+        g.transport, g._transport = "direct", _RecDirect()
+    if transport == "mixed":  # prepare's segments through NCCL with every peer, as on the NCCL transport
+        from moe_rt import _ep_mixed
+
+        node = type("D", (), {"lo": me - 1, "hi": me + 1})()
+        g.transport, g._transport = "mixed", _ep_mixed.MixedTransport(node, g._transport)
+    return g
 
 
 def _kernel_params(file, name):
@@ -1192,37 +1240,14 @@ def test_prepare_launch_trace(monkeypatch, transport, R, mode, fused):
     and memory stood in for): no all-gather of the routing table, only counts and the sent rows; one kernel
     for the received side (ep_prepare_plan) unless its shared memory would not fit (then ep_prepare_recv and
     the permutation plan's kernels); each launch passes as many arguments as its kernel takes."""
-    from moe_rt import _arrays, _errors, _jit, permutation
     from moe_rt import ep as ep_mod
 
     _Trace.events = []
-
-    def launch_raw(fn, grid, block, args, smem, stream):
-        name = (fn if isinstance(fn, str) else fn.name).split("<")[0]  # permutation launches Kernel.kernel
-        _Trace.events.append((name, grid))
-        file = "ep.cu" if name.startswith("ep_") else "permutation.cu"
-        assert len(args) == _kernel_params(file, name), name
-
-    monkeypatch.setattr(_jit, "function", lambda file, name: _Kernel(name))
-    monkeypatch.setattr(_jit, "launch_raw", launch_raw)
-    monkeypatch.setattr(_jit, "set_max_dynamic_shared", lambda fn, n: None)
-    monkeypatch.setattr(_jit, "device_properties", lambda dev: {"sm_count": 4})
-    monkeypatch.setattr(_errors, "word", lambda dev: 64)
-    monkeypatch.setattr(_arrays, "contiguous", lambda xp, a: a)
-    monkeypatch.setattr(permutation, "_fns", {})
-    monkeypatch.setattr(permutation, "_plan_cfgs", {})
+    _stand_in_prepare(monkeypatch, lambda name, grid, block: _Trace.events.append((name, grid)), 4, 6)
     if not fused:
         monkeypatch.setattr(ep_mod._PrepCfg, "FUSED_SMEM", 0)
     E, K, Tmax, T, me = 4 * R, 2, 16, 11, R - 1
-    comm = None if R == 1 else _RecComm(me, R)
-    g = EpGroup(comm, E, 8, Tmax, mode=mode, transport="nccl")
-    if transport == "direct":
-        g.transport, g._transport = "direct", _RecDirect()
-    if transport == "mixed":  # prepare's segments through NCCL with every peer, as on the NCCL transport
-        from moe_rt import _ep_mixed
-
-        node = type("D", (), {"lo": me - 1, "hi": me + 1})()
-        g.transport, g._transport = "mixed", _ep_mixed.MixedTransport(node, g._transport)
+    g = _traced_group(R, me, E, Tmax, mode, transport)
     rows, slots = 7 * R, 9 * R
     host = np.zeros(5 * R + 10, np.int32)
     host[_handle.meta_index("recv_rows", R)] = rows
@@ -1241,7 +1266,9 @@ def test_prepare_launch_trace(monkeypatch, transport, R, mode, fused):
     group = ["group_start"] + ["send", "recv"] * (R - 1) + ["group_end"] if transport != "direct" and R > 1 else []
     exchange = ["ep_direct_barrier"] if transport == "direct" else group
     recv = ["ep_prepare_plan"] if fused else ["ep_prepare_recv", "plan_count", "plan_scan", "plan_assign"]
-    if mode == "capacity":
+    if mode == "capacity" and transport == "direct" and fused:
+        want = ["ep_prepare_direct"]  # send side, barrier and received side in one kernel
+    elif mode == "capacity":
         want = ["ep_prepare_send"] + exchange + recv
     else:
         want = ["ep_prepare_send"] + exchange + ["ep_plan_meta", "host read"] + group + recv
@@ -1271,6 +1298,106 @@ def test_prepare_launch_trace(monkeypatch, transport, R, mode, fused):
                                                             [("copy", h.layout["recv_local"][0])])
     assert h.sizes["rows"] == (R * P if mode == "capacity" else rows)
     assert h.layout["routing"][2] == Tmax * K + 1  # this rank's routing only
+
+
+# The most kernel launches and NCCL groups one capacity-mode prepare issues, per transport (the send side, the
+# exchange and the received side fused as far as the transport allows: on the direct transport one kernel).
+_PREPARE_LAUNCH_BUDGET = {"direct": (1, 0), "nccl": (2, 1), "mixed": (2, 1)}
+
+
+@pytest.mark.parametrize("transport", ["direct", "nccl", "mixed"])
+@pytest.mark.parametrize("R", [2, 4, 8])
+@pytest.mark.parametrize("T", [0, 100, 4096])
+def test_prepare_capacity_launch_budget(monkeypatch, transport, R, T):
+    """A capacity-mode prepare (after its first call, which makes the set-up) issues at most the budgeted
+    kernel launches and NCCL groups, no memset and no host read, the same at every R (nothing per peer but
+    the NCCL group's send/recv pairs); its send side's grid covers its chunks within one resident wave."""
+    from moe_rt import _jit
+    from moe_rt import ep as ep_mod
+
+    launches = []
+    resident = 2 * 132
+    _stand_in_prepare(monkeypatch, lambda name, grid, block: launches.append((name, grid, block)), 132, resident)
+    monkeypatch.setattr(_jit, "launch", lambda *a, **k: launches.append(("launch",)))
+    E, K, Tmax, me = 256, 8, 4096, R - 1
+    g = _traced_group(R, me, E, Tmax, "capacity", transport)
+    monkeypatch.setattr(g, "_read_meta", lambda *a: pytest.fail("capacity mode read the device"))
+    call = type("Call", (), {"xp": _Trace, "stream": type("S", (), {"ptr": 9})(), "device_id": 0})()
+    idx = _Arr(max(T, 1) * K, np.int32)
+    g._prepare_cuda(call, idx, T, K)
+    for _ in range(2):
+        _Trace.events, launches[:] = [], []
+        g._prepare_cuda(call, idx, T, K)
+        kernels, groups = _PREPARE_LAUNCH_BUDGET[transport]
+        assert len(launches) <= kernels, launches
+        assert [e[0] for e in _Trace.events].count("group_start") <= groups
+        assert not [e for e in _Trace.events if e[0] in ("memset", "zeros", "all_gather", "ep_direct_barrier")]
+        c = next(iter(g._prep_cfgs.values()))
+        assert c.B * c.TC >= T and c.B <= ep_mod._PrepCfg.MAX_CHUNKS and c.TC % 32 == 0
+        grid = launches[0][1]
+        assert grid <= resident and grid >= min(resident, R * c.B)
+        assert launches[0][2] == c.threads == 256
+
+
+@pytest.mark.parametrize("transport", ["direct", "nccl"])
+def test_prepare_grid_sync_words_per_stream(monkeypatch, transport):
+    """prepare's send side synchronizes its blocks through two words of device memory per group and stream,
+    made (and zeroed) once: later calls on a stream reuse its words, another stream gets its own, another
+    group its own."""
+    from moe_rt import _jit
+
+    _stand_in_prepare(monkeypatch, lambda *a: None, 132, 264)
+    sent = []
+    monkeypatch.setattr(_jit, "launch_raw",
+                        lambda fn, grid, block, args, smem, stream: sent.append((fn.name.split("<")[0], args)))
+    made = []
+
+    def words(g):
+        def make(dev, stream):
+            made.append((id(g), stream.ptr))
+            return 4096 * len(made)
+        return make
+
+    gs = [_traced_group(2, 1, 16, 64, "capacity", transport) for _ in range(2)]
+    for g in gs:
+        g._grid_sync_words = words(g)
+    streams = [type("S", (), {"ptr": p})() for p in (9, 10)]
+    idx = _Arr(40 * 2, np.int32)
+    for g, stream in [(gs[0], streams[0]), (gs[0], streams[0]), (gs[0], streams[1]), (gs[1], streams[0]),
+                      (gs[0], streams[1])]:
+        call = type("Call", (), {"xp": _Trace, "stream": stream, "device_id": 0})()
+        g._prepare_cuda(call, idx, 40, 2)
+    # the send side's last argument (ep_prepare_send); ep_prepare_direct's 22nd (after the send side's scratch)
+    name, at = ("ep_prepare_send", -1) if transport == "nccl" else ("ep_prepare_direct", 21)
+    assert [a[at] for n, a in sent if n == name] == [4096, 4096, 8192, 12288, 8192]
+    assert made == [(id(gs[0]), 9), (id(gs[0]), 10), (id(gs[1]), 9)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode,pair", [("capacity", 700), ("capacity", None), ("exact", None)])
+@pytest.mark.parametrize("id_dtype", [np.int32, np.int64])
+def test_one_gpu_prepare_many_chunks_matches_cpu_handle(rng, mode, pair, id_dtype):
+    """prepare's send side over many chunks of tokens (B up to 64 per destination; pair capacity 700 ending
+    inside a chunk): the handle holds, region by region, what the CPU path writes (poisoned pool memory
+    underneath)."""
+    import cupy as cp
+
+    E, K, H, Tmax = 64, 6, 16, 9000
+    kw = {} if mode == "exact" else {"pair_capacity": pair}
+    g_gpu = EpGroup(None, E, H, Tmax, mode=mode, **kw)
+    g_cpu = EpGroup(None, E, H, Tmax, mode=mode, **kw)
+    for T in (Tmax, 4097, 700, 129, 31, 0):
+        for kind in ("holes", "skewed", "one"):
+            idx = make_routing(rng, T, E, K, kind).astype(id_dtype)
+            cp.cuda.Device().synchronize()
+            poison = cp.full(1 << 22, 0x5A, cp.uint8)
+            del poison
+            h = g_gpu.prepare(cp.asarray(idx))
+            hc = g_cpu.prepare(idx)
+            assert h.layout == hc.layout and h.sizes == hc.sizes
+            for region in ("meta", "routing", "send_tok", "send_pos", "recv_tok", "recv_local", "dst_row",
+                           "src_slot", "seg_start", "expert_counts", "tokens_per_expert"):
+                assert np.array_equal(h.view(region).get(), hc.view(region)), (T, kind, region)
 
 
 @pytest.mark.gpu
@@ -1451,19 +1578,24 @@ class _DevHandle:
 
 def _mixed_transport(monkeypatch, R, local_size, me, P, events):
     """A MixedTransport of rank ``me`` (kernels, NCCL and the IPC-shared stages stood in for)."""
-    from moe_rt import _ep_direct, _ep_mixed, _ep_nccl, _jit, permutation
+    from moe_rt import _ep_direct, _ep_mixed, _ep_nccl, _ep_rows, _jit, permutation
 
     def launch(fn, grid, block, args, *, shared_mem=0, stream=None):
         name = fn.name.split("<")[0]
         assert len(args) == _kernel_params("ep.cu", name), name
         events.append(("launch", name, args))
 
+    def launch_raw(fn, grid, block, args, shared_mem, stream):
+        launch(fn, grid, block, args, shared_mem=shared_mem, stream=stream)
+
     monkeypatch.setattr(_jit, "function", lambda file, name: _Kernel(name))
     monkeypatch.setattr(_jit, "launch", launch)
+    monkeypatch.setattr(_jit, "launch_raw", launch_raw)
     monkeypatch.setattr(_jit, "set_max_dynamic_shared", lambda fn, n: None)
     monkeypatch.setattr(_jit, "device_properties", lambda dev: {"sm_count": 4})
     monkeypatch.setattr(_ep_direct, "_resident_ctas", lambda fn, threads, dev: 8)
     monkeypatch.setattr(_ep_mixed, "_subplan", lambda h, lo, hi: ("rows", lo, hi))
+    monkeypatch.setattr(_ep_rows, "_launches", {})  # set-ups made with the stand-in kernels stay here
 
     def combine(y, plan, w=None, *, stream=None):
         events.append(("combine", plan, None if w is None else w.data.ptr))
@@ -1494,6 +1626,7 @@ def _mixed_transport(monkeypatch, R, local_size, me, P, events):
     d = object.__new__(_ep_direct.DirectTransport)  # what __init__ sets, without the CUDA calls
     d.comm, d.device, d.R, d.me, d.lo, d.hi, d.P = comm, 0, R, me, lo, lo + local_size, P
     d.timeout_ns, d._stages, d._order, d.closed, d._err_ptr = 10**9, {}, [], False, 64
+    d._pairs, d._launches, d._views = {}, {}, {}
     d._wait = d._op_wait = None
     d.state = _Dev(2, np.uint32)
     d.bar = d.flags = type("Sh", (), {"table": _Dev(R, np.int64)})()

@@ -7,7 +7,8 @@
 
 Shapes: T in {512, 4096, 16384} tokens per rank, H=7168, bf16, E=256, K=8, uniform random top-k routing.
 For each mode (exact; capacity eager; capacity as one CUDA graph of prepare+dispatch+combine) it times
-prepare (eager: CUDA-event time and, column host_us, the calling thread's median host time of the call;
+prepare (eager: CUDA-event time and, column host_us, the calling thread's median host time of the call, also
+given for dispatch, combine and the round trip;
 capacity+graph: "prepare (graph)", prepare alone captured in a graph, its device time), then dispatch, combine and the round trip per transfer configuration (``--chunks``; default
 s1 = serial in one part, o2 = overlapped in two parts, 2 = the EpGroup default: two parts, overlapped when
 the rank sends at least 64 MiB) of the NCCL transport and the direct peer-memory transport (chunks column
@@ -415,14 +416,15 @@ def _rank(args):
                     for c, grp, h in zip(chunk_counts, grps, hs):
                         if op == "dispatch":
                             ms = timed(lambda: grp.dispatch(h, x, w))
-                            rows.append((op, c, ms, wire + wire_w, t_tdisp, t_raw, t_ce, None))
+                            rows.append((op, c, ms, wire + wire_w, t_tdisp, t_raw, t_ce,
+                                         host_timed(lambda: grp.dispatch(h, x, w))))
                             if args.fp8:
                                 ms8 = timed(lambda: grp.dispatch(h, x, w, fp8=True))
                                 rows.append(("dispatch fp8", c, ms8, wire_fp8 + wire_w, t_tdisp, t_raw, t_ce, None,
                                              ms / ms8))
                         elif op == "combine":
                             ms = timed(lambda: grp.combine(h, y))
-                            rows.append((op, c, ms, wire, t_tcomb, t_raw, t_ce, None))
+                            rows.append((op, c, ms, wire, t_tcomb, t_raw, t_ce, host_timed(lambda: grp.combine(h, y))))
                         else:
                             def rt():
                                 hh = grp.prepare(idx)
@@ -430,7 +432,7 @@ def _rank(args):
                                 return grp.combine(hh, r)
 
                             rows.append((op, c, timed(rt), 2 * wire + wire_w, t_trt, 2 * t_raw,
-                                         2 * t_ce if t_ce else None, None))
+                                         2 * t_ce if t_ce else None, host_timed(rt)))
             if rank == 0:
                 for op, c, ms, nbytes, tms, rawms, cems, hus, *vs_bf16 in rows:
                     table.add(op=op, mode=mode, chunks=c, T=T, ms=ms, host_us=hus, wire_MB=nbytes / 1e6,
