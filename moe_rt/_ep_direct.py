@@ -439,11 +439,22 @@ class DirectTransport:
         return buf
 
     # -- kernels ---------------------------------------------------------------------------------------
+    _barriers = None  # op -> (kernel, threads, arguments) of its barrier launch, made on first use
+
     def barrier(self, stream, op):
-        """ep_direct_barrier on ``stream`` among the ranks of the node (``op`` names the op in a timeout)."""
-        _jit.launch(_jit.function(_FILE, "ep_direct_barrier"), 1, max(32, -(-(self.hi - self.lo) // 32) * 32),
-                    (self.bar.table, np.int32(self.R), np.int32(self.me), self.state, np.int64(self.timeout_ns),
-                     self._err_ptr, np.int32(OP_CODES[op]), np.int32(self.lo), np.int32(self.hi)), stream=stream)
+        """ep_direct_barrier on ``stream`` among the ranks of the node (``op`` names the op in a timeout). Its
+        kernel and arguments are the same for every launch of one op (the epoch advances on the device), so
+        they are made once per op."""
+        cache = self._barriers
+        if cache is None:
+            cache = self._barriers = {}
+        got = cache.get(op)
+        if got is None:
+            got = cache[op] = (_jit.function(_FILE, "ep_direct_barrier"), max(32, -(-(self.hi - self.lo) // 32) * 32),
+                               (self.bar.table, np.int32(self.R), np.int32(self.me), self.state,
+                                np.int64(self.timeout_ns), self._err_ptr, np.int32(OP_CODES[op]), np.int32(self.lo),
+                                np.int32(self.hi)))
+        _jit.launch(got[0], 1, got[1], got[2], stream=stream)
 
     def _grid(self, fn, call, work):
         """Blocks of a fused kernel: at most one resident wave (its blocks wait on each other's peers), at
@@ -552,6 +563,7 @@ class DirectTransport:
                 self.closed = True
                 shared = [self._stages[k] for k in reversed(self._order)] + [b for b in (self.flags, self.bar) if b]
                 self._stages, self._order, self.bar, self.flags = {}, [], None, None
+                self._barriers = None
                 for st in shared:  # every IPC mapping of the peers' buffers first
                     st.close_mappings()
                 for st in shared:  # then this rank's own allocations
