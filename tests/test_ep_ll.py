@@ -591,7 +591,7 @@ class _LLTrace:
         from moe_rt import _arrays, _ep_direct, _errors, _jit
         from moe_rt import ep_ll as ep_ll_mod
 
-        self.cupy, self.events, self.allocs, self.kernels = cupy, [], 0, []
+        self.cupy, self.events, self.allocs, self.kernels, self.lookups = cupy, [], 0, [], 0
         self.addrs = itertools.count(1 << 40, 1 << 24)
         trace = self
 
@@ -645,7 +645,11 @@ class _LLTrace:
             def __exit__(self, *a):
                 return False
 
-        monkeypatch.setattr(_jit, "function", lambda file, name: Kernel(name))
+        def function(file, name):
+            trace.lookups += 1
+            return Kernel(name)
+
+        monkeypatch.setattr(_jit, "function", function)
         monkeypatch.setattr(_jit, "launch_raw", launch_raw)
         monkeypatch.setattr(_jit, "device_properties", lambda dev: {"sm_count": 4})
         monkeypatch.setattr(_errors, "word", lambda dev: 64)
@@ -820,8 +824,9 @@ def test_cuda_host_path_launches_and_arguments(monkeypatch, fp8, T):
                                                         ("float32", 8, np.int64, 4, "false")])
 def test_cuda_host_path_round_trip_counts(monkeypatch, dtype, H, idx_dtype, shift, vec):
     """Pinned: an eager round trip (dispatch + combine) issues four launches and two allocations, from the
-    first call on; the kernels' template arguments follow the dtype, the id dtype and the 16-byte vector
-    path (rows of a multiple of 16 bytes at 16-byte aligned addresses)."""
+    first call on, and looks its kernels up on the first call only; the kernels' template arguments follow
+    the dtype, the id dtype and the 16-byte vector path (rows of a multiple of 16 bytes at 16-byte aligned
+    addresses)."""
     import ml_dtypes
 
     from moe_rt import _jit
@@ -833,7 +838,7 @@ def test_cuda_host_path_round_trip_counts(monkeypatch, dtype, H, idx_dtype, shif
     x.ptr += shift
     y = tr.dev(g._slots_shape(), dt)
     c, i = _jit.ctype(dt), {np.int32: "int", np.int64: "long long"}[idx_dtype]
-    for _ in range(3):
+    for n in range(3):
         h = g.dispatch(x, idx, w)[-1]
         g.combine(h, y)
         names = list(tr.kernels)
@@ -841,6 +846,21 @@ def test_cuda_host_path_round_trip_counts(monkeypatch, dtype, H, idx_dtype, shif
         assert names == ["ep_direct_barrier", f"ep_ll_dispatch<{c}, {i}, {vec}>", "ep_direct_barrier",
                          f"ep_ll_combine<{c}, {'true' if dt.itemsize * H % 16 == 0 else 'false'}>"]
         assert allocs == 2
+        assert tr.lookups == (4 if n == 0 else 0)  # two barriers (one per op), dispatch, combine
+        tr.lookups = 0
+
+
+def test_profile_ll_host_tool_runs():
+    """tools/profile_ll_host.py (the host time of each op with the device stood in for) runs without a GPU and
+    counts the launches and allocations the tests above pin."""
+    pytest.importorskip("cupy")
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "profile_ll_host.py"), "--calls", "2"],
+                       capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = {line[:30].strip(): line[30:].split() for line in r.stdout.splitlines()[1:]}
+    assert rows["dispatch+combine"][1:] == ["4", "2"] and rows["dispatch split+hook"][1:] == ["3", "1"]
+    assert len(rows) == 9 and all(float(v[0]) > 0 for v in rows.values())
 
 
 # -- one GPU: the 1-rank group against the reference; graph replay ---------------------------------------
