@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import moe_rt
+from moe_rt import _ep_direct
 from moe_rt.ep_ll import LowLatencyGroup, LowLatencyHandle
 from moe_rt.reference import ep_ll as ref
 
@@ -580,123 +581,44 @@ def _kernel_params(name):
     return out
 
 
+def _stand_ins():
+    """tools/profile_ll_host.py's StandIns (the device stood in for)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("profile_ll_host", ROOT / "tools" / "profile_ll_host.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.StandIns
+
+
 class _LLTrace:
-    """Stand-ins for the device: kernels, launches (recorded with their arguments by parameter name), the
-    call's CuPy allocations (CuPy arrays over fake addresses, counted) and streams."""
+    """The device stood in for (tools/profile_ll_host.py, undone after the test), each launch recorded with
+    its arguments by parameter name after checking their count and types; ``take()``: the launches and
+    allocations since the last take."""
 
     def __init__(self, monkeypatch):
-        import itertools
+        pytest.importorskip("cupy")
+        self.st = _stand_ins()(monkeypatch.setattr, resident=8, sm_count=4)
+        self.st.on_launch = self._launch
+        self.events, self.kernels = [], []
+        self.array, self.dev, self.group = self.st.array, self.st.dev, self.st.group
 
-        cupy = pytest.importorskip("cupy")
-        from moe_rt import _arrays, _ep_direct, _errors, _jit
-        from moe_rt import ep_ll as ep_ll_mod
-
-        self.cupy, self.events, self.allocs, self.kernels, self.lookups = cupy, [], 0, [], 0
-        self.addrs = itertools.count(1 << 40, 1 << 24)
-        trace = self
-
-        class Kernel:
-            def __init__(self, name):
-                self.name, self.ptr = name, id(self)
-
-        def launch_raw(fn, grid, block, args, smem, stream):
-            trace.kernels.append(fn.name)
-            name = fn.name.split("<")[0]
-            params = _kernel_params(name)
-            assert len(args) == len(params), name
-            for (ctype, pname), a in zip(params, args):  # each argument of the type its parameter takes
-                want = {"int": np.int32, "i64": np.int64}.get(ctype)
-                assert (type(a) is want) if want else (type(a) is int or hasattr(a, "data")), (name, pname, a)
-            named = {pname: (int(a) if type(a) is int or isinstance(a, np.generic) else a.data.ptr)
-                     for (_, pname), a in zip(params, args)}
-            one = lambda v: v[0] if type(v) is tuple and len(v) == 1 else v  # noqa: E731 - 1-D grid / block
-            trace.events.append((name, one(grid), one(block), named))
-
-        class Xp:
-            @staticmethod
-            def empty(shape, dtype):
-                trace.allocs += 1
-                return trace.array(shape, dtype)
-
-        class Call:
-            def __init__(self, arrays, stream=None, **kw):
-                self.backend, self.xp, self.device_id, self.framework = "cuda", Xp, 0, "devarray"
-                self.stream, self.views = type("S", (), {"ptr": 7})(), dict(arrays)
-
-            def __getitem__(self, k):
-                return self.views[k]
-
-            def __enter__(self):
-                return self
-
-            def __exit__(self, *a):
-                return False
-
-            def out(self, a):
-                return a
-
-        class Device:
-            def __init__(self, i=None):
-                self.id = 0
-
-            def __enter__(self):
-                return self
-
-            def __exit__(self, *a):
-                return False
-
-        def function(file, name):
-            trace.lookups += 1
-            return Kernel(name)
-
-        monkeypatch.setattr(_jit, "function", function)
-        monkeypatch.setattr(_jit, "launch_raw", launch_raw)
-        monkeypatch.setattr(_jit, "device_properties", lambda dev: {"sm_count": 4})
-        monkeypatch.setattr(_errors, "word", lambda dev: 64)
-        monkeypatch.setattr(_ep_direct, "_resident_ctas", lambda fn, threads, dev: 8)
-        monkeypatch.setattr(_arrays, "Call", Call)
-        monkeypatch.setattr(_arrays, "as_cupy_stream", lambda stream, dev: type("S", (), {"ptr": 9})())
-        monkeypatch.setattr(cupy.cuda, "Device", Device)
-        self.ep_ll, self.direct = ep_ll_mod, _ep_direct
-
-    def array(self, shape, dtype):
-        """A CuPy array over a fake address (nothing reads or writes its memory); an empty one at address 0,
-        as CuPy's."""
-        cupy = self.cupy
-        shape = (shape,) if isinstance(shape, int) else tuple(shape)
-        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
-        mem = cupy.cuda.UnownedMemory(next(self.addrs) if n else 0, max(n, 1), None, 0)
-        return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0))
-
-    def dev(self, shape, dtype):
-        from moe_rt import _arrays
-
-        return _arrays.DevArray(next(self.addrs), tuple(shape), np.dtype(dtype), None, 0)
-
-    def group(self, R, me, E, H, Tmax, K, dtype, num_buffers, fp8):
-        """A LowLatencyGroup of rank ``me`` of R whose transport and shared buffers are stand-ins (what _setup
-        makes, without CUDA)."""
-        comm = type("Comm", (), {"rank": me, "size": R, "device": 0, "all_gather": None})()
-        g = LowLatencyGroup(comm, E, H, Tmax, topk=K, dtype=dtype, num_buffers=num_buffers, fp8=fp8)
-        d = object.__new__(self.direct.DirectTransport)
-        d.comm, d.device, d.R, d.me, d.lo, d.hi, d.P = comm, 0, R, me, 0, R, 2 * Tmax * num_buffers
-        d.timeout_ns, d._stages, d._order, d.closed, d._err_ptr = 10**9, {}, [], False, 96
-        d.state = self.dev((2,), np.uint32)
-        d.bar = type("Sh", (), {"table": self.dev((R,), np.int64)})()
-        d.flags = type("Sh", (), {"table": self.dev((R,), np.int64)})()
-        offs, o = {}, 0
-        for name, nb in g._regions():
-            offs[name] = (o, nb)
-            o += -(-nb // 256) * 256
-        buf = type("Sh", (), {"local": next(self.addrs), "table": self.dev((R,), np.int64)})()
-        g._transport, g._buf, g._offs = d, buf, offs
-        g._tables = {n: (1 << 50) + off for n, (off, _) in offs.items()}  # the peer tables' device addresses
-        g._set_epoch = self.array(num_buffers, np.uint32)
-        return g
+    def _launch(self, fn, grid, block, args):
+        self.kernels.append(fn.name)
+        name = fn.name.split("<")[0]
+        params = _kernel_params(name)
+        assert len(args) == len(params), name
+        for (ctype, pname), a in zip(params, args):  # each argument of the type its parameter takes
+            want = {"int": np.int32, "i64": np.int64}.get(ctype)
+            assert (type(a) is want) if want else (type(a) is int or hasattr(a, "data")), (name, pname, a)
+        named = {pname: (int(a) if type(a) is int or isinstance(a, np.generic) else a.data.ptr)
+                 for (_, pname), a in zip(params, args)}
+        one = lambda v: v[0] if type(v) is tuple and len(v) == 1 else v  # noqa: E731 - 1-D grid / block
+        self.events.append((name, one(grid), one(block), named))
 
     def take(self):
         ev, self.events, self.kernels = self.events, [], []
-        allocs, self.allocs = self.allocs, 0
+        allocs, self.st.allocs = self.st.allocs, 0
         return ev, allocs
 
 
@@ -714,7 +636,7 @@ def test_cuda_host_path_launches_and_arguments(monkeypatch, fp8, T):
     R, me, E, H, Tmax, K = 2, 1, 6, 40, 13, 3
     L, bf = E // R, np.dtype(ml_dtypes.bfloat16)
     g = tr.group(R, me, E, H, Tmax, K, bf, 2, True)
-    d, OP = g._transport, tr.direct.OP_CODES
+    d, OP = g._transport, _ep_direct.OP_CODES
     x, idx, w = tr.dev((T, H), bf), tr.dev((T, K), np.int64), tr.dev((T, K), np.float32)
     pair = (tr.array((T, H), np.uint8), tr.array((T, g.num_scales), np.float32))  # CuPy, as the pair is taken
     y, gout = tr.dev((L, R * Tmax, H), bf), tr.dev((T, H), bf)
@@ -846,8 +768,8 @@ def test_cuda_host_path_round_trip_counts(monkeypatch, dtype, H, idx_dtype, shif
         assert names == ["ep_direct_barrier", f"ep_ll_dispatch<{c}, {i}, {vec}>", "ep_direct_barrier",
                          f"ep_ll_combine<{c}, {'true' if dt.itemsize * H % 16 == 0 else 'false'}>"]
         assert allocs == 2
-        assert tr.lookups == (4 if n == 0 else 0)  # two barriers (one per op), dispatch, combine
-        tr.lookups = 0
+        assert tr.st.lookups == (4 if n == 0 else 0)  # two barriers (one per op), dispatch, combine
+        tr.st.lookups = 0
 
 
 def test_profile_ll_host_tool_runs():
