@@ -117,6 +117,7 @@ class StandIns:
         d = object.__new__(_ep_direct.DirectTransport)
         d.comm, d.device, d.R, d.me, d.lo, d.hi, d.P = comm, 0, R, me, 0, R, 2 * Tmax * num_buffers
         d.timeout_ns, d._stages, d._order, d.closed, d._err_ptr = 10**9, {}, [], False, 96
+        d._pairs, d._launches, d._views = {}, {}, {}  # the launch set-ups DirectTransport.__init__ starts empty
         d.state = self.dev((2,), np.uint32)
         d.bar = type("Sh", (), {"table": self.dev((R,), np.int64)})()
         d.flags = type("Sh", (), {"table": self.dev((R,), np.int64)})()
