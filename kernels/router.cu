@@ -2313,6 +2313,63 @@ struct RegRows {
   }
 };
 
+// cp.async (sm_80+): 16 bytes from global to shared memory through L2 only, in groups committed and awaited
+// by the issuing thread (whose later shared loads of those bytes then see them).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"((unsigned)__cvta_generic_to_shared(smem)),
+               "l"(gmem)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// RegRows' interface with the rows read AHEAD tokens ahead through shared memory (cp.async; no registers held
+// for them): a ring of AHEAD + 1 rows a warp, `ring` (16-byte cells, AHEAD + 1 rows of NJ * 32), lane `lane`
+// copying and reading only its own chunks lane + 32 j, so it waits on its own copies (no warp sync). The warp's
+// i-th row sits in buffer i mod (AHEAD + 1); once row i is read, the copy of row i + AHEAD goes to the buffer
+// of row i - 1, whose values the previous iteration used.
+template <bool C, typename A, typename B> struct Pick { using type = A; };
+template <typename A, typename B> struct Pick<false, A, B> { using type = B; };
+
+template <typename T, int NJ, int AHEAD>
+struct AsyncRows {
+  static_assert(AHEAD >= 1 && AHEAD <= 4, "AHEAD: 1 to 4 rows (cp.async.wait_group AHEAD - 1)");
+  static constexpr int CH = 16 / (int)sizeof(T), NB = AHEAD + 1;
+  const T* __restrict__ logits;
+  i64 num_tokens, stride;
+  int E, nch, lane;
+  uint4* ring;  // set after construction (RegRows' initializer list)
+  int i;        // rows this warp has read
+  __device__ __forceinline__ void issue(i64 tt, int b) {
+    if (tt < num_tokens) {
+#pragma unroll
+      for (int j = 0; j < NJ; ++j)
+        if (lane + 32 * j < nch)
+          cp_async16(ring + (b * NJ + j) * 32 + lane, logits + tt * (i64)E + (i64)(lane + 32 * j) * CH);
+    }
+    cp_async_commit();  // one group a row, empty past the last token: the counts below stay exact
+  }
+  // before the first token t0
+  __device__ __forceinline__ void start(i64 t0) {
+    i = 0;
+#pragma unroll
+    for (int d = 0; d < AHEAD; ++d) issue(t0 + d * stride, d);
+  }
+  // token t's chunks into xv
+  __device__ __forceinline__ void get(i64 t, T (&xv)[NJ][CH]) {
+    cp_async_wait<AHEAD - 1>();  // rows i + 1 .. i + AHEAD - 1 may still be in flight
+    const int b = i % NB;
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+      if (lane + 32 * j < nch) *reinterpret_cast<uint4*>(xv[j]) = ring[(b * NJ + j) * 32 + lane];
+    issue(t + AHEAD * stride, (i + AHEAD) % NB);
+    ++i;
+  }
+};
+
 }  // namespace
 
 // ---- forward with the row in registers: one warp per token, 4 tokens per block -------------------------
@@ -2682,8 +2739,13 @@ __device__ __forceinline__ void qb_map_out(bool* __restrict__ rmap, i64 row, int
 // from word 0: no group scratch), then (hmode 2) E ceil(B / 2) words of counters. Built for the register
 // budget of router_fwd_reg's blocks a multiprocessor with groups (fp32 5, bf16 6 blocks of 128 threads at
 // V = 8), taken as one block of up to 128 times as many threads: launched with 128 threads (hmode 0, 1) as
-// router_fwd_reg, or (hmode 2) with every warp a multiprocessor holds sharing one histogram.
-template <typename T, int V>
+// router_fwd_reg, or (hmode 2) with every warp a multiprocessor holds sharing one histogram. AHEAD = 0: the
+// rows as router_fwd_reg reads them (RegRows: the next token's chunks in registers for V <= 16); AHEAD > 0:
+// AHEAD tokens ahead through shared memory (AsyncRows: a ring of (AHEAD + 1) NJ 32 16-byte cells a warp
+// after the token slots, before the histogram). bf16 rows at E = 256 are 512 bytes: one row ahead in each of
+// the 24 warps of a multiprocessor kept 12 KiB of logits in flight, against 16 KiB or more for the plain
+// forward's 32 warps (fp32: 20 warps of 1 KiB rows, as the plain forward's).
+template <typename T, int V, int AHEAD = 0>
 __global__ void __launch_bounds__(128 * MOE_RT_FWD_REG_MINB(V, T, true, false), 1)
 router_fwd_qb_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, float scale,
                   const float* __restrict__ bias, T* __restrict__ probs, bool* __restrict__ rmap,
@@ -2704,7 +2766,8 @@ router_fwd_qb_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, fl
   float *lw = P.lw, *lp = P.lp;
   if (lane == 0) list[2 * kList] = 0u;
   const int spb = blockDim.x >> 5;  // token slots a block
-  QbHist H{hist, sbase + (size_t)spb * L.total, B, hmode, 0.0f, 0.0f, CH == 8 ? 3 : 2};
+  constexpr int RING = AHEAD > 0 ? (AHEAD + 1) * NJ * 32 * 4 : 0;  // words of a warp's ring
+  QbHist H{hist, sbase + (size_t)spb * (L.total + RING), B, hmode, 0.0f, 0.0f, CH == 8 ? 3 : 2};
   if (hmode) H.sc = qb_scale(bounds, B, H.lo);
   if (hmode == 2) qb_smem_zero(H.s, E, B);
   __syncthreads();
@@ -2712,7 +2775,9 @@ router_fwd_qb_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, fl
   const int nch = E / CH;
   const int K1 = K + 1;
   const i64 stride = (i64)gridDim.x * spb;
-  RegRows<T, NJ, (V <= 16)> rows{logits, num_tokens, stride, E, nch, lane};
+  typename Pick<(AHEAD > 0), AsyncRows<T, NJ, (AHEAD > 0 ? AHEAD : 1)>, RegRows<T, NJ, (V <= 16)>>::type rows{
+      logits, num_tokens, stride, E, nch, lane};
+  if constexpr (AHEAD > 0) rows.ring = reinterpret_cast<uint4*>(sbase + (size_t)spb * L.total + (size_t)slot * RING);
   rows.start((i64)blockIdx.x * spb + slot);
 
   for (i64 t = (i64)blockIdx.x * spb + slot; t < num_tokens; t += stride) {

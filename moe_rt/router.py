@@ -69,6 +69,7 @@ _jit.register(_FILE, [f"router_fwd<{c}, {team}>" for c in _jit.CTYPES.values() f
               + [f"aux_loss_bwd<{c}>" for c in _jit.CTYPES.values()]
               + [f"router_fwd_qb<{c}, {team}>" for c in _jit.CTYPES.values() for team in _TEAMS]
               + [f"router_fwd_qb_reg<{c}, {v}>" for c in ("float", "__nv_bfloat16") for v in _REG_V]
+              + [f"router_fwd_qb_reg<{c}, {v}, 2>" for c in ("float", "__nv_bfloat16") for v in (8, 16)]
               + ["qb_histogram_accumulate"])
 # Quick kernels (_jit.function_tiered): compiled for one score case alone (_score_case), each computes the
 # bits of the kernel it stands in for in that case: a row of one warp, with groups (for the one-warp and
@@ -263,9 +264,17 @@ def _reg_slot_words(E, G, K, lanesel=False):
     return (al4(E) if G else 0) + al4(G) + 16 * 32 + 2 * 64 + 4 + 4 * al4(K)
 
 
-def _qb_reg_slot_words(K):
-    """A token slot of router_fwd_qb_reg: the radix list, then the K routes' experts, keys, weights, probs."""
-    return 2 * 64 + 4 + 4 * ((K + 3) & ~3)
+def _qb_reg_slot_words(K, ahead=0, nj=0):
+    """Shared memory of a warp of router_fwd_qb_reg (32-bit words): its token slot (the radix list, then the K
+    routes' experts, keys, weights, probs) and, with rows read ``ahead`` tokens ahead (AsyncRows), its ring of
+    ahead + 1 rows of ``nj`` 16-byte chunks a lane."""
+    return 2 * 64 + 4 + 4 * ((K + 3) & ~3) + ((ahead + 1) * nj * 32 * 4 if ahead else 0)
+
+
+def _qb_reg_rows(dtype, v, K):
+    """(AHEAD, shared-memory words a warp) of router_fwd_qb_reg at v keys a lane (_QB_ROWS_AHEAD)."""
+    ahead = _QB_ROWS_AHEAD.get(dtype.itemsize, 0) if v <= 16 else 0
+    return ahead, _qb_reg_slot_words(K, ahead, v * dtype.itemsize // 16)
 
 
 def _reg_v(E, ch, vec, dtype):
@@ -910,6 +919,12 @@ _QB_BLOCK_TOKENS = 65535  # hmode 2: tokens a block at most (below 2^16: no coun
 # multiprocessor; 4: the plain forward's blocks, 5-6 histograms and flushes a multiprocessor). A benchmark
 # variant, MOE_RT_QB_REG_WARPS at import; tests patch the attribute.
 _QB_REG_WARPS = int(os.environ.get("MOE_RT_QB_REG_WARPS", 0))
+# router_fwd_qb_reg at up to 16 keys a lane (E <= 512): tokens its rows are read ahead through shared memory
+# (cp.async; the kernel's AHEAD), by logits itemsize; 0: one row ahead in registers, as router_fwd_reg. bf16
+# rows at E = 256 are 512 bytes, and one row ahead in each of the kernel's 24 warps a multiprocessor (80
+# registers) left 12 KiB of logits in flight (QB fused 1.21x the plain forward on H100, fp32 1.07x with its
+# 1 KiB rows). MOE_RT_QB_ROWS_AHEAD="bf16,fp32" at import (each 0 or 2; a benchmark variant); tests patch it.
+_QB_ROWS_AHEAD = dict(zip((2, 4), (int(v) for v in os.environ.get("MOE_RT_QB_ROWS_AHEAD", "2,0").split(","))))
 
 
 def _qb_hmode(T, E, B, fused):
@@ -935,11 +950,12 @@ def _qb_fwd_cfg(dtype, T, E, K, B, vec, fused):
     hbytes = 4 * E * ((B + 1) // 2) if hmode == 2 else 0
     v = _reg_v(E, 16 // dtype.itemsize, vec, dtype)
     if v:
-        name = f"router_fwd_qb_reg<{ct}, {v}>"
+        ahead, words = _qb_reg_rows(dtype, v, K)
+        name = f"router_fwd_qb_reg<{ct}, {v}{f', {ahead}' if ahead else ''}>"
         if hmode == 2:  # one resident wave, one histogram (and one flush) a multiprocessor
             return name, None, None, hbytes, 0, hmode
         # tokens a warp as the plain forward's register kernel (no lane groups)
-        return name, 128, 4, 4 * 4 * _qb_reg_slot_words(K), _fwd_tpw(dtype, v, False), hmode
+        return name, 128, 4, 4 * 4 * words, _fwd_tpw(dtype, v, False), hmode
     team = _team(E, fwd=True)
     spb = 4 if team == 32 else 1
     return (f"router_fwd_qb<{ct}, {team}>", team * spb, spb, 4 * spb * _slot_words(E, 0, K + 1, team) + hbytes,
@@ -955,7 +971,7 @@ def _launch_qb_fwd(call, x, T, E, K, scale, b32, probs, rmap, inter, cut, bounds
         spb = fn.max_threads_per_block // 32
         spb = min(spb, _QB_REG_WARPS) if _QB_REG_WARPS > 0 else spb
         threads = 32 * spb
-        smem += 4 * spb * _qb_reg_slot_words(K)
+        smem += 4 * spb * _qb_reg_rows(x.dtype, _reg_v(E, ch, vec, x.dtype), K)[1]
     _jit.set_max_dynamic_shared(fn, smem)
     resident = _grid(1 << 30, threads, smem, call.device_id, getattr(fn, "num_regs", 0))
     grid = _tpw_grid(T, spb, tpw, resident)

@@ -685,7 +685,8 @@ def test_gpu_bias_update(rng):
 
 def test_forward_kernel_choice():
     """router_fwd_qb_reg where the plain forward takes router_fwd_reg (16-byte float32/bfloat16 rows up to
-    E = 1024), router_fwd_qb otherwise; the shared-memory histogram (hmode 2) where E ceil(B / 2) words fit
+    E = 1024; bf16 rows up to 16 keys a lane read 2 tokens ahead through shared memory, its ring after each
+    warp's slot), router_fwd_qb otherwise; the shared-memory histogram (hmode 2) where E ceil(B / 2) words fit
     _QB_SMEM_HIST_BYTES (router_fwd_qb_reg: one block of every warp it takes a multiprocessor, sized at
     launch), else global atomics (1) up to _QB_ATOMIC_SAMPLES samples T E, else none (0: the histogram by
     qb_histogram_accumulate after the kernel, as in the two-kernel mode, which is always 0); every name
@@ -693,7 +694,8 @@ def test_forward_kernel_choice():
     names = _jit.REGISTRY["router.cu"]
     T = 65536
     cases = [((F32, T, 256, 8, 64, True, True), ("router_fwd_qb_reg<float, 8>", 2)),
-             ((BF16, T, 256, 8, 64, True, True), ("router_fwd_qb_reg<__nv_bfloat16, 8>", 2)),
+             ((BF16, T, 256, 8, 64, True, True), ("router_fwd_qb_reg<__nv_bfloat16, 8, 2>", 2)),
+             ((BF16, T, 512, 16, 49, True, True), ("router_fwd_qb_reg<__nv_bfloat16, 16, 2>", 0)),
              ((F32, T, 512, 16, 48, True, True), ("router_fwd_qb_reg<float, 16>", 2)),
              ((F32, T, 512, 16, 49, True, True), ("router_fwd_qb_reg<float, 16>", 0)),
              ((F32, 512, 512, 16, 49, True, True), ("router_fwd_qb_reg<float, 16>", 1)),
@@ -715,7 +717,9 @@ def test_forward_kernel_choice():
             if hmode == 2:
                 assert got[1:5] == (None, None, hbytes, 0)
             else:
-                assert got[1:4] == (128, 4, 16 * (2 * 64 + 4 + 4 * ((K + 3) & ~3)))
+                nj = E * np.dtype(dt).itemsize // 16 // 32  # 16-byte chunks a lane (E a multiple of 32 chunks here)
+                ring = 3 * nj * 32 * 4 if got[0].endswith(", 2>") else 0
+                assert got[1:4] == (128, 4, 16 * (2 * 64 + 4 + 4 * ((K + 3) & ~3) + ring))
         else:
             team = R._team(E, fwd=True)
             spb = 4 if team == 32 else 1
@@ -820,6 +824,14 @@ def test_gpu_kernel_paths_agree(rng, monkeypatch, case):
             monkeypatch.setattr(R, attr, value)
         runs[cfg] = _qb_gpu_run(cp, x, bias, bounds, start, K)
     monkeypatch.setattr(R, "_FWD_VARIANT", None)
+    monkeypatch.setattr(R, "_QB_REG_WARPS", 0)
+    # the register kernel's rows: one token ahead in registers, or 2 ahead through shared memory (AsyncRows),
+    # for each dtype; with the shared histogram (one block a multiprocessor) and with blocks of 4 tokens
+    for ahead in ({2: 0, 4: 0}, {2: 2, 4: 2}):
+        monkeypatch.setattr(R, "_QB_ROWS_AHEAD", ahead)
+        for tokens in (65535, 4):
+            monkeypatch.setattr(R, "_QB_BLOCK_TOKENS", tokens)
+            runs[("ahead", ahead[2], tokens)] = _qb_gpu_run(cp, x, bias, bounds, start, K)
     runs["two_kernel"] = _qb_gpu_run(cp, x, bias, bounds, start, K, "two_kernel")
     first = next(iter(runs.values()))
     for key, outs in runs.items():
