@@ -2651,8 +2651,9 @@ router_fwd_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, int s
 // The forward kernels' histogram (hmode): 0 none (qb_histogram_accumulate counts after the kernel), 1 one
 // global int32 atomic a sample, 2 a histogram of the block in shared memory after the token slots, 16-bit
 // counters two to a word (E ceil(B / 2) words; qb_smem_word), added to hist by global atomics at the block's
-// end. The host keeps every block under 65536 tokens, so no counter passes 0xffff (a
-// sample adds one to one counter per token). Modes 1 and 2 add the same integers. In mode 2 the flush is the
+// end, 3 (B <= 256) each sample's bin as a byte of bins [T, E], counted by qb_histogram_bins after the kernel
+// (a quarter of the raw values' bytes that qb_histogram_accumulate would read again). The host keeps every
+// block under 65536 tokens, so no counter passes 0xffff (a sample adds one to one counter per token). Modes 1 and 2 add the same integers. In mode 2 the flush is the
 // cost that grows with the blocks (up to E B atomics each, at the end of a single resident wave), so
 // router_fwd_qb_reg then runs one block of every warp a multiprocessor holds (blockDim a multiple of 32).
 #ifndef MOE_RT_QB_ARGMAX_K1
@@ -2701,6 +2702,23 @@ struct QbHist {
   }
 };
 
+// hmode 3: the bins of the CH samples of experts e .. e + CH - 1 of one row (raw values r[0, CH)) as CH bytes
+// at p, one store (p aligned to min(CH, 8) bytes).
+template <int CH>
+__device__ __forceinline__ void qb_bins_out(unsigned char* p, float cut, const float* r, float lo, float sc, int B) {
+  static_assert(CH == 4 || CH == 8, "chunks of 4 or 8 samples");
+  unsigned w[CH / 4];
+#pragma unroll
+  for (int q = 0; q < CH / 4; ++q) w[q] = 0u;
+#pragma unroll
+  for (int v = 0; v < CH; ++v) w[v >> 2] |= (unsigned)qb_bin(cut, r[v], lo, sc, B) << ((v & 3) * 8);
+  if constexpr (CH == 8) {
+    *reinterpret_cast<uint2*>(p) = make_uint2(w[0], w[1]);
+  } else {
+    *reinterpret_cast<unsigned*>(p) = w[0];
+  }
+}
+
 // hmode 2: zero the block's counters (before the first token; the caller syncs the block after).
 __device__ __forceinline__ void qb_smem_zero(unsigned* s, int E, int B) {
   const int words = E * ((B + 1) >> 1);
@@ -2734,7 +2752,8 @@ __device__ __forceinline__ void qb_map_out(bool* __restrict__ rmap, i64 row, int
 
 // The QB forward with the row in registers (router_fwd_reg's machinery: one warp a token, a token slot a
 // warp, 16-byte rows, V keys a lane; requires vec and E / CH <= 32 * V / CH). probs, rmap (byte map), inter
-// and cutoff are written for every token; hist [E, B] int32 is accumulated by hmode (above; 0: not touched).
+// and cutoff are written for every token; hist [E, B] int32 is accumulated by hmode (above; 0: not touched),
+// or (hmode 3) bins [T, E] written.
 // Shared memory: a slot a warp of the radix list and the k routes' experts, keys and weights (layout_tail
 // from word 0: no group scratch), then (hmode 2) E ceil(B / 2) words of counters. Built for the register
 // budget of router_fwd_reg's blocks a multiprocessor with groups (fp32 5, bf16 6 blocks of 128 threads at
@@ -2750,7 +2769,7 @@ __global__ void __launch_bounds__(128 * MOE_RT_FWD_REG_MINB(V, T, true, false), 
 router_fwd_qb_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, float scale,
                   const float* __restrict__ bias, T* __restrict__ probs, bool* __restrict__ rmap,
                   float* __restrict__ inter, float* __restrict__ cutoff, const float* __restrict__ bounds,
-                  int* __restrict__ hist, int B, int hmode) {
+                  int* __restrict__ hist, unsigned char* __restrict__ bins, int B, int hmode) {
   constexpr int CH = 16 / (int)sizeof(T);
   constexpr int NJ = V / CH;
   static_assert(NJ * CH == V, "V must be a multiple of the chunk size");
@@ -2861,7 +2880,11 @@ router_fwd_qb_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, fl
     });
     __syncwarp();  // orders the fill before the patch
     for (int jj = lane; jj < K; jj += 32) probs[row + lidx[jj]] = from_float<T>(lw[jj]);
-    if (hmode) {
+    if (hmode == 3) {
+      const float cut = fdecode(thr);
+      for_chunks<NJ>(nch,
+                     [&](int j, int c) { qb_bins_out<CH>(bins + row + c * CH, cut, raw + j * CH, H.lo, H.sc, B); });
+    } else if (hmode) {
       const float cut = fdecode(thr);
       for_chunks<NJ>(nch, [&](int j, int c) {
 #pragma unroll
@@ -2879,14 +2902,14 @@ router_fwd_qb_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, fl
 // The QB forward of any row: one team of TEAM threads per token (TEAM = 32: 4 tokens a block), the row's keys
 // in shared memory (the slot layout of router_fwd for k + 1 and no groups); vec (16-byte rows, as in
 // router_fwd): phase 1 and the dense outputs in 16-byte chunks. probs, rmap, inter and cutoff are written for
-// every token; hist [E, B] int32 is accumulated by hmode (above; 0: not touched). Shared memory: SPB slots,
-// then (hmode 2) E ceil(B / 2) words of counters.
+// every token; hist [E, B] int32 is accumulated by hmode (above; 0: not touched), or (hmode 3) bins [T, E]
+// written. Shared memory: SPB slots, then (hmode 2) E ceil(B / 2) words of counters.
 template <typename T, int TEAM>
 __global__ void __launch_bounds__(TEAM == 32 ? 128 : TEAM, MOE_RT_FWD_MINB(TEAM))
 router_fwd_qb(const T* __restrict__ logits, i64 num_tokens, int E, int K, float scale,
               const float* __restrict__ bias, T* __restrict__ probs, bool* __restrict__ rmap,
               float* __restrict__ inter, float* __restrict__ cutoff, const float* __restrict__ bounds,
-              int* __restrict__ hist, int B, int hmode, int vec) {
+              int* __restrict__ hist, unsigned char* __restrict__ bins, int B, int hmode, int vec) {
   using TM = Team<TEAM>;
   constexpr int SPB = TEAM == 32 ? 4 : 1;
   constexpr int CH = 16 / (int)sizeof(T);
@@ -2985,15 +3008,20 @@ router_fwd_qb(const T* __restrict__ logits, i64 num_tokens, int E, int K, float 
         if (hmode) {
           alignas(16) float av[CH];
           ldn<CH>(inter + row + (i64)c * CH, av);
+          if (hmode == 3) {
+            qb_bins_out<CH>(bins + row + (i64)c * CH, cut, av, H.lo, H.sc, B);
+          } else {
 #pragma unroll
-          for (int v = 0; v < CH; ++v) H.add(c * CH + v, cut, av[v]);
+            for (int v = 0; v < CH; ++v) H.add(c * CH + v, cut, av[v]);
+          }
         }
       }
     } else {
       for (int e = r; e < E; e += TEAM) {
         qb_map_out(rmap, row, e, e != cidx && selected(keys[e], e, thr, il));
         probs[row + e] = from_float<T>(0.0f);
-        if (hmode) H.add(e, cut, inter[row + e]);
+        if (hmode == 3) bins[row + e] = (unsigned char)qb_bin(cut, inter[row + e], H.lo, H.sc, B);
+        else if (hmode) H.add(e, cut, inter[row + e]);
       }
     }
     TM::sync();  // orders the fill before the patch (same block)
@@ -3057,6 +3085,59 @@ qb_histogram_accumulate(const float* __restrict__ raw, const float* __restrict__
   }
 }
 #endif
+
+// hmode 3's second step: the bins [T, E] (uint8, B <= 256) the forward wrote, counted into hist. Block (bx, by)
+// counts experts [32 NV bx, 32 NV (bx + 1)) (lane l: experts 32 NV bx + NV l + v, v < NV, read as one NV-byte
+// word, so a warp reads 32 NV contiguous bytes of a row; E % NV == 0) over the by-th share of the tokens (warp
+// w: tokens t0 + w, t0 + w + nw, ...; U rows loaded before the first is counted). The block's int32 counters in
+// shared memory (NV B 32 words), sample (l, v, bin) at word (v B + bin) 32 + l: every lane of a warp adds in
+// its own bank whatever the bins, so its 32 atomics take one pass; added to hist at the block's end (in word
+// order: the reads conflict-free). blockDim a multiple of 32.
+template <int NV> struct QbBinsWord { using type = unsigned char; };
+template <> struct QbBinsWord<2> { using type = unsigned short; };
+template <> struct QbBinsWord<4> { using type = unsigned; };
+
+template <int NV>
+__global__ void __launch_bounds__(1024)
+qb_histogram_bins(const unsigned char* __restrict__ bins, long long num_tokens, int E, int* __restrict__ hist,
+                  int B) {
+  constexpr int U = 8;
+  using W = typename QbBinsWord<NV>::type;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  unsigned* sh = reinterpret_cast<unsigned*>(smem_raw);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  const int e0 = blockIdx.x * 32 * NV, e = e0 + NV * lane;
+  const bool valid = e < E;
+  const long long per = (num_tokens + gridDim.y - 1) / gridDim.y;
+  const long long t0 = (long long)blockIdx.y * per, t1 = min(num_tokens, t0 + per);
+  const int words = NV * B * 32;
+  for (int i = threadIdx.x; i < words; i += blockDim.x) sh[i] = 0u;
+  __syncthreads();
+  unsigned* const hp = sh + lane;
+  const W* __restrict__ rp = reinterpret_cast<const W*>(bins + e);
+  const long long rs = E / NV;  // a row in words
+  for (long long t = t0 + warp; t < t1; t += (long long)nw * U) {
+    W w[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const long long tt = t + (long long)u * nw;
+      w[u] = valid && tt < t1 ? rp[tt * rs] : (W)0;
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (valid && t + (long long)u * nw < t1) {
+#pragma unroll
+        for (int v = 0; v < NV; ++v) atomicAdd(hp + ((v * B + (int)((w[u] >> (8 * v)) & 0xffu)) << 5), 1u);
+      }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < words; i += blockDim.x) {
+    const unsigned c = sh[i];
+    if (c == 0u) continue;
+    const int l = i & 31, q = i >> 5, v = q / B, bin = q - v * B;
+    atomicAdd(hist + (long long)(e0 + NV * l + v) * B + bin, (int)c);  // nonzero only for experts < E
+  }
+}
 
 // ---- backward of top-k (TG = TO = logits dtype) and of the aux scores (TG = float) --------------------
 // The per-element math of both backward kernels. A row's sums: A = sum of g*y (softmax), or A = sum of the

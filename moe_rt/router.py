@@ -70,7 +70,8 @@ _jit.register(_FILE, [f"router_fwd<{c}, {team}>" for c in _jit.CTYPES.values() f
               + [f"router_fwd_qb<{c}, {team}>" for c in _jit.CTYPES.values() for team in _TEAMS]
               + [f"router_fwd_qb_reg<{c}, {v}>" for c in ("float", "__nv_bfloat16") for v in _REG_V]
               + [f"router_fwd_qb_reg<{c}, {v}, 2>" for c in ("float", "__nv_bfloat16") for v in (8, 16)]
-              + ["qb_histogram_accumulate"])
+              + ["qb_histogram_accumulate"]
+              + [f"qb_histogram_bins<{nv}>" for nv in (1, 2, 4)])
 # Quick kernels (_jit.function_tiered): compiled for one score case alone (_score_case), each computes the
 # bits of the kernel it stands in for in that case: a row of one warp, with groups (for the one-warp and
 # register kernels with groups; no aux mode there) or without, and 8 to 32 keys a lane without groups (for
@@ -896,6 +897,30 @@ def _qb_hist_grid(T, E, B, device_id, regs=0):
     return (gx, gy), smem, use
 
 
+def _qb_bins_cfg(T, E, B, device_id, regs=0):
+    """(kernel, grid, threads, shared memory bytes) of qb_histogram_bins (hmode 3's count of the forward's
+    bins): NV experts a lane (4 where E % 4 == 0 and 4 B <= 256, else 2 or 1: 32 NV-byte row reads a warp),
+    strips of 32 NV experts x shares of the tokens, as many shares as fill one resident wave with the strips
+    (each of at least max(256, 4 B) tokens); blocks of 1024 threads, NV B 32 int32 counters each (<= 32 KiB).
+    The flush adds up to E B atomics a share: two blocks a multiprocessor keep it near qb_histogram_accumulate's
+    (E = 2304, B = 64, 132 multiprocessors: 18 x 14 blocks, at most 2.1M)."""
+    nv = next(n for n in (4, 2, 1) if E % n == 0 and n * B <= 256)
+    smem = 4 * nv * B * 32
+    gx = -(-E // (32 * nv))
+    resident = _grid(1 << 30, 1024, smem, device_id, regs)
+    gy = max(1, min(resident // gx, T // max(256, 4 * B)))
+    return f"qb_histogram_bins<{nv}>", (gx, gy), 1024, smem
+
+
+def _launch_qb_bins(call, bins, T, E, hist, B):
+    name = _qb_bins_cfg(T, E, B, call.device_id)[0]
+    fn = _jit.function(_FILE, name)
+    _, grid, threads, smem = _qb_bins_cfg(T, E, B, call.device_id, getattr(fn, "num_regs", 0))
+    _jit.set_max_dynamic_shared(fn, smem)
+    _jit.launch(fn, grid, threads, (bins, np.int64(T), np.int32(E), hist, np.int32(B)), shared_mem=smem,
+                stream=call.stream)
+
+
 def _launch_qb_hist(call, raw, cut, T, E, bounds, hist, B):
     fn = _jit.function(_FILE, "qb_histogram_accumulate")
     grid, smem, use = _qb_hist_grid(T, E, B, call.device_id, getattr(fn, "num_regs", 0))
@@ -907,13 +932,17 @@ def _launch_qb_hist(call, raw, cut, T, E, bounds, hist, B):
 # The "fused_atomic" histogram: in the forward kernel, a per-block histogram of 16-bit counters in shared
 # memory (flushed by global atomics at the block's end) where its E ceil(B / 2) words take at most this many
 # bytes; else, up to _QB_ATOMIC_SAMPLES samples (T E), one global atomic a sample in the forward kernel; else
-# the forward kernel counts nothing and qb_histogram_accumulate runs after it, as in the two-kernel mode (on
-# H100, E = 2304, T = 65536: 151M global atomics from the forward took 2.42 ms, the two kernels 1.27 ms; the
-# atomics' rate there, about 1e11 a second, puts 2^18 of them near 3 us, a second launch's cost). All add the
-# same integers. MOE_RT_QB_SMEM_HIST_BYTES at import sets the first (0: never the shared histogram; a benchmark
+# (B <= _QB_BINS_MAX) the forward writes each sample's bin as a byte (a [T, E] uint8 scratch from the pool)
+# and qb_histogram_bins counts them (hmode 3: T E bytes written and read again, where qb_histogram_accumulate
+# after a forward that counts nothing, as in the two-kernel mode, reads the 4 T E bytes of raw values again;
+# on H100 at E = 2304, T = 65536 that mode ran 1.53x (fp32) / 1.70x (bf16) the plain forward); else that
+# (on H100, E = 2304, T = 65536: 151M global atomics from the forward took 2.42 ms, the two kernels 1.27 ms;
+# the atomics' rate there, about 1e11 a second, puts 2^18 of them near 3 us, a second launch's cost). All
+# add the same integers. MOE_RT_QB_SMEM_HIST_BYTES at import sets the first (0: never the shared histogram; a benchmark
 # and test variant); tests patch the attributes.
 _QB_SMEM_HIST_BYTES = int(os.environ.get("MOE_RT_QB_SMEM_HIST_BYTES", 48 * 1024))
 _QB_ATOMIC_SAMPLES = 1 << 18
+_QB_BINS_MAX = 256  # hmode 3: bins that fit a byte (0: never hmode 3; a test variant)
 _QB_BLOCK_TOKENS = 65535  # hmode 2: tokens a block at most (below 2^16: no counter wraps)
 # router_fwd_qb_reg with the shared histogram: warps a block at most (0: every warp the kernel takes on a
 # multiprocessor; 4: the plain forward's blocks, 5-6 histograms and flushes a multiprocessor). A benchmark
@@ -929,13 +958,16 @@ _QB_ROWS_AHEAD = dict(zip((2, 4), (int(v) for v in os.environ.get("MOE_RT_QB_ROW
 
 def _qb_hmode(T, E, B, fused):
     """hmode of the QB forward kernels: 0 none (the histogram by qb_histogram_accumulate after the kernel:
-    the two-kernel mode, and "fused_atomic" for large T E whose histogram does not fit shared memory), 1 global
-    atomics, 2 the block's shared histogram (kernels/router.cu, "Quantile Balancing")."""
+    the two-kernel mode, and "fused_atomic" for large T E whose histogram does not fit shared memory and more
+    than _QB_BINS_MAX bins), 1 global atomics, 2 the block's shared histogram, 3 the bins as bytes, counted by
+    qb_histogram_bins after the kernel (kernels/router.cu, "Quantile Balancing")."""
     if not fused:
         return 0
     if 4 * E * ((B + 1) // 2) <= _QB_SMEM_HIST_BYTES:
         return 2
-    return 1 if T * E <= _QB_ATOMIC_SAMPLES else 0
+    if T * E <= _QB_ATOMIC_SAMPLES:
+        return 1
+    return 3 if B <= _QB_BINS_MAX else 0
 
 
 def _qb_fwd_cfg(dtype, T, E, K, B, vec, fused):
@@ -979,11 +1011,14 @@ def _launch_qb_fwd(call, x, T, E, K, scale, b32, probs, rmap, inter, cut, bounds
         # every block under 2^16 tokens (its 16-bit counters do not wrap): a block takes at most spb tokens
         # for every spb * grid, so at most spb * ceil(T / (spb * grid)) <= spb * max(1, limit // spb)
         grid = max(grid, -(-T // (spb * max(1, _QB_BLOCK_TOKENS // spb))))
+    bins = call.scratch((T, E), dtype=np.uint8) if hmode == 3 else None
     args = (x, np.int64(T), np.int32(E), np.int32(K), np.float32(scale), b32, probs, rmap, inter, cut, bounds,
-            hist if hmode else 0, np.int32(B), np.int32(hmode))
+            hist if hmode in (1, 2) else 0, bins if bins is not None else 0, np.int32(B), np.int32(hmode))
     if name.startswith("router_fwd_qb<"):
         args += (np.int32(vec),)
     _jit.launch(fn, grid, threads, args, shared_mem=smem, stream=call.stream)
+    if hmode == 3:
+        _launch_qb_bins(call, bins, T, E, hist, B)
     return hmode
 
 
