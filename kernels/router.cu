@@ -3038,8 +3038,9 @@ router_fwd_qb(const T* __restrict__ logits, i64 num_tokens, int E, int K, float 
 // forward keeps no histogram): block (bx, by) counts experts [32 bx, 32 bx + 32) (lane l: expert 32 bx + l, so
 // a warp reads 128 contiguous bytes of a row) over the by-th share of the tokens (warp w: tokens t0 + w,
 // t0 + w + nw, ...; U rows loaded before the first is counted). SMEM: the 32 experts' bins in shared memory,
-// lane l's at l S + bin with S = B | 1 (odd: lanes with equal bins hit distinct banks), added to hist at the
-// block's end; without it, straight global atomics. raw [T, E] fp32 (sigmoid before the bias), cutoff [T]
+// lane l's bin at word bin 32 + l (every lane of a warp in its own bank whatever the bins, so its 32 atomics
+// take one pass), added to hist at the block's end (in word order: the reads conflict-free); without it,
+// straight global atomics. raw [T, E] fp32 (sigmoid before the bias), cutoff [T]
 // fp32; blockDim a multiple of 32.
 #if MOE_RT_WANTS(qb_histogram_accumulate)
 extern "C" __global__ void __launch_bounds__(256)
@@ -3049,17 +3050,18 @@ qb_histogram_accumulate(const float* __restrict__ raw, const float* __restrict__
   extern __shared__ __align__(16) unsigned char smem_raw[];
   int* sh = reinterpret_cast<int*>(smem_raw);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-  const int e0 = blockIdx.x * 32, e = e0 + lane, S = B | 1;
+  const int e0 = blockIdx.x * 32, e = e0 + lane;
   const bool valid = e < E;
   const long long per = (num_tokens + gridDim.y - 1) / gridDim.y;
   const long long t0 = (long long)blockIdx.y * per, t1 = min(num_tokens, t0 + per);
   float lo;
   const float sc = qb_scale(bounds, B, lo);
   if (use_smem) {
-    for (int i = threadIdx.x; i < 32 * S; i += blockDim.x) sh[i] = 0;
+    for (int i = threadIdx.x; i < 32 * B; i += blockDim.x) sh[i] = 0;
     __syncthreads();
   }
-  int* const hp = use_smem ? sh + lane * S : hist + (long long)e * B;
+  int* const hp = use_smem ? sh + lane : hist + (long long)e * B;
+  const int bs = use_smem ? 5 : 0;  // a bin's stride in hp: 32 words, or 1
   const float* __restrict__ rp = raw + e;
   for (long long t = t0 + warp; t < t1; t += (long long)nw * U) {
     float r[U], c[U];
@@ -3072,15 +3074,13 @@ qb_histogram_accumulate(const float* __restrict__ raw, const float* __restrict__
     }
 #pragma unroll
     for (int u = 0; u < U; ++u)
-      if (valid && t + (long long)u * nw < t1) atomicAdd(hp + qb_bin(c[u], r[u], lo, sc, B), 1);
+      if (valid && t + (long long)u * nw < t1) atomicAdd(hp + (qb_bin(c[u], r[u], lo, sc, B) << bs), 1);
   }
   if (use_smem) {
     __syncthreads();
-    const int ne = min(32, E - e0);
-    for (int i = threadIdx.x; i < ne * B; i += blockDim.x) {
-      const int l = i / B, bin = i - l * B;
-      const int cnt = sh[l * S + bin];
-      if (cnt) atomicAdd(hist + (long long)e0 * B + i, cnt);
+    for (int i = threadIdx.x; i < 32 * B; i += blockDim.x) {
+      const int cnt = sh[i];  // nonzero only for experts < E
+      if (cnt) atomicAdd(hist + (long long)(e0 + (i & 31)) * B + (i >> 5), cnt);
     }
   }
 }

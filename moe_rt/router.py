@@ -887,8 +887,8 @@ def _qb_hist_grid(T, E, B, device_id, regs=0):
     """(grid, shared memory bytes, use_smem) of qb_histogram_accumulate (256 threads): ceil(E / 32) strips of
     32 experts x shares of the tokens, as many shares as fill one resident wave with the strips, each of at
     least max(256, 4 B) tokens (a block's flush, up to 32 B atomics, stays under a quarter of its samples);
-    the strip's bins in shared memory (32 (B | 1) int32) when they fit a block."""
-    smem = 4 * 32 * (B | 1)
+    the strip's bins in shared memory (32 B int32, bin-major: each lane in its own bank) when they fit a block."""
+    smem = 4 * 32 * B
     use = smem <= _jit.device_properties(device_id)["smem_per_block_optin"]
     smem = smem if use else 0
     gx = -(-E // 32)

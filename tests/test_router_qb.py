@@ -584,7 +584,7 @@ def test_gpu_tie_and_bin_clamping(mode):
 def test_gpu_histogram_accumulate_alone(rng):
     import cupy as cp
 
-    T, E, B = 3000, 37, 9000  # 32 (B | 1) int32 above the shared memory: straight global atomics; then B = 50
+    T, E, B = 3000, 37, 9000  # 32 B int32 above the shared memory: straight global atomics; then B = 50
     raw = rng.random((T, E)).astype(F32)
     cut = rng.random(T).astype(F32)
     bounds = np.array([-0.5, 0.5], F32)
@@ -743,16 +743,16 @@ def test_forward_kernel_choice():
 
 def test_histogram_kernel_grid(monkeypatch):
     """qb_histogram_accumulate: strips of 32 experts, token shares filling one resident wave with them (each
-    of at least max(256, 4 B) tokens), the strip's 32 (B | 1) counters in shared memory when they fit."""
+    of at least max(256, 4 B) tokens), the strip's 32 B counters in shared memory when they fit."""
     props = {"sm_count": 132, "smem_per_block_optin": 227 * 1024, "smem_per_sm": 228 * 1024}
     monkeypatch.setattr(_jit, "device_properties", lambda dev: props)
     # 48 registers: 5 blocks of 256 threads a multiprocessor, 660 resident
-    assert R._qb_hist_grid(65536, 256, 64, 0, 48) == ((8, 82), 4 * 32 * 65, True)
-    assert R._qb_hist_grid(65536, 2304, 64, 0, 48) == ((72, 9), 4 * 32 * 65, True)
-    assert R._qb_hist_grid(65536, 16384, 64, 0, 48) == ((512, 1), 4 * 32 * 65, True)
-    assert R._qb_hist_grid(1000, 100, 64, 0, 48) == ((4, 3), 4 * 32 * 65, True)
+    assert R._qb_hist_grid(65536, 256, 64, 0, 48) == ((8, 82), 4 * 32 * 64, True)
+    assert R._qb_hist_grid(65536, 2304, 64, 0, 48) == ((72, 9), 4 * 32 * 64, True)
+    assert R._qb_hist_grid(65536, 16384, 64, 0, 48) == ((512, 1), 4 * 32 * 64, True)
+    assert R._qb_hist_grid(1000, 100, 64, 0, 48) == ((4, 3), 4 * 32 * 64, True)
     assert R._qb_hist_grid(7, 37, 5, 0, 48) == ((2, 1), 4 * 32 * 5, True)
-    assert R._qb_hist_grid(65536, 256, 2000, 0, 48) == ((8, 8), 0, False)  # 32 * 2001 int32 > 227 KiB
+    assert R._qb_hist_grid(65536, 256, 2000, 0, 48) == ((8, 8), 0, False)  # 32 * 2000 int32 > 227 KiB
 
 
 def test_bins_kernel_config(monkeypatch):
