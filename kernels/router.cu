@@ -3364,6 +3364,36 @@ __device__ __noinline__ float2 sel_rest(const T* __restrict__ grad, const float*
   return ab;
 }
 
+// The one-pass selected-entry kernels' first pass over chunk c of a row (out row orow, map word w): zeros for
+// the chunk (this thread patches its entries after them), and the row offsets of the thread's first NR
+// selected entries in order (off[ne++]; `more` once an entry past NR).
+template <typename MW, int CH, int NR, typename T, typename W>
+__device__ __forceinline__ void sel_zero_collect(T* __restrict__ orow, const T (&zero)[CH], int c, W w,
+                                                 int (&off)[NR], int& ne, bool& more) {
+  stn<CH>(orow + (i64)c * CH, zero);
+  for (unsigned long long b = MW::bits(w); b; b &= b - 1) {
+    const int o = c * CH + ((__ffsll((long long)b) - 1) >> 3);
+#pragma unroll
+    for (int q = 0; q < NR; ++q)
+      if (q == ne) off[q] = o;
+    more |= ne == NR;
+    ne += ne < NR ? 1 : 0;
+  }
+}
+
+// Their second step: the grad (times scale) and intermediate of the first ne (<= NR) collected entries.
+template <typename T, int NR>
+__device__ __forceinline__ void sel_load(const T* __restrict__ grad, const float* __restrict__ inter, i64 row,
+                                         const int (&off)[NR], int ne, float scale, float (&gq)[NR],
+                                         float (&yq)[NR]) {
+#pragma unroll
+  for (int q = 0; q < NR; ++q)
+    if (q < ne) {
+      gq[q] = __fmul_rn(scale, to_float(grad[row + off[q]]));
+      yq[q] = inter[row + off[q]];
+    }
+}
+
 template <typename T, int TEAM, bool BITMAP = false>
 __global__ void __launch_bounds__(TEAM == 32 ? 128 : TEAM, TEAM == 32 ? 16 : 1)
 router_bwd_sel(const T* __restrict__ grad, const bool* __restrict__ rmap, const float* __restrict__ inter,
@@ -3523,26 +3553,11 @@ router_bwd_sel_reg(const T* __restrict__ grad, const bool* __restrict__ rmap, co
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int c = c0 + u * TEAM;
-        if (c < nch) {
-          stn<CH>(out + row + (i64)c * CH, zero);
-          for (unsigned long long b = MW::bits(w[u]); b; b &= b - 1) {
-            const int o = c * CH + ((__ffsll((long long)b) - 1) >> 3);
-#pragma unroll
-            for (int q = 0; q < NR; ++q)
-              if (q == ne) off[q] = o;
-            more |= ne == NR;
-            ne += ne < NR ? 1 : 0;
-          }
-        }
+        if (c < nch) sel_zero_collect<MW, CH>(out + row, zero, c, w[u], off, ne, more);
       }
     }
     float gq[NR], yq[NR];
-#pragma unroll
-    for (int q = 0; q < NR; ++q)
-      if (q < ne) {
-        gq[q] = __fmul_rn(scale, to_float(grad[row + off[q]]));
-        yq[q] = inter[row + off[q]];
-      }
+    sel_load<T>(grad, inter, row, off, ne, scale, gq, yq);
     float A = 0.0f, B = 0.0f;
 #pragma unroll
     for (int q = 0; q < NR; ++q)
@@ -3566,6 +3581,117 @@ router_bwd_sel_reg(const T* __restrict__ grad, const bool* __restrict__ rmap, co
     if (more)
       sel_rest<T, CH, TEAM>(grad, inter, MW::at(rmap, t, E), row, nch, r, NR, scale, sig_like, score_fn, K,
                             make_float2(A, B), Ae, B, out);
+  }
+}
+
+// ---- backward from the bit-packed map, one warp a token, for the rows of 128-thread teams ---------------
+// router_bwd_sel_bits: the bits of router_bwd_sel(_reg)<T, 128, true> (1024 < E <= 4096; 16-byte rows), with one
+// warp a token and 4 tokens a block: the bitmap row is E / 8 bytes, where the byte map's 128-thread team a token
+// (8 blocks a multiprocessor: 8 tokens in flight) moved less data than the byte map's but ran slower on H100
+// (fp32, E = 2304: 0.442 ms against 0.396; router_bwd_idx, one warp a token, 0.355). Lane l takes chunks
+// c = l + 32 m (m < ceil(nch / 32)), those of the team's threads l + 32 w with w = m mod 4, and keeps their sums
+// apart (A[w], B[w], each in its chunks' order, as those threads add them); the team's sum is then warp_sum of
+// each w added in w order (Team<128>::sum / sum2). First pass: the chunks' map words (SELB_U at a time), zeros for
+// every chunk and the row offsets of the lane's first SELB_NR selected entries; then their grad and
+// intermediate, loaded together; a lane with more entries (rare) recomputes its sums from memory in order and
+// writes its later entries after the others (sel_rest).
+#ifndef MOE_RT_SELB_NR
+#define MOE_RT_SELB_NR 8
+#endif
+#ifndef MOE_RT_SELB_U
+#define MOE_RT_SELB_U 18  // the whole fp32 row of E = 2304 in one round of loads
+#endif
+namespace {
+struct Sums4 {
+  float a[4], b[4];
+};
+
+// router_bwd_sel_bits' sums of this lane's entries, every one read from memory, in order (the rare path).
+template <typename T, int CH, typename MR>
+__device__ __noinline__ Sums4 selb_sums(const T* __restrict__ grad, const float* __restrict__ inter, MR wrow, i64 row,
+                                        int nch, int lane, float scale, bool sig_like, int score_fn) {
+  Sums4 s;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) s.a[k] = s.b[k] = 0.0f;
+  for (int c = lane; c < nch; c += 32) {
+    const int w = (c >> 5) & 3;
+    for (unsigned long long b = MR::bits(wrow[c]); b; b &= b - 1) {
+      const i64 e = row + (i64)c * CH + ((__ffsll((long long)b) - 1) >> 3);
+      const float g = __fmul_rn(scale, to_float(grad[e])), y = inter[e];
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+        if (k == w) bwd_acc(sig_like, score_fn, g, true, y, s.a[k], s.b[k]);
+    }
+  }
+  return s;
+}
+}  // namespace
+
+template <typename T>
+__global__ void __launch_bounds__(128)
+router_bwd_sel_bits(const T* __restrict__ grad, const bool* __restrict__ rmap, const float* __restrict__ inter,
+                    i64 num_tokens, int E, int K, int score_fn, float scale, T* __restrict__ out) {
+  using S = SelBwd<T, 128, true>;
+  using MW = typename S::MW;
+  using W = typename S::W;
+  constexpr int CH = S::CH, NR = MOE_RT_SELB_NR, U = MOE_RT_SELB_U;
+  const int slot = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const bool sig_like = score_fn != SOFTMAX;
+  const int nch = E / CH;
+  alignas(16) T zero[CH];
+#pragma unroll
+  for (int v = 0; v < CH; ++v) zero[v] = from_float<T>(0.0f);
+
+  for (i64 t = (i64)blockIdx.x * 4 + slot; t < num_tokens; t += (i64)gridDim.x * 4) {
+    const i64 row = t * (i64)E;
+    const MW wrow = MW::at(rmap, t, E);
+    int off[NR];
+    int ne = 0;
+    bool more = false;
+    for (int c0 = lane; c0 < nch; c0 += 32 * U) {
+      W w[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) w[u] = c0 + 32 * u < nch ? wrow[c0 + 32 * u] : (W)0;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int c = c0 + 32 * u;
+        if (c < nch) sel_zero_collect<MW, CH>(out + row, zero, c, w[u], off, ne, more);
+      }
+    }
+    float gq[NR], yq[NR];
+    sel_load<T>(grad, inter, row, off, ne, scale, gq, yq);
+    float Aw[4], Bw[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) Aw[k] = Bw[k] = 0.0f;
+    if (more) {
+      const Sums4 s = selb_sums<T, CH>(grad, inter, wrow, row, nch, lane, scale, sig_like, score_fn);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) { Aw[k] = s.a[k]; Bw[k] = s.b[k]; }
+    } else {
+#pragma unroll
+      for (int q = 0; q < NR; ++q)
+        if (q < ne) {
+          const int w = ((off[q] / CH) >> 5) & 3;  // the team thread (lane + 32 w) of this entry's chunk
+#pragma unroll
+          for (int k = 0; k < 4; ++k)
+            if (k == w) bwd_acc(sig_like, score_fn, gq[q], true, yq[q], Aw[k], Bw[k]);
+        }
+    }
+    float A = 0.0f, B = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      A += warp_sum(Aw[k]);
+      if (sig_like) B += warp_sum(Bw[k]);
+    }
+    const float Ae = A + kEps;
+#pragma unroll
+    for (int q = 0; q < NR; ++q)
+      if (q < ne)
+        out[row + off[q]] =
+            from_float<T>(bwd_dx(sig_like, score_fn, K > 1, false, false, A, Ae, B, gq[q], true, yq[q]));
+    if (more)
+      sel_rest<T, CH, 32>(grad, inter, wrow, row, nch, lane, NR, scale, sig_like, score_fn, K, make_float2(A, B), Ae, B,
+                          out);
   }
 }
 

@@ -38,7 +38,8 @@ _FILE = "router.cu"
 _FWD_VARIANT = os.environ.get("MOE_RT_ROUTER_FWD")
 _TEAM_VARIANT = os.environ.get("MOE_RT_ROUTER_TEAM")
 # "dense": the top-k backward reads whole rows of grad and intermediate; "sel" / "selreg": the two-pass /
-# one-pass selected-entries kernel for every row length (benchmark and test variants)
+# one-pass selected-entries kernel for every row length; "selbits": the bitmap's one-warp kernel for every row of
+# a 128-thread team (benchmark and test variants)
 _BWD_VARIANT = os.environ.get("MOE_RT_ROUTER_BWD")
 # tokens per warp (forward, backward) of the row kernels, 0 = one resident wave (MOE_RT_ROUTER_TPW="f,b" at
 # import overrides the defaults of _fwd_tpw and of _launch_bwd, "f" the forward's only: a benchmark variant)
@@ -64,6 +65,7 @@ _jit.register(_FILE, [f"router_fwd<{c}, {team}>" for c in _jit.CTYPES.values() f
               + [f"router_bwd_sel<{c}, {team}, true>" for c in _jit.CTYPES.values() for team in _TEAMS]
               + [f"router_bwd_sel_reg<{c}, {team}, true>" for c in _jit.CTYPES.values() for team in _TEAMS]
               + [f"router_bwd_idx<{c}>" for c in _jit.CTYPES.values()]
+              + [f"router_bwd_sel_bits<{c}>" for c in _jit.CTYPES.values()]
               + [f"aux_loss_partial<{c}>" for c in _jit.CTYPES.values()]
               + [f"aux_loss_final<{c}>" for c in _jit.CTYPES.values()]
               + [f"aux_loss_bwd<{c}>" for c in _jit.CTYPES.values()]
@@ -470,6 +472,16 @@ def _launch_bwd(call, grad, rmap, inter, out, T, E, K, score_fn, pre, aux, scale
         # (on H100: 17% faster for fp32 E=2304, 4-20% slower with 1-2 chunks per thread)
         reg = -(-(E // ch) // team) >= _SEL_REG_CHUNKS if _BWD_VARIANT not in ("sel", "selreg") else \
             _BWD_VARIANT == "selreg"
+        if bitmap and team == 128 and _BWD_VARIANT not in ("sel", "selreg") and (reg or _BWD_VARIANT == "selbits"):
+            # the bitmap where the 128-thread team would run the one-pass kernel: one warp a token, the team's
+            # bits (router_bwd_sel_bits; the team kernel ran the fp32 bitmap at E = 2304 in 0.442 ms on H100,
+            # the byte map 0.396). "selbits" takes it for every 128-thread bitmap row (a test variant).
+            fn = _jit.function(_FILE, f"router_bwd_sel_bits<{tg}>")
+            _jit.launch(fn, _grid(-(-T // 4), 128, 0, call.device_id, getattr(fn, "num_regs", 0)), 128,
+                        (grad, rmap, inter, np.int64(T), np.int32(E), np.int32(K), np.int32(score_fn),
+                         np.float32(scale), out),
+                        stream=call.stream)
+            return
         fn = _jit.function(_FILE, f"router_bwd_sel{'_reg' if reg else ''}<{tg}, {team}{bm}>")
         # one token per warp (or per 128-thread block) where measured (H100, T = 65536, us: fp32 E=256 softmax
         # 57.3 -> 54.2, E=2304 415 -> 395; bf16 E=256 41.7 -> 39.9, E=2304 320 -> 291), else one resident wave
