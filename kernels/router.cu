@@ -2650,11 +2650,11 @@ router_fwd_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, int s
 //
 // The forward kernels' histogram (hmode): 0 none (qb_histogram_accumulate counts after the kernel), 1 one
 // global int32 atomic a sample, 2 a histogram of the block in shared memory after the token slots, 16-bit
-// counters two to a word (E ceil(B / 2) words; qb_smem_word), added to hist by global atomics at the block's
-// end, 3 (B <= 256) each sample's bin as a byte of bins [T, E], counted by qb_histogram_bins after the kernel
-// (a quarter of the raw values' bytes that qb_histogram_accumulate would read again). The host keeps every
-// block under 65536 tokens, so no counter passes 0xffff (a sample adds one to one counter per token). Modes 1 and 2 add the same integers. In mode 2 the flush is the
-// cost that grows with the blocks (up to E B atomics each, at the end of a single resident wave), so
+// counters two to a word (qb_smem_words; qb_smem_word), added to hist by global atomics at the block's end,
+// 3 (B <= 256) each sample's bin as a byte of bins [T, E], counted by qb_histogram_bins after the kernel (a
+// quarter of the raw values' bytes that qb_histogram_accumulate would read again). The host keeps every block
+// under 65536 tokens, so no counter passes 0xffff (a sample adds one to one counter per token). Modes 1, 2 and
+// 3 add the same integers. In mode 2 the flush is the cost that grows with the blocks (up to E B atomics each, at the end of a single resident wave), so
 // router_fwd_qb_reg then runs one block of every warp a multiprocessor holds (blockDim a multiple of 32).
 #ifndef MOE_RT_QB_ARGMAX_K1
 #define MOE_RT_QB_ARGMAX_K1 9  // router_fwd_qb_reg: the argmax rounds select k + 1 up to this, radix select above
@@ -2673,16 +2673,21 @@ __device__ __forceinline__ int qb_bin(float cut, float raw, float lo, float sc, 
   return (int)fminf(fmaxf(v, 0.0f), (float)(B - 1));
 }
 
-// hmode 2's layout: expert e's bins in R = ceil(B / 2) words from word e R, bins 2 p and 2 p + 1 in word p
-// (low and high half) rotated by the expert's 16-byte chunk (e >> csh) modulo a power of two <= R: word
-// e R + (p + rot) mod R. The lanes of a warp add to the experts of consecutive chunks at once; without the
-// rotation their words would share a bank whenever their bins' halves agree (R a multiple of 32, e.g. B = 64:
-// bank = p), and the bins of one token's experts bunch around a few values, so most lanes would wait on a
-// few banks. With it, lanes with equal p (and R a multiple of 32) use distinct banks.
-__device__ __forceinline__ int qb_rot_mask(int R) { return (1 << (31 - __clz(R))) - 1; }
+// hmode 2's layout: R = ceil(B / 2) words an expert, bins 2 p and 2 p + 1 in its word p (low and high half),
+// and every word in the bank of the expert's chunk modulo 32: with c = e >> csh (the chunk; csh = log2 of its
+// experts, 0 where a thread takes single experts) and n = (c >> 5) 2^csh + (e mod 2^csh) the expert's place
+// among those of its bank, word (n R + p) 32 + c mod 32. A thread (lane l) only ever adds to chunks c with
+// c mod 32 = l (chunks l + 32 j, or l + TEAM j), so the 32 atomics of a warp's instruction fall in 32 banks
+// whatever the bins (the bins of a token bunch around a few values, and a layout by expert made lanes with
+// different bins meet on a bank). qb_smem_words: ceil(chunks / 32) 2^csh R 32 words (E R when the chunks are
+// a multiple of 32; mirrored in moe_rt/router.py).
+__device__ __forceinline__ int qb_smem_words(int E, int B, int csh) {
+  const int chunks = (E + (1 << csh) - 1) >> csh;
+  return ((chunks + 31) >> 5) * (((B + 1) >> 1) << csh) * 32;
+}
 __device__ __forceinline__ int qb_smem_word(int e, int p, int R, int csh) {
-  const int q = p + ((e >> csh) & qb_rot_mask(R));
-  return e * R + (q >= R ? q - R : q);
+  const int c = e >> csh, n = ((c >> 5) << csh) + (e & ((1 << csh) - 1));
+  return ((n * R + p) << 5) + (c & 31);
 }
 
 // The histogram of a forward kernel (hmode 1 or 2 above).
@@ -2691,7 +2696,7 @@ struct QbHist {
   unsigned* s;          // hmode 2: the block's 16-bit counters (qb_smem_word)
   int B, mode;
   float lo, sc;
-  int csh;  // log2 of the experts a 16-byte chunk holds (the rotation's unit)
+  int csh;  // log2 of the experts a thread's chunk holds (qb_smem_word)
   __device__ __forceinline__ void add(int e, float cut, float raw) const {
     const int bin = qb_bin(cut, raw, lo, sc, B);
     if (mode == 2) {
@@ -2720,23 +2725,22 @@ __device__ __forceinline__ void qb_bins_out(unsigned char* p, float cut, const f
 }
 
 // hmode 2: zero the block's counters (before the first token; the caller syncs the block after).
-__device__ __forceinline__ void qb_smem_zero(unsigned* s, int E, int B) {
-  const int words = E * ((B + 1) >> 1);
+__device__ __forceinline__ void qb_smem_zero(unsigned* s, int E, int B, int csh) {
+  const int words = qb_smem_words(E, B, csh);
   for (int w = threadIdx.x; w < words; w += blockDim.x) s[w] = 0u;
 }
 
 // hmode 2: the block's counts into hist (after the last token; the caller syncs the block before). Each block
 // starts at its own word, so that blocks ending together send their atomics to different addresses.
 __device__ __forceinline__ void qb_smem_flush(const unsigned* s, int* __restrict__ g, int E, int B, int csh) {
-  const int R = (B + 1) >> 1, words = E * R, rmask = qb_rot_mask(R);
+  const int R = (B + 1) >> 1, words = qb_smem_words(E, B, csh);
   const int first = (int)(((unsigned long long)blockIdx.x * 4099u) % (unsigned)words);
   for (int i = threadIdx.x; i < words; i += blockDim.x) {
     const int w = i < words - first ? i + first : i - (words - first);
     const unsigned c = s[w];
-    if (c == 0u) continue;
-    const int e = w / R;
-    int p = w - e * R - ((e >> csh) & rmask);  // qb_smem_word inverted
-    p = p < 0 ? p + R : p;
+    if (c == 0u) continue;  // every word of an expert >= E (padding) stays 0
+    const int q = w >> 5, n = q / R, p = q - n * R;  // qb_smem_word inverted
+    const int e = ((((n >> csh) << 5) + (w & 31)) << csh) + (n & ((1 << csh) - 1));
     int* const ge = g + (i64)e * B + 2 * p;
     if (c & 0xffffu) atomicAdd(ge, (int)(c & 0xffffu));
     if (c >> 16) atomicAdd(ge + 1, (int)(c >> 16));  // bin 2 p + 1 < B: an odd B's last high half stays 0
@@ -2788,7 +2792,7 @@ router_fwd_qb_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, fl
   constexpr int RING = AHEAD > 0 ? (AHEAD + 1) * NJ * 32 * 4 : 0;  // words of a warp's ring
   QbHist H{hist, sbase + (size_t)spb * (L.total + RING), B, hmode, 0.0f, 0.0f, CH == 8 ? 3 : 2};
   if (hmode) H.sc = qb_scale(bounds, B, H.lo);
-  if (hmode == 2) qb_smem_zero(H.s, E, B);
+  if (hmode == 2) qb_smem_zero(H.s, E, B, H.csh);
   __syncthreads();
 
   const int nch = E / CH;
@@ -2928,9 +2932,9 @@ router_fwd_qb(const T* __restrict__ logits, i64 num_tokens, int E, int K, float 
   int* wcount = reinterpret_cast<int*>(base + L.wcount);
   int* wlist = reinterpret_cast<int*>(base + L.wlist);
   if (r == 0) list[2 * kList] = 0u;
-  QbHist H{hist, sbase + SPB * L.total, B, hmode, 0.0f, 0.0f, CH == 8 ? 3 : 2};
+  QbHist H{hist, sbase + SPB * L.total, B, hmode, 0.0f, 0.0f, vec ? (CH == 8 ? 3 : 2) : 0};
   if (hmode) H.sc = qb_scale(bounds, B, H.lo);
-  if (hmode == 2) qb_smem_zero(H.s, E, B);
+  if (hmode == 2) qb_smem_zero(H.s, E, B, H.csh);
   __syncthreads();
   const int nch = vec ? E / CH : 0;
 

@@ -968,14 +968,22 @@ _QB_REG_WARPS = int(os.environ.get("MOE_RT_QB_REG_WARPS", 0))
 _QB_ROWS_AHEAD = dict(zip((2, 4), (int(v) for v in os.environ.get("MOE_RT_QB_ROWS_AHEAD", "2,0").split(","))))
 
 
-def _qb_hmode(T, E, B, fused):
+def _qb_smem_hist_bytes(E, B, ch=1):
+    """Bytes of the forward's shared histogram (hmode 2; kernels/router.cu qb_smem_words) for threads taking
+    chunks of ``ch`` experts (16 // itemsize on 16-byte rows, else 1): each chunk's ceil(B / 2) words in the
+    bank of its chunk mod 32, E ceil(B / 2) words when the chunks are a multiple of 32."""
+    return 4 * (-(-(-(-E // ch)) // 32)) * ch * ((B + 1) // 2) * 32
+
+
+def _qb_hmode(T, E, B, fused, ch=1):
     """hmode of the QB forward kernels: 0 none (the histogram by qb_histogram_accumulate after the kernel:
     the two-kernel mode, and "fused_atomic" for large T E whose histogram does not fit shared memory and more
-    than _QB_BINS_MAX bins), 1 global atomics, 2 the block's shared histogram, 3 the bins as bytes, counted by
-    qb_histogram_bins after the kernel (kernels/router.cu, "Quantile Balancing")."""
+    than _QB_BINS_MAX bins), 1 global atomics, 2 the block's shared histogram (chunks of ``ch`` experts a
+    thread), 3 the bins as bytes, counted by qb_histogram_bins after the kernel (kernels/router.cu, "Quantile
+    Balancing")."""
     if not fused:
         return 0
-    if 4 * E * ((B + 1) // 2) <= _QB_SMEM_HIST_BYTES:
+    if _qb_smem_hist_bytes(E, B, ch) <= _QB_SMEM_HIST_BYTES:
         return 2
     if T * E <= _QB_ATOMIC_SAMPLES:
         return 1
@@ -990,8 +998,9 @@ def _qb_fwd_cfg(dtype, T, E, K, B, vec, fused):
     router_fwd_qb_reg with the shared histogram, one block a multiprocessor of as many warps as the kernel
     takes (resolved at launch; shared memory: the histogram's bytes here, plus a slot a warp then)."""
     ct = _jit.ctype(dtype)
-    hmode = _qb_hmode(T, E, B, fused)
-    hbytes = 4 * E * ((B + 1) // 2) if hmode == 2 else 0
+    ch = 16 // dtype.itemsize if vec else 1
+    hmode = _qb_hmode(T, E, B, fused, ch)
+    hbytes = _qb_smem_hist_bytes(E, B, ch) if hmode == 2 else 0
     v = _reg_v(E, 16 // dtype.itemsize, vec, dtype)
     if v:
         ahead, words = _qb_reg_rows(dtype, v, K)

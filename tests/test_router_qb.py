@@ -686,9 +686,9 @@ def test_gpu_bias_update(rng):
 def test_forward_kernel_choice():
     """router_fwd_qb_reg where the plain forward takes router_fwd_reg (16-byte float32/bfloat16 rows up to
     E = 1024; bf16 rows up to 16 keys a lane read 2 tokens ahead through shared memory, its ring after each
-    warp's slot), router_fwd_qb otherwise; the shared-memory histogram (hmode 2) where E ceil(B / 2) words fit
-    _QB_SMEM_HIST_BYTES (router_fwd_qb_reg: one block of every warp it takes a multiprocessor, sized at
-    launch), else global atomics (1) up to _QB_ATOMIC_SAMPLES samples T E, else none (0: the histogram by
+    warp's slot), router_fwd_qb otherwise; the shared-memory histogram (hmode 2) where its words (ceil(B / 2)
+    an expert, whole rows of 32 chunks) fit _QB_SMEM_HIST_BYTES (router_fwd_qb_reg: one block of every warp it
+    takes a multiprocessor, sized at launch), else global atomics (1) up to _QB_ATOMIC_SAMPLES samples T E, else none (0: the histogram by
     qb_histogram_accumulate after the kernel, as in the two-kernel mode, which is always 0), or above that
     (B <= 256) the bins as bytes counted by qb_histogram_bins (3); every name registered."""
     names = _jit.REGISTRY["router.cu"]
@@ -716,7 +716,10 @@ def test_forward_kernel_choice():
         got = R._qb_fwd_cfg(np.dtype(dt), n, E, K, B, vec, fused)
         assert (got[0], got[5]) == (name, hmode), (dt, n, E, K, B, vec, fused, got)
         assert got[0] in names
-        hbytes = 4 * E * ((B + 1) // 2) if hmode == 2 else 0
+        ch = 16 // np.dtype(dt).itemsize if vec else 1
+        chunks = -(-E // ch)
+        hbytes = 4 * (-(-chunks // 32) * 32) * ch * ((B + 1) // 2) if hmode == 2 else 0  # whole 32-chunk rows
+        assert hbytes in (0, 4 * E * ((B + 1) // 2)) or chunks % 32
         if got[0].startswith("router_fwd_qb_reg"):
             if hmode == 2:
                 assert got[1:5] == (None, None, hbytes, 0)
