@@ -584,7 +584,7 @@ __global__ void ep_scale_rows(T* __restrict__ rows, const float* __restrict__ w,
 // ---- Where an expanded row goes (ep_expand_rows, ep_direct_dispatch) ---------------------------------------
 // A sink takes a received row unit by unit (U, the copy unit) and writes it into expert-major row d:
 // - RowCopy<U>: out [N, units] as is (every row set but a one-pass FP8 dispatch's);
-// - Fp8Rows<G>, Fp8Dequant<T, G> (U = uint4): the packed rows of a one-pass FP8 dispatch (docs/ep.md §8;
+// - Fp8Rows<G>, Fp8Dequant<T, G> (U = uint4): the packed rows of a one-pass FP8 dispatch (docs/ep.md §9;
 //   kernels/fp8.cu: H e4m3 codes, at byte HS = ceil4(H) the S = ceil(H/128) fp32 scales, zero padding to a
 //   multiple of 16 bytes) split into the codes out [N,H] bytes and the scales out_s [N,S] (Fp8Rows), or
 //   dequantized into out [N,H] of T (Fp8Dequant: dequantize_fp8's rule, bit for bit). G (16, 4 or 1) divides

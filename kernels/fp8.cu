@@ -6,7 +6,7 @@
 //   dequantize_fp8  one warp per (token, block): y = T(float(q) * scale)
 //   fp8_pack_rows   a pre-quantized pair (codes, scales) into the packed rows of a one-pass FP8 dispatch
 //
-// Packed rows (EpGroup.dispatch(fp8=True), docs/ep.md §8): row t holds its H codes, then at byte HS = ceil4(H)
+// Packed rows (EpGroup.dispatch(fp8=True), docs/ep.md §9): row t holds its H codes, then at byte HS = ceil4(H)
 // its nb fp32 scales, then zero bytes up to the row stride (a multiple of 16 bytes), so that the transports
 // move codes and scales in one pass of 16-byte units. quantize_fp8 writes that layout directly when given
 // q_stride > H (scales = q + HS, s_stride = q_stride / 4); fp8_pack_rows builds it from a pair.

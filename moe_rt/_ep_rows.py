@@ -109,7 +109,7 @@ _FP8_PIECES = (16, 4, 1)
 
 
 class Fp8Rows:
-    """The packed rows of a one-pass FP8 dispatch (docs/ep.md §8; :func:`moe_rt.fp8.packed_layout`: ``H`` e4m3
+    """The packed rows of a one-pass FP8 dispatch (docs/ep.md §9; :func:`moe_rt.fp8.packed_layout`: ``H`` e4m3
     codes, at byte ``scale_at`` the ``S`` fp32 scales, zero padding to ``row_bytes``, a multiple of 16) and the
     outputs the transports' expand step splits them into as it writes the expert-major rows (the sinks of
     kernels/ep.cu): ``dtype=None``: codes ``[N,H]`` uint8 and scales ``[N,S]`` fp32 (``Fp8Rows<G>``); else the
@@ -122,7 +122,8 @@ class Fp8Rows:
         self.S, self.scale_at, self.row_bytes = packed_layout(self.H)
         self.dtype = None if dtype is None else np.dtype(dtype)
         # the widest piece (bytes) that H, scale_at and 4S all divide: a piece is all codes, scales or padding
-        self.piece = next(g for g in _FP8_PIECES if self.H % g == 0 and self.scale_at % g == 0 and (4 * self.S) % g == 0)
+        self.piece = next(g for g in _FP8_PIECES
+                          if self.H % g == 0 and self.scale_at % g == 0 and (4 * self.S) % g == 0)
 
     @staticmethod
     def sink_names():

@@ -24,7 +24,7 @@ between ranks), ``topk_idx [T,K]`` (int32/int64, ``-1`` = no expert) and ``topk_
 - ``dispatch(..., fp8=True)``: FP8 rows on the wire (quantized on the sending side, or a pre-quantized
   ``(x_fp8, scales)`` pair): each token's e4m3 codes and fp32 block scales packed into one row, one pass of
   the transport over them (with the same handle), whose expand step splits each row into the FP8 rows and
-  scales, or with ``dequantize=True`` dequantizes it (docs/ep.md §8, §9). The gradient path stays in the
+  scales, or with ``dequantize=True`` dequantizes it (docs/ep.md §9). The gradient path stays in the
   float dtype.
 
 This module is the algorithm: validation, the plan and the handle, the CPU reference path, the choice of
@@ -812,7 +812,7 @@ class EpGroup:
                     return call.out(_fp8_ref.dequantize_fp8(rq, rs, out_dt, FP8_BLOCK)), rw, call.out(tpe)
                 return call.out(rq), call.out(rs), rw, call.out(tpe)
             xp, s = call.xp, call.stream
-            # one pass of the transport over packed rows (codes, then scales; docs/ep.md §8), which its
+            # one pass of the transport over packed rows (codes, then scales; docs/ep.md §9), which its
             # expand splits into the codes and scales (or dequantizes) as it writes the expert-major rows
             rows = Fp8Rows(H, out_dt if dequantize else None)
             packed = xp.empty((T, rows.row_bytes), np.uint8)

@@ -130,7 +130,7 @@ def _quantize(x, q_ptr, s_ptr, q_stride, s_stride, block, device_id, stream):
 
 
 def packed_layout(H: int, block: int = 128) -> tuple[int, int, int]:
-    """The packed rows of a one-pass FP8 dispatch (docs/ep.md §8; kernels/fp8.cu): ``(S, scale_at, row_bytes)``:
+    """The packed rows of a one-pass FP8 dispatch (docs/ep.md §9; kernels/fp8.cu): ``(S, scale_at, row_bytes)``:
     a row holds its ``H`` e4m3 codes, then at byte ``scale_at = ceil4(H)`` its ``S = ceil(H/block)`` fp32
     scales, then zero bytes up to ``row_bytes``, the next multiple of 16 (the transports' 16-byte copy unit).
     H = 7168: 7168 + 224 = 7392 bytes."""

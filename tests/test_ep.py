@@ -1648,7 +1648,7 @@ def test_mixed_op_trace(monkeypatch, rng, R, local_size, me, mode):
             assert [s[1] for s in sends[1::2]] == [rc[p] * K * 4 for p in remote]
 
 
-# -- FP8 dispatch: one pass of the transport over packed rows (docs/ep.md §8), traced on the CPU ----------------
+# -- FP8 dispatch: one pass of the transport over packed rows (docs/ep.md §9), traced on the CPU ----------------
 
 class _Dev8(_Dev):
     """_Dev with what EpGroup.dispatch's checks read of an array."""
@@ -1827,7 +1827,7 @@ def test_fp8_transport_one_pass_trace(monkeypatch, rng, kind, mode, dequantize):
     if kind == "direct":
         assert names[-len(fills):] == fills and "ep_expand_rows" not in names and "group_start" not in names
     else:
-        remote = [p for p in range(R) if not (t.lo <= p < t.hi)] if kind == "mixed" else [p for p in range(R) if p != me]
+        remote = [p for p in range(R) if (not t.lo <= p < t.hi if kind == "mixed" else p != me)]
         assert names.count("group_start") == 1  # one NCCL group: every row with its scales
         sends = [e for e in events if e[0] == "send"][::2]
         sc, _, rc, _ = (t.nccl if kind == "mixed" else t)._host_counts(h)

@@ -525,7 +525,8 @@ def _nvrtc():
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_fp8_kernels_compile_offline(arch):
     """Every registered instantiation of kernels/fp8.cu (cuda_fp8.h found through the include path; the packing
-    of a one-pass FP8 dispatch's rows too) compiles alone for sm_80 (the conversions emulated) and sm_90 (the hardware e4m3 conversions)."""
+    of a one-pass FP8 dispatch's rows too) compiles alone for sm_80 (the conversions emulated) and sm_90 (the
+    hardware e4m3 conversions)."""
     from moe_rt import _jit
 
     names = _jit.REGISTRY["fp8.cu"]
