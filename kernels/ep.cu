@@ -591,7 +591,10 @@ __global__ void ep_scale_rows(T* __restrict__ rows, const float* __restrict__ w,
 //   H, HS and 4S, so a G-byte piece of a unit is all codes, all scales or all padding and is stored whole
 //   (the host picks G, and checks the outputs' alignment).
 // aux<FRESH>(row, i): what put needs besides the unit (Fp8Dequant: the scale of unit i, read from the row
-// itself, past L1 when FRESH: a peer wrote it during this kernel).
+// itself, past L1 when FRESH: a peer wrote it during this kernel). ONCE (Fp8Dequant): put takes the unit
+// converted once (convert) and the expand loops over a unit's K rows inside its loop over units (converting
+// inside the loop over k would be hoisted out of it by the compiler: every unit of a lane's UNROLL converted
+// at once, spilling); the other sinks keep the loop over units inside the loop over k.
 constexpr int EP_FP8_BLOCK = 128;  // channels per scale of an FP8 dispatch
 
 struct NoAux {};
@@ -621,6 +624,7 @@ __device__ __forceinline__ void store_bytes(void* p, const void* v) {  // B byte
 template <typename U>
 struct RowCopy {
   using Aux = NoAux;
+  static constexpr bool ONCE = false;
   U* out;
   i64 units;
   __device__ RowCopy(void* o, float*, int, i64 units_) : out(static_cast<U*>(o)), units(units_) {}
@@ -632,6 +636,7 @@ struct RowCopy {
 template <int G>
 struct Fp8Rows {
   using Aux = NoAux;
+  static constexpr bool ONCE = false;
   unsigned char* codes;
   unsigned char* scales;
   i64 H, HS, SB;  // SB: the scale bytes of a row (4S)
@@ -654,6 +659,10 @@ struct Fp8Rows {
 template <typename T, int G>
 struct Fp8Dequant {
   using Aux = float;
+  static constexpr bool ONCE = true;
+  struct Vals {
+    alignas(16) T v[16];
+  };
   T* y;
   i64 H, HS;
   __device__ Fp8Dequant(void* o, float*, int H_, i64) : y(static_cast<T*>(o)), H(H_), HS(((i64)H_ + 3) & ~(i64)3) {}
@@ -664,19 +673,52 @@ struct Fp8Dequant {
                      i * 16 / EP_FP8_BLOCK;  // a unit's 16 channels share one block
     return FRESH ? __ldcg(s) : __ldg(s);
   }
-  __device__ void put(int d, i64 i, const uint4& v, const float& s) const {
+  // the unit's 16 bytes as codes (those past H are never stored)
+  __device__ Vals convert(const uint4& v, const float& s) const {
     const unsigned char* b = reinterpret_cast<const unsigned char*>(&v);
+    Vals r;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) r.v[j] = store_as<T>(mul_rn(from_e4m3(b[j]), s));
+    return r;
+  }
+  __device__ void put(int d, i64 i, const Vals& r) const {
 #pragma unroll
     for (int q = 0; q < 16 / G; ++q) {
       const i64 o = i * 16 + q * G;
       if (o >= H) break;
-      alignas(16) T vals[G];
-#pragma unroll
-      for (int j = 0; j < G; ++j) vals[j] = store_as<T>(mul_rn(from_e4m3(b[q * G + j]), s));
-      store_bytes<G * (int)sizeof(T)>(y + (i64)d * H + o, vals);
+      store_bytes<G * (int)sizeof(T)>(y + (i64)d * H + o, r.v + q * G);
     }
   }
 };
+
+// The stores of one loaded span of a row (ep_expand_rows, warp_expand_row): units i0 + step*j (j < UNROLL, i <
+// units) into the expert-major rows dst(k) >= 0 (k < K), in the sink's loop order.
+template <typename U, int UNROLL, typename Sink, typename Dst>
+__device__ __forceinline__ void sink_span(const Sink& sink, const U (&v)[UNROLL], const typename Sink::Aux (&a)[UNROLL],
+                                          i64 i0, i64 step, i64 units, int K, Dst dst) {
+  if constexpr (Sink::ONCE) {
+#pragma unroll
+    for (int j = 0; j < UNROLL; ++j) {
+      const i64 i = i0 + step * j;
+      if (i >= units) continue;
+      const auto c = sink.convert(v[j], a[j]);
+      for (int k = 0; k < K; ++k) {
+        const int d = dst(k);
+        if (d >= 0) sink.put(d, i, c);
+      }
+    }
+  } else {
+    for (int k = 0; k < K; ++k) {
+      const int d = dst(k);
+      if (d < 0) continue;
+#pragma unroll
+      for (int j = 0; j < UNROLL; ++j) {
+        const i64 i = i0 + step * j;
+        if (i < units) sink.put(d, i, v[j], a[j]);
+      }
+    }
+  }
+}
 
 // The overlapped dispatch direction (EpGroup with chunks > 1) expands received rows range by range as
 // they land, into the expert-major layout of the permutation plan (same result as the permutation
@@ -713,15 +755,7 @@ __global__ void ep_expand_rows(const U* __restrict__ src, void* __restrict__ out
           a[j] = sink.template aux<false>(in, i);
         }
       }
-      for (int k = 0; k < K; ++k) {
-        const int d = s_dst[k];
-        if (d < 0) continue;
-#pragma unroll
-        for (int j = 0; j < UNROLL; ++j) {
-          const i64 i = i0 + (i64)j * blockDim.x;
-          if (i < units) sink.put(d, i, v[j], a[j]);
-        }
-      }
+      sink_span<U, UNROLL>(sink, v, a, i0, (i64)blockDim.x, units, K, [&](int k) { return s_dst[k]; });
     }
   }
 }
@@ -970,15 +1004,7 @@ __device__ __forceinline__ void warp_expand_row(const U* __restrict__ src, const
         a[j] = sink.template aux<FRESH>(src, i);
       }
     }
-    for (int k = 0; k < K; ++k) {
-      const int d = __ldg(drow + k);
-      if (d < 0) continue;
-#pragma unroll
-      for (int j = 0; j < UNROLL; ++j) {
-        const i64 i = i0 + 32 * j;
-        if (i < units) sink.put(d, i, v[j], a[j]);
-      }
-    }
+    sink_span<U, UNROLL>(sink, v, a, i0, 32, units, K, [&](int k) { return __ldg(drow + k); });
   }
 }
 
