@@ -1855,3 +1855,44 @@ def test_fp8_sink_kernels_compile():
     assert set(names) <= set(_jit.REGISTRY["ep.cu"])
     image, lowered = _jit.compile_offline("ep.cu", "sm_90", names)
     assert set(lowered) == set(names)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["exact", "capacity"])
+@pytest.mark.parametrize("H", [77, 300, 512, 2880])  # sink pieces 1, 4, 16, 4 bytes
+def test_one_gpu_fp8_dispatch_matches_cpu(rng, mode, H):
+    """A 1-rank group on one GPU (the NCCL transport's path without an exchange: the packed rows of the own
+    share expanded by ep_expand_rows' FP8 sinks): dispatch(fp8=True) of a float x and of a uint8 pair, with
+    and without dequantize, bitwise equal to the CPU group (the NumPy reference), padding rows zero, the pool
+    poisoned underneath; bf16, fp16 and fp32 x."""
+    import cupy as cp
+    import ml_dtypes
+
+    from moe_rt.reference import fp8 as fref
+
+    E, K, Tmax, T = 9, 3, 40, 37
+    kw = {} if mode == "exact" else {"pair_capacity": 30, "capacity": 50}  # some pairs and slots dropped
+    g_gpu = EpGroup(None, E, H, Tmax, mode=mode, align_size=4, **kw)
+    g_cpu = EpGroup(None, E, H, Tmax, mode=mode, align_size=4, **kw)
+    idx = make_routing(rng, T, E, K, "holes")
+    w = rng.random((T, K)).astype(np.float32)
+    for dt in (ml_dtypes.bfloat16, np.float16, np.float32):
+        x = (rng.standard_normal((T, H)) * rng.choice([1e-3, 1.0, 40.0], size=(T, 1))).astype(np.float32).astype(dt)
+        q, s = fref.quantize_fp8(np.asarray(x))
+        cp.cuda.Device().synchronize()
+        poison = cp.full(1 << 22, 0x5A, cp.uint8)  # freed into the pool: later allocations start dirty
+        del poison
+        h, hc = g_gpu.prepare(cp.asarray(idx)), g_cpu.prepare(idx)
+        pair_g, pair_c = (cp.asarray(q.view(np.uint8)), cp.asarray(s)), (q.view(np.uint8), s)
+        cq, cs, cw, _ = g_cpu.dispatch(hc, pair_c, w, fp8=True)
+        gq, gs, gw, _ = g_gpu.dispatch(h, pair_g, cp.asarray(w), fp8=True)
+        assert np.array_equal(gq.get(), cq) and np.array_equal(gs.get(), cs) and np.array_equal(gw.get(), cw)
+        if dt != ml_dtypes.bfloat16:  # a float x from CuPy (dequantize=True: CuPy holds no FP8)
+            cy, _, _ = g_cpu.dispatch(hc, x, w, fp8=True, dequantize=True)
+            gy, _, _ = g_gpu.dispatch(h, cp.asarray(x), cp.asarray(w), fp8=True, dequantize=True)
+            assert gy.dtype == cy.dtype and np.array_equal(gy.get().view(np.uint8), cy.view(np.uint8))
+        cy, _, _ = g_cpu.dispatch(hc, pair_c, fp8=True, dequantize=True)  # the pair's rows in bfloat16
+        gy, _, _ = g_gpu.dispatch(h, pair_g, fp8=True, dequantize=True)
+        assert np.array_equal(gy.get().view(np.uint8), np.asarray(cy).view(np.uint8))
+        pad = hc.view("src_slot")[:hc.sizes["N"]] < 0
+        assert not cq[pad].any() and not cs[pad].any()
