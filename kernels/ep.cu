@@ -705,6 +705,145 @@ __global__ void ep_scale_rows(T* __restrict__ rows, const float* __restrict__ w,
   }
 }
 
+// ---- Where an expanded row goes (ep_expand_rows, ep_direct_dispatch) ---------------------------------------
+// A sink takes a received row unit by unit (U, the copy unit) and writes it into expert-major row d:
+// - RowCopy<U>: out [N, units] as is (every row set but a one-pass FP8 dispatch's);
+// - Fp8Rows<G>, Fp8Dequant<T, G> (U = uint4): the packed rows of a one-pass FP8 dispatch (docs/ep.md §9;
+//   kernels/fp8.cu: H e4m3 codes, at byte HS = ceil4(H) the S = ceil(H/128) fp32 scales, zero padding to a
+//   multiple of 16 bytes) split into the codes out [N,H] bytes and the scales out_s [N,S] (Fp8Rows), or
+//   dequantized into out [N,H] of T (Fp8Dequant: dequantize_fp8's rule, bit for bit). G (16, 4 or 1) divides
+//   H, HS and 4S, so a G-byte piece of a unit is all codes, all scales or all padding and is stored whole
+//   (the host picks G, and checks the outputs' alignment).
+// aux<FRESH>(row, i): what put needs besides the unit (Fp8Dequant: the scale of unit i, read from the row
+// itself, past L1 when FRESH: a peer wrote it during this kernel). ONCE (Fp8Dequant): put takes the unit
+// converted once (convert) and the expand loops over a unit's K rows inside its loop over units (converting
+// inside the loop over k would be hoisted out of it by the compiler: every unit of a lane's UNROLL converted
+// at once, spilling); the other sinks keep the loop over units inside the loop over k.
+constexpr int EP_FP8_BLOCK = 128;  // channels per scale of an FP8 dispatch
+
+struct NoAux {};
+
+template <int B>
+__device__ __forceinline__ void store_bytes(void* p, const void* v) {  // B bytes, streaming, widest units
+  if constexpr (B % 16 == 0) {
+#pragma unroll
+    for (int q = 0; q < B / 16; ++q) __stcs(reinterpret_cast<uint4*>(p) + q, reinterpret_cast<const uint4*>(v)[q]);
+  } else if constexpr (B % 8 == 0) {
+#pragma unroll
+    for (int q = 0; q < B / 8; ++q) __stcs(reinterpret_cast<uint2*>(p) + q, reinterpret_cast<const uint2*>(v)[q]);
+  } else if constexpr (B % 4 == 0) {
+#pragma unroll
+    for (int q = 0; q < B / 4; ++q)
+      __stcs(reinterpret_cast<unsigned*>(p) + q, reinterpret_cast<const unsigned*>(v)[q]);
+  } else if constexpr (B % 2 == 0) {
+#pragma unroll
+    for (int q = 0; q < B / 2; ++q)
+      reinterpret_cast<unsigned short*>(p)[q] = reinterpret_cast<const unsigned short*>(v)[q];
+  } else {
+#pragma unroll
+    for (int q = 0; q < B; ++q) reinterpret_cast<unsigned char*>(p)[q] = reinterpret_cast<const unsigned char*>(v)[q];
+  }
+}
+
+template <typename U>
+struct RowCopy {
+  using Aux = NoAux;
+  static constexpr bool ONCE = false;
+  U* out;
+  i64 units;
+  __device__ RowCopy(void* o, float*, int, i64 units_) : out(static_cast<U*>(o)), units(units_) {}
+  template <bool FRESH>
+  __device__ Aux aux(const U*, i64) const { return {}; }
+  __device__ void put(int d, i64 i, const U& v, const Aux&) const { __stcs(out + (i64)d * units + i, v); }
+};
+
+template <int G>
+struct Fp8Rows {
+  using Aux = NoAux;
+  static constexpr bool ONCE = false;
+  unsigned char* codes;
+  unsigned char* scales;
+  i64 H, HS, SB;  // SB: the scale bytes of a row (4S)
+  __device__ Fp8Rows(void* o, float* s, int H_, i64)
+      : codes(static_cast<unsigned char*>(o)), scales(reinterpret_cast<unsigned char*>(s)), H(H_),
+        HS(((i64)H_ + 3) & ~(i64)3), SB(4 * (((i64)H_ + EP_FP8_BLOCK - 1) / EP_FP8_BLOCK)) {}
+  template <bool FRESH>
+  __device__ Aux aux(const uint4*, i64) const { return {}; }
+  __device__ void put(int d, i64 i, const uint4& v, const Aux&) const {
+    const unsigned char* b = reinterpret_cast<const unsigned char*>(&v);
+#pragma unroll
+    for (int q = 0; q < 16 / G; ++q) {
+      const i64 o = i * 16 + q * G;
+      if (o < H) store_bytes<G>(codes + (i64)d * H + o, b + q * G);
+      else if (o >= HS && o < HS + SB) store_bytes<G>(scales + (i64)d * SB + (o - HS), b + q * G);
+    }
+  }
+};
+
+template <typename T, int G>
+struct Fp8Dequant {
+  using Aux = float;
+  static constexpr bool ONCE = true;
+  struct Vals {
+    alignas(16) T v[16];
+  };
+  T* y;
+  i64 H, HS;
+  __device__ Fp8Dequant(void* o, float*, int H_, i64) : y(static_cast<T*>(o)), H(H_), HS(((i64)H_ + 3) & ~(i64)3) {}
+  template <bool FRESH>
+  __device__ float aux(const uint4* row, i64 i) const {
+    if (i * 16 >= H) return 0.0f;  // no codes in this unit
+    const float* s = reinterpret_cast<const float*>(reinterpret_cast<const unsigned char*>(row) + HS) +
+                     i * 16 / EP_FP8_BLOCK;  // a unit's 16 channels share one block
+    return FRESH ? __ldcg(s) : __ldg(s);
+  }
+  // the unit's 16 bytes as codes (those past H are never stored)
+  __device__ Vals convert(const uint4& v, const float& s) const {
+    const unsigned char* b = reinterpret_cast<const unsigned char*>(&v);
+    Vals r;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) r.v[j] = store_as<T>(mul_rn(from_e4m3(b[j]), s));
+    return r;
+  }
+  __device__ void put(int d, i64 i, const Vals& r) const {
+#pragma unroll
+    for (int q = 0; q < 16 / G; ++q) {
+      const i64 o = i * 16 + q * G;
+      if (o >= H) break;
+      store_bytes<G * (int)sizeof(T)>(y + (i64)d * H + o, r.v + q * G);
+    }
+  }
+};
+
+// The stores of one loaded span of a row (ep_expand_rows, warp_expand_row): units i0 + step*j (j < UNROLL, i <
+// units) into the expert-major rows dst(k) >= 0 (k < K), in the sink's loop order.
+template <typename U, int UNROLL, typename Sink, typename Dst>
+__device__ __forceinline__ void sink_span(const Sink& sink, const U (&v)[UNROLL], const typename Sink::Aux (&a)[UNROLL],
+                                          i64 i0, i64 step, i64 units, int K, Dst dst) {
+  if constexpr (Sink::ONCE) {
+#pragma unroll
+    for (int j = 0; j < UNROLL; ++j) {
+      const i64 i = i0 + step * j;
+      if (i >= units) continue;
+      const auto c = sink.convert(v[j], a[j]);
+      for (int k = 0; k < K; ++k) {
+        const int d = dst(k);
+        if (d >= 0) sink.put(d, i, c);
+      }
+    }
+  } else {
+    for (int k = 0; k < K; ++k) {
+      const int d = dst(k);
+      if (d < 0) continue;
+#pragma unroll
+      for (int j = 0; j < UNROLL; ++j) {
+        const i64 i = i0 + step * j;
+        if (i < units) sink.put(d, i, v[j], a[j]);
+      }
+    }
+  }
+}
+
 // The overlapped dispatch direction (EpGroup with chunks > 1) expands received rows range by range as
 // they land, into the expert-major layout of the permutation plan (same result as the permutation
 // family's dispatch: a raw copy per kept slot, zero rows where no slot lands, probs following rows).
@@ -713,11 +852,14 @@ __global__ void ep_scale_rows(T* __restrict__ rows, const float* __restrict__ w,
 // range's first row): out[dst_row[r][k]]
 // = src[r] (src[src_rows[r]] when src_rows is given: the own share read straight from x) for every k with
 // dst_row >= 0. The row is read once (UNROLL units per thread in flight) and
-// stored with streaming stores.
-template <typename U, int UNROLL>
-__global__ void ep_expand_rows(const U* __restrict__ src, U* __restrict__ out, const int* __restrict__ dst_row,
-                               const int* __restrict__ src_rows, int K, i64 units, i64 nrows) {
+// stored with streaming stores, through the Sink (RowCopy: out as is; a one-pass FP8 dispatch's packed rows
+// split into codes out and scales out_s, or dequantized into out; fp8_h = H, unused by RowCopy).
+template <typename U, int UNROLL, typename Sink = RowCopy<U>>
+__global__ void ep_expand_rows(const U* __restrict__ src, void* __restrict__ out, const int* __restrict__ dst_row,
+                               const int* __restrict__ src_rows, int K, i64 units, i64 nrows,
+                               float* __restrict__ out_s, int fp8_h) {
   extern __shared__ int s_dst[];
+  const Sink sink(out, out_s, fp8_h, units);
   for (i64 r = blockIdx.x; r < nrows; r += gridDim.x) {
     __syncthreads();  // the previous row's s_dst reads are done
     for (int k = threadIdx.x; k < K; k += blockDim.x) s_dst[k] = dst_row[r * K + k];
@@ -728,21 +870,16 @@ __global__ void ep_expand_rows(const U* __restrict__ src, U* __restrict__ out, c
     const U* in = src + (src_rows != nullptr ? (i64)src_rows[r] : r) * units;
     for (i64 i0 = threadIdx.x; i0 < units; i0 += (i64)blockDim.x * UNROLL) {
       U v[UNROLL];
+      typename Sink::Aux a[UNROLL];
 #pragma unroll
       for (int j = 0; j < UNROLL; ++j) {
         const i64 i = i0 + (i64)j * blockDim.x;
-        if (i < units) v[j] = __ldcs(in + i);
-      }
-      for (int k = 0; k < K; ++k) {
-        const int d = s_dst[k];
-        if (d < 0) continue;
-        U* o = out + (i64)d * units;
-#pragma unroll
-        for (int j = 0; j < UNROLL; ++j) {
-          const i64 i = i0 + (i64)j * blockDim.x;
-          if (i < units) __stcs(o + i, v[j]);
+        if (i < units) {
+          v[j] = __ldcs(in + i);
+          a[j] = sink.template aux<false>(in, i);
         }
       }
+      sink_span<U, UNROLL>(sink, v, a, i0, (i64)blockDim.x, units, K, [&](int k) { return s_dst[k]; });
     }
   }
 }
@@ -1014,27 +1151,22 @@ __device__ __forceinline__ void warp_copy_row(const U* __restrict__ src, U* __re
   }
 }
 
-// One warp writes a row to the expert-major rows out[drow[k]] (k < K, drow[k] >= 0), reading it once.
-template <typename U, int UNROLL, bool FRESH>
-__device__ __forceinline__ void warp_expand_row(const U* __restrict__ src, U* __restrict__ out,
+// One warp writes a row to the expert-major rows drow[k] (k < K, drow[k] >= 0) through the sink, reading it once.
+template <typename U, int UNROLL, bool FRESH, typename Sink>
+__device__ __forceinline__ void warp_expand_row(const U* __restrict__ src, const Sink& sink,
                                                 const int* __restrict__ drow, int K, i64 units, int lane) {
   for (i64 i0 = lane; i0 < units; i0 += 32 * UNROLL) {
     U v[UNROLL];
+    typename Sink::Aux a[UNROLL];
 #pragma unroll
     for (int j = 0; j < UNROLL; ++j) {
       const i64 i = i0 + 32 * j;
-      if (i < units) v[j] = FRESH ? __ldcg(src + i) : __ldg(src + i);
-    }
-    for (int k = 0; k < K; ++k) {
-      const int d = __ldg(drow + k);
-      if (d < 0) continue;
-      U* o = out + (i64)d * units;
-#pragma unroll
-      for (int j = 0; j < UNROLL; ++j) {
-        const i64 i = i0 + 32 * j;
-        if (i < units) __stcs(o + i, v[j]);
+      if (i < units) {
+        v[j] = FRESH ? __ldcg(src + i) : __ldg(src + i);
+        a[j] = sink.template aux<FRESH>(src, i);
       }
     }
+    sink_span<U, UNROLL>(sink, v, a, i0, 32, units, K, [&](int k) { return __ldg(drow + k); });
   }
 }
 
@@ -1048,16 +1180,18 @@ __device__ __forceinline__ void warp_expand_row(const U* __restrict__ src, U* __
 // then one expand item if it is ready; once its pushes are done it waits for its remaining expand items.
 // One warp per row; blockDim.x a multiple of 32. Only the ranks of this rank's node [lo, hi) are pushed to
 // and expanded from (the direct transport: [0, R); the mixed transport moves the other pairs through NCCL
-// into the same expert-major rows).
-template <typename U, int UNROLL>
+// into the same expert-major rows). The expanded rows go through the Sink (ep_expand_rows: RowCopy into out,
+// or a one-pass FP8 dispatch's packed rows into codes out and scales out_s or dequantized into out; fp8_h = H).
+template <typename U, int UNROLL, typename Sink = RowCopy<U>>
 __global__ void __launch_bounds__(512) ep_direct_dispatch(
     const U* __restrict__ x, const float* __restrict__ w, const long long* __restrict__ peer_rows,
     const long long* __restrict__ peer_w, const long long* __restrict__ peer_flags,
     const int* __restrict__ send_tok, const int* __restrict__ meta, const int* __restrict__ dst_row,
-    U* __restrict__ out, unsigned* __restrict__ state, int* __restrict__ err_word, i64 timeout_ns, int op,
-    int R, int me, int P, int K, int C, i64 units, int lo, int hi) {
+    void* __restrict__ out, float* __restrict__ out_s, int fp8_h, unsigned* __restrict__ state,
+    int* __restrict__ err_word, i64 timeout_ns, int op, int R, int me, int P, int K, int C, i64 units, int lo, int hi) {
   unsigned e;
   if (!block_epoch(state, e)) return;
+  const Sink sink(out, out_s, fp8_h, units);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
   const int* send_counts = meta + META_SEND_COUNTS(R);
   const int* recv_counts = meta + META_RECV_COUNTS(R);
@@ -1112,13 +1246,13 @@ __global__ void __launch_bounds__(512) ep_direct_dispatch(
       if (s == me) {
         const i64 t = send_tok[(i64)me * P + j];
         if (out != nullptr)
-          warp_expand_row<U, UNROLL, false>(x + t * units, out, dst_row + r * K, K, units, lane);
+          warp_expand_row<U, UNROLL, false>(x + t * units, sink, dst_row + r * K, K, units, lane);
         else  // the caller reads the stage: the own rows go there too
           warp_copy_row<U, UNROLL>(x + t * units, const_cast<U*>(stage) + ((i64)me * P + j) * units, units, lane);
         if (own_w != nullptr)
           for (int k = lane; k < K; k += 32) own_w[((i64)me * P + j) * K + k] = w[t * K + k];
       } else if (out != nullptr) {
-        warp_expand_row<U, UNROLL, true>(stage + ((i64)s * P + j) * units, out, dst_row + r * K, K, units, lane);
+        warp_expand_row<U, UNROLL, true>(stage + ((i64)s * P + j) * units, sink, dst_row + r * K, K, units, lane);
       }
     }
   };
@@ -1411,7 +1545,7 @@ __device__ __forceinline__ void ll_block_rows(const T* const* src, T* const* dst
 
 // FP8 rows (ep_ll_dispatch_fp8): each slot row travels as H e4m3 codes into recv_q [L, R*Tmax, H] and
 // S = ceil(H/128) fp32 scales into recv_s [L, R*Tmax, S] (H + 4S bytes instead of H * sizeof(T)).
-constexpr int LL_FP8_BLOCK = 128;                     // channels per scale (docs/fp8.md)
+constexpr int LL_FP8_BLOCK = EP_FP8_BLOCK;            // channels per scale (docs/fp8.md)
 constexpr int LL_FP8_CH = 16;                         // channels a thread takes: 16 codes, one 16-byte store
 constexpr int LL_FP8_LANES = LL_FP8_BLOCK / LL_FP8_CH;  // threads per 128-channel block
 constexpr int LL_FP8_UNROLL = 2;                      // blocks a thread has loaded before it stores

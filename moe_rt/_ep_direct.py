@@ -55,7 +55,7 @@ import socket
 import numpy as np
 
 from moe_rt import _jit
-from moe_rt._ep_rows import bound, fill_rows, recv_wk, slot_values
+from moe_rt._ep_rows import Fp8Rows, bound, fill_rows, recv_wk, slot_values
 from moe_rt.permutation import _resident_ctas, _unit
 
 _FILE = "ep.cu"
@@ -64,6 +64,7 @@ _PUSH_UNROLL = 8  # 16-byte units a lane has in flight while copying or expandin
 _names = ["ep_direct_barrier", "ep_direct_row_map"]
 _names += [f"ep_copy_rows<{u}>" for u in _UNITS.values()]
 _names += [f"ep_direct_dispatch<{u}, {_PUSH_UNROLL}>" for u in _UNITS.values()]
+_names += [f"ep_direct_dispatch<uint4, {_PUSH_UNROLL}, {k}>" for k in Fp8Rows.sink_names()]
 for _c in _jit.CTYPES.values():
     for _v in ("true", "false"):
         _names.append(f"ep_direct_combine<{_c}, {_v}>")
@@ -390,7 +391,7 @@ class DirectTransport:
         return cupy.ndarray((rows, cols), dtype, cupy.cuda.MemoryPointer(mem, 0))
 
     # -- the interface ---------------------------------------------------------------------------------
-    def forward(self, call, h, x, w, op, *, expand=True, want_w=False):
+    def forward(self, call, h, x, w, op, *, expand=True, want_w=False, fp8=None):
         """The dispatch direction (``op``: ``"dispatch"`` or ``"combine_bwd"``): barrier (every rank finished
         the previous op) -> one kernel pushing this rank's rows of ``x [T,H]`` (and fp32 weights ``w [T,K]``
         or None, received into the handle's recv_wk) into the destinations' stages chunk by chunk.
@@ -398,15 +399,17 @@ class DirectTransport:
         Returns, with ``expand``, ``(rows [N,H] expert-major, weights [N] fp32 or None)``: the kernel expands
         each received chunk as it lands, then padding rows are zeroed and ``weights[n] =
         recv_wk[src_slot[n]]`` laid out when ``want_w``; without, the received rows ``[rows,H]`` in the
-        handle's layout (the stage itself in capacity mode, a packed copy in exact mode)."""
+        handle's layout (the stage itself in capacity mode, a packed copy in exact mode). ``fp8``: an
+        :class:`moe_rt._ep_rows.Fp8Rows` (with ``expand``): ``x`` holds packed FP8 rows, which the kernel
+        splits (or dequantizes) into ``fp8``'s outputs as it expands them; ``rows`` is their tuple."""
         if not expand:
             stage, row_map = self._push(call, h, x, w, op, None)
             return self._recv_buf(call, h, stage, row_map)
         N, xp = h.sizes["N"], call.xp
-        out = xp.empty((N, x.shape[1]), x.dtype)
+        out = xp.empty((N, int(x.shape[1])), x.dtype) if fp8 is None else fp8.empty(xp, N)
         out_w = xp.empty(N, np.float32) if want_w else None
-        self._push(call, h, x, w, op, out, False)
-        fill_rows(call, h, out, out_w, recv_wk(h) if want_w else None)
+        self._push(call, h, x, w, op, out, False, fp8)
+        (fill_rows if fp8 is None else fp8.fill)(call, h, out, out_w, recv_wk(h) if want_w else None)
         return out, out_w
 
     def reduce(self, call, h, y, w, gw, op):
@@ -424,17 +427,18 @@ class DirectTransport:
         self.barrier(s, op)
         return self.combine(call, h, y, w, zw, rows_st, w_st, sz["T"], gw is not None, op)
 
-    def _push(self, call, h, x, w, op, out, want_stage=True):
+    def _push(self, call, h, x, w, op, out, want_stage=True, fp8=None):
         """The stages for x's rows, the op's barrier, then :meth:`dispatch` expanding into ``out`` (expert-major
-        [N,H]; None: only wait for every chunk). Returns ``(stage [R*P,H] view (None unless want_stage), row
-        map or None)``: received row r sits at stage row ``map[r]`` (capacity mode: at r; the own share is not
-        in the stage unless ``out`` is None). The received weights are copied into the handle's recv_wk."""
+        [N,H], or ``fp8``'s outputs; None: only wait for every chunk). Returns ``(stage [R*P,H] view (None
+        unless want_stage), row map or None)``: received row r sits at stage row ``map[r]`` (capacity mode: at
+        r; the own share is not in the stage unless ``out`` is None). The received weights are copied into the
+        handle's recv_wk."""
         s = call.stream
         sz = h.sizes
         K, H = sz["K"], x.shape[1]
         rows_st, w_st = self.stages(H * x.dtype.itemsize, K, s, lambda st: self._op_wait(st, op))
         self.barrier(s, op)
-        self.dispatch(call, h, x, w, rows_st, w_st, out, op)
+        self.dispatch(call, h, x, w, rows_st, w_st, out, op, fp8)
         row_map = self._row_map(call, h)
         if w is not None:
             self.copy_rows(call, w_st.local, row_map, h.view("recv_wk").data.ptr, None, sz["rows"], K * 4)
@@ -489,23 +493,31 @@ class DirectTransport:
         c = max(_THREADS // 32, -(-P * max(1, self.hi - self.lo - 1) // (4 * 2 * 132)))
         return int(max(1, min(_MAX_CHUNK, P, c)))
 
-    def dispatch(self, call, h, x, w, rows_st, w_st, out, op):
+    def dispatch(self, call, h, x, w, rows_st, w_st, out, op, fp8=None):
         """ep_direct_dispatch (after the op's leading barrier): this rank's rows (and fp32 weights [T,K], or
         None) pushed into the peers' stages chunk by chunk, and every received row expanded into ``out``
-        (the expert-major [N,H] rows, or None: only wait for every chunk) as its chunk lands; the own share
+        (the expert-major [N,H] rows, or None: only wait for every chunk; with ``fp8``, an Fp8Rows, the tuple
+        of its outputs, which the kernel's sink splits the packed rows into) as its chunk lands; the own share
         straight from x."""
         sz = h.sizes
         K, P = sz["K"], sz["P"]
         rb = x.shape[1] * x.dtype.itemsize
         if rb == 0:
             return
-        xp_, op_ = x.data.ptr, (out.data.ptr if out is not None else 0)
-        u = min(_unit(rb, xp_, op_), _stage_unit(rows_st))  # powers of two: the unit of every address
-        key = ("dispatch", rb, u, K, P, op, call.device_id)
+        xp_ = x.data.ptr
+        if fp8 is None:
+            sink, outs = None, (out.data.ptr if out is not None else 0, 0, np.int32(0))
+            u = min(_unit(rb, xp_, outs[0]), _stage_unit(rows_st))  # powers of two: the unit of every address
+        else:
+            u = min(_unit(rb, xp_), _stage_unit(rows_st))
+            Fp8Rows.check_unit(u)
+            sink, *outs = fp8.sink(out)
+        key = ("dispatch", rb, u, K, P, op, sink, call.device_id)
         c = self._launches.get(key)
         if c is None:  # the kernel, its grid, the stage tables and the arguments after the op's pointers
             bound(self._launches)
-            fn = _jit.function(_FILE, f"ep_direct_dispatch<{_UNITS[u]}, {_PUSH_UNROLL}>")
+            fn = _jit.function(_FILE, f"ep_direct_dispatch<{_UNITS[u]}, {_PUSH_UNROLL}>" if sink is None
+                               else f"ep_direct_dispatch<uint4, {_PUSH_UNROLL}, {sink}>")
             C = self.chunk_rows(h)
             c = self._launches[key] = (
                 fn, self._grid(fn, call, -(-P // C) * (self.hi - self.lo)), (rows_st.table, w_st.table, self.flags.table),
@@ -514,7 +526,7 @@ class DirectTransport:
                  np.int32(self.hi)))
         _jit.launch_raw(c[0], c[1], _THREADS,
                         (xp_, w.data.ptr if w is not None else 0, *c[2], h.view("send_tok"), h.view("meta"),
-                         h.view("dst_row"), op_, *c[3]), 0, call.stream)
+                         h.view("dst_row"), *outs, *c[3]), 0, call.stream)
 
     def combine(self, call, h, y, w, zw, rows_st, w_st, T, want_w, op):
         """ep_direct_combine (after the op's leading barrier): each received row's partial over its local

@@ -45,7 +45,8 @@ from __future__ import annotations
 import numpy as np
 
 from moe_rt import _jit, permutation
-from moe_rt._ep_rows import FILE, UNITS, bound, fill_rows, grid, plan_view, recv_wk, routing_view, slot_values, unit
+from moe_rt._ep_rows import (FILE, UNITS, Fp8Rows, bound, fill_rows, grid, plan_view, recv_wk, routing_view, slot_values,
+                             unit)
 from moe_rt._handle import meta_index
 
 # overlap=None (auto): a call overlaps its transfer with the local work when this rank sends at least this
@@ -77,35 +78,44 @@ class NcclTransport:
         """Nothing to release: the communicator is borrowed; the stream and events go with the object."""
 
     # -- the interface ---------------------------------------------------------------------------------
-    def forward(self, call, h, x, w, op, *, expand=True, want_w=False):
+    def forward(self, call, h, x, w, op, *, expand=True, want_w=False, fp8=None):
         """The dispatch direction (``op``: ``"dispatch"`` or ``"combine_bwd"``): the rows of ``x [T,H]`` (and
         fp32 weights ``w [T,K]`` or None, received into the handle's recv_wk) to every rank that needs them.
 
         Returns, with ``expand``, ``(rows [N,H] expert-major, weights [N] fp32 or None)``: padding rows
         zero, ``weights[n] = recv_wk[src_slot[n]]`` when ``want_w``; without, the received rows ``[rows,H]``
-        in the handle's layout (source-major)."""
-        rb = int(x.shape[1]) * x.dtype.itemsize  # the rows' width: hidden, or another row set (FP8 scales)
+        in the handle's layout (source-major). ``fp8``: an :class:`moe_rt._ep_rows.Fp8Rows` (with ``expand``):
+        ``x`` holds packed FP8 rows, which ep_expand_rows splits (or dequantizes) into ``fp8``'s outputs as
+        it writes them (on the serial path too, instead of the permutation family's dispatch); ``rows`` is
+        their tuple."""
+        rb = int(x.shape[1]) * x.dtype.itemsize  # the rows' width: hidden, or packed FP8 rows
         if not expand:
             if self._overlapped(h, rb):
                 # the transfer still runs in parts; the expert-side kernel runs after it
                 return self._forward_overlapped(call, h, x, w, lambda buf, lo, hi: None)
             return self._forward(call, h, x, w)
+        N, xp = h.sizes["N"], call.xp
+        fill = fill_rows if fp8 is None else fp8.fill
         if self._overlapped(h, rb):
             # expand each part as it lands
-            N, xp = h.sizes["N"], call.xp
-            out = xp.empty((N, int(x.shape[1])), x.dtype)
+            out = xp.empty((N, int(x.shape[1])), x.dtype) if fp8 is None else fp8.empty(xp, N)
             out_w = xp.empty(N, np.float32) if want_w else None
             pv = recv_wk(h) if want_w else None
             # weights received with the rows are in after the last part; the forward's (w None) from the start
             late = w is not None
             self._forward_overlapped(
                 call, h, x, w,
-                lambda buf, lo, hi, rows=None, side=False: _expand_rows(call, h, buf, out, lo, hi, rows, side),
-                lambda: fill_rows(call, h, out, None if late else out_w, None if late else pv), own_direct=True)
+                lambda buf, lo, hi, rows=None, side=False: _expand_rows(call, h, buf, out, lo, hi, rows, side, fp8),
+                lambda: fill(call, h, out, None if late else out_w, None if late else pv), own_direct=True)
             if late and out_w is not None:
                 fill_rows(call, h, None, out_w, pv)
             return out, out_w
         recv_buf = self._forward(call, h, x, w)
+        if fp8 is not None:  # the packed rows split (or dequantized) as they are expanded
+            out, out_w = fp8.empty(xp, N), xp.empty(N, np.float32) if want_w else None
+            _expand_rows(call, h, recv_buf, out, 0, h.sizes["rows"], fp8=fp8)
+            fp8.fill(call, h, out, out_w, recv_wk(h) if want_w else None)
+            return out, out_w
         plan = plan_view(h)
         if op == "combine_bwd" and not want_w:
             return permutation.combine_backward(recv_buf, plan, stream=call.stream)[0], None
@@ -474,24 +484,32 @@ def _subplan(h, lo, hi):
     return plan
 
 
-def _expand_rows(call, h, buf, out, lo, hi, rows=None, side=False):
+def _expand_rows(call, h, buf, out, lo, hi, rows=None, side=False, fp8=None):
     """out[dst_row[r,k]] = buf[r] for the received rows lo <= r < hi (raw bytes; ep_expand_rows); with
-    ``rows`` (int32 [hi-lo] on the device), out[dst_row[r,k]] = buf[rows[r-lo]] instead."""
+    ``rows`` (int32 [hi-lo] on the device), out[dst_row[r,k]] = buf[rows[r-lo]] instead. ``fp8``: an Fp8Rows;
+    buf's rows are packed FP8 rows and ``out`` the tuple of its outputs, which the kernel's sink writes."""
     sz = h.sizes
     K, N = sz["K"], sz["N"]
     rb = int(buf.shape[1]) * buf.dtype.itemsize
     if hi <= lo or N == 0 or rb == 0:
         return
-    u = unit(rb, buf.data.ptr, out.data.ptr)
+    if fp8 is None:
+        u = unit(rb, buf.data.ptr, out.data.ptr)
+        fn = _jit.function(FILE, f"ep_expand_rows<{UNITS[u]}, 4>")
+        outs = (out.data.ptr, 0, np.int32(0))
+    else:
+        u = unit(rb, buf.data.ptr)
+        Fp8Rows.check_unit(u)
+        sink, *outs = fp8.sink(out)
+        fn = _jit.function(FILE, f"ep_expand_rows<uint4, 4, {sink}>")
     units = rb // u
-    fn = _jit.function(FILE, f"ep_expand_rows<{UNITS[u]}, 4>")
     _jit.set_max_dynamic_shared(fn, K * 4)
     per = -(-units // 4)  # 4 units per thread in flight
     threads = int(min(1024, max(32, -(-per // 32) * 32)))
     src = buf.data.ptr if rows is not None else buf.data.ptr + lo * rb
     # beside a transfer: one CTA per two SMs, so that the NCCL kernel keeps its share of memory bandwidth
     grid = hi - lo if not side else min(hi - lo, max(1, _jit.device_properties(call.device_id)["sm_count"] // 2))
-    _jit.launch(fn, grid, threads, (src, out.data.ptr, h.view("dst_row").data.ptr + lo * K * 4,
+    _jit.launch(fn, grid, threads, (src, outs[0], h.view("dst_row").data.ptr + lo * K * 4,
                                     rows.data.ptr if rows is not None else 0, np.int32(K), np.int64(units),
-                                    np.int64(hi - lo)),
+                                    np.int64(hi - lo), outs[1], outs[2]),
                 shared_mem=K * 4, stream=call.stream)

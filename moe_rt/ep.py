@@ -23,20 +23,23 @@ between ranks), ``topk_idx [T,K]`` (int32/int64, ``-1`` = no expert) and ``topk_
   (token, rank) back; the owner sums them over ranks in ascending rank order in fp32, rounding once.
 - :meth:`EpGroup.dispatch_bwd` / :meth:`EpGroup.combine_bwd`: the transposes.
 - ``dispatch(..., fp8=True)``: FP8 rows on the wire (quantized on the sending side, or a pre-quantized
-  ``(x_fp8, scales)`` pair): the e4m3 rows and then their fp32 block-scale rows through the transport with
-  the same handle; returns the FP8 rows and scales, or with ``dequantize=True`` the rows dequantized on the
-  receiving side (docs/ep.md §9). The gradient path stays in the float dtype.
+  ``(x_fp8, scales)`` pair): each token's e4m3 codes and fp32 block scales packed into one row, one pass of
+  the transport over them (with the same handle), whose expand step splits each row into the FP8 rows and
+  scales, or with ``dequantize=True`` dequantizes it (docs/ep.md §9). The gradient path stays in the
+  float dtype.
 
 This module is the algorithm: validation, the plan and the handle, the CPU reference path, the choice of
 transport. Each public op validates its arguments, then calls its transport once and returns the results.
 Transports (``transport=``, ``MOE_RT_EP_TRANSPORT``; ``group.transport``) move the rows; each is a module
 with one class offering the same small interface (a third transport is one more such module):
 
-- ``forward(call, handle, x, w, op, *, expand=True, want_w=False)``: the dispatch direction (``dispatch``,
-  ``combine_bwd``): the rows of ``x [T,H]`` (or of any width: an FP8 dispatch also sends its scale rows) (and fp32 weights ``w [T,K]`` or None, received into the
-  handle's ``recv_wk``) to the ranks of their experts. Returns ``(rows [N,H] expert-major, weights [N] or
-  None)`` (padding rows zero; ``weights[n] = recv_wk[src_slot[n]]`` when ``want_w``), or with
-  ``expand=False`` the received rows ``[rows,H]`` in the handle's layout (source-major);
+- ``forward(call, handle, x, w, op, *, expand=True, want_w=False, fp8=None)``: the dispatch direction
+  (``dispatch``, ``combine_bwd``): the rows of ``x [T,H]`` (of any width) (and fp32 weights ``w [T,K]`` or
+  None, received into the handle's ``recv_wk``) to the ranks of their experts. Returns ``(rows [N,H]
+  expert-major, weights [N] or None)`` (padding rows zero; ``weights[n] = recv_wk[src_slot[n]]`` when
+  ``want_w``), or with ``expand=False`` the received rows ``[rows,H]`` in the handle's layout (source-major).
+  ``fp8`` (a :class:`moe_rt._ep_rows.Fp8Rows`): ``x`` holds an FP8 dispatch's packed rows and the expand
+  writes them split into codes and scales, or dequantized (``rows`` is then the tuple of those outputs);
 - ``reduce(call, handle, y, w, gw, op)``: the combine direction (``combine``: weights ``w [rows,K]`` or
   None; ``dispatch_bwd``: ``gw [N]`` or None, the gradient of the received weights, back to the slots).
   Returns ``(out [T,H], grad_w [T,K] fp32 or None)``;
@@ -125,7 +128,7 @@ from moe_rt import _arrays, _errors, _jit, permutation
 from moe_rt import _ep_adapt, _ep_direct, _ep_mixed, _ep_nccl, _handle
 from moe_rt import fp8 as _fp8
 from moe_rt._ep_rows import FILE as _FILE, UNITS as _UNITS
-from moe_rt._ep_rows import grid as _grid, plan_view, recv_wk, scale_rows
+from moe_rt._ep_rows import Fp8Rows, grid as _grid, plan_view, recv_wk, scale_rows
 from moe_rt._handle import Handle, meta_index
 from moe_rt.reference import ep as _ref
 from moe_rt.reference import fp8 as _fp8_ref
@@ -142,6 +145,7 @@ for _c in _jit.CTYPES.values():
     for _v in ("true", "false"):
         _names += [f"ep_owner_sum<{_c}, {_v}>", f"ep_scale_rows<{_c}, {_v}>"]
 _names += [f"ep_expand_rows<{u}, 4>" for u in _UNITS.values()]
+_names += [f"ep_expand_rows<uint4, 4, {k}>" for k in Fp8Rows.sink_names()]
 _names += [f"ep_fill_rows<{u}>" for u in _UNITS.values()]
 _names += ["ep_plan_meta", "ep_prepare_recv", "ep_prepare_plan", "ep_gather_slots", "ep_slot_values"]
 _jit.register(_FILE, _names)
@@ -724,8 +728,8 @@ class EpGroup:
             topk_weights: None or ``[T,K]`` float (used as fp32).
             fp8: send FP8 rows (docs/fp8.md): a float ``x`` is quantized on the sending side
                 (:func:`moe_rt.quantize_fp8`'s rule, bit for bit), and each row travels as its ``H`` e4m3
-                bytes plus its ``ceil(H/128)`` fp32 scales (``H + 4*ceil(H/128)`` bytes instead of ``2H``
-                for bf16), the scale rows with the same handle as the token rows.
+                bytes plus its ``ceil(H/128)`` fp32 scales, packed into one row (``H + 4*ceil(H/128)`` bytes
+                padded to a multiple of 16, instead of ``2H`` for bf16): one pass of the transport.
             dequantize: with ``fp8=True``: return rows dequantized on the receiving side instead of the
                 FP8 pair: in x's dtype for a float ``x``; for a pair, in the group's ``dtype`` (bfloat16
                 when the group has none).
@@ -805,9 +809,9 @@ class EpGroup:
                              f"{FP8_BLOCK} channels of each token), got {tuple(scales.shape)}")
 
     def _dispatch_fp8(self, handle, x, topk_weights, pair, dequantize, stream):
-        """:meth:`dispatch` with ``fp8=True`` (checked flags): quantize (a float x) on the sending side, the
-        e4m3 rows (with the weights) and then the scale rows through the transport with the same handle,
-        dequantize on the receiving side when asked."""
+        """:meth:`dispatch` with ``fp8=True`` (checked flags): quantize a float x (or pack a pair) into packed
+        rows of codes and scales on the sending side, one pass of the transport over them (with the weights),
+        whose expand splits each row into the codes and scales, or dequantizes it when asked."""
         arrays = {"x_fp8": x[0], "scales": x[1]} if pair else {"x": x}
         arrays["topk_weights"] = topk_weights
         with _arrays.Call(arrays, stream=stream) as call:
@@ -842,24 +846,24 @@ class EpGroup:
                     return call.out(_fp8_ref.dequantize_fp8(rq, rs, out_dt, FP8_BLOCK)), rw, call.out(tpe)
                 return call.out(rq), call.out(rs), rw, call.out(tpe)
             xp, s = call.xp, call.stream
+            # one pass of the transport over packed rows (codes, then scales; docs/ep.md §9), which its
+            # expand splits into the codes and scales (or dequantizes) as it writes the expert-major rows
+            rows = Fp8Rows(H, out_dt if dequantize else None)
+            packed = xp.empty((T, rows.row_bytes), np.uint8)
             if pair:
                 q = xp.ascontiguousarray(_arrays.cupy_of(call["x_fp8"]))  # FP8 on CUDA: its bytes as uint8
                 sc = xp.ascontiguousarray(_arrays.cupy_of(call["scales"]))
+                _fp8.launch_pack(q, sc, packed, FP8_BLOCK, call.device_id, s)
             else:
-                xv = _arrays.contiguous(xp, xv)
-                q = xp.empty((T, H), np.uint8)
-                sc = xp.empty((T, _fp8_ref.num_blocks(H, FP8_BLOCK)), np.float32)
-                _fp8.launch_quantize(xv, q, sc, FP8_BLOCK, call.device_id, s)
-            # two row sets through one plan: the e4m3 rows (with the weights), then their scale rows
-            rq, rw = self._transport.forward(call, handle, q, wv, "dispatch", want_w=wv is not None)
-            rs, _ = self._transport.forward(call, handle, sc, None, "dispatch")
+                _fp8.launch_quantize_packed(_arrays.contiguous(xp, xv), packed, FP8_BLOCK, call.device_id, s)
+            out, rw = self._transport.forward(call, handle, packed, wv, "dispatch", want_w=wv is not None,
+                                              fp8=rows)
             self._last_stream = s
             tpe = handle.view("tokens_per_expert").copy()
             rw = None if rw is None else call.out(rw)
             if dequantize:
-                y = xp.empty(rq.shape, out_dt)
-                _fp8.launch_dequantize(rq, rs, y, FP8_BLOCK, call.device_id, s)
-                return call.out(y), rw, call.out(tpe)
+                return call.out(out[0]), rw, call.out(tpe)
+            rq, rs = out
             rq_out = rq if codes == np.uint8 else _arrays.fp8_array(rq, codes)
             return call.out(rq_out), call.out(rs), rw, call.out(tpe)
 

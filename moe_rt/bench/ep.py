@@ -28,8 +28,9 @@ peer access), optionally the serial path's pieces alone
 
 ``--fp8`` adds a row "dispatch fp8" after each "dispatch" row (exact and capacity eager, every transfer
 configuration, the same T and inputs): :meth:`EpGroup.dispatch` with ``fp8=True`` (quantize on the sending
-side, the e4m3 rows and their fp32 block scales on the wire: ``H + 4*ceil(H/128)`` bytes a row instead of
-``2H``), and the column x_vs_bf16 = the bf16 dispatch's time / the FP8 one's (the speedup).
+side, the e4m3 codes and fp32 block scales of a token packed into one row on the wire, one pass of the
+transport: ``H + 4*ceil(H/128)`` bytes a row padded to a multiple of 16, instead of ``2H``), and the column
+x_vs_bf16 = the bf16 dispatch's time / the FP8 one's (the speedup).
 
 ``--mode low_latency`` times :class:`moe_rt.LowLatencyGroup` instead (T=128 by default, the same E, K, H):
 dispatch and combine alone, eager and captured alone in a CUDA graph (the graph rows are device time), the
@@ -209,6 +210,7 @@ def _rank(args):
     import torch.distributed as dist
 
     from moe_rt.ep import EpGroup
+    from moe_rt.fp8 import packed_layout
 
     rank, world, dev, comm = _init_rank()
     E, K, H = 256, 8, 7168
@@ -350,7 +352,7 @@ def _rank(args):
                 send_rows = (world - 1) * sz["P"]
             wire = send_rows * H * 2
             wire_w = send_rows * K * 4
-            wire_fp8 = send_rows * (H + 4 * -(-H // 128))  # e4m3 rows and their fp32 block scales
+            wire_fp8 = send_rows * packed_layout(H)[2]  # packed rows: e4m3 codes and fp32 block scales
             # (b) raw all_to_all_single of the same bytes (own share excluded)
             per_peer = send_rows // max(world - 1, 1)
             splits = [0 if p == rank else per_peer for p in range(world)]
