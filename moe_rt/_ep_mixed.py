@@ -92,7 +92,7 @@ class MixedTransport:
         N, xp = h.sizes["N"], call.xp
         out = xp.empty((N, int(x.shape[1])), x.dtype) if fp8 is None else fp8.empty(xp, N)
         out_w = xp.empty(N, np.float32) if want_w else None
-        d._push(call, h, x, w, op, out, fp8)
+        d._push(call, h, x, w, op, out, False, fp8)
         self._forward_remote(call, h, x, w, None, out, fp8)
         (fill_rows if fp8 is None else fp8.fill)(call, h, out, out_w, recv_wk(h) if want_w else None)
         return out, out_w
