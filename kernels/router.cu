@@ -2313,63 +2313,6 @@ struct RegRows {
   }
 };
 
-// cp.async (sm_80+): 16 bytes from global to shared memory through L2 only, in groups committed and awaited
-// by the issuing thread (whose later shared loads of those bytes then see them).
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"((unsigned)__cvta_generic_to_shared(smem)),
-               "l"(gmem)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-// RegRows' interface with the rows read AHEAD tokens ahead through shared memory (cp.async; no registers held
-// for them): a ring of AHEAD + 1 rows a warp, `ring` (16-byte cells, AHEAD + 1 rows of NJ * 32), lane `lane`
-// copying and reading only its own chunks lane + 32 j, so it waits on its own copies (no warp sync). The warp's
-// i-th row sits in buffer i mod (AHEAD + 1); once row i is read, the copy of row i + AHEAD goes to the buffer
-// of row i - 1, whose values the previous iteration used.
-template <bool C, typename A, typename B> struct Pick { using type = A; };
-template <typename A, typename B> struct Pick<false, A, B> { using type = B; };
-
-template <typename T, int NJ, int AHEAD>
-struct AsyncRows {
-  static_assert(AHEAD >= 1 && AHEAD <= 4, "AHEAD: 1 to 4 rows (cp.async.wait_group AHEAD - 1)");
-  static constexpr int CH = 16 / (int)sizeof(T), NB = AHEAD + 1;
-  const T* __restrict__ logits;
-  i64 num_tokens, stride;
-  int E, nch, lane;
-  uint4* ring;  // set after construction (RegRows' initializer list)
-  int i;        // rows this warp has read
-  __device__ __forceinline__ void issue(i64 tt, int b) {
-    if (tt < num_tokens) {
-#pragma unroll
-      for (int j = 0; j < NJ; ++j)
-        if (lane + 32 * j < nch)
-          cp_async16(ring + (b * NJ + j) * 32 + lane, logits + tt * (i64)E + (i64)(lane + 32 * j) * CH);
-    }
-    cp_async_commit();  // one group a row, empty past the last token: the counts below stay exact
-  }
-  // before the first token t0
-  __device__ __forceinline__ void start(i64 t0) {
-    i = 0;
-#pragma unroll
-    for (int d = 0; d < AHEAD; ++d) issue(t0 + d * stride, d);
-  }
-  // token t's chunks into xv
-  __device__ __forceinline__ void get(i64 t, T (&xv)[NJ][CH]) {
-    cp_async_wait<AHEAD - 1>();  // rows i + 1 .. i + AHEAD - 1 may still be in flight
-    const int b = i % NB;
-#pragma unroll
-    for (int j = 0; j < NJ; ++j)
-      if (lane + 32 * j < nch) *reinterpret_cast<uint4*>(xv[j]) = ring[(b * NJ + j) * 32 + lane];
-    issue(t + AHEAD * stride, (i + AHEAD) % NB);
-    ++i;
-  }
-};
-
 }  // namespace
 
 // ---- forward with the row in registers: one warp per token, 4 tokens per block -------------------------
@@ -2650,11 +2593,10 @@ router_fwd_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, int s
 //
 // The forward kernels' histogram (hmode): 0 none (qb_histogram_accumulate counts after the kernel), 1 one
 // global int32 atomic a sample, 2 a histogram of the block in shared memory after the token slots, 16-bit
-// counters two to a word (qb_smem_words; qb_smem_word), added to hist by global atomics at the block's end,
-// 3 (B <= 256) each sample's bin as a byte of bins [T, E], counted by qb_histogram_bins after the kernel (a
-// quarter of the raw values' bytes that qb_histogram_accumulate would read again). The host keeps every block
-// under 65536 tokens, so no counter passes 0xffff (a sample adds one to one counter per token). Modes 1, 2 and
-// 3 add the same integers. In mode 2 the flush is the cost that grows with the blocks (up to E B atomics each, at the end of a single resident wave), so
+// counters two to a word (E ceil(B / 2) words; qb_smem_word), added to hist by global atomics at the block's
+// end. The host keeps every block under 65536 tokens, so no counter passes 0xffff (a
+// sample adds one to one counter per token). Modes 1 and 2 add the same integers. In mode 2 the flush is the
+// cost that grows with the blocks (up to E B atomics each, at the end of a single resident wave), so
 // router_fwd_qb_reg then runs one block of every warp a multiprocessor holds (blockDim a multiple of 32).
 #ifndef MOE_RT_QB_ARGMAX_K1
 #define MOE_RT_QB_ARGMAX_K1 9  // router_fwd_qb_reg: the argmax rounds select k + 1 up to this, radix select above
@@ -2673,21 +2615,16 @@ __device__ __forceinline__ int qb_bin(float cut, float raw, float lo, float sc, 
   return (int)fminf(fmaxf(v, 0.0f), (float)(B - 1));
 }
 
-// hmode 2's layout: R = ceil(B / 2) words an expert, bins 2 p and 2 p + 1 in its word p (low and high half),
-// and every word in the bank of the expert's chunk modulo 32: with c = e >> csh (the chunk; csh = log2 of its
-// experts, 0 where a thread takes single experts) and n = (c >> 5) 2^csh + (e mod 2^csh) the expert's place
-// among those of its bank, word (n R + p) 32 + c mod 32. A thread (lane l) only ever adds to chunks c with
-// c mod 32 = l (chunks l + 32 j, or l + TEAM j), so the 32 atomics of a warp's instruction fall in 32 banks
-// whatever the bins (the bins of a token bunch around a few values, and a layout by expert made lanes with
-// different bins meet on a bank). qb_smem_words: ceil(chunks / 32) 2^csh R 32 words (E R when the chunks are
-// a multiple of 32; mirrored in moe_rt/router.py).
-__device__ __forceinline__ int qb_smem_words(int E, int B, int csh) {
-  const int chunks = (E + (1 << csh) - 1) >> csh;
-  return ((chunks + 31) >> 5) * (((B + 1) >> 1) << csh) * 32;
-}
+// hmode 2's layout: expert e's bins in R = ceil(B / 2) words from word e R, bins 2 p and 2 p + 1 in word p
+// (low and high half) rotated by the expert's 16-byte chunk (e >> csh) modulo a power of two <= R: word
+// e R + (p + rot) mod R. The lanes of a warp add to the experts of consecutive chunks at once; without the
+// rotation their words would share a bank whenever their bins' halves agree (R a multiple of 32, e.g. B = 64:
+// bank = p), and the bins of one token's experts bunch around a few values, so most lanes would wait on a
+// few banks. With it, lanes with equal p (and R a multiple of 32) use distinct banks.
+__device__ __forceinline__ int qb_rot_mask(int R) { return (1 << (31 - __clz(R))) - 1; }
 __device__ __forceinline__ int qb_smem_word(int e, int p, int R, int csh) {
-  const int c = e >> csh, n = ((c >> 5) << csh) + (e & ((1 << csh) - 1));
-  return ((n * R + p) << 5) + (c & 31);
+  const int q = p + ((e >> csh) & qb_rot_mask(R));
+  return e * R + (q >= R ? q - R : q);
 }
 
 // The histogram of a forward kernel (hmode 1 or 2 above).
@@ -2696,7 +2633,7 @@ struct QbHist {
   unsigned* s;          // hmode 2: the block's 16-bit counters (qb_smem_word)
   int B, mode;
   float lo, sc;
-  int csh;  // log2 of the experts a thread's chunk holds (qb_smem_word)
+  int csh;  // log2 of the experts a 16-byte chunk holds (the rotation's unit)
   __device__ __forceinline__ void add(int e, float cut, float raw) const {
     const int bin = qb_bin(cut, raw, lo, sc, B);
     if (mode == 2) {
@@ -2707,40 +2644,24 @@ struct QbHist {
   }
 };
 
-// hmode 3: the bins of the CH samples of experts e .. e + CH - 1 of one row (raw values r[0, CH)) as CH bytes
-// at p, one store (p aligned to min(CH, 8) bytes).
-template <int CH>
-__device__ __forceinline__ void qb_bins_out(unsigned char* p, float cut, const float* r, float lo, float sc, int B) {
-  static_assert(CH == 4 || CH == 8, "chunks of 4 or 8 samples");
-  unsigned w[CH / 4];
-#pragma unroll
-  for (int q = 0; q < CH / 4; ++q) w[q] = 0u;
-#pragma unroll
-  for (int v = 0; v < CH; ++v) w[v >> 2] |= (unsigned)qb_bin(cut, r[v], lo, sc, B) << ((v & 3) * 8);
-  if constexpr (CH == 8) {
-    *reinterpret_cast<uint2*>(p) = make_uint2(w[0], w[1]);
-  } else {
-    *reinterpret_cast<unsigned*>(p) = w[0];
-  }
-}
-
 // hmode 2: zero the block's counters (before the first token; the caller syncs the block after).
-__device__ __forceinline__ void qb_smem_zero(unsigned* s, int E, int B, int csh) {
-  const int words = qb_smem_words(E, B, csh);
+__device__ __forceinline__ void qb_smem_zero(unsigned* s, int E, int B) {
+  const int words = E * ((B + 1) >> 1);
   for (int w = threadIdx.x; w < words; w += blockDim.x) s[w] = 0u;
 }
 
 // hmode 2: the block's counts into hist (after the last token; the caller syncs the block before). Each block
 // starts at its own word, so that blocks ending together send their atomics to different addresses.
 __device__ __forceinline__ void qb_smem_flush(const unsigned* s, int* __restrict__ g, int E, int B, int csh) {
-  const int R = (B + 1) >> 1, words = qb_smem_words(E, B, csh);
+  const int R = (B + 1) >> 1, words = E * R, rmask = qb_rot_mask(R);
   const int first = (int)(((unsigned long long)blockIdx.x * 4099u) % (unsigned)words);
   for (int i = threadIdx.x; i < words; i += blockDim.x) {
     const int w = i < words - first ? i + first : i - (words - first);
     const unsigned c = s[w];
-    if (c == 0u) continue;  // every word of an expert >= E (padding) stays 0
-    const int q = w >> 5, n = q / R, p = q - n * R;  // qb_smem_word inverted
-    const int e = ((((n >> csh) << 5) + (w & 31)) << csh) + (n & ((1 << csh) - 1));
+    if (c == 0u) continue;
+    const int e = w / R;
+    int p = w - e * R - ((e >> csh) & rmask);  // qb_smem_word inverted
+    p = p < 0 ? p + R : p;
     int* const ge = g + (i64)e * B + 2 * p;
     if (c & 0xffffu) atomicAdd(ge, (int)(c & 0xffffu));
     if (c >> 16) atomicAdd(ge + 1, (int)(c >> 16));  // bin 2 p + 1 < B: an odd B's last high half stays 0
@@ -2756,24 +2677,18 @@ __device__ __forceinline__ void qb_map_out(bool* __restrict__ rmap, i64 row, int
 
 // The QB forward with the row in registers (router_fwd_reg's machinery: one warp a token, a token slot a
 // warp, 16-byte rows, V keys a lane; requires vec and E / CH <= 32 * V / CH). probs, rmap (byte map), inter
-// and cutoff are written for every token; hist [E, B] int32 is accumulated by hmode (above; 0: not touched),
-// or (hmode 3) bins [T, E] written.
+// and cutoff are written for every token; hist [E, B] int32 is accumulated by hmode (above; 0: not touched).
 // Shared memory: a slot a warp of the radix list and the k routes' experts, keys and weights (layout_tail
 // from word 0: no group scratch), then (hmode 2) E ceil(B / 2) words of counters. Built for the register
 // budget of router_fwd_reg's blocks a multiprocessor with groups (fp32 5, bf16 6 blocks of 128 threads at
 // V = 8), taken as one block of up to 128 times as many threads: launched with 128 threads (hmode 0, 1) as
-// router_fwd_reg, or (hmode 2) with every warp a multiprocessor holds sharing one histogram. AHEAD = 0: the
-// rows as router_fwd_reg reads them (RegRows: the next token's chunks in registers for V <= 16); AHEAD > 0:
-// AHEAD tokens ahead through shared memory (AsyncRows: a ring of (AHEAD + 1) NJ 32 16-byte cells a warp
-// after the token slots, before the histogram). bf16 rows at E = 256 are 512 bytes: one row ahead in each of
-// the 24 warps of a multiprocessor kept 12 KiB of logits in flight, against 16 KiB or more for the plain
-// forward's 32 warps (fp32: 20 warps of 1 KiB rows, as the plain forward's).
-template <typename T, int V, int AHEAD = 0>
+// router_fwd_reg, or (hmode 2) with every warp a multiprocessor holds sharing one histogram.
+template <typename T, int V>
 __global__ void __launch_bounds__(128 * MOE_RT_FWD_REG_MINB(V, T, true, false), 1)
 router_fwd_qb_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, float scale,
                   const float* __restrict__ bias, T* __restrict__ probs, bool* __restrict__ rmap,
                   float* __restrict__ inter, float* __restrict__ cutoff, const float* __restrict__ bounds,
-                  int* __restrict__ hist, unsigned char* __restrict__ bins, int B, int hmode) {
+                  int* __restrict__ hist, int B, int hmode) {
   constexpr int CH = 16 / (int)sizeof(T);
   constexpr int NJ = V / CH;
   static_assert(NJ * CH == V, "V must be a multiple of the chunk size");
@@ -2789,18 +2704,15 @@ router_fwd_qb_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, fl
   float *lw = P.lw, *lp = P.lp;
   if (lane == 0) list[2 * kList] = 0u;
   const int spb = blockDim.x >> 5;  // token slots a block
-  constexpr int RING = AHEAD > 0 ? (AHEAD + 1) * NJ * 32 * 4 : 0;  // words of a warp's ring
-  QbHist H{hist, sbase + (size_t)spb * (L.total + RING), B, hmode, 0.0f, 0.0f, CH == 8 ? 3 : 2};
+  QbHist H{hist, sbase + (size_t)spb * L.total, B, hmode, 0.0f, 0.0f, CH == 8 ? 3 : 2};
   if (hmode) H.sc = qb_scale(bounds, B, H.lo);
-  if (hmode == 2) qb_smem_zero(H.s, E, B, H.csh);
+  if (hmode == 2) qb_smem_zero(H.s, E, B);
   __syncthreads();
 
   const int nch = E / CH;
   const int K1 = K + 1;
   const i64 stride = (i64)gridDim.x * spb;
-  typename Pick<(AHEAD > 0), AsyncRows<T, NJ, (AHEAD > 0 ? AHEAD : 1)>, RegRows<T, NJ, (V <= 16)>>::type rows{
-      logits, num_tokens, stride, E, nch, lane};
-  if constexpr (AHEAD > 0) rows.ring = reinterpret_cast<uint4*>(sbase + (size_t)spb * L.total + (size_t)slot * RING);
+  RegRows<T, NJ, (V <= 16)> rows{logits, num_tokens, stride, E, nch, lane};
   rows.start((i64)blockIdx.x * spb + slot);
 
   for (i64 t = (i64)blockIdx.x * spb + slot; t < num_tokens; t += stride) {
@@ -2884,11 +2796,7 @@ router_fwd_qb_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, fl
     });
     __syncwarp();  // orders the fill before the patch
     for (int jj = lane; jj < K; jj += 32) probs[row + lidx[jj]] = from_float<T>(lw[jj]);
-    if (hmode == 3) {
-      const float cut = fdecode(thr);
-      for_chunks<NJ>(nch,
-                     [&](int j, int c) { qb_bins_out<CH>(bins + row + c * CH, cut, raw + j * CH, H.lo, H.sc, B); });
-    } else if (hmode) {
+    if (hmode) {
       const float cut = fdecode(thr);
       for_chunks<NJ>(nch, [&](int j, int c) {
 #pragma unroll
@@ -2906,14 +2814,14 @@ router_fwd_qb_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, fl
 // The QB forward of any row: one team of TEAM threads per token (TEAM = 32: 4 tokens a block), the row's keys
 // in shared memory (the slot layout of router_fwd for k + 1 and no groups); vec (16-byte rows, as in
 // router_fwd): phase 1 and the dense outputs in 16-byte chunks. probs, rmap, inter and cutoff are written for
-// every token; hist [E, B] int32 is accumulated by hmode (above; 0: not touched), or (hmode 3) bins [T, E]
-// written. Shared memory: SPB slots, then (hmode 2) E ceil(B / 2) words of counters.
+// every token; hist [E, B] int32 is accumulated by hmode (above; 0: not touched). Shared memory: SPB slots,
+// then (hmode 2) E ceil(B / 2) words of counters.
 template <typename T, int TEAM>
 __global__ void __launch_bounds__(TEAM == 32 ? 128 : TEAM, MOE_RT_FWD_MINB(TEAM))
 router_fwd_qb(const T* __restrict__ logits, i64 num_tokens, int E, int K, float scale,
               const float* __restrict__ bias, T* __restrict__ probs, bool* __restrict__ rmap,
               float* __restrict__ inter, float* __restrict__ cutoff, const float* __restrict__ bounds,
-              int* __restrict__ hist, unsigned char* __restrict__ bins, int B, int hmode, int vec) {
+              int* __restrict__ hist, int B, int hmode, int vec) {
   using TM = Team<TEAM>;
   constexpr int SPB = TEAM == 32 ? 4 : 1;
   constexpr int CH = 16 / (int)sizeof(T);
@@ -2932,9 +2840,9 @@ router_fwd_qb(const T* __restrict__ logits, i64 num_tokens, int E, int K, float 
   int* wcount = reinterpret_cast<int*>(base + L.wcount);
   int* wlist = reinterpret_cast<int*>(base + L.wlist);
   if (r == 0) list[2 * kList] = 0u;
-  QbHist H{hist, sbase + SPB * L.total, B, hmode, 0.0f, 0.0f, vec ? (CH == 8 ? 3 : 2) : 0};
+  QbHist H{hist, sbase + SPB * L.total, B, hmode, 0.0f, 0.0f, CH == 8 ? 3 : 2};
   if (hmode) H.sc = qb_scale(bounds, B, H.lo);
-  if (hmode == 2) qb_smem_zero(H.s, E, B, H.csh);
+  if (hmode == 2) qb_smem_zero(H.s, E, B);
   __syncthreads();
   const int nch = vec ? E / CH : 0;
 
@@ -3012,20 +2920,15 @@ router_fwd_qb(const T* __restrict__ logits, i64 num_tokens, int E, int K, float 
         if (hmode) {
           alignas(16) float av[CH];
           ldn<CH>(inter + row + (i64)c * CH, av);
-          if (hmode == 3) {
-            qb_bins_out<CH>(bins + row + (i64)c * CH, cut, av, H.lo, H.sc, B);
-          } else {
 #pragma unroll
-            for (int v = 0; v < CH; ++v) H.add(c * CH + v, cut, av[v]);
-          }
+          for (int v = 0; v < CH; ++v) H.add(c * CH + v, cut, av[v]);
         }
       }
     } else {
       for (int e = r; e < E; e += TEAM) {
         qb_map_out(rmap, row, e, e != cidx && selected(keys[e], e, thr, il));
         probs[row + e] = from_float<T>(0.0f);
-        if (hmode == 3) bins[row + e] = (unsigned char)qb_bin(cut, inter[row + e], H.lo, H.sc, B);
-        else if (hmode) H.add(e, cut, inter[row + e]);
+        if (hmode) H.add(e, cut, inter[row + e]);
       }
     }
     TM::sync();  // orders the fill before the patch (same block)
@@ -3042,9 +2945,8 @@ router_fwd_qb(const T* __restrict__ logits, i64 num_tokens, int E, int K, float 
 // forward keeps no histogram): block (bx, by) counts experts [32 bx, 32 bx + 32) (lane l: expert 32 bx + l, so
 // a warp reads 128 contiguous bytes of a row) over the by-th share of the tokens (warp w: tokens t0 + w,
 // t0 + w + nw, ...; U rows loaded before the first is counted). SMEM: the 32 experts' bins in shared memory,
-// lane l's bin at word bin 32 + l (every lane of a warp in its own bank whatever the bins, so its 32 atomics
-// take one pass), added to hist at the block's end (in word order: the reads conflict-free); without it,
-// straight global atomics. raw [T, E] fp32 (sigmoid before the bias), cutoff [T]
+// lane l's at l S + bin with S = B | 1 (odd: lanes with equal bins hit distinct banks), added to hist at the
+// block's end; without it, straight global atomics. raw [T, E] fp32 (sigmoid before the bias), cutoff [T]
 // fp32; blockDim a multiple of 32.
 #if MOE_RT_WANTS(qb_histogram_accumulate)
 extern "C" __global__ void __launch_bounds__(256)
@@ -3054,18 +2956,17 @@ qb_histogram_accumulate(const float* __restrict__ raw, const float* __restrict__
   extern __shared__ __align__(16) unsigned char smem_raw[];
   int* sh = reinterpret_cast<int*>(smem_raw);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-  const int e0 = blockIdx.x * 32, e = e0 + lane;
+  const int e0 = blockIdx.x * 32, e = e0 + lane, S = B | 1;
   const bool valid = e < E;
   const long long per = (num_tokens + gridDim.y - 1) / gridDim.y;
   const long long t0 = (long long)blockIdx.y * per, t1 = min(num_tokens, t0 + per);
   float lo;
   const float sc = qb_scale(bounds, B, lo);
   if (use_smem) {
-    for (int i = threadIdx.x; i < 32 * B; i += blockDim.x) sh[i] = 0;
+    for (int i = threadIdx.x; i < 32 * S; i += blockDim.x) sh[i] = 0;
     __syncthreads();
   }
-  int* const hp = use_smem ? sh + lane : hist + (long long)e * B;
-  const int bs = use_smem ? 5 : 0;  // a bin's stride in hp: 32 words, or 1
+  int* const hp = use_smem ? sh + lane * S : hist + (long long)e * B;
   const float* __restrict__ rp = raw + e;
   for (long long t = t0 + warp; t < t1; t += (long long)nw * U) {
     float r[U], c[U];
@@ -3078,70 +2979,19 @@ qb_histogram_accumulate(const float* __restrict__ raw, const float* __restrict__
     }
 #pragma unroll
     for (int u = 0; u < U; ++u)
-      if (valid && t + (long long)u * nw < t1) atomicAdd(hp + (qb_bin(c[u], r[u], lo, sc, B) << bs), 1);
+      if (valid && t + (long long)u * nw < t1) atomicAdd(hp + qb_bin(c[u], r[u], lo, sc, B), 1);
   }
   if (use_smem) {
     __syncthreads();
-    for (int i = threadIdx.x; i < 32 * B; i += blockDim.x) {
-      const int cnt = sh[i];  // nonzero only for experts < E
-      if (cnt) atomicAdd(hist + (long long)(e0 + (i & 31)) * B + (i >> 5), cnt);
+    const int ne = min(32, E - e0);
+    for (int i = threadIdx.x; i < ne * B; i += blockDim.x) {
+      const int l = i / B, bin = i - l * B;
+      const int cnt = sh[l * S + bin];
+      if (cnt) atomicAdd(hist + (long long)e0 * B + i, cnt);
     }
   }
 }
 #endif
-
-// hmode 3's second step: the bins [T, E] (uint8, B <= 256) the forward wrote, counted into hist. Block (bx, by)
-// counts experts [32 NV bx, 32 NV (bx + 1)) (lane l: experts 32 NV bx + NV l + v, v < NV, read as one NV-byte
-// word, so a warp reads 32 NV contiguous bytes of a row; E % NV == 0) over the by-th share of the tokens (warp
-// w: tokens t0 + w, t0 + w + nw, ...; U rows loaded before the first is counted). The block's int32 counters in
-// shared memory (NV B 32 words), sample (l, v, bin) at word (v B + bin) 32 + l: every lane of a warp adds in
-// its own bank whatever the bins, so its 32 atomics take one pass; added to hist at the block's end (in word
-// order: the reads conflict-free). blockDim a multiple of 32.
-template <int NV> struct QbBinsWord { using type = unsigned char; };
-template <> struct QbBinsWord<2> { using type = unsigned short; };
-template <> struct QbBinsWord<4> { using type = unsigned; };
-
-template <int NV>
-__global__ void __launch_bounds__(1024)
-qb_histogram_bins(const unsigned char* __restrict__ bins, long long num_tokens, int E, int* __restrict__ hist,
-                  int B) {
-  constexpr int U = 8;
-  using W = typename QbBinsWord<NV>::type;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  unsigned* sh = reinterpret_cast<unsigned*>(smem_raw);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-  const int e0 = blockIdx.x * 32 * NV, e = e0 + NV * lane;
-  const bool valid = e < E;
-  const long long per = (num_tokens + gridDim.y - 1) / gridDim.y;
-  const long long t0 = (long long)blockIdx.y * per, t1 = min(num_tokens, t0 + per);
-  const int words = NV * B * 32;
-  for (int i = threadIdx.x; i < words; i += blockDim.x) sh[i] = 0u;
-  __syncthreads();
-  unsigned* const hp = sh + lane;
-  const W* __restrict__ rp = reinterpret_cast<const W*>(bins + e);
-  const long long rs = E / NV;  // a row in words
-  for (long long t = t0 + warp; t < t1; t += (long long)nw * U) {
-    W w[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const long long tt = t + (long long)u * nw;
-      w[u] = valid && tt < t1 ? rp[tt * rs] : (W)0;
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-      if (valid && t + (long long)u * nw < t1) {
-#pragma unroll
-        for (int v = 0; v < NV; ++v) atomicAdd(hp + ((v * B + (int)((w[u] >> (8 * v)) & 0xffu)) << 5), 1u);
-      }
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < words; i += blockDim.x) {
-    const unsigned c = sh[i];
-    if (c == 0u) continue;
-    const int l = i & 31, q = i >> 5, v = q / B, bin = q - v * B;
-    atomicAdd(hist + (long long)(e0 + NV * l + v) * B + bin, (int)c);  // nonzero only for experts < E
-  }
-}
 
 // ---- backward of top-k (TG = TO = logits dtype) and of the aux scores (TG = float) --------------------
 // The per-element math of both backward kernels. A row's sums: A = sum of g*y (softmax), or A = sum of the
@@ -3368,36 +3218,6 @@ __device__ __noinline__ float2 sel_rest(const T* __restrict__ grad, const float*
   return ab;
 }
 
-// The one-pass selected-entry kernels' first pass over chunk c of a row (out row orow, map word w): zeros for
-// the chunk (this thread patches its entries after them), and the row offsets of the thread's first NR
-// selected entries in order (off[ne++]; `more` once an entry past NR).
-template <typename MW, int CH, int NR, typename T, typename W>
-__device__ __forceinline__ void sel_zero_collect(T* __restrict__ orow, const T (&zero)[CH], int c, W w,
-                                                 int (&off)[NR], int& ne, bool& more) {
-  stn<CH>(orow + (i64)c * CH, zero);
-  for (unsigned long long b = MW::bits(w); b; b &= b - 1) {
-    const int o = c * CH + ((__ffsll((long long)b) - 1) >> 3);
-#pragma unroll
-    for (int q = 0; q < NR; ++q)
-      if (q == ne) off[q] = o;
-    more |= ne == NR;
-    ne += ne < NR ? 1 : 0;
-  }
-}
-
-// Their second step: the grad (times scale) and intermediate of the first ne (<= NR) collected entries.
-template <typename T, int NR>
-__device__ __forceinline__ void sel_load(const T* __restrict__ grad, const float* __restrict__ inter, i64 row,
-                                         const int (&off)[NR], int ne, float scale, float (&gq)[NR],
-                                         float (&yq)[NR]) {
-#pragma unroll
-  for (int q = 0; q < NR; ++q)
-    if (q < ne) {
-      gq[q] = __fmul_rn(scale, to_float(grad[row + off[q]]));
-      yq[q] = inter[row + off[q]];
-    }
-}
-
 template <typename T, int TEAM, bool BITMAP = false>
 __global__ void __launch_bounds__(TEAM == 32 ? 128 : TEAM, TEAM == 32 ? 16 : 1)
 router_bwd_sel(const T* __restrict__ grad, const bool* __restrict__ rmap, const float* __restrict__ inter,
@@ -3557,11 +3377,26 @@ router_bwd_sel_reg(const T* __restrict__ grad, const bool* __restrict__ rmap, co
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int c = c0 + u * TEAM;
-        if (c < nch) sel_zero_collect<MW, CH>(out + row, zero, c, w[u], off, ne, more);
+        if (c < nch) {
+          stn<CH>(out + row + (i64)c * CH, zero);
+          for (unsigned long long b = MW::bits(w[u]); b; b &= b - 1) {
+            const int o = c * CH + ((__ffsll((long long)b) - 1) >> 3);
+#pragma unroll
+            for (int q = 0; q < NR; ++q)
+              if (q == ne) off[q] = o;
+            more |= ne == NR;
+            ne += ne < NR ? 1 : 0;
+          }
+        }
       }
     }
     float gq[NR], yq[NR];
-    sel_load<T>(grad, inter, row, off, ne, scale, gq, yq);
+#pragma unroll
+    for (int q = 0; q < NR; ++q)
+      if (q < ne) {
+        gq[q] = __fmul_rn(scale, to_float(grad[row + off[q]]));
+        yq[q] = inter[row + off[q]];
+      }
     float A = 0.0f, B = 0.0f;
 #pragma unroll
     for (int q = 0; q < NR; ++q)
@@ -3585,117 +3420,6 @@ router_bwd_sel_reg(const T* __restrict__ grad, const bool* __restrict__ rmap, co
     if (more)
       sel_rest<T, CH, TEAM>(grad, inter, MW::at(rmap, t, E), row, nch, r, NR, scale, sig_like, score_fn, K,
                             make_float2(A, B), Ae, B, out);
-  }
-}
-
-// ---- backward from the bit-packed map, one warp a token, for the rows of 128-thread teams ---------------
-// router_bwd_sel_bits: the bits of router_bwd_sel(_reg)<T, 128, true> (1024 < E <= 4096; 16-byte rows), with one
-// warp a token and 4 tokens a block: the bitmap row is E / 8 bytes, where the byte map's 128-thread team a token
-// (8 blocks a multiprocessor: 8 tokens in flight) moved less data than the byte map's but ran slower on H100
-// (fp32, E = 2304: 0.442 ms against 0.396; router_bwd_idx, one warp a token, 0.355). Lane l takes chunks
-// c = l + 32 m (m < ceil(nch / 32)), those of the team's threads l + 32 w with w = m mod 4, and keeps their sums
-// apart (A[w], B[w], each in its chunks' order, as those threads add them); the team's sum is then warp_sum of
-// each w added in w order (Team<128>::sum / sum2). First pass: the chunks' map words (SELB_U at a time), zeros for
-// every chunk and the row offsets of the lane's first SELB_NR selected entries; then their grad and
-// intermediate, loaded together; a lane with more entries (rare) recomputes its sums from memory in order and
-// writes its later entries after the others (sel_rest).
-#ifndef MOE_RT_SELB_NR
-#define MOE_RT_SELB_NR 8
-#endif
-#ifndef MOE_RT_SELB_U
-#define MOE_RT_SELB_U 18  // the whole fp32 row of E = 2304 in one round of loads
-#endif
-namespace {
-struct Sums4 {
-  float a[4], b[4];
-};
-
-// router_bwd_sel_bits' sums of this lane's entries, every one read from memory, in order (the rare path).
-template <typename T, int CH, typename MR>
-__device__ __noinline__ Sums4 selb_sums(const T* __restrict__ grad, const float* __restrict__ inter, MR wrow, i64 row,
-                                        int nch, int lane, float scale, bool sig_like, int score_fn) {
-  Sums4 s;
-#pragma unroll
-  for (int k = 0; k < 4; ++k) s.a[k] = s.b[k] = 0.0f;
-  for (int c = lane; c < nch; c += 32) {
-    const int w = (c >> 5) & 3;
-    for (unsigned long long b = MR::bits(wrow[c]); b; b &= b - 1) {
-      const i64 e = row + (i64)c * CH + ((__ffsll((long long)b) - 1) >> 3);
-      const float g = __fmul_rn(scale, to_float(grad[e])), y = inter[e];
-#pragma unroll
-      for (int k = 0; k < 4; ++k)
-        if (k == w) bwd_acc(sig_like, score_fn, g, true, y, s.a[k], s.b[k]);
-    }
-  }
-  return s;
-}
-}  // namespace
-
-template <typename T>
-__global__ void __launch_bounds__(128)
-router_bwd_sel_bits(const T* __restrict__ grad, const bool* __restrict__ rmap, const float* __restrict__ inter,
-                    i64 num_tokens, int E, int K, int score_fn, float scale, T* __restrict__ out) {
-  using S = SelBwd<T, 128, true>;
-  using MW = typename S::MW;
-  using W = typename S::W;
-  constexpr int CH = S::CH, NR = MOE_RT_SELB_NR, U = MOE_RT_SELB_U;
-  const int slot = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const bool sig_like = score_fn != SOFTMAX;
-  const int nch = E / CH;
-  alignas(16) T zero[CH];
-#pragma unroll
-  for (int v = 0; v < CH; ++v) zero[v] = from_float<T>(0.0f);
-
-  for (i64 t = (i64)blockIdx.x * 4 + slot; t < num_tokens; t += (i64)gridDim.x * 4) {
-    const i64 row = t * (i64)E;
-    const MW wrow = MW::at(rmap, t, E);
-    int off[NR];
-    int ne = 0;
-    bool more = false;
-    for (int c0 = lane; c0 < nch; c0 += 32 * U) {
-      W w[U];
-#pragma unroll
-      for (int u = 0; u < U; ++u) w[u] = c0 + 32 * u < nch ? wrow[c0 + 32 * u] : (W)0;
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int c = c0 + 32 * u;
-        if (c < nch) sel_zero_collect<MW, CH>(out + row, zero, c, w[u], off, ne, more);
-      }
-    }
-    float gq[NR], yq[NR];
-    sel_load<T>(grad, inter, row, off, ne, scale, gq, yq);
-    float Aw[4], Bw[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) Aw[k] = Bw[k] = 0.0f;
-    if (more) {
-      const Sums4 s = selb_sums<T, CH>(grad, inter, wrow, row, nch, lane, scale, sig_like, score_fn);
-#pragma unroll
-      for (int k = 0; k < 4; ++k) { Aw[k] = s.a[k]; Bw[k] = s.b[k]; }
-    } else {
-#pragma unroll
-      for (int q = 0; q < NR; ++q)
-        if (q < ne) {
-          const int w = ((off[q] / CH) >> 5) & 3;  // the team thread (lane + 32 w) of this entry's chunk
-#pragma unroll
-          for (int k = 0; k < 4; ++k)
-            if (k == w) bwd_acc(sig_like, score_fn, gq[q], true, yq[q], Aw[k], Bw[k]);
-        }
-    }
-    float A = 0.0f, B = 0.0f;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      A += warp_sum(Aw[k]);
-      if (sig_like) B += warp_sum(Bw[k]);
-    }
-    const float Ae = A + kEps;
-#pragma unroll
-    for (int q = 0; q < NR; ++q)
-      if (q < ne)
-        out[row + off[q]] =
-            from_float<T>(bwd_dx(sig_like, score_fn, K > 1, false, false, A, Ae, B, gq[q], true, yq[q]));
-    if (more)
-      sel_rest<T, CH, 32>(grad, inter, wrow, row, nch, lane, NR, scale, sig_like, score_fn, K, make_float2(A, B), Ae, B,
-                          out);
   }
 }
 

@@ -38,8 +38,7 @@ _FILE = "router.cu"
 _FWD_VARIANT = os.environ.get("MOE_RT_ROUTER_FWD")
 _TEAM_VARIANT = os.environ.get("MOE_RT_ROUTER_TEAM")
 # "dense": the top-k backward reads whole rows of grad and intermediate; "sel" / "selreg": the two-pass /
-# one-pass selected-entries kernel for every row length; "selbits": the bitmap's one-warp kernel for every row of
-# a 128-thread team (benchmark and test variants)
+# one-pass selected-entries kernel for every row length (benchmark and test variants)
 _BWD_VARIANT = os.environ.get("MOE_RT_ROUTER_BWD")
 # tokens per warp (forward, backward) of the row kernels, 0 = one resident wave (MOE_RT_ROUTER_TPW="f,b" at
 # import overrides the defaults of _fwd_tpw and of _launch_bwd, "f" the forward's only: a benchmark variant)
@@ -65,15 +64,12 @@ _jit.register(_FILE, [f"router_fwd<{c}, {team}>" for c in _jit.CTYPES.values() f
               + [f"router_bwd_sel<{c}, {team}, true>" for c in _jit.CTYPES.values() for team in _TEAMS]
               + [f"router_bwd_sel_reg<{c}, {team}, true>" for c in _jit.CTYPES.values() for team in _TEAMS]
               + [f"router_bwd_idx<{c}>" for c in _jit.CTYPES.values()]
-              + [f"router_bwd_sel_bits<{c}>" for c in _jit.CTYPES.values()]
               + [f"aux_loss_partial<{c}>" for c in _jit.CTYPES.values()]
               + [f"aux_loss_final<{c}>" for c in _jit.CTYPES.values()]
               + [f"aux_loss_bwd<{c}>" for c in _jit.CTYPES.values()]
               + [f"router_fwd_qb<{c}, {team}>" for c in _jit.CTYPES.values() for team in _TEAMS]
               + [f"router_fwd_qb_reg<{c}, {v}>" for c in ("float", "__nv_bfloat16") for v in _REG_V]
-              + [f"router_fwd_qb_reg<{c}, {v}, 2>" for c in ("float", "__nv_bfloat16") for v in (8, 16)]
-              + ["qb_histogram_accumulate"]
-              + [f"qb_histogram_bins<{nv}>" for nv in (1, 2, 4)])
+              + ["qb_histogram_accumulate"])
 # Quick kernels (_jit.function_tiered): compiled for one score case alone (_score_case), each computes the
 # bits of the kernel it stands in for in that case: a row of one warp, with groups (for the one-warp and
 # register kernels with groups; no aux mode there) or without, and 8 to 32 keys a lane without groups (for
@@ -267,17 +263,9 @@ def _reg_slot_words(E, G, K, lanesel=False):
     return (al4(E) if G else 0) + al4(G) + 16 * 32 + 2 * 64 + 4 + 4 * al4(K)
 
 
-def _qb_reg_slot_words(K, ahead=0, nj=0):
-    """Shared memory of a warp of router_fwd_qb_reg (32-bit words): its token slot (the radix list, then the K
-    routes' experts, keys, weights, probs) and, with rows read ``ahead`` tokens ahead (AsyncRows), its ring of
-    ahead + 1 rows of ``nj`` 16-byte chunks a lane."""
-    return 2 * 64 + 4 + 4 * ((K + 3) & ~3) + ((ahead + 1) * nj * 32 * 4 if ahead else 0)
-
-
-def _qb_reg_rows(dtype, v, K):
-    """(AHEAD, shared-memory words a warp) of router_fwd_qb_reg at v keys a lane (_QB_ROWS_AHEAD)."""
-    ahead = _QB_ROWS_AHEAD.get(dtype.itemsize, 0) if v <= 16 else 0
-    return ahead, _qb_reg_slot_words(K, ahead, v * dtype.itemsize // 16)
+def _qb_reg_slot_words(K):
+    """A token slot of router_fwd_qb_reg: the radix list, then the K routes' experts, keys, weights, probs."""
+    return 2 * 64 + 4 + 4 * ((K + 3) & ~3)
 
 
 def _reg_v(E, ch, vec, dtype):
@@ -472,16 +460,6 @@ def _launch_bwd(call, grad, rmap, inter, out, T, E, K, score_fn, pre, aux, scale
         # (on H100: 17% faster for fp32 E=2304, 4-20% slower with 1-2 chunks per thread)
         reg = -(-(E // ch) // team) >= _SEL_REG_CHUNKS if _BWD_VARIANT not in ("sel", "selreg") else \
             _BWD_VARIANT == "selreg"
-        if bitmap and team == 128 and _BWD_VARIANT not in ("sel", "selreg") and (reg or _BWD_VARIANT == "selbits"):
-            # the bitmap where the 128-thread team would run the one-pass kernel: one warp a token, the team's
-            # bits (router_bwd_sel_bits; the team kernel ran the fp32 bitmap at E = 2304 in 0.442 ms on H100,
-            # the byte map 0.396). "selbits" takes it for every 128-thread bitmap row (a test variant).
-            fn = _jit.function(_FILE, f"router_bwd_sel_bits<{tg}>")
-            _jit.launch(fn, _grid(-(-T // 4), 128, 0, call.device_id, getattr(fn, "num_regs", 0)), 128,
-                        (grad, rmap, inter, np.int64(T), np.int32(E), np.int32(K), np.int32(score_fn),
-                         np.float32(scale), out),
-                        stream=call.stream)
-            return
         fn = _jit.function(_FILE, f"router_bwd_sel{'_reg' if reg else ''}<{tg}, {team}{bm}>")
         # one token per warp (or per 128-thread block) where measured (H100, T = 65536, us: fp32 E=256 softmax
         # 57.3 -> 54.2, E=2304 415 -> 395; bf16 E=256 41.7 -> 39.9, E=2304 320 -> 291), else one resident wave
@@ -899,38 +877,14 @@ def _qb_hist_grid(T, E, B, device_id, regs=0):
     """(grid, shared memory bytes, use_smem) of qb_histogram_accumulate (256 threads): ceil(E / 32) strips of
     32 experts x shares of the tokens, as many shares as fill one resident wave with the strips, each of at
     least max(256, 4 B) tokens (a block's flush, up to 32 B atomics, stays under a quarter of its samples);
-    the strip's bins in shared memory (32 B int32, bin-major: each lane in its own bank) when they fit a block."""
-    smem = 4 * 32 * B
+    the strip's bins in shared memory (32 (B | 1) int32) when they fit a block."""
+    smem = 4 * 32 * (B | 1)
     use = smem <= _jit.device_properties(device_id)["smem_per_block_optin"]
     smem = smem if use else 0
     gx = -(-E // 32)
     resident = _grid(1 << 30, 256, smem, device_id, regs)
     gy = max(1, min(resident // gx, T // max(256, 4 * B)))
     return (gx, gy), smem, use
-
-
-def _qb_bins_cfg(T, E, B, device_id, regs=0):
-    """(kernel, grid, threads, shared memory bytes) of qb_histogram_bins (hmode 3's count of the forward's
-    bins): NV experts a lane (4 where E % 4 == 0 and 4 B <= 256, else 2 or 1: 32 NV-byte row reads a warp),
-    strips of 32 NV experts x shares of the tokens, as many shares as fill one resident wave with the strips
-    (each of at least max(256, 4 B) tokens); blocks of 1024 threads, NV B 32 int32 counters each (<= 32 KiB).
-    The flush adds up to E B atomics a share: two blocks a multiprocessor keep it near qb_histogram_accumulate's
-    (E = 2304, B = 64, 132 multiprocessors: 18 x 14 blocks, at most 2.1M)."""
-    nv = next(n for n in (4, 2, 1) if E % n == 0 and n * B <= 256)
-    smem = 4 * nv * B * 32
-    gx = -(-E // (32 * nv))
-    resident = _grid(1 << 30, 1024, smem, device_id, regs)
-    gy = max(1, min(resident // gx, T // max(256, 4 * B)))
-    return f"qb_histogram_bins<{nv}>", (gx, gy), 1024, smem
-
-
-def _launch_qb_bins(call, bins, T, E, hist, B):
-    name = _qb_bins_cfg(T, E, B, call.device_id)[0]
-    fn = _jit.function(_FILE, name)
-    _, grid, threads, smem = _qb_bins_cfg(T, E, B, call.device_id, getattr(fn, "num_regs", 0))
-    _jit.set_max_dynamic_shared(fn, smem)
-    _jit.launch(fn, grid, threads, (bins, np.int64(T), np.int32(E), hist, np.int32(B)), shared_mem=smem,
-                stream=call.stream)
 
 
 def _launch_qb_hist(call, raw, cut, T, E, bounds, hist, B):
@@ -944,50 +898,29 @@ def _launch_qb_hist(call, raw, cut, T, E, bounds, hist, B):
 # The "fused_atomic" histogram: in the forward kernel, a per-block histogram of 16-bit counters in shared
 # memory (flushed by global atomics at the block's end) where its E ceil(B / 2) words take at most this many
 # bytes; else, up to _QB_ATOMIC_SAMPLES samples (T E), one global atomic a sample in the forward kernel; else
-# (B <= _QB_BINS_MAX) the forward writes each sample's bin as a byte (a [T, E] uint8 scratch from the pool)
-# and qb_histogram_bins counts them (hmode 3: T E bytes written and read again, where qb_histogram_accumulate
-# after a forward that counts nothing, as in the two-kernel mode, reads the 4 T E bytes of raw values again;
-# on H100 at E = 2304, T = 65536 that mode ran 1.53x (fp32) / 1.70x (bf16) the plain forward); else that
-# (on H100, E = 2304, T = 65536: 151M global atomics from the forward took 2.42 ms, the two kernels 1.27 ms;
-# the atomics' rate there, about 1e11 a second, puts 2^18 of them near 3 us, a second launch's cost). All
-# add the same integers. MOE_RT_QB_SMEM_HIST_BYTES at import sets the first (0: never the shared histogram; a benchmark
+# the forward kernel counts nothing and qb_histogram_accumulate runs after it, as in the two-kernel mode (on
+# H100, E = 2304, T = 65536: 151M global atomics from the forward took 2.42 ms, the two kernels 1.27 ms; the
+# atomics' rate there, about 1e11 a second, puts 2^18 of them near 3 us, a second launch's cost). All add the
+# same integers. MOE_RT_QB_SMEM_HIST_BYTES at import sets the first (0: never the shared histogram; a benchmark
 # and test variant); tests patch the attributes.
 _QB_SMEM_HIST_BYTES = int(os.environ.get("MOE_RT_QB_SMEM_HIST_BYTES", 48 * 1024))
 _QB_ATOMIC_SAMPLES = 1 << 18
-_QB_BINS_MAX = 256  # hmode 3: bins that fit a byte (0: never hmode 3; a test variant)
 _QB_BLOCK_TOKENS = 65535  # hmode 2: tokens a block at most (below 2^16: no counter wraps)
 # router_fwd_qb_reg with the shared histogram: warps a block at most (0: every warp the kernel takes on a
 # multiprocessor; 4: the plain forward's blocks, 5-6 histograms and flushes a multiprocessor). A benchmark
 # variant, MOE_RT_QB_REG_WARPS at import; tests patch the attribute.
 _QB_REG_WARPS = int(os.environ.get("MOE_RT_QB_REG_WARPS", 0))
-# router_fwd_qb_reg at up to 16 keys a lane (E <= 512): tokens its rows are read ahead through shared memory
-# (cp.async; the kernel's AHEAD), by logits itemsize; 0: one row ahead in registers, as router_fwd_reg. bf16
-# rows at E = 256 are 512 bytes, and one row ahead in each of the kernel's 24 warps a multiprocessor (80
-# registers) left 12 KiB of logits in flight (QB fused 1.21x the plain forward on H100, fp32 1.07x with its
-# 1 KiB rows). MOE_RT_QB_ROWS_AHEAD="bf16,fp32" at import (each 0 or 2; a benchmark variant); tests patch it.
-_QB_ROWS_AHEAD = dict(zip((2, 4), (int(v) for v in os.environ.get("MOE_RT_QB_ROWS_AHEAD", "2,0").split(","))))
 
 
-def _qb_smem_hist_bytes(E, B, ch=1):
-    """Bytes of the forward's shared histogram (hmode 2; kernels/router.cu qb_smem_words) for threads taking
-    chunks of ``ch`` experts (16 // itemsize on 16-byte rows, else 1): each chunk's ceil(B / 2) words in the
-    bank of its chunk mod 32, E ceil(B / 2) words when the chunks are a multiple of 32."""
-    return 4 * (-(-(-(-E // ch)) // 32)) * ch * ((B + 1) // 2) * 32
-
-
-def _qb_hmode(T, E, B, fused, ch=1):
+def _qb_hmode(T, E, B, fused):
     """hmode of the QB forward kernels: 0 none (the histogram by qb_histogram_accumulate after the kernel:
-    the two-kernel mode, and "fused_atomic" for large T E whose histogram does not fit shared memory and more
-    than _QB_BINS_MAX bins), 1 global atomics, 2 the block's shared histogram (chunks of ``ch`` experts a
-    thread), 3 the bins as bytes, counted by qb_histogram_bins after the kernel (kernels/router.cu, "Quantile
-    Balancing")."""
+    the two-kernel mode, and "fused_atomic" for large T E whose histogram does not fit shared memory), 1 global
+    atomics, 2 the block's shared histogram (kernels/router.cu, "Quantile Balancing")."""
     if not fused:
         return 0
-    if _qb_smem_hist_bytes(E, B, ch) <= _QB_SMEM_HIST_BYTES:
+    if 4 * E * ((B + 1) // 2) <= _QB_SMEM_HIST_BYTES:
         return 2
-    if T * E <= _QB_ATOMIC_SAMPLES:
-        return 1
-    return 3 if B <= _QB_BINS_MAX else 0
+    return 1 if T * E <= _QB_ATOMIC_SAMPLES else 0
 
 
 def _qb_fwd_cfg(dtype, T, E, K, B, vec, fused):
@@ -998,17 +931,15 @@ def _qb_fwd_cfg(dtype, T, E, K, B, vec, fused):
     router_fwd_qb_reg with the shared histogram, one block a multiprocessor of as many warps as the kernel
     takes (resolved at launch; shared memory: the histogram's bytes here, plus a slot a warp then)."""
     ct = _jit.ctype(dtype)
-    ch = 16 // dtype.itemsize if vec else 1
-    hmode = _qb_hmode(T, E, B, fused, ch)
-    hbytes = _qb_smem_hist_bytes(E, B, ch) if hmode == 2 else 0
+    hmode = _qb_hmode(T, E, B, fused)
+    hbytes = 4 * E * ((B + 1) // 2) if hmode == 2 else 0
     v = _reg_v(E, 16 // dtype.itemsize, vec, dtype)
     if v:
-        ahead, words = _qb_reg_rows(dtype, v, K)
-        name = f"router_fwd_qb_reg<{ct}, {v}{f', {ahead}' if ahead else ''}>"
+        name = f"router_fwd_qb_reg<{ct}, {v}>"
         if hmode == 2:  # one resident wave, one histogram (and one flush) a multiprocessor
             return name, None, None, hbytes, 0, hmode
         # tokens a warp as the plain forward's register kernel (no lane groups)
-        return name, 128, 4, 4 * 4 * words, _fwd_tpw(dtype, v, False), hmode
+        return name, 128, 4, 4 * 4 * _qb_reg_slot_words(K), _fwd_tpw(dtype, v, False), hmode
     team = _team(E, fwd=True)
     spb = 4 if team == 32 else 1
     return (f"router_fwd_qb<{ct}, {team}>", team * spb, spb, 4 * spb * _slot_words(E, 0, K + 1, team) + hbytes,
@@ -1024,7 +955,7 @@ def _launch_qb_fwd(call, x, T, E, K, scale, b32, probs, rmap, inter, cut, bounds
         spb = fn.max_threads_per_block // 32
         spb = min(spb, _QB_REG_WARPS) if _QB_REG_WARPS > 0 else spb
         threads = 32 * spb
-        smem += 4 * spb * _qb_reg_rows(x.dtype, _reg_v(E, ch, vec, x.dtype), K)[1]
+        smem += 4 * spb * _qb_reg_slot_words(K)
     _jit.set_max_dynamic_shared(fn, smem)
     resident = _grid(1 << 30, threads, smem, call.device_id, getattr(fn, "num_regs", 0))
     grid = _tpw_grid(T, spb, tpw, resident)
@@ -1032,14 +963,11 @@ def _launch_qb_fwd(call, x, T, E, K, scale, b32, probs, rmap, inter, cut, bounds
         # every block under 2^16 tokens (its 16-bit counters do not wrap): a block takes at most spb tokens
         # for every spb * grid, so at most spb * ceil(T / (spb * grid)) <= spb * max(1, limit // spb)
         grid = max(grid, -(-T // (spb * max(1, _QB_BLOCK_TOKENS // spb))))
-    bins = call.scratch((T, E), dtype=np.uint8) if hmode == 3 else None
     args = (x, np.int64(T), np.int32(E), np.int32(K), np.float32(scale), b32, probs, rmap, inter, cut, bounds,
-            hist if hmode in (1, 2) else 0, bins if bins is not None else 0, np.int32(B), np.int32(hmode))
+            hist if hmode else 0, np.int32(B), np.int32(hmode))
     if name.startswith("router_fwd_qb<"):
         args += (np.int32(vec),)
     _jit.launch(fn, grid, threads, args, shared_mem=smem, stream=call.stream)
-    if hmode == 3:
-        _launch_qb_bins(call, bins, T, E, hist, B)
     return hmode
 
 

@@ -2,8 +2,6 @@
 ``topk_indices`` output with its index-driven backward. CPU: the core ops against the NumPy reference, bad
 input, the torch and JAX adapters, and ``moe_rt.te`` / ``moe_rt.te_jax`` on TransformerEngine's test grids;
 (marker ``gpu``) every kernel variant against the reference and against the byte map, bit for bit."""
-import types
-
 import numpy as np
 import pytest
 
@@ -620,88 +618,6 @@ def test_gpu_bitmap(rng, case):
     assert _bits_equal(g2, g1)
     # reproducible
     assert _bits_equal(R.topk_with_score(x, K, routing_map_format="bitmap_u8", **kw)[1].get(), bits)
-
-
-class _Arr:
-    """What _launch_bwd reads of an array: dtype and address."""
-
-    def __init__(self, dtype, ptr=1 << 20):
-        self.dtype = np.dtype(dtype)
-        self.data = types.SimpleNamespace(ptr=ptr)
-
-
-def test_bitmap_backward_kernel_choice(monkeypatch):
-    """The bitmap backward where the 128-thread team would run the one-pass kernel (1024 < E <= 4096, at least
-    _SEL_REG_CHUNKS 16-byte chunks a thread): router_bwd_sel_bits, one warp a token, 4 tokens a block, one
-    resident wave; the byte map and every other row keep their kernels; MOE_RT_ROUTER_BWD "sel"/"selreg" keep
-    the team's kernels, "selbits" takes router_bwd_sel_bits for every 128-thread bitmap row."""
-    from moe_rt import _jit
-
-    got = []
-    monkeypatch.setattr(_jit, "function", lambda file, name: types.SimpleNamespace(name=name, num_regs=72))
-    monkeypatch.setattr(_jit, "launch", lambda fn, grid, block, args, shared_mem=0, stream=None:
-                        got.append((fn.name, grid, block)))
-    monkeypatch.setattr(_jit, "device_properties", lambda dev: {"sm_count": 132, "smem_per_sm": 228 * 1024,
-                                                                "smem_per_block_optin": 227 * 1024})
-    monkeypatch.setattr(R, "_TEAM_VARIANT", None)
-    monkeypatch.setattr(R, "_TPW_VARIANT", None)
-    call = types.SimpleNamespace(device_id=0, stream=None)
-    T = 65536
-    wave = 132 * 7  # 72 registers: 7 blocks of 128 threads a multiprocessor
-    cases = [(None, F32, 2304, True, ("router_bwd_sel_bits<float>", wave, 128)),
-             (None, F32, 2304, False, ("router_bwd_sel_reg<float, 128>", T, 128)),
-             (None, F32, 3000, True, ("router_bwd_sel_bits<float>", wave, 128)),
-             (None, F32, 1316, True, ("router_bwd_sel<float, 128, true>", T, 128)),
-             (None, BF16, 2304, True, ("router_bwd_sel<__nv_bfloat16, 128, true>", T, 128)),
-             (None, BF16, 4096, True, ("router_bwd_sel_bits<__nv_bfloat16>", wave, 128)),
-             (None, np.float16, 3080, True, ("router_bwd_sel_bits<__half>", wave, 128)),
-             (None, F32, 1024, True, ("router_bwd_sel_reg<float, 32, true>", T // 4, 128)),
-             (None, F32, 8192, True, ("router_bwd_sel_reg<float, 512, true>", 132, 512)),
-             ("selbits", F32, 1316, True, ("router_bwd_sel_bits<float>", wave, 128)),
-             ("selbits", F32, 1024, True, ("router_bwd_sel_reg<float, 32, true>", T // 4, 128)),
-             ("sel", F32, 2304, True, ("router_bwd_sel<float, 128, true>", T, 128)),
-             ("selreg", F32, 2304, True, ("router_bwd_sel_reg<float, 128, true>", T, 128))]
-    for variant, dt, E, bitmap, want in cases:
-        monkeypatch.setattr(R, "_BWD_VARIANT", variant)
-        got.clear()
-        R._launch_bwd(call, _Arr(dt), _Arr(np.uint8 if bitmap else np.bool_), _Arr(F32), _Arr(dt), T, E, 36,
-                      R.SCORE_FUNCTIONS["softmax"], 0, 0, 1.0, bitmap)
-        assert got == [want], (variant, dt, E, bitmap, got)
-        assert want[0] in _jit.REGISTRY["router.cu"]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("variant", [None, "selbits"])
-@pytest.mark.parametrize("T,E,K,dtype,score,scale", [
-    (517, 2304, 36, F32, "softmax", None), (333, 3000, 20, F32, "sqrtsoftplus", 1.5),
-    (129, 1028, 64, F32, "sigmoid", None), (257, 4096, 64, BF16, "sigmoid", 2.0),
-    (77, 3080, 33, np.float16, "softmax", None), (300, 1316, 12, F32, "softmax", None),
-    (65, 2304, 36, BF16, "sqrtsoftplus", None)])
-def test_gpu_bitmap_backward_one_warp(rng, monkeypatch, variant, T, E, K, dtype, score, scale):
-    """router_bwd_sel_bits (one warp a token for the 128-thread team's rows) gives the byte map's gradient bit
-    for bit: odd T and E (a last lane with fewer chunks), every score function, 16-bit rows, and rows whose
-    selection falls on the chunks of one or two lanes (more than MOE_RT_SELB_NR entries a lane: its sums read
-    again from memory, its later entries written after the others)."""
-    import cupy as cp
-
-    ch = 4 if np.dtype(dtype).itemsize == 4 else 8
-    xh = _tie_free(rng, (T,), E, F32)
-    lane0 = np.concatenate([np.arange(c * ch, c * ch + ch) for c in range(0, E // ch, 32)])
-    lane5 = np.concatenate([np.arange(c * ch, c * ch + ch) for c in range(5, E // ch, 32)])
-    xh[: T // 3, lane0] += 20.0  # every selection of these rows on lane 0's chunks
-    xh[T // 3: T // 2, np.concatenate([lane0[: K // 2], lane5])] += 20.0  # on lanes 0 and 5
-    x = cp.asarray(xh.astype(dtype))
-    _, m, inter = R.topk_with_score(x, K, score_function=score)
-    assert (m.get()[: T // 3][:, lane0].sum(1) == min(K, len(lane0))).all()  # > MOE_RT_SELB_NR on lane 0
-    bits = cp.asarray(ref.pack_bitmap(m.get()))
-    gy = cp.asarray(rng.standard_normal((T, E)).astype(F32).astype(dtype))
-    bkw = dict(score_function=score, scaling_factor=scale)
-    g1 = R.topk_with_score_backward(gy, m, inter, K, **bkw).get()
-    monkeypatch.setattr(R, "_BWD_VARIANT", variant)
-    _poison_pool()
-    g2 = R.topk_with_score_backward(gy, bits, inter, K, routing_map_format="bitmap_u8", **bkw).get()
-    assert _bits_equal(g2, g1)
-    assert (g2[~m.get()].astype(F32) == 0).all()
 
 
 @pytest.mark.gpu

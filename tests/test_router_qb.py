@@ -584,7 +584,7 @@ def test_gpu_tie_and_bin_clamping(mode):
 def test_gpu_histogram_accumulate_alone(rng):
     import cupy as cp
 
-    T, E, B = 3000, 37, 9000  # 32 B int32 above the shared memory: straight global atomics; then B = 50
+    T, E, B = 3000, 37, 9000  # 32 (B | 1) int32 above the shared memory: straight global atomics; then B = 50
     raw = rng.random((T, E)).astype(F32)
     cut = rng.random(T).astype(F32)
     bounds = np.array([-0.5, 0.5], F32)
@@ -685,48 +685,37 @@ def test_gpu_bias_update(rng):
 
 def test_forward_kernel_choice():
     """router_fwd_qb_reg where the plain forward takes router_fwd_reg (16-byte float32/bfloat16 rows up to
-    E = 1024; bf16 rows up to 16 keys a lane read 2 tokens ahead through shared memory, its ring after each
-    warp's slot), router_fwd_qb otherwise; the shared-memory histogram (hmode 2) where its words (ceil(B / 2)
-    an expert, whole rows of 32 chunks) fit _QB_SMEM_HIST_BYTES (router_fwd_qb_reg: one block of every warp it
-    takes a multiprocessor, sized at launch), else global atomics (1) up to _QB_ATOMIC_SAMPLES samples T E, else none (0: the histogram by
-    qb_histogram_accumulate after the kernel, as in the two-kernel mode, which is always 0), or above that
-    (B <= 256) the bins as bytes counted by qb_histogram_bins (3); every name registered."""
+    E = 1024), router_fwd_qb otherwise; the shared-memory histogram (hmode 2) where E ceil(B / 2) words fit
+    _QB_SMEM_HIST_BYTES (router_fwd_qb_reg: one block of every warp it takes a multiprocessor, sized at
+    launch), else global atomics (1) up to _QB_ATOMIC_SAMPLES samples T E, else none (0: the histogram by
+    qb_histogram_accumulate after the kernel, as in the two-kernel mode, which is always 0); every name
+    registered."""
     names = _jit.REGISTRY["router.cu"]
     T = 65536
     cases = [((F32, T, 256, 8, 64, True, True), ("router_fwd_qb_reg<float, 8>", 2)),
-             ((BF16, T, 256, 8, 64, True, True), ("router_fwd_qb_reg<__nv_bfloat16, 8, 2>", 2)),
-             ((BF16, T, 512, 16, 49, True, True), ("router_fwd_qb_reg<__nv_bfloat16, 16, 2>", 3)),
+             ((BF16, T, 256, 8, 64, True, True), ("router_fwd_qb_reg<__nv_bfloat16, 8>", 2)),
              ((F32, T, 512, 16, 48, True, True), ("router_fwd_qb_reg<float, 16>", 2)),
-             ((F32, T, 512, 16, 49, True, True), ("router_fwd_qb_reg<float, 16>", 3)),
-             ((F32, T, 512, 16, 257, True, True), ("router_fwd_qb_reg<float, 16>", 0)),
+             ((F32, T, 512, 16, 49, True, True), ("router_fwd_qb_reg<float, 16>", 0)),
              ((F32, 512, 512, 16, 49, True, True), ("router_fwd_qb_reg<float, 16>", 1)),
-             ((F32, T, 1024, 8, 64, True, True), ("router_fwd_qb_reg<float, 32>", 3)),
+             ((F32, T, 1024, 8, 64, True, True), ("router_fwd_qb_reg<float, 32>", 0)),
              ((BF16, T, 1024, 8, 4000, True, False), ("router_fwd_qb_reg<__nv_bfloat16, 32>", 0)),
              ((F32, T, 256, 8, 64, False, True), ("router_fwd_qb<float, 32>", 2)),
              ((np.float16, T, 256, 8, 64, True, True), ("router_fwd_qb<__half, 32>", 2)),
-             ((F32, T, 2304, 36, 64, True, True), ("router_fwd_qb<float, 32>", 3)),
-             ((BF16, T, 2304, 36, 64, True, True), ("router_fwd_qb<__nv_bfloat16, 32>", 3)),
-             ((F32, T, 2304, 36, 64, True, False), ("router_fwd_qb<float, 32>", 0)),
-             ((F32, T, 2302, 36, 300, False, True), ("router_fwd_qb<float, 32>", 0)),
+             ((F32, T, 2304, 36, 64, True, True), ("router_fwd_qb<float, 32>", 0)),
              ((F32, 113, 2304, 36, 64, True, True), ("router_fwd_qb<float, 32>", 1)),
              ((BF16, T, 3000, 64, 5, True, True), ("router_fwd_qb<__nv_bfloat16, 128>", 2)),
              ((F32, 16, 16384, 17, 64, True, True), ("router_fwd_qb<float, 512>", 1)),
-             ((F32, 17, 16384, 17, 64, True, True), ("router_fwd_qb<float, 512>", 3))]
+             ((F32, 17, 16384, 17, 64, True, True), ("router_fwd_qb<float, 512>", 0))]
     for (dt, n, E, K, B, vec, fused), (name, hmode) in cases:
         got = R._qb_fwd_cfg(np.dtype(dt), n, E, K, B, vec, fused)
         assert (got[0], got[5]) == (name, hmode), (dt, n, E, K, B, vec, fused, got)
         assert got[0] in names
-        ch = 16 // np.dtype(dt).itemsize if vec else 1
-        chunks = -(-E // ch)
-        hbytes = 4 * (-(-chunks // 32) * 32) * ch * ((B + 1) // 2) if hmode == 2 else 0  # whole 32-chunk rows
-        assert hbytes in (0, 4 * E * ((B + 1) // 2)) or chunks % 32
+        hbytes = 4 * E * ((B + 1) // 2) if hmode == 2 else 0
         if got[0].startswith("router_fwd_qb_reg"):
             if hmode == 2:
                 assert got[1:5] == (None, None, hbytes, 0)
             else:
-                nj = E * np.dtype(dt).itemsize // 16 // 32  # 16-byte chunks a lane (E a multiple of 32 chunks here)
-                ring = 3 * nj * 32 * 4 if got[0].endswith(", 2>") else 0
-                assert got[1:4] == (128, 4, 16 * (2 * 64 + 4 + 4 * ((K + 3) & ~3) + ring))
+                assert got[1:4] == (128, 4, 16 * (2 * 64 + 4 + 4 * ((K + 3) & ~3)))
         else:
             team = R._team(E, fwd=True)
             spb = 4 if team == 32 else 1
@@ -735,48 +724,25 @@ def test_forward_kernel_choice():
     try:
         R._QB_SMEM_HIST_BYTES = 0
         assert R._qb_hmode(8, 8, 1, True) == 1 and R._qb_hmode(8, 8, 1, False) == 0
-        assert R._qb_hmode(1 << 15, 8, 1, True) == 1 and R._qb_hmode((1 << 15) + 1, 8, 1, True) == 3
-        assert R._qb_hmode((1 << 15) + 1, 8, 256, True) == 3 and R._qb_hmode((1 << 15) + 1, 8, 257, True) == 0
+        assert R._qb_hmode(1 << 15, 8, 1, True) == 1 and R._qb_hmode((1 << 15) + 1, 8, 1, True) == 0
     finally:
         R._QB_SMEM_HIST_BYTES = old
-    assert R._qb_hmode(65536, 256, 64, True) == 2 and R._qb_hmode(65536, 256, 97, True) == 3
-    assert R._qb_hmode(65536, 256, 300, True) == 0 and R._qb_hmode(65536, 256, 97, False) == 0
+    assert R._qb_hmode(65536, 256, 64, True) == 2 and R._qb_hmode(65536, 256, 97, True) == 0
     assert R._qb_hmode(1000, 256, 97, True) == 1 and R._qb_hmode(1000, 256, 64, False) == 0
 
 
 def test_histogram_kernel_grid(monkeypatch):
     """qb_histogram_accumulate: strips of 32 experts, token shares filling one resident wave with them (each
-    of at least max(256, 4 B) tokens), the strip's 32 B counters in shared memory when they fit."""
+    of at least max(256, 4 B) tokens), the strip's 32 (B | 1) counters in shared memory when they fit."""
     props = {"sm_count": 132, "smem_per_block_optin": 227 * 1024, "smem_per_sm": 228 * 1024}
     monkeypatch.setattr(_jit, "device_properties", lambda dev: props)
     # 48 registers: 5 blocks of 256 threads a multiprocessor, 660 resident
-    assert R._qb_hist_grid(65536, 256, 64, 0, 48) == ((8, 82), 4 * 32 * 64, True)
-    assert R._qb_hist_grid(65536, 2304, 64, 0, 48) == ((72, 9), 4 * 32 * 64, True)
-    assert R._qb_hist_grid(65536, 16384, 64, 0, 48) == ((512, 1), 4 * 32 * 64, True)
-    assert R._qb_hist_grid(1000, 100, 64, 0, 48) == ((4, 3), 4 * 32 * 64, True)
+    assert R._qb_hist_grid(65536, 256, 64, 0, 48) == ((8, 82), 4 * 32 * 65, True)
+    assert R._qb_hist_grid(65536, 2304, 64, 0, 48) == ((72, 9), 4 * 32 * 65, True)
+    assert R._qb_hist_grid(65536, 16384, 64, 0, 48) == ((512, 1), 4 * 32 * 65, True)
+    assert R._qb_hist_grid(1000, 100, 64, 0, 48) == ((4, 3), 4 * 32 * 65, True)
     assert R._qb_hist_grid(7, 37, 5, 0, 48) == ((2, 1), 4 * 32 * 5, True)
-    assert R._qb_hist_grid(65536, 256, 2000, 0, 48) == ((8, 8), 0, False)  # 32 * 2000 int32 > 227 KiB
-
-
-def test_bins_kernel_config(monkeypatch):
-    """qb_histogram_bins: NV experts a lane (4, 2 or 1: E % NV == 0, NV B <= 256), strips of 32 NV experts,
-    token shares filling one resident wave of 1024-thread blocks (each of at least max(256, 4 B) tokens), NV B 32
-    int32 counters; every name registered."""
-    props = {"sm_count": 132, "smem_per_block_optin": 227 * 1024, "smem_per_sm": 228 * 1024}
-    monkeypatch.setattr(_jit, "device_properties", lambda dev: props)
-    names = _jit.REGISTRY["router.cu"]
-    # 2 blocks of 1024 threads a multiprocessor: 264 resident
-    cases = [((65536, 2304, 64), ("qb_histogram_bins<4>", (18, 14), 1024, 4 * 4 * 64 * 32)),
-             ((65536, 2302, 64), ("qb_histogram_bins<2>", (36, 7), 1024, 4 * 2 * 64 * 32)),
-             ((65536, 2304, 100), ("qb_histogram_bins<2>", (36, 7), 1024, 4 * 2 * 100 * 32)),
-             ((65536, 2304, 256), ("qb_histogram_bins<1>", (72, 3), 1024, 4 * 1 * 256 * 32)),
-             ((65536, 999, 5), ("qb_histogram_bins<1>", (32, 8), 1024, 4 * 1 * 5 * 32)),
-             ((1000, 100, 33), ("qb_histogram_bins<4>", (1, 3), 1024, 4 * 4 * 33 * 32)),
-             ((7, 37, 5), ("qb_histogram_bins<1>", (2, 1), 1024, 4 * 1 * 5 * 32))]
-    for (T, E, B), want in cases:
-        got = R._qb_bins_cfg(T, E, B, 0, 32)
-        assert got == want, (T, E, B, got)
-        assert got[0] in names
+    assert R._qb_hist_grid(65536, 256, 2000, 0, 48) == ((8, 8), 0, False)  # 32 * 2001 int32 > 227 KiB
 
 
 def _qb_gpu_run(cp, x, bias, bounds, start, K, mode="fused_atomic"):
@@ -792,8 +758,7 @@ QB_PATH_CASES = [(1000, 256, 8, 64, F32, False), (1000, 256, 8, 64, BF16, False)
                  (777, 256, 8, 64, F32, True), (513, 512, 16, 48, F32, False), (513, 512, 12, 48, BF16, True),
                  (300, 1024, 31, 24, F32, False), (300, 1024, 40, 24, BF16, True), (129, 2304, 36, 64, F32, False),
                  (129, 2304, 36, 10, BF16, True), (61, 100, 5, 33, F32, False), (59, 37, 6, 5, np.float16, True),
-                 (65, 3000, 64, 8, BF16, False), (301, 1030, 9, 100, F32, False), (257, 999, 7, 200, BF16, False),
-                 (1100, 2304, 36, 64, BF16, False)]
+                 (65, 3000, 64, 8, BF16, False)]
 
 
 def test_gpu_cases_reach_every_selection(monkeypatch):
@@ -844,28 +809,17 @@ def test_gpu_kernel_paths_agree(rng, monkeypatch, case):
     start = rng.integers(0, 1000, (E, B)).astype(np.int32)
     runs = {}
     # (kernel variant, shared histogram bytes, tokens a block, samples for global atomics, register kernel's
-    # warps a block, bins a byte holds): the shared histogram, global atomics, the bins as bytes counted by
-    # qb_histogram_bins, for each forward kernel; blocks of a few tokens; the register kernel's shared histogram
-    # on blocks of 4 warps; no bins as bytes: qb_histogram_accumulate after the forward
+    # warps a block): the shared histogram, global atomics, the histogram kernel after the forward, for each
+    # forward kernel; blocks of a few tokens; the register kernel's shared histogram on blocks of 4 warps
     many = 1 << 40
     for cfg in [(None, 48 * 1024, 65535, many, 0), (None, 0, 65535, many, 0), (None, 0, 65535, 0, 0),
                 ("generic", 48 * 1024, 65535, many, 0), ("generic", 0, 65535, many, 0), ("generic", 0, 65535, 0, 0),
-                (None, 48 * 1024, 4, many, 0), ("generic", 48 * 1024, 4, many, 0), (None, 48 * 1024, 65535, many, 4),
-                (None, 0, 65535, 0, 0, 0), ("generic", 0, 65535, 0, 0, 0)]:
-        cfg = cfg + (256,) * (6 - len(cfg))
+                (None, 48 * 1024, 4, many, 0), ("generic", 48 * 1024, 4, many, 0), (None, 48 * 1024, 65535, many, 4)]:
         for attr, value in zip(("_FWD_VARIANT", "_QB_SMEM_HIST_BYTES", "_QB_BLOCK_TOKENS", "_QB_ATOMIC_SAMPLES",
-                                "_QB_REG_WARPS", "_QB_BINS_MAX"), cfg):
+                                "_QB_REG_WARPS"), cfg):
             monkeypatch.setattr(R, attr, value)
         runs[cfg] = _qb_gpu_run(cp, x, bias, bounds, start, K)
     monkeypatch.setattr(R, "_FWD_VARIANT", None)
-    monkeypatch.setattr(R, "_QB_REG_WARPS", 0)
-    # the register kernel's rows: one token ahead in registers, or 2 ahead through shared memory (AsyncRows),
-    # for each dtype; with the shared histogram (one block a multiprocessor) and with blocks of 4 tokens
-    for ahead in ({2: 0, 4: 0}, {2: 2, 4: 2}):
-        monkeypatch.setattr(R, "_QB_ROWS_AHEAD", ahead)
-        for tokens in (65535, 4):
-            monkeypatch.setattr(R, "_QB_BLOCK_TOKENS", tokens)
-            runs[("ahead", ahead[2], tokens)] = _qb_gpu_run(cp, x, bias, bounds, start, K)
     runs["two_kernel"] = _qb_gpu_run(cp, x, bias, bounds, start, K, "two_kernel")
     first = next(iter(runs.values()))
     for key, outs in runs.items():
