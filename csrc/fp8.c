@@ -65,6 +65,10 @@ static moe_rt_status cast(moe_rt_context* ctx, const char* op, int quantize, int
   mrt_arg_i32(&a, (int32_t)H);
   mrt_arg_i32(&a, block);
   mrt_arg_i32(&a, (int32_t)nb);
+  if (quantize) {  /* row strides of the codes and scales (kernels/fp8.cu: packed rows use wider ones) */
+    mrt_arg_i64(&a, H);
+    mrt_arg_i64(&a, nb);
+  }
   return mrt_launch_one(ctx, &p.launch[0], &a, stream);
 }
 

@@ -30,54 +30,93 @@ using namespace moe_rt;
 // + 2 words: tokens of the pair before pair-capacity drops, local expert slots of the kept tokens, then those
 // of each local expert l) and the rows (P rows of W = 2K + 1 words: row j the j-th kept token t of the pair,
 // then the local ids of its K experts on the destination (-1 for the others), then each such slot's rank
-// among the pair's kept slots of that local expert in (t, k) order). Every source writes its segments into
-// local memory; the destination reads them (Segments below):
-// - direct transport: each rank's box (IPC-shared, peer_box[r]) holds its outgoing segments (segment d for
-//   destination d) in two halves of half_ints words picked by the parity of the barrier epoch: the source
-//   writes the half of epoch state[0] + 1 before prepare's barrier advances the epoch to it, and the
-//   destinations read it over peer memory after (the reads are spread over every SM of the reader); a source
-//   rewrites a half only two epochs later, after every reader has passed a barrier (or a prepare's barrier)
-//   that follows its read;
+// among the pair's kept slots of that local expert in (t, k) order). Where the segments go (Segments below):
+// - direct transport: every rank's box (IPC-shared, peer_box[r]) holds the segments its sources push into it
+//   (segment s from source s, written over peer memory: stores never wait) in two halves of half_ints words
+//   picked by the parity of the barrier epoch: a source writes the half of epoch state[0] + 1 before
+//   prepare's barrier advances the epoch to it, and the destination reads its own box after; a source
+//   rewrites a half only two epochs later, after its destination has passed a barrier (or a prepare's
+//   barrier) that follows its read;
 // - NCCL transport: a local outbox (segment d for destination d != me) sent with grouped send/recv into the
 //   destinations' inbox (segment s from source s); the own segment is written to the inbox straight away.
 // With the ranks and every source's per-expert counts, the destination places every slot in the expert-major
 // layout without another pass over the slots (ep_prepare_plan).
+//
+// The send side runs on many blocks: the tokens of each destination d are split into B chunks of TC tokens
+// (work item d*B + c); a first phase counts each chunk's member tokens and its slots per local expert (into
+// the scratch `part`: [R*B] token counts, then [R*B][L] slot counts), a grid-wide barrier (grid_sync), then
+// every item places its chunk from the counts of the chunks before it. The grid is at most one resident wave.
 
-// The local expert of flat slot f (< end) when it lives on [lo, hi) and its token is kept for the pair
-// (kept_pos[t] >= 0), else -1.
+__device__ __forceinline__ unsigned ld_acquire_gpu_u32(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// A barrier over every block of the grid (all resident). gs: two uint32 of the group's device memory
+// (arrivals, generation), zero when made; the last block to arrive resets the arrivals and advances the
+// generation, so any grid size may use them next and CUDA-graph replays stay valid. SYS: the blocks' earlier
+// writes (to peer memory too) are fenced at system scope before they arrive.
+template <bool SYS>
+__device__ __forceinline__ void grid_sync(unsigned* gs) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const unsigned gen = ld_acquire_gpu_u32(gs + 1);
+    if (SYS) __threadfence_system(); else __threadfence();
+    if (atomicAdd(gs, 1u) == gridDim.x - 1) {
+      atomicExch(gs, 0u);
+      __threadfence();
+      atomicAdd(gs + 1, 1u);
+    } else {
+      while (ld_acquire_gpu_u32(gs + 1) == gen) __nanosleep(32);
+    }
+    __threadfence();
+  }
+  __syncthreads();
+}
+
+// Block-wide sums of a and b (every thread gets them).
+__device__ __forceinline__ void block_sum2(int a, int b, int* scratch, int* sa, int* sb) {
+  block_inclusive_scan(a, scratch, sa);
+  block_inclusive_scan(b, scratch, sb);
+}
+
+// The local expert of flat slot f (< end) when it lives on [lo, hi) and its token (of the chunk from t0) is
+// kept for the pair (kp[t - t0] >= 0, shared memory), else -1.
 template <typename IdxT>
 __device__ __forceinline__ int kept_slot_key(const IdxT* __restrict__ idx, i64 f, i64 end, int K, i64 lo, i64 hi,
-                                             const int* __restrict__ kept_pos) {
+                                             i64 t0, const int* kp) {
   if (f >= end) return -1;
   const i64 e = (i64)idx[f];
-  if (e < lo || e >= hi || kept_pos[f / K] < 0) return -1;
+  if (e < lo || e >= hi || kp[f / K - t0] < 0) return -1;
   return (int)(e - lo);
 }
 
-// One block per destination d (grid R). Spread over the blocks, this rank's routing into the handle:
-// routing[i] for i < Tmax*K the expert id of flat slot i (-1 for no expert, ids outside [0, E) and rows
-// t >= T), routing[Tmax*K] = T; ids outside [-1, E) are recorded in the device's error word `err`
-// (common.cuh) and count as -1. Then block d walks the tokens in ascending order with a block-wide scan
-// (list positions are stable; a token is a member of the pair (me, d) when one of its experts lives on d):
-// send_tok[d][pos] = t, send_pos[d][t] = pos (or -1), meta send_counts[d]; positions >= P (pair capacity)
-// are dropped, list entries past the kept count are -1; each kept token's box row and the pair's counts
-// go to segment d of this rank's outgoing box (direct: the box, the half of epoch state[0] + 1; NCCL: the
-// outbox, or the inbox for d = me). The ranks: warps [0, nw) take contiguous ranges of the flat slots t*K + k
-// (each a multiple of 32 long): a per-warp count of each local expert's kept slots (warp match), an exclusive
-// scan over the warps, then the same walk again assigning ranks (the permutation plan's method). Dynamic
-// shared memory: nw * L ints.
+// The send side of prepare, run by every block of the grid (the kernels ep_prepare_send and
+// ep_prepare_direct). Spread over the blocks, this rank's routing into the handle: routing[i] for i <
+// Tmax*K the expert id of flat slot i (-1 for no expert, ids outside [0, E) and rows t >= T),
+// routing[Tmax*K] = T; ids outside [-1, E) are recorded in the device's error word `err` (common.cuh) and
+// count as -1. Per destination d the tokens in ascending order (a token is a member of the pair (me, d)
+// when one of its experts lives on d): send_tok[d][pos] = t, send_pos[d][t] = pos (or -1), meta
+// send_counts[d]; positions >= P (pair capacity) are dropped, list entries past the kept count are -1; each
+// kept token's box row and the pair's counts go to segment `me` of d's box (direct: peer_box[d], the half
+// of epoch state[0] + 1) or segment d of the outbox (NCCL; the inbox for d = me). The ranks: within a
+// chunk, warps [0, nw) take contiguous ranges of its flat slots t*K + k (each a multiple of 32 long): a
+// per-warp count of each local expert's kept slots (warp match), an exclusive scan over the warps starting
+// from the kept slots of the chunks before, then the same walk again assigning ranks (the permutation plan's
+// method). The item holding the pair's last kept token (item c = 0 when none is kept) writes the counts.
+// Dynamic shared memory: nw*L + TC ints (sm).
 template <typename IdxT>
-__global__ void ep_prepare_send(const IdxT* __restrict__ idx, i64 T, int Tmax, int K, int E, int R, int me, int L,
-                                int P, int* __restrict__ routing, int* __restrict__ send_tok,
-                                int* __restrict__ send_pos, int* __restrict__ meta, const unsigned* __restrict__ state,
-                                i64 half_ints, int* __restrict__ outbox, int* __restrict__ inbox,
-                                unsigned* __restrict__ err, int nw) {
+__device__ void prepare_send_body(const IdxT* __restrict__ idx, i64 T, int Tmax, int K, int E, int R, int me,
+                                  int L, int P, int TC, int B, int* __restrict__ routing, int* __restrict__ send_tok,
+                                  int* __restrict__ send_pos, int* __restrict__ meta, unsigned s0,
+                                  i64 half_ints, const long long* __restrict__ peer_box, int* __restrict__ outbox,
+                                  int* __restrict__ inbox, unsigned* __restrict__ err, int nw, int* __restrict__ part,
+                                  unsigned* __restrict__ gs, int* sm) {
   __shared__ int scratch[32];
-  extern __shared__ int hist[];  // [nw][L]
-  const int d = blockIdx.x;
   const i64 n = (i64)Tmax * K;
   const i64 valid = T * K;
-  for (i64 i = (i64)d * blockDim.x + threadIdx.x; i <= n; i += (i64)gridDim.x * blockDim.x) {
+  for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i <= n; i += (i64)gridDim.x * blockDim.x) {
     if (i == n) {
       routing[i] = (int)T;
     } else if (i < valid) {
@@ -89,115 +128,180 @@ __global__ void ep_prepare_send(const IdxT* __restrict__ idx, i64 T, int Tmax, i
       routing[i] = -1;
     }
   }
-  const int W = 2 * K + 1, CW = L + 2;
-  const i64 SEG = CW + (i64)P * W;
-  int* cnt_d = (d == me ? inbox : outbox) + SEG * d;  // this rank's segment for d: counts, then rows
-  if (state != nullptr) cnt_d += (i64)((state[0] + 1u) & 1u) * half_ints;
-  int* rows_d = cnt_d + CW;
-  const i64 lo = (i64)d * L, hi = lo + L;
-  int carry = 0, slot_acc = 0;
-  for (int base = 0; base < Tmax; base += blockDim.x) {
-    const int t = base + threadIdx.x;
-    int flag = 0, slots = 0;
-    if (t < T) {
-      const IdxT* row = idx + (i64)t * K;
-      for (int k = 0; k < K; ++k) {
-        const i64 e = (i64)row[k];
-        if (e >= lo && e < hi) { flag = 1; ++slots; }
+  const int items = R * B;
+  int* tok_part = part;              // [R*B] member tokens of each chunk
+  int* slot_part = part + items;     // [R*B][L] member slots of each local expert in each chunk
+  int* kp = sm + (i64)nw * L;        // [TC]: phase 1 membership, phase 2 the kept position (-1: not kept)
+  // phase 1: each chunk's counts
+  for (int item = blockIdx.x; item < items; item += gridDim.x) {
+    const int d = item / B, c = item - d * B;
+    const i64 lo = (i64)d * L, hi = lo + L;
+    const i64 t0 = (i64)c * TC, t1 = min(t0 + TC, T);
+    for (int l = threadIdx.x; l < L; l += blockDim.x) sm[l] = 0;
+    for (int j = threadIdx.x; j < TC; j += blockDim.x) kp[j] = 0;
+    __syncthreads();
+    for (i64 f = t0 * K + threadIdx.x; f < t1 * K; f += blockDim.x) {
+      const i64 e = (i64)idx[f];
+      if (e >= lo && e < hi) {
+        atomicAdd(sm + (e - lo), 1);
+        kp[f / K - t0] = 1;
       }
     }
+    __syncthreads();
+    int members = 0;
+    for (int j = threadIdx.x; j < TC; j += blockDim.x) members += kp[j];
     int total;
-    const int incl = block_inclusive_scan(flag, scratch, &total);
-    const int pos = carry + incl - flag;
-    const bool kept = flag && pos < P;
-    if (kept) {
-      send_tok[(i64)d * P + pos] = t;
-      slot_acc += slots;
-      {
-        const IdxT* row = idx + (i64)t * K;
+    block_inclusive_scan(members, scratch, &total);
+    if (threadIdx.x == 0) tok_part[item] = total;
+    for (int l = threadIdx.x; l < L; l += blockDim.x) slot_part[(i64)item * L + l] = sm[l];
+    __syncthreads();
+  }
+  grid_sync<false>(gs);
+  const int W = 2 * K + 1, CW = L + 2;
+  const i64 SEG = CW + (i64)P * W;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  // phase 2: each chunk placed after the chunks before it
+  for (int item = blockIdx.x; item < items; item += gridDim.x) {
+    const int d = item / B, c = item - d * B;
+    const i64 lo = (i64)d * L, hi = lo + L;
+    const i64 t0 = (i64)c * TC, t1 = min(t0 + TC, T);
+    int* cnt_d = peer_box != nullptr
+                     ? reinterpret_cast<int*>(peer_box[d]) + (i64)((s0 + 1u) & 1u) * half_ints + SEG * me
+                     : (d == me ? inbox : outbox) + SEG * d;
+    int* rows_d = cnt_d + CW;
+    if (item == 0 && threadIdx.x == 0) meta[META_NUM_TOKENS(R)] = (int)T;
+    int before = 0, all = 0;
+    for (int j = threadIdx.x; j < B; j += blockDim.x) {
+      const int v = __ldcg(tok_part + (i64)d * B + j);
+      all += v;
+      before += j < c ? v : 0;
+    }
+    int base, carry;
+    block_sum2(before, all, scratch, &base, &carry);
+    int run = base;
+    for (i64 r0 = t0; r0 < t0 + TC; r0 += blockDim.x) {
+      const i64 t = r0 + threadIdx.x;
+      int flag = 0;
+      if (t < t1) {
+        const IdxT* row = idx + t * K;
+        for (int k = 0; k < K; ++k) {
+          const i64 e = (i64)row[k];
+          flag |= e >= lo && e < hi;
+        }
+      }
+      int total;
+      const int incl = block_inclusive_scan(flag, scratch, &total);
+      const int pos = run + incl - flag;
+      const bool kept = flag && pos < P;
+      if (t < t0 + TC) kp[t - t0] = kept ? pos : -1;
+      if (kept) {
+        send_tok[(i64)d * P + pos] = (int)t;
+        const IdxT* row = idx + t * K;
         int* o = rows_d + (i64)pos * W;
-        o[0] = t;
+        o[0] = (int)t;
         for (int k = 0; k < K; ++k) {
           const i64 e = (i64)row[k];
           o[1 + k] = (e >= lo && e < hi) ? (int)(e - lo) : -1;
         }
       }
+      if (t < t1) send_pos[(i64)d * Tmax + t] = kept ? pos : -1;
+      run += total;
     }
-    if (t < Tmax) send_pos[(i64)d * Tmax + t] = kept ? pos : -1;
-    carry += total;
-  }
-  for (int p = (carry < P ? carry : P) + threadIdx.x; p < P; p += blockDim.x) send_tok[(i64)d * P + p] = -1;
-  int slots_total;
-  block_inclusive_scan(slot_acc, scratch, &slots_total);
-  if (threadIdx.x == 0) {
-    meta[META_SEND_COUNTS(R) + d] = carry;
-    if (d == 0) meta[META_NUM_TOKENS(R)] = (int)T;
-    cnt_d[0] = carry;
-    cnt_d[1] = slots_total;
-  }
-  // ranks of the kept slots per local expert (send_pos of every token is written: the block's own stores)
-  __syncthreads();
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const i64 nslots = T * K;
-  const i64 span = ((nslots + nw - 1) / nw + 31) / 32 * 32;
-  int* hw = hist + (i64)warp * L;
-  const i64 begin = (i64)warp * span, end = min(begin + span, nslots);
-  const int* kept_pos = send_pos + (i64)d * Tmax;
-  if (warp < nw) {
-    for (int l = lane; l < L; l += 32) hw[l] = 0;
-    __syncwarp();
-    for (i64 f0 = begin; f0 < end; f0 += 32) {
-      const int key = kept_slot_key(idx, f0 + lane, end, K, lo, hi, kept_pos);
-      const unsigned peers = __match_any_sync(0xffffffffu, key);
-      if (key >= 0 && lane == __ffs(peers) - 1) hw[key] += __popc(peers);
+    __syncthreads();  // kp complete
+    // the rest of d's lists, spread over its chunks: send_pos of rows t >= T, send_tok past the kept count
+    const int kept_n = carry < P ? carry : P;
+    for (i64 t = T + (i64)c * blockDim.x + threadIdx.x; t < Tmax; t += (i64)B * blockDim.x)
+      send_pos[(i64)d * Tmax + t] = -1;
+    for (i64 p = kept_n + (i64)c * blockDim.x + threadIdx.x; p < P; p += (i64)B * blockDim.x)
+      send_tok[(i64)d * P + p] = -1;
+    const bool writer = kept_n == 0 ? c == 0 : (base <= kept_n - 1 && kept_n - 1 < run);
+    if (base >= P && !writer) continue;  // nothing of this chunk is kept (uniform over the block)
+    int* hw = sm + (i64)warp * L;
+    const i64 nslots = (t1 - t0) * K;
+    const i64 span = nslots > 0 ? ((nslots + nw - 1) / nw + 31) / 32 * 32 : 0;
+    const i64 begin = t0 * K + (i64)warp * span, end = min(begin + span, t1 * K);
+    if (warp < nw) {
+      for (int l = lane; l < L; l += 32) hw[l] = 0;
       __syncwarp();
-    }
-  }
-  __syncthreads();
-  for (int l = threadIdx.x; l < L; l += blockDim.x) {
-    int run = 0;
-    for (int w = 0; w < nw; ++w) {
-      const int v = hist[(i64)w * L + l];
-      hist[(i64)w * L + l] = run;
-      run += v;
-    }
-    cnt_d[2 + l] = run;
-  }
-  __syncthreads();
-  if (warp < nw) {
-    const unsigned lt = lanemask_lt();
-    for (i64 f0 = begin; f0 < end; f0 += 32) {
-      const i64 f = f0 + lane;
-      const int key = kept_slot_key(idx, f, end, K, lo, hi, kept_pos);
-      const unsigned peers = __match_any_sync(0xffffffffu, key);
-      if (key >= 0) {
-        const i64 t = f / K;
-        rows_d[(i64)kept_pos[t] * W + 1 + K + (f - t * K)] = hw[key] + __popc(peers & lt);
+      for (i64 f0 = begin; f0 < end; f0 += 32) {
+        const int key = kept_slot_key(idx, f0 + lane, end, K, lo, hi, t0, kp);
+        const unsigned peers = __match_any_sync(0xffffffffu, key);
+        if (key >= 0 && lane == __ffs(peers) - 1) hw[key] += __popc(peers);
+        __syncwarp();
       }
-      __syncwarp();
-      if (key >= 0 && lane == __ffs(peers) - 1) hw[key] += __popc(peers);
-      __syncwarp();
     }
+    __syncthreads();
+    int slots = 0;
+    for (int l = threadIdx.x; l < L; l += blockDim.x) {
+      int acc = 0;  // kept slots of l in the chunks before (every one of them is wholly kept)
+      const int* sp = slot_part + (i64)d * B * L + l;
+#pragma unroll 8
+      for (int j = 0; j < c; ++j) acc += __ldcg(sp + (i64)j * L);
+      for (int w = 0; w < nw; ++w) {
+        const int v = sm[(i64)w * L + l];
+        sm[(i64)w * L + l] = acc;
+        acc += v;
+      }
+      if (writer) cnt_d[2 + l] = acc;
+      slots += acc;
+    }
+    int slots_total;
+    block_inclusive_scan(slots, scratch, &slots_total);
+    if (writer && threadIdx.x == 0) {
+      meta[META_SEND_COUNTS(R) + d] = carry;
+      cnt_d[0] = carry;
+      cnt_d[1] = slots_total;
+    }
+    __syncthreads();
+    if (warp < nw) {
+      const unsigned lt = lanemask_lt();
+      for (i64 f0 = begin; f0 < end; f0 += 32) {
+        const i64 f = f0 + lane;
+        const int key = kept_slot_key(idx, f, end, K, lo, hi, t0, kp);
+        const unsigned peers = __match_any_sync(0xffffffffu, key);
+        if (key >= 0) {
+          const i64 t = f / K;
+          rows_d[(i64)kp[t - t0] * W + 1 + K + (f - t * K)] = hw[key] + __popc(peers & lt);
+        }
+        __syncwarp();
+        if (key >= 0 && lane == __ffs(peers) - 1) hw[key] += __popc(peers);
+        __syncwarp();
+      }
+    }
+    __syncthreads();
   }
 }
 
-// Where a destination finds the segment source s sent it: direct transport (peer != nullptr): in s's box
-// (as mapped here), the half of the current epoch (state[0], advanced by prepare's barrier), segment me;
-// NCCL: in the inbox, segment s.
+// NCCL transport, and the direct transport in exact mode (Segments: peer_box given, each destination's
+// segment pushed into its box; state: the transport's, whose barrier follows). gs: grid_sync's words.
+template <typename IdxT>
+__global__ void ep_prepare_send(const IdxT* __restrict__ idx, i64 T, int Tmax, int K, int E, int R, int me, int L,
+                                int P, int TC, int B, int* __restrict__ routing, int* __restrict__ send_tok,
+                                int* __restrict__ send_pos, int* __restrict__ meta, const unsigned* __restrict__ state,
+                                i64 half_ints, const long long* __restrict__ peer_box, int* __restrict__ outbox,
+                                int* __restrict__ inbox, unsigned* __restrict__ err, int nw, int* __restrict__ part,
+                                unsigned* __restrict__ gs) {
+  extern __shared__ int sm[];
+  prepare_send_body(idx, T, Tmax, K, E, R, me, L, P, TC, B, routing, send_tok, send_pos, meta,
+                    state != nullptr ? state[0] : 0u, half_ints, peer_box, outbox, inbox, err, nw, part, gs, sm);
+}
+
+// Where a destination finds the segment source s sent it: segment s of `inbox` (the NCCL inbox, or the
+// direct transport's own box from word `at`: the half of the current epoch).
 struct Segments {
   const int* inbox;
-  const long long* peer;
-  i64 seg, at;  // words per segment; the offset of this rank's segment in a peer's box
+  i64 seg;
 
-  __device__ Segments(const int* inbox_, const long long* peer_, i64 seg_, const unsigned* state, i64 half_ints,
-                      int me)
-      : inbox(inbox_), peer(peer_), seg(seg_),
-        at(state != nullptr ? (i64)(state[0] & 1u) * half_ints + seg_ * me : 0) {}
+  __device__ Segments(const int* inbox_, i64 seg_, i64 at) : inbox(inbox_ + at), seg(seg_) {}
 
-  __device__ __forceinline__ const int* of(int s) const {
-    return peer != nullptr ? reinterpret_cast<const int*>(peer[s]) + at : inbox + s * seg;
-  }
+  __device__ __forceinline__ const int* of(int s) const { return inbox + s * seg; }
 };
+
+// The word of a box where the half of the current epoch (state[0], advanced by prepare's barrier) starts:
+// 0 without state (NCCL).
+__device__ __forceinline__ i64 box_half(const unsigned* state, i64 half_ints) {
+  return state != nullptr ? (i64)(state[0] & 1u) * half_ints : 0;
+}
 
 // Offsets and flags (one thread; R is small), after the segments arrived (word 0 of source s's segment: its
 // tokens for this rank, word 1: the kept slots). Exact mode (exact = 1): segments packed back to back with
@@ -283,15 +387,14 @@ __device__ __forceinline__ const int* recv_box_row(i64 row, const Segments& in, 
 }
 
 // plan_meta_body as a kernel of one thread: exact mode, whose host read of the counts sizes the handle
-// before the received side's kernel runs (which writes the same meta again). Segments: inbox (NCCL) or
-// peer_box (direct) with state and half_ints; seg words each.
+// before the received side's kernel runs (which writes the same meta again). Segments: the NCCL inbox or
+// the direct transport's own box (with state and half_ints); seg words each.
 #if MOE_RT_WANTS(ep_plan_meta)
-extern "C" __global__ void ep_plan_meta(int* __restrict__ meta, const int* __restrict__ inbox,
-                                        const long long* __restrict__ peer_box, i64 seg_words,
+extern "C" __global__ void ep_plan_meta(int* __restrict__ meta, const int* __restrict__ inbox, i64 seg_words,
                                         const unsigned* __restrict__ state, i64 half_ints, int R, int me, int P,
                                         int exact, i64 capacity) {
   if (blockIdx.x != 0 || threadIdx.x != 0) return;
-  plan_meta_body(meta, Segments(inbox, peer_box, seg_words, state, half_ints, me), R, me, P, exact, capacity);
+  plan_meta_body(meta, Segments(inbox, seg_words, box_half(state, half_ints)), R, me, P, exact, capacity);
 }
 #endif
 
@@ -301,13 +404,12 @@ extern "C" __global__ void ep_plan_meta(int* __restrict__ meta, const int* __res
 // id of the k-th expert of the token received in `row` when it lives on this rank, else -1 (-1 for every k of
 // an unused row): a routing for the permutation plan with L experts.
 #if MOE_RT_WANTS(ep_prepare_recv)
-extern "C" __global__ void ep_prepare_recv(int* __restrict__ meta, const int* __restrict__ inbox,
-                                           const long long* __restrict__ peer_box, i64 seg_words,
+extern "C" __global__ void ep_prepare_recv(int* __restrict__ meta, const int* __restrict__ inbox, i64 seg_words,
                                            const unsigned* __restrict__ state, i64 half_ints, int R, int me, int P,
                                            int K, int L, int exact, i64 capacity, i64 rows,
                                            int* __restrict__ recv_tok, int* __restrict__ recv_local) {
   extern __shared__ int seg[];  // recv_segments
-  const Segments in(inbox, peer_box, seg_words, state, half_ints, me);
+  const Segments in(inbox, seg_words, box_half(state, half_ints));
   if (threadIdx.x == 0) recv_segments(meta, in, R, me, P, exact, capacity, seg);
   __syncthreads();
   const int W = 2 * K + 1, CW = L + 2;
@@ -323,26 +425,20 @@ extern "C" __global__ void ep_prepare_recv(int* __restrict__ meta, const int* __
 }
 #endif
 
-// The whole received side of the plan in one kernel (ep_prepare_recv's outputs, and the permutation plan's of
-// recv_local without a pass of its own; Segments as ep_plan_meta). Every block loads every source's counts
-// into shared memory (one pass) and derives from the per-expert ones: pre[s][l] = slots of local expert l
-// from sources before s, the totals, and the plan's offsets (plan_offsets_block: num_out = capacity, or every
-// slot when capacity < 0). Slot
-// (row, k) of source s with local expert l and rank q (the sender's) is the expert-major slot p = pre[s][l] +
-// q of l: kept when p < kept[l], at row seg_start[l] + p (dst_row; src_slot there = row*K + k), else dropped
-// (-1). src_slot is -1 on padding rows and past seg_start[L] (the rows no slot reaches). Block 0 writes meta
-// (plan_meta_body), seg_start, expert_counts and tokens_per_expert. Dynamic shared memory: 2R + 1 + R*(L +
-// 2) + 4L + 1 ints.
-#if MOE_RT_WANTS(ep_prepare_plan)
-extern "C" __global__ void ep_prepare_plan(int* __restrict__ meta, const int* __restrict__ inbox,
-                                           const long long* __restrict__ peer_box, i64 seg_words,
-                                           const unsigned* __restrict__ state, i64 half_ints, int R, int me, int P,
-                                           int K, int L, int align, int exact, i64 capacity, i64 rows, i64 N,
-                                           int* __restrict__ recv_tok, int* __restrict__ recv_local,
-                                           int* __restrict__ dst_row, int* __restrict__ src_slot,
-                                           int* __restrict__ seg_start, int* __restrict__ expert_counts,
-                                           int* __restrict__ tokens_per_expert) {
-  extern __shared__ int sm[];
+// The whole received side of the plan (ep_prepare_recv's outputs, and the permutation plan's of recv_local
+// without a pass of its own), run by every block of the grid (the kernels ep_prepare_plan and
+// ep_prepare_direct). Every block loads every source's counts into shared memory (one pass) and derives from
+// the per-expert ones: pre[s][l] = slots of local expert l from sources before s, the totals, and the plan's
+// offsets (plan_offsets_block: num_out = capacity, or every slot when capacity < 0). Slot (row, k) of source
+// s with local expert l and rank q (the sender's) is the expert-major slot p = pre[s][l] + q of l: kept when
+// p < kept[l], at row seg_start[l] + p (dst_row; src_slot there = row*K + k), else dropped (-1). src_slot is
+// -1 on padding rows and past seg_start[L] (the rows no slot reaches). Block 0 writes meta (plan_meta_body),
+// seg_start, expert_counts and tokens_per_expert. Shared memory (sm): 2R + 1 + R*(L + 2) + 4L + 1 ints.
+__device__ void prepare_plan_body(int* __restrict__ meta, const Segments& in, int R, int me, int P, int K, int L,
+                                  int align, int exact, i64 capacity, i64 rows, i64 N, int* __restrict__ recv_tok,
+                                  int* __restrict__ recv_local, int* __restrict__ dst_row, int* __restrict__ src_slot,
+                                  int* __restrict__ seg_start, int* __restrict__ expert_counts,
+                                  int* __restrict__ tokens_per_expert, int* sm) {
   const int W = 2 * K + 1, CW = L + 2;
   int* seg = sm;                 // recv_segments
   int* cnt = seg + 2 * R + 1;    // [R][CW]: every source's counts; then word 2 + l holds pre[s][l]
@@ -350,13 +446,12 @@ extern "C" __global__ void ep_prepare_plan(int* __restrict__ meta, const int* __
   int* kept = tot + L;           // [L]
   int* padded = kept + L;        // [L]
   int* start = padded + L;       // [L + 1]
-  const Segments in(inbox, peer_box, seg_words, state, half_ints, me);
-  for (i64 i = threadIdx.x; i < (i64)R * CW; i += blockDim.x) {  // one pass of loads (peer memory: direct)
+  for (i64 i = threadIdx.x; i < (i64)R * CW; i += blockDim.x) {  // one pass of loads
     const int s = (int)(i / CW);
     cnt[i] = in.of(s)[i - (i64)s * CW];
   }
   __syncthreads();
-  const Segments counts(cnt, nullptr, CW, nullptr, 0, me);  // the same counts, from shared memory
+  const Segments counts(cnt, CW, 0);  // the same counts, from shared memory
   if (threadIdx.x == 0) recv_segments(meta, counts, R, me, P, exact, capacity, seg);
   for (int l = threadIdx.x; l < L; l += blockDim.x) {
     int run = 0;
@@ -383,21 +478,34 @@ extern "C" __global__ void ep_prepare_plan(int* __restrict__ meta, const int* __
   const i64 step = (i64)gridDim.x * blockDim.x;
   const i64 first = (i64)blockIdx.x * blockDim.x + threadIdx.x;
   recv_tokens(in, CW, seg, R, P, W, first, step, recv_tok);
+  constexpr int KB = 8;  // slots of a row loaded before any of them is placed
   for (i64 row = first; row < rows; row += step) {
     int src = 0;
     const int* r = recv_box_row(row, in, CW, seg, R, W, &src);
-    for (int k = 0; k < K; ++k) {
-      const int l = r != nullptr ? r[1 + k] : -1;
-      int d = -1;
-      if (l >= 0) {
-        const i64 p = (i64)cnt[(i64)src * CW + 2 + l] + r[1 + K + k];
-        if (p < kept[l]) {
-          d = (int)(start[l] + p);
-          src_slot[d] = (int)(row * K + k);
-        }
+    for (int k0 = 0; k0 < K; k0 += KB) {
+      int lv[KB], qv[KB];
+#pragma unroll
+      for (int j = 0; j < KB; ++j) {
+        const bool in_row = r != nullptr && k0 + j < K;
+        lv[j] = in_row ? r[1 + k0 + j] : -1;
+        qv[j] = in_row ? r[1 + K + k0 + j] : 0;
       }
-      recv_local[row * K + k] = l;
-      dst_row[row * K + k] = d;
+#pragma unroll
+      for (int j = 0; j < KB; ++j) {
+        const int k = k0 + j;
+        if (k >= K) break;
+        const int l = lv[j];
+        int d = -1;
+        if (l >= 0) {
+          const i64 p = (i64)cnt[(i64)src * CW + 2 + l] + qv[j];
+          if (p < kept[l]) {
+            d = (int)(start[l] + p);
+            src_slot[d] = (int)(row * K + k);
+          }
+        }
+        recv_local[row * K + k] = l;
+        dst_row[row * K + k] = d;
+      }
     }
   }
   for (i64 n = first; n < N; n += step) {
@@ -412,6 +520,22 @@ extern "C" __global__ void ep_prepare_plan(int* __restrict__ meta, const int* __
     }
     if (n - start[a] >= kept[a]) src_slot[n] = -1;
   }
+}
+
+// The received side in one kernel (prepare_plan_body; Segments as ep_plan_meta). Dynamic shared memory:
+// 2R + 1 + R*(L + 2) + 4L + 1 ints.
+#if MOE_RT_WANTS(ep_prepare_plan)
+extern "C" __global__ void ep_prepare_plan(int* __restrict__ meta, const int* __restrict__ inbox, i64 seg_words,
+                                           const unsigned* __restrict__ state, i64 half_ints, int R, int me, int P,
+                                           int K, int L, int align, int exact, i64 capacity, i64 rows, i64 N,
+                                           int* __restrict__ recv_tok, int* __restrict__ recv_local,
+                                           int* __restrict__ dst_row, int* __restrict__ src_slot,
+                                           int* __restrict__ seg_start, int* __restrict__ expert_counts,
+                                           int* __restrict__ tokens_per_expert) {
+  extern __shared__ int sm[];
+  prepare_plan_body(meta, Segments(inbox, seg_words, box_half(state, half_ints)), R, me, P, K, L, align, exact,
+                    capacity, rows, N, recv_tok, recv_local, dst_row, src_slot, seg_start, expert_counts,
+                    tokens_per_expert, sm);
 }
 #endif
 
@@ -581,6 +705,145 @@ __global__ void ep_scale_rows(T* __restrict__ rows, const float* __restrict__ w,
   }
 }
 
+// ---- Where an expanded row goes (ep_expand_rows, ep_direct_dispatch) ---------------------------------------
+// A sink takes a received row unit by unit (U, the copy unit) and writes it into expert-major row d:
+// - RowCopy<U>: out [N, units] as is (every row set but a one-pass FP8 dispatch's);
+// - Fp8Rows<G>, Fp8Dequant<T, G> (U = uint4): the packed rows of a one-pass FP8 dispatch (docs/ep.md §9;
+//   kernels/fp8.cu: H e4m3 codes, at byte HS = ceil4(H) the S = ceil(H/128) fp32 scales, zero padding to a
+//   multiple of 16 bytes) split into the codes out [N,H] bytes and the scales out_s [N,S] (Fp8Rows), or
+//   dequantized into out [N,H] of T (Fp8Dequant: dequantize_fp8's rule, bit for bit). G (16, 4 or 1) divides
+//   H, HS and 4S, so a G-byte piece of a unit is all codes, all scales or all padding and is stored whole
+//   (the host picks G, and checks the outputs' alignment).
+// aux<FRESH>(row, i): what put needs besides the unit (Fp8Dequant: the scale of unit i, read from the row
+// itself, past L1 when FRESH: a peer wrote it during this kernel). ONCE (Fp8Dequant): put takes the unit
+// converted once (convert) and the expand loops over a unit's K rows inside its loop over units (converting
+// inside the loop over k would be hoisted out of it by the compiler: every unit of a lane's UNROLL converted
+// at once, spilling); the other sinks keep the loop over units inside the loop over k.
+constexpr int EP_FP8_BLOCK = 128;  // channels per scale of an FP8 dispatch
+
+struct NoAux {};
+
+template <int B>
+__device__ __forceinline__ void store_bytes(void* p, const void* v) {  // B bytes, streaming, widest units
+  if constexpr (B % 16 == 0) {
+#pragma unroll
+    for (int q = 0; q < B / 16; ++q) __stcs(reinterpret_cast<uint4*>(p) + q, reinterpret_cast<const uint4*>(v)[q]);
+  } else if constexpr (B % 8 == 0) {
+#pragma unroll
+    for (int q = 0; q < B / 8; ++q) __stcs(reinterpret_cast<uint2*>(p) + q, reinterpret_cast<const uint2*>(v)[q]);
+  } else if constexpr (B % 4 == 0) {
+#pragma unroll
+    for (int q = 0; q < B / 4; ++q)
+      __stcs(reinterpret_cast<unsigned*>(p) + q, reinterpret_cast<const unsigned*>(v)[q]);
+  } else if constexpr (B % 2 == 0) {
+#pragma unroll
+    for (int q = 0; q < B / 2; ++q)
+      reinterpret_cast<unsigned short*>(p)[q] = reinterpret_cast<const unsigned short*>(v)[q];
+  } else {
+#pragma unroll
+    for (int q = 0; q < B; ++q) reinterpret_cast<unsigned char*>(p)[q] = reinterpret_cast<const unsigned char*>(v)[q];
+  }
+}
+
+template <typename U>
+struct RowCopy {
+  using Aux = NoAux;
+  static constexpr bool ONCE = false;
+  U* out;
+  i64 units;
+  __device__ RowCopy(void* o, float*, int, i64 units_) : out(static_cast<U*>(o)), units(units_) {}
+  template <bool FRESH>
+  __device__ Aux aux(const U*, i64) const { return {}; }
+  __device__ void put(int d, i64 i, const U& v, const Aux&) const { __stcs(out + (i64)d * units + i, v); }
+};
+
+template <int G>
+struct Fp8Rows {
+  using Aux = NoAux;
+  static constexpr bool ONCE = false;
+  unsigned char* codes;
+  unsigned char* scales;
+  i64 H, HS, SB;  // SB: the scale bytes of a row (4S)
+  __device__ Fp8Rows(void* o, float* s, int H_, i64)
+      : codes(static_cast<unsigned char*>(o)), scales(reinterpret_cast<unsigned char*>(s)), H(H_),
+        HS(((i64)H_ + 3) & ~(i64)3), SB(4 * (((i64)H_ + EP_FP8_BLOCK - 1) / EP_FP8_BLOCK)) {}
+  template <bool FRESH>
+  __device__ Aux aux(const uint4*, i64) const { return {}; }
+  __device__ void put(int d, i64 i, const uint4& v, const Aux&) const {
+    const unsigned char* b = reinterpret_cast<const unsigned char*>(&v);
+#pragma unroll
+    for (int q = 0; q < 16 / G; ++q) {
+      const i64 o = i * 16 + q * G;
+      if (o < H) store_bytes<G>(codes + (i64)d * H + o, b + q * G);
+      else if (o >= HS && o < HS + SB) store_bytes<G>(scales + (i64)d * SB + (o - HS), b + q * G);
+    }
+  }
+};
+
+template <typename T, int G>
+struct Fp8Dequant {
+  using Aux = float;
+  static constexpr bool ONCE = true;
+  struct Vals {
+    alignas(16) T v[16];
+  };
+  T* y;
+  i64 H, HS;
+  __device__ Fp8Dequant(void* o, float*, int H_, i64) : y(static_cast<T*>(o)), H(H_), HS(((i64)H_ + 3) & ~(i64)3) {}
+  template <bool FRESH>
+  __device__ float aux(const uint4* row, i64 i) const {
+    if (i * 16 >= H) return 0.0f;  // no codes in this unit
+    const float* s = reinterpret_cast<const float*>(reinterpret_cast<const unsigned char*>(row) + HS) +
+                     i * 16 / EP_FP8_BLOCK;  // a unit's 16 channels share one block
+    return FRESH ? __ldcg(s) : __ldg(s);
+  }
+  // the unit's 16 bytes as codes (those past H are never stored)
+  __device__ Vals convert(const uint4& v, const float& s) const {
+    const unsigned char* b = reinterpret_cast<const unsigned char*>(&v);
+    Vals r;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) r.v[j] = store_as<T>(mul_rn(from_e4m3(b[j]), s));
+    return r;
+  }
+  __device__ void put(int d, i64 i, const Vals& r) const {
+#pragma unroll
+    for (int q = 0; q < 16 / G; ++q) {
+      const i64 o = i * 16 + q * G;
+      if (o >= H) break;
+      store_bytes<G * (int)sizeof(T)>(y + (i64)d * H + o, r.v + q * G);
+    }
+  }
+};
+
+// The stores of one loaded span of a row (ep_expand_rows, warp_expand_row): units i0 + step*j (j < UNROLL, i <
+// units) into the expert-major rows dst(k) >= 0 (k < K), in the sink's loop order.
+template <typename U, int UNROLL, typename Sink, typename Dst>
+__device__ __forceinline__ void sink_span(const Sink& sink, const U (&v)[UNROLL], const typename Sink::Aux (&a)[UNROLL],
+                                          i64 i0, i64 step, i64 units, int K, Dst dst) {
+  if constexpr (Sink::ONCE) {
+#pragma unroll
+    for (int j = 0; j < UNROLL; ++j) {
+      const i64 i = i0 + step * j;
+      if (i >= units) continue;
+      const auto c = sink.convert(v[j], a[j]);
+      for (int k = 0; k < K; ++k) {
+        const int d = dst(k);
+        if (d >= 0) sink.put(d, i, c);
+      }
+    }
+  } else {
+    for (int k = 0; k < K; ++k) {
+      const int d = dst(k);
+      if (d < 0) continue;
+#pragma unroll
+      for (int j = 0; j < UNROLL; ++j) {
+        const i64 i = i0 + step * j;
+        if (i < units) sink.put(d, i, v[j], a[j]);
+      }
+    }
+  }
+}
+
 // The overlapped dispatch direction (EpGroup with chunks > 1) expands received rows range by range as
 // they land, into the expert-major layout of the permutation plan (same result as the permutation
 // family's dispatch: a raw copy per kept slot, zero rows where no slot lands, probs following rows).
@@ -589,11 +852,14 @@ __global__ void ep_scale_rows(T* __restrict__ rows, const float* __restrict__ w,
 // range's first row): out[dst_row[r][k]]
 // = src[r] (src[src_rows[r]] when src_rows is given: the own share read straight from x) for every k with
 // dst_row >= 0. The row is read once (UNROLL units per thread in flight) and
-// stored with streaming stores.
-template <typename U, int UNROLL>
-__global__ void ep_expand_rows(const U* __restrict__ src, U* __restrict__ out, const int* __restrict__ dst_row,
-                               const int* __restrict__ src_rows, int K, i64 units, i64 nrows) {
+// stored with streaming stores, through the Sink (RowCopy: out as is; a one-pass FP8 dispatch's packed rows
+// split into codes out and scales out_s, or dequantized into out; fp8_h = H, unused by RowCopy).
+template <typename U, int UNROLL, typename Sink = RowCopy<U>>
+__global__ void ep_expand_rows(const U* __restrict__ src, void* __restrict__ out, const int* __restrict__ dst_row,
+                               const int* __restrict__ src_rows, int K, i64 units, i64 nrows,
+                               float* __restrict__ out_s, int fp8_h) {
   extern __shared__ int s_dst[];
+  const Sink sink(out, out_s, fp8_h, units);
   for (i64 r = blockIdx.x; r < nrows; r += gridDim.x) {
     __syncthreads();  // the previous row's s_dst reads are done
     for (int k = threadIdx.x; k < K; k += blockDim.x) s_dst[k] = dst_row[r * K + k];
@@ -604,21 +870,16 @@ __global__ void ep_expand_rows(const U* __restrict__ src, U* __restrict__ out, c
     const U* in = src + (src_rows != nullptr ? (i64)src_rows[r] : r) * units;
     for (i64 i0 = threadIdx.x; i0 < units; i0 += (i64)blockDim.x * UNROLL) {
       U v[UNROLL];
+      typename Sink::Aux a[UNROLL];
 #pragma unroll
       for (int j = 0; j < UNROLL; ++j) {
         const i64 i = i0 + (i64)j * blockDim.x;
-        if (i < units) v[j] = __ldcs(in + i);
-      }
-      for (int k = 0; k < K; ++k) {
-        const int d = s_dst[k];
-        if (d < 0) continue;
-        U* o = out + (i64)d * units;
-#pragma unroll
-        for (int j = 0; j < UNROLL; ++j) {
-          const i64 i = i0 + (i64)j * blockDim.x;
-          if (i < units) __stcs(o + i, v[j]);
+        if (i < units) {
+          v[j] = __ldcs(in + i);
+          a[j] = sink.template aux<false>(in, i);
         }
       }
+      sink_span<U, UNROLL>(sink, v, a, i0, (i64)blockDim.x, units, K, [&](int k) { return s_dst[k]; });
     }
   }
 }
@@ -684,10 +945,10 @@ __device__ __forceinline__ unsigned long long global_timer_ns() {
 // through peer memory (peer_bar holds no address for the others). After timeout_ns (%globaltimer) it gives up:
 // writes `op` to the host-mapped error word, raises the sticky failure flag and returns (never hangs).
 // Epochs compare with wrap-around (a signed difference).
-#if MOE_RT_WANTS(ep_direct_barrier)
-extern "C" __global__ void ep_direct_barrier(const long long* __restrict__ peer_bar, int R, int me,
-                                             unsigned* __restrict__ state, i64 timeout_ns,
-                                             int* __restrict__ err_word, int op, int lo, int hi) {
+// The barrier's body, run by one whole block (ep_direct_barrier, ep_prepare_direct's block 0).
+__device__ void direct_barrier_block(const long long* __restrict__ peer_bar, int R, int me,
+                                     unsigned* __restrict__ state, i64 timeout_ns, int* __restrict__ err_word,
+                                     int op, int lo, int hi) {
   __shared__ unsigned s_epoch;
   __shared__ int s_skip;
   __shared__ int s_timeout;
@@ -724,7 +985,45 @@ extern "C" __global__ void ep_direct_barrier(const long long* __restrict__ peer_
     __threadfence_system();
   }
 }
+
+#if MOE_RT_WANTS(ep_direct_barrier)
+extern "C" __global__ void ep_direct_barrier(const long long* __restrict__ peer_bar, int R, int me,
+                                             unsigned* __restrict__ state, i64 timeout_ns,
+                                             int* __restrict__ err_word, int op, int lo, int hi) {
+  direct_barrier_block(peer_bar, R, me, state, timeout_ns, err_word, op, lo, hi);
+}
 #endif
+
+// Capacity-mode prepare on the direct transport in one kernel (moe_rt/ep.py _prepare_cuda): the send side
+// (prepare_send_body: each destination's segment pushed into its box, the half of epoch state[0] + 1), a
+// grid barrier (every block's writes fenced at system scope), prepare's barrier with the peers (block 0:
+// direct_barrier_block over [0, R); timeout: op in the error word, the failure flag raised), a second grid
+// barrier, then the received side from this rank's own box (prepare_plan_body). The grid is at most one
+// resident wave (grid_sync). Dynamic shared memory: the larger of the two bodies'.
+template <typename IdxT>
+__global__ void ep_prepare_direct(const IdxT* __restrict__ idx, i64 T, int Tmax, int K, int E, int R, int me, int L,
+                                  int P, int TC, int B, int* __restrict__ routing, int* __restrict__ send_tok,
+                                  int* __restrict__ send_pos, int* __restrict__ meta, unsigned* __restrict__ state,
+                                  i64 half_ints, const long long* __restrict__ peer_box, unsigned* __restrict__ err,
+                                  int nw, int* __restrict__ part, unsigned* __restrict__ gs,
+                                  const long long* __restrict__ peer_bar, i64 timeout_ns, int* __restrict__ err_word,
+                                  int op, int align, i64 capacity, i64 rows, i64 N, int* __restrict__ recv_tok,
+                                  int* __restrict__ recv_local, int* __restrict__ dst_row, int* __restrict__ src_slot,
+                                  int* __restrict__ seg_start, int* __restrict__ expert_counts,
+                                  int* __restrict__ tokens_per_expert) {
+  extern __shared__ int sm[];
+  const unsigned s0 = state[0];  // the epoch before this prepare's barrier
+  prepare_send_body(idx, T, Tmax, K, E, R, me, L, P, TC, B, routing, send_tok, send_pos, meta, s0, half_ints,
+                    peer_box, nullptr, nullptr, err, nw, part, gs, sm);
+  grid_sync<true>(gs);
+  if (blockIdx.x == 0) direct_barrier_block(peer_bar, R, me, state, timeout_ns, err_word, op, 0, R);
+  grid_sync<false>(gs);
+  const i64 seg_words = (i64)(L + 2) + (i64)P * (2 * K + 1);
+  prepare_plan_body(meta, Segments(reinterpret_cast<const int*>(peer_box[me]), seg_words,
+                                   (i64)((s0 + 1u) & 1u) * half_ints),
+                    R, me, P, K, L, align, 0, capacity, rows, N, recv_tok, recv_local, dst_row, src_slot, seg_start,
+                    expert_counts, tokens_per_expert, sm);
+}
 
 // map[r] = s*P + (r - recv_off[s]) for received row r (recv_off[s] <= r < recv_off[s+1]): the stage row
 // of each row of the handle's received-row layout (the identity in capacity mode, where recv_off[s] = s*P).
@@ -852,27 +1151,22 @@ __device__ __forceinline__ void warp_copy_row(const U* __restrict__ src, U* __re
   }
 }
 
-// One warp writes a row to the expert-major rows out[drow[k]] (k < K, drow[k] >= 0), reading it once.
-template <typename U, int UNROLL, bool FRESH>
-__device__ __forceinline__ void warp_expand_row(const U* __restrict__ src, U* __restrict__ out,
+// One warp writes a row to the expert-major rows drow[k] (k < K, drow[k] >= 0) through the sink, reading it once.
+template <typename U, int UNROLL, bool FRESH, typename Sink>
+__device__ __forceinline__ void warp_expand_row(const U* __restrict__ src, const Sink& sink,
                                                 const int* __restrict__ drow, int K, i64 units, int lane) {
   for (i64 i0 = lane; i0 < units; i0 += 32 * UNROLL) {
     U v[UNROLL];
+    typename Sink::Aux a[UNROLL];
 #pragma unroll
     for (int j = 0; j < UNROLL; ++j) {
       const i64 i = i0 + 32 * j;
-      if (i < units) v[j] = FRESH ? __ldcg(src + i) : __ldg(src + i);
-    }
-    for (int k = 0; k < K; ++k) {
-      const int d = __ldg(drow + k);
-      if (d < 0) continue;
-      U* o = out + (i64)d * units;
-#pragma unroll
-      for (int j = 0; j < UNROLL; ++j) {
-        const i64 i = i0 + 32 * j;
-        if (i < units) __stcs(o + i, v[j]);
+      if (i < units) {
+        v[j] = FRESH ? __ldcg(src + i) : __ldg(src + i);
+        a[j] = sink.template aux<FRESH>(src, i);
       }
     }
+    sink_span<U, UNROLL>(sink, v, a, i0, 32, units, K, [&](int k) { return __ldg(drow + k); });
   }
 }
 
@@ -886,16 +1180,18 @@ __device__ __forceinline__ void warp_expand_row(const U* __restrict__ src, U* __
 // then one expand item if it is ready; once its pushes are done it waits for its remaining expand items.
 // One warp per row; blockDim.x a multiple of 32. Only the ranks of this rank's node [lo, hi) are pushed to
 // and expanded from (the direct transport: [0, R); the mixed transport moves the other pairs through NCCL
-// into the same expert-major rows).
-template <typename U, int UNROLL>
+// into the same expert-major rows). The expanded rows go through the Sink (ep_expand_rows: RowCopy into out,
+// or a one-pass FP8 dispatch's packed rows into codes out and scales out_s or dequantized into out; fp8_h = H).
+template <typename U, int UNROLL, typename Sink = RowCopy<U>>
 __global__ void __launch_bounds__(512) ep_direct_dispatch(
     const U* __restrict__ x, const float* __restrict__ w, const long long* __restrict__ peer_rows,
     const long long* __restrict__ peer_w, const long long* __restrict__ peer_flags,
     const int* __restrict__ send_tok, const int* __restrict__ meta, const int* __restrict__ dst_row,
-    U* __restrict__ out, unsigned* __restrict__ state, int* __restrict__ err_word, i64 timeout_ns, int op,
-    int R, int me, int P, int K, int C, i64 units, int lo, int hi) {
+    void* __restrict__ out, float* __restrict__ out_s, int fp8_h, unsigned* __restrict__ state,
+    int* __restrict__ err_word, i64 timeout_ns, int op, int R, int me, int P, int K, int C, i64 units, int lo, int hi) {
   unsigned e;
   if (!block_epoch(state, e)) return;
+  const Sink sink(out, out_s, fp8_h, units);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
   const int* send_counts = meta + META_SEND_COUNTS(R);
   const int* recv_counts = meta + META_RECV_COUNTS(R);
@@ -950,13 +1246,13 @@ __global__ void __launch_bounds__(512) ep_direct_dispatch(
       if (s == me) {
         const i64 t = send_tok[(i64)me * P + j];
         if (out != nullptr)
-          warp_expand_row<U, UNROLL, false>(x + t * units, out, dst_row + r * K, K, units, lane);
+          warp_expand_row<U, UNROLL, false>(x + t * units, sink, dst_row + r * K, K, units, lane);
         else  // the caller reads the stage: the own rows go there too
           warp_copy_row<U, UNROLL>(x + t * units, const_cast<U*>(stage) + ((i64)me * P + j) * units, units, lane);
         if (own_w != nullptr)
           for (int k = lane; k < K; k += 32) own_w[((i64)me * P + j) * K + k] = w[t * K + k];
       } else if (out != nullptr) {
-        warp_expand_row<U, UNROLL, true>(stage + ((i64)s * P + j) * units, out, dst_row + r * K, K, units, lane);
+        warp_expand_row<U, UNROLL, true>(stage + ((i64)s * P + j) * units, sink, dst_row + r * K, K, units, lane);
       }
     }
   };
@@ -1249,7 +1545,7 @@ __device__ __forceinline__ void ll_block_rows(const T* const* src, T* const* dst
 
 // FP8 rows (ep_ll_dispatch_fp8): each slot row travels as H e4m3 codes into recv_q [L, R*Tmax, H] and
 // S = ceil(H/128) fp32 scales into recv_s [L, R*Tmax, S] (H + 4S bytes instead of H * sizeof(T)).
-constexpr int LL_FP8_BLOCK = 128;                     // channels per scale (docs/fp8.md)
+constexpr int LL_FP8_BLOCK = EP_FP8_BLOCK;            // channels per scale (docs/fp8.md)
 constexpr int LL_FP8_CH = 16;                         // channels a thread takes: 16 codes, one 16-byte store
 constexpr int LL_FP8_LANES = LL_FP8_BLOCK / LL_FP8_CH;  // threads per 128-channel block
 constexpr int LL_FP8_UNROLL = 2;                      // blocks a thread has loaded before it stores

@@ -4,6 +4,12 @@
 //                   order of the reduction cannot matter), scale = amax / 448 (1 where that is 0),
 //                   q = e4m3(x / scale), round to nearest even, saturating to +-448
 //   dequantize_fp8  one warp per (token, block): y = T(float(q) * scale)
+//   fp8_pack_rows   a pre-quantized pair (codes, scales) into the packed rows of a one-pass FP8 dispatch
+//
+// Packed rows (EpGroup.dispatch(fp8=True), docs/ep.md §9): row t holds its H codes, then at byte HS = ceil4(H)
+// its nb fp32 scales, then zero bytes up to the row stride (a multiple of 16 bytes), so that the transports
+// move codes and scales in one pass of 16-byte units. quantize_fp8 writes that layout directly when given
+// q_stride > H (scales = q + HS, s_stride = q_stride / 4); fp8_pack_rows builds it from a pair.
 //
 // Bit-exact with the NumPy reference (moe_rt/reference/fp8.py): the divisions and products are IEEE fp32
 // (div.rn / mul.rn without .ftz, whatever -ftz says: subnormal scales and products are kept), the zero test
@@ -68,16 +74,23 @@ struct BlockSpan {
 
 }  // namespace
 
-// x [T, H] (T's elements), q [T, H] e4m3 bytes, scales [T, nb] fp32, nb = ceil(H / block).
+// x [T, H] (T's elements), q [T, q_stride] e4m3 bytes (the first H of a row), scales [T, s_stride] fp32 (the first
+// nb), nb = ceil(H / block). Separate arrays: q_stride = H, s_stride = nb. Packed rows (q_stride > H): scales =
+// q + ceil4(H) bytes, s_stride = q_stride / 4; the warp of a row's last block also zeroes the row's other bytes.
 template <typename T, bool V4>
 __global__ void quantize_fp8(const T* __restrict__ x, unsigned char* __restrict__ q, float* __restrict__ scales,
-                             i64 num_tokens, int H, int block, int nb) {
+                             i64 num_tokens, int H, int block, int nb, i64 q_stride, i64 s_stride) {
   const int lane = threadIdx.x & 31;
   for (BlockSpan sp(num_tokens, H, block, nb); sp.next();) {
-    const i64 w = sp.w;
+    const i64 blk = sp.w - sp.t * nb;
     const int c0 = sp.c0, c1 = sp.c1;
     const T* row = x + sp.t * (i64)H;
-    unsigned char* qrow = q + sp.t * (i64)H;
+    unsigned char* qrow = q + sp.t * q_stride;
+    if (q_stride > H && blk == nb - 1) {  // packed: the gap before the scales and the padding after them
+      const i64 hs = ((i64)H + 3) & ~(i64)3, se = hs + 4 * (i64)nb;
+      for (i64 b = H + lane; b < q_stride; b += 32)
+        if (b < hs || b >= se) qrow[b] = 0;
+    }
     unsigned m = 0;
     if (V4) {
       for (int c = c0 + lane * 4; c < c1; c += 128) {
@@ -91,7 +104,7 @@ __global__ void quantize_fp8(const T* __restrict__ x, unsigned char* __restrict_
     }
     m = warp_max_u32(m);
     const float scale = e4m3_block_scale(m);
-    if (lane == 0) scales[w] = scale;
+    if (lane == 0) scales[sp.t * s_stride + blk] = scale;
     if (V4) {
       for (int c = c0 + lane * 4; c < c1; c += 128) {
         float f[4];
@@ -127,6 +140,31 @@ __global__ void dequantize_fp8(const unsigned char* __restrict__ q, const float*
       }
     } else {
       for (int c = c0 + lane; c < c1; c += 32) yrow[c] = store_as<T>(mul_rn(from_e4m3(qrow[c]), scale));
+    }
+  }
+}
+
+// out [T, row_bytes]: the packed rows of codes q [T, H] and scales [T, nb] (layout above). W4: one thread per
+// 4-byte word (H % 4 == 0 and q 4-byte aligned; the host checks), else one per byte; grid-stride.
+template <bool W4>
+__global__ void fp8_pack_rows(const unsigned char* __restrict__ q, const float* __restrict__ scales,
+                              unsigned char* __restrict__ out, i64 num_tokens, int H, int nb, i64 row_bytes) {
+  const i64 hs = ((i64)H + 3) & ~(i64)3, se = hs + 4 * (i64)nb;
+  const unsigned char* sb = reinterpret_cast<const unsigned char*>(scales);
+  constexpr int W = W4 ? 4 : 1;
+  const i64 per_row = row_bytes / W, n = num_tokens * per_row;
+  for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+    const i64 t = i / per_row, b = (i - t * per_row) * W;
+    if constexpr (W4) {
+      unsigned v = 0;
+      if (b < H) v = *reinterpret_cast<const unsigned*>(q + t * H + b);
+      else if (b >= hs && b < se) v = __float_as_uint(scales[t * nb + (b - hs) / 4]);
+      *reinterpret_cast<unsigned*>(out + t * row_bytes + b) = v;
+    } else {
+      unsigned char v = 0;
+      if (b < H) v = q[t * H + b];
+      else if (b >= hs && b < se) v = sb[t * 4 * (i64)nb + (b - hs)];
+      out[t * row_bytes + b] = v;
     }
   }
 }

@@ -26,9 +26,10 @@ Buffers:
   ``[R*P, K]``. Both directions push rows into the reader's stage: dispatch each sent row, combine each
   received row's partial over the local experts, back into its owner's stage;
 - prepare's box (one per top-k, made on the first ``prepare`` with it, a collective): int32, two halves
-  alternating with the barrier epoch, each one segment per destination (counts, then rows), written by this
-  rank's ``ep_prepare_send`` before prepare's barrier and read by the destinations after it
-  (:meth:`DirectTransport.prepare_box`; kernels/ep.cu);
+  alternating with the barrier epoch, each one segment per source (counts, then rows), pushed into it over
+  peer memory by each source's send side before prepare's barrier and read by this rank after it
+  (:meth:`DirectTransport.prepare_box`; kernels/ep.cu: in capacity mode one kernel, ``ep_prepare_direct``,
+  runs the send side, the barrier and the received side);
 - chunk flags: uint32 ``[R*P]`` per rank (flag ``s*P + c``: the epoch in which rank ``s`` finished chunk
   ``c``, ``C`` consecutive positions of its pair with this rank, of its writes into this rank's stages),
   made at group creation.
@@ -54,7 +55,7 @@ import socket
 import numpy as np
 
 from moe_rt import _jit
-from moe_rt._ep_rows import fill_rows, recv_wk, slot_values
+from moe_rt._ep_rows import Fp8Rows, bound, fill_rows, recv_wk, slot_values
 from moe_rt.permutation import _resident_ctas, _unit
 
 _FILE = "ep.cu"
@@ -63,6 +64,7 @@ _PUSH_UNROLL = 8  # 16-byte units a lane has in flight while copying or expandin
 _names = ["ep_direct_barrier", "ep_direct_row_map"]
 _names += [f"ep_copy_rows<{u}>" for u in _UNITS.values()]
 _names += [f"ep_direct_dispatch<{u}, {_PUSH_UNROLL}>" for u in _UNITS.values()]
+_names += [f"ep_direct_dispatch<uint4, {_PUSH_UNROLL}, {k}>" for k in Fp8Rows.sink_names()]
 for _c in _jit.CTYPES.values():
     for _v in ("true", "false"):
         _names.append(f"ep_direct_combine<{_c}, {_v}>")
@@ -270,6 +272,14 @@ class _Shared:
         self.free()
 
 
+def _stage_unit(st):
+    """The widest copy unit (16 to 1 bytes) dividing every address of shared buffer ``st`` (made once)."""
+    u = getattr(st, "unit_", None)
+    if u is None:
+        u = st.unit_ = _unit(16, *st.ptrs)
+    return u
+
+
 class DirectTransport:
     """Rows between the ranks of one node through peer memory. Made by EpGroup (a collective).
 
@@ -294,6 +304,9 @@ class DirectTransport:
         self._op_wait = op_wait if op_wait is not None else (lambda stream, op: wait(stream))
         self._stages = {}
         self._order = []
+        # per-call work made once: (row bytes, K) -> the stage pair; launch set-ups (kernel, grid, constant
+        # arguments) by what they depend on; stage views by (address, rows, cols, dtype)
+        self._pairs, self._launches, self._views = {}, {}, {}
         self.closed = False
         self._err_ptr = 0
         self.bar = self.flags = None
@@ -325,13 +338,17 @@ class DirectTransport:
         """``(rows stage, weights stage)`` for rows of ``row_bytes`` and K fp32 weights, made on first use (a
         collective: every rank asks in the same order; a host sync, so never inside CUDA-graph capture).
         ``wait(stream)``: the calling op's deadline wait for that exchange (default: the group creation's)."""
+        pair = self._pairs.get((row_bytes, K))
+        if pair is not None:
+            return pair
         out = []
         for key, rb in ((("rows", int(row_bytes)), int(row_bytes)), (("weights", int(K)), 4 * int(K))):
             st = self._stages.get(key)
             if st is None:
                 st = self._shared(key, self.R * self.P * rb, f"its {rb}-byte-row receive stage", stream, wait)
             out.append(st)
-        return out[0], out[1]
+        pair = self._pairs[(row_bytes, K)] = (out[0], out[1])
+        return pair
 
     def prepare_box(self, K, half, stream, wait=None):
         """prepare's box for top-``K`` routing (kernels/ep.cu, prepare): per rank two halves of ``half`` int32
@@ -356,7 +373,14 @@ class DirectTransport:
         return st
 
     def view(self, st, rows, cols, dtype):
-        """A CuPy ``[rows, cols]`` array over this rank's part of stage ``st`` (no copy, not owned)."""
+        """A CuPy ``[rows, cols]`` array over this rank's part of stage ``st`` (no copy, not owned; made once)."""
+        key = (st.local, rows, cols, dtype)
+        v = self._views.get(key)
+        if v is None:
+            v = self._views[key] = self._view(st, rows, cols, dtype)
+        return v
+
+    def _view(self, st, rows, cols, dtype):
         import cupy
 
         dtype = np.dtype(dtype)
@@ -367,7 +391,7 @@ class DirectTransport:
         return cupy.ndarray((rows, cols), dtype, cupy.cuda.MemoryPointer(mem, 0))
 
     # -- the interface ---------------------------------------------------------------------------------
-    def forward(self, call, h, x, w, op, *, expand=True, want_w=False):
+    def forward(self, call, h, x, w, op, *, expand=True, want_w=False, fp8=None):
         """The dispatch direction (``op``: ``"dispatch"`` or ``"combine_bwd"``): barrier (every rank finished
         the previous op) -> one kernel pushing this rank's rows of ``x [T,H]`` (and fp32 weights ``w [T,K]``
         or None, received into the handle's recv_wk) into the destinations' stages chunk by chunk.
@@ -375,15 +399,17 @@ class DirectTransport:
         Returns, with ``expand``, ``(rows [N,H] expert-major, weights [N] fp32 or None)``: the kernel expands
         each received chunk as it lands, then padding rows are zeroed and ``weights[n] =
         recv_wk[src_slot[n]]`` laid out when ``want_w``; without, the received rows ``[rows,H]`` in the
-        handle's layout (the stage itself in capacity mode, a packed copy in exact mode)."""
+        handle's layout (the stage itself in capacity mode, a packed copy in exact mode). ``fp8``: an
+        :class:`moe_rt._ep_rows.Fp8Rows` (with ``expand``): ``x`` holds packed FP8 rows, which the kernel
+        splits (or dequantizes) into ``fp8``'s outputs as it expands them; ``rows`` is their tuple."""
         if not expand:
             stage, row_map = self._push(call, h, x, w, op, None)
             return self._recv_buf(call, h, stage, row_map)
         N, xp = h.sizes["N"], call.xp
-        out = xp.empty((N, int(x.shape[1])), x.dtype)
+        out = xp.empty((N, int(x.shape[1])), x.dtype) if fp8 is None else fp8.empty(xp, N)
         out_w = xp.empty(N, np.float32) if want_w else None
-        self._push(call, h, x, w, op, out)
-        fill_rows(call, h, out, out_w, recv_wk(h) if want_w else None)
+        self._push(call, h, x, w, op, out, False, fp8)
+        (fill_rows if fp8 is None else fp8.fill)(call, h, out, out_w, recv_wk(h) if want_w else None)
         return out, out_w
 
     def reduce(self, call, h, y, w, gw, op):
@@ -401,21 +427,22 @@ class DirectTransport:
         self.barrier(s, op)
         return self.combine(call, h, y, w, zw, rows_st, w_st, sz["T"], gw is not None, op)
 
-    def _push(self, call, h, x, w, op, out):
+    def _push(self, call, h, x, w, op, out, want_stage=True, fp8=None):
         """The stages for x's rows, the op's barrier, then :meth:`dispatch` expanding into ``out`` (expert-major
-        [N,H]; None: only wait for every chunk). Returns ``(stage [R*P,H] view, row map or None)``: received
-        row r sits at stage row ``map[r]`` (capacity mode: at r; the own share is not in the stage unless
-        ``out`` is None). The received weights are copied into the handle's recv_wk."""
+        [N,H], or ``fp8``'s outputs; None: only wait for every chunk). Returns ``(stage [R*P,H] view (None
+        unless want_stage), row map or None)``: received row r sits at stage row ``map[r]`` (capacity mode: at
+        r; the own share is not in the stage unless ``out`` is None). The received weights are copied into the
+        handle's recv_wk."""
         s = call.stream
         sz = h.sizes
-        R, P, K, H = sz["R"], sz["P"], sz["K"], int(x.shape[1])
+        K, H = sz["K"], x.shape[1]
         rows_st, w_st = self.stages(H * x.dtype.itemsize, K, s, lambda st: self._op_wait(st, op))
         self.barrier(s, op)
-        self.dispatch(call, h, x, w, rows_st, w_st, out, op)
+        self.dispatch(call, h, x, w, rows_st, w_st, out, op, fp8)
         row_map = self._row_map(call, h)
         if w is not None:
             self.copy_rows(call, w_st.local, row_map, h.view("recv_wk").data.ptr, None, sz["rows"], K * 4)
-        return self.view(rows_st, R * P, H, x.dtype), row_map
+        return (self.view(rows_st, sz["R"] * sz["P"], H, x.dtype) if want_stage else None), row_map
 
     def _row_map(self, call, h):
         """None in capacity mode (received row r is stage row r: recv_off[s] = s*P); in exact mode the stage
@@ -441,9 +468,14 @@ class DirectTransport:
     # -- kernels ---------------------------------------------------------------------------------------
     def barrier(self, stream, op):
         """ep_direct_barrier on ``stream`` among the ranks of the node (``op`` names the op in a timeout)."""
-        _jit.launch(_jit.function(_FILE, "ep_direct_barrier"), 1, max(32, -(-(self.hi - self.lo) // 32) * 32),
-                    (self.bar.table, np.int32(self.R), np.int32(self.me), self.state, np.int64(self.timeout_ns),
-                     self._err_ptr, np.int32(OP_CODES[op]), np.int32(self.lo), np.int32(self.hi)), stream=stream)
+        c = self._launches.get(op)
+        if c is None:  # every argument is fixed per op
+            bound(self._launches)
+            c = self._launches[op] = (
+                _jit.function(_FILE, "ep_direct_barrier"), max(32, -(-(self.hi - self.lo) // 32) * 32),
+                (self.bar.table, np.int32(self.R), np.int32(self.me), self.state, np.int64(self.timeout_ns),
+                 self._err_ptr, np.int32(OP_CODES[op]), np.int32(self.lo), np.int32(self.hi)))
+        _jit.launch_raw(c[0], 1, c[1], c[2], 0, stream)
 
     def _grid(self, fn, call, work):
         """Blocks of a fused kernel: at most one resident wave (its blocks wait on each other's peers), at
@@ -461,27 +493,40 @@ class DirectTransport:
         c = max(_THREADS // 32, -(-P * max(1, self.hi - self.lo - 1) // (4 * 2 * 132)))
         return int(max(1, min(_MAX_CHUNK, P, c)))
 
-    def dispatch(self, call, h, x, w, rows_st, w_st, out, op):
+    def dispatch(self, call, h, x, w, rows_st, w_st, out, op, fp8=None):
         """ep_direct_dispatch (after the op's leading barrier): this rank's rows (and fp32 weights [T,K], or
         None) pushed into the peers' stages chunk by chunk, and every received row expanded into ``out``
-        (the expert-major [N,H] rows, or None: only wait for every chunk) as its chunk lands; the own share
+        (the expert-major [N,H] rows, or None: only wait for every chunk; with ``fp8``, an Fp8Rows, the tuple
+        of its outputs, which the kernel's sink splits the packed rows into) as its chunk lands; the own share
         straight from x."""
         sz = h.sizes
-        R, K, P, H = self.R, sz["K"], sz["P"], int(x.shape[1])
-        rb = H * x.dtype.itemsize
+        K, P = sz["K"], sz["P"]
+        rb = x.shape[1] * x.dtype.itemsize
         if rb == 0:
             return
-        ptrs = [x.data.ptr, *rows_st.ptrs] + ([out.data.ptr] if out is not None else [])
-        u = _unit(rb, *ptrs)
-        fn = _jit.function(_FILE, f"ep_direct_dispatch<{_UNITS[u]}, {_PUSH_UNROLL}>")
-        C = self.chunk_rows(h)
-        work = -(-P // C) * (self.hi - self.lo)
-        _jit.launch(fn, self._grid(fn, call, work), _THREADS,
-                    (x.data.ptr, w.data.ptr if w is not None else 0, rows_st.table, w_st.table, self.flags.table,
-                     h.view("send_tok"), h.view("meta"), h.view("dst_row"), out.data.ptr if out is not None else 0,
-                     self.state, self._err_ptr, np.int64(self.timeout_ns), np.int32(OP_CODES[op]), np.int32(R),
-                     np.int32(self.me), np.int32(P), np.int32(K), np.int32(C), np.int64(rb // u), np.int32(self.lo),
-                     np.int32(self.hi)), stream=call.stream)
+        xp_ = x.data.ptr
+        if fp8 is None:
+            sink, outs = None, (out.data.ptr if out is not None else 0, 0, np.int32(0))
+            u = min(_unit(rb, xp_, outs[0]), _stage_unit(rows_st))  # powers of two: the unit of every address
+        else:
+            u = min(_unit(rb, xp_), _stage_unit(rows_st))
+            Fp8Rows.check_unit(u)
+            sink, *outs = fp8.sink(out)
+        key = ("dispatch", rb, u, K, P, op, sink, call.device_id)
+        c = self._launches.get(key)
+        if c is None:  # the kernel, its grid, the stage tables and the arguments after the op's pointers
+            bound(self._launches)
+            fn = _jit.function(_FILE, f"ep_direct_dispatch<{_UNITS[u]}, {_PUSH_UNROLL}>" if sink is None
+                               else f"ep_direct_dispatch<uint4, {_PUSH_UNROLL}, {sink}>")
+            C = self.chunk_rows(h)
+            c = self._launches[key] = (
+                fn, self._grid(fn, call, -(-P // C) * (self.hi - self.lo)), (rows_st.table, w_st.table, self.flags.table),
+                (self.state, self._err_ptr, np.int64(self.timeout_ns), np.int32(OP_CODES[op]), np.int32(self.R),
+                 np.int32(self.me), np.int32(P), np.int32(K), np.int32(C), np.int64(rb // u), np.int32(self.lo),
+                 np.int32(self.hi)))
+        _jit.launch_raw(c[0], c[1], _THREADS,
+                        (xp_, w.data.ptr if w is not None else 0, *c[2], h.view("send_tok"), h.view("meta"),
+                         h.view("dst_row"), *outs, *c[3]), 0, call.stream)
 
     def combine(self, call, h, y, w, zw, rows_st, w_st, T, want_w, op):
         """ep_direct_combine (after the op's leading barrier): each received row's partial over its local
@@ -490,21 +535,28 @@ class DirectTransport:
         Returns ``(out [T,H] in y's dtype, grad_w [T,K] fp32 or None)``."""
         xp = call.xp
         sz = h.sizes
-        R, me, K, L, Tmax, P, H = self.R, self.me, sz["K"], sz["L"], sz["Tmax"], sz["P"], int(y.shape[1])
+        K, H = sz["K"], y.shape[1]
         out = xp.empty((T, H), y.dtype)
         gw = xp.empty((T, K), np.float32) if want_w else None
-        isz = y.dtype.itemsize
-        vec = (H * isz) % 16 == 0 and all(p % 16 == 0 for p in [y.data.ptr, out.data.ptr] + list(rows_st.ptrs))
-        fn = _jit.function(_FILE, f"ep_direct_combine<{_jit.ctype(y.dtype)}, {'true' if vec else 'false'}>")
-        C = self.chunk_rows(h)
-        work = max(-(-P // C) * (self.hi - self.lo), -(-T // (_THREADS // 32)))
-        _jit.launch(fn, self._grid(fn, call, work), _THREADS,
-                    (y.data.ptr if y.size else 0, w if w is not None else 0, zw if zw is not None else 0,
-                     rows_st.table, w_st.table, self.flags.table, h.view("dst_row"), h.view("send_pos"),
-                     h.view("routing"), h.view("meta"), out, gw if gw is not None else 0,
-                     self.state, self._err_ptr, np.int64(self.timeout_ns), np.int32(OP_CODES[op]), np.int32(R),
-                     np.int32(me), np.int32(P), np.int32(K), np.int32(L), np.int32(Tmax), np.int32(T), np.int32(C),
-                     np.int64(H), np.int32(self.lo), np.int32(self.hi)), stream=call.stream)
+        yp, outp = (y.data.ptr if y.size else 0), out.data.ptr
+        vec = (H * y.dtype.itemsize) % 16 == 0 and yp % 16 == 0 and outp % 16 == 0 and _stage_unit(rows_st) == 16
+        key = ("combine", y.dtype, vec, K, T, H, op, call.device_id)
+        c = self._launches.get(key)
+        if c is None:  # the kernel, its grid, the stage tables and the arguments after the op's pointers
+            bound(self._launches)
+            L, Tmax, P = sz["L"], sz["Tmax"], sz["P"]
+            fn = _jit.function(_FILE, f"ep_direct_combine<{_jit.ctype(y.dtype)}, {'true' if vec else 'false'}>")
+            C = self.chunk_rows(h)
+            work = max(-(-P // C) * (self.hi - self.lo), -(-T // (_THREADS // 32)))
+            c = self._launches[key] = (
+                fn, self._grid(fn, call, work), (rows_st.table, w_st.table, self.flags.table),
+                (self.state, self._err_ptr, np.int64(self.timeout_ns), np.int32(OP_CODES[op]), np.int32(self.R),
+                 np.int32(self.me), np.int32(P), np.int32(K), np.int32(L), np.int32(Tmax), np.int32(T), np.int32(C),
+                 np.int64(H), np.int32(self.lo), np.int32(self.hi)))
+        _jit.launch_raw(c[0], c[1], _THREADS,
+                        (yp, w if w is not None else 0, zw if zw is not None else 0, *c[2], h.view("dst_row"),
+                         h.view("send_pos"), h.view("routing"), h.view("meta"), outp, gw if gw is not None else 0,
+                         *c[3]), 0, call.stream)
         return out, gw
 
     def copy_rows(self, call, src_ptr, src_map, dst_ptr, dst_map, rows, row_bytes, guarded=True):
@@ -513,12 +565,18 @@ class DirectTransport:
         if rows <= 0 or row_bytes <= 0:
             return
         u = _unit(row_bytes, src_ptr, dst_ptr)
-        units = row_bytes // u
-        threads = int(min(512, max(32, -(-units // 32) * 32)))
-        grid = max(1, min(rows, _jit.device_properties(call.device_id)["sm_count"] * 16))
-        _jit.launch(_jit.function(_FILE, f"ep_copy_rows<{_UNITS[u]}>"), grid, threads,
-                    (src_ptr, src_map if src_map is not None else 0, dst_ptr, dst_map if dst_map is not None else 0,
-                     self.state if guarded else 0, np.int64(rows), np.int64(units)), stream=call.stream)
+        key = ("copy", rows, row_bytes, u, guarded, call.device_id)
+        c = self._launches.get(key)
+        if c is None:
+            bound(self._launches)
+            units = row_bytes // u
+            c = self._launches[key] = (
+                _jit.function(_FILE, f"ep_copy_rows<{_UNITS[u]}>"),
+                max(1, min(rows, _jit.device_properties(call.device_id)["sm_count"] * 16)),
+                int(min(512, max(32, -(-units // 32) * 32))),
+                (self.state if guarded else 0, np.int64(rows), np.int64(units)))
+        _jit.launch_raw(c[0], c[1], c[2], (src_ptr, src_map if src_map is not None else 0, dst_ptr,
+                                           dst_map if dst_map is not None else 0, *c[3]), 0, call.stream)
 
     def row_map(self, call, h):
         """int32 [rows]: the stage row (s*P + j) of each received row of the handle's layout."""
@@ -552,6 +610,7 @@ class DirectTransport:
                 self.closed = True
                 shared = [self._stages[k] for k in reversed(self._order)] + [b for b in (self.flags, self.bar) if b]
                 self._stages, self._order, self.bar, self.flags = {}, [], None, None
+                self._pairs, self._launches, self._views = {}, {}, {}
                 for st in shared:  # every IPC mapping of the peers' buffers first
                     st.close_mappings()
                 for st in shared:  # then this rank's own allocations

@@ -77,10 +77,12 @@ class MixedTransport:
         return [(a, b) for a, b in ((0, self.lo), (self.hi, self.R)) if a < b]
 
     # -- the interface ---------------------------------------------------------------------------------
-    def forward(self, call, h, x, w, op, *, expand=True, want_w=False):
+    def forward(self, call, h, x, w, op, *, expand=True, want_w=False, fp8=None):
         """The dispatch direction (``op``: ``"dispatch"`` or ``"combine_bwd"``), as every transport's: returns,
         with ``expand``, ``(rows [N,H] expert-major, weights [N] fp32 or None)``; without, the received rows
-        ``[rows,H]`` in the handle's layout. The direct pass, then the NCCL pass (module notes)."""
+        ``[rows,H]`` in the handle's layout. The direct pass, then the NCCL pass (module notes). ``fp8`` (an
+        :class:`moe_rt._ep_rows.Fp8Rows`, with ``expand``): ``x`` holds packed FP8 rows, which both passes'
+        expand split (or dequantize) into its outputs; ``rows`` is their tuple."""
         d = self.direct
         if not expand:
             stage, row_map = d._push(call, h, x, w, op, None)
@@ -88,11 +90,11 @@ class MixedTransport:
             self._forward_remote(call, h, x, w, buf, None)
             return buf
         N, xp = h.sizes["N"], call.xp
-        out = xp.empty((N, int(x.shape[1])), x.dtype)
+        out = xp.empty((N, int(x.shape[1])), x.dtype) if fp8 is None else fp8.empty(xp, N)
         out_w = xp.empty(N, np.float32) if want_w else None
-        d._push(call, h, x, w, op, out)
-        self._forward_remote(call, h, x, w, None, out)
-        fill_rows(call, h, out, out_w, recv_wk(h) if want_w else None)
+        d._push(call, h, x, w, op, out, False, fp8)
+        self._forward_remote(call, h, x, w, None, out, fp8)
+        (fill_rows if fp8 is None else fp8.fill)(call, h, out, out_w, recv_wk(h) if want_w else None)
         return out, out_w
 
     def reduce(self, call, h, y, w, gw, op):
@@ -137,11 +139,11 @@ class MixedTransport:
         return d.combine(call, h, y, w, zw, rows_st, w_st, sz["T"], gw is not None, op)
 
     # -- the NCCL pass ---------------------------------------------------------------------------------
-    def _forward_remote(self, call, h, x, w, buf, out):
+    def _forward_remote(self, call, h, x, w, buf, out, fp8=None):
         """The rows of ``x`` (and weights ``w``, received into recv_wk) to and from the other nodes' ranks:
         pack, grouped send/recv in parts; received rows land in ``buf`` ([rows,H] in the handle's layout:
         row ``ro[s] + j``), or, when ``buf`` is None, in a buffer of their own and are expanded into ``out``
-        (expert-major [N,H])."""
+        (expert-major [N,H]; with ``fp8``, the tuple of its outputs)."""
         nc, xp, sz = self.nccl, call.xp, h.sizes
         K, H = sz["K"], int(x.shape[1])
         rb = H * x.dtype.itemsize
@@ -159,4 +161,4 @@ class MixedTransport:
             nc._exchange(call.stream, rb, K, (send_buf, send_w, c_sc, c_so), (recv_buf, recv_w, c_rc, c_ro))
         if out is not None:
             for a, b in self.remote_ranges():
-                _expand_rows(call, h, recv_buf, out, ro[a], ro[b - 1] + rc[b - 1])
+                _expand_rows(call, h, recv_buf, out, ro[a], ro[b - 1] + rc[b - 1], fp8=fp8)

@@ -45,7 +45,8 @@ from __future__ import annotations
 import numpy as np
 
 from moe_rt import _jit, permutation
-from moe_rt._ep_rows import FILE, UNITS, fill_rows, grid, plan_view, recv_wk, routing_view, slot_values, unit
+from moe_rt._ep_rows import (FILE, UNITS, Fp8Rows, bound, fill_rows, grid, plan_view, recv_wk, routing_view, slot_values,
+                             unit)
 from moe_rt._handle import meta_index
 
 # overlap=None (auto): a call overlaps its transfer with the local work when this rank sends at least this
@@ -66,6 +67,8 @@ class NcclTransport:
         self.overlap = overlap  # None: per call, by the size of the transfer
         self._cstream = None  # the communication stream of the overlapped path (made on first use)
         self._events = []     # reused CUDA events of the overlapped path
+        self._transfers = {}  # capacity mode: (P, row bytes, reverse) -> _transfer's result, made once
+        self._launches = {}   # launch set-ups (kernel, grid, threads, constant arguments), made once
 
     def failed_op(self):
         """None: NCCL reports its failures through the communicator (``comm.async_error()``)."""
@@ -75,35 +78,44 @@ class NcclTransport:
         """Nothing to release: the communicator is borrowed; the stream and events go with the object."""
 
     # -- the interface ---------------------------------------------------------------------------------
-    def forward(self, call, h, x, w, op, *, expand=True, want_w=False):
+    def forward(self, call, h, x, w, op, *, expand=True, want_w=False, fp8=None):
         """The dispatch direction (``op``: ``"dispatch"`` or ``"combine_bwd"``): the rows of ``x [T,H]`` (and
         fp32 weights ``w [T,K]`` or None, received into the handle's recv_wk) to every rank that needs them.
 
         Returns, with ``expand``, ``(rows [N,H] expert-major, weights [N] fp32 or None)``: padding rows
         zero, ``weights[n] = recv_wk[src_slot[n]]`` when ``want_w``; without, the received rows ``[rows,H]``
-        in the handle's layout (source-major)."""
-        rb = int(x.shape[1]) * x.dtype.itemsize  # the rows' width: hidden, or another row set (FP8 scales)
+        in the handle's layout (source-major). ``fp8``: an :class:`moe_rt._ep_rows.Fp8Rows` (with ``expand``):
+        ``x`` holds packed FP8 rows, which ep_expand_rows splits (or dequantizes) into ``fp8``'s outputs as
+        it writes them (on the serial path too, instead of the permutation family's dispatch); ``rows`` is
+        their tuple."""
+        rb = int(x.shape[1]) * x.dtype.itemsize  # the rows' width: hidden, or packed FP8 rows
         if not expand:
             if self._overlapped(h, rb):
                 # the transfer still runs in parts; the expert-side kernel runs after it
                 return self._forward_overlapped(call, h, x, w, lambda buf, lo, hi: None)
             return self._forward(call, h, x, w)
+        N, xp = h.sizes["N"], call.xp
+        fill = fill_rows if fp8 is None else fp8.fill
         if self._overlapped(h, rb):
             # expand each part as it lands
-            N, xp = h.sizes["N"], call.xp
-            out = xp.empty((N, int(x.shape[1])), x.dtype)
+            out = xp.empty((N, int(x.shape[1])), x.dtype) if fp8 is None else fp8.empty(xp, N)
             out_w = xp.empty(N, np.float32) if want_w else None
             pv = recv_wk(h) if want_w else None
             # weights received with the rows are in after the last part; the forward's (w None) from the start
             late = w is not None
             self._forward_overlapped(
                 call, h, x, w,
-                lambda buf, lo, hi, rows=None, side=False: _expand_rows(call, h, buf, out, lo, hi, rows, side),
-                lambda: fill_rows(call, h, out, None if late else out_w, None if late else pv), own_direct=True)
+                lambda buf, lo, hi, rows=None, side=False: _expand_rows(call, h, buf, out, lo, hi, rows, side, fp8),
+                lambda: fill(call, h, out, None if late else out_w, None if late else pv), own_direct=True)
             if late and out_w is not None:
                 fill_rows(call, h, None, out_w, pv)
             return out, out_w
         recv_buf = self._forward(call, h, x, w)
+        if fp8 is not None:  # the packed rows split (or dequantized) as they are expanded
+            out, out_w = fp8.empty(xp, N), xp.empty(N, np.float32) if want_w else None
+            _expand_rows(call, h, recv_buf, out, 0, h.sizes["rows"], fp8=fp8)
+            fp8.fill(call, h, out, out_w, recv_wk(h) if want_w else None)
+            return out, out_w
         plan = plan_view(h)
         if op == "combine_bwd" and not want_w:
             return permutation.combine_backward(recv_buf, plan, stream=call.stream)[0], None
@@ -152,6 +164,20 @@ class NcclTransport:
         ro = [int(m[meta_index("recv_off", R) + s]) for s in range(R)]
         return sc, so, rc, ro
 
+    def _transfer(self, h, rb, reverse):
+        """``(sc, so, rc, ro, parts)``: :meth:`_host_counts` and the parts of a transfer of rows of ``rb`` bytes
+        (:meth:`_chunk_plan`; ``reverse``: the combine direction, what was received goes back); in capacity
+        mode the same for every handle of a row size, made once."""
+        key = (h.sizes["P"], rb, reverse) if h.mode == "capacity" else None
+        t = self._transfers.get(key) if key is not None else None
+        if t is None:
+            sc, so, rc, ro = self._host_counts(h)
+            parts = self._chunk_plan(rc, ro, sc, so, rb) if reverse else self._chunk_plan(sc, so, rc, ro, rb)
+            t = (sc, so, rc, ro, parts)
+            if key is not None:
+                self._transfers[key] = t
+        return t
+
     def _send_rows(self, h):
         R, P = self.size, h.sizes["P"]
         if h.mode == "capacity":
@@ -167,18 +193,26 @@ class NcclTransport:
         send_rows = int(send_buf.shape[0])
         if not sz["T"] or not rows + send_rows:
             return
-        rb = int(x.shape[1]) * x.dtype.itemsize
-        u = unit(rb, x.data.ptr, send_buf.data.ptr if send_rows else 0, recv_buf.data.ptr if rows else 0)
-        units = rb // u
-        threads = int(min(512, max(32, -(-units // 4 // 32) * 32)))
-        gx = max(1, min(P, _jit.device_properties(call.device_id)["sm_count"] * 8 // R))
-        lo, hi = (me, me + 1) if node is None else node
-        _jit.launch(_jit.function(FILE, f"ep_pack_rows<{UNITS[u]}>"), (gx, 1 if sel >= 2 else R), threads,
-                    (x.data.ptr, send_buf.data.ptr if send_rows else 0, recv_buf.data.ptr if rows else 0,
-                     w.data.ptr if w is not None else 0, send_w.data.ptr if send_w is not None and send_rows else 0,
-                     recv_w.data.ptr if recv_w is not None and rows else 0,
-                     h.view("send_tok"), h.view("meta"), np.int32(R), np.int32(me), np.int32(P), np.int32(K),
-                     np.int64(units), np.int32(sel), np.int32(lo), np.int32(hi)), stream=call.stream)
+        rb = x.shape[1] * x.dtype.itemsize
+        sp, rp = (send_buf.data.ptr if send_rows else 0), (recv_buf.data.ptr if rows else 0)
+        u = unit(rb, x.data.ptr, sp, rp)
+        key = ("pack", rb, u, sel, node, P, K, call.device_id)
+        c = self._launches.get(key)
+        if c is None:
+            bound(self._launches)
+            units = rb // u
+            lo, hi = (me, me + 1) if node is None else node
+            c = self._launches[key] = (
+                _jit.function(FILE, f"ep_pack_rows<{UNITS[u]}>"),
+                (max(1, min(P, _jit.device_properties(call.device_id)["sm_count"] * 8 // R)), 1 if sel >= 2 else R),
+                int(min(512, max(32, -(-units // 4 // 32) * 32))),
+                (np.int32(R), np.int32(me), np.int32(P), np.int32(K), np.int64(units), np.int32(sel), np.int32(lo),
+                 np.int32(hi)))
+        _jit.launch_raw(c[0], c[1], c[2],
+                        (x.data.ptr, sp, rp, w.data.ptr if w is not None else 0,
+                         send_w.data.ptr if send_w is not None and send_rows else 0,
+                         recv_w.data.ptr if recv_w is not None and rows else 0, h.view("send_tok"), h.view("meta"),
+                         *c[3]), 0, call.stream)
 
     def _forward_buffers(self, call, h, x, w):
         """(row bytes, send rows, receive rows, send weights, receive weights) of a forward transfer; the
@@ -197,8 +231,7 @@ class NcclTransport:
         rb, send_buf, recv_buf, send_w, recv_w = self._forward_buffers(call, h, x, w)
         self._pack(call, h, x, w, send_buf, recv_buf, send_w, recv_w, 0)
         if self.size > 1:
-            sc, so, rc, ro = self._host_counts(h)
-            for c_sc, c_so, c_rc, c_ro in self._chunk_plan(sc, so, rc, ro, rb):
+            for c_sc, c_so, c_rc, c_ro in self._transfer(h, rb, False)[4]:
                 self._exchange(s, rb, K, (send_buf, send_w, c_sc, c_so), (recv_buf, recv_w, c_rc, c_ro))
         return recv_buf
 
@@ -216,8 +249,7 @@ class NcclTransport:
         s, K, me = call.stream, h.sizes["K"], self.rank
         # every buffer the communication stream touches exists before the event it first waits on
         rb, send_buf, recv_buf, send_w, recv_w = self._forward_buffers(call, h, x, w)
-        sc, so, rc, ro = self._host_counts(h)
-        parts = self._chunk_plan(sc, so, rc, ro, rb)
+        sc, so, rc, ro, parts = self._transfer(h, rb, False)
         if parts:
             self._pack(call, h, x, w, send_buf, recv_buf, send_w, recv_w, 1)
             cs = self._comm_stream()
@@ -309,9 +341,8 @@ class NcclTransport:
         s, K = call.stream, h.sizes["K"]
         rb, back, back_w = self._back_buffers(call, h, z.dtype, zw is not None)
         if self.size > 1:
-            sc, so, rc, ro = self._host_counts(h)
             # the reverse of dispatch: what was received goes back, into the rows that were sent
-            for c_sc, c_so, c_rc, c_ro in self._chunk_plan(rc, ro, sc, so, rb):
+            for c_sc, c_so, c_rc, c_ro in self._transfer(h, rb, True)[4]:
                 self._exchange(s, rb, K, (z, zw, c_sc, c_so), (back, back_w, c_rc, c_ro))
         return self._owner_sum(call, h, z, 0, zw, back, back_w, T, out_dtype, want_w)
 
@@ -325,9 +356,8 @@ class NcclTransport:
         sum."""
         s, K, me = call.stream, h.sizes["K"], self.rank
         rb, back, back_w = self._back_buffers(call, h, dtype, zw is not None)
-        sc, so, rc, ro = self._host_counts(h)
         # the reverse of dispatch: what was received goes back, into the rows that were sent
-        parts = self._chunk_plan(rc, ro, sc, so, rb)
+        sc, so, rc, ro, parts = self._transfer(h, rb, True)
         cs = self._comm_stream() if parts else None
         sent = []
         for i, (c_sc, c_so, c_rc, c_ro) in enumerate(parts):
@@ -355,21 +385,25 @@ class NcclTransport:
         out = xp.empty((T, H), out_dtype)
         gw = xp.empty((T, K), np.float32) if want_w else None
         if T:
-            isz = np.dtype(out_dtype).itemsize
+            dt = np.dtype(out_dtype)
             has_own = own is not None and own.size
-            ptrs = [out.data.ptr] + ([own.data.ptr] if has_own else []) + ([back.data.ptr] if back.size else [])
-            vec = (H * isz) % 16 == 0 and all(p % 16 == 0 for p in ptrs)
-            nper = 16 // isz if vec else 1
-            threads = int(min(512, max(32, -(-(H // nper) // 32) * 32)))
-            fn = _jit.function(FILE, f"ep_owner_sum<{_jit.ctype(out_dtype)}, {'true' if vec else 'false'}>")
-            _jit.set_max_dynamic_shared(fn, R * 8)
-            _jit.launch(fn, grid(T * 8, call.device_id, threads=8), threads,
-                        (back.data.ptr if back.size else 0, own.data.ptr if has_own else 0, out,
-                         back_w.data.ptr if back_w is not None and back_w.size else 0,
-                         zw.data.ptr if zw is not None and zw.size else 0, gw if gw is not None else 0,
-                         h.view("send_pos"), routing_view(h), h.view("meta"),
-                         np.int32(R), np.int32(me), np.int32(Tmax), np.int32(K), np.int32(L), np.int32(T),
-                         np.int64(H), np.int64(own_shift)), shared_mem=R * 8, stream=s)
+            bp, op_, outp = (back.data.ptr if back.size else 0), (own.data.ptr if has_own else 0), out.data.ptr
+            vec = (H * dt.itemsize) % 16 == 0 and outp % 16 == 0 and op_ % 16 == 0 and bp % 16 == 0
+            key = ("owner_sum", dt, vec, T, K, call.device_id)
+            c = self._launches.get(key)
+            if c is None:
+                bound(self._launches)
+                nper = 16 // dt.itemsize if vec else 1
+                fn = _jit.function(FILE, f"ep_owner_sum<{_jit.ctype(dt)}, {'true' if vec else 'false'}>")
+                _jit.set_max_dynamic_shared(fn, R * 8)
+                c = self._launches[key] = (
+                    fn, grid(T * 8, call.device_id, threads=8), int(min(512, max(32, -(-(H // nper) // 32) * 32))),
+                    (np.int32(R), np.int32(me), np.int32(Tmax), np.int32(K), np.int32(L), np.int32(T), np.int64(H)))
+            _jit.launch_raw(c[0], c[1], c[2],
+                            (bp, op_, outp, back_w.data.ptr if back_w is not None and back_w.size else 0,
+                             zw.data.ptr if zw is not None and zw.size else 0, gw if gw is not None else 0,
+                             h.view("send_pos"), routing_view(h), h.view("meta"), *c[3], np.int64(own_shift)),
+                            R * 8, s)
         return out, gw
 
     # -- overlap helpers -------------------------------------------------------------------------------
@@ -450,24 +484,32 @@ def _subplan(h, lo, hi):
     return plan
 
 
-def _expand_rows(call, h, buf, out, lo, hi, rows=None, side=False):
+def _expand_rows(call, h, buf, out, lo, hi, rows=None, side=False, fp8=None):
     """out[dst_row[r,k]] = buf[r] for the received rows lo <= r < hi (raw bytes; ep_expand_rows); with
-    ``rows`` (int32 [hi-lo] on the device), out[dst_row[r,k]] = buf[rows[r-lo]] instead."""
+    ``rows`` (int32 [hi-lo] on the device), out[dst_row[r,k]] = buf[rows[r-lo]] instead. ``fp8``: an Fp8Rows;
+    buf's rows are packed FP8 rows and ``out`` the tuple of its outputs, which the kernel's sink writes."""
     sz = h.sizes
     K, N = sz["K"], sz["N"]
     rb = int(buf.shape[1]) * buf.dtype.itemsize
     if hi <= lo or N == 0 or rb == 0:
         return
-    u = unit(rb, buf.data.ptr, out.data.ptr)
+    if fp8 is None:
+        u = unit(rb, buf.data.ptr, out.data.ptr)
+        fn = _jit.function(FILE, f"ep_expand_rows<{UNITS[u]}, 4>")
+        outs = (out.data.ptr, 0, np.int32(0))
+    else:
+        u = unit(rb, buf.data.ptr)
+        Fp8Rows.check_unit(u)
+        sink, *outs = fp8.sink(out)
+        fn = _jit.function(FILE, f"ep_expand_rows<uint4, 4, {sink}>")
     units = rb // u
-    fn = _jit.function(FILE, f"ep_expand_rows<{UNITS[u]}, 4>")
     _jit.set_max_dynamic_shared(fn, K * 4)
     per = -(-units // 4)  # 4 units per thread in flight
     threads = int(min(1024, max(32, -(-per // 32) * 32)))
     src = buf.data.ptr if rows is not None else buf.data.ptr + lo * rb
     # beside a transfer: one CTA per two SMs, so that the NCCL kernel keeps its share of memory bandwidth
     grid = hi - lo if not side else min(hi - lo, max(1, _jit.device_properties(call.device_id)["sm_count"] // 2))
-    _jit.launch(fn, grid, threads, (src, out.data.ptr, h.view("dst_row").data.ptr + lo * K * 4,
+    _jit.launch(fn, grid, threads, (src, outs[0], h.view("dst_row").data.ptr + lo * K * 4,
                                     rows.data.ptr if rows is not None else 0, np.int32(K), np.int64(units),
-                                    np.int64(hi - lo)),
+                                    np.int64(hi - lo), outs[1], outs[2]),
                 shared_mem=K * 4, stream=call.stream)

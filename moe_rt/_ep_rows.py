@@ -3,17 +3,28 @@
 The group and both transports (:mod:`moe_rt._ep_nccl`, :mod:`moe_rt._ep_direct`) launch these kernels of
 ``kernels/ep.cu`` (their names are registered by :mod:`moe_rt.ep`): zeroing the expert-major rows that hold
 no slot and laying out their weights (``fill_rows``), taking expert-major values back to the received rows'
-slots (``slot_values``), scaling rows by a weight (``scale_rows``); and the handle's regions as arrays
-(``recv_wk``, ``routing_view``) or as a permutation plan (``plan_view``).
+slots (``slot_values``), scaling rows by a weight (``scale_rows``); the handle's regions as arrays
+(``recv_wk``, ``routing_view``) or as a permutation plan (``plan_view``); and :class:`Fp8Rows`, what the
+transports' expand writes from the packed rows of a one-pass FP8 dispatch.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from moe_rt import _jit, permutation
+from moe_rt.fp8 import packed_layout
 
 FILE = "ep.cu"
 UNITS = {16: "uint4", 8: "uint2", 4: "unsigned", 2: "unsigned short", 1: "unsigned char"}
+# launch set-ups (kernel, grid, threads, constant arguments) by what they depend on, made once
+_launches: dict = {}
+_MAX_SETUPS = 256
+
+
+def bound(cache: dict) -> None:
+    """Empty a cache of launch set-ups that reached _MAX_SETUPS entries (sizes that keep changing)."""
+    if len(cache) >= _MAX_SETUPS:
+        cache.clear()
 
 
 def unit(row_bytes: int, *ptrs) -> int:
@@ -38,9 +49,12 @@ def routing_view(h):
 
 
 def recv_wk(h):
-    """The received rows' slot weights (fp32 ``[rows,K]``, a view of the handle)."""
-    sz = h.sizes
-    return h.view("recv_wk")[:sz["rows"] * sz["K"]].reshape(sz["rows"], sz["K"])
+    """The received rows' slot weights (fp32 ``[rows,K]``, a view of the handle; made once per handle)."""
+    v = h.state.get("recv_wk")
+    if v is None:
+        sz = h.sizes
+        v = h.state["recv_wk"] = h.view("recv_wk")[:sz["rows"] * sz["K"]].reshape(sz["rows"], sz["K"])
+    return v
 
 
 def plan_view(h):
@@ -69,12 +83,17 @@ def fill_rows(call, h, out, pp, pv):
     N = h.sizes["N"]
     if N == 0 or (out is None and pp is None):
         return
-    rb = int(out.shape[1]) * out.dtype.itemsize if out is not None else 0
+    rb = out.shape[1] * out.dtype.itemsize if out is not None else 0
     u = unit(rb, out.data.ptr) if out is not None else 16
-    sms = _jit.device_properties(call.device_id)["sm_count"]
-    _jit.launch(_jit.function(FILE, f"ep_fill_rows<{UNITS[u]}>"), max(1, min(-(-N // 8), sms * 16)), 256,
-                (out.data.ptr if out is not None else 0, pp if pp is not None else 0, pv if pv is not None else 0,
-                 h.view("src_slot"), np.int64(N), np.int64(rb // u)), stream=call.stream)
+    key = ("fill", N, rb, u, call.device_id)
+    c = _launches.get(key)
+    if c is None:
+        bound(_launches)
+        sms = _jit.device_properties(call.device_id)["sm_count"]
+        c = _launches[key] = (_jit.function(FILE, f"ep_fill_rows<{UNITS[u]}>"), max(1, min(-(-N // 8), sms * 16)),
+                              (np.int64(N), np.int64(rb // u)))
+    _jit.launch_raw(c[0], c[1], 256, (out.data.ptr if out is not None else 0, pp if pp is not None else 0,
+                                      pv if pv is not None else 0, h.view("src_slot"), *c[2]), 0, call.stream)
 
 
 def slot_values(call, h, vals):
@@ -84,8 +103,12 @@ def slot_values(call, h, vals):
     out = call.xp.empty((sz["rows"], sz["K"]), np.float32)
     n = out.size
     if n:
-        _jit.launch(_jit.function(FILE, "ep_slot_values"), grid(n, call.device_id), 256,
-                    (vals if vals.size else 0, h.view("dst_row"), out, np.int64(n)), stream=call.stream)
+        key = ("slot_values", n, call.device_id)
+        c = _launches.get(key)
+        if c is None:
+            bound(_launches)
+            c = _launches[key] = (_jit.function(FILE, "ep_slot_values"), grid(n, call.device_id), np.int64(n))
+        _jit.launch_raw(c[0], c[1], 256, (vals if vals.size else 0, h.view("dst_row"), out, c[2]), 0, call.stream)
     return out
 
 
@@ -96,8 +119,66 @@ def scale_rows(call, rows, w):
         return
     isz = rows.dtype.itemsize
     vec = (H * isz) % 16 == 0 and rows.data.ptr % 16 == 0
-    nper = 16 // isz if vec else 1
-    threads = int(min(512, max(32, -(-(H // nper) // 32) * 32)))
-    fn = _jit.function(FILE, f"ep_scale_rows<{_jit.ctype(rows.dtype)}, {'true' if vec else 'false'}>")
-    _jit.launch(fn, grid(n * 8, call.device_id, threads=8), threads, (rows, w, np.int64(n), np.int64(H)),
-                stream=call.stream)
+    key = ("scale", rows.dtype, vec, n, H, call.device_id)
+    c = _launches.get(key)
+    if c is None:
+        bound(_launches)
+        nper = 16 // isz if vec else 1
+        c = _launches[key] = (
+            _jit.function(FILE, f"ep_scale_rows<{_jit.ctype(rows.dtype)}, {'true' if vec else 'false'}>"),
+            grid(n * 8, call.device_id, threads=8), int(min(512, max(32, -(-(H // nper) // 32) * 32))),
+            (np.int64(n), np.int64(H)))
+    _jit.launch_raw(c[0], c[1], c[2], (rows, w, *c[3]), 0, call.stream)
+
+
+_FP8_PIECES = (16, 4, 1)
+
+
+class Fp8Rows:
+    """The packed rows of a one-pass FP8 dispatch (docs/ep.md §9; :func:`moe_rt.fp8.packed_layout`: ``H`` e4m3
+    codes, at byte ``scale_at`` the ``S`` fp32 scales, zero padding to ``row_bytes``, a multiple of 16) and the
+    outputs the transports' expand step splits them into as it writes the expert-major rows (the sinks of
+    kernels/ep.cu): ``dtype=None``: codes ``[N,H]`` uint8 and scales ``[N,S]`` fp32 (``Fp8Rows<G>``); else the
+    rows dequantized into ``[N,H]`` of ``dtype`` (``Fp8Dequant<T, G>``). Passed as ``fp8=`` to a transport's
+    ``forward``, whose ``x`` is then the packed ``[T, row_bytes]`` uint8 rows and whose ``rows`` the tuple of
+    outputs (padding rows zero: zero codes and zero scales)."""
+
+    def __init__(self, hidden, dtype=None):
+        self.H = int(hidden)
+        self.S, self.scale_at, self.row_bytes = packed_layout(self.H)
+        self.dtype = None if dtype is None else np.dtype(dtype)
+        # the widest piece (bytes) that H, scale_at and 4S all divide: a piece is all codes, scales or padding
+        self.piece = next(g for g in _FP8_PIECES
+                          if self.H % g == 0 and self.scale_at % g == 0 and (4 * self.S) % g == 0)
+
+    @staticmethod
+    def sink_names():
+        """Every sink's name expression (kernel registration: ``kernel<uint4, UNROLL, sink>``)."""
+        return [f"Fp8Rows<{g}>" for g in _FP8_PIECES] + [f"Fp8Dequant<{c}, {g}>" for c in _jit.CTYPES.values()
+                                                           for g in _FP8_PIECES]
+
+    def empty(self, xp, N):
+        """The outputs of ``N`` expert-major rows: ``(codes, scales)`` or ``(rows,)``."""
+        if self.dtype is None:
+            return xp.empty((N, self.H), np.uint8), xp.empty((N, self.S), np.float32)
+        return (xp.empty((N, self.H), self.dtype),)
+
+    def sink(self, outs):
+        """``(sink name, out, out_s, fp8_h)``: the kernel's template argument and its output arguments; the
+        piece narrowed where an output is not aligned to it."""
+        isz = 1 if self.dtype is None else self.dtype.itemsize
+        g = next(g for g in _FP8_PIECES if g <= self.piece and all(o.data.ptr % min(16, g * isz) == 0 for o in outs))
+        name = f"Fp8Rows<{g}>" if self.dtype is None else f"Fp8Dequant<{_jit.ctype(self.dtype)}, {g}>"
+        return name, outs[0].data.ptr, outs[1].data.ptr if len(outs) > 1 else 0, np.int32(self.H)
+
+    @staticmethod
+    def check_unit(u):
+        if u != 16:  # pragma: no cover - packed rows are whole 16-byte units in aligned buffers
+            raise RuntimeError(f"internal: packed FP8 rows need 16-byte copy units, got {u}")
+
+    @staticmethod
+    def fill(call, h, outs, pp, pv):
+        """fill_rows over every output (the weights ``pp[n] = pv[src_slot[n]]`` with the first)."""
+        fill_rows(call, h, outs[0], pp, pv)
+        for o in outs[1:]:
+            fill_rows(call, h, o, None, None)

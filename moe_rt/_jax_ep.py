@@ -385,15 +385,16 @@ def _ll_specs(group, T, K):
             _spec((L, R * Tmax), f32), _spec((L,), i32)]
 
 
-def _ll_rows(buf, slot_k, zero: bool):
+def _ll_rows(buf, slot_k, zero: bool, out=None):
     """The receive buffer's rows ``buf [L,R*Tmax,H]`` as a new array (on the GPU allocated inside the
-    callback, so it lands in XLA's output): valid slots copied, the others zero when ``zero`` (else left
-    unspecified). The reference's arrays are new already, zero at empty slots."""
+    callback, so it lands in XLA's output; or ``out``, allocated so before): valid slots copied, the others
+    zero when ``zero`` (else left unspecified). The reference's arrays are new already, zero at empty slots."""
     if isinstance(buf, np.ndarray):
         return buf
     import cupy
 
-    out = cupy.empty(buf.shape, buf.dtype)
+    if out is None:
+        out = cupy.empty(buf.shape, buf.dtype)
     _perm.copy_kept_rows(buf, out, slot_k, zero_rest=zero, device_id=buf.device.id,
                          stream=cupy.cuda.get_current_stream())
     return out
@@ -411,8 +412,16 @@ def _ll_dispatch_impl(static, x, idx, w):
     T, K = int(idx.shape[0]), int(idx.shape[1])
 
     def fn(xv, iv, wv):
+        # the rows' output first: inside the callback an allocation of an output's byte size is served from
+        # that output's buffer, and the dispatch's one allocation of the handle's tables (larger than each
+        # table) could otherwise take the rows' buffer, which is written back first
+        rows = None
+        if not isinstance(xv, np.ndarray):
+            import cupy
+
+            rows = cupy.empty(group._slots_shape(), group.dtype)
         recv, _, h = group.dispatch(xv, iv, wv)
-        return [_ll_rows(recv, h._a["slot_k"], zero)] + _ll_handle_arrays(h._a)
+        return [_ll_rows(recv, h._a["slot_k"], zero, rows)] + _ll_handle_arrays(h._a)
 
     out = _run(fn, [_spec(group._slots_shape(), x.dtype)] + _ll_specs(group, T, K), x, idx, w)
     return out[0], out[-1], tuple(out[1:])

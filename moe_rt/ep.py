@@ -9,8 +9,9 @@ between ranks), ``topk_idx [T,K]`` (int32/int64, ``-1`` = no expert) and ``topk_
   least one expert there (a token is sent **once** per destination rank, not K times) and gives each
   destination only its counts (tokens, local expert slots, per local expert) and, per token it sends, the
   token id, the local ids of its K experts there (``-1`` for the others) and each slot's rank among its
-  expert's slots: on the direct transport the destinations read these from the sources' memory after one
-  device barrier, on NCCL they travel by grouped send/recv (nothing is all-gathered). The receiver lays
+  expert's slots: on the direct transport the sources push these into the destinations' memory and one
+  device barrier follows (capacity mode: all in one kernel), on NCCL they travel by grouped send/recv
+  (nothing is all-gathered). The receiver lays
   its rows out source-major, token ascending; their local experts ``[rows, K]`` are a routing for the
   permutation plan with ``num_experts = L``, whose expert-major layout (grouped by local expert, ``(src,
   t)`` ascending inside an expert, padding rows zero) one kernel writes from the counts and ranks. The
@@ -22,20 +23,23 @@ between ranks), ``topk_idx [T,K]`` (int32/int64, ``-1`` = no expert) and ``topk_
   (token, rank) back; the owner sums them over ranks in ascending rank order in fp32, rounding once.
 - :meth:`EpGroup.dispatch_bwd` / :meth:`EpGroup.combine_bwd`: the transposes.
 - ``dispatch(..., fp8=True)``: FP8 rows on the wire (quantized on the sending side, or a pre-quantized
-  ``(x_fp8, scales)`` pair): the e4m3 rows and then their fp32 block-scale rows through the transport with
-  the same handle; returns the FP8 rows and scales, or with ``dequantize=True`` the rows dequantized on the
-  receiving side (docs/ep.md §9). The gradient path stays in the float dtype.
+  ``(x_fp8, scales)`` pair): each token's e4m3 codes and fp32 block scales packed into one row, one pass of
+  the transport over them (with the same handle), whose expand step splits each row into the FP8 rows and
+  scales, or with ``dequantize=True`` dequantizes it (docs/ep.md §9). The gradient path stays in the
+  float dtype.
 
 This module is the algorithm: validation, the plan and the handle, the CPU reference path, the choice of
 transport. Each public op validates its arguments, then calls its transport once and returns the results.
 Transports (``transport=``, ``MOE_RT_EP_TRANSPORT``; ``group.transport``) move the rows; each is a module
 with one class offering the same small interface (a third transport is one more such module):
 
-- ``forward(call, handle, x, w, op, *, expand=True, want_w=False)``: the dispatch direction (``dispatch``,
-  ``combine_bwd``): the rows of ``x [T,H]`` (or of any width: an FP8 dispatch also sends its scale rows) (and fp32 weights ``w [T,K]`` or None, received into the
-  handle's ``recv_wk``) to the ranks of their experts. Returns ``(rows [N,H] expert-major, weights [N] or
-  None)`` (padding rows zero; ``weights[n] = recv_wk[src_slot[n]]`` when ``want_w``), or with
-  ``expand=False`` the received rows ``[rows,H]`` in the handle's layout (source-major);
+- ``forward(call, handle, x, w, op, *, expand=True, want_w=False, fp8=None)``: the dispatch direction
+  (``dispatch``, ``combine_bwd``): the rows of ``x [T,H]`` (of any width) (and fp32 weights ``w [T,K]`` or
+  None, received into the handle's ``recv_wk``) to the ranks of their experts. Returns ``(rows [N,H]
+  expert-major, weights [N] or None)`` (padding rows zero; ``weights[n] = recv_wk[src_slot[n]]`` when
+  ``want_w``), or with ``expand=False`` the received rows ``[rows,H]`` in the handle's layout (source-major).
+  ``fp8`` (a :class:`moe_rt._ep_rows.Fp8Rows`): ``x`` holds an FP8 dispatch's packed rows and the expand
+  writes them split into codes and scales, or dequantized (``rows`` is then the tuple of those outputs);
 - ``reduce(call, handle, y, w, gw, op)``: the combine direction (``combine``: weights ``w [rows,K]`` or
   None; ``dispatch_bwd``: ``gw [N]`` or None, the gradient of the received weights, back to the slots).
   Returns ``(out [T,H], grad_w [T,K] fp32 or None)``;
@@ -124,7 +128,7 @@ from moe_rt import _arrays, _errors, _jit, permutation
 from moe_rt import _ep_adapt, _ep_direct, _ep_mixed, _ep_nccl, _handle
 from moe_rt import fp8 as _fp8
 from moe_rt._ep_rows import FILE as _FILE, UNITS as _UNITS
-from moe_rt._ep_rows import grid as _grid, plan_view, recv_wk, scale_rows
+from moe_rt._ep_rows import Fp8Rows, grid as _grid, plan_view, recv_wk, scale_rows
 from moe_rt._handle import Handle, meta_index
 from moe_rt.reference import ep as _ref
 from moe_rt.reference import fp8 as _fp8_ref
@@ -135,12 +139,13 @@ __all__ = ["EpGroup", "Handle", "DEFAULT_TIMEOUT"]
 # The kernels of ep.cu that this module, moe_rt._ep_rows and moe_rt._ep_nccl launch (moe_rt._ep_direct
 # registers its own).
 _IDX = {"int32": "int", "int64": "long long"}
-_names = [f"ep_prepare_send<{i}>" for i in _IDX.values()]
+_names = [f"ep_prepare_{k}<{i}>" for k in ("send", "direct") for i in _IDX.values()]
 _names += [f"ep_pack_rows<{u}>" for u in _UNITS.values()]
 for _c in _jit.CTYPES.values():
     for _v in ("true", "false"):
         _names += [f"ep_owner_sum<{_c}, {_v}>", f"ep_scale_rows<{_c}, {_v}>"]
 _names += [f"ep_expand_rows<{u}, 4>" for u in _UNITS.values()]
+_names += [f"ep_expand_rows<uint4, 4, {k}>" for k in Fp8Rows.sink_names()]
 _names += [f"ep_fill_rows<{u}>" for u in _UNITS.values()]
 _names += ["ep_plan_meta", "ep_prepare_recv", "ep_prepare_plan", "ep_gather_slots", "ep_slot_values"]
 _jit.register(_FILE, _names)
@@ -323,6 +328,7 @@ class EpGroup:
         self._last_stream = None
         self._last_device = self.device  # of the last prepare (a local group has no device of its own)
         self._prep_cfgs = {}  # (T, K, device, id dtype) -> prepare's set-up (_PrepCfg)
+        self._gsync = {}  # (device, stream) -> grid_sync's words (prepare's send side)
 
     def _choose_transport(self, want):
         """Make the group's transport and return its name (None for one rank, whose CUDA ops run the NCCL
@@ -572,48 +578,66 @@ class EpGroup:
         return c
 
     def _prepare_cuda(self, call, idx, T, K, validate=False):
-        """Launches: ep_prepare_send (routing into the handle, send lists, each destination's segment: counts and
-        rows, kernels/ep.cu); the exchange (direct: ep_direct_barrier, the destinations then read the segments
-        from the sources' IPC-shared boxes; NCCL: grouped send/recv of the segments, capacity mode whole, exact
-        mode the counts, then after the host read the kept rows); exact mode: ep_plan_meta, the host read of
-        the counts and a copy of the leading regions into the buffer sized from them; then ep_prepare_plan
-        (every received-side region), or where its shared memory would not fit (R*L large) ep_prepare_recv and
-        the permutation plan's three kernels. Capacity mode: two allocations (the handle, the scratch), no host
-        sync; on the direct transport three launches."""
+        """Launches: capacity mode on the direct transport (the received side in one block's shared memory):
+        ep_prepare_direct alone (send side, prepare's barrier with the peers, received side; kernels/ep.cu).
+        Otherwise ep_prepare_send (routing into the handle, send lists, each destination's segment: counts and
+        rows; direct: pushed into the destination's IPC-shared box); the exchange (direct: ep_direct_barrier;
+        NCCL: grouped send/recv of the segments, capacity mode whole, exact mode the counts, then after the
+        host read the kept rows); exact mode: ep_plan_meta, the host read of the counts and a copy of the
+        leading regions into the buffer sized from them; then ep_prepare_plan (every received-side region), or
+        where its shared memory would not fit (R*L large) ep_prepare_recv and the permutation plan's three
+        kernels. Capacity mode: two allocations (the handle, the scratch), no host sync."""
         xp, s, dev = call.xp, call.stream, call.device_id
         idx = _arrays.contiguous(xp, idx)
         c = self._prep_cfg(T, K, dev, idx.dtype)
-        R, me, P, CW, SEG = c.R, self.rank, c.P, c.CW, c.SEG
         exact = self.mode == "exact"
         buf = xp.empty(c.total, np.uint8)
         b = buf.data.ptr
-        lay = c.lay
-        meta = b + lay["meta"][0]
-        direct = self.transport == "direct"
+        o_rt, o_st, o_sp, o_meta, o_rtok, o_rl, o_dr, o_ss, o_sg, o_ec, o_tpe = c.offsets
+        meta = b + o_meta
         work = xp.empty(c.work_words, np.int32)
-        w = work.data.ptr  # NCCL: the inbox and the outbox (R segments each); then the plan kernels' scratch
-        if direct:  # this rank's outgoing segments in its own box; the destinations read them (peer table)
-            st = self._transport.prepare_box(K, int(c.half), s, lambda st_: self._wait(st_, "prepare"))
-            state, peer, outbox = self._transport.state, st.table, st.local
-            inbox = outbox
-            segs = (0, peer, c.cstride, state, c.half)  # where the receiving kernels find the segments
+        # NCCL: the inbox and the outbox (R segments each); then the send side's chunk counts; then the plan
+        # kernels' scratch
+        w = work.data.ptr
+        part = w + 4 * c.box_words
+        gs = c.gs.get(s.ptr) if c.gs else None
+        if gs is None:
+            gs = c.gs[s.ptr] = self._grid_sync_words(dev, s)
+        if c.box is None and self.transport == "direct":
+            c.set_box(self._transport, K, s, lambda st_: self._wait(st_, "prepare"))
+        if c.direct_args is not None:  # one kernel
+            head, tail = c.direct_args  # around the send side's scratch and grid_sync's words
+            _jit.launch_raw(c.f_direct, c.direct_grid, c.threads,
+                            (idx, *c.send_mid, b + o_rt, b + o_st, b + o_sp, meta, *head, part, gs, *tail,
+                             b + o_rtok, b + o_rl, b + o_dr, b + o_ss, b + o_sg, b + o_ec, b + o_tpe),
+                            c.direct_smem, s)
+            if validate:
+                self._wait(s, "prepare")
+                _errors.raise_pending(dev, s)
+            return self._handle(buf, c.lay, c.sz, dev, None)
+        R, me, P, CW, SEG = c.R, self.rank, c.P, c.CW, c.SEG
+        lay = c.lay
+        direct = c.box is not None
+        if direct:  # each destination's segment pushed into its box; this rank reads its own box
+            state, peer, inbox = c.box
+            outbox = 0
         else:
             state = peer = 0
             inbox = w
             outbox = inbox + 4 * R * SEG if R > 1 else inbox
-            segs = (inbox, 0, c.cstride, 0, c.half)
-        _jit.launch_raw(c.f_send, R, c.threads,
-                        (idx, *c.send_head, b + lay["routing"][0], b + lay["send_tok"][0], b + lay["send_pos"][0],
-                         meta, state, c.half, outbox, inbox, c.err, c.rank_warps), c.send_smem, s)
+        segs = (inbox, c.cstride, state, c.half)  # where the receiving kernels find the segments
+        _jit.launch_raw(c.f_send, c.send_grid, c.threads,
+                        (idx, *c.send_mid, b + o_rt, b + o_st, b + o_sp, meta, state, c.half, peer, outbox, inbox,
+                         c.err, c.rank_warps, part, gs), c.send_smem, s)
         if validate and not exact:
             self._wait(s, "prepare")
             _errors.raise_pending(dev, s)
         if direct:
             self._transport.barrier(s, "prepare")
         elif R > 1:  # capacity mode: whole segments; exact mode: the counts now, the kept rows after the host read
-            part = c.full_segments if not exact else c.counts_only
-            self._transport.exchange_box(s, outbox, inbox, part, part, SEG, 0)
-        host, sz, plan, scratch = None, c.sz, c.plan, w + 4 * c.box_words
+            whole = c.full_segments if not exact else c.counts_only
+            self._transport.exchange_box(s, outbox, inbox, whole, whole, SEG, 0)
+        host, sz, plan, scratch = None, c.sz, c.plan, part + 4 * c.part_words
         if exact:
             _jit.launch_raw(_jit.function(_FILE, "ep_plan_meta"), 1, 32,
                             (meta, *segs, np.int32(R), np.int32(me), np.int32(P), np.int32(1), np.int64(-1)), 0, s)
@@ -638,22 +662,36 @@ class EpGroup:
                 plan = permutation.plan_config(rows, K, np.int32, L, A, N, slots, dev)
                 scratch_buf = xp.empty(plan[0] - plan[1], np.int32)
                 scratch = scratch_buf.data.ptr
+            o_rtok, o_rl, o_dr, o_ss, o_sg, o_ec, o_tpe = (lay[k][0] for k in _RECV_REGIONS)
         else:
             rows, N, grid = c.rows, c.N, c.recv_grid
-        out = (b + lay["recv_tok"][0], b + lay["recv_local"][0])
         if c.fused:
             _jit.launch_raw(c.f_plan, grid, 256,
-                            (meta, *segs, *c.plan_mid, np.int64(rows),
-                             np.int64(N), *out, b + lay["dst_row"][0], b + lay["src_slot"][0],
-                             b + lay["seg_start"][0], b + lay["expert_counts"][0], b + lay["tokens_per_expert"][0]),
-                            c.plan_smem, s)
+                            (meta, *segs, *c.plan_mid, np.int64(rows), np.int64(N), b + o_rtok, b + o_rl, b + o_dr,
+                             b + o_ss, b + o_sg, b + o_ec, b + o_tpe), c.plan_smem, s)
         else:
-            _jit.launch_raw(c.f_recv, grid, 256,
-                            (meta, *segs, *c.recv_mid, np.int64(rows), *out),
+            _jit.launch_raw(c.f_recv, grid, 256, (meta, *segs, *c.recv_mid, np.int64(rows), b + o_rtok, b + o_rl),
                             c.recv_smem, s)
-            permutation.plan_kernels(plan, out[1], N, b + lay["dst_row"][0], b + lay["src_slot"][0],
-                                     b + lay["seg_start"][0], b + lay["expert_counts"][0],
-                                     b + lay["tokens_per_expert"][0], scratch, s)
+            permutation.plan_kernels(plan, b + o_rl, N, b + o_dr, b + o_ss, b + o_sg, b + o_ec, b + o_tpe, scratch, s)
+        return self._handle(buf, lay, sz, dev, host)
+
+    def _grid_sync_words(self, dev, stream):
+        """The address of the two uint32 words of grid_sync (kernels/ep.cu) for prepares of this group on
+        ``stream`` of device ``dev``: one plain device allocation per group, device and stream (not from a
+        memory pool, which a CUDA-graph user may free while the group lives; per stream, so that prepares of
+        one group on two streams may run at once), zeroed on ``stream`` when made; each grid-wide barrier
+        leaves them ready for the next. (A CUDA graph that holds a prepare uses the words of the stream it was
+        captured on: replay it where no other prepare of the group runs on that stream at the same time.)"""
+        key = (dev, stream.ptr)
+        m = self._gsync.get(key)
+        if m is None:
+            import cupy
+
+            m = self._gsync[key] = cupy.cuda.Memory(8)
+            cupy.cuda.runtime.memsetAsync(m.ptr, 0, 8, stream.ptr)
+        return m.ptr
+
+    def _handle(self, buf, lay, sz, dev, host):
         h = Handle(buf, lay, self.id, self.mode, sz)
         h.state.update(backend="cuda", device_id=dev, host_meta=host)
         return h
@@ -690,8 +728,8 @@ class EpGroup:
             topk_weights: None or ``[T,K]`` float (used as fp32).
             fp8: send FP8 rows (docs/fp8.md): a float ``x`` is quantized on the sending side
                 (:func:`moe_rt.quantize_fp8`'s rule, bit for bit), and each row travels as its ``H`` e4m3
-                bytes plus its ``ceil(H/128)`` fp32 scales (``H + 4*ceil(H/128)`` bytes instead of ``2H``
-                for bf16), the scale rows with the same handle as the token rows.
+                bytes plus its ``ceil(H/128)`` fp32 scales, packed into one row (``H + 4*ceil(H/128)`` bytes
+                padded to a multiple of 16, instead of ``2H`` for bf16): one pass of the transport.
             dequantize: with ``fp8=True``: return rows dequantized on the receiving side instead of the
                 FP8 pair: in x's dtype for a float ``x``; for a pair, in the group's ``dtype`` (bfloat16
                 when the group has none).
@@ -771,9 +809,9 @@ class EpGroup:
                              f"{FP8_BLOCK} channels of each token), got {tuple(scales.shape)}")
 
     def _dispatch_fp8(self, handle, x, topk_weights, pair, dequantize, stream):
-        """:meth:`dispatch` with ``fp8=True`` (checked flags): quantize (a float x) on the sending side, the
-        e4m3 rows (with the weights) and then the scale rows through the transport with the same handle,
-        dequantize on the receiving side when asked."""
+        """:meth:`dispatch` with ``fp8=True`` (checked flags): quantize a float x (or pack a pair) into packed
+        rows of codes and scales on the sending side, one pass of the transport over them (with the weights),
+        whose expand splits each row into the codes and scales, or dequantizes it when asked."""
         arrays = {"x_fp8": x[0], "scales": x[1]} if pair else {"x": x}
         arrays["topk_weights"] = topk_weights
         with _arrays.Call(arrays, stream=stream) as call:
@@ -808,24 +846,24 @@ class EpGroup:
                     return call.out(_fp8_ref.dequantize_fp8(rq, rs, out_dt, FP8_BLOCK)), rw, call.out(tpe)
                 return call.out(rq), call.out(rs), rw, call.out(tpe)
             xp, s = call.xp, call.stream
+            # one pass of the transport over packed rows (codes, then scales; docs/ep.md §9), which its
+            # expand splits into the codes and scales (or dequantizes) as it writes the expert-major rows
+            rows = Fp8Rows(H, out_dt if dequantize else None)
+            packed = xp.empty((T, rows.row_bytes), np.uint8)
             if pair:
                 q = xp.ascontiguousarray(_arrays.cupy_of(call["x_fp8"]))  # FP8 on CUDA: its bytes as uint8
                 sc = xp.ascontiguousarray(_arrays.cupy_of(call["scales"]))
+                _fp8.launch_pack(q, sc, packed, FP8_BLOCK, call.device_id, s)
             else:
-                xv = _arrays.contiguous(xp, xv)
-                q = xp.empty((T, H), np.uint8)
-                sc = xp.empty((T, _fp8_ref.num_blocks(H, FP8_BLOCK)), np.float32)
-                _fp8.launch_quantize(xv, q, sc, FP8_BLOCK, call.device_id, s)
-            # two row sets through one plan: the e4m3 rows (with the weights), then their scale rows
-            rq, rw = self._transport.forward(call, handle, q, wv, "dispatch", want_w=wv is not None)
-            rs, _ = self._transport.forward(call, handle, sc, None, "dispatch")
+                _fp8.launch_quantize_packed(_arrays.contiguous(xp, xv), packed, FP8_BLOCK, call.device_id, s)
+            out, rw = self._transport.forward(call, handle, packed, wv, "dispatch", want_w=wv is not None,
+                                              fp8=rows)
             self._last_stream = s
             tpe = handle.view("tokens_per_expert").copy()
             rw = None if rw is None else call.out(rw)
             if dequantize:
-                y = xp.empty(rq.shape, out_dt)
-                _fp8.launch_dequantize(rq, rs, y, FP8_BLOCK, call.device_id, s)
-                return call.out(y), rw, call.out(tpe)
+                return call.out(out[0]), rw, call.out(tpe)
+            rq, rs = out
             rq_out = rq if codes == np.uint8 else _arrays.fp8_array(rq, codes)
             return call.out(rq_out), call.out(rs), rw, call.out(tpe)
 
@@ -969,18 +1007,25 @@ class _PrepCfg:
     """EpGroup.prepare's set-up for one (T, K, device, id dtype), in plain ints (made once, cached by the
     group): sizes, the handle layout and bytes (capacity mode: final; exact mode: of the regions before
     recv_local, which do not depend on the received rows), the box layout (kernels/ep.cu, prepare: a segment
-    of SEG = CW + P*W words per source, counts (CW = L + 2) then rows (W = 2K + 1)), the scratch in int32
-    words (NCCL: inbox and outbox; then the plan kernels' scratch where ep_prepare_plan does not fit), the
-    kernels and the constant parts of their arguments."""
+    of SEG = CW + P*W words per source, counts (CW = L + 2) then rows (W = 2K + 1)), the send side's chunks
+    (B chunks of TC tokens per destination), the scratch in int32 words (NCCL: inbox and outbox; the send
+    side's chunk counts; then the plan kernels' scratch where ep_prepare_plan does not fit), the kernels,
+    their grids and the whole argument tuples of the launches whose arguments do not change between calls
+    but for the handle's base address, added per call."""
 
-    __slots__ = ("sz", "R", "L", "Tmax", "P", "CW", "W", "SEG", "lay", "total", "box_words", "work_words", "cstride",
-                 "half", "plan", "rows", "N", "threads", "f_send", "send_head", "send_smem", "rank_warps", "err",
-                 "fused", "f_plan", "plan_mid", "plan_smem", "f_recv", "recv_mid", "recv_grid", "recv_smem",
-                 "full_segments", "counts_only")
+    __slots__ = ("sz", "R", "L", "Tmax", "P", "CW", "W", "SEG", "lay", "total", "box_words", "part_words",
+                 "work_words", "cstride", "half", "plan", "rows", "N", "threads", "f_send", "send_grid", "send_smem",
+                 "TC", "B", "rank_warps", "err", "fused", "f_plan", "plan_mid", "plan_smem", "f_recv", "recv_mid",
+                 "recv_grid", "recv_smem", "full_segments", "counts_only", "f_direct", "direct_grid", "direct_smem",
+                 "send_mid", "offsets", "gs", "box", "direct_args")
 
     # ep_prepare_plan's shared memory (its per-source, per-expert offsets) must fit this; larger R*L take
     # ep_prepare_recv and the permutation plan's kernels
     FUSED_SMEM = 40 * 1024
+    SEND_THREADS = 256  # the send side's blocks (ep_prepare_send, ep_prepare_direct)
+    MAX_CHUNKS = 64     # chunks per destination, at most (each item sums the counts of the chunks before it)
+    MIN_CHUNK = 128     # tokens of a chunk, at least (below, the blocks do too little)
+    MAX_CHUNK = 8192    # tokens of a chunk, at most (shared memory: one int each)
 
     def __init__(self, g, T, K, dev, idx_dtype):
         sz = g._sizes(T, K)
@@ -995,6 +1040,12 @@ class _PrepCfg:
         self.half = np.int64(R * self.SEG if direct else 0)
         self.plan_smem = 4 * (2 * R + 1 + R * self.CW + 4 * L + 1)
         self.fused = self.plan_smem <= self.FUSED_SMEM
+        # the send side: B chunks of TC tokens per destination, their counts in R*B*(L + 1) words of scratch
+        self.B = max(1, min(self.MAX_CHUNKS, -(-T // self.MIN_CHUNK)), -(-T // self.MAX_CHUNK))
+        per = -(-T // self.B)
+        self.TC = max(32, -(-per // 32) * 32)
+        self.B = max(1, -(-T // self.TC))  # no chunk left empty by the rounding
+        self.part_words = R * self.B * (L + 1)
         cap = -1
         self.plan = None
         self.rows = self.N = self.recv_grid = None
@@ -1010,25 +1061,27 @@ class _PrepCfg:
             sz.update(rows=rows, N=N, num_out=cap)
             self.lay, self.total = _handle.layout(R, L, Tmax, K, P, rows, N)
             self.rows, self.N, self.recv_grid = rows, N, _prep_grid(self.fused, max(rows, N), dev)
-            self.work_words = self.box_words
+            self.work_words = self.box_words + self.part_words
             if not self.fused:
                 self.plan = permutation.plan_config(rows, K, np.int32, L, A, N, cap, dev)
                 self.work_words += self.plan[0] - self.plan[1]
         else:
             permutation.check_plan_settings(L, A, None, "index")
             self.lay, self.total = _handle.layout(R, L, Tmax, K, P, 0, 0)
-            self.work_words = self.box_words
+            self.work_words = self.box_words + self.part_words
         self.work_words = max(self.work_words, 1)
         self.sz = sz
-        self.threads = int(min(1024, max(32, -(-Tmax // 32) * 32)))
-        self.f_send = _jit.function(_FILE, f"ep_prepare_send<{_IDX[np.dtype(idx_dtype).name]}>")
-        # the warps that rank the slots, each with L ints of shared memory
+        self.threads = self.SEND_THREADS
+        ctype = _IDX[np.dtype(idx_dtype).name]
+        self.f_send = _jit.function(_FILE, f"ep_prepare_send<{ctype}>")
+        # the warps that rank the slots, each with L ints of shared memory (after the chunk's TC)
         room = max(48 * 1024, _jit.device_properties(dev).get("smem_per_block_optin", 0)) - 1024
-        self.rank_warps = np.int32(max(1, min(self.threads // 32, room // (4 * L))))
-        self.send_smem = 4 * L * int(self.rank_warps)
+        self.rank_warps = np.int32(max(1, min(self.threads // 32, (room - 4 * self.TC) // (4 * L))))
+        self.send_smem = 4 * (L * int(self.rank_warps) + self.TC)
         _jit.set_max_dynamic_shared(self.f_send, self.send_smem)
-        self.send_head = (np.int64(T), np.int32(Tmax), np.int32(K), np.int32(g.num_experts), np.int32(R),
-                          np.int32(me), np.int32(L), np.int32(P))
+        items = R * self.B
+        wave = 2 * _jit.device_properties(dev)["sm_count"]  # grid_sync: at most one resident wave
+        self.send_grid = max(1, min(items, wave, _resident(self.f_send, self.threads, self.send_smem, dev)))
         self.err = _errors.word(dev)
         exact = np.int32(1 if g.mode == "exact" else 0)
         self.f_plan = _jit.function(_FILE, "ep_prepare_plan")
@@ -1038,6 +1091,48 @@ class _PrepCfg:
         self.recv_smem = 4 * (2 * R + 1)
         self.recv_mid = (np.int32(R), np.int32(me), np.int32(P), np.int32(K), np.int32(L), exact, np.int64(cap))
         self.full_segments, self.counts_only = [self.SEG] * R, [self.CW] * R
+        # ep_prepare_send's arguments from T to P, then TC, B (the pointers follow per call)
+        self.send_mid = (np.int64(T), np.int32(Tmax), np.int32(K), np.int32(g.num_experts), np.int32(R),
+                         np.int32(me), np.int32(L), np.int32(P), np.int32(self.TC), np.int32(self.B))
+        # the handle regions' byte offsets the launches name (added to the handle's address per call)
+        lay = self.lay
+        self.offsets = tuple(lay[k][0] for k in ("routing", "send_tok", "send_pos", "meta") + _RECV_REGIONS)
+        # capacity mode on the direct transport with the received side in one block's shared memory: one
+        # kernel (ep_prepare_direct)
+        self.box = self.f_direct = self.direct_args = None
+        self.gs = {}  # stream -> grid_sync's words (EpGroup._grid_sync_words)
+        if direct and g.mode == "capacity" and self.fused:
+            self.f_direct = _jit.function(_FILE, f"ep_prepare_direct<{ctype}>")
+            self.direct_smem = max(self.send_smem, self.plan_smem)
+            _jit.set_max_dynamic_shared(self.f_direct, self.direct_smem)
+            self.direct_grid = max(1, min(max(items, self.recv_grid), wave,
+                                          _resident(self.f_direct, self.threads, self.direct_smem, dev)))
+
+    def set_box(self, t, K, stream, wait):
+        """The direct transport ``t``'s box for top-``K`` routing (made on the first prepare with this K: a
+        collective) as ``box = (state, box table, this rank's box)`` device addresses, and, where prepare is one
+        kernel, the arguments of ep_prepare_direct before and after the send side's scratch and grid_sync's
+        words (``direct_args = (head, tail)``)."""
+        st = t.prepare_box(K, int(self.half), stream, wait)
+        self.box = (t.state.data.ptr, st.table.data.ptr, st.local)
+        if self.f_direct is not None:
+            self.direct_args = ((self.box[0], self.half, self.box[1], self.err, self.rank_warps),
+                                (t.bar.table.data.ptr, np.int64(t.timeout_ns), t._err_ptr,
+                                 np.int32(_ep_direct.OP_CODES["prepare"]), np.int32(self.sz["A"]),
+                                 np.int64(self.sz["capacity"]), np.int64(self.rows), np.int64(self.N)))
+
+
+# the handle's regions that prepare's received side writes (in its kernels' argument order)
+_RECV_REGIONS = ("recv_tok", "recv_local", "dst_row", "src_slot", "seg_start", "expert_counts", "tokens_per_expert")
+
+
+def _resident(fn, threads, smem, dev):
+    """CTAs of ``fn`` with ``threads`` threads and ``smem`` bytes of dynamic shared memory resident on the whole
+    device at once (a grid that synchronizes its blocks, grid_sync in kernels/ep.cu, must not exceed it)."""
+    from cupy.cuda import driver
+
+    per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(_jit.function_ptr(fn), threads, smem)
+    return max(1, per_sm) * _jit.device_properties(dev)["sm_count"]
 
 
 def _prep_grid(fused, n, dev):

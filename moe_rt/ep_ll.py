@@ -63,6 +63,7 @@ H=7168: 470 MB, as DeepEP's low-latency buffer), per buffer set; ``fp8=True`` ad
 from __future__ import annotations
 
 import itertools
+import math
 
 import numpy as np
 
@@ -90,6 +91,32 @@ FP8_BLOCK = _ref.FP8_BLOCK  # channels per FP8 scale
 
 
 _PUSH, _RECEIVE = 1, 2  # ep_ll_dispatch's phases (LL_PUSH, LL_RECEIVE in kernels/ep.cu)
+_KERNEL_IDX = {np.dtype(k): v for k, v in _IDX.items()}  # IdxT of the dispatch kernels, by id dtype
+
+
+class _Tables(dict):
+    """The device tables of one CUDA dispatch's handle (``idx`` int32 and ``w`` fp32 ``[T,K]``, ``route``
+    ``[R,Tmax,K]`` int32, ``slot_k`` int32 and ``slot_w`` fp32 ``[L,R*Tmax]``, ``counts`` ``[L]`` int32) in one
+    allocation ``base``, laid out by ``layout`` (name -> (byte offset, bytes, shape, dtype)): :meth:`ptr` gives a
+    table's address without making an array; ``tables[name]`` a CuPy view of it, made on first access. Every
+    dispatch makes its own, so a handle stays valid for combine and the backwards after later dispatches of its
+    group (as long as the handle, which owns them, lives)."""
+
+    def __init__(self, base, layout):
+        super().__init__()
+        self.base, self.layout, self.base_ptr = base, layout, base.data.ptr
+
+    def ptr(self, name):
+        """The address of table ``name``; 0 for an empty one (T = 0), as an empty CuPy array's."""
+        off, nbytes = self.layout[name][:2]
+        return self.base_ptr + off if nbytes else 0
+
+    def __missing__(self, name):
+        import cupy
+
+        off, _, shape, dt = self.layout[name]
+        v = self[name] = cupy.ndarray(shape, dt, self.base.data + off)
+        return v
 
 
 class _Launch:
@@ -147,6 +174,15 @@ class LowLatencyHandle:
         self.slot_topk = self.slot_weights = self.counts = None
         self.buffer_set = 0  # the group's buffer set its rows went through
         self.received = True  # False between a split dispatch and its receive hook
+
+    def _ptr(self, name):
+        """The device address of the CUDA handle's table ``name`` (0 for an empty one): from the dispatch's one
+        allocation, or from the arrays a framework adapter rebuilt the handle over."""
+        a = self._a
+        if type(a) is _Tables:
+            return a.ptr(name)
+        v = a[name]
+        return v.data.ptr if v.size else 0
 
 
 class LowLatencyGroup:
@@ -210,6 +246,11 @@ class LowLatencyGroup:
         self._buf = None
         self._last_stream = None
         self.chunk = chunk_tokens(self.max_tokens_per_rank)
+        # host-side caches of the CUDA path (made on use, after _setup; docs/ep.md §8, host time): the handle
+        # tables' layout per T, the kernels per (kind, vector path, id dtype) with their resident blocks, the
+        # constant parts of the launch arguments per (op, buffer set), the views of the shared buffers and the
+        # received rows dispatch returns per (set, FP8 rows, codes dtype)
+        self._layouts, self._fns, self._const, self._views, self._row_views = {}, {}, {}, {}, {}
 
     # The host waits and the timeout report of EpGroup (they use comm, timeout and _transport alone).
     _wait = _ep.EpGroup._wait
@@ -276,11 +317,17 @@ class LowLatencyGroup:
             self._transport, self._buf, self._offs = d, sh, offs
 
     def _view(self, name, b, shape, dtype):
-        import cupy
+        """A CuPy view of region ``name`` of buffer set ``b`` (made once per (region, set, shape, dtype): the
+        shared buffers stay where they are until close)."""
+        key = (name, b, shape, dtype)
+        v = self._views.get(key)
+        if v is None:
+            import cupy
 
-        off, nb = self._offs[(name, b)]
-        mem = cupy.cuda.UnownedMemory(self._buf.local + off, max(nb, 1), self._transport, self.device)
-        return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0))
+            off, nb = self._offs[(name, b)]
+            mem = cupy.cuda.UnownedMemory(self._buf.local + off, max(nb, 1), self._transport, self.device)
+            v = self._views[key] = cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0))
+        return v
 
     # close() (a collective on several ranks: one last barrier, then the IPC mappings are closed and the
     # buffers freed; the communicator stays open) and the closed-group check: EpGroup's.
@@ -446,45 +493,67 @@ class LowLatencyGroup:
 
     def _dispatch_cuda(self, call, xv, idx, wv, T, K, split, fp8=False, pair=False, dequantize=False, codes=None):
         self._setup(call.device_id)
-        xp, s = call.xp, call.stream
-        R, L, Tmax = self.size, self.num_local_experts, self.max_tokens_per_rank
+        s = call.stream
         b = self._next_set
         if self._pending[b] is not None:
             raise ValueError(f"dispatch: buffer set {b} still waits for the receive hook of an earlier dispatch; "
                              f"call that hook first (or create the group with num_buffers=2 for two dispatches "
                              f"in flight)")
-        a = dict(idx=xp.empty((T, K), np.int32), w=xp.empty((T, K), np.float32),
-                 route=xp.empty((R, Tmax, K), np.int32), slot_k=xp.empty((L, R * Tmax), np.int32),
-                 slot_w=xp.empty((L, R * Tmax), np.float32), counts=xp.empty(L, np.int32))
+        nbytes, layout = self._table_layout(T)
+        a = _Tables(call.xp.empty(nbytes, np.uint8), layout)  # the handle's tables: one allocation
         self._transport.barrier(s, "dispatch")
         handle = LowLatencyHandle(self, T, K, "cuda", call.device_id, a)
         handle.buffer_set = b
-        if fp8:
-            x, xq, xs = (None,) + xv if pair else (xv, None, None)
+        outs = (a.ptr("idx"), a.ptr("w"), a.ptr("route"), a.ptr("slot_k"), a.ptr("slot_w"), a.ptr("counts"))
+        ptrs = (0 if pair or not T else xv.data.ptr, idx.data.ptr if T else 0, wv.data.ptr if T else 0)
+        quant = None
+        if fp8:  # the pair's codes and scales (0 for a float x, quantized in the push)
+            quant = (xv[0].data.ptr if pair and T else 0, xv[1].data.ptr if pair and T else 0, int(dequantize))
 
-            def launch(c, phases):
-                self._launch_dispatch_fp8(c, x, xq, xs, idx, wv, T, b, a, dequantize, phases)
-        else:
-            def launch(c, phases):
-                self._launch_dispatch(c, xv, idx, wv, T, b, meta=True, scaled=False, out=a, zero_k=None,
-                                      op="dispatch", phases=phases)
+        def launch(c, phases, arrays=(xv, idx, wv)):  # holds the push's arrays (their pointers) until it runs
+            self._launch_dispatch(c, b, T, *ptrs, idx.dtype, outs, phases, quant=quant)
+
         launch(call, _PUSH if split else _PUSH | _RECEIVE)
         self._next_set = (b + 1) % self.num_buffers
         self._last_stream = s
         handle.slot_topk, handle.slot_weights = call.out(a["slot_k"]), call.out(a["slot_w"])
         handle.counts = call.out(a["counts"])
-        if fp8 and not dequantize:
-            q = self._view("recv_q", b, self._slots_shape(), np.uint8)
-            rows = (q if codes == np.uint8 else _arrays.fp8_array(q, codes),
-                    self._view("recv_s", b, self._slots_shape()[:2] + (self.num_scales,), np.float32))
-        else:
-            rows = (self._view("recv", b, self._slots_shape(), self.dtype),)
-        res = tuple(call.out(r) for r in rows) + (handle.counts, handle)
+        res = tuple(call.out(r) for r in self._rows(b, fp8 and not dequantize, codes)) + (handle.counts, handle)
         if not split:
             return res
         self._pending[b] = handle
-        # the receive launch keeps the push's arrays (and their pointers) alive until it is queued
         return res + (_Hook(self, handle, lambda c: launch(c, _RECEIVE)),)
+
+    def _rows(self, b, fp8, codes):
+        """The received rows of buffer set ``b`` as dispatch returns them (before ``call.out``): ``(recv,)``, or
+        with ``fp8`` the pair ``(recv_x_fp8, recv_scales)``, the codes in ``codes`` (uint8 or an FP8 dtype)."""
+        key = (b, fp8, codes)
+        rows = self._row_views.get(key)
+        if rows is None:
+            if fp8:
+                q = self._view("recv_q", b, self._slots_shape(), np.uint8)
+                rows = (q if codes == np.uint8 else _arrays.fp8_array(q, codes),
+                        self._view("recv_s", b, self._slots_shape()[:2] + (self.num_scales,), np.float32))
+            else:
+                rows = (self._view("recv", b, self._slots_shape(), self.dtype),)
+            self._row_views[key] = rows
+        return rows
+
+    def _table_layout(self, T):
+        """``(bytes, layout)`` of the handle tables of a dispatch of T tokens (see :class:`_Tables`; each table
+        at a 256-byte boundary), made once per T."""
+        got = self._layouts.get(T)
+        if got is None:
+            R, L, Tmax, K = self.size, self.num_local_experts, self.max_tokens_per_rank, self.topk
+            layout, o = {}, 0
+            for name, shape, dt in (("idx", (T, K), np.int32), ("w", (T, K), np.float32),
+                                    ("route", (R, Tmax, K), np.int32), ("slot_k", (L, R * Tmax), np.int32),
+                                    ("slot_w", (L, R * Tmax), np.float32), ("counts", (L,), np.int32)):
+                nb = math.prod(shape) * 4
+                layout[name] = (o, nb, shape, np.dtype(dt))
+                o += -(-nb // _ALIGN) * _ALIGN
+            got = self._layouts[T] = (o, layout)
+        return got
 
     def _receive(self, handle, keep, stream):
         """The receive half of a split dispatch (``_Hook.__call__``)."""
@@ -502,70 +571,85 @@ class LowLatencyGroup:
     def _vec(self, *ptrs):
         return (self.hidden * self.dtype.itemsize) % 16 == 0 and all(p % 16 == 0 for p in ptrs)
 
-    def _launch_dispatch(self, call, xv, idx, wv, T, b, *, meta, scaled, out, zero_k, op, phases=_PUSH | _RECEIVE):
-        d, R, L, Tmax, K = self._transport, self.size, self.num_local_experts, self.max_tokens_per_rank, self.topk
-        xptr = xv.data.ptr if T else 0
-        vec = self._vec(xptr, self._buf.local)
-        fn = _jit.function(_FILE, f"ep_ll_dispatch<{_jit.ctype(self.dtype)}, {_IDX[np.dtype(idx.dtype).name]}, "
-                                  f"{'true' if vec else 'false'}>")
-        C = self.chunk
-        NC = -(-Tmax // C)
-        ptr = lambda k: out[k].data.ptr if out is not None else 0  # noqa: E731
-        tab = self._tables
-        _jit.launch(fn, self._transport._grid(fn, call, max(NC, L)), _THREADS,
-                    (xptr, idx.data.ptr if T else 0, wv.data.ptr if T else 0, np.int32(T), np.int32(int(meta)),
-                     np.int32(int(scaled)), tab[("recv", b)], tab[("route", b)], tab[("rw", b)],
-                     d.flags.table, ptr("idx"), ptr("w"), ptr("route"), ptr("slot_k"), ptr("slot_w"), ptr("counts"),
-                     zero_k.data.ptr if zero_k is not None else 0, _errors.word(call.device_id), d.state,
-                     d._err_ptr, np.int64(d.timeout_ns), np.int32(_ep_direct.OP_CODES[op]), np.int32(R),
-                     np.int32(self.rank), np.int32(L), np.int32(Tmax), np.int32(K), np.int32(C),
-                     np.int64(self.hidden), np.int32(phases), np.int64(2 * R * Tmax * b),
-                     self._set_epoch.data.ptr + 4 * b if phases != _PUSH | _RECEIVE else 0), stream=call.stream)
+    def _kernel(self, call, kind, vec, idx_dtype=None, fused=True):
+        """``(kernel, most resident blocks or None)`` of ``kind<dtype[, IdxT], VEC>`` (``fused``: a kernel whose
+        blocks wait on each other's peers, sized by the transport's _grid), looked up once per group."""
+        key = (kind, vec, idx_dtype)
+        got = self._fns.get(key)
+        if got is None:
+            params = [_jit.ctype(self.dtype)] + ([_KERNEL_IDX[idx_dtype]] if idx_dtype is not None else [])
+            fn = _jit.function(_FILE, f"{kind}<{', '.join(params + ['true' if vec else 'false'])}>")
+            got = self._fns[key] = (fn, self._transport._grid(fn, call, 1 << 30) if fused else None)
+        return got
 
-    def _launch_dispatch_fp8(self, call, x, xq, xs, idx, wv, T, b, out, dequant, phases):
-        """ep_ll_dispatch_fp8: a float ``x`` quantized in the push, or the pair ``xq`` (uint8 codes) / ``xs``
-        (fp32 scales) pushed as is; ``dequant``: the receive half also dequantizes the valid slots into the
-        set's ``recv``."""
-        d, R, L, Tmax, K, H = (self._transport, self.size, self.num_local_experts, self.max_tokens_per_rank,
-                               self.topk, self.hidden)
-        src = xq if xq is not None else x
-        sptr = src.data.ptr if T else 0
-        # 16 channels a thread: 16-byte loads of x (or of the codes) and 16-byte stores of the codes
-        vec = H % 16 == 0 and sptr % 16 == 0 and self._buf.local % 16 == 0
-        fn = _jit.function(_FILE, f"ep_ll_dispatch_fp8<{_jit.ctype(self.dtype)}, "
-                                  f"{_IDX[np.dtype(idx.dtype).name]}, {'true' if vec else 'false'}>")
-        NC = -(-Tmax // self.chunk)
-        tab = self._tables
-        ptr = lambda a: a.data.ptr if a is not None and T else 0  # noqa: E731
-        _jit.launch(fn, self._transport._grid(fn, call, max(NC, L)), _THREADS,
-                    (ptr(x), ptr(xq), ptr(xs), ptr(idx), ptr(wv), np.int32(T), tab[("recv", b)],
-                     tab[("recv_q", b)], tab[("recv_s", b)], tab[("route", b)], tab[("rw", b)], d.flags.table,
-                     out["idx"].data.ptr, out["w"].data.ptr, out["route"].data.ptr, out["slot_k"].data.ptr,
-                     out["slot_w"].data.ptr, out["counts"].data.ptr, np.int32(int(dequant)),
-                     _errors.word(call.device_id), d.state, d._err_ptr, np.int64(d.timeout_ns),
-                     np.int32(_ep_direct.OP_CODES["dispatch"]), np.int32(R), np.int32(self.rank), np.int32(L),
-                     np.int32(Tmax), np.int32(K), np.int32(self.chunk), np.int64(H), np.int32(self.num_scales),
-                     np.int32(phases), np.int64(2 * R * Tmax * b),
-                     self._set_epoch.data.ptr + 4 * b if phases != _PUSH | _RECEIVE else 0), stream=call.stream)
+    def _dispatch_args(self, op, b, fp8):
+        """The constant parts of a dispatch launch's arguments for ``op`` into buffer set ``b`` (``fp8``:
+        ep_ll_dispatch_fp8's): ``(peer tables, the tail from the error word to H (and S), flag base, the
+        set's epoch word)``, made once."""
+        key = ("dispatch", op, b, fp8)
+        c = self._const.get(key)
+        if c is None:
+            d, t, i32 = self._transport, self._tables, np.int32
+            tabs = ((t[("recv", b)], t[("recv_q", b)], t[("recv_s", b)]) if fp8 else (t[("recv", b)],))
+            tabs += (t[("route", b)], t[("rw", b)], d.flags.table)
+            tail = (_errors.word(self.device), d.state, d._err_ptr, np.int64(d.timeout_ns),
+                    i32(_ep_direct.OP_CODES[op]), i32(self.size), i32(self.rank), i32(self.num_local_experts),
+                    i32(self.max_tokens_per_rank), i32(self.topk), i32(self.chunk), np.int64(self.hidden))
+            if fp8:
+                tail += (i32(self.num_scales),)
+            c = self._const[key] = (tabs, tail, np.int64(2 * self.size * self.max_tokens_per_rank * b),
+                                    self._set_epoch.data.ptr + 4 * b)
+        return c
 
-    def _launch_combine(self, call, handle, y, gws, w, out, grad_w, op):
-        d, R, L, Tmax, K = self._transport, self.size, self.num_local_experts, self.max_tokens_per_rank, self.topk
-        a, T, b = handle._a, handle.num_tokens, handle.buffer_set
-        vec = self._vec(y.data.ptr if y is not None else 0, out.data.ptr if out is not None else 0, self._buf.local)
-        fn = _jit.function(_FILE, f"ep_ll_combine<{_jit.ctype(self.dtype)}, {'true' if vec else 'false'}>")
-        C = self.chunk
-        NC = -(-Tmax // C)
+    def _launch_dispatch(self, call, b, T, x, idx, w, idx_dtype, outs, phases, *, op="dispatch", meta=True,
+                         scaled=False, zero_k=0, quant=None):
+        """One launch of the dispatch direction into buffer set ``b``: ep_ll_dispatch, or with ``quant = (xq,
+        xs, dequant)`` ep_ll_dispatch_fp8 (a float ``x`` quantized in the push when ``xq`` is 0, else the pair's
+        codes ``xq`` and scales ``xs`` pushed as is; ``dequant``: the receive half dequantizes into ``recv``).
+        ``x``, ``idx``, ``w``, ``zero_k`` and ``outs`` (the handle's six tables, or zeros) are device addresses,
+        0 for none (and for every token array when T = 0); ``idx_dtype`` picks IdxT; ``phases``: _PUSH,
+        _RECEIVE or both (a split launch also passes the set's epoch word). ``meta``, ``scaled``, ``zero_k``:
+        ep_ll_dispatch's (combine_bwd)."""
+        fp8 = quant is not None
+        if fp8:  # 16 channels a thread: 16-byte loads of x (or of the codes) and 16-byte stores of the codes
+            vec = self.hidden % 16 == 0 and (quant[0] or x) % 16 == 0 and self._buf.local % 16 == 0
+        else:
+            vec = self._vec(x, self._buf.local)
+        fn, resident = self._kernel(call, "ep_ll_dispatch_fp8" if fp8 else "ep_ll_dispatch", vec, idx_dtype)
+        tabs, tail, flag_base, set_epoch = self._dispatch_args(op, b, fp8)
+        if fp8:
+            head = (x, quant[0], quant[1], idx, w, np.int32(T)) + tabs + outs + (np.int32(quant[2]),)
+        else:
+            head = (x, idx, w, np.int32(T), np.int32(int(meta)), np.int32(int(scaled))) + tabs + outs + (zero_k,)
+        work = max(-(-self.max_tokens_per_rank // self.chunk), self.num_local_experts)
+        _jit.launch_raw(fn, max(1, min(work, resident)), _THREADS,
+                        head + tail + (np.int32(phases), flag_base, set_epoch if phases != _PUSH | _RECEIVE else 0),
+                        0, call.stream)
+
+    def _launch_combine(self, call, handle, y, gws, out, grad_w, op, weighted=False):
+        """One ep_ll_combine launch for ``handle`` (``weighted``: with its topk weights)."""
+        R, Tmax, T, b = self.size, self.max_tokens_per_rank, handle.num_tokens, handle.buffer_set
+        yp, outp = (y.data.ptr if y is not None else 0), (out.data.ptr if out is not None else 0)
+        vec = self._vec(yp, outp, self._buf.local)
+        fn, resident = self._kernel(call, "ep_ll_combine", vec)
+        key = ("combine", op, b)
+        c = self._const.get(key)
+        if c is None:
+            d, t, i32 = self._transport, self._tables, np.int32
+            c = self._const[key] = (
+                (t[("back", b)], t[("bw", b)], d.flags.table),
+                (d.state, d._err_ptr, np.int64(d.timeout_ns), i32(_ep_direct.OP_CODES[op]), i32(R), i32(self.rank),
+                 i32(self.num_local_experts), i32(Tmax), i32(self.topk)),
+                (i32(self.chunk), np.int64(self.hidden), np.int64(2 * R * Tmax * b)))
         # owner items: (token, slice of _THREADS 16-byte vectors of its row)
         nv = self.hidden // (16 // self.dtype.itemsize) if vec else self.hidden
         slices = -(-nv // _THREADS) if out is not None else 1
-        _jit.launch(fn, self._transport._grid(fn, call, max(NC * R, T * slices)), _THREADS,
-                    (y.data.ptr if y is not None else 0, gws.data.ptr if gws is not None else 0, a["route"],
-                     a["idx"].data.ptr if T else 0, w.data.ptr if w is not None and T else 0,
-                     self._tables[("back", b)], self._tables[("bw", b)], d.flags.table,
-                     out.data.ptr if out is not None and T else 0, grad_w.data.ptr if grad_w is not None and T else 0,
-                     d.state, d._err_ptr, np.int64(d.timeout_ns), np.int32(_ep_direct.OP_CODES[op]), np.int32(R),
-                     np.int32(self.rank), np.int32(L), np.int32(Tmax), np.int32(K), np.int32(T), np.int32(C),
-                     np.int64(self.hidden), np.int64(2 * R * Tmax * b)), stream=call.stream)
+        work = max(-(-Tmax // self.chunk) * R, T * slices)
+        _jit.launch_raw(fn, max(1, min(work, resident)), _THREADS,
+                        (yp, gws.data.ptr if gws is not None else 0, handle._ptr("route"),
+                         handle._ptr("idx") if T else 0, handle._ptr("w") if weighted and T else 0) + c[0]
+                        + (outp if T else 0, grad_w.data.ptr if grad_w is not None and T else 0) + c[1]
+                        + (np.int32(T),) + c[2], 0, call.stream)
 
     def combine(self, handle, expert_out, *, stream=None):
         """Reduce each token's expert outputs, weighted by ``topk_weights`` (a collective; no host sync).
@@ -589,7 +673,7 @@ class LowLatencyGroup:
             T = handle.num_tokens
             out = call.xp.empty((T, self.hidden), self.dtype)
             self._transport.barrier(call.stream, "combine")
-            self._launch_combine(call, handle, y, None, handle._a["w"], out, None, "combine")
+            self._launch_combine(call, handle, y, None, out, None, "combine", weighted=True)
             self._last_stream = call.stream
             return call.out(out)
 
@@ -624,7 +708,7 @@ class LowLatencyGroup:
             gx = call.xp.empty((T, self.hidden), self.dtype)
             gwt = call.xp.empty((T, K), np.float32) if gw is not None else None
             self._transport.barrier(call.stream, "dispatch_bwd")
-            self._launch_combine(call, handle, g, gw, None, gx, gwt, "dispatch_bwd")
+            self._launch_combine(call, handle, g, gw, gx, gwt, "dispatch_bwd")
             self._last_stream = call.stream
             return call.out(gx), (None if gwt is None else call.out(gwt))
 
@@ -664,22 +748,22 @@ class LowLatencyGroup:
                 if y.data.ptr < lo + n and y.data.ptr + y.nbytes > lo:
                     raise ValueError("expert_out: must not be the group's receive buffer (combine_bwd overwrites "
                                      "it); pass a copy")
-            a, s = handle._a, call.stream
-            gy = self._view("recv", handle.buffer_set, self._slots_shape(), self.dtype)
+            s, b = call.stream, handle.buffer_set
+            gy = self._rows(b, False, None)[0]
             self._transport.barrier(s, "combine_bwd")
-            self._launch_dispatch(call, g, a["idx"], a["w"], T, handle.buffer_set, meta=False, scaled=y is None,
-                                  out=None, zero_k=a["slot_k"], op="combine_bwd")
+            self._launch_dispatch(call, b, T, g.data.ptr if T else 0, handle._ptr("idx"), handle._ptr("w"),
+                                  np.dtype(np.int32), (0,) * 6, _PUSH | _RECEIVE, op="combine_bwd", meta=False,
+                                  scaled=y is None, zero_k=handle._ptr("slot_k"))
             gwt = None
             if y is not None:
                 n = gy.shape[0] * gy.shape[1]
                 dots = call.xp.empty(n, np.float32)
-                vec = self._vec(y.data.ptr, self._buf.local)
-                fn = _jit.function(_FILE, f"ep_ll_slot_dot<{_jit.ctype(self.dtype)}, {'true' if vec else 'false'}>")
+                fn = self._kernel(call, "ep_ll_slot_dot", self._vec(y.data.ptr, self._buf.local), fused=False)[0]
                 grid = max(1, min(-(-n // 8), _jit.device_properties(call.device_id)["sm_count"] * 8))
-                _jit.launch(fn, grid, 256, (gy, y, a["slot_k"], a["slot_w"], dots, np.int64(n), np.int64(self.hidden)),
-                            stream=s)
+                _jit.launch(fn, grid, 256, (gy, y, handle._ptr("slot_k"), handle._ptr("slot_w"), dots, np.int64(n),
+                                            np.int64(self.hidden)), stream=s)
                 gwt = call.xp.empty((T, self.topk), np.float32)
                 self._transport.barrier(s, "combine_bwd")
-                self._launch_combine(call, handle, None, dots, None, None, gwt, "combine_bwd")
+                self._launch_combine(call, handle, None, dots, None, gwt, "combine_bwd")
             self._last_stream = s
             return call.out(gy), (None if gwt is None else call.out(gwt))

@@ -42,6 +42,7 @@ _names = []
 for _c in _jit.CTYPES.values():
     for _v in ("true", "false"):
         _names += [f"quantize_fp8<{_c}, {_v}>", f"dequantize_fp8<{_c}, {_v}>"]
+_names += ["fp8_pack_rows<true>", "fp8_pack_rows<false>"]
 _jit.register(_FILE, _names)
 
 
@@ -112,15 +113,51 @@ def _v4(block: int, H: int, *ptr_align) -> bool:
 def launch_quantize(x, q, scales, block: int, device_id: int, stream) -> None:
     """The quantize kernel on checked, C-contiguous device arrays: ``x [T,H]`` fp32/bf16/fp16 into ``q [T,H]``
     (any 1-byte array: e4m3 codes) and ``scales [T, ceil(H/block)]`` fp32, on ``stream``."""
+    nb = _ref.num_blocks(int(x.shape[1]), block)
+    _quantize(x, q.data.ptr, scales.data.ptr, int(x.shape[1]), nb, block, device_id, stream)
+
+
+def _quantize(x, q_ptr, s_ptr, q_stride, s_stride, block, device_id, stream):
     T, H = int(x.shape[0]), int(x.shape[1])
     if not T or not H:
         return
     nb = _ref.num_blocks(H, block)
-    v4 = _v4(block, H, (x.data.ptr, 4 * x.dtype.itemsize), (q.data.ptr, 4))
+    v4 = _v4(block, H, (x.data.ptr, 4 * x.dtype.itemsize), (q_ptr, 4)) and q_stride % 4 == 0
     fn = _jit.function(_FILE, f"quantize_fp8<{_jit.ctype(x.dtype)}, {'true' if v4 else 'false'}>")
     _jit.launch(fn, _grid(T * nb, device_id), _THREADS,
-                (x.data.ptr, q.data.ptr, scales.data.ptr, np.int64(T), np.int32(H), np.int32(block),
-                 np.int32(nb)), stream=stream)
+                (x.data.ptr, q_ptr, s_ptr, np.int64(T), np.int32(H), np.int32(block), np.int32(nb),
+                 np.int64(q_stride), np.int64(s_stride)), stream=stream)
+
+
+def packed_layout(H: int, block: int = 128) -> tuple[int, int, int]:
+    """The packed rows of a one-pass FP8 dispatch (docs/ep.md §9; kernels/fp8.cu): ``(S, scale_at, row_bytes)``:
+    a row holds its ``H`` e4m3 codes, then at byte ``scale_at = ceil4(H)`` its ``S = ceil(H/block)`` fp32
+    scales, then zero bytes up to ``row_bytes``, the next multiple of 16 (the transports' 16-byte copy unit).
+    H = 7168: 7168 + 224 = 7392 bytes."""
+    S = _ref.num_blocks(H, block)
+    at = -(-H // 4) * 4
+    return S, at, -(-(at + 4 * S) // 16) * 16
+
+
+def launch_quantize_packed(x, packed, block: int, device_id: int, stream) -> None:
+    """The quantize kernel writing packed rows (:func:`packed_layout`): ``x [T,H]`` fp32/bf16/fp16 into
+    ``packed [T, row_bytes]`` uint8 (C-contiguous device arrays), on ``stream``: each row of x read once."""
+    _, at, rb = packed_layout(int(x.shape[1]), block)
+    _quantize(x, packed.data.ptr, packed.data.ptr + at, rb, rb // 4, block, device_id, stream)
+
+
+def launch_pack(q, scales, packed, block: int, device_id: int, stream) -> None:
+    """A pre-quantized pair (``q [T,H]`` 1-byte codes, ``scales [T, ceil(H/block)]`` fp32; C-contiguous device
+    arrays) into ``packed [T, row_bytes]`` uint8 rows (:func:`packed_layout`), one kernel, on ``stream``."""
+    T, H = int(q.shape[0]), int(q.shape[1])
+    if not T:
+        return
+    S, _, rb = packed_layout(H, block)
+    w4 = H % 4 == 0 and q.data.ptr % 4 == 0 and packed.data.ptr % 4 == 0
+    items = T * rb // (4 if w4 else 1)
+    _jit.launch(_jit.function(_FILE, f"fp8_pack_rows<{'true' if w4 else 'false'}>"), _grid(-(-items // 32), device_id),
+                _THREADS, (q.data.ptr, scales.data.ptr, packed.data.ptr, np.int64(T), np.int32(H), np.int32(S),
+                           np.int64(rb)), stream=stream)
 
 
 def launch_dequantize(q, scales, y, block: int, device_id: int, stream) -> None:

@@ -532,7 +532,10 @@ def fp8(cp, comm):
             n += 1
     fp8_case(cp, comm, 5100, experts(8), 6, 64, (10, 12), 16, "holes", "capacity", 4, b16)
     fp8_case(cp, comm, 5101, experts(8), 2, 256, (0, 0), 16, "uniform", "exact", 1, b16)
-    log(f"fp8: {n + 2} cases OK ({TRANSPORT_CHUNKS})")
+    # H = 77: packed rows whose codes, gap (to ceil4(H) = 80) and scales are stored a byte at a time
+    fp8_case(cp, comm, 5102, experts(8), 3, 77, (21, 30), 32, "holes", "exact", 1, b16)
+    fp8_case(cp, comm, 5103, experts(8), 3, 77, (21, 30), 32, "uniform", "capacity", 2, f32)
+    log(f"fp8: {n + 4} cases OK ({TRANSPORT_CHUNKS})")
 
 
 def direct_lifecycle(cp, comm):

@@ -1070,9 +1070,10 @@ def test_multi_gpu_transports(what, n):
 def test_multi_gpu_fp8_dispatch(n):
     # EpGroup.dispatch(fp8=True) in exact and capacity modes on the direct and NCCL transports: bitwise equal
     # to quantize_fp8 then the reference dispatch (torch bf16/fp16/fp32 in, float8_e4m3fn out; a CuPy uint8
-    # pair; dequantize=True), combine and dispatch_bwd afterwards as after a dispatch of x, direct == NCCL
+    # pair; dequantize=True), combine and dispatch_bwd afterwards as after a dispatch of x, direct == NCCL;
+    # H = 77 too (the packed rows' byte-wide sink pieces); the FP8 sinks compile on first use (a longer timeout)
     pytest.importorskip("torch")
-    r = _run_worker("fp8", n=n, timeout=240)
+    r = _run_worker("fp8", n=n, timeout=360)
     assert r.returncode == 0 and "[rank 0] ALL OK" in r.stdout
 
 
@@ -1133,6 +1134,12 @@ class _Trace:
         _Trace.events.append(("alloc", int(n), a.data.ptr))
         return a
 
+    @staticmethod
+    def zeros(n, dtype):
+        a = _Arr(n, dtype)
+        _Trace.events.append(("zeros", int(n), a.data.ptr))
+        return a
+
 
 class _Kernel:
     def __init__(self, name):
@@ -1165,6 +1172,8 @@ class _Box:
 
 class _RecDirect:
     state = _Arr(2, np.uint32)
+    bar = _Box
+    timeout_ns, _err_ptr = 10**9, 128
 
     def prepare_box(self, K, half, stream, wait):
         return _Box
@@ -1174,6 +1183,46 @@ class _RecDirect:
 
     def failed_op(self):
         return None
+
+
+def _stand_in_prepare(monkeypatch, record, sms, resident):
+    """Kernels, devices and the scratch stood in for prepare on the CPU: each launch goes to ``record(name,
+    grid, block)`` after checking that it passes as many arguments as its kernel takes; ``sms`` SMs, ``resident``
+    blocks of any kernel resident at once."""
+    from moe_rt import _arrays, _errors, _jit, permutation
+    from moe_rt import ep as ep_mod
+
+    def launch_raw(fn, grid, block, args, smem, stream):
+        name = (fn if isinstance(fn, str) else fn.name).split("<")[0]  # permutation launches Kernel.kernel
+        record(name, grid, block)
+        assert len(args) == _kernel_params("ep.cu" if name.startswith("ep_") else "permutation.cu", name), name
+
+    monkeypatch.setattr(_jit, "function", lambda file, name: _Kernel(name))
+    monkeypatch.setattr(_jit, "launch_raw", launch_raw)
+    monkeypatch.setattr(_jit, "set_max_dynamic_shared", lambda fn, n: None)
+    monkeypatch.setattr(_jit, "device_properties", lambda dev: {"sm_count": sms})
+    monkeypatch.setattr(_errors, "word", lambda dev: 64)
+    monkeypatch.setattr(_arrays, "contiguous", lambda xp, a: a)
+    monkeypatch.setattr(permutation, "_fns", {})
+    monkeypatch.setattr(permutation, "_plan_cfgs", {})
+    monkeypatch.setattr(ep_mod, "_resident", lambda fn, threads, smem, dev: resident)
+
+
+def _traced_group(R, me, E, Tmax, mode, transport):
+    """A group of rank ``me`` of ``R`` on the given transport (kernels, NCCL and the direct transport's shared
+    buffers stood in for: _Trace records what prepare issues)."""
+    comm = None if R == 1 else _RecComm(me, R)
+    g = EpGroup(comm, E, 8, Tmax, mode=mode, transport="nccl")
+    # grid_sync's words: a plain device allocation, zeroed once per group and device
+    g._grid_sync_words = lambda dev, stream: (_Trace.events.append(("memset", 8)), 1 << 36)[1]
+    if transport == "direct":
+        g.transport, g._transport = "direct", _RecDirect()
+    if transport == "mixed":  # prepare's segments through NCCL with every peer, as on the NCCL transport
+        from moe_rt import _ep_mixed
+
+        node = type("D", (), {"lo": me - 1, "hi": me + 1})()
+        g.transport, g._transport = "mixed", _ep_mixed.MixedTransport(node, g._transport)
+    return g
 
 
 def _kernel_params(file, name):
@@ -1192,37 +1241,14 @@ def test_prepare_launch_trace(monkeypatch, transport, R, mode, fused):
     and memory stood in for): no all-gather of the routing table, only counts and the sent rows; one kernel
     for the received side (ep_prepare_plan) unless its shared memory would not fit (then ep_prepare_recv and
     the permutation plan's kernels); each launch passes as many arguments as its kernel takes."""
-    from moe_rt import _arrays, _errors, _jit, permutation
     from moe_rt import ep as ep_mod
 
     _Trace.events = []
-
-    def launch_raw(fn, grid, block, args, smem, stream):
-        name = (fn if isinstance(fn, str) else fn.name).split("<")[0]  # permutation launches Kernel.kernel
-        _Trace.events.append((name, grid))
-        file = "ep.cu" if name.startswith("ep_") else "permutation.cu"
-        assert len(args) == _kernel_params(file, name), name
-
-    monkeypatch.setattr(_jit, "function", lambda file, name: _Kernel(name))
-    monkeypatch.setattr(_jit, "launch_raw", launch_raw)
-    monkeypatch.setattr(_jit, "set_max_dynamic_shared", lambda fn, n: None)
-    monkeypatch.setattr(_jit, "device_properties", lambda dev: {"sm_count": 4})
-    monkeypatch.setattr(_errors, "word", lambda dev: 64)
-    monkeypatch.setattr(_arrays, "contiguous", lambda xp, a: a)
-    monkeypatch.setattr(permutation, "_fns", {})
-    monkeypatch.setattr(permutation, "_plan_cfgs", {})
+    _stand_in_prepare(monkeypatch, lambda name, grid, block: _Trace.events.append((name, grid)), 4, 6)
     if not fused:
         monkeypatch.setattr(ep_mod._PrepCfg, "FUSED_SMEM", 0)
     E, K, Tmax, T, me = 4 * R, 2, 16, 11, R - 1
-    comm = None if R == 1 else _RecComm(me, R)
-    g = EpGroup(comm, E, 8, Tmax, mode=mode, transport="nccl")
-    if transport == "direct":
-        g.transport, g._transport = "direct", _RecDirect()
-    if transport == "mixed":  # prepare's segments through NCCL with every peer, as on the NCCL transport
-        from moe_rt import _ep_mixed
-
-        node = type("D", (), {"lo": me - 1, "hi": me + 1})()
-        g.transport, g._transport = "mixed", _ep_mixed.MixedTransport(node, g._transport)
+    g = _traced_group(R, me, E, Tmax, mode, transport)
     rows, slots = 7 * R, 9 * R
     host = np.zeros(5 * R + 10, np.int32)
     host[_handle.meta_index("recv_rows", R)] = rows
@@ -1241,7 +1267,9 @@ def test_prepare_launch_trace(monkeypatch, transport, R, mode, fused):
     group = ["group_start"] + ["send", "recv"] * (R - 1) + ["group_end"] if transport != "direct" and R > 1 else []
     exchange = ["ep_direct_barrier"] if transport == "direct" else group
     recv = ["ep_prepare_plan"] if fused else ["ep_prepare_recv", "plan_count", "plan_scan", "plan_assign"]
-    if mode == "capacity":
+    if mode == "capacity" and transport == "direct" and fused:
+        want = ["ep_prepare_direct"]  # send side, barrier and received side in one kernel
+    elif mode == "capacity":
         want = ["ep_prepare_send"] + exchange + recv
     else:
         want = ["ep_prepare_send"] + exchange + ["ep_plan_meta", "host read"] + group + recv
@@ -1271,6 +1299,106 @@ def test_prepare_launch_trace(monkeypatch, transport, R, mode, fused):
                                                             [("copy", h.layout["recv_local"][0])])
     assert h.sizes["rows"] == (R * P if mode == "capacity" else rows)
     assert h.layout["routing"][2] == Tmax * K + 1  # this rank's routing only
+
+
+# The most kernel launches and NCCL groups one capacity-mode prepare issues, per transport (the send side, the
+# exchange and the received side fused as far as the transport allows: on the direct transport one kernel).
+_PREPARE_LAUNCH_BUDGET = {"direct": (1, 0), "nccl": (2, 1), "mixed": (2, 1)}
+
+
+@pytest.mark.parametrize("transport", ["direct", "nccl", "mixed"])
+@pytest.mark.parametrize("R", [2, 4, 8])
+@pytest.mark.parametrize("T", [0, 100, 4096])
+def test_prepare_capacity_launch_budget(monkeypatch, transport, R, T):
+    """A capacity-mode prepare (after its first call, which makes the set-up) issues at most the budgeted
+    kernel launches and NCCL groups, no memset and no host read, the same at every R (nothing per peer but
+    the NCCL group's send/recv pairs); its send side's grid covers its chunks within one resident wave."""
+    from moe_rt import _jit
+    from moe_rt import ep as ep_mod
+
+    launches = []
+    resident = 2 * 132
+    _stand_in_prepare(monkeypatch, lambda name, grid, block: launches.append((name, grid, block)), 132, resident)
+    monkeypatch.setattr(_jit, "launch", lambda *a, **k: launches.append(("launch",)))
+    E, K, Tmax, me = 256, 8, 4096, R - 1
+    g = _traced_group(R, me, E, Tmax, "capacity", transport)
+    monkeypatch.setattr(g, "_read_meta", lambda *a: pytest.fail("capacity mode read the device"))
+    call = type("Call", (), {"xp": _Trace, "stream": type("S", (), {"ptr": 9})(), "device_id": 0})()
+    idx = _Arr(max(T, 1) * K, np.int32)
+    g._prepare_cuda(call, idx, T, K)
+    for _ in range(2):
+        _Trace.events, launches[:] = [], []
+        g._prepare_cuda(call, idx, T, K)
+        kernels, groups = _PREPARE_LAUNCH_BUDGET[transport]
+        assert len(launches) <= kernels, launches
+        assert [e[0] for e in _Trace.events].count("group_start") <= groups
+        assert not [e for e in _Trace.events if e[0] in ("memset", "zeros", "all_gather", "ep_direct_barrier")]
+        c = next(iter(g._prep_cfgs.values()))
+        assert c.B * c.TC >= T and c.B <= ep_mod._PrepCfg.MAX_CHUNKS and c.TC % 32 == 0
+        grid = launches[0][1]
+        assert grid <= resident and grid >= min(resident, R * c.B)
+        assert launches[0][2] == c.threads == 256
+
+
+@pytest.mark.parametrize("transport", ["direct", "nccl"])
+def test_prepare_grid_sync_words_per_stream(monkeypatch, transport):
+    """prepare's send side synchronizes its blocks through two words of device memory per group and stream,
+    made (and zeroed) once: later calls on a stream reuse its words, another stream gets its own, another
+    group its own."""
+    from moe_rt import _jit
+
+    _stand_in_prepare(monkeypatch, lambda *a: None, 132, 264)
+    sent = []
+    monkeypatch.setattr(_jit, "launch_raw",
+                        lambda fn, grid, block, args, smem, stream: sent.append((fn.name.split("<")[0], args)))
+    made = []
+
+    def words(g):
+        def make(dev, stream):
+            made.append((id(g), stream.ptr))
+            return 4096 * len(made)
+        return make
+
+    gs = [_traced_group(2, 1, 16, 64, "capacity", transport) for _ in range(2)]
+    for g in gs:
+        g._grid_sync_words = words(g)
+    streams = [type("S", (), {"ptr": p})() for p in (9, 10)]
+    idx = _Arr(40 * 2, np.int32)
+    for g, stream in [(gs[0], streams[0]), (gs[0], streams[0]), (gs[0], streams[1]), (gs[1], streams[0]),
+                      (gs[0], streams[1])]:
+        call = type("Call", (), {"xp": _Trace, "stream": stream, "device_id": 0})()
+        g._prepare_cuda(call, idx, 40, 2)
+    # the send side's last argument (ep_prepare_send); ep_prepare_direct's 22nd (after the send side's scratch)
+    name, at = ("ep_prepare_send", -1) if transport == "nccl" else ("ep_prepare_direct", 21)
+    assert [a[at] for n, a in sent if n == name] == [4096, 4096, 8192, 12288, 8192]
+    assert made == [(id(gs[0]), 9), (id(gs[0]), 10), (id(gs[1]), 9)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode,pair", [("capacity", 700), ("capacity", None), ("exact", None)])
+@pytest.mark.parametrize("id_dtype", [np.int32, np.int64])
+def test_one_gpu_prepare_many_chunks_matches_cpu_handle(rng, mode, pair, id_dtype):
+    """prepare's send side over many chunks of tokens (B up to 64 per destination; pair capacity 700 ending
+    inside a chunk): the handle holds, region by region, what the CPU path writes (poisoned pool memory
+    underneath)."""
+    import cupy as cp
+
+    E, K, H, Tmax = 64, 6, 16, 9000
+    kw = {} if mode == "exact" else {"pair_capacity": pair}
+    g_gpu = EpGroup(None, E, H, Tmax, mode=mode, **kw)
+    g_cpu = EpGroup(None, E, H, Tmax, mode=mode, **kw)
+    for T in (Tmax, 4097, 700, 129, 31, 0):
+        for kind in ("holes", "skewed", "one"):
+            idx = make_routing(rng, T, E, K, kind).astype(id_dtype)
+            cp.cuda.Device().synchronize()
+            poison = cp.full(1 << 22, 0x5A, cp.uint8)
+            del poison
+            h = g_gpu.prepare(cp.asarray(idx))
+            hc = g_cpu.prepare(idx)
+            assert h.layout == hc.layout and h.sizes == hc.sizes
+            for region in ("meta", "routing", "send_tok", "send_pos", "recv_tok", "recv_local", "dst_row",
+                           "src_slot", "seg_start", "expert_counts", "tokens_per_expert"):
+                assert np.array_equal(h.view(region).get(), hc.view(region)), (T, kind, region)
 
 
 @pytest.mark.gpu
@@ -1451,19 +1579,24 @@ class _DevHandle:
 
 def _mixed_transport(monkeypatch, R, local_size, me, P, events):
     """A MixedTransport of rank ``me`` (kernels, NCCL and the IPC-shared stages stood in for)."""
-    from moe_rt import _ep_direct, _ep_mixed, _ep_nccl, _jit, permutation
+    from moe_rt import _ep_direct, _ep_mixed, _ep_nccl, _ep_rows, _jit, permutation
 
     def launch(fn, grid, block, args, *, shared_mem=0, stream=None):
         name = fn.name.split("<")[0]
         assert len(args) == _kernel_params("ep.cu", name), name
         events.append(("launch", name, args))
 
+    def launch_raw(fn, grid, block, args, shared_mem, stream):
+        launch(fn, grid, block, args, shared_mem=shared_mem, stream=stream)
+
     monkeypatch.setattr(_jit, "function", lambda file, name: _Kernel(name))
     monkeypatch.setattr(_jit, "launch", launch)
+    monkeypatch.setattr(_jit, "launch_raw", launch_raw)
     monkeypatch.setattr(_jit, "set_max_dynamic_shared", lambda fn, n: None)
     monkeypatch.setattr(_jit, "device_properties", lambda dev: {"sm_count": 4})
     monkeypatch.setattr(_ep_direct, "_resident_ctas", lambda fn, threads, dev: 8)
     monkeypatch.setattr(_ep_mixed, "_subplan", lambda h, lo, hi: ("rows", lo, hi))
+    monkeypatch.setattr(_ep_rows, "_launches", {})  # set-ups made with the stand-in kernels stay here
 
     def combine(y, plan, w=None, *, stream=None):
         events.append(("combine", plan, None if w is None else w.data.ptr))
@@ -1494,6 +1627,7 @@ def _mixed_transport(monkeypatch, R, local_size, me, P, events):
     d = object.__new__(_ep_direct.DirectTransport)  # what __init__ sets, without the CUDA calls
     d.comm, d.device, d.R, d.me, d.lo, d.hi, d.P = comm, 0, R, me, lo, lo + local_size, P
     d.timeout_ns, d._stages, d._order, d.closed, d._err_ptr = 10**9, {}, [], False, 64
+    d._pairs, d._launches, d._views = {}, {}, {}
     d._wait = d._op_wait = None
     d.state = _Dev(2, np.uint32)
     d.bar = d.flags = type("Sh", (), {"table": _Dev(R, np.int64)})()
@@ -1646,3 +1780,253 @@ def test_mixed_op_trace(monkeypatch, rng, R, local_size, me, mode):
         if gw is not None:
             assert [r[1:] for r in recvs[1::2]] == [(sc[p] * K * 4, wstage + p * P * K * 4) for p in remote]
             assert [s[1] for s in sends[1::2]] == [rc[p] * K * 4 for p in remote]
+
+
+# -- FP8 dispatch: one pass of the transport over packed rows (docs/ep.md §9), traced on the CPU ----------------
+
+class _Dev8(_Dev):
+    """_Dev with what EpGroup.dispatch's checks read of an array."""
+
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+    def astype(self, dtype, copy=True):
+        return self
+
+    @staticmethod
+    def empty(shape, dtype):
+        return _Dev8(shape, dtype)
+
+    @staticmethod
+    def ascontiguousarray(a):
+        return a
+
+
+def test_fp8_packed_layout():
+    """The packed row: H codes, at ceil4(H) the ceil(H/128) fp32 scales, padded to a multiple of 16 bytes; the
+    sink's piece divides the codes, the gap and the scales (16 for H = 7168: 7392-byte rows)."""
+    from moe_rt._ep_rows import Fp8Rows
+    from moe_rt.fp8 import packed_layout
+
+    assert packed_layout(7168) == (56, 7168, 7392)
+    for H, want in ((7168, (56, 7168, 7392, 16)), (512, (4, 512, 528, 16)), (300, (3, 300, 320, 4)),
+                    (100, (1, 100, 112, 4)), (77, (1, 80, 96, 1)), (2880, (23, 2880, 2976, 4)), (1, (1, 4, 16, 1))):
+        r = Fp8Rows(H)
+        assert (r.S, r.scale_at, r.row_bytes, r.piece) == want, H
+        assert r.row_bytes % 16 == 0 and r.row_bytes - (r.scale_at + 4 * r.S) < 16
+    a = type("A", (), {"data": _Ptr(1 << 20)})()
+    assert Fp8Rows(7168).sink((a, a)) == ("Fp8Rows<16>", 1 << 20, 1 << 20, np.int32(7168))
+    assert Fp8Rows(7168, "bfloat16").sink((a,))[:3] == ("Fp8Dequant<__nv_bfloat16, 16>", 1 << 20, 0)
+    odd = type("A", (), {"data": _Ptr((1 << 20) + 4)})()  # an output aligned to 4 bytes only: narrower pieces
+    assert Fp8Rows(7168).sink((odd, a))[0] == "Fp8Rows<4>"
+    assert Fp8Rows(7168, np.float32).sink((odd,))[0] == "Fp8Dequant<float, 1>"
+    names = Fp8Rows.sink_names()
+    assert len(names) == len(set(names)) == 12 and "Fp8Dequant<__half, 4>" in names
+
+
+@pytest.mark.parametrize("pair", [False, True])
+@pytest.mark.parametrize("dequantize", [False, True])
+def test_fp8_dispatch_one_transport_pass(monkeypatch, pair, dequantize):
+    """EpGroup.dispatch(fp8=True) on CUDA (arrays, kernels and the transport stood in for): one kernel writes the
+    packed rows (quantize_fp8 with the packed strides from x, or fp8_pack_rows from a pair), then exactly one
+    transport forward over them, with the weights and the Fp8Rows of the outputs; nothing runs after it (no
+    second pass for the scales, no dequantize or split kernel)."""
+    from moe_rt import _arrays, _jit, _ep_rows
+    from moe_rt.reference import fp8 as fref
+
+    launches, passes = [], []
+    E, H, Tmax, K, T = 8, 300, 16, 2, 11
+    g = EpGroup(None, E, H, Tmax)
+    h = g.prepare(np.arange(T * K).reshape(T, K).astype(np.int32) % E)  # a CPU handle, taken for a CUDA one
+    h.state.update(backend="cuda", device_id=0)
+
+    def launch(fn, grid, block, args, *, shared_mem=0, stream=None):
+        launches.append((fn.name, args))
+
+    monkeypatch.setattr(_jit, "function", lambda file, name: _Kernel(name))
+    monkeypatch.setattr(_jit, "launch", launch)
+    monkeypatch.setattr(_jit, "device_properties", lambda dev: {"sm_count": 4})
+    monkeypatch.setattr(_arrays, "contiguous", lambda xp, a: a)
+    monkeypatch.setattr(_arrays, "cupy_of", lambda a: a)
+    monkeypatch.setattr(_arrays, "fp8_array", lambda a, dt: ("fp8", a))
+    stream = type("S", (), {"ptr": 9})()
+
+    class Call:
+        backend, framework, device_id, xp = "cuda", "torch", 0, _Dev8
+
+        def __init__(self, arrays, stream=None, **kw):
+            self.arrays, self.stream = arrays, stream_
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+        def __getitem__(self, name):
+            return self.arrays[name]
+
+        def out(self, a):
+            return a
+
+    stream_ = stream
+    monkeypatch.setattr(_arrays, "Call", Call)
+
+    class Rec:
+        def forward(self, call, h, x, w, op, *, expand=True, want_w=False, fp8=None):
+            passes.append((x, w, op, expand, want_w, fp8, len(launches)))
+            N = h.sizes["N"]
+            return fp8.empty(call.xp, N), (_Dev8(N, np.float32) if want_w else None)
+
+    g._transport = Rec()
+    S = fref.num_blocks(H, 128)
+    w = _Dev8((T, K), np.float32)
+    x = (_Dev8((T, H), np.uint8), _Dev8((T, S), np.float32)) if pair else _Dev8((T, H), _arrays.BFLOAT16)
+    out = g.dispatch(h, x, w, fp8=True, dequantize=dequantize)
+    assert len(passes) == 1  # one transport pass: codes and scales together
+    px, pw, op, expand, want_w, rows, at = passes[0]
+    assert isinstance(rows, _ep_rows.Fp8Rows) and (op, expand, want_w, pw) == ("dispatch", True, True, w)
+    assert px.shape == (T, rows.row_bytes) == (T, 320) and px.dtype == np.uint8
+    assert [n for n, _ in launches] == (["fp8_pack_rows<true>"] if pair else ["quantize_fp8<__nv_bfloat16, true>"])
+    assert at == 1  # the packing kernel, then the pass; nothing after it
+    args = launches[0][1]
+    if pair:  # codes, scales -> the packed rows
+        assert (args[0], args[1], args[2]) == (x[0].data.ptr, x[1].data.ptr, px.data.ptr)
+        assert int(args[-1]) == rows.row_bytes
+    else:  # q = the packed rows, scales at byte ceil4(H) of each, row strides row_bytes and row_bytes / 4
+        assert (args[1], args[2]) == (px.data.ptr, px.data.ptr + rows.scale_at)
+        assert (int(args[-2]), int(args[-1])) == (rows.row_bytes, rows.row_bytes // 4)
+    N = h.sizes["N"]
+    if dequantize:
+        y, rw, _ = out
+        assert rows.dtype == np.dtype(_arrays.BFLOAT16) and y.shape == (N, H) and y.dtype == rows.dtype
+    else:
+        q, s, rw, _ = out
+        assert rows.dtype is None
+        q = q if pair else q[1]  # a float x: the codes come back as float8_e4m3fn (fp8_array)
+        assert q.shape == (N, H) and q.dtype == np.uint8 and s.shape == (N, S) and s.dtype == np.float32
+
+
+@pytest.mark.parametrize("kind", ["direct", "mixed", "nccl"])
+@pytest.mark.parametrize("mode", ["capacity", "exact"])
+@pytest.mark.parametrize("dequantize", [False, True])
+def test_fp8_transport_one_pass_trace(monkeypatch, rng, kind, mode, dequantize):
+    """A transport's forward over packed FP8 rows (fp8=Fp8Rows), traced on the CPU: one barrier and one fused
+    ep_direct_dispatch whose sink splits (or dequantizes) the rows into the outputs as it expands them (direct,
+    and the mixed transport's node pass), one NCCL group carrying rows of row_bytes, ep_expand_rows with the
+    same sink for the rows received through NCCL (mixed; the NCCL transport's serial path too, instead of the
+    permutation family's dispatch), then fill_rows over each output; each launch passes as many arguments as
+    its kernel takes."""
+    from moe_rt import _jit, permutation
+    from moe_rt._ep_rows import Fp8Rows
+
+    events = []
+    R, local_size, me, P, K = (4, 2, 1, 5, 2) if kind == "mixed" else (2, 2, 0, 5, 2)
+    t = _mixed_transport(monkeypatch, R, local_size, me, P, events)
+    monkeypatch.setattr(permutation, "dispatch", lambda *a, **k: events.append(("permutation.dispatch",)))
+    if kind == "direct":
+        t = t.direct
+    elif kind == "nccl":
+        t = t.nccl
+    h = _mixed_handle(R, me, P, K, mode, rng)
+    H = 100
+    rows = Fp8Rows(H, np.float32 if dequantize else None)
+    call = type("Call", (), {"xp": _Dev, "stream": type("S", (), {"ptr": 9})(), "device_id": 0})()
+    x = _Dev((h.sizes["T"], rows.row_bytes), np.uint8)
+    w = _Dev((h.sizes["T"], K), np.float32)
+    full = {}
+    monkeypatch.setattr(_jit, "function", lambda file, name: (full.setdefault(name.split("<")[0], []).append(name),
+                                                               _Kernel(name))[1])
+    out, out_w = t.forward(call, h, x, w, "dispatch", want_w=True, fp8=rows)
+    N = h.sizes["N"]
+    if dequantize:
+        assert len(out) == 1 and out[0].shape == (N, H) and out[0].dtype == np.float32
+    else:
+        assert [(o.shape, o.dtype) for o in out] == [((N, H), np.uint8), ((N, 1), np.float32)]
+    assert out_w.shape == (N,)
+    names = [e[1] if e[0] == "launch" else e[0] for e in events]
+    assert "permutation.dispatch" not in names
+    sink = "Fp8Dequant<float, 4>" if dequantize else "Fp8Rows<4>"
+    fills = ["ep_fill_rows"] * len(out)
+    if kind in ("direct", "mixed"):
+        assert names.count("ep_direct_barrier") == 1 and names.count("ep_direct_dispatch") == 1
+        assert full["ep_direct_dispatch"] == [f"ep_direct_dispatch<uint4, 8, {sink}>"]
+        disp = next(e[2] for e in events if e[0] == "launch" and e[1] == "ep_direct_dispatch")
+        assert (disp[0], disp[8], disp[10]) == (x.data.ptr, out[0].data.ptr, H)
+        assert disp[9] == (0 if dequantize else out[1].data.ptr)
+        assert int(disp[-3]) == rows.row_bytes // 16  # units of the packed row
+        stages = (t.direct if kind == "mixed" else t)._stages  # one stage: rows of row_bytes
+        assert ("rows", rows.row_bytes) in stages and len([k for k in stages if k[0] == "rows"]) == 1
+    if kind == "direct":
+        assert names[-len(fills):] == fills and "ep_expand_rows" not in names and "group_start" not in names
+    else:
+        remote = [p for p in range(R) if (not t.lo <= p < t.hi if kind == "mixed" else p != me)]
+        assert names.count("group_start") == 1  # one NCCL group: every row with its scales
+        sends = [e for e in events if e[0] == "send"][::2]
+        sc, _, rc, _ = (t.nccl if kind == "mixed" else t)._host_counts(h)
+        assert [(e[1], e[2]) for e in sends] == [(p, sc[p] * rows.row_bytes) for p in remote if sc[p]]
+        exp = [e[2] for e in events if e[0] == "launch" and e[1] == "ep_expand_rows"]
+        assert exp and set(full["ep_expand_rows"]) == {f"ep_expand_rows<uint4, 4, {sink}>"}
+        for a in exp:
+            assert (a[1], a[-1]) == (out[0].data.ptr, H) and a[-2] == (0 if dequantize else out[1].data.ptr)
+            assert int(a[5]) == rows.row_bytes // 16
+        if kind == "nccl":  # the serial path expands every received row, the own share too, in one launch
+            assert len(exp) == 1 and int(exp[0][6]) == h.sizes["rows"]
+        assert names[-len(fills):] == fills
+    fill_args = [e[2] for e in events if e[0] == "launch" and e[1] == "ep_fill_rows"]
+    assert [a[0] for a in fill_args] == [o.data.ptr for o in out]
+    assert fill_args[0][1] == out_w and all(a[1] == 0 for a in fill_args[1:])
+
+
+def test_fp8_sink_kernels_compile():
+    """The FP8 sinks of ep_expand_rows (the NCCL and mixed transports' expand of packed FP8 rows) compile for
+    sm_90, every registered one in one program (ep_direct_dispatch's: test_direct_kernels_compile)."""
+    from moe_rt import _jit
+    from moe_rt._ep_rows import Fp8Rows
+
+    names = [f"ep_expand_rows<uint4, 4, {k}>" for k in Fp8Rows.sink_names()]
+    assert set(names) <= set(_jit.REGISTRY["ep.cu"])
+    image, lowered = _jit.compile_offline("ep.cu", "sm_90", names)
+    assert set(lowered) == set(names)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["exact", "capacity"])
+@pytest.mark.parametrize("H", [77, 300, 512, 2880])  # sink pieces 1, 4, 16, 4 bytes
+def test_one_gpu_fp8_dispatch_matches_cpu(rng, mode, H):
+    """A 1-rank group on one GPU (the NCCL transport's path without an exchange: the packed rows of the own
+    share expanded by ep_expand_rows' FP8 sinks): dispatch(fp8=True) of a float x and of a uint8 pair, with
+    and without dequantize, bitwise equal to the CPU group (the NumPy reference), padding rows zero, the pool
+    poisoned underneath; bf16, fp16 and fp32 x."""
+    import cupy as cp
+    import ml_dtypes
+
+    from moe_rt.reference import fp8 as fref
+
+    E, K, Tmax, T = 9, 3, 40, 37
+    kw = {} if mode == "exact" else {"pair_capacity": 30, "capacity": 50}  # some pairs and slots dropped
+    g_gpu = EpGroup(None, E, H, Tmax, mode=mode, align_size=4, **kw)
+    g_cpu = EpGroup(None, E, H, Tmax, mode=mode, align_size=4, **kw)
+    idx = make_routing(rng, T, E, K, "holes")
+    w = rng.random((T, K)).astype(np.float32)
+    for dt in (ml_dtypes.bfloat16, np.float16, np.float32):
+        x = (rng.standard_normal((T, H)) * rng.choice([1e-3, 1.0, 40.0], size=(T, 1))).astype(np.float32).astype(dt)
+        q, s = fref.quantize_fp8(np.asarray(x))
+        cp.cuda.Device().synchronize()
+        poison = cp.full(1 << 22, 0x5A, cp.uint8)  # freed into the pool: later allocations start dirty
+        del poison
+        h, hc = g_gpu.prepare(cp.asarray(idx)), g_cpu.prepare(idx)
+        pair_g, pair_c = (cp.asarray(q.view(np.uint8)), cp.asarray(s)), (q.view(np.uint8), s)
+        cq, cs, cw, _ = g_cpu.dispatch(hc, pair_c, w, fp8=True)
+        gq, gs, gw, _ = g_gpu.dispatch(h, pair_g, cp.asarray(w), fp8=True)
+        assert np.array_equal(gq.get(), cq) and np.array_equal(gs.get(), cs) and np.array_equal(gw.get(), cw)
+        if dt != ml_dtypes.bfloat16:  # a float x from CuPy (dequantize=True: CuPy holds no FP8)
+            cy, _, _ = g_cpu.dispatch(hc, x, w, fp8=True, dequantize=True)
+            gy, _, _ = g_gpu.dispatch(h, cp.asarray(x), cp.asarray(w), fp8=True, dequantize=True)
+            assert gy.dtype == cy.dtype and np.array_equal(gy.get().view(np.uint8), cy.view(np.uint8))
+        cy, _, _ = g_cpu.dispatch(hc, pair_c, fp8=True, dequantize=True)  # the pair's rows in bfloat16
+        gy, _, _ = g_gpu.dispatch(h, pair_g, fp8=True, dequantize=True)
+        assert np.array_equal(gy.get().view(np.uint8), np.asarray(cy).view(np.uint8))
+        pad = hc.view("src_slot")[:hc.sizes["N"]] < 0
+        assert not cq[pad].any() and not cs[pad].any()

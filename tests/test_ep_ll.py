@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import moe_rt
+from moe_rt import _ep_direct
 from moe_rt.ep_ll import LowLatencyGroup, LowLatencyHandle
 from moe_rt.reference import ep_ll as ref
 
@@ -562,6 +563,226 @@ def test_low_latency_kernels_compile(arch):
     assert len(names) == len(ep_ll._names) == 36
     image, lowered = _jit.compile_offline("ep.cu", arch, names)
     assert set(lowered) == set(names) and image
+
+
+# -- the CUDA path's host side, the device stood in for (CPU) --------------------------------------------
+
+def _kernel_params(name):
+    """``[(C type, name)]`` of kernel ``name``'s parameters in kernels/ep.cu."""
+    import re
+
+    text = (ROOT / "kernels" / "ep.cu").read_text()
+    m = re.search(rf"\b{name}\(([^)]*)\)\s*\{{", text)
+    assert m, name
+    out = []
+    for p in m.group(1).split(","):
+        words = p.replace("*", " * ").split()
+        out.append(("ptr" if "*" in words else words[-2], words[-1]))
+    return out
+
+
+def _stand_ins():
+    """tools/profile_ll_host.py's StandIns (the device stood in for)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("profile_ll_host", ROOT / "tools" / "profile_ll_host.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.StandIns
+
+
+class _LLTrace:
+    """The device stood in for (tools/profile_ll_host.py, undone after the test), each launch recorded with
+    its arguments by parameter name after checking their count and types; ``take()``: the launches and
+    allocations since the last take."""
+
+    def __init__(self, monkeypatch):
+        pytest.importorskip("cupy")
+        self.st = _stand_ins()(monkeypatch.setattr, resident=8, sm_count=4)
+        self.st.on_launch = self._launch
+        self.events, self.kernels = [], []
+        self.array, self.dev, self.group = self.st.array, self.st.dev, self.st.group
+
+    def _launch(self, fn, grid, block, args):
+        self.kernels.append(fn.name)
+        name = fn.name.split("<")[0]
+        params = _kernel_params(name)
+        assert len(args) == len(params), name
+        for (ctype, pname), a in zip(params, args):  # each argument of the type its parameter takes
+            want = {"int": np.int32, "i64": np.int64}.get(ctype)
+            assert (type(a) is want) if want else (type(a) is int or hasattr(a, "data")), (name, pname, a)
+        named = {pname: (int(a) if type(a) is int or isinstance(a, np.generic) else a.data.ptr)
+                 for (_, pname), a in zip(params, args)}
+        one = lambda v: v[0] if type(v) is tuple and len(v) == 1 else v  # noqa: E731 - 1-D grid / block
+        self.events.append((name, one(grid), one(block), named))
+
+    def take(self):
+        ev, self.events, self.kernels = self.events, [], []
+        allocs, self.st.allocs = self.st.allocs, 0
+        return ev, allocs
+
+
+@pytest.mark.parametrize("fp8", [None, "float", "pair", "dequant"])
+@pytest.mark.parametrize("T", [11, 0])
+def test_cuda_host_path_launches_and_arguments(monkeypatch, fp8, T):
+    """An eager low-latency dispatch + combine on CUDA (device stood in for) issues exactly one barrier and
+    one kernel each way and two allocations (the handle's tables, in one; combine's output), and passes each
+    kernel the arguments it takes, by parameter name (tables of the right set, the handle's tables, the
+    constants); the split hook, both backwards and a second buffer set too; a handle keeps its own tables
+    after later dispatches."""
+    import ml_dtypes
+
+    tr = _LLTrace(monkeypatch)
+    R, me, E, H, Tmax, K = 2, 1, 6, 40, 13, 3
+    L, bf = E // R, np.dtype(ml_dtypes.bfloat16)
+    g = tr.group(R, me, E, H, Tmax, K, bf, 2, True)
+    d, OP = g._transport, _ep_direct.OP_CODES
+    x, idx, w = tr.dev((T, H), bf), tr.dev((T, K), np.int64), tr.dev((T, K), np.float32)
+    pair = (tr.array((T, H), np.uint8), tr.array((T, g.num_scales), np.float32))  # CuPy, as the pair is taken
+    y, gout = tr.dev((L, R * Tmax, H), bf), tr.dev((T, H), bf)
+    gsw = tr.dev((L, R * Tmax), np.float32)
+    S = g.num_scales
+    consts = dict(state=d.state.ptr, err_word=96, timeout_ns=10**9, R=R, me=me, L=L, Tmax=Tmax, K=K, C=1, H=H)
+
+    def ptr(a, on=True):
+        return a.data.ptr if on and T else 0
+
+    def dispatch(b, **kw):
+        args = (pair if fp8 == "pair" else x, idx, w)
+        return g.dispatch(*args, fp8=fp8 is not None, dequantize=fp8 == "dequant", **kw)
+
+    def tables(h):
+        return {k: h._a[k].data.ptr if h._a[k].size else 0
+                for k in ("idx", "w", "route", "slot_k", "slot_w", "counts")}
+
+    def want_dispatch(b, h, phases, op="dispatch"):
+        t, tab = tables(h), g._tables
+        want = dict(consts, err=64, op=OP[op], Tn=T, peer_recv=tab[("recv", b)], peer_route=tab[("route", b)],
+                    peer_rw=tab[("rw", b)], peer_flags=d.flags.table.ptr, idx_out=t["idx"], w_out=t["w"],
+                    route_out=t["route"], slot_k=t["slot_k"], slot_w=t["slot_w"], counts=t["counts"],
+                    phases=phases, flag_base=2 * R * Tmax * b,
+                    set_epoch=0 if phases == 3 else g._set_epoch.data.ptr + 4 * b, idx=ptr(idx), w=ptr(w))
+        if fp8 is None:
+            want.update(x=ptr(x), meta=1, scaled=0, zero_k=0)
+        else:
+            want.update(x=ptr(x, fp8 != "pair"), xq=ptr(pair[0], fp8 == "pair"), xs=ptr(pair[1], fp8 == "pair"),
+                        peer_recv_q=tab[("recv_q", b)], peer_recv_s=tab[("recv_s", b)], dequant=int(fp8 == "dequant"),
+                        S=S)
+        return want
+
+    def barrier(op):
+        return ("ep_direct_barrier", 1, 32, dict(peer_bar=d.bar.table.ptr, R=R, me=me, state=d.state.ptr,
+                                                 timeout_ns=10**9, err_word=96, op=OP[op], lo=0, hi=R))
+
+    kernel = "ep_ll_dispatch" if fp8 is None else "ep_ll_dispatch_fp8"
+    handles = []
+    for b in (0, 1, 0):  # the sets alternate (num_buffers=2)
+        out = dispatch(b)
+        h = out[-1]
+        handles.append(h)
+        ev, allocs = tr.take()
+        assert allocs == 1  # the handle's six tables in one allocation
+        assert ev == [barrier("dispatch"), (kernel, 8, 512, want_dispatch(b, h, 3))]
+        rows = out[:-2]
+        regions = ["recv"] if fp8 in (None, "dequant") else ["recv_q", "recv_s"]
+        assert [r.data.ptr for r in rows] == [g._buf.local + g._offs[(n, b)][0] for n in regions]
+        assert out[-2] is h.counts and h.counts.data.ptr == tables(h)["counts"]
+        assert h.slot_topk.shape == (L, R * Tmax) and h.slot_topk.data.ptr == tables(h)["slot_k"]
+        assert h.slot_weights.dtype == np.float32 and h.slot_weights.data.ptr == tables(h)["slot_w"]
+        # the tables lie apart, inside the one allocation
+        spans = sorted((p, p + h._a[k].nbytes) for k, p in tables(h).items() if p)
+        assert all(a1 <= b0 for (_, a1), (b0, _) in zip(spans, spans[1:]))
+    # each dispatch has tables of its own: the first handle's stay valid after later dispatches
+    assert len({tables(h)["route"] for h in handles}) == 3
+
+    h = handles[1]  # set 1, two dispatches ago
+    res = g.combine(h, y)
+    ev, allocs = tr.take()
+    assert allocs == 1 and res.shape == (T, H)
+    t = tables(h)
+    combine = dict(consts, y=y.ptr, gws=0, route=t["route"], idx=t["idx"], w=t["w"],
+                   peer_back=g._tables[("back", 1)], peer_bw=g._tables[("bw", 1)], peer_flags=d.flags.table.ptr,
+                   out=res.data.ptr if T else 0, grad_w=0, op=OP["combine"], Tn=T, flag_base=2 * R * Tmax)
+    assert ev == [barrier("combine"), ("ep_ll_combine", 8, 512, combine)]
+
+    gx, gw = g.dispatch_bwd(h, y, gsw)
+    ev, allocs = tr.take()
+    assert allocs == 2
+    assert ev == [barrier("dispatch_bwd"), ("ep_ll_combine", 8, 512,
+                                             dict(combine, gws=gsw.ptr, w=0, out=gx.data.ptr if T else 0,
+                                                  grad_w=gw.data.ptr if T else 0, op=OP["dispatch_bwd"]))]
+
+    for yk in (None, tr.dev((L, R * Tmax, H), bf)):
+        gy, gw = g.combine_bwd(h, gout, yk)
+        ev, allocs = tr.take()
+        assert gy.data.ptr == g._buf.local + g._offs[("recv", 1)][0]
+        bwd = dict(consts, err=64, op=OP["combine_bwd"], Tn=T, x=ptr(gout), idx=t["idx"], w=t["w"], meta=0,
+                   scaled=int(yk is None), peer_recv=g._tables[("recv", 1)], peer_route=g._tables[("route", 1)],
+                   peer_rw=g._tables[("rw", 1)], peer_flags=d.flags.table.ptr, idx_out=0, w_out=0, route_out=0,
+                   slot_k=0, slot_w=0, counts=0, zero_k=t["slot_k"], phases=3, flag_base=2 * R * Tmax, set_epoch=0)
+        want = [barrier("combine_bwd"), ("ep_ll_dispatch", 8, 512, bwd)]
+        if yk is not None:
+            n = L * R * Tmax
+            want += [("ep_ll_slot_dot", -(-n // 8) if n < 256 else 32, 256,
+                      dict(g=gy.data.ptr, y=yk.ptr, slot_k=t["slot_k"], slot_w=t["slot_w"], dots=ev[2][3]["dots"],
+                           n=n, H=H)),
+                     barrier("combine_bwd"),
+                     ("ep_ll_combine", 8, 512, dict(combine, y=0, gws=ev[2][3]["dots"], w=0, out=0,
+                                                    grad_w=gw.data.ptr if T else 0, op=OP["combine_bwd"]))]
+        assert ev == want and allocs == (0 if yk is None else 2)
+
+    # the split dispatch: barrier and push now, the receive half at the hook, nothing allocated by the hook
+    out = dispatch(1, return_recv_hook=True)
+    h, hook = out[-2], out[-1]
+    ev, allocs = tr.take()
+    assert allocs == 1 and ev == [barrier("dispatch"), (kernel, 8, 512, want_dispatch(1, h, 1))]
+    hook()
+    ev, allocs = tr.take()
+    assert allocs == 0 and ev == [(kernel, 8, 512, want_dispatch(1, h, 2))]
+
+
+@pytest.mark.parametrize("dtype,H,idx_dtype,shift,vec", [("bfloat16", 64, np.int32, 0, "true"),
+                                                        ("float16", 36, np.int64, 0, "false"),
+                                                        ("float32", 8, np.int64, 4, "false")])
+def test_cuda_host_path_round_trip_counts(monkeypatch, dtype, H, idx_dtype, shift, vec):
+    """Pinned: an eager round trip (dispatch + combine) issues four launches and two allocations, from the
+    first call on, and looks its kernels up on the first call only; the kernels' template arguments follow
+    the dtype, the id dtype and the 16-byte vector path (rows of a multiple of 16 bytes at 16-byte aligned
+    addresses)."""
+    import ml_dtypes
+
+    from moe_rt import _jit
+
+    tr = _LLTrace(monkeypatch)
+    dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    g = tr.group(4, 2, 16, H, 8, 2, dt, 1, False)
+    x, idx, w = tr.dev((5, H), dt), tr.dev((5, 2), idx_dtype), tr.dev((5, 2), np.float32)
+    x.ptr += shift
+    y = tr.dev(g._slots_shape(), dt)
+    c, i = _jit.ctype(dt), {np.int32: "int", np.int64: "long long"}[idx_dtype]
+    for n in range(3):
+        h = g.dispatch(x, idx, w)[-1]
+        g.combine(h, y)
+        names = list(tr.kernels)
+        ev, allocs = tr.take()
+        assert names == ["ep_direct_barrier", f"ep_ll_dispatch<{c}, {i}, {vec}>", "ep_direct_barrier",
+                         f"ep_ll_combine<{c}, {'true' if dt.itemsize * H % 16 == 0 else 'false'}>"]
+        assert allocs == 2
+        assert tr.st.lookups == (4 if n == 0 else 0)  # two barriers (one per op), dispatch, combine
+        tr.st.lookups = 0
+
+
+def test_profile_ll_host_tool_runs():
+    """tools/profile_ll_host.py (the host time of each op with the device stood in for) runs without a GPU and
+    counts the launches and allocations the tests above pin."""
+    pytest.importorskip("cupy")
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "profile_ll_host.py"), "--calls", "2"],
+                       capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = {line[:30].strip(): line[30:].split() for line in r.stdout.splitlines()[1:]}
+    assert rows["dispatch+combine"][1:] == ["4", "2"] and rows["dispatch split+hook"][1:] == ["3", "1"]
+    assert len(rows) == 9 and all(float(v[0]) > 0 for v in rows.values())
 
 
 # -- one GPU: the 1-rank group against the reference; graph replay ---------------------------------------

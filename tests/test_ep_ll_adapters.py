@@ -367,6 +367,30 @@ def test_jax_ll_forward_bf16_and_unspecified_empty_slots(device, dtype, rng):
     assert not np.asarray(outs[0][0], np.float32)[~valid].any()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,hidden", [("bfloat16", 768), ("float32", 384)])
+def test_jax_ll_dispatch_rows_output_the_size_of_the_handle_tables(dtype, hidden):
+    """E = K = Tmax = T = 1: recv_x's bytes (H * itemsize = 1536) equal those of the one allocation holding the
+    handle's six tables (each 4 bytes at a 256-byte boundary), the only output of a unique size; inside the
+    callback (which serves an allocation of an output's unique size from that output's buffer) the tables must
+    not land in recv_x's buffer. Every output equals the CPU path's."""
+    idx = np.zeros((1, 1), np.int32)
+    x = (np.arange(hidden, dtype=np.float32) / 7 - 20).reshape(1, hidden)
+    w = np.full((1, 1), 0.75, np.float32)
+    res = {}
+    for device in ("cpu", "gpu"):
+        group = moe_rt.LowLatencyGroup(None, 1, hidden, 1, topk=1, dtype=dtype)
+        with jax.default_device(jax.devices(device)[0]):
+            xj = jnp.asarray(x, getattr(jnp, dtype))
+            rx, counts, h = jax.jit(lambda x, w, group=group: mj.ll_dispatch(group, x, jnp.asarray(idx), w))(
+                xj, jnp.asarray(w))
+            out = jax.jit(mj.ll_combine)(h, rx * 2)
+            res[device] = [np.asarray(a) for a in (rx, counts, out, *jax.tree_util.tree_leaves(h))]
+    for a, b in zip(res["gpu"], res["cpu"]):
+        np.testing.assert_array_equal(a, b)
+    assert res["gpu"][1].tolist() == [1]
+
+
 def test_jax_ll_bad_input_same_messages_as_core(rng):
     T = 5
     group = moe_rt.LowLatencyGroup(None, E, H, TMAX, topk=K, dtype="float32")

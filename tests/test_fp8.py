@@ -524,12 +524,13 @@ def _nvrtc():
 @pytest.mark.skipif(not _nvrtc(), reason="NVRTC or CUDA headers not installed")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_fp8_kernels_compile_offline(arch):
-    """Every registered instantiation of kernels/fp8.cu (cuda_fp8.h found through the include path) compiles
-    alone for sm_80 (the conversions emulated) and sm_90 (the hardware e4m3 conversions)."""
+    """Every registered instantiation of kernels/fp8.cu (cuda_fp8.h found through the include path; the packing
+    of a one-pass FP8 dispatch's rows too) compiles alone for sm_80 (the conversions emulated) and sm_90 (the
+    hardware e4m3 conversions)."""
     from moe_rt import _jit
 
     names = _jit.REGISTRY["fp8.cu"]
-    assert len(names) == 12
+    assert len(names) == 14  # quantize and dequantize per dtype and V4, fp8_pack_rows per W4
     for n in names:
         image, lowered = _jit.compile_offline("fp8.cu", arch, [n])
         assert lowered[n].encode() in image

@@ -7,7 +7,8 @@
 
 Shapes: T in {512, 4096, 16384} tokens per rank, H=7168, bf16, E=256, K=8, uniform random top-k routing.
 For each mode (exact; capacity eager; capacity as one CUDA graph of prepare+dispatch+combine) it times
-prepare (eager: CUDA-event time and, column host_us, the calling thread's median host time of the call;
+prepare (eager: CUDA-event time and, column host_us, the calling thread's median host time of the call, also
+given for dispatch, combine and the round trip;
 capacity+graph: "prepare (graph)", prepare alone captured in a graph, its device time), then dispatch, combine and the round trip per transfer configuration (``--chunks``; default
 s1 = serial in one part, o2 = overlapped in two parts, 2 = the EpGroup default: two parts, overlapped when
 the rank sends at least 64 MiB) of the NCCL transport and the direct peer-memory transport (chunks column
@@ -27,8 +28,9 @@ peer access), optionally the serial path's pieces alone
 
 ``--fp8`` adds a row "dispatch fp8" after each "dispatch" row (exact and capacity eager, every transfer
 configuration, the same T and inputs): :meth:`EpGroup.dispatch` with ``fp8=True`` (quantize on the sending
-side, the e4m3 rows and their fp32 block scales on the wire: ``H + 4*ceil(H/128)`` bytes a row instead of
-``2H``), and the column x_vs_bf16 = the bf16 dispatch's time / the FP8 one's (the speedup).
+side, the e4m3 codes and fp32 block scales of a token packed into one row on the wire, one pass of the
+transport: ``H + 4*ceil(H/128)`` bytes a row padded to a multiple of 16, instead of ``2H``), and the column
+x_vs_bf16 = the bf16 dispatch's time / the FP8 one's (the speedup).
 
 ``--mode low_latency`` times :class:`moe_rt.LowLatencyGroup` instead (T=128 by default, the same E, K, H):
 dispatch and combine alone, eager and captured alone in a CUDA graph (the graph rows are device time), the
@@ -208,6 +210,7 @@ def _rank(args):
     import torch.distributed as dist
 
     from moe_rt.ep import EpGroup
+    from moe_rt.fp8 import packed_layout
 
     rank, world, dev, comm = _init_rank()
     E, K, H = 256, 8, 7168
@@ -349,7 +352,7 @@ def _rank(args):
                 send_rows = (world - 1) * sz["P"]
             wire = send_rows * H * 2
             wire_w = send_rows * K * 4
-            wire_fp8 = send_rows * (H + 4 * -(-H // 128))  # e4m3 rows and their fp32 block scales
+            wire_fp8 = send_rows * packed_layout(H)[2]  # packed rows: e4m3 codes and fp32 block scales
             # (b) raw all_to_all_single of the same bytes (own share excluded)
             per_peer = send_rows // max(world - 1, 1)
             splits = [0 if p == rank else per_peer for p in range(world)]
@@ -415,14 +418,15 @@ def _rank(args):
                     for c, grp, h in zip(chunk_counts, grps, hs):
                         if op == "dispatch":
                             ms = timed(lambda: grp.dispatch(h, x, w))
-                            rows.append((op, c, ms, wire + wire_w, t_tdisp, t_raw, t_ce, None))
+                            rows.append((op, c, ms, wire + wire_w, t_tdisp, t_raw, t_ce,
+                                         host_timed(lambda: grp.dispatch(h, x, w))))
                             if args.fp8:
                                 ms8 = timed(lambda: grp.dispatch(h, x, w, fp8=True))
                                 rows.append(("dispatch fp8", c, ms8, wire_fp8 + wire_w, t_tdisp, t_raw, t_ce, None,
                                              ms / ms8))
                         elif op == "combine":
                             ms = timed(lambda: grp.combine(h, y))
-                            rows.append((op, c, ms, wire, t_tcomb, t_raw, t_ce, None))
+                            rows.append((op, c, ms, wire, t_tcomb, t_raw, t_ce, host_timed(lambda: grp.combine(h, y))))
                         else:
                             def rt():
                                 hh = grp.prepare(idx)
@@ -430,7 +434,7 @@ def _rank(args):
                                 return grp.combine(hh, r)
 
                             rows.append((op, c, timed(rt), 2 * wire + wire_w, t_trt, 2 * t_raw,
-                                         2 * t_ce if t_ce else None, None))
+                                         2 * t_ce if t_ce else None, host_timed(rt)))
             if rank == 0:
                 for op, c, ms, nbytes, tms, rawms, cems, hus, *vs_bf16 in rows:
                     table.add(op=op, mode=mode, chunks=c, T=T, ms=ms, host_us=hus, wire_MB=nbytes / 1e6,

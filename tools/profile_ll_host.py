@@ -1,0 +1,199 @@
+"""Host time of eager LowLatencyGroup ops on CUDA arrays, on a machine without a GPU (issue 32: the eager round
+trip's host share). The device is stood in for: kernels, launches (counted, not made), the transport's device
+buffers, the op's array import (``_arrays.Call``) and CuPy's allocations (counted; CuPy arrays over fake
+addresses, so the memory pool's own cost is left out). Everything else is the real code path: checks, tables,
+kernel and argument set-up, barrier, views. Per op: microseconds of this thread's CPU time per call (the best
+of 7 rounds), launches and allocations per call. Group: 2 ranks, E=256, H=7168, Tmax=T=128, K=8, bf16, FP8.
+
+    python tools/profile_ll_host.py [--calls 400] [--profile OP]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import time
+
+import numpy as np
+
+
+class StandIns:
+    """The device stood in for, through ``setattr_`` (default: for good, in this process; a test passes its
+    monkeypatch's setattr): kernels (each lookup counted in ``lookups``), launches (``on_launch(fn, grid,
+    block, args)``; default: counted in ``launches``), the op's array import (``moe_rt._arrays.Call``: a CUDA
+    call of framework 'devarray' on stream 7, results handed back as they are), CuPy allocations (counted in
+    ``allocs``: CuPy arrays over fake addresses, an empty one at 0 as CuPy's), streams, the current device
+    (0), the device's error word (64), ``resident`` blocks of a fused kernel and ``sm_count`` SMs."""
+
+    def __init__(self, setattr_=setattr, resident=264, sm_count=132):
+        import cupy
+
+        from moe_rt import _arrays, _ep_direct, _errors, _jit
+
+        self.cupy, self.launches, self.allocs, self.lookups = cupy, 0, 0, 0
+        self.addrs = itertools.count(1 << 40, 1 << 24)
+        self.on_launch = None
+        st = self
+
+        class Xp:
+            @staticmethod
+            def empty(shape, dtype):
+                st.allocs += 1
+                return st.array(shape, dtype)
+
+        class Call:
+            def __init__(self, arrays, stream=None, **kw):
+                self.backend, self.xp, self.device_id, self.framework = "cuda", Xp, 0, "devarray"
+                self.stream, self.views = type("S", (), {"ptr": 7})(), dict(arrays)
+
+            def __getitem__(self, k):
+                return self.views[k]
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *a):
+                return False
+
+            def out(self, a):
+                return a
+
+        class Device:
+            def __init__(self, i=None):
+                self.id = 0
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *a):
+                return False
+
+        class Kernel:
+            def __init__(self, name):
+                self.name, self.ptr = name, id(self)
+
+        def function(file, name):
+            st.lookups += 1
+            return Kernel(name)
+
+        def launch_raw(fn, grid, block, args, smem, stream):
+            st.launches += 1
+            if st.on_launch is not None:
+                st.on_launch(fn, grid, block, args)
+
+        setattr_(_jit, "function", function)
+        setattr_(_jit, "launch_raw", launch_raw)
+        setattr_(_jit, "device_properties", lambda dev: {"sm_count": sm_count})
+        setattr_(_errors, "word", lambda dev: 64)
+        setattr_(_ep_direct, "_resident_ctas", lambda fn, threads, dev: resident)
+        setattr_(_arrays, "Call", Call)
+        setattr_(_arrays, "as_cupy_stream", lambda stream, dev: type("S", (), {"ptr": 9})())
+        setattr_(cupy.cuda, "Device", Device)
+
+    def array(self, shape, dtype):
+        """A CuPy array over a fake address (nothing reads or writes its memory); an empty one at address 0,
+        as CuPy's."""
+        cupy = self.cupy
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        n = math.prod(shape) * np.dtype(dtype).itemsize
+        mem = cupy.cuda.UnownedMemory(next(self.addrs) if n else 0, max(n, 1), None, 0)
+        return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0))
+
+    def dev(self, shape, dtype):
+        """A DevArray over a fake address."""
+        from moe_rt import _arrays
+
+        return _arrays.DevArray(next(self.addrs), tuple(shape), np.dtype(dtype), None, 0)
+
+    def group(self, R, me, E, H, Tmax, K, dtype="bfloat16", num_buffers=1, fp8=False):
+        """A LowLatencyGroup of rank ``me`` of R whose transport and shared buffers are stand-ins (what its
+        _setup makes, without CUDA): the error word at 96, the peer tables of the shared buffers at 2**50 plus
+        their offsets."""
+        from moe_rt import _ep_direct
+        from moe_rt.ep_ll import LowLatencyGroup
+
+        comm = type("Comm", (), {"rank": me, "size": R, "device": 0, "all_gather": None})()
+        g = LowLatencyGroup(comm, E, H, Tmax, topk=K, dtype=dtype, num_buffers=num_buffers, fp8=fp8)
+        d = object.__new__(_ep_direct.DirectTransport)
+        d.comm, d.device, d.R, d.me, d.lo, d.hi, d.P = comm, 0, R, me, 0, R, 2 * Tmax * num_buffers
+        d.timeout_ns, d._stages, d._order, d.closed, d._err_ptr = 10**9, {}, [], False, 96
+        d._pairs, d._launches, d._views = {}, {}, {}  # the launch set-ups DirectTransport.__init__ starts empty
+        d.state = self.dev((2,), np.uint32)
+        d.bar = type("Sh", (), {"table": self.dev((R,), np.int64)})()
+        d.flags = type("Sh", (), {"table": self.dev((R,), np.int64)})()
+        offs, o = {}, 0
+        for name, nb in g._regions():
+            offs[name] = (o, nb)
+            o += -(-nb // 256) * 256
+        buf = type("Sh", (), {"local": 1 << 56, "table": self.dev((R,), np.int64)})()  # apart from the arrays
+        g._transport, g._buf, g._offs = d, buf, offs
+        g._tables = {n: (1 << 50) + off for n, (off, _) in offs.items()}
+        g._set_epoch = self.array(num_buffers, np.uint32)
+        return g
+
+
+def _time(st, f, n):
+    """(the best of 7 rounds of ``n`` calls: microseconds of this thread's CPU time per call, launches per call,
+    allocations per call)."""
+    for _ in range(50):
+        f()
+    best = None
+    for _ in range(7):  # the best of 7 rounds (a shared machine)
+        c0 = (st.launches, st.allocs)
+        t = time.thread_time()
+        for _ in range(n):
+            f()
+        dt = (time.thread_time() - t) / n * 1e6
+        best = dt if best is None else min(best, dt)
+    return best, (st.launches - c0[0]) / n, (st.allocs - c0[1]) / n
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--calls", type=int, default=400, help="calls per round (default 400)")
+    ap.add_argument("--profile", default=None, metavar="OP", help="cProfile one op (its name as printed)")
+    a = ap.parse_args(argv)
+    if a.calls < 1:
+        ap.error("--calls: expected a positive number")
+    st = StandIns()
+    T, K, H = 128, 8, 7168
+    g = st.group(2, 0, 256, H, T, K, fp8=True)
+    bf = g.dtype
+    x, idx, w = st.dev((T, H), bf), st.dev((T, K), np.int32), st.dev((T, K), np.float32)
+    y, gout, yk = st.dev(g._slots_shape(), bf), st.dev((T, H), bf), st.dev(g._slots_shape(), bf)
+    gsw = st.dev(g._slots_shape()[:2], np.float32)
+    pair = (st.array((T, H), np.uint8), st.array((T, g.num_scales), np.float32))  # CuPy, as a pair is taken
+    h = g.dispatch(x, idx, w)[-1]
+
+    def round_trip():
+        g.combine(g.dispatch(x, idx, w)[-1], y)
+
+    def split():
+        g.dispatch(x, idx, w, return_recv_hook=True)[-1]()
+
+    ops = {"dispatch": lambda: g.dispatch(x, idx, w), "combine": lambda: g.combine(h, y),
+           "dispatch+combine": round_trip, "dispatch split+hook": split,
+           "dispatch fp8 (uint8 pair)": lambda: g.dispatch(pair, idx, w, fp8=True),
+           "dispatch fp8 dequantize": lambda: g.dispatch(x, idx, w, fp8=True, dequantize=True),
+           "dispatch_bwd": lambda: g.dispatch_bwd(h, y, gsw), "combine_bwd": lambda: g.combine_bwd(h, gout),
+           "combine_bwd with expert_out": lambda: g.combine_bwd(h, gout, yk)}
+    if a.profile is not None:
+        import cProfile
+        import pstats
+
+        if a.profile not in ops:
+            ap.error(f"--profile: one of {', '.join(ops)}")
+        prof = cProfile.Profile()
+        f = ops[a.profile]
+        prof.runcall(lambda: [f() for _ in range(a.calls)])
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        return 0
+    print(f"{'op':30s} {'host us':>8s} {'launches':>9s} {'allocs':>7s}")
+    for name, f in ops.items():
+        us, launches, allocs = _time(st, f, a.calls)
+        print(f"{name:30s} {us:8.1f} {launches:9.0f} {allocs:7.0f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
