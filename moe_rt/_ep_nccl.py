@@ -66,6 +66,9 @@ class NcclTransport:
         self.overlap = overlap  # None: per call, by the size of the transfer
         self._cstream = None  # the communication stream of the overlapped path (made on first use)
         self._events = []     # reused CUDA events of the overlapped path
+        # None, or called with the stream of each NCCL exchange right after it is queued (EpGroup._first_call:
+        # the first call of an op waits for its exchanges before it loads any kernel it has not used yet)
+        self.settle = None
 
     def failed_op(self):
         """None: NCCL reports its failures through the communicator (``comm.async_error()``)."""
@@ -275,6 +278,8 @@ class NcclTransport:
                         comm.recv(r_w.data.ptr + ro[p] * wb, rc[p] * wb, "uint8", p, s.ptr)
         finally:
             comm.group_end()
+        if self.settle is not None:
+            self.settle(s)
 
     def exchange_box(self, s, outbox, inbox, send, recv, seg, off):
         """Part of prepare's box (kernels/ep.cu, prepare) in one grouped NCCL exchange on stream ``s``: peer p
@@ -294,6 +299,8 @@ class NcclTransport:
                     comm.recv(inbox + at, recv[p], "int32", p, s.ptr)
         finally:
             comm.group_end()
+        if self.settle is not None:
+            self.settle(s)
 
     def _back_buffers(self, call, h, dtype, with_w):
         """(row bytes, rows coming back [send rows, H], their weight partials [send rows, K] or None) of a
