@@ -69,6 +69,9 @@ class NcclTransport:
         self._events = []     # reused CUDA events of the overlapped path
         self._transfers = {}  # capacity mode: (P, row bytes, reverse) -> _transfer's result, made once
         self._launches = {}   # launch set-ups (kernel, grid, threads, constant arguments), made once
+        # None, or called with the stream of each NCCL exchange right after it is queued (EpGroup._first_call:
+        # the first call of an op waits for its exchanges before it loads any kernel it has not used yet)
+        self.settle = None
 
     def failed_op(self):
         """None: NCCL reports its failures through the communicator (``comm.async_error()``)."""
@@ -307,6 +310,8 @@ class NcclTransport:
                         comm.recv(r_w.data.ptr + ro[p] * wb, rc[p] * wb, "uint8", p, s.ptr)
         finally:
             comm.group_end()
+        if self.settle is not None:
+            self.settle(s)
 
     def exchange_box(self, s, outbox, inbox, send, recv, seg, off):
         """Part of prepare's box (kernels/ep.cu, prepare) in one grouped NCCL exchange on stream ``s``: peer p
@@ -326,6 +331,8 @@ class NcclTransport:
                     comm.recv(inbox + at, recv[p], "int32", p, s.ptr)
         finally:
             comm.group_end()
+        if self.settle is not None:
+            self.settle(s)
 
     def _back_buffers(self, call, h, dtype, with_w):
         """(row bytes, rows coming back [send rows, H], their weight partials [send rows, K] or None) of a

@@ -85,9 +85,10 @@ Modes:
   permutation family's bound ``floor((slots + L*(A-1)) / A) * A``; rows past ``seg_start[L]`` are zero).
 - ``"capacity"``: fixed worst-case sizes: ``pair_capacity`` rows per (src, dst) pair (default
   ``max_tokens_per_rank``, which never overflows) and at most ``capacity`` expert slots per rank (default
-  ``R * pair_capacity * min(K, L)``, which never overflows). No host sync anywhere, so prepare, dispatch
-  and combine can be captured in a CUDA graph. Tokens past a pair's capacity and slots past ``capacity``
-  (the last ones in expert-major order) are **dropped** and raise a device flag, read with
+  ``R * pair_capacity * min(K, L)``, which never overflows). No host sync past each op's first call (see
+  Dead peers), so prepare, dispatch and combine can be captured in a CUDA graph. Tokens past a pair's
+  capacity and slots past ``capacity`` (the last ones in expert-major order) are **dropped** and raise a
+  device flag, read with
   :meth:`Handle.overflow` or :meth:`EpGroup.check_overflow` (those read the device: a sync). Dropped slots
   contribute nothing to combine and get zero gradients.
 
@@ -106,7 +107,11 @@ poll ``comm.async_error()`` and the stream until ``timeout`` seconds (default ``
 ``NcclError`` NCCL reported). The group is unusable afterwards. On the direct transport a barrier that
 waits longer than ``timeout`` gives up on the device, writes the op into a host-mapped error word and
 returns (later kernels of the transport do nothing); the host waits read that word and raise
-``TimeoutError`` naming the op.
+``TimeoutError`` naming the op. CUDA loads a kernel on its first use, and loading waits until the device is
+idle: behind an NCCL kernel waiting for a dead peer it would block the calling thread for good, before any
+deadline. So on the NCCL and mixed transports the first call of each op kind (dtype, row width, flags,
+overlap; ``prepare``: index dtype) waits, with the same deadline, for the work queued before it and for each
+of its NCCL exchanges (:meth:`EpGroup._first_call`); later calls do not.
 
 Streams: every op runs on the caller's current stream (``stream=None``) or the one given. The staging
 buffers of an op come from CuPy's pool on that stream. Ops of one group must be issued in the same order on
@@ -117,6 +122,7 @@ CPU: NumPy (or torch/JAX CPU) arrays work with a 1-rank group (``comm=None``) an
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import time
@@ -329,6 +335,7 @@ class EpGroup:
         self._last_device = self.device  # of the last prepare (a local group has no device of its own)
         self._prep_cfgs = {}  # (T, K, device, id dtype) -> prepare's set-up (_PrepCfg)
         self._gsync = {}  # (device, stream) -> grid_sync's words (prepare's send side)
+        self._settled = set()  # keys of the ops whose first call waited for its NCCL exchanges (_first_call)
 
     def _choose_transport(self, want):
         """Make the group's transport and return its name (None for one rank, whose CUDA ops run the NCCL
@@ -478,6 +485,30 @@ class EpGroup:
                            f"within {self.timeout:g} s (it is dead or did not call the same op); the group is "
                            "unusable and the communicator was aborted")
 
+    def _first_call(self, op, key, stream):
+        """A context for the transport work of an op's call. Loading a kernel waits until the device is idle
+        (CUDA loads each kernel on its first use), so a kernel used for the first time behind an NCCL kernel
+        that waits for a dead peer would block the calling thread for good, before any deadline. So the first
+        call of each ``key`` (:meth:`_op_key`: what decides the kernels the call launches) on a group with
+        NCCL exchanges waits, with the group's deadline (``_wait``: abort and TimeoutError naming ``op``),
+        for the work already queued on ``stream`` when it starts and for each of its NCCL exchanges right
+        after it is queued; later calls of the key wait for nothing. Nothing waits while ``stream`` is being
+        captured into a CUDA graph (nothing runs then)."""
+        t = self._transport
+        nc = t if isinstance(t, _ep_nccl.NcclTransport) else getattr(t, "nccl", None)
+        if nc is None or self.size == 1 or key in self._settled or _capturing(stream):
+            return _NO_WAITS
+        return _Settling(self, nc, op, key, stream)
+
+    def _op_key(self, op, handle, rows, *flags):
+        """What decides the kernels a call of ``op`` launches (:meth:`_first_call`): the op, the dtype, width
+        and address alignment of its ``rows`` (a CuPy array), its ``flags`` and, on the NCCL transport,
+        whether it overlaps the transfer."""
+        rb = int(rows.shape[1]) * rows.dtype.itemsize
+        t = self._transport
+        ov = t._overlapped(handle, rb) if isinstance(t, _ep_nccl.NcclTransport) else None
+        return (op, rows.dtype, rb, rows.data.ptr & 15, ov) + flags
+
     def synchronize(self, timeout: float | None = None, *, stream=None):
         """Wait until the work queued on ``stream`` (default: the stream of this group's last op) is done,
         at most ``timeout`` seconds (default: the group's); then abort and raise TimeoutError. Then raise
@@ -539,7 +570,8 @@ class EpGroup:
             if call.backend == "cpu":
                 return self._prepare_cpu(np.asarray(idx), T, K)
             self._last_stream, self._last_device = call.stream, call.device_id
-            return self._prepare_cuda(call, idx, T, K, validate)
+            with self._first_call("prepare", ("prepare", np.dtype(idx.dtype).str), call.stream):
+                return self._prepare_cuda(call, idx, T, K, validate)
 
     def _sizes(self, T, K):
         R, L = self.size, self.num_local_experts
@@ -774,9 +806,10 @@ class EpGroup:
                 rx, rw, tpe = _ref.dispatch([handle.state["ref"]], [xv], None if wv is None else [wv])[0]
                 self._keep_ref_weights(handle, wv)
                 return call.out(rx), (None if rw is None else call.out(rw)), call.out(tpe)
-            rx, rw = self._transport.forward(call, handle, xv, wv, "dispatch", want_w=wv is not None)
-            self._last_stream = call.stream
-            tpe = handle.view("tokens_per_expert").copy()
+            with self._first_call("dispatch", self._op_key("dispatch", handle, xv, wv is not None), call.stream):
+                rx, rw = self._transport.forward(call, handle, xv, wv, "dispatch", want_w=wv is not None)
+                self._last_stream = call.stream
+                tpe = handle.view("tokens_per_expert").copy()
             return call.out(rx), (None if rw is None else call.out(rw)), call.out(tpe)
 
     def _dispatch_weights(self, call, handle):
@@ -853,19 +886,25 @@ class EpGroup:
             if pair:
                 q = xp.ascontiguousarray(_arrays.cupy_of(call["x_fp8"]))  # FP8 on CUDA: its bytes as uint8
                 sc = xp.ascontiguousarray(_arrays.cupy_of(call["scales"]))
-                _fp8.launch_pack(q, sc, packed, FP8_BLOCK, call.device_id, s)
             else:
-                _fp8.launch_quantize_packed(_arrays.contiguous(xp, xv), packed, FP8_BLOCK, call.device_id, s)
-            out, rw = self._transport.forward(call, handle, packed, wv, "dispatch", want_w=wv is not None,
-                                              fp8=rows)
-            self._last_stream = s
-            tpe = handle.view("tokens_per_expert").copy()
-            rw = None if rw is None else call.out(rw)
-            if dequantize:
-                return call.out(out[0]), rw, call.out(tpe)
-            rq, rs = out
-            rq_out = rq if codes == np.uint8 else _arrays.fp8_array(rq, codes)
-            return call.out(rq_out), call.out(rs), rw, call.out(tpe)
+                xv = _arrays.contiguous(xp, xv)
+            key = self._op_key("dispatch_fp8", handle, packed, pair, codes, np.dtype(out_dt), dequantize,
+                               wv is not None, None if pair else (xv.dtype, xv.data.ptr & 15))
+            with self._first_call("dispatch", key, s):
+                if pair:
+                    _fp8.launch_pack(q, sc, packed, FP8_BLOCK, call.device_id, s)
+                else:
+                    _fp8.launch_quantize_packed(xv, packed, FP8_BLOCK, call.device_id, s)
+                out, rw = self._transport.forward(call, handle, packed, wv, "dispatch", want_w=wv is not None,
+                                                  fp8=rows)
+                self._last_stream = s
+                tpe = handle.view("tokens_per_expert").copy()
+                rw = None if rw is None else call.out(rw)
+                if dequantize:
+                    return call.out(out[0]), rw, call.out(tpe)
+                rq, rs = out
+                rq_out = rq if codes == np.uint8 else _arrays.fp8_array(rq, codes)
+                return call.out(rq_out), call.out(rs), rw, call.out(tpe)
 
     def combine(self, handle, y, *, weighted: bool = True, stream=None):
         """Sum each token's expert outputs back on its own rank (a collective).
@@ -893,8 +932,9 @@ class EpGroup:
             if call.backend == "cpu":
                 return call.out(_ref.combine([handle.state["ref"]], [yv], weighted=weighted)[0])
             pw = recv_wk(handle) if weighted else None
-            out, _ = self._transport.reduce(call, handle, yv, pw, None, "combine")
-            self._last_stream = call.stream
+            with self._first_call("combine", self._op_key("combine", handle, yv, weighted), call.stream):
+                out, _ = self._transport.reduce(call, handle, yv, pw, None, "combine")
+                self._last_stream = call.stream
             return call.out(out)
 
     def dispatch_bwd(self, handle, grad_recv_x, grad_recv_w=None, *, stream=None):
@@ -923,8 +963,10 @@ class EpGroup:
             if call.backend == "cpu":
                 gx, gwt = _ref.dispatch_bwd([handle.state["ref"]], [g], None if gw is None else [gw])[0]
                 return call.out(gx), (None if gwt is None else call.out(gwt))
-            out, gwt = self._transport.reduce(call, handle, g, None, gw, "dispatch_bwd")
-            self._last_stream = call.stream
+            with self._first_call("dispatch_bwd", self._op_key("dispatch_bwd", handle, g, gw is not None),
+                                  call.stream):
+                out, gwt = self._transport.reduce(call, handle, g, None, gw, "dispatch_bwd")
+                self._last_stream = call.stream
             return call.out(out), (None if gwt is None else call.out(gwt))
 
     def combine_bwd(self, handle, grad_out, y=None, *, weighted: bool = True, stream=None):
@@ -962,27 +1004,61 @@ class EpGroup:
                 gy, gw = _ref.combine_bwd([handle.state["ref"]], [g], None if yv is None else [yv],
                                           weighted=weighted)[0]
                 return call.out(gy), (None if gw is None else call.out(gw))
-            if not weighted or yv is None:
-                # the dispatch direction into the expert-major rows (the weights are the forward's)
-                gy, pp = self._transport.forward(call, handle, g, None, "combine_bwd", want_w=weighted)
+            key = self._op_key("combine_bwd", handle, g, weighted, yv is not None)
+            with self._first_call("combine_bwd", key, call.stream):
+                if not weighted or yv is None:
+                    # the dispatch direction into the expert-major rows (the weights are the forward's)
+                    gy, pp = self._transport.forward(call, handle, g, None, "combine_bwd", want_w=weighted)
+                    self._last_stream = call.stream
+                    if weighted:
+                        scale_rows(call, gy, pp)
+                    return call.out(gy), None
+                # weighted with y: the received rows, then the permutation family's expert-side kernel
+                recv_buf = self._transport.forward(call, handle, g, None, "combine_bwd", expand=False)
                 self._last_stream = call.stream
-                if weighted:
-                    scale_rows(call, gy, pp)
-                return call.out(gy), None
-            # weighted with y: the received rows, then the permutation family's expert-side kernel
-            recv_buf = self._transport.forward(call, handle, g, None, "combine_bwd", expand=False)
-            self._last_stream = call.stream
-            gy, gp = permutation.combine_backward(recv_buf, plan_view(handle), yv, recv_wk(handle),
-                                                  stream=call.stream)
-            N = sz["N"]
-            gw = call.xp.empty(N, np.float32)
-            if N:
-                _jit.launch(_jit.function(_FILE, "ep_gather_slots"), _grid(N, call.device_id), 256,
-                            (gp, handle.view("src_slot"), gw, np.int64(N)), stream=call.stream)
-            return call.out(gy), call.out(gw)
+                gy, gp = permutation.combine_backward(recv_buf, plan_view(handle), yv, recv_wk(handle),
+                                                      stream=call.stream)
+                N = sz["N"]
+                gw = call.xp.empty(N, np.float32)
+                if N:
+                    _jit.launch(_jit.function(_FILE, "ep_gather_slots"), _grid(N, call.device_id), 256,
+                                (gp, handle.view("src_slot"), gw, np.int64(N)), stream=call.stream)
+                return call.out(gy), call.out(gw)
 
 
 # -- helpers ---------------------------------------------------------------------------------------------
+
+_NO_WAITS = contextlib.nullcontext()
+
+
+class _Settling:
+    """EpGroup._first_call's waits for one call: on entry for the work queued on the stream, after each NCCL
+    exchange of the call for that exchange (the NCCL transport's ``settle``); the key counts as settled once
+    the call returned."""
+
+    __slots__ = ("g", "nc", "op", "key", "stream")
+
+    def __init__(self, g, nc, op, key, stream):
+        self.g, self.nc, self.op, self.key, self.stream = g, nc, op, key, stream
+
+    def __enter__(self):
+        g, op = self.g, self.op
+        g._wait(self.stream, op)
+        self.nc.settle = lambda s: g._wait(s, op)
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.nc.settle = None
+        if exc_type is None:
+            self.g._settled.add(self.key)
+        return False
+
+
+def _capturing(stream):
+    """Whether ``stream`` (a CuPy stream) is being captured into a CUDA graph."""
+    f = getattr(stream, "is_capturing", None)
+    return bool(f()) if f is not None else False
+
 
 def group_identity(comm, attrs, num_experts, hidden):
     """``(rank, size, device, E, L, H)`` of a group: its communicator's place (``(0, 1, None)`` for None, after

@@ -18,6 +18,9 @@ node, NCCL between nodes) for n < R, the direct one for n = R; ``mixed``, ``grap
 Every case runs with the first configuration against the reference and with the others bitwise against
 the first; the graph test captures one graph per configuration. The part-size floor is lifted so that the
 small test shapes are really split.
+
+MOE_RT_EP_WORKER_STACKS=S: after S seconds every thread's Python stack is printed and the rank exits (status 1),
+to see where a hanging rank waits (also inside a CUDA or NCCL call).
 """
 import os
 import sys
@@ -628,6 +631,11 @@ def dead_peer_direct(cp, comm):
 
 def main():
     what = sys.argv[1] if len(sys.argv) > 1 else "correctness"
+    stacks = os.environ.get("MOE_RT_EP_WORKER_STACKS")
+    if stacks:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(stacks), exit=True)
     cp, comm = setup()
     {"correctness": correctness, "graph": graph, "dead_peer": dead_peer, "transports": transports,
      "graph_transports": graph_transports, "dead_peer_direct": dead_peer_direct,

@@ -2030,3 +2030,142 @@ def test_one_gpu_fp8_dispatch_matches_cpu(rng, mode, H):
         assert np.array_equal(gy.get().view(np.uint8), np.asarray(cy).view(np.uint8))
         pad = hc.view("src_slot")[:hc.sizes["N"]] < 0
         assert not cq[pad].any() and not cs[pad].any()
+
+
+# -- the first call of an op on NCCL waits for its exchanges (kernels load only on an idle device) -------------
+
+class _Stream:
+    """A stand-in CuPy stream: an address, and whether it is being captured into a CUDA graph."""
+
+    def __init__(self, ptr, capturing=False):
+        self.ptr, self.capturing = ptr, capturing
+
+    def is_capturing(self):
+        return self.capturing
+
+
+def _waiting_group(monkeypatch, events, R=2, transport="nccl"):
+    """A group of rank 0 of R on a recording communicator whose host waits are recorded (no CUDA)."""
+
+    class Comm(_RecComm):
+        def send(self, ptr, count, dtype, peer, stream):
+            events.append(("send", peer))
+
+        def recv(self, ptr, count, dtype, peer, stream):
+            events.append(("recv", peer))
+
+        def group_start(self):
+            events.append(("group_start",))
+
+        def group_end(self):
+            events.append(("group_end",))
+
+    g = EpGroup(Comm(0, R) if R > 1 else None, 4 * R, 8, 16, transport="nccl")
+    monkeypatch.setattr(g, "_wait", lambda s, op, timeout=None: events.append(("wait", s.ptr, op)))
+    if transport == "mixed":
+        from moe_rt import _ep_mixed
+
+        node = type("D", (), {"lo": 0, "hi": 1})()
+        g.transport, g._transport = "mixed", _ep_mixed.MixedTransport(node, g._transport)
+    elif transport == "direct":
+        g.transport, g._transport = "direct", _RecDirect()
+    return g
+
+
+def _exchanging_call(g, events, op, key, s, fail=False):
+    """One op call under the group's first-call guard: an NCCL exchange (prepare's box segments to every peer)
+    on stream ``s`` (or ``s.ptr + 1``, a second stream), then a launch."""
+    with g._first_call(op, key, s):
+        nc = g._transport if g.transport == "nccl" else getattr(g._transport, "nccl", None)
+        if nc is not None:
+            R = g.size
+            nc.exchange_box(s, 1 << 20, 2 << 20, [4] * R, [4] * R, 8, 0)
+            nc.exchange_box(_Stream(s.ptr + 1), 1 << 20, 2 << 20, [4] * R, [4] * R, 8, 0)
+        if fail:
+            raise RuntimeError("a failing launch")
+        events.append(("launch",))
+
+
+@pytest.mark.parametrize("transport", ["nccl", "mixed"])
+def test_first_call_waits_for_its_exchanges(monkeypatch, transport):
+    """A kernel used for the first time loads only once the device is idle, so behind an NCCL kernel waiting for
+    a dead peer the host would block before any deadline: the first call of an op kind waits (the group's
+    deadline wait, naming the op) for the work queued on its stream, then for each of its exchanges right after
+    it is queued (on that exchange's stream), before anything else is launched; a later call of the same kind
+    waits for nothing, another kind waits again; a call inside a CUDA-graph capture never waits and leaves the
+    kind unsettled, as does a call that raises."""
+    events = []
+    g = _waiting_group(monkeypatch, events, R=3, transport=transport)
+    s = _Stream(100)
+    group = ["group_start", "send", "recv", "send", "recv", "group_end"]
+
+    def names():
+        out = [e[0] if e[0] != "wait" else ("wait", e[1], e[2]) for e in events]
+        events.clear()
+        return out
+
+    _exchanging_call(g, events, "dispatch", ("dispatch", "f4"), s)
+    assert names() == [("wait", 100, "dispatch")] + group + [("wait", 100, "dispatch")] + group + [
+        ("wait", 101, "dispatch"), "launch"]
+    _exchanging_call(g, events, "dispatch", ("dispatch", "f4"), s)
+    assert names() == group * 2 + ["launch"]
+    _exchanging_call(g, events, "combine", ("combine", "f4"), s)
+    assert names() == [("wait", 100, "combine")] + group + [("wait", 100, "combine")] + group + [
+        ("wait", 101, "combine"), "launch"]
+    _exchanging_call(g, events, "combine_bwd", ("combine_bwd", "f2"), _Stream(100, capturing=True))
+    assert names() == group * 2 + ["launch"]
+    with pytest.raises(RuntimeError, match="failing"):
+        _exchanging_call(g, events, "combine_bwd", ("combine_bwd", "f2"), s, fail=True)
+    names()
+    _exchanging_call(g, events, "combine_bwd", ("combine_bwd", "f2"), s)  # neither call above settled it
+    assert names() == [("wait", 100, "combine_bwd")] + group + [("wait", 100, "combine_bwd")] + group + [
+        ("wait", 101, "combine_bwd"), "launch"]
+    nc = g._transport if transport == "nccl" else g._transport.nccl
+    assert nc.settle is None  # nothing waits outside a first call
+
+
+def test_first_call_timeout_propagates(monkeypatch):
+    """The first call's wait after its exchange raises the group's TimeoutError (the peer is dead): the call stops
+    there, before launching anything else, and the transport waits for nothing afterwards."""
+    events = []
+    g = _waiting_group(monkeypatch, events)
+    waits = []
+
+    def wait(s, op, timeout=None):
+        waits.append(op)
+        if len(waits) == 2:
+            raise TimeoutError(f"EpGroup.{op}: no progress within 20 s")
+
+    monkeypatch.setattr(g, "_wait", wait)
+    with pytest.raises(TimeoutError, match="EpGroup.dispatch"):
+        _exchanging_call(g, events, "dispatch", ("dispatch",), _Stream(7))
+    assert "launch" not in [e[0] for e in events] and waits == ["dispatch", "dispatch"]
+    assert g._transport.settle is None and not g._settled
+
+
+@pytest.mark.parametrize("transport,R", [("direct", 3), ("nccl", 1)])
+def test_first_call_without_nccl_waits_for_nothing(monkeypatch, transport, R):
+    """The direct transport's waits end on the device (its barriers time out), and a 1-rank group exchanges
+    nothing: their first calls never wait."""
+    events = []
+    g = _waiting_group(monkeypatch, events, R=R, transport=transport)
+    _exchanging_call(g, events, "dispatch", ("dispatch",), _Stream(5))
+    assert [e[0] for e in events] == ["launch"]
+
+
+def test_op_key_tells_apart_what_picks_kernels(monkeypatch):
+    """The first-call key of an op: dtype, row width, the rows' address alignment, flags and the NCCL transport's
+    overlap choice each make a new key; the same of all is the same key."""
+    events = []
+    g = _waiting_group(monkeypatch, events)
+    h = type("H", (), {"sizes": {"P": 4, "R": 2}, "mode": "capacity"})()
+    a = _Dev((5, 8), np.float32)
+    base = g._op_key("dispatch", h, a, True)
+    assert g._op_key("dispatch", h, _Dev((5, 8), np.float32), True) == base
+    others = [g._op_key("combine", h, a, True), g._op_key("dispatch", h, _Dev((5, 8), np.float16), True),
+              g._op_key("dispatch", h, _Dev((5, 16), np.float32), True),
+              g._op_key("dispatch", h, _Dev((5, 8), np.float32, a.data.ptr + 4), True),
+              g._op_key("dispatch", h, a, False)]
+    g._transport.overlap = True
+    others.append(g._op_key("dispatch", h, a, True))
+    assert len({base, *others}) == len(others) + 1
