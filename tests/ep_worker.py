@@ -384,7 +384,10 @@ def dead_peer(cp, comm, direct=False, local_size=None):
         assert g.transport == "mixed" and f"local_size={local_size}" in repr(g), repr(g)
     elif direct:
         assert g.transport == "direct" and "transport='direct'" in repr(g), repr(g)
-    idx = np.tile(np.array([[0, 3]], np.int32), (32, 1))
+    # every rank sends rows to every rank, so each waits on rank 1 (a rank that exchanges nothing with it may
+    # finish its dispatch: at R = 4, [0, 3] for every token left rank 2 none to wait for)
+    t = np.arange(32)
+    idx = np.stack([t % 4, (t + 1) % 4], axis=1).astype(np.int32)
     h = g.prepare(cp.asarray(idx))
     if direct:  # one dispatch together first: its receive stages exist, the next one meets a barrier alone
         g.dispatch(h, cp.ones((32, 64), cp.float32))
