@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
 
 import numpy as np
 
@@ -94,28 +95,75 @@ _PUSH, _RECEIVE = 1, 2  # ep_ll_dispatch's phases (LL_PUSH, LL_RECEIVE in kernel
 _KERNEL_IDX = {np.dtype(k): v for k, v in _IDX.items()}  # IdxT of the dispatch kernels, by id dtype
 
 
-class _Tables(dict):
-    """The device tables of one CUDA dispatch's handle (``idx`` int32 and ``w`` fp32 ``[T,K]``, ``route``
-    ``[R,Tmax,K]`` int32, ``slot_k`` int32 and ``slot_w`` fp32 ``[L,R*Tmax]``, ``counts`` ``[L]`` int32) in one
-    allocation ``base``, laid out by ``layout`` (name -> (byte offset, bytes, shape, dtype)): :meth:`ptr` gives a
-    table's address without making an array; ``tables[name]`` a CuPy view of it, made on first access. Every
-    dispatch makes its own, so a handle stays valid for combine and the backwards after later dispatches of its
-    group (as long as the handle, which owns them, lives)."""
+_TABLES = ("idx", "w", "route", "slot_k", "slot_w", "counts")  # ep_ll_dispatch's handle outputs, in order
+_RETURNED = ("slot_k", "slot_w", "counts")  # the tables a dispatch hands out (its views made once per set)
+_RING = 4  # table sets a group keeps for reuse per stream
+_RING_STREAMS = 4  # streams a group keeps table sets for
 
-    def __init__(self, base, layout):
+
+class _TableSet:
+    """One allocation of a handle's device tables (``idx`` int32 and ``w`` fp32 ``[T,K]``, sized for Tmax
+    tokens, ``route`` ``[R,Tmax,K]`` int32, ``slot_k`` int32 and ``slot_w`` fp32 ``[L,R*Tmax]``, ``counts`` ``[L]``
+    int32; ``layout``: name -> (byte offset, bytes at Tmax, shape at Tmax, dtype)), with the table addresses
+    and the CuPy views of the tables a dispatch returns made once.
+
+    A group keeps up to _RING sets per stream and reuses one for a dispatch on the stream it was made on once
+    nothing outside the group refers to it (:meth:`free`: no handle holds it, and no array over its memory
+    lives, the returned views and anything derived from them or exported included), so a handle and its
+    arrays stay valid as long as they live, after any later dispatch, as with one allocation per dispatch.
+    The reuse follows the stream order of its stream, as CuPy's memory pool reuses freed memory."""
+
+    __slots__ = ("base", "mem", "layout", "ptrs", "outs", "outs0", "views", "stream", "_refs")
+
+    def __init__(self, base, layout, stream):
+        import cupy
+
+        self.base, self.mem, self.layout, self.stream = base, base.data.mem, layout, stream
+        p = base.data.ptr
+        self.ptrs = {name: p + off for name, (off, *_) in layout.items()}
+        self.outs = tuple(self.ptrs[n] for n in _TABLES)  # ep_ll_dispatch's six outputs; T = 0: no idx, w
+        self.outs0 = (0, 0) + self.outs[2:]
+        self.views = {n: cupy.ndarray(layout[n][2], layout[n][3], base.data + layout[n][0]) for n in _RETURNED}
+        self._refs = None
+
+    def _counts(self):
+        """The reference counts that tell whether anything outside the group holds this set."""
+        rc, v = sys.getrefcount, self.views
+        return (rc(self), rc(self.mem), rc(self.base), rc(self.base.data), rc(v["slot_k"]), rc(v["slot_w"]),
+                rc(v["counts"]), rc(v["slot_k"].data), rc(v["slot_w"].data), rc(v["counts"].data))
+
+    def settle(self):
+        """Record the counts of a set held by its group alone (called where :meth:`free` is)."""
+        self._refs = self._counts()
+
+    def free(self):
+        return self._counts() == self._refs
+
+
+class _Tables(dict):
+    """A CUDA dispatch's handle tables: the first ``T`` tokens' part of a :class:`_TableSet` (which it holds,
+    so that the set is not reused while the handle lives). :meth:`ptr` gives a table's address without making
+    an array; ``tables[name]`` a CuPy view of it, made on first access."""
+
+    def __init__(self, tset, T):
         super().__init__()
-        self.base, self.layout, self.base_ptr = base, layout, base.data.ptr
+        self.tset, self.T = tset, T
 
     def ptr(self, name):
         """The address of table ``name``; 0 for an empty one (T = 0), as an empty CuPy array's."""
-        off, nbytes = self.layout[name][:2]
-        return self.base_ptr + off if nbytes else 0
+        return 0 if not self.T and name in ("idx", "w") else self.tset.ptrs[name]
 
     def __missing__(self, name):
-        import cupy
+        ts = self.tset
+        v = ts.views.get(name)
+        if v is None:
+            import cupy
 
-        off, _, shape, dt = self.layout[name]
-        v = self[name] = cupy.ndarray(shape, dt, self.base.data + off)
+            off, _, shape, dt = ts.layout[name]
+            if name in ("idx", "w"):
+                shape = (self.T, shape[1])
+            v = cupy.ndarray(shape, dt, ts.base.data + off)
+        self[name] = v
         return v
 
 
@@ -247,10 +295,11 @@ class LowLatencyGroup:
         self._last_stream = None
         self.chunk = chunk_tokens(self.max_tokens_per_rank)
         # host-side caches of the CUDA path (made on use, after _setup; docs/ep.md §8, host time): the handle
-        # tables' layout per T, the kernels per (kind, vector path, id dtype) with their resident blocks, the
-        # constant parts of the launch arguments per (op, buffer set), the views of the shared buffers and the
+        # tables' layout and their sets per stream (_TableSet), the kernels per (kind, vector path, id dtype)
+        # with their resident blocks, the constant parts of the launch arguments per (op, buffer set), the views of the shared buffers and the
         # received rows dispatch returns per (set, FP8 rows, codes dtype)
-        self._layouts, self._fns, self._const, self._views, self._row_views = {}, {}, {}, {}, {}
+        self._layout, self._rings = None, {}
+        self._fns, self._const, self._views, self._row_views = {}, {}, {}, {}
 
     # The host waits and the timeout report of EpGroup (they use comm, timeout and _transport alone).
     _wait = _ep.EpGroup._wait
@@ -499,12 +548,11 @@ class LowLatencyGroup:
             raise ValueError(f"dispatch: buffer set {b} still waits for the receive hook of an earlier dispatch; "
                              f"call that hook first (or create the group with num_buffers=2 for two dispatches "
                              f"in flight)")
-        nbytes, layout = self._table_layout(T)
-        a = _Tables(call.xp.empty(nbytes, np.uint8), layout)  # the handle's tables: one allocation
+        a = _Tables(self._take_tables(call), T)  # the handle's tables: one set of the group's ring
         self._transport.barrier(s, "dispatch")
         handle = LowLatencyHandle(self, T, K, "cuda", call.device_id, a)
         handle.buffer_set = b
-        outs = (a.ptr("idx"), a.ptr("w"), a.ptr("route"), a.ptr("slot_k"), a.ptr("slot_w"), a.ptr("counts"))
+        outs = a.tset.outs if T else a.tset.outs0
         ptrs = (0 if pair or not T else xv.data.ptr, idx.data.ptr if T else 0, wv.data.ptr if T else 0)
         quant = None
         if fp8:  # the pair's codes and scales (0 for a float x, quantized in the push)
@@ -539,21 +587,41 @@ class LowLatencyGroup:
             self._row_views[key] = rows
         return rows
 
-    def _table_layout(self, T):
-        """``(bytes, layout)`` of the handle tables of a dispatch of T tokens (see :class:`_Tables`; each table
-        at a 256-byte boundary), made once per T."""
-        got = self._layouts.get(T)
+    def _table_layout(self):
+        """``(bytes, layout)`` of a :class:`_TableSet` (each table at a 256-byte boundary, ``idx`` and ``w`` sized
+        for Tmax tokens), made once."""
+        got = self._layout
         if got is None:
             R, L, Tmax, K = self.size, self.num_local_experts, self.max_tokens_per_rank, self.topk
             layout, o = {}, 0
-            for name, shape, dt in (("idx", (T, K), np.int32), ("w", (T, K), np.float32),
+            for name, shape, dt in (("idx", (Tmax, K), np.int32), ("w", (Tmax, K), np.float32),
                                     ("route", (R, Tmax, K), np.int32), ("slot_k", (L, R * Tmax), np.int32),
                                     ("slot_w", (L, R * Tmax), np.float32), ("counts", (L,), np.int32)):
                 nb = math.prod(shape) * 4
                 layout[name] = (o, nb, shape, np.dtype(dt))
                 o += -(-nb // _ALIGN) * _ALIGN
-            got = self._layouts[T] = (o, layout)
+            got = self._layout = (o, layout)
         return got
+
+    def _take_tables(self, call):
+        """A :class:`_TableSet` for a dispatch on ``call``'s stream: a free one of the group's sets made on that
+        stream, else a new one (kept for reuse while the stream has fewer than _RING)."""
+        key = call.stream.ptr
+        ring = self._rings.get(key)
+        if ring is not None:
+            for ts in ring:
+                if ts.free():
+                    return ts
+        nbytes, layout = self._table_layout()
+        ts = _TableSet(call.xp.empty(nbytes, np.uint8), layout, key)
+        if ring is None:
+            if len(self._rings) >= _RING_STREAMS:
+                del self._rings[next(iter(self._rings))]  # the stream kept longest
+            ring = self._rings[key] = []
+        if len(ring) < _RING:
+            ring.append(ts)
+            ts.settle()  # held here as in the loop above: by the ring and one local name
+        return ts
 
     def _receive(self, handle, keep, stream):
         """The receive half of a split dispatch (``_Hook.__call__``)."""

@@ -745,8 +745,10 @@ def test_cuda_host_path_launches_and_arguments(monkeypatch, fp8, T):
                                                         ("float16", 36, np.int64, 0, "false"),
                                                         ("float32", 8, np.int64, 4, "false")])
 def test_cuda_host_path_round_trip_counts(monkeypatch, dtype, H, idx_dtype, shift, vec):
-    """Pinned: an eager round trip (dispatch + combine) issues four launches and two allocations, from the
-    first call on, and looks its kernels up on the first call only; the kernels' template arguments follow
+    """Pinned: an eager round trip (dispatch + combine) issues four launches, from the first call on; it
+    allocates the handle's table set and combine's output on the first call, and only combine's output once
+    the group has a free table set (the previous round trip's handle dropped); it looks its kernels up on the
+    first call only; the kernels' template arguments follow
     the dtype, the id dtype and the 16-byte vector path (rows of a multiple of 16 bytes at 16-byte aligned
     addresses)."""
     import ml_dtypes
@@ -763,13 +765,65 @@ def test_cuda_host_path_round_trip_counts(monkeypatch, dtype, H, idx_dtype, shif
     for n in range(3):
         h = g.dispatch(x, idx, w)[-1]
         g.combine(h, y)
+        del h
         names = list(tr.kernels)
         ev, allocs = tr.take()
         assert names == ["ep_direct_barrier", f"ep_ll_dispatch<{c}, {i}, {vec}>", "ep_direct_barrier",
                          f"ep_ll_combine<{c}, {'true' if dt.itemsize * H % 16 == 0 else 'false'}>"]
-        assert allocs == 2
+        assert allocs == (2 if n == 0 else 1)
         assert tr.st.lookups == (4 if n == 0 else 0)  # two barriers (one per op), dispatch, combine
         tr.st.lookups = 0
+
+
+def test_cuda_host_path_table_sets_reused_only_when_free(monkeypatch):
+    """A dispatch's handle tables come from its group's table sets (no allocation once one is free): a set is
+    reused by a later dispatch on the same stream only once nothing outside the group refers to it (the
+    handle, the returned counts and slot tables, views and pointers derived from them, tables read through
+    the handle); never by a dispatch on another stream; beyond _RING sets in use on a stream a dispatch gets
+    a set of its own that the group does not keep. Each handle reads its own T tokens."""
+    import cupy
+
+    from moe_rt import ep_ll
+
+    tr = _LLTrace(monkeypatch)
+    g = tr.group(2, 0, 8, 16, 6, 2, np.float32, 1, False)
+    f32 = np.float32
+
+    def dispatch(T=5, stream=None):
+        return g.dispatch(tr.dev((T, 16), f32), tr.dev((T, 2), np.int32), tr.dev((T, 2), f32), stream=stream)
+
+    def route(out):
+        return out[-1]._ptr("route")
+
+    p0 = route(dispatch())
+    tr.take()
+    out = dispatch(3)
+    assert route(out) == p0 and tr.take()[1] == 0  # the free set again, nothing allocated
+    h = out[-1]
+    assert h._a["idx"].shape == (3, 2) and h._a["w"].shape == (3, 2) and h._a["idx"].data.ptr == h._ptr("idx")
+    assert h.counts is out[1] and h.counts.data.ptr == h._ptr("counts") and h.slot_topk.data.ptr == h._ptr("slot_k")
+    del out, h
+    holds = [lambda o: o[-1], lambda o: o[1], lambda o: o[-1].slot_topk[1:], lambda o: o[-1].slot_weights.data,
+             lambda o: cupy.ndarray((1,), np.int32, o[1].data), lambda o: o[-1]._a["idx"],
+             lambda o: o[-1]._a["route"].data + 4, lambda o: o[1].view()]
+    for hold in holds:
+        out = dispatch()
+        assert route(out) == p0
+        kept = hold(out)
+        del out
+        assert route(dispatch()) != p0  # still held: another set
+        del kept
+        assert route(dispatch()) == p0  # dropped: reused
+    assert route(dispatch(stream=11)) != p0  # another stream: its own sets
+    assert sorted(g._rings) == [7, 11] and len(g._rings[7]) == 2
+    tr.take()
+    live = [dispatch() for _ in range(ep_ll._RING + 2)]
+    assert len({route(o) for o in live}) == ep_ll._RING + 2 and tr.take()[1] == ep_ll._RING
+    assert len(g._rings[7]) == ep_ll._RING
+    del live
+    assert route(dispatch(0)) == p0 and tr.take()[1] == 0
+    out = dispatch(0)
+    assert out[-1]._ptr("idx") == 0 and out[-1]._ptr("w") == 0 and out[-1]._a["idx"].shape == (0, 2)
 
 
 def test_profile_ll_host_tool_runs():
@@ -781,7 +835,7 @@ def test_profile_ll_host_tool_runs():
                        env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
     rows = {line[:30].strip(): line[30:].split() for line in r.stdout.splitlines()[1:]}
-    assert rows["dispatch+combine"][1:] == ["4", "2"] and rows["dispatch split+hook"][1:] == ["3", "1"]
+    assert rows["dispatch+combine"][1:] == ["4", "1"] and rows["dispatch split+hook"][1:] == ["3", "0"]
     assert len(rows) == 9 and all(float(v[0]) > 0 for v in rows.values())
 
 

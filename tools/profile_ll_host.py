@@ -21,7 +21,7 @@ class StandIns:
     """The device stood in for, through ``setattr_`` (default: for good, in this process; a test passes its
     monkeypatch's setattr): kernels (each lookup counted in ``lookups``), launches (``on_launch(fn, grid,
     block, args)``; default: counted in ``launches``), the op's array import (``moe_rt._arrays.Call``: a CUDA
-    call of framework 'devarray' on stream 7, results handed back as they are), CuPy allocations (counted in
+    call of framework 'devarray' on stream 7 or an int stream given, results handed back as they are), CuPy allocations (counted in
     ``allocs``: CuPy arrays over fake addresses, an empty one at 0 as CuPy's), streams, the current device
     (0), the device's error word (64), ``resident`` blocks of a fused kernel and ``sm_count`` SMs."""
 
@@ -44,7 +44,9 @@ class StandIns:
         class Call:
             def __init__(self, arrays, stream=None, **kw):
                 self.backend, self.xp, self.device_id, self.framework = "cuda", Xp, 0, "devarray"
-                self.stream, self.views = type("S", (), {"ptr": 7})(), dict(arrays)
+                # stream 7, or an int stream given (a test's second stream)
+                self.stream = type("S", (), {"ptr": stream if type(stream) is int else 7})()
+                self.views = dict(arrays)
 
             def __getitem__(self, k):
                 return self.views[k]
