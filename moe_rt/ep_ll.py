@@ -99,6 +99,7 @@ _TABLES = ("idx", "w", "route", "slot_k", "slot_w", "counts")  # ep_ll_dispatch'
 _RETURNED = ("slot_k", "slot_w", "counts")  # the tables a dispatch hands out (its views made once per set)
 _RING = 4  # table sets a group keeps for reuse per stream
 _RING_STREAMS = 4  # streams a group keeps table sets for
+_SAME = ("cupy", "devarray")  # callers' frameworks whose results _arrays.Call.out hands back as they are
 
 
 class _TableSet:
@@ -363,7 +364,14 @@ class LowLatencyGroup:
             except BaseException:
                 d.close()
                 raise
-            self._transport, self._buf, self._offs = d, sh, offs
+            self._adopt(d, sh, offs)
+
+    def _adopt(self, transport, shared, offs):
+        """Take the transport, the shared buffers and their regions' offsets (the end of _setup)."""
+        self._transport, self._buf, self._offs = transport, shared, offs
+        # the 16-byte vector paths' conditions that hold for every call (see _vec, _launch_dispatch)
+        self._vec16 = (self.hidden * self.dtype.itemsize) % 16 == 0 and shared.local % 16 == 0
+        self._vec16_fp8 = self.hidden % 16 == 0 and shared.local % 16 == 0
 
     def _view(self, name, b, shape, dtype):
         """A CuPy view of region ``name`` of buffer set ``b`` (made once per (region, set, shape, dtype): the
@@ -541,36 +549,45 @@ class LowLatencyGroup:
         return res + (_Hook(self, handle, None),) if split else res
 
     def _dispatch_cuda(self, call, xv, idx, wv, T, K, split, fp8=False, pair=False, dequantize=False, codes=None):
-        self._setup(call.device_id)
+        if self._transport is None:
+            self._setup(call.device_id)
         s = call.stream
         b = self._next_set
         if self._pending[b] is not None:
             raise ValueError(f"dispatch: buffer set {b} still waits for the receive hook of an earlier dispatch; "
                              f"call that hook first (or create the group with num_buffers=2 for two dispatches "
                              f"in flight)")
-        a = _Tables(self._take_tables(call), T)  # the handle's tables: one set of the group's ring
-        self._transport.barrier(s, "dispatch")
-        handle = LowLatencyHandle(self, T, K, "cuda", call.device_id, a)
-        handle.buffer_set = b
-        outs = a.tset.outs if T else a.tset.outs0
+        ts = self._take_tables(call)  # the handle's tables: one set of the group's ring
+        outs = ts.outs if T else ts.outs0
         ptrs = (0 if pair or not T else xv.data.ptr, idx.data.ptr if T else 0, wv.data.ptr if T else 0)
         quant = None
         if fp8:  # the pair's codes and scales (0 for a float x, quantized in the push)
             quant = (xv[0].data.ptr if pair and T else 0, xv[1].data.ptr if pair and T else 0, int(dequantize))
-
-        def launch(c, phases, arrays=(xv, idx, wv)):  # holds the push's arrays (their pointers) until it runs
-            self._launch_dispatch(c, b, T, *ptrs, idx.dtype, outs, phases, quant=quant)
-
-        launch(call, _PUSH if split else _PUSH | _RECEIVE)
+        self._transport.barrier(s, "dispatch")
+        self._launch_dispatch(call, b, T, *ptrs, idx.dtype, outs, _PUSH if split else _PUSH | _RECEIVE,
+                              quant=quant)
+        # the rest overlaps the kernel
         self._next_set = (b + 1) % self.num_buffers
         self._last_stream = s
-        handle.slot_topk, handle.slot_weights = call.out(a["slot_k"]), call.out(a["slot_w"])
-        handle.counts = call.out(a["counts"])
-        res = tuple(call.out(r) for r in self._rows(b, fp8 and not dequantize, codes)) + (handle.counts, handle)
+        a = _Tables(ts, T)
+        handle = LowLatencyHandle(self, T, K, "cuda", call.device_id, a)
+        handle.buffer_set = b
+        out = call.out
+        if call.framework in _SAME:  # out() hands these back as they are
+            handle.slot_topk, handle.slot_weights = a["slot_k"], a["slot_w"]
+            handle.counts = a["counts"]
+            res = self._rows(b, fp8 and not dequantize, codes) + (handle.counts, handle)
+        else:
+            handle.slot_topk, handle.slot_weights, handle.counts = out(a["slot_k"]), out(a["slot_w"]), out(a["counts"])
+            res = tuple(out(r) for r in self._rows(b, fp8 and not dequantize, codes)) + (handle.counts, handle)
         if not split:
             return res
         self._pending[b] = handle
-        return res + (_Hook(self, handle, lambda c: launch(c, _RECEIVE)),)
+
+        def receive(c, arrays=(xv, idx, wv)):  # holds the push's arrays (their pointers) until it runs
+            self._launch_dispatch(c, b, T, *ptrs, idx.dtype, outs, _RECEIVE, quant=quant)
+
+        return res + (_Hook(self, handle, receive),)
 
     def _rows(self, b, fp8, codes):
         """The received rows of buffer set ``b`` as dispatch returns them (before ``call.out``): ``(recv,)``, or
@@ -613,6 +630,9 @@ class LowLatencyGroup:
                 if ts.free():
                     return ts
         nbytes, layout = self._table_layout()
+        # (inside a moe_rt.jax callback, which serves an allocation of an output's exact byte size from that
+        # output's buffer, a set is larger than each output the callback has not allocated yet: it must not
+        # land in one, as it outlives the callback)
         ts = _TableSet(call.xp.empty(nbytes, np.uint8), layout, key)
         if ring is None:
             if len(self._rings) >= _RING_STREAMS:
@@ -637,7 +657,9 @@ class LowLatencyGroup:
         self._last_stream = s
 
     def _vec(self, *ptrs):
-        return (self.hidden * self.dtype.itemsize) % 16 == 0 and all(p % 16 == 0 for p in ptrs)
+        """The 16-byte vector path: rows of a multiple of 16 bytes at 16-byte aligned ``ptrs`` (and shared
+        buffers)."""
+        return self._vec16 and all(p % 16 == 0 for p in ptrs)
 
     def _kernel(self, call, kind, vec, idx_dtype=None, fused=True):
         """``(kernel, most resident blocks or None)`` of ``kind<dtype[, IdxT], VEC>`` (``fused``: a kernel whose
@@ -650,24 +672,27 @@ class LowLatencyGroup:
             got = self._fns[key] = (fn, self._transport._grid(fn, call, 1 << 30) if fused else None)
         return got
 
-    def _dispatch_args(self, op, b, fp8):
-        """The constant parts of a dispatch launch's arguments for ``op`` into buffer set ``b`` (``fp8``:
-        ep_ll_dispatch_fp8's): ``(peer tables, the tail from the error word to H (and S), flag base, the
-        set's epoch word)``, made once."""
-        key = ("dispatch", op, b, fp8)
-        c = self._const.get(key)
-        if c is None:
-            d, t, i32 = self._transport, self._tables, np.int32
-            tabs = ((t[("recv", b)], t[("recv_q", b)], t[("recv_s", b)]) if fp8 else (t[("recv", b)],))
-            tabs += (t[("route", b)], t[("rw", b)], d.flags.table)
-            tail = (_errors.word(self.device), d.state, d._err_ptr, np.int64(d.timeout_ns),
-                    i32(_ep_direct.OP_CODES[op]), i32(self.size), i32(self.rank), i32(self.num_local_experts),
-                    i32(self.max_tokens_per_rank), i32(self.topk), i32(self.chunk), np.int64(self.hidden))
-            if fp8:
-                tail += (i32(self.num_scales),)
-            c = self._const[key] = (tabs, tail, np.int64(2 * self.size * self.max_tokens_per_rank * b),
-                                    self._set_epoch.data.ptr + 4 * b)
-        return c
+    def _dispatch_setup(self, call, op, b, phases, vec, idx_dtype, meta, scaled, dequant):
+        """The launch set-up of a dispatch-direction launch, made once per its key (see :meth:`_launch_dispatch`):
+        ``(kernel, grid, the arguments between the token pointers and the handle's tables, the arguments after
+        them)``."""
+        fp8 = dequant is not None
+        fn, resident = self._kernel(call, "ep_ll_dispatch_fp8" if fp8 else "ep_ll_dispatch", vec, idx_dtype)
+        d, t, i32 = self._transport, self._tables, np.int32
+        tabs = ((t[("recv", b)], t[("recv_q", b)], t[("recv_s", b)]) if fp8 else (t[("recv", b)],))
+        tabs += (t[("route", b)], t[("rw", b)], d.flags.table)
+        tail = (_errors.word(self.device), d.state, d._err_ptr, np.int64(d.timeout_ns),
+                i32(_ep_direct.OP_CODES[op]), i32(self.size), i32(self.rank), i32(self.num_local_experts),
+                i32(self.max_tokens_per_rank), i32(self.topk), i32(self.chunk), np.int64(self.hidden))
+        if fp8:
+            tail += (i32(self.num_scales),)
+        tail += (i32(phases), np.int64(2 * self.size * self.max_tokens_per_rank * b),
+                 self._set_epoch.data.ptr + 4 * b if phases != _PUSH | _RECEIVE else 0)
+        work = max(-(-self.max_tokens_per_rank // self.chunk), self.num_local_experts)
+        grid = max(1, min(work, resident))
+        if fp8:
+            return fn, grid, tabs, (i32(dequant),) + tail
+        return fn, grid, (i32(int(meta)), i32(int(scaled))) + tabs, tail
 
     def _launch_dispatch(self, call, b, T, x, idx, w, idx_dtype, outs, phases, *, op="dispatch", meta=True,
                          scaled=False, zero_k=0, quant=None):
@@ -677,22 +702,20 @@ class LowLatencyGroup:
         ``x``, ``idx``, ``w``, ``zero_k`` and ``outs`` (the handle's six tables, or zeros) are device addresses,
         0 for none (and for every token array when T = 0); ``idx_dtype`` picks IdxT; ``phases``: _PUSH,
         _RECEIVE or both (a split launch also passes the set's epoch word). ``meta``, ``scaled``, ``zero_k``:
-        ep_ll_dispatch's (combine_bwd)."""
-        fp8 = quant is not None
-        if fp8:  # 16 channels a thread: 16-byte loads of x (or of the codes) and 16-byte stores of the codes
-            vec = self.hidden % 16 == 0 and (quant[0] or x) % 16 == 0 and self._buf.local % 16 == 0
+        ep_ll_dispatch's (combine_bwd). Everything but the pointers and T comes from a set-up made once."""
+        if quant is not None:  # 16 channels a thread: 16-byte loads of x (or of the codes), 16-byte stores
+            vec, dequant = self._vec16_fp8 and not (quant[0] or x) & 15, quant[2]
         else:
-            vec = self._vec(x, self._buf.local)
-        fn, resident = self._kernel(call, "ep_ll_dispatch_fp8" if fp8 else "ep_ll_dispatch", vec, idx_dtype)
-        tabs, tail, flag_base, set_epoch = self._dispatch_args(op, b, fp8)
-        if fp8:
-            head = (x, quant[0], quant[1], idx, w, np.int32(T)) + tabs + outs + (np.int32(quant[2]),)
+            vec, dequant = self._vec16 and not x & 15, None
+        key = (op, b, phases, vec, idx_dtype, meta, scaled, dequant)
+        c = self._const.get(key)
+        if c is None:
+            c = self._const[key] = self._dispatch_setup(call, op, b, phases, vec, idx_dtype, meta, scaled, dequant)
+        if dequant is None:
+            args = (x, idx, w, np.int32(T)) + c[2] + outs + (zero_k,) + c[3]
         else:
-            head = (x, idx, w, np.int32(T), np.int32(int(meta)), np.int32(int(scaled))) + tabs + outs + (zero_k,)
-        work = max(-(-self.max_tokens_per_rank // self.chunk), self.num_local_experts)
-        _jit.launch_raw(fn, max(1, min(work, resident)), _THREADS,
-                        head + tail + (np.int32(phases), flag_base, set_epoch if phases != _PUSH | _RECEIVE else 0),
-                        0, call.stream)
+            args = (x, quant[0], quant[1], idx, w, np.int32(T)) + c[2] + outs + c[3]
+        _jit.launch_raw(c[0], c[1], _THREADS, args, 0, call.stream)
 
     def _launch_combine(self, call, handle, y, gws, out, grad_w, op, weighted=False):
         """One ep_ll_combine launch for ``handle`` (``weighted``: with its topk weights)."""
