@@ -301,6 +301,8 @@ class LowLatencyGroup:
         # received rows dispatch returns per (set, FP8 rows, codes dtype)
         self._layout, self._rings = None, {}
         self._fns, self._const, self._views, self._row_views = {}, {}, {}, {}
+        self._slots = (self.num_local_experts, R * self.max_tokens_per_rank, self.hidden)  # [L, R*Tmax, H]
+        self._checked = {}  # argument signatures (shapes, dtypes) that passed an op's checks
 
     # The host waits and the timeout report of EpGroup (they use comm, timeout and _transport alone).
     _wait = _ep.EpGroup._wait
@@ -410,6 +412,23 @@ class LowLatencyGroup:
             raise ValueError(f"{op}: arrays are on cuda:{call.device_id} but the group uses cuda:{self.device}")
 
     def _check_tokens(self, arr, name, shape):
+        try:
+            key = (name, shape, arr.shape, arr.dtype)
+            if key in self._checked:  # this signature passed before
+                return
+        except (AttributeError, TypeError):  # not an array (or an unhashable one): the checks below say so
+            key = None
+        self._check_tokens_full(arr, name, shape)
+        if key is not None:
+            self._remember(key)
+
+    def _remember(self, key):
+        """Note a signature that passed its checks (the cache is emptied when it grows past 256)."""
+        if len(self._checked) >= 256:
+            self._checked.clear()
+        self._checked[key] = True
+
+    def _check_tokens_full(self, arr, name, shape):
         _arrays.check_ndim(arr, name, len(shape))
         _arrays.check_dtype(arr, name, _ep._TOKEN_DTYPES)
         if tuple(arr.shape) != tuple(shape):
@@ -430,7 +449,22 @@ class LowLatencyGroup:
     def _check_dispatch(self, x, topk_idx, topk_weights, pair=False):
         """Shapes and dtypes of dispatch's arguments (anything with ``shape``, ``ndim`` and ``dtype``: the
         framework adapters check traced arrays with it too; ``pair``: ``x`` is an ``(x_fp8, scales)`` pair);
-        returns ``(T, K)``."""
+        returns ``(T, K)``. A signature (shapes and dtypes) that passed is remembered per group."""
+        try:
+            key = (pair, topk_idx.shape, topk_idx.dtype, topk_weights.shape, topk_weights.dtype) + (
+                (x[0].shape, x[0].dtype, x[1].shape, x[1].dtype) if pair else (x.shape, x.dtype))
+            got = self._checked.get(key)
+            if got is not None:
+                return got
+        except (AttributeError, TypeError):  # not arrays (or unhashable): the checks below say so
+            key = None
+        got = self._check_dispatch_full(x, topk_idx, topk_weights, pair)
+        if key is not None:
+            self._remember(key)
+            self._checked[key] = got
+        return got
+
+    def _check_dispatch_full(self, x, topk_idx, topk_weights, pair):
         _arrays.check_ndim(topk_idx, "topk_idx", 2)
         _arrays.check_dtype(topk_idx, "topk_idx", _arrays.INDEX_DTYPES)
         T, K = int(topk_idx.shape[0]), int(topk_idx.shape[1])
@@ -451,7 +485,7 @@ class LowLatencyGroup:
     check_fp8_pair = _ep.EpGroup.check_fp8_pair
 
     def _slots_shape(self):
-        return (self.num_local_experts, self.size * self.max_tokens_per_rank, self.hidden)
+        return self._slots
 
     # -- ops -------------------------------------------------------------------------------------------
     def dispatch(self, x, topk_idx, topk_weights, *, fp8: bool = False, dequantize: bool = False,
@@ -494,16 +528,17 @@ class LowLatencyGroup:
             the float ones (gradients in the group's dtype, never FP8).
         """
         self._alive("dispatch")
-        _ep._check_bool(return_recv_hook, "return_recv_hook")
-        _ep_adapt.check_fp8_flags(fp8, dequantize)
+        if not (return_recv_hook is False and fp8 is False and dequantize is False):  # else nothing to check
+            _ep._check_bool(return_recv_hook, "return_recv_hook")
+            _ep_adapt.check_fp8_flags(fp8, dequantize)
         pair = isinstance(x, (tuple, list))
         if pair:
             _ep_adapt.check_pair_arity(x, fp8)
         if fp8 and not self.fp8:
             raise ValueError("fp8: this group has no FP8 receive buffers; create it with "
                              "LowLatencyGroup(..., fp8=True)")
-        arrays = {"x_fp8": x[0], "scales": x[1]} if pair else {"x": x}
-        arrays.update(topk_idx=topk_idx, topk_weights=topk_weights)
+        arrays = ({"x_fp8": x[0], "scales": x[1], "topk_idx": topk_idx, "topk_weights": topk_weights} if pair
+                  else {"x": x, "topk_idx": topk_idx, "topk_weights": topk_weights})
         with _arrays.Call(arrays, stream=stream) as call:
             self._call_checks(call, "dispatch")
             idx, wv = call["topk_idx"], call["topk_weights"]
