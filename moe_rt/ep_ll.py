@@ -752,30 +752,42 @@ class LowLatencyGroup:
             args = (x, quant[0], quant[1], idx, w, np.int32(T)) + c[2] + outs + c[3]
         _jit.launch_raw(c[0], c[1], _THREADS, args, 0, call.stream)
 
-    def _launch_combine(self, call, handle, y, gws, out, grad_w, op, weighted=False):
-        """One ep_ll_combine launch for ``handle`` (``weighted``: with its topk weights)."""
-        R, Tmax, T, b = self.size, self.max_tokens_per_rank, handle.num_tokens, handle.buffer_set
-        yp, outp = (y.data.ptr if y is not None else 0), (out.data.ptr if out is not None else 0)
-        vec = self._vec(yp, outp, self._buf.local)
+    def _combine_setup(self, call, op, b, vec, rows):
+        """The launch set-up of an ep_ll_combine launch, made once per its key (see :meth:`_launch_combine`):
+        ``(kernel, most resident blocks, the least work items, owner items per token, the arguments between the
+        handle's tables and the outputs, those between the outputs and T, those after T)``."""
+        R, Tmax = self.size, self.max_tokens_per_rank
         fn, resident = self._kernel(call, "ep_ll_combine", vec)
-        key = ("combine", op, b)
-        c = self._const.get(key)
-        if c is None:
-            d, t, i32 = self._transport, self._tables, np.int32
-            c = self._const[key] = (
+        d, t, i32 = self._transport, self._tables, np.int32
+        # owner items: (token, slice of _THREADS 16-byte vectors of its row)
+        nv = self.hidden // (16 // self.dtype.itemsize) if vec else self.hidden
+        return (fn, resident, -(-Tmax // self.chunk) * R, -(-nv // _THREADS) if rows else 1,
                 (t[("back", b)], t[("bw", b)], d.flags.table),
                 (d.state, d._err_ptr, np.int64(d.timeout_ns), i32(_ep_direct.OP_CODES[op]), i32(R), i32(self.rank),
                  i32(self.num_local_experts), i32(Tmax), i32(self.topk)),
                 (i32(self.chunk), np.int64(self.hidden), np.int64(2 * R * Tmax * b)))
-        # owner items: (token, slice of _THREADS 16-byte vectors of its row)
-        nv = self.hidden // (16 // self.dtype.itemsize) if vec else self.hidden
-        slices = -(-nv // _THREADS) if out is not None else 1
-        work = max(-(-Tmax // self.chunk) * R, T * slices)
-        _jit.launch_raw(fn, max(1, min(work, resident)), _THREADS,
-                        (yp, gws.data.ptr if gws is not None else 0, handle._ptr("route"),
-                         handle._ptr("idx") if T else 0, handle._ptr("w") if weighted and T else 0) + c[0]
-                        + (outp if T else 0, grad_w.data.ptr if grad_w is not None and T else 0) + c[1]
-                        + (np.int32(T),) + c[2], 0, call.stream)
+
+    def _launch_combine(self, call, handle, y, gws, out, grad_w, op, weighted=False):
+        """One ep_ll_combine launch for ``handle`` (``weighted``: with its topk weights); everything but the
+        pointers, T and the grid comes from a set-up made once."""
+        T, b = handle.num_tokens, handle.buffer_set
+        yp, outp = (y.data.ptr if y is not None else 0), (out.data.ptr if out is not None else 0)
+        vec = self._vec16 and not (yp | outp) & 15
+        key = ("combine", op, b, vec, out is not None)
+        c = self._const.get(key)
+        if c is None:
+            c = self._const[key] = self._combine_setup(call, op, b, vec, out is not None)
+        a = handle._a
+        if type(a) is _Tables:  # the tables of a CUDA dispatch (T = 0: no idx, w)
+            p = a.tset.ptrs
+            route, idx, w = p["route"], (p["idx"] if T else 0), (p["w"] if weighted and T else 0)
+        else:  # arrays a framework adapter rebuilt the handle over
+            route, idx, w = handle._ptr("route"), (handle._ptr("idx") if T else 0), (
+                handle._ptr("w") if weighted and T else 0)
+        _jit.launch_raw(c[0], max(1, min(max(c[2], T * c[3]), c[1])), _THREADS,
+                        (yp, gws.data.ptr if gws is not None else 0, route, idx, w) + c[4]
+                        + (outp if T else 0, grad_w.data.ptr if grad_w is not None and T else 0) + c[5]
+                        + (np.int32(T),) + c[6], 0, call.stream)
 
     def combine(self, handle, expert_out, *, stream=None):
         """Reduce each token's expert outputs, weighted by ``topk_weights`` (a collective; no host sync).
