@@ -127,18 +127,28 @@ class _TableSet:
         self.views = {n: cupy.ndarray(layout[n][2], layout[n][3], base.data + layout[n][0]) for n in _RETURNED}
         self._refs = None
 
-    def _counts(self):
-        """The reference counts that tell whether anything outside the group holds this set."""
-        rc, v = sys.getrefcount, self.views
-        return (rc(self), rc(self.mem), rc(self.base), rc(self.base.data), rc(v["slot_k"]), rc(v["slot_w"]),
-                rc(v["counts"]), rc(v["slot_k"].data), rc(v["slot_w"].data), rc(v["counts"].data))
+    def _held(self):
+        """The objects whose reference counts tell whether anything outside the group holds this set: the set
+        (a handle's tables hold it), its memory (every array and pointer over it holds that), and the arrays
+        and pointers the set holds itself (one derived from them, or handed out, holds them)."""
+        v = self.views
+        return (self.base, self.base.data, v["slot_k"], v["slot_w"], v["counts"], v["slot_k"].data,
+                v["slot_w"].data, v["counts"].data)
+
+    def _held_counts(self):
+        rc = sys.getrefcount
+        return tuple(rc(o) for o in self._held())
 
     def settle(self):
         """Record the counts of a set held by its group alone (called where :meth:`free` is)."""
-        self._refs = self._counts()
+        rc = sys.getrefcount
+        self._refs = (rc(self), rc(self.mem), self._held_counts())
 
     def free(self):
-        return self._counts() == self._refs
+        rc, r = sys.getrefcount, self._refs
+        if rc(self) != r[0] or rc(self.mem) != r[1]:  # a handle or an array over the set: the common case
+            return False
+        return self._held_counts() == r[2]
 
 
 class _Tables(dict):
@@ -147,7 +157,7 @@ class _Tables(dict):
     an array; ``tables[name]`` a CuPy view of it, made on first access."""
 
     def __init__(self, tset, T):
-        super().__init__()
+        super().__init__(tset.views)  # the returned tables' views, made once per set
         self.tset, self.T = tset, T
 
     def ptr(self, name):
@@ -155,16 +165,13 @@ class _Tables(dict):
         return 0 if not self.T and name in ("idx", "w") else self.tset.ptrs[name]
 
     def __missing__(self, name):
-        ts = self.tset
-        v = ts.views.get(name)
-        if v is None:
-            import cupy
+        import cupy
 
-            off, _, shape, dt = ts.layout[name]
-            if name in ("idx", "w"):
-                shape = (self.T, shape[1])
-            v = cupy.ndarray(shape, dt, ts.base.data + off)
-        self[name] = v
+        ts = self.tset
+        off, _, shape, dt = ts.layout[name]
+        if name in ("idx", "w"):
+            shape = (self.T, shape[1])
+        v = self[name] = cupy.ndarray(shape, dt, ts.base.data + off)
         return v
 
 
