@@ -33,6 +33,7 @@ class StandIns:
         self.cupy, self.launches, self.allocs, self.lookups = cupy, 0, 0, 0
         self.addrs = itertools.count(1 << 40, 1 << 24)
         self.on_launch = None
+        self._streams = {}
         st = self
 
         class Xp:
@@ -45,7 +46,7 @@ class StandIns:
             def __init__(self, arrays, stream=None, **kw):
                 self.backend, self.xp, self.device_id, self.framework = "cuda", Xp, 0, "devarray"
                 # stream 7, or an int stream given (a test's second stream)
-                self.stream = type("S", (), {"ptr": stream if type(stream) is int else 7})()
+                self.stream = st.stream(stream if type(stream) is int else 7)
                 self.views = dict(arrays)
 
             def __getitem__(self, k):
@@ -89,8 +90,16 @@ class StandIns:
         setattr_(_errors, "word", lambda dev: 64)
         setattr_(_ep_direct, "_resident_ctas", lambda fn, threads, dev: resident)
         setattr_(_arrays, "Call", Call)
-        setattr_(_arrays, "as_cupy_stream", lambda stream, dev: type("S", (), {"ptr": 9})())
+        setattr_(_arrays, "as_cupy_stream", lambda stream, dev: st.stream(9))
         setattr_(cupy.cuda, "Device", Device)
+
+    def stream(self, ptr):
+        """A stand-in CuPy stream of address ``ptr`` (one object per address, as made once: the stand-ins'
+        own cost stays out of the op's time)."""
+        s = self._streams.get(ptr)
+        if s is None:
+            s = self._streams[ptr] = type("Stream", (), {"ptr": ptr})()
+        return s
 
     def array(self, shape, dtype):
         """A CuPy array over a fake address (nothing reads or writes its memory); an empty one at address 0,
