@@ -114,7 +114,7 @@ class _TableSet:
     arrays stay valid as long as they live, after any later dispatch, as with one allocation per dispatch.
     The reuse follows the stream order of its stream, as CuPy's memory pool reuses freed memory."""
 
-    __slots__ = ("base", "mem", "layout", "ptrs", "outs", "outs0", "views", "stream", "_refs")
+    __slots__ = ("base", "mem", "layout", "ptrs", "outs", "outs0", "views", "stream", "_held", "_refs")
 
     def __init__(self, base, layout, stream):
         import cupy
@@ -125,30 +125,24 @@ class _TableSet:
         self.outs = tuple(self.ptrs[n] for n in _TABLES)  # ep_ll_dispatch's six outputs; T = 0: no idx, w
         self.outs0 = (0, 0) + self.outs[2:]
         self.views = {n: cupy.ndarray(layout[n][2], layout[n][3], base.data + layout[n][0]) for n in _RETURNED}
-        self._refs = None
-
-    def _held(self):
-        """The objects whose reference counts tell whether anything outside the group holds this set: the set
-        (a handle's tables hold it), its memory (every array and pointer over it holds that), and the arrays
-        and pointers the set holds itself (one derived from them, or handed out, holds them)."""
-        v = self.views
-        return (self.base, self.base.data, v["slot_k"], v["slot_w"], v["counts"], v["slot_k"].data,
-                v["slot_w"].data, v["counts"].data)
-
-    def _held_counts(self):
-        rc = sys.getrefcount
-        return tuple(rc(o) for o in self._held())
+        self._held = self._refs = None
 
     def settle(self):
         """Record the counts of a set held by its group alone (called where :meth:`free` is)."""
+        v = self.views
+        # what tells whether anything outside the group holds this set, besides the set itself (a handle's
+        # tables hold it) and its memory (every array and pointer over it holds that): the arrays and
+        # pointers the set holds (one derived from them, or handed out, holds them)
+        self._held = (self.base, self.base.data, v["slot_k"], v["slot_w"], v["counts"], v["slot_k"].data,
+                      v["slot_w"].data, v["counts"].data)
         rc = sys.getrefcount
-        self._refs = (rc(self), rc(self.mem), self._held_counts())
+        self._refs = (rc(self), rc(self.mem), tuple(map(rc, self._held)))
 
     def free(self):
         rc, r = sys.getrefcount, self._refs
         if rc(self) != r[0] or rc(self.mem) != r[1]:  # a handle or an array over the set: the common case
             return False
-        return self._held_counts() == r[2]
+        return tuple(map(rc, self._held)) == r[2]
 
 
 class _Tables(dict):
