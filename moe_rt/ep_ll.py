@@ -372,7 +372,8 @@ class LowLatencyGroup:
     def _adopt(self, transport, shared, offs):
         """Take the transport, the shared buffers and their regions' offsets (the end of _setup)."""
         self._transport, self._buf, self._offs = transport, shared, offs
-        # the 16-byte vector paths' conditions that hold for every call (see _vec, _launch_dispatch)
+        # the 16-byte vector paths' conditions that hold for every call (rows of a multiple of 16 bytes, the
+        # shared buffers 16-byte aligned); a launch adds its arrays' alignment
         self._vec16 = (self.hidden * self.dtype.itemsize) % 16 == 0 and shared.local % 16 == 0
         self._vec16_fp8 = self.hidden % 16 == 0 and shared.local % 16 == 0
 
@@ -692,11 +693,6 @@ class LowLatencyGroup:
         self._pending[handle.buffer_set] = None
         self._last_stream = s
 
-    def _vec(self, *ptrs):
-        """The 16-byte vector path: rows of a multiple of 16 bytes at 16-byte aligned ``ptrs`` (and shared
-        buffers)."""
-        return self._vec16 and all(p % 16 == 0 for p in ptrs)
-
     def _kernel(self, call, kind, vec, idx_dtype=None, fused=True):
         """``(kernel, most resident blocks or None)`` of ``kind<dtype[, IdxT], VEC>`` (``fused``: a kernel whose
         blocks wait on each other's peers, sized by the transport's _grid), looked up once per group."""
@@ -897,10 +893,15 @@ class LowLatencyGroup:
             if y is not None:
                 n = gy.shape[0] * gy.shape[1]
                 dots = call.xp.empty(n, np.float32)
-                fn = self._kernel(call, "ep_ll_slot_dot", self._vec(y.data.ptr, self._buf.local), fused=False)[0]
-                grid = max(1, min(-(-n // 8), _jit.device_properties(call.device_id)["sm_count"] * 8))
-                _jit.launch(fn, grid, 256, (gy, y, handle._ptr("slot_k"), handle._ptr("slot_w"), dots, np.int64(n),
-                                            np.int64(self.hidden)), stream=s)
+                vec = self._vec16 and not y.data.ptr & 15
+                c = self._const.get(("slot_dot", vec))
+                if c is None:
+                    fn = self._kernel(call, "ep_ll_slot_dot", vec, fused=False)[0]
+                    c = self._const[("slot_dot", vec)] = (
+                        fn, max(1, min(-(-n // 8), _jit.device_properties(call.device_id)["sm_count"] * 8)),
+                        (np.int64(n), np.int64(self.hidden)))
+                _jit.launch_raw(c[0], c[1], 256, (gy.data.ptr, y.data.ptr, handle._ptr("slot_k"), handle._ptr("slot_w"),
+                                                  dots.data.ptr) + c[2], 0, s)
                 gwt = call.xp.empty((T, self.topk), np.float32)
                 self._transport.barrier(s, "combine_bwd")
                 self._launch_combine(call, handle, None, dots, None, gwt, "combine_bwd")
