@@ -25,6 +25,11 @@ has its own row). A token that names an expert twice has one slot for it.
   :meth:`combine` reads only valid slots; a user who needs zeros there masks with ``slot_topk >= 0``.
 - ``recv_x`` is a view of the group's receive buffer, valid until the group's next dispatch-direction op
   (``dispatch`` or ``combine_bwd``): copy it to keep it (e.g. for the expert backward).
+- The handle's tables (``counts``, ``slot_topk``, ``slot_weights`` and the routing combine reads) lie in one
+  of the group's table sets (:class:`_TableSet`): a later dispatch on the same stream reuses a set only once
+  nothing outside the group refers to it (no handle, none of its arrays or arrays derived from them), so they
+  stay valid as long as they are kept; a dispatch captured in a CUDA graph writes its set at every replay:
+  keep its handle (or one of its arrays) while the graph may replay.
 - :meth:`LowLatencyGroup.combine` ``(handle, expert_out [L, R*Tmax, H])`` -> ``out [T,H]``: barrier, then
   one kernel: each expert rank pushes each valid slot's row into its token owner's back buffer, the owner
   sums ``w[t,k] * y`` over ``k`` ascending in fp32 (products and additions each rounded to fp32, as the
