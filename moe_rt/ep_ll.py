@@ -546,7 +546,7 @@ class LowLatencyGroup:
                              "LowLatencyGroup(..., fp8=True)")
         arrays = ({"x_fp8": x[0], "scales": x[1], "topk_idx": topk_idx, "topk_weights": topk_weights} if pair
                   else {"x": x, "topk_idx": topk_idx, "topk_weights": topk_weights})
-        with _arrays.Call(arrays, stream=stream) as call:
+        with _arrays.Call(arrays, stream=stream, lean=True) as call:
             self._call_checks(call, "dispatch")
             idx, wv = call["topk_idx"], call["topk_weights"]
             xv = (call["x_fp8"], call["scales"]) if pair else call["x"]
@@ -802,7 +802,7 @@ class LowLatencyGroup:
             ``out [T,H]``: ``sum_k w[t,k] * y[slot(t,k)]``, fp32, k ascending, rounded once.
         """
         self._alive("combine")
-        with _arrays.Call({"expert_out": expert_out}, stream=stream) as call:
+        with _arrays.Call({"expert_out": expert_out}, stream=stream, lean=True) as call:
             self._call_checks(call, "combine")
             self._check_handle(handle, call, "combine")
             y = call["expert_out"]
@@ -811,7 +811,7 @@ class LowLatencyGroup:
             if call.backend == "cpu":
                 return call.out(_ref.combine([handle._a], [np.asarray(y)])[0])
             T = handle.num_tokens
-            out = call.xp.empty((T, self.hidden), self.dtype)
+            out = call.empty((T, self.hidden), self.dtype)
             self._transport.barrier(call.stream, "combine")
             self._launch_combine(call, handle, y, None, out, None, "combine", weighted=True)
             self._last_stream = call.stream
@@ -830,7 +830,7 @@ class LowLatencyGroup:
         """
         self._alive("dispatch_bwd")
         with _arrays.Call({"grad_recv_x": grad_recv_x, "grad_recv_weights": grad_recv_weights},
-                          stream=stream) as call:
+                          stream=stream, lean=True) as call:
             self._call_checks(call, "dispatch_bwd")
             self._check_handle(handle, call, "dispatch_bwd")
             g = call["grad_recv_x"]
@@ -845,8 +845,8 @@ class LowLatencyGroup:
                                             None if gw is None else [np.asarray(gw)])[0]
                 return call.out(gx), (None if gwt is None else call.out(gwt))
             T, K = handle.num_tokens, self.topk
-            gx = call.xp.empty((T, self.hidden), self.dtype)
-            gwt = call.xp.empty((T, K), np.float32) if gw is not None else None
+            gx = call.empty((T, self.hidden), self.dtype)
+            gwt = call.empty((T, K), np.float32) if gw is not None else None
             self._transport.barrier(call.stream, "dispatch_bwd")
             self._launch_combine(call, handle, g, gw, gx, gwt, "dispatch_bwd")
             self._last_stream = call.stream
@@ -867,7 +867,7 @@ class LowLatencyGroup:
             (fp32, deterministic; the reference computes it in float64).
         """
         self._alive("combine_bwd")
-        with _arrays.Call({"grad_out": grad_out, "expert_out": expert_out}, stream=stream) as call:
+        with _arrays.Call({"grad_out": grad_out, "expert_out": expert_out}, stream=stream, lean=True) as call:
             self._call_checks(call, "combine_bwd")
             self._check_handle(handle, call, "combine_bwd")
             T = handle.num_tokens
@@ -897,7 +897,7 @@ class LowLatencyGroup:
             gwt = None
             if y is not None:
                 n = gy.shape[0] * gy.shape[1]
-                dots = call.xp.empty(n, np.float32)
+                dots = call.scratch((n,), np.float32)
                 vec = self._vec16 and not y.data.ptr & 15
                 c = self._const.get(("slot_dot", vec))
                 if c is None:
@@ -907,7 +907,7 @@ class LowLatencyGroup:
                         (np.int64(n), np.int64(self.hidden)))
                 _jit.launch_raw(c[0], c[1], 256, (gy.data.ptr, y.data.ptr, handle._ptr("slot_k"), handle._ptr("slot_w"),
                                                   dots.data.ptr) + c[2], 0, s)
-                gwt = call.xp.empty((T, self.topk), np.float32)
+                gwt = call.empty((T, self.topk), np.float32)
                 self._transport.barrier(s, "combine_bwd")
                 self._launch_combine(call, handle, None, dots, None, gwt, "combine_bwd")
             self._last_stream = s

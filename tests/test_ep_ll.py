@@ -937,6 +937,66 @@ def test_gpu_one_rank_graph_replay_with_new_routing(rng):
 
 
 @pytest.mark.gpu
+def test_gpu_one_rank_table_sets_reused_and_torch(rng):
+    """Handles kept across later dispatches keep their own tables (combine of an older handle after newer
+    dispatches, counts kept without the handle), dispatches after dropped handles reuse table sets with
+    results bit for bit the reference's (T changing between them), and torch tensors in (imported without
+    CuPy arrays; combine's output from torch's allocator) give the CuPy results bit for bit."""
+    import cupy as cp
+
+    torch = _torch_cuda()
+    dt = bf16()
+    L, K, Tmax, H = 5, 3, 12, 64
+    g = LowLatencyGroup(None, L, H, Tmax, topk=K, dtype=dt)
+    y = rng.standard_normal((L, Tmax, H)).astype(dt)
+    yc = cp.asarray(y)
+
+    def check(h, counts, rh, rc):
+        np.testing.assert_array_equal(cp.asnumpy(counts), rc)
+        np.testing.assert_array_equal(cp.asnumpy(h.slot_topk), rh["slot_k"])
+        np.testing.assert_array_equal(cp.asnumpy(h.slot_weights), rh["slot_w"])
+        np.testing.assert_array_equal(cp.asnumpy(g.combine(h, yc)).view(np.uint8),
+                                      ref.combine([rh], [y])[0].view(np.uint8))
+
+    try:
+        kept = []
+        for T in (7, 12, 3, 0, 9):
+            xs, idxs, ws, x, idx, w = _gpu_case(rng, cp, L, K, T, Tmax, H, dt)
+            _, counts, h = g.dispatch(x, idx, w)
+            rx, rc, rh = ref.dispatch(xs, idxs, ws, L, Tmax)[0]
+            kept.append((h, counts, rh, rc))
+        for h, counts, rh, rc in kept:  # each handle's own tables, after every later dispatch
+            check(h, counts, rh, rc)
+        only_counts = kept[1][1], kept[1][3]
+        del kept, h, counts
+        for T in (12, 1, 8, 12):  # reused sets
+            xs, idxs, ws, x, idx, w = _gpu_case(rng, cp, L, K, T, Tmax, H, dt)
+            recv, counts, h = g.dispatch(x, idx, w)
+            rx, rc, rh = ref.dispatch(xs, idxs, ws, L, Tmax)[0]
+            valid = rh["slot_k"] >= 0
+            np.testing.assert_array_equal(cp.asnumpy(recv)[valid].view(np.uint8), rx[valid].view(np.uint8))
+            check(h, counts, rh, rc)
+            del recv, counts, h
+        np.testing.assert_array_equal(cp.asnumpy(only_counts[0]), only_counts[1])  # never reused while kept
+        if torch is not None:
+            xs, idxs, ws, x, idx, w = _gpu_case(rng, cp, L, K, 10, Tmax, H, dt)
+            recv, counts, h = g.dispatch(x, idx, w)
+            out = cp.asnumpy(g.combine(h, yc))
+            xt, it, wt = (torch.from_dlpack(a) for a in (x, idx, w))
+            recv_t, counts_t, h_t = g.dispatch(xt, it, wt)
+            assert isinstance(recv_t, torch.Tensor) and isinstance(counts_t, torch.Tensor)
+            np.testing.assert_array_equal(counts_t.cpu().numpy(), cp.asnumpy(counts))
+            np.testing.assert_array_equal(h_t.slot_topk.cpu().numpy(), cp.asnumpy(h.slot_topk))
+            out_t = g.combine(h_t, torch.from_dlpack(yc))
+            assert isinstance(out_t, torch.Tensor) and out_t.shape == (10, H)
+            torch.cuda.synchronize()
+            np.testing.assert_array_equal(out_t.view(torch.int16).cpu().numpy(), out.view(np.int16))
+        g.synchronize()
+    finally:
+        g.close()
+
+
+@pytest.mark.gpu
 def test_gpu_one_rank_split_dispatch_two_in_flight(rng):
     import cupy as cp
 
