@@ -303,8 +303,8 @@ class LowLatencyGroup:
         self.chunk = chunk_tokens(self.max_tokens_per_rank)
         # host-side caches of the CUDA path (made on use, after _setup; docs/ep.md §8, host time): the handle
         # tables' layout and their sets per stream (_TableSet), the kernels per (kind, vector path, id dtype)
-        # with their resident blocks, the constant parts of the launch arguments per (op, buffer set), the views of the shared buffers and the
-        # received rows dispatch returns per (set, FP8 rows, codes dtype)
+        # with their resident blocks, the launch set-ups (_dispatch_setup, _combine_setup), the views of the
+        # shared buffers and the received rows dispatch returns per (set, FP8 rows, codes dtype)
         self._layout, self._rings = None, {}
         self._fns, self._const, self._views, self._row_views = {}, {}, {}, {}
         self._slots = (self.num_local_experts, R * self.max_tokens_per_rank, self.hidden)  # [L, R*Tmax, H]

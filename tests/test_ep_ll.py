@@ -631,10 +631,10 @@ class _LLTrace:
 @pytest.mark.parametrize("T", [11, 0])
 def test_cuda_host_path_launches_and_arguments(monkeypatch, fp8, T):
     """An eager low-latency dispatch + combine on CUDA (device stood in for) issues exactly one barrier and
-    one kernel each way and two allocations (the handle's tables, in one; combine's output), and passes each
-    kernel the arguments it takes, by parameter name (tables of the right set, the handle's tables, the
-    constants); the split hook, both backwards and a second buffer set too; a handle keeps its own tables
-    after later dispatches."""
+    one kernel each way and two allocations while the earlier handles are kept (a table set for the handle's
+    tables, in one; combine's output), and passes each kernel the arguments it takes, by parameter name
+    (tables of the right set, the handle's tables, the constants); the split hook, both backwards and a
+    second buffer set too; a handle keeps its own tables after later dispatches."""
     import ml_dtypes
 
     tr = _LLTrace(monkeypatch)
@@ -686,7 +686,7 @@ def test_cuda_host_path_launches_and_arguments(monkeypatch, fp8, T):
         h = out[-1]
         handles.append(h)
         ev, allocs = tr.take()
-        assert allocs == 1  # the handle's six tables in one allocation
+        assert allocs == 1  # every earlier handle kept: a new table set (the six tables in one allocation)
         assert ev == [barrier("dispatch"), (kernel, 8, 512, want_dispatch(b, h, 3))]
         rows = out[:-2]
         regions = ["recv"] if fp8 in (None, "dequant") else ["recv_q", "recv_s"]

@@ -21,9 +21,10 @@ class StandIns:
     """The device stood in for, through ``setattr_`` (default: for good, in this process; a test passes its
     monkeypatch's setattr): kernels (each lookup counted in ``lookups``), launches (``on_launch(fn, grid,
     block, args)``; default: counted in ``launches``), the op's array import (``moe_rt._arrays.Call``: a CUDA
-    call of framework 'devarray' on stream 7 or an int stream given, results handed back as they are), CuPy allocations (counted in
-    ``allocs``: CuPy arrays over fake addresses, an empty one at 0 as CuPy's), streams, the current device
-    (0), the device's error word (64), ``resident`` blocks of a fused kernel and ``sm_count`` SMs."""
+    call of framework 'devarray' on stream 7 or an int stream given, results handed back as they are, its
+    allocations CuPy's), CuPy allocations (counted in ``allocs``: CuPy arrays over fake addresses, an empty one
+    at 0 as CuPy's), streams, the current device (0), the device's error word (64), ``resident`` blocks of a
+    fused kernel and ``sm_count`` SMs."""
 
     def __init__(self, setattr_=setattr, resident=264, sm_count=132):
         import cupy
