@@ -21,9 +21,10 @@ class StandIns:
     """The device stood in for, through ``setattr_`` (default: for good, in this process; a test passes its
     monkeypatch's setattr): kernels (each lookup counted in ``lookups``), launches (``on_launch(fn, grid,
     block, args)``; default: counted in ``launches``), the op's array import (``moe_rt._arrays.Call``: a CUDA
-    call of framework 'devarray' on stream 7, results handed back as they are), CuPy allocations (counted in
-    ``allocs``: CuPy arrays over fake addresses, an empty one at 0 as CuPy's), streams, the current device
-    (0), the device's error word (64), ``resident`` blocks of a fused kernel and ``sm_count`` SMs."""
+    call of framework 'devarray' on stream 7 or an int stream given, results handed back as they are, its
+    allocations CuPy's), CuPy allocations (counted in ``allocs``: CuPy arrays over fake addresses, an empty one
+    at 0 as CuPy's), streams, the current device (0), the device's error word (64), ``resident`` blocks of a
+    fused kernel and ``sm_count`` SMs."""
 
     def __init__(self, setattr_=setattr, resident=264, sm_count=132):
         import cupy
@@ -33,6 +34,7 @@ class StandIns:
         self.cupy, self.launches, self.allocs, self.lookups = cupy, 0, 0, 0
         self.addrs = itertools.count(1 << 40, 1 << 24)
         self.on_launch = None
+        self._streams = {}
         st = self
 
         class Xp:
@@ -44,7 +46,9 @@ class StandIns:
         class Call:
             def __init__(self, arrays, stream=None, **kw):
                 self.backend, self.xp, self.device_id, self.framework = "cuda", Xp, 0, "devarray"
-                self.stream, self.views = type("S", (), {"ptr": 7})(), dict(arrays)
+                # stream 7, or an int stream given (a test's second stream)
+                self.stream = st.stream(stream if type(stream) is int else 7)
+                self.views = dict(arrays)
 
             def __getitem__(self, k):
                 return self.views[k]
@@ -57,6 +61,11 @@ class StandIns:
 
             def out(self, a):
                 return a
+
+            def empty(self, shape, dtype):
+                return Xp.empty(shape, dtype)
+
+            scratch = empty
 
         class Device:
             def __init__(self, i=None):
@@ -87,8 +96,16 @@ class StandIns:
         setattr_(_errors, "word", lambda dev: 64)
         setattr_(_ep_direct, "_resident_ctas", lambda fn, threads, dev: resident)
         setattr_(_arrays, "Call", Call)
-        setattr_(_arrays, "as_cupy_stream", lambda stream, dev: type("S", (), {"ptr": 9})())
+        setattr_(_arrays, "as_cupy_stream", lambda stream, dev: st.stream(9))
         setattr_(cupy.cuda, "Device", Device)
+
+    def stream(self, ptr):
+        """A stand-in CuPy stream of address ``ptr`` (one object per address, as made once: the stand-ins'
+        own cost stays out of the op's time)."""
+        s = self._streams.get(ptr)
+        if s is None:
+            s = self._streams[ptr] = type("Stream", (), {"ptr": ptr})()
+        return s
 
     def array(self, shape, dtype):
         """A CuPy array over a fake address (nothing reads or writes its memory); an empty one at address 0,
@@ -126,7 +143,7 @@ class StandIns:
             offs[name] = (o, nb)
             o += -(-nb // 256) * 256
         buf = type("Sh", (), {"local": 1 << 56, "table": self.dev((R,), np.int64)})()  # apart from the arrays
-        g._transport, g._buf, g._offs = d, buf, offs
+        g._adopt(d, buf, offs)
         g._tables = {n: (1 << 50) + off for n, (off, _) in offs.items()}
         g._set_epoch = self.array(num_buffers, np.uint32)
         return g
@@ -185,7 +202,13 @@ def main(argv=None):
             ap.error(f"--profile: one of {', '.join(ops)}")
         prof = cProfile.Profile()
         f = ops[a.profile]
-        prof.runcall(lambda: [f() for _ in range(a.calls)])
+
+
+        def run():  # each result dropped before the next call, as in the timed rounds
+            for _ in range(a.calls):
+                f()
+
+        prof.runcall(run)
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
         return 0
     print(f"{'op':30s} {'host us':>8s} {'launches':>9s} {'allocs':>7s}")
