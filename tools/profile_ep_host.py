@@ -1,0 +1,186 @@
+"""Host time of eager EpGroup ops on CUDA arrays, on a machine without a GPU (issue 30, item 4: an eager EP op
+in capacity mode costs at most 30 us of host time, not growing with R). The device is stood in for as in
+tools/profile_ll_host.py (kernels, launches counted not made, the op's array import, CuPy allocations
+counted over fake addresses) and, for EpGroup, the direct transport's shared buffers (stages, prepare's box,
+grid_sync's words), the occupancy query and exact mode's host read of the counts. CuPy's own kernels on the
+handle's buffer (a copy of a region, a slice assignment) cannot run without a GPU: they are counted in the
+``cupy`` column and return at once (their host cost, some microseconds each on a GPU, is left out).
+Everything else is the real code path: checks, the handle, tables, kernel and argument set-up, barriers, views.
+Per op: microseconds of this thread's CPU time per call (the best of 7 rounds), launches, allocations and
+CuPy kernels per call. Group: direct transport, E=256, H=7168, T=Tmax=4096, K=8, bf16; R=2 and R=4; capacity
+and exact mode.
+
+    python tools/profile_ep_host.py [--calls 200] [--ranks 2 4] [--modes capacity exact] [--profile OP]
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import pathlib
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # this checkout's moe_rt
+
+
+def _ll_stand_ins():
+    spec = importlib.util.spec_from_file_location("profile_ll_host", pathlib.Path(__file__).with_name(
+        "profile_ll_host.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.StandIns
+
+
+class EpStandIns(_ll_stand_ins()):
+    """tools/profile_ll_host.py's stand-ins plus what EpGroup's CUDA path reaches: dynamic shared memory
+    opt-in, the occupancy query of prepare's grid-synchronized kernels (``resident`` blocks), and CuPy arrays
+    whose ``copy()`` and slice assignment (CuPy kernels) are counted in ``cupy`` and not run."""
+
+    def __init__(self, setattr_=setattr, resident=264, sm_count=132):
+        super().__init__(setattr_, resident, sm_count)
+        import cupy
+
+        from moe_rt import _jit
+        from moe_rt import ep as ep_mod
+
+        self.cupy_kernels = 0
+        st = self
+
+        class Arr(cupy.ndarray):
+            def copy(self, order="C"):
+                st.cupy_kernels += 1
+                st.allocs += 1
+                return st.array(self.shape, self.dtype)
+
+            def __setitem__(self, key, value):
+                st.cupy_kernels += 1
+
+        self._cls = Arr
+        setattr_(_jit, "set_max_dynamic_shared", lambda fn, n: None)
+        setattr_(ep_mod, "_resident", lambda fn, threads, smem, dev: resident)
+
+    def array(self, shape, dtype):
+        a = super().array(shape, dtype)
+        return a.view(self._cls)
+
+    def shared(self, R, nbytes):
+        """A stand-in of the direct transport's IPC-shared buffer (_Shared): this rank's allocation, every
+        rank's address and their device table."""
+        from moe_rt import _ep_direct
+
+        s = object.__new__(_ep_direct._Shared)
+        s.local = next(self.addrs)
+        s.ptrs = [s.local + (r << 32) for r in range(R)]
+        s.opened, s.nbytes = [], int(nbytes)
+        s.table = self.array((R,), np.int64)
+        return s
+
+    def ep_group(self, R, me, E, H, Tmax, K, mode="capacity", dtype="bfloat16"):
+        """An EpGroup of rank ``me`` of R on the direct transport whose shared buffers are stand-ins (made as
+        its first ops would make them: prepare's box for K, the stages of ``H``-wide rows and of K weights),
+        and whose exact-mode host read returns every pair full."""
+        from moe_rt import _ep_direct, _handle
+        from moe_rt import ep as ep_mod
+
+        comm = type("Comm", (), {"rank": me, "size": R, "device": 0, "all_gather": None, "send": None,
+                                 "recv": None, "group_start": None, "group_end": None})()
+        g = ep_mod.EpGroup(comm, E, H, Tmax, mode=mode, dtype=dtype, topk=K, transport="nccl")
+        P = g.pair_capacity if mode == "capacity" else Tmax
+        d = object.__new__(_ep_direct.DirectTransport)
+        d.comm, d.device, d.R, d.me, d.lo, d.hi, d.P = comm, 0, R, me, 0, R, P
+        d.timeout_ns, d._stages, d._order, d.closed, d._err_ptr = 10**9, {}, [], False, 96
+        d._pairs, d._launches, d._views = {}, {}, {}
+        d._wait = d._op_wait = None
+        d.state = self.array((2,), np.uint32)
+        d.bar, d.flags = self.shared(R, 4 * R), self.shared(R, 4 * R * P)
+        rb = H * np.dtype(g.dtype).itemsize
+        L = E // R
+        half = R * (L + 2 + P * (2 * K + 1))
+        for key, nb in ((("prepare", K), 8 * half), (("rows", rb), R * P * rb), (("weights", K), R * P * 4 * K)):
+            d._stages[key] = self.shared(R, nb)
+            d._order.append(key)
+        g.transport, g._transport = "direct", d
+        g._gsync[(0, 7)] = type("M", (), {"ptr": next(self.addrs)})()  # grid_sync's words on stream 7
+        if mode == "exact":  # the host read of the counts: every rank sends this one T tokens of 1 slot each
+            host = np.zeros(5 * R + 10, np.int32)
+            mi = _handle.meta_index
+            host[mi("send_counts", R):mi("send_counts", R) + R] = Tmax
+            host[mi("recv_counts", R):mi("recv_counts", R) + R] = Tmax
+            host[mi("recv_rows", R)] = R * Tmax
+            host[mi("total_slots", R)] = R * Tmax * K // R
+            g._read_meta = lambda meta, stream, dev: host
+        return g
+
+
+def _time(st, f, n):
+    """(microseconds of this thread's CPU time per call: the best of 7 rounds of ``n`` calls; launches,
+    allocations and CuPy kernels per call)."""
+    for _ in range(20):
+        f()
+    best = None
+    for _ in range(7):
+        c0 = (st.launches, st.allocs, st.cupy_kernels)
+        t = time.thread_time()
+        for _ in range(n):
+            f()
+        dt = (time.thread_time() - t) / n * 1e6
+        best = dt if best is None else min(best, dt)
+    return (best, (st.launches - c0[0]) / n, (st.allocs - c0[1]) / n, (st.cupy_kernels - c0[2]) / n)
+
+
+def ops(st, R, mode, T=4096, H=7168, E=256, K=8):
+    """{op name: a call} for one group."""
+    g = st.ep_group(R, R - 1, E, H, T, K, mode)
+    bf = g.dtype
+    x, idx, w = st.dev((T, H), bf), st.dev((T, K), np.int32), st.dev((T, K), np.float32)
+    h = g.prepare(idx)
+    N = h.sizes["N"]
+    y, gx, gw, gout = st.dev((N, H), bf), st.dev((N, H), bf), st.dev((N,), np.float32), st.dev((T, H), bf)
+    g.dispatch(h, x, w)
+
+    def round_trip():
+        hh = g.prepare(idx)
+        g.combine(hh, g.dispatch(hh, x, w)[0])
+
+    return {"prepare": lambda: g.prepare(idx), "dispatch": lambda: g.dispatch(h, x, w),
+            "combine": lambda: g.combine(h, y), "dispatch_bwd": lambda: g.dispatch_bwd(h, gx, gw),
+            "combine_bwd": lambda: g.combine_bwd(h, gout),
+            "round trip": round_trip}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--calls", type=int, default=200, help="calls per round (default 200)")
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="group sizes (default 2 4)")
+    ap.add_argument("--modes", nargs="+", default=["capacity", "exact"], choices=["capacity", "exact"])
+    ap.add_argument("--profile", default=None, metavar="OP", help="cProfile one op (its name as printed) at the "
+                    "first group size and mode")
+    a = ap.parse_args(argv)
+    if a.calls < 1:
+        ap.error("--calls: expected a positive number")
+    st = EpStandIns()
+    if a.profile is not None:
+        import cProfile
+        import pstats
+
+        table = ops(st, a.ranks[0], a.modes[0])
+        if a.profile not in table:
+            ap.error(f"--profile: one of {', '.join(table)}")
+        f = table[a.profile]
+        prof = cProfile.Profile()
+        prof.runcall(lambda: [f() for _ in range(a.calls)])
+        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+        return 0
+    print(f"{'op':14s} {'mode':9s} {'R':>2s} {'host us':>8s} {'launches':>9s} {'allocs':>7s} {'cupy':>5s}")
+    for mode in a.modes:
+        for R in a.ranks:
+            for name, f in ops(st, R, mode).items():
+                us, launches, allocs, ck = _time(st, f, a.calls)
+                print(f"{name:14s} {mode:9s} {R:2d} {us:8.1f} {launches:9.0f} {allocs:7.0f} {ck:5.0f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
