@@ -55,8 +55,9 @@ import socket
 import numpy as np
 
 from moe_rt import _jit
-from moe_rt._ep_rows import Fp8Rows, bound, fill_rows, recv_wk, slot_values
-from moe_rt.permutation import _resident_ctas, _unit
+from moe_rt._ep_rows import Fp8Rows, bound, fill_rows, recv_wk, regions, slot_values
+from moe_rt._ep_rows import unit as _unit
+from moe_rt.permutation import _resident_ctas
 
 _FILE = "ep.cu"
 _UNITS = {16: "uint4", 8: "uint2", 4: "unsigned", 2: "unsigned short", 1: "unsigned char"}
@@ -441,7 +442,7 @@ class DirectTransport:
         self.dispatch(call, h, x, w, rows_st, w_st, out, op, fp8)
         row_map = self._row_map(call, h)
         if w is not None:
-            self.copy_rows(call, w_st.local, row_map, h.view("recv_wk").data.ptr, None, sz["rows"], K * 4)
+            self.copy_rows(call, w_st.local, row_map, regions(h)["recv_wk"], None, sz["rows"], K * 4)
         return (self.view(rows_st, sz["R"] * sz["P"], H, x.dtype) if want_stage else None), row_map
 
     def _row_map(self, call, h):
@@ -524,9 +525,10 @@ class DirectTransport:
                 (self.state, self._err_ptr, np.int64(self.timeout_ns), np.int32(OP_CODES[op]), np.int32(self.R),
                  np.int32(self.me), np.int32(P), np.int32(K), np.int32(C), np.int64(rb // u), np.int32(self.lo),
                  np.int32(self.hi)))
+        a = regions(h)
         _jit.launch_raw(c[0], c[1], _THREADS,
-                        (xp_, w.data.ptr if w is not None else 0, *c[2], h.view("send_tok"), h.view("meta"),
-                         h.view("dst_row"), *outs, *c[3]), 0, call.stream)
+                        (xp_, w.data.ptr if w is not None else 0, *c[2], a["send_tok"], a["meta"], a["dst_row"], *outs,
+                         *c[3]), 0, call.stream)
 
     def combine(self, call, h, y, w, zw, rows_st, w_st, T, want_w, op):
         """ep_direct_combine (after the op's leading barrier): each received row's partial over its local
@@ -553,9 +555,10 @@ class DirectTransport:
                 (self.state, self._err_ptr, np.int64(self.timeout_ns), np.int32(OP_CODES[op]), np.int32(self.R),
                  np.int32(self.me), np.int32(P), np.int32(K), np.int32(L), np.int32(Tmax), np.int32(T), np.int32(C),
                  np.int64(H), np.int32(self.lo), np.int32(self.hi)))
+        a = regions(h)
         _jit.launch_raw(c[0], c[1], _THREADS,
-                        (yp, w if w is not None else 0, zw if zw is not None else 0, *c[2], h.view("dst_row"),
-                         h.view("send_pos"), h.view("routing"), h.view("meta"), outp, gw if gw is not None else 0,
+                        (yp, w if w is not None else 0, zw if zw is not None else 0, *c[2], a["dst_row"],
+                         a["send_pos"], a["routing"], a["meta"], outp, gw if gw is not None else 0,
                          *c[3]), 0, call.stream)
         return out, gw
 
@@ -586,7 +589,7 @@ class DirectTransport:
         if rows:
             grid = max(1, min(-(-rows // 256), _jit.device_properties(call.device_id)["sm_count"] * 8))
             _jit.launch(_jit.function(_FILE, "ep_direct_row_map"), grid, 256,
-                        (h.view("meta"), np.int32(self.R), np.int32(sz["P"]), np.int64(rows), m), stream=call.stream)
+                        (regions(h)["meta"], np.int32(self.R), np.int32(sz["P"]), np.int64(rows), m), stream=call.stream)
         return m
 
     def close(self):

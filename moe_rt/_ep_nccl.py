@@ -45,7 +45,7 @@ from __future__ import annotations
 import numpy as np
 
 from moe_rt import _jit, permutation
-from moe_rt._ep_rows import (FILE, UNITS, Fp8Rows, bound, fill_rows, grid, plan_view, recv_wk, routing_view, slot_values,
+from moe_rt._ep_rows import (FILE, UNITS, Fp8Rows, bound, fill_rows, grid, plan_view, recv_wk, regions, slot_values,
                              unit)
 from moe_rt._handle import meta_index
 
@@ -214,8 +214,8 @@ class NcclTransport:
         _jit.launch_raw(c[0], c[1], c[2],
                         (x.data.ptr, sp, rp, w.data.ptr if w is not None else 0,
                          send_w.data.ptr if send_w is not None and send_rows else 0,
-                         recv_w.data.ptr if recv_w is not None and rows else 0, h.view("send_tok"), h.view("meta"),
-                         *c[3]), 0, call.stream)
+                         recv_w.data.ptr if recv_w is not None and rows else 0, regions(h)["send_tok"],
+                         regions(h)["meta"], *c[3]), 0, call.stream)
 
     def _forward_buffers(self, call, h, x, w):
         """(row bytes, send rows, receive rows, send weights, receive weights) of a forward transfer; the
@@ -406,10 +406,11 @@ class NcclTransport:
                 c = self._launches[key] = (
                     fn, grid(T * 8, call.device_id, threads=8), int(min(512, max(32, -(-(H // nper) // 32) * 32))),
                     (np.int32(R), np.int32(me), np.int32(Tmax), np.int32(K), np.int32(L), np.int32(T), np.int64(H)))
+            a = regions(h)
             _jit.launch_raw(c[0], c[1], c[2],
                             (bp, op_, outp, back_w.data.ptr if back_w is not None and back_w.size else 0,
                              zw.data.ptr if zw is not None and zw.size else 0, gw if gw is not None else 0,
-                             h.view("send_pos"), routing_view(h), h.view("meta"), *c[3], np.int64(own_shift)),
+                             a["send_pos"], a["routing"], a["meta"], *c[3], np.int64(own_shift)),
                             R * 8, s)
         return out, gw
 
@@ -516,7 +517,7 @@ def _expand_rows(call, h, buf, out, lo, hi, rows=None, side=False, fp8=None):
     src = buf.data.ptr if rows is not None else buf.data.ptr + lo * rb
     # beside a transfer: one CTA per two SMs, so that the NCCL kernel keeps its share of memory bandwidth
     grid = hi - lo if not side else min(hi - lo, max(1, _jit.device_properties(call.device_id)["sm_count"] // 2))
-    _jit.launch(fn, grid, threads, (src, outs[0], h.view("dst_row").data.ptr + lo * K * 4,
+    _jit.launch(fn, grid, threads, (src, outs[0], regions(h)["dst_row"] + lo * K * 4,
                                     rows.data.ptr if rows is not None else 0, np.int32(K), np.int64(units),
                                     np.int64(hi - lo), outs[1], outs[2]),
                 shared_mem=K * 4, stream=call.stream)

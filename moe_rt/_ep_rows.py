@@ -28,11 +28,22 @@ def bound(cache: dict) -> None:
 
 
 def unit(row_bytes: int, *ptrs) -> int:
-    """The widest copy unit (16 to 1 bytes) dividing ``row_bytes`` and every pointer."""
-    for u in (16, 8, 4, 2, 1):
-        if row_bytes % u == 0 and all(p % u == 0 for p in ptrs):
-            return u
-    return 1
+    """The widest copy unit (16 to 1 bytes) dividing ``row_bytes`` and every pointer: the lowest set bit of
+    their union, at most 16."""
+    m = row_bytes | 16
+    for p in ptrs:
+        m |= p
+    return m & -m
+
+
+def regions(h):
+    """``{region: device address}`` of a CUDA handle's buffer (plain ints for the launches, made once per
+    handle: a handle's views are CuPy arrays, each a construction per call)."""
+    a = h.state.get("addr")
+    if a is None:
+        base = h.buffer.data.ptr
+        a = h.state["addr"] = {k: base + v[0] for k, v in h.layout.items()}
+    return a
 
 
 def grid(n, device_id, threads=256):
@@ -41,6 +52,22 @@ def grid(n, device_id, threads=256):
         return 0
     cap = _jit.device_properties(device_id)["sm_count"] * 8
     return max(1, min(-(-n // threads), cap))
+
+
+def tokens_per_expert(call, h):
+    """A copy of a CUDA handle's tokens_per_expert (int32 ``[L]``, what dispatch returns): one device-to-device
+    copy on the call's stream into a fresh array."""
+    L = h.sizes["L"]
+    out = call.xp.empty(L, np.int32)
+    rt = _runtime()
+    rt.memcpyAsync(out.data.ptr, regions(h)["tokens_per_expert"], 4 * L, rt.memcpyDeviceToDevice, call.stream.ptr)
+    return out
+
+
+def _runtime():
+    from cupy.cuda import runtime
+
+    return runtime
 
 
 def routing_view(h):
@@ -93,7 +120,7 @@ def fill_rows(call, h, out, pp, pv):
         c = _launches[key] = (_jit.function(FILE, f"ep_fill_rows<{UNITS[u]}>"), max(1, min(-(-N // 8), sms * 16)),
                               (np.int64(N), np.int64(rb // u)))
     _jit.launch_raw(c[0], c[1], 256, (out.data.ptr if out is not None else 0, pp if pp is not None else 0,
-                                      pv if pv is not None else 0, h.view("src_slot"), *c[2]), 0, call.stream)
+                                      pv if pv is not None else 0, regions(h)["src_slot"], *c[2]), 0, call.stream)
 
 
 def slot_values(call, h, vals):
@@ -108,7 +135,7 @@ def slot_values(call, h, vals):
         if c is None:
             bound(_launches)
             c = _launches[key] = (_jit.function(FILE, "ep_slot_values"), grid(n, call.device_id), np.int64(n))
-        _jit.launch_raw(c[0], c[1], 256, (vals if vals.size else 0, h.view("dst_row"), out, c[2]), 0, call.stream)
+        _jit.launch_raw(c[0], c[1], 256, (vals if vals.size else 0, regions(h)["dst_row"], out, c[2]), 0, call.stream)
     return out
 
 

@@ -134,7 +134,7 @@ from moe_rt import _arrays, _errors, _jit, permutation
 from moe_rt import _ep_adapt, _ep_direct, _ep_mixed, _ep_nccl, _handle
 from moe_rt import fp8 as _fp8
 from moe_rt._ep_rows import FILE as _FILE, UNITS as _UNITS
-from moe_rt._ep_rows import Fp8Rows, grid as _grid, plan_view, recv_wk, scale_rows
+from moe_rt._ep_rows import Fp8Rows, grid as _grid, plan_view, recv_wk, regions, scale_rows, tokens_per_expert
 from moe_rt._handle import Handle, meta_index
 from moe_rt.reference import ep as _ref
 from moe_rt.reference import fp8 as _fp8_ref
@@ -503,9 +503,12 @@ class EpGroup:
     def _op_key(self, op, handle, rows, *flags):
         """What decides the kernels a call of ``op`` launches (:meth:`_first_call`): the op, the dtype, width
         and address alignment of its ``rows`` (a CuPy array), its ``flags`` and, on the NCCL transport,
-        whether it overlaps the transfer."""
-        rb = int(rows.shape[1]) * rows.dtype.itemsize
+        whether it overlaps the transfer; None (made at no cost) where the group has no NCCL exchange, whose
+        calls wait for nothing."""
         t = self._transport
+        if self.size == 1 or not (isinstance(t, _ep_nccl.NcclTransport) or getattr(t, "nccl", None) is not None):
+            return None  # no NCCL exchange: _first_call waits for nothing
+        rb = int(rows.shape[1]) * rows.dtype.itemsize
         ov = t._overlapped(handle, rb) if isinstance(t, _ep_nccl.NcclTransport) else None
         return (op, rows.dtype, rb, rows.data.ptr & 15, ov) + flags
 
@@ -809,7 +812,7 @@ class EpGroup:
             with self._first_call("dispatch", self._op_key("dispatch", handle, xv, wv is not None), call.stream):
                 rx, rw = self._transport.forward(call, handle, xv, wv, "dispatch", want_w=wv is not None)
                 self._last_stream = call.stream
-                tpe = handle.view("tokens_per_expert").copy()
+                tpe = tokens_per_expert(call, handle)
             return call.out(rx), (None if rw is None else call.out(rw)), call.out(tpe)
 
     def _dispatch_weights(self, call, handle):
@@ -898,7 +901,7 @@ class EpGroup:
                 out, rw = self._transport.forward(call, handle, packed, wv, "dispatch", want_w=wv is not None,
                                                   fp8=rows)
                 self._last_stream = s
-                tpe = handle.view("tokens_per_expert").copy()
+                tpe = tokens_per_expert(call, handle)
                 rw = None if rw is None else call.out(rw)
                 if dequantize:
                     return call.out(out[0]), rw, call.out(tpe)
@@ -1022,7 +1025,7 @@ class EpGroup:
                 gw = call.xp.empty(N, np.float32)
                 if N:
                     _jit.launch(_jit.function(_FILE, "ep_gather_slots"), _grid(N, call.device_id), 256,
-                                (gp, handle.view("src_slot"), gw, np.int64(N)), stream=call.stream)
+                                (gp, regions(handle)["src_slot"], gw, np.int64(N)), stream=call.stream)
                 return call.out(gy), call.out(gw)
 
 

@@ -1566,14 +1566,18 @@ class _Dev:
 
 
 class _DevHandle:
-    """A stand-in handle: sizes, mode, host counts (exact mode) and one device region per name."""
+    """A stand-in handle: sizes, mode, host counts (exact mode) and one device region per name (1 << 16
+    elements each, in one buffer)."""
 
     def __init__(self, sizes, mode, host_meta=None):
         self.sizes, self.mode, self.state, self._v = sizes, mode, {"host_meta": host_meta}, {}
+        self.layout = {name: (i << 18, dt, 1 << 16) for i, (name, dt, _) in enumerate(_handle.REGIONS)}
+        self.buffer = _Dev(len(self.layout) << 18, np.uint8)
 
     def view(self, name):
         if name not in self._v:
-            self._v[name] = _Dev(1 << 16, np.float32 if name == "recv_wk" else np.int32)
+            off, dt, n = self.layout[name]
+            self._v[name] = _Dev(n, dt, self.buffer.data.ptr + off)
         return self._v[name]
 
 
@@ -1833,6 +1837,7 @@ def test_fp8_dispatch_one_transport_pass(monkeypatch, pair, dequantize):
     transport forward over them, with the weights and the Fp8Rows of the outputs; nothing runs after it (no
     second pass for the scales, no dequantize or split kernel)."""
     from moe_rt import _arrays, _jit, _ep_rows
+    from moe_rt import ep as ep_mod
     from moe_rt.reference import fp8 as fref
 
     launches, passes = [], []
@@ -1850,6 +1855,7 @@ def test_fp8_dispatch_one_transport_pass(monkeypatch, pair, dequantize):
     monkeypatch.setattr(_arrays, "contiguous", lambda xp, a: a)
     monkeypatch.setattr(_arrays, "cupy_of", lambda a: a)
     monkeypatch.setattr(_arrays, "fp8_array", lambda a, dt: ("fp8", a))
+    monkeypatch.setattr(ep_mod, "tokens_per_expert", lambda call, h: h.view("tokens_per_expert").copy())  # host buffer
     stream = type("S", (), {"ptr": 9})()
 
     class Call:

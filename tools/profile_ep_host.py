@@ -7,7 +7,7 @@ handle's buffer (a copy of a region, a slice assignment) cannot run without a GP
 ``cupy`` column and return at once (their host cost, some microseconds each on a GPU, is left out).
 Everything else is the real code path: checks, the handle, tables, kernel and argument set-up, barriers, views.
 Per op: microseconds of this thread's CPU time per call (the best of 7 rounds), launches, allocations and
-CuPy kernels per call. Group: direct transport, E=256, H=7168, T=Tmax=4096, K=8, bf16; R=2 and R=4; capacity
+CuPy kernels and memcpys per call. Group: direct transport, E=256, H=7168, T=Tmax=4096, K=8, bf16; R=2 and R=4; capacity
 and exact mode.
 
     python tools/profile_ep_host.py [--calls 200] [--ranks 2 4] [--modes capacity exact] [--profile OP]
@@ -35,8 +35,9 @@ def _ll_stand_ins():
 
 class EpStandIns(_ll_stand_ins()):
     """tools/profile_ll_host.py's stand-ins plus what EpGroup's CUDA path reaches: dynamic shared memory
-    opt-in, the occupancy query of prepare's grid-synchronized kernels (``resident`` blocks), and CuPy arrays
-    whose ``copy()`` and slice assignment (CuPy kernels) are counted in ``cupy`` and not run."""
+    opt-in, the occupancy query of prepare's grid-synchronized kernels (``resident`` blocks), CuPy arrays
+    whose ``copy()`` and slice assignment (CuPy kernels) are counted in ``cupy_kernels`` and not run, and
+    ``cudaMemcpyAsync`` (counted in ``memcpys``; ``on_memcpy(dst, src, nbytes, kind, stream)``)."""
 
     def __init__(self, setattr_=setattr, resident=264, sm_count=132):
         super().__init__(setattr_, resident, sm_count)
@@ -45,8 +46,16 @@ class EpStandIns(_ll_stand_ins()):
         from moe_rt import _jit
         from moe_rt import ep as ep_mod
 
-        self.cupy_kernels = 0
+        from cupy.cuda import runtime
+
+        self.cupy_kernels = self.memcpys = 0
+        self.on_memcpy = None
         st = self
+
+        def memcpy(dst, src, nbytes, kind, stream):
+            st.memcpys += 1
+            if st.on_memcpy is not None:
+                st.on_memcpy(dst, src, nbytes, kind, stream)
 
         class Arr(cupy.ndarray):
             def copy(self, order="C"):
@@ -58,6 +67,7 @@ class EpStandIns(_ll_stand_ins()):
                 st.cupy_kernels += 1
 
         self._cls = Arr
+        setattr_(runtime, "memcpyAsync", memcpy)
         setattr_(_jit, "set_max_dynamic_shared", lambda fn, n: None)
         setattr_(ep_mod, "_resident", lambda fn, threads, smem, dev: resident)
 
@@ -116,18 +126,19 @@ class EpStandIns(_ll_stand_ins()):
 
 def _time(st, f, n):
     """(microseconds of this thread's CPU time per call: the best of 7 rounds of ``n`` calls; launches,
-    allocations and CuPy kernels per call)."""
+    allocations, CuPy kernels and memcpys per call)."""
     for _ in range(20):
         f()
     best = None
     for _ in range(7):
-        c0 = (st.launches, st.allocs, st.cupy_kernels)
+        c0 = (st.launches, st.allocs, st.cupy_kernels, st.memcpys)
         t = time.thread_time()
         for _ in range(n):
             f()
         dt = (time.thread_time() - t) / n * 1e6
         best = dt if best is None else min(best, dt)
-    return (best, (st.launches - c0[0]) / n, (st.allocs - c0[1]) / n, (st.cupy_kernels - c0[2]) / n)
+    return (best, (st.launches - c0[0]) / n, (st.allocs - c0[1]) / n, (st.cupy_kernels - c0[2]) / n,
+            (st.memcpys - c0[3]) / n)
 
 
 def ops(st, R, mode, T=4096, H=7168, E=256, K=8):
@@ -173,12 +184,13 @@ def main(argv=None):
         prof.runcall(lambda: [f() for _ in range(a.calls)])
         pstats.Stats(prof).sort_stats("tottime").print_stats(30)
         return 0
-    print(f"{'op':14s} {'mode':9s} {'R':>2s} {'host us':>8s} {'launches':>9s} {'allocs':>7s} {'cupy':>5s}")
+    print(f"{'op':14s} {'mode':9s} {'R':>2s} {'host us':>8s} {'launches':>9s} {'allocs':>7s} {'cupy':>5s} "
+          f"{'memcpy':>6s}")
     for mode in a.modes:
         for R in a.ranks:
             for name, f in ops(st, R, mode).items():
-                us, launches, allocs, ck = _time(st, f, a.calls)
-                print(f"{name:14s} {mode:9s} {R:2d} {us:8.1f} {launches:9.0f} {allocs:7.0f} {ck:5.0f}")
+                us, launches, allocs, ck, mc = _time(st, f, a.calls)
+                print(f"{name:14s} {mode:9s} {R:2d} {us:8.1f} {launches:9.0f} {allocs:7.0f} {ck:5.0f} {mc:6.0f}")
     return 0
 
 
