@@ -55,7 +55,7 @@ import socket
 import numpy as np
 
 from moe_rt import _jit
-from moe_rt._ep_rows import Fp8Rows, bound, fill_rows, recv_wk, regions, slot_values
+from moe_rt._ep_rows import Fp8Rows, bound, fill_rows, regions, slot_values
 from moe_rt._ep_rows import unit as _unit
 from moe_rt.permutation import _resident_ctas
 
@@ -406,17 +406,17 @@ class DirectTransport:
         if not expand:
             stage, row_map = self._push(call, h, x, w, op, None)
             return self._recv_buf(call, h, stage, row_map)
-        N, xp = h.sizes["N"], call.xp
-        out = xp.empty((N, int(x.shape[1])), x.dtype) if fp8 is None else fp8.empty(xp, N)
-        out_w = xp.empty(N, np.float32) if want_w else None
+        N = h.sizes["N"]
+        out = call.empty((N, int(x.shape[1])), x.dtype) if fp8 is None else fp8.empty(call.xp, N)
+        out_w = call.empty((N,), np.float32) if want_w else None
         self._push(call, h, x, w, op, out, False, fp8)
-        (fill_rows if fp8 is None else fp8.fill)(call, h, out, out_w, recv_wk(h) if want_w else None)
+        (fill_rows if fp8 is None else fp8.fill)(call, h, out, out_w, regions(h)["recv_wk"] if want_w else None)
         return out, out_w
 
     def reduce(self, call, h, y, w, gw, op):
         """The combine direction (``op``: ``"combine"`` or ``"dispatch_bwd"``): barrier (every rank finished
         reading the stages of the previous op) -> one kernel reducing each received row over this rank's
-        experts (``y [N,H]`` expert-major, weights ``w [rows,K]`` or None; ``gw [N]`` fp32 or None taken
+        experts (``y [N,H]`` expert-major, weights ``w [rows,K]`` fp32 (or their device address) or None; ``gw [N]`` fp32 or None taken
         back to the slots as weight partials) straight into its owner's stage chunk by chunk, and summing
         this rank's tokens over ranks as their chunks land.
 
@@ -535,11 +535,10 @@ class DirectTransport:
         experts (weights w [rows,K] or none; weight partials zw [rows,K] or None) pushed into its owner's stage
         chunk by chunk, then this rank's tokens summed over ranks from its own stage as the chunks land.
         Returns ``(out [T,H] in y's dtype, grad_w [T,K] fp32 or None)``."""
-        xp = call.xp
         sz = h.sizes
         K, H = sz["K"], y.shape[1]
-        out = xp.empty((T, H), y.dtype)
-        gw = xp.empty((T, K), np.float32) if want_w else None
+        out = call.empty((T, H), y.dtype)
+        gw = call.empty((T, K), np.float32) if want_w else None
         yp, outp = (y.data.ptr if y.size else 0), out.data.ptr
         vec = (H * y.dtype.itemsize) % 16 == 0 and yp % 16 == 0 and outp % 16 == 0 and _stage_unit(rows_st) == 16
         key = ("combine", y.dtype, vec, K, T, H, op, call.device_id)

@@ -58,15 +58,19 @@ def tokens_per_expert(call, h):
     """A copy of a CUDA handle's tokens_per_expert (int32 ``[L]``, what dispatch returns): one device-to-device
     copy on the call's stream into a fresh array."""
     L = h.sizes["L"]
-    out = call.xp.empty(L, np.int32)
-    rt = _runtime()
+    out = call.empty((L,), np.int32)
+    rt = _rt[0] or _runtime()
     rt.memcpyAsync(out.data.ptr, regions(h)["tokens_per_expert"], 4 * L, rt.memcpyDeviceToDevice, call.stream.ptr)
     return out
+
+
+_rt = [None]  # CuPy's CUDA runtime module, imported on first use
 
 
 def _runtime():
     from cupy.cuda import runtime
 
+    _rt[0] = runtime
     return runtime
 
 

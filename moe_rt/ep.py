@@ -500,6 +500,14 @@ class EpGroup:
             return _NO_WAITS
         return _Settling(self, nc, op, key, stream)
 
+    def _lean(self):
+        """Whether an op's CUDA path takes DevArrays and allocates its results through ``Call.empty``
+        (:class:`moe_rt._arrays.Call`'s ``lean``: a torch caller on torch's current stream passes its tensors'
+        pointers as they are and gets torch tensors from torch's allocator back, no CuPy arrays and no DLPack
+        either way): on the direct transport, whose ops read only pointers, shapes and dtypes of their
+        arrays."""
+        return self.transport == "direct"
+
     def _op_key(self, op, handle, rows, *flags):
         """What decides the kernels a call of ``op`` launches (:meth:`_first_call`): the op, the dtype, width
         and address alignment of its ``rows`` (a CuPy array), its ``flags`` and, on the NCCL transport,
@@ -795,7 +803,7 @@ class EpGroup:
             _ep_adapt.check_pair_arity(x, fp8)
         if fp8:
             return self._dispatch_fp8(handle, x, topk_weights, pair, dequantize, stream)
-        with _arrays.Call({"x": x, "topk_weights": topk_weights}, stream=stream) as call:
+        with _arrays.Call({"x": x, "topk_weights": topk_weights}, stream=stream, lean=self._lean()) as call:
             self._check_call(call, "dispatch")
             _check_backend(handle, call, "dispatch")
             sz = handle.sizes
@@ -924,7 +932,7 @@ class EpGroup:
         """
         self._check_handle(handle, "combine")
         _check_bool(weighted, "weighted")
-        with _arrays.Call({"y": y}, stream=stream) as call:
+        with _arrays.Call({"y": y}, stream=stream, lean=self._lean()) as call:
             self._check_call(call, "combine")
             _check_backend(handle, call, "combine")
             yv = call["y"]
@@ -934,7 +942,8 @@ class EpGroup:
             yv = _arrays.contiguous(call.xp, yv)
             if call.backend == "cpu":
                 return call.out(_ref.combine([handle.state["ref"]], [yv], weighted=weighted)[0])
-            pw = recv_wk(handle) if weighted else None
+            # the received weights: the direct transport takes their address (no view to make per handle)
+            pw = None if not weighted else regions(handle)["recv_wk"] if self.transport == "direct" else recv_wk(handle)
             with self._first_call("combine", self._op_key("combine", handle, yv, weighted), call.stream):
                 out, _ = self._transport.reduce(call, handle, yv, pw, None, "combine")
                 self._last_stream = call.stream
@@ -953,7 +962,8 @@ class EpGroup:
             slots with no expert or dropped).
         """
         self._check_handle(handle, "dispatch_bwd")
-        with _arrays.Call({"grad_recv_x": grad_recv_x, "grad_recv_w": grad_recv_w}, stream=stream) as call:
+        with _arrays.Call({"grad_recv_x": grad_recv_x, "grad_recv_w": grad_recv_w}, stream=stream,
+                          lean=self._lean()) as call:
             self._check_call(call, "dispatch_bwd")
             _check_backend(handle, call, "dispatch_bwd")
             sz = handle.sizes
@@ -987,7 +997,7 @@ class EpGroup:
         """
         self._check_handle(handle, "combine_bwd")
         _check_bool(weighted, "weighted")
-        with _arrays.Call({"grad_out": grad_out, "y": y}, stream=stream) as call:
+        with _arrays.Call({"grad_out": grad_out, "y": y}, stream=stream, lean=self._lean()) as call:
             self._check_call(call, "combine_bwd")
             _check_backend(handle, call, "combine_bwd")
             sz = handle.sizes
@@ -1022,7 +1032,7 @@ class EpGroup:
                 gy, gp = permutation.combine_backward(recv_buf, plan_view(handle), yv, recv_wk(handle),
                                                       stream=call.stream)
                 N = sz["N"]
-                gw = call.xp.empty(N, np.float32)
+                gw = call.empty((N,), np.float32)
                 if N:
                     _jit.launch(_jit.function(_FILE, "ep_gather_slots"), _grid(N, call.device_id), 256,
                                 (gp, regions(handle)["src_slot"], gw, np.int64(N)), stream=call.stream)

@@ -1695,7 +1695,8 @@ def test_mixed_op_trace(monkeypatch, rng, R, local_size, me, mode):
     h = _mixed_handle(R, me, P, K, mode, rng)
     sc, so, rc, ro = t.nccl._host_counts(h)
     rb = H * 4
-    call = type("Call", (), {"xp": _Dev, "stream": type("S", (), {"ptr": 9})(), "device_id": 0})()
+    call = type("Call", (), {"xp": _Dev, "empty": staticmethod(_Dev.empty), "stream": type("S", (), {"ptr": 9})(),
+                             "device_id": 0})()
     x = _Dev((h.sizes["T"], H), np.float32)
     w = _Dev((h.sizes["T"], K), np.float32)
 
@@ -1938,7 +1939,8 @@ def test_fp8_transport_one_pass_trace(monkeypatch, rng, kind, mode, dequantize):
     h = _mixed_handle(R, me, P, K, mode, rng)
     H = 100
     rows = Fp8Rows(H, np.float32 if dequantize else None)
-    call = type("Call", (), {"xp": _Dev, "stream": type("S", (), {"ptr": 9})(), "device_id": 0})()
+    call = type("Call", (), {"xp": _Dev, "empty": staticmethod(_Dev.empty), "stream": type("S", (), {"ptr": 9})(),
+                             "device_id": 0})()
     x = _Dev((h.sizes["T"], rows.row_bytes), np.uint8)
     w = _Dev((h.sizes["T"], K), np.float32)
     full = {}

@@ -43,10 +43,10 @@ class EpStandIns(_ll_stand_ins()):
         super().__init__(setattr_, resident, sm_count)
         import cupy
 
-        from moe_rt import _jit
-        from moe_rt import ep as ep_mod
-
         from cupy.cuda import runtime
+
+        from moe_rt import _arrays, _jit
+        from moe_rt import ep as ep_mod
 
         self.cupy_kernels = self.memcpys = 0
         self.on_memcpy = None
@@ -67,6 +67,14 @@ class EpStandIns(_ll_stand_ins()):
                 st.cupy_kernels += 1
 
         self._cls = Arr
+
+        class Call(_arrays.Call):  # the op's allocations through Call.empty, as the lean CUDA path's
+            def empty(self, shape, dtype):
+                return self.xp.empty(shape, dtype)
+
+            scratch = empty
+
+        setattr_(_arrays, "Call", Call)
         setattr_(runtime, "memcpyAsync", memcpy)
         setattr_(_jit, "set_max_dynamic_shared", lambda fn, n: None)
         setattr_(ep_mod, "_resident", lambda fn, threads, smem, dev: resident)
