@@ -59,9 +59,15 @@ def tokens_per_expert(call, h):
     copy on the call's stream into a fresh array."""
     L = h.sizes["L"]
     out = call.empty((L,), np.int32)
-    rt = _rt[0] or _runtime()
-    rt.memcpyAsync(out.data.ptr, regions(h)["tokens_per_expert"], 4 * L, rt.memcpyDeviceToDevice, call.stream.ptr)
+    copy_bytes(out.data.ptr, regions(h)["tokens_per_expert"], 4 * L, call.stream)
     return out
+
+
+def copy_bytes(dst, src, nbytes, stream):
+    """``nbytes`` from device address ``src`` to ``dst``: one cudaMemcpyAsync on ``stream`` (a CuPy stream), no
+    kernel."""
+    rt = _rt[0] or _runtime()
+    rt.memcpyAsync(dst, src, nbytes, rt.memcpyDeviceToDevice, stream.ptr)
 
 
 _rt = [None]  # CuPy's CUDA runtime module, imported on first use

@@ -131,7 +131,7 @@ import weakref
 import numpy as np
 
 from moe_rt import _arrays, _errors, _jit, permutation
-from moe_rt import _ep_adapt, _ep_direct, _ep_mixed, _ep_nccl, _handle
+from moe_rt import _ep_adapt, _ep_direct, _ep_mixed, _ep_nccl, _ep_rows, _handle
 from moe_rt import fp8 as _fp8
 from moe_rt._ep_rows import FILE as _FILE, UNITS as _UNITS
 from moe_rt._ep_rows import Fp8Rows, grid as _grid, plan_view, recv_wk, regions, scale_rows, tokens_per_expert
@@ -693,7 +693,7 @@ class EpGroup:
             fixed = lay["recv_local"][0]
             lay, total = _handle.layout(R, L, c.Tmax, K, P, rows, N)
             buf0, buf = buf, xp.empty(total, np.uint8)
-            buf[:fixed] = buf0[:fixed]
+            _ep_rows.copy_bytes(buf.data.ptr, buf0.data.ptr, fixed, s)
             b, meta = buf.data.ptr, buf.data.ptr + lay["meta"][0]
             sz = dict(sz, rows=rows, N=N, num_out=slots)
             if not direct and R > 1:

@@ -1189,7 +1189,7 @@ def _stand_in_prepare(monkeypatch, record, sms, resident):
     """Kernels, devices and the scratch stood in for prepare on the CPU: each launch goes to ``record(name,
     grid, block)`` after checking that it passes as many arguments as its kernel takes; ``sms`` SMs, ``resident``
     blocks of any kernel resident at once."""
-    from moe_rt import _arrays, _errors, _jit, permutation
+    from moe_rt import _arrays, _ep_rows, _errors, _jit, permutation
     from moe_rt import ep as ep_mod
 
     def launch_raw(fn, grid, block, args, smem, stream):
@@ -1206,6 +1206,7 @@ def _stand_in_prepare(monkeypatch, record, sms, resident):
     monkeypatch.setattr(permutation, "_fns", {})
     monkeypatch.setattr(permutation, "_plan_cfgs", {})
     monkeypatch.setattr(ep_mod, "_resident", lambda fn, threads, smem, dev: resident)
+    monkeypatch.setattr(_ep_rows, "copy_bytes", lambda dst, src, n, stream: _Trace.events.append(("copy", n, dst, src)))
 
 
 def _traced_group(R, me, E, Tmax, mode, transport):
@@ -1295,8 +1296,11 @@ def test_prepare_launch_trace(monkeypatch, transport, R, mode, fused):
             inbox + 4 * (p * seg + o) for p, o in zip(peers * 2, offs)]
     # the handle and the scratch (exact: a second handle sized from the host read, and the plan's scratch)
     assert len(allocs) == (2 if mode == "capacity" else 3 if fused else 4)
+    # exact mode: the leading regions (routing, send lists, counts) into the handle sized from the host read: one
+    # memcpy from the first allocation
     assert [e for e in _Trace.events if e[0] == "copy"] == ([] if mode == "capacity" else
-                                                            [("copy", h.layout["recv_local"][0])])
+                                                            [("copy", h.layout["recv_local"][0], allocs[2][2],
+                                                              allocs[0][2])])
     assert h.sizes["rows"] == (R * P if mode == "capacity" else rows)
     assert h.layout["routing"][2] == Tmax * K + 1  # this rank's routing only
 
