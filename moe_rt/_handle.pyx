@@ -73,11 +73,15 @@ def fixed_bytes(int R, int Tmax, int K, int P):
     return lay["recv_local"][0]
 
 
+# META_FIELDS' offsets as functions of R, compiled once (exact-mode prepare reads two fields per call)
+_META_AT = {name: eval(f"lambda R: int({off})", {"__builtins__": {"int": int}}) for name, off, n in META_FIELDS}
+
+
 def meta_index(str field, int R):
-    for name, off, n in META_FIELDS:
-        if name == field:
-            return _count(off, {"R": R})
-    raise KeyError(field)
+    f = _META_AT.get(field)
+    if f is None:
+        raise KeyError(field)
+    return f(R)
 
 
 cdef class Handle:

@@ -682,8 +682,7 @@ class EpGroup:
             self._transport.exchange_box(s, outbox, inbox, whole, whole, SEG, 0)
         host, sz, plan, scratch = None, c.sz, c.plan, part + 4 * c.part_words
         if exact:
-            _jit.launch_raw(_jit.function(_FILE, "ep_plan_meta"), 1, 32,
-                            (meta, *segs, np.int32(R), np.int32(me), np.int32(P), np.int32(1), np.int64(-1)), 0, s)
+            _jit.launch_raw(c.f_meta, 1, 32, (meta, *segs, *c.meta_tail), 0, s)
             host = self._read_meta(buf[lay["meta"][0]:lay["meta"][0] + 4 * lay["meta"][2]].view(np.int32), s, dev)
             rows = int(host[meta_index("recv_rows", R)])
             slots = int(host[meta_index("total_slots", R)])
@@ -1106,7 +1105,7 @@ class _PrepCfg:
                  "work_words", "cstride", "half", "plan", "rows", "N", "threads", "f_send", "send_grid", "send_smem",
                  "TC", "B", "rank_warps", "err", "fused", "f_plan", "plan_mid", "plan_smem", "f_recv", "recv_mid",
                  "recv_grid", "recv_smem", "full_segments", "counts_only", "f_direct", "direct_grid", "direct_smem",
-                 "send_mid", "offsets", "gs", "box", "direct_args")
+                 "send_mid", "offsets", "gs", "box", "direct_args", "f_meta", "meta_tail")
 
     # ep_prepare_plan's shared memory (its per-source, per-expert offsets) must fit this; larger R*L take
     # ep_prepare_recv and the permutation plan's kernels
@@ -1177,6 +1176,9 @@ class _PrepCfg:
         self.plan_mid = (np.int32(R), np.int32(me), np.int32(P), np.int32(K), np.int32(L), np.int32(A), exact,
                          np.int64(cap))
         self.f_recv = _jit.function(_FILE, "ep_prepare_recv")
+        # exact mode: ep_plan_meta (the counts for the host read) and its arguments after the segments
+        self.f_meta = _jit.function(_FILE, "ep_plan_meta") if g.mode == "exact" else None
+        self.meta_tail = (np.int32(R), np.int32(me), np.int32(P), np.int32(1), np.int64(-1))
         self.recv_smem = 4 * (2 * R + 1)
         self.recv_mid = (np.int32(R), np.int32(me), np.int32(P), np.int32(K), np.int32(L), exact, np.int64(cap))
         self.full_segments, self.counts_only = [self.SEG] * R, [self.CW] * R
