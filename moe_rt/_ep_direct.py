@@ -586,9 +586,15 @@ class DirectTransport:
         rows = sz["rows"]
         m = call.xp.empty(max(rows, 1), np.int32)
         if rows:
-            grid = max(1, min(-(-rows // 256), _jit.device_properties(call.device_id)["sm_count"] * 8))
-            _jit.launch(_jit.function(_FILE, "ep_direct_row_map"), grid, 256,
-                        (regions(h)["meta"], np.int32(self.R), np.int32(sz["P"]), np.int64(rows), m), stream=call.stream)
+            key = ("row_map", rows, sz["P"], call.device_id)
+            c = self._launches.get(key)
+            if c is None:
+                bound(self._launches)
+                c = self._launches[key] = (
+                    _jit.function(_FILE, "ep_direct_row_map"),
+                    max(1, min(-(-rows // 256), _jit.device_properties(call.device_id)["sm_count"] * 8)),
+                    (np.int32(self.R), np.int32(sz["P"]), np.int64(rows)))
+            _jit.launch_raw(c[0], c[1], 256, (regions(h)["meta"], *c[2], m), 0, call.stream)
         return m
 
     def close(self):

@@ -1378,6 +1378,230 @@ def test_prepare_grid_sync_words_per_stream(monkeypatch, transport):
     assert made == [(id(gs[0]), 9), (id(gs[0]), 10), (id(gs[1]), 9)]
 
 
+# -- the eager ops' host side on the direct transport, the device stood in for (tools/profile_ep_host.py) ---------
+
+def _ep_kernel_params(name):
+    """``[(C type, name)]`` of kernel ``name``'s parameters in kernels/ep.cu."""
+    text = (ROOT / "kernels" / "ep.cu").read_text()
+    m = re.search(rf"\b{name}\(([^)]*)\)\s*\{{", text)
+    assert m, name
+    out = []
+    for p in m.group(1).split(","):
+        words = p.replace("*", " * ").split()
+        out.append(("ptr" if "*" in words else words[-2], words[-1]))
+    return out
+
+
+class _EpHostTrace:
+    """The device stood in for (tools/profile_ep_host.py's EpStandIns, undone after the test), each launch
+    recorded with its arguments by parameter name after checking their count and types, each memcpy too;
+    ``take()``: the events, allocations and CuPy kernels since the last take."""
+
+    def __init__(self, monkeypatch):
+        import importlib.util
+
+        pytest.importorskip("cupy")
+        from moe_rt import _ep_rows
+
+        spec = importlib.util.spec_from_file_location("profile_ep_host", ROOT / "tools" / "profile_ep_host.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        monkeypatch.setattr(_ep_rows, "_launches", {})  # set-ups made with the stand-in kernels stay here
+        self.st = mod.EpStandIns(monkeypatch.setattr, resident=8, sm_count=4)
+        self.st.on_launch = self._launch
+        self.st.on_memcpy = lambda dst, src, n, kind, stream: self.events.append(("memcpy", dst, src, n))
+        self.events = []
+
+    def _launch(self, fn, grid, block, args):
+        name = fn.name.split("<")[0]
+        params = _ep_kernel_params(name)
+        assert len(args) == len(params), name
+        for (ctype, pname), a in zip(params, args):  # each argument of the type its parameter takes
+            want = {"int": np.int32, "i64": np.int64}.get(ctype)
+            assert (type(a) is want) if want else (type(a) is int or hasattr(a, "data")), (name, pname, a)
+        self.events.append((name, {pname: (int(a) if type(a) is int or isinstance(a, np.generic) else a.data.ptr)
+                                   for (_, pname), a in zip(params, args)}))
+
+    def take(self):
+        ev, self.events = self.events, []
+        allocs, self.st.allocs = self.st.allocs, 0
+        ck, self.st.cupy_kernels = self.st.cupy_kernels, 0
+        assert ck == 0  # no CuPy kernel on the eager path
+        return ev, allocs
+
+
+def _ptr(a):
+    return a.data.ptr
+
+
+@pytest.mark.parametrize("mode", ["capacity", "exact"])
+@pytest.mark.parametrize("R", [2, 4])
+@pytest.mark.parametrize("T", [13, 0])
+def test_direct_host_path_launches_and_arguments(monkeypatch, mode, R, T):
+    """Pinned: each eager op of an EpGroup on the direct transport (device stood in for) issues exactly these
+    launches (and memcpys), with these arguments by parameter name (the handle's regions, the transport's
+    tables, the op's arrays and constants of the types the kernels take), and this many allocations, from its
+    second call on the same at R=2 and R=4 and without a kernel lookup; no CuPy kernel anywhere."""
+    import ml_dtypes
+
+    from moe_rt import _ep_direct
+
+    tr = _EpHostTrace(monkeypatch)
+    st, OP = tr.st, _ep_direct.OP_CODES
+    me, E, H, Tmax, K = R - 1, 4 * R, 40, 16, 3
+    L, bf = E // R, np.dtype(ml_dtypes.bfloat16)
+    g = st.ep_group(R, me, E, H, Tmax, K, mode, bf)
+    d = g._transport
+    x, idx, w = st.dev((T, H), bf), st.dev((T, K), np.int32), st.dev((T, K), np.float32)
+    gout = st.dev((T, H), bf)
+    rows_st, w_st = d._stages[("rows", 2 * H)], d._stages[("weights", K)]
+    P = d.P
+    consts = dict(state=_ptr(d.state), err_word=96, timeout_ns=10**9, R=R, me=me, P=P, K=K, lo=0, hi=R)
+
+    def barrier(op):
+        return ("ep_direct_barrier", dict(peer_bar=_ptr(d.bar.table), R=R, me=me, state=_ptr(d.state),
+                                          timeout_ns=10**9, err_word=96, op=OP[op], lo=0, hi=R))
+
+    for n in range(2):
+        st.lookups = 0
+        h = g.prepare(idx)
+        ev, allocs = tr.take()
+        a = {k: h.buffer.data.ptr + v[0] for k, v in h.layout.items()}
+        if mode == "capacity":  # one kernel: send side, barrier, received side
+            assert [e[0] for e in ev] == ["ep_prepare_direct"] and allocs == 2
+            args = ev[0][1]
+            assert {k: args[k] for k in ("idx", "T", "routing", "send_tok", "send_pos", "meta", "recv_tok",
+                                         "recv_local", "dst_row", "src_slot", "seg_start", "expert_counts",
+                                         "tokens_per_expert", "state", "peer_box", "peer_bar", "err_word", "op",
+                                         "timeout_ns")} == dict(
+                idx=idx.ptr, T=T, state=_ptr(d.state), peer_box=_ptr(d._stages[("prepare", K)].table),
+                peer_bar=_ptr(d.bar.table), err_word=96, op=OP["prepare"], timeout_ns=10**9,
+                **{k: a[k] for k in ("routing", "send_tok", "send_pos", "meta", "recv_tok", "recv_local", "dst_row",
+                                     "src_slot", "seg_start", "expert_counts", "tokens_per_expert")})
+        else:  # send side, barrier, the counts for the host read, then the received side into the resized handle
+            assert [e[0] for e in ev] == ["ep_prepare_send", "ep_direct_barrier", "ep_plan_meta", "memcpy",
+                                          "ep_prepare_plan"] and allocs == 3
+            assert ev[1] == barrier("prepare")
+            assert ev[3][1] == h.buffer.data.ptr and ev[3][3] == h.layout["recv_local"][0]
+            assert ev[4][1]["tokens_per_expert"] == a["tokens_per_expert"] and ev[4][1]["rows"] == h.sizes["rows"]
+        if n:
+            assert st.lookups == 0  # the kernels of a prepare set-up are looked up once
+
+        N, rows = h.sizes["N"], h.sizes["rows"]
+        rx, rw, tpe = g.dispatch(h, x, w)
+        ev, allocs = tr.take()
+        names = [e[0] for e in ev]
+        row_map = mode == "exact"  # exact mode: the received rows' stage rows, made once per handle
+        assert names == ["ep_direct_barrier", "ep_direct_dispatch"] + ["ep_direct_row_map"] * row_map + [
+            "ep_copy_rows", "ep_fill_rows", "memcpy"]
+        assert allocs == 3 + row_map  # the rows, the weights, tokens_per_expert (and the row map)
+        assert ev[0] == barrier("dispatch")
+        C = d.chunk_rows(h)
+        assert ev[1][1] == dict(consts, x=x.ptr, w=w.ptr, peer_rows=_ptr(rows_st.table),
+                                peer_w=_ptr(w_st.table), peer_flags=_ptr(d.flags.table), send_tok=a["send_tok"],
+                                meta=a["meta"], dst_row=a["dst_row"], out=_ptr(rx), out_s=0, fp8_h=0,
+                                op=OP["dispatch"], C=C, units=2 * H // 16)
+        cp = ev[-3][1]
+        assert (cp["src"], cp["dst"], cp["dst_map"], cp["state"], cp["rows"]) == (
+            w_st.local, a["recv_wk"], 0, _ptr(d.state), rows)
+        assert cp["src_map"] == (ev[2][1]["map"] if row_map else 0)
+        assert ev[-2][1] == dict(out=_ptr(rx), probs_out=_ptr(rw), probs_flat=a["recv_wk"], src_slot=a["src_slot"],
+                                 N=N, units=ev[-2][1]["units"])
+        assert ev[-1] == ("memcpy", _ptr(tpe), a["tokens_per_expert"], 4 * L) and tpe.shape == (L,)
+        assert rx.shape == (N, H) and rw.shape == (N,)
+
+        y = st.dev((N, H), bf)
+        out = g.combine(h, y)
+        ev, allocs = tr.take()
+        assert allocs == 1 and out.shape == (T, H)
+        comb = dict(consts, y=y.ptr if N else 0, w=a["recv_wk"], zw=0, peer_rows=_ptr(rows_st.table),
+                    peer_w=_ptr(w_st.table), peer_flags=_ptr(d.flags.table), dst_row=a["dst_row"],
+                    send_pos=a["send_pos"], routing_me=a["routing"], meta=a["meta"], out=_ptr(out), grad_w=0,
+                    op=OP["combine"], L=L, Tmax=Tmax, Tn=T, C=C, H=H)
+        assert ev == [barrier("combine"), ("ep_direct_combine", comb)]
+
+        gx, gw = st.dev((N, H), bf), st.dev((N,), np.float32)
+        ox, ow = g.dispatch_bwd(h, gx, gw)
+        ev, allocs = tr.take()
+        assert allocs == 3 and ox.shape == (T, H) and ow.shape == (T, K)  # grad_x, grad_w, the slots' partials
+        assert [e[0] for e in ev] == ["ep_slot_values", "ep_direct_barrier", "ep_direct_combine"]
+        zw = ev[0][1]["out"]
+        assert ev[0][1] == dict(vals=gw.ptr if N else 0, dst_row=a["dst_row"], out=zw, n=rows * K)
+        assert ev[1:] == [barrier("dispatch_bwd"), ("ep_direct_combine", dict(
+            comb, y=gx.ptr if N else 0, w=0, zw=zw, out=_ptr(ox), grad_w=_ptr(ow), op=OP["dispatch_bwd"]))]
+
+        gy, none = g.combine_bwd(h, gout)
+        ev, allocs = tr.take()
+        assert none is None and allocs == 2 and gy.shape == (N, H)  # grad_y and its weights
+        assert [e[0] for e in ev] == ["ep_direct_barrier", "ep_direct_dispatch", "ep_fill_rows", "ep_scale_rows"]
+        assert ev[0] == barrier("combine_bwd")
+        assert ev[1][1] == dict(ev[1][1], x=gout.ptr, w=0, out=_ptr(gy), op=OP["combine_bwd"])
+        pp = ev[2][1]["probs_out"]
+        assert ev[2][1]["out"] == _ptr(gy) and ev[2][1]["probs_flat"] == a["recv_wk"]
+        if N:
+            assert ev[3][1] == dict(rows=_ptr(gy), w=pp, n=N, H=H)
+        if n:
+            assert st.lookups == 0  # every launch set-up made once
+
+
+@pytest.mark.parametrize("mode", ["capacity", "exact"])
+def test_direct_host_path_validation(monkeypatch, mode):
+    """The CUDA path of each eager op (direct transport, device stood in for) still refuses bad input with the
+    TypeError / ValueError naming the argument, before any launch."""
+    import ml_dtypes
+
+    tr = _EpHostTrace(monkeypatch)
+    st = tr.st
+    R, E, H, Tmax, K, T = 2, 8, 40, 16, 3, 11
+    bf = np.dtype(ml_dtypes.bfloat16)
+    g = st.ep_group(R, 1, E, H, Tmax, K, mode, bf)
+    idx = st.dev((T, K), np.int32)
+    with pytest.raises(TypeError, match="topk_idx"):
+        g.prepare(st.dev((T, K), np.float32))
+    with pytest.raises(ValueError, match="topk_idx: T="):
+        g.prepare(st.dev((Tmax + 1, K), np.int32))
+    h = g.prepare(idx)
+    N = h.sizes["N"]
+    tr.take()
+    x, w = st.dev((T, H), bf), st.dev((T, K), np.float32)
+    bad = [(lambda: g.dispatch(h, st.dev((T, H + 1), bf), w), ValueError, "x: expected shape"),
+           (lambda: g.dispatch(h, st.dev((T, H), np.float32), w), TypeError, "x: dtype must be bfloat16"),
+           (lambda: g.dispatch(h, x, st.dev((T, K + 1), np.float32)), ValueError, "topk_weights"),
+           (lambda: g.dispatch(h, x, st.dev((T, K), np.int32)), TypeError, "topk_weights"),
+           (lambda: g.dispatch("h", x, w), TypeError, "handle"),
+           (lambda: g.combine(h, st.dev((N, H), bf)), ValueError, "weighted=True needs topk_weights"),
+           (lambda: g.combine(h, st.dev((N + 1, H), bf), weighted=False), ValueError, "y: expected shape"),
+           (lambda: g.combine(h, st.dev((N, H), bf), weighted=1), TypeError, "weighted"),
+           (lambda: g.dispatch_bwd(h, st.dev((N, H), bf), st.dev((N + 1,), np.float32)), ValueError, "grad_recv_w"),
+           (lambda: g.combine_bwd(h, st.dev((T, H - 1), bf), weighted=False), ValueError, "grad_out: expected"),
+           (lambda: g.combine_bwd(h, st.dev((T, H), bf), st.dev((N, H), np.float16), weighted=False), TypeError, "y")]
+    for f, exc, match in bad:
+        with pytest.raises(exc, match=match):
+            f()
+        assert tr.take() == ([], 0)  # refused before any launch or allocation
+
+
+def test_profile_ep_host_tool_runs():
+    """tools/profile_ep_host.py (the host time of each eager op with the device stood in for) runs without a GPU
+    and counts the launches and allocations the tests above pin, the same at R=2 and R=4."""
+    pytest.importorskip("cupy")
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "profile_ep_host.py"), "--calls", "2"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    # launches, allocations, CuPy kernels, memcpys per call
+    want = {"prepare": ("1", "2", "0", "0"), "dispatch": ("4", "3", "0", "1"), "combine": ("2", "1", "0", "0"),
+            "dispatch_bwd": ("3", "3", "0", "0"), "combine_bwd": ("4", "2", "0", "0")}
+    got = {}
+    for line in r.stdout.splitlines()[1:]:
+        f = line.split()
+        op, (mode, R, us), counts = " ".join(f[:-7]), f[-7:-4], tuple(f[-4:])
+        assert float(us) > 0
+        got[(op, mode, R)] = counts
+    assert len(got) == 6 * 2 * 2
+    for op, counts in want.items():
+        assert got[(op, "capacity", "2")] == got[(op, "capacity", "4")] == counts, op
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode,pair", [("capacity", 700), ("capacity", None), ("exact", None)])
 @pytest.mark.parametrize("id_dtype", [np.int32, np.int64])
