@@ -114,8 +114,9 @@ overlap; ``prepare``: index dtype) waits, with the same deadline, for the work q
 of its NCCL exchanges (:meth:`EpGroup._first_call`); later calls do not.
 
 Streams: every op runs on the caller's current stream (``stream=None``) or the one given. The staging
-buffers of an op come from CuPy's pool on that stream. Ops of one group must be issued in the same order on
-every rank (they are collectives).
+buffers of an op come from CuPy's pool on that stream (on the direct transport a torch caller on torch's
+current stream gets its results from torch's allocator: :meth:`EpGroup._lean`). Ops of one group must be
+issued in the same order on every rank (they are collectives).
 
 CPU: NumPy (or torch/JAX CPU) arrays work with a 1-rank group (``comm=None``) and run the NumPy oracle
 :mod:`moe_rt.reference.ep`. A multi-rank group needs CUDA arrays (TypeError otherwise).
