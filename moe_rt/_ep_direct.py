@@ -416,9 +416,9 @@ class DirectTransport:
     def reduce(self, call, h, y, w, gw, op):
         """The combine direction (``op``: ``"combine"`` or ``"dispatch_bwd"``): barrier (every rank finished
         reading the stages of the previous op) -> one kernel reducing each received row over this rank's
-        experts (``y [N,H]`` expert-major, weights ``w [rows,K]`` fp32 (or their device address) or None; ``gw [N]`` fp32 or None taken
-        back to the slots as weight partials) straight into its owner's stage chunk by chunk, and summing
-        this rank's tokens over ranks as their chunks land.
+        experts (``y [N,H]`` expert-major, weights ``w [rows,K]`` fp32 (or their device address) or None;
+        ``gw [N]`` fp32 or None taken back to the slots as weight partials) straight into its owner's stage
+        chunk by chunk, and summing this rank's tokens over ranks as their chunks land.
 
         Returns ``(out [T,H] y.dtype, grad_w [T,K] fp32, or None when gw is None)``."""
         zw = None if gw is None else slot_values(call, h, gw)

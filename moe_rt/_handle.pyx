@@ -51,7 +51,8 @@ def _count(expr, sizes):
 
 
 # REGIONS with each count as a function of the sizes, compiled once (layout runs in every exact-mode prepare)
-_COUNTS = tuple((name, dt, _ITEM[dt], eval(f"lambda R, L, Tmax, K, P, rows, N: int({expr})", {"__builtins__": {"int": int}}))
+_COUNTS = tuple((name, dt, _ITEM[dt], eval(f"lambda R, L, Tmax, K, P, rows, N: int({expr})",
+                                           {"__builtins__": {"int": int}}))
                 for name, dt, expr in REGIONS)
 
 

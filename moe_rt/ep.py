@@ -659,7 +659,7 @@ class EpGroup:
                 self._wait(s, "prepare")
                 _errors.raise_pending(dev, s)
             return self._handle(buf, c.lay, c.sz, dev, None)
-        R, me, P, CW, SEG = c.R, self.rank, c.P, c.CW, c.SEG
+        R, P, CW, SEG = c.R, c.P, c.CW, c.SEG
         lay = c.lay
         direct = c.box is not None
         if direct:  # each destination's segment pushed into its box; this rank reads its own box

@@ -1195,7 +1195,7 @@ def _stand_in_prepare(monkeypatch, record, sms, resident):
     def launch_raw(fn, grid, block, args, smem, stream):
         name = (fn if isinstance(fn, str) else fn.name).split("<")[0]  # permutation launches Kernel.kernel
         record(name, grid, block)
-        assert len(args) == _kernel_params("ep.cu" if name.startswith("ep_") else "permutation.cu", name), name
+        assert len(args) == len(_kernel_params("ep.cu" if name.startswith("ep_") else "permutation.cu", name)), name
 
     monkeypatch.setattr(_jit, "function", lambda file, name: _Kernel(name))
     monkeypatch.setattr(_jit, "launch_raw", launch_raw)
@@ -1227,11 +1227,11 @@ def _traced_group(R, me, E, Tmax, mode, transport):
 
 
 def _kernel_params(file, name):
-    """Parameter count of kernel ``name`` in kernels/``file``."""
-    text = (ROOT / "kernels" / file).read_text()
-    m = re.search(rf"\b{name}\(([^)]*)\)\s*\{{", text)
+    """``[(C type or "ptr", name)]`` of kernel ``name``'s parameters in kernels/``file``."""
+    m = re.search(rf"\b{name}\(([^)]*)\)\s*\{{", (ROOT / "kernels" / file).read_text())
     assert m, name
-    return len([p for p in m.group(1).split(",") if p.strip()])
+    words = [p.replace("*", " * ").split() for p in m.group(1).split(",") if p.strip()]
+    return [("ptr" if "*" in w else w[-2], w[-1]) for w in words]
 
 
 @pytest.mark.parametrize("transport,R", [("nccl", 1), ("nccl", 3), ("direct", 3), ("mixed", 3)])
@@ -1380,18 +1380,6 @@ def test_prepare_grid_sync_words_per_stream(monkeypatch, transport):
 
 # -- the eager ops' host side on the direct transport, the device stood in for (tools/profile_ep_host.py) ---------
 
-def _ep_kernel_params(name):
-    """``[(C type, name)]`` of kernel ``name``'s parameters in kernels/ep.cu."""
-    text = (ROOT / "kernels" / "ep.cu").read_text()
-    m = re.search(rf"\b{name}\(([^)]*)\)\s*\{{", text)
-    assert m, name
-    out = []
-    for p in m.group(1).split(","):
-        words = p.replace("*", " * ").split()
-        out.append(("ptr" if "*" in words else words[-2], words[-1]))
-    return out
-
-
 class _EpHostTrace:
     """The device stood in for (tools/profile_ep_host.py's EpStandIns, undone after the test), each launch
     recorded with its arguments by parameter name after checking their count and types, each memcpy too;
@@ -1414,7 +1402,7 @@ class _EpHostTrace:
 
     def _launch(self, fn, grid, block, args):
         name = fn.name.split("<")[0]
-        params = _ep_kernel_params(name)
+        params = _kernel_params("ep.cu", name)
         assert len(args) == len(params), name
         for (ctype, pname), a in zip(params, args):  # each argument of the type its parameter takes
             want = {"int": np.int32, "i64": np.int64}.get(ctype)
@@ -1815,7 +1803,7 @@ def _mixed_transport(monkeypatch, R, local_size, me, P, events):
 
     def launch(fn, grid, block, args, *, shared_mem=0, stream=None):
         name = fn.name.split("<")[0]
-        assert len(args) == _kernel_params("ep.cu", name), name
+        assert len(args) == len(_kernel_params("ep.cu", name)), name
         events.append(("launch", name, args))
 
     def launch_raw(fn, grid, block, args, shared_mem, stream):
