@@ -632,6 +632,78 @@ def dead_peer_direct(cp, comm):
     dead_peer(cp, comm, direct=True)
 
 
+def torch_direct(cp, comm):
+    """The direct transport's eager ops on torch tensors on torch's current stream (taken as pointers, results
+    from torch's allocator, torch tensors back: EpGroup._lean) bitwise equal to the same ops on CuPy arrays,
+    which the other cases check against the reference: dispatch, combine (weighted or not), dispatch_bwd (with
+    and without the weights' gradient), combine_bwd (with y, without, unweighted); both modes, bf16, fp16
+    and fp32, a row width off the 16-byte vector path, T = 0 on a rank."""
+    import torch
+
+    from moe_rt.ep import EpGroup
+
+    torch.cuda.set_device(DEV)
+
+    def to_torch(a):
+        a = np.ascontiguousarray(a)
+        t = torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16) if a.dtype == bf16() else torch.from_numpy(a)
+        return t.to(f"cuda:{DEV}")
+
+    def from_torch(name, t, dtype):
+        assert isinstance(t, torch.Tensor) and t.device == torch.device("cuda", DEV), (name, type(t))
+        t = t.cpu()
+        return t.view(torch.int16).numpy().view(bf16()) if t.dtype == torch.bfloat16 else t.numpy().astype(dtype)
+
+    n = 0
+    for mode in ("capacity", "exact"):
+        for dtype, H, Ts in ((bf16(), 512, (48, 37)), (np.float16, 100, (33, 0)), (np.float32, 72, (20, 64))):
+            Ts = spread(Ts)
+            E, K, Tmax = experts(16), 4, 64
+            rng = np.random.default_rng(5000 + n)
+            idx = routing(rng, Ts[RANK], E, K, "uniform")
+            x = rng.standard_normal((Ts[RANK], H)).astype(np.float32).astype(dtype)
+            w = rng.random((Ts[RANK], K)).astype(np.float32)
+            gout = rng.standard_normal((Ts[RANK], H)).astype(np.float32).astype(dtype)
+            g = EpGroup(comm, E, H, Tmax, mode=mode, timeout=60, transport="direct")
+            tag = f"[torch direct {mode} {np.dtype(dtype).name} H={H} T={Ts}]"
+            h = g.prepare(cp.asarray(idx))
+            want = {}
+            want["recv_x"], want["recv_w"], want["tpe"] = g.dispatch(h, cp.asarray(x), cp.asarray(w))
+            N = int(want["recv_x"].shape[0])
+            y = rng.standard_normal((N, H)).astype(np.float32).astype(dtype)
+            gw = rng.standard_normal(N).astype(np.float32)
+            yc, gc = cp.asarray(y), cp.asarray(gout)
+            want["combine"] = g.combine(h, yc)
+            want["combine unweighted"] = g.combine(h, yc, weighted=False)
+            want["dispatch_bwd x"], want["dispatch_bwd w"] = g.dispatch_bwd(h, yc, cp.asarray(gw))
+            want["dispatch_bwd x alone"], _ = g.dispatch_bwd(h, yc)
+            want["combine_bwd y"], want["combine_bwd w"] = g.combine_bwd(h, gc, yc)
+            want["combine_bwd without y"], _ = g.combine_bwd(h, gc)
+            want["combine_bwd unweighted"], _ = g.combine_bwd(h, gc, weighted=False)
+            h.close()
+            h = g.prepare(to_torch(idx))
+            yt, gt = to_torch(y), to_torch(gout)
+            got = {}
+            got["recv_x"], got["recv_w"], got["tpe"] = g.dispatch(h, to_torch(x), to_torch(w))
+            got["combine"] = g.combine(h, yt)
+            got["combine unweighted"] = g.combine(h, yt, weighted=False)
+            got["dispatch_bwd x"], got["dispatch_bwd w"] = g.dispatch_bwd(h, yt, to_torch(gw))
+            got["dispatch_bwd x alone"], none = g.dispatch_bwd(h, yt)
+            assert none is None
+            got["combine_bwd y"], got["combine_bwd w"] = g.combine_bwd(h, gt, yt)
+            got["combine_bwd without y"], none = g.combine_bwd(h, gt)
+            assert none is None
+            got["combine_bwd unweighted"], none = g.combine_bwd(h, gt, weighted=False)
+            assert none is None
+            torch.cuda.synchronize()
+            for k, v in want.items():
+                same(f"{k} {tag}", from_torch(k, got[k], _np(v).dtype), v)
+            h.close()
+            g.close()
+            n += 1
+    log(f"torch_direct: {n} cases OK")
+
+
 def main():
     what = sys.argv[1] if len(sys.argv) > 1 else "correctness"
     stacks = os.environ.get("MOE_RT_EP_WORKER_STACKS")
@@ -643,7 +715,7 @@ def main():
     {"correctness": correctness, "graph": graph, "dead_peer": dead_peer, "transports": transports,
      "graph_transports": graph_transports, "dead_peer_direct": dead_peer_direct,
      "direct_lifecycle": direct_lifecycle, "fp8": fp8, "mixed": mixed, "graph_mixed": graph_mixed,
-     "dead_peer_mixed": dead_peer_mixed}[what](cp, comm)
+     "dead_peer_mixed": dead_peer_mixed, "torch_direct": torch_direct}[what](cp, comm)
     cp.cuda.Device().synchronize()
     comm.close()
     log("ALL OK")

@@ -1079,6 +1079,16 @@ def test_multi_gpu_fp8_dispatch(n):
 
 @pytest.mark.multi_gpu
 @pytest.mark.parametrize("n", [2, 4])
+def test_multi_gpu_direct_torch(n):
+    # the direct transport's eager ops on torch tensors (the lean path: pointers in, results from torch's
+    # allocator) bitwise equal to the same ops on CuPy arrays, both modes, bf16/fp16/fp32, every op
+    pytest.importorskip("torch")
+    r = _run_worker("torch_direct", n=n, timeout=240)
+    assert r.returncode == 0 and "[rank 0] ALL OK" in r.stdout
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.parametrize("n", [2, 4])
 def test_multi_gpu_direct_lifecycle(n):
     # graph replay, 1000 eager iterations with flat memory, and teardown order on the direct transport
     r = _run_worker("direct_lifecycle", n=n, timeout=300)
