@@ -433,6 +433,12 @@ def transports(cp, comm):
             n += 1
     one_case(cp, comm, 3100, experts(8), 6, 64, (10, 12), 16, "holes", "capacity", 4, b16, chunks=TRANSPORT_CHUNKS)
     log(f"transports: {n + 1} cases OK ({TRANSPORT_CHUNKS})")
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        log("transports: no torch, the direct transport's torch path skipped")
+        return
+    torch_direct(cp, comm)
 
 
 def fp8_case(cp, comm, seed, E, K, H, Ts, Tmax, kind, mode, align, dtype, configs=None):
