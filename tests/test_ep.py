@@ -1062,7 +1062,7 @@ def test_multi_gpu_transports(what, n):
     # mode captured in a CUDA graph per transport, replayed with new routing, bitwise across transports;
     # mixed / graph_mixed: the same per node size (and an FP8 dispatch with torch), against the reference and
     # bitwise against direct and NCCL
-    r = _run_worker(what, n=n, timeout=300 if "mixed" in what else 180)
+    r = _run_worker(what, n=n, timeout=300 if "mixed" in what else 240 if what == "transports" else 180)
     assert r.returncode == 0 and "[rank 0] ALL OK" in r.stdout
 
 
