@@ -11,11 +11,19 @@ CuPy kernels and memcpys per call. Group: direct transport, E=256, H=7168, T=Tma
 and exact mode.
 
     python tools/profile_ep_host.py [--calls 200] [--ranks 2 4] [--modes capacity exact] [--profile OP]
+
+``--gpu`` profiles the same ops on real GPUs instead (tools/host_gpu.py: time_host's median, wall and thread CPU
+time, device time, a breakdown by wrapped function, a cProfile, reference floors), T=4096 (``--tokens``), both
+modes, the direct transport (``--transport nccl``), torch arrays as tools/bench_ep.py passes them:
+
+    python tools/launch.py -n 4 tools/profile_ep_host.py --gpu [--json FILE]
+    python tools/profile_ep_host.py --gpu [-n R] ...     # launches itself (R: MOE_RT_BENCH_EP_NPROC or 2)
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import pathlib
 import sys
 import time
@@ -169,16 +177,147 @@ def ops(st, R, mode, T=4096, H=7168, E=256, K=8):
             "round trip": round_trip}
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def _host_gpu():
+    """tools/host_gpu.py (the GPU mode's machinery), loaded once by path."""
+    mod = sys.modules.get("host_gpu")
+    if mod is None:
+        spec = importlib.util.spec_from_file_location("host_gpu", pathlib.Path(__file__).with_name("host_gpu.py"))
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["host_gpu"] = mod
+        spec.loader.exec_module(mod)
+    return mod
+
+
+def parser():
+    ap = argparse.ArgumentParser(prog=pathlib.Path(__file__).name, description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=200, help="calls per round (default 200)")
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="group sizes (default 2 4)")
     ap.add_argument("--modes", nargs="+", default=["capacity", "exact"], choices=["capacity", "exact"])
     ap.add_argument("--profile", default=None, metavar="OP", help="cProfile one op (its name as printed) at the "
                     "first group size and mode")
+    gp = ap.add_argument_group("GPU mode (--gpu): real GPUs, one rank each (tools/host_gpu.py)")
+    gp.add_argument("--gpu", action="store_true", help="profile on real GPUs: per op the median host time "
+                    "(time_host), wall and thread CPU time, device time, a breakdown by wrapped function and "
+                    "a cProfile; launches itself on -n GPUs unless run under tools/launch.py")
+    gp.add_argument("-n", "--nproc", type=int, default=int(os.environ.get("MOE_RT_BENCH_EP_NPROC", "2")),
+                    help="ranks (one GPU each) when this script launches itself (default MOE_RT_BENCH_EP_NPROC "
+                         "or 2)")
+    gp.add_argument("--tokens", type=int, default=4096, help="tokens per rank T (default 4096)")
+    gp.add_argument("--transport", default="direct", choices=["direct", "nccl"], help="the EP transport")
+    gp.add_argument("--ops", nargs="+", default=list(GPU_OPS), choices=list(GPU_OPS), help="ops to profile")
+    gp.add_argument("--iters", type=int, default=50, help="calls per measurement (default 50)")
+    gp.add_argument("--top", type=int, default=15, help="rows of each breakdown and cProfile (default 15)")
+    gp.add_argument("--json", default=None, help="write the results to this file (rank 0)")
+    return ap
+
+
+GPU_OPS = ("prepare", "dispatch", "combine", "dispatch_bwd", "combine_bwd")
+
+
+def parse_args(argv=None):
+    ap = parser()
     a = ap.parse_args(argv)
     if a.calls < 1:
         ap.error("--calls: expected a positive number")
+    for name in ("nproc", "tokens", "iters", "top"):
+        if getattr(a, name) < 1:
+            ap.error(f"--{name}: expected a positive number")
+    if a.gpu and a.profile is not None:
+        ap.error("--profile: the stand-in's; --gpu profiles every op")
+    return ap, a
+
+
+def gpu_ops(g, T, idx, x, w):
+    """{op name: a call} of an EpGroup on torch CUDA arrays, as tools/bench_ep.py calls them (torch tensors on
+    torch's current stream); the handle, received rows and gradients made once."""
+    import torch
+
+    h = g.prepare(idx)
+    rx, _, _ = g.dispatch(h, x, w)
+    gx = rx.clone()
+    gw = torch.rand(rx.shape[0], device=rx.device)
+    gout = torch.randn(T, x.shape[1], device=x.device).to(x.dtype)
+    return {"prepare": lambda: g.prepare(idx), "dispatch": lambda: g.dispatch(h, x, w),
+            "combine": lambda: g.combine(h, rx), "dispatch_bwd": lambda: g.dispatch_bwd(h, gx, gw),
+            "combine_bwd": lambda: g.combine_bwd(h, gout)}
+
+
+def gpu_rank(a):
+    """One rank of the GPU mode (under the launcher)."""
+    import cupy as cp
+    import torch
+
+    from moe_rt import _ep_direct, _jit
+    from moe_rt.bench import _lib as benchlib
+    from moe_rt.ep import EpGroup
+
+    hg = _host_gpu()
+    rank = hg.Rank()
+    me, world = rank.rank, rank.world
+    E, K, H, T = 256, 8, 7168, a.tokens
+    if a.transport == "direct" and not _ep_direct.probe_peers(rank.comm, rank.dev, lambda s: s.synchronize())[0]:
+        raise SystemExit("--transport direct: some pair of ranks has no peer access")
+    gen = torch.Generator(device="cuda").manual_seed(1234 + me)
+    idx = torch.topk(torch.rand(T, E, device="cuda", generator=gen), K, dim=1).indices.to(torch.int32)
+    w = torch.rand(T, K, device="cuda", generator=gen)
+    x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
+    stream = cp.cuda.get_current_stream()  # torch's current stream too (the legacy default one)
+    out = print if me == 0 else (lambda *_: None)
+
+    def time_host(f):
+        rank.barrier()
+        return benchlib.time_host(f, iters=a.iters, warmup=10, stream=stream)
+
+    def time_event(f):
+        rank.barrier()
+        return 1e3 * benchlib.time_cuda(f, iters=min(a.iters, 20), warmup=3, stream=stream)
+
+    m = hg.meta(rank, tool="profile_ep_host --gpu", tokens=T, hidden=H, experts=E, topk=K, dtype="bfloat16",
+                transport=a.transport, iters=a.iters)
+    out(f"## host profile of eager EpGroup ops: {world} x {m['device']}, T={T} H={H} E={E} K={K} bf16, transport "
+        f"{a.transport}, commit {m['commit']}, {a.iters} calls per measurement")
+    rows, fl = [], None
+    for mode in a.modes:
+        g = EpGroup(rank.comm, E, H, T, mode=mode, transport=a.transport)
+        ops = gpu_ops(g, T, idx, x, w)
+        ops = {k: v for k, v in ops.items() if k in a.ops}
+        for f in ops.values():  # first calls: kernels loaded (and compiled on a cold cache)
+            f()
+        _jit.settle()
+        rank.barrier()
+        got = hg.profile_ops(ops, n=a.iters, sync=stream.synchronize, rank0=me == 0, time_host=time_host,
+                             time_event=time_event, top=a.top, cprofile_top=a.top, groups=(g,), out=out,
+                             title=f" ({mode}, {a.transport}, R={world}, T={T})")
+        for r in got:
+            r.update(mode=mode, transport=a.transport, host_us_ranks=rank.gather(r["host_us"]),
+                     cpu_us_ranks=rank.gather(r["cpu_us"]))
+        rows += got
+        if fl is None and g.transport == "direct":
+            fl = hg.floors(rank, (T * K * H * 2, T * H * 2), a.iters, g._transport, stream)
+        rank.barrier()
+        g.close()
+        del ops, g
+        cp.get_default_memory_pool().free_all_blocks()
+        torch.cuda.empty_cache()
+    if fl is None:
+        fl = hg.floors(rank, (T * K * H * 2, T * H * 2), a.iters)
+    if me == 0:
+        print("\n## summary (us per call; host: time_host's median; wall, cpu: the same span's medians; event: "
+              "CUDA events; wrapped: with the breakdown's wrappers; unacc.: its unaccounted part)")
+        print(hg.summary_table(rows))
+        print(hg.format_floors(fl))
+        if a.json:
+            hg.write_json(a.json, {"meta": m, "floors": fl, "rows": rows})
+    rank.close()
+    return 0
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    ap, a = parse_args(argv)
+    if a.gpu:
+        st = _host_gpu().start(ap.prog, __file__, argv, a.nproc)
+        return st if st is not None else gpu_rank(a)
     st = EpStandIns()
     if a.profile is not None:
         import cProfile

@@ -6,15 +6,27 @@ kernel and argument set-up, barrier, views. Per op: microseconds of this thread'
 of 7 rounds), launches and allocations per call. Group: 2 ranks, E=256, H=7168, Tmax=T=128, K=8, bf16, FP8.
 
     python tools/profile_ll_host.py [--calls 400] [--profile OP]
+
+``--gpu`` profiles the ops on real GPUs instead (tools/host_gpu.py: time_host's median, wall and thread CPU time,
+eager device time and, for dispatch and combine, the device time of the op alone in a CUDA graph, a breakdown
+by wrapped function, a cProfile, reference floors), T=128 (``--tokens``), CuPy arrays on a non-blocking
+stream as tools/bench_ep.py --mode low_latency passes them:
+
+    python tools/launch.py -n 4 tools/profile_ll_host.py --gpu [--json FILE]
+    python tools/profile_ll_host.py --gpu [-n R] ...     # launches itself (R: MOE_RT_BENCH_EP_NPROC or 2)
 """
 from __future__ import annotations
 
 import argparse
 import itertools
 import math
+import pathlib
+import sys
 import time
 
 import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # this checkout's moe_rt
 
 
 class StandIns:
@@ -165,13 +177,147 @@ def _time(st, f, n):
     return best, (st.launches - c0[0]) / n, (st.allocs - c0[1]) / n
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+GPU_OPS = ("dispatch", "combine", "dispatch_bwd", "combine_bwd", "dispatch+combine")
+
+
+def _host_gpu():
+    """tools/host_gpu.py (the GPU mode's machinery), loaded once by path."""
+    import importlib.util
+
+    mod = sys.modules.get("host_gpu")
+    if mod is None:
+        spec = importlib.util.spec_from_file_location("host_gpu", pathlib.Path(__file__).with_name("host_gpu.py"))
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["host_gpu"] = mod
+        spec.loader.exec_module(mod)
+    return mod
+
+
+def parser():
+    import os
+
+    ap = argparse.ArgumentParser(prog=pathlib.Path(__file__).name, description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=400, help="calls per round (default 400)")
     ap.add_argument("--profile", default=None, metavar="OP", help="cProfile one op (its name as printed)")
+    gp = ap.add_argument_group("GPU mode (--gpu): real GPUs, one rank each (tools/host_gpu.py)")
+    gp.add_argument("--gpu", action="store_true", help="profile on real GPUs: per op the median host time "
+                    "(time_host), wall and thread CPU time, device time (eager; dispatch and combine also as a "
+                    "CUDA graph), a breakdown by wrapped function and a cProfile; launches itself on -n GPUs "
+                    "unless run under tools/launch.py")
+    gp.add_argument("-n", "--nproc", type=int, default=int(os.environ.get("MOE_RT_BENCH_EP_NPROC", "2")),
+                    help="ranks (one GPU each) when this script launches itself (default MOE_RT_BENCH_EP_NPROC "
+                         "or 2)")
+    gp.add_argument("--tokens", type=int, default=128, help="tokens per rank T (default 128)")
+    gp.add_argument("--ops", nargs="+", default=list(GPU_OPS), choices=list(GPU_OPS), help="ops to profile")
+    gp.add_argument("--iters", type=int, default=50, help="calls per measurement (default 50)")
+    gp.add_argument("--top", type=int, default=15, help="rows of each breakdown and cProfile (default 15)")
+    gp.add_argument("--json", default=None, help="write the results to this file (rank 0)")
+    return ap
+
+
+def parse_args(argv=None):
+    ap = parser()
     a = ap.parse_args(argv)
     if a.calls < 1:
         ap.error("--calls: expected a positive number")
+    for name in ("nproc", "tokens", "iters", "top"):
+        if getattr(a, name) < 1:
+            ap.error(f"--{name}: expected a positive number")
+    if a.gpu and a.profile is not None:
+        ap.error("--profile: the stand-in's; --gpu profiles every op")
+    return ap, a
+
+
+def gpu_rank(a):
+    """One rank of the GPU mode (under the launcher): LowLatencyGroup on CuPy arrays on a non-blocking stream,
+    as tools/bench_ep.py --mode low_latency calls it."""
+    import cupy as cp
+    import torch
+
+    from moe_rt import _jit
+    from moe_rt.bench import _lib as benchlib
+    from moe_rt.ep_ll import LowLatencyGroup
+
+    hg = _host_gpu()
+    rank = hg.Rank()
+    me, world = rank.rank, rank.world
+    E, K, H, T = 256, 8, 7168, a.tokens
+    gen = torch.Generator(device="cuda").manual_seed(1234 + me)
+    idx_t = torch.topk(torch.rand(T, E, device="cuda", generator=gen), K, dim=1).indices.to(torch.int32)
+    w_t = torch.rand(T, K, device="cuda", generator=gen)
+    x_t = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
+    gout_t = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
+    torch.cuda.synchronize()
+    x, w, idx, gout = cp.from_dlpack(x_t), cp.from_dlpack(w_t), cp.from_dlpack(idx_t), cp.from_dlpack(gout_t)
+    out = print if me == 0 else (lambda *_: None)
+    m = hg.meta(rank, tool="profile_ll_host --gpu", tokens=T, hidden=H, experts=E, topk=K, dtype="bfloat16",
+                transport="direct (LowLatencyGroup)", iters=a.iters)
+    out(f"## host profile of eager LowLatencyGroup ops: {world} x {m['device']}, T={T} H={H} E={E} K={K} bf16, "
+        f"commit {m['commit']}, {a.iters} calls per measurement")
+    g = LowLatencyGroup(rank.comm, E, H, T, topk=K, dtype="bfloat16")
+    stream = cp.cuda.Stream(non_blocking=True)
+
+    def time_host(f):
+        rank.barrier()
+        return benchlib.time_host(f, iters=a.iters, warmup=10, stream=stream)
+
+    def time_event(f):
+        rank.barrier()
+        return 1e3 * benchlib.time_cuda(f, iters=min(a.iters, 20), warmup=3, stream=stream)
+
+    with stream:
+        recv, counts, h = g.dispatch(x, idx, w)
+        y = recv.copy()
+        gsw = cp.ones(g._slots_shape()[:2], cp.float32)
+        g.combine(h, y)
+        g.synchronize()
+        ops = {"dispatch": lambda: g.dispatch(x, idx, w), "combine": lambda: g.combine(h, y),
+               "dispatch_bwd": lambda: g.dispatch_bwd(h, y, gsw), "combine_bwd": lambda: g.combine_bwd(h, gout),
+               "dispatch+combine": lambda: g.combine(g.dispatch(x, idx, w)[-1], y)}
+        ops = {k: v for k, v in ops.items() if k in a.ops}
+        for f in ops.values():
+            f()
+        _jit.settle()
+        rank.barrier()
+        rows = hg.profile_ops(ops, n=a.iters, sync=stream.synchronize, rank0=me == 0, time_host=time_host,
+                              time_event=time_event, top=a.top, cprofile_top=a.top, groups=(g,), out=out,
+                              title=f" (low latency, R={world}, T={T})")
+        for r in rows:  # the same op captured alone in a CUDA graph: its device time
+            graph_us = None
+            if r["op"] in ("dispatch", "combine"):
+                f = ops[r["op"]]
+                f()
+                stream.synchronize()
+                stream.begin_capture()
+                keep = f()  # noqa: F841  (the captured call's outputs live as long as the graph)
+                graph = stream.end_capture()
+                graph_us = time_event(lambda: graph.launch(stream))
+                del graph, keep
+            r.update(mode="low_lat", graph_us=graph_us, host_us_ranks=rank.gather(r["host_us"]),
+                     cpu_us_ranks=rank.gather(r["cpu_us"]))
+        g.synchronize()
+        fl = hg.floors(rank, (int(y.nbytes), T * H * 2), a.iters, g._transport, stream)
+    if me == 0:
+        print("\n## summary (us per call; host: time_host's median; wall, cpu: the same span's medians; event: "
+              "CUDA events; wrapped: with the breakdown's wrappers; unacc.: its unaccounted part)")
+        print(hg.summary_table(rows))
+        print("graph (CUDA events, the op alone in a CUDA graph): "
+              + ", ".join(f"{r['op']} {r['graph_us']:.1f} us" for r in rows if r.get("graph_us") is not None))
+        print(hg.format_floors(fl))
+        if a.json:
+            hg.write_json(a.json, {"meta": m, "floors": fl, "rows": rows})
+    rank.barrier()
+    g.close()
+    rank.close()
+    return 0
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    ap, a = parse_args(argv)
+    if a.gpu:
+        st = _host_gpu().start(ap.prog, __file__, argv, a.nproc)
+        return st if st is not None else gpu_rank(a)
     st = StandIns()
     T, K, H = 128, 8, 7168
     g = st.group(2, 0, 256, H, T, K, fp8=True)
