@@ -220,3 +220,5 @@ def test_profile_ops_in_lockstep(ep_tool):
     assert "### prepare" in text and "### dispatch" in text and "cProfile, 4 calls" in text
     table = hg.summary_table([dict(r, mode="capacity", host_us_ranks=[1.0, 2.0]) for r in rows])
     assert len(table.splitlines()) == 3 and "capacity" in table
+    dg = hg.digest(rows).splitlines()
+    assert len(dg) == 4 and dg[0].startswith("prepare") and dg[1].startswith("    top: ")

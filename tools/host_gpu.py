@@ -619,6 +619,22 @@ def summary_table(rows) -> str:
     return "\n".join(lines)
 
 
+def digest(rows, top=5) -> str:
+    """Two lines per op (the end of a run's output): its categories and its top items by own time."""
+    lines = []
+    for r in rows:
+        b = r.get("breakdown")
+        if not b:
+            continue
+        cats = ", ".join(f"{k} {v:.0f}" for k, v in b["categories"].items() if v >= 0.5)
+        lines.append(f"{r['op']} {r.get('mode', '')}: host {_us(r['host_us'])}, wrapped {b['total_us']:.0f} "
+                     f"(est. wrapper cost {b['wrapper_overhead_us']:.0f}); {cats}, unaccounted "
+                     f"{b['unaccounted_us']:.0f}, release {b['release_us']:.0f}")
+        items = [it for it in b["items"] if it["count"] > 0][:top]
+        lines.append("    top: " + "; ".join(f"{it['label']} {it['own_us']:.1f} ({it['count']:g}x)" for it in items))
+    return "\n".join(lines)
+
+
 # -- GPU runs --------------------------------------------------------------------------------------------
 
 def relaunch(script, argv, nproc, timeout=600) -> int:

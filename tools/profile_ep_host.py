@@ -305,6 +305,8 @@ def gpu_rank(a):
         print("\n## summary (us per call; host: time_host's median; wall, cpu: the same span's medians; event: "
               "CUDA events; wrapped: with the breakdown's wrappers; unacc.: its unaccounted part)")
         print(hg.summary_table(rows))
+        print("by op (own us per call; the breakdown's categories and top items):")
+        print(hg.digest(rows))
         print(hg.format_floors(fl))
         if a.json:
             hg.write_json(a.json, {"meta": m, "floors": fl, "rows": rows})

@@ -301,6 +301,8 @@ def gpu_rank(a):
         print("\n## summary (us per call; host: time_host's median; wall, cpu: the same span's medians; event: "
               "CUDA events; wrapped: with the breakdown's wrappers; unacc.: its unaccounted part)")
         print(hg.summary_table(rows))
+        print("by op (own us per call; the breakdown's categories and top items):")
+        print(hg.digest(rows))
         print("graph (CUDA events, the op alone in a CUDA graph): "
               + ", ".join(f"{r['op']} {r['graph_us']:.1f} us" for r in rows if r.get("graph_us") is not None))
         print(hg.format_floors(fl))
