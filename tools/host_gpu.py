@@ -635,7 +635,65 @@ def digest(rows, top=5) -> str:
     return "\n".join(lines)
 
 
-# -- GPU runs --------------------------------------------------------------------------------------------
+# -- GPU runs ----------------------------------------------------------------------------------------------
+
+def add_arguments(ap, ops, tokens, what):
+    """The GPU mode's arguments (a group of ``ap``): --gpu (``what``: what it profiles), -n, --tokens (default
+    ``tokens``), --ops (``ops``), --iters, --top, --json; returns the group."""
+    gp = ap.add_argument_group("GPU mode (--gpu): real GPUs, one rank each (tools/host_gpu.py)")
+    gp.add_argument("--gpu", action="store_true", help=f"profile on real GPUs: per op the median host time "
+                    f"(time_host), wall and thread CPU time, {what}, a breakdown by wrapped function and a "
+                    "cProfile; launches itself on -n GPUs unless run under tools/launch.py")
+    gp.add_argument("-n", "--nproc", type=int, default=int(os.environ.get("MOE_RT_BENCH_EP_NPROC", "2")),
+                    help="ranks (one GPU each) when this script launches itself (default MOE_RT_BENCH_EP_NPROC "
+                         "or 2)")
+    gp.add_argument("--tokens", type=int, default=tokens, help=f"tokens per rank T (default {tokens})")
+    gp.add_argument("--ops", nargs="+", default=list(ops), choices=list(ops), help="ops to profile")
+    gp.add_argument("--iters", type=int, default=50, help="calls per measurement (default 50)")
+    gp.add_argument("--top", type=int, default=15, help="rows of each breakdown and cProfile (default 15)")
+    gp.add_argument("--json", default=None, help="write the results to this file (rank 0)")
+    return gp
+
+
+def check_arguments(ap, a):
+    """Refuse (``ap.error``, status 2) what the GPU mode cannot take: counts below 1, the stand-in's
+    --profile with --gpu."""
+    for name in ("calls", "nproc", "tokens", "iters", "top"):
+        if getattr(a, name) < 1:
+            ap.error(f"--{name}: expected a positive number")
+    if a.gpu and a.profile is not None:
+        ap.error("--profile: the stand-in's; --gpu profiles every op")
+
+
+def timers(rank, iters, stream):
+    """``(time_host, time_event)`` of a rank: moe_rt/bench/_lib.py's time_host and time_cuda (us) on ``stream``,
+    every rank synchronized first."""
+    from moe_rt.bench import _lib as benchlib
+
+    def time_host(f):
+        rank.barrier()
+        return benchlib.time_host(f, iters=iters, warmup=10, stream=stream)
+
+    def time_event(f):
+        rank.barrier()
+        return 1e3 * benchlib.time_cuda(f, iters=min(iters, 20), warmup=3, stream=stream)
+
+    return time_host, time_event
+
+
+def finish(rows, fl, m, json_path, extra=()):
+    """Rank 0's end of a run: the summary table, the digest, ``extra`` lines, the floors; the JSON file."""
+    print("\n## summary (us per call; host: time_host's median; wall, cpu: the same span's medians; event: "
+          "CUDA events; wrapped: with the breakdown's wrappers; unacc.: its unaccounted part)")
+    print(summary_table(rows))
+    print("by op (own us per call; the breakdown's categories and top items):")
+    print(digest(rows))
+    for line in extra:
+        print(line)
+    print(format_floors(fl))
+    if json_path:
+        write_json(json_path, {"meta": m, "floors": fl, "rows": rows})
+
 
 def relaunch(script, argv, nproc, timeout=600) -> int:
     """Run ``script`` on ``nproc`` local GPUs under moe_rt.launch (this checkout's moe_rt importable), as
@@ -646,6 +704,20 @@ def relaunch(script, argv, nproc, timeout=600) -> int:
     cmd = [sys.executable, "-m", "moe_rt.launch", "-n", str(nproc), "--timeout", str(timeout),
            os.path.abspath(script), *argv]
     return subprocess.call(cmd, env=env)
+
+
+def parse(parser, argv):
+    """``(parser, args)`` of a profiler's parser, the GPU mode's values checked."""
+    ap = parser()
+    a = ap.parse_args(argv)
+    check_arguments(ap, a)
+    return ap, a
+
+
+def run(ap, a, argv, script, rank_main) -> int:
+    """The GPU mode of a profiler: see :func:`start`; under the launcher ``rank_main(a)``."""
+    st = start(ap.prog, script, argv, a.nproc)
+    return st if st is not None else rank_main(a)
 
 
 def start(prog, script, argv, nproc) -> int | None:

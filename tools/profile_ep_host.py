@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 import pathlib
 import sys
 import time
@@ -33,15 +32,18 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # this checkout's moe_rt
 
 
-def _ll_stand_ins():
+def _ll_tool():
     spec = importlib.util.spec_from_file_location("profile_ll_host", pathlib.Path(__file__).with_name(
         "profile_ll_host.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return mod.StandIns
+    return mod
 
 
-class EpStandIns(_ll_stand_ins()):
+_LL = _ll_tool()
+
+
+class EpStandIns(_LL.StandIns):
     """tools/profile_ll_host.py's stand-ins plus what EpGroup's CUDA path reaches: dynamic shared memory
     opt-in, the occupancy query of prepare's grid-synchronized kernels (``resident`` blocks), CuPy arrays
     whose ``copy()`` and slice assignment (CuPy kernels) are counted in ``cupy_kernels`` and not run, and
@@ -178,14 +180,8 @@ def ops(st, R, mode, T=4096, H=7168, E=256, K=8):
 
 
 def _host_gpu():
-    """tools/host_gpu.py (the GPU mode's machinery), loaded once by path."""
-    mod = sys.modules.get("host_gpu")
-    if mod is None:
-        spec = importlib.util.spec_from_file_location("host_gpu", pathlib.Path(__file__).with_name("host_gpu.py"))
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["host_gpu"] = mod
-        spec.loader.exec_module(mod)
-    return mod
+    """tools/host_gpu.py (the GPU mode's machinery)."""
+    return _LL._host_gpu()
 
 
 def parser():
@@ -195,19 +191,8 @@ def parser():
     ap.add_argument("--modes", nargs="+", default=["capacity", "exact"], choices=["capacity", "exact"])
     ap.add_argument("--profile", default=None, metavar="OP", help="cProfile one op (its name as printed) at the "
                     "first group size and mode")
-    gp = ap.add_argument_group("GPU mode (--gpu): real GPUs, one rank each (tools/host_gpu.py)")
-    gp.add_argument("--gpu", action="store_true", help="profile on real GPUs: per op the median host time "
-                    "(time_host), wall and thread CPU time, device time, a breakdown by wrapped function and "
-                    "a cProfile; launches itself on -n GPUs unless run under tools/launch.py")
-    gp.add_argument("-n", "--nproc", type=int, default=int(os.environ.get("MOE_RT_BENCH_EP_NPROC", "2")),
-                    help="ranks (one GPU each) when this script launches itself (default MOE_RT_BENCH_EP_NPROC "
-                         "or 2)")
-    gp.add_argument("--tokens", type=int, default=4096, help="tokens per rank T (default 4096)")
+    gp = _host_gpu().add_arguments(ap, GPU_OPS, 4096, "device time")
     gp.add_argument("--transport", default="direct", choices=["direct", "nccl"], help="the EP transport")
-    gp.add_argument("--ops", nargs="+", default=list(GPU_OPS), choices=list(GPU_OPS), help="ops to profile")
-    gp.add_argument("--iters", type=int, default=50, help="calls per measurement (default 50)")
-    gp.add_argument("--top", type=int, default=15, help="rows of each breakdown and cProfile (default 15)")
-    gp.add_argument("--json", default=None, help="write the results to this file (rank 0)")
     return ap
 
 
@@ -215,16 +200,7 @@ GPU_OPS = ("prepare", "dispatch", "combine", "dispatch_bwd", "combine_bwd")
 
 
 def parse_args(argv=None):
-    ap = parser()
-    a = ap.parse_args(argv)
-    if a.calls < 1:
-        ap.error("--calls: expected a positive number")
-    for name in ("nproc", "tokens", "iters", "top"):
-        if getattr(a, name) < 1:
-            ap.error(f"--{name}: expected a positive number")
-    if a.gpu and a.profile is not None:
-        ap.error("--profile: the stand-in's; --gpu profiles every op")
-    return ap, a
+    return _host_gpu().parse(parser, argv)
 
 
 def gpu_ops(g, T, idx, x, w):
@@ -248,7 +224,6 @@ def gpu_rank(a):
     import torch
 
     from moe_rt import _ep_direct, _jit
-    from moe_rt.bench import _lib as benchlib
     from moe_rt.ep import EpGroup
 
     hg = _host_gpu()
@@ -264,14 +239,7 @@ def gpu_rank(a):
     stream = cp.cuda.get_current_stream()  # torch's current stream too (the legacy default one)
     out = print if me == 0 else (lambda *_: None)
 
-    def time_host(f):
-        rank.barrier()
-        return benchlib.time_host(f, iters=a.iters, warmup=10, stream=stream)
-
-    def time_event(f):
-        rank.barrier()
-        return 1e3 * benchlib.time_cuda(f, iters=min(a.iters, 20), warmup=3, stream=stream)
-
+    time_host, time_event = hg.timers(rank, a.iters, stream)
     m = hg.meta(rank, tool="profile_ep_host --gpu", tokens=T, hidden=H, experts=E, topk=K, dtype="bfloat16",
                 transport=a.transport, iters=a.iters)
     out(f"## host profile of eager EpGroup ops: {world} x {m['device']}, T={T} H={H} E={E} K={K} bf16, transport "
@@ -302,14 +270,7 @@ def gpu_rank(a):
     if fl is None:
         fl = hg.floors(rank, (T * K * H * 2, T * H * 2), a.iters)
     if me == 0:
-        print("\n## summary (us per call; host: time_host's median; wall, cpu: the same span's medians; event: "
-              "CUDA events; wrapped: with the breakdown's wrappers; unacc.: its unaccounted part)")
-        print(hg.summary_table(rows))
-        print("by op (own us per call; the breakdown's categories and top items):")
-        print(hg.digest(rows))
-        print(hg.format_floors(fl))
-        if a.json:
-            hg.write_json(a.json, {"meta": m, "floors": fl, "rows": rows})
+        hg.finish(rows, fl, m, a.json)
     rank.close()
     return 0
 
@@ -318,8 +279,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     ap, a = parse_args(argv)
     if a.gpu:
-        st = _host_gpu().start(ap.prog, __file__, argv, a.nproc)
-        return st if st is not None else gpu_rank(a)
+        return _host_gpu().run(ap, a, argv, __file__, gpu_rank)
     st = EpStandIns()
     if a.profile is not None:
         import cProfile

@@ -194,38 +194,15 @@ def _host_gpu():
 
 
 def parser():
-    import os
-
     ap = argparse.ArgumentParser(prog=pathlib.Path(__file__).name, description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=400, help="calls per round (default 400)")
     ap.add_argument("--profile", default=None, metavar="OP", help="cProfile one op (its name as printed)")
-    gp = ap.add_argument_group("GPU mode (--gpu): real GPUs, one rank each (tools/host_gpu.py)")
-    gp.add_argument("--gpu", action="store_true", help="profile on real GPUs: per op the median host time "
-                    "(time_host), wall and thread CPU time, device time (eager; dispatch and combine also as a "
-                    "CUDA graph), a breakdown by wrapped function and a cProfile; launches itself on -n GPUs "
-                    "unless run under tools/launch.py")
-    gp.add_argument("-n", "--nproc", type=int, default=int(os.environ.get("MOE_RT_BENCH_EP_NPROC", "2")),
-                    help="ranks (one GPU each) when this script launches itself (default MOE_RT_BENCH_EP_NPROC "
-                         "or 2)")
-    gp.add_argument("--tokens", type=int, default=128, help="tokens per rank T (default 128)")
-    gp.add_argument("--ops", nargs="+", default=list(GPU_OPS), choices=list(GPU_OPS), help="ops to profile")
-    gp.add_argument("--iters", type=int, default=50, help="calls per measurement (default 50)")
-    gp.add_argument("--top", type=int, default=15, help="rows of each breakdown and cProfile (default 15)")
-    gp.add_argument("--json", default=None, help="write the results to this file (rank 0)")
+    _host_gpu().add_arguments(ap, GPU_OPS, 128, "device time (eager; dispatch and combine also as a CUDA graph)")
     return ap
 
 
 def parse_args(argv=None):
-    ap = parser()
-    a = ap.parse_args(argv)
-    if a.calls < 1:
-        ap.error("--calls: expected a positive number")
-    for name in ("nproc", "tokens", "iters", "top"):
-        if getattr(a, name) < 1:
-            ap.error(f"--{name}: expected a positive number")
-    if a.gpu and a.profile is not None:
-        ap.error("--profile: the stand-in's; --gpu profiles every op")
-    return ap, a
+    return _host_gpu().parse(parser, argv)
 
 
 def gpu_rank(a):
@@ -235,7 +212,6 @@ def gpu_rank(a):
     import torch
 
     from moe_rt import _jit
-    from moe_rt.bench import _lib as benchlib
     from moe_rt.ep_ll import LowLatencyGroup
 
     hg = _host_gpu()
@@ -257,13 +233,7 @@ def gpu_rank(a):
     g = LowLatencyGroup(rank.comm, E, H, T, topk=K, dtype="bfloat16")
     stream = cp.cuda.Stream(non_blocking=True)
 
-    def time_host(f):
-        rank.barrier()
-        return benchlib.time_host(f, iters=a.iters, warmup=10, stream=stream)
-
-    def time_event(f):
-        rank.barrier()
-        return 1e3 * benchlib.time_cuda(f, iters=min(a.iters, 20), warmup=3, stream=stream)
+    time_host, time_event = hg.timers(rank, a.iters, stream)
 
     with stream:
         recv, counts, h = g.dispatch(x, idx, w)
@@ -298,16 +268,8 @@ def gpu_rank(a):
         g.synchronize()
         fl = hg.floors(rank, (int(y.nbytes), T * H * 2), a.iters, g._transport, stream)
     if me == 0:
-        print("\n## summary (us per call; host: time_host's median; wall, cpu: the same span's medians; event: "
-              "CUDA events; wrapped: with the breakdown's wrappers; unacc.: its unaccounted part)")
-        print(hg.summary_table(rows))
-        print("by op (own us per call; the breakdown's categories and top items):")
-        print(hg.digest(rows))
-        print("graph (CUDA events, the op alone in a CUDA graph): "
-              + ", ".join(f"{r['op']} {r['graph_us']:.1f} us" for r in rows if r.get("graph_us") is not None))
-        print(hg.format_floors(fl))
-        if a.json:
-            hg.write_json(a.json, {"meta": m, "floors": fl, "rows": rows})
+        hg.finish(rows, fl, m, a.json, ["graph (CUDA events, the op alone in a CUDA graph): " + ", ".join(
+            f"{r['op']} {r['graph_us']:.1f} us" for r in rows if r.get("graph_us") is not None)])
     rank.barrier()
     g.close()
     rank.close()
@@ -318,8 +280,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     ap, a = parse_args(argv)
     if a.gpu:
-        st = _host_gpu().start(ap.prog, __file__, argv, a.nproc)
-        return st if st is not None else gpu_rank(a)
+        return _host_gpu().run(ap, a, argv, __file__, gpu_rank)
     st = StandIns()
     T, K, H = 128, 8, 7168
     g = st.group(2, 0, 256, H, T, K, fp8=True)
