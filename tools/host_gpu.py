@@ -146,7 +146,10 @@ class Breakdown:
                 if key is None:
                     c = acc
                 else:
-                    lab = f"{label}[{key(a)}]"
+                    try:
+                        lab = f"{label}[{key(a)}]"
+                    except Exception:  # noqa: BLE001 - an unexpected call form: the label alone
+                        lab = label
                     c = accs.get(lab)
                     if c is None:
                         c = accs[lab] = [0, 0, 0]
