@@ -1334,8 +1334,9 @@ def test_multi_gpu_low_latency(what, n):
     # captured once and replayed with new routing and tokens, against the reference each time; split: two
     # micro-batches in flight through receive hooks (num_buffers=2), eager and replayed from a graph; fp8:
     # FP8 dispatch (quantized in the push, and pre-quantized pairs) bitwise against the reference, combine and
-    # backwards after it, split hooks and graph replay
-    r = _run_worker(what, n)
+    # backwards after it, split hooks and graph replay; each with dedup on and off (LowLatencyGroup(dedup=)),
+    # the two runs' outputs bitwise equal
+    r = _run_worker(what, n, timeout=480)  # every case twice: dedup on and off
     assert r.returncode == 0 and "[rank 0] ALL OK" in r.stdout
 
 

@@ -467,7 +467,6 @@ def _rank_low_latency(args):
     dedup = env_dedup()  # MOE_RT_LL_DEDUP: the A/B of the dispatch's rows on the wire
     rank, world, _, comm = _init_rank()
     E, K, H = 256, 8, 7168
-    L = E // world
     Ts = [128] if args.quick else (args.tokens or [128])
     iters, warm = args.iters, args.warmup
     table = benchlib.Table("EP low-latency dispatch/combine (moe_rt LowLatencyGroup vs torch.distributed)",
