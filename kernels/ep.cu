@@ -1673,20 +1673,20 @@ __device__ __forceinline__ int ll_warp_first_local(const int* rrow, int K, int l
 
 // The receiving side's dequantization of local expert l's valid slots (slot_k >= 0; one warp a row):
 // recv[l][j][h] = store_as<T>(mul_rn(e4m3 recv_q[l'][j][h], recv_s[l'][j][h / 128])) (dequantize_fp8's rule),
-// l' = l, or with the dedup split (route given) the token's first local expert, whose slot its codes and
+// l' = l, or with the dedup split (by_route) the token's first local expert, whose slot its codes and
 // scales landed in (the other slots' copies are not made when dequantizing: nothing returns them).
 // The codes and scales were written by peers before the flags this block acquired: read past L1 (ldcg).
 template <typename T, bool VEC>
 __device__ __forceinline__ void ll_dequantize_rows(const unsigned char* recv_q, const float* recv_s, T* recv,
                                                    const int* slot_k, int l, i64 RT, i64 H, int S,
-                                                   const LlRoute* route, int Tmax, int K) {
+                                                   LlRoute route, bool by_route, int Tmax, int K) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
   for (i64 j = warp; j < RT; j += nw) {
     if (slot_k[j] < 0) continue;
     int ls = l;
-    if (route != nullptr) {
+    if (by_route) {
       const int s = (int)(j / Tmax);
-      ls = ll_warp_first_local(route->row(s, (int)(j - (i64)s * Tmax), K), K, lane);
+      ls = ll_warp_first_local(route.row(s, (int)(j - (i64)s * Tmax), K), K, lane);
     }
     const unsigned char* q = recv_q + ((i64)ls * RT + j) * H;
     const float* sc = recv_s + ((i64)ls * RT + j) * S;
@@ -1962,7 +1962,7 @@ __device__ __forceinline__ void ll_dispatch(
         if (dequant)  // slot_k's row of l is this block's own writes, ordered by __syncthreads_count
           ll_dequantize_rows<T, VEC>(reinterpret_cast<const unsigned char*>(peer_recv_q[me]),
                                      reinterpret_cast<const float*>(peer_recv_s[me]), my_recv,
-                                     slot_k + (i64)l * RT, l, RT, H, S, dd ? &rt : nullptr, Tmax, K);
+                                     slot_k + (i64)l * RT, l, RT, H, S, rt, dd, Tmax, K);
       }
     }
     if (route_out != nullptr) {
