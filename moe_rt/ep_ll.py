@@ -23,6 +23,13 @@ has its own row). A token that names an expert twice has one slot for it.
   j % Tmax)``. Rows of slots with no token are **unspecified** (whatever the buffer held; zeroing them
   would cost more than the transfer): a grouped GEMM may compute every row (its rows are independent) and
   :meth:`combine` reads only valid slots; a user who needs zeros there masks with ``slot_topk >= 0``.
+- Rows on the wire: with ``dedup`` (the default; ``dedup=False`` or ``MOE_RT_LL_DEDUP=0`` turns it off) a
+  token's row crosses to each destination rank once, into the slot of its first (lowest k) expert there, and
+  the receiving half of the kernel copies it locally (HBM) into the same column of the token's other local
+  experts' blocks once the chunk flags say it landed (a token's K=8 of E=256 experts lie on about 2 ranks
+  at R=2 and 3.6 at R=4): the same results bit for bit, fewer bytes on the peer links. Without it, one row
+  per (token, distinct expert). ``combine_bwd`` without ``expert_out`` (rows scaled per expert) pushes per
+  expert either way.
 - ``recv_x`` is a view of the group's receive buffer, valid until the group's next dispatch-direction op
   (``dispatch`` or ``combine_bwd``): copy it to keep it (e.g. for the expert backward).
 - The handle's tables (``counts``, ``slot_topk``, ``slot_weights`` and the routing combine reads) lie in one
@@ -69,6 +76,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import sys
 
 import numpy as np
@@ -198,6 +206,29 @@ class _Hook:
         self._keep = None
 
 
+def env_dedup() -> bool:
+    """``MOE_RT_LL_DEDUP``: ``1`` (the default, also when unset or empty) or ``0`` (ValueError otherwise):
+    whether a :class:`LowLatencyGroup` made with ``dedup=None`` pushes each token's row once per destination
+    rank (module notes)."""
+    v = os.environ.get("MOE_RT_LL_DEDUP", "")
+    if v not in ("", "0", "1"):
+        raise ValueError(f"MOE_RT_LL_DEDUP: expected 0 or 1, got {v!r}")
+    return v != "0"
+
+
+def wire_rows(topk_idx, num_experts: int, num_ranks: int, rank: int, *, dedup: bool = True) -> int:
+    """The token rows rank ``rank``'s dispatch (bf16 or FP8 rows, not combine_bwd without ``expert_out``)
+    pushes to the *other* ranks for the routing ``topk_idx [T,K]`` (ids in ``[-1, E)``): one per (token,
+    distinct destination rank) with ``dedup``, else one per (token, distinct expert)."""
+    idx = np.asarray(topk_idx).astype(np.int64)
+    L = num_experts // num_ranks
+    n = 0
+    for row in idx:
+        keys = {int(e) // L if dedup else int(e) for e in row if e >= 0 and int(e) // L != rank}
+        n += len(keys)
+    return n
+
+
 def chunk_tokens(max_tokens_per_rank: int) -> int:
     """Tokens a flag covers, the same on every rank: at most 128 chunks per rank."""
     return max(1, -(-int(max_tokens_per_rank) // 128))
@@ -257,13 +288,18 @@ class LowLatencyGroup:
         fp8: also make the FP8 receive buffers (per set: codes ``[L, R*Tmax, H]`` uint8 and scales ``[L,
             R*Tmax, ceil(H/128)]`` fp32, ``L*R*Tmax*(H + 4*ceil(H/128))`` bytes) that ``dispatch(...,
             fp8=True)`` needs (default False: a group without them keeps that memory).
+        dedup: push each token's row once per destination rank (into the slot of its first expert there;
+            the receiving kernel copies it to the token's other local experts' slots, in HBM) instead of once
+            per expert (default None: ``MOE_RT_LL_DEDUP``, 1 unless set to 0). The results are the same bit
+            for bit; only the bytes on the peer links change (module notes).
 
     A collective on several ranks (IPC buffers exchanged; a host sync, outside graph capture). ``close()``
     on every rank at the same point of its op sequence.
     """
 
     def __init__(self, comm, num_experts: int, hidden: int, max_tokens_per_rank: int, *, topk: int,
-                 dtype="bfloat16", timeout: float | None = None, num_buffers: int = 1, fp8: bool = False):
+                 dtype="bfloat16", timeout: float | None = None, num_buffers: int = 1, fp8: bool = False,
+                 dedup: bool | None = None):
         (self.rank, self.size, self.device, self.num_experts, self.num_local_experts,
          self.hidden) = _ep.group_identity(comm, ("rank", "size", "device", "all_gather"), num_experts, hidden)
         self.comm = comm
@@ -292,6 +328,10 @@ class LowLatencyGroup:
         self.num_buffers = _arrays.check_int(num_buffers, "num_buffers", low=1, high=2)
         _ep._check_bool(fp8, "fp8")
         self.fp8 = bool(fp8)
+        if dedup is None:
+            dedup = env_dedup()
+        _ep._check_bool(dedup, "dedup")
+        self.dedup = bool(dedup)
         self.num_scales = _fp8_ref.num_blocks(self.hidden, FP8_BLOCK)
         self.id = next(_ids)
         self.closed = False
@@ -317,7 +357,7 @@ class LowLatencyGroup:
     def __repr__(self):
         return (f"LowLatencyGroup(rank={self.rank}, size={self.size}, num_experts={self.num_experts}, "
                 f"hidden={self.hidden}, max_tokens_per_rank={self.max_tokens_per_rank}, topk={self.topk}, "
-                f"dtype={self.dtype.name}{', fp8=True' if self.fp8 else ''})")
+                f"dtype={self.dtype.name}{', fp8=True' if self.fp8 else ''}{'' if self.dedup else ', dedup=False'})")
 
     # -- buffers ---------------------------------------------------------------------------------------
     def _regions(self):
@@ -728,18 +768,20 @@ class LowLatencyGroup:
         work = max(-(-self.max_tokens_per_rank // self.chunk), self.num_local_experts)
         grid = max(1, min(work, resident))
         if fp8:
-            return fn, grid, tabs, (i32(dequant),) + tail
-        return fn, grid, (i32(int(meta)), i32(int(scaled))) + tabs, tail
+            return fn, grid, tabs, (i32(dequant), i32(self.dedup)) + tail
+        return fn, grid, (i32(int(meta)), i32(int(scaled)), i32(self.dedup and not scaled)) + tabs, tail
 
     def _launch_dispatch(self, call, b, T, x, idx, w, idx_dtype, outs, phases, *, op="dispatch", meta=True,
-                         scaled=False, zero_k=0, quant=None):
+                         scaled=False, zero_k=0, recv_route=0, quant=None):
         """One launch of the dispatch direction into buffer set ``b``: ep_ll_dispatch, or with ``quant = (xq,
         xs, dequant)`` ep_ll_dispatch_fp8 (a float ``x`` quantized in the push when ``xq`` is 0, else the pair's
         codes ``xq`` and scales ``xs`` pushed as is; ``dequant``: the receive half dequantizes into ``recv``).
-        ``x``, ``idx``, ``w``, ``zero_k`` and ``outs`` (the handle's six tables, or zeros) are device addresses,
+        ``x``, ``idx``, ``w``, ``zero_k``, ``recv_route`` and ``outs`` (the handle's six tables, or zeros) are
+        device addresses,
         0 for none (and for every token array when T = 0); ``idx_dtype`` picks IdxT; ``phases``: _PUSH,
-        _RECEIVE or both (a split launch also passes the set's epoch word). ``meta``, ``scaled``, ``zero_k``:
-        ep_ll_dispatch's (combine_bwd). Everything but the pointers and T comes from a set-up made once."""
+        _RECEIVE or both (a split launch also passes the set's epoch word). ``meta``, ``scaled``, ``zero_k``,
+        ``recv_route``: ep_ll_dispatch's (combine_bwd; ``recv_route``: the handle's route, the map of the
+        dedup split's copies). Everything but the pointers and T comes from a set-up made once."""
         if quant is not None:  # 16 channels a thread: 16-byte loads of x (or of the codes), 16-byte stores
             vec, dequant = self._vec16_fp8 and not (quant[0] or x) & 15, quant[2]
         else:
@@ -749,7 +791,7 @@ class LowLatencyGroup:
         if c is None:
             c = self._const[key] = self._dispatch_setup(call, op, b, phases, vec, idx_dtype, meta, scaled, dequant)
         if dequant is None:
-            args = (x, idx, w, np.int32(T)) + c[2] + outs + (zero_k,) + c[3]
+            args = (x, idx, w, np.int32(T)) + c[2] + outs + (zero_k, recv_route) + c[3]
         else:
             args = (x, quant[0], quant[1], idx, w, np.int32(T)) + c[2] + outs + c[3]
         _jit.launch_raw(c[0], c[1], _THREADS, args, 0, call.stream)
@@ -891,9 +933,12 @@ class LowLatencyGroup:
             s, b = call.stream, handle.buffer_set
             gy = self._rows(b, False, None)[0]
             self._transport.barrier(s, "combine_bwd")
+            # unscaled rows (expert_out given) take the dedup split, its copies mapped by the handle's route
+            dd = self.dedup and y is not None
             self._launch_dispatch(call, b, T, g.data.ptr if T else 0, handle._ptr("idx"), handle._ptr("w"),
                                   np.dtype(np.int32), (0,) * 6, _PUSH | _RECEIVE, op="combine_bwd", meta=False,
-                                  scaled=y is None, zero_k=handle._ptr("slot_k"))
+                                  scaled=y is None, zero_k=handle._ptr("slot_k"),
+                                  recv_route=handle._ptr("route") if dd else 0)
             gwt = None
             if y is not None:
                 n = gy.shape[0] * gy.shape[1]

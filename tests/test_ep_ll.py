@@ -324,6 +324,47 @@ def test_group_validation(rng):
         g.dispatch(x, idx, w)
 
 
+def test_group_dedup_argument_and_env(monkeypatch):
+    """dedup=None takes MOE_RT_LL_DEDUP (unset or empty: on; 0: off; 1: on; anything else a ValueError naming
+    it); an explicit bool wins over the variable; a non-bool is a TypeError."""
+    args = (None, 4, 6, 5)
+    for v, want in (("", True), ("1", True), ("0", False)):
+        monkeypatch.setenv("MOE_RT_LL_DEDUP", v)
+        assert LowLatencyGroup(*args, topk=2).dedup is want
+        assert LowLatencyGroup(*args, topk=2, dedup=not want).dedup is (not want)
+    assert "dedup=False" in repr(LowLatencyGroup(*args, topk=2, dedup=False))
+    monkeypatch.delenv("MOE_RT_LL_DEDUP")
+    assert LowLatencyGroup(*args, topk=2).dedup is True
+    for bad in ("2", "yes", "true", " 1"):
+        monkeypatch.setenv("MOE_RT_LL_DEDUP", bad)
+        with pytest.raises(ValueError, match="MOE_RT_LL_DEDUP"):
+            LowLatencyGroup(*args, topk=2)
+    monkeypatch.setenv("MOE_RT_LL_DEDUP", "1")
+    with pytest.raises(TypeError, match="dedup"):
+        LowLatencyGroup(*args, topk=2, dedup=1)
+
+
+@pytest.mark.parametrize("R,L,K,Ts,Tmax", [(2, 128, 8, (128, 128), 128), (4, 64, 8, (128, 100, 0, 128), 128),
+                                           (3, 2, 4, (9, 5, 7), 9), (4, 3, 6, (6, 6, 1, 4), 6)])
+def test_wire_rows_are_the_references_distinct_token_rank_pairs(rng, R, L, K, Ts, Tmax):
+    """ep_ll.wire_rows (the rows bench_ep's LL wire_MB counts) is, per source rank, the number of distinct
+    (token, other destination rank) pairs with dedup and of distinct (token, expert on another rank) pairs
+    without, both read off the reference's slot tables of every destination (a token of source s reaches
+    rank d when any local expert's slot (l, s*Tmax + t) of d is valid); duplicates and -1 ids included."""
+    from moe_rt.ep_ll import wire_rows
+
+    xs, idxs, ws = make_case(rng, R, L, K, Ts, 1)
+    res = ref.dispatch(xs, idxs, ws, R * L, Tmax)
+    for s in range(R):
+        cols = slice(s * Tmax, (s + 1) * Tmax)
+        valid = [res[d][2]["slot_k"][:, cols] >= 0 for d in range(R) if d != s]  # [L, Tmax] per other rank
+        per_rank = sum(int(v.any(axis=0).sum()) for v in valid)
+        per_expert = sum(int(v.sum()) for v in valid)
+        assert wire_rows(idxs[s], R * L, R, s) == per_rank
+        assert wire_rows(idxs[s], R * L, R, s, dedup=False) == per_expert
+        assert per_rank <= per_expert
+
+
 def test_group_cpu_split_dispatch(rng):
     L, K, T, Tmax, H = 4, 3, 5, 6, 7
     xs, idxs, ws = make_case(rng, 1, L, K, (T,), H)
@@ -627,9 +668,10 @@ class _LLTrace:
         return ev, allocs
 
 
+@pytest.mark.parametrize("dedup", ["", "0"])  # MOE_RT_LL_DEDUP: unset (the dedup split) or 0 (per-expert pushes)
 @pytest.mark.parametrize("fp8", [None, "float", "pair", "dequant"])
 @pytest.mark.parametrize("T", [11, 0])
-def test_cuda_host_path_launches_and_arguments(monkeypatch, fp8, T):
+def test_cuda_host_path_launches_and_arguments(monkeypatch, fp8, T, dedup):
     """An eager low-latency dispatch + combine on CUDA (device stood in for) issues exactly one barrier and
     one kernel each way and two allocations while the earlier handles are kept (a table set for the handle's
     tables, in one; combine's output), and passes each kernel the arguments it takes, by parameter name
@@ -640,7 +682,10 @@ def test_cuda_host_path_launches_and_arguments(monkeypatch, fp8, T):
     tr = _LLTrace(monkeypatch)
     R, me, E, H, Tmax, K = 2, 1, 6, 40, 13, 3
     L, bf = E // R, np.dtype(ml_dtypes.bfloat16)
+    monkeypatch.setenv("MOE_RT_LL_DEDUP", dedup)
     g = tr.group(R, me, E, H, Tmax, K, bf, 2, True)
+    dd = int(dedup != "0")
+    assert g.dedup is bool(dd)
     d, OP = g._transport, _ep_direct.OP_CODES
     x, idx, w = tr.dev((T, H), bf), tr.dev((T, K), np.int64), tr.dev((T, K), np.float32)
     pair = (tr.array((T, H), np.uint8), tr.array((T, g.num_scales), np.float32))  # CuPy, as the pair is taken
@@ -668,11 +713,11 @@ def test_cuda_host_path_launches_and_arguments(monkeypatch, fp8, T):
                     phases=phases, flag_base=2 * R * Tmax * b,
                     set_epoch=0 if phases == 3 else g._set_epoch.data.ptr + 4 * b, idx=ptr(idx), w=ptr(w))
         if fp8 is None:
-            want.update(x=ptr(x), meta=1, scaled=0, zero_k=0)
+            want.update(x=ptr(x), meta=1, scaled=0, dedup=dd, zero_k=0, recv_route=0)
         else:
             want.update(x=ptr(x, fp8 != "pair"), xq=ptr(pair[0], fp8 == "pair"), xs=ptr(pair[1], fp8 == "pair"),
                         peer_recv_q=tab[("recv_q", b)], peer_recv_s=tab[("recv_s", b)], dequant=int(fp8 == "dequant"),
-                        S=S)
+                        dedup=dd, S=S)
         return want
 
     def barrier(op):
@@ -721,10 +766,14 @@ def test_cuda_host_path_launches_and_arguments(monkeypatch, fp8, T):
         gy, gw = g.combine_bwd(h, gout, yk)
         ev, allocs = tr.take()
         assert gy.data.ptr == g._buf.local + g._offs[("recv", 1)][0]
+        # scaled rows (no expert_out) push per expert; unscaled ones take the dedup split, mapped by the
+        # handle's route
+        unscaled = dd and yk is not None
         bwd = dict(consts, err=64, op=OP["combine_bwd"], Tn=T, x=ptr(gout), idx=t["idx"], w=t["w"], meta=0,
-                   scaled=int(yk is None), peer_recv=g._tables[("recv", 1)], peer_route=g._tables[("route", 1)],
-                   peer_rw=g._tables[("rw", 1)], peer_flags=d.flags.table.ptr, idx_out=0, w_out=0, route_out=0,
-                   slot_k=0, slot_w=0, counts=0, zero_k=t["slot_k"], phases=3, flag_base=2 * R * Tmax, set_epoch=0)
+                   scaled=int(yk is None), dedup=int(unscaled), peer_recv=g._tables[("recv", 1)],
+                   peer_route=g._tables[("route", 1)], peer_rw=g._tables[("rw", 1)], peer_flags=d.flags.table.ptr,
+                   idx_out=0, w_out=0, route_out=0, slot_k=0, slot_w=0, counts=0, zero_k=t["slot_k"],
+                   recv_route=t["route"] if unscaled else 0, phases=3, flag_base=2 * R * Tmax, set_epoch=0)
         want = [barrier("combine_bwd"), ("ep_ll_dispatch", 8, 512, bwd)]
         if yk is not None:
             n = L * R * Tmax
@@ -854,11 +903,13 @@ def _gpu_case(rng, cp, L, K, T, Tmax, H, dt):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float16"])
 @pytest.mark.parametrize("L,K,T,Tmax,H", [(5, 3, 7, 9, 13), (8, 4, 128, 128, 256), (3, 2, 0, 4, 8)])
-def test_gpu_one_rank_against_reference(rng, dtype, L, K, T, Tmax, H):
+@pytest.mark.parametrize("dedup", [True, False])
+def test_gpu_one_rank_against_reference(rng, dtype, L, K, T, Tmax, H, dedup):
+    # one rank: with dedup every token's row arrives once and the receiving side copies it to its other experts
     import cupy as cp
 
     dt = bf16() if dtype == "bfloat16" else np.dtype(dtype)
-    g = LowLatencyGroup(None, L, H, Tmax, topk=K, dtype=dt)
+    g = LowLatencyGroup(None, L, H, Tmax, topk=K, dtype=dt, dedup=dedup)
     try:
         for _ in range(2):  # the second call over buffers the first one filled
             xs, idxs, ws, x, idx, w = _gpu_case(rng, cp, L, K, T, Tmax, H, dt)
@@ -905,12 +956,13 @@ def test_gpu_one_rank_bad_ids_raise_at_synchronize(rng):
 
 
 @pytest.mark.gpu
-def test_gpu_one_rank_graph_replay_with_new_routing(rng):
+@pytest.mark.parametrize("dedup", [True, False])
+def test_gpu_one_rank_graph_replay_with_new_routing(rng, dedup):
     import cupy as cp
 
     dt = bf16()
     L, K, T, Tmax, H = 6, 3, 11, 16, 64
-    g = LowLatencyGroup(None, L, H, Tmax, topk=K, dtype=dt)
+    g = LowLatencyGroup(None, L, H, Tmax, topk=K, dtype=dt, dedup=dedup)
     try:
         xs, idxs, ws, x, idx, w = _gpu_case(rng, cp, L, K, T, Tmax, H, dt)
         y = cp.asarray(rng.standard_normal((L, Tmax, H)).astype(dt))
@@ -930,6 +982,8 @@ def test_gpu_one_rank_graph_replay_with_new_routing(rng):
             s.synchronize()
             rx, rc, rh = ref.dispatch(xs, idxs, ws, L, Tmax)[0]
             np.testing.assert_array_equal(cp.asnumpy(counts), rc)
+            valid = rh["slot_k"] >= 0
+            np.testing.assert_array_equal(cp.asnumpy(recv)[valid].view(np.uint8), rx[valid].view(np.uint8))
             np.testing.assert_array_equal(cp.asnumpy(out).view(np.uint8),
                                           ref.combine([rh], [cp.asnumpy(y)])[0].view(np.uint8))
     finally:
@@ -997,12 +1051,13 @@ def test_gpu_one_rank_table_sets_reused_and_torch(rng):
 
 
 @pytest.mark.gpu
-def test_gpu_one_rank_split_dispatch_two_in_flight(rng):
+@pytest.mark.parametrize("dedup", [True, False])
+def test_gpu_one_rank_split_dispatch_two_in_flight(rng, dedup):
     import cupy as cp
 
     dt = bf16()
     L, K, T, Tmax, H = 5, 3, 13, 16, 136
-    g = LowLatencyGroup(None, L, H, Tmax, topk=K, dtype=dt, num_buffers=2)
+    g = LowLatencyGroup(None, L, H, Tmax, topk=K, dtype=dt, num_buffers=2, dedup=dedup)
     try:
         cases = [_gpu_case(rng, cp, L, K, T, Tmax, H, dt) for _ in range(2)]
         Ys = [rng.standard_normal((L, Tmax, H)).astype(dt) for _ in range(2)]
@@ -1040,6 +1095,54 @@ def test_gpu_one_rank_split_dispatch_two_in_flight(rng):
         g.close()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,H", [("bfloat16", 7168), ("float32", 200), ("float16", 13)])
+def test_gpu_one_rank_dedup_on_and_off_bitwise_equal(rng, dtype, H):
+    """The same inputs through a group with the dedup split and one with per-expert pushes: valid rows, counts,
+    slot tables, FP8 codes and scales (a uint8 pair), dequantized rows, combine_bwd's rows (zero at invalid
+    slots) bitwise equal between the two and to the reference; H = 13 and 200 take the scalar paths."""
+    import cupy as cp
+
+    dt = bf16() if dtype == "bfloat16" else np.dtype(dtype)
+    L, K, T, Tmax = 7, 5, 37, 40
+    groups = [LowLatencyGroup(None, L, H, Tmax, topk=K, dtype=dt, fp8=True, dedup=d) for d in (True, False)]
+    try:
+        for _ in range(2):  # the second round over buffers the first filled
+            xs, idxs, ws = fp8_case(rng, 1, L, K, (T,), H, dt)
+            x, idx, w = cp.asarray(xs[0]), cp.asarray(idxs[0]), cp.asarray(ws[0])
+            xq, xsc = moe_rt.quantize_fp8(xs[0])
+            pair = (cp.asarray(xq.view(np.uint8)), cp.asarray(xsc))
+            go = cp.asarray(rng.standard_normal((T, H)).astype(dt))
+            y = cp.asarray(rng.standard_normal((L, Tmax, H)).astype(dt))
+            rx, rc, rh = ref.dispatch(xs, idxs, ws, L, Tmax)[0]
+            rq, rs, _, _ = ref.dispatch_fp8(xs, idxs, ws, L, Tmax)[0]
+            valid = rh["slot_k"] >= 0
+            want = [rx[valid], rc, rh["slot_k"], rh["slot_w"], rq[valid], rs[valid],
+                    fp8_dequantized(rq, rs, rh["slot_k"], dt)[valid],
+                    ref.combine_bwd([rh], [cp.asnumpy(go)], [cp.asnumpy(y)])[0][0]]
+            got = []
+            for g in groups:
+                recv, counts, h = g.dispatch(x, idx, w)
+                one = [cp.asnumpy(recv)[valid], cp.asnumpy(counts), cp.asnumpy(h.slot_topk),
+                       cp.asnumpy(h.slot_weights)]
+                q, sc, _, _ = g.dispatch(pair, idx, w, fp8=True)
+                one += [cp.asnumpy(q)[valid], cp.asnumpy(sc)[valid]]
+                yd, _, _ = g.dispatch(x, idx, w, fp8=True, dequantize=True)
+                one.append(cp.asnumpy(yd)[valid])
+                gy, _ = g.combine_bwd(h, go, y)
+                one.append(cp.asnumpy(gy))
+                g.synchronize()
+                got.append(one)
+            for name, a, b, c in zip(("rows", "counts", "slot_k", "slot_w", "codes", "scales", "dequantized",
+                                      "combine_bwd"), got[0], got[1], want):
+                assert a.shape == b.shape == c.shape and a.dtype.itemsize == np.dtype(c.dtype).itemsize, name
+                assert (np.ascontiguousarray(a).view(np.uint8) == np.ascontiguousarray(b).view(np.uint8)).all(), name
+                assert (np.ascontiguousarray(a).view(np.uint8) == np.ascontiguousarray(c).view(np.uint8)).all(), name
+    finally:
+        for g in groups:
+            g.close()
+
+
 def _torch_cuda():
     try:
         import torch
@@ -1070,7 +1173,8 @@ def fp8_dequantized(rq, rs, slot_k, dt):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float16"])
 @pytest.mark.parametrize("L,K,T,Tmax,H", [(5, 3, 7, 9, 13), (8, 4, 128, 128, 256), (3, 2, 0, 4, 16),
                                           (4, 3, 33, 40, 7168), (6, 2, 9, 9, 200)])
-def test_gpu_one_rank_fp8_against_reference(rng, dtype, L, K, T, Tmax, H):
+@pytest.mark.parametrize("dedup", [True, False])
+def test_gpu_one_rank_fp8_against_reference(rng, dtype, L, K, T, Tmax, H, dedup):
     """FP8 dispatch on one GPU, bit for bit: a float x quantized in the push (dequantized on receipt; with torch
     also the e4m3 codes themselves, equal to the quantize_fp8 kernel's), a uint8 pair pushed as is; counts and
     slot tables as the reference's; combine and both backwards after it as after a float dispatch. H = 13 and
@@ -1079,7 +1183,7 @@ def test_gpu_one_rank_fp8_against_reference(rng, dtype, L, K, T, Tmax, H):
 
     dt = bf16() if dtype == "bfloat16" else np.dtype(dtype)
     torch = _torch_cuda()
-    g = LowLatencyGroup(None, L, H, Tmax, topk=K, dtype=dt, fp8=True)
+    g = LowLatencyGroup(None, L, H, Tmax, topk=K, dtype=dt, fp8=True, dedup=dedup)
     try:
         for _ in range(2):  # the second call over buffers the first one filled
             xs, idxs, ws = fp8_case(rng, 1, L, K, (T,), H, dt)
@@ -1136,7 +1240,8 @@ def test_gpu_one_rank_fp8_against_reference(rng, dtype, L, K, T, Tmax, H):
 
 
 @pytest.mark.gpu
-def test_gpu_one_rank_fp8_graph_replay_and_split(rng):
+@pytest.mark.parametrize("dedup", [True, False])
+def test_gpu_one_rank_fp8_graph_replay_and_split(rng, dedup):
     """FP8 dispatch (dequantized) + combine captured once and replayed with new tokens and routing; two
     micro-batches in flight through receive hooks (num_buffers=2: an FP8 pair and a quantized float x), eager
     and replayed from a graph."""
@@ -1144,7 +1249,7 @@ def test_gpu_one_rank_fp8_graph_replay_and_split(rng):
 
     dt = bf16()
     L, K, T, Tmax, H = 6, 3, 11, 16, 384
-    g = LowLatencyGroup(None, L, H, Tmax, topk=K, dtype=dt, fp8=True, num_buffers=2)
+    g = LowLatencyGroup(None, L, H, Tmax, topk=K, dtype=dt, fp8=True, num_buffers=2, dedup=dedup)
     try:
         xs, idxs, ws = fp8_case(rng, 1, L, K, (T,), H, dt)
         x, idx, w = cp.asarray(xs[0]), cp.asarray(idxs[0]), cp.asarray(ws[0])
@@ -1229,8 +1334,9 @@ def test_multi_gpu_low_latency(what, n):
     # captured once and replayed with new routing and tokens, against the reference each time; split: two
     # micro-batches in flight through receive hooks (num_buffers=2), eager and replayed from a graph; fp8:
     # FP8 dispatch (quantized in the push, and pre-quantized pairs) bitwise against the reference, combine and
-    # backwards after it, split hooks and graph replay
-    r = _run_worker(what, n)
+    # backwards after it, split hooks and graph replay; each with dedup on and off (LowLatencyGroup(dedup=)),
+    # the two runs' outputs bitwise equal
+    r = _run_worker(what, n, timeout=480)  # every case twice: dedup on and off
     assert r.returncode == 0 and "[rank 0] ALL OK" in r.stdout
 
 
