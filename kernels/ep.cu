@@ -1882,14 +1882,15 @@ __device__ __forceinline__ void ll_dispatch(
     }
   }
   // every chunk of every rank (each rank's flags [0][s][c] for c < NC): blocks with an expert item, and with
-  // the dedup split every block (each copies a share of the token columns)
-  if (blockIdx.x >= L && !dd) return;
+  // the dedup split's copies every block (each copies a share of the token columns)
+  const bool copies = dd && !(FP8 && dequant);  // dequantizing reads the pushed slot instead
+  if (blockIdx.x >= L && !copies) return;
   int ok = 1;
   for (int s = 0; s < R && ok; ++s)
     ok = ll_block_wait_all(my_flags + (i64)s * Tmax, NC, e, state, err_word, timeout_ns, op) ? 1 : 0;
   if (!ok) return;
   const LlRoute rt = meta ? LlRoute{st_route, route_stride, 1} : LlRoute{recv_route, (i64)Tmax * K, 0};
-  if (dd && !(FP8 && dequant)) {
+  if (copies) {
     __shared__ i64 s_csrc[LL_MAX_ROWS], s_cdst[LL_MAX_ROWS];
     __shared__ int s_nc;
     const i64 per = (RT + gridDim.x - 1) / gridDim.x;  // token columns of this block

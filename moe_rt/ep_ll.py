@@ -229,6 +229,18 @@ def wire_rows(topk_idx, num_experts: int, num_ranks: int, rank: int, *, dedup: b
     return n
 
 
+def check_dedup_agrees(dedups) -> None:
+    """Every rank's ``dedup`` setting (all-gathered when the group sets up) must be the same: a receiver without
+    the dedup split would not copy a sender's once-per-rank row into the token's other slots (they would keep
+    stale rows). ValueError naming the ranks otherwise (every rank sees the same values, so all raise alike)."""
+    v = [bool(int(d)) for d in dedups]
+    if len(set(v)) > 1:
+        on = [r for r, d in enumerate(v) if d]
+        off = [r for r, d in enumerate(v) if not d]
+        raise ValueError(f"dedup: the ranks disagree (on at ranks {on}, off at ranks {off}); pass the same "
+                         f"LowLatencyGroup(dedup=...) or MOE_RT_LL_DEDUP on every rank")
+
+
 def chunk_tokens(max_tokens_per_rank: int) -> int:
     """Tokens a flag covers, the same on every rank: at most 128 chunks per rank."""
     return max(1, -(-int(max_tokens_per_rank) // 128))
@@ -291,7 +303,8 @@ class LowLatencyGroup:
         dedup: push each token's row once per destination rank (into the slot of its first expert there;
             the receiving kernel copies it to the token's other local experts' slots, in HBM) instead of once
             per expert (default None: ``MOE_RT_LL_DEDUP``, 1 unless set to 0). The results are the same bit
-            for bit; only the bytes on the peer links change (module notes).
+            for bit; only the bytes on the peer links change (module notes). The same on every rank (the
+            first op's set-up checks: a ValueError otherwise).
 
     A collective on several ranks (IPC buffers exchanged; a host sync, outside graph capture). ``close()``
     on every rank at the same point of its op sequence.
@@ -393,6 +406,7 @@ class LowLatencyGroup:
                 if not ok:
                     raise ValueError(f"LowLatencyGroup needs every pair of ranks on one node with peer access: "
                                      f"{reason}")
+                check_dedup_agrees(_ep_direct.all_gather_int64(comm, [int(self.dedup)], stream, wait)[:, 0])
             # flags [num_buffers, 2, R, Tmax]: the transport's chunk flags with a pair capacity of
             # 2*Tmax*num_buffers
             d = _ep_direct.DirectTransport(comm, self.device, 2 * self.max_tokens_per_rank * self.num_buffers,

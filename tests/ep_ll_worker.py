@@ -113,6 +113,14 @@ def correctness(cp, comm):
     except ValueError as e:
         assert "max_tokens_per_rank" in str(e)
     g.close()
+    # ranks that disagree on dedup: the first op's set-up refuses it on every rank alike
+    g = LowLatencyGroup(comm, WORLD * 2, 8, 4, topk=2, dtype=np.float32, dedup=RANK == 0)
+    try:
+        g.dispatch(cp.zeros((3, 8), np.float32), cp.zeros((3, 2), np.int32), cp.ones((3, 2), np.float32))
+        raise AssertionError("ranks disagreeing on dedup accepted")
+    except ValueError as e:
+        assert "dedup" in str(e) and "disagree" in str(e), e
+    g.close()
 
 
 def graph(cp, comm):

@@ -344,6 +344,19 @@ def test_group_dedup_argument_and_env(monkeypatch):
         LowLatencyGroup(*args, topk=2, dedup=1)
 
 
+def test_dedup_must_agree_on_every_rank():
+    """The set-up's check of the all-gathered dedup settings: equal ones pass, a mix is a ValueError naming
+    dedup and the ranks on each side (the multi-GPU worker checks that the first op raises it on every rank)."""
+    from moe_rt.ep_ll import check_dedup_agrees
+
+    for ok in ([1], [0], [1, 1, 1, 1], np.zeros(3, np.int64)):
+        check_dedup_agrees(ok)
+    with pytest.raises(ValueError, match=r"dedup: the ranks disagree \(on at ranks \[0, 2\], off at ranks \[1\]\)"):
+        check_dedup_agrees(np.array([1, 0, 1], np.int64))
+    with pytest.raises(ValueError, match="MOE_RT_LL_DEDUP"):
+        check_dedup_agrees([0, 1])
+
+
 @pytest.mark.parametrize("R,L,K,Ts,Tmax", [(2, 128, 8, (128, 128), 128), (4, 64, 8, (128, 100, 0, 128), 128),
                                            (3, 2, 4, (9, 5, 7), 9), (4, 3, 6, (6, 6, 1, 4), 6)])
 def test_wire_rows_are_the_references_distinct_token_rank_pairs(rng, R, L, K, Ts, Tmax):
