@@ -55,7 +55,7 @@ import socket
 import numpy as np
 
 from moe_rt import _jit
-from moe_rt._ep_rows import Fp8Rows, bound, fill_rows, regions, slot_values
+from moe_rt._ep_rows import Fp8Rows, bound, fill_outputs, regions, slot_values
 from moe_rt._ep_rows import unit as _unit
 from moe_rt.permutation import _resident_ctas
 
@@ -392,15 +392,15 @@ class DirectTransport:
         return cupy.ndarray((rows, cols), dtype, cupy.cuda.MemoryPointer(mem, 0))
 
     # -- the interface ---------------------------------------------------------------------------------
-    def forward(self, call, h, x, w, op, *, expand=True, want_w=False, fp8=None):
+    def forward(self, call, h, x, w, op, *, expand=True, want_w=False, fp8=None, zero=True):
         """The dispatch direction (``op``: ``"dispatch"`` or ``"combine_bwd"``): barrier (every rank finished
         the previous op) -> one kernel pushing this rank's rows of ``x [T,H]`` (and fp32 weights ``w [T,K]``
         or None, received into the handle's recv_wk) into the destinations' stages chunk by chunk.
 
         Returns, with ``expand``, ``(rows [N,H] expert-major, weights [N] fp32 or None)``: the kernel expands
-        each received chunk as it lands, then padding rows are zeroed and ``weights[n] =
-        recv_wk[src_slot[n]]`` laid out when ``want_w``; without, the received rows ``[rows,H]`` in the
-        handle's layout (the stage itself in capacity mode, a packed copy in exact mode). ``fp8``: an
+        each received chunk as it lands, then padding rows are zeroed (left unwritten with ``zero=False``) and
+        ``weights[n] = recv_wk[src_slot[n]]`` laid out when ``want_w``; without, the received rows ``[rows,H]``
+        in the handle's layout (the stage itself in capacity mode, a packed copy in exact mode). ``fp8``: an
         :class:`moe_rt._ep_rows.Fp8Rows` (with ``expand``): ``x`` holds packed FP8 rows, which the kernel
         splits (or dequantizes) into ``fp8``'s outputs as it expands them; ``rows`` is their tuple."""
         if not expand:
@@ -410,7 +410,7 @@ class DirectTransport:
         out = call.empty((N, int(x.shape[1])), x.dtype) if fp8 is None else fp8.empty(call.xp, N)
         out_w = call.empty((N,), np.float32) if want_w else None
         self._push(call, h, x, w, op, out, False, fp8)
-        (fill_rows if fp8 is None else fp8.fill)(call, h, out, out_w, regions(h)["recv_wk"] if want_w else None)
+        fill_outputs(call, h, out, out_w, regions(h)["recv_wk"] if want_w else None, fp8, zero)
         return out, out_w
 
     def reduce(self, call, h, y, w, gw, op):

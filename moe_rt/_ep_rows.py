@@ -2,8 +2,9 @@
 
 The group and both transports (:mod:`moe_rt._ep_nccl`, :mod:`moe_rt._ep_direct`) launch these kernels of
 ``kernels/ep.cu`` (their names are registered by :mod:`moe_rt.ep`): zeroing the expert-major rows that hold
-no slot and laying out their weights (``fill_rows``), taking expert-major values back to the received rows'
-slots (``slot_values``), scaling rows by a weight (``scale_rows``); the handle's regions as arrays
+no slot and laying out their weights (``fill_rows``; ``fill_outputs`` after a transport's expand, which may
+leave those rows unwritten), taking expert-major values back to the received rows' slots (``slot_values``),
+scaling rows by a weight (``scale_rows``); the handle's regions as arrays
 (``recv_wk``, ``routing_view``) or as a permutation plan (``plan_view``); and :class:`Fp8Rows`, what the
 transports' expand writes from the packed rows of a one-pass FP8 dispatch.
 """
@@ -131,6 +132,20 @@ def fill_rows(call, h, out, pp, pv):
                               (np.int64(N), np.int64(rb // u)))
     _jit.launch_raw(c[0], c[1], 256, (out.data.ptr if out is not None else 0, pp if pp is not None else 0,
                                       pv if pv is not None else 0, regions(h)["src_slot"], *c[2]), 0, call.stream)
+
+
+def fill_outputs(call, h, out, pp, pv, fp8=None, zero=True):
+    """What every transport's forward runs after its expand: zero the expert-major rows that hold no slot
+    (padding, the unused tail) of ``out`` (with ``fp8``, an :class:`Fp8Rows`: of each output in the tuple
+    ``out``) and ``pp[n] = pv[src_slot[n]]`` (0 for those rows) when ``pp`` is given. ``zero=False``
+    (dispatch's ``zero_empty_slots=False``): the rows are not written at all (ep_fill_rows gets no ``out``: its
+    weights only, or no launch without ``pp``)."""
+    if not zero:
+        fill_rows(call, h, None, pp, pv)
+    elif fp8 is None:
+        fill_rows(call, h, out, pp, pv)
+    else:
+        fp8.fill(call, h, out, pp, pv)
 
 
 def slot_values(call, h, vals):

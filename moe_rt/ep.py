@@ -33,11 +33,13 @@ transport. Each public op validates its arguments, then calls its transport once
 Transports (``transport=``, ``MOE_RT_EP_TRANSPORT``; ``group.transport``) move the rows; each is a module
 with one class offering the same small interface (a third transport is one more such module):
 
-- ``forward(call, handle, x, w, op, *, expand=True, want_w=False, fp8=None)``: the dispatch direction
-  (``dispatch``, ``combine_bwd``): the rows of ``x [T,H]`` (of any width) (and fp32 weights ``w [T,K]`` or
-  None, received into the handle's ``recv_wk``) to the ranks of their experts. Returns ``(rows [N,H]
-  expert-major, weights [N] or None)`` (padding rows zero; ``weights[n] = recv_wk[src_slot[n]]`` when
-  ``want_w``), or with ``expand=False`` the received rows ``[rows,H]`` in the handle's layout (source-major).
+- ``forward(call, handle, x, w, op, *, expand=True, want_w=False, fp8=None, zero=True)``: the dispatch
+  direction (``dispatch``, ``combine_bwd``): the rows of ``x [T,H]`` (of any width) (and fp32 weights ``w
+  [T,K]`` or None, received into the handle's ``recv_wk``) to the ranks of their experts. Returns ``(rows
+  [N,H] expert-major, weights [N] or None)`` (padding rows zero, or not written at all with ``zero=False``:
+  dispatch's ``zero_empty_slots``; weights zero there either way; ``weights[n] = recv_wk[src_slot[n]]``
+  when ``want_w``), or with ``expand=False`` the received rows ``[rows,H]`` in the handle's layout
+  (source-major).
   ``fp8`` (a :class:`moe_rt._ep_rows.Fp8Rows`): ``x`` holds an FP8 dispatch's packed rows and the expand
   writes them split into codes and scales, or dequantized (``rows`` is then the tuple of those outputs);
 - ``reduce(call, handle, y, w, gw, op)``: the combine direction (``combine``: weights ``w [rows,K]`` or
@@ -758,7 +760,7 @@ class EpGroup:
 
     # -- ops -------------------------------------------------------------------------------------------
     def dispatch(self, handle, x, topk_weights=None, *, fp8: bool = False, dequantize: bool = False,
-                 stream=None):
+                 zero_empty_slots: bool = True, stream=None):
         """Send tokens to the ranks of their experts, in expert-major order (a collective).
 
         Args:
@@ -776,17 +778,32 @@ class EpGroup:
             dequantize: with ``fp8=True``: return rows dequantized on the receiving side instead of the
                 FP8 pair: in x's dtype for a float ``x``; for a pair, in the group's ``dtype`` (bfloat16
                 when the group has none).
+            zero_empty_slots: True (the default): the expert-major rows that hold no slot (padding to
+                ``align_size``, and every row past ``seg_start[L]``: in capacity mode most of the
+                ``capacity`` rows) are written as zeros (zero codes and scales with ``fp8=True``). False:
+                they are left **unspecified**, not written at all (on CUDA the op allocates its outputs
+                uninitialized, so they hold whatever the allocator's memory held, NaN or Inf bit patterns
+                included); the rows of ``seg_start[l] + tokens_per_local_expert[l]`` slots and the received
+                weights (zero on the empty rows either way) are bitwise the same as with True. In capacity
+                mode this saves writing ``(N - filled rows) * row bytes`` of HBM per dispatch (docs/ep.md
+                §3). :meth:`combine` and :meth:`dispatch_bwd` read only the filled rows of their inputs, but
+                an expert applied to every row gets garbage there: mask, or compute only over
+                ``tokens_per_local_expert`` rows, before anything sums over rows (a weight gradient over
+                all rows would turn ``0 * NaN`` into NaN). The CPU path (NumPy reference) writes zeros
+                either way, which "unspecified" allows.
             stream: CUDA stream (None = the caller's current stream).
 
         Returns:
             - ``fp8=False``: ``(recv_x [N,H] x.dtype, recv_weights [N] float32 or None,
               tokens_per_local_expert [L] int32)``: rows grouped by local expert (segments
-              ``handle.view('seg_start')``), padding and unused rows zero. The received weights are also
+              ``handle.view('seg_start')``), padding and unused rows zero (unspecified with
+              ``zero_empty_slots=False``). The received weights are also
               kept in the handle for ``combine(weighted=True)``.
             - ``fp8=True``: ``(recv_x_fp8 [N,H], recv_scales [N, ceil(H/128)] float32, recv_weights,
               tokens_per_local_expert)`` in the same layout, ready for an FP8 grouped GEMM:
               ``recv_x_fp8`` is float8_e4m3fn (torch, JAX, NumPy/ml_dtypes), or uint8 when the pair's
-              ``x_fp8`` was uint8; padding rows have zero codes and zero scales. A CuPy float ``x``
+              ``x_fp8`` was uint8; padding rows have zero codes and zero scales (unspecified with
+              ``zero_empty_slots=False``). A CuPy float ``x``
               cannot get FP8 rows back (CuPy holds no FP8): TypeError; pass uint8 codes or
               ``dequantize=True``.
             - ``fp8=True, dequantize=True``: ``(recv_x [N,H], recv_weights, tokens_per_local_expert)``
@@ -798,11 +815,13 @@ class EpGroup:
         """
         self._check_handle(handle, "dispatch")
         _ep_adapt.check_fp8_flags(fp8, dequantize)
+        _check_bool(zero_empty_slots, "zero_empty_slots")
+        zero = bool(zero_empty_slots)
         pair = isinstance(x, (tuple, list))
         if pair:
             _ep_adapt.check_pair_arity(x, fp8)
         if fp8:
-            return self._dispatch_fp8(handle, x, topk_weights, pair, dequantize, stream)
+            return self._dispatch_fp8(handle, x, topk_weights, pair, dequantize, zero, stream)
         with _arrays.Call({"x": x, "topk_weights": topk_weights}, stream=stream, lean=self._lean()) as call:
             self._check_call(call, "dispatch")
             _check_backend(handle, call, "dispatch")
@@ -813,12 +832,13 @@ class EpGroup:
             xv = _arrays.contiguous(call.xp, xv)
             handle.state["dtype"] = np.dtype(xv.dtype)
             handle.state["has_weights"] = wv is not None
-            if call.backend == "cpu":
+            if call.backend == "cpu":  # zero rows either way (zero_empty_slots=False: unspecified allows it)
                 rx, rw, tpe = _ref.dispatch([handle.state["ref"]], [xv], None if wv is None else [wv])[0]
                 self._keep_ref_weights(handle, wv)
                 return call.out(rx), (None if rw is None else call.out(rw)), call.out(tpe)
-            with self._first_call("dispatch", self._op_key("dispatch", handle, xv, wv is not None), call.stream):
-                rx, rw = self._transport.forward(call, handle, xv, wv, "dispatch", want_w=wv is not None)
+            key = self._op_key("dispatch", handle, xv, wv is not None, zero)
+            with self._first_call("dispatch", key, call.stream):
+                rx, rw = self._transport.forward(call, handle, xv, wv, "dispatch", want_w=wv is not None, zero=zero)
                 self._last_stream = call.stream
                 tpe = tokens_per_expert(call, handle)
             return call.out(rx), (None if rw is None else call.out(rw)), call.out(tpe)
@@ -852,10 +872,11 @@ class EpGroup:
             raise ValueError(f"scales: expected shape [T, ceil(H/{FP8_BLOCK})] = {(rows, S)} (one fp32 scale per "
                              f"{FP8_BLOCK} channels of each token), got {tuple(scales.shape)}")
 
-    def _dispatch_fp8(self, handle, x, topk_weights, pair, dequantize, stream):
+    def _dispatch_fp8(self, handle, x, topk_weights, pair, dequantize, zero, stream):
         """:meth:`dispatch` with ``fp8=True`` (checked flags): quantize a float x (or pack a pair) into packed
         rows of codes and scales on the sending side, one pass of the transport over them (with the weights),
-        whose expand splits each row into the codes and scales, or dequantizes it when asked."""
+        whose expand splits each row into the codes and scales, or dequantizes it when asked; ``zero``:
+        zero_empty_slots."""
         arrays = {"x_fp8": x[0], "scales": x[1]} if pair else {"x": x}
         arrays["topk_weights"] = topk_weights
         with _arrays.Call(arrays, stream=stream) as call:
@@ -876,7 +897,7 @@ class EpGroup:
             # the gradient path of an FP8 dispatch is the float one (dispatch_bwd, combine): in x's dtype
             handle.state["dtype"] = out_dt if not pair or dequantize else self.dtype
             handle.state["has_weights"] = wv is not None
-            if call.backend == "cpu":
+            if call.backend == "cpu":  # zero rows either way (zero_empty_slots=False: unspecified allows it)
                 if pair:
                     q = np.ascontiguousarray(call["x_fp8"])
                     sc = np.ascontiguousarray(call["scales"])
@@ -900,14 +921,14 @@ class EpGroup:
             else:
                 xv = _arrays.contiguous(xp, xv)
             key = self._op_key("dispatch_fp8", handle, packed, pair, codes, np.dtype(out_dt), dequantize,
-                               wv is not None, None if pair else (xv.dtype, xv.data.ptr & 15))
+                               wv is not None, None if pair else (xv.dtype, xv.data.ptr & 15), zero)
             with self._first_call("dispatch", key, s):
                 if pair:
                     _fp8.launch_pack(q, sc, packed, FP8_BLOCK, call.device_id, s)
                 else:
                     _fp8.launch_quantize_packed(xv, packed, FP8_BLOCK, call.device_id, s)
                 out, rw = self._transport.forward(call, handle, packed, wv, "dispatch", want_w=wv is not None,
-                                                  fp8=rows)
+                                                  fp8=rows, zero=zero)
                 self._last_stream = s
                 tpe = tokens_per_expert(call, handle)
                 rw = None if rw is None else call.out(rw)
@@ -1240,9 +1261,7 @@ def _check_plan_rows(rows, K, N):
         raise ValueError(f"the plan needs {N} expert-major rows / {rows}x{K} slots; must stay below 2^31")
 
 
-def _check_bool(v, name):
-    if not isinstance(v, (bool, np.bool_)):
-        raise TypeError(f"{name}: expected a bool, got {type(v).__name__}")
+_check_bool = _ep_adapt.check_bool
 
 
 def check_weights(w, name, shape):

@@ -2098,8 +2098,8 @@ def test_fp8_dispatch_one_transport_pass(monkeypatch, pair, dequantize):
     monkeypatch.setattr(_arrays, "Call", Call)
 
     class Rec:
-        def forward(self, call, h, x, w, op, *, expand=True, want_w=False, fp8=None):
-            passes.append((x, w, op, expand, want_w, fp8, len(launches)))
+        def forward(self, call, h, x, w, op, *, expand=True, want_w=False, fp8=None, zero=True):
+            passes.append((x, w, op, expand, want_w, fp8, len(launches), zero))
             N = h.sizes["N"]
             return fp8.empty(call.xp, N), (_Dev8(N, np.float32) if want_w else None)
 
@@ -2109,7 +2109,8 @@ def test_fp8_dispatch_one_transport_pass(monkeypatch, pair, dequantize):
     x = (_Dev8((T, H), np.uint8), _Dev8((T, S), np.float32)) if pair else _Dev8((T, H), _arrays.BFLOAT16)
     out = g.dispatch(h, x, w, fp8=True, dequantize=dequantize)
     assert len(passes) == 1  # one transport pass: codes and scales together
-    px, pw, op, expand, want_w, rows, at = passes[0]
+    px, pw, op, expand, want_w, rows, at, zero = passes[0]
+    assert zero is True  # zero_empty_slots' default reaches the transport
     assert isinstance(rows, _ep_rows.Fp8Rows) and (op, expand, want_w, pw) == ("dispatch", True, True, w)
     assert px.shape == (T, rows.row_bytes) == (T, 320) and px.dtype == np.uint8
     assert [n for n, _ in launches] == (["fp8_pack_rows<true>"] if pair else ["quantize_fp8<__nv_bfloat16, true>"])
@@ -2130,6 +2131,8 @@ def test_fp8_dispatch_one_transport_pass(monkeypatch, pair, dequantize):
         assert rows.dtype is None
         q = q if pair else q[1]  # a float x: the codes come back as float8_e4m3fn (fp8_array)
         assert q.shape == (N, H) and q.dtype == np.uint8 and s.shape == (N, S) and s.dtype == np.float32
+    g.dispatch(h, x, w, fp8=True, dequantize=dequantize, zero_empty_slots=False)
+    assert len(passes) == 2 and passes[1][7] is False and len(launches) == 2  # the same pass, zero=False
 
 
 @pytest.mark.parametrize("kind", ["direct", "mixed", "nccl"])
