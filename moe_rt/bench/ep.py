@@ -26,6 +26,12 @@ peer access), optionally the serial path's pieces alone
     ``cudaMemcpyAsync`` of each peer's share straight into the peer's IPC-mapped buffer, one stream per
     peer): the practical limit of the link (column ipc_ce_ms; x_vs_ipc_ce = ms / ipc_ce_ms).
 
+Capacity mode (eager) adds a row "dispatch (no zero)" after each "dispatch" row: the same dispatch with
+``zero_empty_slots=False``, whose expert-major rows past each local expert's filled count are left unwritten
+(docs/ep.md §4). The dispatch output holds ``N = capacity = R*T*min(K, L)`` rows, of which a uniform routing
+fills about ``T*K``: the A/B of writing ``(N - filled) * 2H`` bytes of zeros, ``(R-1)*T*K*2H`` here (R=4,
+T=4096: 1.41 GB per dispatch).
+
 ``--fp8`` adds a row "dispatch fp8" after each "dispatch" row (exact and capacity eager, every transfer
 configuration, the same T and inputs): :meth:`EpGroup.dispatch` with ``fp8=True`` (quantize on the sending
 side, the e4m3 codes and fp32 block scales of a token packed into one row on the wire, one pass of the
@@ -424,6 +430,12 @@ def _rank(args):
                             ms = timed(lambda: grp.dispatch(h, x, w))
                             rows.append((op, c, ms, wire + wire_w, t_tdisp, t_raw, t_ce,
                                          host_timed(lambda: grp.dispatch(h, x, w))))
+                            if m == "capacity":  # the A/B of the zero rows past each expert's filled count
+                                def nz():
+                                    return grp.dispatch(h, x, w, zero_empty_slots=False)
+
+                                rows.append(("dispatch (no zero)", c, timed(nz), wire + wire_w, t_tdisp, t_raw, t_ce,
+                                             host_timed(nz)))
                             if args.fp8:
                                 ms8 = timed(lambda: grp.dispatch(h, x, w, fp8=True))
                                 rows.append(("dispatch fp8", c, ms8, wire_fp8 + wire_w, t_tdisp, t_raw, t_ce, None,
