@@ -425,6 +425,45 @@ def test_group_fp8_bad_inputs(rng):
         g16.dispatch(h16, x, fp8=True)
 
 
+@pytest.mark.parametrize("mode", ["exact", "capacity"])
+def test_group_dispatch_zero_empty_slots_cpu(rng, mode):
+    """zero_empty_slots: keyword-only, a bool (TypeError naming it otherwise, before anything runs); the default
+    is True and gives today's bits (the reference's zero rows); on the CPU path False gives the same bits too
+    (the NumPy reference writes zeros either way, which "unspecified" allows); FP8 and dequantized likewise."""
+    from moe_rt.reference import fp8 as fref
+
+    E, K, T, H = 8, 3, 13, 136
+    g = EpGroup(None, E, H, 16, mode=mode, align_size=4)
+    idx = make_routing(rng, T, E, K, "holes")
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    w = rng.random((T, K)).astype(np.float32)
+    h = g.prepare(idx)
+    for bad in (1, 0, None, "no", np.array([True])):
+        with pytest.raises(TypeError, match="zero_empty_slots: expected a bool"):
+            g.dispatch(h, x, w, zero_empty_slots=bad)
+        with pytest.raises(TypeError, match="zero_empty_slots: expected a bool"):
+            g.dispatch(h, x, w, fp8=True, zero_empty_slots=bad)
+    with pytest.raises(TypeError):
+        g.dispatch(h, x, w, False, True)  # keyword-only
+    kw = {} if mode == "exact" else {"pair_capacity": 16, "capacity": 16 * min(K, E)}
+    hs = ref.prepare([idx], E, align_size=4, **kw)
+    want = ref.dispatch(hs, [x], [w])[0]
+    empty = hs[0]["plan"]["src_slot"] < 0
+    assert empty.any()  # padding rows (and the capacity tail) exist
+    for z in ({}, {"zero_empty_slots": True}, {"zero_empty_slots": np.bool_(True)}, {"zero_empty_slots": False}):
+        rx, rw, tpe = g.dispatch(h, x, w, **z)
+        assert np.array_equal(rx, want[0]) and np.array_equal(rw, want[1]) and np.array_equal(tpe, want[2]), z
+        assert not rx[empty].any() and not rw[empty].any()
+    q, s = fref.quantize_fp8(x)
+    rq, rs, rw8, _ = ref.dispatch_fp8(hs, [q], [s], [w])[0]
+    for zero in (True, False):
+        gq, gs, gw, _ = g.dispatch(h, x, w, fp8=True, zero_empty_slots=zero)
+        assert np.array_equal(gq.view(np.uint8), rq.view(np.uint8)) and np.array_equal(gs, rs)
+        assert np.array_equal(gw, rw8)
+        gy, _, _ = g.dispatch(h, x, w, fp8=True, dequantize=True, zero_empty_slots=zero)
+        assert np.array_equal(gy, fref.dequantize_fp8(rq, rs, np.float32))
+
+
 def test_group_cpu_torch_tensors(rng):
     torch = pytest.importorskip("torch")
     g = EpGroup(None, 4, 8, 8)
@@ -1499,6 +1538,19 @@ def test_direct_host_path_launches_and_arguments(monkeypatch, mode, R, T):
         assert ev[-1] == ("memcpy", _ptr(tpe), a["tokens_per_expert"], 4 * L) and tpe.shape == (L,)
         assert rx.shape == (N, H) and rw.shape == (N,)
 
+        # zero_empty_slots=False: the same launches and arguments, but ep_fill_rows gets no rows (out = 0: the
+        # rows holding no slot are not written), only the weights; without weights no ep_fill_rows at all
+        g.dispatch(h, x, zero_empty_slots=False)
+        ev2, allocs2 = tr.take()
+        assert "ep_fill_rows" not in [e[0] for e in ev2] and allocs2 == 2  # the rows, tokens_per_expert
+        assert ev2[1][0] == "ep_direct_dispatch" and ev2[1][1]["w"] == 0
+        rx2, rw2, _ = g.dispatch(h, x, w, zero_empty_slots=False)
+        ev2, allocs2 = tr.take()
+        assert [e[0] for e in ev2] == [n_ for n_ in names if n_ != "ep_direct_row_map"] and allocs2 == 3
+        assert ev2[1][1] == dict(ev[1][1], out=_ptr(rx2))
+        assert ev2[-2][1] == dict(out=0, probs_out=_ptr(rw2), probs_flat=a["recv_wk"], src_slot=a["src_slot"], N=N,
+                                  units=0)
+
         y = st.dev((N, H), bf)
         out = g.combine(h, y)
         ev, allocs = tr.take()
@@ -2207,6 +2259,92 @@ def test_fp8_transport_one_pass_trace(monkeypatch, rng, kind, mode, dequantize):
     assert fill_args[0][1] == out_w and all(a[1] == 0 for a in fill_args[1:])
 
 
+class _StandInStream:
+    """A stand-in CuPy stream or event for the NCCL transport's overlapped path (events and waits recorded as
+    nothing)."""
+    ptr = 9
+
+    def wait_event(self, ev):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+
+@pytest.mark.parametrize("kind", ["direct", "mixed", "nccl", "nccl overlapped"])
+@pytest.mark.parametrize("mode", ["capacity", "exact"])
+@pytest.mark.parametrize("rows_kind", ["plain", "fp8", "fp8 dequant"])
+@pytest.mark.parametrize("want_w", [True, False])
+def test_transport_zero_empty_slots_trace(monkeypatch, rng, kind, mode, rows_kind, want_w):
+    """A transport's forward with zero=False (dispatch's zero_empty_slots=False), traced on the CPU beside the
+    same forward with zero=True: the same expand launches with the same arguments (the outputs aside), but
+    no output reaches ep_fill_rows: it runs once for the weights alone (out = 0, 0 units) or not at all;
+    with zero=True it gets every output (plain rows, the FP8 codes and scales, or the dequantized rows). The
+    NCCL transport's serial path of plain rows expands with ep_expand_rows (every received row, one launch)
+    instead of the permutation family's dispatch, which zeroes the rows holding no slot."""
+    from moe_rt import _ep_nccl, _jit, permutation
+    from moe_rt._ep_rows import Fp8Rows
+
+    events = []
+    R, local_size, me, P, K = (4, 2, 1, 5, 2) if kind == "mixed" else (2, 2, 0, 5, 2)
+    t = _mixed_transport(monkeypatch, R, local_size, me, P, events)
+    monkeypatch.setattr(_ep_nccl, "plan_view", lambda h: "plan")
+    monkeypatch.setattr(permutation, "dispatch", lambda x, plan, w=None, **k: (
+        events.append(("permutation.dispatch", w is not None)), (_Dev((N, x.shape[1]), x.dtype),
+                                                                 _Dev(N, np.float32) if w is not None else None))[1])
+    if kind == "direct":
+        t = t.direct
+    elif kind.startswith("nccl"):
+        t = t.nccl
+        if kind == "nccl overlapped":
+            t.overlap = True
+            st = _StandInStream()
+            monkeypatch.setattr(t, "_comm_stream", lambda: st)
+            monkeypatch.setattr(t, "_event", lambda i: st)
+    h = _mixed_handle(R, me, P, K, mode, rng)
+    N, H = h.sizes["N"], 100
+    fp8 = None if rows_kind == "plain" else Fp8Rows(H, np.float32 if rows_kind == "fp8 dequant" else None)
+    call = type("Call", (), {"xp": _Dev, "empty": staticmethod(_Dev.empty), "stream": _StandInStream(),
+                             "device_id": 0})()
+    x = _Dev((h.sizes["T"], H), np.float32) if fp8 is None else _Dev((h.sizes["T"], fp8.row_bytes), np.uint8)
+    w = _Dev((h.sizes["T"], K), np.float32) if want_w else None
+    full = []
+    monkeypatch.setattr(_jit, "function", lambda file, name: (full.append(name), _Kernel(name))[1])
+    t.forward(call, h, x, w, "dispatch", want_w=want_w, fp8=fp8)  # the stages made once, before both runs
+    runs, start = {}, _Dev._next[0]
+    for zero in (True, False):
+        events.clear()
+        full.clear()
+        _Dev._next[0] = start  # both runs allocate at the same addresses (in the same order)
+        out, out_w = t.forward(call, h, x, w, "dispatch", want_w=want_w, fp8=fp8, zero=zero)
+        outs = (out,) if fp8 is None else out
+        assert (out_w is not None) == want_w
+        # every launch's arguments as ints, the outputs' addresses replaced by their names
+        norm = {o.data.ptr: f"out{i}" for i, o in enumerate(outs + ((out_w,) if want_w else ()))}
+        ints = [[a.data.ptr if isinstance(a, _Dev) else int(a) for a in e[2]] if e[0] == "launch" else None
+                for e in events]
+        trace = [(e[0], e[1], tuple(norm.get(a, a) for a in v)) if v is not None else e[:2]
+                 for e, v in zip(events, ints)]
+        runs[zero] = (trace, list(full), outs)
+    (t_zero, _, outs_z), (t_nz, f_nz, outs) = runs[True], runs[False]
+    fills = [e for e in t_nz if e[0] == "launch" and e[1] == "ep_fill_rows"]
+    if want_w:
+        assert len(fills) == 1 and fills[0][2][0] == 0 and fills[0][2][1] == "out" + str(len(outs))
+        assert int(fills[0][2][-1]) == 0  # no row units: nothing but the weights
+    else:
+        assert fills == []
+    fills_z = [e for e in t_zero if e[0] == "launch" and e[1] == "ep_fill_rows"]
+    if kind == "nccl" and fp8 is None:  # zero=True: the permutation family's dispatch; zero=False: one ep_expand_rows, RowCopy
+        assert [e for e in t_zero if e[0] == "permutation.dispatch"] == [("permutation.dispatch", want_w)]
+        exp = [e for e in t_nz if e[0] == "launch" and e[1] == "ep_expand_rows"]
+        assert len(exp) == 1 and exp[0][2][1] == "out0" and int(exp[0][2][6]) == h.sizes["rows"]
+        assert set(n_ for n_ in f_nz if n_.startswith("ep_expand_rows")) == {"ep_expand_rows<uint4, 4>"}
+        assert "permutation.dispatch" not in [e[0] for e in t_nz]
+    else:  # zero=True zeroes every output with ep_fill_rows; zero=False has the same launches but those
+        assert [e[2][0] for e in fills_z if e[2][0] != 0] == [f"out{i}" for i in range(len(outs_z))]
+        assert [e for e in t_nz if e[1:2] != ("ep_fill_rows",)] == [e for e in t_zero if e[1:2] != ("ep_fill_rows",)]
+
+
 def test_fp8_sink_kernels_compile():
     """The FP8 sinks of ep_expand_rows (the NCCL and mixed transports' expand of packed FP8 rows) compile for
     sm_90, every registered one in one program (ep_direct_dispatch's: test_direct_kernels_compile)."""
@@ -2258,6 +2396,79 @@ def test_one_gpu_fp8_dispatch_matches_cpu(rng, mode, H):
         assert np.array_equal(gy.get().view(np.uint8), np.asarray(cy).view(np.uint8))
         pad = hc.view("src_slot")[:hc.sizes["N"]] < 0
         assert not cq[pad].any() and not cs[pad].any()
+
+
+def _poison_pool(cp, nbytes, copies=6):
+    """Free every unused block of CuPy's pool, then free ``copies`` blocks of ``nbytes`` filled with 0xFF (NaN
+    bits in every float dtype) into it: the next allocations of that size start on them."""
+    cp.cuda.Device().synchronize()
+    cp.get_default_memory_pool().free_all_blocks()
+    blocks = [cp.full(max(int(nbytes), 1), 0xFF, cp.uint8) for _ in range(copies)]
+    cp.cuda.Device().synchronize()
+    del blocks
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode,align", [("capacity", 1), ("capacity", 4), ("exact", 8)])
+def test_one_gpu_zero_empty_slots(rng, mode, align):
+    """A 1-rank group on one GPU (the NCCL transport's path without an exchange): dispatch with
+    zero_empty_slots=False into a pool poisoned with NaN bits gives the filled rows (src_slot >= 0) bitwise equal
+    to the default dispatch and to the CPU group (the NumPy reference), the same weights and
+    tokens_per_local_expert, and leaves the empty rows unwritten (some keep the poison); combine and
+    dispatch_bwd of those rows (garbage included) are bitwise equal to the default's (they read the filled rows
+    only). bf16, fp16, fp32 rows; FP8 codes and scales, and dequantized rows, likewise."""
+    import cupy as cp
+    import ml_dtypes
+
+    E, K, Tmax, T, H = 9, 3, 40, 37, 200
+    kw = {} if mode == "exact" else {"pair_capacity": 30, "capacity": 50}  # some pairs and slots dropped
+    g = EpGroup(None, E, H, Tmax, mode=mode, align_size=align, **kw)
+    g_cpu = EpGroup(None, E, H, Tmax, mode=mode, align_size=align, **kw)
+    idx = make_routing(rng, T, E, K, "holes")
+    w = rng.random((T, K)).astype(np.float32)
+    h, hc = g.prepare(cp.asarray(idx)), g_cpu.prepare(idx)
+    N = h.sizes["N"]
+    filled = hc.view("src_slot")[:N] >= 0
+    assert (~filled).any()
+    for dt in (ml_dtypes.bfloat16, np.float16, np.float32):
+        x = rng.standard_normal((T, H)).astype(np.float32).astype(dt)
+        xd, wd = cp.asarray(x), cp.asarray(w)
+        rx, rw, tpe = g.dispatch(h, xd, wd)
+        cx, cw, ctpe = g_cpu.dispatch(hc, x, w)
+        assert np.array_equal(rx.get().view(np.uint8), cx.view(np.uint8))  # the default: zero rows, as ever
+        _poison_pool(cp, rx.nbytes)
+        nx, nw, ntpe = g.dispatch(h, xd, wd, zero_empty_slots=False)
+        b = nx.get().view(np.uint8).reshape(N, -1)
+        assert np.array_equal(b[filled], cx.view(np.uint8).reshape(N, -1)[filled])
+        assert np.array_equal(nw.get(), cw) and np.array_equal(ntpe.get(), ctpe)
+        assert (b[~filled] == 0xFF).all(axis=1).any()  # not written: the poison is still there
+        for weighted in (True, False):
+            assert np.array_equal(g.combine(h, nx, weighted=weighted).get().view(np.uint8),
+                                  g.combine(h, rx, weighted=weighted).get().view(np.uint8))
+        for a, b_ in zip(g.dispatch_bwd(h, nx, nw), g.dispatch_bwd(h, rx, rw)):
+            assert np.array_equal(a.get().view(np.uint8), b_.get().view(np.uint8))
+    # FP8: a uint8 pair -> codes and scales; and dequantized to bf16
+    from moe_rt.reference import fp8 as fref
+
+    q, sc = fref.quantize_fp8(rng.standard_normal((T, H)).astype(np.float32))
+    pair = (cp.asarray(q.view(np.uint8)), cp.asarray(sc))
+    cq, cs, _, _ = g_cpu.dispatch(hc, (q.view(np.uint8), sc), w, fp8=True)
+    gq, gs, _, _ = g.dispatch(h, pair, cp.asarray(w), fp8=True)
+    _poison_pool(cp, gq.nbytes)
+    nq, ns, _, _ = g.dispatch(h, pair, cp.asarray(w), fp8=True, zero_empty_slots=False)
+    assert np.array_equal(nq.get()[filled], cq[filled]) and np.array_equal(ns.get()[filled], cs[filled])
+    assert np.array_equal(gq.get(), cq) and np.array_equal(gs.get(), cs)
+    assert (nq.get()[~filled] == 0xFF).all(axis=1).any()
+    cy, _, _ = g_cpu.dispatch(hc, (q.view(np.uint8), sc), fp8=True, dequantize=True)
+    gy, _, _ = g.dispatch(h, pair, fp8=True, dequantize=True)
+    _poison_pool(cp, gy.nbytes)
+    ny, _, _ = g.dispatch(h, pair, fp8=True, dequantize=True, zero_empty_slots=False)
+    cyb = np.asarray(cy).view(np.uint8).reshape(N, -1)
+    assert np.array_equal(gy.get().view(np.uint8).reshape(N, -1), cyb)
+    nyb = ny.get().view(np.uint8).reshape(N, -1)
+    assert np.array_equal(nyb[filled], cyb[filled]) and (nyb[~filled] == 0xFF).all(axis=1).any()
+    assert np.array_equal(g.combine(h, ny, weighted=False).get().view(np.uint8),
+                          g.combine(h, gy, weighted=False).get().view(np.uint8))
 
 
 # -- the first call of an op on NCCL waits for its exchanges (kernels load only on an idle device) -------------
