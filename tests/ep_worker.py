@@ -144,6 +144,47 @@ def same_handle(name, h, d):
         same(f"{name}: handle region {region}", h.view(region), want.view(region))
 
 
+def poison(cp, nbytes, copies=6):
+    """Free every unused block of CuPy's pool, then free ``copies`` blocks of ``nbytes`` filled with 0xFF (NaN
+    bits in every float dtype) into it: the next allocations of that size start on them."""
+    cp.cuda.Device().synchronize()
+    cp.get_default_memory_pool().free_all_blocks()
+    blocks = [cp.full(max(int(nbytes), 1), 0xFF, cp.uint8) for _ in range(copies)]
+    cp.cuda.Device().synchronize()
+    del blocks
+
+
+def same_filled(name, got, want, filled):
+    """zero_empty_slots=False: the filled expert-major rows (``filled``: the reference plan's src_slot >= 0) of
+    ``got`` bitwise equal to ``want``'s; the empty rows were not written (some still hold the poison)."""
+    a, b = _np(got), _np(want)
+    assert a.shape == b.shape, (name, a.shape, b.shape)
+    a, b = a.view(np.uint8).reshape(a.shape[0], -1), b.view(np.uint8).reshape(b.shape[0], -1)
+    if not np.array_equal(a[filled], b[filled]):
+        raise AssertionError(f"{name}: filled rows not bitwise equal")
+    if (~filled).any() and a.shape[1] and not (a[~filled] == 0xFF).all(axis=1).any():
+        raise AssertionError(f"{name}: no empty row holds the poison (zero_empty_slots=False writes none)")
+
+
+def no_zero(cp, g, h, xd, wd, rx, rw, tpe, d, tag):
+    """dispatch(zero_empty_slots=False) into a pool poisoned with NaN bits beside the default dispatch's ``rx``,
+    ``rw``, ``tpe`` (checked against the reference): the filled rows bitwise equal, the empty ones unwritten,
+    the same weights and counts; combine and dispatch_bwd of the rows it returns (garbage rows included) bitwise
+    equal to those of ``rx`` (they read the filled rows only)."""
+    N = int(rx.shape[0])
+    filled = np.asarray(d["plan"]["src_slot"])[:N] >= 0
+    poison(cp, rx.nbytes)
+    nx, nw, ntpe = g.dispatch(h, xd, wd, zero_empty_slots=False)
+    same_filled(f"no-zero recv_x {tag}", nx, rx, filled)
+    same(f"no-zero recv_w {tag}", nw, rw)
+    same(f"no-zero tokens_per_local_expert {tag}", ntpe, tpe)
+    for weighted in (True, False):
+        same(f"combine of no-zero rows w={weighted} {tag}", g.combine(h, nx, weighted=weighted),
+             g.combine(h, rx, weighted=weighted))
+    for name, a, b in zip(("x", "w"), g.dispatch_bwd(h, nx, nw), g.dispatch_bwd(h, rx, rw)):
+        same(f"dispatch_bwd {name} of no-zero rows {tag}", a, b)
+
+
 def one_case(cp, comm, seed, E, K, H, Ts, Tmax, kind, mode, align, dtype, chunks=None):
     from moe_rt.ep import EpGroup
     from moe_rt.reference import ep as ref
@@ -170,6 +211,8 @@ def one_case(cp, comm, seed, E, K, H, Ts, Tmax, kind, mode, align, dtype, chunks
     same(f"recv_w {tag}", rw, routs[RANK][1])
     same(f"tokens_per_local_expert {tag}", tpe, routs[RANK][2])
     assert not h.overflow()
+    if mode == "capacity":
+        no_zero(cp, g, h, cp.asarray(x[RANK]), cp.asarray(w[RANK]), rx, rw, tpe, hs[RANK], f"{tag} {chunks[0]}")
     y = [rng.standard_normal(o[0].shape).astype(np.float32).astype(dtype) for o in routs]
     gout = [rng.standard_normal((T, H)).astype(np.float32).astype(dtype) for T in Ts]
     gw = [rng.standard_normal(o[1].shape).astype(np.float32) for o in routs]
@@ -207,6 +250,8 @@ def one_case(cp, comm, seed, E, K, H, Ts, Tmax, kind, mode, align, dtype, chunks
         rx2, rw2, tpe2 = g2.dispatch(h2, cp.asarray(x[RANK]), cp.asarray(w[RANK]))
         other = {"recv_x": rx2, "recv_w": rw2}
         same(f"tokens_per_local_expert {t2}", tpe2, tpe)
+        if mode == "capacity":
+            no_zero(cp, g2, h2, cp.asarray(x[RANK]), cp.asarray(w[RANK]), rx2, rw2, tpe2, hs[RANK], t2)
         for weighted in (True, False):
             same(f"combine w={weighted} {t2}", g2.combine(h2, yd, weighted=weighted), g.combine(h, yd, weighted=weighted))
         other["dispatch_bwd x"], other["dispatch_bwd w"] = g2.dispatch_bwd(h2, yd, cp.asarray(gw[RANK]))
@@ -517,6 +562,21 @@ def fp8_case(cp, comm, seed, E, K, H, Ts, Tmax, kind, mode, align, dtype, config
         got["dequantized"] = dq
         same(f"dequantized {t}", dq, rdq)
         same(f"dequantized recv_w {t}", drw, rq[1])
+        if mode == "capacity":  # zero_empty_slots=False: codes, scales and dequantized rows, filled rows only
+            filled = np.asarray(hs[RANK]["plan"]["src_slot"])[:int(pq.shape[0])] >= 0
+            pair_d = (cp.asarray(qs[RANK][0].view(np.uint8)), cp.asarray(qs[RANK][1]))
+            wd, xd = cp.asarray(w[RANK]), cp.asarray(x[RANK])
+            poison(cp, pq.nbytes)
+            nq, ns, nrw, _ = g.dispatch(h, pair_d, wd, fp8=True, zero_empty_slots=False)
+            same_filled(f"no-zero pair recv_x_fp8 {t}", nq, pq, filled)
+            if not np.array_equal(_np(ns)[filled], _np(ps)[filled]):
+                raise AssertionError(f"no-zero pair recv_scales {t}: filled rows not bitwise equal")
+            same(f"no-zero pair recv_w {t}", nrw, rq[1])
+            poison(cp, dq.nbytes)
+            ndq, _, _ = g.dispatch(h, xd, wd, fp8=True, dequantize=True, zero_empty_slots=False)
+            same_filled(f"no-zero dequantized {t}", ndq, dq, filled)
+            same(f"combine of no-zero dequantized rows {t}", g.combine(h, ndq, weighted=True),
+                 g.combine(h, dq, weighted=True))
         # the same ops after a dispatch of x itself give the same bits
         bx, bw, _ = g.dispatch(h, cp.asarray(x[RANK]), cp.asarray(w[RANK]))
         same(f"bf16 dispatch beside fp8 {t}", bx, plain[0])

@@ -2334,7 +2334,7 @@ def test_transport_zero_empty_slots_trace(monkeypatch, rng, kind, mode, rows_kin
     else:
         assert fills == []
     fills_z = [e for e in t_zero if e[0] == "launch" and e[1] == "ep_fill_rows"]
-    if kind == "nccl" and fp8 is None:  # zero=True: the permutation family's dispatch; zero=False: one ep_expand_rows, RowCopy
+    if kind == "nccl" and fp8 is None:  # zero=True: the permutation family's dispatch; False: one ep_expand_rows
         assert [e for e in t_zero if e[0] == "permutation.dispatch"] == [("permutation.dispatch", want_w)]
         exp = [e for e in t_nz if e[0] == "launch" and e[1] == "ep_expand_rows"]
         assert len(exp) == 1 and exp[0][2][1] == "out0" and int(exp[0][2][6]) == h.sizes["rows"]
