@@ -84,7 +84,8 @@ Modes:
 
 - ``"exact"``: after the count exchange, ``prepare`` reads the counts on the host **once (a device
   sync)** and sizes every buffer exactly (with ``align_size > 1`` the expert-major row count is the
-  permutation family's bound ``floor((slots + L*(A-1)) / A) * A``; rows past ``seg_start[L]`` are zero).
+  permutation family's bound ``floor((slots + L*(A-1)) / A) * A``; rows past ``seg_start[L]`` are zero, or
+  left unwritten with ``dispatch(..., zero_empty_slots=False)``, as in capacity mode).
 - ``"capacity"``: fixed worst-case sizes: ``pair_capacity`` rows per (src, dst) pair (default
   ``max_tokens_per_rank``, which never overflows) and at most ``capacity`` expert slots per rank (default
   ``R * pair_capacity * min(K, L)``, which never overflows). No host sync past each op's first call (see
@@ -92,7 +93,8 @@ Modes:
   capacity and slots past ``capacity`` (the last ones in expert-major order) are **dropped** and raise a
   device flag, read with
   :meth:`Handle.overflow` or :meth:`EpGroup.check_overflow` (those read the device: a sync). Dropped slots
-  contribute nothing to combine and get zero gradients.
+  contribute nothing to combine and get zero gradients. Most of the ``capacity`` rows of a dispatch hold
+  no slot: zero, or left unwritten with ``dispatch(..., zero_empty_slots=False)`` (docs/ep.md §4).
 
 Expert ids outside ``[-1, E)`` are a ValueError (``topk_idx: expert ids must be in [-1, num_experts=E),
 got V``) on every backend, raised later on CUDA: the CPU path raises in ``prepare``; on CUDA the routing
@@ -778,19 +780,21 @@ class EpGroup:
             dequantize: with ``fp8=True``: return rows dequantized on the receiving side instead of the
                 FP8 pair: in x's dtype for a float ``x``; for a pair, in the group's ``dtype`` (bfloat16
                 when the group has none).
-            zero_empty_slots: True (the default): the expert-major rows that hold no slot (padding to
-                ``align_size``, and every row past ``seg_start[L]``: in capacity mode most of the
-                ``capacity`` rows) are written as zeros (zero codes and scales with ``fp8=True``). False:
-                they are left **unspecified**, not written at all (on CUDA the op allocates its outputs
-                uninitialized, so they hold whatever the allocator's memory held, NaN or Inf bit patterns
-                included); the rows of ``seg_start[l] + tokens_per_local_expert[l]`` slots and the received
-                weights (zero on the empty rows either way) are bitwise the same as with True. In capacity
-                mode this saves writing ``(N - filled rows) * row bytes`` of HBM per dispatch (docs/ep.md
-                §3). :meth:`combine` and :meth:`dispatch_bwd` read only the filled rows of their inputs, but
-                an expert applied to every row gets garbage there: mask, or compute only over
-                ``tokens_per_local_expert`` rows, before anything sums over rows (a weight gradient over
-                all rows would turn ``0 * NaN`` into NaN). The CPU path (NumPy reference) writes zeros
-                either way, which "unspecified" allows.
+            zero_empty_slots: True (the default): the expert-major rows that hold no slot (each local
+                expert's padding to ``align_size``, and every row past ``seg_start[L]``: in capacity mode
+                most of the ``capacity`` rows) are written as zeros (zero codes and scales with ``fp8=True``,
+                zero dequantized rows). False: they are left **unspecified**, not written at all (on CUDA the
+                outputs are allocated uninitialized: those rows hold whatever the allocator's memory held,
+                NaN or Inf bit patterns included); the filled rows (local expert ``l``'s first
+                ``handle.view('expert_counts')[l]`` rows from ``seg_start[l]``; ``tokens_per_local_expert[l]``
+                counts its padding too when ``align_size > 1``), the received weights (zero on the empty rows
+                either way) and the counts are bitwise the same as with True. In capacity mode this saves
+                writing ``(N - filled rows) * row bytes`` of HBM per dispatch (docs/ep.md §4).
+                :meth:`combine` and :meth:`dispatch_bwd` read only the filled rows of their inputs, but an
+                expert applied to every row gets garbage there: mask, or compute only over the filled rows,
+                before anything sums over rows (a weight gradient over all rows would turn ``0 * NaN`` into
+                NaN). The CPU path (the NumPy reference) writes zeros either way, which "unspecified"
+                allows.
             stream: CUDA stream (None = the caller's current stream).
 
         Returns:
