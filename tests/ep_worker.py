@@ -144,14 +144,11 @@ def same_handle(name, h, d):
         same(f"{name}: handle region {region}", h.view(region), want.view(region))
 
 
-def poison(cp, nbytes, copies=6):
-    """Free every unused block of CuPy's pool, then free ``copies`` blocks of ``nbytes`` filled with 0xFF (NaN
-    bits in every float dtype) into it: the next allocations of that size start on them."""
-    cp.cuda.Device().synchronize()
-    cp.get_default_memory_pool().free_all_blocks()
-    blocks = [cp.full(max(int(nbytes), 1), 0xFF, cp.uint8) for _ in range(copies)]
-    cp.cuda.Device().synchronize()
-    del blocks
+def poison(cp, nbytes):
+    """CuPy's pool holding only blocks of ``nbytes`` of 0xFF (NaN bits): test_ep._poison_pool."""
+    from test_ep import _poison_pool
+
+    _poison_pool(cp, nbytes)
 
 
 def same_filled(name, got, want, filled):
