@@ -2421,16 +2421,23 @@ def test_one_gpu_zero_empty_slots(rng, mode, align):
     import ml_dtypes
 
     E, K, Tmax, T, H = 9, 3, 40, 37, 200
-    kw = {} if mode == "exact" else {"pair_capacity": 30, "capacity": 50}  # some pairs and slots dropped
+    # some pairs dropped (pair_capacity); with align 4 some slots too (capacity 50 < the padded rows), with align 1
+    # a capacity above the 90 kept slots, so the capacity tail holds no slot
+    kw = {} if mode == "exact" else {"pair_capacity": 30, "capacity": 80 if align == 1 else 50}
     g = EpGroup(None, E, H, Tmax, mode=mode, align_size=align, **kw)
     g_cpu = EpGroup(None, E, H, Tmax, mode=mode, align_size=align, **kw)
     idx = make_routing(rng, T, E, K, "holes")
     w = rng.random((T, K)).astype(np.float32)
-    h, hc = g.prepare(cp.asarray(idx)), g_cpu.prepare(idx)
+
+    def handles():  # a handle binds the token dtype of its first dispatch: one pair of handles per dtype
+        return g.prepare(cp.asarray(idx)), g_cpu.prepare(idx)
+
+    h, hc = handles()
     N = h.sizes["N"]
     filled = hc.view("src_slot")[:N] >= 0
     assert (~filled).any()
     for dt in (ml_dtypes.bfloat16, np.float16, np.float32):
+        h, hc = handles()
         x = rng.standard_normal((T, H)).astype(np.float32).astype(dt)
         xd, wd = cp.asarray(x), cp.asarray(w)
         rx, rw, tpe = g.dispatch(h, xd, wd)
@@ -2452,6 +2459,7 @@ def test_one_gpu_zero_empty_slots(rng, mode, align):
 
     q, sc = fref.quantize_fp8(rng.standard_normal((T, H)).astype(np.float32))
     pair = (cp.asarray(q.view(np.uint8)), cp.asarray(sc))
+    h, hc = handles()
     cq, cs, _, _ = g_cpu.dispatch(hc, (q.view(np.uint8), sc), w, fp8=True)
     gq, gs, _, _ = g.dispatch(h, pair, cp.asarray(w), fp8=True)
     _poison_pool(cp, gq.nbytes)
