@@ -612,7 +612,23 @@ def _qb_fwd(logits, expert_bias, qb_histogram, qb_bin_bounds, topk, qb_histogram
             scaling_factor=scaling_factor, bounds_validated=True)
         return [probs, routing_map, inter, hist]
 
-    probs, routing_map, inter, hist = _run(fn, specs, logits, expert_bias, qb_histogram, qb_bin_bounds)
+    def on_cuda(lv, bv, hv, dv):
+        E = int(lv.shape[-1])
+        T = int(np.prod(lv.shape[:-1]))
+        facts = dict(topk=int(topk), qb_histogram_mode=_xla.QB_MODE_CODES[qb_histogram_mode],
+                     scaling_factor=1.0 if scaling_factor is None else float(np.float32(scaling_factor)))
+        _xla.prepare("topk_with_score_qb", dtype=_dtype_code(lv.dtype), T=T, E=E, num_bins=int(hv.shape[1]), **facts)
+        flat = [_spec((T, E), lv.dtype), _spec((T, E), np.bool_), _spec((T, E), np.float32), specs[3],
+                _spec((T,), np.float32)]
+        # the new histogram is written over the old one's buffer (aliased: XLA copies the old one there first
+        # unless it may be overwritten), then the counts are added to it in place
+        outs = jax.ffi.ffi_call(_xla.target("topk_with_score_qb"), flat, vmap_method="sequential",
+                                input_output_aliases={2: 3})(lv.reshape(T, E), bv.astype(jnp.float32), hv, dv,
+                                                            **_attrs(facts))
+        return [o.reshape(sp.shape) for o, sp in zip(outs[:4], specs)]
+
+    probs, routing_map, inter, hist = _on_platform((logits, expert_bias, qb_histogram, qb_bin_bounds), on_cuda,
+                                                   lambda *a: _run(fn, specs, *a), specs)
     return (probs, routing_map, hist), (routing_map, inter, expert_bias, qb_histogram, qb_bin_bounds)
 
 
