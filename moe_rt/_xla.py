@@ -26,9 +26,9 @@ LIB_DIR = Path(__file__).resolve().parent / "lib"
 SRC_DIR = Path(__file__).resolve().parent.parent / "csrc"
 XLA_LIB = "libmoe_rt_xla.so"
 TARGET_PREFIX = "moe_rt_"
-HANDLERS = ("topk_with_score", "topk_with_score_backward", "topk_with_score_qb", "scores_for_aux_loss", "scores_for_aux_loss_backward",
-            "aux_loss", "aux_loss_backward", "make_plan", "dispatch", "dispatch_backward", "combine",
-            "combine_backward", "sort_chunks", "quantize_fp8", "dequantize_fp8", "noop")  # noop: a custom call that does nothing (the benchmark's floor)
+HANDLERS = ("topk_with_score", "topk_with_score_backward", "topk_with_score_qb", "scores_for_aux_loss",
+            "scores_for_aux_loss_backward", "aux_loss", "aux_loss_backward", "make_plan", "dispatch",
+            "dispatch_backward", "combine", "combine_backward", "sort_chunks", "quantize_fp8", "dequantize_fp8", "noop")  # noop: a custom call that does nothing (the benchmark's floor)
 SCORE_CODES = {"sigmoid": 0, "softmax": 1, "sqrtsoftplus": 2}
 QB_MODE_CODES = {"two_kernel": 0, "fused_atomic": 1}  # moe_rt_qb_histogram_mode
 # moe_rt_dtype codes (include/moe_rt/moe_rt.h)

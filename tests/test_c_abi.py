@@ -1169,3 +1169,59 @@ def test_c_permutation_ops_match_reference_on_gpu(lib, kernel_cache, dt, H, A, n
         _ok(lib, lib.moe_rt_check(ctx, None))  # read and cleared
     finally:
         lib.moe_rt_context_destroy(ctx)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dt", [F32, BF16], ids=["float32", "bfloat16"])
+def test_c_qb_forward_matches_reference_on_gpu(lib, kernel_cache, dt, rng):
+    from moe_rt.reference import router as ref
+
+    cp = pytest.importorskip("cupy")
+    ctx = P()
+    _ok(lib, lib.moe_rt_context_create(str(kernel_cache).encode(), 0, C.byref(ctx)))
+    npdt = _np(dt)
+    poison = 0x7FFF if dt == BF16 else np.nan
+    try:
+        # the shared histogram (E = 256), global atomics (T E <= 2^18) and the second kernel (E = 2304), the
+        # generic kernel (odd E)
+        for T, E, K, B in [(517, 256, 8, 64), (113, 2304, 36, 64), (517, 2304, 36, 64), (37, 61, 5, 7)]:
+            what = f"T={T} E={E} K={K} B={B}"
+            logits = ((rng.permutation(T * E).reshape(T, E) / (T * E) - 0.5) * 8).astype(np.float32).astype(npdt)
+            bias = rng.permutation(np.linspace(-0.2, 0.2, E)).astype(np.float32)
+            bounds = np.array([-1.2, 1.2], np.float32)
+            start = rng.integers(0, 1000, (E, B)).astype(np.int32)
+            dl, db, dd = _dev(cp, logits), cp.asarray(bias), cp.asarray(bounds)
+            outs = {}
+            for mode in (TWO_KERNEL, FUSED_ATOMIC):
+                dh = cp.asarray(start)
+                dp, dm = _dev(cp, logits, poison), cp.full((T, E), 7, cp.uint8)
+                di, dc = cp.full((T, E), np.nan, cp.float32), cp.full(T, np.nan, cp.float32)
+                _ok(lib, lib.moe_rt_topk_with_score_qb(ctx, dl.data.ptr, dt, T, E, K, 1.5, db.data.ptr, dd.data.ptr,
+                                                       dh.data.ptr, B, mode, dp.data.ptr, dm.data.ptr, di.data.ptr,
+                                                       dc.data.ptr, None))
+                cp.cuda.runtime.deviceSynchronize()
+                outs[mode] = [cp.asnumpy(a) for a in (dp, dm, di, dc, dh)]
+            for a, b, name in zip(outs[TWO_KERNEL], outs[FUSED_ATOMIC], ("probs", "map", "inter", "cutoff", "hist")):
+                assert a.tobytes() == b.tobytes(), (what, name)  # the modes: the same bits, counts included
+            probs, rmap, raw, cut, hist = outs[FUSED_ATOMIC]
+            # the plain sigmoid + bias forward's probs, map and intermediate, bit for bit
+            pp, pm, pi = _dev(cp, logits, poison), cp.full((T, E), 7, cp.uint8), cp.full((T, E), np.nan, cp.float32)
+            _ok(lib, lib.moe_rt_topk_with_score(ctx, dl.data.ptr, dt, T, E, K, SIGMOID, 0, 0, 0, 1.5, db.data.ptr,
+                                                pp.data.ptr, pm.data.ptr, BOOL, pi.data.ptr, None))
+            cp.cuda.runtime.deviceSynchronize()
+            for got, want, name in ((probs, pp, "probs"), (rmap, pm, "map"), (raw, pi, "intermediate")):
+                assert got.tobytes() == cp.asnumpy(want).tobytes(), (what, name)
+            # exact against the semantics on the device's raw values
+            r = (raw + bias[None, :]).astype(np.float32)
+            order = np.argsort(~ref.float_keys(r), axis=-1, kind="stable")
+            sel = np.zeros((T, E), bool)
+            np.put_along_axis(sel, order[:, :K], True, axis=-1)
+            np.testing.assert_array_equal(rmap.astype(bool), sel, err_msg=what)
+            np.testing.assert_array_equal(cut, np.take_along_axis(r, order[:, K:K + 1], axis=-1)[:, 0], err_msg=what)
+            want = start.copy()
+            ref.qb_histogram_accumulate(raw, cut, bounds, want)
+            np.testing.assert_array_equal(hist, want, err_msg=what)
+            # and close to the NumPy reference's raw values
+            _close(raw, ref.topk_with_score_qb_fwd(logits, K, bias, 1.5)[2], np.float32, what)
+    finally:
+        lib.moe_rt_context_destroy(ctx)

@@ -1,14 +1,16 @@
 """moe_rt.jax through XLA FFI: the handler library (csrc/xla_ffi.c -> libmoe_rt_xla.so) builds against
 jaxlib's FFI headers and registers with XLA; the moved ops (the router top-k in every routing form, the Quantile
-Balancing top-k, the aux scores and loss, make_plan, dispatch, combine, sort_chunks, the FP8 casts; forward and backward) lower for CUDA to custom calls carrying their static facts as
-attributes (checked here by lowering for CUDA on a CPU machine), and for the CPU to the NumPy reference; the
-handlers, called with hand-built call frames, answer XLA's metadata query and fail cleanly with an FFI error
-(no crash) where there is no kernel cache or no GPU. On a GPU: every moved op under jit, grad, vmap and
-checkpoint against the NumPy reference and bitwise equal to the direct (CuPy) path, and the layer step with
-XLA command buffers enabled."""
+Balancing top-k, the aux scores and loss, make_plan, dispatch, combine, sort_chunks, the FP8 casts; forward and
+backward) lower for CUDA to custom calls carrying their static facts as attributes (checked here by lowering
+for CUDA on a CPU machine), and for the CPU to the NumPy reference; the handlers, called with hand-built call
+frames, answer XLA's metadata query and fail cleanly with an FFI error (no crash) where there is no kernel cache
+or no GPU. On a GPU: every moved op under jit, grad, vmap and checkpoint against the NumPy reference and bitwise
+equal to the direct (CuPy) path, and the layer step and the Quantile Balancing forward with XLA command buffers
+enabled."""
 from __future__ import annotations
 
 import importlib.util
+from functools import partial
 import json
 import os
 import re
@@ -901,6 +903,89 @@ def test_router_forms_under_vmap_equal_a_loop_on_gpu(rng):
             assert _bits(g[b]) == _bits(v)
 
 
+# (T, E, K, B): the router benchmark's E = 256 (the block's shared histogram in the fused mode) and E = 2304 (global
+# atomics at T E <= 2^18, the second kernel above) with TE's 64 bins, and odd sizes (the generic kernel)
+QB_GPU_CASES = [(517, 256, 8, 64), (113, 2304, 36, 64), (517, 2304, 36, 64), (37, 61, 5, 7)]
+
+
+def _qb_gpu_case(rng, T, E, B, dtype):
+    logits, _ = _router_case(rng, T, E, dtype)
+    bias = jnp.asarray(rng.permutation(np.linspace(-0.2, 0.2, E)), jnp.float32)
+    return logits, bias, jnp.asarray([-1.2, 1.2], jnp.float32), jnp.asarray(rng.integers(0, 1000, (E, B)), jnp.int32)
+
+
+def _qb_semantics(raw, bias, bounds, K, start):
+    """The routing map and the new histogram the semantics give for the device's own raw sigmoid values: the
+    top k + 1 by (raw + bias) in (key desc, index asc), the last of them the cutoff; one count a token and
+    expert in its bin (the NumPy reference's binning)."""
+    from moe_rt.reference import router as ref
+
+    r = (raw + bias[None, :]).astype(np.float32)
+    order = np.argsort(~ref.float_keys(r), axis=-1, kind="stable")
+    sel = np.zeros(raw.shape, bool)
+    np.put_along_axis(sel, order[:, :K], True, axis=-1)
+    cut = np.take_along_axis(r, order[:, K:K + 1], axis=-1)[:, 0]
+    hist = np.array(start, np.int32)
+    ref.qb_histogram_accumulate(raw, cut, bounds, hist)
+    return sel, hist
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["fused_atomic", "two_kernel"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case", QB_GPU_CASES, ids=lambda c: "T{}-E{}-K{}-B{}".format(*c))
+def test_qb_ffi_matches_reference_and_direct_path(case, dtype, mode, rng):
+    import moe_rt
+
+    T, E, K, B = case
+    logits, bias, bounds, h0 = _qb_gpu_case(rng, T, E, B, jnp.dtype(dtype))
+    gy = jnp.asarray(rng.standard_normal((T, E)), jnp.dtype(dtype))
+
+    def fwd(l, h, mode=mode):
+        return mj.topk_with_score_qb(l, K, expert_bias=bias, qb_histogram=h, qb_bin_bounds=bounds,
+                                     qb_histogram_mode=mode, scaling_factor=1.5)
+
+    def loss(l, h):
+        return (fwd(l, h)[0].astype(jnp.float32) * gy.astype(jnp.float32)).sum()
+
+    probs, rmap, hist = jax.jit(fwd)(logits, h0)
+    grad = jax.jit(jax.grad(loss))(logits, h0)
+    assert _bits(jax.jit(jax.grad(jax.checkpoint(loss)))(logits, h0)) == _bits(grad)
+    # the other mode: the same bits, counts included
+    other = jax.jit(partial(fwd, mode="two_kernel" if mode == "fused_atomic" else "fused_atomic"))(logits, h0)
+    assert [_bits(a) for a in other] == [_bits(a) for a in (probs, rmap, hist)]
+    # exact against the semantics on the device's raw values (the plain sigmoid + bias forward's intermediate:
+    # its probs and map are the QB forward's, bit for bit)
+    dp, dm, di = moe_rt.topk_with_score(logits, K, score_function="sigmoid", expert_bias=bias, scaling_factor=1.5)
+    assert _bits(probs) == _bits(dp) and _bits(rmap) == _bits(dm)
+    sel, want_hist = _qb_semantics(np.asarray(di), np.asarray(bias), np.asarray(bounds), K, np.asarray(h0))
+    np.testing.assert_array_equal(np.asarray(rmap), sel)
+    np.testing.assert_array_equal(np.asarray(hist), want_hist)
+    assert _bits(grad) == _bits(moe_rt.topk_with_score_backward(gy, dm, di, K, score_function="sigmoid",
+                                                                scaling_factor=1.5))
+    # the old histogram donated: the same bits, and threading it through counts again
+    donated = jax.jit(fwd, donate_argnums=1)
+    p1, m1, h1 = donated(logits, jnp.array(h0, copy=True))
+    assert _bits(p1) == _bits(probs) and _bits(m1) == _bits(rmap) and _bits(h1) == _bits(hist)
+    h2 = donated(logits, h1)[2]
+    np.testing.assert_array_equal(np.asarray(h2) - np.asarray(hist), np.asarray(hist) - np.asarray(h0))
+    # vmap: once per element, in order, each with its own histogram
+    lb, hb = jnp.stack([logits, logits[::-1]]), jnp.stack([h0, h0[::-1]])
+    got = jax.jit(jax.vmap(fwd))(lb, hb)
+    for b in range(2):
+        want = jax.jit(fwd)(lb[b], hb[b])
+        assert [_bits(g[b]) for g in got] == [_bits(w) for w in want]
+    # the NumPy reference (the same function on the CPU): maps agree on all but rows near a tie in fp32
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        rp, rm, rh = jax.jit(fwd)(jax.device_put(logits, cpu), jax.device_put(h0, cpu))
+    ok = (np.asarray(rmap) == np.asarray(rm)).all(1)
+    assert ok.sum() >= T - max(1, T // 100)
+    assert int(np.asarray(rh).sum()) == int(np.asarray(hist).sum())  # T counts a row each
+    tol = 2e-2 if dtype == "bfloat16" else 1e-5
+    np.testing.assert_allclose(np.asarray(probs, np.float32)[ok], np.asarray(rp, np.float32)[ok], rtol=tol, atol=tol)
+
+
 def _perm_case(rng, T, E, K, H, dtype):
     idx = np.stack([rng.permutation(E)[:K] for _ in range(T)]).astype(np.int32)
     idx[::7, -1] = -1
@@ -1037,10 +1122,68 @@ def _mentions_command_buffer(dump: Path) -> bool:
     return False
 
 
+_QB_COMMAND_BUFFER_SCRIPT = textwrap.dedent("""
+    import sys
+    import numpy as np
+    import jax, jax.numpy as jnp
+    import moe_rt.jax as mj
+
+    rng = np.random.default_rng(5)
+    bounds = jnp.asarray([-1.2, 1.2], jnp.float32)
+
+    def qb(l, bias, h, mode):
+        return mj.topk_with_score_qb(l, 8 if l.shape[1] == 256 else 36, expert_bias=bias, qb_histogram=h,
+                                     qb_bin_bounds=bounds, qb_histogram_mode=mode, scaling_factor=1.5)
+
+    def loss(l1, l2, b1, b2, h1, h2, h3, gy1, gy2):
+        # E = 256: the block's shared histogram, and the two-kernel mode; E = 2304: the second kernel after the
+        # router kernel in the fused mode (T E > 2^18)
+        p1, m1, n1 = qb(l1, b1, h1, "fused_atomic")
+        p2, m2, n2 = qb(l1, b1, h2, "two_kernel")
+        p3, m3, n3 = qb(l2, b2, h3, "fused_atomic")
+        val = ((p1.astype(jnp.float32) + p2.astype(jnp.float32)) * gy1).sum() + (p3.astype(jnp.float32) * gy2).sum()
+        return val, (m1, m2, m3, n1, n2, n3)
+
+    l1 = jnp.asarray(rng.permutation(517 * 256).reshape(517, 256) / (517 * 256) * 8 - 4, jnp.bfloat16)
+    l2 = jnp.asarray(rng.permutation(129 * 2304).reshape(129, 2304) / (129 * 2304) * 8 - 4, jnp.float32)
+    b1 = jnp.asarray(rng.permutation(np.linspace(-0.2, 0.2, 256)), jnp.float32)
+    b2 = jnp.asarray(rng.permutation(np.linspace(-0.2, 0.2, 2304)), jnp.float32)
+    hists = [jnp.asarray(rng.integers(0, 1000, (e, 64)), jnp.int32) for e in (256, 256, 2304)]
+    start = [np.asarray(h) for h in hists]
+    gy1 = jnp.asarray(rng.standard_normal((517, 256)), jnp.float32)
+    gy2 = jnp.asarray(rng.standard_normal((129, 2304)), jnp.float32)
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+    compiled = step.lower(l1, l2, b1, b2, *hists, gy1, gy2).compile()
+    print("COMMAND_BUFFER_HLO", "command_buffer" in compiled.as_text())
+    outs = []
+    for _ in range(3):  # the histograms threaded through the steps
+        (val, aux), grads = step(l1, l2, b1, b2, *hists, gy1, gy2)
+        hists = list(aux[3:])
+        outs.append([np.asarray(a) for a in jax.tree_util.tree_leaves((val, aux[:3], grads))])
+    for o in outs[:-1]:
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(o, outs[-1]))
+    (_, aux), _ = step(l1, l2, b1, b2, *[jnp.asarray(s) for s in start], gy1, gy2)
+    for s, one, h in zip(start, aux[3:], hists):  # three steps added three times one step's counts
+        assert (np.asarray(h) - s == 3 * (np.asarray(one) - s)).all()
+    np.savez(sys.argv[1], *outs[-1], *[np.asarray(h) for h in hists])
+""")
+
+
 @pytest.mark.gpu
 def test_layer_step_with_command_buffers_gives_the_same_bits(tmp_path):
+    _same_bits_with_command_buffers(tmp_path, _COMMAND_BUFFER_SCRIPT)
+
+
+@pytest.mark.gpu
+def test_qb_forward_with_command_buffers_gives_the_same_bits(tmp_path):
+    _same_bits_with_command_buffers(tmp_path, _QB_COMMAND_BUFFER_SCRIPT)
+
+
+def _same_bits_with_command_buffers(tmp_path, text):
+    """Runs the script ``text`` (which saves its results to argv[1]) with XLA command buffers off and on: a
+    command buffer is formed when on, and the results are the same bits."""
     script = tmp_path / "step.py"
-    script.write_text(_COMMAND_BUFFER_SCRIPT)
+    script.write_text(text)
     results = {}
     for name, flags in (("off", "--xla_gpu_enable_command_buffer="),
                         ("on", "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1")):
