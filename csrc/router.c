@@ -119,6 +119,16 @@ typedef struct fwd_key {
 
 enum { FWD_SPB = 0, FWD_TPW = 1, FWD_RESIDENT = 2, FWD_GCM = 3 };
 
+/* A forward kernel's launch shape in plan p (launch 0): threads, shared memory, token slots a block, tokens
+ * a warp and the resident grid. */
+static void fwd_shape(moe_rt_context* ctx, mrt_plan* p, int threads, int smem, int regs, int spb, int tpw) {
+  p->launch[0].block = threads;
+  p->launch[0].smem = smem;
+  p->ints[FWD_SPB] = spb;
+  p->ints[FWD_TPW] = tpw;
+  p->ints[FWD_RESIDENT] = mrt_resident_grid(mrt_device(ctx), (int64_t)1 << 30, threads, smem, regs);
+}
+
 static moe_rt_status fwd_plan(moe_rt_context* ctx, int dtype, int E, int K, int G, int g, int vec, int bitmap,
                               mrt_plan* out) {
   fwd_key key;
@@ -165,11 +175,7 @@ static moe_rt_status fwd_plan(moe_rt_context* ctx, int dtype, int E, int K, int 
   int regs = 0;
   moe_rt_status st = mrt_kernel(ctx, l, FILE_ROUTER, &regs);
   if (st) return st;
-  l->block = threads;
-  l->smem = smem;
-  p.ints[FWD_SPB] = spb;
-  p.ints[FWD_TPW] = tpw;
-  p.ints[FWD_RESIDENT] = mrt_resident_grid(mrt_device(ctx), (int64_t)1 << 30, threads, smem, regs);
+  fwd_shape(ctx, &p, threads, smem, regs, spb, tpw);
   p.ints[FWD_GCM] = gcm;
   mrt_plan_put(ctx, &key, sizeof key, &p);
   *out = p;
@@ -689,7 +695,7 @@ typedef struct qb_key {
   int32_t op, dtype, E, K, B, vec, hmode, pad;
 } qb_key;
 
-enum { QB_SPB = 0, QB_TPW = 1, QB_RESIDENT = 2, QB_HMODE = 3, QB_HIST_USE = 4, QB_HIST_RESIDENT = 5 };
+enum { QB_HMODE = 3, QB_HIST_RESIDENT = 4 }; /* beside the forward's FWD_SPB, FWD_TPW, FWD_RESIDENT */
 
 /* The forward's launch (router_fwd_qb_reg where the plain forward takes router_fwd_reg, else router_fwd_qb),
  * without its grid; cached by (dtype, E, K, B, vec, hmode). */
@@ -731,11 +737,7 @@ static moe_rt_status qb_fwd_plan(moe_rt_context* ctx, int dtype, int E, int K, i
     threads = team * spb;
     smem = 4 * spb * slot_words(E, 0, K + 1, team) + hbytes;
   }
-  l->block = threads;
-  l->smem = smem;
-  p.ints[QB_SPB] = spb;
-  p.ints[QB_TPW] = tpw;
-  p.ints[QB_RESIDENT] = mrt_resident_grid(mrt_device(ctx), (int64_t)1 << 30, threads, smem, regs);
+  fwd_shape(ctx, &p, threads, smem, regs, spb, tpw);
   p.ints[QB_HMODE] = hmode;
   mrt_plan_put(ctx, &key, sizeof key, &p);
   *out = p;
@@ -809,9 +811,9 @@ moe_rt_status moe_rt_topk_with_score_qb(moe_rt_context* ctx, const void* logits,
   for (int i = 0; i < 5; ++i) vec = vec && mrt_aligned16(ptrs[i]);
   const int hmode = qb_hmode(T, E, B, qb_histogram_mode == MOE_RT_QB_FUSED_ATOMIC);
   if ((st = qb_fwd_plan(ctx, dtype, E, K, B, vec, hmode, &p))) return st;
-  const int spb = (int)p.ints[QB_SPB];
+  const int spb = (int)p.ints[FWD_SPB];
   mrt_launch* l = &p.launch[0];
-  l->grid = tpw_grid(T, spb, (int)p.ints[QB_TPW], p.ints[QB_RESIDENT]);
+  l->grid = tpw_grid(T, spb, (int)p.ints[FWD_TPW], p.ints[FWD_RESIDENT]);
   if (hmode == 2) /* every block under 2^16 tokens: its 16-bit counters do not wrap */
     l->grid = mrt_max(l->grid, mrt_cdiv(T, (int64_t)spb * mrt_max(1, QB_BLOCK_TOKENS / spb)));
   l->scalars[0] = vec;
