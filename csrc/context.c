@@ -195,6 +195,7 @@ static moe_rt_status load_driver(mrt_driver* d) {
   SYM(cuMemcpyHtoD, "cuMemcpyHtoD_v2");
   SYM(cuMemcpyDtoH, "cuMemcpyDtoH_v2");
   SYM(cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2");
+  SYM(cuMemcpyDtoDAsync, "cuMemcpyDtoDAsync_v2");
   SYM(cuStreamSynchronize, "cuStreamSynchronize");
   SYM(cuGetErrorString, "cuGetErrorString");
 #undef SYM
@@ -1027,6 +1028,17 @@ moe_rt_status moe_rt_copy_to_device(moe_rt_context* ctx, void* dst, const void* 
                                     dst ? "src" : "dst");
   CUresult r = ctx->drv.cuMemcpyHtoD((CUdeviceptr)(uintptr_t)dst, src, bytes);
   return r ? mrt_cuda_fail(&ctx->drv, r, "cuMemcpyHtoD") : MOE_RT_SUCCESS;
+}
+
+moe_rt_status moe_rt_copy_on_device(moe_rt_context* ctx, void* dst, const void* src, size_t bytes,
+                                   moe_rt_stream stream) {
+  moe_rt_status st = device_ctx(ctx, "moe_rt_copy_on_device");
+  if (st || !bytes) return st;
+  if (!dst || !src) return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "moe_rt_copy_on_device: %s is NULL",
+                                    dst ? "src" : "dst");
+  CUresult r = ctx->drv.cuMemcpyDtoDAsync((CUdeviceptr)(uintptr_t)dst, (CUdeviceptr)(uintptr_t)src, bytes,
+                                          (CUstream)stream);
+  return r ? mrt_cuda_fail(&ctx->drv, r, "cuMemcpyDtoDAsync") : MOE_RT_SUCCESS;
 }
 
 moe_rt_status moe_rt_copy_to_host(moe_rt_context* ctx, void* dst, const void* src, size_t bytes) {

@@ -53,6 +53,7 @@ typedef struct mrt_driver {
   CUresult (*cuMemcpyHtoD)(CUdeviceptr, const void*, size_t);
   CUresult (*cuMemcpyDtoH)(void*, CUdeviceptr, size_t);
   CUresult (*cuMemcpyDtoHAsync)(void*, CUdeviceptr, size_t, CUstream);
+  CUresult (*cuMemcpyDtoDAsync)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
   CUresult (*cuStreamSynchronize)(CUstream);
   CUresult (*cuGetErrorString)(CUresult, const char**);
 } mrt_driver;

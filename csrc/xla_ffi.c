@@ -491,12 +491,15 @@ EXPORT XLA_FFI_Error* moe_rt_xla_topk_with_score_qb(XLA_FFI_CallFrame* f) {
                 (long long)bias.dims[0], (long long)hist.dims[0], (long long)hist.dims[1],
                 (long long)out_hist.dims[0], (long long)out_hist.dims[1], (long long)bounds.dims[0],
                 (long long)cut.dims[0]);
-  if (out_hist.data != hist.data)
-    return fail(&fr, XLA_FFI_Error_Code_INVALID_ARGUMENT, "the new histogram (result 3) must alias qb_histogram "
-                "(argument 2): lower the call with input_output_aliases={2: 3}");
   moe_rt_context* ctx;
   moe_rt_stream stream;
   TRY(device(&fr, &ctx, &stream));
+  /* The call is lowered with input_output_aliases={2: 3}, so XLA normally hands both the same buffer and the
+   * counts accumulate in place; where it gives the result a buffer of its own (seen inside the while loop of a
+   * sequential vmap), the old histogram is copied into it first: the result is the same. */
+  if (out_hist.data != hist.data)
+    CORE(moe_rt_copy_on_device(ctx, out_hist.data, hist.data, (size_t)E * (size_t)hist.dims[1] * sizeof(int32_t),
+                               stream));
   CORE(moe_rt_topk_with_score_qb(ctx, logits.data, logits.dtype, T, E, topk, scale, bias.data, bounds.data,
                                  out_hist.data, (int)hist.dims[1], mode, probs.data, rmap.data, inter.data, cut.data,
                                  stream));

@@ -621,7 +621,8 @@ def _qb_fwd(logits, expert_bias, qb_histogram, qb_bin_bounds, topk, qb_histogram
         flat = [_spec((T, E), lv.dtype), _spec((T, E), np.bool_), _spec((T, E), np.float32), specs[3],
                 _spec((T,), np.float32)]
         # the new histogram is written over the old one's buffer (aliased: XLA copies the old one there first
-        # unless it may be overwritten), then the counts are added to it in place
+        # unless it may be overwritten), then the counts are added to it in place; where XLA still gives the
+        # result its own buffer (inside a sequential vmap's loop) the handler copies the old histogram there first
         outs = jax.ffi.ffi_call(_xla.target("topk_with_score_qb"), flat, vmap_method="sequential",
                                 input_output_aliases={2: 3})(lv.reshape(T, E), bv.astype(jnp.float32), hv, dv,
                                                             **_attrs(facts))

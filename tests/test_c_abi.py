@@ -63,6 +63,7 @@ SIGNATURES = {
     "moe_rt_last_plan": (I, [P, C.POINTER(PlanInfo)]),
     "moe_rt_check": (I, [P, P]),
     "moe_rt_malloc": (I, [P, S, C.POINTER(P)]),
+    "moe_rt_copy_on_device": (I, [P, P, P, S, P]),
     "moe_rt_topk_with_score": (I, [P, P, I, L, I, I, I, I, I, I, F, P, P, P, I, P, P]),
     "moe_rt_topk_indices_with_score": (I, [P, P, I, L, I, I, I, I, I, I, F, P, P, P, P]),
     "moe_rt_topk_with_score_backward": (I, [P, P, I, P, I, P, L, I, I, I, I, F, P, P]),
@@ -958,6 +959,7 @@ def test_contexts_and_driver_errors(lib, tmp_path, monkeypatch):
     try:
         ptr = P()
         _err(lib, lib.moe_rt_malloc(pctx, 16, C.byref(ptr)), 7, "planning context")
+        _err(lib, lib.moe_rt_copy_on_device(pctx, 16, 32, 16, None), 7, "planning context")
         _ok(lib, lib.moe_rt_check(pctx, None))
         info = DeviceInfo()
         _ok(lib, lib.moe_rt_context_device_info(pctx, C.byref(info)))
@@ -1092,6 +1094,28 @@ def test_c_router_ops_match_reference_on_gpu(lib, kernel_cache, dt, rng):
                                                          T, E, K, sf, pre, 1.5, dout.data.ptr, None))
             cp.cuda.runtime.deviceSynchronize()
             _close(_host(cp, dout, npdt), want, npdt, what + " backward")
+    finally:
+        lib.moe_rt_context_destroy(ctx)
+
+
+@pytest.mark.gpu
+def test_c_copy_on_device(lib, kernel_cache, rng):
+    """moe_rt_copy_on_device: the bytes arrive, ordered on the stream; NULL pointers and zero bytes."""
+    cp = pytest.importorskip("cupy")
+    ctx = P()
+    _ok(lib, lib.moe_rt_context_create(str(kernel_cache).encode(), 0, C.byref(ctx)))
+    try:
+        src = cp.asarray(rng.integers(0, 256, 1001, dtype=np.uint8))
+        dst = cp.full(1003, 7, cp.uint8)
+        stream = cp.cuda.Stream(non_blocking=True)
+        _ok(lib, lib.moe_rt_copy_on_device(ctx, dst.data.ptr + 1, src.data.ptr, 1001, stream.ptr))
+        stream.synchronize()
+        got = cp.asnumpy(dst)
+        np.testing.assert_array_equal(got[1:1002], cp.asnumpy(src))
+        assert got[0] == 7 and got[1002] == 7
+        _ok(lib, lib.moe_rt_copy_on_device(ctx, None, None, 0, None))
+        _err(lib, lib.moe_rt_copy_on_device(ctx, None, src.data.ptr, 4, None), 1, "dst is NULL")
+        _err(lib, lib.moe_rt_copy_on_device(ctx, dst.data.ptr, None, 4, None), 1, "src is NULL")
     finally:
         lib.moe_rt_context_destroy(ctx)
 

@@ -166,6 +166,9 @@ moe_rt_status moe_rt_malloc(moe_rt_context* ctx, size_t bytes, void** ptr);
 moe_rt_status moe_rt_free(moe_rt_context* ctx, void* ptr);
 moe_rt_status moe_rt_copy_to_device(moe_rt_context* ctx, void* dst, const void* src, size_t bytes);
 moe_rt_status moe_rt_copy_to_host(moe_rt_context* ctx, void* dst, const void* src, size_t bytes);
+/* Device to device, ordered on `stream` (not synchronous). */
+moe_rt_status moe_rt_copy_on_device(moe_rt_context* ctx, void* dst, const void* src, size_t bytes,
+                                    moe_rt_stream stream);
 moe_rt_status moe_rt_stream_synchronize(moe_rt_context* ctx, moe_rt_stream stream);
 
 /* ---- router (moe_rt.router) ------------------------------------------------------------------------
