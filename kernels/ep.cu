@@ -1645,18 +1645,52 @@ __device__ __forceinline__ void ll_block_fp8(const T* x, const unsigned char* xq
   }
 }
 
+// The receiver's view of a dispatch's routing (LlRoute::row(s, t)[k]: the local expert of source s's token t's
+// k on this rank, or -1): the route table the launch's own pushes wrote (stride Tmax*K + 1, source s's T_s in
+// its last word: rows t >= T_s are stale), or a handle's route [R, Tmax, K] (rows t >= T_s already -1).
+struct LlRoute {
+  const int* p;
+  i64 stride;
+  int counted;
+  // token (s, t)'s K entries, or nullptr for a token the source does not have (counted tables)
+  __device__ __forceinline__ const int* row(int s, int t, int K) const {
+    const int* r = p + (i64)s * stride;
+    if (counted && t >= __ldcg(r + stride - 1)) return nullptr;
+    return r + (i64)t * K;
+  }
+};
+
+// The local expert whose slot of token row `rrow` carries its row on this rank with the dedup split (the
+// first k with a local expert; -1 if none), found by one warp (every lane gets it).
+__device__ __forceinline__ int ll_warp_first_local(const int* rrow, int K, int lane) {
+  for (int k0 = 0; k0 < K; k0 += 32) {
+    const int v = k0 + lane < K ? __ldcg(rrow + k0 + lane) : -1;
+    const unsigned m = __ballot_sync(0xffffffffu, v >= 0);
+    if (m) return __shfl_sync(0xffffffffu, v, __ffs(m) - 1);
+  }
+  return -1;
+}
+
 // The receiving side's dequantization of local expert l's valid slots (slot_k >= 0; one warp a row):
-// recv[l][j][h] = store_as<T>(mul_rn(e4m3 recv_q[l][j][h], recv_s[l][j][h / 128])) (dequantize_fp8's rule).
+// recv[l][j][h] = store_as<T>(mul_rn(e4m3 recv_q[l'][j][h], recv_s[l'][j][h / 128])) (dequantize_fp8's rule),
+// l' = l, or with the dedup split (by_route) the token's first local expert, whose slot its codes and
+// scales landed in (the other slots' copies are not made when dequantizing: nothing returns them).
 // The codes and scales were written by peers before the flags this block acquired: read past L1 (ldcg).
 template <typename T, bool VEC>
 __device__ __forceinline__ void ll_dequantize_rows(const unsigned char* recv_q, const float* recv_s, T* recv,
-                                                   const int* slot_k, i64 RT, i64 H, int S) {
+                                                   const int* slot_k, int l, i64 RT, i64 H, int S,
+                                                   LlRoute route, bool by_route, int Tmax, int K) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
   for (i64 j = warp; j < RT; j += nw) {
     if (slot_k[j] < 0) continue;
-    const unsigned char* q = recv_q + j * H;
-    const float* sc = recv_s + j * S;
-    T* y = recv + j * H;
+    int ls = l;
+    if (by_route) {
+      const int s = (int)(j / Tmax);
+      ls = ll_warp_first_local(route.row(s, (int)(j - (i64)s * Tmax), K), K, lane);
+    }
+    const unsigned char* q = recv_q + ((i64)ls * RT + j) * H;
+    const float* sc = recv_s + ((i64)ls * RT + j) * S;
+    T* y = recv + ((i64)l * RT + j) * H;
     if constexpr (VEC) {
       for (i64 c = (i64)lane * LL_FP8_CH; c < H; c += 32 * LL_FP8_CH) {
         const uint4 raw = __ldcg(reinterpret_cast<const uint4*>(q + c));
@@ -1677,35 +1711,81 @@ __device__ __forceinline__ void ll_dequantize_rows(const unsigned char* recv_q, 
   }
 }
 
+// The receiving side's copies of the dedup split, by the whole block: rows dst[i] = src[i] (i < n; row indices
+// in units of `units` U from base), the (row, unit) pairs spread over every thread with LL_UNROLL loads in
+// flight. The sources were written by peers before the flags this block acquired: read past L1 (ldcg).
+template <typename U>
+__device__ __forceinline__ void ll_block_copy(U* base, i64 units, const i64* src, const i64* dst, int n) {
+  const i64 total = (i64)n * units;
+  for (i64 i0 = threadIdx.x; i0 < total; i0 += (i64)blockDim.x * LL_UNROLL) {
+    U v[LL_UNROLL];
+    i64 at[LL_UNROLL];
+#pragma unroll
+    for (int u = 0; u < LL_UNROLL; ++u) {
+      const i64 i = i0 + (i64)u * blockDim.x;
+      at[u] = -1;
+      if (i < total) {
+        const i64 q = i / units, o = i - q * units;
+        v[u] = __ldcg(base + src[q] * units + o);
+        at[u] = dst[q] * units + o;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < LL_UNROLL; ++u)
+      if (at[u] >= 0) base[at[u]] = v[u];
+  }
+}
+
+// Unsigned units of a float element (the non-vector copies of ll_block_copy).
+template <int B> struct LlUnit;
+template <> struct LlUnit<2> { typedef unsigned short type; };
+template <> struct LlUnit<4> { typedef unsigned type; };
+
 // The dispatch direction, one kernel (ll_dispatch: the body of ep_ll_dispatch and ep_ll_dispatch_fp8).
 // Push items (chunks c of this rank's tokens, C tokens each):
 //   meta (dispatch): every rank r gets route[me][t*K+k] = l for its experts (else -1), rw[me][t*K+k] the
 //     weight (else 0), and, from chunk 0, route[me][Tmax*K] = Tn; idx_out/w_out get the owner's copies
 //     (int32 ids, outside [-1, E) recorded in `err` and taken as -1; fp32 weights);
-//   rows: for each (t, k) whose expert e = idx[t][k] is valid and not chosen by an earlier k of t: x[t]
-//     into rank e/L's recv row (e%L, me*Tmax + t); scaled: times ws = the fp32 sum (k ascending) of the
-//     weights of t's slots with expert e, rounded once; FP8: the row's codes and scales (ll_block_fp8)
-//     into rank e/L's recv_q and recv_s rows instead;
+//   rows, per-expert pushes (dedup off, or `scaled`): for each (t, k) whose expert e = idx[t][k] is valid and
+//     not chosen by an earlier k of t: x[t] into rank e/L's recv row (e%L, me*Tmax + t); scaled: times ws =
+//     the fp32 sum (k ascending) of the weights of t's slots with expert e, rounded once;
+//   rows, dedup split (`dedup`, not `scaled`): a token's row crosses to each destination rank once: for each
+//     (t, k) whose expert e is valid and whose rank d = e/L no earlier k of t names, x[t] into rank d's recv
+//     row (e%L, me*Tmax + t) only (the slot of t's first expert on d); the receiver copies it to the slots
+//     (l, me*Tmax + t) of t's other local experts l there (the same column j of every local expert's block, so
+//     the copy is one local row copy in HBM instead of one more row over NVLink: at T=128, K=8, E=256 a
+//     token's 8 experts lie on about 2 distinct ranks at R=2 and 3.6 at R=4);
+//   FP8: the row's codes and scales (ll_block_fp8) into recv_q and recv_s rows instead, either way;
 //   then flags[0][me][c] of every rank.
 // Receiver items (local experts l): zero_k given: zero recv rows (l, j) whose zero_k[l][j] < 0 (not waited
-// for: no peer writes them); then wait for every rank's every chunk; then, when slot_k is given, slot_k[l][j]
-// = the first k of source s = j / Tmax's token t = j % Tmax (< T_s) with local expert l, or -1, slot_w[l][j] =
-// the fp32 sum of those slots' weights (k ascending; 0 when invalid), counts[l] = the valid slots; route_out
-// (a share of [R, Tmax, K] per item) = route with the rows t >= T_s as -1; FP8 with `dequant`: the valid
-// rows of l dequantized from recv_q / recv_s into recv (ll_dequantize_rows).
+// for: no peer and no copy writes them, both write valid slots only); then wait for every rank's every
+// chunk; then, when slot_k is given, slot_k[l][j] = the first k of source s = j / Tmax's token t = j % Tmax
+// (< T_s) with local expert l, or -1, slot_w[l][j] = the fp32 sum of those slots' weights (k ascending; 0
+// when invalid), counts[l] = the valid slots; route_out (a share of [R, Tmax, K] per item) = route with the
+// rows t >= T_s as -1; FP8 with `dequant`: the valid rows of l dequantized from recv_q / recv_s into recv
+// (ll_dequantize_rows; with the dedup split from the token's pushed slot).
+// The dedup split's copies (the receive phase): every block, expert item or not, waits for every rank's every
+// chunk (so each copying block has itself acquired the flag of every row it reads), then takes a contiguous
+// share of the R*Tmax token columns j and, for each token (s, t) with the route's local experts l0 (its first
+// k's) and l (a later k's, distinct from l0 and from earlier k's), copies row (l0, j) to (l, j): recv rows, or
+// FP8 codes and scales (not with `dequant`: the dequantization reads the pushed slot and nothing returns the
+// codes). The route: the table this launch's pushes wrote (meta), or recv_route (a launch without meta,
+// combine_bwd: the handle's route [R, Tmax, K]; without it the pushes stay per expert).
 // phases: LL_PUSH | LL_RECEIVE in one launch, or split (a receive hook): the push launch records its epoch in
-// *set_epoch (given), the later LL_RECEIVE launch (no barrier before it) waits for that epoch's flags.
+// *set_epoch (given), the later LL_RECEIVE launch (no barrier before it) waits for that epoch's flags; the
+// copies belong to the receive launch.
 template <typename T, typename IdxT, bool VEC, bool FP8>
 __device__ __forceinline__ void ll_dispatch(
     const T* __restrict__ x, const unsigned char* __restrict__ xq, const float* __restrict__ xs,
-    const IdxT* __restrict__ idx, const float* __restrict__ w, int Tn, int meta, int scaled,
+    const IdxT* __restrict__ idx, const float* __restrict__ w, int Tn, int meta, int scaled, int dedup,
     const long long* __restrict__ peer_recv, const long long* __restrict__ peer_recv_q,
     const long long* __restrict__ peer_recv_s, const long long* __restrict__ peer_route,
     const long long* __restrict__ peer_rw, const long long* __restrict__ peer_flags, int* __restrict__ idx_out,
     float* __restrict__ w_out, int* __restrict__ route_out, int* __restrict__ slot_k, float* __restrict__ slot_w,
-    int* __restrict__ counts, const int* __restrict__ zero_k, int dequant, unsigned* __restrict__ err,
-    unsigned* __restrict__ state, int* __restrict__ err_word, i64 timeout_ns, int op, int R, int me, int L,
-    int Tmax, int K, int C, i64 H, int S, int phases, i64 flag_base, unsigned* __restrict__ set_epoch) {
+    int* __restrict__ counts, const int* __restrict__ zero_k, const int* __restrict__ recv_route, int dequant,
+    unsigned* __restrict__ err, unsigned* __restrict__ state, int* __restrict__ err_word, i64 timeout_ns, int op,
+    int R, int me, int L, int Tmax, int K, int C, i64 H, int S, int phases, i64 flag_base,
+    unsigned* __restrict__ set_epoch) {
   __shared__ const T* s_src[FP8 ? 1 : LL_MAX_ROWS];
   __shared__ T* s_dst[FP8 ? 1 : LL_MAX_ROWS];
   __shared__ float s_scale[FP8 ? 1 : LL_MAX_ROWS];
@@ -1723,6 +1803,9 @@ __device__ __forceinline__ void ll_dispatch(
   const int NC = (Tmax + C - 1) / C;
   const i64 RT = (i64)R * Tmax;
   const i64 route_stride = (i64)Tmax * K + 1;
+  // the dedup split: not for scaled rows (the scale differs per expert), and only with a route the receiver
+  // can read (meta, or the handle's)
+  const bool dd = dedup != 0 && scaled == 0 && (meta != 0 || recv_route != nullptr);
   auto expert = [&](i64 i) -> int {  // the validated expert id of flat slot i (t < Tn)
     const i64 v = (i64)idx[i];
     return v >= 0 && v < E ? (int)v : -1;
@@ -1748,14 +1831,17 @@ __device__ __forceinline__ void ll_dispatch(
           reinterpret_cast<int*>(peer_route[r])[(i64)me * route_stride + route_stride - 1] = Tn;
     }
     // the chunk's rows: one entry per (t, k), nullptr where the slot is invalid or repeats an earlier k's
-    // expert (that k's row carries it)
+    // expert (dedup split: an earlier k's rank) — that k's row carries it
     for (int p = threadIdx.x; p < (t1 - t0) * K; p += blockDim.x) {
       const int t = t0 + p / K, k = p - (p / K) * K;
       const i64 base = (i64)t * K;
       const int ex = expert(base + k);
       bool first = ex >= 0;
-      for (int q = 0; q < k && first; ++q) first = expert(base + q) != ex;
       const int d = first ? ex / L : 0;
+      for (int q = 0; q < k && first; ++q) {
+        const int eq = expert(base + q);
+        first = dd ? eq < 0 || eq / L != d : eq != ex;
+      }
       const i64 row = first ? (i64)(ex - d * L) * RT + (i64)me * Tmax + t : 0;
       if constexpr (FP8) {
         s_qdst[p] = first ? reinterpret_cast<unsigned char*>(peer_recv_q[d]) + row * H : nullptr;
@@ -1781,8 +1867,8 @@ __device__ __forceinline__ void ll_dispatch(
   const int* st_route = reinterpret_cast<const int*>(peer_route[me]);
   const float* st_rw = reinterpret_cast<const float*>(peer_rw[me]);
   T* my_recv = reinterpret_cast<T*>(peer_recv[me]);
-  for (int l = blockIdx.x; l < L; l += gridDim.x) {
-    if (zero_k != nullptr) {
+  if (zero_k != nullptr) {
+    for (int l = blockIdx.x; l < L; l += gridDim.x) {
       for (i64 j = warp; j < RT; j += nw) {
         if (zero_k[(i64)l * RT + j] >= 0) continue;
         T* row = my_recv + ((i64)l * RT + j) * H;
@@ -1794,11 +1880,63 @@ __device__ __forceinline__ void ll_dispatch(
         }
       }
     }
-    // every chunk of every rank (each rank's flags [0][s][c] for c < NC)
-    int ok = 1;
-    for (int s = 0; s < R && ok; ++s)
-      ok = ll_block_wait_all(my_flags + (i64)s * Tmax, NC, e, state, err_word, timeout_ns, op) ? 1 : 0;
-    if (!ok) return;
+  }
+  // every chunk of every rank (each rank's flags [0][s][c] for c < NC): blocks with an expert item, and with
+  // the dedup split's copies every block (each copies a share of the token columns)
+  const bool copies = dd && !(FP8 && dequant);  // dequantizing reads the pushed slot instead
+  if (blockIdx.x >= L && !copies) return;
+  int ok = 1;
+  for (int s = 0; s < R && ok; ++s)
+    ok = ll_block_wait_all(my_flags + (i64)s * Tmax, NC, e, state, err_word, timeout_ns, op) ? 1 : 0;
+  if (!ok) return;
+  const LlRoute rt = meta ? LlRoute{st_route, route_stride, 1} : LlRoute{recv_route, (i64)Tmax * K, 0};
+  if (copies) {
+    __shared__ i64 s_csrc[LL_MAX_ROWS], s_cdst[LL_MAX_ROWS];
+    __shared__ int s_nc;
+    const i64 per = (RT + gridDim.x - 1) / gridDim.x;  // token columns of this block
+    const i64 j_lo = min((i64)blockIdx.x * per, RT), j_hi = min(j_lo + per, RT);
+    const int batch = LL_MAX_ROWS / K;  // columns per pass: at most one copy per (column, k)
+    for (i64 jb = j_lo; jb < j_hi; jb += batch) {
+      const int nb = (int)min((i64)batch, j_hi - jb);
+      if (threadIdx.x == 0) s_nc = 0;
+      __syncthreads();
+      for (int p = threadIdx.x; p < nb * K; p += blockDim.x) {
+        const i64 j = jb + p / K;
+        const int k = p - (p / K) * K, s = (int)(j / Tmax);
+        const int* rrow = rt.row(s, (int)(j - (i64)s * Tmax), K);
+        if (rrow == nullptr) continue;
+        const int l = __ldcg(rrow + k);
+        if (l < 0) continue;
+        int l0 = -1;
+        bool dup = false;
+        for (int q = 0; q < k; ++q) {
+          const int v = __ldcg(rrow + q);
+          if (v < 0) continue;
+          if (l0 < 0) l0 = v;
+          dup = dup || v == l;
+        }
+        if (l0 < 0 || dup) continue;  // the pushed slot itself, or a repeat of an earlier k's expert
+        const int n = atomicAdd(&s_nc, 1);  // the list's order does not matter: distinct destinations
+        s_csrc[n] = (i64)l0 * RT + j;
+        s_cdst[n] = (i64)l * RT + j;
+      }
+      __syncthreads();
+      const int n = s_nc;
+      if constexpr (FP8) {
+        unsigned char* q = reinterpret_cast<unsigned char*>(peer_recv_q[me]);
+        if constexpr (VEC) ll_block_copy<uint4>(reinterpret_cast<uint4*>(q), H / 16, s_csrc, s_cdst, n);
+        else ll_block_copy<unsigned char>(q, H, s_csrc, s_cdst, n);
+        ll_block_copy<float>(reinterpret_cast<float*>(peer_recv_s[me]), S, s_csrc, s_cdst, n);
+      } else if constexpr (VEC) {
+        ll_block_copy<uint4>(reinterpret_cast<uint4*>(my_recv), H / Vec<T>::N, s_csrc, s_cdst, n);
+      } else {
+        typedef typename LlUnit<sizeof(T)>::type U;
+        ll_block_copy<U>(reinterpret_cast<U*>(my_recv), H, s_csrc, s_cdst, n);
+      }
+      __syncthreads();  // s_nc and the list are reset by the next pass
+    }
+  }
+  for (int l = blockIdx.x; l < L; l += gridDim.x) {
     if (slot_k != nullptr) {
       int cnt = 0;
       for (i64 j0 = 0; j0 < RT; j0 += blockDim.x) {
@@ -1823,9 +1961,9 @@ __device__ __forceinline__ void ll_dispatch(
       if (threadIdx.x == 0) counts[l] = cnt;
       if constexpr (FP8) {
         if (dequant)  // slot_k's row of l is this block's own writes, ordered by __syncthreads_count
-          ll_dequantize_rows<T, VEC>(reinterpret_cast<const unsigned char*>(peer_recv_q[me]) + (i64)l * RT * H,
-                                     reinterpret_cast<const float*>(peer_recv_s[me]) + (i64)l * RT * S,
-                                     my_recv + (i64)l * RT * H, slot_k + (i64)l * RT, RT, H, S);
+          ll_dequantize_rows<T, VEC>(reinterpret_cast<const unsigned char*>(peer_recv_q[me]),
+                                     reinterpret_cast<const float*>(peer_recv_s[me]), my_recv,
+                                     slot_k + (i64)l * RT, l, RT, H, S, rt, dd, Tmax, K);
       }
     }
     if (route_out != nullptr) {
@@ -1841,23 +1979,27 @@ __device__ __forceinline__ void ll_dispatch(
   }
 }
 
+// dedup: the dedup split of the rows (ll_dispatch); recv_route: its route for a launch without meta
+// (combine_bwd: the handle's route [R, Tmax, K]), else nullptr.
 template <typename T, typename IdxT, bool VEC>
 __global__ void __launch_bounds__(512) ep_ll_dispatch(
     const T* __restrict__ x, const IdxT* __restrict__ idx, const float* __restrict__ w, int Tn, int meta,
-    int scaled, const long long* __restrict__ peer_recv, const long long* __restrict__ peer_route,
+    int scaled, int dedup, const long long* __restrict__ peer_recv, const long long* __restrict__ peer_route,
     const long long* __restrict__ peer_rw, const long long* __restrict__ peer_flags, int* __restrict__ idx_out,
     float* __restrict__ w_out, int* __restrict__ route_out, int* __restrict__ slot_k, float* __restrict__ slot_w,
-    int* __restrict__ counts, const int* __restrict__ zero_k, unsigned* __restrict__ err,
-    unsigned* __restrict__ state, int* __restrict__ err_word, i64 timeout_ns, int op, int R, int me, int L,
-    int Tmax, int K, int C, i64 H, int phases, i64 flag_base, unsigned* __restrict__ set_epoch) {
-  ll_dispatch<T, IdxT, VEC, false>(x, nullptr, nullptr, idx, w, Tn, meta, scaled, peer_recv, nullptr, nullptr,
-                                   peer_route, peer_rw, peer_flags, idx_out, w_out, route_out, slot_k, slot_w,
-                                   counts, zero_k, 0, err, state, err_word, timeout_ns, op, R, me, L, Tmax, K, C,
-                                   H, 0, phases, flag_base, set_epoch);
+    int* __restrict__ counts, const int* __restrict__ zero_k, const int* __restrict__ recv_route,
+    unsigned* __restrict__ err, unsigned* __restrict__ state, int* __restrict__ err_word, i64 timeout_ns, int op,
+    int R, int me, int L, int Tmax, int K, int C, i64 H, int phases, i64 flag_base,
+    unsigned* __restrict__ set_epoch) {
+  ll_dispatch<T, IdxT, VEC, false>(x, nullptr, nullptr, idx, w, Tn, meta, scaled, dedup, peer_recv, nullptr,
+                                   nullptr, peer_route, peer_rw, peer_flags, idx_out, w_out, route_out, slot_k,
+                                   slot_w, counts, zero_k, recv_route, 0, err, state, err_word, timeout_ns, op, R,
+                                   me, L, Tmax, K, C, H, 0, phases, flag_base, set_epoch);
 }
 
 // dispatch with FP8 rows (docs/ep.md §8): x (a float x in T, quantized here) or the pair xq / xs (pushed as
-// is); T is the group's dtype (of x, and of the rows dequantized into recv when `dequant`).
+// is); T is the group's dtype (of x, and of the rows dequantized into recv when `dequant`); dedup: the dedup
+// split of the rows (ll_dispatch).
 template <typename T, typename IdxT, bool VEC>
 __global__ void __launch_bounds__(512) ep_ll_dispatch_fp8(
     const T* __restrict__ x, const unsigned char* __restrict__ xq, const float* __restrict__ xs,
@@ -1866,13 +2008,13 @@ __global__ void __launch_bounds__(512) ep_ll_dispatch_fp8(
     const long long* __restrict__ peer_route, const long long* __restrict__ peer_rw,
     const long long* __restrict__ peer_flags, int* __restrict__ idx_out, float* __restrict__ w_out,
     int* __restrict__ route_out, int* __restrict__ slot_k, float* __restrict__ slot_w, int* __restrict__ counts,
-    int dequant, unsigned* __restrict__ err, unsigned* __restrict__ state, int* __restrict__ err_word,
+    int dequant, int dedup, unsigned* __restrict__ err, unsigned* __restrict__ state, int* __restrict__ err_word,
     i64 timeout_ns, int op, int R, int me, int L, int Tmax, int K, int C, i64 H, int S, int phases,
     i64 flag_base, unsigned* __restrict__ set_epoch) {
-  ll_dispatch<T, IdxT, VEC, true>(x, xq, xs, idx, w, Tn, 1, 0, peer_recv, peer_recv_q, peer_recv_s, peer_route,
-                                  peer_rw, peer_flags, idx_out, w_out, route_out, slot_k, slot_w, counts, nullptr,
-                                  dequant, err, state, err_word, timeout_ns, op, R, me, L, Tmax, K, C, H, S, phases,
-                                  flag_base, set_epoch);
+  ll_dispatch<T, IdxT, VEC, true>(x, xq, xs, idx, w, Tn, 1, 0, dedup, peer_recv, peer_recv_q, peer_recv_s,
+                                  peer_route, peer_rw, peer_flags, idx_out, w_out, route_out, slot_k, slot_w, counts,
+                                  nullptr, nullptr, dequant, err, state, err_word, timeout_ns, op, R, me, L, Tmax, K,
+                                  C, H, S, phases, flag_base, set_epoch);
 }
 
 // The combine direction, one kernel. Push items (chunk c of source rank s's tokens; item c*R + s): for each

@@ -37,11 +37,16 @@ def register(group) -> int:
     return group.id
 
 
+def check_bool(v, name) -> None:
+    """A flag of an EP op (a bool or NumPy bool): TypeError naming it otherwise."""
+    if not isinstance(v, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected a bool, got {type(v).__name__}")
+
+
 def check_fp8_flags(fp8, dequantize) -> None:
     """The ``fp8`` / ``dequantize`` flags of an EP dispatch, as :meth:`moe_rt.EpGroup.dispatch` checks them."""
-    for name, v in (("fp8", fp8), ("dequantize", dequantize)):
-        if not isinstance(v, (bool, np.bool_)):
-            raise TypeError(f"{name}: expected a bool, got {type(v).__name__}")
+    check_bool(fp8, "fp8")
+    check_bool(dequantize, "dequantize")
     if dequantize and not fp8:
         raise ValueError("dequantize: only meaningful with fp8=True")
 

@@ -55,8 +55,9 @@ import socket
 import numpy as np
 
 from moe_rt import _jit
-from moe_rt._ep_rows import Fp8Rows, bound, fill_rows, recv_wk, slot_values
-from moe_rt.permutation import _resident_ctas, _unit
+from moe_rt._ep_rows import Fp8Rows, bound, fill_outputs, regions, slot_values
+from moe_rt._ep_rows import unit as _unit
+from moe_rt.permutation import _resident_ctas
 
 _FILE = "ep.cu"
 _UNITS = {16: "uint4", 8: "uint2", 4: "unsigned", 2: "unsigned short", 1: "unsigned char"}
@@ -391,33 +392,33 @@ class DirectTransport:
         return cupy.ndarray((rows, cols), dtype, cupy.cuda.MemoryPointer(mem, 0))
 
     # -- the interface ---------------------------------------------------------------------------------
-    def forward(self, call, h, x, w, op, *, expand=True, want_w=False, fp8=None):
+    def forward(self, call, h, x, w, op, *, expand=True, want_w=False, fp8=None, zero=True):
         """The dispatch direction (``op``: ``"dispatch"`` or ``"combine_bwd"``): barrier (every rank finished
         the previous op) -> one kernel pushing this rank's rows of ``x [T,H]`` (and fp32 weights ``w [T,K]``
         or None, received into the handle's recv_wk) into the destinations' stages chunk by chunk.
 
         Returns, with ``expand``, ``(rows [N,H] expert-major, weights [N] fp32 or None)``: the kernel expands
-        each received chunk as it lands, then padding rows are zeroed and ``weights[n] =
-        recv_wk[src_slot[n]]`` laid out when ``want_w``; without, the received rows ``[rows,H]`` in the
-        handle's layout (the stage itself in capacity mode, a packed copy in exact mode). ``fp8``: an
+        each received chunk as it lands, then padding rows are zeroed (left unwritten with ``zero=False``) and
+        ``weights[n] = recv_wk[src_slot[n]]`` laid out when ``want_w``; without, the received rows ``[rows,H]``
+        in the handle's layout (the stage itself in capacity mode, a packed copy in exact mode). ``fp8``: an
         :class:`moe_rt._ep_rows.Fp8Rows` (with ``expand``): ``x`` holds packed FP8 rows, which the kernel
         splits (or dequantizes) into ``fp8``'s outputs as it expands them; ``rows`` is their tuple."""
         if not expand:
             stage, row_map = self._push(call, h, x, w, op, None)
             return self._recv_buf(call, h, stage, row_map)
-        N, xp = h.sizes["N"], call.xp
-        out = xp.empty((N, int(x.shape[1])), x.dtype) if fp8 is None else fp8.empty(xp, N)
-        out_w = xp.empty(N, np.float32) if want_w else None
+        N = h.sizes["N"]
+        out = call.empty((N, int(x.shape[1])), x.dtype) if fp8 is None else fp8.empty(call.xp, N)
+        out_w = call.empty((N,), np.float32) if want_w else None
         self._push(call, h, x, w, op, out, False, fp8)
-        (fill_rows if fp8 is None else fp8.fill)(call, h, out, out_w, recv_wk(h) if want_w else None)
+        fill_outputs(call, h, out, out_w, regions(h)["recv_wk"] if want_w else None, fp8, zero)
         return out, out_w
 
     def reduce(self, call, h, y, w, gw, op):
         """The combine direction (``op``: ``"combine"`` or ``"dispatch_bwd"``): barrier (every rank finished
         reading the stages of the previous op) -> one kernel reducing each received row over this rank's
-        experts (``y [N,H]`` expert-major, weights ``w [rows,K]`` or None; ``gw [N]`` fp32 or None taken
-        back to the slots as weight partials) straight into its owner's stage chunk by chunk, and summing
-        this rank's tokens over ranks as their chunks land.
+        experts (``y [N,H]`` expert-major, weights ``w [rows,K]`` fp32 (or their device address) or None;
+        ``gw [N]`` fp32 or None taken back to the slots as weight partials) straight into its owner's stage
+        chunk by chunk, and summing this rank's tokens over ranks as their chunks land.
 
         Returns ``(out [T,H] y.dtype, grad_w [T,K] fp32, or None when gw is None)``."""
         zw = None if gw is None else slot_values(call, h, gw)
@@ -441,7 +442,7 @@ class DirectTransport:
         self.dispatch(call, h, x, w, rows_st, w_st, out, op, fp8)
         row_map = self._row_map(call, h)
         if w is not None:
-            self.copy_rows(call, w_st.local, row_map, h.view("recv_wk").data.ptr, None, sz["rows"], K * 4)
+            self.copy_rows(call, w_st.local, row_map, regions(h)["recv_wk"], None, sz["rows"], K * 4)
         return (self.view(rows_st, sz["R"] * sz["P"], H, x.dtype) if want_stage else None), row_map
 
     def _row_map(self, call, h):
@@ -524,20 +525,20 @@ class DirectTransport:
                 (self.state, self._err_ptr, np.int64(self.timeout_ns), np.int32(OP_CODES[op]), np.int32(self.R),
                  np.int32(self.me), np.int32(P), np.int32(K), np.int32(C), np.int64(rb // u), np.int32(self.lo),
                  np.int32(self.hi)))
+        a = regions(h)
         _jit.launch_raw(c[0], c[1], _THREADS,
-                        (xp_, w.data.ptr if w is not None else 0, *c[2], h.view("send_tok"), h.view("meta"),
-                         h.view("dst_row"), *outs, *c[3]), 0, call.stream)
+                        (xp_, w.data.ptr if w is not None else 0, *c[2], a["send_tok"], a["meta"], a["dst_row"], *outs,
+                         *c[3]), 0, call.stream)
 
     def combine(self, call, h, y, w, zw, rows_st, w_st, T, want_w, op):
         """ep_direct_combine (after the op's leading barrier): each received row's partial over its local
         experts (weights w [rows,K] or none; weight partials zw [rows,K] or None) pushed into its owner's stage
         chunk by chunk, then this rank's tokens summed over ranks from its own stage as the chunks land.
         Returns ``(out [T,H] in y's dtype, grad_w [T,K] fp32 or None)``."""
-        xp = call.xp
         sz = h.sizes
         K, H = sz["K"], y.shape[1]
-        out = xp.empty((T, H), y.dtype)
-        gw = xp.empty((T, K), np.float32) if want_w else None
+        out = call.empty((T, H), y.dtype)
+        gw = call.empty((T, K), np.float32) if want_w else None
         yp, outp = (y.data.ptr if y.size else 0), out.data.ptr
         vec = (H * y.dtype.itemsize) % 16 == 0 and yp % 16 == 0 and outp % 16 == 0 and _stage_unit(rows_st) == 16
         key = ("combine", y.dtype, vec, K, T, H, op, call.device_id)
@@ -553,9 +554,10 @@ class DirectTransport:
                 (self.state, self._err_ptr, np.int64(self.timeout_ns), np.int32(OP_CODES[op]), np.int32(self.R),
                  np.int32(self.me), np.int32(P), np.int32(K), np.int32(L), np.int32(Tmax), np.int32(T), np.int32(C),
                  np.int64(H), np.int32(self.lo), np.int32(self.hi)))
+        a = regions(h)
         _jit.launch_raw(c[0], c[1], _THREADS,
-                        (yp, w if w is not None else 0, zw if zw is not None else 0, *c[2], h.view("dst_row"),
-                         h.view("send_pos"), h.view("routing"), h.view("meta"), outp, gw if gw is not None else 0,
+                        (yp, w if w is not None else 0, zw if zw is not None else 0, *c[2], a["dst_row"],
+                         a["send_pos"], a["routing"], a["meta"], outp, gw if gw is not None else 0,
                          *c[3]), 0, call.stream)
         return out, gw
 
@@ -584,9 +586,15 @@ class DirectTransport:
         rows = sz["rows"]
         m = call.xp.empty(max(rows, 1), np.int32)
         if rows:
-            grid = max(1, min(-(-rows // 256), _jit.device_properties(call.device_id)["sm_count"] * 8))
-            _jit.launch(_jit.function(_FILE, "ep_direct_row_map"), grid, 256,
-                        (h.view("meta"), np.int32(self.R), np.int32(sz["P"]), np.int64(rows), m), stream=call.stream)
+            key = ("row_map", rows, sz["P"], call.device_id)
+            c = self._launches.get(key)
+            if c is None:
+                bound(self._launches)
+                c = self._launches[key] = (
+                    _jit.function(_FILE, "ep_direct_row_map"),
+                    max(1, min(-(-rows // 256), _jit.device_properties(call.device_id)["sm_count"] * 8)),
+                    (np.int32(self.R), np.int32(sz["P"]), np.int64(rows)))
+            _jit.launch_raw(c[0], c[1], 256, (regions(h)["meta"], *c[2], m), 0, call.stream)
         return m
 
     def close(self):

@@ -44,7 +44,7 @@ import numpy as np
 
 from moe_rt import permutation
 from moe_rt._ep_nccl import _expand_rows, _subplan
-from moe_rt._ep_rows import fill_rows, recv_wk, slot_values
+from moe_rt._ep_rows import fill_outputs, recv_wk, slot_values
 
 
 class MixedTransport:
@@ -77,12 +77,13 @@ class MixedTransport:
         return [(a, b) for a, b in ((0, self.lo), (self.hi, self.R)) if a < b]
 
     # -- the interface ---------------------------------------------------------------------------------
-    def forward(self, call, h, x, w, op, *, expand=True, want_w=False, fp8=None):
+    def forward(self, call, h, x, w, op, *, expand=True, want_w=False, fp8=None, zero=True):
         """The dispatch direction (``op``: ``"dispatch"`` or ``"combine_bwd"``), as every transport's: returns,
-        with ``expand``, ``(rows [N,H] expert-major, weights [N] fp32 or None)``; without, the received rows
-        ``[rows,H]`` in the handle's layout. The direct pass, then the NCCL pass (module notes). ``fp8`` (an
-        :class:`moe_rt._ep_rows.Fp8Rows`, with ``expand``): ``x`` holds packed FP8 rows, which both passes'
-        expand split (or dequantize) into its outputs; ``rows`` is their tuple."""
+        with ``expand``, ``(rows [N,H] expert-major, weights [N] fp32 or None)`` (padding rows zero, or left
+        unwritten with ``zero=False``); without, the received rows ``[rows,H]`` in the handle's layout. The
+        direct pass, then the NCCL pass (module notes). ``fp8`` (an :class:`moe_rt._ep_rows.Fp8Rows`, with
+        ``expand``): ``x`` holds packed FP8 rows, which both passes' expand split (or dequantize) into its
+        outputs; ``rows`` is their tuple."""
         d = self.direct
         if not expand:
             stage, row_map = d._push(call, h, x, w, op, None)
@@ -94,7 +95,7 @@ class MixedTransport:
         out_w = xp.empty(N, np.float32) if want_w else None
         d._push(call, h, x, w, op, out, False, fp8)
         self._forward_remote(call, h, x, w, None, out, fp8)
-        (fill_rows if fp8 is None else fp8.fill)(call, h, out, out_w, recv_wk(h) if want_w else None)
+        fill_outputs(call, h, out, out_w, recv_wk(h) if want_w else None, fp8, zero)
         return out, out_w
 
     def reduce(self, call, h, y, w, gw, op):

@@ -25,7 +25,8 @@ group at the device's highest priority, with events between the two streams:
   part; meanwhile the caller's stream expands the own share into the expert-major layout straight from
   ``x`` (never copied to a staging buffer) with a small grid (one CTA per two SMs), so that the NCCL
   kernel keeps its share of memory bandwidth; each received part is expanded as soon as its event fires.
-  Padding rows are zeroed once, the received weights are laid out after the last part.
+  Padding rows are zeroed once (not at all with dispatch's ``zero_empty_slots=False``), the received weights
+  are laid out after the last part.
 - combine direction (``combine``, ``dispatch_bwd``): the rows going back to peers are reduced part by part
   and each part is sent as soon as it is ready; the own share is reduced while they travel; the owner sum
   runs after the transfer.
@@ -45,8 +46,8 @@ from __future__ import annotations
 import numpy as np
 
 from moe_rt import _jit, permutation
-from moe_rt._ep_rows import (FILE, UNITS, Fp8Rows, bound, fill_rows, grid, plan_view, recv_wk, routing_view, slot_values,
-                             unit)
+from moe_rt._ep_rows import (FILE, UNITS, Fp8Rows, bound, fill_outputs, fill_rows, grid, plan_view, recv_wk, regions,
+                             slot_values, unit)
 from moe_rt._handle import meta_index
 
 # overlap=None (auto): a call overlaps its transfer with the local work when this rank sends at least this
@@ -81,16 +82,17 @@ class NcclTransport:
         """Nothing to release: the communicator is borrowed; the stream and events go with the object."""
 
     # -- the interface ---------------------------------------------------------------------------------
-    def forward(self, call, h, x, w, op, *, expand=True, want_w=False, fp8=None):
+    def forward(self, call, h, x, w, op, *, expand=True, want_w=False, fp8=None, zero=True):
         """The dispatch direction (``op``: ``"dispatch"`` or ``"combine_bwd"``): the rows of ``x [T,H]`` (and
         fp32 weights ``w [T,K]`` or None, received into the handle's recv_wk) to every rank that needs them.
 
         Returns, with ``expand``, ``(rows [N,H] expert-major, weights [N] fp32 or None)``: padding rows
-        zero, ``weights[n] = recv_wk[src_slot[n]]`` when ``want_w``; without, the received rows ``[rows,H]``
-        in the handle's layout (source-major). ``fp8``: an :class:`moe_rt._ep_rows.Fp8Rows` (with ``expand``):
-        ``x`` holds packed FP8 rows, which ep_expand_rows splits (or dequantizes) into ``fp8``'s outputs as
-        it writes them (on the serial path too, instead of the permutation family's dispatch); ``rows`` is
-        their tuple."""
+        zero (``zero=False``: left unwritten), ``weights[n] = recv_wk[src_slot[n]]`` when ``want_w``;
+        without, the received rows ``[rows,H]`` in the handle's layout (source-major). ``fp8``: an
+        :class:`moe_rt._ep_rows.Fp8Rows` (with ``expand``): ``x`` holds packed FP8 rows, which ep_expand_rows
+        splits (or dequantizes) into ``fp8``'s outputs as it writes them (on the serial path too, instead of
+        the permutation family's dispatch); ``rows`` is their tuple. The serial path with ``zero=False``
+        expands with ep_expand_rows too (the permutation family's dispatch zeroes the rows without a slot)."""
         rb = int(x.shape[1]) * x.dtype.itemsize  # the rows' width: hidden, or packed FP8 rows
         if not expand:
             if self._overlapped(h, rb):
@@ -98,7 +100,6 @@ class NcclTransport:
                 return self._forward_overlapped(call, h, x, w, lambda buf, lo, hi: None)
             return self._forward(call, h, x, w)
         N, xp = h.sizes["N"], call.xp
-        fill = fill_rows if fp8 is None else fp8.fill
         if self._overlapped(h, rb):
             # expand each part as it lands
             out = xp.empty((N, int(x.shape[1])), x.dtype) if fp8 is None else fp8.empty(xp, N)
@@ -109,15 +110,17 @@ class NcclTransport:
             self._forward_overlapped(
                 call, h, x, w,
                 lambda buf, lo, hi, rows=None, side=False: _expand_rows(call, h, buf, out, lo, hi, rows, side, fp8),
-                lambda: fill(call, h, out, None if late else out_w, None if late else pv), own_direct=True)
+                lambda: fill_outputs(call, h, out, None if late else out_w, None if late else pv, fp8, zero),
+                own_direct=True)
             if late and out_w is not None:
                 fill_rows(call, h, None, out_w, pv)
             return out, out_w
         recv_buf = self._forward(call, h, x, w)
-        if fp8 is not None:  # the packed rows split (or dequantized) as they are expanded
-            out, out_w = fp8.empty(xp, N), xp.empty(N, np.float32) if want_w else None
+        if fp8 is not None or not zero:  # the packed rows split (or dequantized) as they are expanded
+            out = xp.empty((N, int(x.shape[1])), x.dtype) if fp8 is None else fp8.empty(xp, N)
+            out_w = xp.empty(N, np.float32) if want_w else None
             _expand_rows(call, h, recv_buf, out, 0, h.sizes["rows"], fp8=fp8)
-            fp8.fill(call, h, out, out_w, recv_wk(h) if want_w else None)
+            fill_outputs(call, h, out, out_w, recv_wk(h) if want_w else None, fp8, zero)
             return out, out_w
         plan = plan_view(h)
         if op == "combine_bwd" and not want_w:
@@ -214,8 +217,8 @@ class NcclTransport:
         _jit.launch_raw(c[0], c[1], c[2],
                         (x.data.ptr, sp, rp, w.data.ptr if w is not None else 0,
                          send_w.data.ptr if send_w is not None and send_rows else 0,
-                         recv_w.data.ptr if recv_w is not None and rows else 0, h.view("send_tok"), h.view("meta"),
-                         *c[3]), 0, call.stream)
+                         recv_w.data.ptr if recv_w is not None and rows else 0, regions(h)["send_tok"],
+                         regions(h)["meta"], *c[3]), 0, call.stream)
 
     def _forward_buffers(self, call, h, x, w):
         """(row bytes, send rows, receive rows, send weights, receive weights) of a forward transfer; the
@@ -406,10 +409,11 @@ class NcclTransport:
                 c = self._launches[key] = (
                     fn, grid(T * 8, call.device_id, threads=8), int(min(512, max(32, -(-(H // nper) // 32) * 32))),
                     (np.int32(R), np.int32(me), np.int32(Tmax), np.int32(K), np.int32(L), np.int32(T), np.int64(H)))
+            a = regions(h)
             _jit.launch_raw(c[0], c[1], c[2],
                             (bp, op_, outp, back_w.data.ptr if back_w is not None and back_w.size else 0,
                              zw.data.ptr if zw is not None and zw.size else 0, gw if gw is not None else 0,
-                             h.view("send_pos"), routing_view(h), h.view("meta"), *c[3], np.int64(own_shift)),
+                             a["send_pos"], a["routing"], a["meta"], *c[3], np.int64(own_shift)),
                             R * 8, s)
         return out, gw
 
@@ -516,7 +520,7 @@ def _expand_rows(call, h, buf, out, lo, hi, rows=None, side=False, fp8=None):
     src = buf.data.ptr if rows is not None else buf.data.ptr + lo * rb
     # beside a transfer: one CTA per two SMs, so that the NCCL kernel keeps its share of memory bandwidth
     grid = hi - lo if not side else min(hi - lo, max(1, _jit.device_properties(call.device_id)["sm_count"] // 2))
-    _jit.launch(fn, grid, threads, (src, outs[0], h.view("dst_row").data.ptr + lo * K * 4,
+    _jit.launch(fn, grid, threads, (src, outs[0], regions(h)["dst_row"] + lo * K * 4,
                                     rows.data.ptr if rows is not None else 0, np.int32(K), np.int64(units),
                                     np.int64(hi - lo), outs[1], outs[2]),
                 shared_mem=K * 4, stream=call.stream)

@@ -2,8 +2,9 @@
 
 The group and both transports (:mod:`moe_rt._ep_nccl`, :mod:`moe_rt._ep_direct`) launch these kernels of
 ``kernels/ep.cu`` (their names are registered by :mod:`moe_rt.ep`): zeroing the expert-major rows that hold
-no slot and laying out their weights (``fill_rows``), taking expert-major values back to the received rows'
-slots (``slot_values``), scaling rows by a weight (``scale_rows``); the handle's regions as arrays
+no slot and laying out their weights (``fill_rows``; ``fill_outputs`` after a transport's expand, which may
+leave those rows unwritten), taking expert-major values back to the received rows' slots (``slot_values``),
+scaling rows by a weight (``scale_rows``); the handle's regions as arrays
 (``recv_wk``, ``routing_view``) or as a permutation plan (``plan_view``); and :class:`Fp8Rows`, what the
 transports' expand writes from the packed rows of a one-pass FP8 dispatch.
 """
@@ -28,11 +29,22 @@ def bound(cache: dict) -> None:
 
 
 def unit(row_bytes: int, *ptrs) -> int:
-    """The widest copy unit (16 to 1 bytes) dividing ``row_bytes`` and every pointer."""
-    for u in (16, 8, 4, 2, 1):
-        if row_bytes % u == 0 and all(p % u == 0 for p in ptrs):
-            return u
-    return 1
+    """The widest copy unit (16 to 1 bytes) dividing ``row_bytes`` and every pointer: the lowest set bit of
+    their union, at most 16."""
+    m = row_bytes | 16
+    for p in ptrs:
+        m |= p
+    return m & -m
+
+
+def regions(h):
+    """``{region: device address}`` of a CUDA handle's buffer (plain ints for the launches, made once per
+    handle: a handle's views are CuPy arrays, each a construction per call)."""
+    a = h.state.get("addr")
+    if a is None:
+        base = h.buffer.data.ptr
+        a = h.state["addr"] = {k: base + v[0] for k, v in h.layout.items()}
+    return a
 
 
 def grid(n, device_id, threads=256):
@@ -41,6 +53,32 @@ def grid(n, device_id, threads=256):
         return 0
     cap = _jit.device_properties(device_id)["sm_count"] * 8
     return max(1, min(-(-n // threads), cap))
+
+
+def tokens_per_expert(call, h):
+    """A copy of a CUDA handle's tokens_per_expert (int32 ``[L]``, what dispatch returns): one device-to-device
+    copy on the call's stream into a fresh array."""
+    L = h.sizes["L"]
+    out = call.empty((L,), np.int32)
+    copy_bytes(out.data.ptr, regions(h)["tokens_per_expert"], 4 * L, call.stream)
+    return out
+
+
+def copy_bytes(dst, src, nbytes, stream):
+    """``nbytes`` from device address ``src`` to ``dst``: one cudaMemcpyAsync on ``stream`` (a CuPy stream), no
+    kernel."""
+    rt = _rt[0] or _runtime()
+    rt.memcpyAsync(dst, src, nbytes, rt.memcpyDeviceToDevice, stream.ptr)
+
+
+_rt = [None]  # CuPy's CUDA runtime module, imported on first use
+
+
+def _runtime():
+    from cupy.cuda import runtime
+
+    _rt[0] = runtime
+    return runtime
 
 
 def routing_view(h):
@@ -93,7 +131,21 @@ def fill_rows(call, h, out, pp, pv):
         c = _launches[key] = (_jit.function(FILE, f"ep_fill_rows<{UNITS[u]}>"), max(1, min(-(-N // 8), sms * 16)),
                               (np.int64(N), np.int64(rb // u)))
     _jit.launch_raw(c[0], c[1], 256, (out.data.ptr if out is not None else 0, pp if pp is not None else 0,
-                                      pv if pv is not None else 0, h.view("src_slot"), *c[2]), 0, call.stream)
+                                      pv if pv is not None else 0, regions(h)["src_slot"], *c[2]), 0, call.stream)
+
+
+def fill_outputs(call, h, out, pp, pv, fp8=None, zero=True):
+    """What every transport's forward runs after its expand: zero the expert-major rows that hold no slot
+    (padding, the unused tail) of ``out`` (with ``fp8``, an :class:`Fp8Rows`: of each output in the tuple
+    ``out``) and ``pp[n] = pv[src_slot[n]]`` (0 for those rows) when ``pp`` is given. ``zero=False``
+    (dispatch's ``zero_empty_slots=False``): the rows are not written at all (ep_fill_rows gets no ``out``: its
+    weights only, or no launch without ``pp``)."""
+    if not zero:
+        fill_rows(call, h, None, pp, pv)
+    elif fp8 is None:
+        fill_rows(call, h, out, pp, pv)
+    else:
+        fp8.fill(call, h, out, pp, pv)
 
 
 def slot_values(call, h, vals):
@@ -108,7 +160,7 @@ def slot_values(call, h, vals):
         if c is None:
             bound(_launches)
             c = _launches[key] = (_jit.function(FILE, "ep_slot_values"), grid(n, call.device_id), np.int64(n))
-        _jit.launch_raw(c[0], c[1], 256, (vals if vals.size else 0, h.view("dst_row"), out, c[2]), 0, call.stream)
+        _jit.launch_raw(c[0], c[1], 256, (vals if vals.size else 0, regions(h)["dst_row"], out, c[2]), 0, call.stream)
     return out
 
 

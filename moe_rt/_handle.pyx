@@ -50,15 +50,20 @@ def _count(expr, sizes):
     return int(eval(expr, {"__builtins__": {}}, dict(sizes)))
 
 
+# REGIONS with each count as a function of the sizes, compiled once (layout runs in every exact-mode prepare)
+_COUNTS = tuple((name, dt, _ITEM[dt], eval(f"lambda R, L, Tmax, K, P, rows, N: int({expr})",
+                                           {"__builtins__": {"int": int}}))
+                for name, dt, expr in REGIONS)
+
+
 def layout(int R, int L, int Tmax, int K, int P, long long rows, long long N):
     """``({name: (byte_offset, dtype, count)}, total_bytes)`` for the given sizes."""
-    sizes = dict(R=R, L=L, Tmax=Tmax, K=K, P=P, rows=rows, N=N)
     out = {}
     cdef long long off = 0
-    for name, dt, expr in REGIONS:
-        n = _count(expr, sizes)
+    for name, dt, item, count in _COUNTS:
+        n = count(R, L, Tmax, K, P, rows, N)
         out[name] = (off, dt, n)
-        off += n * _ITEM[dt]
+        off += n * item
         off = (off + ALIGN - 1) // ALIGN * ALIGN
     return out, off
 
@@ -69,11 +74,15 @@ def fixed_bytes(int R, int Tmax, int K, int P):
     return lay["recv_local"][0]
 
 
+# META_FIELDS' offsets as functions of R, compiled once (exact-mode prepare reads two fields per call)
+_META_AT = {name: eval(f"lambda R: int({off})", {"__builtins__": {"int": int}}) for name, off, n in META_FIELDS}
+
+
 def meta_index(str field, int R):
-    for name, off, n in META_FIELDS:
-        if name == field:
-            return _count(off, {"R": R})
-    raise KeyError(field)
+    f = _META_AT.get(field)
+    if f is None:
+        raise KeyError(field)
+    return f(R)
 
 
 cdef class Handle:

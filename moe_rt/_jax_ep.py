@@ -93,7 +93,7 @@ def _f32_empty(like):
 
 # -- dispatch --------------------------------------------------------------------------------------------
 
-def _dispatch_impl(static, fp8, buf, x, w):
+def _dispatch_impl(static, fp8, zero, buf, x, w):
     N = static[3]
     specs = [_spec((N, x.shape[1]), x.dtype), _spec((N if w is not None else 0,), np.float32)]
 
@@ -101,23 +101,23 @@ def _dispatch_impl(static, fp8, buf, x, w):
         # dispatch stores the received weights in the handle: run it on a copy (XLA's input stays as is)
         group, h = _handle(static, bv, copy=wv is not None)
         # fp8: FP8 on the wire, rows dequantized on the receiving side (the same VJP: straight-through)
-        rx, rw, _ = group.dispatch(h, xv, wv, fp8=fp8, dequantize=fp8)
+        rx, rw, _ = group.dispatch(h, xv, wv, fp8=fp8, dequantize=fp8, zero_empty_slots=zero)
         return [rx, _f32_empty(xv) if rw is None else rw]
 
     rx, rw = _run(fn, specs, buf, x, w)
     return rx, (rw if w is not None else None)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _dispatch(static, fp8, buf, x, w):
-    return _dispatch_impl(static, fp8, buf, x, w)
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _dispatch(static, fp8, zero, buf, x, w):
+    return _dispatch_impl(static, fp8, zero, buf, x, w)
 
 
-def _dispatch_fwd(static, fp8, buf, x, w):
-    return _dispatch_impl(static, fp8, buf, x, w), (buf, None if w is None else jnp.zeros((0,), w.dtype))
+def _dispatch_fwd(static, fp8, zero, buf, x, w):
+    return _dispatch_impl(static, fp8, zero, buf, x, w), (buf, None if w is None else jnp.zeros((0,), w.dtype))
 
 
-def _dispatch_bwd(static, fp8, res, cts):
+def _dispatch_bwd(static, fp8, zero, res, cts):
     buf, w_tag = res
     g_rx, g_rw = cts
     gx, gw = _dispatch_bwd_run(static, buf, g_rx, g_rw if w_tag is not None else None)
@@ -157,7 +157,7 @@ def _dev(v):
     return _arrays.DevArray(v.data.ptr, tuple(v.shape), np.dtype(v.dtype), v, v.device.id)
 
 
-def _dispatch_fp8_impl(static, dequantize, buf, x, scales, w):
+def _dispatch_fp8_impl(static, dequantize, zero, buf, x, scales, w):
     N = static[3]
     group = _A.lookup(static[0])
     H = group.hidden
@@ -171,7 +171,7 @@ def _dispatch_fp8_impl(static, dequantize, buf, x, scales, w):
     def fn(bv, xv, sv, wv):
         group, h = _handle(static, bv, copy=wv is not None)
         xin = _dev(xv) if sv is None else (xv, sv)
-        out = group.dispatch(h, xin, wv, fp8=True, dequantize=dequantize)
+        out = group.dispatch(h, xin, wv, fp8=True, dequantize=dequantize, zero_empty_slots=zero)
         if dequantize:
             (ry, rw, _), rs = out, np.zeros(0, np.float32)
         else:
@@ -182,18 +182,18 @@ def _dispatch_fp8_impl(static, dequantize, buf, x, scales, w):
     return ry, rs, (rw if w is not None else None)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _dispatch_fp8(static, dequantize, buf, x, scales, w):
-    return _dispatch_fp8_impl(static, dequantize, buf, x, scales, w)
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _dispatch_fp8(static, dequantize, zero, buf, x, scales, w):
+    return _dispatch_fp8_impl(static, dequantize, zero, buf, x, scales, w)
 
 
-def _dispatch_fp8_fwd(static, dequantize, buf, x, scales, w):
+def _dispatch_fp8_fwd(static, dequantize, zero, buf, x, scales, w):
     gdt = _grad_dtype(_A.lookup(static[0]), x)
-    return (_dispatch_fp8_impl(static, dequantize, buf, x, scales, w),
+    return (_dispatch_fp8_impl(static, dequantize, zero, buf, x, scales, w),
             (buf, jnp.zeros((0,), gdt), None if w is None else jnp.zeros((0,), w.dtype)))
 
 
-def _dispatch_fp8_bwd(static, dequantize, res, cts):
+def _dispatch_fp8_bwd(static, dequantize, zero, res, cts):
     """Only the received weights carry a gradient (to topk_weights): dispatch_bwd of zero rows."""
     buf, g_tag, w_tag = res
     if w_tag is None:
@@ -206,7 +206,8 @@ def _dispatch_fp8_bwd(static, dequantize, res, cts):
 _dispatch_fp8.defvjp(_dispatch_fp8_fwd, _dispatch_fp8_bwd)
 
 
-def ep_dispatch(handle: JaxEpHandle, x, topk_weights=None, *, fp8: bool = False, dequantize: bool = False):
+def ep_dispatch(handle: JaxEpHandle, x, topk_weights=None, *, fp8: bool = False, dequantize: bool = False,
+                zero_empty_slots: bool = True):
     """Differentiable :meth:`moe_rt.EpGroup.dispatch` (a collective): ``x [T,H]`` goes once to each rank
     holding one of its experts, in expert-major order there.
 
@@ -222,9 +223,16 @@ def ep_dispatch(handle: JaxEpHandle, x, topk_weights=None, *, fp8: bool = False,
       side, in x's dtype (a pair: the group's dtype, bfloat16 without one). For a float ``x`` the VJP is
       **straight-through**: the quantization counts as the identity, so ``x`` gets the bf16
       ``dispatch_bwd`` of ``recv_x``'s cotangent (the usual FP8-training convention). A pair gets none.
+    - ``zero_empty_slots``: as in :meth:`moe_rt.EpGroup.dispatch`. Keep the default (True: zero rows, zero
+      codes and scales, past each local expert's filled rows) unless those rows never reach a sum: XLA's
+      output buffer may hold non-finite bits, and an expert over all rows times the zero cotangent rows of
+      combine's VJP would make NaN (docs/ep.md §4). False leaves them unspecified (not written; a static
+      flag of the trace).
     """
     _check(handle)
     _A.check_fp8_flags(fp8, dequantize)
+    _A.check_bool(zero_empty_slots, "zero_empty_slots")
+    zero = bool(zero_empty_slots)
     group = _A.lookup(handle.group_id)
     pair = isinstance(x, (tuple, list))
     if pair:
@@ -236,9 +244,9 @@ def ep_dispatch(handle: JaxEpHandle, x, topk_weights=None, *, fp8: bool = False,
     if topk_weights is not None:
         _ep.check_weights(topk_weights, "topk_weights", (handle.num_tokens, handle.topk))
     if not fp8 or (dequantize and not pair):
-        return _dispatch(handle.static, fp8, handle.buffer, x, topk_weights)
+        return _dispatch(handle.static, fp8, zero, handle.buffer, x, topk_weights)
     x0, sc = x if pair else (x, None)
-    ry, rs, rw = _dispatch_fp8(handle.static, dequantize, handle.buffer, x0, sc, topk_weights)
+    ry, rs, rw = _dispatch_fp8(handle.static, dequantize, zero, handle.buffer, x0, sc, topk_weights)
     return (ry, rw) if dequantize else (ry, rs, rw)
 
 

@@ -100,16 +100,17 @@ def _check(handle):
 
 @torch.library.custom_op("moe_rt::ep_dispatch", mutates_args=())
 def _dispatch_op(x: Tensor, topk_weights: Optional[Tensor], buffer: Tensor, host_meta: Tensor, group_id: int,
-                 topk: int, num_rows: int, fp8: bool = False) -> tuple[Tensor, Tensor]:
+                 topk: int, num_rows: int, fp8: bool = False, zero_empty_slots: bool = True) -> tuple[Tensor, Tensor]:
     # dispatch stores the received weights in the handle: run it on a copy so the input stays unchanged
     group, h = _handle(group_id, buffer, host_meta, x.shape[0], topk, copy=topk_weights is not None)
     # fp8: FP8 on the wire, rows dequantized on the receiving side (the same autograd: straight-through)
-    rx, rw, _ = group.dispatch(h, x.contiguous(), topk_weights, fp8=fp8, dequantize=fp8)
+    rx, rw, _ = group.dispatch(h, x.contiguous(), topk_weights, fp8=fp8, dequantize=fp8,
+                               zero_empty_slots=zero_empty_slots)
     return rx, (_empty_f32(x) if rw is None else rw)
 
 
 @_dispatch_op.register_fake
-def _(x, topk_weights, buffer, host_meta, group_id, topk, num_rows, fp8=False):
+def _(x, topk_weights, buffer, host_meta, group_id, topk, num_rows, fp8=False, zero_empty_slots=True):
     return (x.new_empty((num_rows, x.shape[1])),
             x.new_empty((num_rows if topk_weights is not None else 0,), dtype=torch.float32))
 
@@ -142,7 +143,7 @@ def _dispatch_bwd(ctx, grad_rx, grad_rw):
     if has_w and grad_rw is None:
         grad_rw = torch.zeros((grad_rx.shape[0],), dtype=torch.float32, device=grad_rx.device)
     gx, gw = _dispatch_bwd_op(grad_rx, grad_rw if has_w else None, buffer, host_meta, gid, T, K)
-    return gx, (gw.to(ctx.w_dtype) if has_w else None), None, None, None, None, None, None
+    return gx, (gw.to(ctx.w_dtype) if has_w else None), None, None, None, None, None, None, None
 
 
 _dispatch_op.register_autograd(_dispatch_bwd, setup_context=_dispatch_setup)
@@ -157,11 +158,11 @@ def _grad_dtype(group, x_dtype):
 
 @torch.library.custom_op("moe_rt::ep_dispatch_fp8", mutates_args=())
 def _dispatch_fp8_op(x: Tensor, scales: Optional[Tensor], topk_weights: Optional[Tensor], buffer: Tensor,
-                     host_meta: Tensor, group_id: int, topk: int, num_rows: int,
-                     dequantize: bool) -> tuple[Tensor, Tensor, Tensor]:
+                     host_meta: Tensor, group_id: int, topk: int, num_rows: int, dequantize: bool,
+                     zero_empty_slots: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     group, h = _handle(group_id, buffer, host_meta, x.shape[0], topk, copy=topk_weights is not None)
     xin = x.contiguous() if scales is None else (x.contiguous(), scales.contiguous())
-    out = group.dispatch(h, xin, topk_weights, fp8=True, dequantize=dequantize)
+    out = group.dispatch(h, xin, topk_weights, fp8=True, dequantize=dequantize, zero_empty_slots=zero_empty_slots)
     if dequantize:
         (ry, rw, _), rs = out, _empty_f32(x)
     else:
@@ -170,7 +171,7 @@ def _dispatch_fp8_op(x: Tensor, scales: Optional[Tensor], topk_weights: Optional
 
 
 @_dispatch_fp8_op.register_fake
-def _(x, scales, topk_weights, buffer, host_meta, group_id, topk, num_rows, dequantize):
+def _(x, scales, topk_weights, buffer, host_meta, group_id, topk, num_rows, dequantize, zero_empty_slots=True):
     group = _A.lookup(group_id)
     H = x.shape[1]
     if dequantize:
@@ -197,14 +198,14 @@ def _dispatch_fp8_bwd(ctx, _g_rows, _g_scales, grad_rw):
     if ctx.w_dtype is not None and grad_rw is not None:
         zeros = grad_rw.new_zeros((grad_rw.shape[0], _A.lookup(gid).hidden), dtype=gdt)
         gw = _dispatch_bwd_op(zeros, grad_rw, buffer, host_meta, gid, T, K)[1].to(ctx.w_dtype)
-    return None, None, gw, None, None, None, None, None, None
+    return None, None, gw, None, None, None, None, None, None, None
 
 
 _dispatch_fp8_op.register_autograd(_dispatch_fp8_bwd, setup_context=_dispatch_fp8_setup)
 
 
 def ep_dispatch(handle: TorchEpHandle, x, topk_weights: Optional[Tensor] = None, *, fp8: bool = False,
-                dequantize: bool = False):
+                dequantize: bool = False, zero_empty_slots: bool = True):
     """Differentiable :meth:`moe_rt.EpGroup.dispatch` (a collective): ``x [T,H]`` goes once to each rank
     holding one of its experts and lands there in expert-major order. ``handle.tokens_per_expert`` gives
     the rows per local expert.
@@ -224,9 +225,15 @@ def ep_dispatch(handle: TorchEpHandle, x, topk_weights: Optional[Tensor] = None,
       is **straight-through**: the quantization counts as the identity in the backward, so ``x`` gets the
       bf16 ``dispatch_bwd`` of ``recv_x``'s gradient (the usual FP8-training convention; gradients never
       travel as FP8). A pair gets no gradient (FP8 inputs); ``recv_weights`` as above.
+    - ``zero_empty_slots``: as in :meth:`moe_rt.EpGroup.dispatch`: True (the default) writes zero rows (zero
+      codes and scales) past each local expert's filled rows; False leaves them unspecified (not written:
+      they hold whatever the caching allocator's memory held, NaN bit patterns included). Keep the default
+      when an expert runs over every row and its backward sums over rows (a weight gradient of ``0 * NaN``
+      is NaN), or mask those rows first.
     """
     _check(handle)
     _A.check_fp8_flags(fp8, dequantize)
+    _A.check_bool(zero_empty_slots, "zero_empty_slots")
     _tensor(topk_weights, "topk_weights", True)
     pair = isinstance(x, (tuple, list))
     if pair:
@@ -237,10 +244,10 @@ def ep_dispatch(handle: TorchEpHandle, x, topk_weights: Optional[Tensor] = None,
         _tensor(x, "x")
     args = (handle.buffer, handle.host_meta, handle.group_id, handle.topk, handle.num_rows)
     if not fp8 or (dequantize and not pair):
-        rx, rw = _dispatch_op(x, topk_weights, *args, fp8)
+        rx, rw = _dispatch_op(x, topk_weights, *args, fp8, bool(zero_empty_slots))
         return rx, (rw if topk_weights is not None else None)
     x0, sc = (x[0].detach(), x[1].detach()) if pair else (x.detach(), None)
-    ry, rs, rw = _dispatch_fp8_op(x0, sc, topk_weights, *args, dequantize)
+    ry, rs, rw = _dispatch_fp8_op(x0, sc, topk_weights, *args, dequantize, bool(zero_empty_slots))
     rw = rw if topk_weights is not None else None
     return (ry, rw) if dequantize else (ry, rs, rw)
 

@@ -33,11 +33,13 @@ transport. Each public op validates its arguments, then calls its transport once
 Transports (``transport=``, ``MOE_RT_EP_TRANSPORT``; ``group.transport``) move the rows; each is a module
 with one class offering the same small interface (a third transport is one more such module):
 
-- ``forward(call, handle, x, w, op, *, expand=True, want_w=False, fp8=None)``: the dispatch direction
-  (``dispatch``, ``combine_bwd``): the rows of ``x [T,H]`` (of any width) (and fp32 weights ``w [T,K]`` or
-  None, received into the handle's ``recv_wk``) to the ranks of their experts. Returns ``(rows [N,H]
-  expert-major, weights [N] or None)`` (padding rows zero; ``weights[n] = recv_wk[src_slot[n]]`` when
-  ``want_w``), or with ``expand=False`` the received rows ``[rows,H]`` in the handle's layout (source-major).
+- ``forward(call, handle, x, w, op, *, expand=True, want_w=False, fp8=None, zero=True)``: the dispatch
+  direction (``dispatch``, ``combine_bwd``): the rows of ``x [T,H]`` (of any width) (and fp32 weights ``w
+  [T,K]`` or None, received into the handle's ``recv_wk``) to the ranks of their experts. Returns ``(rows
+  [N,H] expert-major, weights [N] or None)`` (padding rows zero, or not written at all with ``zero=False``:
+  dispatch's ``zero_empty_slots``; weights zero there either way; ``weights[n] = recv_wk[src_slot[n]]``
+  when ``want_w``), or with ``expand=False`` the received rows ``[rows,H]`` in the handle's layout
+  (source-major).
   ``fp8`` (a :class:`moe_rt._ep_rows.Fp8Rows`): ``x`` holds an FP8 dispatch's packed rows and the expand
   writes them split into codes and scales, or dequantized (``rows`` is then the tuple of those outputs);
 - ``reduce(call, handle, y, w, gw, op)``: the combine direction (``combine``: weights ``w [rows,K]`` or
@@ -82,7 +84,8 @@ Modes:
 
 - ``"exact"``: after the count exchange, ``prepare`` reads the counts on the host **once (a device
   sync)** and sizes every buffer exactly (with ``align_size > 1`` the expert-major row count is the
-  permutation family's bound ``floor((slots + L*(A-1)) / A) * A``; rows past ``seg_start[L]`` are zero).
+  permutation family's bound ``floor((slots + L*(A-1)) / A) * A``; rows past ``seg_start[L]`` are zero, or
+  left unwritten with ``dispatch(..., zero_empty_slots=False)``, as in capacity mode).
 - ``"capacity"``: fixed worst-case sizes: ``pair_capacity`` rows per (src, dst) pair (default
   ``max_tokens_per_rank``, which never overflows) and at most ``capacity`` expert slots per rank (default
   ``R * pair_capacity * min(K, L)``, which never overflows). No host sync past each op's first call (see
@@ -90,7 +93,8 @@ Modes:
   capacity and slots past ``capacity`` (the last ones in expert-major order) are **dropped** and raise a
   device flag, read with
   :meth:`Handle.overflow` or :meth:`EpGroup.check_overflow` (those read the device: a sync). Dropped slots
-  contribute nothing to combine and get zero gradients.
+  contribute nothing to combine and get zero gradients. Most of the ``capacity`` rows of a dispatch hold
+  no slot: zero, or left unwritten with ``dispatch(..., zero_empty_slots=False)`` (docs/ep.md §4).
 
 Expert ids outside ``[-1, E)`` are a ValueError (``topk_idx: expert ids must be in [-1, num_experts=E),
 got V``) on every backend, raised later on CUDA: the CPU path raises in ``prepare``; on CUDA the routing
@@ -114,8 +118,9 @@ overlap; ``prepare``: index dtype) waits, with the same deadline, for the work q
 of its NCCL exchanges (:meth:`EpGroup._first_call`); later calls do not.
 
 Streams: every op runs on the caller's current stream (``stream=None``) or the one given. The staging
-buffers of an op come from CuPy's pool on that stream. Ops of one group must be issued in the same order on
-every rank (they are collectives).
+buffers of an op come from CuPy's pool on that stream (on the direct transport a torch caller on torch's
+current stream gets its results from torch's allocator: :meth:`EpGroup._lean`). Ops of one group must be
+issued in the same order on every rank (they are collectives).
 
 CPU: NumPy (or torch/JAX CPU) arrays work with a 1-rank group (``comm=None``) and run the NumPy oracle
 :mod:`moe_rt.reference.ep`. A multi-rank group needs CUDA arrays (TypeError otherwise).
@@ -131,10 +136,10 @@ import weakref
 import numpy as np
 
 from moe_rt import _arrays, _errors, _jit, permutation
-from moe_rt import _ep_adapt, _ep_direct, _ep_mixed, _ep_nccl, _handle
+from moe_rt import _ep_adapt, _ep_direct, _ep_mixed, _ep_nccl, _ep_rows, _handle
 from moe_rt import fp8 as _fp8
 from moe_rt._ep_rows import FILE as _FILE, UNITS as _UNITS
-from moe_rt._ep_rows import Fp8Rows, grid as _grid, plan_view, recv_wk, scale_rows
+from moe_rt._ep_rows import Fp8Rows, grid as _grid, plan_view, recv_wk, regions, scale_rows, tokens_per_expert
 from moe_rt._handle import Handle, meta_index
 from moe_rt.reference import ep as _ref
 from moe_rt.reference import fp8 as _fp8_ref
@@ -500,12 +505,23 @@ class EpGroup:
             return _NO_WAITS
         return _Settling(self, nc, op, key, stream)
 
+    def _lean(self):
+        """Whether an op's CUDA path takes DevArrays and allocates its results through ``Call.empty``
+        (:class:`moe_rt._arrays.Call`'s ``lean``: a torch caller on torch's current stream passes its tensors'
+        pointers as they are and gets torch tensors from torch's allocator back, no CuPy arrays and no DLPack
+        either way): on the direct transport, whose ops read only pointers, shapes and dtypes of their
+        arrays."""
+        return self.transport == "direct"
+
     def _op_key(self, op, handle, rows, *flags):
         """What decides the kernels a call of ``op`` launches (:meth:`_first_call`): the op, the dtype, width
         and address alignment of its ``rows`` (a CuPy array), its ``flags`` and, on the NCCL transport,
-        whether it overlaps the transfer."""
-        rb = int(rows.shape[1]) * rows.dtype.itemsize
+        whether it overlaps the transfer; None (made at no cost) where the group has no NCCL exchange, whose
+        calls wait for nothing."""
         t = self._transport
+        if self.size == 1 or not (isinstance(t, _ep_nccl.NcclTransport) or getattr(t, "nccl", None) is not None):
+            return None  # no NCCL exchange: _first_call waits for nothing
+        rb = int(rows.shape[1]) * rows.dtype.itemsize
         ov = t._overlapped(handle, rb) if isinstance(t, _ep_nccl.NcclTransport) else None
         return (op, rows.dtype, rb, rows.data.ptr & 15, ov) + flags
 
@@ -647,7 +663,7 @@ class EpGroup:
                 self._wait(s, "prepare")
                 _errors.raise_pending(dev, s)
             return self._handle(buf, c.lay, c.sz, dev, None)
-        R, me, P, CW, SEG = c.R, self.rank, c.P, c.CW, c.SEG
+        R, P, CW, SEG = c.R, c.P, c.CW, c.SEG
         lay = c.lay
         direct = c.box is not None
         if direct:  # each destination's segment pushed into its box; this rank reads its own box
@@ -671,8 +687,7 @@ class EpGroup:
             self._transport.exchange_box(s, outbox, inbox, whole, whole, SEG, 0)
         host, sz, plan, scratch = None, c.sz, c.plan, part + 4 * c.part_words
         if exact:
-            _jit.launch_raw(_jit.function(_FILE, "ep_plan_meta"), 1, 32,
-                            (meta, *segs, np.int32(R), np.int32(me), np.int32(P), np.int32(1), np.int64(-1)), 0, s)
+            _jit.launch_raw(c.f_meta, 1, 32, (meta, *segs, *c.meta_tail), 0, s)
             host = self._read_meta(buf[lay["meta"][0]:lay["meta"][0] + 4 * lay["meta"][2]].view(np.int32), s, dev)
             rows = int(host[meta_index("recv_rows", R)])
             slots = int(host[meta_index("total_slots", R)])
@@ -682,7 +697,7 @@ class EpGroup:
             fixed = lay["recv_local"][0]
             lay, total = _handle.layout(R, L, c.Tmax, K, P, rows, N)
             buf0, buf = buf, xp.empty(total, np.uint8)
-            buf[:fixed] = buf0[:fixed]
+            _ep_rows.copy_bytes(buf.data.ptr, buf0.data.ptr, fixed, s)
             b, meta = buf.data.ptr, buf.data.ptr + lay["meta"][0]
             sz = dict(sz, rows=rows, N=N, num_out=slots)
             if not direct and R > 1:
@@ -747,7 +762,7 @@ class EpGroup:
 
     # -- ops -------------------------------------------------------------------------------------------
     def dispatch(self, handle, x, topk_weights=None, *, fp8: bool = False, dequantize: bool = False,
-                 stream=None):
+                 zero_empty_slots: bool = True, stream=None):
         """Send tokens to the ranks of their experts, in expert-major order (a collective).
 
         Args:
@@ -765,17 +780,34 @@ class EpGroup:
             dequantize: with ``fp8=True``: return rows dequantized on the receiving side instead of the
                 FP8 pair: in x's dtype for a float ``x``; for a pair, in the group's ``dtype`` (bfloat16
                 when the group has none).
+            zero_empty_slots: True (the default): the expert-major rows that hold no slot (each local
+                expert's padding to ``align_size``, and every row past ``seg_start[L]``: in capacity mode
+                most of the ``capacity`` rows) are written as zeros (zero codes and scales with ``fp8=True``,
+                zero dequantized rows). False: they are left **unspecified**, not written at all (on CUDA the
+                outputs are allocated uninitialized: those rows hold whatever the allocator's memory held,
+                NaN or Inf bit patterns included); the filled rows (local expert ``l``'s first
+                ``handle.view('expert_counts')[l]`` rows from ``seg_start[l]``; ``tokens_per_local_expert[l]``
+                counts its padding too when ``align_size > 1``), the received weights (zero on the empty rows
+                either way) and the counts are bitwise the same as with True. In capacity mode this saves
+                writing ``(N - filled rows) * row bytes`` of HBM per dispatch (docs/ep.md §4).
+                :meth:`combine` and :meth:`dispatch_bwd` read only the filled rows of their inputs, but an
+                expert applied to every row gets garbage there: mask, or compute only over the filled rows,
+                before anything sums over rows (a weight gradient over all rows would turn ``0 * NaN`` into
+                NaN). The CPU path (the NumPy reference) writes zeros either way, which "unspecified"
+                allows.
             stream: CUDA stream (None = the caller's current stream).
 
         Returns:
             - ``fp8=False``: ``(recv_x [N,H] x.dtype, recv_weights [N] float32 or None,
               tokens_per_local_expert [L] int32)``: rows grouped by local expert (segments
-              ``handle.view('seg_start')``), padding and unused rows zero. The received weights are also
+              ``handle.view('seg_start')``), padding and unused rows zero (unspecified with
+              ``zero_empty_slots=False``). The received weights are also
               kept in the handle for ``combine(weighted=True)``.
             - ``fp8=True``: ``(recv_x_fp8 [N,H], recv_scales [N, ceil(H/128)] float32, recv_weights,
               tokens_per_local_expert)`` in the same layout, ready for an FP8 grouped GEMM:
               ``recv_x_fp8`` is float8_e4m3fn (torch, JAX, NumPy/ml_dtypes), or uint8 when the pair's
-              ``x_fp8`` was uint8; padding rows have zero codes and zero scales. A CuPy float ``x``
+              ``x_fp8`` was uint8; padding rows have zero codes and zero scales (unspecified with
+              ``zero_empty_slots=False``). A CuPy float ``x``
               cannot get FP8 rows back (CuPy holds no FP8): TypeError; pass uint8 codes or
               ``dequantize=True``.
             - ``fp8=True, dequantize=True``: ``(recv_x [N,H], recv_weights, tokens_per_local_expert)``
@@ -787,12 +819,14 @@ class EpGroup:
         """
         self._check_handle(handle, "dispatch")
         _ep_adapt.check_fp8_flags(fp8, dequantize)
+        _check_bool(zero_empty_slots, "zero_empty_slots")
+        zero = bool(zero_empty_slots)
         pair = isinstance(x, (tuple, list))
         if pair:
             _ep_adapt.check_pair_arity(x, fp8)
         if fp8:
-            return self._dispatch_fp8(handle, x, topk_weights, pair, dequantize, stream)
-        with _arrays.Call({"x": x, "topk_weights": topk_weights}, stream=stream) as call:
+            return self._dispatch_fp8(handle, x, topk_weights, pair, dequantize, zero, stream)
+        with _arrays.Call({"x": x, "topk_weights": topk_weights}, stream=stream, lean=self._lean()) as call:
             self._check_call(call, "dispatch")
             _check_backend(handle, call, "dispatch")
             sz = handle.sizes
@@ -802,14 +836,15 @@ class EpGroup:
             xv = _arrays.contiguous(call.xp, xv)
             handle.state["dtype"] = np.dtype(xv.dtype)
             handle.state["has_weights"] = wv is not None
-            if call.backend == "cpu":
+            if call.backend == "cpu":  # zero rows either way (zero_empty_slots=False: unspecified allows it)
                 rx, rw, tpe = _ref.dispatch([handle.state["ref"]], [xv], None if wv is None else [wv])[0]
                 self._keep_ref_weights(handle, wv)
                 return call.out(rx), (None if rw is None else call.out(rw)), call.out(tpe)
-            with self._first_call("dispatch", self._op_key("dispatch", handle, xv, wv is not None), call.stream):
-                rx, rw = self._transport.forward(call, handle, xv, wv, "dispatch", want_w=wv is not None)
+            key = self._op_key("dispatch", handle, xv, wv is not None, zero)
+            with self._first_call("dispatch", key, call.stream):
+                rx, rw = self._transport.forward(call, handle, xv, wv, "dispatch", want_w=wv is not None, zero=zero)
                 self._last_stream = call.stream
-                tpe = handle.view("tokens_per_expert").copy()
+                tpe = tokens_per_expert(call, handle)
             return call.out(rx), (None if rw is None else call.out(rw)), call.out(tpe)
 
     def _dispatch_weights(self, call, handle):
@@ -841,10 +876,11 @@ class EpGroup:
             raise ValueError(f"scales: expected shape [T, ceil(H/{FP8_BLOCK})] = {(rows, S)} (one fp32 scale per "
                              f"{FP8_BLOCK} channels of each token), got {tuple(scales.shape)}")
 
-    def _dispatch_fp8(self, handle, x, topk_weights, pair, dequantize, stream):
+    def _dispatch_fp8(self, handle, x, topk_weights, pair, dequantize, zero, stream):
         """:meth:`dispatch` with ``fp8=True`` (checked flags): quantize a float x (or pack a pair) into packed
         rows of codes and scales on the sending side, one pass of the transport over them (with the weights),
-        whose expand splits each row into the codes and scales, or dequantizes it when asked."""
+        whose expand splits each row into the codes and scales, or dequantizes it when asked; ``zero``:
+        zero_empty_slots."""
         arrays = {"x_fp8": x[0], "scales": x[1]} if pair else {"x": x}
         arrays["topk_weights"] = topk_weights
         with _arrays.Call(arrays, stream=stream) as call:
@@ -865,7 +901,7 @@ class EpGroup:
             # the gradient path of an FP8 dispatch is the float one (dispatch_bwd, combine): in x's dtype
             handle.state["dtype"] = out_dt if not pair or dequantize else self.dtype
             handle.state["has_weights"] = wv is not None
-            if call.backend == "cpu":
+            if call.backend == "cpu":  # zero rows either way (zero_empty_slots=False: unspecified allows it)
                 if pair:
                     q = np.ascontiguousarray(call["x_fp8"])
                     sc = np.ascontiguousarray(call["scales"])
@@ -889,16 +925,16 @@ class EpGroup:
             else:
                 xv = _arrays.contiguous(xp, xv)
             key = self._op_key("dispatch_fp8", handle, packed, pair, codes, np.dtype(out_dt), dequantize,
-                               wv is not None, None if pair else (xv.dtype, xv.data.ptr & 15))
+                               wv is not None, None if pair else (xv.dtype, xv.data.ptr & 15), zero)
             with self._first_call("dispatch", key, s):
                 if pair:
                     _fp8.launch_pack(q, sc, packed, FP8_BLOCK, call.device_id, s)
                 else:
                     _fp8.launch_quantize_packed(xv, packed, FP8_BLOCK, call.device_id, s)
                 out, rw = self._transport.forward(call, handle, packed, wv, "dispatch", want_w=wv is not None,
-                                                  fp8=rows)
+                                                  fp8=rows, zero=zero)
                 self._last_stream = s
-                tpe = handle.view("tokens_per_expert").copy()
+                tpe = tokens_per_expert(call, handle)
                 rw = None if rw is None else call.out(rw)
                 if dequantize:
                     return call.out(out[0]), rw, call.out(tpe)
@@ -921,7 +957,7 @@ class EpGroup:
         """
         self._check_handle(handle, "combine")
         _check_bool(weighted, "weighted")
-        with _arrays.Call({"y": y}, stream=stream) as call:
+        with _arrays.Call({"y": y}, stream=stream, lean=self._lean()) as call:
             self._check_call(call, "combine")
             _check_backend(handle, call, "combine")
             yv = call["y"]
@@ -931,7 +967,8 @@ class EpGroup:
             yv = _arrays.contiguous(call.xp, yv)
             if call.backend == "cpu":
                 return call.out(_ref.combine([handle.state["ref"]], [yv], weighted=weighted)[0])
-            pw = recv_wk(handle) if weighted else None
+            # the received weights: the direct transport takes their address (no view to make per handle)
+            pw = None if not weighted else regions(handle)["recv_wk"] if self.transport == "direct" else recv_wk(handle)
             with self._first_call("combine", self._op_key("combine", handle, yv, weighted), call.stream):
                 out, _ = self._transport.reduce(call, handle, yv, pw, None, "combine")
                 self._last_stream = call.stream
@@ -950,7 +987,8 @@ class EpGroup:
             slots with no expert or dropped).
         """
         self._check_handle(handle, "dispatch_bwd")
-        with _arrays.Call({"grad_recv_x": grad_recv_x, "grad_recv_w": grad_recv_w}, stream=stream) as call:
+        with _arrays.Call({"grad_recv_x": grad_recv_x, "grad_recv_w": grad_recv_w}, stream=stream,
+                          lean=self._lean()) as call:
             self._check_call(call, "dispatch_bwd")
             _check_backend(handle, call, "dispatch_bwd")
             sz = handle.sizes
@@ -984,7 +1022,7 @@ class EpGroup:
         """
         self._check_handle(handle, "combine_bwd")
         _check_bool(weighted, "weighted")
-        with _arrays.Call({"grad_out": grad_out, "y": y}, stream=stream) as call:
+        with _arrays.Call({"grad_out": grad_out, "y": y}, stream=stream, lean=self._lean()) as call:
             self._check_call(call, "combine_bwd")
             _check_backend(handle, call, "combine_bwd")
             sz = handle.sizes
@@ -1019,10 +1057,10 @@ class EpGroup:
                 gy, gp = permutation.combine_backward(recv_buf, plan_view(handle), yv, recv_wk(handle),
                                                       stream=call.stream)
                 N = sz["N"]
-                gw = call.xp.empty(N, np.float32)
+                gw = call.empty((N,), np.float32)
                 if N:
                     _jit.launch(_jit.function(_FILE, "ep_gather_slots"), _grid(N, call.device_id), 256,
-                                (gp, handle.view("src_slot"), gw, np.int64(N)), stream=call.stream)
+                                (gp, regions(handle)["src_slot"], gw, np.int64(N)), stream=call.stream)
                 return call.out(gy), call.out(gw)
 
 
@@ -1093,7 +1131,7 @@ class _PrepCfg:
                  "work_words", "cstride", "half", "plan", "rows", "N", "threads", "f_send", "send_grid", "send_smem",
                  "TC", "B", "rank_warps", "err", "fused", "f_plan", "plan_mid", "plan_smem", "f_recv", "recv_mid",
                  "recv_grid", "recv_smem", "full_segments", "counts_only", "f_direct", "direct_grid", "direct_smem",
-                 "send_mid", "offsets", "gs", "box", "direct_args")
+                 "send_mid", "offsets", "gs", "box", "direct_args", "f_meta", "meta_tail")
 
     # ep_prepare_plan's shared memory (its per-source, per-expert offsets) must fit this; larger R*L take
     # ep_prepare_recv and the permutation plan's kernels
@@ -1164,6 +1202,9 @@ class _PrepCfg:
         self.plan_mid = (np.int32(R), np.int32(me), np.int32(P), np.int32(K), np.int32(L), np.int32(A), exact,
                          np.int64(cap))
         self.f_recv = _jit.function(_FILE, "ep_prepare_recv")
+        # exact mode: ep_plan_meta (the counts for the host read) and its arguments after the segments
+        self.f_meta = _jit.function(_FILE, "ep_plan_meta") if g.mode == "exact" else None
+        self.meta_tail = (np.int32(R), np.int32(me), np.int32(P), np.int32(1), np.int64(-1))
         self.recv_smem = 4 * (2 * R + 1)
         self.recv_mid = (np.int32(R), np.int32(me), np.int32(P), np.int32(K), np.int32(L), exact, np.int64(cap))
         self.full_segments, self.counts_only = [self.SEG] * R, [self.CW] * R
@@ -1224,9 +1265,7 @@ def _check_plan_rows(rows, K, N):
         raise ValueError(f"the plan needs {N} expert-major rows / {rows}x{K} slots; must stay below 2^31")
 
 
-def _check_bool(v, name):
-    if not isinstance(v, (bool, np.bool_)):
-        raise TypeError(f"{name}: expected a bool, got {type(v).__name__}")
+_check_bool = _ep_adapt.check_bool
 
 
 def check_weights(w, name, shape):

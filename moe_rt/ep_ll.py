@@ -23,8 +23,20 @@ has its own row). A token that names an expert twice has one slot for it.
   j % Tmax)``. Rows of slots with no token are **unspecified** (whatever the buffer held; zeroing them
   would cost more than the transfer): a grouped GEMM may compute every row (its rows are independent) and
   :meth:`combine` reads only valid slots; a user who needs zeros there masks with ``slot_topk >= 0``.
+- Rows on the wire: with ``dedup`` (the default; ``dedup=False`` or ``MOE_RT_LL_DEDUP=0`` turns it off) a
+  token's row crosses to each destination rank once, into the slot of its first (lowest k) expert there, and
+  the receiving half of the kernel copies it locally (HBM) into the same column of the token's other local
+  experts' blocks once the chunk flags say it landed (a token's K=8 of E=256 experts lie on about 2 ranks
+  at R=2 and 3.6 at R=4): the same results bit for bit, fewer bytes on the peer links. Without it, one row
+  per (token, distinct expert). ``combine_bwd`` without ``expert_out`` (rows scaled per expert) pushes per
+  expert either way.
 - ``recv_x`` is a view of the group's receive buffer, valid until the group's next dispatch-direction op
   (``dispatch`` or ``combine_bwd``): copy it to keep it (e.g. for the expert backward).
+- The handle's tables (``counts``, ``slot_topk``, ``slot_weights`` and the routing combine reads) lie in one
+  of the group's table sets (:class:`_TableSet`): a later dispatch on the same stream reuses a set only once
+  nothing outside the group refers to it (no handle, none of its arrays or arrays derived from them), so they
+  stay valid as long as they are kept; a dispatch captured in a CUDA graph writes its set at every replay:
+  keep its handle (or one of its arrays) while the graph may replay.
 - :meth:`LowLatencyGroup.combine` ``(handle, expert_out [L, R*Tmax, H])`` -> ``out [T,H]``: barrier, then
   one kernel: each expert rank pushes each valid slot's row into its token owner's back buffer, the owner
   sums ``w[t,k] * y`` over ``k`` ascending in fp32 (products and additions each rounded to fp32, as the
@@ -64,6 +76,8 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
+import sys
 
 import numpy as np
 
@@ -94,28 +108,77 @@ _PUSH, _RECEIVE = 1, 2  # ep_ll_dispatch's phases (LL_PUSH, LL_RECEIVE in kernel
 _KERNEL_IDX = {np.dtype(k): v for k, v in _IDX.items()}  # IdxT of the dispatch kernels, by id dtype
 
 
-class _Tables(dict):
-    """The device tables of one CUDA dispatch's handle (``idx`` int32 and ``w`` fp32 ``[T,K]``, ``route``
-    ``[R,Tmax,K]`` int32, ``slot_k`` int32 and ``slot_w`` fp32 ``[L,R*Tmax]``, ``counts`` ``[L]`` int32) in one
-    allocation ``base``, laid out by ``layout`` (name -> (byte offset, bytes, shape, dtype)): :meth:`ptr` gives a
-    table's address without making an array; ``tables[name]`` a CuPy view of it, made on first access. Every
-    dispatch makes its own, so a handle stays valid for combine and the backwards after later dispatches of its
-    group (as long as the handle, which owns them, lives)."""
+_TABLES = ("idx", "w", "route", "slot_k", "slot_w", "counts")  # ep_ll_dispatch's handle outputs, in order
+_RETURNED = ("slot_k", "slot_w", "counts")  # the tables a dispatch hands out (its views made once per set)
+_RING = 4  # table sets a group keeps for reuse per stream
+_RING_STREAMS = 4  # streams a group keeps table sets for
+_SAME = ("cupy", "devarray")  # callers' frameworks whose results _arrays.Call.out hands back as they are
 
-    def __init__(self, base, layout):
-        super().__init__()
-        self.base, self.layout, self.base_ptr = base, layout, base.data.ptr
+
+class _TableSet:
+    """One allocation of a handle's device tables (``idx`` int32 and ``w`` fp32 ``[T,K]``, sized for Tmax
+    tokens, ``route`` ``[R,Tmax,K]`` int32, ``slot_k`` int32 and ``slot_w`` fp32 ``[L,R*Tmax]``, ``counts`` ``[L]``
+    int32; ``layout``: name -> (byte offset, bytes at Tmax, shape at Tmax, dtype)), with the table addresses
+    and the CuPy views of the tables a dispatch returns made once.
+
+    A group keeps up to _RING sets per stream and reuses one for a dispatch on the stream it was made on once
+    nothing outside the group refers to it (:meth:`free`: no handle holds it, and no array over its memory
+    lives, the returned views and anything derived from them or exported included), so a handle and its
+    arrays stay valid as long as they live, after any later dispatch, as with one allocation per dispatch.
+    The reuse follows the stream order of its stream, as CuPy's memory pool reuses freed memory."""
+
+    __slots__ = ("base", "mem", "layout", "ptrs", "outs", "outs0", "views", "stream", "_held", "_refs")
+
+    def __init__(self, base, layout, stream):
+        import cupy
+
+        self.base, self.mem, self.layout, self.stream = base, base.data.mem, layout, stream
+        p = base.data.ptr
+        self.ptrs = {name: p + off for name, (off, *_) in layout.items()}
+        self.outs = tuple(self.ptrs[n] for n in _TABLES)  # ep_ll_dispatch's six outputs; T = 0: no idx, w
+        self.outs0 = (0, 0) + self.outs[2:]
+        self.views = {n: cupy.ndarray(layout[n][2], layout[n][3], base.data + layout[n][0]) for n in _RETURNED}
+        self._held = self._refs = None
+
+    def settle(self):
+        """Record the counts of a set held by its group alone (called where :meth:`free` is)."""
+        v = self.views
+        # what tells whether anything outside the group holds this set, besides the set itself (a handle's
+        # tables hold it) and its memory (every array and pointer over it holds that): the arrays and
+        # pointers the set holds (one derived from them, or handed out, holds them)
+        self._held = (self.base, self.base.data, v["slot_k"], v["slot_w"], v["counts"], v["slot_k"].data,
+                      v["slot_w"].data, v["counts"].data)
+        rc = sys.getrefcount
+        self._refs = (rc(self), rc(self.mem), tuple(map(rc, self._held)))
+
+    def free(self):
+        rc, r = sys.getrefcount, self._refs
+        if rc(self) != r[0] or rc(self.mem) != r[1]:  # a handle or an array over the set: the common case
+            return False
+        return tuple(map(rc, self._held)) == r[2]
+
+
+class _Tables(dict):
+    """A CUDA dispatch's handle tables: the first ``T`` tokens' part of a :class:`_TableSet` (which it holds,
+    so that the set is not reused while the handle lives). :meth:`ptr` gives a table's address without making
+    an array; ``tables[name]`` a CuPy view of it, made on first access."""
+
+    def __init__(self, tset, T):
+        super().__init__(tset.views)  # the returned tables' views, made once per set
+        self.tset, self.T = tset, T
 
     def ptr(self, name):
         """The address of table ``name``; 0 for an empty one (T = 0), as an empty CuPy array's."""
-        off, nbytes = self.layout[name][:2]
-        return self.base_ptr + off if nbytes else 0
+        return 0 if not self.T and name in ("idx", "w") else self.tset.ptrs[name]
 
     def __missing__(self, name):
         import cupy
 
-        off, _, shape, dt = self.layout[name]
-        v = self[name] = cupy.ndarray(shape, dt, self.base.data + off)
+        ts = self.tset
+        off, _, shape, dt = ts.layout[name]
+        if name in ("idx", "w"):
+            shape = (self.T, shape[1])
+        v = self[name] = cupy.ndarray(shape, dt, ts.base.data + off)
         return v
 
 
@@ -141,6 +204,41 @@ class _Hook:
         self._group._receive(self._handle, self._keep, stream)
         self._handle.received = True
         self._keep = None
+
+
+def env_dedup() -> bool:
+    """``MOE_RT_LL_DEDUP``: ``1`` (the default, also when unset or empty) or ``0`` (ValueError otherwise):
+    whether a :class:`LowLatencyGroup` made with ``dedup=None`` pushes each token's row once per destination
+    rank (module notes)."""
+    v = os.environ.get("MOE_RT_LL_DEDUP", "")
+    if v not in ("", "0", "1"):
+        raise ValueError(f"MOE_RT_LL_DEDUP: expected 0 or 1, got {v!r}")
+    return v != "0"
+
+
+def wire_rows(topk_idx, num_experts: int, num_ranks: int, rank: int, *, dedup: bool = True) -> int:
+    """The token rows rank ``rank``'s dispatch (bf16 or FP8 rows, not combine_bwd without ``expert_out``)
+    pushes to the *other* ranks for the routing ``topk_idx [T,K]`` (ids in ``[-1, E)``): one per (token,
+    distinct destination rank) with ``dedup``, else one per (token, distinct expert)."""
+    idx = np.asarray(topk_idx).astype(np.int64)
+    L = num_experts // num_ranks
+    n = 0
+    for row in idx:
+        keys = {int(e) // L if dedup else int(e) for e in row if e >= 0 and int(e) // L != rank}
+        n += len(keys)
+    return n
+
+
+def check_dedup_agrees(dedups) -> None:
+    """Every rank's ``dedup`` setting (all-gathered when the group sets up) must be the same: a receiver without
+    the dedup split would not copy a sender's once-per-rank row into the token's other slots (they would keep
+    stale rows). ValueError naming the ranks otherwise (every rank sees the same values, so all raise alike)."""
+    v = [bool(int(d)) for d in dedups]
+    if len(set(v)) > 1:
+        on = [r for r, d in enumerate(v) if d]
+        off = [r for r, d in enumerate(v) if not d]
+        raise ValueError(f"dedup: the ranks disagree (on at ranks {on}, off at ranks {off}); pass the same "
+                         f"LowLatencyGroup(dedup=...) or MOE_RT_LL_DEDUP on every rank")
 
 
 def chunk_tokens(max_tokens_per_rank: int) -> int:
@@ -202,13 +300,19 @@ class LowLatencyGroup:
         fp8: also make the FP8 receive buffers (per set: codes ``[L, R*Tmax, H]`` uint8 and scales ``[L,
             R*Tmax, ceil(H/128)]`` fp32, ``L*R*Tmax*(H + 4*ceil(H/128))`` bytes) that ``dispatch(...,
             fp8=True)`` needs (default False: a group without them keeps that memory).
+        dedup: push each token's row once per destination rank (into the slot of its first expert there;
+            the receiving kernel copies it to the token's other local experts' slots, in HBM) instead of once
+            per expert (default None: ``MOE_RT_LL_DEDUP``, 1 unless set to 0). The results are the same bit
+            for bit; only the bytes on the peer links change (module notes). The same on every rank (the
+            first op's set-up checks: a ValueError otherwise).
 
     A collective on several ranks (IPC buffers exchanged; a host sync, outside graph capture). ``close()``
     on every rank at the same point of its op sequence.
     """
 
     def __init__(self, comm, num_experts: int, hidden: int, max_tokens_per_rank: int, *, topk: int,
-                 dtype="bfloat16", timeout: float | None = None, num_buffers: int = 1, fp8: bool = False):
+                 dtype="bfloat16", timeout: float | None = None, num_buffers: int = 1, fp8: bool = False,
+                 dedup: bool | None = None):
         (self.rank, self.size, self.device, self.num_experts, self.num_local_experts,
          self.hidden) = _ep.group_identity(comm, ("rank", "size", "device", "all_gather"), num_experts, hidden)
         self.comm = comm
@@ -237,6 +341,10 @@ class LowLatencyGroup:
         self.num_buffers = _arrays.check_int(num_buffers, "num_buffers", low=1, high=2)
         _ep._check_bool(fp8, "fp8")
         self.fp8 = bool(fp8)
+        if dedup is None:
+            dedup = env_dedup()
+        _ep._check_bool(dedup, "dedup")
+        self.dedup = bool(dedup)
         self.num_scales = _fp8_ref.num_blocks(self.hidden, FP8_BLOCK)
         self.id = next(_ids)
         self.closed = False
@@ -247,10 +355,13 @@ class LowLatencyGroup:
         self._last_stream = None
         self.chunk = chunk_tokens(self.max_tokens_per_rank)
         # host-side caches of the CUDA path (made on use, after _setup; docs/ep.md §8, host time): the handle
-        # tables' layout per T, the kernels per (kind, vector path, id dtype) with their resident blocks, the
-        # constant parts of the launch arguments per (op, buffer set), the views of the shared buffers and the
-        # received rows dispatch returns per (set, FP8 rows, codes dtype)
-        self._layouts, self._fns, self._const, self._views, self._row_views = {}, {}, {}, {}, {}
+        # tables' layout and their sets per stream (_TableSet), the kernels per (kind, vector path, id dtype)
+        # with their resident blocks, the launch set-ups (_dispatch_setup, _combine_setup), the views of the
+        # shared buffers and the received rows dispatch returns per (set, FP8 rows, codes dtype)
+        self._layout, self._rings = None, {}
+        self._fns, self._const, self._views, self._row_views = {}, {}, {}, {}
+        self._slots = (self.num_local_experts, R * self.max_tokens_per_rank, self.hidden)  # [L, R*Tmax, H]
+        self._checked = {}  # argument signatures (shapes, dtypes) that passed an op's checks
 
     # The host waits and the timeout report of EpGroup (they use comm, timeout and _transport alone).
     _wait = _ep.EpGroup._wait
@@ -259,7 +370,7 @@ class LowLatencyGroup:
     def __repr__(self):
         return (f"LowLatencyGroup(rank={self.rank}, size={self.size}, num_experts={self.num_experts}, "
                 f"hidden={self.hidden}, max_tokens_per_rank={self.max_tokens_per_rank}, topk={self.topk}, "
-                f"dtype={self.dtype.name}{', fp8=True' if self.fp8 else ''})")
+                f"dtype={self.dtype.name}{', fp8=True' if self.fp8 else ''}{'' if self.dedup else ', dedup=False'})")
 
     # -- buffers ---------------------------------------------------------------------------------------
     def _regions(self):
@@ -295,6 +406,7 @@ class LowLatencyGroup:
                 if not ok:
                     raise ValueError(f"LowLatencyGroup needs every pair of ranks on one node with peer access: "
                                      f"{reason}")
+                check_dedup_agrees(_ep_direct.all_gather_int64(comm, [int(self.dedup)], stream, wait)[:, 0])
             # flags [num_buffers, 2, R, Tmax]: the transport's chunk flags with a pair capacity of
             # 2*Tmax*num_buffers
             d = _ep_direct.DirectTransport(comm, self.device, 2 * self.max_tokens_per_rank * self.num_buffers,
@@ -314,7 +426,15 @@ class LowLatencyGroup:
             except BaseException:
                 d.close()
                 raise
-            self._transport, self._buf, self._offs = d, sh, offs
+            self._adopt(d, sh, offs)
+
+    def _adopt(self, transport, shared, offs):
+        """Take the transport, the shared buffers and their regions' offsets (the end of _setup)."""
+        self._transport, self._buf, self._offs = transport, shared, offs
+        # the 16-byte vector paths' conditions that hold for every call (rows of a multiple of 16 bytes, the
+        # shared buffers 16-byte aligned); a launch adds its arrays' alignment
+        self._vec16 = (self.hidden * self.dtype.itemsize) % 16 == 0 and shared.local % 16 == 0
+        self._vec16_fp8 = self.hidden % 16 == 0 and shared.local % 16 == 0
 
     def _view(self, name, b, shape, dtype):
         """A CuPy view of region ``name`` of buffer set ``b`` (made once per (region, set, shape, dtype): the
@@ -353,6 +473,23 @@ class LowLatencyGroup:
             raise ValueError(f"{op}: arrays are on cuda:{call.device_id} but the group uses cuda:{self.device}")
 
     def _check_tokens(self, arr, name, shape):
+        try:
+            key = (name, shape, arr.shape, arr.dtype)
+            if key in self._checked:  # this signature passed before
+                return
+        except (AttributeError, TypeError):  # not an array (or an unhashable one): the checks below say so
+            key = None
+        self._check_tokens_full(arr, name, shape)
+        if key is not None:
+            self._remember(key)
+
+    def _remember(self, key):
+        """Note a signature that passed its checks (the cache is emptied when it grows past 256)."""
+        if len(self._checked) >= 256:
+            self._checked.clear()
+        self._checked[key] = True
+
+    def _check_tokens_full(self, arr, name, shape):
         _arrays.check_ndim(arr, name, len(shape))
         _arrays.check_dtype(arr, name, _ep._TOKEN_DTYPES)
         if tuple(arr.shape) != tuple(shape):
@@ -373,7 +510,22 @@ class LowLatencyGroup:
     def _check_dispatch(self, x, topk_idx, topk_weights, pair=False):
         """Shapes and dtypes of dispatch's arguments (anything with ``shape``, ``ndim`` and ``dtype``: the
         framework adapters check traced arrays with it too; ``pair``: ``x`` is an ``(x_fp8, scales)`` pair);
-        returns ``(T, K)``."""
+        returns ``(T, K)``. A signature (shapes and dtypes) that passed is remembered per group."""
+        try:
+            key = (pair, topk_idx.shape, topk_idx.dtype, topk_weights.shape, topk_weights.dtype) + (
+                (x[0].shape, x[0].dtype, x[1].shape, x[1].dtype) if pair else (x.shape, x.dtype))
+            got = self._checked.get(key)
+            if got is not None:
+                return got
+        except (AttributeError, TypeError):  # not arrays (or unhashable): the checks below say so
+            key = None
+        got = self._check_dispatch_full(x, topk_idx, topk_weights, pair)
+        if key is not None:
+            self._remember(key)
+            self._checked[key] = got
+        return got
+
+    def _check_dispatch_full(self, x, topk_idx, topk_weights, pair):
         _arrays.check_ndim(topk_idx, "topk_idx", 2)
         _arrays.check_dtype(topk_idx, "topk_idx", _arrays.INDEX_DTYPES)
         T, K = int(topk_idx.shape[0]), int(topk_idx.shape[1])
@@ -394,7 +546,7 @@ class LowLatencyGroup:
     check_fp8_pair = _ep.EpGroup.check_fp8_pair
 
     def _slots_shape(self):
-        return (self.num_local_experts, self.size * self.max_tokens_per_rank, self.hidden)
+        return self._slots
 
     # -- ops -------------------------------------------------------------------------------------------
     def dispatch(self, x, topk_idx, topk_weights, *, fp8: bool = False, dequantize: bool = False,
@@ -437,17 +589,18 @@ class LowLatencyGroup:
             the float ones (gradients in the group's dtype, never FP8).
         """
         self._alive("dispatch")
-        _ep._check_bool(return_recv_hook, "return_recv_hook")
-        _ep_adapt.check_fp8_flags(fp8, dequantize)
+        if not (return_recv_hook is False and fp8 is False and dequantize is False):  # else nothing to check
+            _ep._check_bool(return_recv_hook, "return_recv_hook")
+            _ep_adapt.check_fp8_flags(fp8, dequantize)
         pair = isinstance(x, (tuple, list))
         if pair:
             _ep_adapt.check_pair_arity(x, fp8)
         if fp8 and not self.fp8:
             raise ValueError("fp8: this group has no FP8 receive buffers; create it with "
                              "LowLatencyGroup(..., fp8=True)")
-        arrays = {"x_fp8": x[0], "scales": x[1]} if pair else {"x": x}
-        arrays.update(topk_idx=topk_idx, topk_weights=topk_weights)
-        with _arrays.Call(arrays, stream=stream) as call:
+        arrays = ({"x_fp8": x[0], "scales": x[1], "topk_idx": topk_idx, "topk_weights": topk_weights} if pair
+                  else {"x": x, "topk_idx": topk_idx, "topk_weights": topk_weights})
+        with _arrays.Call(arrays, stream=stream, lean=True) as call:
             self._call_checks(call, "dispatch")
             idx, wv = call["topk_idx"], call["topk_weights"]
             xv = (call["x_fp8"], call["scales"]) if pair else call["x"]
@@ -492,37 +645,45 @@ class LowLatencyGroup:
         return res + (_Hook(self, handle, None),) if split else res
 
     def _dispatch_cuda(self, call, xv, idx, wv, T, K, split, fp8=False, pair=False, dequantize=False, codes=None):
-        self._setup(call.device_id)
+        if self._transport is None:
+            self._setup(call.device_id)
         s = call.stream
         b = self._next_set
         if self._pending[b] is not None:
             raise ValueError(f"dispatch: buffer set {b} still waits for the receive hook of an earlier dispatch; "
                              f"call that hook first (or create the group with num_buffers=2 for two dispatches "
                              f"in flight)")
-        nbytes, layout = self._table_layout(T)
-        a = _Tables(call.xp.empty(nbytes, np.uint8), layout)  # the handle's tables: one allocation
-        self._transport.barrier(s, "dispatch")
-        handle = LowLatencyHandle(self, T, K, "cuda", call.device_id, a)
-        handle.buffer_set = b
-        outs = (a.ptr("idx"), a.ptr("w"), a.ptr("route"), a.ptr("slot_k"), a.ptr("slot_w"), a.ptr("counts"))
+        ts = self._take_tables(call)  # the handle's tables: one set of the group's ring
+        outs = ts.outs if T else ts.outs0
         ptrs = (0 if pair or not T else xv.data.ptr, idx.data.ptr if T else 0, wv.data.ptr if T else 0)
         quant = None
         if fp8:  # the pair's codes and scales (0 for a float x, quantized in the push)
             quant = (xv[0].data.ptr if pair and T else 0, xv[1].data.ptr if pair and T else 0, int(dequantize))
-
-        def launch(c, phases, arrays=(xv, idx, wv)):  # holds the push's arrays (their pointers) until it runs
-            self._launch_dispatch(c, b, T, *ptrs, idx.dtype, outs, phases, quant=quant)
-
-        launch(call, _PUSH if split else _PUSH | _RECEIVE)
+        self._transport.barrier(s, "dispatch")
+        self._launch_dispatch(call, b, T, *ptrs, idx.dtype, outs, _PUSH if split else _PUSH | _RECEIVE,
+                              quant=quant)
+        # the rest overlaps the kernel
         self._next_set = (b + 1) % self.num_buffers
         self._last_stream = s
-        handle.slot_topk, handle.slot_weights = call.out(a["slot_k"]), call.out(a["slot_w"])
-        handle.counts = call.out(a["counts"])
-        res = tuple(call.out(r) for r in self._rows(b, fp8 and not dequantize, codes)) + (handle.counts, handle)
+        a = _Tables(ts, T)
+        handle = LowLatencyHandle(self, T, K, "cuda", call.device_id, a)
+        handle.buffer_set = b
+        out = call.out
+        if call.framework in _SAME:  # out() hands these back as they are
+            handle.slot_topk, handle.slot_weights = a["slot_k"], a["slot_w"]
+            handle.counts = a["counts"]
+            res = self._rows(b, fp8 and not dequantize, codes) + (handle.counts, handle)
+        else:
+            handle.slot_topk, handle.slot_weights, handle.counts = out(a["slot_k"]), out(a["slot_w"]), out(a["counts"])
+            res = tuple(out(r) for r in self._rows(b, fp8 and not dequantize, codes)) + (handle.counts, handle)
         if not split:
             return res
         self._pending[b] = handle
-        return res + (_Hook(self, handle, lambda c: launch(c, _RECEIVE)),)
+
+        def receive(c, arrays=(xv, idx, wv)):  # holds the push's arrays (their pointers) until it runs
+            self._launch_dispatch(c, b, T, *ptrs, idx.dtype, outs, _RECEIVE, quant=quant)
+
+        return res + (_Hook(self, handle, receive),)
 
     def _rows(self, b, fp8, codes):
         """The received rows of buffer set ``b`` as dispatch returns them (before ``call.out``): ``(recv,)``, or
@@ -539,21 +700,44 @@ class LowLatencyGroup:
             self._row_views[key] = rows
         return rows
 
-    def _table_layout(self, T):
-        """``(bytes, layout)`` of the handle tables of a dispatch of T tokens (see :class:`_Tables`; each table
-        at a 256-byte boundary), made once per T."""
-        got = self._layouts.get(T)
+    def _table_layout(self):
+        """``(bytes, layout)`` of a :class:`_TableSet` (each table at a 256-byte boundary, ``idx`` and ``w`` sized
+        for Tmax tokens), made once."""
+        got = self._layout
         if got is None:
             R, L, Tmax, K = self.size, self.num_local_experts, self.max_tokens_per_rank, self.topk
             layout, o = {}, 0
-            for name, shape, dt in (("idx", (T, K), np.int32), ("w", (T, K), np.float32),
+            for name, shape, dt in (("idx", (Tmax, K), np.int32), ("w", (Tmax, K), np.float32),
                                     ("route", (R, Tmax, K), np.int32), ("slot_k", (L, R * Tmax), np.int32),
                                     ("slot_w", (L, R * Tmax), np.float32), ("counts", (L,), np.int32)):
                 nb = math.prod(shape) * 4
                 layout[name] = (o, nb, shape, np.dtype(dt))
                 o += -(-nb // _ALIGN) * _ALIGN
-            got = self._layouts[T] = (o, layout)
+            got = self._layout = (o, layout)
         return got
+
+    def _take_tables(self, call):
+        """A :class:`_TableSet` for a dispatch on ``call``'s stream: a free one of the group's sets made on that
+        stream, else a new one (kept for reuse while the stream has fewer than _RING)."""
+        key = call.stream.ptr
+        ring = self._rings.get(key)
+        if ring is not None:
+            for ts in ring:
+                if ts.free():
+                    return ts
+        nbytes, layout = self._table_layout()
+        # (inside a moe_rt.jax callback, which serves an allocation of an output's exact byte size from that
+        # output's buffer, a set is larger than each output the callback has not allocated yet: it must not
+        # land in one, as it outlives the callback)
+        ts = _TableSet(call.xp.empty(nbytes, np.uint8), layout, key)
+        if ring is None:
+            if len(self._rings) >= _RING_STREAMS:
+                del self._rings[next(iter(self._rings))]  # the stream kept longest
+            ring = self._rings[key] = []
+        if len(ring) < _RING:
+            ring.append(ts)
+            ts.settle()  # held here as in the loop above: by the ring and one local name
+        return ts
 
     def _receive(self, handle, keep, stream):
         """The receive half of a split dispatch (``_Hook.__call__``)."""
@@ -568,9 +752,6 @@ class LowLatencyGroup:
         self._pending[handle.buffer_set] = None
         self._last_stream = s
 
-    def _vec(self, *ptrs):
-        return (self.hidden * self.dtype.itemsize) % 16 == 0 and all(p % 16 == 0 for p in ptrs)
-
     def _kernel(self, call, kind, vec, idx_dtype=None, fused=True):
         """``(kernel, most resident blocks or None)`` of ``kind<dtype[, IdxT], VEC>`` (``fused``: a kernel whose
         blocks wait on each other's peers, sized by the transport's _grid), looked up once per group."""
@@ -582,74 +763,89 @@ class LowLatencyGroup:
             got = self._fns[key] = (fn, self._transport._grid(fn, call, 1 << 30) if fused else None)
         return got
 
-    def _dispatch_args(self, op, b, fp8):
-        """The constant parts of a dispatch launch's arguments for ``op`` into buffer set ``b`` (``fp8``:
-        ep_ll_dispatch_fp8's): ``(peer tables, the tail from the error word to H (and S), flag base, the
-        set's epoch word)``, made once."""
-        key = ("dispatch", op, b, fp8)
-        c = self._const.get(key)
-        if c is None:
-            d, t, i32 = self._transport, self._tables, np.int32
-            tabs = ((t[("recv", b)], t[("recv_q", b)], t[("recv_s", b)]) if fp8 else (t[("recv", b)],))
-            tabs += (t[("route", b)], t[("rw", b)], d.flags.table)
-            tail = (_errors.word(self.device), d.state, d._err_ptr, np.int64(d.timeout_ns),
-                    i32(_ep_direct.OP_CODES[op]), i32(self.size), i32(self.rank), i32(self.num_local_experts),
-                    i32(self.max_tokens_per_rank), i32(self.topk), i32(self.chunk), np.int64(self.hidden))
-            if fp8:
-                tail += (i32(self.num_scales),)
-            c = self._const[key] = (tabs, tail, np.int64(2 * self.size * self.max_tokens_per_rank * b),
-                                    self._set_epoch.data.ptr + 4 * b)
-        return c
+    def _dispatch_setup(self, call, op, b, phases, vec, idx_dtype, meta, scaled, dequant):
+        """The launch set-up of a dispatch-direction launch, made once per its key (see :meth:`_launch_dispatch`):
+        ``(kernel, grid, the arguments between the token pointers and the handle's tables, the arguments after
+        them)``."""
+        fp8 = dequant is not None
+        fn, resident = self._kernel(call, "ep_ll_dispatch_fp8" if fp8 else "ep_ll_dispatch", vec, idx_dtype)
+        d, t, i32 = self._transport, self._tables, np.int32
+        tabs = ((t[("recv", b)], t[("recv_q", b)], t[("recv_s", b)]) if fp8 else (t[("recv", b)],))
+        tabs += (t[("route", b)], t[("rw", b)], d.flags.table)
+        tail = (_errors.word(self.device), d.state, d._err_ptr, np.int64(d.timeout_ns),
+                i32(_ep_direct.OP_CODES[op]), i32(self.size), i32(self.rank), i32(self.num_local_experts),
+                i32(self.max_tokens_per_rank), i32(self.topk), i32(self.chunk), np.int64(self.hidden))
+        if fp8:
+            tail += (i32(self.num_scales),)
+        tail += (i32(phases), np.int64(2 * self.size * self.max_tokens_per_rank * b),
+                 self._set_epoch.data.ptr + 4 * b if phases != _PUSH | _RECEIVE else 0)
+        work = max(-(-self.max_tokens_per_rank // self.chunk), self.num_local_experts)
+        grid = max(1, min(work, resident))
+        if fp8:
+            return fn, grid, tabs, (i32(dequant), i32(self.dedup)) + tail
+        return fn, grid, (i32(int(meta)), i32(int(scaled)), i32(self.dedup and not scaled)) + tabs, tail
 
     def _launch_dispatch(self, call, b, T, x, idx, w, idx_dtype, outs, phases, *, op="dispatch", meta=True,
-                         scaled=False, zero_k=0, quant=None):
+                         scaled=False, zero_k=0, recv_route=0, quant=None):
         """One launch of the dispatch direction into buffer set ``b``: ep_ll_dispatch, or with ``quant = (xq,
         xs, dequant)`` ep_ll_dispatch_fp8 (a float ``x`` quantized in the push when ``xq`` is 0, else the pair's
         codes ``xq`` and scales ``xs`` pushed as is; ``dequant``: the receive half dequantizes into ``recv``).
-        ``x``, ``idx``, ``w``, ``zero_k`` and ``outs`` (the handle's six tables, or zeros) are device addresses,
+        ``x``, ``idx``, ``w``, ``zero_k``, ``recv_route`` and ``outs`` (the handle's six tables, or zeros) are
+        device addresses,
         0 for none (and for every token array when T = 0); ``idx_dtype`` picks IdxT; ``phases``: _PUSH,
-        _RECEIVE or both (a split launch also passes the set's epoch word). ``meta``, ``scaled``, ``zero_k``:
-        ep_ll_dispatch's (combine_bwd)."""
-        fp8 = quant is not None
-        if fp8:  # 16 channels a thread: 16-byte loads of x (or of the codes) and 16-byte stores of the codes
-            vec = self.hidden % 16 == 0 and (quant[0] or x) % 16 == 0 and self._buf.local % 16 == 0
+        _RECEIVE or both (a split launch also passes the set's epoch word). ``meta``, ``scaled``, ``zero_k``,
+        ``recv_route``: ep_ll_dispatch's (combine_bwd; ``recv_route``: the handle's route, the map of the
+        dedup split's copies). Everything but the pointers and T comes from a set-up made once."""
+        if quant is not None:  # 16 channels a thread: 16-byte loads of x (or of the codes), 16-byte stores
+            vec, dequant = self._vec16_fp8 and not (quant[0] or x) & 15, quant[2]
         else:
-            vec = self._vec(x, self._buf.local)
-        fn, resident = self._kernel(call, "ep_ll_dispatch_fp8" if fp8 else "ep_ll_dispatch", vec, idx_dtype)
-        tabs, tail, flag_base, set_epoch = self._dispatch_args(op, b, fp8)
-        if fp8:
-            head = (x, quant[0], quant[1], idx, w, np.int32(T)) + tabs + outs + (np.int32(quant[2]),)
-        else:
-            head = (x, idx, w, np.int32(T), np.int32(int(meta)), np.int32(int(scaled))) + tabs + outs + (zero_k,)
-        work = max(-(-self.max_tokens_per_rank // self.chunk), self.num_local_experts)
-        _jit.launch_raw(fn, max(1, min(work, resident)), _THREADS,
-                        head + tail + (np.int32(phases), flag_base, set_epoch if phases != _PUSH | _RECEIVE else 0),
-                        0, call.stream)
-
-    def _launch_combine(self, call, handle, y, gws, out, grad_w, op, weighted=False):
-        """One ep_ll_combine launch for ``handle`` (``weighted``: with its topk weights)."""
-        R, Tmax, T, b = self.size, self.max_tokens_per_rank, handle.num_tokens, handle.buffer_set
-        yp, outp = (y.data.ptr if y is not None else 0), (out.data.ptr if out is not None else 0)
-        vec = self._vec(yp, outp, self._buf.local)
-        fn, resident = self._kernel(call, "ep_ll_combine", vec)
-        key = ("combine", op, b)
+            vec, dequant = self._vec16 and not x & 15, None
+        key = (op, b, phases, vec, idx_dtype, meta, scaled, dequant)
         c = self._const.get(key)
         if c is None:
-            d, t, i32 = self._transport, self._tables, np.int32
-            c = self._const[key] = (
+            c = self._const[key] = self._dispatch_setup(call, op, b, phases, vec, idx_dtype, meta, scaled, dequant)
+        if dequant is None:
+            args = (x, idx, w, np.int32(T)) + c[2] + outs + (zero_k, recv_route) + c[3]
+        else:
+            args = (x, quant[0], quant[1], idx, w, np.int32(T)) + c[2] + outs + c[3]
+        _jit.launch_raw(c[0], c[1], _THREADS, args, 0, call.stream)
+
+    def _combine_setup(self, call, op, b, vec, rows):
+        """The launch set-up of an ep_ll_combine launch, made once per its key (see :meth:`_launch_combine`):
+        ``(kernel, most resident blocks, the least work items, owner items per token, the arguments between the
+        handle's tables and the outputs, those between the outputs and T, those after T)``."""
+        R, Tmax = self.size, self.max_tokens_per_rank
+        fn, resident = self._kernel(call, "ep_ll_combine", vec)
+        d, t, i32 = self._transport, self._tables, np.int32
+        # owner items: (token, slice of _THREADS 16-byte vectors of its row)
+        nv = self.hidden // (16 // self.dtype.itemsize) if vec else self.hidden
+        return (fn, resident, -(-Tmax // self.chunk) * R, -(-nv // _THREADS) if rows else 1,
                 (t[("back", b)], t[("bw", b)], d.flags.table),
                 (d.state, d._err_ptr, np.int64(d.timeout_ns), i32(_ep_direct.OP_CODES[op]), i32(R), i32(self.rank),
                  i32(self.num_local_experts), i32(Tmax), i32(self.topk)),
                 (i32(self.chunk), np.int64(self.hidden), np.int64(2 * R * Tmax * b)))
-        # owner items: (token, slice of _THREADS 16-byte vectors of its row)
-        nv = self.hidden // (16 // self.dtype.itemsize) if vec else self.hidden
-        slices = -(-nv // _THREADS) if out is not None else 1
-        work = max(-(-Tmax // self.chunk) * R, T * slices)
-        _jit.launch_raw(fn, max(1, min(work, resident)), _THREADS,
-                        (yp, gws.data.ptr if gws is not None else 0, handle._ptr("route"),
-                         handle._ptr("idx") if T else 0, handle._ptr("w") if weighted and T else 0) + c[0]
-                        + (outp if T else 0, grad_w.data.ptr if grad_w is not None and T else 0) + c[1]
-                        + (np.int32(T),) + c[2], 0, call.stream)
+
+    def _launch_combine(self, call, handle, y, gws, out, grad_w, op, weighted=False):
+        """One ep_ll_combine launch for ``handle`` (``weighted``: with its topk weights); everything but the
+        pointers, T and the grid comes from a set-up made once."""
+        T, b = handle.num_tokens, handle.buffer_set
+        yp, outp = (y.data.ptr if y is not None else 0), (out.data.ptr if out is not None else 0)
+        vec = self._vec16 and not (yp | outp) & 15
+        key = ("combine", op, b, vec, out is not None)
+        c = self._const.get(key)
+        if c is None:
+            c = self._const[key] = self._combine_setup(call, op, b, vec, out is not None)
+        a = handle._a
+        if type(a) is _Tables:  # the tables of a CUDA dispatch (T = 0: no idx, w)
+            p = a.tset.ptrs
+            route, idx, w = p["route"], (p["idx"] if T else 0), (p["w"] if weighted and T else 0)
+        else:  # arrays a framework adapter rebuilt the handle over
+            route, idx, w = handle._ptr("route"), (handle._ptr("idx") if T else 0), (
+                handle._ptr("w") if weighted and T else 0)
+        _jit.launch_raw(c[0], max(1, min(max(c[2], T * c[3]), c[1])), _THREADS,
+                        (yp, gws.data.ptr if gws is not None else 0, route, idx, w) + c[4]
+                        + (outp if T else 0, grad_w.data.ptr if grad_w is not None and T else 0) + c[5]
+                        + (np.int32(T),) + c[6], 0, call.stream)
 
     def combine(self, handle, expert_out, *, stream=None):
         """Reduce each token's expert outputs, weighted by ``topk_weights`` (a collective; no host sync).
@@ -662,7 +858,7 @@ class LowLatencyGroup:
             ``out [T,H]``: ``sum_k w[t,k] * y[slot(t,k)]``, fp32, k ascending, rounded once.
         """
         self._alive("combine")
-        with _arrays.Call({"expert_out": expert_out}, stream=stream) as call:
+        with _arrays.Call({"expert_out": expert_out}, stream=stream, lean=True) as call:
             self._call_checks(call, "combine")
             self._check_handle(handle, call, "combine")
             y = call["expert_out"]
@@ -671,7 +867,7 @@ class LowLatencyGroup:
             if call.backend == "cpu":
                 return call.out(_ref.combine([handle._a], [np.asarray(y)])[0])
             T = handle.num_tokens
-            out = call.xp.empty((T, self.hidden), self.dtype)
+            out = call.empty((T, self.hidden), self.dtype)
             self._transport.barrier(call.stream, "combine")
             self._launch_combine(call, handle, y, None, out, None, "combine", weighted=True)
             self._last_stream = call.stream
@@ -690,7 +886,7 @@ class LowLatencyGroup:
         """
         self._alive("dispatch_bwd")
         with _arrays.Call({"grad_recv_x": grad_recv_x, "grad_recv_weights": grad_recv_weights},
-                          stream=stream) as call:
+                          stream=stream, lean=True) as call:
             self._call_checks(call, "dispatch_bwd")
             self._check_handle(handle, call, "dispatch_bwd")
             g = call["grad_recv_x"]
@@ -705,8 +901,8 @@ class LowLatencyGroup:
                                             None if gw is None else [np.asarray(gw)])[0]
                 return call.out(gx), (None if gwt is None else call.out(gwt))
             T, K = handle.num_tokens, self.topk
-            gx = call.xp.empty((T, self.hidden), self.dtype)
-            gwt = call.xp.empty((T, K), np.float32) if gw is not None else None
+            gx = call.empty((T, self.hidden), self.dtype)
+            gwt = call.empty((T, K), np.float32) if gw is not None else None
             self._transport.barrier(call.stream, "dispatch_bwd")
             self._launch_combine(call, handle, g, gw, gx, gwt, "dispatch_bwd")
             self._last_stream = call.stream
@@ -727,7 +923,7 @@ class LowLatencyGroup:
             (fp32, deterministic; the reference computes it in float64).
         """
         self._alive("combine_bwd")
-        with _arrays.Call({"grad_out": grad_out, "expert_out": expert_out}, stream=stream) as call:
+        with _arrays.Call({"grad_out": grad_out, "expert_out": expert_out}, stream=stream, lean=True) as call:
             self._call_checks(call, "combine_bwd")
             self._check_handle(handle, call, "combine_bwd")
             T = handle.num_tokens
@@ -751,18 +947,26 @@ class LowLatencyGroup:
             s, b = call.stream, handle.buffer_set
             gy = self._rows(b, False, None)[0]
             self._transport.barrier(s, "combine_bwd")
+            # unscaled rows (expert_out given) take the dedup split, its copies mapped by the handle's route
+            dd = self.dedup and y is not None
             self._launch_dispatch(call, b, T, g.data.ptr if T else 0, handle._ptr("idx"), handle._ptr("w"),
                                   np.dtype(np.int32), (0,) * 6, _PUSH | _RECEIVE, op="combine_bwd", meta=False,
-                                  scaled=y is None, zero_k=handle._ptr("slot_k"))
+                                  scaled=y is None, zero_k=handle._ptr("slot_k"),
+                                  recv_route=handle._ptr("route") if dd else 0)
             gwt = None
             if y is not None:
                 n = gy.shape[0] * gy.shape[1]
-                dots = call.xp.empty(n, np.float32)
-                fn = self._kernel(call, "ep_ll_slot_dot", self._vec(y.data.ptr, self._buf.local), fused=False)[0]
-                grid = max(1, min(-(-n // 8), _jit.device_properties(call.device_id)["sm_count"] * 8))
-                _jit.launch(fn, grid, 256, (gy, y, handle._ptr("slot_k"), handle._ptr("slot_w"), dots, np.int64(n),
-                                            np.int64(self.hidden)), stream=s)
-                gwt = call.xp.empty((T, self.topk), np.float32)
+                dots = call.scratch((n,), np.float32)
+                vec = self._vec16 and not y.data.ptr & 15
+                c = self._const.get(("slot_dot", vec))
+                if c is None:
+                    fn = self._kernel(call, "ep_ll_slot_dot", vec, fused=False)[0]
+                    c = self._const[("slot_dot", vec)] = (
+                        fn, max(1, min(-(-n // 8), _jit.device_properties(call.device_id)["sm_count"] * 8)),
+                        (np.int64(n), np.int64(self.hidden)))
+                _jit.launch_raw(c[0], c[1], 256, (gy.data.ptr, y.data.ptr, handle._ptr("slot_k"), handle._ptr("slot_w"),
+                                                  dots.data.ptr) + c[2], 0, s)
+                gwt = call.empty((T, self.topk), np.float32)
                 self._transport.barrier(s, "combine_bwd")
                 self._launch_combine(call, handle, None, dots, None, gwt, "combine_bwd")
             self._last_stream = s

@@ -5,7 +5,10 @@
 Every rank draws every rank's inputs from the same seed, runs its own share through LowLatencyGroup and
 compares with the NumPy R-rank reference (moe_rt.reference.ep_ll): dispatch's valid slots, counts and slot
 tables, combine and both backwards bitwise (combine_bwd's weight gradient within fp32 rounding), each case
-twice (run to run bitwise, over buffers the previous case filled). Prints "ALL OK" (or "DEAD PEER OK").
+twice (run to run bitwise, over buffers the previous case filled). Every case runs with the dedup split of
+the dispatch rows (LowLatencyGroup(dedup=True): one push per token and destination rank, copied on the
+receiving side) and with per-expert pushes (dedup=False), and the two runs' outputs are compared bitwise.
+Prints "ALL OK" (or "DEAD PEER OK").
 """
 import os
 import sys
@@ -22,6 +25,16 @@ def case(seed, L, K, Ts, H, dt):
     from test_ep_ll import make_case
 
     return make_case(np.random.default_rng(seed), WORLD, L, K, Ts, H, dt)
+
+
+DEDUPS = (True, False)  # LowLatencyGroup(dedup=...): the dedup split, then per-expert pushes
+
+
+def same_bits(a, b, what):
+    """Two runs' outputs (tuples of NumPy arrays) equal bit for bit."""
+    assert len(a) == len(b), what
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert x.shape == y.shape and (bits(x) == bits(y)).all(), f"{what}: output {i}"
 
 
 def spread(Ts):
@@ -68,7 +81,8 @@ def check_all(cp, g, seed, L, K, Ts, Tmax, H, dt):
     gy2, none = g.combine_bwd(h, cp.asarray(GO[me]))
     assert none is None and (bits(cp.asnumpy(gy2)) == bits(wy)).all(), "combine_bwd without y"
     g.synchronize()
-    return cp.asnumpy(recv_keep)[valid], cp.asnumpy(out)
+    return (cp.asnumpy(recv_keep)[valid], cp.asnumpy(counts), cp.asnumpy(h.slot_topk), cp.asnumpy(h.slot_weights),
+            cp.asnumpy(out), cp.asnumpy(gx), cp.asnumpy(gy2))  # (gy2 holds the receive buffer gy was a view of)
 
 
 def correctness(cp, comm):
@@ -79,12 +93,16 @@ def correctness(cp, comm):
         for L, K, Ts, Tmax, H in [(3, 4, (7, 0, 5, 2), 7, 13), (2, 3, (4, 4), 4, 64), (8, 8, (128,), 128, 512),
                                   (1, 2, (1, 3), 3, 5), (5, 6, (33, 17, 0, 40), 40, 1000)]:
             Ts = spread(Ts)
-            g = LowLatencyGroup(comm, WORLD * L, H, Tmax, topk=min(K, WORLD * L), dtype=dt)
-            K = g.topk
-            first = check_all(cp, g, 100 + n, L, K, Ts, Tmax, H, dt)
-            again = check_all(cp, g, 100 + n, L, K, Ts, Tmax, H, dt)
-            assert all((bits(a) == bits(b)).all() for a, b in zip(first, again)), "run to run"
-            g.close()
+            runs = []
+            for dedup in DEDUPS:
+                g = LowLatencyGroup(comm, WORLD * L, H, Tmax, topk=min(K, WORLD * L), dtype=dt, dedup=dedup)
+                K = g.topk
+                first = check_all(cp, g, 100 + n, L, K, Ts, Tmax, H, dt)
+                again = check_all(cp, g, 100 + n, L, K, Ts, Tmax, H, dt)
+                same_bits(first, again, "run to run")
+                runs.append(first)
+                g.close()
+            same_bits(runs[0], runs[1], "dedup on and off")
             n += 1
             log(f"case {n} ok: dtype={np.dtype(dt).name} L={L} K={K} Ts={Ts} Tmax={Tmax} H={H}")
     # the rank's errors: T > Tmax before anything is launched (every rank raises alike)
@@ -95,17 +113,31 @@ def correctness(cp, comm):
     except ValueError as e:
         assert "max_tokens_per_rank" in str(e)
     g.close()
+    # ranks that disagree on dedup: the first op's set-up refuses it on every rank alike
+    g = LowLatencyGroup(comm, WORLD * 2, 8, 4, topk=2, dtype=np.float32, dedup=RANK == 0)
+    try:
+        g.dispatch(cp.zeros((3, 8), np.float32), cp.zeros((3, 2), np.int32), cp.ones((3, 2), np.float32))
+        raise AssertionError("ranks disagreeing on dedup accepted")
+    except ValueError as e:
+        assert "dedup" in str(e) and "disagree" in str(e), e
+    g.close()
 
 
 def graph(cp, comm):
-    """dispatch + expert stand-in + combine captured once, replayed with new routing, tokens and weights."""
+    """dispatch + expert stand-in + combine captured once, replayed with new routing, tokens and weights (dedup
+    on and off)."""
+    for dedup in DEDUPS:
+        graph_one(cp, comm, dedup)
+
+
+def graph_one(cp, comm, dedup):
     from moe_rt.ep_ll import LowLatencyGroup
     from moe_rt.reference import ep_ll as ref
 
     dt = bf16()
     L, K, Tmax, H = 4, 3, 24, 256
     Ts = spread((24, 19, 0, 7))
-    g = LowLatencyGroup(comm, WORLD * L, H, Tmax, topk=K, dtype=dt)
+    g = LowLatencyGroup(comm, WORLD * L, H, Tmax, topk=K, dtype=dt, dedup=dedup)
     xs, idxs, ws = case(7, L, K, Ts, H, dt)
     x, idx, w = cp.asarray(xs[RANK]), cp.asarray(idxs[RANK]), cp.asarray(ws[RANK])
     scale = cp.asarray(np.linspace(0.5, 1.5, L).astype(np.float32))
@@ -131,9 +163,11 @@ def graph(cp, comm):
         sc = cp.asnumpy(scale)
         Y = [(r.astype(np.float32) * sc[:, None, None]).astype(dt) for r, _, _ in res]
         want = ref.combine([hh for _, _, hh in res], Y)[RANK]
+        valid = res[RANK][2]["slot_k"] >= 0
+        assert (bits(cp.asnumpy(recv)[valid]) == bits(res[RANK][0][valid])).all(), f"replay {it}: dispatch rows"
         assert (cp.asnumpy(counts) == res[RANK][1]).all(), f"replay {it}: counts"
         assert (bits(cp.asnumpy(out)) == bits(want)).all(), f"replay {it}: combine"
-        log(f"replay {it} ok")
+        log(f"replay {it} ok (dedup={dedup})")
     g.synchronize()
     g.close()
 
@@ -141,14 +175,19 @@ def graph(cp, comm):
 def split(cp, comm):
     """Two micro-batches in flight (num_buffers=2): dispatch A and B with receive hooks, then both hooks, then
     both combines, against the reference; then the same sequence captured as a CUDA graph and replayed with
-    new routing."""
+    new routing (dedup on and off: the copies belong to the receive hook's launch)."""
+    for dedup in DEDUPS:
+        split_one(cp, comm, dedup)
+
+
+def split_one(cp, comm, dedup):
     from moe_rt.ep_ll import LowLatencyGroup
     from moe_rt.reference import ep_ll as ref
 
     dt = bf16()
     L, K, Tmax, H = 3, 4, 20, 384
     Ts = spread((20, 9, 0, 13))
-    g = LowLatencyGroup(comm, WORLD * L, H, Tmax, topk=K, dtype=dt, num_buffers=2)
+    g = LowLatencyGroup(comm, WORLD * L, H, Tmax, topk=K, dtype=dt, num_buffers=2, dedup=dedup)
     rng = np.random.default_rng(5)
     Y = [cp.asarray(rng.standard_normal((L, WORLD * Tmax, H)).astype(dt)) for _ in range(2)]
 
@@ -182,7 +221,7 @@ def split(cp, comm):
     outs = run(devs)
     g.synchronize()
     check(outs, hosts, "eager")
-    log("split eager ok")
+    log(f"split eager ok (dedup={dedup})")
     try:  # a third dispatch into a set whose hook is pending is refused on every rank alike
         _, _, _, hook = g.dispatch(*devs[0], return_recv_hook=True)
         g.dispatch(*devs[1], return_recv_hook=True)
@@ -194,7 +233,7 @@ def split(cp, comm):
     g.dispatch(*devs[0])  # set 0 again (its hook ran); set 1's pending receive is abandoned with the group
     g.synchronize()
     g.close()
-    g = LowLatencyGroup(comm, WORLD * L, H, Tmax, topk=K, dtype=dt, num_buffers=2)
+    g = LowLatencyGroup(comm, WORLD * L, H, Tmax, topk=K, dtype=dt, num_buffers=2, dedup=dedup)
     run(devs)
     g.synchronize()
     s = cp.cuda.Stream(non_blocking=True)
@@ -210,7 +249,7 @@ def split(cp, comm):
         gr.launch(s)
         s.synchronize()
         check(outs, hosts, f"replay {it}")
-        log(f"split replay {it} ok")
+        log(f"split replay {it} ok (dedup={dedup})")
     g.synchronize()
     g.close()
 
@@ -220,7 +259,16 @@ def fp8(cp, comm):
     x quantized in the push and dequantized on receipt, a uint8 (codes, scales) pair pushed as is; counts and
     slot tables; combine and both backwards with the FP8 dispatch's handle; each case twice (over buffers the
     first filled). Then two micro-batches in flight through receive hooks (num_buffers=2: a pair, and a float
-    x dequantized), eager and captured in a CUDA graph replayed with new tokens and routing."""
+    x dequantized), eager and captured in a CUDA graph replayed with new tokens and routing. All with dedup on
+    and off, the two runs' outputs compared bitwise."""
+    runs = [fp8_one(cp, comm, dedup) for dedup in DEDUPS]
+    assert len(runs[0]) == len(runs[1])
+    for i, (a, b) in enumerate(zip(*runs)):
+        same_bits(a, b, f"fp8 dedup on and off, case {i}")
+
+
+def fp8_one(cp, comm, dedup):
+    """fp8()'s cases with LowLatencyGroup(dedup=dedup); returns each case's outputs (NumPy)."""
     import moe_rt
     from moe_rt.ep_ll import LowLatencyGroup
     from moe_rt.reference import ep_ll as ref
@@ -228,13 +276,14 @@ def fp8(cp, comm):
 
     R, me = WORLD, RANK
     n = 0
+    outs_all = []
     for dt in (bf16(), np.float32, np.float16):
         shapes = [(3, 4, (7, 0, 5, 2), 7, 200), (2, 3, (4, 4), 4, 13), (5, 6, (33, 17, 0, 40), 40, 1024)]
         if dt == bf16():
             shapes.append((8, 8, (128,), 128, 7168))
         for L, K, Ts, Tmax, H in shapes:
             Ts = spread(Ts)
-            g = LowLatencyGroup(comm, R * L, H, Tmax, topk=min(K, R * L), dtype=dt, fp8=True)
+            g = LowLatencyGroup(comm, R * L, H, Tmax, topk=min(K, R * L), dtype=dt, fp8=True, dedup=dedup)
             K = g.topk
             for rep in range(2):
                 xs, idxs, ws = fp8_case(np.random.default_rng(300 + n), R, L, K, Ts, H, dt)
@@ -259,6 +308,8 @@ def fp8(cp, comm):
                 assert (bits(cp.asnumpy(q)[valid]) == bits(rq[valid])).all(), "codes"
                 assert (bits(cp.asnumpy(sc)[valid]) == bits(rs[valid])).all(), "scales"
                 assert (cp.asnumpy(counts2) == rc).all(), "counts (pair)"
+                outs_all.append((cp.asnumpy(y)[valid], cp.asnumpy(q)[valid], cp.asnumpy(sc)[valid],
+                                 cp.asnumpy(counts2), cp.asnumpy(h.slot_topk), cp.asnumpy(h.slot_weights)))
                 out = g.combine(h2, cp.asarray(Y[me]))
                 assert (bits(cp.asnumpy(out)) == bits(ref.combine(handles, list(Y))[me])).all(), "combine"
                 gx, _ = g.dispatch_bwd(h2, cp.asarray(Y[me]))
@@ -268,12 +319,12 @@ def fp8(cp, comm):
                 g.synchronize()
             g.close()
             n += 1
-            log(f"fp8 case {n} ok: dtype={np.dtype(dt).name} L={L} K={K} Ts={Ts} Tmax={Tmax} H={H}")
+            log(f"fp8 case {n} ok (dedup={dedup}): dtype={np.dtype(dt).name} L={L} K={K} Ts={Ts} Tmax={Tmax} H={H}")
     # split hooks, two sets, eager and from a graph
     dt = bf16()
     L, K, Tmax, H = 3, 4, 20, 384
     Ts = spread((20, 9, 0, 13))
-    g = LowLatencyGroup(comm, R * L, H, Tmax, topk=K, dtype=dt, fp8=True, num_buffers=2)
+    g = LowLatencyGroup(comm, R * L, H, Tmax, topk=K, dtype=dt, fp8=True, num_buffers=2, dedup=dedup)
     Yd = cp.asarray(np.random.default_rng(5).standard_normal((L, R * Tmax, H)).astype(dt))
 
     def host(seed):
@@ -311,7 +362,7 @@ def fp8(cp, comm):
 
     check(run(), hst, "split eager")
     g.synchronize()
-    log("fp8 split eager ok")
+    log(f"fp8 split eager ok (dedup={dedup})")
     s = cp.cuda.Stream(non_blocking=True)
     with s:
         s.begin_capture()
@@ -324,9 +375,13 @@ def fp8(cp, comm):
         gr.launch(s)
         s.synchronize()
         check(outs, hst, f"fp8 replay {it}")
-        log(f"fp8 split replay {it} ok")
+        valid = ref.dispatch_fp8(*hst, R * L, Tmax)[me][3]["slot_k"] >= 0  # rows of other slots: unspecified
+        qa, sa, ca, yb, cb, oa, ob = (cp.asnumpy(o) for o in outs)
+        outs_all.append((qa[valid], sa[valid], ca, yb[valid], cb, oa, ob))
+        log(f"fp8 split replay {it} ok (dedup={dedup})")
     g.synchronize()
     g.close()
+    return outs_all
 
 
 def dead_peer(cp, comm):

@@ -144,6 +144,44 @@ def same_handle(name, h, d):
         same(f"{name}: handle region {region}", h.view(region), want.view(region))
 
 
+def poison(cp, nbytes):
+    """CuPy's pool holding only blocks of ``nbytes`` of 0xFF (NaN bits): test_ep._poison_pool."""
+    from test_ep import _poison_pool
+
+    _poison_pool(cp, nbytes)
+
+
+def same_filled(name, got, want, filled):
+    """zero_empty_slots=False: the filled expert-major rows (``filled``: the reference plan's src_slot >= 0) of
+    ``got`` bitwise equal to ``want``'s; the empty rows were not written (some still hold the poison)."""
+    a, b = _np(got), _np(want)
+    assert a.shape == b.shape, (name, a.shape, b.shape)
+    a, b = a.view(np.uint8).reshape(a.shape[0], -1), b.view(np.uint8).reshape(b.shape[0], -1)
+    if not np.array_equal(a[filled], b[filled]):
+        raise AssertionError(f"{name}: filled rows not bitwise equal")
+    if (~filled).any() and a.shape[1] and not (a[~filled] == 0xFF).all(axis=1).any():
+        raise AssertionError(f"{name}: no empty row holds the poison (zero_empty_slots=False writes none)")
+
+
+def no_zero(cp, g, h, xd, wd, rx, rw, tpe, d, tag):
+    """dispatch(zero_empty_slots=False) into a pool poisoned with NaN bits beside the default dispatch's ``rx``,
+    ``rw``, ``tpe`` (checked against the reference): the filled rows bitwise equal, the empty ones unwritten,
+    the same weights and counts; combine and dispatch_bwd of the rows it returns (garbage rows included) bitwise
+    equal to those of ``rx`` (they read the filled rows only)."""
+    N = int(rx.shape[0])
+    filled = np.asarray(d["plan"]["src_slot"])[:N] >= 0
+    poison(cp, rx.nbytes)
+    nx, nw, ntpe = g.dispatch(h, xd, wd, zero_empty_slots=False)
+    same_filled(f"no-zero recv_x {tag}", nx, rx, filled)
+    same(f"no-zero recv_w {tag}", nw, rw)
+    same(f"no-zero tokens_per_local_expert {tag}", ntpe, tpe)
+    for weighted in (True, False):
+        same(f"combine of no-zero rows w={weighted} {tag}", g.combine(h, nx, weighted=weighted),
+             g.combine(h, rx, weighted=weighted))
+    for name, a, b in zip(("x", "w"), g.dispatch_bwd(h, nx, nw), g.dispatch_bwd(h, rx, rw)):
+        same(f"dispatch_bwd {name} of no-zero rows {tag}", a, b)
+
+
 def one_case(cp, comm, seed, E, K, H, Ts, Tmax, kind, mode, align, dtype, chunks=None):
     from moe_rt.ep import EpGroup
     from moe_rt.reference import ep as ref
@@ -170,6 +208,8 @@ def one_case(cp, comm, seed, E, K, H, Ts, Tmax, kind, mode, align, dtype, chunks
     same(f"recv_w {tag}", rw, routs[RANK][1])
     same(f"tokens_per_local_expert {tag}", tpe, routs[RANK][2])
     assert not h.overflow()
+    if mode == "capacity":
+        no_zero(cp, g, h, cp.asarray(x[RANK]), cp.asarray(w[RANK]), rx, rw, tpe, hs[RANK], f"{tag} {chunks[0]}")
     y = [rng.standard_normal(o[0].shape).astype(np.float32).astype(dtype) for o in routs]
     gout = [rng.standard_normal((T, H)).astype(np.float32).astype(dtype) for T in Ts]
     gw = [rng.standard_normal(o[1].shape).astype(np.float32) for o in routs]
@@ -207,6 +247,8 @@ def one_case(cp, comm, seed, E, K, H, Ts, Tmax, kind, mode, align, dtype, chunks
         rx2, rw2, tpe2 = g2.dispatch(h2, cp.asarray(x[RANK]), cp.asarray(w[RANK]))
         other = {"recv_x": rx2, "recv_w": rw2}
         same(f"tokens_per_local_expert {t2}", tpe2, tpe)
+        if mode == "capacity":
+            no_zero(cp, g2, h2, cp.asarray(x[RANK]), cp.asarray(w[RANK]), rx2, rw2, tpe2, hs[RANK], t2)
         for weighted in (True, False):
             same(f"combine w={weighted} {t2}", g2.combine(h2, yd, weighted=weighted), g.combine(h, yd, weighted=weighted))
         other["dispatch_bwd x"], other["dispatch_bwd w"] = g2.dispatch_bwd(h2, yd, cp.asarray(gw[RANK]))
@@ -433,6 +475,12 @@ def transports(cp, comm):
             n += 1
     one_case(cp, comm, 3100, experts(8), 6, 64, (10, 12), 16, "holes", "capacity", 4, b16, chunks=TRANSPORT_CHUNKS)
     log(f"transports: {n + 1} cases OK ({TRANSPORT_CHUNKS})")
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        log("transports: no torch, the direct transport's torch path skipped")
+        return
+    torch_direct(cp, comm)
 
 
 def fp8_case(cp, comm, seed, E, K, H, Ts, Tmax, kind, mode, align, dtype, configs=None):
@@ -511,6 +559,21 @@ def fp8_case(cp, comm, seed, E, K, H, Ts, Tmax, kind, mode, align, dtype, config
         got["dequantized"] = dq
         same(f"dequantized {t}", dq, rdq)
         same(f"dequantized recv_w {t}", drw, rq[1])
+        if mode == "capacity":  # zero_empty_slots=False: codes, scales and dequantized rows, filled rows only
+            filled = np.asarray(hs[RANK]["plan"]["src_slot"])[:int(pq.shape[0])] >= 0
+            pair_d = (cp.asarray(qs[RANK][0].view(np.uint8)), cp.asarray(qs[RANK][1]))
+            wd, xd = cp.asarray(w[RANK]), cp.asarray(x[RANK])
+            poison(cp, pq.nbytes)
+            nq, ns, nrw, _ = g.dispatch(h, pair_d, wd, fp8=True, zero_empty_slots=False)
+            same_filled(f"no-zero pair recv_x_fp8 {t}", nq, pq, filled)
+            if not np.array_equal(_np(ns)[filled], _np(ps)[filled]):
+                raise AssertionError(f"no-zero pair recv_scales {t}: filled rows not bitwise equal")
+            same(f"no-zero pair recv_w {t}", nrw, rq[1])
+            poison(cp, dq.nbytes)
+            ndq, _, _ = g.dispatch(h, xd, wd, fp8=True, dequantize=True, zero_empty_slots=False)
+            same_filled(f"no-zero dequantized {t}", ndq, dq, filled)
+            same(f"combine of no-zero dequantized rows {t}", g.combine(h, ndq, weighted=True),
+                 g.combine(h, dq, weighted=True))
         # the same ops after a dispatch of x itself give the same bits
         bx, bw, _ = g.dispatch(h, cp.asarray(x[RANK]), cp.asarray(w[RANK]))
         same(f"bf16 dispatch beside fp8 {t}", bx, plain[0])
@@ -632,6 +695,78 @@ def dead_peer_direct(cp, comm):
     dead_peer(cp, comm, direct=True)
 
 
+def torch_direct(cp, comm):
+    """The direct transport's eager ops on torch tensors on torch's current stream (taken as pointers, results
+    from torch's allocator, torch tensors back: EpGroup._lean) bitwise equal to the same ops on CuPy arrays,
+    which the other cases check against the reference: dispatch, combine (weighted or not), dispatch_bwd (with
+    and without the weights' gradient), combine_bwd (with y, without, unweighted); both modes, bf16, fp16
+    and fp32, a row width off the 16-byte vector path, T = 0 on a rank."""
+    import torch
+
+    from moe_rt.ep import EpGroup
+
+    torch.cuda.set_device(DEV)
+
+    def to_torch(a):
+        a = np.ascontiguousarray(a)
+        t = torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16) if a.dtype == bf16() else torch.from_numpy(a)
+        return t.to(f"cuda:{DEV}")
+
+    def from_torch(name, t, dtype):
+        assert isinstance(t, torch.Tensor) and t.device == torch.device("cuda", DEV), (name, type(t))
+        t = t.cpu()
+        return t.view(torch.int16).numpy().view(bf16()) if t.dtype == torch.bfloat16 else t.numpy().astype(dtype)
+
+    n = 0
+    for mode in ("capacity", "exact"):
+        for dtype, H, Ts in ((bf16(), 512, (48, 37)), (np.float16, 100, (33, 0)), (np.float32, 72, (20, 64))):
+            Ts = spread(Ts)
+            E, K, Tmax = experts(16), 4, 64
+            rng = np.random.default_rng(5000 + n)
+            idx = routing(rng, Ts[RANK], E, K, "uniform")
+            x = rng.standard_normal((Ts[RANK], H)).astype(np.float32).astype(dtype)
+            w = rng.random((Ts[RANK], K)).astype(np.float32)
+            gout = rng.standard_normal((Ts[RANK], H)).astype(np.float32).astype(dtype)
+            g = EpGroup(comm, E, H, Tmax, mode=mode, timeout=60, transport="direct")
+            tag = f"[torch direct {mode} {np.dtype(dtype).name} H={H} T={Ts}]"
+            h = g.prepare(cp.asarray(idx))
+            want = {}
+            want["recv_x"], want["recv_w"], want["tpe"] = g.dispatch(h, cp.asarray(x), cp.asarray(w))
+            N = int(want["recv_x"].shape[0])
+            y = rng.standard_normal((N, H)).astype(np.float32).astype(dtype)
+            gw = rng.standard_normal(N).astype(np.float32)
+            yc, gc = cp.asarray(y), cp.asarray(gout)
+            want["combine"] = g.combine(h, yc)
+            want["combine unweighted"] = g.combine(h, yc, weighted=False)
+            want["dispatch_bwd x"], want["dispatch_bwd w"] = g.dispatch_bwd(h, yc, cp.asarray(gw))
+            want["dispatch_bwd x alone"], _ = g.dispatch_bwd(h, yc)
+            want["combine_bwd y"], want["combine_bwd w"] = g.combine_bwd(h, gc, yc)
+            want["combine_bwd without y"], _ = g.combine_bwd(h, gc)
+            want["combine_bwd unweighted"], _ = g.combine_bwd(h, gc, weighted=False)
+            h.close()
+            h = g.prepare(to_torch(idx))
+            yt, gt = to_torch(y), to_torch(gout)
+            got = {}
+            got["recv_x"], got["recv_w"], got["tpe"] = g.dispatch(h, to_torch(x), to_torch(w))
+            got["combine"] = g.combine(h, yt)
+            got["combine unweighted"] = g.combine(h, yt, weighted=False)
+            got["dispatch_bwd x"], got["dispatch_bwd w"] = g.dispatch_bwd(h, yt, to_torch(gw))
+            got["dispatch_bwd x alone"], none = g.dispatch_bwd(h, yt)
+            assert none is None
+            got["combine_bwd y"], got["combine_bwd w"] = g.combine_bwd(h, gt, yt)
+            got["combine_bwd without y"], none = g.combine_bwd(h, gt)
+            assert none is None
+            got["combine_bwd unweighted"], none = g.combine_bwd(h, gt, weighted=False)
+            assert none is None
+            torch.cuda.synchronize()
+            for k, v in want.items():
+                same(f"{k} {tag}", from_torch(k, got[k], _np(v).dtype), v)
+            h.close()
+            g.close()
+            n += 1
+    log(f"torch_direct: {n} cases OK")
+
+
 def main():
     what = sys.argv[1] if len(sys.argv) > 1 else "correctness"
     stacks = os.environ.get("MOE_RT_EP_WORKER_STACKS")
@@ -643,7 +778,7 @@ def main():
     {"correctness": correctness, "graph": graph, "dead_peer": dead_peer, "transports": transports,
      "graph_transports": graph_transports, "dead_peer_direct": dead_peer_direct,
      "direct_lifecycle": direct_lifecycle, "fp8": fp8, "mixed": mixed, "graph_mixed": graph_mixed,
-     "dead_peer_mixed": dead_peer_mixed}[what](cp, comm)
+     "dead_peer_mixed": dead_peer_mixed, "torch_direct": torch_direct}[what](cp, comm)
     cp.cuda.Device().synchronize()
     comm.close()
     log("ALL OK")

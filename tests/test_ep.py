@@ -425,6 +425,45 @@ def test_group_fp8_bad_inputs(rng):
         g16.dispatch(h16, x, fp8=True)
 
 
+@pytest.mark.parametrize("mode", ["exact", "capacity"])
+def test_group_dispatch_zero_empty_slots_cpu(rng, mode):
+    """zero_empty_slots: keyword-only, a bool (TypeError naming it otherwise, before anything runs); the default
+    is True and gives today's bits (the reference's zero rows); on the CPU path False gives the same bits too
+    (the NumPy reference writes zeros either way, which "unspecified" allows); FP8 and dequantized likewise."""
+    from moe_rt.reference import fp8 as fref
+
+    E, K, T, H = 8, 3, 13, 136
+    g = EpGroup(None, E, H, 16, mode=mode, align_size=4)
+    idx = make_routing(rng, T, E, K, "holes")
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    w = rng.random((T, K)).astype(np.float32)
+    h = g.prepare(idx)
+    for bad in (1, 0, None, "no", np.array([True])):
+        with pytest.raises(TypeError, match="zero_empty_slots: expected a bool"):
+            g.dispatch(h, x, w, zero_empty_slots=bad)
+        with pytest.raises(TypeError, match="zero_empty_slots: expected a bool"):
+            g.dispatch(h, x, w, fp8=True, zero_empty_slots=bad)
+    with pytest.raises(TypeError):
+        g.dispatch(h, x, w, False, True)  # keyword-only
+    kw = {} if mode == "exact" else {"pair_capacity": 16, "capacity": 16 * min(K, E)}
+    hs = ref.prepare([idx], E, align_size=4, **kw)
+    want = ref.dispatch(hs, [x], [w])[0]
+    empty = hs[0]["plan"]["src_slot"] < 0
+    assert empty.any()  # padding rows (and the capacity tail) exist
+    for z in ({}, {"zero_empty_slots": True}, {"zero_empty_slots": np.bool_(True)}, {"zero_empty_slots": False}):
+        rx, rw, tpe = g.dispatch(h, x, w, **z)
+        assert np.array_equal(rx, want[0]) and np.array_equal(rw, want[1]) and np.array_equal(tpe, want[2]), z
+        assert not rx[empty].any() and not rw[empty].any()
+    q, s = fref.quantize_fp8(x)
+    rq, rs, rw8, _ = ref.dispatch_fp8(hs, [q], [s], [w])[0]
+    for zero in (True, False):
+        gq, gs, gw, _ = g.dispatch(h, x, w, fp8=True, zero_empty_slots=zero)
+        assert np.array_equal(gq.view(np.uint8), rq.view(np.uint8)) and np.array_equal(gs, rs)
+        assert np.array_equal(gw, rw8)
+        gy, _, _ = g.dispatch(h, x, w, fp8=True, dequantize=True, zero_empty_slots=zero)
+        assert np.array_equal(gy, fref.dequantize_fp8(rq, rs, np.float32))
+
+
 def test_group_cpu_torch_tensors(rng):
     torch = pytest.importorskip("torch")
     g = EpGroup(None, 4, 8, 8)
@@ -1057,11 +1096,12 @@ def test_multi_gpu_dead_peer_times_out():
 @pytest.mark.parametrize("what", ["transports", "graph_transports", "mixed", "graph_mixed"])
 def test_multi_gpu_transports(what, n):
     # transports: direct against the NumPy reference, NCCL (serial and overlapped) bitwise against direct:
-    # dispatch, combine, dispatch_bwd, combine_bwd in exact and capacity modes; graph_transports: capacity
+    # dispatch, combine, dispatch_bwd, combine_bwd in exact and capacity modes, and (with torch) the direct
+    # transport's ops on torch tensors (the lean path) bitwise equal to them on CuPy arrays; graph_transports: capacity
     # mode captured in a CUDA graph per transport, replayed with new routing, bitwise across transports;
     # mixed / graph_mixed: the same per node size (and an FP8 dispatch with torch), against the reference and
     # bitwise against direct and NCCL
-    r = _run_worker(what, n=n, timeout=300 if "mixed" in what else 180)
+    r = _run_worker(what, n=n, timeout=300 if "mixed" in what else 240 if what == "transports" else 180)
     assert r.returncode == 0 and "[rank 0] ALL OK" in r.stdout
 
 
@@ -1189,13 +1229,13 @@ def _stand_in_prepare(monkeypatch, record, sms, resident):
     """Kernels, devices and the scratch stood in for prepare on the CPU: each launch goes to ``record(name,
     grid, block)`` after checking that it passes as many arguments as its kernel takes; ``sms`` SMs, ``resident``
     blocks of any kernel resident at once."""
-    from moe_rt import _arrays, _errors, _jit, permutation
+    from moe_rt import _arrays, _ep_rows, _errors, _jit, permutation
     from moe_rt import ep as ep_mod
 
     def launch_raw(fn, grid, block, args, smem, stream):
         name = (fn if isinstance(fn, str) else fn.name).split("<")[0]  # permutation launches Kernel.kernel
         record(name, grid, block)
-        assert len(args) == _kernel_params("ep.cu" if name.startswith("ep_") else "permutation.cu", name), name
+        assert len(args) == len(_kernel_params("ep.cu" if name.startswith("ep_") else "permutation.cu", name)), name
 
     monkeypatch.setattr(_jit, "function", lambda file, name: _Kernel(name))
     monkeypatch.setattr(_jit, "launch_raw", launch_raw)
@@ -1206,6 +1246,7 @@ def _stand_in_prepare(monkeypatch, record, sms, resident):
     monkeypatch.setattr(permutation, "_fns", {})
     monkeypatch.setattr(permutation, "_plan_cfgs", {})
     monkeypatch.setattr(ep_mod, "_resident", lambda fn, threads, smem, dev: resident)
+    monkeypatch.setattr(_ep_rows, "copy_bytes", lambda dst, src, n, stream: _Trace.events.append(("copy", n, dst, src)))
 
 
 def _traced_group(R, me, E, Tmax, mode, transport):
@@ -1226,11 +1267,11 @@ def _traced_group(R, me, E, Tmax, mode, transport):
 
 
 def _kernel_params(file, name):
-    """Parameter count of kernel ``name`` in kernels/``file``."""
-    text = (ROOT / "kernels" / file).read_text()
-    m = re.search(rf"\b{name}\(([^)]*)\)\s*\{{", text)
+    """``[(C type or "ptr", name)]`` of kernel ``name``'s parameters in kernels/``file``."""
+    m = re.search(rf"\b{name}\(([^)]*)\)\s*\{{", (ROOT / "kernels" / file).read_text())
     assert m, name
-    return len([p for p in m.group(1).split(",") if p.strip()])
+    words = [p.replace("*", " * ").split() for p in m.group(1).split(",") if p.strip()]
+    return [("ptr" if "*" in w else w[-2], w[-1]) for w in words]
 
 
 @pytest.mark.parametrize("transport,R", [("nccl", 1), ("nccl", 3), ("direct", 3), ("mixed", 3)])
@@ -1295,8 +1336,11 @@ def test_prepare_launch_trace(monkeypatch, transport, R, mode, fused):
             inbox + 4 * (p * seg + o) for p, o in zip(peers * 2, offs)]
     # the handle and the scratch (exact: a second handle sized from the host read, and the plan's scratch)
     assert len(allocs) == (2 if mode == "capacity" else 3 if fused else 4)
+    # exact mode: the leading regions (routing, send lists, counts) into the handle sized from the host read: one
+    # memcpy from the first allocation
     assert [e for e in _Trace.events if e[0] == "copy"] == ([] if mode == "capacity" else
-                                                            [("copy", h.layout["recv_local"][0])])
+                                                            [("copy", h.layout["recv_local"][0], allocs[2][2],
+                                                              allocs[0][2])])
     assert h.sizes["rows"] == (R * P if mode == "capacity" else rows)
     assert h.layout["routing"][2] == Tmax * K + 1  # this rank's routing only
 
@@ -1372,6 +1416,231 @@ def test_prepare_grid_sync_words_per_stream(monkeypatch, transport):
     name, at = ("ep_prepare_send", -1) if transport == "nccl" else ("ep_prepare_direct", 21)
     assert [a[at] for n, a in sent if n == name] == [4096, 4096, 8192, 12288, 8192]
     assert made == [(id(gs[0]), 9), (id(gs[0]), 10), (id(gs[1]), 9)]
+
+
+# -- the eager ops' host side on the direct transport, the device stood in for (tools/profile_ep_host.py) ---------
+
+class _EpHostTrace:
+    """The device stood in for (tools/profile_ep_host.py's EpStandIns, undone after the test), each launch
+    recorded with its arguments by parameter name after checking their count and types, each memcpy too;
+    ``take()``: the events, allocations and CuPy kernels since the last take."""
+
+    def __init__(self, monkeypatch):
+        import importlib.util
+
+        pytest.importorskip("cupy")
+        from moe_rt import _ep_rows
+
+        spec = importlib.util.spec_from_file_location("profile_ep_host", ROOT / "tools" / "profile_ep_host.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        monkeypatch.setattr(_ep_rows, "_launches", {})  # set-ups made with the stand-in kernels stay here
+        self.st = mod.EpStandIns(monkeypatch.setattr, resident=8, sm_count=4)
+        self.st.on_launch = self._launch
+        self.st.on_memcpy = lambda dst, src, n, kind, stream: self.events.append(("memcpy", dst, src, n))
+        self.events = []
+
+    def _launch(self, fn, grid, block, args):
+        name = fn.name.split("<")[0]
+        params = _kernel_params("ep.cu", name)
+        assert len(args) == len(params), name
+        for (ctype, pname), a in zip(params, args):  # each argument of the type its parameter takes
+            want = {"int": np.int32, "i64": np.int64}.get(ctype)
+            assert (type(a) is want) if want else (type(a) is int or hasattr(a, "data")), (name, pname, a)
+        self.events.append((name, {pname: (int(a) if type(a) is int or isinstance(a, np.generic) else a.data.ptr)
+                                   for (_, pname), a in zip(params, args)}))
+
+    def take(self):
+        ev, self.events = self.events, []
+        allocs, self.st.allocs = self.st.allocs, 0
+        ck, self.st.cupy_kernels = self.st.cupy_kernels, 0
+        assert ck == 0  # no CuPy kernel on the eager path
+        return ev, allocs
+
+
+def _ptr(a):
+    return a.data.ptr
+
+
+@pytest.mark.parametrize("mode", ["capacity", "exact"])
+@pytest.mark.parametrize("R", [2, 4])
+@pytest.mark.parametrize("T", [13, 0])
+def test_direct_host_path_launches_and_arguments(monkeypatch, mode, R, T):
+    """Pinned: each eager op of an EpGroup on the direct transport (device stood in for) issues exactly these
+    launches (and memcpys), with these arguments by parameter name (the handle's regions, the transport's
+    tables, the op's arrays and constants of the types the kernels take), and this many allocations, from its
+    second call on the same at R=2 and R=4 and without a kernel lookup; no CuPy kernel anywhere."""
+    import ml_dtypes
+
+    from moe_rt import _ep_direct
+
+    tr = _EpHostTrace(monkeypatch)
+    st, OP = tr.st, _ep_direct.OP_CODES
+    me, E, H, Tmax, K = R - 1, 4 * R, 40, 16, 3
+    L, bf = E // R, np.dtype(ml_dtypes.bfloat16)
+    g = st.ep_group(R, me, E, H, Tmax, K, mode, bf)
+    d = g._transport
+    x, idx, w = st.dev((T, H), bf), st.dev((T, K), np.int32), st.dev((T, K), np.float32)
+    gout = st.dev((T, H), bf)
+    rows_st, w_st = d._stages[("rows", 2 * H)], d._stages[("weights", K)]
+    P = d.P
+    consts = dict(state=_ptr(d.state), err_word=96, timeout_ns=10**9, R=R, me=me, P=P, K=K, lo=0, hi=R)
+
+    def barrier(op):
+        return ("ep_direct_barrier", dict(peer_bar=_ptr(d.bar.table), R=R, me=me, state=_ptr(d.state),
+                                          timeout_ns=10**9, err_word=96, op=OP[op], lo=0, hi=R))
+
+    for n in range(2):
+        st.lookups = 0
+        h = g.prepare(idx)
+        ev, allocs = tr.take()
+        a = {k: h.buffer.data.ptr + v[0] for k, v in h.layout.items()}
+        if mode == "capacity":  # one kernel: send side, barrier, received side
+            assert [e[0] for e in ev] == ["ep_prepare_direct"] and allocs == 2
+            args = ev[0][1]
+            assert {k: args[k] for k in ("idx", "T", "routing", "send_tok", "send_pos", "meta", "recv_tok",
+                                         "recv_local", "dst_row", "src_slot", "seg_start", "expert_counts",
+                                         "tokens_per_expert", "state", "peer_box", "peer_bar", "err_word", "op",
+                                         "timeout_ns")} == dict(
+                idx=idx.ptr, T=T, state=_ptr(d.state), peer_box=_ptr(d._stages[("prepare", K)].table),
+                peer_bar=_ptr(d.bar.table), err_word=96, op=OP["prepare"], timeout_ns=10**9,
+                **{k: a[k] for k in ("routing", "send_tok", "send_pos", "meta", "recv_tok", "recv_local", "dst_row",
+                                     "src_slot", "seg_start", "expert_counts", "tokens_per_expert")})
+        else:  # send side, barrier, the counts for the host read, then the received side into the resized handle
+            assert [e[0] for e in ev] == ["ep_prepare_send", "ep_direct_barrier", "ep_plan_meta", "memcpy",
+                                          "ep_prepare_plan"] and allocs == 3
+            assert ev[1] == barrier("prepare")
+            assert ev[3][1] == h.buffer.data.ptr and ev[3][3] == h.layout["recv_local"][0]
+            assert ev[4][1]["tokens_per_expert"] == a["tokens_per_expert"] and ev[4][1]["rows"] == h.sizes["rows"]
+        if n:
+            assert st.lookups == 0  # the kernels of a prepare set-up are looked up once
+
+        N, rows = h.sizes["N"], h.sizes["rows"]
+        rx, rw, tpe = g.dispatch(h, x, w)
+        ev, allocs = tr.take()
+        names = [e[0] for e in ev]
+        row_map = mode == "exact"  # exact mode: the received rows' stage rows, made once per handle
+        assert names == ["ep_direct_barrier", "ep_direct_dispatch"] + ["ep_direct_row_map"] * row_map + [
+            "ep_copy_rows", "ep_fill_rows", "memcpy"]
+        assert allocs == 3 + row_map  # the rows, the weights, tokens_per_expert (and the row map)
+        assert ev[0] == barrier("dispatch")
+        C = d.chunk_rows(h)
+        assert ev[1][1] == dict(consts, x=x.ptr, w=w.ptr, peer_rows=_ptr(rows_st.table),
+                                peer_w=_ptr(w_st.table), peer_flags=_ptr(d.flags.table), send_tok=a["send_tok"],
+                                meta=a["meta"], dst_row=a["dst_row"], out=_ptr(rx), out_s=0, fp8_h=0,
+                                op=OP["dispatch"], C=C, units=2 * H // 16)
+        cp = ev[-3][1]
+        assert (cp["src"], cp["dst"], cp["dst_map"], cp["state"], cp["rows"]) == (
+            w_st.local, a["recv_wk"], 0, _ptr(d.state), rows)
+        assert cp["src_map"] == (ev[2][1]["map"] if row_map else 0)
+        assert ev[-2][1] == dict(out=_ptr(rx), probs_out=_ptr(rw), probs_flat=a["recv_wk"], src_slot=a["src_slot"],
+                                 N=N, units=ev[-2][1]["units"])
+        assert ev[-1] == ("memcpy", _ptr(tpe), a["tokens_per_expert"], 4 * L) and tpe.shape == (L,)
+        assert rx.shape == (N, H) and rw.shape == (N,)
+
+        # zero_empty_slots=False: the same launches and arguments, but ep_fill_rows gets no rows (out = 0: the
+        # rows holding no slot are not written), only the weights; without weights no ep_fill_rows at all
+        g.dispatch(h, x, zero_empty_slots=False)
+        ev2, allocs2 = tr.take()
+        assert "ep_fill_rows" not in [e[0] for e in ev2] and allocs2 == 2  # the rows, tokens_per_expert
+        assert ev2[1][0] == "ep_direct_dispatch" and ev2[1][1]["w"] == 0
+        rx2, rw2, _ = g.dispatch(h, x, w, zero_empty_slots=False)
+        ev2, allocs2 = tr.take()
+        assert [e[0] for e in ev2] == [n_ for n_ in names if n_ != "ep_direct_row_map"] and allocs2 == 3
+        assert ev2[1][1] == dict(ev[1][1], out=_ptr(rx2))
+        assert ev2[-2][1] == dict(out=0, probs_out=_ptr(rw2), probs_flat=a["recv_wk"], src_slot=a["src_slot"], N=N,
+                                  units=0)
+
+        y = st.dev((N, H), bf)
+        out = g.combine(h, y)
+        ev, allocs = tr.take()
+        assert allocs == 1 and out.shape == (T, H)
+        comb = dict(consts, y=y.ptr if N else 0, w=a["recv_wk"], zw=0, peer_rows=_ptr(rows_st.table),
+                    peer_w=_ptr(w_st.table), peer_flags=_ptr(d.flags.table), dst_row=a["dst_row"],
+                    send_pos=a["send_pos"], routing_me=a["routing"], meta=a["meta"], out=_ptr(out), grad_w=0,
+                    op=OP["combine"], L=L, Tmax=Tmax, Tn=T, C=C, H=H)
+        assert ev == [barrier("combine"), ("ep_direct_combine", comb)]
+
+        gx, gw = st.dev((N, H), bf), st.dev((N,), np.float32)
+        ox, ow = g.dispatch_bwd(h, gx, gw)
+        ev, allocs = tr.take()
+        assert allocs == 3 and ox.shape == (T, H) and ow.shape == (T, K)  # grad_x, grad_w, the slots' partials
+        assert [e[0] for e in ev] == ["ep_slot_values", "ep_direct_barrier", "ep_direct_combine"]
+        zw = ev[0][1]["out"]
+        assert ev[0][1] == dict(vals=gw.ptr if N else 0, dst_row=a["dst_row"], out=zw, n=rows * K)
+        assert ev[1:] == [barrier("dispatch_bwd"), ("ep_direct_combine", dict(
+            comb, y=gx.ptr if N else 0, w=0, zw=zw, out=_ptr(ox), grad_w=_ptr(ow), op=OP["dispatch_bwd"]))]
+
+        gy, none = g.combine_bwd(h, gout)
+        ev, allocs = tr.take()
+        assert none is None and allocs == 2 and gy.shape == (N, H)  # grad_y and its weights
+        assert [e[0] for e in ev] == ["ep_direct_barrier", "ep_direct_dispatch", "ep_fill_rows", "ep_scale_rows"]
+        assert ev[0] == barrier("combine_bwd")
+        assert ev[1][1] == dict(ev[1][1], x=gout.ptr, w=0, out=_ptr(gy), op=OP["combine_bwd"])
+        pp = ev[2][1]["probs_out"]
+        assert ev[2][1]["out"] == _ptr(gy) and ev[2][1]["probs_flat"] == a["recv_wk"]
+        if N:
+            assert ev[3][1] == dict(rows=_ptr(gy), w=pp, n=N, H=H)
+        if n:
+            assert st.lookups == 0  # every launch set-up made once
+
+
+@pytest.mark.parametrize("mode", ["capacity", "exact"])
+def test_direct_host_path_validation(monkeypatch, mode):
+    """The CUDA path of each eager op (direct transport, device stood in for) still refuses bad input with the
+    TypeError / ValueError naming the argument, before any launch."""
+    import ml_dtypes
+
+    tr = _EpHostTrace(monkeypatch)
+    st = tr.st
+    R, E, H, Tmax, K, T = 2, 8, 40, 16, 3, 11
+    bf = np.dtype(ml_dtypes.bfloat16)
+    g = st.ep_group(R, 1, E, H, Tmax, K, mode, bf)
+    idx = st.dev((T, K), np.int32)
+    with pytest.raises(TypeError, match="topk_idx"):
+        g.prepare(st.dev((T, K), np.float32))
+    with pytest.raises(ValueError, match="topk_idx: T="):
+        g.prepare(st.dev((Tmax + 1, K), np.int32))
+    h = g.prepare(idx)
+    N = h.sizes["N"]
+    tr.take()
+    x, w = st.dev((T, H), bf), st.dev((T, K), np.float32)
+    bad = [(lambda: g.dispatch(h, st.dev((T, H + 1), bf), w), ValueError, "x: expected shape"),
+           (lambda: g.dispatch(h, st.dev((T, H), np.float32), w), TypeError, "x: dtype must be bfloat16"),
+           (lambda: g.dispatch(h, x, st.dev((T, K + 1), np.float32)), ValueError, "topk_weights"),
+           (lambda: g.dispatch(h, x, st.dev((T, K), np.int32)), TypeError, "topk_weights"),
+           (lambda: g.dispatch("h", x, w), TypeError, "handle"),
+           (lambda: g.combine(h, st.dev((N, H), bf)), ValueError, "weighted=True needs topk_weights"),
+           (lambda: g.combine(h, st.dev((N + 1, H), bf), weighted=False), ValueError, "y: expected shape"),
+           (lambda: g.combine(h, st.dev((N, H), bf), weighted=1), TypeError, "weighted"),
+           (lambda: g.dispatch_bwd(h, st.dev((N, H), bf), st.dev((N + 1,), np.float32)), ValueError, "grad_recv_w"),
+           (lambda: g.combine_bwd(h, st.dev((T, H - 1), bf), weighted=False), ValueError, "grad_out: expected"),
+           (lambda: g.combine_bwd(h, st.dev((T, H), bf), st.dev((N, H), np.float16), weighted=False), TypeError, "y")]
+    for f, exc, match in bad:
+        with pytest.raises(exc, match=match):
+            f()
+        assert tr.take() == ([], 0)  # refused before any launch or allocation
+
+
+def test_profile_ep_host_tool_runs():
+    """tools/profile_ep_host.py (the host time of each eager op with the device stood in for) runs without a GPU
+    and counts the launches and allocations the tests above pin, the same at R=2 and R=4."""
+    pytest.importorskip("cupy")
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "profile_ep_host.py"), "--calls", "2"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    # launches, allocations, CuPy kernels, memcpys per call
+    want = {"prepare": ("1", "2", "0", "0"), "dispatch": ("4", "3", "0", "1"), "combine": ("2", "1", "0", "0"),
+            "dispatch_bwd": ("3", "3", "0", "0"), "combine_bwd": ("4", "2", "0", "0")}
+    got = {}
+    for line in r.stdout.splitlines()[1:]:
+        f = line.split()
+        op, (mode, R, us), counts = " ".join(f[:-7]), f[-7:-4], tuple(f[-4:])
+        assert float(us) > 0
+        got[(op, mode, R)] = counts
+    assert len(got) == 6 * 2 * 2
+    for op, counts in want.items():
+        assert got[(op, "capacity", "2")] == got[(op, "capacity", "4")] == counts, op
 
 
 @pytest.mark.gpu
@@ -1566,14 +1835,18 @@ class _Dev:
 
 
 class _DevHandle:
-    """A stand-in handle: sizes, mode, host counts (exact mode) and one device region per name."""
+    """A stand-in handle: sizes, mode, host counts (exact mode) and one device region per name (1 << 16
+    elements each, in one buffer)."""
 
     def __init__(self, sizes, mode, host_meta=None):
         self.sizes, self.mode, self.state, self._v = sizes, mode, {"host_meta": host_meta}, {}
+        self.layout = {name: (i << 18, dt, 1 << 16) for i, (name, dt, _) in enumerate(_handle.REGIONS)}
+        self.buffer = _Dev(len(self.layout) << 18, np.uint8)
 
     def view(self, name):
         if name not in self._v:
-            self._v[name] = _Dev(1 << 16, np.float32 if name == "recv_wk" else np.int32)
+            off, dt, n = self.layout[name]
+            self._v[name] = _Dev(n, dt, self.buffer.data.ptr + off)
         return self._v[name]
 
 
@@ -1583,7 +1856,7 @@ def _mixed_transport(monkeypatch, R, local_size, me, P, events):
 
     def launch(fn, grid, block, args, *, shared_mem=0, stream=None):
         name = fn.name.split("<")[0]
-        assert len(args) == _kernel_params("ep.cu", name), name
+        assert len(args) == len(_kernel_params("ep.cu", name)), name
         events.append(("launch", name, args))
 
     def launch_raw(fn, grid, block, args, shared_mem, stream):
@@ -1691,7 +1964,8 @@ def test_mixed_op_trace(monkeypatch, rng, R, local_size, me, mode):
     h = _mixed_handle(R, me, P, K, mode, rng)
     sc, so, rc, ro = t.nccl._host_counts(h)
     rb = H * 4
-    call = type("Call", (), {"xp": _Dev, "stream": type("S", (), {"ptr": 9})(), "device_id": 0})()
+    call = type("Call", (), {"xp": _Dev, "empty": staticmethod(_Dev.empty), "stream": type("S", (), {"ptr": 9})(),
+                             "device_id": 0})()
     x = _Dev((h.sizes["T"], H), np.float32)
     w = _Dev((h.sizes["T"], K), np.float32)
 
@@ -1833,6 +2107,7 @@ def test_fp8_dispatch_one_transport_pass(monkeypatch, pair, dequantize):
     transport forward over them, with the weights and the Fp8Rows of the outputs; nothing runs after it (no
     second pass for the scales, no dequantize or split kernel)."""
     from moe_rt import _arrays, _jit, _ep_rows
+    from moe_rt import ep as ep_mod
     from moe_rt.reference import fp8 as fref
 
     launches, passes = [], []
@@ -1850,6 +2125,7 @@ def test_fp8_dispatch_one_transport_pass(monkeypatch, pair, dequantize):
     monkeypatch.setattr(_arrays, "contiguous", lambda xp, a: a)
     monkeypatch.setattr(_arrays, "cupy_of", lambda a: a)
     monkeypatch.setattr(_arrays, "fp8_array", lambda a, dt: ("fp8", a))
+    monkeypatch.setattr(ep_mod, "tokens_per_expert", lambda call, h: h.view("tokens_per_expert").copy())  # host buffer
     stream = type("S", (), {"ptr": 9})()
 
     class Call:
@@ -1874,8 +2150,8 @@ def test_fp8_dispatch_one_transport_pass(monkeypatch, pair, dequantize):
     monkeypatch.setattr(_arrays, "Call", Call)
 
     class Rec:
-        def forward(self, call, h, x, w, op, *, expand=True, want_w=False, fp8=None):
-            passes.append((x, w, op, expand, want_w, fp8, len(launches)))
+        def forward(self, call, h, x, w, op, *, expand=True, want_w=False, fp8=None, zero=True):
+            passes.append((x, w, op, expand, want_w, fp8, len(launches), zero))
             N = h.sizes["N"]
             return fp8.empty(call.xp, N), (_Dev8(N, np.float32) if want_w else None)
 
@@ -1885,7 +2161,8 @@ def test_fp8_dispatch_one_transport_pass(monkeypatch, pair, dequantize):
     x = (_Dev8((T, H), np.uint8), _Dev8((T, S), np.float32)) if pair else _Dev8((T, H), _arrays.BFLOAT16)
     out = g.dispatch(h, x, w, fp8=True, dequantize=dequantize)
     assert len(passes) == 1  # one transport pass: codes and scales together
-    px, pw, op, expand, want_w, rows, at = passes[0]
+    px, pw, op, expand, want_w, rows, at, zero = passes[0]
+    assert zero is True  # zero_empty_slots' default reaches the transport
     assert isinstance(rows, _ep_rows.Fp8Rows) and (op, expand, want_w, pw) == ("dispatch", True, True, w)
     assert px.shape == (T, rows.row_bytes) == (T, 320) and px.dtype == np.uint8
     assert [n for n, _ in launches] == (["fp8_pack_rows<true>"] if pair else ["quantize_fp8<__nv_bfloat16, true>"])
@@ -1906,6 +2183,8 @@ def test_fp8_dispatch_one_transport_pass(monkeypatch, pair, dequantize):
         assert rows.dtype is None
         q = q if pair else q[1]  # a float x: the codes come back as float8_e4m3fn (fp8_array)
         assert q.shape == (N, H) and q.dtype == np.uint8 and s.shape == (N, S) and s.dtype == np.float32
+    g.dispatch(h, x, w, fp8=True, dequantize=dequantize, zero_empty_slots=False)
+    assert len(passes) == 2 and passes[1][7] is False and len(launches) == 2  # the same pass, zero=False
 
 
 @pytest.mark.parametrize("kind", ["direct", "mixed", "nccl"])
@@ -1932,7 +2211,8 @@ def test_fp8_transport_one_pass_trace(monkeypatch, rng, kind, mode, dequantize):
     h = _mixed_handle(R, me, P, K, mode, rng)
     H = 100
     rows = Fp8Rows(H, np.float32 if dequantize else None)
-    call = type("Call", (), {"xp": _Dev, "stream": type("S", (), {"ptr": 9})(), "device_id": 0})()
+    call = type("Call", (), {"xp": _Dev, "empty": staticmethod(_Dev.empty), "stream": type("S", (), {"ptr": 9})(),
+                             "device_id": 0})()
     x = _Dev((h.sizes["T"], rows.row_bytes), np.uint8)
     w = _Dev((h.sizes["T"], K), np.float32)
     full = {}
@@ -1977,6 +2257,92 @@ def test_fp8_transport_one_pass_trace(monkeypatch, rng, kind, mode, dequantize):
     fill_args = [e[2] for e in events if e[0] == "launch" and e[1] == "ep_fill_rows"]
     assert [a[0] for a in fill_args] == [o.data.ptr for o in out]
     assert fill_args[0][1] == out_w and all(a[1] == 0 for a in fill_args[1:])
+
+
+class _StandInStream:
+    """A stand-in CuPy stream or event for the NCCL transport's overlapped path (events and waits recorded as
+    nothing)."""
+    ptr = 9
+
+    def wait_event(self, ev):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+
+@pytest.mark.parametrize("kind", ["direct", "mixed", "nccl", "nccl overlapped"])
+@pytest.mark.parametrize("mode", ["capacity", "exact"])
+@pytest.mark.parametrize("rows_kind", ["plain", "fp8", "fp8 dequant"])
+@pytest.mark.parametrize("want_w", [True, False])
+def test_transport_zero_empty_slots_trace(monkeypatch, rng, kind, mode, rows_kind, want_w):
+    """A transport's forward with zero=False (dispatch's zero_empty_slots=False), traced on the CPU beside the
+    same forward with zero=True: the same expand launches with the same arguments (the outputs aside), but
+    no output reaches ep_fill_rows: it runs once for the weights alone (out = 0, 0 units) or not at all;
+    with zero=True it gets every output (plain rows, the FP8 codes and scales, or the dequantized rows). The
+    NCCL transport's serial path of plain rows expands with ep_expand_rows (every received row, one launch)
+    instead of the permutation family's dispatch, which zeroes the rows holding no slot."""
+    from moe_rt import _ep_nccl, _jit, permutation
+    from moe_rt._ep_rows import Fp8Rows
+
+    events = []
+    R, local_size, me, P, K = (4, 2, 1, 5, 2) if kind == "mixed" else (2, 2, 0, 5, 2)
+    t = _mixed_transport(monkeypatch, R, local_size, me, P, events)
+    monkeypatch.setattr(_ep_nccl, "plan_view", lambda h: "plan")
+    monkeypatch.setattr(permutation, "dispatch", lambda x, plan, w=None, **k: (
+        events.append(("permutation.dispatch", w is not None)), (_Dev((N, x.shape[1]), x.dtype),
+                                                                 _Dev(N, np.float32) if w is not None else None))[1])
+    if kind == "direct":
+        t = t.direct
+    elif kind.startswith("nccl"):
+        t = t.nccl
+        if kind == "nccl overlapped":
+            t.overlap = True
+            st = _StandInStream()
+            monkeypatch.setattr(t, "_comm_stream", lambda: st)
+            monkeypatch.setattr(t, "_event", lambda i: st)
+    h = _mixed_handle(R, me, P, K, mode, rng)
+    N, H = h.sizes["N"], 100
+    fp8 = None if rows_kind == "plain" else Fp8Rows(H, np.float32 if rows_kind == "fp8 dequant" else None)
+    call = type("Call", (), {"xp": _Dev, "empty": staticmethod(_Dev.empty), "stream": _StandInStream(),
+                             "device_id": 0})()
+    x = _Dev((h.sizes["T"], H), np.float32) if fp8 is None else _Dev((h.sizes["T"], fp8.row_bytes), np.uint8)
+    w = _Dev((h.sizes["T"], K), np.float32) if want_w else None
+    full = []
+    monkeypatch.setattr(_jit, "function", lambda file, name: (full.append(name), _Kernel(name))[1])
+    t.forward(call, h, x, w, "dispatch", want_w=want_w, fp8=fp8)  # the stages made once, before both runs
+    runs, start = {}, _Dev._next[0]
+    for zero in (True, False):
+        events.clear()
+        full.clear()
+        _Dev._next[0] = start  # both runs allocate at the same addresses (in the same order)
+        out, out_w = t.forward(call, h, x, w, "dispatch", want_w=want_w, fp8=fp8, zero=zero)
+        outs = (out,) if fp8 is None else out
+        assert (out_w is not None) == want_w
+        # every launch's arguments as ints, the outputs' addresses replaced by their names
+        norm = {o.data.ptr: f"out{i}" for i, o in enumerate(outs + ((out_w,) if want_w else ()))}
+        ints = [[a.data.ptr if isinstance(a, _Dev) else int(a) for a in e[2]] if e[0] == "launch" else None
+                for e in events]
+        trace = [(e[0], e[1], tuple(norm.get(a, a) for a in v)) if v is not None else e[:2]
+                 for e, v in zip(events, ints)]
+        runs[zero] = (trace, list(full), outs)
+    (t_zero, _, outs_z), (t_nz, f_nz, outs) = runs[True], runs[False]
+    fills = [e for e in t_nz if e[0] == "launch" and e[1] == "ep_fill_rows"]
+    if want_w:
+        assert len(fills) == 1 and fills[0][2][0] == 0 and fills[0][2][1] == "out" + str(len(outs))
+        assert int(fills[0][2][-1]) == 0  # no row units: nothing but the weights
+    else:
+        assert fills == []
+    fills_z = [e for e in t_zero if e[0] == "launch" and e[1] == "ep_fill_rows"]
+    if kind == "nccl" and fp8 is None:  # zero=True: the permutation family's dispatch; False: one ep_expand_rows
+        assert [e for e in t_zero if e[0] == "permutation.dispatch"] == [("permutation.dispatch", want_w)]
+        exp = [e for e in t_nz if e[0] == "launch" and e[1] == "ep_expand_rows"]
+        assert len(exp) == 1 and exp[0][2][1] == "out0" and int(exp[0][2][6]) == h.sizes["rows"]
+        assert set(n_ for n_ in f_nz if n_.startswith("ep_expand_rows")) == {"ep_expand_rows<uint4, 4>"}
+        assert "permutation.dispatch" not in [e[0] for e in t_nz]
+    else:  # zero=True zeroes every output with ep_fill_rows; zero=False has the same launches but those
+        assert [e[2][0] for e in fills_z if e[2][0] != 0] == [f"out{i}" for i in range(len(outs_z))]
+        assert [e for e in t_nz if e[1:2] != ("ep_fill_rows",)] == [e for e in t_zero if e[1:2] != ("ep_fill_rows",)]
 
 
 def test_fp8_sink_kernels_compile():
@@ -2030,6 +2396,87 @@ def test_one_gpu_fp8_dispatch_matches_cpu(rng, mode, H):
         assert np.array_equal(gy.get().view(np.uint8), np.asarray(cy).view(np.uint8))
         pad = hc.view("src_slot")[:hc.sizes["N"]] < 0
         assert not cq[pad].any() and not cs[pad].any()
+
+
+def _poison_pool(cp, nbytes, copies=6):
+    """Free every unused block of CuPy's pool, then free ``copies`` blocks of ``nbytes`` filled with 0xFF (NaN
+    bits in every float dtype) into it: the next allocations of that size start on them."""
+    cp.cuda.Device().synchronize()
+    cp.get_default_memory_pool().free_all_blocks()
+    blocks = [cp.full(max(int(nbytes), 1), 0xFF, cp.uint8) for _ in range(copies)]
+    cp.cuda.Device().synchronize()
+    del blocks
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode,align", [("capacity", 1), ("capacity", 4), ("exact", 8)])
+def test_one_gpu_zero_empty_slots(rng, mode, align):
+    """A 1-rank group on one GPU (the NCCL transport's path without an exchange): dispatch with
+    zero_empty_slots=False into a pool poisoned with NaN bits gives the filled rows (src_slot >= 0) bitwise equal
+    to the default dispatch and to the CPU group (the NumPy reference), the same weights and
+    tokens_per_local_expert, and leaves the empty rows unwritten (some keep the poison); combine and
+    dispatch_bwd of those rows (garbage included) are bitwise equal to the default's (they read the filled rows
+    only). bf16, fp16, fp32 rows; FP8 codes and scales, and dequantized rows, likewise."""
+    import cupy as cp
+    import ml_dtypes
+
+    E, K, Tmax, T, H = 9, 3, 40, 37, 200
+    # some pairs dropped (pair_capacity); with align 4 some slots too (capacity 50 < the padded rows), with align 1
+    # a capacity above the 90 kept slots, so the capacity tail holds no slot
+    kw = {} if mode == "exact" else {"pair_capacity": 30, "capacity": 80 if align == 1 else 50}
+    g = EpGroup(None, E, H, Tmax, mode=mode, align_size=align, **kw)
+    g_cpu = EpGroup(None, E, H, Tmax, mode=mode, align_size=align, **kw)
+    idx = make_routing(rng, T, E, K, "holes")
+    w = rng.random((T, K)).astype(np.float32)
+
+    def handles():  # a handle binds the token dtype of its first dispatch: one pair of handles per dtype
+        return g.prepare(cp.asarray(idx)), g_cpu.prepare(idx)
+
+    h, hc = handles()
+    N = h.sizes["N"]
+    filled = hc.view("src_slot")[:N] >= 0
+    assert (~filled).any()
+    for dt in (ml_dtypes.bfloat16, np.float16, np.float32):
+        h, hc = handles()
+        x = rng.standard_normal((T, H)).astype(np.float32).astype(dt)
+        xd, wd = cp.asarray(x), cp.asarray(w)
+        rx, rw, tpe = g.dispatch(h, xd, wd)
+        cx, cw, ctpe = g_cpu.dispatch(hc, x, w)
+        assert np.array_equal(rx.get().view(np.uint8), cx.view(np.uint8))  # the default: zero rows, as ever
+        _poison_pool(cp, rx.nbytes)
+        nx, nw, ntpe = g.dispatch(h, xd, wd, zero_empty_slots=False)
+        b = nx.get().view(np.uint8).reshape(N, -1)
+        assert np.array_equal(b[filled], cx.view(np.uint8).reshape(N, -1)[filled])
+        assert np.array_equal(nw.get(), cw) and np.array_equal(ntpe.get(), ctpe)
+        assert (b[~filled] == 0xFF).all(axis=1).any()  # not written: the poison is still there
+        for weighted in (True, False):
+            assert np.array_equal(g.combine(h, nx, weighted=weighted).get().view(np.uint8),
+                                  g.combine(h, rx, weighted=weighted).get().view(np.uint8))
+        for a, b_ in zip(g.dispatch_bwd(h, nx, nw), g.dispatch_bwd(h, rx, rw)):
+            assert np.array_equal(a.get().view(np.uint8), b_.get().view(np.uint8))
+    # FP8: a uint8 pair -> codes and scales; and dequantized to bf16
+    from moe_rt.reference import fp8 as fref
+
+    q, sc = fref.quantize_fp8(rng.standard_normal((T, H)).astype(np.float32))
+    pair = (cp.asarray(q.view(np.uint8)), cp.asarray(sc))
+    h, hc = handles()
+    cq, cs, _, _ = g_cpu.dispatch(hc, (q.view(np.uint8), sc), w, fp8=True)
+    gq, gs, _, _ = g.dispatch(h, pair, cp.asarray(w), fp8=True)
+    _poison_pool(cp, gq.nbytes)
+    nq, ns, _, _ = g.dispatch(h, pair, cp.asarray(w), fp8=True, zero_empty_slots=False)
+    assert np.array_equal(nq.get()[filled], cq[filled]) and np.array_equal(ns.get()[filled], cs[filled])
+    assert np.array_equal(gq.get(), cq) and np.array_equal(gs.get(), cs)
+    assert (nq.get()[~filled] == 0xFF).all(axis=1).any()
+    cy, _, _ = g_cpu.dispatch(hc, (q.view(np.uint8), sc), fp8=True, dequantize=True)
+    gy, _, _ = g.dispatch(h, pair, fp8=True, dequantize=True)
+    _poison_pool(cp, gy.nbytes)
+    ny, _, _ = g.dispatch(h, pair, fp8=True, dequantize=True, zero_empty_slots=False)
+    cyb = np.asarray(cy).view(np.uint8).reshape(N, -1)
+    assert np.array_equal(gy.get().view(np.uint8).reshape(N, -1), cyb)
+    nyb = ny.get().view(np.uint8).reshape(N, -1)
+    assert np.array_equal(nyb[filled], cyb[filled]) and (nyb[~filled] == 0xFF).all(axis=1).any()
+    assert np.array_equal(g.combine(h, ny, weighted=False).get().view(np.uint8),
+                          g.combine(h, gy, weighted=False).get().view(np.uint8))
 
 
 # -- the first call of an op on NCCL waits for its exchanges (kernels load only on an idle device) -------------

@@ -274,6 +274,78 @@ def test_jax_ep_jit_grad_matches_plain(device, T, remat, rng):
     np.testing.assert_allclose(np.asarray(gw), 1.5 * (x * g).sum(1, keepdims=True) * valid, rtol=1e-4, atol=1e-5)
 
 
+def _record_zero_flag(monkeypatch):
+    """EpGroup.dispatch wrapped to record the zero_empty_slots it is called with (None: not passed)."""
+    seen, orig = [], moe_rt.EpGroup.dispatch
+
+    def dispatch(self, *a, **k):
+        seen.append(k.get("zero_empty_slots"))
+        return orig(self, *a, **k)
+
+    monkeypatch.setattr(moe_rt.EpGroup, "dispatch", dispatch)
+    return seen
+
+
+def test_torch_ep_dispatch_zero_empty_slots(monkeypatch, rng):
+    """moe_rt.torch.ep_dispatch passes zero_empty_slots to EpGroup.dispatch (True unless the caller passes
+    False; plain, FP8 and dequantized), refuses a non-bool with a TypeError naming it; on the CPU (the reference
+    writes zero rows either way) the rows and gradients are the same."""
+    seen = _record_zero_flag(monkeypatch)
+    T = 19
+    idx, x = _routing(rng, T), rng.standard_normal((T, H)).astype(np.float32)
+    w = rng.random((T, K)).astype(np.float32)
+    group = moe_rt.EpGroup(None, E, H, 32, mode="capacity")
+    h = mt.ep_prepare(group, torch.tensor(idx))
+    res = {}
+    for zero in (None, True, False):
+        xt, wt = torch.tensor(x, requires_grad=True), torch.tensor(w, requires_grad=True)
+        kw = {} if zero is None else {"zero_empty_slots": zero}
+        rx, rw = mt.ep_dispatch(h, xt, wt, **kw)
+        mt.ep_combine(h, rx * 1.5, rw).square().sum().backward()
+        res[zero] = [a.detach().numpy() for a in (rx, rw, xt.grad, wt.grad)]
+        mt.ep_dispatch(h, xt, wt, fp8=True, **kw)
+        mt.ep_dispatch(h, xt, wt, fp8=True, dequantize=True, **kw)
+    assert seen == [True] * 6 + [False] * 3
+    for a, b in zip(res[None], res[False]):
+        assert np.array_equal(a, b)
+    for bad in (1, None, "False"):
+        with pytest.raises(TypeError, match="zero_empty_slots: expected a bool"):
+            mt.ep_dispatch(h, torch.tensor(x), zero_empty_slots=bad)
+
+
+def test_jax_ep_dispatch_zero_empty_slots(monkeypatch, rng):
+    """moe_rt.jax.ep_dispatch under jit: zero_empty_slots (a static flag) reaches EpGroup.dispatch, True unless
+    the caller passes False (plain, FP8, dequantized, and the VJP's forward); a non-bool is a TypeError naming
+    it; on the CPU the rows and gradients are the same either way."""
+    seen = _record_zero_flag(monkeypatch)
+    T = 19
+    idx, x = _routing(rng, T), rng.standard_normal((T, H)).astype(np.float32)
+    w = rng.random((T, K)).astype(np.float32)
+    group = moe_rt.EpGroup(None, E, H, 32, mode="capacity")
+    with jax.default_device(jax.devices("cpu")[0]):
+        h = mj.ep_prepare(group, jnp.asarray(idx))
+        jx, jw = jnp.asarray(x), jnp.asarray(w)
+
+        def loss(x, w, kw):
+            rx, rw = mj.ep_dispatch(h, x, w, **kw)
+            return (mj.ep_combine(h, rx * 1.5, rw) ** 2).sum()
+
+        res = {}
+        for zero in (None, False):
+            kw = {} if zero is None else {"zero_empty_slots": zero}
+            n = len(seen)
+            rx, rw = jax.jit(lambda x, w: mj.ep_dispatch(h, x, w, **kw))(jx, jw)
+            grads = jax.jit(jax.grad(lambda x, w: loss(x, w, kw), argnums=(0, 1)))(jx, jw)
+            jax.jit(lambda x, w: mj.ep_dispatch(h, x, w, fp8=True, **kw))(jx, jw)
+            jax.jit(lambda x, w: mj.ep_dispatch(h, x, w, fp8=True, dequantize=True, **kw))(jx, jw)
+            assert seen[n:] == [zero is None] * 4, seen[n:]
+            res[zero] = [np.asarray(a) for a in (rx, rw, *grads)]
+        for a, b in zip(res[None], res[False]):
+            assert np.array_equal(a, b)
+        with pytest.raises(TypeError, match="zero_empty_slots: expected a bool"):
+            mj.ep_dispatch(h, jx, jw, zero_empty_slots=0)
+
+
 def test_jax_ep_handle_pytree_and_errors(rng):
     idx = jnp.asarray(_routing(rng, 6))
     group = moe_rt.EpGroup(None, E, H, 8, mode="capacity")

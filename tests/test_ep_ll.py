@@ -277,48 +277,105 @@ def test_group_validation(rng):
         LowLatencyGroup(None, L, H, Tmax, topk=K, timeout=0)
     with pytest.raises(TypeError, match="comm"):
         LowLatencyGroup(object(), L, H, Tmax, topk=K)
-    with pytest.raises(ValueError, match="exceeds max_tokens_per_rank=5"):
-        g.dispatch(np.zeros((6, H), np.float32), np.zeros((6, K), np.int32), np.ones((6, K), np.float32))
-    with pytest.raises(TypeError, match="x: dtype must be float32"):
-        g.dispatch(x.astype(np.float16), idx, w)
-    with pytest.raises(TypeError, match="topk_idx"):
-        g.dispatch(x, idx.astype(np.float32), w)
-    with pytest.raises(ValueError, match="K must be 2"):
-        g.dispatch(x, np.zeros((T, 3), np.int32), np.ones((T, 3), np.float32))
-    with pytest.raises(ValueError, match="x: expected shape"):
-        g.dispatch(np.zeros((T, H + 1), np.float32), idx, w)
-    with pytest.raises(ValueError, match="x: expected shape"):
-        g.dispatch(np.zeros((T - 1, H), np.float32), idx, w)
-    with pytest.raises(ValueError, match="topk_weights"):
-        g.dispatch(x, idx, np.ones((T, K + 1), np.float32))
-    with pytest.raises(TypeError, match="topk_weights"):
-        g.dispatch(x, idx, np.ones((T, K), np.int32))
-    with pytest.raises(TypeError, match="topk_weights"):
-        g.dispatch(x, idx, None)
-    with pytest.raises(ValueError, match=r"topk_idx: expert ids must be in \[-1, num_experts=4\), got 4"):
-        g.dispatch(x, np.full((T, K), 4, np.int32), w)
-    _, _, h = g.dispatch(x, idx, w)
-    y = np.zeros((L, Tmax, H), np.float32)
-    with pytest.raises(TypeError, match="handle"):
-        g.combine(object(), y)
-    other = LowLatencyGroup(None, L, H, Tmax, topk=K, dtype=np.float32)
-    with pytest.raises(ValueError, match="another group"):
-        other.combine(h, y)
-    with pytest.raises(ValueError, match="expert_out: expected shape"):
-        g.combine(h, np.zeros((L, Tmax + 1, H), np.float32))
-    with pytest.raises(TypeError, match="expert_out: dtype"):
-        g.combine(h, y.astype(np.float16))
-    with pytest.raises(ValueError, match="grad_recv_x: expected shape"):
-        g.dispatch_bwd(h, np.zeros((L, Tmax, H + 1), np.float32))
-    with pytest.raises(ValueError, match="grad_recv_weights"):
-        g.dispatch_bwd(h, y, np.zeros((L, Tmax + 1), np.float32))
-    with pytest.raises(ValueError, match="grad_out: expected shape"):
-        g.combine_bwd(h, np.zeros((T + 1, H), np.float32))
-    with pytest.raises(ValueError, match="expert_out: expected shape"):
-        g.combine_bwd(h, x, np.zeros((L, Tmax, 1), np.float32))
+    # twice: the second round after good calls whose signatures the group remembers (the bad ones still raise)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="exceeds max_tokens_per_rank=5"):
+            g.dispatch(np.zeros((6, H), np.float32), np.zeros((6, K), np.int32), np.ones((6, K), np.float32))
+        with pytest.raises(TypeError, match="x: dtype must be float32"):
+            g.dispatch(x.astype(np.float16), idx, w)
+        with pytest.raises(TypeError, match="topk_idx"):
+            g.dispatch(x, idx.astype(np.float32), w)
+        with pytest.raises(ValueError, match="K must be 2"):
+            g.dispatch(x, np.zeros((T, 3), np.int32), np.ones((T, 3), np.float32))
+        with pytest.raises(ValueError, match="x: expected shape"):
+            g.dispatch(np.zeros((T, H + 1), np.float32), idx, w)
+        with pytest.raises(ValueError, match="x: expected shape"):
+            g.dispatch(np.zeros((T - 1, H), np.float32), idx, w)
+        with pytest.raises(ValueError, match="topk_weights"):
+            g.dispatch(x, idx, np.ones((T, K + 1), np.float32))
+        with pytest.raises(TypeError, match="topk_weights"):
+            g.dispatch(x, idx, np.ones((T, K), np.int32))
+        with pytest.raises(TypeError, match="topk_weights"):
+            g.dispatch(x, idx, None)
+        with pytest.raises(ValueError, match=r"topk_idx: expert ids must be in \[-1, num_experts=4\), got 4"):
+            g.dispatch(x, np.full((T, K), 4, np.int32), w)
+        _, _, h = g.dispatch(x, idx, w)
+        y = np.zeros((L, Tmax, H), np.float32)
+        g.combine(h, y)
+        with pytest.raises(TypeError, match="handle"):
+            g.combine(object(), y)
+        other = LowLatencyGroup(None, L, H, Tmax, topk=K, dtype=np.float32)
+        with pytest.raises(ValueError, match="another group"):
+            other.combine(h, y)
+        with pytest.raises(ValueError, match="expert_out: expected shape"):
+            g.combine(h, np.zeros((L, Tmax + 1, H), np.float32))
+        with pytest.raises(TypeError, match="expert_out: dtype"):
+            g.combine(h, y.astype(np.float16))
+        with pytest.raises(ValueError, match="grad_recv_x: expected shape"):
+            g.dispatch_bwd(h, np.zeros((L, Tmax, H + 1), np.float32))
+        with pytest.raises(ValueError, match="grad_recv_weights"):
+            g.dispatch_bwd(h, y, np.zeros((L, Tmax + 1), np.float32))
+        with pytest.raises(ValueError, match="grad_out: expected shape"):
+            g.combine_bwd(h, np.zeros((T + 1, H), np.float32))
+        with pytest.raises(ValueError, match="expert_out: expected shape"):
+            g.combine_bwd(h, x, np.zeros((L, Tmax, 1), np.float32))
     g.close()
     with pytest.raises(ValueError, match="closed"):
         g.dispatch(x, idx, w)
+
+
+def test_group_dedup_argument_and_env(monkeypatch):
+    """dedup=None takes MOE_RT_LL_DEDUP (unset or empty: on; 0: off; 1: on; anything else a ValueError naming
+    it); an explicit bool wins over the variable; a non-bool is a TypeError."""
+    args = (None, 4, 6, 5)
+    for v, want in (("", True), ("1", True), ("0", False)):
+        monkeypatch.setenv("MOE_RT_LL_DEDUP", v)
+        assert LowLatencyGroup(*args, topk=2).dedup is want
+        assert LowLatencyGroup(*args, topk=2, dedup=not want).dedup is (not want)
+    assert "dedup=False" in repr(LowLatencyGroup(*args, topk=2, dedup=False))
+    monkeypatch.delenv("MOE_RT_LL_DEDUP")
+    assert LowLatencyGroup(*args, topk=2).dedup is True
+    for bad in ("2", "yes", "true", " 1"):
+        monkeypatch.setenv("MOE_RT_LL_DEDUP", bad)
+        with pytest.raises(ValueError, match="MOE_RT_LL_DEDUP"):
+            LowLatencyGroup(*args, topk=2)
+    monkeypatch.setenv("MOE_RT_LL_DEDUP", "1")
+    with pytest.raises(TypeError, match="dedup"):
+        LowLatencyGroup(*args, topk=2, dedup=1)
+
+
+def test_dedup_must_agree_on_every_rank():
+    """The set-up's check of the all-gathered dedup settings: equal ones pass, a mix is a ValueError naming
+    dedup and the ranks on each side (the multi-GPU worker checks that the first op raises it on every rank)."""
+    from moe_rt.ep_ll import check_dedup_agrees
+
+    for ok in ([1], [0], [1, 1, 1, 1], np.zeros(3, np.int64)):
+        check_dedup_agrees(ok)
+    with pytest.raises(ValueError, match=r"dedup: the ranks disagree \(on at ranks \[0, 2\], off at ranks \[1\]\)"):
+        check_dedup_agrees(np.array([1, 0, 1], np.int64))
+    with pytest.raises(ValueError, match="MOE_RT_LL_DEDUP"):
+        check_dedup_agrees([0, 1])
+
+
+@pytest.mark.parametrize("R,L,K,Ts,Tmax", [(2, 128, 8, (128, 128), 128), (4, 64, 8, (128, 100, 0, 128), 128),
+                                           (3, 2, 4, (9, 5, 7), 9), (4, 3, 6, (6, 6, 1, 4), 6)])
+def test_wire_rows_are_the_references_distinct_token_rank_pairs(rng, R, L, K, Ts, Tmax):
+    """ep_ll.wire_rows (the rows bench_ep's LL wire_MB counts) is, per source rank, the number of distinct
+    (token, other destination rank) pairs with dedup and of distinct (token, expert on another rank) pairs
+    without, both read off the reference's slot tables of every destination (a token of source s reaches
+    rank d when any local expert's slot (l, s*Tmax + t) of d is valid); duplicates and -1 ids included."""
+    from moe_rt.ep_ll import wire_rows
+
+    xs, idxs, ws = make_case(rng, R, L, K, Ts, 1)
+    res = ref.dispatch(xs, idxs, ws, R * L, Tmax)
+    for s in range(R):
+        cols = slice(s * Tmax, (s + 1) * Tmax)
+        valid = [res[d][2]["slot_k"][:, cols] >= 0 for d in range(R) if d != s]  # [L, Tmax] per other rank
+        per_rank = sum(int(v.any(axis=0).sum()) for v in valid)
+        per_expert = sum(int(v.sum()) for v in valid)
+        assert wire_rows(idxs[s], R * L, R, s) == per_rank
+        assert wire_rows(idxs[s], R * L, R, s, dedup=False) == per_expert
+        assert per_rank <= per_expert
 
 
 def test_group_cpu_split_dispatch(rng):
@@ -502,6 +559,8 @@ def test_group_fp8_validation(rng):
     with pytest.raises(TypeError, match="fp8"):
         LowLatencyGroup(None, L, H, Tmax, topk=K, fp8=1)
     g = LowLatencyGroup(None, L, H, Tmax, topk=K, dtype=np.float32, fp8=True)
+    g.dispatch((q, sc), idx, w, fp8=True)  # good calls first: their signatures remembered, the bad ones below
+    g.dispatch(x, idx, w, fp8=True)  # still raise
     for grp in (plain, g):
         with pytest.raises(ValueError, match="dequantize: only meaningful with fp8=True"):
             grp.dispatch(x, idx, w, dequantize=True)
@@ -622,20 +681,24 @@ class _LLTrace:
         return ev, allocs
 
 
+@pytest.mark.parametrize("dedup", ["", "0"])  # MOE_RT_LL_DEDUP: unset (the dedup split) or 0 (per-expert pushes)
 @pytest.mark.parametrize("fp8", [None, "float", "pair", "dequant"])
 @pytest.mark.parametrize("T", [11, 0])
-def test_cuda_host_path_launches_and_arguments(monkeypatch, fp8, T):
+def test_cuda_host_path_launches_and_arguments(monkeypatch, fp8, T, dedup):
     """An eager low-latency dispatch + combine on CUDA (device stood in for) issues exactly one barrier and
-    one kernel each way and two allocations (the handle's tables, in one; combine's output), and passes each
-    kernel the arguments it takes, by parameter name (tables of the right set, the handle's tables, the
-    constants); the split hook, both backwards and a second buffer set too; a handle keeps its own tables
-    after later dispatches."""
+    one kernel each way and two allocations while the earlier handles are kept (a table set for the handle's
+    tables, in one; combine's output), and passes each kernel the arguments it takes, by parameter name
+    (tables of the right set, the handle's tables, the constants); the split hook, both backwards and a
+    second buffer set too; a handle keeps its own tables after later dispatches."""
     import ml_dtypes
 
     tr = _LLTrace(monkeypatch)
     R, me, E, H, Tmax, K = 2, 1, 6, 40, 13, 3
     L, bf = E // R, np.dtype(ml_dtypes.bfloat16)
+    monkeypatch.setenv("MOE_RT_LL_DEDUP", dedup)
     g = tr.group(R, me, E, H, Tmax, K, bf, 2, True)
+    dd = int(dedup != "0")
+    assert g.dedup is bool(dd)
     d, OP = g._transport, _ep_direct.OP_CODES
     x, idx, w = tr.dev((T, H), bf), tr.dev((T, K), np.int64), tr.dev((T, K), np.float32)
     pair = (tr.array((T, H), np.uint8), tr.array((T, g.num_scales), np.float32))  # CuPy, as the pair is taken
@@ -663,11 +726,11 @@ def test_cuda_host_path_launches_and_arguments(monkeypatch, fp8, T):
                     phases=phases, flag_base=2 * R * Tmax * b,
                     set_epoch=0 if phases == 3 else g._set_epoch.data.ptr + 4 * b, idx=ptr(idx), w=ptr(w))
         if fp8 is None:
-            want.update(x=ptr(x), meta=1, scaled=0, zero_k=0)
+            want.update(x=ptr(x), meta=1, scaled=0, dedup=dd, zero_k=0, recv_route=0)
         else:
             want.update(x=ptr(x, fp8 != "pair"), xq=ptr(pair[0], fp8 == "pair"), xs=ptr(pair[1], fp8 == "pair"),
                         peer_recv_q=tab[("recv_q", b)], peer_recv_s=tab[("recv_s", b)], dequant=int(fp8 == "dequant"),
-                        S=S)
+                        dedup=dd, S=S)
         return want
 
     def barrier(op):
@@ -681,7 +744,7 @@ def test_cuda_host_path_launches_and_arguments(monkeypatch, fp8, T):
         h = out[-1]
         handles.append(h)
         ev, allocs = tr.take()
-        assert allocs == 1  # the handle's six tables in one allocation
+        assert allocs == 1  # every earlier handle kept: a new table set (the six tables in one allocation)
         assert ev == [barrier("dispatch"), (kernel, 8, 512, want_dispatch(b, h, 3))]
         rows = out[:-2]
         regions = ["recv"] if fp8 in (None, "dequant") else ["recv_q", "recv_s"]
@@ -716,10 +779,14 @@ def test_cuda_host_path_launches_and_arguments(monkeypatch, fp8, T):
         gy, gw = g.combine_bwd(h, gout, yk)
         ev, allocs = tr.take()
         assert gy.data.ptr == g._buf.local + g._offs[("recv", 1)][0]
+        # scaled rows (no expert_out) push per expert; unscaled ones take the dedup split, mapped by the
+        # handle's route
+        unscaled = dd and yk is not None
         bwd = dict(consts, err=64, op=OP["combine_bwd"], Tn=T, x=ptr(gout), idx=t["idx"], w=t["w"], meta=0,
-                   scaled=int(yk is None), peer_recv=g._tables[("recv", 1)], peer_route=g._tables[("route", 1)],
-                   peer_rw=g._tables[("rw", 1)], peer_flags=d.flags.table.ptr, idx_out=0, w_out=0, route_out=0,
-                   slot_k=0, slot_w=0, counts=0, zero_k=t["slot_k"], phases=3, flag_base=2 * R * Tmax, set_epoch=0)
+                   scaled=int(yk is None), dedup=int(unscaled), peer_recv=g._tables[("recv", 1)],
+                   peer_route=g._tables[("route", 1)], peer_rw=g._tables[("rw", 1)], peer_flags=d.flags.table.ptr,
+                   idx_out=0, w_out=0, route_out=0, slot_k=0, slot_w=0, counts=0, zero_k=t["slot_k"],
+                   recv_route=t["route"] if unscaled else 0, phases=3, flag_base=2 * R * Tmax, set_epoch=0)
         want = [barrier("combine_bwd"), ("ep_ll_dispatch", 8, 512, bwd)]
         if yk is not None:
             n = L * R * Tmax
@@ -745,8 +812,10 @@ def test_cuda_host_path_launches_and_arguments(monkeypatch, fp8, T):
                                                         ("float16", 36, np.int64, 0, "false"),
                                                         ("float32", 8, np.int64, 4, "false")])
 def test_cuda_host_path_round_trip_counts(monkeypatch, dtype, H, idx_dtype, shift, vec):
-    """Pinned: an eager round trip (dispatch + combine) issues four launches and two allocations, from the
-    first call on, and looks its kernels up on the first call only; the kernels' template arguments follow
+    """Pinned: an eager round trip (dispatch + combine) issues four launches, from the first call on; it
+    allocates the handle's table set and combine's output on the first call, and only combine's output once
+    the group has a free table set (the previous round trip's handle dropped); it looks its kernels up on the
+    first call only; the kernels' template arguments follow
     the dtype, the id dtype and the 16-byte vector path (rows of a multiple of 16 bytes at 16-byte aligned
     addresses)."""
     import ml_dtypes
@@ -763,13 +832,65 @@ def test_cuda_host_path_round_trip_counts(monkeypatch, dtype, H, idx_dtype, shif
     for n in range(3):
         h = g.dispatch(x, idx, w)[-1]
         g.combine(h, y)
+        del h
         names = list(tr.kernels)
         ev, allocs = tr.take()
         assert names == ["ep_direct_barrier", f"ep_ll_dispatch<{c}, {i}, {vec}>", "ep_direct_barrier",
                          f"ep_ll_combine<{c}, {'true' if dt.itemsize * H % 16 == 0 else 'false'}>"]
-        assert allocs == 2
+        assert allocs == (2 if n == 0 else 1)
         assert tr.st.lookups == (4 if n == 0 else 0)  # two barriers (one per op), dispatch, combine
         tr.st.lookups = 0
+
+
+def test_cuda_host_path_table_sets_reused_only_when_free(monkeypatch):
+    """A dispatch's handle tables come from its group's table sets (no allocation once one is free): a set is
+    reused by a later dispatch on the same stream only once nothing outside the group refers to it (the
+    handle, the returned counts and slot tables, views and pointers derived from them, tables read through
+    the handle); never by a dispatch on another stream; beyond _RING sets in use on a stream a dispatch gets
+    a set of its own that the group does not keep. Each handle reads its own T tokens."""
+    import cupy
+
+    from moe_rt import ep_ll
+
+    tr = _LLTrace(monkeypatch)
+    g = tr.group(2, 0, 8, 16, 6, 2, np.float32, 1, False)
+    f32 = np.float32
+
+    def dispatch(T=5, stream=None):
+        return g.dispatch(tr.dev((T, 16), f32), tr.dev((T, 2), np.int32), tr.dev((T, 2), f32), stream=stream)
+
+    def route(out):
+        return out[-1]._ptr("route")
+
+    p0 = route(dispatch())
+    tr.take()
+    out = dispatch(3)
+    assert route(out) == p0 and tr.take()[1] == 0  # the free set again, nothing allocated
+    h = out[-1]
+    assert h._a["idx"].shape == (3, 2) and h._a["w"].shape == (3, 2) and h._a["idx"].data.ptr == h._ptr("idx")
+    assert h.counts is out[1] and h.counts.data.ptr == h._ptr("counts") and h.slot_topk.data.ptr == h._ptr("slot_k")
+    del out, h
+    holds = [lambda o: o[-1], lambda o: o[1], lambda o: o[-1].slot_topk[1:], lambda o: o[-1].slot_weights.data,
+             lambda o: cupy.ndarray((1,), np.int32, o[1].data), lambda o: o[-1]._a["idx"],
+             lambda o: o[-1]._a["route"].data + 4, lambda o: o[1].view()]
+    for hold in holds:
+        out = dispatch()
+        assert route(out) == p0
+        kept = hold(out)
+        del out
+        assert route(dispatch()) != p0  # still held: another set
+        del kept
+        assert route(dispatch()) == p0  # dropped: reused
+    assert route(dispatch(stream=11)) != p0  # another stream: its own sets
+    assert sorted(g._rings) == [7, 11] and len(g._rings[7]) == 2
+    tr.take()
+    live = [dispatch() for _ in range(ep_ll._RING + 2)]
+    assert len({route(o) for o in live}) == ep_ll._RING + 2 and tr.take()[1] == ep_ll._RING
+    assert len(g._rings[7]) == ep_ll._RING
+    del live
+    assert route(dispatch(0)) == p0 and tr.take()[1] == 0
+    out = dispatch(0)
+    assert out[-1]._ptr("idx") == 0 and out[-1]._ptr("w") == 0 and out[-1]._a["idx"].shape == (0, 2)
 
 
 def test_profile_ll_host_tool_runs():
@@ -781,7 +902,7 @@ def test_profile_ll_host_tool_runs():
                        env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
     rows = {line[:30].strip(): line[30:].split() for line in r.stdout.splitlines()[1:]}
-    assert rows["dispatch+combine"][1:] == ["4", "2"] and rows["dispatch split+hook"][1:] == ["3", "1"]
+    assert rows["dispatch+combine"][1:] == ["4", "1"] and rows["dispatch split+hook"][1:] == ["3", "0"]
     assert len(rows) == 9 and all(float(v[0]) > 0 for v in rows.values())
 
 
@@ -795,11 +916,13 @@ def _gpu_case(rng, cp, L, K, T, Tmax, H, dt):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float16"])
 @pytest.mark.parametrize("L,K,T,Tmax,H", [(5, 3, 7, 9, 13), (8, 4, 128, 128, 256), (3, 2, 0, 4, 8)])
-def test_gpu_one_rank_against_reference(rng, dtype, L, K, T, Tmax, H):
+@pytest.mark.parametrize("dedup", [True, False])
+def test_gpu_one_rank_against_reference(rng, dtype, L, K, T, Tmax, H, dedup):
+    # one rank: with dedup every token's row arrives once and the receiving side copies it to its other experts
     import cupy as cp
 
     dt = bf16() if dtype == "bfloat16" else np.dtype(dtype)
-    g = LowLatencyGroup(None, L, H, Tmax, topk=K, dtype=dt)
+    g = LowLatencyGroup(None, L, H, Tmax, topk=K, dtype=dt, dedup=dedup)
     try:
         for _ in range(2):  # the second call over buffers the first one filled
             xs, idxs, ws, x, idx, w = _gpu_case(rng, cp, L, K, T, Tmax, H, dt)
@@ -846,12 +969,13 @@ def test_gpu_one_rank_bad_ids_raise_at_synchronize(rng):
 
 
 @pytest.mark.gpu
-def test_gpu_one_rank_graph_replay_with_new_routing(rng):
+@pytest.mark.parametrize("dedup", [True, False])
+def test_gpu_one_rank_graph_replay_with_new_routing(rng, dedup):
     import cupy as cp
 
     dt = bf16()
     L, K, T, Tmax, H = 6, 3, 11, 16, 64
-    g = LowLatencyGroup(None, L, H, Tmax, topk=K, dtype=dt)
+    g = LowLatencyGroup(None, L, H, Tmax, topk=K, dtype=dt, dedup=dedup)
     try:
         xs, idxs, ws, x, idx, w = _gpu_case(rng, cp, L, K, T, Tmax, H, dt)
         y = cp.asarray(rng.standard_normal((L, Tmax, H)).astype(dt))
@@ -871,6 +995,8 @@ def test_gpu_one_rank_graph_replay_with_new_routing(rng):
             s.synchronize()
             rx, rc, rh = ref.dispatch(xs, idxs, ws, L, Tmax)[0]
             np.testing.assert_array_equal(cp.asnumpy(counts), rc)
+            valid = rh["slot_k"] >= 0
+            np.testing.assert_array_equal(cp.asnumpy(recv)[valid].view(np.uint8), rx[valid].view(np.uint8))
             np.testing.assert_array_equal(cp.asnumpy(out).view(np.uint8),
                                           ref.combine([rh], [cp.asnumpy(y)])[0].view(np.uint8))
     finally:
@@ -878,12 +1004,73 @@ def test_gpu_one_rank_graph_replay_with_new_routing(rng):
 
 
 @pytest.mark.gpu
-def test_gpu_one_rank_split_dispatch_two_in_flight(rng):
+def test_gpu_one_rank_table_sets_reused_and_torch(rng):
+    """Handles kept across later dispatches keep their own tables (combine of an older handle after newer
+    dispatches, counts kept without the handle), dispatches after dropped handles reuse table sets with
+    results bit for bit the reference's (T changing between them), and torch tensors in (imported without
+    CuPy arrays; combine's output from torch's allocator) give the CuPy results bit for bit."""
+    import cupy as cp
+
+    torch = _torch_cuda()
+    dt = bf16()
+    L, K, Tmax, H = 5, 3, 12, 64
+    g = LowLatencyGroup(None, L, H, Tmax, topk=K, dtype=dt)
+    y = rng.standard_normal((L, Tmax, H)).astype(dt)
+    yc = cp.asarray(y)
+
+    def check(h, counts, rh, rc):
+        np.testing.assert_array_equal(cp.asnumpy(counts), rc)
+        np.testing.assert_array_equal(cp.asnumpy(h.slot_topk), rh["slot_k"])
+        np.testing.assert_array_equal(cp.asnumpy(h.slot_weights), rh["slot_w"])
+        np.testing.assert_array_equal(cp.asnumpy(g.combine(h, yc)).view(np.uint8),
+                                      ref.combine([rh], [y])[0].view(np.uint8))
+
+    try:
+        kept = []
+        for T in (7, 12, 3, 0, 9):
+            xs, idxs, ws, x, idx, w = _gpu_case(rng, cp, L, K, T, Tmax, H, dt)
+            _, counts, h = g.dispatch(x, idx, w)
+            rx, rc, rh = ref.dispatch(xs, idxs, ws, L, Tmax)[0]
+            kept.append((h, counts, rh, rc))
+        for h, counts, rh, rc in kept:  # each handle's own tables, after every later dispatch
+            check(h, counts, rh, rc)
+        only_counts = kept[1][1], kept[1][3]
+        del kept, h, counts
+        for T in (12, 1, 8, 12):  # reused sets
+            xs, idxs, ws, x, idx, w = _gpu_case(rng, cp, L, K, T, Tmax, H, dt)
+            recv, counts, h = g.dispatch(x, idx, w)
+            rx, rc, rh = ref.dispatch(xs, idxs, ws, L, Tmax)[0]
+            valid = rh["slot_k"] >= 0
+            np.testing.assert_array_equal(cp.asnumpy(recv)[valid].view(np.uint8), rx[valid].view(np.uint8))
+            check(h, counts, rh, rc)
+            del recv, counts, h
+        np.testing.assert_array_equal(cp.asnumpy(only_counts[0]), only_counts[1])  # never reused while kept
+        if torch is not None:
+            xs, idxs, ws, x, idx, w = _gpu_case(rng, cp, L, K, 10, Tmax, H, dt)
+            recv, counts, h = g.dispatch(x, idx, w)
+            out = cp.asnumpy(g.combine(h, yc))
+            xt, it, wt = (torch.from_dlpack(a) for a in (x, idx, w))
+            recv_t, counts_t, h_t = g.dispatch(xt, it, wt)
+            assert isinstance(recv_t, torch.Tensor) and isinstance(counts_t, torch.Tensor)
+            np.testing.assert_array_equal(counts_t.cpu().numpy(), cp.asnumpy(counts))
+            np.testing.assert_array_equal(h_t.slot_topk.cpu().numpy(), cp.asnumpy(h.slot_topk))
+            out_t = g.combine(h_t, torch.from_dlpack(yc))
+            assert isinstance(out_t, torch.Tensor) and out_t.shape == (10, H)
+            torch.cuda.synchronize()
+            np.testing.assert_array_equal(out_t.view(torch.int16).cpu().numpy(), out.view(np.int16))
+        g.synchronize()
+    finally:
+        g.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dedup", [True, False])
+def test_gpu_one_rank_split_dispatch_two_in_flight(rng, dedup):
     import cupy as cp
 
     dt = bf16()
     L, K, T, Tmax, H = 5, 3, 13, 16, 136
-    g = LowLatencyGroup(None, L, H, Tmax, topk=K, dtype=dt, num_buffers=2)
+    g = LowLatencyGroup(None, L, H, Tmax, topk=K, dtype=dt, num_buffers=2, dedup=dedup)
     try:
         cases = [_gpu_case(rng, cp, L, K, T, Tmax, H, dt) for _ in range(2)]
         Ys = [rng.standard_normal((L, Tmax, H)).astype(dt) for _ in range(2)]
@@ -921,6 +1108,54 @@ def test_gpu_one_rank_split_dispatch_two_in_flight(rng):
         g.close()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,H", [("bfloat16", 7168), ("float32", 200), ("float16", 13)])
+def test_gpu_one_rank_dedup_on_and_off_bitwise_equal(rng, dtype, H):
+    """The same inputs through a group with the dedup split and one with per-expert pushes: valid rows, counts,
+    slot tables, FP8 codes and scales (a uint8 pair), dequantized rows, combine_bwd's rows (zero at invalid
+    slots) bitwise equal between the two and to the reference; H = 13 and 200 take the scalar paths."""
+    import cupy as cp
+
+    dt = bf16() if dtype == "bfloat16" else np.dtype(dtype)
+    L, K, T, Tmax = 7, 5, 37, 40
+    groups = [LowLatencyGroup(None, L, H, Tmax, topk=K, dtype=dt, fp8=True, dedup=d) for d in (True, False)]
+    try:
+        for _ in range(2):  # the second round over buffers the first filled
+            xs, idxs, ws = fp8_case(rng, 1, L, K, (T,), H, dt)
+            x, idx, w = cp.asarray(xs[0]), cp.asarray(idxs[0]), cp.asarray(ws[0])
+            xq, xsc = moe_rt.quantize_fp8(xs[0])
+            pair = (cp.asarray(xq.view(np.uint8)), cp.asarray(xsc))
+            go = cp.asarray(rng.standard_normal((T, H)).astype(dt))
+            y = cp.asarray(rng.standard_normal((L, Tmax, H)).astype(dt))
+            rx, rc, rh = ref.dispatch(xs, idxs, ws, L, Tmax)[0]
+            rq, rs, _, _ = ref.dispatch_fp8(xs, idxs, ws, L, Tmax)[0]
+            valid = rh["slot_k"] >= 0
+            want = [rx[valid], rc, rh["slot_k"], rh["slot_w"], rq[valid], rs[valid],
+                    fp8_dequantized(rq, rs, rh["slot_k"], dt)[valid],
+                    ref.combine_bwd([rh], [cp.asnumpy(go)], [cp.asnumpy(y)])[0][0]]
+            got = []
+            for g in groups:
+                recv, counts, h = g.dispatch(x, idx, w)
+                one = [cp.asnumpy(recv)[valid], cp.asnumpy(counts), cp.asnumpy(h.slot_topk),
+                       cp.asnumpy(h.slot_weights)]
+                q, sc, _, _ = g.dispatch(pair, idx, w, fp8=True)
+                one += [cp.asnumpy(q)[valid], cp.asnumpy(sc)[valid]]
+                yd, _, _ = g.dispatch(x, idx, w, fp8=True, dequantize=True)
+                one.append(cp.asnumpy(yd)[valid])
+                gy, _ = g.combine_bwd(h, go, y)
+                one.append(cp.asnumpy(gy))
+                g.synchronize()
+                got.append(one)
+            for name, a, b, c in zip(("rows", "counts", "slot_k", "slot_w", "codes", "scales", "dequantized",
+                                      "combine_bwd"), got[0], got[1], want):
+                assert a.shape == b.shape == c.shape and a.dtype.itemsize == np.dtype(c.dtype).itemsize, name
+                assert (np.ascontiguousarray(a).view(np.uint8) == np.ascontiguousarray(b).view(np.uint8)).all(), name
+                assert (np.ascontiguousarray(a).view(np.uint8) == np.ascontiguousarray(c).view(np.uint8)).all(), name
+    finally:
+        for g in groups:
+            g.close()
+
+
 def _torch_cuda():
     try:
         import torch
@@ -951,7 +1186,8 @@ def fp8_dequantized(rq, rs, slot_k, dt):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float16"])
 @pytest.mark.parametrize("L,K,T,Tmax,H", [(5, 3, 7, 9, 13), (8, 4, 128, 128, 256), (3, 2, 0, 4, 16),
                                           (4, 3, 33, 40, 7168), (6, 2, 9, 9, 200)])
-def test_gpu_one_rank_fp8_against_reference(rng, dtype, L, K, T, Tmax, H):
+@pytest.mark.parametrize("dedup", [True, False])
+def test_gpu_one_rank_fp8_against_reference(rng, dtype, L, K, T, Tmax, H, dedup):
     """FP8 dispatch on one GPU, bit for bit: a float x quantized in the push (dequantized on receipt; with torch
     also the e4m3 codes themselves, equal to the quantize_fp8 kernel's), a uint8 pair pushed as is; counts and
     slot tables as the reference's; combine and both backwards after it as after a float dispatch. H = 13 and
@@ -960,7 +1196,7 @@ def test_gpu_one_rank_fp8_against_reference(rng, dtype, L, K, T, Tmax, H):
 
     dt = bf16() if dtype == "bfloat16" else np.dtype(dtype)
     torch = _torch_cuda()
-    g = LowLatencyGroup(None, L, H, Tmax, topk=K, dtype=dt, fp8=True)
+    g = LowLatencyGroup(None, L, H, Tmax, topk=K, dtype=dt, fp8=True, dedup=dedup)
     try:
         for _ in range(2):  # the second call over buffers the first one filled
             xs, idxs, ws = fp8_case(rng, 1, L, K, (T,), H, dt)
@@ -1017,7 +1253,8 @@ def test_gpu_one_rank_fp8_against_reference(rng, dtype, L, K, T, Tmax, H):
 
 
 @pytest.mark.gpu
-def test_gpu_one_rank_fp8_graph_replay_and_split(rng):
+@pytest.mark.parametrize("dedup", [True, False])
+def test_gpu_one_rank_fp8_graph_replay_and_split(rng, dedup):
     """FP8 dispatch (dequantized) + combine captured once and replayed with new tokens and routing; two
     micro-batches in flight through receive hooks (num_buffers=2: an FP8 pair and a quantized float x), eager
     and replayed from a graph."""
@@ -1025,7 +1262,7 @@ def test_gpu_one_rank_fp8_graph_replay_and_split(rng):
 
     dt = bf16()
     L, K, T, Tmax, H = 6, 3, 11, 16, 384
-    g = LowLatencyGroup(None, L, H, Tmax, topk=K, dtype=dt, fp8=True, num_buffers=2)
+    g = LowLatencyGroup(None, L, H, Tmax, topk=K, dtype=dt, fp8=True, num_buffers=2, dedup=dedup)
     try:
         xs, idxs, ws = fp8_case(rng, 1, L, K, (T,), H, dt)
         x, idx, w = cp.asarray(xs[0]), cp.asarray(idxs[0]), cp.asarray(ws[0])
@@ -1110,8 +1347,9 @@ def test_multi_gpu_low_latency(what, n):
     # captured once and replayed with new routing and tokens, against the reference each time; split: two
     # micro-batches in flight through receive hooks (num_buffers=2), eager and replayed from a graph; fp8:
     # FP8 dispatch (quantized in the push, and pre-quantized pairs) bitwise against the reference, combine and
-    # backwards after it, split hooks and graph replay
-    r = _run_worker(what, n)
+    # backwards after it, split hooks and graph replay; each with dedup on and off (LowLatencyGroup(dedup=)),
+    # the two runs' outputs bitwise equal
+    r = _run_worker(what, n, timeout=480)  # every case twice: dedup on and off
     assert r.returncode == 0 and "[rank 0] ALL OK" in r.stdout
 
 

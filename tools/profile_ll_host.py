@@ -6,24 +6,37 @@ kernel and argument set-up, barrier, views. Per op: microseconds of this thread'
 of 7 rounds), launches and allocations per call. Group: 2 ranks, E=256, H=7168, Tmax=T=128, K=8, bf16, FP8.
 
     python tools/profile_ll_host.py [--calls 400] [--profile OP]
+
+``--gpu`` profiles the ops on real GPUs instead (tools/host_gpu.py: time_host's median, wall and thread CPU time,
+eager device time and, for dispatch and combine, the device time of the op alone in a CUDA graph, a breakdown
+by wrapped function, a cProfile, reference floors), T=128 (``--tokens``), CuPy arrays on a non-blocking
+stream as tools/bench_ep.py --mode low_latency passes them:
+
+    python tools/launch.py -n 4 tools/profile_ll_host.py --gpu [--json FILE]
+    python tools/profile_ll_host.py --gpu [-n R] ...     # launches itself (R: MOE_RT_BENCH_EP_NPROC or 2)
 """
 from __future__ import annotations
 
 import argparse
 import itertools
 import math
+import pathlib
+import sys
 import time
 
 import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # this checkout's moe_rt
 
 
 class StandIns:
     """The device stood in for, through ``setattr_`` (default: for good, in this process; a test passes its
     monkeypatch's setattr): kernels (each lookup counted in ``lookups``), launches (``on_launch(fn, grid,
     block, args)``; default: counted in ``launches``), the op's array import (``moe_rt._arrays.Call``: a CUDA
-    call of framework 'devarray' on stream 7, results handed back as they are), CuPy allocations (counted in
-    ``allocs``: CuPy arrays over fake addresses, an empty one at 0 as CuPy's), streams, the current device
-    (0), the device's error word (64), ``resident`` blocks of a fused kernel and ``sm_count`` SMs."""
+    call of framework 'devarray' on stream 7 or an int stream given, results handed back as they are, its
+    allocations CuPy's), CuPy allocations (counted in ``allocs``: CuPy arrays over fake addresses, an empty one
+    at 0 as CuPy's), streams, the current device (0), the device's error word (64), ``resident`` blocks of a
+    fused kernel and ``sm_count`` SMs."""
 
     def __init__(self, setattr_=setattr, resident=264, sm_count=132):
         import cupy
@@ -33,6 +46,7 @@ class StandIns:
         self.cupy, self.launches, self.allocs, self.lookups = cupy, 0, 0, 0
         self.addrs = itertools.count(1 << 40, 1 << 24)
         self.on_launch = None
+        self._streams = {}
         st = self
 
         class Xp:
@@ -44,7 +58,9 @@ class StandIns:
         class Call:
             def __init__(self, arrays, stream=None, **kw):
                 self.backend, self.xp, self.device_id, self.framework = "cuda", Xp, 0, "devarray"
-                self.stream, self.views = type("S", (), {"ptr": 7})(), dict(arrays)
+                # stream 7, or an int stream given (a test's second stream)
+                self.stream = st.stream(stream if type(stream) is int else 7)
+                self.views = dict(arrays)
 
             def __getitem__(self, k):
                 return self.views[k]
@@ -57,6 +73,11 @@ class StandIns:
 
             def out(self, a):
                 return a
+
+            def empty(self, shape, dtype):
+                return Xp.empty(shape, dtype)
+
+            scratch = empty
 
         class Device:
             def __init__(self, i=None):
@@ -87,8 +108,16 @@ class StandIns:
         setattr_(_errors, "word", lambda dev: 64)
         setattr_(_ep_direct, "_resident_ctas", lambda fn, threads, dev: resident)
         setattr_(_arrays, "Call", Call)
-        setattr_(_arrays, "as_cupy_stream", lambda stream, dev: type("S", (), {"ptr": 9})())
+        setattr_(_arrays, "as_cupy_stream", lambda stream, dev: st.stream(9))
         setattr_(cupy.cuda, "Device", Device)
+
+    def stream(self, ptr):
+        """A stand-in CuPy stream of address ``ptr`` (one object per address, as made once: the stand-ins'
+        own cost stays out of the op's time)."""
+        s = self._streams.get(ptr)
+        if s is None:
+            s = self._streams[ptr] = type("Stream", (), {"ptr": ptr})()
+        return s
 
     def array(self, shape, dtype):
         """A CuPy array over a fake address (nothing reads or writes its memory); an empty one at address 0,
@@ -126,7 +155,7 @@ class StandIns:
             offs[name] = (o, nb)
             o += -(-nb // 256) * 256
         buf = type("Sh", (), {"local": 1 << 56, "table": self.dev((R,), np.int64)})()  # apart from the arrays
-        g._transport, g._buf, g._offs = d, buf, offs
+        g._adopt(d, buf, offs)
         g._tables = {n: (1 << 50) + off for n, (off, _) in offs.items()}
         g._set_epoch = self.array(num_buffers, np.uint32)
         return g
@@ -148,13 +177,110 @@ def _time(st, f, n):
     return best, (st.launches - c0[0]) / n, (st.allocs - c0[1]) / n
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+GPU_OPS = ("dispatch", "combine", "dispatch_bwd", "combine_bwd", "dispatch+combine")
+
+
+def _host_gpu():
+    """tools/host_gpu.py (the GPU mode's machinery), loaded once by path."""
+    import importlib.util
+
+    mod = sys.modules.get("host_gpu")
+    if mod is None:
+        spec = importlib.util.spec_from_file_location("host_gpu", pathlib.Path(__file__).with_name("host_gpu.py"))
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["host_gpu"] = mod
+        spec.loader.exec_module(mod)
+    return mod
+
+
+def parser():
+    ap = argparse.ArgumentParser(prog=pathlib.Path(__file__).name, description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=400, help="calls per round (default 400)")
     ap.add_argument("--profile", default=None, metavar="OP", help="cProfile one op (its name as printed)")
-    a = ap.parse_args(argv)
-    if a.calls < 1:
-        ap.error("--calls: expected a positive number")
+    _host_gpu().add_arguments(ap, GPU_OPS, 128, "device time (eager; dispatch and combine also as a CUDA graph)")
+    return ap
+
+
+def parse_args(argv=None):
+    return _host_gpu().parse(parser, argv)
+
+
+def gpu_rank(a):
+    """One rank of the GPU mode (under the launcher): LowLatencyGroup on CuPy arrays on a non-blocking stream,
+    as tools/bench_ep.py --mode low_latency calls it."""
+    import cupy as cp
+    import torch
+
+    from moe_rt import _jit
+    from moe_rt.ep_ll import LowLatencyGroup
+
+    hg = _host_gpu()
+    rank = hg.Rank()
+    me, world = rank.rank, rank.world
+    E, K, H, T = 256, 8, 7168, a.tokens
+    gen = torch.Generator(device="cuda").manual_seed(1234 + me)
+    idx_t = torch.topk(torch.rand(T, E, device="cuda", generator=gen), K, dim=1).indices.to(torch.int32)
+    w_t = torch.rand(T, K, device="cuda", generator=gen)
+    x_t = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
+    gout_t = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
+    torch.cuda.synchronize()
+    x, w, idx, gout = cp.from_dlpack(x_t), cp.from_dlpack(w_t), cp.from_dlpack(idx_t), cp.from_dlpack(gout_t)
+    out = print if me == 0 else (lambda *_: None)
+    m = hg.meta(rank, tool="profile_ll_host --gpu", tokens=T, hidden=H, experts=E, topk=K, dtype="bfloat16",
+                transport="direct (LowLatencyGroup)", iters=a.iters)
+    out(f"## host profile of eager LowLatencyGroup ops: {world} x {m['device']}, T={T} H={H} E={E} K={K} bf16, "
+        f"commit {m['commit']}, {a.iters} calls per measurement")
+    g = LowLatencyGroup(rank.comm, E, H, T, topk=K, dtype="bfloat16")
+    stream = cp.cuda.Stream(non_blocking=True)
+
+    time_host, time_event = hg.timers(rank, a.iters, stream)
+
+    with stream:
+        recv, counts, h = g.dispatch(x, idx, w)
+        y = recv.copy()
+        gsw = cp.ones(g._slots_shape()[:2], cp.float32)
+        g.combine(h, y)
+        g.synchronize()
+        ops = {"dispatch": lambda: g.dispatch(x, idx, w), "combine": lambda: g.combine(h, y),
+               "dispatch_bwd": lambda: g.dispatch_bwd(h, y, gsw), "combine_bwd": lambda: g.combine_bwd(h, gout),
+               "dispatch+combine": lambda: g.combine(g.dispatch(x, idx, w)[-1], y)}
+        ops = {k: v for k, v in ops.items() if k in a.ops}
+        for f in ops.values():
+            f()
+        _jit.settle()
+        rank.barrier()
+        rows = hg.profile_ops(ops, n=a.iters, sync=stream.synchronize, rank0=me == 0, time_host=time_host,
+                              time_event=time_event, top=a.top, cprofile_top=a.top, groups=(g,), out=out,
+                              title=f" (low latency, R={world}, T={T})")
+        for r in rows:  # the same op captured alone in a CUDA graph: its device time
+            graph_us = None
+            if r["op"] in ("dispatch", "combine"):
+                f = ops[r["op"]]
+                f()
+                stream.synchronize()
+                stream.begin_capture()
+                keep = f()  # noqa: F841  (the captured call's outputs live as long as the graph)
+                graph = stream.end_capture()
+                graph_us = time_event(lambda: graph.launch(stream))
+                del graph, keep
+            r.update(mode="low_lat", graph_us=graph_us, host_us_ranks=rank.gather(r["host_us"]),
+                     cpu_us_ranks=rank.gather(r["cpu_us"]))
+        g.synchronize()
+        fl = hg.floors(rank, (int(y.nbytes), T * H * 2), a.iters, g._transport, stream)
+    if me == 0:
+        hg.finish(rows, fl, m, a.json, ["graph (CUDA events, the op alone in a CUDA graph): " + ", ".join(
+            f"{r['op']} {r['graph_us']:.1f} us" for r in rows if r.get("graph_us") is not None)])
+    rank.barrier()
+    g.close()
+    rank.close()
+    return 0
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    ap, a = parse_args(argv)
+    if a.gpu:
+        return _host_gpu().run(ap, a, argv, __file__, gpu_rank)
     st = StandIns()
     T, K, H = 128, 8, 7168
     g = st.group(2, 0, 256, H, T, K, fp8=True)
@@ -185,7 +311,13 @@ def main(argv=None):
             ap.error(f"--profile: one of {', '.join(ops)}")
         prof = cProfile.Profile()
         f = ops[a.profile]
-        prof.runcall(lambda: [f() for _ in range(a.calls)])
+
+
+        def run():  # each result dropped before the next call, as in the timed rounds
+            for _ in range(a.calls):
+                f()
+
+        prof.runcall(run)
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
         return 0
     print(f"{'op':30s} {'host us':>8s} {'launches':>9s} {'allocs':>7s}")

@@ -26,6 +26,12 @@ peer access), optionally the serial path's pieces alone
     ``cudaMemcpyAsync`` of each peer's share straight into the peer's IPC-mapped buffer, one stream per
     peer): the practical limit of the link (column ipc_ce_ms; x_vs_ipc_ce = ms / ipc_ce_ms).
 
+Capacity mode (eager) adds a row "dispatch (no zero)" after each "dispatch" row: the same dispatch with
+``zero_empty_slots=False``, whose expert-major rows past each local expert's filled count are left unwritten
+(docs/ep.md §4). The dispatch output holds ``N = capacity = R*T*min(K, L)`` rows, of which a uniform routing
+fills about ``T*K``: the A/B of writing ``(N - filled) * 2H`` bytes of zeros, ``(R-1)*T*K*2H`` here (R=4,
+T=4096: 1.41 GB per dispatch).
+
 ``--fp8`` adds a row "dispatch fp8" after each "dispatch" row (exact and capacity eager, every transfer
 configuration, the same T and inputs): :meth:`EpGroup.dispatch` with ``fp8=True`` (quantize on the sending
 side, the e4m3 codes and fp32 block scales of a token packed into one row on the wire, one pass of the
@@ -35,7 +41,11 @@ x_vs_bf16 = the bf16 dispatch's time / the FP8 one's (the speedup).
 ``--mode low_latency`` times :class:`moe_rt.LowLatencyGroup` instead (T=128 by default, the same E, K, H):
 dispatch and combine alone, eager and captured alone in a CUDA graph (the graph rows are device time), the
 eager round trip (host included) and the round trip as one graph, beside a raw ``all_to_all_single`` of the
-rows it moves and the torch pipeline (a). With ``--fp8`` (a group made with ``fp8=True``) it adds "dispatch fp8
+rows it moves and the torch pipeline (a). wire_MB counts the token rows sent to other ranks (dispatch: one
+per (token, distinct other destination rank), or with ``MOE_RT_LL_DEDUP=0`` one per (token, distinct expert
+on another rank), as combine always; :func:`moe_rt.ep_ll.wire_rows`) and the dispatch's routing words
+(``(R-1)*T*K*8`` bytes); running it with ``MOE_RT_LL_DEDUP=0`` and ``=1`` gives the A/B of the dispatch's
+rows. With ``--fp8`` (a group made with ``fp8=True``) it adds "dispatch fp8
 (graph)" (``dispatch(x, ..., fp8=True)``: e4m3 codes quantized in the push, ``H + 4*ceil(H/128)`` bytes a
 row) and "dispatch fp8 dequant (graph)" (the same, dequantized to bf16 on the receiving side) after
 "dispatch (graph)", with x_vs_bf16 = the bf16 dispatch graph's time / the row's.
@@ -420,6 +430,12 @@ def _rank(args):
                             ms = timed(lambda: grp.dispatch(h, x, w))
                             rows.append((op, c, ms, wire + wire_w, t_tdisp, t_raw, t_ce,
                                          host_timed(lambda: grp.dispatch(h, x, w))))
+                            if m == "capacity":  # the A/B of the zero rows past each expert's filled count
+                                def nz():
+                                    return grp.dispatch(h, x, w, zero_empty_slots=False)
+
+                                rows.append(("dispatch (no zero)", c, timed(nz), wire + wire_w, t_tdisp, t_raw, t_ce,
+                                             host_timed(nz)))
                             if args.fp8:
                                 ms8 = timed(lambda: grp.dispatch(h, x, w, fp8=True))
                                 rows.append(("dispatch fp8", c, ms8, wire_fp8 + wire_w, t_tdisp, t_raw, t_ce, None,
@@ -459,17 +475,17 @@ def _rank_low_latency(args):
     import torch
     import torch.distributed as dist
 
-    from moe_rt.ep_ll import LowLatencyGroup
+    from moe_rt.ep_ll import LowLatencyGroup, env_dedup, wire_rows
 
+    dedup = env_dedup()  # MOE_RT_LL_DEDUP: the A/B of the dispatch's rows on the wire
     rank, world, _, comm = _init_rank()
     E, K, H = 256, 8, 7168
-    L = E // world
     Ts = [128] if args.quick else (args.tokens or [128])
     iters, warm = args.iters, args.warmup
     table = benchlib.Table("EP low-latency dispatch/combine (moe_rt LowLatencyGroup vs torch.distributed)",
                            ["op", "T", "us", "wire_MB", "wire_GB/s", "raw_a2a_us", "torch_us", "x_vs_torch"]
                            + (["x_vs_bf16"] if args.fp8 else []))
-    table.meta.update(ranks=world, experts=E, topk=K, hidden=H, dtype="bfloat16", mode="low_latency")
+    table.meta.update(ranks=world, experts=E, topk=K, hidden=H, dtype="bfloat16", mode="low_latency", dedup=dedup)
     if rank == 0:
         table.header()
     bar = torch.zeros(1, device="cuda")
@@ -491,24 +507,32 @@ def _rank_low_latency(args):
         x_t = torch.randn(T, H, device="cuda", generator=g_).to(torch.bfloat16)
         torch.cuda.synchronize()
         x, w, idx = cp.from_dlpack(x_t), cp.from_dlpack(w_t), cp.from_dlpack(idx_t)
-        # rows this rank pushes to other ranks: one per (token, distinct expert on another rank)
+        # rows this rank pushes to other ranks: combine one per (token, distinct expert on another rank);
+        # dispatch the same without dedup, else one per (token, distinct other destination rank)
         e = idx_t.long().cpu().numpy()
-        remote = sum(len({int(v) for v in row if v // L != rank}) for row in e)
-        wire = remote * H * 2
-        wire_fp8 = remote * (H + 4 * -(-H // 128))  # e4m3 codes and their fp32 block scales
+        remote = wire_rows(e, E, world, rank, dedup=False)
+        sent = wire_rows(e, E, world, rank, dedup=dedup)
+        wire = remote * H * 2  # combine
+        wire_d = sent * H * 2  # dispatch
+        wire_fp8 = sent * (H + 4 * -(-H // 128))  # e4m3 codes and their fp32 block scales
+        meta = (world - 1) * T * K * 8  # each (t, k)'s local expert (int32) and weight (fp32) to every other rank
 
         # the torch pipeline (a) and a raw all_to_all_single of the same rows
         torch_dispatch, torch_combine = _torch_pipeline(x_t, idx_t, w_t, E, K, world)
         st = torch_dispatch()
 
-        per_peer = -(-remote // max(world - 1, 1))
-        splits = [0 if p == rank else per_peer for p in range(world)]
-        a2a_in = torch.empty(sum(splits), H, dtype=torch.bfloat16, device="cuda")
-        a2a_out = torch.empty_like(a2a_in)
-        t_raw = timed(lambda: dist.all_to_all_single(a2a_out, a2a_in, splits, splits))
+        def raw_a2a(rows):
+            per_peer = -(-rows // max(world - 1, 1))
+            splits = [0 if p == rank else per_peer for p in range(world)]
+            a2a_in = torch.empty(sum(splits), H, dtype=torch.bfloat16, device="cuda")
+            a2a_out = torch.empty_like(a2a_in)
+            return timed(lambda: dist.all_to_all_single(a2a_out, a2a_in, splits, splits))
+
+        t_raw = raw_a2a(remote)
+        t_raw_d = raw_a2a(sent) if sent != remote else t_raw
         t_torch = timed(lambda: torch_combine(torch_dispatch(), st[0]))
 
-        g = LowLatencyGroup(comm, E, H, T, topk=K, dtype="bfloat16", fp8=args.fp8)
+        g = LowLatencyGroup(comm, E, H, T, topk=K, dtype="bfloat16", fp8=args.fp8, dedup=dedup)
         stream = cp.cuda.Stream(non_blocking=True)
         rows = []
         with stream:
@@ -516,11 +540,11 @@ def _rank_low_latency(args):
             y = recv.copy()  # the expert stand-in: identity
             g.combine(h, y)
             g.synchronize()
-            rows.append(("dispatch (eager)", timed(lambda: g.dispatch(x, idx, w), stream), wire + remote * K * 8,
-                         t_raw, None))
+            rows.append(("dispatch (eager)", timed(lambda: g.dispatch(x, idx, w), stream), wire_d + meta,
+                         t_raw_d, None))
             rows.append(("combine (eager)", timed(lambda: g.combine(h, y), stream), wire, t_raw, None))
             rows.append(("round trip (eager)", timed(lambda: g.combine(g.dispatch(x, idx, w)[2], y), stream),
-                         2 * wire, 2 * t_raw, t_torch))
+                         wire_d + wire, t_raw_d + t_raw, t_torch))
             graphs = {}
             captured = [("dispatch (graph)", lambda: g.dispatch(x, idx, w)),
                         ("combine (graph)", lambda: g.combine(h, y)),
@@ -550,14 +574,14 @@ def _rank_low_latency(args):
             hook()
             graphs["dispatch receive (graph)"] = (stream.end_capture(), None)
             graphs["dispatch send (graph)"][0].launch(stream)
-            fp8_rows = ((("dispatch fp8 (graph)", wire_fp8 + remote * K * 8, t_raw, None),
-                         ("dispatch fp8 dequant (graph)", wire_fp8 + remote * K * 8, t_raw, None))
+            fp8_rows = ((("dispatch fp8 (graph)", wire_fp8 + meta, t_raw_d, None),
+                         ("dispatch fp8 dequant (graph)", wire_fp8 + meta, t_raw_d, None))
                         if args.fp8 else ())
-            for name, nb, raw, tt in ((("dispatch (graph)", wire + remote * K * 8, t_raw, None),) + fp8_rows
-                                      + (("dispatch send (graph)", wire + remote * K * 8, t_raw, None),
+            for name, nb, raw, tt in ((("dispatch (graph)", wire_d + meta, t_raw_d, None),) + fp8_rows
+                                      + (("dispatch send (graph)", wire_d + meta, t_raw_d, None),
                                          ("dispatch receive (graph)", 0, None, None),
                                          ("combine (graph)", wire, t_raw, None),
-                                         ("round trip (graph)", 2 * wire, 2 * t_raw, t_torch))):
+                                         ("round trip (graph)", wire_d + wire, t_raw_d + t_raw, t_torch))):
                 graph = graphs[name][0]
                 rows.append((name, timed(lambda: graph.launch(stream), stream), nb, raw, tt))
             g.synchronize()
