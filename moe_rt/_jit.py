@@ -406,6 +406,15 @@ def add_to_manifest(root: str, kernels) -> Path:
     return out
 
 
+
+def cache_kernels(root: str, names, arch: str, where: str = "") -> None:
+    """Compile the kernels ``names`` ((file, name expression) each) for ``arch`` into the cache folder
+    ``root`` (those already there are read, not compiled) and list them in its manifest: what a C core context
+    on that folder needs to load them (moe_rt._core for the Python ops, moe_rt._xla for moe_rt.jax)."""
+    for file, name in names:
+        kernel_image(file, name, arch, root=root, where=where)
+    add_to_manifest(root, [(f, n, arch) for f, n in names])
+
 # ---- loaded kernels ----------------------------------------------------------------------------------
 
 _CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK = 0

@@ -1,0 +1,383 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""The C core (moe_rt/lib/libmoe_rt.so, include/moe_rt/moe_rt.h) for the Python ops: one call each, over raw
+device pointers (ints), sizes, dtype codes (``DTYPE_CODES``) and a cudaStream_t.
+
+The ops in moe_rt.router and moe_rt.permutation validate their arguments, allocate their results and then
+call one function here on CUDA arrays. A :class:`Context` is made once per device (:func:`device`): a core
+context over the device's primary context with the kernel cache folder (``moe_rt._jit.cache_dir()``). A call
+whose kernels are not loaded yet fails in the core with MOE_RT_ERROR_KERNEL_CACHE before it launches
+anything; the call is then planned once in a planning context of the same device facts to learn its kernels,
+those are compiled into the cache folder (``moe_rt._jit``), listed in its manifest and loaded into the
+device's context, and the call runs again. Every other failure raises: ValueError for bad arguments and bad
+expert ids, RuntimeError (with the core's message) for the rest. A planning context (:func:`planning`) runs
+the same functions without a device: nothing is launched and :meth:`Context.last_plan` tells the launches.
+
+libmoe_rt.so is opened with dlopen when this module is imported (the path next to this file), so building
+this extension needs no library and no CUDA header.
+"""
+from libc.stdint cimport int32_t, int64_t, uintptr_t
+from libc.string cimport memset
+
+import os
+import threading
+
+cdef extern from "<dlfcn.h>" nogil:
+    void* dlopen(const char* filename, int flag)
+    void* dlsym(void* handle, const char* symbol)
+    char* dlerror()
+    int RTLD_NOW
+    int RTLD_GLOBAL
+
+cdef extern from "moe_rt/moe_rt.h" nogil:
+    ctypedef void* moe_rt_stream
+    ctypedef struct moe_rt_context:
+        pass
+    ctypedef struct moe_rt_device_info:
+        int32_t sm_count
+        int32_t smem_per_sm
+        int32_t smem_per_block_optin
+        int32_t cc_major
+        int32_t cc_minor
+        int32_t assumed_regs
+    ctypedef struct moe_rt_launch_info:
+        char file[32]
+        char kernel[128]
+        int64_t grid
+        int32_t block
+        int32_t shared_mem
+        int64_t scalars[2]
+    ctypedef struct moe_rt_plan_info:
+        int32_t num_launches
+        moe_rt_launch_info launch[4]
+    ctypedef struct moe_rt_plan:
+        int32_t* dst_row
+        int32_t* src_slot
+        int32_t* seg_start
+        int32_t* counts
+        int32_t* tokens_per_expert
+        int64_t num_tokens, topk, num_experts, num_rows, align_size
+
+ctypedef int st_t  # moe_rt_status
+
+# ---- the library's functions (dlsym) ---------------------------------------------------------------------
+ctypedef const char* (*f_last_error)() nogil
+ctypedef st_t (*f_ctx_create)(const char*, int, moe_rt_context**) nogil
+ctypedef st_t (*f_ctx_create_planning)(const moe_rt_device_info*, moe_rt_context**) nogil
+ctypedef st_t (*f_ctx_load_kernel)(moe_rt_context*, const char*, const char*) nogil
+ctypedef void (*f_ctx_destroy)(moe_rt_context*) nogil
+ctypedef st_t (*f_ctx_device_info)(const moe_rt_context*, moe_rt_device_info*) nogil
+ctypedef st_t (*f_last_plan)(const moe_rt_context*, moe_rt_plan_info*) nogil
+ctypedef st_t (*f_check)(moe_rt_context*, moe_rt_stream) nogil
+ctypedef st_t (*f_size1)(int64_t, size_t*) nogil
+ctypedef st_t (*f_topk)(moe_rt_context*, const void*, int, int64_t, int, int, int, int, int, int, float,
+                        const float*, void*, void*, int, float*, moe_rt_stream) nogil
+ctypedef st_t (*f_topk_idx)(moe_rt_context*, const void*, int, int64_t, int, int, int, int, int, int, float,
+                            const float*, int32_t*, float*, moe_rt_stream) nogil
+ctypedef st_t (*f_topk_bwd)(moe_rt_context*, const void*, int, const void*, int, const float*, int64_t, int, int,
+                            int, int, float, void*, moe_rt_stream) nogil
+ctypedef st_t (*f_scores)(moe_rt_context*, const void*, int, int64_t, int, int, int, float*, void*, int, float*,
+                          moe_rt_stream) nogil
+ctypedef st_t (*f_scores_bwd)(moe_rt_context*, const float*, const float*, int64_t, int, int, int, void*, int,
+                              moe_rt_stream) nogil
+ctypedef st_t (*f_aux)(moe_rt_context*, const void*, int, int64_t, int, const void*, int, int64_t, const void*, int,
+                       int, int, float, void*, size_t, void*, moe_rt_stream) nogil
+ctypedef st_t (*f_aux_bwd)(moe_rt_context*, const void*, int, int64_t, int, const void*, int, int64_t, const void*,
+                           int, int, int, float, void*, moe_rt_stream) nogil
+
+cdef f_last_error p_last_error
+cdef f_ctx_create p_ctx_create
+cdef f_ctx_create_planning p_ctx_create_planning
+cdef f_ctx_load_kernel p_ctx_load_kernel
+cdef f_ctx_destroy p_ctx_destroy
+cdef f_ctx_device_info p_ctx_device_info
+cdef f_last_plan p_last_plan
+cdef f_check p_check
+cdef f_size1 p_aux_ws
+cdef f_topk p_topk
+cdef f_topk_idx p_topk_idx
+cdef f_topk_bwd p_topk_bwd
+cdef f_scores p_scores
+cdef f_scores_bwd p_scores_bwd
+cdef f_aux p_aux
+cdef f_aux_bwd p_aux_bwd
+
+LIB_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib", "libmoe_rt.so")
+
+# moe_rt_dtype codes (include/moe_rt/moe_rt.h), by NumPy dtype name
+DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2, "int32": 3, "int64": 4, "bool": 5, "uint8": 6, "int8": 7,
+               "float8_e4m3fn": 8, "float8_e5m2": 9, "int16": 10}
+SUCCESS, INVALID_ARGUMENT, NO_DRIVER, NO_DEVICE, KERNEL_CACHE, CUDA, BAD_EXPERT_ID, NOT_SUPPORTED = range(8)
+# kernels some ops reach outside their plan: the device error word's module (make_plan, the index backward)
+ERRORS_KERNEL = ("errors.cu", "error_word_clear")
+
+
+cdef void* _sym(void* h, const char* name) except NULL:
+    cdef void* p = dlsym(h, name)
+    if p == NULL:
+        raise ImportError(f"moe_rt._core: {LIB_PATH} lacks {name.decode()}; rebuild moe_rt "
+                          "(python3 setup.py build_ext --inplace)")
+    return p
+
+
+cdef _open():
+    global p_last_error, p_ctx_create, p_ctx_create_planning, p_ctx_load_kernel, p_ctx_destroy, p_ctx_device_info
+    global p_last_plan, p_check, p_aux_ws, p_topk, p_topk_idx, p_topk_bwd, p_scores, p_scores_bwd, p_aux, p_aux_bwd
+    path = LIB_PATH.encode()
+    cdef void* h = dlopen(path, RTLD_NOW | RTLD_GLOBAL)
+    if h == NULL:
+        err = dlerror()
+        raise ImportError(f"moe_rt._core: cannot load {LIB_PATH} ({err.decode() if err != NULL else '?'}); build "
+                          "moe_rt (python3 setup.py build_ext --inplace, or pip install)")
+    p_last_error = <f_last_error>_sym(h, b"moe_rt_last_error")
+    p_ctx_create = <f_ctx_create>_sym(h, b"moe_rt_context_create")
+    p_ctx_create_planning = <f_ctx_create_planning>_sym(h, b"moe_rt_context_create_planning")
+    p_ctx_load_kernel = <f_ctx_load_kernel>_sym(h, b"moe_rt_context_load_kernel")
+    p_ctx_destroy = <f_ctx_destroy>_sym(h, b"moe_rt_context_destroy")
+    p_ctx_device_info = <f_ctx_device_info>_sym(h, b"moe_rt_context_device_info")
+    p_last_plan = <f_last_plan>_sym(h, b"moe_rt_last_plan")
+    p_check = <f_check>_sym(h, b"moe_rt_check")
+    p_aux_ws = <f_size1>_sym(h, b"moe_rt_aux_loss_workspace_size")
+    p_topk = <f_topk>_sym(h, b"moe_rt_topk_with_score")
+    p_topk_idx = <f_topk_idx>_sym(h, b"moe_rt_topk_indices_with_score")
+    p_topk_bwd = <f_topk_bwd>_sym(h, b"moe_rt_topk_with_score_backward")
+    p_scores = <f_scores>_sym(h, b"moe_rt_scores_for_aux_loss")
+    p_scores_bwd = <f_scores_bwd>_sym(h, b"moe_rt_scores_for_aux_loss_backward")
+    p_aux = <f_aux>_sym(h, b"moe_rt_aux_loss")
+    p_aux_bwd = <f_aux_bwd>_sym(h, b"moe_rt_aux_loss_backward")
+
+
+_open()
+
+
+def last_error() -> str:
+    """The core's message of the last failure on this thread."""
+    return p_last_error().decode(errors="replace")
+
+
+def error(int status, str op):
+    """The Python exception of a core status: ValueError for bad arguments and bad expert ids (the core's
+    message names the argument), RuntimeError otherwise; the message is the core's."""
+    msg = last_error()
+    if status == INVALID_ARGUMENT or status == BAD_EXPERT_ID:
+        return ValueError(msg)
+    return RuntimeError(f"moe_rt: {op}: {msg}")
+
+
+_lock = threading.Lock()
+_devices = {}
+
+
+cdef class Context:
+    """A core context: a device's (:func:`device`) or a planning one (:func:`planning`)."""
+    cdef moe_rt_context* ctx
+    cdef moe_rt_context* plan_ctx  # a device context's planning twin (made when a kernel is first missing)
+    cdef readonly int device_id
+    cdef readonly bint is_planning
+    cdef object arch
+    cdef object prepared  # (file, name) loaded through prepare()
+
+    def __dealloc__(self):
+        if self.plan_ctx != NULL:
+            p_ctx_destroy(self.plan_ctx)
+        if self.ctx != NULL:
+            p_ctx_destroy(self.ctx)
+
+    def device_info(self) -> dict:
+        cdef moe_rt_device_info d
+        _check(p_ctx_device_info(self.ctx, &d), "moe_rt_context_device_info")
+        return dict(sm_count=d.sm_count, smem_per_sm=d.smem_per_sm, smem_per_block_optin=d.smem_per_block_optin,
+                    cc_major=d.cc_major, cc_minor=d.cc_minor, assumed_regs=d.assumed_regs)
+
+    def last_plan(self) -> list:
+        """Planning contexts: the launches of the last op, ``(file, kernel, grid, block, shared_mem,
+        (scalar0, scalar1))`` each."""
+        return _last_plan(self.ctx)
+
+    def check(self, uintptr_t stream):
+        """Wait for ``stream`` and raise (ValueError, the CPU path's message) the bad expert ids recorded
+        in the device's error word since the last check (moe_rt_check: a host sync)."""
+        _check(p_check(self.ctx, <moe_rt_stream>stream), "moe_rt_check")
+
+    cdef moe_rt_context* retry(self, moe_rt_context* c, int st, int* tries, const char* op) except NULL:
+        """After a failed call on ``c``: the context to call next, or raise. A device context's first
+        KERNEL_CACHE failure -> its planning twin (to learn the kernels); the twin's success -> the kernels
+        prepared, the device context again."""
+        if c == self.ctx:
+            if st == KERNEL_CACHE and tries[0] < 2 and not self.is_planning:  # twice: another thread may
+                tries[0] += 1                                                    # plan on the twin meanwhile
+                return self._twin()
+            raise error(st, op.decode())
+        if st:
+            raise error(st, op.decode() + " (planning its kernels)")
+        self._prepare(_last_plan(c))
+        return self.ctx
+
+    cdef moe_rt_context* _twin(self) except NULL:
+        cdef moe_rt_device_info d
+        if self.plan_ctx == NULL:
+            _check(p_ctx_device_info(self.ctx, &d), "moe_rt_context_device_info")
+            d.assumed_regs = 0
+            _check(p_ctx_create_planning(&d, &self.plan_ctx), "moe_rt_context_create_planning")
+        return self.plan_ctx
+
+    def _prepare(self, launches):
+        """Compile ``launches``' kernels (and the error word's module) into the kernel cache folder, list them
+        in its manifest and load them into this device's context."""
+        from moe_rt import _jit
+
+        names = [(l[0], l[1]) for l in launches] + [ERRORS_KERNEL]
+        root = _jit.cache_dir()
+        if self.arch is None:
+            info = self.device_info()
+            self.arch = _jit.arch_for((info["cc_major"], info["cc_minor"]))
+        _jit.cache_kernels(root, names, self.arch)
+        for file, name in names:
+            _check(p_ctx_load_kernel(self.ctx, file.encode(), name.encode()), f"loading {name} ({file})")
+
+
+cdef _last_plan(const moe_rt_context* c):
+    cdef moe_rt_plan_info info
+    memset(&info, 0, sizeof(info))
+    _check(p_last_plan(c, &info), "moe_rt_last_plan")
+    return [(info.launch[i].file.decode(), info.launch[i].kernel.decode(), info.launch[i].grid,
+             info.launch[i].block, info.launch[i].shared_mem, (info.launch[i].scalars[0], info.launch[i].scalars[1]))
+            for i in range(info.num_launches)]
+
+
+cdef inline int _check(int st, str what) except -1:
+    if st:
+        raise error(st, what)
+    return 0
+
+
+def device(int device_id) -> Context:
+    """The core context of CUDA device ``device_id`` (made on first use, kept for the process), with the
+    kernel cache folder of :func:`moe_rt._jit.cache_dir`."""
+    c = _devices.get(device_id)
+    if c is not None:
+        return c
+    with _lock:
+        c = _devices.get(device_id)
+        if c is None:
+            from moe_rt import _jit
+
+            c = Context()
+            root = _jit.cache_dir()
+            os.makedirs(root, exist_ok=True)
+            _check(p_ctx_create(root.encode(), device_id, &(<Context>c).ctx), f"moe_rt_context_create({device_id})")
+            (<Context>c).device_id = device_id
+            _devices[device_id] = c
+    return c
+
+
+def planning(int sm_count=132, int cc_major=9, int cc_minor=0, int smem_per_sm=228 * 1024,
+             int smem_per_block_optin=227 * 1024, int assumed_regs=0) -> Context:
+    """A planning context with these device facts (default: an H100's): the ops validate and plan as on a
+    device, launch nothing, and :meth:`Context.last_plan` tells what they would have launched."""
+    cdef moe_rt_device_info d
+    d.sm_count, d.smem_per_sm, d.smem_per_block_optin = sm_count, smem_per_sm, smem_per_block_optin
+    d.cc_major, d.cc_minor, d.assumed_regs = cc_major, cc_minor, assumed_regs
+    c = Context()
+    _check(p_ctx_create_planning(&d, &(<Context>c).ctx), "moe_rt_context_create_planning")
+    (<Context>c).is_planning = True
+    (<Context>c).device_id = -1
+    return c
+
+
+def aux_loss_workspace_bytes(int64_t num_rows) -> int:
+    cdef size_t n = 0
+    _check(p_aux_ws(num_rows, &n), "moe_rt_aux_loss_workspace_size")
+    return n
+
+
+# ---- the ops: pointers are ints (0 = NULL), dtypes moe_rt_dtype codes, ``stream`` a cudaStream_t -------------
+
+def topk_with_score(Context d, uintptr_t logits, int dtype, int64_t T, int E, int K, int score_function, int pre,
+                    int G, int g, float scale, uintptr_t bias, uintptr_t probs, uintptr_t routing, int routing_dtype,
+                    uintptr_t inter, uintptr_t stream):
+    cdef moe_rt_context* c = d.ctx
+    cdef int tries = 0, st
+    while True:
+        st = p_topk(c, <const void*>logits, dtype, T, E, K, score_function, pre, G, g, scale, <const float*>bias,
+                    <void*>probs, <void*>routing, routing_dtype, <float*>inter, <moe_rt_stream>stream)
+        if st == 0 and c == d.ctx:
+            return
+        c = d.retry(c, st, &tries, b"moe_rt_topk_with_score")
+
+
+def topk_indices_with_score(Context d, uintptr_t logits, int dtype, int64_t T, int E, int K, int score_function,
+                            int pre, int G, int g, float scale, uintptr_t bias, uintptr_t idx, uintptr_t weights,
+                            uintptr_t stream):
+    cdef moe_rt_context* c = d.ctx
+    cdef int tries = 0, st
+    while True:
+        st = p_topk_idx(c, <const void*>logits, dtype, T, E, K, score_function, pre, G, g, scale, <const float*>bias,
+                        <int32_t*>idx, <float*>weights, <moe_rt_stream>stream)
+        if st == 0 and c == d.ctx:
+            return
+        c = d.retry(c, st, &tries, b"moe_rt_topk_indices_with_score")
+
+
+def topk_with_score_backward(Context d, uintptr_t grad, int dtype, uintptr_t routing, int routing_dtype,
+                             uintptr_t inter, int64_t T, int E, int K, int score_function, int pre, float scale,
+                             uintptr_t grad_logits, uintptr_t stream):
+    cdef moe_rt_context* c = d.ctx
+    cdef int tries = 0, st
+    while True:
+        st = p_topk_bwd(c, <const void*>grad, dtype, <const void*>routing, routing_dtype, <const float*>inter, T, E, K,
+                        score_function, pre, scale, <void*>grad_logits, <moe_rt_stream>stream)
+        if st == 0 and c == d.ctx:
+            return
+        c = d.retry(c, st, &tries, b"moe_rt_topk_with_score_backward")
+
+
+def scores_for_aux_loss(Context d, uintptr_t logits, int dtype, int64_t T, int E, int K, int score_function,
+                        uintptr_t scores, uintptr_t routing, int routing_dtype, uintptr_t inter, uintptr_t stream):
+    cdef moe_rt_context* c = d.ctx
+    cdef int tries = 0, st
+    while True:
+        st = p_scores(c, <const void*>logits, dtype, T, E, K, score_function, <float*>scores, <void*>routing,
+                      routing_dtype, <float*>inter, <moe_rt_stream>stream)
+        if st == 0 and c == d.ctx:
+            return
+        c = d.retry(c, st, &tries, b"moe_rt_scores_for_aux_loss")
+
+
+def scores_for_aux_loss_backward(Context d, uintptr_t grad_scores, uintptr_t inter, int64_t T, int E, int K,
+                                 int score_function, uintptr_t grad_logits, int grad_dtype, uintptr_t stream):
+    cdef moe_rt_context* c = d.ctx
+    cdef int tries = 0, st
+    while True:
+        st = p_scores_bwd(c, <const float*>grad_scores, <const float*>inter, T, E, K, score_function,
+                          <void*>grad_logits, grad_dtype, <moe_rt_stream>stream)
+        if st == 0 and c == d.ctx:
+            return
+        c = d.retry(c, st, &tries, b"moe_rt_scores_for_aux_loss_backward")
+
+
+def aux_loss(Context d, uintptr_t probs, int dtype, int64_t R, int C, uintptr_t tpe, int tpe_dtype, int64_t total,
+             uintptr_t total_device, int total_dtype, int num_experts, int topk, float coeff, uintptr_t workspace,
+             size_t workspace_bytes, uintptr_t out, uintptr_t stream):
+    cdef moe_rt_context* c = d.ctx
+    cdef int tries = 0, st
+    while True:
+        st = p_aux(c, <const void*>probs, dtype, R, C, <const void*>tpe, tpe_dtype, total, <const void*>total_device,
+                   total_dtype, num_experts, topk, coeff, <void*>workspace, workspace_bytes, <void*>out,
+                   <moe_rt_stream>stream)
+        if st == 0 and c == d.ctx:
+            return
+        c = d.retry(c, st, &tries, b"moe_rt_aux_loss")
+
+
+def aux_loss_backward(Context d, uintptr_t grad, int dtype, int64_t R, int C, uintptr_t tpe, int tpe_dtype,
+                      int64_t total, uintptr_t total_device, int total_dtype, int num_experts, int topk, float coeff,
+                      uintptr_t grad_probs, uintptr_t stream):
+    cdef moe_rt_context* c = d.ctx
+    cdef int tries = 0, st
+    while True:
+        st = p_aux_bwd(c, <const void*>grad, dtype, R, C, <const void*>tpe, tpe_dtype, total,
+                       <const void*>total_device, total_dtype, num_experts, topk, coeff, <void*>grad_probs,
+                       <moe_rt_stream>stream)
+        if st == 0 and c == d.ctx:
+            return
+        c = d.retry(c, st, &tries, b"moe_rt_aux_loss_backward")
