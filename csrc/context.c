@@ -913,7 +913,8 @@ moe_rt_status moe_rt_check(moe_rt_context* ctx, moe_rt_stream stream) {
   if ((st = mrt_launch_one(ctx, &clear, &args, stream))) return st;
   if ((r = ctx->drv.cuStreamSynchronize((CUstream)stream))) return mrt_cuda_fail(&ctx->drv, r, "cuStreamSynchronize");
   long long value = (long long)((unsigned long long)host[2] | ((unsigned long long)host[3] << 32));
-  const char* arg = host[7] == 2u ? "topk_idx" : "routing";
+  /* the argument the Python side's message names, by the op family that met the id (MOE_RT_ERR_* bits) */
+  const char* arg = host[7] == 4u ? "topk_indices" : (host[7] == 2u || host[7] == 8u) ? "topk_idx" : "routing";
   return mrt_fail(MOE_RT_ERROR_BAD_EXPERT_ID, "%s: expert ids must be in [-1, num_experts=%d), got %lld", arg,
                   (int)host[6], value);
 }

@@ -26,7 +26,7 @@ cdef extern from "<dlfcn.h>" nogil:
     void* dlsym(void* handle, const char* symbol)
     char* dlerror()
     int RTLD_NOW
-    int RTLD_GLOBAL
+    int RTLD_LOCAL
 
 cdef extern from "moe_rt/moe_rt.h" nogil:
     ctypedef void* moe_rt_stream
@@ -106,6 +106,20 @@ LIB_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib", "libm
 # moe_rt_dtype codes (include/moe_rt/moe_rt.h), by NumPy dtype name
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2, "int32": 3, "int64": 4, "bool": 5, "uint8": 6, "int8": 7,
                "float8_e4m3fn": 8, "float8_e5m2": 9, "int16": 10}
+CODES = {}  # NumPy dtype -> moe_rt_dtype code (bfloat16 and FP8 through ml_dtypes)
+
+
+def _codes():
+    import numpy as np
+    for name, code in DTYPE_CODES.items():
+        try:
+            CODES[np.dtype(name)] = code
+        except TypeError:
+            import ml_dtypes
+            CODES[np.dtype(getattr(ml_dtypes, name))] = code
+
+
+_codes()
 SUCCESS, INVALID_ARGUMENT, NO_DRIVER, NO_DEVICE, KERNEL_CACHE, CUDA, BAD_EXPERT_ID, NOT_SUPPORTED = range(8)
 # kernels some ops reach outside their plan: the device error word's module (make_plan, the index backward)
 ERRORS_KERNEL = ("errors.cu", "error_word_clear")
@@ -123,7 +137,7 @@ cdef _open():
     global p_last_error, p_ctx_create, p_ctx_create_planning, p_ctx_load_kernel, p_ctx_destroy, p_ctx_device_info
     global p_last_plan, p_check, p_aux_ws, p_topk, p_topk_idx, p_topk_bwd, p_scores, p_scores_bwd, p_aux, p_aux_bwd
     path = LIB_PATH.encode()
-    cdef void* h = dlopen(path, RTLD_NOW | RTLD_GLOBAL)
+    cdef void* h = dlopen(path, RTLD_NOW | RTLD_LOCAL)
     if h == NULL:
         err = dlerror()
         raise ImportError(f"moe_rt._core: cannot load {LIB_PATH} ({err.decode() if err != NULL else '?'}); build "
@@ -193,10 +207,15 @@ cdef class Context:
         (scalar0, scalar1))`` each."""
         return _last_plan(self.ctx)
 
-    def check(self, uintptr_t stream):
-        """Wait for ``stream`` and raise (ValueError, the CPU path's message) the bad expert ids recorded
-        in the device's error word since the last check (moe_rt_check: a host sync)."""
-        _check(p_check(self.ctx, <moe_rt_stream>stream), "moe_rt_check")
+    def check(self, uintptr_t stream=0):
+        """Wait for ``stream`` (0 = the legacy default stream) and raise, as ValueError with the CPU path's
+        message, the bad expert ids recorded in the device's error word since the last check (moe_rt_check:
+        a host sync; the word's module is prepared first where it is not in the kernel cache yet)."""
+        cdef int st = p_check(self.ctx, <moe_rt_stream>stream)
+        if st == KERNEL_CACHE and not self.is_planning:
+            self._prepare([])
+            st = p_check(self.ctx, <moe_rt_stream>stream)
+        _check(st, "moe_rt_check")
 
     cdef moe_rt_context* retry(self, moe_rt_context* c, int st, int* tries, const char* op) except NULL:
         """After a failed call on ``c``: the context to call next, or raise. A device context's first
@@ -268,6 +287,15 @@ def device(int device_id) -> Context:
             (<Context>c).device_id = device_id
             _devices[device_id] = c
     return c
+
+
+def check(device_id=None, uintptr_t stream=0):
+    """:meth:`Context.check` on device ``device_id`` (None: every device whose context was made); a device
+    without a context ran no core op: nothing to check."""
+    for d in (sorted(_devices) if device_id is None else [device_id]):
+        c = _devices.get(d)
+        if c is not None:
+            c.check(stream)
 
 
 def planning(int sm_count=132, int cc_major=9, int cc_minor=0, int smem_per_sm=228 * 1024,
