@@ -40,7 +40,6 @@ CTYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
 FLOAT_DTYPES = tuple(CTYPES)
 
 REGISTRY: dict[str, list[str]] = {}
-QUICK: set = set()  # (file, name) of quick kernels (function_tiered): compile-checked, not warmed up
 _lock = threading.Lock()
 _functions: dict[tuple[str, str, int], object] = {}
 _CACHE_FORMAT = 2  # part of every key: bump when the cache entries' format changes
@@ -56,23 +55,19 @@ def ctype(dtype) -> str:
         raise TypeError(f"no kernel instantiation for dtype {name}; expected one of {FLOAT_DTYPES}") from None
 
 
-def register(file: str, names, *, quick: bool = False) -> None:
+def register(file: str, names) -> None:
     """Declare the name expressions (``"kernel<__half, 4>"`` or ``"extern_c_kernel"``) of ``file`` that
-    ops launch (at module import time). ``quick``: kernels that stand in for others while those compile
-    (:func:`function_tiered`); ``warmup`` leaves them out."""
+    ops launch (at module import time): what ``warmup`` compiles."""
     with _lock:
         lst = REGISTRY.setdefault(file, [])
         for n in names:
             if n not in lst:
                 lst.append(n)
-            if quick:
-                QUICK.add((file, n))
 
 
-def registered(*, quick: bool = True) -> list[tuple[str, str]]:
-    """Every registered (file, name expression), in registration order (``quick=False``: without the quick
-    kernels)."""
-    return [(f, n) for f, names in REGISTRY.items() for n in names if quick or (f, n) not in QUICK]
+def registered() -> list[tuple[str, str]]:
+    """Every registered (file, name expression), in registration order."""
+    return [(f, n) for f, names in REGISTRY.items() for n in names]
 
 
 def _dir(package: str, fallback: str, marker: str) -> Path:
@@ -341,7 +336,7 @@ def kernel_image(file: str, name: str, arch: str, *, root: str | None = None,
 def cached_count(arch: str, root: str | None = None) -> int:
     """How many registered kernels of these sources have an entry for ``arch`` in the cache folder."""
     root = cache_dir() if root is None else root
-    return sum(1 for f, n in registered(quick=False) if _entry(root, f, n, arch).is_file())
+    return sum(1 for f, n in registered() if _entry(root, f, n, arch).is_file())
 
 
 def cache_size(root: str | None = None) -> int:
@@ -355,7 +350,7 @@ def cache_size(root: str | None = None) -> int:
 def write_manifest(root: str, archs) -> Path:
     """``root/manifest.json``: every registered kernel's entry for each of ``archs`` (file, name expression,
     lowered name, image path relative to ``root``), for loaders that do not compute keys."""
-    rows = [_manifest_row(root, f, n, arch) for arch in archs for f, n in registered(quick=False)]
+    rows = [_manifest_row(root, f, n, arch) for arch in archs for f, n in registered()]
     out = Path(root) / "manifest.json"
     _write_manifest(out, rows)
     return out
@@ -486,74 +481,11 @@ def function(file: str, name: str) -> Kernel:
         if name not in REGISTRY.get(file, ()):
             raise KeyError(f"kernel {name!r} of {file} is not registered")
         arch = arch_for(device_properties(dev)["cc"])
-        got = _compiled.pop((file, name, arch), None)
-        image, lowered = got if got is not None else kernel_image(file, name, arch)[:2]
+        image, lowered = kernel_image(file, name, arch)[:2]
         mod = cupy.cuda.function.Module()
         mod.load(image)
         fn = _functions[key] = Kernel(mod, lowered, name)
         return fn
-
-
-# ---- tiered compiles -----------------------------------------------------------------------------
-# The first call of a shape whose kernel is neither loaded nor cached runs a quick kernel (the same bits,
-# compiled for that call's case alone, in a fraction of the time) while the kernel for every case compiles
-# on a background thread (NVRTC releases the GIL); later calls take that kernel once it is ready. Ops that
-# cache their launch configuration keep it only when it is final, and a call that launches a quick kernel
-# is not recorded for replays (moe_rt._fast), so nothing keeps the quick kernel once the other is there.
-# MOE_RT_TIERED=0 compiles the kernel itself on first use instead.
-
-TIERED = os.environ.get("MOE_RT_TIERED", "1") != "0"
-_background: dict = {}  # (file, name, arch) -> its compiling thread
-_compiled: dict = {}  # (file, name, arch) -> (image, lowered): compiled in the background, not yet loaded
-provisional_calls = 0  # launches of quick kernels so far (tools/bench_compile.py reports them)
-
-
-def _device_id() -> int:
-    import cupy
-
-    return cupy.cuda.Device().id
-
-
-def _compile_in_background(file: str, name: str, arch: str) -> None:
-    try:
-        image, lowered, _ = kernel_image(file, name, arch, where=" (in the background)")
-    except Exception:  # noqa: BLE001 - function() compiles it again in the foreground and raises there
-        return
-    _compiled[(file, name, arch)] = (image, lowered)
-
-
-def function_tiered(file: str, name: str, quick: str | None) -> tuple[Kernel, bool]:
-    """``(kernel, final)``: :func:`function` of ``name`` when it is loaded or in the cache (or ``quick`` is
-    None); otherwise the registered ``quick`` kernel, which the caller has chosen to compute the same bits
-    as ``name`` for this call, with ``final`` False, and ``name`` compiling in the background."""
-    global provisional_calls
-    dev = _device_id()
-    fn = _functions.get((file, name, dev))
-    if fn is not None:
-        return fn, True
-    if quick is None or not TIERED:
-        return function(file, name), True
-    arch = arch_for(device_properties(dev)["cc"])
-    key = (file, name, arch)
-    with _lock:
-        th = _background.get(key)
-        if th is None and key not in _compiled and not _entry(cache_dir(), file, name, arch).is_file():
-            th = _background[key] = threading.Thread(target=_compile_in_background, args=key, daemon=True,
-                                                     name=f"moe_rt compile {name}")
-            th.start()
-    if th is not None and th.is_alive():
-        provisional_calls += 1
-        return function(file, quick), False
-    return function(file, name), True
-
-
-def settle(timeout: float | None = None) -> bool:
-    """Wait for the background compiles (:func:`function_tiered`); True when none is left running.
-    Benchmarks call it before timing, so that they time the kernels later calls run."""
-    end = None if timeout is None else time.perf_counter() + timeout
-    for th in list(_background.values()):
-        th.join(None if end is None else max(0.0, end - time.perf_counter()))
-    return not any(th.is_alive() for th in _background.values())
 
 
 def global_ptr(file: str, kernel: str, symbol: str, device_id: int) -> int:

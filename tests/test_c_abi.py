@@ -130,7 +130,7 @@ def _launches(lib, ctx):
     assert lib.moe_rt_last_plan(ctx, C.byref(info)) == OK, lib.moe_rt_last_error()
     for i in range(info.num_launches):  # every kernel the C planner picks is one warmup writes
         file, name = info.launch[i].file.decode(), info.launch[i].kernel.decode()
-        assert name in _jit.REGISTRY.get(file, ()) and (file, name) not in _jit.QUICK, (file, name)
+        assert name in _jit.REGISTRY.get(file, ()), (file, name)
     return [(info.launch[i].kernel.decode(), info.launch[i].grid, info.launch[i].block, info.launch[i].shared_mem)
             for i in range(info.num_launches) if info.launch[i].grid > 0]
 
@@ -196,9 +196,6 @@ def pyside(monkeypatch):
         launches.args.append((fn.name, args))
 
     monkeypatch.setattr(_jit, "function", function)
-    # the kernels the C library loads are the final ones (warmup writes no quick kernels): the choice of the
-    # Python side once its background compiles are done
-    monkeypatch.setattr(_jit, "function_tiered", lambda file, name, quick: (function(file, name), True))
     monkeypatch.setattr(_jit, "device_properties", props)
     monkeypatch.setattr(_jit, "launch_raw", launch_raw)
     monkeypatch.setattr(_jit, "set_max_dynamic_shared", lambda fn, n: None)
