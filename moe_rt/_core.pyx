@@ -81,6 +81,22 @@ ctypedef st_t (*f_scores_bwd)(moe_rt_context*, const float*, const float*, int64
                               moe_rt_stream) nogil
 ctypedef st_t (*f_aux)(moe_rt_context*, const void*, int, int64_t, int, const void*, int, int64_t, const void*, int,
                        int, int, float, void*, size_t, void*, moe_rt_stream) nogil
+ctypedef st_t (*f_plan_ws)(int64_t, int64_t, int, size_t*) nogil
+ctypedef st_t (*f_make_plan)(moe_rt_context*, const void*, int, int64_t, int64_t, int, int, int64_t, moe_rt_plan*,
+                             void*, size_t, moe_rt_stream) nogil
+ctypedef st_t (*f_dispatch)(moe_rt_context*, const moe_rt_plan*, const void*, int, int64_t, const float*, void*,
+                            void*, int, moe_rt_stream) nogil
+ctypedef st_t (*f_combine)(moe_rt_context*, const moe_rt_plan*, const void*, int, int64_t, const float*, void*,
+                           moe_rt_stream) nogil
+ctypedef st_t (*f_dispatch_bwd)(moe_rt_context*, const moe_rt_plan*, const void*, int, int64_t, const float*, void*,
+                                float*, moe_rt_stream) nogil
+ctypedef st_t (*f_combine_bwd)(moe_rt_context*, const moe_rt_plan*, const void*, int, int64_t, const void*,
+                               const float*, void*, float*, moe_rt_stream) nogil
+ctypedef st_t (*f_sort_chunks)(moe_rt_context*, const void*, int64_t, int64_t, const void*, const void*, int, int64_t,
+                               const float*, void*, float*, int, void*, size_t, moe_rt_stream) nogil
+ctypedef st_t (*f_fp8_q)(moe_rt_context*, const void*, int, int64_t, int64_t, int, void*, float*, moe_rt_stream) nogil
+ctypedef st_t (*f_fp8_dq)(moe_rt_context*, const void*, const float*, int64_t, int64_t, int, void*, int,
+                          moe_rt_stream) nogil
 ctypedef st_t (*f_aux_bwd)(moe_rt_context*, const void*, int, int64_t, int, const void*, int, int64_t, const void*,
                            int, int, int, float, void*, moe_rt_stream) nogil
 
@@ -100,6 +116,16 @@ cdef f_scores p_scores
 cdef f_scores_bwd p_scores_bwd
 cdef f_aux p_aux
 cdef f_aux_bwd p_aux_bwd
+cdef f_plan_ws p_plan_ws
+cdef f_size1 p_chunks_ws
+cdef f_make_plan p_make_plan
+cdef f_dispatch p_dispatch
+cdef f_combine p_combine
+cdef f_dispatch_bwd p_dispatch_bwd
+cdef f_combine_bwd p_combine_bwd
+cdef f_sort_chunks p_sort_chunks
+cdef f_fp8_q p_quantize
+cdef f_fp8_dq p_dequantize
 
 LIB_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib", "libmoe_rt.so")
 
@@ -136,6 +162,8 @@ cdef void* _sym(void* h, const char* name) except NULL:
 cdef _open():
     global p_last_error, p_ctx_create, p_ctx_create_planning, p_ctx_load_kernel, p_ctx_destroy, p_ctx_device_info
     global p_last_plan, p_check, p_aux_ws, p_topk, p_topk_idx, p_topk_bwd, p_scores, p_scores_bwd, p_aux, p_aux_bwd
+    global p_plan_ws, p_chunks_ws, p_make_plan, p_dispatch, p_combine, p_dispatch_bwd, p_combine_bwd, p_sort_chunks
+    global p_quantize, p_dequantize
     path = LIB_PATH.encode()
     cdef void* h = dlopen(path, RTLD_NOW | RTLD_LOCAL)
     if h == NULL:
@@ -158,6 +186,16 @@ cdef _open():
     p_scores_bwd = <f_scores_bwd>_sym(h, b"moe_rt_scores_for_aux_loss_backward")
     p_aux = <f_aux>_sym(h, b"moe_rt_aux_loss")
     p_aux_bwd = <f_aux_bwd>_sym(h, b"moe_rt_aux_loss_backward")
+    p_plan_ws = <f_plan_ws>_sym(h, b"moe_rt_make_plan_workspace_size")
+    p_chunks_ws = <f_size1>_sym(h, b"moe_rt_sort_chunks_workspace_size")
+    p_make_plan = <f_make_plan>_sym(h, b"moe_rt_make_plan")
+    p_dispatch = <f_dispatch>_sym(h, b"moe_rt_dispatch")
+    p_combine = <f_combine>_sym(h, b"moe_rt_combine")
+    p_dispatch_bwd = <f_dispatch_bwd>_sym(h, b"moe_rt_dispatch_backward")
+    p_combine_bwd = <f_combine_bwd>_sym(h, b"moe_rt_combine_backward")
+    p_sort_chunks = <f_sort_chunks>_sym(h, b"moe_rt_sort_chunks")
+    p_quantize = <f_fp8_q>_sym(h, b"moe_rt_quantize_fp8")
+    p_dequantize = <f_fp8_dq>_sym(h, b"moe_rt_dequantize_fp8")
 
 
 _open()
@@ -318,6 +356,30 @@ def aux_loss_workspace_bytes(int64_t num_rows) -> int:
     return n
 
 
+def make_plan_workspace_bytes(int64_t num_tokens, int64_t topk, int num_experts) -> int:
+    cdef size_t n = 0
+    _check(p_plan_ws(num_tokens, topk, num_experts, &n), "moe_rt_make_plan_workspace_size")
+    return n
+
+
+def sort_chunks_workspace_bytes(int64_t num_chunks) -> int:
+    cdef size_t n = 0
+    _check(p_chunks_ws(num_chunks, &n), "moe_rt_sort_chunks_workspace_size")
+    return n
+
+
+cdef inline int _plan_of(tuple p, moe_rt_plan* out) except -1:
+    """A plan as the facade hands it over: (dst_row, src_slot, seg_start, counts, tokens_per_expert pointers,
+    num_tokens, topk, num_experts, num_rows, align_size)."""
+    out.dst_row = <int32_t*><uintptr_t>p[0]
+    out.src_slot = <int32_t*><uintptr_t>p[1]
+    out.seg_start = <int32_t*><uintptr_t>p[2]
+    out.counts = <int32_t*><uintptr_t>p[3]
+    out.tokens_per_expert = <int32_t*><uintptr_t>p[4]
+    out.num_tokens, out.topk, out.num_experts, out.num_rows, out.align_size = p[5], p[6], p[7], p[8], p[9]
+    return 0
+
+
 # ---- the ops: pointers are ints (0 = NULL), dtypes moe_rt_dtype codes, ``stream`` a cudaStream_t -------------
 
 def topk_with_score(Context d, uintptr_t logits, int dtype, int64_t T, int E, int K, int score_function, int pre,
@@ -409,3 +471,114 @@ def aux_loss_backward(Context d, uintptr_t grad, int dtype, int64_t R, int C, ui
         if st == 0 and c == d.ctx:
             return
         c = d.retry(c, st, &tries, b"moe_rt_aux_loss_backward")
+
+
+def make_plan(Context d, uintptr_t routing, int routing_dtype, int64_t T, int64_t K, int E, int align_size,
+              int64_t num_out_tokens, uintptr_t dst_row, uintptr_t src_slot, uintptr_t seg_start, uintptr_t counts,
+              uintptr_t tokens_per_expert, uintptr_t workspace, size_t workspace_bytes, uintptr_t stream):
+    """The plan arrays at the given addresses (sized by the caller from num_rows); num_out_tokens -1 = none."""
+    cdef moe_rt_plan plan
+    memset(&plan, 0, sizeof(plan))
+    plan.dst_row, plan.src_slot, plan.seg_start = <int32_t*>dst_row, <int32_t*>src_slot, <int32_t*>seg_start
+    plan.counts, plan.tokens_per_expert = <int32_t*>counts, <int32_t*>tokens_per_expert
+    cdef moe_rt_context* c = d.ctx
+    cdef int tries = 0, st
+    while True:
+        st = p_make_plan(c, <const void*>routing, routing_dtype, T, K, E, align_size, num_out_tokens, &plan,
+                         <void*>workspace, workspace_bytes, <moe_rt_stream>stream)
+        if st == 0 and c == d.ctx:
+            return
+        c = d.retry(c, st, &tries, b"moe_rt_make_plan")
+
+
+def dispatch(Context d, tuple plan, uintptr_t x, int dtype, int64_t H, uintptr_t probs, uintptr_t x_permuted,
+             uintptr_t probs_permuted, int probs_dtype, uintptr_t stream):
+    cdef moe_rt_plan p
+    _plan_of(plan, &p)
+    cdef moe_rt_context* c = d.ctx
+    cdef int tries = 0, st
+    while True:
+        st = p_dispatch(c, &p, <const void*>x, dtype, H, <const float*>probs, <void*>x_permuted,
+                        <void*>probs_permuted, probs_dtype, <moe_rt_stream>stream)
+        if st == 0 and c == d.ctx:
+            return
+        c = d.retry(c, st, &tries, b"moe_rt_dispatch")
+
+
+def combine(Context d, tuple plan, uintptr_t y_permuted, int dtype, int64_t H, uintptr_t probs, uintptr_t y,
+            uintptr_t stream):
+    cdef moe_rt_plan p
+    _plan_of(plan, &p)
+    cdef moe_rt_context* c = d.ctx
+    cdef int tries = 0, st
+    while True:
+        st = p_combine(c, &p, <const void*>y_permuted, dtype, H, <const float*>probs, <void*>y,
+                       <moe_rt_stream>stream)
+        if st == 0 and c == d.ctx:
+            return
+        c = d.retry(c, st, &tries, b"moe_rt_combine")
+
+
+def dispatch_backward(Context d, tuple plan, uintptr_t grad_x_permuted, int dtype, int64_t H,
+                      uintptr_t grad_probs_permuted, uintptr_t grad_x, uintptr_t grad_probs, uintptr_t stream):
+    cdef moe_rt_plan p
+    _plan_of(plan, &p)
+    cdef moe_rt_context* c = d.ctx
+    cdef int tries = 0, st
+    while True:
+        st = p_dispatch_bwd(c, &p, <const void*>grad_x_permuted, dtype, H, <const float*>grad_probs_permuted,
+                            <void*>grad_x, <float*>grad_probs, <moe_rt_stream>stream)
+        if st == 0 and c == d.ctx:
+            return
+        c = d.retry(c, st, &tries, b"moe_rt_dispatch_backward")
+
+
+def combine_backward(Context d, tuple plan, uintptr_t grad_y, int dtype, int64_t H, uintptr_t y_permuted,
+                     uintptr_t probs, uintptr_t grad_y_permuted, uintptr_t grad_probs, uintptr_t stream):
+    cdef moe_rt_plan p
+    _plan_of(plan, &p)
+    cdef moe_rt_context* c = d.ctx
+    cdef int tries = 0, st
+    while True:
+        st = p_combine_bwd(c, &p, <const void*>grad_y, dtype, H, <const void*>y_permuted, <const float*>probs,
+                           <void*>grad_y_permuted, <float*>grad_probs, <moe_rt_stream>stream)
+        if st == 0 and c == d.ctx:
+            return
+        c = d.retry(c, st, &tries, b"moe_rt_combine_backward")
+
+
+def sort_chunks(Context d, uintptr_t x, int64_t N, int64_t row_bytes, uintptr_t split_sizes,
+                uintptr_t sorted_indices, int index_dtype, int64_t S, uintptr_t probs, uintptr_t out,
+                uintptr_t probs_out, int backward, uintptr_t workspace, size_t workspace_bytes, uintptr_t stream):
+    cdef moe_rt_context* c = d.ctx
+    cdef int tries = 0, st
+    while True:
+        st = p_sort_chunks(c, <const void*>x, N, row_bytes, <const void*>split_sizes, <const void*>sorted_indices,
+                           index_dtype, S, <const float*>probs, <void*>out, <float*>probs_out, backward,
+                           <void*>workspace, workspace_bytes, <moe_rt_stream>stream)
+        if st == 0 and c == d.ctx:
+            return
+        c = d.retry(c, st, &tries, b"moe_rt_sort_chunks")
+
+
+def quantize_fp8(Context d, uintptr_t x, int dtype, int64_t T, int64_t H, int block, uintptr_t x_fp8,
+                 uintptr_t scales, uintptr_t stream):
+    cdef moe_rt_context* c = d.ctx
+    cdef int tries = 0, st
+    while True:
+        st = p_quantize(c, <const void*>x, dtype, T, H, block, <void*>x_fp8, <float*>scales, <moe_rt_stream>stream)
+        if st == 0 and c == d.ctx:
+            return
+        c = d.retry(c, st, &tries, b"moe_rt_quantize_fp8")
+
+
+def dequantize_fp8(Context d, uintptr_t x_fp8, uintptr_t scales, int64_t T, int64_t H, int block, uintptr_t y,
+                   int dtype, uintptr_t stream):
+    cdef moe_rt_context* c = d.ctx
+    cdef int tries = 0, st
+    while True:
+        st = p_dequantize(c, <const void*>x_fp8, <const float*>scales, T, H, block, <void*>y, dtype,
+                          <moe_rt_stream>stream)
+        if st == 0 and c == d.ctx:
+            return
+        c = d.retry(c, st, &tries, b"moe_rt_dequantize_fp8")

@@ -1,7 +1,7 @@
-"""The C ABI (include/moe_rt/moe_rt.h, libmoe_rt.so): it builds with a C compiler alone; its planners make the
-same kernel choices as the Python planners (moe_rt/permutation.py) for the benchmark shapes and odd ones,
-compared through a planning context, and the router's choices (the core's alone now) equal the table they
-were checked against; bad input returns an error status and a message, never a
+"""The C ABI (include/moe_rt/moe_rt.h, libmoe_rt.so): it builds with a C compiler alone; its make_plan makes the
+kernel choices of the Python plan kernels the EP ops use (moe_rt/permutation.py), compared through a planning
+context; the choices of the other ops (the core's alone) equal the table they were checked against
+(tests/data/core_plans.json); bad input returns an error status and a message, never a
 crash; no driver gives a clear status; the example program compiles and links (CPU) and, on a GPU, runs
 router -> plan -> dispatch -> expert -> combine against the NumPy reference."""
 from __future__ import annotations
@@ -239,11 +239,12 @@ FWD_CASES = [
 TOKENS = [1, 37, 128, 4096, 8192, 16384, 65536]
 
 
-# The router's kernel choices are the core's alone (moe_rt.router makes one core call). They were checked equal
-# to the Python planner's (the router before it became a facade) for every case of the grid below; the table
-# tests/data/router_plans.json keeps them: the full launches for the benchmark shapes, and a digest of the
-# whole grid. A deliberate change of a choice rewrites it: python3 tests/test_c_abi.py --write-router-table
-ROUTER_TABLE = ROOT / "tests" / "data" / "router_plans.json"
+# The kernel choices of the router, row, sort_chunks and FP8 ops are the core's alone (the Python ops make one
+# core call). They were checked equal to the Python planners' (before those went) for every case of the grids
+# below; the table tests/data/core_plans.json keeps them: the full launches for the benchmark shapes, and a
+# digest of the whole grid. A deliberate change of a choice rewrites it:
+# python3 tests/test_c_abi.py --write-plan-table
+PLAN_TABLE = ROOT / "tests" / "data" / "core_plans.json"
 BENCH_FWD = [c for c in FWD_CASES if (c[1], c[2]) in ((256, 8), (2304, 36), (64, 8))]
 FORMS = [(U8, "uint8"), (I16, "int16"), (I32, "int32"), (I64, "int64")]
 BWD_FORM_CASES = [(F32, 256, 8), (BF16, 256, 8), (BF16, 2304, 36), (F16, 7, 3), (F32, 1030, 5), (BF16, 5000, 20),
@@ -257,8 +258,8 @@ DEVS = {"h100": (H100, 0), "h100-r72": (H100, 72), "a100-r40": (A100, 40), "a100
 
 
 def _router_rows(lib):
-    """Every router plan of the grid: (key, launches) in a fixed order; a launch is (kernel, grid, block,
-    shared memory, scalar0, scalar1)."""
+    """Every plan of the grids: (key, launches) in a fixed order; a launch is (kernel, grid, block, shared
+    memory, scalar0, scalar1)."""
     rows = []
 
     def plan(ctx, key, status):
@@ -311,6 +312,9 @@ def _router_rows(lib):
                             for odt in (F32, F16, BF16):
                                 plan(ctx, f"{key} scores-bwd {DT_NAMES[odt]}", lib.moe_rt_scores_for_aux_loss_backward(
                                     ctx, base, BASE, T, E, K, SIGMOID, BASE, odt, None))
+            if dev_name == "h100":
+                for more in (_rows_plans, _chunks_plans, _fp8_plans):
+                    more(lib, ctx, lambda key, status: plan(ctx, key, status))
         finally:
             lib.moe_rt_context_destroy(ctx)
     return rows
@@ -318,6 +322,8 @@ def _router_rows(lib):
 
 def _is_bench_row(key):
     w = key.split()
+    if w[0] in ("rows", "chunks", "fp8"):
+        return "bench" in w
     return w[1] == "h100" and any(f"E{E}" == w[3] and f"K{K}" == w[4] for E, K in ((256, 8), (2304, 36), (64, 8))) \
         and any(f"T{T}" in w for T in (128, 65536)) and "a4" not in w
 
@@ -328,19 +334,19 @@ def _digest(rows):
     return hashlib.sha256(json.dumps(rows, separators=(",", ":")).encode()).hexdigest()
 
 
-def router_table(lib):
+def plan_table(lib):
     rows = _router_rows(lib)
     return {"digest": _digest(rows), "rows": len(rows), "bench": {k: v for k, v in rows if _is_bench_row(k)}}
 
 
-def test_router_plans_equal_the_table(lib):
-    want = json.loads(ROUTER_TABLE.read_text())
-    got = router_table(lib)
+def test_core_plans_equal_the_table(lib):
+    want = json.loads(PLAN_TABLE.read_text())
+    got = plan_table(lib)
     for key, launches in want["bench"].items():  # the benchmark shapes, row by row (readable differences)
         assert got["bench"].get(key) == launches, key
     assert set(got["bench"]) == set(want["bench"])
     assert got["rows"] == want["rows"]
-    assert got["digest"] == want["digest"], "a router plan outside the benchmark shapes changed"
+    assert got["digest"] == want["digest"], "a plan outside the benchmark shapes changed"
 
 
 @pytest.mark.parametrize("R,Cols", [(0, 8), (1, 8), (37, 7), (4096, 256), (65536, 256), (100000, 64), (5, 0)])
@@ -398,11 +404,6 @@ def test_make_plan_plan_equals_python(lib, pyside, ctx, case):
             assert _launches(lib, ctx) == want, (dt, A, num_out)
 
 
-def _py_plan(T, K, E, N):
-    return types.SimpleNamespace(num_tokens=T, topk=K, num_experts=E, num_rows=N,
-                                 _v={"dst_row": _Arr("int32", BASE), "src_slot": _Arr("int32", BASE)})
-
-
 def _c_plan(T, K, E, N):
     return CPlan(BASE, BASE, BASE, BASE, BASE, T, K, E, N, 1)
 
@@ -419,66 +420,31 @@ def _np(dt):
             U8: np.dtype(np.uint8), I8: np.dtype(np.int8)}[dt]
 
 
-@pytest.mark.parametrize("case", ROWS_CASES, ids=lambda c: "-".join(map(str, c)))
-def test_dispatch_combine_plans_equal_python(lib, pyside, ctx, case):
-    _, launches = pyside
-    T, E, K, H, dt = case
-    N = T * K
-    pyp, cp = _py_plan(T, K, E, N), _c_plan(T, K, E, N)
-    isz = _np(dt).itemsize
-    call = types.SimpleNamespace(device_id=0, stream=None, xp=np,
-                                 empty=lambda shape, dtype: _shaped(_Arr(dtype, BASE), *shape))
-    for off in sorted({0, 4, 2 if isz <= 2 else 0, 1 if isz == 1 else 0}):
-        xp = BASE + off
-        for pdt in (None, F32, F16, BF16):
-            launches.clear()
-            pp = None if pdt is None else _Arr(_np(pdt), BASE)
-            pv = None if pdt is None else _Arr("float32", BASE)
-            out = _shaped(_Arr(_np(dt), BASE), N, H)
-            permutation._copy_rows(CALL, _shaped(_Arr(_np(dt), xp), T, H), out, pyp)
-            permutation._fill(CALL, out, pp, pv, pyp)
-            _ok(lib, lib.moe_rt_dispatch(ctx, C.byref(cp), xp, dt, H, None if pv is None else BASE, BASE,
-                                         None if pp is None else BASE, F32 if pdt is None else pdt, None))
-            assert _launches(lib, ctx) == launches, ("dispatch", off, pdt)
-        if dt not in DT_NAMES:
-            continue
-        for probs in (None, BASE):
-            launches.clear()
-            permutation._combine_cuda(call, _shaped(_Arr(_np(dt), xp), N, H), pyp,
-                                      None if probs is None else _Arr("float32", probs))
-            _ok(lib, lib.moe_rt_combine(ctx, C.byref(cp), xp, dt, H, probs, BASE, None))
-            assert _launches(lib, ctx) == launches, ("combine", off, probs)
-        # dispatch_backward: the unweighted combine, then gather_slots for the probs' gradient
-        launches.clear()
-        permutation._combine_cuda(call, _shaped(_Arr(_np(dt), xp), N, H), pyp, None)
-        if T * K:
-            launches.append(("gather_slots", permutation._row_grid(T * K // 32 + 1, 0), 256, 0))
-        _ok(lib, lib.moe_rt_dispatch_backward(ctx, C.byref(cp), xp, dt, H, BASE, BASE, BASE, None))
-        assert _launches(lib, ctx) == launches, ("dispatch_backward", off)
-        # combine_backward without probs: zero the padding rows, copy grad_y to each slot's row
-        launches.clear()
-        g = _shaped(_Arr(_np(dt), xp), T, H)
-        gyp = _shaped(_Arr(_np(dt), BASE), N, H)
-        permutation._fill(CALL, gyp, None, None, pyp)
-        permutation._copy_rows(CALL, g, gyp, pyp)
-        _ok(lib, lib.moe_rt_combine_backward(ctx, C.byref(cp), xp, dt, H, None, None, BASE, None, None))
-        assert _launches(lib, ctx) == launches, ("combine_backward", off)
-        # with probs: the fused row kernel (as permutation.combine_backward launches it)
-        launches.clear()
-        permutation._fill(CALL, gyp, None, None, pyp)
-        if T and K and H and N:
-            vec = (H * isz) % 16 == 0 and off % 16 == 0
-            threads = permutation._threads(H // (16 // isz if vec else 1))
-            launches.append((f"combine_bwd_rows<{_jit.CTYPES[DT_NAMES[dt]]}, {'true' if vec else 'false'}, "
-                             f"{permutation._UNROLL}>", T, threads, K * 8 + (threads // 32) * K * 4))
-        _ok(lib, lib.moe_rt_combine_backward(ctx, C.byref(cp), xp, dt, H, BASE, BASE, BASE, BASE, None))
-        assert _launches(lib, ctx) == launches, ("combine_backward probs", off)
-
-
-def _shaped(a, *shape):
-    a.shape = shape
-    a.size = int(np.prod(shape))
-    return a
+def _rows_plans(lib, ctx, plan):
+    """The row ops' plans for ROWS_CASES; the benchmark shapes are the first four cases."""
+    for n, (T, E, K, H, dt) in enumerate(ROWS_CASES):
+        N = T * K
+        cp = _c_plan(T, K, E, N)
+        isz = _np(dt).itemsize
+        tag = f"rows T{T} E{E} K{K} H{H} {_np(dt).name}"
+        for off in sorted({0, 4, 2 if isz <= 2 else 0, 1 if isz == 1 else 0}):
+            xp = BASE + off
+            key = f"{tag} a{off}" + (" bench" if n < 4 and off == 0 else "")
+            for pdt in (None, F32, F16, BF16):
+                plan(f"{key} dispatch probs{pdt}", lib.moe_rt_dispatch(
+                    ctx, C.byref(cp), xp, dt, H, None if pdt is None else BASE, BASE, None if pdt is None else BASE,
+                    F32 if pdt is None else pdt, None))
+            if dt not in DT_NAMES:
+                continue
+            for probs in (None, BASE):
+                plan(f"{key} combine probs{probs is not None}", lib.moe_rt_combine(ctx, C.byref(cp), xp, dt, H, probs,
+                                                                                  BASE, None))
+            plan(f"{key} dispatch_backward", lib.moe_rt_dispatch_backward(ctx, C.byref(cp), xp, dt, H, BASE, BASE, BASE,
+                                                                          None))
+            plan(f"{key} combine_backward", lib.moe_rt_combine_backward(ctx, C.byref(cp), xp, dt, H, None, None, BASE,
+                                                                        None, None))
+            plan(f"{key} combine_backward probs", lib.moe_rt_combine_backward(ctx, C.byref(cp), xp, dt, H, BASE, BASE,
+                                                                              BASE, BASE, None))
 
 
 # ---- sort_chunks -------------------------------------------------------------------------------------------------
@@ -491,29 +457,22 @@ CHUNK_CASES = [(8192, (7168,), "bfloat16", 64), (4096, (4096,), "float32", 256),
                (3, (0,), "float32", 2)]
 
 
-@pytest.mark.parametrize("case", CHUNK_CASES, ids=lambda c: "-".join(map(str, c)))
-def test_sort_chunks_plan_equals_python(lib, pyside, ctx, case):
-    _, launches = pyside
-    N, row, dt, S_ = case
-    dtype = np.dtype(router._arrays.FLOAT8_E4M3 if dt == "float8_e4m3fn" else dt)
-    row_bytes = int(np.prod(row, dtype=np.int64)) * dtype.itemsize
-    ws = S()
-    _ok(lib, lib.moe_rt_sort_chunks_workspace_size(S_, C.byref(ws)))
-    assert ws.value == 4 * (2 * S_ + 1)
-    for idt, code in (("int32", I32), ("int64", I64)):
-        for xoff, ooff in ((0, 0), (4, 0), (0, 2), (8, 8), (1, 0)):
-            for probs in (False, True):
-                for bwd in (False, True):
-                    launches.clear()
-                    call = types.SimpleNamespace(device_id=0, stream=None, xp=np,
-                                                 empty=lambda shape, dtype: _shaped(_Arr(dtype, BASE + ooff), *shape))
-                    xv = _shaped(_Arr(dtype, BASE + xoff), N, *row)
-                    pv = np.zeros(N, np.float32) if probs else None
-                    permutation._sort_chunks_cuda(call, xv, np.zeros(S_, idt), np.zeros(S_, idt), pv, bwd)
-                    _ok(lib, lib.moe_rt_sort_chunks(ctx, BASE + xoff, N, row_bytes, BASE, BASE, code, S_,
+def _chunks_plans(lib, ctx, plan):
+    for N, row, dt, S_ in CHUNK_CASES:
+        dtype = np.dtype(router._arrays.FLOAT8_E4M3 if dt == "float8_e4m3fn" else dt)
+        row_bytes = int(np.prod(row, dtype=np.int64)) * dtype.itemsize
+        ws = S()
+        _ok(lib, lib.moe_rt_sort_chunks_workspace_size(S_, C.byref(ws)))
+        assert ws.value == 4 * (2 * S_ + 1)
+        for idt, code in (("int32", I32), ("int64", I64)):
+            for xoff, ooff in ((0, 0), (4, 0), (0, 2), (8, 8), (1, 0)):
+                for probs in (False, True):
+                    for bwd in (False, True):
+                        bench = " bench" if (N, S_) == (8192, 64) and (xoff, ooff) == (0, 0) else ""
+                        plan(f"chunks N{N} row{row} {dt} S{S_} {idt} a{xoff},{ooff} probs{probs} bwd{bwd}{bench}",
+                             lib.moe_rt_sort_chunks(ctx, BASE + xoff, N, row_bytes, BASE, BASE, code, S_,
                                                     BASE if probs else None, BASE + ooff, BASE if probs else None,
                                                     int(bwd), BASE, ws.value, None))
-                    assert _launches(lib, ctx) == launches, (idt, xoff, ooff, probs, bwd)
 
 
 def test_bad_sort_chunks_input(lib, ctx):
@@ -551,24 +510,21 @@ def test_bad_sort_chunks_input(lib, ctx):
 
 # ---- FP8 block casts -------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("T,H,block", [(4096, 7168, 128), (37, 130, 128), (5, 64, 64), (1, 3, 1), (0, 128, 128),
-                                       (33, 0, 128), (65536, 4096, 128), (7, 1000, 100), (2, 70000, 65536)])
-@pytest.mark.parametrize("dt", [F32, BF16, F16])
-def test_fp8_casts_plan_equal_python(lib, pyside, ctx, T, H, block, dt):
-    from moe_rt import fp8
+FP8_CASES = [(4096, 7168, 128), (37, 130, 128), (5, 64, 64), (1, 3, 1), (0, 128, 128), (33, 0, 128),
+             (65536, 4096, 128), (7, 1000, 100), (2, 70000, 65536)]
 
-    _, launches = pyside
-    isz = _np(dt).itemsize
-    for off in sorted({0, 4, 2 * isz, 4 * isz}):
-        launches.clear()
-        x, q = _shaped(_Arr(_np(dt), BASE + off), T, H), _shaped(_Arr("uint8", BASE + off), T, H)
-        fp8.launch_quantize(x, q, _Arr("float32", BASE), block, 0, None)
-        _ok(lib, lib.moe_rt_quantize_fp8(ctx, BASE + off, dt, T, H, block, BASE + off, BASE, None))
-        assert _launches(lib, ctx) == launches, ("quantize", off)
-        launches.clear()
-        fp8.launch_dequantize(_shaped(_Arr("uint8", BASE), T, H), _Arr("float32", BASE), x, block, 0, None)
-        _ok(lib, lib.moe_rt_dequantize_fp8(ctx, BASE, BASE, T, H, block, BASE + off, dt, None))
-        assert _launches(lib, ctx) == launches, ("dequantize", off)
+
+def _fp8_plans(lib, ctx, plan):
+    for T, H, block in FP8_CASES:
+        for dt in (F32, BF16, F16):
+            isz = _np(dt).itemsize
+            for off in sorted({0, 4, 2 * isz, 4 * isz}):
+                bench = " bench" if (T, H) == (4096, 7168) and off == 0 else ""
+                key = f"fp8 T{T} H{H} block{block} {_np(dt).name} a{off}"
+                plan(f"{key} quantize{bench}", lib.moe_rt_quantize_fp8(ctx, BASE + off, dt, T, H, block, BASE + off,
+                                                                       BASE, None))
+                plan(f"{key} dequantize{bench}", lib.moe_rt_dequantize_fp8(ctx, BASE, BASE, T, H, block, BASE + off, dt,
+                                                                           None))
 
 
 def test_bad_fp8_input(lib, ctx):
@@ -1003,15 +959,15 @@ def test_c_permutation_ops_match_reference_on_gpu(lib, kernel_cache, dt, H, A, n
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] != ["--write-router-table"]:
-        sys.exit("usage: python3 tests/test_c_abi.py --write-router-table")
+    if sys.argv[1:] != ["--write-plan-table"]:
+        sys.exit("usage: python3 tests/test_c_abi.py --write-plan-table")
     out = Path(sys.argv[0]).resolve().parent.parent / "moe_rt" / "lib" / "libmoe_rt.so"
     table_lib = C.CDLL(str(out))
     for name, (res, args) in SIGNATURES.items():
         getattr(table_lib, name).restype, getattr(table_lib, name).argtypes = res, args
-    ROUTER_TABLE.parent.mkdir(exist_ok=True)
-    table = router_table(table_lib)
+    PLAN_TABLE.parent.mkdir(exist_ok=True)
+    table = plan_table(table_lib)
     lines = [f"{json.dumps(k)}: {json.dumps(v)}" for k, v in sorted(table["bench"].items())]
-    ROUTER_TABLE.write_text(f'{{"digest": "{table["digest"]}", "rows": {table["rows"]}, "bench": {{\n'
+    PLAN_TABLE.write_text(f'{{"digest": "{table["digest"]}", "rows": {table["rows"]}, "bench": {{\n'
                             + ",\n".join(lines) + "\n}}\n")
-    print(ROUTER_TABLE)
+    print(PLAN_TABLE)

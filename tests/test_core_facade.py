@@ -15,7 +15,8 @@ import types
 import numpy as np
 import pytest
 
-from moe_rt import _arrays, _core, _xla
+from moe_rt import _arrays, _core, _xla, fp8
+from moe_rt import permutation as PM
 from moe_rt import router as R
 from moe_rt._arrays import DevArray
 
@@ -62,7 +63,8 @@ def core(monkeypatch):
     ctx = types.SimpleNamespace(ctx=pc, calls=[], mem=_Mem(), last_plan=pc.last_plan)
     monkeypatch.setattr(_core, "device", lambda dev: pc)
     for op in ("topk_with_score", "topk_indices_with_score", "topk_with_score_backward", "scores_for_aux_loss",
-               "scores_for_aux_loss_backward", "aux_loss", "aux_loss_backward"):
+               "scores_for_aux_loss_backward", "aux_loss", "aux_loss_backward", "make_plan", "dispatch", "combine",
+               "dispatch_backward", "combine_backward", "sort_chunks", "quantize_fp8", "dequantize_fp8"):
         real = getattr(_core, op)
 
         def rec(*args, _real=real, _op=op):
@@ -282,6 +284,131 @@ def test_aux_loss_converts_16_bit_counts_to_float32_first(core, monkeypatch):
     assert args[4:6] == (conv.ptr, CODE[F32])
 
 
+# ---- permutation ---------------------------------------------------------------------------------------------
+
+def _cplan(t):
+    """A facade plan tuple as the C ABI's struct (through ctypes)."""
+    return ctypes.byref(_xla._Plan(*t))
+
+
+PLAN_CASES = [(128, 8, 64, 1, None, I32), (4096, 8, 256, 16, None, I64), (37, 3, 7, 4, 50, I32),
+              (5, 8, 8, 1, None, np.dtype(np.bool_)), (0, 2, 4, 1, None, I32), (300, 6, 64, 128, 1000, I32)]
+
+
+@pytest.mark.parametrize("T,K,E,A,num_out,rdt", PLAN_CASES)
+def test_make_plan_hands_the_core_its_arrays(core, T, K, E, A, num_out, rdt):
+    is_map = rdt == np.bool_
+    routing = core.mem((T, E) if is_map else (T, K), rdt)
+    plan = PM.make_plan(routing, E, align_size=A, num_out_tokens=num_out)
+    KK = E if is_map else K
+    N = PM._num_rows(T, KK, E, A, num_out)
+    assert (plan.num_tokens, plan.topk, plan.num_experts, plan.num_rows) == (T, KK, E, N)
+    args = _last(core, "make_plan")
+    arrays = [plan.dst_row, plan.src_slot, plan.seg_start, plan.counts, plan.tokens_per_expert]
+    assert [a.shape for a in arrays] == [(T, KK), (N,), (E + 1,), (E,), (E,)]
+    assert all(a.dtype == I32 for a in arrays)
+    nws = _core.make_plan_workspace_bytes(T, KK, E)
+    assert args[:7] == (routing.ptr, CODE[rdt], T, KK, E, A, -1 if num_out is None else num_out)
+    assert args[7:12] == tuple(a.ptr for a in arrays) == PM._core_plan(plan)[:5]
+    assert args[13:] == (nws, STREAM)
+    ws = next(m for m in core.mem.made if m.ptr == args[12])
+    assert ws.nbytes >= nws
+    cp = _xla._Plan(*args[7:12])
+    assert core.last_plan() == _abi_plan("moe_rt_make_plan", _p(routing), I(CODE[rdt]), L(T), L(KK), I(E), I(A),
+                                         L(-1 if num_out is None else num_out), ctypes.byref(cp), P(args[12]),
+                                         ctypes.c_size_t(nws), P(STREAM))
+    assert PM._core_plan(plan)[5:] == (T, KK, E, N, A)
+
+
+@pytest.mark.parametrize("T,K,E,H,dt", [(128, 8, 64, 1024, BF16), (37, 3, 7, 33, F32), (64, 4, 16, 7168, F16),
+                                        (19, 2, 5, 64, np.dtype(np.uint8)), (0, 2, 4, 16, F32)])
+@pytest.mark.parametrize("pdt", [None, F32, BF16, F16])
+def test_dispatch_family_hands_the_core_its_arrays(core, T, K, E, H, dt, pdt):
+    routing = core.mem((T, K), I32)
+    plan = PM.make_plan(routing, E)
+    pt = PM._core_plan(plan)
+    N = plan.num_rows
+    x = core.mem((T, H), dt)
+    probs = None if pdt is None else core.mem((T, K), F32)
+    core.calls.clear()
+    out, pp = PM.dispatch(x, plan, probs, probs_dtype=None if pdt in (None, F32) else None)
+    assert out.shape == (N, H) and out.dtype == dt
+    args = _last(core, "dispatch")
+    moved = pdt is not None and N > 0 and T * K > 0
+    assert args == (pt, x.ptr, CODE[dt], H, probs.ptr if moved else 0, out.ptr, pp.ptr if moved else 0,
+                    CODE[F32] if moved else 0, STREAM)
+    assert core.last_plan() == _abi_plan("moe_rt_dispatch", _cplan(pt), _p(x), I(CODE[dt]), L(H),
+                                         P(args[4] or None), _p(out), P(args[6] or None), I(args[7]), P(STREAM))
+    if dt == np.uint8:
+        return
+    core.calls.clear()
+    y_perm = core.mem((N, H), dt)
+    y = PM.combine(y_perm, plan, probs)
+    assert y.shape == (T, H) and y.dtype == dt
+    assert _last(core, "combine") == (pt, y_perm.ptr, CODE[dt], H, 0 if probs is None else probs.ptr, y.ptr, STREAM)
+    core.calls.clear()
+    gpp = None if pdt is None else core.mem((N,), F32)
+    gx, gp = PM.dispatch_backward(y_perm, plan, gpp)
+    args = _last(core, "dispatch_backward")
+    gather = gpp is not None and N > 0 and T * K > 0
+    assert args == (pt, y_perm.ptr, CODE[dt], H, gpp.ptr if gather else 0, gx.ptr, gp.ptr if gather else 0, STREAM)
+    assert (gp is None) == (gpp is None)
+    core.calls.clear()
+    gy = core.mem((T, H), dt)
+    gyp, gp = PM.combine_backward(gy, plan, y_perm if probs is not None else None, probs)
+    assert gyp.shape == (N, H) and (gp is None) == (probs is None)
+    args = _last(core, "combine_backward")
+    weighted = probs is not None and T * K > 0
+    assert args == (pt, gy.ptr, CODE[dt], H, y_perm.ptr if weighted else 0, probs.ptr if weighted else 0, gyp.ptr,
+                    gp.ptr if weighted else 0, STREAM)
+    assert core.last_plan() == _abi_plan("moe_rt_combine_backward", _cplan(pt), _p(gy), I(CODE[dt]), L(H),
+                                         P(args[4] or None), P(args[5] or None), _p(gyp), P(args[7] or None),
+                                         P(STREAM))
+
+
+def test_a_plan_from_another_call_is_handed_over_as_made(core):
+    plan = PM.make_plan(core.mem((16, 2), I32), 8, _apart=True)
+    args = _last(core, "make_plan")
+    assert PM._core_plan(plan)[:5] == args[7:12]  # five allocations, each its own address
+    assert len(set(args[7:12])) == 5
+
+
+@pytest.mark.parametrize("N,row,dt,S_,idt", [(8192, (7168,), BF16, 64, I32), (37, (3, 5), F32, 7, I64),
+                                            (19, (7,), np.dtype(np.uint8), 3, I32), (9, (4,), I64, 0, I32)])
+@pytest.mark.parametrize("probs", [False, True])
+@pytest.mark.parametrize("bwd", [False, True])
+def test_sort_chunks_hands_the_core_its_arrays(core, monkeypatch, N, row, dt, S_, idt, probs, bwd):
+    monkeypatch.setattr(PM, "_is_host", lambda a: type(a) is not DevArray)  # device split sizes and order
+    x = core.mem((N,) + row, dt)
+    split = core.mem((S_,), idt)
+    order = core.mem((S_,), idt)
+    p = core.mem((N,), F32) if probs else None
+    f = PM.sort_chunks_backward if bwd else PM.sort_chunks
+    res = f(x, split, order, **({"grad_probs": p} if bwd else {"probs": p}))
+    out, po = res if probs else (res, None)
+    assert out.shape == x.shape and out.dtype == dt
+    args = _last(core, "sort_chunks")
+    nws = _core.sort_chunks_workspace_bytes(S_)
+    row_bytes = int(np.prod(row)) * np.dtype(dt).itemsize
+    assert args[:12] == (x.ptr, N, row_bytes, split.ptr if S_ else 0, order.ptr if S_ else 0, CODE[idt], S_,
+                         p.ptr if probs else 0, out.ptr, po.ptr if probs else 0, int(bwd), args[11])
+    assert args[12:] == (nws, STREAM)
+
+
+@pytest.mark.parametrize("T,H,block,dt", [(4096, 7168, 128, BF16), (37, 130, 128, F32), (5, 64, 64, F16)])
+def test_fp8_casts_hand_the_core_their_arrays(core, T, H, block, dt):
+    x = core.mem((T, H), dt)
+    q, s = fp8.quantize_fp8(x, block)
+    assert q.dtype == _arrays.FLOAT8_E4M3 and s.shape == (T, -(-H // block)) and s.dtype == F32
+    assert _last(core, "quantize_fp8") == (x.ptr, CODE[dt], T, H, block, q.ptr, s.ptr, STREAM)
+    assert core.last_plan() == _abi_plan("moe_rt_quantize_fp8", _p(x), I(CODE[dt]), L(T), L(H), I(block), _p(q),
+                                         _p(s), P(STREAM))
+    core.calls.clear()
+    y = fp8.dequantize_fp8(q, s, dt, block)
+    assert y.dtype == dt and y.shape == (T, H)
+    assert _last(core, "dequantize_fp8") == (q.ptr, s.ptr, T, H, block, y.ptr, CODE[dt], STREAM)
+
+
 # ---- errors ------------------------------------------------------------------------------------------------
 
 def test_core_errors_raise_with_the_core_message():
@@ -329,9 +456,10 @@ def test_python_validation_runs_before_the_core(core):
     assert core.calls == []
 
 
-def test_the_router_ops_use_no_record_replay_layer():
-    src = (pathlib.Path(R.__file__)).read_text()
-    assert "_fast" not in src and "recorder()" not in src
+def test_the_facade_ops_use_no_record_replay_layer():
+    for mod in (R, PM, fp8):
+        src = pathlib.Path(mod.__file__).read_text()
+        assert "_fast" not in src and "recorder()" not in src, mod.__name__
 
 
 # ---- host time of the facade (the core call on a planning context: plan lookup, no launch) ---------------
