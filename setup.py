@@ -1,4 +1,4 @@
-"""Build moe_rt: pure Python, six Cython extensions and the C library libmoe_rt.so (the C ABI,
+"""Build moe_rt: pure Python, five Cython extensions and the C library libmoe_rt.so (the C ABI,
 include/moe_rt/moe_rt.h), all needing gcc alone; and, where jaxlib's XLA FFI headers are importable at build
 time, libmoe_rt_xla.so (moe_rt.jax's XLA FFI handlers; without it moe_rt.jax builds it on first use).
 
@@ -74,7 +74,6 @@ extensions = [
     Extension("moe_rt._comm", ["moe_rt/_comm.pyx"], libraries=["dl"]),
     Extension("moe_rt._handle", ["moe_rt/_handle.pyx"]),
     Extension("moe_rt._launch", ["moe_rt/_launch.pyx"], libraries=["dl"]),
-    Extension("moe_rt._replay", ["moe_rt/_replay.pyx"]),
     Extension("moe_rt._core", ["moe_rt/_core.pyx"], include_dirs=["include"], libraries=["dl"]),
 ]
 

@@ -501,14 +501,12 @@ def global_ptr(file: str, kernel: str, symbol: str, device_id: int) -> int:
     return int(getattr(g, "ptr", g))
 
 
-from moe_rt import _arrays  # noqa: E402
 from moe_rt._arrays import DevArray  # noqa: E402
 
 try:
     from moe_rt import _launch as _driver
 except ImportError:  # pragma: no cover - the extension is built with the package
     _driver = None
-_real_driver = _driver  # tests put a stand-in at _driver; recorded launches pack for the real one only
 
 # MOE_RT_LAUNCH=cupy launches every kernel through CuPy's launcher instead of the driver's (a test and
 # benchmark switch; both launch the same function with the same arguments).
@@ -526,13 +524,7 @@ def function_ptr(fn) -> int:
 
 def launch_raw(fn, grid, block, args: tuple, shared_mem: int, stream) -> None:
     """Launch ``fn`` (a :class:`Kernel` or CuPy ``Function``) on the CuPy ``stream`` (None = CuPy's current stream), with no
-    argument normalization: ``grid`` and ``block`` are ints or tuples of ints, nonzero. While the calling
-    thread records an op (:mod:`moe_rt._fast`), the launch is recorded instead of made."""
-    if _arrays.RECORDING:
-        rec = _arrays.recorder()
-        if rec is not None:
-            rec.launch(fn, grid, block, args, shared_mem)
-            return
+    argument normalization: ``grid`` and ``block`` are ints or tuples of ints, nonzero."""
     if _use_driver:
         sptr = stream.ptr if stream is not None else _current_stream_ptr()
         if _driver.launch(function_ptr(fn), grid, block, args, sptr, shared_mem):

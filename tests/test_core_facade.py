@@ -15,10 +15,12 @@ import types
 import numpy as np
 import pytest
 
-from moe_rt import _arrays, _core, _xla, fp8
-from moe_rt import permutation as PM
-from moe_rt import router as R
-from moe_rt._arrays import DevArray
+pytest.importorskip("cupy", reason="the CUDA paths under test need CuPy (moe_rt installed without a CUDA extra)")
+
+from moe_rt import _arrays, _core, _xla, fp8  # noqa: E402
+from moe_rt import permutation as PM  # noqa: E402
+from moe_rt import router as R  # noqa: E402
+from moe_rt._arrays import DevArray  # noqa: E402
 
 F32, BF16, F16 = np.dtype(np.float32), _arrays.BFLOAT16, np.dtype(np.float16)
 I16, I32, I64 = np.dtype(np.int16), np.dtype(np.int32), np.dtype(np.int64)
