@@ -309,7 +309,7 @@ cdef inline int _check(int st, str what) except -1:
 
 def device(int device_id) -> Context:
     """The core context of CUDA device ``device_id`` (made on first use, kept for the process), with the
-    kernel cache folder of :func:`moe_rt._jit.cache_dir`."""
+    kernel cache folder of :func:`moe_rt._jit.cache_dir` (its manifest made or extended first)."""
     c = _devices.get(device_id)
     if c is not None:
         return c
@@ -320,9 +320,13 @@ def device(int device_id) -> Context:
 
             c = Context()
             root = _jit.cache_dir()
-            os.makedirs(root, exist_ok=True)
+            # the context reads the folder's manifest when it is made, which must list kernels of the device's
+            # architecture: the error word's module is put there first (compiled once, a fraction of a second)
+            arch = _jit.arch_for(_jit.device_properties(device_id)["cc"])
+            _jit.cache_kernels(root, [ERRORS_KERNEL], arch)
             _check(p_ctx_create(root.encode(), device_id, &(<Context>c).ctx), f"moe_rt_context_create({device_id})")
             (<Context>c).device_id = device_id
+            (<Context>c).arch = arch
             _devices[device_id] = c
     return c
 

@@ -432,17 +432,24 @@ def test_core_errors_raise_with_the_core_message():
                        3 << 20, 1 << 16, 4 << 20, 0)
 
 
-def test_a_core_failure_raises_and_nothing_falls_back(monkeypatch):
-    """With no CUDA driver here, making the device's core context fails: the op raises the core's error (no
+def test_a_core_failure_raises_and_nothing_falls_back(monkeypatch, tmp_path):
+    """With no CUDA driver here, making the device's core context fails (after its kernel cache folder got a
+    manifest with the error word's module for the device's architecture): the op raises the core's error (no
     other path runs the op)."""
+    from moe_rt import _jit
+
+    monkeypatch.setenv("MOE_RT_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(_jit, "device_properties", lambda dev: {"cc": (9, 0), "sm_count": 132})
     monkeypatch.setattr(_arrays, "_default_stream", lambda fw, dev: _Ctx(STREAM))
     monkeypatch.setitem(_arrays._devices, 0, _Ctx())
     mem = _Mem()
     monkeypatch.setattr(_arrays.Call, "empty", lambda self, shape, dtype: mem(shape, dtype))
     monkeypatch.setattr(_core, "_devices", {})
     monkeypatch.setenv("MOE_RT_LIBCUDA", "/nonexistent/libcuda.so.1")
-    with pytest.raises(RuntimeError, match="moe_rt_context_create"):
+    with pytest.raises(RuntimeError, match="moe_rt_context_create.*(libcuda|driver)"):
         R.topk_with_score(mem((128, 256), F32), 8)
+    manifest = (tmp_path / "manifest.json").read_text()
+    assert "error_word_clear" in manifest and "sm_90" in manifest
 
 
 def test_python_validation_runs_before_the_core(core):
