@@ -260,6 +260,8 @@ class DevArray:
     def reshape(self, *shape):
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
             shape = shape[0]
+        if shape == self.shape:  # the ops' usual case (2-D arrays in, 2-D results out): the array itself
+            return self
         shape = tuple(int(d) for d in shape)
         n = self.size
         if -1 in shape:
