@@ -292,6 +292,15 @@ cdef class Context:
             _check(p_ctx_load_kernel(self.ctx, file.encode(), name.encode()), f"loading {name} ({file})")
 
 
+cdef inline bint _done(Context d, moe_rt_context** c, int st, int* tries, const char* op) except -1:
+    """After a call on ``c[0]``: True when it succeeded on the device's context; else ``c[0]`` becomes the context
+    to call next (:meth:`Context.retry`), or the failure raises."""
+    if st == 0 and c[0] == d.ctx:
+        return True
+    c[0] = d.retry(c[0], st, tries, op)
+    return False
+
+
 cdef _last_plan(const moe_rt_context* c):
     cdef moe_rt_plan_info info
     memset(&info, 0, sizeof(info))
@@ -394,9 +403,8 @@ def topk_with_score(Context d, uintptr_t logits, int dtype, int64_t T, int E, in
     while True:
         st = p_topk(c, <const void*>logits, dtype, T, E, K, score_function, pre, G, g, scale, <const float*>bias,
                     <void*>probs, <void*>routing, routing_dtype, <float*>inter, <moe_rt_stream>stream)
-        if st == 0 and c == d.ctx:
+        if _done(d, &c, st, &tries, b"moe_rt_topk_with_score"):
             return
-        c = d.retry(c, st, &tries, b"moe_rt_topk_with_score")
 
 
 def topk_indices_with_score(Context d, uintptr_t logits, int dtype, int64_t T, int E, int K, int score_function,
@@ -407,9 +415,8 @@ def topk_indices_with_score(Context d, uintptr_t logits, int dtype, int64_t T, i
     while True:
         st = p_topk_idx(c, <const void*>logits, dtype, T, E, K, score_function, pre, G, g, scale, <const float*>bias,
                         <int32_t*>idx, <float*>weights, <moe_rt_stream>stream)
-        if st == 0 and c == d.ctx:
+        if _done(d, &c, st, &tries, b"moe_rt_topk_indices_with_score"):
             return
-        c = d.retry(c, st, &tries, b"moe_rt_topk_indices_with_score")
 
 
 def topk_with_score_backward(Context d, uintptr_t grad, int dtype, uintptr_t routing, int routing_dtype,
@@ -420,9 +427,8 @@ def topk_with_score_backward(Context d, uintptr_t grad, int dtype, uintptr_t rou
     while True:
         st = p_topk_bwd(c, <const void*>grad, dtype, <const void*>routing, routing_dtype, <const float*>inter, T, E, K,
                         score_function, pre, scale, <void*>grad_logits, <moe_rt_stream>stream)
-        if st == 0 and c == d.ctx:
+        if _done(d, &c, st, &tries, b"moe_rt_topk_with_score_backward"):
             return
-        c = d.retry(c, st, &tries, b"moe_rt_topk_with_score_backward")
 
 
 def scores_for_aux_loss(Context d, uintptr_t logits, int dtype, int64_t T, int E, int K, int score_function,
@@ -432,9 +438,8 @@ def scores_for_aux_loss(Context d, uintptr_t logits, int dtype, int64_t T, int E
     while True:
         st = p_scores(c, <const void*>logits, dtype, T, E, K, score_function, <float*>scores, <void*>routing,
                       routing_dtype, <float*>inter, <moe_rt_stream>stream)
-        if st == 0 and c == d.ctx:
+        if _done(d, &c, st, &tries, b"moe_rt_scores_for_aux_loss"):
             return
-        c = d.retry(c, st, &tries, b"moe_rt_scores_for_aux_loss")
 
 
 def scores_for_aux_loss_backward(Context d, uintptr_t grad_scores, uintptr_t inter, int64_t T, int E, int K,
@@ -444,9 +449,8 @@ def scores_for_aux_loss_backward(Context d, uintptr_t grad_scores, uintptr_t int
     while True:
         st = p_scores_bwd(c, <const float*>grad_scores, <const float*>inter, T, E, K, score_function,
                           <void*>grad_logits, grad_dtype, <moe_rt_stream>stream)
-        if st == 0 and c == d.ctx:
+        if _done(d, &c, st, &tries, b"moe_rt_scores_for_aux_loss_backward"):
             return
-        c = d.retry(c, st, &tries, b"moe_rt_scores_for_aux_loss_backward")
 
 
 def aux_loss(Context d, uintptr_t probs, int dtype, int64_t R, int C, uintptr_t tpe, int tpe_dtype, int64_t total,
@@ -458,9 +462,8 @@ def aux_loss(Context d, uintptr_t probs, int dtype, int64_t R, int C, uintptr_t 
         st = p_aux(c, <const void*>probs, dtype, R, C, <const void*>tpe, tpe_dtype, total, <const void*>total_device,
                    total_dtype, num_experts, topk, coeff, <void*>workspace, workspace_bytes, <void*>out,
                    <moe_rt_stream>stream)
-        if st == 0 and c == d.ctx:
+        if _done(d, &c, st, &tries, b"moe_rt_aux_loss"):
             return
-        c = d.retry(c, st, &tries, b"moe_rt_aux_loss")
 
 
 def aux_loss_backward(Context d, uintptr_t grad, int dtype, int64_t R, int C, uintptr_t tpe, int tpe_dtype,
@@ -472,9 +475,8 @@ def aux_loss_backward(Context d, uintptr_t grad, int dtype, int64_t R, int C, ui
         st = p_aux_bwd(c, <const void*>grad, dtype, R, C, <const void*>tpe, tpe_dtype, total,
                        <const void*>total_device, total_dtype, num_experts, topk, coeff, <void*>grad_probs,
                        <moe_rt_stream>stream)
-        if st == 0 and c == d.ctx:
+        if _done(d, &c, st, &tries, b"moe_rt_aux_loss_backward"):
             return
-        c = d.retry(c, st, &tries, b"moe_rt_aux_loss_backward")
 
 
 def make_plan(Context d, uintptr_t routing, int routing_dtype, int64_t T, int64_t K, int E, int align_size,
@@ -490,9 +492,8 @@ def make_plan(Context d, uintptr_t routing, int routing_dtype, int64_t T, int64_
     while True:
         st = p_make_plan(c, <const void*>routing, routing_dtype, T, K, E, align_size, num_out_tokens, &plan,
                          <void*>workspace, workspace_bytes, <moe_rt_stream>stream)
-        if st == 0 and c == d.ctx:
+        if _done(d, &c, st, &tries, b"moe_rt_make_plan"):
             return
-        c = d.retry(c, st, &tries, b"moe_rt_make_plan")
 
 
 def dispatch(Context d, tuple plan, uintptr_t x, int dtype, int64_t H, uintptr_t probs, uintptr_t x_permuted,
@@ -504,9 +505,8 @@ def dispatch(Context d, tuple plan, uintptr_t x, int dtype, int64_t H, uintptr_t
     while True:
         st = p_dispatch(c, &p, <const void*>x, dtype, H, <const float*>probs, <void*>x_permuted,
                         <void*>probs_permuted, probs_dtype, <moe_rt_stream>stream)
-        if st == 0 and c == d.ctx:
+        if _done(d, &c, st, &tries, b"moe_rt_dispatch"):
             return
-        c = d.retry(c, st, &tries, b"moe_rt_dispatch")
 
 
 def combine(Context d, tuple plan, uintptr_t y_permuted, int dtype, int64_t H, uintptr_t probs, uintptr_t y,
@@ -518,9 +518,8 @@ def combine(Context d, tuple plan, uintptr_t y_permuted, int dtype, int64_t H, u
     while True:
         st = p_combine(c, &p, <const void*>y_permuted, dtype, H, <const float*>probs, <void*>y,
                        <moe_rt_stream>stream)
-        if st == 0 and c == d.ctx:
+        if _done(d, &c, st, &tries, b"moe_rt_combine"):
             return
-        c = d.retry(c, st, &tries, b"moe_rt_combine")
 
 
 def dispatch_backward(Context d, tuple plan, uintptr_t grad_x_permuted, int dtype, int64_t H,
@@ -532,9 +531,8 @@ def dispatch_backward(Context d, tuple plan, uintptr_t grad_x_permuted, int dtyp
     while True:
         st = p_dispatch_bwd(c, &p, <const void*>grad_x_permuted, dtype, H, <const float*>grad_probs_permuted,
                             <void*>grad_x, <float*>grad_probs, <moe_rt_stream>stream)
-        if st == 0 and c == d.ctx:
+        if _done(d, &c, st, &tries, b"moe_rt_dispatch_backward"):
             return
-        c = d.retry(c, st, &tries, b"moe_rt_dispatch_backward")
 
 
 def combine_backward(Context d, tuple plan, uintptr_t grad_y, int dtype, int64_t H, uintptr_t y_permuted,
@@ -546,9 +544,8 @@ def combine_backward(Context d, tuple plan, uintptr_t grad_y, int dtype, int64_t
     while True:
         st = p_combine_bwd(c, &p, <const void*>grad_y, dtype, H, <const void*>y_permuted, <const float*>probs,
                            <void*>grad_y_permuted, <float*>grad_probs, <moe_rt_stream>stream)
-        if st == 0 and c == d.ctx:
+        if _done(d, &c, st, &tries, b"moe_rt_combine_backward"):
             return
-        c = d.retry(c, st, &tries, b"moe_rt_combine_backward")
 
 
 def sort_chunks(Context d, uintptr_t x, int64_t N, int64_t row_bytes, uintptr_t split_sizes,
@@ -560,9 +557,8 @@ def sort_chunks(Context d, uintptr_t x, int64_t N, int64_t row_bytes, uintptr_t 
         st = p_sort_chunks(c, <const void*>x, N, row_bytes, <const void*>split_sizes, <const void*>sorted_indices,
                            index_dtype, S, <const float*>probs, <void*>out, <float*>probs_out, backward,
                            <void*>workspace, workspace_bytes, <moe_rt_stream>stream)
-        if st == 0 and c == d.ctx:
+        if _done(d, &c, st, &tries, b"moe_rt_sort_chunks"):
             return
-        c = d.retry(c, st, &tries, b"moe_rt_sort_chunks")
 
 
 def quantize_fp8(Context d, uintptr_t x, int dtype, int64_t T, int64_t H, int block, uintptr_t x_fp8,
@@ -571,9 +567,8 @@ def quantize_fp8(Context d, uintptr_t x, int dtype, int64_t T, int64_t H, int bl
     cdef int tries = 0, st
     while True:
         st = p_quantize(c, <const void*>x, dtype, T, H, block, <void*>x_fp8, <float*>scales, <moe_rt_stream>stream)
-        if st == 0 and c == d.ctx:
+        if _done(d, &c, st, &tries, b"moe_rt_quantize_fp8"):
             return
-        c = d.retry(c, st, &tries, b"moe_rt_quantize_fp8")
 
 
 def dequantize_fp8(Context d, uintptr_t x_fp8, uintptr_t scales, int64_t T, int64_t H, int block, uintptr_t y,
@@ -583,6 +578,5 @@ def dequantize_fp8(Context d, uintptr_t x_fp8, uintptr_t scales, int64_t T, int6
     while True:
         st = p_dequantize(c, <const void*>x_fp8, <const float*>scales, T, H, block, <void*>y, dtype,
                           <moe_rt_stream>stream)
-        if st == 0 and c == d.ctx:
+        if _done(d, &c, st, &tries, b"moe_rt_dequantize_fp8"):
             return
-        c = d.retry(c, st, &tries, b"moe_rt_dequantize_fp8")
