@@ -112,7 +112,7 @@ def _cache_lines(gpus_cc) -> list[str]:
         archs = sorted({_jit.arch_for(cc) for cc in gpus_cc})
         if not archs and os.path.isdir(root):
             archs = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
-        total = len(_jit.registered())
+        total = len(_jit.registered(quick=False))
         for a in archs:
             lines.append(f"  {a}: {_jit.cached_count(a, root)} of {total} kernels of this build cached"
                          " (python -m moe_rt warmup compiles the rest)")

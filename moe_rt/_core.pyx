@@ -18,6 +18,7 @@ this extension needs no library and no CUDA header.
 from libc.stdint cimport int32_t, int64_t, uintptr_t
 from libc.string cimport memset
 
+import functools
 import os
 import threading
 
@@ -64,6 +65,9 @@ ctypedef const char* (*f_last_error)() nogil
 ctypedef st_t (*f_ctx_create)(const char*, int, moe_rt_context**) nogil
 ctypedef st_t (*f_ctx_create_planning)(const moe_rt_device_info*, moe_rt_context**) nogil
 ctypedef st_t (*f_ctx_load_kernel)(moe_rt_context*, const char*, const char*) nogil
+ctypedef st_t (*f_load_stand_in)(moe_rt_context*, const char*, const char*, const char*) nogil
+ctypedef st_t (*f_end_stand_ins)(moe_rt_context*, const char*, const char*, int, moe_rt_stream) nogil
+ctypedef st_t (*f_last_stand_in)(const moe_rt_context*, int, char*, size_t) nogil
 ctypedef void (*f_ctx_destroy)(moe_rt_context*) nogil
 ctypedef st_t (*f_ctx_device_info)(const moe_rt_context*, moe_rt_device_info*) nogil
 ctypedef st_t (*f_last_plan)(const moe_rt_context*, moe_rt_plan_info*) nogil
@@ -104,6 +108,9 @@ cdef f_last_error p_last_error
 cdef f_ctx_create p_ctx_create
 cdef f_ctx_create_planning p_ctx_create_planning
 cdef f_ctx_load_kernel p_ctx_load_kernel
+cdef f_load_stand_in p_load_stand_in
+cdef f_end_stand_ins p_end_stand_ins
+cdef f_last_stand_in p_last_stand_in
 cdef f_ctx_destroy p_ctx_destroy
 cdef f_ctx_device_info p_ctx_device_info
 cdef f_last_plan p_last_plan
@@ -163,7 +170,7 @@ cdef _open():
     global p_last_error, p_ctx_create, p_ctx_create_planning, p_ctx_load_kernel, p_ctx_destroy, p_ctx_device_info
     global p_last_plan, p_check, p_aux_ws, p_topk, p_topk_idx, p_topk_bwd, p_scores, p_scores_bwd, p_aux, p_aux_bwd
     global p_plan_ws, p_chunks_ws, p_make_plan, p_dispatch, p_combine, p_dispatch_bwd, p_combine_bwd, p_sort_chunks
-    global p_quantize, p_dequantize
+    global p_quantize, p_dequantize, p_load_stand_in, p_end_stand_ins, p_last_stand_in
     path = LIB_PATH.encode()
     cdef void* h = dlopen(path, RTLD_NOW | RTLD_LOCAL)
     if h == NULL:
@@ -175,6 +182,9 @@ cdef _open():
     p_ctx_create_planning = <f_ctx_create_planning>_sym(h, b"moe_rt_context_create_planning")
     p_ctx_load_kernel = <f_ctx_load_kernel>_sym(h, b"moe_rt_context_load_kernel")
     p_ctx_destroy = <f_ctx_destroy>_sym(h, b"moe_rt_context_destroy")
+    p_load_stand_in = <f_load_stand_in>_sym(h, b"moe_rt_context_load_stand_in")
+    p_end_stand_ins = <f_end_stand_ins>_sym(h, b"moe_rt_context_end_stand_ins")
+    p_last_stand_in = <f_last_stand_in>_sym(h, b"moe_rt_last_plan_stand_in")
     p_ctx_device_info = <f_ctx_device_info>_sym(h, b"moe_rt_context_device_info")
     p_last_plan = <f_last_plan>_sym(h, b"moe_rt_last_plan")
     p_check = <f_check>_sym(h, b"moe_rt_check")
@@ -227,6 +237,10 @@ cdef class Context:
     cdef readonly bint is_planning
     cdef object arch
     cdef object prepared  # (file, name) loaded through prepare()
+    cdef readonly list pending  # (file, name, compiled) of background compiles done, to swap in (_swap)
+
+    def __cinit__(self):
+        self.pending = []
 
     def __dealloc__(self):
         if self.plan_ctx != NULL:
@@ -266,7 +280,7 @@ cdef class Context:
             raise error(st, op.decode())
         if st:
             raise error(st, op.decode() + " (planning its kernels)")
-        self._prepare(_last_plan(c))
+        self._prepare(_last_plan(c), _stand_ins(c))
         return self.ctx
 
     cdef moe_rt_context* _twin(self) except NULL:
@@ -277,19 +291,57 @@ cdef class Context:
             _check(p_ctx_create_planning(&d, &self.plan_ctx), "moe_rt_context_create_planning")
         return self.plan_ctx
 
-    def _prepare(self, launches):
+    def _prepare(self, launches, stand_ins=()):
         """Compile ``launches``' kernels (and the error word's module) into the kernel cache folder, list them
-        in its manifest and load them into this device's context."""
+        in its manifest and load them into this device's context. A launch with a stand-in (``stand_ins``, from
+        the planner; moe_rt._jit's stand-ins) whose kernel is not in the folder gets the stand-in compiled and
+        loaded in its place instead, and its kernel compiled in the background (swapped in by :meth:`_swap`)."""
         from moe_rt import _jit
 
-        names = [(l[0], l[1]) for l in launches] + [ERRORS_KERNEL]
         root = _jit.cache_dir()
         if self.arch is None:
             info = self.device_info()
             self.arch = _jit.arch_for((info["cc_major"], info["cc_minor"]))
+        names, quick = [], []
+        for i, l in enumerate(launches):
+            q = stand_ins[i] if i < len(stand_ins) else ""
+            if q and _jit.wants_stand_in(root, l[0], l[1], self.arch):
+                quick.append((l[0], l[1], q))
+            else:
+                names.append((l[0], l[1]))
+        names.append(ERRORS_KERNEL)
+        for file, name, q in quick:
+            _jit.cache_kernels(root, [(file, q)], self.arch)
+            _check(p_load_stand_in(self.ctx, file.encode(), name.encode(), q.encode()),
+                   f"loading {q} ({file}) to stand in for {name}")
+            _jit.stand_ins_loaded += 1
+            _jit.compile_in_background(root, file, name, self.arch, functools.partial(self._compiled, file, name))
         _jit.cache_kernels(root, names, self.arch)
         for file, name in names:
+            _jit._failed.discard((root, file, name, self.arch))  # compiled in the foreground after all
             _check(p_ctx_load_kernel(self.ctx, file.encode(), name.encode()), f"loading {name} ({file})")
+
+    def _compiled(self, file, name, ok):
+        """A background compile of ``name`` is done (on its thread): swapped in by the next call (:meth:`_swap`)."""
+        self.pending.append((file, name, ok))
+
+    def _swap(self, uintptr_t stream):
+        """Swap in the kernels compiled in the background since the last call (moe_rt_context_end_stand_ins):
+        each is loaded and its stand-ins retired, for every thread at once; a kernel whose compile failed has
+        its stand-ins retired alone (the next call that needs it compiles it in the foreground and raises).
+        While ``stream`` is being captured into a CUDA graph nothing is loaded: the call runs the stand-in
+        (the same bits) and a later call swaps."""
+        cdef int st
+        for item in list(self.pending):
+            file, name, ok = item
+            st = p_end_stand_ins(self.ctx, file.encode(), name.encode(), 1 if ok else 0, <moe_rt_stream>stream)
+            if st == NOT_SUPPORTED:
+                continue
+            try:
+                self.pending.remove(item)
+            except ValueError:  # another thread swapped it meanwhile
+                pass
+            _check(st, f"loading {name} ({file})")
 
 
 cdef inline bint _done(Context d, moe_rt_context** c, int st, int* tries, const char* op) except -1:
@@ -299,6 +351,19 @@ cdef inline bint _done(Context d, moe_rt_context** c, int st, int* tries, const 
         return True
     c[0] = d.retry(c[0], st, tries, op)
     return False
+
+
+cdef list _stand_ins(const moe_rt_context* c):
+    """The stand-in kernel of each launch of a planning context's last plan ("" where none)."""
+    cdef moe_rt_plan_info info
+    cdef char name[128]
+    memset(&info, 0, sizeof(info))
+    _check(p_last_plan(c, &info), "moe_rt_last_plan")
+    out = []
+    for i in range(info.num_launches):
+        _check(p_last_stand_in(c, i, name, sizeof(name)), "moe_rt_last_plan_stand_in")
+        out.append(name.decode())
+    return out
 
 
 cdef _last_plan(const moe_rt_context* c):
@@ -398,6 +463,8 @@ cdef inline int _plan_of(tuple p, moe_rt_plan* out) except -1:
 def topk_with_score(Context d, uintptr_t logits, int dtype, int64_t T, int E, int K, int score_function, int pre,
                     int G, int g, float scale, uintptr_t bias, uintptr_t probs, uintptr_t routing, int routing_dtype,
                     uintptr_t inter, uintptr_t stream):
+    if d.pending:
+        d._swap(stream)
     cdef moe_rt_context* c = d.ctx
     cdef int tries = 0, st
     while True:
@@ -410,6 +477,8 @@ def topk_with_score(Context d, uintptr_t logits, int dtype, int64_t T, int E, in
 def topk_indices_with_score(Context d, uintptr_t logits, int dtype, int64_t T, int E, int K, int score_function,
                             int pre, int G, int g, float scale, uintptr_t bias, uintptr_t idx, uintptr_t weights,
                             uintptr_t stream):
+    if d.pending:
+        d._swap(stream)
     cdef moe_rt_context* c = d.ctx
     cdef int tries = 0, st
     while True:
@@ -422,6 +491,8 @@ def topk_indices_with_score(Context d, uintptr_t logits, int dtype, int64_t T, i
 def topk_with_score_backward(Context d, uintptr_t grad, int dtype, uintptr_t routing, int routing_dtype,
                              uintptr_t inter, int64_t T, int E, int K, int score_function, int pre, float scale,
                              uintptr_t grad_logits, uintptr_t stream):
+    if d.pending:
+        d._swap(stream)
     cdef moe_rt_context* c = d.ctx
     cdef int tries = 0, st
     while True:
@@ -433,6 +504,8 @@ def topk_with_score_backward(Context d, uintptr_t grad, int dtype, uintptr_t rou
 
 def scores_for_aux_loss(Context d, uintptr_t logits, int dtype, int64_t T, int E, int K, int score_function,
                         uintptr_t scores, uintptr_t routing, int routing_dtype, uintptr_t inter, uintptr_t stream):
+    if d.pending:
+        d._swap(stream)
     cdef moe_rt_context* c = d.ctx
     cdef int tries = 0, st
     while True:
@@ -444,6 +517,8 @@ def scores_for_aux_loss(Context d, uintptr_t logits, int dtype, int64_t T, int E
 
 def scores_for_aux_loss_backward(Context d, uintptr_t grad_scores, uintptr_t inter, int64_t T, int E, int K,
                                  int score_function, uintptr_t grad_logits, int grad_dtype, uintptr_t stream):
+    if d.pending:
+        d._swap(stream)
     cdef moe_rt_context* c = d.ctx
     cdef int tries = 0, st
     while True:
@@ -456,6 +531,8 @@ def scores_for_aux_loss_backward(Context d, uintptr_t grad_scores, uintptr_t int
 def aux_loss(Context d, uintptr_t probs, int dtype, int64_t R, int C, uintptr_t tpe, int tpe_dtype, int64_t total,
              uintptr_t total_device, int total_dtype, int num_experts, int topk, float coeff, uintptr_t workspace,
              size_t workspace_bytes, uintptr_t out, uintptr_t stream):
+    if d.pending:
+        d._swap(stream)
     cdef moe_rt_context* c = d.ctx
     cdef int tries = 0, st
     while True:
@@ -469,6 +546,8 @@ def aux_loss(Context d, uintptr_t probs, int dtype, int64_t R, int C, uintptr_t 
 def aux_loss_backward(Context d, uintptr_t grad, int dtype, int64_t R, int C, uintptr_t tpe, int tpe_dtype,
                       int64_t total, uintptr_t total_device, int total_dtype, int num_experts, int topk, float coeff,
                       uintptr_t grad_probs, uintptr_t stream):
+    if d.pending:
+        d._swap(stream)
     cdef moe_rt_context* c = d.ctx
     cdef int tries = 0, st
     while True:
@@ -487,6 +566,8 @@ def make_plan(Context d, uintptr_t routing, int routing_dtype, int64_t T, int64_
     memset(&plan, 0, sizeof(plan))
     plan.dst_row, plan.src_slot, plan.seg_start = <int32_t*>dst_row, <int32_t*>src_slot, <int32_t*>seg_start
     plan.counts, plan.tokens_per_expert = <int32_t*>counts, <int32_t*>tokens_per_expert
+    if d.pending:
+        d._swap(stream)
     cdef moe_rt_context* c = d.ctx
     cdef int tries = 0, st
     while True:
@@ -500,6 +581,8 @@ def dispatch(Context d, tuple plan, uintptr_t x, int dtype, int64_t H, uintptr_t
              uintptr_t probs_permuted, int probs_dtype, uintptr_t stream):
     cdef moe_rt_plan p
     _plan_of(plan, &p)
+    if d.pending:
+        d._swap(stream)
     cdef moe_rt_context* c = d.ctx
     cdef int tries = 0, st
     while True:
@@ -513,6 +596,8 @@ def combine(Context d, tuple plan, uintptr_t y_permuted, int dtype, int64_t H, u
             uintptr_t stream):
     cdef moe_rt_plan p
     _plan_of(plan, &p)
+    if d.pending:
+        d._swap(stream)
     cdef moe_rt_context* c = d.ctx
     cdef int tries = 0, st
     while True:
@@ -526,6 +611,8 @@ def dispatch_backward(Context d, tuple plan, uintptr_t grad_x_permuted, int dtyp
                       uintptr_t grad_probs_permuted, uintptr_t grad_x, uintptr_t grad_probs, uintptr_t stream):
     cdef moe_rt_plan p
     _plan_of(plan, &p)
+    if d.pending:
+        d._swap(stream)
     cdef moe_rt_context* c = d.ctx
     cdef int tries = 0, st
     while True:
@@ -539,6 +626,8 @@ def combine_backward(Context d, tuple plan, uintptr_t grad_y, int dtype, int64_t
                      uintptr_t probs, uintptr_t grad_y_permuted, uintptr_t grad_probs, uintptr_t stream):
     cdef moe_rt_plan p
     _plan_of(plan, &p)
+    if d.pending:
+        d._swap(stream)
     cdef moe_rt_context* c = d.ctx
     cdef int tries = 0, st
     while True:
@@ -551,6 +640,8 @@ def combine_backward(Context d, tuple plan, uintptr_t grad_y, int dtype, int64_t
 def sort_chunks(Context d, uintptr_t x, int64_t N, int64_t row_bytes, uintptr_t split_sizes,
                 uintptr_t sorted_indices, int index_dtype, int64_t S, uintptr_t probs, uintptr_t out,
                 uintptr_t probs_out, int backward, uintptr_t workspace, size_t workspace_bytes, uintptr_t stream):
+    if d.pending:
+        d._swap(stream)
     cdef moe_rt_context* c = d.ctx
     cdef int tries = 0, st
     while True:
@@ -563,6 +654,8 @@ def sort_chunks(Context d, uintptr_t x, int64_t N, int64_t row_bytes, uintptr_t 
 
 def quantize_fp8(Context d, uintptr_t x, int dtype, int64_t T, int64_t H, int block, uintptr_t x_fp8,
                  uintptr_t scales, uintptr_t stream):
+    if d.pending:
+        d._swap(stream)
     cdef moe_rt_context* c = d.ctx
     cdef int tries = 0, st
     while True:
@@ -573,6 +666,8 @@ def quantize_fp8(Context d, uintptr_t x, int dtype, int64_t T, int64_t H, int bl
 
 def dequantize_fp8(Context d, uintptr_t x_fp8, uintptr_t scales, int64_t T, int64_t H, int block, uintptr_t y,
                    int dtype, uintptr_t stream):
+    if d.pending:
+        d._swap(stream)
     cdef moe_rt_context* c = d.ctx
     cdef int tries = 0, st
     while True:

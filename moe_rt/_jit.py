@@ -40,6 +40,7 @@ CTYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
 FLOAT_DTYPES = tuple(CTYPES)
 
 REGISTRY: dict[str, list[str]] = {}
+QUICK: set = set()  # (file, name) of quick kernels (stand-ins, see below): compile-checked, not warmed up
 _lock = threading.Lock()
 _functions: dict[tuple[str, str, int], object] = {}
 _CACHE_FORMAT = 2  # part of every key: bump when the cache entries' format changes
@@ -55,19 +56,23 @@ def ctype(dtype) -> str:
         raise TypeError(f"no kernel instantiation for dtype {name}; expected one of {FLOAT_DTYPES}") from None
 
 
-def register(file: str, names) -> None:
+def register(file: str, names, *, quick: bool = False) -> None:
     """Declare the name expressions (``"kernel<__half, 4>"`` or ``"extern_c_kernel"``) of ``file`` that
-    ops launch (at module import time): what ``warmup`` compiles."""
+    ops launch (at module import time): what ``warmup`` compiles. ``quick``: kernels that stand in for others
+    while those compile (:func:`compile_in_background`); ``warmup`` leaves them out."""
     with _lock:
         lst = REGISTRY.setdefault(file, [])
         for n in names:
             if n not in lst:
                 lst.append(n)
+            if quick:
+                QUICK.add((file, n))
 
 
-def registered() -> list[tuple[str, str]]:
-    """Every registered (file, name expression), in registration order."""
-    return [(f, n) for f, names in REGISTRY.items() for n in names]
+def registered(*, quick: bool = True) -> list[tuple[str, str]]:
+    """Every registered (file, name expression), in registration order (``quick=False``: without the quick
+    kernels)."""
+    return [(f, n) for f, names in REGISTRY.items() for n in names if quick or (f, n) not in QUICK]
 
 
 def _dir(package: str, fallback: str, marker: str) -> Path:
@@ -336,7 +341,7 @@ def kernel_image(file: str, name: str, arch: str, *, root: str | None = None,
 def cached_count(arch: str, root: str | None = None) -> int:
     """How many registered kernels of these sources have an entry for ``arch`` in the cache folder."""
     root = cache_dir() if root is None else root
-    return sum(1 for f, n in registered() if _entry(root, f, n, arch).is_file())
+    return sum(1 for f, n in registered(quick=False) if _entry(root, f, n, arch).is_file())
 
 
 def cache_size(root: str | None = None) -> int:
@@ -350,7 +355,7 @@ def cache_size(root: str | None = None) -> int:
 def write_manifest(root: str, archs) -> Path:
     """``root/manifest.json``: every registered kernel's entry for each of ``archs`` (file, name expression,
     lowered name, image path relative to ``root``), for loaders that do not compute keys."""
-    rows = [_manifest_row(root, f, n, arch) for arch in archs for f, n in registered()]
+    rows = [_manifest_row(root, f, n, arch) for arch in archs for f, n in registered(quick=False)]
     out = Path(root) / "manifest.json"
     _write_manifest(out, rows)
     return out
@@ -409,6 +414,70 @@ def cache_kernels(root: str, names, arch: str, where: str = "") -> None:
     for file, name in names:
         kernel_image(file, name, arch, root=root, where=where)
     add_to_manifest(root, [(f, n, arch) for f, n in names])
+
+
+# ---- stand-ins: a first call that does not wait for a slow compile -----------------------------------
+# On a kernel-cache miss (moe_rt._core), a launch for which the C core's planner names a stand-in (the router
+# forward's: the same template compiled for the call's score case alone, which computes the same bits and
+# compiles in a fraction of the time) gets the stand-in compiled and loaded into the core context in its place,
+# and its own kernel compiles here on a background thread (NVRTC releases the GIL). When that is done, the
+# core context swaps it in at its next call outside a CUDA graph capture (moe_rt_context_end_stand_ins): calls
+# from then on are planned with it. A background compile that fails is logged; the next call that needs the
+# kernel compiles it in the foreground, and raises there. MOE_RT_TIERED=0 compiles every kernel in the
+# foreground instead. ``warmup`` compiles the kernels alone, never the stand-ins.
+
+TIERED = os.environ.get("MOE_RT_TIERED", "1") != "0"
+_background: dict = {}  # (root, file, name, arch) -> its compiling thread
+_failed: set = set()  # (root, file, name, arch) whose background compile failed: compiled in the foreground next
+stand_ins_loaded = 0  # stand-ins loaded so far (moe_rt._core counts them; tools/bench_compile.py reports them)
+
+
+def wants_stand_in(root: str, file: str, name: str, arch: str) -> bool:
+    """Whether a launch of kernel ``name`` with a stand-in should run the stand-in while ``name`` compiles in
+    the background: stand-ins are on, ``name`` is not in the cache folder ``root``, and no background compile
+    of it failed."""
+    return TIERED and (root, file, name, arch) not in _failed and not _entry(root, file, name, arch).is_file()
+
+
+def compile_in_background(root: str, file: str, name: str, arch: str, done) -> bool:
+    """Compile kernel ``name`` of ``file`` for ``arch`` into the cache folder ``root`` and its manifest on a
+    background thread, then call ``done(ok)`` on that thread. False (and nothing started) when one is already
+    compiling it."""
+    key = (root, file, name, arch)
+    with _lock:
+        if key in _background:
+            return False
+        th = _background[key] = threading.Thread(target=_compile_in_background, args=(key, done), daemon=True,
+                                                 name=f"moe_rt compile {name}")
+    th.start()
+    return True
+
+
+def _compile_in_background(key, done) -> None:
+    root, file, name, arch = key
+    try:
+        cache_kernels(root, [(file, name)], arch, where=" (in the background)")
+        ok = True
+    except Exception as e:  # noqa: BLE001 - said here; the next call that needs it compiles it again and raises
+        _failed.add(key)
+        _log.warning("moe_rt: compiling %s (%s) for %s in the background failed (%s); the next call that needs "
+                     "it compiles it in the foreground and raises", name, file, arch, str(e).splitlines()[0])
+        ok = False
+    try:
+        done(ok)
+    finally:
+        with _lock:
+            _background.pop(key, None)
+
+
+def settle(timeout: float | None = None) -> bool:
+    """Wait for the background compiles (:func:`compile_in_background`); True when none is left running. The
+    next call of each op then runs its own kernel. Benchmarks call it before timing, so that they time the
+    kernels later calls run."""
+    end = None if timeout is None else time.perf_counter() + timeout
+    for th in list(_background.values()):
+        th.join(None if end is None else max(0.0, end - time.perf_counter()))
+    return not any(th.is_alive() for th in list(_background.values()))
 
 # ---- loaded kernels ----------------------------------------------------------------------------------
 

@@ -73,7 +73,7 @@ def warmup(archs=None, out=None, jobs=None, progress: bool = True) -> dict:
         raise PermissionError(f"cannot write the kernel cache folder {root}")
     # the largest programs first, so that the pool does not end waiting on one long compile
     order = {"router.cu": 0, "ep.cu": 1, "permutation.cu": 2}
-    tasks = sorted(((f, n, a) for a in archs for f, n in _jit.registered()),
+    tasks = sorted(((f, n, a) for a in archs for f, n in _jit.registered(quick=False)),
                    key=lambda t: order.get(t[0], 3))
     jobs = max(1, int(jobs or os.cpu_count() or 1))
     bar = _Progress(len(tasks)) if progress else None

@@ -2,9 +2,11 @@
 GPU or driver present, through ``python -m moe_rt warmup`` (low-level NVRTC; CuPy's high-level compile needs a
 device); the kernel cache those programs land in is shared between processes and complete after a warmup."""
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
+from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
@@ -47,7 +49,7 @@ def warm_cache(tmp_path_factory):
                         "--jobs", str(max(2, os.cpu_count() or 1))],
                        capture_output=True, text=True, env=env, timeout=1800)
     assert r.returncode == 0, r.stdout + r.stderr
-    n = len(_jit.registered()) * len(ARCHS)
+    n = len(_jit.registered(quick=False)) * len(ARCHS)
     assert f"{n} kernels for {','.join(ARCHS)}" in r.stdout, r.stdout
     assert f"{n} compiled, 0 already cached" in r.stdout, r.stdout
     return out
@@ -56,13 +58,31 @@ def warm_cache(tmp_path_factory):
 def test_warmup_compiles_every_registered_kernel_alone(warm_cache):
     manifest = json.loads((warm_cache / "manifest.json").read_text())
     rows = {(k["arch"], k["file"], k["name"]): k for k in manifest["kernels"]}
-    assert set(rows) == {(a, f, n) for a in ARCHS for f, n in _jit.registered()}
+    assert set(rows) == {(a, f, n) for a in ARCHS for f, n in _jit.registered(quick=False)}
     assert manifest["source_hash"] == _jit.source_hash()
     for (a, f, n), k in rows.items():
         image = (warm_cache / k["image"]).read_bytes()
         assert image[:4] == b"\x7fELF" and len(image) > 1000, (a, f, n)
         assert k["image"].startswith(a + "/") and k["lowered"]
         assert k["lowered"].encode() in image, (a, f, n)  # the program holds the kernel it was built for
+
+
+def _compile_quick(args):
+    from moe_rt import _jit as j
+
+    f, n = args
+    image, lowered = j.compile_offline(f, ARCH, [n])
+    return f, n, image[:4] == b"\x7fELF" and lowered[n].encode() in image
+
+
+def test_every_quick_kernel_compiles_alone():
+    """The quick kernels (compiled on a first call while the kernel they stand in for compiles in the
+    background; warmup leaves them out) compile, each as its own program, for sm_90."""
+    quick = sorted(_jit.QUICK)
+    assert quick and all(f in _jit.REGISTRY and n in _jit.REGISTRY[f] for f, n in quick)
+    with ProcessPoolExecutor(max(2, os.cpu_count() or 1), mp_context=multiprocessing.get_context("spawn")) as ex:
+        rows = list(ex.map(_compile_quick, quick))
+    assert [r[:2] for r in rows if not r[2]] == []
 
 
 def test_a_program_holds_only_its_own_instantiation(warm_cache):
@@ -79,7 +99,7 @@ def test_a_program_holds_only_its_own_instantiation(warm_cache):
 
 def test_a_process_using_the_warmed_folder_compiles_nothing(warm_cache):
     code = ("import moe_rt; from moe_rt import _jit\n"
-            "print(sum(_jit.kernel_image(f, n, 'sm_90')[2] for f, n in _jit.registered()))\n")
+            "print(sum(_jit.kernel_image(f, n, 'sm_90')[2] for f, n in _jit.registered(quick=False)))\n")
     env = dict(os.environ, MOE_RT_KERNEL_CACHE=str(warm_cache))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
@@ -92,7 +112,7 @@ def test_info_counts_the_cached_kernels(warm_cache):
     r = subprocess.run([sys.executable, "-m", "moe_rt", "info"], capture_output=True, text=True, env=env,
                        timeout=300)
     assert r.returncode == 0, r.stderr
-    n = len(_jit.registered())
+    n = len(_jit.registered(quick=False))
     assert f"kernel cache {warm_cache}" in r.stdout
     assert f"{ARCH}: {n} of {n} kernels of this build cached" in r.stdout, r.stdout
 
