@@ -501,6 +501,67 @@ def test_gpu_topk_vs_reference(rng, case):
     assert (p2.get().view(np.uint8) == probs.view(np.uint8)).all()
 
 
+QUICK_CASES = [(E, dt, score, bias, pre, aux, None) for E in (256, 520, 1000, 2304) for dt in (F32, BF16)
+               for score, bias, pre, aux in (("softmax", False, False, False), ("softmax", False, True, False),
+                                             ("sigmoid", False, False, False), ("sigmoid", True, False, False),
+                                             ("sqrtsoftplus", True, False, False), ("sqrtsoftplus", False, False, False),
+                                             ("sigmoid", False, False, True), ("softmax", False, False, True),
+                                             ("sqrtsoftplus", False, False, True))]
+QUICK_CASES += [(E, dt, score, bias, False, False, grp) for E in (256, 512, 1024, 2304) for dt in (F32, BF16)
+                for score, bias, grp in (("sigmoid", True, (8, 4)), ("softmax", False, (4, 2)),
+                                         ("sqrtsoftplus", True, (16, 8)))]
+
+
+@pytest.fixture(scope="module")
+def stand_in_folder(tmp_path_factory):
+    """A kernel cache folder that never gets the router's kernels: its first calls run their stand-ins."""
+    return tmp_path_factory.mktemp("stand_in_cache")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", QUICK_CASES, ids=lambda c: f"E{c[0]}-{np.dtype(c[1]).name}-{c[2]}"
+                         f"{'-b' if c[3] else ''}{'-pre' if c[4] else ''}{'-aux' if c[5] else ''}"
+                         f"{f'-g{c[6][0]}x{c[6][1]}' if c[6] else ''}")
+def test_gpu_stand_ins_give_the_same_bits(rng, monkeypatch, stand_in_folder, case):
+    """A stand-in (a quick kernel the C core runs on a first call while the router kernel compiles: moe_rt._jit's
+    stand-ins, csrc/router.c fwd_stand_in) writes the bits the kernel it stands in for writes, on every output:
+    the same calls on device 0's context with the kernels, then on a fresh context over a folder without them,
+    whose background compiles never start."""
+    import cupy as cp
+
+    from moe_rt import _core, _jit
+
+    E, dtype, score, bias, pre, aux, grp = case
+    x = cp.asarray(_tie_free(rng, 1031, E, dtype))
+    gkw = dict(num_groups=grp[0], group_topk=grp[1]) if grp else {}
+    b = cp.asarray((rng.permutation(E) * (0.5 / E)).astype(F32)) if bias else None
+
+    def run():
+        if aux:
+            out = R.scores_for_aux_loss(x, 8, score)
+        else:
+            kw = dict(score_function=score, use_pre_softmax=pre, expert_bias=b, **gkw)
+            out = R.topk_with_score(x, 8, **kw) + R.topk_indices_with_score(x, 8, **kw)
+        return [o.get() for o in out]
+
+    monkeypatch.setattr(_jit, "TIERED", False)
+    want = run()
+    monkeypatch.setattr(_jit, "TIERED", True)
+    monkeypatch.setenv("MOE_RT_KERNEL_CACHE", str(stand_in_folder))
+    monkeypatch.setattr(_jit, "compile_in_background", lambda *a: True)
+    monkeypatch.setattr(_core, "_devices", {})
+    n0 = _jit.stand_ins_loaded
+    got = run()
+    if dtype == BF16 and E // 8 <= 32 and not grp:
+        pass  # bf16 at 8 keys a lane runs the kernel compiled without groups, which has no stand-in
+    elif grp and E == 256:
+        pass  # groups held in the lanes: a kernel compiled for that path alone, which has no stand-in
+    else:
+        assert _jit.stand_ins_loaded > n0
+    for w, g in zip(want, got):
+        assert (np.ascontiguousarray(w).view(np.uint8) == np.ascontiguousarray(g).view(np.uint8)).all()
+
+
 AUX_CASES = [(0, 256, 8, F32, "softmax"), (1, 8, 1, F32, "sigmoid"), (4099, 256, 8, F32, "sigmoid"),
              (4099, 256, 8, BF16, "softmax"), (7, 130, 36, F32, "sqrtsoftplus"), (4099, 2304, 36, BF16, "sigmoid"),
              (7, 16384, 64, F32, "softmax"), (7, 16384, 8, BF16, "sqrtsoftplus")]
