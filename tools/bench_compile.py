@@ -47,8 +47,13 @@ cp.cuda.Device().synchronize()
 t0 = time.perf_counter()
 first = timed(fn)
 second = timed(fn)
+from moe_rt import _jit
+_jit.settle()  # the kernels a stand-in ran for (compiled in the background on the first call)
+settled = time.perf_counter() - t0
+third = timed(fn)  # swaps them in
 fourth = timed(fn)
-print(json.dumps({"first_s": first, "second_s": second, "fourth_s": fourth}))
+print(json.dumps({"first_s": first, "second_s": second, "settled_s": settled, "fourth_s": fourth,
+                  "quick": _jit.stand_ins_loaded}))
 """
 
 CASES = [  # (case, label, target seconds)
@@ -116,7 +121,9 @@ def main(argv=None) -> int:
                 return 1
             d = json.loads(r.stdout.strip().splitlines()[-1])
             kernels = compiled_in(os.path.join(tmp, f"c{i}"))
-            row(label, d["first_s"], target, f"second call {1e3 * d['second_s']:.2f} ms; later call "
+            quick = (f"a quick kernel stood in until the final one was ready, {d['settled_s']:.2f} s after the "
+                     f"first call began; " if d["quick"] else "")
+            row(label, d["first_s"], target, f"second call {1e3 * d['second_s']:.2f} ms; {quick}later call "
                 f"{1e3 * d['fourth_s']:.2f} ms; compiled " + ", ".join(f"{n} {t:.2f} s" for t, n in kernels))
         if not a.no_demo:
             r, wall = run([sys.executable, "-m", "moe_rt", "demo"], os.path.join(tmp, "demo"))
