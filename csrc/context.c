@@ -901,7 +901,10 @@ moe_rt_status moe_rt_context_end_stand_ins(moe_rt_context* ctx, const char* file
     int capturing = 0;
     if ((st = bind(ctx))) return st;
     CUresult r = ctx->drv.cuStreamIsCapturing((CUstream)stream, &capturing);
-    if (r) return mrt_cuda_fail(&ctx->drv, r, "cuStreamIsCapturing");
+    /* 900-908: the CUDA_ERROR_STREAM_CAPTURE_* errors (e.g. the legacy stream queried while another stream
+     * captures in global mode): a capture is under way */
+    if (r >= 900 && r <= 908) capturing = 1;
+    else if (r) return mrt_cuda_fail(&ctx->drv, r, "cuStreamIsCapturing");
     if (capturing)
       return mrt_fail(MOE_RT_ERROR_NOT_SUPPORTED, "%s: the stream is being captured into a CUDA graph; %s is "
                       "loaded after the capture", op, name);

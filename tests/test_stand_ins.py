@@ -91,7 +91,10 @@ int cuMemcpyHtoD_v2(unsigned long long d, const void* s, size_t n) { (void)d; (v
 int cuMemcpyDtoH_v2(void* d, unsigned long long s, size_t n) { (void)s; memset(d, 0, n); return 0; }
 int cuMemcpyDtoHAsync_v2(void* d, unsigned long long s, size_t n, void* st) { (void)s; (void)st; memset(d, 0, n); return 0; }
 int cuStreamSynchronize(void* s) { (void)s; return 0; }
-int cuStreamIsCapturing(void* s, int* st) { (void)s; *st = capturing; return 0; }
+int cuStreamIsCapturing(void* s, int* st) {  /* capturing 2: the query fails as for the legacy stream */
+  (void)s; *st = capturing == 1;                /* while another stream captures in global mode */
+  return capturing == 2 ? 906 : 0;
+}
 int cuGetErrorString(int r, const char** s) { (void)r; *s = "stub error"; return 0; }
 /* for the tests */
 void stub_reset(void) { pthread_mutex_lock(&mu); nrec = 0; pthread_mutex_unlock(&mu); }
@@ -354,6 +357,9 @@ def test_a_stand_in_serves_its_calls_until_the_kernel_is_swapped_in(lib, stub, t
             assert b"captured" in lib.moe_rt_last_error()
             assert stub.stub_loads() == loads + 1
             assert _topk(lib, ctx) == OK
+            stub.stub_set_capturing(2)
+            assert lib.moe_rt_context_end_stand_ins(ctx, FILE.encode(), FINAL.encode(), 1, None) == NOT_SUPPORTED
+            assert stub.stub_loads() == loads + 1
         finally:
             stub.stub_set_capturing(0)
         # the kernel is not in the folder yet: the swap fails and the stand-in stays
