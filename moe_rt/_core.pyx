@@ -344,6 +344,14 @@ cdef class Context:
             _check(st, f"loading {name} ({file})")
 
 
+cdef inline moe_rt_context* _begin(Context d, uintptr_t stream) except NULL:
+    """The device's context for an op's call, after the kernels compiled in the background since the last call
+    are swapped in (:meth:`Context._swap`)."""
+    if d.pending:
+        d._swap(stream)
+    return d.ctx
+
+
 cdef inline bint _done(Context d, moe_rt_context** c, int st, int* tries, const char* op) except -1:
     """After a call on ``c[0]``: True when it succeeded on the device's context; else ``c[0]`` becomes the context
     to call next (:meth:`Context.retry`), or the failure raises."""
@@ -463,9 +471,7 @@ cdef inline int _plan_of(tuple p, moe_rt_plan* out) except -1:
 def topk_with_score(Context d, uintptr_t logits, int dtype, int64_t T, int E, int K, int score_function, int pre,
                     int G, int g, float scale, uintptr_t bias, uintptr_t probs, uintptr_t routing, int routing_dtype,
                     uintptr_t inter, uintptr_t stream):
-    if d.pending:
-        d._swap(stream)
-    cdef moe_rt_context* c = d.ctx
+    cdef moe_rt_context* c = _begin(d, stream)
     cdef int tries = 0, st
     while True:
         st = p_topk(c, <const void*>logits, dtype, T, E, K, score_function, pre, G, g, scale, <const float*>bias,
@@ -477,9 +483,7 @@ def topk_with_score(Context d, uintptr_t logits, int dtype, int64_t T, int E, in
 def topk_indices_with_score(Context d, uintptr_t logits, int dtype, int64_t T, int E, int K, int score_function,
                             int pre, int G, int g, float scale, uintptr_t bias, uintptr_t idx, uintptr_t weights,
                             uintptr_t stream):
-    if d.pending:
-        d._swap(stream)
-    cdef moe_rt_context* c = d.ctx
+    cdef moe_rt_context* c = _begin(d, stream)
     cdef int tries = 0, st
     while True:
         st = p_topk_idx(c, <const void*>logits, dtype, T, E, K, score_function, pre, G, g, scale, <const float*>bias,
@@ -491,9 +495,7 @@ def topk_indices_with_score(Context d, uintptr_t logits, int dtype, int64_t T, i
 def topk_with_score_backward(Context d, uintptr_t grad, int dtype, uintptr_t routing, int routing_dtype,
                              uintptr_t inter, int64_t T, int E, int K, int score_function, int pre, float scale,
                              uintptr_t grad_logits, uintptr_t stream):
-    if d.pending:
-        d._swap(stream)
-    cdef moe_rt_context* c = d.ctx
+    cdef moe_rt_context* c = _begin(d, stream)
     cdef int tries = 0, st
     while True:
         st = p_topk_bwd(c, <const void*>grad, dtype, <const void*>routing, routing_dtype, <const float*>inter, T, E, K,
@@ -504,9 +506,7 @@ def topk_with_score_backward(Context d, uintptr_t grad, int dtype, uintptr_t rou
 
 def scores_for_aux_loss(Context d, uintptr_t logits, int dtype, int64_t T, int E, int K, int score_function,
                         uintptr_t scores, uintptr_t routing, int routing_dtype, uintptr_t inter, uintptr_t stream):
-    if d.pending:
-        d._swap(stream)
-    cdef moe_rt_context* c = d.ctx
+    cdef moe_rt_context* c = _begin(d, stream)
     cdef int tries = 0, st
     while True:
         st = p_scores(c, <const void*>logits, dtype, T, E, K, score_function, <float*>scores, <void*>routing,
@@ -517,9 +517,7 @@ def scores_for_aux_loss(Context d, uintptr_t logits, int dtype, int64_t T, int E
 
 def scores_for_aux_loss_backward(Context d, uintptr_t grad_scores, uintptr_t inter, int64_t T, int E, int K,
                                  int score_function, uintptr_t grad_logits, int grad_dtype, uintptr_t stream):
-    if d.pending:
-        d._swap(stream)
-    cdef moe_rt_context* c = d.ctx
+    cdef moe_rt_context* c = _begin(d, stream)
     cdef int tries = 0, st
     while True:
         st = p_scores_bwd(c, <const float*>grad_scores, <const float*>inter, T, E, K, score_function,
@@ -531,9 +529,7 @@ def scores_for_aux_loss_backward(Context d, uintptr_t grad_scores, uintptr_t int
 def aux_loss(Context d, uintptr_t probs, int dtype, int64_t R, int C, uintptr_t tpe, int tpe_dtype, int64_t total,
              uintptr_t total_device, int total_dtype, int num_experts, int topk, float coeff, uintptr_t workspace,
              size_t workspace_bytes, uintptr_t out, uintptr_t stream):
-    if d.pending:
-        d._swap(stream)
-    cdef moe_rt_context* c = d.ctx
+    cdef moe_rt_context* c = _begin(d, stream)
     cdef int tries = 0, st
     while True:
         st = p_aux(c, <const void*>probs, dtype, R, C, <const void*>tpe, tpe_dtype, total, <const void*>total_device,
@@ -546,9 +542,7 @@ def aux_loss(Context d, uintptr_t probs, int dtype, int64_t R, int C, uintptr_t 
 def aux_loss_backward(Context d, uintptr_t grad, int dtype, int64_t R, int C, uintptr_t tpe, int tpe_dtype,
                       int64_t total, uintptr_t total_device, int total_dtype, int num_experts, int topk, float coeff,
                       uintptr_t grad_probs, uintptr_t stream):
-    if d.pending:
-        d._swap(stream)
-    cdef moe_rt_context* c = d.ctx
+    cdef moe_rt_context* c = _begin(d, stream)
     cdef int tries = 0, st
     while True:
         st = p_aux_bwd(c, <const void*>grad, dtype, R, C, <const void*>tpe, tpe_dtype, total,
@@ -566,9 +560,7 @@ def make_plan(Context d, uintptr_t routing, int routing_dtype, int64_t T, int64_
     memset(&plan, 0, sizeof(plan))
     plan.dst_row, plan.src_slot, plan.seg_start = <int32_t*>dst_row, <int32_t*>src_slot, <int32_t*>seg_start
     plan.counts, plan.tokens_per_expert = <int32_t*>counts, <int32_t*>tokens_per_expert
-    if d.pending:
-        d._swap(stream)
-    cdef moe_rt_context* c = d.ctx
+    cdef moe_rt_context* c = _begin(d, stream)
     cdef int tries = 0, st
     while True:
         st = p_make_plan(c, <const void*>routing, routing_dtype, T, K, E, align_size, num_out_tokens, &plan,
@@ -581,9 +573,7 @@ def dispatch(Context d, tuple plan, uintptr_t x, int dtype, int64_t H, uintptr_t
              uintptr_t probs_permuted, int probs_dtype, uintptr_t stream):
     cdef moe_rt_plan p
     _plan_of(plan, &p)
-    if d.pending:
-        d._swap(stream)
-    cdef moe_rt_context* c = d.ctx
+    cdef moe_rt_context* c = _begin(d, stream)
     cdef int tries = 0, st
     while True:
         st = p_dispatch(c, &p, <const void*>x, dtype, H, <const float*>probs, <void*>x_permuted,
@@ -596,9 +586,7 @@ def combine(Context d, tuple plan, uintptr_t y_permuted, int dtype, int64_t H, u
             uintptr_t stream):
     cdef moe_rt_plan p
     _plan_of(plan, &p)
-    if d.pending:
-        d._swap(stream)
-    cdef moe_rt_context* c = d.ctx
+    cdef moe_rt_context* c = _begin(d, stream)
     cdef int tries = 0, st
     while True:
         st = p_combine(c, &p, <const void*>y_permuted, dtype, H, <const float*>probs, <void*>y,
@@ -611,9 +599,7 @@ def dispatch_backward(Context d, tuple plan, uintptr_t grad_x_permuted, int dtyp
                       uintptr_t grad_probs_permuted, uintptr_t grad_x, uintptr_t grad_probs, uintptr_t stream):
     cdef moe_rt_plan p
     _plan_of(plan, &p)
-    if d.pending:
-        d._swap(stream)
-    cdef moe_rt_context* c = d.ctx
+    cdef moe_rt_context* c = _begin(d, stream)
     cdef int tries = 0, st
     while True:
         st = p_dispatch_bwd(c, &p, <const void*>grad_x_permuted, dtype, H, <const float*>grad_probs_permuted,
@@ -626,9 +612,7 @@ def combine_backward(Context d, tuple plan, uintptr_t grad_y, int dtype, int64_t
                      uintptr_t probs, uintptr_t grad_y_permuted, uintptr_t grad_probs, uintptr_t stream):
     cdef moe_rt_plan p
     _plan_of(plan, &p)
-    if d.pending:
-        d._swap(stream)
-    cdef moe_rt_context* c = d.ctx
+    cdef moe_rt_context* c = _begin(d, stream)
     cdef int tries = 0, st
     while True:
         st = p_combine_bwd(c, &p, <const void*>grad_y, dtype, H, <const void*>y_permuted, <const float*>probs,
@@ -640,9 +624,7 @@ def combine_backward(Context d, tuple plan, uintptr_t grad_y, int dtype, int64_t
 def sort_chunks(Context d, uintptr_t x, int64_t N, int64_t row_bytes, uintptr_t split_sizes,
                 uintptr_t sorted_indices, int index_dtype, int64_t S, uintptr_t probs, uintptr_t out,
                 uintptr_t probs_out, int backward, uintptr_t workspace, size_t workspace_bytes, uintptr_t stream):
-    if d.pending:
-        d._swap(stream)
-    cdef moe_rt_context* c = d.ctx
+    cdef moe_rt_context* c = _begin(d, stream)
     cdef int tries = 0, st
     while True:
         st = p_sort_chunks(c, <const void*>x, N, row_bytes, <const void*>split_sizes, <const void*>sorted_indices,
@@ -654,9 +636,7 @@ def sort_chunks(Context d, uintptr_t x, int64_t N, int64_t row_bytes, uintptr_t 
 
 def quantize_fp8(Context d, uintptr_t x, int dtype, int64_t T, int64_t H, int block, uintptr_t x_fp8,
                  uintptr_t scales, uintptr_t stream):
-    if d.pending:
-        d._swap(stream)
-    cdef moe_rt_context* c = d.ctx
+    cdef moe_rt_context* c = _begin(d, stream)
     cdef int tries = 0, st
     while True:
         st = p_quantize(c, <const void*>x, dtype, T, H, block, <void*>x_fp8, <float*>scales, <moe_rt_stream>stream)
@@ -666,9 +646,7 @@ def quantize_fp8(Context d, uintptr_t x, int dtype, int64_t T, int64_t H, int bl
 
 def dequantize_fp8(Context d, uintptr_t x_fp8, uintptr_t scales, int64_t T, int64_t H, int block, uintptr_t y,
                    int dtype, uintptr_t stream):
-    if d.pending:
-        d._swap(stream)
-    cdef moe_rt_context* c = d.ctx
+    cdef moe_rt_context* c = _begin(d, stream)
     cdef int tries = 0, st
     while True:
         st = p_dequantize(c, <const void*>x_fp8, <const float*>scales, T, H, block, <void*>y, dtype,

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_rt import _core, _jit, router  # noqa: F401 - router registers its kernels
+from moe_rt import _core, _jit, _xla, router  # noqa: F401 - router registers its kernels
 
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("moe_rt_libbuild", ROOT / "csrc" / "libbuild.py")
@@ -110,19 +110,7 @@ void stub_launch(int i, char* name, long long* grid, int* block, int* smem, unsi
 """
 
 
-class DeviceInfo(C.Structure):
-    _fields_ = [("sm_count", C.c_int32), ("smem_per_sm", C.c_int32), ("smem_per_block_optin", C.c_int32),
-                ("cc_major", C.c_int32), ("cc_minor", C.c_int32), ("assumed_regs", C.c_int32)]
-
-
-class LaunchInfo(C.Structure):
-    _fields_ = [("file", C.c_char * 32), ("kernel", C.c_char * 128), ("grid", C.c_int64), ("block", C.c_int32),
-                ("shared_mem", C.c_int32), ("scalars", C.c_int64 * 2)]
-
-
-class PlanInfo(C.Structure):
-    _fields_ = [("num_launches", C.c_int32), ("launch", LaunchInfo * 4)]
-
+DeviceInfo, PlanInfo = _xla._DeviceInfo, _xla._PlanInfo  # the C ABI's structures
 
 SIGNATURES = {
     "moe_rt_last_error": (C.c_char_p, []),
