@@ -53,6 +53,7 @@ typedef struct mrt_driver {
   CUresult (*cuMemcpyDtoH)(void*, CUdeviceptr, size_t);
   CUresult (*cuMemcpyDtoHAsync)(void*, CUdeviceptr, size_t, CUstream);
   CUresult (*cuStreamSynchronize)(CUstream);
+  CUresult (*cuStreamIsCapturing)(CUstream, int*); /* *status: 0 none, 1 active, 2 invalidated */
   CUresult (*cuGetErrorString)(CUresult, const char**);
 } mrt_driver;
 
@@ -76,6 +77,9 @@ typedef struct mrt_launch {
   int64_t scalars[2]; /* moe_rt_launch_info.scalars */
   int32_t kind;       /* which launch of its op it is (an op's executor builds the arguments by kind) */
   int64_t arg[2];     /* sizes the planner worked out for the arguments */
+  /* planning contexts: the kernel that may stand in for `name` in this call while `name` compiles ("" when
+   * none; moe_rt_context_load_stand_in) */
+  char stand_in[MOE_RT_KERNEL_NAME_MAX];
 } mrt_launch;
 
 #define MRT_MAX_LAUNCHES 4
@@ -90,6 +94,13 @@ typedef struct mrt_plan {
 /* Planning helpers a planner calls: the kernel's registers (loads it in a device context; the planning
  * context's assumed value otherwise). Returns a status; *regs set on success. */
 moe_rt_status mrt_kernel(moe_rt_context* ctx, mrt_launch* l, const char* file, int* regs);
+/* mrt_kernel for a launch that `stand_in` may stand in for (a kernel computing the same bits for this call):
+ * a device context takes l->name when it is loaded, else the stand-in loaded for it by
+ * moe_rt_context_load_stand_in (then *standing = 1 and l->name becomes the stand-in's name: the plan is the
+ * stand-in's and is not to be cached), else l->name from the kernel cache. A planning context records
+ * `stand_in` in l->stand_in. */
+moe_rt_status mrt_kernel_or_stand_in(moe_rt_context* ctx, mrt_launch* l, const char* file, const char* stand_in,
+                                     int* regs, int* standing);
 const moe_rt_device_info* mrt_device(const moe_rt_context* ctx);
 
 /* The plan cache: a plan by its signature (key bytes), NULL when absent; mrt_plan_put stores a copy. */

@@ -14,7 +14,6 @@ given as a ``cupy.cuda.Stream``, a ``torch.cuda.Stream``, any object with ``__cu
 from __future__ import annotations
 
 import math
-import threading as _threading
 
 import numpy as np
 
@@ -217,42 +216,6 @@ def _fp8_export(u8, dtype, framework: str):
     return as_fp8(export(u8, framework), dtype, framework)
 
 
-class _Slot:
-    """The owner of a symbolic DevArray while an op is recorded (see :mod:`moe_rt._fast`): no memory, only
-    the array's number among the call's inputs and allocations."""
-
-    __slots__ = ("index",)
-
-    def __init__(self, index: int):
-        self.index = index
-
-
-class Unrecordable(Exception):
-    """Raised inside an op being recorded when its path needs more than allocations and kernel launches."""
-
-
-class NotYet(Unrecordable):
-    """Raised inside an op being recorded when this call's path is provisional (a quick kernel standing in
-    while another compiles): the call runs the ordinary way and a later call is recorded."""
-
-
-def not_recordable_yet() -> None:
-    """Called by an op whose launch this time is provisional: while it is being recorded, stop (NotYet)."""
-    if RECORDING and recorder() is not None:
-        raise NotYet("a quick kernel stands in while the op's kernel compiles")
-
-
-# Recording (moe_rt._fast): RECORDING counts the threads recording now, so the ordinary path pays one global
-# read; the recorder itself is thread-local.
-RECORDING = 0
-_rec_state = _threading.local()
-
-
-def recorder():
-    """The recorder of this thread, or None."""
-    return getattr(_rec_state, "r", None) if RECORDING else None
-
-
 class _Flags:
     __slots__ = ()
     c_contiguous = True
@@ -297,6 +260,8 @@ class DevArray:
     def reshape(self, *shape):
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
             shape = shape[0]
+        if shape == self.shape:  # the ops' usual case (2-D arrays in, 2-D results out): the array itself
+            return self
         shape = tuple(int(d) for d in shape)
         n = self.size
         if -1 in shape:
@@ -325,8 +290,6 @@ class DevArray:
     def cupy(self):
         """A CuPy array over the same memory (made once); for an FP8 array, its bytes as uint8 (CuPy holds no
         FP8 dtype)."""
-        if type(self.owner) is _Slot:
-            raise Unrecordable("the op needs a CuPy view of an array")
         if self._cp is None:
             nbytes = self.nbytes
             dt = _UINT8 if self.dtype in FP8_DTYPES else self.dtype
@@ -366,29 +329,6 @@ def _torch_dtype_of(dt):
 
 
 _TORCH_BY_NP: dict = {}
-
-
-_serving = _threading.local()
-
-
-class serving:
-    """Within ``with serving(dsts, stream_ptr):`` (``dsts``: DevArrays over XLA's output buffers;
-    ``stream_ptr``: XLA's stream, the current CuPy stream there), :meth:`Call.empty` hands an op each
-    buffer once, in order, to the first allocation of the same dtype and element count, so results are
-    computed straight into XLA's outputs."""
-
-    def __init__(self, dsts, stream_ptr=None):
-        self.dsts = [d for d in dsts if d.size > 0]
-        self.stream_ptr = stream_ptr
-
-    def __enter__(self):
-        self.prev = (getattr(_serving, "outs", None), getattr(_serving, "stream", None))
-        _serving.outs, _serving.stream = self.dsts, self.stream_ptr
-        return self
-
-    def __exit__(self, *exc):
-        _serving.outs, _serving.stream = self.prev
-        return False
 
 
 _framework_by_type[DevArray] = "devarray"
@@ -484,11 +424,9 @@ class Call:
         self._first = first
         self._fast_torch = self.backend == "cuda" and stream is None and self.framework == "torch"
         self._on_xla_stream = xla_buffers and stream is not None
-        # lean: the op's CUDA path takes DevArrays (torch tensors on torch's stream, XLA buffers) and
-        # allocates through empty(): torch's allocator for torch callers, XLA's outputs in a callback
+        # lean: the op's CUDA path takes DevArrays (torch tensors on torch's stream) and allocates through
+        # empty(): torch's allocator for torch callers
         self._lean = lean and self.backend == "cuda"
-        self._serve = getattr(_serving, "outs", None) if self._lean else None
-        self._rec = recorder() if RECORDING and self._lean else None
         self._tdev = None
         if self.backend == "cuda":
             import cupy
@@ -585,36 +523,18 @@ class Call:
         return False
 
     # -- allocation ------------------------------------------------------------------------------------
-    @property
-    def serving(self) -> bool:
-        """Whether results go straight into XLA's output buffers (a lean call inside a JAX callback)."""
-        return self._serve is not None
-
     def empty(self, shape, dtype):
-        """An uninitialized result array on the call's device and stream: in a lean call one of XLA's
-        output buffers (see :class:`serving`) or a torch tensor from torch's allocator (as a DevArray),
-        else a CuPy (CUDA) or NumPy (CPU) array; FP8 on CUDA: a DevArray (see :func:`fp8_array`)."""
-        if self._lean:
-            if self._rec is not None:
-                return self._rec.alloc(shape, dtype, "empty", self.device_id)
-            dtype = np.dtype(dtype)
-            shape = tuple(shape)
-            if self._serve:
-                n = math.prod(shape)
-                for i, d in enumerate(self._serve):
-                    if d.dtype == dtype and d.size == n:
-                        del self._serve[i]
-                        return d.reshape(shape)
-            if self._fast_torch:
-                return self._torch_empty(shape, dtype)
+        """An uninitialized result array on the call's device and stream: in a lean call from torch a torch
+        tensor from torch's allocator (as a DevArray), else a CuPy (CUDA) or NumPy (CPU) array; FP8 on CUDA:
+        a DevArray (see :func:`fp8_array`)."""
+        if self._lean and self._fast_torch:
+            return self._torch_empty(tuple(shape), np.dtype(dtype))
         if self.backend == "cuda" and np.dtype(dtype) in FP8_DTYPES:
             return self._fp8_empty(shape, np.dtype(dtype))
         return self.xp.empty(shape, dtype=dtype)
 
     def scratch(self, shape, dtype):
-        """Like :meth:`empty`, but never one of XLA's output buffers (working memory of one call)."""
-        if self._lean and self._rec is not None:
-            return self._rec.alloc(shape, dtype, "scratch", self.device_id)
+        """Working memory of one call (allocated as :meth:`empty` allocates)."""
         if self._lean and self._fast_torch:
             return self._torch_empty(tuple(shape), np.dtype(dtype))
         if self.backend == "cuda" and np.dtype(dtype) in FP8_DTYPES:
