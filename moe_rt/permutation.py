@@ -404,7 +404,7 @@ def make_plan(routing, num_experts: int, *, align_size: int = 1, num_out_tokens:
             validate = validate and not is_map  # a routing map holds no expert ids
             v = _plan_cuda(call, r, T, K, E, A, N, num_out_tokens, _apart)
             if validate:
-                _core.device(call.device_id).check(call.stream.ptr)
+                _core.device(call.device_id).check(call.stream_ptr)
         plan._v = v
         plan._framework = call.framework
         plan._exported = {}
@@ -508,7 +508,7 @@ def _plan_cuda(call, r, T, K, E, A, N, num_out_tokens, apart=False):
     nws = _core.make_plan_workspace_bytes(T, K, E)
     ws = call.scratch((max(nws, 1),), np.uint8)
     _core.make_plan(_core.device(call.device_id), idx.data.ptr, _CODES[np.dtype(idx.dtype)], T, K, E, A,
-                    -1 if num_out_tokens is None else num_out_tokens, *ptrs, ws.data.ptr, nws, call.stream.ptr)
+                    -1 if num_out_tokens is None else num_out_tokens, *ptrs, ws.data.ptr, nws, call.stream_ptr)
     return views
 
 
@@ -681,7 +681,7 @@ def _dispatch_cuda(call, xv, plan, pv, pdt=None):
     core_pp = pp is not None and pp.dtype != np.float64 and pp.size > 0 and pv.size > 0
     _core.dispatch(_core.device(call.device_id), _core_plan(plan), xv.data.ptr, _CODES[np.dtype(xv.dtype)], H,
                    pv.data.ptr if core_pp else 0, out.data.ptr, pp.data.ptr if core_pp else 0,
-                   _CODES[np.dtype(pp.dtype)] if core_pp else 0, call.stream.ptr)
+                   _CODES[np.dtype(pp.dtype)] if core_pp else 0, call.stream_ptr)
     if pp is not None and not core_pp:
         _fill(call, None, pp, pv, plan)  # float64 permuted probs (or none to move): this module's fill_rows
     return out, pp
@@ -749,7 +749,7 @@ def _combine_cuda(call, yv, plan, pv):
     H = int(yv.shape[1])
     out = call.empty((T, H), yv.dtype)
     _core.combine(_core.device(call.device_id), _core_plan(plan), yv.data.ptr, _CODES[np.dtype(yv.dtype)], H,
-                  0 if pv is None else pv.data.ptr, out.data.ptr, call.stream.ptr)
+                  0 if pv is None else pv.data.ptr, out.data.ptr, call.stream_ptr)
     return out
 
 
@@ -803,7 +803,7 @@ def dispatch_backward(grad_x_permuted, plan: Plan, grad_probs_permuted=None, *, 
             gather = gp is not None and gp.size > 0 and gpp.size > 0
             _core.dispatch_backward(_core.device(call.device_id), _core_plan(plan), g.data.ptr,
                                     _CODES[np.dtype(g.dtype)], H, gpp.data.ptr if gather else 0, gx.data.ptr,
-                                    gp.data.ptr if gather else 0, call.stream.ptr)
+                                    gp.data.ptr if gather else 0, call.stream_ptr)
             if gp is not None and gp.size and not gather:
                 _arrays.cupy_of(gp).fill(0)
         return call.out(gx), (None if gp is None else call.out(gp))
@@ -849,7 +849,7 @@ def combine_backward(grad_y, plan: Plan, y_permuted=None, probs=None, *, stream=
         weighted = gp is not None and gp.size > 0  # T*K = 0: no slot, nothing weighted
         _core.combine_backward(_core.device(call.device_id), _core_plan(plan), g.data.ptr, _CODES[np.dtype(g.dtype)],
                                H, yv.data.ptr if weighted else 0, pv.data.ptr if weighted else 0, gyp.data.ptr,
-                               gp.data.ptr if weighted else 0, call.stream.ptr)
+                               gp.data.ptr if weighted else 0, call.stream_ptr)
         return call.out(gyp), (None if gp is None else call.out(gp))
 
 
@@ -949,7 +949,7 @@ def _sort_chunks_cuda(call, xv, s, o, pv, bwd):
     ws = call.scratch((max(nws, 1),), np.uint8)
     _core.sort_chunks(_core.device(call.device_id), xv.data.ptr, N, row_bytes, s.data.ptr if S else 0,
                       o.data.ptr if S else 0, _CODES[np.dtype(s.dtype)], S, 0 if pv is None else pv.data.ptr,
-                      out.data.ptr, 0 if po is None else po.data.ptr, int(bwd), ws.data.ptr, nws, call.stream.ptr)
+                      out.data.ptr, 0 if po is None else po.data.ptr, int(bwd), ws.data.ptr, nws, call.stream_ptr)
     return out, po
 
 

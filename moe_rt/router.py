@@ -455,7 +455,7 @@ def topk_with_score(logits, topk, *, score_function="softmax", use_pre_softmax=F
                 b32 = None if bv is None else _arrays.as_f32(xp, bv)
                 _core.topk_with_score(_core.device(call.device_id), _ptr(x), _CODES[x.dtype], T, E, K,
                                       SCORE_FUNCTIONS[score_function], pre, G, g, scale, _ptr(b32), _ptr(probs),
-                                      _ptr(rmap), _CODES[rmap.dtype], _ptr(inter), call.stream.ptr)
+                                      _ptr(rmap), _CODES[rmap.dtype], _ptr(inter), call.stream_ptr)
         shape = lead + (E,)
         if topk_indices is not None:
             routing = topk_indices
@@ -503,7 +503,7 @@ def topk_indices_with_score(logits, topk, *, score_function="softmax", use_pre_s
                 b32 = None if bv is None else _arrays.as_f32(xp, bv)
                 _core.topk_indices_with_score(_core.device(call.device_id), _ptr(x), _CODES[x.dtype], T, E, K,
                                               SCORE_FUNCTIONS[score_function], pre, G, g, scale, _ptr(b32),
-                                              _ptr(idx), _ptr(w), call.stream.ptr)
+                                              _ptr(idx), _ptr(w), call.stream_ptr)
         return call.out(idx.reshape(lead + (K,))), call.out(w.reshape(lead + (K,)))
 
 
@@ -580,9 +580,9 @@ def topk_with_score_backward(grad_probs, routing_map, intermediate, topk, *, sco
                     core = _core.device(call.device_id)
                     _core.topk_with_score_backward(core, _ptr(g), _CODES[g.dtype], _ptr(idx), _CODES[idx.dtype],
                                                    _ptr(y), T, E, K, SCORE_FUNCTIONS[score_function], pre, scale,
-                                                   _ptr(out), call.stream.ptr)
+                                                   _ptr(out), call.stream_ptr)
                     if _errors.DEBUG:
-                        core.check(call.stream.ptr)
+                        core.check(call.stream_ptr)
             return call.out(out.reshape(shape))
         m = _arrays.contiguous(xp, mv).reshape(T, int(mv.shape[-1]))
         if call.backend == "cpu":
@@ -598,7 +598,7 @@ def topk_with_score_backward(grad_probs, routing_map, intermediate, topk, *, sco
             if T > 0:
                 _core.topk_with_score_backward(_core.device(call.device_id), _ptr(g), _CODES[g.dtype], _ptr(m),
                                                _CODES[m.dtype], _ptr(y), T, E, K, SCORE_FUNCTIONS[score_function],
-                                               pre, scale, _ptr(out), call.stream.ptr)
+                                               pre, scale, _ptr(out), call.stream_ptr)
         return call.out(out.reshape(shape))
 
 
@@ -989,7 +989,7 @@ def scores_for_aux_loss(logits, topk, score_function, *, routing_map_format="byt
             if T > 0:
                 _core.scores_for_aux_loss(_core.device(call.device_id), _ptr(x), _CODES[x.dtype], T, E, K,
                                           SCORE_FUNCTIONS[score_function], _ptr(scores), _ptr(rmap),
-                                          _CODES[rmap.dtype], _ptr(inter), call.stream.ptr)
+                                          _CODES[rmap.dtype], _ptr(inter), call.stream_ptr)
         shape = lead + (E,)
         return (call.out(scores.reshape(shape)), call.out(rmap.reshape(lead + tuple(rmap.shape[1:]))),
                 call.out(inter.reshape(shape)))
@@ -1059,7 +1059,7 @@ def scores_for_aux_loss_backward(grad_scores, intermediate, topk, score_function
             if T > 0:
                 _core.scores_for_aux_loss_backward(_core.device(call.device_id), _ptr(g), _ptr(y), T, E, K,
                                                    SCORE_FUNCTIONS[score_function], _ptr(out), _CODES[odt],
-                                                   call.stream.ptr)
+                                                   call.stream_ptr)
         return call.out(out.reshape(shape))
 
 
@@ -1189,7 +1189,7 @@ def aux_loss(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coef
         out = call.empty((), dtype=p.dtype)
         _core.aux_loss(_core.device(call.device_id), _ptr(p), _CODES[p.dtype], R, C, _ptr(tpe), _CODES[tpe.dtype],
                        *_total_core(total, total_num_tokens, tot_kind), num_experts, topk, coeff, _ptr(ws), nws,
-                       _ptr(out), call.stream.ptr)
+                       _ptr(out), call.stream_ptr)
         return call.out(out)
 
 
@@ -1230,5 +1230,5 @@ def aux_loss_backward(grad_aux_loss, num_rows, tokens_per_expert, total_num_toke
         out = call.empty((R, C), dtype=g.dtype)
         _core.aux_loss_backward(_core.device(call.device_id), _ptr(g), _CODES[g.dtype], R, C, _ptr(tpe),
                                 _CODES[tpe.dtype], *_total_core(total, total_num_tokens, tot_kind), num_experts,
-                                topk, coeff, _ptr(out), call.stream.ptr)
+                                topk, coeff, _ptr(out), call.stream_ptr)
         return call.out(out)

@@ -500,3 +500,144 @@ def test_facade_host_time_report(core, capsys):
         core.calls.clear()
     with capsys.disabled():
         print("\nfacade host time (CPU, planning core, DevArrays, recording wrapper included): " + "; ".join(lines))
+
+
+# ---- torch tensors on torch's current device: no CuPy device or stream unless the op uses CuPy -------------
+
+class _Counting:
+    """A CuPy device or stream stand-in counting its enters and exits (``log``: shared, in order)."""
+
+    def __init__(self, what, log, ptr=0):
+        self.what, self.log, self.ptr = what, log, ptr
+
+    def __enter__(self):
+        self.log.append(("enter", self.what))
+        return self
+
+    def __exit__(self, *exc):
+        self.log.append(("exit", self.what))
+        return False
+
+
+def _torch_stand_ins(monkeypatch, core, current_device=0):
+    """Torch CUDA tensors stood in for on CPU (a class of torch's module name, at made-up addresses), torch's
+    current device ``current_device`` and stream STREAM, results allocated as such tensors; CuPy's device and
+    stream context managers counting. Returns (make tensor, log)."""
+    torch = pytest.importorskip("torch")
+    log = []
+
+    class Tensor:
+        requires_grad = False
+        is_cuda = True
+
+        def __init__(self, shape, dtype, contiguous=True):
+            n = math.prod(shape)
+            self.shape, self.dtype, self._contig = torch.Size(shape), dtype, contiguous
+            self._ptr = core.mem((max(n, 1),), np.uint8).ptr
+
+        def get_device(self):
+            return 0
+
+        def is_contiguous(self):
+            return self._contig
+
+        def data_ptr(self):
+            return self._ptr
+
+        def numel(self):
+            return math.prod(self.shape)
+
+        def stride(self):
+            st, acc = [], 1
+            for d in reversed(self.shape):
+                st.append(acc)
+                acc *= d
+            return tuple(reversed(st))
+
+    Tensor.__module__ = "torch.stand_in"
+    np_to_torch = {F32: torch.float32, BF16: torch.bfloat16, np.dtype(np.bool_): torch.bool, I32: torch.int32,
+                   np.dtype(np.uint8): torch.uint8}
+
+    def empty(self, shape, dtype):
+        t = Tensor(tuple(shape), np_to_torch[np.dtype(dtype)])
+        return DevArray(t.data_ptr(), tuple(shape), np.dtype(dtype), t, 0)
+
+    monkeypatch.setattr(_arrays.Call, "empty", empty)
+    monkeypatch.setattr(_arrays.Call, "scratch", empty)
+    monkeypatch.setattr(_arrays, "_torch_raw_stream", lambda dev: STREAM)
+    monkeypatch.setattr(_arrays, "_torch_cur_device", lambda: current_device)
+    monkeypatch.setitem(_arrays._devices, 0, _Counting("device", log))
+    streams = {}
+    monkeypatch.setattr(_arrays, "as_cupy_stream",
+                        lambda s, dev: streams.setdefault(int(s), _Counting("stream", log, int(s))))
+    monkeypatch.setattr(_arrays, "_default_stream", lambda fw, dev: _arrays.as_cupy_stream(STREAM, dev))
+    return (lambda shape, dtype=torch.float32, contiguous=True: Tensor(shape, dtype, contiguous)), log
+
+
+ENTERED = [("enter", "device"), ("enter", "stream"), ("exit", "stream"), ("exit", "device")]
+
+
+def test_a_torch_call_on_the_current_device_enters_no_cupy_context(core, monkeypatch):
+    new, log = _torch_stand_ins(monkeypatch, core)
+    import torch
+
+    logits = new((128, 256))
+    probs, rmap, inter = R.topk_with_score(logits, 8)
+    args = _last(core, "topk_with_score")
+    assert args[0] == logits.data_ptr() and args[-1] == STREAM  # torch's stream, as an int
+    assert (args[11], args[12], args[14]) == (probs.data_ptr(), rmap.data_ptr(), inter.data_ptr())
+    assert rmap.dtype == torch.bool and tuple(probs.shape) == (128, 256)
+    core.calls.clear()
+    gl = R.topk_with_score_backward(new((128, 256)), rmap, inter, 8, score_function="softmax")
+    args = _last(core, "topk_with_score_backward")
+    assert args[-1] == STREAM and args[-2] == gl.data_ptr()
+    core.calls.clear()
+    plan = PM.make_plan(rmap, 256, num_out_tokens=128 * 8)
+    ys = new((1024, 64), torch.bfloat16)
+    y = PM.combine(ys, plan, probs)
+    gys, gp = PM.combine_backward(new((128, 64), torch.bfloat16), plan, ys, probs)
+    assert [c[0] for c in core.calls] == ["make_plan", "combine", "combine_backward"]
+    assert all(c[1][-1] == STREAM for c in core.calls)
+    assert tuple(y.shape) == (128, 64) and tuple(gys.shape) == (1024, 64) and tuple(gp.shape) == (128, 256)
+    assert log == []  # no CuPy device or stream entered
+    assert getattr(_arrays._light, "call", None) is None
+
+
+def test_a_light_call_enters_cupy_once_where_the_op_uses_it(core, monkeypatch):
+    """call.xp, call.stream and DevArray.cupy() inside a light call make its device and stream CuPy's first
+    (once), and the exit leaves them; outside a call nothing is entered."""
+    new, log = _torch_stand_ins(monkeypatch, core)
+    monkeypatch.setattr(_arrays, "_cupy_over_dense", lambda *a: "view")
+    x = new((4, 8))
+    for use in (lambda c: c.xp.float32, lambda c: c.stream, lambda c: c["x"].cupy()):
+        log.clear()
+        with _arrays.Call({"x": x}, lean=True) as call:
+            assert call._light and log == []
+            use(call)
+            use(call)
+            assert log == ENTERED[:2]
+            assert call.stream.ptr == STREAM == call.stream_ptr
+        assert log == ENTERED
+    log.clear()
+    v = call["x"]
+    v._cp = None
+    assert v.cupy() == "view" and log == []
+
+
+def test_torch_calls_off_the_light_path_enter_cupy_as_before(core, monkeypatch):
+    """Another current device, a non-contiguous tensor, a given stream or a mixed call: CuPy's device and
+    stream are entered for the whole call."""
+    new, log = _torch_stand_ins(monkeypatch, core, current_device=1)
+    monkeypatch.setattr(_arrays, "_cupy_over", lambda *a: types.SimpleNamespace(shape=(4, 8)))  # a CuPy view
+    with _arrays.Call({"x": new((4, 8))}, lean=True) as call:
+        assert not call._light and log == ENTERED[:2]
+    assert log == ENTERED
+    monkeypatch.setattr(_arrays, "_torch_cur_device", lambda: 0)
+    for arrays, stream, lean in (({"x": new((4, 8), contiguous=False)}, None, True), ({"x": new((4, 8))}, None, False),
+                                 ({"x": new((4, 8))}, STREAM, True)):
+        log.clear()
+        if stream is not None:  # imported through DLPack on the given stream: a CuPy view
+            monkeypatch.setattr(_arrays.Call, "_import", lambda self, obj, name: types.SimpleNamespace())
+        with _arrays.Call(arrays, stream=stream, lean=lean) as call:
+            assert call.stream_ptr == STREAM and not call._light and log == ENTERED[:2]
+        assert log == ENTERED
