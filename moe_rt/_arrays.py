@@ -173,6 +173,11 @@ def _cupy():
     return _cupy_mod
 
 
+def _cupy_device() -> int:
+    """CuPy's current device (cudaGetDevice)."""
+    return _cupy().cuda.runtime.getDevice()
+
+
 # The light call of this thread that is running (see Call): CuPy's device and stream are entered for it only
 # when CuPy is used (DevArray.cupy, call.xp, call.stream).
 _light = threading.local()
@@ -494,7 +499,7 @@ class Call:
         # empty(): torch's allocator for torch callers
         self._lean = lean and self.backend == "cuda"
         self._tdev = None
-        self._light = self._entered = self._active = False
+        self._light = self._entered = self._active = self._current = False
         self._stream = None
         self.stream_ptr = None
         if self.backend == "cuda":
@@ -511,6 +516,8 @@ class Call:
                 self.stream_ptr = _torch_stream_ptr(self.device_id)
             else:
                 self._stream = _default_stream(self.framework, self.device_id)
+                # CuPy arrays on CuPy's current device and stream: both are current already (nothing to enter)
+                self._current = self.framework == "cupy" and _cupy_device() == self.device_id
             if self._stream is not None:
                 self.stream_ptr = self._stream.ptr
         else:
@@ -623,7 +630,7 @@ class Call:
             self._prev_light = getattr(_light, "call", None)
             _light.call = self
             self._active = True
-        elif self._device is not None:
+        elif self._device is not None and not self._current:
             s = self.stream
             self._device.__enter__()
             s.__enter__()

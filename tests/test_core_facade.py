@@ -641,3 +641,25 @@ def test_torch_calls_off_the_light_path_enter_cupy_as_before(core, monkeypatch):
         with _arrays.Call(arrays, stream=stream, lean=lean) as call:
             assert call.stream_ptr == STREAM and not call._light and log == ENTERED[:2]
         assert log == ENTERED
+
+
+def test_cupy_arrays_on_cupys_current_device_and_stream_enter_nothing(core, monkeypatch):
+    """CuPy's current device and stream are the call's already: nothing is entered; on another device (or a
+    given stream) the call's device and stream are entered for the call."""
+    log = []
+
+    class ndarray:  # a CuPy array stood in for (CuPy's module name), on device 0
+        device = types.SimpleNamespace(id=0)
+        dtype, shape, ndim = F32, (4, 8), 2
+
+    ndarray.__module__ = "cupy._core.core"
+    monkeypatch.setitem(_arrays._devices, 0, _Counting("device", log))
+    stream = _Counting("stream", log, STREAM)
+    monkeypatch.setattr(_arrays, "_default_stream", lambda fw, dev: stream)
+    monkeypatch.setattr(_arrays, "as_cupy_stream", lambda s, dev: stream)
+    for current, given, entered in ((0, None, []), (1, None, ENTERED), (0, STREAM, ENTERED)):
+        monkeypatch.setattr(_arrays, "_cupy_device", lambda: current)
+        log.clear()
+        with _arrays.Call({"x": ndarray()}, stream=given, lean=True) as call:
+            assert call.stream is stream and call.stream_ptr == STREAM
+        assert log == entered
