@@ -327,7 +327,14 @@ def _check_topk_agreement(m, y, K, score_function, pre):
 
 def _flat(xp, arr, E):
     arr = _arrays.contiguous(xp, arr)
+    if arr.ndim == 2 and E > 0 and arr.shape[1] == E:  # [T, E] already (the usual case): no new view
+        return arr
     return arr.reshape(-1, E)
+
+
+def _shaped(arr, shape):
+    """``arr`` reshaped to ``shape`` (a tuple): itself when it has that shape already."""
+    return arr if tuple(arr.shape) == shape else arr.reshape(shape)
 
 
 _CODES = _core.CODES  # NumPy dtype -> the core's dtype code
@@ -460,8 +467,8 @@ def topk_with_score(logits, topk, *, score_function="softmax", use_pre_softmax=F
         if topk_indices is not None:
             routing = topk_indices
         else:
-            routing = call.out(rmap.reshape(lead + tuple(rmap.shape[1:]) if bitmap or idt is not None else shape))
-        return call.out(probs.reshape(shape)), routing, call.out(inter.reshape(shape))
+            routing = call.out(_shaped(rmap, lead + tuple(rmap.shape[1:]) if bitmap or idt is not None else shape))
+        return call.out(_shaped(probs, shape)), routing, call.out(_shaped(inter, shape))
 
 
 def _index_buffer(call, obj, shape):
@@ -583,7 +590,7 @@ def topk_with_score_backward(grad_probs, routing_map, intermediate, topk, *, sco
                                                    _ptr(out), call.stream_ptr)
                     if _errors.DEBUG:
                         core.check(call.stream_ptr)
-            return call.out(out.reshape(shape))
+            return call.out(_shaped(out, shape))
         m = _arrays.contiguous(xp, mv).reshape(T, int(mv.shape[-1]))
         if call.backend == "cpu":
             if bitmap:
@@ -599,7 +606,7 @@ def topk_with_score_backward(grad_probs, routing_map, intermediate, topk, *, sco
                 _core.topk_with_score_backward(_core.device(call.device_id), _ptr(g), _CODES[g.dtype], _ptr(m),
                                                _CODES[m.dtype], _ptr(y), T, E, K, SCORE_FUNCTIONS[score_function],
                                                pre, scale, _ptr(out), call.stream_ptr)
-        return call.out(out.reshape(shape))
+        return call.out(_shaped(out, shape))
 
 
 # ---- Quantile Balancing ------------------------------------------------------------------------------
@@ -991,8 +998,8 @@ def scores_for_aux_loss(logits, topk, score_function, *, routing_map_format="byt
                                           SCORE_FUNCTIONS[score_function], _ptr(scores), _ptr(rmap),
                                           _CODES[rmap.dtype], _ptr(inter), call.stream_ptr)
         shape = lead + (E,)
-        return (call.out(scores.reshape(shape)), call.out(rmap.reshape(lead + tuple(rmap.shape[1:]))),
-                call.out(inter.reshape(shape)))
+        return (call.out(_shaped(scores, shape)), call.out(_shaped(rmap, lead + tuple(rmap.shape[1:]))),
+                call.out(_shaped(inter, shape)))
 
 
 def check_scores_args(xv, topk, score_function):
@@ -1060,7 +1067,7 @@ def scores_for_aux_loss_backward(grad_scores, intermediate, topk, score_function
                 _core.scores_for_aux_loss_backward(_core.device(call.device_id), _ptr(g), _ptr(y), T, E, K,
                                                    SCORE_FUNCTIONS[score_function], _ptr(out), _CODES[odt],
                                                    call.stream_ptr)
-        return call.out(out.reshape(shape))
+        return call.out(_shaped(out, shape))
 
 
 # ---- aux loss ---------------------------------------------------------------------------------------
