@@ -130,8 +130,10 @@ static int score_case(int score_fn, int aux, int bias) {
  * case alone (SFO), which computes the bits of the kernel fwd_plan names for such a call and compiles in a
  * fraction of its time; "" when there is none. *row = 1: the stand-in is the one-warp row kernel, launched with
  * its own configuration (with groups and 16 or 32 keys a lane: router_fwd_reg computes router_fwd<T, 32>'s
- * bits). None for the bit-packed map, for bf16 at 8 keys a lane without groups (that kernel compiles in about
- * a second), for groups held in the lanes (a kernel compiled for that path alone), nor for teams above 32. */
+ * bits). With groups and K <= 8 the row kernel compiled without the paths of K > 8 (SMALLK: about two thirds
+ * of the compile time). None for the bit-packed map, for bf16 at 8 keys a lane without groups (that kernel
+ * compiles in about a second), for groups held in the lanes (a kernel compiled for that path alone), nor for
+ * teams above 32. */
 static void fwd_stand_in(int dtype, int E, int K, int G, int g, int vec, int bitmap, int scase, char* name,
                          int* row) {
   const int isz = mrt_dtype_size(dtype), ch = 16 / isz;
@@ -145,11 +147,13 @@ static void fwd_stand_in(int dtype, int E, int K, int G, int g, int vec, int bit
       if (!(v == 8 && isz == 2))
         snprintf(name, MOE_RT_KERNEL_NAME_MAX, "router_fwd_reg<%s, %d, false, false, false, %d>", ct, v, scase);
     } else if (!(v == 8 && K <= 8 && lane_groups(E, K, G, g, ch))) {
-      snprintf(name, MOE_RT_KERNEL_NAME_MAX, "router_fwd<%s, 32, true, false, %d>", ct, scase);
+      snprintf(name, MOE_RT_KERNEL_NAME_MAX, "router_fwd<%s, 32, true, false, %d%s>", ct, scase,
+               K <= 8 ? ", true" : "");
       *row = 1;
     }
   } else if (team_for(E, 1) == 32) {
-    snprintf(name, MOE_RT_KERNEL_NAME_MAX, "router_fwd<%s, 32, %s, false, %d>", ct, G ? "true" : "false", scase);
+    snprintf(name, MOE_RT_KERNEL_NAME_MAX, "router_fwd<%s, 32, %s, false, %d%s>", ct, G ? "true" : "false", scase,
+             G && K <= 8 ? ", true" : "");
   }
 }
 

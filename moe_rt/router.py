@@ -73,10 +73,12 @@ _jit.register(_FILE, [f"router_fwd<{c}, {team}>" for c in _jit.CTYPES.values() f
 # Quick kernels (stand-ins while a kernel compiles on a first call: moe_rt._jit.compile_in_background; the C
 # core's planner names them, csrc/router.c fwd_stand_in): compiled for one score case alone, each computes the
 # bits of the kernel it stands in for in that case: a row of one warp, with groups (for the one-warp and
-# register kernels with groups; no aux mode there) or without, and 8 to 32 keys a lane without groups (for
-# bf16 at 8 keys the kernel itself compiles in about a second). Warmup leaves them out.
+# register kernels with groups; no aux mode there; for K <= 8 compiled without the paths of K > 8) or without,
+# and 8 to 32 keys a lane without groups (for bf16 at 8 keys the kernel itself compiles in about a second).
+# Warmup leaves them out.
 _jit.register(_FILE, [f"router_fwd<{c}, 32, {gr}, false, {s}>" for c in _jit.CTYPES.values()
                       for gr, cases in (("false", range(7)), ("true", (0, 2, 3, 5, 6))) for s in cases]
+              + [f"router_fwd<{c}, 32, true, false, {s}, true>" for c in _jit.CTYPES.values() for s in (0, 2, 3, 5, 6)]
               + [f"router_fwd_reg<{c}, {v}, false, false, false, {s}>" for c in ("float", "__nv_bfloat16")
                  for v in _REG_V if v != 8 or c == "float" for s in range(7)], quick=True)
 __all__ = ["topk_with_score", "topk_with_score_backward", "topk_indices_with_score", "scores_for_aux_loss",

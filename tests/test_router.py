@@ -510,6 +510,10 @@ QUICK_CASES = [(E, dt, score, bias, pre, aux, None) for E in (256, 520, 1000, 23
 QUICK_CASES += [(E, dt, score, bias, False, False, grp) for E in (256, 512, 1024, 2304) for dt in (F32, BF16)
                 for score, bias, grp in (("sigmoid", True, (8, 4)), ("softmax", False, (4, 2)),
                                          ("sqrtsoftplus", True, (16, 8)))]
+QUICK_CASES = [c + (8,) for c in QUICK_CASES]
+# K > 8 with groups: the group stand-in with every path (K <= 8 above: the one compiled without those of K > 8)
+QUICK_CASES += [(E, dt, score, bias, False, False, grp, 16) for E in (1024, 2304) for dt in (F32, BF16)
+                for score, bias, grp in (("sigmoid", True, (8, 4)), ("softmax", False, (4, 1)))]
 
 
 @pytest.fixture(scope="module")
@@ -521,7 +525,7 @@ def stand_in_folder(tmp_path_factory):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", QUICK_CASES, ids=lambda c: f"E{c[0]}-{np.dtype(c[1]).name}-{c[2]}"
                          f"{'-b' if c[3] else ''}{'-pre' if c[4] else ''}{'-aux' if c[5] else ''}"
-                         f"{f'-g{c[6][0]}x{c[6][1]}' if c[6] else ''}")
+                         f"{f'-g{c[6][0]}x{c[6][1]}' if c[6] else ''}{f'-k{c[7]}' if c[7] != 8 else ''}")
 def test_gpu_stand_ins_give_the_same_bits(rng, monkeypatch, stand_in_folder, case):
     """A stand-in (a quick kernel the C core runs on a first call while the router kernel compiles: moe_rt._jit's
     stand-ins, csrc/router.c fwd_stand_in) writes the bits the kernel it stands in for writes, on every output:
@@ -531,17 +535,17 @@ def test_gpu_stand_ins_give_the_same_bits(rng, monkeypatch, stand_in_folder, cas
 
     from moe_rt import _core, _jit
 
-    E, dtype, score, bias, pre, aux, grp = case
+    E, dtype, score, bias, pre, aux, grp, k = case
     x = cp.asarray(_tie_free(rng, 1031, E, dtype))
     gkw = dict(num_groups=grp[0], group_topk=grp[1]) if grp else {}
     b = cp.asarray((rng.permutation(E) * (0.5 / E)).astype(F32)) if bias else None
 
     def run():
         if aux:
-            out = R.scores_for_aux_loss(x, 8, score)
+            out = R.scores_for_aux_loss(x, k, score)
         else:
             kw = dict(score_function=score, use_pre_softmax=pre, expert_bias=b, **gkw)
-            out = R.topk_with_score(x, 8, **kw) + R.topk_indices_with_score(x, 8, **kw)
+            out = R.topk_with_score(x, k, **kw) + R.topk_indices_with_score(x, k, **kw)
         return [o.get() for o in out]
 
     monkeypatch.setattr(_jit, "TIERED", False)

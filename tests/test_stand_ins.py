@@ -131,8 +131,8 @@ FILE = "router.cu"
 # a lane and its stand-in, the one-warp row kernel compiled for that case (launched with its own configuration)
 T, E, K, G, GK = 1 << 16, 1024, 8, 8, 4
 FINAL = "router_fwd_reg<float, 32>"
-QUICK2 = "router_fwd<float, 32, true, false, 2>"
-QUICK3 = "router_fwd<float, 32, true, false, 3>"
+QUICK2 = "router_fwd<float, 32, true, false, 2, true>"  # K <= 8: compiled without the paths of K > 8
+QUICK3 = "router_fwd<float, 32, true, false, 3, true>"
 REGS = {FINAL: 200}  # registers of each image (40 for the others): the grids differ with them
 BASE = 0x7F0000000000
 
@@ -196,9 +196,9 @@ def _device_ctx(lib, stub, root, monkeypatch):
     return ctx
 
 
-def _topk(lib, ctx, bias=True, score=SIGMOID, dtype=F32, e=E, groups=(G, GK), routing_dtype=BOOL, t=T):
+def _topk(lib, ctx, bias=True, score=SIGMOID, dtype=F32, e=E, groups=(G, GK), routing_dtype=BOOL, t=T, k=K):
     g = groups or (0, 0)
-    return lib.moe_rt_topk_with_score(ctx, BASE, dtype, t, e, K, score, 0, g[0], g[1], 1.0,
+    return lib.moe_rt_topk_with_score(ctx, BASE, dtype, t, e, k, score, 0, g[0], g[1], 1.0,
                                       BASE + (1 << 30) if bias else None, BASE + (2 << 30), BASE + (3 << 30),
                                       routing_dtype, BASE + (4 << 30), None)
 
@@ -262,6 +262,9 @@ def test_the_planner_names_the_stand_ins_of_the_first_use_table(lib):
         (dict(score=SIGMOID, e=256, groups=(8, 4)), "router_fwd_reg<float, 8, true, true>", ""),
         (dict(), FINAL, QUICK2),
         (dict(bias=False), FINAL, QUICK3),
+        (dict(k=16), FINAL, "router_fwd<float, 32, true, false, 2>"),  # K > 8: the row kernel with every path
+        (dict(dtype=BF16, e=2304, k=16), "router_fwd<__nv_bfloat16, 32>", "router_fwd<__nv_bfloat16, 32, true, false, 2>"),
+        (dict(dtype=BF16, e=2304), "router_fwd<__nv_bfloat16, 32>", "router_fwd<__nv_bfloat16, 32, true, false, 2, true>"),
         (dict(score=SOFTMAX, bias=False, dtype=BF16, e=256, groups=None), "router_fwd_reg<__nv_bfloat16, 8, false>",
          ""),  # bf16 at 8 keys a lane: the kernel compiles in about a second
         (dict(score=SOFTMAX, bias=False, e=4096, groups=None), "router_fwd<float, 128>", ""),  # teams above 32
