@@ -123,6 +123,18 @@ class _Counted:
         return object.__getattribute__(self, name)
 
 
+class _Array(_Counted):
+    """A counting array stand-in: ``_shape``, ``_dtype`` set by the subclass."""
+
+    @property
+    def shape(self):
+        return self._shape
+
+    @property
+    def dtype(self):
+        return self._dtype
+
+
 def make_fake_torch():
     import torch
 
@@ -135,7 +147,7 @@ def make_fake_torch():
             n = sizes[dt] = real_empty((), dtype=dt).element_size()
         return n
 
-    class Tensor(_Counted):
+    class Tensor(_Array):
         _kind = "tensor"
 
         def __init__(self, shape, dtype, ptr=None):
@@ -149,14 +161,6 @@ def make_fake_torch():
 
         requires_grad = False
         is_cuda = True
-
-        @property
-        def shape(self):
-            return self._shape
-
-        @property
-        def dtype(self):
-            return self._dtype
 
         def get_device(self):
             return 0
@@ -252,7 +256,7 @@ def make_fake_cupy():
         c_contiguous = True
         writeable = True
 
-    class ndarray(_Counted):
+    class ndarray(_Array):
         _kind = "cupy.ndarray"
 
         def __init__(self, shape, dtype, ptr=None):
@@ -265,14 +269,6 @@ def make_fake_cupy():
             self._ptr = _addr(n * self._dtype.itemsize) if ptr is None else ptr
 
         flags = _Flags()
-
-        @property
-        def shape(self):
-            return self._shape
-
-        @property
-        def dtype(self):
-            return self._dtype
 
         @property
         def ndim(self):
