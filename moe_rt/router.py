@@ -593,7 +593,7 @@ def topk_with_score_backward(grad_probs, routing_map, intermediate, topk, *, sco
                     if _errors.DEBUG:
                         core.check(call.stream_ptr)
             return call.out(_shaped(out, shape))
-        m = _arrays.contiguous(xp, mv).reshape(T, int(mv.shape[-1]))
+        m = _shaped(_arrays.contiguous(xp, mv), (T, int(mv.shape[-1])))
         if call.backend == "cpu":
             if bitmap:
                 if E % 8 and (m[:, -1] >> (E % 8)).any():
