@@ -55,6 +55,7 @@ typedef struct mrt_driver {
   CUresult (*cuMemcpyDtoHAsync)(void*, CUdeviceptr, size_t, CUstream);
   CUresult (*cuMemcpyDtoDAsync)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
   CUresult (*cuStreamSynchronize)(CUstream);
+  CUresult (*cuStreamIsCapturing)(CUstream, int*); /* *status: 0 none, 1 active, 2 invalidated */
   CUresult (*cuGetErrorString)(CUresult, const char**);
 } mrt_driver;
 
@@ -79,6 +80,9 @@ typedef struct mrt_launch {
   int64_t scalars[2]; /* moe_rt_launch_info.scalars */
   int32_t kind;       /* which launch of its op it is (an op's executor builds the arguments by kind) */
   int64_t arg[2];     /* sizes the planner worked out for the arguments */
+  /* planning contexts: the kernel that may stand in for `name` in this call while `name` compiles ("" when
+   * none; moe_rt_context_load_stand_in) */
+  char stand_in[MOE_RT_KERNEL_NAME_MAX];
 } mrt_launch;
 
 #define MRT_MAX_LAUNCHES 4
@@ -96,6 +100,13 @@ moe_rt_status mrt_kernel(moe_rt_context* ctx, mrt_launch* l, const char* file, i
 /* As mrt_kernel, with the kernel's most threads a block (CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK; 0 in a
  * planning context, where the caller works it out from the kernel's launch bounds). */
 moe_rt_status mrt_kernel_threads(moe_rt_context* ctx, mrt_launch* l, const char* file, int* regs, int* max_threads);
+/* mrt_kernel for a launch that `stand_in` may stand in for (a kernel computing the same bits for this call):
+ * a device context takes l->name when it is loaded, else the stand-in loaded for it by
+ * moe_rt_context_load_stand_in (then *standing = 1 and l->name becomes the stand-in's name: the plan is the
+ * stand-in's and is not to be cached), else l->name from the kernel cache. A planning context records
+ * `stand_in` in l->stand_in. */
+moe_rt_status mrt_kernel_or_stand_in(moe_rt_context* ctx, mrt_launch* l, const char* file, const char* stand_in,
+                                     int* regs, int* standing);
 const moe_rt_device_info* mrt_device(const moe_rt_context* ctx);
 
 /* The plan cache: a plan by its signature (key bytes), NULL when absent; mrt_plan_put stores a copy. */

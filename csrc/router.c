@@ -129,13 +129,68 @@ static void fwd_shape(moe_rt_context* ctx, mrt_plan* p, int threads, int smem, i
   p->ints[FWD_RESIDENT] = mrt_resident_grid(mrt_device(ctx), (int64_t)1 << 30, threads, smem, regs);
 }
 
+/* The score case of the router kernels' with_score_fn (kernels/router.cu): 0 softmax; 1, 2, 3 sigmoid with
+ * aux, bias, plain; 4, 5, 6 the same for sqrtsoftplus. */
+static int score_case(int score_fn, int aux, int bias) {
+  if (score_fn == MOE_RT_SCORE_SOFTMAX) return 0;
+  return (score_fn == MOE_RT_SCORE_SIGMOID ? 1 : 4) + (aux ? 0 : bias ? 1 : 2);
+}
+
+/* The forward's stand-in (mrt_kernel_or_stand_in) for score case `scase`: the same template compiled for that
+ * case alone (SFO), which computes the bits of the kernel fwd_plan names for such a call and compiles in a
+ * fraction of its time; "" when there is none. *row = 1: the stand-in is the one-warp row kernel, launched with
+ * its own configuration (with groups and 16 or 32 keys a lane: router_fwd_reg computes router_fwd<T, 32>'s
+ * bits). With groups and K <= 8 the row kernel compiled without the paths of K > 8 (SMALLK: about two thirds
+ * of the compile time). None for the bit-packed map, for bf16 at 8 keys a lane without groups (that kernel
+ * compiles in about a second), for groups held in the lanes (a kernel compiled for that path alone), nor for
+ * teams above 32. */
+static void fwd_stand_in(int dtype, int E, int K, int G, int g, int vec, int bitmap, int scase, char* name,
+                         int* row) {
+  const int isz = mrt_dtype_size(dtype), ch = 16 / isz;
+  const char* ct = mrt_ctype(dtype);
+  const int v = reg_v(E, ch, vec, dtype);
+  name[0] = 0;
+  *row = 0;
+  if (bitmap) return;
+  if (v) {
+    if (!G) {
+      if (!(v == 8 && isz == 2))
+        snprintf(name, MOE_RT_KERNEL_NAME_MAX, "router_fwd_reg<%s, %d, false, false, false, %d>", ct, v, scase);
+    } else if (!(v == 8 && K <= 8 && lane_groups(E, K, G, g, ch))) {
+      snprintf(name, MOE_RT_KERNEL_NAME_MAX, "router_fwd<%s, 32, true, false, %d%s>", ct, scase,
+               K <= 8 ? ", true" : "");
+      *row = 1;
+    }
+  } else if (team_for(E, 1) == 32) {
+    snprintf(name, MOE_RT_KERNEL_NAME_MAX, "router_fwd<%s, 32, %s, false, %d%s>", ct, G ? "true" : "false", scase,
+             G && K <= 8 ? ", true" : "");
+  }
+}
+
+/* The row kernel's configuration (router_fwd<T, team>): threads, shared memory, slots a block, tokens a warp,
+ * gcm word. */
+static void fwd_row_cfg(int E, int K, int G, int g, int ch, int vec, int team, int* threads, int* smem, int* spb,
+                        int* tpw, int* gcm) {
+  *spb = team == 32 ? 4 : 1;
+  *smem = 4 * slot_words(E, G, K, team) * *spb;
+  *threads = team * *spb;
+  *tpw = team == 32 ? 1 : 0;
+  *gcm = cmax_word(E, K, G, g, ch, vec, team);
+}
+
 static moe_rt_status fwd_plan(moe_rt_context* ctx, int dtype, int E, int K, int G, int g, int vec, int bitmap,
-                              mrt_plan* out) {
+                              int scase, mrt_plan* out) {
   fwd_key key;
   memset(&key, 0, sizeof key);
   key.op = 1; key.dtype = dtype; key.E = E; key.K = K; key.G = G; key.g = g; key.vec = vec; key.bitmap = bitmap;
+  char stand_in[MOE_RT_KERNEL_NAME_MAX];
+  int row = 0;
   const mrt_plan* hit = mrt_plan_get(ctx, &key, sizeof key);
-  if (hit) { *out = *hit; return MOE_RT_SUCCESS; }
+  if (hit) { /* plans made with a stand-in are never cached */
+    *out = *hit;
+    if (mrt_is_planning(ctx)) fwd_stand_in(dtype, E, K, G, g, vec, bitmap, scase, out->launch[0].stand_in, &row);
+    return MOE_RT_SUCCESS;
+  }
   mrt_plan p;
   memset(&p, 0, sizeof p);
   p.num_launches = 1;
@@ -166,18 +221,16 @@ static moe_rt_status fwd_plan(moe_rt_context* ctx, int dtype, int E, int K, int 
       snprintf(l->name, sizeof l->name, "router_fwd<%s, %d, %s, true>", ct, team, groups ? "true" : "false");
     else
       snprintf(l->name, sizeof l->name, "router_fwd<%s, %d%s>", ct, team, groups ? "" : ", false");
-    spb = team == 32 ? 4 : 1;
-    smem = 4 * slot_words(E, G, K, team) * spb;
-    threads = team * spb;
-    tpw = team == 32 ? 1 : 0;
-    gcm = cmax_word(E, K, G, g, ch, vec, team);
+    fwd_row_cfg(E, K, G, g, ch, vec, team, &threads, &smem, &spb, &tpw, &gcm);
   }
-  int regs = 0;
-  moe_rt_status st = mrt_kernel(ctx, l, FILE_ROUTER, &regs);
+  fwd_stand_in(dtype, E, K, G, g, vec, bitmap, scase, stand_in, &row);
+  int regs = 0, standing = 0;
+  moe_rt_status st = mrt_kernel_or_stand_in(ctx, l, FILE_ROUTER, stand_in, &regs, &standing);
   if (st) return st;
+  if (standing && row) fwd_row_cfg(E, K, G, g, ch, vec, 32, &threads, &smem, &spb, &tpw, &gcm);
   fwd_shape(ctx, &p, threads, smem, regs, spb, tpw);
   p.ints[FWD_GCM] = gcm;
-  mrt_plan_put(ctx, &key, sizeof key, &p);
+  if (!standing) mrt_plan_put(ctx, &key, sizeof key, &p);
   *out = p;
   return MOE_RT_SUCCESS;
 }
@@ -197,7 +250,7 @@ static moe_rt_status router_fwd(moe_rt_context* ctx, const void* x, int dtype, i
   const void* ptrs[6] = {x, probs, scores, bitmap ? NULL : rmap, inter, bias};
   int vec = E % ch == 0;
   for (int i = 0; i < 6; ++i) vec = vec && (ptrs[i] == NULL || mrt_aligned16(ptrs[i]));
-  moe_rt_status st = fwd_plan(ctx, dtype, E, K, G, g, vec, bitmap, &p);
+  moe_rt_status st = fwd_plan(ctx, dtype, E, K, G, g, vec, bitmap, score_case(score_fn, aux, bias != NULL), &p);
   if (st) return st;
   p.launch[0].grid = tpw_grid(T, (int)p.ints[FWD_SPB], (int)p.ints[FWD_TPW], p.ints[FWD_RESIDENT]);
   const int32_t gcm = aux || pre ? 0 : (int32_t)p.ints[FWD_GCM];

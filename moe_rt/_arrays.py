@@ -14,7 +14,7 @@ given as a ``cupy.cuda.Stream``, a ``torch.cuda.Stream``, any object with ``__cu
 from __future__ import annotations
 
 import math
-import threading as _threading
+import threading
 
 import numpy as np
 
@@ -63,8 +63,10 @@ def _device_of(obj, name, fw=None):
         return "cuda", obj.device_id
     if fw == "cupy":
         return "cuda", obj.device.id
-    if fw == "torch" and hasattr(obj, "is_cuda"):
-        return ("cuda", obj.get_device()) if obj.is_cuda else ("cpu", 0)
+    if fw == "torch":
+        is_cuda = getattr(obj, "is_cuda", None)
+        if is_cuda is not None:
+            return ("cuda", obj.get_device()) if is_cuda else ("cpu", 0)
     if not hasattr(obj, "__dlpack__"):
         raise TypeError(f"{name}: expected an array with __dlpack__ (torch, JAX, CuPy, NumPy), "
                         f"got {type(obj).__name__}")
@@ -125,12 +127,74 @@ def as_cupy_stream(stream, device_id: int):
 
 def _default_stream(framework: str, device_id: int):
     if framework == "torch":
+        return as_cupy_stream(_torch_stream_ptr(device_id), device_id)
+    return as_cupy_stream(None, device_id)
+
+
+_torch_raw_stream = None  # torch._C._cuda_getCurrentRawStream (or a fallback), bound on first use
+_torch_cur_device = None  # torch._C._cuda_getDevice, or False where torch lacks it
+
+
+def _torch_stream_ptr(device_id: int) -> int:
+    """torch's current cudaStream_t on ``device_id`` (an int, no Stream object)."""
+    global _torch_raw_stream
+    raw = _torch_raw_stream
+    if raw is None:
         import torch
 
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # the cudaStream_t, no Stream object
-        ptr = raw(device_id) if raw is not None else torch.cuda.current_stream(device_id).cuda_stream
-        return as_cupy_stream(int(ptr), device_id)
-    return as_cupy_stream(None, device_id)
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        if raw is None:  # pragma: no cover - older torch
+            def raw(dev, _cs=torch.cuda.current_stream):
+                return _cs(dev).cuda_stream
+        raw = _torch_raw_stream = raw
+    return int(raw(device_id))
+
+
+def _torch_device_current(device_id: int) -> bool:
+    """Whether ``device_id`` is torch's current CUDA device (False where torch cannot tell cheaply)."""
+    global _torch_cur_device
+    cur = _torch_cur_device
+    if cur is None:
+        import torch
+
+        cur = _torch_cur_device = getattr(torch._C, "_cuda_getDevice", None) or False
+    return cur is not False and cur() == device_id
+
+
+_cupy_mod = None
+
+
+def _cupy():
+    global _cupy_mod
+    if _cupy_mod is None:
+        import cupy
+
+        _cupy_mod = cupy
+    return _cupy_mod
+
+
+def _cupy_device() -> int:
+    """CuPy's current device (cudaGetDevice)."""
+    return _cupy().cuda.runtime.getDevice()
+
+
+# The light call of this thread that is running (see Call): CuPy's device and stream are entered for it only
+# when CuPy is used (DevArray.cupy, call.xp, call.stream).
+_light = threading.local()
+
+
+class _LazyCupy:
+    """``call.xp`` of a light call: cupy, with the call's device and stream made CuPy's current ones at the
+    first use of any of its attributes."""
+
+    __slots__ = ("_call",)
+
+    def __init__(self, call):
+        self._call = call
+
+    def __getattr__(self, name):
+        self._call._enter_cupy()
+        return getattr(_cupy(), name)
 
 
 _TORCH_DTYPES: dict = {}
@@ -217,42 +281,6 @@ def _fp8_export(u8, dtype, framework: str):
     return as_fp8(export(u8, framework), dtype, framework)
 
 
-class _Slot:
-    """The owner of a symbolic DevArray while an op is recorded (see :mod:`moe_rt._fast`): no memory, only
-    the array's number among the call's inputs and allocations."""
-
-    __slots__ = ("index",)
-
-    def __init__(self, index: int):
-        self.index = index
-
-
-class Unrecordable(Exception):
-    """Raised inside an op being recorded when its path needs more than allocations and kernel launches."""
-
-
-class NotYet(Unrecordable):
-    """Raised inside an op being recorded when this call's path is provisional (a quick kernel standing in
-    while another compiles): the call runs the ordinary way and a later call is recorded."""
-
-
-def not_recordable_yet() -> None:
-    """Called by an op whose launch this time is provisional: while it is being recorded, stop (NotYet)."""
-    if RECORDING and recorder() is not None:
-        raise NotYet("a quick kernel stands in while the op's kernel compiles")
-
-
-# Recording (moe_rt._fast): RECORDING counts the threads recording now, so the ordinary path pays one global
-# read; the recorder itself is thread-local.
-RECORDING = 0
-_rec_state = _threading.local()
-
-
-def recorder():
-    """The recorder of this thread, or None."""
-    return getattr(_rec_state, "r", None) if RECORDING else None
-
-
 class _Flags:
     __slots__ = ()
     c_contiguous = True
@@ -297,6 +325,11 @@ class DevArray:
     def reshape(self, *shape):
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
             shape = shape[0]
+        if shape == self.shape:  # the ops' usual case (2-D arrays in, 2-D results out): the array itself
+            return self
+        if (len(shape) == 2 and len(self.shape) == 2 and shape[0] == -1 and type(shape[1]) is int
+                and shape[1] == self.shape[1] and shape[1] > 0):  # rows flattened to [-1, E]: itself too
+            return self
         shape = tuple(int(d) for d in shape)
         n = self.size
         if -1 in shape:
@@ -325,8 +358,9 @@ class DevArray:
     def cupy(self):
         """A CuPy array over the same memory (made once); for an FP8 array, its bytes as uint8 (CuPy holds no
         FP8 dtype)."""
-        if type(self.owner) is _Slot:
-            raise Unrecordable("the op needs a CuPy view of an array")
+        c = getattr(_light, "call", None)
+        if c is not None:  # a light call is running: CuPy work follows, on its device and stream
+            c._enter_cupy()
         if self._cp is None:
             nbytes = self.nbytes
             dt = _UINT8 if self.dtype in FP8_DTYPES else self.dtype
@@ -366,29 +400,6 @@ def _torch_dtype_of(dt):
 
 
 _TORCH_BY_NP: dict = {}
-
-
-_serving = _threading.local()
-
-
-class serving:
-    """Within ``with serving(dsts, stream_ptr):`` (``dsts``: DevArrays over XLA's output buffers;
-    ``stream_ptr``: XLA's stream, the current CuPy stream there), :meth:`Call.empty` hands an op each
-    buffer once, in order, to the first allocation of the same dtype and element count, so results are
-    computed straight into XLA's outputs."""
-
-    def __init__(self, dsts, stream_ptr=None):
-        self.dsts = [d for d in dsts if d.size > 0]
-        self.stream_ptr = stream_ptr
-
-    def __enter__(self):
-        self.prev = (getattr(_serving, "outs", None), getattr(_serving, "stream", None))
-        _serving.outs, _serving.stream = self.dsts, self.stream_ptr
-        return self
-
-    def __exit__(self, *exc):
-        _serving.outs, _serving.stream = self.prev
-        return False
 
 
 _framework_by_type[DevArray] = "devarray"
@@ -484,26 +495,68 @@ class Call:
         self._first = first
         self._fast_torch = self.backend == "cuda" and stream is None and self.framework == "torch"
         self._on_xla_stream = xla_buffers and stream is not None
-        # lean: the op's CUDA path takes DevArrays (torch tensors on torch's stream, XLA buffers) and
-        # allocates through empty(): torch's allocator for torch callers, XLA's outputs in a callback
+        # lean: the op's CUDA path takes DevArrays (torch tensors on torch's stream) and allocates through
+        # empty(): torch's allocator for torch callers
         self._lean = lean and self.backend == "cuda"
-        self._serve = getattr(_serving, "outs", None) if self._lean else None
-        self._rec = recorder() if RECORDING and self._lean else None
         self._tdev = None
+        self._light = self._entered = self._active = self._current = False
+        self._stream = None
+        self.stream_ptr = None
         if self.backend == "cuda":
-            import cupy
-
+            cupy = _cupy()
             self.xp = cupy
             self._device = _devices.get(self.device_id)
             if self._device is None:
                 self._device = _devices[self.device_id] = cupy.cuda.Device(self.device_id)
-            self.stream = (as_cupy_stream(stream, self.device_id) if stream is not None
-                           else _default_stream(self.framework, self.device_id))
+            if stream is not None:
+                self._stream = as_cupy_stream(stream, self.device_id)
+            elif self._lean and self._fast_torch and _torch_device_current(self.device_id):
+                # a light call, if every array comes as a DevArray (below): torch's stream as an int, CuPy's
+                # device and stream entered only if the op uses CuPy (_enter_cupy)
+                self.stream_ptr = _torch_stream_ptr(self.device_id)
+            else:
+                self._stream = _default_stream(self.framework, self.device_id)
+                # CuPy arrays on CuPy's current device and stream: both are current already (nothing to enter)
+                self._current = self.framework == "cupy" and _cupy_device() == self.device_id
+            if self._stream is not None:
+                self.stream_ptr = self._stream.ptr
         else:
             self.xp = np
             self._device = None
-            self.stream = None
         self.views = {name: (None if obj is None else self._import(obj, name)) for name, obj in arrays.items()}
+        if self._stream is None and self.stream_ptr is not None:
+            for v in self.views.values():
+                if v is not None and type(v) is not DevArray:
+                    break
+            else:
+                self._light = True
+                self.xp = _LazyCupy(self)
+
+    @property
+    def stream(self):
+        """The call's stream as a CuPy stream (None on CPU); made on first use in a light call, whose CuPy
+        device and stream are then entered (see :meth:`_enter_cupy`)."""
+        if self._light and self._active and not self._entered:
+            self._enter_cupy()
+        s = self._stream
+        if s is None and self.stream_ptr is not None:
+            s = self._stream = as_cupy_stream(self.stream_ptr, self.device_id)
+        return s
+
+    def _enter_cupy(self):
+        """A light call about to use CuPy: make its device and stream CuPy's current ones (left at exit)."""
+        if self._entered or not self._active:
+            return
+        s = self._stream
+        if s is None:
+            s = self._stream = as_cupy_stream(self.stream_ptr, self.device_id)
+        self._device.__enter__()
+        try:
+            s.__enter__()
+        except BaseException:
+            self._device.__exit__(None, None, None)
+            raise
+        self._entered = True
 
     # -- import --------------------------------------------------------------------------------------
     def _import(self, obj, name):
@@ -522,7 +575,7 @@ class Call:
             # torch CUDA tensor on torch's current stream (the stream this call runs on): read its pointer,
             # shape and strides directly; DLPack's stream handshake would be a no-op here.
             dt = _torch_np_dtype(obj.dtype)
-            if dt is not None and obj.is_cuda:
+            if dt is not None:  # a CUDA tensor: the call's backend (every array is on its device)
                 fp8 = dt.itemsize == 1 and dt in FP8_DTYPES
                 if (self._lean or fp8) and obj.is_contiguous():
                     return DevArray(obj.data_ptr(), tuple(obj.shape), dt, obj, self.device_id)
@@ -573,48 +626,40 @@ class Call:
 
     # -- context ---------------------------------------------------------------------------------------
     def __enter__(self):
-        if self._device is not None:
+        if self._light:
+            self._prev_light = getattr(_light, "call", None)
+            _light.call = self
+            self._active = True
+        elif self._device is not None and not self._current:
+            s = self.stream
             self._device.__enter__()
-            self.stream.__enter__()
+            s.__enter__()
+            self._entered = True
         return self
 
     def __exit__(self, *exc):
-        if self._device is not None:
-            self.stream.__exit__(*exc)
+        if self._light:
+            self._active = False
+            _light.call = self._prev_light
+        if self._entered:
+            self._entered = False
+            self._stream.__exit__(*exc)
             self._device.__exit__(*exc)
         return False
 
     # -- allocation ------------------------------------------------------------------------------------
-    @property
-    def serving(self) -> bool:
-        """Whether results go straight into XLA's output buffers (a lean call inside a JAX callback)."""
-        return self._serve is not None
-
     def empty(self, shape, dtype):
-        """An uninitialized result array on the call's device and stream: in a lean call one of XLA's
-        output buffers (see :class:`serving`) or a torch tensor from torch's allocator (as a DevArray),
-        else a CuPy (CUDA) or NumPy (CPU) array; FP8 on CUDA: a DevArray (see :func:`fp8_array`)."""
-        if self._lean:
-            if self._rec is not None:
-                return self._rec.alloc(shape, dtype, "empty", self.device_id)
-            dtype = np.dtype(dtype)
-            shape = tuple(shape)
-            if self._serve:
-                n = math.prod(shape)
-                for i, d in enumerate(self._serve):
-                    if d.dtype == dtype and d.size == n:
-                        del self._serve[i]
-                        return d.reshape(shape)
-            if self._fast_torch:
-                return self._torch_empty(shape, dtype)
+        """An uninitialized result array on the call's device and stream: in a lean call from torch a torch
+        tensor from torch's allocator (as a DevArray), else a CuPy (CUDA) or NumPy (CPU) array; FP8 on CUDA:
+        a DevArray (see :func:`fp8_array`)."""
+        if self._lean and self._fast_torch:
+            return self._torch_empty(tuple(shape), np.dtype(dtype))
         if self.backend == "cuda" and np.dtype(dtype) in FP8_DTYPES:
             return self._fp8_empty(shape, np.dtype(dtype))
         return self.xp.empty(shape, dtype=dtype)
 
     def scratch(self, shape, dtype):
-        """Like :meth:`empty`, but never one of XLA's output buffers (working memory of one call)."""
-        if self._lean and self._rec is not None:
-            return self._rec.alloc(shape, dtype, "scratch", self.device_id)
+        """Working memory of one call (allocated as :meth:`empty` allocates)."""
         if self._lean and self._fast_torch:
             return self._torch_empty(tuple(shape), np.dtype(dtype))
         if self.backend == "cuda" and np.dtype(dtype) in FP8_DTYPES:
@@ -627,9 +672,8 @@ class Call:
         if self.framework not in ("torch", "jax", "devarray"):
             raise TypeError(f"{self._first}: a {self.framework} array, and the result would be FP8 "
                             f"({dtype.name}), which CuPy cannot hold; pass torch or JAX arrays for FP8 on CUDA")
-        import cupy
-
-        return fp8_array(cupy.empty(tuple(shape), dtype=_UINT8), dtype)
+        self._enter_cupy()
+        return fp8_array(_cupy().empty(tuple(shape), dtype=_UINT8), dtype)
 
     def _torch_empty(self, shape, dtype):
         import torch

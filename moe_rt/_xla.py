@@ -312,9 +312,7 @@ def prepare(op: str, **facts) -> None:
             arch = _jit.arch_for(cc)
             if arch not in by_arch:
                 names = by_arch[arch] = planned_kernels(op, cc, **facts)
-                for file, name in names:
-                    _jit.kernel_image(file, name, arch, root=root, where=" for moe_rt.jax")
-                _jit.add_to_manifest(root, [(f, n, arch) for f, n in names])
+                _jit.cache_kernels(root, names, arch, where=" for moe_rt.jax")
             names = by_arch[arch]
             for file, name in names:
                 if lib.moe_rt_xla_load_kernel(int(d.local_hardware_id), file.encode(), name.encode()):

@@ -156,6 +156,30 @@ typedef struct moe_rt_plan_info {
 /* Planning contexts: the launches of the last op called on ctx (from any thread). */
 moe_rt_status moe_rt_last_plan(const moe_rt_context* ctx, moe_rt_plan_info* info);
 
+/* Stand-in kernels: a first call need not wait for a kernel that compiles slowly. For some launches (the
+ * router forward's) the planner names a stand-in: a kernel of the same file that computes the same bits for
+ * that call (the same template compiled for the call's score case alone), which compiles in a fraction of
+ * the time. moe_rt's Python side uses these on a kernel-cache miss; a C program that loads its kernels from a
+ * warmed folder needs none of it.
+ *
+ * moe_rt_last_plan_stand_in: planning contexts: the stand-in of launch `launch` of the last plan ("" when the
+ * launch has none), written to `name` (`size` bytes, at least MOE_RT_KERNEL_NAME_MAX).
+ * moe_rt_context_load_stand_in: load kernel `stand_in` of kernels/`file` (from the kernel-cache folder) to
+ * stand in for kernel `name`: until `name` is loaded, a call whose planner names `stand_in` as the stand-in
+ * of `name` runs it, planned with its own registers (plans made with a stand-in are not cached). A no-op on a
+ * planning context.
+ * moe_rt_context_end_stand_ins: `load` = 1: load `name` (the final kernel, from the kernel-cache folder) and
+ * retire its stand-ins, at once for every thread: calls from then on plan with `name`; refused with
+ * MOE_RT_ERROR_NOT_SUPPORTED, loading nothing, while `stream` is being captured into a CUDA graph (call again
+ * after the capture). `load` = 0: retire the stand-ins alone (the final kernel failed to compile: calls then
+ * need `name` in the folder again). Stand-in modules stay loaded until the context is destroyed (a graph
+ * captured with one keeps launching it). */
+moe_rt_status moe_rt_last_plan_stand_in(const moe_rt_context* ctx, int launch, char* name, size_t size);
+moe_rt_status moe_rt_context_load_stand_in(moe_rt_context* ctx, const char* file, const char* name,
+                                           const char* stand_in);
+moe_rt_status moe_rt_context_end_stand_ins(moe_rt_context* ctx, const char* file, const char* name, int load,
+                                           moe_rt_stream stream);
+
 /* Wait for `stream`, then read and clear the context's error word: MOE_RT_ERROR_BAD_EXPERT_ID with the
  * Python side's message ("routing: expert ids must be in [-1, num_experts=E), got V") when make_plan met
  * ids outside [-1, E) since the last check (those slots were dropped, as -1). A host sync. */
