@@ -90,6 +90,9 @@ int cuMemsetD8Async(unsigned long long p, unsigned char c, size_t n, void* s) { 
 int cuMemcpyHtoD_v2(unsigned long long d, const void* s, size_t n) { (void)d; (void)s; (void)n; return 0; }
 int cuMemcpyDtoH_v2(void* d, unsigned long long s, size_t n) { (void)s; memset(d, 0, n); return 0; }
 int cuMemcpyDtoHAsync_v2(void* d, unsigned long long s, size_t n, void* st) { (void)s; (void)st; memset(d, 0, n); return 0; }
+int cuMemcpyDtoDAsync_v2(unsigned long long d, unsigned long long s, size_t n, void* st) {
+  (void)d; (void)s; (void)n; (void)st; return 0;
+}
 int cuStreamSynchronize(void* s) { (void)s; return 0; }
 int cuStreamIsCapturing(void* s, int* st) {  /* capturing 2: the query fails as for the legacy stream */
   (void)s; *st = capturing == 1;                /* while another stream captures in global mode */

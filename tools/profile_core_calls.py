@@ -34,7 +34,7 @@ DRIVER_FNS = ["cuInit", "cuDeviceGetCount", "cuDeviceGet", "cuDeviceGetAttribute
               "cuModuleUnload", "cuModuleGetFunction", "cuModuleGetGlobal_v2", "cuFuncGetAttribute",
               "cuFuncSetAttribute", "cuLaunchKernel", "cuMemAlloc_v2", "cuMemFree_v2", "cuMemsetD8Async",
               "cuMemcpyHtoD_v2", "cuMemcpyDtoH_v2", "cuMemcpyDtoHAsync_v2", "cuStreamSynchronize",
-              "cuStreamIsCapturing", "cuGetErrorString"]
+              "cuStreamIsCapturing", "cuGetErrorString", "cuMemcpyDtoDAsync_v2"]
 
 STUB = r"""
 #include <stdio.h>
@@ -79,6 +79,9 @@ int cuMemcpyDtoHAsync_v2(void* d, unsigned long long s, size_t n, void* st) { co
 int cuStreamSynchronize(void* s) { counts[21]++; (void)s; return 0; }
 int cuStreamIsCapturing(void* s, int* st) { counts[22]++; (void)s; *st = 0; return 0; }
 int cuGetErrorString(int r, const char** s) { counts[23]++; (void)r; *s = "stub error"; return 0; }
+int cuMemcpyDtoDAsync_v2(unsigned long long d, unsigned long long s, size_t n, void* st) {
+  counts[24]++; (void)d; (void)s; (void)n; (void)st; return 0;
+}
 """
 
 COUNTS: collections.Counter = collections.Counter()
