@@ -645,9 +645,11 @@ class LowLatencyGroup:
         return res + (_Hook(self, handle, None),) if split else res
 
     def _dispatch_cuda(self, call, xv, idx, wv, T, K, split, fp8=False, pair=False, dequantize=False, codes=None):
+        # the call's stream first: a light call (torch's stream, _arrays.Call) makes it CuPy's current one
+        # here, which _setup's collectives and capture check use
+        s = call.stream
         if self._transport is None:
             self._setup(call.device_id)
-        s = call.stream
         b = self._next_set
         if self._pending[b] is not None:
             raise ValueError(f"dispatch: buffer set {b} still waits for the receive hook of an earlier dispatch; "
@@ -937,6 +939,7 @@ class LowLatencyGroup:
             if call.backend == "cpu":
                 gy, gw = _ref.combine_bwd([handle._a], [np.asarray(g)], None if y is None else [np.asarray(y)])[0]
                 return call.out(gy), (None if gw is None else call.out(gw))
+            s, b = call.stream, handle.buffer_set  # before _setup, as in dispatch
             self._setup(call.device_id)
             if y is not None:
                 lo, n = self._offs[("recv", handle.buffer_set)]
@@ -944,7 +947,6 @@ class LowLatencyGroup:
                 if y.data.ptr < lo + n and y.data.ptr + y.nbytes > lo:
                     raise ValueError("expert_out: must not be the group's receive buffer (combine_bwd overwrites "
                                      "it); pass a copy")
-            s, b = call.stream, handle.buffer_set
             gy = self._rows(b, False, None)[0]
             self._transport.barrier(s, "combine_bwd")
             # unscaled rows (expert_out given) take the dedup split, its copies mapped by the handle's route
