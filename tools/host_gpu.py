@@ -59,7 +59,7 @@ def category(label: str) -> str:
     """The group an item of the breakdown belongs to (the table of categories)."""
     name = label.split("[")[0]
     short = name.rsplit(".", 1)[-1]
-    if name in ("cuLaunchKernel", "_jit.launch_raw", "_jit.launch", "_jit.function", "_jit.function_tiered",
+    if name in ("cuLaunchKernel", "_jit.launch_raw", "_jit.launch", "_jit.function",
                 "_jit.function_ptr", "_jit._current_stream_ptr", "_jit.set_max_dynamic_shared"):
         return "launch"
     if name.startswith("comm.") or name.startswith("_ep_nccl."):
