@@ -1064,6 +1064,38 @@ def test_gpu_one_rank_table_sets_reused_and_torch(rng):
 
 
 @pytest.mark.gpu
+def test_gpu_torch_first_dispatch_under_capture_on_a_side_stream(rng):
+    """A torch caller's first dispatch on torch's side stream (a light call: CuPy's stream entered only when
+    the op asks for the call's stream) while that stream is captured: the group's set-up sees the capture on
+    the call's stream and refuses with its message (nothing queued, the capture stays valid); after the
+    capture the same dispatch runs on that stream and gives the reference's counts."""
+    import cupy as cp
+
+    torch = _torch_cuda()
+    if torch is None:
+        pytest.skip("needs torch with CUDA")
+    L, K, T, Tmax, H = 4, 2, 9, 16, 32
+    g = LowLatencyGroup(None, L, H, Tmax, topk=K, dtype=np.float32)
+    try:
+        xs, idxs, ws, x, idx, w = _gpu_case(rng, cp, L, K, T, Tmax, H, np.float32)
+        xt, it, wt = (torch.from_dlpack(a) for a in (x, idx, w))
+        torch.cuda.synchronize()
+        side = torch.cuda.Stream()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(side):
+            graph.capture_begin()
+            with pytest.raises(RuntimeError, match="run one op before CUDA-graph capture"):
+                g.dispatch(xt, it, wt)
+            graph.capture_end()  # raises if the refused dispatch touched another stream during the capture
+            recv, counts, h = g.dispatch(xt, it, wt)
+        side.synchronize()
+        np.testing.assert_array_equal(counts.cpu().numpy(), ref.dispatch(xs, idxs, ws, L, Tmax)[0][1])
+        g.synchronize()
+    finally:
+        g.close()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dedup", [True, False])
 def test_gpu_one_rank_split_dispatch_two_in_flight(rng, dedup):
     import cupy as cp
