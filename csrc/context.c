@@ -159,6 +159,10 @@ moe_rt_status mrt_check_ptr(const char* op, const char* name, const void* p) {
   return MOE_RT_SUCCESS;
 }
 
+moe_rt_status mrt_check_data(const char* op, const char* name, const void* p, int64_t n) {
+  return n > 0 ? mrt_check_ptr(op, name, p) : MOE_RT_SUCCESS;
+}
+
 static moe_rt_status load_driver(mrt_driver* d) {
   memset(d, 0, sizeof *d);
   const char* libname = getenv("MOE_RT_LIBCUDA");

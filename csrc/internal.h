@@ -145,6 +145,7 @@ moe_rt_status mrt_error_word(moe_rt_context* ctx, unsigned long long* ptr);
 /* ---- validation helpers --------------------------------------------------------------------------- */
 moe_rt_status mrt_check_ctx(const moe_rt_context* ctx, const char* op);
 moe_rt_status mrt_check_ptr(const char* op, const char* name, const void* p); /* "op: name is NULL" */
+moe_rt_status mrt_check_data(const char* op, const char* name, const void* p, int64_t n); /* NULL allowed when n == 0 */
 int mrt_dtype_size(int dtype);
 int mrt_is_float_dtype(int dtype); /* float32, float16, bfloat16 */
 const char* mrt_ctype(int dtype);   /* the kernels' C++ type of a float dtype */

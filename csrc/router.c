@@ -324,8 +324,8 @@ moe_rt_status moe_rt_topk_with_score(moe_rt_context* ctx, const void* logits, in
       (st = check_topk_settings(op, dtype, T, E, K, score_function, num_groups, group_topk, scaling_factor,
                                 expert_bias)) ||
       (st = routing_form(op, routing_dtype, 1, &bitmap, &idx_bytes)) ||
-      (st = mrt_check_ptr(op, "logits", logits)) || (st = mrt_check_ptr(op, "probs", probs)) ||
-      (st = mrt_check_ptr(op, "routing", routing)) || (st = mrt_check_ptr(op, "intermediate", intermediate)))
+      (st = mrt_check_data(op, "logits", logits, T)) || (st = mrt_check_data(op, "probs", probs, T)) ||
+      (st = mrt_check_data(op, "routing", routing, T)) || (st = mrt_check_data(op, "intermediate", intermediate, T)))
     return st;
   int G = group_topk ? num_groups : 0, g = group_topk ? group_topk : 0;
   int pre = use_pre_softmax && score_function == MOE_RT_SCORE_SOFTMAX;
@@ -343,8 +343,8 @@ moe_rt_status moe_rt_topk_indices_with_score(moe_rt_context* ctx, const void* lo
   if ((st = mrt_check_ctx(ctx, op)) ||
       (st = check_topk_settings(op, dtype, T, E, K, score_function, num_groups, group_topk, scaling_factor,
                                 expert_bias)) ||
-      (st = mrt_check_ptr(op, "logits", logits)) || (st = mrt_check_ptr(op, "topk_idx", topk_idx)) ||
-      (st = mrt_check_ptr(op, "topk_weights", topk_weights)))
+      (st = mrt_check_data(op, "logits", logits, T)) || (st = mrt_check_data(op, "topk_idx", topk_idx, T)) ||
+      (st = mrt_check_data(op, "topk_weights", topk_weights, T)))
     return st;
   int G = group_topk ? num_groups : 0, g = group_topk ? group_topk : 0;
   int pre = use_pre_softmax && score_function == MOE_RT_SCORE_SOFTMAX;
@@ -361,8 +361,8 @@ moe_rt_status moe_rt_scores_for_aux_loss(moe_rt_context* ctx, const void* logits
   if ((st = mrt_check_ctx(ctx, op)) || (st = check_float_dtype(op, "dtype", dtype)) ||
       (st = check_sizes(op, T, E, K)) || (st = check_score(op, score_function)) ||
       (st = routing_form(op, routing_dtype, 0, &bitmap, &idx_bytes)) ||
-      (st = mrt_check_ptr(op, "logits", logits)) || (st = mrt_check_ptr(op, "scores", scores)) ||
-      (st = mrt_check_ptr(op, "routing_map", routing_map)) || (st = mrt_check_ptr(op, "intermediate", intermediate)))
+      (st = mrt_check_data(op, "logits", logits, T)) || (st = mrt_check_data(op, "scores", scores, T)) ||
+      (st = mrt_check_data(op, "routing_map", routing_map, T)) || (st = mrt_check_data(op, "intermediate", intermediate, T)))
     return st;
   return router_fwd(ctx, logits, dtype, T, E, K, score_function, 0, 1, 0, 0, 1.0f, NULL, NULL, scores, routing_map,
                     bitmap, intermediate, NULL, 4, NULL, stream);
@@ -511,8 +511,8 @@ moe_rt_status moe_rt_topk_with_score_backward(moe_rt_context* ctx, const void* g
   if ((st = mrt_check_ctx(ctx, op)) || (st = check_float_dtype(op, "dtype", dtype)) ||
       (st = check_sizes(op, T, E, K)) || (st = check_score(op, score_function)) ||
       (st = check_scale(op, scaling_factor)) || (st = routing_form(op, routing_dtype, 1, &bitmap, &idx_bytes)) ||
-      (st = mrt_check_ptr(op, "grad_probs", grad_probs)) || (st = mrt_check_ptr(op, "routing", routing)) ||
-      (st = mrt_check_ptr(op, "intermediate", intermediate)) || (st = mrt_check_ptr(op, "grad_logits", grad_logits)))
+      (st = mrt_check_data(op, "grad_probs", grad_probs, T)) || (st = mrt_check_data(op, "routing", routing, T)) ||
+      (st = mrt_check_data(op, "intermediate", intermediate, T)) || (st = mrt_check_data(op, "grad_logits", grad_logits, T)))
     return st;
   int pre = use_pre_softmax && score_function == MOE_RT_SCORE_SOFTMAX;
   if (idx_bytes)
@@ -530,8 +530,8 @@ moe_rt_status moe_rt_scores_for_aux_loss_backward(moe_rt_context* ctx, const flo
   moe_rt_status st;
   if ((st = mrt_check_ctx(ctx, op)) || (st = check_float_dtype(op, "grad_dtype", grad_dtype)) ||
       (st = check_sizes(op, T, E, K)) || (st = check_score(op, score_function)) ||
-      (st = mrt_check_ptr(op, "grad_scores", grad_scores)) || (st = mrt_check_ptr(op, "intermediate", intermediate)) ||
-      (st = mrt_check_ptr(op, "grad_logits", grad_logits)))
+      (st = mrt_check_data(op, "grad_scores", grad_scores, T)) || (st = mrt_check_data(op, "intermediate", intermediate, T)) ||
+      (st = mrt_check_data(op, "grad_logits", grad_logits, T)))
     return st;
   return router_bwd(ctx, grad_scores, MOE_RT_FLOAT32, NULL, 0, intermediate, grad_logits, grad_dtype, T, E, K,
                     score_function, 0, 1, 1.0f, stream);
@@ -615,7 +615,7 @@ moe_rt_status moe_rt_aux_loss(moe_rt_context* ctx, const void* probs, int dtype,
   moe_rt_status st;
   if ((st = mrt_check_ctx(ctx, op)) || (st = check_float_dtype(op, "dtype", dtype)) ||
       (st = check_aux(op, R, C, tpe, tpe_dtype, total, total_device, total_dtype, E, topk, coeff)) ||
-      (st = mrt_check_ptr(op, "probs", probs)) || (st = mrt_check_ptr(op, "out", out)) ||
+      (st = mrt_check_data(op, "probs", probs, R * C)) || (st = mrt_check_ptr(op, "out", out)) ||
       (st = mrt_check_ptr(op, "workspace", workspace)))
     return st;
   size_t need = 0;
@@ -682,7 +682,7 @@ moe_rt_status moe_rt_aux_loss_backward(moe_rt_context* ctx, const void* grad, in
   moe_rt_status st;
   if ((st = mrt_check_ctx(ctx, op)) || (st = check_float_dtype(op, "dtype", dtype)) ||
       (st = check_aux(op, R, C, tpe, tpe_dtype, total, total_device, total_dtype, E, topk, coeff)) ||
-      (st = mrt_check_ptr(op, "grad_aux_loss", grad)) || (st = mrt_check_ptr(op, "grad_probs", grad_probs)))
+      (st = mrt_check_ptr(op, "grad_aux_loss", grad)) || (st = mrt_check_data(op, "grad_probs", grad_probs, R * C)))
     return st;
   int64_t rpb, nb;
   aux_blocks(R, &rpb, &nb);
@@ -846,11 +846,11 @@ moe_rt_status moe_rt_topk_with_score_qb(moe_rt_context* ctx, const void* logits,
   if (B < 1 || B > MOE_RT_MAX_QB_BINS)
     return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: num_bins must be in [1, %d], got %d", op, MOE_RT_MAX_QB_BINS,
                     B);
-  if ((st = mrt_check_ptr(op, "logits", logits)) || (st = mrt_check_ptr(op, "expert_bias", expert_bias)) ||
+  if ((st = mrt_check_data(op, "logits", logits, T)) || (st = mrt_check_ptr(op, "expert_bias", expert_bias)) ||
       (st = mrt_check_ptr(op, "qb_bin_bounds", qb_bin_bounds)) ||
-      (st = mrt_check_ptr(op, "qb_histogram", qb_histogram)) || (st = mrt_check_ptr(op, "probs", probs)) ||
-      (st = mrt_check_ptr(op, "routing_map", routing_map)) || (st = mrt_check_ptr(op, "intermediate", intermediate)) ||
-      (st = mrt_check_ptr(op, "cutoff", cutoff)))
+      (st = mrt_check_ptr(op, "qb_histogram", qb_histogram)) || (st = mrt_check_data(op, "probs", probs, T)) ||
+      (st = mrt_check_data(op, "routing_map", routing_map, T)) || (st = mrt_check_data(op, "intermediate", intermediate, T)) ||
+      (st = mrt_check_data(op, "cutoff", cutoff, T)))
     return st;
   mrt_plan p;
   memset(&p, 0, sizeof p);

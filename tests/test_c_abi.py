@@ -706,7 +706,12 @@ def test_bad_router_input(lib, ctx):
     _err(lib, fwd(bias=BASE), INVALID, "expert_bias", "softmax")
     _ok(lib, fwd(bias=BASE, sf=SIGMOID))
     _ok(lib, fwd(T=0))
+    # no tokens: the per-token arrays may be NULL (an empty CuPy or torch array's address is 0)
+    _ok(lib, fwd(T=0, x=None, probs=None, rmap=None, inter=None))
     bwd = lib.moe_rt_topk_with_score_backward
+    _ok(lib, bwd(ctx, None, F32, None, BOOL, None, 0, 8, 2, SOFTMAX, 0, 1.0, None, None))
+    _ok(lib, lib.moe_rt_topk_indices_with_score(ctx, None, F32, 0, 8, 2, SOFTMAX, 0, 0, 0, 1.0, None, None, None,
+                                                None))
     _err(lib, bwd(ctx, BASE, F32, None, BOOL, BASE, 4, 8, 2, SOFTMAX, 0, 1.0, BASE, None), INVALID, "routing is NULL")
     _err(lib, bwd(ctx, BASE, F32, BASE, F16, BASE, 4, 8, 2, SOFTMAX, 0, 1.0, BASE, None), INVALID, "routing_dtype",
          "float16")
@@ -753,6 +758,8 @@ def test_bad_aux_loss_input(lib, ctx):
     _err(lib, fwd(R=-1), INVALID, "num_rows")
     _err(lib, fwd(wsb=0), INVALID, "workspace_bytes")
     _err(lib, fwd(ws=None), INVALID, "workspace is NULL")
+    _ok(lib, fwd(R=0, p=None))  # no rows: probs may be NULL (an empty array's address is 0)
+    _ok(lib, lib.moe_rt_aux_loss_backward(ctx, BASE, F32, 0, 8, BASE, I32, 100, None, I32, 8, 2, 0.1, None, None))
     _err(lib, lib.moe_rt_aux_loss_backward(ctx, None, F32, 10, 8, BASE, I32, 100, None, I32, 8, 2, 0.1, BASE, None),
          INVALID, "grad_aux_loss")
     _err(lib, lib.moe_rt_aux_loss_backward(ctx, BASE, F32, 10, 8, BASE, I32, 100, None, I32, 8, 2, 0.1, None, None),
