@@ -103,7 +103,8 @@ typedef struct mrt_loaded {
   CUmodule mod;
   CUfunction fn;
   int regs;
-  int smem_optin; /* dynamic shared memory the function was opted in to */
+  int max_threads; /* CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK */
+  int smem_optin;  /* dynamic shared memory the function was opted in to */
 } mrt_loaded;
 
 #define MRT_KEY_MAX 160
@@ -194,6 +195,7 @@ static moe_rt_status load_driver(mrt_driver* d) {
   SYM(cuMemcpyHtoD, "cuMemcpyHtoD_v2");
   SYM(cuMemcpyDtoH, "cuMemcpyDtoH_v2");
   SYM(cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2");
+  SYM(cuMemcpyDtoDAsync, "cuMemcpyDtoDAsync_v2");
   SYM(cuStreamSynchronize, "cuStreamSynchronize");
   SYM(cuGetErrorString, "cuGetErrorString");
 #undef SYM
@@ -752,8 +754,9 @@ static moe_rt_status load_kernel(moe_rt_context* ctx, const char* file, const ch
     ctx->drv.cuModuleUnload(mod);
     return mrt_cuda_fail(&ctx->drv, r, "cuModuleGetFunction");
   }
-  int regs = 0;
-  if ((r = ctx->drv.cuFuncGetAttribute(&regs, CU_FUNC_ATTRIBUTE_NUM_REGS, fn))) {
+  int regs = 0, max_threads = 0;
+  if ((r = ctx->drv.cuFuncGetAttribute(&regs, CU_FUNC_ATTRIBUTE_NUM_REGS, fn)) ||
+      (r = ctx->drv.cuFuncGetAttribute(&max_threads, CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, fn))) {
     ctx->drv.cuModuleUnload(mod);
     return mrt_cuda_fail(&ctx->drv, r, "cuFuncGetAttribute");
   }
@@ -771,16 +774,18 @@ static moe_rt_status load_kernel(moe_rt_context* ctx, const char* file, const ch
   l->mod = mod;
   l->fn = fn;
   l->regs = regs;
+  l->max_threads = max_threads;
   l->smem_optin = 48 * 1024;
   *out = l;
   return MOE_RT_SUCCESS;
 }
 
-moe_rt_status mrt_kernel(moe_rt_context* ctx, mrt_launch* l, const char* file, int* regs) {
+moe_rt_status mrt_kernel_threads(moe_rt_context* ctx, mrt_launch* l, const char* file, int* regs, int* max_threads) {
   l->file = file;
   if (ctx->planning) {
     l->fn = NULL;
     *regs = ctx->dev.assumed_regs;
+    *max_threads = 0;
     return MOE_RT_SUCCESS;
   }
   pthread_mutex_lock(&ctx->lock);
@@ -789,9 +794,15 @@ moe_rt_status mrt_kernel(moe_rt_context* ctx, mrt_launch* l, const char* file, i
   if (!st) {
     l->fn = k->fn;
     *regs = k->regs;
+    *max_threads = k->max_threads;
   }
   pthread_mutex_unlock(&ctx->lock);
   return st;
+}
+
+moe_rt_status mrt_kernel(moe_rt_context* ctx, mrt_launch* l, const char* file, int* regs) {
+  int max_threads = 0;
+  return mrt_kernel_threads(ctx, l, file, regs, &max_threads);
 }
 
 moe_rt_status moe_rt_context_load_kernel(moe_rt_context* ctx, const char* file, const char* name) {
@@ -847,7 +858,11 @@ moe_rt_status mrt_launch_one(moe_rt_context* ctx, const mrt_launch* l, mrt_args*
   moe_rt_status st = bind(ctx);
   if (st) return st;
   if ((st = opt_in_smem(ctx, l))) return st;
-  CUresult r = ctx->drv.cuLaunchKernel(l->fn, (unsigned)l->grid, 1, 1, (unsigned)l->block, 1, 1, (unsigned)l->smem,
+  if (l->grid_y > 65535)
+    return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: a grid y dimension of %lld is too large", l->name,
+                    (long long)l->grid_y);
+  const unsigned gy = l->grid_y > 1 ? (unsigned)l->grid_y : 1u;
+  CUresult r = ctx->drv.cuLaunchKernel(l->fn, (unsigned)l->grid, gy, 1, (unsigned)l->block, 1, 1, (unsigned)l->smem,
                                        (CUstream)stream, args->ptr, NULL);
   if (r) {
     char what[MOE_RT_KERNEL_NAME_MAX + 32];
@@ -1013,6 +1028,17 @@ moe_rt_status moe_rt_copy_to_device(moe_rt_context* ctx, void* dst, const void* 
                                     dst ? "src" : "dst");
   CUresult r = ctx->drv.cuMemcpyHtoD((CUdeviceptr)(uintptr_t)dst, src, bytes);
   return r ? mrt_cuda_fail(&ctx->drv, r, "cuMemcpyHtoD") : MOE_RT_SUCCESS;
+}
+
+moe_rt_status moe_rt_copy_on_device(moe_rt_context* ctx, void* dst, const void* src, size_t bytes,
+                                   moe_rt_stream stream) {
+  moe_rt_status st = device_ctx(ctx, "moe_rt_copy_on_device");
+  if (st || !bytes) return st;
+  if (!dst || !src) return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "moe_rt_copy_on_device: %s is NULL",
+                                    dst ? "src" : "dst");
+  CUresult r = ctx->drv.cuMemcpyDtoDAsync((CUdeviceptr)(uintptr_t)dst, (CUdeviceptr)(uintptr_t)src, bytes,
+                                          (CUstream)stream);
+  return r ? mrt_cuda_fail(&ctx->drv, r, "cuMemcpyDtoDAsync") : MOE_RT_SUCCESS;
 }
 
 moe_rt_status moe_rt_copy_to_host(moe_rt_context* ctx, void* dst, const void* src, size_t bytes) {

@@ -25,6 +25,7 @@ typedef unsigned long long CUdeviceptr;
 #define CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR 76
 #define CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR 81
 #define CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN 97
+#define CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK 0
 #define CU_FUNC_ATTRIBUTE_NUM_REGS 4
 #define CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES 8
 
@@ -52,6 +53,7 @@ typedef struct mrt_driver {
   CUresult (*cuMemcpyHtoD)(CUdeviceptr, const void*, size_t);
   CUresult (*cuMemcpyDtoH)(void*, CUdeviceptr, size_t);
   CUresult (*cuMemcpyDtoHAsync)(void*, CUdeviceptr, size_t, CUstream);
+  CUresult (*cuMemcpyDtoDAsync)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
   CUresult (*cuStreamSynchronize)(CUstream);
   CUresult (*cuGetErrorString)(CUresult, const char**);
 } mrt_driver;
@@ -71,6 +73,7 @@ typedef struct mrt_launch {
   char name[MOE_RT_KERNEL_NAME_MAX];
   CUfunction fn;
   int64_t grid;
+  int64_t grid_y;     /* the grid's y dimension (0 or 1: a 1-D grid) */
   int32_t block;
   int32_t smem;
   int64_t scalars[2]; /* moe_rt_launch_info.scalars */
@@ -90,6 +93,9 @@ typedef struct mrt_plan {
 /* Planning helpers a planner calls: the kernel's registers (loads it in a device context; the planning
  * context's assumed value otherwise). Returns a status; *regs set on success. */
 moe_rt_status mrt_kernel(moe_rt_context* ctx, mrt_launch* l, const char* file, int* regs);
+/* As mrt_kernel, with the kernel's most threads a block (CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK; 0 in a
+ * planning context, where the caller works it out from the kernel's launch bounds). */
+moe_rt_status mrt_kernel_threads(moe_rt_context* ctx, mrt_launch* l, const char* file, int* regs, int* max_threads);
 const moe_rt_device_info* mrt_device(const moe_rt_context* ctx);
 
 /* The plan cache: a plan by its signature (key bytes), NULL when absent; mrt_plan_put stores a copy. */

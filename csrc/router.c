@@ -119,6 +119,16 @@ typedef struct fwd_key {
 
 enum { FWD_SPB = 0, FWD_TPW = 1, FWD_RESIDENT = 2, FWD_GCM = 3 };
 
+/* A forward kernel's launch shape in plan p (launch 0): threads, shared memory, token slots a block, tokens
+ * a warp and the resident grid. */
+static void fwd_shape(moe_rt_context* ctx, mrt_plan* p, int threads, int smem, int regs, int spb, int tpw) {
+  p->launch[0].block = threads;
+  p->launch[0].smem = smem;
+  p->ints[FWD_SPB] = spb;
+  p->ints[FWD_TPW] = tpw;
+  p->ints[FWD_RESIDENT] = mrt_resident_grid(mrt_device(ctx), (int64_t)1 << 30, threads, smem, regs);
+}
+
 static moe_rt_status fwd_plan(moe_rt_context* ctx, int dtype, int E, int K, int G, int g, int vec, int bitmap,
                               mrt_plan* out) {
   fwd_key key;
@@ -165,11 +175,7 @@ static moe_rt_status fwd_plan(moe_rt_context* ctx, int dtype, int E, int K, int 
   int regs = 0;
   moe_rt_status st = mrt_kernel(ctx, l, FILE_ROUTER, &regs);
   if (st) return st;
-  l->block = threads;
-  l->smem = smem;
-  p.ints[FWD_SPB] = spb;
-  p.ints[FWD_TPW] = tpw;
-  p.ints[FWD_RESIDENT] = mrt_resident_grid(mrt_device(ctx), (int64_t)1 << 30, threads, smem, regs);
+  fwd_shape(ctx, &p, threads, smem, regs, spb, tpw);
   p.ints[FWD_GCM] = gcm;
   mrt_plan_put(ctx, &key, sizeof key, &p);
   *out = p;
@@ -660,4 +666,197 @@ moe_rt_status moe_rt_aux_loss_backward(moe_rt_context* ctx, const void* grad, in
   mrt_arg_ptr(&a, total_device);
   mrt_arg_i32(&a, total_device ? (total_dtype == MOE_RT_INT32 ? 1 : 2) : 0);
   return mrt_launch_one(ctx, &p.launch[0], &a, stream);
+}
+
+/* ---- Quantile Balancing (router.py topk_with_score_qb, _qb_fwd_cfg, _launch_qb_fwd, _qb_hist_grid) ------ */
+
+#define QB_SMEM_HIST_BYTES (48 * 1024) /* router.py _QB_SMEM_HIST_BYTES (its default) */
+#define QB_ATOMIC_SAMPLES ((int64_t)1 << 18)
+#define QB_BLOCK_TOKENS 65535
+#define QB_HIST_KERNEL "qb_histogram_accumulate"
+
+/* The forward kernels' histogram: 0 none (qb_histogram_accumulate after the kernel), 1 global atomics, 2 the
+ * block's shared histogram (kernels/router.cu, "Quantile Balancing"). */
+static int qb_hmode(int64_t T, int E, int B, int fused) {
+  if (!fused) return 0;
+  if ((int64_t)4 * E * ((B + 1) / 2) <= QB_SMEM_HIST_BYTES) return 2;
+  return T * E <= QB_ATOMIC_SAMPLES ? 1 : 0;
+}
+
+static int qb_reg_slot_words(int K) { return 2 * 64 + 4 + 4 * al4(K); }
+
+/* router_fwd_qb_reg<T, V>'s launch bound, 128 * MOE_RT_FWD_REG_MINB(V, T, true, false): its most threads a
+ * block (what a planning context assumes; a device context reads the loaded kernel's). */
+static int qb_reg_bound(int dtype, int v) {
+  return 128 * (v <= 8 ? (dtype == MOE_RT_FLOAT32 ? 5 : 6) : v <= 16 ? 4 : 3);
+}
+
+typedef struct qb_key {
+  int32_t op, dtype, E, K, B, vec, hmode, pad;
+} qb_key;
+
+enum { QB_HMODE = 3, QB_HIST_RESIDENT = 4 }; /* beside the forward's FWD_SPB, FWD_TPW, FWD_RESIDENT */
+
+/* The forward's launch (router_fwd_qb_reg where the plain forward takes router_fwd_reg, else router_fwd_qb),
+ * without its grid; cached by (dtype, E, K, B, vec, hmode). */
+static moe_rt_status qb_fwd_plan(moe_rt_context* ctx, int dtype, int E, int K, int B, int vec, int hmode,
+                                 mrt_plan* out) {
+  qb_key key;
+  memset(&key, 0, sizeof key);
+  key.op = 7; key.dtype = dtype; key.E = E; key.K = K; key.B = B; key.vec = vec; key.hmode = hmode;
+  if (mrt_plan_lookup(ctx, &key, sizeof key, out)) return MOE_RT_SUCCESS;
+  mrt_plan p;
+  memset(&p, 0, sizeof p);
+  p.num_launches = 1;
+  mrt_launch* l = &p.launch[0];
+  const int isz = mrt_dtype_size(dtype), ch = 16 / isz;
+  const char* ct = mrt_ctype(dtype);
+  const int hbytes = hmode == 2 ? 4 * E * ((B + 1) / 2) : 0;
+  const int v = reg_v(E, ch, vec, dtype);
+  int spb, threads, smem, tpw = 0, regs = 0, max_threads = 0;
+  moe_rt_status st;
+  if (v) {
+    snprintf(l->name, sizeof l->name, "router_fwd_qb_reg<%s, %d>", ct, v);
+    if ((st = mrt_kernel_threads(ctx, l, FILE_ROUTER, &regs, &max_threads))) return st;
+    if (hmode == 2) {
+      /* one resident wave, one histogram (and one flush) a multiprocessor: a block of every warp it takes */
+      spb = (max_threads ? max_threads : qb_reg_bound(dtype, v)) / 32;
+      threads = 32 * spb;
+      smem = hbytes + 4 * spb * qb_reg_slot_words(K);
+    } else {
+      spb = 4;
+      threads = 128;
+      smem = 4 * 4 * qb_reg_slot_words(K);
+      tpw = v == 8 && isz == 2 ? 2 : 0; /* tokens a warp as router_fwd_reg's (no lane groups) */
+    }
+  } else {
+    const int team = team_for(E, 1);
+    snprintf(l->name, sizeof l->name, "router_fwd_qb<%s, %d>", ct, team);
+    if ((st = mrt_kernel(ctx, l, FILE_ROUTER, &regs))) return st;
+    spb = team == 32 ? 4 : 1;
+    threads = team * spb;
+    smem = 4 * spb * slot_words(E, 0, K + 1, team) + hbytes;
+  }
+  fwd_shape(ctx, &p, threads, smem, regs, spb, tpw);
+  p.ints[QB_HMODE] = hmode;
+  mrt_plan_put(ctx, &key, sizeof key, &p);
+  *out = p;
+  return MOE_RT_SUCCESS;
+}
+
+/* qb_histogram_accumulate (256 threads): ceil(E / 32) strips of 32 experts (grid x) times shares of the tokens
+ * (grid y, as many as fill one resident wave with the strips, each of at least max(256, 4 B) tokens); the
+ * strip's bins in shared memory (32 (B | 1) int32) when they fit a block. Into launch `l`, without grid y. */
+static moe_rt_status qb_hist_plan(moe_rt_context* ctx, int E, int B, mrt_launch* l, int64_t* resident) {
+  qb_key key;
+  memset(&key, 0, sizeof key);
+  key.op = 8; key.E = E; key.B = B;
+  mrt_plan p;
+  if (!mrt_plan_lookup(ctx, &key, sizeof key, &p)) {
+    p.num_launches = 1;
+    mrt_launch* h = &p.launch[0];
+    snprintf(h->name, sizeof h->name, "%s", QB_HIST_KERNEL);
+    int regs = 0;
+    moe_rt_status st = mrt_kernel(ctx, h, FILE_ROUTER, &regs);
+    if (st) return st;
+    const int64_t want = (int64_t)4 * 32 * (B | 1);
+    const int use = want <= mrt_device(ctx)->smem_per_block_optin;
+    h->block = 256;
+    h->smem = use ? (int32_t)want : 0;
+    h->grid = mrt_cdiv(E, 32);
+    h->scalars[1] = use;
+    p.ints[QB_HIST_RESIDENT] = mrt_resident_grid(mrt_device(ctx), (int64_t)1 << 30, 256, h->smem, regs);
+    mrt_plan_put(ctx, &key, sizeof key, &p);
+  }
+  *l = p.launch[0];
+  *resident = p.ints[QB_HIST_RESIDENT];
+  return MOE_RT_SUCCESS;
+}
+
+moe_rt_status moe_rt_topk_with_score_qb(moe_rt_context* ctx, const void* logits, int dtype, int64_t T, int E, int K,
+                                        float scaling_factor, const float* expert_bias, const float* qb_bin_bounds,
+                                        int32_t* qb_histogram, int num_bins, int qb_histogram_mode, void* probs,
+                                        void* routing_map, float* intermediate, float* cutoff, moe_rt_stream stream) {
+  static const char op[] = "moe_rt_topk_with_score_qb";
+  moe_rt_status st;
+  const int B = num_bins;
+  if ((st = mrt_check_ctx(ctx, op)) || (st = check_float_dtype(op, "dtype", dtype)) ||
+      (st = check_sizes(op, T, E, K)))
+    return st;
+  if (K >= E)
+    return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: topk: Quantile Balancing selects topk + 1 experts, so topk "
+                    "must be < num_experts (%d), got %d", op, E, K);
+  if ((st = check_scale(op, scaling_factor))) return st;
+  if (qb_histogram_mode != MOE_RT_QB_TWO_KERNEL && qb_histogram_mode != MOE_RT_QB_FUSED_ATOMIC)
+    return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: qb_histogram_mode: expected MOE_RT_QB_TWO_KERNEL (0) or "
+                    "MOE_RT_QB_FUSED_ATOMIC (1), got %d", op, qb_histogram_mode);
+  if (B < 1 || B > MOE_RT_MAX_QB_BINS)
+    return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: num_bins must be in [1, %d], got %d", op, MOE_RT_MAX_QB_BINS,
+                    B);
+  if ((st = mrt_check_ptr(op, "logits", logits)) || (st = mrt_check_ptr(op, "expert_bias", expert_bias)) ||
+      (st = mrt_check_ptr(op, "qb_bin_bounds", qb_bin_bounds)) ||
+      (st = mrt_check_ptr(op, "qb_histogram", qb_histogram)) || (st = mrt_check_ptr(op, "probs", probs)) ||
+      (st = mrt_check_ptr(op, "routing_map", routing_map)) || (st = mrt_check_ptr(op, "intermediate", intermediate)) ||
+      (st = mrt_check_ptr(op, "cutoff", cutoff)))
+    return st;
+  mrt_plan p;
+  memset(&p, 0, sizeof p);
+  if (T == 0) {
+    if (mrt_is_planning(ctx)) mrt_record(ctx, &p);
+    return MOE_RT_SUCCESS;
+  }
+  const int ch = 16 / mrt_dtype_size(dtype);
+  const void* ptrs[5] = {logits, probs, routing_map, intermediate, expert_bias};
+  int vec = E % ch == 0;
+  for (int i = 0; i < 5; ++i) vec = vec && mrt_aligned16(ptrs[i]);
+  const int hmode = qb_hmode(T, E, B, qb_histogram_mode == MOE_RT_QB_FUSED_ATOMIC);
+  if ((st = qb_fwd_plan(ctx, dtype, E, K, B, vec, hmode, &p))) return st;
+  const int spb = (int)p.ints[FWD_SPB];
+  mrt_launch* l = &p.launch[0];
+  l->grid = tpw_grid(T, spb, (int)p.ints[FWD_TPW], p.ints[FWD_RESIDENT]);
+  if (hmode == 2) /* every block under 2^16 tokens: its 16-bit counters do not wrap */
+    l->grid = mrt_max(l->grid, mrt_cdiv(T, (int64_t)spb * mrt_max(1, QB_BLOCK_TOKENS / spb)));
+  l->scalars[0] = vec;
+  l->scalars[1] = hmode;
+  int64_t hist_resident = 0;
+  if (hmode == 0) {
+    mrt_launch* h = &p.launch[1];
+    if ((st = qb_hist_plan(ctx, E, B, h, &hist_resident))) return st;
+    h->grid_y = mrt_max(1, mrt_min(hist_resident / h->grid, T / mrt_max(256, (int64_t)4 * B)));
+    h->scalars[0] = h->grid_y;
+    p.num_launches = 2;
+  }
+  if (mrt_is_planning(ctx)) {
+    mrt_record(ctx, &p);
+    return MOE_RT_SUCCESS;
+  }
+  const int is_generic = strncmp(l->name, "router_fwd_qb<", 14) == 0;
+  mrt_args a = {0};
+  mrt_arg_ptr(&a, logits);
+  mrt_arg_i64(&a, T);
+  mrt_arg_i32(&a, E);
+  mrt_arg_i32(&a, K);
+  mrt_arg_f32(&a, scaling_factor);
+  mrt_arg_ptr(&a, expert_bias);
+  mrt_arg_ptr(&a, probs);
+  mrt_arg_ptr(&a, routing_map);
+  mrt_arg_ptr(&a, intermediate);
+  mrt_arg_ptr(&a, cutoff);
+  mrt_arg_ptr(&a, qb_bin_bounds);
+  mrt_arg_ptr(&a, hmode ? qb_histogram : NULL);
+  mrt_arg_i32(&a, B);
+  mrt_arg_i32(&a, hmode);
+  if (is_generic) mrt_arg_i32(&a, vec);
+  if ((st = mrt_launch_one(ctx, l, &a, stream)) || hmode) return st;
+  const mrt_launch* h = &p.launch[1];
+  mrt_args b = {0};
+  mrt_arg_ptr(&b, intermediate);
+  mrt_arg_ptr(&b, cutoff);
+  mrt_arg_i64(&b, T);
+  mrt_arg_i32(&b, E);
+  mrt_arg_ptr(&b, qb_bin_bounds);
+  mrt_arg_ptr(&b, qb_histogram);
+  mrt_arg_i32(&b, B);
+  mrt_arg_i32(&b, (int32_t)h->scalars[1]);
+  return mrt_launch_one(ctx, h, &b, stream);
 }

@@ -449,6 +449,63 @@ EXPORT XLA_FFI_Error* moe_rt_xla_topk_with_score_backward(XLA_FFI_CallFrame* f) 
   return NULL;
 }
 
+/* Quantile Balancing's forward. args: logits [T, E] (float), expert_bias [E] float32, qb_histogram [E, B] int32,
+ * qb_bin_bounds [2] float32; rets: probs [T, E] (logits' dtype), routing_map [T, E] bool, intermediate [T, E]
+ * float32, the new histogram [E, B] int32, cutoff [T] float32 (scratch of the two-kernel step). The new
+ * histogram is the old one plus this call's counts: the call aliases it to qb_histogram (XLA copies the old
+ * one into it first unless that buffer may be overwritten), and the core adds to it in place. attrs: topk,
+ * scaling_factor, qb_histogram_mode (moe_rt_qb_histogram_mode). */
+EXPORT XLA_FFI_Error* moe_rt_xla_topk_with_score_qb(XLA_FFI_CallFrame* f) {
+  BEGIN("moe_rt_xla_topk_with_score_qb");
+  int topk, mode;
+  float scale;
+  TRY(attr_int(&fr, "topk", &topk));
+  TRY(attr_int(&fr, "qb_histogram_mode", &mode));
+  TRY(attr_f32(&fr, "scaling_factor", &scale));
+  TRY(counts(&fr, 4, 5));
+  buf logits, bias, hist, bounds, probs, rmap, inter, out_hist, cut;
+  TRY(arg(&fr, 0, 2, &logits));
+  TRY(arg(&fr, 1, 1, &bias));
+  TRY(arg(&fr, 2, 2, &hist));
+  TRY(arg(&fr, 3, 1, &bounds));
+  TRY(ret(&fr, 0, 2, &probs));
+  TRY(ret(&fr, 1, 2, &rmap));
+  TRY(ret(&fr, 2, 2, &inter));
+  TRY(ret(&fr, 3, 2, &out_hist));
+  TRY(ret(&fr, 4, 1, &cut));
+  TRY(want_dtype(&fr, &bias, "expert_bias", MOE_RT_FLOAT32));
+  TRY(want_dtype(&fr, &hist, "qb_histogram", MOE_RT_INT32));
+  TRY(want_dtype(&fr, &bounds, "qb_bin_bounds", MOE_RT_FLOAT32));
+  TRY(want_dtype(&fr, &probs, "probs", logits.dtype));
+  TRY(want_dtype(&fr, &rmap, "routing_map", MOE_RT_BOOL));
+  TRY(want_dtype(&fr, &inter, "intermediate", MOE_RT_FLOAT32));
+  TRY(want_dtype(&fr, &out_hist, "histogram", MOE_RT_INT32));
+  TRY(want_dtype(&fr, &cut, "cutoff", MOE_RT_FLOAT32));
+  int64_t T;
+  int E;
+  TRY(router_dims(&fr, &logits, &T, &E));
+  if (hist.dims[0] != E || out_hist.dims[0] != E || out_hist.dims[1] != hist.dims[1] || hist.dims[1] > 2147483647LL ||
+      bias.dims[0] != E || bounds.dims[0] != 2 || cut.dims[0] != T)
+    return fail(&fr, XLA_FFI_Error_Code_INVALID_ARGUMENT, "shapes: logits [%lld, %d], expert_bias [%lld], "
+                "qb_histogram [%lld, %lld] -> [%lld, %lld], qb_bin_bounds [%lld], cutoff [%lld]", (long long)T, E,
+                (long long)bias.dims[0], (long long)hist.dims[0], (long long)hist.dims[1],
+                (long long)out_hist.dims[0], (long long)out_hist.dims[1], (long long)bounds.dims[0],
+                (long long)cut.dims[0]);
+  moe_rt_context* ctx;
+  moe_rt_stream stream;
+  TRY(device(&fr, &ctx, &stream));
+  /* The call is lowered with input_output_aliases={2: 3}, so XLA normally hands both the same buffer and the
+   * counts accumulate in place; where it gives the result a buffer of its own (seen inside the while loop of a
+   * sequential vmap), the old histogram is copied into it first: the result is the same. */
+  if (out_hist.data != hist.data)
+    CORE(moe_rt_copy_on_device(ctx, out_hist.data, hist.data, (size_t)E * (size_t)hist.dims[1] * sizeof(int32_t),
+                               stream));
+  CORE(moe_rt_topk_with_score_qb(ctx, logits.data, logits.dtype, T, E, topk, scale, bias.data, bounds.data,
+                                 out_hist.data, (int)hist.dims[1], mode, probs.data, rmap.data, inter.data, cut.data,
+                                 stream));
+  return NULL;
+}
+
 /* forward: args logits [T, E] (float); rets scores [T, E] float32, the routing map ([T, E] bool or bit-packed
  * [T, ceil(E/8)] uint8), intermediate [T, E] float32. backward: args grad_scores [T, E] float32,
  * intermediate [T, E] float32; rets grad_logits [T, E] (float, the logits' dtype). attrs: topk,

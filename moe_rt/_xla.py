@@ -26,10 +26,11 @@ LIB_DIR = Path(__file__).resolve().parent / "lib"
 SRC_DIR = Path(__file__).resolve().parent.parent / "csrc"
 XLA_LIB = "libmoe_rt_xla.so"
 TARGET_PREFIX = "moe_rt_"
-HANDLERS = ("topk_with_score", "topk_with_score_backward", "scores_for_aux_loss", "scores_for_aux_loss_backward",
-            "aux_loss", "aux_loss_backward", "make_plan", "dispatch", "dispatch_backward", "combine",
-            "combine_backward", "sort_chunks", "quantize_fp8", "dequantize_fp8", "noop")  # noop: a custom call that does nothing (the benchmark's floor)
+HANDLERS = ("topk_with_score", "topk_with_score_backward", "topk_with_score_qb", "scores_for_aux_loss",
+            "scores_for_aux_loss_backward", "aux_loss", "aux_loss_backward", "make_plan", "dispatch",
+            "dispatch_backward", "combine", "combine_backward", "sort_chunks", "quantize_fp8", "dequantize_fp8", "noop")  # noop: a custom call that does nothing (the benchmark's floor)
 SCORE_CODES = {"sigmoid": 0, "softmax": 1, "sqrtsoftplus": 2}
+QB_MODE_CODES = {"two_kernel": 0, "fused_atomic": 1}  # moe_rt_qb_histogram_mode
 # moe_rt_dtype codes (include/moe_rt/moe_rt.h)
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2, "int32": 3, "int64": 4, "bool": 5, "uint8": 6, "int8": 7,
                "float8_e4m3fn": 8, "float8_e5m2": 9, "int16": 10}
@@ -146,6 +147,11 @@ def planned_kernels(op: str, cc: tuple[int, int], **kw) -> list[tuple[str, str]]
                 ctx, _ptr(0), c_int(kw["dtype"]), _ptr(1), c_int(kw["routing_dtype"]), _ptr(2), i64(kw["T"]),
                 c_int(kw["E"]), c_int(kw["topk"]), c_int(kw["score_function"]), c_int(kw["use_pre_softmax"]),
                 f32(kw["scaling_factor"]), _ptr(3), None)
+        elif op == "topk_with_score_qb":
+            st = lib.moe_rt_topk_with_score_qb(
+                ctx, _ptr(0), c_int(kw["dtype"]), i64(kw["T"]), c_int(kw["E"]), c_int(kw["topk"]),
+                f32(kw["scaling_factor"]), _ptr(1), _ptr(2), _ptr(3), c_int(kw["num_bins"]),
+                c_int(kw["qb_histogram_mode"]), _ptr(4), _ptr(5), _ptr(6), _ptr(7), None)
         elif op == "scores_for_aux_loss":
             st = lib.moe_rt_scores_for_aux_loss(ctx, _ptr(0), c_int(kw["dtype"]), i64(kw["T"]), c_int(kw["E"]),
                                                 c_int(kw["topk"]), c_int(kw["score_function"]), _ptr(1), _ptr(2),

@@ -1,14 +1,14 @@
 """JAX adapters: moe_rt ops as ``jax.custom_vjp`` functions usable inside ``jax.jit`` and under
 ``jax.grad``.
 
-On the GPU, the single-GPU ops (the router top-k in every routing form, ``scores_for_aux_loss``,
-``aux_loss``, ``make_plan``, ``dispatch``, ``combine``, ``sort_chunks``, the FP8 casts; forward and
-backward) lower to XLA FFI custom calls: handlers in compiled C (csrc/xla_ffi.c, ``libmoe_rt_xla.so``) that
+On the GPU, the single-GPU ops (the router top-k in every routing form, the Quantile Balancing top-k,
+``scores_for_aux_loss``, ``aux_loss``, ``make_plan``, ``dispatch``, ``combine``, ``sort_chunks``, the FP8
+casts; forward and backward) lower to XLA FFI custom calls: handlers in compiled C (csrc/xla_ffi.c, ``libmoe_rt_xla.so``) that
 run the C core's ops on XLA's stream, with no Python at run time, and that XLA may capture in command
 buffers (CUDA graphs). Their static facts (topk, score function, groups, scaling, align size, ...) are the
 calls' attributes; the kernels they launch are compiled into the kernel cache folder and loaded when the op
-is lowered (:mod:`moe_rt._xla`). The Quantile Balancing forward and the EP ops on the GPU, and every op on
-the CPU (the NumPy reference), lower to ``jax.experimental.buffer_callback``: inside a jitted computation
+is lowered (:mod:`moe_rt._xla`). The EP ops on the GPU, and every op on the CPU (the NumPy reference),
+lower to ``jax.experimental.buffer_callback``: inside a jitted computation
 the callback receives XLA's buffers and stream, views them in place (their ``__cuda_array_interface__``; no
 copy), runs moe_rt's kernels on that stream (or the NumPy reference for CPU buffers) and puts the results
 into XLA's output buffers (see ``_run``). Under ``vmap`` each op runs once per batch element, in order (a
@@ -612,7 +612,24 @@ def _qb_fwd(logits, expert_bias, qb_histogram, qb_bin_bounds, topk, qb_histogram
             scaling_factor=scaling_factor, bounds_validated=True)
         return [probs, routing_map, inter, hist]
 
-    probs, routing_map, inter, hist = _run(fn, specs, logits, expert_bias, qb_histogram, qb_bin_bounds)
+    def on_cuda(lv, bv, hv, dv):
+        E = int(lv.shape[-1])
+        T = int(np.prod(lv.shape[:-1]))
+        facts = dict(topk=int(topk), qb_histogram_mode=_xla.QB_MODE_CODES[qb_histogram_mode],
+                     scaling_factor=1.0 if scaling_factor is None else float(np.float32(scaling_factor)))
+        _xla.prepare("topk_with_score_qb", dtype=_dtype_code(lv.dtype), T=T, E=E, num_bins=int(hv.shape[1]), **facts)
+        flat = [_spec((T, E), lv.dtype), _spec((T, E), np.bool_), _spec((T, E), np.float32), specs[3],
+                _spec((T,), np.float32)]
+        # the new histogram is written over the old one's buffer (aliased: XLA copies the old one there first
+        # unless it may be overwritten), then the counts are added to it in place; where XLA still gives the
+        # result its own buffer (inside a sequential vmap's loop) the handler copies the old histogram there first
+        outs = jax.ffi.ffi_call(_xla.target("topk_with_score_qb"), flat, vmap_method="sequential",
+                                input_output_aliases={2: 3})(lv.reshape(T, E), bv.astype(jnp.float32), hv, dv,
+                                                            **_attrs(facts))
+        return [o.reshape(sp.shape) for o, sp in zip(outs[:4], specs)]
+
+    probs, routing_map, inter, hist = _on_platform((logits, expert_bias, qb_histogram, qb_bin_bounds), on_cuda,
+                                                   lambda *a: _run(fn, specs, *a), specs)
     return (probs, routing_map, hist), (routing_map, inter, expert_bias, qb_histogram, qb_bin_bounds)
 
 

@@ -63,9 +63,11 @@ SIGNATURES = {
     "moe_rt_last_plan": (I, [P, C.POINTER(PlanInfo)]),
     "moe_rt_check": (I, [P, P]),
     "moe_rt_malloc": (I, [P, S, C.POINTER(P)]),
+    "moe_rt_copy_on_device": (I, [P, P, P, S, P]),
     "moe_rt_topk_with_score": (I, [P, P, I, L, I, I, I, I, I, I, F, P, P, P, I, P, P]),
     "moe_rt_topk_indices_with_score": (I, [P, P, I, L, I, I, I, I, I, I, F, P, P, P, P]),
     "moe_rt_topk_with_score_backward": (I, [P, P, I, P, I, P, L, I, I, I, I, F, P, P]),
+    "moe_rt_topk_with_score_qb": (I, [P, P, I, L, I, I, F, P, P, P, I, I, P, P, P, P, P]),
     "moe_rt_scores_for_aux_loss": (I, [P, P, I, L, I, I, I, P, P, I, P, P]),
     "moe_rt_scores_for_aux_loss_backward": (I, [P, P, P, L, I, I, I, P, I, P]),
     "moe_rt_aux_loss_workspace_size": (I, [L, C.POINTER(S)]),
@@ -357,6 +359,121 @@ def test_scores_for_aux_loss_plan_equals_python(lib, pyside, ctx, case):
             _ok(lib, lib.moe_rt_scores_for_aux_loss(ctx, BASE, dt, T, E, K, sf, BASE, rmap, code, BASE, None))
             assert _launches(lib, ctx) == launches, (T, name)
             assert _scalars(lib, ctx) == _py_scalars(launches.args), (T, name)
+
+
+# ---- Quantile Balancing ----------------------------------------------------------------------------------------
+
+TWO_KERNEL, FUSED_ATOMIC = 0, 1
+# (dtype, E, K, B): the router benchmark's shapes with TE's 64 bins, the register kernel's widths (8, 16, 32 keys a
+# lane), the generic kernel's teams (fp16, E > 1024), odd sizes, histograms too large for a block's shared memory
+# (global atomics or the second kernel) and for the second kernel's shared memory (B = 2^20)
+QB_CASES = [(F32, 256, 8, 64), (BF16, 256, 8, 64), (F32, 2304, 36, 64), (BF16, 2304, 36, 64), (F16, 256, 8, 64),
+            (F32, 7, 3, 5), (BF16, 100, 6, 33), (F32, 1024, 63, 16), (BF16, 512, 16, 7), (BF16, 5000, 20, 8),
+            (F32, 16384, 64, 2), (F32, 256, 8, 1000), (BF16, 64, 8, 1 << 20), (F16, 3000, 12, 1)]
+QB_TOKENS = [1, 37, 4096, 65536, 9_000_000]
+
+
+def _qb_max_threads(name):
+    """router_fwd_qb_reg<T, V>'s most threads a block: its launch bound (kernels/router.cu), 128 times the
+    blocks a multiprocessor of router_fwd_reg with groups (fp32 5, bf16 6 at 8 keys a lane; 4 at 16; 3 at 32)."""
+    v = int(name.split(", ")[1].rstrip(">"))
+    return 128 * ((5 if "float," in name else 6) if v <= 8 else 4 if v <= 16 else 3)
+
+
+@pytest.mark.parametrize("dev,regs", [(H100, 0), (A100, 40)], ids=["h100", "a100-r40"])
+@pytest.mark.parametrize("case", QB_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_qb_forward_plan_equals_python(lib, pyside, monkeypatch, case, dev, regs):
+    set_device, launches = pyside
+    set_device(dev, regs)
+    grids = []
+    inner = _jit.launch_raw
+
+    def launch_raw(fn, grid, block, args, shared_mem, stream):
+        grids.append(grid)
+        inner(fn, grid, block, args, shared_mem, stream)
+
+    function = _jit.function
+
+    def qb_function(file, name):
+        fn = function(file, name)
+        if name.startswith("router_fwd_qb_reg"):
+            fn.max_threads_per_block = _qb_max_threads(name)
+        return fn
+
+    monkeypatch.setattr(_jit, "launch_raw", launch_raw)
+    monkeypatch.setattr(_jit, "function", qb_function)
+    monkeypatch.setattr(router, "_QB_SMEM_HIST_BYTES", 48 * 1024)  # the defaults (the C planner's)
+    monkeypatch.setattr(router, "_QB_REG_WARPS", 0)
+    dt, E, K, B = case
+    ctx = _planning(lib, dev, regs)
+    try:
+        for T in QB_TOKENS:
+            for base in (BASE, BASE + 4):
+                for mode in (TWO_KERNEL, FUSED_ATOMIC):
+                    launches.clear()
+                    grids.clear()
+                    if T:
+                        hmode = router._launch_qb_fwd(CALL, _Arr(DT_NAMES[dt], base), T, E, K, 1.0,
+                                                      _Arr("float32", BASE), _Arr(DT_NAMES[dt], BASE),
+                                                      _Arr("bool", BASE), _Arr("float32", BASE),
+                                                      _Arr("float32", BASE), _Arr("float32", BASE),
+                                                      _Arr("int32", BASE), B, mode == FUSED_ATOMIC)
+                        if hmode == 0:
+                            router._launch_qb_hist(CALL, _Arr("float32", BASE), _Arr("float32", BASE), T, E,
+                                                   _Arr("float32", BASE), _Arr("int32", BASE), B)
+                    _ok(lib, lib.moe_rt_topk_with_score_qb(ctx, base, dt, T, E, K, 1.0, BASE, BASE, BASE, B, mode,
+                                                           BASE, BASE, BASE, BASE, None))
+                    what = (T, base, mode)
+                    assert _launches(lib, ctx) == launches, what
+                    want = []  # scalars: (vec, hmode) of the forward; (grid y, use_smem) of the histogram
+                    for (name, args), grid in zip(launches.args, grids):
+                        if name.startswith("router_fwd_qb"):
+                            assert len(grid) == 1, what
+                            vec = int(args[-1]) if name.startswith("router_fwd_qb<") else \
+                                int(E % (16 // _np(dt).itemsize) == 0 and base % 16 == 0)
+                            want.append((vec, int(args[13])))
+                        else:
+                            assert name == "qb_histogram_accumulate", what
+                            want.append((grid[1], int(args[-1])))
+                    assert _scalars(lib, ctx) == want, what
+    finally:
+        lib.moe_rt_context_destroy(ctx)
+
+
+def test_bad_qb_input(lib, ctx):
+    def qb(**kw):
+        a = dict(x=BASE, dt=F32, T=4, E=8, K=2, scale=1.0, bias=BASE, bounds=BASE, hist=BASE, B=16, mode=FUSED_ATOMIC,
+                 probs=BASE, rmap=BASE, inter=BASE, cut=BASE)
+        a.update(kw)
+        return lib.moe_rt_topk_with_score_qb(a.get("ctx", ctx), a["x"], a["dt"], a["T"], a["E"], a["K"], a["scale"],
+                                             a["bias"], a["bounds"], a["hist"], a["B"], a["mode"], a["probs"],
+                                             a["rmap"], a["inter"], a["cut"], None)
+
+    _ok(lib, qb())
+    _ok(lib, qb(mode=TWO_KERNEL, dt=BF16, B=1, K=7))
+    _ok(lib, qb(T=0))
+    _err(lib, qb(ctx=None), INVALID, "moe_rt_topk_with_score_qb", "ctx is NULL")
+    for name in ("x", "bias", "bounds", "hist", "probs", "rmap", "inter", "cut"):
+        label = {"x": "logits", "bias": "expert_bias", "bounds": "qb_bin_bounds", "hist": "qb_histogram",
+                 "rmap": "routing_map", "inter": "intermediate", "cut": "cutoff"}.get(name, name)
+        _err(lib, qb(**{name: None}), INVALID, f"{label} is NULL")
+    _err(lib, qb(dt=I32), INVALID, "dtype", "int32")
+    _err(lib, qb(dt=99), INVALID, "dtype", "99")
+    _err(lib, qb(T=-1), INVALID, "num_tokens")
+    _err(lib, qb(E=0), INVALID, "num_experts")
+    _err(lib, qb(E=16385), INVALID, "num_experts")
+    _err(lib, qb(K=0), INVALID, "topk")
+    _err(lib, qb(K=8), INVALID, "topk", "topk + 1", "< num_experts (8)")
+    _err(lib, qb(K=9), INVALID, "topk", "<= num_experts")
+    _err(lib, qb(E=100, K=65), INVALID, "topk", "64")
+    _err(lib, qb(scale=float("inf")), INVALID, "scaling_factor")
+    _err(lib, qb(scale=float("nan")), INVALID, "scaling_factor")
+    for mode in (-1, 2, 99):
+        _err(lib, qb(mode=mode), INVALID, "qb_histogram_mode", "MOE_RT_QB_FUSED_ATOMIC")
+    for bins in (0, -3, (1 << 24) + 1):
+        _err(lib, qb(B=bins), INVALID, "num_bins", str(1 << 24))
+    _ok(lib, qb(B=1 << 24))
+    _err(lib, qb(T=2**62, E=8), INVALID, "overflows")
 
 
 # ---- router backward -------------------------------------------------------------------------------------------
@@ -842,6 +959,7 @@ def test_contexts_and_driver_errors(lib, tmp_path, monkeypatch):
     try:
         ptr = P()
         _err(lib, lib.moe_rt_malloc(pctx, 16, C.byref(ptr)), 7, "planning context")
+        _err(lib, lib.moe_rt_copy_on_device(pctx, 16, 32, 16, None), 7, "planning context")
         _ok(lib, lib.moe_rt_check(pctx, None))
         info = DeviceInfo()
         _ok(lib, lib.moe_rt_context_device_info(pctx, C.byref(info)))
@@ -981,6 +1099,28 @@ def test_c_router_ops_match_reference_on_gpu(lib, kernel_cache, dt, rng):
 
 
 @pytest.mark.gpu
+def test_c_copy_on_device(lib, kernel_cache, rng):
+    """moe_rt_copy_on_device: the bytes arrive, ordered on the stream; NULL pointers and zero bytes."""
+    cp = pytest.importorskip("cupy")
+    ctx = P()
+    _ok(lib, lib.moe_rt_context_create(str(kernel_cache).encode(), 0, C.byref(ctx)))
+    try:
+        src = cp.asarray(rng.integers(0, 256, 1001, dtype=np.uint8))
+        dst = cp.full(1003, 7, cp.uint8)
+        stream = cp.cuda.Stream(non_blocking=True)
+        _ok(lib, lib.moe_rt_copy_on_device(ctx, dst.data.ptr + 1, src.data.ptr, 1001, stream.ptr))
+        stream.synchronize()
+        got = cp.asnumpy(dst)
+        np.testing.assert_array_equal(got[1:1002], cp.asnumpy(src))
+        assert got[0] == 7 and got[1002] == 7
+        _ok(lib, lib.moe_rt_copy_on_device(ctx, None, None, 0, None))
+        _err(lib, lib.moe_rt_copy_on_device(ctx, None, src.data.ptr, 4, None), 1, "dst is NULL")
+        _err(lib, lib.moe_rt_copy_on_device(ctx, dst.data.ptr, None, 4, None), 1, "src is NULL")
+    finally:
+        lib.moe_rt_context_destroy(ctx)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dt,H,A,num_out", [(BF16, 129, 4, None), (F32, 64, 1, 50), (F16, 40, 8, None)],
                          ids=["bf16-H129-A4", "f32-H64-drop", "f16-H40-A8"])
 def test_c_permutation_ops_match_reference_on_gpu(lib, kernel_cache, dt, H, A, num_out, rng):
@@ -1051,5 +1191,61 @@ def test_c_permutation_ops_match_reference_on_gpu(lib, kernel_cache, dt, H, A, n
                                       C.byref(cplan), dws.data.ptr, ws.value, None))
         _err(lib, lib.moe_rt_check(ctx, None), 6, f"routing: expert ids must be in [-1, num_experts={E}), got {E + 3}")
         _ok(lib, lib.moe_rt_check(ctx, None))  # read and cleared
+    finally:
+        lib.moe_rt_context_destroy(ctx)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dt", [F32, BF16], ids=["float32", "bfloat16"])
+def test_c_qb_forward_matches_reference_on_gpu(lib, kernel_cache, dt, rng):
+    from moe_rt.reference import router as ref
+
+    cp = pytest.importorskip("cupy")
+    ctx = P()
+    _ok(lib, lib.moe_rt_context_create(str(kernel_cache).encode(), 0, C.byref(ctx)))
+    npdt = _np(dt)
+    poison = 0x7FFF if dt == BF16 else np.nan
+    try:
+        # the shared histogram (E = 256), global atomics (T E <= 2^18) and the second kernel (E = 2304), the
+        # generic kernel (odd E)
+        for T, E, K, B in [(517, 256, 8, 64), (113, 2304, 36, 64), (517, 2304, 36, 64), (37, 61, 5, 7)]:
+            what = f"T={T} E={E} K={K} B={B}"
+            logits = ((rng.permutation(T * E).reshape(T, E) / (T * E) - 0.5) * 8).astype(np.float32).astype(npdt)
+            bias = rng.permutation(np.linspace(-0.2, 0.2, E)).astype(np.float32)
+            bounds = np.array([-1.2, 1.2], np.float32)
+            start = rng.integers(0, 1000, (E, B)).astype(np.int32)
+            dl, db, dd = _dev(cp, logits), cp.asarray(bias), cp.asarray(bounds)
+            outs = {}
+            for mode in (TWO_KERNEL, FUSED_ATOMIC):
+                dh = cp.asarray(start)
+                dp, dm = _dev(cp, logits, poison), cp.full((T, E), 7, cp.uint8)
+                di, dc = cp.full((T, E), np.nan, cp.float32), cp.full(T, np.nan, cp.float32)
+                _ok(lib, lib.moe_rt_topk_with_score_qb(ctx, dl.data.ptr, dt, T, E, K, 1.5, db.data.ptr, dd.data.ptr,
+                                                       dh.data.ptr, B, mode, dp.data.ptr, dm.data.ptr, di.data.ptr,
+                                                       dc.data.ptr, None))
+                cp.cuda.runtime.deviceSynchronize()
+                outs[mode] = [cp.asnumpy(a) for a in (dp, dm, di, dc, dh)]
+            for a, b, name in zip(outs[TWO_KERNEL], outs[FUSED_ATOMIC], ("probs", "map", "inter", "cutoff", "hist")):
+                assert a.tobytes() == b.tobytes(), (what, name)  # the modes: the same bits, counts included
+            probs, rmap, raw, cut, hist = outs[FUSED_ATOMIC]
+            # the plain sigmoid + bias forward's probs, map and intermediate, bit for bit
+            pp, pm, pi = _dev(cp, logits, poison), cp.full((T, E), 7, cp.uint8), cp.full((T, E), np.nan, cp.float32)
+            _ok(lib, lib.moe_rt_topk_with_score(ctx, dl.data.ptr, dt, T, E, K, SIGMOID, 0, 0, 0, 1.5, db.data.ptr,
+                                                pp.data.ptr, pm.data.ptr, BOOL, pi.data.ptr, None))
+            cp.cuda.runtime.deviceSynchronize()
+            for got, want, name in ((probs, pp, "probs"), (rmap, pm, "map"), (raw, pi, "intermediate")):
+                assert got.tobytes() == cp.asnumpy(want).tobytes(), (what, name)
+            # exact against the semantics on the device's raw values
+            r = (raw + bias[None, :]).astype(np.float32)
+            order = np.argsort(~ref.float_keys(r), axis=-1, kind="stable")
+            sel = np.zeros((T, E), bool)
+            np.put_along_axis(sel, order[:, :K], True, axis=-1)
+            np.testing.assert_array_equal(rmap.astype(bool), sel, err_msg=what)
+            np.testing.assert_array_equal(cut, np.take_along_axis(r, order[:, K:K + 1], axis=-1)[:, 0], err_msg=what)
+            want = start.copy()
+            ref.qb_histogram_accumulate(raw, cut, bounds, want)
+            np.testing.assert_array_equal(hist, want, err_msg=what)
+            # and close to the NumPy reference's raw values
+            _close(raw, ref.topk_with_score_qb_fwd(logits, K, bias, 1.5)[2], np.float32, what)
     finally:
         lib.moe_rt_context_destroy(ctx)

@@ -1,14 +1,16 @@
 """moe_rt.jax through XLA FFI: the handler library (csrc/xla_ffi.c -> libmoe_rt_xla.so) builds against
-jaxlib's FFI headers and registers with XLA; the moved ops (the router top-k in every routing form, the aux
-scores and loss, make_plan, dispatch, combine, sort_chunks, the FP8 casts; forward and backward) lower for CUDA to custom calls carrying their static facts as
-attributes (checked here by lowering for CUDA on a CPU machine), and for the CPU to the NumPy reference; the
-handlers, called with hand-built call frames, answer XLA's metadata query and fail cleanly with an FFI error
-(no crash) where there is no kernel cache or no GPU. On a GPU: every moved op under jit, grad, vmap and
-checkpoint against the NumPy reference and bitwise equal to the direct (CuPy) path, and the layer step with
-XLA command buffers enabled."""
+jaxlib's FFI headers and registers with XLA; the moved ops (the router top-k in every routing form, the Quantile
+Balancing top-k, the aux scores and loss, make_plan, dispatch, combine, sort_chunks, the FP8 casts; forward and
+backward) lower for CUDA to custom calls carrying their static facts as attributes (checked here by lowering
+for CUDA on a CPU machine), and for the CPU to the NumPy reference; the handlers, called with hand-built call
+frames, answer XLA's metadata query and fail cleanly with an FFI error (no crash) where there is no kernel cache
+or no GPU. On a GPU: every moved op under jit, grad, vmap and checkpoint against the NumPy reference and bitwise
+equal to the direct (CuPy) path, and the layer step and the Quantile Balancing forward with XLA command buffers
+enabled."""
 from __future__ import annotations
 
 import importlib.util
+from functools import partial
 import json
 import os
 import re
@@ -91,6 +93,7 @@ XLA_FFI_Error* moe_rt_xla_scores_for_aux_loss(XLA_FFI_CallFrame*);
 XLA_FFI_Error* moe_rt_xla_aux_loss(XLA_FFI_CallFrame*);
 XLA_FFI_Error* moe_rt_xla_sort_chunks(XLA_FFI_CallFrame*);
 XLA_FFI_Error* moe_rt_xla_quantize_fp8(XLA_FFI_CallFrame*);
+XLA_FFI_Error* moe_rt_xla_topk_with_score_qb(XLA_FFI_CallFrame*);
 int moe_rt_xla_set_kernel_cache(const char*);
 
 static void report(const char* what, XLA_FFI_Error* e) {
@@ -186,6 +189,51 @@ int main(int argc, char** argv) {
   f.stage = XLA_FFI_ExecutionStage_EXECUTE;
   api.api_version.major_version = XLA_FFI_API_MAJOR + 1;
   report("other major version", moe_rt_xla_topk_with_score(&f));
+  api.api_version.major_version = XLA_FFI_API_MAJOR;
+  report("qb missing attribute", moe_rt_xla_topk_with_score_qb(&f));
+
+  /* Quantile Balancing: logits [5, 8], bias [8], histogram [8, 4] -> probs, map, intermediate, histogram,
+   * cutoff [5]; attributes qb_histogram_mode, scaling_factor, topk */
+  float qbias[8] = {0}, bounds[2] = {-1.0f, 1.0f}, cutoff[5];
+  int32_t hist[32] = {0}, hist2[32] = {0};
+  int64_t bdims[1] = {8}, hdims[2] = {8, 4}, two[1] = {2}, tdims[1] = {5};
+  XLA_FFI_Buffer qa[4] = {{XLA_FFI_Buffer_STRUCT_SIZE, NULL, XLA_FFI_DataType_F32, logits, 2, dims},
+                          {XLA_FFI_Buffer_STRUCT_SIZE, NULL, XLA_FFI_DataType_F32, qbias, 1, bdims},
+                          {XLA_FFI_Buffer_STRUCT_SIZE, NULL, XLA_FFI_DataType_S32, hist, 2, hdims},
+                          {XLA_FFI_Buffer_STRUCT_SIZE, NULL, XLA_FFI_DataType_F32, bounds, 1, two}};
+  XLA_FFI_Buffer qr[5] = {out0, out1, out2, {XLA_FFI_Buffer_STRUCT_SIZE, NULL, XLA_FFI_DataType_S32, hist2, 2, hdims},
+                          {XLA_FFI_Buffer_STRUCT_SIZE, NULL, XLA_FFI_DataType_F32, cutoff, 1, tdims}};
+  XLA_FFI_ArgType qat[4] = {XLA_FFI_ArgType_BUFFER, XLA_FFI_ArgType_BUFFER, XLA_FFI_ArgType_BUFFER,
+                            XLA_FFI_ArgType_BUFFER};
+  XLA_FFI_RetType qrt[5] = {XLA_FFI_RetType_BUFFER, XLA_FFI_RetType_BUFFER, XLA_FFI_RetType_BUFFER,
+                            XLA_FFI_RetType_BUFFER, XLA_FFI_RetType_BUFFER};
+  void* qargs[4] = {&qa[0], &qa[1], &qa[2], &qa[3]};
+  void* qrets[5] = {&qr[0], &qr[1], &qr[2], &qr[3], &qr[4]};
+  f.args.size = 4; f.args.types = qat; f.args.args = qargs;
+  f.rets.size = 5; f.rets.types = qrt; f.rets.rets = qrets;
+  static const char* qnames[3] = {"qb_histogram_mode", "scaling_factor", "topk"};
+  int32_t qiv[3] = {1, 0, 2};
+  XLA_FFI_ByteSpan qspans[3];
+  XLA_FFI_ByteSpan* qspan_ptrs[3];
+  XLA_FFI_Scalar qsc[3];
+  void* qattrs[3];
+  XLA_FFI_AttrType qtypes[3];
+  for (int i = 0; i < 3; ++i) {
+    qspans[i].ptr = qnames[i]; qspans[i].len = strlen(qnames[i]); qspan_ptrs[i] = &qspans[i];
+    qsc[i].dtype = i == 1 ? XLA_FFI_DataType_F32 : XLA_FFI_DataType_S32;
+    qsc[i].value = i == 1 ? (void*)&scale : (void*)&qiv[i];
+    qattrs[i] = &qsc[i];
+    qtypes[i] = XLA_FFI_AttrType_SCALAR;
+  }
+  f.attrs.size = 3; f.attrs.types = qtypes; f.attrs.names = qspan_ptrs; f.attrs.attrs = qattrs;
+  report("qb not aliased", moe_rt_xla_topk_with_score_qb(&f));
+  qr[3].data = hist;
+  report("qb no driver", moe_rt_xla_topk_with_score_qb(&f));
+  bdims[0] = 7;
+  report("qb bad shape", moe_rt_xla_topk_with_score_qb(&f));
+  bdims[0] = 8;
+  qa[2].dtype = XLA_FFI_DataType_S64;
+  report("qb bad histogram dtype", moe_rt_xla_topk_with_score_qb(&f));
   return 0;
 }
 """
@@ -225,6 +273,12 @@ def test_handlers_with_hand_built_call_frames(built, tmp_path):
     assert lines["missing argument"].startswith("code=3 ")
     assert "execution stage 1" in lines["prepare stage"]
     assert "this library was built for major" in lines["other major version"]
+    assert "moe_rt_xla_topk_with_score_qb: attribute qb_histogram_mode is missing" in lines["qb missing attribute"]
+    # a result histogram in a buffer of its own is accepted (the handler copies the old one into it on the device)
+    assert lines["qb not aliased"].startswith("code=14 ") and "MOE_RT_ERROR_NO_DRIVER" in lines["qb not aliased"]
+    assert lines["qb no driver"].startswith("code=14 ") and "MOE_RT_ERROR_NO_DRIVER" in lines["qb no driver"]
+    assert lines["qb bad shape"].startswith("code=3 ") and "expert_bias [7]" in lines["qb bad shape"]
+    assert lines["qb bad histogram dtype"].startswith("code=3 ") and "qb_histogram" in lines["qb bad histogram dtype"]
 
 
 def test_handlers_register_with_xla_for_cuda():
@@ -484,6 +538,137 @@ def test_sort_chunks_lowers_to_custom_calls():
         jax.jit(lambda x: mj.sort_chunks(x, [T], [0])).trace(jnp.zeros((T, 2), jnp.bool_))
 
 
+# Quantile Balancing: (T, E, K, B) of the lowering tests
+QB_T, QB_E, QB_K, QB_B = 23, 8, 2, 16
+
+
+def _qb_step(mode="fused_atomic", scaling_factor=2.5):
+    def f(logits, bias, hist, bounds):
+        probs, rmap, new = mj.topk_with_score_qb(logits, QB_K, expert_bias=bias, qb_histogram=hist,
+                                                 qb_bin_bounds=bounds, qb_histogram_mode=mode,
+                                                 scaling_factor=scaling_factor)
+        return (probs.astype(jnp.float32) ** 2).sum(), (rmap, new)
+
+    return jax.value_and_grad(f, has_aux=True)
+
+
+def _qb_inputs(dtype=jnp.bfloat16, bias_dtype=jnp.float32):
+    return (jnp.zeros((QB_T, QB_E), dtype), jnp.zeros((QB_E,), bias_dtype), jnp.zeros((QB_E, QB_B), jnp.int32),
+            jnp.asarray([-1.0, 1.0], jnp.float32))
+
+
+@pytest.mark.parametrize("mode,code", [("fused_atomic", 1), ("two_kernel", 0)])
+def test_qb_forward_lowers_to_a_custom_call(mode, code):
+    text = jax.jit(_qb_step(mode)).trace(*_qb_inputs(bias_dtype=jnp.bfloat16)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "xla_buffer_python_gpu_callback" not in text
+    calls = _custom_calls(text)
+    (attrs, n_in, results), = calls["moe_rt_topk_with_score_qb"]
+    assert attrs == {"qb_histogram_mode": f"{code} : i32", "scaling_factor": "2.500000e+00 : f32", "topk": "2 : i32"}
+    assert n_in == 4  # logits, expert_bias, qb_histogram, qb_bin_bounds
+    for r in (f"tensor<{QB_T}x{QB_E}xbf16>", f"tensor<{QB_T}x{QB_E}xi1>", f"tensor<{QB_T}x{QB_E}xf32>",
+              f"tensor<{QB_E}x{QB_B}xi32>", f"tensor<{QB_T}xf32>"):  # probs, map, intermediate, histogram, cutoff
+        assert r in results, (r, results)
+    # the new histogram (result 3) is the old one's buffer (argument 2): the counts are added in place
+    line = next(x for x in text.splitlines() if "@moe_rt_topk_with_score_qb" in x)
+    assert re.search(r"output_operand_alias<output_tuple_indices = \[3\], operand_index = 2, "
+                     r"operand_tuple_indices = \[\]>", line), line
+    assert f"tensor<{QB_E}xbf16>) -> tensor<{QB_E}xf32>" in text  # the bias reaches the kernel as float32
+    (bwd, n_in, _), = calls["moe_rt_topk_with_score_backward"]  # the backward: the sigmoid top-k's call
+    assert bwd == {"scaling_factor": "2.500000e+00 : f32", "score_function": "0 : i32", "topk": "2 : i32",
+                   "use_pre_softmax": "0 : i32"} and n_in == 3
+
+
+def test_qb_forward_under_vmap_and_with_donation_lowers_to_custom_calls():
+    step = _qb_step(scaling_factor=None)
+    batched = tuple(jnp.stack([a] * 3) for a in _qb_inputs(jnp.float32))
+    text = jax.jit(jax.vmap(step)).trace(*batched).lower(lowering_platforms=("cuda",)).as_text()
+    calls = _custom_calls(text)
+    assert "xla_buffer_python_gpu_callback" not in text and "stablehlo.while" in text  # once per element, in order
+    assert calls["moe_rt_topk_with_score_qb"][0][0]["scaling_factor"] == "1.000000e+00 : f32"
+    fwd = jax.jit(lambda l, b, h, d: mj.topk_with_score_qb(l, QB_K, expert_bias=b, qb_histogram=h, qb_bin_bounds=d),
+                  donate_argnums=2)
+    text = fwd.trace(*_qb_inputs()).lower(lowering_platforms=("cuda",)).as_text()
+    assert "@moe_rt_topk_with_score_qb" in text and "tf.aliasing_output" in text  # the donated histogram
+
+
+def test_qb_forward_lowering_for_cpu_runs_the_reference(rng):
+    args = list(_qb_inputs(jnp.float32))
+    args[0] = jnp.asarray(rng.standard_normal((QB_T, QB_E)), jnp.float32)
+    args[2] = jnp.asarray(rng.integers(0, 50, (QB_E, QB_B)), jnp.int32)
+    step = jax.jit(_qb_step("two_kernel", None))
+    text = step.trace(*args).lower(lowering_platforms=("cpu",)).as_text()
+    assert "@moe_rt_" not in text and "xla_buffer_python" in text
+    with jax.default_device(jax.devices("cpu")[0]):
+        (_, (rmap, new)), g = step(*args)
+    import moe_rt
+
+    hist = np.array(args[2])
+    probs, want_map, _, _ = moe_rt.topk_with_score_qb(np.asarray(args[0]), QB_K, expert_bias=np.asarray(args[1]),
+                                                      qb_histogram=hist, qb_bin_bounds=np.asarray(args[3]))
+    np.testing.assert_array_equal(np.asarray(rmap), want_map)
+    np.testing.assert_array_equal(np.asarray(new), hist)  # the old histogram plus this call's counts
+    assert int(np.asarray(new).sum() - np.asarray(args[2]).sum()) == QB_T * QB_E
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(jax.grad(
+        lambda l: (mj.topk_with_score(l, QB_K, score_function="sigmoid", expert_bias=args[1])[0] ** 2).sum())(
+        args[0])))
+
+
+@pytest.mark.parametrize("dtype,T,E,K,B,mode,want", [
+    (0, 37, 256, 8, 64, 1, ["router_fwd_qb_reg<float, 8>"]),  # the block's shared histogram
+    (2, 37, 256, 8, 64, 0, ["router_fwd_qb_reg<__nv_bfloat16, 8>", "qb_histogram_accumulate"]),
+    (2, 113, 2304, 36, 64, 1, ["router_fwd_qb<__nv_bfloat16, 32>"]),  # global atomics (T E <= 2^18)
+    (0, 517, 2304, 36, 64, 1, ["router_fwd_qb<float, 32>", "qb_histogram_accumulate"]),  # then the second kernel
+    (1, 5, 61, 5, 7, 1, ["router_fwd_qb<__half, 32>"]),
+    (0, 0, 256, 8, 64, 0, []),  # no tokens: nothing launched
+])
+def test_planned_kernels_of_the_qb_forward(dtype, T, E, K, B, mode, want):
+    names = _xla.planned_kernels("topk_with_score_qb", (9, 0), dtype=dtype, T=T, E=E, topk=K, num_bins=B,
+                                 qb_histogram_mode=mode, scaling_factor=1.0)
+    assert names == [("router.cu", n) for n in want]
+    assert all(n in _jit.REGISTRY["router.cu"] for n in want)
+    with pytest.raises(RuntimeError, match="topk: Quantile Balancing selects topk \\+ 1" if E <= 64 else "topk"):
+        _xla.planned_kernels("topk_with_score_qb", (9, 0), dtype=dtype, T=T, E=E, topk=E, num_bins=B,
+                             qb_histogram_mode=mode, scaling_factor=1.0)
+    with pytest.raises(RuntimeError, match="num_bins"):
+        _xla.planned_kernels("topk_with_score_qb", (9, 0), dtype=dtype, T=T, E=E, topk=K, num_bins=0,
+                             qb_histogram_mode=mode, scaling_factor=1.0)
+
+
+def test_qb_bad_input_raises_when_traced_as_before():
+    lg, bias, hist, bounds = _qb_inputs()
+
+    def trace(topk=QB_K, **kw):
+        a = dict(expert_bias=bias, qb_histogram=hist, qb_bin_bounds=bounds)
+        a.update(kw)
+        return jax.jit(lambda l: mj.topk_with_score_qb(l, topk, **a)).trace(lg)
+
+    trace()
+    with pytest.raises(ValueError, match="topk: Quantile Balancing selects topk \\+ 1"):
+        trace(topk=QB_E)
+    with pytest.raises(ValueError, match="expert_bias"):
+        trace(expert_bias=None)
+    with pytest.raises(ValueError, match="expert_bias"):
+        trace(expert_bias=bias[:-1])
+    with pytest.raises(TypeError, match="qb_histogram"):
+        trace(qb_histogram=hist.astype(jnp.float32))
+    with pytest.raises(ValueError, match="qb_histogram"):
+        trace(qb_histogram=hist[:-1])
+    with pytest.raises(TypeError, match="qb_bin_bounds"):
+        trace(qb_bin_bounds=bounds.astype(jnp.bfloat16))
+    with pytest.raises(ValueError, match="qb_bin_bounds"):
+        trace(qb_bin_bounds=jnp.zeros((3,), jnp.float32))
+    with pytest.raises(ValueError, match="finite with lower < upper"):
+        trace(qb_bin_bounds=jnp.asarray([1.0, -1.0], jnp.float32))  # concrete bounds: checked on the host
+    with pytest.raises(ValueError, match="qb_histogram_mode"):
+        trace(qb_histogram_mode="atomic")
+    with pytest.raises(ValueError, match="scaling_factor"):
+        trace(scaling_factor=float("nan"))
+    # traced bounds are read on the device unchecked: tracing succeeds
+    jax.jit(lambda l, d: mj.topk_with_score_qb(l, QB_K, expert_bias=bias, qb_histogram=hist, qb_bin_bounds=d)).trace(
+        lg, bounds)
+
+
 def test_bad_input_raises_when_traced_as_before():
     lg, x, bias = _inputs()
     with pytest.raises(ValueError, match="topk"):
@@ -719,6 +904,89 @@ def test_router_forms_under_vmap_equal_a_loop_on_gpu(rng):
             assert _bits(g[b]) == _bits(v)
 
 
+# (T, E, K, B): the router benchmark's E = 256 (the block's shared histogram in the fused mode) and E = 2304 (global
+# atomics at T E <= 2^18, the second kernel above) with TE's 64 bins, and odd sizes (the generic kernel)
+QB_GPU_CASES = [(517, 256, 8, 64), (113, 2304, 36, 64), (517, 2304, 36, 64), (37, 61, 5, 7)]
+
+
+def _qb_gpu_case(rng, T, E, B, dtype):
+    logits, _ = _router_case(rng, T, E, dtype)
+    bias = jnp.asarray(rng.permutation(np.linspace(-0.2, 0.2, E)), jnp.float32)
+    return logits, bias, jnp.asarray([-1.2, 1.2], jnp.float32), jnp.asarray(rng.integers(0, 1000, (E, B)), jnp.int32)
+
+
+def _qb_semantics(raw, bias, bounds, K, start):
+    """The routing map and the new histogram the semantics give for the device's own raw sigmoid values: the
+    top k + 1 by (raw + bias) in (key desc, index asc), the last of them the cutoff; one count a token and
+    expert in its bin (the NumPy reference's binning)."""
+    from moe_rt.reference import router as ref
+
+    r = (raw + bias[None, :]).astype(np.float32)
+    order = np.argsort(~ref.float_keys(r), axis=-1, kind="stable")
+    sel = np.zeros(raw.shape, bool)
+    np.put_along_axis(sel, order[:, :K], True, axis=-1)
+    cut = np.take_along_axis(r, order[:, K:K + 1], axis=-1)[:, 0]
+    hist = np.array(start, np.int32)
+    ref.qb_histogram_accumulate(raw, cut, bounds, hist)
+    return sel, hist
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["fused_atomic", "two_kernel"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case", QB_GPU_CASES, ids=lambda c: "T{}-E{}-K{}-B{}".format(*c))
+def test_qb_ffi_matches_reference_and_direct_path(case, dtype, mode, rng):
+    import moe_rt
+
+    T, E, K, B = case
+    logits, bias, bounds, h0 = _qb_gpu_case(rng, T, E, B, jnp.dtype(dtype))
+    gy = jnp.asarray(rng.standard_normal((T, E)), jnp.dtype(dtype))
+
+    def fwd(l, h, mode=mode):
+        return mj.topk_with_score_qb(l, K, expert_bias=bias, qb_histogram=h, qb_bin_bounds=bounds,
+                                     qb_histogram_mode=mode, scaling_factor=1.5)
+
+    def loss(l, h):
+        return (fwd(l, h)[0].astype(jnp.float32) * gy.astype(jnp.float32)).sum()
+
+    probs, rmap, hist = jax.jit(fwd)(logits, h0)
+    grad = jax.jit(jax.grad(loss))(logits, h0)
+    assert _bits(jax.jit(jax.grad(jax.checkpoint(loss)))(logits, h0)) == _bits(grad)
+    # the other mode: the same bits, counts included
+    other = jax.jit(partial(fwd, mode="two_kernel" if mode == "fused_atomic" else "fused_atomic"))(logits, h0)
+    assert [_bits(a) for a in other] == [_bits(a) for a in (probs, rmap, hist)]
+    # exact against the semantics on the device's raw values (the plain sigmoid + bias forward's intermediate:
+    # its probs and map are the QB forward's, bit for bit)
+    dp, dm, di = moe_rt.topk_with_score(logits, K, score_function="sigmoid", expert_bias=bias, scaling_factor=1.5)
+    assert _bits(probs) == _bits(dp) and _bits(rmap) == _bits(dm)
+    sel, want_hist = _qb_semantics(np.asarray(di), np.asarray(bias), np.asarray(bounds), K, np.asarray(h0))
+    np.testing.assert_array_equal(np.asarray(rmap), sel)
+    np.testing.assert_array_equal(np.asarray(hist), want_hist)
+    assert _bits(grad) == _bits(moe_rt.topk_with_score_backward(gy, dm, di, K, score_function="sigmoid",
+                                                                scaling_factor=1.5))
+    # the old histogram donated: the same bits, and threading it through counts again
+    donated = jax.jit(fwd, donate_argnums=1)
+    p1, m1, h1 = donated(logits, jnp.array(h0, copy=True))
+    assert _bits(p1) == _bits(probs) and _bits(m1) == _bits(rmap) and _bits(h1) == _bits(hist)
+    h2 = donated(logits, h1)[2]
+    np.testing.assert_array_equal(np.asarray(h2) - np.asarray(hist), np.asarray(hist) - np.asarray(h0))
+    # vmap: once per element, in order, each with its own histogram
+    lb, hb = jnp.stack([logits, logits[::-1]]), jnp.stack([h0, h0[::-1]])
+    got = jax.jit(jax.vmap(fwd))(lb, hb)
+    for b in range(2):
+        want = jax.jit(fwd)(lb[b], hb[b])
+        assert [_bits(g[b]) for g in got] == [_bits(w) for w in want]
+    # the NumPy reference (the same function on the CPU): maps agree on all but rows near a tie in fp32
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        rp, rm, rh = jax.jit(fwd)(jax.device_put(logits, cpu), jax.device_put(h0, cpu))
+    ok = (np.asarray(rmap) == np.asarray(rm)).all(1)
+    assert ok.sum() >= T - max(1, T // 100)
+    assert int(np.asarray(rh).sum()) == int(np.asarray(hist).sum())  # T counts a row each
+    tol = 2e-2 if dtype == "bfloat16" else 1e-5
+    np.testing.assert_allclose(np.asarray(probs, np.float32)[ok], np.asarray(rp, np.float32)[ok], rtol=tol, atol=tol)
+
+
 def _perm_case(rng, T, E, K, H, dtype):
     idx = np.stack([rng.permutation(E)[:K] for _ in range(T)]).astype(np.int32)
     idx[::7, -1] = -1
@@ -855,10 +1123,68 @@ def _mentions_command_buffer(dump: Path) -> bool:
     return False
 
 
+_QB_COMMAND_BUFFER_SCRIPT = textwrap.dedent("""
+    import sys
+    import numpy as np
+    import jax, jax.numpy as jnp
+    import moe_rt.jax as mj
+
+    rng = np.random.default_rng(5)
+    bounds = jnp.asarray([-1.2, 1.2], jnp.float32)
+
+    def qb(l, bias, h, mode):
+        return mj.topk_with_score_qb(l, 8 if l.shape[1] == 256 else 36, expert_bias=bias, qb_histogram=h,
+                                     qb_bin_bounds=bounds, qb_histogram_mode=mode, scaling_factor=1.5)
+
+    def loss(l1, l2, b1, b2, h1, h2, h3, gy1, gy2):
+        # E = 256: the block's shared histogram, and the two-kernel mode; E = 2304: the second kernel after the
+        # router kernel in the fused mode (T E > 2^18)
+        p1, m1, n1 = qb(l1, b1, h1, "fused_atomic")
+        p2, m2, n2 = qb(l1, b1, h2, "two_kernel")
+        p3, m3, n3 = qb(l2, b2, h3, "fused_atomic")
+        val = ((p1.astype(jnp.float32) + p2.astype(jnp.float32)) * gy1).sum() + (p3.astype(jnp.float32) * gy2).sum()
+        return val, (m1, m2, m3, n1, n2, n3)
+
+    l1 = jnp.asarray(rng.permutation(517 * 256).reshape(517, 256) / (517 * 256) * 8 - 4, jnp.bfloat16)
+    l2 = jnp.asarray(rng.permutation(129 * 2304).reshape(129, 2304) / (129 * 2304) * 8 - 4, jnp.float32)
+    b1 = jnp.asarray(rng.permutation(np.linspace(-0.2, 0.2, 256)), jnp.float32)
+    b2 = jnp.asarray(rng.permutation(np.linspace(-0.2, 0.2, 2304)), jnp.float32)
+    hists = [jnp.asarray(rng.integers(0, 1000, (e, 64)), jnp.int32) for e in (256, 256, 2304)]
+    start = [np.asarray(h) for h in hists]
+    gy1 = jnp.asarray(rng.standard_normal((517, 256)), jnp.float32)
+    gy2 = jnp.asarray(rng.standard_normal((129, 2304)), jnp.float32)
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+    compiled = step.lower(l1, l2, b1, b2, *hists, gy1, gy2).compile()
+    print("COMMAND_BUFFER_HLO", "command_buffer" in compiled.as_text())
+    outs = []
+    for _ in range(3):  # the histograms threaded through the steps
+        (val, aux), grads = step(l1, l2, b1, b2, *hists, gy1, gy2)
+        hists = list(aux[3:])
+        outs.append([np.asarray(a) for a in jax.tree_util.tree_leaves((val, aux[:3], grads))])
+    for o in outs[:-1]:
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(o, outs[-1]))
+    (_, aux), _ = step(l1, l2, b1, b2, *[jnp.asarray(s) for s in start], gy1, gy2)
+    for s, one, h in zip(start, aux[3:], hists):  # three steps added three times one step's counts
+        assert (np.asarray(h) - s == 3 * (np.asarray(one) - s)).all()
+    np.savez(sys.argv[1], *outs[-1], *[np.asarray(h) for h in hists])
+""")
+
+
 @pytest.mark.gpu
 def test_layer_step_with_command_buffers_gives_the_same_bits(tmp_path):
+    _same_bits_with_command_buffers(tmp_path, _COMMAND_BUFFER_SCRIPT)
+
+
+@pytest.mark.gpu
+def test_qb_forward_with_command_buffers_gives_the_same_bits(tmp_path):
+    _same_bits_with_command_buffers(tmp_path, _QB_COMMAND_BUFFER_SCRIPT)
+
+
+def _same_bits_with_command_buffers(tmp_path, text):
+    """Runs the script ``text`` (which saves its results to argv[1]) with XLA command buffers off and on: a
+    command buffer is formed when on, and the results are the same bits."""
     script = tmp_path / "step.py"
-    script.write_text(_COMMAND_BUFFER_SCRIPT)
+    script.write_text(text)
     results = {}
     for name, flags in (("off", "--xla_gpu_enable_command_buffer="),
                         ("on", "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1")):

@@ -141,8 +141,11 @@ typedef struct moe_rt_launch_info {
   int32_t block;                       /* threads per block */
   int32_t shared_mem;                  /* dynamic shared memory, bytes */
   int64_t scalars[2];                  /* variant arguments the planner chose: router_fwd*: the 16-byte
-                                          vector flag and the grouped-selection word; router_bwd and
-                                          router_bwd_idx: the vector flag; 0 otherwise */
+                                          vector flag and the grouped-selection word; router_fwd_qb*: the
+                                          vector flag and the histogram mode (0 none, 1 global atomics, 2
+                                          the block's shared histogram); router_bwd and router_bwd_idx: the
+                                          vector flag; qb_histogram_accumulate: the grid's y dimension (its
+                                          x dimension is `grid`) and the shared-memory flag; 0 otherwise */
 } moe_rt_launch_info;
 
 typedef struct moe_rt_plan_info {
@@ -163,6 +166,9 @@ moe_rt_status moe_rt_malloc(moe_rt_context* ctx, size_t bytes, void** ptr);
 moe_rt_status moe_rt_free(moe_rt_context* ctx, void* ptr);
 moe_rt_status moe_rt_copy_to_device(moe_rt_context* ctx, void* dst, const void* src, size_t bytes);
 moe_rt_status moe_rt_copy_to_host(moe_rt_context* ctx, void* dst, const void* src, size_t bytes);
+/* Device to device, ordered on `stream` (not synchronous). */
+moe_rt_status moe_rt_copy_on_device(moe_rt_context* ctx, void* dst, const void* src, size_t bytes,
+                                    moe_rt_stream stream);
 moe_rt_status moe_rt_stream_synchronize(moe_rt_context* ctx, moe_rt_stream stream);
 
 /* ---- router (moe_rt.router) ------------------------------------------------------------------------
@@ -206,6 +212,30 @@ moe_rt_status moe_rt_scores_for_aux_loss_backward(moe_rt_context* ctx, const flo
                                                   const float* intermediate, int64_t num_tokens, int num_experts,
                                                   int topk, int score_function, void* grad_logits, int grad_dtype,
                                                   moe_rt_stream stream);
+
+/* Quantile Balancing (docs/router.md "Quantile Balancing"): the sigmoid top-k with expert_bias [E] float32
+ * (required) that also selects each token's (k+1)-th expert, the cutoff, and adds to qb_histogram [E, B]
+ * int32 (in place; never zeroed here) one count a token and expert, in bin
+ * clamp(floor((cutoff_t - raw_te - lower) * (B / (upper - lower))), 0, B - 1) (fp32; raw = the sigmoid before
+ * the bias; a NaN in bin 0). 1 <= topk < E; 1 <= B <= MOE_RT_MAX_QB_BINS. qb_bin_bounds [2] float32 device
+ * memory [lower, upper], read by the kernels at launch (values not checked: finite with lower < upper is the
+ * caller's to ensure). Outputs: probs [T, E] `dtype`, routing_map [T, E] bool and intermediate [T, E] float32
+ * as moe_rt_topk_with_score's (sigmoid, no groups), cutoff [T] float32 (each token's cutoff biased score).
+ * qb_histogram_mode: the counts added by the router kernel with integer atomics where its block's histogram
+ * fits shared memory or T E is small, else by a second kernel (MOE_RT_QB_FUSED_ATOMIC), or always by the
+ * second kernel from (intermediate, cutoff) (MOE_RT_QB_TWO_KERNEL); the same counts either way. */
+typedef enum moe_rt_qb_histogram_mode {
+  MOE_RT_QB_TWO_KERNEL = 0,
+  MOE_RT_QB_FUSED_ATOMIC = 1
+} moe_rt_qb_histogram_mode;
+
+#define MOE_RT_MAX_QB_BINS (1 << 24)
+
+moe_rt_status moe_rt_topk_with_score_qb(moe_rt_context* ctx, const void* logits, int dtype, int64_t num_tokens,
+                                        int num_experts, int topk, float scaling_factor, const float* expert_bias,
+                                        const float* qb_bin_bounds, int32_t* qb_histogram, int num_bins,
+                                        int qb_histogram_mode, void* probs, void* routing_map, float* intermediate,
+                                        float* cutoff, moe_rt_stream stream);
 
 /* Aux loss: loss = C * sum_c tokens_per_expert[c] * sum_r probs[r, c], C = (E*coeff)/topk/T_tot/T_tot
  * (fp32). probs [R, C] `dtype`; tokens_per_expert [C] int32, int64 or float32 (tpe_dtype); C a multiple of
