@@ -299,12 +299,13 @@ class DevArray:
     what a launch needs (``data.ptr``, ``shape``, ``dtype``, ``size``, ``reshape``, 1-D slices), and
     anything else goes through :meth:`cupy`, a CuPy view of the same memory."""
 
-    __slots__ = ("ptr", "shape", "dtype", "owner", "device_id", "offset", "_cp")
+    __slots__ = ("ptr", "shape", "dtype", "owner", "device_id", "offset", "_cp", "_whole")
     flags = _CONTIGUOUS
 
-    def __init__(self, ptr, shape, dtype, owner, device_id, offset=0):
+    def __init__(self, ptr, shape, dtype, owner, device_id, offset=0, whole=False):
         self.ptr, self.shape, self.dtype, self.owner = ptr, shape, dtype, owner
-        self.device_id, self.offset, self._cp = device_id, offset, None
+        # whole: the owner is a contiguous torch tensor of exactly this shape (its export is the owner itself)
+        self.device_id, self.offset, self._cp, self._whole = device_id, offset, None, whole
 
     @property
     def data(self):  # ``a.data.ptr`` reads like a CuPy array's
@@ -376,6 +377,8 @@ class DevArray:
     def export(self, framework: str):
         """The array in ``framework``: a view of a torch owner, else through CuPy (no copy)."""
         o = self.owner
+        if self._whole and framework == "torch":
+            return o
         if framework == "torch" and _framework_of(o) == "torch":
             if self.offset == 0 and o.numel() == self.size:
                 return o if o.shape == self.shape else o.view(self.shape)
@@ -465,6 +468,8 @@ class Call:
     scalar is taken as a 0-d array."""
 
     def __init__(self, arrays: dict, stream=None, *, xla_buffers: bool = False, lean: bool = False):
+        if lean and stream is None and self._torch_light(arrays):
+            return
         self.framework = None
         self.backend = None
         self.device_id = 0
@@ -532,6 +537,51 @@ class Call:
                 self._light = True
                 self.xp = _LazyCupy(self)
 
+    def _torch_light(self, arrays: dict) -> bool:
+        """The usual call of an op from torch, set up in one pass: every array a C-contiguous CUDA torch tensor
+        of a dtype moe_rt handles (or None), on torch's current device, on torch's current stream (no
+        ``stream=``): the light call :meth:`__init__` would make, with the same checks in the same order. False
+        (nothing set) for any other call, which :meth:`__init__` then sets up in full."""
+        views = {}
+        first = None
+        device_id = 0
+        if not _TORCH_DTYPES:
+            _torch_np_dtype(None)
+        for name, obj in arrays.items():
+            if obj is None:
+                views[name] = None
+                continue
+            if _framework_of(obj) != "torch":
+                return False
+            if obj.requires_grad:
+                _no_autograd(obj, name)
+            if not obj.is_cuda:
+                return False
+            dev = obj.get_device()
+            if first is None:
+                first, device_id = name, dev
+            elif dev != device_id:
+                raise ValueError(f"{name} is on cuda:{dev} but {first} is on cuda:{device_id}; "
+                                 "all arrays of one call must be on the same device")
+            dt = _TORCH_DTYPES.get(obj.dtype)
+            if dt is None or not obj.is_contiguous():
+                return False
+            views[name] = DevArray(obj.data_ptr(), tuple(obj.shape), dt, obj, device_id, 0, True)
+        if first is None or not _torch_device_current(device_id):
+            return False
+        device = _devices.get(device_id)
+        if device is None:
+            device = _devices[device_id] = _cupy().cuda.Device(device_id)
+        self.framework, self.backend, self.device_id, self._first = "torch", "cuda", device_id, first
+        self._fast_torch = self._lean = self._light = True
+        self._on_xla_stream = self._entered = self._active = self._current = False
+        self._tdev = self._stream = None
+        self._device = device
+        self.stream_ptr = _torch_stream_ptr(device_id)
+        self.views = views
+        self.xp = _LazyCupy(self)
+        return True
+
     @property
     def stream(self):
         """The call's stream as a CuPy stream (None on CPU); made on first use in a light call, whose CuPy
@@ -578,7 +628,7 @@ class Call:
             if dt is not None:  # a CUDA tensor: the call's backend (every array is on its device)
                 fp8 = dt.itemsize == 1 and dt in FP8_DTYPES
                 if (self._lean or fp8) and obj.is_contiguous():
-                    return DevArray(obj.data_ptr(), tuple(obj.shape), dt, obj, self.device_id)
+                    return DevArray(obj.data_ptr(), tuple(obj.shape), dt, obj, self.device_id, 0, True)
                 if fp8:
                     return fp8_array(_cupy_over(obj.data_ptr(), tuple(obj.shape), _UINT8, tuple(obj.stride()),
                                                 obj, self.device_id), dt, self.stream)
@@ -683,7 +733,7 @@ class Call:
             if self._tdev is None:
                 self._tdev = _torch_devices[self.device_id] = torch.device("cuda", self.device_id)
         t = torch.empty(shape, dtype=_torch_dtype_of(dtype), device=self._tdev)
-        return DevArray(t.data_ptr(), shape, dtype, t, self.device_id)
+        return DevArray(t.data_ptr(), shape, dtype, t, self.device_id, 0, True)
 
     # -- export ----------------------------------------------------------------------------------------
     def out(self, arr):
