@@ -341,6 +341,50 @@ def _shaped(arr, shape):
 
 _CODES = _core.CODES  # NumPy dtype -> the core's dtype code
 
+# The results of the ops' shape, dtype and settings checks, by signature: the arrays' (shape, dtype) and each
+# setting with its type (True and 1, or "softmax" and a str subclass, validate apart) and floats by their bits
+# (0.0 and -0.0 scale apart). Only settings that passed are kept; a key that cannot be hashed (an unhashable
+# setting) is checked every time.
+_VALIDATED_MAX = 1024
+
+
+_UNHASHABLE = []  # the key part of something that is no array: the checks run (and raise) uncached
+
+
+def _sig(a):
+    """An array's part of a validation key (None for None)."""
+    if a is None:
+        return None
+    try:
+        return a.shape, a.dtype
+    except AttributeError:
+        return _UNHASHABLE
+
+
+def _fkey(v):
+    """A float setting's part of a validation key."""
+    return (type(v), float(v).hex()) if isinstance(v, (float, np.floating)) else (type(v), v)
+
+
+def _validated(cache: dict, key):
+    """The checks' result for ``key`` (None: not checked yet, or ``key`` cannot be hashed)."""
+    try:
+        return cache.get(key)
+    except TypeError:
+        return None
+
+
+def _remember(cache: dict, key, result):
+    """``result`` of the checks, kept for ``key`` (where it can be hashed)."""
+    try:
+        hash(key)
+    except TypeError:
+        return result
+    if len(cache) >= _VALIDATED_MAX:
+        cache.clear()
+    cache[key] = result
+    return result
+
 
 def _ptr(a) -> int:
     """The device address of a CUDA array (a CuPy array or DevArray; 0 for None), as the core takes it."""
@@ -361,11 +405,20 @@ def check_topk_args(xv, bv, topk, score_function, use_pre_softmax, num_groups, g
     """Every check of :func:`topk_with_score` (and :func:`topk_indices_with_score`) that needs only shapes,
     dtypes and the settings: ``(E, K, G, g, scale, pre)``. ``xv``, ``bv``: anything with ``shape``, ``ndim``
     and ``dtype`` (arrays, or JAX tracers when ``moe_rt.jax`` traces)."""
+    key = (_sig(xv), _sig(bv), type(topk), topk, type(score_function), score_function,
+           type(use_pre_softmax), use_pre_softmax, type(num_groups), num_groups, type(group_topk), group_topk,
+           _fkey(scaling_factor))
+    hit = _validated(_TOPK_ARGS, key)
+    if hit is not None:
+        return hit
     E = _check_logits(xv)
     K, scale, pre = _check_topk_flags(E, topk, score_function, use_pre_softmax, scaling_factor)
     G, g = _check_groups(num_groups, group_topk, K, E)
     _check_bias(bv, E, score_function)
-    return E, K, G, g, scale, pre
+    return _remember(_TOPK_ARGS, key, (E, K, G, g, scale, pre))
+
+
+_TOPK_ARGS: dict = {}
 
 
 def _prepare_topk(call, topk, score_function, use_pre_softmax, num_groups, group_topk, scaling_factor,
@@ -516,6 +569,43 @@ def topk_indices_with_score(logits, topk, *, score_function="softmax", use_pre_s
         return call.out(idx.reshape(lead + (K,))), call.out(w.reshape(lead + (K,)))
 
 
+_TOPK_BWD_ARGS: dict = {}
+
+
+def _check_topk_bwd_args(gv, mv, yv, iv, topk, score_function, use_pre_softmax, scaling_factor,
+                         routing_map_format):
+    """The shape, dtype and settings checks of :func:`topk_with_score_backward`: ``(bitmap, E, K, scale,
+    pre)``."""
+    key = (_sig(gv), _sig(mv), _sig(yv), _sig(iv), type(topk), topk, type(score_function),
+           score_function, type(use_pre_softmax), use_pre_softmax, _fkey(scaling_factor), type(routing_map_format),
+           routing_map_format)
+    hit = _validated(_TOPK_BWD_ARGS, key)
+    if hit is not None:
+        return hit
+    bitmap = check_map_format(routing_map_format)
+    E = _check_logits(gv, "grad_probs")
+    if iv is not None:
+        if mv is not None:
+            raise ValueError("routing_map, topk_indices: pass one (routing_map=None with topk_indices)")
+        if bitmap:
+            raise ValueError("topk_indices: cannot be combined with routing_map_format='bitmap_u8'")
+        _arrays.check_dtype(iv, "topk_indices", INDEX_DTYPES)
+    elif mv is None:
+        raise TypeError("routing_map: expected the forward's routing map (or topk_indices=), got None")
+    elif bitmap:
+        _arrays.check_dtype(mv, "routing_map", (np.dtype(np.uint8),))
+        _arrays.check_shape(mv, "routing_map", tuple(gv.shape[:-1]) + (bitmap_bytes(E),))
+    else:
+        _arrays.check_dtype(mv, "routing_map", (np.dtype(np.bool_),))
+        _arrays.check_shape(mv, "routing_map", gv.shape)
+    _arrays.check_dtype(yv, "intermediate", (np.dtype(np.float32),))
+    _arrays.check_shape(yv, "intermediate", gv.shape)
+    K, scale, pre = _check_topk_flags(E, topk, score_function, use_pre_softmax, scaling_factor)
+    if iv is not None:
+        _arrays.check_shape(iv, "topk_indices", tuple(gv.shape[:-1]) + (K,))
+    return _remember(_TOPK_BWD_ARGS, key, (bitmap, E, K, scale, pre))
+
+
 def topk_with_score_backward(grad_probs, routing_map, intermediate, topk, *, score_function,
                              use_pre_softmax=False, scaling_factor=None, routing_map_format="bytemap",
                              topk_indices=None, stream=None):
@@ -553,27 +643,8 @@ def topk_with_score_backward(grad_probs, routing_map, intermediate, topk, *, sco
     with _arrays.Call({"grad_probs": grad_probs, "routing_map": routing_map, "intermediate": intermediate,
                        "topk_indices": topk_indices}, stream=stream, lean=True) as call:
         gv, mv, yv, iv = call["grad_probs"], call["routing_map"], call["intermediate"], call["topk_indices"]
-        bitmap = check_map_format(routing_map_format)
-        E = _check_logits(gv, "grad_probs")
-        if iv is not None:
-            if mv is not None:
-                raise ValueError("routing_map, topk_indices: pass one (routing_map=None with topk_indices)")
-            if bitmap:
-                raise ValueError("topk_indices: cannot be combined with routing_map_format='bitmap_u8'")
-            _arrays.check_dtype(iv, "topk_indices", INDEX_DTYPES)
-        elif mv is None:
-            raise TypeError("routing_map: expected the forward's routing map (or topk_indices=), got None")
-        elif bitmap:
-            _arrays.check_dtype(mv, "routing_map", (np.dtype(np.uint8),))
-            _arrays.check_shape(mv, "routing_map", tuple(gv.shape[:-1]) + (bitmap_bytes(E),))
-        else:
-            _arrays.check_dtype(mv, "routing_map", (np.dtype(np.bool_),))
-            _arrays.check_shape(mv, "routing_map", gv.shape)
-        _arrays.check_dtype(yv, "intermediate", (np.dtype(np.float32),))
-        _arrays.check_shape(yv, "intermediate", gv.shape)
-        K, scale, pre = _check_topk_flags(E, topk, score_function, use_pre_softmax, scaling_factor)
-        if iv is not None:
-            _arrays.check_shape(iv, "topk_indices", tuple(gv.shape[:-1]) + (K,))
+        bitmap, E, K, scale, pre = _check_topk_bwd_args(gv, mv, yv, iv, topk, score_function, use_pre_softmax,
+                                                        scaling_factor, routing_map_format)
         shape = tuple(gv.shape)
         xp = call.xp
         g, y = _flat(xp, gv, E), _flat(xp, yv, E)
@@ -1006,9 +1077,16 @@ def scores_for_aux_loss(logits, topk, score_function, *, routing_map_format="byt
 
 def check_scores_args(xv, topk, score_function):
     """The shape, dtype and settings checks of :func:`scores_for_aux_loss`: ``(E, K)``."""
+    key = (_sig(xv), type(topk), topk, type(score_function), score_function)
+    hit = _validated(_SCORES_ARGS, key)
+    if hit is not None:
+        return hit
     E = _check_logits(xv)
     _check_score_function(score_function)
-    return E, _check_topk(topk, E)
+    return _remember(_SCORES_ARGS, key, (E, _check_topk(topk, E)))
+
+
+_SCORES_ARGS: dict = {}
 
 
 def _parse_dtype(dtype):
@@ -1024,6 +1102,25 @@ def _parse_dtype(dtype):
     if dt not in _arrays.FLOAT_DTYPES:
         raise TypeError(f"dtype: expected float32, float16 or bfloat16, got {dtype}")
     return dt
+
+
+_SCORES_BWD_ARGS: dict = {}
+
+
+def _check_scores_bwd_args(gv, yv, topk, score_function, dtype):
+    """The shape, dtype and settings checks of :func:`scores_for_aux_loss_backward`: ``(E, K, grad dtype)``."""
+    key = (_sig(gv), _sig(yv), type(topk), topk, type(score_function), score_function,
+           type(dtype), dtype)
+    hit = _validated(_SCORES_BWD_ARGS, key)
+    if hit is not None:
+        return hit
+    E = _check_logits(gv, "grad_scores")
+    _arrays.check_dtype(gv, "grad_scores", (np.dtype(np.float32),))
+    _arrays.check_dtype(yv, "intermediate", (np.dtype(np.float32),))
+    _arrays.check_shape(yv, "intermediate", gv.shape)
+    _check_score_function(score_function)
+    K = _check_topk(topk, E)
+    return _remember(_SCORES_BWD_ARGS, key, (E, K, _parse_dtype(dtype)))
 
 
 def scores_for_aux_loss_backward(grad_scores, intermediate, topk, score_function, *, dtype=None, stream=None):
@@ -1046,13 +1143,7 @@ def scores_for_aux_loss_backward(grad_scores, intermediate, topk, score_function
     with _arrays.Call({"grad_scores": grad_scores, "intermediate": intermediate}, stream=stream,
                       lean=True) as call:
         gv, yv = call["grad_scores"], call["intermediate"]
-        E = _check_logits(gv, "grad_scores")
-        _arrays.check_dtype(gv, "grad_scores", (np.dtype(np.float32),))
-        _arrays.check_dtype(yv, "intermediate", (np.dtype(np.float32),))
-        _arrays.check_shape(yv, "intermediate", gv.shape)
-        _check_score_function(score_function)
-        K = _check_topk(topk, E)
-        odt = _parse_dtype(dtype)
+        E, K, odt = _check_scores_bwd_args(gv, yv, topk, score_function, dtype)
         shape = tuple(gv.shape)
         xp = call.xp
         g, y = _flat(xp, gv, E), _flat(xp, yv, E)
@@ -1091,10 +1182,25 @@ def _check_aux_args(tv, C, total_num_tokens, num_experts, topk, coeff):
 
 def check_aux_loss_args(pv, tv, total_num_tokens, num_experts, topk, coeff):
     """The shape, dtype and settings checks of :func:`aux_loss`: ``(R, C, coeff)``."""
+    key = (_sig(pv), _sig(tv), _total_key(total_num_tokens), type(num_experts), num_experts,
+           type(topk), topk, _fkey(coeff))
+    hit = _validated(_AUX_ARGS, key)
+    if hit is not None:
+        return hit
     _arrays.check_dtype(pv, "probs", _arrays.FLOAT_DTYPES)
     _arrays.check_ndim(pv, "probs", 2)
     R, C = (int(s) for s in pv.shape)
-    return R, C, _check_aux_args(tv, C, total_num_tokens, num_experts, topk, coeff)
+    return _remember(_AUX_ARGS, key, (R, C, _check_aux_args(tv, C, total_num_tokens, num_experts, topk, coeff)))
+
+
+_AUX_ARGS: dict = {}
+
+
+def _total_key(total_num_tokens):
+    """``total_num_tokens``' part of a validation key: an array's (shape, dtype), else its type and value."""
+    if not isinstance(total_num_tokens, (bool, np.bool_, int, np.integer)) and hasattr(total_num_tokens, "shape"):
+        return "array", total_num_tokens.shape, total_num_tokens.dtype
+    return type(total_num_tokens), total_num_tokens
 
 
 _TPE_CORE = (np.dtype(np.float32), np.dtype(np.int32), np.dtype(np.int64))
@@ -1202,6 +1308,26 @@ def aux_loss(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coef
         return call.out(out)
 
 
+_AUX_BWD_ARGS: dict = {}
+
+
+def _check_aux_bwd_args(gv, tv, num_rows, total_num_tokens, num_experts, topk, coeff):
+    """The shape, dtype and settings checks of :func:`aux_loss_backward`: ``(R, C, coeff)``."""
+    key = (_sig(gv), _sig(tv), type(num_rows), num_rows, _total_key(total_num_tokens),
+           type(num_experts), num_experts, type(topk), topk, _fkey(coeff))
+    hit = _validated(_AUX_BWD_ARGS, key)
+    if hit is not None:
+        return hit
+    _arrays.check_dtype(gv, "grad_aux_loss", _arrays.FLOAT_DTYPES)
+    if gv.size != 1 or gv.ndim > 1:
+        raise ValueError(f"grad_aux_loss: expected a 0-d (or shape (1,)) array, got shape {tuple(gv.shape)}")
+    R = _arrays.check_int(num_rows, "num_rows", low=0)
+    if tv.ndim != 1:
+        raise ValueError(f"tokens_per_expert: expected a 1-D array, got shape {tuple(tv.shape)}")
+    C = int(tv.shape[0])
+    return _remember(_AUX_BWD_ARGS, key, (R, C, _check_aux_args(tv, C, total_num_tokens, num_experts, topk, coeff)))
+
+
 def aux_loss_backward(grad_aux_loss, num_rows, tokens_per_expert, total_num_tokens, num_experts, topk, coeff,
                       *, stream=None):
     """Backward of :func:`aux_loss`: ``grad_probs[r, c] = (C_coeff * tokens_per_expert[c]) * grad``.
@@ -1219,15 +1345,8 @@ def aux_loss_backward(grad_aux_loss, num_rows, tokens_per_expert, total_num_toke
                          total_num_tokens)
     with _arrays.Call(arrays, stream=stream, lean=True) as call:
         gv, tv = call["grad_aux_loss"], call["tokens_per_expert"]
-        _arrays.check_dtype(gv, "grad_aux_loss", _arrays.FLOAT_DTYPES)
-        if gv.size != 1 or gv.ndim > 1:
-            raise ValueError(f"grad_aux_loss: expected a 0-d (or shape (1,)) array, got shape {tuple(gv.shape)}")
-        R = _arrays.check_int(num_rows, "num_rows", low=0)
-        if tv.ndim != 1:
-            raise ValueError(f"tokens_per_expert: expected a 1-D array, got shape {tuple(tv.shape)}")
-        C = int(tv.shape[0])
         tt = call["total_num_tokens"] if "total_num_tokens" in arrays else total_num_tokens
-        coeff = _check_aux_args(tv, C, tt, num_experts, topk, coeff)
+        R, C, coeff = _check_aux_bwd_args(gv, tv, num_rows, tt, num_experts, topk, coeff)
         total, tot_kind = _total_arg(call, total_num_tokens)
         if call.backend == "cpu":
             t = total_num_tokens if total is None else total
