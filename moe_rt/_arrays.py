@@ -830,6 +830,49 @@ def as_fp8(arr, dtype, framework: str):
     return arr.view(np.dtype(dtype))
 
 
+# The ops keep the results of their shape, dtype and settings checks by signature: the arrays' (shape, dtype)
+# and each setting with its type (True and 1, or "softmax" and a str subclass, validate apart) and floats by their bits
+# (0.0 and -0.0 scale apart). Only settings that passed are kept; a key that cannot be hashed (an unhashable
+# setting) is checked every time.
+_VALIDATED_MAX = 1024  # entries a cache keeps (then it starts again)
+_UNHASHABLE = []  # the key part of something that is no array: the checks run (and raise) uncached
+
+
+def sig(a):
+    """An array's part of a validation key (None for None)."""
+    if a is None:
+        return None
+    try:
+        return a.shape, a.dtype
+    except AttributeError:
+        return _UNHASHABLE
+
+
+def float_key(v):
+    """A float setting's part of a validation key."""
+    return (type(v), float(v).hex()) if isinstance(v, (float, np.floating)) else (type(v), v)
+
+
+def validated(cache: dict, key):
+    """The checks' result for ``key`` (None: not checked yet, or ``key`` cannot be hashed)."""
+    try:
+        return cache.get(key)
+    except TypeError:
+        return None
+
+
+def remember(cache: dict, key, result):
+    """``result`` of the checks, kept for ``key`` (where it can be hashed)."""
+    try:
+        hash(key)
+    except TypeError:
+        return result
+    if len(cache) >= _VALIDATED_MAX:
+        cache.clear()
+    cache[key] = result
+    return result
+
+
 # -- validation helpers used by every op ---------------------------------------------------------------
 
 def check_dtype(arr, name, allowed):

@@ -567,13 +567,14 @@ def _check_tokens(arr, name, T, dtypes, what="plan.num_tokens"):
         raise ValueError(f"{name}: expected {T} rows ({what}), got shape {tuple(arr.shape)}")
 
 
-def _slot_probs(call, probs, plan: Plan, name: str, keep_f64: bool = False):
+def _slot_probs(call, probs, plan: Plan, name: str, keep_f64: bool = False, checked: bool = False):
     """``probs`` ([T,K] slot probs, or dense [T,E]) as contiguous float32 [T,K] (None stays None);
-    ``keep_f64``: float64 probs stay float64."""
+    ``keep_f64``: float64 probs stay float64; ``checked``: :func:`check_probs` passed already."""
     if probs is None:
         return None
     T, K, E = plan.num_tokens, plan.topk, plan.num_experts
-    check_probs(probs, name, T, K, E)
+    if not checked:
+        check_probs(probs, name, T, K, E)
     xp = call.xp
     if tuple(probs.shape) == (T, K):
         p = probs
@@ -596,18 +597,63 @@ def check_probs(probs, name, T, K, E):
 def check_dispatch_args(x, probs, T, K, E, probs_dtype=None):
     """The shape, dtype and settings checks of :func:`dispatch` for a plan of T tokens, K slots, E experts:
     the dtype of the permuted probs (None without probs)."""
+    key = (_sig(x), _sig(probs), T, K, E, type(probs_dtype), probs_dtype)
+    hit = _validated(_DISPATCH_ARGS, key)
+    if hit is not None:
+        return hit[0]
     _check_tokens(x, "x", T, _TOKEN_DTYPES + _BYTE_DTYPES)
     pdt = _probs_dtype(probs_dtype, probs)
     if probs is not None:
         check_probs(probs, "probs", T, K, E)
-    return pdt
+    return _remember(_DISPATCH_ARGS, key, (pdt,))[0]
+
+
+# the checks' results by signature (see moe_rt._arrays.validated)
+_sig, _validated, _remember = _arrays.sig, _arrays.validated, _arrays.remember
+_DISPATCH_ARGS: dict = {}
+_COMBINE_ARGS: dict = {}
+_DISPATCH_BWD_ARGS: dict = {}
+_COMBINE_BWD_ARGS: dict = {}
 
 
 def check_combine_args(y_permuted, probs, T, K, E, N):
     """The shape and dtype checks of :func:`combine` for a plan of T tokens, K slots, E experts, N rows."""
+    key = (_sig(y_permuted), _sig(probs), T, K, E, N)
+    if _validated(_COMBINE_ARGS, key) is not None:
+        return
     _check_tokens(y_permuted, "y_permuted", N, _TOKEN_DTYPES, "plan.num_rows")
     if probs is not None:
         check_probs(probs, "probs", T, K, E)
+    _remember(_COMBINE_ARGS, key, True)
+
+
+def _check_dispatch_bwd_args(g, gpp, T, N):
+    """The shape and dtype checks of :func:`dispatch_backward` for a plan of T tokens and N rows."""
+    key = (_sig(g), _sig(gpp), T, N)
+    if _validated(_DISPATCH_BWD_ARGS, key) is not None:
+        return
+    _check_tokens(g, "grad_x_permuted", N, _TOKEN_DTYPES, "plan.num_rows")
+    if gpp is not None:
+        _arrays.check_dtype(gpp, "grad_probs_permuted", _PROB_DTYPES)
+        _arrays.check_shape(gpp, "grad_probs_permuted", (N,))
+    _remember(_DISPATCH_BWD_ARGS, key, True)
+
+
+def _check_combine_bwd_args(g, probs, yv, T, K, E, N):
+    """The shape and dtype checks of :func:`combine_backward` for a plan of T tokens, K slots, E experts, N
+    rows."""
+    key = (_sig(g), _sig(probs), _sig(yv), T, K, E, N)
+    if _validated(_COMBINE_BWD_ARGS, key) is not None:
+        return
+    _check_tokens(g, "grad_y", T, _TOKEN_DTYPES)
+    if probs is not None:
+        check_probs(probs, "probs", T, K, E)
+        if yv is None:
+            raise ValueError("y_permuted: the forward input is needed to differentiate with probs")
+        _arrays.check_ndim(yv, "y_permuted", 2)
+        _arrays.check_dtype(yv, "y_permuted", (np.dtype(g.dtype),))
+        _arrays.check_shape(yv, "y_permuted", (N, g.shape[1]))
+    _remember(_COMBINE_BWD_ARGS, key, True)
 
 
 def _dense_to_slots(xp, probs, plan, keep_f64=False):
@@ -663,7 +709,7 @@ def dispatch(x, plan: Plan, probs=None, *, probs_dtype=None, stream=None):
         _check_plan(plan, call)
         xv = call["x"]
         pdt = check_dispatch_args(xv, call["probs"], plan.num_tokens, plan.topk, plan.num_experts, probs_dtype)
-        pv = _slot_probs(call, call["probs"], plan, "probs", keep_f64=pdt == np.float64)
+        pv = _slot_probs(call, call["probs"], plan, "probs", keep_f64=pdt == np.float64, checked=True)
         xv = _arrays.contiguous(call.xp, xv)
         if call.backend == "cpu":
             out, pp = _ref.dispatch(xv, plan._dict(), pv, probs_dtype=pdt)
@@ -736,8 +782,8 @@ def combine(y_permuted, plan: Plan, probs=None, *, stream=None):
     with _arrays.Call({"y_permuted": y_permuted, "probs": probs}, stream=stream, lean=True) as call:
         _check_plan(plan, call)
         yv = call["y_permuted"]
-        _check_tokens(yv, "y_permuted", plan.num_rows, _TOKEN_DTYPES, "plan.num_rows")
-        pv = _slot_probs(call, call["probs"], plan, "probs")
+        check_combine_args(yv, call["probs"], plan.num_tokens, plan.topk, plan.num_experts, plan.num_rows)
+        pv = _slot_probs(call, call["probs"], plan, "probs", checked=True)
         yv = _arrays.contiguous(call.xp, yv)
         if call.backend == "cpu":
             return call.out(_ref.combine(yv, plan._dict(), pv))
@@ -786,11 +832,9 @@ def dispatch_backward(grad_x_permuted, plan: Plan, grad_probs_permuted=None, *, 
                       stream=stream, lean=True) as call:
         _check_plan(plan, call)
         g = call["grad_x_permuted"]
-        _check_tokens(g, "grad_x_permuted", plan.num_rows, _TOKEN_DTYPES, "plan.num_rows")
         gpp = call["grad_probs_permuted"]
+        _check_dispatch_bwd_args(g, gpp, plan.num_tokens, plan.num_rows)
         if gpp is not None:
-            _arrays.check_dtype(gpp, "grad_probs_permuted", _PROB_DTYPES)
-            _arrays.check_shape(gpp, "grad_probs_permuted", (plan.num_rows,))
             gpp = _arrays.contiguous(call.xp, gpp.astype(np.float32, copy=False))
         g = _arrays.contiguous(call.xp, g)
         if call.backend == "cpu":
@@ -828,15 +872,10 @@ def combine_backward(grad_y, plan: Plan, y_permuted=None, probs=None, *, stream=
                       lean=True) as call:
         _check_plan(plan, call)
         g = call["grad_y"]
-        _check_tokens(g, "grad_y", plan.num_tokens, _TOKEN_DTYPES)
-        pv = _slot_probs(call, call["probs"], plan, "probs")
         yv = call["y_permuted"]
+        _check_combine_bwd_args(g, call["probs"], yv, plan.num_tokens, plan.topk, plan.num_experts, plan.num_rows)
+        pv = _slot_probs(call, call["probs"], plan, "probs", checked=True)
         if pv is not None:
-            if yv is None:
-                raise ValueError("y_permuted: the forward input is needed to differentiate with probs")
-            _arrays.check_ndim(yv, "y_permuted", 2)
-            _arrays.check_dtype(yv, "y_permuted", (np.dtype(g.dtype),))
-            _arrays.check_shape(yv, "y_permuted", (plan.num_rows, g.shape[1]))
             yv = _arrays.contiguous(call.xp, yv)
         g = _arrays.contiguous(call.xp, g)
         if call.backend == "cpu":
