@@ -403,6 +403,17 @@ def _torch_dtype_of(dt):
 
 
 _TORCH_BY_NP: dict = {}
+_ALLOC_DTYPES: dict = {}  # a dtype as the ops pass it to Call.empty -> (its NumPy dtype, the torch dtype)
+_torch_mod = None
+
+
+def _torch_module():
+    global _torch_mod
+    if _torch_mod is None:
+        import torch
+
+        _torch_mod = torch
+    return _torch_mod
 
 
 _framework_by_type[DevArray] = "devarray"
@@ -703,7 +714,7 @@ class Call:
         tensor from torch's allocator (as a DevArray), else a CuPy (CUDA) or NumPy (CPU) array; FP8 on CUDA:
         a DevArray (see :func:`fp8_array`)."""
         if self._lean and self._fast_torch:
-            return self._torch_empty(tuple(shape), np.dtype(dtype))
+            return self._torch_empty(shape, dtype)
         if self.backend == "cuda" and np.dtype(dtype) in FP8_DTYPES:
             return self._fp8_empty(shape, np.dtype(dtype))
         return self.xp.empty(shape, dtype=dtype)
@@ -711,7 +722,7 @@ class Call:
     def scratch(self, shape, dtype):
         """Working memory of one call (allocated as :meth:`empty` allocates)."""
         if self._lean and self._fast_torch:
-            return self._torch_empty(tuple(shape), np.dtype(dtype))
+            return self._torch_empty(shape, dtype)
         if self.backend == "cuda" and np.dtype(dtype) in FP8_DTYPES:
             return self._fp8_empty(shape, np.dtype(dtype))
         return self.xp.empty(shape, dtype=dtype)
@@ -726,14 +737,22 @@ class Call:
         return fp8_array(_cupy().empty(tuple(shape), dtype=_UINT8), dtype)
 
     def _torch_empty(self, shape, dtype):
-        import torch
+        """A torch tensor from torch's allocator (as a DevArray) of ``shape`` and ``dtype`` (a NumPy dtype or
+        its type, as the ops pass them)."""
+        pair = _ALLOC_DTYPES.get(dtype)
+        if pair is None:
+            dt = np.dtype(dtype)
+            pair = _ALLOC_DTYPES[dtype] = (dt, _torch_dtype_of(dt))
+        tdev = self._tdev
+        if tdev is None:
+            tdev = self._tdev = _torch_devices.get(self.device_id)
+            if tdev is None:
+                import torch
 
-        if self._tdev is None:
-            self._tdev = _torch_devices.get(self.device_id)
-            if self._tdev is None:
-                self._tdev = _torch_devices[self.device_id] = torch.device("cuda", self.device_id)
-        t = torch.empty(shape, dtype=_torch_dtype_of(dtype), device=self._tdev)
-        return DevArray(t.data_ptr(), shape, dtype, t, self.device_id, 0, True)
+                tdev = self._tdev = _torch_devices[self.device_id] = torch.device("cuda", self.device_id)
+        shape = tuple(shape)
+        t = _torch_module().empty(shape, dtype=pair[1], device=tdev)
+        return DevArray(t.data_ptr(), shape, pair[0], t, self.device_id, 0, True)
 
     # -- export ----------------------------------------------------------------------------------------
     def out(self, arr):
