@@ -263,12 +263,21 @@ def _chunk_for(L: int, E: int) -> int:
 def check_plan_settings(num_experts, align_size, num_out_tokens, map_type=None):
     """:func:`make_plan`'s settings, validated: ``(E, A, num_out_tokens)`` (``map_type`` is None, ``"mask"``
     or ``"index"``)."""
+    key = (type(num_experts), num_experts, type(align_size), align_size, type(num_out_tokens), num_out_tokens,
+           type(map_type), map_type)
+    hit = _validated(_PLAN_SETTINGS, key)
+    if hit is not None:
+        return hit
     E = _arrays.check_int(num_experts, "num_experts", low=1, high=MAX_EXPERTS)
     A = _arrays.check_int(align_size, "align_size", low=1, high=1 << 20)
     if num_out_tokens is not None:
         num_out_tokens = _arrays.check_int(num_out_tokens, "num_out_tokens", low=0, high=_INT32_MAX)
     _check_map_type(map_type)
-    return E, A, num_out_tokens
+    return _remember(_PLAN_SETTINGS, key, (E, A, num_out_tokens))
+
+
+_PLAN_SETTINGS: dict = {}
+_ROUTING_ARGS: dict = {}
 
 
 _MAP_TYPES = ("mask", "index")
@@ -317,6 +326,10 @@ def check_routing(r, E, A, num_out_tokens, map_type=None):
     """The shape and dtype checks of :func:`make_plan`'s routing (anything with ``shape``, ``ndim``,
     ``dtype``; the settings from :func:`check_plan_settings`; the routing's kind by :func:`routing_kind`):
     ``(T, K, is_map, N)`` (``is_map`` also for an integer 0/1 map)."""
+    key = (_sig(r), E, A, num_out_tokens, type(map_type), map_type)
+    hit = _validated(_ROUTING_ARGS, key)
+    if hit is not None:
+        return hit
     _arrays.check_ndim(r, "routing", 2)
     is_map = routing_kind(r.dtype, tuple(r.shape), E, map_type) != "index"
     T = int(r.shape[0])
@@ -336,7 +349,7 @@ def check_routing(r, E, A, num_out_tokens, map_type=None):
     N = _num_rows(T, K, E, A, num_out_tokens)
     if N > _INT32_MAX:
         raise ValueError(f"num_rows = {N} (from T*K / num_out_tokens and align_size) must stay below 2^31")
-    return T, K, is_map, N
+    return _remember(_ROUTING_ARGS, key, (T, K, is_map, N))
 
 
 def make_plan(routing, num_experts: int, *, align_size: int = 1, num_out_tokens: int | None = None,
@@ -491,11 +504,20 @@ def _plan_spec(T, K, E, N):
             "counts": (L + N + E + 1, (E,)), "tokens_per_expert": (L + N + 2 * E + 1, (E,))}
 
 
+_plan_sizes: dict = {}  # (T, K, E, N) -> (the plan buffer's layout, the core's working memory bytes)
+
+
 def _plan_cuda(call, r, T, K, E, A, N, num_out_tokens, apart=False):
     """make_plan in the C core: the plan's arrays as views of one int32 buffer (``apart``: five allocations),
     its working memory apart."""
     idx = _arrays.contiguous(call.xp, r)  # a routing map is read in place (slot t*E + e is expert e)
-    spec = _plan_spec(T, K, E, N)
+    key = (T, K, E, N)
+    sizes = _plan_sizes.get(key)
+    if sizes is None:
+        if len(_plan_sizes) > 512:
+            _plan_sizes.clear()
+        sizes = _plan_sizes[key] = (_plan_spec(T, K, E, N), _core.make_plan_workspace_bytes(T, K, E))
+    spec, nws = sizes
     if apart:
         views = {k: call.empty(shape, np.int32) for k, (_, shape) in spec.items()}
         ptrs = [views[k].data.ptr for k in _PLAN_NAMES]
@@ -505,7 +527,6 @@ def _plan_cuda(call, r, T, K, E, A, N, num_out_tokens, apart=False):
         ptrs = [b + 4 * spec[k][0] for k in _PLAN_NAMES]
         views = _PlanViews()
         views._buf, views._spec = buf, spec
-    nws = _core.make_plan_workspace_bytes(T, K, E)
     ws = call.scratch((max(nws, 1),), np.uint8)
     _core.make_plan(_core.device(call.device_id), idx.data.ptr, _CODES[np.dtype(idx.dtype)], T, K, E, A,
                     -1 if num_out_tokens is None else num_out_tokens, *ptrs, ws.data.ptr, nws, call.stream_ptr)

@@ -130,3 +130,45 @@ def test_cached_ops_match_reference_each_call(rng):
         g = rng.standard_normal((6, 16)).astype(np.float32)
         gl = moe_rt.topk_with_score_backward(g, m, y, 4, score_function="sigmoid", scaling_factor=2.0)
         np.testing.assert_array_equal(gl, ref.topk_with_score_bwd(g, m, y, 4, False, 2.0, "sigmoid"))
+
+
+def test_cached_permutation_checks_refuse_as_uncached(rng):
+    from moe_rt import permutation as perm
+
+    assert perm.check_plan_settings(8, 1, None) == (8, 1, None)
+    with pytest.raises(TypeError, match="^align_size: expected an int, got bool"):
+        perm.check_plan_settings(8, True, None)
+    with pytest.raises(ValueError, match="^map_type: expected None"):
+        perm.check_plan_settings(8, 1, None, ["mask"])
+    idx = np.zeros((5, 2), np.int32)
+    assert perm.check_routing(idx, 8, 1, None) == (5, 2, False, 10)
+    with pytest.raises(TypeError, match="^routing: expected topk_idx"):
+        perm.check_routing(idx.astype(np.float32), 8, 1, None)
+    with pytest.raises(ValueError, match="^num_out_tokens: must be <= T\\*K"):
+        perm.check_routing(idx, 8, 1, 11)
+    x = rng.standard_normal((5, 6)).astype(np.float32)
+    probs = np.ones((5, 2), np.float32)
+    assert perm.check_dispatch_args(x, probs, 5, 2, 8) == np.float32
+    with pytest.raises(ValueError, match="^x: expected 6 rows"):
+        perm.check_dispatch_args(x, probs, 6, 2, 8)
+    with pytest.raises(ValueError, match="^probs: expected shape"):
+        perm.check_dispatch_args(x, probs[:, :1], 5, 2, 8)
+    perm.check_combine_args(np.zeros((10, 6), np.float32), probs, 5, 2, 8, 10)
+    with pytest.raises(TypeError, match="^y_permuted: dtype must be one of"):
+        perm.check_combine_args(np.zeros((10, 6), np.int32), probs, 5, 2, 8, 10)
+
+
+def test_cached_plan_ops_match_reference_each_call(rng):
+    from moe_rt.reference import permutation as pref
+
+    for _ in range(2):
+        idx = np.stack([rng.permutation(7)[:3] for _ in range(9)]).astype(np.int32)
+        plan = moe_rt.make_plan(idx, 7)
+        x = rng.standard_normal((9, 5)).astype(np.float32)
+        probs = rng.random((9, 3)).astype(np.float32)
+        d = pref.make_plan(idx, 7, 1, None)
+        xp, pp = moe_rt.dispatch(x, plan, probs)
+        rxp, rpp = pref.dispatch(x, d, probs)
+        np.testing.assert_array_equal(xp, rxp)
+        np.testing.assert_array_equal(pp, rpp)
+        np.testing.assert_array_equal(moe_rt.combine(xp, plan, probs), pref.combine(xp, d, probs))
