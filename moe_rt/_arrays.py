@@ -562,7 +562,7 @@ class Call:
             if obj is None:
                 views[name] = None
                 continue
-            if _framework_of(obj) != "torch":
+            if (_framework_by_type.get(type(obj)) or _framework_of(obj)) != "torch":
                 return False
             if obj.requires_grad:
                 _no_autograd(obj, name)
@@ -850,9 +850,9 @@ def as_fp8(arr, dtype, framework: str):
 
 
 # The ops keep the results of their shape, dtype and settings checks by signature: the arrays' (shape, dtype)
-# and each setting with its type (True and 1, or "softmax" and a str subclass, validate apart) and floats by their bits
-# (0.0 and -0.0 scale apart). Only settings that passed are kept; a key that cannot be hashed (an unhashable
-# setting) is checked every time.
+# and each setting with its type (True and 1, or "softmax" and a str subclass, validate apart), floats by
+# their bits (0.0 and -0.0 scale apart). Only checks that passed are kept; a key that cannot be hashed (an
+# unhashable setting) is checked every time.
 _VALIDATED_MAX = 1024  # entries a cache keeps (then it starts again)
 _UNHASHABLE = []  # the key part of something that is no array: the checks run (and raise) uncached
 
