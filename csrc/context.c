@@ -141,6 +141,8 @@ struct moe_rt_context {
   mrt_cached* cache;
   int cache_count;
   mrt_plan last; /* planning contexts: the last op's plan */
+  int last_nargs[MRT_MAX_LAUNCHES]; /* and its launches' arguments, where the op recorded them */
+  int64_t last_args[MRT_MAX_LAUNCHES][MRT_MAX_ARGS];
   pthread_mutex_t lock;
 };
 
@@ -208,6 +210,9 @@ static moe_rt_status load_driver(mrt_driver* d) {
   SYM(cuStreamIsCapturing, "cuStreamIsCapturing");
   SYM(cuGetErrorString, "cuGetErrorString");
 #undef SYM
+  /* needed by the fused EP kernels' grids alone (mrt_resident_blocks says so when it is missing) */
+  *(void**)(&d->cuOccupancyMaxActiveBlocksPerMultiprocessor) =
+      dlsym(d->lib, "cuOccupancyMaxActiveBlocksPerMultiprocessor");
   return MOE_RT_SUCCESS;
 }
 
@@ -704,7 +709,66 @@ moe_rt_status moe_rt_last_plan_stand_in(const moe_rt_context* ctx, int launch, c
 void mrt_record(moe_rt_context* ctx, const mrt_plan* plan) {
   pthread_mutex_lock(&ctx->lock);
   ctx->last = *plan;
+  memset(ctx->last_nargs, 0, sizeof ctx->last_nargs);
   pthread_mutex_unlock(&ctx->lock);
+}
+
+void mrt_record_args(moe_rt_context* ctx, int launch, const mrt_args* a) {
+  if (launch < 0 || launch >= MRT_MAX_LAUNCHES) return;
+  pthread_mutex_lock(&ctx->lock);
+  for (int i = 0; i < a->n; ++i) {
+    int64_t v;
+    switch (a->type[i]) {
+      case 'i': v = a->val[i].i32; break;
+      case 'u': v = a->val[i].u32; break;
+      case 'f': { uint32_t bits; memcpy(&bits, &a->val[i].f32, 4); v = bits; break; }
+      case 'p': v = (int64_t)a->val[i].p; break;
+      default: v = a->val[i].i64;
+    }
+    ctx->last_args[launch][i] = v;
+  }
+  ctx->last_nargs[launch] = a->n;
+  pthread_mutex_unlock(&ctx->lock);
+}
+
+moe_rt_status moe_rt_last_plan_args(const moe_rt_context* ctx, int launch, int64_t* args, int capacity, int* count) {
+  static const char op[] = "moe_rt_last_plan_args";
+  moe_rt_status st = mrt_check_ctx(ctx, op);
+  if (st || (st = mrt_check_ptr(op, "count", count))) return st;
+  if (!ctx->planning)
+    return mrt_fail(MOE_RT_ERROR_NOT_SUPPORTED, "%s: ctx is a device context; plans are recorded by planning "
+                    "contexts (moe_rt_context_create_planning)", op);
+  pthread_mutex_lock((pthread_mutex_t*)&ctx->lock);
+  if (launch < 0 || launch >= ctx->last.num_launches) {
+    pthread_mutex_unlock((pthread_mutex_t*)&ctx->lock);
+    return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: launch must be in [0, %d), got %d", op,
+                    ctx->last.num_launches, launch);
+  }
+  const int n = ctx->last_nargs[launch];
+  *count = n;
+  if (n > capacity || (n > 0 && args == NULL)) {
+    pthread_mutex_unlock((pthread_mutex_t*)&ctx->lock);
+    return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: the launch has %d arguments; args holds %d", op, n, capacity);
+  }
+  if (n) memcpy(args, ctx->last_args[launch], sizeof(int64_t) * (size_t)n);
+  pthread_mutex_unlock((pthread_mutex_t*)&ctx->lock);
+  return MOE_RT_SUCCESS;
+}
+
+moe_rt_status mrt_resident_blocks(moe_rt_context* ctx, const mrt_launch* l, int threads, int regs, int64_t* blocks) {
+  if (ctx->planning) {
+    *blocks = mrt_resident_grid(&ctx->dev, INT64_MAX, threads, 0, regs);
+    return MOE_RT_SUCCESS;
+  }
+  moe_rt_status st = bind(ctx);
+  if (st) return st;
+  int per_sm = 0;
+  if (!ctx->drv.cuOccupancyMaxActiveBlocksPerMultiprocessor)
+    return mrt_fail(MOE_RT_ERROR_NO_DRIVER, "the CUDA driver lacks cuOccupancyMaxActiveBlocksPerMultiprocessor");
+  CUresult r = ctx->drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, l->fn, threads, 0);
+  if (r) return mrt_cuda_fail(&ctx->drv, r, "cuOccupancyMaxActiveBlocksPerMultiprocessor");
+  *blocks = (int64_t)mrt_max(1, per_sm) * ctx->dev.sm_count;
+  return MOE_RT_SUCCESS;
 }
 
 /* ---- kernels --------------------------------------------------------------------------------------- */
@@ -966,15 +1030,14 @@ static moe_rt_status opt_in_smem(moe_rt_context* ctx, const mrt_launch* l) {
   return st;
 }
 
-void mrt_arg_i32(mrt_args* a, int32_t v) { a->val[a->n].i32 = v; a->ptr[a->n] = &a->val[a->n]; a->n++; }
-void mrt_arg_u32(mrt_args* a, uint32_t v) { a->val[a->n].u32 = v; a->ptr[a->n] = &a->val[a->n]; a->n++; }
-void mrt_arg_i64(mrt_args* a, int64_t v) { a->val[a->n].i64 = v; a->ptr[a->n] = &a->val[a->n]; a->n++; }
-void mrt_arg_f32(mrt_args* a, float v) { a->val[a->n].f32 = v; a->ptr[a->n] = &a->val[a->n]; a->n++; }
-void mrt_arg_ptr(mrt_args* a, const void* v) {
-  a->val[a->n].p = (unsigned long long)(uintptr_t)v;
-  a->ptr[a->n] = &a->val[a->n];
-  a->n++;
-}
+#define ARG(a, field, t, v) \
+  do { (a)->val[(a)->n].field = (v); (a)->type[(a)->n] = (t); (a)->ptr[(a)->n] = &(a)->val[(a)->n]; (a)->n++; } while (0)
+void mrt_arg_i32(mrt_args* a, int32_t v) { ARG(a, i32, 'i', v); }
+void mrt_arg_u32(mrt_args* a, uint32_t v) { ARG(a, u32, 'u', v); }
+void mrt_arg_i64(mrt_args* a, int64_t v) { ARG(a, i64, 'l', v); }
+void mrt_arg_f32(mrt_args* a, float v) { ARG(a, f32, 'f', v); }
+void mrt_arg_ptr(mrt_args* a, const void* v) { ARG(a, p, 'p', (unsigned long long)(uintptr_t)v); }
+#undef ARG
 
 moe_rt_status mrt_launch_one(moe_rt_context* ctx, const mrt_launch* l, mrt_args* args, moe_rt_stream stream) {
   if (ctx->planning || l->grid <= 0) return MOE_RT_SUCCESS;

@@ -57,6 +57,7 @@ typedef struct mrt_driver {
   CUresult (*cuStreamSynchronize)(CUstream);
   CUresult (*cuStreamIsCapturing)(CUstream, int*); /* *status: 0 none, 1 active, 2 invalidated */
   CUresult (*cuGetErrorString)(CUresult, const char**);
+  CUresult (*cuOccupancyMaxActiveBlocksPerMultiprocessor)(int*, CUfunction, int, size_t);
 } mrt_driver;
 
 /* ---- the last error (thread-local) ---------------------------------------------------------------- */
@@ -117,16 +118,19 @@ int mrt_plan_lookup(moe_rt_context* ctx, const void* key, size_t key_bytes, mrt_
 
 /* Execute: launch each of plan's launches with grid > 0, with its argument list; or, in a planning
  * context, record the plan as the context's last one. */
+#define MRT_MAX_ARGS 40
+
 typedef struct mrt_args {
   int n;
-  void* ptr[24];
+  void* ptr[MRT_MAX_ARGS];
   union {
     int32_t i32;
     uint32_t u32;
     int64_t i64;
     float f32;
     unsigned long long p;
-  } val[24];
+  } val[MRT_MAX_ARGS];
+  char type[MRT_MAX_ARGS]; /* 'i' int32, 'u' uint32, 'l' int64, 'f' float32, 'p' pointer */
 } mrt_args;
 void mrt_arg_i32(mrt_args* a, int32_t v);
 void mrt_arg_u32(mrt_args* a, uint32_t v);
@@ -136,9 +140,16 @@ void mrt_arg_ptr(mrt_args* a, const void* v);
 
 int mrt_is_planning(const moe_rt_context* ctx);
 void mrt_record(moe_rt_context* ctx, const mrt_plan* plan);
+/* Planning contexts: record the arguments of launch `launch` of the plan just recorded (moe_rt_last_plan_args;
+ * mrt_record forgets the previous op's). */
+void mrt_record_args(moe_rt_context* ctx, int launch, const mrt_args* args);
 moe_rt_status mrt_launch_one(moe_rt_context* ctx, const mrt_launch* l, mrt_args* args, moe_rt_stream stream);
 /* Zero nbytes at p on stream (a no-op in a planning context). */
 moe_rt_status mrt_memset0(moe_rt_context* ctx, void* p, size_t nbytes, moe_rt_stream stream);
+/* Blocks of the launch's kernel with `threads` threads and no dynamic shared memory resident on the whole device
+ * at once (cuOccupancyMaxActiveBlocksPerMultiprocessor, at least 1, times the SMs); a planning context models
+ * it from its device facts and the registers given (mrt_resident_grid). */
+moe_rt_status mrt_resident_blocks(moe_rt_context* ctx, const mrt_launch* l, int threads, int regs, int64_t* blocks);
 /* The device's error word of this context (0 in a planning context). */
 moe_rt_status mrt_error_word(moe_rt_context* ctx, unsigned long long* ptr);
 

@@ -15,7 +15,7 @@ the same functions without a device: nothing is launched and :meth:`Context.last
 libmoe_rt.so is opened with dlopen when this module is imported (the path next to this file), so building
 this extension needs no library and no CUDA header.
 """
-from libc.stdint cimport int32_t, int64_t, uintptr_t
+from libc.stdint cimport int32_t, int64_t, uint32_t, uintptr_t
 from libc.string cimport memset
 
 import functools
@@ -57,6 +57,36 @@ cdef extern from "moe_rt/moe_rt.h" nogil:
         int32_t* counts
         int32_t* tokens_per_expert
         int64_t num_tokens, topk, num_experts, num_rows, align_size
+    ctypedef struct moe_rt_ll_group:
+        pass
+    ctypedef struct moe_rt_ll_buffer_set:
+        void* recv
+        const int64_t* peer_recv
+        const int64_t* peer_recv_q
+        const int64_t* peer_recv_s
+        const int64_t* peer_route
+        const int64_t* peer_rw
+        const int64_t* peer_back
+        const int64_t* peer_bw
+    ctypedef struct moe_rt_ll_group_desc:
+        int32_t num_ranks, rank, num_local_experts, max_tokens_per_rank, topk, dtype
+        int64_t hidden
+        int32_t chunk, num_buffers, fp8, num_scales, dedup
+        int64_t timeout_ns
+        moe_rt_ll_buffer_set set[2]
+        const int64_t* peer_flags
+        const int64_t* peer_barrier
+        uint32_t* barrier_state
+        int32_t* timeout_word
+        uint32_t* error_word
+        uint32_t* set_epoch
+    ctypedef struct moe_rt_ll_tables:
+        int32_t* idx
+        float* w
+        int32_t* route
+        int32_t* slot_k
+        float* slot_w
+        int32_t* counts
 
 ctypedef int st_t  # moe_rt_status
 
@@ -104,7 +134,23 @@ ctypedef st_t (*f_fp8_dq)(moe_rt_context*, const void*, const float*, int64_t, i
 ctypedef st_t (*f_aux_bwd)(moe_rt_context*, const void*, int, int64_t, int, const void*, int, int64_t, const void*,
                            int, int, int, float, void*, moe_rt_stream) nogil
 
+ctypedef st_t (*f_last_args)(const moe_rt_context*, int, int64_t*, int, int*) nogil
+ctypedef st_t (*f_ll_create)(moe_rt_context*, const moe_rt_ll_group_desc*, moe_rt_ll_group**) nogil
+ctypedef void (*f_ll_destroy)(moe_rt_ll_group*) nogil
+ctypedef st_t (*f_ll_dispatch)(moe_rt_ll_group*, int, int, const void*, const void*, const float*, int, int,
+                               const void*, int, const float*, int64_t, const moe_rt_ll_tables*, moe_rt_stream) nogil
+ctypedef st_t (*f_ll_combine)(moe_rt_ll_group*, int, int, const void*, const float*, const moe_rt_ll_tables*, int64_t,
+                              void*, float*, moe_rt_stream) nogil
+ctypedef st_t (*f_ll_combine_bwd)(moe_rt_ll_group*, int, const void*, const void*, const moe_rt_ll_tables*, int64_t,
+                                  float*, moe_rt_stream) nogil
+
 cdef f_last_error p_last_error
+cdef f_last_args p_last_args
+cdef f_ll_create p_ll_create
+cdef f_ll_destroy p_ll_destroy
+cdef f_ll_dispatch p_ll_dispatch
+cdef f_ll_combine p_ll_combine
+cdef f_ll_combine_bwd p_ll_combine_bwd
 cdef f_ctx_create p_ctx_create
 cdef f_ctx_create_planning p_ctx_create_planning
 cdef f_ctx_load_kernel p_ctx_load_kernel
@@ -171,6 +217,7 @@ cdef _open():
     global p_last_plan, p_check, p_aux_ws, p_topk, p_topk_idx, p_topk_bwd, p_scores, p_scores_bwd, p_aux, p_aux_bwd
     global p_plan_ws, p_chunks_ws, p_make_plan, p_dispatch, p_combine, p_dispatch_bwd, p_combine_bwd, p_sort_chunks
     global p_quantize, p_dequantize, p_load_stand_in, p_end_stand_ins, p_last_stand_in
+    global p_last_args, p_ll_create, p_ll_destroy, p_ll_dispatch, p_ll_combine, p_ll_combine_bwd
     path = LIB_PATH.encode()
     cdef void* h = dlopen(path, RTLD_NOW | RTLD_LOCAL)
     if h == NULL:
@@ -206,6 +253,12 @@ cdef _open():
     p_sort_chunks = <f_sort_chunks>_sym(h, b"moe_rt_sort_chunks")
     p_quantize = <f_fp8_q>_sym(h, b"moe_rt_quantize_fp8")
     p_dequantize = <f_fp8_dq>_sym(h, b"moe_rt_dequantize_fp8")
+    p_last_args = <f_last_args>_sym(h, b"moe_rt_last_plan_args")
+    p_ll_create = <f_ll_create>_sym(h, b"moe_rt_ll_group_create")
+    p_ll_destroy = <f_ll_destroy>_sym(h, b"moe_rt_ll_group_destroy")
+    p_ll_dispatch = <f_ll_dispatch>_sym(h, b"moe_rt_ll_dispatch")
+    p_ll_combine = <f_ll_combine>_sym(h, b"moe_rt_ll_combine")
+    p_ll_combine_bwd = <f_ll_combine_bwd>_sym(h, b"moe_rt_ll_combine_bwd")
 
 
 _open()
@@ -258,6 +311,14 @@ cdef class Context:
         """Planning contexts: the launches of the last op, ``(file, kernel, grid, block, shared_mem,
         (scalar0, scalar1))`` each."""
         return _last_plan(self.ctx)
+
+    def last_plan_args(self, int launch) -> list:
+        """Planning contexts: the arguments of launch ``launch`` of the last op (moe_rt_last_plan_args: pointers as
+        addresses, integers as values, float32 as their bits; empty for an op that records none)."""
+        cdef int64_t vals[64]
+        cdef int n = 0
+        _check(p_last_args(self.ctx, launch, vals, 64, &n), "moe_rt_last_plan_args")
+        return [vals[i] for i in range(n)]
 
     def check(self, uintptr_t stream=0):
         """Wait for ``stream`` (0 = the legacy default stream) and raise, as ValueError with the CPU path's
@@ -652,4 +713,155 @@ def dequantize_fp8(Context d, uintptr_t x_fp8, uintptr_t scales, int64_t T, int6
         st = p_dequantize(c, <const void*>x_fp8, <const float*>scales, T, H, block, <void*>y, dtype,
                           <moe_rt_stream>stream)
         if _done(d, &c, st, &tries, b"moe_rt_dequantize_fp8"):
+            return
+
+
+# ---- low-latency expert parallelism (moe_rt.ep_ll.LowLatencyGroup) ---------------------------------------
+
+cdef class LLGroup:
+    """A core low-latency EP group (moe_rt_ll_group) on a :class:`Context` (:func:`ll_group_create`), and its
+    twin on the context's planning twin (made when a call first meets a kernel missing from the kernel cache:
+    the call is planned there to learn its kernels, which are then compiled and loaded, as for the other ops).
+    :meth:`destroy` (or the finalizer) frees both; the buffers the group names stay the caller's."""
+    cdef moe_rt_ll_group* g
+    cdef moe_rt_ll_group* twin
+    cdef moe_rt_ll_group_desc desc
+    cdef readonly Context ctx
+
+    def __dealloc__(self):
+        self.destroy()
+
+    def destroy(self):
+        """Free the core group (idempotent)."""
+        if self.twin != NULL:
+            p_ll_destroy(self.twin)
+            self.twin = NULL
+        if self.g != NULL:
+            p_ll_destroy(self.g)
+            self.g = NULL
+
+    cdef moe_rt_ll_group* live(self) except NULL:
+        if self.g == NULL:
+            raise ValueError("the low-latency core group was destroyed")
+        return self.g
+
+    cdef moe_rt_ll_group* retry(self, moe_rt_ll_group* c, int st, int* tries, const char* op) except NULL:
+        """As :meth:`Context.retry`, over the group and its twin."""
+        cdef Context d = self.ctx
+        if c == self.g:
+            if st == KERNEL_CACHE and tries[0] < 2 and not d.is_planning:
+                tries[0] += 1
+                if self.twin == NULL:
+                    _check(p_ll_create(d._twin(), &self.desc, &self.twin), "moe_rt_ll_group_create (planning twin)")
+                return self.twin
+            raise error(st, op.decode())
+        if st:
+            raise error(st, op.decode() + " (planning its kernels)")
+        d._prepare(_last_plan(d.plan_ctx), _stand_ins(d.plan_ctx))
+        return self.g
+
+
+cdef inline moe_rt_ll_group* _ll_begin(LLGroup g, uintptr_t stream) except NULL:
+    _begin(g.ctx, stream)
+    return g.live()
+
+
+cdef inline bint _ll_done(LLGroup g, moe_rt_ll_group** c, int st, int* tries, const char* op) except -1:
+    if st == 0 and c[0] == g.g:
+        return True
+    c[0] = g.retry(c[0], st, tries, op)
+    return False
+
+
+cdef inline int _tables_of(tuple t, moe_rt_ll_tables* out) except -1:
+    """A handle's tables as the facade hands them over: (idx, w, route, slot_k, slot_w, counts) addresses."""
+    out.idx = <int32_t*><uintptr_t>t[0]
+    out.w = <float*><uintptr_t>t[1]
+    out.route = <int32_t*><uintptr_t>t[2]
+    out.slot_k = <int32_t*><uintptr_t>t[3]
+    out.slot_w = <float*><uintptr_t>t[4]
+    out.counts = <int32_t*><uintptr_t>t[5]
+    return 0
+
+
+def ll_group_create(Context d, int R, int rank, int L, int Tmax, int K, int dtype, int64_t H, int chunk,
+                    int num_buffers, int fp8, int num_scales, int dedup, int64_t timeout_ns, list sets,
+                    uintptr_t peer_flags, uintptr_t peer_barrier, uintptr_t barrier_state, uintptr_t timeout_word,
+                    uintptr_t error_word, uintptr_t set_epoch) -> LLGroup:
+    """moe_rt_ll_group_create: ``sets`` holds per buffer set ``(recv, peer_recv, peer_recv_q, peer_recv_s,
+    peer_route, peer_rw, peer_back, peer_bw)`` addresses (0 = NULL); ValueError for a bad field."""
+    cdef LLGroup g = LLGroup()
+    memset(&g.desc, 0, sizeof(g.desc))
+    g.desc.num_ranks, g.desc.rank, g.desc.num_local_experts, g.desc.max_tokens_per_rank = R, rank, L, Tmax
+    g.desc.topk, g.desc.dtype, g.desc.hidden, g.desc.chunk, g.desc.num_buffers = K, dtype, H, chunk, num_buffers
+    g.desc.fp8, g.desc.num_scales, g.desc.dedup, g.desc.timeout_ns = fp8, num_scales, dedup, timeout_ns
+    if len(sets) > 2:
+        raise ValueError(f"sets: at most 2 buffer sets, got {len(sets)}")
+    cdef uintptr_t a
+    for b, s in enumerate(sets):
+        if len(s) != 8:
+            raise ValueError(f"sets[{b}]: expected 8 addresses, got {len(s)}")
+        a = s[0]
+        g.desc.set[b].recv = <void*>a
+        a = s[1]
+        g.desc.set[b].peer_recv = <const int64_t*>a
+        a = s[2]
+        g.desc.set[b].peer_recv_q = <const int64_t*>a
+        a = s[3]
+        g.desc.set[b].peer_recv_s = <const int64_t*>a
+        a = s[4]
+        g.desc.set[b].peer_route = <const int64_t*>a
+        a = s[5]
+        g.desc.set[b].peer_rw = <const int64_t*>a
+        a = s[6]
+        g.desc.set[b].peer_back = <const int64_t*>a
+        a = s[7]
+        g.desc.set[b].peer_bw = <const int64_t*>a
+    g.desc.peer_flags, g.desc.peer_barrier = <const int64_t*>peer_flags, <const int64_t*>peer_barrier
+    g.desc.barrier_state, g.desc.timeout_word = <uint32_t*>barrier_state, <int32_t*>timeout_word
+    g.desc.error_word, g.desc.set_epoch = <uint32_t*>error_word, <uint32_t*>set_epoch
+    g.ctx = d
+    _check(p_ll_create(d.ctx, &g.desc, &g.g), "moe_rt_ll_group_create")
+    return g
+
+
+def ll_dispatch(LLGroup g, int buffer_set, int phases, uintptr_t x, uintptr_t x_fp8, uintptr_t x_scales, int fp8,
+                int dequantize, uintptr_t idx, int idx_dtype, uintptr_t w, int64_t T, tuple tables, uintptr_t stream):
+    """moe_rt_ll_dispatch; ``tables``: the handle's six table addresses (idx, w, route, slot_k, slot_w, counts)."""
+    cdef moe_rt_ll_tables t
+    _tables_of(tables, &t)
+    cdef moe_rt_ll_group* c = _ll_begin(g, stream)
+    cdef int tries = 0, st
+    while True:
+        st = p_ll_dispatch(c, buffer_set, phases, <const void*>x, <const void*>x_fp8, <const float*>x_scales, fp8,
+                           dequantize, <const void*>idx, idx_dtype, <const float*>w, T, &t, <moe_rt_stream>stream)
+        if _ll_done(g, &c, st, &tries, b"moe_rt_ll_dispatch"):
+            return
+
+
+def ll_combine(LLGroup g, int buffer_set, int op, uintptr_t y, uintptr_t slot_grads, tuple tables, int64_t T,
+               uintptr_t out, uintptr_t grad_w, uintptr_t stream):
+    """moe_rt_ll_combine (``op``: moe_rt._ep_direct.OP_CODES' combine, dispatch_bwd or combine_bwd)."""
+    cdef moe_rt_ll_tables t
+    _tables_of(tables, &t)
+    cdef moe_rt_ll_group* c = _ll_begin(g, stream)
+    cdef int tries = 0, st
+    while True:
+        st = p_ll_combine(c, buffer_set, op, <const void*>y, <const float*>slot_grads, &t, T, <void*>out,
+                          <float*>grad_w, <moe_rt_stream>stream)
+        if _ll_done(g, &c, st, &tries, b"moe_rt_ll_combine"):
+            return
+
+
+def ll_combine_bwd(LLGroup g, int buffer_set, uintptr_t grad_out, uintptr_t expert_out, tuple tables, int64_t T,
+                   uintptr_t dots, uintptr_t stream):
+    """moe_rt_ll_combine_bwd."""
+    cdef moe_rt_ll_tables t
+    _tables_of(tables, &t)
+    cdef moe_rt_ll_group* c = _ll_begin(g, stream)
+    cdef int tries = 0, st
+    while True:
+        st = p_ll_combine_bwd(c, buffer_set, <const void*>grad_out, <const void*>expert_out, &t, T, <float*>dots,
+                              <moe_rt_stream>stream)
+        if _ll_done(g, &c, st, &tries, b"moe_rt_ll_combine_bwd"):
             return

@@ -349,6 +349,129 @@ moe_rt_status moe_rt_quantize_fp8(moe_rt_context* ctx, const void* x, int dtype,
 moe_rt_status moe_rt_dequantize_fp8(moe_rt_context* ctx, const void* x_fp8, const float* scales, int64_t num_tokens,
                                     int64_t hidden, int block, void* y, int dtype, moe_rt_stream stream);
 
+/* Planning contexts: the arguments of launch `launch` of the last plan, in the kernel's parameter order, each as
+ * a 64-bit value (pointers as addresses, int32 sign-extended, uint32 zero-extended, float32 as its bits) into
+ * args[0 .. *count) (capacity values at most; *count is set either way). Ops that record no arguments give
+ * *count = 0 (today: the low-latency EP ops, moe_rt_ll_*). */
+moe_rt_status moe_rt_last_plan_args(const moe_rt_context* ctx, int launch, int64_t* args, int capacity, int* count);
+
+/* ---- low-latency expert parallelism (moe_rt.ep_ll.LowLatencyGroup; docs/ep.md §8) ----------------------
+ * A group of R ranks, one process (one context) per GPU, every pair with peer access. Each rank owns shared
+ * device buffers (plain allocations whose CUDA IPC handles the ranks exchanged; moe_rt's Python side makes
+ * them, or a C caller does) and knows every rank's address of each region through a *peer table*: a device
+ * int64 array [R] (entry r = rank r's region as mapped in this process; entry `rank` = this rank's own). A
+ * moe_rt_ll_group holds those addresses and the sizes, validated once; the ops below plan their launches
+ * once per signature (kernel variant, grid, constant arguments; cached in the group) and then launch:
+ * ep_direct_barrier (every rank finished its previous op) followed by one fused kernel of kernels/ep.cu,
+ * exactly as moe_rt.ep_ll does (the same kernels, grids, blocks and arguments). Nothing syncs with the host;
+ * the ops are CUDA-graph capturable (epochs live on the device). Every rank calls the same ops in the same
+ * order (collectives). Layout and semantics: moe_rt/ep_ll.py's module notes. */
+#define MOE_RT_LL_MAX_TOKENS 1024 /* max_tokens_per_rank, at most */
+#define MOE_RT_LL_MAX_BUFFERS 2
+#define MOE_RT_LL_FP8_BLOCK 128 /* channels per FP8 scale */
+
+typedef enum moe_rt_ll_phase {
+  MOE_RT_LL_PUSH = 1,    /* the send half: write this rank's rows into the peers' buffers, raise the flags */
+  MOE_RT_LL_RECEIVE = 2  /* the receive half: wait for every rank's flags, write the handle's tables */
+} moe_rt_ll_phase;
+
+/* Op codes: what a timed-out wait records in the timeout word (moe_rt._ep_direct.OP_CODES). */
+typedef enum moe_rt_ep_op {
+  MOE_RT_EP_OP_DISPATCH = 1,
+  MOE_RT_EP_OP_COMBINE = 2,
+  MOE_RT_EP_OP_DISPATCH_BWD = 3,
+  MOE_RT_EP_OP_COMBINE_BWD = 4
+} moe_rt_ep_op;
+
+/* One buffer set (num_buffers of them: with 2, two dispatches may be in flight). Sizes: R ranks, L local
+ * experts, Tmax = max_tokens_per_rank, K topk, H hidden, S = ceil(H/128). Every region 16-byte aligned. */
+typedef struct moe_rt_ll_buffer_set {
+  void* recv;                 /* this rank's receive rows [L, R*Tmax, H] dtype (peer_recv[rank]) */
+  const int64_t* peer_recv;   /* peer table of recv */
+  const int64_t* peer_recv_q; /* fp8 groups: peer table of the FP8 codes [L, R*Tmax, H] uint8; else NULL */
+  const int64_t* peer_recv_s; /* fp8 groups: peer table of the FP8 scales [L, R*Tmax, S] float32; else NULL */
+  const int64_t* peer_route;  /* peer table of the routing rows [R, Tmax*K + 1] int32 */
+  const int64_t* peer_rw;     /* peer table of the routing weights [R, Tmax*K] float32 */
+  const int64_t* peer_back;   /* peer table of the combine rows [Tmax*K, H] dtype */
+  const int64_t* peer_bw;     /* peer table of the combine weight gradients [Tmax*K] float32 */
+} moe_rt_ll_buffer_set;
+
+typedef struct moe_rt_ll_group_desc {
+  int32_t num_ranks;           /* R >= 1 */
+  int32_t rank;                /* this rank, in [0, R) */
+  int32_t num_local_experts;   /* L >= 1 (E = R*L experts) */
+  int32_t max_tokens_per_rank; /* Tmax in [1, MOE_RT_LL_MAX_TOKENS] */
+  int32_t topk;                /* K in [1, MOE_RT_MAX_TOPK] */
+  int32_t dtype;               /* the token dtype: MOE_RT_FLOAT32, MOE_RT_FLOAT16 or MOE_RT_BFLOAT16 */
+  int64_t hidden;              /* H >= 1; L*R*Tmax*H below 2^62 */
+  int32_t chunk;               /* tokens a flag covers, in [1, Tmax], the same on every rank (moe_rt.ep_ll
+                                  .chunk_tokens: ceil(Tmax/128)) */
+  int32_t num_buffers;         /* 1 or 2 */
+  int32_t fp8;                 /* 1: the sets hold FP8 receive buffers (peer_recv_q, peer_recv_s); else 0 */
+  int32_t num_scales;          /* S = ceil(H/128) (checked; any value when fp8 is 0) */
+  int32_t dedup;               /* 1: a token's row crosses to each destination rank once; 0: once per expert.
+                                  The same on every rank */
+  int64_t timeout_ns;          /* > 0: how long a device wait spins before it gives up */
+  moe_rt_ll_buffer_set set[MOE_RT_LL_MAX_BUFFERS]; /* set[b] for b < num_buffers (the rest ignored) */
+  const int64_t* peer_flags;   /* peer table of the chunk flags: uint32 [num_buffers, 2, R, Tmax] per rank, zeroed
+                                  once */
+  const int64_t* peer_barrier; /* peer table of the barrier slots: uint32 [R] per rank, zeroed once */
+  uint32_t* barrier_state;     /* uint32 [2] device memory of this rank, zeroed once: the barrier epoch and a
+                                  sticky failure flag */
+  int32_t* timeout_word;       /* int32 host memory mapped into the device (cudaHostAllocMapped), zeroed: a
+                                  wait that timed out writes its op (moe_rt_ep_op) there */
+  uint32_t* error_word;        /* the device error word bad expert ids are recorded in; NULL = the context's
+                                  (reported by moe_rt_check) */
+  uint32_t* set_epoch;         /* uint32 [num_buffers] device memory: each set's split push epoch */
+} moe_rt_ll_group_desc;
+
+/* A dispatch handle's tables (device memory the caller owns; one set per dispatch in flight). T tokens. */
+typedef struct moe_rt_ll_tables {
+  int32_t* idx;   /* [T, K] the routing as int32 (-1 = none) */
+  float* w;       /* [T, K] float32 weights */
+  int32_t* route; /* [R, Tmax, K] the routing as each expert rank saw it (local expert ids, -1 = none) */
+  int32_t* slot_k;  /* [L, R*Tmax] the first k of the slot's token with that expert, -1 = no token */
+  float* slot_w;    /* [L, R*Tmax] that token's weight */
+  int32_t* counts;  /* [L] valid slots per local expert */
+} moe_rt_ll_tables;
+
+typedef struct moe_rt_ll_group moe_rt_ll_group;
+
+/* Validate desc and make the group on ctx (a device or a planning context: a planning context takes made-up
+ * addresses, checked for NULL only). The group refers to ctx (destroy it first) and to the buffers (they must
+ * outlive it); it copies desc. */
+moe_rt_status moe_rt_ll_group_create(moe_rt_context* ctx, const moe_rt_ll_group_desc* desc, moe_rt_ll_group** out);
+void moe_rt_ll_group_destroy(moe_rt_ll_group* group); /* NULL is a no-op */
+
+/* Dispatch into buffer set `buffer_set`: phases MOE_RT_LL_PUSH | MOE_RT_LL_RECEIVE (one kernel sends and
+ * receives), MOE_RT_LL_PUSH (send now) or MOE_RT_LL_RECEIVE (later, the receive half of that push: same
+ * buffer set, tables and arguments). A launch with the push first runs the barrier. 0 <= T <= Tmax.
+ * fp8 = 0: x [T, H] in the group's dtype (x_fp8, x_scales NULL; dequantize 0). fp8 = 1 (an fp8 group): either
+ * x (quantized in the push) or the pair x_fp8 [T, H] e4m3 codes and x_scales [T, S] float32; dequantize = 1
+ * writes the received rows dequantized into recv (else the codes and scales into recv_q / recv_s).
+ * topk_idx [T, K] int32 or int64 (idx_dtype; ids in [-1, E), others recorded in the error word and taken as
+ * -1), topk_weights [T, K] float32; tables: the handle's six tables (idx, w only read with T > 0). */
+moe_rt_status moe_rt_ll_dispatch(moe_rt_ll_group* group, int buffer_set, int phases, const void* x,
+                                 const void* x_fp8, const float* x_scales, int fp8, int dequantize,
+                                 const void* topk_idx, int idx_dtype, const float* topk_weights, int64_t num_tokens,
+                                 const moe_rt_ll_tables* tables, moe_rt_stream stream);
+/* The combine direction: barrier, then ep_ll_combine for the handle `tables` of a dispatch through buffer set
+ * `buffer_set` (reads idx, w, route). op MOE_RT_EP_OP_COMBINE: out [T, H] = sum_k w * y[slot] (y [L, R*Tmax, H]);
+ * MOE_RT_EP_OP_DISPATCH_BWD: out [T, H] = sum_k y[slot] (unweighted), and with slot_grads [L, R*Tmax] float32
+ * also grad_w [T, K] float32 = slot_grads at each slot; MOE_RT_EP_OP_COMBINE_BWD: grad_w = slot_grads at each
+ * slot (y, out NULL; the weight gradient after moe_rt_ll_combine_bwd's dots). */
+moe_rt_status moe_rt_ll_combine(moe_rt_ll_group* group, int buffer_set, int op, const void* y,
+                                const float* slot_grads, const moe_rt_ll_tables* tables, int64_t num_tokens,
+                                void* out, float* grad_w, moe_rt_stream stream);
+/* VJP of combine, the rows: barrier, then the dispatch direction (ep_ll_dispatch) writing grad_out [T, H]'s rows
+ * into buffer set `buffer_set`'s recv: slot_w * grad_out[t] (expert_out NULL), or unscaled followed by
+ * ep_ll_slot_dot (expert_out [L, R*Tmax, H], not the recv buffer): dots [L*R*Tmax] float32 = <expert_out,
+ * grad rows> per slot (0 where no token) and the rows scaled by slot_w. Rows of slots with no token are zero.
+ * Then moe_rt_ll_combine(MOE_RT_EP_OP_COMBINE_BWD, slot_grads = dots) gives the weight gradient. */
+moe_rt_status moe_rt_ll_combine_bwd(moe_rt_ll_group* group, int buffer_set, const void* grad_out,
+                                    const void* expert_out, const moe_rt_ll_tables* tables, int64_t num_tokens,
+                                    float* dots, moe_rt_stream stream);
+
 #ifdef __cplusplus
 }
 #endif
