@@ -662,9 +662,9 @@ class _LLTrace:
         self.events, self.kernels = [], []
         self.array, self.dev, self.group = self.st.array, self.st.dev, self.st.group
 
-    def _launch(self, kernel, grid, block, args):
-        self.kernels.append(kernel)
-        name = kernel.split("<")[0]
+    def _launch(self, fn, grid, block, args):
+        self.kernels.append(fn.name)
+        name = fn.name.split("<")[0]
         params = _kernel_params(name)
         assert len(args) == len(params), name
         for (ctype, pname), a in zip(params, args):  # int parameters get 32-bit values, pointers addresses
@@ -833,6 +833,7 @@ def test_cuda_host_path_round_trip_counts(monkeypatch, dtype, H, idx_dtype, shif
         assert names == ["ep_direct_barrier", f"ep_ll_dispatch<{c}, {i}, {vec}>", "ep_direct_barrier",
                          f"ep_ll_combine<{c}, {'true' if dt.itemsize * H % 16 == 0 else 'false'}>"]
         assert allocs == (2 if n == 0 else 1)
+        assert tr.st.lookups == 0  # the core looks its kernels up (and plans) itself, from the first call on
 
 
 def test_cuda_host_path_table_sets_reused_only_when_free(monkeypatch):

@@ -60,7 +60,8 @@ def category(label: str) -> str:
     name = label.split("[")[0]
     short = name.rsplit(".", 1)[-1]
     if name in ("cuLaunchKernel", "_jit.launch_raw", "_jit.launch", "_jit.function",
-                "_jit.function_ptr", "_jit._current_stream_ptr", "_jit.set_max_dynamic_shared"):
+                "_jit.function_ptr", "_jit._current_stream_ptr", "_jit.set_max_dynamic_shared") or name.startswith(
+                    "_core.ll_"):
         return "launch"
     if name.startswith("comm.") or name.startswith("_ep_nccl."):
         return "nccl"
@@ -317,6 +318,10 @@ class Breakdown:
             return n
 
         self.patch(_jit, "launch_raw", "_jit.launch_raw", key=kernel_name)
+        from moe_rt import _core
+
+        for n in ("ll_dispatch", "ll_combine", "ll_combine_bwd"):  # the core plans and launches (barrier + kernel)
+            self.patch(_core, n, f"_core.{n}")
         if getattr(_jit, "_driver", None) is not None:
             self.patch(_jit._driver, "launch", "cuLaunchKernel", key=driver_name, everywhere=False)
         self.patch_class(_arrays.Call, "Call", names=("__init__", "_import", "out", "empty", "scratch",

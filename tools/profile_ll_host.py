@@ -31,21 +31,23 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # this che
 
 class StandIns:
     """The device stood in for, through ``setattr_`` (default: for good, in this process; a test passes its
-    monkeypatch's setattr): the core's device context (``moe_rt._core.device``: a planning context of
-    ``sm_count`` SMs on which a fused kernel has ``resident`` blocks resident, ``resident`` a multiple of
-    ``sm_count``: the ops plan and record their launches, launching nothing), launches (after each core call
-    the recorded ones: ``on_launch(name, grid, block, args)``, ``args`` the values of the kernel's parameters
-    in order; default: counted in ``launches``), the op's array import (``moe_rt._arrays.Call``: a CUDA call of
-    framework 'devarray' on stream 7 or an int stream given, results handed back as they are, its allocations
-    CuPy's), CuPy allocations (counted in ``allocs``: CuPy arrays over fake addresses, an empty one at 0 as
-    CuPy's), streams, the current device (0) and the device's error word (64)."""
+    monkeypatch's setattr): kernels loaded from Python (each lookup counted in ``lookups``), launches
+    (``on_launch(fn, grid, block, args)``, ``fn.name`` the kernel; default: counted in ``launches``) made
+    through ``_jit.launch_raw`` or by the core: its device context (``moe_rt._core.device``) is a planning
+    context of ``sm_count`` SMs on which a fused kernel has ``resident`` blocks resident (``resident`` a
+    multiple of ``sm_count``), and after each low-latency core call its recorded launches are reported (the
+    arguments as the values of the kernel's parameters, in order); the op's array import
+    (``moe_rt._arrays.Call``: a CUDA call of framework 'devarray' on stream 7 or an int stream given, results
+    handed back as they are, its allocations CuPy's), CuPy allocations (counted in ``allocs``: CuPy arrays
+    over fake addresses, an empty one at 0 as CuPy's), streams, the current device (0), the device's error
+    word (64), ``resident`` blocks of a fused kernel and ``sm_count`` SMs."""
 
     def __init__(self, setattr_=setattr, resident=264, sm_count=132):
         import cupy
 
-        from moe_rt import _arrays, _core, _errors
+        from moe_rt import _arrays, _core, _ep_direct, _errors, _jit
 
-        self.cupy, self.launches, self.allocs = cupy, 0, 0
+        self.cupy, self.launches, self.allocs, self.lookups = cupy, 0, 0, 0
         self.addrs = itertools.count(1 << 40, 1 << 24)
         self.on_launch = None
         self._streams = {}
@@ -91,24 +93,39 @@ class StandIns:
             def __exit__(self, *a):
                 return False
 
+        class Kernel:
+            def __init__(self, name):
+                self.name, self.ptr = name, id(self)
+
+        def function(file, name):
+            st.lookups += 1
+            return Kernel(name)
+
+        def launch_raw(fn, grid, block, args, smem, stream):
+            st.launches += 1
+            if st.on_launch is not None:
+                st.on_launch(fn, grid, block, args)
+
         per_sm = resident // sm_count  # the fused kernels' 512-thread blocks an SM holds: set by their registers
         if per_sm < 1 or per_sm > 4 or per_sm * sm_count != resident:
             raise ValueError(f"resident={resident}: expected 1 to 4 blocks on each of the {sm_count} SMs")
         ctx = _core.planning(sm_count=sm_count, assumed_regs=65536 // (512 * per_sm) // 8 * 8)
 
-        def recorded(f):
+        def recorded(f):  # a core call, then its launches as the planning context recorded them
             def call(*args):
                 f(*args)
                 for i, launch in enumerate(ctx.last_plan()):
-                    st.launches += 1
-                    if st.on_launch is not None:
-                        st.on_launch(launch[1], launch[2], launch[3], ctx.last_plan_args(i))
+                    launch_raw(Kernel(launch[1]), launch[2], launch[3], ctx.last_plan_args(i), 0, args[-1])
             return call
 
+        setattr_(_jit, "function", function)
+        setattr_(_jit, "launch_raw", launch_raw)
+        setattr_(_jit, "device_properties", lambda dev: {"sm_count": sm_count})
+        setattr_(_errors, "word", lambda dev: 64)
+        setattr_(_ep_direct, "_resident_ctas", lambda fn, threads, dev: resident)
         setattr_(_core, "device", lambda dev: ctx)
         for name in ("ll_dispatch", "ll_combine", "ll_combine_bwd"):
             setattr_(_core, name, recorded(getattr(_core, name)))
-        setattr_(_errors, "word", lambda dev: 64)
         setattr_(_arrays, "Call", Call)
         setattr_(_arrays, "as_cupy_stream", lambda stream, dev: st.stream(9))
         setattr_(cupy.cuda, "Device", Device)
