@@ -66,7 +66,8 @@ static void plan_put(moe_rt_ll_group* g, const ll_key* k, const mrt_plan* p) {
 static moe_rt_status check_desc(const moe_rt_ll_group_desc* d) {
   static const char op[] = "moe_rt_ll_group_create";
   const int64_t R = d->num_ranks, L = d->num_local_experts, Tmax = d->max_tokens_per_rank;
-  if (R < 1 || R > LL_MAX_RANKS) return BAD("%s: desc.num_ranks must be in [1, %d], got %lld", op, LL_MAX_RANKS, (long long)R);
+  if (R < 1 || R > LL_MAX_RANKS)
+    return BAD("%s: desc.num_ranks must be in [1, %d], got %lld", op, LL_MAX_RANKS, (long long)R);
   if (d->rank < 0 || d->rank >= R) return BAD("%s: desc.rank must be in [0, %lld), got %d", op, (long long)R, d->rank);
   if (L < 1) return BAD("%s: desc.num_local_experts must be >= 1, got %lld", op, (long long)L);
   if (Tmax < 1 || Tmax > MOE_RT_LL_MAX_TOKENS)
@@ -160,7 +161,7 @@ static moe_rt_status plan_fused(moe_rt_ll_group* g, mrt_launch* l, int64_t* resi
 
 static const char* idx_ctype(int idx64) { return idx64 ? "long long" : "int"; }
 
-/* The dispatch-direction launch (launch 1 of a plan whose launch 0 is the barrier). */
+/* The dispatch-direction launch (ep_ll_dispatch or ep_ll_dispatch_fp8). */
 static moe_rt_status plan_push(moe_rt_ll_group* g, const ll_key* k, mrt_launch* l) {
   snprintf(l->name, sizeof l->name, "%s<%s, %s, %s>", k->fp8 ? "ep_ll_dispatch_fp8" : "ep_ll_dispatch",
            mrt_ctype(g->d.dtype), idx_ctype(k->idx64), k->vec ? "true" : "false");
@@ -463,7 +464,8 @@ moe_rt_status moe_rt_ll_combine_bwd(moe_rt_ll_group* g, int buffer_set, const vo
       (st = mrt_check_ptr(op, "tables->slot_k", tables->slot_k)) ||
       (st = mrt_check_ptr(op, "tables->route", tables->route)))
     return st;
-  if (T > 0 && ((st = mrt_check_ptr(op, "grad_out", grad_out)) || (st = mrt_check_ptr(op, "tables->idx", tables->idx)) ||
+  if (T > 0 && ((st = mrt_check_ptr(op, "grad_out", grad_out)) ||
+                (st = mrt_check_ptr(op, "tables->idx", tables->idx)) ||
                 (st = mrt_check_ptr(op, "tables->w", tables->w))))
     return st;
   const moe_rt_ll_group_desc* d = &g->d;
