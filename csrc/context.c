@@ -685,13 +685,9 @@ moe_rt_status moe_rt_last_plan(const moe_rt_context* ctx, moe_rt_plan_info* info
   return MOE_RT_SUCCESS;
 }
 
-moe_rt_status moe_rt_last_plan_stand_in(const moe_rt_context* ctx, int launch, char* name, size_t size) {
-  static const char op[] = "moe_rt_last_plan_stand_in";
-  moe_rt_status st = mrt_check_ctx(ctx, op);
-  if (st || (st = mrt_check_ptr(op, "name", name))) return st;
-  if (size < MOE_RT_KERNEL_NAME_MAX)
-    return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: size must be >= %d, got %zu", op, MOE_RT_KERNEL_NAME_MAX,
-                    size);
+/* Planning contexts: lock ctx with `launch` a launch of its last plan (MOE_RT_SUCCESS; the caller unlocks), or
+ * fail unlocked. */
+static moe_rt_status lock_last_launch(const moe_rt_context* ctx, const char* op, int launch) {
   if (!ctx->planning)
     return mrt_fail(MOE_RT_ERROR_NOT_SUPPORTED, "%s: ctx is a device context; plans are recorded by planning "
                     "contexts (moe_rt_context_create_planning)", op);
@@ -701,6 +697,17 @@ moe_rt_status moe_rt_last_plan_stand_in(const moe_rt_context* ctx, int launch, c
     return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: launch must be in [0, %d), got %d", op,
                     ctx->last.num_launches, launch);
   }
+  return MOE_RT_SUCCESS;
+}
+
+moe_rt_status moe_rt_last_plan_stand_in(const moe_rt_context* ctx, int launch, char* name, size_t size) {
+  static const char op[] = "moe_rt_last_plan_stand_in";
+  moe_rt_status st = mrt_check_ctx(ctx, op);
+  if (st || (st = mrt_check_ptr(op, "name", name))) return st;
+  if (size < MOE_RT_KERNEL_NAME_MAX)
+    return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: size must be >= %d, got %zu", op, MOE_RT_KERNEL_NAME_MAX,
+                    size);
+  if ((st = lock_last_launch(ctx, op, launch))) return st;
   snprintf(name, size, "%s", ctx->last.launch[launch].stand_in);
   pthread_mutex_unlock((pthread_mutex_t*)&ctx->lock);
   return MOE_RT_SUCCESS;
@@ -734,16 +741,7 @@ void mrt_record_args(moe_rt_context* ctx, int launch, const mrt_args* a) {
 moe_rt_status moe_rt_last_plan_args(const moe_rt_context* ctx, int launch, int64_t* args, int capacity, int* count) {
   static const char op[] = "moe_rt_last_plan_args";
   moe_rt_status st = mrt_check_ctx(ctx, op);
-  if (st || (st = mrt_check_ptr(op, "count", count))) return st;
-  if (!ctx->planning)
-    return mrt_fail(MOE_RT_ERROR_NOT_SUPPORTED, "%s: ctx is a device context; plans are recorded by planning "
-                    "contexts (moe_rt_context_create_planning)", op);
-  pthread_mutex_lock((pthread_mutex_t*)&ctx->lock);
-  if (launch < 0 || launch >= ctx->last.num_launches) {
-    pthread_mutex_unlock((pthread_mutex_t*)&ctx->lock);
-    return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: launch must be in [0, %d), got %d", op,
-                    ctx->last.num_launches, launch);
-  }
+  if (st || (st = mrt_check_ptr(op, "count", count)) || (st = lock_last_launch(ctx, op, launch))) return st;
   const int n = ctx->last_nargs[launch];
   *count = n;
   if (n > capacity || (n > 0 && args == NULL)) {
