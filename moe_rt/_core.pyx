@@ -137,6 +137,7 @@ ctypedef st_t (*f_aux_bwd)(moe_rt_context*, const void*, int, int64_t, int, cons
 ctypedef st_t (*f_last_args)(const moe_rt_context*, int, int64_t*, int, int*) nogil
 ctypedef st_t (*f_ll_create)(moe_rt_context*, const moe_rt_ll_group_desc*, moe_rt_ll_group**) nogil
 ctypedef void (*f_ll_destroy)(moe_rt_ll_group*) nogil
+ctypedef int64_t (*f_ll_serial)(const moe_rt_ll_group*) nogil
 ctypedef st_t (*f_ll_dispatch)(moe_rt_ll_group*, int, int, const void*, const void*, const float*, int, int,
                                const void*, int, const float*, int64_t, const moe_rt_ll_tables*, moe_rt_stream) nogil
 ctypedef st_t (*f_ll_combine)(moe_rt_ll_group*, int, int, const void*, const float*, const moe_rt_ll_tables*, int64_t,
@@ -148,6 +149,7 @@ cdef f_last_error p_last_error
 cdef f_last_args p_last_args
 cdef f_ll_create p_ll_create
 cdef f_ll_destroy p_ll_destroy
+cdef f_ll_serial p_ll_serial
 cdef f_ll_dispatch p_ll_dispatch
 cdef f_ll_combine p_ll_combine
 cdef f_ll_combine_bwd p_ll_combine_bwd
@@ -217,7 +219,7 @@ cdef _open():
     global p_last_plan, p_check, p_aux_ws, p_topk, p_topk_idx, p_topk_bwd, p_scores, p_scores_bwd, p_aux, p_aux_bwd
     global p_plan_ws, p_chunks_ws, p_make_plan, p_dispatch, p_combine, p_dispatch_bwd, p_combine_bwd, p_sort_chunks
     global p_quantize, p_dequantize, p_load_stand_in, p_end_stand_ins, p_last_stand_in
-    global p_last_args, p_ll_create, p_ll_destroy, p_ll_dispatch, p_ll_combine, p_ll_combine_bwd
+    global p_last_args, p_ll_create, p_ll_destroy, p_ll_dispatch, p_ll_combine, p_ll_combine_bwd, p_ll_serial
     path = LIB_PATH.encode()
     cdef void* h = dlopen(path, RTLD_NOW | RTLD_LOCAL)
     if h == NULL:
@@ -256,6 +258,7 @@ cdef _open():
     p_last_args = <f_last_args>_sym(h, b"moe_rt_last_plan_args")
     p_ll_create = <f_ll_create>_sym(h, b"moe_rt_ll_group_create")
     p_ll_destroy = <f_ll_destroy>_sym(h, b"moe_rt_ll_group_destroy")
+    p_ll_serial = <f_ll_serial>_sym(h, b"moe_rt_ll_group_serial")
     p_ll_dispatch = <f_ll_dispatch>_sym(h, b"moe_rt_ll_dispatch")
     p_ll_combine = <f_ll_combine>_sym(h, b"moe_rt_ll_combine")
     p_ll_combine_bwd = <f_ll_combine_bwd>_sym(h, b"moe_rt_ll_combine_bwd")
@@ -739,6 +742,57 @@ cdef class LLGroup:
         if self.g != NULL:
             p_ll_destroy(self.g)
             self.g = NULL
+
+    @property
+    def address(self) -> int:
+        """The core group's address (0 once destroyed): with :attr:`serial`, what an XLA custom call names it by
+        (the core's registry of live groups checks both; csrc/xla_ffi.c)."""
+        return <uintptr_t>self.g
+
+    @property
+    def serial(self) -> int:
+        """The core group's serial number in this process (moe_rt_ll_group_serial; 0 once destroyed)."""
+        return p_ll_serial(self.g) if self.g != NULL else 0
+
+    def prepare(self, str op, int64_t T, int idx_dtype=3):
+        """Make the kernels of ``op`` (``dispatch``: a whole dispatch of ``T`` tokens with ``idx_dtype`` indices;
+        ``combine``, ``dispatch_bwd`` (with the weights' gradient) or ``combine_bwd`` (with ``expert_out``, then
+        the weight gradient's gather)) ready in the device context, for a caller that launches through the core
+        without Python (moe_rt.jax's XLA handlers): the op is planned on the group's planning twin with made-up
+        16-byte aligned buffers (XLA's are), its kernels compiled into the kernel cache folder and loaded. A
+        no-op for a group on a planning context."""
+        cdef Context d = self.ctx
+        self.live()
+        if d.is_planning:
+            return
+        if self.twin == NULL:
+            _check(p_ll_create(d._twin(), &self.desc, &self.twin), "moe_rt_ll_group_create (planning twin)")
+        cdef moe_rt_ll_tables t
+        cdef uintptr_t a = 1 << 20  # made-up addresses (a planning context checks them for NULL and alignment)
+        t.idx, t.w, t.route = <int32_t*>(a * 1), <float*>(a * 2), <int32_t*>(a * 3)
+        t.slot_k, t.slot_w, t.counts = <int32_t*>(a * 4), <float*>(a * 5), <int32_t*>(a * 6)
+        cdef const void* x = <const void*>(a * 7)
+        cdef const void* y = <const void*>(a * 8)
+        cdef float* f = <float*>(a * 9)
+        launches = []
+        if op == "dispatch":
+            _check(p_ll_dispatch(self.twin, 0, 3, x, NULL, NULL, 0, 0, y, idx_dtype, f, T, &t, NULL),
+                   "moe_rt_ll_dispatch (planning its kernels)")
+            launches = _last_plan(d.plan_ctx)
+        elif op in ("combine", "dispatch_bwd"):
+            _check(p_ll_combine(self.twin, 0, 2 if op == "combine" else 3, x, NULL if op == "combine" else f, &t, T,
+                                <void*>y, NULL if op == "combine" else <float*>(a * 10), NULL),
+                   "moe_rt_ll_combine (planning its kernels)")
+            launches = _last_plan(d.plan_ctx)
+        elif op == "combine_bwd":
+            _check(p_ll_combine_bwd(self.twin, 0, x, y, &t, T, f, NULL), "moe_rt_ll_combine_bwd (planning its kernels)")
+            launches = _last_plan(d.plan_ctx)
+            _check(p_ll_combine(self.twin, 0, 4, NULL, f, &t, T, NULL, <float*>(a * 10), NULL),
+                   "moe_rt_ll_combine (planning its kernels)")
+            launches += _last_plan(d.plan_ctx)
+        else:
+            raise ValueError(f"op: expected dispatch, combine, dispatch_bwd or combine_bwd, got {op!r}")
+        d._prepare(launches)
 
     cdef moe_rt_ll_group* live(self) except NULL:
         if self.g == NULL:

@@ -339,6 +339,13 @@ moe_rt_status moe_rt_sort_chunks(moe_rt_context* ctx, const void* x, int64_t num
                                  int64_t num_chunks, const float* probs, void* out, float* probs_out, int backward,
                                  void* workspace, size_t workspace_bytes, moe_rt_stream stream);
 
+/* copy_kept_rows: out[r] = src[r] for the rows r < N with keep[r] >= 0 (only those rows of src are read), zero
+ * for the others when zero_rest (else left as they are). src and out [N, row_bytes bytes] (rows moved as
+ * bytes), keep [N] int32 (device arrays). The JAX low-latency ops' copy of a group's receive buffer into
+ * XLA's output, keep = the handle's slot_topk. */
+moe_rt_status moe_rt_copy_kept_rows(moe_rt_context* ctx, const void* src, void* out, const int32_t* keep,
+                                    int64_t num_rows, int64_t row_bytes, int zero_rest, moe_rt_stream stream);
+
 /* ---- FP8 block casts (moe_rt.fp8) ------------------------------------------------------------------
  * One float32 scale per `block` channels of each token (1 <= block <= 65536; a row whose H is not a
  * multiple ends with a shorter block; H + block < 2^31). x [T, H] `dtype` (float32/16, bfloat16) ->
@@ -442,6 +449,18 @@ typedef struct moe_rt_ll_group moe_rt_ll_group;
  * outlive it); it copies desc. */
 moe_rt_status moe_rt_ll_group_create(moe_rt_context* ctx, const moe_rt_ll_group_desc* desc, moe_rt_ll_group** out);
 void moe_rt_ll_group_destroy(moe_rt_ll_group* group); /* NULL is a no-op */
+
+/* The registry of live groups. Every group made is listed, with a serial number of this process (never reused),
+ * until destroyed. moe_rt_ll_group_acquire finds the live group of that address and serial and holds it (a
+ * destroy meanwhile unlists it at once and frees it at the last release); it fails with
+ * MOE_RT_ERROR_INVALID_ARGUMENT for a group destroyed or never made (an address reused by a later group has
+ * another serial). Each acquire is paired with one release. Used by the XLA handlers (libmoe_rt_xla.so), whose
+ * calls carry a group's address and serial as attributes. */
+int64_t moe_rt_ll_group_serial(const moe_rt_ll_group* group); /* 0 for NULL */
+moe_rt_status moe_rt_ll_group_acquire(int64_t address, int64_t serial, moe_rt_ll_group** out);
+void moe_rt_ll_group_release(moe_rt_ll_group* group); /* NULL is a no-op */
+/* A copy of the group's desc (its sizes and buffers). */
+moe_rt_status moe_rt_ll_group_get_desc(const moe_rt_ll_group* group, moe_rt_ll_group_desc* out);
 
 /* Dispatch into buffer set `buffer_set`: phases MOE_RT_LL_PUSH | MOE_RT_LL_RECEIVE (one kernel sends and
  * receives), MOE_RT_LL_PUSH (send now) or MOE_RT_LL_RECEIVE (later, the receive half of that push: same
