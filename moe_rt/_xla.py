@@ -28,7 +28,9 @@ XLA_LIB = "libmoe_rt_xla.so"
 TARGET_PREFIX = "moe_rt_"
 HANDLERS = ("topk_with_score", "topk_with_score_backward", "topk_with_score_qb", "scores_for_aux_loss",
             "scores_for_aux_loss_backward", "aux_loss", "aux_loss_backward", "make_plan", "dispatch",
-            "dispatch_backward", "combine", "combine_backward", "sort_chunks", "quantize_fp8", "dequantize_fp8", "noop")  # noop: a custom call that does nothing (the benchmark's floor)
+            "dispatch_backward", "combine", "combine_backward", "sort_chunks", "quantize_fp8", "dequantize_fp8", "noop",
+            # the low-latency EP ops (moe_rt.jax ll_dispatch / ll_combine and their VJPs)
+            "ll_dispatch", "ll_combine", "ll_dispatch_bwd", "ll_combine_bwd")  # noop: a custom call that does nothing (the benchmark's floor)
 SCORE_CODES = {"sigmoid": 0, "softmax": 1, "sqrtsoftplus": 2}
 QB_MODE_CODES = {"two_kernel": 0, "fused_atomic": 1}  # moe_rt_qb_histogram_mode
 # moe_rt_dtype codes (include/moe_rt/moe_rt.h)
@@ -167,6 +169,9 @@ def planned_kernels(op: str, cc: tuple[int, int], **kw) -> list[tuple[str, str]]
                                         c_int(kw["index_dtype"]), i64(kw["S"]), _ptr(3) if probs else None, _ptr(4),
                                         _ptr(5) if probs else None, c_int(kw["backward"]), _ptr(6),
                                         ctypes.c_size_t(ws), None)
+        elif op == "copy_kept_rows":  # the low-latency handlers' copy of the receive rows
+            st = lib.moe_rt_copy_kept_rows(ctx, _ptr(0), _ptr(1), _ptr(2), i64(kw["N"]), i64(kw["row_bytes"]),
+                                           c_int(kw["zero_rest"]), None)
         elif op == "quantize_fp8":
             st = lib.moe_rt_quantize_fp8(ctx, _ptr(0), c_int(kw["dtype"]), i64(kw["T"]), i64(kw["H"]),
                                          c_int(kw["block"]), _ptr(1), _ptr(2), None)
