@@ -126,6 +126,8 @@ ctypedef st_t (*f_dispatch_bwd)(moe_rt_context*, const moe_rt_plan*, const void*
                                 float*, moe_rt_stream) nogil
 ctypedef st_t (*f_combine_bwd)(moe_rt_context*, const moe_rt_plan*, const void*, int, int64_t, const void*,
                                const float*, void*, float*, moe_rt_stream) nogil
+ctypedef st_t (*f_copy_kept_rows)(moe_rt_context*, const void*, void*, const int32_t*, int64_t, int64_t, int,
+                                  moe_rt_stream) nogil
 ctypedef st_t (*f_sort_chunks)(moe_rt_context*, const void*, int64_t, int64_t, const void*, const void*, int, int64_t,
                                const float*, void*, float*, int, void*, size_t, moe_rt_stream) nogil
 ctypedef st_t (*f_fp8_q)(moe_rt_context*, const void*, int, int64_t, int64_t, int, void*, float*, moe_rt_stream) nogil
@@ -179,6 +181,7 @@ cdef f_combine p_combine
 cdef f_dispatch_bwd p_dispatch_bwd
 cdef f_combine_bwd p_combine_bwd
 cdef f_sort_chunks p_sort_chunks
+cdef f_copy_kept_rows p_copy_kept_rows
 cdef f_fp8_q p_quantize
 cdef f_fp8_dq p_dequantize
 
@@ -218,6 +221,7 @@ cdef _open():
     global p_last_error, p_ctx_create, p_ctx_create_planning, p_ctx_load_kernel, p_ctx_destroy, p_ctx_device_info
     global p_last_plan, p_check, p_aux_ws, p_topk, p_topk_idx, p_topk_bwd, p_scores, p_scores_bwd, p_aux, p_aux_bwd
     global p_plan_ws, p_chunks_ws, p_make_plan, p_dispatch, p_combine, p_dispatch_bwd, p_combine_bwd, p_sort_chunks
+    global p_copy_kept_rows
     global p_quantize, p_dequantize, p_load_stand_in, p_end_stand_ins, p_last_stand_in
     global p_last_args, p_ll_create, p_ll_destroy, p_ll_dispatch, p_ll_combine, p_ll_combine_bwd, p_ll_serial
     path = LIB_PATH.encode()
@@ -253,6 +257,7 @@ cdef _open():
     p_dispatch_bwd = <f_dispatch_bwd>_sym(h, b"moe_rt_dispatch_backward")
     p_combine_bwd = <f_combine_bwd>_sym(h, b"moe_rt_combine_backward")
     p_sort_chunks = <f_sort_chunks>_sym(h, b"moe_rt_sort_chunks")
+    p_copy_kept_rows = <f_copy_kept_rows>_sym(h, b"moe_rt_copy_kept_rows")
     p_quantize = <f_fp8_q>_sym(h, b"moe_rt_quantize_fp8")
     p_dequantize = <f_fp8_dq>_sym(h, b"moe_rt_dequantize_fp8")
     p_last_args = <f_last_args>_sym(h, b"moe_rt_last_plan_args")
@@ -695,6 +700,17 @@ def sort_chunks(Context d, uintptr_t x, int64_t N, int64_t row_bytes, uintptr_t 
                            index_dtype, S, <const float*>probs, <void*>out, <float*>probs_out, backward,
                            <void*>workspace, workspace_bytes, <moe_rt_stream>stream)
         if _done(d, &c, st, &tries, b"moe_rt_sort_chunks"):
+            return
+
+
+def copy_kept_rows(Context d, uintptr_t src, uintptr_t out, uintptr_t keep, int64_t N, int64_t row_bytes,
+                   int zero_rest, uintptr_t stream):
+    cdef moe_rt_context* c = _begin(d, stream)
+    cdef int tries = 0, st
+    while True:
+        st = p_copy_kept_rows(c, <const void*>src, <void*>out, <const int32_t*>keep, N, row_bytes, zero_rest,
+                              <moe_rt_stream>stream)
+        if _done(d, &c, st, &tries, b"moe_rt_copy_kept_rows"):
             return
 
 

@@ -114,6 +114,25 @@ _RING_STREAMS = 4  # streams a group keeps table sets for
 _SAME = ("cupy", "devarray")  # callers' frameworks whose results _arrays.Call.out hands back as they are
 
 
+# Groups a traced JAX program may name (moe_rt.jax ll_dispatch / ll_combine: their XLA calls carry the core
+# group's address), kept alive here until closed: id -> LowLatencyGroup.
+_adopted: dict = {}
+
+
+def adopt(group) -> None:
+    """Keep ``group`` alive until its :meth:`LowLatencyGroup.close` (moe_rt.jax's programs name it by id)."""
+    _adopted[group.id] = group
+
+
+def adopted(group_id: int):
+    """The group of ``group_id`` that :func:`adopt` keeps; ValueError once it is closed."""
+    group = _adopted.get(int(group_id))
+    if group is None:
+        raise ValueError(f"low-latency group {group_id} is closed (or was never used with moe_rt.jax); a program "
+                         "that names it cannot run after LowLatencyGroup.close")
+    return group
+
+
 class _TableSet:
     """One allocation of a handle's device tables (``idx`` int32 and ``w`` fp32 ``[T,K]``, sized for Tmax
     tokens, ``route`` ``[R,Tmax,K]`` int32, ``slot_k`` int32 and ``slot_w`` fp32 ``[L,R*Tmax]``, ``counts`` ``[L]``
@@ -461,7 +480,9 @@ class LowLatencyGroup:
     _alive = _ep.EpGroup._alive
 
     def close(self):
-        """EpGroup.close (module notes), after the core group is freed."""
+        """EpGroup.close (module notes), after the core group is freed (a JAX program naming it fails from then
+        on: the core's registry no longer lists it) and moe_rt.jax's hold on the group is dropped."""
+        _adopted.pop(self.id, None)
         g, self._llg = self._llg, None
         if g is not None:
             g.destroy()

@@ -774,14 +774,9 @@ def copy_kept_rows(src, out, keep, *, zero_rest: bool, device_id: int, stream) -
     """``out[r] = src[r]`` for the rows with ``keep[r] >= 0`` (only those are read), zero for the others
     (left as they are unless ``zero_rest``). CuPy arrays on ``device_id``: ``src``/``out`` C-contiguous of
     one shape ``[..., H]`` and dtype, ``keep`` int32 with one entry per row; ``stream`` a CuPy stream."""
-    N = int(keep.size)
     row_bytes = int(src.shape[-1]) * src.dtype.itemsize if src.ndim else 0
-    if N == 0 or row_bytes == 0:
-        return
-    u = _unit(row_bytes, src.data.ptr, out.data.ptr)
-    _launch(_fn(f"copy_kept_rows<{_UNITS[u]}>", device_id), _row_grid(N, device_id), 256,
-            (src.data.ptr, out.data.ptr, keep.data.ptr, np.int64(N), np.int64(row_bytes // u),
-             np.int32(int(zero_rest))), stream)
+    _core.copy_kept_rows(_core.device(device_id), src.data.ptr, out.data.ptr, keep.data.ptr, int(keep.size),
+                         row_bytes, int(bool(zero_rest)), stream.ptr)
 
 
 def combine(y_permuted, plan: Plan, probs=None, *, stream=None):
