@@ -268,3 +268,87 @@ def test_null_group_and_desc_through_the_c_abi():
     lib.moe_rt_ll_group_destroy(None)
     lib.moe_rt_context_destroy.argtypes = [P]
     lib.moe_rt_context_destroy(ctx)
+
+
+def _registry_lib():
+    lib = C.CDLL(_core.LIB_PATH)
+    lib.moe_rt_last_error.restype = C.c_char_p
+    P = C.c_void_p
+    lib.moe_rt_ll_group_serial.argtypes = [P]
+    lib.moe_rt_ll_group_serial.restype = C.c_int64
+    lib.moe_rt_ll_group_acquire.argtypes = [C.c_int64, C.c_int64, P]
+    lib.moe_rt_ll_group_release.argtypes = [P]
+    lib.moe_rt_ll_group_destroy.argtypes = [P]
+    lib.moe_rt_ll_group_get_desc.argtypes = [P, P]
+    return lib
+
+
+def test_registry_of_live_groups_through_the_c_abi():
+    """moe_rt_ll_group_create lists each group under a serial of its own (never reused), acquire finds the live
+    group of an (address, serial) pair and holds it, destroy unlists it at once (a held group is freed by its
+    last release), and every other pair fails with a message: what an XLA handler relies on."""
+    lib = _registry_lib()
+    a, b = Group(R=1, me=0), Group(R=2, me=1)
+    sa, sb = a.g.serial, b.g.serial
+    assert sa > 0 and sb > sa and lib.moe_rt_ll_group_serial(C.c_void_p(a.g.address)) == sa
+    assert lib.moe_rt_ll_group_serial(None) == 0
+    held = C.c_void_p()
+    assert lib.moe_rt_ll_group_acquire(a.g.address, sa, C.byref(held)) == 0 and held.value == a.g.address
+    desc = (C.c_int32 * 4)()  # num_ranks, rank, num_local_experts, max_tokens_per_rank lead the desc
+    big = C.create_string_buffer(1024)
+    assert lib.moe_rt_ll_group_get_desc(held, big) == 0
+    C.memmove(desc, big, C.sizeof(desc))
+    assert list(desc) == [1, 0, a.L, a.Tmax]
+    for address, serial in ((a.g.address, sb), (b.g.address, sa), (a.g.address + 8, sa), (0, 0)):
+        out = C.c_void_p(1)
+        assert lib.moe_rt_ll_group_acquire(address, serial, C.byref(out)) == 1 and out.value is None
+        msg = lib.moe_rt_last_error()
+        assert b"moe_rt_ll_group_acquire: no live low-latency group at address 0x" in msg and b"closed" in msg
+    assert lib.moe_rt_ll_group_acquire(a.g.address, sa, None) == 1 and b"out is NULL" in lib.moe_rt_last_error()
+    assert lib.moe_rt_ll_group_get_desc(None, big) == 1 and b"group is NULL" in lib.moe_rt_last_error()
+    # destroyed while held: unlisted at once; the group's memory stays until the last release
+    address = a.g.address
+    a.g.destroy()
+    assert a.g.address == 0 and a.g.serial == 0
+    assert lib.moe_rt_ll_group_acquire(address, sa, C.byref(C.c_void_p())) == 1
+    assert lib.moe_rt_ll_group_get_desc(held, big) == 0  # still readable: held
+    lib.moe_rt_ll_group_release(held)
+    lib.moe_rt_ll_group_release(None)
+    # a later group gets a new serial, whatever its address
+    c = Group(R=1, me=0)
+    assert c.g.serial > sb
+    assert lib.moe_rt_ll_group_acquire(c.g.address, sa, C.byref(C.c_void_p())) == 1
+    out = C.c_void_p()
+    assert lib.moe_rt_ll_group_acquire(b.g.address, sb, C.byref(out)) == 0
+    lib.moe_rt_ll_group_release(out)
+    b.g.destroy()
+    c.g.destroy()
+
+
+@pytest.mark.parametrize("row_bytes,unit", [(40, "uint2"), (48, "uint4"), (6, "unsigned short"), (3, "unsigned char"),
+                                            (20, "unsigned")])
+def test_copy_kept_rows_plan(row_bytes, unit):
+    """moe_rt_copy_kept_rows in a planning context: one copy_kept_rows launch, the widest unit the row bytes
+    allow (the buffers 256-byte aligned), a warp per row with a grid of ceil(N/8) capped at 16 blocks per SM,
+    arguments (src, out, keep, N, row units, zero_rest); nothing for N = 0 or empty rows; bad input refused."""
+    ctx = _core.planning(sm_count=4)
+    src, out, keep = 1 << 20, 2 << 20, 3 << 20
+    for N, grid in ((21, 3), (1000, 64)):
+        _core.copy_kept_rows(ctx, src, out, keep, N, row_bytes, 1, 0)
+        assert [(l[1], l[2], l[3]) for l in ctx.last_plan()] == [(f"copy_kept_rows<{unit}>", grid, 256)]
+        units = {"uint4": 16, "uint2": 8, "unsigned": 4, "unsigned short": 2, "unsigned char": 1}[unit]
+        assert ctx.last_plan_args(0) == [src, out, keep, N, row_bytes // units, 1]
+    _core.copy_kept_rows(ctx, src, out + 2, keep, 5, row_bytes, 0, 0)  # a 2-byte aligned output: narrower units
+    assert ctx.last_plan()[0][1] == ("copy_kept_rows<unsigned short>" if row_bytes % 2 == 0
+                                     else "copy_kept_rows<unsigned char>")
+    assert ctx.last_plan_args(0)[-1] == 0
+    for n, rb in ((0, row_bytes), (5, 0)):
+        _core.copy_kept_rows(ctx, 0, 0, 0, n, rb, 1, 0)
+        assert ctx.last_plan() == []
+    for args, msg in (((src, out, keep, -1, row_bytes, 1), "num_rows must be >= 0"),
+                      ((src, out, keep, 5, -1, 1), "row_bytes must be >= 0"),
+                      ((src, out, keep, 5, row_bytes, 2), "zero_rest must be 0 or 1"),
+                      ((0, out, keep, 5, row_bytes, 1), "src is NULL"),
+                      ((src, out, 0, 5, row_bytes, 1), "keep is NULL")):
+        with pytest.raises(ValueError, match=msg):
+            _core.copy_kept_rows(ctx, *args, 0)
