@@ -1,4 +1,5 @@
-/* moe_rt for XLA: the single-GPU ops as XLA FFI handlers (libmoe_rt_xla.so, linked to libmoe_rt.so).
+/* moe_rt for XLA: the single-GPU ops and the low-latency EP ops as XLA FFI handlers (libmoe_rt_xla.so, linked
+ * to libmoe_rt.so).
  *
  * Each handler decodes XLA's call frame by hand (buffers, results, attributes by name, the stream and the
  * device ordinal through the API), then calls the C core's op on XLA's stream: no Python, no host sync, no
