@@ -7,7 +7,8 @@
  * scaling, align size, ...) are attributes fixed when the op was traced; sizes and dtypes come from the
  * buffers. One moe_rt context per device, created on first use (moe_rt.jax makes it when an op is traced,
  * outside any graph capture) and kept for the process. Every handler declares itself command-buffer
- * compatible: the launches depend on the attributes, shapes and buffer addresses alone. A failure returns
+ * compatible (the low-latency EP handlers excepted, below): the launches depend on the attributes, shapes and
+ * buffer addresses alone. A failure returns
  * an XLA FFI error carrying moe_rt_last_error().
  *
  * Built against xla/ffi/api/c_api.h of the installed jaxlib (jax.ffi.include_dir()); the API's major
@@ -157,8 +158,9 @@ static XLA_FFI_Error* fail_core(const frame* fr, moe_rt_status st, const char* m
   return fail(fr, code_of(st), "%s (%s)", message, moe_rt_status_name(st));
 }
 
-/* Checks the frame; answers XLA's metadata query (API version, traits) with *done set. NULL = go on. */
-static XLA_FFI_Error* begin(XLA_FFI_CallFrame* f, frame* fr, const char* op, int* done) {
+/* Checks the frame; answers XLA's metadata query (API version, `traits`) with *done set. NULL = go on. */
+static XLA_FFI_Error* begin(XLA_FFI_CallFrame* f, frame* fr, const char* op, XLA_FFI_Handler_Traits traits,
+                            int* done) {
   *done = 0;
   fr->f = f;
   fr->api = f->api;
@@ -180,7 +182,7 @@ static XLA_FFI_Error* begin(XLA_FFI_CallFrame* f, frame* fr, const char* op, int
     ext->metadata->api_version.extension_start = NULL;
     ext->metadata->api_version.major_version = XLA_FFI_API_MAJOR;
     ext->metadata->api_version.minor_version = XLA_FFI_API_MINOR;
-    ext->metadata->traits = XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE;
+    ext->metadata->traits = traits;
     ext->metadata->state_type_id.type_id = 0;
     *done = 1;
     return NULL;
@@ -356,11 +358,13 @@ static XLA_FFI_Error* device(const frame* fr, moe_rt_context** ctx, moe_rt_strea
     if (err_) return err_;           \
   } while (0)
 
-#define BEGIN(op)                                  \
+#define BEGIN_TRAITS(op, traits)                   \
   frame fr;                                        \
   int done_ = 0;                                   \
-  TRY(begin(f, &fr, op, &done_));                  \
+  TRY(begin(f, &fr, op, traits, &done_));          \
   if (done_) return NULL
+
+#define BEGIN(op) BEGIN_TRAITS(op, XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE)
 
 #define CORE(call)                                                   \
   do {                                                               \
@@ -923,9 +927,11 @@ static moe_rt_status ll_copy_rows(const ll_frame* l, void* out, const int32_t* s
 
 typedef XLA_FFI_Error* (*ll_body)(const frame* fr, ll_frame* l);
 
-/* Decode the group's attributes, hold the group for the call, check the device, run `body`, release. */
+/* Decode the group's attributes, hold the group for the call, check the device, run `body`, release. Not
+ * command-buffer compatible: a replayed command buffer would run the group's launches without this check,
+ * reaching the group's buffers after LowLatencyGroup.close freed them. */
 static XLA_FFI_Error* ll_call(XLA_FFI_CallFrame* f, const char* op, ll_body body) {
-  BEGIN(op);
+  BEGIN_TRAITS(op, 0);
   int64_t address = 0, serial = 0;
   int want_device = 0, ordinal = -1;
   TRY(attr_i64(&fr, "group", &address));

@@ -30,7 +30,10 @@ HANDLERS = ("topk_with_score", "topk_with_score_backward", "topk_with_score_qb",
             "scores_for_aux_loss_backward", "aux_loss", "aux_loss_backward", "make_plan", "dispatch",
             "dispatch_backward", "combine", "combine_backward", "sort_chunks", "quantize_fp8", "dequantize_fp8", "noop",
             # the low-latency EP ops (moe_rt.jax ll_dispatch / ll_combine and their VJPs)
-            "ll_dispatch", "ll_combine", "ll_dispatch_bwd", "ll_combine_bwd")  # noop: a custom call that does nothing (the benchmark's floor)
+            "ll_dispatch", "ll_combine", "ll_dispatch_bwd", "ll_combine_bwd")
+# Handlers XLA may not capture in command buffers: a replay would run the group's launches without the
+# handler's check that the group is still open (csrc/xla_ffi.c ll_call).
+NOT_CAPTURABLE = frozenset({"ll_dispatch", "ll_combine", "ll_dispatch_bwd", "ll_combine_bwd"})  # noop: a custom call that does nothing (the benchmark's floor)
 SCORE_CODES = {"sigmoid": 0, "softmax": 1, "sqrtsoftplus": 2}
 QB_MODE_CODES = {"two_kernel": 0, "fused_atomic": 1}  # moe_rt_qb_histogram_mode
 # moe_rt_dtype codes (include/moe_rt/moe_rt.h)
@@ -277,10 +280,12 @@ def library() -> ctypes.CDLL:
         lib.moe_rt_xla_set_kernel_cache.argtypes = [ctypes.c_char_p]
         lib.moe_rt_xla_load_kernel.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_char_p]
         lib.moe_rt_xla_check.argtypes = [ctypes.c_int]
-        traits = xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE
+        traits = xla_client.CustomCallTargetTraits
         for op in HANDLERS:
             jax.ffi.register_ffi_target(target(op), jax.ffi.pycapsule(getattr(lib, "moe_rt_xla_" + op)),
-                                        platform="CUDA", api_version=1, traits=traits)
+                                        platform="CUDA", api_version=1,
+                                        traits=traits.DEFAULT if op in NOT_CAPTURABLE else
+                                        traits.COMMAND_BUFFER_COMPATIBLE)
         _lib = lib
         return lib
 
