@@ -71,7 +71,9 @@ def test_ffi_library_builds_and_exports_the_handlers(built):
         assert syms and all(s.startswith("moe_rt_xla_") for s in syms), syms
 
 
-_FRAME_TEST = r"""
+# The hand-built call frames' common part: XLA's API table with stand-in error, stream and device-ordinal
+# functions, a frame at the execute stage, XLA's metadata query (the traits a handler declares), and report().
+_FRAME_COMMON = r"""
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -84,9 +86,48 @@ static XLA_FFI_Error* err_create(XLA_FFI_Error_Create_Args* a) {
   snprintf(e->msg, sizeof e->msg, "%s", a->message);
   return e;
 }
+static int g_ordinal = 0;
 static XLA_FFI_Error* stream_get(XLA_FFI_Stream_Get_Args* a) { a->stream = NULL; return NULL; }
-static XLA_FFI_Error* ordinal_get(XLA_FFI_DeviceOrdinal_Get_Args* a) { a->device_ordinal = 0; return NULL; }
+static XLA_FFI_Error* ordinal_get(XLA_FFI_DeviceOrdinal_Get_Args* a) { a->device_ordinal = g_ordinal; return NULL; }
 
+static void report(const char* what, XLA_FFI_Error* e) {
+  if (!e) printf("%s: ok\n", what);
+  else { printf("%s: code=%d msg=%s\n", what, (int)e->code, e->msg); free(e); }
+}
+
+static void frame_init(XLA_FFI_Api* api, XLA_FFI_CallFrame* f) {
+  memset(api, 0, sizeof *api);
+  api->struct_size = XLA_FFI_Api_STRUCT_SIZE;
+  api->api_version.struct_size = XLA_FFI_Api_Version_STRUCT_SIZE;
+  api->api_version.major_version = XLA_FFI_API_MAJOR;
+  api->api_version.minor_version = XLA_FFI_API_MINOR;
+  api->XLA_FFI_Error_Create = err_create;
+  api->XLA_FFI_Stream_Get = stream_get;
+  api->XLA_FFI_DeviceOrdinal_Get = ordinal_get;
+  memset(f, 0, sizeof *f);
+  f->struct_size = XLA_FFI_CallFrame_STRUCT_SIZE;
+  f->api = api;
+  f->stage = XLA_FFI_ExecutionStage_EXECUTE;
+}
+
+/* XLA's metadata query to `handler`: reports "metadata", prints "traits=<traits> api=<major>.<minor>" */
+static void metadata(XLA_FFI_Error* (*handler)(XLA_FFI_CallFrame*), XLA_FFI_CallFrame* f) {
+  XLA_FFI_Metadata md;
+  memset(&md, 0, sizeof md);
+  md.struct_size = XLA_FFI_Metadata_STRUCT_SIZE;
+  XLA_FFI_Metadata_Extension ext;
+  memset(&ext, 0, sizeof ext);
+  ext.extension_base.struct_size = XLA_FFI_Metadata_Extension_STRUCT_SIZE;
+  ext.extension_base.type = XLA_FFI_Extension_Metadata;
+  ext.metadata = &md;
+  f->extension_start = &ext.extension_base;
+  report("metadata", handler(f));
+  printf("traits=%u api=%d.%d\n", md.traits, md.api_version.major_version, md.api_version.minor_version);
+  f->extension_start = NULL;
+}
+"""
+
+_FRAME_TEST = _FRAME_COMMON + r"""
 XLA_FFI_Error* moe_rt_xla_topk_with_score(XLA_FFI_CallFrame*);
 XLA_FFI_Error* moe_rt_xla_make_plan(XLA_FFI_CallFrame*);
 XLA_FFI_Error* moe_rt_xla_scores_for_aux_loss(XLA_FFI_CallFrame*);
@@ -96,41 +137,11 @@ XLA_FFI_Error* moe_rt_xla_quantize_fp8(XLA_FFI_CallFrame*);
 XLA_FFI_Error* moe_rt_xla_topk_with_score_qb(XLA_FFI_CallFrame*);
 int moe_rt_xla_set_kernel_cache(const char*);
 
-static void report(const char* what, XLA_FFI_Error* e) {
-  if (!e) printf("%s: ok\n", what);
-  else { printf("%s: code=%d msg=%s\n", what, (int)e->code, e->msg); free(e); }
-}
-
 int main(int argc, char** argv) {
   XLA_FFI_Api api;
-  memset(&api, 0, sizeof api);
-  api.struct_size = XLA_FFI_Api_STRUCT_SIZE;
-  api.api_version.struct_size = XLA_FFI_Api_Version_STRUCT_SIZE;
-  api.api_version.major_version = XLA_FFI_API_MAJOR;
-  api.api_version.minor_version = XLA_FFI_API_MINOR;
-  api.XLA_FFI_Error_Create = err_create;
-  api.XLA_FFI_Stream_Get = stream_get;
-  api.XLA_FFI_DeviceOrdinal_Get = ordinal_get;
-
   XLA_FFI_CallFrame f;
-  memset(&f, 0, sizeof f);
-  f.struct_size = XLA_FFI_CallFrame_STRUCT_SIZE;
-  f.api = &api;
-  f.stage = XLA_FFI_ExecutionStage_EXECUTE;
-
-  /* XLA's metadata query */
-  XLA_FFI_Metadata md;
-  memset(&md, 0, sizeof md);
-  md.struct_size = XLA_FFI_Metadata_STRUCT_SIZE;
-  XLA_FFI_Metadata_Extension ext;
-  memset(&ext, 0, sizeof ext);
-  ext.extension_base.struct_size = XLA_FFI_Metadata_Extension_STRUCT_SIZE;
-  ext.extension_base.type = XLA_FFI_Extension_Metadata;
-  ext.metadata = &md;
-  f.extension_start = &ext.extension_base;
-  report("metadata", moe_rt_xla_topk_with_score(&f));
-  printf("traits=%u api=%d.%d\n", md.traits, md.api_version.major_version, md.api_version.minor_version);
-  f.extension_start = NULL;
+  frame_init(&api, &f);
+  metadata(moe_rt_xla_topk_with_score, &f);
 
   /* router top-k over host buffers: logits [5, 8] float32 -> probs, routing_map, intermediate */
   float logits[40], probs[40], inter[40];
@@ -281,33 +292,22 @@ def test_handlers_with_hand_built_call_frames(built, tmp_path):
     assert lines["qb bad histogram dtype"].startswith("code=3 ") and "qb_histogram" in lines["qb bad histogram dtype"]
 
 
-_LL_FRAME_TEST = r"""
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
+_LL_FRAME_TEST = _FRAME_COMMON + r"""
 #include "moe_rt/moe_rt.h"
-#include "xla/ffi/api/c_api.h"
-
-struct XLA_FFI_Error { XLA_FFI_Error_Code code; char msg[2048]; };
-static XLA_FFI_Error* err_create(XLA_FFI_Error_Create_Args* a) {
-  XLA_FFI_Error* e = calloc(1, sizeof *e);
-  e->code = a->errc;
-  snprintf(e->msg, sizeof e->msg, "%s", a->message);
-  return e;
-}
-static int g_ordinal = 0;
-static XLA_FFI_Error* stream_get(XLA_FFI_Stream_Get_Args* a) { a->stream = NULL; return NULL; }
-static XLA_FFI_Error* ordinal_get(XLA_FFI_DeviceOrdinal_Get_Args* a) { a->device_ordinal = g_ordinal; return NULL; }
 
 XLA_FFI_Error* moe_rt_xla_ll_dispatch(XLA_FFI_CallFrame*);
 XLA_FFI_Error* moe_rt_xla_ll_combine(XLA_FFI_CallFrame*);
 XLA_FFI_Error* moe_rt_xla_ll_dispatch_bwd(XLA_FFI_CallFrame*);
 XLA_FFI_Error* moe_rt_xla_ll_combine_bwd(XLA_FFI_CallFrame*);
 
-static void report(const char* what, XLA_FFI_Error* e) {
-  if (!e) printf("%s: ok\n", what);
-  else { printf("%s: code=%d msg=%s\n", what, (int)e->code, e->msg); free(e); }
-}
+/* report(what, call) with `field` set to `bad` for the call (then restored) */
+#define WITH(field, bad, what, call)    \
+  do {                                  \
+    __typeof__(field) keep_ = (field);  \
+    (field) = (bad);                    \
+    report(what, call);                 \
+    (field) = keep_;                    \
+  } while (0)
 
 /* sizes: R = 1, L = 3, Tmax = 7, K = 2, H = 6 (float32 group), T = 5 */
 enum { L = 3, TM = 7, KK = 2, HH = 6, T = 5 };
@@ -320,14 +320,8 @@ static XLA_FFI_Buffer mk(XLA_FFI_DataType t, int64_t* dims, int rank) {
 
 int main(void) {
   XLA_FFI_Api api;
-  memset(&api, 0, sizeof api);
-  api.struct_size = XLA_FFI_Api_STRUCT_SIZE;
-  api.api_version.struct_size = XLA_FFI_Api_Version_STRUCT_SIZE;
-  api.api_version.major_version = XLA_FFI_API_MAJOR;
-  api.api_version.minor_version = XLA_FFI_API_MINOR;
-  api.XLA_FFI_Error_Create = err_create;
-  api.XLA_FFI_Stream_Get = stream_get;
-  api.XLA_FFI_DeviceOrdinal_Get = ordinal_get;
+  XLA_FFI_CallFrame f;
+  frame_init(&api, &f);
 
   /* a group on a planning context, with made-up addresses (the registry lists it all the same) */
   moe_rt_device_info dev = {132, 228 * 1024, 227 * 1024, 9, 0, 0};
@@ -350,26 +344,7 @@ int main(void) {
   moe_rt_ll_group* g = NULL;
   if (moe_rt_ll_group_create(ctx, &d, &g)) { printf("group failed: %s\n", moe_rt_last_error()); return 1; }
   int64_t address = (int64_t)(uintptr_t)g, serial = moe_rt_ll_group_serial(g);
-
-  XLA_FFI_CallFrame f;
-  memset(&f, 0, sizeof f);
-  f.struct_size = XLA_FFI_CallFrame_STRUCT_SIZE;
-  f.api = &api;
-  f.stage = XLA_FFI_ExecutionStage_EXECUTE;
-
-  /* XLA's metadata query */
-  XLA_FFI_Metadata md;
-  memset(&md, 0, sizeof md);
-  md.struct_size = XLA_FFI_Metadata_STRUCT_SIZE;
-  XLA_FFI_Metadata_Extension ext;
-  memset(&ext, 0, sizeof ext);
-  ext.extension_base.struct_size = XLA_FFI_Metadata_Extension_STRUCT_SIZE;
-  ext.extension_base.type = XLA_FFI_Extension_Metadata;
-  ext.metadata = &md;
-  f.extension_start = &ext.extension_base;
-  report("metadata", moe_rt_xla_ll_dispatch(&f));
-  printf("traits=%u\n", md.traits);
-  f.extension_start = NULL;
+  metadata(moe_rt_xla_ll_dispatch, &f);
 
   /* dispatch: x [T, H] f32, idx [T, K] s32, w [T, K] f32 -> recv [L, Tmax, H], the six tables */
   int64_t xd[2] = {T, HH}, kd[2] = {T, KK}, sd[3] = {L, TM, HH}, rd[3] = {1, TM, KK}, ld[2] = {L, TM}, cd[1] = {L};
@@ -409,37 +384,17 @@ int main(void) {
 
   /* every check passes: the handler reaches XLA's device context (no kernel cache folder is set here) */
   report("dispatch valid", moe_rt_xla_ll_dispatch(&f));
-  f.attrs.size = 3;
-  report("dispatch missing attribute", moe_rt_xla_ll_dispatch(&f));
-  f.attrs.size = 4;
-  sc[1].value = &bad_address;
-  report("dispatch bad address", moe_rt_xla_ll_dispatch(&f));
-  sc[1].value = &address;
+  WITH(f.attrs.size, 3, "dispatch missing attribute", moe_rt_xla_ll_dispatch(&f));
+  WITH(sc[1].value, &bad_address, "dispatch bad address", moe_rt_xla_ll_dispatch(&f));
   int64_t other_serial = serial + 1;
-  sc[2].value = &other_serial;
-  report("dispatch bad serial", moe_rt_xla_ll_dispatch(&f));
-  sc[2].value = &serial;
-  g_ordinal = 1;
-  report("dispatch other device", moe_rt_xla_ll_dispatch(&f));
-  g_ordinal = 0;
-  xd[1] = HH + 1;
-  report("dispatch bad x shape", moe_rt_xla_ll_dispatch(&f));
-  xd[1] = HH;
-  da[0].dtype = XLA_FFI_DataType_BF16;
-  report("dispatch bad x dtype", moe_rt_xla_ll_dispatch(&f));
-  da[0].dtype = XLA_FFI_DataType_F32;
-  da[1].dtype = XLA_FFI_DataType_F32;
-  report("dispatch bad idx dtype", moe_rt_xla_ll_dispatch(&f));
-  da[1].dtype = XLA_FFI_DataType_S32;
-  sd[1] = TM + 1;
-  report("dispatch bad recv shape", moe_rt_xla_ll_dispatch(&f));
-  sd[1] = TM;
-  dr[4].dtype = XLA_FFI_DataType_F32;
-  report("dispatch bad slot_topk dtype", moe_rt_xla_ll_dispatch(&f));
-  dr[4].dtype = XLA_FFI_DataType_S32;
-  f.rets.size = 6;
-  report("dispatch missing result", moe_rt_xla_ll_dispatch(&f));
-  f.rets.size = 7;
+  WITH(sc[2].value, &other_serial, "dispatch bad serial", moe_rt_xla_ll_dispatch(&f));
+  WITH(g_ordinal, 1, "dispatch other device", moe_rt_xla_ll_dispatch(&f));
+  WITH(xd[1], HH + 1, "dispatch bad x shape", moe_rt_xla_ll_dispatch(&f));
+  WITH(da[0].dtype, XLA_FFI_DataType_BF16, "dispatch bad x dtype", moe_rt_xla_ll_dispatch(&f));
+  WITH(da[1].dtype, XLA_FFI_DataType_F32, "dispatch bad idx dtype", moe_rt_xla_ll_dispatch(&f));
+  WITH(sd[1], TM + 1, "dispatch bad recv shape", moe_rt_xla_ll_dispatch(&f));
+  WITH(dr[4].dtype, XLA_FFI_DataType_F32, "dispatch bad slot_topk dtype", moe_rt_xla_ll_dispatch(&f));
+  WITH(f.rets.size, 6, "dispatch missing result", moe_rt_xla_ll_dispatch(&f));
 
   /* combine: y [L, Tmax, H], the six tables -> out [T, H] */
   XLA_FFI_Buffer ca[7] = {mk(XLA_FFI_DataType_F32, sd, 3), dr[1], dr[2], dr[3], dr[4], dr[5], dr[6]};
@@ -450,12 +405,8 @@ int main(void) {
   f.rets.size = 1; f.rets.rets = crets;
   f.attrs.size = 3; /* no zero_empty_slots */
   report("combine valid", moe_rt_xla_ll_combine(&f));
-  rd[2] = KK + 1;
-  report("combine bad route shape", moe_rt_xla_ll_combine(&f));
-  rd[2] = KK;
-  cr[0].dtype = XLA_FFI_DataType_F16;
-  report("combine bad out dtype", moe_rt_xla_ll_combine(&f));
-  cr[0].dtype = XLA_FFI_DataType_F32;
+  WITH(rd[2], KK + 1, "combine bad route shape", moe_rt_xla_ll_combine(&f));
+  WITH(cr[0].dtype, XLA_FFI_DataType_F16, "combine bad out dtype", moe_rt_xla_ll_combine(&f));
 
   /* dispatch_bwd: g [L, Tmax, H], g_slot_w [L, Tmax] f32, the six tables -> gx [T, H], gw [T, K] f32 */
   XLA_FFI_Buffer ba[8] = {mk(XLA_FFI_DataType_F32, sd, 3), mk(XLA_FFI_DataType_F32, ld, 2), dr[1], dr[2], dr[3],
@@ -466,9 +417,8 @@ int main(void) {
   f.args.size = 8; f.args.args = bargs;
   f.rets.size = 2; f.rets.rets = brets;
   report("dispatch_bwd valid", moe_rt_xla_ll_dispatch_bwd(&f));
-  ba[1].dtype = XLA_FFI_DataType_BF16;
-  report("dispatch_bwd bad grad_slot_weights dtype", moe_rt_xla_ll_dispatch_bwd(&f));
-  ba[1].dtype = XLA_FFI_DataType_F32;
+  WITH(ba[1].dtype, XLA_FFI_DataType_BF16, "dispatch_bwd bad grad_slot_weights dtype",
+       moe_rt_xla_ll_dispatch_bwd(&f));
 
   /* combine_bwd: g [T, H], y [L, Tmax, H], the six tables -> gy [L, Tmax, H], gw [T, K] f32, dots [L*Tmax] */
   int64_t nd[1] = {L * TM};
@@ -481,9 +431,7 @@ int main(void) {
   f.args.args = eargs;
   f.rets.size = 3; f.rets.rets = erets;
   report("combine_bwd valid", moe_rt_xla_ll_combine_bwd(&f));
-  nd[0] = L * TM - 1;
-  report("combine_bwd bad dots", moe_rt_xla_ll_combine_bwd(&f));
-  nd[0] = L * TM;
+  WITH(nd[0], L * TM - 1, "combine_bwd bad dots", moe_rt_xla_ll_combine_bwd(&f));
 
   /* the group destroyed: every handler refuses it, naming it */
   moe_rt_ll_group_destroy(g);
@@ -511,7 +459,7 @@ def test_ll_handlers_with_hand_built_call_frames(built, tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     lines = dict(line.split(": ", 1) for line in r.stdout.splitlines() if ": " in line)
     # not command-buffer compatible: a replay would skip the registry check (csrc/xla_ffi.c ll_call)
-    assert lines["metadata"] == "ok" and "traits=0" in r.stdout
+    assert lines["metadata"] == "ok" and "traits=0 api=0." in r.stdout
     for op in ("dispatch", "combine", "dispatch_bwd", "combine_bwd"):
         got = lines[f"{op} valid"]
         assert got.startswith("code=5 ") and "no kernel cache folder" in got, (op, got)
