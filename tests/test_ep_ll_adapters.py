@@ -374,9 +374,9 @@ def test_jax_ll_forward_bf16_and_unspecified_empty_slots(device, dtype, rng):
 @pytest.mark.parametrize("dtype,hidden", [("bfloat16", 768), ("float32", 384)])
 def test_jax_ll_dispatch_rows_output_the_size_of_the_handle_tables(dtype, hidden):
     """E = K = Tmax = T = 1: recv_x's bytes (H * itemsize = 1536) equal those of the one allocation holding the
-    handle's six tables (each 4 bytes at a 256-byte boundary), the only output of a unique size; inside the
-    callback (which serves an allocation of an output's unique size from that output's buffer) the tables must
-    not land in recv_x's buffer. Every output equals the CPU path's."""
+    group's own handle tables (each 4 bytes at a 256-byte boundary); the custom call's outputs are XLA's
+    buffers, recv_x among them, and every output equals the CPU path's (a regression test from the callback
+    path, which served allocations of an output's size from that output's buffer)."""
     idx = np.zeros((1, 1), np.int32)
     x = (np.arange(hidden, dtype=np.float32) / 7 - 20).reshape(1, hidden)
     w = np.full((1, 1), 0.75, np.float32)
