@@ -880,7 +880,9 @@ HEADER = ROOT / "include" / "moe_rt" / "moe_rt.h"
 
 def test_header_regions_match_python():
     text = HEADER.read_text()
-    enum = re.findall(r"MOE_RT_EP_([A-Z_]+) = (\d+),", text)
+    block = re.search(r"enum moe_rt_ep_region \{(.*?)\};", text, re.S)
+    assert block, "enum moe_rt_ep_region"
+    enum = re.findall(r"MOE_RT_EP_([A-Z_]+) = (\d+)", block.group(1))
     names = [n.lower() for n, _ in enum if n != "NUM_REGIONS"]
     assert names == [r[0] for r in _handle.REGIONS]
     assert [int(i) for _, i in enum[:len(names)]] == list(range(len(names)))
