@@ -86,7 +86,7 @@ typedef struct mrt_launch {
   char stand_in[MOE_RT_KERNEL_NAME_MAX];
 } mrt_launch;
 
-#define MRT_MAX_LAUNCHES 4
+#define MRT_MAX_LAUNCHES 8
 
 typedef struct mrt_plan {
   int num_launches;

@@ -49,7 +49,7 @@ cdef extern from "moe_rt/moe_rt.h" nogil:
         int64_t scalars[2]
     ctypedef struct moe_rt_plan_info:
         int32_t num_launches
-        moe_rt_launch_info launch[4]
+        moe_rt_launch_info launch[8]
     ctypedef struct moe_rt_plan:
         int32_t* dst_row
         int32_t* src_slot
@@ -87,6 +87,39 @@ cdef extern from "moe_rt/moe_rt.h" nogil:
         int32_t* slot_k
         float* slot_w
         int32_t* counts
+    ctypedef struct moe_rt_ep_direct_group:
+        pass
+    ctypedef struct moe_rt_ep_direct_group_desc:
+        int32_t num_ranks, rank, node_lo, node_hi, pair_rows
+        int64_t timeout_ns
+        const int64_t* peer_barrier
+        const int64_t* peer_flags
+        uint32_t* barrier_state
+        int32_t* timeout_word
+    ctypedef struct moe_rt_ep_direct_stage:
+        int64_t row_bytes
+        int32_t topk, align
+        void* rows_local
+        const int64_t* peer_rows
+        float* w_local
+        const int64_t* peer_w
+    ctypedef struct moe_rt_ep_handle_desc:
+        int32_t num_ranks, num_local_experts, max_tokens_per_rank, topk, pair_capacity
+        int64_t recv_rows, num_rows
+    ctypedef struct moe_rt_ep_direct_handle:
+        moe_rt_ep_handle_desc desc
+        void* buffer
+        int64_t num_tokens
+        int32_t exact
+    ctypedef struct moe_rt_ep_direct_outputs:
+        int32_t fp8, out_dtype, hidden
+        void* out
+        float* out_s
+        float* out_w
+        int32_t fill, zero
+        void* recv_buf
+        int32_t* row_map
+        int32_t make_row_map
 
 ctypedef int st_t  # moe_rt_status
 
@@ -146,6 +179,14 @@ ctypedef st_t (*f_ll_combine)(moe_rt_ll_group*, int, int, const void*, const flo
                               void*, float*, moe_rt_stream) nogil
 ctypedef st_t (*f_ll_combine_bwd)(moe_rt_ll_group*, int, const void*, const void*, const moe_rt_ll_tables*, int64_t,
                                   float*, moe_rt_stream) nogil
+ctypedef st_t (*f_epd_create)(moe_rt_context*, const moe_rt_ep_direct_group_desc*, moe_rt_ep_direct_group**) nogil
+ctypedef void (*f_epd_destroy)(moe_rt_ep_direct_group*) nogil
+ctypedef st_t (*f_epd_add_stage)(moe_rt_ep_direct_group*, const moe_rt_ep_direct_stage*) nogil
+ctypedef st_t (*f_epd_barrier)(moe_rt_ep_direct_group*, int, moe_rt_stream) nogil
+ctypedef st_t (*f_epd_dispatch)(moe_rt_ep_direct_group*, int, const moe_rt_ep_direct_handle*, const void*, int64_t,
+                                const float*, const moe_rt_ep_direct_outputs*, int, moe_rt_stream) nogil
+ctypedef st_t (*f_epd_combine)(moe_rt_ep_direct_group*, int, const moe_rt_ep_direct_handle*, const void*, int, int64_t,
+                               const float*, const float*, float*, void*, float*, int, moe_rt_stream) nogil
 
 cdef f_last_error p_last_error
 cdef f_last_args p_last_args
@@ -155,6 +196,12 @@ cdef f_ll_serial p_ll_serial
 cdef f_ll_dispatch p_ll_dispatch
 cdef f_ll_combine p_ll_combine
 cdef f_ll_combine_bwd p_ll_combine_bwd
+cdef f_epd_create p_epd_create
+cdef f_epd_destroy p_epd_destroy
+cdef f_epd_add_stage p_epd_add_stage
+cdef f_epd_barrier p_epd_barrier
+cdef f_epd_dispatch p_epd_dispatch
+cdef f_epd_combine p_epd_combine
 cdef f_ctx_create p_ctx_create
 cdef f_ctx_create_planning p_ctx_create_planning
 cdef f_ctx_load_kernel p_ctx_load_kernel
@@ -224,6 +271,7 @@ cdef _open():
     global p_copy_kept_rows
     global p_quantize, p_dequantize, p_load_stand_in, p_end_stand_ins, p_last_stand_in
     global p_last_args, p_ll_create, p_ll_destroy, p_ll_dispatch, p_ll_combine, p_ll_combine_bwd, p_ll_serial
+    global p_epd_create, p_epd_destroy, p_epd_add_stage, p_epd_barrier, p_epd_dispatch, p_epd_combine
     path = LIB_PATH.encode()
     cdef void* h = dlopen(path, RTLD_NOW | RTLD_LOCAL)
     if h == NULL:
@@ -267,6 +315,12 @@ cdef _open():
     p_ll_dispatch = <f_ll_dispatch>_sym(h, b"moe_rt_ll_dispatch")
     p_ll_combine = <f_ll_combine>_sym(h, b"moe_rt_ll_combine")
     p_ll_combine_bwd = <f_ll_combine_bwd>_sym(h, b"moe_rt_ll_combine_bwd")
+    p_epd_create = <f_epd_create>_sym(h, b"moe_rt_ep_direct_group_create")
+    p_epd_destroy = <f_epd_destroy>_sym(h, b"moe_rt_ep_direct_group_destroy")
+    p_epd_add_stage = <f_epd_add_stage>_sym(h, b"moe_rt_ep_direct_add_stage")
+    p_epd_barrier = <f_epd_barrier>_sym(h, b"moe_rt_ep_direct_barrier")
+    p_epd_dispatch = <f_epd_dispatch>_sym(h, b"moe_rt_ep_direct_dispatch")
+    p_epd_combine = <f_epd_combine>_sym(h, b"moe_rt_ep_direct_combine")
 
 
 _open()
@@ -934,4 +988,153 @@ def ll_combine_bwd(LLGroup g, int buffer_set, uintptr_t grad_out, uintptr_t expe
         st = p_ll_combine_bwd(c, buffer_set, <const void*>grad_out, <const void*>expert_out, &t, T, <float*>dots,
                               <moe_rt_stream>stream)
         if _ll_done(g, &c, st, &tries, b"moe_rt_ll_combine_bwd"):
+            return
+
+
+# ---- the direct transport of the normal EP mode (moe_rt._ep_direct.DirectTransport) ------------------------
+
+cdef class EpDirectGroup:
+    """A core direct EP group (moe_rt_ep_direct_group) on a :class:`Context` (:func:`ep_direct_group_create`), and
+    its twin on the context's planning twin (made when a call first meets a kernel missing from the kernel cache,
+    as :class:`LLGroup`'s). Stage pairs added (:meth:`add_stage`) go to both. :meth:`destroy` (or the finalizer)
+    frees both; the buffers the group names stay the caller's."""
+    cdef moe_rt_ep_direct_group* g
+    cdef moe_rt_ep_direct_group* twin
+    cdef moe_rt_ep_direct_group_desc desc
+    cdef list stages
+    cdef readonly Context ctx
+
+    def __dealloc__(self):
+        self.destroy()
+
+    def destroy(self):
+        """Free the core group (idempotent)."""
+        if self.twin != NULL:
+            p_epd_destroy(self.twin)
+            self.twin = NULL
+        if self.g != NULL:
+            p_epd_destroy(self.g)
+            self.g = NULL
+
+    def add_stage(self, int64_t row_bytes, int topk, int align, uintptr_t rows_local, uintptr_t peer_rows,
+                  uintptr_t w_local, uintptr_t peer_w):
+        """moe_rt_ep_direct_add_stage: a receive stage pair (rows of ``row_bytes``, ``topk`` fp32 weights)."""
+        t = (row_bytes, topk, align, rows_local, peer_rows, w_local, peer_w)
+        _epd_add(self.live(), t, "moe_rt_ep_direct_add_stage")
+        if self.twin != NULL:
+            _epd_add(self.twin, t, "moe_rt_ep_direct_add_stage (planning twin)")
+        self.stages.append(t)
+
+    cdef moe_rt_ep_direct_group* live(self) except NULL:
+        if self.g == NULL:
+            raise ValueError("the direct EP core group was destroyed")
+        return self.g
+
+    cdef moe_rt_ep_direct_group* retry(self, moe_rt_ep_direct_group* c, int st, int* tries,
+                                       const char* op) except NULL:
+        """As :meth:`Context.retry`, over the group and its twin."""
+        cdef Context d = self.ctx
+        if c == self.g:
+            if st == KERNEL_CACHE and tries[0] < 2 and not d.is_planning:
+                tries[0] += 1
+                if self.twin == NULL:
+                    _check(p_epd_create(d._twin(), &self.desc, &self.twin), "moe_rt_ep_direct_group_create (planning twin)")
+                    for t in self.stages:
+                        _epd_add(self.twin, t, "moe_rt_ep_direct_add_stage (planning twin)")
+                return self.twin
+            raise error(st, op.decode())
+        if st:
+            raise error(st, op.decode() + " (planning its kernels)")
+        d._prepare(_last_plan(d.plan_ctx), _stand_ins(d.plan_ctx))
+        return self.g
+
+
+cdef int _epd_add(moe_rt_ep_direct_group* g, tuple t, str what) except -1:
+    cdef moe_rt_ep_direct_stage s
+    s.row_bytes, s.topk, s.align = t[0], t[1], t[2]
+    s.rows_local, s.peer_rows = <void*><uintptr_t>t[3], <const int64_t*><uintptr_t>t[4]
+    s.w_local, s.peer_w = <float*><uintptr_t>t[5], <const int64_t*><uintptr_t>t[6]
+    return _check(p_epd_add_stage(g, &s), what)
+
+
+cdef inline moe_rt_ep_direct_group* _epd_begin(EpDirectGroup g, uintptr_t stream) except NULL:
+    _begin(g.ctx, stream)
+    return g.live()
+
+
+cdef inline bint _epd_done(EpDirectGroup g, moe_rt_ep_direct_group** c, int st, int* tries, const char* op) except -1:
+    if st == 0 and c[0] == g.g:
+        return True
+    c[0] = g.retry(c[0], st, tries, op)
+    return False
+
+
+cdef inline int _epd_handle(tuple h, moe_rt_ep_direct_handle* out) except -1:
+    """A handle as the facade hands it over: (buffer, R, L, Tmax, K, P, rows, N, T, exact)."""
+    memset(out, 0, sizeof(out[0]))
+    out.buffer = <void*><uintptr_t>h[0]
+    out.desc.num_ranks, out.desc.num_local_experts, out.desc.max_tokens_per_rank = h[1], h[2], h[3]
+    out.desc.topk, out.desc.pair_capacity, out.desc.recv_rows, out.desc.num_rows = h[4], h[5], h[6], h[7]
+    out.num_tokens, out.exact = h[8], h[9]
+    return 0
+
+
+def ep_direct_group_create(Context d, int R, int rank, int node_lo, int node_hi, int pair_rows, int64_t timeout_ns,
+                           uintptr_t peer_barrier, uintptr_t peer_flags, uintptr_t barrier_state,
+                           uintptr_t timeout_word) -> EpDirectGroup:
+    """moe_rt_ep_direct_group_create; ValueError for a bad field."""
+    cdef EpDirectGroup g = EpDirectGroup()
+    memset(&g.desc, 0, sizeof(g.desc))
+    g.desc.num_ranks, g.desc.rank, g.desc.node_lo, g.desc.node_hi = R, rank, node_lo, node_hi
+    g.desc.pair_rows, g.desc.timeout_ns = pair_rows, timeout_ns
+    g.desc.peer_barrier, g.desc.peer_flags = <const int64_t*>peer_barrier, <const int64_t*>peer_flags
+    g.desc.barrier_state, g.desc.timeout_word = <uint32_t*>barrier_state, <int32_t*>timeout_word
+    g.stages = []
+    g.ctx = d
+    _check(p_epd_create(d.ctx, &g.desc, &g.g), "moe_rt_ep_direct_group_create")
+    return g
+
+
+def ep_direct_barrier(EpDirectGroup g, int op, uintptr_t stream):
+    """moe_rt_ep_direct_barrier (``op``: moe_rt._ep_direct.OP_CODES)."""
+    cdef moe_rt_ep_direct_group* c = _epd_begin(g, stream)
+    cdef int tries = 0, st
+    while True:
+        st = p_epd_barrier(c, op, <moe_rt_stream>stream)
+        if _epd_done(g, &c, st, &tries, b"moe_rt_ep_direct_barrier"):
+            return
+
+
+def ep_direct_dispatch(EpDirectGroup g, int op, tuple handle, uintptr_t x, int64_t row_bytes, uintptr_t w, int fp8,
+                       int out_dtype, int hidden, uintptr_t out, uintptr_t out_s, uintptr_t out_w, int fill, int zero,
+                       uintptr_t recv_buf, uintptr_t row_map, int make_row_map, int barrier, uintptr_t stream):
+    """moe_rt_ep_direct_dispatch; ``handle``: (buffer, R, L, Tmax, K, P, rows, N, T, exact)."""
+    cdef moe_rt_ep_direct_handle h
+    cdef moe_rt_ep_direct_outputs o
+    _epd_handle(handle, &h)
+    memset(&o, 0, sizeof(o))
+    o.fp8, o.out_dtype, o.hidden = fp8, out_dtype, hidden
+    o.out, o.out_s, o.out_w = <void*>out, <float*>out_s, <float*>out_w
+    o.fill, o.zero, o.recv_buf = fill, zero, <void*>recv_buf
+    o.row_map, o.make_row_map = <int32_t*>row_map, make_row_map
+    cdef moe_rt_ep_direct_group* c = _epd_begin(g, stream)
+    cdef int tries = 0, st
+    while True:
+        st = p_epd_dispatch(c, op, &h, <const void*>x, row_bytes, <const float*>w, &o, barrier, <moe_rt_stream>stream)
+        if _epd_done(g, &c, st, &tries, b"moe_rt_ep_direct_dispatch"):
+            return
+
+
+def ep_direct_combine(EpDirectGroup g, int op, tuple handle, uintptr_t y, int dtype, int64_t hidden, uintptr_t w,
+                      uintptr_t grad_rows, uintptr_t slot_grads, uintptr_t out, uintptr_t grad_w, int barrier,
+                      uintptr_t stream):
+    """moe_rt_ep_direct_combine; ``handle`` as :func:`ep_direct_dispatch`'s."""
+    cdef moe_rt_ep_direct_handle h
+    _epd_handle(handle, &h)
+    cdef moe_rt_ep_direct_group* c = _epd_begin(g, stream)
+    cdef int tries = 0, st
+    while True:
+        st = p_epd_combine(c, op, &h, <const void*>y, dtype, hidden, <const float*>w, <const float*>grad_rows,
+                           <float*>slot_grads, <void*>out, <float*>grad_w, barrier, <moe_rt_stream>stream)
+        if _epd_done(g, &c, st, &tries, b"moe_rt_ep_direct_combine"):
             return

@@ -45,7 +45,7 @@ class LaunchInfo(C.Structure):
 
 
 class PlanInfo(C.Structure):
-    _fields_ = [("num_launches", C.c_int32), ("launch", LaunchInfo * 4)]
+    _fields_ = [("num_launches", C.c_int32), ("launch", LaunchInfo * 8)]
 
 
 class CPlan(C.Structure):

@@ -132,7 +132,7 @@ void moe_rt_context_destroy(moe_rt_context* ctx);
 moe_rt_status moe_rt_context_device_info(const moe_rt_context* ctx, moe_rt_device_info* info);
 
 #define MOE_RT_KERNEL_NAME_MAX 128
-#define MOE_RT_MAX_LAUNCHES 4
+#define MOE_RT_MAX_LAUNCHES 8
 
 typedef struct moe_rt_launch_info {
   char file[32];                       /* kernels/<file>, e.g. "router.cu" */
@@ -554,5 +554,77 @@ static inline uint64_t moe_rt_ep_handle_layout(moe_rt_ep_handle_desc* d) {
   d->total_bytes = off;
   return off;
 }
+
+/* ======================================================================================================
+ * The direct transport of the normal EP mode (moe_rt/_ep_direct.py DirectTransport; csrc/ep_direct.c):
+ * the group over the peer tables, barrier state and receive stages the caller made (IPC-shared buffers),
+ * whose ops launch the barrier and the fused kernels of kernels/ep.cu (plans cached per signature).
+ * ====================================================================================================== */
+typedef struct moe_rt_ep_direct_group moe_rt_ep_direct_group;
+
+typedef struct moe_rt_ep_direct_group_desc {
+  int32_t num_ranks, rank;
+  int32_t node_lo, node_hi;      /* the ranks reached through peer memory: [node_lo, node_hi) holds rank */
+  int32_t pair_rows;             /* rows per (source, destination) pair the chunk flags cover (the group's P) */
+  int64_t timeout_ns;            /* the device waits' timeout, > 0 */
+  const int64_t* peer_barrier;   /* peer table [R] of the barrier slots (uint32 [R] per rank) */
+  const int64_t* peer_flags;     /* peer table [R] of the chunk flags (uint32 [R*pair_rows] per rank) */
+  uint32_t* barrier_state;       /* uint32 [2]: the barrier epoch and the sticky failure flag */
+  int32_t* timeout_word;         /* a timed-out wait writes its op (moe_rt_ep_op, 5 close, 6 prepare) here */
+} moe_rt_ep_direct_group_desc;
+
+/* One receive stage pair (rows of row_bytes, fp32 weights [K] per row): this rank's parts and peer tables. */
+typedef struct moe_rt_ep_direct_stage {
+  int64_t row_bytes;
+  int32_t topk;
+  int32_t align;                 /* the widest power of two <= 16 dividing every rank's stage address */
+  void* rows_local;              /* [R*pair_rows, row_bytes] bytes */
+  const int64_t* peer_rows;
+  float* w_local;                /* [R*pair_rows, topk] fp32 */
+  const int64_t* peer_w;
+} moe_rt_ep_direct_stage;
+
+/* A call's handle: its buffer (the layout of moe_rt_ep_handle_layout over desc's sizes) and tokens. */
+typedef struct moe_rt_ep_direct_handle {
+  moe_rt_ep_handle_desc desc;
+  void* buffer;
+  int64_t num_tokens;
+  int32_t exact;                 /* 1: exact mode (received rows packed; a row map to the stage rows) */
+} moe_rt_ep_direct_handle;
+
+/* dispatch's outputs (the dispatch direction: MOE_RT_EP_OP_DISPATCH or MOE_RT_EP_OP_COMBINE_BWD). */
+typedef struct moe_rt_ep_direct_outputs {
+  int32_t fp8;        /* 0: x's rows; 1: x packed FP8 rows split into codes out and scales out_s; 2: dequantized */
+  int32_t out_dtype;  /* fp8 = 2: out's dtype */
+  int32_t hidden;     /* fp8: H */
+  void* out;          /* expert-major rows [N, .] (NULL: only wait for every chunk) */
+  float* out_s;       /* fp8 = 1: scales [N, ceil(H/128)] */
+  float* out_w;       /* weights [N] = recv_wk[src_slot[n]], or NULL */
+  int32_t fill;       /* 1: zero the rows that hold no slot (zero) and lay out out_w after the expand */
+  int32_t zero;
+  void* recv_buf;     /* exact mode without out: the received rows [rows, row_bytes] packed from the stage */
+  int32_t* row_map;   /* exact mode: int32 [max(rows,1)] the handle's stage-row map */
+  int32_t make_row_map; /* 1: compute row_map first (its first use for this handle) */
+} moe_rt_ep_direct_outputs;
+
+moe_rt_status moe_rt_ep_direct_group_create(moe_rt_context* ctx, const moe_rt_ep_direct_group_desc* desc,
+                                            moe_rt_ep_direct_group** out);
+void moe_rt_ep_direct_group_destroy(moe_rt_ep_direct_group* g);
+/* Register a stage pair (row_bytes, topk), made by the caller on first use (a collective). */
+moe_rt_status moe_rt_ep_direct_add_stage(moe_rt_ep_direct_group* g, const moe_rt_ep_direct_stage* stage);
+/* ep_direct_barrier among the node's ranks; op: what a timeout records. */
+moe_rt_status moe_rt_ep_direct_barrier(moe_rt_ep_direct_group* g, int op, moe_rt_stream stream);
+/* The dispatch direction: [barrier], ep_direct_dispatch of x [T, row_bytes] (weights w [T,K] fp32 or NULL into
+ * recv_wk), then the row map, the weights' copy and the fill or the packed copy, as `o` asks. */
+moe_rt_status moe_rt_ep_direct_dispatch(moe_rt_ep_direct_group* g, int op, const moe_rt_ep_direct_handle* h,
+                                        const void* x, int64_t row_bytes, const float* w,
+                                        const moe_rt_ep_direct_outputs* o, int barrier, moe_rt_stream stream);
+/* The combine direction (MOE_RT_EP_OP_COMBINE or MOE_RT_EP_OP_DISPATCH_BWD): [ep_slot_values of grad_rows [N]
+ * into slot_grads [rows,K]], [barrier], ep_direct_combine of y [N, hidden] dtype (weights w [rows,K] or NULL)
+ * into out [T, hidden] and grad_w [T,K] (with slot_grads). */
+moe_rt_status moe_rt_ep_direct_combine(moe_rt_ep_direct_group* g, int op, const moe_rt_ep_direct_handle* h,
+                                       const void* y, int dtype, int64_t hidden, const float* w,
+                                       const float* grad_rows, float* slot_grads, void* out, float* grad_w,
+                                       int barrier, moe_rt_stream stream);
 
 #endif /* MOE_RT_H_ */
