@@ -239,7 +239,10 @@ static moe_rt_status plan_of(moe_rt_ep_direct_group* g, const epd_key* k, mrt_pl
     if (!st && k->recv && k->rows > 0 && k->rb > 0)
       st = plan_copy(g, &p->launch[n++], L_COPY_RECV, k->rows, k->rb, k->u_recv);
     if (!st && k->fill && k->N > 0 && (k->out || k->out_w)) {
-      const int64_t orb = !k->out ? 0 : k->fp8 == 1 ? k->hidden : k->fp8 == 2 ? k->hidden * mrt_dtype_size((int)k->out_dtype) : k->rb;
+      const int64_t orb = !k->out        ? 0
+                          : k->fp8 == 1  ? k->hidden
+                          : k->fp8 == 2  ? k->hidden * mrt_dtype_size((int)k->out_dtype)
+                                         : k->rb;
       st = plan_fill(g, &p->launch[n++], L_FILL, k->N, orb, k->u_fill);
       if (!st && k->out && k->fp8 == 1)
         st = plan_fill(g, &p->launch[n++], L_FILL_S, k->N, 4 * mrt_cdiv(k->hidden, 128), k->u_fill_s);
@@ -455,7 +458,10 @@ moe_rt_status moe_rt_ep_direct_dispatch(moe_rt_ep_direct_group* g, int op_code, 
   if (o->fill) {
     const int zero = o->zero && o->out;
     k.out = zero;
-    const int64_t orb = !zero ? 0 : o->fp8 == 1 ? o->hidden : o->fp8 == 2 ? o->hidden * mrt_dtype_size(o->out_dtype) : rb;
+    const int64_t orb = !zero         ? 0
+                        : o->fp8 == 1 ? o->hidden
+                        : o->fp8 == 2 ? o->hidden * mrt_dtype_size(o->out_dtype)
+                                      : rb;
     k.u_fill = zero ? unit_of(orb, outp, 0) : 16;
     if (zero && o->fp8 == 1) k.u_fill_s = unit_of(4 * mrt_cdiv(o->hidden, 128), (uintptr_t)o->out_s, 0);
   }

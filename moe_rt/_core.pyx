@@ -1038,7 +1038,8 @@ cdef class EpDirectGroup:
             if st == KERNEL_CACHE and tries[0] < 2 and not d.is_planning:
                 tries[0] += 1
                 if self.twin == NULL:
-                    _check(p_epd_create(d._twin(), &self.desc, &self.twin), "moe_rt_ep_direct_group_create (planning twin)")
+                    _check(p_epd_create(d._twin(), &self.desc, &self.twin),
+                           "moe_rt_ep_direct_group_create (planning twin)")
                     for t in self.stages:
                         _epd_add(self.twin, t, "moe_rt_ep_direct_add_stage (planning twin)")
                 return self.twin

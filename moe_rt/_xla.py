@@ -69,7 +69,7 @@ class _LaunchInfo(ctypes.Structure):
 
 
 class _PlanInfo(ctypes.Structure):
-    _fields_ = [("num_launches", ctypes.c_int32), ("launch", _LaunchInfo * 4)]
+    _fields_ = [("num_launches", ctypes.c_int32), ("launch", _LaunchInfo * 8)]
 
 
 class _Plan(ctypes.Structure):
