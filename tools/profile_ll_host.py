@@ -45,7 +45,7 @@ class StandIns:
     def __init__(self, setattr_=setattr, resident=264, sm_count=132):
         import cupy
 
-        from moe_rt import _arrays, _core, _ep_direct, _errors, _jit
+        from moe_rt import _arrays, _core, _errors, _jit
 
         self.cupy, self.launches, self.allocs, self.lookups = cupy, 0, 0, 0
         self.addrs = itertools.count(1 << 40, 1 << 24)
@@ -125,9 +125,9 @@ class StandIns:
         setattr_(_jit, "launch_raw", launch_raw)
         setattr_(_jit, "device_properties", lambda dev: {"sm_count": sm_count})
         setattr_(_errors, "word", lambda dev: 64)
-        setattr_(_ep_direct, "_resident_ctas", lambda fn, threads, dev: resident)
         setattr_(_core, "device", lambda dev: ctx)
-        for name in ("ll_dispatch", "ll_combine", "ll_combine_bwd"):
+        for name in ("ll_dispatch", "ll_combine", "ll_combine_bwd", "ep_direct_barrier", "ep_direct_dispatch",
+                     "ep_direct_combine"):
             setattr_(_core, name, recorded(getattr(_core, name)))
         setattr_(_arrays, "Call", Call)
         setattr_(_arrays, "as_cupy_stream", lambda stream, dev: st.stream(9))
@@ -160,7 +160,7 @@ class StandIns:
         """A LowLatencyGroup of rank ``me`` of R whose transport and shared buffers are stand-ins (what its
         _setup makes, without CUDA): the error word at 96, the peer tables of the shared buffers at 2**50 plus
         their offsets."""
-        from moe_rt import _ep_direct
+        from moe_rt import _core, _ep_direct
         from moe_rt.ep_ll import LowLatencyGroup
 
         comm = type("Comm", (), {"rank": me, "size": R, "device": 0, "all_gather": None})()
@@ -168,10 +168,12 @@ class StandIns:
         d = object.__new__(_ep_direct.DirectTransport)
         d.comm, d.device, d.R, d.me, d.lo, d.hi, d.P = comm, 0, R, me, 0, R, 2 * Tmax * num_buffers
         d.timeout_ns, d._stages, d._order, d.closed, d._err_ptr = 10**9, {}, [], False, 96
-        d._pairs, d._launches, d._views = {}, {}, {}  # the launch set-ups DirectTransport.__init__ starts empty
+        d._pairs, d._views = {}, {}
         d.state = self.dev((2,), np.uint32)
         d.bar = type("Sh", (), {"table": self.dev((R,), np.int64)})()
         d.flags = type("Sh", (), {"table": self.dev((R,), np.int64)})()
+        d._core = _core.ep_direct_group_create(_core.device(0), R, me, 0, R, d.P, d.timeout_ns, d.bar.table.data.ptr,
+                                               d.flags.table.data.ptr, d.state.data.ptr, d._err_ptr)
         offs, o = {}, 0
         for name, nb in g._regions():
             offs[name] = (o, nb)
