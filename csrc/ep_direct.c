@@ -18,6 +18,7 @@
 #define EPD_PLANS 64
 #define EPD_MAX_STAGES 32
 #define EPD_MAX_RANKS 65536
+#define EPD_MAX_TOPK 1024 /* EpGroup's limit (docs/ep.md §6) */
 
 enum { L_BARRIER = 1, L_DISPATCH, L_ROW_MAP, L_COPY_W, L_COPY_RECV, L_FILL, L_FILL_S, L_SLOT_VALUES, L_COMBINE };
 
@@ -93,8 +94,8 @@ moe_rt_status moe_rt_ep_direct_add_stage(moe_rt_ep_direct_group* g, const moe_rt
   if (!g) return BAD("%s: group is NULL", op);
   if (!s) return BAD("%s: stage is NULL", op);
   if (s->row_bytes < 1) return BAD("%s: stage.row_bytes must be >= 1, got %lld", op, (long long)s->row_bytes);
-  if (s->topk < 1 || s->topk > MOE_RT_MAX_TOPK)
-    return BAD("%s: stage.topk must be in [1, %d], got %d", op, MOE_RT_MAX_TOPK, s->topk);
+  if (s->topk < 1 || s->topk > EPD_MAX_TOPK)
+    return BAD("%s: stage.topk must be in [1, %d], got %d", op, EPD_MAX_TOPK, s->topk);
   if (s->align < 1 || s->align > 16 || (s->align & (s->align - 1)))
     return BAD("%s: stage.align must be 1, 2, 4, 8 or 16, got %d", op, s->align);
   const void* need[] = {s->rows_local, s->peer_rows, s->w_local, s->peer_w};
@@ -332,9 +333,9 @@ static moe_rt_status check_handle(const moe_rt_ep_direct_group* g, const char* o
     return BAD("%s: handle->desc.num_ranks must be the group's %d, got %d", op, g->d.num_ranks, d->num_ranks);
   if (d->pair_capacity < 1 || d->pair_capacity > g->d.pair_rows)
     return BAD("%s: handle->desc.pair_capacity must be in [1, %d], got %d", op, g->d.pair_rows, d->pair_capacity);
-  if (d->num_local_experts < 1 || d->max_tokens_per_rank < 1 || d->topk < 1 || d->topk > MOE_RT_MAX_TOPK)
+  if (d->num_local_experts < 1 || d->max_tokens_per_rank < 1 || d->topk < 1 || d->topk > EPD_MAX_TOPK)
     return BAD("%s: handle->desc: num_local_experts and max_tokens_per_rank must be >= 1 and topk in [1, %d]", op,
-               MOE_RT_MAX_TOPK);
+               EPD_MAX_TOPK);
   if (d->recv_rows < 0 || d->recv_rows > (int64_t)d->num_ranks * d->pair_capacity || d->num_rows < 0)
     return BAD("%s: handle->desc: recv_rows must be in [0, num_ranks*pair_capacity] and num_rows >= 0", op);
   if (h->num_tokens < 0 || h->num_tokens > d->max_tokens_per_rank)

@@ -275,6 +275,19 @@ def test_barrier_and_unaligned_stages():
     assert "false" in g.plan()[-1][0]
 
 
+def test_topk_up_to_the_groups_limit():
+    """EpGroup allows topk up to 1024 (docs/ep.md §6): the core's direct group takes it; 1025 is refused."""
+    g = Group()
+    h = handle_of(g, False, 5, K=1024)
+    assert dispatch(g, h, "dispatch", XP, 80, WP, out=OUT) == g.dispatch(h, "dispatch", XP, 80, WP, (OUT,), None)
+    with pytest.raises(ValueError, match=r"stage.topk must be in \[1, 1024\], got 1025"):
+        g.g.add_stage(80, 1025, 16, 1, 1, 1, 1)
+    t = list(h.tup())
+    t[4] = 1025
+    with pytest.raises(ValueError, match=r"topk in \[1, 1024\]"):
+        _core.ep_direct_dispatch(g.g, 1, tuple(t), XP, 80, WP, 0, 0, 0, OUT, 0, 0, 1, 1, 0, 0, 0, 1, 7)
+
+
 def test_plans_are_cached_per_signature_and_follow_the_call():
     g = Group()
     for T in (3, 11, 0, 3):
