@@ -1253,3 +1253,62 @@ int64_t mrt_resident_grid(const moe_rt_device_info* dev, int64_t n_needed, int t
   if (regs) per_sm = mrt_max(1, mrt_min(per_sm, 65536 / ((int64_t)threads * (mrt_cdiv(regs, 8) * 8))));
   return mrt_max(1, mrt_min(n_needed, (int64_t)dev->sm_count * per_sm));
 }
+
+/* ---- what the EP groups share (csrc/ep_ll.c, csrc/ep_direct.c) ---------------------------------------- */
+
+moe_rt_status mrt_run_plan(moe_rt_context* ctx, const mrt_plan* p, mrt_args* args, moe_rt_stream stream) {
+  if (mrt_is_planning(ctx)) {
+    mrt_record(ctx, p);
+    for (int i = 0; i < p->num_launches; ++i) mrt_record_args(ctx, i, &args[i]);
+    return MOE_RT_SUCCESS;
+  }
+  for (int i = 0; i < p->num_launches; ++i) {
+    moe_rt_status st = mrt_launch_one(ctx, &p->launch[i], &args[i], stream);
+    if (st) return st;
+  }
+  return MOE_RT_SUCCESS;
+}
+
+void mrt_barrier_args(mrt_args* a, const void* peer_barrier, int32_t R, int32_t rank, const void* state,
+                      int64_t timeout_ns, const void* timeout_word, int32_t op, int32_t lo, int32_t hi) {
+  mrt_arg_ptr(a, peer_barrier);
+  mrt_arg_i32(a, R);
+  mrt_arg_i32(a, rank);
+  mrt_arg_ptr(a, state);
+  mrt_arg_i64(a, timeout_ns);
+  mrt_arg_ptr(a, timeout_word);
+  mrt_arg_i32(a, op);
+  mrt_arg_i32(a, lo);
+  mrt_arg_i32(a, hi);
+}
+
+void mrt_group_plans_init(mrt_group_plans* c) {
+  pthread_mutex_init(&c->lock, NULL);
+  c->num = 0;
+}
+
+void mrt_group_plans_destroy(mrt_group_plans* c) { pthread_mutex_destroy(&c->lock); }
+
+int mrt_group_plan_get(mrt_group_plans* c, const void* key, size_t key_bytes, mrt_plan* plan) {
+  int found = 0;
+  pthread_mutex_lock(&c->lock);
+  for (int i = 0; i < c->num; ++i)
+    if (c->entry[i].key_bytes == key_bytes && !memcmp(c->entry[i].key, key, key_bytes)) {
+      *plan = c->entry[i].plan;
+      found = 1;
+      break;
+    }
+  pthread_mutex_unlock(&c->lock);
+  return found;
+}
+
+void mrt_group_plan_put(mrt_group_plans* c, const void* key, size_t key_bytes, const mrt_plan* plan) {
+  if (key_bytes > MRT_GROUP_KEY_BYTES) return; /* not kept: planned again next time */
+  pthread_mutex_lock(&c->lock);
+  if (c->num == MRT_GROUP_PLANS) c->num = 0;
+  c->entry[c->num].key_bytes = key_bytes;
+  memcpy(c->entry[c->num].key, key, key_bytes);
+  c->entry[c->num].plan = *plan;
+  c->num++;
+  pthread_mutex_unlock(&c->lock);
+}

@@ -15,7 +15,6 @@
 #define EPD_THREADS 512 /* the fused kernels: one warp per row, 16 rows of a chunk at a time */
 #define EPD_MAX_CHUNK 32
 #define EPD_UNROLL 8    /* 16-byte units a lane has in flight while copying or expanding a row */
-#define EPD_PLANS 64
 #define EPD_MAX_STAGES 32
 #define EPD_MAX_RANKS 65536
 #define EPD_MAX_TOPK 1024 /* EpGroup's limit (docs/ep.md §6) */
@@ -27,19 +26,13 @@ typedef struct epd_key {
   int64_t stage, make_map, copy_w, u_w, recv, u_recv, fill, u_fill, u_fill_s, out, out_w, slot_values;
 } epd_key;
 
-typedef struct epd_entry {
-  epd_key key;
-  mrt_plan plan;
-} epd_entry;
-
 struct moe_rt_ep_direct_group {
   moe_rt_context* ctx;
   moe_rt_ep_direct_group_desc d;
   int num_stages;
   moe_rt_ep_direct_stage stages[EPD_MAX_STAGES];
-  pthread_mutex_t lock;
-  int num_plans;
-  epd_entry plans[EPD_PLANS];
+  pthread_mutex_t lock; /* the stages */
+  mrt_group_plans plans;
 };
 
 #define BAD(...) mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, __VA_ARGS__)
@@ -78,6 +71,7 @@ moe_rt_status moe_rt_ep_direct_group_create(moe_rt_context* ctx, const moe_rt_ep
   g->ctx = ctx;
   g->d = *d;
   pthread_mutex_init(&g->lock, NULL);
+  mrt_group_plans_init(&g->plans);
   *out = g;
   return MOE_RT_SUCCESS;
 }
@@ -85,6 +79,7 @@ moe_rt_status moe_rt_ep_direct_group_create(moe_rt_context* ctx, const moe_rt_ep
 void moe_rt_ep_direct_group_destroy(moe_rt_ep_direct_group* g) {
   if (!g) return;
   pthread_mutex_destroy(&g->lock);
+  mrt_group_plans_destroy(&g->plans);
   free(g);
 }
 
@@ -126,28 +121,6 @@ static int find_stage(moe_rt_ep_direct_group* g, int64_t rb, int K, moe_rt_ep_di
     }
   pthread_mutex_unlock(&g->lock);
   return found;
-}
-
-static int plan_get(moe_rt_ep_direct_group* g, const epd_key* k, mrt_plan* p) {
-  int found = 0;
-  pthread_mutex_lock(&g->lock);
-  for (int i = 0; i < g->num_plans; ++i)
-    if (!memcmp(&g->plans[i].key, k, sizeof *k)) {
-      *p = g->plans[i].plan;
-      found = 1;
-      break;
-    }
-  pthread_mutex_unlock(&g->lock);
-  return found;
-}
-
-static void plan_put(moe_rt_ep_direct_group* g, const epd_key* k, const mrt_plan* p) {
-  pthread_mutex_lock(&g->lock);
-  if (g->num_plans == EPD_PLANS) g->num_plans = 0;
-  g->plans[g->num_plans].key = *k;
-  g->plans[g->num_plans].plan = *p;
-  g->num_plans++;
-  pthread_mutex_unlock(&g->lock);
 }
 
 /* ---- planning ------------------------------------------------------------------------------------- */
@@ -209,7 +182,7 @@ static moe_rt_status plan_fill(moe_rt_ep_direct_group* g, mrt_launch* l, int kin
 }
 
 static moe_rt_status plan_of(moe_rt_ep_direct_group* g, const epd_key* k, mrt_plan* p) {
-  if (plan_get(g, k, p)) return MOE_RT_SUCCESS;
+  if (mrt_group_plan_get(&g->plans, k, sizeof *k, p)) return MOE_RT_SUCCESS;
   memset(p, 0, sizeof *p);
   moe_rt_status st = MOE_RT_SUCCESS;
   int n = 0;
@@ -270,37 +243,16 @@ static moe_rt_status plan_of(moe_rt_ep_direct_group* g, const epd_key* k, mrt_pl
   }
   if (st) return st;
   p->num_launches = n;
-  plan_put(g, k, p);
+  mrt_group_plan_put(&g->plans, k, sizeof *k, p);
   return MOE_RT_SUCCESS;
 }
 
 /* ---- execution ------------------------------------------------------------------------------------ */
 
-static moe_rt_status run(moe_rt_ep_direct_group* g, const mrt_plan* p, mrt_args* args, moe_rt_stream stream) {
-  moe_rt_context* ctx = g->ctx;
-  if (mrt_is_planning(ctx)) {
-    mrt_record(ctx, p);
-    for (int i = 0; i < p->num_launches; ++i) mrt_record_args(ctx, i, &args[i]);
-    return MOE_RT_SUCCESS;
-  }
-  for (int i = 0; i < p->num_launches; ++i) {
-    moe_rt_status st = mrt_launch_one(ctx, &p->launch[i], &args[i], stream);
-    if (st) return st;
-  }
-  return MOE_RT_SUCCESS;
-}
-
 static void barrier_args(const moe_rt_ep_direct_group* g, int op, mrt_args* a) {
   const moe_rt_ep_direct_group_desc* d = &g->d;
-  mrt_arg_ptr(a, d->peer_barrier);
-  mrt_arg_i32(a, d->num_ranks);
-  mrt_arg_i32(a, d->rank);
-  mrt_arg_ptr(a, d->barrier_state);
-  mrt_arg_i64(a, d->timeout_ns);
-  mrt_arg_ptr(a, d->timeout_word);
-  mrt_arg_i32(a, op);
-  mrt_arg_i32(a, d->node_lo);
-  mrt_arg_i32(a, d->node_hi);
+  mrt_barrier_args(a, d->peer_barrier, d->num_ranks, d->rank, d->barrier_state, d->timeout_ns, d->timeout_word, op,
+                   d->node_lo, d->node_hi);
 }
 
 moe_rt_status moe_rt_ep_direct_barrier(moe_rt_ep_direct_group* g, int op, moe_rt_stream stream) {
@@ -316,7 +268,7 @@ moe_rt_status moe_rt_ep_direct_barrier(moe_rt_ep_direct_group* g, int op, moe_rt
   mrt_args a;
   memset(&a, 0, sizeof a);
   barrier_args(g, op, &a);
-  return run(g, &p, &a, stream);
+  return mrt_run_plan(g->ctx, &p, &a, stream);
 }
 
 /* The handle's regions (moe_rt_ep_handle_layout over its sizes). */
@@ -376,6 +328,18 @@ static void copy_args(const moe_rt_ep_direct_group* g, const mrt_launch* l, cons
   mrt_arg_i64(a, l->arg[0]);
 }
 
+/* A call's signature: what every op's has (the rest zero, filled by the op). */
+static epd_key key_of(int kind, int op, int barrier, const moe_rt_ep_handle_desc* hd) {
+  epd_key k;
+  memset(&k, 0, sizeof k);
+  k.kind = kind;
+  k.op = op;
+  k.barrier = barrier;
+  k.K = hd->topk;
+  k.P = hd->pair_capacity;
+  return k;
+}
+
 static const int64_t FP8_PIECES[3] = {16, 4, 1};
 
 moe_rt_status moe_rt_ep_direct_dispatch(moe_rt_ep_direct_group* g, int op_code, const moe_rt_ep_direct_handle* h,
@@ -411,14 +375,8 @@ moe_rt_status moe_rt_ep_direct_dispatch(moe_rt_ep_direct_group* g, int op_code, 
   moe_rt_ep_direct_stage s;
   if ((st = get_stage(g, op, rb, K, &s))) return st;
   const uintptr_t xp = (uintptr_t)x, outp = (uintptr_t)o->out;
-  epd_key k;
-  memset(&k, 0, sizeof k);
-  k.kind = L_DISPATCH;
-  k.op = op_code;
-  k.barrier = barrier;
+  epd_key k = key_of(L_DISPATCH, op_code, barrier, hd);
   k.rb = rb;
-  k.K = K;
-  k.P = hd->pair_capacity;
   k.N = N;
   k.rows = rows;
   k.fp8 = o->fp8;
@@ -516,7 +474,7 @@ moe_rt_status moe_rt_ep_direct_dispatch(moe_rt_ep_direct_group* g, int op_code, 
         break;
     }
   }
-  return run(g, &p, a, stream);
+  return mrt_run_plan(g->ctx, &p, a, stream);
 }
 
 moe_rt_status moe_rt_ep_direct_combine(moe_rt_ep_direct_group* g, int op_code, const moe_rt_ep_direct_handle* h,
@@ -547,13 +505,7 @@ moe_rt_status moe_rt_ep_direct_combine(moe_rt_ep_direct_group* g, int op_code, c
   moe_rt_ep_direct_stage s;
   if ((st = get_stage(g, op, H * mrt_dtype_size(dtype), K, &s))) return st;
   const uintptr_t yp = (uintptr_t)(N > 0 && H > 0 ? y : NULL), outp = (uintptr_t)out;
-  epd_key k;
-  memset(&k, 0, sizeof k);
-  k.kind = L_COMBINE;
-  k.op = op_code;
-  k.barrier = barrier;
-  k.K = K;
-  k.P = hd->pair_capacity;
+  epd_key k = key_of(L_COMBINE, op_code, barrier, hd);
   k.T = T;
   k.H = H;
   k.rows = rows;
@@ -599,5 +551,5 @@ moe_rt_status moe_rt_ep_direct_combine(moe_rt_ep_direct_group* g, int op_code, c
       mrt_arg_i32(c, g->d.node_hi);
     }
   }
-  return run(g, &p, a, stream);
+  return mrt_run_plan(g->ctx, &p, a, stream);
 }

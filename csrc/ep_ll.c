@@ -13,7 +13,6 @@
 #define FILE_EP "ep.cu"
 #define LL_THREADS 512  /* the fused kernels' block (moe_rt._ep_direct._THREADS) */
 #define DOT_THREADS 256 /* ep_ll_slot_dot: a warp per slot */
-#define LL_PLANS 64     /* plans a group keeps (emptied when full) */
 #define LL_MAX_RANKS 65536
 
 enum { K_DISPATCH = 1, K_COMBINE = 2, K_COMBINE_BWD = 3 };
@@ -22,19 +21,12 @@ typedef struct ll_key {
   int32_t kind, op, buffer_set, phases, vec, idx64, scaled, fp8, dequant, rows, dot, dot_vec;
 } ll_key;
 
-typedef struct ll_entry {
-  ll_key key;
-  mrt_plan plan;
-} ll_entry;
-
 struct moe_rt_ll_group {
   moe_rt_context* ctx;
   moe_rt_ll_group_desc d;
   uint32_t* error_word; /* desc's, or the context's */
   int vec16, vec16_fp8; /* the 16-byte vector paths' conditions that hold for every call */
-  pthread_mutex_t lock;
-  int num_plans;
-  ll_entry plans[LL_PLANS];
+  mrt_group_plans plans;
   int64_t serial; /* this process's number of the group (never reused; the registry's key with the address) */
   int64_t users;  /* moe_rt_ll_group_acquire's holds not yet released (under g_registry_lock) */
   int destroyed;  /* destroy came while held: the last release frees (under g_registry_lock) */
@@ -79,30 +71,8 @@ static ptrdiff_t registry_find(const moe_rt_ll_group* g) {
 }
 
 static void group_free(moe_rt_ll_group* g) {
-  pthread_mutex_destroy(&g->lock);
+  mrt_group_plans_destroy(&g->plans);
   free(g);
-}
-
-static int plan_get(moe_rt_ll_group* g, const ll_key* k, mrt_plan* p) {
-  int found = 0;
-  pthread_mutex_lock(&g->lock);
-  for (int i = 0; i < g->num_plans; ++i)
-    if (!memcmp(&g->plans[i].key, k, sizeof *k)) {
-      *p = g->plans[i].plan;
-      found = 1;
-      break;
-    }
-  pthread_mutex_unlock(&g->lock);
-  return found;
-}
-
-static void plan_put(moe_rt_ll_group* g, const ll_key* k, const mrt_plan* p) {
-  pthread_mutex_lock(&g->lock);
-  if (g->num_plans == LL_PLANS) g->num_plans = 0;
-  g->plans[g->num_plans].key = *k;
-  g->plans[g->num_plans].plan = *p;
-  g->num_plans++;
-  pthread_mutex_unlock(&g->lock);
 }
 
 /* ---- the group ------------------------------------------------------------------------------------- */
@@ -173,7 +143,7 @@ moe_rt_status moe_rt_ll_group_create(moe_rt_context* ctx, const moe_rt_ll_group_
   const int local_aligned = mrt_aligned16(desc->set[0].recv);
   g->vec16 = (desc->hidden * mrt_dtype_size(desc->dtype)) % 16 == 0 && local_aligned;
   g->vec16_fp8 = desc->hidden % 16 == 0 && local_aligned;
-  pthread_mutex_init(&g->lock, NULL);
+  mrt_group_plans_init(&g->plans);
   if (!registry_add(g)) {
     group_free(g);
     return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: out of host memory (the registry of live groups)", op);
@@ -303,7 +273,7 @@ static moe_rt_status plan_dot(moe_rt_ll_group* g, const ll_key* k, mrt_launch* l
 
 /* The plan of key k (cached in the group): launch 0 the barrier (where the op has one), then the kernels. */
 static moe_rt_status plan_of(moe_rt_ll_group* g, const ll_key* k, mrt_plan* p) {
-  if (plan_get(g, k, p)) return MOE_RT_SUCCESS;
+  if (mrt_group_plan_get(&g->plans, k, sizeof *k, p)) return MOE_RT_SUCCESS;
   memset(p, 0, sizeof *p);
   moe_rt_status st = MOE_RT_SUCCESS;
   int n = 0;
@@ -313,23 +283,16 @@ static moe_rt_status plan_of(moe_rt_ll_group* g, const ll_key* k, mrt_plan* p) {
   if (!st && k->kind == K_COMBINE_BWD && k->dot) st = plan_dot(g, k, &p->launch[n++]);
   if (st) return st;
   p->num_launches = n;
-  plan_put(g, k, p);
+  mrt_group_plan_put(&g->plans, k, sizeof *k, p);
   return MOE_RT_SUCCESS;
 }
 
 /* ---- execution ------------------------------------------------------------------------------------ */
 
 static void barrier_args(const moe_rt_ll_group* g, int op, mrt_args* a) {
-  const moe_rt_ll_group_desc* d = &g->d;
-  mrt_arg_ptr(a, d->peer_barrier);
-  mrt_arg_i32(a, d->num_ranks);
-  mrt_arg_i32(a, d->rank);
-  mrt_arg_ptr(a, d->barrier_state);
-  mrt_arg_i64(a, d->timeout_ns);
-  mrt_arg_ptr(a, d->timeout_word);
-  mrt_arg_i32(a, op);
-  mrt_arg_i32(a, 0); /* the node's ranks: all of them */
-  mrt_arg_i32(a, d->num_ranks);
+  const moe_rt_ll_group_desc* d = &g->d; /* the node's ranks: all of them */
+  mrt_barrier_args(a, d->peer_barrier, d->num_ranks, d->rank, d->barrier_state, d->timeout_ns, d->timeout_word, op, 0,
+                   d->num_ranks);
 }
 
 /* The arguments every fused kernel ends with, from op to C: op, R, me, L, Tmax, K (then C). */
@@ -341,21 +304,6 @@ static void sizes_args(const moe_rt_ll_group* g, int op, mrt_args* a) {
   mrt_arg_i32(a, d->num_local_experts);
   mrt_arg_i32(a, d->max_tokens_per_rank);
   mrt_arg_i32(a, d->topk);
-}
-
-/* Launch the plan's launches in order with their arguments; a planning context records them instead. */
-static moe_rt_status run(moe_rt_ll_group* g, const mrt_plan* p, mrt_args* args, moe_rt_stream stream) {
-  moe_rt_context* ctx = g->ctx;
-  if (mrt_is_planning(ctx)) {
-    mrt_record(ctx, p);
-    for (int i = 0; i < p->num_launches; ++i) mrt_record_args(ctx, i, &args[i]);
-    return MOE_RT_SUCCESS;
-  }
-  for (int i = 0; i < p->num_launches; ++i) {
-    moe_rt_status st = mrt_launch_one(ctx, &p->launch[i], &args[i], stream);
-    if (st) return st;
-  }
-  return MOE_RT_SUCCESS;
 }
 
 static moe_rt_status check_call(const moe_rt_ll_group* g, const char* op, int buffer_set, int64_t T) {
@@ -486,7 +434,7 @@ moe_rt_status moe_rt_ll_dispatch(moe_rt_ll_group* g, int buffer_set, int phases,
   push_args q = {xe, xq, T && pair ? x_scales : NULL, topk_idx, topk_weights, tables, NULL, NULL, 1, 0,
                  MOE_RT_EP_OP_DISPATCH};
   push_kernel_args(g, &k, &q, T, &a[i]);
-  return run(g, &p, a, stream);
+  return mrt_run_plan(g->ctx, &p, a, stream);
 }
 
 moe_rt_status moe_rt_ll_combine(moe_rt_ll_group* g, int buffer_set, int op_code, const void* y,
@@ -550,7 +498,7 @@ moe_rt_status moe_rt_ll_combine(moe_rt_ll_group* g, int buffer_set, int op_code,
   mrt_arg_i32(c, d->chunk);
   mrt_arg_i64(c, d->hidden);
   mrt_arg_i64(c, (int64_t)2 * d->num_ranks * d->max_tokens_per_rank * buffer_set);
-  return run(g, &p, a, stream);
+  return mrt_run_plan(g->ctx, &p, a, stream);
 }
 
 moe_rt_status moe_rt_ll_combine_bwd(moe_rt_ll_group* g, int buffer_set, const void* grad_out, const void* expert_out,
@@ -609,5 +557,5 @@ moe_rt_status moe_rt_ll_combine_bwd(moe_rt_ll_group* g, int buffer_set, const vo
     mrt_arg_i64(c, n);
     mrt_arg_i64(c, d->hidden);
   }
-  return run(g, &p, a, stream);
+  return mrt_run_plan(g->ctx, &p, a, stream);
 }

@@ -153,6 +153,33 @@ moe_rt_status mrt_resident_blocks(moe_rt_context* ctx, const mrt_launch* l, int 
 /* The device's error word of this context (0 in a planning context). */
 moe_rt_status mrt_error_word(moe_rt_context* ctx, unsigned long long* ptr);
 
+/* Launch the plan's launches in order with their arguments on stream; a planning context records the plan and
+ * every launch's arguments instead (the EP groups' executors). */
+moe_rt_status mrt_run_plan(moe_rt_context* ctx, const mrt_plan* plan, mrt_args* args, moe_rt_stream stream);
+/* ep_direct_barrier's arguments: the peer table of the barrier slots, R, rank, the barrier state, the timeout,
+ * the timeout word, the op and the node's ranks [lo, hi). */
+void mrt_barrier_args(mrt_args* a, const void* peer_barrier, int32_t R, int32_t rank, const void* state,
+                      int64_t timeout_ns, const void* timeout_word, int32_t op, int32_t lo, int32_t hi);
+
+/* An EP group's plans by signature (key bytes, at most MRT_GROUP_KEY_BYTES), MRT_GROUP_PLANS of them (emptied
+ * when full); thread-safe. */
+#define MRT_GROUP_PLANS 64
+#define MRT_GROUP_KEY_BYTES 256
+typedef struct mrt_group_plans {
+  pthread_mutex_t lock;
+  int num;
+  struct {
+    size_t key_bytes;
+    unsigned char key[MRT_GROUP_KEY_BYTES];
+    mrt_plan plan;
+  } entry[MRT_GROUP_PLANS];
+} mrt_group_plans;
+void mrt_group_plans_init(mrt_group_plans* c);
+void mrt_group_plans_destroy(mrt_group_plans* c);
+/* *plan = the plan of this key (returns 1), or 0 when absent. */
+int mrt_group_plan_get(mrt_group_plans* c, const void* key, size_t key_bytes, mrt_plan* plan);
+void mrt_group_plan_put(mrt_group_plans* c, const void* key, size_t key_bytes, const mrt_plan* plan);
+
 /* ---- validation helpers --------------------------------------------------------------------------- */
 moe_rt_status mrt_check_ctx(const moe_rt_context* ctx, const char* op);
 moe_rt_status mrt_check_ptr(const char* op, const char* name, const void* p); /* "op: name is NULL" */

@@ -791,6 +791,21 @@ def dequantize_fp8(Context d, uintptr_t x_fp8, uintptr_t scales, int64_t T, int6
 
 # ---- low-latency expert parallelism (moe_rt.ep_ll.LowLatencyGroup) ---------------------------------------
 
+cdef bint _group_retry(Context d, bint on_group, int st, int* tries, const char* op) except -1:
+    """An EP group's :meth:`Context.retry`: after a call on the group (``on_group``) whose kernel is missing from
+    the kernel cache, True: plan the call on the group's planning twin next (the caller makes the twin); after
+    the twin's call, its kernels compiled and loaded, False: call the group again; any other failure raises."""
+    if on_group:
+        if st == KERNEL_CACHE and tries[0] < 2 and not d.is_planning:
+            tries[0] += 1
+            return True
+        raise error(st, op.decode())
+    if st:
+        raise error(st, op.decode() + " (planning its kernels)")
+    d._prepare(_last_plan(d.plan_ctx), _stand_ins(d.plan_ctx))
+    return False
+
+
 cdef class LLGroup:
     """A core low-latency EP group (moe_rt_ll_group) on a :class:`Context` (:func:`ll_group_create`), and its
     twin on the context's planning twin (made when a call first meets a kernel missing from the kernel cache:
@@ -872,17 +887,11 @@ cdef class LLGroup:
     cdef moe_rt_ll_group* retry(self, moe_rt_ll_group* c, int st, int* tries, const char* op) except NULL:
         """As :meth:`Context.retry`, over the group and its twin."""
         cdef Context d = self.ctx
-        if c == self.g:
-            if st == KERNEL_CACHE and tries[0] < 2 and not d.is_planning:
-                tries[0] += 1
-                if self.twin == NULL:
-                    _check(p_ll_create(d._twin(), &self.desc, &self.twin), "moe_rt_ll_group_create (planning twin)")
-                return self.twin
-            raise error(st, op.decode())
-        if st:
-            raise error(st, op.decode() + " (planning its kernels)")
-        d._prepare(_last_plan(d.plan_ctx), _stand_ins(d.plan_ctx))
-        return self.g
+        if not _group_retry(d, c == self.g, st, tries, op):
+            return self.g
+        if self.twin == NULL:
+            _check(p_ll_create(d._twin(), &self.desc, &self.twin), "moe_rt_ll_group_create (planning twin)")
+        return self.twin
 
 
 cdef inline moe_rt_ll_group* _ll_begin(LLGroup g, uintptr_t stream) except NULL:
@@ -1034,20 +1043,13 @@ cdef class EpDirectGroup:
                                        const char* op) except NULL:
         """As :meth:`Context.retry`, over the group and its twin."""
         cdef Context d = self.ctx
-        if c == self.g:
-            if st == KERNEL_CACHE and tries[0] < 2 and not d.is_planning:
-                tries[0] += 1
-                if self.twin == NULL:
-                    _check(p_epd_create(d._twin(), &self.desc, &self.twin),
-                           "moe_rt_ep_direct_group_create (planning twin)")
-                    for t in self.stages:
-                        _epd_add(self.twin, t, "moe_rt_ep_direct_add_stage (planning twin)")
-                return self.twin
-            raise error(st, op.decode())
-        if st:
-            raise error(st, op.decode() + " (planning its kernels)")
-        d._prepare(_last_plan(d.plan_ctx), _stand_ins(d.plan_ctx))
-        return self.g
+        if not _group_retry(d, c == self.g, st, tries, op):
+            return self.g
+        if self.twin == NULL:
+            _check(p_epd_create(d._twin(), &self.desc, &self.twin), "moe_rt_ep_direct_group_create (planning twin)")
+            for t in self.stages:
+                _epd_add(self.twin, t, "moe_rt_ep_direct_add_stage (planning twin)")
+        return self.twin
 
 
 cdef int _epd_add(moe_rt_ep_direct_group* g, tuple t, str what) except -1:
