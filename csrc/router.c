@@ -235,6 +235,14 @@ static moe_rt_status fwd_plan(moe_rt_context* ctx, int dtype, int E, int K, int 
   return MOE_RT_SUCCESS;
 }
 
+/* Whether a forward's rows take 16-byte vectors: E a multiple of a vector's elements and every given array
+ * (NULL: none) 16-byte aligned. */
+static int fwd_vec(int dtype, int E, const void* const* ptrs, int n) {
+  int vec = E % (16 / mrt_dtype_size(dtype)) == 0;
+  for (int i = 0; i < n; ++i) vec = vec && (ptrs[i] == NULL || mrt_aligned16(ptrs[i]));
+  return vec;
+}
+
 /* rmap: the byte map, or with `bitmap` the bit-packed one; idx: indices of idx_bytes each. */
 static moe_rt_status router_fwd(moe_rt_context* ctx, const void* x, int dtype, int64_t T, int E, int K, int score_fn,
                                 int pre, int aux, int G, int g, float scale, const float* bias, void* probs,
@@ -246,10 +254,8 @@ static moe_rt_status router_fwd(moe_rt_context* ctx, const void* x, int dtype, i
     if (mrt_is_planning(ctx)) mrt_record(ctx, &p);
     return MOE_RT_SUCCESS;
   }
-  const int ch = 16 / mrt_dtype_size(dtype);
   const void* ptrs[6] = {x, probs, scores, bitmap ? NULL : rmap, inter, bias};
-  int vec = E % ch == 0;
-  for (int i = 0; i < 6; ++i) vec = vec && (ptrs[i] == NULL || mrt_aligned16(ptrs[i]));
+  const int vec = fwd_vec(dtype, E, ptrs, 6);
   moe_rt_status st = fwd_plan(ctx, dtype, E, K, G, g, vec, bitmap, score_case(score_fn, aux, bias != NULL), &p);
   if (st) return st;
   p.launch[0].grid = tpw_grid(T, (int)p.ints[FWD_SPB], (int)p.ints[FWD_TPW], p.ints[FWD_RESIDENT]);
@@ -858,10 +864,8 @@ moe_rt_status moe_rt_topk_with_score_qb(moe_rt_context* ctx, const void* logits,
     if (mrt_is_planning(ctx)) mrt_record(ctx, &p);
     return MOE_RT_SUCCESS;
   }
-  const int ch = 16 / mrt_dtype_size(dtype);
   const void* ptrs[5] = {logits, probs, routing_map, intermediate, expert_bias};
-  int vec = E % ch == 0;
-  for (int i = 0; i < 5; ++i) vec = vec && mrt_aligned16(ptrs[i]);
+  const int vec = fwd_vec(dtype, E, ptrs, 5);
   const int hmode = qb_hmode(T, E, B, qb_histogram_mode == MOE_RT_QB_FUSED_ATOMIC);
   if ((st = qb_fwd_plan(ctx, dtype, E, K, B, vec, hmode, &p))) return st;
   const int spb = (int)p.ints[FWD_SPB];
