@@ -546,7 +546,7 @@ class Call:
                     break
             else:
                 self._light = True
-                self.xp = _LazyCupy(self)
+                self.xp = None  # CuPy on first use (see the xp property)
 
     def _torch_light(self, arrays: dict) -> bool:
         """The usual call of an op from torch, set up in one pass: every array a C-contiguous CUDA torch tensor
@@ -590,8 +590,21 @@ class Call:
         self._device = device
         self.stream_ptr = _torch_stream_ptr(device_id)
         self.views = views
-        self.xp = _LazyCupy(self)
+        self.xp = None  # CuPy on first use (see the xp property)
         return True
+
+    @property
+    def xp(self):
+        """cupy or numpy; in a light call a stand-in that makes the call's device and stream CuPy's current
+        ones at the first use of any cupy attribute. That stand-in is made at each read and never kept: kept on
+        the call it would tie the two in a reference cycle, and every array of the call (its outputs included)
+        would live on until Python's cyclic collector ran."""
+        xp = self._xp
+        return _LazyCupy(self) if xp is None else xp
+
+    @xp.setter
+    def xp(self, value):
+        self._xp = value
 
     @property
     def stream(self):
