@@ -371,7 +371,11 @@ moe_rt_status moe_rt_ep_direct_dispatch(moe_rt_ep_direct_group* g, int op_code, 
   if (o->recv_buf && o->out) return BAD("%s: outputs->recv_buf and outputs->out exclude each other", op);
   if (h->exact && !o->row_map) return BAD("%s: outputs->row_map is NULL (exact mode)", op);
   if (T > 0 && rb > 0 && (st = mrt_check_ptr(op, "x", x))) return st;
-  if (w && op_code != MOE_RT_EP_OP_DISPATCH) return BAD("%s: w must be NULL for MOE_RT_EP_OP_COMBINE_BWD", op);
+  if (o->with_w != 0 && o->with_w != 1) return BAD("%s: outputs->with_w must be 0 or 1, got %d", op, o->with_w);
+  if ((o->with_w || w) && op_code != MOE_RT_EP_OP_DISPATCH)
+    return BAD("%s: weights travel only with MOE_RT_EP_OP_DISPATCH (w NULL, outputs->with_w 0)", op);
+  if (w && !o->with_w) return BAD("%s: w is given but outputs->with_w is 0", op);
+  if (o->with_w && !w && T > 0) return BAD("%s: outputs->with_w is 1 but w is NULL (T = %lld)", op, (long long)T);
   moe_rt_ep_direct_stage s;
   if ((st = get_stage(g, op, rb, K, &s))) return st;
   const uintptr_t xp = (uintptr_t)x, outp = (uintptr_t)o->out;
@@ -409,8 +413,8 @@ moe_rt_status moe_rt_ep_direct_dispatch(moe_rt_ep_direct_group* g, int op_code, 
     if (!k.piece) return BAD("%s: outputs->out is not aligned to its dtype's size", op);
   }
   k.make_map = h->exact && o->make_row_map;
-  k.copy_w = w != NULL;
-  if (w) k.u_w = unit_of(4 * K, (uintptr_t)s.w_local, (uintptr_t)r.at[MOE_RT_EP_RECV_WK]);
+  k.copy_w = o->with_w; /* w is NULL on a rank without tokens: its peers' weights still land in recv_wk */
+  if (k.copy_w) k.u_w = unit_of(4 * K, (uintptr_t)s.w_local, (uintptr_t)r.at[MOE_RT_EP_RECV_WK]);
   k.recv = h->exact && o->recv_buf != NULL;
   if (k.recv) k.u_recv = unit_of(rb, (uintptr_t)s.rows_local, (uintptr_t)o->recv_buf);
   k.fill = o->fill;

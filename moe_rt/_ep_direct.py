@@ -452,7 +452,7 @@ class DirectTransport:
                                  w.data.ptr if w is not None else 0, kind, dt, hid, o0, o1,
                                  out_w.data.ptr if out_w is not None else 0, int(fill), int(zero),
                                  buf.data.ptr if recv and m is not None else 0, m.data.ptr if m is not None else 0,
-                                 make, 1, s.ptr)
+                                 make, 1, s.ptr, int(w is not None))
         return buf
 
     def combine(self, call, h, y, w, op, *, gw=None, zw=None, barrier=True):

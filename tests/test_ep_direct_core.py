@@ -83,9 +83,11 @@ class Group:
                  [out or 0, pp or 0, pv or 0, h.region("src_slot"), N, rb // u])]
 
     def dispatch(self, h, op, x, rb, w, outs, fp8, out_dtype=None, H=None, *, fill=True, zero=True, out_w=None,
-                 recv_buf=None, row_map=None, make_map=False, barrier=True):
+                 recv_buf=None, row_map=None, make_map=False, barrier=True, with_w=None):
         """DirectTransport._push (+ dispatch, row_map, copy_rows, _recv_buf) and forward's fill_outputs.
-        ``outs``: None (no expand) or the output addresses (one, or codes and scales)."""
+        ``outs``: None (no expand) or the output addresses (one, or codes and scales); ``with_w``: whether
+        weights travel (None: when ``w`` is given; a rank without tokens passes none but receives them)."""
+        with_w = bool(w) if with_w is None else with_w
         st = self.stage(rb, h.K)
         want = [self.barrier(op)] if barrier else []
         if rb:
@@ -112,7 +114,7 @@ class Group:
         if h.exact and make_map and h.rows:
             want.append(("ep_direct_row_map", max(1, min(cdiv(h.rows, 256), self.sm * 8)), 256,
                          [h.region("meta"), self.R, h.P, h.rows, row_map]))
-        if w and h.rows:
+        if with_w and h.rows:
             want.append(self.copy(st[2], smap, h.region("recv_wk"), h.rows, 4 * h.K))
         if recv_buf and h.exact and h.rows and rb:
             want.append(self.copy(st[0], smap, recv_buf, h.rows, rb))
@@ -171,10 +173,10 @@ def handle_of(g, exact, T, K=3, L=3, Tmax=13, P=None):
 
 
 def dispatch(g, h, op, x, rb, w, *, fp8=0, out_dtype=0, hidden=0, out=0, out_s=0, out_w=0, fill=1, zero=1,
-             recv_buf=0, row_map=0, make=0, barrier=1):
+             recv_buf=0, row_map=0, make=0, barrier=1, with_w=-1):
     g.stage(rb, h.K)
     _core.ep_direct_dispatch(g.g, OP[op], h.tup(), x, rb, w, fp8, out_dtype, hidden, out, out_s, out_w, fill, zero,
-                             recv_buf, row_map, make, barrier, 7)
+                             recv_buf, row_map, make, barrier, 7, with_w)
     return g.plan()
 
 
@@ -207,6 +209,25 @@ def test_dispatch_launches_equal_the_python_sides(dtype, H, exact, T, zero):
             # the mixed transport's direct pass: no fill (its own after the NCCL pass)
             got = dispatch(g, h, "dispatch", XP, rb, WP, out=OUT, fill=0, row_map=MAP if exact else 0)
             assert got == g.dispatch(h, "dispatch", XP, rb, WP, (OUT,), None, fill=False, row_map=MAP)
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_a_rank_without_tokens_still_receives_the_weights(exact):
+    # T = 0: the rank's w [0,K] has no address, yet its peers push weights to it: with_w = 1 copies the stage's
+    # weights into recv_wk and lays out out_w as with tokens; with_w = 0 does neither
+    g = Group(R=4, me=1)
+    h = handle_of(g, exact, 0, P=5)
+    h.rows, h.N = 6, 9  # received rows from the peers (a handle of a rank without tokens of its own)
+    h.lay = _handle.layout(h.R, h.L, h.Tmax, h.K, h.P, h.rows, h.N)[0]
+    rb = 80
+    for with_w in (1, 0):
+        got = dispatch(g, h, "dispatch", 0, rb, 0, out=OUT, out_w=OUTW if with_w else 0,
+                       row_map=MAP if exact else 0, make=1, with_w=with_w)
+        want = g.dispatch(h, "dispatch", 0, rb, 0, (OUT,), None, out_w=OUTW if with_w else None, row_map=MAP,
+                          make_map=True, with_w=bool(with_w))
+        assert got == want
+        names = [n for n, *_ in got]
+        assert (sum(n.startswith("ep_copy_rows") for n in names) == 1) == bool(with_w), names
 
 
 @pytest.mark.parametrize("H", [7168, 40, 7, 129])
@@ -310,9 +331,10 @@ def test_bad_calls_get_error_statuses_with_messages():
         x, rb, w = a.pop("x"), a.pop("rb"), a.pop("w")
         o = dict(fp8=0, out_dtype=0, hidden=0, out=0, out_s=0, out_w=0, fill=1, zero=1, recv_buf=0, row_map=0,
                  make=0, barrier=1)
+        with_w = a.pop("with_w", -1)
         o.update(a)
         with pytest.raises(ValueError, match=msg):
-            _core.ep_direct_dispatch(g.g, OP[op], handle.tup(), x, rb, w, *o.values(), 7)
+            _core.ep_direct_dispatch(g.g, OP[op], handle.tup(), x, rb, w, *o.values(), 7, with_w)
 
     bad("op must be MOE_RT_EP_OP_DISPATCH", op="combine")
     bad("no stage pair for 96-byte rows and topk=3", rb=96)
@@ -322,7 +344,11 @@ def test_bad_calls_get_error_statuses_with_messages():
     bad("outputs->zero must be 0 or 1", zero=2)
     bad("barrier must be 0 or 1", barrier=5)
     bad("recv_buf and outputs->out exclude each other", recv_buf=RBUF)
-    bad("w must be NULL for MOE_RT_EP_OP_COMBINE_BWD", op="combine_bwd")
+    bad("weights travel only with MOE_RT_EP_OP_DISPATCH", op="combine_bwd")
+    bad("weights travel only with MOE_RT_EP_OP_DISPATCH", op="combine_bwd", w=0, with_w=1)
+    bad("w is given but outputs->with_w is 0", with_w=0)
+    bad(r"outputs->with_w is 1 but w is NULL \(T = 7\)", w=0, with_w=1)
+    bad("outputs->with_w must be 0 or 1", with_w=2)
     bad("outputs->out_dtype: expected float32", fp8=2, out_dtype=3, hidden=40)
     bad("packed rows of a multiple of 16 bytes", fp8=1, out_s=OUTS, hidden=0)
     for tup_i, v, msg in ((1, 3, "handle->desc.num_ranks must be the group's 2, got 3"),

@@ -605,6 +605,8 @@ typedef struct moe_rt_ep_direct_outputs {
   void* recv_buf;     /* exact mode without out: the received rows [rows, row_bytes] packed from the stage */
   int32_t* row_map;   /* exact mode: int32 [max(rows,1)] the handle's stage-row map */
   int32_t make_row_map; /* 1: compute row_map first (its first use for this handle) */
+  int32_t with_w;     /* 1: weights travel: w's rows (NULL only when T = 0) and the peers' into recv_wk; 0: w is NULL.
+                       * Every rank of an op passes the same (a rank without tokens still receives weights). */
 } moe_rt_ep_direct_outputs;
 
 moe_rt_status moe_rt_ep_direct_group_create(moe_rt_context* ctx, const moe_rt_ep_direct_group_desc* desc,
@@ -614,8 +616,8 @@ void moe_rt_ep_direct_group_destroy(moe_rt_ep_direct_group* g);
 moe_rt_status moe_rt_ep_direct_add_stage(moe_rt_ep_direct_group* g, const moe_rt_ep_direct_stage* stage);
 /* ep_direct_barrier among the node's ranks; op: what a timeout records. */
 moe_rt_status moe_rt_ep_direct_barrier(moe_rt_ep_direct_group* g, int op, moe_rt_stream stream);
-/* The dispatch direction: [barrier], ep_direct_dispatch of x [T, row_bytes] (weights w [T,K] fp32 or NULL into
- * recv_wk), then the row map, the weights' copy and the fill or the packed copy, as `o` asks. */
+/* The dispatch direction: [barrier], ep_direct_dispatch of x [T, row_bytes] (weights w [T,K] fp32 into recv_wk
+ * with outputs->with_w), then the row map, the weights' copy and the fill or the packed copy, as `o` asks. */
 moe_rt_status moe_rt_ep_direct_dispatch(moe_rt_ep_direct_group* g, int op, const moe_rt_ep_direct_handle* h,
                                         const void* x, int64_t row_bytes, const float* w,
                                         const moe_rt_ep_direct_outputs* o, int barrier, moe_rt_stream stream);
