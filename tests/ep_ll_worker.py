@@ -424,7 +424,27 @@ def jax_ops(cp, comm):
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import jax
 
-    jax.config.update("jax_cuda_visible_devices", str(int(cp.cuda.Device().id)))
+    # one GPU per process, as a JAX job runs (moe_rt.demo_ep does the same): a coordinator on a free port that
+    # rank 0 picks and passes to the others in a file beside the launch's NCCL id file
+    port_file = os.environ["MOE_RT_UID_FILE"] + ".jax_port"
+    if RANK == 0:
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        with open(port_file + ".tmp", "w") as f:
+            f.write(str(port))
+        os.replace(port_file + ".tmp", port_file)
+    else:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(port_file):
+            assert time.monotonic() < deadline, "rank 0 wrote no JAX coordinator port"
+            time.sleep(0.05)
+        with open(port_file) as f:
+            port = int(f.read())
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=WORLD, process_id=RANK,
+                               local_device_ids=[int(cp.cuda.Device().id)])
     import jax.numpy as jnp
 
     import moe_rt.jax as mj
