@@ -74,7 +74,7 @@ extensions = [
     Extension("moe_rt._comm", ["moe_rt/_comm.pyx"], libraries=["dl"]),
     Extension("moe_rt._handle", ["moe_rt/_handle.pyx"]),
     Extension("moe_rt._launch", ["moe_rt/_launch.pyx"], libraries=["dl"]),
-    Extension("moe_rt._replay", ["moe_rt/_replay.pyx"]),
+    Extension("moe_rt._core", ["moe_rt/_core.pyx"], include_dirs=["include"], libraries=["dl"]),
 ]
 
 setup(

@@ -105,6 +105,10 @@ typedef struct mrt_loaded {
   int regs;
   int max_threads; /* CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK */
   int smem_optin;  /* dynamic shared memory the function was opted in to */
+  /* a stand-in (moe_rt_context_load_stand_in): the kernel it stands in for ("" for a kernel loaded as
+   * itself), and whether it was retired (moe_rt_context_end_stand_ins) */
+  char stands_in_for[MOE_RT_KERNEL_NAME_MAX];
+  int retired;
 } mrt_loaded;
 
 #define MRT_KEY_MAX 160
@@ -137,6 +141,8 @@ struct moe_rt_context {
   mrt_cached* cache;
   int cache_count;
   mrt_plan last; /* planning contexts: the last op's plan */
+  int last_nargs[MRT_MAX_LAUNCHES]; /* and its launches' arguments, where the op recorded them */
+  int64_t last_args[MRT_MAX_LAUNCHES][MRT_MAX_ARGS];
   pthread_mutex_t lock;
 };
 
@@ -153,6 +159,10 @@ moe_rt_status mrt_check_ctx(const moe_rt_context* ctx, const char* op) {
 moe_rt_status mrt_check_ptr(const char* op, const char* name, const void* p) {
   if (p == NULL) return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: %s is NULL", op, name);
   return MOE_RT_SUCCESS;
+}
+
+moe_rt_status mrt_check_data(const char* op, const char* name, const void* p, int64_t n) {
+  return n > 0 ? mrt_check_ptr(op, name, p) : MOE_RT_SUCCESS;
 }
 
 static moe_rt_status load_driver(mrt_driver* d) {
@@ -197,8 +207,12 @@ static moe_rt_status load_driver(mrt_driver* d) {
   SYM(cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2");
   SYM(cuMemcpyDtoDAsync, "cuMemcpyDtoDAsync_v2");
   SYM(cuStreamSynchronize, "cuStreamSynchronize");
+  SYM(cuStreamIsCapturing, "cuStreamIsCapturing");
   SYM(cuGetErrorString, "cuGetErrorString");
 #undef SYM
+  /* needed by the fused EP kernels' grids alone (mrt_resident_blocks says so when it is missing) */
+  *(void**)(&d->cuOccupancyMaxActiveBlocksPerMultiprocessor) =
+      dlsym(d->lib, "cuOccupancyMaxActiveBlocksPerMultiprocessor");
   return MOE_RT_SUCCESS;
 }
 
@@ -671,10 +685,88 @@ moe_rt_status moe_rt_last_plan(const moe_rt_context* ctx, moe_rt_plan_info* info
   return MOE_RT_SUCCESS;
 }
 
+/* Planning contexts: lock ctx with `launch` a launch of its last plan (MOE_RT_SUCCESS; the caller unlocks), or
+ * fail unlocked. */
+static moe_rt_status lock_last_launch(const moe_rt_context* ctx, const char* op, int launch) {
+  if (!ctx->planning)
+    return mrt_fail(MOE_RT_ERROR_NOT_SUPPORTED, "%s: ctx is a device context; plans are recorded by planning "
+                    "contexts (moe_rt_context_create_planning)", op);
+  pthread_mutex_lock((pthread_mutex_t*)&ctx->lock);
+  if (launch < 0 || launch >= ctx->last.num_launches) {
+    pthread_mutex_unlock((pthread_mutex_t*)&ctx->lock);
+    return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: launch must be in [0, %d), got %d", op,
+                    ctx->last.num_launches, launch);
+  }
+  return MOE_RT_SUCCESS;
+}
+
+moe_rt_status moe_rt_last_plan_stand_in(const moe_rt_context* ctx, int launch, char* name, size_t size) {
+  static const char op[] = "moe_rt_last_plan_stand_in";
+  moe_rt_status st = mrt_check_ctx(ctx, op);
+  if (st || (st = mrt_check_ptr(op, "name", name))) return st;
+  if (size < MOE_RT_KERNEL_NAME_MAX)
+    return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: size must be >= %d, got %zu", op, MOE_RT_KERNEL_NAME_MAX,
+                    size);
+  if ((st = lock_last_launch(ctx, op, launch))) return st;
+  snprintf(name, size, "%s", ctx->last.launch[launch].stand_in);
+  pthread_mutex_unlock((pthread_mutex_t*)&ctx->lock);
+  return MOE_RT_SUCCESS;
+}
+
 void mrt_record(moe_rt_context* ctx, const mrt_plan* plan) {
   pthread_mutex_lock(&ctx->lock);
   ctx->last = *plan;
+  memset(ctx->last_nargs, 0, sizeof ctx->last_nargs);
   pthread_mutex_unlock(&ctx->lock);
+}
+
+void mrt_record_args(moe_rt_context* ctx, int launch, const mrt_args* a) {
+  if (launch < 0 || launch >= MRT_MAX_LAUNCHES) return;
+  pthread_mutex_lock(&ctx->lock);
+  for (int i = 0; i < a->n; ++i) {
+    int64_t v;
+    switch (a->type[i]) {
+      case 'i': v = a->val[i].i32; break;
+      case 'u': v = a->val[i].u32; break;
+      case 'f': { uint32_t bits; memcpy(&bits, &a->val[i].f32, 4); v = bits; break; }
+      case 'p': v = (int64_t)a->val[i].p; break;
+      default: v = a->val[i].i64;
+    }
+    ctx->last_args[launch][i] = v;
+  }
+  ctx->last_nargs[launch] = a->n;
+  pthread_mutex_unlock(&ctx->lock);
+}
+
+moe_rt_status moe_rt_last_plan_args(const moe_rt_context* ctx, int launch, int64_t* args, int capacity, int* count) {
+  static const char op[] = "moe_rt_last_plan_args";
+  moe_rt_status st = mrt_check_ctx(ctx, op);
+  if (st || (st = mrt_check_ptr(op, "count", count)) || (st = lock_last_launch(ctx, op, launch))) return st;
+  const int n = ctx->last_nargs[launch];
+  *count = n;
+  if (n > capacity || (n > 0 && args == NULL)) {
+    pthread_mutex_unlock((pthread_mutex_t*)&ctx->lock);
+    return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: the launch has %d arguments; args holds %d", op, n, capacity);
+  }
+  if (n) memcpy(args, ctx->last_args[launch], sizeof(int64_t) * (size_t)n);
+  pthread_mutex_unlock((pthread_mutex_t*)&ctx->lock);
+  return MOE_RT_SUCCESS;
+}
+
+moe_rt_status mrt_resident_blocks(moe_rt_context* ctx, const mrt_launch* l, int threads, int regs, int64_t* blocks) {
+  if (ctx->planning) {
+    *blocks = mrt_resident_grid(&ctx->dev, INT64_MAX, threads, 0, regs);
+    return MOE_RT_SUCCESS;
+  }
+  moe_rt_status st = bind(ctx);
+  if (st) return st;
+  int per_sm = 0;
+  if (!ctx->drv.cuOccupancyMaxActiveBlocksPerMultiprocessor)
+    return mrt_fail(MOE_RT_ERROR_NO_DRIVER, "the CUDA driver lacks cuOccupancyMaxActiveBlocksPerMultiprocessor");
+  CUresult r = ctx->drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, l->fn, threads, 0);
+  if (r) return mrt_cuda_fail(&ctx->drv, r, "cuOccupancyMaxActiveBlocksPerMultiprocessor");
+  *blocks = (int64_t)mrt_max(1, per_sm) * ctx->dev.sm_count;
+  return MOE_RT_SUCCESS;
 }
 
 /* ---- kernels --------------------------------------------------------------------------------------- */
@@ -717,13 +809,27 @@ static moe_rt_status reload_manifest(moe_rt_context* ctx) {
   return MOE_RT_SUCCESS;
 }
 
-/* Load (once) kernel `name` of `file`; the caller holds ctx->lock. */
-static moe_rt_status load_kernel(moe_rt_context* ctx, const char* file, const char* name, mrt_loaded** out) {
-  for (int i = 0; i < ctx->num_loaded; ++i)
-    if (!strcmp(ctx->loaded[i].name, name) && !strcmp(ctx->loaded[i].file, file)) {
-      *out = &ctx->loaded[i];
-      return MOE_RT_SUCCESS;
-    }
+/* The loaded kernel `name` of `file`: loaded as itself (for = ""), or as a stand-in for kernel `for` and not
+ * retired; NULL when there is none. The caller holds ctx->lock. */
+static mrt_loaded* find_loaded(moe_rt_context* ctx, const char* file, const char* name, const char* for_) {
+  for (int i = 0; i < ctx->num_loaded; ++i) {
+    mrt_loaded* k = &ctx->loaded[i];
+    if (!strcmp(k->name, name) && !strcmp(k->file, file) && !strcmp(k->stands_in_for, for_) && !k->retired)
+      return k;
+  }
+  return NULL;
+}
+
+/* Load (once) kernel `name` of `file`, as itself (for_ = "") or as a stand-in for kernel `for_`; the caller
+ * holds ctx->lock. The entry is added to the table only once its function and registers are known (a planner
+ * on another thread never sees a half-loaded kernel). */
+static moe_rt_status load_kernel_for(moe_rt_context* ctx, const char* file, const char* name, const char* for_,
+                                     mrt_loaded** out) {
+  mrt_loaded* have = find_loaded(ctx, file, name, for_);
+  if (have) {
+    *out = have;
+    return MOE_RT_SUCCESS;
+  }
   const mrt_entry* e = find_entry(ctx, file, name);
   if (!e) {
     /* the folder may have gained kernels since the manifest was read (moe_rt.jax adds the kernels an op
@@ -767,17 +873,23 @@ static moe_rt_status load_kernel(moe_rt_context* ctx, const char* file, const ch
     ctx->loaded = q;
     ctx->cap_loaded = cap;
   }
-  mrt_loaded* l = &ctx->loaded[ctx->num_loaded++];
+  mrt_loaded* l = &ctx->loaded[ctx->num_loaded];
   memset(l, 0, sizeof *l);
   snprintf(l->file, sizeof l->file, "%s", file);
   snprintf(l->name, sizeof l->name, "%s", name);
+  snprintf(l->stands_in_for, sizeof l->stands_in_for, "%s", for_);
   l->mod = mod;
   l->fn = fn;
   l->regs = regs;
   l->max_threads = max_threads;
   l->smem_optin = 48 * 1024;
+  ctx->num_loaded++;
   *out = l;
   return MOE_RT_SUCCESS;
+}
+
+static moe_rt_status load_kernel(moe_rt_context* ctx, const char* file, const char* name, mrt_loaded** out) {
+  return load_kernel_for(ctx, file, name, "", out);
 }
 
 moe_rt_status mrt_kernel_threads(moe_rt_context* ctx, mrt_launch* l, const char* file, int* regs, int* max_threads) {
@@ -805,14 +917,90 @@ moe_rt_status mrt_kernel(moe_rt_context* ctx, mrt_launch* l, const char* file, i
   return mrt_kernel_threads(ctx, l, file, regs, &max_threads);
 }
 
+moe_rt_status mrt_kernel_or_stand_in(moe_rt_context* ctx, mrt_launch* l, const char* file, const char* stand_in,
+                                     int* regs, int* standing) {
+  *standing = 0;
+  if (ctx->planning) {
+    snprintf(l->stand_in, sizeof l->stand_in, "%s", stand_in ? stand_in : "");
+    return mrt_kernel(ctx, l, file, regs);
+  }
+  l->file = file;
+  l->stand_in[0] = 0;
+  pthread_mutex_lock(&ctx->lock);
+  mrt_loaded* k = find_loaded(ctx, file, l->name, "");
+  if (!k && stand_in && *stand_in && (k = find_loaded(ctx, file, stand_in, l->name))) *standing = 1;
+  moe_rt_status st = k ? MOE_RT_SUCCESS : load_kernel(ctx, file, l->name, &k);
+  if (!st) {
+    l->fn = k->fn;
+    *regs = k->regs;
+    if (*standing) snprintf(l->name, sizeof l->name, "%s", stand_in);
+  }
+  pthread_mutex_unlock(&ctx->lock);
+  return st;
+}
+
+static moe_rt_status check_kernel_names(const char* op, const char* file, const char* name, const char* name2) {
+  moe_rt_status st;
+  if ((st = mrt_check_ptr(op, "file", file)) || (st = mrt_check_ptr(op, "name", name))) return st;
+  if (strlen(file) >= sizeof(((mrt_loaded*)0)->file) || strlen(name) >= MOE_RT_KERNEL_NAME_MAX ||
+      (name2 && strlen(name2) >= MOE_RT_KERNEL_NAME_MAX))
+    return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: file or name too long (at most %d characters)", op,
+                    MOE_RT_KERNEL_NAME_MAX - 1);
+  return MOE_RT_SUCCESS;
+}
+
+moe_rt_status moe_rt_context_load_stand_in(moe_rt_context* ctx, const char* file, const char* name,
+                                           const char* stand_in) {
+  static const char op[] = "moe_rt_context_load_stand_in";
+  moe_rt_status st;
+  if ((st = mrt_check_ctx(ctx, op)) || (st = mrt_check_ptr(op, "stand_in", stand_in)) ||
+      (st = check_kernel_names(op, file, name, stand_in)))
+    return st;
+  if (!*stand_in || !strcmp(stand_in, name))
+    return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: stand_in must name another kernel than name (%s)", op,
+                    name);
+  if (ctx->planning) return MOE_RT_SUCCESS;
+  pthread_mutex_lock(&ctx->lock);
+  mrt_loaded* k = NULL;
+  st = load_kernel_for(ctx, file, stand_in, name, &k);
+  pthread_mutex_unlock(&ctx->lock);
+  return st;
+}
+
+moe_rt_status moe_rt_context_end_stand_ins(moe_rt_context* ctx, const char* file, const char* name, int load,
+                                           moe_rt_stream stream) {
+  static const char op[] = "moe_rt_context_end_stand_ins";
+  moe_rt_status st;
+  if ((st = mrt_check_ctx(ctx, op)) || (st = check_kernel_names(op, file, name, NULL))) return st;
+  if (ctx->planning) return MOE_RT_SUCCESS;
+  if (load) {
+    /* loading a module while the stream is captured could break the capture: the caller tries again later */
+    int capturing = 0;
+    if ((st = bind(ctx))) return st;
+    CUresult r = ctx->drv.cuStreamIsCapturing((CUstream)stream, &capturing);
+    /* 900-908: the CUDA_ERROR_STREAM_CAPTURE_* errors (e.g. the legacy stream queried while another stream
+     * captures in global mode): a capture is under way */
+    if (r >= 900 && r <= 908) capturing = 1;
+    else if (r) return mrt_cuda_fail(&ctx->drv, r, "cuStreamIsCapturing");
+    if (capturing)
+      return mrt_fail(MOE_RT_ERROR_NOT_SUPPORTED, "%s: the stream is being captured into a CUDA graph; %s is "
+                      "loaded after the capture", op, name);
+  }
+  pthread_mutex_lock(&ctx->lock);
+  mrt_loaded* k = NULL;
+  if (load) st = load_kernel(ctx, file, name, &k);
+  if (!st)
+    for (int i = 0; i < ctx->num_loaded; ++i)
+      if (!strcmp(ctx->loaded[i].stands_in_for, name) && !strcmp(ctx->loaded[i].file, file))
+        ctx->loaded[i].retired = 1;
+  pthread_mutex_unlock(&ctx->lock);
+  return st;
+}
+
 moe_rt_status moe_rt_context_load_kernel(moe_rt_context* ctx, const char* file, const char* name) {
   static const char op[] = "moe_rt_context_load_kernel";
   moe_rt_status st;
-  if ((st = mrt_check_ctx(ctx, op)) || (st = mrt_check_ptr(op, "file", file)) || (st = mrt_check_ptr(op, "name", name)))
-    return st;
-  if (strlen(file) >= sizeof(((mrt_loaded*)0)->file) || strlen(name) >= MOE_RT_KERNEL_NAME_MAX)
-    return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: file or name too long (at most %d characters)", op,
-                    MOE_RT_KERNEL_NAME_MAX - 1);
+  if ((st = mrt_check_ctx(ctx, op)) || (st = check_kernel_names(op, file, name, NULL))) return st;
   if (ctx->planning) return MOE_RT_SUCCESS;
   pthread_mutex_lock(&ctx->lock);
   mrt_loaded* k = NULL;
@@ -840,15 +1028,14 @@ static moe_rt_status opt_in_smem(moe_rt_context* ctx, const mrt_launch* l) {
   return st;
 }
 
-void mrt_arg_i32(mrt_args* a, int32_t v) { a->val[a->n].i32 = v; a->ptr[a->n] = &a->val[a->n]; a->n++; }
-void mrt_arg_u32(mrt_args* a, uint32_t v) { a->val[a->n].u32 = v; a->ptr[a->n] = &a->val[a->n]; a->n++; }
-void mrt_arg_i64(mrt_args* a, int64_t v) { a->val[a->n].i64 = v; a->ptr[a->n] = &a->val[a->n]; a->n++; }
-void mrt_arg_f32(mrt_args* a, float v) { a->val[a->n].f32 = v; a->ptr[a->n] = &a->val[a->n]; a->n++; }
-void mrt_arg_ptr(mrt_args* a, const void* v) {
-  a->val[a->n].p = (unsigned long long)(uintptr_t)v;
-  a->ptr[a->n] = &a->val[a->n];
-  a->n++;
-}
+#define ARG(a, field, t, v) \
+  do { (a)->val[(a)->n].field = (v); (a)->type[(a)->n] = (t); (a)->ptr[(a)->n] = &(a)->val[(a)->n]; (a)->n++; } while (0)
+void mrt_arg_i32(mrt_args* a, int32_t v) { ARG(a, i32, 'i', v); }
+void mrt_arg_u32(mrt_args* a, uint32_t v) { ARG(a, u32, 'u', v); }
+void mrt_arg_i64(mrt_args* a, int64_t v) { ARG(a, i64, 'l', v); }
+void mrt_arg_f32(mrt_args* a, float v) { ARG(a, f32, 'f', v); }
+void mrt_arg_ptr(mrt_args* a, const void* v) { ARG(a, p, 'p', (unsigned long long)(uintptr_t)v); }
+#undef ARG
 
 moe_rt_status mrt_launch_one(moe_rt_context* ctx, const mrt_launch* l, mrt_args* args, moe_rt_stream stream) {
   if (ctx->planning || l->grid <= 0) return MOE_RT_SUCCESS;
@@ -928,7 +1115,8 @@ moe_rt_status moe_rt_check(moe_rt_context* ctx, moe_rt_stream stream) {
   if ((st = mrt_launch_one(ctx, &clear, &args, stream))) return st;
   if ((r = ctx->drv.cuStreamSynchronize((CUstream)stream))) return mrt_cuda_fail(&ctx->drv, r, "cuStreamSynchronize");
   long long value = (long long)((unsigned long long)host[2] | ((unsigned long long)host[3] << 32));
-  const char* arg = host[7] == 2u ? "topk_idx" : "routing";
+  /* the argument the Python side's message names, by the op family that met the id (MOE_RT_ERR_* bits) */
+  const char* arg = host[7] == 4u ? "topk_indices" : (host[7] == 2u || host[7] == 8u) ? "topk_idx" : "routing";
   return mrt_fail(MOE_RT_ERROR_BAD_EXPERT_ID, "%s: expert ids must be in [-1, num_experts=%d), got %lld", arg,
                   (int)host[6], value);
 }
@@ -1064,4 +1252,63 @@ int64_t mrt_resident_grid(const moe_rt_device_info* dev, int64_t n_needed, int t
   int64_t per_sm = mrt_max(1, mrt_min(mrt_min(2048 / threads, 32), smem_sm / (smem + 1024)));
   if (regs) per_sm = mrt_max(1, mrt_min(per_sm, 65536 / ((int64_t)threads * (mrt_cdiv(regs, 8) * 8))));
   return mrt_max(1, mrt_min(n_needed, (int64_t)dev->sm_count * per_sm));
+}
+
+/* ---- what the EP groups share (csrc/ep_ll.c, csrc/ep_direct.c) ---------------------------------------- */
+
+moe_rt_status mrt_run_plan(moe_rt_context* ctx, const mrt_plan* p, mrt_args* args, moe_rt_stream stream) {
+  if (mrt_is_planning(ctx)) {
+    mrt_record(ctx, p);
+    for (int i = 0; i < p->num_launches; ++i) mrt_record_args(ctx, i, &args[i]);
+    return MOE_RT_SUCCESS;
+  }
+  for (int i = 0; i < p->num_launches; ++i) {
+    moe_rt_status st = mrt_launch_one(ctx, &p->launch[i], &args[i], stream);
+    if (st) return st;
+  }
+  return MOE_RT_SUCCESS;
+}
+
+void mrt_barrier_args(mrt_args* a, const void* peer_barrier, int32_t R, int32_t rank, const void* state,
+                      int64_t timeout_ns, const void* timeout_word, int32_t op, int32_t lo, int32_t hi) {
+  mrt_arg_ptr(a, peer_barrier);
+  mrt_arg_i32(a, R);
+  mrt_arg_i32(a, rank);
+  mrt_arg_ptr(a, state);
+  mrt_arg_i64(a, timeout_ns);
+  mrt_arg_ptr(a, timeout_word);
+  mrt_arg_i32(a, op);
+  mrt_arg_i32(a, lo);
+  mrt_arg_i32(a, hi);
+}
+
+void mrt_group_plans_init(mrt_group_plans* c) {
+  pthread_mutex_init(&c->lock, NULL);
+  c->num = 0;
+}
+
+void mrt_group_plans_destroy(mrt_group_plans* c) { pthread_mutex_destroy(&c->lock); }
+
+int mrt_group_plan_get(mrt_group_plans* c, const void* key, size_t key_bytes, mrt_plan* plan) {
+  int found = 0;
+  pthread_mutex_lock(&c->lock);
+  for (int i = 0; i < c->num; ++i)
+    if (c->entry[i].key_bytes == key_bytes && !memcmp(c->entry[i].key, key, key_bytes)) {
+      *plan = c->entry[i].plan;
+      found = 1;
+      break;
+    }
+  pthread_mutex_unlock(&c->lock);
+  return found;
+}
+
+void mrt_group_plan_put(mrt_group_plans* c, const void* key, size_t key_bytes, const mrt_plan* plan) {
+  if (key_bytes > MRT_GROUP_KEY_BYTES) return; /* not kept: planned again next time */
+  pthread_mutex_lock(&c->lock);
+  if (c->num == MRT_GROUP_PLANS) c->num = 0;
+  c->entry[c->num].key_bytes = key_bytes;
+  memcpy(c->entry[c->num].key, key, key_bytes);
+  c->entry[c->num].plan = *plan;
+  c->num++;
+  pthread_mutex_unlock(&c->lock);
 }

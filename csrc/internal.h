@@ -55,7 +55,9 @@ typedef struct mrt_driver {
   CUresult (*cuMemcpyDtoHAsync)(void*, CUdeviceptr, size_t, CUstream);
   CUresult (*cuMemcpyDtoDAsync)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
   CUresult (*cuStreamSynchronize)(CUstream);
+  CUresult (*cuStreamIsCapturing)(CUstream, int*); /* *status: 0 none, 1 active, 2 invalidated */
   CUresult (*cuGetErrorString)(CUresult, const char**);
+  CUresult (*cuOccupancyMaxActiveBlocksPerMultiprocessor)(int*, CUfunction, int, size_t);
 } mrt_driver;
 
 /* ---- the last error (thread-local) ---------------------------------------------------------------- */
@@ -79,9 +81,12 @@ typedef struct mrt_launch {
   int64_t scalars[2]; /* moe_rt_launch_info.scalars */
   int32_t kind;       /* which launch of its op it is (an op's executor builds the arguments by kind) */
   int64_t arg[2];     /* sizes the planner worked out for the arguments */
+  /* planning contexts: the kernel that may stand in for `name` in this call while `name` compiles ("" when
+   * none; moe_rt_context_load_stand_in) */
+  char stand_in[MOE_RT_KERNEL_NAME_MAX];
 } mrt_launch;
 
-#define MRT_MAX_LAUNCHES 4
+#define MRT_MAX_LAUNCHES 8
 
 typedef struct mrt_plan {
   int num_launches;
@@ -96,6 +101,13 @@ moe_rt_status mrt_kernel(moe_rt_context* ctx, mrt_launch* l, const char* file, i
 /* As mrt_kernel, with the kernel's most threads a block (CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK; 0 in a
  * planning context, where the caller works it out from the kernel's launch bounds). */
 moe_rt_status mrt_kernel_threads(moe_rt_context* ctx, mrt_launch* l, const char* file, int* regs, int* max_threads);
+/* mrt_kernel for a launch that `stand_in` may stand in for (a kernel computing the same bits for this call):
+ * a device context takes l->name when it is loaded, else the stand-in loaded for it by
+ * moe_rt_context_load_stand_in (then *standing = 1 and l->name becomes the stand-in's name: the plan is the
+ * stand-in's and is not to be cached), else l->name from the kernel cache. A planning context records
+ * `stand_in` in l->stand_in. */
+moe_rt_status mrt_kernel_or_stand_in(moe_rt_context* ctx, mrt_launch* l, const char* file, const char* stand_in,
+                                     int* regs, int* standing);
 const moe_rt_device_info* mrt_device(const moe_rt_context* ctx);
 
 /* The plan cache: a plan by its signature (key bytes), NULL when absent; mrt_plan_put stores a copy. */
@@ -106,16 +118,19 @@ int mrt_plan_lookup(moe_rt_context* ctx, const void* key, size_t key_bytes, mrt_
 
 /* Execute: launch each of plan's launches with grid > 0, with its argument list; or, in a planning
  * context, record the plan as the context's last one. */
+#define MRT_MAX_ARGS 40
+
 typedef struct mrt_args {
   int n;
-  void* ptr[24];
+  void* ptr[MRT_MAX_ARGS];
   union {
     int32_t i32;
     uint32_t u32;
     int64_t i64;
     float f32;
     unsigned long long p;
-  } val[24];
+  } val[MRT_MAX_ARGS];
+  char type[MRT_MAX_ARGS]; /* 'i' int32, 'u' uint32, 'l' int64, 'f' float32, 'p' pointer */
 } mrt_args;
 void mrt_arg_i32(mrt_args* a, int32_t v);
 void mrt_arg_u32(mrt_args* a, uint32_t v);
@@ -125,15 +140,50 @@ void mrt_arg_ptr(mrt_args* a, const void* v);
 
 int mrt_is_planning(const moe_rt_context* ctx);
 void mrt_record(moe_rt_context* ctx, const mrt_plan* plan);
+/* Planning contexts: record the arguments of launch `launch` of the plan just recorded (moe_rt_last_plan_args;
+ * mrt_record forgets the previous op's). */
+void mrt_record_args(moe_rt_context* ctx, int launch, const mrt_args* args);
 moe_rt_status mrt_launch_one(moe_rt_context* ctx, const mrt_launch* l, mrt_args* args, moe_rt_stream stream);
 /* Zero nbytes at p on stream (a no-op in a planning context). */
 moe_rt_status mrt_memset0(moe_rt_context* ctx, void* p, size_t nbytes, moe_rt_stream stream);
+/* Blocks of the launch's kernel with `threads` threads and no dynamic shared memory resident on the whole device
+ * at once (cuOccupancyMaxActiveBlocksPerMultiprocessor, at least 1, times the SMs); a planning context models
+ * it from its device facts and the registers given (mrt_resident_grid). */
+moe_rt_status mrt_resident_blocks(moe_rt_context* ctx, const mrt_launch* l, int threads, int regs, int64_t* blocks);
 /* The device's error word of this context (0 in a planning context). */
 moe_rt_status mrt_error_word(moe_rt_context* ctx, unsigned long long* ptr);
+
+/* Launch the plan's launches in order with their arguments on stream; a planning context records the plan and
+ * every launch's arguments instead (the EP groups' executors). */
+moe_rt_status mrt_run_plan(moe_rt_context* ctx, const mrt_plan* plan, mrt_args* args, moe_rt_stream stream);
+/* ep_direct_barrier's arguments: the peer table of the barrier slots, R, rank, the barrier state, the timeout,
+ * the timeout word, the op and the node's ranks [lo, hi). */
+void mrt_barrier_args(mrt_args* a, const void* peer_barrier, int32_t R, int32_t rank, const void* state,
+                      int64_t timeout_ns, const void* timeout_word, int32_t op, int32_t lo, int32_t hi);
+
+/* An EP group's plans by signature (key bytes, at most MRT_GROUP_KEY_BYTES), MRT_GROUP_PLANS of them (emptied
+ * when full); thread-safe. */
+#define MRT_GROUP_PLANS 64
+#define MRT_GROUP_KEY_BYTES 256
+typedef struct mrt_group_plans {
+  pthread_mutex_t lock;
+  int num;
+  struct {
+    size_t key_bytes;
+    unsigned char key[MRT_GROUP_KEY_BYTES];
+    mrt_plan plan;
+  } entry[MRT_GROUP_PLANS];
+} mrt_group_plans;
+void mrt_group_plans_init(mrt_group_plans* c);
+void mrt_group_plans_destroy(mrt_group_plans* c);
+/* *plan = the plan of this key (returns 1), or 0 when absent. */
+int mrt_group_plan_get(mrt_group_plans* c, const void* key, size_t key_bytes, mrt_plan* plan);
+void mrt_group_plan_put(mrt_group_plans* c, const void* key, size_t key_bytes, const mrt_plan* plan);
 
 /* ---- validation helpers --------------------------------------------------------------------------- */
 moe_rt_status mrt_check_ctx(const moe_rt_context* ctx, const char* op);
 moe_rt_status mrt_check_ptr(const char* op, const char* name, const void* p); /* "op: name is NULL" */
+moe_rt_status mrt_check_data(const char* op, const char* name, const void* p, int64_t n); /* NULL allowed when n == 0 */
 int mrt_dtype_size(int dtype);
 int mrt_is_float_dtype(int dtype); /* float32, float16, bfloat16 */
 const char* mrt_ctype(int dtype);   /* the kernels' C++ type of a float dtype */

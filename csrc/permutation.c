@@ -674,3 +674,55 @@ moe_rt_status moe_rt_sort_chunks(moe_rt_context* ctx, const void* x, int64_t N, 
   mrt_arg_ptr(&b, probs_out);
   return mrt_launch_one(ctx, &p.launch[1], &b, stream);
 }
+
+/* ---- copy_kept_rows (the JAX low-latency adapter's receive rows) ----------------------------------------- */
+
+typedef struct kept_key {
+  int32_t op, unit, pad0, pad1;
+} kept_key;
+
+moe_rt_status moe_rt_copy_kept_rows(moe_rt_context* ctx, const void* src, void* out, const int32_t* keep, int64_t N,
+                                    int64_t row_bytes, int zero_rest, moe_rt_stream stream) {
+  static const char op[] = "moe_rt_copy_kept_rows";
+  moe_rt_status st;
+  if ((st = mrt_check_ctx(ctx, op))) return st;
+  if (N < 0)
+    return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: num_rows must be >= 0, got %lld", op, (long long)N);
+  if (row_bytes < 0)
+    return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: row_bytes must be >= 0, got %lld", op, (long long)row_bytes);
+  if (zero_rest != 0 && zero_rest != 1)
+    return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: zero_rest must be 0 or 1, got %d", op, zero_rest);
+  mrt_plan p;
+  memset(&p, 0, sizeof p);
+  if (N == 0 || row_bytes == 0) {
+    if (mrt_is_planning(ctx)) mrt_record(ctx, &p);
+    return MOE_RT_SUCCESS;
+  }
+  if ((st = mrt_check_ptr(op, "src", src)) || (st = mrt_check_ptr(op, "out", out)) ||
+      (st = mrt_check_ptr(op, "keep", keep)))
+    return st;
+  const int u = unit_of(row_bytes, src, out);
+  kept_key key = {10, u, 0, 0};
+  if (!mrt_plan_lookup(ctx, &key, sizeof key, &p)) {
+    p.num_launches = 1;
+    snprintf(p.launch[0].name, sizeof p.launch[0].name, "copy_kept_rows<%s>", unit_type(u));
+    int regs = 0;
+    if ((st = mrt_kernel(ctx, &p.launch[0], FILE_PERM, &regs))) return st;
+    p.launch[0].block = 256;
+    mrt_plan_put(ctx, &key, sizeof key, &p);
+  }
+  p.launch[0].grid = row_grid(ctx, N);
+  mrt_args a = {0};
+  mrt_arg_ptr(&a, src);
+  mrt_arg_ptr(&a, out);
+  mrt_arg_ptr(&a, keep);
+  mrt_arg_i64(&a, N);
+  mrt_arg_i64(&a, row_bytes / u);
+  mrt_arg_i32(&a, zero_rest);
+  if (mrt_is_planning(ctx)) {
+    mrt_record(ctx, &p);
+    mrt_record_args(ctx, 0, &a);
+    return MOE_RT_SUCCESS;
+  }
+  return mrt_launch_one(ctx, &p.launch[0], &a, stream);
+}

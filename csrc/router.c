@@ -129,13 +129,68 @@ static void fwd_shape(moe_rt_context* ctx, mrt_plan* p, int threads, int smem, i
   p->ints[FWD_RESIDENT] = mrt_resident_grid(mrt_device(ctx), (int64_t)1 << 30, threads, smem, regs);
 }
 
+/* The score case of the router kernels' with_score_fn (kernels/router.cu): 0 softmax; 1, 2, 3 sigmoid with
+ * aux, bias, plain; 4, 5, 6 the same for sqrtsoftplus. */
+static int score_case(int score_fn, int aux, int bias) {
+  if (score_fn == MOE_RT_SCORE_SOFTMAX) return 0;
+  return (score_fn == MOE_RT_SCORE_SIGMOID ? 1 : 4) + (aux ? 0 : bias ? 1 : 2);
+}
+
+/* The forward's stand-in (mrt_kernel_or_stand_in) for score case `scase`: the same template compiled for that
+ * case alone (SFO), which computes the bits of the kernel fwd_plan names for such a call and compiles in a
+ * fraction of its time; "" when there is none. *row = 1: the stand-in is the one-warp row kernel, launched with
+ * its own configuration (with groups and 16 or 32 keys a lane: router_fwd_reg computes router_fwd<T, 32>'s
+ * bits). With groups and K <= 8 the row kernel compiled without the paths of K > 8 (SMALLK: about two thirds
+ * of the compile time). None for the bit-packed map, for bf16 at 8 keys a lane without groups (that kernel
+ * compiles in about a second), for groups held in the lanes (a kernel compiled for that path alone), nor for
+ * teams above 32. */
+static void fwd_stand_in(int dtype, int E, int K, int G, int g, int vec, int bitmap, int scase, char* name,
+                         int* row) {
+  const int isz = mrt_dtype_size(dtype), ch = 16 / isz;
+  const char* ct = mrt_ctype(dtype);
+  const int v = reg_v(E, ch, vec, dtype);
+  name[0] = 0;
+  *row = 0;
+  if (bitmap) return;
+  if (v) {
+    if (!G) {
+      if (!(v == 8 && isz == 2))
+        snprintf(name, MOE_RT_KERNEL_NAME_MAX, "router_fwd_reg<%s, %d, false, false, false, %d>", ct, v, scase);
+    } else if (!(v == 8 && K <= 8 && lane_groups(E, K, G, g, ch))) {
+      snprintf(name, MOE_RT_KERNEL_NAME_MAX, "router_fwd<%s, 32, true, false, %d%s>", ct, scase,
+               K <= 8 ? ", true" : "");
+      *row = 1;
+    }
+  } else if (team_for(E, 1) == 32) {
+    snprintf(name, MOE_RT_KERNEL_NAME_MAX, "router_fwd<%s, 32, %s, false, %d%s>", ct, G ? "true" : "false", scase,
+             G && K <= 8 ? ", true" : "");
+  }
+}
+
+/* The row kernel's configuration (router_fwd<T, team>): threads, shared memory, slots a block, tokens a warp,
+ * gcm word. */
+static void fwd_row_cfg(int E, int K, int G, int g, int ch, int vec, int team, int* threads, int* smem, int* spb,
+                        int* tpw, int* gcm) {
+  *spb = team == 32 ? 4 : 1;
+  *smem = 4 * slot_words(E, G, K, team) * *spb;
+  *threads = team * *spb;
+  *tpw = team == 32 ? 1 : 0;
+  *gcm = cmax_word(E, K, G, g, ch, vec, team);
+}
+
 static moe_rt_status fwd_plan(moe_rt_context* ctx, int dtype, int E, int K, int G, int g, int vec, int bitmap,
-                              mrt_plan* out) {
+                              int scase, mrt_plan* out) {
   fwd_key key;
   memset(&key, 0, sizeof key);
   key.op = 1; key.dtype = dtype; key.E = E; key.K = K; key.G = G; key.g = g; key.vec = vec; key.bitmap = bitmap;
+  char stand_in[MOE_RT_KERNEL_NAME_MAX];
+  int row = 0;
   const mrt_plan* hit = mrt_plan_get(ctx, &key, sizeof key);
-  if (hit) { *out = *hit; return MOE_RT_SUCCESS; }
+  if (hit) { /* plans made with a stand-in are never cached */
+    *out = *hit;
+    if (mrt_is_planning(ctx)) fwd_stand_in(dtype, E, K, G, g, vec, bitmap, scase, out->launch[0].stand_in, &row);
+    return MOE_RT_SUCCESS;
+  }
   mrt_plan p;
   memset(&p, 0, sizeof p);
   p.num_launches = 1;
@@ -166,18 +221,16 @@ static moe_rt_status fwd_plan(moe_rt_context* ctx, int dtype, int E, int K, int 
       snprintf(l->name, sizeof l->name, "router_fwd<%s, %d, %s, true>", ct, team, groups ? "true" : "false");
     else
       snprintf(l->name, sizeof l->name, "router_fwd<%s, %d%s>", ct, team, groups ? "" : ", false");
-    spb = team == 32 ? 4 : 1;
-    smem = 4 * slot_words(E, G, K, team) * spb;
-    threads = team * spb;
-    tpw = team == 32 ? 1 : 0;
-    gcm = cmax_word(E, K, G, g, ch, vec, team);
+    fwd_row_cfg(E, K, G, g, ch, vec, team, &threads, &smem, &spb, &tpw, &gcm);
   }
-  int regs = 0;
-  moe_rt_status st = mrt_kernel(ctx, l, FILE_ROUTER, &regs);
+  fwd_stand_in(dtype, E, K, G, g, vec, bitmap, scase, stand_in, &row);
+  int regs = 0, standing = 0;
+  moe_rt_status st = mrt_kernel_or_stand_in(ctx, l, FILE_ROUTER, stand_in, &regs, &standing);
   if (st) return st;
+  if (standing && row) fwd_row_cfg(E, K, G, g, ch, vec, 32, &threads, &smem, &spb, &tpw, &gcm);
   fwd_shape(ctx, &p, threads, smem, regs, spb, tpw);
   p.ints[FWD_GCM] = gcm;
-  mrt_plan_put(ctx, &key, sizeof key, &p);
+  if (!standing) mrt_plan_put(ctx, &key, sizeof key, &p);
   *out = p;
   return MOE_RT_SUCCESS;
 }
@@ -203,7 +256,7 @@ static moe_rt_status router_fwd(moe_rt_context* ctx, const void* x, int dtype, i
   }
   const void* ptrs[6] = {x, probs, scores, bitmap ? NULL : rmap, inter, bias};
   const int vec = fwd_vec(dtype, E, ptrs, 6);
-  moe_rt_status st = fwd_plan(ctx, dtype, E, K, G, g, vec, bitmap, &p);
+  moe_rt_status st = fwd_plan(ctx, dtype, E, K, G, g, vec, bitmap, score_case(score_fn, aux, bias != NULL), &p);
   if (st) return st;
   p.launch[0].grid = tpw_grid(T, (int)p.ints[FWD_SPB], (int)p.ints[FWD_TPW], p.ints[FWD_RESIDENT]);
   const int32_t gcm = aux || pre ? 0 : (int32_t)p.ints[FWD_GCM];
@@ -277,8 +330,8 @@ moe_rt_status moe_rt_topk_with_score(moe_rt_context* ctx, const void* logits, in
       (st = check_topk_settings(op, dtype, T, E, K, score_function, num_groups, group_topk, scaling_factor,
                                 expert_bias)) ||
       (st = routing_form(op, routing_dtype, 1, &bitmap, &idx_bytes)) ||
-      (st = mrt_check_ptr(op, "logits", logits)) || (st = mrt_check_ptr(op, "probs", probs)) ||
-      (st = mrt_check_ptr(op, "routing", routing)) || (st = mrt_check_ptr(op, "intermediate", intermediate)))
+      (st = mrt_check_data(op, "logits", logits, T)) || (st = mrt_check_data(op, "probs", probs, T)) ||
+      (st = mrt_check_data(op, "routing", routing, T)) || (st = mrt_check_data(op, "intermediate", intermediate, T)))
     return st;
   int G = group_topk ? num_groups : 0, g = group_topk ? group_topk : 0;
   int pre = use_pre_softmax && score_function == MOE_RT_SCORE_SOFTMAX;
@@ -296,8 +349,8 @@ moe_rt_status moe_rt_topk_indices_with_score(moe_rt_context* ctx, const void* lo
   if ((st = mrt_check_ctx(ctx, op)) ||
       (st = check_topk_settings(op, dtype, T, E, K, score_function, num_groups, group_topk, scaling_factor,
                                 expert_bias)) ||
-      (st = mrt_check_ptr(op, "logits", logits)) || (st = mrt_check_ptr(op, "topk_idx", topk_idx)) ||
-      (st = mrt_check_ptr(op, "topk_weights", topk_weights)))
+      (st = mrt_check_data(op, "logits", logits, T)) || (st = mrt_check_data(op, "topk_idx", topk_idx, T)) ||
+      (st = mrt_check_data(op, "topk_weights", topk_weights, T)))
     return st;
   int G = group_topk ? num_groups : 0, g = group_topk ? group_topk : 0;
   int pre = use_pre_softmax && score_function == MOE_RT_SCORE_SOFTMAX;
@@ -314,8 +367,8 @@ moe_rt_status moe_rt_scores_for_aux_loss(moe_rt_context* ctx, const void* logits
   if ((st = mrt_check_ctx(ctx, op)) || (st = check_float_dtype(op, "dtype", dtype)) ||
       (st = check_sizes(op, T, E, K)) || (st = check_score(op, score_function)) ||
       (st = routing_form(op, routing_dtype, 0, &bitmap, &idx_bytes)) ||
-      (st = mrt_check_ptr(op, "logits", logits)) || (st = mrt_check_ptr(op, "scores", scores)) ||
-      (st = mrt_check_ptr(op, "routing_map", routing_map)) || (st = mrt_check_ptr(op, "intermediate", intermediate)))
+      (st = mrt_check_data(op, "logits", logits, T)) || (st = mrt_check_data(op, "scores", scores, T)) ||
+      (st = mrt_check_data(op, "routing_map", routing_map, T)) || (st = mrt_check_data(op, "intermediate", intermediate, T)))
     return st;
   return router_fwd(ctx, logits, dtype, T, E, K, score_function, 0, 1, 0, 0, 1.0f, NULL, NULL, scores, routing_map,
                     bitmap, intermediate, NULL, 4, NULL, stream);
@@ -464,8 +517,8 @@ moe_rt_status moe_rt_topk_with_score_backward(moe_rt_context* ctx, const void* g
   if ((st = mrt_check_ctx(ctx, op)) || (st = check_float_dtype(op, "dtype", dtype)) ||
       (st = check_sizes(op, T, E, K)) || (st = check_score(op, score_function)) ||
       (st = check_scale(op, scaling_factor)) || (st = routing_form(op, routing_dtype, 1, &bitmap, &idx_bytes)) ||
-      (st = mrt_check_ptr(op, "grad_probs", grad_probs)) || (st = mrt_check_ptr(op, "routing", routing)) ||
-      (st = mrt_check_ptr(op, "intermediate", intermediate)) || (st = mrt_check_ptr(op, "grad_logits", grad_logits)))
+      (st = mrt_check_data(op, "grad_probs", grad_probs, T)) || (st = mrt_check_data(op, "routing", routing, T)) ||
+      (st = mrt_check_data(op, "intermediate", intermediate, T)) || (st = mrt_check_data(op, "grad_logits", grad_logits, T)))
     return st;
   int pre = use_pre_softmax && score_function == MOE_RT_SCORE_SOFTMAX;
   if (idx_bytes)
@@ -483,8 +536,8 @@ moe_rt_status moe_rt_scores_for_aux_loss_backward(moe_rt_context* ctx, const flo
   moe_rt_status st;
   if ((st = mrt_check_ctx(ctx, op)) || (st = check_float_dtype(op, "grad_dtype", grad_dtype)) ||
       (st = check_sizes(op, T, E, K)) || (st = check_score(op, score_function)) ||
-      (st = mrt_check_ptr(op, "grad_scores", grad_scores)) || (st = mrt_check_ptr(op, "intermediate", intermediate)) ||
-      (st = mrt_check_ptr(op, "grad_logits", grad_logits)))
+      (st = mrt_check_data(op, "grad_scores", grad_scores, T)) || (st = mrt_check_data(op, "intermediate", intermediate, T)) ||
+      (st = mrt_check_data(op, "grad_logits", grad_logits, T)))
     return st;
   return router_bwd(ctx, grad_scores, MOE_RT_FLOAT32, NULL, 0, intermediate, grad_logits, grad_dtype, T, E, K,
                     score_function, 0, 1, 1.0f, stream);
@@ -568,7 +621,7 @@ moe_rt_status moe_rt_aux_loss(moe_rt_context* ctx, const void* probs, int dtype,
   moe_rt_status st;
   if ((st = mrt_check_ctx(ctx, op)) || (st = check_float_dtype(op, "dtype", dtype)) ||
       (st = check_aux(op, R, C, tpe, tpe_dtype, total, total_device, total_dtype, E, topk, coeff)) ||
-      (st = mrt_check_ptr(op, "probs", probs)) || (st = mrt_check_ptr(op, "out", out)) ||
+      (st = mrt_check_data(op, "probs", probs, R * C)) || (st = mrt_check_ptr(op, "out", out)) ||
       (st = mrt_check_ptr(op, "workspace", workspace)))
     return st;
   size_t need = 0;
@@ -635,7 +688,7 @@ moe_rt_status moe_rt_aux_loss_backward(moe_rt_context* ctx, const void* grad, in
   moe_rt_status st;
   if ((st = mrt_check_ctx(ctx, op)) || (st = check_float_dtype(op, "dtype", dtype)) ||
       (st = check_aux(op, R, C, tpe, tpe_dtype, total, total_device, total_dtype, E, topk, coeff)) ||
-      (st = mrt_check_ptr(op, "grad_aux_loss", grad)) || (st = mrt_check_ptr(op, "grad_probs", grad_probs)))
+      (st = mrt_check_ptr(op, "grad_aux_loss", grad)) || (st = mrt_check_data(op, "grad_probs", grad_probs, R * C)))
     return st;
   int64_t rpb, nb;
   aux_blocks(R, &rpb, &nb);
@@ -799,11 +852,11 @@ moe_rt_status moe_rt_topk_with_score_qb(moe_rt_context* ctx, const void* logits,
   if (B < 1 || B > MOE_RT_MAX_QB_BINS)
     return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: num_bins must be in [1, %d], got %d", op, MOE_RT_MAX_QB_BINS,
                     B);
-  if ((st = mrt_check_ptr(op, "logits", logits)) || (st = mrt_check_ptr(op, "expert_bias", expert_bias)) ||
+  if ((st = mrt_check_data(op, "logits", logits, T)) || (st = mrt_check_ptr(op, "expert_bias", expert_bias)) ||
       (st = mrt_check_ptr(op, "qb_bin_bounds", qb_bin_bounds)) ||
-      (st = mrt_check_ptr(op, "qb_histogram", qb_histogram)) || (st = mrt_check_ptr(op, "probs", probs)) ||
-      (st = mrt_check_ptr(op, "routing_map", routing_map)) || (st = mrt_check_ptr(op, "intermediate", intermediate)) ||
-      (st = mrt_check_ptr(op, "cutoff", cutoff)))
+      (st = mrt_check_ptr(op, "qb_histogram", qb_histogram)) || (st = mrt_check_data(op, "probs", probs, T)) ||
+      (st = mrt_check_data(op, "routing_map", routing_map, T)) || (st = mrt_check_data(op, "intermediate", intermediate, T)) ||
+      (st = mrt_check_data(op, "cutoff", cutoff, T)))
     return st;
   mrt_plan p;
   memset(&p, 0, sizeof p);

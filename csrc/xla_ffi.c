@@ -1,4 +1,5 @@
-/* moe_rt for XLA: the single-GPU ops as XLA FFI handlers (libmoe_rt_xla.so, linked to libmoe_rt.so).
+/* moe_rt for XLA: the single-GPU ops and the low-latency EP ops as XLA FFI handlers (libmoe_rt_xla.so, linked
+ * to libmoe_rt.so).
  *
  * Each handler decodes XLA's call frame by hand (buffers, results, attributes by name, the stream and the
  * device ordinal through the API), then calls the C core's op on XLA's stream: no Python, no host sync, no
@@ -6,7 +7,8 @@
  * scaling, align size, ...) are attributes fixed when the op was traced; sizes and dtypes come from the
  * buffers. One moe_rt context per device, created on first use (moe_rt.jax makes it when an op is traced,
  * outside any graph capture) and kept for the process. Every handler declares itself command-buffer
- * compatible: the launches depend on the attributes, shapes and buffer addresses alone. A failure returns
+ * compatible (the low-latency EP handlers excepted, below): the launches depend on the attributes, shapes and
+ * buffer addresses alone. A failure returns
  * an XLA FFI error carrying moe_rt_last_error().
  *
  * Built against xla/ffi/api/c_api.h of the installed jaxlib (jax.ffi.include_dir()); the API's major
@@ -156,8 +158,9 @@ static XLA_FFI_Error* fail_core(const frame* fr, moe_rt_status st, const char* m
   return fail(fr, code_of(st), "%s (%s)", message, moe_rt_status_name(st));
 }
 
-/* Checks the frame; answers XLA's metadata query (API version, traits) with *done set. NULL = go on. */
-static XLA_FFI_Error* begin(XLA_FFI_CallFrame* f, frame* fr, const char* op, int* done) {
+/* Checks the frame; answers XLA's metadata query (API version, `traits`) with *done set. NULL = go on. */
+static XLA_FFI_Error* begin(XLA_FFI_CallFrame* f, frame* fr, const char* op, XLA_FFI_Handler_Traits traits,
+                            int* done) {
   *done = 0;
   fr->f = f;
   fr->api = f->api;
@@ -179,7 +182,7 @@ static XLA_FFI_Error* begin(XLA_FFI_CallFrame* f, frame* fr, const char* op, int
     ext->metadata->api_version.extension_start = NULL;
     ext->metadata->api_version.major_version = XLA_FFI_API_MAJOR;
     ext->metadata->api_version.minor_version = XLA_FFI_API_MINOR;
-    ext->metadata->traits = XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE;
+    ext->metadata->traits = traits;
     ext->metadata->state_type_id.type_id = 0;
     *done = 1;
     return NULL;
@@ -315,6 +318,18 @@ static XLA_FFI_Error* attr_f32(const frame* fr, const char* name, float* out) {
   return NULL;
 }
 
+/* The ordinal of the device XLA runs the call on. */
+static XLA_FFI_Error* ordinal_of(const frame* fr, int* ordinal) {
+  XLA_FFI_DeviceOrdinal_Get_Args da;
+  memset(&da, 0, sizeof da);
+  da.struct_size = XLA_FFI_DeviceOrdinal_Get_Args_STRUCT_SIZE;
+  da.ctx = fr->f->ctx;
+  XLA_FFI_Error* err = fr->api->XLA_FFI_DeviceOrdinal_Get(&da);
+  if (err) return err;
+  *ordinal = da.device_ordinal;
+  return NULL;
+}
+
 /* XLA's stream and this device's moe_rt context. */
 static XLA_FFI_Error* device(const frame* fr, moe_rt_context** ctx, moe_rt_stream* stream) {
   XLA_FFI_Stream_Get_Args sa;
@@ -323,12 +338,9 @@ static XLA_FFI_Error* device(const frame* fr, moe_rt_context** ctx, moe_rt_strea
   sa.ctx = fr->f->ctx;
   XLA_FFI_Error* err = fr->api->XLA_FFI_Stream_Get(&sa);
   if (err) return err;
-  XLA_FFI_DeviceOrdinal_Get_Args da;
-  memset(&da, 0, sizeof da);
-  da.struct_size = XLA_FFI_DeviceOrdinal_Get_Args_STRUCT_SIZE;
-  da.ctx = fr->f->ctx;
-  if ((err = fr->api->XLA_FFI_DeviceOrdinal_Get(&da))) return err;
-  moe_rt_status st = context_for(da.device_ordinal, ctx);
+  int ordinal = -1;
+  if ((err = ordinal_of(fr, &ordinal))) return err;
+  moe_rt_status st = context_for(ordinal, ctx);
   if (st) {
     char msg[sizeof g_message];
     pthread_mutex_lock(&g_lock);
@@ -346,11 +358,13 @@ static XLA_FFI_Error* device(const frame* fr, moe_rt_context** ctx, moe_rt_strea
     if (err_) return err_;           \
   } while (0)
 
-#define BEGIN(op)                                  \
+#define BEGIN_TRAITS(op, traits)                   \
   frame fr;                                        \
   int done_ = 0;                                   \
-  TRY(begin(f, &fr, op, &done_));                  \
+  TRY(begin(f, &fr, op, traits, &done_));          \
   if (done_) return NULL
+
+#define BEGIN(op) BEGIN_TRAITS(op, XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE)
 
 #define CORE(call)                                                   \
   do {                                                               \
@@ -834,3 +848,226 @@ static XLA_FFI_Error* fp8_cast(XLA_FFI_CallFrame* f, int quantize) {
 
 EXPORT XLA_FFI_Error* moe_rt_xla_quantize_fp8(XLA_FFI_CallFrame* f) { return fp8_cast(f, 1); }
 EXPORT XLA_FFI_Error* moe_rt_xla_dequantize_fp8(XLA_FFI_CallFrame* f) { return fp8_cast(f, 0); }
+
+/* ---- low-latency expert parallelism (moe_rt.jax ll_dispatch / ll_combine and their VJPs) ------------------
+ *
+ * The group is moe_rt.LowLatencyGroup's core group (moe_rt_ll_group, made by the Python side on the group's
+ * device context with its kernels loaded when the op was traced): attributes `group` (its address), and
+ * `group_serial` (moe_rt_ll_group_serial) name it and are checked against the core's registry of live groups,
+ * which holds it for the call (a closed group fails with the core's message; a freed one is never reached);
+ * `device` is the CUDA ordinal the group lives on. Sizes come from the group (R ranks, L local experts, Tmax,
+ * K, H, its dtype) and the buffers (T tokens); buffer set 0 (moe_rt.jax takes groups with one set). The
+ * handle's six tables are XLA's buffers: results of dispatch (the core writes them), arguments of the others.
+ * The receive rows the group's ops leave in its receive buffer reach XLA's result through
+ * moe_rt_copy_kept_rows (valid slots read, the others zero where asked) on the same stream. */
+
+typedef struct ll_frame {
+  moe_rt_ll_group* g;
+  moe_rt_ll_group_desc d;
+  int64_t slots; /* L*R*Tmax rows of the receive buffer */
+  moe_rt_context* ctx; /* XLA's context of the device (the copy; set by the body, after its checks) */
+  moe_rt_stream stream;
+} ll_frame;
+
+static XLA_FFI_Error* want(const frame* fr, const buf* b, const char* name, int dtype, int rank, int64_t d0,
+                           int64_t d1, int64_t d2) {
+  const int64_t want_dims[3] = {d0, d1, d2};
+  int ok = b->rank == rank && (dtype < 0 || b->dtype == dtype);
+  for (int i = 0; ok && i < rank; ++i) ok = b->dims[i] == want_dims[i];
+  if (ok) return NULL;
+  char got[96] = "", exp[96] = "";
+  int n = 0, m = 0;
+  for (int i = 0; i < b->rank && i < 4 && n < (int)sizeof got; ++i)
+    n += snprintf(got + n, sizeof got - (size_t)n, "%s%lld", i ? ", " : "", (long long)b->dims[i]);
+  for (int i = 0; i < rank && m < (int)sizeof exp; ++i)
+    m += snprintf(exp + m, sizeof exp - (size_t)m, "%s%lld", i ? ", " : "", (long long)want_dims[i]);
+  return fail(fr, XLA_FFI_Error_Code_INVALID_ARGUMENT, "%s: expected shape [%s] of dtype code %d, got [%s]%s of "
+              "dtype code %d", name, exp, dtype < 0 ? b->dtype : dtype, got, b->rank > 4 ? "..." : "", b->dtype);
+}
+
+/* The handle's six tables at argument (rets = 0) or result (rets = 1) positions first .. first+5, for T tokens:
+ * idx [T, K] int32, w [T, K] float32, route [R, Tmax, K] int32, slot_topk [L, R*Tmax] int32, slot_weights
+ * [L, R*Tmax] float32, counts [L] int32. */
+static XLA_FFI_Error* ll_tables(const frame* fr, const ll_frame* l, int rets, int64_t first, int64_t T,
+                                moe_rt_ll_tables* t) {
+  static const char* names[6] = {"topk_idx", "topk_weights", "route", "slot_topk", "slot_weights", "counts"};
+  const moe_rt_ll_group_desc* d = &l->d;
+  const int64_t K = d->topk, R = d->num_ranks, L = d->num_local_experts, Tmax = d->max_tokens_per_rank;
+  const int dt[6] = {MOE_RT_INT32, MOE_RT_FLOAT32, MOE_RT_INT32, MOE_RT_INT32, MOE_RT_FLOAT32, MOE_RT_INT32};
+  const int rank[6] = {2, 2, 3, 2, 2, 1};
+  const int64_t dims[6][3] = {{T, K, 0}, {T, K, 0}, {R, Tmax, K}, {L, R * Tmax, 0}, {L, R * Tmax, 0}, {L, 0, 0}};
+  void* p[6];
+  for (int i = 0; i < 6; ++i) {
+    buf b;
+    TRY(rets ? ret(fr, first + i, -1, &b) : arg(fr, first + i, -1, &b));
+    TRY(want(fr, &b, names[i], dt[i], rank[i], dims[i][0], dims[i][1], dims[i][2]));
+    p[i] = b.data;
+  }
+  t->idx = p[0];
+  t->w = p[1];
+  t->route = p[2];
+  t->slot_k = p[3];
+  t->slot_w = p[4];
+  t->counts = p[5];
+  return NULL;
+}
+
+/* Rows of the receive buffer's layout [L, R*Tmax, H] in the group's dtype. */
+static XLA_FFI_Error* ll_slots(const frame* fr, const ll_frame* l, const buf* b, const char* name) {
+  return want(fr, b, name, l->d.dtype, 3, l->d.num_local_experts,
+              (int64_t)l->d.num_ranks * l->d.max_tokens_per_rank, l->d.hidden);
+}
+
+/* The group's receive rows into XLA's `out` [L, R*Tmax, H]: valid slots (slot_k >= 0) copied, the rest zero
+ * when `zero`. */
+static moe_rt_status ll_copy_rows(const ll_frame* l, void* out, const int32_t* slot_k, int zero) {
+  const int64_t row_bytes = l->d.hidden * (l->d.dtype == MOE_RT_FLOAT32 ? 4 : 2);
+  return moe_rt_copy_kept_rows(l->ctx, l->d.set[0].recv, out, slot_k, l->slots, row_bytes, zero, l->stream);
+}
+
+typedef XLA_FFI_Error* (*ll_body)(const frame* fr, ll_frame* l);
+
+/* Decode the group's attributes, hold the group for the call, check the device, run `body`, release. Not
+ * command-buffer compatible: a replayed command buffer would run the group's launches without this check,
+ * reaching the group's buffers after LowLatencyGroup.close freed them. */
+static XLA_FFI_Error* ll_call(XLA_FFI_CallFrame* f, const char* op, ll_body body) {
+  BEGIN_TRAITS(op, 0);
+  int64_t address = 0, serial = 0;
+  int want_device = 0, ordinal = -1;
+  TRY(attr_i64(&fr, "group", &address));
+  TRY(attr_i64(&fr, "group_serial", &serial));
+  TRY(attr_int(&fr, "device", &want_device));
+  TRY(ordinal_of(&fr, &ordinal));
+  if (ordinal != want_device)
+    return fail(&fr, XLA_FFI_Error_Code_INVALID_ARGUMENT, "the low-latency group lives on cuda:%d, but XLA runs "
+                "this call on cuda:%d", want_device, ordinal);
+  ll_frame l;
+  memset(&l, 0, sizeof l);
+  CORE(moe_rt_ll_group_acquire(address, serial, &l.g));
+  XLA_FFI_Error* err = NULL;
+  moe_rt_status st = moe_rt_ll_group_get_desc(l.g, &l.d);
+  if (st) err = fail_core(&fr, st, moe_rt_last_error());
+  if (!err) {
+    l.slots = (int64_t)l.d.num_local_experts * l.d.num_ranks * l.d.max_tokens_per_rank;
+    err = body(&fr, &l);
+  }
+  moe_rt_ll_group_release(l.g);
+  return err;
+}
+
+#define LL_CORE(call)                                                \
+  do {                                                               \
+    moe_rt_status st_ = (call);                                      \
+    if (st_) return fail_core(fr, st_, moe_rt_last_error());         \
+  } while (0)
+
+/* args: x [T, H] (the group's dtype), topk_idx [T, K] int32/int64, topk_weights [T, K] float32; rets: recv_x
+ * [L, R*Tmax, H], then the handle's six tables. attrs: the group's (above), zero_empty_slots. */
+static XLA_FFI_Error* ll_dispatch_body(const frame* fr, ll_frame* l) {
+  int zero = 0;
+  TRY(attr_int(fr, "zero_empty_slots", &zero));
+  TRY(counts(fr, 3, 7));
+  buf x, idx, w, recv;
+  TRY(arg(fr, 1, 2, &idx));
+  const int64_t T = idx.dims[0], K = l->d.topk, H = l->d.hidden;
+  if (idx.dtype != MOE_RT_INT32 && idx.dtype != MOE_RT_INT64)
+    return fail(fr, XLA_FFI_Error_Code_INVALID_ARGUMENT, "topk_idx: expected int32 or int64, got dtype code %d",
+                idx.dtype);
+  TRY(want(fr, &idx, "topk_idx", idx.dtype, 2, T, K, 0));
+  TRY(arg(fr, 0, -1, &x));
+  TRY(want(fr, &x, "x", l->d.dtype, 2, T, H, 0));
+  TRY(arg(fr, 2, -1, &w));
+  TRY(want(fr, &w, "topk_weights", MOE_RT_FLOAT32, 2, T, K, 0));
+  TRY(ret(fr, 0, -1, &recv));
+  TRY(ll_slots(fr, l, &recv, "recv_x"));
+  moe_rt_ll_tables t;
+  TRY(ll_tables(fr, l, 1, 1, T, &t));
+  TRY(device(fr, &l->ctx, &l->stream));
+  LL_CORE(moe_rt_ll_dispatch(l->g, 0, MOE_RT_LL_PUSH | MOE_RT_LL_RECEIVE, x.data, NULL, NULL, 0, 0, idx.data,
+                             idx.dtype, w.data, T, &t, l->stream));
+  LL_CORE(ll_copy_rows(l, recv.data, t.slot_k, zero != 0));
+  return NULL;
+}
+
+/* args: expert_out [L, R*Tmax, H], the handle's six tables; rets: out [T, H]. attrs: the group's. */
+static XLA_FFI_Error* ll_combine_body(const frame* fr, ll_frame* l) {
+  TRY(counts(fr, 7, 1));
+  buf y, idx, out;
+  TRY(arg(fr, 1, 2, &idx));
+  const int64_t T = idx.dims[0];
+  TRY(arg(fr, 0, -1, &y));
+  TRY(ll_slots(fr, l, &y, "expert_out"));
+  moe_rt_ll_tables t;
+  TRY(ll_tables(fr, l, 0, 1, T, &t));
+  TRY(ret(fr, 0, -1, &out));
+  TRY(want(fr, &out, "out", l->d.dtype, 2, T, l->d.hidden, 0));
+  TRY(device(fr, &l->ctx, &l->stream));
+  LL_CORE(moe_rt_ll_combine(l->g, 0, MOE_RT_EP_OP_COMBINE, y.data, NULL, &t, T, out.data, NULL, l->stream));
+  return NULL;
+}
+
+/* VJP of dispatch. args: grad_recv_x [L, R*Tmax, H], grad_slot_weights [L, R*Tmax] float32, the handle's six
+ * tables; rets: grad_x [T, H], grad_topk_weights [T, K] float32. attrs: the group's. */
+static XLA_FFI_Error* ll_dispatch_bwd_body(const frame* fr, ll_frame* l) {
+  TRY(counts(fr, 8, 2));
+  buf g, gsw, idx, gx, gw;
+  TRY(arg(fr, 2, 2, &idx));
+  const int64_t T = idx.dims[0];
+  TRY(arg(fr, 0, -1, &g));
+  TRY(ll_slots(fr, l, &g, "grad_recv_x"));
+  TRY(arg(fr, 1, -1, &gsw));
+  TRY(want(fr, &gsw, "grad_slot_weights", MOE_RT_FLOAT32, 2, l->d.num_local_experts,
+           (int64_t)l->d.num_ranks * l->d.max_tokens_per_rank, 0));
+  moe_rt_ll_tables t;
+  TRY(ll_tables(fr, l, 0, 2, T, &t));
+  TRY(ret(fr, 0, -1, &gx));
+  TRY(want(fr, &gx, "grad_x", l->d.dtype, 2, T, l->d.hidden, 0));
+  TRY(ret(fr, 1, -1, &gw));
+  TRY(want(fr, &gw, "grad_topk_weights", MOE_RT_FLOAT32, 2, T, l->d.topk, 0));
+  TRY(device(fr, &l->ctx, &l->stream));
+  LL_CORE(moe_rt_ll_combine(l->g, 0, MOE_RT_EP_OP_DISPATCH_BWD, g.data, gsw.data, &t, T, gx.data, gw.data,
+                            l->stream));
+  return NULL;
+}
+
+/* VJP of combine. args: grad_out [T, H], expert_out [L, R*Tmax, H] (the forward's), the handle's six tables;
+ * rets: grad_expert_out [L, R*Tmax, H] (zero at empty slots), grad_topk_weights [T, K] float32, dots
+ * [L*R*Tmax] float32 (scratch: the per-slot dot products). attrs: the group's. */
+static XLA_FFI_Error* ll_combine_bwd_body(const frame* fr, ll_frame* l) {
+  TRY(counts(fr, 8, 3));
+  buf g, y, idx, gy, gw, dots;
+  TRY(arg(fr, 2, 2, &idx));
+  const int64_t T = idx.dims[0];
+  TRY(arg(fr, 0, -1, &g));
+  TRY(want(fr, &g, "grad_out", l->d.dtype, 2, T, l->d.hidden, 0));
+  TRY(arg(fr, 1, -1, &y));
+  TRY(ll_slots(fr, l, &y, "expert_out"));
+  moe_rt_ll_tables t;
+  TRY(ll_tables(fr, l, 0, 2, T, &t));
+  TRY(ret(fr, 0, -1, &gy));
+  TRY(ll_slots(fr, l, &gy, "grad_expert_out"));
+  TRY(ret(fr, 1, -1, &gw));
+  TRY(want(fr, &gw, "grad_topk_weights", MOE_RT_FLOAT32, 2, T, l->d.topk, 0));
+  TRY(ret(fr, 2, -1, &dots));
+  TRY(want(fr, &dots, "dots", MOE_RT_FLOAT32, 1, l->slots, 0, 0));
+  TRY(device(fr, &l->ctx, &l->stream));
+  /* the rows (scaled by the slot weights) into the receive buffer, and the dots; then the weight gradient
+   * (the dots gathered back to [T, K]); then the rows into XLA's result, zero at empty slots */
+  LL_CORE(moe_rt_ll_combine_bwd(l->g, 0, g.data, y.data, &t, T, dots.data, l->stream));
+  LL_CORE(moe_rt_ll_combine(l->g, 0, MOE_RT_EP_OP_COMBINE_BWD, NULL, dots.data, &t, T, NULL, gw.data, l->stream));
+  LL_CORE(ll_copy_rows(l, gy.data, t.slot_k, 1));
+  return NULL;
+}
+
+EXPORT XLA_FFI_Error* moe_rt_xla_ll_dispatch(XLA_FFI_CallFrame* f) {
+  return ll_call(f, "moe_rt_xla_ll_dispatch", ll_dispatch_body);
+}
+EXPORT XLA_FFI_Error* moe_rt_xla_ll_combine(XLA_FFI_CallFrame* f) {
+  return ll_call(f, "moe_rt_xla_ll_combine", ll_combine_body);
+}
+EXPORT XLA_FFI_Error* moe_rt_xla_ll_dispatch_bwd(XLA_FFI_CallFrame* f) {
+  return ll_call(f, "moe_rt_xla_ll_dispatch_bwd", ll_dispatch_bwd_body);
+}
+EXPORT XLA_FFI_Error* moe_rt_xla_ll_combine_bwd(XLA_FFI_CallFrame* f) {
+  return ll_call(f, "moe_rt_xla_ll_combine_bwd", ll_combine_bwd_body);
+}

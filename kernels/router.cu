@@ -1180,10 +1180,15 @@ __device__ __noinline__ bool group_scores_cmax(const unsigned* keys, const unsig
 
 // gkey[j]: the key of group j's score. Where m > 8 and the groups fit the team's segments, also gy[j] (gy may
 // be null): the m-th largest key of group j, so that each group has at least m keys >= gy[j]; returns
-// whether gy was written.
-template <int TEAM>
+// whether gy was written. SMALLM (a quick kernel for m <= 8): the top 8 kept for every m, whose first m are
+// the top m (the same keys summed in the same order: the same bits), and no code for m > 8.
+template <int TEAM, bool SMALLM = false>
 __device__ __forceinline__ bool group_scores(const unsigned* keys, int G, int n, int m, unsigned* gkey,
                                              unsigned* gy, unsigned* hist) {
+  if constexpr (SMALLM) {
+    group_scores_reg<TEAM, 8>(keys, G, n, m, gkey);
+    return false;
+  }
   if (m == 1) group_scores_reg<TEAM, 1>(keys, G, n, m, gkey);
   else if (m == 2) group_scores_reg<TEAM, 2>(keys, G, n, m, gkey);
   else if (m <= 4) group_scores_reg<TEAM, 4>(keys, G, n, m, gkey);
@@ -1978,8 +1983,11 @@ struct Phase1Reg {
 // SFO >= 0: a quick kernel (moe_rt/_jit.py, tiered compiles), the same bits for the one score case SFO
 // (with_score_fn) with phase 1 unrolled less: the first call of a shape runs it while the kernel for every
 // case compiles in the background (a sixth to a third of the compile time: bf16 without groups at E = 2304
-// 1.2 against 6.1 s on one CPU core).
-template <typename T, int TEAM, bool GROUPS = true, bool BITMAP = false, int SFO = -1>
+// 1.2 against 6.1 s on one CPU core). SMALLK (a quick kernel with groups, for K <= 8 only): compiled without
+// the paths of K > 8 (group scores of m = K / g > 8, the chunk-maxima group scores and the in-place group
+// prefilter): the same bits for K <= 8 in about two thirds of the compile time (fp32, E = 1024, sigmoid with
+// a bias: 2.0 against 3.1 s on one CPU core).
+template <typename T, int TEAM, bool GROUPS = true, bool BITMAP = false, int SFO = -1, bool SMALLK = false>
 __global__ void __launch_bounds__(TEAM == 32 ? 128 : TEAM, MOE_RT_FWD_MINB(TEAM))
 router_fwd(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score_fn, int pre_softmax,
            int aux_mode, int G, int g, int m, unsigned gmagic, float scale, const float* __restrict__ bias,
@@ -2006,7 +2014,9 @@ router_fwd(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score
   // cmax at hist[0, nch), then the groups' lists of cm_cap keys (the counters in the reduction scratch, unused
   // by one warp until phase 2's gdelta); cm_L lanes a group.
   const int cm_cap = gcm & 0xffff, cm_L = gcm >> 16;
-  const bool cm_groups = TEAM == 32 && GROUPS && CH == 8 && cm_cap != 0;
+  static_assert(!SMALLK || (SFO >= 0 && GROUPS && TEAM == 32), "SMALLK: a quick kernel of one warp with groups");
+  // (the host sets gcm only where m > 8: never with K <= 8)
+  const bool cm_groups = TEAM == 32 && GROUPS && !SMALLK && CH == 8 && cm_cap != 0;
   if (!cm_groups) {
 #pragma unroll
     for (int b = 0; b < 16; ++b) hist[b * TEAM + r] = 0u;
@@ -2129,7 +2139,7 @@ router_fwd(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score
                                   reinterpret_cast<unsigned*>(red));
         if (!cm_ok) group_scores_seg<TEAM>(keys, G, n, m, cm_L, gkey, gy, hist);
       } else {
-        have_y = group_scores<TEAM>(keys, G, n, m, gkey, TEAM == 32 && G <= 32 ? gy : nullptr, hist);
+        have_y = group_scores<TEAM, SMALLK>(keys, G, n, m, gkey, TEAM == 32 && G <= 32 ? gy : nullptr, hist);
       }
       TM::sync();
       // the selected groups: by rank in one warp with at most 32 groups (gm: their bit mask), else select_topk
@@ -2139,7 +2149,7 @@ router_fwd(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score
       if (by_rank) gm = rank_groups(lane < G ? gkey[lane] : 0u, G, g);
       else select_topk<TEAM, false>(gkey, G, g, wcnt, redi, list, gthr, gil);
       auto gin = [&](int j) { return by_rank ? ((gm >> j) & 1u) != 0u : selected(gkey[j], j, gthr, gil); };
-      if constexpr (TEAM == 32) {
+      if constexpr (TEAM == 32 && !SMALLK) {
         if (by_rank && vec && K > 8 && n % CH == 0 && g * n >= 8 * TEAM) {
           const bool in = (gm >> lane) & 1u;
           int* gdelta = reinterpret_cast<int*>(red);  // the reduction scratch, unused by one warp

@@ -14,7 +14,7 @@ given as a ``cupy.cuda.Stream``, a ``torch.cuda.Stream``, any object with ``__cu
 from __future__ import annotations
 
 import math
-import threading as _threading
+import threading
 
 import numpy as np
 
@@ -63,8 +63,10 @@ def _device_of(obj, name, fw=None):
         return "cuda", obj.device_id
     if fw == "cupy":
         return "cuda", obj.device.id
-    if fw == "torch" and hasattr(obj, "is_cuda"):
-        return ("cuda", obj.get_device()) if obj.is_cuda else ("cpu", 0)
+    if fw == "torch":
+        is_cuda = getattr(obj, "is_cuda", None)
+        if is_cuda is not None:
+            return ("cuda", obj.get_device()) if is_cuda else ("cpu", 0)
     if not hasattr(obj, "__dlpack__"):
         raise TypeError(f"{name}: expected an array with __dlpack__ (torch, JAX, CuPy, NumPy), "
                         f"got {type(obj).__name__}")
@@ -125,12 +127,74 @@ def as_cupy_stream(stream, device_id: int):
 
 def _default_stream(framework: str, device_id: int):
     if framework == "torch":
+        return as_cupy_stream(_torch_stream_ptr(device_id), device_id)
+    return as_cupy_stream(None, device_id)
+
+
+_torch_raw_stream = None  # torch._C._cuda_getCurrentRawStream (or a fallback), bound on first use
+_torch_cur_device = None  # torch._C._cuda_getDevice, or False where torch lacks it
+
+
+def _torch_stream_ptr(device_id: int) -> int:
+    """torch's current cudaStream_t on ``device_id`` (an int, no Stream object)."""
+    global _torch_raw_stream
+    raw = _torch_raw_stream
+    if raw is None:
         import torch
 
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # the cudaStream_t, no Stream object
-        ptr = raw(device_id) if raw is not None else torch.cuda.current_stream(device_id).cuda_stream
-        return as_cupy_stream(int(ptr), device_id)
-    return as_cupy_stream(None, device_id)
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        if raw is None:  # pragma: no cover - older torch
+            def raw(dev, _cs=torch.cuda.current_stream):
+                return _cs(dev).cuda_stream
+        raw = _torch_raw_stream = raw
+    return int(raw(device_id))
+
+
+def _torch_device_current(device_id: int) -> bool:
+    """Whether ``device_id`` is torch's current CUDA device (False where torch cannot tell cheaply)."""
+    global _torch_cur_device
+    cur = _torch_cur_device
+    if cur is None:
+        import torch
+
+        cur = _torch_cur_device = getattr(torch._C, "_cuda_getDevice", None) or False
+    return cur is not False and cur() == device_id
+
+
+_cupy_mod = None
+
+
+def _cupy():
+    global _cupy_mod
+    if _cupy_mod is None:
+        import cupy
+
+        _cupy_mod = cupy
+    return _cupy_mod
+
+
+def _cupy_device() -> int:
+    """CuPy's current device (cudaGetDevice)."""
+    return _cupy().cuda.runtime.getDevice()
+
+
+# The light call of this thread that is running (see Call): CuPy's device and stream are entered for it only
+# when CuPy is used (DevArray.cupy, call.xp, call.stream).
+_light = threading.local()
+
+
+class _LazyCupy:
+    """``call.xp`` of a light call: cupy, with the call's device and stream made CuPy's current ones at the
+    first use of any of its attributes."""
+
+    __slots__ = ("_call",)
+
+    def __init__(self, call):
+        self._call = call
+
+    def __getattr__(self, name):
+        self._call._enter_cupy()
+        return getattr(_cupy(), name)
 
 
 _TORCH_DTYPES: dict = {}
@@ -217,42 +281,6 @@ def _fp8_export(u8, dtype, framework: str):
     return as_fp8(export(u8, framework), dtype, framework)
 
 
-class _Slot:
-    """The owner of a symbolic DevArray while an op is recorded (see :mod:`moe_rt._fast`): no memory, only
-    the array's number among the call's inputs and allocations."""
-
-    __slots__ = ("index",)
-
-    def __init__(self, index: int):
-        self.index = index
-
-
-class Unrecordable(Exception):
-    """Raised inside an op being recorded when its path needs more than allocations and kernel launches."""
-
-
-class NotYet(Unrecordable):
-    """Raised inside an op being recorded when this call's path is provisional (a quick kernel standing in
-    while another compiles): the call runs the ordinary way and a later call is recorded."""
-
-
-def not_recordable_yet() -> None:
-    """Called by an op whose launch this time is provisional: while it is being recorded, stop (NotYet)."""
-    if RECORDING and recorder() is not None:
-        raise NotYet("a quick kernel stands in while the op's kernel compiles")
-
-
-# Recording (moe_rt._fast): RECORDING counts the threads recording now, so the ordinary path pays one global
-# read; the recorder itself is thread-local.
-RECORDING = 0
-_rec_state = _threading.local()
-
-
-def recorder():
-    """The recorder of this thread, or None."""
-    return getattr(_rec_state, "r", None) if RECORDING else None
-
-
 class _Flags:
     __slots__ = ()
     c_contiguous = True
@@ -271,12 +299,13 @@ class DevArray:
     what a launch needs (``data.ptr``, ``shape``, ``dtype``, ``size``, ``reshape``, 1-D slices), and
     anything else goes through :meth:`cupy`, a CuPy view of the same memory."""
 
-    __slots__ = ("ptr", "shape", "dtype", "owner", "device_id", "offset", "_cp")
+    __slots__ = ("ptr", "shape", "dtype", "owner", "device_id", "offset", "_cp", "_whole")
     flags = _CONTIGUOUS
 
-    def __init__(self, ptr, shape, dtype, owner, device_id, offset=0):
+    def __init__(self, ptr, shape, dtype, owner, device_id, offset=0, whole=False):
         self.ptr, self.shape, self.dtype, self.owner = ptr, shape, dtype, owner
-        self.device_id, self.offset, self._cp = device_id, offset, None
+        # whole: the owner is a contiguous torch tensor of exactly this shape (its export is the owner itself)
+        self.device_id, self.offset, self._cp, self._whole = device_id, offset, None, whole
 
     @property
     def data(self):  # ``a.data.ptr`` reads like a CuPy array's
@@ -297,6 +326,11 @@ class DevArray:
     def reshape(self, *shape):
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
             shape = shape[0]
+        if shape == self.shape:  # the ops' usual case (2-D arrays in, 2-D results out): the array itself
+            return self
+        if (len(shape) == 2 and len(self.shape) == 2 and shape[0] == -1 and type(shape[1]) is int
+                and shape[1] == self.shape[1] and shape[1] > 0):  # rows flattened to [-1, E]: itself too
+            return self
         shape = tuple(int(d) for d in shape)
         n = self.size
         if -1 in shape:
@@ -325,8 +359,9 @@ class DevArray:
     def cupy(self):
         """A CuPy array over the same memory (made once); for an FP8 array, its bytes as uint8 (CuPy holds no
         FP8 dtype)."""
-        if type(self.owner) is _Slot:
-            raise Unrecordable("the op needs a CuPy view of an array")
+        c = getattr(_light, "call", None)
+        if c is not None:  # a light call is running: CuPy work follows, on its device and stream
+            c._enter_cupy()
         if self._cp is None:
             nbytes = self.nbytes
             dt = _UINT8 if self.dtype in FP8_DTYPES else self.dtype
@@ -342,6 +377,8 @@ class DevArray:
     def export(self, framework: str):
         """The array in ``framework``: a view of a torch owner, else through CuPy (no copy)."""
         o = self.owner
+        if self._whole and framework == "torch":
+            return o
         if framework == "torch" and _framework_of(o) == "torch":
             if self.offset == 0 and o.numel() == self.size:
                 return o if o.shape == self.shape else o.view(self.shape)
@@ -366,29 +403,17 @@ def _torch_dtype_of(dt):
 
 
 _TORCH_BY_NP: dict = {}
+_ALLOC_DTYPES: dict = {}  # a dtype as the ops pass it to Call.empty -> (its NumPy dtype, the torch dtype)
+_torch_mod = None
 
 
-_serving = _threading.local()
+def _torch_module():
+    global _torch_mod
+    if _torch_mod is None:
+        import torch
 
-
-class serving:
-    """Within ``with serving(dsts, stream_ptr):`` (``dsts``: DevArrays over XLA's output buffers;
-    ``stream_ptr``: XLA's stream, the current CuPy stream there), :meth:`Call.empty` hands an op each
-    buffer once, in order, to the first allocation of the same dtype and element count, so results are
-    computed straight into XLA's outputs."""
-
-    def __init__(self, dsts, stream_ptr=None):
-        self.dsts = [d for d in dsts if d.size > 0]
-        self.stream_ptr = stream_ptr
-
-    def __enter__(self):
-        self.prev = (getattr(_serving, "outs", None), getattr(_serving, "stream", None))
-        _serving.outs, _serving.stream = self.dsts, self.stream_ptr
-        return self
-
-    def __exit__(self, *exc):
-        _serving.outs, _serving.stream = self.prev
-        return False
+        _torch_mod = torch
+    return _torch_mod
 
 
 _framework_by_type[DevArray] = "devarray"
@@ -454,6 +479,8 @@ class Call:
     scalar is taken as a 0-d array."""
 
     def __init__(self, arrays: dict, stream=None, *, xla_buffers: bool = False, lean: bool = False):
+        if lean and stream is None and self._torch_light(arrays):
+            return
         self.framework = None
         self.backend = None
         self.device_id = 0
@@ -484,26 +511,126 @@ class Call:
         self._first = first
         self._fast_torch = self.backend == "cuda" and stream is None and self.framework == "torch"
         self._on_xla_stream = xla_buffers and stream is not None
-        # lean: the op's CUDA path takes DevArrays (torch tensors on torch's stream, XLA buffers) and
-        # allocates through empty(): torch's allocator for torch callers, XLA's outputs in a callback
+        # lean: the op's CUDA path takes DevArrays (torch tensors on torch's stream) and allocates through
+        # empty(): torch's allocator for torch callers
         self._lean = lean and self.backend == "cuda"
-        self._serve = getattr(_serving, "outs", None) if self._lean else None
-        self._rec = recorder() if RECORDING and self._lean else None
         self._tdev = None
+        self._light = self._entered = self._active = self._current = False
+        self._stream = None
+        self.stream_ptr = None
         if self.backend == "cuda":
-            import cupy
-
+            cupy = _cupy()
             self.xp = cupy
             self._device = _devices.get(self.device_id)
             if self._device is None:
                 self._device = _devices[self.device_id] = cupy.cuda.Device(self.device_id)
-            self.stream = (as_cupy_stream(stream, self.device_id) if stream is not None
-                           else _default_stream(self.framework, self.device_id))
+            if stream is not None:
+                self._stream = as_cupy_stream(stream, self.device_id)
+            elif self._lean and self._fast_torch and _torch_device_current(self.device_id):
+                # a light call, if every array comes as a DevArray (below): torch's stream as an int, CuPy's
+                # device and stream entered only if the op uses CuPy (_enter_cupy)
+                self.stream_ptr = _torch_stream_ptr(self.device_id)
+            else:
+                self._stream = _default_stream(self.framework, self.device_id)
+                # CuPy arrays on CuPy's current device and stream: both are current already (nothing to enter)
+                self._current = self.framework == "cupy" and _cupy_device() == self.device_id
+            if self._stream is not None:
+                self.stream_ptr = self._stream.ptr
         else:
             self.xp = np
             self._device = None
-            self.stream = None
         self.views = {name: (None if obj is None else self._import(obj, name)) for name, obj in arrays.items()}
+        if self._stream is None and self.stream_ptr is not None:
+            for v in self.views.values():
+                if v is not None and type(v) is not DevArray:
+                    break
+            else:
+                self._light = True
+                self.xp = None  # CuPy on first use (see the xp property)
+
+    def _torch_light(self, arrays: dict) -> bool:
+        """The usual call of an op from torch, set up in one pass: every array a C-contiguous CUDA torch tensor
+        of a dtype moe_rt handles (or None), on torch's current device, on torch's current stream (no
+        ``stream=``): the light call :meth:`__init__` would make, with the same checks in the same order. False
+        (nothing set) for any other call, which :meth:`__init__` then sets up in full."""
+        views = {}
+        first = None
+        device_id = 0
+        if not _TORCH_DTYPES:
+            _torch_np_dtype(None)
+        for name, obj in arrays.items():
+            if obj is None:
+                views[name] = None
+                continue
+            if (_framework_by_type.get(type(obj)) or _framework_of(obj)) != "torch":
+                return False
+            if obj.requires_grad:
+                _no_autograd(obj, name)
+            if not obj.is_cuda:
+                return False
+            dev = obj.get_device()
+            if first is None:
+                first, device_id = name, dev
+            elif dev != device_id:
+                raise ValueError(f"{name} is on cuda:{dev} but {first} is on cuda:{device_id}; "
+                                 "all arrays of one call must be on the same device")
+            dt = _TORCH_DTYPES.get(obj.dtype)
+            if dt is None or not obj.is_contiguous():
+                return False
+            views[name] = DevArray(obj.data_ptr(), tuple(obj.shape), dt, obj, device_id, 0, True)
+        if first is None or not _torch_device_current(device_id):
+            return False
+        device = _devices.get(device_id)
+        if device is None:
+            device = _devices[device_id] = _cupy().cuda.Device(device_id)
+        self.framework, self.backend, self.device_id, self._first = "torch", "cuda", device_id, first
+        self._fast_torch = self._lean = self._light = True
+        self._on_xla_stream = self._entered = self._active = self._current = False
+        self._tdev = self._stream = None
+        self._device = device
+        self.stream_ptr = _torch_stream_ptr(device_id)
+        self.views = views
+        self.xp = None  # CuPy on first use (see the xp property)
+        return True
+
+    @property
+    def xp(self):
+        """cupy or numpy; in a light call a stand-in that makes the call's device and stream CuPy's current
+        ones at the first use of any cupy attribute. That stand-in is made at each read and never kept: kept on
+        the call it would tie the two in a reference cycle, and every array of the call (its outputs included)
+        would live on until Python's cyclic collector ran."""
+        xp = self._xp
+        return _LazyCupy(self) if xp is None else xp
+
+    @xp.setter
+    def xp(self, value):
+        self._xp = value
+
+    @property
+    def stream(self):
+        """The call's stream as a CuPy stream (None on CPU); made on first use in a light call, whose CuPy
+        device and stream are then entered (see :meth:`_enter_cupy`)."""
+        if self._light and self._active and not self._entered:
+            self._enter_cupy()
+        s = self._stream
+        if s is None and self.stream_ptr is not None:
+            s = self._stream = as_cupy_stream(self.stream_ptr, self.device_id)
+        return s
+
+    def _enter_cupy(self):
+        """A light call about to use CuPy: make its device and stream CuPy's current ones (left at exit)."""
+        if self._entered or not self._active:
+            return
+        s = self._stream
+        if s is None:
+            s = self._stream = as_cupy_stream(self.stream_ptr, self.device_id)
+        self._device.__enter__()
+        try:
+            s.__enter__()
+        except BaseException:
+            self._device.__exit__(None, None, None)
+            raise
+        self._entered = True
 
     # -- import --------------------------------------------------------------------------------------
     def _import(self, obj, name):
@@ -522,10 +649,10 @@ class Call:
             # torch CUDA tensor on torch's current stream (the stream this call runs on): read its pointer,
             # shape and strides directly; DLPack's stream handshake would be a no-op here.
             dt = _torch_np_dtype(obj.dtype)
-            if dt is not None and obj.is_cuda:
+            if dt is not None:  # a CUDA tensor: the call's backend (every array is on its device)
                 fp8 = dt.itemsize == 1 and dt in FP8_DTYPES
                 if (self._lean or fp8) and obj.is_contiguous():
-                    return DevArray(obj.data_ptr(), tuple(obj.shape), dt, obj, self.device_id)
+                    return DevArray(obj.data_ptr(), tuple(obj.shape), dt, obj, self.device_id, 0, True)
                 if fp8:
                     return fp8_array(_cupy_over(obj.data_ptr(), tuple(obj.shape), _UINT8, tuple(obj.stride()),
                                                 obj, self.device_id), dt, self.stream)
@@ -573,50 +700,42 @@ class Call:
 
     # -- context ---------------------------------------------------------------------------------------
     def __enter__(self):
-        if self._device is not None:
+        if self._light:
+            self._prev_light = getattr(_light, "call", None)
+            _light.call = self
+            self._active = True
+        elif self._device is not None and not self._current:
+            s = self.stream
             self._device.__enter__()
-            self.stream.__enter__()
+            s.__enter__()
+            self._entered = True
         return self
 
     def __exit__(self, *exc):
-        if self._device is not None:
-            self.stream.__exit__(*exc)
+        if self._light:
+            self._active = False
+            _light.call = self._prev_light
+        if self._entered:
+            self._entered = False
+            self._stream.__exit__(*exc)
             self._device.__exit__(*exc)
         return False
 
     # -- allocation ------------------------------------------------------------------------------------
-    @property
-    def serving(self) -> bool:
-        """Whether results go straight into XLA's output buffers (a lean call inside a JAX callback)."""
-        return self._serve is not None
-
     def empty(self, shape, dtype):
-        """An uninitialized result array on the call's device and stream: in a lean call one of XLA's
-        output buffers (see :class:`serving`) or a torch tensor from torch's allocator (as a DevArray),
-        else a CuPy (CUDA) or NumPy (CPU) array; FP8 on CUDA: a DevArray (see :func:`fp8_array`)."""
-        if self._lean:
-            if self._rec is not None:
-                return self._rec.alloc(shape, dtype, "empty", self.device_id)
-            dtype = np.dtype(dtype)
-            shape = tuple(shape)
-            if self._serve:
-                n = math.prod(shape)
-                for i, d in enumerate(self._serve):
-                    if d.dtype == dtype and d.size == n:
-                        del self._serve[i]
-                        return d.reshape(shape)
-            if self._fast_torch:
-                return self._torch_empty(shape, dtype)
+        """An uninitialized result array on the call's device and stream: in a lean call from torch a torch
+        tensor from torch's allocator (as a DevArray), else a CuPy (CUDA) or NumPy (CPU) array; FP8 on CUDA:
+        a DevArray (see :func:`fp8_array`)."""
+        if self._lean and self._fast_torch:
+            return self._torch_empty(shape, dtype)
         if self.backend == "cuda" and np.dtype(dtype) in FP8_DTYPES:
             return self._fp8_empty(shape, np.dtype(dtype))
         return self.xp.empty(shape, dtype=dtype)
 
     def scratch(self, shape, dtype):
-        """Like :meth:`empty`, but never one of XLA's output buffers (working memory of one call)."""
-        if self._lean and self._rec is not None:
-            return self._rec.alloc(shape, dtype, "scratch", self.device_id)
+        """Working memory of one call (allocated as :meth:`empty` allocates)."""
         if self._lean and self._fast_torch:
-            return self._torch_empty(tuple(shape), np.dtype(dtype))
+            return self._torch_empty(shape, dtype)
         if self.backend == "cuda" and np.dtype(dtype) in FP8_DTYPES:
             return self._fp8_empty(shape, np.dtype(dtype))
         return self.xp.empty(shape, dtype=dtype)
@@ -627,19 +746,26 @@ class Call:
         if self.framework not in ("torch", "jax", "devarray"):
             raise TypeError(f"{self._first}: a {self.framework} array, and the result would be FP8 "
                             f"({dtype.name}), which CuPy cannot hold; pass torch or JAX arrays for FP8 on CUDA")
-        import cupy
-
-        return fp8_array(cupy.empty(tuple(shape), dtype=_UINT8), dtype)
+        self._enter_cupy()
+        return fp8_array(_cupy().empty(tuple(shape), dtype=_UINT8), dtype)
 
     def _torch_empty(self, shape, dtype):
-        import torch
+        """A torch tensor from torch's allocator (as a DevArray) of ``shape`` and ``dtype`` (a NumPy dtype or
+        its type, as the ops pass them)."""
+        pair = _ALLOC_DTYPES.get(dtype)
+        if pair is None:
+            dt = np.dtype(dtype)
+            pair = _ALLOC_DTYPES[dtype] = (dt, _torch_dtype_of(dt))
+        tdev = self._tdev
+        if tdev is None:
+            tdev = self._tdev = _torch_devices.get(self.device_id)
+            if tdev is None:
+                import torch
 
-        if self._tdev is None:
-            self._tdev = _torch_devices.get(self.device_id)
-            if self._tdev is None:
-                self._tdev = _torch_devices[self.device_id] = torch.device("cuda", self.device_id)
-        t = torch.empty(shape, dtype=_torch_dtype_of(dtype), device=self._tdev)
-        return DevArray(t.data_ptr(), shape, dtype, t, self.device_id)
+                tdev = self._tdev = _torch_devices[self.device_id] = torch.device("cuda", self.device_id)
+        shape = tuple(shape)
+        t = _torch_module().empty(shape, dtype=pair[1], device=tdev)
+        return DevArray(t.data_ptr(), shape, pair[0], t, self.device_id, 0, True)
 
     # -- export ----------------------------------------------------------------------------------------
     def out(self, arr):
@@ -734,6 +860,49 @@ def as_fp8(arr, dtype, framework: str):
 
         return jax.lax.bitcast_convert_type(arr, np.dtype(dtype))
     return arr.view(np.dtype(dtype))
+
+
+# The ops keep the results of their shape, dtype and settings checks by signature: the arrays' (shape, dtype)
+# and each setting with its type (True and 1, or "softmax" and a str subclass, validate apart), floats by
+# their bits (0.0 and -0.0 scale apart). Only checks that passed are kept; a key that cannot be hashed (an
+# unhashable setting) is checked every time.
+_VALIDATED_MAX = 1024  # entries a cache keeps (then it starts again)
+_UNHASHABLE = []  # the key part of something that is no array: the checks run (and raise) uncached
+
+
+def sig(a):
+    """An array's part of a validation key (None for None)."""
+    if a is None:
+        return None
+    try:
+        return a.shape, a.dtype
+    except AttributeError:
+        return _UNHASHABLE
+
+
+def float_key(v):
+    """A float setting's part of a validation key."""
+    return (type(v), float(v).hex()) if isinstance(v, (float, np.floating)) else (type(v), v)
+
+
+def validated(cache: dict, key):
+    """The checks' result for ``key`` (None: not checked yet, or ``key`` cannot be hashed)."""
+    try:
+        return cache.get(key)
+    except TypeError:
+        return None
+
+
+def remember(cache: dict, key, result):
+    """``result`` of the checks, kept for ``key`` (where it can be hashed)."""
+    try:
+        hash(key)
+    except TypeError:
+        return result
+    if len(cache) >= _VALIDATED_MAX:
+        cache.clear()
+    cache[key] = result
+    return result
 
 
 # -- validation helpers used by every op ---------------------------------------------------------------

@@ -4,7 +4,8 @@ backend ``ipc``).
 :class:`moe_rt.ep.EpGroup` is the algorithm (validation, the plan, the handle); this module moves its rows,
 behind the interface every transport offers (see :mod:`moe_rt.ep`): :meth:`DirectTransport.forward` (the
 dispatch direction) and :meth:`DirectTransport.reduce` (the combine direction), each a barrier and one
-fused kernel, plus ``failed_op`` and ``close``. Every rank
+fused kernel (one call into the C core's direct group, csrc/ep_direct.c, which plans and launches them with
+the row map, weight copy and fill around them), plus ``failed_op`` and ``close``. Every rank
 owns a few plain ``cudaMalloc`` buffers (not CuPy pool sub-allocations: a CUDA IPC handle covers a whole
 allocation) and maps every peer's buffers into its own address space with ``cudaIpcOpenMemHandle`` (lazy
 peer access). The IPC handles travel once per buffer through the group's communicator (an all-gather on a
@@ -54,10 +55,9 @@ import socket
 
 import numpy as np
 
-from moe_rt import _jit
-from moe_rt._ep_rows import Fp8Rows, bound, fill_outputs, regions, slot_values
+from moe_rt import _core, _jit
+from moe_rt._ep_rows import Fp8Rows
 from moe_rt._ep_rows import unit as _unit
-from moe_rt.permutation import _resident_ctas
 
 _FILE = "ep.cu"
 _UNITS = {16: "uint4", 8: "uint2", 4: "unsigned", 2: "unsigned short", 1: "unsigned char"}
@@ -69,8 +69,6 @@ _names += [f"ep_direct_dispatch<uint4, {_PUSH_UNROLL}, {k}>" for k in Fp8Rows.si
 for _c in _jit.CTYPES.values():
     for _v in ("true", "false"):
         _names.append(f"ep_direct_combine<{_c}, {_v}>")
-_THREADS = 512  # the fused kernels: one warp per row, 16 rows of a chunk at a time
-_MAX_CHUNK = 32  # rows a chunk flag covers, at most
 _jit.register(_FILE, _names)
 
 OPS = {1: "dispatch", 2: "combine", 3: "dispatch_bwd", 4: "combine_bwd", 5: "close", 6: "prepare"}
@@ -305,12 +303,12 @@ class DirectTransport:
         self._op_wait = op_wait if op_wait is not None else (lambda stream, op: wait(stream))
         self._stages = {}
         self._order = []
-        # per-call work made once: (row bytes, K) -> the stage pair; launch set-ups (kernel, grid, constant
-        # arguments) by what they depend on; stage views by (address, rows, cols, dtype)
-        self._pairs, self._launches, self._views = {}, {}, {}
+        # per-call work made once: (row bytes, K) -> the stage pair; stage views by (address, rows, cols, dtype)
+        self._pairs, self._views = {}, {}
         self.closed = False
         self._err_ptr = 0
         self.bar = self.flags = None
+        self._core = None  # the core group (moe_rt_ep_direct_group): plans and launches every op's kernels
         with cupy.cuda.Device(self.device):
             stream = cupy.cuda.get_current_stream()
             self._err_ptr = int(runtime.hostAlloc(64, runtime.hostAllocMapped))
@@ -322,6 +320,9 @@ class DirectTransport:
                 peers = range(self.lo, self.hi)
                 self.bar = _Shared(comm, 4 * self.R, stream, wait, zero=True, peers=peers)
                 self.flags = _Shared(comm, 4 * self.R * self.P, stream, wait, zero=True, peers=peers)
+                self._core = _core.ep_direct_group_create(
+                    _core.device(self.device), self.R, self.me, self.lo, self.hi, self.P, self.timeout_ns,
+                    self.bar.table.data.ptr, self.flags.table.data.ptr, self.state.data.ptr, self._err_ptr)
             except BaseException:
                 self.close()
                 raise
@@ -348,6 +349,8 @@ class DirectTransport:
             if st is None:
                 st = self._shared(key, self.R * self.P * rb, f"its {rb}-byte-row receive stage", stream, wait)
             out.append(st)
+        self._core.add_stage(int(row_bytes), int(K), _stage_unit(out[0]), out[0].local, out[0].table.data.ptr,
+                             out[1].local, out[1].table.data.ptr)
         pair = self._pairs[(row_bytes, K)] = (out[0], out[1])
         return pair
 
@@ -393,9 +396,10 @@ class DirectTransport:
 
     # -- the interface ---------------------------------------------------------------------------------
     def forward(self, call, h, x, w, op, *, expand=True, want_w=False, fp8=None, zero=True):
-        """The dispatch direction (``op``: ``"dispatch"`` or ``"combine_bwd"``): barrier (every rank finished
-        the previous op) -> one kernel pushing this rank's rows of ``x [T,H]`` (and fp32 weights ``w [T,K]``
-        or None, received into the handle's recv_wk) into the destinations' stages chunk by chunk.
+        """The dispatch direction (``op``: ``"dispatch"`` or ``"combine_bwd"``): one core call
+        (moe_rt_ep_direct_dispatch): barrier (every rank finished the previous op) -> one kernel pushing this rank's
+        rows of ``x [T,H]`` (and fp32 weights ``w [T,K]`` or None, received into the handle's recv_wk) into the
+        destinations' stages chunk by chunk -> the handle's row map (exact mode, first use) and the weights' copy.
 
         Returns, with ``expand``, ``(rows [N,H] expert-major, weights [N] fp32 or None)``: the kernel expands
         each received chunk as it lands, then padding rows are zeroed (left unwritten with ``zero=False``) and
@@ -404,198 +408,99 @@ class DirectTransport:
         :class:`moe_rt._ep_rows.Fp8Rows` (with ``expand``): ``x`` holds packed FP8 rows, which the kernel
         splits (or dequantizes) into ``fp8``'s outputs as it expands them; ``rows`` is their tuple."""
         if not expand:
-            stage, row_map = self._push(call, h, x, w, op, None)
-            return self._recv_buf(call, h, stage, row_map)
+            return self.push(call, h, x, w, op, recv=True)
         N = h.sizes["N"]
         out = call.empty((N, int(x.shape[1])), x.dtype) if fp8 is None else fp8.empty(call.xp, N)
         out_w = call.empty((N,), np.float32) if want_w else None
-        self._push(call, h, x, w, op, out, False, fp8)
-        fill_outputs(call, h, out, out_w, regions(h)["recv_wk"] if want_w else None, fp8, zero)
+        self.push(call, h, x, w, op, out, fp8, fill=True, out_w=out_w, zero=zero)
         return out, out_w
 
     def reduce(self, call, h, y, w, gw, op):
-        """The combine direction (``op``: ``"combine"`` or ``"dispatch_bwd"``): barrier (every rank finished
-        reading the stages of the previous op) -> one kernel reducing each received row over this rank's
-        experts (``y [N,H]`` expert-major, weights ``w [rows,K]`` fp32 (or their device address) or None;
-        ``gw [N]`` fp32 or None taken back to the slots as weight partials) straight into its owner's stage
-        chunk by chunk, and summing this rank's tokens over ranks as their chunks land.
+        """The combine direction (``op``: ``"combine"`` or ``"dispatch_bwd"``): one core call
+        (moe_rt_ep_direct_combine): the weight partials' slots (with ``gw``), barrier (every rank finished reading
+        the stages of the previous op) -> one kernel reducing each received row over this rank's experts
+        (``y [N,H]`` expert-major, weights ``w [rows,K]`` fp32 (or their device address) or None; ``gw [N]`` fp32
+        or None taken back to the slots as weight partials) straight into its owner's stage chunk by chunk, and
+        summing this rank's tokens over ranks as their chunks land.
 
         Returns ``(out [T,H] y.dtype, grad_w [T,K] fp32, or None when gw is None)``."""
-        zw = None if gw is None else slot_values(call, h, gw)
-        s, sz = call.stream, h.sizes
-        rows_st, w_st = self.stages(int(y.shape[1]) * y.dtype.itemsize, sz["K"], s,
-                                    lambda st: self._op_wait(st, op))
-        self.barrier(s, op)
-        return self.combine(call, h, y, w, zw, rows_st, w_st, sz["T"], gw is not None, op)
+        return self.combine(call, h, y, w, op, gw=gw)
 
-    def _push(self, call, h, x, w, op, out, want_stage=True, fp8=None):
-        """The stages for x's rows, the op's barrier, then :meth:`dispatch` expanding into ``out`` (expert-major
-        [N,H], or ``fp8``'s outputs; None: only wait for every chunk). Returns ``(stage [R*P,H] view (None
-        unless want_stage), row map or None)``: received row r sits at stage row ``map[r]`` (capacity mode: at
-        r; the own share is not in the stage unless ``out`` is None). The received weights are copied into the
-        handle's recv_wk."""
-        s = call.stream
-        sz = h.sizes
-        K, H = sz["K"], x.shape[1]
-        rows_st, w_st = self.stages(H * x.dtype.itemsize, K, s, lambda st: self._op_wait(st, op))
-        self.barrier(s, op)
-        self.dispatch(call, h, x, w, rows_st, w_st, out, op, fp8)
-        row_map = self._row_map(call, h)
-        if w is not None:
-            self.copy_rows(call, w_st.local, row_map, regions(h)["recv_wk"], None, sz["rows"], K * 4)
-        return (self.view(rows_st, sz["R"] * sz["P"], H, x.dtype) if want_stage else None), row_map
+    def push(self, call, h, x, w, op, out=None, fp8=None, *, fill=False, out_w=None, zero=True, recv=False):
+        """The stages for x's rows (made on first use), then one core call: the op's barrier, ep_direct_dispatch
+        expanding into ``out`` (expert-major [N,H], or ``fp8``'s outputs; None: only wait for every chunk), the
+        handle's row map (exact mode, first use), the received weights copied into the handle's recv_wk, and
+        with ``fill`` the padding rows zeroed / ``out_w`` laid out (:meth:`forward`). ``recv``: returns the
+        received rows ``[rows,H]`` in the handle's layout (the stage itself in capacity mode (received row r is
+        stage row r), a packed copy in exact mode); else None."""
+        s, sz = call.stream, h.sizes
+        K, H = sz["K"], int(x.shape[1])
+        rb = H * x.dtype.itemsize
+        rows_st, _ = self.stages(rb, K, s, lambda st: self._op_wait(st, op))
+        m, make = self._row_map(call, h)
+        buf = None
+        if recv:
+            buf = (self.view(rows_st, sz["R"] * sz["P"], H, x.dtype) if m is None
+                   else call.xp.empty((sz["rows"], H), x.dtype))
+        if fp8 is None:
+            kind, dt, hid, o0, o1 = 0, 0, 0, (out.data.ptr if out is not None else 0), 0
+        elif fp8.dtype is None:
+            kind, dt, hid, o0, o1 = 1, 0, fp8.H, out[0].data.ptr, out[1].data.ptr
+        else:
+            kind, dt, hid, o0, o1 = 2, _core.CODES[fp8.dtype], fp8.H, out[0].data.ptr, 0
+        _core.ep_direct_dispatch(self._core, OP_CODES[op], self._handle(h), x.data.ptr, rb,
+                                 w.data.ptr if w is not None else 0, kind, dt, hid, o0, o1,
+                                 out_w.data.ptr if out_w is not None else 0, int(fill), int(zero),
+                                 buf.data.ptr if recv and m is not None else 0, m.data.ptr if m is not None else 0,
+                                 make, 1, s.ptr, int(w is not None))
+        return buf
+
+    def combine(self, call, h, y, w, op, *, gw=None, zw=None, barrier=True):
+        """One core call (moe_rt_ep_direct_combine): [``gw`` taken back to the slots], [the op's barrier],
+        ep_direct_combine: each received row's partial over its local experts (weights ``w [rows,K]`` or their
+        address, or None; weight partials: ``gw [N]`` expert-major, or ``zw [rows,K]`` already laid out (the
+        mixed transport), or None) pushed into its owner's stage chunk by chunk, then this rank's tokens summed
+        over ranks from its own stage as the chunks land. Returns ``(out [T,H] in y's dtype, grad_w [T,K] fp32
+        or None)``."""
+        s, sz = call.stream, h.sizes
+        K, H, T = sz["K"], int(y.shape[1]), sz["T"]
+        if gw is not None:
+            zw = call.xp.empty((sz["rows"], K), np.float32)
+        self.stages(H * y.dtype.itemsize, K, s, lambda st: self._op_wait(st, op))
+        out = call.empty((T, H), y.dtype)
+        gwt = call.empty((T, K), np.float32) if zw is not None else None
+        _core.ep_direct_combine(self._core, OP_CODES[op], self._handle(h), y.data.ptr, _core.CODES[y.dtype], H,
+                                0 if w is None else w if isinstance(w, int) else w.data.ptr,
+                                gw.data.ptr if gw is not None else 0, zw.data.ptr if zw is not None else 0,
+                                out.data.ptr, gwt.data.ptr if gwt is not None else 0, int(barrier), s.ptr)
+        return out, gwt
+
+    def _handle(self, h):
+        """The handle as the core takes it: (buffer, R, L, Tmax, K, P, rows, N, T, exact), made once per handle."""
+        a = h.state.get("epd")
+        if a is None:
+            sz = h.sizes
+            a = h.state["epd"] = (h.buffer.data.ptr, sz["R"], sz["L"], sz["Tmax"], sz["K"], sz["P"], sz["rows"],
+                                  sz["N"], sz["T"], int(h.mode != "capacity"))
+        return a
 
     def _row_map(self, call, h):
-        """None in capacity mode (received row r is stage row r: recv_off[s] = s*P); in exact mode the stage
-        row s*P + j of each packed received row recv_off[s] + j (int32 [rows] on the device, made on first
-        use and cached on the handle: handles rebuilt from a buffer by the adapters make it again)."""
+        """``(map, make)``: None in capacity mode (received row r is stage row r: recv_off[s] = s*P); in exact mode
+        int32 [max(rows,1)] on the device, the stage row s*P + j of each packed received row recv_off[s] + j,
+        cached on the handle (handles rebuilt from a buffer by the adapters make it again) and computed by the
+        core call that gets ``make`` = 1."""
         if h.mode == "capacity":
-            return None
+            return None, 0
         m = h.state.get("row_map")
-        if m is None:
-            m = h.state["row_map"] = self.row_map(call, h)
-        return m
-
-    def _recv_buf(self, call, h, stage, row_map):
-        """The received rows in the handle's layout ([rows,H]): the stage itself in capacity mode, a packed
-        copy in exact mode."""
-        if row_map is None:
-            return stage
-        rows, H = h.sizes["rows"], int(stage.shape[1])
-        buf = call.xp.empty((rows, H), stage.dtype)
-        self.copy_rows(call, stage.data.ptr, row_map, buf.data.ptr, None, rows, H * stage.dtype.itemsize)
-        return buf
+        if m is not None:
+            return m, 0
+        m = h.state["row_map"] = call.xp.empty(max(h.sizes["rows"], 1), np.int32)
+        return m, 1
 
     # -- kernels ---------------------------------------------------------------------------------------
     def barrier(self, stream, op):
         """ep_direct_barrier on ``stream`` among the ranks of the node (``op`` names the op in a timeout)."""
-        c = self._launches.get(op)
-        if c is None:  # every argument is fixed per op
-            bound(self._launches)
-            c = self._launches[op] = (
-                _jit.function(_FILE, "ep_direct_barrier"), max(32, -(-(self.hi - self.lo) // 32) * 32),
-                (self.bar.table, np.int32(self.R), np.int32(self.me), self.state, np.int64(self.timeout_ns),
-                 self._err_ptr, np.int32(OP_CODES[op]), np.int32(self.lo), np.int32(self.hi)))
-        _jit.launch_raw(c[0], 1, c[1], c[2], 0, stream)
-
-    def _grid(self, fn, call, work):
-        """Blocks of a fused kernel: at most one resident wave (its blocks wait on each other's peers), at
-        most ``work`` items."""
-        return max(1, min(int(work), _resident_ctas(fn, _THREADS, call.device_id)))
-
-    def chunk_rows(self, h):
-        """Rows a chunk flag covers, the same on every rank (writers and readers index flags by it): from the
-        pair capacity P, about four push items per block of a wave of two blocks on each of 132 SMs when
-        the pairs are full, at least one row per warp of a block (the kernels move a chunk's rows one warp
-        each: a smaller chunk leaves warps idle; measured on 2 H100 at T=4096, C=4 kept 4 of 16 warps
-        busy), at most _MAX_CHUNK rows; never more than P. (The pairs pushed: those with the node's other
-        ranks.)"""
-        P = h.sizes["P"]
-        c = max(_THREADS // 32, -(-P * max(1, self.hi - self.lo - 1) // (4 * 2 * 132)))
-        return int(max(1, min(_MAX_CHUNK, P, c)))
-
-    def dispatch(self, call, h, x, w, rows_st, w_st, out, op, fp8=None):
-        """ep_direct_dispatch (after the op's leading barrier): this rank's rows (and fp32 weights [T,K], or
-        None) pushed into the peers' stages chunk by chunk, and every received row expanded into ``out``
-        (the expert-major [N,H] rows, or None: only wait for every chunk; with ``fp8``, an Fp8Rows, the tuple
-        of its outputs, which the kernel's sink splits the packed rows into) as its chunk lands; the own share
-        straight from x."""
-        sz = h.sizes
-        K, P = sz["K"], sz["P"]
-        rb = x.shape[1] * x.dtype.itemsize
-        if rb == 0:
-            return
-        xp_ = x.data.ptr
-        if fp8 is None:
-            sink, outs = None, (out.data.ptr if out is not None else 0, 0, np.int32(0))
-            u = min(_unit(rb, xp_, outs[0]), _stage_unit(rows_st))  # powers of two: the unit of every address
-        else:
-            u = min(_unit(rb, xp_), _stage_unit(rows_st))
-            Fp8Rows.check_unit(u)
-            sink, *outs = fp8.sink(out)
-        key = ("dispatch", rb, u, K, P, op, sink, call.device_id)
-        c = self._launches.get(key)
-        if c is None:  # the kernel, its grid, the stage tables and the arguments after the op's pointers
-            bound(self._launches)
-            fn = _jit.function(_FILE, f"ep_direct_dispatch<{_UNITS[u]}, {_PUSH_UNROLL}>" if sink is None
-                               else f"ep_direct_dispatch<uint4, {_PUSH_UNROLL}, {sink}>")
-            C = self.chunk_rows(h)
-            c = self._launches[key] = (
-                fn, self._grid(fn, call, -(-P // C) * (self.hi - self.lo)), (rows_st.table, w_st.table, self.flags.table),
-                (self.state, self._err_ptr, np.int64(self.timeout_ns), np.int32(OP_CODES[op]), np.int32(self.R),
-                 np.int32(self.me), np.int32(P), np.int32(K), np.int32(C), np.int64(rb // u), np.int32(self.lo),
-                 np.int32(self.hi)))
-        a = regions(h)
-        _jit.launch_raw(c[0], c[1], _THREADS,
-                        (xp_, w.data.ptr if w is not None else 0, *c[2], a["send_tok"], a["meta"], a["dst_row"], *outs,
-                         *c[3]), 0, call.stream)
-
-    def combine(self, call, h, y, w, zw, rows_st, w_st, T, want_w, op):
-        """ep_direct_combine (after the op's leading barrier): each received row's partial over its local
-        experts (weights w [rows,K] or none; weight partials zw [rows,K] or None) pushed into its owner's stage
-        chunk by chunk, then this rank's tokens summed over ranks from its own stage as the chunks land.
-        Returns ``(out [T,H] in y's dtype, grad_w [T,K] fp32 or None)``."""
-        sz = h.sizes
-        K, H = sz["K"], y.shape[1]
-        out = call.empty((T, H), y.dtype)
-        gw = call.empty((T, K), np.float32) if want_w else None
-        yp, outp = (y.data.ptr if y.size else 0), out.data.ptr
-        vec = (H * y.dtype.itemsize) % 16 == 0 and yp % 16 == 0 and outp % 16 == 0 and _stage_unit(rows_st) == 16
-        key = ("combine", y.dtype, vec, K, T, H, op, call.device_id)
-        c = self._launches.get(key)
-        if c is None:  # the kernel, its grid, the stage tables and the arguments after the op's pointers
-            bound(self._launches)
-            L, Tmax, P = sz["L"], sz["Tmax"], sz["P"]
-            fn = _jit.function(_FILE, f"ep_direct_combine<{_jit.ctype(y.dtype)}, {'true' if vec else 'false'}>")
-            C = self.chunk_rows(h)
-            work = max(-(-P // C) * (self.hi - self.lo), -(-T // (_THREADS // 32)))
-            c = self._launches[key] = (
-                fn, self._grid(fn, call, work), (rows_st.table, w_st.table, self.flags.table),
-                (self.state, self._err_ptr, np.int64(self.timeout_ns), np.int32(OP_CODES[op]), np.int32(self.R),
-                 np.int32(self.me), np.int32(P), np.int32(K), np.int32(L), np.int32(Tmax), np.int32(T), np.int32(C),
-                 np.int64(H), np.int32(self.lo), np.int32(self.hi)))
-        a = regions(h)
-        _jit.launch_raw(c[0], c[1], _THREADS,
-                        (yp, w if w is not None else 0, zw if zw is not None else 0, *c[2], a["dst_row"],
-                         a["send_pos"], a["routing"], a["meta"], outp, gw if gw is not None else 0,
-                         *c[3]), 0, call.stream)
-        return out, gw
-
-    def copy_rows(self, call, src_ptr, src_map, dst_ptr, dst_map, rows, row_bytes, guarded=True):
-        """ep_copy_rows: ``rows`` rows of ``row_bytes`` from src (row ``src_map[r]`` when a map is given) to dst
-        (row ``dst_map[r]``); skipped on the device after a failed barrier when ``guarded``."""
-        if rows <= 0 or row_bytes <= 0:
-            return
-        u = _unit(row_bytes, src_ptr, dst_ptr)
-        key = ("copy", rows, row_bytes, u, guarded, call.device_id)
-        c = self._launches.get(key)
-        if c is None:
-            bound(self._launches)
-            units = row_bytes // u
-            c = self._launches[key] = (
-                _jit.function(_FILE, f"ep_copy_rows<{_UNITS[u]}>"),
-                max(1, min(rows, _jit.device_properties(call.device_id)["sm_count"] * 16)),
-                int(min(512, max(32, -(-units // 32) * 32))),
-                (self.state if guarded else 0, np.int64(rows), np.int64(units)))
-        _jit.launch_raw(c[0], c[1], c[2], (src_ptr, src_map if src_map is not None else 0, dst_ptr,
-                                           dst_map if dst_map is not None else 0, *c[3]), 0, call.stream)
-
-    def row_map(self, call, h):
-        """int32 [rows]: the stage row (s*P + j) of each received row of the handle's layout."""
-        sz = h.sizes
-        rows = sz["rows"]
-        m = call.xp.empty(max(rows, 1), np.int32)
-        if rows:
-            key = ("row_map", rows, sz["P"], call.device_id)
-            c = self._launches.get(key)
-            if c is None:
-                bound(self._launches)
-                c = self._launches[key] = (
-                    _jit.function(_FILE, "ep_direct_row_map"),
-                    max(1, min(-(-rows // 256), _jit.device_properties(call.device_id)["sm_count"] * 8)),
-                    (np.int32(self.R), np.int32(sz["P"]), np.int64(rows)))
-            _jit.launch_raw(c[0], c[1], 256, (regions(h)["meta"], *c[2], m), 0, call.stream)
-        return m
+        _core.ep_direct_barrier(self._core, OP_CODES[op], stream.ptr)
 
     def close(self):
         """Teardown (a collective; idempotent): wait for this device, one last barrier (every rank has
@@ -618,7 +523,10 @@ class DirectTransport:
                 self.closed = True
                 shared = [self._stages[k] for k in reversed(self._order)] + [b for b in (self.flags, self.bar) if b]
                 self._stages, self._order, self.bar, self.flags = {}, [], None, None
-                self._pairs, self._launches, self._views = {}, {}, {}
+                self._pairs, self._views = {}, {}
+                if self._core is not None:
+                    self._core.destroy()
+                    self._core = None
                 for st in shared:  # every IPC mapping of the peers' buffers first
                     st.close_mappings()
                 for st in shared:  # then this rank's own allocations

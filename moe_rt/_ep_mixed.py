@@ -86,14 +86,13 @@ class MixedTransport:
         outputs; ``rows`` is their tuple."""
         d = self.direct
         if not expand:
-            stage, row_map = d._push(call, h, x, w, op, None)
-            buf = d._recv_buf(call, h, stage, row_map)
+            buf = d.push(call, h, x, w, op, recv=True)
             self._forward_remote(call, h, x, w, buf, None)
             return buf
         N, xp = h.sizes["N"], call.xp
         out = xp.empty((N, int(x.shape[1])), x.dtype) if fp8 is None else fp8.empty(xp, N)
         out_w = xp.empty(N, np.float32) if want_w else None
-        d._push(call, h, x, w, op, out, False, fp8)
+        d.push(call, h, x, w, op, out, fp8)
         self._forward_remote(call, h, x, w, None, out, fp8)
         fill_outputs(call, h, out, out_w, recv_wk(h) if want_w else None, fp8, zero)
         return out, out_w
@@ -137,7 +136,7 @@ class MixedTransport:
             for c_sc, c_so, c_rc, c_ro in parts:
                 send = [rows_of(c_so[p], c_sc[p]) if c_sc[p] else None for p in range(R)]
                 nc._exchange(s, rb, K, (send, zw, c_sc, c_so), (stage, wstage, c_rc, c_ro))
-        return d.combine(call, h, y, w, zw, rows_st, w_st, sz["T"], gw is not None, op)
+        return d.combine(call, h, y, w, op, zw=zw, barrier=False)
 
     # -- the NCCL pass ---------------------------------------------------------------------------------
     def _forward_remote(self, call, h, x, w, buf, out, fp8=None):

@@ -7,8 +7,9 @@ record the first bad id they meet in the device's **error word** and go on treat
 is written out of bounds, the slot is dropped. The error is raised, with the CPU path's message, at the
 next host-visible point:
 
-- :func:`check` (``moe_rt.check``): waits for the device, reads and clears the word, raises (also the word
-  of the C core's context on which moe_rt.jax's XLA handlers run ``make_plan``);
+- :func:`check` (``moe_rt.check``): waits for the device, reads and clears the word, raises (also the words
+  of the C core's contexts: the one on which moe_rt.jax's XLA handlers run, and the one of the Python ops
+  that call the core, :mod:`moe_rt._core`);
 - the host reads moe_rt already makes: exact-mode ``EpGroup.prepare``'s count read,
   ``EpGroup.synchronize`` and ``EpGroup.check_overflow``;
 - at once, with a sync after the op, under the debug switch: ``validate=True`` on ``make_plan`` /
@@ -187,6 +188,26 @@ def _check_stream_arg(stream) -> None:
         raise TypeError(f"stream: expected a CUDA stream, an int cudaStream_t or None, got {type(stream).__name__}")
 
 
+def _check_core(core, device, stream) -> None:
+    """:func:`check` for the core contexts of the Python ops: wait (the whole device, or ``stream``) and raise
+    what the device's core error word holds (moe_rt_check reads and clears it)."""
+    import cupy
+
+    from moe_rt import _arrays
+
+    if stream is not None and device is None:
+        device = cupy.cuda.Device().id
+    for d in ([device] if device is not None else sorted(core._devices)):
+        if d not in core._devices:
+            continue
+        with cupy.cuda.Device(d):
+            if stream is None:
+                cupy.cuda.runtime.deviceSynchronize()
+                core.check(d, 0)
+            else:
+                core.check(d, _arrays.as_cupy_stream(stream, d).ptr)
+
+
 def check(device=None, *, stream=None) -> None:
     """Raise the bad expert ids the CUDA kernels recorded since the last check, as the CPU path raises them
     at once: ``ValueError("topk_idx: expert ids must be in [-1, num_experts=E), got V")`` (``routing:`` for
@@ -213,6 +234,9 @@ def check(device=None, *, stream=None) -> None:
     xla = sys.modules.get("moe_rt._xla")
     if xla is not None:  # moe_rt.jax's XLA handlers run make_plan in the C core, with its own error word
         xla.check(device)
+    core = sys.modules.get("moe_rt._core")
+    if core is not None and core._devices:  # the Python ops' core contexts (moe_rt._core), a word each
+        _check_core(core, device, stream)
     if not _words:
         return
     import cupy

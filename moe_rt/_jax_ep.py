@@ -307,18 +307,23 @@ def ep_combine(handle: JaxEpHandle, y, recv_weights=None):
 
 # -- the low-latency mode (moe_rt.LowLatencyGroup) ---------------------------------------------------------
 #
-# ll_dispatch / ll_combine: custom_vjp functions over buffer_callback, like ep_dispatch / ep_combine. XLA
-# owns every output buffer, so recv_x (and the expert outputs' gradient, which the group writes into its
-# receive buffer) is copied out of the group's receive buffer: only the rows of valid slots are read.
+# ll_dispatch / ll_combine: custom_vjp functions. On CUDA each op and each VJP is an XLA FFI custom call
+# (csrc/xla_ffi.c moe_rt_xla_ll_*) that runs the group's core ops (moe_rt_ll_*) on XLA's stream with no
+# Python at run time: its attributes name the core group (address and serial, checked against the core's
+# registry of live groups) and the device; XLA owns every buffer: the handle's six tables are XLA's arrays
+# (dispatch's results), and the rows the group leaves in its receive buffer (recv_x, and combine's VJP's rows)
+# are copied into XLA's result (only valid slots read; moe_rt_copy_kept_rows). What the handlers need is made
+# when the op is lowered for CUDA: the group's shared buffers (on its first CUDA use: a collective, so every
+# rank lowers the same program) and core group, and the kernels loaded. On other platforms (the CPU: the
+# NumPy reference behind a one-rank group) they run as buffer_callback over the group's own ops.
 
-import weakref  # noqa: E402
-
-from moe_rt import permutation as _perm  # noqa: E402
+from moe_rt import _xla  # noqa: E402
+from moe_rt import ep_ll as _ep_ll  # noqa: E402
+from moe_rt.jax import _dtype_code, _ffi, _on_platform  # noqa: E402
 
 __all__ += ["JaxLLHandle", "ll_dispatch", "ll_combine"]
 
 _LL_ARRAYS = ("topk_idx", "topk_weights", "route", "slot_topk", "slot_weights", "counts")
-_ll_groups: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> LowLatencyGroup
 
 
 @jax.tree_util.register_pytree_node_class
@@ -351,39 +356,30 @@ class JaxLLHandle:
 
 
 def _ll_register(group) -> int:
-    from moe_rt.ep_ll import LowLatencyGroup
-
-    if not isinstance(group, LowLatencyGroup):
+    """Check ``group`` and keep it (strongly) in ep_ll's registry of groups a traced program may name, until
+    the group is closed (a program run after that fails with the core's message)."""
+    if not isinstance(group, _ep_ll.LowLatencyGroup):
         raise TypeError(f"group: expected a moe_rt.LowLatencyGroup, got {type(group).__name__}")
     group._alive("dispatch")
     if group.num_buffers != 1:
         raise ValueError(f"group: moe_rt.jax.ll_dispatch needs a LowLatencyGroup with num_buffers=1, got "
                          f"{group.num_buffers} (a dispatch takes its buffer set when it runs, and combine would "
                          f"need that choice on the host)")
-    _ll_groups[group.id] = group
+    _ep_ll.adopt(group)
     return group.id
 
 
 def _ll_lookup(group_id: int):
-    group = _ll_groups.get(int(group_id))
-    if group is None:
-        raise ValueError(f"low-latency group {group_id} is gone (garbage collected); keep the LowLatencyGroup "
-                         "alive while its handles are used")
-    return group
+    return _ep_ll.adopted(group_id)
 
 
 def _ll_core(group, T, K, arrays):
-    """A :class:`moe_rt.LowLatencyHandle` over the handle's arrays as seen inside a callback (NumPy on the
-    CPU, CuPy on the GPU; no copy)."""
-    from moe_rt.ep_ll import LowLatencyHandle
-
+    """The reference's :class:`moe_rt.LowLatencyHandle` over the handle's arrays as seen inside a CPU callback
+    (NumPy; no copy)."""
     idx, w, route, slot_k, slot_w, counts = arrays
-    a = dict(idx=idx, w=w, route=route, slot_k=slot_k, slot_w=slot_w, counts=counts)
-    if isinstance(idx, np.ndarray):  # the reference's handle (moe_rt.reference.ep_ll.dispatch)
-        a.update(rank=group.rank, R=group.size, L=group.num_local_experts, Tmax=group.max_tokens_per_rank, K=K,
-                 H=group.hidden, dtype=group.dtype, T=T)
-        return LowLatencyHandle(group, T, K, "cpu", 0, a)
-    return LowLatencyHandle(group, T, K, "cuda", int(idx.device.id), a)
+    a = dict(idx=idx, w=w, route=route, slot_k=slot_k, slot_w=slot_w, counts=counts, rank=group.rank, R=group.size,
+             L=group.num_local_experts, Tmax=group.max_tokens_per_rank, K=K, H=group.hidden, dtype=group.dtype, T=T)
+    return _ep_ll.LowLatencyHandle(group, T, K, "cpu", 0, a)
 
 
 def _ll_specs(group, T, K):
@@ -393,23 +389,32 @@ def _ll_specs(group, T, K):
             _spec((L, R * Tmax), f32), _spec((L,), i32)]
 
 
-def _ll_rows(buf, slot_k, zero: bool, out=None):
-    """The receive buffer's rows ``buf [L,R*Tmax,H]`` as a new array (on the GPU allocated inside the
-    callback, so it lands in XLA's output; or ``out``, allocated so before): valid slots copied, the others
-    zero when ``zero`` (else left unspecified). The reference's arrays are new already, zero at empty slots."""
-    if isinstance(buf, np.ndarray):
-        return buf
-    import cupy
-
-    if out is None:
-        out = cupy.empty(buf.shape, buf.dtype)
-    _perm.copy_kept_rows(buf, out, slot_k, zero_rest=zero, device_id=buf.device.id,
-                         stream=cupy.cuda.get_current_stream())
-    return out
-
-
 def _ll_handle_arrays(a):
     return [a["idx"].astype(np.int32, copy=False), a["w"], a["route"], a["slot_k"], a["slot_w"], a["counts"]]
+
+
+def _ll_ready(group, op, T, idx_dtype=None):
+    """When ``op`` is lowered for CUDA: the group's device, shared buffers (on its first CUDA use: a collective
+    with a host sync) and core group made, the kernels of ``op`` loaded into the group's device context, and
+    those of the receive rows' copy (and the handler library) into XLA's; returns the call's attributes naming
+    the group."""
+    devices = _xla.cuda_devices()
+    if not devices:
+        raise RuntimeError(f"moe_rt.jax.ll_{op}: lowered for CUDA but JAX has no local CUDA device")
+    dev = group.device if group.device is not None else int(devices[0].local_hardware_id)
+    group._alive(op)
+    core = group._llg
+    if core is None:
+        import cupy
+
+        with cupy.cuda.Device(dev):
+            if group._transport is None:
+                group._setup(dev)
+            core = group._core_group()
+    core.prepare(op, T, _dtype_code(idx_dtype) if idx_dtype is not None else _xla.DTYPE_CODES["int32"])
+    _xla.prepare("copy_kept_rows", N=group.num_local_experts * group.size * group.max_tokens_per_rank,
+                 row_bytes=group.hidden * group.dtype.itemsize, zero_rest=1)
+    return dict(group=np.int64(core.address), group_serial=np.int64(core.serial), device=np.int32(dev))
 
 
 # -- dispatch --------------------------------------------------------------------------------------------
@@ -418,20 +423,17 @@ def _ll_dispatch_impl(static, x, idx, w):
     gid, zero = static
     group = _ll_lookup(gid)
     T, K = int(idx.shape[0]), int(idx.shape[1])
+    specs = [_spec(group._slots_shape(), x.dtype)] + _ll_specs(group, T, K)
 
-    def fn(xv, iv, wv):
-        # the rows' output first: inside the callback an allocation of an output's byte size is served from
-        # that output's buffer, and the dispatch's one allocation of the handle's tables (larger than each
-        # table) could otherwise take the rows' buffer, which is written back first
-        rows = None
-        if not isinstance(xv, np.ndarray):
-            import cupy
+    def on_cuda(x, idx, w):
+        attrs = _ll_ready(group, "dispatch", T, idx.dtype)
+        return _ffi("ll_dispatch", specs, x, idx, w, zero_empty_slots=np.int32(zero), **attrs)
 
-            rows = cupy.empty(group._slots_shape(), group.dtype)
-        recv, _, h = group.dispatch(xv, iv, wv)
-        return [_ll_rows(recv, h._a["slot_k"], zero, rows)] + _ll_handle_arrays(h._a)
+    def fn(xv, iv, wv):  # the reference's rows: new arrays, zero at empty slots
+        recv, _, h = _ll_lookup(gid).dispatch(xv, iv, wv)
+        return [recv] + _ll_handle_arrays(h._a)
 
-    out = _run(fn, [_spec(group._slots_shape(), x.dtype)] + _ll_specs(group, T, K), x, idx, w)
+    out = _on_platform((x, idx, w), on_cuda, lambda *a: _run(fn, specs, *a), specs)
     return out[0], out[-1], tuple(out[1:])
 
 
@@ -448,15 +450,20 @@ def _ll_dispatch_fwd(static, x, idx, w):
 def _ll_dispatch_bwd(static, res, cts):
     arrays, w_tag = res
     g_recv, _, g_arrays = cts
-    group = _ll_lookup(static[0])
+    gid = static[0]
+    group = _ll_lookup(gid)
     T, K = int(arrays[0].shape[0]), int(arrays[0].shape[1])
+    specs = [_spec((T, group.hidden), g_recv.dtype), _spec((T, K), np.float32)]
+
+    def on_cuda(g, gsw, *hv):
+        return _ffi("ll_dispatch_bwd", specs, g, gsw, *hv, **_ll_ready(group, "dispatch_bwd", T))
 
     def fn(gv, gsv, *hv):
+        group = _ll_lookup(gid)
         gx, gw = group.dispatch_bwd(_ll_core(group, T, K, hv), gv, gsv)
         return [gx, gw]
 
-    gx, gw = _run(fn, [_spec((T, group.hidden), g_recv.dtype), _spec((T, K), np.float32)], g_recv,
-                  g_arrays[4], *arrays)
+    gx, gw = _on_platform((g_recv, g_arrays[4], *arrays), on_cuda, lambda *a: _run(fn, specs, *a), specs)
     # the handle's topk_weights (what ll_combine applies) are ll_dispatch's topk_weights as fp32
     return gx, None, (gw + g_arrays[1]).astype(w_tag.dtype)
 
@@ -468,14 +475,17 @@ def ll_dispatch(group, x, topk_idx, topk_weights, *, zero_empty_slots: bool = Tr
     """Differentiable :meth:`moe_rt.LowLatencyGroup.dispatch` for JAX (a collective; jit-compatible).
 
     Args:
-        group: a :class:`moe_rt.LowLatencyGroup`.
+        group: a :class:`moe_rt.LowLatencyGroup` (kept alive for the programs that name it until
+            :meth:`~moe_rt.LowLatencyGroup.close`; a program run after close raises).
         x: ``[T,H]`` in the group's dtype, ``T <= max_tokens_per_rank``.
         topk_idx: ``[T,K]`` int32/int64, ids in ``[-1, E)`` (not differentiable).
         topk_weights: ``[T,K]`` float: the weights :func:`ll_combine` applies.
         zero_empty_slots: rows of empty slots in ``recv_x`` are zero (default); False leaves them
             unspecified (as the group's op does), saving one write of the whole ``[L, R*Tmax, H]`` output.
 
-    Each call is a whole dispatch (no receive hook) on a group with ``num_buffers=1``.
+    Each call is a whole dispatch (no receive hook) on a group with ``num_buffers=1``. On the GPU the op and
+    its VJP are XLA custom calls (no Python at run time); lowering the first one for CUDA makes the group's
+    shared buffers (a collective: every rank lowers the same program).
 
     Returns:
         ``(recv_x [L, R*Tmax, H], counts [L] int32, handle)`` (a :class:`JaxLLHandle`): token ``t`` of rank
@@ -500,11 +510,16 @@ def ll_dispatch(group, x, topk_idx, topk_weights, *, zero_empty_slots: bool = Tr
 def _ll_combine(static, y, arrays):
     gid, T, K = static
     group = _ll_lookup(gid)
+    specs = [_spec((T, group.hidden), y.dtype)]
+
+    def on_cuda(y, *hv):
+        return _ffi("ll_combine", specs, y, *hv, **_ll_ready(group, "combine", T))
 
     def fn(yv, *hv):
+        group = _ll_lookup(gid)
         return [group.combine(_ll_core(group, T, K, hv), yv)]
 
-    return _run(fn, [_spec((T, group.hidden), y.dtype)], y, *arrays)[0]
+    return _on_platform((y, *arrays), on_cuda, lambda *a: _run(fn, specs, *a), specs)[0]
 
 
 def _ll_combine_fwd(static, y, arrays):
@@ -515,14 +530,22 @@ def _ll_combine_bwd(static, res, g):
     y, arrays = res
     gid, T, K = static
     group = _ll_lookup(gid)
+    slots = group._slots_shape()
+    specs = [_spec(slots, y.dtype), _spec((T, K), np.float32)]
+    n = slots[0] * slots[1]
 
-    def fn(gv, yv, *hv):
-        core = _ll_core(group, T, K, hv)
-        gy, gw = group.combine_bwd(core, gv, yv)
-        # gy is the receive buffer, zero at empty slots: the copy reads the valid rows and zeroes the rest
-        return [_ll_rows(gy, core._a["slot_k"], True), gw]
+    def on_cuda(g, y, *hv):
+        # a third result: the per-slot dots of the weight gradient (scratch)
+        out = _ffi("ll_combine_bwd", specs + [_spec((n,), np.float32)], g, y, *hv,
+                   **_ll_ready(group, "combine_bwd", T))
+        return out[:2]
 
-    gy, gw = _run(fn, [_spec(group._slots_shape(), y.dtype), _spec((T, K), np.float32)], g, y, *arrays)
+    def fn(gv, yv, *hv):  # the reference's rows: a new array, zero at empty slots
+        group = _ll_lookup(gid)
+        gy, gw = group.combine_bwd(_ll_core(group, T, K, hv), gv, yv)
+        return [gy, gw]
+
+    gy, gw = _on_platform((g, y, *arrays), on_cuda, lambda *a: _run(fn, specs, *a), specs)
     return gy, (None, gw, None, None, None, None)
 
 

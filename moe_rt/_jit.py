@@ -40,7 +40,7 @@ CTYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
 FLOAT_DTYPES = tuple(CTYPES)
 
 REGISTRY: dict[str, list[str]] = {}
-QUICK: set = set()  # (file, name) of quick kernels (function_tiered): compile-checked, not warmed up
+QUICK: set = set()  # (file, name) of quick kernels (stand-ins, see below): compile-checked, not warmed up
 _lock = threading.Lock()
 _functions: dict[tuple[str, str, int], object] = {}
 _CACHE_FORMAT = 2  # part of every key: bump when the cache entries' format changes
@@ -58,8 +58,8 @@ def ctype(dtype) -> str:
 
 def register(file: str, names, *, quick: bool = False) -> None:
     """Declare the name expressions (``"kernel<__half, 4>"`` or ``"extern_c_kernel"``) of ``file`` that
-    ops launch (at module import time). ``quick``: kernels that stand in for others while those compile
-    (:func:`function_tiered`); ``warmup`` leaves them out."""
+    ops launch (at module import time): what ``warmup`` compiles. ``quick``: kernels that stand in for others
+    while those compile (:func:`compile_in_background`); ``warmup`` leaves them out."""
     with _lock:
         lst = REGISTRY.setdefault(file, [])
         for n in names:
@@ -406,6 +406,79 @@ def add_to_manifest(root: str, kernels) -> Path:
     return out
 
 
+
+def cache_kernels(root: str, names, arch: str, where: str = "") -> None:
+    """Compile the kernels ``names`` ((file, name expression) each) for ``arch`` into the cache folder
+    ``root`` (those already there are read, not compiled) and list them in its manifest: what a C core context
+    on that folder needs to load them (moe_rt._core for the Python ops, moe_rt._xla for moe_rt.jax)."""
+    for file, name in names:
+        kernel_image(file, name, arch, root=root, where=where)
+    add_to_manifest(root, [(f, n, arch) for f, n in names])
+
+
+# ---- stand-ins: a first call that does not wait for a slow compile -----------------------------------
+# On a kernel-cache miss (moe_rt._core), a launch for which the C core's planner names a stand-in (the router
+# forward's: the same template compiled for the call's score case alone, which computes the same bits and
+# compiles in a fraction of the time) gets the stand-in compiled and loaded into the core context in its place,
+# and its own kernel compiles here on a background thread (NVRTC releases the GIL). When that is done, the
+# core context swaps it in at its next call outside a CUDA graph capture (moe_rt_context_end_stand_ins): calls
+# from then on are planned with it. A background compile that fails is logged; the next call that needs the
+# kernel compiles it in the foreground, and raises there. MOE_RT_TIERED=0 compiles every kernel in the
+# foreground instead. ``warmup`` compiles the kernels alone, never the stand-ins.
+
+TIERED = os.environ.get("MOE_RT_TIERED", "1") != "0"
+_background: dict = {}  # (root, file, name, arch) -> its compiling thread
+_failed: set = set()  # (root, file, name, arch) whose background compile failed: compiled in the foreground next
+stand_ins_loaded = 0  # stand-ins loaded so far (moe_rt._core counts them; tools/bench_compile.py reports them)
+
+
+def wants_stand_in(root: str, file: str, name: str, arch: str) -> bool:
+    """Whether a launch of kernel ``name`` with a stand-in should run the stand-in while ``name`` compiles in
+    the background: stand-ins are on, ``name`` is not in the cache folder ``root``, and no background compile
+    of it failed."""
+    return TIERED and (root, file, name, arch) not in _failed and not _entry(root, file, name, arch).is_file()
+
+
+def compile_in_background(root: str, file: str, name: str, arch: str, done) -> bool:
+    """Compile kernel ``name`` of ``file`` for ``arch`` into the cache folder ``root`` and its manifest on a
+    background thread, then call ``done(ok)`` on that thread. False (and nothing started) when one is already
+    compiling it."""
+    key = (root, file, name, arch)
+    with _lock:
+        if key in _background:
+            return False
+        th = _background[key] = threading.Thread(target=_compile_in_background, args=(key, done), daemon=True,
+                                                 name=f"moe_rt compile {name}")
+    th.start()
+    return True
+
+
+def _compile_in_background(key, done) -> None:
+    root, file, name, arch = key
+    try:
+        cache_kernels(root, [(file, name)], arch, where=" (in the background)")
+        ok = True
+    except Exception as e:  # noqa: BLE001 - said here; the next call that needs it compiles it again and raises
+        _failed.add(key)
+        _log.warning("moe_rt: compiling %s (%s) for %s in the background failed (%s); the next call that needs "
+                     "it compiles it in the foreground and raises", name, file, arch, str(e).splitlines()[0])
+        ok = False
+    try:
+        done(ok)
+    finally:
+        with _lock:
+            _background.pop(key, None)
+
+
+def settle(timeout: float | None = None) -> bool:
+    """Wait for the background compiles (:func:`compile_in_background`); True when none is left running. The
+    next call of each op then runs its own kernel. Benchmarks call it before timing, so that they time the
+    kernels later calls run."""
+    end = None if timeout is None else time.perf_counter() + timeout
+    for th in list(_background.values()):
+        th.join(None if end is None else max(0.0, end - time.perf_counter()))
+    return not any(th.is_alive() for th in list(_background.values()))
+
 # ---- loaded kernels ----------------------------------------------------------------------------------
 
 _CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK = 0
@@ -477,74 +550,11 @@ def function(file: str, name: str) -> Kernel:
         if name not in REGISTRY.get(file, ()):
             raise KeyError(f"kernel {name!r} of {file} is not registered")
         arch = arch_for(device_properties(dev)["cc"])
-        got = _compiled.pop((file, name, arch), None)
-        image, lowered = got if got is not None else kernel_image(file, name, arch)[:2]
+        image, lowered = kernel_image(file, name, arch)[:2]
         mod = cupy.cuda.function.Module()
         mod.load(image)
         fn = _functions[key] = Kernel(mod, lowered, name)
         return fn
-
-
-# ---- tiered compiles -----------------------------------------------------------------------------
-# The first call of a shape whose kernel is neither loaded nor cached runs a quick kernel (the same bits,
-# compiled for that call's case alone, in a fraction of the time) while the kernel for every case compiles
-# on a background thread (NVRTC releases the GIL); later calls take that kernel once it is ready. Ops that
-# cache their launch configuration keep it only when it is final, and a call that launches a quick kernel
-# is not recorded for replays (moe_rt._fast), so nothing keeps the quick kernel once the other is there.
-# MOE_RT_TIERED=0 compiles the kernel itself on first use instead.
-
-TIERED = os.environ.get("MOE_RT_TIERED", "1") != "0"
-_background: dict = {}  # (file, name, arch) -> its compiling thread
-_compiled: dict = {}  # (file, name, arch) -> (image, lowered): compiled in the background, not yet loaded
-provisional_calls = 0  # launches of quick kernels so far (tools/bench_compile.py reports them)
-
-
-def _device_id() -> int:
-    import cupy
-
-    return cupy.cuda.Device().id
-
-
-def _compile_in_background(file: str, name: str, arch: str) -> None:
-    try:
-        image, lowered, _ = kernel_image(file, name, arch, where=" (in the background)")
-    except Exception:  # noqa: BLE001 - function() compiles it again in the foreground and raises there
-        return
-    _compiled[(file, name, arch)] = (image, lowered)
-
-
-def function_tiered(file: str, name: str, quick: str | None) -> tuple[Kernel, bool]:
-    """``(kernel, final)``: :func:`function` of ``name`` when it is loaded or in the cache (or ``quick`` is
-    None); otherwise the registered ``quick`` kernel, which the caller has chosen to compute the same bits
-    as ``name`` for this call, with ``final`` False, and ``name`` compiling in the background."""
-    global provisional_calls
-    dev = _device_id()
-    fn = _functions.get((file, name, dev))
-    if fn is not None:
-        return fn, True
-    if quick is None or not TIERED:
-        return function(file, name), True
-    arch = arch_for(device_properties(dev)["cc"])
-    key = (file, name, arch)
-    with _lock:
-        th = _background.get(key)
-        if th is None and key not in _compiled and not _entry(cache_dir(), file, name, arch).is_file():
-            th = _background[key] = threading.Thread(target=_compile_in_background, args=key, daemon=True,
-                                                     name=f"moe_rt compile {name}")
-            th.start()
-    if th is not None and th.is_alive():
-        provisional_calls += 1
-        return function(file, quick), False
-    return function(file, name), True
-
-
-def settle(timeout: float | None = None) -> bool:
-    """Wait for the background compiles (:func:`function_tiered`); True when none is left running.
-    Benchmarks call it before timing, so that they time the kernels later calls run."""
-    end = None if timeout is None else time.perf_counter() + timeout
-    for th in list(_background.values()):
-        th.join(None if end is None else max(0.0, end - time.perf_counter()))
-    return not any(th.is_alive() for th in _background.values())
 
 
 def global_ptr(file: str, kernel: str, symbol: str, device_id: int) -> int:
@@ -560,14 +570,12 @@ def global_ptr(file: str, kernel: str, symbol: str, device_id: int) -> int:
     return int(getattr(g, "ptr", g))
 
 
-from moe_rt import _arrays  # noqa: E402
 from moe_rt._arrays import DevArray  # noqa: E402
 
 try:
     from moe_rt import _launch as _driver
 except ImportError:  # pragma: no cover - the extension is built with the package
     _driver = None
-_real_driver = _driver  # tests put a stand-in at _driver; recorded launches pack for the real one only
 
 # MOE_RT_LAUNCH=cupy launches every kernel through CuPy's launcher instead of the driver's (a test and
 # benchmark switch; both launch the same function with the same arguments).
@@ -585,13 +593,7 @@ def function_ptr(fn) -> int:
 
 def launch_raw(fn, grid, block, args: tuple, shared_mem: int, stream) -> None:
     """Launch ``fn`` (a :class:`Kernel` or CuPy ``Function``) on the CuPy ``stream`` (None = CuPy's current stream), with no
-    argument normalization: ``grid`` and ``block`` are ints or tuples of ints, nonzero. While the calling
-    thread records an op (:mod:`moe_rt._fast`), the launch is recorded instead of made."""
-    if _arrays.RECORDING:
-        rec = _arrays.recorder()
-        if rec is not None:
-            rec.launch(fn, grid, block, args, shared_mem)
-            return
+    argument normalization: ``grid`` and ``block`` are ints or tuples of ints, nonzero."""
     if _use_driver:
         sptr = stream.ptr if stream is not None else _current_stream_ptr()
         if _driver.launch(function_ptr(fn), grid, block, args, sptr, shared_mem):

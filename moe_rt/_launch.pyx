@@ -10,14 +10,9 @@ Argument types, as the ops pass them: a CuPy array or a moe_rt DevArray (its dev
 pointers and ``long long`` parameters), and NumPy scalars ``int32``, ``uint32``, ``int64``, ``uint64``,
 ``float32``, ``float64`` (their own width). Any other type makes :func:`launch` return False without
 launching, and the caller falls back to CuPy's launcher.
-
-:class:`Launches` holds a recorded sequence of launches (see ``moe_rt._fast``) with its constant arguments
-packed once; :meth:`Launches.run` writes each call's pointers into the packed arguments and launches, with
-no Python work per argument.
 """
 from libc.stdint cimport int32_t, int64_t, uint32_t, uint64_t, uintptr_t
-from libc.stdlib cimport free, malloc
-from libc.string cimport memcpy, memset
+from libc.string cimport memcpy
 
 import numpy as np
 
@@ -37,7 +32,6 @@ cdef enum:
 cdef launch_t _cu_launch = NULL
 cdef errstr_t _cu_errstr = NULL
 cdef int _state = 0  # 0: not tried, 1: loaded, -1: libcuda not found
-cdef int _fake_nargs = 0  # arguments of the launch under way, for the tests' stand-in driver
 
 cdef object _ndarray = None
 cdef object _devarray = None
@@ -194,8 +188,6 @@ cdef int _go(void* function, unsigned int* g, unsigned int* b, unsigned int shar
     """One cuLaunchKernel; raises RuntimeError on a driver error."""
     cdef int r
     cdef const char* msg = NULL
-    global _fake_nargs
-    _fake_nargs = nargs
     with nogil:
         r = _cu_launch(function, g[0], g[1], g[2], b[0], b[1], b[2], shared_mem, stream, params, NULL)
     if r == 201:  # CUDA_ERROR_INVALID_CONTEXT: a thread that has not used CUDA yet (an autograd worker)
@@ -209,154 +201,3 @@ cdef int _go(void* function, unsigned int* g, unsigned int* b, unsigned int shar
         raise RuntimeError(f"cuLaunchKernel failed with CUDA error {r}: {text} (grid {(g[0], g[1], g[2])}, "
                            f"block {(b[0], b[1], b[2])}, {shared_mem} bytes of shared memory)")
     return 0
-
-
-cdef int _dims(object d, unsigned int* out) except -1:
-    out[0] = out[1] = out[2] = 1
-    cdef int k
-    if isinstance(d, tuple):
-        if len(d) > 3:
-            raise ValueError(f"a launch dimension of more than 3 entries: {d}")
-        for k in range(len(d)):
-            out[k] = d[k]
-    else:
-        out[0] = d
-    return 0
-
-
-cdef struct _Rec:
-    void* fn
-    unsigned int g[3]
-    unsigned int b[3]
-    unsigned int smem
-    int nargs
-    int nrefs
-    uint64_t slots[MAX_ARGS]  # the constant arguments, packed; pointer slots filled per call
-    int ref_pos[MAX_ARGS]
-    Py_ssize_t ref_key[MAX_ARGS]
-    int64_t ref_off[MAX_ARGS]
-
-
-cdef class Launches:
-    """A sequence of launches, each ``(function pointer, grid, block, shared memory, arguments, refs)``:
-    ``arguments`` a tuple of the types :func:`launch` takes, its pointer positions to be filled per call,
-    ``refs`` a tuple of ``(position, key, offset)``, the argument at ``position`` being ``ptrs[key] +
-    offset`` for the ``ptrs`` of each :meth:`run`. Raises ValueError for an argument type :func:`launch`
-    does not take or a position or key out of range."""
-
-    cdef _Rec* recs
-    cdef int n
-
-    def __cinit__(self, launches):
-        cdef void* params[MAX_ARGS]
-        cdef _Rec* r
-        cdef int i, j
-        launches = tuple(launches)
-        self.n = 0
-        self.recs = <_Rec*>malloc(max(len(launches), 1) * sizeof(_Rec))
-        if self.recs == NULL:
-            raise MemoryError()
-        for i in range(len(launches)):
-            fptr, grid, block, smem, tmpl, refs = launches[i]
-            r = &self.recs[i]
-            memset(r, 0, sizeof(_Rec))
-            tmpl = tuple(tmpl)
-            if _pack(tmpl, r.slots, params) != 0:
-                raise ValueError("moe_rt: a launch argument type the driver launcher does not take")
-            r.fn = <void*><uintptr_t>fptr
-            _dims(grid, r.g)
-            _dims(block, r.b)
-            r.smem = smem
-            r.nargs = len(tmpl)
-            if len(refs) > r.nargs:
-                raise ValueError("moe_rt: more pointer refs than arguments")
-            r.nrefs = len(refs)
-            for j in range(r.nrefs):
-                pos, key, off = refs[j]
-                if not 0 <= pos < r.nargs or key < 0:
-                    raise ValueError(f"moe_rt: a pointer ref out of range: {refs[j]}")
-                r.ref_pos[j] = pos
-                r.ref_key[j] = key
-                r.ref_off[j] = off
-            self.n = i + 1
-
-    def __dealloc__(self):
-        free(self.recs)
-
-    def __len__(self):
-        return self.n
-
-    def run(self, ptrs, uintptr_t stream):
-        """Launch each on ``stream`` with ``ptrs[key]`` (an int, any container indexed by the refs' keys)
-        in its pointer slots. Returns False, launching nothing, when the driver is unavailable."""
-        cdef uint64_t slots[MAX_ARGS]
-        cdef void* params[MAX_ARGS]
-        cdef _Rec* r
-        cdef int i, j
-        if _state != 1 and _load() != 1:
-            return False
-        for j in range(MAX_ARGS):
-            params[j] = &slots[j]
-        for i in range(self.n):
-            r = &self.recs[i]
-            memcpy(slots, r.slots, 8 * r.nargs)
-            for j in range(r.nrefs):
-                slots[r.ref_pos[j]] = <uint64_t>(ptrs[r.ref_key[j]]) + <uint64_t>r.ref_off[j]
-            _go(r.fn, r.g, r.b, r.smem, <void*>stream, params, r.nargs)
-        return True
-
-
-# -- a stand-in for cuLaunchKernel, for tests on machines without a GPU ---------------------------------
-
-cdef enum:
-    FAKE_MAX = 1024
-
-cdef int _fake_n = 0
-cdef uint64_t _fake_args[FAKE_MAX][MAX_ARGS]
-cdef uint64_t _fake_meta[FAKE_MAX][10]  # function, grid x3, block x3, shared memory, stream, argument count
-cdef launch_t _saved_launch = NULL
-cdef int _saved_state = 0
-
-
-cdef int _fake_launch(void* f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx,
-                      unsigned int by, unsigned int bz, unsigned int smem, void* stream, void** params,
-                      void** extra) noexcept nogil:
-    global _fake_n
-    cdef int j
-    if _fake_n >= FAKE_MAX or _fake_nargs > MAX_ARGS:
-        return 1  # CUDA_ERROR_INVALID_VALUE
-    for j in range(_fake_nargs):
-        _fake_args[_fake_n][j] = (<uint64_t*>params[j])[0]
-    _fake_meta[_fake_n][0] = <uint64_t><uintptr_t>f
-    _fake_meta[_fake_n][1] = gx
-    _fake_meta[_fake_n][2] = gy
-    _fake_meta[_fake_n][3] = gz
-    _fake_meta[_fake_n][4] = bx
-    _fake_meta[_fake_n][5] = by
-    _fake_meta[_fake_n][6] = bz
-    _fake_meta[_fake_n][7] = smem
-    _fake_meta[_fake_n][8] = <uint64_t><uintptr_t>stream
-    _fake_meta[_fake_n][9] = _fake_nargs
-    _fake_n += 1
-    return 0
-
-
-def _fake_driver(bint on):
-    """Tests: ``True`` puts a recorder in place of cuLaunchKernel (nothing is launched, no GPU needed);
-    ``False`` puts the driver back. Both return the launches recorded since the last call, each
-    ``(function, grid, block, shared memory, stream, packed arguments)`` as :func:`pack` writes them."""
-    global _cu_launch, _state, _fake_n, _saved_launch, _saved_state
-    cdef int i, j
-    out = []
-    for i in range(_fake_n):
-        m = _fake_meta[i]
-        out.append((m[0], (m[1], m[2], m[3]), (m[4], m[5], m[6]), m[7], m[8],
-                    bytes((<char*>_fake_args[i])[:8 * m[9]])))
-    _fake_n = 0
-    if on and _cu_launch != <launch_t>_fake_launch:
-        _saved_launch, _saved_state = _cu_launch, _state
-        _cu_launch, _state = <launch_t>_fake_launch, 1
-        _set_devarray()
-    elif not on and _cu_launch == <launch_t>_fake_launch:
-        _cu_launch, _state = _saved_launch, _saved_state
-    return out

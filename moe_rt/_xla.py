@@ -28,7 +28,12 @@ XLA_LIB = "libmoe_rt_xla.so"
 TARGET_PREFIX = "moe_rt_"
 HANDLERS = ("topk_with_score", "topk_with_score_backward", "topk_with_score_qb", "scores_for_aux_loss",
             "scores_for_aux_loss_backward", "aux_loss", "aux_loss_backward", "make_plan", "dispatch",
-            "dispatch_backward", "combine", "combine_backward", "sort_chunks", "quantize_fp8", "dequantize_fp8", "noop")  # noop: a custom call that does nothing (the benchmark's floor)
+            "dispatch_backward", "combine", "combine_backward", "sort_chunks", "quantize_fp8", "dequantize_fp8", "noop",
+            # the low-latency EP ops (moe_rt.jax ll_dispatch / ll_combine and their VJPs)
+            "ll_dispatch", "ll_combine", "ll_dispatch_bwd", "ll_combine_bwd")
+# Handlers XLA may not capture in command buffers: a replay would run the group's launches without the
+# handler's check that the group is still open (csrc/xla_ffi.c ll_call).
+NOT_CAPTURABLE = frozenset({"ll_dispatch", "ll_combine", "ll_dispatch_bwd", "ll_combine_bwd"})  # noop: a custom call that does nothing (the benchmark's floor)
 SCORE_CODES = {"sigmoid": 0, "softmax": 1, "sqrtsoftplus": 2}
 QB_MODE_CODES = {"two_kernel": 0, "fused_atomic": 1}  # moe_rt_qb_histogram_mode
 # moe_rt_dtype codes (include/moe_rt/moe_rt.h)
@@ -64,7 +69,7 @@ class _LaunchInfo(ctypes.Structure):
 
 
 class _PlanInfo(ctypes.Structure):
-    _fields_ = [("num_launches", ctypes.c_int32), ("launch", _LaunchInfo * 4)]
+    _fields_ = [("num_launches", ctypes.c_int32), ("launch", _LaunchInfo * 8)]
 
 
 class _Plan(ctypes.Structure):
@@ -167,6 +172,9 @@ def planned_kernels(op: str, cc: tuple[int, int], **kw) -> list[tuple[str, str]]
                                         c_int(kw["index_dtype"]), i64(kw["S"]), _ptr(3) if probs else None, _ptr(4),
                                         _ptr(5) if probs else None, c_int(kw["backward"]), _ptr(6),
                                         ctypes.c_size_t(ws), None)
+        elif op == "copy_kept_rows":  # the low-latency handlers' copy of the receive rows
+            st = lib.moe_rt_copy_kept_rows(ctx, _ptr(0), _ptr(1), _ptr(2), i64(kw["N"]), i64(kw["row_bytes"]),
+                                           c_int(kw["zero_rest"]), None)
         elif op == "quantize_fp8":
             st = lib.moe_rt_quantize_fp8(ctx, _ptr(0), c_int(kw["dtype"]), i64(kw["T"]), i64(kw["H"]),
                                          c_int(kw["block"]), _ptr(1), _ptr(2), None)
@@ -272,10 +280,12 @@ def library() -> ctypes.CDLL:
         lib.moe_rt_xla_set_kernel_cache.argtypes = [ctypes.c_char_p]
         lib.moe_rt_xla_load_kernel.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_char_p]
         lib.moe_rt_xla_check.argtypes = [ctypes.c_int]
-        traits = xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE
+        traits = xla_client.CustomCallTargetTraits
         for op in HANDLERS:
             jax.ffi.register_ffi_target(target(op), jax.ffi.pycapsule(getattr(lib, "moe_rt_xla_" + op)),
-                                        platform="CUDA", api_version=1, traits=traits)
+                                        platform="CUDA", api_version=1,
+                                        traits=traits.DEFAULT if op in NOT_CAPTURABLE else
+                                        traits.COMMAND_BUFFER_COMPATIBLE)
         _lib = lib
         return lib
 
@@ -312,9 +322,7 @@ def prepare(op: str, **facts) -> None:
             arch = _jit.arch_for(cc)
             if arch not in by_arch:
                 names = by_arch[arch] = planned_kernels(op, cc, **facts)
-                for file, name in names:
-                    _jit.kernel_image(file, name, arch, root=root, where=" for moe_rt.jax")
-                _jit.add_to_manifest(root, [(f, n, arch) for f, n in names])
+                _jit.cache_kernels(root, names, arch, where=" for moe_rt.jax")
             names = by_arch[arch]
             for file, name in names:
                 if lib.moe_rt_xla_load_kernel(int(d.local_hardware_id), file.encode(), name.encode()):

@@ -81,7 +81,7 @@ import sys
 
 import numpy as np
 
-from moe_rt import _arrays, _ep_adapt, _ep_direct, _errors, _jit
+from moe_rt import _arrays, _core, _ep_adapt, _ep_direct, _errors, _jit
 from moe_rt import ep as _ep
 from moe_rt.reference import ep_ll as _ref
 from moe_rt.reference import fp8 as _fp8_ref
@@ -90,7 +90,6 @@ __all__ = ["LowLatencyGroup", "LowLatencyHandle", "MAX_TOKENS_PER_RANK"]
 
 MAX_TOKENS_PER_RANK = _ref.MAX_TOKENS_PER_RANK
 _FILE = "ep.cu"
-_THREADS = _ep_direct._THREADS  # the block of the transport's fused kernels (its _grid sizes waves of it)
 _IDX = {"int32": "int", "int64": "long long"}
 _names = []
 for _c in _jit.CTYPES.values():
@@ -104,8 +103,8 @@ _ALIGN = 256
 FP8_BLOCK = _ref.FP8_BLOCK  # channels per FP8 scale
 
 
-_PUSH, _RECEIVE = 1, 2  # ep_ll_dispatch's phases (LL_PUSH, LL_RECEIVE in kernels/ep.cu)
-_KERNEL_IDX = {np.dtype(k): v for k, v in _IDX.items()}  # IdxT of the dispatch kernels, by id dtype
+_PUSH, _RECEIVE = 1, 2  # ep_ll_dispatch's phases (MOE_RT_LL_PUSH, MOE_RT_LL_RECEIVE in moe_rt.h)
+_OP = _ep_direct.OP_CODES  # moe_rt_ep_op codes
 
 
 _TABLES = ("idx", "w", "route", "slot_k", "slot_w", "counts")  # ep_ll_dispatch's handle outputs, in order
@@ -113,6 +112,25 @@ _RETURNED = ("slot_k", "slot_w", "counts")  # the tables a dispatch hands out (i
 _RING = 4  # table sets a group keeps for reuse per stream
 _RING_STREAMS = 4  # streams a group keeps table sets for
 _SAME = ("cupy", "devarray")  # callers' frameworks whose results _arrays.Call.out hands back as they are
+
+
+# Groups a traced JAX program may name (moe_rt.jax ll_dispatch / ll_combine: their XLA calls carry the core
+# group's address), kept alive here until closed: id -> LowLatencyGroup.
+_adopted: dict = {}
+
+
+def adopt(group) -> None:
+    """Keep ``group`` alive until its :meth:`LowLatencyGroup.close` (moe_rt.jax's programs name it by id)."""
+    _adopted[group.id] = group
+
+
+def adopted(group_id: int):
+    """The group of ``group_id`` that :func:`adopt` keeps; ValueError once it is closed."""
+    group = _adopted.get(int(group_id))
+    if group is None:
+        raise ValueError(f"low-latency group {group_id} is closed (or was never used with moe_rt.jax); a program "
+                         "that names it cannot run after LowLatencyGroup.close")
+    return group
 
 
 class _TableSet:
@@ -127,7 +145,7 @@ class _TableSet:
     arrays stay valid as long as they live, after any later dispatch, as with one allocation per dispatch.
     The reuse follows the stream order of its stream, as CuPy's memory pool reuses freed memory."""
 
-    __slots__ = ("base", "mem", "layout", "ptrs", "outs", "outs0", "views", "stream", "_held", "_refs")
+    __slots__ = ("base", "mem", "layout", "ptrs", "outs", "views", "stream", "_held", "_refs")
 
     def __init__(self, base, layout, stream):
         import cupy
@@ -135,8 +153,7 @@ class _TableSet:
         self.base, self.mem, self.layout, self.stream = base, base.data.mem, layout, stream
         p = base.data.ptr
         self.ptrs = {name: p + off for name, (off, *_) in layout.items()}
-        self.outs = tuple(self.ptrs[n] for n in _TABLES)  # ep_ll_dispatch's six outputs; T = 0: no idx, w
-        self.outs0 = (0, 0) + self.outs[2:]
+        self.outs = tuple(self.ptrs[n] for n in _TABLES)  # the six tables (moe_rt_ll_tables), in order
         self.views = {n: cupy.ndarray(layout[n][2], layout[n][3], base.data + layout[n][0]) for n in _RETURNED}
         self._held = self._refs = None
 
@@ -282,6 +299,13 @@ class LowLatencyHandle:
         v = a[name]
         return v.data.ptr if v.size else 0
 
+    def _tables(self):
+        """The six table addresses the core takes (moe_rt_ll_tables, in _TABLES' order)."""
+        a = self._a
+        if type(a) is _Tables:
+            return a.tset.outs
+        return tuple(map(self._ptr, _TABLES))
+
 
 class LowLatencyGroup:
     """A low-latency expert-parallel group (module notes).
@@ -355,11 +379,12 @@ class LowLatencyGroup:
         self._last_stream = None
         self.chunk = chunk_tokens(self.max_tokens_per_rank)
         # host-side caches of the CUDA path (made on use, after _setup; docs/ep.md §8, host time): the handle
-        # tables' layout and their sets per stream (_TableSet), the kernels per (kind, vector path, id dtype)
-        # with their resident blocks, the launch set-ups (_dispatch_setup, _combine_setup), the views of the
-        # shared buffers and the received rows dispatch returns per (set, FP8 rows, codes dtype)
+        # tables' layout and their sets per stream (_TableSet), the views of the shared buffers and the
+        # received rows dispatch returns per (set, FP8 rows, codes dtype); the core group (moe_rt_ll_group:
+        # the buffers' addresses, the launch plans per signature), made on the first op after _setup
         self._layout, self._rings = None, {}
-        self._fns, self._const, self._views, self._row_views = {}, {}, {}, {}
+        self._views, self._row_views = {}, {}
+        self._llg = None
         self._slots = (self.num_local_experts, R * self.max_tokens_per_rank, self.hidden)  # [L, R*Tmax, H]
         self._checked = {}  # argument signatures (shapes, dtypes) that passed an op's checks
 
@@ -420,8 +445,9 @@ class LowLatencyGroup:
                 sh = _ep_direct._Shared(comm, o, stream, wait, zero=True)
                 d._stages[("low_latency", 0)] = sh  # closed with the transport
                 d._order.append(("low_latency", 0))
-                with stream:
-                    self._tables = {n: sh.table + off for n, (off, _) in offs.items()}
+                with stream:  # each region's peer table (device int64 [R]), kept; the core takes addresses
+                    self._table_arrays = {n: sh.table + off for n, (off, _) in offs.items()}
+                    self._tables = {n: a.data.ptr for n, a in self._table_arrays.items()}
                     self._set_epoch = cupy.zeros(self.num_buffers, np.uint32)
             except BaseException:
                 d.close()
@@ -451,8 +477,32 @@ class LowLatencyGroup:
 
     # close() (a collective on several ranks: one last barrier, then the IPC mappings are closed and the
     # buffers freed; the communicator stays open) and the closed-group check: EpGroup's.
-    close = _ep.EpGroup.close
     _alive = _ep.EpGroup._alive
+
+    def close(self):
+        """EpGroup.close (module notes), after the core group is freed (a JAX program naming it fails from then
+        on: the core's registry no longer lists it) and moe_rt.jax's hold on the group is dropped."""
+        _adopted.pop(self.id, None)
+        g, self._llg = self._llg, None
+        if g is not None:
+            g.destroy()
+        _ep.EpGroup.close(self)
+
+    def _core_group(self):
+        """The core's group over the shared buffers (moe_rt_ll_group: their addresses, the sizes; it plans and
+        launches every CUDA op), made once after _setup."""
+        g = self._llg
+        if g is None:
+            d, t, R = self._transport, self._tables, self.size
+            sets = [(self._buf.local + self._offs[("recv", b)][0], t[("recv", b)], t.get(("recv_q", b), 0),
+                     t.get(("recv_s", b), 0), t[("route", b)], t[("rw", b)], t[("back", b)], t[("bw", b)])
+                    for b in range(self.num_buffers)]
+            g = self._llg = _core.ll_group_create(
+                _core.device(self.device), R, self.rank, self.num_local_experts, self.max_tokens_per_rank,
+                self.topk, _core.CODES[self.dtype], self.hidden, self.chunk, self.num_buffers, int(self.fp8),
+                self.num_scales, int(self.dedup), d.timeout_ns, sets, d.flags.table.data.ptr, d.bar.table.data.ptr,
+                d.state.data.ptr, d._err_ptr, _errors.word(self.device), self._set_epoch.data.ptr)
+        return g
 
     def synchronize(self, timeout: float | None = None, *, stream=None):
         """Wait for ``stream`` (default: the last op's) with the group's deadline; raise TimeoutError for a
@@ -645,23 +695,23 @@ class LowLatencyGroup:
         return res + (_Hook(self, handle, None),) if split else res
 
     def _dispatch_cuda(self, call, xv, idx, wv, T, K, split, fp8=False, pair=False, dequantize=False, codes=None):
+        # the call's stream first: a light call (torch's stream, _arrays.Call) makes it CuPy's current one
+        # here, which _setup's collectives and capture check use
+        s = call.stream
         if self._transport is None:
             self._setup(call.device_id)
-        s = call.stream
         b = self._next_set
         if self._pending[b] is not None:
             raise ValueError(f"dispatch: buffer set {b} still waits for the receive hook of an earlier dispatch; "
                              f"call that hook first (or create the group with num_buffers=2 for two dispatches "
                              f"in flight)")
         ts = self._take_tables(call)  # the handle's tables: one set of the group's ring
-        outs = ts.outs if T else ts.outs0
-        ptrs = (0 if pair or not T else xv.data.ptr, idx.data.ptr if T else 0, wv.data.ptr if T else 0)
-        quant = None
-        if fp8:  # the pair's codes and scales (0 for a float x, quantized in the push)
-            quant = (xv[0].data.ptr if pair and T else 0, xv[1].data.ptr if pair and T else 0, int(dequantize))
-        self._transport.barrier(s, "dispatch")
-        self._launch_dispatch(call, b, T, *ptrs, idx.dtype, outs, _PUSH if split else _PUSH | _RECEIVE,
-                              quant=quant)
+        core = self._llg or self._core_group()
+        # the core's arguments after the phases: x, or the FP8 pair's codes and scales (a float x with fp8 is
+        # quantized in the push), the flags, the routing, T, the tables
+        args = ((0, xv[0].data.ptr, xv[1].data.ptr) if pair else (xv.data.ptr, 0, 0)) + (
+            int(fp8), int(dequantize), idx.data.ptr, _core.CODES[idx.dtype], wv.data.ptr, T, ts.outs)
+        _core.ll_dispatch(core, b, _PUSH if split else _PUSH | _RECEIVE, *args, s.ptr)  # barrier + kernel
         # the rest overlaps the kernel
         self._next_set = (b + 1) % self.num_buffers
         self._last_stream = s
@@ -681,7 +731,7 @@ class LowLatencyGroup:
         self._pending[b] = handle
 
         def receive(c, arrays=(xv, idx, wv)):  # holds the push's arrays (their pointers) until it runs
-            self._launch_dispatch(c, b, T, *ptrs, idx.dtype, outs, _RECEIVE, quant=quant)
+            _core.ll_dispatch(core, b, _RECEIVE, *args, c.stream.ptr)
 
         return res + (_Hook(self, handle, receive),)
 
@@ -752,100 +802,15 @@ class LowLatencyGroup:
         self._pending[handle.buffer_set] = None
         self._last_stream = s
 
-    def _kernel(self, call, kind, vec, idx_dtype=None, fused=True):
-        """``(kernel, most resident blocks or None)`` of ``kind<dtype[, IdxT], VEC>`` (``fused``: a kernel whose
-        blocks wait on each other's peers, sized by the transport's _grid), looked up once per group."""
-        key = (kind, vec, idx_dtype)
-        got = self._fns.get(key)
-        if got is None:
-            params = [_jit.ctype(self.dtype)] + ([_KERNEL_IDX[idx_dtype]] if idx_dtype is not None else [])
-            fn = _jit.function(_FILE, f"{kind}<{', '.join(params + ['true' if vec else 'false'])}>")
-            got = self._fns[key] = (fn, self._transport._grid(fn, call, 1 << 30) if fused else None)
-        return got
-
-    def _dispatch_setup(self, call, op, b, phases, vec, idx_dtype, meta, scaled, dequant):
-        """The launch set-up of a dispatch-direction launch, made once per its key (see :meth:`_launch_dispatch`):
-        ``(kernel, grid, the arguments between the token pointers and the handle's tables, the arguments after
-        them)``."""
-        fp8 = dequant is not None
-        fn, resident = self._kernel(call, "ep_ll_dispatch_fp8" if fp8 else "ep_ll_dispatch", vec, idx_dtype)
-        d, t, i32 = self._transport, self._tables, np.int32
-        tabs = ((t[("recv", b)], t[("recv_q", b)], t[("recv_s", b)]) if fp8 else (t[("recv", b)],))
-        tabs += (t[("route", b)], t[("rw", b)], d.flags.table)
-        tail = (_errors.word(self.device), d.state, d._err_ptr, np.int64(d.timeout_ns),
-                i32(_ep_direct.OP_CODES[op]), i32(self.size), i32(self.rank), i32(self.num_local_experts),
-                i32(self.max_tokens_per_rank), i32(self.topk), i32(self.chunk), np.int64(self.hidden))
-        if fp8:
-            tail += (i32(self.num_scales),)
-        tail += (i32(phases), np.int64(2 * self.size * self.max_tokens_per_rank * b),
-                 self._set_epoch.data.ptr + 4 * b if phases != _PUSH | _RECEIVE else 0)
-        work = max(-(-self.max_tokens_per_rank // self.chunk), self.num_local_experts)
-        grid = max(1, min(work, resident))
-        if fp8:
-            return fn, grid, tabs, (i32(dequant), i32(self.dedup)) + tail
-        return fn, grid, (i32(int(meta)), i32(int(scaled)), i32(self.dedup and not scaled)) + tabs, tail
-
-    def _launch_dispatch(self, call, b, T, x, idx, w, idx_dtype, outs, phases, *, op="dispatch", meta=True,
-                         scaled=False, zero_k=0, recv_route=0, quant=None):
-        """One launch of the dispatch direction into buffer set ``b``: ep_ll_dispatch, or with ``quant = (xq,
-        xs, dequant)`` ep_ll_dispatch_fp8 (a float ``x`` quantized in the push when ``xq`` is 0, else the pair's
-        codes ``xq`` and scales ``xs`` pushed as is; ``dequant``: the receive half dequantizes into ``recv``).
-        ``x``, ``idx``, ``w``, ``zero_k``, ``recv_route`` and ``outs`` (the handle's six tables, or zeros) are
-        device addresses,
-        0 for none (and for every token array when T = 0); ``idx_dtype`` picks IdxT; ``phases``: _PUSH,
-        _RECEIVE or both (a split launch also passes the set's epoch word). ``meta``, ``scaled``, ``zero_k``,
-        ``recv_route``: ep_ll_dispatch's (combine_bwd; ``recv_route``: the handle's route, the map of the
-        dedup split's copies). Everything but the pointers and T comes from a set-up made once."""
-        if quant is not None:  # 16 channels a thread: 16-byte loads of x (or of the codes), 16-byte stores
-            vec, dequant = self._vec16_fp8 and not (quant[0] or x) & 15, quant[2]
-        else:
-            vec, dequant = self._vec16 and not x & 15, None
-        key = (op, b, phases, vec, idx_dtype, meta, scaled, dequant)
-        c = self._const.get(key)
-        if c is None:
-            c = self._const[key] = self._dispatch_setup(call, op, b, phases, vec, idx_dtype, meta, scaled, dequant)
-        if dequant is None:
-            args = (x, idx, w, np.int32(T)) + c[2] + outs + (zero_k, recv_route) + c[3]
-        else:
-            args = (x, quant[0], quant[1], idx, w, np.int32(T)) + c[2] + outs + c[3]
-        _jit.launch_raw(c[0], c[1], _THREADS, args, 0, call.stream)
-
-    def _combine_setup(self, call, op, b, vec, rows):
-        """The launch set-up of an ep_ll_combine launch, made once per its key (see :meth:`_launch_combine`):
-        ``(kernel, most resident blocks, the least work items, owner items per token, the arguments between the
-        handle's tables and the outputs, those between the outputs and T, those after T)``."""
-        R, Tmax = self.size, self.max_tokens_per_rank
-        fn, resident = self._kernel(call, "ep_ll_combine", vec)
-        d, t, i32 = self._transport, self._tables, np.int32
-        # owner items: (token, slice of _THREADS 16-byte vectors of its row)
-        nv = self.hidden // (16 // self.dtype.itemsize) if vec else self.hidden
-        return (fn, resident, -(-Tmax // self.chunk) * R, -(-nv // _THREADS) if rows else 1,
-                (t[("back", b)], t[("bw", b)], d.flags.table),
-                (d.state, d._err_ptr, np.int64(d.timeout_ns), i32(_ep_direct.OP_CODES[op]), i32(R), i32(self.rank),
-                 i32(self.num_local_experts), i32(Tmax), i32(self.topk)),
-                (i32(self.chunk), np.int64(self.hidden), np.int64(2 * R * Tmax * b)))
-
-    def _launch_combine(self, call, handle, y, gws, out, grad_w, op, weighted=False):
-        """One ep_ll_combine launch for ``handle`` (``weighted``: with its topk weights); everything but the
-        pointers, T and the grid comes from a set-up made once."""
-        T, b = handle.num_tokens, handle.buffer_set
-        yp, outp = (y.data.ptr if y is not None else 0), (out.data.ptr if out is not None else 0)
-        vec = self._vec16 and not (yp | outp) & 15
-        key = ("combine", op, b, vec, out is not None)
-        c = self._const.get(key)
-        if c is None:
-            c = self._const[key] = self._combine_setup(call, op, b, vec, out is not None)
-        a = handle._a
-        if type(a) is _Tables:  # the tables of a CUDA dispatch (T = 0: no idx, w)
-            p = a.tset.ptrs
-            route, idx, w = p["route"], (p["idx"] if T else 0), (p["w"] if weighted and T else 0)
-        else:  # arrays a framework adapter rebuilt the handle over
-            route, idx, w = handle._ptr("route"), (handle._ptr("idx") if T else 0), (
-                handle._ptr("w") if weighted and T else 0)
-        _jit.launch_raw(c[0], max(1, min(max(c[2], T * c[3]), c[1])), _THREADS,
-                        (yp, gws.data.ptr if gws is not None else 0, route, idx, w) + c[4]
-                        + (outp if T else 0, grad_w.data.ptr if grad_w is not None and T else 0) + c[5]
-                        + (np.int32(T),) + c[6], 0, call.stream)
+    def _combine(self, call, handle, op, y, gws, out, grad_w):
+        """The combine direction for ``handle`` (moe_rt_ll_combine: barrier + ep_ll_combine; ``op`` names it):
+        ``y`` rows and ``gws`` slot gradients read, ``out`` rows and ``grad_w`` weight gradients written (each
+        an array or None)."""
+        _core.ll_combine(self._llg or self._core_group(), handle.buffer_set, _OP[op],
+                         y.data.ptr if y is not None else 0, gws.data.ptr if gws is not None else 0,
+                         handle._tables(), handle.num_tokens, out.data.ptr if out is not None else 0,
+                         grad_w.data.ptr if grad_w is not None else 0, call.stream.ptr)
+        self._last_stream = call.stream
 
     def combine(self, handle, expert_out, *, stream=None):
         """Reduce each token's expert outputs, weighted by ``topk_weights`` (a collective; no host sync).
@@ -866,11 +831,8 @@ class LowLatencyGroup:
             y = _arrays.contiguous(call.xp, y)
             if call.backend == "cpu":
                 return call.out(_ref.combine([handle._a], [np.asarray(y)])[0])
-            T = handle.num_tokens
-            out = call.empty((T, self.hidden), self.dtype)
-            self._transport.barrier(call.stream, "combine")
-            self._launch_combine(call, handle, y, None, out, None, "combine", weighted=True)
-            self._last_stream = call.stream
+            out = call.empty((handle.num_tokens, self.hidden), self.dtype)
+            self._combine(call, handle, "combine", y, None, out, None)
             return call.out(out)
 
     def dispatch_bwd(self, handle, grad_recv_x, grad_recv_weights=None, *, stream=None):
@@ -903,9 +865,7 @@ class LowLatencyGroup:
             T, K = handle.num_tokens, self.topk
             gx = call.empty((T, self.hidden), self.dtype)
             gwt = call.empty((T, K), np.float32) if gw is not None else None
-            self._transport.barrier(call.stream, "dispatch_bwd")
-            self._launch_combine(call, handle, g, gw, gx, gwt, "dispatch_bwd")
-            self._last_stream = call.stream
+            self._combine(call, handle, "dispatch_bwd", g, gw, gx, gwt)
             return call.out(gx), (None if gwt is None else call.out(gwt))
 
     def combine_bwd(self, handle, grad_out, expert_out=None, *, stream=None):
@@ -937,37 +897,18 @@ class LowLatencyGroup:
             if call.backend == "cpu":
                 gy, gw = _ref.combine_bwd([handle._a], [np.asarray(g)], None if y is None else [np.asarray(y)])[0]
                 return call.out(gy), (None if gw is None else call.out(gw))
+            s, b = call.stream, handle.buffer_set  # before _setup, as in dispatch
             self._setup(call.device_id)
-            if y is not None:
-                lo, n = self._offs[("recv", handle.buffer_set)]
-                lo += self._buf.local
-                if y.data.ptr < lo + n and y.data.ptr + y.nbytes > lo:
-                    raise ValueError("expert_out: must not be the group's receive buffer (combine_bwd overwrites "
-                                     "it); pass a copy")
-            s, b = call.stream, handle.buffer_set
             gy = self._rows(b, False, None)[0]
-            self._transport.barrier(s, "combine_bwd")
-            # unscaled rows (expert_out given) take the dedup split, its copies mapped by the handle's route
-            dd = self.dedup and y is not None
-            self._launch_dispatch(call, b, T, g.data.ptr if T else 0, handle._ptr("idx"), handle._ptr("w"),
-                                  np.dtype(np.int32), (0,) * 6, _PUSH | _RECEIVE, op="combine_bwd", meta=False,
-                                  scaled=y is None, zero_k=handle._ptr("slot_k"),
-                                  recv_route=handle._ptr("route") if dd else 0)
+            # barrier, the rows into the receive buffer (scaled by the slot weights; unscaled ones through the
+            # dedup split, then scaled and dotted with expert_out per slot into `dots`); the core refuses an
+            # expert_out inside the receive buffer (ValueError)
+            dots = call.scratch((gy.shape[0] * gy.shape[1],), np.float32) if y is not None else None
+            _core.ll_combine_bwd(self._llg or self._core_group(), b, g.data.ptr, 0 if y is None else y.data.ptr,
+                                 handle._tables(), T, 0 if dots is None else dots.data.ptr, s.ptr)
             gwt = None
-            if y is not None:
-                n = gy.shape[0] * gy.shape[1]
-                dots = call.scratch((n,), np.float32)
-                vec = self._vec16 and not y.data.ptr & 15
-                c = self._const.get(("slot_dot", vec))
-                if c is None:
-                    fn = self._kernel(call, "ep_ll_slot_dot", vec, fused=False)[0]
-                    c = self._const[("slot_dot", vec)] = (
-                        fn, max(1, min(-(-n // 8), _jit.device_properties(call.device_id)["sm_count"] * 8)),
-                        (np.int64(n), np.int64(self.hidden)))
-                _jit.launch_raw(c[0], c[1], 256, (gy.data.ptr, y.data.ptr, handle._ptr("slot_k"), handle._ptr("slot_w"),
-                                                  dots.data.ptr) + c[2], 0, s)
+            if y is not None:  # the weight gradient: the dots gathered back to [T,K] (barrier + ep_ll_combine)
                 gwt = call.empty((T, self.topk), np.float32)
-                self._transport.barrier(s, "combine_bwd")
-                self._launch_combine(call, handle, None, dots, None, gwt, "combine_bwd")
+                self._combine(call, handle, "combine_bwd", None, dots, None, gwt)
             self._last_stream = s
             return call.out(gy), (None if gwt is None else call.out(gwt))

@@ -17,14 +17,15 @@ of a 1x128 FP8 block). Rows whose ``H`` is not a multiple of ``block`` end with 
 gets its own scale. Non-finite inputs are not checked (a check would need a device sync): a block holding
 an inf or NaN gets a non-finite scale and values that are unspecified.
 
-CUDA arrays run the kernels, CPU arrays the NumPy reference. No autograd: quantization is not
+CUDA arrays run the kernels through the C core (:mod:`moe_rt._core`; its planner, csrc/fp8.c, makes the
+kernel choices), CPU arrays the NumPy reference. No autograd: quantization is not
 differentiable (``moe_rt.torch`` and ``moe_rt.jax`` have the same ops for use inside compiled graphs).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from moe_rt import _arrays, _jit
+from moe_rt import _arrays, _core, _jit
 from moe_rt import permutation as _perm
 from moe_rt.reference import fp8 as _ref
 
@@ -33,7 +34,7 @@ __all__ = ["quantize_fp8", "dequantize_fp8", "dispatch_fp8", "FP8_MAX"]
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 MAX_BLOCK = 1 << 16
 _FILE = "fp8.cu"
-_THREADS = 256
+_THREADS = 256  # the packed-row kernels (launch_quantize_packed, launch_pack)
 _TOKEN_DTYPES = tuple(d for d in _arrays.FLOAT_DTYPES if d is not None)
 _E4M3 = _arrays.FLOAT8_E4M3
 _SCALE_DTYPES = (np.dtype(np.float32), np.dtype(np.uint8))  # fp32 block scales; MXFP8's E8M0 as bytes
@@ -99,6 +100,18 @@ def check_dequantize_args(x_fp8, scales, dtype, block) -> tuple[int, int, int, n
     return T, H, nb, dt
 
 
+def launch_quantize(x, q, scales, block: int, device_id: int, stream) -> None:
+    """The C core's quantize on checked, C-contiguous device arrays: ``x [T,H]`` fp32/bf16/fp16 into ``q [T,H]``
+    (any 1-byte array: e4m3 codes) and ``scales [T, ceil(H/block)]`` fp32, on ``stream`` (a CuPy stream)."""
+    T, H = int(x.shape[0]), int(x.shape[1])
+    if not T or not H:
+        return
+    _core.quantize_fp8(_core.device(device_id), x.data.ptr, _core.CODES[np.dtype(x.dtype)], T, H, block, q.data.ptr,
+                       scales.data.ptr, 0 if stream is None else stream.ptr)
+
+
+# The packed rows of the one-pass FP8 dispatch (moe_rt/ep.py) are written by kernels launched here
+# (the C core has no packed-row op).
 def _grid(work_warps: int, device_id: int) -> int:
     cap = _jit.device_properties(device_id)["sm_count"] * 32
     return max(1, min(-(-work_warps // (_THREADS // 32)), cap))
@@ -108,13 +121,6 @@ def _v4(block: int, H: int, *ptr_align) -> bool:
     """Whether every lane can take 4 consecutive channels: blocks of whole 128s, rows of whole fours, and each
     pointer aligned to its 4-element access (given as (pointer, bytes))."""
     return block % 128 == 0 and H % 4 == 0 and all(p % a == 0 for p, a in ptr_align)
-
-
-def launch_quantize(x, q, scales, block: int, device_id: int, stream) -> None:
-    """The quantize kernel on checked, C-contiguous device arrays: ``x [T,H]`` fp32/bf16/fp16 into ``q [T,H]``
-    (any 1-byte array: e4m3 codes) and ``scales [T, ceil(H/block)]`` fp32, on ``stream``."""
-    nb = _ref.num_blocks(int(x.shape[1]), block)
-    _quantize(x, q.data.ptr, scales.data.ptr, int(x.shape[1]), nb, block, device_id, stream)
 
 
 def _quantize(x, q_ptr, s_ptr, q_stride, s_stride, block, device_id, stream):
@@ -161,18 +167,13 @@ def launch_pack(q, scales, packed, block: int, device_id: int, stream) -> None:
 
 
 def launch_dequantize(q, scales, y, block: int, device_id: int, stream) -> None:
-    """The dequantize kernel on checked, C-contiguous device arrays: ``q [T,H]`` (1-byte e4m3 codes) and
-    ``scales [T, ceil(H/block)]`` fp32 into ``y [T,H]`` (fp32/bf16/fp16), on ``stream``."""
+    """The C core's dequantize on checked, C-contiguous device arrays: ``q [T,H]`` (1-byte e4m3 codes) and
+    ``scales [T, ceil(H/block)]`` fp32 into ``y [T,H]`` (fp32/bf16/fp16), on ``stream`` (a CuPy stream)."""
     T, H = int(q.shape[0]), int(q.shape[1])
     if not T or not H:
         return
-    nb = _ref.num_blocks(H, block)
-    dt = np.dtype(y.dtype)
-    v4 = _v4(block, H, (q.data.ptr, 4), (y.data.ptr, 4 * dt.itemsize))
-    fn = _jit.function(_FILE, f"dequantize_fp8<{_jit.ctype(dt)}, {'true' if v4 else 'false'}>")
-    _jit.launch(fn, _grid(T * nb, device_id), _THREADS,
-                (q.data.ptr, scales.data.ptr, y.data.ptr, np.int64(T), np.int32(H), np.int32(block),
-                 np.int32(nb)), stream=stream)
+    _core.dequantize_fp8(_core.device(device_id), q.data.ptr, scales.data.ptr, T, H, block, y.data.ptr,
+                         _core.CODES[np.dtype(y.dtype)], 0 if stream is None else stream.ptr)
 
 
 def quantize_fp8(x, block: int = 128, *, stream=None):

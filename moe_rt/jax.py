@@ -7,8 +7,9 @@ casts; forward and backward) lower to XLA FFI custom calls: handlers in compiled
 run the C core's ops on XLA's stream, with no Python at run time, and that XLA may capture in command
 buffers (CUDA graphs). Their static facts (topk, score function, groups, scaling, align size, ...) are the
 calls' attributes; the kernels they launch are compiled into the kernel cache folder and loaded when the op
-is lowered (:mod:`moe_rt._xla`). The EP ops on the GPU, and every op on the CPU (the NumPy reference),
-lower to ``jax.experimental.buffer_callback``: inside a jitted computation
+is lowered (:mod:`moe_rt._xla`). So do the low-latency EP ops (``ll_dispatch``, ``ll_combine`` and their
+VJPs; :mod:`moe_rt._jax_ep`). The capacity-mode EP ops on the GPU, and every op on the CPU (the NumPy
+reference), lower to ``jax.experimental.buffer_callback``: inside a jitted computation
 the callback receives XLA's buffers and stream, views them in place (their ``__cuda_array_interface__``; no
 copy), runs moe_rt's kernels on that stream (or the NumPy reference for CPU buffers) and puts the results
 into XLA's output buffers (see ``_run``). Under ``vmap`` each op runs once per batch element, in order (a

@@ -13,8 +13,12 @@ The number of permuted rows ``num_rows`` is always known on the host without a d
 ``floor((kept + E*(A-1)) / A) * A``. Rows that hold no routed slot (padding, the unused tail, dropped
 routes) are zero in every output this module produces.
 
-CUDA arrays run the kernels of ``kernels/permutation.cu``; CPU arrays run the NumPy reference
-(:mod:`moe_rt.reference.permutation`). Everything is deterministic: integer plan construction with no
+CUDA arrays run the kernels of ``kernels/permutation.cu`` through the C core (:mod:`moe_rt._core`: each op
+validates here, allocates its results and makes one core call, whose planner makes the kernel choices,
+csrc/permutation.c); CPU arrays run the NumPy reference (:mod:`moe_rt.reference.permutation`). This module
+still plans two things the core lacks: the plan kernels of the expert-parallel ops (:func:`plan_config`,
+:func:`plan_kernels` for moe_rt.ep) with their row helpers, and float64 permuted probs (:func:`_fill`).
+Everything is deterministic: integer plan construction with no
 atomics, and fixed summation orders (k ascending, fp32) in every reduction.
 
 Expert ids outside ``[-1, E)`` given to :func:`make_plan` are a ValueError on every backend, raised later
@@ -33,7 +37,7 @@ import os
 
 import numpy as np
 
-from moe_rt import _arrays, _errors, _fast, _jit
+from moe_rt import _arrays, _core, _errors, _jit
 from moe_rt.reference import permutation as _ref
 
 __all__ = ["Plan", "make_plan", "dispatch", "combine", "dispatch_backward", "combine_backward",
@@ -43,12 +47,10 @@ _FILE = "permutation.cu"
 _UNITS = {16: "uint4", 8: "uint2", 4: "unsigned", 2: "unsigned short", 1: "unsigned char"}
 _IDX = {"int32": "int", "int64": "long long"}
 _UNROLL = 4
-# combine_slices configuration (benchmarked in tools/bench_permutation.py): (largest CTA, element groups
-# per thread, slots whose loads are issued together, load kind, persistent grid, CTAs per SM asked of the
-# register allocator).
+# combine_slices configuration the C core launches (csrc/permutation.c; benchmarked in
+# tools/bench_permutation.py): (largest CTA, element groups per thread, slots whose loads are issued together,
+# load kind, persistent grid, CTAs per SM asked of the register allocator); registered for warmup here.
 _COMBINE_CFG = (128, 1, 8, 1, False, 8)
-# Streaming (evict-first) stores in dispatch (benchmarked against plain stores).
-_DISPATCH_STREAM_STORES = True
 
 
 def _combine_name(c: str, vec: bool, cfg=None) -> str:
@@ -62,7 +64,7 @@ _names = ["plan_count<bool>", "plan_assign<bool>"]  # routing maps, read in plac
 for _i in _IDX.values():
     _names += [f"plan_count<{_i}>", f"plan_assign<{_i}>", f"chunk_offsets<{_i}>"]
 for _u in _UNITS.values():
-    _names += [f"dispatch_rows<{_u}, {_UNROLL}, true>", f"dispatch_rows<{_u}, {_UNROLL}, false>",
+    _names += [f"dispatch_rows<{_u}, {_UNROLL}, true>",
                f"fill_rows<{_u}>", f"chunk_sort_rows<{_u}, false>", f"chunk_sort_rows<{_u}, true>",
                f"copy_kept_rows<{_u}>"]
     # permuted probs in the probs' dtype (fp16/bf16 from fp32 slot probs; fp64 as it is)
@@ -132,7 +134,7 @@ class Plan:
     """
 
     __slots__ = ("num_tokens", "topk", "num_experts", "num_rows", "align_size", "num_out_tokens",
-                 "from_routing_map", "backend", "device_id", "_v", "_framework", "_exported", "_fk")
+                 "from_routing_map", "backend", "device_id", "_v", "_framework", "_exported", "_core")
 
     def __init__(self, *args, **kwargs):
         raise TypeError("Plan: plans are made by moe_rt.make_plan (or Plan.from_arrays over a plan's five "
@@ -218,39 +220,23 @@ class Plan:
 
 
 _PLAN_NAMES = ("dst_row", "src_slot", "seg_start", "counts", "tokens_per_expert")
-_PLAN_INTS = ("num_tokens", "topk", "num_experts", "num_rows", "align_size", "num_out_tokens", "from_routing_map",
-              "backend", "device_id")
+_CODES = _core.CODES  # NumPy dtype -> the core's dtype code
 
 
-def _plan_parts(plan):
-    """What a replay (moe_rt._fast) needs of a CUDA plan: (its ints and the dtypes, shapes and alignments
-    of its arrays, the arrays, their metas, their pointers, its device); worked out once per plan (plans
-    are immutable). None for anything else."""
-    fk = getattr(plan, "_fk", None)
-    if fk is None:
-        if type(plan) is not Plan or plan.backend != "cuda":
-            return None
-        arrays = [plan._v[k] for k in _PLAN_NAMES]
-        ptrs = [a.data.ptr for a in arrays]
-        metas = tuple((np.dtype(a.dtype), tuple(a.shape), p & 15) for a, p in zip(arrays, ptrs))
-        fk = plan._fk = ((tuple(getattr(plan, k) for k in _PLAN_INTS), metas), arrays, metas, ptrs,
-                         plan.device_id)
-    return fk
+def _core_plan(plan):
+    """A CUDA plan as the core takes it: its five arrays' addresses and (T, K, E, N, A); worked out once per
+    plan (plans are immutable)."""
+    t = getattr(plan, "_core", None)
+    if t is None:
+        v = plan._v
+        if type(v) is _PlanViews:  # the addresses inside the one buffer, without making the views
+            b = v._buf.data.ptr
+            ptrs = tuple(b + 4 * v._spec[k][0] for k in _PLAN_NAMES)
+        else:
+            ptrs = tuple(v[k].data.ptr for k in _PLAN_NAMES)
+        t = plan._core = ptrs + (plan.num_tokens, plan.topk, plan.num_experts, plan.num_rows, plan.align_size)
+    return t
 
-
-def _plan_symbolic(plan, arrays):
-    """``plan``'s ints over other arrays (the symbolic ones of a recording)."""
-    p = Plan._blank()
-    for k in _PLAN_INTS:
-        setattr(p, k, getattr(plan, k))
-    p._v = dict(zip(_PLAN_NAMES, arrays))
-    p._framework = "devarray"
-    p._exported = {}
-    p._fk = None
-    return p
-
-
-_PLAN_FAST = ("plan", _plan_parts, _plan_symbolic)
 
 
 def _check_plan(plan, call: _arrays.Call):
@@ -277,12 +263,21 @@ def _chunk_for(L: int, E: int) -> int:
 def check_plan_settings(num_experts, align_size, num_out_tokens, map_type=None):
     """:func:`make_plan`'s settings, validated: ``(E, A, num_out_tokens)`` (``map_type`` is None, ``"mask"``
     or ``"index"``)."""
+    key = (type(num_experts), num_experts, type(align_size), align_size, type(num_out_tokens), num_out_tokens,
+           type(map_type), map_type)
+    hit = _validated(_PLAN_SETTINGS, key)
+    if hit is not None:
+        return hit
     E = _arrays.check_int(num_experts, "num_experts", low=1, high=MAX_EXPERTS)
     A = _arrays.check_int(align_size, "align_size", low=1, high=1 << 20)
     if num_out_tokens is not None:
         num_out_tokens = _arrays.check_int(num_out_tokens, "num_out_tokens", low=0, high=_INT32_MAX)
     _check_map_type(map_type)
-    return E, A, num_out_tokens
+    return _remember(_PLAN_SETTINGS, key, (E, A, num_out_tokens))
+
+
+_PLAN_SETTINGS: dict = {}
+_ROUTING_ARGS: dict = {}
 
 
 _MAP_TYPES = ("mask", "index")
@@ -331,6 +326,10 @@ def check_routing(r, E, A, num_out_tokens, map_type=None):
     """The shape and dtype checks of :func:`make_plan`'s routing (anything with ``shape``, ``ndim``,
     ``dtype``; the settings from :func:`check_plan_settings`; the routing's kind by :func:`routing_kind`):
     ``(T, K, is_map, N)`` (``is_map`` also for an integer 0/1 map)."""
+    key = (_sig(r), E, A, num_out_tokens, type(map_type), map_type)
+    hit = _validated(_ROUTING_ARGS, key)
+    if hit is not None:
+        return hit
     _arrays.check_ndim(r, "routing", 2)
     is_map = routing_kind(r.dtype, tuple(r.shape), E, map_type) != "index"
     T = int(r.shape[0])
@@ -350,10 +349,9 @@ def check_routing(r, E, A, num_out_tokens, map_type=None):
     N = _num_rows(T, K, E, A, num_out_tokens)
     if N > _INT32_MAX:
         raise ValueError(f"num_rows = {N} (from T*K / num_out_tokens and align_size) must stay below 2^31")
-    return T, K, is_map, N
+    return _remember(_ROUTING_ARGS, key, (T, K, is_map, N))
 
 
-@_fast.recorded("routing", variant=_errors.debug)
 def make_plan(routing, num_experts: int, *, align_size: int = 1, num_out_tokens: int | None = None,
               map_type: str | None = None, stream=None, validate: bool | None = None,
               _apart: bool = False) -> Plan:
@@ -395,7 +393,6 @@ def make_plan(routing, num_experts: int, *, align_size: int = 1, num_out_tokens:
     validate = _errors.DEBUG if validate is None else _errors.resolve_validate(validate)
     with _arrays.Call({"routing": routing}, stream=stream, lean=True) as call:
         r = call["routing"]
-        xp = call.xp
         T, K, is_map, N = check_routing(r, E, A, num_out_tokens, map_type)
         if is_map and np.dtype(r.dtype) != np.bool_:  # an integer 0/1 map: nonzero = routed
             r = np.asarray(r) != 0 if call.backend == "cpu" else _arrays.cupy_of(r) != 0
@@ -418,11 +415,9 @@ def make_plan(routing, num_experts: int, *, align_size: int = 1, num_out_tokens:
             v = {k: d[k] for k in ("dst_row", "src_slot", "seg_start", "counts", "tokens_per_expert")}
         else:
             validate = validate and not is_map  # a routing map holds no expert ids
-            if validate and _arrays.RECORDING and _arrays.recorder() is not None:
-                raise _arrays.Unrecordable("make_plan with validate syncs")  # such calls run the ordinary path
-            v = _plan_cuda(call, r, is_map, T, K, E, A, N, num_out_tokens, _apart)
+            v = _plan_cuda(call, r, T, K, E, A, N, num_out_tokens, _apart)
             if validate:
-                _errors.sync_and_raise(call.device_id, call.stream)
+                _core.device(call.device_id).check(call.stream_ptr)
         plan._v = v
         plan._framework = call.framework
         plan._exported = {}
@@ -471,35 +466,9 @@ class _PlanViews(dict):
         return a
 
 
-def _describe_plan(plan, leaf):
-    """A recorded make_plan's Plan (moe_rt._fast): its ints, and its one buffer or its five arrays."""
-    v = plan._v
-    if type(v) is _PlanViews:
-        arrays = ("views", leaf(v._buf), v._spec)
-    else:
-        arrays = ("apart", tuple((k, leaf(v[k])) for k in _PLAN_NAMES))
-    return tuple(getattr(plan, k) for k in _PLAN_INTS), arrays
-
-
-def _build_plan(payload, get, framework):
-    ints, (kind, *rest) = payload
-    p = Plan._blank()
-    for k, val in zip(_PLAN_INTS, ints):
-        setattr(p, k, val)
-    if kind == "views":
-        v = _PlanViews()
-        v._buf, v._spec = get(rest[0]), rest[1]
-    else:
-        v = {k: get(leaf) for k, leaf in rest[0]}
-    p._v, p._framework, p._exported, p._fk = v, framework, {}, None
-    return p
-
-
-_fast.result_type(Plan, _describe_plan, _build_plan)
-
-
-# (T, K, routing dtype, E, A, num_out_tokens, device) -> the launch set-up of the plan kernels, which
-# depends on the shapes only.
+# The plan kernels of the expert-parallel ops (moe_rt.ep plans its received rows with them; make_plan runs in
+# the C core): (T, K, routing dtype, E, A, num_out_tokens, device) -> their launch set-up, which depends on the
+# shapes only.
 _plan_cfgs: dict = {}
 
 
@@ -528,34 +497,39 @@ def _plan_cfg(T, K, ic, E, A, N, num_out_tokens, dev):
             scan, assign)
 
 
-def _plan_cuda(call, r, is_map, T, K, E, A, N, num_out_tokens, apart=False):
-    dev, s = call.device_id, call.stream
-    # a routing map is read in place (slot t*E + e is expert e), an index array as int32 or int64
-    idx = _arrays.contiguous(call.xp, r)
-    key = (T, K, idx.dtype, E, A, num_out_tokens, dev)
-    cfg = _plan_cfgs.get(key)
-    if cfg is None:
-        if len(_plan_cfgs) > 512:
-            _plan_cfgs.clear()
-        ic = "bool" if is_map else _IDX[idx.dtype.name]
-        cfg = _plan_cfgs[key] = _plan_cfg(T, K, ic, E, A, N, num_out_tokens, dev)
-    total, n_out, spec = cfg[0], cfg[1], cfg[3]
-    if call.serving or apart:
-        # each plan array its own allocation (in a JAX callback: straight into its XLA output), the scratch
-        # apart
+def _plan_spec(T, K, E, N):
+    """Where each plan array lies in a plan's one int32 buffer: name -> (word offset, shape)."""
+    L = T * K
+    return {"dst_row": (0, (T, K)), "src_slot": (L, (N,)), "seg_start": (L + N, (E + 1,)),
+            "counts": (L + N + E + 1, (E,)), "tokens_per_expert": (L + N + 2 * E + 1, (E,))}
+
+
+_plan_sizes: dict = {}  # (T, K, E, N) -> (the plan buffer's layout, the core's working memory bytes)
+
+
+def _plan_cuda(call, r, T, K, E, A, N, num_out_tokens, apart=False):
+    """make_plan in the C core: the plan's arrays as views of one int32 buffer (``apart``: five allocations),
+    its working memory apart."""
+    idx = _arrays.contiguous(call.xp, r)  # a routing map is read in place (slot t*E + e is expert e)
+    key = (T, K, E, N)
+    sizes = _plan_sizes.get(key)
+    if sizes is None:
+        if len(_plan_sizes) > 512:
+            _plan_sizes.clear()
+        sizes = _plan_sizes[key] = (_plan_spec(T, K, E, N), _core.make_plan_workspace_bytes(T, K, E))
+    spec, nws = sizes
+    if apart:
         views = {k: call.empty(shape, np.int32) for k, (_, shape) in spec.items()}
-        dst, src, seg, counts, tpe = (views[k].data.ptr for k in spec)
-        sbuf = call.scratch((total - n_out,), np.int32)
-        p_partial = sbuf.data.ptr
+        ptrs = [views[k].data.ptr for k in _PLAN_NAMES]
     else:
-        buf = call.empty((total,), np.int32)
+        buf = call.empty((T * K + N + 3 * E + 1,), np.int32)
         b = buf.data.ptr
-        dst, src, seg = b, b + 4 * spec["src_slot"][0], b + 4 * spec["seg_start"][0]
-        counts, tpe = b + 4 * spec["counts"][0], b + 4 * spec["tokens_per_expert"][0]
-        p_partial = b + 4 * n_out
+        ptrs = [b + 4 * spec[k][0] for k in _PLAN_NAMES]
         views = _PlanViews()
         views._buf, views._spec = buf, spec
-    plan_kernels(cfg, idx, N, dst, src, seg, counts, tpe, p_partial, s)
+    ws = call.scratch((max(nws, 1),), np.uint8)
+    _core.make_plan(_core.device(call.device_id), idx.data.ptr, _CODES[np.dtype(idx.dtype)], T, K, E, A,
+                    -1 if num_out_tokens is None else num_out_tokens, *ptrs, ws.data.ptr, nws, call.stream_ptr)
     return views
 
 
@@ -595,12 +569,6 @@ def _unit(row_bytes: int, *ptrs) -> int:
     return 1
 
 
-def _threads(units: int, unroll: int = _UNROLL) -> int:
-    # Enough threads that one pass of `unroll` units each covers the row (up to 1024).
-    per = -(-units // unroll)
-    return int(min(1024, max(32, -(-per // 32) * 32)))
-
-
 def _row_grid(n_rows: int, device_id: int) -> int:
     if n_rows <= 0:
         return 0
@@ -620,13 +588,14 @@ def _check_tokens(arr, name, T, dtypes, what="plan.num_tokens"):
         raise ValueError(f"{name}: expected {T} rows ({what}), got shape {tuple(arr.shape)}")
 
 
-def _slot_probs(call, probs, plan: Plan, name: str, keep_f64: bool = False):
+def _slot_probs(call, probs, plan: Plan, name: str, keep_f64: bool = False, checked: bool = False):
     """``probs`` ([T,K] slot probs, or dense [T,E]) as contiguous float32 [T,K] (None stays None);
-    ``keep_f64``: float64 probs stay float64."""
+    ``keep_f64``: float64 probs stay float64; ``checked``: :func:`check_probs` passed already."""
     if probs is None:
         return None
     T, K, E = plan.num_tokens, plan.topk, plan.num_experts
-    check_probs(probs, name, T, K, E)
+    if not checked:
+        check_probs(probs, name, T, K, E)
     xp = call.xp
     if tuple(probs.shape) == (T, K):
         p = probs
@@ -649,18 +618,63 @@ def check_probs(probs, name, T, K, E):
 def check_dispatch_args(x, probs, T, K, E, probs_dtype=None):
     """The shape, dtype and settings checks of :func:`dispatch` for a plan of T tokens, K slots, E experts:
     the dtype of the permuted probs (None without probs)."""
+    key = (_sig(x), _sig(probs), T, K, E, type(probs_dtype), probs_dtype)
+    hit = _validated(_DISPATCH_ARGS, key)
+    if hit is not None:
+        return hit[0]
     _check_tokens(x, "x", T, _TOKEN_DTYPES + _BYTE_DTYPES)
     pdt = _probs_dtype(probs_dtype, probs)
     if probs is not None:
         check_probs(probs, "probs", T, K, E)
-    return pdt
+    return _remember(_DISPATCH_ARGS, key, (pdt,))[0]
+
+
+# the checks' results by signature (see moe_rt._arrays.validated)
+_sig, _validated, _remember = _arrays.sig, _arrays.validated, _arrays.remember
+_DISPATCH_ARGS: dict = {}
+_COMBINE_ARGS: dict = {}
+_DISPATCH_BWD_ARGS: dict = {}
+_COMBINE_BWD_ARGS: dict = {}
 
 
 def check_combine_args(y_permuted, probs, T, K, E, N):
     """The shape and dtype checks of :func:`combine` for a plan of T tokens, K slots, E experts, N rows."""
+    key = (_sig(y_permuted), _sig(probs), T, K, E, N)
+    if _validated(_COMBINE_ARGS, key) is not None:
+        return
     _check_tokens(y_permuted, "y_permuted", N, _TOKEN_DTYPES, "plan.num_rows")
     if probs is not None:
         check_probs(probs, "probs", T, K, E)
+    _remember(_COMBINE_ARGS, key, True)
+
+
+def _check_dispatch_bwd_args(g, gpp, T, N):
+    """The shape and dtype checks of :func:`dispatch_backward` for a plan of T tokens and N rows."""
+    key = (_sig(g), _sig(gpp), T, N)
+    if _validated(_DISPATCH_BWD_ARGS, key) is not None:
+        return
+    _check_tokens(g, "grad_x_permuted", N, _TOKEN_DTYPES, "plan.num_rows")
+    if gpp is not None:
+        _arrays.check_dtype(gpp, "grad_probs_permuted", _PROB_DTYPES)
+        _arrays.check_shape(gpp, "grad_probs_permuted", (N,))
+    _remember(_DISPATCH_BWD_ARGS, key, True)
+
+
+def _check_combine_bwd_args(g, probs, yv, T, K, E, N):
+    """The shape and dtype checks of :func:`combine_backward` for a plan of T tokens, K slots, E experts, N
+    rows."""
+    key = (_sig(g), _sig(probs), _sig(yv), T, K, E, N)
+    if _validated(_COMBINE_BWD_ARGS, key) is not None:
+        return
+    _check_tokens(g, "grad_y", T, _TOKEN_DTYPES)
+    if probs is not None:
+        check_probs(probs, "probs", T, K, E)
+        if yv is None:
+            raise ValueError("y_permuted: the forward input is needed to differentiate with probs")
+        _arrays.check_ndim(yv, "y_permuted", 2)
+        _arrays.check_dtype(yv, "y_permuted", (np.dtype(g.dtype),))
+        _arrays.check_shape(yv, "y_permuted", (N, g.shape[1]))
+    _remember(_COMBINE_BWD_ARGS, key, True)
 
 
 def _dense_to_slots(xp, probs, plan, keep_f64=False):
@@ -695,7 +709,6 @@ def _np_dtype(d):
         return None
 
 
-@_fast.recorded("x", "probs", plan=_PLAN_FAST)
 def dispatch(x, plan: Plan, probs=None, *, probs_dtype=None, stream=None):
     """Permute tokens (and their routing probs) into the plan's expert-major rows.
 
@@ -717,7 +730,7 @@ def dispatch(x, plan: Plan, probs=None, *, probs_dtype=None, stream=None):
         _check_plan(plan, call)
         xv = call["x"]
         pdt = check_dispatch_args(xv, call["probs"], plan.num_tokens, plan.topk, plan.num_experts, probs_dtype)
-        pv = _slot_probs(call, call["probs"], plan, "probs", keep_f64=pdt == np.float64)
+        pv = _slot_probs(call, call["probs"], plan, "probs", keep_f64=pdt == np.float64, checked=True)
         xv = _arrays.contiguous(call.xp, xv)
         if call.backend == "cpu":
             out, pp = _ref.dispatch(xv, plan._dict(), pv, probs_dtype=pdt)
@@ -727,28 +740,18 @@ def dispatch(x, plan: Plan, probs=None, *, probs_dtype=None, stream=None):
 
 
 def _dispatch_cuda(call, xv, plan, pv, pdt=None):
-    xp, s = call.xp, call.stream
-    N, T, K = plan.num_rows, plan.num_tokens, plan.topk
+    N = plan.num_rows
     H = int(xv.shape[1])
     out = call.empty((N, H), xv.dtype)
     pp = None if pv is None else call.empty((N,), np.float32 if pdt is None else pdt)
-    _copy_rows(call, xv, out, plan)
-    _fill(call, out, pp, pv, plan)
+    # the core moves float32 slot probs into float32/16 or bfloat16 rows; float64 ones are filled below
+    core_pp = pp is not None and pp.dtype != np.float64 and pp.size > 0 and pv.size > 0
+    _core.dispatch(_core.device(call.device_id), _core_plan(plan), xv.data.ptr, _CODES[np.dtype(xv.dtype)], H,
+                   pv.data.ptr if core_pp else 0, out.data.ptr, pp.data.ptr if core_pp else 0,
+                   _CODES[np.dtype(pp.dtype)] if core_pp else 0, call.stream_ptr)
+    if pp is not None and not core_pp:
+        _fill(call, None, pp, pv, plan)  # float64 permuted probs (or none to move): this module's fill_rows
     return out, pp
-
-
-def _copy_rows(call, src, out, plan):
-    """out[dst_row[t,k]] = src[t] for every kept slot (raw bytes)."""
-    T, K = plan.num_tokens, plan.topk
-    row_bytes = int(src.shape[1]) * src.dtype.itemsize
-    if T == 0 or row_bytes == 0 or plan.num_rows == 0:
-        return
-    u = _unit(row_bytes, src.data.ptr, out.data.ptr)
-    units = row_bytes // u
-    stream = "true" if _DISPATCH_STREAM_STORES else "false"
-    fn = _fn(f"dispatch_rows<{_UNITS[u]}, {_UNROLL}, {stream}>", call.device_id, K * 4)
-    _launch(fn, T, _threads(units), (src.data.ptr, out.data.ptr, plan._v["dst_row"], np.int32(K),
-                                     np.int64(units)), call.stream, K * 4)
 
 
 def _fill(call, out, pp, pv, plan):
@@ -771,17 +774,11 @@ def copy_kept_rows(src, out, keep, *, zero_rest: bool, device_id: int, stream) -
     """``out[r] = src[r]`` for the rows with ``keep[r] >= 0`` (only those are read), zero for the others
     (left as they are unless ``zero_rest``). CuPy arrays on ``device_id``: ``src``/``out`` C-contiguous of
     one shape ``[..., H]`` and dtype, ``keep`` int32 with one entry per row; ``stream`` a CuPy stream."""
-    N = int(keep.size)
     row_bytes = int(src.shape[-1]) * src.dtype.itemsize if src.ndim else 0
-    if N == 0 or row_bytes == 0:
-        return
-    u = _unit(row_bytes, src.data.ptr, out.data.ptr)
-    _launch(_fn(f"copy_kept_rows<{_UNITS[u]}>", device_id), _row_grid(N, device_id), 256,
-            (src.data.ptr, out.data.ptr, keep.data.ptr, np.int64(N), np.int64(row_bytes // u),
-             np.int32(int(zero_rest))), stream)
+    _core.copy_kept_rows(_core.device(device_id), src.data.ptr, out.data.ptr, keep.data.ptr, int(keep.size),
+                         row_bytes, int(bool(zero_rest)), stream.ptr)
 
 
-@_fast.recorded("y_permuted", "probs", plan=_PLAN_FAST)
 def combine(y_permuted, plan: Plan, probs=None, *, stream=None):
     """Weighted sum of each token's expert outputs: ``y[t] = sum_k w[t,k] * y_permuted[dst_row[t,k]]``.
 
@@ -801,8 +798,8 @@ def combine(y_permuted, plan: Plan, probs=None, *, stream=None):
     with _arrays.Call({"y_permuted": y_permuted, "probs": probs}, stream=stream, lean=True) as call:
         _check_plan(plan, call)
         yv = call["y_permuted"]
-        _check_tokens(yv, "y_permuted", plan.num_rows, _TOKEN_DTYPES, "plan.num_rows")
-        pv = _slot_probs(call, call["probs"], plan, "probs")
+        check_combine_args(yv, call["probs"], plan.num_tokens, plan.topk, plan.num_experts, plan.num_rows)
+        pv = _slot_probs(call, call["probs"], plan, "probs", checked=True)
         yv = _arrays.contiguous(call.xp, yv)
         if call.backend == "cpu":
             return call.out(_ref.combine(yv, plan._dict(), pv))
@@ -810,32 +807,12 @@ def combine(y_permuted, plan: Plan, probs=None, *, stream=None):
 
 
 def _combine_cuda(call, yv, plan, pv):
-    xp = call.xp
-    T, K = plan.num_tokens, plan.topk
+    T = plan.num_tokens
     H = int(yv.shape[1])
     out = call.empty((T, H), yv.dtype)
-    if T == 0 or H == 0:
-        return out
-    isz = yv.dtype.itemsize
-    vec = (H * isz) % 16 == 0 and yv.data.ptr % 16 == 0 and out.data.ptr % 16 == 0
-    cfg = _COMBINE_CFG
-    block_max, unroll, _, _, persistent, _ = cfg
-    dev = call.device_id
-    fn = _fn(_combine_name(_jit.ctype(yv.dtype), vec, cfg), dev)
-    slices, block = _slices(H // (16 // isz if vec else 1), block_max, unroll)
-    work = T * slices
-    grid = min(work, _resident_ctas(fn, block, dev) if persistent else _INT32_MAX)  # grid-stride beyond
-    _launch(fn, grid, block, (yv, out, plan._v["dst_row"], pv if pv is not None else 0, np.int32(K), np.int64(H),
-                              np.int32(slices), np.int64(work)), call.stream)
+    _core.combine(_core.device(call.device_id), _core_plan(plan), yv.data.ptr, _CODES[np.dtype(yv.dtype)], H,
+                  0 if pv is None else pv.data.ptr, out.data.ptr, call.stream_ptr)
     return out
-
-
-def _slices(units: int, block_max: int, unroll: int):
-    """Split a row of ``units`` element groups into the fewest slices of at most ``block_max`` threads x
-    ``unroll`` groups, with the CTA (a multiple of 32 threads) sized to waste as little as possible."""
-    slices = max(1, -(-units // (block_max * unroll)))
-    per = -(-units // (slices * unroll))
-    return slices, int(min(block_max, max(32, -(-per // 32) * 32)))
 
 
 _occupancy: dict = {}
@@ -853,7 +830,6 @@ def _resident_ctas(fn, block: int, device_id: int) -> int:
     return n
 
 
-@_fast.recorded("grad_x_permuted", "grad_probs_permuted", plan=_PLAN_FAST)
 def dispatch_backward(grad_x_permuted, plan: Plan, grad_probs_permuted=None, *, stream=None):
     """VJP of :func:`dispatch`.
 
@@ -872,29 +848,27 @@ def dispatch_backward(grad_x_permuted, plan: Plan, grad_probs_permuted=None, *, 
                       stream=stream, lean=True) as call:
         _check_plan(plan, call)
         g = call["grad_x_permuted"]
-        _check_tokens(g, "grad_x_permuted", plan.num_rows, _TOKEN_DTYPES, "plan.num_rows")
         gpp = call["grad_probs_permuted"]
+        _check_dispatch_bwd_args(g, gpp, plan.num_tokens, plan.num_rows)
         if gpp is not None:
-            _arrays.check_dtype(gpp, "grad_probs_permuted", _PROB_DTYPES)
-            _arrays.check_shape(gpp, "grad_probs_permuted", (plan.num_rows,))
             gpp = _arrays.contiguous(call.xp, gpp.astype(np.float32, copy=False))
         g = _arrays.contiguous(call.xp, g)
         if call.backend == "cpu":
             gx, gp = _ref.dispatch_backward(g, plan._dict(), gpp)
         else:
-            gx = _combine_cuda(call, g, plan, None)
-            gp = None
-            if gpp is not None:
-                xp = call.xp
-                gp = call.empty((plan.num_tokens, plan.topk), np.float32)
-                L = gp.size
-                if L:
-                    _launch(_fn("gather_slots", call.device_id), _row_grid(L // 32 + 1, call.device_id),
-                            256, (gpp, plan._v["dst_row"], gp, np.int64(L)), call.stream)
+            H = int(g.shape[1])
+            gx = call.empty((plan.num_tokens, H), g.dtype)
+            gp = None if gpp is None else call.empty((plan.num_tokens, plan.topk), np.float32)
+            # no rows to gather from (N = 0): every slot was dropped, its gradient is 0
+            gather = gp is not None and gp.size > 0 and gpp.size > 0
+            _core.dispatch_backward(_core.device(call.device_id), _core_plan(plan), g.data.ptr,
+                                    _CODES[np.dtype(g.dtype)], H, gpp.data.ptr if gather else 0, gx.data.ptr,
+                                    gp.data.ptr if gather else 0, call.stream_ptr)
+            if gp is not None and gp.size and not gather:
+                _arrays.cupy_of(gp).fill(0)
         return call.out(gx), (None if gp is None else call.out(gp))
 
 
-@_fast.recorded("grad_y", "y_permuted", "probs", plan=_PLAN_FAST)
 def combine_backward(grad_y, plan: Plan, y_permuted=None, probs=None, *, stream=None):
     """VJP of :func:`combine`.
 
@@ -914,44 +888,24 @@ def combine_backward(grad_y, plan: Plan, y_permuted=None, probs=None, *, stream=
                       lean=True) as call:
         _check_plan(plan, call)
         g = call["grad_y"]
-        _check_tokens(g, "grad_y", plan.num_tokens, _TOKEN_DTYPES)
-        pv = _slot_probs(call, call["probs"], plan, "probs")
         yv = call["y_permuted"]
+        _check_combine_bwd_args(g, call["probs"], yv, plan.num_tokens, plan.topk, plan.num_experts, plan.num_rows)
+        pv = _slot_probs(call, call["probs"], plan, "probs", checked=True)
         if pv is not None:
-            if yv is None:
-                raise ValueError("y_permuted: the forward input is needed to differentiate with probs")
-            _arrays.check_ndim(yv, "y_permuted", 2)
-            _arrays.check_dtype(yv, "y_permuted", (np.dtype(g.dtype),))
-            _arrays.check_shape(yv, "y_permuted", (plan.num_rows, g.shape[1]))
             yv = _arrays.contiguous(call.xp, yv)
         g = _arrays.contiguous(call.xp, g)
         if call.backend == "cpu":
             gyp, gp = _ref.combine_backward(g, plan._dict(), yv, pv)
             return call.out(gyp), (None if gp is None else call.out(gp))
-        xp = call.xp
         T, K, N = plan.num_tokens, plan.topk, plan.num_rows
         H = int(g.shape[1])
         gyp = call.empty((N, H), g.dtype)
-        _fill(call, gyp, None, None, plan)
-        if pv is None:
-            _copy_rows(call, g, gyp, plan)
-            return call.out(gyp), None
-        gp = call.empty((T, K), np.float32)
-        if T and K:
-            if H == 0 or N == 0:
-                _arrays.cupy_of(gp).fill(0)
-            else:
-                isz = g.dtype.itemsize
-                vec = ((H * isz) % 16 == 0 and g.data.ptr % 16 == 0 and yv.data.ptr % 16 == 0
-                       and gyp.data.ptr % 16 == 0)
-                n_per = 16 // isz if vec else 1
-                threads = _threads(H // n_per)
-                smem = K * 8 + (threads // 32) * K * 4
-                fn = _fn(f"combine_bwd_rows<{_jit.ctype(g.dtype)}, {'true' if vec else 'false'}, {_UNROLL}>",
-                         call.device_id, smem)
-                _launch(fn, T, threads, (g, yv, gyp, plan._v["dst_row"], pv, gp, np.int32(K), np.int64(H)),
-                        call.stream, smem)
-        return call.out(gyp), call.out(gp)
+        gp = None if pv is None else call.empty((T, K), np.float32)
+        weighted = gp is not None and gp.size > 0  # T*K = 0: no slot, nothing weighted
+        _core.combine_backward(_core.device(call.device_id), _core_plan(plan), g.data.ptr, _CODES[np.dtype(g.dtype)],
+                               H, yv.data.ptr if weighted else 0, pv.data.ptr if weighted else 0, gyp.data.ptr,
+                               gp.data.ptr if weighted else 0, call.stream_ptr)
+        return call.out(gyp), (None if gp is None else call.out(gp))
 
 
 # -- chunk sort ------------------------------------------------------------------------------------------
@@ -999,7 +953,7 @@ def _sort_chunks(x, split_sizes, sorted_indices, probs, stream, bwd):
         arrays["split_sizes"] = split_sizes
     if ho is None:
         arrays["sorted_indices"] = sorted_indices
-    with _arrays.Call(arrays, stream=stream) as call:
+    with _arrays.Call(arrays, stream=stream, lean=True) as call:
         xp = call.xp
         xv = call[xname]
         if xv.ndim < 1:
@@ -1038,29 +992,23 @@ def _sort_chunks_cuda(call, xv, s, o, pv, bwd):
     xp = call.xp
     N = int(xv.shape[0])
     S = int(s.shape[0])
-    if np.dtype(s.dtype) != np.dtype(o.dtype):
+    if np.dtype(s.dtype) != np.dtype(o.dtype) or np.dtype(s.dtype) not in _CHUNK_INDEX:
         s, o = s.astype(np.int32), o.astype(np.int32)
     s, o = _arrays.contiguous(xp, s), _arrays.contiguous(xp, o)
     out = call.empty(xv.shape, xv.dtype)  # FP8 rows: a DevArray over uint8 memory (CuPy holds no FP8)
-    po = None if pv is None else xp.empty(N, dtype=np.float32)
+    po = None if pv is None else call.empty((N,), np.float32)
     if N == 0:
         return out, po
-    starts = xp.empty(2 * S + 1, dtype=np.int32)
-    in_start, out_start = starts[:S + 1], starts[S + 1:]
-    ic = _IDX[np.dtype(s.dtype).name]
-    if S:
-        _launch(_fn(f"chunk_offsets<{ic}>", call.device_id), 1, 1024, (s, o, np.int32(S), in_start, out_start),
-                call.stream)
-    else:
-        in_start.fill(0)
     row_bytes = (xv.size // N) * xv.dtype.itemsize
-    u = _unit(row_bytes, xv.data.ptr, out.data.ptr) if row_bytes else 16
-    units = row_bytes // u
-    fn = _fn(f"chunk_sort_rows<{_UNITS[u]}, {'true' if bwd else 'false'}>", call.device_id)
-    threads = int(min(256, max(32, -(-units // 32) * 32)))
-    _launch(fn, N, threads, (xv.data.ptr, out.data.ptr, in_start, out_start, np.int32(max(S, 0)), np.int64(N),
-                             np.int64(units), pv if pv is not None else 0, po if po is not None else 0), call.stream)
+    nws = _core.sort_chunks_workspace_bytes(S)
+    ws = call.scratch((max(nws, 1),), np.uint8)
+    _core.sort_chunks(_core.device(call.device_id), xv.data.ptr, N, row_bytes, s.data.ptr if S else 0,
+                      o.data.ptr if S else 0, _CODES[np.dtype(s.dtype)], S, 0 if pv is None else pv.data.ptr,
+                      out.data.ptr, 0 if po is None else po.data.ptr, int(bwd), ws.data.ptr, nws, call.stream_ptr)
     return out, po
+
+
+_CHUNK_INDEX = (np.dtype(np.int32), np.dtype(np.int64))  # the core's split_sizes / sorted_indices dtypes
 
 
 def sort_chunks(x, split_sizes, sorted_indices, *, probs=None, stream=None):

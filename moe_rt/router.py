@@ -1,6 +1,7 @@
 """Router ops: top-k with a score function, the dense scores for the aux loss, and the aux loss itself,
-each with its backward (docs/router.md). CUDA arrays run kernels/router.cu; CPU arrays run
-:mod:`moe_rt.reference.router`. Results come back in the caller's framework and device.
+each with its backward (docs/router.md). CUDA arrays run kernels/router.cu through the C core (moe_rt._core:
+the ops validate here, allocate their results and make one core call; the Quantile Balancing ops plan here,
+the core has none); CPU arrays run :mod:`moe_rt.reference.router`. Results come back in the caller's framework and device.
 
 Shared conventions (both backends):
 
@@ -22,7 +23,7 @@ import os
 
 import numpy as np
 
-from moe_rt import _arrays, _errors, _fast, _jit
+from moe_rt import _arrays, _core, _errors, _jit
 from moe_rt.reference import router as ref
 
 SCORE_FUNCTIONS = {"sigmoid": 0, "softmax": 1, "sqrtsoftplus": 2}
@@ -34,14 +35,13 @@ MAX_TOPK = 64
 _TEAMS = (32, 128, 512)
 _REG_V = (8, 16, 32)  # keys per lane of router_fwd_reg (E <= 1024)
 _FILE = "router.cu"
-# kernel variants for benchmarks and tests, read once (tests patch these attributes)
+# The kernel choices of the ops the C core runs (top-k and its backward, the aux scores and loss) are the
+# core's (csrc/router.c); this module plans only the Quantile Balancing ops, which the core lacks. Their
+# kernel variants for benchmarks and tests, read once (tests patch these attributes):
 _FWD_VARIANT = os.environ.get("MOE_RT_ROUTER_FWD")
 _TEAM_VARIANT = os.environ.get("MOE_RT_ROUTER_TEAM")
-# "dense": the top-k backward reads whole rows of grad and intermediate; "sel" / "selreg": the two-pass /
-# one-pass selected-entries kernel for every row length (benchmark and test variants)
-_BWD_VARIANT = os.environ.get("MOE_RT_ROUTER_BWD")
-# tokens per warp (forward, backward) of the row kernels, 0 = one resident wave (MOE_RT_ROUTER_TPW="f,b" at
-# import overrides the defaults of _fwd_tpw and of _launch_bwd, "f" the forward's only: a benchmark variant)
+# tokens per warp of the QB forward's row kernels, 0 = one resident wave (MOE_RT_ROUTER_TPW="f" at import
+# overrides the default of _fwd_tpw: a benchmark variant)
 _TPW_VARIANT = tuple(int(v) for v in os.environ["MOE_RT_ROUTER_TPW"].split(",")) if os.environ.get(
     "MOE_RT_ROUTER_TPW") else None
 
@@ -70,26 +70,23 @@ _jit.register(_FILE, [f"router_fwd<{c}, {team}>" for c in _jit.CTYPES.values() f
               + [f"router_fwd_qb<{c}, {team}>" for c in _jit.CTYPES.values() for team in _TEAMS]
               + [f"router_fwd_qb_reg<{c}, {v}>" for c in ("float", "__nv_bfloat16") for v in _REG_V]
               + ["qb_histogram_accumulate"])
-# Quick kernels (_jit.function_tiered): compiled for one score case alone (_score_case), each computes the
+# Quick kernels (stand-ins while a kernel compiles on a first call: moe_rt._jit.compile_in_background; the C
+# core's planner names them, csrc/router.c fwd_stand_in): compiled for one score case alone, each computes the
 # bits of the kernel it stands in for in that case: a row of one warp, with groups (for the one-warp and
-# register kernels with groups; no aux mode there) or without, and 8 to 32 keys a lane without groups (for
-# bf16 at 8 keys the kernel itself compiles in about a second).
+# register kernels with groups; no aux mode there; for K <= 8 compiled without the paths of K > 8) or without,
+# and 8 to 32 keys a lane without groups (for bf16 at 8 keys the kernel itself compiles in about a second).
+# Warmup leaves them out.
 _jit.register(_FILE, [f"router_fwd<{c}, 32, {gr}, false, {s}>" for c in _jit.CTYPES.values()
                       for gr, cases in (("false", range(7)), ("true", (0, 2, 3, 5, 6))) for s in cases]
+              + [f"router_fwd<{c}, 32, true, false, {s}, true>" for c in _jit.CTYPES.values() for s in (0, 2, 3, 5, 6)]
               + [f"router_fwd_reg<{c}, {v}, false, false, false, {s}>" for c in ("float", "__nv_bfloat16")
                  for v in _REG_V if v != 8 or c == "float" for s in range(7)], quick=True)
-
 __all__ = ["topk_with_score", "topk_with_score_backward", "topk_indices_with_score", "scores_for_aux_loss",
            "scores_for_aux_loss_backward", "aux_loss", "aux_loss_backward", "topk_with_score_qb",
            "qb_histogram_accumulate", "update_expert_bias_with_quantile"]
 
 
 # ---- validation ---------------------------------------------------------------------------------------
-
-def _variant():
-    # the debug switch: the index backward syncs after its launch under it
-    return _FWD_VARIANT, _TEAM_VARIANT, _BWD_VARIANT, _TPW_VARIANT, _errors.DEBUG
-
 
 def _check_choice(value, name, choices):
     """TypeError unless ``value`` is a str, ValueError unless it is one of ``choices`` (a list)."""
@@ -256,13 +253,6 @@ def _slot_words(E, G, K, team):
     return al4(E) + al4(G) + 16 * team + 32 * nw + 64 + 16 + nw * kp + 2 * 64 + 4 + 4 * kp
 
 
-def _reg_slot_words(E, G, K, lanesel=False):
-    al4 = lambda x: (x + 3) & ~3  # noqa: E731
-    if lanesel:
-        return 4 * al4(K)
-    return (al4(E) if G else 0) + al4(G) + 16 * 32 + 2 * 64 + 4 + 4 * al4(K)
-
-
 def _qb_reg_slot_words(K):
     """A token slot of router_fwd_qb_reg: the radix list, then the K routes' experts, keys, weights, probs."""
     return 2 * 64 + 4 + 4 * ((K + 3) & ~3)
@@ -309,189 +299,6 @@ def _grid(n_slots_needed, threads, smem, device_id, regs=0):
     return max(1, min(n_slots_needed, p["sm_count"] * per_sm))
 
 
-# (dtype, E, K, G, vec, device) -> (kernel, threads, slots per block, smem, resident slots, tokens per warp,
-# gcm): the launch configuration of the forward depends on the shapes only, so it is worked out once per shape.
-_fwd_cfgs: dict = {}
-
-
-def _lane_groups(E, K, G, g, ch):
-    """The group-limited selection of router_fwd_reg stays in registers: at most 32 groups, each group's
-    16-byte chunks on a power-of-two count of aligned lanes (at most 32), at most 8 keys summed per group."""
-    if not G or G > 32 or (E // G) % ch:
-        return False
-    S = E // G // ch
-    return K // g <= 8 and S <= 32 and S & (S - 1) == 0
-
-
-def _cmax_word(E, K, G, g, ch, vec, team):
-    """router_fwd's gcm argument: where group_scores_cmax applies (one warp, 8-key chunks, at most 32 groups
-    of whole chunks, each on L lanes with m = K / g in (8, 4 L] and at most kCmaxQ = 12 chunks a lane, and a
-    list of at least 4 L keys a group beside the row's chunk maxima in the slot's 16 * 32 scratch words), its
-    list capacity per group | L << 16; else 0. Not for aux scores or pre-softmax (their keys change after
-    phase 1)."""
-    if team != 32 or ch != 8 or not vec or not G or G > 32 or (E // G) % 8:
-        return 0
-    L = 1
-    while L < 32 and L * 2 * G <= 32:
-        L *= 2
-    m, nc = K // g, E // G // 8
-    cap = ((16 * 32 - ((E // 8 + 3) & ~3)) // G) & ~3
-    if not (8 < m <= 4 * L and nc <= 12 * L and cap >= 4 * L):
-        return 0
-    return cap | (L << 16)
-
-
-def _score_case(score_fn, aux, has_bias):
-    """The score case of the router kernels' with_score_fn: 0 softmax; 1, 2, 3 sigmoid with aux, bias,
-    plain; 4, 5, 6 the same for sqrtsoftplus."""
-    if score_fn == SCORE_FUNCTIONS["softmax"]:
-        return 0
-    base = 1 if score_fn == SCORE_FUNCTIONS["sigmoid"] else 4
-    return base + (0 if aux else 1 if has_bias else 2)
-
-
-def _fwd_cfg(dtype, E, K, G, g, vec, device_id, case, bitmap=False):
-    """(kernel, threads, slots a block, shared memory, resident blocks, tokens a warp, gcm), and whether it
-    is final: False while the kernel is compiling in the background and a quick kernel for score ``case``
-    stands in (the same kernel compiled for that case alone, with this configuration; with groups, the
-    one-warp row kernel with its own configuration: router_fwd_reg computes router_fwd<T, 32>'s bits)."""
-    ct = _jit.ctype(dtype)
-    ch = 16 // dtype.itemsize
-    v = _reg_v(E, ch, vec, dtype)
-    if v:
-        # 8 keys a lane, no groups: bf16 runs the kernel compiled without the group-limited selection (on H100
-        # 2-4% faster). fp32 keeps the kernel with groups: the other computes the same bits and compiles in a
-        # quarter of the time (1.7 against 5.3-5.9 s on an H100 host), but ran 3.6% slower there (softmax,
-        # T=65536: 89.5 against 86.4 us); _FWD_VARIANT = "f32nogroups" selects it (a benchmark and test
-        # variant). 8 keys a lane with groups held in the lanes and k <= 8: a kernel compiled for that path
-        # alone (LANESEL; _FWD_VARIANT = "nolanesel" keeps the kernel with every path: a test variant).
-        ng = v == 8 and not G and (dtype.itemsize == 2 or _FWD_VARIANT == "f32nogroups")
-        ls = v == 8 and K <= 8 and _lane_groups(E, K, G, g, ch) and _FWD_VARIANT != "nolanesel"
-        if bitmap:  # the same kernel with the bit-packed map (every template argument spelled out)
-            fn, final = _jit.function(_FILE, f"router_fwd_reg<{ct}, {v}, {'false' if ng else 'true'}, "
-                                             f"{'true' if ls else 'false'}, true>"), True
-        else:
-            if not G:
-                quick = (f"router_fwd_reg<{ct}, {v}, false, false, false, {case}>"
-                         if not ng and (dtype.itemsize == 4 or v != 8) else None)
-            else:
-                quick = None if ls else f"router_fwd<{ct}, 32, true, false, {case}>"
-            fn, final = _jit.function_tiered(_FILE, f"router_fwd_reg<{ct}, {v}"
-                                                    f"{', false' if ng else ''}{', true, true' if ls else ''}>", quick)
-        if final or not G:
-            spb, threads = 4, 128
-            smem = 4 * _reg_slot_words(E, G, K, ls) * spb
-            tpw = _fwd_tpw(dtype, v, ls)
-            gcm = 0
-            return _fwd_cfg_out(fn, threads, spb, smem, tpw, gcm, device_id), final
-        team = 32  # the quick kernel for groups: the one-warp row kernel
-    else:
-        team = _team(E, fwd=True)
-        # one warp without groups: a kernel compiled without the group-limited selection
-        groups = bool(G) or team != 32
-        if bitmap:
-            fn, final = _jit.function(_FILE, f"router_fwd<{ct}, {team}, {'true' if groups else 'false'}, true>"), True
-        else:
-            fn, final = _jit.function_tiered(
-                _FILE, f"router_fwd<{ct}, {team}{'' if groups else ', false'}>",
-                None if team != 32 else f"router_fwd<{ct}, 32, {'true' if groups else 'false'}, false, {case}>")
-    spb = 4 if team == 32 else 1
-    smem = 4 * _slot_words(E, G, K, team) * spb
-    threads = team * spb
-    tpw = _fwd_tpw(dtype, 0, False, team)
-    gcm = _cmax_word(E, K, G, g, ch, vec, team)
-    return _fwd_cfg_out(fn, threads, spb, smem, tpw, gcm, device_id), final
-
-
-def _fwd_cfg_out(fn, threads, spb, smem, tpw, gcm, device_id):
-    regs = getattr(fn, "num_regs", 0)
-    _jit.set_max_dynamic_shared(fn, smem)
-    return fn, threads, spb, smem, _grid(1 << 30, threads, smem, device_id, regs), tpw, gcm
-
-
-def _launch_fwd(call, x, T, E, K, score_fn, pre, aux, G, g, scale, bias, probs, scores, rmap, inter,
-                idx, w, bitmap=False):
-    """``bitmap``: rmap is the bit-packed map (uint8 [T, ceil(E/8)]); ``idx``: int16/int32/int64 [T, K]."""
-    ch = 16 // x.dtype.itemsize
-    vec = _vec_ok([x, probs, scores, None if bitmap else rmap, inter, bias], E, ch)
-    key = (x.dtype, E, K, G, g, vec, call.device_id, _FWD_VARIANT, _TEAM_VARIANT, _TPW_VARIANT, bitmap)
-    cfg = _fwd_cfgs.get(key)
-    if cfg is None:
-        cfg, final = _fwd_cfg(x.dtype, E, K, G, g, vec, call.device_id,
-                              _score_case(score_fn, aux, bias is not None), bitmap)
-        if final:
-            if len(_fwd_cfgs) > 512:
-                _fwd_cfgs.clear()
-            _fwd_cfgs[key] = cfg
-        else:
-            _arrays.not_recordable_yet()  # a recording of this call would keep the quick kernel
-    fn, threads, spb, smem, resident, tpw, gcm = cfg
-    grid = _tpw_grid(T, spb, tpw, resident)
-    n = E // G if G else 1
-    gmagic = (-(-(1 << 32) // n)) & 0xFFFFFFFF if n > 1 else 0
-    m = K // g if G else 0
-    null = 0
-    _jit.launch_raw(fn, grid, threads,
-                    (x, np.int64(T), np.int32(E), np.int32(K), np.int32(score_fn), np.int32(pre), np.int32(aux),
-                     np.int32(G), np.int32(g), np.int32(m), np.uint32(gmagic), np.float32(scale),
-                     bias if bias is not None else null, probs if probs is not None else null,
-                     scores if scores is not None else null, rmap if rmap is not None else null,
-                     inter if inter is not None else null, idx if idx is not None else null,
-                     w if w is not None else null, np.int32(vec), np.int32(0 if aux or pre else gcm),
-                     np.int32(4 if idx is None else np.dtype(idx.dtype).itemsize)),
-                    smem, call.stream)
-
-
-_SEL_REG_CHUNKS = 4
-
-
-def _launch_bwd(call, grad, rmap, inter, out, T, E, K, score_fn, pre, aux, scale, bitmap=False):
-    """``bitmap``: rmap is the bit-packed map (the kernels' BITMAP instantiations: the same math and bits)."""
-    team = _team(E)
-    tg = _jit.ctype(grad.dtype)
-    spb = 4 if team == 32 else 1
-    threads = team * spb
-    ch = 8 if (grad.dtype.itemsize == 2 or out.dtype.itemsize == 2) else 4
-    vec = _vec_ok([grad, None if bitmap else rmap, inter, out], E, ch)
-    bm = ", true" if bitmap else ""
-    if vec and not pre and not aux and _BWD_VARIANT != "dense":
-        # zero gradient off the map: only the K selected entries of grad and intermediate are read; with
-        # _SEL_REG_CHUNKS or more 16-byte chunks per thread, in one pass with the entries in registers
-        # (on H100: 17% faster for fp32 E=2304, 4-20% slower with 1-2 chunks per thread)
-        reg = -(-(E // ch) // team) >= _SEL_REG_CHUNKS if _BWD_VARIANT not in ("sel", "selreg") else \
-            _BWD_VARIANT == "selreg"
-        fn = _jit.function(_FILE, f"router_bwd_sel{'_reg' if reg else ''}<{tg}, {team}{bm}>")
-        # one token per warp (or per 128-thread block) where measured (H100, T = 65536, us: fp32 E=256 softmax
-        # 57.3 -> 54.2, E=2304 415 -> 395; bf16 E=256 41.7 -> 39.9, E=2304 320 -> 291), else one resident wave
-        tpw = (_TPW_VARIANT[1] if _TPW_VARIANT is not None and len(_TPW_VARIANT) > 1 else 1) if team <= 128 else 0
-        grid = (_tpw_grid(T, spb, tpw, 0) if tpw
-                else _grid(-(-T // spb), threads, 0, call.device_id, getattr(fn, "num_regs", 0)))
-        _jit.launch(fn, grid, threads,
-                    (grad, rmap, inter, np.int64(T), np.int32(E), np.int32(K), np.int32(score_fn),
-                     np.float32(scale), out),
-                    stream=call.stream)
-        return
-    grid = _grid(-(-T // spb), threads, 0, call.device_id)
-    fn = _jit.function(_FILE, f"router_bwd<{tg}, {_jit.ctype(out.dtype)}, {team}{bm}>")
-    _jit.launch(fn, grid, threads,
-                (grad, rmap if rmap is not None else 0, inter, np.int64(T), np.int32(E), np.int32(K),
-                 np.int32(score_fn), np.int32(pre), np.int32(aux), np.float32(scale), out, np.int32(vec)),
-                stream=call.stream)
-
-
-def _launch_bwd_idx(call, grad, idx, inter, out, T, E, K, score_fn, pre, scale):
-    """The backward from dense indices (router_bwd_idx: one warp a token); bad ids go to the error word."""
-    ch = 8 if grad.dtype.itemsize == 2 else 4
-    vec = _vec_ok([grad, inter, out], E, ch)
-    fn = _jit.function(_FILE, f"router_bwd_idx<{_jit.ctype(grad.dtype)}>")
-    grid = _grid(-(-T // 4), 128, 0, call.device_id, getattr(fn, "num_regs", 0))
-    _jit.launch(fn, grid, 128,
-                (grad, idx, np.int32(np.dtype(idx.dtype).itemsize), inter, np.int64(T), np.int32(E), np.int32(K),
-                 np.int32(score_fn), np.int32(pre), np.float32(scale), out, np.int32(vec),
-                 _errors.word(call.device_id)),
-                stream=call.stream)
-
-
 def _check_topk_agreement(m, y, K, score_function, pre):
     """CPU check that the forward's routing map ``m`` and intermediate ``y`` ([T, E] NumPy) agree with
     ``topk`` and the score function given to the backward (NaN entries pass)."""
@@ -522,7 +329,25 @@ def _check_topk_agreement(m, y, K, score_function, pre):
 
 def _flat(xp, arr, E):
     arr = _arrays.contiguous(xp, arr)
+    if arr.ndim == 2 and E > 0 and arr.shape[1] == E:  # [T, E] already (the usual case): no new view
+        return arr
     return arr.reshape(-1, E)
+
+
+def _shaped(arr, shape):
+    """``arr`` reshaped to ``shape`` (a tuple): itself when it has that shape already."""
+    return arr if tuple(arr.shape) == shape else arr.reshape(shape)
+
+
+_CODES = _core.CODES  # NumPy dtype -> the core's dtype code
+
+# the checks' results by signature (see moe_rt._arrays.validated)
+_sig, _fkey, _validated, _remember = _arrays.sig, _arrays.float_key, _arrays.validated, _arrays.remember
+
+
+def _ptr(a) -> int:
+    """The device address of a CUDA array (a CuPy array or DevArray; 0 for None), as the core takes it."""
+    return 0 if a is None else a.data.ptr
 
 
 def _check_bias(bv, E, score_function):
@@ -539,11 +364,20 @@ def check_topk_args(xv, bv, topk, score_function, use_pre_softmax, num_groups, g
     """Every check of :func:`topk_with_score` (and :func:`topk_indices_with_score`) that needs only shapes,
     dtypes and the settings: ``(E, K, G, g, scale, pre)``. ``xv``, ``bv``: anything with ``shape``, ``ndim``
     and ``dtype`` (arrays, or JAX tracers when ``moe_rt.jax`` traces)."""
+    key = (_sig(xv), _sig(bv), type(topk), topk, type(score_function), score_function,
+           type(use_pre_softmax), use_pre_softmax, type(num_groups), num_groups, type(group_topk), group_topk,
+           _fkey(scaling_factor))
+    hit = _validated(_TOPK_ARGS, key)
+    if hit is not None:
+        return hit
     E = _check_logits(xv)
     K, scale, pre = _check_topk_flags(E, topk, score_function, use_pre_softmax, scaling_factor)
     G, g = _check_groups(num_groups, group_topk, K, E)
     _check_bias(bv, E, score_function)
-    return E, K, G, g, scale, pre
+    return _remember(_TOPK_ARGS, key, (E, K, G, g, scale, pre))
+
+
+_TOPK_ARGS: dict = {}
 
 
 def _prepare_topk(call, topk, score_function, use_pre_softmax, num_groups, group_topk, scaling_factor,
@@ -563,7 +397,6 @@ def _ref_kwargs(score_function, pre, G, g, scale, bv):
 
 # ---- top-k with score function ---------------------------------------------------------------------
 
-@_fast.recorded("logits", "expert_bias", variant=_variant)
 def topk_with_score(logits, topk, *, score_function="softmax", use_pre_softmax=False, num_groups=None,
                     group_topk=None, scaling_factor=None, expert_bias=None, routing_map_format="bytemap",
                     topk_indices=None, topk_indices_dtype=None, stream=None):
@@ -637,25 +470,24 @@ def topk_with_score(logits, topk, *, score_function="softmax", use_pre_softmax=F
             else:
                 idx = buf.reshape(T, K)
             inter = call.empty((T, E), dtype=np.float32)
-            if T > 0:
-                b32 = None if bv is None else _arrays.as_f32(xp, bv)
-                _launch_fwd(call, x, T, E, K, SCORE_FUNCTIONS[score_function], pre, 0, G, g, scale, b32,
-                            probs, None, rmap, inter, idx, None, bitmap)
             if idx is not None:
                 rmap = idx
+            if T > 0:
+                b32 = None if bv is None else _arrays.as_f32(xp, bv)
+                _core.topk_with_score(_core.device(call.device_id), _ptr(x), _CODES[x.dtype], T, E, K,
+                                      SCORE_FUNCTIONS[score_function], pre, G, g, scale, _ptr(b32), _ptr(probs),
+                                      _ptr(rmap), _CODES[rmap.dtype], _ptr(inter), call.stream_ptr)
         shape = lead + (E,)
         if topk_indices is not None:
             routing = topk_indices
         else:
-            routing = call.out(rmap.reshape(lead + tuple(rmap.shape[1:]) if bitmap or idt is not None else shape))
-        return call.out(probs.reshape(shape)), routing, call.out(inter.reshape(shape))
+            routing = call.out(_shaped(rmap, lead + tuple(rmap.shape[1:]) if bitmap or idt is not None else shape))
+        return call.out(_shaped(probs, shape)), routing, call.out(_shaped(inter, shape))
 
 
 def _index_buffer(call, obj, shape):
     """The view of the caller's ``topk_indices`` buffer ``obj``, checked: shape, contiguity, writability (its
     dtype and device were checked with the call)."""
-    if _arrays.recorder() is not None:  # written in place and returned as itself: no replay of the call
-        raise _arrays.Unrecordable("a topk_indices buffer")
     if type(obj).__module__.startswith("jax"):
         raise TypeError("topk_indices: JAX arrays cannot be written in place; pass topk_indices_dtype instead")
     v = call["topk_indices"]
@@ -670,7 +502,6 @@ def _index_buffer(call, obj, shape):
     return v
 
 
-@_fast.recorded("logits", "expert_bias", variant=_variant)
 def topk_indices_with_score(logits, topk, *, score_function="softmax", use_pre_softmax=False, num_groups=None,
                             group_topk=None, scaling_factor=None, expert_bias=None, stream=None):
     """Compact form of :func:`topk_with_score` (same arguments), the input of the dispatch ops.
@@ -691,12 +522,49 @@ def topk_indices_with_score(logits, topk, *, score_function="softmax", use_pre_s
             w = call.empty((T, K), dtype=np.float32)
             if T > 0:
                 b32 = None if bv is None else _arrays.as_f32(xp, bv)
-                _launch_fwd(call, x, T, E, K, SCORE_FUNCTIONS[score_function], pre, 0, G, g, scale, b32,
-                            None, None, None, None, idx, w)  # int32 indices
+                _core.topk_indices_with_score(_core.device(call.device_id), _ptr(x), _CODES[x.dtype], T, E, K,
+                                              SCORE_FUNCTIONS[score_function], pre, G, g, scale, _ptr(b32),
+                                              _ptr(idx), _ptr(w), call.stream_ptr)
         return call.out(idx.reshape(lead + (K,))), call.out(w.reshape(lead + (K,)))
 
 
-@_fast.recorded("grad_probs", "routing_map", "intermediate", "topk_indices", variant=_variant)
+_TOPK_BWD_ARGS: dict = {}
+
+
+def _check_topk_bwd_args(gv, mv, yv, iv, topk, score_function, use_pre_softmax, scaling_factor,
+                         routing_map_format):
+    """The shape, dtype and settings checks of :func:`topk_with_score_backward`: ``(bitmap, E, K, scale,
+    pre)``."""
+    key = (_sig(gv), _sig(mv), _sig(yv), _sig(iv), type(topk), topk, type(score_function),
+           score_function, type(use_pre_softmax), use_pre_softmax, _fkey(scaling_factor), type(routing_map_format),
+           routing_map_format)
+    hit = _validated(_TOPK_BWD_ARGS, key)
+    if hit is not None:
+        return hit
+    bitmap = check_map_format(routing_map_format)
+    E = _check_logits(gv, "grad_probs")
+    if iv is not None:
+        if mv is not None:
+            raise ValueError("routing_map, topk_indices: pass one (routing_map=None with topk_indices)")
+        if bitmap:
+            raise ValueError("topk_indices: cannot be combined with routing_map_format='bitmap_u8'")
+        _arrays.check_dtype(iv, "topk_indices", INDEX_DTYPES)
+    elif mv is None:
+        raise TypeError("routing_map: expected the forward's routing map (or topk_indices=), got None")
+    elif bitmap:
+        _arrays.check_dtype(mv, "routing_map", (np.dtype(np.uint8),))
+        _arrays.check_shape(mv, "routing_map", tuple(gv.shape[:-1]) + (bitmap_bytes(E),))
+    else:
+        _arrays.check_dtype(mv, "routing_map", (np.dtype(np.bool_),))
+        _arrays.check_shape(mv, "routing_map", gv.shape)
+    _arrays.check_dtype(yv, "intermediate", (np.dtype(np.float32),))
+    _arrays.check_shape(yv, "intermediate", gv.shape)
+    K, scale, pre = _check_topk_flags(E, topk, score_function, use_pre_softmax, scaling_factor)
+    if iv is not None:
+        _arrays.check_shape(iv, "topk_indices", tuple(gv.shape[:-1]) + (K,))
+    return _remember(_TOPK_BWD_ARGS, key, (bitmap, E, K, scale, pre))
+
+
 def topk_with_score_backward(grad_probs, routing_map, intermediate, topk, *, score_function,
                              use_pre_softmax=False, scaling_factor=None, routing_map_format="bytemap",
                              topk_indices=None, stream=None):
@@ -734,27 +602,8 @@ def topk_with_score_backward(grad_probs, routing_map, intermediate, topk, *, sco
     with _arrays.Call({"grad_probs": grad_probs, "routing_map": routing_map, "intermediate": intermediate,
                        "topk_indices": topk_indices}, stream=stream, lean=True) as call:
         gv, mv, yv, iv = call["grad_probs"], call["routing_map"], call["intermediate"], call["topk_indices"]
-        bitmap = check_map_format(routing_map_format)
-        E = _check_logits(gv, "grad_probs")
-        if iv is not None:
-            if mv is not None:
-                raise ValueError("routing_map, topk_indices: pass one (routing_map=None with topk_indices)")
-            if bitmap:
-                raise ValueError("topk_indices: cannot be combined with routing_map_format='bitmap_u8'")
-            _arrays.check_dtype(iv, "topk_indices", INDEX_DTYPES)
-        elif mv is None:
-            raise TypeError("routing_map: expected the forward's routing map (or topk_indices=), got None")
-        elif bitmap:
-            _arrays.check_dtype(mv, "routing_map", (np.dtype(np.uint8),))
-            _arrays.check_shape(mv, "routing_map", tuple(gv.shape[:-1]) + (bitmap_bytes(E),))
-        else:
-            _arrays.check_dtype(mv, "routing_map", (np.dtype(np.bool_),))
-            _arrays.check_shape(mv, "routing_map", gv.shape)
-        _arrays.check_dtype(yv, "intermediate", (np.dtype(np.float32),))
-        _arrays.check_shape(yv, "intermediate", gv.shape)
-        K, scale, pre = _check_topk_flags(E, topk, score_function, use_pre_softmax, scaling_factor)
-        if iv is not None:
-            _arrays.check_shape(iv, "topk_indices", tuple(gv.shape[:-1]) + (K,))
+        bitmap, E, K, scale, pre = _check_topk_bwd_args(gv, mv, yv, iv, topk, score_function, use_pre_softmax,
+                                                        scaling_factor, routing_map_format)
         shape = tuple(gv.shape)
         xp = call.xp
         g, y = _flat(xp, gv, E), _flat(xp, yv, E)
@@ -767,11 +616,14 @@ def topk_with_score_backward(grad_probs, routing_map, intermediate, topk, *, sco
             else:
                 out = call.empty((T, E), dtype=g.dtype)
                 if T > 0:
-                    _launch_bwd_idx(call, g, idx, y, out, T, E, K, SCORE_FUNCTIONS[score_function], pre, scale)
+                    core = _core.device(call.device_id)
+                    _core.topk_with_score_backward(core, _ptr(g), _CODES[g.dtype], _ptr(idx), _CODES[idx.dtype],
+                                                   _ptr(y), T, E, K, SCORE_FUNCTIONS[score_function], pre, scale,
+                                                   _ptr(out), call.stream_ptr)
                     if _errors.DEBUG:
-                        _errors.sync_and_raise(call.device_id, call.stream)
-            return call.out(out.reshape(shape))
-        m = _arrays.contiguous(xp, mv).reshape(T, int(mv.shape[-1]))
+                        core.check(call.stream_ptr)
+            return call.out(_shaped(out, shape))
+        m = _shaped(_arrays.contiguous(xp, mv), (T, int(mv.shape[-1])))
         if call.backend == "cpu":
             if bitmap:
                 if E % 8 and (m[:, -1] >> (E % 8)).any():
@@ -783,8 +635,10 @@ def topk_with_score_backward(grad_probs, routing_map, intermediate, topk, *, sco
         else:
             out = call.empty((T, E), dtype=g.dtype)
             if T > 0:
-                _launch_bwd(call, g, m, y, out, T, E, K, SCORE_FUNCTIONS[score_function], pre, 0, scale, bitmap)
-        return call.out(out.reshape(shape))
+                _core.topk_with_score_backward(_core.device(call.device_id), _ptr(g), _CODES[g.dtype], _ptr(m),
+                                               _CODES[m.dtype], _ptr(y), T, E, K, SCORE_FUNCTIONS[score_function],
+                                               pre, scale, _ptr(out), call.stream_ptr)
+        return call.out(_shaped(out, shape))
 
 
 # ---- Quantile Balancing ------------------------------------------------------------------------------
@@ -1137,7 +991,6 @@ def update_expert_bias_with_quantile(qb_histogram, qb_bin_bounds, expert_bias, t
 
 # ---- scores for the aux loss -----------------------------------------------------------------------
 
-@_fast.recorded("logits", variant=_variant)
 def scores_for_aux_loss(logits, topk, score_function, *, routing_map_format="bytemap", stream=None):
     """Dense router scores and a plain top-k map for the aux loss (TE ``fused_score_for_moe_aux_loss``;
     no bias, groups or scaling).
@@ -1169,23 +1022,30 @@ def scores_for_aux_loss(logits, topk, score_function, *, routing_map_format="byt
             if bitmap:
                 rmap = ref.pack_bitmap(rmap)
         else:
-            xp = call.xp
             scores = call.empty((T, E), dtype=np.float32)
             rmap = call.empty((T, bitmap_bytes(E)) if bitmap else (T, E), dtype=np.uint8 if bitmap else np.bool_)
             inter = call.empty((T, E), dtype=np.float32)
             if T > 0:
-                _launch_fwd(call, x, T, E, K, SCORE_FUNCTIONS[score_function], 0, 1, 0, 0, 1.0, None,
-                            None, scores, rmap, inter, None, None, bitmap)
+                _core.scores_for_aux_loss(_core.device(call.device_id), _ptr(x), _CODES[x.dtype], T, E, K,
+                                          SCORE_FUNCTIONS[score_function], _ptr(scores), _ptr(rmap),
+                                          _CODES[rmap.dtype], _ptr(inter), call.stream_ptr)
         shape = lead + (E,)
-        return (call.out(scores.reshape(shape)), call.out(rmap.reshape(lead + tuple(rmap.shape[1:]))),
-                call.out(inter.reshape(shape)))
+        return (call.out(_shaped(scores, shape)), call.out(_shaped(rmap, lead + tuple(rmap.shape[1:]))),
+                call.out(_shaped(inter, shape)))
 
 
 def check_scores_args(xv, topk, score_function):
     """The shape, dtype and settings checks of :func:`scores_for_aux_loss`: ``(E, K)``."""
+    key = (_sig(xv), type(topk), topk, type(score_function), score_function)
+    hit = _validated(_SCORES_ARGS, key)
+    if hit is not None:
+        return hit
     E = _check_logits(xv)
     _check_score_function(score_function)
-    return E, _check_topk(topk, E)
+    return _remember(_SCORES_ARGS, key, (E, _check_topk(topk, E)))
+
+
+_SCORES_ARGS: dict = {}
 
 
 def _parse_dtype(dtype):
@@ -1203,7 +1063,25 @@ def _parse_dtype(dtype):
     return dt
 
 
-@_fast.recorded("grad_scores", "intermediate", variant=_variant)
+_SCORES_BWD_ARGS: dict = {}
+
+
+def _check_scores_bwd_args(gv, yv, topk, score_function, dtype):
+    """The shape, dtype and settings checks of :func:`scores_for_aux_loss_backward`: ``(E, K, grad dtype)``."""
+    key = (_sig(gv), _sig(yv), type(topk), topk, type(score_function), score_function,
+           type(dtype), dtype)
+    hit = _validated(_SCORES_BWD_ARGS, key)
+    if hit is not None:
+        return hit
+    E = _check_logits(gv, "grad_scores")
+    _arrays.check_dtype(gv, "grad_scores", (np.dtype(np.float32),))
+    _arrays.check_dtype(yv, "intermediate", (np.dtype(np.float32),))
+    _arrays.check_shape(yv, "intermediate", gv.shape)
+    _check_score_function(score_function)
+    K = _check_topk(topk, E)
+    return _remember(_SCORES_BWD_ARGS, key, (E, K, _parse_dtype(dtype)))
+
+
 def scores_for_aux_loss_backward(grad_scores, intermediate, topk, score_function, *, dtype=None, stream=None):
     """Backward of :func:`scores_for_aux_loss`.
 
@@ -1224,13 +1102,7 @@ def scores_for_aux_loss_backward(grad_scores, intermediate, topk, score_function
     with _arrays.Call({"grad_scores": grad_scores, "intermediate": intermediate}, stream=stream,
                       lean=True) as call:
         gv, yv = call["grad_scores"], call["intermediate"]
-        E = _check_logits(gv, "grad_scores")
-        _arrays.check_dtype(gv, "grad_scores", (np.dtype(np.float32),))
-        _arrays.check_dtype(yv, "intermediate", (np.dtype(np.float32),))
-        _arrays.check_shape(yv, "intermediate", gv.shape)
-        _check_score_function(score_function)
-        K = _check_topk(topk, E)
-        odt = _parse_dtype(dtype)
+        E, K, odt = _check_scores_bwd_args(gv, yv, topk, score_function, dtype)
         shape = tuple(gv.shape)
         xp = call.xp
         g, y = _flat(xp, gv, E), _flat(xp, yv, E)
@@ -1244,8 +1116,10 @@ def scores_for_aux_loss_backward(grad_scores, intermediate, topk, score_function
         else:
             out = call.empty((T, E), dtype=odt)
             if T > 0:
-                _launch_bwd(call, g, None, y, out, T, E, K, SCORE_FUNCTIONS[score_function], 0, 1, 1.0)
-        return call.out(out.reshape(shape))
+                _core.scores_for_aux_loss_backward(_core.device(call.device_id), _ptr(g), _ptr(y), T, E, K,
+                                                   SCORE_FUNCTIONS[score_function], _ptr(out), _CODES[odt],
+                                                   call.stream_ptr)
+        return call.out(_shaped(out, shape))
 
 
 # ---- aux loss ---------------------------------------------------------------------------------------
@@ -1267,22 +1141,43 @@ def _check_aux_args(tv, C, total_num_tokens, num_experts, topk, coeff):
 
 def check_aux_loss_args(pv, tv, total_num_tokens, num_experts, topk, coeff):
     """The shape, dtype and settings checks of :func:`aux_loss`: ``(R, C, coeff)``."""
+    key = (_sig(pv), _sig(tv), _total_key(total_num_tokens), type(num_experts), num_experts,
+           type(topk), topk, _fkey(coeff))
+    hit = _validated(_AUX_ARGS, key)
+    if hit is not None:
+        return hit
     _arrays.check_dtype(pv, "probs", _arrays.FLOAT_DTYPES)
     _arrays.check_ndim(pv, "probs", 2)
     R, C = (int(s) for s in pv.shape)
-    return R, C, _check_aux_args(tv, C, total_num_tokens, num_experts, topk, coeff)
+    return _remember(_AUX_ARGS, key, (R, C, _check_aux_args(tv, C, total_num_tokens, num_experts, topk, coeff)))
 
 
-_TPE_KINDS = {np.dtype(np.float32): 0, np.dtype(np.int32): 1, np.dtype(np.int64): 2}
+_AUX_ARGS: dict = {}
+
+
+def _total_key(total_num_tokens):
+    """``total_num_tokens``' part of a validation key: an array's (shape, dtype), else its type and value."""
+    if not isinstance(total_num_tokens, (bool, np.bool_, int, np.integer)) and hasattr(total_num_tokens, "shape"):
+        return "array", total_num_tokens.shape, total_num_tokens.dtype
+    return type(total_num_tokens), total_num_tokens
+
+
+_TPE_CORE = (np.dtype(np.float32), np.dtype(np.int32), np.dtype(np.int64))
 
 
 def _tpe_arg(xp, tv):
-    """tokens_per_expert for the aux kernels, which read float32, int32 and int64 as they are: the array
-    and its kind (other dtypes are converted to float32 first)."""
-    kind = _TPE_KINDS.get(np.dtype(tv.dtype))
-    if kind is not None and tv.flags.c_contiguous:
-        return tv, kind
-    return _arrays.as_f32(xp, tv), 0
+    """tokens_per_expert for the core's aux loss, which reads float32, int32 and int64 as they are (other
+    dtypes are converted to float32 first)."""
+    if np.dtype(tv.dtype) in _TPE_CORE and tv.flags.c_contiguous:
+        return tv
+    return _arrays.as_f32(xp, tv)
+
+
+def _total_core(total, total_num_tokens, kind):
+    """The core's (host total, device total pointer, its dtype code) for ``_total_arg``'s result."""
+    if total is None:
+        return int(total_num_tokens), 0, 0
+    return 0, _ptr(total), _CODES[np.dtype(np.int32) if kind == 1 else np.dtype(np.int64)]
 
 
 _TOTAL_KINDS = {np.dtype(np.int32): 1, np.dtype(np.int64): 2}
@@ -1318,8 +1213,6 @@ def _total_arg(call, total_num_tokens):
     tt = call["total_num_tokens"]
     if call.backend == "cpu":
         return np.asarray(tt).reshape(()), 0
-    if _arrays.recorder() is not None:  # the value is read at launch: no replay keyed on the array object
-        raise _arrays.Unrecordable("a device total_num_tokens")
     return _arrays.contiguous(call.xp, tt), _TOTAL_KINDS[np.dtype(tt.dtype)]
 
 
@@ -1331,20 +1224,6 @@ def _aux_arrays(tensors: dict, total_num_tokens) -> dict:
     return tensors
 
 
-def _host_coeff(total, total_num_tokens, num_experts, topk, coeff) -> float:
-    """The fp32 coefficient given to the kernels: final with an int T, else fl(fl(E*coeff)/topk), the
-    device dividing by T twice."""
-    if total is None:
-        return float(ref.aux_loss_coeff(total_num_tokens, num_experts, topk, coeff))
-    return float(ref.aux_loss_coeff(None, num_experts, topk, coeff))
-
-
-def _aux_blocks(R):
-    rpb = max(1, -(-R // 1024))  # the partition depends on R only: same bits on every device
-    return rpb, -(-R // rpb) if R > 0 else 0
-
-
-@_fast.recorded("probs", "tokens_per_expert")
 def aux_loss(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coeff, *, stream=None):
     """Switch load-balancing loss (TE ``fused_moe_aux_loss``), deterministic.
 
@@ -1378,27 +1257,36 @@ def aux_loss(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coef
             return call.out(np.array(out, copy=True))
         xp = call.xp
         p = _arrays.contiguous(xp, pv)
-        tpe, tkind = _tpe_arg(xp, tv)
-        c = _host_coeff(total, total_num_tokens, num_experts, topk, coeff)
-        rpb, nb = _aux_blocks(R)
-        partial = call.scratch((max(nb, 1),), dtype=np.float32)
+        tpe = _tpe_arg(xp, tv)
+        nws = _core.aux_loss_workspace_bytes(R)
+        ws = call.scratch((max(nws, 1),), dtype=np.uint8)
         out = call.empty((), dtype=p.dtype)
-        ct = _jit.ctype(p.dtype)
-        vec = _vec_ok([p], C, 16 // p.dtype.itemsize) if C > 0 else False
-        if nb > 0 and C > 0:
-            _jit.launch(_jit.function(_FILE, f"aux_loss_partial<{ct}>"), nb, 256,
-                        (p, np.int64(R), np.int32(C), tpe, np.int32(tkind), np.int64(rpb), partial,
-                         np.int32(vec)),
-                        stream=call.stream)
-        else:
-            nb = 0
-        _jit.launch(_jit.function(_FILE, f"aux_loss_final<{ct}>"), 1, 256,
-                    (partial, np.int32(nb), np.float32(c), out, total if total is not None else 0,
-                     np.int32(tot_kind)), stream=call.stream)
+        _core.aux_loss(_core.device(call.device_id), _ptr(p), _CODES[p.dtype], R, C, _ptr(tpe), _CODES[tpe.dtype],
+                       *_total_core(total, total_num_tokens, tot_kind), num_experts, topk, coeff, _ptr(ws), nws,
+                       _ptr(out), call.stream_ptr)
         return call.out(out)
 
 
-@_fast.recorded("grad_aux_loss", "tokens_per_expert")
+_AUX_BWD_ARGS: dict = {}
+
+
+def _check_aux_bwd_args(gv, tv, num_rows, total_num_tokens, num_experts, topk, coeff):
+    """The shape, dtype and settings checks of :func:`aux_loss_backward`: ``(R, C, coeff)``."""
+    key = (_sig(gv), _sig(tv), type(num_rows), num_rows, _total_key(total_num_tokens),
+           type(num_experts), num_experts, type(topk), topk, _fkey(coeff))
+    hit = _validated(_AUX_BWD_ARGS, key)
+    if hit is not None:
+        return hit
+    _arrays.check_dtype(gv, "grad_aux_loss", _arrays.FLOAT_DTYPES)
+    if gv.size != 1 or gv.ndim > 1:
+        raise ValueError(f"grad_aux_loss: expected a 0-d (or shape (1,)) array, got shape {tuple(gv.shape)}")
+    R = _arrays.check_int(num_rows, "num_rows", low=0)
+    if tv.ndim != 1:
+        raise ValueError(f"tokens_per_expert: expected a 1-D array, got shape {tuple(tv.shape)}")
+    C = int(tv.shape[0])
+    return _remember(_AUX_BWD_ARGS, key, (R, C, _check_aux_args(tv, C, total_num_tokens, num_experts, topk, coeff)))
+
+
 def aux_loss_backward(grad_aux_loss, num_rows, tokens_per_expert, total_num_tokens, num_experts, topk, coeff,
                       *, stream=None):
     """Backward of :func:`aux_loss`: ``grad_probs[r, c] = (C_coeff * tokens_per_expert[c]) * grad``.
@@ -1416,30 +1304,18 @@ def aux_loss_backward(grad_aux_loss, num_rows, tokens_per_expert, total_num_toke
                          total_num_tokens)
     with _arrays.Call(arrays, stream=stream, lean=True) as call:
         gv, tv = call["grad_aux_loss"], call["tokens_per_expert"]
-        _arrays.check_dtype(gv, "grad_aux_loss", _arrays.FLOAT_DTYPES)
-        if gv.size != 1 or gv.ndim > 1:
-            raise ValueError(f"grad_aux_loss: expected a 0-d (or shape (1,)) array, got shape {tuple(gv.shape)}")
-        R = _arrays.check_int(num_rows, "num_rows", low=0)
-        if tv.ndim != 1:
-            raise ValueError(f"tokens_per_expert: expected a 1-D array, got shape {tuple(tv.shape)}")
-        C = int(tv.shape[0])
         tt = call["total_num_tokens"] if "total_num_tokens" in arrays else total_num_tokens
-        coeff = _check_aux_args(tv, C, tt, num_experts, topk, coeff)
+        R, C, coeff = _check_aux_bwd_args(gv, tv, num_rows, tt, num_experts, topk, coeff)
         total, tot_kind = _total_arg(call, total_num_tokens)
         if call.backend == "cpu":
             t = total_num_tokens if total is None else total
             out = ref.aux_loss_bwd(gv, R, tv, t, num_experts, topk, coeff)
             return call.out(np.array(out, copy=True))
         xp = call.xp
-        tpe, tkind = _tpe_arg(xp, tv)
+        tpe = _tpe_arg(xp, tv)
         g = _arrays.contiguous(xp, gv)
         out = call.empty((R, C), dtype=g.dtype)
-        c = _host_coeff(total, total_num_tokens, num_experts, topk, coeff)
-        rpb, nb = _aux_blocks(R)
-        vec = _vec_ok([out], C, 16 // out.dtype.itemsize)
-        if nb > 0 and C > 0:
-            _jit.launch(_jit.function(_FILE, f"aux_loss_bwd<{_jit.ctype(g.dtype)}>"), nb, 256,
-                        (g, tpe, np.int32(tkind), np.int64(R), np.int32(C), np.float32(c), np.int64(rpb), out,
-                         np.int32(vec), total if total is not None else 0, np.int32(tot_kind)),
-                        stream=call.stream)
+        _core.aux_loss_backward(_core.device(call.device_id), _ptr(g), _CODES[g.dtype], R, C, _ptr(tpe),
+                                _CODES[tpe.dtype], *_total_core(total, total_num_tokens, tot_kind), num_experts,
+                                topk, coeff, _ptr(out), call.stream_ptr)
         return call.out(out)

@@ -1,6 +1,6 @@
 """Per-rank worker of the multi-GPU low-latency EP tests (moe_rt/ep_ll.py); one process per GPU:
 
-    python tools/launch.py -n R tests/ep_ll_worker.py correctness|graph|split|fp8|dead_peer
+    python tools/launch.py -n R tests/ep_ll_worker.py correctness|graph|split|fp8|dead_peer|jax
 
 Every rank draws every rank's inputs from the same seed, runs its own share through LowLatencyGroup and
 compares with the NumPy R-rank reference (moe_rt.reference.ep_ll): dispatch's valid slots, counts and slot
@@ -415,10 +415,104 @@ def dead_peer(cp, comm):
     os._exit(0)
 
 
+def jax_ops(cp, comm):
+    """moe_rt.jax ll_dispatch / ll_combine (XLA custom calls on this rank's GPU) under jit and grad: a layer
+    (dispatch, a per-expert scale of a power of two, combine; loss = <out, GO> + <slot_weights, GW>) against the
+    NumPy R-rank reference: the forward bitwise (recv_x's valid slots, zero elsewhere; counts; slot tables;
+    out), the gradients of x (bitwise) and topk_weights (within fp32 rounding); then a program run after
+    close fails with the core's message."""
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    import jax
+
+    # one GPU per process, as a JAX job runs (moe_rt.demo_ep does the same): a coordinator on a free port that
+    # rank 0 picks and passes to the others in a file beside the launch's NCCL id file
+    port_file = os.environ["MOE_RT_UID_FILE"] + ".jax_port"
+    if RANK == 0:
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        with open(port_file + ".tmp", "w") as f:
+            f.write(str(port))
+        os.replace(port_file + ".tmp", port_file)
+    else:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(port_file):
+            assert time.monotonic() < deadline, "rank 0 wrote no JAX coordinator port"
+            time.sleep(0.05)
+        with open(port_file) as f:
+            port = int(f.read())
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=WORLD, process_id=RANK,
+                               local_device_ids=[int(cp.cuda.Device().id)])
+    import jax.numpy as jnp
+
+    import moe_rt.jax as mj
+    from moe_rt.ep_ll import LowLatencyGroup
+    from moe_rt.reference import ep_ll as ref
+
+    dev = jax.local_devices(backend="gpu")[0]
+    assert dev.local_hardware_id == cp.cuda.Device().id, (dev, cp.cuda.Device().id)
+    R, me = WORLD, RANK
+    n = 0
+    for dt in (np.float32, bf16()):
+        for L, K, Ts, Tmax, H in [(3, 4, (7, 0, 5, 2), 7, 13), (2, 3, (4, 4), 4, 64), (5, 6, (33, 17, 0, 40), 40, 96)]:
+            Ts = spread(Ts)
+            g = LowLatencyGroup(comm, R * L, H, Tmax, topk=min(K, R * L), dtype=dt)
+            K = g.topk
+            xs, idxs, ws = case(300 + n, L, K, Ts, H, dt)
+            rng = np.random.default_rng(400 + n)
+            scale = np.where(rng.random(L) < 0.5, 0.5, 2.0).astype(np.float32)  # exact in every dtype
+            GO = [rng.standard_normal((T, H)).astype(np.float32) for T in Ts]
+            GW = [rng.standard_normal((L, R * Tmax)).astype(np.float32) for _ in range(R)]
+
+            def loss(x, w, idx):
+                rx, counts, h = mj.ll_dispatch(g, x, idx, w)
+                y = (rx.astype(jnp.float32) * jnp.asarray(scale)[:, None, None]).astype(rx.dtype)
+                out = mj.ll_combine(h, y)
+                val = (out.astype(jnp.float32) * GO[me]).sum() + (h.slot_weights * GW[me]).sum()
+                return val, (rx, counts, h, out)
+
+            step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+            with jax.default_device(dev):
+                args = (jnp.asarray(xs[me]), jnp.asarray(ws[me]), jnp.asarray(idxs[me].astype(np.int32)))
+                (_, (rx, counts, h, out)), (gx, gw) = step(*args)
+                again = step(*args)
+            res = ref.dispatch(xs, idxs, ws, R * L, Tmax)
+            handles = [hh for _, _, hh in res]
+            r_ref, c_ref, h_ref = res[me]
+            assert (bits(np.asarray(rx)) == bits(r_ref)).all(), "recv_x (zero at empty slots)"
+            assert (np.asarray(counts) == c_ref).all(), "counts"
+            assert (np.asarray(h.slot_topk) == h_ref["slot_k"]).all(), "slot_topk"
+            assert (bits(np.asarray(h.slot_weights)) == bits(h_ref["slot_w"])).all(), "slot_weights"
+            Y = [(r.astype(np.float32) * scale[:, None, None]).astype(dt) for r, _, _ in res]
+            assert (bits(np.asarray(out)) == bits(ref.combine(handles, Y)[me])).all(), "combine"
+            GOd = [a.astype(dt) for a in GO]
+            rows = ref.combine_bwd(handles, GOd, Y)
+            G = [(wy.astype(np.float32) * scale[:, None, None]).astype(dt) for wy, _ in rows]
+            wx, wwd = ref.dispatch_bwd(handles, G, GW)[me]
+            assert (bits(np.asarray(gx)) == bits(wx)).all(), "grad x"
+            np.testing.assert_allclose(np.asarray(gw), rows[me][1] + wwd, rtol=2e-5, atol=2e-5,
+                                       err_msg="grad topk_weights")
+            for a, b in zip(jax.tree_util.tree_leaves((rx, counts, h, out, gx, gw)),
+                            jax.tree_util.tree_leaves(again[0][1] + again[1])):
+                assert (bits(np.asarray(a)) == bits(np.asarray(b))).all(), "run to run"
+            g.close()
+            try:
+                with jax.default_device(dev):
+                    jax.block_until_ready(step(*args))
+                raise AssertionError("a program naming a closed group ran")
+            except Exception as e:  # noqa: BLE001 - XLA's error type varies with the version
+                assert "closed" in str(e), e
+            n += 1
+            log(f"jax case {n} ok: dtype={np.dtype(dt).name} L={L} K={K} Ts={Ts} Tmax={Tmax} H={H}")
+
+
 def main():
     what = sys.argv[1] if len(sys.argv) > 1 else "correctness"
     cp, comm = setup()
-    {"correctness": correctness, "graph": graph, "split": split, "fp8": fp8, "dead_peer": dead_peer}[what](cp, comm)
+    {"correctness": correctness, "graph": graph, "split": split, "fp8": fp8, "dead_peer": dead_peer,
+     "jax": jax_ops}[what](cp, comm)
     cp.cuda.Device().synchronize()
     comm.close()
     log("ALL OK")

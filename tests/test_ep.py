@@ -880,7 +880,9 @@ HEADER = ROOT / "include" / "moe_rt" / "moe_rt.h"
 
 def test_header_regions_match_python():
     text = HEADER.read_text()
-    enum = re.findall(r"MOE_RT_EP_([A-Z_]+) = (\d+),", text)
+    block = re.search(r"enum moe_rt_ep_region \{(.*?)\};", text, re.S)
+    assert block, "enum moe_rt_ep_region"
+    enum = re.findall(r"MOE_RT_EP_([A-Z_]+) = (\d+)", block.group(1))
     names = [n.lower() for n, _ in enum if n != "NUM_REGIONS"]
     assert names == [r[0] for r in _handle.REGIONS]
     assert [int(i) for _, i in enum[:len(names)]] == list(range(len(names)))
@@ -1446,7 +1448,10 @@ class _EpHostTrace:
         assert len(args) == len(params), name
         for (ctype, pname), a in zip(params, args):  # each argument of the type its parameter takes
             want = {"int": np.int32, "i64": np.int64}.get(ctype)
-            assert (type(a) is want) if want else (type(a) is int or hasattr(a, "data")), (name, pname, a)
+            if type(a) is int:  # the core's launches (a planning context): int parameters get 32-bit values
+                assert (-2**31 <= a < 2**31) if ctype == "int" else a >= 0, (name, pname, a)
+                continue
+            assert (type(a) is want) if want else hasattr(a, "data"), (name, pname, a)
         self.events.append((name, {pname: (int(a) if type(a) is int or isinstance(a, np.generic) else a.data.ptr)
                                    for (_, pname), a in zip(params, args)}))
 
@@ -1524,7 +1529,7 @@ def test_direct_host_path_launches_and_arguments(monkeypatch, mode, R, T):
             "ep_copy_rows", "ep_fill_rows", "memcpy"]
         assert allocs == 3 + row_map  # the rows, the weights, tokens_per_expert (and the row map)
         assert ev[0] == barrier("dispatch")
-        C = d.chunk_rows(h)
+        C = max(1, min(32, P, max(16, -(-P * max(1, R - 1) // (4 * 2 * 132)))))  # rows a chunk flag covers
         assert ev[1][1] == dict(consts, x=x.ptr, w=w.ptr, peer_rows=_ptr(rows_st.table),
                                 peer_w=_ptr(w_st.table), peer_flags=_ptr(d.flags.table), send_tok=a["send_tok"],
                                 meta=a["meta"], dst_row=a["dst_row"], out=_ptr(rx), out_s=0, fp8_h=0,
@@ -1850,9 +1855,10 @@ class _DevHandle:
         return self._v[name]
 
 
-def _mixed_transport(monkeypatch, R, local_size, me, P, events):
-    """A MixedTransport of rank ``me`` (kernels, NCCL and the IPC-shared stages stood in for)."""
-    from moe_rt import _ep_direct, _ep_mixed, _ep_nccl, _ep_rows, _jit, permutation
+def _mixed_transport(monkeypatch, R, local_size, me, P, events, kernels=None):
+    """A MixedTransport of rank ``me`` (kernels, NCCL and the IPC-shared stages stood in for; the core's direct
+    launches planned in a planning context, their full kernel names listed by base name in ``kernels``)."""
+    from moe_rt import _core, _ep_direct, _ep_mixed, _ep_nccl, _ep_rows, _jit, permutation
 
     def launch(fn, grid, block, args, *, shared_mem=0, stream=None):
         name = fn.name.split("<")[0]
@@ -1867,7 +1873,19 @@ def _mixed_transport(monkeypatch, R, local_size, me, P, events):
     monkeypatch.setattr(_jit, "launch_raw", launch_raw)
     monkeypatch.setattr(_jit, "set_max_dynamic_shared", lambda fn, n: None)
     monkeypatch.setattr(_jit, "device_properties", lambda dev: {"sm_count": 4})
-    monkeypatch.setattr(_ep_direct, "_resident_ctas", lambda fn, threads, dev: 8)
+    ctx = _core.planning(sm_count=4, assumed_regs=65536 // (512 * 2) // 8 * 8)  # 8 resident fused blocks
+
+    def recorded(f):  # a core call, then its launches as the planning context recorded them
+        def call(*args):
+            f(*args)
+            for i, l in enumerate(ctx.last_plan()):
+                if kernels is not None:
+                    kernels.setdefault(l[1].split("<")[0], []).append(l[1])
+                launch(_Kernel(l[1]), l[2], l[3], ctx.last_plan_args(i))
+        return call
+
+    for name in ("ep_direct_barrier", "ep_direct_dispatch", "ep_direct_combine"):
+        monkeypatch.setattr(_core, name, recorded(getattr(_core, name)))
     monkeypatch.setattr(_ep_mixed, "_subplan", lambda h, lo, hi: ("rows", lo, hi))
     monkeypatch.setattr(_ep_rows, "_launches", {})  # set-ups made with the stand-in kernels stay here
 
@@ -1900,10 +1918,12 @@ def _mixed_transport(monkeypatch, R, local_size, me, P, events):
     d = object.__new__(_ep_direct.DirectTransport)  # what __init__ sets, without the CUDA calls
     d.comm, d.device, d.R, d.me, d.lo, d.hi, d.P = comm, 0, R, me, lo, lo + local_size, P
     d.timeout_ns, d._stages, d._order, d.closed, d._err_ptr = 10**9, {}, [], False, 64
-    d._pairs, d._launches, d._views = {}, {}, {}
+    d._pairs, d._views = {}, {}
     d._wait = d._op_wait = None
     d.state = _Dev(2, np.uint32)
     d.bar = d.flags = type("Sh", (), {"table": _Dev(R, np.int64)})()
+    d._core = _core.ep_direct_group_create(ctx, R, me, lo, lo + local_size, P, 10**9, d.bar.table.data.ptr,
+                                           d.flags.table.data.ptr, d.state.data.ptr, d._err_ptr)
     d.view = lambda st, rows, cols, dtype: _Dev((rows, cols), dtype, st.local)
 
     def stages(row_bytes, K, stream, wait=None):
@@ -1914,6 +1934,8 @@ def _mixed_transport(monkeypatch, R, local_size, me, P, events):
                 d._stages[key] = type("St", (), {"local": local, "ptrs": [local + (r << 24) for r in range(R)],
                                                   "table": _Dev(R, np.int64), "nbytes": R * P * rb})()
             out.append(d._stages[key])
+        d._core.add_stage(row_bytes, K, _ep_direct._stage_unit(out[0]), out[0].local, out[0].table.data.ptr,
+                          out[1].local, out[1].table.data.ptr)  # as DirectTransport.stages registers a new pair
         return out
 
     d.stages = stages
@@ -2202,7 +2224,8 @@ def test_fp8_transport_one_pass_trace(monkeypatch, rng, kind, mode, dequantize):
 
     events = []
     R, local_size, me, P, K = (4, 2, 1, 5, 2) if kind == "mixed" else (2, 2, 0, 5, 2)
-    t = _mixed_transport(monkeypatch, R, local_size, me, P, events)
+    full = {}
+    t = _mixed_transport(monkeypatch, R, local_size, me, P, events, full)
     monkeypatch.setattr(permutation, "dispatch", lambda *a, **k: events.append(("permutation.dispatch",)))
     if kind == "direct":
         t = t.direct
@@ -2215,7 +2238,6 @@ def test_fp8_transport_one_pass_trace(monkeypatch, rng, kind, mode, dequantize):
                              "device_id": 0})()
     x = _Dev((h.sizes["T"], rows.row_bytes), np.uint8)
     w = _Dev((h.sizes["T"], K), np.float32)
-    full = {}
     monkeypatch.setattr(_jit, "function", lambda file, name: (full.setdefault(name.split("<")[0], []).append(name),
                                                                _Kernel(name))[1])
     out, out_w = t.forward(call, h, x, w, "dispatch", want_w=True, fp8=rows)
@@ -2256,7 +2278,8 @@ def test_fp8_transport_one_pass_trace(monkeypatch, rng, kind, mode, dequantize):
         assert names[-len(fills):] == fills
     fill_args = [e[2] for e in events if e[0] == "launch" and e[1] == "ep_fill_rows"]
     assert [a[0] for a in fill_args] == [o.data.ptr for o in out]
-    assert fill_args[0][1] == out_w and all(a[1] == 0 for a in fill_args[1:])
+    addr = (lambda a: a.data.ptr if isinstance(a, _Dev) else int(a))  # the core's launches carry addresses
+    assert addr(fill_args[0][1]) == out_w.data.ptr and all(addr(a[1]) == 0 for a in fill_args[1:])
 
 
 class _StandInStream:

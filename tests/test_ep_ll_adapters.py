@@ -1,8 +1,11 @@
 """The low-latency EP mode in the framework adapters: moe_rt.torch.ll_dispatch / ll_combine (autograd.Function,
 recv_x a view of the group's receive buffer guarded by its version counter) and moe_rt.jax.ll_dispatch /
-ll_combine (custom_vjp over buffer_callback). One-rank groups on CPU (the NumPy reference behind the group)
-and on one GPU, checked against the group's own ops and against the slot semantics written out in plain
-framework code; the demo's flag checks (its EP layer in low-latency mode: tests/test_ep_adapters.py)."""
+ll_combine (custom_vjp; on the GPU XLA FFI custom calls, csrc/xla_ffi.c moe_rt_xla_ll_*, on the CPU
+buffer_callback over the reference). One-rank groups on CPU (the NumPy reference behind the group) and on one
+GPU, checked against the group's own ops and against the slot semantics written out in plain framework code;
+the lowering for CUDA (checked on a CPU machine over a core group on a planning context); 2 and 4 ranks
+(tests/ep_ll_worker.py jax); the demo's flag checks (its EP layer in low-latency mode:
+tests/test_ep_adapters.py)."""
 import subprocess
 import sys
 
@@ -371,9 +374,9 @@ def test_jax_ll_forward_bf16_and_unspecified_empty_slots(device, dtype, rng):
 @pytest.mark.parametrize("dtype,hidden", [("bfloat16", 768), ("float32", 384)])
 def test_jax_ll_dispatch_rows_output_the_size_of_the_handle_tables(dtype, hidden):
     """E = K = Tmax = T = 1: recv_x's bytes (H * itemsize = 1536) equal those of the one allocation holding the
-    handle's six tables (each 4 bytes at a 256-byte boundary), the only output of a unique size; inside the
-    callback (which serves an allocation of an output's unique size from that output's buffer) the tables must
-    not land in recv_x's buffer. Every output equals the CPU path's."""
+    group's own handle tables (each 4 bytes at a 256-byte boundary); the custom call's outputs are XLA's
+    buffers, recv_x among them, and every output equals the CPU path's (a regression test from the callback
+    path, which served allocations of an output's size from that output's buffer)."""
     idx = np.zeros((1, 1), np.int32)
     x = (np.arange(hidden, dtype=np.float32) / 7 - 20).reshape(1, hidden)
     w = np.full((1, 1), 0.75, np.float32)
@@ -415,6 +418,155 @@ def test_jax_ll_bad_input_same_messages_as_core(rng):
             mj.ll_combine(None, rx)
         with pytest.raises(ValueError, match="expert_out: expected shape"):
             mj.ll_combine(h, rx[:, 1:])
+
+
+def _lowered_for_cuda(monkeypatch, group, T, dtype="bfloat16"):
+    """The LL layer (forward and grad) lowered for CUDA on this machine: the group's core group on a planning
+    context (made-up buffer addresses; listed in the core's registry as any group), one stand-in CUDA device,
+    and the preparation of XLA's kernels recorded instead of run. Returns (HLO text, prepared calls, core)."""
+    from moe_rt import _xla
+    from test_ep_ll_core import Group
+
+    pg = Group(R=1, me=0, L=E, Tmax=TMAX, K=K, H=H, dtype=dtype, num_buffers=1)
+    class Transport:  # the direct transport _setup makes (nothing to close here)
+        def close(self):
+            pass
+
+    group._llg, group._transport, group.device = pg.g, Transport(), 0  # what _setup and _core_group make
+
+    class Device:
+        compute_capability = "9.0"
+        local_hardware_id = 0
+
+    prepared = []
+    monkeypatch.setattr(_xla, "cuda_devices", lambda: [Device()])
+    monkeypatch.setattr(_xla, "prepare", lambda op, **kw: prepared.append((op, kw)))
+
+    def loss(x, w, idx):
+        rx, counts, h = mj.ll_dispatch(group, x, idx, w)
+        out = mj.ll_combine(h, rx * 2)
+        return (out.astype(jnp.float32) ** 2).sum() + (h.slot_weights ** 2).sum()
+
+    args = (jnp.zeros((T, H), getattr(jnp, dtype)), jnp.zeros((T, K), jnp.float32), jnp.zeros((T, K), jnp.int32))
+    text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return text, prepared, pg
+
+
+def test_jax_ll_lowers_to_custom_calls_naming_the_core_group(monkeypatch):
+    import re
+
+    from moe_rt import _xla
+
+    T = 11
+    group = moe_rt.LowLatencyGroup(None, E, H, TMAX, topk=K, dtype="bfloat16")
+    text, prepared, pg = _lowered_for_cuda(monkeypatch, group, T)
+    assert "xla_buffer_python" not in text  # no Python callback left
+    calls = {}
+    for m in re.finditer(r"stablehlo\.custom_call @(\w+)\(([^)]*)\) \{[^\n]*?mhlo\.backend_config = \{([^}]*)\}"
+                         r"[^\n]*-> \(?([^\n]*)", text):
+        attrs = dict(kv.strip().split(" = ", 1) for kv in m.group(3).split(","))
+        calls.setdefault(m.group(1), []).append((attrs, len(m.group(2).split(",")), m.group(4)))
+    group_attrs = {"device": "0 : i32", "group": f"{pg.g.address} : i64", "group_serial": f"{pg.g.serial} : i64"}
+    for op, n_in, n_out in (("ll_dispatch", 3, 7), ("ll_combine", 7, 1), ("ll_dispatch_bwd", 8, 2),
+                            ("ll_combine_bwd", 8, 3)):
+        (attrs, got_in, results), = calls[_xla.target(op)]
+        want = dict(group_attrs, **({"zero_empty_slots": "1 : i32"} if op == "ll_dispatch" else {}))
+        assert attrs == want, (op, attrs)
+        assert got_in == n_in and results.count("tensor<") == n_out, (op, got_in, results)
+    # the receive rows [L, R*Tmax, H] and the handle's tables come from XLA; combine_bwd's dots are a result
+    assert f"tensor<{E}x{TMAX}x{H}xbf16>" in calls["moe_rt_ll_dispatch"][0][2]
+    assert f"tensor<{E * TMAX}xf32>" in calls["moe_rt_ll_combine_bwd"][0][2]
+    assert "input_output_aliases" not in text  # no aliasing: every result is a buffer of its own
+    # XLA's context gets the copy of the receive rows (the group's own context its ops' kernels)
+    assert prepared and {op for op, _ in prepared} == {"copy_kept_rows"}
+    assert prepared[0][1] == dict(N=E * TMAX, row_bytes=H * 2, zero_rest=1)
+
+
+def test_jax_ll_group_kept_until_close_then_refused(monkeypatch):
+    """moe_rt.jax keeps the group alive (a traced program names it) until close; after close tracing refuses it
+    with a clear error (and the core's registry no longer lists its core group: a compiled program naming it
+    fails in the handler, tests/test_jax_ffi.py test_ll_handlers_with_hand_built_call_frames)."""
+    import ctypes
+    import gc
+    import weakref
+
+    from moe_rt import ep_ll
+
+    group = moe_rt.LowLatencyGroup(None, E, H, TMAX, topk=K, dtype="bfloat16")
+    _, _, pg = _lowered_for_cuda(monkeypatch, group, 4)
+    ref_ = weakref.ref(group)
+    gid = group.id
+    del group
+    gc.collect()
+    assert ref_() is not None and ep_ll.adopted(gid) is ref_()  # held for the programs that name it
+    address, serial = pg.g.address, pg.g.serial
+    lib = _lib_registry()
+    held = ctypes.c_void_p()
+    assert lib.moe_rt_ll_group_acquire(address, serial, ctypes.byref(held)) == 0 and held.value == address
+    lib.moe_rt_ll_group_release(held)
+    group = ref_()
+    group.close()
+    assert lib.moe_rt_ll_group_acquire(address, serial, ctypes.byref(held)) == 1
+    assert b"no live low-latency group" in lib.moe_rt_last_error()
+    with pytest.raises(ValueError, match=f"low-latency group {gid} is closed"):
+        ep_ll.adopted(gid)
+    with jax.default_device(jax.devices("cpu")[0]):
+        with pytest.raises(ValueError, match="closed"):
+            mj.ll_dispatch(group, np.zeros((2, H), np.float32), np.zeros((2, K), np.int32),
+                           np.ones((2, K), np.float32))
+    del group
+    gc.collect()
+    assert ref_() is None  # released by close
+
+
+def _lib_registry():
+    import ctypes
+
+    from moe_rt import _core
+
+    lib = ctypes.CDLL(_core.LIB_PATH)
+    lib.moe_rt_last_error.restype = ctypes.c_char_p
+    lib.moe_rt_ll_group_acquire.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    lib.moe_rt_ll_group_release.argtypes = [ctypes.c_void_p]
+    return lib
+
+
+@pytest.mark.gpu
+def test_jax_ll_gpu_runs_custom_calls_and_refuses_a_closed_group(rng):
+    """On one GPU the jitted layer lowers to the moe_rt_ll_* custom calls (no Python callback), runs, and the
+    same compiled program fails with the core's message once the group is closed."""
+    T = 9
+    idx = _routing(rng, T)
+    group = moe_rt.LowLatencyGroup(None, E, H, TMAX, topk=K, dtype="float32")
+    with jax.default_device(jax.devices("gpu")[0]):
+        x = jnp.asarray(rng.standard_normal((T, H)).astype(np.float32))
+        w = jnp.asarray(rng.random((T, K)).astype(np.float32))
+
+        def loss(x, w):
+            rx, _, h = mj.ll_dispatch(group, x, jnp.asarray(idx), w)
+            return (mj.ll_combine(h, rx * 2) ** 2).sum()
+
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+        text = step.lower(x, w).as_text()
+        assert "xla_buffer_python" not in text
+        for op in ("ll_dispatch", "ll_combine", "ll_dispatch_bwd", "ll_combine_bwd"):
+            assert f"@moe_rt_{op}(" in text, op
+        jax.block_until_ready(step(x, w))
+        group.close()
+        with pytest.raises(Exception, match="closed") as e:  # XLA's error type varies with the version
+            jax.block_until_ready(step(x, w))
+        assert "no live low-latency group" in str(e.value)
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.parametrize("n", [2, 4])
+def test_multi_gpu_jax_ll_jit_grad_matches_reference(n):
+    """moe_rt.jax ll_dispatch / ll_combine under jit and grad on n ranks (tests/ep_ll_worker.py jax) against
+    the NumPy R-rank reference, run to run bitwise, and refused after close."""
+    from test_ep_ll import _run_worker
+
+    r = _run_worker("jax", n, timeout=480)
+    assert r.returncode == 0 and "[rank 0] ALL OK" in r.stdout
 
 
 # -- the demo's EP layer in low-latency mode ----------------------------------------------------------------------

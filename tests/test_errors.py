@@ -251,8 +251,8 @@ def test_gpu_make_plan_records_and_check_raises(rng, framework, dtype, which):
     idx = _bad_routing(rng, T, K, E, v, dtype)
     clean = np.where(idx == v, -1, idx)
     want = _cpu_message(lambda: P.make_plan(idx, E, align_size=A))
-    # twice: the first call of a signature is recorded, the second replays the recording (moe_rt._fast);
-    # both must record the bad id
+    # twice: the first call of a signature prepares the core's kernels, the second finds them; both must
+    # record the bad id
     for _ in range(2):
         _poison_pool()
         plan = P.make_plan(_to_device(idx, framework), E, align_size=A)  # no raise here: nothing syncs

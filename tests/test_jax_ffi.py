@@ -71,7 +71,9 @@ def test_ffi_library_builds_and_exports_the_handlers(built):
         assert syms and all(s.startswith("moe_rt_xla_") for s in syms), syms
 
 
-_FRAME_TEST = r"""
+# The hand-built call frames' common part: XLA's API table with stand-in error, stream and device-ordinal
+# functions, a frame at the execute stage, XLA's metadata query (the traits a handler declares), and report().
+_FRAME_COMMON = r"""
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -84,9 +86,48 @@ static XLA_FFI_Error* err_create(XLA_FFI_Error_Create_Args* a) {
   snprintf(e->msg, sizeof e->msg, "%s", a->message);
   return e;
 }
+static int g_ordinal = 0;
 static XLA_FFI_Error* stream_get(XLA_FFI_Stream_Get_Args* a) { a->stream = NULL; return NULL; }
-static XLA_FFI_Error* ordinal_get(XLA_FFI_DeviceOrdinal_Get_Args* a) { a->device_ordinal = 0; return NULL; }
+static XLA_FFI_Error* ordinal_get(XLA_FFI_DeviceOrdinal_Get_Args* a) { a->device_ordinal = g_ordinal; return NULL; }
 
+static void report(const char* what, XLA_FFI_Error* e) {
+  if (!e) printf("%s: ok\n", what);
+  else { printf("%s: code=%d msg=%s\n", what, (int)e->code, e->msg); free(e); }
+}
+
+static void frame_init(XLA_FFI_Api* api, XLA_FFI_CallFrame* f) {
+  memset(api, 0, sizeof *api);
+  api->struct_size = XLA_FFI_Api_STRUCT_SIZE;
+  api->api_version.struct_size = XLA_FFI_Api_Version_STRUCT_SIZE;
+  api->api_version.major_version = XLA_FFI_API_MAJOR;
+  api->api_version.minor_version = XLA_FFI_API_MINOR;
+  api->XLA_FFI_Error_Create = err_create;
+  api->XLA_FFI_Stream_Get = stream_get;
+  api->XLA_FFI_DeviceOrdinal_Get = ordinal_get;
+  memset(f, 0, sizeof *f);
+  f->struct_size = XLA_FFI_CallFrame_STRUCT_SIZE;
+  f->api = api;
+  f->stage = XLA_FFI_ExecutionStage_EXECUTE;
+}
+
+/* XLA's metadata query to `handler`: reports "metadata", prints "traits=<traits> api=<major>.<minor>" */
+static void metadata(XLA_FFI_Error* (*handler)(XLA_FFI_CallFrame*), XLA_FFI_CallFrame* f) {
+  XLA_FFI_Metadata md;
+  memset(&md, 0, sizeof md);
+  md.struct_size = XLA_FFI_Metadata_STRUCT_SIZE;
+  XLA_FFI_Metadata_Extension ext;
+  memset(&ext, 0, sizeof ext);
+  ext.extension_base.struct_size = XLA_FFI_Metadata_Extension_STRUCT_SIZE;
+  ext.extension_base.type = XLA_FFI_Extension_Metadata;
+  ext.metadata = &md;
+  f->extension_start = &ext.extension_base;
+  report("metadata", handler(f));
+  printf("traits=%u api=%d.%d\n", md.traits, md.api_version.major_version, md.api_version.minor_version);
+  f->extension_start = NULL;
+}
+"""
+
+_FRAME_TEST = _FRAME_COMMON + r"""
 XLA_FFI_Error* moe_rt_xla_topk_with_score(XLA_FFI_CallFrame*);
 XLA_FFI_Error* moe_rt_xla_make_plan(XLA_FFI_CallFrame*);
 XLA_FFI_Error* moe_rt_xla_scores_for_aux_loss(XLA_FFI_CallFrame*);
@@ -96,41 +137,11 @@ XLA_FFI_Error* moe_rt_xla_quantize_fp8(XLA_FFI_CallFrame*);
 XLA_FFI_Error* moe_rt_xla_topk_with_score_qb(XLA_FFI_CallFrame*);
 int moe_rt_xla_set_kernel_cache(const char*);
 
-static void report(const char* what, XLA_FFI_Error* e) {
-  if (!e) printf("%s: ok\n", what);
-  else { printf("%s: code=%d msg=%s\n", what, (int)e->code, e->msg); free(e); }
-}
-
 int main(int argc, char** argv) {
   XLA_FFI_Api api;
-  memset(&api, 0, sizeof api);
-  api.struct_size = XLA_FFI_Api_STRUCT_SIZE;
-  api.api_version.struct_size = XLA_FFI_Api_Version_STRUCT_SIZE;
-  api.api_version.major_version = XLA_FFI_API_MAJOR;
-  api.api_version.minor_version = XLA_FFI_API_MINOR;
-  api.XLA_FFI_Error_Create = err_create;
-  api.XLA_FFI_Stream_Get = stream_get;
-  api.XLA_FFI_DeviceOrdinal_Get = ordinal_get;
-
   XLA_FFI_CallFrame f;
-  memset(&f, 0, sizeof f);
-  f.struct_size = XLA_FFI_CallFrame_STRUCT_SIZE;
-  f.api = &api;
-  f.stage = XLA_FFI_ExecutionStage_EXECUTE;
-
-  /* XLA's metadata query */
-  XLA_FFI_Metadata md;
-  memset(&md, 0, sizeof md);
-  md.struct_size = XLA_FFI_Metadata_STRUCT_SIZE;
-  XLA_FFI_Metadata_Extension ext;
-  memset(&ext, 0, sizeof ext);
-  ext.extension_base.struct_size = XLA_FFI_Metadata_Extension_STRUCT_SIZE;
-  ext.extension_base.type = XLA_FFI_Extension_Metadata;
-  ext.metadata = &md;
-  f.extension_start = &ext.extension_base;
-  report("metadata", moe_rt_xla_topk_with_score(&f));
-  printf("traits=%u api=%d.%d\n", md.traits, md.api_version.major_version, md.api_version.minor_version);
-  f.extension_start = NULL;
+  frame_init(&api, &f);
+  metadata(moe_rt_xla_topk_with_score, &f);
 
   /* router top-k over host buffers: logits [5, 8] float32 -> probs, routing_map, intermediate */
   float logits[40], probs[40], inter[40];
@@ -281,6 +292,199 @@ def test_handlers_with_hand_built_call_frames(built, tmp_path):
     assert lines["qb bad histogram dtype"].startswith("code=3 ") and "qb_histogram" in lines["qb bad histogram dtype"]
 
 
+_LL_FRAME_TEST = _FRAME_COMMON + r"""
+#include "moe_rt/moe_rt.h"
+
+XLA_FFI_Error* moe_rt_xla_ll_dispatch(XLA_FFI_CallFrame*);
+XLA_FFI_Error* moe_rt_xla_ll_combine(XLA_FFI_CallFrame*);
+XLA_FFI_Error* moe_rt_xla_ll_dispatch_bwd(XLA_FFI_CallFrame*);
+XLA_FFI_Error* moe_rt_xla_ll_combine_bwd(XLA_FFI_CallFrame*);
+
+/* report(what, call) with `field` set to `bad` for the call (then restored) */
+#define WITH(field, bad, what, call)    \
+  do {                                  \
+    __typeof__(field) keep_ = (field);  \
+    (field) = (bad);                    \
+    report(what, call);                 \
+    (field) = keep_;                    \
+  } while (0)
+
+/* sizes: R = 1, L = 3, Tmax = 7, K = 2, H = 6 (float32 group), T = 5 */
+enum { L = 3, TM = 7, KK = 2, HH = 6, T = 5 };
+static char mem[1 << 16];
+
+static XLA_FFI_Buffer mk(XLA_FFI_DataType t, int64_t* dims, int rank) {
+  XLA_FFI_Buffer b = {XLA_FFI_Buffer_STRUCT_SIZE, NULL, t, mem, rank, dims};
+  return b;
+}
+
+int main(void) {
+  XLA_FFI_Api api;
+  XLA_FFI_CallFrame f;
+  frame_init(&api, &f);
+
+  /* a group on a planning context, with made-up addresses (the registry lists it all the same) */
+  moe_rt_device_info dev = {132, 228 * 1024, 227 * 1024, 9, 0, 0};
+  moe_rt_context* ctx = NULL;
+  if (moe_rt_context_create_planning(&dev, &ctx)) { printf("planning context failed\n"); return 1; }
+  moe_rt_ll_group_desc d;
+  memset(&d, 0, sizeof d);
+  d.num_ranks = 1; d.rank = 0; d.num_local_experts = L; d.max_tokens_per_rank = TM; d.topk = KK;
+  d.dtype = MOE_RT_FLOAT32; d.hidden = HH; d.chunk = 1; d.num_buffers = 1; d.timeout_ns = 1000000000LL;
+  const int64_t a = (int64_t)1 << 40;
+  d.set[0].recv = (void*)(a + 0x100000);
+  d.set[0].peer_recv = (const int64_t*)(a + 0x200000);
+  d.set[0].peer_route = (const int64_t*)(a + 0x300000);
+  d.set[0].peer_rw = (const int64_t*)(a + 0x400000);
+  d.set[0].peer_back = (const int64_t*)(a + 0x500000);
+  d.set[0].peer_bw = (const int64_t*)(a + 0x600000);
+  d.peer_flags = (const int64_t*)(a + 0x700000); d.peer_barrier = (const int64_t*)(a + 0x800000);
+  d.barrier_state = (uint32_t*)(a + 0x900000); d.timeout_word = (int32_t*)(a + 0xa00000);
+  d.set_epoch = (uint32_t*)(a + 0xb00000);
+  moe_rt_ll_group* g = NULL;
+  if (moe_rt_ll_group_create(ctx, &d, &g)) { printf("group failed: %s\n", moe_rt_last_error()); return 1; }
+  int64_t address = (int64_t)(uintptr_t)g, serial = moe_rt_ll_group_serial(g);
+  metadata(moe_rt_xla_ll_dispatch, &f);
+
+  /* dispatch: x [T, H] f32, idx [T, K] s32, w [T, K] f32 -> recv [L, Tmax, H], the six tables */
+  int64_t xd[2] = {T, HH}, kd[2] = {T, KK}, sd[3] = {L, TM, HH}, rd[3] = {1, TM, KK}, ld[2] = {L, TM}, cd[1] = {L};
+  XLA_FFI_Buffer da[3] = {mk(XLA_FFI_DataType_F32, xd, 2), mk(XLA_FFI_DataType_S32, kd, 2),
+                          mk(XLA_FFI_DataType_F32, kd, 2)};
+  XLA_FFI_Buffer dr[7] = {mk(XLA_FFI_DataType_F32, sd, 3), mk(XLA_FFI_DataType_S32, kd, 2),
+                          mk(XLA_FFI_DataType_F32, kd, 2), mk(XLA_FFI_DataType_S32, rd, 3),
+                          mk(XLA_FFI_DataType_S32, ld, 2), mk(XLA_FFI_DataType_F32, ld, 2),
+                          mk(XLA_FFI_DataType_S32, cd, 1)};
+  XLA_FFI_ArgType at[8];
+  XLA_FFI_RetType rt[7];
+  for (int i = 0; i < 8; ++i) at[i] = XLA_FFI_ArgType_BUFFER;
+  for (int i = 0; i < 7; ++i) rt[i] = XLA_FFI_RetType_BUFFER;
+  void* dargs[3] = {&da[0], &da[1], &da[2]};
+  void* drets[7] = {&dr[0], &dr[1], &dr[2], &dr[3], &dr[4], &dr[5], &dr[6]};
+  f.args.struct_size = XLA_FFI_Args_STRUCT_SIZE;
+  f.args.size = 3; f.args.types = at; f.args.args = dargs;
+  f.rets.struct_size = XLA_FFI_Rets_STRUCT_SIZE;
+  f.rets.size = 7; f.rets.types = rt; f.rets.rets = drets;
+  /* attributes, sorted by name as XLA gives them */
+  static const char* names[4] = {"device", "group", "group_serial", "zero_empty_slots"};
+  int32_t dev_attr = 0, zero = 1;
+  int64_t bad_address = address + 4096;
+  XLA_FFI_ByteSpan spans[4];
+  XLA_FFI_ByteSpan* span_ptrs[4];
+  XLA_FFI_Scalar sc[4] = {{XLA_FFI_DataType_S32, &dev_attr}, {XLA_FFI_DataType_S64, &address},
+                          {XLA_FFI_DataType_S64, &serial}, {XLA_FFI_DataType_S32, &zero}};
+  void* attrs[4];
+  XLA_FFI_AttrType types[4];
+  for (int i = 0; i < 4; ++i) {
+    spans[i].ptr = names[i]; spans[i].len = strlen(names[i]); span_ptrs[i] = &spans[i];
+    attrs[i] = &sc[i];
+    types[i] = XLA_FFI_AttrType_SCALAR;
+  }
+  f.attrs.struct_size = XLA_FFI_Attrs_STRUCT_SIZE;
+  f.attrs.size = 4; f.attrs.types = types; f.attrs.names = span_ptrs; f.attrs.attrs = attrs;
+
+  /* every check passes: the handler reaches XLA's device context (no kernel cache folder is set here) */
+  report("dispatch valid", moe_rt_xla_ll_dispatch(&f));
+  WITH(f.attrs.size, 3, "dispatch missing attribute", moe_rt_xla_ll_dispatch(&f));
+  WITH(sc[1].value, &bad_address, "dispatch bad address", moe_rt_xla_ll_dispatch(&f));
+  int64_t other_serial = serial + 1;
+  WITH(sc[2].value, &other_serial, "dispatch bad serial", moe_rt_xla_ll_dispatch(&f));
+  WITH(g_ordinal, 1, "dispatch other device", moe_rt_xla_ll_dispatch(&f));
+  WITH(xd[1], HH + 1, "dispatch bad x shape", moe_rt_xla_ll_dispatch(&f));
+  WITH(da[0].dtype, XLA_FFI_DataType_BF16, "dispatch bad x dtype", moe_rt_xla_ll_dispatch(&f));
+  WITH(da[1].dtype, XLA_FFI_DataType_F32, "dispatch bad idx dtype", moe_rt_xla_ll_dispatch(&f));
+  WITH(sd[1], TM + 1, "dispatch bad recv shape", moe_rt_xla_ll_dispatch(&f));
+  WITH(dr[4].dtype, XLA_FFI_DataType_F32, "dispatch bad slot_topk dtype", moe_rt_xla_ll_dispatch(&f));
+  WITH(f.rets.size, 6, "dispatch missing result", moe_rt_xla_ll_dispatch(&f));
+
+  /* combine: y [L, Tmax, H], the six tables -> out [T, H] */
+  XLA_FFI_Buffer ca[7] = {mk(XLA_FFI_DataType_F32, sd, 3), dr[1], dr[2], dr[3], dr[4], dr[5], dr[6]};
+  XLA_FFI_Buffer cr[1] = {mk(XLA_FFI_DataType_F32, xd, 2)};
+  void* cargs[7] = {&ca[0], &ca[1], &ca[2], &ca[3], &ca[4], &ca[5], &ca[6]};
+  void* crets[1] = {&cr[0]};
+  f.args.size = 7; f.args.args = cargs;
+  f.rets.size = 1; f.rets.rets = crets;
+  f.attrs.size = 3; /* no zero_empty_slots */
+  report("combine valid", moe_rt_xla_ll_combine(&f));
+  WITH(rd[2], KK + 1, "combine bad route shape", moe_rt_xla_ll_combine(&f));
+  WITH(cr[0].dtype, XLA_FFI_DataType_F16, "combine bad out dtype", moe_rt_xla_ll_combine(&f));
+
+  /* dispatch_bwd: g [L, Tmax, H], g_slot_w [L, Tmax] f32, the six tables -> gx [T, H], gw [T, K] f32 */
+  XLA_FFI_Buffer ba[8] = {mk(XLA_FFI_DataType_F32, sd, 3), mk(XLA_FFI_DataType_F32, ld, 2), dr[1], dr[2], dr[3],
+                          dr[4], dr[5], dr[6]};
+  XLA_FFI_Buffer br[2] = {mk(XLA_FFI_DataType_F32, xd, 2), mk(XLA_FFI_DataType_F32, kd, 2)};
+  void* bargs[8] = {&ba[0], &ba[1], &ba[2], &ba[3], &ba[4], &ba[5], &ba[6], &ba[7]};
+  void* brets[2] = {&br[0], &br[1]};
+  f.args.size = 8; f.args.args = bargs;
+  f.rets.size = 2; f.rets.rets = brets;
+  report("dispatch_bwd valid", moe_rt_xla_ll_dispatch_bwd(&f));
+  WITH(ba[1].dtype, XLA_FFI_DataType_BF16, "dispatch_bwd bad grad_slot_weights dtype",
+       moe_rt_xla_ll_dispatch_bwd(&f));
+
+  /* combine_bwd: g [T, H], y [L, Tmax, H], the six tables -> gy [L, Tmax, H], gw [T, K] f32, dots [L*Tmax] */
+  int64_t nd[1] = {L * TM};
+  XLA_FFI_Buffer ea[8] = {mk(XLA_FFI_DataType_F32, xd, 2), mk(XLA_FFI_DataType_F32, sd, 3), dr[1], dr[2], dr[3],
+                          dr[4], dr[5], dr[6]};
+  XLA_FFI_Buffer er[3] = {mk(XLA_FFI_DataType_F32, sd, 3), mk(XLA_FFI_DataType_F32, kd, 2),
+                          mk(XLA_FFI_DataType_F32, nd, 1)};
+  void* eargs[8] = {&ea[0], &ea[1], &ea[2], &ea[3], &ea[4], &ea[5], &ea[6], &ea[7]};
+  void* erets[3] = {&er[0], &er[1], &er[2]};
+  f.args.args = eargs;
+  f.rets.size = 3; f.rets.rets = erets;
+  report("combine_bwd valid", moe_rt_xla_ll_combine_bwd(&f));
+  WITH(nd[0], L * TM - 1, "combine_bwd bad dots", moe_rt_xla_ll_combine_bwd(&f));
+
+  /* the group destroyed: every handler refuses it, naming it */
+  moe_rt_ll_group_destroy(g);
+  report("combine_bwd after destroy", moe_rt_xla_ll_combine_bwd(&f));
+  moe_rt_context_destroy(ctx);
+  return 0;
+}
+"""
+
+
+def test_ll_handlers_with_hand_built_call_frames(built, tmp_path):
+    """The low-latency handlers over a core group on a planning context (the registry lists it as any group):
+    every check passes and the call reaches XLA's device context (no kernel cache set: an FFI error, no crash);
+    a group the registry does not list (an address or serial of no live group, or the group destroyed), a
+    missing attribute, another device, and wrong shapes or dtypes fail with INVALID_ARGUMENT and a message."""
+    core, xla, include = built
+    src = tmp_path / "ll_frames.c"
+    src.write_text(_LL_FRAME_TEST)
+    exe = tmp_path / "ll_frames"
+    subprocess.run([*_cc().split(), "-std=c11", "-Wall", f"-I{include}", f"-I{ROOT / 'include'}", str(src),
+                    f"-L{xla.parent}", "-l:" + xla.name, "-l:" + core.name, f"-Wl,-rpath,{xla.parent}", "-o",
+                    str(exe)], check=True)
+    env = dict(os.environ, MOE_RT_LIBCUDA=str(tmp_path / "no_libcuda.so"))
+    r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = dict(line.split(": ", 1) for line in r.stdout.splitlines() if ": " in line)
+    # not command-buffer compatible: a replay would skip the registry check (csrc/xla_ffi.c ll_call)
+    assert lines["metadata"] == "ok" and "traits=0 api=0." in r.stdout
+    for op in ("dispatch", "combine", "dispatch_bwd", "combine_bwd"):
+        got = lines[f"{op} valid"]
+        assert got.startswith("code=5 ") and "no kernel cache folder" in got, (op, got)
+    assert "moe_rt_xla_ll_dispatch: attribute zero_empty_slots is missing" in lines["dispatch missing attribute"]
+    for case in ("dispatch bad address", "dispatch bad serial", "combine_bwd after destroy"):
+        got = lines[case]
+        assert got.startswith("code=3 ") and "no live low-latency group at address 0x" in got, (case, got)
+        assert "closed" in got and "MOE_RT_ERROR_INVALID_ARGUMENT" in got
+    assert lines["combine_bwd after destroy"].startswith("code=3 msg=moe_rt_xla_ll_combine_bwd: ")
+    assert "lives on cuda:0, but XLA runs this call on cuda:1" in lines["dispatch other device"]
+    expect = {"dispatch bad x shape": "x: expected shape [5, 6] of dtype code 0, got [5, 7]",
+              "dispatch bad x dtype": "x: expected shape [5, 6] of dtype code 0, got [5, 6] of dtype code 2",
+              "dispatch bad idx dtype": "topk_idx: expected int32 or int64, got dtype code 0",
+              "dispatch bad recv shape": "recv_x: expected shape [3, 7, 6] of dtype code 0, got [3, 8, 6]",
+              "dispatch bad slot_topk dtype": "slot_topk: expected shape [3, 7] of dtype code 3, got [3, 7] of dtype "
+                                              "code 0",
+              "dispatch missing result": "expected 3 arguments and 7 results, got 3 and 6",
+              "combine bad route shape": "route: expected shape [1, 7, 2] of dtype code 3, got [1, 7, 3]",
+              "combine bad out dtype": "out: expected shape [5, 6] of dtype code 0",
+              "dispatch_bwd bad grad_slot_weights dtype": "grad_slot_weights: expected shape [3, 7] of dtype code 0",
+              "combine_bwd bad dots": "dots: expected shape [21] of dtype code 0, got [20]"}
+    for case, msg in expect.items():
+        assert lines[case].startswith("code=3 ") and msg in lines[case], (case, lines[case])
+
+
 def test_handlers_register_with_xla_for_cuda():
     lib = _xla.library()
     assert _xla.library() is lib  # once per process
@@ -291,7 +495,8 @@ def test_handlers_register_with_xla_for_cuda():
         pending = {entry[0]: entry for entry in getattr(xla_client, "_custom_callback", {}).get("CUDA", [])}
         for op in _xla.HANDLERS:
             name, _, api_version, traits = pending[_xla.target(op)]
-            assert api_version == 1 and int(traits) == 1
+            assert api_version == 1 and int(traits) == (0 if op in _xla.NOT_CAPTURABLE else 1), op
+        assert _xla.NOT_CAPTURABLE == {"ll_dispatch", "ll_combine", "ll_dispatch_bwd", "ll_combine_bwd"}
 
 
 def test_library_built_on_first_use_when_not_packaged(tmp_path, monkeypatch):

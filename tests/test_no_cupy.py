@@ -98,7 +98,7 @@ def test_info_without_cupy(env):
 
 
 def test_suite_skips_without_cupy(env):
-    files = ["tests/test_fast_replay.py", "tests/test_nccl.py", "tests/test_cli.py", "tests/test_permutation.py"]
+    files = ["tests/test_core_facade.py", "tests/test_nccl.py", "tests/test_cli.py", "tests/test_permutation.py"]
     r = _run(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *files], env, timeout=600)
     tail = r.stdout[-3000:] + r.stderr[-2000:]
     assert r.returncode == 0, tail

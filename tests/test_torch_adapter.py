@@ -317,7 +317,7 @@ def test_eager_plan_rebuilt_or_swapped(device):
 
 
 def test_plan_views_split_from_one_buffer():
-    """A CUDA plan keeps its five arrays back to back in one int32 buffer (scratch after them); the torch
+    """A CUDA plan keeps its five arrays back to back in one int32 buffer (maybe longer); the torch
     adapter hands them out as five views from one split. Checked on a CPU buffer laid out the same way:
     each view holds its array's values and shape and shares the buffer's memory, for two layouts and then
     the first layout again over a longer buffer (the split sizes are cached per layout and buffer length)."""
@@ -336,8 +336,13 @@ def test_plan_views_split_from_one_buffer():
         buf = torch.full((off + extra,), -7, dtype=torch.int32)
         for k, a in zip(mt._PLAN_ARRAYS, arrays):
             buf[spec[k][0]:spec[k][0] + a.numel()] = a.reshape(-1)
-        ints = tuple(getattr(ref, k) for k in P._PLAN_INTS if k not in ("backend", "device_id")) + ("cuda", 0)
-        plan = P._build_plan((ints, ("views", "buf", spec)), lambda _leaf: buf, "torch")
+        plan = P.Plan._blank()  # a CUDA plan's form: its arrays as views of one buffer
+        for k in ("num_tokens", "topk", "num_experts", "num_rows", "align_size", "num_out_tokens", "from_routing_map"):
+            setattr(plan, k, getattr(ref, k))
+        plan.backend, plan.device_id = "cuda", 0
+        views = P._PlanViews()
+        views._buf, views._spec = buf, spec
+        plan._v, plan._framework, plan._exported = views, "torch", {}
         tp = mt._torch_plan(plan, -1)
         assert (tp.num_experts, tp.num_rows, tp.align_size, tp.num_out_tokens) == (E, ref.num_rows, 1, -1)
         for k, a, t in zip(mt._PLAN_ARRAYS, arrays, tp[:5]):

@@ -48,12 +48,12 @@ t0 = time.perf_counter()
 first = timed(fn)
 second = timed(fn)
 from moe_rt import _jit
-_jit.settle()  # the kernels a quick kernel stood in for (tiered compiles), compiled in the background
+_jit.settle()  # the kernels a stand-in ran for (compiled in the background on the first call)
 settled = time.perf_counter() - t0
-third = timed(fn)  # loads them
+third = timed(fn)  # swaps them in
 fourth = timed(fn)
 print(json.dumps({"first_s": first, "second_s": second, "settled_s": settled, "fourth_s": fourth,
-                  "quick": _jit.provisional_calls}))
+                  "quick": _jit.stand_ins_loaded}))
 """
 
 CASES = [  # (case, label, target seconds)

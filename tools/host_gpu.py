@@ -15,8 +15,8 @@ garbage collector; each item's own time (its span less the wrapped calls inside 
 span, the op's unaccounted remainder (its own lines and whatever was not wrapped) and the wrappers' estimated
 cost; (3) a cProfile of the calls, the top by tottime. Rank 0 reports; the other ranks run the same calls in
 lockstep. Reference floors on the same machine: a CuPy pool (and torch caching allocator) allocation + free
-of the op's big sizes, a pinned host allocation, and a bare ``cuLaunchKernel`` of the direct transport's
-barrier kernel (also through ``_jit.launch_raw`` and ``DirectTransport.barrier``).
+of the op's big sizes, a pinned host allocation, and the direct transport's barrier kernel through
+``DirectTransport.barrier`` (one core call).
 
 The wrapper (:class:`Breakdown`) needs no GPU: the tests run it against the stand-in device.
 """
@@ -59,8 +59,9 @@ def category(label: str) -> str:
     """The group an item of the breakdown belongs to (the table of categories)."""
     name = label.split("[")[0]
     short = name.rsplit(".", 1)[-1]
-    if name in ("cuLaunchKernel", "_jit.launch_raw", "_jit.launch", "_jit.function", "_jit.function_tiered",
-                "_jit.function_ptr", "_jit._current_stream_ptr", "_jit.set_max_dynamic_shared"):
+    if name in ("cuLaunchKernel", "_jit.launch_raw", "_jit.launch", "_jit.function",
+                "_jit.function_ptr", "_jit._current_stream_ptr", "_jit.set_max_dynamic_shared") or name.startswith(
+                    ("_core.ll_", "_core.ep_direct_")):
         return "launch"
     if name.startswith("comm.") or name.startswith("_ep_nccl."):
         return "nccl"
@@ -317,6 +318,11 @@ class Breakdown:
             return n
 
         self.patch(_jit, "launch_raw", "_jit.launch_raw", key=kernel_name)
+        from moe_rt import _core
+
+        for n in ("ll_dispatch", "ll_combine", "ll_combine_bwd", "ep_direct_barrier", "ep_direct_dispatch",
+                  "ep_direct_combine"):  # the core plans and launches (barrier + kernels)
+            self.patch(_core, n, f"_core.{n}")
         if getattr(_jit, "_driver", None) is not None:
             self.patch(_jit._driver, "launch", "cuLaunchKernel", key=driver_name, everywhere=False)
         self.patch_class(_arrays.Call, "Call", names=("__init__", "_import", "out", "empty", "scratch",
@@ -779,14 +785,11 @@ class Rank:
 
 def floors(rank, sizes, iters, transport=None, stream=None):
     """Reference floors (us, medians of ``iters``): a CuPy pool and a torch caching-allocator allocation +
-    free of each of ``sizes`` (bytes), a pinned host allocation + free, and (given a DirectTransport whose
-    barrier set-up exists) one barrier kernel launched bare (``cuLaunchKernel`` through moe_rt's driver
-    launcher), through ``_jit.launch_raw`` and through ``DirectTransport.barrier``: every rank launches the
-    same barriers."""
+    free of each of ``sizes`` (bytes), a pinned host allocation + free, and (given a DirectTransport) one
+    barrier kernel through ``DirectTransport.barrier`` (one core call): every rank launches the same
+    barriers."""
     import cupy
     import torch
-
-    from moe_rt import _jit
 
     stream = stream or cupy.cuda.get_current_stream()
     out = {}
@@ -810,19 +813,9 @@ def floors(rank, sizes, iters, transport=None, stream=None):
         out[f"cupy pool alloc+free {mb}"] = med(lambda: cupy.empty(nb, np.uint8))
         out[f"torch.empty+free {mb}"] = med(lambda: torch.empty(nb, dtype=torch.uint8, device="cuda"))
     out["cupy pinned alloc+free 256 B"] = med(lambda: cupy.cuda.alloc_pinned_memory(256))
-    if transport is not None:
-        c = transport._launches.get("dispatch")
-        if c is not None:
-            fn, threads, args = c
-            ptr = _jit.function_ptr(fn)
-            launch = _jit._driver.launch if getattr(_jit, "_driver", None) is not None else None
-            if launch is not None:
-                out["barrier kernel: bare cuLaunchKernel"] = med(lambda: launch(ptr, 1, threads, args, stream.ptr, 0),
-                                                                 stream.synchronize)
-            out["barrier kernel: _jit.launch_raw"] = med(lambda: _jit.launch_raw(fn, 1, threads, args, 0, stream),
-                                                         stream.synchronize)
-            out["barrier kernel: DirectTransport.barrier"] = med(lambda: transport.barrier(stream, "dispatch"),
-                                                                 stream.synchronize)
+    if transport is not None:  # one core call: plan looked up, the barrier launched
+        out["barrier kernel: DirectTransport.barrier (core)"] = med(lambda: transport.barrier(stream, "dispatch"),
+                                                                    stream.synchronize)
     rank.barrier()
     return out
 

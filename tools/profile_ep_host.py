@@ -109,7 +109,7 @@ class EpStandIns(_LL.StandIns):
         """An EpGroup of rank ``me`` of R on the direct transport whose shared buffers are stand-ins (made as
         its first ops would make them: prepare's box for K, the stages of ``H``-wide rows and of K weights),
         and whose exact-mode host read returns every pair full."""
-        from moe_rt import _ep_direct, _handle
+        from moe_rt import _core, _ep_direct, _handle
         from moe_rt import ep as ep_mod
 
         comm = type("Comm", (), {"rank": me, "size": R, "device": 0, "all_gather": None, "send": None,
@@ -119,10 +119,12 @@ class EpStandIns(_LL.StandIns):
         d = object.__new__(_ep_direct.DirectTransport)
         d.comm, d.device, d.R, d.me, d.lo, d.hi, d.P = comm, 0, R, me, 0, R, P
         d.timeout_ns, d._stages, d._order, d.closed, d._err_ptr = 10**9, {}, [], False, 96
-        d._pairs, d._launches, d._views = {}, {}, {}
+        d._pairs, d._views = {}, {}
         d._wait = d._op_wait = None
         d.state = self.array((2,), np.uint32)
         d.bar, d.flags = self.shared(R, 4 * R), self.shared(R, 4 * R * P)
+        d._core = _core.ep_direct_group_create(_core.device(0), R, me, 0, R, P, d.timeout_ns, d.bar.table.data.ptr,
+                                               d.flags.table.data.ptr, d.state.data.ptr, d._err_ptr)
         rb = H * np.dtype(g.dtype).itemsize
         L = E // R
         half = R * (L + 2 + P * (2 * K + 1))

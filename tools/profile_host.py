@@ -21,6 +21,9 @@ def main():
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--top", type=int, default=18)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", nargs="+", metavar="OP",
+                    default=["make_plan", "combine", "topk_with_score", "torch adapter topk fwd+bwd"],
+                    help="the ops (names as printed) to cProfile")
     a = ap.parse_args()
     import cupy as cp
     import torch
@@ -61,6 +64,8 @@ def main():
         "scores_for_aux_loss": (lambda: moe_rt.scores_for_aux_loss(logits, K, "softmax"),
                                 lambda: moe_rt.scores_for_aux_loss(c["logits"], K, "softmax")),
         "aux_loss": (lambda: moe_rt.aux_loss(scores, tpe, T, E, K, 1e-2), None),
+        "dispatch_backward": (lambda: moe_rt.dispatch_backward(xp, plan), None),
+        "combine_backward": (lambda: moe_rt.combine_backward(x, plan, xp, w), None),
         "torch adapter make_plan": (lambda: mt.make_plan(idx, E), None),
         "torch adapter dispatch": (lambda: mt.dispatch(x, tplan), None),
         "torch adapter topk fwd+bwd": (adapter_topk, None),
@@ -85,7 +90,7 @@ def main():
     report = "\n".join(lines)
     print(report, flush=True)
     prof = []
-    for name in ("make_plan", "combine", "topk_with_score", "torch adapter topk fwd+bwd"):
+    for name in a.profile:
         fn = ops[name][0]
         pr = cProfile.Profile()
         pr.enable()

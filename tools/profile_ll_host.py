@@ -31,17 +31,21 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # this che
 
 class StandIns:
     """The device stood in for, through ``setattr_`` (default: for good, in this process; a test passes its
-    monkeypatch's setattr): kernels (each lookup counted in ``lookups``), launches (``on_launch(fn, grid,
-    block, args)``; default: counted in ``launches``), the op's array import (``moe_rt._arrays.Call``: a CUDA
-    call of framework 'devarray' on stream 7 or an int stream given, results handed back as they are, its
-    allocations CuPy's), CuPy allocations (counted in ``allocs``: CuPy arrays over fake addresses, an empty one
-    at 0 as CuPy's), streams, the current device (0), the device's error word (64), ``resident`` blocks of a
-    fused kernel and ``sm_count`` SMs."""
+    monkeypatch's setattr): kernels loaded from Python (each lookup counted in ``lookups``), launches
+    (``on_launch(fn, grid, block, args)``, ``fn.name`` the kernel; default: counted in ``launches``) made
+    through ``_jit.launch_raw`` or by the core: its device context (``moe_rt._core.device``) is a planning
+    context of ``sm_count`` SMs on which a fused kernel has ``resident`` blocks resident (``resident`` a
+    multiple of ``sm_count``), and after each low-latency core call its recorded launches are reported (the
+    arguments as the values of the kernel's parameters, in order); the op's array import
+    (``moe_rt._arrays.Call``: a CUDA call of framework 'devarray' on stream 7 or an int stream given, results
+    handed back as they are, its allocations CuPy's), CuPy allocations (counted in ``allocs``: CuPy arrays
+    over fake addresses, an empty one at 0 as CuPy's), streams, the current device (0), the device's error
+    word (64), ``resident`` blocks of a fused kernel and ``sm_count`` SMs."""
 
     def __init__(self, setattr_=setattr, resident=264, sm_count=132):
         import cupy
 
-        from moe_rt import _arrays, _ep_direct, _errors, _jit
+        from moe_rt import _arrays, _core, _errors, _jit
 
         self.cupy, self.launches, self.allocs, self.lookups = cupy, 0, 0, 0
         self.addrs = itertools.count(1 << 40, 1 << 24)
@@ -102,11 +106,29 @@ class StandIns:
             if st.on_launch is not None:
                 st.on_launch(fn, grid, block, args)
 
+        per_sm = resident // sm_count  # the fused kernels' 512-thread blocks an SM holds: set by their registers
+        if per_sm < 1 or per_sm > 4 or per_sm * sm_count != resident:
+            raise ValueError(f"resident={resident}: expected 1 to 4 blocks on each of the {sm_count} SMs")
+        ctx = _core.planning(sm_count=sm_count, assumed_regs=65536 // (512 * per_sm) // 8 * 8)
+
+        def recorded(f):  # a core call, then its launches as the planning context recorded them
+            def call(*args):
+                f(*args)
+                if st.on_launch is None:  # counted alone (the least time of the stand-in's own in the op's)
+                    st.launches += len(ctx.last_plan())
+                    return
+                for i, launch in enumerate(ctx.last_plan()):
+                    launch_raw(Kernel(launch[1]), launch[2], launch[3], ctx.last_plan_args(i), 0, args[-1])
+            return call
+
         setattr_(_jit, "function", function)
         setattr_(_jit, "launch_raw", launch_raw)
         setattr_(_jit, "device_properties", lambda dev: {"sm_count": sm_count})
         setattr_(_errors, "word", lambda dev: 64)
-        setattr_(_ep_direct, "_resident_ctas", lambda fn, threads, dev: resident)
+        setattr_(_core, "device", lambda dev: ctx)
+        for name in ("ll_dispatch", "ll_combine", "ll_combine_bwd", "ep_direct_barrier", "ep_direct_dispatch",
+                     "ep_direct_combine"):
+            setattr_(_core, name, recorded(getattr(_core, name)))
         setattr_(_arrays, "Call", Call)
         setattr_(_arrays, "as_cupy_stream", lambda stream, dev: st.stream(9))
         setattr_(cupy.cuda, "Device", Device)
@@ -138,7 +160,7 @@ class StandIns:
         """A LowLatencyGroup of rank ``me`` of R whose transport and shared buffers are stand-ins (what its
         _setup makes, without CUDA): the error word at 96, the peer tables of the shared buffers at 2**50 plus
         their offsets."""
-        from moe_rt import _ep_direct
+        from moe_rt import _core, _ep_direct
         from moe_rt.ep_ll import LowLatencyGroup
 
         comm = type("Comm", (), {"rank": me, "size": R, "device": 0, "all_gather": None})()
@@ -146,10 +168,12 @@ class StandIns:
         d = object.__new__(_ep_direct.DirectTransport)
         d.comm, d.device, d.R, d.me, d.lo, d.hi, d.P = comm, 0, R, me, 0, R, 2 * Tmax * num_buffers
         d.timeout_ns, d._stages, d._order, d.closed, d._err_ptr = 10**9, {}, [], False, 96
-        d._pairs, d._launches, d._views = {}, {}, {}  # the launch set-ups DirectTransport.__init__ starts empty
+        d._pairs, d._views = {}, {}
         d.state = self.dev((2,), np.uint32)
         d.bar = type("Sh", (), {"table": self.dev((R,), np.int64)})()
         d.flags = type("Sh", (), {"table": self.dev((R,), np.int64)})()
+        d._core = _core.ep_direct_group_create(_core.device(0), R, me, 0, R, d.P, d.timeout_ns, d.bar.table.data.ptr,
+                                               d.flags.table.data.ptr, d.state.data.ptr, d._err_ptr)
         offs, o = {}, 0
         for name, nb in g._regions():
             offs[name] = (o, nb)

@@ -132,7 +132,7 @@ void moe_rt_context_destroy(moe_rt_context* ctx);
 moe_rt_status moe_rt_context_device_info(const moe_rt_context* ctx, moe_rt_device_info* info);
 
 #define MOE_RT_KERNEL_NAME_MAX 128
-#define MOE_RT_MAX_LAUNCHES 4
+#define MOE_RT_MAX_LAUNCHES 8
 
 typedef struct moe_rt_launch_info {
   char file[32];                       /* kernels/<file>, e.g. "router.cu" */
@@ -155,6 +155,30 @@ typedef struct moe_rt_plan_info {
 
 /* Planning contexts: the launches of the last op called on ctx (from any thread). */
 moe_rt_status moe_rt_last_plan(const moe_rt_context* ctx, moe_rt_plan_info* info);
+
+/* Stand-in kernels: a first call need not wait for a kernel that compiles slowly. For some launches (the
+ * router forward's) the planner names a stand-in: a kernel of the same file that computes the same bits for
+ * that call (the same template compiled for the call's score case alone), which compiles in a fraction of
+ * the time. moe_rt's Python side uses these on a kernel-cache miss; a C program that loads its kernels from a
+ * warmed folder needs none of it.
+ *
+ * moe_rt_last_plan_stand_in: planning contexts: the stand-in of launch `launch` of the last plan ("" when the
+ * launch has none), written to `name` (`size` bytes, at least MOE_RT_KERNEL_NAME_MAX).
+ * moe_rt_context_load_stand_in: load kernel `stand_in` of kernels/`file` (from the kernel-cache folder) to
+ * stand in for kernel `name`: until `name` is loaded, a call whose planner names `stand_in` as the stand-in
+ * of `name` runs it, planned with its own registers (plans made with a stand-in are not cached). A no-op on a
+ * planning context.
+ * moe_rt_context_end_stand_ins: `load` = 1: load `name` (the final kernel, from the kernel-cache folder) and
+ * retire its stand-ins, at once for every thread: calls from then on plan with `name`; refused with
+ * MOE_RT_ERROR_NOT_SUPPORTED, loading nothing, while `stream` is being captured into a CUDA graph (call again
+ * after the capture). `load` = 0: retire the stand-ins alone (the final kernel failed to compile: calls then
+ * need `name` in the folder again). Stand-in modules stay loaded until the context is destroyed (a graph
+ * captured with one keeps launching it). */
+moe_rt_status moe_rt_last_plan_stand_in(const moe_rt_context* ctx, int launch, char* name, size_t size);
+moe_rt_status moe_rt_context_load_stand_in(moe_rt_context* ctx, const char* file, const char* name,
+                                           const char* stand_in);
+moe_rt_status moe_rt_context_end_stand_ins(moe_rt_context* ctx, const char* file, const char* name, int load,
+                                           moe_rt_stream stream);
 
 /* Wait for `stream`, then read and clear the context's error word: MOE_RT_ERROR_BAD_EXPERT_ID with the
  * Python side's message ("routing: expert ids must be in [-1, num_experts=E), got V") when make_plan met
@@ -315,6 +339,13 @@ moe_rt_status moe_rt_sort_chunks(moe_rt_context* ctx, const void* x, int64_t num
                                  int64_t num_chunks, const float* probs, void* out, float* probs_out, int backward,
                                  void* workspace, size_t workspace_bytes, moe_rt_stream stream);
 
+/* copy_kept_rows: out[r] = src[r] for the rows r < N with keep[r] >= 0 (only those rows of src are read), zero
+ * for the others when zero_rest (else left as they are). src and out [N, row_bytes bytes] (rows moved as
+ * bytes), keep [N] int32 (device arrays). The JAX low-latency ops' copy of a group's receive buffer into
+ * XLA's output, keep = the handle's slot_topk. */
+moe_rt_status moe_rt_copy_kept_rows(moe_rt_context* ctx, const void* src, void* out, const int32_t* keep,
+                                    int64_t num_rows, int64_t row_bytes, int zero_rest, moe_rt_stream stream);
+
 /* ---- FP8 block casts (moe_rt.fp8) ------------------------------------------------------------------
  * One float32 scale per `block` channels of each token (1 <= block <= 65536; a row whose H is not a
  * multiple ends with a shorter block; H + block < 2^31). x [T, H] `dtype` (float32/16, bfloat16) ->
@@ -324,6 +355,141 @@ moe_rt_status moe_rt_quantize_fp8(moe_rt_context* ctx, const void* x, int dtype,
                                   int block, void* x_fp8, float* scales, moe_rt_stream stream);
 moe_rt_status moe_rt_dequantize_fp8(moe_rt_context* ctx, const void* x_fp8, const float* scales, int64_t num_tokens,
                                     int64_t hidden, int block, void* y, int dtype, moe_rt_stream stream);
+
+/* Planning contexts: the arguments of launch `launch` of the last plan, in the kernel's parameter order, each as
+ * a 64-bit value (pointers as addresses, int32 sign-extended, uint32 zero-extended, float32 as its bits) into
+ * args[0 .. *count) (capacity values at most; *count is set either way). Ops that record no arguments give
+ * *count = 0 (today: the low-latency EP ops, moe_rt_ll_*). */
+moe_rt_status moe_rt_last_plan_args(const moe_rt_context* ctx, int launch, int64_t* args, int capacity, int* count);
+
+/* ---- low-latency expert parallelism (moe_rt.ep_ll.LowLatencyGroup; docs/ep.md §8) ----------------------
+ * A group of R ranks, one process (one context) per GPU, every pair with peer access. Each rank owns shared
+ * device buffers (plain allocations whose CUDA IPC handles the ranks exchanged; moe_rt's Python side makes
+ * them, or a C caller does) and knows every rank's address of each region through a *peer table*: a device
+ * int64 array [R] (entry r = rank r's region as mapped in this process; entry `rank` = this rank's own). A
+ * moe_rt_ll_group holds those addresses and the sizes, validated once; the ops below plan their launches
+ * once per signature (kernel variant, grid, constant arguments; cached in the group) and then launch:
+ * ep_direct_barrier (every rank finished its previous op) followed by one fused kernel of kernels/ep.cu,
+ * exactly as moe_rt.ep_ll does (the same kernels, grids, blocks and arguments). Nothing syncs with the host;
+ * the ops are CUDA-graph capturable (epochs live on the device). Every rank calls the same ops in the same
+ * order (collectives). Layout and semantics: moe_rt/ep_ll.py's module notes. */
+#define MOE_RT_LL_MAX_TOKENS 1024 /* max_tokens_per_rank, at most */
+#define MOE_RT_LL_MAX_BUFFERS 2
+#define MOE_RT_LL_FP8_BLOCK 128 /* channels per FP8 scale */
+
+typedef enum moe_rt_ll_phase {
+  MOE_RT_LL_PUSH = 1,    /* the send half: write this rank's rows into the peers' buffers, raise the flags */
+  MOE_RT_LL_RECEIVE = 2  /* the receive half: wait for every rank's flags, write the handle's tables */
+} moe_rt_ll_phase;
+
+/* Op codes: what a timed-out wait records in the timeout word (moe_rt._ep_direct.OP_CODES). */
+typedef enum moe_rt_ep_op {
+  MOE_RT_EP_OP_DISPATCH = 1,
+  MOE_RT_EP_OP_COMBINE = 2,
+  MOE_RT_EP_OP_DISPATCH_BWD = 3,
+  MOE_RT_EP_OP_COMBINE_BWD = 4
+} moe_rt_ep_op;
+
+/* One buffer set (num_buffers of them: with 2, two dispatches may be in flight). Sizes: R ranks, L local
+ * experts, Tmax = max_tokens_per_rank, K topk, H hidden, S = ceil(H/128). Every region 16-byte aligned. */
+typedef struct moe_rt_ll_buffer_set {
+  void* recv;                 /* this rank's receive rows [L, R*Tmax, H] dtype (peer_recv[rank]) */
+  const int64_t* peer_recv;   /* peer table of recv */
+  const int64_t* peer_recv_q; /* fp8 groups: peer table of the FP8 codes [L, R*Tmax, H] uint8; else NULL */
+  const int64_t* peer_recv_s; /* fp8 groups: peer table of the FP8 scales [L, R*Tmax, S] float32; else NULL */
+  const int64_t* peer_route;  /* peer table of the routing rows [R, Tmax*K + 1] int32 */
+  const int64_t* peer_rw;     /* peer table of the routing weights [R, Tmax*K] float32 */
+  const int64_t* peer_back;   /* peer table of the combine rows [Tmax*K, H] dtype */
+  const int64_t* peer_bw;     /* peer table of the combine weight gradients [Tmax*K] float32 */
+} moe_rt_ll_buffer_set;
+
+typedef struct moe_rt_ll_group_desc {
+  int32_t num_ranks;           /* R >= 1 */
+  int32_t rank;                /* this rank, in [0, R) */
+  int32_t num_local_experts;   /* L >= 1 (E = R*L experts) */
+  int32_t max_tokens_per_rank; /* Tmax in [1, MOE_RT_LL_MAX_TOKENS] */
+  int32_t topk;                /* K in [1, MOE_RT_MAX_TOPK] */
+  int32_t dtype;               /* the token dtype: MOE_RT_FLOAT32, MOE_RT_FLOAT16 or MOE_RT_BFLOAT16 */
+  int64_t hidden;              /* H >= 1; L*R*Tmax*H below 2^62 */
+  int32_t chunk;               /* tokens a flag covers, in [1, Tmax], the same on every rank (moe_rt.ep_ll
+                                  .chunk_tokens: ceil(Tmax/128)) */
+  int32_t num_buffers;         /* 1 or 2 */
+  int32_t fp8;                 /* 1: the sets hold FP8 receive buffers (peer_recv_q, peer_recv_s); else 0 */
+  int32_t num_scales;          /* S = ceil(H/128) (checked; any value when fp8 is 0) */
+  int32_t dedup;               /* 1: a token's row crosses to each destination rank once; 0: once per expert.
+                                  The same on every rank */
+  int64_t timeout_ns;          /* > 0: how long a device wait spins before it gives up */
+  moe_rt_ll_buffer_set set[MOE_RT_LL_MAX_BUFFERS]; /* set[b] for b < num_buffers (the rest ignored) */
+  const int64_t* peer_flags;   /* peer table of the chunk flags: uint32 [num_buffers, 2, R, Tmax] per rank, zeroed
+                                  once */
+  const int64_t* peer_barrier; /* peer table of the barrier slots: uint32 [R] per rank, zeroed once */
+  uint32_t* barrier_state;     /* uint32 [2] device memory of this rank, zeroed once: the barrier epoch and a
+                                  sticky failure flag */
+  int32_t* timeout_word;       /* int32 host memory mapped into the device (cudaHostAllocMapped), zeroed: a
+                                  wait that timed out writes its op (moe_rt_ep_op) there */
+  uint32_t* error_word;        /* the device error word bad expert ids are recorded in; NULL = the context's
+                                  (reported by moe_rt_check) */
+  uint32_t* set_epoch;         /* uint32 [num_buffers] device memory: each set's split push epoch */
+} moe_rt_ll_group_desc;
+
+/* A dispatch handle's tables (device memory the caller owns; one set per dispatch in flight). T tokens. */
+typedef struct moe_rt_ll_tables {
+  int32_t* idx;   /* [T, K] the routing as int32 (-1 = none) */
+  float* w;       /* [T, K] float32 weights */
+  int32_t* route; /* [R, Tmax, K] the routing as each expert rank saw it (local expert ids, -1 = none) */
+  int32_t* slot_k;  /* [L, R*Tmax] the first k of the slot's token with that expert, -1 = no token */
+  float* slot_w;    /* [L, R*Tmax] that token's weight */
+  int32_t* counts;  /* [L] valid slots per local expert */
+} moe_rt_ll_tables;
+
+typedef struct moe_rt_ll_group moe_rt_ll_group;
+
+/* Validate desc and make the group on ctx (a device or a planning context: a planning context takes made-up
+ * addresses, checked for NULL only). The group refers to ctx (destroy it first) and to the buffers (they must
+ * outlive it); it copies desc. */
+moe_rt_status moe_rt_ll_group_create(moe_rt_context* ctx, const moe_rt_ll_group_desc* desc, moe_rt_ll_group** out);
+void moe_rt_ll_group_destroy(moe_rt_ll_group* group); /* NULL is a no-op */
+
+/* The registry of live groups. Every group made is listed, with a serial number of this process (never reused),
+ * until destroyed. moe_rt_ll_group_acquire finds the live group of that address and serial and holds it (a
+ * destroy meanwhile unlists it at once and frees it at the last release); it fails with
+ * MOE_RT_ERROR_INVALID_ARGUMENT for a group destroyed or never made (an address reused by a later group has
+ * another serial). Each acquire is paired with one release. Used by the XLA handlers (libmoe_rt_xla.so), whose
+ * calls carry a group's address and serial as attributes. */
+int64_t moe_rt_ll_group_serial(const moe_rt_ll_group* group); /* 0 for NULL */
+moe_rt_status moe_rt_ll_group_acquire(int64_t address, int64_t serial, moe_rt_ll_group** out);
+void moe_rt_ll_group_release(moe_rt_ll_group* group); /* NULL is a no-op */
+/* A copy of the group's desc (its sizes and buffers). */
+moe_rt_status moe_rt_ll_group_get_desc(const moe_rt_ll_group* group, moe_rt_ll_group_desc* out);
+
+/* Dispatch into buffer set `buffer_set`: phases MOE_RT_LL_PUSH | MOE_RT_LL_RECEIVE (one kernel sends and
+ * receives), MOE_RT_LL_PUSH (send now) or MOE_RT_LL_RECEIVE (later, the receive half of that push: same
+ * buffer set, tables and arguments). A launch with the push first runs the barrier. 0 <= T <= Tmax.
+ * fp8 = 0: x [T, H] in the group's dtype (x_fp8, x_scales NULL; dequantize 0). fp8 = 1 (an fp8 group): either
+ * x (quantized in the push) or the pair x_fp8 [T, H] e4m3 codes and x_scales [T, S] float32; dequantize = 1
+ * writes the received rows dequantized into recv (else the codes and scales into recv_q / recv_s).
+ * topk_idx [T, K] int32 or int64 (idx_dtype; ids in [-1, E), others recorded in the error word and taken as
+ * -1), topk_weights [T, K] float32; tables: the handle's six tables (idx, w only read with T > 0). */
+moe_rt_status moe_rt_ll_dispatch(moe_rt_ll_group* group, int buffer_set, int phases, const void* x,
+                                 const void* x_fp8, const float* x_scales, int fp8, int dequantize,
+                                 const void* topk_idx, int idx_dtype, const float* topk_weights, int64_t num_tokens,
+                                 const moe_rt_ll_tables* tables, moe_rt_stream stream);
+/* The combine direction: barrier, then ep_ll_combine for the handle `tables` of a dispatch through buffer set
+ * `buffer_set` (reads idx, w, route). op MOE_RT_EP_OP_COMBINE: out [T, H] = sum_k w * y[slot] (y [L, R*Tmax, H]);
+ * MOE_RT_EP_OP_DISPATCH_BWD: out [T, H] = sum_k y[slot] (unweighted), and with slot_grads [L, R*Tmax] float32
+ * also grad_w [T, K] float32 = slot_grads at each slot; MOE_RT_EP_OP_COMBINE_BWD: grad_w = slot_grads at each
+ * slot (y, out NULL; the weight gradient after moe_rt_ll_combine_bwd's dots). */
+moe_rt_status moe_rt_ll_combine(moe_rt_ll_group* group, int buffer_set, int op, const void* y,
+                                const float* slot_grads, const moe_rt_ll_tables* tables, int64_t num_tokens,
+                                void* out, float* grad_w, moe_rt_stream stream);
+/* VJP of combine, the rows: barrier, then the dispatch direction (ep_ll_dispatch) writing grad_out [T, H]'s rows
+ * into buffer set `buffer_set`'s recv: slot_w * grad_out[t] (expert_out NULL), or unscaled followed by
+ * ep_ll_slot_dot (expert_out [L, R*Tmax, H], not the recv buffer): dots [L*R*Tmax] float32 = <expert_out,
+ * grad rows> per slot (0 where no token) and the rows scaled by slot_w. Rows of slots with no token are zero.
+ * Then moe_rt_ll_combine(MOE_RT_EP_OP_COMBINE_BWD, slot_grads = dots) gives the weight gradient. */
+moe_rt_status moe_rt_ll_combine_bwd(moe_rt_ll_group* group, int buffer_set, const void* grad_out,
+                                    const void* expert_out, const moe_rt_ll_tables* tables, int64_t num_tokens,
+                                    float* dots, moe_rt_stream stream);
 
 #ifdef __cplusplus
 }
@@ -388,5 +554,79 @@ static inline uint64_t moe_rt_ep_handle_layout(moe_rt_ep_handle_desc* d) {
   d->total_bytes = off;
   return off;
 }
+
+/* ======================================================================================================
+ * The direct transport of the normal EP mode (moe_rt/_ep_direct.py DirectTransport; csrc/ep_direct.c):
+ * the group over the peer tables, barrier state and receive stages the caller made (IPC-shared buffers),
+ * whose ops launch the barrier and the fused kernels of kernels/ep.cu (plans cached per signature).
+ * ====================================================================================================== */
+typedef struct moe_rt_ep_direct_group moe_rt_ep_direct_group;
+
+typedef struct moe_rt_ep_direct_group_desc {
+  int32_t num_ranks, rank;
+  int32_t node_lo, node_hi;      /* the ranks reached through peer memory: [node_lo, node_hi) holds rank */
+  int32_t pair_rows;             /* rows per (source, destination) pair the chunk flags cover (the group's P) */
+  int64_t timeout_ns;            /* the device waits' timeout, > 0 */
+  const int64_t* peer_barrier;   /* peer table [R] of the barrier slots (uint32 [R] per rank) */
+  const int64_t* peer_flags;     /* peer table [R] of the chunk flags (uint32 [R*pair_rows] per rank) */
+  uint32_t* barrier_state;       /* uint32 [2]: the barrier epoch and the sticky failure flag */
+  int32_t* timeout_word;         /* a timed-out wait writes its op (moe_rt_ep_op, 5 close, 6 prepare) here */
+} moe_rt_ep_direct_group_desc;
+
+/* One receive stage pair (rows of row_bytes, fp32 weights [K] per row): this rank's parts and peer tables. */
+typedef struct moe_rt_ep_direct_stage {
+  int64_t row_bytes;
+  int32_t topk;
+  int32_t align;                 /* the widest power of two <= 16 dividing every rank's stage address */
+  void* rows_local;              /* [R*pair_rows, row_bytes] bytes */
+  const int64_t* peer_rows;
+  float* w_local;                /* [R*pair_rows, topk] fp32 */
+  const int64_t* peer_w;
+} moe_rt_ep_direct_stage;
+
+/* A call's handle: its buffer (the layout of moe_rt_ep_handle_layout over desc's sizes) and tokens. */
+typedef struct moe_rt_ep_direct_handle {
+  moe_rt_ep_handle_desc desc;
+  void* buffer;
+  int64_t num_tokens;
+  int32_t exact;                 /* 1: exact mode (received rows packed; a row map to the stage rows) */
+} moe_rt_ep_direct_handle;
+
+/* dispatch's outputs (the dispatch direction: MOE_RT_EP_OP_DISPATCH or MOE_RT_EP_OP_COMBINE_BWD). */
+typedef struct moe_rt_ep_direct_outputs {
+  int32_t fp8;        /* 0: x's rows; 1: x packed FP8 rows split into codes out and scales out_s; 2: dequantized */
+  int32_t out_dtype;  /* fp8 = 2: out's dtype */
+  int32_t hidden;     /* fp8: H */
+  void* out;          /* expert-major rows [N, .] (NULL: only wait for every chunk) */
+  float* out_s;       /* fp8 = 1: scales [N, ceil(H/128)] */
+  float* out_w;       /* weights [N] = recv_wk[src_slot[n]], or NULL */
+  int32_t fill;       /* 1: zero the rows that hold no slot (zero) and lay out out_w after the expand */
+  int32_t zero;
+  void* recv_buf;     /* exact mode without out: the received rows [rows, row_bytes] packed from the stage */
+  int32_t* row_map;   /* exact mode: int32 [max(rows,1)] the handle's stage-row map */
+  int32_t make_row_map; /* 1: compute row_map first (its first use for this handle) */
+  int32_t with_w;     /* 1: weights travel: w's rows (NULL only when T = 0) and the peers' into recv_wk; 0: w is NULL.
+                       * Every rank of an op passes the same (a rank without tokens still receives weights). */
+} moe_rt_ep_direct_outputs;
+
+moe_rt_status moe_rt_ep_direct_group_create(moe_rt_context* ctx, const moe_rt_ep_direct_group_desc* desc,
+                                            moe_rt_ep_direct_group** out);
+void moe_rt_ep_direct_group_destroy(moe_rt_ep_direct_group* g);
+/* Register a stage pair (row_bytes, topk), made by the caller on first use (a collective). */
+moe_rt_status moe_rt_ep_direct_add_stage(moe_rt_ep_direct_group* g, const moe_rt_ep_direct_stage* stage);
+/* ep_direct_barrier among the node's ranks; op: what a timeout records. */
+moe_rt_status moe_rt_ep_direct_barrier(moe_rt_ep_direct_group* g, int op, moe_rt_stream stream);
+/* The dispatch direction: [barrier], ep_direct_dispatch of x [T, row_bytes] (weights w [T,K] fp32 into recv_wk
+ * with outputs->with_w), then the row map, the weights' copy and the fill or the packed copy, as `o` asks. */
+moe_rt_status moe_rt_ep_direct_dispatch(moe_rt_ep_direct_group* g, int op, const moe_rt_ep_direct_handle* h,
+                                        const void* x, int64_t row_bytes, const float* w,
+                                        const moe_rt_ep_direct_outputs* o, int barrier, moe_rt_stream stream);
+/* The combine direction (MOE_RT_EP_OP_COMBINE or MOE_RT_EP_OP_DISPATCH_BWD): [ep_slot_values of grad_rows [N]
+ * into slot_grads [rows,K]], [barrier], ep_direct_combine of y [N, hidden] dtype (weights w [rows,K] or NULL)
+ * into out [T, hidden] and grad_w [T,K] (with slot_grads). */
+moe_rt_status moe_rt_ep_direct_combine(moe_rt_ep_direct_group* g, int op, const moe_rt_ep_direct_handle* h,
+                                       const void* y, int dtype, int64_t hidden, const float* w,
+                                       const float* grad_rows, float* slot_grads, void* out, float* grad_w,
+                                       int barrier, moe_rt_stream stream);
 
 #endif /* MOE_RT_H_ */

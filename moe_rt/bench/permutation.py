@@ -6,10 +6,10 @@ way MaxText / Megatron do in torch (stable argsort + index_select / index_add_).
 minimum each op must move (e.g. dispatch reads T*H and writes N*H elements); the copy bandwidth is a
 device-to-device copy measured in the same run.
 
-    python tools/bench_permutation.py [--quick] [--json PATH] [--no-compile] [--variants] [--profile PATH]
+    python tools/bench_permutation.py [--quick] [--json PATH] [--no-compile] [--profile PATH]
 
---variants also times combine in several kernel configurations at the first shape (checking that all give
-the same bits); --profile writes a cProfile of the host side of each op (where per-call time goes).
+--profile writes a cProfile of the host side of each op (where per-call time goes). The kernel choices are
+the C core's (csrc/permutation.c).
 """
 from __future__ import annotations
 
@@ -21,22 +21,6 @@ import numpy as np
 from moe_rt.bench import _lib as benchlib  # noqa: E402
 
 COLUMNS = ["op", "T", "E", "K", "H", "ms", "GB/s", "% copy", "torch ms", "x torch", "compile ms", "x compile"]
-
-# combine_slices configurations: (largest CTA, element groups per thread, slots loaded together,
-# load kind 0 ld.cs / 1 ld.nc / 2 ld.nc + 256-byte L2 prefetch, persistent grid, CTAs per SM asked).
-COMBINE_VARIANTS = {
-    "cta128 k8 nc occ8": (128, 1, 8, 1, False, 8),
-    "cta128 k8 cs occ8": (128, 1, 8, 0, False, 8),
-    "cta128 k8 cs": (128, 1, 8, 0, False, 1),
-    "cta128 k8 nc+pf256 occ8": (128, 1, 8, 2, False, 8),
-    "cta128 k4 cs occ8": (128, 1, 4, 0, False, 8),
-    "cta128 k8 nc occ8 persistent": (128, 1, 8, 1, True, 8),
-    "cta128 u2 k8 cs occ2": (128, 2, 8, 0, False, 2),
-    "cta64 k8 cs occ16": (64, 1, 8, 0, False, 16),
-    "cta256 k8 cs occ4": (256, 1, 8, 0, False, 4),
-    "cta512 k8 cs occ2": (512, 1, 8, 0, False, 2),
-    "cta1024 k8 cs (one CTA per token)": (1024, 1, 8, 0, False, 1),
-}
 
 
 def torch_baselines(T, E, K, H):
@@ -100,8 +84,6 @@ def _profile(ops, path, label, calls=200):
 
 def main(argv=None):
     ap = benchlib.parser(__doc__.splitlines()[0])
-    ap.add_argument("--variants", action="store_true",
-                    help="also time combine in each of COMBINE_VARIANTS at the first shape")
     ap.add_argument("--profile", help="write a cProfile (host side, per op) to this file")
     ap.add_argument("--batch", type=benchlib.positive_int, default=8,
                     help="calls per timed region (time reported per call): host launch overhead then "
@@ -115,8 +97,6 @@ def main(argv=None):
     from moe_rt import _jit
 
     dev = cupy.cuda.Device().id
-    if args.variants:  # before the first compile of permutation.cu
-        _jit.register(P._FILE, [P._combine_name("__nv_bfloat16", True, c) for c in COMBINE_VARIANTS.values()])
     props = _jit.device_properties(dev)
     copy_gbs = benchlib.copy_bandwidth()
     table = benchlib.Table("moe_rt dispatch/combine, bf16", COLUMNS)
@@ -189,23 +169,6 @@ def main(argv=None):
                     fn()
             return benchlib.time_cuda(many, **it) / rep
 
-        if args.variants and T == shapes[0][0] and (E, K) == shapes[0][1:]:
-            default, best, first = P._COMBINE_CFG, None, None
-            for name, cfg in COMBINE_VARIANTS.items():
-                P._COMBINE_CFG = cfg
-                y = P.combine(yps[0], plan, probs)  # every configuration gives the same bits
-                if first is None:
-                    first = y
-                elif not torch.equal(y.view(torch.int16), first.view(torch.int16)):
-                    raise SystemExit(f"combine configuration {name} differs from {list(COMBINE_VARIANTS)[0]}")
-                ms = timed(ours["combine"])
-                gbs = nbytes["combine"] / (ms * 1e-3) / 1e9
-                table.add(op=f"combine [{name}]", T=T, E=E, K=K, H=H, ms=ms,
-                          **{"GB/s": gbs, "% copy": 100 * gbs / copy_gbs})
-                if best is None or ms < best[0]:
-                    best = (ms, name, cfg)
-            P._COMBINE_CFG = default
-            print(f"  combine: fastest configuration {best[1]} {best[2]}; the rows below use {default}", flush=True)
         if args.profile and (T, E, K) == shapes[0]:
             _profile(ours, args.profile, f"T={T} E={E} K={K} H={H}")
         for op, fn in ours.items():
@@ -226,12 +189,6 @@ def main(argv=None):
         # make_plan on a CuPy array: the same op without the torch DLPack import of the routing.
         idx_cp = cupy.from_dlpack(idx)
         table.add(op="make_plan (CuPy input)", T=T, E=E, K=K, H=H, ms=timed(lambda: P.make_plan(idx_cp, E)))
-        # Variant: dispatch with default-policy stores instead of streaming stores.
-        P._DISPATCH_STREAM_STORES = False
-        ms = timed(ours["dispatch"])
-        P._DISPATCH_STREAM_STORES = True
-        gbs = nbytes["dispatch"] / (ms * 1e-3) / 1e9
-        table.add(op="dispatch (plain st)", T=T, E=E, K=K, H=H, ms=ms, **{"GB/s": gbs, "% copy": 100 * gbs / copy_gbs})
         # The floor of dispatch (its bytes at copy bandwidth) and the most it could gain over torch eager.
         floor_ms = nbytes["dispatch"] / (copy_gbs * 1e9) * 1e3
         table.add(op="dispatch at copy floor", T=T, E=E, K=K, H=H, ms=floor_ms, **{

@@ -1,0 +1,561 @@
+/* moe_rt core: the low-latency expert-parallel ops (kernels/ep.cu: ep_direct_barrier, ep_ll_dispatch,
+ * ep_ll_dispatch_fp8, ep_ll_combine, ep_ll_slot_dot) over a group whose shared buffers and peer tables the
+ * caller made (moe_rt/ep_ll.py LowLatencyGroup, or a C program). The launches are those moe_rt/ep_ll.py made
+ * through its own launch set-ups before they moved here (tests/test_ep_ll_core.py compares them, argument by
+ * argument, in a planning context). Each op plans once per signature (kernel variant, grid, block; cached in
+ * the group), then launches the barrier and its kernel(s) on the caller's stream. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+#define FILE_EP "ep.cu"
+#define LL_THREADS 512  /* the fused kernels' block (moe_rt._ep_direct._THREADS) */
+#define DOT_THREADS 256 /* ep_ll_slot_dot: a warp per slot */
+#define LL_MAX_RANKS 65536
+
+enum { K_DISPATCH = 1, K_COMBINE = 2, K_COMBINE_BWD = 3 };
+
+typedef struct ll_key {
+  int32_t kind, op, buffer_set, phases, vec, idx64, scaled, fp8, dequant, rows, dot, dot_vec;
+} ll_key;
+
+struct moe_rt_ll_group {
+  moe_rt_context* ctx;
+  moe_rt_ll_group_desc d;
+  uint32_t* error_word; /* desc's, or the context's */
+  int vec16, vec16_fp8; /* the 16-byte vector paths' conditions that hold for every call */
+  mrt_group_plans plans;
+  int64_t serial; /* this process's number of the group (never reused; the registry's key with the address) */
+  int64_t users;  /* moe_rt_ll_group_acquire's holds not yet released (under g_registry_lock) */
+  int destroyed;  /* destroy came while held: the last release frees (under g_registry_lock) */
+};
+
+/* ---- the registry of live groups ---------------------------------------------------------------------
+ * Every group made is listed until destroyed, so that a caller holding only its address and serial (an XLA
+ * custom call's attributes, fixed when a JAX function was traced) can check that the group is still alive
+ * and hold it while an op runs (moe_rt_ll_group_acquire / _release), never reaching a freed one. */
+
+static pthread_mutex_t g_registry_lock = PTHREAD_MUTEX_INITIALIZER;
+static moe_rt_ll_group** g_registry;
+static size_t g_registry_len, g_registry_cap;
+static int64_t g_next_serial = 1;
+
+static int registry_add(moe_rt_ll_group* g) {
+  pthread_mutex_lock(&g_registry_lock);
+  int ok = 1;
+  if (g_registry_len == g_registry_cap) {
+    size_t cap = g_registry_cap ? 2 * g_registry_cap : 16;
+    moe_rt_ll_group** r = realloc(g_registry, cap * sizeof *r);
+    if (r) {
+      g_registry = r;
+      g_registry_cap = cap;
+    } else {
+      ok = 0;
+    }
+  }
+  if (ok) {
+    g->serial = g_next_serial++;
+    g_registry[g_registry_len++] = g;
+  }
+  pthread_mutex_unlock(&g_registry_lock);
+  return ok;
+}
+
+/* Under g_registry_lock: the index of g in the registry, or -1. */
+static ptrdiff_t registry_find(const moe_rt_ll_group* g) {
+  for (size_t i = 0; i < g_registry_len; ++i)
+    if (g_registry[i] == g) return (ptrdiff_t)i;
+  return -1;
+}
+
+static void group_free(moe_rt_ll_group* g) {
+  mrt_group_plans_destroy(&g->plans);
+  free(g);
+}
+
+/* ---- the group ------------------------------------------------------------------------------------- */
+
+#define BAD(...) mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, __VA_ARGS__)
+
+static moe_rt_status check_desc(const moe_rt_ll_group_desc* d) {
+  static const char op[] = "moe_rt_ll_group_create";
+  const int64_t R = d->num_ranks, L = d->num_local_experts, Tmax = d->max_tokens_per_rank;
+  if (R < 1 || R > LL_MAX_RANKS)
+    return BAD("%s: desc.num_ranks must be in [1, %d], got %lld", op, LL_MAX_RANKS, (long long)R);
+  if (d->rank < 0 || d->rank >= R) return BAD("%s: desc.rank must be in [0, %lld), got %d", op, (long long)R, d->rank);
+  if (L < 1) return BAD("%s: desc.num_local_experts must be >= 1, got %lld", op, (long long)L);
+  if (Tmax < 1 || Tmax > MOE_RT_LL_MAX_TOKENS)
+    return BAD("%s: desc.max_tokens_per_rank must be in [1, %d], got %lld", op, MOE_RT_LL_MAX_TOKENS, (long long)Tmax);
+  if (d->topk < 1 || d->topk > MOE_RT_MAX_TOPK)
+    return BAD("%s: desc.topk must be in [1, %d], got %d", op, MOE_RT_MAX_TOPK, d->topk);
+  if (!mrt_is_float_dtype(d->dtype))
+    return BAD("%s: desc.dtype: expected float32, float16 or bfloat16, got %s (%d)", op, mrt_dtype_name(d->dtype),
+               d->dtype);
+  if (d->hidden < 1 || d->hidden >= ((int64_t)1 << 31))
+    return BAD("%s: desc.hidden must be in [1, 2^31), got %lld", op, (long long)d->hidden);
+  if ((double)L * (double)R * (double)Tmax * (double)d->hidden >= 4.611686018427388e18)
+    return BAD("%s: the receive buffer [L, R*max_tokens_per_rank, hidden] is too large", op);
+  if (d->chunk < 1 || d->chunk > Tmax)
+    return BAD("%s: desc.chunk must be in [1, max_tokens_per_rank=%lld], got %d", op, (long long)Tmax, d->chunk);
+  if (d->num_buffers < 1 || d->num_buffers > MOE_RT_LL_MAX_BUFFERS)
+    return BAD("%s: desc.num_buffers must be 1 or 2, got %d", op, d->num_buffers);
+  if (d->fp8 != 0 && d->fp8 != 1) return BAD("%s: desc.fp8 must be 0 or 1, got %d", op, d->fp8);
+  if (d->fp8 && d->num_scales != mrt_cdiv(d->hidden, MOE_RT_LL_FP8_BLOCK))
+    return BAD("%s: desc.num_scales must be ceil(hidden/128) = %lld, got %d", op,
+               (long long)mrt_cdiv(d->hidden, MOE_RT_LL_FP8_BLOCK), d->num_scales);
+  if (d->dedup != 0 && d->dedup != 1) return BAD("%s: desc.dedup must be 0 or 1, got %d", op, d->dedup);
+  if (d->timeout_ns < 1) return BAD("%s: desc.timeout_ns must be > 0, got %lld", op, (long long)d->timeout_ns);
+  for (int b = 0; b < d->num_buffers; ++b) {
+    const moe_rt_ll_buffer_set* s = &d->set[b];
+    const void* need[] = {s->recv, s->peer_recv, s->peer_route, s->peer_rw, s->peer_back, s->peer_bw,
+                          d->fp8 ? (const void*)s->peer_recv_q : (const void*)1,
+                          d->fp8 ? (const void*)s->peer_recv_s : (const void*)1};
+    static const char* names[] = {"recv", "peer_recv", "peer_route", "peer_rw", "peer_back", "peer_bw",
+                                  "peer_recv_q", "peer_recv_s"};
+    for (int i = 0; i < 8; ++i)
+      if (!need[i]) return BAD("%s: desc.set[%d].%s is NULL%s", op, b, names[i], i >= 6 ? " (an fp8 group)" : "");
+    if (!d->fp8 && (s->peer_recv_q || s->peer_recv_s))
+      return BAD("%s: desc.set[%d]: peer_recv_q and peer_recv_s must be NULL when desc.fp8 is 0", op, b);
+  }
+  const void* need[] = {d->peer_flags, d->peer_barrier, d->barrier_state, d->timeout_word, d->set_epoch};
+  static const char* names[] = {"peer_flags", "peer_barrier", "barrier_state", "timeout_word", "set_epoch"};
+  for (int i = 0; i < 5; ++i)
+    if (!need[i]) return BAD("%s: desc.%s is NULL", op, names[i]);
+  return MOE_RT_SUCCESS;
+}
+
+moe_rt_status moe_rt_ll_group_create(moe_rt_context* ctx, const moe_rt_ll_group_desc* desc, moe_rt_ll_group** out) {
+  static const char op[] = "moe_rt_ll_group_create";
+  moe_rt_status st;
+  if ((st = mrt_check_ctx(ctx, op)) || (st = mrt_check_ptr(op, "out", out))) return st;
+  *out = NULL;
+  if ((st = mrt_check_ptr(op, "desc", desc)) || (st = check_desc(desc))) return st;
+  unsigned long long word = (unsigned long long)(uintptr_t)desc->error_word;
+  if (!word && (st = mrt_error_word(ctx, &word))) return st;
+  moe_rt_ll_group* g = calloc(1, sizeof *g);
+  if (!g) return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: out of host memory", op);
+  g->ctx = ctx;
+  g->d = *desc;
+  for (int b = desc->num_buffers; b < MOE_RT_LL_MAX_BUFFERS; ++b) memset(&g->d.set[b], 0, sizeof g->d.set[b]);
+  g->error_word = (uint32_t*)(uintptr_t)word;
+  const int local_aligned = mrt_aligned16(desc->set[0].recv);
+  g->vec16 = (desc->hidden * mrt_dtype_size(desc->dtype)) % 16 == 0 && local_aligned;
+  g->vec16_fp8 = desc->hidden % 16 == 0 && local_aligned;
+  mrt_group_plans_init(&g->plans);
+  if (!registry_add(g)) {
+    group_free(g);
+    return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: out of host memory (the registry of live groups)", op);
+  }
+  *out = g;
+  return MOE_RT_SUCCESS;
+}
+
+void moe_rt_ll_group_destroy(moe_rt_ll_group* g) {
+  if (!g) return;
+  pthread_mutex_lock(&g_registry_lock);
+  const ptrdiff_t i = registry_find(g);
+  if (i >= 0) g_registry[i] = g_registry[--g_registry_len];
+  const int held = g->users > 0;
+  if (held) g->destroyed = 1; /* freed by the last moe_rt_ll_group_release */
+  pthread_mutex_unlock(&g_registry_lock);
+  if (!held) group_free(g);
+}
+
+int64_t moe_rt_ll_group_serial(const moe_rt_ll_group* g) { return g ? g->serial : 0; }
+
+moe_rt_status moe_rt_ll_group_acquire(int64_t address, int64_t serial, moe_rt_ll_group** out) {
+  static const char op[] = "moe_rt_ll_group_acquire";
+  mrt_clear_error();
+  if (!out) return BAD("%s: out is NULL", op);
+  *out = NULL;
+  moe_rt_ll_group* found = NULL;
+  pthread_mutex_lock(&g_registry_lock);
+  for (size_t i = 0; i < g_registry_len; ++i) {
+    moe_rt_ll_group* g = g_registry[i];
+    if ((int64_t)(uintptr_t)g == address && g->serial == serial) {
+      found = g;
+      g->users++;
+      break;
+    }
+  }
+  pthread_mutex_unlock(&g_registry_lock);
+  if (!found)
+    return BAD("%s: no live low-latency group at address 0x%llx with serial %lld: it was destroyed (the "
+               "LowLatencyGroup was closed) or never made in this process", op, (unsigned long long)address,
+               (long long)serial);
+  *out = found;
+  return MOE_RT_SUCCESS;
+}
+
+void moe_rt_ll_group_release(moe_rt_ll_group* g) {
+  if (!g) return;
+  pthread_mutex_lock(&g_registry_lock);
+  const int last = --g->users == 0 && g->destroyed;
+  pthread_mutex_unlock(&g_registry_lock);
+  if (last) group_free(g);
+}
+
+moe_rt_status moe_rt_ll_group_get_desc(const moe_rt_ll_group* g, moe_rt_ll_group_desc* out) {
+  mrt_clear_error();
+  if (!g) return BAD("moe_rt_ll_group_get_desc: group is NULL");
+  if (!out) return BAD("moe_rt_ll_group_get_desc: out is NULL");
+  *out = g->d;
+  return MOE_RT_SUCCESS;
+}
+
+/* ---- planning ------------------------------------------------------------------------------------- */
+
+static moe_rt_status plan_barrier(moe_rt_ll_group* g, mrt_launch* l) {
+  snprintf(l->name, sizeof l->name, "ep_direct_barrier");
+  int regs = 0;
+  moe_rt_status st = mrt_kernel(g->ctx, l, FILE_EP, &regs);
+  if (st) return st;
+  l->grid = 1;
+  l->block = (int32_t)mrt_max(32, mrt_cdiv(g->d.num_ranks, 32) * 32);
+  return MOE_RT_SUCCESS;
+}
+
+/* A fused kernel (its blocks wait on each other's peers): loaded, and its most resident blocks in *resident. */
+static moe_rt_status plan_fused(moe_rt_ll_group* g, mrt_launch* l, int64_t* resident) {
+  int regs = 0;
+  moe_rt_status st = mrt_kernel(g->ctx, l, FILE_EP, &regs);
+  if (st) return st;
+  l->block = LL_THREADS;
+  return mrt_resident_blocks(g->ctx, l, LL_THREADS, regs, resident);
+}
+
+static const char* idx_ctype(int idx64) { return idx64 ? "long long" : "int"; }
+
+/* The dispatch-direction launch (ep_ll_dispatch or ep_ll_dispatch_fp8). */
+static moe_rt_status plan_push(moe_rt_ll_group* g, const ll_key* k, mrt_launch* l) {
+  snprintf(l->name, sizeof l->name, "%s<%s, %s, %s>", k->fp8 ? "ep_ll_dispatch_fp8" : "ep_ll_dispatch",
+           mrt_ctype(g->d.dtype), idx_ctype(k->idx64), k->vec ? "true" : "false");
+  int64_t resident = 0;
+  moe_rt_status st = plan_fused(g, l, &resident);
+  if (st) return st;
+  const int64_t work = mrt_max(mrt_cdiv(g->d.max_tokens_per_rank, g->d.chunk), g->d.num_local_experts);
+  l->grid = mrt_max(1, mrt_min(work, resident));
+  l->kind = K_DISPATCH;
+  return MOE_RT_SUCCESS;
+}
+
+/* ep_ll_combine: arg[0] = most resident blocks, arg[1] = owner items per token; the grid follows T. */
+static moe_rt_status plan_combine(moe_rt_ll_group* g, const ll_key* k, mrt_launch* l) {
+  snprintf(l->name, sizeof l->name, "ep_ll_combine<%s, %s>", mrt_ctype(g->d.dtype), k->vec ? "true" : "false");
+  int64_t resident = 0;
+  moe_rt_status st = plan_fused(g, l, &resident);
+  if (st) return st;
+  /* owner items: (token, slice of LL_THREADS 16-byte vectors of its row) */
+  const int64_t nv = k->vec ? g->d.hidden / (16 / mrt_dtype_size(g->d.dtype)) : g->d.hidden;
+  l->arg[0] = resident;
+  l->arg[1] = k->rows ? mrt_cdiv(nv, LL_THREADS) : 1;
+  l->kind = K_COMBINE;
+  return MOE_RT_SUCCESS;
+}
+
+static int64_t combine_grid(const moe_rt_ll_group* g, const mrt_launch* l, int64_t T) {
+  const int64_t work = mrt_cdiv(g->d.max_tokens_per_rank, g->d.chunk) * g->d.num_ranks;
+  return mrt_max(1, mrt_min(mrt_max(work, T * l->arg[1]), l->arg[0]));
+}
+
+static moe_rt_status plan_dot(moe_rt_ll_group* g, const ll_key* k, mrt_launch* l) {
+  snprintf(l->name, sizeof l->name, "ep_ll_slot_dot<%s, %s>", mrt_ctype(g->d.dtype), k->dot_vec ? "true" : "false");
+  int regs = 0;
+  moe_rt_status st = mrt_kernel(g->ctx, l, FILE_EP, &regs);
+  if (st) return st;
+  const int64_t n = (int64_t)g->d.num_local_experts * g->d.num_ranks * g->d.max_tokens_per_rank;
+  l->block = DOT_THREADS;
+  l->grid = mrt_max(1, mrt_min(mrt_cdiv(n, 8), (int64_t)mrt_device(g->ctx)->sm_count * 8));
+  return MOE_RT_SUCCESS;
+}
+
+/* The plan of key k (cached in the group): launch 0 the barrier (where the op has one), then the kernels. */
+static moe_rt_status plan_of(moe_rt_ll_group* g, const ll_key* k, mrt_plan* p) {
+  if (mrt_group_plan_get(&g->plans, k, sizeof *k, p)) return MOE_RT_SUCCESS;
+  memset(p, 0, sizeof *p);
+  moe_rt_status st = MOE_RT_SUCCESS;
+  int n = 0;
+  if (k->kind != K_DISPATCH || (k->phases & MOE_RT_LL_PUSH)) st = plan_barrier(g, &p->launch[n++]);
+  if (!st && k->kind != K_COMBINE) st = plan_push(g, k, &p->launch[n++]);
+  if (!st && k->kind == K_COMBINE) st = plan_combine(g, k, &p->launch[n++]);
+  if (!st && k->kind == K_COMBINE_BWD && k->dot) st = plan_dot(g, k, &p->launch[n++]);
+  if (st) return st;
+  p->num_launches = n;
+  mrt_group_plan_put(&g->plans, k, sizeof *k, p);
+  return MOE_RT_SUCCESS;
+}
+
+/* ---- execution ------------------------------------------------------------------------------------ */
+
+static void barrier_args(const moe_rt_ll_group* g, int op, mrt_args* a) {
+  const moe_rt_ll_group_desc* d = &g->d; /* the node's ranks: all of them */
+  mrt_barrier_args(a, d->peer_barrier, d->num_ranks, d->rank, d->barrier_state, d->timeout_ns, d->timeout_word, op, 0,
+                   d->num_ranks);
+}
+
+/* The arguments every fused kernel ends with, from op to C: op, R, me, L, Tmax, K (then C). */
+static void sizes_args(const moe_rt_ll_group* g, int op, mrt_args* a) {
+  const moe_rt_ll_group_desc* d = &g->d;
+  mrt_arg_i32(a, op);
+  mrt_arg_i32(a, d->num_ranks);
+  mrt_arg_i32(a, d->rank);
+  mrt_arg_i32(a, d->num_local_experts);
+  mrt_arg_i32(a, d->max_tokens_per_rank);
+  mrt_arg_i32(a, d->topk);
+}
+
+static moe_rt_status check_call(const moe_rt_ll_group* g, const char* op, int buffer_set, int64_t T) {
+  mrt_clear_error();
+  if (!g) return BAD("%s: group is NULL; make one with moe_rt_ll_group_create", op);
+  if (buffer_set < 0 || buffer_set >= g->d.num_buffers)
+    return BAD("%s: buffer_set must be in [0, num_buffers=%d), got %d", op, g->d.num_buffers, buffer_set);
+  if (T < 0 || T > g->d.max_tokens_per_rank)
+    return BAD("%s: num_tokens must be in [0, max_tokens_per_rank=%d], got %lld", op, g->d.max_tokens_per_rank,
+               (long long)T);
+  return MOE_RT_SUCCESS;
+}
+
+/* The dispatch direction's kernel arguments (ep_ll_dispatch or ep_ll_dispatch_fp8, as k->fp8 says). Token
+ * pointers are 0 for T = 0, as the handle's idx and w tables. */
+typedef struct push_args {
+  const void *x, *xq, *xs, *idx, *w;
+  const moe_rt_ll_tables* out; /* NULL: none (combine_bwd) */
+  const void *zero_k, *recv_route;
+  int meta, scaled, op;
+} push_args;
+
+static void push_kernel_args(const moe_rt_ll_group* g, const ll_key* k, const push_args* q, int64_t T, mrt_args* a) {
+  const moe_rt_ll_group_desc* d = &g->d;
+  const moe_rt_ll_buffer_set* s = &d->set[k->buffer_set];
+  const moe_rt_ll_tables none = {0};
+  const moe_rt_ll_tables* o = q->out ? q->out : &none;
+  mrt_arg_ptr(a, T ? q->x : NULL);
+  if (k->fp8) {
+    mrt_arg_ptr(a, T ? q->xq : NULL);
+    mrt_arg_ptr(a, T ? q->xs : NULL);
+  }
+  mrt_arg_ptr(a, T ? q->idx : NULL);
+  mrt_arg_ptr(a, T ? q->w : NULL);
+  mrt_arg_i32(a, (int32_t)T);
+  if (!k->fp8) {
+    mrt_arg_i32(a, q->meta);
+    mrt_arg_i32(a, q->scaled);
+    mrt_arg_i32(a, d->dedup && !q->scaled);
+  }
+  mrt_arg_ptr(a, s->peer_recv);
+  if (k->fp8) {
+    mrt_arg_ptr(a, s->peer_recv_q);
+    mrt_arg_ptr(a, s->peer_recv_s);
+  }
+  mrt_arg_ptr(a, s->peer_route);
+  mrt_arg_ptr(a, s->peer_rw);
+  mrt_arg_ptr(a, d->peer_flags);
+  mrt_arg_ptr(a, T ? o->idx : NULL);
+  mrt_arg_ptr(a, T ? o->w : NULL);
+  mrt_arg_ptr(a, o->route);
+  mrt_arg_ptr(a, o->slot_k);
+  mrt_arg_ptr(a, o->slot_w);
+  mrt_arg_ptr(a, o->counts);
+  if (k->fp8) {
+    mrt_arg_i32(a, k->dequant);
+    mrt_arg_i32(a, d->dedup);
+  } else {
+    mrt_arg_ptr(a, q->zero_k);
+    mrt_arg_ptr(a, q->recv_route);
+  }
+  mrt_arg_ptr(a, g->error_word);
+  mrt_arg_ptr(a, d->barrier_state);
+  mrt_arg_ptr(a, d->timeout_word);
+  mrt_arg_i64(a, d->timeout_ns);
+  sizes_args(g, q->op, a);
+  mrt_arg_i32(a, d->chunk);
+  mrt_arg_i64(a, d->hidden);
+  if (k->fp8) mrt_arg_i32(a, d->num_scales);
+  mrt_arg_i32(a, k->phases);
+  mrt_arg_i64(a, (int64_t)2 * d->num_ranks * d->max_tokens_per_rank * k->buffer_set);
+  mrt_arg_ptr(a, k->phases != (MOE_RT_LL_PUSH | MOE_RT_LL_RECEIVE) ? (const void*)(d->set_epoch + k->buffer_set)
+                                                                  : NULL);
+}
+
+moe_rt_status moe_rt_ll_dispatch(moe_rt_ll_group* g, int buffer_set, int phases, const void* x, const void* x_fp8,
+                                 const float* x_scales, int fp8, int dequantize, const void* topk_idx, int idx_dtype,
+                                 const float* topk_weights, int64_t T, const moe_rt_ll_tables* tables,
+                                 moe_rt_stream stream) {
+  static const char op[] = "moe_rt_ll_dispatch";
+  moe_rt_status st;
+  if ((st = check_call(g, op, buffer_set, T))) return st;
+  if (phases < 1 || phases > 3)
+    return BAD("%s: phases must be MOE_RT_LL_PUSH (1), MOE_RT_LL_RECEIVE (2) or both (3), got %d", op, phases);
+  if (idx_dtype != MOE_RT_INT32 && idx_dtype != MOE_RT_INT64)
+    return BAD("%s: idx_dtype: expected int32 or int64, got %s (%d)", op, mrt_dtype_name(idx_dtype), idx_dtype);
+  if (fp8 != 0 && fp8 != 1) return BAD("%s: fp8 must be 0 or 1, got %d", op, fp8);
+  if (dequantize != 0 && dequantize != 1) return BAD("%s: dequantize must be 0 or 1, got %d", op, dequantize);
+  if (fp8 && !g->d.fp8) return BAD("%s: fp8: the group has no FP8 receive buffers (desc.fp8 = 0)", op);
+  if (!fp8 && (dequantize || x_fp8 || x_scales))
+    return BAD("%s: dequantize, x_fp8 and x_scales need fp8 = 1", op);
+  const int pair = x_fp8 != NULL || x_scales != NULL;
+  if (pair && x) return BAD("%s: pass either x or the pair (x_fp8, x_scales), not both", op);
+  if ((st = mrt_check_ptr(op, "tables", tables))) return st;
+  if (T > 0) {
+    if (pair) {
+      if ((st = mrt_check_ptr(op, "x_fp8", x_fp8)) || (st = mrt_check_ptr(op, "x_scales", x_scales))) return st;
+    } else if ((st = mrt_check_ptr(op, "x", x))) {
+      return st;
+    }
+    if ((st = mrt_check_ptr(op, "topk_idx", topk_idx)) || (st = mrt_check_ptr(op, "topk_weights", topk_weights)) ||
+        (st = mrt_check_ptr(op, "tables->idx", tables->idx)) || (st = mrt_check_ptr(op, "tables->w", tables->w)))
+      return st;
+  }
+  if ((st = mrt_check_ptr(op, "tables->route", tables->route)) ||
+      (st = mrt_check_ptr(op, "tables->slot_k", tables->slot_k)) ||
+      (st = mrt_check_ptr(op, "tables->slot_w", tables->slot_w)) ||
+      (st = mrt_check_ptr(op, "tables->counts", tables->counts)))
+    return st;
+  const void* xe = T && !pair ? x : NULL;
+  const void* xq = T && pair ? x_fp8 : NULL;
+  ll_key k;
+  memset(&k, 0, sizeof k);
+  k.kind = K_DISPATCH;
+  k.op = MOE_RT_EP_OP_DISPATCH;
+  k.buffer_set = buffer_set;
+  k.phases = phases;
+  k.idx64 = idx_dtype == MOE_RT_INT64;
+  k.fp8 = fp8;
+  k.dequant = dequantize;
+  k.vec = fp8 ? g->vec16_fp8 && !(((uintptr_t)(xq ? xq : xe)) & 15) : g->vec16 && !(((uintptr_t)xe) & 15);
+  mrt_plan p;
+  if ((st = plan_of(g, &k, &p))) return st;
+  mrt_args a[2];
+  memset(a, 0, sizeof a);
+  int i = 0;
+  if (phases & MOE_RT_LL_PUSH) barrier_args(g, MOE_RT_EP_OP_DISPATCH, &a[i++]);
+  push_args q = {xe, xq, T && pair ? x_scales : NULL, topk_idx, topk_weights, tables, NULL, NULL, 1, 0,
+                 MOE_RT_EP_OP_DISPATCH};
+  push_kernel_args(g, &k, &q, T, &a[i]);
+  return mrt_run_plan(g->ctx, &p, a, stream);
+}
+
+moe_rt_status moe_rt_ll_combine(moe_rt_ll_group* g, int buffer_set, int op_code, const void* y,
+                                const float* slot_grads, const moe_rt_ll_tables* tables, int64_t T, void* out,
+                                float* grad_w, moe_rt_stream stream) {
+  static const char op[] = "moe_rt_ll_combine";
+  moe_rt_status st;
+  if ((st = check_call(g, op, buffer_set, T)) || (st = mrt_check_ptr(op, "tables", tables)) ||
+      (st = mrt_check_ptr(op, "tables->route", tables->route)))
+    return st;
+  if (op_code == MOE_RT_EP_OP_COMBINE || op_code == MOE_RT_EP_OP_DISPATCH_BWD) {
+    if ((st = mrt_check_ptr(op, "y", y)) || (st = mrt_check_data(op, "out", out, T))) return st;
+    if (op_code == MOE_RT_EP_OP_COMBINE && (slot_grads || grad_w))
+      return BAD("%s: slot_grads and grad_w must be NULL for MOE_RT_EP_OP_COMBINE", op);
+    if ((slot_grads == NULL) != (grad_w == NULL) && T > 0)
+      return BAD("%s: slot_grads and grad_w come together (both NULL or both given)", op);
+    if (slot_grads == NULL && grad_w != NULL) return BAD("%s: grad_w needs slot_grads", op);
+  } else if (op_code == MOE_RT_EP_OP_COMBINE_BWD) {
+    if (y || out) return BAD("%s: y and out must be NULL for MOE_RT_EP_OP_COMBINE_BWD (the weight gradient)", op);
+    if ((st = mrt_check_ptr(op, "slot_grads", slot_grads)) || (st = mrt_check_data(op, "grad_w", grad_w, T)))
+      return st;
+  } else {
+    return BAD("%s: op must be MOE_RT_EP_OP_COMBINE (2), MOE_RT_EP_OP_DISPATCH_BWD (3) or MOE_RT_EP_OP_COMBINE_BWD "
+               "(4), got %d", op, op_code);
+  }
+  const int weighted = op_code == MOE_RT_EP_OP_COMBINE;
+  if (T > 0 && ((st = mrt_check_ptr(op, "tables->idx", tables->idx)) ||
+                (weighted && (st = mrt_check_ptr(op, "tables->w", tables->w)))))
+    return st;
+  ll_key k;
+  memset(&k, 0, sizeof k);
+  k.kind = K_COMBINE;
+  k.op = op_code;
+  k.buffer_set = buffer_set;
+  k.rows = out != NULL || op_code != MOE_RT_EP_OP_COMBINE_BWD;
+  k.vec = g->vec16 && !(((uintptr_t)y | (uintptr_t)out) & 15);
+  mrt_plan p;
+  if ((st = plan_of(g, &k, &p))) return st;
+  p.launch[1].grid = combine_grid(g, &p.launch[1], T);
+  const moe_rt_ll_group_desc* d = &g->d;
+  const moe_rt_ll_buffer_set* s = &d->set[buffer_set];
+  mrt_args a[2];
+  memset(a, 0, sizeof a);
+  barrier_args(g, op_code, &a[0]);
+  mrt_args* c = &a[1];
+  mrt_arg_ptr(c, y);
+  mrt_arg_ptr(c, slot_grads);
+  mrt_arg_ptr(c, tables->route);
+  mrt_arg_ptr(c, T ? tables->idx : NULL);
+  mrt_arg_ptr(c, weighted && T ? tables->w : NULL);
+  mrt_arg_ptr(c, s->peer_back);
+  mrt_arg_ptr(c, s->peer_bw);
+  mrt_arg_ptr(c, d->peer_flags);
+  mrt_arg_ptr(c, T ? out : NULL);
+  mrt_arg_ptr(c, T ? grad_w : NULL);
+  mrt_arg_ptr(c, d->barrier_state);
+  mrt_arg_ptr(c, d->timeout_word);
+  mrt_arg_i64(c, d->timeout_ns);
+  sizes_args(g, op_code, c);
+  mrt_arg_i32(c, (int32_t)T);
+  mrt_arg_i32(c, d->chunk);
+  mrt_arg_i64(c, d->hidden);
+  mrt_arg_i64(c, (int64_t)2 * d->num_ranks * d->max_tokens_per_rank * buffer_set);
+  return mrt_run_plan(g->ctx, &p, a, stream);
+}
+
+moe_rt_status moe_rt_ll_combine_bwd(moe_rt_ll_group* g, int buffer_set, const void* grad_out, const void* expert_out,
+                                    const moe_rt_ll_tables* tables, int64_t T, float* dots, moe_rt_stream stream) {
+  static const char op[] = "moe_rt_ll_combine_bwd";
+  moe_rt_status st;
+  if ((st = check_call(g, op, buffer_set, T)) || (st = mrt_check_ptr(op, "tables", tables)) ||
+      (st = mrt_check_ptr(op, "tables->slot_k", tables->slot_k)) ||
+      (st = mrt_check_ptr(op, "tables->route", tables->route)))
+    return st;
+  if (T > 0 && ((st = mrt_check_ptr(op, "grad_out", grad_out)) ||
+                (st = mrt_check_ptr(op, "tables->idx", tables->idx)) ||
+                (st = mrt_check_ptr(op, "tables->w", tables->w))))
+    return st;
+  const moe_rt_ll_group_desc* d = &g->d;
+  const moe_rt_ll_buffer_set* s = &d->set[buffer_set];
+  const int64_t n = (int64_t)d->num_local_experts * d->num_ranks * d->max_tokens_per_rank;
+  if (expert_out) {
+    if ((st = mrt_check_ptr(op, "dots", dots)) || (st = mrt_check_ptr(op, "tables->slot_w", tables->slot_w)))
+      return st;
+    const uintptr_t lo = (uintptr_t)s->recv, hi = lo + (uintptr_t)(n * d->hidden * mrt_dtype_size(d->dtype));
+    const uintptr_t y0 = (uintptr_t)expert_out, y1 = y0 + (uintptr_t)(n * d->hidden * mrt_dtype_size(d->dtype));
+    if (y0 < hi && y1 > lo)
+      return BAD("%s: expert_out: must not be the group's receive buffer (combine_bwd overwrites it); pass a copy",
+                 op);
+  } else if (dots) {
+    return BAD("%s: dots must be NULL without expert_out", op);
+  }
+  const int scaled = expert_out == NULL;
+  ll_key k;
+  memset(&k, 0, sizeof k);
+  k.kind = K_COMBINE_BWD;
+  k.op = MOE_RT_EP_OP_COMBINE_BWD;
+  k.buffer_set = buffer_set;
+  k.phases = MOE_RT_LL_PUSH | MOE_RT_LL_RECEIVE;
+  k.scaled = scaled;
+  k.vec = g->vec16 && !((uintptr_t)(T ? grad_out : NULL) & 15);
+  k.dot = !scaled;
+  k.dot_vec = !scaled && g->vec16 && !((uintptr_t)expert_out & 15); /* the slot dot's own vector path */
+  mrt_plan p;
+  if ((st = plan_of(g, &k, &p))) return st;
+  mrt_args a[3];
+  memset(a, 0, sizeof a);
+  barrier_args(g, MOE_RT_EP_OP_COMBINE_BWD, &a[0]);
+  /* unscaled rows (expert_out given) take the dedup split, its copies mapped by the handle's route */
+  push_args q = {grad_out, NULL, NULL, tables->idx, tables->w, NULL, tables->slot_k,
+                 d->dedup && !scaled ? (const void*)tables->route : NULL, 0, scaled, MOE_RT_EP_OP_COMBINE_BWD};
+  push_kernel_args(g, &k, &q, T, &a[1]);
+  if (!scaled) {
+    mrt_args* c = &a[2];
+    mrt_arg_ptr(c, s->recv);
+    mrt_arg_ptr(c, expert_out);
+    mrt_arg_ptr(c, tables->slot_k);
+    mrt_arg_ptr(c, tables->slot_w);
+    mrt_arg_ptr(c, dots);
+    mrt_arg_i64(c, n);
+    mrt_arg_i64(c, d->hidden);
+  }
+  return mrt_run_plan(g->ctx, &p, a, stream);
+}
