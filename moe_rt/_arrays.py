@@ -556,14 +556,14 @@ class Call:
         views = {}
         first = None
         device_id = 0
-        if not _TORCH_DTYPES:
-            _torch_np_dtype(None)
         for name, obj in arrays.items():
             if obj is None:
                 views[name] = None
                 continue
             if (_framework_by_type.get(type(obj)) or _framework_of(obj)) != "torch":
-                return False
+                return False  # before the dtype table below: a NumPy or CuPy caller never imports torch
+            if not _TORCH_DTYPES:
+                _torch_np_dtype(None)
             if obj.requires_grad:
                 _no_autograd(obj, name)
             if not obj.is_cuda:

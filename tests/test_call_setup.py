@@ -4,7 +4,11 @@ addresses); and the per-signature checks of moe_rt.router, which must refuse wha
 from __future__ import annotations
 
 import importlib.util
+import os
 import pathlib
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -198,3 +202,29 @@ def test_cached_plan_ops_match_reference_each_call(rng):
         np.testing.assert_array_equal(xp, rxp)
         np.testing.assert_array_equal(pp, rpp)
         np.testing.assert_array_equal(moe_rt.combine(xp, plan, probs), pref.combine(xp, d, probs))
+
+
+def test_numpy_calls_import_neither_torch_nor_jax():
+    """A caller of NumPy (or CuPy) arrays never pays for importing torch or JAX: the call set-up looks at
+    torch's dtypes only once a torch tensor came (importing torch takes seconds, and a first call's time
+    counts against the first-use targets)."""
+    code = textwrap.dedent('''
+        import sys
+        import numpy as np
+        import moe_rt
+        rng = np.random.default_rng(3)
+        x = rng.standard_normal((9, 16)).astype(np.float32)
+        probs, rmap, inter = moe_rt.topk_with_score(x, 3)
+        moe_rt.topk_with_score_backward(probs, rmap, inter, 3, score_function="softmax")
+        scores, smap, sinter = moe_rt.scores_for_aux_loss(x, 3, "softmax")
+        moe_rt.scores_for_aux_loss_backward(scores, sinter, 3, "softmax")
+        plan = moe_rt.make_plan(rmap, 16)
+        y, _ = moe_rt.dispatch(rng.standard_normal((9, 5)).astype(np.float32), plan)
+        moe_rt.combine(y, plan, probs)
+        moe_rt.dispatch_backward(y, plan)
+        print(sorted(m for m in ("torch", "jax") if m in sys.modules))
+    ''')
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=str(ROOT), env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout
