@@ -754,8 +754,13 @@ moe_rt_status moe_rt_last_plan_args(const moe_rt_context* ctx, int launch, int64
 }
 
 moe_rt_status mrt_resident_blocks(moe_rt_context* ctx, const mrt_launch* l, int threads, int regs, int64_t* blocks) {
+  return mrt_resident_blocks_smem(ctx, l, threads, 0, regs, blocks);
+}
+
+moe_rt_status mrt_resident_blocks_smem(moe_rt_context* ctx, const mrt_launch* l, int threads, int smem, int regs,
+                                       int64_t* blocks) {
   if (ctx->planning) {
-    *blocks = mrt_resident_grid(&ctx->dev, INT64_MAX, threads, 0, regs);
+    *blocks = mrt_resident_grid(&ctx->dev, INT64_MAX, threads, smem, regs);
     return MOE_RT_SUCCESS;
   }
   moe_rt_status st = bind(ctx);
@@ -763,7 +768,11 @@ moe_rt_status mrt_resident_blocks(moe_rt_context* ctx, const mrt_launch* l, int 
   int per_sm = 0;
   if (!ctx->drv.cuOccupancyMaxActiveBlocksPerMultiprocessor)
     return mrt_fail(MOE_RT_ERROR_NO_DRIVER, "the CUDA driver lacks cuOccupancyMaxActiveBlocksPerMultiprocessor");
-  CUresult r = ctx->drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, l->fn, threads, 0);
+  if (smem > 48 * 1024) { /* the occupancy of a kernel opted in to more shared memory than the default */
+    CUresult r = ctx->drv.cuFuncSetAttribute(l->fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem);
+    if (r) return mrt_cuda_fail(&ctx->drv, r, "cuFuncSetAttribute (dynamic shared memory)");
+  }
+  CUresult r = ctx->drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, l->fn, threads, (size_t)smem);
   if (r) return mrt_cuda_fail(&ctx->drv, r, "cuOccupancyMaxActiveBlocksPerMultiprocessor");
   *blocks = (int64_t)mrt_max(1, per_sm) * ctx->dev.sm_count;
   return MOE_RT_SUCCESS;

@@ -150,6 +150,9 @@ moe_rt_status mrt_memset0(moe_rt_context* ctx, void* p, size_t nbytes, moe_rt_st
  * at once (cuOccupancyMaxActiveBlocksPerMultiprocessor, at least 1, times the SMs); a planning context models
  * it from its device facts and the registers given (mrt_resident_grid). */
 moe_rt_status mrt_resident_blocks(moe_rt_context* ctx, const mrt_launch* l, int threads, int regs, int64_t* blocks);
+/* As mrt_resident_blocks, with `smem` bytes of dynamic shared memory a block (opted in above 48 KiB). */
+moe_rt_status mrt_resident_blocks_smem(moe_rt_context* ctx, const mrt_launch* l, int threads, int smem, int regs,
+                                       int64_t* blocks);
 /* The device's error word of this context (0 in a planning context). */
 moe_rt_status mrt_error_word(moe_rt_context* ctx, unsigned long long* ptr);
 
@@ -192,6 +195,13 @@ static inline int mrt_aligned16(const void* p) { return ((uintptr_t)p & 15u) == 
 static inline int64_t mrt_cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 static inline int64_t mrt_min(int64_t a, int64_t b) { return a < b ? a : b; }
 static inline int64_t mrt_max(int64_t a, int64_t b) { return a > b ? a : b; }
+
+/* The permutation plan's three kernels (plan_count, plan_scan, plan_assign) over L = T*K slots of routing_dtype and
+ * E experts as launches l[0..2] (csrc/permutation.c; moe_rt_make_plan's), and their arguments a[0..2] for the plan
+ * arrays of `plan` (its num_rows set), the workspace (moe_rt_make_plan_workspace_size) and the error word. */
+moe_rt_status mrt_plan_kernels(moe_rt_context* ctx, int routing_dtype, int64_t L, int E, mrt_launch* l);
+void mrt_plan_kernel_args(const void* routing, int64_t L, int E, int A, int64_t num_out, const moe_rt_plan* plan,
+                          void* workspace, unsigned long long err, mrt_args* a);
 
 /* Resident-wave grid of the router kernels (router.py _grid). */
 int64_t mrt_resident_grid(const moe_rt_device_info* dev, int64_t n_needed, int threads, int smem, int regs);

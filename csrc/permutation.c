@@ -126,30 +126,13 @@ moe_rt_status moe_rt_make_plan(moe_rt_context* ctx, const void* routing, int rou
   plan->num_rows = N;
   plan->align_size = A;
 
-  const int64_t chunk = chunk_for(L, E), nchunks = mrt_cdiv(L, chunk);
-  const int smem_warp = E * 4;
-  const int wpb = (int)mrt_max(1, mrt_min(8, (48 * 1024) / smem_warp));
-  const int smem = wpb * smem_warp;
   plan_key key;
   memset(&key, 0, sizeof key);
   key.op = 3; key.idx_dtype = routing_dtype; key.E = E; key.A = A; key.T = T; key.K = K; key.num_out = num_out;
   mrt_plan p;
   if (!mrt_plan_lookup(ctx, &key, sizeof key, &p)) {
     p.num_launches = 3;
-    snprintf(p.launch[0].name, sizeof p.launch[0].name, "plan_count<%s>", ic);
-    snprintf(p.launch[1].name, sizeof p.launch[1].name, "plan_scan");
-    snprintf(p.launch[2].name, sizeof p.launch[2].name, "plan_assign<%s>", ic);
-    int regs = 0;
-    for (int i = 0; i < 3; ++i)
-      if ((st = mrt_kernel(ctx, &p.launch[i], FILE_PERM, &regs))) return st;
-    p.launch[0].grid = mrt_max(mrt_cdiv(nchunks, wpb), 1);
-    p.launch[0].block = 32 * wpb;
-    p.launch[0].smem = smem;
-    p.launch[1].grid = mrt_cdiv(E, 32);
-    p.launch[1].block = 1024;
-    p.launch[2].grid = mrt_cdiv(nchunks, wpb);
-    p.launch[2].block = 32 * wpb;
-    p.launch[2].smem = smem;
+    if ((st = mrt_plan_kernels(ctx, routing_dtype, L, E, p.launch))) return st;
     mrt_plan_put(ctx, &key, sizeof key, &p);
   }
   if (mrt_is_planning(ctx)) {
@@ -158,48 +141,77 @@ moe_rt_status moe_rt_make_plan(moe_rt_context* ctx, const void* routing, int rou
   }
   unsigned long long err = 0;
   if ((st = mrt_error_word(ctx, &err))) return st;
+  mrt_args a[3];
+  mrt_plan_kernel_args(routing, L, E, A, num_out, plan, workspace, err, a);
+  for (int i = 0; i < 3; ++i)
+    if ((st = mrt_launch_one(ctx, &p.launch[i], &a[i], stream))) return st;
+  return MOE_RT_SUCCESS;
+}
+
+moe_rt_status mrt_plan_kernels(moe_rt_context* ctx, int routing_dtype, int64_t L, int E, mrt_launch* l) {
+  const char* ic = routing_dtype == MOE_RT_INT32 ? "int" : routing_dtype == MOE_RT_INT64 ? "long long" : "bool";
+  const int64_t chunk = chunk_for(L, E), nchunks = mrt_cdiv(L, chunk);
+  const int smem_warp = E * 4;
+  const int wpb = (int)mrt_max(1, mrt_min(8, (48 * 1024) / smem_warp));
+  const int smem = wpb * smem_warp;
+  snprintf(l[0].name, sizeof l[0].name, "plan_count<%s>", ic);
+  snprintf(l[1].name, sizeof l[1].name, "plan_scan");
+  snprintf(l[2].name, sizeof l[2].name, "plan_assign<%s>", ic);
+  int regs = 0;
+  moe_rt_status st;
+  for (int i = 0; i < 3; ++i)
+    if ((st = mrt_kernel(ctx, &l[i], FILE_PERM, &regs))) return st;
+  l[0].grid = mrt_max(mrt_cdiv(nchunks, wpb), 1);
+  l[0].block = 32 * wpb;
+  l[0].smem = smem;
+  l[1].grid = mrt_cdiv(E, 32);
+  l[1].block = 1024;
+  l[2].grid = mrt_cdiv(nchunks, wpb);
+  l[2].block = 32 * wpb;
+  l[2].smem = smem;
+  return MOE_RT_SUCCESS;
+}
+
+void mrt_plan_kernel_args(const void* routing, int64_t L, int E, int A, int64_t num_out, const moe_rt_plan* plan,
+                          void* workspace, unsigned long long err, mrt_args* a) {
+  const int64_t chunk = chunk_for(L, E), nchunks = mrt_cdiv(L, chunk), N = plan->num_rows;
   int32_t* partial = workspace;
   int32_t* base = partial + nchunks * E;
   int32_t* totals = base + nchunks * E;
   int32_t* done = totals + E;
+  memset(a, 0, 3 * sizeof *a);
   /* plan_count always runs (it zeroes plan_scan's counter and fills src_slot with -1) */
-  mrt_args a = {0};
-  mrt_arg_ptr(&a, routing);
-  mrt_arg_i64(&a, L);
-  mrt_arg_i32(&a, E);
-  mrt_arg_i32(&a, (int32_t)chunk);
-  mrt_arg_i32(&a, (int32_t)nchunks);
-  mrt_arg_ptr(&a, partial);
-  mrt_arg_ptr(&a, plan->src_slot);
-  mrt_arg_i64(&a, N);
-  mrt_arg_ptr(&a, done);
-  mrt_arg_ptr(&a, (const void*)(uintptr_t)err);
-  if ((st = mrt_launch_one(ctx, &p.launch[0], &a, stream))) return st;
-  mrt_args b = {0};
-  mrt_arg_ptr(&b, partial);
-  mrt_arg_ptr(&b, base);
-  mrt_arg_ptr(&b, totals);
-  mrt_arg_i32(&b, (int32_t)nchunks);
-  mrt_arg_i32(&b, E);
-  mrt_arg_i32(&b, A);
-  mrt_arg_i64(&b, num_out < 0 ? L : num_out);
-  mrt_arg_ptr(&b, plan->counts);
-  mrt_arg_ptr(&b, plan->tokens_per_expert);
-  mrt_arg_ptr(&b, plan->seg_start);
-  mrt_arg_ptr(&b, done);
-  if ((st = mrt_launch_one(ctx, &p.launch[1], &b, stream))) return st;
-  mrt_args c = {0};
-  mrt_arg_ptr(&c, routing);
-  mrt_arg_i64(&c, L);
-  mrt_arg_i32(&c, E);
-  mrt_arg_i32(&c, (int32_t)chunk);
-  mrt_arg_i32(&c, (int32_t)nchunks);
-  mrt_arg_ptr(&c, base);
-  mrt_arg_ptr(&c, plan->counts);
-  mrt_arg_ptr(&c, plan->seg_start);
-  mrt_arg_ptr(&c, plan->dst_row);
-  mrt_arg_ptr(&c, plan->src_slot);
-  return mrt_launch_one(ctx, &p.launch[2], &c, stream);
+  mrt_arg_ptr(&a[0], routing);
+  mrt_arg_i64(&a[0], L);
+  mrt_arg_i32(&a[0], E);
+  mrt_arg_i32(&a[0], (int32_t)chunk);
+  mrt_arg_i32(&a[0], (int32_t)nchunks);
+  mrt_arg_ptr(&a[0], partial);
+  mrt_arg_ptr(&a[0], plan->src_slot);
+  mrt_arg_i64(&a[0], N);
+  mrt_arg_ptr(&a[0], done);
+  mrt_arg_ptr(&a[0], (const void*)(uintptr_t)err);
+  mrt_arg_ptr(&a[1], partial);
+  mrt_arg_ptr(&a[1], base);
+  mrt_arg_ptr(&a[1], totals);
+  mrt_arg_i32(&a[1], (int32_t)nchunks);
+  mrt_arg_i32(&a[1], E);
+  mrt_arg_i32(&a[1], A);
+  mrt_arg_i64(&a[1], num_out < 0 ? L : num_out);
+  mrt_arg_ptr(&a[1], plan->counts);
+  mrt_arg_ptr(&a[1], plan->tokens_per_expert);
+  mrt_arg_ptr(&a[1], plan->seg_start);
+  mrt_arg_ptr(&a[1], done);
+  mrt_arg_ptr(&a[2], routing);
+  mrt_arg_i64(&a[2], L);
+  mrt_arg_i32(&a[2], E);
+  mrt_arg_i32(&a[2], (int32_t)chunk);
+  mrt_arg_i32(&a[2], (int32_t)nchunks);
+  mrt_arg_ptr(&a[2], base);
+  mrt_arg_ptr(&a[2], plan->counts);
+  mrt_arg_ptr(&a[2], plan->seg_start);
+  mrt_arg_ptr(&a[2], plan->dst_row);
+  mrt_arg_ptr(&a[2], plan->src_slot);
 }
 
 /* ---- shared launch shapes (permutation.py _unit, _threads, _row_grid, _slices) ---------------------- */

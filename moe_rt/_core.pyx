@@ -121,6 +121,28 @@ cdef extern from "moe_rt/moe_rt.h" nogil:
         int32_t* row_map
         int32_t make_row_map
         int32_t with_w
+    ctypedef struct moe_rt_ep_prepare_desc:
+        moe_rt_ep_handle_desc handle
+        int32_t rank, num_experts, align_size, idx_dtype, direct
+        int64_t num_tokens, capacity, total_slots
+    ctypedef struct moe_rt_ep_prepare_sizes:
+        int64_t chunk_tokens, num_chunks, part_words, segment_words
+        int32_t fused, whole
+    ctypedef struct moe_rt_ep_prepare_buffers:
+        void* handle
+        const void* topk_idx
+        int32_t* part
+        uint32_t* grid_sync
+        uint32_t* error_word
+        uint32_t* state
+        const int64_t* peer_box
+        int32_t* inbox
+        int32_t* outbox
+        const int64_t* peer_barrier
+        int64_t timeout_ns
+        int32_t* timeout_word
+        int32_t* workspace
+        size_t workspace_bytes
 
 ctypedef int st_t  # moe_rt_status
 
@@ -188,6 +210,9 @@ ctypedef st_t (*f_epd_dispatch)(moe_rt_ep_direct_group*, int, const moe_rt_ep_di
                                 const float*, const moe_rt_ep_direct_outputs*, int, moe_rt_stream) nogil
 ctypedef st_t (*f_epd_combine)(moe_rt_ep_direct_group*, int, const moe_rt_ep_direct_handle*, const void*, int, int64_t,
                                const float*, const float*, float*, void*, float*, int, moe_rt_stream) nogil
+ctypedef st_t (*f_epp_sizes)(const moe_rt_ep_prepare_desc*, moe_rt_ep_prepare_sizes*) nogil
+ctypedef st_t (*f_epp_step)(moe_rt_context*, const moe_rt_ep_prepare_desc*, const moe_rt_ep_prepare_buffers*,
+                            moe_rt_stream) nogil
 
 cdef f_last_error p_last_error
 cdef f_last_args p_last_args
@@ -203,6 +228,10 @@ cdef f_epd_add_stage p_epd_add_stage
 cdef f_epd_barrier p_epd_barrier
 cdef f_epd_dispatch p_epd_dispatch
 cdef f_epd_combine p_epd_combine
+cdef f_epp_sizes p_epp_sizes
+cdef f_epp_step p_epp_send
+cdef f_epp_step p_epp_meta
+cdef f_epp_step p_epp_recv
 cdef f_ctx_create p_ctx_create
 cdef f_ctx_create_planning p_ctx_create_planning
 cdef f_ctx_load_kernel p_ctx_load_kernel
@@ -273,6 +302,7 @@ cdef _open():
     global p_quantize, p_dequantize, p_load_stand_in, p_end_stand_ins, p_last_stand_in
     global p_last_args, p_ll_create, p_ll_destroy, p_ll_dispatch, p_ll_combine, p_ll_combine_bwd, p_ll_serial
     global p_epd_create, p_epd_destroy, p_epd_add_stage, p_epd_barrier, p_epd_dispatch, p_epd_combine
+    global p_epp_sizes, p_epp_send, p_epp_meta, p_epp_recv
     path = LIB_PATH.encode()
     cdef void* h = dlopen(path, RTLD_NOW | RTLD_LOCAL)
     if h == NULL:
@@ -322,6 +352,10 @@ cdef _open():
     p_epd_barrier = <f_epd_barrier>_sym(h, b"moe_rt_ep_direct_barrier")
     p_epd_dispatch = <f_epd_dispatch>_sym(h, b"moe_rt_ep_direct_dispatch")
     p_epd_combine = <f_epd_combine>_sym(h, b"moe_rt_ep_direct_combine")
+    p_epp_sizes = <f_epp_sizes>_sym(h, b"moe_rt_ep_prepare_sizes_of")
+    p_epp_send = <f_epp_step>_sym(h, b"moe_rt_ep_prepare_send")
+    p_epp_meta = <f_epp_step>_sym(h, b"moe_rt_ep_prepare_meta")
+    p_epp_recv = <f_epp_step>_sym(h, b"moe_rt_ep_prepare_recv")
 
 
 _open()
@@ -1144,4 +1178,59 @@ def ep_direct_combine(EpDirectGroup g, int op, tuple handle, uintptr_t y, int dt
         st = p_epd_combine(c, op, &h, <const void*>y, dtype, hidden, <const float*>w, <const float*>grad_rows,
                            <float*>slot_grads, <void*>out, <float*>grad_w, barrier, <moe_rt_stream>stream)
         if _epd_done(g, &c, st, &tries, b"moe_rt_ep_direct_combine"):
+            return
+
+
+# ---- EpGroup.prepare's launches (csrc/ep_prepare.c) -----------------------------------------------------------
+
+cdef int _epp_desc(tuple t, moe_rt_ep_prepare_desc* d) except -1:
+    """A prepare signature as the facade hands it over: (R, rank, L, E, Tmax, K, P, A, T, capacity (-1 exact),
+    idx dtype code, direct, rows, N, total_slots)."""
+    memset(d, 0, sizeof(d[0]))
+    d.handle.num_ranks, d.rank, d.handle.num_local_experts, d.num_experts = t[0], t[1], t[2], t[3]
+    d.handle.max_tokens_per_rank, d.handle.topk, d.handle.pair_capacity, d.align_size = t[4], t[5], t[6], t[7]
+    d.num_tokens, d.capacity, d.idx_dtype, d.direct = t[8], t[9], t[10], t[11]
+    d.handle.recv_rows, d.handle.num_rows, d.total_slots = t[12], t[13], t[14]
+    return 0
+
+
+cdef int _epp_bufs(tuple t, moe_rt_ep_prepare_buffers* b) except -1:
+    """Prepare's buffers as addresses: (handle, topk_idx, part, grid_sync, error_word, state, peer_box, inbox,
+    outbox, peer_barrier, timeout_ns, timeout_word, workspace, workspace_bytes)."""
+    memset(b, 0, sizeof(b[0]))
+    b.handle, b.topk_idx = <void*><uintptr_t>t[0], <const void*><uintptr_t>t[1]
+    b.part, b.grid_sync = <int32_t*><uintptr_t>t[2], <uint32_t*><uintptr_t>t[3]
+    b.error_word, b.state = <uint32_t*><uintptr_t>t[4], <uint32_t*><uintptr_t>t[5]
+    b.peer_box, b.inbox, b.outbox = <const int64_t*><uintptr_t>t[6], <int32_t*><uintptr_t>t[7], <int32_t*><uintptr_t>t[8]
+    b.peer_barrier, b.timeout_ns = <const int64_t*><uintptr_t>t[9], t[10]
+    b.timeout_word, b.workspace, b.workspace_bytes = <int32_t*><uintptr_t>t[11], <int32_t*><uintptr_t>t[12], t[13]
+    return 0
+
+
+def ep_prepare_sizes(tuple desc) -> tuple:
+    """moe_rt_ep_prepare_sizes_of: (chunk_tokens, num_chunks, part_words, segment_words, fused, whole) of a
+    signature (see :func:`ep_prepare`); ValueError for a bad one."""
+    cdef moe_rt_ep_prepare_desc d
+    cdef moe_rt_ep_prepare_sizes s
+    _epp_desc(desc, &d)
+    _check(p_epp_sizes(&d, &s), "moe_rt_ep_prepare_sizes_of")
+    return s.chunk_tokens, s.num_chunks, s.part_words, s.segment_words, bool(s.fused), bool(s.whole)
+
+
+def ep_prepare(Context ctx, int step, tuple desc, tuple bufs, uintptr_t stream):
+    """One step of EpGroup.prepare's launches: ``step`` 0 moe_rt_ep_prepare_send (the whole prepare where the
+    sizes say ``whole``), 1 moe_rt_ep_prepare_meta (exact mode), 2 moe_rt_ep_prepare_recv. ``desc``: the
+    signature (_epp_desc), ``bufs``: the addresses (_epp_bufs)."""
+    cdef moe_rt_ep_prepare_desc d
+    cdef moe_rt_ep_prepare_buffers b
+    _epp_desc(desc, &d)
+    _epp_bufs(bufs, &b)
+    cdef f_epp_step f = p_epp_send if step == 0 else p_epp_meta if step == 1 else p_epp_recv
+    cdef const char* name = (b"moe_rt_ep_prepare_send" if step == 0 else b"moe_rt_ep_prepare_meta" if step == 1
+                             else b"moe_rt_ep_prepare_recv")
+    cdef moe_rt_context* c = _begin(ctx, stream)
+    cdef int tries = 0, st
+    while True:
+        st = f(c, &d, &b, <moe_rt_stream>stream)
+        if _done(ctx, &c, st, &tries, name):
             return

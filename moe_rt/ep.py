@@ -135,7 +135,7 @@ import weakref
 
 import numpy as np
 
-from moe_rt import _arrays, _errors, _jit, permutation
+from moe_rt import _arrays, _core, _errors, _jit, permutation
 from moe_rt import _ep_adapt, _ep_direct, _ep_mixed, _ep_nccl, _ep_rows, _handle
 from moe_rt import fp8 as _fp8
 from moe_rt._ep_rows import FILE as _FILE, UNITS as _UNITS
@@ -172,6 +172,7 @@ _group_ids = itertools.count(1)
 # Live groups by id: framework adapters carry only the id (an int) through traced code.
 _live_groups: "weakref.WeakValueDictionary[int, EpGroup]" = weakref.WeakValueDictionary()
 _INT32_MAX = 2**31 - 1
+_CODES = _core.CODES  # NumPy dtype -> the core's dtype code
 
 DEFAULT_CHUNKS = 2
 
@@ -615,8 +616,9 @@ class EpGroup:
         return h
 
     def _prep_cfg(self, T, K, dev, idx_dtype):
-        """What prepare needs for (T, K) on device ``dev``, computed once in plain ints and launch-ready
-        argument tails (cached, so a call's Python work does not grow with R): see :class:`_PrepCfg`."""
+        """What prepare needs for (T, K) on device ``dev``, computed once in plain ints, and the core's
+        signature of the call (cached, so a call's Python work does not grow with R): see
+        :class:`_PrepCfg`."""
         key = (T, K, dev, idx_dtype)
         c = self._prep_cfgs.get(key)
         if c is None:
@@ -626,26 +628,24 @@ class EpGroup:
         return c
 
     def _prepare_cuda(self, call, idx, T, K, validate=False):
-        """Launches: capacity mode on the direct transport (the received side in one block's shared memory):
-        ep_prepare_direct alone (send side, prepare's barrier with the peers, received side; kernels/ep.cu).
-        Otherwise ep_prepare_send (routing into the handle, send lists, each destination's segment: counts and
-        rows; direct: pushed into the destination's IPC-shared box); the exchange (direct: ep_direct_barrier;
-        NCCL: grouped send/recv of the segments, capacity mode whole, exact mode the counts, then after the
-        host read the kept rows); exact mode: ep_plan_meta, the host read of the counts and a copy of the
-        leading regions into the buffer sized from them; then ep_prepare_plan (every received-side region), or
-        where its shared memory would not fit (R*L large) ep_prepare_recv and the permutation plan's three
-        kernels. Capacity mode: two allocations (the handle, the scratch), no host sync."""
+        """Launches (the C core, csrc/ep_prepare.c: kernels, grids and shared memory planned there): capacity
+        mode on the direct transport with the received side in one block's shared memory, one core call
+        (ep_prepare_direct: send side, prepare's barrier with the peers, received side; kernels/ep.cu).
+        Otherwise the send side (ep_prepare_send: routing into the handle, send lists, each destination's
+        segment: counts and rows; direct: pushed into the destination's IPC-shared box); the exchange here
+        (direct: ep_direct_barrier; NCCL: grouped send/recv of the segments, capacity mode whole, exact mode the
+        counts, then after the host read the kept rows); exact mode: ep_plan_meta, the host read of the counts
+        and a copy of the leading regions into the buffer sized from them; then the received side
+        (ep_prepare_plan, or where its shared memory would not fit ep_prepare_recv and the permutation plan's
+        three kernels). Capacity mode: two allocations (the handle, the scratch), no host sync."""
         xp, s, dev = call.xp, call.stream, call.device_id
         idx = _arrays.contiguous(xp, idx)
         c = self._prep_cfg(T, K, dev, idx.dtype)
         exact = self.mode == "exact"
         buf = xp.empty(c.total, np.uint8)
-        b = buf.data.ptr
-        o_rt, o_st, o_sp, o_meta, o_rtok, o_rl, o_dr, o_ss, o_sg, o_ec, o_tpe = c.offsets
-        meta = b + o_meta
+        # NCCL: the inbox and the outbox (R segments each); then the send side's chunk counts; then (capacity
+        # mode, unfused) the plan kernels' scratch
         work = xp.empty(c.work_words, np.int32)
-        # NCCL: the inbox and the outbox (R segments each); then the send side's chunk counts; then the plan
-        # kernels' scratch
         w = work.data.ptr
         part = w + 4 * c.box_words
         gs = c.gs.get(s.ptr) if c.gs else None
@@ -653,18 +653,7 @@ class EpGroup:
             gs = c.gs[s.ptr] = self._grid_sync_words(dev, s)
         if c.box is None and self.transport == "direct":
             c.set_box(self._transport, K, s, lambda st_: self._wait(st_, "prepare"))
-        if c.direct_args is not None:  # one kernel
-            head, tail = c.direct_args  # around the send side's scratch and grid_sync's words
-            _jit.launch_raw(c.f_direct, c.direct_grid, c.threads,
-                            (idx, *c.send_mid, b + o_rt, b + o_st, b + o_sp, meta, *head, part, gs, *tail,
-                             b + o_rtok, b + o_rl, b + o_dr, b + o_ss, b + o_sg, b + o_ec, b + o_tpe),
-                            c.direct_smem, s)
-            if validate:
-                self._wait(s, "prepare")
-                _errors.raise_pending(dev, s)
-            return self._handle(buf, c.lay, c.sz, dev, None)
-        R, P, CW, SEG = c.R, c.P, c.CW, c.SEG
-        lay = c.lay
+        R, P, SEG = c.R, c.P, c.SEG
         direct = c.box is not None
         if direct:  # each destination's segment pushed into its box; this rank reads its own box
             state, peer, inbox = c.box
@@ -672,22 +661,25 @@ class EpGroup:
         else:
             state = peer = 0
             inbox = w
-            outbox = inbox + 4 * R * SEG if R > 1 else inbox
-        segs = (inbox, c.cstride, state, c.half)  # where the receiving kernels find the segments
-        _jit.launch_raw(c.f_send, c.send_grid, c.threads,
-                        (idx, *c.send_mid, b + o_rt, b + o_st, b + o_sp, meta, state, c.half, peer, outbox, inbox,
-                         c.err, c.rank_warps, part, gs), c.send_smem, s)
-        if validate and not exact:
-            self._wait(s, "prepare")
-            _errors.raise_pending(dev, s)
+            outbox = inbox + 4 * R * SEG if R > 1 else 0
+        ctx = _core.device(dev)
+        ws = part + 4 * c.part_words
+        bufs = (buf.data.ptr, idx.data.ptr, part, gs, c.err, state, peer, inbox, outbox, *c.bar, ws, c.ws_bytes)
+        _core.ep_prepare(ctx, 0, c.desc, bufs, s.ptr)
+        if c.whole or (validate and not exact):
+            if validate:
+                self._wait(s, "prepare")
+                _errors.raise_pending(dev, s)
+            if c.whole:
+                return self._handle(buf, c.lay, c.sz, dev, None)
         if direct:
             self._transport.barrier(s, "prepare")
         elif R > 1:  # capacity mode: whole segments; exact mode: the counts now, the kept rows after the host read
             whole = c.full_segments if not exact else c.counts_only
             self._transport.exchange_box(s, outbox, inbox, whole, whole, SEG, 0)
-        host, sz, plan, scratch = None, c.sz, c.plan, part + 4 * c.part_words
+        host, sz, lay, desc = None, c.sz, c.lay, c.desc
         if exact:
-            _jit.launch_raw(c.f_meta, 1, 32, (meta, *segs, *c.meta_tail), 0, s)
+            _core.ep_prepare(ctx, 1, desc, bufs, s.ptr)
             host = self._read_meta(buf[lay["meta"][0]:lay["meta"][0] + 4 * lay["meta"][2]].view(np.int32), s, dev)
             rows = int(host[meta_index("recv_rows", R)])
             slots = int(host[meta_index("total_slots", R)])
@@ -698,28 +690,18 @@ class EpGroup:
             lay, total = _handle.layout(R, L, c.Tmax, K, P, rows, N)
             buf0, buf = buf, xp.empty(total, np.uint8)
             _ep_rows.copy_bytes(buf.data.ptr, buf0.data.ptr, fixed, s)
-            b, meta = buf.data.ptr, buf.data.ptr + lay["meta"][0]
             sz = dict(sz, rows=rows, N=N, num_out=slots)
             if not direct and R > 1:
                 sent = [min(int(v), P) * c.W for v in host[meta_index("send_counts", R):][:R]]
                 got = [min(int(v), P) * c.W for v in host[meta_index("recv_counts", R):][:R]]
-                self._transport.exchange_box(s, outbox, inbox, sent, got, SEG, CW)
-            grid = _prep_grid(c.fused, max(rows, N, R * P), dev)
+                self._transport.exchange_box(s, outbox, inbox, sent, got, SEG, c.CW)
+            desc = desc[:12] + (rows, N, slots)
+            ws_bytes = 0
             if not c.fused:
-                plan = permutation.plan_config(rows, K, np.int32, L, A, N, slots, dev)
-                scratch_buf = xp.empty(plan[0] - plan[1], np.int32)
-                scratch = scratch_buf.data.ptr
-            o_rtok, o_rl, o_dr, o_ss, o_sg, o_ec, o_tpe = (lay[k][0] for k in _RECV_REGIONS)
-        else:
-            rows, N, grid = c.rows, c.N, c.recv_grid
-        if c.fused:
-            _jit.launch_raw(c.f_plan, grid, 256,
-                            (meta, *segs, *c.plan_mid, np.int64(rows), np.int64(N), b + o_rtok, b + o_rl, b + o_dr,
-                             b + o_ss, b + o_sg, b + o_ec, b + o_tpe), c.plan_smem, s)
-        else:
-            _jit.launch_raw(c.f_recv, grid, 256, (meta, *segs, *c.recv_mid, np.int64(rows), b + o_rtok, b + o_rl),
-                            c.recv_smem, s)
-            permutation.plan_kernels(plan, b + o_rl, N, b + o_dr, b + o_ss, b + o_sg, b + o_ec, b + o_tpe, scratch, s)
+                ws_bytes = _core.make_plan_workspace_bytes(rows, K, L)
+                ws = xp.empty(-(-ws_bytes // 4), np.int32).data.ptr
+            bufs = (buf.data.ptr, *bufs[1:12], ws, ws_bytes)
+        _core.ep_prepare(ctx, 2, desc, bufs, s.ptr)
         return self._handle(buf, lay, sz, dev, host)
 
     def _grid_sync_words(self, dev, stream):
@@ -1121,25 +1103,16 @@ class _PrepCfg:
     """EpGroup.prepare's set-up for one (T, K, device, id dtype), in plain ints (made once, cached by the
     group): sizes, the handle layout and bytes (capacity mode: final; exact mode: of the regions before
     recv_local, which do not depend on the received rows), the box layout (kernels/ep.cu, prepare: a segment
-    of SEG = CW + P*W words per source, counts (CW = L + 2) then rows (W = 2K + 1)), the send side's chunks
-    (B chunks of TC tokens per destination), the scratch in int32 words (NCCL: inbox and outbox; the send
-    side's chunk counts; then the plan kernels' scratch where ep_prepare_plan does not fit), the kernels,
-    their grids and the whole argument tuples of the launches whose arguments do not change between calls
-    but for the handle's base address, added per call."""
+    of SEG = CW + P*W words per source, counts (CW = L + 2) then rows (W = 2K + 1)), the scratch in int32
+    words (NCCL: inbox and outbox; the send side's chunk counts; then, capacity mode, the plan kernels'
+    workspace where the received side is not one kernel) and the core's signature of the call (``desc``,
+    :func:`moe_rt._core.ep_prepare`). The core states the sizes that follow from the shapes (the send side's
+    chunks, the segment, whether the received side is one kernel, whether prepare is one kernel) and plans
+    the launches."""
 
     __slots__ = ("sz", "R", "L", "Tmax", "P", "CW", "W", "SEG", "lay", "total", "box_words", "part_words",
-                 "work_words", "cstride", "half", "plan", "rows", "N", "threads", "f_send", "send_grid", "send_smem",
-                 "TC", "B", "rank_warps", "err", "fused", "f_plan", "plan_mid", "plan_smem", "f_recv", "recv_mid",
-                 "recv_grid", "recv_smem", "full_segments", "counts_only", "f_direct", "direct_grid", "direct_smem",
-                 "send_mid", "offsets", "gs", "box", "direct_args", "f_meta", "meta_tail")
-
-    # ep_prepare_plan's shared memory (its per-source, per-expert offsets) must fit this; larger R*L take
-    # ep_prepare_recv and the permutation plan's kernels
-    FUSED_SMEM = 40 * 1024
-    SEND_THREADS = 256  # the send side's blocks (ep_prepare_send, ep_prepare_direct)
-    MAX_CHUNKS = 64     # chunks per destination, at most (each item sums the counts of the chunks before it)
-    MIN_CHUNK = 128     # tokens of a chunk, at least (below, the blocks do too little)
-    MAX_CHUNK = 8192    # tokens of a chunk, at most (shared memory: one int each)
+                 "work_words", "ws_bytes", "rows", "N", "TC", "B", "fused", "whole", "full_segments", "counts_only",
+                 "desc", "err", "gs", "box", "bar")
 
     def __init__(self, g, T, K, dev, idx_dtype):
         sz = g._sizes(T, K)
@@ -1147,22 +1120,8 @@ class _PrepCfg:
         self.R, self.L, self.Tmax, self.P = R, L, Tmax, P
         direct = g.transport == "direct"
         self.CW, self.W = L + 2, 2 * K + 1
-        self.SEG = self.CW + P * self.W  # int32 words of one source's segment of a box
-        self.box_words = 0 if direct else R * self.SEG * (2 if R > 1 else 1)  # NCCL: inbox, outbox
-        self.cstride = np.int64(self.SEG)
-        # int32 words of one half of the direct transport's box (DirectTransport.prepare_box); 0 on NCCL
-        self.half = np.int64(R * self.SEG if direct else 0)
-        self.plan_smem = 4 * (2 * R + 1 + R * self.CW + 4 * L + 1)
-        self.fused = self.plan_smem <= self.FUSED_SMEM
-        # the send side: B chunks of TC tokens per destination, their counts in R*B*(L + 1) words of scratch
-        self.B = max(1, min(self.MAX_CHUNKS, -(-T // self.MIN_CHUNK)), -(-T // self.MAX_CHUNK))
-        per = -(-T // self.B)
-        self.TC = max(32, -(-per // 32) * 32)
-        self.B = max(1, -(-T // self.TC))  # no chunk left empty by the rounding
-        self.part_words = R * self.B * (L + 1)
         cap = -1
-        self.plan = None
-        self.rows = self.N = self.recv_grid = None
+        rows = N = 0
         if g.mode == "capacity":
             cap = sz["capacity"]
             permutation.check_plan_settings(L, A, cap, "index")
@@ -1173,91 +1132,31 @@ class _PrepCfg:
             N = _perm_ref.num_rows(rows, K, L, A, cap)
             _check_plan_rows(rows, K, N)
             sz.update(rows=rows, N=N, num_out=cap)
-            self.lay, self.total = _handle.layout(R, L, Tmax, K, P, rows, N)
-            self.rows, self.N, self.recv_grid = rows, N, _prep_grid(self.fused, max(rows, N), dev)
-            self.work_words = self.box_words + self.part_words
-            if not self.fused:
-                self.plan = permutation.plan_config(rows, K, np.int32, L, A, N, cap, dev)
-                self.work_words += self.plan[0] - self.plan[1]
         else:
             permutation.check_plan_settings(L, A, None, "index")
-            self.lay, self.total = _handle.layout(R, L, Tmax, K, P, 0, 0)
-            self.work_words = self.box_words + self.part_words
-        self.work_words = max(self.work_words, 1)
+        self.rows, self.N = rows, N
+        self.desc = (R, me, L, g.num_experts, Tmax, K, P, A, T, cap, _CODES[np.dtype(idx_dtype)], int(direct), rows,
+                     N, 0)
+        self.TC, self.B, self.part_words, self.SEG, self.fused, self.whole = _core.ep_prepare_sizes(self.desc)
+        self.box_words = 0 if direct else R * self.SEG * (2 if R > 1 else 1)  # NCCL: inbox, outbox
+        self.lay, self.total = _handle.layout(R, L, Tmax, K, P, rows, N)
+        self.ws_bytes = 0
+        if g.mode == "capacity" and not self.fused:
+            self.ws_bytes = _core.make_plan_workspace_bytes(rows, K, L)
+        self.work_words = max(self.box_words + self.part_words + -(-self.ws_bytes // 4), 1)
         self.sz = sz
-        self.threads = self.SEND_THREADS
-        ctype = _IDX[np.dtype(idx_dtype).name]
-        self.f_send = _jit.function(_FILE, f"ep_prepare_send<{ctype}>")
-        # the warps that rank the slots, each with L ints of shared memory (after the chunk's TC)
-        room = max(48 * 1024, _jit.device_properties(dev).get("smem_per_block_optin", 0)) - 1024
-        self.rank_warps = np.int32(max(1, min(self.threads // 32, (room - 4 * self.TC) // (4 * L))))
-        self.send_smem = 4 * (L * int(self.rank_warps) + self.TC)
-        _jit.set_max_dynamic_shared(self.f_send, self.send_smem)
-        items = R * self.B
-        wave = 2 * _jit.device_properties(dev)["sm_count"]  # grid_sync: at most one resident wave
-        self.send_grid = max(1, min(items, wave, _resident(self.f_send, self.threads, self.send_smem, dev)))
         self.err = _errors.word(dev)
-        exact = np.int32(1 if g.mode == "exact" else 0)
-        self.f_plan = _jit.function(_FILE, "ep_prepare_plan")
-        self.plan_mid = (np.int32(R), np.int32(me), np.int32(P), np.int32(K), np.int32(L), np.int32(A), exact,
-                         np.int64(cap))
-        self.f_recv = _jit.function(_FILE, "ep_prepare_recv")
-        # exact mode: ep_plan_meta (the counts for the host read) and its arguments after the segments
-        self.f_meta = _jit.function(_FILE, "ep_plan_meta") if g.mode == "exact" else None
-        self.meta_tail = (np.int32(R), np.int32(me), np.int32(P), np.int32(1), np.int64(-1))
-        self.recv_smem = 4 * (2 * R + 1)
-        self.recv_mid = (np.int32(R), np.int32(me), np.int32(P), np.int32(K), np.int32(L), exact, np.int64(cap))
         self.full_segments, self.counts_only = [self.SEG] * R, [self.CW] * R
-        # ep_prepare_send's arguments from T to P, then TC, B (the pointers follow per call)
-        self.send_mid = (np.int64(T), np.int32(Tmax), np.int32(K), np.int32(g.num_experts), np.int32(R),
-                         np.int32(me), np.int32(L), np.int32(P), np.int32(self.TC), np.int32(self.B))
-        # the handle regions' byte offsets the launches name (added to the handle's address per call)
-        lay = self.lay
-        self.offsets = tuple(lay[k][0] for k in ("routing", "send_tok", "send_pos", "meta") + _RECV_REGIONS)
-        # capacity mode on the direct transport with the received side in one block's shared memory: one
-        # kernel (ep_prepare_direct)
-        self.box = self.f_direct = self.direct_args = None
+        self.box = None
+        self.bar = (0, 0, 0)  # the direct transport's barrier: slot table, timeout (ns), timeout word
         self.gs = {}  # stream -> grid_sync's words (EpGroup._grid_sync_words)
-        if direct and g.mode == "capacity" and self.fused:
-            self.f_direct = _jit.function(_FILE, f"ep_prepare_direct<{ctype}>")
-            self.direct_smem = max(self.send_smem, self.plan_smem)
-            _jit.set_max_dynamic_shared(self.f_direct, self.direct_smem)
-            self.direct_grid = max(1, min(max(items, self.recv_grid), wave,
-                                          _resident(self.f_direct, self.threads, self.direct_smem, dev)))
 
     def set_box(self, t, K, stream, wait):
         """The direct transport ``t``'s box for top-``K`` routing (made on the first prepare with this K: a
-        collective) as ``box = (state, box table, this rank's box)`` device addresses, and, where prepare is one
-        kernel, the arguments of ep_prepare_direct before and after the send side's scratch and grid_sync's
-        words (``direct_args = (head, tail)``)."""
-        st = t.prepare_box(K, int(self.half), stream, wait)
+        collective) as ``box = (state, box table, this rank's box)`` device addresses, and its barrier's."""
+        st = t.prepare_box(K, self.R * self.SEG, stream, wait)
         self.box = (t.state.data.ptr, st.table.data.ptr, st.local)
-        if self.f_direct is not None:
-            self.direct_args = ((self.box[0], self.half, self.box[1], self.err, self.rank_warps),
-                                (t.bar.table.data.ptr, np.int64(t.timeout_ns), t._err_ptr,
-                                 np.int32(_ep_direct.OP_CODES["prepare"]), np.int32(self.sz["A"]),
-                                 np.int64(self.sz["capacity"]), np.int64(self.rows), np.int64(self.N)))
-
-
-# the handle's regions that prepare's received side writes (in its kernels' argument order)
-_RECV_REGIONS = ("recv_tok", "recv_local", "dst_row", "src_slot", "seg_start", "expert_counts", "tokens_per_expert")
-
-
-def _resident(fn, threads, smem, dev):
-    """CTAs of ``fn`` with ``threads`` threads and ``smem`` bytes of dynamic shared memory resident on the whole
-    device at once (a grid that synchronizes its blocks, grid_sync in kernels/ep.cu, must not exceed it)."""
-    from cupy.cuda import driver
-
-    per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(_jit.function_ptr(fn), threads, smem)
-    return max(1, per_sm) * _jit.device_properties(dev)["sm_count"]
-
-
-def _prep_grid(fused, n, dev):
-    """Blocks of 256 threads for prepare's received side over ``n`` items: ep_prepare_plan's blocks each derive
-    the offsets of every (source, local expert) first, so at most two per SM; ep_prepare_recv's as _grid."""
-    if not fused:
-        return _grid(n, dev)
-    return max(1, min(-(-n // 256), 2 * _jit.device_properties(dev)["sm_count"]))
+        self.bar = (t.bar.table.data.ptr, int(t.timeout_ns), t._err_ptr)
 
 
 def _check_plan_rows(rows, K, N):

@@ -16,8 +16,7 @@ routes) are zero in every output this module produces.
 CUDA arrays run the kernels of ``kernels/permutation.cu`` through the C core (:mod:`moe_rt._core`: each op
 validates here, allocates its results and makes one core call, whose planner makes the kernel choices,
 csrc/permutation.c); CPU arrays run the NumPy reference (:mod:`moe_rt.reference.permutation`). This module
-still plans two things the core lacks: the plan kernels of the expert-parallel ops (:func:`plan_config`,
-:func:`plan_kernels` for moe_rt.ep) with their row helpers, and float64 permuted probs (:func:`_fill`).
+still plans one thing the core lacks: float64 permuted probs (:func:`_fill`).
 Everything is deterministic: integer plan construction with no
 atomics, and fixed summation orders (k ascending, fp32) in every reduction.
 
@@ -252,14 +251,6 @@ def _num_rows(T, K, E, A, num_out_tokens):
     return _ref.num_rows(T, K, E, A, num_out_tokens)
 
 
-def _chunk_for(L: int, E: int) -> int:
-    # Slots per warp in the plan kernels: 256, larger when the [chunks, E] partial table would pass 4M ints.
-    chunk = 256
-    while (-(-L // chunk)) * E > (4 << 20) and chunk < (1 << 20):
-        chunk *= 2
-    return chunk
-
-
 def check_plan_settings(num_experts, align_size, num_out_tokens, map_type=None):
     """:func:`make_plan`'s settings, validated: ``(E, A, num_out_tokens)`` (``map_type`` is None, ``"mask"``
     or ``"index"``)."""
@@ -466,37 +457,6 @@ class _PlanViews(dict):
         return a
 
 
-# The plan kernels of the expert-parallel ops (moe_rt.ep plans its received rows with them; make_plan runs in
-# the C core): (T, K, routing dtype, E, A, num_out_tokens, device) -> their launch set-up, which depends on the
-# shapes only.
-_plan_cfgs: dict = {}
-
-
-def _plan_cfg(T, K, ic, E, A, N, num_out_tokens, dev):
-    L = T * K
-    chunk = _chunk_for(L, E)
-    nchunks = -(-L // chunk)
-    # One int32 allocation: the plan's arrays, then the scratch (partial, base, totals, a counter).
-    n_out = L + N + 3 * E + 1
-    spec = {"dst_row": (0, (T, K)), "src_slot": (L, (N,)), "seg_start": (L + N, (E + 1,)),
-            "counts": (L + N + E + 1, (E,)), "tokens_per_expert": (L + N + 2 * E + 1, (E,))}
-    smem_warp = E * 4
-    wpb = max(1, min(8, (48 * 1024) // smem_warp))
-    smem = wpb * smem_warp
-    f_count = _fn(f"plan_count<{ic}>", dev, smem)
-    f_assign = _fn(f"plan_assign<{ic}>", dev, smem)
-    f_scan = _fn("plan_scan", dev)
-    num_out = L if num_out_tokens is None else num_out_tokens
-    # argument tails of the three kernels (the pointers are prepended per call); plan_count's last argument
-    # is the device's error word, a constant address (recorded launches keep it as one)
-    count = (max(-(-nchunks // wpb), 1), 32 * wpb, (L, np.int32(E), np.int32(chunk), np.int32(nchunks)),
-             _errors.word(dev))
-    scan = (-(-E // 32), 1024, (np.int32(nchunks), np.int32(E), np.int32(A), num_out))
-    assign = (-(-nchunks // wpb), 32 * wpb, (L, np.int32(E), np.int32(chunk), np.int32(nchunks)))
-    return (n_out + 2 * nchunks * E + E + 1, n_out, nchunks * E, spec, smem, f_count, f_scan, f_assign, count,
-            scan, assign)
-
-
 def _plan_spec(T, K, E, N):
     """Where each plan array lies in a plan's one int32 buffer: name -> (word offset, shape)."""
     L = T * K
@@ -531,33 +491,6 @@ def _plan_cuda(call, r, T, K, E, A, N, num_out_tokens, apart=False):
     _core.make_plan(_core.device(call.device_id), idx.data.ptr, _CODES[np.dtype(idx.dtype)], T, K, E, A,
                     -1 if num_out_tokens is None else num_out_tokens, *ptrs, ws.data.ptr, nws, call.stream_ptr)
     return views
-
-
-def plan_config(T, K, idx_dtype, E, A, N, num_out_tokens, dev):
-    """The cached launch set-up of the plan kernels for these shapes (``idx_dtype``: int32 or int64). Its
-    first item is the scratch plus outputs in int32 words, its second the outputs' words: the scratch
-    :func:`plan_kernels` needs is the difference."""
-    key = (T, K, np.dtype(idx_dtype), E, A, num_out_tokens, dev)
-    cfg = _plan_cfgs.get(key)
-    if cfg is None:
-        if len(_plan_cfgs) > 512:
-            _plan_cfgs.clear()
-        cfg = _plan_cfgs[key] = _plan_cfg(T, K, _IDX[np.dtype(idx_dtype).name], E, A, N, num_out_tokens, dev)
-    return cfg
-
-
-def plan_kernels(cfg, idx, N, dst, src, seg, counts, tpe, p_partial, s):
-    """The three plan kernels of ``cfg`` on stream ``s``: routing ``idx`` -> the plan arrays at the given
-    device addresses (``src`` holds N rows); ``p_partial`` is int32 scratch of ``cfg[0] - cfg[1]`` words."""
-    E = cfg[3]["counts"][1][0]  # the spec's counts array holds E entries
-    n_part, smem, f_count, f_scan, f_assign, count, scan, assign = cfg[2], *cfg[4:]
-    p_base = p_partial + 4 * n_part
-    p_totals = p_base + 4 * n_part
-    p_done = p_totals + 4 * E
-    # plan_count always runs (it zeroes plan_scan's counter and fills src_slot with -1).
-    _launch(f_count, count[0], count[1], (idx, *count[2], p_partial, src, N, p_done, count[3]), s, smem)
-    _launch(f_scan, scan[0], scan[1], (p_partial, p_base, p_totals, *scan[2], counts, tpe, seg, p_done), s)
-    _launch(f_assign, assign[0], assign[1], (idx, *assign[2], p_base, counts, seg, dst, src), s, smem)
 
 
 # -- helpers ---------------------------------------------------------------------------------------------

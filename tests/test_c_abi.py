@@ -503,17 +503,22 @@ def test_make_plan_plan_equals_python(lib, pyside, ctx, case):
             continue
         for A, num_out in ((1, None), (16, None), (1, max(T * KK // 2, 0)), (128, T * KK), (1, T * K)):
             N = permutation._num_rows(T, KK, E, A, num_out)
-            cfg = permutation._plan_cfg(T, KK, ic, E, A, N, num_out, 0)
-            total, n_out = cfg[0], cfg[1]
-            smem, f_count, f_scan, f_assign, count, scan, assign = cfg[4:]
-            want = [(f_count.name, count[0], count[1], smem), (f_scan.name, scan[0], scan[1], 0),
-                    (f_assign.name, assign[0], assign[1], smem)]
+            # the plan kernels' set-up as moe_rt/permutation.py _plan_cfg made it before the move: slots per warp
+            # (256, more when the [chunks, E] partial table would pass 4M ints), warps a block from E's shared ints
+            chunk = 256
+            while -(-T * KK // chunk) * E > (4 << 20) and chunk < (1 << 20):
+                chunk *= 2
+            nchunks = -(-T * KK // chunk)
+            wpb = max(1, min(8, (48 * 1024) // (4 * E)))
+            smem = wpb * 4 * E
+            want = [(f"plan_count<{ic}>", max(-(-nchunks // wpb), 1), 32 * wpb, smem), ("plan_scan", -(-E // 32), 1024, 0),
+                    (f"plan_assign<{ic}>", -(-nchunks // wpb), 32 * wpb, smem)]
             want = [w for w in want if w[1] > 0]
             rows, ws = L(), S()
             _ok(lib, lib.moe_rt_plan_num_rows(T, KK, E, A, -1 if num_out is None else num_out, C.byref(rows)))
             assert rows.value == N
             _ok(lib, lib.moe_rt_make_plan_workspace_size(T, KK, E, C.byref(ws)))
-            assert ws.value == 4 * (total - n_out)
+            assert ws.value == 4 * (2 * nchunks * E + E + 1)  # partial, base, totals, the last block's counter
             plan = CPlan(BASE, BASE, BASE, BASE, BASE)
             _ok(lib, lib.moe_rt_make_plan(ctx, BASE, dt, T, KK, E, A, -1 if num_out is None else num_out,
                                           C.byref(plan), BASE, ws.value, None))

@@ -1228,26 +1228,26 @@ class _RecDirect:
 
 
 def _stand_in_prepare(monkeypatch, record, sms, resident):
-    """Kernels, devices and the scratch stood in for prepare on the CPU: each launch goes to ``record(name,
-    grid, block)`` after checking that it passes as many arguments as its kernel takes; ``sms`` SMs, ``resident``
-    blocks of any kernel resident at once."""
-    from moe_rt import _arrays, _ep_rows, _errors, _jit, permutation
-    from moe_rt import ep as ep_mod
+    """Kernels, devices and the scratch stood in for prepare on the CPU: the core's launches (a planning context
+    of ``sms`` SMs on which ``resident`` blocks of 256 threads are resident at once, a multiple of ``sms``) go to
+    ``record(name, grid, block, args)`` after checking that each passes as many arguments as its kernel takes."""
+    from moe_rt import _arrays, _core, _ep_rows, _errors, _jit
 
-    def launch_raw(fn, grid, block, args, smem, stream):
-        name = (fn if isinstance(fn, str) else fn.name).split("<")[0]  # permutation launches Kernel.kernel
-        record(name, grid, block)
-        assert len(args) == len(_kernel_params("ep.cu" if name.startswith("ep_") else "permutation.cu", name)), name
+    ctx = _core.planning(sm_count=sms, assumed_regs=65536 // (256 * max(1, resident // sms)) // 8 * 8)
+    real = _core.ep_prepare
 
-    monkeypatch.setattr(_jit, "function", lambda file, name: _Kernel(name))
-    monkeypatch.setattr(_jit, "launch_raw", launch_raw)
-    monkeypatch.setattr(_jit, "set_max_dynamic_shared", lambda fn, n: None)
+    def ep_prepare(c, step, desc, bufs, stream):
+        real(ctx, step, desc, bufs, stream)
+        for i, launch in enumerate(ctx.last_plan()):
+            name, args = launch[1].split("<")[0], ctx.last_plan_args(i)
+            assert len(args) == len(_kernel_params("ep.cu" if name.startswith("ep_") else "permutation.cu", name))
+            record(name, launch[2], launch[3], args)
+
+    monkeypatch.setattr(_core, "device", lambda dev: ctx)
+    monkeypatch.setattr(_core, "ep_prepare", ep_prepare)
     monkeypatch.setattr(_jit, "device_properties", lambda dev: {"sm_count": sms})
     monkeypatch.setattr(_errors, "word", lambda dev: 64)
     monkeypatch.setattr(_arrays, "contiguous", lambda xp, a: a)
-    monkeypatch.setattr(permutation, "_fns", {})
-    monkeypatch.setattr(permutation, "_plan_cfgs", {})
-    monkeypatch.setattr(ep_mod, "_resident", lambda fn, threads, smem, dev: resident)
     monkeypatch.setattr(_ep_rows, "copy_bytes", lambda dst, src, n, stream: _Trace.events.append(("copy", n, dst, src)))
 
 
@@ -1284,13 +1284,11 @@ def test_prepare_launch_trace(monkeypatch, transport, R, mode, fused):
     and memory stood in for): no all-gather of the routing table, only counts and the sent rows; one kernel
     for the received side (ep_prepare_plan) unless its shared memory would not fit (then ep_prepare_recv and
     the permutation plan's kernels); each launch passes as many arguments as its kernel takes."""
-    from moe_rt import ep as ep_mod
-
     _Trace.events = []
-    _stand_in_prepare(monkeypatch, lambda name, grid, block: _Trace.events.append((name, grid)), 4, 6)
-    if not fused:
-        monkeypatch.setattr(ep_mod._PrepCfg, "FUSED_SMEM", 0)
-    E, K, Tmax, T, me = 4 * R, 2, 16, 11, R - 1
+    _stand_in_prepare(monkeypatch, lambda name, grid, block, args: _Trace.events.append((name, grid)), 4, 8)
+    # ep_prepare_plan's shared memory (4*(2R + 1 + R*(L + 2) + 4L + 1) bytes) fits 40 KiB with 4 experts a rank,
+    # not with 3000
+    E, K, Tmax, T, me = (4 if fused else 3000) * R, 2, 16, 11, R - 1
     g = _traced_group(R, me, E, Tmax, mode, transport)
     rows, slots = 7 * R, 9 * R
     host = np.zeros(5 * R + 10, np.int32)
@@ -1360,11 +1358,11 @@ def test_prepare_capacity_launch_budget(monkeypatch, transport, R, T):
     kernel launches and NCCL groups, no memset and no host read, the same at every R (nothing per peer but
     the NCCL group's send/recv pairs); its send side's grid covers its chunks within one resident wave."""
     from moe_rt import _jit
-    from moe_rt import ep as ep_mod
 
     launches = []
     resident = 2 * 132
-    _stand_in_prepare(monkeypatch, lambda name, grid, block: launches.append((name, grid, block)), 132, resident)
+    _stand_in_prepare(monkeypatch, lambda name, grid, block, args: launches.append((name, grid, block)), 132,
+                      resident)
     monkeypatch.setattr(_jit, "launch", lambda *a, **k: launches.append(("launch",)))
     E, K, Tmax, me = 256, 8, 4096, R - 1
     g = _traced_group(R, me, E, Tmax, "capacity", transport)
@@ -1380,10 +1378,10 @@ def test_prepare_capacity_launch_budget(monkeypatch, transport, R, T):
         assert [e[0] for e in _Trace.events].count("group_start") <= groups
         assert not [e for e in _Trace.events if e[0] in ("memset", "zeros", "all_gather", "ep_direct_barrier")]
         c = next(iter(g._prep_cfgs.values()))
-        assert c.B * c.TC >= T and c.B <= ep_mod._PrepCfg.MAX_CHUNKS and c.TC % 32 == 0
+        assert c.B * c.TC >= T and c.B <= 64 and c.TC % 32 == 0
         grid = launches[0][1]
         assert grid <= resident and grid >= min(resident, R * c.B)
-        assert launches[0][2] == c.threads == 256
+        assert launches[0][2] == 256
 
 
 @pytest.mark.parametrize("transport", ["direct", "nccl"])
@@ -1391,12 +1389,8 @@ def test_prepare_grid_sync_words_per_stream(monkeypatch, transport):
     """prepare's send side synchronizes its blocks through two words of device memory per group and stream,
     made (and zeroed) once: later calls on a stream reuse its words, another stream gets its own, another
     group its own."""
-    from moe_rt import _jit
-
-    _stand_in_prepare(monkeypatch, lambda *a: None, 132, 264)
     sent = []
-    monkeypatch.setattr(_jit, "launch_raw",
-                        lambda fn, grid, block, args, smem, stream: sent.append((fn.name.split("<")[0], args)))
+    _stand_in_prepare(monkeypatch, lambda name, grid, block, args: sent.append((name, args)), 132, 264)
     made = []
 
     def words(g):
@@ -1449,7 +1443,8 @@ class _EpHostTrace:
         for (ctype, pname), a in zip(params, args):  # each argument of the type its parameter takes
             want = {"int": np.int32, "i64": np.int64}.get(ctype)
             if type(a) is int:  # the core's launches (a planning context): int parameters get 32-bit values
-                assert (-2**31 <= a < 2**31) if ctype == "int" else a >= 0, (name, pname, a)
+                ok = {"int": -2**31 <= a < 2**31, "i64": -2**63 <= a < 2**63}.get(ctype, a >= 0)
+                assert ok, (name, pname, a)
                 continue
             assert (type(a) is want) if want else hasattr(a, "data"), (name, pname, a)
         self.events.append((name, {pname: (int(a) if type(a) is int or isinstance(a, np.generic) else a.data.ptr)

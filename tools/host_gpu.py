@@ -61,7 +61,7 @@ def category(label: str) -> str:
     short = name.rsplit(".", 1)[-1]
     if name in ("cuLaunchKernel", "_jit.launch_raw", "_jit.launch", "_jit.function",
                 "_jit.function_ptr", "_jit._current_stream_ptr", "_jit.set_max_dynamic_shared") or name.startswith(
-                    ("_core.ll_", "_core.ep_direct_")):
+                    ("_core.ll_", "_core.ep_direct_", "_core.ep_prepare")):
         return "launch"
     if name.startswith("comm.") or name.startswith("_ep_nccl."):
         return "nccl"
@@ -321,7 +321,7 @@ class Breakdown:
         from moe_rt import _core
 
         for n in ("ll_dispatch", "ll_combine", "ll_combine_bwd", "ep_direct_barrier", "ep_direct_dispatch",
-                  "ep_direct_combine"):  # the core plans and launches (barrier + kernels)
+                  "ep_direct_combine", "ep_prepare"):  # the core plans and launches (barrier + kernels)
             self.patch(_core, n, f"_core.{n}")
         if getattr(_jit, "_driver", None) is not None:
             self.patch(_jit._driver, "launch", "cuLaunchKernel", key=driver_name, everywhere=False)

@@ -56,7 +56,6 @@ class EpStandIns(_LL.StandIns):
         from cupy.cuda import runtime
 
         from moe_rt import _arrays, _jit
-        from moe_rt import ep as ep_mod
 
         self.cupy_kernels = self.memcpys = 0
         self.on_memcpy = None
@@ -87,7 +86,6 @@ class EpStandIns(_LL.StandIns):
         setattr_(_arrays, "Call", Call)
         setattr_(runtime, "memcpyAsync", memcpy)
         setattr_(_jit, "set_max_dynamic_shared", lambda fn, n: None)
-        setattr_(ep_mod, "_resident", lambda fn, threads, smem, dev: resident)
 
     def array(self, shape, dtype):
         a = super().array(shape, dtype)

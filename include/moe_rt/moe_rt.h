@@ -387,7 +387,9 @@ typedef enum moe_rt_ep_op {
   MOE_RT_EP_OP_DISPATCH = 1,
   MOE_RT_EP_OP_COMBINE = 2,
   MOE_RT_EP_OP_DISPATCH_BWD = 3,
-  MOE_RT_EP_OP_COMBINE_BWD = 4
+  MOE_RT_EP_OP_COMBINE_BWD = 4,
+  MOE_RT_EP_OP_CLOSE = 5,
+  MOE_RT_EP_OP_PREPARE = 6
 } moe_rt_ep_op;
 
 /* One buffer set (num_buffers of them: with 2, two dispatches may be in flight). Sizes: R ranks, L local
@@ -628,5 +630,67 @@ moe_rt_status moe_rt_ep_direct_combine(moe_rt_ep_direct_group* g, int op, const 
                                        const void* y, int dtype, int64_t hidden, const float* w,
                                        const float* grad_rows, float* slot_grads, void* out, float* grad_w,
                                        int barrier, moe_rt_stream stream);
+
+/* ======================================================================================================
+ * EpGroup.prepare's launches (kernels/ep.cu; csrc/ep_prepare.c) over a handle buffer the caller allocated
+ * (moe_rt_ep_handle_layout of desc.handle) and scratch it sized with moe_rt_ep_prepare_sizes. The exchange
+ * between the send and the received side (NCCL) and exact mode's host read stay the caller's.
+ * ====================================================================================================== */
+
+typedef struct moe_rt_ep_prepare_desc {
+  moe_rt_ep_handle_desc handle; /* sizes; recv_rows and num_rows: capacity mode the final ones (R*P, the
+                                   plan's rows), exact mode 0 for the send side and the counts */
+  int32_t rank;
+  int32_t num_experts;          /* E = num_ranks * num_local_experts */
+  int32_t align_size;
+  int32_t idx_dtype;            /* MOE_RT_INT32 or MOE_RT_INT64: topk_idx [num_tokens, topk] */
+  int32_t direct;               /* 1: the direct transport's box (segments pushed into the peers' boxes) */
+  int64_t num_tokens;           /* T in [0, max_tokens_per_rank] */
+  int64_t capacity;             /* capacity mode: the slots kept (num_out); -1: exact mode */
+  int64_t total_slots;          /* exact mode, moe_rt_ep_prepare_recv: the slots received (the meta region's
+                                   total_slots, read on the host); ignored otherwise */
+} moe_rt_ep_prepare_desc;
+
+/* What the caller allocates and decides from (stated once in the core). */
+typedef struct moe_rt_ep_prepare_sizes {
+  int64_t chunk_tokens;   /* the send side's chunk of tokens (TC) */
+  int64_t num_chunks;     /* chunks per destination (B) */
+  int64_t part_words;     /* int32 words of the send side's scratch: R*B*(L + 1) */
+  int64_t segment_words;  /* int32 words of one source's segment of a box: (L + 2) + P*(2K + 1) */
+  int32_t fused;          /* 1: the received side is one kernel (ep_prepare_plan); 0: ep_prepare_recv and the
+                             permutation plan's kernels (workspace: moe_rt_make_plan_workspace_size) */
+  int32_t whole;          /* 1: moe_rt_ep_prepare_send makes the whole prepare (capacity mode on the direct
+                             transport with a fused received side: ep_prepare_direct) */
+} moe_rt_ep_prepare_sizes;
+
+typedef struct moe_rt_ep_prepare_buffers {
+  void* handle;                 /* the handle buffer */
+  const void* topk_idx;         /* [num_tokens, topk] idx_dtype (NULL when num_tokens = 0) */
+  int32_t* part;                /* part_words of scratch */
+  uint32_t* grid_sync;          /* two words of device memory, zero when made (grid_sync in kernels/ep.cu) */
+  uint32_t* error_word;         /* the device's error word (NULL: the context's) */
+  uint32_t* state;              /* direct: the transport's epoch state; NULL on NCCL */
+  const int64_t* peer_box;      /* direct: the box table (a box of 2 * R * segment_words int32 per rank) */
+  int32_t* inbox;               /* R segments where this rank's received side reads (direct: its own box) */
+  int32_t* outbox;              /* NCCL: R segments sent to the peers (the inbox when R = 1); direct: NULL */
+  const int64_t* peer_barrier;  /* whole: ep_direct_barrier's slot table, its timeout and timeout word */
+  int64_t timeout_ns;
+  int32_t* timeout_word;
+  int32_t* workspace;           /* unfused received side: the plan kernels' scratch */
+  size_t workspace_bytes;
+} moe_rt_ep_prepare_buffers;
+
+moe_rt_status moe_rt_ep_prepare_sizes_of(const moe_rt_ep_prepare_desc* desc, moe_rt_ep_prepare_sizes* out);
+/* The send side: ep_prepare_send (routing, send lists, the segments), or where sizes.whole the whole prepare
+ * (ep_prepare_direct: send side, the barrier with the peers, received side). */
+moe_rt_status moe_rt_ep_prepare_send(moe_rt_context* ctx, const moe_rt_ep_prepare_desc* desc,
+                                     const moe_rt_ep_prepare_buffers* bufs, moe_rt_stream stream);
+/* Exact mode, after the segments' counts arrived: ep_plan_meta (the meta region, for the host read). */
+moe_rt_status moe_rt_ep_prepare_meta(moe_rt_context* ctx, const moe_rt_ep_prepare_desc* desc,
+                                     const moe_rt_ep_prepare_buffers* bufs, moe_rt_stream stream);
+/* The received side once the segments arrived (exact mode: desc.handle's recv_rows and num_rows from the host
+ * read, the handle the buffer sized from them): ep_prepare_plan, or ep_prepare_recv and the plan kernels. */
+moe_rt_status moe_rt_ep_prepare_recv(moe_rt_context* ctx, const moe_rt_ep_prepare_desc* desc,
+                                     const moe_rt_ep_prepare_buffers* bufs, moe_rt_stream stream);
 
 #endif /* MOE_RT_H_ */
