@@ -697,9 +697,10 @@ class EpGroup:
                 self._transport.exchange_box(s, outbox, inbox, sent, got, SEG, c.CW)
             desc = desc[:12] + (rows, N, slots)
             ws_bytes = 0
-            if not c.fused:
+            if not c.fused:  # the plan kernels' workspace (kept until the launches are queued)
                 ws_bytes = _core.make_plan_workspace_bytes(rows, K, L)
-                ws = xp.empty(-(-ws_bytes // 4), np.int32).data.ptr
+                plan_ws = xp.empty(-(-ws_bytes // 4), np.int32)
+                ws = plan_ws.data.ptr
             bufs = (buf.data.ptr, *bufs[1:12], ws, ws_bytes)
         _core.ep_prepare(ctx, 2, desc, bufs, s.ptr)
         return self._handle(buf, lay, sz, dev, host)
