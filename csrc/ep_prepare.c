@@ -231,13 +231,18 @@ static moe_rt_status begin(moe_rt_context* ctx, const char* op, const moe_rt_ep_
   return MOE_RT_SUCCESS;
 }
 
-/* Where the receiving kernels find the segments: the inbox, its segment stride, the state, the half. */
-static void segment_args(const moe_rt_ep_prepare_desc* d, const moe_rt_ep_prepare_sizes* s,
-                         const moe_rt_ep_prepare_buffers* b, mrt_args* a) {
+/* The receiving kernels' leading arguments: the meta region; where they find the segments (the inbox, its segment
+ * stride, the state, the half); R, rank, P. */
+static void receiving_args(const moe_rt_ep_prepare_desc* d, const moe_rt_ep_prepare_sizes* s,
+                           const moe_rt_ep_prepare_buffers* b, const prep_regions* r, mrt_args* a) {
+  mrt_arg_ptr(a, r->at[MOE_RT_EP_META]);
   mrt_arg_ptr(a, b->inbox);
   mrt_arg_i64(a, s->segment_words);
   mrt_arg_ptr(a, d->direct ? b->state : NULL);
   mrt_arg_i64(a, d->direct ? d->handle.num_ranks * s->segment_words : 0);
+  mrt_arg_i32(a, d->handle.num_ranks);
+  mrt_arg_i32(a, d->rank);
+  mrt_arg_i32(a, d->handle.pair_capacity);
 }
 
 static void recv_region_args(const prep_regions* r, int all, mrt_args* a) {
@@ -325,11 +330,7 @@ moe_rt_status moe_rt_ep_prepare_meta(moe_rt_context* ctx, const moe_rt_ep_prepar
   if ((st = plan_step(ctx, P_META, d, &s, &p))) return st;
   mrt_args a;
   memset(&a, 0, sizeof a);
-  mrt_arg_ptr(&a, r.at[MOE_RT_EP_META]);
-  segment_args(d, &s, b, &a);
-  mrt_arg_i32(&a, d->handle.num_ranks);
-  mrt_arg_i32(&a, d->rank);
-  mrt_arg_i32(&a, d->handle.pair_capacity);
+  receiving_args(d, &s, b, &r, &a);
   mrt_arg_i32(&a, 1);
   mrt_arg_i64(&a, -1);
   return mrt_run_plan(ctx, &p, &a, stream);
@@ -363,11 +364,7 @@ moe_rt_status moe_rt_ep_prepare_recv(moe_rt_context* ctx, const moe_rt_ep_prepar
   if ((st = plan_step(ctx, s.fused ? P_PLAN : P_RECV, d, &s, &p))) return st;
   mrt_args a[4];
   memset(a, 0, sizeof a);
-  mrt_arg_ptr(&a[0], r.at[MOE_RT_EP_META]);
-  segment_args(d, &s, b, &a[0]);
-  mrt_arg_i32(&a[0], h->num_ranks);
-  mrt_arg_i32(&a[0], d->rank);
-  mrt_arg_i32(&a[0], h->pair_capacity);
+  receiving_args(d, &s, b, &r, &a[0]);
   mrt_arg_i32(&a[0], h->topk);
   mrt_arg_i32(&a[0], h->num_local_experts);
   if (s.fused) mrt_arg_i32(&a[0], d->align_size);
