@@ -217,6 +217,12 @@ def _torch_np_dtype(tdtype):
     return _TORCH_DTYPES.get(tdtype)
 
 
+def _torch_dtypes() -> dict:
+    """torch dtype -> NumPy dtype of the dtypes moe_rt handles (filled on first use)."""
+    _torch_np_dtype(None)
+    return _TORCH_DTYPES
+
+
 def _cupy_over(ptr, shape, dtype, byte_strides, owner, device_id):
     """A CuPy array over device memory at ``ptr`` that ``owner`` keeps alive (no copy)."""
     import cupy
@@ -556,14 +562,16 @@ class Call:
         views = {}
         first = None
         device_id = 0
+        by_type = _framework_by_type
+        dtypes = None
         for name, obj in arrays.items():
             if obj is None:
                 views[name] = None
                 continue
-            if (_framework_by_type.get(type(obj)) or _framework_of(obj)) != "torch":
+            if (by_type.get(type(obj)) or _framework_of(obj)) != "torch":
                 return False  # before the dtype table below: a NumPy or CuPy caller never imports torch
-            if not _TORCH_DTYPES:
-                _torch_np_dtype(None)
+            if dtypes is None:
+                dtypes = _TORCH_DTYPES or _torch_dtypes()
             if obj.requires_grad:
                 _no_autograd(obj, name)
             if not obj.is_cuda:
@@ -574,7 +582,7 @@ class Call:
             elif dev != device_id:
                 raise ValueError(f"{name} is on cuda:{dev} but {first} is on cuda:{device_id}; "
                                  "all arrays of one call must be on the same device")
-            dt = _TORCH_DTYPES.get(obj.dtype)
+            dt = dtypes.get(obj.dtype)
             if dt is None or not obj.is_contiguous():
                 return False
             views[name] = DevArray(obj.data_ptr(), tuple(obj.shape), dt, obj, device_id, 0, True)
@@ -586,7 +594,8 @@ class Call:
         self.framework, self.backend, self.device_id, self._first = "torch", "cuda", device_id, first
         self._fast_torch = self._lean = self._light = True
         self._on_xla_stream = self._entered = self._active = self._current = False
-        self._tdev = self._stream = None
+        self._stream = None
+        self._tdev = _torch_devices.get(device_id)
         self._device = device
         self.stream_ptr = _torch_stream_ptr(device_id)
         self.views = views
@@ -727,18 +736,18 @@ class Call:
         tensor from torch's allocator (as a DevArray), else a CuPy (CUDA) or NumPy (CPU) array; FP8 on CUDA:
         a DevArray (see :func:`fp8_array`)."""
         if self._lean and self._fast_torch:
-            return self._torch_empty(shape, dtype)
+            pair = _ALLOC_DTYPES.get(dtype)
+            tdev = self._tdev
+            if pair is None or tdev is None:
+                return self._torch_empty(shape, dtype)
+            shape = tuple(shape)
+            t = _torch_mod.empty(shape, dtype=pair[1], device=tdev)
+            return DevArray(t.data_ptr(), shape, pair[0], t, self.device_id, 0, True)
         if self.backend == "cuda" and np.dtype(dtype) in FP8_DTYPES:
             return self._fp8_empty(shape, np.dtype(dtype))
         return self.xp.empty(shape, dtype=dtype)
 
-    def scratch(self, shape, dtype):
-        """Working memory of one call (allocated as :meth:`empty` allocates)."""
-        if self._lean and self._fast_torch:
-            return self._torch_empty(shape, dtype)
-        if self.backend == "cuda" and np.dtype(dtype) in FP8_DTYPES:
-            return self._fp8_empty(shape, np.dtype(dtype))
-        return self.xp.empty(shape, dtype=dtype)
+    scratch = empty  # working memory of one call, allocated as empty() allocates
 
     def _fp8_empty(self, shape, dtype):
         """An FP8 array on CUDA: uint8 memory from CuPy, the FP8 dtype on the DevArray; refused for callers
@@ -772,6 +781,8 @@ class Call:
         """Hand ``arr`` (a CuPy or NumPy array or DevArray made by the op) back in the caller's framework,
         no copy."""
         if type(arr) is DevArray:
+            if arr._whole and self.framework == "torch":
+                return arr.owner
             return arr.export(self.framework)
         if self._fast_torch and not isinstance(arr, np.ndarray):
             return _torch_from_cupy(arr, self.stream.ptr)
