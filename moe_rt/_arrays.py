@@ -586,7 +586,14 @@ class Call:
             if dt is None or not obj.is_contiguous():
                 return False
             views[name] = DevArray(obj.data_ptr(), tuple(obj.shape), dt, obj, device_id, 0, True)
-        if first is None or not _torch_device_current(device_id):
+        if first is None:
+            return False
+        cur, raw = _torch_cur_device, _torch_raw_stream
+        if cur is None or raw is None:  # first use: bind them
+            if not _torch_device_current(device_id):
+                return False
+            cur, raw = _torch_cur_device, _torch_raw_stream
+        elif cur is False or cur() != device_id:
             return False
         device = _devices.get(device_id)
         if device is None:
@@ -597,7 +604,7 @@ class Call:
         self._stream = None
         self._tdev = _torch_devices.get(device_id)
         self._device = device
-        self.stream_ptr = _torch_stream_ptr(device_id)
+        self.stream_ptr = int(raw(device_id)) if raw is not None else _torch_stream_ptr(device_id)
         self.views = views
         self.xp = None  # CuPy on first use (see the xp property)
         return True
