@@ -19,6 +19,7 @@ import threading
 import numpy as np
 
 from moe_rt import _dlpack
+from moe_rt import _light as _light_ext
 
 try:
     import ml_dtypes
@@ -295,7 +296,7 @@ class _Flags:
 _CONTIGUOUS = _Flags()
 
 
-class DevArray:
+class DevArray(_light_ext.DevArrayBase):
     """A C-contiguous array in device memory, as moe_rt's kernels see it: ``ptr``, ``shape``, ``dtype``
     and ``owner``, the object whose memory it is (a torch tensor, an XLA buffer, a CuPy array), kept alive
     by the view; ``offset`` counts elements from the owner's start (a slice of one plan buffer).
@@ -305,29 +306,11 @@ class DevArray:
     what a launch needs (``data.ptr``, ``shape``, ``dtype``, ``size``, ``reshape``, 1-D slices), and
     anything else goes through :meth:`cupy`, a CuPy view of the same memory."""
 
-    __slots__ = ("ptr", "shape", "dtype", "owner", "device_id", "offset", "_cp", "_whole")
+    # ptr, shape, dtype, owner, device_id, offset, _cp (the CuPy view, made once) and _whole (the owner is a
+    # contiguous torch tensor of exactly this shape: its export is the owner itself), and data, ndim, size,
+    # nbytes: compiled in moe_rt._light
+    __slots__ = ()
     flags = _CONTIGUOUS
-
-    def __init__(self, ptr, shape, dtype, owner, device_id, offset=0, whole=False):
-        self.ptr, self.shape, self.dtype, self.owner = ptr, shape, dtype, owner
-        # whole: the owner is a contiguous torch tensor of exactly this shape (its export is the owner itself)
-        self.device_id, self.offset, self._cp, self._whole = device_id, offset, None, whole
-
-    @property
-    def data(self):  # ``a.data.ptr`` reads like a CuPy array's
-        return self
-
-    @property
-    def ndim(self):
-        return len(self.shape)
-
-    @property
-    def size(self):
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self):
-        return self.size * self.dtype.itemsize
 
     def reshape(self, *shape):
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
@@ -559,35 +542,11 @@ class Call:
         of a dtype moe_rt handles (or None), on torch's current device, on torch's current stream (no
         ``stream=``): the light call :meth:`__init__` would make, with the same checks in the same order. False
         (nothing set) for any other call, which :meth:`__init__` then sets up in full."""
-        views = {}
-        first = None
-        device_id = 0
-        by_type = _framework_by_type
-        dtypes = None
-        for name, obj in arrays.items():
-            if obj is None:
-                views[name] = None
-                continue
-            if (by_type.get(type(obj)) or _framework_of(obj)) != "torch":
-                return False  # before the dtype table below: a NumPy or CuPy caller never imports torch
-            if dtypes is None:
-                dtypes = _TORCH_DTYPES or _torch_dtypes()
-            if obj.requires_grad:
-                _no_autograd(obj, name)
-            if not obj.is_cuda:
-                return False
-            dev = obj.get_device()
-            if first is None:
-                first, device_id = name, dev
-            elif dev != device_id:
-                raise ValueError(f"{name} is on cuda:{dev} but {first} is on cuda:{device_id}; "
-                                 "all arrays of one call must be on the same device")
-            dt = dtypes.get(obj.dtype)
-            if dt is None or not obj.is_contiguous():
-                return False
-            views[name] = DevArray(obj.data_ptr(), tuple(obj.shape), dt, obj, device_id, 0, True)
-        if first is None:
+        # the dtype table (torch's import) only once a torch tensor came: a NumPy or CuPy caller never imports torch
+        got = _light_ext.torch_views(arrays, _framework_by_type, _torch_dtypes, _framework_of, _no_autograd, DevArray)
+        if got is None:
             return False
+        views, first, device_id = got
         cur, raw = _torch_cur_device, _torch_raw_stream
         if cur is None or raw is None:  # first use: bind them
             if not _torch_device_current(device_id):
@@ -747,9 +706,7 @@ class Call:
             tdev = self._tdev
             if pair is None or tdev is None:
                 return self._torch_empty(shape, dtype)
-            shape = tuple(shape)
-            t = _torch_mod.empty(shape, dtype=pair[1], device=tdev)
-            return DevArray(t.data_ptr(), shape, pair[0], t, self.device_id, 0, True)
+            return _light_ext.torch_empty(_torch_mod.empty, shape, pair[1], pair[0], tdev, self.device_id, DevArray)
         if self.backend == "cuda" and np.dtype(dtype) in FP8_DTYPES:
             return self._fp8_empty(shape, np.dtype(dtype))
         return self.xp.empty(shape, dtype=dtype)
