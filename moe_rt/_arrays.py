@@ -393,6 +393,7 @@ def _torch_dtype_of(dt):
 
 _TORCH_BY_NP: dict = {}
 _ALLOC_DTYPES: dict = {}  # a dtype as the ops pass it to Call.empty -> (its NumPy dtype, the torch dtype)
+_FP8_ALLOC: dict = {}  # a dtype as the ops pass it to Call.empty -> whether it is an FP8 dtype
 _torch_mod = None
 
 
@@ -707,8 +708,12 @@ class Call:
             if pair is None or tdev is None:
                 return self._torch_empty(shape, dtype)
             return _light_ext.torch_empty(_torch_mod.empty, shape, pair[1], pair[0], tdev, self.device_id, DevArray)
-        if self.backend == "cuda" and np.dtype(dtype) in FP8_DTYPES:
-            return self._fp8_empty(shape, np.dtype(dtype))
+        if self.backend == "cuda":
+            fp8 = _FP8_ALLOC.get(dtype)
+            if fp8 is None:
+                fp8 = _FP8_ALLOC[dtype] = np.dtype(dtype) in FP8_DTYPES
+            if fp8:
+                return self._fp8_empty(shape, np.dtype(dtype))
         return self.xp.empty(shape, dtype=dtype)
 
     scratch = empty  # working memory of one call, allocated as empty() allocates

@@ -334,6 +334,11 @@ def _flat(xp, arr, E):
     return arr.reshape(-1, E)
 
 
+def _out_rows(call, arr, lead):
+    """A result of ``[T, ...]`` rows handed back with the leading shape ``lead`` (a tuple) in place of T."""
+    return call.out(arr if len(lead) == 1 else arr.reshape(lead + tuple(arr.shape[1:])))
+
+
 def _shaped(arr, shape):
     """``arr`` reshaped to ``shape`` (a tuple): itself when it has that shape already."""
     return arr if tuple(arr.shape) == shape else arr.reshape(shape)
@@ -497,12 +502,8 @@ def topk_with_score(logits, topk, *, score_function="softmax", use_pre_softmax=F
                 _core.topk_with_score(_core.device(call.device_id), _ptr(x), _CODES[x.dtype], T, E, K,
                                       SCORE_FUNCTIONS[score_function], pre, G, g, scale, _ptr(b32), _ptr(probs),
                                       _ptr(rmap), _CODES[rmap.dtype], _ptr(inter), call.stream_ptr)
-        shape = lead + (E,)
-        if topk_indices is not None:
-            routing = topk_indices
-        else:
-            routing = call.out(_shaped(rmap, lead + tuple(rmap.shape[1:]) if bitmap or idt is not None else shape))
-        return call.out(_shaped(probs, shape)), routing, call.out(_shaped(inter, shape))
+        routing = topk_indices if topk_indices is not None else _out_rows(call, rmap, lead)
+        return _out_rows(call, probs, lead), routing, _out_rows(call, inter, lead)
 
 
 def _index_buffer(call, obj, shape):
@@ -1049,9 +1050,7 @@ def scores_for_aux_loss(logits, topk, score_function, *, routing_map_format="byt
                 _core.scores_for_aux_loss(_core.device(call.device_id), _ptr(x), _CODES[x.dtype], T, E, K,
                                           SCORE_FUNCTIONS[score_function], _ptr(scores), _ptr(rmap),
                                           _CODES[rmap.dtype], _ptr(inter), call.stream_ptr)
-        shape = lead + (E,)
-        return (call.out(_shaped(scores, shape)), call.out(_shaped(rmap, lead + tuple(rmap.shape[1:]))),
-                call.out(_shaped(inter, shape)))
+        return _out_rows(call, scores, lead), _out_rows(call, rmap, lead), _out_rows(call, inter, lead)
 
 
 def check_scores_args(xv, topk, score_function):
