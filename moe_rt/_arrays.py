@@ -469,7 +469,7 @@ class Call:
     scalar is taken as a 0-d array."""
 
     def __init__(self, arrays: dict, stream=None, *, xla_buffers: bool = False, lean: bool = False):
-        if lean and stream is None and self._torch_light(arrays):
+        if stream is None and ((lean and self._torch_light(arrays)) or self._cupy_plain(arrays, lean)):
             return
         self.framework = None
         self.backend = None
@@ -567,6 +567,30 @@ class Call:
         self.stream_ptr = int(raw(device_id)) if raw is not None else _torch_stream_ptr(device_id)
         self.views = views
         self.xp = None  # CuPy on first use (see the xp property)
+        return True
+
+    def _cupy_plain(self, arrays: dict, lean: bool) -> bool:
+        """A call of CuPy arrays alone on CuPy's current stream (no ``stream=``), set up in one pass: what
+        :meth:`__init__` would set, with the same checks in the same order; the views are the arrays. False
+        (nothing set) for any other call."""
+        got = _light_ext.cupy_views(arrays, _framework_by_type, _framework_of, FP8_DTYPES)
+        if got is None:
+            return False
+        first, device_id = got
+        self.framework, self.backend, self.device_id, self._first = "cupy", "cuda", device_id, first
+        self._fast_torch = self._on_xla_stream = self._light = self._entered = self._active = False
+        self._lean = lean
+        self._tdev = None
+        self.xp = _cupy()
+        device = _devices.get(device_id)
+        if device is None:
+            device = _devices[device_id] = self.xp.cuda.Device(device_id)
+        self._device = device
+        self._stream = _default_stream("cupy", device_id)
+        # CuPy arrays on CuPy's current device and stream: both are current already (nothing to enter)
+        self._current = _cupy_device() == device_id
+        self.stream_ptr = self._stream.ptr
+        self.views = dict(arrays)
         return True
 
     @property

@@ -86,3 +86,38 @@ def torch_empty(empty, shape, tdtype, dtype, tdev, device_id, type cls):
     shape = tuple(shape)
     t = empty(shape, dtype=tdtype, device=tdev)
     return _whole_view(cls, t.data_ptr(), shape, dtype, t, device_id)
+
+
+def cupy_views(dict arrays, dict by_type, framework_of, tuple fp8_dtypes):
+    """``(first name, device id)`` if every array of ``arrays`` (name -> array or None) is a CuPy one and one
+    at least is given, else None. Raises as moe_rt._arrays.Call does, in its order: arrays on different
+    devices, then a CuPy array of an FP8 dtype (CuPy cannot hold FP8)."""
+    cdef object first = None
+    cdef object device_id = 0
+    cdef object fp8_name = None
+    cdef object fp8_dtype = None
+    for name, obj in arrays.items():
+        if obj is None:
+            continue
+        fw = by_type.get(type(obj))
+        if fw is None:
+            fw = framework_of(obj)
+        if fw != "cupy":
+            return None
+        dev = obj.device.id
+        if first is None:
+            first, device_id = name, dev
+        elif dev != device_id:
+            raise ValueError(f"{name} is on cuda:{dev} but {first} is on cuda:{device_id}; "
+                             "all arrays of one call must be on the same device")
+        if fp8_name is None:
+            dt = obj.dtype
+            if dt.itemsize == 1 and dt in fp8_dtypes:
+                fp8_name, fp8_dtype = name, dt
+    if first is None:
+        return None
+    if fp8_name is not None:
+        raise TypeError(f"{fp8_name}: a CuPy {fp8_dtype.name} array; CuPy has no FP8 dtype moe_rt can use, so "
+                        "FP8 on CUDA is taken from torch and JAX only (or pass the bytes as uint8 to "
+                        "moe_rt.dispatch, which moves them unchanged)")
+    return first, device_id
