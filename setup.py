@@ -74,6 +74,7 @@ extensions = [
     Extension("moe_rt._comm", ["moe_rt/_comm.pyx"], libraries=["dl"]),
     Extension("moe_rt._handle", ["moe_rt/_handle.pyx"]),
     Extension("moe_rt._launch", ["moe_rt/_launch.pyx"], libraries=["dl"]),
+    Extension("moe_rt._light", ["moe_rt/_light.pyx"]),
     Extension("moe_rt._core", ["moe_rt/_core.pyx"], include_dirs=["include"], libraries=["dl"]),
 ]
 

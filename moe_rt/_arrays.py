@@ -19,6 +19,7 @@ import threading
 import numpy as np
 
 from moe_rt import _dlpack
+from moe_rt import _light as _light_ext
 
 try:
     import ml_dtypes
@@ -217,6 +218,12 @@ def _torch_np_dtype(tdtype):
     return _TORCH_DTYPES.get(tdtype)
 
 
+def _torch_dtypes() -> dict:
+    """torch dtype -> NumPy dtype of the dtypes moe_rt handles (filled on first use)."""
+    _torch_np_dtype(None)
+    return _TORCH_DTYPES
+
+
 def _cupy_over(ptr, shape, dtype, byte_strides, owner, device_id):
     """A CuPy array over device memory at ``ptr`` that ``owner`` keeps alive (no copy)."""
     import cupy
@@ -289,7 +296,7 @@ class _Flags:
 _CONTIGUOUS = _Flags()
 
 
-class DevArray:
+class DevArray(_light_ext.DevArrayBase):
     """A C-contiguous array in device memory, as moe_rt's kernels see it: ``ptr``, ``shape``, ``dtype``
     and ``owner``, the object whose memory it is (a torch tensor, an XLA buffer, a CuPy array), kept alive
     by the view; ``offset`` counts elements from the owner's start (a slice of one plan buffer).
@@ -299,29 +306,11 @@ class DevArray:
     what a launch needs (``data.ptr``, ``shape``, ``dtype``, ``size``, ``reshape``, 1-D slices), and
     anything else goes through :meth:`cupy`, a CuPy view of the same memory."""
 
-    __slots__ = ("ptr", "shape", "dtype", "owner", "device_id", "offset", "_cp", "_whole")
+    # ptr, shape, dtype, owner, device_id, offset, _cp (the CuPy view, made once) and _whole (the owner is a
+    # contiguous torch tensor of exactly this shape: its export is the owner itself), and data, ndim, size,
+    # nbytes: compiled in moe_rt._light
+    __slots__ = ()
     flags = _CONTIGUOUS
-
-    def __init__(self, ptr, shape, dtype, owner, device_id, offset=0, whole=False):
-        self.ptr, self.shape, self.dtype, self.owner = ptr, shape, dtype, owner
-        # whole: the owner is a contiguous torch tensor of exactly this shape (its export is the owner itself)
-        self.device_id, self.offset, self._cp, self._whole = device_id, offset, None, whole
-
-    @property
-    def data(self):  # ``a.data.ptr`` reads like a CuPy array's
-        return self
-
-    @property
-    def ndim(self):
-        return len(self.shape)
-
-    @property
-    def size(self):
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self):
-        return self.size * self.dtype.itemsize
 
     def reshape(self, *shape):
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
@@ -404,6 +393,7 @@ def _torch_dtype_of(dt):
 
 _TORCH_BY_NP: dict = {}
 _ALLOC_DTYPES: dict = {}  # a dtype as the ops pass it to Call.empty -> (its NumPy dtype, the torch dtype)
+_FP8_ALLOC: dict = {}  # a dtype as the ops pass it to Call.empty -> whether it is an FP8 dtype
 _torch_mod = None
 
 
@@ -479,7 +469,7 @@ class Call:
     scalar is taken as a 0-d array."""
 
     def __init__(self, arrays: dict, stream=None, *, xla_buffers: bool = False, lean: bool = False):
-        if lean and stream is None and self._torch_light(arrays):
+        if stream is None and ((lean and self._torch_light(arrays)) or self._cupy_plain(arrays, lean)):
             return
         self.framework = None
         self.backend = None
@@ -553,32 +543,17 @@ class Call:
         of a dtype moe_rt handles (or None), on torch's current device, on torch's current stream (no
         ``stream=``): the light call :meth:`__init__` would make, with the same checks in the same order. False
         (nothing set) for any other call, which :meth:`__init__` then sets up in full."""
-        views = {}
-        first = None
-        device_id = 0
-        for name, obj in arrays.items():
-            if obj is None:
-                views[name] = None
-                continue
-            if (_framework_by_type.get(type(obj)) or _framework_of(obj)) != "torch":
-                return False  # before the dtype table below: a NumPy or CuPy caller never imports torch
-            if not _TORCH_DTYPES:
-                _torch_np_dtype(None)
-            if obj.requires_grad:
-                _no_autograd(obj, name)
-            if not obj.is_cuda:
+        # the dtype table (torch's import) only once a torch tensor came: a NumPy or CuPy caller never imports torch
+        got = _light_ext.torch_views(arrays, _framework_by_type, _torch_dtypes, _framework_of, _no_autograd, DevArray)
+        if got is None:
+            return False
+        views, first, device_id = got
+        cur, raw = _torch_cur_device, _torch_raw_stream
+        if cur is None or raw is None:  # first use: bind them
+            if not _torch_device_current(device_id):
                 return False
-            dev = obj.get_device()
-            if first is None:
-                first, device_id = name, dev
-            elif dev != device_id:
-                raise ValueError(f"{name} is on cuda:{dev} but {first} is on cuda:{device_id}; "
-                                 "all arrays of one call must be on the same device")
-            dt = _TORCH_DTYPES.get(obj.dtype)
-            if dt is None or not obj.is_contiguous():
-                return False
-            views[name] = DevArray(obj.data_ptr(), tuple(obj.shape), dt, obj, device_id, 0, True)
-        if first is None or not _torch_device_current(device_id):
+            cur, raw = _torch_cur_device, _torch_raw_stream
+        elif cur is False or cur() != device_id:
             return False
         device = _devices.get(device_id)
         if device is None:
@@ -586,11 +561,36 @@ class Call:
         self.framework, self.backend, self.device_id, self._first = "torch", "cuda", device_id, first
         self._fast_torch = self._lean = self._light = True
         self._on_xla_stream = self._entered = self._active = self._current = False
-        self._tdev = self._stream = None
+        self._stream = None
+        self._tdev = _torch_devices.get(device_id)
         self._device = device
-        self.stream_ptr = _torch_stream_ptr(device_id)
+        self.stream_ptr = int(raw(device_id)) if raw is not None else _torch_stream_ptr(device_id)
         self.views = views
         self.xp = None  # CuPy on first use (see the xp property)
+        return True
+
+    def _cupy_plain(self, arrays: dict, lean: bool) -> bool:
+        """A call of CuPy arrays alone on CuPy's current stream (no ``stream=``), set up in one pass: what
+        :meth:`__init__` would set, with the same checks in the same order; the views are the arrays. False
+        (nothing set) for any other call."""
+        got = _light_ext.cupy_views(arrays, _framework_by_type, _framework_of, FP8_DTYPES)
+        if got is None:
+            return False
+        first, device_id = got
+        self.framework, self.backend, self.device_id, self._first = "cupy", "cuda", device_id, first
+        self._fast_torch = self._on_xla_stream = self._light = self._entered = self._active = False
+        self._lean = lean
+        self._tdev = None
+        self.xp = _cupy()
+        device = _devices.get(device_id)
+        if device is None:
+            device = _devices[device_id] = self.xp.cuda.Device(device_id)
+        self._device = device
+        self._stream = _default_stream("cupy", device_id)
+        # CuPy arrays on CuPy's current device and stream: both are current already (nothing to enter)
+        self._current = _cupy_device() == device_id
+        self.stream_ptr = self._stream.ptr
+        self.views = dict(arrays)
         return True
 
     @property
@@ -727,18 +727,20 @@ class Call:
         tensor from torch's allocator (as a DevArray), else a CuPy (CUDA) or NumPy (CPU) array; FP8 on CUDA:
         a DevArray (see :func:`fp8_array`)."""
         if self._lean and self._fast_torch:
-            return self._torch_empty(shape, dtype)
-        if self.backend == "cuda" and np.dtype(dtype) in FP8_DTYPES:
-            return self._fp8_empty(shape, np.dtype(dtype))
+            pair = _ALLOC_DTYPES.get(dtype)
+            tdev = self._tdev
+            if pair is None or tdev is None:
+                return self._torch_empty(shape, dtype)
+            return _light_ext.torch_empty(_torch_mod.empty, shape, pair[1], pair[0], tdev, self.device_id, DevArray)
+        if self.backend == "cuda":
+            fp8 = _FP8_ALLOC.get(dtype)
+            if fp8 is None:
+                fp8 = _FP8_ALLOC[dtype] = np.dtype(dtype) in FP8_DTYPES
+            if fp8:
+                return self._fp8_empty(shape, np.dtype(dtype))
         return self.xp.empty(shape, dtype=dtype)
 
-    def scratch(self, shape, dtype):
-        """Working memory of one call (allocated as :meth:`empty` allocates)."""
-        if self._lean and self._fast_torch:
-            return self._torch_empty(shape, dtype)
-        if self.backend == "cuda" and np.dtype(dtype) in FP8_DTYPES:
-            return self._fp8_empty(shape, np.dtype(dtype))
-        return self.xp.empty(shape, dtype=dtype)
+    scratch = empty  # working memory of one call, allocated as empty() allocates
 
     def _fp8_empty(self, shape, dtype):
         """An FP8 array on CUDA: uint8 memory from CuPy, the FP8 dtype on the DevArray; refused for callers
@@ -772,6 +774,8 @@ class Call:
         """Hand ``arr`` (a CuPy or NumPy array or DevArray made by the op) back in the caller's framework,
         no copy."""
         if type(arr) is DevArray:
+            if arr._whole and self.framework == "torch":
+                return arr.owner
             return arr.export(self.framework)
         if self._fast_torch and not isinstance(arr, np.ndarray):
             return _torch_from_cupy(arr, self.stream.ptr)

@@ -468,8 +468,8 @@ _plan_sizes: dict = {}  # (T, K, E, N) -> (the plan buffer's layout, the core's 
 
 
 def _plan_cuda(call, r, T, K, E, A, N, num_out_tokens, apart=False):
-    """make_plan in the C core: the plan's arrays as views of one int32 buffer (``apart``: five allocations),
-    its working memory apart."""
+    """make_plan in the C core: the plan's arrays as views of one int32 buffer that holds the core's working
+    memory after them (``apart``: five allocations and the working memory apart)."""
     idx = _arrays.contiguous(call.xp, r)  # a routing map is read in place (slot t*E + e is expert e)
     key = (T, K, E, N)
     sizes = _plan_sizes.get(key)
@@ -481,15 +481,19 @@ def _plan_cuda(call, r, T, K, E, A, N, num_out_tokens, apart=False):
     if apart:
         views = {k: call.empty(shape, np.int32) for k, (_, shape) in spec.items()}
         ptrs = [views[k].data.ptr for k in _PLAN_NAMES]
+        ws = call.scratch((max(nws, 1),), np.uint8).data.ptr
     else:
-        buf = call.empty((T * K + N + 3 * E + 1,), np.int32)
+        # one allocation: the plan's arrays, then the core's working memory (int32 words: the plan kernels'
+        # tables and counter), which the plan keeps (a torch plan's split takes it as its last piece)
+        words = T * K + N + 3 * E + 1
+        buf = call.empty((words + (nws + 3) // 4,), np.int32)
         b = buf.data.ptr
         ptrs = [b + 4 * spec[k][0] for k in _PLAN_NAMES]
+        ws = b + 4 * words
         views = _PlanViews()
         views._buf, views._spec = buf, spec
-    ws = call.scratch((max(nws, 1),), np.uint8)
     _core.make_plan(_core.device(call.device_id), idx.data.ptr, _CODES[np.dtype(idx.dtype)], T, K, E, A,
-                    -1 if num_out_tokens is None else num_out_tokens, *ptrs, ws.data.ptr, nws, call.stream_ptr)
+                    -1 if num_out_tokens is None else num_out_tokens, *ptrs, ws, nws, call.stream_ptr)
     return views
 
 

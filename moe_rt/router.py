@@ -334,6 +334,11 @@ def _flat(xp, arr, E):
     return arr.reshape(-1, E)
 
 
+def _out_rows(call, arr, lead):
+    """A result of ``[T, ...]`` rows handed back with the leading shape ``lead`` (a tuple) in place of T."""
+    return call.out(arr if len(lead) == 1 else arr.reshape(lead + tuple(arr.shape[1:])))
+
+
 def _shaped(arr, shape):
     """``arr`` reshaped to ``shape`` (a tuple): itself when it has that shape already."""
     return arr if tuple(arr.shape) == shape else arr.reshape(shape)
@@ -378,6 +383,25 @@ def check_topk_args(xv, bv, topk, score_function, use_pre_softmax, num_groups, g
 
 
 _TOPK_ARGS: dict = {}
+
+
+def _topk_checks(xv, bv, topk, score_function, use_pre_softmax, num_groups, group_topk, scaling_factor,
+                 routing_map_format, topk_indices, topk_indices_dtype):
+    """:func:`check_topk_outputs` then :func:`check_topk_args`, kept by signature (``topk_indices``: the
+    caller's buffer or None): ``(bitmap, index dtype or None, E, K, G, g, scale, pre)``."""
+    key = (_sig(xv), _sig(bv), _sig(topk_indices), type(topk), topk, type(score_function), score_function,
+           type(use_pre_softmax), use_pre_softmax, type(num_groups), num_groups, type(group_topk), group_topk,
+           _fkey(scaling_factor), type(routing_map_format), routing_map_format, type(topk_indices_dtype),
+           topk_indices_dtype)
+    hit = _validated(_TOPK_CALLS, key)
+    if hit is not None:
+        return hit
+    outputs = check_topk_outputs(xv, topk, routing_map_format, topk_indices, topk_indices_dtype)
+    return _remember(_TOPK_CALLS, key, outputs + check_topk_args(xv, bv, topk, score_function, use_pre_softmax,
+                                                                  num_groups, group_topk, scaling_factor))
+
+
+_TOPK_CALLS: dict = {}
 
 
 def _prepare_topk(call, topk, score_function, use_pre_softmax, num_groups, group_topk, scaling_factor,
@@ -442,10 +466,12 @@ def topk_with_score(logits, topk, *, score_function="softmax", use_pre_softmax=F
     if topk_indices is not None:
         arrays["topk_indices"] = topk_indices
     with _arrays.Call(arrays, stream=stream, lean=True) as call:
-        bitmap, idt = check_topk_outputs(call["logits"], topk, routing_map_format, topk_indices,
-                                         topk_indices_dtype)
-        lead, x, E, K, G, g, scale, pre, bv = _prepare_topk(call, topk, score_function, use_pre_softmax,
-                                                            num_groups, group_topk, scaling_factor, expert_bias)
+        xv, bv = call["logits"], call["expert_bias"]
+        bitmap, idt, E, K, G, g, scale, pre = _topk_checks(xv, bv, topk, score_function, use_pre_softmax, num_groups,
+                                                           group_topk, scaling_factor, routing_map_format,
+                                                           topk_indices, topk_indices_dtype)
+        # rows flattened to [T, E]; ``lead`` restores the leading shape of the outputs
+        lead, x = tuple(xv.shape[:-1]), _flat(call.xp, xv, E)
         T = x.shape[0]
         buf = None
         if topk_indices is not None:
@@ -460,7 +486,6 @@ def topk_with_score(logits, topk, *, score_function="softmax", use_pre_softmax=F
                     buf[...] = idx.reshape(buf.shape)
                 rmap = idx
         else:
-            xp = call.xp
             probs = call.empty((T, E), dtype=x.dtype)
             rmap = idx = None
             if idt is None:
@@ -473,16 +498,12 @@ def topk_with_score(logits, topk, *, score_function="softmax", use_pre_softmax=F
             if idx is not None:
                 rmap = idx
             if T > 0:
-                b32 = None if bv is None else _arrays.as_f32(xp, bv)
+                b32 = None if bv is None else _arrays.as_f32(call.xp, bv)
                 _core.topk_with_score(_core.device(call.device_id), _ptr(x), _CODES[x.dtype], T, E, K,
                                       SCORE_FUNCTIONS[score_function], pre, G, g, scale, _ptr(b32), _ptr(probs),
                                       _ptr(rmap), _CODES[rmap.dtype], _ptr(inter), call.stream_ptr)
-        shape = lead + (E,)
-        if topk_indices is not None:
-            routing = topk_indices
-        else:
-            routing = call.out(_shaped(rmap, lead + tuple(rmap.shape[1:]) if bitmap or idt is not None else shape))
-        return call.out(_shaped(probs, shape)), routing, call.out(_shaped(inter, shape))
+        routing = topk_indices if topk_indices is not None else _out_rows(call, rmap, lead)
+        return _out_rows(call, probs, lead), routing, _out_rows(call, inter, lead)
 
 
 def _index_buffer(call, obj, shape):
@@ -521,7 +542,7 @@ def topk_indices_with_score(logits, topk, *, score_function="softmax", use_pre_s
             idx = call.empty((T, K), dtype=np.int32)
             w = call.empty((T, K), dtype=np.float32)
             if T > 0:
-                b32 = None if bv is None else _arrays.as_f32(xp, bv)
+                b32 = None if bv is None else _arrays.as_f32(call.xp, bv)
                 _core.topk_indices_with_score(_core.device(call.device_id), _ptr(x), _CODES[x.dtype], T, E, K,
                                               SCORE_FUNCTIONS[score_function], pre, G, g, scale, _ptr(b32),
                                               _ptr(idx), _ptr(w), call.stream_ptr)
@@ -1029,9 +1050,7 @@ def scores_for_aux_loss(logits, topk, score_function, *, routing_map_format="byt
                 _core.scores_for_aux_loss(_core.device(call.device_id), _ptr(x), _CODES[x.dtype], T, E, K,
                                           SCORE_FUNCTIONS[score_function], _ptr(scores), _ptr(rmap),
                                           _CODES[rmap.dtype], _ptr(inter), call.stream_ptr)
-        shape = lead + (E,)
-        return (call.out(_shaped(scores, shape)), call.out(_shaped(rmap, lead + tuple(rmap.shape[1:]))),
-                call.out(_shaped(inter, shape)))
+        return _out_rows(call, scores, lead), _out_rows(call, rmap, lead), _out_rows(call, inter, lead)
 
 
 def check_scores_args(xv, topk, score_function):

@@ -119,6 +119,66 @@ def test_torch_light_call_leaves_other_calls_to_full_setup(fake_torch, monkeypat
         assert not hasattr(call, "views")
 
 
+@pytest.fixture
+def fake_cupy(monkeypatch):
+    """CuPy arrays of the counting stand-ins (made-up device addresses), CuPy's current stream and device
+    stood in too."""
+    pytest.importorskip("cupy")
+    spec = importlib.util.spec_from_file_location("profile_core_calls", ROOT / "tools" / "profile_core_calls.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    ndarray, _ = tool.make_fake_cupy()
+    streams = {d: tool.FakeStream(0x6000 + d) for d in (0, 1)}
+    monkeypatch.setattr(_arrays, "_default_stream", lambda fw, dev: streams[dev])
+    monkeypatch.setattr(_arrays, "_cupy_device", lambda: 0)
+    monkeypatch.setitem(_arrays._devices, 0, tool.FakeDevice(0))
+    monkeypatch.setitem(_arrays._devices, 1, tool.FakeDevice(1))
+    return ndarray, tool.FakeDevice
+
+
+def _full_cupy(monkeypatch, arrays, lean=True):
+    with monkeypatch.context() as m:
+        m.setattr(_arrays.Call, "_cupy_plain", lambda self, arrays, lean: False)
+        return _arrays.Call(dict(arrays), lean=lean)
+
+
+@pytest.mark.parametrize("lean", [True, False])
+def test_cupy_call_matches_full_setup(fake_cupy, monkeypatch, lean):
+    ndarray, _ = fake_cupy
+    arrays = {"x": ndarray((7, 33), np.float32), "probs": None, "idx": ndarray((7, 3), np.int32)}
+    fast = _arrays.Call(dict(arrays), lean=lean)
+    full = _full_cupy(monkeypatch, arrays, lean)
+    for attr in ("framework", "backend", "device_id", "stream_ptr", "_first", "_fast_torch", "_lean", "_current",
+                 "_on_xla_stream", "_stream", "_light", "_device", "xp"):
+        assert getattr(fast, attr) == getattr(full, attr), attr
+    assert fast.stream_ptr == 0x6000 and fast._current
+    assert list(fast.views) == list(full.views) == list(arrays)
+    assert all(fast[k] is arrays[k] and full[k] is arrays[k] for k in arrays)
+    with fast:
+        assert fast.out(fast["x"]) is arrays["x"]
+
+
+def test_cupy_call_refuses_as_full_setup(fake_cupy, monkeypatch):
+    """Arrays on two devices, then a CuPy FP8 array: the same errors as the full set-up, in its order (the
+    devices first, whichever array comes first)."""
+    ndarray, FakeDevice = fake_cupy
+    on1 = ndarray((4, 8), np.float32)
+    type(on1).device = property(lambda self: FakeDevice(getattr(self, "_dev", 0)))
+    on1._dev = 1
+    fp8 = ndarray((4, 8), _arrays.FLOAT8_E4M3)
+    for arrays, err, msg in [
+            ({"x": ndarray((4, 8), np.float32), "probs": on1}, ValueError,
+             "probs is on cuda:1 but x is on cuda:0; all arrays of one call must be on the same device"),
+            ({"x": fp8, "probs": on1}, ValueError,
+             "probs is on cuda:1 but x is on cuda:0; all arrays of one call must be on the same device"),
+            ({"x": ndarray((4, 8), np.float32), "probs": fp8}, TypeError, "probs: a CuPy float8_e4m3fn array")]:
+        with pytest.raises(err) as fast:
+            _arrays.Call(dict(arrays), lean=True)
+        with pytest.raises(err) as full:
+            _full_cupy(monkeypatch, arrays)
+        assert str(fast.value) == str(full.value) and str(fast.value).startswith(msg)
+
+
 def test_cached_checks_refuse_as_uncached(rng):
     x = rng.standard_normal((5, 12)).astype(np.float32)
     assert router.check_topk_args(x, None, 1, "softmax", False, None, None, 0.0)[4] == 0.0

@@ -313,8 +313,10 @@ def test_make_plan_hands_the_core_its_arrays(core, T, K, E, A, num_out, rdt):
     assert args[:7] == (routing.ptr, CODE[rdt], T, KK, E, A, -1 if num_out is None else num_out)
     assert args[7:12] == tuple(a.ptr for a in arrays) == PM._core_plan(plan)[:5]
     assert args[13:] == (nws, STREAM)
-    ws = next(m for m in core.mem.made if m.ptr == args[12])
-    assert ws.nbytes >= nws
+    # the working memory lies after the plan's arrays in the plan's one buffer
+    words = T * KK + N + 3 * E + 1
+    buf = next(m for m in core.mem.made if m.ptr == args[7])
+    assert args[12] == buf.ptr + 4 * words and buf.nbytes >= 4 * words + nws
     cp = _xla._Plan(*args[7:12])
     assert core.last_plan() == _abi_plan("moe_rt_make_plan", _p(routing), I(CODE[rdt]), L(T), L(KK), I(E), I(A),
                                          L(-1 if num_out is None else num_out), ctypes.byref(cp), P(args[12]),
