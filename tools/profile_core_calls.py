@@ -5,7 +5,11 @@ in by counting objects at made-up device addresses; torch.empty, torch's current
 CuPy device and stream context managers replaced by counting ones). Also the host time per call with those
 stand-ins (not the GPU's: a real torch.empty, CuPy context switch or cuLaunchKernel costs more).
 
-    python3 tools/profile_core_calls.py [--framework torch|cupy|both] [--time]
+    python3 tools/profile_core_calls.py [--framework torch|cupy|both] [--time] [--cycles]
+
+``--cycles`` also counts the objects each call leaves in reference cycles (freed only when Python's cyclic
+collector runs: a call's arrays caught in one outlive it, which on a GPU holds their memory); every op must
+leave none (tests/test_call_setup.py runs it).
 
 What a stand-in hides and the report names: each ``cupy.Device.__enter__`` is a cudaGetDevice (+ cudaSetDevice
 when another device is current) and each ``__exit__`` a cudaSetDevice; each CuPy stream ``__enter__`` /
@@ -388,7 +392,27 @@ def op_cases(new, K=8, T=128, H=1024, E=64, bf16=None):
     ]
 
 
-def run(framework: str, stub, timing: bool):
+def cyclic_garbage(fn, calls: int = 20) -> collections.Counter:
+    """The objects ``calls`` calls of ``fn`` leave in reference cycles, by type, per call (the collector off
+    meanwhile; what it then finds unreachable)."""
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        for _ in range(calls):
+            fn()
+        gc.collect()
+        found = collections.Counter(type(o).__name__ for o in gc.garbage)
+    finally:
+        gc.garbage.clear()
+        gc.set_debug(0)
+        if was:
+            gc.enable()
+    return collections.Counter({k: v / calls for k, v in found.items()})
+
+
+def run(framework: str, stub, timing: bool, cycles: bool = False):
     import torch
 
     from moe_rt import _arrays
@@ -448,6 +472,8 @@ def run(framework: str, stub, timing: bool):
         fn()
         calls = dict(COUNTS)
         calls.update({f"driver {k}": v for k, v in driver_counts(stub).items()})
+        if cycles:
+            calls.update({f"cyclic {k}": v for k, v in cyclic_garbage(fn).items()})
         us = None
         if timing:
             # the objects made so far (torch, the stand-ins) out of the collector's way: a full collection of
@@ -467,13 +493,15 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--framework", choices=("torch", "cupy"), default="torch")
     ap.add_argument("--time", action="store_true", help="also the host us per call with the stand-ins")
+    ap.add_argument("--cycles", action="store_true", help="also the objects a call leaves in reference cycles "
+                    "('cyclic <type>' per call; there should be none)")
     args = ap.parse_args(argv)
     tmp = tempfile.mkdtemp(prefix="moe_rt_profile_")
     stub = build_stub(tmp)
     root = os.path.join(tmp, "cache")
     os.makedirs(root)
     device_context(stub, root)
-    for name, calls, us in run(args.framework, stub, args.time):
+    for name, calls, us in run(args.framework, stub, args.time, args.cycles):
         head = f"{name}" + (f" ({us:.1f} us host here)" if us is not None else "")
         print(head + ": " + ", ".join(f"{k} x{v}" for k, v in sorted(calls.items())))
     return 0
