@@ -1071,3 +1071,352 @@ EXPORT XLA_FFI_Error* moe_rt_xla_ll_dispatch_bwd(XLA_FFI_CallFrame* f) {
 EXPORT XLA_FFI_Error* moe_rt_xla_ll_combine_bwd(XLA_FFI_CallFrame* f) {
   return ll_call(f, "moe_rt_xla_ll_combine_bwd", ll_combine_bwd_body);
 }
+
+/* ---- expert parallelism, capacity mode on the direct transport (moe_rt.jax ep_prepare / ep_dispatch /
+ * ep_combine and their VJPs) ------------------------------------------------------------------------------
+ *
+ * The group is moe_rt.EpGroup's direct transport's core group (moe_rt_ep_direct_group, on the group's device
+ * context, its stage pairs and kernels made when the op was lowered): attributes `group` and `group_serial`
+ * name it, checked against the core's registry of live direct groups, which holds it for the call (a closed
+ * group fails with the core's message); `device` is its CUDA ordinal. The handle is XLA's uint8 buffer (the
+ * layout of moe_rt_ep_handle_layout over the attributes' sizes: ranks from the group, num_local_experts,
+ * max_tokens_per_rank, topk, pair_capacity, recv_rows, num_rows; num_tokens T). The launches are the core's,
+ * on the group's context and XLA's stream. Not command-buffer compatible, for ll_call's reason: a replay
+ * would reach the transport's buffers without the registry's check, after EpGroup.close freed them. */
+
+typedef struct ep_frame {
+  moe_rt_ep_direct_group* g;
+  moe_rt_ep_direct_group_desc d;
+  moe_rt_context* ctx; /* the group's */
+  moe_rt_stream stream;
+  moe_rt_ep_direct_handle h;
+  int align; /* the group's align_size */
+} ep_frame;
+
+/* Bytes of a float row element (the EP ops move fp32, fp16 and bf16 rows); 0 for other dtypes. */
+static int64_t ep_float_size(int dtype) {
+  return dtype == MOE_RT_FLOAT32 ? 4 : (dtype == MOE_RT_FLOAT16 || dtype == MOE_RT_BFLOAT16) ? 2 : 0;
+}
+
+static XLA_FFI_Error* ep_rows(const frame* fr, const buf* b, const char* name, int64_t* rb) {
+  *rb = b->rank == 2 ? b->dims[1] * ep_float_size(b->dtype) : 0;
+  if (b->rank != 2 || !ep_float_size(b->dtype))
+    return fail(fr, XLA_FFI_Error_Code_INVALID_ARGUMENT, "%s: expected a float32, float16 or bfloat16 array [rows, "
+                "H], got rank %lld of dtype code %d", name, (long long)b->rank, b->dtype);
+  return NULL;
+}
+
+typedef XLA_FFI_Error* (*ep_body)(const frame* fr, ep_frame* e);
+
+static XLA_FFI_Error* ep_call(XLA_FFI_CallFrame* f, const char* op, ep_body body) {
+  BEGIN_TRAITS(op, 0);
+  int64_t address = 0, serial = 0, T = 0, rows = 0, N = 0;
+  int want_device = 0, ordinal = -1, L = 0, Tmax = 0, K = 0, P = 0, A = 0;
+  TRY(attr_i64(&fr, "group", &address));
+  TRY(attr_i64(&fr, "group_serial", &serial));
+  TRY(attr_int(&fr, "device", &want_device));
+  TRY(attr_int(&fr, "num_local_experts", &L));
+  TRY(attr_int(&fr, "max_tokens_per_rank", &Tmax));
+  TRY(attr_int(&fr, "topk", &K));
+  TRY(attr_int(&fr, "pair_capacity", &P));
+  TRY(attr_int(&fr, "align_size", &A));
+  TRY(attr_i64(&fr, "num_tokens", &T));
+  TRY(attr_i64(&fr, "recv_rows", &rows));
+  TRY(attr_i64(&fr, "num_rows", &N));
+  TRY(ordinal_of(&fr, &ordinal));
+  if (ordinal != want_device)
+    return fail(&fr, XLA_FFI_Error_Code_INVALID_ARGUMENT, "the EP group lives on cuda:%d, but XLA runs this call "
+                "on cuda:%d", want_device, ordinal);
+  XLA_FFI_Stream_Get_Args sa;
+  memset(&sa, 0, sizeof sa);
+  sa.struct_size = XLA_FFI_Stream_Get_Args_STRUCT_SIZE;
+  sa.ctx = fr.f->ctx;
+  TRY(fr.api->XLA_FFI_Stream_Get(&sa));
+  ep_frame e;
+  memset(&e, 0, sizeof e);
+  e.stream = (moe_rt_stream)sa.stream;
+  e.align = A;
+  CORE(moe_rt_ep_direct_group_acquire(address, serial, &e.g));
+  XLA_FFI_Error* err = NULL;
+  moe_rt_status st = moe_rt_ep_direct_group_get_desc(e.g, &e.d, &e.ctx);
+  if (st) err = fail_core(&fr, st, moe_rt_last_error());
+  if (!err && (P != e.d.pair_rows || rows != (int64_t)e.d.num_ranks * P || T < 0 || T > Tmax))
+    err = fail(&fr, XLA_FFI_Error_Code_INVALID_ARGUMENT, "attributes pair_capacity=%d, recv_rows=%lld, "
+               "num_tokens=%lld do not fit the group (%d ranks, pair capacity %d, max_tokens_per_rank %d)", P,
+               (long long)rows, (long long)T, e.d.num_ranks, e.d.pair_rows, Tmax);
+  if (!err) {
+    moe_rt_ep_handle_desc* hd = &e.h.desc;
+    hd->num_ranks = e.d.num_ranks;
+    hd->num_local_experts = L;
+    hd->max_tokens_per_rank = Tmax;
+    hd->topk = K;
+    hd->pair_capacity = P;
+    hd->recv_rows = rows;
+    hd->num_rows = N;
+    moe_rt_ep_handle_layout(hd);
+    e.h.num_tokens = T;
+    e.h.exact = 0;
+    err = body(&fr, &e);
+  }
+  moe_rt_ep_direct_group_release(e.g);
+  return err;
+}
+
+/* The handle buffer at argument (rets = 0) or result (rets = 1) i: uint8 [total_bytes]. */
+static XLA_FFI_Error* ep_handle_buf(const frame* fr, ep_frame* e, int rets, int64_t i, void** out) {
+  buf b;
+  TRY(rets ? ret(fr, i, -1, &b) : arg(fr, i, -1, &b));
+  TRY(want(fr, &b, "handle", MOE_RT_UINT8, 1, (int64_t)e->h.desc.total_bytes, 0, 0));
+  *out = b.data;
+  return NULL;
+}
+
+static void* ep_region(const ep_frame* e, int region) {
+  return (char*)e->h.buffer + e->h.desc.offset[region];
+}
+
+/* args: topk_idx [T, K] int32/int64; rets: handle, tokens_per_expert [L] int32, work int32 (scratch: the send
+ * side's chunk counts, then the plan kernels' workspace where the received side is not one kernel). attrs:
+ * the group's (above), rank, num_experts, align_size, capacity, and prepare's buffers as addresses (grid_sync,
+ * error_word, state, peer_box, inbox, timeout_ns; the transport's, alive while the core group is). */
+static XLA_FFI_Error* ep_prepare_body(const frame* fr, ep_frame* e) {
+  int rank, E;
+  int64_t cap, gs, ew, state, box, inbox, timeout;
+  TRY(attr_int(fr, "rank", &rank));
+  TRY(attr_int(fr, "num_experts", &E));
+  TRY(attr_i64(fr, "capacity", &cap));
+  TRY(attr_i64(fr, "grid_sync", &gs));
+  TRY(attr_i64(fr, "error_word", &ew));
+  TRY(attr_i64(fr, "state", &state));
+  TRY(attr_i64(fr, "peer_box", &box));
+  TRY(attr_i64(fr, "inbox", &inbox));
+  TRY(attr_i64(fr, "timeout_ns", &timeout));
+  TRY(counts(fr, 1, 3));
+  buf idx, tpe, work;
+  TRY(arg(fr, 0, -1, &idx));
+  if (idx.dtype != MOE_RT_INT32 && idx.dtype != MOE_RT_INT64)
+    return fail(fr, XLA_FFI_Error_Code_INVALID_ARGUMENT, "topk_idx: expected int32 or int64, got dtype code %d",
+                idx.dtype);
+  TRY(want(fr, &idx, "topk_idx", idx.dtype, 2, e->h.num_tokens, e->h.desc.topk, 0));
+  TRY(ep_handle_buf(fr, e, 1, 0, &e->h.buffer));
+  TRY(ret(fr, 1, -1, &tpe));
+  TRY(want(fr, &tpe, "tokens_per_expert", MOE_RT_INT32, 1, e->h.desc.num_local_experts, 0, 0));
+  TRY(ret(fr, 2, 1, &work));
+  moe_rt_ep_prepare_desc pd;
+  memset(&pd, 0, sizeof pd);
+  pd.handle = e->h.desc;
+  pd.rank = rank;
+  pd.num_experts = E;
+  pd.align_size = e->align;
+  pd.idx_dtype = idx.dtype;
+  pd.direct = 1;
+  pd.num_tokens = e->h.num_tokens;
+  pd.capacity = cap;
+  moe_rt_ep_prepare_sizes sz;
+  LL_CORE(moe_rt_ep_prepare_sizes_of(&pd, &sz));
+  size_t ws_bytes = 0;
+  if (!sz.fused) LL_CORE(moe_rt_make_plan_workspace_size(pd.handle.recv_rows, pd.handle.topk,
+                                                         pd.handle.num_local_experts, &ws_bytes));
+  const int64_t words = sz.part_words + (int64_t)((ws_bytes + 3) / 4);
+  if (work.dtype != MOE_RT_INT32 || work.dims[0] < words)
+    return fail(fr, XLA_FFI_Error_Code_INVALID_ARGUMENT, "work: expected int32 [>= %lld], got dtype code %d [%lld]",
+                (long long)words, work.dtype, (long long)work.dims[0]);
+  moe_rt_ep_prepare_buffers b;
+  memset(&b, 0, sizeof b);
+  b.handle = e->h.buffer;
+  b.topk_idx = e->h.num_tokens ? idx.data : NULL;
+  b.part = (int32_t*)work.data;
+  b.grid_sync = (uint32_t*)(uintptr_t)gs;
+  b.error_word = (uint32_t*)(uintptr_t)ew;
+  b.state = (uint32_t*)(uintptr_t)state;
+  b.peer_box = (const int64_t*)(uintptr_t)box;
+  b.inbox = (int32_t*)(uintptr_t)inbox;
+  b.peer_barrier = e->d.peer_barrier;
+  b.timeout_ns = timeout;
+  b.timeout_word = e->d.timeout_word;
+  b.workspace = sz.fused ? NULL : (int32_t*)work.data + sz.part_words;
+  b.workspace_bytes = ws_bytes;
+  LL_CORE(moe_rt_ep_prepare_send(e->ctx, &pd, &b, e->stream));
+  if (!sz.whole) {
+    LL_CORE(moe_rt_ep_direct_barrier(e->g, MOE_RT_EP_OP_PREPARE, e->stream));
+    LL_CORE(moe_rt_ep_prepare_recv(e->ctx, &pd, &b, e->stream));
+  }
+  LL_CORE(moe_rt_copy_on_device(e->ctx, tpe.data, ep_region(e, MOE_RT_EP_TOKENS_PER_EXPERT),
+                                4 * (size_t)e->h.desc.num_local_experts, e->stream));
+  return NULL;
+}
+
+/* args: handle, x [T, H] (float), then topk_weights [T, K] float32 when has_weights; rets: recv_x [N, H],
+ * recv_weights [N] float32 ([0] without weights), the handle's copy (uint8; [0] without weights: dispatch
+ * writes the received weights into a handle, here a copy, XLA's argument staying as it is). attrs: the group's,
+ * has_weights, zero_empty_slots. */
+static XLA_FFI_Error* ep_dispatch_body(const frame* fr, ep_frame* e) {
+  int has_w, zero;
+  TRY(attr_int(fr, "has_weights", &has_w));
+  TRY(attr_int(fr, "zero_empty_slots", &zero));
+  TRY(counts(fr, has_w ? 3 : 2, 3));
+  void* hin;
+  TRY(ep_handle_buf(fr, e, 0, 0, &hin));
+  buf x, w = {0}, rx, rw, hcopy;
+  TRY(arg(fr, 1, 2, &x));
+  int64_t rb;
+  TRY(ep_rows(fr, &x, "x", &rb));
+  const int64_t T = e->h.num_tokens, N = e->h.desc.num_rows, H = x.dims[1];
+  TRY(want(fr, &x, "x", x.dtype, 2, T, H, 0));
+  if (has_w) {
+    TRY(arg(fr, 2, -1, &w));
+    TRY(want(fr, &w, "topk_weights", MOE_RT_FLOAT32, 2, T, e->h.desc.topk, 0));
+  }
+  TRY(ret(fr, 0, -1, &rx));
+  TRY(want(fr, &rx, "recv_x", x.dtype, 2, N, H, 0));
+  TRY(ret(fr, 1, -1, &rw));
+  TRY(want(fr, &rw, "recv_weights", MOE_RT_FLOAT32, 1, has_w ? N : 0, 0, 0));
+  TRY(ret(fr, 2, -1, &hcopy));
+  e->h.buffer = hin;
+  if (has_w) {
+    TRY(ep_handle_buf(fr, e, 1, 2, &e->h.buffer));
+    LL_CORE(moe_rt_copy_on_device(e->ctx, e->h.buffer, hin, e->h.desc.total_bytes, e->stream));
+  } else {
+    TRY(want(fr, &hcopy, "handle copy", MOE_RT_UINT8, 1, 0, 0, 0));
+  }
+  moe_rt_ep_direct_outputs o;
+  memset(&o, 0, sizeof o);
+  o.out = rx.data;
+  o.out_w = has_w ? (float*)rw.data : NULL;
+  o.fill = 1;
+  o.zero = zero != 0;
+  o.with_w = has_w != 0;
+  LL_CORE(moe_rt_ep_direct_dispatch(e->g, MOE_RT_EP_OP_DISPATCH, &e->h, x.data, rb, has_w ? w.data : NULL, &o, 1,
+                                    e->stream));
+  return NULL;
+}
+
+/* args: handle, y [N, H] (float), then slot weights [rows, K] float32 when has_weights (recv_weights laid out on
+ * the slots by moe_rt.jax); rets: out [T, H]. attrs: the group's, has_weights. */
+static XLA_FFI_Error* ep_combine_body(const frame* fr, ep_frame* e) {
+  int has_w;
+  TRY(attr_int(fr, "has_weights", &has_w));
+  TRY(counts(fr, has_w ? 3 : 2, 1));
+  TRY(ep_handle_buf(fr, e, 0, 0, &e->h.buffer));
+  buf y, w = {0}, out;
+  TRY(arg(fr, 1, 2, &y));
+  int64_t rb;
+  TRY(ep_rows(fr, &y, "y", &rb));
+  const int64_t H = y.dims[1];
+  TRY(want(fr, &y, "y", y.dtype, 2, e->h.desc.num_rows, H, 0));
+  if (has_w) {
+    TRY(arg(fr, 2, -1, &w));
+    TRY(want(fr, &w, "slot_weights", MOE_RT_FLOAT32, 2, e->h.desc.recv_rows, e->h.desc.topk, 0));
+  }
+  TRY(ret(fr, 0, -1, &out));
+  TRY(want(fr, &out, "out", y.dtype, 2, e->h.num_tokens, H, 0));
+  LL_CORE(moe_rt_ep_direct_combine(e->g, MOE_RT_EP_OP_COMBINE, &e->h, y.data, y.dtype, H, has_w ? w.data : NULL,
+                                   NULL, NULL, out.data, NULL, 1, e->stream));
+  return NULL;
+}
+
+/* VJP of dispatch. args: handle, grad_recv_x [N, H], then grad_recv_w [N] float32 when has_weights; rets:
+ * grad_x [T, H], grad_topk_weights [T, K] float32 ([0] without), slot_grads [rows*K] float32 (scratch; [0]
+ * without). attrs: the group's, has_weights. */
+static XLA_FFI_Error* ep_dispatch_bwd_body(const frame* fr, ep_frame* e) {
+  int has_w;
+  TRY(attr_int(fr, "has_weights", &has_w));
+  TRY(counts(fr, has_w ? 3 : 2, 3));
+  TRY(ep_handle_buf(fr, e, 0, 0, &e->h.buffer));
+  const int64_t T = e->h.num_tokens, N = e->h.desc.num_rows, K = e->h.desc.topk;
+  buf g, gw = {0}, gx, gwt, sg;
+  TRY(arg(fr, 1, 2, &g));
+  int64_t rb;
+  TRY(ep_rows(fr, &g, "grad_recv_x", &rb));
+  const int64_t H = g.dims[1];
+  TRY(want(fr, &g, "grad_recv_x", g.dtype, 2, N, H, 0));
+  if (has_w) {
+    TRY(arg(fr, 2, -1, &gw));
+    TRY(want(fr, &gw, "grad_recv_w", MOE_RT_FLOAT32, 1, N, 0, 0));
+  }
+  TRY(ret(fr, 0, -1, &gx));
+  TRY(want(fr, &gx, "grad_x", g.dtype, 2, T, H, 0));
+  TRY(ret(fr, 1, -1, &gwt));
+  TRY(ret(fr, 2, -1, &sg));
+  if (has_w) {
+    TRY(want(fr, &gwt, "grad_topk_weights", MOE_RT_FLOAT32, 2, T, K, 0));
+    TRY(want(fr, &sg, "slot_grads", MOE_RT_FLOAT32, 1, e->h.desc.recv_rows * K, 0, 0));
+  }
+  LL_CORE(moe_rt_ep_direct_combine(e->g, MOE_RT_EP_OP_DISPATCH_BWD, &e->h, g.data, g.dtype, H, NULL,
+                                   has_w ? gw.data : NULL, has_w ? sg.data : NULL, gx.data,
+                                   has_w ? gwt.data : NULL, 1, e->stream));
+  return NULL;
+}
+
+/* VJP of combine. Unweighted: args handle, grad_out [T, H]; rets grad_y [N, H] (the dispatch direction, zero
+ * padding rows). Weighted: args handle, grad_out, y [N, H], slot weights [rows, K] float32; rets grad_y [N, H],
+ * grad_slot [rows, K] float32 (the per-slot dots; moe_rt.jax gathers them to the rows): the rows land in the
+ * stage (ep_direct_dispatch without outputs), then the permutation family's combine_backward over the handle's
+ * plan on XLA's context. attrs: the group's, has_weights. */
+static XLA_FFI_Error* ep_combine_bwd_body(const frame* fr, ep_frame* e) {
+  int has_w;
+  TRY(attr_int(fr, "has_weights", &has_w));
+  TRY(counts(fr, has_w ? 4 : 2, has_w ? 2 : 1));
+  TRY(ep_handle_buf(fr, e, 0, 0, &e->h.buffer));
+  const int64_t T = e->h.num_tokens, N = e->h.desc.num_rows, K = e->h.desc.topk, rows = e->h.desc.recv_rows;
+  buf g, y, w, gy, gp;
+  TRY(arg(fr, 1, 2, &g));
+  int64_t rb;
+  TRY(ep_rows(fr, &g, "grad_out", &rb));
+  const int64_t H = g.dims[1];
+  TRY(want(fr, &g, "grad_out", g.dtype, 2, T, H, 0));
+  TRY(ret(fr, 0, -1, &gy));
+  TRY(want(fr, &gy, "grad_y", g.dtype, 2, N, H, 0));
+  moe_rt_ep_direct_outputs o;
+  memset(&o, 0, sizeof o);
+  if (!has_w) {
+    o.out = gy.data;
+    o.fill = 1;
+    o.zero = 1;
+    LL_CORE(moe_rt_ep_direct_dispatch(e->g, MOE_RT_EP_OP_COMBINE_BWD, &e->h, g.data, rb, NULL, &o, 1, e->stream));
+    return NULL;
+  }
+  TRY(arg(fr, 2, -1, &y));
+  TRY(want(fr, &y, "y", g.dtype, 2, N, H, 0));
+  TRY(arg(fr, 3, -1, &w));
+  TRY(want(fr, &w, "slot_weights", MOE_RT_FLOAT32, 2, rows, K, 0));
+  TRY(ret(fr, 1, -1, &gp));
+  TRY(want(fr, &gp, "grad_slot", MOE_RT_FLOAT32, 2, rows, K, 0));
+  moe_rt_ep_direct_stage stage;
+  LL_CORE(moe_rt_ep_direct_get_stage(e->g, rb, (int)K, &stage));
+  LL_CORE(moe_rt_ep_direct_dispatch(e->g, MOE_RT_EP_OP_COMBINE_BWD, &e->h, g.data, rb, NULL, &o, 1, e->stream));
+  moe_rt_context* xctx;
+  moe_rt_stream xs;
+  TRY(device(fr, &xctx, &xs));
+  moe_rt_plan plan;
+  memset(&plan, 0, sizeof plan);
+  plan.dst_row = ep_region(e, MOE_RT_EP_DST_ROW);
+  plan.src_slot = ep_region(e, MOE_RT_EP_SRC_SLOT);
+  plan.seg_start = ep_region(e, MOE_RT_EP_SEG_START);
+  plan.counts = ep_region(e, MOE_RT_EP_EXPERT_COUNTS);
+  plan.tokens_per_expert = ep_region(e, MOE_RT_EP_TOKENS_PER_EXPERT);
+  plan.num_tokens = rows;
+  plan.topk = K;
+  plan.num_experts = e->h.desc.num_local_experts;
+  plan.num_rows = N;
+  plan.align_size = e->align;
+  LL_CORE(moe_rt_combine_backward(xctx, &plan, stage.rows_local, g.dtype, H, y.data, w.data, gy.data, gp.data,
+                                  e->stream));
+  return NULL;
+}
+
+EXPORT XLA_FFI_Error* moe_rt_xla_ep_prepare(XLA_FFI_CallFrame* f) {
+  return ep_call(f, "moe_rt_xla_ep_prepare", ep_prepare_body);
+}
+EXPORT XLA_FFI_Error* moe_rt_xla_ep_dispatch(XLA_FFI_CallFrame* f) {
+  return ep_call(f, "moe_rt_xla_ep_dispatch", ep_dispatch_body);
+}
+EXPORT XLA_FFI_Error* moe_rt_xla_ep_combine(XLA_FFI_CallFrame* f) {
+  return ep_call(f, "moe_rt_xla_ep_combine", ep_combine_body);
+}
+EXPORT XLA_FFI_Error* moe_rt_xla_ep_dispatch_bwd(XLA_FFI_CallFrame* f) {
+  return ep_call(f, "moe_rt_xla_ep_dispatch_bwd", ep_dispatch_bwd_body);
+}
+EXPORT XLA_FFI_Error* moe_rt_xla_ep_combine_bwd(XLA_FFI_CallFrame* f) {
+  return ep_call(f, "moe_rt_xla_ep_combine_bwd", ep_combine_bwd_body);
+}

@@ -210,6 +210,7 @@ ctypedef st_t (*f_epd_dispatch)(moe_rt_ep_direct_group*, int, const moe_rt_ep_di
                                 const float*, const moe_rt_ep_direct_outputs*, int, moe_rt_stream) nogil
 ctypedef st_t (*f_epd_combine)(moe_rt_ep_direct_group*, int, const moe_rt_ep_direct_handle*, const void*, int, int64_t,
                                const float*, const float*, float*, void*, float*, int, moe_rt_stream) nogil
+ctypedef int64_t (*f_epd_serial)(const moe_rt_ep_direct_group*) nogil
 ctypedef st_t (*f_epp_sizes)(const moe_rt_ep_prepare_desc*, moe_rt_ep_prepare_sizes*) nogil
 ctypedef st_t (*f_epp_step)(moe_rt_context*, const moe_rt_ep_prepare_desc*, const moe_rt_ep_prepare_buffers*,
                             moe_rt_stream) nogil
@@ -228,6 +229,7 @@ cdef f_epd_add_stage p_epd_add_stage
 cdef f_epd_barrier p_epd_barrier
 cdef f_epd_dispatch p_epd_dispatch
 cdef f_epd_combine p_epd_combine
+cdef f_epd_serial p_epd_serial
 cdef f_epp_sizes p_epp_sizes
 cdef f_epp_step p_epp_send
 cdef f_epp_step p_epp_meta
@@ -302,7 +304,7 @@ cdef _open():
     global p_quantize, p_dequantize, p_load_stand_in, p_end_stand_ins, p_last_stand_in
     global p_last_args, p_ll_create, p_ll_destroy, p_ll_dispatch, p_ll_combine, p_ll_combine_bwd, p_ll_serial
     global p_epd_create, p_epd_destroy, p_epd_add_stage, p_epd_barrier, p_epd_dispatch, p_epd_combine
-    global p_epp_sizes, p_epp_send, p_epp_meta, p_epp_recv
+    global p_epp_sizes, p_epp_send, p_epp_meta, p_epp_recv, p_epd_serial
     path = LIB_PATH.encode()
     cdef void* h = dlopen(path, RTLD_NOW | RTLD_LOCAL)
     if h == NULL:
@@ -352,6 +354,7 @@ cdef _open():
     p_epd_barrier = <f_epd_barrier>_sym(h, b"moe_rt_ep_direct_barrier")
     p_epd_dispatch = <f_epd_dispatch>_sym(h, b"moe_rt_ep_direct_dispatch")
     p_epd_combine = <f_epd_combine>_sym(h, b"moe_rt_ep_direct_combine")
+    p_epd_serial = <f_epd_serial>_sym(h, b"moe_rt_ep_direct_group_serial")
     p_epp_sizes = <f_epp_sizes>_sym(h, b"moe_rt_ep_prepare_sizes_of")
     p_epp_send = <f_epp_step>_sym(h, b"moe_rt_ep_prepare_send")
     p_epp_meta = <f_epp_step>_sym(h, b"moe_rt_ep_prepare_meta")
@@ -1069,6 +1072,68 @@ cdef class EpDirectGroup:
             _epd_add(self.twin, t, "moe_rt_ep_direct_add_stage (planning twin)")
         self.stages.append(t)
 
+    @property
+    def address(self) -> int:
+        """The core group's address (0 once destroyed): with :attr:`serial`, what an XLA custom call names it by
+        (the core's registry of live direct groups checks both; csrc/xla_ffi.c ep_call)."""
+        return <uintptr_t>self.g
+
+    @property
+    def serial(self) -> int:
+        """The core group's serial number in this process (moe_rt_ep_direct_group_serial; 0 once destroyed)."""
+        return p_epd_serial(self.g) if self.g != NULL else 0
+
+    def prepare(self, str op, tuple handle, int64_t row_bytes, int dtype, int64_t hidden, bint with_w, bint zero=True):
+        """Make the kernels of ``op`` ready in the device context for a caller that launches through the core
+        without Python (moe_rt.jax's XLA handlers, csrc/xla_ffi.c ep_*): ``dispatch`` (rows of ``row_bytes``,
+        expanded with their padding zeroed when ``zero``, weights when ``with_w``), ``combine`` (``dtype`` rows of
+        ``hidden``, weighted when ``with_w``), ``dispatch_bwd`` (with the weights' gradient when ``with_w``),
+        ``combine_bwd`` (expanded rows, or with ``with_w`` the rows left in the stage) or ``barrier``; planned on
+        the group's planning twin with made-up 16-byte aligned buffers, its kernels compiled into the kernel
+        cache folder and loaded. ``handle`` as :func:`ep_direct_dispatch`'s (its buffer address unused). A no-op
+        on a planning context."""
+        cdef Context d = self.ctx
+        self.live()
+        if d.is_planning:
+            return
+        if self.twin == NULL:
+            _check(p_epd_create(d._twin(), &self.desc, &self.twin), "moe_rt_ep_direct_group_create (planning twin)")
+            for t in self.stages:
+                _epd_add(self.twin, t, "moe_rt_ep_direct_add_stage (planning twin)")
+        cdef moe_rt_ep_direct_group* twin = self.twin
+        cdef moe_rt_ep_direct_handle h
+        cdef moe_rt_ep_direct_outputs o
+        cdef uintptr_t a = 1 << 20  # made-up addresses (a planning context checks them for NULL and alignment)
+        _epd_handle(handle, &h)
+        h.buffer = <void*>(a * 1)
+        memset(&o, 0, sizeof(o))
+        cdef const void* x = <const void*>(a * 2)
+        cdef void* out = <void*>(a * 3)
+        cdef float* f1 = <float*>(a * 4)
+        cdef float* f2 = <float*>(a * 5)
+        cdef float* f3 = <float*>(a * 6)
+        if op == "dispatch":
+            o.out, o.out_w, o.fill, o.zero, o.with_w = out, (f1 if with_w else NULL), 1, zero, with_w
+            _check(p_epd_dispatch(twin, 1, &h, x, row_bytes, f2 if with_w else NULL, &o, 1, NULL),
+                   "moe_rt_ep_direct_dispatch (planning its kernels)")
+        elif op == "combine_bwd":
+            if not with_w:
+                o.out, o.fill, o.zero = out, 1, 1
+            _check(p_epd_dispatch(twin, 4, &h, x, row_bytes, NULL, &o, 1, NULL),
+                   "moe_rt_ep_direct_dispatch (planning its kernels)")
+        elif op == "combine":
+            _check(p_epd_combine(twin, 2, &h, x, dtype, hidden, f1 if with_w else NULL, NULL, NULL, out, NULL, 1,
+                                 NULL), "moe_rt_ep_direct_combine (planning its kernels)")
+        elif op == "dispatch_bwd":
+            _check(p_epd_combine(twin, 3, &h, x, dtype, hidden, NULL, f1 if with_w else NULL, f2 if with_w else NULL,
+                                 out, f3 if with_w else NULL, 1, NULL),
+                   "moe_rt_ep_direct_combine (planning its kernels)")
+        elif op == "barrier":
+            _check(p_epd_barrier(twin, 6, NULL), "moe_rt_ep_direct_barrier (planning its kernels)")
+        else:
+            raise ValueError(f"op: expected dispatch, combine, dispatch_bwd, combine_bwd or barrier, got {op!r}")
+        d._prepare(_last_plan(d.plan_ctx))
+
     cdef moe_rt_ep_direct_group* live(self) except NULL:
         if self.g == NULL:
             raise ValueError("the direct EP core group was destroyed")
@@ -1215,6 +1280,32 @@ def ep_prepare_sizes(tuple desc) -> tuple:
     _epp_desc(desc, &d)
     _check(p_epp_sizes(&d, &s), "moe_rt_ep_prepare_sizes_of")
     return s.chunk_tokens, s.num_chunks, s.part_words, s.segment_words, bool(s.fused), bool(s.whole)
+
+
+def ep_prepare_kernels(Context ctx, tuple desc):
+    """Make the kernels of prepare with signature ``desc`` (:func:`ep_prepare`'s; capacity mode) ready in ``ctx``
+    for a caller that launches through the core without Python (moe_rt.jax's XLA handler, csrc/xla_ffi.c
+    ep_prepare): moe_rt_ep_prepare_send and, unless it makes the whole prepare, moe_rt_ep_prepare_recv planned on
+    the context's planning twin with made-up buffers, their kernels compiled and loaded. A no-op on a planning
+    context."""
+    if ctx.is_planning:
+        return
+    cdef moe_rt_ep_prepare_desc d
+    cdef moe_rt_ep_prepare_sizes s
+    cdef moe_rt_ep_prepare_buffers b
+    _epp_desc(desc, &d)
+    _check(p_epp_sizes(&d, &s), "moe_rt_ep_prepare_sizes_of")
+    a = 1 << 20
+    _epp_bufs((a, a * 2, a * 3, a * 4, a * 5, a * 6 if d.direct else 0, a * 7 if d.direct else 0, a * 8,
+               0 if d.direct else a * 9, a * 10, 1, a * 11, 0 if s.fused else a * 12,
+               0 if s.fused else 1 << 16), &b)
+    cdef moe_rt_context* twin = ctx._twin()
+    _check(p_epp_send(twin, &d, &b, NULL), "moe_rt_ep_prepare_send (planning its kernels)")
+    launches = _last_plan(ctx.plan_ctx)
+    if not s.whole:
+        _check(p_epp_recv(twin, &d, &b, NULL), "moe_rt_ep_prepare_recv (planning its kernels)")
+        launches += _last_plan(ctx.plan_ctx)
+    ctx._prepare(launches)
 
 
 def ep_prepare(Context ctx, int step, tuple desc, tuple bufs, uintptr_t stream):

@@ -614,6 +614,17 @@ typedef struct moe_rt_ep_direct_outputs {
 moe_rt_status moe_rt_ep_direct_group_create(moe_rt_context* ctx, const moe_rt_ep_direct_group_desc* desc,
                                             moe_rt_ep_direct_group** out);
 void moe_rt_ep_direct_group_destroy(moe_rt_ep_direct_group* g);
+/* The registry of live direct groups, as the low-latency groups' (moe_rt_ll_group_acquire): the XLA handlers of
+ * moe_rt.jax ep_* name a group by address and serial and hold it for the call. */
+int64_t moe_rt_ep_direct_group_serial(const moe_rt_ep_direct_group* g); /* 0 for NULL */
+moe_rt_status moe_rt_ep_direct_group_acquire(int64_t address, int64_t serial, moe_rt_ep_direct_group** out);
+void moe_rt_ep_direct_group_release(moe_rt_ep_direct_group* g); /* NULL is a no-op */
+/* A copy of the group's desc, and (ctx not NULL) the context it launches on. */
+moe_rt_status moe_rt_ep_direct_group_get_desc(const moe_rt_ep_direct_group* g, moe_rt_ep_direct_group_desc* out,
+                                              moe_rt_context** ctx);
+/* The stage pair registered for (row_bytes, topk). */
+moe_rt_status moe_rt_ep_direct_get_stage(moe_rt_ep_direct_group* g, int64_t row_bytes, int topk,
+                                         moe_rt_ep_direct_stage* out);
 /* Register a stage pair (row_bytes, topk), made by the caller on first use (a collective). */
 moe_rt_status moe_rt_ep_direct_add_stage(moe_rt_ep_direct_group* g, const moe_rt_ep_direct_stage* stage);
 /* ep_direct_barrier among the node's ranks; op: what a timeout records. */
