@@ -4,8 +4,26 @@ JAX needs static shapes, so the group must be in capacity mode (``EpGroup(..., m
 host sync, fixed buffer sizes, overflow flagged in the handle. The handle travels as a :class:`JaxEpHandle`
 pytree (the uint8 handle buffer and ``tokens_per_expert``; the group id, T, K and N as static data), so it
 passes through ``jit``, ``grad``, ``checkpoint`` and ``custom_vjp`` residuals. ``ep_dispatch`` and
-``ep_combine`` are ``custom_vjp`` functions over ``buffer_callback`` whose backward passes call
-:meth:`EpGroup.dispatch_bwd` / :meth:`EpGroup.combine_bwd`.
+``ep_combine`` are ``custom_vjp`` functions whose backward passes are :meth:`EpGroup.dispatch_bwd` /
+:meth:`EpGroup.combine_bwd`.
+
+Two paths, chosen when an op is traced from the group alone (:func:`ep_path`; never a fallback):
+
+- ``"ffi"``: a group on the direct transport (``transport="direct"``, or ``"auto"`` that chose it) in capacity
+  mode, where every launch of prepare, dispatch, combine and their VJPs is a C core call and nothing syncs
+  with the host. Lowered for CUDA, ``ep_prepare``, ``ep_dispatch`` (rows of x's float dtype) and
+  ``ep_combine`` and their VJPs are XLA FFI custom calls (csrc/xla_ffi.c ``moe_rt_xla_ep_*``) running the
+  group's core ops on XLA's stream with no Python at run time. Their attributes name the transport's core group
+  (address and serial, checked against the core's registry of live groups: a program run after
+  :meth:`EpGroup.close` fails with the core's message) and the handle's sizes; what the handlers need is made
+  when the op is lowered (a collective: every rank lowers the same program): the receive stages and prepare's
+  box, the kernels loaded. The handle buffer is XLA's array; dispatch, which writes the received weights into
+  a handle, writes them into a copy (a result of the call); the weights combine applies are laid out on the
+  slots by XLA ops over the handle's ``dst_row``, and combine's weight gradient gathered back from them over
+  its ``src_slot``. The handlers are not command-buffer compatible (a replay would skip the registry's check).
+  FP8 dispatches (``fp8=True``) of such a group keep the ``buffer_callback`` path.
+- ``"buffer_callback"``: every other group (NCCL or mixed transport, a one-rank group) and the CPU (the NumPy
+  reference): ``jax.experimental.buffer_callback`` over the group's own Python ops.
 
 Every op is a collective: each process (one GPU each, e.g. under ``jax.distributed``) must run the same
 program, so the EP calls happen in the same order on every rank.
@@ -21,9 +39,10 @@ import numpy as np
 from moe_rt import _arrays
 from moe_rt import _ep_adapt as _A
 from moe_rt import ep as _ep
-from moe_rt.jax import _run, _spec
+from moe_rt import _xla
+from moe_rt.jax import _dtype_code, _ffi, _on_platform, _run, _spec
 
-__all__ = ["JaxEpHandle", "ep_prepare", "ep_dispatch", "ep_combine"]
+__all__ = ["JaxEpHandle", "ep_prepare", "ep_dispatch", "ep_combine", "ep_path"]
 
 
 @jax.tree_util.register_pytree_node_class
@@ -63,7 +82,15 @@ def ep_prepare(group, topk_idx) -> JaxEpHandle:
         h = group.prepare(idx)
         return [h.buffer, h.view("tokens_per_expert")]
 
-    buf, tpe = _run(fn, [_spec((total,), np.uint8), _spec((group.num_local_experts,), np.int32)], topk_idx)
+    specs = [_spec((total,), np.uint8), _spec((group.num_local_experts,), np.int32)]
+    if ep_path(group) == "ffi":
+        def on_cuda(idx):
+            attrs, work = _ffi_ready(group, "prepare", T, K, idx_dtype=idx.dtype)
+            return _ffi("ep_prepare", specs + [_spec((work,), np.int32)], idx, **attrs)[:2]
+
+        buf, tpe = _on_platform((topk_idx,), on_cuda, lambda idx: _run(fn, specs, idx), specs)
+    else:
+        buf, tpe = _run(fn, specs, topk_idx)
     return JaxEpHandle(buf, tpe, gid, T, K, N)
 
 
@@ -104,7 +131,19 @@ def _dispatch_impl(static, fp8, zero, buf, x, w):
         rx, rw, _ = group.dispatch(h, xv, wv, fp8=fp8, dequantize=fp8, zero_empty_slots=zero)
         return [rx, _f32_empty(xv) if rw is None else rw]
 
-    rx, rw = _run(fn, specs, buf, x, w)
+    group = _A.lookup(static[0])
+    if not fp8 and ep_path(group) == "ffi":
+        def on_cuda(bv, xv, wv):
+            H, has_w = int(xv.shape[1]), wv is not None
+            attrs, nbytes = _ffi_ready(group, "dispatch", static[1], static[2], row_bytes=H * jnp.dtype(xv.dtype).itemsize,
+                                       dtype=xv.dtype, hidden=H, with_w=has_w, zero=zero)
+            return _ffi("ep_dispatch", specs + [_spec((nbytes if has_w else 0,), np.uint8)], bv, xv,
+                        *([wv] if has_w else []), has_weights=np.int32(has_w), zero_empty_slots=np.int32(zero),
+                        **attrs)[:2]
+
+        rx, rw = _on_platform((buf, x, w), on_cuda, lambda *a: _run(fn, specs, *a), specs)
+    else:
+        rx, rw = _run(fn, specs, buf, x, w)
     return rx, (rw if w is not None else None)
 
 
@@ -136,6 +175,17 @@ def _dispatch_bwd_run(static, buf, g_rx, g_rw):
         gx, gw = group.dispatch_bwd(h, gv, gwv)
         return [gx, _f32_empty(gv) if gw is None else gw]
 
+    group = _A.lookup(static[0])
+    if ep_path(group) == "ffi":
+        def on_cuda(bv, gv, gwv):
+            H = int(gv.shape[1])
+            attrs, _ = _ffi_ready(group, "dispatch_bwd", T, K, row_bytes=H * jnp.dtype(gv.dtype).itemsize,
+                                  dtype=gv.dtype, hidden=H, with_w=has_w)
+            rows = _A.rows_of(group, T, K)[0]
+            return _ffi("ep_dispatch_bwd", specs + [_spec((rows * K if has_w else 0,), np.float32)], bv, gv,
+                        *([gwv] if has_w else []), has_weights=np.int32(has_w), **attrs)[:2]
+
+        return _on_platform((buf, g_rx, g_rw), on_cuda, lambda *a: _run(fn, specs, *a), specs)
     return _run(fn, specs, buf, g_rx, g_rw)
 
 
@@ -261,7 +311,18 @@ def _combine_impl(static, buf, y, w):
             h = _A.with_weights(h, wv, _xp(wv))
         return [group.combine(h, yv, weighted=wv is not None)]
 
-    return _run(fn, [_spec((T, y.shape[1]), y.dtype)], buf, y, w)[0]
+    specs = [_spec((T, y.shape[1]), y.dtype)]
+    group = _A.lookup(static[0])
+    if ep_path(group) == "ffi":
+        def on_cuda(bv, yv, wv):
+            H, has_w = int(yv.shape[1]), wv is not None
+            attrs, _ = _ffi_ready(group, "combine", T, static[2], row_bytes=H * jnp.dtype(yv.dtype).itemsize,
+                                  dtype=yv.dtype, hidden=H, with_w=has_w)
+            extra = [_slot_weights(group, static, bv, wv)] if has_w else []
+            return _ffi("ep_combine", specs, bv, yv, *extra, has_weights=np.int32(has_w), **attrs)
+
+        return _on_platform((buf, y, w), on_cuda, lambda *a: _run(fn, specs, *a), specs)[0]
+    return _run(fn, specs, buf, y, w)[0]
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -285,8 +346,30 @@ def _combine_bwd(static, res, g):
         gy, gw = group.combine_bwd(h, gv, yv, weighted=wv is not None)
         return [gy, _f32_empty(gv) if gw is None else gw]
 
-    gy, gw = _run(fn, specs, buf, g, y, w)
+    group = _A.lookup(static[0])
+    if ep_path(group) == "ffi":
+        gy, gw = _on_platform((buf, g, y, w), partial(_combine_bwd_ffi, group, static, specs),
+                              lambda *a: _run(fn, specs, *a), specs)
+    else:
+        gy, gw = _run(fn, specs, buf, g, y, w)
     return None, gy, (gw.astype(w.dtype) if w is not None else None)
+
+
+def _combine_bwd_ffi(group, static, specs, bv, gv, yv, wv):
+    """combine's VJP as the ep_combine_bwd custom call: unweighted, the dispatch direction into ``grad_y``;
+    weighted, also the per-slot dots, gathered to the rows over the handle's ``src_slot`` (as ep_gather_slots)."""
+    _, T, K, N = static
+    H, has_w = int(gv.shape[1]), wv is not None
+    rows = _A.rows_of(group, T, K)[0]
+    attrs, _ = _ffi_ready(group, "combine_bwd", T, K, row_bytes=H * jnp.dtype(gv.dtype).itemsize, dtype=gv.dtype,
+                          hidden=H, with_w=has_w)
+    if not has_w:
+        gy = _ffi("ep_combine_bwd", specs[:1], bv, gv, has_weights=np.int32(0), **attrs)[0]
+        return [gy, jnp.zeros((0,), np.float32)]
+    gy, gp = _ffi("ep_combine_bwd", [specs[0], _spec((rows, K), np.float32)], bv, gv, yv,
+                  _slot_weights(group, static, bv, wv), has_weights=np.int32(1), **attrs)
+    src = _region(group, static, bv, "src_slot")
+    return [gy, jnp.where(src >= 0, gp.reshape(-1)[jnp.maximum(src, 0)], jnp.float32(0))]
 
 
 _combine.defvjp(_combine_fwd, _combine_bwd)
@@ -305,6 +388,114 @@ def ep_combine(handle: JaxEpHandle, y, recv_weights=None):
     return _combine(handle.static, handle.buffer, y, recv_weights)
 
 
+# -- the FFI path (capacity mode on the direct transport; see the module's docstring) ------------------------
+
+def ep_path(group) -> str:
+    """The path moe_rt.jax's EP ops of ``group`` take when lowered for CUDA, fixed when they are traced:
+    ``"ffi"`` (XLA FFI custom calls, no Python at run time) for a group in capacity mode on the direct
+    transport, ``"buffer_callback"`` for any other group (NCCL or mixed transport, a one-rank group, exact
+    mode). Every op of the CPU runs the buffer_callback path (the NumPy reference)."""
+    _A.register(group)
+    return "ffi" if group.mode == "capacity" and group.transport == "direct" else "buffer_callback"
+
+
+def _region(group, static, buf, name):
+    """Region ``name`` of the handle buffer ``buf`` (a JAX uint8 array) as int32/float32 values (XLA ops)."""
+    _, T, K, N = static
+    rows = _A.rows_of(group, T, K)[0]
+    off, dt, count = _A.group_layout(group, T, K, rows, N)[name]
+    b = jax.lax.slice(buf, (off,), (off + 4 * count,)).reshape(count, 4)
+    return jax.lax.bitcast_convert_type(b, jnp.dtype(dt))
+
+
+def _slot_weights(group, static, buf, w):
+    """``recv_weights [N]`` laid out on the slots ``[rows, K]`` (float32): slot s gets ``w[dst_row[s]]``, 0
+    for a slot with no row (what :func:`moe_rt._ep_adapt.with_weights` writes into a handle's copy)."""
+    _, T, K, N = static
+    rows = _A.rows_of(group, T, K)[0]
+    dst = _region(group, static, buf, "dst_row").reshape(rows, K)
+    if N == 0:
+        return jnp.zeros((rows, K), jnp.float32)
+    w = w.astype(jnp.float32)
+    return jnp.where(dst >= 0, w[jnp.maximum(dst, 0)], jnp.float32(0))
+
+
+def _ffi_grid_sync(group, dev):
+    """Two uint32 words of grid_sync (kernels/ep.cu) for the prepares XLA runs of ``group`` on device ``dev``:
+    a plain allocation kept by the group (as EpGroup._grid_sync_words, apart from the Python prepares'),
+    zeroed when made."""
+    import cupy
+
+    key = (dev, "xla")
+    m = group._gsync.get(key)
+    if m is None:
+        with cupy.cuda.Device(dev):
+            m = cupy.cuda.Memory(8)
+            cupy.cuda.runtime.memset(m.ptr, 0, 8)
+        group._gsync[key] = m
+    return m.ptr
+
+
+def _ffi_setup(group, op, T, K, *, row_bytes=0, idx_dtype=None):
+    """The transport's part of lowering ``op`` for CUDA (path "ffi"), on the group's device: prepare's box
+    (made on the first prepare with this K) and prepare's kernels loaded into the group's device context,
+    returning ``(prepare's buffer attributes, its scratch in int32 words, whether one kernel makes it)``; for the
+    other ops the receive stage pair for rows of ``row_bytes`` (made on first use), returning None. Both makings
+    are collectives with a host sync (every rank lowers the same program)."""
+    import cupy
+
+    from moe_rt import _core
+
+    t, dev = group._transport, int(group.device)
+    with cupy.cuda.Device(dev):
+        s = cupy.cuda.get_current_stream()
+        wait = lambda st: group._wait(st, op)  # noqa: E731
+        if op != "prepare":
+            t.stages(int(row_bytes), K, s, wait)
+            return None
+        c = group._prep_cfg(T, K, dev, np.dtype(idx_dtype))
+        if c.box is None:
+            c.set_box(t, K, s, wait)
+        _core.ep_prepare_kernels(_core.device(dev), c.desc)
+        state, box, inbox = c.box
+        addrs = dict(grid_sync=np.int64(_ffi_grid_sync(group, dev)), error_word=np.int64(c.err),
+                     state=np.int64(state), peer_box=np.int64(box), inbox=np.int64(inbox),
+                     timeout_ns=np.int64(c.bar[1]))
+        return addrs, c.work_words, c.whole
+
+
+def _ffi_ready(group, op, T, K, *, idx_dtype=None, row_bytes=0, dtype=None, hidden=0, with_w=False, zero=True):
+    """When ``op`` is lowered for CUDA (path "ffi"): the group checked open, the transport's buffers the op
+    needs made (:func:`_ffi_setup`), the op's kernels loaded into the group's device context (and, for a
+    weighted combine_bwd, combine_backward's into XLA's). Returns ``(the attributes naming the group and the
+    handle's sizes, n)``: n is prepare's scratch in int32 words, else the handle's bytes."""
+    if not _xla.cuda_devices():
+        raise RuntimeError(f"moe_rt.jax.ep_{op}: lowered for CUDA but JAX has no local CUDA device")
+    group._alive(op)
+    core = group._transport._core
+    sz = group._sizes(T, K)
+    rows, N, total = _A.sizes(group, T, K)
+    R, L, Tmax, P, A = sz["R"], sz["L"], sz["Tmax"], sz["P"], sz["A"]
+    attrs = dict(group=np.int64(core.address), group_serial=np.int64(core.serial), device=np.int32(group.device),
+                 num_local_experts=np.int32(L), max_tokens_per_rank=np.int32(Tmax), topk=np.int32(K),
+                 pair_capacity=np.int32(P), align_size=np.int32(A), num_tokens=np.int64(T),
+                 recv_rows=np.int64(rows), num_rows=np.int64(N))
+    handle = (0, R, L, Tmax, K, P, rows, N, T, 0)
+    if op == "prepare":
+        addrs, work, whole = _ffi_setup(group, op, T, K, idx_dtype=idx_dtype)
+        if not whole:  # send side, the barrier, the received side
+            core.prepare("barrier", handle, 0, 0, 0, False)
+        attrs.update(rank=np.int32(sz["rank"]), num_experts=np.int32(group.num_experts),
+                     capacity=np.int64(sz["capacity"]), **addrs)
+        return attrs, work
+    _ffi_setup(group, op, T, K, row_bytes=row_bytes)
+    core.prepare(op, handle, int(row_bytes), _dtype_code(dtype), int(hidden), bool(with_w), bool(zero))
+    if op == "combine_bwd" and with_w:
+        _xla.prepare("combine_backward", T=rows, K=K, E=L, N=N, align_size=A, H=int(hidden), dtype=_dtype_code(dtype),
+                     has_probs=True)
+    return attrs, total
+
+
 # -- the low-latency mode (moe_rt.LowLatencyGroup) ---------------------------------------------------------
 #
 # ll_dispatch / ll_combine: custom_vjp functions. On CUDA each op and each VJP is an XLA FFI custom call
@@ -317,9 +508,7 @@ def ep_combine(handle: JaxEpHandle, y, recv_weights=None):
 # rank lowers the same program) and core group, and the kernels loaded. On other platforms (the CPU: the
 # NumPy reference behind a one-rank group) they run as buffer_callback over the group's own ops.
 
-from moe_rt import _xla  # noqa: E402
 from moe_rt import ep_ll as _ep_ll  # noqa: E402
-from moe_rt.jax import _dtype_code, _ffi, _on_platform  # noqa: E402
 
 __all__ += ["JaxLLHandle", "ll_dispatch", "ll_combine"]
 

@@ -30,10 +30,13 @@ HANDLERS = ("topk_with_score", "topk_with_score_backward", "topk_with_score_qb",
             "scores_for_aux_loss_backward", "aux_loss", "aux_loss_backward", "make_plan", "dispatch",
             "dispatch_backward", "combine", "combine_backward", "sort_chunks", "quantize_fp8", "dequantize_fp8", "noop",
             # the low-latency EP ops (moe_rt.jax ll_dispatch / ll_combine and their VJPs)
-            "ll_dispatch", "ll_combine", "ll_dispatch_bwd", "ll_combine_bwd")
+            "ll_dispatch", "ll_combine", "ll_dispatch_bwd", "ll_combine_bwd",
+            # the capacity-mode EP ops on the direct transport (moe_rt.jax ep_prepare / ep_dispatch / ep_combine)
+            "ep_prepare", "ep_dispatch", "ep_combine", "ep_dispatch_bwd", "ep_combine_bwd")
 # Handlers XLA may not capture in command buffers: a replay would run the group's launches without the
-# handler's check that the group is still open (csrc/xla_ffi.c ll_call).
-NOT_CAPTURABLE = frozenset({"ll_dispatch", "ll_combine", "ll_dispatch_bwd", "ll_combine_bwd"})  # noop: a custom call that does nothing (the benchmark's floor)
+# handler's check that the group is still open (csrc/xla_ffi.c ll_call, ep_call).
+NOT_CAPTURABLE = frozenset({"ll_dispatch", "ll_combine", "ll_dispatch_bwd", "ll_combine_bwd", "ep_prepare",
+                            "ep_dispatch", "ep_combine", "ep_dispatch_bwd", "ep_combine_bwd"})  # noop: a custom call that does nothing (the benchmark's floor)
 SCORE_CODES = {"sigmoid": 0, "softmax": 1, "sqrtsoftplus": 2}
 QB_MODE_CODES = {"two_kernel": 0, "fused_atomic": 1}  # moe_rt_qb_histogram_mode
 # moe_rt_dtype codes (include/moe_rt/moe_rt.h)

@@ -8,8 +8,10 @@ run the C core's ops on XLA's stream, with no Python at run time, and that XLA m
 buffers (CUDA graphs). Their static facts (topk, score function, groups, scaling, align size, ...) are the
 calls' attributes; the kernels they launch are compiled into the kernel cache folder and loaded when the op
 is lowered (:mod:`moe_rt._xla`). So do the low-latency EP ops (``ll_dispatch``, ``ll_combine`` and their
-VJPs; :mod:`moe_rt._jax_ep`). The capacity-mode EP ops on the GPU, and every op on the CPU (the NumPy
-reference), lower to ``jax.experimental.buffer_callback``: inside a jitted computation
+VJPs; :mod:`moe_rt._jax_ep`), and the capacity-mode EP ops (``ep_prepare``, ``ep_dispatch``, ``ep_combine``
+and their VJPs) of a group on the direct transport (:func:`ep_path` says "ffi"). The EP ops of other groups
+(NCCL or mixed transport; :func:`ep_path` "buffer_callback"), FP8 EP dispatches, and every op on the CPU (the
+NumPy reference) lower to ``jax.experimental.buffer_callback``: inside a jitted computation
 the callback receives XLA's buffers and stream, views them in place (their ``__cuda_array_interface__``; no
 copy), runs moe_rt's kernels on that stream (or the NumPy reference for CPU buffers) and puts the results
 into XLA's output buffers (see ``_run``). Under ``vmap`` each op runs once per batch element, in order (a
@@ -37,7 +39,7 @@ from moe_rt import router as _rt
 
 __all__ = ["JaxPlan", "make_plan", "dispatch", "combine", "topk_with_score", "topk_with_score_qb",
            "scores_for_aux_loss", "aux_loss", "sort_chunks", "quantize_fp8", "dequantize_fp8", "JaxEpHandle",
-           "ep_prepare", "ep_dispatch", "ep_combine"]
+           "ep_prepare", "ep_dispatch", "ep_combine", "ep_path"]
 
 _PLAN_ARRAYS = ("dst_row", "src_slot", "seg_start", "counts", "tokens_per_expert")
 
@@ -940,7 +942,7 @@ def dequantize_fp8(x_fp8, scales, dtype=jnp.bfloat16, block: int = 128):
 
 # -- expert parallelism ------------------------------------------------------------------------------
 
-from moe_rt._jax_ep import JaxEpHandle, ep_combine, ep_dispatch, ep_prepare  # noqa: E402
+from moe_rt._jax_ep import JaxEpHandle, ep_combine, ep_dispatch, ep_path, ep_prepare  # noqa: E402
 from moe_rt._jax_ep import JaxLLHandle, ll_combine, ll_dispatch  # noqa: E402
 
 __all__ += ["JaxLLHandle", "ll_dispatch", "ll_combine"]

@@ -18,7 +18,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from ep_worker import RANK, WORLD, bf16, log, setup  # noqa: E402 - the same launch environment and bootstrap
+from ep_worker import RANK, WORLD, bf16, jax_init, log, setup  # noqa: E402 - the same launch environment and bootstrap
 
 
 def case(seed, L, K, Ts, H, dt):
@@ -421,30 +421,7 @@ def jax_ops(cp, comm):
     NumPy R-rank reference: the forward bitwise (recv_x's valid slots, zero elsewhere; counts; slot tables;
     out), the gradients of x (bitwise) and topk_weights (within fp32 rounding); then a program run after
     close fails with the core's message."""
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    import jax
-
-    # one GPU per process, as a JAX job runs (moe_rt.demo_ep does the same): a coordinator on a free port that
-    # rank 0 picks and passes to the others in a file beside the launch's NCCL id file
-    port_file = os.environ["MOE_RT_UID_FILE"] + ".jax_port"
-    if RANK == 0:
-        import socket
-
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        with open(port_file + ".tmp", "w") as f:
-            f.write(str(port))
-        os.replace(port_file + ".tmp", port_file)
-    else:
-        deadline = time.monotonic() + 60
-        while not os.path.exists(port_file):
-            assert time.monotonic() < deadline, "rank 0 wrote no JAX coordinator port"
-            time.sleep(0.05)
-        with open(port_file) as f:
-            port = int(f.read())
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=WORLD, process_id=RANK,
-                               local_device_ids=[int(cp.cuda.Device().id)])
+    jax = jax_init(cp)
     import jax.numpy as jnp
 
     import moe_rt.jax as mj

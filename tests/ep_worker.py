@@ -1,6 +1,6 @@
 """Per-rank worker of the multi-GPU EP tests; run under the launcher, one process per GPU:
 
-    python tools/launch.py -n R tests/ep_worker.py correctness|graph|dead_peer|transports|graph_transports|dead_peer_direct|direct_lifecycle|fp8|mixed|graph_mixed|dead_peer_mixed
+    python tools/launch.py -n R tests/ep_worker.py correctness|graph|dead_peer|transports|graph_transports|dead_peer_direct|direct_lifecycle|fp8|mixed|graph_mixed|dead_peer_mixed|torch_direct|jax_direct
 
 Any world size R >= 2 (token counts are spread over the ranks; expert counts are multiples of R).
 
@@ -767,6 +767,121 @@ def torch_direct(cp, comm):
     log(f"torch_direct: {n} cases OK")
 
 
+def jax_init(cp):
+    """JAX on this rank's GPU only, as a JAX job runs (moe_rt.demo_ep does the same): jax.distributed with a
+    coordinator on a free port that rank 0 picks and passes to the others in a file beside the launch's NCCL id
+    file. Returns the jax module."""
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    import jax
+
+    port_file = os.environ["MOE_RT_UID_FILE"] + ".jax_port"
+    if RANK == 0:
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        with open(port_file + ".tmp", "w") as f:
+            f.write(str(port))
+        os.replace(port_file + ".tmp", port_file)
+    else:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(port_file):
+            assert time.monotonic() < deadline, "rank 0 wrote no JAX coordinator port"
+            time.sleep(0.05)
+        with open(port_file) as f:
+            port = int(f.read())
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=WORLD, process_id=RANK,
+                               local_device_ids=[int(cp.cuda.Device().id)])
+    return jax
+
+
+def jax_direct(cp, comm):
+    """moe_rt.jax ep_prepare / ep_dispatch / ep_combine on a group on the direct transport (XLA FFI custom calls,
+    moe_rt_xla_ep_*) under jit(value_and_grad): prepare -> dispatch (weights) -> scale by 2 -> weighted combine,
+    loss = <out, GO>. Against the NumPy R-rank reference: recv_x, recv_weights and grad x's route (combine_bwd's
+    rows) bitwise, out and the gradients as the other cases check them (close); bitwise against the same
+    program over a group on the NCCL transport (the buffer_callback path, whose lowering is checked to hold no
+    moe_rt_ep_* call) and run to run. Then a program run after close fails with the core's message."""
+    jax = jax_init(cp)
+    import jax.numpy as jnp
+
+    import moe_rt.jax as mj
+    from moe_rt.ep import EpGroup
+    from moe_rt.reference import ep as ref
+
+    dev = jax.local_devices(backend="gpu")[0]
+    assert dev.local_hardware_id == cp.cuda.Device().id, (dev, cp.cuda.Device().id)
+    n = 0
+    for dtype, H, Ts, E, K, Tmax, align in ((bf16(), 256, (20, 7), experts(8), 3, 24, 1),
+                                          (np.float32, 72, (13, 0), experts(6), 2, 16, 4),
+                                          (bf16(), 100, (33, 17), experts(12), 4, 40, 1)):
+        Ts = spread(Ts)
+        rng = np.random.default_rng(7000 + n)
+        idx = [routing(rng, T, E, K, "uniform") for T in Ts]
+        xs = [rng.standard_normal((T, H)).astype(np.float32).astype(dtype) for T in Ts]
+        ws = [rng.random((T, K)).astype(np.float32) for T in Ts]
+        GO = [rng.standard_normal((T, H)).astype(np.float32) for T in Ts]
+        L = E // WORLD
+        groups = {t: EpGroup(comm, E, H, Tmax, mode="capacity", align_size=align, timeout=60, transport=t)
+                  for t in ("direct", "nccl")}
+        assert mj.ep_path(groups["direct"]) == "ffi" and mj.ep_path(groups["nccl"]) == "buffer_callback"
+        P = groups["direct"].pair_capacity
+        hs = ref.prepare(idx, E, align_size=align, pair_capacity=P, capacity=WORLD * P * min(K, L))
+        routs = ref.dispatch(hs, xs, ws)
+        Y = [(r.astype(np.float32) * 2).astype(dtype) for r, _, _ in routs]
+        out_ref = ref.combine(hs, Y, weighted=True)
+        GOd = [g.astype(dtype) for g in GO]
+        cb = ref.combine_bwd(hs, GOd, Y, weighted=True)
+        G = [(gy.astype(np.float32) * 2).astype(dtype) for gy, _ in cb]
+        gx_ref, gw_ref = ref.dispatch_bwd(hs, G, [gw for _, gw in cb])[RANK]
+        results = {}
+        for t, g in groups.items():
+            def loss(x, w, i, g=g):
+                h = mj.ep_prepare(g, i)
+                rx, rw = mj.ep_dispatch(h, x, w)
+                out = mj.ep_combine(h, (rx * 2).astype(rx.dtype), rw)
+                return (out.astype(jnp.float32) * GO[RANK]).sum(), (rx, rw, out)
+
+            step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+            with jax.default_device(dev):
+                args = (jnp.asarray(xs[RANK]), jnp.asarray(ws[RANK]), jnp.asarray(idx[RANK].astype(np.int32)))
+                text = step.lower(*args).as_text()
+                if t == "direct":
+                    assert "xla_buffer_python" not in text
+                    for op in ("ep_prepare", "ep_dispatch", "ep_combine", "ep_dispatch_bwd", "ep_combine_bwd"):
+                        assert f"@moe_rt_{op}(" in text, op
+                else:
+                    assert "xla_buffer_python" in text and "@moe_rt_ep_" not in text
+                (_, (rx, rw, out)), (gx, gw) = step(*args)
+                again = step(*args)
+            got = [np.asarray(a) for a in (rx, rw, out, gx, gw)]
+            for a, b in zip(got, [np.asarray(a) for a in (*again[0][1], *again[1])]):
+                same(f"{t}: run to run", a, b)
+            results[t] = (got, step, args)
+        tag = f"[jax direct {np.dtype(dtype).name} H={H} T={Ts} E={E} K={K} A={align}]"
+        rx, rw, out, gx, gw = results["direct"][0]
+        same(f"recv_x {tag}", rx, routs[RANK][0])
+        same(f"recv_w {tag}", rw, routs[RANK][1])
+        close(f"combine {tag}", out, out_ref[RANK], dtype)
+        close(f"grad x {tag}", gx, gx_ref, dtype)
+        close(f"grad topk_weights {tag}", gw, gw_ref, np.float32 if np.dtype(dtype) == np.float32 else dtype)
+        for name, a, b in zip(("recv_x", "recv_w", "out", "grad x", "grad w"), results["direct"][0],
+                              results["nccl"][0]):
+            same(f"{name} direct vs nccl {tag}", a, b)
+        for g in groups.values():
+            g.close()
+        _, step, args = results["direct"]
+        try:
+            with jax.default_device(dev):
+                jax.block_until_ready(step(*args))
+            raise AssertionError("a program naming a closed group ran")
+        except Exception as e:  # noqa: BLE001 - XLA's error type varies with the version
+            assert "no live direct EP group" in str(e), e
+        n += 1
+        log(f"jax_direct case {n} ok {tag}")
+
+
 def main():
     what = sys.argv[1] if len(sys.argv) > 1 else "correctness"
     stacks = os.environ.get("MOE_RT_EP_WORKER_STACKS")
@@ -778,7 +893,7 @@ def main():
     {"correctness": correctness, "graph": graph, "dead_peer": dead_peer, "transports": transports,
      "graph_transports": graph_transports, "dead_peer_direct": dead_peer_direct,
      "direct_lifecycle": direct_lifecycle, "fp8": fp8, "mixed": mixed, "graph_mixed": graph_mixed,
-     "dead_peer_mixed": dead_peer_mixed, "torch_direct": torch_direct}[what](cp, comm)
+     "dead_peer_mixed": dead_peer_mixed, "torch_direct": torch_direct, "jax_direct": jax_direct}[what](cp, comm)
     cp.cuda.Device().synchronize()
     comm.close()
     log("ALL OK")
