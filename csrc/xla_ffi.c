@@ -1234,7 +1234,7 @@ static XLA_FFI_Error* ep_prepare_body(const frame* fr, ep_frame* e) {
   b.peer_barrier = e->d.peer_barrier;
   b.timeout_ns = timeout;
   b.timeout_word = e->d.timeout_word;
-  b.workspace = sz.fused ? NULL : (int32_t*)work.data + sz.part_words;
+  b.workspace = (int32_t*)work.data + sz.part_words; /* as EpGroup._prepare_cuda: after the chunk counts */
   b.workspace_bytes = ws_bytes;
   LL_CORE(moe_rt_ep_prepare_send(e->ctx, &pd, &b, e->stream));
   if (!sz.whole) {
@@ -1367,12 +1367,12 @@ static XLA_FFI_Error* ep_combine_bwd_body(const frame* fr, ep_frame* e) {
   TRY(want(fr, &g, "grad_out", g.dtype, 2, T, H, 0));
   TRY(ret(fr, 0, -1, &gy));
   TRY(want(fr, &gy, "grad_y", g.dtype, 2, N, H, 0));
-  moe_rt_ep_direct_outputs o;
+  moe_rt_ep_direct_outputs o; /* as DirectTransport.push: zero set, the rest only with outputs */
   memset(&o, 0, sizeof o);
+  o.zero = 1;
   if (!has_w) {
     o.out = gy.data;
     o.fill = 1;
-    o.zero = 1;
     LL_CORE(moe_rt_ep_direct_dispatch(e->g, MOE_RT_EP_OP_COMBINE_BWD, &e->h, g.data, rb, NULL, &o, 1, e->stream));
     return NULL;
   }

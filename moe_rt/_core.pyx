@@ -1117,8 +1117,9 @@ cdef class EpDirectGroup:
             _check(p_epd_dispatch(twin, 1, &h, x, row_bytes, f2 if with_w else NULL, &o, 1, NULL),
                    "moe_rt_ep_direct_dispatch (planning its kernels)")
         elif op == "combine_bwd":
+            o.zero = 1
             if not with_w:
-                o.out, o.fill, o.zero = out, 1, 1
+                o.out, o.fill = out, 1
             _check(p_epd_dispatch(twin, 4, &h, x, row_bytes, NULL, &o, 1, NULL),
                    "moe_rt_ep_direct_dispatch (planning its kernels)")
         elif op == "combine":

@@ -138,7 +138,7 @@ def _dispatch_impl(static, fp8, zero, buf, x, w):
             attrs, nbytes = _ffi_ready(group, "dispatch", static[1], static[2], row_bytes=H * jnp.dtype(xv.dtype).itemsize,
                                        dtype=xv.dtype, hidden=H, with_w=has_w, zero=zero)
             return _ffi("ep_dispatch", specs + [_spec((nbytes if has_w else 0,), np.uint8)], bv, xv,
-                        *([wv] if has_w else []), has_weights=np.int32(has_w), zero_empty_slots=np.int32(zero),
+                        *([wv.astype(jnp.float32)] if has_w else []), has_weights=np.int32(has_w), zero_empty_slots=np.int32(zero),
                         **attrs)[:2]
 
         rx, rw = _on_platform((buf, x, w), on_cuda, lambda *a: _run(fn, specs, *a), specs)
@@ -183,7 +183,7 @@ def _dispatch_bwd_run(static, buf, g_rx, g_rw):
                                   dtype=gv.dtype, hidden=H, with_w=has_w)
             rows = _A.rows_of(group, T, K)[0]
             return _ffi("ep_dispatch_bwd", specs + [_spec((rows * K if has_w else 0,), np.float32)], bv, gv,
-                        *([gwv] if has_w else []), has_weights=np.int32(has_w), **attrs)[:2]
+                        *([gwv.astype(jnp.float32)] if has_w else []), has_weights=np.int32(has_w), **attrs)[:2]
 
         return _on_platform((buf, g_rx, g_rw), on_cuda, lambda *a: _run(fn, specs, *a), specs)
     return _run(fn, specs, buf, g_rx, g_rw)

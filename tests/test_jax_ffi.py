@@ -485,6 +485,241 @@ def test_ll_handlers_with_hand_built_call_frames(built, tmp_path):
         assert lines[case].startswith("code=3 ") and msg in lines[case], (case, lines[case])
 
 
+_EP_FRAME_TEST = _FRAME_COMMON + r"""
+#include "moe_rt/moe_rt.h"
+
+XLA_FFI_Error* moe_rt_xla_ep_prepare(XLA_FFI_CallFrame*);
+XLA_FFI_Error* moe_rt_xla_ep_dispatch(XLA_FFI_CallFrame*);
+XLA_FFI_Error* moe_rt_xla_ep_combine(XLA_FFI_CallFrame*);
+XLA_FFI_Error* moe_rt_xla_ep_dispatch_bwd(XLA_FFI_CallFrame*);
+XLA_FFI_Error* moe_rt_xla_ep_combine_bwd(XLA_FFI_CallFrame*);
+
+#define WITH(field, bad, what, call)    \
+  do {                                  \
+    __typeof__(field) keep_ = (field);  \
+    (field) = (bad);                    \
+    report(what, call);                 \
+    (field) = keep_;                    \
+  } while (0)
+
+/* sizes: R = 1, L = 3, Tmax = P = 7, K = 2, H = 6 (float32 rows), T = 5; capacity 14: N = 14 rows */
+enum { L = 3, TM = 7, KK = 2, HH = 6, T = 5, NN = 14, NA = 16 };
+static char mem[1 << 16] __attribute__((aligned(256)));
+
+static XLA_FFI_Buffer mk(XLA_FFI_DataType t, int64_t* dims, int rank) {
+  XLA_FFI_Buffer b = {XLA_FFI_Buffer_STRUCT_SIZE, NULL, t, mem, rank, dims};
+  return b;
+}
+
+static const char* names[NA] = {"align_size", "device", "group", "group_serial", "max_tokens_per_rank",
+                                "num_local_experts", "num_rows", "num_tokens", "pair_capacity", "recv_rows", "topk",
+                                "has_weights", "zero_empty_slots", "rank", "num_experts", "capacity"};
+static XLA_FFI_ByteSpan spans[NA + 6];
+static XLA_FFI_ByteSpan* span_ptrs[NA + 6];
+static XLA_FFI_Scalar sc[NA + 6];
+static void* attrs[NA + 6];
+static XLA_FFI_AttrType types[NA + 6];
+
+static void set_attr(int i, const char* name, XLA_FFI_DataType t, void* v) {
+  spans[i].ptr = name; spans[i].len = strlen(name); span_ptrs[i] = &spans[i];
+  sc[i].dtype = t; sc[i].value = v; attrs[i] = &sc[i]; types[i] = XLA_FFI_AttrType_SCALAR;
+}
+
+static void call_with(XLA_FFI_CallFrame* f, int nargs, void** args, int nrets, void** rets, int nattrs) {
+  f->args.size = nargs; f->args.args = args;
+  f->rets.size = nrets; f->rets.rets = rets;
+  f->attrs.size = nattrs;
+}
+
+int main(void) {
+  XLA_FFI_Api api;
+  XLA_FFI_CallFrame f;
+  frame_init(&api, &f);
+  moe_rt_device_info dev = {132, 228 * 1024, 227 * 1024, 9, 0, 64};
+  moe_rt_context* ctx = NULL;
+  if (moe_rt_context_create_planning(&dev, &ctx)) { printf("planning context failed\n"); return 1; }
+  const int64_t a = (int64_t)1 << 40;
+  moe_rt_ep_direct_group_desc d;
+  memset(&d, 0, sizeof d);
+  d.num_ranks = 1; d.rank = 0; d.node_lo = 0; d.node_hi = 1; d.pair_rows = TM; d.timeout_ns = 1000000000LL;
+  d.peer_barrier = (const int64_t*)(a + 0x100000); d.peer_flags = (const int64_t*)(a + 0x200000);
+  d.barrier_state = (uint32_t*)(a + 0x300000); d.timeout_word = (int32_t*)(a + 0x400000);
+  moe_rt_ep_direct_group* g = NULL;
+  if (moe_rt_ep_direct_group_create(ctx, &d, &g)) { printf("group failed: %s\n", moe_rt_last_error()); return 1; }
+  moe_rt_ep_direct_stage st = {HH * 4, KK, 16, (void*)(a + 0x500000), (const int64_t*)(a + 0x600000),
+                               (float*)(a + 0x700000), (const int64_t*)(a + 0x800000)};
+  if (moe_rt_ep_direct_add_stage(g, &st)) { printf("stage failed: %s\n", moe_rt_last_error()); return 1; }
+  int64_t address = (int64_t)(uintptr_t)g, serial = moe_rt_ep_direct_group_serial(g);
+  moe_rt_ep_handle_desc hd;
+  memset(&hd, 0, sizeof hd);
+  hd.num_ranks = 1; hd.num_local_experts = L; hd.max_tokens_per_rank = TM; hd.topk = KK; hd.pair_capacity = TM;
+  hd.recv_rows = TM; hd.num_rows = NN;
+  int64_t total = (int64_t)moe_rt_ep_handle_layout(&hd);
+  if (total > (int64_t)sizeof mem) { printf("handle too large\n"); return 1; }
+  printf("total: %lld\n", (long long)total);
+  metadata(moe_rt_xla_ep_dispatch, &f);
+
+  int32_t one = 1, zero = 0, dev_attr = 0, tm = TM, l = L, kk = KK, p = TM, has_w = 0, zero_slots = 1, E = L;
+  int64_t n_rows = NN, n_tok = T, rows = TM, cap = NN, bad_address = address + 4096, other_serial = serial + 1;
+  set_attr(0, names[0], XLA_FFI_DataType_S32, &one);
+  set_attr(1, names[1], XLA_FFI_DataType_S32, &dev_attr);
+  set_attr(2, names[2], XLA_FFI_DataType_S64, &address);
+  set_attr(3, names[3], XLA_FFI_DataType_S64, &serial);
+  set_attr(4, names[4], XLA_FFI_DataType_S32, &tm);
+  set_attr(5, names[5], XLA_FFI_DataType_S32, &l);
+  set_attr(6, names[6], XLA_FFI_DataType_S64, &n_rows);
+  set_attr(7, names[7], XLA_FFI_DataType_S64, &n_tok);
+  set_attr(8, names[8], XLA_FFI_DataType_S32, &p);
+  set_attr(9, names[9], XLA_FFI_DataType_S64, &rows);
+  set_attr(10, names[10], XLA_FFI_DataType_S32, &kk);
+  set_attr(11, names[11], XLA_FFI_DataType_S32, &has_w);
+  set_attr(12, names[12], XLA_FFI_DataType_S32, &zero_slots);
+  set_attr(13, names[13], XLA_FFI_DataType_S32, &zero);
+  set_attr(14, names[14], XLA_FFI_DataType_S32, &E);
+  set_attr(15, names[15], XLA_FFI_DataType_S64, &cap);
+  /* prepare's buffer addresses */
+  static const char* pnames[6] = {"grid_sync", "error_word", "state", "peer_box", "inbox", "timeout_ns"};
+  int64_t pv[6] = {a + 0x900000, a + 0xa00000, a + 0xb00000, a + 0xc00000, a + 0xd00000, 1000000000LL};
+  for (int i = 0; i < 6; ++i) set_attr(NA + i, pnames[i], XLA_FFI_DataType_S64, &pv[i]);
+  f.attrs.struct_size = XLA_FFI_Attrs_STRUCT_SIZE;
+  f.attrs.types = types; f.attrs.names = span_ptrs; f.attrs.attrs = attrs;
+  XLA_FFI_ArgType at[8];
+  XLA_FFI_RetType rt[8];
+  for (int i = 0; i < 8; ++i) { at[i] = XLA_FFI_ArgType_BUFFER; rt[i] = XLA_FFI_RetType_BUFFER; }
+  f.args.struct_size = XLA_FFI_Args_STRUCT_SIZE; f.args.types = at;
+  f.rets.struct_size = XLA_FFI_Rets_STRUCT_SIZE; f.rets.types = rt;
+
+  int64_t hdims[1] = {total}, zd[1] = {0}, xd[2] = {T, HH}, kd[2] = {T, KK}, nd[2] = {NN, HH}, wd[1] = {NN},
+          sd[1] = {TM * KK}, ld[1] = {L}, wk[1] = {4096}, slot[2] = {TM, KK};
+  XLA_FFI_Buffer hb = mk(XLA_FFI_DataType_U8, hdims, 1), x = mk(XLA_FFI_DataType_F32, xd, 2),
+                 w = mk(XLA_FFI_DataType_F32, kd, 2), rx = mk(XLA_FFI_DataType_F32, nd, 2),
+                 rw0 = mk(XLA_FFI_DataType_F32, zd, 1), h0 = mk(XLA_FFI_DataType_U8, zd, 1),
+                 rw = mk(XLA_FFI_DataType_F32, wd, 1), sg = mk(XLA_FFI_DataType_F32, sd, 1),
+                 idx = mk(XLA_FFI_DataType_S32, kd, 2), tpe = mk(XLA_FFI_DataType_S32, ld, 1),
+                 work = mk(XLA_FFI_DataType_S32, wk, 1), sw = mk(XLA_FFI_DataType_F32, slot, 2);
+
+  /* dispatch without weights: handle, x -> recv_x [N, H], recv_w [0], the handle's copy [0] */
+  void* da[2] = {&hb, &x};
+  void* dr[3] = {&rx, &rw0, &h0};
+  call_with(&f, 2, da, 3, dr, 13);
+  report("dispatch valid", moe_rt_xla_ep_dispatch(&f));
+  WITH(f.attrs.size, 12, "dispatch missing attribute", moe_rt_xla_ep_dispatch(&f));
+  WITH(sc[2].value, &bad_address, "dispatch bad address", moe_rt_xla_ep_dispatch(&f));
+  WITH(sc[3].value, &other_serial, "dispatch bad serial", moe_rt_xla_ep_dispatch(&f));
+  WITH(g_ordinal, 1, "dispatch other device", moe_rt_xla_ep_dispatch(&f));
+  WITH(hdims[0], total + 1, "dispatch bad handle", moe_rt_xla_ep_dispatch(&f));
+  WITH(x.dtype, XLA_FFI_DataType_S32, "dispatch bad x dtype", moe_rt_xla_ep_dispatch(&f));
+  WITH(nd[0], NN + 1, "dispatch bad recv_x", moe_rt_xla_ep_dispatch(&f));
+  WITH(p, TM + 1, "dispatch bad pair_capacity", moe_rt_xla_ep_dispatch(&f));
+  WITH(f.rets.size, 2, "dispatch missing result", moe_rt_xla_ep_dispatch(&f));
+
+  /* with weights: the handle copied first (a device copy: refused on a planning context) */
+  has_w = 1;
+  void* dwa[3] = {&hb, &x, &w};
+  XLA_FFI_Buffer hcopy = mk(XLA_FFI_DataType_U8, hdims, 1);
+  void* dwr[3] = {&rx, &rw, &hcopy};
+  call_with(&f, 3, dwa, 3, dwr, 13);
+  report("dispatch weighted", moe_rt_xla_ep_dispatch(&f));
+  WITH(w.dtype, XLA_FFI_DataType_BF16, "dispatch bad weights dtype", moe_rt_xla_ep_dispatch(&f));
+
+  /* combine: handle, y [N, H], slot weights [rows, K] -> out [T, H] */
+  XLA_FFI_Buffer out = mk(XLA_FFI_DataType_F32, xd, 2);
+  void* ca[3] = {&hb, &rx, &sw};
+  void* cr[1] = {&out};
+  call_with(&f, 3, ca, 1, cr, 12);
+  report("combine valid", moe_rt_xla_ep_combine(&f));
+  WITH(slot[1], KK + 1, "combine bad slot weights", moe_rt_xla_ep_combine(&f));
+  WITH(out.dtype, XLA_FFI_DataType_F16, "combine bad out dtype", moe_rt_xla_ep_combine(&f));
+
+  /* dispatch_bwd: handle, g [N, H], g_w [N] -> gx [T, H], gw [T, K], slot_grads [rows*K] */
+  XLA_FFI_Buffer gx = mk(XLA_FFI_DataType_F32, xd, 2), gw = mk(XLA_FFI_DataType_F32, kd, 2);
+  void* ba[3] = {&hb, &rx, &rw};
+  void* br[3] = {&gx, &gw, &sg};
+  call_with(&f, 3, ba, 3, br, 12);
+  report("dispatch_bwd valid", moe_rt_xla_ep_dispatch_bwd(&f));
+  WITH(sd[0], TM * KK - 1, "dispatch_bwd bad slot_grads", moe_rt_xla_ep_dispatch_bwd(&f));
+
+  /* combine_bwd unweighted: handle, g [T, H] -> gy [N, H]; weighted: + y, slot weights -> + grad_slot */
+  has_w = 0;
+  XLA_FFI_Buffer gy = mk(XLA_FFI_DataType_F32, nd, 2), gp = mk(XLA_FFI_DataType_F32, slot, 2);
+  void* ea[4] = {&hb, &x, &rx, &sw};
+  void* er[2] = {&gy, &gp};
+  call_with(&f, 2, ea, 1, er, 12);
+  report("combine_bwd valid", moe_rt_xla_ep_combine_bwd(&f));
+  has_w = 1;
+  call_with(&f, 4, ea, 2, er, 12);
+  report("combine_bwd weighted", moe_rt_xla_ep_combine_bwd(&f));
+
+  /* prepare: topk_idx [T, K] -> handle, tokens_per_expert [L], work */
+  void* pa[1] = {&idx};
+  void* pr[3] = {&hb, &tpe, &work};
+  /* the common attributes, then rank, num_experts, capacity and prepare's buffers */
+  for (int i = 0; i < 3; ++i) { span_ptrs[11 + i] = span_ptrs[13 + i]; attrs[11 + i] = attrs[13 + i]; }
+  for (int i = 0; i < 6; ++i) { span_ptrs[14 + i] = span_ptrs[NA + i]; attrs[14 + i] = attrs[NA + i]; }
+  call_with(&f, 1, pa, 3, pr, 20);
+  report("prepare valid", moe_rt_xla_ep_prepare(&f));
+  WITH(wk[0], 1, "prepare small work", moe_rt_xla_ep_prepare(&f));
+  WITH(idx.dtype, XLA_FFI_DataType_F32, "prepare bad idx dtype", moe_rt_xla_ep_prepare(&f));
+
+  moe_rt_ep_direct_group_destroy(g);
+  report("prepare after destroy", moe_rt_xla_ep_prepare(&f));
+  moe_rt_context_destroy(ctx);
+  return 0;
+}
+"""
+
+
+def test_ep_handlers_with_hand_built_call_frames(built, tmp_path):
+    """The direct EP handlers over a core direct group on a planning context (listed in the core's registry as
+    any group): every check passes and the core plans the launches (a planning context launches nothing;
+    device copies and XLA's device context are refused there, with the core's message); a group the registry
+    does not list (another address or serial, or destroyed), a missing attribute, attributes that do not fit
+    the group, another device, and wrong shapes or dtypes fail with INVALID_ARGUMENT and a message."""
+    core, xla, include = built
+    src = tmp_path / "ep_frames.c"
+    src.write_text(_EP_FRAME_TEST)
+    exe = tmp_path / "ep_frames"
+    subprocess.run([*_cc().split(), "-std=gnu11", "-Wall", f"-I{include}", f"-I{ROOT / 'include'}", str(src),
+                    f"-L{xla.parent}", "-l:" + xla.name, "-l:" + core.name, f"-Wl,-rpath,{xla.parent}", "-o",
+                    str(exe)], check=True)
+    env = dict(os.environ, MOE_RT_LIBCUDA=str(tmp_path / "no_libcuda.so"))
+    r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = dict(line.split(": ", 1) for line in r.stdout.splitlines() if ": " in line)
+    # not command-buffer compatible: a replay would skip the registry check (csrc/xla_ffi.c ep_call)
+    assert lines["metadata"] == "ok" and "traits=0 api=0." in r.stdout
+    for case in ("dispatch valid", "combine valid", "dispatch_bwd valid", "combine_bwd valid"):
+        assert lines[case] == "ok", (case, lines[case])
+    assert "moe_rt_copy_on_device" in lines["dispatch weighted"]  # reached the handle's copy
+    assert "moe_rt_copy_on_device" in lines["prepare valid"]  # planned send side, then tokens_per_expert's copy
+    assert "no kernel cache folder" in lines["combine_bwd weighted"]  # XLA's context: combine_backward
+    for case in ("dispatch bad address", "dispatch bad serial", "prepare after destroy"):
+        got = lines[case]
+        assert got.startswith("code=3 ") and "no live direct EP group at address 0x" in got, (case, got)
+        assert "closed" in got and "MOE_RT_ERROR_INVALID_ARGUMENT" in got
+    assert lines["prepare after destroy"].startswith("code=3 msg=moe_rt_xla_ep_prepare: ")
+    expect = {"dispatch missing attribute": "moe_rt_xla_ep_dispatch: attribute zero_empty_slots is missing",
+              "dispatch other device": "the EP group lives on cuda:0, but XLA runs this call on cuda:1",
+              "dispatch bad handle": "handle: expected shape [%s] of dtype code 6, got [%s]",
+              "dispatch bad x dtype": "x: expected a float32, float16 or bfloat16 array [rows, H], got rank 2 of "
+                                      "dtype code 3",
+              "dispatch bad recv_x": "recv_x: expected shape [14, 6] of dtype code 0, got [15, 6]",
+              "dispatch bad pair_capacity": "attributes pair_capacity=8, recv_rows=7, num_tokens=5 do not fit the "
+                                            "group (1 ranks, pair capacity 7",
+              "dispatch missing result": "expected 2 arguments and 3 results, got 2 and 2",
+              "dispatch bad weights dtype": "topk_weights: expected shape [5, 2] of dtype code 0, got [5, 2] of "
+                                            "dtype code 2",
+              "combine bad slot weights": "slot_weights: expected shape [7, 2] of dtype code 0, got [7, 3]",
+              "combine bad out dtype": "out: expected shape [5, 6] of dtype code 0, got [5, 6] of dtype code 1",
+              "dispatch_bwd bad slot_grads": "slot_grads: expected shape [14] of dtype code 0, got [13]",
+              "prepare small work": "work: expected int32 [>= ",
+              "prepare bad idx dtype": "topk_idx: expected int32 or int64, got dtype code 0"}
+    total = lines["total"]
+    expect["dispatch bad handle"] = expect["dispatch bad handle"] % (total, int(total) + 1)
+    for case, msg in expect.items():
+        assert lines[case].startswith("code=3 ") and msg in lines[case], (case, lines[case])
+
+
 def test_handlers_register_with_xla_for_cuda():
     lib = _xla.library()
     assert _xla.library() is lib  # once per process
@@ -496,7 +731,8 @@ def test_handlers_register_with_xla_for_cuda():
         for op in _xla.HANDLERS:
             name, _, api_version, traits = pending[_xla.target(op)]
             assert api_version == 1 and int(traits) == (0 if op in _xla.NOT_CAPTURABLE else 1), op
-        assert _xla.NOT_CAPTURABLE == {"ll_dispatch", "ll_combine", "ll_dispatch_bwd", "ll_combine_bwd"}
+        assert _xla.NOT_CAPTURABLE == {"ll_dispatch", "ll_combine", "ll_dispatch_bwd", "ll_combine_bwd", "ep_prepare",
+                                       "ep_dispatch", "ep_combine", "ep_dispatch_bwd", "ep_combine_bwd"}
 
 
 def test_library_built_on_first_use_when_not_packaged(tmp_path, monkeypatch):
