@@ -205,3 +205,35 @@ def test_multi_gpu_jax_ep_direct_matches_reference(n):
 
     r = _run_worker("jax_direct", n=n, timeout=480)
     assert r.returncode == 0 and "[rank 0] ALL OK" in r.stdout
+
+
+@pytest.mark.gpu
+def test_one_gpu_one_rank_group_takes_the_callback_path(rng):
+    """A one-rank group has no transport of its own (EpGroup runs the NCCL path without an exchange; the direct
+    transport needs peers), so its JAX ops stay buffer_callback on the GPU, and jit(grad) of the layer there
+    matches the CPU path (the NumPy reference; the weight gradient's fp32 dots within rounding)."""
+    import ml_dtypes
+
+    gpu = [d for d in jax.devices() if d.platform == "gpu"]
+    if not gpu:
+        pytest.skip("needs a CUDA GPU")
+    group = moe_rt.EpGroup(None, E, H, TMAX, mode="capacity", transport="direct")
+    assert group.transport is None and mj.ep_path(group) == "buffer_callback"
+    T = 13
+    idx = np.stack([rng.permutation(E)[:K] for _ in range(T)]).astype(np.int32)
+    x = rng.standard_normal((T, H)).astype(np.float32).astype(ml_dtypes.bfloat16)
+    w = rng.random((T, K)).astype(np.float32)
+    step, _ = _layer(group, T)
+    outs = {}
+    for dev in (gpu[0], jax.devices("cpu")[0]):
+        with jax.default_device(dev):
+            args = (jnp.asarray(x), jnp.asarray(w), jnp.asarray(idx))
+            if dev is gpu[0]:
+                text = step.lower(*args).as_text()
+                assert "xla_buffer_python" in text and "@moe_rt_ep_" not in text
+            outs[dev.platform] = [np.asarray(a) for a in step(*args)]
+    (gx, gw), (rgx, rgw) = outs["gpu"], outs["cpu"]
+    assert gx.dtype == rgx.dtype and gw.dtype == rgw.dtype == np.float32
+    np.testing.assert_allclose(gx.astype(np.float32), rgx.astype(np.float32), rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(gw, rgw, rtol=1e-4, atol=1e-4)
+    group.close()
