@@ -467,11 +467,12 @@ def _ffi_setup(group, op, T, K, *, row_bytes=0, idx_dtype=None):
 def _ffi_ready(group, op, T, K, *, idx_dtype=None, row_bytes=0, dtype=None, hidden=0, with_w=False, zero=True):
     """When ``op`` is lowered for CUDA (path "ffi"): the group checked open, the transport's buffers the op
     needs made (:func:`_ffi_setup`), the op's kernels loaded into the group's device context (and, for a
-    weighted combine_bwd, combine_backward's into XLA's). Returns ``(the attributes naming the group and the
+    weighted combine_bwd, combine_backward's into XLA's), the handler library loaded. Returns ``(the attributes naming the group and the
     handle's sizes, n)``: n is prepare's scratch in int32 words, else the handle's bytes."""
     if not _xla.cuda_devices():
         raise RuntimeError(f"moe_rt.jax.ep_{op}: lowered for CUDA but JAX has no local CUDA device")
     group._alive(op)
+    _xla.library()  # the handlers registered with XLA
     core = group._transport._core
     sz = group._sizes(T, K)
     rows, N, total = _A.sizes(group, T, K)
