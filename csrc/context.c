@@ -1298,6 +1298,70 @@ void mrt_group_plans_init(mrt_group_plans* c) {
 
 void mrt_group_plans_destroy(mrt_group_plans* c) { pthread_mutex_destroy(&c->lock); }
 
+/* ---- registries of live groups -------------------------------------------------------------------------- */
+
+struct mrt_registry_entry {
+  void* group;
+  mrt_live* live;
+};
+
+static int64_t g_next_serial = 1; /* shared by every registry (atomic) */
+
+int mrt_registry_add(mrt_registry* r, void* group, mrt_live* live) {
+  pthread_mutex_lock(&r->lock);
+  int ok = 1;
+  if (r->len == r->cap) {
+    size_t cap = r->cap ? 2 * r->cap : 16;
+    struct mrt_registry_entry* e = realloc(r->entries, cap * sizeof *e);
+    if (e) {
+      r->entries = e;
+      r->cap = cap;
+    } else {
+      ok = 0;
+    }
+  }
+  if (ok) {
+    live->serial = __atomic_fetch_add(&g_next_serial, 1, __ATOMIC_RELAXED);
+    r->entries[r->len].group = group;
+    r->entries[r->len++].live = live;
+  }
+  pthread_mutex_unlock(&r->lock);
+  return ok;
+}
+
+int mrt_registry_remove(mrt_registry* r, void* group, mrt_live* live) {
+  pthread_mutex_lock(&r->lock);
+  for (size_t i = 0; i < r->len; ++i)
+    if (r->entries[i].group == group) {
+      r->entries[i] = r->entries[--r->len];
+      break;
+    }
+  const int held = live->users > 0;
+  if (held) live->destroyed = 1;
+  pthread_mutex_unlock(&r->lock);
+  return !held;
+}
+
+void* mrt_registry_acquire(mrt_registry* r, int64_t address, int64_t serial) {
+  void* found = NULL;
+  pthread_mutex_lock(&r->lock);
+  for (size_t i = 0; i < r->len; ++i)
+    if ((int64_t)(uintptr_t)r->entries[i].group == address && r->entries[i].live->serial == serial) {
+      found = r->entries[i].group;
+      r->entries[i].live->users++;
+      break;
+    }
+  pthread_mutex_unlock(&r->lock);
+  return found;
+}
+
+int mrt_registry_release(mrt_registry* r, mrt_live* live) {
+  pthread_mutex_lock(&r->lock);
+  const int last = --live->users == 0 && live->destroyed;
+  pthread_mutex_unlock(&r->lock);
+  return last;
+}
+
 int mrt_group_plan_get(mrt_group_plans* c, const void* key, size_t key_bytes, mrt_plan* plan) {
   int found = 0;
   pthread_mutex_lock(&c->lock);

@@ -33,38 +33,10 @@ struct moe_rt_ep_direct_group {
   moe_rt_ep_direct_stage stages[EPD_MAX_STAGES];
   pthread_mutex_t lock; /* the stages */
   mrt_group_plans plans;
-  int64_t serial; /* this process's number of the group (the registry's key with the address) */
-  int64_t users;  /* moe_rt_ep_direct_group_acquire's holds not yet released (under g_registry_lock) */
-  int destroyed;  /* destroy came while held: the last release frees (under g_registry_lock) */
+  mrt_live live; /* its entry in the registry of live groups (moe_rt_ep_direct_group_acquire) */
 };
 
-/* ---- the registry of live groups (as csrc/ep_ll.c's, for the XLA handlers of moe_rt.jax ep_*) ---------- */
-
-static pthread_mutex_t g_registry_lock = PTHREAD_MUTEX_INITIALIZER;
-static moe_rt_ep_direct_group** g_registry;
-static size_t g_registry_len, g_registry_cap;
-static int64_t g_next_serial = 1;
-
-static int registry_add(moe_rt_ep_direct_group* g) {
-  pthread_mutex_lock(&g_registry_lock);
-  int ok = 1;
-  if (g_registry_len == g_registry_cap) {
-    size_t cap = g_registry_cap ? 2 * g_registry_cap : 16;
-    moe_rt_ep_direct_group** r = realloc(g_registry, cap * sizeof *r);
-    if (r) {
-      g_registry = r;
-      g_registry_cap = cap;
-    } else {
-      ok = 0;
-    }
-  }
-  if (ok) {
-    g->serial = g_next_serial++;
-    g_registry[g_registry_len++] = g;
-  }
-  pthread_mutex_unlock(&g_registry_lock);
-  return ok;
-}
+static mrt_registry g_registry = MRT_REGISTRY_INIT;
 
 static void group_free(moe_rt_ep_direct_group* g) {
   pthread_mutex_destroy(&g->lock);
@@ -109,7 +81,7 @@ moe_rt_status moe_rt_ep_direct_group_create(moe_rt_context* ctx, const moe_rt_ep
   g->d = *d;
   pthread_mutex_init(&g->lock, NULL);
   mrt_group_plans_init(&g->plans);
-  if (!registry_add(g)) {
+  if (!mrt_registry_add(&g_registry, g, &g->live)) {
     group_free(g);
     return BAD("%s: out of host memory (the registry of live groups)", op);
   }
@@ -118,37 +90,17 @@ moe_rt_status moe_rt_ep_direct_group_create(moe_rt_context* ctx, const moe_rt_ep
 }
 
 void moe_rt_ep_direct_group_destroy(moe_rt_ep_direct_group* g) {
-  if (!g) return;
-  pthread_mutex_lock(&g_registry_lock);
-  for (size_t i = 0; i < g_registry_len; ++i)
-    if (g_registry[i] == g) {
-      g_registry[i] = g_registry[--g_registry_len];
-      break;
-    }
-  const int held = g->users > 0;
-  if (held) g->destroyed = 1; /* freed by the last moe_rt_ep_direct_group_release */
-  pthread_mutex_unlock(&g_registry_lock);
-  if (!held) group_free(g);
+  if (g && mrt_registry_remove(&g_registry, g, &g->live)) group_free(g); /* held: the last release frees */
 }
 
-int64_t moe_rt_ep_direct_group_serial(const moe_rt_ep_direct_group* g) { return g ? g->serial : 0; }
+int64_t moe_rt_ep_direct_group_serial(const moe_rt_ep_direct_group* g) { return g ? g->live.serial : 0; }
 
 moe_rt_status moe_rt_ep_direct_group_acquire(int64_t address, int64_t serial, moe_rt_ep_direct_group** out) {
   static const char op[] = "moe_rt_ep_direct_group_acquire";
   mrt_clear_error();
   if (!out) return BAD("%s: out is NULL", op);
   *out = NULL;
-  moe_rt_ep_direct_group* found = NULL;
-  pthread_mutex_lock(&g_registry_lock);
-  for (size_t i = 0; i < g_registry_len; ++i) {
-    moe_rt_ep_direct_group* g = g_registry[i];
-    if ((int64_t)(uintptr_t)g == address && g->serial == serial) {
-      found = g;
-      g->users++;
-      break;
-    }
-  }
-  pthread_mutex_unlock(&g_registry_lock);
+  moe_rt_ep_direct_group* found = mrt_registry_acquire(&g_registry, address, serial);
   if (!found)
     return BAD("%s: no live direct EP group at address 0x%llx with serial %lld: it was destroyed (the EpGroup "
                "was closed) or never made in this process", op, (unsigned long long)address, (long long)serial);
@@ -157,11 +109,7 @@ moe_rt_status moe_rt_ep_direct_group_acquire(int64_t address, int64_t serial, mo
 }
 
 void moe_rt_ep_direct_group_release(moe_rt_ep_direct_group* g) {
-  if (!g) return;
-  pthread_mutex_lock(&g_registry_lock);
-  const int last = --g->users == 0 && g->destroyed;
-  pthread_mutex_unlock(&g_registry_lock);
-  if (last) group_free(g);
+  if (g && mrt_registry_release(&g_registry, &g->live)) group_free(g);
 }
 
 moe_rt_status moe_rt_ep_direct_group_get_desc(const moe_rt_ep_direct_group* g, moe_rt_ep_direct_group_desc* out,

@@ -27,48 +27,10 @@ struct moe_rt_ll_group {
   uint32_t* error_word; /* desc's, or the context's */
   int vec16, vec16_fp8; /* the 16-byte vector paths' conditions that hold for every call */
   mrt_group_plans plans;
-  int64_t serial; /* this process's number of the group (never reused; the registry's key with the address) */
-  int64_t users;  /* moe_rt_ll_group_acquire's holds not yet released (under g_registry_lock) */
-  int destroyed;  /* destroy came while held: the last release frees (under g_registry_lock) */
+  mrt_live live;  /* its entry in the registry of live groups (moe_rt_ll_group_acquire) */
 };
 
-/* ---- the registry of live groups ---------------------------------------------------------------------
- * Every group made is listed until destroyed, so that a caller holding only its address and serial (an XLA
- * custom call's attributes, fixed when a JAX function was traced) can check that the group is still alive
- * and hold it while an op runs (moe_rt_ll_group_acquire / _release), never reaching a freed one. */
-
-static pthread_mutex_t g_registry_lock = PTHREAD_MUTEX_INITIALIZER;
-static moe_rt_ll_group** g_registry;
-static size_t g_registry_len, g_registry_cap;
-static int64_t g_next_serial = 1;
-
-static int registry_add(moe_rt_ll_group* g) {
-  pthread_mutex_lock(&g_registry_lock);
-  int ok = 1;
-  if (g_registry_len == g_registry_cap) {
-    size_t cap = g_registry_cap ? 2 * g_registry_cap : 16;
-    moe_rt_ll_group** r = realloc(g_registry, cap * sizeof *r);
-    if (r) {
-      g_registry = r;
-      g_registry_cap = cap;
-    } else {
-      ok = 0;
-    }
-  }
-  if (ok) {
-    g->serial = g_next_serial++;
-    g_registry[g_registry_len++] = g;
-  }
-  pthread_mutex_unlock(&g_registry_lock);
-  return ok;
-}
-
-/* Under g_registry_lock: the index of g in the registry, or -1. */
-static ptrdiff_t registry_find(const moe_rt_ll_group* g) {
-  for (size_t i = 0; i < g_registry_len; ++i)
-    if (g_registry[i] == g) return (ptrdiff_t)i;
-  return -1;
-}
+static mrt_registry g_registry = MRT_REGISTRY_INIT;
 
 static void group_free(moe_rt_ll_group* g) {
   mrt_group_plans_destroy(&g->plans);
@@ -144,7 +106,7 @@ moe_rt_status moe_rt_ll_group_create(moe_rt_context* ctx, const moe_rt_ll_group_
   g->vec16 = (desc->hidden * mrt_dtype_size(desc->dtype)) % 16 == 0 && local_aligned;
   g->vec16_fp8 = desc->hidden % 16 == 0 && local_aligned;
   mrt_group_plans_init(&g->plans);
-  if (!registry_add(g)) {
+  if (!mrt_registry_add(&g_registry, g, &g->live)) {
     group_free(g);
     return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: out of host memory (the registry of live groups)", op);
   }
@@ -153,34 +115,17 @@ moe_rt_status moe_rt_ll_group_create(moe_rt_context* ctx, const moe_rt_ll_group_
 }
 
 void moe_rt_ll_group_destroy(moe_rt_ll_group* g) {
-  if (!g) return;
-  pthread_mutex_lock(&g_registry_lock);
-  const ptrdiff_t i = registry_find(g);
-  if (i >= 0) g_registry[i] = g_registry[--g_registry_len];
-  const int held = g->users > 0;
-  if (held) g->destroyed = 1; /* freed by the last moe_rt_ll_group_release */
-  pthread_mutex_unlock(&g_registry_lock);
-  if (!held) group_free(g);
+  if (g && mrt_registry_remove(&g_registry, g, &g->live)) group_free(g); /* held: the last release frees */
 }
 
-int64_t moe_rt_ll_group_serial(const moe_rt_ll_group* g) { return g ? g->serial : 0; }
+int64_t moe_rt_ll_group_serial(const moe_rt_ll_group* g) { return g ? g->live.serial : 0; }
 
 moe_rt_status moe_rt_ll_group_acquire(int64_t address, int64_t serial, moe_rt_ll_group** out) {
   static const char op[] = "moe_rt_ll_group_acquire";
   mrt_clear_error();
   if (!out) return BAD("%s: out is NULL", op);
   *out = NULL;
-  moe_rt_ll_group* found = NULL;
-  pthread_mutex_lock(&g_registry_lock);
-  for (size_t i = 0; i < g_registry_len; ++i) {
-    moe_rt_ll_group* g = g_registry[i];
-    if ((int64_t)(uintptr_t)g == address && g->serial == serial) {
-      found = g;
-      g->users++;
-      break;
-    }
-  }
-  pthread_mutex_unlock(&g_registry_lock);
+  moe_rt_ll_group* found = mrt_registry_acquire(&g_registry, address, serial);
   if (!found)
     return BAD("%s: no live low-latency group at address 0x%llx with serial %lld: it was destroyed (the "
                "LowLatencyGroup was closed) or never made in this process", op, (unsigned long long)address,
@@ -190,11 +135,7 @@ moe_rt_status moe_rt_ll_group_acquire(int64_t address, int64_t serial, moe_rt_ll
 }
 
 void moe_rt_ll_group_release(moe_rt_ll_group* g) {
-  if (!g) return;
-  pthread_mutex_lock(&g_registry_lock);
-  const int last = --g->users == 0 && g->destroyed;
-  pthread_mutex_unlock(&g_registry_lock);
-  if (last) group_free(g);
+  if (g && mrt_registry_release(&g_registry, &g->live)) group_free(g);
 }
 
 moe_rt_status moe_rt_ll_group_get_desc(const moe_rt_ll_group* g, moe_rt_ll_group_desc* out) {

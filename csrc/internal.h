@@ -178,6 +178,31 @@ typedef struct mrt_group_plans {
   } entry[MRT_GROUP_PLANS];
 } mrt_group_plans;
 void mrt_group_plans_init(mrt_group_plans* c);
+
+/* A registry of live EP groups (the low-latency ones, csrc/ep_ll.c; the direct ones, csrc/ep_direct.c): every
+ * group made is listed until destroyed, so that a caller holding only its address and serial (an XLA custom
+ * call's attributes, fixed when a JAX function was traced) can check that the group is still alive and hold it
+ * while an op runs, never reaching a freed one. Each group embeds an mrt_live; serials are this process's,
+ * never reused. */
+typedef struct mrt_live {
+  int64_t serial; /* the registry's key with the address */
+  int64_t users;  /* holds not yet released (under the registry's lock) */
+  int destroyed;  /* destroy came while held: the last release frees (under the registry's lock) */
+} mrt_live;
+
+typedef struct mrt_registry {
+  pthread_mutex_t lock;
+  struct mrt_registry_entry* entries;
+  size_t len, cap;
+} mrt_registry;
+
+#define MRT_REGISTRY_INIT {PTHREAD_MUTEX_INITIALIZER, NULL, 0, 0}
+
+int mrt_registry_add(mrt_registry* r, void* group, mrt_live* live);    /* 0: out of host memory */
+int mrt_registry_remove(mrt_registry* r, void* group, mrt_live* live); /* 1: not held, free it now */
+/* The live group of that address and serial, held (its mrt_live's users counted), or NULL. */
+void* mrt_registry_acquire(mrt_registry* r, int64_t address, int64_t serial);
+int mrt_registry_release(mrt_registry* r, mrt_live* live); /* 1: the last hold of a destroyed group: free it */
 void mrt_group_plans_destroy(mrt_group_plans* c);
 /* *plan = the plan of this key (returns 1), or 0 when absent. */
 int mrt_group_plan_get(mrt_group_plans* c, const void* key, size_t key_bytes, mrt_plan* plan);

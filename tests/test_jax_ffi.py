@@ -95,6 +95,15 @@ static void report(const char* what, XLA_FFI_Error* e) {
   else { printf("%s: code=%d msg=%s\n", what, (int)e->code, e->msg); free(e); }
 }
 
+/* report(what, call) with `field` set to `bad` for the call (then restored) */
+#define WITH(field, bad, what, call)    \
+  do {                                  \
+    __typeof__(field) keep_ = (field);  \
+    (field) = (bad);                    \
+    report(what, call);                 \
+    (field) = keep_;                    \
+  } while (0)
+
 static void frame_init(XLA_FFI_Api* api, XLA_FFI_CallFrame* f) {
   memset(api, 0, sizeof *api);
   api->struct_size = XLA_FFI_Api_STRUCT_SIZE;
@@ -300,15 +309,6 @@ XLA_FFI_Error* moe_rt_xla_ll_combine(XLA_FFI_CallFrame*);
 XLA_FFI_Error* moe_rt_xla_ll_dispatch_bwd(XLA_FFI_CallFrame*);
 XLA_FFI_Error* moe_rt_xla_ll_combine_bwd(XLA_FFI_CallFrame*);
 
-/* report(what, call) with `field` set to `bad` for the call (then restored) */
-#define WITH(field, bad, what, call)    \
-  do {                                  \
-    __typeof__(field) keep_ = (field);  \
-    (field) = (bad);                    \
-    report(what, call);                 \
-    (field) = keep_;                    \
-  } while (0)
-
 /* sizes: R = 1, L = 3, Tmax = 7, K = 2, H = 6 (float32 group), T = 5 */
 enum { L = 3, TM = 7, KK = 2, HH = 6, T = 5 };
 static char mem[1 << 16];
@@ -442,22 +442,28 @@ int main(void) {
 """
 
 
-def test_ll_handlers_with_hand_built_call_frames(built, tmp_path):
-    """The low-latency handlers over a core group on a planning context (the registry lists it as any group):
-    every check passes and the call reaches XLA's device context (no kernel cache set: an FFI error, no crash);
-    a group the registry does not list (an address or serial of no live group, or the group destroyed), a
-    missing attribute, another device, and wrong shapes or dtypes fail with INVALID_ARGUMENT and a message."""
+def _run_group_frames(built, tmp_path, name, source):
+    """Compile and run a frame program over the EP handlers (linked to the built libraries, no libcuda):
+    ``(the completed process, {case: its report})``."""
     core, xla, include = built
-    src = tmp_path / "ll_frames.c"
-    src.write_text(_LL_FRAME_TEST)
-    exe = tmp_path / "ll_frames"
-    subprocess.run([*_cc().split(), "-std=c11", "-Wall", f"-I{include}", f"-I{ROOT / 'include'}", str(src),
+    src = tmp_path / f"{name}.c"
+    src.write_text(source)
+    exe = tmp_path / name
+    subprocess.run([*_cc().split(), "-std=gnu11", "-Wall", f"-I{include}", f"-I{ROOT / 'include'}", str(src),
                     f"-L{xla.parent}", "-l:" + xla.name, "-l:" + core.name, f"-Wl,-rpath,{xla.parent}", "-o",
                     str(exe)], check=True)
     env = dict(os.environ, MOE_RT_LIBCUDA=str(tmp_path / "no_libcuda.so"))
     r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
-    lines = dict(line.split(": ", 1) for line in r.stdout.splitlines() if ": " in line)
+    return r, dict(line.split(": ", 1) for line in r.stdout.splitlines() if ": " in line)
+
+
+def test_ll_handlers_with_hand_built_call_frames(built, tmp_path):
+    """The low-latency handlers over a core group on a planning context (the registry lists it as any group):
+    every check passes and the call reaches XLA's device context (no kernel cache set: an FFI error, no crash);
+    a group the registry does not list (an address or serial of no live group, or the group destroyed), a
+    missing attribute, another device, and wrong shapes or dtypes fail with INVALID_ARGUMENT and a message."""
+    r, lines = _run_group_frames(built, tmp_path, "ll_frames", _LL_FRAME_TEST)
     # not command-buffer compatible: a replay would skip the registry check (csrc/xla_ffi.c ll_call)
     assert lines["metadata"] == "ok" and "traits=0 api=0." in r.stdout
     for op in ("dispatch", "combine", "dispatch_bwd", "combine_bwd"):
@@ -493,14 +499,6 @@ XLA_FFI_Error* moe_rt_xla_ep_dispatch(XLA_FFI_CallFrame*);
 XLA_FFI_Error* moe_rt_xla_ep_combine(XLA_FFI_CallFrame*);
 XLA_FFI_Error* moe_rt_xla_ep_dispatch_bwd(XLA_FFI_CallFrame*);
 XLA_FFI_Error* moe_rt_xla_ep_combine_bwd(XLA_FFI_CallFrame*);
-
-#define WITH(field, bad, what, call)    \
-  do {                                  \
-    __typeof__(field) keep_ = (field);  \
-    (field) = (bad);                    \
-    report(what, call);                 \
-    (field) = keep_;                    \
-  } while (0)
 
 /* sizes: R = 1, L = 3, Tmax = P = 7, K = 2, H = 6 (float32 rows), T = 5; capacity 14: N = 14 rows */
 enum { L = 3, TM = 7, KK = 2, HH = 6, T = 5, NN = 14, NA = 16 };
@@ -675,17 +673,7 @@ def test_ep_handlers_with_hand_built_call_frames(built, tmp_path):
     device copies and XLA's device context are refused there, with the core's message); a group the registry
     does not list (another address or serial, or destroyed), a missing attribute, attributes that do not fit
     the group, another device, and wrong shapes or dtypes fail with INVALID_ARGUMENT and a message."""
-    core, xla, include = built
-    src = tmp_path / "ep_frames.c"
-    src.write_text(_EP_FRAME_TEST)
-    exe = tmp_path / "ep_frames"
-    subprocess.run([*_cc().split(), "-std=gnu11", "-Wall", f"-I{include}", f"-I{ROOT / 'include'}", str(src),
-                    f"-L{xla.parent}", "-l:" + xla.name, "-l:" + core.name, f"-Wl,-rpath,{xla.parent}", "-o",
-                    str(exe)], check=True)
-    env = dict(os.environ, MOE_RT_LIBCUDA=str(tmp_path / "no_libcuda.so"))
-    r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60, env=env)
-    assert r.returncode == 0, r.stdout + r.stderr
-    lines = dict(line.split(": ", 1) for line in r.stdout.splitlines() if ": " in line)
+    r, lines = _run_group_frames(built, tmp_path, "ep_frames", _EP_FRAME_TEST)
     # not command-buffer compatible: a replay would skip the registry check (csrc/xla_ffi.c ep_call)
     assert lines["metadata"] == "ok" and "traits=0 api=0." in r.stdout
     for case in ("dispatch valid", "combine valid", "dispatch_bwd valid", "combine_bwd valid"):
