@@ -271,6 +271,11 @@ class _Shared:
         self.free()
 
 
+def _addr(a):
+    """The device address of array ``a``, of an address given as an int (a transport's scratch), or 0 for None."""
+    return 0 if a is None else a if type(a) is int else a.data.ptr
+
+
 def _stage_unit(st):
     """The widest copy unit (16 to 1 bytes) dividing every address of shared buffer ``st`` (made once)."""
     u = getattr(st, "unit_", None)
@@ -305,6 +310,7 @@ class DirectTransport:
         self._order = []
         # per-call work made once: (row bytes, K) -> the stage pair; stage views by (address, rows, cols, dtype)
         self._pairs, self._views = {}, {}
+        self._scratch_mem, self._retired = {}, []  # _scratch: name -> (memory, words); superseded memory
         self.closed = False
         self._err_ptr = 0
         self.bar = self.flags = None
@@ -403,7 +409,8 @@ class DirectTransport:
 
         Returns, with ``expand``, ``(rows [N,H] expert-major, weights [N] fp32 or None)``: the kernel expands
         each received chunk as it lands, then padding rows are zeroed (left unwritten with ``zero=False``) and
-        ``weights[n] = recv_wk[src_slot[n]]`` laid out when ``want_w``; without, the received rows ``[rows,H]``
+        ``weights[n] = recv_wk[src_slot[n]]`` laid out when ``want_w`` (``op`` combine_bwd: their address in the
+        group's scratch, :meth:`_scratch`, valid until the group's next op); without, the received rows ``[rows,H]``
         in the handle's layout (the stage itself in capacity mode, a packed copy in exact mode). ``fp8``: an
         :class:`moe_rt._ep_rows.Fp8Rows` (with ``expand``): ``x`` holds packed FP8 rows, which the kernel
         splits (or dequantizes) into ``fp8``'s outputs as it expands them; ``rows`` is their tuple."""
@@ -411,7 +418,9 @@ class DirectTransport:
             return self.push(call, h, x, w, op, recv=True)
         N = h.sizes["N"]
         out = call.empty((N, int(x.shape[1])), x.dtype) if fp8 is None else fp8.empty(call.xp, N)
-        out_w = call.empty((N,), np.float32) if want_w else None
+        out_w = None
+        if want_w:  # combine_bwd's laid-out weights only scale its rows (EpGroup.combine_bwd): the handle's scratch
+            out_w = call.empty((N,), np.float32) if op != "combine_bwd" else self._scratch(call, "row_w", N)
         self.push(call, h, x, w, op, out, fp8, fill=True, out_w=out_w, zero=zero)
         return out, out_w
 
@@ -450,7 +459,7 @@ class DirectTransport:
             kind, dt, hid, o0, o1 = 2, _core.CODES[fp8.dtype], fp8.H, out[0].data.ptr, 0
         _core.ep_direct_dispatch(self._core, OP_CODES[op], self._handle(h), x.data.ptr, rb,
                                  w.data.ptr if w is not None else 0, kind, dt, hid, o0, o1,
-                                 out_w.data.ptr if out_w is not None else 0, int(fill), int(zero),
+                                 _addr(out_w), int(fill), int(zero),
                                  buf.data.ptr if recv and m is not None else 0, m.data.ptr if m is not None else 0,
                                  make, 1, s.ptr, int(w is not None))
         return buf
@@ -465,13 +474,13 @@ class DirectTransport:
         s, sz = call.stream, h.sizes
         K, H, T = sz["K"], int(y.shape[1]), sz["T"]
         if gw is not None:
-            zw = call.xp.empty((sz["rows"], K), np.float32)
+            zw = self._scratch(call, "slot_grads", sz["rows"] * K)
         self.stages(H * y.dtype.itemsize, K, s, lambda st: self._op_wait(st, op))
         out = call.empty((T, H), y.dtype)
         gwt = call.empty((T, K), np.float32) if zw is not None else None
         _core.ep_direct_combine(self._core, OP_CODES[op], self._handle(h), y.data.ptr, _core.CODES[y.dtype], H,
                                 0 if w is None else w if isinstance(w, int) else w.data.ptr,
-                                gw.data.ptr if gw is not None else 0, zw.data.ptr if zw is not None else 0,
+                                gw.data.ptr if gw is not None else 0, _addr(zw),
                                 out.data.ptr, gwt.data.ptr if gwt is not None else 0, int(barrier), s.ptr)
         return out, gwt
 
@@ -483,6 +492,21 @@ class DirectTransport:
             a = h.state["epd"] = (h.buffer.data.ptr, sz["R"], sz["L"], sz["Tmax"], sz["K"], sz["P"], sz["rows"],
                                   sz["N"], sz["T"], int(h.mode != "capacity"))
         return a
+
+    def _scratch(self, call, name, n):
+        """The address of fp32 working memory of ``n`` words, ``name``'s (combine_bwd's laid-out weights, the
+        slots' weight partials of dispatch_bwd): written and read by one op's core call and kernels, kept by
+        the group and reused by every op, as its stages are (the ops of a group run one after another on the
+        device: each starts with a barrier and writes the same stages, so one op's use ends before the next
+        one's begins). Made on first use through ``call.empty`` (like the stages: run an op once before
+        CUDA-graph capture) and grown by doubling; a superseded one stays allocated until ``close``, as a
+        captured graph may hold its address."""
+        m = self._scratch_mem.get(name)
+        if m is None or m.size < n:
+            if m is not None:
+                self._retired.append(m)
+            m = self._scratch_mem[name] = call.empty((max(int(n), 1 if m is None else 2 * m.size),), np.float32)
+        return m.data.ptr
 
     def _row_map(self, call, h):
         """``(map, make)``: None in capacity mode (received row r is stage row r: recv_off[s] = s*P); in exact mode
@@ -524,6 +548,7 @@ class DirectTransport:
                 shared = [self._stages[k] for k in reversed(self._order)] + [b for b in (self.flags, self.bar) if b]
                 self._stages, self._order, self.bar, self.flags = {}, [], None, None
                 self._pairs, self._views = {}, {}
+                self._scratch_mem, self._retired = {}, []
                 if self._core is not None:
                     self._core.destroy()
                     self._core = None

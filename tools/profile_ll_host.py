@@ -169,6 +169,7 @@ class StandIns:
         d.comm, d.device, d.R, d.me, d.lo, d.hi, d.P = comm, 0, R, me, 0, R, 2 * Tmax * num_buffers
         d.timeout_ns, d._stages, d._order, d.closed, d._err_ptr = 10**9, {}, [], False, 96
         d._pairs, d._views = {}, {}
+        d._scratch_mem, d._retired = {}, []
         d.state = self.dev((2,), np.uint32)
         d.bar = type("Sh", (), {"table": self.dev((R,), np.int64)})()
         d.flags = type("Sh", (), {"table": self.dev((R,), np.int64)})()
