@@ -140,6 +140,7 @@ from moe_rt import _ep_adapt, _ep_direct, _ep_mixed, _ep_nccl, _ep_rows, _handle
 from moe_rt import fp8 as _fp8
 from moe_rt._ep_rows import FILE as _FILE, UNITS as _UNITS
 from moe_rt._ep_rows import Fp8Rows, grid as _grid, plan_view, recv_wk, regions, scale_rows, tokens_per_expert
+from moe_rt._arrays import DevArray
 from moe_rt._handle import Handle, meta_index
 from moe_rt.reference import ep as _ref
 from moe_rt.reference import fp8 as _fp8_ref
@@ -165,6 +166,7 @@ DEFAULT_TIMEOUT = 300.0
 _SETUP_TIMEOUT = 120.0  # the least a group's creation waits for its peers
 _TOKEN_DTYPES = tuple(d for d in _arrays.FLOAT_DTYPES if d is not None)
 _WEIGHT_DTYPES = _TOKEN_DTYPES + (np.dtype(np.float64),)
+_F32 = np.dtype(np.float32)
 FP8_BLOCK = 128  # channels per fp32 scale of an FP8 dispatch
 _FP8_ROW_DTYPES = (_arrays.FLOAT8_E4M3, np.dtype(np.uint8))
 _BF16 = _arrays.BFLOAT16  # dequantized rows of a pre-quantized pair in a group without a dtype
@@ -342,6 +344,7 @@ class EpGroup:
         self._prep_cfgs = {}  # (T, K, device, id dtype) -> prepare's set-up (_PrepCfg)
         self._gsync = {}  # (device, stream) -> grid_sync's words (prepare's send side)
         self._settled = set()  # keys of the ops whose first call waited for its NCCL exchanges (_first_call)
+        self._valid = {}  # an op's array signature -> True: its checks passed (_arrays.validated / remember)
 
     def _choose_transport(self, want):
         """Make the group's transport and return its name (None for one rank, whose CUDA ops run the NCCL
@@ -812,13 +815,22 @@ class EpGroup:
         with _arrays.Call({"x": x, "topk_weights": topk_weights}, stream=stream, lean=self._lean()) as call:
             self._check_call(call, "dispatch")
             _check_backend(handle, call, "dispatch")
-            sz = handle.sizes
-            xv = call["x"]
-            self._check_tokens(xv, "x", sz["T"], handle)
-            wv = self._dispatch_weights(call, handle)
-            xv = _arrays.contiguous(call.xp, xv)
-            handle.state["dtype"] = np.dtype(xv.dtype)
-            handle.state["has_weights"] = wv is not None
+            sz, st = handle.sizes, handle.state
+            xv, wv = call["x"], call["topk_weights"]
+            # the checks of x and the weights, once per signature (the same errors, in the same order)
+            key = ("dispatch", sz["T"], sz["K"], st.get("dtype"), xv.shape, xv.dtype,
+                   None if wv is None else (wv.shape, wv.dtype))
+            if _arrays.validated(self._valid, key) is None:
+                self._check_tokens(xv, "x", sz["T"], handle)
+                if wv is not None:
+                    check_weights(wv, "topk_weights", (sz["T"], sz["K"]))
+                _arrays.remember(self._valid, key, True)
+            if wv is not None and (type(wv) is not DevArray or wv.dtype != _F32):
+                wv = _arrays.contiguous(call.xp, wv.astype(np.float32, copy=False))
+            if type(xv) is not DevArray:  # a DevArray is C-contiguous
+                xv = _arrays.contiguous(call.xp, xv)
+            st["dtype"] = np.dtype(xv.dtype)
+            st["has_weights"] = wv is not None
             if call.backend == "cpu":  # zero rows either way (zero_empty_slots=False: unspecified allows it)
                 rx, rw, tpe = _ref.dispatch([handle.state["ref"]], [xv], None if wv is None else [wv])[0]
                 self._keep_ref_weights(handle, wv)
@@ -944,10 +956,14 @@ class EpGroup:
             self._check_call(call, "combine")
             _check_backend(handle, call, "combine")
             yv = call["y"]
-            self._check_tokens(yv, "y", handle.sizes["N"], handle)
+            key = ("combine", handle.sizes["N"], handle.state.get("dtype"), yv.shape, yv.dtype)
+            if _arrays.validated(self._valid, key) is None:  # the checks of y, once per signature
+                self._check_tokens(yv, "y", handle.sizes["N"], handle)
+                _arrays.remember(self._valid, key, True)
             if weighted and not handle.state.get("has_weights"):
                 raise ValueError("combine: weighted=True needs topk_weights in dispatch (or pass weighted=False)")
-            yv = _arrays.contiguous(call.xp, yv)
+            if type(yv) is not DevArray:  # a DevArray is C-contiguous
+                yv = _arrays.contiguous(call.xp, yv)
             if call.backend == "cpu":
                 return call.out(_ref.combine([handle.state["ref"]], [yv], weighted=weighted)[0])
             # the received weights: the direct transport takes their address (no view to make per handle)
@@ -975,12 +991,18 @@ class EpGroup:
             self._check_call(call, "dispatch_bwd")
             _check_backend(handle, call, "dispatch_bwd")
             sz = handle.sizes
-            g = call["grad_recv_x"]
-            self._check_tokens(g, "grad_recv_x", sz["N"], handle)
-            gw = call["grad_recv_w"]
-            if gw is not None:
-                gw = _fp32_weights(call, gw, "grad_recv_w", (sz["N"],))
-            g = _arrays.contiguous(call.xp, g)
+            g, gw = call["grad_recv_x"], call["grad_recv_w"]
+            key = ("dispatch_bwd", sz["N"], handle.state.get("dtype"), g.shape, g.dtype,
+                   None if gw is None else (gw.shape, gw.dtype))
+            if _arrays.validated(self._valid, key) is None:  # the checks, once per signature (same order)
+                self._check_tokens(g, "grad_recv_x", sz["N"], handle)
+                if gw is not None:
+                    check_weights(gw, "grad_recv_w", (sz["N"],))
+                _arrays.remember(self._valid, key, True)
+            if gw is not None and (type(gw) is not DevArray or gw.dtype != _F32):
+                gw = _arrays.contiguous(call.xp, gw.astype(np.float32, copy=False))
+            if type(g) is not DevArray:  # a DevArray is C-contiguous
+                g = _arrays.contiguous(call.xp, g)
             if call.backend == "cpu":
                 gx, gwt = _ref.dispatch_bwd([handle.state["ref"]], [g], None if gw is None else [gw])[0]
                 return call.out(gx), (None if gwt is None else call.out(gwt))
@@ -1009,18 +1031,23 @@ class EpGroup:
             self._check_call(call, "combine_bwd")
             _check_backend(handle, call, "combine_bwd")
             sz = handle.sizes
-            g = call["grad_out"]
-            self._check_tokens(g, "grad_out", sz["T"], handle)
-            yv = call["y"]
-            if yv is not None:
-                self._check_tokens(yv, "y", sz["N"], handle)
-                if np.dtype(yv.dtype) != np.dtype(g.dtype):
-                    raise TypeError(f"y: dtype must match grad_out ({np.dtype(g.dtype).name}), got "
-                                    f"{np.dtype(yv.dtype).name}")
+            g, yv = call["grad_out"], call["y"]
+            key = ("combine_bwd", sz["T"], sz["N"], handle.state.get("dtype"), g.shape, g.dtype,
+                   None if yv is None else (yv.shape, yv.dtype))
+            if _arrays.validated(self._valid, key) is None:  # the checks, once per signature (same order)
+                self._check_tokens(g, "grad_out", sz["T"], handle)
+                if yv is not None:
+                    self._check_tokens(yv, "y", sz["N"], handle)
+                    if np.dtype(yv.dtype) != np.dtype(g.dtype):
+                        raise TypeError(f"y: dtype must match grad_out ({np.dtype(g.dtype).name}), got "
+                                        f"{np.dtype(yv.dtype).name}")
+                _arrays.remember(self._valid, key, True)
+            if yv is not None and type(yv) is not DevArray:  # a DevArray is C-contiguous
                 yv = _arrays.contiguous(call.xp, yv)
             if weighted and not handle.state.get("has_weights"):
                 raise ValueError("combine_bwd: weighted=True needs topk_weights in dispatch")
-            g = _arrays.contiguous(call.xp, g)
+            if type(g) is not DevArray:
+                g = _arrays.contiguous(call.xp, g)
             if call.backend == "cpu":
                 gy, gw = _ref.combine_bwd([handle.state["ref"]], [g], None if yv is None else [yv],
                                           weighted=weighted)[0]

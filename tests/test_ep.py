@@ -1622,6 +1622,21 @@ def test_direct_host_path_validation(monkeypatch, mode):
         with pytest.raises(exc, match=match):
             f()
         assert tr.take() == ([], 0)  # refused before any launch or allocation
+    # the checks passed once per signature are kept (EpGroup._valid): good calls of every op, twice, then the same
+    # refusals (the last dispatch without weights, as above)
+    for _ in range(2):
+        g.dispatch(h, x, w)
+        g.combine(h, st.dev((N, H), bf))
+        g.dispatch_bwd(h, st.dev((N, H), bf), st.dev((N,), np.float32))
+        g.combine_bwd(h, st.dev((T, H), bf), st.dev((N, H), bf), weighted=False)
+        g.combine_bwd(h, st.dev((T, H), bf))
+        g.dispatch(h, x)
+    assert g._valid
+    tr.take()
+    for f, exc, match in bad:
+        with pytest.raises(exc, match=match):
+            f()
+        assert tr.take() == ([], 0)
 
 
 def test_profile_ep_host_tool_runs():
