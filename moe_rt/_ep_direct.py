@@ -442,11 +442,14 @@ class DirectTransport:
         with ``fill`` the padding rows zeroed / ``out_w`` laid out (:meth:`forward`). ``recv``: returns the
         received rows ``[rows,H]`` in the handle's layout (the stage itself in capacity mode (received row r is
         stage row r), a packed copy in exact mode); else None."""
-        s, sz = call.stream, h.sizes
+        sz = h.sizes
         K, H = sz["K"], int(x.shape[1])
         rb = H * x.dtype.itemsize
-        rows_st, _ = self.stages(rb, K, s, lambda st: self._op_wait(st, op))
-        m, make = self._row_map(call, h)
+        pair = self._pairs.get((rb, K))
+        if pair is None:
+            pair = self.stages(rb, K, call.stream, lambda st: self._op_wait(st, op))
+        rows_st = pair[0]
+        m, make = self._row_map(call, h) if h.mode != "capacity" else (None, 0)
         buf = None
         if recv:
             buf = (self.view(rows_st, sz["R"] * sz["P"], H, x.dtype) if m is None
@@ -461,7 +464,7 @@ class DirectTransport:
                                  w.data.ptr if w is not None else 0, kind, dt, hid, o0, o1,
                                  _addr(out_w), int(fill), int(zero),
                                  buf.data.ptr if recv and m is not None else 0, m.data.ptr if m is not None else 0,
-                                 make, 1, s.ptr, int(w is not None))
+                                 make, 1, call.stream_ptr, int(w is not None))
         return buf
 
     def combine(self, call, h, y, w, op, *, gw=None, zw=None, barrier=True):
@@ -471,17 +474,19 @@ class DirectTransport:
         mixed transport), or None) pushed into its owner's stage chunk by chunk, then this rank's tokens summed
         over ranks from its own stage as the chunks land. Returns ``(out [T,H] in y's dtype, grad_w [T,K] fp32
         or None)``."""
-        s, sz = call.stream, h.sizes
+        sz = h.sizes
         K, H, T = sz["K"], int(y.shape[1]), sz["T"]
         if gw is not None:
             zw = self._scratch(call, "slot_grads", sz["rows"] * K)
-        self.stages(H * y.dtype.itemsize, K, s, lambda st: self._op_wait(st, op))
+        rb = H * y.dtype.itemsize
+        if (rb, K) not in self._pairs:
+            self.stages(rb, K, call.stream, lambda st: self._op_wait(st, op))
         out = call.empty((T, H), y.dtype)
         gwt = call.empty((T, K), np.float32) if zw is not None else None
         _core.ep_direct_combine(self._core, OP_CODES[op], self._handle(h), y.data.ptr, _core.CODES[y.dtype], H,
                                 0 if w is None else w if isinstance(w, int) else w.data.ptr,
                                 gw.data.ptr if gw is not None else 0, _addr(zw),
-                                out.data.ptr, gwt.data.ptr if gwt is not None else 0, int(barrier), s.ptr)
+                                out.data.ptr, gwt.data.ptr if gwt is not None else 0, int(barrier), call.stream_ptr)
         return out, gwt
 
     def _handle(self, h):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moe_rt import _jit, permutation
+from moe_rt import _arrays, _jit, permutation
 from moe_rt.fp8 import packed_layout
 
 FILE = "ep.cu"
@@ -60,7 +60,8 @@ def tokens_per_expert(call, h):
     copy on the call's stream into a fresh array."""
     L = h.sizes["L"]
     out = call.empty((L,), np.int32)
-    copy_bytes(out.data.ptr, regions(h)["tokens_per_expert"], 4 * L, call.stream)
+    rt = _rt[0] or _runtime()  # on the call's stream by its address (a light call's CuPy stream is not entered)
+    rt.memcpyAsync(out.data.ptr, regions(h)["tokens_per_expert"], 4 * L, rt.memcpyDeviceToDevice, call.stream_ptr)
     return out
 
 
@@ -180,7 +181,8 @@ def scale_rows(call, rows, w):
             _jit.function(FILE, f"ep_scale_rows<{_jit.ctype(rows.dtype)}, {'true' if vec else 'false'}>"),
             grid(n * 8, call.device_id, threads=8), int(min(512, max(32, -(-(H // nper) // 32) * 32))),
             (np.int64(n), np.int64(H)))
-    _jit.launch_raw(c[0], c[1], c[2], (rows, w, *c[3]), 0, call.stream)
+    # the call's stream as a CuPy stream, not entered (a light call enters CuPy's device and stream for call.stream)
+    _jit.launch_raw(c[0], c[1], c[2], (rows, w, *c[3]), 0, _arrays.as_cupy_stream(call.stream_ptr, call.device_id))
 
 
 _FP8_PIECES = (16, 4, 1)

@@ -836,9 +836,10 @@ class EpGroup:
                 self._keep_ref_weights(handle, wv)
                 return call.out(rx), (None if rw is None else call.out(rw)), call.out(tpe)
             key = self._op_key("dispatch", handle, xv, wv is not None, zero)
-            with self._first_call("dispatch", key, call.stream):
+            # key None: no NCCL exchange, no waits (and the call's stream is not entered for CuPy: _arrays.Call)
+            with self._first_call("dispatch", key, call.stream) if key is not None else _NO_WAITS:
                 rx, rw = self._transport.forward(call, handle, xv, wv, "dispatch", want_w=wv is not None, zero=zero)
-                self._last_stream = call.stream
+                self._last_stream = call.stream_ptr
                 tpe = tokens_per_expert(call, handle)
             return call.out(rx), (None if rw is None else call.out(rw)), call.out(tpe)
 
@@ -968,9 +969,10 @@ class EpGroup:
                 return call.out(_ref.combine([handle.state["ref"]], [yv], weighted=weighted)[0])
             # the received weights: the direct transport takes their address (no view to make per handle)
             pw = None if not weighted else regions(handle)["recv_wk"] if self.transport == "direct" else recv_wk(handle)
-            with self._first_call("combine", self._op_key("combine", handle, yv, weighted), call.stream):
+            key = self._op_key("combine", handle, yv, weighted)
+            with self._first_call("combine", key, call.stream) if key is not None else _NO_WAITS:
                 out, _ = self._transport.reduce(call, handle, yv, pw, None, "combine")
-                self._last_stream = call.stream
+                self._last_stream = call.stream_ptr
             return call.out(out)
 
     def dispatch_bwd(self, handle, grad_recv_x, grad_recv_w=None, *, stream=None):
@@ -1006,10 +1008,10 @@ class EpGroup:
             if call.backend == "cpu":
                 gx, gwt = _ref.dispatch_bwd([handle.state["ref"]], [g], None if gw is None else [gw])[0]
                 return call.out(gx), (None if gwt is None else call.out(gwt))
-            with self._first_call("dispatch_bwd", self._op_key("dispatch_bwd", handle, g, gw is not None),
-                                  call.stream):
+            key = self._op_key("dispatch_bwd", handle, g, gw is not None)
+            with self._first_call("dispatch_bwd", key, call.stream) if key is not None else _NO_WAITS:
                 out, gwt = self._transport.reduce(call, handle, g, None, gw, "dispatch_bwd")
-                self._last_stream = call.stream
+                self._last_stream = call.stream_ptr
             return call.out(out), (None if gwt is None else call.out(gwt))
 
     def combine_bwd(self, handle, grad_out, y=None, *, weighted: bool = True, stream=None):
@@ -1053,11 +1055,11 @@ class EpGroup:
                                           weighted=weighted)[0]
                 return call.out(gy), (None if gw is None else call.out(gw))
             key = self._op_key("combine_bwd", handle, g, weighted, yv is not None)
-            with self._first_call("combine_bwd", key, call.stream):
+            with self._first_call("combine_bwd", key, call.stream) if key is not None else _NO_WAITS:
                 if not weighted or yv is None:
                     # the dispatch direction into the expert-major rows (the weights are the forward's)
                     gy, pp = self._transport.forward(call, handle, g, None, "combine_bwd", want_w=weighted)
-                    self._last_stream = call.stream
+                    self._last_stream = call.stream_ptr
                     if weighted:
                         scale_rows(call, gy, pp)
                     return call.out(gy), None

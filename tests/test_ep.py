@@ -1588,6 +1588,50 @@ def test_direct_host_path_launches_and_arguments(monkeypatch, mode, R, T):
 
 
 @pytest.mark.parametrize("mode", ["capacity", "exact"])
+def test_direct_host_path_stream_by_address(monkeypatch, mode):
+    """The eager ops after prepare (direct transport, device stood in for) take the call's stream by its address
+    (``Call.stream_ptr``) and never read ``Call.stream``, which in a light torch call makes CuPy's device and
+    stream current (entered, then left at the call's exit): host time spent on every call otherwise."""
+    import ml_dtypes
+
+    from moe_rt import _arrays
+
+    tr = _EpHostTrace(monkeypatch)
+    st = tr.st
+    reads = []
+
+    class Counting(_arrays.Call):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            reads.clear()
+
+        @property
+        def stream(self):
+            reads.append(1)
+            return self._s
+
+        @stream.setter
+        def stream(self, v):
+            self._s = v
+
+    monkeypatch.setattr(_arrays, "Call", Counting)
+    R, E, H, Tmax, K, T = 2, 8, 40, 16, 3, 11
+    bf = np.dtype(ml_dtypes.bfloat16)
+    g = st.ep_group(R, 1, E, H, Tmax, K, mode, bf)
+    h = g.prepare(st.dev((T, K), np.int32))
+    N = h.sizes["N"]
+    x, w = st.dev((T, H), bf), st.dev((T, K), np.float32)
+    calls = {"dispatch": lambda: g.dispatch(h, x, w), "combine": lambda: g.combine(h, st.dev((N, H), bf)),
+             "dispatch_bwd": lambda: g.dispatch_bwd(h, st.dev((N, H), bf), st.dev((N,), np.float32)),
+             "combine_bwd": lambda: g.combine_bwd(h, st.dev((T, H), bf))}
+    for op, f in calls.items():
+        f()  # the first call makes the stages and scratch (with the stream: a collective)
+        f()
+        assert reads == [], op
+        assert g._last_stream == 7, op  # the stand-in's stream, by address (EpGroup.synchronize takes either)
+
+
+@pytest.mark.parametrize("mode", ["capacity", "exact"])
 def test_direct_host_path_validation(monkeypatch, mode):
     """The CUDA path of each eager op (direct transport, device stood in for) still refuses bad input with the
     TypeError / ValueError naming the argument, before any launch."""

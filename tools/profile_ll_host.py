@@ -64,6 +64,7 @@ class StandIns:
                 self.backend, self.xp, self.device_id, self.framework = "cuda", Xp, 0, "devarray"
                 # stream 7, or an int stream given (a test's second stream)
                 self.stream = st.stream(stream if type(stream) is int else 7)
+                self.stream_ptr = self.stream.ptr
                 self.views = dict(arrays)
 
             def __getitem__(self, k):
