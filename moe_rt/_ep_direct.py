@@ -293,6 +293,8 @@ class DirectTransport:
     (default every rank; the mixed transport (:mod:`moe_rt._ep_mixed`) passes this rank's node): only
     their buffers are mapped, the barrier and the fused kernels serve only them."""
 
+    nccl = None  # no NCCL exchange (EpGroup._op_key / _first_call read it; the mixed transport has one)
+
     def __init__(self, comm, device, pair_rows, timeout, wait, op_wait=None, node=None):
         import cupy
         from cupy.cuda import runtime

@@ -804,8 +804,10 @@ class EpGroup:
         transpose as after an unquantized dispatch (gradients are never FP8).
         """
         self._check_handle(handle, "dispatch")
-        _ep_adapt.check_fp8_flags(fp8, dequantize)
-        _check_bool(zero_empty_slots, "zero_empty_slots")
+        if fp8 is not False or dequantize is not False:  # the defaults pass the checks
+            _ep_adapt.check_fp8_flags(fp8, dequantize)
+        if zero_empty_slots is not True:
+            _check_bool(zero_empty_slots, "zero_empty_slots")
         zero = bool(zero_empty_slots)
         pair = isinstance(x, (tuple, list))
         if pair:
