@@ -2044,7 +2044,7 @@ def test_mixed_op_trace(monkeypatch, rng, R, local_size, me, mode):
     sc, so, rc, ro = t.nccl._host_counts(h)
     rb = H * 4
     call = type("Call", (), {"xp": _Dev, "empty": staticmethod(_Dev.empty), "stream": type("S", (), {"ptr": 9})(),
-                             "device_id": 0})()
+                             "stream_ptr": 9, "device_id": 0})()
     x = _Dev((h.sizes["T"], H), np.float32)
     w = _Dev((h.sizes["T"], K), np.float32)
 
@@ -2292,7 +2292,7 @@ def test_fp8_transport_one_pass_trace(monkeypatch, rng, kind, mode, dequantize):
     H = 100
     rows = Fp8Rows(H, np.float32 if dequantize else None)
     call = type("Call", (), {"xp": _Dev, "empty": staticmethod(_Dev.empty), "stream": type("S", (), {"ptr": 9})(),
-                             "device_id": 0})()
+                             "stream_ptr": 9, "device_id": 0})()
     x = _Dev((h.sizes["T"], rows.row_bytes), np.uint8)
     w = _Dev((h.sizes["T"], K), np.float32)
     monkeypatch.setattr(_jit, "function", lambda file, name: (full.setdefault(name.split("<")[0], []).append(name),
@@ -2385,7 +2385,7 @@ def test_transport_zero_empty_slots_trace(monkeypatch, rng, kind, mode, rows_kin
     N, H = h.sizes["N"], 100
     fp8 = None if rows_kind == "plain" else Fp8Rows(H, np.float32 if rows_kind == "fp8 dequant" else None)
     call = type("Call", (), {"xp": _Dev, "empty": staticmethod(_Dev.empty), "stream": _StandInStream(),
-                             "device_id": 0})()
+                             "stream_ptr": _StandInStream.ptr, "device_id": 0})()
     x = _Dev((h.sizes["T"], H), np.float32) if fp8 is None else _Dev((h.sizes["T"], fp8.row_bytes), np.uint8)
     w = _Dev((h.sizes["T"], K), np.float32) if want_w else None
     full = []
