@@ -1212,9 +1212,9 @@ def ep_direct_barrier(EpDirectGroup g, int op, uintptr_t stream):
 def ep_direct_dispatch(EpDirectGroup g, int op, tuple handle, uintptr_t x, int64_t row_bytes, uintptr_t w, int fp8,
                        int out_dtype, int hidden, uintptr_t out, uintptr_t out_s, uintptr_t out_w, int fill, int zero,
                        uintptr_t recv_buf, uintptr_t row_map, int make_row_map, int barrier, uintptr_t stream,
-                       int with_w=-1):
+                       int with_w):
     """moe_rt_ep_direct_dispatch; ``handle``: (buffer, R, L, Tmax, K, P, rows, N, T, exact); ``with_w``: whether
-    weights travel (-1: when ``w`` is nonzero; an empty ``w`` on a rank without tokens has address 0)."""
+    weights travel (said, not read off ``w``: an empty ``w`` on a rank without tokens has address 0)."""
     cdef moe_rt_ep_direct_handle h
     cdef moe_rt_ep_direct_outputs o
     _epd_handle(handle, &h)
@@ -1223,7 +1223,7 @@ def ep_direct_dispatch(EpDirectGroup g, int op, tuple handle, uintptr_t x, int64
     o.out, o.out_s, o.out_w = <void*>out, <float*>out_s, <float*>out_w
     o.fill, o.zero, o.recv_buf = fill, zero, <void*>recv_buf
     o.row_map, o.make_row_map = <int32_t*>row_map, make_row_map
-    o.with_w = (w != 0) if with_w < 0 else with_w
+    o.with_w = with_w
     cdef moe_rt_ep_direct_group* c = _epd_begin(g, stream)
     cdef int tries = 0, st
     while True:

@@ -173,10 +173,10 @@ def handle_of(g, exact, T, K=3, L=3, Tmax=13, P=None):
 
 
 def dispatch(g, h, op, x, rb, w, *, fp8=0, out_dtype=0, hidden=0, out=0, out_s=0, out_w=0, fill=1, zero=1,
-             recv_buf=0, row_map=0, make=0, barrier=1, with_w=-1):
+             recv_buf=0, row_map=0, make=0, barrier=1, with_w=None):
     g.stage(rb, h.K)
     _core.ep_direct_dispatch(g.g, OP[op], h.tup(), x, rb, w, fp8, out_dtype, hidden, out, out_s, out_w, fill, zero,
-                             recv_buf, row_map, make, barrier, 7, with_w)
+                             recv_buf, row_map, make, barrier, 7, int(bool(w)) if with_w is None else with_w)
     return g.plan()
 
 
@@ -306,7 +306,7 @@ def test_topk_up_to_the_groups_limit():
     t = list(h.tup())
     t[4] = 1025
     with pytest.raises(ValueError, match=r"topk in \[1, 1024\]"):
-        _core.ep_direct_dispatch(g.g, 1, tuple(t), XP, 80, WP, 0, 0, 0, OUT, 0, 0, 1, 1, 0, 0, 0, 1, 7)
+        _core.ep_direct_dispatch(g.g, 1, tuple(t), XP, 80, WP, 0, 0, 0, OUT, 0, 0, 1, 1, 0, 0, 0, 1, 7, 1)
 
 
 def test_plans_are_cached_per_signature_and_follow_the_call():
@@ -331,7 +331,7 @@ def test_bad_calls_get_error_statuses_with_messages():
         x, rb, w = a.pop("x"), a.pop("rb"), a.pop("w")
         o = dict(fp8=0, out_dtype=0, hidden=0, out=0, out_s=0, out_w=0, fill=1, zero=1, recv_buf=0, row_map=0,
                  make=0, barrier=1)
-        with_w = a.pop("with_w", -1)
+        with_w = a.pop("with_w", int(bool(w)))
         o.update(a)
         with pytest.raises(ValueError, match=msg):
             _core.ep_direct_dispatch(g.g, OP[op], handle.tup(), x, rb, w, *o.values(), 7, with_w)
@@ -359,7 +359,7 @@ def test_bad_calls_get_error_statuses_with_messages():
         t = list(h.tup())
         t[tup_i] = v
         with pytest.raises(ValueError, match=msg):
-            _core.ep_direct_dispatch(g.g, 1, tuple(t), XP, 80, WP, 0, 0, 0, OUT, 0, 0, 1, 1, 0, MAP, 0, 1, 7)
+            _core.ep_direct_dispatch(g.g, 1, tuple(t), XP, 80, WP, 0, 0, 0, OUT, 0, 0, 1, 1, 0, MAP, 0, 1, 7, 1)
     with pytest.raises(ValueError, match="op must be MOE_RT_EP_OP_COMBINE"):
         _core.ep_direct_combine(g.g, 1, h.tup(), 0x91000, 2, 40, 0, 0, 0, OUT, 0, 1, 7)
     with pytest.raises(ValueError, match="slot_grads and grad_w come together"):
