@@ -42,6 +42,17 @@ from moe_rt import ep as _ep
 from moe_rt import _xla
 from moe_rt.jax import _dtype_code, _ffi, _on_platform, _run, _spec
 
+
+def _collective(args, on_cuda, fn, specs):
+    """An EP op (a collective): ``on_cuda(*args)`` (its custom calls, made with :func:`_cffi`) when lowered
+    for CUDA; ``fn`` over views of XLA's buffers in a buffer_callback on other platforms, and on CUDA too when
+    ``on_cuda`` is None. Kept in program order among the other EP ops and never removed by XLA (see
+    moe_rt.jax._COLLECTIVE), so that every rank runs the same collectives in the same order."""
+    return _on_platform(args, on_cuda, lambda *a: _run(fn, specs, *a, collective=True), specs, ordered=True)
+
+
+_cffi = partial(_ffi, collective=True)
+
 __all__ = ["JaxEpHandle", "ep_prepare", "ep_dispatch", "ep_combine", "ep_path"]
 
 
@@ -86,11 +97,10 @@ def ep_prepare(group, topk_idx) -> JaxEpHandle:
     if ep_path(group) == "ffi":
         def on_cuda(idx):
             attrs, work = _ffi_ready(group, "prepare", T, K, idx_dtype=idx.dtype)
-            return _ffi("ep_prepare", specs + [_spec((work,), np.int32)], idx, **attrs)[:2]
-
-        buf, tpe = _on_platform((topk_idx,), on_cuda, lambda idx: _run(fn, specs, idx), specs)
+            return _cffi("ep_prepare", specs + [_spec((work,), np.int32)], idx, **attrs)[:2]
     else:
-        buf, tpe = _run(fn, specs, topk_idx)
+        on_cuda = None
+    buf, tpe = _collective((topk_idx,), on_cuda, fn, specs)
     return JaxEpHandle(buf, tpe, gid, T, K, N)
 
 
@@ -137,13 +147,12 @@ def _dispatch_impl(static, fp8, zero, buf, x, w):
             H, has_w = int(xv.shape[1]), wv is not None
             attrs, nbytes = _ffi_ready(group, "dispatch", static[1], static[2], row_bytes=H * jnp.dtype(xv.dtype).itemsize,
                                        dtype=xv.dtype, hidden=H, with_w=has_w, zero=zero)
-            return _ffi("ep_dispatch", specs + [_spec((nbytes if has_w else 0,), np.uint8)], bv, xv,
+            return _cffi("ep_dispatch", specs + [_spec((nbytes if has_w else 0,), np.uint8)], bv, xv,
                         *([wv.astype(jnp.float32)] if has_w else []), has_weights=np.int32(has_w), zero_empty_slots=np.int32(zero),
                         **attrs)[:2]
-
-        rx, rw = _on_platform((buf, x, w), on_cuda, lambda *a: _run(fn, specs, *a), specs)
     else:
-        rx, rw = _run(fn, specs, buf, x, w)
+        on_cuda = None
+    rx, rw = _collective((buf, x, w), on_cuda, fn, specs)
     return rx, (rw if w is not None else None)
 
 
@@ -182,11 +191,11 @@ def _dispatch_bwd_run(static, buf, g_rx, g_rw):
             attrs, _ = _ffi_ready(group, "dispatch_bwd", T, K, row_bytes=H * jnp.dtype(gv.dtype).itemsize,
                                   dtype=gv.dtype, hidden=H, with_w=has_w)
             rows = _A.rows_of(group, T, K)[0]
-            return _ffi("ep_dispatch_bwd", specs + [_spec((rows * K if has_w else 0,), np.float32)], bv, gv,
+            return _cffi("ep_dispatch_bwd", specs + [_spec((rows * K if has_w else 0,), np.float32)], bv, gv,
                         *([gwv.astype(jnp.float32)] if has_w else []), has_weights=np.int32(has_w), **attrs)[:2]
-
-        return _on_platform((buf, g_rx, g_rw), on_cuda, lambda *a: _run(fn, specs, *a), specs)
-    return _run(fn, specs, buf, g_rx, g_rw)
+    else:
+        on_cuda = None
+    return _collective((buf, g_rx, g_rw), on_cuda, fn, specs)
 
 
 _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
@@ -228,7 +237,7 @@ def _dispatch_fp8_impl(static, dequantize, zero, buf, x, scales, w):
             ry, rs, rw, _ = out
         return [ry, rs, np.zeros(0, np.float32) if rw is None else rw]
 
-    ry, rs, rw = _run(fn, specs, buf, x, scales, w)
+    ry, rs, rw = _collective((buf, x, scales, w), None, fn, specs)
     return ry, rs, (rw if w is not None else None)
 
 
@@ -319,10 +328,10 @@ def _combine_impl(static, buf, y, w):
             attrs, _ = _ffi_ready(group, "combine", T, static[2], row_bytes=H * jnp.dtype(yv.dtype).itemsize,
                                   dtype=yv.dtype, hidden=H, with_w=has_w)
             extra = [_slot_weights(group, static, bv, wv)] if has_w else []
-            return _ffi("ep_combine", specs, bv, yv, *extra, has_weights=np.int32(has_w), **attrs)
-
-        return _on_platform((buf, y, w), on_cuda, lambda *a: _run(fn, specs, *a), specs)[0]
-    return _run(fn, specs, buf, y, w)[0]
+            return _cffi("ep_combine", specs, bv, yv, *extra, has_weights=np.int32(has_w), **attrs)
+    else:
+        on_cuda = None
+    return _collective((buf, y, w), on_cuda, fn, specs)[0]
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -347,11 +356,8 @@ def _combine_bwd(static, res, g):
         return [gy, _f32_empty(gv) if gw is None else gw]
 
     group = _A.lookup(static[0])
-    if ep_path(group) == "ffi":
-        gy, gw = _on_platform((buf, g, y, w), partial(_combine_bwd_ffi, group, static, specs),
-                              lambda *a: _run(fn, specs, *a), specs)
-    else:
-        gy, gw = _run(fn, specs, buf, g, y, w)
+    on_cuda = partial(_combine_bwd_ffi, group, static, specs) if ep_path(group) == "ffi" else None
+    gy, gw = _collective((buf, g, y, w), on_cuda, fn, specs)
     return None, gy, (gw.astype(w.dtype) if w is not None else None)
 
 
@@ -364,9 +370,9 @@ def _combine_bwd_ffi(group, static, specs, bv, gv, yv, wv):
     attrs, _ = _ffi_ready(group, "combine_bwd", T, K, row_bytes=H * jnp.dtype(gv.dtype).itemsize, dtype=gv.dtype,
                           hidden=H, with_w=has_w)
     if not has_w:
-        gy = _ffi("ep_combine_bwd", specs[:1], bv, gv, has_weights=np.int32(0), **attrs)[0]
+        gy = _cffi("ep_combine_bwd", specs[:1], bv, gv, has_weights=np.int32(0), **attrs)[0]
         return [gy, jnp.zeros((0,), np.float32)]
-    gy, gp = _ffi("ep_combine_bwd", [specs[0], _spec((rows, K), np.float32)], bv, gv, yv,
+    gy, gp = _cffi("ep_combine_bwd", [specs[0], _spec((rows, K), np.float32)], bv, gv, yv,
                   _slot_weights(group, static, bv, wv), has_weights=np.int32(1), **attrs)
     src = _region(group, static, bv, "src_slot")
     return [gy, jnp.where(src >= 0, gp.reshape(-1)[jnp.maximum(src, 0)], jnp.float32(0))]
@@ -617,13 +623,13 @@ def _ll_dispatch_impl(static, x, idx, w):
 
     def on_cuda(x, idx, w):
         attrs = _ll_ready(group, "dispatch", T, idx.dtype)
-        return _ffi("ll_dispatch", specs, x, idx, w, zero_empty_slots=np.int32(zero), **attrs)
+        return _cffi("ll_dispatch", specs, x, idx, w, zero_empty_slots=np.int32(zero), **attrs)
 
     def fn(xv, iv, wv):  # the reference's rows: new arrays, zero at empty slots
         recv, _, h = _ll_lookup(gid).dispatch(xv, iv, wv)
         return [recv] + _ll_handle_arrays(h._a)
 
-    out = _on_platform((x, idx, w), on_cuda, lambda *a: _run(fn, specs, *a), specs)
+    out = _collective((x, idx, w), on_cuda, fn, specs)
     return out[0], out[-1], tuple(out[1:])
 
 
@@ -646,14 +652,14 @@ def _ll_dispatch_bwd(static, res, cts):
     specs = [_spec((T, group.hidden), g_recv.dtype), _spec((T, K), np.float32)]
 
     def on_cuda(g, gsw, *hv):
-        return _ffi("ll_dispatch_bwd", specs, g, gsw, *hv, **_ll_ready(group, "dispatch_bwd", T))
+        return _cffi("ll_dispatch_bwd", specs, g, gsw, *hv, **_ll_ready(group, "dispatch_bwd", T))
 
     def fn(gv, gsv, *hv):
         group = _ll_lookup(gid)
         gx, gw = group.dispatch_bwd(_ll_core(group, T, K, hv), gv, gsv)
         return [gx, gw]
 
-    gx, gw = _on_platform((g_recv, g_arrays[4], *arrays), on_cuda, lambda *a: _run(fn, specs, *a), specs)
+    gx, gw = _collective((g_recv, g_arrays[4], *arrays), on_cuda, fn, specs)
     # the handle's topk_weights (what ll_combine applies) are ll_dispatch's topk_weights as fp32
     return gx, None, (gw + g_arrays[1]).astype(w_tag.dtype)
 
@@ -703,13 +709,13 @@ def _ll_combine(static, y, arrays):
     specs = [_spec((T, group.hidden), y.dtype)]
 
     def on_cuda(y, *hv):
-        return _ffi("ll_combine", specs, y, *hv, **_ll_ready(group, "combine", T))
+        return _cffi("ll_combine", specs, y, *hv, **_ll_ready(group, "combine", T))
 
     def fn(yv, *hv):
         group = _ll_lookup(gid)
         return [group.combine(_ll_core(group, T, K, hv), yv)]
 
-    return _on_platform((y, *arrays), on_cuda, lambda *a: _run(fn, specs, *a), specs)[0]
+    return _collective((y, *arrays), on_cuda, fn, specs)[0]
 
 
 def _ll_combine_fwd(static, y, arrays):
@@ -726,7 +732,7 @@ def _ll_combine_bwd(static, res, g):
 
     def on_cuda(g, y, *hv):
         # a third result: the per-slot dots of the weight gradient (scratch)
-        out = _ffi("ll_combine_bwd", specs + [_spec((n,), np.float32)], g, y, *hv,
+        out = _cffi("ll_combine_bwd", specs + [_spec((n,), np.float32)], g, y, *hv,
                    **_ll_ready(group, "combine_bwd", T))
         return out[:2]
 
@@ -735,7 +741,7 @@ def _ll_combine_bwd(static, res, g):
         gy, gw = group.combine_bwd(_ll_core(group, T, K, hv), gv, yv)
         return [gy, gw]
 
-    gy, gw = _on_platform((g, y, *arrays), on_cuda, lambda *a: _run(fn, specs, *a), specs)
+    gy, gw = _collective((g, y, *arrays), on_cuda, fn, specs)
     return gy, (None, gw, None, None, None, None)
 
 

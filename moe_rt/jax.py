@@ -44,7 +44,7 @@ __all__ = ["JaxPlan", "make_plan", "dispatch", "combine", "topk_with_score", "to
 _PLAN_ARRAYS = ("dst_row", "src_slot", "seg_start", "counts", "tokens_per_expert")
 
 
-def _run(fn, out_specs, *inputs):
+def _run(fn, out_specs, *inputs, collective=False):
     """Run ``fn(*views)`` (views: CuPy or NumPy arrays over XLA's buffers; None inputs stay None) inside a
     buffer_callback and put its results into XLA's outputs described by ``out_specs``.
 
@@ -84,7 +84,7 @@ def _run(fn, out_specs, *inputs):
     # vmap runs the callback once per batch element (every op is already batched over tokens; a batch of
     # plans or routings is a loop), in order, which also keeps EP collectives matched across ranks.
     args = [inputs[i] if i not in fp8_in else jax.lax.bitcast_convert_type(inputs[i], jnp.uint8) for i in present]
-    results = buffer_callback(callback, out_specs, vmap_method="sequential")(*args)
+    results = buffer_callback(callback, out_specs, vmap_method="sequential", has_side_effect=collective)(*args)
     if not fp8_out:
         return results
     return [r if k not in fp8_out else jax.lax.bitcast_convert_type(r, fp8_out[k]) for k, r in enumerate(results)]
@@ -196,8 +196,12 @@ def _spec(shape, dtype):
 # below. Under vmap a custom call runs once per batch element, in order, as the
 # callbacks do.
 
-def _ffi(op, out_specs, *args, **attrs):
-    return jax.ffi.ffi_call(_xla.target(op), out_specs, vmap_method="sequential")(*args, **attrs)
+def _ffi(op, out_specs, *args, collective=False, **attrs):
+    """The custom call of ``op``; a ``collective`` one (an EP op: every rank must run it) is side-effecting,
+    so XLA never removes it (as it would a call whose results go unused or hold no element, on a rank with no
+    tokens); its place among the other collectives is fixed by :func:`_on_platform` (``ordered``)."""
+    return jax.ffi.ffi_call(_xla.target(op), out_specs, vmap_method="sequential",
+                            has_side_effect=collective)(*args, **attrs)
 
 
 def _dtype_code(dt):
@@ -208,15 +212,58 @@ def _dtype_code(dt):
 # the others, both traced only when lowered (so the kernels are prepared only when the op is lowered for
 # CUDA). (jax.lax.platform_dependent is no use here: its cond is resolved to the default branch when some
 # outputs of a custom_vjp function go unused.)
+#
+# EP ops are collectives: every rank must run the same ones in the same order, or the ranks exchange the
+# wrong buffers (or wait for each other until the group's timeout). Data dependencies do not fix that order:
+# a VJP may not depend on its forward op's result (a loss linear in it), and on a rank with no tokens the
+# arrays between two layers hold no element, so XLA drops those edges; ranks whose programs differ in shape
+# may then be scheduled differently. So an EP op binds the primitive with ``ordered=True``: it carries an
+# ordered effect (JAX threads one token through every such op of a program, and across the programs a
+# process runs, in program order), and its lowering ties that token to the op's operands before and to its
+# results after (optimization barriers), so no EP op can move past another. Its custom call or callback is
+# also side-effecting (see _ffi, _run): XLA never removes it.
+from jax._src import effects as _effects  # noqa: E402 - ordered effects have no public registration API
+from jax._src.lib.mlir.dialects import hlo as _hlo  # noqa: E402
+
+
+class _CollectiveEffect(jax.extend.core.Effect):
+    def __str__(self):
+        return "moe_rt.EpCollective"
+
+
+_COLLECTIVE = _CollectiveEffect()
+for _kind in (_effects.lowerable_effects, _effects.ordered_effects, _effects.control_flow_allowed_effects,
+              _effects.custom_derivatives_allowed_effects, _effects.remat_allowed_effects):
+    _kind.add_type(_CollectiveEffect)
+
 _per_platform_p = Primitive("moe_rt_per_platform")
 _per_platform_p.multiple_results = True
-_per_platform_p.def_abstract_eval(lambda *avals, cuda, default, out_avals: list(out_avals))
+_per_platform_p.def_effectful_abstract_eval(
+    lambda *avals, cuda, default, out_avals, ordered: (list(out_avals), {_COLLECTIVE} if ordered else set()))
 # outside jit: compiled and run for the arrays' device, as any primitive
 _per_platform_p.def_impl(lambda *args, **params: jax.jit(partial(_per_platform_p.bind, **params))(*args))
-mlir.register_lowering(_per_platform_p, lambda ctx, *args, cuda, default, out_avals:
-                       mlir.lower_fun(default, multiple_results=True)(ctx, *args))
-mlir.register_lowering(_per_platform_p, lambda ctx, *args, cuda, default, out_avals:
-                       mlir.lower_fun(cuda, multiple_results=True)(ctx, *args), platform="cuda")
+
+
+def _ir_values(v):
+    return v if isinstance(v, (list, tuple)) else (v,)
+
+
+def _lowering(which):
+    def rule(ctx, *args, cuda, default, out_avals, ordered):
+        lower = mlir.lower_fun(cuda if which == "cuda" else default, multiple_results=True)
+        if not ordered:
+            return lower(ctx, *args)
+        # (every operand and result is an array: one IR value each)
+        token, *args = _hlo.OptimizationBarrierOp([ctx.tokens_in.get(_COLLECTIVE), *args]).results
+        outs = lower(ctx.replace(tokens_in=mlir.TokenSet(), tokens_out=None), *args)
+        token, *outs = _hlo.OptimizationBarrierOp([token, *(v for o in outs for v in _ir_values(o))]).results
+        ctx.set_tokens_out(ctx.tokens_in.update_tokens(mlir.TokenSet({_COLLECTIVE: token})))
+        return outs
+    return rule
+
+
+mlir.register_lowering(_per_platform_p, _lowering("default"))
+mlir.register_lowering(_per_platform_p, _lowering("cuda"), platform="cuda")
 
 
 def _per_platform_batch(args, dims, **params):
@@ -235,9 +282,12 @@ def _per_platform_batch(args, dims, **params):
 batching.primitive_batchers[_per_platform_p] = _per_platform_batch
 
 
-def _on_platform(args, cuda, default, out_specs):
-    """``cuda(*args)`` when lowered for CUDA, ``default(*args)`` otherwise (``args`` may hold None); both
-    return arrays matching ``out_specs``."""
+def _on_platform(args, cuda, default, out_specs, *, ordered=False):
+    """``cuda(*args)`` when lowered for CUDA, ``default(*args)`` otherwise (``args`` may hold None; ``cuda``
+    None: ``default`` everywhere); both return arrays matching ``out_specs``. ``ordered``: an EP collective,
+    kept in program order among the others (see _COLLECTIVE)."""
+    if cuda is None:
+        cuda = default
     present = [i for i, a in enumerate(args) if a is not None]
 
     def full(flat):
@@ -248,7 +298,7 @@ def _on_platform(args, cuda, default, out_specs):
 
     avals = tuple(jax.core.ShapedArray(tuple(s.shape), jnp.dtype(s.dtype)) for s in out_specs)
     return _per_platform_p.bind(*[args[i] for i in present], cuda=lambda *f: list(cuda(*full(f))),
-                                default=lambda *f: list(default(*full(f))), out_avals=avals)
+                                default=lambda *f: list(default(*full(f))), out_avals=avals, ordered=ordered)
 
 
 # -- plans ---------------------------------------------------------------------------------------------

@@ -482,6 +482,42 @@ def test_jax_ll_lowers_to_custom_calls_naming_the_core_group(monkeypatch):
     assert prepared[0][1] == dict(N=E * TMAX, row_bytes=H * 2, zero_rest=1)
 
 
+def test_jax_ll_ops_chained_in_program_order(monkeypatch):
+    """The four collectives of a lowered layer (forward and VJPs) carry one token in program order, each
+    side-effecting (tests/test_jax_ep_ffi.py collective_chain), so every rank runs them in the same order."""
+    from test_jax_ep_ffi import collective_chain
+
+    from moe_rt import _xla
+
+    group = moe_rt.LowLatencyGroup(None, E, H, TMAX, topk=K, dtype="bfloat16")
+    text, _, _ = _lowered_for_cuda(monkeypatch, group, 5)
+    ops = ["ll_dispatch", "ll_combine", "ll_combine_bwd", "ll_dispatch_bwd"]
+    assert collective_chain(text, {_xla.target(op) for op in ops}) == [_xla.target(op) for op in ops]
+
+
+def test_jax_ll_ops_run_on_a_rank_without_tokens():
+    """A rank with no tokens still takes part in each of the four collectives of a step (XLA would drop
+    them: their results hold no element or go unused)."""
+    group = moe_rt.LowLatencyGroup(None, E, H, TMAX, topk=K, dtype="float32")
+    calls = []
+    for name in ("dispatch", "combine", "dispatch_bwd", "combine_bwd"):
+        def counted(*a, _op=getattr(group, name), _name=name, **kw):
+            calls.append(_name)
+            return _op(*a, **kw)
+        setattr(group, name, counted)
+
+    def loss(x, w, idx):
+        rx, _, h = mj.ll_dispatch(group, x, idx, w)
+        return (mj.ll_combine(h, rx * 2) ** 2).sum()
+
+    args = (jnp.zeros((0, H), jnp.float32), jnp.zeros((0, K), jnp.float32), jnp.zeros((0, K), jnp.int32))
+    step = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    for _ in range(2):
+        calls.clear()
+        jax.block_until_ready(step(*args))
+        assert sorted(calls) == ["combine", "combine_bwd", "dispatch", "dispatch_bwd"], calls
+
+
 def test_jax_ll_group_kept_until_close_then_refused(monkeypatch):
     """moe_rt.jax keeps the group alive (a traced program names it) until close; after close tracing refuses it
     with a clear error (and the core's registry no longer lists its core group: a compiled program naming it

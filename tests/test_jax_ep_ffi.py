@@ -165,6 +165,81 @@ def test_direct_group_lowered_for_cpu_keeps_the_callback(monkeypatch):
     assert "xla_buffer_python" in text and not any(_xla.target(op) in text for op in TARGETS) and not setups
 
 
+def collective_chain(text, targets):
+    """The custom calls named ``targets`` in a lowered module, in program order, after checking that one token
+    chains them (moe_rt.jax._COLLECTIVE): each is side-effecting and takes its operands only from the
+    optimization barrier just before it (or values computed from them after it), whose token is the one the
+    previous collective's closing barrier returned (the first: the function's token argument), and the
+    barrier just after it takes its results."""
+    barrier = re.compile(r"(%\w+)(?::\d+)? = stablehlo\.optimization_barrier (%[\w#]+)(.*)")
+    call = re.compile(r"(%\w+)(?::\d+)? = stablehlo\.custom_call @(\w+)\(([^)]*)\) \{([^\n]*)")
+    token, opened, order, last, since = None, None, [], None, set()
+    for line in text.splitlines():
+        line = line.strip()
+        d = re.match(r"(%\w+)(?::\d+)? = ", line)
+        if d:
+            since.add(d.group(1))
+        m = barrier.match(line)
+        if m:
+            if token is not None:
+                assert m.group(2) == token, (line, token)
+            if opened is None:
+                opened, since = m.group(1), {m.group(1)}
+            else:  # the closing barrier of the last call: holds its results
+                assert last is not None and f"{last}" in m.group(3), (line, last)
+                opened, last = None, None
+            token = f"{m.group(1)}#0"
+            continue
+        m = call.match(line)
+        if m and m.group(2) in targets:
+            assert "has_side_effect = true" in m.group(4), line
+            assert opened is not None and last is None, ("a collective outside its barriers", line)
+            operands = [a.strip() for a in m.group(3).split(",") if a.strip()]
+            assert all(a.split("#")[0] in since for a in operands), (line, opened)
+            order.append(m.group(2))
+            last = m.group(1)
+    assert order and opened is None, order
+    assert len(re.findall(r"stablehlo\.optimization_barrier", text)) == 2 * len(order)
+    return order
+
+
+_ORDER = ["ep_prepare", "ep_dispatch", "ep_combine", "ep_combine_bwd", "ep_dispatch_bwd"]
+
+
+def test_ep_ops_chained_in_program_order(monkeypatch):
+    """Every rank must run the same collectives in the same order: the lowered layer (forward and VJPs)
+    threads one token through its five EP ops, each side-effecting (XLA keeps it), on both paths."""
+    group, _, _, _ = _direct_group(monkeypatch)
+    step, args = _layer(group, 7)
+    text = step.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert collective_chain(text, {_xla.target(op) for op in TARGETS}) == [_xla.target(op) for op in _ORDER]
+    group.transport = "nccl"  # the buffer_callback path
+    step, args = _layer(group, 7)
+    text = step.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert len(collective_chain(text, {"xla_buffer_python_gpu_callback"})) == 5
+    assert "ordered" in str(jax.make_jaxpr(lambda *a: step(*a))(*args))
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+def test_ep_ops_run_on_a_rank_without_tokens(weighted):
+    """A rank with no tokens still takes part in every collective: XLA would drop ops whose results hold no
+    element (or go unused) unless they are side-effecting. Each of the group's five ops runs once per step."""
+    group = moe_rt.EpGroup(None, E, H, TMAX, mode="capacity")
+    calls = []
+    for name in ("prepare", "dispatch", "combine", "dispatch_bwd", "combine_bwd"):
+        def counted(*a, _op=getattr(group, name), _name=name, **kw):
+            calls.append(_name)
+            return _op(*a, **kw)
+        setattr(group, name, counted)
+    step, args = _layer(group, 0, dtype=jnp.float32, weighted=weighted)
+    grads = jax.block_until_ready(step(*args))
+    assert sorted(calls) == sorted(["prepare", "dispatch", "combine", "combine_bwd", "dispatch_bwd"]), calls
+    assert all(g.shape[0] == 0 for g in jax.tree_util.tree_leaves(grads))
+    calls.clear()
+    jax.block_until_ready(step(*args))
+    assert len(calls) == 5, calls
+
+
 def _registry():
     lib = ctypes.CDLL(_core.LIB_PATH)
     lib.moe_rt_last_error.restype = ctypes.c_char_p
