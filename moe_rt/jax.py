@@ -39,7 +39,7 @@ from moe_rt import router as _rt
 
 __all__ = ["JaxPlan", "make_plan", "dispatch", "combine", "topk_with_score", "topk_with_score_qb",
            "scores_for_aux_loss", "aux_loss", "sort_chunks", "quantize_fp8", "dequantize_fp8", "JaxEpHandle",
-           "ep_prepare", "ep_dispatch", "ep_combine", "ep_path"]
+           "ep_prepare", "ep_dispatch", "ep_combine", "ep_path", "reset_ep_order"]
 
 _PLAN_ARRAYS = ("dst_row", "src_slot", "seg_start", "counts", "tokens_per_expert")
 
@@ -235,6 +235,27 @@ _COLLECTIVE = _CollectiveEffect()
 for _kind in (_effects.lowerable_effects, _effects.ordered_effects, _effects.control_flow_allowed_effects,
               _effects.custom_derivatives_allowed_effects, _effects.remat_allowed_effects):
     _kind.add_type(_CollectiveEffect)
+
+
+def reset_ep_order() -> None:
+    """Start a fresh token for the EP ops' ordered effect on the calling thread.
+
+    When a program holding EP ops fails (a peer timed out, a group was closed), JAX keeps the token the
+    failed program returned, and every later program with EP ops fails with that same error before it runs
+    (JAX's rule for ordered effects). After handling the error (new groups made where the old ones are
+    broken), call this so that later programs run. It drops only the EP effect's token, and the per-device
+    runtime tokens of programs that failed (which ``jax.effects_barrier()`` and the interpreter's exit would
+    raise again)."""
+    from jax._src import dispatch  # the runtime token set has no public API
+
+    tokens = dispatch.runtime_tokens
+    tokens.current_tokens.pop(_COLLECTIVE, None)
+    for device, token in list(tokens.output_runtime_tokens.items()):
+        try:
+            token.block_until_ready()
+        except Exception:  # noqa: BLE001 - the failed program's error, already raised to the caller
+            tokens.output_runtime_tokens.pop(device, None)
+
 
 _per_platform_p = Primitive("moe_rt_per_platform")
 _per_platform_p.multiple_results = True

@@ -570,7 +570,8 @@ def _lib_registry():
 @pytest.mark.gpu
 def test_jax_ll_gpu_runs_custom_calls_and_refuses_a_closed_group(rng):
     """On one GPU the jitted layer lowers to the moe_rt_ll_* custom calls (no Python callback), runs, and the
-    same compiled program fails with the core's message once the group is closed."""
+    same compiled program fails with the core's message once the group is closed; that error fails the next
+    program with EP ops until moe_rt.jax.reset_ep_order()."""
     T = 9
     idx = _routing(rng, T)
     group = moe_rt.LowLatencyGroup(None, E, H, TMAX, topk=K, dtype="float32")
@@ -592,6 +593,15 @@ def test_jax_ll_gpu_runs_custom_calls_and_refuses_a_closed_group(rng):
         with pytest.raises(Exception, match="closed") as e:  # XLA's error type varies with the version
             jax.block_until_ready(step(x, w))
         assert "no live low-latency group" in str(e.value)
+        # the failure stays in the EP ops' ordered-effect token: a program over a new group fails with it
+        # until moe_rt.jax.reset_ep_order()
+        group = moe_rt.LowLatencyGroup(None, E, H, TMAX, topk=K, dtype="float32")
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+        with pytest.raises(Exception, match="no live low-latency group"):
+            jax.block_until_ready(step(x, w))
+        mj.reset_ep_order()
+        jax.block_until_ready(step(x, w))
+        group.close()
 
 
 @pytest.mark.multi_gpu

@@ -240,6 +240,24 @@ def test_ep_ops_run_on_a_rank_without_tokens(weighted):
     assert len(calls) == 5, calls
 
 
+def test_reset_ep_order_drops_the_effect_token():
+    """A program with EP ops leaves JAX's token of their ordered effect (on the GPU, a failed program's error
+    stays in it and fails the later ones: tests/test_ep_ll_adapters.py's one-GPU test); reset_ep_order drops
+    it and the next program runs with a fresh one."""
+    from jax._src import dispatch
+
+    from moe_rt.jax import _COLLECTIVE
+
+    group = moe_rt.EpGroup(None, E, H, TMAX, mode="capacity")
+    step, args = _layer(group, 5, dtype=jnp.float32)
+    jax.block_until_ready(step(*args))
+    assert _COLLECTIVE in dispatch.runtime_tokens.current_tokens
+    mj.reset_ep_order()
+    assert _COLLECTIVE not in dispatch.runtime_tokens.current_tokens
+    assert jax.block_until_ready(step(*args))[0].shape == (5, H)
+    assert _COLLECTIVE in dispatch.runtime_tokens.current_tokens
+
+
 def _registry():
     lib = ctypes.CDLL(_core.LIB_PATH)
     lib.moe_rt_last_error.restype = ctypes.c_char_p
