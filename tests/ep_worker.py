@@ -119,9 +119,15 @@ def close(name, got, want, dtype):
 def same(name, got, want):
     got, want = _np(got), _np(want)
     assert got.shape == want.shape, (name, got.shape, want.shape)
-    if not np.array_equal(got.view(np.uint8) if got.dtype.itemsize == 2 else got,
-                          want.view(np.uint8) if want.dtype.itemsize == 2 else want):
-        raise AssertionError(f"{name}: not bitwise equal")
+    g = got.view(np.uint8) if got.dtype.itemsize == 2 else got
+    w = want.view(np.uint8) if want.dtype.itemsize == 2 else want
+    if not np.array_equal(g, w):
+        if g.ndim == 0 or g.size == 0:
+            raise AssertionError(f"{name}: not bitwise equal")
+        bad = np.flatnonzero((g.reshape(g.shape[0], -1) != w.reshape(w.shape[0], -1)).any(axis=1))
+        g, w = got, want
+        raise AssertionError(f"{name}: not bitwise equal: {bad.size} of {g.shape[0]} rows differ, first "
+                             f"{bad[:8].tolist()}; row {bad[0]}: {g[bad[0]].ravel()[:6]} vs {w[bad[0]].ravel()[:6]}")
 
 
 # The handle regions prepare (and dispatch) fill, compared with the CPU path's handle of the same plan
@@ -856,8 +862,9 @@ def jax_direct(cp, comm):
                 (_, (rx, rw, out)), (gx, gw) = step(*args)
                 again = step(*args)
             got = [np.asarray(a) for a in (rx, rw, out, gx, gw)]
-            for a, b in zip(got, [np.asarray(a) for a in (*again[0][1], *again[1])]):
-                same(f"{t}: run to run", a, b)
+            for name, a, b in zip(("recv_x", "recv_w", "out", "grad x", "grad w"), got,
+                                  [np.asarray(a) for a in (*again[0][1], *again[1])]):
+                same(f"{t}: {name} run to run", a, b)
             results[t] = (got, step, args)
         tag = f"[jax direct {np.dtype(dtype).name} H={H} T={Ts} E={E} K={K} A={align}]"
         rx, rw, out, gx, gw = results["direct"][0]
