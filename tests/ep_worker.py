@@ -805,10 +805,11 @@ def jax_init(cp):
 def jax_direct(cp, comm):
     """moe_rt.jax ep_prepare / ep_dispatch / ep_combine on a group on the direct transport (XLA FFI custom calls,
     moe_rt_xla_ep_*) under jit(value_and_grad): prepare -> dispatch (weights) -> scale by 2 -> weighted combine,
-    loss = <out, GO>. Against the NumPy R-rank reference: recv_x, recv_weights and grad x's route (combine_bwd's
-    rows) bitwise, out and the gradients as the other cases check them (close); bitwise against the same
-    program over a group on the NCCL transport (the buffer_callback path, whose lowering is checked to hold no
-    moe_rt_ep_* call) and run to run. Then a program run after close fails with the core's message."""
+    loss = <out, GO>. The program over this group and the same program over a group on the NCCL transport (the
+    buffer_callback path, whose lowering is checked to hold no moe_rt_ep_* call) each run twice, the second
+    run queued while the first may still run; each run against the NumPy R-rank reference (recv_x and
+    recv_weights bitwise, out and the gradients as the other cases check them, close), then run to run and
+    across the two groups bitwise. Then a program run after close fails with the core's message."""
     jax = jax_init(cp)
     import jax.numpy as jnp
 
@@ -860,19 +861,21 @@ def jax_direct(cp, comm):
                 else:
                     assert "xla_buffer_python" in text and "@moe_rt_ep_" not in text
                 (_, (rx, rw, out)), (gx, gw) = step(*args)
-                again = step(*args)
-            got = [np.asarray(a) for a in (rx, rw, out, gx, gw)]
-            for name, a, b in zip(("recv_x", "recv_w", "out", "grad x", "grad w"), got,
-                                  [np.asarray(a) for a in (*again[0][1], *again[1])]):
+                again = step(*args)  # queued while the first run may still be running
+            tag = f"[jax direct {np.dtype(dtype).name} H={H} T={Ts} E={E} K={K} A={align}]"
+            runs = [[np.asarray(a) for a in (rx, rw, out, gx, gw)],
+                    [np.asarray(a) for a in (*again[0][1], *again[1])]]
+            for i, (rx_, rw_, out_, gx_, gw_) in enumerate(runs):  # each run against the reference first
+                where = f"{t} run {i + 1} {tag}"
+                same(f"recv_x {where}", rx_, routs[RANK][0])
+                same(f"recv_w {where}", rw_, routs[RANK][1])
+                close(f"combine {where}", out_, out_ref[RANK], dtype)
+                close(f"grad x {where}", gx_, gx_ref, dtype)
+                close(f"grad topk_weights {where}", gw_, gw_ref,
+                      np.float32 if np.dtype(dtype) == np.float32 else dtype)
+            for name, a, b in zip(("recv_x", "recv_w", "out", "grad x", "grad w"), *runs):
                 same(f"{t}: {name} run to run", a, b)
-            results[t] = (got, step, args)
-        tag = f"[jax direct {np.dtype(dtype).name} H={H} T={Ts} E={E} K={K} A={align}]"
-        rx, rw, out, gx, gw = results["direct"][0]
-        same(f"recv_x {tag}", rx, routs[RANK][0])
-        same(f"recv_w {tag}", rw, routs[RANK][1])
-        close(f"combine {tag}", out, out_ref[RANK], dtype)
-        close(f"grad x {tag}", gx, gx_ref, dtype)
-        close(f"grad topk_weights {tag}", gw, gw_ref, np.float32 if np.dtype(dtype) == np.float32 else dtype)
+            results[t] = (runs[0], step, args)
         for name, a, b in zip(("recv_x", "recv_w", "out", "grad x", "grad w"), results["direct"][0],
                               results["nccl"][0]):
             same(f"{name} direct vs nccl {tag}", a, b)
