@@ -50,8 +50,8 @@ def _run(fn, out_specs, *inputs, collective=False):
 
     On the GPU, a CuPy allocation whose byte size equals that of exactly one output is served from that
     output's buffer (once); a result that landed there needs no copy, anything else is copied in
-    afterwards. moe_rt's ops keep no device arrays between calls, so no buffer outlives the callback. A
-    result for an output of size zero is not read (it may be None)."""
+    afterwards, on XLA's stream as well. moe_rt's ops keep no device arrays between calls, so no buffer
+    outlives the callback. A result for an output of size zero is not read (it may be None)."""
     present = [i for i, a in enumerate(inputs) if a is not None]
     n_in = len(inputs)
     # FP8 never crosses the callback boundary as FP8 (XLA's GPU buffers of an FP8 type offer no
@@ -78,9 +78,13 @@ def _run(fn, out_specs, *inputs, collective=False):
             views[j] = _view(b, dev_id) if j not in fp8_in else _as_fp8(_dev_view(b, dev_id), fp8_in[j])
         dsts = [_view(o, dev_id) if k not in fp8_out else _as_fp8(_dev_view(o, dev_id), fp8_out[k])
                 for k, o in enumerate(outs)]
-        with device, stream, _into(dsts):
-            results = fn(*views)
-        _write(dsts, results, True)
+        # the copies into XLA's outputs run on XLA's stream too: outside it they would go to CuPy's default
+        # (legacy) stream, which XLA's non-blocking stream does not wait for, nor it for them (the copy could
+        # read its result before the op's kernels wrote it, or land before an earlier write of that buffer)
+        with device, stream:
+            with _into(dsts):
+                results = fn(*views)
+            _write(dsts, results, True)
     # vmap runs the callback once per batch element (every op is already batched over tokens; a batch of
     # plans or routings is a loop), in order, which also keeps EP collectives matched across ranks.
     args = [inputs[i] if i not in fp8_in else jax.lax.bitcast_convert_type(inputs[i], jnp.uint8) for i in present]

@@ -274,6 +274,47 @@ def test_jax_ep_jit_grad_matches_plain(device, T, remat, rng):
     np.testing.assert_allclose(np.asarray(gw), 1.5 * (x * g).sum(1, keepdims=True) * valid, rtol=1e-4, atol=1e-5)
 
 
+
+@pytest.mark.parametrize("device", JAX_DEVICES)
+def test_jax_ep_grad_behind_a_busy_stream(device, rng):
+    """The weight gradient of combine's VJP over a group of the buffer_callback path while XLA's stream is
+    still busy when the callbacks run (a chain of matmuls the loss's cotangent waits for), two runs back to
+    back. With L >= K combine's VJP has a [rows,K] index temporary of its [N] output's byte size, which takes
+    that buffer, so its result is copied in: that copy must run on XLA's stream (on CuPy's default stream it
+    read the result before the kernels wrote it: on 4 H100 the NCCL group's weight gradient was wrong in a
+    run queued behind another)."""
+    T, (n, steps) = 19, ((4096, 100) if device == "gpu" else (48, 4))
+    idx = _routing(rng, T)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    w = rng.random((T, K)).astype(np.float32)
+    g = rng.standard_normal((T, H)).astype(np.float32)
+    big = (rng.standard_normal((n, n)) / np.sqrt(n)).astype(np.float32)
+    group = moe_rt.EpGroup(None, E, H, 32, mode="capacity")
+    assert group.num_local_experts >= K
+    with jax.default_device(jax.devices(device)[0]):
+        def loss(x, w, big):
+            m = big
+            for _ in range(steps):
+                m = jnp.tanh(m @ big)
+            c = 1.0 + 1e-3 * m.mean()  # the cotangent of out waits for the chain
+            h = mj.ep_prepare(group, jnp.asarray(idx))
+            rx, rw = mj.ep_dispatch(h, x, w)
+            out = mj.ep_combine(h, rx * 1.5, rw)
+            return (out * g).sum() * c, (out, c)
+
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+        args = (jnp.asarray(x), jnp.asarray(w), jnp.asarray(big))
+        first = step(*args)
+        again = step(*args)  # queued while the first may still run
+    valid = idx >= 0
+    for (_, (out, c)), (gx, gw) in (first, again):
+        c = float(np.asarray(c))
+        np.testing.assert_allclose(np.asarray(out), _plain(x, w, idx, 1.5), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(gx), c * 1.5 * g * (w * valid).sum(1, keepdims=True), rtol=1e-5,
+                                   atol=1e-5)
+        np.testing.assert_allclose(np.asarray(gw), c * 1.5 * (x * g).sum(1, keepdims=True) * valid, rtol=1e-4,
+                                   atol=1e-5)
+
 def _record_zero_flag(monkeypatch):
     """EpGroup.dispatch wrapped to record the zero_empty_slots it is called with (None: not passed)."""
     seen, orig = [], moe_rt.EpGroup.dispatch
