@@ -18,7 +18,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from ep_worker import RANK, WORLD, bf16, jax_init, log, setup  # noqa: E402 - the same launch environment and bootstrap
+# the same launch environment and bootstrap
+from ep_worker import RANK, WORLD, bf16, jax_init, jax_refused_after_close, log, setup  # noqa: E402
 
 
 def case(seed, L, K, Ts, H, dt):
@@ -475,13 +476,7 @@ def jax_ops(cp, comm):
                             jax.tree_util.tree_leaves(again[0][1] + again[1])):
                 assert (bits(np.asarray(a)) == bits(np.asarray(b))).all(), "run to run"
             g.close()
-            try:
-                with jax.default_device(dev):
-                    jax.block_until_ready(step(*args))
-                raise AssertionError("a program naming a closed group ran")
-            except Exception as e:  # noqa: BLE001 - XLA's error type varies with the version
-                assert "closed" in str(e), e
-            mj.reset_ep_order()  # the failure stays in the EP ops' token (moe_rt.jax.reset_ep_order)
+            jax_refused_after_close(jax, dev, step, args, "closed")
             n += 1
             log(f"jax case {n} ok: dtype={np.dtype(dt).name} L={L} K={K} Ts={Ts} Tmax={Tmax} H={H}")
 

@@ -802,6 +802,21 @@ def jax_init(cp):
     return jax
 
 
+def jax_refused_after_close(jax, dev, step, args, message):
+    """Run the compiled ``step`` naming a closed group on ``dev``: it must fail with ``message`` (the core's);
+    then start a fresh token for the EP ops (the failure stays in it: moe_rt.jax.reset_ep_order)."""
+    import moe_rt.jax as mj
+
+    try:
+        with jax.default_device(dev):
+            jax.block_until_ready(step(*args))
+    except Exception as e:  # noqa: BLE001 - XLA's error type varies with the version
+        assert message in str(e), e
+    else:
+        raise AssertionError("a program naming a closed group ran")
+    mj.reset_ep_order()
+
+
 def jax_direct(cp, comm):
     """moe_rt.jax ep_prepare / ep_dispatch / ep_combine on a group on the direct transport (XLA FFI custom calls,
     moe_rt_xla_ep_*) under jit(value_and_grad): prepare -> dispatch (weights) -> scale by 2 -> weighted combine,
@@ -882,13 +897,7 @@ def jax_direct(cp, comm):
         for g in groups.values():
             g.close()
         _, step, args = results["direct"]
-        try:
-            with jax.default_device(dev):
-                jax.block_until_ready(step(*args))
-            raise AssertionError("a program naming a closed group ran")
-        except Exception as e:  # noqa: BLE001 - XLA's error type varies with the version
-            assert "no live direct EP group" in str(e), e
-        mj.reset_ep_order()  # the failure stays in the EP ops' token (moe_rt.jax.reset_ep_order)
+        jax_refused_after_close(jax, dev, step, args, "no live direct EP group")
         n += 1
         log(f"jax_direct case {n} ok {tag}")
 
