@@ -1067,7 +1067,7 @@ class EpGroup:
                     return call.out(gy), None
                 # weighted with y: the received rows, then the permutation family's expert-side kernel
                 recv_buf = self._transport.forward(call, handle, g, None, "combine_bwd", expand=False)
-                self._last_stream = call.stream
+                self._last_stream = call.stream_ptr
                 gy, gp = permutation.combine_backward(recv_buf, plan_view(handle), yv, recv_wk(handle),
                                                       stream=call.stream)
                 N = sz["N"]
