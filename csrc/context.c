@@ -1076,6 +1076,15 @@ moe_rt_status mrt_memset0(moe_rt_context* ctx, void* p, size_t nbytes, moe_rt_st
   return r ? mrt_cuda_fail(&ctx->drv, r, "cuMemsetD8Async") : MOE_RT_SUCCESS;
 }
 
+moe_rt_status mrt_copy_d2d(moe_rt_context* ctx, void* dst, const void* src, size_t nbytes, moe_rt_stream stream) {
+  if (ctx->planning || nbytes == 0) return MOE_RT_SUCCESS;
+  moe_rt_status st = bind(ctx);
+  if (st) return st;
+  CUresult r = ctx->drv.cuMemcpyDtoDAsync((CUdeviceptr)(uintptr_t)dst, (CUdeviceptr)(uintptr_t)src, nbytes,
+                                          (CUstream)stream);
+  return r ? mrt_cuda_fail(&ctx->drv, r, "cuMemcpyDtoDAsync") : MOE_RT_SUCCESS;
+}
+
 #define ERRORS_FILE "errors.cu"
 #define ERRORS_CLEAR "error_word_clear"
 

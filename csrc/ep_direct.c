@@ -426,6 +426,8 @@ moe_rt_status moe_rt_ep_direct_dispatch(moe_rt_ep_direct_group* g, int op_code, 
     return BAD("%s: weights travel only with MOE_RT_EP_OP_DISPATCH (w NULL, outputs->with_w 0)", op);
   if (w && !o->with_w) return BAD("%s: w is given but outputs->with_w is 0", op);
   if (o->with_w && !w && T > 0) return BAD("%s: outputs->with_w is 1 but w is NULL (T = %lld)", op, (long long)T);
+  if (o->tokens_per_expert && op_code != MOE_RT_EP_OP_DISPATCH)
+    return BAD("%s: outputs->tokens_per_expert is copied only by MOE_RT_EP_OP_DISPATCH", op);
   moe_rt_ep_direct_stage s;
   if ((st = get_stage(g, op, rb, K, &s))) return st;
   const uintptr_t xp = (uintptr_t)x, outp = (uintptr_t)o->out;
@@ -528,7 +530,10 @@ moe_rt_status moe_rt_ep_direct_dispatch(moe_rt_ep_direct_group* g, int op_code, 
         break;
     }
   }
-  return mrt_run_plan(g->ctx, &p, a, stream);
+  if ((st = mrt_run_plan(g->ctx, &p, a, stream))) return st;
+  if (!o->tokens_per_expert) return MOE_RT_SUCCESS;
+  return mrt_copy_d2d(g->ctx, o->tokens_per_expert, r.at[MOE_RT_EP_TOKENS_PER_EXPERT],
+                      4 * (size_t)hd->num_local_experts, stream);
 }
 
 moe_rt_status moe_rt_ep_direct_combine(moe_rt_ep_direct_group* g, int op_code, const moe_rt_ep_direct_handle* h,

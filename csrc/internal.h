@@ -146,6 +146,8 @@ void mrt_record_args(moe_rt_context* ctx, int launch, const mrt_args* args);
 moe_rt_status mrt_launch_one(moe_rt_context* ctx, const mrt_launch* l, mrt_args* args, moe_rt_stream stream);
 /* Zero nbytes at p on stream (a no-op in a planning context). */
 moe_rt_status mrt_memset0(moe_rt_context* ctx, void* p, size_t nbytes, moe_rt_stream stream);
+/* Copy nbytes from device address src to dst on stream (a no-op in a planning context). */
+moe_rt_status mrt_copy_d2d(moe_rt_context* ctx, void* dst, const void* src, size_t nbytes, moe_rt_stream stream);
 /* Blocks of the launch's kernel with `threads` threads and no dynamic shared memory resident on the whole device
  * at once (cuOccupancyMaxActiveBlocksPerMultiprocessor, at least 1, times the SMs); a planning context models
  * it from its device facts and the registers given (mrt_resident_grid). */

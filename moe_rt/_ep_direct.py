@@ -403,7 +403,7 @@ class DirectTransport:
         return cupy.ndarray((rows, cols), dtype, cupy.cuda.MemoryPointer(mem, 0))
 
     # -- the interface ---------------------------------------------------------------------------------
-    def forward(self, call, h, x, w, op, *, expand=True, want_w=False, fp8=None, zero=True):
+    def forward(self, call, h, x, w, op, *, expand=True, want_w=False, fp8=None, zero=True, tpe=None):
         """The dispatch direction (``op``: ``"dispatch"`` or ``"combine_bwd"``): one core call
         (moe_rt_ep_direct_dispatch): barrier (every rank finished the previous op) -> one kernel pushing this rank's
         rows of ``x [T,H]`` (and fp32 weights ``w [T,K]`` or None, received into the handle's recv_wk) into the
@@ -415,7 +415,9 @@ class DirectTransport:
         group's scratch, :meth:`_scratch`, valid until the group's next op); without, the received rows ``[rows,H]``
         in the handle's layout (the stage itself in capacity mode, a packed copy in exact mode). ``fp8``: an
         :class:`moe_rt._ep_rows.Fp8Rows` (with ``expand``): ``x`` holds packed FP8 rows, which the kernel
-        splits (or dequantizes) into ``fp8``'s outputs as it expands them; ``rows`` is their tuple."""
+        splits (or dequantizes) into ``fp8``'s outputs as it expands them; ``rows`` is their tuple. ``tpe``: None
+        or an int32 ``[L]`` array (``op`` dispatch) the same core call copies the handle's tokens_per_expert into,
+        on the call's stream after its launches."""
         if not expand:
             return self.push(call, h, x, w, op, recv=True)
         N = h.sizes["N"]
@@ -423,21 +425,36 @@ class DirectTransport:
         out_w = None
         if want_w:  # combine_bwd's laid-out weights only scale its rows (EpGroup.combine_bwd): the handle's scratch
             out_w = call.empty((N,), np.float32) if op != "combine_bwd" else self._scratch(call, "row_w", N)
-        self.push(call, h, x, w, op, out, fp8, fill=True, out_w=out_w, zero=zero)
+        self.push(call, h, x, w, op, out, fp8, fill=True, out_w=out_w, zero=zero, tpe=tpe)
         return out, out_w
 
-    def reduce(self, call, h, y, w, gw, op):
+    def reduce(self, call, h, y, w, gw, op, zw=None, barrier=True):
         """The combine direction (``op``: ``"combine"`` or ``"dispatch_bwd"``): one core call
         (moe_rt_ep_direct_combine): the weight partials' slots (with ``gw``), barrier (every rank finished reading
         the stages of the previous op) -> one kernel reducing each received row over this rank's experts
         (``y [N,H]`` expert-major, weights ``w [rows,K]`` fp32 (or their device address) or None; ``gw [N]`` fp32
         or None taken back to the slots as weight partials) straight into its owner's stage chunk by chunk, and
-        summing this rank's tokens over ranks as their chunks land.
+        summing this rank's tokens over ranks as their chunks land. ``zw``, ``barrier``: as :meth:`combine`'s
+        (the group's ops leave them at their defaults; the body is here, one Python call less per op).
 
         Returns ``(out [T,H] y.dtype, grad_w [T,K] fp32, or None when gw is None)``."""
-        return self.combine(call, h, y, w, op, gw=gw)
+        sz = h.sizes
+        K, H, T = sz["K"], int(y.shape[1]), sz["T"]
+        if gw is not None:
+            zw = self._scratch(call, "slot_grads", sz["rows"] * K)
+        rb = H * y.dtype.itemsize
+        if (rb, K) not in self._pairs:
+            self.stages(rb, K, call.stream, lambda st: self._op_wait(st, op))
+        out = call.empty((T, H), y.dtype)
+        gwt = call.empty((T, K), np.float32) if zw is not None else None
+        _core.ep_direct_combine(self._core, OP_CODES[op], self._handle(h), y.data.ptr, _core.CODES[y.dtype], H,
+                                0 if w is None else w if isinstance(w, int) else w.data.ptr,
+                                gw.data.ptr if gw is not None else 0, _addr(zw),
+                                out.data.ptr, gwt.data.ptr if gwt is not None else 0, int(barrier), call.stream_ptr)
+        return out, gwt
 
-    def push(self, call, h, x, w, op, out=None, fp8=None, *, fill=False, out_w=None, zero=True, recv=False):
+    def push(self, call, h, x, w, op, out=None, fp8=None, *, fill=False, out_w=None, zero=True, recv=False,
+             tpe=None):
         """The stages for x's rows (made on first use), then one core call: the op's barrier, ep_direct_dispatch
         expanding into ``out`` (expert-major [N,H], or ``fp8``'s outputs; None: only wait for every chunk), the
         handle's row map (exact mode, first use), the received weights copied into the handle's recv_wk, and
@@ -466,7 +483,7 @@ class DirectTransport:
                                  w.data.ptr if w is not None else 0, kind, dt, hid, o0, o1,
                                  _addr(out_w), int(fill), int(zero),
                                  buf.data.ptr if recv and m is not None else 0, m.data.ptr if m is not None else 0,
-                                 make, 1, call.stream_ptr, int(w is not None))
+                                 make, 1, call.stream_ptr, int(w is not None), 0 if tpe is None else tpe.data.ptr)
         return buf
 
     def combine(self, call, h, y, w, op, *, gw=None, zw=None, barrier=True):
@@ -476,20 +493,7 @@ class DirectTransport:
         mixed transport), or None) pushed into its owner's stage chunk by chunk, then this rank's tokens summed
         over ranks from its own stage as the chunks land. Returns ``(out [T,H] in y's dtype, grad_w [T,K] fp32
         or None)``."""
-        sz = h.sizes
-        K, H, T = sz["K"], int(y.shape[1]), sz["T"]
-        if gw is not None:
-            zw = self._scratch(call, "slot_grads", sz["rows"] * K)
-        rb = H * y.dtype.itemsize
-        if (rb, K) not in self._pairs:
-            self.stages(rb, K, call.stream, lambda st: self._op_wait(st, op))
-        out = call.empty((T, H), y.dtype)
-        gwt = call.empty((T, K), np.float32) if zw is not None else None
-        _core.ep_direct_combine(self._core, OP_CODES[op], self._handle(h), y.data.ptr, _core.CODES[y.dtype], H,
-                                0 if w is None else w if isinstance(w, int) else w.data.ptr,
-                                gw.data.ptr if gw is not None else 0, _addr(zw),
-                                out.data.ptr, gwt.data.ptr if gwt is not None else 0, int(barrier), call.stream_ptr)
-        return out, gwt
+        return self.reduce(call, h, y, w, gw, op, zw, barrier)
 
     def _handle(self, h):
         """The handle as the core takes it: (buffer, R, L, Tmax, K, P, rows, N, T, exact), made once per handle."""

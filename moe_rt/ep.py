@@ -840,9 +840,15 @@ class EpGroup:
             key = self._op_key("dispatch", handle, xv, wv is not None, zero)
             # key None: no NCCL exchange, no waits (and the call's stream is not entered for CuPy: _arrays.Call)
             with self._first_call("dispatch", key, call.stream) if key is not None else _NO_WAITS:
-                rx, rw = self._transport.forward(call, handle, xv, wv, "dispatch", want_w=wv is not None, zero=zero)
+                if self.transport == "direct":  # tokens_per_expert copied by the core call of the transfer
+                    tpe = call.empty((sz["L"],), np.int32)
+                    rx, rw = self._transport.forward(call, handle, xv, wv, "dispatch", want_w=wv is not None,
+                                                     zero=zero, tpe=tpe)
+                else:
+                    rx, rw = self._transport.forward(call, handle, xv, wv, "dispatch", want_w=wv is not None,
+                                                     zero=zero)
+                    tpe = tokens_per_expert(call, handle)
                 self._last_stream = call.stream_ptr
-                tpe = tokens_per_expert(call, handle)
             return call.out(rx), (None if rw is None else call.out(rw)), call.out(tpe)
 
     def _dispatch_weights(self, call, handle):

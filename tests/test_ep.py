@@ -1474,8 +1474,17 @@ def test_direct_host_path_launches_and_arguments(monkeypatch, mode, R, T):
 
     from moe_rt import _ep_direct
 
+    from moe_rt import _ep_rows
+    from moe_rt import ep as ep_mod
+
     tr = _EpHostTrace(monkeypatch)
     st, OP = tr.st, _ep_direct.OP_CODES
+
+    def python_side_copy(*a):
+        raise AssertionError("the direct transport's dispatch copies tokens_per_expert in its core call")
+
+    monkeypatch.setattr(_ep_rows, "tokens_per_expert", python_side_copy)
+    monkeypatch.setattr(ep_mod, "tokens_per_expert", python_side_copy)
     me, E, H, Tmax, K = R - 1, 4 * R, 40, 16, 3
     L, bf = E // R, np.dtype(ml_dtypes.bfloat16)
     g = st.ep_group(R, me, E, H, Tmax, K, mode, bf)
@@ -1535,7 +1544,10 @@ def test_direct_host_path_launches_and_arguments(monkeypatch, mode, R, T):
         assert cp["src_map"] == (ev[2][1]["map"] if row_map else 0)
         assert ev[-2][1] == dict(out=_ptr(rx), probs_out=_ptr(rw), probs_flat=a["recv_wk"], src_slot=a["src_slot"],
                                  N=N, units=ev[-2][1]["units"])
+        # the core call's copy of the handle's tokens_per_expert after its launches (tools/profile_ep_host.py
+        # reports it as a memcpy), into a fresh int32 [L]
         assert ev[-1] == ("memcpy", _ptr(tpe), a["tokens_per_expert"], 4 * L) and tpe.shape == (L,)
+        assert tpe.dtype == np.int32
         assert rx.shape == (N, H) and rw.shape == (N,)
 
         # zero_empty_slots=False: the same launches and arguments, but ep_fill_rows gets no rows (out = 0: the

@@ -317,6 +317,26 @@ def test_plans_are_cached_per_signature_and_follow_the_call():
             assert dispatch(g, h, "dispatch", x, 80, WP, out=OUT) == g.dispatch(h, "dispatch", x, 80, WP, (OUT,), None)
 
 
+@pytest.mark.parametrize("exact", [True, False])
+@pytest.mark.parametrize("T", [0, 7])
+def test_dispatch_copies_tokens_per_expert_after_its_launches(exact, T):
+    """An output for tokens_per_expert (dispatch's third result) leaves the plan's launches and their arguments as
+    they are: the core copies the handle's counts after them (one device-to-device copy on the call's stream, made
+    on a device; a planning context records only the launches); only the dispatch op takes it."""
+    g = Group()
+    h = handle_of(g, exact, T)
+    g.stage(80, h.K)
+    TPE = 0x88000
+    for with_tpe in (0, TPE, 0):
+        _core.ep_direct_dispatch(g.g, OP["dispatch"], h.tup(), XP, 80, WP, 0, 0, 0, OUT, 0, OUTW, 1, 1, 0,
+                                 MAP if exact else 0, 0, 1, 7, 1, with_tpe)
+        got = g.plan()
+        assert got == g.dispatch(h, "dispatch", XP, 80, WP, (OUT,), None, out_w=OUTW, row_map=MAP), with_tpe
+    with pytest.raises(ValueError, match="outputs->tokens_per_expert is copied only by MOE_RT_EP_OP_DISPATCH"):
+        _core.ep_direct_dispatch(g.g, OP["combine_bwd"], h.tup(), XP, 80, 0, 0, 0, 0, OUT, 0, 0, 1, 1, 0,
+                                 MAP if exact else 0, 0, 1, 7, 0, TPE)
+
+
 # -- bad input through the C ABI ----------------------------------------------------------------------------
 
 def test_bad_calls_get_error_statuses_with_messages():

@@ -47,7 +47,8 @@ class EpStandIns(_LL.StandIns):
     """tools/profile_ll_host.py's stand-ins plus what EpGroup's CUDA path reaches: dynamic shared memory
     opt-in, the occupancy query of prepare's grid-synchronized kernels (``resident`` blocks), CuPy arrays
     whose ``copy()`` and slice assignment (CuPy kernels) are counted in ``cupy_kernels`` and not run, and
-    ``cudaMemcpyAsync`` (counted in ``memcpys``; ``on_memcpy(dst, src, nbytes, kind, stream)``)."""
+    ``cudaMemcpyAsync`` (counted in ``memcpys``; ``on_memcpy(dst, src, nbytes, kind, stream)``), the Python
+    side's and the direct core dispatch's copy of tokens_per_expert (made in C after its launches) alike."""
 
     def __init__(self, setattr_=setattr, resident=264, sm_count=132):
         super().__init__(setattr_, resident, sm_count)
@@ -85,6 +86,20 @@ class EpStandIns(_LL.StandIns):
 
         setattr_(_arrays, "Call", Call)
         setattr_(runtime, "memcpyAsync", memcpy)
+        from moe_rt import _core, _handle
+
+        inner, tpe_src = _core.ep_direct_dispatch, {}  # inner: the launches recorded (StandIns)
+
+        def dispatch(*a):
+            inner(*a)
+            if a[20:] and a[20]:  # the core call's copy of tokens_per_expert after its launches (a memcpy too)
+                h = a[2]  # (buffer, R, L, Tmax, K, P, rows, N, T, exact)
+                src = tpe_src.get(h)
+                if src is None:
+                    src = tpe_src[h] = h[0] + _handle.layout(*h[1:8])[0]["tokens_per_expert"][0]
+                memcpy(a[20], src, 4 * h[2], runtime.memcpyDeviceToDevice, a[18])
+
+        setattr_(_core, "ep_direct_dispatch", dispatch)
         setattr_(_jit, "set_max_dynamic_shared", lambda fn, n: None)
 
     def array(self, shape, dtype):

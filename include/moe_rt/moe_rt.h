@@ -609,6 +609,8 @@ typedef struct moe_rt_ep_direct_outputs {
   int32_t make_row_map; /* 1: compute row_map first (its first use for this handle) */
   int32_t with_w;     /* 1: weights travel: w's rows (NULL only when T = 0) and the peers' into recv_wk; 0: w is NULL.
                        * Every rank of an op passes the same (a rank without tokens still receives weights). */
+  int32_t* tokens_per_expert; /* int32 [L] or NULL: a copy of the handle's tokens_per_expert, made on the stream
+                               * after the launches (one device-to-device copy: dispatch's third result) */
 } moe_rt_ep_direct_outputs;
 
 moe_rt_status moe_rt_ep_direct_group_create(moe_rt_context* ctx, const moe_rt_ep_direct_group_desc* desc,
