@@ -428,30 +428,16 @@ class DirectTransport:
         self.push(call, h, x, w, op, out, fp8, fill=True, out_w=out_w, zero=zero, tpe=tpe)
         return out, out_w
 
-    def reduce(self, call, h, y, w, gw, op, zw=None, barrier=True):
+    def reduce(self, call, h, y, w, gw, op):
         """The combine direction (``op``: ``"combine"`` or ``"dispatch_bwd"``): one core call
         (moe_rt_ep_direct_combine): the weight partials' slots (with ``gw``), barrier (every rank finished reading
         the stages of the previous op) -> one kernel reducing each received row over this rank's experts
         (``y [N,H]`` expert-major, weights ``w [rows,K]`` fp32 (or their device address) or None; ``gw [N]`` fp32
         or None taken back to the slots as weight partials) straight into its owner's stage chunk by chunk, and
-        summing this rank's tokens over ranks as their chunks land. ``zw``, ``barrier``: as :meth:`combine`'s
-        (the group's ops leave them at their defaults; the body is here, one Python call less per op).
+        summing this rank's tokens over ranks as their chunks land.
 
         Returns ``(out [T,H] y.dtype, grad_w [T,K] fp32, or None when gw is None)``."""
-        sz = h.sizes
-        K, H, T = sz["K"], int(y.shape[1]), sz["T"]
-        if gw is not None:
-            zw = self._scratch(call, "slot_grads", sz["rows"] * K)
-        rb = H * y.dtype.itemsize
-        if (rb, K) not in self._pairs:
-            self.stages(rb, K, call.stream, lambda st: self._op_wait(st, op))
-        out = call.empty((T, H), y.dtype)
-        gwt = call.empty((T, K), np.float32) if zw is not None else None
-        _core.ep_direct_combine(self._core, OP_CODES[op], self._handle(h), y.data.ptr, _core.CODES[y.dtype], H,
-                                0 if w is None else w if isinstance(w, int) else w.data.ptr,
-                                gw.data.ptr if gw is not None else 0, _addr(zw),
-                                out.data.ptr, gwt.data.ptr if gwt is not None else 0, int(barrier), call.stream_ptr)
-        return out, gwt
+        return self.combine(call, h, y, w, op, gw=gw)
 
     def push(self, call, h, x, w, op, out=None, fp8=None, *, fill=False, out_w=None, zero=True, recv=False,
              tpe=None):
@@ -493,7 +479,20 @@ class DirectTransport:
         mixed transport), or None) pushed into its owner's stage chunk by chunk, then this rank's tokens summed
         over ranks from its own stage as the chunks land. Returns ``(out [T,H] in y's dtype, grad_w [T,K] fp32
         or None)``."""
-        return self.reduce(call, h, y, w, gw, op, zw, barrier)
+        sz = h.sizes
+        K, H, T = sz["K"], int(y.shape[1]), sz["T"]
+        if gw is not None:
+            zw = self._scratch(call, "slot_grads", sz["rows"] * K)
+        rb = H * y.dtype.itemsize
+        if (rb, K) not in self._pairs:
+            self.stages(rb, K, call.stream, lambda st: self._op_wait(st, op))
+        out = call.empty((T, H), y.dtype)
+        gwt = call.empty((T, K), np.float32) if zw is not None else None
+        _core.ep_direct_combine(self._core, OP_CODES[op], self._handle(h), y.data.ptr, _core.CODES[y.dtype], H,
+                                0 if w is None else w if isinstance(w, int) else w.data.ptr,
+                                gw.data.ptr if gw is not None else 0, _addr(zw),
+                                out.data.ptr, gwt.data.ptr if gwt is not None else 0, int(barrier), call.stream_ptr)
+        return out, gwt
 
     def _handle(self, h):
         """The handle as the core takes it: (buffer, R, L, Tmax, K, P, rows, N, T, exact), made once per handle."""

@@ -55,11 +55,12 @@ def grid(n, device_id, threads=256):
     return max(1, min(-(-n // threads), cap))
 
 
-def tokens_per_expert(call, h):
+def tokens_per_expert(call, h, out=None):
     """A copy of a CUDA handle's tokens_per_expert (int32 ``[L]``, what dispatch returns): one device-to-device
-    copy on the call's stream into a fresh array."""
+    copy on the call's stream into ``out`` (int32 ``[L]``), or a fresh array when None."""
     L = h.sizes["L"]
-    out = call.empty((L,), np.int32)
+    if out is None:
+        out = call.empty((L,), np.int32)
     rt = _rt[0] or _runtime()  # on the call's stream by its address (a light call's CuPy stream is not entered)
     rt.memcpyAsync(out.data.ptr, regions(h)["tokens_per_expert"], 4 * L, rt.memcpyDeviceToDevice, call.stream_ptr)
     return out

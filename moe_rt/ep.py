@@ -33,8 +33,8 @@ transport. Each public op validates its arguments, then calls its transport once
 Transports (``transport=``, ``MOE_RT_EP_TRANSPORT``; ``group.transport``) move the rows; each is a module
 with one class offering the same small interface (a third transport is one more such module):
 
-- ``forward(call, handle, x, w, op, *, expand=True, want_w=False, fp8=None, zero=True)``: the dispatch
-  direction (``dispatch``, ``combine_bwd``): the rows of ``x [T,H]`` (of any width) (and fp32 weights ``w
+- ``forward(call, handle, x, w, op, *, expand=True, want_w=False, fp8=None, zero=True, tpe=None)``: the
+  dispatch direction (``dispatch``, ``combine_bwd``): the rows of ``x [T,H]`` (of any width) (and fp32 weights ``w
   [T,K]`` or None, received into the handle's ``recv_wk``) to the ranks of their experts. Returns ``(rows
   [N,H] expert-major, weights [N] or None)`` (padding rows zero, or not written at all with ``zero=False``:
   dispatch's ``zero_empty_slots``; weights zero there either way; ``weights[n] = recv_wk[src_slot[n]]``
@@ -42,6 +42,7 @@ with one class offering the same small interface (a third transport is one more 
   (source-major).
   ``fp8`` (a :class:`moe_rt._ep_rows.Fp8Rows`): ``x`` holds an FP8 dispatch's packed rows and the expand
   writes them split into codes and scales, or dequantized (``rows`` is then the tuple of those outputs);
+  ``tpe`` (dispatch): an int32 ``[L]`` output the handle's tokens_per_expert is copied into on the call's stream;
 - ``reduce(call, handle, y, w, gw, op)``: the combine direction (``combine``: weights ``w [rows,K]`` or
   None; ``dispatch_bwd``: ``gw [N]`` or None, the gradient of the received weights, back to the slots).
   Returns ``(out [T,H], grad_w [T,K] fp32 or None)``;
@@ -840,14 +841,10 @@ class EpGroup:
             key = self._op_key("dispatch", handle, xv, wv is not None, zero)
             # key None: no NCCL exchange, no waits (and the call's stream is not entered for CuPy: _arrays.Call)
             with self._first_call("dispatch", key, call.stream) if key is not None else _NO_WAITS:
-                if self.transport == "direct":  # tokens_per_expert copied by the core call of the transfer
-                    tpe = call.empty((sz["L"],), np.int32)
-                    rx, rw = self._transport.forward(call, handle, xv, wv, "dispatch", want_w=wv is not None,
-                                                     zero=zero, tpe=tpe)
-                else:
-                    rx, rw = self._transport.forward(call, handle, xv, wv, "dispatch", want_w=wv is not None,
-                                                     zero=zero)
-                    tpe = tokens_per_expert(call, handle)
+                # tokens_per_expert: copied by the transport (the direct one: in the core call of the transfer)
+                tpe = call.empty((sz["L"],), np.int32)
+                rx, rw = self._transport.forward(call, handle, xv, wv, "dispatch", want_w=wv is not None, zero=zero,
+                                                 tpe=tpe)
                 self._last_stream = call.stream_ptr
             return call.out(rx), (None if rw is None else call.out(rw)), call.out(tpe)
 

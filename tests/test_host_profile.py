@@ -148,7 +148,9 @@ def test_breakdown_wraps_and_unwraps_against_stand_in(monkeypatch, ep_tool):
             assert count("_core.ep_direct_") + count("_core.ep_prepare") == (1 if core else 0), op
             assert (st.allocs - a0) / n == allocs
             assert count("Call.empty") == call_empty, op
-            assert count("runtime.memcpyAsync") == memcpys == (st.memcpys - m0) / n, op
+            # dispatch's copy of tokens_per_expert is made in the core's call (the stand-in counts it): none through
+            # CuPy's runtime from Python
+            assert count("runtime.memcpyAsync") == 0 and memcpys == (st.memcpys - m0) / n, op
             assert items["_ep_direct.DirectTransport.barrier"]["count"] == 0, op  # inside the core's call
             assert items[f"ep.EpGroup.{op}"]["count"] == 1
             assert items["ep.EpGroup._check_handle"]["count"] == (0 if op == "prepare" else 1)
