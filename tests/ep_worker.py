@@ -208,6 +208,9 @@ def one_case(cp, comm, seed, E, K, H, Ts, Tmax, kind, mode, align, dtype, chunks
     h = g.prepare(cp.asarray(idx[RANK]))
     tag = f"[{kind} {mode} A={align} {np.dtype(dtype).name} H={H} T={Ts}]"
     same_handle(f"prepare {tag}", h, hs[RANK])
+    out_bytes = int(routs[RANK][0].shape[0]) * H * np.dtype(dtype).itemsize  # the expert-major rows [N,H]
+    if mode == "capacity":  # the rows holding no slot must be written as zeros: start from NaN bits
+        poison(cp, out_bytes)
     rx, rw, tpe = g.dispatch(h, cp.asarray(x[RANK]), cp.asarray(w[RANK]))
     same_handle(f"dispatch {tag}", h, hs[RANK])
     same(f"recv_x {tag}", rx, routs[RANK][0])
@@ -232,6 +235,8 @@ def one_case(cp, comm, seed, E, K, H, Ts, Tmax, kind, mode, align, dtype, chunks
     assert none is None
     same(f"dispatch_bwd x without w {tag}", gx2, gx)
     god = cp.asarray(gout[RANK])
+    if mode == "capacity":
+        poison(cp, out_bytes)
     gy, grw = g.combine_bwd(h, god, yd, weighted=True)
     rgy, rgrw = ref.combine_bwd(hs, gout, y, weighted=True)[RANK]
     same(f"combine_bwd y {tag}", gy, rgy)
@@ -250,6 +255,8 @@ def one_case(cp, comm, seed, E, K, H, Ts, Tmax, kind, mode, align, dtype, chunks
         h2 = g2.prepare(cp.asarray(idx[RANK]))
         t2 = f"{tag} chunks={c} vs {chunks[0]}"
         same_handle(f"prepare {t2}", h2, hs[RANK])
+        if mode == "capacity":
+            poison(cp, out_bytes)
         rx2, rw2, tpe2 = g2.dispatch(h2, cp.asarray(x[RANK]), cp.asarray(w[RANK]))
         other = {"recv_x": rx2, "recv_w": rw2}
         same(f"tokens_per_local_expert {t2}", tpe2, tpe)
@@ -652,6 +659,24 @@ def direct_lifecycle(cp, comm):
     log("direct lifecycle: graph, 1000 iterations flat, teardown, communicator alive, reopened")
 
 
+def zero_rows(cp, comm):
+    """Capacity mode on the direct transport and the mixed groups of nodes smaller than R: each dispatch (and
+    combine_bwd) into a pool poisoned with NaN bits, every row against the reference (the rows holding no slot
+    zero), zero_empty_slots=False leaving them unwritten, every later op as one_case checks; bf16, fp16 and
+    fp32 rows (vector and scalar units), holes and skewed routing, a large case (T near 512)."""
+    f32, b16, f16 = np.float32, bf16(), np.float16
+    configs = [c for c in mixed_configs() if int(c[1:]) < WORLD] + ["d"]
+    n = 0
+    for c in configs:
+        for kind, Ts, Tmax, align, dtype, H in (("uniform", (48, 37), 64, 1, f32, 256),
+                                                ("holes", (33, 0), 64, 8, b16, 512),
+                                                ("skewed", (64, 20), 64, 1, f16, 100),
+                                                ("uniform", (500, 311), 512, 1, b16, 1024)):
+            one_case(cp, comm, 7000 + n, experts(16), 4, H, Ts, Tmax, kind, "capacity", align, dtype, chunks=[c])
+            n += 1
+    log(f"zero_rows: {n} cases OK ({configs})")
+
+
 def graph_transports(cp, comm):
     graph(cp, comm, chunks=TRANSPORT_CHUNKS, replays=5, memory=False)
 
@@ -913,7 +938,8 @@ def main():
     {"correctness": correctness, "graph": graph, "dead_peer": dead_peer, "transports": transports,
      "graph_transports": graph_transports, "dead_peer_direct": dead_peer_direct,
      "direct_lifecycle": direct_lifecycle, "fp8": fp8, "mixed": mixed, "graph_mixed": graph_mixed,
-     "dead_peer_mixed": dead_peer_mixed, "torch_direct": torch_direct, "jax_direct": jax_direct}[what](cp, comm)
+     "dead_peer_mixed": dead_peer_mixed, "torch_direct": torch_direct, "jax_direct": jax_direct,
+     "zero_rows": zero_rows}[what](cp, comm)
     cp.cuda.Device().synchronize()
     comm.close()
     log("ALL OK")

@@ -1109,6 +1109,16 @@ def test_multi_gpu_transports(what, n):
 
 @pytest.mark.multi_gpu
 @pytest.mark.parametrize("n", [2, 4])
+def test_multi_gpu_zero_rows(n):
+    # capacity mode on the direct transport and the mixed groups (nodes smaller than R): each dispatch and
+    # combine_bwd into a pool poisoned with NaN bits, compared with the reference row by row (the rows holding no
+    # slot zero); zero_empty_slots=False leaves them unwritten; every later op as in the other cases
+    r = _run_worker("zero_rows", n=n, timeout=300)
+    assert r.returncode == 0 and "[rank 0] ALL OK" in r.stdout and "zero_rows: " in r.stdout
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.parametrize("n", [2, 4])
 def test_multi_gpu_fp8_dispatch(n):
     # EpGroup.dispatch(fp8=True) in exact and capacity modes on the direct and NCCL transports: bitwise equal
     # to quantize_fp8 then the reference dispatch (torch bf16/fp16/fp32 in, float8_e4m3fn out; a CuPy uint8
