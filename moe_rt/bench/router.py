@@ -9,11 +9,15 @@ overhead hidden behind a spin kernel, for every column; the median of 5 batches)
 per-call time including moe_rt's Python overhead. Inputs are drawn on the
 GPU. torch.compile baselines are compiled once per shape (dynamic=False) and only at T=65536, the target
 shape (``--compile-all`` compiles at every T). ``--quick`` runs T=65536 only with fewer iterations;
-``--T`` picks the token counts, ``--ops fwd`` / ``bwd`` only the forward / top-k backward rows (for kernel variants selected by
-MOE_RT_ROUTER_FWD, MOE_RT_ROUTER_BWD and MOE_RT_ROUTER_TPW, see moe_rt/router.py). ``--l2-fetch 32`` sets the L2 fetch granularity
-first (the opt-in ``moe_rt.l2_fetch_granularity``; the default leaves the device's, 64 bytes on an H100).
+``--T`` picks the token counts, ``--ops fwd`` / ``bwd`` only the forward / top-k backward rows, ``--ops qb`` only the
+Quantile-Balancing rows (plain sigmoid + bias, QB fused and two-kernel; variants by the
+MOE_RT_QB_* variables, docs/router.md §7), ``--dtype`` and ``--E`` one dtype's or one expert count's rows (for
+kernel variants selected by MOE_RT_ROUTER_FWD, MOE_RT_ROUTER_BWD and MOE_RT_ROUTER_TPW, see moe_rt/router.py).
+``--l2-fetch 32`` sets the L2 fetch granularity first (the opt-in ``moe_rt.l2_fetch_granularity``; the default
+leaves the device's, 64 bytes on an H100).
 
-    python tools/bench_router.py [--quick] [--T 4096,16384,65536] [--ops all|fwd|bwd] [--l2-fetch 32|64|128]
+    python tools/bench_router.py [--quick] [--T 4096,16384,65536] [--ops all|fwd|bwd|qb] [--dtype float32|bfloat16]
+                                 [--E 256|2304] [--l2-fetch 32|64|128]
                                  [--json PATH] [--no-compile]
 """
 from __future__ import annotations
@@ -171,14 +175,19 @@ def main(argv=None):
     ap = benchlib.parser(__doc__)
     ap.add_argument("--T", type=benchlib.positive_int_list, default=None,
                     help="comma-separated token counts (default 4096,16384,65536; --quick: 65536)")
-    ap.add_argument("--ops", default="all", choices=["all", "fwd", "bwd"],
-                    help="fwd: forward rows only; bwd: top-k backward rows only")
+    ap.add_argument("--ops", default="all", choices=["all", "fwd", "bwd", "qb"],
+                    help="fwd: forward rows only; bwd: top-k backward rows only; qb: the Quantile-Balancing rows only "
+                         "(the plain sigmoid + bias forward, QB fused and two-kernel; "
+                         "MOE_RT_QB_REG_WARPS, MOE_RT_QB_SMEM_HIST_BYTES pick their variants)")
     ap.add_argument("--compile-all", action="store_true", help="torch.compile baselines at every T")
     ap.add_argument("--formats", action="store_true",
                     help="also the other routing outputs (bit-packed map, int32 indices: forward and backward) and "
                          "the Quantile-Balancing forward (sigmoid + bias, top-(k+1); fused histogram, and the two-kernel "
                          "mode), each beside "
                          "the byte-map row it extends")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="this dtype's rows only")
+    ap.add_argument("--E", type=int, choices=[256, 2304], default=None,
+                    help="this expert count's top-k rows only (E=256 K=8 or E=2304 K=36; no aux-loss rows)")
     ap.add_argument("--l2-fetch", type=int, default=None, choices=[32, 64, 128],
                     help="set the L2 fetch granularity first (moe_rt.l2_fetch_granularity; default: leave it)")
     args = ap.parse_args(argv)
@@ -206,8 +215,10 @@ def main(argv=None):
     table.meta["variant"] = os.environ.get("MOE_RT_ROUTER_FWD", "default")
     table.meta["bwd_variant"] = os.environ.get("MOE_RT_ROUTER_BWD", "default")
     table.meta["l2_fetch_bytes"] = _jit.l2_fetch_granularity()
-    shapes = [(256, 8), (2304, 36)]
-    dtypes = [("float32", np.float32), ("bfloat16", _arrays.BFLOAT16)]
+    table.meta["qb_variant"] = {v: os.environ.get(v, "default") for v in
+                                ("MOE_RT_QB_REG_WARPS", "MOE_RT_QB_SMEM_HIST_BYTES")}
+    shapes = [(E, K) for E, K in [(256, 8), (2304, 36)] if args.E in (None, E)]
+    dtypes = [(n, d) for n, d in [("float32", np.float32), ("bfloat16", _arrays.BFLOAT16)] if args.dtype in (None, n)]
     compile_fn = _compiler(not args.no_compile)
     compiled = {}
     state = {"T": 0}
@@ -255,9 +266,12 @@ def main(argv=None):
                 nx = benchlib.rotating(list(range(ncopy)))
                 bias = cp.asarray((rng.permutation(E) * (0.1 / E)).astype(np.float32))
                 bias_t = torch.from_dlpack(bias)
+                fwd_b = n * (isz + isz + 1 + 4)
+                if args.ops == "qb":
+                    _qb_rows(R, cp, row, xs, nx, bias, dtname, T, E, K, fwd_b)
+                    continue
                 # softmax (post) fwd: read x, write probs, map, intermediate
                 outs = [R.topk_with_score(x, K) for x in xs]
-                fwd_b = n * (isz + isz + 1 + 4)
                 if not bwd_only:
                     cs = cmp(f"sm_fwd{K}", lambda x, K=K: torch_topk_softmax_fwd(x, K))
                     row(dtname, T, E, K, "softmax fwd", fwd_b, lambda: R.topk_with_score(xs[nx()], K),
@@ -309,7 +323,7 @@ def main(argv=None):
                 del outs, ot, gs, gt, xs, xt
                 cp.get_default_memory_pool().free_all_blocks()
                 torch.cuda.empty_cache()
-            for E, K in ([] if fwd_only or bwd_only else [(256, 8), (16384, 8)]):
+            for E, K in ([] if fwd_only or bwd_only or args.E or args.ops == "qb" else [(256, 8), (16384, 8)]):
                 _aux_rows(R, cp, torch, table, row, cmp, dtname, dt, isz, T, E, K, l2)
                 cp.get_default_memory_pool().free_all_blocks()
                 torch.cuda.empty_cache()
@@ -346,16 +360,22 @@ def _format_rows(R, cp, row, args, xs, gs, outs, nx, bias, dtname, isz, T, E, K,
         row(dtname, T, E, K, "softmax bwd idx32", bwd_b - n + T * K * 4, bwd_idx, None, None)
         del bm, ix
     if args.ops != "bwd":
-        hist = cp.zeros((E, 64), np.int32)
-        bounds = cp.asarray(np.array([-1.0, 1.0], np.float32))
-        row(dtname, T, E, K, "sigmoid bias fwd", fwd_b + 4 * E,
-            lambda: R.topk_with_score(xs[nx()], K, score_function="sigmoid", expert_bias=bias), None, None)
-        row(dtname, T, E, K, "sigmoid qb fwd (fused hist)", fwd_b + 4 * E + 4 * T,
-            lambda: R.topk_with_score_qb(xs[nx()], K, expert_bias=bias, qb_histogram=hist, qb_bin_bounds=bounds,
-                                         qb_histogram_mode="fused_atomic", bounds_validated=True), None, None)
-        row(dtname, T, E, K, "sigmoid qb fwd (two kernel)", fwd_b + 4 * E + 4 * T,
-            lambda: R.topk_with_score_qb(xs[nx()], K, expert_bias=bias, qb_histogram=hist, qb_bin_bounds=bounds,
-                                         qb_histogram_mode="two_kernel", bounds_validated=True), None, None)
+        _qb_rows(R, cp, row, xs, nx, bias, dtname, T, E, K, fwd_b)
+
+
+def _qb_rows(R, cp, row, xs, nx, bias, dtname, T, E, K, fwd_b):
+    """The plain sigmoid + bias forward and the Quantile-Balancing forward beside it (B = 64, fused and
+    two-kernel); QB's bytes: the plain forward's plus the 4 T cutoff (docs/router.md §7)."""
+    hist = cp.zeros((E, 64), np.int32)
+    bounds = cp.asarray(np.array([-1.0, 1.0], np.float32))
+    row(dtname, T, E, K, "sigmoid bias fwd", fwd_b + 4 * E,
+        lambda: R.topk_with_score(xs[nx()], K, score_function="sigmoid", expert_bias=bias), None, None)
+    row(dtname, T, E, K, "sigmoid qb fwd (fused hist)", fwd_b + 4 * E + 4 * T,
+        lambda: R.topk_with_score_qb(xs[nx()], K, expert_bias=bias, qb_histogram=hist, qb_bin_bounds=bounds,
+                                     qb_histogram_mode="fused_atomic", bounds_validated=True), None, None)
+    row(dtname, T, E, K, "sigmoid qb fwd (two kernel)", fwd_b + 4 * E + 4 * T,
+        lambda: R.topk_with_score_qb(xs[nx()], K, expert_bias=bias, qb_histogram=hist, qb_bin_bounds=bounds,
+                                     qb_histogram_mode="two_kernel", bounds_validated=True), None, None)
 
 
 def _aux_rows(R, cp, torch, table, row, cmp, dtname, dt, isz, T, E, K, l2):
