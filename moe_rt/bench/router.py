@@ -12,7 +12,7 @@ shape (``--compile-all`` compiles at every T). ``--quick`` runs T=65536 only wit
 ``--T`` picks the token counts, ``--ops fwd`` / ``bwd`` only the forward / top-k backward rows, ``--ops qb`` only the
 Quantile-Balancing rows (plain sigmoid + bias, QB fused and two-kernel; variants by the
 MOE_RT_QB_* variables, docs/router.md §7), ``--dtype`` and ``--E`` one dtype's or one expert count's rows (for
-kernel variants selected by MOE_RT_ROUTER_FWD, MOE_RT_ROUTER_BWD and MOE_RT_ROUTER_TPW, see moe_rt/router.py).
+kernel variants selected by MOE_RT_ROUTER_FWD and MOE_RT_ROUTER_TPW, see moe_rt/router.py).
 ``--l2-fetch 32`` sets the L2 fetch granularity first (the opt-in ``moe_rt.l2_fetch_granularity``; the default
 leaves the device's, 64 bytes on an H100).
 
@@ -213,7 +213,6 @@ def main(argv=None):
     else:
         Ts = [65536] if args.quick else [4096, 16384, 65536]
     table.meta["variant"] = os.environ.get("MOE_RT_ROUTER_FWD", "default")
-    table.meta["bwd_variant"] = os.environ.get("MOE_RT_ROUTER_BWD", "default")
     table.meta["l2_fetch_bytes"] = _jit.l2_fetch_granularity()
     table.meta["qb_variant"] = {v: os.environ.get(v, "default") for v in
                                 ("MOE_RT_QB_REG_WARPS", "MOE_RT_QB_SMEM_HIST_BYTES")}
