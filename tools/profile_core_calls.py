@@ -491,7 +491,8 @@ def run(framework: str, stub, timing: bool, cycles: bool = False):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--framework", choices=("torch", "cupy"), default="torch")
+    ap.add_argument("--framework", choices=("torch", "cupy", "both"), default="torch",
+                    help="both: the torch rows, then the CuPy rows (each named with its framework)")
     ap.add_argument("--time", action="store_true", help="also the host us per call with the stand-ins")
     ap.add_argument("--cycles", action="store_true", help="also the objects a call leaves in reference cycles "
                     "('cyclic <type>' per call; there should be none)")
@@ -501,9 +502,11 @@ def main(argv=None):
     root = os.path.join(tmp, "cache")
     os.makedirs(root)
     device_context(stub, root)
-    for name, calls, us in run(args.framework, stub, args.time, args.cycles):
-        head = f"{name}" + (f" ({us:.1f} us host here)" if us is not None else "")
-        print(head + ": " + ", ".join(f"{k} x{v}" for k, v in sorted(calls.items())))
+    both = args.framework == "both"
+    for fw in ("torch", "cupy") if both else (args.framework,):
+        for name, calls, us in run(fw, stub, args.time, args.cycles):
+            head = (f"{fw} " if both else "") + name + (f" ({us:.1f} us host here)" if us is not None else "")
+            print(head + ": " + ", ".join(f"{k} x{v}" for k, v in sorted(calls.items())))
     return 0
 
 
