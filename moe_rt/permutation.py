@@ -851,22 +851,24 @@ def _is_host(a) -> bool:
     return isinstance(a, (list, tuple, np.ndarray, np.generic)) or not hasattr(a, "__dlpack__")
 
 
+def host_chunk_array(a, name):
+    """``split_sizes`` or ``sorted_indices`` given on the host (a sequence, a NumPy array): 1-D int32 NumPy,
+    its values unchecked; None for an array of a framework (checked for dtype and shape with the call)."""
+    if a is None:
+        raise TypeError(f"{name}: expected a 1-D sequence of ints or an int32/int64 array, got None")
+    if not _is_host(a):
+        return None
+    arr = np.asarray(a)
+    if arr.ndim != 1:
+        raise ValueError(f"{name}: expected a 1-D sequence, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"{name}: expected integers, got dtype {arr.dtype.name}")
+    return arr.astype(np.int32)
+
+
 def _chunk_args(split_sizes, sorted_indices, n_rows):
     """Host-side split/order: validated, int32 NumPy. Device ones are validated for dtype/shape only."""
-    out = []
-    for name, a in (("split_sizes", split_sizes), ("sorted_indices", sorted_indices)):
-        if a is None:
-            raise TypeError(f"{name}: expected a 1-D sequence of ints or an int32/int64 array, got None")
-        if _is_host(a):
-            arr = np.asarray(a)
-            if arr.ndim != 1:
-                raise ValueError(f"{name}: expected a 1-D sequence, got shape {arr.shape}")
-            if arr.size and not np.issubdtype(arr.dtype, np.integer):
-                raise TypeError(f"{name}: expected integers, got dtype {arr.dtype.name}")
-            out.append(arr.astype(np.int32))
-        else:
-            out.append(None)
-    s, o = out
+    s, o = host_chunk_array(split_sizes, "split_sizes"), host_chunk_array(sorted_indices, "sorted_indices")
     check_chunk_values(s, o, n_rows)
     return s, o
 
