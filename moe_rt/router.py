@@ -1302,8 +1302,7 @@ def _check_aux_bwd_args(gv, tv, num_rows, total_num_tokens, num_experts, topk, c
     if gv.size != 1 or gv.ndim > 1:
         raise ValueError(f"grad_aux_loss: expected a 0-d (or shape (1,)) array, got shape {tuple(gv.shape)}")
     R = _arrays.check_int(num_rows, "num_rows", low=0)
-    if tv.ndim != 1:
-        raise ValueError(f"tokens_per_expert: expected a 1-D array, got shape {tuple(tv.shape)}")
+    _arrays.check_ndim(tv, "tokens_per_expert", 1)
     C = int(tv.shape[0])
     return _remember(_AUX_BWD_ARGS, key, (R, C, _check_aux_args(tv, C, total_num_tokens, num_experts, topk, coeff)))
 
