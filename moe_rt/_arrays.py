@@ -55,6 +55,11 @@ def _framework_of(obj) -> str:
     return fw
 
 
+def not_an_array(obj, name) -> TypeError:
+    """The TypeError for an array argument ``name`` given ``obj``, which is no array (a list, None, ...)."""
+    return TypeError(f"{name}: expected an array with __dlpack__ (torch, JAX, CuPy, NumPy), got {type(obj).__name__}")
+
+
 def _device_of(obj, name, fw=None):
     if fw is None:
         fw = _framework_of(obj)
@@ -69,8 +74,7 @@ def _device_of(obj, name, fw=None):
         if is_cuda is not None:
             return ("cuda", obj.get_device()) if is_cuda else ("cpu", 0)
     if not hasattr(obj, "__dlpack__"):
-        raise TypeError(f"{name}: expected an array with __dlpack__ (torch, JAX, CuPy, NumPy), "
-                        f"got {type(obj).__name__}")
+        raise not_an_array(obj, name)
     if not hasattr(obj, "__dlpack_device__"):
         return "cpu", 0
     dev_type, dev_id = obj.__dlpack_device__()
@@ -497,7 +501,8 @@ class Call:
                 raise ValueError(f"{name} is on {kind}:{dev} but {first} is on {self.backend}:{self.device_id}; "
                                  "all arrays of one call must be on the same device")
         if first is None:
-            raise TypeError("no array argument was given")
+            # every array None: the first one (the op's leading, required array) is named
+            raise not_an_array(None, next(iter(arrays))) if arrays else TypeError("no array argument was given")
         self._first = first
         self._fast_torch = self.backend == "cuda" and stream is None and self.framework == "torch"
         self._on_xla_stream = xla_buffers and stream is not None
@@ -912,19 +917,30 @@ def remember(cache: dict, key, result):
 # -- validation helpers used by every op ---------------------------------------------------------------
 
 def check_dtype(arr, name, allowed):
-    dt = np.dtype(arr.dtype)
+    try:
+        dt = np.dtype(arr.dtype)
+    except AttributeError:  # None (or no array) for a required array whose op met another array first
+        raise not_an_array(arr, name) from None
     if dt not in allowed:
         names = ", ".join(np.dtype(a).name for a in allowed)
         raise TypeError(f"{name}: dtype must be one of {names}, got {dt.name}")
 
 
 def check_ndim(arr, name, ndim):
-    if arr.ndim != ndim:
+    try:
+        got = arr.ndim
+    except AttributeError:
+        raise not_an_array(arr, name) from None
+    if got != ndim:
         raise ValueError(f"{name}: expected a {ndim}-D array, got shape {tuple(arr.shape)}")
 
 
 def check_shape(arr, name, shape):
-    if tuple(arr.shape) != tuple(shape):
+    try:
+        got = tuple(arr.shape)
+    except AttributeError:
+        raise not_an_array(arr, name) from None
+    if got != tuple(shape):
         raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(arr.shape)}")
 
 

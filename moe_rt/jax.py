@@ -32,7 +32,7 @@ from jax.experimental.buffer_callback import buffer_callback
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
-from moe_rt import _arrays, _xla
+from moe_rt import _arrays, _errors, _xla
 from moe_rt import fp8 as _fp8
 from moe_rt import permutation as _perm
 from moe_rt import router as _rt
@@ -42,6 +42,33 @@ __all__ = ["JaxPlan", "make_plan", "dispatch", "combine", "topk_with_score", "to
            "ep_prepare", "ep_dispatch", "ep_combine", "ep_path", "reset_ep_order"]
 
 _PLAN_ARRAYS = ("dst_row", "src_slot", "seg_start", "counts", "tokens_per_expert")
+
+
+def _array(a, name, *, optional=False):
+    """An array argument: a JAX array (or tracer) as it is, a NumPy array as a JAX one; None where the op takes
+    none. Anything else (a list, a scalar, another framework's tensor, None where an array is required) is a
+    TypeError naming the argument, as the core ops and moe_rt.torch refuse it."""
+    if isinstance(a, jax.Array):  # tracers too
+        return a
+    if a is None and optional:
+        return None
+    if isinstance(a, (np.ndarray, np.generic)):
+        return jnp.asarray(a)
+    raise TypeError(f"{name}: expected a JAX array, got {type(a).__name__}")
+
+
+def _host_values(a):
+    """``a``'s values as a NumPy array when they are in host memory already (a concrete array on the CPU), else
+    None (a tracer, or an array on a GPU: reading it would sync). The CPU backend checks values at once, as the
+    core ops do on the CPU."""
+    if isinstance(a, jax.core.Tracer) or not isinstance(a, jax.Array):
+        return None
+    try:
+        if any(d.platform != "cpu" for d in a.devices()):
+            return None
+    except (AttributeError, RuntimeError):
+        return None
+    return np.asarray(a)
 
 
 def _run(fn, out_specs, *inputs, collective=False):
@@ -385,9 +412,13 @@ def make_plan(routing, num_experts: int, *, align_size: int = 1, num_out_tokens:
     int32 (-1 = none) or ``routing_map [T,E]`` bool (or integer 0/1 with ``map_type="mask"``);
     ``map_type`` as in the core op (an integer ``[T, num_experts]`` array needs it). Shapes, dtypes and
     settings are checked when traced."""
-    routing = jax.lax.stop_gradient(jnp.asarray(routing))  # discrete: no derivative flows through a plan
+    routing = jax.lax.stop_gradient(_array(routing, "routing"))  # discrete: no derivative flows through a plan
     E, align_size, num_out_tokens = _perm.check_plan_settings(num_experts, align_size, num_out_tokens, map_type)
     T, K, is_map, N = _perm.check_routing(routing, E, align_size, num_out_tokens, map_type)
+    if not is_map:
+        ids = _host_values(routing)
+        if ids is not None:
+            _errors.check_ids(ids, E, "routing")
     if is_map and routing.dtype != jnp.bool_:
         routing = routing != 0  # an integer 0/1 map (map_type="mask"), made bool here (traceable)
     core_map_type = None if is_map else "index"
@@ -493,6 +524,7 @@ def dispatch(x, plan: JaxPlan, probs=None, *, probs_dtype=None):
     ``probs`` None or ``[T,K]``. Returns ``(x_permuted [N,H], probs_permuted [N] or None)``, the probs in
     their own dtype (``probs_dtype=None``) or fp32 (``"float32"``). Shapes, dtypes and settings are checked
     when traced."""
+    x, probs = _array(x, "x"), _array(probs, "probs", optional=True)
     _check_plan(plan)
     T, K, E, _ = _plan_dims(plan)
     _perm.check_dispatch_args(x, probs, T, K, E, probs_dtype)
@@ -553,6 +585,7 @@ def combine(y_permuted, plan: JaxPlan, probs=None):
     """Differentiable :func:`moe_rt.permutation.combine`: ``y[t] = sum_k w[t,k] * y_permuted[dst_row[t,k]]``
     with fp32 accumulation; gradients flow to ``y_permuted`` and ``probs``. Shapes and dtypes are checked
     when traced."""
+    y_permuted, probs = _array(y_permuted, "y_permuted"), _array(probs, "probs", optional=True)
     _check_plan(plan)
     T, K, E, N = _plan_dims(plan)
     _perm.check_combine_args(y_permuted, probs, T, K, E, N)
@@ -663,6 +696,7 @@ def topk_with_score(logits, topk: int, *, score_function: str = "softmax", use_p
     ``routing_map_format="bitmap_u8"``: the map bit-packed (uint8 ``[T, ceil(E/8)]``). ``topk_indices_dtype``
     (int16, int32, or int64 with ``jax_enable_x64``): the dense indices ``[T, K]`` instead of a map, ascending
     expert id per row, and the backward from them (JAX arrays are immutable: there is no buffer form)."""
+    logits, expert_bias = _array(logits, "logits"), _array(expert_bias, "expert_bias", optional=True)
     _rt.check_topk_args(logits, expert_bias, topk, score_function, use_pre_softmax, num_groups, group_topk,
                         scaling_factor)
     _, idt = _rt.check_topk_outputs(logits, topk, routing_map_format, None, topk_indices_dtype)
@@ -737,6 +771,10 @@ def topk_with_score_qb(logits, topk: int, *, expert_bias, qb_histogram, qb_bin_b
     bias and bounds get zero ones. Shapes, dtypes and settings are checked when traced; the bounds' values
     (finite, lower < upper) are checked on the host when they are concrete, and are read on the device
     unchecked when traced."""
+    logits = _array(logits, "logits")
+    # None for a required array: the core op's TypeError (checked below)
+    expert_bias, qb_histogram, qb_bin_bounds = (_array(a, n, optional=True) for a, n in (
+        (expert_bias, "expert_bias"), (qb_histogram, "qb_histogram"), (qb_bin_bounds, "qb_bin_bounds")))
     _rt.check_qb_args(logits, expert_bias, qb_histogram, qb_bin_bounds, topk, "sigmoid", None, None, scaling_factor,
                       qb_histogram_mode)
     if not isinstance(qb_bin_bounds, jax.core.Tracer):
@@ -800,6 +838,7 @@ def scores_for_aux_loss(logits, topk: int, score_function: str, *, routing_map_f
     """Differentiable :func:`moe_rt.router.scores_for_aux_loss` for JAX: ``(scores [T,E] fp32,
     routing_map [T,E] bool)``; ``routing_map_format="bitmap_u8"``: the map bit-packed (uint8
     ``[T, ceil(E/8)]``). Shapes, dtypes and settings are checked when traced."""
+    logits = _array(logits, "logits")
     _rt.check_map_format(routing_map_format)
     _rt.check_scores_args(logits, topk, score_function)
     return _scores(logits, topk, score_function, routing_map_format)
@@ -896,6 +935,7 @@ def aux_loss(probs, tokens_per_expert, total_num_tokens, num_experts: int, topk:
     """Differentiable :func:`moe_rt.router.aux_loss` for JAX: a 0-d loss; the gradient flows to ``probs``.
     ``total_num_tokens``: a Python int (static), or a 0-d int32/int64 array (traced: read on the device,
     so one compiled step serves every value). Shapes, dtypes and settings are checked when traced."""
+    probs, tokens_per_expert = _array(probs, "probs"), _array(tokens_per_expert, "tokens_per_expert")
     device_total = not _rt._is_int(total_num_tokens) and hasattr(total_num_tokens, "shape")
     if device_total:
         total_num_tokens = jnp.asarray(total_num_tokens)
@@ -909,9 +949,9 @@ def aux_loss(probs, tokens_per_expert, total_num_tokens, num_experts: int, topk:
 
 def _chunk_array(a, name):
     if isinstance(a, (jax.Array, jax.core.Tracer)):
-        if not jnp.issubdtype(a.dtype, jnp.integer) or a.ndim != 1:
-            raise TypeError(f"{name}: expected a 1-D int32/int64 array, got {a.dtype} of shape {a.shape}")
-        return a.astype(jnp.int32) if a.dtype not in (jnp.int32, jnp.int64) else a
+        _arrays.check_ndim(a, name, 1)
+        _arrays.check_dtype(a, name, _arrays.INDEX_DTYPES)  # as the core op takes them
+        return a
     return jnp.asarray(np.asarray(a), dtype=jnp.int32)
 
 
@@ -963,18 +1003,22 @@ def sort_chunks(x, split_sizes, sorted_indices, probs=None):
     ``x [N, ...]`` form chunks of sizes ``split_sizes`` put in the order ``sorted_indices`` (int arrays,
     traced or not; lists and NumPy arrays are validated at trace time). Returns ``out`` or, with
     ``probs [N]``, ``(out, probs_out [N] fp32)``; gradients flow to ``x`` and ``probs``."""
-    x = jnp.asarray(x)
+    x, probs = _array(x, "x"), _array(probs, "probs", optional=True)
     if x.ndim < 1:
         raise ValueError(f"x: expected at least 1 dimension, got shape {tuple(x.shape)}")
     _arrays.check_dtype(x, "x", _perm.CHUNK_DTYPES)
-    host = [a for a in (split_sizes, sorted_indices) if not isinstance(a, (jax.Array, jax.core.Tracer))]
-    if len(host) == 2:
-        _perm._chunk_args(split_sizes, sorted_indices, int(x.shape[0]) if x.ndim else 0)
+    N = int(x.shape[0])
+    hs, ho = (None if isinstance(a, jax.Array) else _perm.host_chunk_array(a, n)
+              for a, n in ((split_sizes, "split_sizes"), (sorted_indices, "sorted_indices")))
     s, o = _chunk_array(split_sizes, "split_sizes"), _chunk_array(sorted_indices, "sorted_indices")
+    if s.shape[0] != o.shape[0]:
+        raise ValueError(f"sorted_indices: expected {s.shape[0]} entries (one per chunk of split_sizes), "
+                         f"got {o.shape[0]}")
+    # arrays already in host memory: their values checked at once, as the core op checks them on the CPU
+    _perm.check_chunk_values(hs if hs is not None else _host_values(s), ho if ho is not None else _host_values(o), N)
     if probs is not None:
-        probs = jnp.asarray(probs)
-        if probs.shape != (x.shape[0],):
-            raise ValueError(f"probs: expected shape ({x.shape[0]},), got {probs.shape}")
+        _arrays.check_shape(probs, "probs", (N,))
+        _arrays.check_dtype(probs, "probs", _perm._PROB_DTYPES)
     out, po = _sort_chunks(x, s, o, probs)
     return out if probs is None else (out, po)
 
@@ -985,7 +1029,7 @@ def quantize_fp8(x, block: int = 128):
     """:func:`moe_rt.fp8.quantize_fp8` for JAX (jit-compatible): ``x [T,H]`` fp32/bf16/fp16 ->
     ``(x_fp8 [T,H] float8_e4m3fn, scales [T, ceil(H/block)] float32)``. Not differentiable (use
     ``jax.lax.stop_gradient`` on ``x`` inside a differentiated function). Checked when traced."""
-    x = jnp.asarray(x)
+    x = _array(x, "x")
     T, H, nb = _fp8.check_quantize_args(x, block)
     specs = [_spec((T, H), _arrays.FLOAT8_E4M3), _spec((T, nb), np.float32)]
 
@@ -1001,7 +1045,7 @@ def quantize_fp8(x, block: int = 128):
 def dequantize_fp8(x_fp8, scales, dtype=jnp.bfloat16, block: int = 128):
     """:func:`moe_rt.fp8.dequantize_fp8` for JAX (jit-compatible): ``y [T,H]`` in ``dtype`` (float32,
     float16 or bfloat16). Not differentiable. Checked when traced."""
-    x_fp8, scales = jnp.asarray(x_fp8), jnp.asarray(scales)
+    x_fp8, scales = _array(x_fp8, "x_fp8"), _array(scales, "scales")
     T, H, _, dt = _fp8.check_dequantize_args(x_fp8, scales, dtype, block)
     specs = [_spec((T, H), dt)]
 

@@ -851,20 +851,31 @@ def _is_host(a) -> bool:
     return isinstance(a, (list, tuple, np.ndarray, np.generic)) or not hasattr(a, "__dlpack__")
 
 
+def host_chunk_array(a, name):
+    """``split_sizes`` or ``sorted_indices`` given on the host (a sequence, a NumPy array): 1-D int32 NumPy,
+    its values unchecked; None for an array of a framework (checked for dtype and shape with the call)."""
+    if a is None:
+        raise TypeError(f"{name}: expected a 1-D sequence of ints or an int32/int64 array, got None")
+    if not _is_host(a):
+        return None
+    arr = np.asarray(a)
+    if arr.ndim != 1:
+        raise ValueError(f"{name}: expected a 1-D sequence, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"{name}: expected integers, got dtype {arr.dtype.name}")
+    return arr.astype(np.int32)
+
+
 def _chunk_args(split_sizes, sorted_indices, n_rows):
     """Host-side split/order: validated, int32 NumPy. Device ones are validated for dtype/shape only."""
-    out = []
-    for name, a in (("split_sizes", split_sizes), ("sorted_indices", sorted_indices)):
-        if _is_host(a):
-            arr = np.asarray(a)
-            if arr.ndim != 1:
-                raise ValueError(f"{name}: expected a 1-D sequence, got shape {arr.shape}")
-            if arr.size and not np.issubdtype(arr.dtype, np.integer):
-                raise TypeError(f"{name}: expected integers, got dtype {arr.dtype.name}")
-            out.append(arr.astype(np.int32))
-        else:
-            out.append(None)
-    s, o = out
+    s, o = host_chunk_array(split_sizes, "split_sizes"), host_chunk_array(sorted_indices, "sorted_indices")
+    check_chunk_values(s, o, n_rows)
+    return s, o
+
+
+def check_chunk_values(s, o, n_rows):
+    """The values of split sizes ``s`` and sorted indices ``o`` (1-D int NumPy arrays, either None): sizes >= 0
+    summing to at most ``n_rows``, ``o`` a permutation of as many entries."""
     if s is not None:
         if s.size and s.min() < 0:
             raise ValueError(f"split_sizes: must be >= 0, got {s.tolist()[:16]}")
@@ -874,7 +885,6 @@ def _chunk_args(split_sizes, sorted_indices, n_rows):
         raise ValueError(f"sorted_indices: expected a permutation of 0..{o.size - 1}, got {o.tolist()[:16]}")
     if s is not None and o is not None and s.size != o.size:
         raise ValueError(f"sorted_indices: expected {s.size} entries (one per chunk of split_sizes), got {o.size}")
-    return s, o
 
 
 CHUNK_DTYPES = _TOKEN_DTYPES + _BYTE_DTYPES + (np.dtype(np.float64),) + _arrays.INDEX_DTYPES  # sort_chunks' rows
@@ -884,7 +894,9 @@ def _sort_chunks(x, split_sizes, sorted_indices, probs, stream, bwd):
     xname, pname = ("grad_out", "grad_probs") if bwd else ("x", "probs")
     if x is None:
         raise TypeError(f"{xname}: expected an array, got None")
-    hs, ho = _chunk_args(split_sizes, sorted_indices, int(getattr(x, "shape", (0,))[0]))
+    if not hasattr(x, "shape"):
+        raise _arrays.not_an_array(x, xname)
+    hs, ho = _chunk_args(split_sizes, sorted_indices, int(x.shape[0]) if len(x.shape) else 0)
     arrays = {xname: x, pname: probs}
     if hs is None:
         arrays["split_sizes"] = split_sizes
@@ -917,6 +929,9 @@ def _sort_chunks(x, split_sizes, sorted_indices, probs, stream, bwd):
                              f"got {o.shape[0]}")
         xv = _arrays.contiguous(xp, xv)
         if call.backend == "cpu":
+            if hs is None or ho is None:  # arrays of a framework, in host memory: checked as host ones are
+                check_chunk_values(None if hs is not None else np.asarray(s), None if ho is not None else np.asarray(o),
+                                   N)
             f = _ref.sort_chunks_backward if bwd else _ref.sort_chunks
             out, po = f(xv, np.asarray(s), np.asarray(o), pv)
         else:

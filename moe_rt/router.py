@@ -711,7 +711,7 @@ def check_qb_args(xv, bv, hv, dv, topk, score_function, num_groups, group_topk, 
         raise ValueError("num_groups/group_topk: Quantile Balancing does not support group-limited top-k; pass "
                          "None for both")
     if bv is None:
-        raise ValueError("expert_bias: Quantile Balancing requires an expert bias ([num_experts] float)")
+        raise TypeError("expert_bias: Quantile Balancing requires an expert bias ([num_experts] float), got None")
     _check_bias(bv, E, score_function)
     K = _check_topk(topk, E)
     if K >= E:
@@ -719,8 +719,10 @@ def check_qb_args(xv, bv, hv, dv, topk, score_function, num_groups, group_topk, 
                          f"({E}), got {K}")
     scale = _check_scaling(scaling_factor)
     fused = _check_qb_mode(qb_histogram_mode)
-    if hv is None or dv is None:
-        raise ValueError("qb_histogram, qb_bin_bounds: Quantile Balancing needs both (and qb_histogram_mode)")
+    for name, v in (("qb_histogram", hv), ("qb_bin_bounds", dv)):
+        if v is None:
+            raise TypeError(f"{name}: Quantile Balancing needs qb_histogram and qb_bin_bounds (and "
+                            f"qb_histogram_mode), got None")
     B = _check_qb_histogram(hv, E)
     _check_qb_bounds(dv)
     return E, K, B, scale, fused
@@ -1300,8 +1302,7 @@ def _check_aux_bwd_args(gv, tv, num_rows, total_num_tokens, num_experts, topk, c
     if gv.size != 1 or gv.ndim > 1:
         raise ValueError(f"grad_aux_loss: expected a 0-d (or shape (1,)) array, got shape {tuple(gv.shape)}")
     R = _arrays.check_int(num_rows, "num_rows", low=0)
-    if tv.ndim != 1:
-        raise ValueError(f"tokens_per_expert: expected a 1-D array, got shape {tuple(tv.shape)}")
+    _arrays.check_ndim(tv, "tokens_per_expert", 1)
     C = int(tv.shape[0])
     return _remember(_AUX_BWD_ARGS, key, (R, C, _check_aux_args(tv, C, total_num_tokens, num_experts, topk, coeff)))
 

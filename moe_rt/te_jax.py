@@ -107,8 +107,9 @@ def fused_topk_with_score_function(logits, topk: int, use_pre_softmax: bool = Fa
 def fused_moe_aux_loss(probs, tokens_per_expert, topk: int, coeff: float):
     """Switch load-balancing loss with T and E from ``probs [T,E]``: ``(E*coeff/topk/T/T) * sum_e
     tokens_per_expert[e] * sum_t probs[t,e]``, 0-d in the probs dtype."""
-    if getattr(probs, "ndim", None) != 2:
-        raise ValueError(f"probs: expected [num_tokens, num_experts], got shape {getattr(probs, 'shape', None)}")
+    probs, tokens_per_expert = _mj._array(probs, "probs"), _mj._array(tokens_per_expert, "tokens_per_expert")
+    if probs.ndim != 2:
+        raise ValueError(f"probs: expected [num_tokens, num_experts], got shape {probs.shape}")
     T, E = probs.shape
     return _mj.aux_loss(probs, tokens_per_expert, int(T), int(E), topk, coeff)
 
@@ -165,7 +166,7 @@ def token_dispatch(inp, routing_map, num_out_tokens: int, probs=None, align_size
     if align_size is not None and (isinstance(align_size, bool) or not isinstance(align_size, (int, np.integer))
                                    or align_size <= 0):
         raise ValueError(f"align_size: expected None or an int > 0, got {align_size!r}")
-    inp, routing_map = jnp.asarray(inp), jnp.asarray(routing_map)
+    inp, routing_map = _mj._array(inp, "inp"), _mj._array(routing_map, "routing_map")
     if inp.ndim not in (2, 3) or routing_map.ndim != inp.ndim:
         raise ValueError(f"inp, routing_map: expected [T,H] and [T,E] (or [B,S,H] and [B,S,E]), got shapes "
                          f"{inp.shape} and {routing_map.shape}")
@@ -179,7 +180,7 @@ def token_dispatch(inp, routing_map, num_out_tokens: int, probs=None, align_size
         raise ValueError(f"routing_map: {rmap.shape[0]} tokens, inp has {x.shape[0]}")
     p = None
     if probs is not None:
-        p = jnp.asarray(probs).reshape(-1, E)
+        p = _mj._array(probs, "probs").reshape(-1, E)
         if p.shape != rmap.shape:
             raise ValueError(f"probs: expected the routing map's shape {routing_map.shape}, got {probs.shape}")
     A = 1 if align_size is None else int(align_size)
@@ -212,7 +213,7 @@ def token_combine(inp, row_id_map, merging_probs=None, pad_offsets=None):
     """Sum each token's expert rows back: ``out[t] = sum_e inp[dst(t,e)] * merging_probs[t,e]`` (fp32
     accumulation; a plain sum without probs). ``row_id_map [T, 2E+1]`` from :func:`token_dispatch`
     (with its ``pad_offsets`` when it padded); ``merging_probs [T,E]`` or ``[B,S,E]``. Returns ``[T,H]``."""
-    inp, row_id_map = jnp.asarray(inp), jnp.asarray(row_id_map)
+    inp, row_id_map = _mj._array(inp, "inp"), _mj._array(row_id_map, "row_id_map")
     if inp.ndim != 2:
         raise ValueError(f"inp: expected [rows, H], got shape {inp.shape}")
     if row_id_map.ndim != 2 or row_id_map.shape[1] % 2 != 1:
@@ -220,13 +221,13 @@ def token_combine(inp, row_id_map, merging_probs=None, pad_offsets=None):
     T, E = row_id_map.shape[0], (row_id_map.shape[1] - 1) // 2
     mp = None
     if merging_probs is not None:
-        mp = jnp.asarray(merging_probs).reshape(-1, E)
+        mp = _mj._array(merging_probs, "merging_probs").reshape(-1, E)
         if mp.shape[0] != T:
             raise ValueError(f"merging_probs: expected [{T}, {E}], got {merging_probs.shape}")
     rows, experts, n = row_id_map[:, :E], row_id_map[:, E:2 * E], row_id_map[:, 2 * E:]
     valid = jnp.arange(E)[None, :] < n
     if pad_offsets is not None:
-        pad_offsets = jnp.asarray(pad_offsets)
+        pad_offsets = _mj._array(pad_offsets, "pad_offsets")
         if pad_offsets.shape != (E,):
             raise ValueError(f"pad_offsets: expected shape ({E},), got {pad_offsets.shape}")
         rows = rows + pad_offsets.astype(rows.dtype)[jnp.where(valid, experts, 0)]
@@ -240,7 +241,7 @@ def sort_chunks_by_index(inp, split_sizes, sorted_indices):
     """Reorder chunks of rows: ``inp``'s rows split by ``split_sizes``, put in the order ``sorted_indices``.
     Returns ``(output [T,H], row_id_map [T] int32)`` with ``row_id_map[src] = dst`` (rows beyond
     ``sum(split_sizes)`` map to themselves). The gradient flows to ``inp``."""
-    inp = jnp.asarray(inp)
+    inp = _mj._array(inp, "inp")
     out = _mj.sort_chunks(inp, split_sizes, sorted_indices)
     s = jnp.asarray(split_sizes).astype(jnp.int32).reshape(-1)
     o = jnp.asarray(sorted_indices).astype(jnp.int32).reshape(-1)

@@ -1075,7 +1075,7 @@ def test_qb_bad_input_raises_when_traced_as_before():
     trace()
     with pytest.raises(ValueError, match="topk: Quantile Balancing selects topk \\+ 1"):
         trace(topk=QB_E)
-    with pytest.raises(ValueError, match="expert_bias"):
+    with pytest.raises(TypeError, match="expert_bias"):
         trace(expert_bias=None)
     with pytest.raises(ValueError, match="expert_bias"):
         trace(expert_bias=bias[:-1])

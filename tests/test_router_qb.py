@@ -386,7 +386,7 @@ def _qb_kwargs(E=16, B=10, **kw):
 
 
 @pytest.mark.parametrize("kw,exc,match", [
-    (dict(expert_bias=None), ValueError, "expert_bias"),
+    (dict(expert_bias=None), TypeError, "expert_bias"),
     (dict(num_groups=4, group_topk=2), ValueError, "group"),
     (dict(score_function="softmax"), ValueError, "sigmoid"),
     (dict(score_function="relu"), ValueError, "score_function"),
@@ -396,8 +396,8 @@ def _qb_kwargs(E=16, B=10, **kw):
     (dict(qb_bin_bounds=np.array([0, np.inf], F32)), ValueError, "finite"),
     (dict(qb_bin_bounds=np.array([-1, 1], np.float64)), TypeError, "qb_bin_bounds"),
     (dict(qb_bin_bounds=np.array([-1, 0, 1], F32)), ValueError, "qb_bin_bounds"),
-    (dict(qb_bin_bounds=None), ValueError, "qb_bin_bounds"),
-    (dict(qb_histogram=None), ValueError, "qb_histogram"),
+    (dict(qb_bin_bounds=None), TypeError, "qb_bin_bounds"),
+    (dict(qb_histogram=None), TypeError, "qb_histogram"),
     (dict(qb_histogram=np.zeros((16, 10), np.int64)), TypeError, "qb_histogram"),
     (dict(qb_histogram=np.zeros((16, 10), F32)), TypeError, "qb_histogram"),
     (dict(qb_histogram=np.zeros((15, 10), np.int32)), ValueError, "qb_histogram"),
