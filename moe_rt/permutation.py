@@ -892,9 +892,7 @@ CHUNK_DTYPES = _TOKEN_DTYPES + _BYTE_DTYPES + (np.dtype(np.float64),) + _arrays.
 
 def _sort_chunks(x, split_sizes, sorted_indices, probs, stream, bwd):
     xname, pname = ("grad_out", "grad_probs") if bwd else ("x", "probs")
-    if x is None:
-        raise TypeError(f"{xname}: expected an array, got None")
-    if not hasattr(x, "shape"):
+    if not hasattr(x, "shape"):  # None, a list, ...
         raise _arrays.not_an_array(x, xname)
     hs, ho = _chunk_args(split_sizes, sorted_indices, int(x.shape[0]) if len(x.shape) else 0)
     arrays = {xname: x, pname: probs}
