@@ -472,6 +472,10 @@ class Call:
     record autograd; ``moe_rt.torch`` does), and so are JAX tracers (``moe_rt.jax`` works under jit). A NumPy
     scalar is taken as a 0-d array."""
 
+    # the state a call starts from (the one-pass set-ups below set only what differs; __init__ sets all)
+    _fast_torch = _on_xla_stream = _lean = _light = _entered = _active = _current = False
+    _stream = _tdev = None
+
     def __init__(self, arrays: dict, stream=None, *, xla_buffers: bool = False, lean: bool = False):
         if stream is None and ((lean and self._torch_light(arrays)) or self._cupy_plain(arrays, lean)):
             return
@@ -565,13 +569,11 @@ class Call:
             device = _devices[device_id] = _cupy().cuda.Device(device_id)
         self.framework, self.backend, self.device_id, self._first = "torch", "cuda", device_id, first
         self._fast_torch = self._lean = self._light = True
-        self._on_xla_stream = self._entered = self._active = self._current = False
-        self._stream = None
         self._tdev = _torch_devices.get(device_id)
         self._device = device
         self.stream_ptr = int(raw(device_id)) if raw is not None else _torch_stream_ptr(device_id)
         self.views = views
-        self.xp = None  # CuPy on first use (see the xp property)
+        self._xp = None  # CuPy on first use (see the xp property)
         return True
 
     def _cupy_plain(self, arrays: dict, lean: bool) -> bool:
@@ -583,13 +585,11 @@ class Call:
             return False
         first, device_id = got
         self.framework, self.backend, self.device_id, self._first = "cupy", "cuda", device_id, first
-        self._fast_torch = self._on_xla_stream = self._light = self._entered = self._active = False
         self._lean = lean
-        self._tdev = None
-        self.xp = _cupy()
+        self._xp = _cupy()
         device = _devices.get(device_id)
         if device is None:
-            device = _devices[device_id] = self.xp.cuda.Device(device_id)
+            device = _devices[device_id] = self._xp.cuda.Device(device_id)
         self._device = device
         self._stream = _default_stream("cupy", device_id)
         # CuPy arrays on CuPy's current device and stream: both are current already (nothing to enter)
@@ -702,6 +702,10 @@ class Call:
 
     def __getitem__(self, name):
         return self.views[name]
+
+    def contiguous(self, arr):
+        """:func:`contiguous` on the call's ``xp``, read (in a light call: made) only for a copy."""
+        return arr if arr.flags.c_contiguous else contiguous(self.xp, arr)
 
     # -- context ---------------------------------------------------------------------------------------
     def __enter__(self):

@@ -385,7 +385,7 @@ def make_plan(routing, num_experts: int, *, align_size: int = 1, num_out_tokens:
     with _arrays.Call({"routing": routing}, stream=stream, lean=True) as call:
         r = call["routing"]
         T, K, is_map, N = check_routing(r, E, A, num_out_tokens, map_type)
-        if is_map and np.dtype(r.dtype) != np.bool_:  # an integer 0/1 map: nonzero = routed
+        if is_map and r.dtype != np.bool_:  # an integer 0/1 map: nonzero = routed
             r = np.asarray(r) != 0 if call.backend == "cpu" else _arrays.cupy_of(r) != 0
         L = T * K
         if call.backend == "cpu":
@@ -470,7 +470,7 @@ _plan_sizes: dict = {}  # (T, K, E, N) -> (the plan buffer's layout, the core's 
 def _plan_cuda(call, r, T, K, E, A, N, num_out_tokens, apart=False):
     """make_plan in the C core: the plan's arrays as views of one int32 buffer that holds the core's working
     memory after them (``apart``: five allocations and the working memory apart)."""
-    idx = _arrays.contiguous(call.xp, r)  # a routing map is read in place (slot t*E + e is expert e)
+    idx = call.contiguous(r)  # a routing map is read in place (slot t*E + e is expert e)
     key = (T, K, E, N)
     sizes = _plan_sizes.get(key)
     if sizes is None:
@@ -492,7 +492,7 @@ def _plan_cuda(call, r, T, K, E, A, N, num_out_tokens, apart=False):
         ws = b + 4 * words
         views = _PlanViews()
         views._buf, views._spec = buf, spec
-    _core.make_plan(_core.device(call.device_id), idx.data.ptr, _CODES[np.dtype(idx.dtype)], T, K, E, A,
+    _core.make_plan(_core.device(call.device_id), idx.data.ptr, _CODES[idx.dtype], T, K, E, A,
                     -1 if num_out_tokens is None else num_out_tokens, *ptrs, ws, nws, call.stream_ptr)
     return views
 
@@ -533,14 +533,18 @@ def _slot_probs(call, probs, plan: Plan, name: str, keep_f64: bool = False, chec
     T, K, E = plan.num_tokens, plan.topk, plan.num_experts
     if not checked:
         check_probs(probs, name, T, K, E)
-    xp = call.xp
     if tuple(probs.shape) == (T, K):
         p = probs
     else:
         # Dense [T,E] probs for an index plan: pick each slot's expert (ids out of range read 0).
-        p = _dense_to_slots(xp, probs, plan, keep_f64)
-    p = p.astype(np.float64 if keep_f64 and np.dtype(probs.dtype) == np.float64 else np.float32, copy=False)
-    return _arrays.contiguous(xp, p)
+        p = _dense_to_slots(call.xp, probs, plan, keep_f64)
+    want = _F64 if keep_f64 and probs.dtype == _F64 else _F32
+    if p.dtype != want:  # what astype(copy=False) would keep as it is, left alone without the call
+        p = p.astype(want, copy=False)
+    return call.contiguous(p)
+
+
+_F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
 
 
 def check_probs(probs, name, T, K, E):
@@ -668,7 +672,7 @@ def dispatch(x, plan: Plan, probs=None, *, probs_dtype=None, stream=None):
         xv = call["x"]
         pdt = check_dispatch_args(xv, call["probs"], plan.num_tokens, plan.topk, plan.num_experts, probs_dtype)
         pv = _slot_probs(call, call["probs"], plan, "probs", keep_f64=pdt == np.float64, checked=True)
-        xv = _arrays.contiguous(call.xp, xv)
+        xv = call.contiguous(xv)
         if call.backend == "cpu":
             out, pp = _ref.dispatch(xv, plan._dict(), pv, probs_dtype=pdt)
         else:
@@ -678,14 +682,14 @@ def dispatch(x, plan: Plan, probs=None, *, probs_dtype=None, stream=None):
 
 def _dispatch_cuda(call, xv, plan, pv, pdt=None):
     N = plan.num_rows
-    H = int(xv.shape[1])
-    out = call.empty((N, H), xv.dtype)
+    H, dt = int(xv.shape[1]), xv.dtype
+    out = call.empty((N, H), dt)
     pp = None if pv is None else call.empty((N,), np.float32 if pdt is None else pdt)
     # the core moves float32 slot probs into float32/16 or bfloat16 rows; float64 ones are filled below
     core_pp = pp is not None and pp.dtype != np.float64 and pp.size > 0 and pv.size > 0
-    _core.dispatch(_core.device(call.device_id), _core_plan(plan), xv.data.ptr, _CODES[np.dtype(xv.dtype)], H,
+    _core.dispatch(_core.device(call.device_id), _core_plan(plan), xv.data.ptr, _CODES[dt], H,
                    pv.data.ptr if core_pp else 0, out.data.ptr, pp.data.ptr if core_pp else 0,
-                   _CODES[np.dtype(pp.dtype)] if core_pp else 0, call.stream_ptr)
+                   _CODES[pp.dtype] if core_pp else 0, call.stream_ptr)
     if pp is not None and not core_pp:
         _fill(call, None, pp, pv, plan)  # float64 permuted probs (or none to move): this module's fill_rows
     return out, pp
@@ -737,7 +741,7 @@ def combine(y_permuted, plan: Plan, probs=None, *, stream=None):
         yv = call["y_permuted"]
         check_combine_args(yv, call["probs"], plan.num_tokens, plan.topk, plan.num_experts, plan.num_rows)
         pv = _slot_probs(call, call["probs"], plan, "probs", checked=True)
-        yv = _arrays.contiguous(call.xp, yv)
+        yv = call.contiguous(yv)
         if call.backend == "cpu":
             return call.out(_ref.combine(yv, plan._dict(), pv))
         return call.out(_combine_cuda(call, yv, plan, pv))
@@ -745,9 +749,9 @@ def combine(y_permuted, plan: Plan, probs=None, *, stream=None):
 
 def _combine_cuda(call, yv, plan, pv):
     T = plan.num_tokens
-    H = int(yv.shape[1])
-    out = call.empty((T, H), yv.dtype)
-    _core.combine(_core.device(call.device_id), _core_plan(plan), yv.data.ptr, _CODES[np.dtype(yv.dtype)], H,
+    H, dt = int(yv.shape[1]), yv.dtype
+    out = call.empty((T, H), dt)
+    _core.combine(_core.device(call.device_id), _core_plan(plan), yv.data.ptr, _CODES[dt], H,
                   0 if pv is None else pv.data.ptr, out.data.ptr, call.stream_ptr)
     return out
 
@@ -788,18 +792,20 @@ def dispatch_backward(grad_x_permuted, plan: Plan, grad_probs_permuted=None, *, 
         gpp = call["grad_probs_permuted"]
         _check_dispatch_bwd_args(g, gpp, plan.num_tokens, plan.num_rows)
         if gpp is not None:
-            gpp = _arrays.contiguous(call.xp, gpp.astype(np.float32, copy=False))
-        g = _arrays.contiguous(call.xp, g)
+            if gpp.dtype != _F32:  # what astype(copy=False) would keep as it is, left alone without the call
+                gpp = gpp.astype(_F32, copy=False)
+            gpp = call.contiguous(gpp)
+        g = call.contiguous(g)
         if call.backend == "cpu":
             gx, gp = _ref.dispatch_backward(g, plan._dict(), gpp)
         else:
-            H = int(g.shape[1])
-            gx = call.empty((plan.num_tokens, H), g.dtype)
+            H, dt = int(g.shape[1]), g.dtype
+            gx = call.empty((plan.num_tokens, H), dt)
             gp = None if gpp is None else call.empty((plan.num_tokens, plan.topk), np.float32)
             # no rows to gather from (N = 0): every slot was dropped, its gradient is 0
             gather = gp is not None and gp.size > 0 and gpp.size > 0
             _core.dispatch_backward(_core.device(call.device_id), _core_plan(plan), g.data.ptr,
-                                    _CODES[np.dtype(g.dtype)], H, gpp.data.ptr if gather else 0, gx.data.ptr,
+                                    _CODES[dt], H, gpp.data.ptr if gather else 0, gx.data.ptr,
                                     gp.data.ptr if gather else 0, call.stream_ptr)
             if gp is not None and gp.size and not gather:
                 _arrays.cupy_of(gp).fill(0)
@@ -829,17 +835,17 @@ def combine_backward(grad_y, plan: Plan, y_permuted=None, probs=None, *, stream=
         _check_combine_bwd_args(g, call["probs"], yv, plan.num_tokens, plan.topk, plan.num_experts, plan.num_rows)
         pv = _slot_probs(call, call["probs"], plan, "probs", checked=True)
         if pv is not None:
-            yv = _arrays.contiguous(call.xp, yv)
-        g = _arrays.contiguous(call.xp, g)
+            yv = call.contiguous(yv)
+        g = call.contiguous(g)
         if call.backend == "cpu":
             gyp, gp = _ref.combine_backward(g, plan._dict(), yv, pv)
             return call.out(gyp), (None if gp is None else call.out(gp))
         T, K, N = plan.num_tokens, plan.topk, plan.num_rows
-        H = int(g.shape[1])
-        gyp = call.empty((N, H), g.dtype)
+        H, dt = int(g.shape[1]), g.dtype
+        gyp = call.empty((N, H), dt)
         gp = None if pv is None else call.empty((T, K), np.float32)
         weighted = gp is not None and gp.size > 0  # T*K = 0: no slot, nothing weighted
-        _core.combine_backward(_core.device(call.device_id), _core_plan(plan), g.data.ptr, _CODES[np.dtype(g.dtype)],
+        _core.combine_backward(_core.device(call.device_id), _core_plan(plan), g.data.ptr, _CODES[dt],
                                H, yv.data.ptr if weighted else 0, pv.data.ptr if weighted else 0, gyp.data.ptr,
                                gp.data.ptr if weighted else 0, call.stream_ptr)
         return call.out(gyp), (None if gp is None else call.out(gp))

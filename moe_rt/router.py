@@ -334,14 +334,26 @@ def _flat(xp, arr, E):
     return arr.reshape(-1, E)
 
 
+def _rows(call, arr, E, shape=None):
+    """:func:`_flat` of the call's ``arr`` (``[..., E]``): ``(rows, lead, T)``, ``lead`` the leading shape (a
+    tuple); ``shape``: ``arr``'s shape when the caller has it (the shape is read once at most)."""
+    arr = call.contiguous(arr)
+    shape = tuple(arr.shape) if shape is None else shape
+    if len(shape) == 2 and E > 0 and shape[1] == E:  # [T, E] already (the usual case): no new view
+        return arr, shape[:1], shape[0]
+    arr = arr.reshape(-1, E)
+    return arr, shape[:-1], arr.shape[0]
+
+
 def _out_rows(call, arr, lead):
     """A result of ``[T, ...]`` rows handed back with the leading shape ``lead`` (a tuple) in place of T."""
     return call.out(arr if len(lead) == 1 else arr.reshape(lead + tuple(arr.shape[1:])))
 
 
-def _shaped(arr, shape):
-    """``arr`` reshaped to ``shape`` (a tuple): itself when it has that shape already."""
-    return arr if tuple(arr.shape) == shape else arr.reshape(shape)
+def _shaped(arr, shape, have=None):
+    """``arr`` reshaped to ``shape`` (a tuple): itself when it has that shape already (``have``: its shape,
+    when the caller knows it)."""
+    return arr if (tuple(arr.shape) if have is None else have) == shape else arr.reshape(shape)
 
 
 _CODES = _core.CODES  # NumPy dtype -> the core's dtype code
@@ -471,8 +483,7 @@ def topk_with_score(logits, topk, *, score_function="softmax", use_pre_softmax=F
                                                            group_topk, scaling_factor, routing_map_format,
                                                            topk_indices, topk_indices_dtype)
         # rows flattened to [T, E]; ``lead`` restores the leading shape of the outputs
-        lead, x = tuple(xv.shape[:-1]), _flat(call.xp, xv, E)
-        T = x.shape[0]
+        x, lead, T = _rows(call, xv, E)
         buf = None
         if topk_indices is not None:
             buf = _index_buffer(call, topk_indices, lead + (K,))
@@ -486,7 +497,8 @@ def topk_with_score(logits, topk, *, score_function="softmax", use_pre_softmax=F
                     buf[...] = idx.reshape(buf.shape)
                 rmap = idx
         else:
-            probs = call.empty((T, E), dtype=x.dtype)
+            dt = x.dtype
+            probs = call.empty((T, E), dtype=dt)
             rmap = idx = None
             if idt is None:
                 rmap = call.empty((T, bitmap_bytes(E)) if bitmap else (T, E), dtype=np.uint8 if bitmap else np.bool_)
@@ -499,7 +511,7 @@ def topk_with_score(logits, topk, *, score_function="softmax", use_pre_softmax=F
                 rmap = idx
             if T > 0:
                 b32 = None if bv is None else _arrays.as_f32(call.xp, bv)
-                _core.topk_with_score(_core.device(call.device_id), _ptr(x), _CODES[x.dtype], T, E, K,
+                _core.topk_with_score(_core.device(call.device_id), _ptr(x), _CODES[dt], T, E, K,
                                       SCORE_FUNCTIONS[score_function], pre, G, g, scale, _ptr(b32), _ptr(probs),
                                       _ptr(rmap), _CODES[rmap.dtype], _ptr(inter), call.stream_ptr)
         routing = topk_indices if topk_indices is not None else _out_rows(call, rmap, lead)
@@ -626,11 +638,10 @@ def topk_with_score_backward(grad_probs, routing_map, intermediate, topk, *, sco
         bitmap, E, K, scale, pre = _check_topk_bwd_args(gv, mv, yv, iv, topk, score_function, use_pre_softmax,
                                                         scaling_factor, routing_map_format)
         shape = tuple(gv.shape)
-        xp = call.xp
-        g, y = _flat(xp, gv, E), _flat(xp, yv, E)
-        T = g.shape[0]
+        g, _, T = _rows(call, gv, E, shape)
+        y = _rows(call, yv, E, shape)[0]  # the intermediate has the grad's shape (checked)
         if iv is not None:
-            idx = _arrays.contiguous(xp, iv).reshape(T, K)
+            idx = call.contiguous(iv).reshape(T, K)
             if call.backend == "cpu":
                 _errors.check_ids(idx, E, "topk_indices")
                 out = ref.topk_with_score_bwd_indices(g, idx, y, K, pre, scale, score_function)
@@ -643,8 +654,9 @@ def topk_with_score_backward(grad_probs, routing_map, intermediate, topk, *, sco
                                                    _ptr(out), call.stream_ptr)
                     if _errors.DEBUG:
                         core.check(call.stream_ptr)
-            return call.out(_shaped(out, shape))
-        m = _shaped(_arrays.contiguous(xp, mv), (T, int(mv.shape[-1])))
+            return call.out(_shaped(out, shape, (T, E)))
+        mshape = tuple(mv.shape)
+        m = _shaped(call.contiguous(mv), (T, int(mshape[-1])), mshape)
         if call.backend == "cpu":
             if bitmap:
                 if E % 8 and (m[:, -1] >> (E % 8)).any():
@@ -654,12 +666,13 @@ def topk_with_score_backward(grad_probs, routing_map, intermediate, topk, *, sco
             _check_topk_agreement(m, y, K, score_function, pre)
             out = ref.topk_with_score_bwd(g, m, y, K, pre, scale, score_function)
         else:
-            out = call.empty((T, E), dtype=g.dtype)
+            dt = g.dtype
+            out = call.empty((T, E), dtype=dt)
             if T > 0:
-                _core.topk_with_score_backward(_core.device(call.device_id), _ptr(g), _CODES[g.dtype], _ptr(m),
+                _core.topk_with_score_backward(_core.device(call.device_id), _ptr(g), _CODES[dt], _ptr(m),
                                                _CODES[m.dtype], _ptr(y), T, E, K, SCORE_FUNCTIONS[score_function],
                                                pre, scale, _ptr(out), call.stream_ptr)
-        return call.out(_shaped(out, shape))
+        return call.out(_shaped(out, shape, (T, E)))
 
 
 # ---- Quantile Balancing ------------------------------------------------------------------------------
@@ -1037,9 +1050,7 @@ def scores_for_aux_loss(logits, topk, score_function, *, routing_map_format="byt
         xv = call["logits"]
         bitmap = check_map_format(routing_map_format)
         E, K = check_scores_args(xv, topk, score_function)
-        lead = tuple(xv.shape[:-1])
-        x = _flat(call.xp, xv, E)
-        T = x.shape[0]
+        x, lead, T = _rows(call, xv, E)
         if call.backend == "cpu":
             scores, rmap, inter = ref.scores_for_aux_loss_fwd(x, K, score_function)
             if bitmap:
@@ -1125,9 +1136,8 @@ def scores_for_aux_loss_backward(grad_scores, intermediate, topk, score_function
         gv, yv = call["grad_scores"], call["intermediate"]
         E, K, odt = _check_scores_bwd_args(gv, yv, topk, score_function, dtype)
         shape = tuple(gv.shape)
-        xp = call.xp
-        g, y = _flat(xp, gv, E), _flat(xp, yv, E)
-        T = g.shape[0]
+        g, _, T = _rows(call, gv, E, shape)
+        y = _rows(call, yv, E, shape)[0]  # the intermediate has the grad's shape (checked)
         if call.backend == "cpu":
             if score_function != "sqrtsoftplus" and ((y < 0) | (y > 1)).any():
                 raise ValueError(f"score_function: the intermediate has values outside [0, 1], which a "
@@ -1140,7 +1150,7 @@ def scores_for_aux_loss_backward(grad_scores, intermediate, topk, score_function
                 _core.scores_for_aux_loss_backward(_core.device(call.device_id), _ptr(g), _ptr(y), T, E, K,
                                                    SCORE_FUNCTIONS[score_function], _ptr(out), _CODES[odt],
                                                    call.stream_ptr)
-        return call.out(_shaped(out, shape))
+        return call.out(_shaped(out, shape, (T, E)))
 
 
 # ---- aux loss ---------------------------------------------------------------------------------------
@@ -1186,12 +1196,12 @@ def _total_key(total_num_tokens):
 _TPE_CORE = (np.dtype(np.float32), np.dtype(np.int32), np.dtype(np.int64))
 
 
-def _tpe_arg(xp, tv):
+def _tpe_arg(call, tv):
     """tokens_per_expert for the core's aux loss, which reads float32, int32 and int64 as they are (other
     dtypes are converted to float32 first)."""
-    if np.dtype(tv.dtype) in _TPE_CORE and tv.flags.c_contiguous:
+    if tv.dtype in _TPE_CORE and tv.flags.c_contiguous:
         return tv
-    return _arrays.as_f32(xp, tv)
+    return _arrays.as_f32(call.xp, tv)
 
 
 def _total_core(total, total_num_tokens, kind):
@@ -1234,7 +1244,7 @@ def _total_arg(call, total_num_tokens):
     tt = call["total_num_tokens"]
     if call.backend == "cpu":
         return np.asarray(tt).reshape(()), 0
-    return _arrays.contiguous(call.xp, tt), _TOTAL_KINDS[np.dtype(tt.dtype)]
+    return call.contiguous(tt), _TOTAL_KINDS[tt.dtype]
 
 
 def _aux_arrays(tensors: dict, total_num_tokens) -> dict:
@@ -1276,9 +1286,8 @@ def aux_loss(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coef
             t = total_num_tokens if total is None else total
             out = ref.aux_loss_fwd(pv, tv, t, num_experts, topk, coeff)
             return call.out(np.array(out, copy=True))
-        xp = call.xp
-        p = _arrays.contiguous(xp, pv)
-        tpe = _tpe_arg(xp, tv)
+        p = call.contiguous(pv)
+        tpe = _tpe_arg(call, tv)
         nws = _core.aux_loss_workspace_bytes(R)
         ws = call.scratch((max(nws, 1),), dtype=np.uint8)
         out = call.empty((), dtype=p.dtype)
@@ -1331,9 +1340,8 @@ def aux_loss_backward(grad_aux_loss, num_rows, tokens_per_expert, total_num_toke
             t = total_num_tokens if total is None else total
             out = ref.aux_loss_bwd(gv, R, tv, t, num_experts, topk, coeff)
             return call.out(np.array(out, copy=True))
-        xp = call.xp
-        tpe = _tpe_arg(xp, tv)
-        g = _arrays.contiguous(xp, gv)
+        tpe = _tpe_arg(call, tv)
+        g = call.contiguous(gv)
         out = call.empty((R, C), dtype=g.dtype)
         _core.aux_loss_backward(_core.device(call.device_id), _ptr(g), _CODES[g.dtype], R, C, _ptr(tpe),
                                 _CODES[tpe.dtype], *_total_core(total, total_num_tokens, tot_kind), num_experts,
