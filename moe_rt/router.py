@@ -1290,8 +1290,9 @@ def aux_loss(probs, tokens_per_expert, total_num_tokens, num_experts, topk, coef
         tpe = _tpe_arg(call, tv)
         nws = _core.aux_loss_workspace_bytes(R)
         ws = call.scratch((max(nws, 1),), dtype=np.uint8)
-        out = call.empty((), dtype=p.dtype)
-        _core.aux_loss(_core.device(call.device_id), _ptr(p), _CODES[p.dtype], R, C, _ptr(tpe), _CODES[tpe.dtype],
+        dt = p.dtype
+        out = call.empty((), dtype=dt)
+        _core.aux_loss(_core.device(call.device_id), _ptr(p), _CODES[dt], R, C, _ptr(tpe), _CODES[tpe.dtype],
                        *_total_core(total, total_num_tokens, tot_kind), num_experts, topk, coeff, _ptr(ws), nws,
                        _ptr(out), call.stream_ptr)
         return call.out(out)
@@ -1342,8 +1343,9 @@ def aux_loss_backward(grad_aux_loss, num_rows, tokens_per_expert, total_num_toke
             return call.out(np.array(out, copy=True))
         tpe = _tpe_arg(call, tv)
         g = call.contiguous(gv)
-        out = call.empty((R, C), dtype=g.dtype)
-        _core.aux_loss_backward(_core.device(call.device_id), _ptr(g), _CODES[g.dtype], R, C, _ptr(tpe),
+        dt = g.dtype
+        out = call.empty((R, C), dtype=dt)
+        _core.aux_loss_backward(_core.device(call.device_id), _ptr(g), _CODES[dt], R, C, _ptr(tpe),
                                 _CODES[tpe.dtype], *_total_core(total, total_num_tokens, tot_kind), num_experts,
                                 topk, coeff, _ptr(out), call.stream_ptr)
         return call.out(out)
