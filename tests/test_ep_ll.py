@@ -1059,6 +1059,51 @@ def _gpu_case(rng, cp, L, K, T, Tmax, H, dt):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float16"])
+@pytest.mark.parametrize("L,K,T,Tmax,H", [(5, 3, 7, 9, 13), (8, 8, 128, 128, 256), (3, 2, 0, 4, 8)])
+def test_gpu_one_rank_combine_partials(rng, dtype, L, K, T, Tmax, H):
+    """One rank, combine_partials=True: combine bitwise the reference's rank-partial combine (expert rows of
+    invalid slots NaN; the back buffer poisoned), twice; then captured with dispatch and replayed with new
+    routing."""
+    import cupy as cp
+
+    dt = bf16() if dtype == "bfloat16" else np.dtype(dtype)
+    g = LowLatencyGroup(None, L, H, Tmax, topk=K, dtype=dt, combine_partials=True)
+    try:
+        for _ in range(2):
+            xs, idxs, ws, x, idx, w = _gpu_case(rng, cp, L, K, T, Tmax, H, dt)
+            _, _, h = g.dispatch(x, idx, w)
+            rh = ref.dispatch(xs, idxs, ws, L, Tmax)[0][2]
+            y = rng.standard_normal((L, Tmax, H)).astype(dt)
+            y[rh["slot_k"] < 0] = np.nan
+            g._view("back", 0, (g._offs[("back", 0)][1],), np.uint8).fill(255)
+            out = g.combine(h, cp.asarray(y))
+            np.testing.assert_array_equal(cp.asnumpy(out).view(np.uint8),
+                                          ref.combine_partials([rh], [y])[0].view(np.uint8))
+            g.synchronize()
+        ys = cp.asarray(rng.standard_normal((L, Tmax, H)).astype(dt))
+        s = cp.cuda.Stream(non_blocking=True)
+        with s:
+            s.begin_capture()
+            _, _, h = g.dispatch(x, idx, w)
+            out = g.combine(h, ys)
+            graph = s.end_capture()
+        for _ in range(3):
+            xs, idxs, ws = make_case(rng, 1, L, K, (T,), H, dt)
+            x[...], idx[...], w[...] = cp.asarray(xs[0]), cp.asarray(idxs[0]), cp.asarray(ws[0])
+            y = rng.standard_normal((L, Tmax, H)).astype(dt)
+            ys[...] = cp.asarray(y)
+            cp.cuda.get_current_stream().synchronize()
+            graph.launch(s)
+            s.synchronize()
+            rh = ref.dispatch(xs, idxs, ws, L, Tmax)[0][2]
+            np.testing.assert_array_equal(cp.asnumpy(out).view(np.uint8),
+                                          ref.combine_partials([rh], [y])[0].view(np.uint8))
+    finally:
+        g.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float16"])
 @pytest.mark.parametrize("L,K,T,Tmax,H", [(5, 3, 7, 9, 13), (8, 4, 128, 128, 256), (3, 2, 0, 4, 8)])
 @pytest.mark.parametrize("dedup", [True, False])
 def test_gpu_one_rank_against_reference(rng, dtype, L, K, T, Tmax, H, dedup):
@@ -1526,6 +1571,17 @@ def test_multi_gpu_low_latency(what, n):
     # backwards after it, split hooks and graph replay; each with dedup on and off (LowLatencyGroup(dedup=)),
     # the two runs' outputs bitwise equal
     r = _run_worker(what, n, timeout=480)  # every case twice: dedup on and off
+    assert r.returncode == 0 and "[rank 0] ALL OK" in r.stdout
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.parametrize("n", [2, 4])
+def test_multi_gpu_low_latency_combine_partials(n):
+    # LowLatencyGroup(combine_partials=True): combine bitwise the reference's rank-partial combine (fp32, fp16,
+    # bf16; odd H, T = 0 ranks, duplicates, holes, K above and below R), poisoned expert rows and back buffer,
+    # run to run bitwise, dedup on and off; backwards unchanged; graph replay with new routing; ranks
+    # disagreeing on combine_partials refused on every rank
+    r = _run_worker("partials", n, timeout=480)
     assert r.returncode == 0 and "[rank 0] ALL OK" in r.stdout
 
 
