@@ -86,26 +86,36 @@ def check_all(cp, g, seed, L, K, Ts, Tmax, H, dt):
             cp.asnumpy(out), cp.asnumpy(gx), cp.asnumpy(gy2))  # (gy2 holds the receive buffer gy was a view of)
 
 
-def correctness(cp, comm):
+def run_cases(cp, comm, shapes, check, seed, tag, **group_kw):
+    """Each dtype and (L, K, Ts, Tmax, H) of ``shapes`` through ``check`` (cp, group, seed, L, K, Ts, Tmax, H,
+    dt -> outputs) on a group made with ``group_kw``, twice (run to run bitwise), dedup on and off (bitwise
+    equal)."""
     from moe_rt.ep_ll import LowLatencyGroup
 
     n = 0
     for dt in (np.float32, bf16(), np.float16):
-        for L, K, Ts, Tmax, H in [(3, 4, (7, 0, 5, 2), 7, 13), (2, 3, (4, 4), 4, 64), (8, 8, (128,), 128, 512),
-                                  (1, 2, (1, 3), 3, 5), (5, 6, (33, 17, 0, 40), 40, 1000)]:
+        for L, K, Ts, Tmax, H in shapes:
             Ts = spread(Ts)
             runs = []
             for dedup in DEDUPS:
-                g = LowLatencyGroup(comm, WORLD * L, H, Tmax, topk=min(K, WORLD * L), dtype=dt, dedup=dedup)
+                g = LowLatencyGroup(comm, WORLD * L, H, Tmax, topk=min(K, WORLD * L), dtype=dt, dedup=dedup,
+                                    **group_kw)
                 K = g.topk
-                first = check_all(cp, g, 100 + n, L, K, Ts, Tmax, H, dt)
-                again = check_all(cp, g, 100 + n, L, K, Ts, Tmax, H, dt)
+                first = check(cp, g, seed + n, L, K, Ts, Tmax, H, dt)
+                again = check(cp, g, seed + n, L, K, Ts, Tmax, H, dt)
                 same_bits(first, again, "run to run")
                 runs.append(first)
                 g.close()
             same_bits(runs[0], runs[1], "dedup on and off")
             n += 1
-            log(f"case {n} ok: dtype={np.dtype(dt).name} L={L} K={K} Ts={Ts} Tmax={Tmax} H={H}")
+            log(f"{tag} {n} ok: dtype={np.dtype(dt).name} L={L} K={K} Ts={Ts} Tmax={Tmax} H={H}")
+
+
+def correctness(cp, comm):
+    from moe_rt.ep_ll import LowLatencyGroup
+
+    run_cases(cp, comm, [(3, 4, (7, 0, 5, 2), 7, 13), (2, 3, (4, 4), 4, 64), (8, 8, (128,), 128, 512),
+                         (1, 2, (1, 3), 3, 5), (5, 6, (33, 17, 0, 40), 40, 1000)], check_all, 100, "case")
     # the rank's errors: T > Tmax before anything is launched (every rank raises alike)
     g = LowLatencyGroup(comm, WORLD * 2, 8, 4, topk=2, dtype=np.float32)
     try:
@@ -114,13 +124,20 @@ def correctness(cp, comm):
     except ValueError as e:
         assert "max_tokens_per_rank" in str(e)
     g.close()
-    # ranks that disagree on dedup: the first op's set-up refuses it on every rank alike
-    g = LowLatencyGroup(comm, WORLD * 2, 8, 4, topk=2, dtype=np.float32, dedup=RANK == 0)
+    refused_when_ranks_disagree(cp, comm, "dedup")
+
+
+def refused_when_ranks_disagree(cp, comm, name):
+    """Ranks that disagree on the group setting ``name`` (on at rank 0 only): the first op's set-up refuses it
+    on every rank alike, naming it."""
+    from moe_rt.ep_ll import LowLatencyGroup
+
+    g = LowLatencyGroup(comm, WORLD * 2, 8, 4, topk=2, dtype=np.float32, **{name: RANK == 0})
     try:
         g.dispatch(cp.zeros((3, 8), np.float32), cp.zeros((3, 2), np.int32), cp.ones((3, 2), np.float32))
-        raise AssertionError("ranks disagreeing on dedup accepted")
+        raise AssertionError(f"ranks disagreeing on {name} accepted")
     except ValueError as e:
-        assert "dedup" in str(e) and "disagree" in str(e), e
+        assert name in str(e) and "disagree" in str(e), e
     g.close()
 
 
@@ -529,24 +546,9 @@ def partials(cp, comm):
     from moe_rt.ep_ll import LowLatencyGroup
     from moe_rt.reference import ep_ll as ref
 
-    n = 0
-    for dt in (np.float32, bf16(), np.float16):
-        for L, K, Ts, Tmax, H in [(3, 4, (7, 0, 5, 2), 7, 13), (3, 1, (6, 6), 6, 64), (8, 8, (128,), 128, 512),
-                                  (2, 8, (9, 0, 9, 4), 9, 40), (5, 6, (33, 17, 0, 40), 40, 1000)]:
-            Ts = spread(Ts)
-            runs = []
-            for dedup in DEDUPS:
-                g = LowLatencyGroup(comm, WORLD * L, H, Tmax, topk=min(K, WORLD * L), dtype=dt, dedup=dedup,
-                                    combine_partials=True)
-                K = g.topk
-                first = check_partials(cp, g, 300 + n, L, K, Ts, Tmax, H, dt)
-                again = check_partials(cp, g, 300 + n, L, K, Ts, Tmax, H, dt)
-                same_bits(first, again, "run to run")
-                runs.append(first)
-                g.close()
-            same_bits(runs[0], runs[1], "dedup on and off")
-            n += 1
-            log(f"partials case {n} ok: dtype={np.dtype(dt).name} L={L} K={K} Ts={Ts} Tmax={Tmax} H={H}")
+    run_cases(cp, comm, [(3, 4, (7, 0, 5, 2), 7, 13), (3, 1, (6, 6), 6, 64), (8, 8, (128,), 128, 512),
+                         (2, 8, (9, 0, 9, 4), 9, 40), (5, 6, (33, 17, 0, 40), 40, 1000)], check_partials, 300,
+              "partials case", combine_partials=True)
     # graph replay with new routing, tokens, weights and expert rows
     dt = bf16()
     L, K, Tmax, H = 4, 3, 24, 256
@@ -577,14 +579,7 @@ def partials(cp, comm):
         log(f"partials replay {it} ok")
     g.synchronize()
     g.close()
-    # ranks that disagree on combine_partials: the first op's set-up refuses it on every rank alike
-    g = LowLatencyGroup(comm, WORLD * 2, 8, 4, topk=2, dtype=np.float32, combine_partials=RANK == 0)
-    try:
-        g.dispatch(cp.zeros((3, 8), np.float32), cp.zeros((3, 2), np.int32), cp.ones((3, 2), np.float32))
-        raise AssertionError("ranks disagreeing on combine_partials accepted")
-    except ValueError as e:
-        assert "combine_partials" in str(e) and "disagree" in str(e), e
-    g.close()
+    refused_when_ranks_disagree(cp, comm, "combine_partials")
 
 
 def main():

@@ -803,7 +803,7 @@ def test_cuda_host_path_combine_partials_launches(monkeypatch, T, R, K):
     g = tr.group(R, me, E, H, Tmax, K, bf, 1, False, combine_partials=True)
     assert g.combine_partials
     assert g._offs[("back", 0)][1] == Tmax * max(K, R) * H * 2
-    d, OP = g._transport, _ep_direct.OP_CODES
+    OP = _ep_direct.OP_CODES
     x, idx, w = tr.dev((T, H), bf), tr.dev((T, K), np.int64), tr.dev((T, K), np.float32)
     y, gout = tr.dev((L, R * Tmax, H), bf), tr.dev((T, H), bf)
     _, _, h = g.dispatch(x, idx, w)

@@ -161,7 +161,6 @@ def combine_partials(handles, expert_out):
     dtype, H = ys[0].dtype, ys[0].shape[2]
     res = []
     for h in handles:
-        s, L, Tmax = h["rank"], h["L"], h["Tmax"]
         kf = first_k(h["idx"])
         parts = {}  # (t, d) -> the fp32 partial of rank d for token t, before its rounding
         for t, k, d, l, j in _routed(h):
