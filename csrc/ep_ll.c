@@ -68,6 +68,8 @@ static moe_rt_status check_desc(const moe_rt_ll_group_desc* d) {
     return BAD("%s: desc.num_scales must be ceil(hidden/128) = %lld, got %d", op,
                (long long)mrt_cdiv(d->hidden, MOE_RT_LL_FP8_BLOCK), d->num_scales);
   if (d->dedup != 0 && d->dedup != 1) return BAD("%s: desc.dedup must be 0 or 1, got %d", op, d->dedup);
+  if (d->combine_partials != 0 && d->combine_partials != 1)
+    return BAD("%s: desc.combine_partials must be 0 or 1, got %d", op, d->combine_partials);
   if (d->timeout_ns < 1) return BAD("%s: desc.timeout_ns must be > 0, got %lld", op, (long long)d->timeout_ns);
   for (int b = 0; b < d->num_buffers; ++b) {
     const moe_rt_ll_buffer_set* s = &d->set[b];
@@ -402,9 +404,13 @@ moe_rt_status moe_rt_ll_combine(moe_rt_ll_group* g, int buffer_set, int op_code,
                "(4), got %d", op, op_code);
   }
   const int weighted = op_code == MOE_RT_EP_OP_COMBINE;
+  /* the group's rank partials (desc.combine_partials): the expert side weights each slot by the handle's
+   * slot_w and pushes one row per (token, rank); the owner's sum is unweighted */
+  const int partials = weighted && g->d.combine_partials;
   if (T > 0 && ((st = mrt_check_ptr(op, "tables->idx", tables->idx)) ||
-                (weighted && (st = mrt_check_ptr(op, "tables->w", tables->w)))))
+                (weighted && !partials && (st = mrt_check_ptr(op, "tables->w", tables->w)))))
     return st;
+  if (partials && (st = mrt_check_ptr(op, "tables->slot_w", tables->slot_w))) return st;
   ll_key k;
   memset(&k, 0, sizeof k);
   k.kind = K_COMBINE;
@@ -425,7 +431,8 @@ moe_rt_status moe_rt_ll_combine(moe_rt_ll_group* g, int buffer_set, int op_code,
   mrt_arg_ptr(c, slot_grads);
   mrt_arg_ptr(c, tables->route);
   mrt_arg_ptr(c, T ? tables->idx : NULL);
-  mrt_arg_ptr(c, weighted && T ? tables->w : NULL);
+  mrt_arg_ptr(c, weighted && !partials && T ? tables->w : NULL);
+  mrt_arg_ptr(c, partials ? tables->slot_w : NULL);
   mrt_arg_ptr(c, s->peer_back);
   mrt_arg_ptr(c, s->peer_bw);
   mrt_arg_ptr(c, d->peer_flags);
@@ -436,6 +443,7 @@ moe_rt_status moe_rt_ll_combine(moe_rt_ll_group* g, int buffer_set, int op_code,
   mrt_arg_i64(c, d->timeout_ns);
   sizes_args(g, op_code, c);
   mrt_arg_i32(c, (int32_t)T);
+  mrt_arg_i32(c, partials);
   mrt_arg_i32(c, d->chunk);
   mrt_arg_i64(c, d->hidden);
   mrt_arg_i64(c, (int64_t)2 * d->num_ranks * d->max_tokens_per_rank * buffer_set);

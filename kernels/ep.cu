@@ -2017,6 +2017,55 @@ __global__ void __launch_bounds__(512) ep_ll_dispatch_fp8(
                                   C, H, S, phases, flag_base, set_epoch);
 }
 
+// The partial rows of one combine chunk (a group's combine_partials) by the whole block: for each token q < n
+// of the chunk, src[q*K + k] (k < K) are its slots' y rows on this rank at their first k (nullptr elsewhere),
+// scale[q*K + k] their slot weights; dst + q*stride = the token's row in the owner's back buffer: the fp32 sum
+// over k ascending of __fmul_rn(scale, y) (__fadd_rn, from 0), rounded once to T; tokens with no slot here
+// write nothing. (token, vector) pairs are spread over every thread of the block, each thread loading up to
+// LL_PART_KB slot rows together before it sums them.
+constexpr int LL_PART_KB = 8;
+template <typename T, bool VEC>
+__device__ __forceinline__ void ll_block_partials(const T* const* src, const float* scale, int n, int K, T* dst,
+                                                  i64 stride, i64 H) {
+  constexpr int N = VEC ? Vec<T>::N : 1;
+  const int nv = (int)(H / N);
+  for (int i = threadIdx.x; i < n * nv; i += blockDim.x) {
+    const int q = i / nv, v = i - q * nv;
+    const T* const* rs = src + q * K;
+    const float* ws = scale + q * K;
+    float acc[N];
+#pragma unroll
+    for (int u = 0; u < N; ++u) acc[u] = 0.0f;
+    bool any = false;
+    for (int k0 = 0; k0 < K; k0 += LL_PART_KB) {
+      Vec<T> a[LL_PART_KB];
+      T b[LL_PART_KB];
+#pragma unroll
+      for (int j = 0; j < LL_PART_KB; ++j) {
+        const int k = k0 + j;
+        if (k < K && rs[k] != nullptr) {
+          if constexpr (VEC) a[j] = load_vec(rs[k] + (i64)v * N);
+          else b[j] = rs[k][v];
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < LL_PART_KB; ++j) {
+        const int k = k0 + j;
+        if (k >= K || rs[k] == nullptr) continue;
+        any = true;
+        const float wk = ws[k];
+        if constexpr (VEC) {
+#pragma unroll
+          for (int u = 0; u < N; ++u) acc[u] = __fadd_rn(acc[u], __fmul_rn(wk, to_float(a[j].v[u])));
+        } else {
+          acc[0] = __fadd_rn(acc[0], __fmul_rn(wk, to_float(b[j])));
+        }
+      }
+    }
+    if (any) store_rounded<T, VEC>(dst + q * stride + (i64)v * N, acc);
+  }
+}
+
 // The combine direction, one kernel. Push items (chunk c of source rank s's tokens; item c*R + s): for each
 // (t, k) with l = route[s][t][k] >= 0 not taken by an earlier k of the row: y row (l, s*Tmax + t) (y given)
 // into rank s's back row t*K + k and gws[l][s*Tmax + t] (given) into its bw[t*K + k]; then rank s's flag
@@ -2024,18 +2073,25 @@ __global__ void __launch_bounds__(512) ep_ll_dispatch_fp8(
 // every rank d: out[t] = sum over k ascending with e = idx[t][k] >= 0 of (w given: __fmul_rn(w[t][k],
 // back[t*K + kf]); else only k == kf: back[t*K + k]), fp32, rounded once (out given); grad_w[t][k] =
 // bw[t*K + kf] (0 for e < 0; grad_w given).
+// `partials` (combine of a group made with combine_partials; y, slot_w and out given, w and gws null): the
+// push sends one row per (token, rank): for each t of the chunk with any valid slot here, z = the fp32 sum
+// over its slots in k ascending order (each slot at its first k) of __fmul_rn(slot_w[slot], y[slot]) (each
+// addition __fadd_rn, from 0), rounded to T, into rank s's back row t*R + me; the owner sums, for each t, the
+// rows t*R + d of the distinct ranks d of its experts, d ascending (__fadd_rn from 0), and rounds once.
 template <typename T, bool VEC>
 __global__ void __launch_bounds__(512) ep_ll_combine(
     const T* __restrict__ y, const float* __restrict__ gws, const int* __restrict__ route,
-    const int* __restrict__ idx, const float* __restrict__ w, const long long* __restrict__ peer_back,
-    const long long* __restrict__ peer_bw, const long long* __restrict__ peer_flags, T* __restrict__ out,
-    float* __restrict__ grad_w, unsigned* __restrict__ state, int* __restrict__ err_word, i64 timeout_ns, int op,
-    int R, int me, int L, int Tmax, int K, int Tn, int C, i64 H, i64 flag_base) {
+    const int* __restrict__ idx, const float* __restrict__ w, const float* __restrict__ slot_w,
+    const long long* __restrict__ peer_back, const long long* __restrict__ peer_bw,
+    const long long* __restrict__ peer_flags, T* __restrict__ out, float* __restrict__ grad_w,
+    unsigned* __restrict__ state, int* __restrict__ err_word, i64 timeout_ns, int op, int R, int me, int L, int Tmax,
+    int K, int Tn, int partials, int C, i64 H, i64 flag_base) {
   __shared__ const T* s_src[LL_MAX_ROWS];
   __shared__ T* s_dst[LL_MAX_ROWS];
   __shared__ float s_scale[LL_MAX_ROWS];
   __shared__ int s_kf[64];
   __shared__ float s_w[64];
+  __shared__ int s_rk[64];
   unsigned e;
   if (!block_epoch(state, e)) return;
   const int NC = (Tmax + C - 1) / C;
@@ -2053,12 +2109,13 @@ __global__ void __launch_bounds__(512) ep_ll_combine(
       for (int q = 0; q < k && first; ++q) first = rrow[q] != l;
       const i64 slot = (i64)l * RT + (i64)s * Tmax + t;
       s_src[p] = first && y != nullptr ? y + slot * H : nullptr;
-      s_dst[p] = first && y != nullptr ? dst + ((i64)t * K + k) * H : nullptr;
-      s_scale[p] = 0.0f;
+      s_dst[p] = first && y != nullptr && !partials ? dst + ((i64)t * K + k) * H : nullptr;
+      s_scale[p] = first && partials ? slot_w[slot] : 0.0f;
       if (first && gws != nullptr) dw[(i64)t * K + k] = gws[slot];
     }
     __syncthreads();
-    if (y != nullptr) ll_block_rows<T, VEC>(s_src, s_dst, s_scale, (t1 - t0) * K, H, false);
+    if (partials) ll_block_partials<T, VEC>(s_src, s_scale, t1 - t0, K, dst + ((i64)t0 * R + me) * H, (i64)R * H, H);
+    else if (y != nullptr) ll_block_rows<T, VEC>(s_src, s_dst, s_scale, (t1 - t0) * K, H, false);
     // rank s's flag [1][me][c]
     block_signal(reinterpret_cast<unsigned*>(peer_flags[s]) + flag_base + RT + (i64)me * Tmax + c, e);
   }
@@ -2078,7 +2135,27 @@ __global__ void __launch_bounds__(512) ep_ll_combine(
     if (threadIdx.x < R)
       ok = thread_wait_flag(my_flags + (i64)threadIdx.x * Tmax + t / C, e, state, err_word, timeout_ns, op) ? 1 : 0;
     const int* irow = idx + (i64)t * K;
-    if (threadIdx.x < K) {
+    if (partials) {  // s_kf: the distinct ranks of the token's experts, ascending (then -1): rows t*R + d
+      if (threadIdx.x < K) {
+        const int k = threadIdx.x, ex = irow[k];
+        int d = ex >= 0 ? ex / L : -1;
+        for (int q = 0; q < k && d >= 0; ++q)
+          if (irow[q] >= 0 && irow[q] / L == d) d = -1;  // an earlier k has this rank
+        s_rk[k] = d;
+      }
+      __syncthreads();
+      if (threadIdx.x < K) {
+        const int k = threadIdx.x, d = s_rk[k];
+        int pos = 0, nd = 0;
+        for (int q = 0; q < K; ++q) {
+          nd += s_rk[q] >= 0;
+          pos += s_rk[q] >= 0 && s_rk[q] < d;
+        }
+        if (d >= 0) s_kf[pos] = d;
+        if (k >= nd) s_kf[k] = -1;
+        s_w[k] = 1.0f;
+      }
+    } else if (threadIdx.x < K) {
       const int k = threadIdx.x, ex = irow[k];
       int kf = -1;
       if (ex >= 0) {
@@ -2105,7 +2182,7 @@ __global__ void __launch_bounds__(512) ep_ll_combine(
     if (out == nullptr) continue;
     const int v = sl * blockDim.x + threadIdx.x;
     if (v >= nv) continue;
-    const T* rows = back + (i64)t * K * H + (i64)v * N;
+    const T* rows = back + (i64)t * (partials ? R : K) * H + (i64)v * N;
     float acc[N];
 #pragma unroll
     for (int q = 0; q < N; ++q) acc[q] = 0.0f;

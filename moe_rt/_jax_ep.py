@@ -751,7 +751,7 @@ _ll_combine.defvjp(_ll_combine_fwd, _ll_combine_bwd)
 def ll_combine(handle: JaxLLHandle, expert_out):
     """Differentiable :meth:`moe_rt.LowLatencyGroup.combine` for JAX (a collective; jit-compatible):
     ``out[t] = sum_k w[t,k] * expert_out[slot(t,k)]`` (fp32, k ascending, rounded once) with the weights
-    of :func:`ll_dispatch`. ``expert_out [L, R*Tmax, H]`` in ``recv_x``'s layout (only valid slots are
+    of :func:`ll_dispatch` (a group made with ``combine_partials=True``: its rank-partial sum, docs/ep.md §8). ``expert_out [L, R*Tmax, H]`` in ``recv_x``'s layout (only valid slots are
     read). Gradients flow to ``expert_out`` (zero at empty slots) and to ``topk_weights``; the backward
     always computes the weight gradient (one more exchange)."""
     if not isinstance(handle, JaxLLHandle):

@@ -501,7 +501,7 @@ def ll_dispatch(group, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, *,
 def ll_combine(handle: TorchLLHandle, expert_out: Tensor) -> Tensor:
     """Differentiable :meth:`moe_rt.LowLatencyGroup.combine` (a collective; no host sync): ``out[t] = sum_k
     topk_weights[t,k] * expert_out[slot(t,k)]`` (fp32, k ascending, rounded once) with the weights given
-    to :func:`ll_dispatch`. ``expert_out [L, R*Tmax, H]`` in ``recv_x``'s layout (only valid slots are
+    to :func:`ll_dispatch` (a group made with ``combine_partials=True``: its rank-partial sum, docs/ep.md §8). ``expert_out [L, R*Tmax, H]`` in ``recv_x``'s layout (only valid slots are
     read). Gradients flow to ``expert_out`` (a view of the receive buffer, zero at empty slots, valid until
     the group's next dispatch-direction op) and to ``topk_weights``."""
     if not isinstance(handle, TorchLLHandle):

@@ -40,7 +40,11 @@ has its own row). A token that names an expert twice has one slot for it.
 - :meth:`LowLatencyGroup.combine` ``(handle, expert_out [L, R*Tmax, H])`` -> ``out [T,H]``: barrier, then
   one kernel: each expert rank pushes each valid slot's row into its token owner's back buffer, the owner
   sums ``w[t,k] * y`` over ``k`` ascending in fp32 (products and additions each rounded to fp32, as the
-  NumPy reference does) and rounds once.
+  NumPy reference does) and rounds once. With ``combine_partials=True`` (a group setting, the same on every
+  rank) each expert rank instead pushes one row per (token, rank): its fp32 partial ``sum over the token's
+  slots there (k ascending) of slot_weights * y``, rounded to the dtype; the owner sums the partials of the
+  token's ranks, ranks ascending, in fp32 and rounds once (fewer rows on the wire: one per (token, rank)
+  instead of per (token, expert)). The backward passes are the same either way.
 - :meth:`LowLatencyGroup.dispatch_bwd` (the combine direction, unweighted, once per slot, plus the weight
   gradient gathered back to ``[T,K]``) and :meth:`LowLatencyGroup.combine_bwd` (the dispatch direction:
   ``grad_expert_out[slot] = slot_weight * grad_out[t]``, rounded once, **zero** at slots with no token so
@@ -68,7 +72,8 @@ error word (taken as -1) and :meth:`synchronize` / :func:`moe_rt.check` raises.
 Transport: the direct peer-memory one (:mod:`moe_rt._ep_direct`); a group of several ranks needs every
 pair on one node with peer access (ValueError at creation otherwise). ``LowLatencyGroup(None, ...)`` is a
 1-rank group: CPU arrays run the NumPy reference :mod:`moe_rt.reference.ep_ll`, CUDA arrays the kernels.
-Memory per rank: ``(L*R*Tmax + Tmax*K) * H`` token elements plus small tables (bf16, E=256, R=4, Tmax=128,
+Memory per rank: ``(L*R*Tmax + Tmax*K) * H`` token elements (``Tmax*max(K, R)`` back rows with
+``combine_partials``) plus small tables (bf16, E=256, R=4, Tmax=128,
 H=7168: 470 MB, as DeepEP's low-latency buffer), per buffer set; ``fp8=True`` adds ``L*R*Tmax*(H +
 4*ceil(H/128))`` bytes per set.
 """
@@ -246,16 +251,28 @@ def wire_rows(topk_idx, num_experts: int, num_ranks: int, rank: int, *, dedup: b
     return n
 
 
-def check_dedup_agrees(dedups) -> None:
-    """Every rank's ``dedup`` setting (all-gathered when the group sets up) must be the same: a receiver without
-    the dedup split would not copy a sender's once-per-rank row into the token's other slots (they would keep
-    stale rows). ValueError naming the ranks otherwise (every rank sees the same values, so all raise alike)."""
-    v = [bool(int(d)) for d in dedups]
+def _check_agrees(name, values, how) -> None:
+    """Every rank's setting ``name`` (all-gathered when the group sets up) must be the same: ValueError naming
+    the ranks on each side otherwise (every rank sees the same values, so all raise alike)."""
+    v = [bool(int(d)) for d in values]
     if len(set(v)) > 1:
         on = [r for r, d in enumerate(v) if d]
         off = [r for r, d in enumerate(v) if not d]
-        raise ValueError(f"dedup: the ranks disagree (on at ranks {on}, off at ranks {off}); pass the same "
-                         f"LowLatencyGroup(dedup=...) or MOE_RT_LL_DEDUP on every rank")
+        raise ValueError(f"{name}: the ranks disagree (on at ranks {on}, off at ranks {off}); pass the same "
+                         f"{how} on every rank")
+
+
+def check_dedup_agrees(dedups) -> None:
+    """Every rank's ``dedup`` setting must be the same: a receiver without the dedup split would not copy a
+    sender's once-per-rank row into the token's other slots (they would keep stale rows)."""
+    _check_agrees("dedup", dedups, "LowLatencyGroup(dedup=...) or MOE_RT_LL_DEDUP")
+
+
+def check_combine_partials_agree(settings) -> None:
+    """Every rank's ``combine_partials`` setting must be the same: an owner summing rank partials would read
+    rows a per-expert sender never writes (and the back buffers' sizes differ)."""
+    _check_agrees("combine_partials", settings, "LowLatencyGroup(combine_partials=...)")
+
 
 
 def chunk_tokens(max_tokens_per_rank: int) -> int:
@@ -329,6 +346,11 @@ class LowLatencyGroup:
             per expert (default None: ``MOE_RT_LL_DEDUP``, 1 unless set to 0). The results are the same bit
             for bit; only the bytes on the peer links change (module notes). The same on every rank (the
             first op's set-up checks: a ValueError otherwise).
+        combine_partials: combine pushes one row per (token, expert rank), the rank's fp32 partial sum of the
+            token's slots weighted by ``handle.slot_weights`` and rounded to the dtype, and the owner sums the
+            partials, ranks ascending (default False: one row per (token, expert), the owner's sum over k).
+            Fewer rows on the wire; the result is rounded once more per rank (docs/ep.md §8). The back buffer
+            grows to ``Tmax*max(K, R)`` rows. The same on every rank (checked as ``dedup``).
 
     A collective on several ranks (IPC buffers exchanged; a host sync, outside graph capture). ``close()``
     on every rank at the same point of its op sequence.
@@ -336,7 +358,7 @@ class LowLatencyGroup:
 
     def __init__(self, comm, num_experts: int, hidden: int, max_tokens_per_rank: int, *, topk: int,
                  dtype="bfloat16", timeout: float | None = None, num_buffers: int = 1, fp8: bool = False,
-                 dedup: bool | None = None):
+                 dedup: bool | None = None, combine_partials: bool = False):
         (self.rank, self.size, self.device, self.num_experts, self.num_local_experts,
          self.hidden) = _ep.group_identity(comm, ("rank", "size", "device", "all_gather"), num_experts, hidden)
         self.comm = comm
@@ -369,6 +391,8 @@ class LowLatencyGroup:
             dedup = env_dedup()
         _ep._check_bool(dedup, "dedup")
         self.dedup = bool(dedup)
+        _ep._check_bool(combine_partials, "combine_partials")
+        self.combine_partials = bool(combine_partials)
         self.num_scales = _fp8_ref.num_blocks(self.hidden, FP8_BLOCK)
         self.id = next(_ids)
         self.closed = False
@@ -395,15 +419,19 @@ class LowLatencyGroup:
     def __repr__(self):
         return (f"LowLatencyGroup(rank={self.rank}, size={self.size}, num_experts={self.num_experts}, "
                 f"hidden={self.hidden}, max_tokens_per_rank={self.max_tokens_per_rank}, topk={self.topk}, "
-                f"dtype={self.dtype.name}{', fp8=True' if self.fp8 else ''}{'' if self.dedup else ', dedup=False'})")
+                f"dtype={self.dtype.name}{', fp8=True' if self.fp8 else ''}{'' if self.dedup else ', dedup=False'}"
+                f"{', combine_partials=True' if self.combine_partials else ''})")
 
     # -- buffers ---------------------------------------------------------------------------------------
     def _regions(self):
         """((name, set), bytes) of the one IPC-shared allocation, in order (each at a 256-byte boundary)."""
         R, L, Tmax, K, H = self.size, self.num_local_experts, self.max_tokens_per_rank, self.topk, self.hidden
         isz = self.dtype.itemsize
+        # back: [Tmax*K, H] (combine's rows per (token, expert), dispatch_bwd's), [Tmax*R, H] combine's rank
+        # partials with combine_partials: the larger of the two then
+        back = Tmax * (max(K, R) if self.combine_partials else K) * H * isz
         one = [("recv", L * R * Tmax * H * isz), ("route", R * (Tmax * K + 1) * 4), ("rw", R * Tmax * K * 4),
-               ("back", Tmax * K * H * isz), ("bw", Tmax * K * 4)]
+               ("back", back), ("bw", Tmax * K * 4)]
         if self.fp8:  # the FP8 rows of dispatch(..., fp8=True): e4m3 codes and their per-128 scales
             one += [("recv_q", L * R * Tmax * H), ("recv_s", L * R * Tmax * self.num_scales * 4)]
         return [((name, b), nb) for b in range(self.num_buffers) for name, nb in one]
@@ -431,7 +459,10 @@ class LowLatencyGroup:
                 if not ok:
                     raise ValueError(f"LowLatencyGroup needs every pair of ranks on one node with peer access: "
                                      f"{reason}")
-                check_dedup_agrees(_ep_direct.all_gather_int64(comm, [int(self.dedup)], stream, wait)[:, 0])
+                agree = _ep_direct.all_gather_int64(comm, [int(self.dedup), int(self.combine_partials)], stream,
+                                                    wait)
+                check_dedup_agrees(agree[:, 0])
+                check_combine_partials_agree(agree[:, 1])
             # flags [num_buffers, 2, R, Tmax]: the transport's chunk flags with a pair capacity of
             # 2*Tmax*num_buffers
             d = _ep_direct.DirectTransport(comm, self.device, 2 * self.max_tokens_per_rank * self.num_buffers,
@@ -501,7 +532,8 @@ class LowLatencyGroup:
                 _core.device(self.device), R, self.rank, self.num_local_experts, self.max_tokens_per_rank,
                 self.topk, _core.CODES[self.dtype], self.hidden, self.chunk, self.num_buffers, int(self.fp8),
                 self.num_scales, int(self.dedup), d.timeout_ns, sets, d.flags.table.data.ptr, d.bar.table.data.ptr,
-                d.state.data.ptr, d._err_ptr, _errors.word(self.device), self._set_epoch.data.ptr)
+                d.state.data.ptr, d._err_ptr, _errors.word(self.device), self._set_epoch.data.ptr,
+                combine_partials=int(self.combine_partials))
         return g
 
     def synchronize(self, timeout: float | None = None, *, stream=None):
@@ -820,7 +852,10 @@ class LowLatencyGroup:
             expert_out: ``[L, R*Tmax, H]`` in the group's dtype (only valid slots are read).
 
         Returns:
-            ``out [T,H]``: ``sum_k w[t,k] * y[slot(t,k)]``, fp32, k ascending, rounded once.
+            ``out [T,H]``: ``sum_k w[t,k] * y[slot(t,k)]``, fp32, k ascending, rounded once; with the group's
+            ``combine_partials``: the fp32 sum over the token's expert ranks ascending of each rank's partial
+            (``sum`` over its slots there, k ascending, of ``slot_weights * y`` in fp32, rounded to the dtype),
+            rounded once (docs/ep.md §8).
         """
         self._alive("combine")
         with _arrays.Call({"expert_out": expert_out}, stream=stream, lean=True) as call:
@@ -830,7 +865,8 @@ class LowLatencyGroup:
             self._check_tokens(y, "expert_out", self._slots_shape())
             y = _arrays.contiguous(call.xp, y)
             if call.backend == "cpu":
-                return call.out(_ref.combine([handle._a], [np.asarray(y)])[0])
+                ref = _ref.combine_partials if self.combine_partials else _ref.combine
+                return call.out(ref([handle._a], [np.asarray(y)])[0])
             out = call.empty((handle.num_tokens, self.hidden), self.dtype)
             self._combine(call, handle, "combine", y, None, out, None)
             return call.out(out)

@@ -1,6 +1,6 @@
 """Per-rank worker of the multi-GPU low-latency EP tests (moe_rt/ep_ll.py); one process per GPU:
 
-    python tools/launch.py -n R tests/ep_ll_worker.py correctness|graph|split|fp8|dead_peer|jax
+    python tools/launch.py -n R tests/ep_ll_worker.py correctness|graph|split|fp8|dead_peer|jax|partials
 
 Every rank draws every rank's inputs from the same seed, runs its own share through LowLatencyGroup and
 compares with the NumPy R-rank reference (moe_rt.reference.ep_ll): dispatch's valid slots, counts and slot
@@ -86,26 +86,36 @@ def check_all(cp, g, seed, L, K, Ts, Tmax, H, dt):
             cp.asnumpy(out), cp.asnumpy(gx), cp.asnumpy(gy2))  # (gy2 holds the receive buffer gy was a view of)
 
 
-def correctness(cp, comm):
+def run_cases(cp, comm, shapes, check, seed, tag, **group_kw):
+    """Each dtype and (L, K, Ts, Tmax, H) of ``shapes`` through ``check`` (cp, group, seed, L, K, Ts, Tmax, H,
+    dt -> outputs) on a group made with ``group_kw``, twice (run to run bitwise), dedup on and off (bitwise
+    equal)."""
     from moe_rt.ep_ll import LowLatencyGroup
 
     n = 0
     for dt in (np.float32, bf16(), np.float16):
-        for L, K, Ts, Tmax, H in [(3, 4, (7, 0, 5, 2), 7, 13), (2, 3, (4, 4), 4, 64), (8, 8, (128,), 128, 512),
-                                  (1, 2, (1, 3), 3, 5), (5, 6, (33, 17, 0, 40), 40, 1000)]:
+        for L, K, Ts, Tmax, H in shapes:
             Ts = spread(Ts)
             runs = []
             for dedup in DEDUPS:
-                g = LowLatencyGroup(comm, WORLD * L, H, Tmax, topk=min(K, WORLD * L), dtype=dt, dedup=dedup)
+                g = LowLatencyGroup(comm, WORLD * L, H, Tmax, topk=min(K, WORLD * L), dtype=dt, dedup=dedup,
+                                    **group_kw)
                 K = g.topk
-                first = check_all(cp, g, 100 + n, L, K, Ts, Tmax, H, dt)
-                again = check_all(cp, g, 100 + n, L, K, Ts, Tmax, H, dt)
+                first = check(cp, g, seed + n, L, K, Ts, Tmax, H, dt)
+                again = check(cp, g, seed + n, L, K, Ts, Tmax, H, dt)
                 same_bits(first, again, "run to run")
                 runs.append(first)
                 g.close()
             same_bits(runs[0], runs[1], "dedup on and off")
             n += 1
-            log(f"case {n} ok: dtype={np.dtype(dt).name} L={L} K={K} Ts={Ts} Tmax={Tmax} H={H}")
+            log(f"{tag} {n} ok: dtype={np.dtype(dt).name} L={L} K={K} Ts={Ts} Tmax={Tmax} H={H}")
+
+
+def correctness(cp, comm):
+    from moe_rt.ep_ll import LowLatencyGroup
+
+    run_cases(cp, comm, [(3, 4, (7, 0, 5, 2), 7, 13), (2, 3, (4, 4), 4, 64), (8, 8, (128,), 128, 512),
+                         (1, 2, (1, 3), 3, 5), (5, 6, (33, 17, 0, 40), 40, 1000)], check_all, 100, "case")
     # the rank's errors: T > Tmax before anything is launched (every rank raises alike)
     g = LowLatencyGroup(comm, WORLD * 2, 8, 4, topk=2, dtype=np.float32)
     try:
@@ -114,13 +124,20 @@ def correctness(cp, comm):
     except ValueError as e:
         assert "max_tokens_per_rank" in str(e)
     g.close()
-    # ranks that disagree on dedup: the first op's set-up refuses it on every rank alike
-    g = LowLatencyGroup(comm, WORLD * 2, 8, 4, topk=2, dtype=np.float32, dedup=RANK == 0)
+    refused_when_ranks_disagree(cp, comm, "dedup")
+
+
+def refused_when_ranks_disagree(cp, comm, name):
+    """Ranks that disagree on the group setting ``name`` (on at rank 0 only): the first op's set-up refuses it
+    on every rank alike, naming it."""
+    from moe_rt.ep_ll import LowLatencyGroup
+
+    g = LowLatencyGroup(comm, WORLD * 2, 8, 4, topk=2, dtype=np.float32, **{name: RANK == 0})
     try:
         g.dispatch(cp.zeros((3, 8), np.float32), cp.zeros((3, 2), np.int32), cp.ones((3, 2), np.float32))
-        raise AssertionError("ranks disagreeing on dedup accepted")
+        raise AssertionError(f"ranks disagreeing on {name} accepted")
     except ValueError as e:
-        assert "dedup" in str(e) and "disagree" in str(e), e
+        assert name in str(e) and "disagree" in str(e), e
     g.close()
 
 
@@ -481,11 +498,95 @@ def jax_ops(cp, comm):
             log(f"jax case {n} ok: dtype={np.dtype(dt).name} L={L} K={K} Ts={Ts} Tmax={Tmax} H={H}")
 
 
+def poison_back(cp, g):
+    """Fill every buffer set's back region of ``g`` with all-one bytes (NaN in every float dtype), so that a
+    row the owner reads but no rank wrote shows; stream-ordered before the next op's barrier, which no peer
+    passes (to push into it) before this rank arrives."""
+    for b in range(g.num_buffers):
+        g._view("back", b, (g._offs[("back", b)][1],), np.uint8).fill(255)
+
+
+def check_partials(cp, g, seed, L, K, Ts, Tmax, H, dt):
+    """A group made with combine_partials=True: combine bitwise the reference's rank-partial combine, expert
+    rows of invalid slots and the back buffer poisoned (NaN); the backward passes bitwise the reference's."""
+    from moe_rt.reference import ep_ll as ref
+
+    R, me = WORLD, RANK
+    xs, idxs, ws = case(seed, L, K, Ts, H, dt)
+    rng = np.random.default_rng(seed + 1)
+    res = ref.dispatch(xs, idxs, ws, R * L, Tmax)
+    handles = [h for _, _, h in res]
+    Y = rng.standard_normal((R, L, R * Tmax, H)).astype(dt)
+    for d in range(R):  # combine reads valid slots only: NaN elsewhere
+        Y[d][handles[d]["slot_k"] < 0] = np.nan
+    G = rng.standard_normal((R, L, R * Tmax, H)).astype(dt)
+    GO = [rng.standard_normal((T, H)).astype(dt) for T in Ts]
+    _, _, h = g.dispatch(cp.asarray(xs[me]), cp.asarray(idxs[me]), cp.asarray(ws[me]))
+    poison_back(cp, g)
+    out = g.combine(h, cp.asarray(Y[me]))
+    want = ref.combine_partials(handles, list(Y))[me]
+    assert out.shape == (Ts[me], H) and (bits(cp.asnumpy(out)) == bits(want)).all(), "combine partials"
+    gx, _ = g.dispatch_bwd(h, cp.asarray(G[me]))
+    assert (bits(cp.asnumpy(gx)) == bits(ref.dispatch_bwd(handles, list(G))[me][0])).all(), "dispatch_bwd"
+    Yf = np.where(np.isnan(Y.astype(np.float32)), 0, Y).astype(dt)  # combine_bwd reads every row of y's slots
+    gy, gw = g.combine_bwd(h, cp.asarray(GO[me]), cp.asarray(Yf[me]))
+    wy, ww = ref.combine_bwd(handles, GO, list(Yf))[me]
+    assert (bits(cp.asnumpy(gy)) == bits(wy)).all(), "combine_bwd"
+    np.testing.assert_allclose(cp.asnumpy(gw), ww, rtol=2e-5, atol=2e-5, err_msg="combine_bwd weights")
+    g.synchronize()
+    return (cp.asnumpy(out), cp.asnumpy(gx))
+
+
+def partials(cp, comm):
+    """LowLatencyGroup(combine_partials=True): combine bitwise the reference's rank-partial combine (fp32,
+    fp16, bf16; odd H (the scalar path), T = 0 ranks, duplicates, holes; K above and below R: back rows
+    Tmax*max(K, R)), poisoned expert rows and back buffer, run to run bitwise, dedup on and off; the
+    backward passes unchanged; then dispatch + combine captured once and replayed with new routing; ranks
+    disagreeing on combine_partials refused on every rank."""
+    from moe_rt.ep_ll import LowLatencyGroup
+    from moe_rt.reference import ep_ll as ref
+
+    run_cases(cp, comm, [(3, 4, (7, 0, 5, 2), 7, 13), (3, 1, (6, 6), 6, 64), (8, 8, (128,), 128, 512),
+                         (2, 8, (9, 0, 9, 4), 9, 40), (5, 6, (33, 17, 0, 40), 40, 1000)], check_partials, 300,
+              "partials case", combine_partials=True)
+    # graph replay with new routing, tokens, weights and expert rows
+    dt = bf16()
+    L, K, Tmax, H = 4, 3, 24, 256
+    Ts = spread((24, 19, 0, 7))
+    g = LowLatencyGroup(comm, WORLD * L, H, Tmax, topk=K, dtype=dt, combine_partials=True)
+    xs, idxs, ws = case(9, L, K, Ts, H, dt)
+    x, idx, w = cp.asarray(xs[RANK]), cp.asarray(idxs[RANK]), cp.asarray(ws[RANK])
+    y = cp.zeros((L, WORLD * Tmax, H), dt)
+    g.combine(g.dispatch(x, idx, w)[2], y)  # setup and compile first
+    g.synchronize()
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        s.begin_capture()
+        _, _, h = g.dispatch(x, idx, w)
+        out = g.combine(h, y)
+        gr = s.end_capture()
+    for it in range(5):
+        xs, idxs, ws = case(2000 + it, L, K, Ts, H, dt)
+        Y = np.random.default_rng(3000 + it).standard_normal((WORLD, L, WORLD * Tmax, H)).astype(dt)
+        x[...], idx[...], w[...] = cp.asarray(xs[RANK]), cp.asarray(idxs[RANK]), cp.asarray(ws[RANK])
+        y[...] = cp.asarray(Y[RANK])
+        cp.cuda.get_current_stream().synchronize()
+        gr.launch(s)
+        s.synchronize()
+        handles = [hh for _, _, hh in ref.dispatch(xs, idxs, ws, WORLD * L, Tmax)]
+        want = ref.combine_partials(handles, list(Y))[RANK]
+        assert (bits(cp.asnumpy(out)) == bits(want)).all(), f"replay {it}: combine partials"
+        log(f"partials replay {it} ok")
+    g.synchronize()
+    g.close()
+    refused_when_ranks_disagree(cp, comm, "combine_partials")
+
+
 def main():
     what = sys.argv[1] if len(sys.argv) > 1 else "correctness"
     cp, comm = setup()
     {"correctness": correctness, "graph": graph, "split": split, "fp8": fp8, "dead_peer": dead_peer,
-     "jax": jax_ops}[what](cp, comm)
+     "jax": jax_ops, "partials": partials}[what](cp, comm)
     cp.cuda.Device().synchronize()
     comm.close()
     log("ALL OK")

@@ -161,6 +161,65 @@ def test_reference_against_naive(rng, R, L, K, Ts, Tmax, H, dtype):
         assert np.all(gw[idx < 0] == 0)
 
 
+def naive_combine_partials(idxs, Y, slot_w, L, Tmax):
+    """The rank-partial combine written over tokens at once: per owner s and rank d ascending, the partial of
+    d's slots (each at its first k, k ascending; slot_w [R, L, R*Tmax] the expert ranks' slot weights) in
+    fp32 from 0, rounded to Y's dtype, added in fp32 where the token has a slot on d; rounded once."""
+    R, dt = Y.shape[0], Y.dtype
+    outs = []
+    for s, idx in enumerate(idxs):
+        T, K = idx.shape
+        tt = np.arange(T)
+        acc = np.zeros((T, Y.shape[3]), np.float32)
+        for d in range(R):
+            z = np.zeros_like(acc)
+            has = np.zeros(T, bool)
+            for k in range(K):
+                e = idx[:, k]
+                first = ~np.array([np.any(idx[t, :k] == idx[t, k]) for t in range(T)], bool).reshape(T)
+                m = (e >= 0) & (e // L == d) & first
+                ee = np.where(m, e, 0)
+                term = slot_w[d, ee % L, s * Tmax + tt][:, None] * Y[d, ee % L, s * Tmax + tt].astype(np.float32)
+                z = np.where(m[:, None], z + term, z).astype(np.float32)
+                has |= m
+            acc = np.where(has[:, None], acc + z.astype(dt).astype(np.float32), acc).astype(np.float32)
+        outs.append(acc.astype(dt))
+    return outs
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("R,L,K,Ts,Tmax,H", SHAPES + [(4, 2, 8, (9, 3, 0, 9), 9, 13), (3, 4, 6, (8, 8, 5), 8, 6)])
+def test_reference_combine_partials(rng, R, L, K, Ts, Tmax, H, dtype):
+    """The rank-partial combine: bitwise the naive form of its arithmetic; close to a float64 sum of w * y over
+    every k (duplicates included); close to the per-expert combine within the dtype's extra roundings (one per
+    rank's partial)."""
+    dt = bf16() if dtype == "bfloat16" else np.dtype(dtype)
+    K = _K(R, L, K)
+    xs, idxs, ws = make_case(rng, R, L, K, Ts, H, dt)
+    handles = [h for _, _, h in ref.dispatch(xs, idxs, ws, R * L, Tmax)]
+    Y = rng.standard_normal((R, L, R * Tmax, H)).astype(dt)
+    outs = ref.combine_partials(handles, list(Y))
+    slot_w = np.stack([h["slot_w"] for h in handles])
+    plain = ref.combine(handles, list(Y))
+    eps = {"float32": 2.0**-23, "bfloat16": 2.0**-8, "float16": 2.0**-11}[dtype]
+    for s, (o, n, p) in enumerate(zip(outs, naive_combine_partials(idxs, Y, slot_w, L, Tmax), plain)):
+        assert o.dtype == dt and o.shape == (Ts[s], H)
+        np.testing.assert_array_equal(o.view(np.uint8), n.view(np.uint8))
+        idx = idxs[s]
+        want = np.zeros((Ts[s], H))
+        mag = np.zeros((Ts[s], H))
+        for t, k in zip(*np.nonzero(idx >= 0)):
+            e = int(idx[t, k])
+            term = float(ws[s][t, k]) * Y[e // L, e % L, s * Tmax + t].astype(np.float64)
+            want[t] += term
+            mag[t] += np.abs(term)
+        # one rounding per rank's partial (at most R, each of |partial| <= mag) and the final one
+        tol = (R + 2) * eps * mag + 1e-30
+        assert np.all(np.abs(o.astype(np.float64) - want) <= tol)
+        assert np.all(np.abs(o.astype(np.float64) - p.astype(np.float64)) <= 2 * tol)
+        assert np.all(o[~np.any(idx >= 0, axis=1)].astype(np.float64) == 0)  # no expert: zero rows
+
+
 @pytest.mark.parametrize("R,L,K,Ts,Tmax,H", SHAPES)
 def test_reference_adjoint(rng, R, L, K, Ts, Tmax, H):
     """<dispatch(x), g> = <x, dispatch_bwd(g)> and <combine(y), g> = <y, combine_bwd(g)> (float64 sums)."""
@@ -241,6 +300,57 @@ def test_group_cpu_matches_reference(rng, dtype):
     np.testing.assert_array_equal(gy.view(np.uint8), wy.view(np.uint8))
     np.testing.assert_array_equal(gw, ww)
     assert g.combine_bwd(h, go)[1] is None
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_group_cpu_combine_partials_matches_reference(rng, dtype):
+    """A 1-rank group on CPU made with combine_partials=True: combine is the reference's rank-partial combine
+    (bitwise); the backward passes are those of a group without it."""
+    dt = bf16() if dtype == "bfloat16" else np.dtype(dtype)
+    L, K, T, Tmax, H = 5, 4, 7, 9, 11
+    xs, idxs, ws = make_case(rng, 1, L, K, (T,), H, dt, dup=0.3)
+    g = LowLatencyGroup(None, L, H, Tmax, topk=K, dtype=dt, combine_partials=True)
+    g0 = LowLatencyGroup(None, L, H, Tmax, topk=K, dtype=dt)
+    assert g.combine_partials is True and g0.combine_partials is False
+    assert "combine_partials=True" in repr(g) and "combine_partials" not in repr(g0)
+    _, _, h = g.dispatch(xs[0], idxs[0], ws[0])
+    _, _, h0 = g0.dispatch(xs[0], idxs[0], ws[0])
+    rh = ref.dispatch(xs, idxs, ws, L, Tmax)[0][2]
+    y = rng.standard_normal((L, Tmax, H)).astype(dt)
+    out = g.combine(h, y)
+    np.testing.assert_array_equal(out.view(np.uint8), ref.combine_partials([rh], [y])[0].view(np.uint8))
+    go = rng.standard_normal((T, H)).astype(dt)
+    for a, b in zip(g.combine_bwd(h, go, y), g0.combine_bwd(h0, go, y)):
+        np.testing.assert_array_equal(a, b)
+    gr = rng.standard_normal((L, Tmax, H)).astype(dt)
+    np.testing.assert_array_equal(g.dispatch_bwd(h, gr)[0], g0.dispatch_bwd(h0, gr)[0])
+
+
+def test_group_combine_partials_argument():
+    """combine_partials: a bool (or NumPy bool; TypeError naming it otherwise), default False; the back buffer region holds
+    Tmax*max(K, R) rows with it, Tmax*K without."""
+    for bad in (1, 0, None, "yes", 1.0):
+        with pytest.raises(TypeError, match="combine_partials: expected a bool"):
+            LowLatencyGroup(None, 4, 6, 5, topk=2, combine_partials=bad)
+    assert LowLatencyGroup(None, 4, 6, 5, topk=2, combine_partials=np.bool_(True)).combine_partials is True
+    comm = type("Comm", (), {"rank": 0, "size": 4, "device": 0, "all_gather": None})()
+    for K, partials, rows in ((2, False, 2), (2, True, 4), (6, True, 6), (6, False, 6)):
+        g = LowLatencyGroup(comm, 8, 6, 5, topk=K, dtype=np.float32, combine_partials=partials)
+        back = dict(g._regions())[("back", 0)]
+        assert back == 5 * rows * 6 * 4, (K, partials)
+
+
+def test_combine_partials_must_agree_on_every_rank():
+    """The set-up's check of the all-gathered combine_partials settings (gathered with dedup's): equal ones
+    pass, a mix is a ValueError naming combine_partials and the ranks on each side (the multi-GPU worker checks
+    that the first op raises it on every rank)."""
+    from moe_rt.ep_ll import check_combine_partials_agree
+
+    for ok in ([1], [0], [1, 1, 1, 1], np.zeros(3, np.int64)):
+        check_combine_partials_agree(ok)
+    with pytest.raises(ValueError, match=r"combine_partials: the ranks disagree \(on at ranks \[1\], off at ranks "
+                                         r"\[0, 2, 3\]\); pass the same LowLatencyGroup\(combine_partials=...\)"):
+        check_combine_partials_agree(np.array([0, 1, 0, 0], np.int64))
 
 
 def test_group_cpu_torch_tensors(rng):
@@ -677,6 +787,45 @@ class _LLTrace:
         return ev, allocs
 
 
+@pytest.mark.parametrize("T", [11, 0])
+@pytest.mark.parametrize("R,K", [(2, 3), (4, 2)])
+def test_cuda_host_path_combine_partials_launches(monkeypatch, T, R, K):
+    """A group made with combine_partials=True (device stood in for): combine is the same barrier and
+    ep_ll_combine launch (grid, block) with the handle's slot_w instead of w and partials = 1; dispatch_bwd and
+    combine_bwd's weight gather launch as without it (partials = 0); the back region spans Tmax*max(K, R)
+    rows."""
+    import ml_dtypes
+
+    tr = _LLTrace(monkeypatch)
+    me, H, Tmax, bf = R - 1, 40, 13, np.dtype(ml_dtypes.bfloat16)
+    E = 3 * R
+    L = E // R
+    g = tr.group(R, me, E, H, Tmax, K, bf, 1, False, combine_partials=True)
+    assert g.combine_partials
+    assert g._offs[("back", 0)][1] == Tmax * max(K, R) * H * 2
+    OP = _ep_direct.OP_CODES
+    x, idx, w = tr.dev((T, H), bf), tr.dev((T, K), np.int64), tr.dev((T, K), np.float32)
+    y, gout = tr.dev((L, R * Tmax, H), bf), tr.dev((T, H), bf)
+    _, _, h = g.dispatch(x, idx, w)
+    tr.take()
+    t = {k: h._a[k].data.ptr if h._a[k].size else 0 for k in ("idx", "w", "route", "slot_k", "slot_w", "counts")}
+    res = g.combine(h, y)
+    ev, allocs = tr.take()
+    assert allocs == 1 and res.shape == (T, H)
+    assert [e[0] for e in ev] == ["ep_direct_barrier", "ep_ll_combine"] and ev[1][1:3] == (8, 512)
+    a = ev[1][3]
+    assert (a["w"], a["slot_w"], a["partials"], a["gws"], a["op"]) == (0, t["slot_w"], 1, 0, OP["combine"])
+    assert (a["y"], a["route"], a["idx"], a["out"], a["Tn"]) == (y.ptr, t["route"], t["idx"],
+                                                                  res.data.ptr if T else 0, T)
+    assert a["peer_back"] == g._tables[("back", 0)] and (a["R"], a["me"], a["K"]) == (R, me, K)
+    g.dispatch_bwd(h, y)
+    ev, _ = tr.take()
+    assert (ev[1][3]["w"], ev[1][3]["slot_w"], ev[1][3]["partials"]) == (0, 0, 0)
+    g.combine_bwd(h, gout, tr.dev((L, R * Tmax, H), bf))
+    ev, _ = tr.take()
+    assert ev[-1][0] == "ep_ll_combine" and (ev[-1][3]["slot_w"], ev[-1][3]["partials"]) == (0, 0)
+
+
 @pytest.mark.parametrize("dedup", ["", "0"])  # MOE_RT_LL_DEDUP: unset (the dedup split) or 0 (per-expert pushes)
 @pytest.mark.parametrize("fp8", [None, "float", "pair", "dequant"])
 @pytest.mark.parametrize("T", [11, 0])
@@ -759,9 +908,10 @@ def test_cuda_host_path_launches_and_arguments(monkeypatch, fp8, T, dedup):
     ev, allocs = tr.take()
     assert allocs == 1 and res.shape == (T, H)
     t = tables(h)
-    combine = dict(consts, y=y.ptr, gws=0, route=t["route"], idx=t["idx"], w=t["w"],
+    combine = dict(consts, y=y.ptr, gws=0, route=t["route"], idx=t["idx"], w=t["w"], slot_w=0,
                    peer_back=g._tables[("back", 1)], peer_bw=g._tables[("bw", 1)], peer_flags=d.flags.table.ptr,
-                   out=res.data.ptr if T else 0, grad_w=0, op=OP["combine"], Tn=T, flag_base=2 * R * Tmax)
+                   out=res.data.ptr if T else 0, grad_w=0, op=OP["combine"], Tn=T, partials=0,
+                   flag_base=2 * R * Tmax)
     assert ev == [barrier("combine"), ("ep_ll_combine", 8, 512, combine)]
 
     gx, gw = g.dispatch_bwd(h, y, gsw)
@@ -905,6 +1055,51 @@ def test_profile_ll_host_tool_runs():
 def _gpu_case(rng, cp, L, K, T, Tmax, H, dt):
     xs, idxs, ws = make_case(rng, 1, L, K, (T,), H, dt)
     return xs, idxs, ws, cp.asarray(xs[0]), cp.asarray(idxs[0]), cp.asarray(ws[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float16"])
+@pytest.mark.parametrize("L,K,T,Tmax,H", [(5, 3, 7, 9, 13), (8, 8, 128, 128, 256), (3, 2, 0, 4, 8)])
+def test_gpu_one_rank_combine_partials(rng, dtype, L, K, T, Tmax, H):
+    """One rank, combine_partials=True: combine bitwise the reference's rank-partial combine (expert rows of
+    invalid slots NaN; the back buffer poisoned), twice; then captured with dispatch and replayed with new
+    routing."""
+    import cupy as cp
+
+    dt = bf16() if dtype == "bfloat16" else np.dtype(dtype)
+    g = LowLatencyGroup(None, L, H, Tmax, topk=K, dtype=dt, combine_partials=True)
+    try:
+        for _ in range(2):
+            xs, idxs, ws, x, idx, w = _gpu_case(rng, cp, L, K, T, Tmax, H, dt)
+            _, _, h = g.dispatch(x, idx, w)
+            rh = ref.dispatch(xs, idxs, ws, L, Tmax)[0][2]
+            y = rng.standard_normal((L, Tmax, H)).astype(dt)
+            y[rh["slot_k"] < 0] = np.nan
+            g._view("back", 0, (g._offs[("back", 0)][1],), np.uint8).fill(255)
+            out = g.combine(h, cp.asarray(y))
+            np.testing.assert_array_equal(cp.asnumpy(out).view(np.uint8),
+                                          ref.combine_partials([rh], [y])[0].view(np.uint8))
+            g.synchronize()
+        ys = cp.asarray(rng.standard_normal((L, Tmax, H)).astype(dt))
+        s = cp.cuda.Stream(non_blocking=True)
+        with s:
+            s.begin_capture()
+            _, _, h = g.dispatch(x, idx, w)
+            out = g.combine(h, ys)
+            graph = s.end_capture()
+        for _ in range(3):
+            xs, idxs, ws = make_case(rng, 1, L, K, (T,), H, dt)
+            x[...], idx[...], w[...] = cp.asarray(xs[0]), cp.asarray(idxs[0]), cp.asarray(ws[0])
+            y = rng.standard_normal((L, Tmax, H)).astype(dt)
+            ys[...] = cp.asarray(y)
+            cp.cuda.get_current_stream().synchronize()
+            graph.launch(s)
+            s.synchronize()
+            rh = ref.dispatch(xs, idxs, ws, L, Tmax)[0][2]
+            np.testing.assert_array_equal(cp.asnumpy(out).view(np.uint8),
+                                          ref.combine_partials([rh], [y])[0].view(np.uint8))
+    finally:
+        g.close()
 
 
 @pytest.mark.gpu
@@ -1376,6 +1571,17 @@ def test_multi_gpu_low_latency(what, n):
     # backwards after it, split hooks and graph replay; each with dedup on and off (LowLatencyGroup(dedup=)),
     # the two runs' outputs bitwise equal
     r = _run_worker(what, n, timeout=480)  # every case twice: dedup on and off
+    assert r.returncode == 0 and "[rank 0] ALL OK" in r.stdout
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.parametrize("n", [2, 4])
+def test_multi_gpu_low_latency_combine_partials(n):
+    # LowLatencyGroup(combine_partials=True): combine bitwise the reference's rank-partial combine (fp32, fp16,
+    # bf16; odd H, T = 0 ranks, duplicates, holes, K above and below R), poisoned expert rows and back buffer,
+    # run to run bitwise, dedup on and off; backwards unchanged; graph replay with new routing; ranks
+    # disagreeing on combine_partials refused on every rank
+    r = _run_worker("partials", n, timeout=480)
     assert r.returncode == 0 and "[rank 0] ALL OK" in r.stdout
 
 

@@ -134,6 +134,43 @@ def test_torch_ll_autograd_matches_core_and_plain(device, dtype, T, rng):
 
 
 @pytest.mark.parametrize("device", TORCH_DEVICES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_torch_ll_combine_partials_group(device, dtype, rng):
+    """A group made with combine_partials=True: moe_rt.torch.ll_combine takes the group's rank-partial combine
+    (bitwise the reference's); its gradients are a plain group's (the backward passes do not depend on it)."""
+    from moe_rt.reference import ep_ll as ref
+
+    T, tdt = 11, getattr(torch, dtype)
+    idx = _routing(rng, T)
+    x = torch.tensor(rng.standard_normal((T, H)), device=device).to(tdt)
+    w = rng.random((T, K)).astype(np.float32)
+    y = torch.tensor(rng.standard_normal((E, TMAX, H)), device=device).to(tdt)
+    g_out = torch.tensor(rng.standard_normal((T, H)), device=device).to(tdt)
+    grads = []
+    for partials in (True, False):
+        group = moe_rt.LowLatencyGroup(None, E, H, TMAX, topk=K, dtype=dtype, combine_partials=partials)
+        wt = torch.tensor(w, device=device, requires_grad=True)
+        _, _, h = mt.ll_dispatch(group, x, torch.tensor(idx, device=device), wt)
+        yt = y.clone().requires_grad_()
+        out = mt.ll_combine(h, yt)
+        (out.float() * g_out.float()).sum().backward()
+        grads.append((yt.grad.float().cpu().numpy(), wt.grad.cpu().numpy()))
+        if partials:
+            xs = [x.float().cpu().numpy().astype(ref_dt(dtype))]
+            rh = ref.dispatch(xs, [idx], [w], E, TMAX)[0][2]
+            want = ref.combine_partials([rh], [y.float().cpu().numpy().astype(ref_dt(dtype))])[0]
+            np.testing.assert_array_equal(out.detach().float().cpu().numpy(), want.astype(np.float32))
+    np.testing.assert_array_equal(grads[0][0], grads[1][0])
+    np.testing.assert_array_equal(grads[0][1], grads[1][1])
+
+
+def ref_dt(dtype):
+    import ml_dtypes
+
+    return ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+
+
+@pytest.mark.parametrize("device", TORCH_DEVICES)
 def test_torch_ll_identity_expert(device, rng):
     """expert_out = recv_x itself: combine's backward copies it before the group overwrites the buffer."""
     T = 9
@@ -344,6 +381,26 @@ def test_jax_ll_jit_grad_matches_core_and_plain(device, T, remat, rng):
     # the slot semantics as plain jnp
     for a, b in ((rx, recv_p), (h.slot_weights, sw_p), (out, out_p), (gx, gx_p), (gw, gw_p)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", JAX_DEVICES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_jax_ll_combine_partials_group(device, dtype, rng):
+    """A group made with combine_partials=True: moe_rt.jax.ll_combine (jit; on the GPU the XLA custom call, whose
+    core group carries the setting) is the group's rank-partial combine, bitwise the reference's."""
+    from moe_rt.reference import ep_ll as ref
+
+    T = 11
+    idx = _routing(rng, T)
+    group = moe_rt.LowLatencyGroup(None, E, H, TMAX, topk=K, dtype=dtype, combine_partials=True)
+    with jax.default_device(jax.devices(device)[0]):
+        x = jnp.asarray(rng.standard_normal((T, H)), getattr(jnp, dtype))
+        w = jnp.asarray(rng.random((T, K)).astype(np.float32))
+        y = jnp.asarray(rng.standard_normal((E, TMAX, H)), getattr(jnp, dtype))
+        out = jax.jit(lambda x, w, y: mj.ll_combine(mj.ll_dispatch(group, x, jnp.asarray(idx), w)[2], y))(x, w, y)
+    rh = ref.dispatch([np.asarray(x)], [idx], [np.asarray(w)], E, TMAX)[0][2]
+    want = ref.combine_partials([rh], [np.asarray(y)])[0]
+    np.testing.assert_array_equal(np.asarray(out).view(np.uint8), want.view(np.uint8))
 
 
 @pytest.mark.parametrize("device", JAX_DEVICES)

@@ -28,9 +28,9 @@ class Group:
     """A core group on a planning context with made-up addresses, and the launches the Python side made."""
 
     def __init__(self, R=2, me=1, L=3, Tmax=13, K=3, H=40, dtype="bfloat16", num_buffers=2, fp8=False,
-                 dedup=True, sm_count=4, per_sm=2, chunk=None):
+                 dedup=True, sm_count=4, per_sm=2, chunk=None, partials=False):
         self.R, self.me, self.L, self.Tmax, self.K, self.H, self.dtype = R, me, L, Tmax, K, H, dtype
-        self.nb, self.fp8, self.dedup = num_buffers, fp8, dedup
+        self.nb, self.fp8, self.dedup, self.partials = num_buffers, fp8, dedup, partials
         self.C = chunk or max(1, cdiv(Tmax, 128))
         self.S = cdiv(H, 128)
         self.sm, self.resident = sm_count, sm_count * per_sm
@@ -43,7 +43,7 @@ class Group:
             self.sets.append(tuple(t))
         self.g = _core.ll_group_create(self.ctx, R, me, L, Tmax, K, _core.DTYPE_CODES[dtype], H, self.C, num_buffers,
                                        int(fp8), self.S, int(dedup), 10**9, self.sets, FLAGS, BAR, STATE,
-                                       TIMEOUT_WORD, ERR, SET_EPOCH)
+                                       TIMEOUT_WORD, ERR, SET_EPOCH, combine_partials=int(partials))
 
     def plan(self):
         return [(l[1], l[2], l[3], self.ctx.last_plan_args(i)) for i, l in enumerate(self.ctx.last_plan())]
@@ -83,17 +83,21 @@ class Group:
                     + [zero_k, recv_route] + tail)
         return (name, grid, 512, args)
 
-    def combine(self, b, T, y, gws, route, idx, w, out, grad_w, op):
-        """LowLatencyGroup._launch_combine + _combine_setup (``out`` None: no rows)."""
+    def combine(self, b, T, y, gws, route, idx, w, out, grad_w, op, slot_w=0):
+        """LowLatencyGroup._launch_combine + _combine_setup (``out`` None: no rows). A group with
+        combine_partials: its combine passes the handle's slot_w instead of w, and partials = 1."""
         s = self.sets[b]
+        partials = int(self.partials and op == "combine")
+        if partials:
+            w = 0
         yp, outp = y or 0, out or 0
         vec = self.vec16() and not (yp | outp) & 15
         nv = self.H // (16 // ISZ[self.dtype]) if vec else self.H
         items = cdiv(nv, 512) if out is not None else 1
         grid = max(1, min(max(cdiv(self.Tmax, self.C) * self.R, T * items), self.resident))
-        args = [yp, gws, route, idx if T else 0, w if T else 0, s[6], s[7], FLAGS, outp if T else 0,
-                grad_w if T else 0, STATE, TIMEOUT_WORD, 10**9, OP[op], self.R, self.me, self.L, self.Tmax, self.K, T,
-                self.C, self.H, 2 * self.R * self.Tmax * b]
+        args = [yp, gws, route, idx if T else 0, w if T else 0, slot_w if partials else 0, s[6], s[7], FLAGS,
+                outp if T else 0, grad_w if T else 0, STATE, TIMEOUT_WORD, 10**9, OP[op], self.R, self.me, self.L,
+                self.Tmax, self.K, T, partials, self.C, self.H, 2 * self.R * self.Tmax * b]
         return (f"ep_ll_combine<{CTYPE[self.dtype]}, {'true' if vec else 'false'}>", grid, 512, args)
 
     def slot_dot(self, b, y, slot_k, slot_w, dots):
@@ -129,14 +133,19 @@ def test_dispatch_launches_equal_the_python_sides(dtype, H, fp8, dedup, T, phase
 @pytest.mark.parametrize("dtype,H", [("bfloat16", 40), ("float32", 7), ("bfloat16", 7168)])
 @pytest.mark.parametrize("T", [0, 5, 13])
 @pytest.mark.parametrize("R,Tmax,sm,per_sm", [(2, 13, 4, 2), (4, 1024, 132, 4), (3, 200, 132, 1)])
-def test_combine_and_backward_launches_equal_the_python_sides(dtype, H, T, R, Tmax, sm, per_sm):
+@pytest.mark.parametrize("partials", [False, True])
+def test_combine_and_backward_launches_equal_the_python_sides(dtype, H, T, R, Tmax, sm, per_sm, partials):
+    """combine_partials changes combine's launch alone (slot_w instead of w, partials = 1: the same kernel,
+    grid and block); dispatch_bwd and combine_bwd launch as without it."""
     for dedup in (True, False):
-        g = Group(R=R, me=R - 1, Tmax=Tmax, H=H, dtype=dtype, dedup=dedup, sm_count=sm, per_sm=per_sm)
+        g = Group(R=R, me=R - 1, Tmax=Tmax, H=H, dtype=dtype, dedup=dedup, sm_count=sm, per_sm=per_sm,
+                  partials=partials)
         idx, w, route, slot_k, slot_w = TABLES[:5]
         for b, shift in ((0, 0), (1, 2)):
             y, out, gws, gw, gout, dots = (0x91000 + shift, 0x92000, 0x93000, 0x94000, 0x95000 + shift, 0x96000)
             _core.ll_combine(g.g, b, OP["combine"], y, 0, TABLES, T, out, 0, 7)
-            assert g.plan() == [g.barrier("combine"), g.combine(b, T, y, 0, route, idx, w, out, 0, "combine")]
+            assert g.plan() == [g.barrier("combine"), g.combine(b, T, y, 0, route, idx, w, out, 0, "combine",
+                                                                slot_w=slot_w)]
             _core.ll_combine(g.g, b, OP["dispatch_bwd"], y, gws, TABLES, T, out, gw, 7)
             assert g.plan() == [g.barrier("dispatch_bwd"),
                                 g.combine(b, T, y, gws, route, idx, 0, out, gw, "dispatch_bwd")]
@@ -221,6 +230,25 @@ def test_bad_group_descriptions_are_refused(field, value, msg):
     args[field] = value
     with pytest.raises(ValueError, match=msg):
         _core.ll_group_create(*args)
+
+
+def test_combine_partials_description_and_tables():
+    """desc.combine_partials must be 0 or 1; a partials group's combine needs the handle's slot_w (not w), and
+    its dispatch_bwd still reads neither."""
+    ctx = _core.planning()
+    sets = [tuple(BASE + 0x100000 * i if i not in (2, 3) else 0 for i in range(8))]
+    args = [ctx, 2, 1, 3, 13, 3, 2, 40, 1, 1, 0, 1, 1, 10**9, sets, FLAGS, BAR, STATE, TIMEOUT_WORD, ERR, SET_EPOCH]
+    with pytest.raises(ValueError, match="desc.combine_partials must be 0 or 1, got 2"):
+        _core.ll_group_create(*args, combine_partials=2)
+    g = Group(num_buffers=1, partials=True)
+    no_slot_w = TABLES[:4] + (0,) + TABLES[5:]
+    with pytest.raises(ValueError, match=r"tables->slot_w is NULL"):
+        _core.ll_combine(g.g, 0, OP["combine"], 0x91000, 0, no_slot_w, 5, 0x92000, 0, 7)
+    no_w = TABLES[:1] + (0,) + TABLES[2:]
+    _core.ll_combine(g.g, 0, OP["combine"], 0x91000, 0, no_w, 5, 0x92000, 0, 7)
+    assert g.plan()[1][3][4:6] == [0, TABLES[4]]  # w, slot_w
+    _core.ll_combine(g.g, 0, OP["dispatch_bwd"], 0x91000, 0, no_slot_w, 5, 0x92000, 0, 7)
+    assert g.plan()[1][3][4:6] == [0, 0]
 
 
 def test_bad_buffer_sets_are_refused():

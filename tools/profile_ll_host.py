@@ -157,7 +157,7 @@ class StandIns:
 
         return _arrays.DevArray(next(self.addrs), tuple(shape), np.dtype(dtype), None, 0)
 
-    def group(self, R, me, E, H, Tmax, K, dtype="bfloat16", num_buffers=1, fp8=False):
+    def group(self, R, me, E, H, Tmax, K, dtype="bfloat16", num_buffers=1, fp8=False, combine_partials=False):
         """A LowLatencyGroup of rank ``me`` of R whose transport and shared buffers are stand-ins (what its
         _setup makes, without CUDA): the error word at 96, the peer tables of the shared buffers at 2**50 plus
         their offsets."""
@@ -165,7 +165,8 @@ class StandIns:
         from moe_rt.ep_ll import LowLatencyGroup
 
         comm = type("Comm", (), {"rank": me, "size": R, "device": 0, "all_gather": None})()
-        g = LowLatencyGroup(comm, E, H, Tmax, topk=K, dtype=dtype, num_buffers=num_buffers, fp8=fp8)
+        g = LowLatencyGroup(comm, E, H, Tmax, topk=K, dtype=dtype, num_buffers=num_buffers, fp8=fp8,
+                            combine_partials=combine_partials)
         d = object.__new__(_ep_direct.DirectTransport)
         d.comm, d.device, d.R, d.me, d.lo, d.hi, d.P = comm, 0, R, me, 0, R, 2 * Tmax * num_buffers
         d.timeout_ns, d._stages, d._order, d.closed, d._err_ptr = 10**9, {}, [], False, 96

@@ -420,6 +420,11 @@ typedef struct moe_rt_ll_group_desc {
   int32_t num_scales;          /* S = ceil(H/128) (checked; any value when fp8 is 0) */
   int32_t dedup;               /* 1: a token's row crosses to each destination rank once; 0: once per expert.
                                   The same on every rank */
+  int32_t combine_partials;    /* 1: combine pushes one row per (token, expert rank), the rank's fp32 partial
+                                  sum of its slots (weighted by the handle's slot_w) rounded to dtype, into
+                                  the owner's back buffer [Tmax*R, H] (peer_back then spans Tmax*max(K, R)
+                                  rows); 0: one row per (token, distinct expert) [Tmax*K, H]. The same on
+                                  every rank */
   int64_t timeout_ns;          /* > 0: how long a device wait spins before it gives up */
   moe_rt_ll_buffer_set set[MOE_RT_LL_MAX_BUFFERS]; /* set[b] for b < num_buffers (the rest ignored) */
   const int64_t* peer_flags;   /* peer table of the chunk flags: uint32 [num_buffers, 2, R, Tmax] per rank, zeroed
@@ -477,7 +482,9 @@ moe_rt_status moe_rt_ll_dispatch(moe_rt_ll_group* group, int buffer_set, int pha
                                  const void* topk_idx, int idx_dtype, const float* topk_weights, int64_t num_tokens,
                                  const moe_rt_ll_tables* tables, moe_rt_stream stream);
 /* The combine direction: barrier, then ep_ll_combine for the handle `tables` of a dispatch through buffer set
- * `buffer_set` (reads idx, w, route). op MOE_RT_EP_OP_COMBINE: out [T, H] = sum_k w * y[slot] (y [L, R*Tmax, H]);
+ * `buffer_set` (reads idx, w, route). op MOE_RT_EP_OP_COMBINE: out [T, H] = sum_k w * y[slot] (y [L, R*Tmax, H];
+ * with desc.combine_partials: the fp32 sum over the token's ranks ascending of each rank's partial sum_slots
+ * slot_w * y[slot], rounded to dtype, reading route, slot_w and idx instead of w);
  * MOE_RT_EP_OP_DISPATCH_BWD: out [T, H] = sum_k y[slot] (unweighted), and with slot_grads [L, R*Tmax] float32
  * also grad_w [T, K] float32 = slot_grads at each slot; MOE_RT_EP_OP_COMBINE_BWD: grad_w = slot_grads at each
  * slot (y, out NULL; the weight gradient after moe_rt_ll_combine_bwd's dots). */

@@ -48,7 +48,10 @@ on another rank), as combine always; :func:`moe_rt.ep_ll.wire_rows`) and the dis
 rows. With ``--fp8`` (a group made with ``fp8=True``) it adds "dispatch fp8
 (graph)" (``dispatch(x, ..., fp8=True)``: e4m3 codes quantized in the push, ``H + 4*ceil(H/128)`` bytes a
 row) and "dispatch fp8 dequant (graph)" (the same, dequantized to bf16 on the receiving side) after
-"dispatch (graph)", with x_vs_bf16 = the bf16 dispatch graph's time / the row's.
+"dispatch (graph)", with x_vs_bf16 = the bf16 dispatch graph's time / the row's. Then "combine partials
+(graph)" and "round trip partials (graph)" time a second group made with ``combine_partials=True`` on the same
+inputs (combine pushes one row per (token, rank): its wire_MB counts one row per (token, distinct other rank
+holding any of its experts)).
 
 Rank 0 prints the table; ``--json`` writes it. Times are rank 0's CUDA-event medians (ranks are
 synchronized before every case).
@@ -585,6 +588,30 @@ def _rank_low_latency(args):
                 graph = graphs[name][0]
                 rows.append((name, timed(lambda: graph.launch(stream), stream), nb, raw, tt))
             g.synchronize()
+        del graphs
+        barrier()
+        g.close()
+        # the rank-partial combine: a second group made with combine_partials=True, the same inputs and expert
+        # rows; one row per (token, other rank holding any of its experts) comes back
+        sent_p = wire_rows(e, E, world, rank, dedup=True)
+        wire_p = sent_p * H * 2
+        t_raw_p = raw_a2a(sent_p) if sent_p != remote else t_raw
+        gp = LowLatencyGroup(comm, E, H, T, topk=K, dtype="bfloat16", dedup=dedup, combine_partials=True)
+        graphs = {}
+        with stream:
+            _, _, hp = gp.dispatch(x, idx, w)
+            for name, fn, nb, raw, tt in (
+                    ("combine partials (graph)", lambda: gp.combine(hp, y), wire_p, t_raw_p, None),
+                    ("round trip partials (graph)", lambda: gp.combine(gp.dispatch(x, idx, w)[2], y),
+                     wire_d + wire_p, t_raw_d + t_raw_p, t_torch)):
+                fn()
+                stream.synchronize()
+                stream.begin_capture()
+                keep = fn()
+                graphs[name] = (stream.end_capture(), keep)
+                graph = graphs[name][0]
+                rows.append((name, timed(lambda: graph.launch(stream), stream), nb, raw, tt))
+            gp.synchronize()
         if rank == 0:
             bf16_graph = next(us for op, us, *_ in rows if op == "dispatch (graph)")
             for op, us, nbytes, raw, tt in rows:
@@ -595,7 +622,7 @@ def _rank_low_latency(args):
                              if args.fp8 else {}))
         del graphs
         barrier()
-        g.close()
+        gp.close()
         cp.get_default_memory_pool().free_all_blocks()
         torch.cuda.empty_cache()
     _finish(barrier, rank, table, args, comm)

@@ -21,6 +21,11 @@ Semantics (the same as :class:`moe_rt.ep_ll.LowLatencyGroup` on the GPU, bit for
   combine are the float ones). Rows of invalid slots are zero here (unspecified on the GPU).
 - **combine**: ``out[t] = sum over k ascending (e = idx[t,k] >= 0) of w[t,k] * y[d][l, me*Tmax + t]`` in fp32,
   each product and each addition rounded to fp32, then one rounding to ``y``'s dtype.
+- **combine_partials** (a group made with ``combine_partials=True``): each expert rank ``d`` makes, for each
+  token ``t`` of owner ``s`` with slots there, the partial ``z = sum over those slots in k ascending order
+  (each at its first k) of slot_w[d][l, s*Tmax + t] * y[d][l, s*Tmax + t]`` in fp32 (each product and each
+  addition rounded to fp32, from 0), rounded to ``y``'s dtype; ``out[t]`` = the fp32 sum of the partials of
+  the distinct ranks of the token's experts, ranks ascending (from 0), rounded once to ``y``'s dtype.
 - **dispatch_bwd**: ``grad_x[t] = sum over the k with kf(t,k) == k`` (ascending) of ``g[d][l, slot]`` (fp32
   additions, one final rounding); ``grad_w[t,k] = grad_slot_w[d][l, slot]`` for ``e >= 0``, else 0.
 - **combine_bwd**: ``grad_y[d][l, slot] = round(slot_w * g[t])`` (fp32 product), zero at invalid slots;
@@ -144,6 +149,29 @@ def combine(handles, expert_out):
         for t, k, d, l, j in _routed(h):
             acc[t] = acc[t] + np.float32(h["w"][t, k]) * ys[d][l, j].astype(np.float32)
         res.append(acc.astype(ys[0].dtype))
+    return res
+
+
+def combine_partials(handles, expert_out):
+    """Every rank's ``out [T,H]`` in ``expert_out``'s dtype through rank partials (module notes): the slot
+    weights are each expert rank's ``slot_w`` (its dispatch's fp32 sums of duplicate weights)."""
+    R = len(handles)
+    _check_list("expert_out", expert_out, R)
+    ys = [np.asarray(y) for y in expert_out]
+    dtype, H = ys[0].dtype, ys[0].shape[2]
+    res = []
+    for h in handles:
+        kf = first_k(h["idx"])
+        parts = {}  # (t, d) -> the fp32 partial of rank d for token t, before its rounding
+        for t, k, d, l, j in _routed(h):
+            if kf[t, k] != k:
+                continue
+            z = parts.get((t, d), np.zeros(H, np.float32))
+            parts[(t, d)] = z + np.float32(handles[d]["slot_w"][l, j]) * ys[d][l, j].astype(np.float32)
+        acc = np.zeros((h["T"], H), np.float32)
+        for t, d in sorted(parts):  # tokens, then ranks ascending
+            acc[t] = acc[t] + parts[(t, d)].astype(dtype).astype(np.float32)
+        res.append(acc.astype(dtype))
     return res
 
 
