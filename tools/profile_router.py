@@ -5,8 +5,8 @@ Use with ``ncu --profile-from-start off`` (and ``MOE_RT_NVRTC_OPTIONS=-lineinfo`
 
     ncu --profile-from-start off --set full --import-source yes -o OUT python3 tools/profile_router.py CASE...
 
-Cases: ``{fwd,bwd,bwdbits}-{softmax,grouped}-{f32,bf16}-E{256,2304}`` (softmax: post-softmax top-k; grouped:
-sigmoid, 8 groups, top-4 groups, expert bias; K = 8 at E = 256, 36 at E = 2304; bwdbits: the backward from the
+Cases: ``{fwd,bwd,bwdbits}-{softmax,grouped,sigbias}-{f32,bf16}-E{256,2304}`` (softmax: post-softmax top-k;
+grouped: sigmoid, 8 groups, top-4 groups, expert bias; sigbias: sigmoid and expert bias, no groups; K = 8 at E = 256, 36 at E = 2304; bwdbits: the backward from the
 bit-packed map, ``routing_map_format="bitmap_u8"``), and ``qb-{fused,twokernel}-{f32,bf16}-E{256,2304}``
 (topk_with_score_qb: sigmoid + expert bias, B = 64 bins, ``qb_histogram_mode`` "fused_atomic" or "two_kernel"),
 T = ``--tokens`` (default 65536). ``--list`` prints the cases.
@@ -19,7 +19,7 @@ import itertools
 import numpy as np
 
 CASES = [f"{op}-{sf}-{dt}-E{E}" for op, sf, dt, E in
-         itertools.product(("fwd", "bwd", "bwdbits"), ("softmax", "grouped"), ("f32", "bf16"), (256, 2304))]
+         itertools.product(("fwd", "bwd", "bwdbits"), ("softmax", "grouped", "sigbias"), ("f32", "bf16"), (256, 2304))]
 CASES += [f"qb-{mode}-{dt}-E{E}" for mode, dt, E in
           itertools.product(("fused", "twokernel"), ("f32", "bf16"), (256, 2304))]
 
@@ -63,6 +63,9 @@ def main():
         if sf == "grouped":
             bias = cp.asarray((np.random.default_rng(2).permutation(E) * (0.1 / E)).astype(np.float32))
             kw = dict(score_function="sigmoid", num_groups=8, group_topk=4, expert_bias=bias)
+        elif sf == "sigbias":  # the plain forward the QB forward adds its cutoff and histogram to
+            bias = cp.asarray((np.random.default_rng(2).permutation(E) * (0.1 / E)).astype(np.float32))
+            kw = dict(score_function="sigmoid", expert_bias=bias)
         fn_name = "softmax" if sf == "softmax" else "sigmoid"
         if op == "fwd":
             def run():
