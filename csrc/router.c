@@ -790,7 +790,8 @@ static moe_rt_status qb_fwd_plan(moe_rt_context* ctx, int dtype, int E, int K, i
     }
   } else {
     const int team = team_for(E, 1);
-    snprintf(l->name, sizeof l->name, "router_fwd_qb<%s, %d>", ct, team);
+    /* hmode 0: the kernel compiled without the histogram */
+    snprintf(l->name, sizeof l->name, "router_fwd_qb<%s, %d%s>", ct, team, hmode ? "" : ", false");
     if ((st = mrt_kernel(ctx, l, FILE_ROUTER, &regs))) return st;
     spb = team == 32 ? 4 : 1;
     threads = team * spb;

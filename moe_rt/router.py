@@ -68,6 +68,7 @@ _jit.register(_FILE, [f"router_fwd<{c}, {team}>" for c in _jit.CTYPES.values() f
               + [f"aux_loss_final<{c}>" for c in _jit.CTYPES.values()]
               + [f"aux_loss_bwd<{c}>" for c in _jit.CTYPES.values()]
               + [f"router_fwd_qb<{c}, {team}>" for c in _jit.CTYPES.values() for team in _TEAMS]
+              + [f"router_fwd_qb<{c}, {team}, false>" for c in _jit.CTYPES.values() for team in _TEAMS]
               + [f"router_fwd_qb_reg<{c}, {v}>" for c in ("float", "__nv_bfloat16") for v in _REG_V]
               + ["qb_histogram_accumulate"])
 # Quick kernels (stand-ins while a kernel compiles on a first call: moe_rt._jit.compile_in_background; the C
@@ -817,7 +818,8 @@ def _qb_fwd_cfg(dtype, T, E, K, B, vec, fused):
     """(kernel name, threads, slots a block, shared memory bytes, tokens a warp, hmode) of the QB forward:
     router_fwd_qb_reg (the row in registers, as router_fwd_reg) where the plain forward takes
     router_fwd_reg (16-byte rows, float32/bfloat16, E / 8 chunks within 32 lanes of 32 keys), else
-    router_fwd_qb (the team of _team(E, fwd=True), 16-byte chunks where vec). threads = slots = None:
+    router_fwd_qb (the team of _team(E, fwd=True), 16-byte chunks where vec; compiled without the histogram
+    where hmode is 0). threads = slots = None:
     router_fwd_qb_reg with the shared histogram, one block a multiprocessor of as many warps as the kernel
     takes (resolved at launch; shared memory: the histogram's bytes here, plus a slot a warp then)."""
     ct = _jit.ctype(dtype)
@@ -832,7 +834,8 @@ def _qb_fwd_cfg(dtype, T, E, K, B, vec, fused):
         return name, 128, 4, 4 * 4 * _qb_reg_slot_words(K), _fwd_tpw(dtype, v, False), hmode
     team = _team(E, fwd=True)
     spb = 4 if team == 32 else 1
-    return (f"router_fwd_qb<{ct}, {team}>", team * spb, spb, 4 * spb * _slot_words(E, 0, K + 1, team) + hbytes,
+    name = f"router_fwd_qb<{ct}, {team}>" if hmode else f"router_fwd_qb<{ct}, {team}, false>"  # no histogram
+    return (name, team * spb, spb, 4 * spb * _slot_words(E, 0, K + 1, team) + hbytes,
             0, hmode)
 
 

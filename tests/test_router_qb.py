@@ -700,12 +700,13 @@ def test_forward_kernel_choice():
              ((F32, T, 1024, 8, 64, True, True), ("router_fwd_qb_reg<float, 32>", 0)),
              ((BF16, T, 1024, 8, 4000, True, False), ("router_fwd_qb_reg<__nv_bfloat16, 32>", 0)),
              ((F32, T, 256, 8, 64, False, True), ("router_fwd_qb<float, 32>", 2)),
+             ((F32, T, 256, 8, 64, False, False), ("router_fwd_qb<float, 32, false>", 0)),
              ((np.float16, T, 256, 8, 64, True, True), ("router_fwd_qb<__half, 32>", 2)),
-             ((F32, T, 2304, 36, 64, True, True), ("router_fwd_qb<float, 32>", 0)),
+             ((F32, T, 2304, 36, 64, True, True), ("router_fwd_qb<float, 32, false>", 0)),
              ((F32, 113, 2304, 36, 64, True, True), ("router_fwd_qb<float, 32>", 1)),
              ((BF16, T, 3000, 64, 5, True, True), ("router_fwd_qb<__nv_bfloat16, 128>", 2)),
              ((F32, 16, 16384, 17, 64, True, True), ("router_fwd_qb<float, 512>", 1)),
-             ((F32, 17, 16384, 17, 64, True, True), ("router_fwd_qb<float, 512>", 0))]
+             ((F32, 17, 16384, 17, 64, True, True), ("router_fwd_qb<float, 512, false>", 0))]
     for (dt, n, E, K, B, vec, fused), (name, hmode) in cases:
         got = R._qb_fwd_cfg(np.dtype(dt), n, E, K, B, vec, fused)
         assert (got[0], got[5]) == (name, hmode), (dt, n, E, K, B, vec, fused, got)
