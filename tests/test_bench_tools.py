@@ -65,7 +65,8 @@ def test_profile_router_cases():
     """tools/profile_router.py names one case per (op, score function, dtype, E) and refuses others."""
     import profile_router
 
-    assert len(profile_router.CASES) == 32 and "bwd-softmax-f32-E2304" in profile_router.CASES
+    assert len(profile_router.CASES) == 44 and "bwd-softmax-f32-E2304" in profile_router.CASES
+    assert "fwd-sigbias-bf16-E2304" in profile_router.CASES
     assert "bwdbits-softmax-f32-E2304" in profile_router.CASES and "qb-fused-bf16-E256" in profile_router.CASES
     sys_argv = sys.argv
     sys.argv = ["profile_router.py", "fwd-softmax-f64-E2304"]
