@@ -71,7 +71,7 @@ class BuildExt(build_ext):
 
 extensions = [
     Extension("moe_rt._dlpack", ["moe_rt/_dlpack.pyx"]),
-    Extension("moe_rt._comm", ["moe_rt/_comm.pyx"], libraries=["dl"]),
+    Extension("moe_rt._comm", ["moe_rt/_comm.pyx"], include_dirs=["include"], libraries=["dl"]),
     Extension("moe_rt._handle", ["moe_rt/_handle.pyx"]),
     Extension("moe_rt._launch", ["moe_rt/_launch.pyx"], libraries=["dl"]),
     Extension("moe_rt._light", ["moe_rt/_light.pyx"]),

@@ -41,6 +41,8 @@ const char* moe_rt_status_name(moe_rt_status s) {
     case MOE_RT_ERROR_CUDA: return "MOE_RT_ERROR_CUDA";
     case MOE_RT_ERROR_BAD_EXPERT_ID: return "MOE_RT_ERROR_BAD_EXPERT_ID";
     case MOE_RT_ERROR_NOT_SUPPORTED: return "MOE_RT_ERROR_NOT_SUPPORTED";
+    case MOE_RT_ERROR_NO_NCCL: return "MOE_RT_ERROR_NO_NCCL";
+    case MOE_RT_ERROR_NCCL: return "MOE_RT_ERROR_NCCL";
   }
   return "unknown moe_rt_status";
 }
@@ -57,7 +59,8 @@ int mrt_dtype_size(int dtype) {
   switch (dtype) {
     case MOE_RT_FLOAT32: case MOE_RT_INT32: return 4;
     case MOE_RT_FLOAT16: case MOE_RT_BFLOAT16: return 2;
-    case MOE_RT_INT64: return 8;
+    case MOE_RT_INT64: case MOE_RT_UINT64: case MOE_RT_FLOAT64: return 8;
+    case MOE_RT_UINT32: return 4;
     case MOE_RT_INT16: return 2;
     case MOE_RT_BOOL: case MOE_RT_UINT8: case MOE_RT_INT8: case MOE_RT_FLOAT8_E4M3: case MOE_RT_FLOAT8_E5M2:
       return 1;
@@ -80,8 +83,9 @@ const char* mrt_ctype(int dtype) {
 
 const char* mrt_dtype_name(int dtype) {
   static const char* names[] = {"float32", "float16", "bfloat16", "int32", "int64", "bool",
-                                "uint8", "int8", "float8_e4m3", "float8_e5m2", "int16"};
-  return dtype >= 0 && dtype <= MOE_RT_INT16 ? names[dtype] : "an unknown dtype code";
+                                "uint8", "int8", "float8_e4m3", "float8_e5m2", "int16", "uint32", "uint64",
+                                "float64"};
+  return dtype >= 0 && dtype <= MOE_RT_FLOAT64 ? names[dtype] : "an unknown dtype code";
 }
 
 /* ---- the context ------------------------------------------------------------------------------------ */

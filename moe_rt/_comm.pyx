@@ -1,26 +1,126 @@
 # cython: language_level=3
-"""NCCL, loaded at run time, and the Communicator.
+"""NCCL and the Communicator: a thin layer over the C core's communicator (csrc/comm.c, the "NCCL and the
+communicator" part of include/moe_rt/moe_rt.h), where NCCL is loaded at run time and called.
 
 The library is found in this order: ``MOE_RT_NCCL_PATH``; a copy already loaded in the process or the
 nvidia-nccl wheel (through cuda.pathfinder, which reuses a loaded copy instead of loading a second one);
-then ``libnccl.so.2`` from the system search path. One process uses one copy, so communicators made by
-torch or CuPy and ours live in the same library.
+then ``libnccl.so.2`` from the system search path. The path found here is handed to the core
+(``moe_rt_nccl_load``), which opens it once for the process. One process uses one copy, so communicators
+made by torch or CuPy and ours live in the same library.
 """
-from libc.stdint cimport uintptr_t
-
-from moe_rt._nccl cimport *
-from libc.string cimport memcpy
+from libc.stdint cimport int64_t, uintptr_t
+from libc.stddef cimport size_t
 
 import os
 import threading
+
+from moe_rt._core import LIB_PATH
 
 cdef extern from "<dlfcn.h>" nogil:
     void* dlopen(const char*, int)
     void* dlsym(void*, const char*)
     char* dlerror()
     int RTLD_NOW
-    int RTLD_GLOBAL
-    int RTLD_NOLOAD
+    int RTLD_LOCAL
+
+cdef extern from "moe_rt/moe_rt.h" nogil:
+    ctypedef struct moe_rt_comm:
+        pass
+    ctypedef struct moe_rt_nccl_failure:
+        int result
+        char call[64]
+        char message[1024]
+
+ctypedef int (*f_load)(const char*) noexcept nogil
+ctypedef int (*f_path)(const char**) noexcept nogil
+ctypedef int (*f_version)(int*, int*, int*) noexcept nogil
+ctypedef int (*f_error_string)(int, const char**) noexcept nogil
+ctypedef int (*f_last_failure)(moe_rt_nccl_failure*) noexcept nogil
+ctypedef int (*f_dtype)(int, int*) noexcept nogil
+ctypedef int (*f_unique_id)(void*) noexcept nogil
+ctypedef int (*f_init_rank)(const void*, int, int, moe_rt_comm**) noexcept nogil
+ctypedef int (*f_comm)(moe_rt_comm*) noexcept nogil
+ctypedef int (*f_async_error)(moe_rt_comm*, int*, char*, size_t) noexcept nogil
+ctypedef int (*f_handle)(const moe_rt_comm*, void**) noexcept nogil
+ctypedef int (*f_group_start)() noexcept nogil
+ctypedef int (*f_group_end)(const moe_rt_comm*) noexcept nogil
+ctypedef int (*f_p2p)(moe_rt_comm*, void*, int64_t, int, int, void*) noexcept nogil
+ctypedef int (*f_all_gather)(moe_rt_comm*, const void*, void*, int64_t, int, void*) noexcept nogil
+ctypedef int (*f_rooted)(moe_rt_comm*, const void*, void*, int64_t, int, int, void*) noexcept nogil
+ctypedef const char* (*f_last_error)() noexcept nogil
+
+cdef f_load p_load
+cdef f_path p_path
+cdef f_version p_version
+cdef f_error_string p_error_string
+cdef f_last_failure p_last_failure
+cdef f_dtype p_dtype
+cdef f_unique_id p_unique_id
+cdef f_init_rank p_init_rank
+cdef f_comm p_destroy
+cdef f_comm p_abort
+cdef f_async_error p_async_error
+cdef f_handle p_handle
+cdef f_group_start p_group_start
+cdef f_group_end p_group_end
+cdef f_p2p p_send
+cdef f_p2p p_recv
+cdef f_all_gather p_all_gather
+cdef f_rooted p_all_reduce
+cdef f_rooted p_broadcast
+cdef f_last_error p_last_error
+
+# moe_rt_status values (include/moe_rt/moe_rt.h)
+cdef enum:
+    INVALID_ARGUMENT = 1
+    NO_NCCL = 8
+    NCCL = 9
+    UNIQUE_ID_BYTES = 128
+    REDUCE_SUM = 0
+    REDUCE_MAX = 1
+
+
+cdef void* _sym(void* h, const char* name) except NULL:
+    cdef void* p = dlsym(h, name)
+    if p == NULL:
+        raise ImportError(f"moe_rt._comm: {LIB_PATH} lacks {name.decode()}; rebuild moe_rt "
+                          "(python3 setup.py build_ext --inplace)")
+    return p
+
+
+cdef _open():
+    global p_load, p_path, p_version, p_error_string, p_last_failure, p_dtype, p_unique_id, p_init_rank
+    global p_destroy, p_abort, p_async_error, p_handle, p_group_start, p_group_end, p_send, p_recv
+    global p_all_gather, p_all_reduce, p_broadcast, p_last_error
+    path = LIB_PATH.encode()
+    cdef void* h = dlopen(path, RTLD_NOW | RTLD_LOCAL)
+    if h == NULL:
+        err = dlerror()
+        raise ImportError(f"moe_rt._comm: cannot load {LIB_PATH} ({err.decode() if err != NULL else '?'}); build "
+                          "moe_rt (python3 setup.py build_ext --inplace, or pip install)")
+    p_load = <f_load>_sym(h, b"moe_rt_nccl_load")
+    p_path = <f_path>_sym(h, b"moe_rt_nccl_library_path")
+    p_version = <f_version>_sym(h, b"moe_rt_nccl_version")
+    p_error_string = <f_error_string>_sym(h, b"moe_rt_nccl_error_string")
+    p_last_failure = <f_last_failure>_sym(h, b"moe_rt_nccl_last_failure")
+    p_dtype = <f_dtype>_sym(h, b"moe_rt_nccl_dtype")
+    p_unique_id = <f_unique_id>_sym(h, b"moe_rt_nccl_get_unique_id")
+    p_init_rank = <f_init_rank>_sym(h, b"moe_rt_comm_init_rank")
+    p_destroy = <f_comm>_sym(h, b"moe_rt_comm_destroy")
+    p_abort = <f_comm>_sym(h, b"moe_rt_comm_abort")
+    p_async_error = <f_async_error>_sym(h, b"moe_rt_comm_async_error")
+    p_handle = <f_handle>_sym(h, b"moe_rt_comm_nccl_handle")
+    p_group_start = <f_group_start>_sym(h, b"moe_rt_comm_group_start")
+    p_group_end = <f_group_end>_sym(h, b"moe_rt_comm_group_end")
+    p_send = <f_p2p>_sym(h, b"moe_rt_comm_send")
+    p_recv = <f_p2p>_sym(h, b"moe_rt_comm_recv")
+    p_all_gather = <f_all_gather>_sym(h, b"moe_rt_comm_all_gather")
+    p_all_reduce = <f_rooted>_sym(h, b"moe_rt_comm_all_reduce")
+    p_broadcast = <f_rooted>_sym(h, b"moe_rt_comm_broadcast")
+    p_last_error = <f_last_error>_sym(h, b"moe_rt_last_error")
+
+
+_open()
 
 
 class NcclError(RuntimeError):
@@ -32,43 +132,29 @@ class NcclError(RuntimeError):
         super().__init__(f"{call} failed: {message} (ncclResult_t {code})")
 
 
-cdef void* _lib = NULL
-cdef object _lib_path = None
+cdef object _error(int status):
+    """The exception of a core status: NcclError for an NCCL call that failed (or a function the library
+    lacks), OSError when NCCL cannot be loaded, ValueError for a bad argument (the core's message names it)."""
+    cdef moe_rt_nccl_failure f
+    msg = p_last_error().decode(errors="replace")
+    p_last_failure(&f)
+    if (status == NCCL or status == NO_NCCL) and f.call[0] != 0:
+        return NcclError(f.call.decode(), f.result, f.message.decode(errors="replace"))
+    if status == NO_NCCL:
+        return OSError(msg)
+    if status == INVALID_ARGUMENT:
+        return ValueError(msg)
+    return RuntimeError(f"moe_rt: {msg}")
+
+
+cdef inline int _check(int status) except -1:
+    if status != 0:
+        raise _error(status)
+    return 0
+
+
+cdef bint _loaded = False
 _lock = threading.Lock()
-
-cdef ncclGetVersion_t p_GetVersion = NULL
-cdef ncclGetUniqueId_t p_GetUniqueId = NULL
-cdef ncclCommInitRank_t p_CommInitRank = NULL
-cdef ncclCommDestroy_t p_CommDestroy = NULL
-cdef ncclCommAbort_t p_CommAbort = NULL
-cdef ncclCommGetAsyncError_t p_CommGetAsyncError = NULL
-cdef ncclCommCount_t p_CommCount = NULL
-cdef ncclCommUserRank_t p_CommUserRank = NULL
-cdef ncclGetErrorString_t p_GetErrorString = NULL
-cdef ncclGetLastError_t p_GetLastError = NULL
-cdef ncclGroupStart_t p_GroupStart = NULL
-cdef ncclGroupEnd_t p_GroupEnd = NULL
-cdef ncclSend_t p_Send = NULL
-cdef ncclRecv_t p_Recv = NULL
-cdef ncclAllGather_t p_AllGather = NULL
-cdef ncclAllReduce_t p_AllReduce = NULL
-cdef ncclBroadcast_t p_Broadcast = NULL
-
-
-cdef void* _sym(const char* name) except NULL:
-    cdef void* p = dlsym(_lib, name)
-    if p == NULL:
-        raise NcclError(name.decode(), -1, f"symbol not found in {_lib_path}")
-    return p
-
-
-cdef void* _open(path) except NULL:
-    cdef bytes b = os.fsencode(path)
-    cdef void* h = dlopen(b, RTLD_NOW | RTLD_GLOBAL)
-    if h == NULL:
-        err = dlerror()
-        raise OSError(f"cannot load NCCL from {path}: {err.decode() if err != NULL else 'unknown error'}")
-    return h
 
 
 def _find_library():
@@ -83,103 +169,74 @@ def _find_library():
 
 
 cdef int _ensure_loaded() except -1:
-    global _lib, _lib_path
-    global p_GetVersion, p_GetUniqueId, p_CommInitRank, p_CommDestroy, p_CommAbort, p_CommGetAsyncError
-    global p_CommCount, p_CommUserRank, p_GetErrorString, p_GetLastError, p_GroupStart, p_GroupEnd
-    global p_Send, p_Recv, p_AllGather, p_AllReduce, p_Broadcast
-    if _lib != NULL:
+    global _loaded
+    if _loaded:
         return 0
     with _lock:
-        if _lib != NULL:
+        if _loaded:
             return 0
-        path = _find_library()
-        _lib_path = path
-        _lib = _open(path)
-        p_GetVersion = <ncclGetVersion_t>_sym(b"ncclGetVersion")
-        p_GetUniqueId = <ncclGetUniqueId_t>_sym(b"ncclGetUniqueId")
-        p_CommInitRank = <ncclCommInitRank_t>_sym(b"ncclCommInitRank")
-        p_CommDestroy = <ncclCommDestroy_t>_sym(b"ncclCommDestroy")
-        p_CommAbort = <ncclCommAbort_t>_sym(b"ncclCommAbort")
-        p_CommGetAsyncError = <ncclCommGetAsyncError_t>_sym(b"ncclCommGetAsyncError")
-        p_CommCount = <ncclCommCount_t>_sym(b"ncclCommCount")
-        p_CommUserRank = <ncclCommUserRank_t>_sym(b"ncclCommUserRank")
-        p_GetErrorString = <ncclGetErrorString_t>_sym(b"ncclGetErrorString")
-        p_GetLastError = <ncclGetLastError_t>_sym(b"ncclGetLastError")
-        p_GroupStart = <ncclGroupStart_t>_sym(b"ncclGroupStart")
-        p_GroupEnd = <ncclGroupEnd_t>_sym(b"ncclGroupEnd")
-        p_Send = <ncclSend_t>_sym(b"ncclSend")
-        p_Recv = <ncclRecv_t>_sym(b"ncclRecv")
-        p_AllGather = <ncclAllGather_t>_sym(b"ncclAllGather")
-        p_AllReduce = <ncclAllReduce_t>_sym(b"ncclAllReduce")
-        p_Broadcast = <ncclBroadcast_t>_sym(b"ncclBroadcast")
-    return 0
-
-
-cdef str _message(ncclResult_t code, ncclComm_t comm):
-    cdef const char* s = p_GetErrorString(code) if p_GetErrorString != NULL else NULL
-    msg = s.decode() if s != NULL else "unknown error"
-    cdef const char* last
-    if p_GetLastError != NULL:
-        last = p_GetLastError(comm)
-        if last != NULL and last[0] != 0:
-            msg += f"; {last.decode()}"
-    return msg
-
-
-cdef inline int _check(ncclResult_t code, const char* call, ncclComm_t comm=NULL) except -1:
-    if code != ncclSuccess and code != ncclInProgress:
-        raise NcclError(call.decode(), code, _message(code, comm))
+        _check(p_load(os.fsencode(_find_library())))
+        _loaded = True
     return 0
 
 
 def error_string(int code):
     """NCCL's text for an ncclResult_t value."""
     _ensure_loaded()
-    cdef const char* s = p_GetErrorString(<ncclResult_t>code)
-    return s.decode() if s != NULL else "unknown error"
+    cdef const char* s = NULL
+    _check(p_error_string(code, &s))
+    return s.decode()
 
 
 def library_path():
     """Where the loaded NCCL library was found."""
     _ensure_loaded()
-    return _lib_path
+    cdef const char* s = NULL
+    _check(p_path(&s))
+    cdef bytes b = s
+    return os.fsdecode(b)
 
 
 def nccl_version():
     """The loaded NCCL's version as (major, minor, patch). Works without a GPU."""
     _ensure_loaded()
-    cdef int v = 0
+    cdef int major = 0, minor = 0, patch = 0
+    cdef int st
     with nogil:
-        code = p_GetVersion(&v)
-    _check(code, b"ncclGetVersion")
-    if v >= 10000:
-        return (v // 10000, (v % 10000) // 100, v % 100)
-    return (v // 1000, (v % 1000) // 100, v % 100)
+        st = p_version(&major, &minor, &patch)
+    _check(st)
+    return (major, minor, patch)
 
 
 def get_unique_id():
     """A fresh 128-byte NCCL unique id (bytes) to share with every rank of a new communicator. Works
     without a GPU."""
     _ensure_loaded()
-    cdef ncclUniqueId uid
-    cdef ncclResult_t code
+    cdef char uid[UNIQUE_ID_BYTES]
+    cdef int st
     with nogil:
-        code = p_GetUniqueId(&uid)
-    _check(code, b"ncclGetUniqueId")
-    return (<char*>uid.internal)[:NCCL_UNIQUE_ID_BYTES]
+        st = p_unique_id(uid)
+    _check(st)
+    return uid[:UNIQUE_ID_BYTES]
 
 
-_DTYPES = {"int8": ncclInt8, "uint8": ncclUint8, "int32": ncclInt32, "uint32": ncclUint32,
-           "int64": ncclInt64, "uint64": ncclUint64, "float16": ncclFloat16, "float32": ncclFloat32,
-           "float64": ncclFloat64, "bfloat16": ncclBfloat16}
+# moe_rt_dtype codes (include/moe_rt/moe_rt.h) of the dtypes NCCL moves, by name
+_CODES = {"int8": 7, "uint8": 6, "int32": 3, "uint32": 11, "int64": 4, "uint64": 12, "float16": 1, "float32": 0,
+          "float64": 13, "bfloat16": 2}
+
+
+cdef int _code(dtype) except -1:
+    code = _CODES.get(dtype) if type(dtype) is str else _CODES.get(str(dtype))
+    if code is None:
+        raise TypeError(f"no NCCL data type for {dtype}")
+    return code
 
 
 def nccl_dtype(name):
     """The ncclDataType_t for a dtype name ('float32', 'bfloat16', 'uint8', ...)."""
-    try:
-        return _DTYPES[str(name)]
-    except KeyError:
-        raise TypeError(f"no NCCL data type for {name}") from None
+    cdef int t = 0
+    _check(p_dtype(_code(name), &t))
+    return t
 
 
 cdef class Communicator:
@@ -191,7 +248,7 @@ cdef class Communicator:
     aborts a communicator that was never closed, so an exception never leaves NCCL threads behind.
     Data calls take raw device pointers (ints), element counts and a cudaStream_t (int).
     """
-    cdef ncclComm_t _comm
+    cdef moe_rt_comm* _comm
     cdef readonly int rank
     cdef readonly int size
     cdef readonly int device
@@ -202,23 +259,22 @@ cdef class Communicator:
         self.closed = True
 
     def __init__(self, unique_id, int rank, int size, int device):
-        if not isinstance(unique_id, (bytes, bytearray)) or len(unique_id) != NCCL_UNIQUE_ID_BYTES:
-            raise ValueError(f"unique_id must be {NCCL_UNIQUE_ID_BYTES} bytes")
+        if not isinstance(unique_id, (bytes, bytearray)) or len(unique_id) != UNIQUE_ID_BYTES:
+            raise ValueError(f"unique_id must be {UNIQUE_ID_BYTES} bytes")
         if size < 1:
             raise ValueError(f"size must be >= 1, got {size}")
         if not 0 <= rank < size:
             raise ValueError(f"rank must be in [0, {size}), got {rank}")
         _ensure_loaded()
         import cupy
-        cdef ncclUniqueId uid
         cdef bytes b = bytes(unique_id)
-        memcpy(uid.internal, <char*>b, NCCL_UNIQUE_ID_BYTES)
-        cdef ncclComm_t comm = NULL
-        cdef ncclResult_t code
+        cdef const char* uid = b
+        cdef moe_rt_comm* comm = NULL
+        cdef int st
         with cupy.cuda.Device(device):
             with nogil:
-                code = p_CommInitRank(&comm, size, uid, rank)
-        _check(code, b"ncclCommInitRank")
+                st = p_init_rank(uid, size, rank, &comm)
+        _check(st)
         self._comm = comm
         self.rank = rank
         self.size = size
@@ -226,12 +282,12 @@ cdef class Communicator:
         self.closed = False
 
     def __dealloc__(self):
-        if self._comm != NULL and p_CommAbort != NULL:
+        if self._comm != NULL:
             with nogil:
-                p_CommAbort(self._comm)
+                p_abort(self._comm)
             self._comm = NULL
 
-    cdef ncclComm_t _get(self) except NULL:
+    cdef moe_rt_comm* _get(self) except NULL:
         if self._comm == NULL:
             raise ValueError("the communicator is closed")
         return self._comm
@@ -239,91 +295,98 @@ cdef class Communicator:
     @property
     def ptr(self):
         """The raw ncclComm_t as an int."""
+        cdef void* h = NULL
+        _check(p_handle(self._get(), &h))
+        return <uintptr_t>h
+
+    @property
+    def handle(self):
+        """The core's moe_rt_comm* as an int (for the C ABI; valid until close or abort)."""
         return <uintptr_t>self._get()
 
     def close(self):
         """Destroy the communicator (every rank calls it). Idempotent."""
-        cdef ncclComm_t c = self._comm
-        cdef ncclResult_t code
+        cdef moe_rt_comm* c = self._comm
+        cdef int st
         if c == NULL:
             return
         self._comm = NULL
         self.closed = True
         with nogil:
-            code = p_CommDestroy(c)
-        _check(code, b"ncclCommDestroy")
+            st = p_destroy(c)
+        _check(st)
 
     def abort(self):
         """Tear the communicator down at once, without waiting for peers. Idempotent."""
-        cdef ncclComm_t c = self._comm
+        cdef moe_rt_comm* c = self._comm
         if c == NULL:
             return
         self._comm = NULL
         self.closed = True
         with nogil:
-            p_CommAbort(c)
+            p_abort(c)
 
     def async_error(self):
         """None while healthy, else an NcclError describing the asynchronous failure."""
-        cdef ncclResult_t res = 0
-        cdef ncclComm_t c = self._get()
-        _check(p_CommGetAsyncError(c, &res), b"ncclCommGetAsyncError", c)
-        if res == ncclSuccess or res == ncclInProgress:
+        cdef int res = 0
+        cdef char msg[1024]
+        _check(p_async_error(self._get(), &res, msg, sizeof(msg)))
+        if res == 0 or res == 7:  # ncclSuccess, ncclInProgress
             return None
-        return NcclError("ncclCommGetAsyncError", res, _message(res, c))
+        return NcclError("ncclCommGetAsyncError", res, msg.decode(errors="replace"))
 
     def group_start(self):
-        _check(p_GroupStart(), b"ncclGroupStart")
+        _check(p_group_start())
 
     def group_end(self):
-        cdef ncclResult_t code
+        cdef int st
         with nogil:
-            code = p_GroupEnd()
-        _check(code, b"ncclGroupEnd", self._comm)
+            st = p_group_end(self._comm)
+        _check(st)
 
     def send(self, uintptr_t ptr, size_t count, dtype, int peer, uintptr_t stream):
-        cdef int dt = nccl_dtype(dtype)
-        cdef ncclComm_t c = self._get()
-        cdef ncclResult_t code
+        cdef int dt = _code(dtype)
+        cdef moe_rt_comm* c = self._get()
+        cdef int st
         with nogil:
-            code = p_Send(<const void*>ptr, count, dt, peer, c, <cudaStream_t>stream)
-        _check(code, b"ncclSend", c)
+            st = p_send(c, <void*>ptr, <int64_t>count, dt, peer, <void*>stream)
+        _check(st)
 
     def recv(self, uintptr_t ptr, size_t count, dtype, int peer, uintptr_t stream):
-        cdef int dt = nccl_dtype(dtype)
-        cdef ncclComm_t c = self._get()
-        cdef ncclResult_t code
+        cdef int dt = _code(dtype)
+        cdef moe_rt_comm* c = self._get()
+        cdef int st
         with nogil:
-            code = p_Recv(<void*>ptr, count, dt, peer, c, <cudaStream_t>stream)
-        _check(code, b"ncclRecv", c)
+            st = p_recv(c, <void*>ptr, <int64_t>count, dt, peer, <void*>stream)
+        _check(st)
 
     def all_gather(self, uintptr_t send, uintptr_t recv, size_t count, dtype, uintptr_t stream):
         """recv[r*count:(r+1)*count] = send of rank r."""
-        cdef int dt = nccl_dtype(dtype)
-        cdef ncclComm_t c = self._get()
-        cdef ncclResult_t code
+        cdef int dt = _code(dtype)
+        cdef moe_rt_comm* c = self._get()
+        cdef int st
         with nogil:
-            code = p_AllGather(<const void*>send, <void*>recv, count, dt, c, <cudaStream_t>stream)
-        _check(code, b"ncclAllGather", c)
+            st = p_all_gather(c, <const void*>send, <void*>recv, <int64_t>count, dt, <void*>stream)
+        _check(st)
 
     def all_reduce(self, uintptr_t send, uintptr_t recv, size_t count, dtype, uintptr_t stream, op="sum"):
         if op not in ("sum", "max"):
             raise ValueError(f"op must be 'sum' or 'max', got {op!r}")
-        cdef int dt = nccl_dtype(dtype)
-        cdef int o = ncclSum if op == "sum" else ncclMax
-        cdef ncclComm_t c = self._get()
-        cdef ncclResult_t code
+        cdef int dt = _code(dtype)
+        cdef int o = REDUCE_SUM if op == "sum" else REDUCE_MAX
+        cdef moe_rt_comm* c = self._get()
+        cdef int st
         with nogil:
-            code = p_AllReduce(<const void*>send, <void*>recv, count, dt, o, c, <cudaStream_t>stream)
-        _check(code, b"ncclAllReduce", c)
+            st = p_all_reduce(c, <const void*>send, <void*>recv, <int64_t>count, dt, o, <void*>stream)
+        _check(st)
 
     def broadcast(self, uintptr_t send, uintptr_t recv, size_t count, dtype, int root, uintptr_t stream):
-        cdef int dt = nccl_dtype(dtype)
-        cdef ncclComm_t c = self._get()
-        cdef ncclResult_t code
+        cdef int dt = _code(dtype)
+        cdef moe_rt_comm* c = self._get()
+        cdef int st
         with nogil:
-            code = p_Broadcast(<const void*>send, <void*>recv, count, dt, root, c, <cudaStream_t>stream)
-        _check(code, b"ncclBroadcast", c)
+            st = p_broadcast(c, <const void*>send, <void*>recv, <int64_t>count, dt, root, <void*>stream)
+        _check(st)
 
     def __repr__(self):
         state = "closed" if self._comm == NULL else "open"

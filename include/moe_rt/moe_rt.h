@@ -69,7 +69,9 @@ typedef enum moe_rt_status {
   MOE_RT_ERROR_KERNEL_CACHE = 4,     /* cache folder or manifest missing/unreadable, or a kernel absent */
   MOE_RT_ERROR_CUDA = 5,             /* a CUDA driver call failed (the message holds its error string) */
   MOE_RT_ERROR_BAD_EXPERT_ID = 6,    /* moe_rt_check: make_plan met expert ids outside [-1, E) */
-  MOE_RT_ERROR_NOT_SUPPORTED = 7     /* e.g. launching in a planning context */
+  MOE_RT_ERROR_NOT_SUPPORTED = 7,    /* e.g. launching in a planning context */
+  MOE_RT_ERROR_NO_NCCL = 8,          /* the NCCL library cannot be loaded, or lacks a needed function */
+  MOE_RT_ERROR_NCCL = 9              /* an NCCL call failed (moe_rt_nccl_last_failure: the call and result) */
 } moe_rt_status;
 
 typedef enum moe_rt_dtype {
@@ -83,7 +85,10 @@ typedef enum moe_rt_dtype {
   MOE_RT_INT8 = 7,
   MOE_RT_FLOAT8_E4M3 = 8,
   MOE_RT_FLOAT8_E5M2 = 9,
-  MOE_RT_INT16 = 10
+  MOE_RT_INT16 = 10,
+  MOE_RT_UINT32 = 11, /* the communicator's data calls alone */
+  MOE_RT_UINT64 = 12,
+  MOE_RT_FLOAT64 = 13
 } moe_rt_dtype;
 
 typedef enum moe_rt_score_function {
@@ -499,6 +504,92 @@ moe_rt_status moe_rt_ll_combine(moe_rt_ll_group* group, int buffer_set, int op, 
 moe_rt_status moe_rt_ll_combine_bwd(moe_rt_ll_group* group, int buffer_set, const void* grad_out,
                                     const void* expert_out, const moe_rt_ll_tables* tables, int64_t num_tokens,
                                     float* dots, moe_rt_stream stream);
+
+/* ======================================================================================================
+ * NCCL and the communicator (csrc/comm.c; moe_rt._comm.Communicator is a thin layer over these)
+ *
+ * NCCL is loaded at run time with dlopen (RTLD_NOW | RTLD_GLOBAL); no NCCL header is needed to build or to
+ * compile against this file. One process uses one copy: the first successful load stays, so communicators
+ * made by torch or CuPy and these live in the same library. The search (a NULL path to moe_rt_nccl_load, and
+ * every function below when nothing is loaded yet): the MOE_RT_NCCL_PATH environment variable; else a
+ * libnccl.so.2 already loaded in the process; else libnccl.so.2 from the system search path. (The Python
+ * side, moe_rt._comm, passes its own find instead: MOE_RT_NCCL_PATH, else the nvidia-nccl wheel or the copy
+ * already loaded through cuda.pathfinder, else libnccl.so.2.) A load that fails is not remembered: the next
+ * call tries again. Without NCCL every function returns MOE_RT_ERROR_NO_NCCL with the path and dlerror().
+ *
+ * An NCCL call that fails (any ncclResult_t but ncclSuccess and ncclInProgress) returns MOE_RT_ERROR_NCCL;
+ * moe_rt_last_error() reads "<ncclCall> failed: <NCCL's error string>[; <ncclGetLastError>] (ncclResult_t
+ * N)" and moe_rt_nccl_last_failure() gives the call, the result and the message apart. A communicator is one
+ * rank of a group, one process (or thread) per GPU; the data calls take device pointers, element counts
+ * (>= 0), moe_rt dtype codes (int8, uint8, int32, uint32, int64, uint64, float16, float32, float64,
+ * bfloat16) and a stream, and are NCCL's (collectives: every rank calls them in the same order).
+ * ====================================================================================================== */
+#define MOE_RT_NCCL_UNIQUE_ID_BYTES 128
+
+typedef struct moe_rt_comm moe_rt_comm;
+
+typedef enum moe_rt_reduce_op {
+  MOE_RT_REDUCE_SUM = 0,
+  MOE_RT_REDUCE_MAX = 1
+} moe_rt_reduce_op;
+
+/* The last NCCL failure on this thread (thread-local, cleared by every moe_rt_nccl_* / moe_rt_comm_* call). */
+typedef struct moe_rt_nccl_failure {
+  int32_t result;     /* the ncclResult_t (-1: a function missing from the library; 0: none) */
+  char call[64];      /* the NCCL function, e.g. "ncclSend" ("" when the last failure was not NCCL's) */
+  char message[1024]; /* NCCL's error string, then "; " and ncclGetLastError's text when it has one */
+} moe_rt_nccl_failure;
+
+/* Load NCCL from `path` (a file name or path for dlopen; NULL = the search above) unless a copy is loaded
+ * already (then MOE_RT_SUCCESS: moe_rt_nccl_library_path tells which). */
+moe_rt_status moe_rt_nccl_load(const char* path);
+/* The path the loaded NCCL was opened by (valid while the process lives). */
+moe_rt_status moe_rt_nccl_library_path(const char** path);
+/* The loaded NCCL's version (ncclGetVersion, decoded). Needs no GPU. */
+moe_rt_status moe_rt_nccl_version(int* major, int* minor, int* patch);
+/* NCCL's text for an ncclResult_t value (ncclGetErrorString; a static string of the library). */
+moe_rt_status moe_rt_nccl_error_string(int result, const char** text);
+moe_rt_status moe_rt_nccl_last_failure(moe_rt_nccl_failure* out);
+/* The ncclDataType_t of a moe_rt dtype code (one of the ten above; others: MOE_RT_ERROR_INVALID_ARGUMENT).
+ * Needs no NCCL. */
+moe_rt_status moe_rt_nccl_dtype(int dtype, int* nccl_type);
+/* A fresh unique id (MOE_RT_NCCL_UNIQUE_ID_BYTES bytes into id) for every rank of a new communicator. Without
+ * NCCL_COMM_ID it starts NCCL's bootstrap listener in this process. Needs no GPU. */
+moe_rt_status moe_rt_nccl_get_unique_id(void* id);
+/* Rank `rank` of `nranks` (ncclCommInitRank; a collective over the ranks, which pass the same id) on the
+ * calling thread's current CUDA device (cudaSetDevice / the current context's device). */
+moe_rt_status moe_rt_comm_init_rank(const void* unique_id, int nranks, int rank, moe_rt_comm** comm);
+/* ncclCommDestroy (a collective: every rank calls it) and free comm, also when NCCL reports a failure.
+ * NULL is a no-op. */
+moe_rt_status moe_rt_comm_destroy(moe_rt_comm* comm);
+/* ncclCommAbort (tears the communicator down at once, for error paths) and free comm. NULL is a no-op. */
+moe_rt_status moe_rt_comm_abort(moe_rt_comm* comm);
+/* *result = the communicator's asynchronous error (ncclCommGetAsyncError; 0 = healthy, 7 = in progress).
+ * When it is a failure and message is not NULL, message (message_bytes, at least 1) receives NCCL's text for
+ * it as moe_rt_nccl_failure.message. */
+moe_rt_status moe_rt_comm_async_error(moe_rt_comm* comm, int* result, char* message, size_t message_bytes);
+moe_rt_status moe_rt_comm_count(const moe_rt_comm* comm, int* count);
+moe_rt_status moe_rt_comm_user_rank(const moe_rt_comm* comm, int* rank);
+/* The raw ncclComm_t (to hand to code using NCCL directly). */
+moe_rt_status moe_rt_comm_nccl_handle(const moe_rt_comm* comm, void** nccl_comm);
+/* ncclGroupStart / ncclGroupEnd. comm (NULL allowed) is a communicator of the group: a failure's message
+ * carries its ncclGetLastError. */
+moe_rt_status moe_rt_comm_group_start(void);
+moe_rt_status moe_rt_comm_group_end(const moe_rt_comm* comm);
+/* Point to point: count elements of dtype to / from rank peer in [0, nranks). */
+moe_rt_status moe_rt_comm_send(moe_rt_comm* comm, const void* buf, int64_t count, int dtype, int peer,
+                               moe_rt_stream stream);
+moe_rt_status moe_rt_comm_recv(moe_rt_comm* comm, void* buf, int64_t count, int dtype, int peer,
+                               moe_rt_stream stream);
+/* recv[r*count : (r+1)*count] = send of rank r. */
+moe_rt_status moe_rt_comm_all_gather(moe_rt_comm* comm, const void* send, void* recv, int64_t count, int dtype,
+                                     moe_rt_stream stream);
+/* recv = op over the ranks of send (count elements; send == recv: in place); op a moe_rt_reduce_op. */
+moe_rt_status moe_rt_comm_all_reduce(moe_rt_comm* comm, const void* send, void* recv, int64_t count, int dtype,
+                                     int op, moe_rt_stream stream);
+/* recv = send of rank root, in [0, nranks) (send read on the root alone). */
+moe_rt_status moe_rt_comm_broadcast(moe_rt_comm* comm, const void* send, void* recv, int64_t count, int dtype,
+                                    int root, moe_rt_stream stream);
 
 #ifdef __cplusplus
 }
