@@ -220,11 +220,11 @@ moe_rt_status moe_rt_nccl_get_unique_id(void* id) {
 
 /* ---- the communicator --------------------------------------------------------------------------------------- */
 
-static moe_rt_status check_comm(const char* op, const moe_rt_comm* comm) {
+static moe_rt_status comm_null(const char* op, const moe_rt_comm* comm) {
   clear();
   if (comm == NULL)
     return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: comm is NULL; make one with moe_rt_comm_init_rank", op);
-  return ensure(NULL); /* loaded already: comm was made by this library */
+  return MOE_RT_SUCCESS;
 }
 
 moe_rt_status moe_rt_comm_init_rank(const void* unique_id, int nranks, int rank, moe_rt_comm** comm) {
@@ -273,9 +273,10 @@ moe_rt_status moe_rt_comm_abort(moe_rt_comm* comm) {
 moe_rt_status moe_rt_comm_async_error(moe_rt_comm* comm, int* result, char* message, size_t message_bytes) {
   const char* op = "moe_rt_comm_async_error";
   moe_rt_status st;
-  if ((st = check_comm(op, comm)) || (st = mrt_check_ptr(op, "result", result))) return st;
+  if ((st = comm_null(op, comm)) || (st = mrt_check_ptr(op, "result", result))) return st;
   if (message != NULL && message_bytes < 1)
     return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: message_bytes must be >= 1 with a message buffer", op);
+  if ((st = ensure(NULL))) return st;
   ncclResult_t res = 0;
   if ((st = check(g_nccl.CommGetAsyncError(comm->comm, &res), "ncclCommGetAsyncError", comm->comm))) return st;
   *result = res;
@@ -288,21 +289,23 @@ moe_rt_status moe_rt_comm_async_error(moe_rt_comm* comm, int* result, char* mess
 
 moe_rt_status moe_rt_comm_count(const moe_rt_comm* comm, int* count) {
   moe_rt_status st;
-  if ((st = check_comm("moe_rt_comm_count", comm)) || (st = mrt_check_ptr("moe_rt_comm_count", "count", count)))
+  if ((st = comm_null("moe_rt_comm_count", comm)) || (st = mrt_check_ptr("moe_rt_comm_count", "count", count)) ||
+      (st = ensure(NULL)))
     return st;
   return check(g_nccl.CommCount(comm->comm, count), "ncclCommCount", comm->comm);
 }
 
 moe_rt_status moe_rt_comm_user_rank(const moe_rt_comm* comm, int* rank) {
   moe_rt_status st;
-  if ((st = check_comm("moe_rt_comm_user_rank", comm)) || (st = mrt_check_ptr("moe_rt_comm_user_rank", "rank", rank)))
+  if ((st = comm_null("moe_rt_comm_user_rank", comm)) || (st = mrt_check_ptr("moe_rt_comm_user_rank", "rank", rank)) ||
+      (st = ensure(NULL)))
     return st;
   return check(g_nccl.CommUserRank(comm->comm, rank), "ncclCommUserRank", comm->comm);
 }
 
 moe_rt_status moe_rt_comm_nccl_handle(const moe_rt_comm* comm, void** nccl_comm) {
   moe_rt_status st;
-  if ((st = check_comm("moe_rt_comm_nccl_handle", comm)) ||
+  if ((st = comm_null("moe_rt_comm_nccl_handle", comm)) ||
       (st = mrt_check_ptr("moe_rt_comm_nccl_handle", "nccl_comm", nccl_comm)))
     return st;
   *nccl_comm = comm->comm;
@@ -359,14 +362,14 @@ static moe_rt_status check_data(const char* op, const moe_rt_comm* comm, int64_t
                                 const char* n1, const void* p1, const char* n2, const void* p2, const char* rank_name,
                                 int r) {
   moe_rt_status st;
-  if ((st = check_comm(op, comm))) return st;
+  if ((st = comm_null(op, comm))) return st;
   if (count < 0) return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: count must be >= 0, got %lld", op, (long long)count);
   if ((*type = nccl_type_of(dtype)) < 0) return bad_dtype(op, dtype);
   if ((st = mrt_check_data(op, n1, p1, count))) return st;
   if (n2 != NULL && (st = mrt_check_data(op, n2, p2, count))) return st;
   if (rank_name != NULL && (r < 0 || r >= comm->nranks))
     return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: %s must be in [0, %d), got %d", op, rank_name, comm->nranks, r);
-  return MOE_RT_SUCCESS;
+  return ensure(NULL);
 }
 
 moe_rt_status moe_rt_comm_send(moe_rt_comm* comm, const void* buf, int64_t count, int dtype, int peer,
