@@ -14,7 +14,7 @@ from libc.stddef cimport size_t
 import os
 import threading
 
-from moe_rt._core import LIB_PATH
+from moe_rt._core import DTYPE_CODES, LIB_PATH
 
 cdef extern from "<dlfcn.h>" nogil:
     void* dlopen(const char*, int)
@@ -220,9 +220,9 @@ def get_unique_id():
     return uid[:UNIQUE_ID_BYTES]
 
 
-# moe_rt_dtype codes (include/moe_rt/moe_rt.h) of the dtypes NCCL moves, by name
-_CODES = {"int8": 7, "uint8": 6, "int32": 3, "uint32": 11, "int64": 4, "uint64": 12, "float16": 1, "float32": 0,
-          "float64": 13, "bfloat16": 2}
+# moe_rt_dtype codes (include/moe_rt/moe_rt.h) of the dtypes NCCL moves, by name (the core maps them to NCCL's)
+_CODES = {**{n: DTYPE_CODES[n] for n in ("int8", "uint8", "int32", "int64", "float16", "float32", "bfloat16")},
+          "uint32": 11, "uint64": 12, "float64": 13}
 
 
 cdef int _code(dtype) except -1:

@@ -73,10 +73,27 @@ def test_single_rank_communicator():
         comm.send(x.data.ptr, 10, "float32", 0, s.ptr)
         comm.recv(z.data.ptr, 10, "float32", 0, s.ptr)
         comm.group_end()
+        m = cupy.full(10, np.nan, dtype=cupy.float32)
+        comm.all_reduce(x.data.ptr, m.data.ptr, 10, "float32", s.ptr, op="max")
+        xi = cupy.arange(7, dtype=cupy.uint32) * 3 + 1
+        b = cupy.zeros(7, dtype=cupy.uint32)
+        comm.broadcast(xi.data.ptr, b.data.ptr, 7, "uint32", 0, s.ptr)
         s.synchronize()
         assert comm.async_error() is None
         np.testing.assert_array_equal(y.get(), x.get())
         np.testing.assert_array_equal(z.get(), x.get())
+        np.testing.assert_array_equal(m.get(), x.get())
+        np.testing.assert_array_equal(b.get(), xi.get())
+        assert comm.ptr and comm.handle and comm.ptr != comm.handle
+        # the core checks the peer, the root and the buffers (ValueError naming them)
+        with pytest.raises(ValueError, match="peer must be in"):
+            comm.send(x.data.ptr, 10, "float32", 1, s.ptr)
+        with pytest.raises(ValueError, match="root must be in"):
+            comm.broadcast(x.data.ptr, y.data.ptr, 10, "float32", 3, s.ptr)
+        with pytest.raises(ValueError, match="recv is NULL"):
+            comm.all_gather(x.data.ptr, 0, 10, "float32", s.ptr)
+        with pytest.raises(TypeError, match="no NCCL data type"):
+            comm.send(x.data.ptr, 10, "complex64", 0, s.ptr)
     finally:
         comm.close()
     assert comm.closed
