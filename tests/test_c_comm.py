@@ -6,24 +6,17 @@ with moe_rt._comm; on a GPU a one-rank communicator moves data through every dat
 from __future__ import annotations
 
 import ctypes as C
-import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from moe_rt import _comm
-
-ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("moe_rt_libbuild", ROOT / "csrc" / "libbuild.py")
-cbuild = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(cbuild)
+from test_c_abi import ROOT, _err, _ok, libpath  # noqa: F401 - libpath: the library built for the test
 
 OK, INVALID, NO_NCCL, NCCL = 0, 1, 8, 9
 F32, F16, BF16, I32, I64, BOOL, U8, I8, FP8, I16, U32, U64, F64 = 0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12, 13
@@ -80,18 +73,6 @@ NCCL_PATH = _nccl_path()
 needs_nccl = pytest.mark.skipif(NCCL_PATH is None, reason="needs the NCCL library")
 
 
-@pytest.fixture(scope="module")
-def libpath(tmp_path_factory):
-    if cbuild.compiler() is None or not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")):
-        pytest.skip("no C compiler on PATH")
-    out = tmp_path_factory.mktemp("libmoe_rt_comm") / "libmoe_rt.so"
-    try:
-        cbuild.build(out)
-    except subprocess.CalledProcessError as e:
-        pytest.fail(f"libmoe_rt did not build:\n{e.stdout}{e.stderr}")
-    return out
-
-
 def _load(path):
     lib = C.CDLL(str(path))
     for name, (res, args) in SIGNATURES.items():
@@ -103,18 +84,6 @@ def _load(path):
 @pytest.fixture(scope="module")
 def lib(libpath):
     return _load(libpath)
-
-
-def _ok(lib, status):
-    assert status == OK, f"{lib.moe_rt_status_name(status).decode()}: {lib.moe_rt_last_error().decode()}"
-
-
-def _err(lib, status, code, *words):
-    msg = lib.moe_rt_last_error().decode()
-    assert status == code, f"status {status} ({msg}), expected {code}"
-    for w in words:
-        assert w in msg, f"{w!r} not in {msg!r}"
-    return msg
 
 
 def test_status_names(lib):
