@@ -2678,9 +2678,50 @@ __device__ __forceinline__ void qb_smem_flush(const unsigned* s, int* __restrict
   }
 }
 
-// The one place router_fwd_qb writes the routing map element by element: entry e of the row at `row`.
+// router_fwd_qb's element-wise writes of the routing map: entry e of the row at `row`.
 __device__ __forceinline__ void qb_map_out(bool* __restrict__ rmap, i64 row, int e, bool routed) {
   rmap[row + e] = routed;
+}
+
+// router_fwd_qb's selection pass for one warp on 16-byte rows (router_fwd's phase 4 with phase 6, the
+// selection (thr, il) of the k + 1): the routing map of the k + 1 (the caller clears the cutoff's byte) and
+// zero probs, and the k + 1 in index order -> lidx/lkey, in rounds of 32 units of P keys (lane order = index
+// order), each lane's selected experts placed by a ballot or a warp scan of the lanes' counts (router_fwd's
+// code; a helper shared with it changed router_fwd's SASS (sm_90, fp32), so router_fwd keeps its own).
+template <typename T, int P>
+__device__ __forceinline__ void qb_dense_in_order(const unsigned* keys, int E, int K1, unsigned thr, int il,
+                                                  i64 row, bool* __restrict__ rmap, T* __restrict__ probs,
+                                                  int* lidx, unsigned* lkey) {
+  const int lane = threadIdx.x & 31, np = E / P;
+  int cnt = 0;
+  for (int b0 = 0; b0 < np; b0 += 32) {
+    const int c = b0 + lane;
+    unsigned sel = 0u;
+    if (c < np) {
+      alignas(16) unsigned kv[P];
+      ldn<P>(keys + c * P, kv);
+      sel = chunk_selection<P>(kv, c * P, thr, il);
+      dense_chunk_out<T, P>(sel, c * P, row, rmap, probs, nullptr);
+    }
+    const unsigned lanes = __ballot_sync(FULL_MASK, sel != 0u);
+    int excl, tot;
+    if (__any_sync(FULL_MASK, (sel & (sel - 1u)) != 0u)) {
+      const int n = __popc(sel);
+      const int incl = warp_inclusive_scan(n);
+      excl = incl - n;
+      tot = __shfl_sync(FULL_MASK, incl, 31);
+    } else {
+      excl = __popc(lanes & ((1u << lane) - 1u));
+      tot = __popc(lanes);
+    }
+    int pos = cnt + excl;
+    for (unsigned b = sel; b != 0u; b &= b - 1u, ++pos) {
+      const int e = c * P + __ffs(b) - 1;
+      if (pos < K1) { lidx[pos] = e; lkey[pos] = keys[e]; }
+    }
+    cnt += tot;
+  }
+  __syncwarp();
 }
 
 }  // namespace
@@ -2823,10 +2864,12 @@ router_fwd_qb_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, fl
 
 // The QB forward of any row: one team of TEAM threads per token (TEAM = 32: 4 tokens a block), the row's keys
 // in shared memory (the slot layout of router_fwd for k + 1 and no groups); vec (16-byte rows, as in
-// router_fwd): phase 1 and the dense outputs in 16-byte chunks. probs, rmap, inter and cutoff are written for
-// every token; hist [E, B] int32 is accumulated by hmode (above; 0: not touched). Shared memory: SPB slots,
-// then (hmode 2) E ceil(B / 2) words of counters. HIST = false: compiled without the histogram (hmode 0 only;
-// the planners name it where the histogram pass follows): 3-4% faster at E = 2304 (H100, T = 65536).
+// router_fwd): phase 1 and the dense outputs in 16-byte chunks, and with one warp a token the k + 1 listed in
+// index order in the pass that writes the map and zero probs (qb_dense_in_order), the histogram after it in a
+// pass of its own (it needs the cutoff). probs, rmap, inter and cutoff are written for every token; hist
+// [E, B] int32 is accumulated by hmode (above; 0: not touched). Shared memory: SPB slots, then (hmode 2)
+// E ceil(B / 2) words of counters. HIST = false: compiled without the histogram (hmode 0 only; the planners
+// name it where the histogram pass follows): 3-4% faster at E = 2304 (H100, T = 65536).
 template <typename T, int TEAM, bool HIST = true>
 __global__ void __launch_bounds__(TEAM == 32 ? 128 : TEAM, MOE_RT_FWD_MINB(TEAM))
 router_fwd_qb(const T* __restrict__ logits, i64 num_tokens, int E, int K, float scale,
@@ -2877,8 +2920,17 @@ router_fwd_qb(const T* __restrict__ logits, i64 num_tokens, int E, int K, float 
     int il;
     select_topk<TEAM>(keys, E, K1, wcnt, redi, list, thr, il);
 
-    // The k + 1 candidates in index order -> lidx/lkey.
-    selected_in_order<TEAM>(keys, E, K1, Kp, thr, il, lidx, lkey, wlist, wcount, r, lane, warp);
+    // The k + 1 candidates in index order -> lidx/lkey. One warp on 16-byte rows writes the dense outputs
+    // (the map of the k + 1, zero probs) in the same pass, P keys a lane a round as router_fwd's phase 4.
+    bool dense_done = false;
+    if constexpr (TEAM == 32) {
+      if (vec) {
+        dense_done = true;
+        if (CH == 8 || E % 8 == 0) qb_dense_in_order<T, 8>(keys, E, K1, thr, il, row, rmap, probs, lidx, lkey);
+        else qb_dense_in_order<T, CH>(keys, E, K1, thr, il, row, rmap, probs, lidx, lkey);
+      }
+    }
+    if (!dense_done) selected_in_order<TEAM>(keys, E, K1, Kp, thr, il, lidx, lkey, wlist, wcount, r, lane, warp);
 
     // The cutoff: the least key among the k + 1, the last such position (the larger id) on ties; it leaves
     // the list, the other k keep their index order.
@@ -2912,6 +2964,9 @@ router_fwd_qb(const T* __restrict__ logits, i64 num_tokens, int E, int K, float 
           cutoff[t] = fdecode(mk);
           cut_word[0] = mk;
           cut_word[1] = (unsigned)ci[s];
+          // the cutoff expert is not routed (the pass's write of its byte is ordered by the pass's last
+          // __syncwarp and the one above)
+          if (dense_done) qb_map_out(rmap, row, ci[s], false);
         }
       __syncwarp();
       topk_weights(t, K, SIGMOID, 0, scale, bias, lidx, lkey, P.lw, P.lp, nullptr, 4, nullptr);
@@ -2920,21 +2975,25 @@ router_fwd_qb(const T* __restrict__ logits, i64 num_tokens, int E, int K, float 
 
     // Dense outputs: the map (the k routes; the cutoff expert is not routed), zero probs, then the k probs;
     // the histogram in the same pass (this thread wrote these raw values above: same thread, same addresses,
-    // no fence needed).
+    // no fence needed). dense_done: the map and zeros are written; the histogram alone, then the k probs.
     const unsigned ck = cut_word[0];
     const int cidx = (int)cut_word[1];
     const float cut = fdecode(ck);
-    if (vec) {
+    auto hist_chunk = [&](int c) {
+      alignas(16) float av[CH];
+      ldn<CH>(inter + row + (i64)c * CH, av);
+#pragma unroll
+      for (int v = 0; v < CH; ++v) H.add(c * CH + v, cut, av[v]);
+    };
+    if (dense_done) {
+      if (hmode)
+        for (int c = r; c < nch; c += TEAM) hist_chunk(c);
+    } else if (vec) {
       for (int c = r; c < nch; c += TEAM) {
         alignas(16) unsigned kv[CH];
         ldn<CH>(keys + c * CH, kv);
         dense_chunk_out<T, CH>(kv, c * CH, ck, cidx - 1, row, rmap, probs, nullptr);
-        if (hmode) {
-          alignas(16) float av[CH];
-          ldn<CH>(inter + row + (i64)c * CH, av);
-#pragma unroll
-          for (int v = 0; v < CH; ++v) H.add(c * CH + v, cut, av[v]);
-        }
+        if (hmode) hist_chunk(c);
       }
     } else {
       for (int e = r; e < E; e += TEAM) {
@@ -2943,7 +3002,7 @@ router_fwd_qb(const T* __restrict__ logits, i64 num_tokens, int E, int K, float 
         if (hmode) H.add(e, cut, inter[row + e]);
       }
     }
-    TM::sync();  // orders the fill before the patch (same block)
+    if (!dense_done) TM::sync();  // orders the fill before the patch (same block; dense_done: the sync above)
     for (int j = r; j < K; j += TEAM) probs[row + lidx[j]] = from_float<T>(P.lw[j]);
     TM::sync();
   }
