@@ -754,12 +754,13 @@ def _qb_gpu_run(cp, x, bias, bounds, start, K, mode="fused_atomic"):
 
 
 # (T, E, K, B, dtype, ties): the register kernel at 8, 16 and 32 keys a lane, k + 1 by the argmax rounds (<= 9)
-# and by the radix select, ties of the cutoff (few distinct logits), odd and 16-bit rows for router_fwd_qb
+# and by the radix select, ties of the cutoff (few distinct logits), odd and 16-bit rows for router_fwd_qb (one
+# warp on 16-byte float16 rows: the pass that lists the k + 1 and writes the map, with ties)
 QB_PATH_CASES = [(1000, 256, 8, 64, F32, False), (1000, 256, 8, 64, BF16, False), (777, 256, 3, 64, BF16, True),
                  (777, 256, 8, 64, F32, True), (513, 512, 16, 48, F32, False), (513, 512, 12, 48, BF16, True),
                  (300, 1024, 31, 24, F32, False), (300, 1024, 40, 24, BF16, True), (129, 2304, 36, 64, F32, False),
                  (129, 2304, 36, 10, BF16, True), (61, 100, 5, 33, F32, False), (59, 37, 6, 5, np.float16, True),
-                 (65, 3000, 64, 8, BF16, False)]
+                 (65, 3000, 64, 8, BF16, False), (97, 1000, 7, 16, np.float16, True)]
 
 
 def test_gpu_cases_reach_every_selection(monkeypatch):
