@@ -9,7 +9,8 @@ lock and load the result. The cache key covers the contents of every file under 
 a header recompiles, and a cache folder copied to another machine is used there only where all of these
 match.
 
-Cache folder: ``MOE_RT_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/moe_rt/kernels`` (``~/.cache/moe_rt/kernels``).
+Cache folder: ``MOE_RT_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/moe_rt/kernels`` (``~/.cache/moe_rt/kernels``);
+with ``MOE_RT_NVRTC_OPTIONS`` set, its subfolder ``nvrtc-<hash of the options>`` (``cache_dir``).
 Inside: ``<arch>/<file stem>.<name>.<key>.cubin`` (``.ptx`` for an architecture NVRTC has no machine code
 for) with a ``.json`` beside it naming the kernel and its lowered (mangled) name; ``python -m moe_rt warmup``
 also writes ``manifest.json``, the index a loader without Python reads. Nothing is written into the package
@@ -125,19 +126,32 @@ def source(file: str) -> str:
 
 
 def cache_dir() -> str:
-    """The kernel cache folder: ``MOE_RT_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/moe_rt/kernels``."""
+    """The kernel cache folder: ``MOE_RT_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/moe_rt/kernels``; with
+    ``MOE_RT_NVRTC_OPTIONS`` set, a subfolder ``nvrtc-<hash of those options>`` of it. The C core loads the
+    kernels its folder's manifest lists by (file, name, architecture) alone, so builds of other options need
+    a folder (and a manifest) of their own: otherwise a process with ``-DX=1`` would run the kernels another
+    process listed without it."""
     env = os.environ.get("MOE_RT_KERNEL_CACHE")
     if env:
-        return os.path.abspath(os.path.expanduser(env))
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "moe_rt", "kernels")
+        root = os.path.abspath(os.path.expanduser(env))
+    else:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        root = os.path.join(base, "moe_rt", "kernels")
+    extra = extra_options()
+    if extra:
+        root = os.path.join(root, "nvrtc-" + hashlib.sha256("\0".join(extra).encode()).hexdigest()[:12])
+    return root
+
+
+def extra_options() -> tuple[str, ...]:
+    """The NVRTC options ``MOE_RT_NVRTC_OPTIONS`` adds (split at white space; empty when unset)."""
+    return tuple(os.environ.get("MOE_RT_NVRTC_OPTIONS", "").split())
 
 
 def options() -> tuple[str, ...]:
     """NVRTC options of every kernel program; ``MOE_RT_NVRTC_OPTIONS`` adds more (e.g. ``-lineinfo`` for a
     profiler's source view)."""
-    extra = tuple(os.environ.get("MOE_RT_NVRTC_OPTIONS", "").split())
-    return ("-std=c++17", f"-I{include_dir()}", f"-DMOE_RT_SOURCE_HASH=0x{source_hash()[:15]}") + extra
+    return ("-std=c++17", f"-I{include_dir()}", f"-DMOE_RT_SOURCE_HASH=0x{source_hash()[:15]}") + extra_options()
 
 
 # ---- messages ----------------------------------------------------------------------------------------
@@ -371,14 +385,15 @@ def _manifest_row(root: str, file: str, name: str, arch: str) -> dict:
 
 def _write_manifest(out: Path, rows: list) -> None:
     _write_atomic(out, json.dumps({"format": _CACHE_FORMAT, "source_hash": source_hash(),
-                                   "nvrtc": ".".join(map(str, nvrtc_version())), "kernels": rows},
-                                  indent=1).encode())
+                                   "nvrtc": ".".join(map(str, nvrtc_version())),
+                                   "options": list(extra_options()), "kernels": rows}, indent=1).encode())
 
 
 def add_to_manifest(root: str, kernels) -> Path:
     """Add ``kernels`` ((file, name expression, arch) each, already compiled into ``root``) to
     ``root/manifest.json``, under a file lock so that processes merge their additions; a manifest written
-    from other kernel sources is replaced. The C core reads the manifest again when it misses a kernel."""
+    from other kernel sources or with other ``MOE_RT_NVRTC_OPTIONS`` (its ``options``) is replaced. The C
+    core reads the manifest again when it misses a kernel."""
     import fcntl
 
     root_p = Path(root)
@@ -389,7 +404,8 @@ def add_to_manifest(root: str, kernels) -> Path:
         rows = []
         try:
             old = json.loads(out.read_text())
-            if old.get("source_hash") == source_hash() and old.get("format") == _CACHE_FORMAT:
+            if (old.get("source_hash") == source_hash() and old.get("format") == _CACHE_FORMAT
+                    and old.get("options", []) == list(extra_options())):
                 rows = list(old.get("kernels", []))
         except (OSError, ValueError):
             pass

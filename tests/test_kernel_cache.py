@@ -161,8 +161,48 @@ def test_warmup_help():
 
 
 def test_cache_folder_from_the_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv("MOE_RT_NVRTC_OPTIONS", raising=False)
     monkeypatch.setenv("MOE_RT_KERNEL_CACHE", str(tmp_path / "k"))
     assert _jit.cache_dir() == str(tmp_path / "k")
     monkeypatch.delenv("MOE_RT_KERNEL_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert _jit.cache_dir() == str(tmp_path / "xdg" / "moe_rt" / "kernels")
+
+
+def test_extra_nvrtc_options_get_a_cache_folder_of_their_own(monkeypatch, tmp_path):
+    """The C core loads what its folder's manifest lists by (file, name, architecture): builds with other
+    MOE_RT_NVRTC_OPTIONS must not share that folder, or a process would run another option set's kernels."""
+    monkeypatch.setenv("MOE_RT_KERNEL_CACHE", str(tmp_path / "k"))
+    monkeypatch.delenv("MOE_RT_NVRTC_OPTIONS", raising=False)
+    plain = _jit.cache_dir()
+    monkeypatch.setenv("MOE_RT_NVRTC_OPTIONS", "-lineinfo")
+    lineinfo = _jit.cache_dir()
+    monkeypatch.setenv("MOE_RT_NVRTC_OPTIONS", "  -lineinfo ")
+    assert _jit.cache_dir() == lineinfo  # the same options, split at white space
+    monkeypatch.setenv("MOE_RT_NVRTC_OPTIONS", "-DMOE_RT_SELR_MINB_BITMAP_F32=10")
+    other = _jit.cache_dir()
+    monkeypatch.setenv("MOE_RT_NVRTC_OPTIONS", "")
+    assert _jit.cache_dir() == plain == str(tmp_path / "k")
+    assert len({plain, lineinfo, other}) == 3
+    for d in (lineinfo, other):
+        assert os.path.dirname(d) == plain and os.path.basename(d).startswith("nvrtc-")
+
+
+@needs_nvrtc
+def test_a_manifest_of_other_nvrtc_options_is_replaced(monkeypatch, tmp_path):
+    """add_to_manifest merges only into a manifest of the same sources and options: rows listed under
+    other options are dropped, not served."""
+    import json
+
+    root = str(tmp_path)
+    monkeypatch.setenv("MOE_RT_QUIET", "1")
+    monkeypatch.delenv("MOE_RT_NVRTC_OPTIONS", raising=False)
+    _jit.cache_kernels(root, [SMALL], "sm_90")
+    m = json.loads((tmp_path / "manifest.json").read_text())
+    assert m["options"] == [] and [r["name"] for r in m["kernels"]] == [SMALL[1]]
+    plain_image = m["kernels"][0]["image"]
+    monkeypatch.setenv("MOE_RT_NVRTC_OPTIONS", "-lineinfo")
+    _jit.cache_kernels(root, [SMALL], "sm_90")
+    m = json.loads((tmp_path / "manifest.json").read_text())
+    assert m["options"] == ["-lineinfo"] and len(m["kernels"]) == 1
+    assert m["kernels"][0]["image"] != plain_image  # the -lineinfo build, not the plain one
