@@ -538,13 +538,15 @@ def _slot_probs(call, probs, plan: Plan, name: str, keep_f64: bool = False, chec
     else:
         # Dense [T,E] probs for an index plan: pick each slot's expert (ids out of range read 0).
         p = _dense_to_slots(call.xp, probs, plan, keep_f64)
-    want = _F64 if keep_f64 and probs.dtype == _F64 else _F32
-    if p.dtype != want:  # what astype(copy=False) would keep as it is, left alone without the call
-        p = p.astype(want, copy=False)
-    return call.contiguous(p)
+    return call.contiguous(_as_dtype(p, _F64 if keep_f64 and probs.dtype == _F64 else _F32))
 
 
 _F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
+
+
+def _as_dtype(a, dt):
+    """``a.astype(dt, copy=False)``, without the call where ``a`` has ``dt`` already (what it would keep)."""
+    return a if a.dtype == dt else a.astype(dt, copy=False)
 
 
 def check_probs(probs, name, T, K, E):
@@ -792,9 +794,7 @@ def dispatch_backward(grad_x_permuted, plan: Plan, grad_probs_permuted=None, *, 
         gpp = call["grad_probs_permuted"]
         _check_dispatch_bwd_args(g, gpp, plan.num_tokens, plan.num_rows)
         if gpp is not None:
-            if gpp.dtype != _F32:  # what astype(copy=False) would keep as it is, left alone without the call
-                gpp = gpp.astype(_F32, copy=False)
-            gpp = call.contiguous(gpp)
+            gpp = call.contiguous(_as_dtype(gpp, _F32))
         g = call.contiguous(g)
         if call.backend == "cpu":
             gx, gp = _ref.dispatch_backward(g, plan._dict(), gpp)
