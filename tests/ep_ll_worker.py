@@ -148,39 +148,57 @@ def graph(cp, comm):
         graph_one(cp, comm, dedup)
 
 
-def graph_one(cp, comm, dedup):
+def graph_one(cp, comm, dedup, combine_partials=False):
+    """dispatch + combine on a group made with ``dedup`` and ``combine_partials``, captured once and replayed 5
+    times with new routing, tokens and weights, against the reference each time. Plain combine: an expert
+    stand-in (a per-expert scale of the received rows) captured between them; dispatch rows, counts and combine
+    checked. combine_partials: the expert rows an input of the graph, refilled with new rows at each replay
+    too; the rank-partial combine checked."""
     from moe_rt.ep_ll import LowLatencyGroup
     from moe_rt.reference import ep_ll as ref
 
     dt = bf16()
     L, K, Tmax, H = 4, 3, 24, 256
     Ts = spread((24, 19, 0, 7))
-    g = LowLatencyGroup(comm, WORLD * L, H, Tmax, topk=K, dtype=dt, dedup=dedup)
-    xs, idxs, ws = case(7, L, K, Ts, H, dt)
+    g = LowLatencyGroup(comm, WORLD * L, H, Tmax, topk=K, dtype=dt, dedup=dedup, combine_partials=combine_partials)
+    seed, replay_seed = (9, 2000) if combine_partials else (7, 1000)
+    xs, idxs, ws = case(seed, L, K, Ts, H, dt)
     x, idx, w = cp.asarray(xs[RANK]), cp.asarray(idxs[RANK]), cp.asarray(ws[RANK])
     scale = cp.asarray(np.linspace(0.5, 1.5, L).astype(np.float32))
-    g.combine(g.dispatch(x, idx, w)[2], cp.zeros((L, WORLD * Tmax, H), dt))  # setup and compile first
-    r0, _, _ = g.dispatch(x, idx, w)
-    (r0.astype(cp.float32) * scale[:, None, None]).astype(dt)  # CuPy's kernels compiled before capture too
+    y = cp.zeros((L, WORLD * Tmax, H), dt)
+
+    def expert(recv):
+        return y if combine_partials else (recv.astype(cp.float32) * scale[:, None, None]).astype(dt)
+
+    g.combine(g.dispatch(x, idx, w)[2], y)  # setup and compile first
+    if not combine_partials:
+        expert(g.dispatch(x, idx, w)[0])  # CuPy's kernels compiled before capture too
     g.synchronize()
     s = cp.cuda.Stream(non_blocking=True)
     with s:
         s.begin_capture()
         recv, counts, h = g.dispatch(x, idx, w)
-        y = (recv.astype(cp.float32) * scale[:, None, None]).astype(dt)
-        out = g.combine(h, y)
+        out = g.combine(h, expert(recv))
         gr = s.end_capture()
     for it in range(5):
-        xs, idxs, ws = case(1000 + it, L, K, Ts, H, dt)
-        x[...] = cp.asarray(xs[RANK])
-        idx[...] = cp.asarray(idxs[RANK])
-        w[...] = cp.asarray(ws[RANK])
+        xs, idxs, ws = case(replay_seed + it, L, K, Ts, H, dt)
+        x[...], idx[...], w[...] = cp.asarray(xs[RANK]), cp.asarray(idxs[RANK]), cp.asarray(ws[RANK])
+        if combine_partials:
+            Y = np.random.default_rng(3000 + it).standard_normal((WORLD, L, WORLD * Tmax, H)).astype(dt)
+            y[...] = cp.asarray(Y[RANK])
+        cp.cuda.get_current_stream().synchronize()  # the new inputs written before the replay reads them
         gr.launch(s)
         s.synchronize()
         res = ref.dispatch(xs, idxs, ws, WORLD * L, Tmax)
+        handles = [hh for _, _, hh in res]
+        if combine_partials:
+            want = ref.combine_partials(handles, list(Y))[RANK]
+            assert (bits(cp.asnumpy(out)) == bits(want)).all(), f"replay {it}: combine partials"
+            log(f"partials replay {it} ok")
+            continue
         sc = cp.asnumpy(scale)
         Y = [(r.astype(np.float32) * sc[:, None, None]).astype(dt) for r, _, _ in res]
-        want = ref.combine([hh for _, _, hh in res], Y)[RANK]
+        want = ref.combine(handles, Y)[RANK]
         valid = res[RANK][2]["slot_k"] >= 0
         assert (bits(cp.asnumpy(recv)[valid]) == bits(res[RANK][0][valid])).all(), f"replay {it}: dispatch rows"
         assert (cp.asnumpy(counts) == res[RANK][1]).all(), f"replay {it}: counts"
@@ -543,42 +561,10 @@ def partials(cp, comm):
     Tmax*max(K, R)), poisoned expert rows and back buffer, run to run bitwise, dedup on and off; the
     backward passes unchanged; then dispatch + combine captured once and replayed with new routing; ranks
     disagreeing on combine_partials refused on every rank."""
-    from moe_rt.ep_ll import LowLatencyGroup
-    from moe_rt.reference import ep_ll as ref
-
     run_cases(cp, comm, [(3, 4, (7, 0, 5, 2), 7, 13), (3, 1, (6, 6), 6, 64), (8, 8, (128,), 128, 512),
                          (2, 8, (9, 0, 9, 4), 9, 40), (5, 6, (33, 17, 0, 40), 40, 1000)], check_partials, 300,
               "partials case", combine_partials=True)
-    # graph replay with new routing, tokens, weights and expert rows
-    dt = bf16()
-    L, K, Tmax, H = 4, 3, 24, 256
-    Ts = spread((24, 19, 0, 7))
-    g = LowLatencyGroup(comm, WORLD * L, H, Tmax, topk=K, dtype=dt, combine_partials=True)
-    xs, idxs, ws = case(9, L, K, Ts, H, dt)
-    x, idx, w = cp.asarray(xs[RANK]), cp.asarray(idxs[RANK]), cp.asarray(ws[RANK])
-    y = cp.zeros((L, WORLD * Tmax, H), dt)
-    g.combine(g.dispatch(x, idx, w)[2], y)  # setup and compile first
-    g.synchronize()
-    s = cp.cuda.Stream(non_blocking=True)
-    with s:
-        s.begin_capture()
-        _, _, h = g.dispatch(x, idx, w)
-        out = g.combine(h, y)
-        gr = s.end_capture()
-    for it in range(5):
-        xs, idxs, ws = case(2000 + it, L, K, Ts, H, dt)
-        Y = np.random.default_rng(3000 + it).standard_normal((WORLD, L, WORLD * Tmax, H)).astype(dt)
-        x[...], idx[...], w[...] = cp.asarray(xs[RANK]), cp.asarray(idxs[RANK]), cp.asarray(ws[RANK])
-        y[...] = cp.asarray(Y[RANK])
-        cp.cuda.get_current_stream().synchronize()
-        gr.launch(s)
-        s.synchronize()
-        handles = [hh for _, _, hh in ref.dispatch(xs, idxs, ws, WORLD * L, Tmax)]
-        want = ref.combine_partials(handles, list(Y))[RANK]
-        assert (bits(cp.asnumpy(out)) == bits(want)).all(), f"replay {it}: combine partials"
-        log(f"partials replay {it} ok")
-    g.synchronize()
-    g.close()
+    graph_one(cp, comm, None, combine_partials=True)  # new routing, tokens, weights and expert rows
     refused_when_ranks_disagree(cp, comm, "combine_partials")
 
 

@@ -1057,6 +1057,23 @@ def _gpu_case(rng, cp, L, K, T, Tmax, H, dt):
     return xs, idxs, ws, cp.asarray(xs[0]), cp.asarray(idxs[0]), cp.asarray(ws[0])
 
 
+def _capture_and_replay(cp, step, refresh, check, replays=3):
+    """``step()`` captured once as a CUDA graph on a stream of its own (it returns the graph's outputs), then
+    replayed ``replays`` times: ``refresh()`` writes new inputs into the arrays the graph reads and returns what
+    ``check(outs, new, tag)`` compares the outputs with after the replay."""
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        s.begin_capture()
+        outs = step()
+        graph = s.end_capture()
+    for it in range(replays):
+        new = refresh()
+        cp.cuda.get_current_stream().synchronize()  # the new inputs written before the replay reads them
+        graph.launch(s)
+        s.synchronize()
+        check(outs, new, f"replay {it}")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float16"])
 @pytest.mark.parametrize("L,K,T,Tmax,H", [(5, 3, 7, 9, 13), (8, 8, 128, 128, 256), (3, 2, 0, 4, 8)])
@@ -1081,23 +1098,25 @@ def test_gpu_one_rank_combine_partials(rng, dtype, L, K, T, Tmax, H):
                                           ref.combine_partials([rh], [y])[0].view(np.uint8))
             g.synchronize()
         ys = cp.asarray(rng.standard_normal((L, Tmax, H)).astype(dt))
-        s = cp.cuda.Stream(non_blocking=True)
-        with s:
-            s.begin_capture()
+
+        def step():
             _, _, h = g.dispatch(x, idx, w)
-            out = g.combine(h, ys)
-            graph = s.end_capture()
-        for _ in range(3):
+            return g.combine(h, ys)
+
+        def refresh():
             xs, idxs, ws = make_case(rng, 1, L, K, (T,), H, dt)
             x[...], idx[...], w[...] = cp.asarray(xs[0]), cp.asarray(idxs[0]), cp.asarray(ws[0])
             y = rng.standard_normal((L, Tmax, H)).astype(dt)
             ys[...] = cp.asarray(y)
-            cp.cuda.get_current_stream().synchronize()
-            graph.launch(s)
-            s.synchronize()
+            return xs, idxs, ws, y
+
+        def check(out, new, tag):
+            xs, idxs, ws, y = new
             rh = ref.dispatch(xs, idxs, ws, L, Tmax)[0][2]
             np.testing.assert_array_equal(cp.asnumpy(out).view(np.uint8),
-                                          ref.combine_partials([rh], [y])[0].view(np.uint8))
+                                          ref.combine_partials([rh], [y])[0].view(np.uint8), tag)
+
+        _capture_and_replay(cp, step, refresh, check)
     finally:
         g.close()
 
@@ -1169,25 +1188,26 @@ def test_gpu_one_rank_graph_replay_with_new_routing(rng, dedup):
         xs, idxs, ws, x, idx, w = _gpu_case(rng, cp, L, K, T, Tmax, H, dt)
         y = cp.asarray(rng.standard_normal((L, Tmax, H)).astype(dt))
         g.combine(g.dispatch(x, idx, w)[2], y)  # buffers and kernels before capture
-        s = cp.cuda.Stream(non_blocking=True)
-        with s:
-            s.begin_capture()
+
+        def step():
             recv, counts, h = g.dispatch(x, idx, w)
-            out = g.combine(h, y)
-            graph = s.end_capture()
-        for _ in range(3):
+            return recv, counts, g.combine(h, y)
+
+        def refresh():
             xs, idxs, ws = make_case(rng, 1, L, K, (T,), H, dt)
-            x[...] = cp.asarray(xs[0])
-            idx[...] = cp.asarray(idxs[0])
-            w[...] = cp.asarray(ws[0])
-            graph.launch(s)
-            s.synchronize()
-            rx, rc, rh = ref.dispatch(xs, idxs, ws, L, Tmax)[0]
-            np.testing.assert_array_equal(cp.asnumpy(counts), rc)
+            x[...], idx[...], w[...] = cp.asarray(xs[0]), cp.asarray(idxs[0]), cp.asarray(ws[0])
+            return xs, idxs, ws
+
+        def check(outs, new, tag):
+            recv, counts, out = outs
+            rx, rc, rh = ref.dispatch(*new, L, Tmax)[0]
+            np.testing.assert_array_equal(cp.asnumpy(counts), rc, tag)
             valid = rh["slot_k"] >= 0
-            np.testing.assert_array_equal(cp.asnumpy(recv)[valid].view(np.uint8), rx[valid].view(np.uint8))
+            np.testing.assert_array_equal(cp.asnumpy(recv)[valid].view(np.uint8), rx[valid].view(np.uint8), tag)
             np.testing.assert_array_equal(cp.asnumpy(out).view(np.uint8),
-                                          ref.combine([rh], [cp.asnumpy(y)])[0].view(np.uint8))
+                                          ref.combine([rh], [cp.asnumpy(y)])[0].view(np.uint8), tag)
+
+        _capture_and_replay(cp, step, refresh, check)
     finally:
         g.close()
 
@@ -1491,9 +1511,9 @@ def test_gpu_one_rank_fp8_graph_replay_and_split(rng, dedup):
         xq, xsc = cp.asarray(q0.view(np.uint8)), cp.asarray(s0)  # CuPy holds FP8 codes as uint8
         yo = cp.asarray(rng.standard_normal((L, Tmax, H)).astype(dt))
 
-        def check(outs, tag):
+        def check(outs, host, tag):
             (qa, _), cb, yb, oa, ob = outs
-            rq, rs, rc, rh = ref.dispatch_fp8(xs, idxs, ws, L, Tmax)[0]
+            rq, rs, rc, rh = ref.dispatch_fp8(*host, L, Tmax)[0]
             sk = rh["slot_k"]
             want_y = fp8_dequantized(rq, rs, sk, dt)
             np.testing.assert_array_equal(fp8_valid_rows(cp.asnumpy(qa), sk), fp8_valid_rows(rq, sk), tag)
@@ -1513,24 +1533,16 @@ def test_gpu_one_rank_fp8_graph_replay_and_split(rng, dedup):
             hook_b()
             return (qa, sa), cb, yb, g.combine(ha, yo), g.combine(hb, yb)
 
-        check(split_step(), "eager")
-        g.synchronize()
-        s = cp.cuda.Stream(non_blocking=True)
-        with s:
-            s.begin_capture()
-            outs = split_step()
-            graph = s.end_capture()
-        for it in range(3):
+        def refresh():
             xs, idxs, ws = fp8_case(rng, 1, L, K, (T,), H, dt)
-            x[...] = cp.asarray(xs[0])
-            idx[...] = cp.asarray(idxs[0])
-            w[...] = cp.asarray(ws[0])
+            x[...], idx[...], w[...] = cp.asarray(xs[0]), cp.asarray(idxs[0]), cp.asarray(ws[0])
             q0, s0 = moe_rt.quantize_fp8(xs[0])
-            xq[...] = cp.asarray(q0.view(np.uint8))
-            xsc[...] = cp.asarray(s0)
-            graph.launch(s)
-            s.synchronize()
-            check(outs, f"replay {it}")
+            xq[...], xsc[...] = cp.asarray(q0.view(np.uint8)), cp.asarray(s0)
+            return xs, idxs, ws
+
+        check(split_step(), (xs, idxs, ws), "eager")
+        g.synchronize()
+        _capture_and_replay(cp, split_step, refresh, check)
         g.synchronize()
     finally:
         g.close()
