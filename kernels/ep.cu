@@ -1483,13 +1483,21 @@ __device__ __forceinline__ void ll_signal_all(const long long* __restrict__ peer
   }
 }
 
+// The whole block waits until flags f[c] (c_lo <= c <= c_hi, and c = 0 when `first`) all reach e, one flag a
+// thread; false after a failed wait (thread_wait_flag's timeout report).
+__device__ __forceinline__ bool ll_block_wait_range(const unsigned* f, int c_lo, int c_hi, bool first, unsigned e,
+                                                    unsigned* state, int* err_word, i64 timeout_ns, int op) {
+  const int n = c_hi - c_lo + 1, m = n + (first && c_lo > 0 ? 1 : 0);
+  int ok = 1;
+  for (int i = threadIdx.x; i < m && ok; i += blockDim.x)
+    if (!thread_wait_flag(f + (i < n ? c_lo + i : 0), e, state, err_word, timeout_ns, op)) ok = 0;
+  return __syncthreads_and(ok) != 0;
+}
+
 // The whole block waits until flags f[i] (i < n) all reach e; false after a failed wait.
 __device__ __forceinline__ bool ll_block_wait_all(const unsigned* f, int n, unsigned e, unsigned* state,
                                                   int* err_word, i64 timeout_ns, int op) {
-  int ok = 1;
-  for (int i = threadIdx.x; i < n && ok; i += blockDim.x)
-    if (!thread_wait_flag(f + i, e, state, err_word, timeout_ns, op)) ok = 0;
-  return __syncthreads_and(ok) != 0;
+  return ll_block_wait_range(f, 0, n - 1, false, e, state, err_word, timeout_ns, op);
 }
 
 // The rows a block moves for one chunk: at most LL_MAX_ROWS (chunk_tokens() <= 8 tokens times K <= 64).
@@ -1764,13 +1772,15 @@ template <> struct LlUnit<4> { typedef unsigned type; };
 // when invalid), counts[l] = the valid slots; route_out (a share of [R, Tmax, K] per item) = route with the
 // rows t >= T_s as -1; FP8 with `dequant`: the valid rows of l dequantized from recv_q / recv_s into recv
 // (ll_dequantize_rows; with the dedup split from the token's pushed slot).
-// The dedup split's copies (the receive phase): every block, expert item or not, waits for every rank's every
-// chunk (so each copying block has itself acquired the flag of every row it reads), then takes a contiguous
-// share of the R*Tmax token columns j and, for each token (s, t) with the route's local experts l0 (its first
-// k's) and l (a later k's, distinct from l0 and from earlier k's), copies row (l0, j) to (l, j): recv rows, or
-// FP8 codes and scales (not with `dequant`: the dequantization reads the pushed slot and nothing returns the
-// codes). The route: the table this launch's pushes wrote (meta), or recv_route (a launch without meta,
-// combine_bwd: the handle's route [R, Tmax, K]; without it the pushes stay per expert).
+// The dedup split's copies (the receive phase, before the expert items' wait): every block, expert item or not,
+// takes a contiguous share of the R*Tmax token columns j, waits for the flags of the chunks those columns lie
+// in (and chunk 0 of their sources, which carries T_s; so each copying block has itself acquired the flag of
+// every row it reads, and copies while other chunks still arrive) and, for each token (s, t) with the route's
+// local experts l0 (its first k's) and l (a later k's, distinct from l0 and from earlier k's), copies row
+// (l0, j) to (l, j): recv rows, or FP8 codes and scales (not with `dequant`: the dequantization reads the
+// pushed slot and nothing returns the codes). The route: the table this launch's pushes wrote (meta), or
+// recv_route (a launch without meta, combine_bwd: the handle's route [R, Tmax, K]; without it the pushes stay
+// per expert).
 // phases: LL_PUSH | LL_RECEIVE in one launch, or split (a receive hook): the push launch records its epoch in
 // *set_epoch (given), the later LL_RECEIVE launch (no barrier before it) waits for that epoch's flags; the
 // copies belong to the receive launch.
@@ -1881,20 +1891,30 @@ __device__ __forceinline__ void ll_dispatch(
       }
     }
   }
-  // every chunk of every rank (each rank's flags [0][s][c] for c < NC): blocks with an expert item, and with
-  // the dedup split's copies every block (each copies a share of the token columns)
+  // The dedup split's copies (every block: a contiguous share [j_lo, j_hi) of the token columns) wait only for
+  // the chunks their columns read: column j = s*Tmax + t reads source s's route row of t (rrow: the dedup
+  // decision looks at that token's own K entries only), with a counted route also T_s (route[s][Tmax*K],
+  // written with chunk 0), and the pushed row (l0, j) (codes and scales with FP8): all written by rank s
+  // before its flag [0][s][t / C] (chunk 0's for T_s), which its fence publishes. The copy's destinations
+  // (l, j), l != l0, are no peer's in this launch (the dedup split pushes t's row to one slot of this rank)
+  // nor zero_k's (valid slots), so the copies need no other chunk. Then the expert items wait for every chunk
+  // of every rank (each rank's flags [0][s][c] for c < NC): the slot tables, counts and route_out read every
+  // source's whole route, the dequantization every pushed row. The loads after a wait read past L1 (__ldcg),
+  // as the acquiring thread may differ from the reading one.
   const bool copies = dd && !(FP8 && dequant);  // dequantizing reads the pushed slot instead
   if (blockIdx.x >= L && !copies) return;
-  int ok = 1;
-  for (int s = 0; s < R && ok; ++s)
-    ok = ll_block_wait_all(my_flags + (i64)s * Tmax, NC, e, state, err_word, timeout_ns, op) ? 1 : 0;
-  if (!ok) return;
   const LlRoute rt = meta ? LlRoute{st_route, route_stride, 1} : LlRoute{recv_route, (i64)Tmax * K, 0};
   if (copies) {
     __shared__ i64 s_csrc[LL_MAX_ROWS], s_cdst[LL_MAX_ROWS];
     __shared__ int s_nc;
     const i64 per = (RT + gridDim.x - 1) / gridDim.x;  // token columns of this block
     const i64 j_lo = min((i64)blockIdx.x * per, RT), j_hi = min(j_lo + per, RT);
+    for (int s = (int)(j_lo / Tmax); s < R && (i64)s * Tmax < j_hi; ++s) {  // the sources of [j_lo, j_hi)
+      const int t_lo = (int)max(j_lo - (i64)s * Tmax, (i64)0), t_hi = (int)min(j_hi - (i64)s * Tmax, (i64)Tmax);
+      if (!ll_block_wait_range(my_flags + (i64)s * Tmax, t_lo / C, (t_hi - 1) / C, rt.counted != 0, e, state,
+                               err_word, timeout_ns, op))
+        return;
+    }
     const int batch = LL_MAX_ROWS / K;  // columns per pass: at most one copy per (column, k)
     for (i64 jb = j_lo; jb < j_hi; jb += batch) {
       const int nb = (int)min((i64)batch, j_hi - jb);
@@ -1936,6 +1956,11 @@ __device__ __forceinline__ void ll_dispatch(
       __syncthreads();  // s_nc and the list are reset by the next pass
     }
   }
+  if (blockIdx.x >= L) return;
+  int ok = 1;
+  for (int s = 0; s < R && ok; ++s)
+    ok = ll_block_wait_all(my_flags + (i64)s * Tmax, NC, e, state, err_word, timeout_ns, op) ? 1 : 0;
+  if (!ok) return;
   for (int l = blockIdx.x; l < L; l += gridDim.x) {
     if (slot_k != nullptr) {
       int cnt = 0;

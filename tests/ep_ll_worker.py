@@ -114,8 +114,10 @@ def run_cases(cp, comm, shapes, check, seed, tag, **group_kw):
 def correctness(cp, comm):
     from moe_rt.ep_ll import LowLatencyGroup
 
+    # (Tmax 257: 3 tokens a chunk, so a receiving block's columns start and end inside chunks)
     run_cases(cp, comm, [(3, 4, (7, 0, 5, 2), 7, 13), (2, 3, (4, 4), 4, 64), (8, 8, (128,), 128, 512),
-                         (1, 2, (1, 3), 3, 5), (5, 6, (33, 17, 0, 40), 40, 1000)], check_all, 100, "case")
+                         (1, 2, (1, 3), 3, 5), (5, 6, (33, 17, 0, 40), 40, 1000),
+                         (2, 3, (200, 131, 0, 257), 257, 48)], check_all, 100, "case")
     # the rank's errors: T > Tmax before anything is launched (every rank raises alike)
     g = LowLatencyGroup(comm, WORLD * 2, 8, 4, topk=2, dtype=np.float32)
     try:
@@ -314,7 +316,8 @@ def fp8_one(cp, comm, dedup):
     n = 0
     outs_all = []
     for dt in (bf16(), np.float32, np.float16):
-        shapes = [(3, 4, (7, 0, 5, 2), 7, 200), (2, 3, (4, 4), 4, 13), (5, 6, (33, 17, 0, 40), 40, 1024)]
+        shapes = [(3, 4, (7, 0, 5, 2), 7, 200), (2, 3, (4, 4), 4, 13), (5, 6, (33, 17, 0, 40), 40, 1024),
+                  (2, 3, (200, 131, 0, 257), 257, 136)]
         if dt == bf16():
             shapes.append((8, 8, (128,), 128, 7168))
         for L, K, Ts, Tmax, H in shapes:
