@@ -159,27 +159,21 @@ def summarize(runs, phases) -> list[str]:
 
 
 def rank_main(a) -> int:
-    import cupy as cp
-
-    hg_path = pathlib.Path(__file__).with_name("host_gpu.py")
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("host_gpu", hg_path)
-    hg = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(hg)
+    import cupy as cp
+
     from moe_rt.ep_ll import LowLatencyGroup
+
+    spec = importlib.util.spec_from_file_location("host_gpu", pathlib.Path(__file__).with_name("host_gpu.py"))
+    hg = importlib.util.module_from_spec(spec)  # tools/host_gpu.py: the rank under the launcher
+    spec.loader.exec_module(hg)
 
     rank = hg.Rank()
     me, world = rank.rank, rank.world
     E, K, H, T = 256, 8, 7168, a.tokens
     out = print if me == 0 else (lambda *_: None)
-    torch = rank.torch
-    gen = torch.Generator(device="cuda").manual_seed(1234 + me)
-    idx_t = torch.topk(torch.rand(T, E, device="cuda", generator=gen), K, dim=1).indices.to(torch.int32)
-    w_t = torch.rand(T, K, device="cuda", generator=gen)
-    x_t = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
-    torch.cuda.synchronize()
-    x, w, idx = cp.from_dlpack(x_t), cp.from_dlpack(w_t), cp.from_dlpack(idx_t)
+    x, idx, w = rank.inputs(T, E, H, K)
     g = LowLatencyGroup(rank.comm, E, H, T, topk=K, dtype="bfloat16", combine_partials=a.partials)
     stream = cp.cuda.Stream(non_blocking=True)
     drv = Driver()
@@ -203,7 +197,7 @@ def rank_main(a) -> int:
             ptr, size = got
             mem = cp.cuda.UnownedMemory(ptr, size, None, rank.dev)
             traces[op] = cp.ndarray((size // (8 * POINTS), POINTS), cp.uint64, cp.cuda.MemoryPointer(mem, 0))
-        out(f"## low-latency kernel phases: {world} ranks, {torch.cuda.get_device_name()}, T={T} H={H} E={E} "
+        out(f"## low-latency kernel phases: {world} ranks, {rank.torch.cuda.get_device_name()}, T={T} H={H} E={E} "
             f"K={K} bf16{', combine_partials' if a.partials else ''}; {a.iters} traced runs (after {a.warmup})"
             f"; kernel cache {os.environ.get('MOE_RT_KERNEL_CACHE')}")
         for mode in ("eager", "graph"):
