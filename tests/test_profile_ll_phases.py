@@ -88,6 +88,8 @@ def test_block_stats_of_a_known_trace():
     st, du, n = out["push rows"]
     assert n == 3
     assert st == pytest.approx((2.6, 3.0, 4.4)) and du == pytest.approx((8.4, 10.0, 15.6))
+    st, du, n = out["zero rows"]  # from the push's signal to the wait (a push-only block has none)
+    assert n == 2 and st == pytest.approx((12.0, 13.5, 15.0)) and du == pytest.approx((0.5, 0.5, 0.5))
     st, du, n = out["flag wait"]
     assert n == 2 and st == pytest.approx((12.5, 14.0, 15.5)) and du == pytest.approx((14.5, 15.5, 16.5))
     assert out["dedup copies"][2] == 1 and out["dedup copies"][1] == pytest.approx((1.0, 1.0, 1.0))

@@ -35,7 +35,7 @@ POINTS = 16  # kernels/ep.cu LL_TRACE_POINTS: points 0..10, the last the block's
 # (name, start points (the first recorded one counts), end point), kernels/ep.cu's trace points
 PHASES = {
     "dispatch": (("epoch", (0,), 1), ("push table", (2,), 3), ("push rows", (3,), 4), ("fence+signal", (4,), 5),
-                 ("push", (2,), 5), ("flag wait", (6,), 7), ("dedup copies", (7,), 8),
+                 ("push", (2,), 5), ("zero rows", (5, 1), 6), ("flag wait", (6,), 7), ("dedup copies", (7,), 8),
                  ("slot tables", (8, 7), 9), ("block", (0,), 10)),
     "combine": (("epoch", (0,), 1), ("push table", (2,), 3), ("push rows", (3,), 4), ("signal", (4,), 5),
                 ("push", (2,), 5), ("first flag wait", (6,), 7), ("flag waits", (6,), 8),
