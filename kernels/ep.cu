@@ -1473,6 +1473,41 @@ __global__ void __launch_bounds__(512) ep_direct_combine(
 // and additions rounded separately (__fmul_rn, __fadd_rn: the NumPy reference's fp32 arithmetic, bit for
 // bit), one final rounding.
 
+// The phase trace (MOE_RT_LL_TRACE, off by default; tools/profile_ll_phases.py reads it): thread 0 of each
+// block b < LL_TRACE_BLOCKS stores %globaltimer (ns) at phase points into moe_rt_ll_trace[b][p], a module
+// global (each kernel's program has its own copy; the host zeroes it before a run), and at entry (p = 0) its
+// SM id and the grid size into [b][LL_TRACE_POINTS - 1] (smid << 32 | gridDim.x). LL_TRACE(p): the last time
+// the block passes p; LL_TRACE_FIRST(p): the first; LL_TRACE_SYNC(p): after a block barrier (every thread's
+// loads and stores before it issued). The points (ep_ll_dispatch and ep_ll_dispatch_fp8 / ep_ll_combine):
+//   0 entry, 1 after block_epoch, 2 first push item's start, 3 first push item's rows start (after its row
+//   table), 4 last push item's rows issued, 5 last push item's flags signaled;
+//   dispatch: 6 flag wait start, 7 flag wait end, 8 dedup copies end, 9 slot tables end, 10 exit;
+//   combine: 6 owner items start, 7 first owner item's flags acquired, 8 last owner item's flags acquired,
+//   9 owner sums issued, 10 exit.
+// Without the macro the points expand to nothing: the kernels' code is unchanged.
+#ifdef MOE_RT_LL_TRACE
+constexpr int LL_TRACE_BLOCKS = 1024, LL_TRACE_POINTS = 16;
+__device__ unsigned long long moe_rt_ll_trace[LL_TRACE_BLOCKS * LL_TRACE_POINTS];
+__device__ __forceinline__ void ll_trace(int p, bool first) {
+  if (threadIdx.x != 0 || blockIdx.x >= LL_TRACE_BLOCKS) return;
+  unsigned long long* row = moe_rt_ll_trace + (i64)blockIdx.x * LL_TRACE_POINTS;
+  if (first && row[p] != 0) return;
+  row[p] = global_timer_ns();
+  if (p == 0) {
+    unsigned sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    row[LL_TRACE_POINTS - 1] = ((unsigned long long)sm << 32) | gridDim.x;
+  }
+}
+#define LL_TRACE(p) ll_trace(p, false)
+#define LL_TRACE_FIRST(p) ll_trace(p, true)
+#define LL_TRACE_SYNC(p) (__syncthreads(), ll_trace(p, false))
+#else
+#define LL_TRACE(p) ((void)0)
+#define LL_TRACE_FIRST(p) ((void)0)
+#define LL_TRACE_SYNC(p) ((void)0)
+#endif
+
 // Publish a block's writes of chunk c to every rank's flag [dir][me][c] (threads 0..R-1).
 __device__ __forceinline__ void ll_signal_all(const long long* __restrict__ peer_flags, int R, i64 idx,
                                               unsigned e) {
@@ -1802,7 +1837,9 @@ __device__ __forceinline__ void ll_dispatch(
   __shared__ unsigned char* s_qdst[FP8 ? LL_MAX_ROWS : 1];
   __shared__ float* s_sdst[FP8 ? LL_MAX_ROWS : 1];
   unsigned e;
+  LL_TRACE(0);
   if (!block_epoch(state, e)) return;
+  LL_TRACE(1);
   if (phases == LL_RECEIVE) {  // a receive hook: the epoch its push launch ran in
     e = *reinterpret_cast<volatile unsigned*>(set_epoch);
   } else if (set_epoch != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
@@ -1822,6 +1859,7 @@ __device__ __forceinline__ void ll_dispatch(
   };
   for (int c = blockIdx.x; c < NC && (phases & LL_PUSH); c += gridDim.x) {
     const int t0 = c * C, t1 = min(t0 + C, Tn);
+    LL_TRACE_FIRST(2);
     if (meta) {
       for (i64 i = (i64)t0 * K + threadIdx.x; i < (i64)t1 * K; i += blockDim.x) {
         const i64 v = (i64)idx[i];
@@ -1867,11 +1905,17 @@ __device__ __forceinline__ void ll_dispatch(
       }
     }
     __syncthreads();
+    LL_TRACE_FIRST(3);
     if constexpr (FP8) ll_block_fp8<T, VEC>(x, xq, xs, t0, t1 - t0, K, s_qdst, s_sdst, H, S);
     else ll_block_rows<T, VEC>(s_src, s_dst, s_scale, (t1 - t0) * K, H, scaled != 0);
+    LL_TRACE_SYNC(4);
     ll_signal_all(peer_flags, R, flag_base + (i64)me * Tmax + c, e);
+    LL_TRACE_SYNC(5);
   }
-  if (!(phases & LL_RECEIVE)) return;
+  if (!(phases & LL_RECEIVE)) {
+    LL_TRACE(10);
+    return;
+  }
   // receiver items
   const unsigned* my_flags = reinterpret_cast<const unsigned*>(peer_flags[me]) + flag_base;
   const int* st_route = reinterpret_cast<const int*>(peer_route[me]);
@@ -1902,7 +1946,11 @@ __device__ __forceinline__ void ll_dispatch(
   // source's whole route, the dequantization every pushed row. The loads after a wait read past L1 (__ldcg),
   // as the acquiring thread may differ from the reading one.
   const bool copies = dd && !(FP8 && dequant);  // dequantizing reads the pushed slot instead
-  if (blockIdx.x >= L && !copies) return;
+  if (blockIdx.x >= L && !copies) {
+    LL_TRACE(10);
+    return;
+  }
+  LL_TRACE(6);
   const LlRoute rt = meta ? LlRoute{st_route, route_stride, 1} : LlRoute{recv_route, (i64)Tmax * K, 0};
   if (copies) {
     __shared__ i64 s_csrc[LL_MAX_ROWS], s_cdst[LL_MAX_ROWS];
@@ -1955,12 +2003,17 @@ __device__ __forceinline__ void ll_dispatch(
       }
       __syncthreads();  // s_nc and the list are reset by the next pass
     }
+    LL_TRACE_SYNC(8);
   }
-  if (blockIdx.x >= L) return;
+  if (blockIdx.x >= L) {
+    LL_TRACE(10);
+    return;
+  }
   int ok = 1;
   for (int s = 0; s < R && ok; ++s)
     ok = ll_block_wait_all(my_flags + (i64)s * Tmax, NC, e, state, err_word, timeout_ns, op) ? 1 : 0;
   if (!ok) return;
+  LL_TRACE(7);
   for (int l = blockIdx.x; l < L; l += gridDim.x) {
     if (slot_k != nullptr) {
       int cnt = 0;
@@ -2001,7 +2054,9 @@ __device__ __forceinline__ void ll_dispatch(
         route_out[i] = t < __ldcg(rrow + route_stride - 1) ? __ldcg(rrow + q) : -1;
       }
     }
+    LL_TRACE_SYNC(9);
   }
+  LL_TRACE_SYNC(10);
 }
 
 // dedup: the dedup split of the rows (ll_dispatch); recv_route: its route for a launch without meta
@@ -2118,12 +2173,15 @@ __global__ void __launch_bounds__(512) ep_ll_combine(
   __shared__ float s_w[64];
   __shared__ int s_rk[64];
   unsigned e;
+  LL_TRACE(0);
   if (!block_epoch(state, e)) return;
+  LL_TRACE(1);
   const int NC = (Tmax + C - 1) / C;
   const i64 RT = (i64)R * Tmax;
   for (int item = blockIdx.x; item < NC * R; item += gridDim.x) {
     const int c = item / R, s = item - c * R;
     const int t0 = c * C, t1 = min(t0 + C, Tmax);
+    LL_TRACE_FIRST(2);
     T* dst = reinterpret_cast<T*>(peer_back[s]);
     float* dw = reinterpret_cast<float*>(peer_bw[s]);
     for (int p = threadIdx.x; p < (t1 - t0) * K; p += blockDim.x) {
@@ -2139,11 +2197,15 @@ __global__ void __launch_bounds__(512) ep_ll_combine(
       if (first && gws != nullptr) dw[(i64)t * K + k] = gws[slot];
     }
     __syncthreads();
+    LL_TRACE_FIRST(3);
     if (partials) ll_block_partials<T, VEC>(s_src, s_scale, t1 - t0, K, dst + ((i64)t0 * R + me) * H, (i64)R * H, H);
     else if (y != nullptr) ll_block_rows<T, VEC>(s_src, s_dst, s_scale, (t1 - t0) * K, H, false);
+    LL_TRACE_SYNC(4);
     // rank s's flag [1][me][c]
     block_signal(reinterpret_cast<unsigned*>(peer_flags[s]) + flag_base + RT + (i64)me * Tmax + c, e);
+    LL_TRACE(5);
   }
+  LL_TRACE(6);
   // Owner items: (token t, slice of its row's 16-byte vectors), so that a few tokens still spread over every
   // block; each thread loads the row's K slots together, then sums them in k order.
   const unsigned* my_flags = reinterpret_cast<const unsigned*>(peer_flags[me]) + flag_base + RT;
@@ -2192,6 +2254,8 @@ __global__ void __launch_bounds__(512) ep_ll_combine(
       s_w[k] = w != nullptr ? w[(i64)t * K + k] : 1.0f;
     }
     if (!__syncthreads_and(ok)) return;
+    LL_TRACE_FIRST(7);
+    LL_TRACE(8);
     if (grad_w != nullptr && sl == 0) {
       for (int k = threadIdx.x; k < K; k += blockDim.x) {
         const int ex = irow[k];
@@ -2240,6 +2304,8 @@ __global__ void __launch_bounds__(512) ep_ll_combine(
     }
     store_rounded<T, VEC>(out + (i64)t * H + (i64)v * N, acc);
   }
+  LL_TRACE_SYNC(9);
+  LL_TRACE(10);
 }
 
 // combine_bwd's expert side with y (local; after the dispatch-direction kernel delivered the unscaled

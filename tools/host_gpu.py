@@ -782,6 +782,19 @@ class Rank:
         self.comm.close()
         self.dist.destroy_process_group()
 
+    def inputs(self, T, E, H, K):
+        """This rank's EP inputs as moe_rt/bench/ep.py makes them (seed 1234 + rank): CuPy views ``(x [T,H]
+        bf16, topk_idx [T,K] int32 (distinct experts), topk_weights [T,K] fp32)``."""
+        import cupy
+
+        torch = self.torch
+        gen = torch.Generator(device="cuda").manual_seed(1234 + self.rank)
+        idx = torch.topk(torch.rand(T, E, device="cuda", generator=gen), K, dim=1).indices.to(torch.int32)
+        w = torch.rand(T, K, device="cuda", generator=gen)
+        x = torch.randn(T, H, device="cuda", generator=gen).to(torch.bfloat16)
+        torch.cuda.synchronize()
+        return cupy.from_dlpack(x), cupy.from_dlpack(idx), cupy.from_dlpack(w)
+
 
 def floors(rank, sizes, iters, transport=None, stream=None):
     """Reference floors (us, medians of ``iters``): a CuPy pool and a torch caching-allocator allocation +
