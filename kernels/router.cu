@@ -2611,6 +2611,7 @@ router_fwd_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, int s
 #ifndef MOE_RT_QB_ARGMAX_K1
 #define MOE_RT_QB_ARGMAX_K1 9  // router_fwd_qb_reg: the argmax rounds select k + 1 up to this, radix select above
 #endif
+static_assert(MOE_RT_QB_ARGMAX_K1 >= 2 && MOE_RT_QB_ARGMAX_K1 <= 33, "the argmax rounds' k + 1 winners sit in lanes");
 namespace {
 
 __device__ __forceinline__ float qb_scale(const float* __restrict__ bounds, int B, float& lo) {
@@ -2619,10 +2620,11 @@ __device__ __forceinline__ float qb_scale(const float* __restrict__ bounds, int 
 }
 
 // Explicitly rounded operations: no contraction into a fused multiply-add, so the reference's fp32 steps
-// give the same bins. fmaxf/fminf return the number when the other operand is NaN: a NaN lands in bin 0.
+// give the same bins. The floor, clamp and conversion are exact in integers: __float2uint_rd floors and
+// saturates to [0, 2^32 - 1] (-inf and every v < 0 to 0, +inf to 2^32 - 1) and turns a NaN into 0, so the bin
+// is the reference's clamp(floor(v), 0, B - 1), a NaN in bin 0.
 __device__ __forceinline__ int qb_bin(float cut, float raw, float lo, float sc, int B) {
-  const float v = floorf(__fmul_rn(__fsub_rn(__fsub_rn(cut, raw), lo), sc));
-  return (int)fminf(fmaxf(v, 0.0f), (float)(B - 1));
+  return (int)min(__float2uint_rd(__fmul_rn(__fsub_rn(__fsub_rn(cut, raw), lo), sc)), (unsigned)(B - 1));
 }
 
 // hmode 2's layout: expert e's bins in R = ceil(B / 2) words from word e R, bins 2 p and 2 p + 1 in word p
@@ -2669,7 +2671,7 @@ __device__ __forceinline__ void qb_smem_flush(const unsigned* s, int* __restrict
     const int w = i < words - first ? i + first : i - (words - first);
     const unsigned c = s[w];
     if (c == 0u) continue;
-    const int e = w / R;
+    const int e = (int)((unsigned)w / (unsigned)R);
     int p = w - e * R - ((e >> csh) & rmask);  // qb_smem_word inverted
     p = p < 0 ? p + R : p;
     int* const ge = g + (i64)e * B + 2 * p;
@@ -2805,8 +2807,11 @@ router_fwd_qb_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, fl
       argmax_reg<V, CH>(key, K1, thr, il, wk, wi);
       cidx = il;
       const int wr = lane < K ? wi : kIntMax;  // the routes; lanes >= k count for no lane
-      int pos = 0;
-      for (int i = 0; i < K; ++i) pos += __shfl_sync(FULL_MASK, wr, i) < wr ? 1 : 0;
+      // over a fixed count of lanes (k <= MOE_RT_QB_ARGMAX_K1 - 1): unrolled, no loop; the sign bit of the
+      // difference of two ints in [0, kIntMax] is their order (no overflow)
+      unsigned pos = 0u;
+#pragma unroll
+      for (int i = 0; i < MOE_RT_QB_ARGMAX_K1 - 1; ++i) pos += (unsigned)(__shfl_sync(FULL_MASK, wr, i) - wr) >> 31;
       if (lane < K) { lkey[pos] = wk; lidx[pos] = wi; }
     } else {
       radix_select_reg<V, CH>(key, nch, K1, list, thr, il);
@@ -2847,7 +2852,23 @@ router_fwd_qb_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, fl
     });
     __syncwarp();  // orders the fill before the patch
     for (int jj = lane; jj < K; jj += 32) probs[row + lidx[jj]] = from_float<T>(lw[jj]);
-    if (hmode) {
+    if (hmode == 2) {
+      // QbHist::add of hmode 2 with the chunk's constants taken out of the experts' loop: the rotation is
+      // the chunk's (c & rmask), so expert c CH + v's bin 2 p + (0 or 1) is word (c CH + v) R + q, q = p + rot
+      // less R where q >= R: q < 2 R, and min(q, q - R) in unsigned is q - R there and q below (q - R wraps);
+      // the half is bit 4 of bin << 4 (the funnel shift takes its amount mod 32).
+      const float cut = fdecode(thr);
+      const int R = (B + 1) >> 1;
+      for_chunks<NJ>(nch, [&](int j, int c) {
+        const unsigned rot = c & qb_rot_mask(R);
+        unsigned* sw = H.s + c * CH * R;
+#pragma unroll
+        for (int v = 0; v < CH; ++v, sw += R) {
+          const unsigned bin = qb_bin(cut, raw[j * CH + v], H.lo, H.sc, B), q = (bin >> 1) + rot;
+          atomicAdd(sw + min(q, q - R), __funnelshift_l(0u, 1u, bin << 4));
+        }
+      });
+    } else if (hmode) {
       const float cut = fdecode(thr);
       for_chunks<NJ>(nch, [&](int j, int c) {
 #pragma unroll
