@@ -2836,7 +2836,8 @@ router_fwd_qb_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, fl
                          [&](int pos, unsigned kk, int e) { lkey[pos] = kk; lidx[pos] = e; });
     }
     const int ilr = cidx - 1;  // the routes: selected(key, e, thr, ilr)
-    if (lane == 0) cutoff[t] = fdecode(thr);
+    const float cut = fdecode(thr);  // the cutoff, also the histogram's
+    if (lane == 0) cutoff[t] = cut;
     __syncwarp();
 
     // The k weights (the plain sigmoid + bias forward's).
@@ -2851,13 +2852,16 @@ router_fwd_qb_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, fl
       dense_chunk_out<T, CH>(kv, c * CH, thr, ilr, row, rmap, probs, nullptr);
     });
     __syncwarp();  // orders the fill before the patch
-    for (int jj = lane; jj < K; jj += 32) probs[row + lidx[jj]] = from_float<T>(lw[jj]);
+    if (K <= 32) {  // one route a lane at most: no loop
+      if (lane < K) probs[row + lidx[lane]] = from_float<T>(lw[lane]);
+    } else {
+      for (int jj = lane; jj < K; jj += 32) probs[row + lidx[jj]] = from_float<T>(lw[jj]);
+    }
     if (hmode == 2) {
       // QbHist::add of hmode 2 with the chunk's constants taken out of the experts' loop: the rotation is
       // the chunk's (c & rmask), so expert c CH + v's bin 2 p + (0 or 1) is word (c CH + v) R + q, q = p + rot
       // less R where q >= R: q < 2 R, and min(q, q - R) in unsigned is q - R there and q below (q - R wraps);
       // the half is bit 4 of bin << 4 (the funnel shift takes its amount mod 32).
-      const float cut = fdecode(thr);
       const int R = (B + 1) >> 1;
       for_chunks<NJ>(nch, [&](int j, int c) {
         const unsigned rot = c & qb_rot_mask(R);
@@ -2869,7 +2873,6 @@ router_fwd_qb_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, fl
         }
       });
     } else if (hmode) {
-      const float cut = fdecode(thr);
       for_chunks<NJ>(nch, [&](int j, int c) {
 #pragma unroll
         for (int v = 0; v < CH; ++v) H.add(c * CH + v, cut, raw[j * CH + v]);
