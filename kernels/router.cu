@@ -2654,6 +2654,27 @@ struct QbHist {
       atomicAdd(g + (i64)e * B + bin, 1);
     }
   }
+  // add() of the CH experts of 16-byte chunk c (expert c CH + v's raw value raw_of(v)). hmode 2 with the
+  // chunk's constants out of the experts' loop: the rotation is the chunk's (c & rmask; csh = log2 CH), so
+  // bin 2 p + (0 or 1) of expert c CH + v is word (c CH + v) R + q, q = p + rot less R where q >= R: q < 2 R,
+  // and min(q, q - R) in unsigned is q - R there and q below (q - R wraps); the half is bit 4 of bin << 4 (the
+  // funnel shift takes its amount mod 32).
+  template <int CH, typename F>
+  __device__ __forceinline__ void add_chunk(int c, float cut, F raw_of) const {
+    if (mode == 2) {
+      const int R = (B + 1) >> 1;
+      const unsigned rot = c & qb_rot_mask(R);
+      unsigned* w = s + c * CH * R;
+#pragma unroll
+      for (int v = 0; v < CH; ++v, w += R) {
+        const unsigned bin = qb_bin(cut, raw_of(v), lo, sc, B), q = (bin >> 1) + rot;
+        atomicAdd(w + min(q, q - R), __funnelshift_l(0u, 1u, bin << 4));
+      }
+    } else {
+#pragma unroll
+      for (int v = 0; v < CH; ++v) add(c * CH + v, cut, raw_of(v));
+    }
+  }
 };
 
 // hmode 2: zero the block's counters (before the first token; the caller syncs the block after).
@@ -2857,27 +2878,8 @@ router_fwd_qb_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, fl
     } else {
       for (int jj = lane; jj < K; jj += 32) probs[row + lidx[jj]] = from_float<T>(lw[jj]);
     }
-    if (hmode == 2) {
-      // QbHist::add of hmode 2 with the chunk's constants taken out of the experts' loop: the rotation is
-      // the chunk's (c & rmask), so expert c CH + v's bin 2 p + (0 or 1) is word (c CH + v) R + q, q = p + rot
-      // less R where q >= R: q < 2 R, and min(q, q - R) in unsigned is q - R there and q below (q - R wraps);
-      // the half is bit 4 of bin << 4 (the funnel shift takes its amount mod 32).
-      const int R = (B + 1) >> 1;
-      for_chunks<NJ>(nch, [&](int j, int c) {
-        const unsigned rot = c & qb_rot_mask(R);
-        unsigned* sw = H.s + c * CH * R;
-#pragma unroll
-        for (int v = 0; v < CH; ++v, sw += R) {
-          const unsigned bin = qb_bin(cut, raw[j * CH + v], H.lo, H.sc, B), q = (bin >> 1) + rot;
-          atomicAdd(sw + min(q, q - R), __funnelshift_l(0u, 1u, bin << 4));
-        }
-      });
-    } else if (hmode) {
-      for_chunks<NJ>(nch, [&](int j, int c) {
-#pragma unroll
-        for (int v = 0; v < CH; ++v) H.add(c * CH + v, cut, raw[j * CH + v]);
-      });
-    }
+    if (hmode)
+      for_chunks<NJ>(nch, [&](int j, int c) { H.add_chunk<CH>(c, cut, [&](int v) { return raw[j * CH + v]; }); });
     __syncwarp();
   }
   if (hmode == 2) {
@@ -3006,8 +3008,7 @@ router_fwd_qb(const T* __restrict__ logits, i64 num_tokens, int E, int K, float 
     auto hist_chunk = [&](int c) {
       alignas(16) float av[CH];
       ldn<CH>(inter + row + (i64)c * CH, av);
-#pragma unroll
-      for (int v = 0; v < CH; ++v) H.add(c * CH + v, cut, av[v]);
+      H.add_chunk<CH>(c, cut, [&](int v) { return av[v]; });
     };
     if (dense_done) {
       if (hmode)
