@@ -2611,6 +2611,7 @@ router_fwd_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, int s
 #ifndef MOE_RT_QB_ARGMAX_K1
 #define MOE_RT_QB_ARGMAX_K1 9  // router_fwd_qb_reg: the argmax rounds select k + 1 up to this, radix select above
 #endif
+static_assert(MOE_RT_QB_ARGMAX_K1 >= 2 && MOE_RT_QB_ARGMAX_K1 <= 33, "the argmax rounds' k + 1 winners sit in lanes");
 namespace {
 
 __device__ __forceinline__ float qb_scale(const float* __restrict__ bounds, int B, float& lo) {
@@ -2619,10 +2620,11 @@ __device__ __forceinline__ float qb_scale(const float* __restrict__ bounds, int 
 }
 
 // Explicitly rounded operations: no contraction into a fused multiply-add, so the reference's fp32 steps
-// give the same bins. fmaxf/fminf return the number when the other operand is NaN: a NaN lands in bin 0.
+// give the same bins. The floor, clamp and conversion are exact in integers: __float2uint_rd floors and
+// saturates to [0, 2^32 - 1] (-inf and every v < 0 to 0, +inf to 2^32 - 1) and turns a NaN into 0, so the bin
+// is the reference's clamp(floor(v), 0, B - 1), a NaN in bin 0.
 __device__ __forceinline__ int qb_bin(float cut, float raw, float lo, float sc, int B) {
-  const float v = floorf(__fmul_rn(__fsub_rn(__fsub_rn(cut, raw), lo), sc));
-  return (int)fminf(fmaxf(v, 0.0f), (float)(B - 1));
+  return (int)min(__float2uint_rd(__fmul_rn(__fsub_rn(__fsub_rn(cut, raw), lo), sc)), (unsigned)(B - 1));
 }
 
 // hmode 2's layout: expert e's bins in R = ceil(B / 2) words from word e R, bins 2 p and 2 p + 1 in word p
@@ -2652,6 +2654,27 @@ struct QbHist {
       atomicAdd(g + (i64)e * B + bin, 1);
     }
   }
+  // add() of the CH experts of 16-byte chunk c (expert c CH + v's raw value raw_of(v)). hmode 2 with the
+  // chunk's constants out of the experts' loop: the rotation is the chunk's (c & rmask; csh = log2 CH), so
+  // bin 2 p + (0 or 1) of expert c CH + v is word (c CH + v) R + q, q = p + rot less R where q >= R: q < 2 R,
+  // and min(q, q - R) in unsigned is q - R there and q below (q - R wraps); the half is bit 4 of bin << 4 (the
+  // funnel shift takes its amount mod 32).
+  template <int CH, typename F>
+  __device__ __forceinline__ void add_chunk(int c, float cut, F raw_of) const {
+    if (mode == 2) {
+      const int R = (B + 1) >> 1;
+      const unsigned rot = c & qb_rot_mask(R);
+      unsigned* w = s + c * CH * R;
+#pragma unroll
+      for (int v = 0; v < CH; ++v, w += R) {
+        const unsigned bin = qb_bin(cut, raw_of(v), lo, sc, B), q = (bin >> 1) + rot;
+        atomicAdd(w + min(q, q - R), __funnelshift_l(0u, 1u, bin << 4));
+      }
+    } else {
+#pragma unroll
+      for (int v = 0; v < CH; ++v) add(c * CH + v, cut, raw_of(v));
+    }
+  }
 };
 
 // hmode 2: zero the block's counters (before the first token; the caller syncs the block after).
@@ -2669,7 +2692,7 @@ __device__ __forceinline__ void qb_smem_flush(const unsigned* s, int* __restrict
     const int w = i < words - first ? i + first : i - (words - first);
     const unsigned c = s[w];
     if (c == 0u) continue;
-    const int e = w / R;
+    const int e = (int)((unsigned)w / (unsigned)R);
     int p = w - e * R - ((e >> csh) & rmask);  // qb_smem_word inverted
     p = p < 0 ? p + R : p;
     int* const ge = g + (i64)e * B + 2 * p;
@@ -2805,8 +2828,11 @@ router_fwd_qb_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, fl
       argmax_reg<V, CH>(key, K1, thr, il, wk, wi);
       cidx = il;
       const int wr = lane < K ? wi : kIntMax;  // the routes; lanes >= k count for no lane
-      int pos = 0;
-      for (int i = 0; i < K; ++i) pos += __shfl_sync(FULL_MASK, wr, i) < wr ? 1 : 0;
+      // over a fixed count of lanes (k <= MOE_RT_QB_ARGMAX_K1 - 1): unrolled, no loop; the sign bit of the
+      // difference of two ints in [0, kIntMax] is their order (no overflow)
+      unsigned pos = 0u;
+#pragma unroll
+      for (int i = 0; i < MOE_RT_QB_ARGMAX_K1 - 1; ++i) pos += (unsigned)(__shfl_sync(FULL_MASK, wr, i) - wr) >> 31;
       if (lane < K) { lkey[pos] = wk; lidx[pos] = wi; }
     } else {
       radix_select_reg<V, CH>(key, nch, K1, list, thr, il);
@@ -2831,7 +2857,8 @@ router_fwd_qb_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, fl
                          [&](int pos, unsigned kk, int e) { lkey[pos] = kk; lidx[pos] = e; });
     }
     const int ilr = cidx - 1;  // the routes: selected(key, e, thr, ilr)
-    if (lane == 0) cutoff[t] = fdecode(thr);
+    const float cut = fdecode(thr);  // the cutoff, also the histogram's
+    if (lane == 0) cutoff[t] = cut;
     __syncwarp();
 
     // The k weights (the plain sigmoid + bias forward's).
@@ -2846,14 +2873,13 @@ router_fwd_qb_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, fl
       dense_chunk_out<T, CH>(kv, c * CH, thr, ilr, row, rmap, probs, nullptr);
     });
     __syncwarp();  // orders the fill before the patch
-    for (int jj = lane; jj < K; jj += 32) probs[row + lidx[jj]] = from_float<T>(lw[jj]);
-    if (hmode) {
-      const float cut = fdecode(thr);
-      for_chunks<NJ>(nch, [&](int j, int c) {
-#pragma unroll
-        for (int v = 0; v < CH; ++v) H.add(c * CH + v, cut, raw[j * CH + v]);
-      });
+    if (K <= 32) {  // one route a lane at most: no loop
+      if (lane < K) probs[row + lidx[lane]] = from_float<T>(lw[lane]);
+    } else {
+      for (int jj = lane; jj < K; jj += 32) probs[row + lidx[jj]] = from_float<T>(lw[jj]);
     }
+    if (hmode)
+      for_chunks<NJ>(nch, [&](int j, int c) { H.add_chunk<CH>(c, cut, [&](int v) { return raw[j * CH + v]; }); });
     __syncwarp();
   }
   if (hmode == 2) {
@@ -2982,8 +3008,7 @@ router_fwd_qb(const T* __restrict__ logits, i64 num_tokens, int E, int K, float 
     auto hist_chunk = [&](int c) {
       alignas(16) float av[CH];
       ldn<CH>(inter + row + (i64)c * CH, av);
-#pragma unroll
-      for (int v = 0; v < CH; ++v) H.add(c * CH + v, cut, av[v]);
+      H.add_chunk<CH>(c, cut, [&](int v) { return av[v]; });
     };
     if (dense_done) {
       if (hmode)

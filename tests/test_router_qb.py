@@ -857,3 +857,41 @@ def test_gpu_shared_histogram_counters_near_wrap(monkeypatch, variant):
                          qb_bin_bounds=cp.asarray([-1.0, 1.0], cp.float32))
     assert R._qb_hmode(T, E, 1, True) == 2
     np.testing.assert_array_equal(hist.get(), np.full((E, 1), T + 7, np.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [(300, 256, 8, 5, BF16), (300, 256, 8, 64, F32), (97, 512, 12, 7, BF16),
+                                  (97, 2304, 8, 33, F32)],
+                         ids=lambda c: f"T{c[0]}-E{c[1]}-K{c[2]}-B{c[3]}-{np.dtype(c[4]).name}")
+def test_gpu_bins_at_extreme_scales(rng, monkeypatch, case):
+    """The bin's floor, clamp and conversion at the edges of the scale, on every forward kernel and histogram
+    path: upper - lower a denormal (the scale B / (upper - lower) is inf: r = lower gives a NaN, bin 0; the
+    rest +-inf, the edge bins), a scale that takes v past 2^31 and 2^32, and one of 0 (upper - lower inf);
+    r = lower by experts with zero bias (the cutoff's own r is its bias)."""
+    import cupy as cp
+
+    T, E, K, B, dtype = case
+    x, bias, _ = te_case(rng, T, E, dtype)
+    bias = np.where(rng.random(E) < 0.5, F32(0), rng.permutation(bias) / 64).astype(F32)
+    start = rng.integers(0, 1000, (E, B)).astype(np.int32)
+    many = 1 << 40
+    for bounds in ([0.0, 1e-45], [-1e-9, 1e-9], [-3e38, 3e38]):
+        bounds = np.array(bounds, F32)
+        runs = []
+        for variant, smem in ((None, 48 * 1024), (None, 0), ("generic", 48 * 1024), ("generic", 0)):
+            monkeypatch.setattr(R, "_FWD_VARIANT", variant)
+            monkeypatch.setattr(R, "_QB_SMEM_HIST_BYTES", smem)
+            monkeypatch.setattr(R, "_QB_ATOMIC_SAMPLES", many)
+            runs.append(_qb_gpu_run(cp, x, bias, bounds, start, K))
+            runs.append(_qb_gpu_run(cp, x, bias, bounds, start, K, "two_kernel"))
+        for outs in runs[1:]:
+            for a, b in zip(outs, runs[0]):
+                np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8), err_msg=str(bounds))
+        _, _, raw, cut, hist = runs[0]
+        want = start + _hist_of(raw, cut, bounds, B)
+        np.testing.assert_array_equal(hist, want, err_msg=str(bounds))
+        if bounds[1] == F32(1e-45):  # NaN (r = lower = 0) and both infinities reached, no bin between
+            r = (cut[:, None] - raw).astype(F32)
+            assert (r == 0).any() and (r < 0).any() and (r > 0).any()
+            d = want - start
+            assert d[:, 0].sum() == (r <= 0).sum() and d[:, 1:-1].sum() == 0
