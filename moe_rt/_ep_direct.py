@@ -6,11 +6,13 @@ behind the interface every transport offers (see :mod:`moe_rt.ep`): :meth:`Direc
 dispatch direction) and :meth:`DirectTransport.reduce` (the combine direction), each a barrier and one
 fused kernel (one call into the C core's direct group, csrc/ep_direct.c, which plans and launches them with
 the row map, weight copy and fill around them), plus ``failed_op`` and ``close``. Every rank
-owns a few plain ``cudaMalloc`` buffers (not CuPy pool sub-allocations: a CUDA IPC handle covers a whole
-allocation) and maps every peer's buffers into its own address space with ``cudaIpcOpenMemHandle`` (lazy
-peer access). The IPC handles travel once per buffer through the group's communicator (an all-gather on a
-device uint8 buffer, then a host read: buffers are made outside CUDA-graph capture). The mapped addresses
-of each buffer kind are kept in a small device int64 table ``[R]`` (this rank's own address at ``me``).
+owns a few plain device allocations (not CuPy pool sub-allocations: a CUDA IPC handle covers a whole
+allocation) and maps every peer's buffers into its own address space with ``cuIpcOpenMemHandle`` (lazy
+peer access): the C core's peer buffers (``moe_rt_peer_buffer_*``, csrc/peer.c; :class:`_Shared`). The IPC
+handles travel once per buffer through the group's communicator (an all-gather on a device uint8 buffer, then
+a host read after a wait with the op's deadline: buffers are made outside CUDA-graph capture). The mapped
+addresses of each buffer kind are kept in a small device int64 table ``[R]`` (this rank's own address at
+``me``).
 
 Buffers:
 

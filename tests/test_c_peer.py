@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from moe_rt import _core, _ep_direct
-from test_c_abi import ROOT, H100, DeviceInfo, _err, _ok, libpath  # noqa: F401 - libpath: the library built for the test
+from test_c_abi import ROOT, H100, DeviceInfo, _err, _ok, libpath  # noqa: F401 - libpath: the library built here
 from test_c_comm import FakeComm
 
 OK, INVALID, NOT_SUPPORTED, TIMEOUT = 0, 1, 7, 10

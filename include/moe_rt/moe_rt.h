@@ -6,7 +6,8 @@
  * through dlopen("libcuda.so.1"); no CUDA header is needed to compile against this file. Link with
  * -lmoe_rt (moe_rt/lib/libmoe_rt.so inside the installed package).
  *
- * Part 1 also holds NCCL, loaded at run time, and the communicator (moe_rt_nccl_*, moe_rt_comm_*).
+ * Part 1 also holds NCCL, loaded at run time, the communicator (moe_rt_nccl_*, moe_rt_comm_*) and the peer
+ * buffers shared through CUDA IPC (moe_rt_peer_buffer_*).
  *
  * Part 2 (after Part 1): the C view of the expert-parallel handle (moe_rt.ep.EpGroup.prepare).
  *
