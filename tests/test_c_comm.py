@@ -73,9 +73,9 @@ NCCL_PATH = _nccl_path()
 needs_nccl = pytest.mark.skipif(NCCL_PATH is None, reason="needs the NCCL library")
 
 
-def _load(path):
+def _load(path, signatures=None):
     lib = C.CDLL(str(path))
-    for name, (res, args) in SIGNATURES.items():
+    for name, (res, args) in (SIGNATURES if signatures is None else signatures).items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = res, args
     return lib

@@ -15,6 +15,9 @@ import sys
 import pytest
 
 from moe_rt import _core, _ep_direct
+import test_c_abi
+import test_c_comm
+from conftest import GPU_COUNT
 from test_c_abi import ROOT, H100, DeviceInfo, _err, _ok, libpath  # noqa: F401 - libpath: the library built here
 from test_c_comm import FakeComm
 
@@ -29,14 +32,10 @@ class PeerInfo(C.Structure):
 
 
 SIGNATURES = {
-    "moe_rt_last_error": (C.c_char_p, []),
-    "moe_rt_status_name": (C.c_char_p, [I]),
-    "moe_rt_context_create": (I, [C.c_char_p, I, C.POINTER(P)]),
-    "moe_rt_context_create_planning": (I, [C.POINTER(DeviceInfo), C.POINTER(P)]),
-    "moe_rt_context_destroy": (None, [P]),
+    **test_c_comm.SIGNATURES,
+    **{n: test_c_abi.SIGNATURES[n] for n in ("moe_rt_context_create", "moe_rt_context_create_planning",
+                                             "moe_rt_context_destroy")},
     "moe_rt_comm_aborted": (I, [P, C.POINTER(C.c_int)]),
-    "moe_rt_comm_count": (I, [P, C.POINTER(C.c_int)]),
-    "moe_rt_comm_all_gather": (I, [P, P, P, L, I, P]),
     "moe_rt_peer_buffer_create": (I, [P, P, S, I, I, I, P, L, C.POINTER(P)]),
     "moe_rt_peer_buffer_get_info": (I, [P, C.POINTER(PeerInfo)]),
     "moe_rt_peer_buffer_close_mappings": (I, [P]),
@@ -45,11 +44,7 @@ SIGNATURES = {
 
 
 def load(path):
-    lib = C.CDLL(str(path))
-    for name, (res, args) in SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.restype, fn.argtypes = res, args
-    return lib
+    return test_c_comm._load(path, SIGNATURES)
 
 
 @pytest.fixture(scope="module")
@@ -237,17 +232,8 @@ def test_one_rank_comm_has_no_core_handle():
 
 # ---- on GPUs -----------------------------------------------------------------------------------------------------
 
-def _gpu_count():
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount()
-    except Exception:
-        return 0
-
-
 def _run_worker(mode, n, timeout=180):
-    if n > _gpu_count():
+    if n > GPU_COUNT:
         pytest.skip(f"needs {n} CUDA GPUs")
     r = subprocess.run([sys.executable, str(ROOT / "tools" / "launch.py"), "-n", str(n), "--timeout", str(timeout),
                         str(ROOT / "tests" / "peer_worker.py"), mode], capture_output=True, text=True,
