@@ -10,7 +10,8 @@
 
 #include "internal.h"
 
-#define HANDLE_BYTES 64 /* sizeof(CUipcMemHandle) */
+#define HANDLE_BYTES MOE_RT_IPC_HANDLE_BYTES
+_Static_assert(sizeof(CUipcMemHandle) == HANDLE_BYTES, "CUipcMemHandle is 64 bytes");
 #define MIN_BYTES 256   /* every allocation has at least this many bytes */
 
 struct moe_rt_peer_buffer {
