@@ -49,6 +49,7 @@ typedef struct nccl_api {
 struct moe_rt_comm {
   ncclComm_t comm;
   int nranks, rank;
+  int aborted; /* ncclCommAbort'ed by a wait of the core (mrt_comm_abort_in_place): only freeing is left */
 };
 
 static nccl_api g_nccl;           /* filled once, under g_load_lock, before g_loaded is set */
@@ -224,6 +225,9 @@ static moe_rt_status comm_null(const char* op, const moe_rt_comm* comm) {
   clear();
   if (comm == NULL)
     return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: comm is NULL; make one with moe_rt_comm_init_rank", op);
+  if (comm->aborted)
+    return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: comm was aborted (a wait of the core timed out or met an "
+                    "NCCL error); free it with moe_rt_comm_abort or moe_rt_comm_destroy", op);
   return MOE_RT_SUCCESS;
 }
 
@@ -255,6 +259,10 @@ moe_rt_status moe_rt_comm_init_rank(const void* unique_id, int nranks, int rank,
 moe_rt_status moe_rt_comm_destroy(moe_rt_comm* comm) {
   clear();
   if (comm == NULL) return MOE_RT_SUCCESS;
+  if (comm->aborted) {
+    free(comm);
+    return MOE_RT_SUCCESS;
+  }
   moe_rt_status st = ensure(NULL);
   if (st == MOE_RT_SUCCESS) st = check(g_nccl.CommDestroy(comm->comm), "ncclCommDestroy", NULL);
   free(comm);
@@ -264,6 +272,10 @@ moe_rt_status moe_rt_comm_destroy(moe_rt_comm* comm) {
 moe_rt_status moe_rt_comm_abort(moe_rt_comm* comm) {
   clear();
   if (comm == NULL) return MOE_RT_SUCCESS;
+  if (comm->aborted) {
+    free(comm);
+    return MOE_RT_SUCCESS;
+  }
   moe_rt_status st = ensure(NULL);
   if (st == MOE_RT_SUCCESS) st = check(g_nccl.CommAbort(comm->comm), "ncclCommAbort", NULL);
   free(comm);
@@ -285,6 +297,43 @@ moe_rt_status moe_rt_comm_async_error(moe_rt_comm* comm, int* result, char* mess
     if (res != ncclSuccess && res != ncclInProgress) nccl_message(res, comm->comm, message, message_bytes);
   }
   return MOE_RT_SUCCESS;
+}
+
+moe_rt_status moe_rt_comm_aborted(const moe_rt_comm* comm, int* aborted) {
+  clear();
+  moe_rt_status st;
+  if ((st = mrt_check_ptr("moe_rt_comm_aborted", "aborted", aborted))) return st;
+  if (comm == NULL)
+    return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "moe_rt_comm_aborted: comm is NULL; make one with "
+                    "moe_rt_comm_init_rank");
+  *aborted = comm->aborted;
+  return MOE_RT_SUCCESS;
+}
+
+/* ---- for the core's own collectives (internal.h) ------------------------------------------------------------ */
+
+void mrt_comm_shape(const moe_rt_comm* comm, int* nranks, int* rank) {
+  *nranks = comm ? comm->nranks : 1;
+  *rank = comm ? comm->rank : 0;
+}
+
+void mrt_comm_abort_in_place(moe_rt_comm* comm) {
+  if (comm == NULL || comm->aborted) return;
+  comm->aborted = 1;
+  if (atomic_load_explicit(&g_loaded, memory_order_acquire)) g_nccl.CommAbort(comm->comm);
+}
+
+moe_rt_status mrt_comm_poll(moe_rt_comm* comm, const char* op) {
+  if (comm == NULL || comm->aborted || !atomic_load_explicit(&g_loaded, memory_order_acquire)) return MOE_RT_SUCCESS;
+  ncclResult_t res = 0;
+  if (g_nccl.CommGetAsyncError(comm->comm, &res) != ncclSuccess || res == ncclSuccess || res == ncclInProgress)
+    return MOE_RT_SUCCESS;
+  nccl_message(res, comm->comm, g_failure.message, sizeof g_failure.message);
+  g_failure.result = res;
+  snprintf(g_failure.call, sizeof g_failure.call, "%s", "ncclCommGetAsyncError");
+  mrt_comm_abort_in_place(comm);
+  return mrt_fail(MOE_RT_ERROR_NCCL, "%s: the communicator failed while waiting: %s (ncclResult_t %d); the "
+                  "communicator was aborted", op, g_failure.message, res);
 }
 
 moe_rt_status moe_rt_comm_count(const moe_rt_comm* comm, int* count) {

@@ -43,6 +43,7 @@ const char* moe_rt_status_name(moe_rt_status s) {
     case MOE_RT_ERROR_NOT_SUPPORTED: return "MOE_RT_ERROR_NOT_SUPPORTED";
     case MOE_RT_ERROR_NO_NCCL: return "MOE_RT_ERROR_NO_NCCL";
     case MOE_RT_ERROR_NCCL: return "MOE_RT_ERROR_NCCL";
+    case MOE_RT_ERROR_TIMEOUT: return "MOE_RT_ERROR_TIMEOUT";
   }
   return "unknown moe_rt_status";
 }
@@ -217,6 +218,13 @@ static moe_rt_status load_driver(mrt_driver* d) {
   /* needed by the fused EP kernels' grids alone (mrt_resident_blocks says so when it is missing) */
   *(void**)(&d->cuOccupancyMaxActiveBlocksPerMultiprocessor) =
       dlsym(d->lib, "cuOccupancyMaxActiveBlocksPerMultiprocessor");
+  /* needed by the peer buffers alone (moe_rt_peer_buffer_create says which is missing) */
+  *(void**)(&d->cuIpcGetMemHandle) = dlsym(d->lib, "cuIpcGetMemHandle");
+  *(void**)(&d->cuIpcOpenMemHandle) = dlsym(d->lib, "cuIpcOpenMemHandle_v2");
+  if (d->cuIpcOpenMemHandle == NULL) *(void**)(&d->cuIpcOpenMemHandle) = dlsym(d->lib, "cuIpcOpenMemHandle");
+  *(void**)(&d->cuIpcCloseMemHandle) = dlsym(d->lib, "cuIpcCloseMemHandle");
+  *(void**)(&d->cuStreamQuery) = dlsym(d->lib, "cuStreamQuery");
+  *(void**)(&d->cuMemcpyHtoDAsync) = dlsym(d->lib, "cuMemcpyHtoDAsync_v2");
   return MOE_RT_SUCCESS;
 }
 
@@ -1210,6 +1218,12 @@ static moe_rt_status device_ctx(moe_rt_context* ctx, const char* op) {
   if (ctx->planning)
     return mrt_fail(MOE_RT_ERROR_NOT_SUPPORTED, "%s: ctx is a planning context (no device)", op);
   return bind(ctx);
+}
+
+moe_rt_status mrt_device_driver(moe_rt_context* ctx, const char* op, const mrt_driver** d) {
+  moe_rt_status st = device_ctx(ctx, op);
+  if (st == MOE_RT_SUCCESS) *d = &ctx->drv;
+  return st;
 }
 
 moe_rt_status moe_rt_malloc(moe_rt_context* ctx, size_t bytes, void** ptr) {

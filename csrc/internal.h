@@ -19,6 +19,12 @@ typedef struct CUmod_st* CUmodule;
 typedef struct CUfunc_st* CUfunction;
 typedef struct CUstream_st* CUstream;
 typedef unsigned long long CUdeviceptr;
+typedef struct CUipcMemHandle_st {
+  char reserved[64];
+} CUipcMemHandle;
+
+#define CUDA_ERROR_NOT_READY 600
+#define CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS 1
 
 #define CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT 16
 #define CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR 75
@@ -58,6 +64,12 @@ typedef struct mrt_driver {
   CUresult (*cuStreamIsCapturing)(CUstream, int*); /* *status: 0 none, 1 active, 2 invalidated */
   CUresult (*cuGetErrorString)(CUresult, const char**);
   CUresult (*cuOccupancyMaxActiveBlocksPerMultiprocessor)(int*, CUfunction, int, size_t);
+  /* the peer buffers' (csrc/peer.c; NULL where the driver lacks them, and moe_rt_peer_buffer_create says so) */
+  CUresult (*cuIpcGetMemHandle)(CUipcMemHandle*, CUdeviceptr);
+  CUresult (*cuIpcOpenMemHandle)(CUdeviceptr*, CUipcMemHandle, unsigned);
+  CUresult (*cuIpcCloseMemHandle)(CUdeviceptr);
+  CUresult (*cuStreamQuery)(CUstream);
+  CUresult (*cuMemcpyHtoDAsync)(CUdeviceptr, const void*, size_t, CUstream);
 } mrt_driver;
 
 /* ---- the last error (thread-local) ---------------------------------------------------------------- */
@@ -66,6 +78,19 @@ moe_rt_status mrt_fail(moe_rt_status status, const char* fmt, ...)
 void mrt_clear_error(void);
 /* A driver call's failure as MOE_RT_ERROR_CUDA, naming the call and cuGetErrorString's text. */
 moe_rt_status mrt_cuda_fail(const mrt_driver* d, CUresult r, const char* what);
+
+/* A device context's driver, its CUDA context made current on the calling thread (MOE_RT_ERROR_NOT_SUPPORTED
+ * naming op for a planning context; ctx checked for NULL). */
+moe_rt_status mrt_device_driver(moe_rt_context* ctx, const char* op, const mrt_driver** d);
+
+/* ---- the communicator (csrc/comm.c), for the core's own collectives --------------------------------- */
+/* R and this rank of a communicator (NULL: a group of one rank). */
+void mrt_comm_shape(const moe_rt_comm* comm, int* nranks, int* rank);
+/* MOE_RT_SUCCESS while comm (NULL: none) is healthy; else abort it in place (mrt_comm_abort_in_place) and
+ * return MOE_RT_ERROR_NCCL with NCCL's text, naming op. */
+moe_rt_status mrt_comm_poll(moe_rt_comm* comm, const char* op);
+/* ncclCommAbort, keeping the struct: later calls on it fail, moe_rt_comm_destroy / _abort only free it. */
+void mrt_comm_abort_in_place(moe_rt_comm* comm);
 
 /* ---- planning ------------------------------------------------------------------------------------- */
 /* One kernel launch of a plan: the kernel (file and name expression), its loaded function (NULL in a

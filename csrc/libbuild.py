@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = ("context.c", "router.c", "permutation.c", "fp8.c", "ep_ll.c", "ep_direct.c", "ep_prepare.c", "comm.c")
+SOURCES = ("context.c", "router.c", "permutation.c", "fp8.c", "ep_ll.c", "ep_direct.c", "ep_prepare.c", "comm.c",
+           "peer.c")
 CFLAGS = ("-std=c11", "-O2", "-fPIC", "-Wall", "-Wextra", "-Wno-unused-parameter", "-fvisibility=default")
 LIBS = ("-ldl", "-lpthread")
 

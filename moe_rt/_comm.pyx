@@ -40,6 +40,7 @@ ctypedef int (*f_dtype)(int, int*) noexcept nogil
 ctypedef int (*f_unique_id)(void*) noexcept nogil
 ctypedef int (*f_init_rank)(const void*, int, int, moe_rt_comm**) noexcept nogil
 ctypedef int (*f_comm)(moe_rt_comm*) noexcept nogil
+ctypedef int (*f_aborted)(const moe_rt_comm*, int*) noexcept nogil
 ctypedef int (*f_async_error)(moe_rt_comm*, int*, char*, size_t) noexcept nogil
 ctypedef int (*f_handle)(const moe_rt_comm*, void**) noexcept nogil
 ctypedef int (*f_group_start)() noexcept nogil
@@ -59,6 +60,7 @@ cdef f_unique_id p_unique_id
 cdef f_init_rank p_init_rank
 cdef f_comm p_destroy
 cdef f_comm p_abort
+cdef f_aborted p_aborted
 cdef f_async_error p_async_error
 cdef f_handle p_handle
 cdef f_group_start p_group_start
@@ -90,7 +92,7 @@ cdef void* _sym(void* h, const char* name) except NULL:
 
 cdef _open():
     global p_load, p_path, p_version, p_error_string, p_last_failure, p_dtype, p_unique_id, p_init_rank
-    global p_destroy, p_abort, p_async_error, p_handle, p_group_start, p_group_end, p_send, p_recv
+    global p_destroy, p_abort, p_aborted, p_async_error, p_handle, p_group_start, p_group_end, p_send, p_recv
     global p_all_gather, p_all_reduce, p_broadcast, p_last_error
     path = LIB_PATH.encode()
     cdef void* h = dlopen(path, RTLD_NOW | RTLD_LOCAL)
@@ -108,6 +110,7 @@ cdef _open():
     p_init_rank = <f_init_rank>_sym(h, b"moe_rt_comm_init_rank")
     p_destroy = <f_comm>_sym(h, b"moe_rt_comm_destroy")
     p_abort = <f_comm>_sym(h, b"moe_rt_comm_abort")
+    p_aborted = <f_aborted>_sym(h, b"moe_rt_comm_aborted")
     p_async_error = <f_async_error>_sym(h, b"moe_rt_comm_async_error")
     p_handle = <f_handle>_sym(h, b"moe_rt_comm_nccl_handle")
     p_group_start = <f_group_start>_sym(h, b"moe_rt_comm_group_start")
@@ -325,6 +328,18 @@ cdef class Communicator:
         self.closed = True
         with nogil:
             p_abort(c)
+
+    def release_if_aborted(self):
+        """After a core call that waits with a deadline (moe_rt_peer_buffer_create): if the core aborted the
+        communicator (a timeout or an NCCL error met while waiting; moe_rt_comm_aborted), release it as
+        :meth:`abort` does and return True; else False."""
+        cdef int aborted = 0
+        if self._comm == NULL:
+            return False
+        _check(p_aborted(self._comm, &aborted))
+        if aborted:
+            self.abort()
+        return bool(aborted)
 
     def async_error(self):
         """None while healthy, else an NcclError describing the asynchronous failure."""

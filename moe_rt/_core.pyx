@@ -145,6 +145,16 @@ cdef extern from "moe_rt/moe_rt.h" nogil:
         int32_t* workspace
         size_t workspace_bytes
 
+cdef extern from "moe_rt/moe_rt.h" nogil:
+    ctypedef struct moe_rt_peer_buffer:
+        pass
+    ctypedef struct moe_rt_peer_buffer_info:
+        void* local
+        void* const* ptrs
+        int64_t* table
+        size_t nbytes
+        int32_t nranks, rank, peer_lo, peer_hi
+
 ctypedef int st_t  # moe_rt_status
 
 # ---- the library's functions (dlsym) ---------------------------------------------------------------------
@@ -212,6 +222,10 @@ ctypedef st_t (*f_epd_dispatch)(moe_rt_ep_direct_group*, int, const moe_rt_ep_di
 ctypedef st_t (*f_epd_combine)(moe_rt_ep_direct_group*, int, const moe_rt_ep_direct_handle*, const void*, int, int64_t,
                                const float*, const float*, float*, void*, float*, int, moe_rt_stream) nogil
 ctypedef int64_t (*f_epd_serial)(const moe_rt_ep_direct_group*) nogil
+ctypedef st_t (*f_pb_create)(moe_rt_context*, void*, size_t, int, int, int, moe_rt_stream, int64_t,
+                             moe_rt_peer_buffer**) nogil
+ctypedef st_t (*f_pb_info)(const moe_rt_peer_buffer*, moe_rt_peer_buffer_info*) nogil
+ctypedef st_t (*f_pb)(moe_rt_peer_buffer*) nogil
 ctypedef st_t (*f_epp_sizes)(const moe_rt_ep_prepare_desc*, moe_rt_ep_prepare_sizes*) nogil
 ctypedef st_t (*f_epp_step)(moe_rt_context*, const moe_rt_ep_prepare_desc*, const moe_rt_ep_prepare_buffers*,
                             moe_rt_stream) nogil
@@ -225,6 +239,10 @@ cdef f_ll_dispatch p_ll_dispatch
 cdef f_ll_combine p_ll_combine
 cdef f_ll_combine_bwd p_ll_combine_bwd
 cdef f_epd_create p_epd_create
+cdef f_pb_create p_pb_create
+cdef f_pb_info p_pb_info
+cdef f_pb p_pb_close_mappings
+cdef f_pb p_pb_destroy
 cdef f_epd_destroy p_epd_destroy
 cdef f_epd_add_stage p_epd_add_stage
 cdef f_epd_barrier p_epd_barrier
@@ -285,6 +303,7 @@ def _codes():
 
 _codes()
 SUCCESS, INVALID_ARGUMENT, NO_DRIVER, NO_DEVICE, KERNEL_CACHE, CUDA, BAD_EXPERT_ID, NOT_SUPPORTED = range(8)
+TIMEOUT = 10
 # kernels some ops reach outside their plan: the device error word's module (make_plan, the index backward)
 ERRORS_KERNEL = ("errors.cu", "error_word_clear")
 
@@ -305,6 +324,7 @@ cdef _open():
     global p_quantize, p_dequantize, p_load_stand_in, p_end_stand_ins, p_last_stand_in
     global p_last_args, p_ll_create, p_ll_destroy, p_ll_dispatch, p_ll_combine, p_ll_combine_bwd, p_ll_serial
     global p_epd_create, p_epd_destroy, p_epd_add_stage, p_epd_barrier, p_epd_dispatch, p_epd_combine
+    global p_pb_create, p_pb_info, p_pb_close_mappings, p_pb_destroy
     global p_epp_sizes, p_epp_send, p_epp_meta, p_epp_recv, p_epd_serial
     path = LIB_PATH.encode()
     cdef void* h = dlopen(path, RTLD_NOW | RTLD_LOCAL)
@@ -350,6 +370,10 @@ cdef _open():
     p_ll_combine = <f_ll_combine>_sym(h, b"moe_rt_ll_combine")
     p_ll_combine_bwd = <f_ll_combine_bwd>_sym(h, b"moe_rt_ll_combine_bwd")
     p_epd_create = <f_epd_create>_sym(h, b"moe_rt_ep_direct_group_create")
+    p_pb_create = <f_pb_create>_sym(h, b"moe_rt_peer_buffer_create")
+    p_pb_info = <f_pb_info>_sym(h, b"moe_rt_peer_buffer_get_info")
+    p_pb_close_mappings = <f_pb>_sym(h, b"moe_rt_peer_buffer_close_mappings")
+    p_pb_destroy = <f_pb>_sym(h, b"moe_rt_peer_buffer_destroy")
     p_epd_destroy = <f_epd_destroy>_sym(h, b"moe_rt_ep_direct_group_destroy")
     p_epd_add_stage = <f_epd_add_stage>_sym(h, b"moe_rt_ep_direct_add_stage")
     p_epd_barrier = <f_epd_barrier>_sym(h, b"moe_rt_ep_direct_barrier")
@@ -372,10 +396,13 @@ def last_error() -> str:
 
 def error(int status, str op):
     """The Python exception of a core status: ValueError for bad arguments and bad expert ids (the core's
-    message names the argument), RuntimeError otherwise; the message is the core's."""
+    message names the argument), TimeoutError for a wait past its deadline (the message names the op),
+    RuntimeError otherwise; the message is the core's."""
     msg = last_error()
     if status == INVALID_ARGUMENT or status == BAD_EXPERT_ID:
         return ValueError(msg)
+    if status == TIMEOUT:
+        return TimeoutError(msg)
     return RuntimeError(f"moe_rt: {op}: {msg}")
 
 
@@ -1200,6 +1227,58 @@ def ep_direct_group_create(Context d, int R, int rank, int node_lo, int node_hi,
     g.ctx = d
     _check(p_epd_create(d.ctx, &g.desc, &g.g), "moe_rt_ep_direct_group_create")
     return g
+
+
+# ---- peer buffers (moe_rt._ep_direct._Shared) --------------------------------------------------------------
+
+cdef class PeerBuffer:
+    """A core peer buffer (moe_rt_peer_buffer, :func:`peer_buffer_create`): ``local`` (this rank's allocation),
+    ``ptrs`` (every rank's as mapped here, 0 outside the mapped ranks), ``table`` (the device int64 [R] table's
+    address), ``nbytes``. Released by its owner alone (:meth:`close_mappings`, then :meth:`destroy` once the
+    device is done with it; no finalizer: peers may still write into it until their last barrier)."""
+    cdef moe_rt_peer_buffer* b
+    cdef readonly Context ctx
+    cdef readonly uintptr_t local
+    cdef readonly uintptr_t table
+    cdef readonly size_t nbytes
+    cdef readonly tuple ptrs
+
+    def close_mappings(self):
+        """moe_rt_peer_buffer_close_mappings (idempotent)."""
+        if self.b != NULL:
+            _check(p_pb_close_mappings(self.b), "moe_rt_peer_buffer_close_mappings")
+
+    def destroy(self):
+        """moe_rt_peer_buffer_destroy: close any mapping left, free the allocation and the table (idempotent)."""
+        cdef moe_rt_peer_buffer* b = self.b
+        if b == NULL:
+            return
+        self.b = NULL
+        self.local = self.table = 0
+        _check(p_pb_destroy(b), "moe_rt_peer_buffer_destroy")
+
+
+def peer_buffer_create(Context d, uintptr_t comm, size_t nbytes, bint zero, int peer_lo, int peer_hi,
+                       uintptr_t stream, int64_t timeout_ms) -> PeerBuffer:
+    """moe_rt_peer_buffer_create on ``d`` (a collective over the core communicator ``comm``, a moe_rt_comm*; 0 for
+    one rank): ValueError for a bad argument, TimeoutError when the exchange ran past ``timeout_ms`` (the core
+    aborted the communicator), RuntimeError otherwise."""
+    cdef moe_rt_peer_buffer* b = NULL
+    cdef moe_rt_peer_buffer_info info
+    cdef int st
+    with nogil:
+        st = p_pb_create(d.ctx, <void*>comm, nbytes, 1 if zero else 0, peer_lo, peer_hi, <moe_rt_stream>stream,
+                         timeout_ms, &b)
+    _check(st, "moe_rt_peer_buffer_create")
+    cdef PeerBuffer pb = PeerBuffer()
+    pb.b, pb.ctx = b, d
+    _check(p_pb_info(b, &info), "moe_rt_peer_buffer_get_info")
+    pb.local, pb.table, pb.nbytes = <uintptr_t>info.local, <uintptr_t>info.table, info.nbytes
+    ptrs = []
+    for r in range(info.nranks):
+        ptrs.append(<uintptr_t>info.ptrs[r])
+    pb.ptrs = tuple(ptrs)
+    return pb
 
 
 def ep_direct_barrier(EpDirectGroup g, int op, uintptr_t stream):

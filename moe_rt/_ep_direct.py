@@ -6,11 +6,13 @@ behind the interface every transport offers (see :mod:`moe_rt.ep`): :meth:`Direc
 dispatch direction) and :meth:`DirectTransport.reduce` (the combine direction), each a barrier and one
 fused kernel (one call into the C core's direct group, csrc/ep_direct.c, which plans and launches them with
 the row map, weight copy and fill around them), plus ``failed_op`` and ``close``. Every rank
-owns a few plain ``cudaMalloc`` buffers (not CuPy pool sub-allocations: a CUDA IPC handle covers a whole
-allocation) and maps every peer's buffers into its own address space with ``cudaIpcOpenMemHandle`` (lazy
-peer access). The IPC handles travel once per buffer through the group's communicator (an all-gather on a
-device uint8 buffer, then a host read: buffers are made outside CUDA-graph capture). The mapped addresses
-of each buffer kind are kept in a small device int64 table ``[R]`` (this rank's own address at ``me``).
+owns a few plain device allocations (not CuPy pool sub-allocations: a CUDA IPC handle covers a whole
+allocation) and maps every peer's buffers into its own address space with ``cuIpcOpenMemHandle`` (lazy
+peer access): the C core's peer buffers (``moe_rt_peer_buffer_*``, csrc/peer.c; :class:`_Shared`). The IPC
+handles travel once per buffer through the group's communicator (an all-gather on a device uint8 buffer, then
+a host read after a wait with the op's deadline: buffers are made outside CUDA-graph capture). The mapped
+addresses of each buffer kind are kept in a small device int64 table ``[R]`` (this rank's own address at
+``me``).
 
 Buffers:
 
@@ -51,6 +53,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
 import socket
 
 import numpy as np
@@ -73,7 +76,6 @@ _jit.register(_FILE, _names)
 
 OPS = {1: "dispatch", 2: "combine", 3: "dispatch_bwd", 4: "combine_bwd", 5: "close", 6: "prepare"}
 OP_CODES = {v: k for k, v in OPS.items()}
-_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
 
 
 def host_identity() -> int:
@@ -204,67 +206,84 @@ def local_reason(ident, me, device, runtime, peers=None) -> str:
     return ""
 
 
+def no_progress(group, op, timeout) -> str:
+    """The message of a group's host wait that ran past its deadline (``EpGroup._wait``, :class:`Wait`)."""
+    return (f"{type(group).__name__}.{op}: no progress within {timeout:g} s (a peer rank is dead or did not call "
+            "the same op); the communicator was aborted")
+
+
+class Wait:
+    """A group's host wait for op ``op`` with its deadline: ``wait(stream)`` is ``group._wait(stream, op,
+    timeout)`` (it polls the stream and the communicator; past the deadline it aborts the communicator and raises
+    TimeoutError naming the op). The core's peer buffers wait in C (moe_rt_peer_buffer_create) with
+    :attr:`timeout_ms`; :meth:`error` turns that wait's timeout into the group's own TimeoutError."""
+
+    def __init__(self, group, op, timeout=None):
+        self.group, self.op, self.timeout = group, op, timeout
+
+    def __call__(self, stream):
+        self.group._wait(stream, self.op, self.timeout)
+
+    @property
+    def seconds(self) -> float:
+        return float(self.group.timeout if self.timeout is None else self.timeout)
+
+    @property
+    def timeout_ms(self) -> int:
+        return max(1, min(math.ceil(self.seconds * 1e3), 2**62))
+
+    def error(self, exc):
+        """The exception for the core wait's failure ``exc``: the group's TimeoutError naming the op for a timeout
+        (or a barrier of the direct transport that timed out meanwhile), else ``exc``."""
+        if isinstance(exc, TimeoutError):
+            self.group._check_transport()
+            return TimeoutError(no_progress(self.group, self.op, self.seconds))
+        return exc
+
+
 class _Shared:
-    """One IPC-shared allocation per rank: ``local`` (this rank's, from cudaMalloc), ``ptrs`` (every rank's,
-    as mapped here; 0 for a rank outside ``peers``), ``table`` (the same as a device int64 [R] array).
-    ``peers``: the ranks whose allocations this rank maps (default every rank; the mixed transport's node:
-    IPC handles of another node's GPUs cannot be opened). The handles are all-gathered over every rank."""
+    """One IPC-shared allocation per rank, a thin layer over the core's peer buffer (moe_rt_peer_buffer_*,
+    csrc/peer.c): ``local`` (this rank's), ``ptrs`` (every rank's, as mapped here; 0 for a rank outside
+    ``peers``), ``table`` (the same as a device int64 [R] array, the core's), ``nbytes``. ``peers``: the ranks
+    whose allocations this rank maps, a range (default every rank; the mixed transport's node: IPC handles of
+    another node's GPUs cannot be opened). The handles are all-gathered over every rank on ``stream``; the core
+    waits for that exchange with ``wait``'s deadline (a :class:`Wait`): past it the core aborts the
+    communicator, released here, and the group's TimeoutError naming the op is raised."""
 
     def __init__(self, comm, nbytes, stream, wait, zero=False, peers=None):
         import cupy
         from cupy.cuda import runtime
 
-        R, me = comm.size, comm.rank
-        self.local = 0
-        self.opened = []
-        self.local = int(runtime.malloc(max(int(nbytes), 256)))
+        R = int(comm.size)
+        lo, hi = (0, R) if peers is None else (peers.start, peers.stop)
+        if peers is not None and peers.step != 1:  # pragma: no cover - made by the transports
+            raise RuntimeError(f"internal: peers must be a range of step 1, got {peers}")
+        device = runtime.getDevice()
+        self.local, self._buf, self.table = 0, None, None
         try:
-            if zero:
-                runtime.memsetAsync(self.local, 0, max(int(nbytes), 256), stream.ptr)
-            handle = np.frombuffer(bytes(runtime.ipcGetMemHandle(self.local)), np.uint8)
-            if handle.size != _HANDLE_BYTES:  # pragma: no cover - fixed by the CUDA ABI
-                raise RuntimeError(f"unexpected IPC handle size {handle.size}")
-            with stream:
-                buf = cupy.zeros(R * _HANDLE_BYTES, np.uint8)
-                buf[me * _HANDLE_BYTES:(me + 1) * _HANDLE_BYTES].set(handle, stream=stream)
-                comm.all_gather(buf.data.ptr + me * _HANDLE_BYTES, buf.data.ptr, _HANDLE_BYTES, "uint8",
-                                stream.ptr)
-            wait(stream)
-            handles = buf.get(stream=stream).reshape(R, _HANDLE_BYTES)
-            ptrs = []
-            peers = range(R) if peers is None else peers
-            for r in range(R):
-                if r == me:
-                    ptrs.append(self.local)
-                elif r not in peers:
-                    ptrs.append(0)
-                else:
-                    p = int(runtime.ipcOpenMemHandle(handles[r].tobytes(), runtime.cudaIpcMemLazyEnablePeerAccess))
-                    self.opened.append(p)
-                    ptrs.append(p)
-            self.ptrs = ptrs
-            with stream:
-                self.table = cupy.asarray(np.array(ptrs, np.int64))
-        except BaseException:
-            self.close()
-            raise
-        self.nbytes = int(nbytes)
+            self._buf = _core.peer_buffer_create(_core.device(device), comm.handle, int(nbytes), bool(zero), lo, hi,
+                                                 stream.ptr, wait.timeout_ms)
+        except (TimeoutError, RuntimeError) as e:
+            if comm.handle:
+                comm.release_if_aborted()  # the core aborted it: release it as abort() does
+            raise wait.error(e) from None
+        b = self._buf
+        self.local, self.ptrs, self.nbytes = b.local, list(b.ptrs), int(nbytes)
+        mem = cupy.cuda.UnownedMemory(b.table, 8 * R, b, device)
+        self.table = cupy.ndarray((R,), np.int64, cupy.cuda.MemoryPointer(mem, 0))
 
     def close_mappings(self):
         """Close this process's mappings of the peers' allocations (idempotent)."""
-        from cupy.cuda import runtime
-
-        opened, self.opened = self.opened, []
-        for p in opened:
-            runtime.ipcCloseMemHandle(p)
+        if self._buf is not None:
+            self._buf.close_mappings()
 
     def free(self):
-        """Free this rank's allocation (idempotent; the device must be idle)."""
-        from cupy.cuda import runtime
-
-        if self.local:
-            local, self.local = self.local, 0
-            runtime.free(local)
+        """Close any mapping left, then free this rank's allocation and the table (idempotent; the device must be
+        idle)."""
+        if self._buf is not None:
+            b, self._buf = self._buf, None
+            self.local, self.table = 0, None
+            b.destroy()
 
     def close(self):
         self.close_mappings()
@@ -287,8 +306,8 @@ def _stage_unit(st):
 class DirectTransport:
     """Rows between the ranks of one node through peer memory. Made by EpGroup (a collective).
 
-    ``wait(stream)`` waits for the exchanges of the creation (with the creation's deadline);
-    ``op_wait(stream, op)`` (default: ``wait``) those of an op that makes a receive stage (with the op's
+    ``wait`` (a :class:`Wait`) waits for the exchanges of the creation (with the creation's deadline);
+    ``op_wait(op)`` (default: ``wait``) is the :class:`Wait` of an op that makes a receive stage (with the op's
     deadline, naming the op). ``node``: ``(lo, hi)``, the ranks this rank reaches through peer memory
     (default every rank; the mixed transport (:mod:`moe_rt._ep_mixed`) passes this rank's node): only
     their buffers are mapped, the barrier and the fused kernels serve only them."""
@@ -307,7 +326,7 @@ class DirectTransport:
         self.P = int(pair_rows)
         self.timeout_ns = int(min(float(timeout) * 1e9, 2**62))
         self._wait = wait
-        self._op_wait = op_wait if op_wait is not None else (lambda stream, op: wait(stream))
+        self._op_wait = op_wait if op_wait is not None else (lambda op: wait)
         self._stages = {}
         self._order = []
         # per-call work made once: (row bytes, K) -> the stage pair; stage views by (address, rows, cols, dtype)
@@ -452,7 +471,7 @@ class DirectTransport:
         rb = H * x.dtype.itemsize
         pair = self._pairs.get((rb, K))
         if pair is None:
-            pair = self.stages(rb, K, call.stream, lambda st: self._op_wait(st, op))
+            pair = self.stages(rb, K, call.stream, self._op_wait(op))
         rows_st = pair[0]
         m, make = self._row_map(call, h) if h.mode != "capacity" else (None, 0)
         buf = None
@@ -485,7 +504,7 @@ class DirectTransport:
             zw = self._scratch(call, "slot_grads", sz["rows"] * K)
         rb = H * y.dtype.itemsize
         if (rb, K) not in self._pairs:
-            self.stages(rb, K, call.stream, lambda st: self._op_wait(st, op))
+            self.stages(rb, K, call.stream, self._op_wait(op))
         out = call.empty((T, H), y.dtype)
         gwt = call.empty((T, K), np.float32) if zw is not None else None
         _core.ep_direct_combine(self._core, OP_CODES[op], self._handle(h), y.data.ptr, _core.CODES[y.dtype], H,

@@ -109,7 +109,7 @@ class MixedTransport:
         s, sz = call.stream, h.sizes
         R, P, K, H = sz["R"], sz["P"], sz["K"], int(y.shape[1])
         rb = H * y.dtype.itemsize
-        rows_st, w_st = d.stages(rb, K, s, lambda st: d._op_wait(st, op))
+        rows_st, w_st = d.stages(rb, K, s, d._op_wait(op))
         d.barrier(s, op)
         sc, so, rc, ro = nc._host_counts(h)
         back, back_off = self.remote(rc), ro  # what this rank received from another node goes back

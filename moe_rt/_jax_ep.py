@@ -38,6 +38,7 @@ import numpy as np
 
 from moe_rt import _arrays
 from moe_rt import _ep_adapt as _A
+from moe_rt import _ep_direct
 from moe_rt import ep as _ep
 from moe_rt import _xla
 from moe_rt.jax import _dtype_code, _ffi, _on_platform, _run, _spec
@@ -455,7 +456,7 @@ def _ffi_setup(group, op, T, K, *, row_bytes=0, idx_dtype=None):
     t, dev = group._transport, int(group.device)
     with cupy.cuda.Device(dev):
         s = cupy.cuda.get_current_stream()
-        wait = lambda st: group._wait(st, op)  # noqa: E731
+        wait = _ep_direct.Wait(group, op)
         if op != "prepare":
             t.stages(int(row_bytes), K, s, wait)
             return None

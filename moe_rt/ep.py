@@ -366,7 +366,7 @@ class EpGroup:
         # The group's first collectives also set up NCCL's connections (seconds): creation waits for its
         # peers at least _SETUP_TIMEOUT, whatever the (possibly short) timeout of the ops.
         setup = max(self.timeout, _SETUP_TIMEOUT)
-        wait = lambda s: self._wait(s, "__init__", setup)  # noqa: E731
+        wait = _ep_direct.Wait(self, "__init__", setup)
         n, ok, reason = _ep_direct.probe_nodes(self.comm, self.device, wait, self.local_size)
         if n is not None:
             self.local_size = n
@@ -381,7 +381,7 @@ class EpGroup:
         P = self.pair_capacity if self.mode == "capacity" else self.max_tokens_per_rank
         lo = self.rank // n * n
         direct = _ep_direct.DirectTransport(self.comm, self.device, P, self.timeout, wait,
-                                            op_wait=lambda s, op: self._wait(s, op), node=(lo, lo + n))
+                                            op_wait=lambda op: _ep_direct.Wait(self, op), node=(lo, lo + n))
         if n == R:
             self._transport = direct
             return "direct"
@@ -476,8 +476,7 @@ class EpGroup:
                 self._check_transport()  # a barrier that timed out meanwhile names its op
                 if self.comm is not None:
                     self.comm.abort()
-                raise TimeoutError(f"{type(self).__name__}.{op}: no progress within {timeout:g} s (a peer rank is dead "
-                                   "or did not call the same op); the communicator was aborted")
+                raise TimeoutError(_ep_direct.no_progress(self, op, timeout))
             time.sleep(delay)
             delay = min(delay * 2, 5e-3)
         self._check_transport()
@@ -656,7 +655,7 @@ class EpGroup:
         if gs is None:
             gs = c.gs[s.ptr] = self._grid_sync_words(dev, s)
         if c.box is None and self.transport == "direct":
-            c.set_box(self._transport, K, s, lambda st_: self._wait(st_, "prepare"))
+            c.set_box(self._transport, K, s, _ep_direct.Wait(self, "prepare"))
         R, P, SEG = c.R, c.P, c.SEG
         direct = c.box is not None
         if direct:  # each destination's segment pushed into its box; this rank reads its own box

@@ -281,8 +281,9 @@ def chunk_tokens(max_tokens_per_rank: int) -> int:
 
 
 class _SelfComm:
-    """The communicator of a 1-rank group on one GPU (the shared buffers' all-gather is a copy)."""
-    rank, size = 0, 1
+    """The communicator of a 1-rank group on one GPU (the shared buffers' all-gather is a copy; the core's peer
+    buffers take no communicator: ``handle`` 0)."""
+    rank, size, handle = 0, 1, 0
 
     def __init__(self, device):
         self.device = device
@@ -452,7 +453,7 @@ class LowLatencyGroup:
                 raise RuntimeError("LowLatencyGroup makes its shared buffers on its first op (a collective with "
                                    "a host sync): run one op before CUDA-graph capture")
             setup = max(self.timeout, _ep._SETUP_TIMEOUT)
-            wait = lambda s: self._wait(s, "__init__", setup)  # noqa: E731
+            wait = _ep_direct.Wait(self, "__init__", setup)
             comm = self.comm if self.comm is not None else _SelfComm(self.device)
             if self.size > 1:
                 ok, reason = _ep_direct.probe_peers(comm, self.device, wait)

@@ -29,7 +29,7 @@ class Failure(C.Structure):
 
 class FakeComm(C.Structure):
     """csrc/comm.c's struct moe_rt_comm, for argument checks that fail before NCCL is called."""
-    _fields_ = [("comm", C.c_void_p), ("nranks", C.c_int), ("rank", C.c_int)]
+    _fields_ = [("comm", C.c_void_p), ("nranks", C.c_int), ("rank", C.c_int), ("aborted", C.c_int)]
 
 
 P, I, L, S = C.c_void_p, C.c_int, C.c_int64, C.c_size_t
@@ -73,9 +73,9 @@ NCCL_PATH = _nccl_path()
 needs_nccl = pytest.mark.skipif(NCCL_PATH is None, reason="needs the NCCL library")
 
 
-def _load(path):
+def _load(path, signatures=None):
     lib = C.CDLL(str(path))
-    for name, (res, args) in SIGNATURES.items():
+    for name, (res, args) in (SIGNATURES if signatures is None else signatures).items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = res, args
     return lib

@@ -1998,7 +1998,7 @@ def _mixed_transport(monkeypatch, R, local_size, me, P, events, kernels=None):
     d.timeout_ns, d._stages, d._order, d.closed, d._err_ptr = 10**9, {}, [], False, 64
     d._pairs, d._views = {}, {}
     d._scratch_mem, d._retired = {}, []
-    d._wait = d._op_wait = None
+    d._wait, d._op_wait = None, lambda op: None
     d.state = _Dev(2, np.uint32)
     d.bar = d.flags = type("Sh", (), {"table": _Dev(R, np.int64)})()
     d._core = _core.ep_direct_group_create(ctx, R, me, lo, lo + local_size, P, 10**9, d.bar.table.data.ptr,

@@ -114,7 +114,7 @@ class EpStandIns(_LL.StandIns):
         s = object.__new__(_ep_direct._Shared)
         s.local = next(self.addrs)
         s.ptrs = [s.local + (r << 32) for r in range(R)]
-        s.opened, s.nbytes = [], int(nbytes)
+        s._buf, s.nbytes = None, int(nbytes)  # no core peer buffer: close_mappings and free do nothing
         s.table = self.array((R,), np.int64)
         return s
 
@@ -134,7 +134,7 @@ class EpStandIns(_LL.StandIns):
         d.timeout_ns, d._stages, d._order, d.closed, d._err_ptr = 10**9, {}, [], False, 96
         d._pairs, d._views = {}, {}
         d._scratch_mem, d._retired = {}, []
-        d._wait = d._op_wait = None
+        d._wait, d._op_wait = None, lambda op: None
         d.state = self.array((2,), np.uint32)
         d.bar, d.flags = self.shared(R, 4 * R), self.shared(R, 4 * R * P)
         d._core = _core.ep_direct_group_create(_core.device(0), R, me, 0, R, P, d.timeout_ns, d.bar.table.data.ptr,

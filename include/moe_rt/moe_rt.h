@@ -6,7 +6,8 @@
  * through dlopen("libcuda.so.1"); no CUDA header is needed to compile against this file. Link with
  * -lmoe_rt (moe_rt/lib/libmoe_rt.so inside the installed package).
  *
- * Part 1 also holds NCCL, loaded at run time, and the communicator (moe_rt_nccl_*, moe_rt_comm_*).
+ * Part 1 also holds NCCL, loaded at run time, the communicator (moe_rt_nccl_*, moe_rt_comm_*) and the peer
+ * buffers shared through CUDA IPC (moe_rt_peer_buffer_*).
  *
  * Part 2 (after Part 1): the C view of the expert-parallel handle (moe_rt.ep.EpGroup.prepare).
  *
@@ -73,7 +74,8 @@ typedef enum moe_rt_status {
   MOE_RT_ERROR_BAD_EXPERT_ID = 6,    /* moe_rt_check: make_plan met expert ids outside [-1, E) */
   MOE_RT_ERROR_NOT_SUPPORTED = 7,    /* e.g. launching in a planning context */
   MOE_RT_ERROR_NO_NCCL = 8,          /* the NCCL library cannot be loaded, or lacks a needed function */
-  MOE_RT_ERROR_NCCL = 9              /* an NCCL call failed (moe_rt_nccl_last_failure: the call and result) */
+  MOE_RT_ERROR_NCCL = 9,             /* an NCCL call failed (moe_rt_nccl_last_failure: the call and result) */
+  MOE_RT_ERROR_TIMEOUT = 10          /* a host wait ran past its deadline (the message names the op) */
 } moe_rt_status;
 
 typedef enum moe_rt_dtype {
@@ -570,6 +572,9 @@ moe_rt_status moe_rt_comm_abort(moe_rt_comm* comm);
  * When it is a failure and message is not NULL, message (message_bytes, at least 1) receives NCCL's text for
  * it as moe_rt_nccl_failure.message. */
 moe_rt_status moe_rt_comm_async_error(moe_rt_comm* comm, int* result, char* message, size_t message_bytes);
+/* *aborted = 1 when a wait of the core (moe_rt_peer_buffer_create) aborted comm (ncclCommAbort) on a timeout or
+ * an NCCL error: every other call on it then fails, and moe_rt_comm_abort / moe_rt_comm_destroy only free it. */
+moe_rt_status moe_rt_comm_aborted(const moe_rt_comm* comm, int* aborted);
 moe_rt_status moe_rt_comm_count(const moe_rt_comm* comm, int* count);
 moe_rt_status moe_rt_comm_user_rank(const moe_rt_comm* comm, int* rank);
 /* The raw ncclComm_t (to hand to code using NCCL directly). */
@@ -592,6 +597,58 @@ moe_rt_status moe_rt_comm_all_reduce(moe_rt_comm* comm, const void* send, void* 
 /* recv = send of rank root, in [0, nranks) (send read on the root alone). */
 moe_rt_status moe_rt_comm_broadcast(moe_rt_comm* comm, const void* send, void* recv, int64_t count, int dtype,
                                     int root, moe_rt_stream stream);
+
+/* ======================================================================================================
+ * Peer buffers (csrc/peer.c; moe_rt._ep_direct._Shared is a thin layer over these)
+ *
+ * One device allocation per rank (cuMemAlloc, at least 256 bytes, so 256-byte aligned), shared through CUDA
+ * IPC: each rank's IPC handle travels once through the communicator (an all-gather of the 64-byte handles on
+ * `stream`), and each rank maps the allocations of the ranks in [peer_lo, peer_hi) (cuIpcOpenMemHandle with
+ * lazy peer access; the ranks of one node: another node's handles cannot be opened). The direct EP transport's
+ * barrier slots, chunk flags, receive stages and prepare's box, and the low-latency groups' buffers, are peer
+ * buffers: their peer tables are the `table` of moe_rt_peer_buffer_info (moe_rt_ep_direct_group_desc,
+ * moe_rt_ll_group_desc). Made on a device context (the buffer refers to it: destroy the buffer first); a
+ * planning context gets MOE_RT_ERROR_NOT_SUPPORTED.
+ *
+ * moe_rt_peer_buffer_create is a collective (every rank of comm calls it, in the same order as its other
+ * collectives) with a host wait: it waits for `stream` (cuStreamQuery, polling the communicator's asynchronous
+ * error) at most timeout_ms milliseconds; past that deadline it aborts the communicator (ncclCommAbort; see
+ * moe_rt_comm_aborted) and returns MOE_RT_ERROR_TIMEOUT, its message naming the op; an asynchronous NCCL error
+ * met while waiting also aborts it (MOE_RT_ERROR_NCCL). Not while `stream` is being captured into a CUDA graph
+ * (MOE_RT_ERROR_NOT_SUPPORTED). comm NULL: a group of one rank (nothing exchanged). On any failure everything
+ * made so far is released and *out is NULL.
+ *
+ * Teardown (every rank, after its last use of the buffers, and after its peers' last use: e.g. a barrier):
+ * moe_rt_peer_buffer_close_mappings on every buffer of a group (the mappings of the peers' allocations closed
+ * before the communicator is destroyed), then, with the device idle, moe_rt_peer_buffer_destroy on each
+ * (closes any mapping left open, then frees this rank's allocation and the table).
+ * ====================================================================================================== */
+#define MOE_RT_IPC_HANDLE_BYTES 64
+
+typedef struct moe_rt_peer_buffer moe_rt_peer_buffer;
+
+typedef struct moe_rt_peer_buffer_info {
+  void* local;       /* this rank's allocation (at least max(nbytes, 256) bytes) */
+  void* const* ptrs; /* host [nranks]: each rank's allocation as mapped here (ptrs[rank] = local; NULL for a
+                        rank outside [peer_lo, peer_hi)); valid while the buffer lives */
+  int64_t* table;    /* device int64 [nranks]: the same addresses */
+  size_t nbytes;     /* the size asked for */
+  int32_t nranks, rank, peer_lo, peer_hi;
+} moe_rt_peer_buffer_info;
+
+/* Make this rank's peer buffer of nbytes (zero = 1: zeroed on `stream` first) and map those of the ranks in
+ * [peer_lo, peer_hi) (0 <= peer_lo <= rank < peer_hi <= nranks); timeout_ms >= 1: the exchange's deadline. */
+moe_rt_status moe_rt_peer_buffer_create(moe_rt_context* ctx, moe_rt_comm* comm, size_t nbytes, int zero,
+                                        int peer_lo, int peer_hi, moe_rt_stream stream, int64_t timeout_ms,
+                                        moe_rt_peer_buffer** out);
+/* The buffer's addresses and sizes. */
+moe_rt_status moe_rt_peer_buffer_get_info(const moe_rt_peer_buffer* buf, moe_rt_peer_buffer_info* out);
+/* Close this process's mappings of the peers' allocations (idempotent; their entries of ptrs become NULL, the
+ * device table keeps the old addresses: nothing may use it afterwards). */
+moe_rt_status moe_rt_peer_buffer_close_mappings(moe_rt_peer_buffer* buf);
+/* Close the mappings left open, then free this rank's allocation, the table and buf (the device must be done
+ * with them). NULL is a no-op. buf is freed even when a driver call fails (the first failure is returned). */
+moe_rt_status moe_rt_peer_buffer_destroy(moe_rt_peer_buffer* buf);
 
 #ifdef __cplusplus
 }
