@@ -442,7 +442,16 @@ def cache_kernels(root: str, names, arch: str, where: str = "") -> None:
 # kernel compiles it in the foreground, and raises there. MOE_RT_TIERED=0 compiles every kernel in the
 # foreground instead. ``warmup`` compiles the kernels alone, never the stand-ins.
 
-TIERED = os.environ.get("MOE_RT_TIERED", "1") != "0"
+def env_choice(name: str, choices: tuple, default: str) -> str:
+    """The value of the environment variable ``name``: one of ``choices``, ``default`` when unset or empty;
+    anything else is a ValueError naming the variable (a misspelt switch must not run the default silently)."""
+    v = os.environ.get(name) or default
+    if v not in choices:
+        raise ValueError(f"{name}: expected {', '.join(choices[:-1])} or {choices[-1]}, got {v!r}")
+    return v
+
+
+TIERED = env_choice("MOE_RT_TIERED", ("0", "1"), "1") == "1"
 _background: dict = {}  # (root, file, name, arch) -> its compiling thread
 _failed: set = set()  # (root, file, name, arch) whose background compile failed: compiled in the foreground next
 stand_ins_loaded = 0  # stand-ins loaded so far (moe_rt._core counts them; tools/bench_compile.py reports them)
@@ -595,7 +604,7 @@ except ImportError:  # pragma: no cover - the extension is built with the packag
 
 # MOE_RT_LAUNCH=cupy launches every kernel through CuPy's launcher instead of the driver's (a test and
 # benchmark switch; both launch the same function with the same arguments).
-_use_driver = _driver is not None and os.environ.get("MOE_RT_LAUNCH", "driver") != "cupy"
+_use_driver = _driver is not None and env_choice("MOE_RT_LAUNCH", ("driver", "cupy"), "driver") == "driver"
 _ptrs: dict = {}
 
 

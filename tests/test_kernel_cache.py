@@ -206,3 +206,18 @@ def test_a_manifest_of_other_nvrtc_options_is_replaced(monkeypatch, tmp_path):
     m = json.loads((tmp_path / "manifest.json").read_text())
     assert m["options"] == ["-lineinfo"] and len(m["kernels"]) == 1
     assert m["kernels"][0]["image"] != plain_image  # the -lineinfo build, not the plain one
+
+
+@pytest.mark.parametrize("var, choices, bad", [("MOE_RT_TIERED", ("0", "1"), ("false", "off", "2")),
+                                               ("MOE_RT_LAUNCH", ("driver", "cupy"), ("CuPy", "drv"))])
+def test_switches_reject_values_they_do_not_know(monkeypatch, var, choices, bad):
+    """MOE_RT_TIERED and MOE_RT_LAUNCH take their documented values or none: MOE_RT_TIERED=false once ran the
+    stand-ins (only "0" turned them off) and a misspelt MOE_RT_LAUNCH the driver launcher, silently."""
+    for v in choices + ("",):
+        monkeypatch.setenv(var, v)
+        assert _jit.env_choice(var, choices, choices[-1]) == (v or choices[-1])
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for v in bad:
+        r = subprocess.run([sys.executable, "-c", "import moe_rt._jit"], env=dict(os.environ, **{var: v}),
+                           capture_output=True, text=True, cwd=root)
+        assert r.returncode != 0 and f"ValueError: {var}: expected" in r.stderr and repr(v) in r.stderr, r.stderr
