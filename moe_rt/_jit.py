@@ -442,13 +442,30 @@ def cache_kernels(root: str, names, arch: str, where: str = "") -> None:
 # kernel compiles it in the foreground, and raises there. MOE_RT_TIERED=0 compiles every kernel in the
 # foreground instead. ``warmup`` compiles the kernels alone, never the stand-ins.
 
-def env_choice(name: str, choices: tuple, default: str) -> str:
+def env_choice(name: str, choices: tuple, default: str | None) -> str | None:
     """The value of the environment variable ``name``: one of ``choices``, ``default`` when unset or empty;
     anything else is a ValueError naming the variable (a misspelt switch must not run the default silently)."""
     v = os.environ.get(name) or default
-    if v not in choices:
+    if v is not None and v not in choices:
         raise ValueError(f"{name}: expected {', '.join(choices[:-1])} or {choices[-1]}, got {v!r}")
     return v
+
+
+def env_ints(name: str, default, low: int = 0, *, one: bool = False):
+    """The environment variable ``name`` as a tuple of integers >= ``low`` (comma-separated; with ``one`` a
+    single integer, returned as such), ``default`` when unset or empty; anything else is a ValueError naming
+    the variable."""
+    v = os.environ.get(name)
+    if not v:
+        return default
+    try:
+        out = tuple(int(p) for p in v.split(","))
+    except ValueError:
+        out = ()
+    if not out or min(out) < low or (one and len(out) != 1):
+        what = "an integer" if one else "integers (comma-separated)"
+        raise ValueError(f"{name}: expected {what} >= {low}, got {v!r}")
+    return out[0] if one else out
 
 
 TIERED = env_choice("MOE_RT_TIERED", ("0", "1"), "1") == "1"

@@ -19,7 +19,6 @@ Shared conventions (both backends):
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 
@@ -38,12 +37,12 @@ _FILE = "router.cu"
 # The kernel choices of the ops the C core runs (top-k and its backward, the aux scores and loss) are the
 # core's (csrc/router.c); this module plans only the Quantile Balancing ops, which the core lacks. Their
 # kernel variants for benchmarks and tests, read once (tests patch these attributes):
-_FWD_VARIANT = os.environ.get("MOE_RT_ROUTER_FWD")
-_TEAM_VARIANT = os.environ.get("MOE_RT_ROUTER_TEAM")
+# a value they do not know is a ValueError at import (a misspelt variant would time the default silently)
+_FWD_VARIANT = _jit.env_choice("MOE_RT_ROUTER_FWD", ("default", "generic"), None)
+_TEAM_VARIANT = _jit.env_choice("MOE_RT_ROUTER_TEAM", ("32", "128"), None)
 # tokens per warp of the QB forward's row kernels, 0 = one resident wave (MOE_RT_ROUTER_TPW="f" at import
 # overrides the default of _fwd_tpw: a benchmark variant)
-_TPW_VARIANT = tuple(int(v) for v in os.environ["MOE_RT_ROUTER_TPW"].split(",")) if os.environ.get(
-    "MOE_RT_ROUTER_TPW") else None
+_TPW_VARIANT = _jit.env_ints("MOE_RT_ROUTER_TPW", None)
 
 _jit.register(_FILE, [f"router_fwd<{c}, {team}>" for c in _jit.CTYPES.values() for team in _TEAMS]
               + [f"router_fwd<{c}, 32, false>" for c in _jit.CTYPES.values()]
@@ -794,13 +793,13 @@ def _launch_qb_hist(call, raw, cut, T, E, bounds, hist, B):
 # atomics' rate there, about 1e11 a second, puts 2^18 of them near 3 us, a second launch's cost). All add the
 # same integers. MOE_RT_QB_SMEM_HIST_BYTES at import sets the first (0: never the shared histogram; a benchmark
 # and test variant); tests patch the attributes.
-_QB_SMEM_HIST_BYTES = int(os.environ.get("MOE_RT_QB_SMEM_HIST_BYTES", 48 * 1024))
+_QB_SMEM_HIST_BYTES = _jit.env_ints("MOE_RT_QB_SMEM_HIST_BYTES", 48 * 1024, one=True)
 _QB_ATOMIC_SAMPLES = 1 << 18
 _QB_BLOCK_TOKENS = 65535  # hmode 2: tokens a block at most (below 2^16: no counter wraps)
 # router_fwd_qb_reg with the shared histogram: warps a block at most (0: every warp the kernel takes on a
 # multiprocessor; 4: the plain forward's blocks, 5-6 histograms and flushes a multiprocessor). A benchmark
 # variant, MOE_RT_QB_REG_WARPS at import; tests patch the attribute.
-_QB_REG_WARPS = int(os.environ.get("MOE_RT_QB_REG_WARPS", 0))
+_QB_REG_WARPS = _jit.env_ints("MOE_RT_QB_REG_WARPS", 0, one=True)
 
 
 def _qb_hmode(T, E, B, fused):

@@ -208,16 +208,32 @@ def test_a_manifest_of_other_nvrtc_options_is_replaced(monkeypatch, tmp_path):
     assert m["kernels"][0]["image"] != plain_image  # the -lineinfo build, not the plain one
 
 
-@pytest.mark.parametrize("var, choices, bad", [("MOE_RT_TIERED", ("0", "1"), ("false", "off", "2")),
-                                               ("MOE_RT_LAUNCH", ("driver", "cupy"), ("CuPy", "drv"))])
-def test_switches_reject_values_they_do_not_know(monkeypatch, var, choices, bad):
-    """MOE_RT_TIERED and MOE_RT_LAUNCH take their documented values or none: MOE_RT_TIERED=false once ran the
-    stand-ins (only "0" turned them off) and a misspelt MOE_RT_LAUNCH the driver launcher, silently."""
-    for v in choices + ("",):
-        monkeypatch.setenv(var, v)
-        assert _jit.env_choice(var, choices, choices[-1]) == (v or choices[-1])
+@pytest.mark.parametrize("var, bad", [("MOE_RT_TIERED", ("false", "off", "2")), ("MOE_RT_LAUNCH", ("CuPy", "drv")),
+                                      ("MOE_RT_ROUTER_FWD", ("Generic", "reg")), ("MOE_RT_ROUTER_TEAM", ("64", "x")),
+                                      ("MOE_RT_ROUTER_TPW", ("f", "1,x", "-1")),
+                                      ("MOE_RT_QB_SMEM_HIST_BYTES", ("48k", "-1", "1,2")),
+                                      ("MOE_RT_QB_REG_WARPS", ("four", "1.5"))])
+def test_switches_reject_values_they_do_not_know(var, bad):
+    """The switches read at import take their documented values or none: MOE_RT_TIERED=false ran the
+    stand-ins (only "0" turned them off), a misspelt MOE_RT_LAUNCH the driver launcher, MOE_RT_ROUTER_FWD /
+    MOE_RT_ROUTER_TEAM values they do not know the default kernels, silently; the integer ones failed the
+    import with int()'s message, which names no variable."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for v in bad:
-        r = subprocess.run([sys.executable, "-c", "import moe_rt._jit"], env=dict(os.environ, **{var: v}),
+        r = subprocess.run([sys.executable, "-c", "import moe_rt.router"], env=dict(os.environ, **{var: v}),
                            capture_output=True, text=True, cwd=root)
         assert r.returncode != 0 and f"ValueError: {var}: expected" in r.stderr and repr(v) in r.stderr, r.stderr
+
+
+def test_switch_parsers(monkeypatch):
+    monkeypatch.setenv("X_SWITCH", "")
+    assert _jit.env_choice("X_SWITCH", ("0", "1"), "1") == "1" and _jit.env_choice("X_SWITCH", ("a",), None) is None
+    monkeypatch.setenv("X_SWITCH", "0")
+    assert _jit.env_choice("X_SWITCH", ("0", "1"), "1") == "0"
+    assert _jit.env_ints("X_SWITCH", 7, one=True) == 0 and _jit.env_ints("X_SWITCH", None) == (0,)
+    monkeypatch.setenv("X_SWITCH", "2,0")
+    assert _jit.env_ints("X_SWITCH", None) == (2, 0)
+    with pytest.raises(ValueError, match="X_SWITCH: expected an integer >= 0, got '2,0'"):
+        _jit.env_ints("X_SWITCH", 7, one=True)
+    monkeypatch.delenv("X_SWITCH")
+    assert _jit.env_ints("X_SWITCH", 7, one=True) == 7
