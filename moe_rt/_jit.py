@@ -392,7 +392,8 @@ def _write_manifest(out: Path, rows: list) -> None:
 def add_to_manifest(root: str, kernels) -> Path:
     """Add ``kernels`` ((file, name expression, arch) each, already compiled into ``root``) to
     ``root/manifest.json``, under a file lock so that processes merge their additions; a manifest written
-    from other kernel sources or with other ``MOE_RT_NVRTC_OPTIONS`` (its ``options``) is replaced. The C
+    from other kernel sources, with other ``MOE_RT_NVRTC_OPTIONS`` (its ``options``) or by another NVRTC is
+    replaced (the C core loads its rows by (file, name, arch) alone). The C
     core reads the manifest again when it misses a kernel."""
     import fcntl
 
@@ -405,7 +406,8 @@ def add_to_manifest(root: str, kernels) -> Path:
         try:
             old = json.loads(out.read_text())
             if (old.get("source_hash") == source_hash() and old.get("format") == _CACHE_FORMAT
-                    and old.get("options", []) == list(extra_options())):
+                    and old.get("options", []) == list(extra_options())
+                    and old.get("nvrtc") == ".".join(map(str, nvrtc_version()))):
                 rows = list(old.get("kernels", []))
         except (OSError, ValueError):
             pass

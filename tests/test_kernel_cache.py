@@ -208,6 +208,27 @@ def test_a_manifest_of_other_nvrtc_options_is_replaced(monkeypatch, tmp_path):
     assert m["kernels"][0]["image"] != plain_image  # the -lineinfo build, not the plain one
 
 
+
+@needs_nvrtc
+def test_a_manifest_of_another_nvrtc_is_replaced(monkeypatch, tmp_path):
+    """After an NVRTC upgrade the kernels compile again (the version is in their keys), and the manifest the
+    C core loads by (file, name, arch) must list the new builds, not keep the older NVRTC's rows."""
+    import json
+
+    root = str(tmp_path)
+    monkeypatch.setenv("MOE_RT_QUIET", "1")
+    monkeypatch.delenv("MOE_RT_NVRTC_OPTIONS", raising=False)
+    _jit.cache_kernels(root, [SMALL], "sm_90")
+    old = json.loads((tmp_path / "manifest.json").read_text())["kernels"][0]["image"]
+    real = _jit.nvrtc_version()
+    monkeypatch.setattr(_jit, "nvrtc_version", lambda: (real[0], real[1] + 100))
+    _jit.cache_kernels(root, [SMALL], "sm_90")
+    m = json.loads((tmp_path / "manifest.json").read_text())
+    assert m["nvrtc"] == f"{real[0]}.{real[1] + 100}" and len(m["kernels"]) == 1
+    assert m["kernels"][0]["image"] != old
+    assert m["kernels"][0]["image"] == str(_jit._entry(root, *SMALL, "sm_90").relative_to(root))
+
+
 @pytest.mark.parametrize("var, bad", [("MOE_RT_TIERED", ("false", "off", "2")), ("MOE_RT_LAUNCH", ("CuPy", "drv")),
                                       ("MOE_RT_ROUTER_FWD", ("Generic", "reg")), ("MOE_RT_ROUTER_TEAM", ("64", "x")),
                                       ("MOE_RT_ROUTER_TPW", ("f", "1,x", "-1")),
