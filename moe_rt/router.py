@@ -174,12 +174,19 @@ def _check_topk_flags(E, topk, score_function, use_pre_softmax, scaling_factor):
     return K, scale, pre
 
 
+# float32's largest value, and half its last step above it: from there on float32(value) rounds to inf
+_F32_MAX = float(np.finfo(np.float32).max)
+_F32_INF_AT = _F32_MAX + 2.0 ** 103
+
+
 def _check_float(value, name):
     if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
         raise TypeError(f"{name}: expected a real number, got {type(value).__name__}")
     value = float(value)
     if not math.isfinite(value):
         raise ValueError(f"{name}: must be finite, got {value}")
+    if abs(value) >= _F32_INF_AT:  # the kernels and the reference take it as float32: inf there
+        raise ValueError(f"{name}: must be finite in float32 (|{name}| <= {_F32_MAX:.7g}), got {value}")
     return value
 
 

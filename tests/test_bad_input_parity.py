@@ -153,6 +153,16 @@ CASES = [
      lambda o, A, c: lambda: o.aux_loss(A(D.logits), A(D.tpe), T, 3, K, 0.1), ALL),
     ("aux_loss coeff", ValueError, "coeff",
      lambda o, A, c: lambda: o.aux_loss(A(D.logits), A(D.tpe), T, E, K, float("nan")), ALL),
+    # -- a float setting finite in float64 but not in float32, which the ops compute in (fixed: inf probs and
+    #    loss, with no error)
+    ("topk scaling_factor over float32", ValueError, "scaling_factor",
+     lambda o, A, c: lambda: o.topk_with_score(A(D.logits), K, scaling_factor=1e39), ALL),
+    ("topk scaling_factor under -float32", ValueError, "scaling_factor",
+     lambda o, A, c: lambda: o.topk_with_score(A(D.logits), K, scaling_factor=-3.5e38), ALL),
+    ("qb scaling_factor over float32", ValueError, "scaling_factor",
+     lambda o, A, c: _qb(o, A, scaling_factor=1e39), ALL),
+    ("aux_loss coeff over float32", ValueError, "coeff",
+     lambda o, A, c: lambda: o.aux_loss(A(D.logits), A(D.tpe), T, E, K, 1e300), ALL),
     ("make_plan routing float", TypeError, "routing", lambda o, A, c: lambda: o.make_plan(A(D.idx.astype(F32)), E),
      ALL),
     ("make_plan align_size", ValueError, "align_size", lambda o, A, c: lambda: o.make_plan(A(D.idx), E, align_size=-4),
