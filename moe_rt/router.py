@@ -748,11 +748,18 @@ def check_qb_args(xv, bv, hv, dv, topk, score_function, num_groups, group_topk, 
     return E, K, B, scale, fused
 
 
-def _writable_histogram(hv, backend):
-    """The histogram is accumulated in place: it must be C-contiguous, and writable on the host."""
+def _read_only(obj, v, backend) -> bool:
+    """Whether the caller's array ``obj`` (its view ``v``) must not be written in place: a JAX array on any
+    backend (immutable; the view JAX exports of its buffer is writable, so the flags do not say it), or a
+    read-only host array."""
+    return _arrays._framework_of(obj) == "jax" or (backend == "cpu" and not v.flags.writeable)
+
+
+def _writable_histogram(obj, hv, backend):
+    """The histogram is accumulated in place: it must be C-contiguous, and writable (no JAX array)."""
     if not hv.flags.c_contiguous:
         raise ValueError("qb_histogram: must be C-contiguous (it is accumulated in place)")
-    if backend == "cpu" and not hv.flags.writeable:
+    if _read_only(obj, hv, backend):
         raise TypeError("qb_histogram: a read-only array (JAX arrays are immutable); it is accumulated in "
                         "place: pass a writable one, or use moe_rt.jax.topk_with_score_qb, which returns the "
                         "new histogram")
@@ -921,7 +928,7 @@ def topk_with_score_qb(logits, topk, *, expert_bias, qb_histogram, qb_bin_bounds
         E, K, B, scale, fused = check_qb_args(xv, bv, hv, dv, topk, score_function, num_groups, group_topk,
                                               scaling_factor, qb_histogram_mode)
         _check_bool(bounds_validated, "bounds_validated")
-        _writable_histogram(hv, call.backend)
+        _writable_histogram(qb_histogram, hv, call.backend)
         lead = tuple(xv.shape[:-1])
         x = _flat(call.xp, xv, E)
         T = x.shape[0]
@@ -973,7 +980,7 @@ def qb_histogram_accumulate(raw, cutoff, qb_bin_bounds, qb_histogram, *, bounds_
         B = _check_qb_histogram(hv, E)
         _check_qb_bounds(dv)
         _check_bool(bounds_validated, "bounds_validated")
-        _writable_histogram(hv, call.backend)
+        _writable_histogram(qb_histogram, hv, call.backend)
         d = _bounds_checked(call, dv, bounds_validated)
         xp = call.xp
         r = _flat(xp, rv, E)
@@ -1025,7 +1032,7 @@ def update_expert_bias_with_quantile(qb_histogram, qb_bin_bounds, expert_bias, t
         for name, v in (("qb_histogram", hv), ("qb_bin_bounds", dv), ("expert_bias", bv)):
             if not v.flags.c_contiguous:
                 raise ValueError(f"{name}: must be C-contiguous (updated in place)")
-            if call.backend == "cpu" and not v.flags.writeable:
+            if _read_only(arrays[name], v, call.backend):
                 raise TypeError(f"{name}: a read-only array (JAX arrays are immutable); it is updated in place")
         bias, bounds = ref.expert_bias_from_quantile(call.xp, hv, dv, bv, K)
         bv[...] = bias.astype(bv.dtype)
