@@ -392,7 +392,8 @@ def _write_manifest(out: Path, rows: list) -> None:
 def add_to_manifest(root: str, kernels) -> Path:
     """Add ``kernels`` ((file, name expression, arch) each, already compiled into ``root``) to
     ``root/manifest.json``, under a file lock so that processes merge their additions; a manifest written
-    from other kernel sources or with other ``MOE_RT_NVRTC_OPTIONS`` (its ``options``) is replaced. The C
+    from other kernel sources, with other ``MOE_RT_NVRTC_OPTIONS`` (its ``options``) or by another NVRTC is
+    replaced (the C core loads its rows by (file, name, arch) alone). The C
     core reads the manifest again when it misses a kernel."""
     import fcntl
 
@@ -405,7 +406,8 @@ def add_to_manifest(root: str, kernels) -> Path:
         try:
             old = json.loads(out.read_text())
             if (old.get("source_hash") == source_hash() and old.get("format") == _CACHE_FORMAT
-                    and old.get("options", []) == list(extra_options())):
+                    and old.get("options", []) == list(extra_options())
+                    and old.get("nvrtc") == ".".join(map(str, nvrtc_version()))):
                 rows = list(old.get("kernels", []))
         except (OSError, ValueError):
             pass
@@ -442,7 +444,33 @@ def cache_kernels(root: str, names, arch: str, where: str = "") -> None:
 # kernel compiles it in the foreground, and raises there. MOE_RT_TIERED=0 compiles every kernel in the
 # foreground instead. ``warmup`` compiles the kernels alone, never the stand-ins.
 
-TIERED = os.environ.get("MOE_RT_TIERED", "1") != "0"
+def env_choice(name: str, choices: tuple, default: str | None) -> str | None:
+    """The value of the environment variable ``name``: one of ``choices``, ``default`` when unset or empty;
+    anything else is a ValueError naming the variable (a misspelt switch must not run the default silently)."""
+    v = os.environ.get(name) or default
+    if v is not None and v not in choices:
+        raise ValueError(f"{name}: expected {', '.join(choices[:-1])} or {choices[-1]}, got {v!r}")
+    return v
+
+
+def env_ints(name: str, default, low: int = 0, *, one: bool = False):
+    """The environment variable ``name`` as a tuple of integers >= ``low`` (comma-separated; with ``one`` a
+    single integer, returned as such), ``default`` when unset or empty; anything else is a ValueError naming
+    the variable."""
+    v = os.environ.get(name)
+    if not v:
+        return default
+    try:
+        out = tuple(int(p) for p in v.split(","))
+    except ValueError:
+        out = ()
+    if not out or min(out) < low or (one and len(out) != 1):
+        what = "an integer" if one else "integers (comma-separated)"
+        raise ValueError(f"{name}: expected {what} >= {low}, got {v!r}")
+    return out[0] if one else out
+
+
+TIERED = env_choice("MOE_RT_TIERED", ("0", "1"), "1") == "1"
 _background: dict = {}  # (root, file, name, arch) -> its compiling thread
 _failed: set = set()  # (root, file, name, arch) whose background compile failed: compiled in the foreground next
 stand_ins_loaded = 0  # stand-ins loaded so far (moe_rt._core counts them; tools/bench_compile.py reports them)
@@ -595,7 +623,7 @@ except ImportError:  # pragma: no cover - the extension is built with the packag
 
 # MOE_RT_LAUNCH=cupy launches every kernel through CuPy's launcher instead of the driver's (a test and
 # benchmark switch; both launch the same function with the same arguments).
-_use_driver = _driver is not None and os.environ.get("MOE_RT_LAUNCH", "driver") != "cupy"
+_use_driver = _driver is not None and env_choice("MOE_RT_LAUNCH", ("driver", "cupy"), "driver") == "driver"
 _ptrs: dict = {}
 
 

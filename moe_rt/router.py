@@ -19,7 +19,6 @@ Shared conventions (both backends):
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 
@@ -38,12 +37,12 @@ _FILE = "router.cu"
 # The kernel choices of the ops the C core runs (top-k and its backward, the aux scores and loss) are the
 # core's (csrc/router.c); this module plans only the Quantile Balancing ops, which the core lacks. Their
 # kernel variants for benchmarks and tests, read once (tests patch these attributes):
-_FWD_VARIANT = os.environ.get("MOE_RT_ROUTER_FWD")
-_TEAM_VARIANT = os.environ.get("MOE_RT_ROUTER_TEAM")
+# a value they do not know is a ValueError at import (a misspelt variant would time the default silently)
+_FWD_VARIANT = _jit.env_choice("MOE_RT_ROUTER_FWD", ("default", "generic"), None)
+_TEAM_VARIANT = _jit.env_choice("MOE_RT_ROUTER_TEAM", ("32", "128"), None)
 # tokens per warp of the QB forward's row kernels, 0 = one resident wave (MOE_RT_ROUTER_TPW="f" at import
 # overrides the default of _fwd_tpw: a benchmark variant)
-_TPW_VARIANT = tuple(int(v) for v in os.environ["MOE_RT_ROUTER_TPW"].split(",")) if os.environ.get(
-    "MOE_RT_ROUTER_TPW") else None
+_TPW_VARIANT = _jit.env_ints("MOE_RT_ROUTER_TPW", None)
 
 _jit.register(_FILE, [f"router_fwd<{c}, {team}>" for c in _jit.CTYPES.values() for team in _TEAMS]
               + [f"router_fwd<{c}, 32, false>" for c in _jit.CTYPES.values()]
@@ -175,12 +174,19 @@ def _check_topk_flags(E, topk, score_function, use_pre_softmax, scaling_factor):
     return K, scale, pre
 
 
+# float32's largest value, and half its last step above it: from there on float32(value) rounds to inf
+_F32_MAX = float(np.finfo(np.float32).max)
+_F32_INF_AT = _F32_MAX + 2.0 ** 103
+
+
 def _check_float(value, name):
     if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
         raise TypeError(f"{name}: expected a real number, got {type(value).__name__}")
     value = float(value)
     if not math.isfinite(value):
         raise ValueError(f"{name}: must be finite, got {value}")
+    if abs(value) >= _F32_INF_AT:  # the kernels and the reference take it as float32: inf there
+        raise ValueError(f"{name}: must be finite in float32 (|{name}| <= {_F32_MAX:.7g}), got {value}")
     return value
 
 
@@ -742,11 +748,18 @@ def check_qb_args(xv, bv, hv, dv, topk, score_function, num_groups, group_topk, 
     return E, K, B, scale, fused
 
 
-def _writable_histogram(hv, backend):
-    """The histogram is accumulated in place: it must be C-contiguous, and writable on the host."""
+def _read_only(obj, v, backend) -> bool:
+    """Whether the caller's array ``obj`` (its view ``v``) must not be written in place: a JAX array on any
+    backend (immutable; the view JAX exports of its buffer is writable, so the flags do not say it), or a
+    read-only host array."""
+    return _arrays._framework_of(obj) == "jax" or (backend == "cpu" and not v.flags.writeable)
+
+
+def _writable_histogram(obj, hv, backend):
+    """The histogram is accumulated in place: it must be C-contiguous, and writable (no JAX array)."""
     if not hv.flags.c_contiguous:
         raise ValueError("qb_histogram: must be C-contiguous (it is accumulated in place)")
-    if backend == "cpu" and not hv.flags.writeable:
+    if _read_only(obj, hv, backend):
         raise TypeError("qb_histogram: a read-only array (JAX arrays are immutable); it is accumulated in "
                         "place: pass a writable one, or use moe_rt.jax.topk_with_score_qb, which returns the "
                         "new histogram")
@@ -794,13 +807,13 @@ def _launch_qb_hist(call, raw, cut, T, E, bounds, hist, B):
 # atomics' rate there, about 1e11 a second, puts 2^18 of them near 3 us, a second launch's cost). All add the
 # same integers. MOE_RT_QB_SMEM_HIST_BYTES at import sets the first (0: never the shared histogram; a benchmark
 # and test variant); tests patch the attributes.
-_QB_SMEM_HIST_BYTES = int(os.environ.get("MOE_RT_QB_SMEM_HIST_BYTES", 48 * 1024))
+_QB_SMEM_HIST_BYTES = _jit.env_ints("MOE_RT_QB_SMEM_HIST_BYTES", 48 * 1024, one=True)
 _QB_ATOMIC_SAMPLES = 1 << 18
 _QB_BLOCK_TOKENS = 65535  # hmode 2: tokens a block at most (below 2^16: no counter wraps)
 # router_fwd_qb_reg with the shared histogram: warps a block at most (0: every warp the kernel takes on a
 # multiprocessor; 4: the plain forward's blocks, 5-6 histograms and flushes a multiprocessor). A benchmark
 # variant, MOE_RT_QB_REG_WARPS at import; tests patch the attribute.
-_QB_REG_WARPS = int(os.environ.get("MOE_RT_QB_REG_WARPS", 0))
+_QB_REG_WARPS = _jit.env_ints("MOE_RT_QB_REG_WARPS", 0, one=True)
 
 
 def _qb_hmode(T, E, B, fused):
@@ -915,7 +928,7 @@ def topk_with_score_qb(logits, topk, *, expert_bias, qb_histogram, qb_bin_bounds
         E, K, B, scale, fused = check_qb_args(xv, bv, hv, dv, topk, score_function, num_groups, group_topk,
                                               scaling_factor, qb_histogram_mode)
         _check_bool(bounds_validated, "bounds_validated")
-        _writable_histogram(hv, call.backend)
+        _writable_histogram(qb_histogram, hv, call.backend)
         lead = tuple(xv.shape[:-1])
         x = _flat(call.xp, xv, E)
         T = x.shape[0]
@@ -967,7 +980,7 @@ def qb_histogram_accumulate(raw, cutoff, qb_bin_bounds, qb_histogram, *, bounds_
         B = _check_qb_histogram(hv, E)
         _check_qb_bounds(dv)
         _check_bool(bounds_validated, "bounds_validated")
-        _writable_histogram(hv, call.backend)
+        _writable_histogram(qb_histogram, hv, call.backend)
         d = _bounds_checked(call, dv, bounds_validated)
         xp = call.xp
         r = _flat(xp, rv, E)
@@ -1019,7 +1032,7 @@ def update_expert_bias_with_quantile(qb_histogram, qb_bin_bounds, expert_bias, t
         for name, v in (("qb_histogram", hv), ("qb_bin_bounds", dv), ("expert_bias", bv)):
             if not v.flags.c_contiguous:
                 raise ValueError(f"{name}: must be C-contiguous (updated in place)")
-            if call.backend == "cpu" and not v.flags.writeable:
+            if _read_only(arrays[name], v, call.backend):
                 raise TypeError(f"{name}: a read-only array (JAX arrays are immutable); it is updated in place")
         bias, bounds = ref.expert_bias_from_quantile(call.xp, hv, dv, bv, K)
         bv[...] = bias.astype(bv.dtype)

@@ -153,6 +153,16 @@ CASES = [
      lambda o, A, c: lambda: o.aux_loss(A(D.logits), A(D.tpe), T, 3, K, 0.1), ALL),
     ("aux_loss coeff", ValueError, "coeff",
      lambda o, A, c: lambda: o.aux_loss(A(D.logits), A(D.tpe), T, E, K, float("nan")), ALL),
+    # -- a float setting finite in float64 but not in float32, which the ops compute in (fixed: inf probs and
+    #    loss, with no error)
+    ("topk scaling_factor over float32", ValueError, "scaling_factor",
+     lambda o, A, c: lambda: o.topk_with_score(A(D.logits), K, scaling_factor=1e39), ALL),
+    ("topk scaling_factor under -float32", ValueError, "scaling_factor",
+     lambda o, A, c: lambda: o.topk_with_score(A(D.logits), K, scaling_factor=-3.5e38), ALL),
+    ("qb scaling_factor over float32", ValueError, "scaling_factor",
+     lambda o, A, c: _qb(o, A, scaling_factor=1e39), ALL),
+    ("aux_loss coeff over float32", ValueError, "coeff",
+     lambda o, A, c: lambda: o.aux_loss(A(D.logits), A(D.tpe), T, E, K, 1e300), ALL),
     ("make_plan routing float", TypeError, "routing", lambda o, A, c: lambda: o.make_plan(A(D.idx.astype(F32)), E),
      ALL),
     ("make_plan align_size", ValueError, "align_size", lambda o, A, c: lambda: o.make_plan(A(D.idx), E, align_size=-4),
@@ -226,3 +236,26 @@ def test_te_front_ends_raise_the_same_error(case):
             call()
         assert type(e.value) is exc, f"{name}: expected {exc.__name__} naming {arg}, got {e.value!r}"
         assert re.search(rf"(?<![\w.]){re.escape(arg)}\b", str(e.value)), f"{name}: {arg} not named in {e.value}"
+
+
+def test_core_ops_never_write_into_jax_arrays():
+    """The core ops that write a caller's array in place refuse a JAX array (immutable) with a TypeError, as
+    they refuse a read-only NumPy one, and leave it as it was: JAX's DLPack view of its buffer is writable, and
+    the histogram was accumulated into it and the bias, bounds and histogram overwritten, on every backend."""
+    rng = np.random.default_rng(5)
+    hist = jnp.asarray(rng.integers(0, 5, (E, 4)).astype(np.int32))
+    bounds, bias = jnp.asarray(np.array([-1, 1], F32)), jnp.asarray(rng.standard_normal(E).astype(F32))
+    before = [np.array(a) for a in (hist, bounds, bias)]
+    logits = jnp.asarray(D.logits)
+    with pytest.raises(TypeError, match="qb_histogram: a read-only array"):
+        moe_rt.topk_with_score_qb(logits, K, score_function="sigmoid", expert_bias=bias, qb_histogram=hist,
+                                  qb_bin_bounds=bounds)
+    with pytest.raises(TypeError, match="qb_histogram: a read-only array"):
+        moe_rt.qb_histogram_accumulate(jnp.asarray(rng.random((T, E)).astype(F32)), jnp.zeros(T, F32), bounds, hist)
+    for name, args in (("qb_histogram", (hist, np.array(before[1]), np.array(before[2]))),
+                       ("qb_bin_bounds", (np.array(before[0]), bounds, np.array(before[2]))),
+                       ("expert_bias", (np.array(before[0]), np.array(before[1]), bias))):
+        with pytest.raises(TypeError, match=f"{name}: a read-only array"):
+            moe_rt.update_expert_bias_with_quantile(*args, K)
+    for a, b in zip((hist, bounds, bias), before):
+        np.testing.assert_array_equal(np.array(a), b)

@@ -47,6 +47,7 @@ _READS = [
     re.compile(r"os\.environ(?:\.get)?\s*[\[(]\s*[\"'](" + VAR + r")[\"']"),  # os.environ["X"], .get("X")
     re.compile(r"\bgetenv\s*\(\s*\"(" + VAR + r")\""),  # C and os.getenv
     re.compile(r"_env_number\s*\(\s*[\"'](" + VAR + r")[\"']"),  # moe_rt/ep.py's parser
+    re.compile(r"env_(?:choice|ints)\s*\(\s*[\"'](" + VAR + r")[\"']"),  # moe_rt/_jit.py's parsers
     re.compile(r"\$\{(" + VAR + r")"),  # shell
 ]
 

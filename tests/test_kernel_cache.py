@@ -206,3 +206,55 @@ def test_a_manifest_of_other_nvrtc_options_is_replaced(monkeypatch, tmp_path):
     m = json.loads((tmp_path / "manifest.json").read_text())
     assert m["options"] == ["-lineinfo"] and len(m["kernels"]) == 1
     assert m["kernels"][0]["image"] != plain_image  # the -lineinfo build, not the plain one
+
+
+
+@needs_nvrtc
+def test_a_manifest_of_another_nvrtc_is_replaced(monkeypatch, tmp_path):
+    """After an NVRTC upgrade the kernels compile again (the version is in their keys), and the manifest the
+    C core loads by (file, name, arch) must list the new builds, not keep the older NVRTC's rows."""
+    import json
+
+    root = str(tmp_path)
+    monkeypatch.setenv("MOE_RT_QUIET", "1")
+    monkeypatch.delenv("MOE_RT_NVRTC_OPTIONS", raising=False)
+    _jit.cache_kernels(root, [SMALL], "sm_90")
+    old = json.loads((tmp_path / "manifest.json").read_text())["kernels"][0]["image"]
+    real = _jit.nvrtc_version()
+    monkeypatch.setattr(_jit, "nvrtc_version", lambda: (real[0], real[1] + 100))
+    _jit.cache_kernels(root, [SMALL], "sm_90")
+    m = json.loads((tmp_path / "manifest.json").read_text())
+    assert m["nvrtc"] == f"{real[0]}.{real[1] + 100}" and len(m["kernels"]) == 1
+    assert m["kernels"][0]["image"] != old
+    assert m["kernels"][0]["image"] == str(_jit._entry(root, *SMALL, "sm_90").relative_to(root))
+
+
+@pytest.mark.parametrize("var, bad", [("MOE_RT_TIERED", ("false", "off", "2")), ("MOE_RT_LAUNCH", ("CuPy", "drv")),
+                                      ("MOE_RT_ROUTER_FWD", ("Generic", "reg")), ("MOE_RT_ROUTER_TEAM", ("64", "x")),
+                                      ("MOE_RT_ROUTER_TPW", ("f", "1,x", "-1")),
+                                      ("MOE_RT_QB_SMEM_HIST_BYTES", ("48k", "-1", "1,2")),
+                                      ("MOE_RT_QB_REG_WARPS", ("four", "1.5"))])
+def test_switches_reject_values_they_do_not_know(var, bad):
+    """The switches read at import take their documented values or none: MOE_RT_TIERED=false ran the
+    stand-ins (only "0" turned them off), a misspelt MOE_RT_LAUNCH the driver launcher, MOE_RT_ROUTER_FWD /
+    MOE_RT_ROUTER_TEAM values they do not know the default kernels, silently; the integer ones failed the
+    import with int()'s message, which names no variable."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for v in bad:
+        r = subprocess.run([sys.executable, "-c", "import moe_rt.router"], env=dict(os.environ, **{var: v}),
+                           capture_output=True, text=True, cwd=root)
+        assert r.returncode != 0 and f"ValueError: {var}: expected" in r.stderr and repr(v) in r.stderr, r.stderr
+
+
+def test_switch_parsers(monkeypatch):
+    monkeypatch.setenv("X_SWITCH", "")
+    assert _jit.env_choice("X_SWITCH", ("0", "1"), "1") == "1" and _jit.env_choice("X_SWITCH", ("a",), None) is None
+    monkeypatch.setenv("X_SWITCH", "0")
+    assert _jit.env_choice("X_SWITCH", ("0", "1"), "1") == "0"
+    assert _jit.env_ints("X_SWITCH", 7, one=True) == 0 and _jit.env_ints("X_SWITCH", None) == (0,)
+    monkeypatch.setenv("X_SWITCH", "2,0")
+    assert _jit.env_ints("X_SWITCH", None) == (2, 0)
+    with pytest.raises(ValueError, match="X_SWITCH: expected an integer >= 0, got '2,0'"):
+        _jit.env_ints("X_SWITCH", 7, one=True)
+    monkeypatch.delenv("X_SWITCH")
+    assert _jit.env_ints("X_SWITCH", 7, one=True) == 7

@@ -12,7 +12,8 @@ shape (``--compile-all`` compiles at every T). ``--quick`` runs T=65536 only wit
 ``--T`` picks the token counts, ``--ops fwd`` / ``bwd`` only the forward / top-k backward rows, ``--ops qb`` only the
 Quantile-Balancing rows (plain sigmoid + bias, QB fused and two-kernel; variants by the
 MOE_RT_QB_* variables, docs/router.md §7), ``--dtype`` and ``--E`` one dtype's or one expert count's rows (for
-kernel variants selected by MOE_RT_ROUTER_FWD and MOE_RT_ROUTER_TPW, see moe_rt/router.py).
+the QB rows' kernel variants selected by MOE_RT_ROUTER_FWD, MOE_RT_ROUTER_TEAM and MOE_RT_ROUTER_TPW, see
+moe_rt/router.py; the other rows run the C core's kernel choices, which these do not change).
 ``--l2-fetch 32`` sets the L2 fetch granularity first (the opt-in ``moe_rt.l2_fetch_granularity``; the default
 leaves the device's, 64 bytes on an H100).
 
@@ -212,10 +213,12 @@ def main(argv=None):
         Ts = args.T
     else:
         Ts = [65536] if args.quick else [4096, 16384, 65536]
-    table.meta["variant"] = os.environ.get("MOE_RT_ROUTER_FWD", "default")
     table.meta["l2_fetch_bytes"] = _jit.l2_fetch_granularity()
-    table.meta["qb_variant"] = {v: os.environ.get(v, "default") for v in
-                                ("MOE_RT_QB_REG_WARPS", "MOE_RT_QB_SMEM_HIST_BYTES")}
+    # the QB rows' kernel variants (moe_rt/router.py plans the QB ops alone: the other rows run the C core's
+    # kernel choices whatever these say)
+    table.meta["qb_variant"] = {v: os.environ.get(v) or "default" for v in
+                                ("MOE_RT_ROUTER_FWD", "MOE_RT_ROUTER_TEAM", "MOE_RT_ROUTER_TPW",
+                                 "MOE_RT_QB_REG_WARPS", "MOE_RT_QB_SMEM_HIST_BYTES")}
     shapes = [(E, K) for E, K in [(256, 8), (2304, 36)] if args.E in (None, E)]
     dtypes = [(n, d) for n, d in [("float32", np.float32), ("bfloat16", _arrays.BFLOAT16)] if args.dtype in (None, n)]
     compile_fn = _compiler(not args.no_compile)
