@@ -79,7 +79,7 @@ def env_vars_read() -> dict[str, str]:
 def env_vars_documented() -> dict[str, str]:
     out: dict[str, str] = {}
     for doc in DOCS:
-        for m in re.finditer(VAR, _read(doc)):
+        for m in re.finditer(r"(?<!-D)" + VAR, _read(doc)):  # -DMOE_RT_X: a kernel macro, not a variable
             out.setdefault(m.group(0), doc)
     return out
 
