@@ -45,7 +45,8 @@ EXPORT int moe_rt_xla_set_kernel_cache(const char* dir) {
     for (int i = 0; i < MAX_DEVICES; ++i) made |= g_ctx[i] != NULL;
     if (made) {
       snprintf(g_message, sizeof g_message, "moe_rt.jax: the kernel cache folder changed from %s to %s after XLA "
-               "ops ran; set MOE_RT_KERNEL_CACHE before the first op of the process", g_cache_dir, dir);
+               "ops ran (MOE_RT_KERNEL_CACHE or MOE_RT_NVRTC_OPTIONS changed); set MOE_RT_NVRTC_OPTIONS / "
+               "MOE_RT_KERNEL_CACHE before the first op of the process", g_cache_dir, dir);
       rc = 1;
     }
   }

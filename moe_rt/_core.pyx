@@ -4,7 +4,9 @@ device pointers (ints), sizes, dtype codes (``DTYPE_CODES``) and a cudaStream_t.
 
 The ops in moe_rt.router and moe_rt.permutation validate their arguments, allocate their results and then
 call one function here on CUDA arrays. A :class:`Context` is made once per device (:func:`device`): a core
-context over the device's primary context with the kernel cache folder (``moe_rt._jit.cache_dir()``). A call
+context over the device's primary context with the kernel cache folder (``moe_rt._jit.cache_dir()``; an op on
+a context whose folder has changed since, through MOE_RT_KERNEL_CACHE or MOE_RT_NVRTC_OPTIONS, raises RuntimeError:
+its loaded kernels would run the old builds). A call
 whose kernels are not loaded yet fails in the core with MOE_RT_ERROR_KERNEL_CACHE before it launches
 anything; the call is then planned once in a planning context of the same device facts to learn its kernels,
 those are compiled into the cache folder (``moe_rt._jit``), listed in its manifest and loaded into the
@@ -16,7 +18,8 @@ libmoe_rt.so is opened with dlopen when this module is imported (the path next t
 this extension needs no library and no CUDA header.
 """
 from libc.stdint cimport int32_t, int64_t, uint32_t, uintptr_t
-from libc.string cimport memset
+from libc.stdlib cimport getenv
+from libc.string cimport memset, strcmp
 
 import functools
 import os
@@ -419,6 +422,8 @@ cdef class Context:
     cdef object arch
     cdef object prepared  # (file, name) loaded through prepare()
     cdef readonly list pending  # (file, name, compiled) of background compiles done, to swap in (_swap)
+    cdef readonly object root  # a device context's kernel cache folder (None: a planning context)
+    cdef bytes env_cache, env_options, env_xdg  # the variables root was made of, as the op's check (_begin) saw them
 
     def __cinit__(self):
         self.pending = []
@@ -480,6 +485,23 @@ cdef class Context:
             _check(p_ctx_create_planning(&d, &self.plan_ctx), "moe_rt_context_create_planning")
         return self.plan_ctx
 
+    cdef int _see_env(self) except -1:
+        self.env_cache, self.env_options, self.env_xdg = (_env(b"MOE_RT_KERNEL_CACHE"), _env(b"MOE_RT_NVRTC_OPTIONS"),
+                                                          _env(b"XDG_CACHE_HOME"))
+        return 0
+
+    cdef int _same_folder(self) except -1:
+        """A variable the kernel cache folder is made of changed since this context last looked: raise where the
+        folder is now another than the context's (its loaded kernels would keep running the old builds), else
+        note the values (a change that keeps the folder, e.g. white space in MOE_RT_NVRTC_OPTIONS)."""
+        from moe_rt import _jit
+
+        now = _jit.cache_dir()
+        if now != self.root:
+            raise _jit.folder_changed(self.root, now)
+        self._see_env()
+        return 0
+
     def _prepare(self, launches, stand_ins=()):
         """Compile ``launches``' kernels (and the error word's module) into the kernel cache folder, list them
         in its manifest and load them into this device's context. A launch with a stand-in (``stand_ins``, from
@@ -488,6 +510,8 @@ cdef class Context:
         from moe_rt import _jit
 
         root = _jit.cache_dir()
+        if self.root is not None and root != self.root:
+            raise _jit.folder_changed(self.root, root)
         if self.arch is None:
             info = self.device_info()
             self.arch = _jit.arch_for((info["cc_major"], info["cc_minor"]))
@@ -533,9 +557,28 @@ cdef class Context:
             _check(st, f"loading {name} ({file})")
 
 
+cdef inline bytes _env(const char* name):
+    cdef const char* v = getenv(name)
+    return None if v == NULL else <bytes>v
+
+
+cdef inline bint _env_is(const char* name, bytes seen):
+    """The environment variable ``name`` is ``seen`` (None: unset): a scan of the environment, no allocation."""
+    cdef const char* v = getenv(name)
+    if v == NULL:
+        return seen is None
+    return seen is not None and strcmp(v, <const char*>seen) == 0
+
+
 cdef inline moe_rt_context* _begin(Context d, uintptr_t stream) except NULL:
     """The device's context for an op's call, after the kernels compiled in the background since the last call
-    are swapped in (:meth:`Context._swap`)."""
+    are swapped in (:meth:`Context._swap`). Raises RuntimeError where the kernel cache folder is no longer the
+    context's (MOE_RT_KERNEL_CACHE, MOE_RT_NVRTC_OPTIONS or XDG_CACHE_HOME changed after it was made): its loaded
+    kernels would run the old builds (the check compares the variables' values with those seen: about 70 ns)."""
+    if d.root is not None and not (_env_is(b"MOE_RT_NVRTC_OPTIONS", d.env_options)
+                                   and _env_is(b"MOE_RT_KERNEL_CACHE", d.env_cache)
+                                   and (d.env_cache or _env_is(b"XDG_CACHE_HOME", d.env_xdg))):
+        d._same_folder()
     if d.pending:
         d._swap(stream)
     return d.ctx
@@ -590,7 +633,11 @@ def device(int device_id) -> Context:
             from moe_rt import _jit
 
             c = Context()
+            (<Context>c)._see_env()
             root = _jit.cache_dir()
+            for o in _devices.values():  # one folder for the process: the other contexts' kernels came from theirs
+                if isinstance(o, Context) and (<Context>o).root is not None and (<Context>o).root != root:
+                    raise _jit.folder_changed((<Context>o).root, root)
             # the context reads the folder's manifest when it is made, which must list kernels of the device's
             # architecture: the error word's module is put there first (compiled once, a fraction of a second)
             arch = _jit.arch_for(_jit.device_properties(device_id)["cc"])
@@ -598,6 +645,7 @@ def device(int device_id) -> Context:
             _check(p_ctx_create(root.encode(), device_id, &(<Context>c).ctx), f"moe_rt_context_create({device_id})")
             (<Context>c).device_id = device_id
             (<Context>c).arch = arch
+            (<Context>c).root = root
             _devices[device_id] = c
     return c
 

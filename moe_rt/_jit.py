@@ -44,6 +44,7 @@ REGISTRY: dict[str, list[str]] = {}
 QUICK: set = set()  # (file, name) of quick kernels (stand-ins, see below): compile-checked, not warmed up
 _lock = threading.Lock()
 _functions: dict[tuple[str, str, int], object] = {}
+_functions_root: str | None = None  # the kernel cache folder the kernels in _functions were loaded from
 _CACHE_FORMAT = 2  # part of every key: bump when the cache entries' format changes
 _SLOW_COMPILE_S = 1.0  # compiles (and waits for another process's compile) longer than this are reported
 
@@ -141,6 +142,16 @@ def cache_dir() -> str:
     if extra:
         root = os.path.join(root, "nvrtc-" + hashlib.sha256("\0".join(extra).encode()).hexdigest()[:12])
     return root
+
+
+def folder_changed(was: str, now: str) -> RuntimeError:
+    """The error of a process whose kernel cache folder (:func:`cache_dir`) changed after its first op: the
+    kernels it loaded from ``was`` would keep running while new ones came from ``now``."""
+    return RuntimeError(
+        f"the kernel cache folder is now {now}, but this process loaded its kernels from {was}: "
+        "MOE_RT_KERNEL_CACHE or MOE_RT_NVRTC_OPTIONS (or XDG_CACHE_HOME) changed after its first op, and the "
+        "kernels already loaded would keep running the old builds; set MOE_RT_NVRTC_OPTIONS / "
+        "MOE_RT_KERNEL_CACHE before the first op of the process")
 
 
 def extra_options() -> tuple[str, ...]:
@@ -579,7 +590,9 @@ class Kernel:
 
 def function(file: str, name: str) -> Kernel:
     """The compiled kernel ``name`` of ``file`` for the current CUDA device: loaded from the cache, or
-    compiled (that one instantiation alone) on its first use."""
+    compiled (that one instantiation alone) on its first use. A kernel not loaded yet raises RuntimeError
+    where the kernel cache folder (:func:`cache_dir`) is no longer the one the loaded kernels came from."""
+    global _functions_root
     import cupy
 
     dev = cupy.cuda.Device().id
@@ -593,11 +606,15 @@ def function(file: str, name: str) -> Kernel:
             return fn
         if name not in REGISTRY.get(file, ()):
             raise KeyError(f"kernel {name!r} of {file} is not registered")
+        root = cache_dir()
+        if _functions and root != _functions_root:
+            raise folder_changed(_functions_root, root)
         arch = arch_for(device_properties(dev)["cc"])
-        image, lowered = kernel_image(file, name, arch)[:2]
+        image, lowered = kernel_image(file, name, arch, root=root)[:2]
         mod = cupy.cuda.function.Module()
         mod.load(image)
         fn = _functions[key] = Kernel(mod, lowered, name)
+        _functions_root = root
         return fn
 
 

@@ -91,10 +91,7 @@ def _run(fn, out_specs, *inputs, collective=False):
         out_specs[k] = _spec(out_specs[k].shape, np.uint8)
 
     def callback(ctx, outs, *ins):
-        try:
-            sptr = ctx.stream  # XLA's compute stream (GPU only)
-        except Exception:  # noqa: BLE001 - CPU buffers have no stream
-            sptr = None
+        sptr = _xla_stream(ctx, ins, outs)
         on = _gpu_stream(sptr, ins[0] if ins else outs[0]) if sptr else None
         if on is None:
             _run_generic(fn, n_in, present, outs, ins, sptr, fp8_in, fp8_out)
@@ -119,6 +116,19 @@ def _run(fn, out_specs, *inputs, collective=False):
     if not fp8_out:
         return results
     return [r if k not in fp8_out else jax.lax.bitcast_convert_type(r, fp8_out[k]) for k, r in enumerate(results)]
+
+
+def _xla_stream(ctx, ins, outs):
+    """XLA's compute stream of a buffer_callback (``ctx.stream``), or None for CPU buffers, which have none.
+    Whether the buffers are CPU buffers is read from their DLPack device, not from the failure: on GPU buffers a
+    failure to read the stream raises, since running the op on CuPy's current stream instead would leave it
+    unordered with XLA's work."""
+    try:
+        return ctx.stream
+    except Exception:
+        if any(_arrays._device_of(b, "buffer")[0] != "cpu" for bufs in (ins, outs) for b in bufs):
+            raise
+        return None
 
 
 def _as_fp8(v, dtype):

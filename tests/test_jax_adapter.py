@@ -200,3 +200,57 @@ def test_callback_results_copied_on_xla_stream(monkeypatch):
                       "exit device"], events
     np.testing.assert_array_equal(outs[0], x[::-1] * 2)
     np.testing.assert_array_equal(outs[1], w + 1)
+
+
+def test_callback_stream_failure_raises_on_gpu_buffers(monkeypatch):
+    """_run's callback reads XLA's stream from its context; CPU buffers have none (the NumPy path runs), but on
+    buffers of a GPU a failure to read it raises instead of running the op on CuPy's current stream, unordered
+    with XLA's. Driven on the CPU with a context whose stream raises and buffers whose DLPack device is CUDA."""
+
+    class StreamFails(RuntimeError):
+        pass
+
+    class Ctx:
+        @property
+        def stream(self):
+            raise StreamFails("XLA FFI GPU context is not available")
+
+    class Buf:  # an XLA buffer as the callback sees it, on DLPack device (type, id)
+        def __init__(self, a, dev):
+            self.a, self.dev, self.dtype, self.shape = a, dev, a.dtype, a.shape
+
+        def __dlpack__(self, **kw):
+            return self.a.__dlpack__(**kw)
+
+        def __dlpack_device__(self):
+            return self.dev
+
+    got = {}
+
+    def buffer_callback(cb, specs, **kw):
+        got["callback"] = cb
+        return lambda *args: [jnp.zeros(s.shape, s.dtype) for s in specs]
+
+    ran = []
+
+    def fn(xv):
+        ran.append(type(xv))
+        return [xv * 2]
+
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal(7).astype(np.float32)
+    monkeypatch.setattr(mj, "buffer_callback", buffer_callback)
+    mj._run(fn, [mj._spec(x.shape, x.dtype)], jnp.asarray(x))
+    out = np.full(x.shape, np.nan, np.float32)
+    for dev_in, dev_out in (((2, 0), (2, 0)), ((1, 0), (2, 0)), ((2, 1), (1, 0)), ((13, 0), (13, 0))):
+        # buffers on a GPU (kDLCUDA = 2, kDLCUDAManaged = 13; one is enough): the stream's failure, nothing run
+        with pytest.raises(StreamFails, match="GPU context is not available"):
+            got["callback"](Ctx(), [Buf(out, dev_out)], Buf(x, dev_in))
+    assert not ran and np.isnan(out).all()
+    got["callback"](Ctx(), [Buf(out, (1, 0))], Buf(x, (1, 0)))  # CPU buffers: the NumPy path
+    assert ran == [np.ndarray]
+    np.testing.assert_array_equal(out, x * 2)
+    monkeypatch.undo()
+    # the real callback on the CPU (whose context has no stream either): the NumPy path
+    y = mj._run(lambda v: [v[::-1] + 1], [mj._spec(x.shape, x.dtype)], jax.device_put(x, jax.devices("cpu")[0]))
+    np.testing.assert_array_equal(np.asarray(y[0]), x[::-1] + 1)

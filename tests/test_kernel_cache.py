@@ -258,3 +258,45 @@ def test_switch_parsers(monkeypatch):
         _jit.env_ints("X_SWITCH", 7, one=True)
     monkeypatch.delenv("X_SWITCH")
     assert _jit.env_ints("X_SWITCH", 7, one=True) == 7
+
+
+def test_function_raises_where_the_folder_changed_after_kernels_were_loaded(monkeypatch, tmp_path):
+    """_jit.function keeps the kernels it loaded by (file, name, device): a kernel first loaded after
+    MOE_RT_NVRTC_OPTIONS or MOE_RT_KERNEL_CACHE changed would come from another folder than those already
+    running; it raises RuntimeError naming the variables instead, and loads again once the change is undone.
+    (A stand-in CuPy module and kernel_image: no GPU.)"""
+    import types
+
+    loaded = []
+
+    class Module:
+        def load(self, image):
+            loaded.append(image)
+
+        def get_function(self, name):
+            return types.SimpleNamespace(ptr=len(loaded))
+
+    cupy = types.ModuleType("cupy")
+    cupy.cuda = types.SimpleNamespace(Device=lambda: types.SimpleNamespace(id=0),
+                                      function=types.SimpleNamespace(Module=Module))
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setattr(_jit, "_functions", {})
+    monkeypatch.setattr(_jit, "_functions_root", None, raising=False)
+    monkeypatch.setattr(_jit, "device_properties", lambda dev: {"cc": (9, 0)})
+    monkeypatch.setattr(_jit, "kernel_image", lambda file, name, arch, root=None, where="":
+                        (f"{root or _jit.cache_dir()}|{name}".encode(), name, False))
+    monkeypatch.delenv("MOE_RT_NVRTC_OPTIONS", raising=False)
+    monkeypatch.setenv("MOE_RT_KERNEL_CACHE", str(tmp_path / "k"))
+    names = _jit.REGISTRY["common.cu"][:2]
+    assert len(names) == 2
+    first = _jit.function("common.cu", names[0])
+    assert loaded == [f"{tmp_path / 'k'}|{names[0]}".encode()]
+    for var, value in (("MOE_RT_NVRTC_OPTIONS", "-lineinfo"), ("MOE_RT_KERNEL_CACHE", str(tmp_path / "other"))):
+        monkeypatch.setenv(var, value)
+        with pytest.raises(RuntimeError, match="MOE_RT_NVRTC_OPTIONS / MOE_RT_KERNEL_CACHE before the first op"):
+            _jit.function("common.cu", names[1])
+        assert _jit.function("common.cu", names[0]) is first and len(loaded) == 1
+        monkeypatch.delenv("MOE_RT_NVRTC_OPTIONS", raising=False)
+        monkeypatch.setenv("MOE_RT_KERNEL_CACHE", str(tmp_path / "k"))
+    _jit.function("common.cu", names[1])
+    assert loaded[1] == f"{tmp_path / 'k'}|{names[1]}".encode()

@@ -520,6 +520,37 @@ def test_a_first_call_runs_the_stand_in_and_a_later_one_the_kernel(lib, stub, py
     assert [r[:4] for r in _records(stub, 4)] == [final, final] and not d.pending
 
 
+def test_a_changed_kernel_cache_folder_raises_on_the_next_call(lib, stub, pycore, monkeypatch, tmp_path):
+    """MOE_RT_NVRTC_OPTIONS or MOE_RT_KERNEL_CACHE changed after a device's context was made: its next op raises
+    RuntimeError naming the variables and launches nothing (its loaded kernels are the old folder's builds); so do
+    the miss path and another device's context. A change that keeps the folder, or a change undone, runs on."""
+    d = pycore.core
+    pycore.gate.set()
+    monkeypatch.setattr(_jit, "TIERED", False)  # the kernel itself, compiled in the foreground
+    monkeypatch.delenv("MOE_RT_NVRTC_OPTIONS", raising=False)
+    _py_topk(d)
+    n, loads = stub.stub_launches(), stub.stub_loads()
+    assert n == 1 and _records(stub)[0][0] == FINAL
+    was = _jit.cache_dir()
+    for var, value in (("MOE_RT_NVRTC_OPTIONS", "-lineinfo"), ("MOE_RT_KERNEL_CACHE", str(tmp_path / "other"))):
+        monkeypatch.setenv(var, value)
+        for call in (lambda: _py_topk(d), lambda: _py_topk(d, bias=False), lambda: d._prepare([]),
+                     lambda: _core.device(1)):
+            with pytest.raises(RuntimeError, match="MOE_RT_NVRTC_OPTIONS / MOE_RT_KERNEL_CACHE before the first op") as e:
+                call()
+            assert was in str(e.value) and _jit.cache_dir() in str(e.value)
+        assert stub.stub_launches() == n and stub.stub_loads() == loads and 1 not in _core._devices
+        monkeypatch.delenv("MOE_RT_NVRTC_OPTIONS", raising=False)
+        monkeypatch.setenv("MOE_RT_KERNEL_CACHE", was)
+        _py_topk(d)  # undone: runs again
+        n += 1
+        assert stub.stub_launches() == n and _records(stub, n - 1)[0][0] == FINAL
+    monkeypatch.setenv("MOE_RT_NVRTC_OPTIONS", "   ")  # no options: the same folder
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # not read while MOE_RT_KERNEL_CACHE is set
+    _py_topk(d)
+    assert stub.stub_launches() == n + 1
+
+
 def test_a_failed_background_compile_raises_on_the_next_call(lib, stub, pycore, caplog):
     d = pycore.core
     pycore.fail = True
