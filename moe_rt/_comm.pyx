@@ -14,14 +14,7 @@ from libc.stddef cimport size_t
 import os
 import threading
 
-from moe_rt._core import DTYPE_CODES, LIB_PATH
-
-cdef extern from "<dlfcn.h>" nogil:
-    void* dlopen(const char*, int)
-    void* dlsym(void*, const char*)
-    char* dlerror()
-    int RTLD_NOW
-    int RTLD_LOCAL
+from moe_rt._core import DTYPE_CODES, lib_symbol
 
 cdef extern from "moe_rt/moe_rt.h" nogil:
     ctypedef struct moe_rt_comm:
@@ -82,45 +75,35 @@ cdef enum:
     REDUCE_MAX = 1
 
 
-cdef void* _sym(void* h, const char* name) except NULL:
-    cdef void* p = dlsym(h, name)
-    if p == NULL:
-        raise ImportError(f"moe_rt._comm: {LIB_PATH} lacks {name.decode()}; rebuild moe_rt "
-                          "(python3 setup.py build_ext --inplace)")
-    return p
+cdef void* _sym(bytes name) except NULL:
+    return <void*><uintptr_t>lib_symbol(name)  # from the library moe_rt._core opened
 
 
 cdef _open():
     global p_load, p_path, p_version, p_error_string, p_last_failure, p_dtype, p_unique_id, p_init_rank
     global p_destroy, p_abort, p_aborted, p_async_error, p_handle, p_group_start, p_group_end, p_send, p_recv
     global p_all_gather, p_all_reduce, p_broadcast, p_last_error
-    path = LIB_PATH.encode()
-    cdef void* h = dlopen(path, RTLD_NOW | RTLD_LOCAL)
-    if h == NULL:
-        err = dlerror()
-        raise ImportError(f"moe_rt._comm: cannot load {LIB_PATH} ({err.decode() if err != NULL else '?'}); build "
-                          "moe_rt (python3 setup.py build_ext --inplace, or pip install)")
-    p_load = <f_load>_sym(h, b"moe_rt_nccl_load")
-    p_path = <f_path>_sym(h, b"moe_rt_nccl_library_path")
-    p_version = <f_version>_sym(h, b"moe_rt_nccl_version")
-    p_error_string = <f_error_string>_sym(h, b"moe_rt_nccl_error_string")
-    p_last_failure = <f_last_failure>_sym(h, b"moe_rt_nccl_last_failure")
-    p_dtype = <f_dtype>_sym(h, b"moe_rt_nccl_dtype")
-    p_unique_id = <f_unique_id>_sym(h, b"moe_rt_nccl_get_unique_id")
-    p_init_rank = <f_init_rank>_sym(h, b"moe_rt_comm_init_rank")
-    p_destroy = <f_comm>_sym(h, b"moe_rt_comm_destroy")
-    p_abort = <f_comm>_sym(h, b"moe_rt_comm_abort")
-    p_aborted = <f_aborted>_sym(h, b"moe_rt_comm_aborted")
-    p_async_error = <f_async_error>_sym(h, b"moe_rt_comm_async_error")
-    p_handle = <f_handle>_sym(h, b"moe_rt_comm_nccl_handle")
-    p_group_start = <f_group_start>_sym(h, b"moe_rt_comm_group_start")
-    p_group_end = <f_group_end>_sym(h, b"moe_rt_comm_group_end")
-    p_send = <f_p2p>_sym(h, b"moe_rt_comm_send")
-    p_recv = <f_p2p>_sym(h, b"moe_rt_comm_recv")
-    p_all_gather = <f_all_gather>_sym(h, b"moe_rt_comm_all_gather")
-    p_all_reduce = <f_rooted>_sym(h, b"moe_rt_comm_all_reduce")
-    p_broadcast = <f_rooted>_sym(h, b"moe_rt_comm_broadcast")
-    p_last_error = <f_last_error>_sym(h, b"moe_rt_last_error")
+    p_load = <f_load>_sym(b"moe_rt_nccl_load")
+    p_path = <f_path>_sym(b"moe_rt_nccl_library_path")
+    p_version = <f_version>_sym(b"moe_rt_nccl_version")
+    p_error_string = <f_error_string>_sym(b"moe_rt_nccl_error_string")
+    p_last_failure = <f_last_failure>_sym(b"moe_rt_nccl_last_failure")
+    p_dtype = <f_dtype>_sym(b"moe_rt_nccl_dtype")
+    p_unique_id = <f_unique_id>_sym(b"moe_rt_nccl_get_unique_id")
+    p_init_rank = <f_init_rank>_sym(b"moe_rt_comm_init_rank")
+    p_destroy = <f_comm>_sym(b"moe_rt_comm_destroy")
+    p_abort = <f_comm>_sym(b"moe_rt_comm_abort")
+    p_aborted = <f_aborted>_sym(b"moe_rt_comm_aborted")
+    p_async_error = <f_async_error>_sym(b"moe_rt_comm_async_error")
+    p_handle = <f_handle>_sym(b"moe_rt_comm_nccl_handle")
+    p_group_start = <f_group_start>_sym(b"moe_rt_comm_group_start")
+    p_group_end = <f_group_end>_sym(b"moe_rt_comm_group_end")
+    p_send = <f_p2p>_sym(b"moe_rt_comm_send")
+    p_recv = <f_p2p>_sym(b"moe_rt_comm_recv")
+    p_all_gather = <f_all_gather>_sym(b"moe_rt_comm_all_gather")
+    p_all_reduce = <f_rooted>_sym(b"moe_rt_comm_all_reduce")
+    p_broadcast = <f_rooted>_sym(b"moe_rt_comm_broadcast")
+    p_last_error = <f_last_error>_sym(b"moe_rt_last_error")
 
 
 _open()

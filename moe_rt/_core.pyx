@@ -311,12 +311,21 @@ TIMEOUT = 10
 ERRORS_KERNEL = ("errors.cu", "error_word_clear")
 
 
+cdef void* _lib = NULL  # the core library's dlopen handle (_open)
+
+
 cdef void* _sym(void* h, const char* name) except NULL:
     cdef void* p = dlsym(h, name)
     if p == NULL:
         raise ImportError(f"moe_rt._core: {LIB_PATH} lacks {name.decode()}; rebuild moe_rt "
                           "(python3 setup.py build_ext --inplace)")
     return p
+
+
+def lib_symbol(bytes name) -> int:
+    """The address of the core library's function ``name`` (ImportError where the library lacks it): the
+    library this module opened, so that moe_rt._comm binds its functions without opening it again."""
+    return <uintptr_t>_sym(_lib, name)
 
 
 cdef _open():
@@ -329,12 +338,14 @@ cdef _open():
     global p_epd_create, p_epd_destroy, p_epd_add_stage, p_epd_barrier, p_epd_dispatch, p_epd_combine
     global p_pb_create, p_pb_info, p_pb_close_mappings, p_pb_destroy
     global p_epp_sizes, p_epp_send, p_epp_meta, p_epp_recv, p_epd_serial
+    global _lib
     path = LIB_PATH.encode()
     cdef void* h = dlopen(path, RTLD_NOW | RTLD_LOCAL)
     if h == NULL:
         err = dlerror()
         raise ImportError(f"moe_rt._core: cannot load {LIB_PATH} ({err.decode() if err != NULL else '?'}); build "
                           "moe_rt (python3 setup.py build_ext --inplace, or pip install)")
+    _lib = h
     p_last_error = <f_last_error>_sym(h, b"moe_rt_last_error")
     p_ctx_create = <f_ctx_create>_sym(h, b"moe_rt_context_create")
     p_ctx_create_planning = <f_ctx_create_planning>_sym(h, b"moe_rt_context_create_planning")

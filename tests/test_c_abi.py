@@ -104,13 +104,19 @@ def libpath(tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="module")
-def lib(libpath):
-    lib = C.CDLL(str(libpath))
-    for name, (res, args) in SIGNATURES.items():
+def load_library(path, signatures):
+    """The library at ``path`` through ctypes, each function of ``signatures`` (name -> (restype, argtypes))
+    typed."""
+    lib = C.CDLL(str(path))
+    for name, (res, args) in signatures.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = res, args
     return lib
+
+
+@pytest.fixture(scope="module")
+def lib(libpath):
+    return load_library(libpath, SIGNATURES)
 
 
 def _planning(lib, dev=H100, regs=0):

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from moe_rt import _comm
-from test_c_abi import ROOT, _err, _ok, libpath  # noqa: F401 - libpath: the library built for the test
+from test_c_abi import ROOT, _err, _ok, libpath, load_library  # noqa: F401 - libpath: the library built for the test
 
 OK, INVALID, NO_NCCL, NCCL = 0, 1, 8, 9
 F32, F16, BF16, I32, I64, BOOL, U8, I8, FP8, I16, U32, U64, F64 = 0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12, 13
@@ -74,11 +74,7 @@ needs_nccl = pytest.mark.skipif(NCCL_PATH is None, reason="needs the NCCL librar
 
 
 def _load(path, signatures=None):
-    lib = C.CDLL(str(path))
-    for name, (res, args) in (SIGNATURES if signatures is None else signatures).items():
-        fn = getattr(lib, name)
-        fn.restype, fn.argtypes = res, args
-    return lib
+    return load_library(path, SIGNATURES if signatures is None else signatures)
 
 
 @pytest.fixture(scope="module")
