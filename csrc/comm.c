@@ -256,31 +256,22 @@ moe_rt_status moe_rt_comm_init_rank(const void* unique_id, int nranks, int rank,
   return MOE_RT_SUCCESS;
 }
 
-moe_rt_status moe_rt_comm_destroy(moe_rt_comm* comm) {
+/* End comm: ncclCommDestroy (abort 0) or ncclCommAbort (abort 1), then free it; one a wait of the core already
+ * aborted (mrt_comm_abort_in_place) is only freed. */
+static moe_rt_status comm_end(moe_rt_comm* comm, int abort) {
   clear();
   if (comm == NULL) return MOE_RT_SUCCESS;
-  if (comm->aborted) {
-    free(comm);
-    return MOE_RT_SUCCESS;
-  }
-  moe_rt_status st = ensure(NULL);
-  if (st == MOE_RT_SUCCESS) st = check(g_nccl.CommDestroy(comm->comm), "ncclCommDestroy", NULL);
+  moe_rt_status st = MOE_RT_SUCCESS;
+  if (!comm->aborted && (st = ensure(NULL)) == MOE_RT_SUCCESS)
+    st = abort ? check(g_nccl.CommAbort(comm->comm), "ncclCommAbort", NULL)
+               : check(g_nccl.CommDestroy(comm->comm), "ncclCommDestroy", NULL);
   free(comm);
   return st;
 }
 
-moe_rt_status moe_rt_comm_abort(moe_rt_comm* comm) {
-  clear();
-  if (comm == NULL) return MOE_RT_SUCCESS;
-  if (comm->aborted) {
-    free(comm);
-    return MOE_RT_SUCCESS;
-  }
-  moe_rt_status st = ensure(NULL);
-  if (st == MOE_RT_SUCCESS) st = check(g_nccl.CommAbort(comm->comm), "ncclCommAbort", NULL);
-  free(comm);
-  return st;
-}
+moe_rt_status moe_rt_comm_destroy(moe_rt_comm* comm) { return comm_end(comm, 0); }
+
+moe_rt_status moe_rt_comm_abort(moe_rt_comm* comm) { return comm_end(comm, 1); }
 
 moe_rt_status moe_rt_comm_async_error(moe_rt_comm* comm, int* result, char* message, size_t message_bytes) {
   const char* op = "moe_rt_comm_async_error";
