@@ -18,7 +18,7 @@
 enum { K_DISPATCH = 1, K_COMBINE = 2, K_COMBINE_BWD = 3 };
 
 typedef struct ll_key {
-  int32_t kind, op, buffer_set, phases, vec, idx64, scaled, fp8, dequant, rows, dot, dot_vec;
+  int32_t kind, op, buffer_set, phases, vec, idx64, scaled, fp8, dequant, rows, dot, dot_vec, partials;
 } ll_key;
 
 struct moe_rt_ll_group {
@@ -186,7 +186,8 @@ static moe_rt_status plan_push(moe_rt_ll_group* g, const ll_key* k, mrt_launch* 
 
 /* ep_ll_combine: arg[0] = most resident blocks, arg[1] = owner items per token; the grid follows T. */
 static moe_rt_status plan_combine(moe_rt_ll_group* g, const ll_key* k, mrt_launch* l) {
-  snprintf(l->name, sizeof l->name, "ep_ll_combine<%s, %s>", mrt_ctype(g->d.dtype), k->vec ? "true" : "false");
+  snprintf(l->name, sizeof l->name, "ep_ll_combine<%s, %s, %s>", mrt_ctype(g->d.dtype), k->vec ? "true" : "false",
+           k->partials ? "true" : "false");
   int64_t resident = 0;
   moe_rt_status st = plan_fused(g, l, &resident);
   if (st) return st;
@@ -418,6 +419,7 @@ moe_rt_status moe_rt_ll_combine(moe_rt_ll_group* g, int buffer_set, int op_code,
   k.buffer_set = buffer_set;
   k.rows = out != NULL || op_code != MOE_RT_EP_OP_COMBINE_BWD;
   k.vec = g->vec16 && !(((uintptr_t)y | (uintptr_t)out) & 15);
+  k.partials = partials;
   mrt_plan p;
   if ((st = plan_of(g, &k, &p))) return st;
   p.launch[1].grid = combine_grid(g, &p.launch[1], T);
@@ -443,7 +445,6 @@ moe_rt_status moe_rt_ll_combine(moe_rt_ll_group* g, int buffer_set, int op_code,
   mrt_arg_i64(c, d->timeout_ns);
   sizes_args(g, op_code, c);
   mrt_arg_i32(c, (int32_t)T);
-  mrt_arg_i32(c, partials);
   mrt_arg_i32(c, d->chunk);
   mrt_arg_i64(c, d->hidden);
   mrt_arg_i64(c, (int64_t)2 * d->num_ranks * d->max_tokens_per_rank * buffer_set);

@@ -2153,19 +2153,27 @@ __device__ __forceinline__ void ll_block_partials(const T* const* src, const flo
 // every rank d: out[t] = sum over k ascending with e = idx[t][k] >= 0 of (w given: __fmul_rn(w[t][k],
 // back[t*K + kf]); else only k == kf: back[t*K + k]), fp32, rounded once (out given); grad_w[t][k] =
 // bw[t*K + kf] (0 for e < 0; grad_w given).
-// `partials` (combine of a group made with combine_partials; y, slot_w and out given, w and gws null): the
+// PARTIALS (combine of a group made with combine_partials; y, slot_w and out given, w and gws null): the
 // push sends one row per (token, rank): for each t of the chunk with any valid slot here, z = the fp32 sum
 // over its slots in k ascending order (each slot at its first k) of __fmul_rn(slot_w[slot], y[slot]) (each
 // addition __fadd_rn, from 0), rounded to T, into rank s's back row t*R + me; the owner sums, for each t, the
 // rows t*R + d of the distinct ranks d of its experts, d ascending (__fadd_rn from 0), and rounds once.
-template <typename T, bool VEC>
-__global__ void __launch_bounds__(512) ep_ll_combine(
+// PARTIALS is a template argument, not a run-time flag: as a flag it took the plain bf16 build from 63 to
+// 99 registers (one resident 512-thread block a multiprocessor instead of two). MOE_RT_LL_PARTIALS_MINB
+// (an occupancy build through MOE_RT_NVRTC_OPTIONS) asks the PARTIALS build for that many resident blocks;
+// 0, the default, leaves the bound on threads alone (an explicit minimum of 1 block is not the same: it took
+// the plain build to 80 registers).
+#ifndef MOE_RT_LL_PARTIALS_MINB
+#define MOE_RT_LL_PARTIALS_MINB 0
+#endif
+template <typename T, bool VEC, bool PARTIALS>
+__global__ void __launch_bounds__(512, PARTIALS ? MOE_RT_LL_PARTIALS_MINB : 0) ep_ll_combine(
     const T* __restrict__ y, const float* __restrict__ gws, const int* __restrict__ route,
     const int* __restrict__ idx, const float* __restrict__ w, const float* __restrict__ slot_w,
     const long long* __restrict__ peer_back, const long long* __restrict__ peer_bw,
     const long long* __restrict__ peer_flags, T* __restrict__ out, float* __restrict__ grad_w,
     unsigned* __restrict__ state, int* __restrict__ err_word, i64 timeout_ns, int op, int R, int me, int L, int Tmax,
-    int K, int Tn, int partials, int C, i64 H, i64 flag_base) {
+    int K, int Tn, int C, i64 H, i64 flag_base) {
   __shared__ const T* s_src[LL_MAX_ROWS];
   __shared__ T* s_dst[LL_MAX_ROWS];
   __shared__ float s_scale[LL_MAX_ROWS];
@@ -2192,14 +2200,16 @@ __global__ void __launch_bounds__(512) ep_ll_combine(
       for (int q = 0; q < k && first; ++q) first = rrow[q] != l;
       const i64 slot = (i64)l * RT + (i64)s * Tmax + t;
       s_src[p] = first && y != nullptr ? y + slot * H : nullptr;
-      s_dst[p] = first && y != nullptr && !partials ? dst + ((i64)t * K + k) * H : nullptr;
-      s_scale[p] = first && partials ? slot_w[slot] : 0.0f;
+      s_dst[p] = first && y != nullptr && !PARTIALS ? dst + ((i64)t * K + k) * H : nullptr;
+      s_scale[p] = first && PARTIALS ? slot_w[slot] : 0.0f;
       if (first && gws != nullptr) dw[(i64)t * K + k] = gws[slot];
     }
     __syncthreads();
     LL_TRACE_FIRST(3);
-    if (partials) ll_block_partials<T, VEC>(s_src, s_scale, t1 - t0, K, dst + ((i64)t0 * R + me) * H, (i64)R * H, H);
-    else if (y != nullptr) ll_block_rows<T, VEC>(s_src, s_dst, s_scale, (t1 - t0) * K, H, false);
+    if constexpr (PARTIALS)
+      ll_block_partials<T, VEC>(s_src, s_scale, t1 - t0, K, dst + ((i64)t0 * R + me) * H, (i64)R * H, H);
+    else if (y != nullptr)
+      ll_block_rows<T, VEC>(s_src, s_dst, s_scale, (t1 - t0) * K, H, false);
     LL_TRACE_SYNC(4);
     // rank s's flag [1][me][c]
     block_signal(reinterpret_cast<unsigned*>(peer_flags[s]) + flag_base + RT + (i64)me * Tmax + c, e);
@@ -2222,7 +2232,7 @@ __global__ void __launch_bounds__(512) ep_ll_combine(
     if (threadIdx.x < R)
       ok = thread_wait_flag(my_flags + (i64)threadIdx.x * Tmax + t / C, e, state, err_word, timeout_ns, op) ? 1 : 0;
     const int* irow = idx + (i64)t * K;
-    if (partials) {  // s_kf: the distinct ranks of the token's experts, ascending (then -1): rows t*R + d
+    if constexpr (PARTIALS) {  // s_kf: the token's experts' distinct ranks, ascending (then -1): rows t*R + d
       if (threadIdx.x < K) {
         const int k = threadIdx.x, ex = irow[k];
         int d = ex >= 0 ? ex / L : -1;
@@ -2271,7 +2281,7 @@ __global__ void __launch_bounds__(512) ep_ll_combine(
     if (out == nullptr) continue;
     const int v = sl * blockDim.x + threadIdx.x;
     if (v >= nv) continue;
-    const T* rows = back + (i64)t * (partials ? R : K) * H + (i64)v * N;
+    const T* rows = back + (i64)t * (PARTIALS ? R : K) * H + (i64)v * N;
     float acc[N];
 #pragma unroll
     for (int q = 0; q < N; ++q) acc[q] = 0.0f;

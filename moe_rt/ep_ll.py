@@ -101,7 +101,8 @@ for _c in _jit.CTYPES.values():
     for _v in ("true", "false"):
         _names += [f"ep_ll_dispatch<{_c}, {_i}, {_v}>" for _i in _IDX.values()]
         _names += [f"ep_ll_dispatch_fp8<{_c}, {_i}, {_v}>" for _i in _IDX.values()]
-        _names += [f"ep_ll_combine<{_c}, {_v}>", f"ep_ll_slot_dot<{_c}, {_v}>"]
+        _names += [f"ep_ll_combine<{_c}, {_v}, {_p}>" for _p in ("false", "true")]
+        _names += [f"ep_ll_slot_dot<{_c}, {_v}>"]
 _jit.register(_FILE, _names)
 _ids = itertools.count(1)
 _ALIGN = 256

@@ -729,7 +729,7 @@ def test_low_latency_kernels_compile(arch):
     from moe_rt import _jit, ep_ll
 
     names = [n for f, n in _jit.registered() if f == ep_ll._FILE and n in ep_ll._names]
-    assert len(names) == len(ep_ll._names) == 36
+    assert len(names) == len(ep_ll._names) == 42
     image, lowered = _jit.compile_offline("ep.cu", arch, names)
     assert set(lowered) == set(names) and image
 
@@ -791,9 +791,9 @@ class _LLTrace:
 @pytest.mark.parametrize("R,K", [(2, 3), (4, 2)])
 def test_cuda_host_path_combine_partials_launches(monkeypatch, T, R, K):
     """A group made with combine_partials=True (device stood in for): combine is the same barrier and
-    ep_ll_combine launch (grid, block) with the handle's slot_w instead of w and partials = 1; dispatch_bwd and
-    combine_bwd's weight gather launch as without it (partials = 0); the back region spans Tmax*max(K, R)
-    rows."""
+    ep_ll_combine launch (grid, block) of the PARTIALS build with the handle's slot_w instead of w; dispatch_bwd
+    and combine_bwd's weight gather launch as without it (the plain build); the back region spans
+    Tmax*max(K, R) rows."""
     import ml_dtypes
 
     tr = _LLTrace(monkeypatch)
@@ -810,20 +810,25 @@ def test_cuda_host_path_combine_partials_launches(monkeypatch, T, R, K):
     tr.take()
     t = {k: h._a[k].data.ptr if h._a[k].size else 0 for k in ("idx", "w", "route", "slot_k", "slot_w", "counts")}
     res = g.combine(h, y)
+    name = tr.kernels[-1]
     ev, allocs = tr.take()
     assert allocs == 1 and res.shape == (T, H)
     assert [e[0] for e in ev] == ["ep_direct_barrier", "ep_ll_combine"] and ev[1][1:3] == (8, 512)
     a = ev[1][3]
-    assert (a["w"], a["slot_w"], a["partials"], a["gws"], a["op"]) == (0, t["slot_w"], 1, 0, OP["combine"])
+    assert name == "ep_ll_combine<__nv_bfloat16, true, true>"  # the PARTIALS build
+    assert (a["w"], a["slot_w"], a["gws"], a["op"]) == (0, t["slot_w"], 0, OP["combine"])
     assert (a["y"], a["route"], a["idx"], a["out"], a["Tn"]) == (y.ptr, t["route"], t["idx"],
                                                                   res.data.ptr if T else 0, T)
     assert a["peer_back"] == g._tables[("back", 0)] and (a["R"], a["me"], a["K"]) == (R, me, K)
     g.dispatch_bwd(h, y)
+    name = tr.kernels[-1]
     ev, _ = tr.take()
-    assert (ev[1][3]["w"], ev[1][3]["slot_w"], ev[1][3]["partials"]) == (0, 0, 0)
+    assert (ev[1][3]["w"], ev[1][3]["slot_w"]) == (0, 0) and name == "ep_ll_combine<__nv_bfloat16, true, false>"
     g.combine_bwd(h, gout, tr.dev((L, R * Tmax, H), bf))
+    name = tr.kernels[-1]
     ev, _ = tr.take()
-    assert ev[-1][0] == "ep_ll_combine" and (ev[-1][3]["slot_w"], ev[-1][3]["partials"]) == (0, 0)
+    assert ev[-1][0] == "ep_ll_combine" and ev[-1][3]["slot_w"] == 0
+    assert name == "ep_ll_combine<__nv_bfloat16, true, false>"
 
 
 @pytest.mark.parametrize("dedup", ["", "0"])  # MOE_RT_LL_DEDUP: unset (the dedup split) or 0 (per-expert pushes)
@@ -910,7 +915,7 @@ def test_cuda_host_path_launches_and_arguments(monkeypatch, fp8, T, dedup):
     t = tables(h)
     combine = dict(consts, y=y.ptr, gws=0, route=t["route"], idx=t["idx"], w=t["w"], slot_w=0,
                    peer_back=g._tables[("back", 1)], peer_bw=g._tables[("bw", 1)], peer_flags=d.flags.table.ptr,
-                   out=res.data.ptr if T else 0, grad_w=0, op=OP["combine"], Tn=T, partials=0,
+                   out=res.data.ptr if T else 0, grad_w=0, op=OP["combine"], Tn=T,
                    flag_base=2 * R * Tmax)
     assert ev == [barrier("combine"), ("ep_ll_combine", 8, 512, combine)]
 
@@ -981,7 +986,7 @@ def test_cuda_host_path_round_trip_counts(monkeypatch, dtype, H, idx_dtype, shif
         names = list(tr.kernels)
         ev, allocs = tr.take()
         assert names == ["ep_direct_barrier", f"ep_ll_dispatch<{c}, {i}, {vec}>", "ep_direct_barrier",
-                         f"ep_ll_combine<{c}, {'true' if dt.itemsize * H % 16 == 0 else 'false'}>"]
+                         f"ep_ll_combine<{c}, {'true' if dt.itemsize * H % 16 == 0 else 'false'}, false>"]
         assert allocs == (2 if n == 0 else 1)
         assert tr.st.lookups == 0  # the core looks its kernels up (and plans) itself, from the first call on
 

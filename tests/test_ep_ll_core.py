@@ -85,7 +85,7 @@ class Group:
 
     def combine(self, b, T, y, gws, route, idx, w, out, grad_w, op, slot_w=0):
         """LowLatencyGroup._launch_combine + _combine_setup (``out`` None: no rows). A group with
-        combine_partials: its combine passes the handle's slot_w instead of w, and partials = 1."""
+        combine_partials: its combine runs the PARTIALS build with the handle's slot_w instead of w."""
         s = self.sets[b]
         partials = int(self.partials and op == "combine")
         if partials:
@@ -97,8 +97,9 @@ class Group:
         grid = max(1, min(max(cdiv(self.Tmax, self.C) * self.R, T * items), self.resident))
         args = [yp, gws, route, idx if T else 0, w if T else 0, slot_w if partials else 0, s[6], s[7], FLAGS,
                 outp if T else 0, grad_w if T else 0, STATE, TIMEOUT_WORD, 10**9, OP[op], self.R, self.me, self.L,
-                self.Tmax, self.K, T, partials, self.C, self.H, 2 * self.R * self.Tmax * b]
-        return (f"ep_ll_combine<{CTYPE[self.dtype]}, {'true' if vec else 'false'}>", grid, 512, args)
+                self.Tmax, self.K, T, self.C, self.H, 2 * self.R * self.Tmax * b]
+        tf = lambda b: "true" if b else "false"  # noqa: E731
+        return (f"ep_ll_combine<{CTYPE[self.dtype]}, {tf(vec)}, {tf(partials)}>", grid, 512, args)
 
     def slot_dot(self, b, y, slot_k, slot_w, dots):
         n = self.L * self.R * self.Tmax
@@ -135,7 +136,7 @@ def test_dispatch_launches_equal_the_python_sides(dtype, H, fp8, dedup, T, phase
 @pytest.mark.parametrize("R,Tmax,sm,per_sm", [(2, 13, 4, 2), (4, 1024, 132, 4), (3, 200, 132, 1)])
 @pytest.mark.parametrize("partials", [False, True])
 def test_combine_and_backward_launches_equal_the_python_sides(dtype, H, T, R, Tmax, sm, per_sm, partials):
-    """combine_partials changes combine's launch alone (slot_w instead of w, partials = 1: the same kernel,
+    """combine_partials changes combine's launch alone (the PARTIALS build with slot_w instead of w, the same
     grid and block); dispatch_bwd and combine_bwd launch as without it."""
     for dedup in (True, False):
         g = Group(R=R, me=R - 1, Tmax=Tmax, H=H, dtype=dtype, dedup=dedup, sm_count=sm, per_sm=per_sm,

@@ -113,14 +113,14 @@ def test_pick_the_op_kernel():
     mod = _tool()
     barrier = ("ep_direct_barrier", 32, 1, 10)
     disp = ("_Z14ep_ll_dispatchI13__nv_bfloat16iLb1EEv", 512, 2, 131072)
-    comb = ("_Z13ep_ll_combineI13__nv_bfloat16Lb1EEv", 512, 3, 131072)
+    comb = ("_Z13ep_ll_combineI13__nv_bfloat16Lb1ELb0EEv", 512, 3, 131072)
     assert mod.pick([barrier, disp], "dispatch") == (2, 131072)
     assert mod.pick([barrier, comb], "combine") == (3, 131072)
     assert mod.pick([barrier], "dispatch") is None
     assert mod.pick([(None, 32, 1, 10), (None, 512, 4, 64)], "combine") == (4, 64)
 
 
-@pytest.mark.parametrize("name", ["ep_ll_dispatch<__nv_bfloat16, int, true>", "ep_ll_combine<__nv_bfloat16, true>",
+@pytest.mark.parametrize("name", ["ep_ll_dispatch<__nv_bfloat16, int, true>", "ep_ll_combine<__nv_bfloat16, true, false>",
                                   "ep_ll_dispatch_fp8<__nv_bfloat16, int, true>"])
 def test_kernels_compile_with_the_trace(monkeypatch, name):
     pytest.importorskip("cupy")
