@@ -546,7 +546,7 @@ moe_rt_status moe_rt_scores_for_aux_loss_backward(moe_rt_context* ctx, const flo
 /* ---- aux loss (router.py aux_loss, aux_loss_backward) ----------------------------------------------- */
 
 typedef struct aux_key {
-  int32_t op, dtype, C, pad;
+  int32_t op, dtype, C, dev_total; /* dev_total: the backward's build (aux_loss_bwd's DEV_TOTAL) */
   int64_t R;
 } aux_key;
 
@@ -695,12 +695,13 @@ moe_rt_status moe_rt_aux_loss_backward(moe_rt_context* ctx, const void* grad, in
   const int vec = C % (16 / mrt_dtype_size(dtype)) == 0 && mrt_aligned16(grad_probs);
   aux_key key;
   memset(&key, 0, sizeof key);
-  key.op = 6; key.dtype = dtype; key.R = R; key.C = C;
+  key.op = 6; key.dtype = dtype; key.R = R; key.C = C; key.dev_total = total_device != 0;
   mrt_plan p;
   if (!mrt_plan_lookup(ctx, &key, sizeof key, &p)) {
     if (nb > 0 && C > 0) {
       p.num_launches = 1;
-      snprintf(p.launch[0].name, sizeof p.launch[0].name, "aux_loss_bwd<%s>", mrt_ctype(dtype));
+      snprintf(p.launch[0].name, sizeof p.launch[0].name, "aux_loss_bwd<%s, %s>", mrt_ctype(dtype),
+               key.dev_total ? "true" : "false");
       int regs = 0;
       if ((st = mrt_kernel(ctx, &p.launch[0], FILE_ROUTER, &regs))) return st;
       p.launch[0].grid = nb;

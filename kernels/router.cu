@@ -3669,13 +3669,15 @@ aux_loss_final(const float* __restrict__ partial, int nb, float coeff, T* __rest
   if (threadIdx.x == 0) out[0] = from_float<T>(coeff * s);
 }
 
-// grad_probs[r, c] = (coeff * tpe[c]) * grad
-template <typename T>
+// grad_probs[r, c] = (coeff * tpe[c]) * grad. DEV_TOTAL: total_num_tokens read on the device (aux_coeff,
+// total_kind 1 or 2); without it coeff is final and total is not read. A template argument, not the run-time
+// total_kind == 0 test: that test took the host-total build from 40 to 48 registers (6 -> 5 resident blocks).
+template <typename T, bool DEV_TOTAL>
 __global__ void __launch_bounds__(256)
 aux_loss_bwd(const T* __restrict__ grad, const void* __restrict__ tpe, int tkind, i64 R, int C, float coeff,
              i64 rpb, T* __restrict__ out, int vec, const void* __restrict__ total, int total_kind) {
   const int tid = threadIdx.x;
-  coeff = aux_coeff(coeff, total, total_kind);
+  if (DEV_TOTAL) coeff = aux_coeff(coeff, total, total_kind);
   const float g = to_float(grad[0]);
   const i64 r0 = (i64)blockIdx.x * rpb, r1 = min(R, r0 + rpb);
   auto run = [&](auto chv) {

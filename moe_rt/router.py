@@ -65,7 +65,7 @@ _jit.register(_FILE, [f"router_fwd<{c}, {team}>" for c in _jit.CTYPES.values() f
               + [f"router_bwd_idx<{c}>" for c in _jit.CTYPES.values()]
               + [f"aux_loss_partial<{c}>" for c in _jit.CTYPES.values()]
               + [f"aux_loss_final<{c}>" for c in _jit.CTYPES.values()]
-              + [f"aux_loss_bwd<{c}>" for c in _jit.CTYPES.values()]
+              + [f"aux_loss_bwd<{c}, {d}>" for c in _jit.CTYPES.values() for d in ("false", "true")]
               + [f"router_fwd_qb<{c}, {team}>" for c in _jit.CTYPES.values() for team in _TEAMS]
               + [f"router_fwd_qb<{c}, {team}, false>" for c in _jit.CTYPES.values() for team in _TEAMS]
               + [f"router_fwd_qb_reg<{c}, {v}>" for c in ("float", "__nv_bfloat16") for v in _REG_V]

@@ -371,8 +371,11 @@ def test_aux_loss_plan(lib, ctx, R, Cols, dt):
                                  BASE, None))
     want = ([(f"aux_loss_partial<{c}>", nb, 256, 0)] if nb and Cols else []) + [(f"aux_loss_final<{c}>", 1, 256, 0)]
     assert _launches(lib, ctx) == want
+    # the backward's build: DEV_TOTAL for a device total_num_tokens, the host total's without it
     _ok(lib, lib.moe_rt_aux_loss_backward(ctx, BASE, dt, R, Cols, BASE, I64, 0, BASE, I64, E, 2, 0.01, BASE, None))
-    assert _launches(lib, ctx) == ([(f"aux_loss_bwd<{c}>", nb, 256, 0)] if nb and Cols else [])
+    assert _launches(lib, ctx) == ([(f"aux_loss_bwd<{c}, true>", nb, 256, 0)] if nb and Cols else [])
+    _ok(lib, lib.moe_rt_aux_loss_backward(ctx, BASE, dt, R, Cols, BASE, I64, 1000, None, I32, E, 2, 0.01, BASE, None))
+    assert _launches(lib, ctx) == ([(f"aux_loss_bwd<{c}, false>", nb, 256, 0)] if nb and Cols else [])
 
 
 # ---- Quantile Balancing ----------------------------------------------------------------------------------------
