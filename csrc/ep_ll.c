@@ -3,7 +3,9 @@
  * caller made (moe_rt/ep_ll.py LowLatencyGroup, or a C program). The launches are those moe_rt/ep_ll.py made
  * through its own launch set-ups before they moved here (tests/test_ep_ll_core.py compares them, argument by
  * argument, in a planning context). Each op plans once per signature (kernel variant, grid, block; cached in
- * the group), then launches the barrier and its kernel(s) on the caller's stream. */
+ * the group), then launches the barrier and its kernel(s) on the caller's stream (desc.sync
+ * MOE_RT_LL_SYNC_PAIRWISE: no barrier, the fused kernels' *_pairwise builds; the mode is the group's, so the plan
+ * keys need no field for it). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -70,6 +72,8 @@ static moe_rt_status check_desc(const moe_rt_ll_group_desc* d) {
   if (d->dedup != 0 && d->dedup != 1) return BAD("%s: desc.dedup must be 0 or 1, got %d", op, d->dedup);
   if (d->combine_partials != 0 && d->combine_partials != 1)
     return BAD("%s: desc.combine_partials must be 0 or 1, got %d", op, d->combine_partials);
+  if (d->sync != MOE_RT_LL_SYNC_BARRIER && d->sync != MOE_RT_LL_SYNC_PAIRWISE)
+    return BAD("%s: desc.sync must be MOE_RT_LL_SYNC_BARRIER (0) or MOE_RT_LL_SYNC_PAIRWISE (1), got %d", op, d->sync);
   if (d->timeout_ns < 1) return BAD("%s: desc.timeout_ns must be > 0, got %lld", op, (long long)d->timeout_ns);
   for (int b = 0; b < d->num_buffers; ++b) {
     const moe_rt_ll_buffer_set* s = &d->set[b];
@@ -169,12 +173,15 @@ static moe_rt_status plan_fused(moe_rt_ll_group* g, mrt_launch* l, int64_t* resi
   return mrt_resident_blocks(g->ctx, l, LL_THREADS, regs, resident);
 }
 
+/* desc.sync MOE_RT_LL_SYNC_PAIRWISE: no barrier launch; the fused kernels' pairwise builds. */
+static int pairwise(const moe_rt_ll_group* g) { return g->d.sync == MOE_RT_LL_SYNC_PAIRWISE; }
+
 static const char* idx_ctype(int idx64) { return idx64 ? "long long" : "int"; }
 
 /* The dispatch-direction launch (ep_ll_dispatch or ep_ll_dispatch_fp8). */
 static moe_rt_status plan_push(moe_rt_ll_group* g, const ll_key* k, mrt_launch* l) {
-  snprintf(l->name, sizeof l->name, "%s<%s, %s, %s>", k->fp8 ? "ep_ll_dispatch_fp8" : "ep_ll_dispatch",
-           mrt_ctype(g->d.dtype), idx_ctype(k->idx64), k->vec ? "true" : "false");
+  snprintf(l->name, sizeof l->name, "%s%s<%s, %s, %s>", k->fp8 ? "ep_ll_dispatch_fp8" : "ep_ll_dispatch",
+           pairwise(g) ? "_pairwise" : "", mrt_ctype(g->d.dtype), idx_ctype(k->idx64), k->vec ? "true" : "false");
   int64_t resident = 0;
   moe_rt_status st = plan_fused(g, l, &resident);
   if (st) return st;
@@ -186,8 +193,8 @@ static moe_rt_status plan_push(moe_rt_ll_group* g, const ll_key* k, mrt_launch* 
 
 /* ep_ll_combine: arg[0] = most resident blocks, arg[1] = owner items per token; the grid follows T. */
 static moe_rt_status plan_combine(moe_rt_ll_group* g, const ll_key* k, mrt_launch* l) {
-  snprintf(l->name, sizeof l->name, "ep_ll_combine<%s, %s, %s>", mrt_ctype(g->d.dtype), k->vec ? "true" : "false",
-           k->partials ? "true" : "false");
+  snprintf(l->name, sizeof l->name, "ep_ll_combine%s<%s, %s, %s>", pairwise(g) ? "_pairwise" : "",
+           mrt_ctype(g->d.dtype), k->vec ? "true" : "false", k->partials ? "true" : "false");
   int64_t resident = 0;
   moe_rt_status st = plan_fused(g, l, &resident);
   if (st) return st;
@@ -215,13 +222,14 @@ static moe_rt_status plan_dot(moe_rt_ll_group* g, const ll_key* k, mrt_launch* l
   return MOE_RT_SUCCESS;
 }
 
-/* The plan of key k (cached in the group): launch 0 the barrier (where the op has one), then the kernels. */
+/* The plan of key k (cached in the group): launch 0 the barrier (where the op has one: not in pairwise mode),
+ * then the kernels. */
 static moe_rt_status plan_of(moe_rt_ll_group* g, const ll_key* k, mrt_plan* p) {
   if (mrt_group_plan_get(&g->plans, k, sizeof *k, p)) return MOE_RT_SUCCESS;
   memset(p, 0, sizeof *p);
   moe_rt_status st = MOE_RT_SUCCESS;
   int n = 0;
-  if (k->kind != K_DISPATCH || (k->phases & MOE_RT_LL_PUSH)) st = plan_barrier(g, &p->launch[n++]);
+  if (!pairwise(g) && (k->kind != K_DISPATCH || (k->phases & MOE_RT_LL_PUSH))) st = plan_barrier(g, &p->launch[n++]);
   if (!st && k->kind != K_COMBINE) st = plan_push(g, k, &p->launch[n++]);
   if (!st && k->kind == K_COMBINE) st = plan_combine(g, k, &p->launch[n++]);
   if (!st && k->kind == K_COMBINE_BWD && k->dot) st = plan_dot(g, k, &p->launch[n++]);
@@ -237,6 +245,12 @@ static void barrier_args(const moe_rt_ll_group* g, int op, mrt_args* a) {
   const moe_rt_ll_group_desc* d = &g->d; /* the node's ranks: all of them */
   mrt_barrier_args(a, d->peer_barrier, d->num_ranks, d->rank, d->barrier_state, d->timeout_ns, d->timeout_word, op, 0,
                    d->num_ranks);
+}
+
+/* The pairwise builds' last arguments: the barrier slots' peer table (the announces) and the block count. */
+static void pairwise_args(const moe_rt_ll_group* g, mrt_args* a) {
+  mrt_arg_ptr(a, g->d.peer_barrier);
+  mrt_arg_ptr(a, g->d.set_epoch + g->d.num_buffers);
 }
 
 /* The arguments every fused kernel ends with, from op to C: op, R, me, L, Tmax, K (then C). */
@@ -321,6 +335,7 @@ static void push_kernel_args(const moe_rt_ll_group* g, const ll_key* k, const pu
   mrt_arg_i64(a, (int64_t)2 * d->num_ranks * d->max_tokens_per_rank * k->buffer_set);
   mrt_arg_ptr(a, k->phases != (MOE_RT_LL_PUSH | MOE_RT_LL_RECEIVE) ? (const void*)(d->set_epoch + k->buffer_set)
                                                                   : NULL);
+  if (pairwise(g)) pairwise_args(g, a);
 }
 
 moe_rt_status moe_rt_ll_dispatch(moe_rt_ll_group* g, int buffer_set, int phases, const void* x, const void* x_fp8,
@@ -374,7 +389,7 @@ moe_rt_status moe_rt_ll_dispatch(moe_rt_ll_group* g, int buffer_set, int phases,
   mrt_args a[2];
   memset(a, 0, sizeof a);
   int i = 0;
-  if (phases & MOE_RT_LL_PUSH) barrier_args(g, MOE_RT_EP_OP_DISPATCH, &a[i++]);
+  if ((phases & MOE_RT_LL_PUSH) && !pairwise(g)) barrier_args(g, MOE_RT_EP_OP_DISPATCH, &a[i++]);
   push_args q = {xe, xq, T && pair ? x_scales : NULL, topk_idx, topk_weights, tables, NULL, NULL, 1, 0,
                  MOE_RT_EP_OP_DISPATCH};
   push_kernel_args(g, &k, &q, T, &a[i]);
@@ -422,13 +437,14 @@ moe_rt_status moe_rt_ll_combine(moe_rt_ll_group* g, int buffer_set, int op_code,
   k.partials = partials;
   mrt_plan p;
   if ((st = plan_of(g, &k, &p))) return st;
-  p.launch[1].grid = combine_grid(g, &p.launch[1], T);
+  const int i = pairwise(g) ? 0 : 1; /* the combine launch */
+  p.launch[i].grid = combine_grid(g, &p.launch[i], T);
   const moe_rt_ll_group_desc* d = &g->d;
   const moe_rt_ll_buffer_set* s = &d->set[buffer_set];
   mrt_args a[2];
   memset(a, 0, sizeof a);
-  barrier_args(g, op_code, &a[0]);
-  mrt_args* c = &a[1];
+  if (i) barrier_args(g, op_code, &a[0]);
+  mrt_args* c = &a[i];
   mrt_arg_ptr(c, y);
   mrt_arg_ptr(c, slot_grads);
   mrt_arg_ptr(c, tables->route);
@@ -448,6 +464,7 @@ moe_rt_status moe_rt_ll_combine(moe_rt_ll_group* g, int buffer_set, int op_code,
   mrt_arg_i32(c, d->chunk);
   mrt_arg_i64(c, d->hidden);
   mrt_arg_i64(c, (int64_t)2 * d->num_ranks * d->max_tokens_per_rank * buffer_set);
+  if (!i) pairwise_args(g, c);
   return mrt_run_plan(g->ctx, &p, a, stream);
 }
 
@@ -492,13 +509,14 @@ moe_rt_status moe_rt_ll_combine_bwd(moe_rt_ll_group* g, int buffer_set, const vo
   if ((st = plan_of(g, &k, &p))) return st;
   mrt_args a[3];
   memset(a, 0, sizeof a);
-  barrier_args(g, MOE_RT_EP_OP_COMBINE_BWD, &a[0]);
+  const int i = pairwise(g) ? 0 : 1; /* the dispatch-direction launch */
+  if (i) barrier_args(g, MOE_RT_EP_OP_COMBINE_BWD, &a[0]);
   /* unscaled rows (expert_out given) take the dedup split, its copies mapped by the handle's route */
   push_args q = {grad_out, NULL, NULL, tables->idx, tables->w, NULL, tables->slot_k,
                  d->dedup && !scaled ? (const void*)tables->route : NULL, 0, scaled, MOE_RT_EP_OP_COMBINE_BWD};
-  push_kernel_args(g, &k, &q, T, &a[1]);
+  push_kernel_args(g, &k, &q, T, &a[i]);
   if (!scaled) {
-    mrt_args* c = &a[2];
+    mrt_args* c = &a[i + 1];
     mrt_arg_ptr(c, s->recv);
     mrt_arg_ptr(c, expert_out);
     mrt_arg_ptr(c, tables->slot_k);

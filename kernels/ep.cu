@@ -1535,6 +1535,58 @@ __device__ __forceinline__ bool ll_block_wait_all(const unsigned* f, int n, unsi
   return ll_block_wait_range(f, 0, n - 1, false, e, state, err_word, timeout_ns, op);
 }
 
+// ---- Pairwise synchronisation (MOE_RT_LL_SYNC=pairwise; docs/ep.md §8) -------------------------------------
+// No ep_direct_barrier before the op: its fused kernel (the *_pairwise builds, PAIRWISE = true) takes the epoch
+// e = state[0] + 1 itself and announces it into its slot [me] of every rank's barrier region (the barrier's
+// slots: slot s of rank r = the last epoch rank s reached); a block waits, before its first store into rank d's
+// buffers, until d's announce in this rank's region reaches e (d started op e: everything earlier on its
+// stream, which reads those buffers, is done). Every block announces (threads r < R, system-scope releases), so
+// a peer needs one running block of this rank, never a particular one. *count (zeroed once) counts the blocks
+// that took e; the last advances state[0] to e and zeroes the count, so the next op (or a graph replay) takes
+// e + 1. A wait past timeout_ns reports as the flag waits do (thread_wait_flag).
+
+// The block's epoch of a pairwise op (every block is counted, failed or not), then its announce; false after an
+// earlier failure (state[1]): the kernel then does nothing.
+__device__ __forceinline__ bool ll_pair_begin(const long long* __restrict__ peer_bar, unsigned* __restrict__ count,
+                                              unsigned* __restrict__ state, int R, int me, unsigned& e) {
+  __shared__ unsigned s_e;
+  __shared__ int s_failed;
+  if (threadIdx.x == 0) {
+    const unsigned v = *reinterpret_cast<volatile unsigned*>(state) + 1u;
+    s_e = v;
+    s_failed = (int)*reinterpret_cast<volatile unsigned*>(state + 1);
+    __threadfence();  // this block's read of state[0] before its count
+    if (atomicAdd(count, 1u) == gridDim.x - 1u) {  // every block has read state[0]
+      __threadfence();
+      *count = 0u;
+      state[0] = v;
+    }
+  }
+  __syncthreads();
+  e = s_e;
+  if (s_failed) return false;
+  for (int r = threadIdx.x; r < R; r += blockDim.x)
+    st_release_sys_u32(reinterpret_cast<unsigned*>(peer_bar[r]) + me, e);
+  return true;
+}
+
+// Before the block's first store into rank d's buffers (d < 0: every rank's): the announce of d (of every rank
+// but this one; thread r waits for rank r) in this rank's region reaches e. False after a failed wait.
+__device__ __forceinline__ bool ll_block_wait_announce(const long long* __restrict__ peer_bar, int R, int me, int d,
+                                                       unsigned e, unsigned* state, int* err_word, i64 timeout_ns,
+                                                       int op) {
+  if (d == me) return true;  // block-uniform: this rank's own buffers
+  const unsigned* mine = reinterpret_cast<const unsigned*>(peer_bar[me]);
+  int ok = 1;
+  if (d >= 0) {
+    if (threadIdx.x == 0) ok = thread_wait_flag(mine + d, e, state, err_word, timeout_ns, op) ? 1 : 0;
+  } else {
+    for (int r = threadIdx.x; r < R && ok; r += blockDim.x)
+      if (r != me && !thread_wait_flag(mine + r, e, state, err_word, timeout_ns, op)) ok = 0;
+  }
+  return __syncthreads_and(ok) != 0;
+}
+
 // The rows a block moves for one chunk: at most LL_MAX_ROWS (chunk_tokens() <= 8 tokens times K <= 64).
 constexpr int LL_MAX_ROWS = 512;
 constexpr int LL_UNROLL = 4;  // 16-byte loads a thread has in flight before its stores
@@ -1819,7 +1871,9 @@ template <> struct LlUnit<4> { typedef unsigned type; };
 // phases: LL_PUSH | LL_RECEIVE in one launch, or split (a receive hook): the push launch records its epoch in
 // *set_epoch (given), the later LL_RECEIVE launch (no barrier before it) waits for that epoch's flags; the
 // copies belong to the receive launch.
-template <typename T, typename IdxT, bool VEC, bool FP8>
+// PAIRWISE: the pairwise build (ll_pair_begin; a push block waits for every rank's announce before its first
+// item); peer_bar and count its arguments (unused otherwise). A receive launch takes no epoch of its own.
+template <typename T, typename IdxT, bool VEC, bool FP8, bool PAIRWISE>
 __device__ __forceinline__ void ll_dispatch(
     const T* __restrict__ x, const unsigned char* __restrict__ xq, const float* __restrict__ xs,
     const IdxT* __restrict__ idx, const float* __restrict__ w, int Tn, int meta, int scaled, int dedup,
@@ -1830,7 +1884,7 @@ __device__ __forceinline__ void ll_dispatch(
     int* __restrict__ counts, const int* __restrict__ zero_k, const int* __restrict__ recv_route, int dequant,
     unsigned* __restrict__ err, unsigned* __restrict__ state, int* __restrict__ err_word, i64 timeout_ns, int op,
     int R, int me, int L, int Tmax, int K, int C, i64 H, int S, int phases, i64 flag_base,
-    unsigned* __restrict__ set_epoch) {
+    unsigned* __restrict__ set_epoch, const long long* __restrict__ peer_bar, unsigned* __restrict__ count) {
   __shared__ const T* s_src[FP8 ? 1 : LL_MAX_ROWS];
   __shared__ T* s_dst[FP8 ? 1 : LL_MAX_ROWS];
   __shared__ float s_scale[FP8 ? 1 : LL_MAX_ROWS];
@@ -1838,7 +1892,11 @@ __device__ __forceinline__ void ll_dispatch(
   __shared__ float* s_sdst[FP8 ? LL_MAX_ROWS : 1];
   unsigned e;
   LL_TRACE(0);
-  if (!block_epoch(state, e)) return;
+  if constexpr (PAIRWISE) {
+    if (!((phases & LL_PUSH) ? ll_pair_begin(peer_bar, count, state, R, me, e) : block_epoch(state, e))) return;
+  } else {
+    if (!block_epoch(state, e)) return;
+  }
   LL_TRACE(1);
   if (phases == LL_RECEIVE) {  // a receive hook: the epoch its push launch ran in
     e = *reinterpret_cast<volatile unsigned*>(set_epoch);
@@ -1860,6 +1918,10 @@ __device__ __forceinline__ void ll_dispatch(
   for (int c = blockIdx.x; c < NC && (phases & LL_PUSH); c += gridDim.x) {
     const int t0 = c * C, t1 = min(t0 + C, Tn);
     LL_TRACE_FIRST(2);
+    if constexpr (PAIRWISE) {  // the block's first item: route rows, rows and flags go to every rank
+      if (c == (int)blockIdx.x && !ll_block_wait_announce(peer_bar, R, me, -1, e, state, err_word, timeout_ns, op))
+        return;
+    }
     if (meta) {
       for (i64 i = (i64)t0 * K + threadIdx.x; i < (i64)t1 * K; i += blockDim.x) {
         const i64 v = (i64)idx[i];
@@ -2071,10 +2133,30 @@ __global__ void __launch_bounds__(512) ep_ll_dispatch(
     unsigned* __restrict__ err, unsigned* __restrict__ state, int* __restrict__ err_word, i64 timeout_ns, int op,
     int R, int me, int L, int Tmax, int K, int C, i64 H, int phases, i64 flag_base,
     unsigned* __restrict__ set_epoch) {
-  ll_dispatch<T, IdxT, VEC, false>(x, nullptr, nullptr, idx, w, Tn, meta, scaled, dedup, peer_recv, nullptr,
-                                   nullptr, peer_route, peer_rw, peer_flags, idx_out, w_out, route_out, slot_k,
-                                   slot_w, counts, zero_k, recv_route, 0, err, state, err_word, timeout_ns, op, R,
-                                   me, L, Tmax, K, C, H, 0, phases, flag_base, set_epoch);
+  ll_dispatch<T, IdxT, VEC, false, false>(x, nullptr, nullptr, idx, w, Tn, meta, scaled, dedup, peer_recv, nullptr,
+                                          nullptr, peer_route, peer_rw, peer_flags, idx_out, w_out, route_out,
+                                          slot_k, slot_w, counts, zero_k, recv_route, 0, err, state, err_word,
+                                          timeout_ns, op, R, me, L, Tmax, K, C, H, 0, phases, flag_base, set_epoch,
+                                          nullptr, nullptr);
+}
+
+// ep_ll_dispatch's pairwise build (MOE_RT_LL_SYNC=pairwise, no barrier launch before it): peer_bar the barrier
+// slots' peer table, count the op's block count (ll_pair_begin).
+template <typename T, typename IdxT, bool VEC>
+__global__ void __launch_bounds__(512) ep_ll_dispatch_pairwise(
+    const T* __restrict__ x, const IdxT* __restrict__ idx, const float* __restrict__ w, int Tn, int meta,
+    int scaled, int dedup, const long long* __restrict__ peer_recv, const long long* __restrict__ peer_route,
+    const long long* __restrict__ peer_rw, const long long* __restrict__ peer_flags, int* __restrict__ idx_out,
+    float* __restrict__ w_out, int* __restrict__ route_out, int* __restrict__ slot_k, float* __restrict__ slot_w,
+    int* __restrict__ counts, const int* __restrict__ zero_k, const int* __restrict__ recv_route,
+    unsigned* __restrict__ err, unsigned* __restrict__ state, int* __restrict__ err_word, i64 timeout_ns, int op,
+    int R, int me, int L, int Tmax, int K, int C, i64 H, int phases, i64 flag_base,
+    unsigned* __restrict__ set_epoch, const long long* __restrict__ peer_bar, unsigned* __restrict__ count) {
+  ll_dispatch<T, IdxT, VEC, false, true>(x, nullptr, nullptr, idx, w, Tn, meta, scaled, dedup, peer_recv, nullptr,
+                                         nullptr, peer_route, peer_rw, peer_flags, idx_out, w_out, route_out,
+                                         slot_k, slot_w, counts, zero_k, recv_route, 0, err, state, err_word,
+                                         timeout_ns, op, R, me, L, Tmax, K, C, H, 0, phases, flag_base, set_epoch,
+                                         peer_bar, count);
 }
 
 // dispatch with FP8 rows (docs/ep.md §8): x (a float x in T, quantized here) or the pair xq / xs (pushed as
@@ -2091,10 +2173,29 @@ __global__ void __launch_bounds__(512) ep_ll_dispatch_fp8(
     int dequant, int dedup, unsigned* __restrict__ err, unsigned* __restrict__ state, int* __restrict__ err_word,
     i64 timeout_ns, int op, int R, int me, int L, int Tmax, int K, int C, i64 H, int S, int phases,
     i64 flag_base, unsigned* __restrict__ set_epoch) {
-  ll_dispatch<T, IdxT, VEC, true>(x, xq, xs, idx, w, Tn, 1, 0, dedup, peer_recv, peer_recv_q, peer_recv_s,
-                                  peer_route, peer_rw, peer_flags, idx_out, w_out, route_out, slot_k, slot_w, counts,
-                                  nullptr, nullptr, dequant, err, state, err_word, timeout_ns, op, R, me, L, Tmax, K,
-                                  C, H, S, phases, flag_base, set_epoch);
+  ll_dispatch<T, IdxT, VEC, true, false>(x, xq, xs, idx, w, Tn, 1, 0, dedup, peer_recv, peer_recv_q, peer_recv_s,
+                                         peer_route, peer_rw, peer_flags, idx_out, w_out, route_out, slot_k, slot_w,
+                                         counts, nullptr, nullptr, dequant, err, state, err_word, timeout_ns, op, R,
+                                         me, L, Tmax, K, C, H, S, phases, flag_base, set_epoch, nullptr, nullptr);
+}
+
+// ep_ll_dispatch_fp8's pairwise build (as ep_ll_dispatch_pairwise).
+template <typename T, typename IdxT, bool VEC>
+__global__ void __launch_bounds__(512) ep_ll_dispatch_fp8_pairwise(
+    const T* __restrict__ x, const unsigned char* __restrict__ xq, const float* __restrict__ xs,
+    const IdxT* __restrict__ idx, const float* __restrict__ w, int Tn, const long long* __restrict__ peer_recv,
+    const long long* __restrict__ peer_recv_q, const long long* __restrict__ peer_recv_s,
+    const long long* __restrict__ peer_route, const long long* __restrict__ peer_rw,
+    const long long* __restrict__ peer_flags, int* __restrict__ idx_out, float* __restrict__ w_out,
+    int* __restrict__ route_out, int* __restrict__ slot_k, float* __restrict__ slot_w, int* __restrict__ counts,
+    int dequant, int dedup, unsigned* __restrict__ err, unsigned* __restrict__ state, int* __restrict__ err_word,
+    i64 timeout_ns, int op, int R, int me, int L, int Tmax, int K, int C, i64 H, int S, int phases,
+    i64 flag_base, unsigned* __restrict__ set_epoch, const long long* __restrict__ peer_bar,
+    unsigned* __restrict__ count) {
+  ll_dispatch<T, IdxT, VEC, true, true>(x, xq, xs, idx, w, Tn, 1, 0, dedup, peer_recv, peer_recv_q, peer_recv_s,
+                                        peer_route, peer_rw, peer_flags, idx_out, w_out, route_out, slot_k, slot_w,
+                                        counts, nullptr, nullptr, dequant, err, state, err_word, timeout_ns, op, R,
+                                        me, L, Tmax, K, C, H, S, phases, flag_base, set_epoch, peer_bar, count);
 }
 
 // The partial rows of one combine chunk (a group's combine_partials) by the whole block: for each token q < n
@@ -2166,14 +2267,17 @@ __device__ __forceinline__ void ll_block_partials(const T* const* src, const flo
 #ifndef MOE_RT_LL_PARTIALS_MINB
 #define MOE_RT_LL_PARTIALS_MINB 0
 #endif
-template <typename T, bool VEC, bool PARTIALS>
-__global__ void __launch_bounds__(512, PARTIALS ? MOE_RT_LL_PARTIALS_MINB : 0) ep_ll_combine(
+// PAIRWISE: the pairwise build (ll_pair_begin; a push item waits for its destination's announce before its
+// first store there); peer_bar and count its arguments (unused otherwise).
+template <typename T, bool VEC, bool PARTIALS, bool PAIRWISE>
+__device__ __forceinline__ void ll_combine(
     const T* __restrict__ y, const float* __restrict__ gws, const int* __restrict__ route,
     const int* __restrict__ idx, const float* __restrict__ w, const float* __restrict__ slot_w,
     const long long* __restrict__ peer_back, const long long* __restrict__ peer_bw,
     const long long* __restrict__ peer_flags, T* __restrict__ out, float* __restrict__ grad_w,
     unsigned* __restrict__ state, int* __restrict__ err_word, i64 timeout_ns, int op, int R, int me, int L, int Tmax,
-    int K, int Tn, int C, i64 H, i64 flag_base) {
+    int K, int Tn, int C, i64 H, i64 flag_base, const long long* __restrict__ peer_bar,
+    unsigned* __restrict__ count) {
   __shared__ const T* s_src[LL_MAX_ROWS];
   __shared__ T* s_dst[LL_MAX_ROWS];
   __shared__ float s_scale[LL_MAX_ROWS];
@@ -2182,14 +2286,25 @@ __global__ void __launch_bounds__(512, PARTIALS ? MOE_RT_LL_PARTIALS_MINB : 0) e
   __shared__ int s_rk[64];
   unsigned e;
   LL_TRACE(0);
-  if (!block_epoch(state, e)) return;
+  if constexpr (PAIRWISE) {
+    if (!ll_pair_begin(peer_bar, count, state, R, me, e)) return;
+  } else {
+    if (!block_epoch(state, e)) return;
+  }
   LL_TRACE(1);
   const int NC = (Tmax + C - 1) / C;
   const i64 RT = (i64)R * Tmax;
+  unsigned long long announced = 0;  // PAIRWISE: ranks s < 64 whose announce this block saw (block-uniform)
   for (int item = blockIdx.x; item < NC * R; item += gridDim.x) {
     const int c = item / R, s = item - c * R;
     const int t0 = c * C, t1 = min(t0 + C, Tmax);
     LL_TRACE_FIRST(2);
+    if constexpr (PAIRWISE) {  // the item writes into rank s's buffers only
+      if (s >= 64 || !((announced >> s) & 1ull)) {
+        if (!ll_block_wait_announce(peer_bar, R, me, s, e, state, err_word, timeout_ns, op)) return;
+        if (s < 64) announced |= 1ull << s;
+      }
+    }
     T* dst = reinterpret_cast<T*>(peer_back[s]);
     float* dw = reinterpret_cast<float*>(peer_bw[s]);
     for (int p = threadIdx.x; p < (t1 - t0) * K; p += blockDim.x) {
@@ -2316,6 +2431,35 @@ __global__ void __launch_bounds__(512, PARTIALS ? MOE_RT_LL_PARTIALS_MINB : 0) e
   }
   LL_TRACE_SYNC(9);
   LL_TRACE(10);
+}
+
+template <typename T, bool VEC, bool PARTIALS>
+__global__ void __launch_bounds__(512, PARTIALS ? MOE_RT_LL_PARTIALS_MINB : 0) ep_ll_combine(
+    const T* __restrict__ y, const float* __restrict__ gws, const int* __restrict__ route,
+    const int* __restrict__ idx, const float* __restrict__ w, const float* __restrict__ slot_w,
+    const long long* __restrict__ peer_back, const long long* __restrict__ peer_bw,
+    const long long* __restrict__ peer_flags, T* __restrict__ out, float* __restrict__ grad_w,
+    unsigned* __restrict__ state, int* __restrict__ err_word, i64 timeout_ns, int op, int R, int me, int L, int Tmax,
+    int K, int Tn, int C, i64 H, i64 flag_base) {
+  ll_combine<T, VEC, PARTIALS, false>(y, gws, route, idx, w, slot_w, peer_back, peer_bw, peer_flags, out, grad_w,
+                                      state, err_word, timeout_ns, op, R, me, L, Tmax, K, Tn, C, H, flag_base,
+                                      nullptr, nullptr);
+}
+
+// ep_ll_combine's pairwise build (MOE_RT_LL_SYNC=pairwise, no barrier launch before it): peer_bar the barrier
+// slots' peer table, count the op's block count (ll_pair_begin).
+template <typename T, bool VEC, bool PARTIALS>
+__global__ void __launch_bounds__(512, PARTIALS ? MOE_RT_LL_PARTIALS_MINB : 0) ep_ll_combine_pairwise(
+    const T* __restrict__ y, const float* __restrict__ gws, const int* __restrict__ route,
+    const int* __restrict__ idx, const float* __restrict__ w, const float* __restrict__ slot_w,
+    const long long* __restrict__ peer_back, const long long* __restrict__ peer_bw,
+    const long long* __restrict__ peer_flags, T* __restrict__ out, float* __restrict__ grad_w,
+    unsigned* __restrict__ state, int* __restrict__ err_word, i64 timeout_ns, int op, int R, int me, int L, int Tmax,
+    int K, int Tn, int C, i64 H, i64 flag_base, const long long* __restrict__ peer_bar,
+    unsigned* __restrict__ count) {
+  ll_combine<T, VEC, PARTIALS, true>(y, gws, route, idx, w, slot_w, peer_back, peer_bw, peer_flags, out, grad_w,
+                                     state, err_word, timeout_ns, op, R, me, L, Tmax, K, Tn, C, H, flag_base,
+                                     peer_bar, count);
 }
 
 // combine_bwd's expert side with y (local; after the dispatch-direction kernel delivered the unscaled

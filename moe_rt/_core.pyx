@@ -74,7 +74,7 @@ cdef extern from "moe_rt/moe_rt.h" nogil:
     ctypedef struct moe_rt_ll_group_desc:
         int32_t num_ranks, rank, num_local_experts, max_tokens_per_rank, topk, dtype
         int64_t hidden
-        int32_t chunk, num_buffers, fp8, num_scales, dedup, combine_partials
+        int32_t chunk, num_buffers, fp8, num_scales, dedup, combine_partials, sync
         int64_t timeout_ns
         moe_rt_ll_buffer_set set[2]
         const int64_t* peer_flags
@@ -1045,16 +1045,17 @@ cdef inline int _tables_of(tuple t, moe_rt_ll_tables* out) except -1:
 def ll_group_create(Context d, int R, int rank, int L, int Tmax, int K, int dtype, int64_t H, int chunk,
                     int num_buffers, int fp8, int num_scales, int dedup, int64_t timeout_ns, list sets,
                     uintptr_t peer_flags, uintptr_t peer_barrier, uintptr_t barrier_state, uintptr_t timeout_word,
-                    uintptr_t error_word, uintptr_t set_epoch, int combine_partials=0) -> LLGroup:
+                    uintptr_t error_word, uintptr_t set_epoch, int combine_partials=0, int sync=0) -> LLGroup:
     """moe_rt_ll_group_create: ``sets`` holds per buffer set ``(recv, peer_recv, peer_recv_q, peer_recv_s,
     peer_route, peer_rw, peer_back, peer_bw)`` addresses (0 = NULL); ``combine_partials`` desc's field (1: rank
-    partials in combine); ValueError for a bad field."""
+    partials in combine), ``sync`` desc's field (0: MOE_RT_LL_SYNC_BARRIER, 1: MOE_RT_LL_SYNC_PAIRWISE); ValueError
+    for a bad field."""
     cdef LLGroup g = LLGroup()
     memset(&g.desc, 0, sizeof(g.desc))
     g.desc.num_ranks, g.desc.rank, g.desc.num_local_experts, g.desc.max_tokens_per_rank = R, rank, L, Tmax
     g.desc.topk, g.desc.dtype, g.desc.hidden, g.desc.chunk, g.desc.num_buffers = K, dtype, H, chunk, num_buffers
     g.desc.fp8, g.desc.num_scales, g.desc.dedup, g.desc.timeout_ns = fp8, num_scales, dedup, timeout_ns
-    g.desc.combine_partials = combine_partials
+    g.desc.combine_partials, g.desc.sync = combine_partials, sync
     if len(sets) > 2:
         raise ValueError(f"sets: at most 2 buffer sets, got {len(sets)}")
     cdef uintptr_t a

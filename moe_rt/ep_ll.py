@@ -102,6 +102,10 @@ for _c in _jit.CTYPES.values():
         _names += [f"ep_ll_dispatch<{_c}, {_i}, {_v}>" for _i in _IDX.values()]
         _names += [f"ep_ll_dispatch_fp8<{_c}, {_i}, {_v}>" for _i in _IDX.values()]
         _names += [f"ep_ll_combine<{_c}, {_v}, {_p}>" for _p in ("false", "true")]
+        # the pairwise builds (MOE_RT_LL_SYNC=pairwise: no barrier launch before the op)
+        _names += [f"ep_ll_dispatch_pairwise<{_c}, {_i}, {_v}>" for _i in _IDX.values()]
+        _names += [f"ep_ll_dispatch_fp8_pairwise<{_c}, {_i}, {_v}>" for _i in _IDX.values()]
+        _names += [f"ep_ll_combine_pairwise<{_c}, {_v}, {_p}>" for _p in ("false", "true")]
         _names += [f"ep_ll_slot_dot<{_c}, {_v}>"]
 _jit.register(_FILE, _names)
 _ids = itertools.count(1)
@@ -239,6 +243,24 @@ def env_dedup() -> bool:
     return v != "0"
 
 
+SYNC_MODES = ("barrier", "pairwise")
+"""``MOE_RT_LL_SYNC``'s values, in the order of the core group's desc.sync codes (0, 1)."""
+
+
+def env_sync() -> str:
+    """``MOE_RT_LL_SYNC``: ``barrier`` (the default, also when unset or empty) or ``pairwise`` (ValueError
+    otherwise): how a :class:`LowLatencyGroup` made now keeps a rank from writing into a peer's buffers before
+    the peer's earlier ops that read them are done. ``barrier``: a device barrier over every rank before each
+    op's fused kernel; ``pairwise``: no barrier launch, the fused kernel announces its op to every peer and
+    waits, per destination, for that destination's announce (docs/ep.md §8). The same on every rank."""
+    v = os.environ.get("MOE_RT_LL_SYNC", "")
+    if v == "":
+        return "barrier"
+    if v not in SYNC_MODES:
+        raise ValueError(f"MOE_RT_LL_SYNC: expected 'barrier' or 'pairwise', got {v!r}")
+    return v
+
+
 def wire_rows(topk_idx, num_experts: int, num_ranks: int, rank: int, *, dedup: bool = True) -> int:
     """The token rows rank ``rank``'s dispatch (bf16 or FP8 rows, not combine_bwd without ``expert_out``)
     pushes to the *other* ranks for the routing ``topk_idx [T,K]`` (ids in ``[-1, E)``): one per (token,
@@ -273,6 +295,16 @@ def check_combine_partials_agree(settings) -> None:
     """Every rank's ``combine_partials`` setting must be the same: an owner summing rank partials would read
     rows a per-expert sender never writes (and the back buffers' sizes differ)."""
     _check_agrees("combine_partials", settings, "LowLatencyGroup(combine_partials=...)")
+
+
+def check_sync_agrees(codes) -> None:
+    """Every rank's ``MOE_RT_LL_SYNC`` must be the same: a pairwise rank announces into the barrier slots
+    without waiting for every rank, so a barrier rank beside it would pass its barrier early (and a pairwise
+    rank would wait for announces a barrier rank never makes per op)."""
+    v = [SYNC_MODES[int(c)] if 0 <= int(c) < len(SYNC_MODES) else str(int(c)) for c in codes]
+    if len(set(v)) > 1:
+        raise ValueError(f"MOE_RT_LL_SYNC: the ranks disagree ({', '.join(f'rank {r}: {m}' for r, m in enumerate(v))}"
+                         f"); set the same value on every rank")
 
 
 
@@ -395,6 +427,7 @@ class LowLatencyGroup:
         self.dedup = bool(dedup)
         _ep._check_bool(combine_partials, "combine_partials")
         self.combine_partials = bool(combine_partials)
+        self.sync = env_sync()  # MOE_RT_LL_SYNC, read once here
         self.num_scales = _fp8_ref.num_blocks(self.hidden, FP8_BLOCK)
         self.id = next(_ids)
         self.closed = False
@@ -422,7 +455,8 @@ class LowLatencyGroup:
         return (f"LowLatencyGroup(rank={self.rank}, size={self.size}, num_experts={self.num_experts}, "
                 f"hidden={self.hidden}, max_tokens_per_rank={self.max_tokens_per_rank}, topk={self.topk}, "
                 f"dtype={self.dtype.name}{', fp8=True' if self.fp8 else ''}{'' if self.dedup else ', dedup=False'}"
-                f"{', combine_partials=True' if self.combine_partials else ''})")
+                f"{', combine_partials=True' if self.combine_partials else ''}"
+                f"{', sync=pairwise' if self.sync == 'pairwise' else ''})")
 
     # -- buffers ---------------------------------------------------------------------------------------
     def _regions(self):
@@ -461,10 +495,11 @@ class LowLatencyGroup:
                 if not ok:
                     raise ValueError(f"LowLatencyGroup needs every pair of ranks on one node with peer access: "
                                      f"{reason}")
-                agree = _ep_direct.all_gather_int64(comm, [int(self.dedup), int(self.combine_partials)], stream,
-                                                    wait)
+                agree = _ep_direct.all_gather_int64(
+                    comm, [int(self.dedup), int(self.combine_partials), SYNC_MODES.index(self.sync)], stream, wait)
                 check_dedup_agrees(agree[:, 0])
                 check_combine_partials_agree(agree[:, 1])
+                check_sync_agrees(agree[:, 2])
             # flags [num_buffers, 2, R, Tmax]: the transport's chunk flags with a pair capacity of
             # 2*Tmax*num_buffers
             d = _ep_direct.DirectTransport(comm, self.device, 2 * self.max_tokens_per_rank * self.num_buffers,
@@ -481,7 +516,8 @@ class LowLatencyGroup:
                 with stream:  # each region's peer table (device int64 [R]), kept; the core takes addresses
                     self._table_arrays = {n: sh.table + off for n, (off, _) in offs.items()}
                     self._tables = {n: a.data.ptr for n, a in self._table_arrays.items()}
-                    self._set_epoch = cupy.zeros(self.num_buffers, np.uint32)
+                    # each set's split push epoch, then the pairwise ops' block count (desc.set_epoch)
+                    self._set_epoch = cupy.zeros(self.num_buffers + 1, np.uint32)
             except BaseException:
                 d.close()
                 raise
@@ -535,7 +571,7 @@ class LowLatencyGroup:
                 self.topk, _core.CODES[self.dtype], self.hidden, self.chunk, self.num_buffers, int(self.fp8),
                 self.num_scales, int(self.dedup), d.timeout_ns, sets, d.flags.table.data.ptr, d.bar.table.data.ptr,
                 d.state.data.ptr, d._err_ptr, _errors.word(self.device), self._set_epoch.data.ptr,
-                combine_partials=int(self.combine_partials))
+                combine_partials=int(self.combine_partials), sync=SYNC_MODES.index(self.sync))
         return g
 
     def synchronize(self, timeout: float | None = None, *, stream=None):

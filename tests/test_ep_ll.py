@@ -467,6 +467,37 @@ def test_dedup_must_agree_on_every_rank():
         check_dedup_agrees([0, 1])
 
 
+def test_group_sync_env(monkeypatch):
+    """MOE_RT_LL_SYNC, read when the group is made: unset or empty: barrier; exactly barrier or pairwise; anything
+    else a ValueError naming the variable. A group keeps the mode it was made with."""
+    args = (None, 4, 6, 5)
+    monkeypatch.delenv("MOE_RT_LL_SYNC", raising=False)
+    assert LowLatencyGroup(*args, topk=2).sync == "barrier"
+    for v, want in (("", "barrier"), ("barrier", "barrier"), ("pairwise", "pairwise")):
+        monkeypatch.setenv("MOE_RT_LL_SYNC", v)
+        g = LowLatencyGroup(*args, topk=2)
+        assert g.sync == want
+        assert ("sync=pairwise" in repr(g)) is (want == "pairwise")
+    monkeypatch.setenv("MOE_RT_LL_SYNC", "barrier")
+    assert g.sync == "pairwise"  # read once, when the group was made
+    for bad in ("Pairwise", "pair", " barrier", "barrier ", "1", "0", "none"):
+        monkeypatch.setenv("MOE_RT_LL_SYNC", bad)
+        with pytest.raises(ValueError, match="MOE_RT_LL_SYNC"):
+            LowLatencyGroup(*args, topk=2)
+
+
+def test_sync_must_agree_on_every_rank():
+    """The set-up's check of the all-gathered MOE_RT_LL_SYNC codes (0 barrier, 1 pairwise): equal ones pass, a
+    mix is a ValueError naming the variable and each rank's mode."""
+    from moe_rt.ep_ll import SYNC_MODES, check_sync_agrees
+
+    assert SYNC_MODES == ("barrier", "pairwise")
+    for ok in ([1], [0], [1, 1, 1, 1], np.zeros(3, np.int64)):
+        check_sync_agrees(ok)
+    with pytest.raises(ValueError, match=r"MOE_RT_LL_SYNC: the ranks disagree \(rank 0: barrier, rank 1: pairwise"):
+        check_sync_agrees(np.array([0, 1, 0], np.int64))
+
+
 @pytest.mark.parametrize("R,L,K,Ts,Tmax", [(2, 128, 8, (128, 128), 128), (4, 64, 8, (128, 100, 0, 128), 128),
                                            (3, 2, 4, (9, 5, 7), 9), (4, 3, 6, (6, 6, 1, 4), 6)])
 def test_wire_rows_are_the_references_distinct_token_rank_pairs(rng, R, L, K, Ts, Tmax):
@@ -729,7 +760,7 @@ def test_low_latency_kernels_compile(arch):
     from moe_rt import _jit, ep_ll
 
     names = [n for f, n in _jit.registered() if f == ep_ll._FILE and n in ep_ll._names]
-    assert len(names) == len(ep_ll._names) == 42
+    assert len(names) == len(ep_ll._names) == 78  # 42 default builds, 36 pairwise
     image, lowered = _jit.compile_offline("ep.cu", arch, names)
     assert set(lowered) == set(names) and image
 
@@ -831,25 +862,33 @@ def test_cuda_host_path_combine_partials_launches(monkeypatch, T, R, K):
     assert name == "ep_ll_combine<__nv_bfloat16, true, false>"
 
 
+@pytest.mark.parametrize("sync", ["", "pairwise"])  # MOE_RT_LL_SYNC: unset (barrier) or pairwise
 @pytest.mark.parametrize("dedup", ["", "0"])  # MOE_RT_LL_DEDUP: unset (the dedup split) or 0 (per-expert pushes)
 @pytest.mark.parametrize("fp8", [None, "float", "pair", "dequant"])
 @pytest.mark.parametrize("T", [11, 0])
-def test_cuda_host_path_launches_and_arguments(monkeypatch, fp8, T, dedup):
+def test_cuda_host_path_launches_and_arguments(monkeypatch, fp8, T, dedup, sync):
     """An eager low-latency dispatch + combine on CUDA (device stood in for) issues exactly one barrier and
     one kernel each way and two allocations while the earlier handles are kept (a table set for the handle's
     tables, in one; combine's output), and passes each kernel the arguments it takes, by parameter name
     (tables of the right set, the handle's tables, the constants); the split hook, both backwards and a
-    second buffer set too; a handle keeps its own tables after later dispatches."""
+    second buffer set too; a handle keeps its own tables after later dispatches. MOE_RT_LL_SYNC=pairwise: no
+    barrier launch at all, the kernels' pairwise builds, which also take the barrier slots' peer table and
+    the block count (the word after the sets' split epochs)."""
     import ml_dtypes
 
     tr = _LLTrace(monkeypatch)
     R, me, E, H, Tmax, K = 2, 1, 6, 40, 13, 3
     L, bf = E // R, np.dtype(ml_dtypes.bfloat16)
     monkeypatch.setenv("MOE_RT_LL_DEDUP", dedup)
+    monkeypatch.setenv("MOE_RT_LL_SYNC", sync)
     g = tr.group(R, me, E, H, Tmax, K, bf, 2, True)
     dd = int(dedup != "0")
     assert g.dedup is bool(dd)
+    pw = sync == "pairwise"
+    assert g.sync == ("pairwise" if pw else "barrier")
     d, OP = g._transport, _ep_direct.OP_CODES
+    sfx = "_pairwise" if pw else ""
+    extra = dict(peer_bar=d.bar.table.ptr, count=g._set_epoch.data.ptr + 4 * 2) if pw else {}
     x, idx, w = tr.dev((T, H), bf), tr.dev((T, K), np.int64), tr.dev((T, K), np.float32)
     pair = (tr.array((T, H), np.uint8), tr.array((T, g.num_scales), np.float32))  # CuPy, as the pair is taken
     y, gout = tr.dev((L, R * Tmax, H), bf), tr.dev((T, H), bf)
@@ -881,13 +920,14 @@ def test_cuda_host_path_launches_and_arguments(monkeypatch, fp8, T, dedup):
             want.update(x=ptr(x, fp8 != "pair"), xq=ptr(pair[0], fp8 == "pair"), xs=ptr(pair[1], fp8 == "pair"),
                         peer_recv_q=tab[("recv_q", b)], peer_recv_s=tab[("recv_s", b)], dequant=int(fp8 == "dequant"),
                         dedup=dd, S=S)
-        return want
+        return dict(want, **extra)
 
-    def barrier(op):
-        return ("ep_direct_barrier", 1, 32, dict(peer_bar=d.bar.table.ptr, R=R, me=me, state=d.state.ptr,
-                                                 timeout_ns=10**9, err_word=96, op=OP[op], lo=0, hi=R))
+    def barrier(op):  # [the op's barrier launch], none in pairwise mode
+        return [] if pw else [("ep_direct_barrier", 1, 32, dict(peer_bar=d.bar.table.ptr, R=R, me=me,
+                                                                state=d.state.ptr, timeout_ns=10**9, err_word=96,
+                                                                op=OP[op], lo=0, hi=R))]
 
-    kernel = "ep_ll_dispatch" if fp8 is None else "ep_ll_dispatch_fp8"
+    kernel = ("ep_ll_dispatch" if fp8 is None else "ep_ll_dispatch_fp8") + sfx
     handles = []
     for b in (0, 1, 0):  # the sets alternate (num_buffers=2)
         out = dispatch(b)
@@ -895,7 +935,7 @@ def test_cuda_host_path_launches_and_arguments(monkeypatch, fp8, T, dedup):
         handles.append(h)
         ev, allocs = tr.take()
         assert allocs == 1  # every earlier handle kept: a new table set (the six tables in one allocation)
-        assert ev == [barrier("dispatch"), (kernel, 8, 512, want_dispatch(b, h, 3))]
+        assert ev == barrier("dispatch") + [(kernel, 8, 512, want_dispatch(b, h, 3))]
         rows = out[:-2]
         regions = ["recv"] if fp8 in (None, "dequant") else ["recv_q", "recv_s"]
         assert [r.data.ptr for r in rows] == [g._buf.local + g._offs[(n, b)][0] for n in regions]
@@ -916,13 +956,13 @@ def test_cuda_host_path_launches_and_arguments(monkeypatch, fp8, T, dedup):
     combine = dict(consts, y=y.ptr, gws=0, route=t["route"], idx=t["idx"], w=t["w"], slot_w=0,
                    peer_back=g._tables[("back", 1)], peer_bw=g._tables[("bw", 1)], peer_flags=d.flags.table.ptr,
                    out=res.data.ptr if T else 0, grad_w=0, op=OP["combine"], Tn=T,
-                   flag_base=2 * R * Tmax)
-    assert ev == [barrier("combine"), ("ep_ll_combine", 8, 512, combine)]
+                   flag_base=2 * R * Tmax, **extra)
+    assert ev == barrier("combine") + [("ep_ll_combine" + sfx, 8, 512, combine)]
 
     gx, gw = g.dispatch_bwd(h, y, gsw)
     ev, allocs = tr.take()
     assert allocs == 2
-    assert ev == [barrier("dispatch_bwd"), ("ep_ll_combine", 8, 512,
+    assert ev == barrier("dispatch_bwd") + [("ep_ll_combine" + sfx, 8, 512,
                                              dict(combine, gws=gsw.ptr, w=0, out=gx.data.ptr if T else 0,
                                                   grad_w=gw.data.ptr if T else 0, op=OP["dispatch_bwd"]))]
 
@@ -937,23 +977,24 @@ def test_cuda_host_path_launches_and_arguments(monkeypatch, fp8, T, dedup):
                    scaled=int(yk is None), dedup=int(unscaled), peer_recv=g._tables[("recv", 1)],
                    peer_route=g._tables[("route", 1)], peer_rw=g._tables[("rw", 1)], peer_flags=d.flags.table.ptr,
                    idx_out=0, w_out=0, route_out=0, slot_k=0, slot_w=0, counts=0, zero_k=t["slot_k"],
-                   recv_route=t["route"] if unscaled else 0, phases=3, flag_base=2 * R * Tmax, set_epoch=0)
-        want = [barrier("combine_bwd"), ("ep_ll_dispatch", 8, 512, bwd)]
+                   recv_route=t["route"] if unscaled else 0, phases=3, flag_base=2 * R * Tmax, set_epoch=0,
+                   **extra)
+        want = barrier("combine_bwd") + [("ep_ll_dispatch" + sfx, 8, 512, bwd)]
         if yk is not None:
             n = L * R * Tmax
+            dots = [e for e in ev if e[0] == "ep_ll_slot_dot"][0][3]["dots"]
             want += [("ep_ll_slot_dot", -(-n // 8) if n < 256 else 32, 256,
-                      dict(g=gy.data.ptr, y=yk.ptr, slot_k=t["slot_k"], slot_w=t["slot_w"], dots=ev[2][3]["dots"],
-                           n=n, H=H)),
-                     barrier("combine_bwd"),
-                     ("ep_ll_combine", 8, 512, dict(combine, y=0, gws=ev[2][3]["dots"], w=0, out=0,
-                                                    grad_w=gw.data.ptr if T else 0, op=OP["combine_bwd"]))]
+                      dict(g=gy.data.ptr, y=yk.ptr, slot_k=t["slot_k"], slot_w=t["slot_w"], dots=dots, n=n, H=H))]
+            want += barrier("combine_bwd")
+            want += [("ep_ll_combine" + sfx, 8, 512, dict(combine, y=0, gws=dots, w=0, out=0,
+                                                          grad_w=gw.data.ptr if T else 0, op=OP["combine_bwd"]))]
         assert ev == want and allocs == (0 if yk is None else 2)
 
     # the split dispatch: barrier and push now, the receive half at the hook, nothing allocated by the hook
     out = dispatch(1, return_recv_hook=True)
     h, hook = out[-2], out[-1]
     ev, allocs = tr.take()
-    assert allocs == 1 and ev == [barrier("dispatch"), (kernel, 8, 512, want_dispatch(1, h, 1))]
+    assert allocs == 1 and ev == barrier("dispatch") + [(kernel, 8, 512, want_dispatch(1, h, 1))]
     hook()
     ev, allocs = tr.take()
     assert allocs == 0 and ev == [(kernel, 8, 512, want_dispatch(1, h, 2))]
@@ -1564,10 +1605,11 @@ def _gpu_count():
         return 0
 
 
-def _run_worker(what, n, timeout=240):
+def _run_worker(what, n, timeout=240, sync="barrier"):
+    """tests/ep_ll_worker.py ``what`` on n ranks, every rank's groups made with MOE_RT_LL_SYNC=sync."""
     if n > _gpu_count():
         pytest.skip(f"needs {n} CUDA GPUs")
-    env = dict(os.environ, MOE_RT_EP_TIMEOUT="60")
+    env = dict(os.environ, MOE_RT_EP_TIMEOUT="60", MOE_RT_LL_SYNC=sync)
     r = subprocess.run([sys.executable, str(LAUNCH), "-n", str(n), "--timeout", str(timeout),
                         str(ROOT / "tests" / "ep_ll_worker.py"), what], capture_output=True, text=True, env=env,
                        timeout=timeout + 60)
@@ -1577,9 +1619,10 @@ def _run_worker(what, n, timeout=240):
 
 
 @pytest.mark.multi_gpu
+@pytest.mark.parametrize("sync", ["barrier", "pairwise"])  # MOE_RT_LL_SYNC of every rank
 @pytest.mark.parametrize("n", [2, 4])
 @pytest.mark.parametrize("what", ["correctness", "graph", "split", "fp8"])
-def test_multi_gpu_low_latency(what, n):
+def test_multi_gpu_low_latency(what, n, sync):
     # correctness: dispatch, combine, dispatch_bwd, combine_bwd against the NumPy R-rank reference (fp32,
     # fp16, bf16; odd shapes, T = 0 ranks, duplicates, holes), run to run bitwise; graph: dispatch + combine
     # captured once and replayed with new routing and tokens, against the reference each time; split: two
@@ -1587,23 +1630,26 @@ def test_multi_gpu_low_latency(what, n):
     # FP8 dispatch (quantized in the push, and pre-quantized pairs) bitwise against the reference, combine and
     # backwards after it, split hooks and graph replay; each with dedup on and off (LowLatencyGroup(dedup=)),
     # the two runs' outputs bitwise equal
-    r = _run_worker(what, n, timeout=480)  # every case twice: dedup on and off
+    r = _run_worker(what, n, timeout=480, sync=sync)  # every case twice: dedup on and off
     assert r.returncode == 0 and "[rank 0] ALL OK" in r.stdout
 
 
 @pytest.mark.multi_gpu
+@pytest.mark.parametrize("sync", ["barrier", "pairwise"])
 @pytest.mark.parametrize("n", [2, 4])
-def test_multi_gpu_low_latency_combine_partials(n):
+def test_multi_gpu_low_latency_combine_partials(n, sync):
     # LowLatencyGroup(combine_partials=True): combine bitwise the reference's rank-partial combine (fp32, fp16,
     # bf16; odd H, T = 0 ranks, duplicates, holes, K above and below R), poisoned expert rows and back buffer,
     # run to run bitwise, dedup on and off; backwards unchanged; graph replay with new routing; ranks
     # disagreeing on combine_partials refused on every rank
-    r = _run_worker("partials", n, timeout=480)
+    r = _run_worker("partials", n, timeout=480, sync=sync)
     assert r.returncode == 0 and "[rank 0] ALL OK" in r.stdout
 
 
 @pytest.mark.multi_gpu
+@pytest.mark.parametrize("sync", ["barrier", "pairwise"])
 @pytest.mark.parametrize("n", [2, 4])
-def test_multi_gpu_low_latency_dead_peer_times_out(n):
-    r = _run_worker("dead_peer", n, timeout=120)
+def test_multi_gpu_low_latency_dead_peer_times_out(n, sync):
+    # pairwise: the live ranks' dispatch waits for the dead rank's announce and gives up within the timeout
+    r = _run_worker("dead_peer", n, timeout=120, sync=sync)
     assert r.returncode == 0 and "[rank 0] DEAD PEER OK" in r.stdout

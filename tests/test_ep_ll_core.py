@@ -28,7 +28,7 @@ class Group:
     """A core group on a planning context with made-up addresses, and the launches the Python side made."""
 
     def __init__(self, R=2, me=1, L=3, Tmax=13, K=3, H=40, dtype="bfloat16", num_buffers=2, fp8=False,
-                 dedup=True, sm_count=4, per_sm=2, chunk=None, partials=False):
+                 dedup=True, sm_count=4, per_sm=2, chunk=None, partials=False, sync=0):
         self.R, self.me, self.L, self.Tmax, self.K, self.H, self.dtype = R, me, L, Tmax, K, H, dtype
         self.nb, self.fp8, self.dedup, self.partials = num_buffers, fp8, dedup, partials
         self.C = chunk or max(1, cdiv(Tmax, 128))
@@ -43,7 +43,7 @@ class Group:
             self.sets.append(tuple(t))
         self.g = _core.ll_group_create(self.ctx, R, me, L, Tmax, K, _core.DTYPE_CODES[dtype], H, self.C, num_buffers,
                                        int(fp8), self.S, int(dedup), 10**9, self.sets, FLAGS, BAR, STATE,
-                                       TIMEOUT_WORD, ERR, SET_EPOCH, combine_partials=int(partials))
+                                       TIMEOUT_WORD, ERR, SET_EPOCH, combine_partials=int(partials), sync=sync)
 
     def plan(self):
         return [(l[1], l[2], l[3], self.ctx.last_plan_args(i)) for i, l in enumerate(self.ctx.last_plan())]
@@ -177,6 +177,54 @@ def test_plans_are_cached_per_signature_and_follow_the_call():
     assert g2.plan() == [g2.barrier("dispatch"), g2.dispatch(0, 300, 0x81000, 0x84000, 0x85000, False, TABLES, 3)]
 
 
+def _pairwise(launches, nb):
+    """A barrier group's launches as its pairwise twin (desc.sync = MOE_RT_LL_SYNC_PAIRWISE) makes them: no
+    barrier, the fused kernels' *_pairwise builds with two more arguments (the barrier slots' peer table, the
+    block count after the sets' split epochs), the slot dot as it was."""
+    out = []
+    for name, grid, block, args in launches:
+        if name == "ep_direct_barrier":
+            continue
+        base, _, targs = name.partition("<")
+        if base in ("ep_ll_dispatch", "ep_ll_dispatch_fp8", "ep_ll_combine"):
+            name, args = f"{base}_pairwise<{targs}", list(args) + [BAR, SET_EPOCH + 4 * nb]
+        out.append((name, grid, block, args))
+    return out
+
+
+@pytest.mark.parametrize("fp8", [None, "pair", "dequant"])
+@pytest.mark.parametrize("T", [0, 7])
+@pytest.mark.parametrize("partials", [False, True])
+@pytest.mark.parametrize("nb", [1, 2])
+def test_pairwise_plans_drop_the_barrier(fp8, T, partials, nb):
+    """desc.sync = MOE_RT_LL_SYNC_PAIRWISE: every op plans as in barrier mode less the barrier launch, with the
+    pairwise builds of the fused kernels (their extra arguments: BAR, the count word): dispatch in one launch,
+    the split push and its receive, combine, dispatch_bwd, combine_bwd's weight gather and combine_bwd with and
+    without expert_out (the slot dot unchanged)."""
+    gb = Group(fp8=fp8 is not None, partials=partials, num_buffers=nb)
+    gp = Group(fp8=fp8 is not None, partials=partials, num_buffers=nb, sync=1)
+    b = nb - 1
+    pair = fp8 == "pair"
+    calls = [lambda g, ph=ph: _core.ll_dispatch(g.g, b, ph, 0 if pair else 0x81000, 0x82000 if pair else 0,
+                                                0x83000 if pair else 0, int(fp8 is not None), int(fp8 == "dequant"),
+                                                0x84000, 3, 0x85000, T, TABLES, 7) for ph in (3, 1, 2)]
+    calls += [lambda g, op=op, a=a, o=o: _core.ll_combine(g.g, b, OP[op], *a, TABLES, T, *o, 7)
+              for op, a, o in (("combine", (0x91000, 0), (0x92000, 0)),
+                               ("dispatch_bwd", (0x91000, 0x93000), (0x92000, 0x94000)),
+                               ("combine_bwd", (0, 0x96000), (0, 0x94000)))]
+    calls += [lambda g, yk=yk: _core.ll_combine_bwd(g.g, b, 0x95000, yk, TABLES, T, 0x96000 if yk else 0, 7)
+              for yk in (0, 0xA1000)]
+    for i, call in enumerate(calls):
+        call(gb)
+        barrier = gb.plan()
+        call(gp)
+        pairwise = gp.plan()
+        assert pairwise == _pairwise(barrier, nb), i
+        assert all(n != "ep_direct_barrier" for n, *_ in pairwise)
+        # every fused launch is a pairwise build
+        assert all("_pairwise<" in n or n.startswith("ep_ll_slot_dot") for n, *_ in pairwise)
+
+
 # -- bad input through the C ABI ----------------------------------------------------------------------------
 
 def test_bad_calls_get_error_statuses_with_messages():
@@ -223,14 +271,20 @@ def test_bad_calls_get_error_statuses_with_messages():
     (5, 65, "desc.topk must be in"), (6, 3, "desc.dtype: expected float32, float16 or bfloat16, got int32"),
     (7, 0, "desc.hidden must be in"), (8, 14, "desc.chunk must be in"), (9, 3, "desc.num_buffers must be 1 or 2"),
     (10, 2, "desc.fp8 must be 0 or 1"), (12, 5, "desc.dedup must be 0 or 1"), (13, 0, "desc.timeout_ns must be > 0"),
-    (16, 0, "desc.peer_barrier is NULL"), (20, 0, "desc.set_epoch is NULL")])
+    (16, 0, "desc.peer_barrier is NULL"), (20, 0, "desc.set_epoch is NULL"),
+    ("sync", 2, r"desc.sync must be MOE_RT_LL_SYNC_BARRIER \(0\) or MOE_RT_LL_SYNC_PAIRWISE \(1\), got 2"),
+    ("sync", -1, "desc.sync must be")])
 def test_bad_group_descriptions_are_refused(field, value, msg):
     ctx = _core.planning()
     sets = [tuple(BASE + 0x100000 * i if i not in (2, 3) else 0 for i in range(8))]
     args = [ctx, 2, 1, 3, 13, 3, 2, 40, 1, 1, 0, 1, 1, 10**9, sets, FLAGS, BAR, STATE, TIMEOUT_WORD, ERR, SET_EPOCH]
-    args[field] = value
+    kw = {}
+    if isinstance(field, str):
+        kw[field] = value
+    else:
+        args[field] = value
     with pytest.raises(ValueError, match=msg):
-        _core.ll_group_create(*args)
+        _core.ll_group_create(*args, **kw)
 
 
 def test_combine_partials_description_and_tables():

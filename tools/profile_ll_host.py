@@ -184,7 +184,7 @@ class StandIns:
         buf = type("Sh", (), {"local": 1 << 56, "table": self.dev((R,), np.int64)})()  # apart from the arrays
         g._adopt(d, buf, offs)
         g._tables = {n: (1 << 50) + off for n, (off, _) in offs.items()}
-        g._set_epoch = self.array(num_buffers, np.uint32)
+        g._set_epoch = self.array(num_buffers + 1, np.uint32)
         return g
 
 

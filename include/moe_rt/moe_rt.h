@@ -378,7 +378,8 @@ moe_rt_status moe_rt_last_plan_args(const moe_rt_context* ctx, int launch, int64
  * int64 array [R] (entry r = rank r's region as mapped in this process; entry `rank` = this rank's own). A
  * moe_rt_ll_group holds those addresses and the sizes, validated once; the ops below plan their launches
  * once per signature (kernel variant, grid, constant arguments; cached in the group) and then launch:
- * ep_direct_barrier (every rank finished its previous op) followed by one fused kernel of kernels/ep.cu,
+ * ep_direct_barrier (every rank finished its previous op; desc.sync MOE_RT_LL_SYNC_PAIRWISE: none, the kernel
+ * synchronises with each destination itself) followed by one fused kernel of kernels/ep.cu,
  * exactly as moe_rt.ep_ll does (the same kernels, grids, blocks and arguments). Nothing syncs with the host;
  * the ops are CUDA-graph capturable (epochs live on the device). Every rank calls the same ops in the same
  * order (collectives). Layout and semantics: moe_rt/ep_ll.py's module notes. */
@@ -400,6 +401,14 @@ typedef enum moe_rt_ep_op {
   MOE_RT_EP_OP_CLOSE = 5,
   MOE_RT_EP_OP_PREPARE = 6
 } moe_rt_ep_op;
+
+/* How an op keeps a rank from writing into a peer's buffers before the peer's earlier ops that read them are
+ * done (moe_rt_ll_group_desc.sync; docs/ep.md §8). */
+typedef enum moe_rt_ll_sync {
+  MOE_RT_LL_SYNC_BARRIER = 0, /* ep_direct_barrier over every rank, then the op's fused kernel */
+  MOE_RT_LL_SYNC_PAIRWISE = 1 /* no barrier launch: the fused kernel (its *_pairwise build) announces its epoch to
+                                 every peer and waits, before writing into a destination, for its announce */
+} moe_rt_ll_sync;
 
 /* One buffer set (num_buffers of them: with 2, two dispatches may be in flight). Sizes: R ranks, L local
  * experts, Tmax = max_tokens_per_rank, K topk, H hidden, S = ceil(H/128). Every region 16-byte aligned. */
@@ -434,6 +443,8 @@ typedef struct moe_rt_ll_group_desc {
                                   the owner's back buffer [Tmax*R, H] (peer_back then spans Tmax*max(K, R)
                                   rows); 0: one row per (token, distinct expert) [Tmax*K, H]. The same on
                                   every rank */
+  int32_t sync;                /* moe_rt_ll_sync: MOE_RT_LL_SYNC_BARRIER (0) or MOE_RT_LL_SYNC_PAIRWISE (1). The
+                                  same on every rank */
   int64_t timeout_ns;          /* > 0: how long a device wait spins before it gives up */
   moe_rt_ll_buffer_set set[MOE_RT_LL_MAX_BUFFERS]; /* set[b] for b < num_buffers (the rest ignored) */
   const int64_t* peer_flags;   /* peer table of the chunk flags: uint32 [num_buffers, 2, R, Tmax] per rank, zeroed
@@ -445,7 +456,9 @@ typedef struct moe_rt_ll_group_desc {
                                   wait that timed out writes its op (moe_rt_ep_op) there */
   uint32_t* error_word;        /* the device error word bad expert ids are recorded in; NULL = the context's
                                   (reported by moe_rt_check) */
-  uint32_t* set_epoch;         /* uint32 [num_buffers] device memory: each set's split push epoch */
+  uint32_t* set_epoch;         /* uint32 [num_buffers] device memory: each set's split push epoch; with sync
+                                  MOE_RT_LL_SYNC_PAIRWISE [num_buffers + 1], zeroed once: the last word counts
+                                  the blocks of the running op that took its epoch */
 } moe_rt_ll_group_desc;
 
 /* A dispatch handle's tables (device memory the caller owns; one set per dispatch in flight). T tokens. */

@@ -45,7 +45,8 @@ rows it moves and the torch pipeline (a). wire_MB counts the token rows sent to 
 per (token, distinct other destination rank), or with ``MOE_RT_LL_DEDUP=0`` one per (token, distinct expert
 on another rank), as combine always; :func:`moe_rt.ep_ll.wire_rows`) and the dispatch's routing words
 (``(R-1)*T*K*8`` bytes); running it with ``MOE_RT_LL_DEDUP=0`` and ``=1`` gives the A/B of the dispatch's
-rows. With ``--fp8`` (a group made with ``fp8=True``) it adds "dispatch fp8
+rows; ``MOE_RT_LL_SYNC=pairwise`` (read by every rank's groups; the header's ``sync``) times the ops without
+their barrier launch (docs/ep.md §8). With ``--fp8`` (a group made with ``fp8=True``) it adds "dispatch fp8
 (graph)" (``dispatch(x, ..., fp8=True)``: e4m3 codes quantized in the push, ``H + 4*ceil(H/128)`` bytes a
 row) and "dispatch fp8 dequant (graph)" (the same, dequantized to bf16 on the receiving side) after
 "dispatch (graph)", with x_vs_bf16 = the bf16 dispatch graph's time / the row's. Then "combine partials
@@ -478,9 +479,10 @@ def _rank_low_latency(args):
     import torch
     import torch.distributed as dist
 
-    from moe_rt.ep_ll import LowLatencyGroup, env_dedup, wire_rows
+    from moe_rt.ep_ll import LowLatencyGroup, env_dedup, env_sync, wire_rows
 
     dedup = env_dedup()  # MOE_RT_LL_DEDUP: the A/B of the dispatch's rows on the wire
+    sync = env_sync()  # MOE_RT_LL_SYNC: the groups below read it themselves (barrier or pairwise)
     rank, world, _, comm = _init_rank()
     E, K, H = 256, 8, 7168
     Ts = [128] if args.quick else (args.tokens or [128])
@@ -488,7 +490,8 @@ def _rank_low_latency(args):
     table = benchlib.Table("EP low-latency dispatch/combine (moe_rt LowLatencyGroup vs torch.distributed)",
                            ["op", "T", "us", "wire_MB", "wire_GB/s", "raw_a2a_us", "torch_us", "x_vs_torch"]
                            + (["x_vs_bf16"] if args.fp8 else []))
-    table.meta.update(ranks=world, experts=E, topk=K, hidden=H, dtype="bfloat16", mode="low_latency", dedup=dedup)
+    table.meta.update(ranks=world, experts=E, topk=K, hidden=H, dtype="bfloat16", mode="low_latency", dedup=dedup,
+                      sync=sync)
     if rank == 0:
         table.header()
     bar = torch.zeros(1, device="cuda")
