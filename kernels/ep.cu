@@ -2326,10 +2326,17 @@ __device__ __forceinline__ void ll_combine(
     else if (y != nullptr)
       ll_block_rows<T, VEC>(s_src, s_dst, s_scale, (t1 - t0) * K, H, false);
     LL_TRACE_SYNC(4);
-    // rank s's flag [1][me][c]
-    block_signal(reinterpret_cast<unsigned*>(peer_flags[s]) + flag_base + RT + (i64)me * Tmax + c, e);
-    LL_TRACE(5);
+    __syncthreads();  // the next item refills s_src / s_dst / s_scale
   }
+  // The block's push items' flags once all of them are pushed, each thread one item's: rank s's flag
+  // [1][me][c] after a system-scope fence. (A fence per item held the block's next item back until the
+  // previous one's peer stores had landed; the owner items below wait for every rank's chunk anyway.)
+  for (int item = blockIdx.x + threadIdx.x * gridDim.x; item < NC * R; item += blockDim.x * gridDim.x) {
+    const int c = item / R, s = item - c * R;
+    __threadfence_system();
+    st_release_sys_u32(reinterpret_cast<unsigned*>(peer_flags[s]) + flag_base + RT + (i64)me * Tmax + c, e);
+  }
+  LL_TRACE(5);
   LL_TRACE(6);
   // Owner items: (token t, slice of its row's 16-byte vectors), so that a few tokens still spread over every
   // block; each thread loads the row's K slots together, then sums them in k order.
