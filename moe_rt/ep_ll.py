@@ -248,14 +248,14 @@ SYNC_MODES = ("barrier", "pairwise")
 
 
 def env_sync() -> str:
-    """``MOE_RT_LL_SYNC``: ``barrier`` (the default, also when unset or empty) or ``pairwise`` (ValueError
+    """``MOE_RT_LL_SYNC``: ``pairwise`` (the default, also when unset or empty) or ``barrier`` (ValueError
     otherwise): how a :class:`LowLatencyGroup` made now keeps a rank from writing into a peer's buffers before
-    the peer's earlier ops that read them are done. ``barrier``: a device barrier over every rank before each
-    op's fused kernel; ``pairwise``: no barrier launch, the fused kernel announces its op to every peer and
-    waits, per destination, for that destination's announce (docs/ep.md §8). The same on every rank."""
+    the peer's earlier ops that read them are done. ``pairwise``: no barrier launch, the fused kernel announces
+    its op to every peer and waits, per destination, for that destination's announce (docs/ep.md §8);
+    ``barrier``: a device barrier over every rank before each op's fused kernel. The same on every rank."""
     v = os.environ.get("MOE_RT_LL_SYNC", "")
     if v == "":
-        return "barrier"
+        return "pairwise"
     if v not in SYNC_MODES:
         raise ValueError(f"MOE_RT_LL_SYNC: expected 'barrier' or 'pairwise', got {v!r}")
     return v
@@ -456,7 +456,7 @@ class LowLatencyGroup:
                 f"hidden={self.hidden}, max_tokens_per_rank={self.max_tokens_per_rank}, topk={self.topk}, "
                 f"dtype={self.dtype.name}{', fp8=True' if self.fp8 else ''}{'' if self.dedup else ', dedup=False'}"
                 f"{', combine_partials=True' if self.combine_partials else ''}"
-                f"{', sync=pairwise' if self.sync == 'pairwise' else ''})")
+                f"{', sync=barrier' if self.sync == 'barrier' else ''})")
 
     # -- buffers ---------------------------------------------------------------------------------------
     def _regions(self):

@@ -430,7 +430,7 @@ def dead_peer(cp, comm):
 
     timeout = 4.0
     g = LowLatencyGroup(comm, WORLD * 2, 64, 32, topk=2, dtype=np.float32, timeout=timeout)
-    assert g.sync == (os.environ.get("MOE_RT_LL_SYNC") or "barrier"), g.sync
+    assert g.sync == (os.environ.get("MOE_RT_LL_SYNC") or "pairwise"), g.sync
     log(f"sync={g.sync}")
     x = cp.ones((32, 64), cp.float32)
     idx = cp.asarray(np.tile(np.array([[0, 3]], np.int32), (32, 1)))
@@ -576,7 +576,7 @@ def partials(cp, comm):
 def main():
     what = sys.argv[1] if len(sys.argv) > 1 else "correctness"
     cp, comm = setup()
-    log(f"MOE_RT_LL_SYNC={os.environ.get('MOE_RT_LL_SYNC') or 'barrier'}")  # every group's mode (read when made)
+    log(f"MOE_RT_LL_SYNC={os.environ.get('MOE_RT_LL_SYNC') or 'pairwise'}")  # every group's mode (read when made)
     {"correctness": correctness, "graph": graph, "split": split, "fp8": fp8, "dead_peer": dead_peer,
      "jax": jax_ops, "partials": partials}[what](cp, comm)
     cp.cuda.Device().synchronize()

@@ -468,18 +468,18 @@ def test_dedup_must_agree_on_every_rank():
 
 
 def test_group_sync_env(monkeypatch):
-    """MOE_RT_LL_SYNC, read when the group is made: unset or empty: barrier; exactly barrier or pairwise; anything
-    else a ValueError naming the variable. A group keeps the mode it was made with."""
+    """MOE_RT_LL_SYNC, read when the group is made: unset or empty: pairwise; exactly barrier or pairwise;
+    anything else a ValueError naming the variable. A group keeps the mode it was made with."""
     args = (None, 4, 6, 5)
     monkeypatch.delenv("MOE_RT_LL_SYNC", raising=False)
-    assert LowLatencyGroup(*args, topk=2).sync == "barrier"
-    for v, want in (("", "barrier"), ("barrier", "barrier"), ("pairwise", "pairwise")):
+    assert LowLatencyGroup(*args, topk=2).sync == "pairwise"
+    for v, want in (("", "pairwise"), ("pairwise", "pairwise"), ("barrier", "barrier")):
         monkeypatch.setenv("MOE_RT_LL_SYNC", v)
         g = LowLatencyGroup(*args, topk=2)
         assert g.sync == want
-        assert ("sync=pairwise" in repr(g)) is (want == "pairwise")
-    monkeypatch.setenv("MOE_RT_LL_SYNC", "barrier")
-    assert g.sync == "pairwise"  # read once, when the group was made
+        assert ("sync=barrier" in repr(g)) is (want == "barrier")
+    monkeypatch.setenv("MOE_RT_LL_SYNC", "pairwise")
+    assert g.sync == "barrier"  # read once, when the group was made
     for bad in ("Pairwise", "pair", " barrier", "barrier ", "1", "0", "none"):
         monkeypatch.setenv("MOE_RT_LL_SYNC", bad)
         with pytest.raises(ValueError, match="MOE_RT_LL_SYNC"):
@@ -820,14 +820,18 @@ class _LLTrace:
 
 @pytest.mark.parametrize("T", [11, 0])
 @pytest.mark.parametrize("R,K", [(2, 3), (4, 2)])
-def test_cuda_host_path_combine_partials_launches(monkeypatch, T, R, K):
-    """A group made with combine_partials=True (device stood in for): combine is the same barrier and
-    ep_ll_combine launch (grid, block) of the PARTIALS build with the handle's slot_w instead of w; dispatch_bwd
-    and combine_bwd's weight gather launch as without it (the plain build); the back region spans
-    Tmax*max(K, R) rows."""
+@pytest.mark.parametrize("sync", ["barrier", ""])  # MOE_RT_LL_SYNC: barrier or unset (pairwise)
+def test_cuda_host_path_combine_partials_launches(monkeypatch, T, R, K, sync):
+    """A group made with combine_partials=True (device stood in for): combine is the same launch (grid,
+    block; after the barrier launch with MOE_RT_LL_SYNC=barrier) of the PARTIALS build with the handle's slot_w
+    instead of w; dispatch_bwd and combine_bwd's weight gather launch as without it (the plain build); the
+    back region spans Tmax*max(K, R) rows."""
     import ml_dtypes
 
     tr = _LLTrace(monkeypatch)
+    monkeypatch.setenv("MOE_RT_LL_SYNC", sync)
+    kern = "ep_ll_combine" + ("" if sync == "barrier" else "_pairwise")
+    lead = ["ep_direct_barrier"] if sync == "barrier" else []
     me, H, Tmax, bf = R - 1, 40, 13, np.dtype(ml_dtypes.bfloat16)
     E = 3 * R
     L = E // R
@@ -844,9 +848,9 @@ def test_cuda_host_path_combine_partials_launches(monkeypatch, T, R, K):
     name = tr.kernels[-1]
     ev, allocs = tr.take()
     assert allocs == 1 and res.shape == (T, H)
-    assert [e[0] for e in ev] == ["ep_direct_barrier", "ep_ll_combine"] and ev[1][1:3] == (8, 512)
-    a = ev[1][3]
-    assert name == "ep_ll_combine<__nv_bfloat16, true, true>"  # the PARTIALS build
+    assert [e[0] for e in ev] == lead + [kern] and ev[-1][1:3] == (8, 512)
+    a = ev[-1][3]
+    assert name == f"{kern}<__nv_bfloat16, true, true>"  # the PARTIALS build
     assert (a["w"], a["slot_w"], a["gws"], a["op"]) == (0, t["slot_w"], 0, OP["combine"])
     assert (a["y"], a["route"], a["idx"], a["out"], a["Tn"]) == (y.ptr, t["route"], t["idx"],
                                                                   res.data.ptr if T else 0, T)
@@ -854,15 +858,15 @@ def test_cuda_host_path_combine_partials_launches(monkeypatch, T, R, K):
     g.dispatch_bwd(h, y)
     name = tr.kernels[-1]
     ev, _ = tr.take()
-    assert (ev[1][3]["w"], ev[1][3]["slot_w"]) == (0, 0) and name == "ep_ll_combine<__nv_bfloat16, true, false>"
+    assert (ev[-1][3]["w"], ev[-1][3]["slot_w"]) == (0, 0) and name == f"{kern}<__nv_bfloat16, true, false>"
     g.combine_bwd(h, gout, tr.dev((L, R * Tmax, H), bf))
     name = tr.kernels[-1]
     ev, _ = tr.take()
-    assert ev[-1][0] == "ep_ll_combine" and ev[-1][3]["slot_w"] == 0
-    assert name == "ep_ll_combine<__nv_bfloat16, true, false>"
+    assert ev[-1][0] == kern and ev[-1][3]["slot_w"] == 0
+    assert name == f"{kern}<__nv_bfloat16, true, false>"
 
 
-@pytest.mark.parametrize("sync", ["", "pairwise"])  # MOE_RT_LL_SYNC: unset (barrier) or pairwise
+@pytest.mark.parametrize("sync", ["barrier", ""])  # MOE_RT_LL_SYNC: barrier or unset (pairwise)
 @pytest.mark.parametrize("dedup", ["", "0"])  # MOE_RT_LL_DEDUP: unset (the dedup split) or 0 (per-expert pushes)
 @pytest.mark.parametrize("fp8", [None, "float", "pair", "dequant"])
 @pytest.mark.parametrize("T", [11, 0])
@@ -871,8 +875,8 @@ def test_cuda_host_path_launches_and_arguments(monkeypatch, fp8, T, dedup, sync)
     one kernel each way and two allocations while the earlier handles are kept (a table set for the handle's
     tables, in one; combine's output), and passes each kernel the arguments it takes, by parameter name
     (tables of the right set, the handle's tables, the constants); the split hook, both backwards and a
-    second buffer set too; a handle keeps its own tables after later dispatches. MOE_RT_LL_SYNC=pairwise: no
-    barrier launch at all, the kernels' pairwise builds, which also take the barrier slots' peer table and
+    second buffer set too; a handle keeps its own tables after later dispatches. MOE_RT_LL_SYNC unset (the
+    pairwise default): no barrier launch at all, the kernels' pairwise builds, which also take the barrier slots' peer table and
     the block count (the word after the sets' split epochs)."""
     import ml_dtypes
 
@@ -884,7 +888,7 @@ def test_cuda_host_path_launches_and_arguments(monkeypatch, fp8, T, dedup, sync)
     g = tr.group(R, me, E, H, Tmax, K, bf, 2, True)
     dd = int(dedup != "0")
     assert g.dedup is bool(dd)
-    pw = sync == "pairwise"
+    pw = sync != "barrier"
     assert g.sync == ("pairwise" if pw else "barrier")
     d, OP = g._transport, _ep_direct.OP_CODES
     sfx = "_pairwise" if pw else ""
@@ -1004,7 +1008,8 @@ def test_cuda_host_path_launches_and_arguments(monkeypatch, fp8, T, dedup, sync)
                                                         ("float16", 36, np.int64, 0, "false"),
                                                         ("float32", 8, np.int64, 4, "false")])
 def test_cuda_host_path_round_trip_counts(monkeypatch, dtype, H, idx_dtype, shift, vec):
-    """Pinned: an eager round trip (dispatch + combine) issues four launches, from the first call on; it
+    """Pinned: an eager round trip (dispatch + combine) issues two launches (the pairwise default: no barrier
+    launch; with MOE_RT_LL_SYNC=barrier four), from the first call on; it
     allocates the handle's table set and combine's output on the first call, and only combine's output once
     the group has a free table set (the previous round trip's handle dropped); the kernels' template arguments
     follow the dtype, the id dtype and the 16-byte vector path (rows of a multiple of 16 bytes at 16-byte
@@ -1026,8 +1031,8 @@ def test_cuda_host_path_round_trip_counts(monkeypatch, dtype, H, idx_dtype, shif
         del h
         names = list(tr.kernels)
         ev, allocs = tr.take()
-        assert names == ["ep_direct_barrier", f"ep_ll_dispatch<{c}, {i}, {vec}>", "ep_direct_barrier",
-                         f"ep_ll_combine<{c}, {'true' if dt.itemsize * H % 16 == 0 else 'false'}, false>"]
+        assert names == [f"ep_ll_dispatch_pairwise<{c}, {i}, {vec}>",
+                         f"ep_ll_combine_pairwise<{c}, {'true' if dt.itemsize * H % 16 == 0 else 'false'}, false>"]
         assert allocs == (2 if n == 0 else 1)
         assert tr.st.lookups == 0  # the core looks its kernels up (and plans) itself, from the first call on
 
@@ -1092,7 +1097,8 @@ def test_profile_ll_host_tool_runs():
                        env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
     rows = {line[:30].strip(): line[30:].split() for line in r.stdout.splitlines()[1:]}
-    assert rows["dispatch+combine"][1:] == ["4", "1"] and rows["dispatch split+hook"][1:] == ["3", "0"]
+    # the pairwise default: one launch per op (the split dispatch: push, then the hook's receive)
+    assert rows["dispatch+combine"][1:] == ["2", "1"] and rows["dispatch split+hook"][1:] == ["2", "0"]
     assert len(rows) == 9 and all(float(v[0]) > 0 for v in rows.values())
 
 

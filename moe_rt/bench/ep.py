@@ -45,8 +45,8 @@ rows it moves and the torch pipeline (a). wire_MB counts the token rows sent to 
 per (token, distinct other destination rank), or with ``MOE_RT_LL_DEDUP=0`` one per (token, distinct expert
 on another rank), as combine always; :func:`moe_rt.ep_ll.wire_rows`) and the dispatch's routing words
 (``(R-1)*T*K*8`` bytes); running it with ``MOE_RT_LL_DEDUP=0`` and ``=1`` gives the A/B of the dispatch's
-rows; ``MOE_RT_LL_SYNC=pairwise`` (read by every rank's groups; the header's ``sync``) times the ops without
-their barrier launch (docs/ep.md §8). With ``--fp8`` (a group made with ``fp8=True``) it adds "dispatch fp8
+rows; ``MOE_RT_LL_SYNC=barrier`` (read by every rank's groups; the header's ``sync``) times the ops with a
+barrier launch before each instead of the default pairwise synchronisation (docs/ep.md §8). With ``--fp8`` (a group made with ``fp8=True``) it adds "dispatch fp8
 (graph)" (``dispatch(x, ..., fp8=True)``: e4m3 codes quantized in the push, ``H + 4*ceil(H/128)`` bytes a
 row) and "dispatch fp8 dequant (graph)" (the same, dequantized to bf16 on the receiving side) after
 "dispatch (graph)", with x_vs_bf16 = the bf16 dispatch graph's time / the row's. Then "combine partials
