@@ -22,6 +22,7 @@ no GPU or driver needed; the test suite and ``warmup`` use them.
 """
 from __future__ import annotations
 
+import atexit
 import functools
 import hashlib
 import importlib.resources
@@ -498,14 +499,32 @@ def compile_in_background(root: str, file: str, name: str, arch: str, done) -> b
     """Compile kernel ``name`` of ``file`` for ``arch`` into the cache folder ``root`` and its manifest on a
     background thread, then call ``done(ok)`` on that thread. False (and nothing started) when one is already
     compiling it."""
+    global _join_at_exit
     key = (root, file, name, arch)
     with _lock:
         if key in _background:
             return False
+        if not _join_at_exit:
+            # A process must not end while NVRTC runs on a daemon thread: the C runtime's teardown then frees
+            # memory the compile still uses (observed: a segfault, or glibc's "corrupted double-linked list",
+            # after the script's last line). Exit waits for the compiles, which also completes their cache
+            # entries. atexit runs before the interpreter's teardown.
+            atexit.register(_join_background_at_exit)
+            _join_at_exit = True
         th = _background[key] = threading.Thread(target=_compile_in_background, args=(key, done), daemon=True,
                                                  name=f"moe_rt compile {name}")
     th.start()
     return True
+
+
+_join_at_exit = False
+
+
+def _join_background_at_exit() -> None:
+    running = [th.name for th in list(_background.values()) if th.is_alive()]
+    if running:
+        _log.info("moe_rt: waiting for %d background kernel compile(s) before exit", len(running))
+    settle()
 
 
 def _compile_in_background(key, done) -> None:

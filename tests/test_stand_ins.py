@@ -584,6 +584,22 @@ def test_a_kernel_already_in_the_cache_is_taken_at_once(lib, stub, pycore):
     assert [r[0] for r in _records(stub)] == [FINAL] and not _jit._background
 
 
+def test_a_process_ending_during_a_background_compile_waits_for_it(tmp_path):
+    """Exit while NVRTC runs on the background thread: the process waits for the compile (its cache entry is
+    complete) and ends cleanly. Without the wait the C runtime's teardown freed memory the compile still used:
+    a segfault or a glibc abort after the script's last line."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from moe_rt import _jit, router\n"
+            f"assert _jit.compile_in_background({str(tmp_path)!r}, 'router.cu', {FINAL!r}, 'sm_90', lambda ok: None)\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert len(list(tmp_path.rglob("*.cubin"))) == 1
+
+
 def test_warmup_leaves_the_quick_kernels_out(monkeypatch, tmp_path):
     """``warmup`` compiles the kernels alone: every registered kernel but the quick ones."""
     from concurrent.futures import Future
