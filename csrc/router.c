@@ -409,9 +409,18 @@ static moe_rt_status router_bwd(moe_rt_context* ctx, const void* grad, int tg, c
   } else {
     p.num_launches = 1;
     if (sel) {
-      /* zero gradient off the map: the K selected entries only; in one pass with them in registers from
-       * SEL_REG_CHUNKS 16-byte chunks per thread */
-      int reg = mrt_cdiv(E / ch, team) >= SEL_REG_CHUNKS;
+      /* zero gradient off the map: the K selected entries only; in one pass with them in registers
+       * (router_bwd_sel_reg) from SEL_REG_CHUNKS 16-byte chunks per thread, else in two passes (router_bwd_sel).
+       * Teams of 128 and 512 threads take the two passes at every size with the bit-packed map, and with the
+       * byte map of 16-bit rows at exactly SEL_REG_CHUNKS chunks. Each kernel launched alone on one H100
+       * (tools/sweep_bwd_bitmap.py, about 151M entries, K = 8, 36 at E = 2304), two passes against one, us:
+       * bitmap fp32 E = 2048 301 / 371, 2304 409 / 465, 3072 268 / 338, 4096 262 / 300, 8192 297 / 394,
+       * 16384 249 / 297; bitmap bf16 4096 166 / 164, 16384 157 / 155; byte map bf16 4096 211 / 227, 16384
+       * 200 / 199; byte map fp32 (one pass kept) 2304 472 / 415, 4096 336 / 304. One-warp teams keep the
+       * rule (fp32 E = 1024: bitmap 366 / 323 us). Both kernels give the same bits. */
+      const int chunks = mrt_cdiv(E / ch, team);
+      int reg = chunks >= SEL_REG_CHUNKS;
+      if (team > 32 && (bitmap || (ch == 8 && chunks == SEL_REG_CHUNKS))) reg = 0;
       snprintf(l->name, sizeof l->name, "router_bwd_sel%s<%s, %d%s>", reg ? "_reg" : "", mrt_ctype(tg), team, bm);
       p.ints[BWD_TPW] = team <= 128 ? 1 : 0;
     } else {

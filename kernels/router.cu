@@ -3218,7 +3218,9 @@ router_bwd(const TG* __restrict__ grad, const bool* __restrict__ rmap, const flo
 // 16-byte rows (E % CH == 0, aligned).
 // - router_bwd_sel (few chunks per thread): two passes, each reading the map words and the entries they
 //   select (the second mostly from cache); SEL_U map chunks are loaded before the entries they select.
-// - router_bwd_sel_reg (several chunks per thread, where the second pass costs more than registers do):
+// - router_bwd_sel_reg (several chunks per thread, where the second pass costs more than registers do; not for
+//   the bit-packed map on teams of 128 or 512 threads, whose second pass reads a few map bytes from cache:
+//   csrc/router.c states the rule and its measurements):
 //   one pass; a thread keeps its first SELR_NR entries (offset, grad, intermediate) in registers from the
 //   sum to the write and reads any further ones again (sel_rest); the map words of its first SELR_U chunks
 //   of the next token load while this one is processed.
@@ -3423,8 +3425,8 @@ router_bwd_sel(const T* __restrict__ grad, const bool* __restrict__ rmap, const 
 
 // Blocks a multiprocessor router_bwd_sel_reg is built for: 0 (no bound: the code of no bound given), but 8 for the bit-packed map with
 // fp32 rows on teams of up to 128 threads: left free it took 72 registers where the byte map's kernel takes 64
-// (7 blocks of 128 threads against 8), and ran 12% slower on the H100 (E = 2304, T = 65536: 0.444 ms against
-// 0.395); at 8 it has the byte map's register count.
+// (7 blocks of 128 threads against 8). (At E = 2304 on 128-thread teams it still ran 12% slower than the byte
+// map's, 0.444 against 0.395 ms on the H100; the planner takes router_bwd_sel there now.)
 #ifndef MOE_RT_SELR_MINB_BITMAP_F32
 #define MOE_RT_SELR_MINB_BITMAP_F32 8
 #endif

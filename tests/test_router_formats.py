@@ -565,7 +565,7 @@ GPU_CASES = [
     (517, 1316, 12, F32, "softmax", False, None, False, None),
     (517, 2304, 36, BF16, "sigmoid", False, (8, 4), True, None),
     (517, 2304, 36, np.float16, "softmax", False, None, False, None),
-    (517, 2304, 36, F32, "softmax", False, None, False, None),  # the benchmark's row: router_bwd_sel_reg<float, 128>
+    (517, 2304, 36, F32, "softmax", False, None, False, None),  # the benchmark's row: byte map router_bwd_sel_reg<float, 128>, bitmap router_bwd_sel<float, 128, true>
     (129, 3000, 20, F32, "sqrtsoftplus", False, None, False, None),
     (7, 16384, 64, F32, "softmax", False, None, False, None),
     (7, 16384, 36, BF16, "sigmoid", False, (64, 4), True, None),
