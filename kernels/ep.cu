@@ -931,6 +931,10 @@ __device__ __forceinline__ void st_release_sys_u32(unsigned* p, unsigned v) {
   asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
+__device__ __forceinline__ void st_relaxed_sys_u32(unsigned* p, unsigned v) {
+  asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
 __device__ __forceinline__ unsigned long long global_timer_ns() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -1073,21 +1077,26 @@ __device__ __forceinline__ bool flag_reached(const unsigned* f, unsigned e) {
 
 // One thread waits until *f reaches e. False after a timeout (recorded: op in the error word, the failure
 // flag raised) or a failure another block recorded.
+// The poll reads the flag alone; the failure flag and the clock are looked at every 32nd poll (each look is
+// one more dependent load: looking every poll doubled the time between polls, the delay before a waiter sees
+// its flag).
 __device__ __noinline__ bool thread_wait_flag(const unsigned* f, unsigned e, unsigned* state, int* err_word,
                                               i64 timeout_ns, int op) {
   if (flag_reached(f, e)) return true;
   const unsigned long long t0 = global_timer_ns();
-  while (!flag_reached(f, e)) {
-    if (*reinterpret_cast<volatile unsigned*>(state + 1)) return false;
-    if (global_timer_ns() - t0 > (unsigned long long)timeout_ns) {
-      atomicExch(state + 1, 1u);
-      *reinterpret_cast<volatile int*>(err_word) = op;
-      __threadfence_system();
-      return false;
+  for (unsigned n = 1;; ++n) {
+    if (flag_reached(f, e)) return true;
+    if ((n & 31u) == 0u) {
+      if (*reinterpret_cast<volatile unsigned*>(state + 1)) return false;
+      if (global_timer_ns() - t0 > (unsigned long long)timeout_ns) {
+        atomicExch(state + 1, 1u);
+        *reinterpret_cast<volatile int*>(err_word) = op;
+        __threadfence_system();
+        return false;
+      }
     }
-    __nanosleep(100);
+    __nanosleep(32);
   }
-  return true;
 }
 
 // Thread 0 waits until *f reaches e; the block learns the outcome (thread_wait_flag's).
@@ -1546,28 +1555,35 @@ __device__ __forceinline__ bool ll_block_wait_all(const unsigned* f, int n, unsi
 // e + 1. A wait past timeout_ns reports as the flag waits do (thread_wait_flag).
 
 // The block's epoch of a pairwise op (every block is counted, failed or not), then its announce; false after an
-// earlier failure (state[1]): the kernel then does nothing.
+// earlier failure (state[1]): the kernel then does nothing. Only the read of state[0] holds the block up: the
+// announce goes out right after it, and thread 0 counts the block after that (its wait for the count's atomic
+// overlaps the peers' announces). The announce is a relaxed store: it publishes no data of this kernel, only
+// that this rank's earlier work on the stream, which read the buffers the peer will write, has completed
+// (kernel boundaries order that); a release would put a system fence before it. (Counting from another warp
+// took ep_ll_combine_pairwise from 64 to 92 registers: one resident block a multiprocessor instead of two.)
 __device__ __forceinline__ bool ll_pair_begin(const long long* __restrict__ peer_bar, unsigned* __restrict__ count,
                                               unsigned* __restrict__ state, int R, int me, unsigned& e) {
   __shared__ unsigned s_e;
   __shared__ int s_failed;
   if (threadIdx.x == 0) {
-    const unsigned v = *reinterpret_cast<volatile unsigned*>(state) + 1u;
-    s_e = v;
+    s_e = *reinterpret_cast<volatile unsigned*>(state) + 1u;
     s_failed = (int)*reinterpret_cast<volatile unsigned*>(state + 1);
-    __threadfence();  // this block's read of state[0] before its count
-    if (atomicAdd(count, 1u) == gridDim.x - 1u) {  // every block has read state[0]
-      __threadfence();
-      *count = 0u;
-      state[0] = v;
-    }
   }
   __syncthreads();
   e = s_e;
-  if (s_failed) return false;
-  for (int r = threadIdx.x; r < R; r += blockDim.x)
-    st_release_sys_u32(reinterpret_cast<unsigned*>(peer_bar[r]) + me, e);
-  return true;
+  const bool failed = s_failed != 0;
+  if (!failed)
+    for (int r = threadIdx.x; r < R; r += blockDim.x)
+      st_relaxed_sys_u32(reinterpret_cast<unsigned*>(peer_bar[r]) + me, e);
+  if (threadIdx.x == 0) {
+    __threadfence();  // the block's read of state[0] before its count
+    if (atomicAdd(count, 1u) == gridDim.x - 1u) {  // every block has read state[0]
+      __threadfence();
+      *count = 0u;
+      state[0] = e;
+    }
+  }
+  return !failed;
 }
 
 // Before the block's first store into rank d's buffers (d < 0: every rank's): the announce of d (of every rank
@@ -1918,27 +1934,16 @@ __device__ __forceinline__ void ll_dispatch(
   for (int c = blockIdx.x; c < NC && (phases & LL_PUSH); c += gridDim.x) {
     const int t0 = c * C, t1 = min(t0 + C, Tn);
     LL_TRACE_FIRST(2);
-    if constexpr (PAIRWISE) {  // the block's first item: route rows, rows and flags go to every rank
-      if (c == (int)blockIdx.x && !ll_block_wait_announce(peer_bar, R, me, -1, e, state, err_word, timeout_ns, op))
-        return;
-    }
+    // The item's local work first (its ids checked, the owner's copies, the row table), so that the block's
+    // first item does it while the peers' announces arrive; its stores into peers after the wait: the rows,
+    // then the route rows (small: they land while the rows are on the wire), then the flags.
     if (meta) {
       for (i64 i = (i64)t0 * K + threadIdx.x; i < (i64)t1 * K; i += blockDim.x) {
         const i64 v = (i64)idx[i];
-        const int ex = expert(i);
-        if (ex < 0 && v != -1) record_bad_expert_id(err, MOE_RT_ERR_EP_LL_DISPATCH, v, i, E);
-        const float wk = w != nullptr ? w[i] : 0.0f;
-        if (idx_out != nullptr) idx_out[i] = ex;
-        if (w_out != nullptr) w_out[i] = wk;
-        const int d = ex >= 0 ? ex / L : -1;
-        for (int r = 0; r < R; ++r) {
-          reinterpret_cast<int*>(peer_route[r])[(i64)me * route_stride + i] = r == d ? ex - d * L : -1;
-          reinterpret_cast<float*>(peer_rw[r])[(i64)me * (route_stride - 1) + i] = r == d ? wk : 0.0f;
-        }
+        if (expert(i) < 0 && v != -1) record_bad_expert_id(err, MOE_RT_ERR_EP_LL_DISPATCH, v, i, E);
+        if (idx_out != nullptr) idx_out[i] = expert(i);
+        if (w_out != nullptr) w_out[i] = w != nullptr ? w[i] : 0.0f;
       }
-      if (c == 0)
-        for (int r = threadIdx.x; r < R; r += blockDim.x)
-          reinterpret_cast<int*>(peer_route[r])[(i64)me * route_stride + route_stride - 1] = Tn;
     }
     // the chunk's rows: one entry per (t, k), nullptr where the slot is invalid or repeats an earlier k's
     // expert (dedup split: an earlier k's rank) — that k's row carries it
@@ -1966,10 +1971,31 @@ __device__ __forceinline__ void ll_dispatch(
         s_scale[p] = ws;
       }
     }
-    __syncthreads();
+    bool waited = false;
+    if constexpr (PAIRWISE) {  // the block's first item: rows, route rows and flags go to every rank
+      if (c == (int)blockIdx.x) {
+        if (!ll_block_wait_announce(peer_bar, R, me, -1, e, state, err_word, timeout_ns, op)) return;
+        waited = true;  // its block barrier orders the row table too
+      }
+    }
+    if (!waited) __syncthreads();
     LL_TRACE_FIRST(3);
     if constexpr (FP8) ll_block_fp8<T, VEC>(x, xq, xs, t0, t1 - t0, K, s_qdst, s_sdst, H, S);
     else ll_block_rows<T, VEC>(s_src, s_dst, s_scale, (t1 - t0) * K, H, scaled != 0);
+    if (meta) {
+      for (i64 i = (i64)t0 * K + threadIdx.x; i < (i64)t1 * K; i += blockDim.x) {
+        const int ex = expert(i);
+        const float wk = w != nullptr ? w[i] : 0.0f;
+        const int d = ex >= 0 ? ex / L : -1;
+        for (int r = 0; r < R; ++r) {
+          reinterpret_cast<int*>(peer_route[r])[(i64)me * route_stride + i] = r == d ? ex - d * L : -1;
+          reinterpret_cast<float*>(peer_rw[r])[(i64)me * (route_stride - 1) + i] = r == d ? wk : 0.0f;
+        }
+      }
+      if (c == 0)
+        for (int r = threadIdx.x; r < R; r += blockDim.x)
+          reinterpret_cast<int*>(peer_route[r])[(i64)me * route_stride + route_stride - 1] = Tn;
+    }
     LL_TRACE_SYNC(4);
     ll_signal_all(peer_flags, R, flag_base + (i64)me * Tmax + c, e);
     LL_TRACE_SYNC(5);
@@ -2299,27 +2325,41 @@ __device__ __forceinline__ void ll_combine(
     const int c = item / R, s = item - c * R;
     const int t0 = c * C, t1 = min(t0 + C, Tmax);
     LL_TRACE_FIRST(2);
-    if constexpr (PAIRWISE) {  // the item writes into rank s's buffers only
-      if (s >= 64 || !((announced >> s) & 1ull)) {
-        if (!ll_block_wait_announce(peer_bar, R, me, s, e, state, err_word, timeout_ns, op)) return;
-        if (s < 64) announced |= 1ull << s;
-      }
-    }
     T* dst = reinterpret_cast<T*>(peer_back[s]);
     float* dw = reinterpret_cast<float*>(peer_bw[s]);
-    for (int p = threadIdx.x; p < (t1 - t0) * K; p += blockDim.x) {
-      const int t = t0 + p / K, k = p - (p / K) * K;
+    // the row table (local reads) before the wait for rank s's announce, the stores into s after it
+    auto slot_of = [&](int p, int& t, int& k) -> i64 {  // (t, k)'s slot, or -1 (no expert, or a repeat)
+      t = t0 + p / K;
+      k = p - (p / K) * K;
       const int* rrow = route + ((i64)s * Tmax + t) * K;
       const int l = rrow[k];
       bool first = l >= 0;
       for (int q = 0; q < k && first; ++q) first = rrow[q] != l;
-      const i64 slot = (i64)l * RT + (i64)s * Tmax + t;
+      return first ? (i64)l * RT + (i64)s * Tmax + t : -1;
+    };
+    for (int p = threadIdx.x; p < (t1 - t0) * K; p += blockDim.x) {
+      int t, k;
+      const i64 slot = slot_of(p, t, k);
+      const bool first = slot >= 0;
       s_src[p] = first && y != nullptr ? y + slot * H : nullptr;
       s_dst[p] = first && y != nullptr && !PARTIALS ? dst + ((i64)t * K + k) * H : nullptr;
       s_scale[p] = first && PARTIALS ? slot_w[slot] : 0.0f;
-      if (first && gws != nullptr) dw[(i64)t * K + k] = gws[slot];
     }
-    __syncthreads();
+    bool waited = false;
+    if constexpr (PAIRWISE) {  // the item writes into rank s's buffers only
+      if (s >= 64 || !((announced >> s) & 1ull)) {
+        if (!ll_block_wait_announce(peer_bar, R, me, s, e, state, err_word, timeout_ns, op)) return;
+        if (s < 64) announced |= 1ull << s;
+        waited = s != me;  // its block barrier orders the row table too (none for this rank's own)
+      }
+    }
+    if (!waited) __syncthreads();
+    if (gws != nullptr)
+      for (int p = threadIdx.x; p < (t1 - t0) * K; p += blockDim.x) {
+        int t, k;
+        const i64 slot = slot_of(p, t, k);
+        if (slot >= 0) dw[(i64)t * K + k] = gws[slot];
+      }
     LL_TRACE_FIRST(3);
     if constexpr (PARTIALS)
       ll_block_partials<T, VEC>(s_src, s_scale, t1 - t0, K, dst + ((i64)t0 * R + me) * H, (i64)R * H, H);

@@ -29,9 +29,9 @@ SM_REGS, SUB_PARTITIONS, REG_UNIT, SM_WARPS, SM_BLOCKS = 65536, 4, 256, 64, 32
 # core launches at the BENCHMARKS.md shapes (E=256 K=8; H=7168 bf16: 224 threads a row).
 BUDGETS = [
     ("ep.cu", "ep_ll_combine_pairwise<__nv_bfloat16, true, false>", 512, 64, 2),  # the default sync
-    ("ep.cu", "ep_ll_dispatch_pairwise<__nv_bfloat16, int, true>", 512, 108, 1),
+    ("ep.cu", "ep_ll_dispatch_pairwise<__nv_bfloat16, int, true>", 512, 94, 1),
     ("ep.cu", "ep_ll_combine<__nv_bfloat16, true, false>", 512, 64, 2),  # MOE_RT_LL_SYNC=barrier
-    ("ep.cu", "ep_ll_dispatch<__nv_bfloat16, int, true>", 512, 104, 1),
+    ("ep.cu", "ep_ll_dispatch<__nv_bfloat16, int, true>", 512, 90, 1),
     ("router.cu", "aux_loss_bwd<float, false>", 256, 40, 6),
     ("router.cu", "aux_loss_bwd<__nv_bfloat16, false>", 256, 40, 6),
     ("router.cu", "router_fwd_reg<__nv_bfloat16, 8, false>", 128, 64, 8),
