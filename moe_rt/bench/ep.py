@@ -306,13 +306,14 @@ def _rank(args):
                                                                           z.dtype, False)), 0, t_raw))
         return [(op, "s1", ms, nb, None, raw, None, None) for op, ms, nb, raw in out]
 
-    def ipc_copy_engine(T, per_peer):
+    def ipc_copy_engine(T, per_peer, grp):
         """(c): every rank copies ``per_peer`` bf16 rows to each peer's IPC buffer (slot ``rank`` of T rows)
-        with one cudaMemcpyAsync per peer, each on its own stream; the time of this rank's copies."""
+        with one cudaMemcpyAsync per peer, each on its own stream; the time of this rank's copies. The buffers'
+        exchange waits with ``grp``'s deadline (an EpGroup on the same communicator)."""
         if not peer_ok:
             return None
         rb = H * 2
-        dst = _ep_direct._Shared(comm, world * T * rb, cp.cuda.get_current_stream(), lambda s: s.synchronize())
+        dst = _ep_direct._Shared(comm, world * T * rb, cp.cuda.get_current_stream(), _ep_direct.Wait(grp, "bench"))
         src = cp.empty(max(per_peer, 1) * rb, cp.uint8)
         streams = [cp.cuda.Stream(non_blocking=True) for _ in range(world)]
         fork, joins = cp.cuda.Event(disable_timing=True), [cp.cuda.Event(disable_timing=True) for _ in range(world)]
@@ -377,7 +378,7 @@ def _rank(args):
                 dist.all_to_all_single(a2a_out, a2a_in, splits, splits)
 
             t_raw = timed(raw)
-            t_ce = ipc_copy_engine(T, per_peer)
+            t_ce = ipc_copy_engine(T, per_peer, grps[0])
             rows = []
             if args.parts and mode == "exact":
                 rows += serial_parts(T, x, w, idx, rx, wire, wire_w, t_raw)
