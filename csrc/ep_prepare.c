@@ -126,7 +126,8 @@ static int64_t recv_grid(const moe_rt_context* ctx, int fused, int64_t n) {
   return mrt_max(1, mrt_min(mrt_cdiv(n, PREP_THREADS), (fused ? 2 : 8) * sm));
 }
 
-/* A grid-synchronized send side: its smem (the ranking warps' L ints each after the chunk's TC), warps and grid
+/* A grid-synchronized send side: its smem (the ranking warps' L ints each, the chunk's TC, the chunks-before
+ * prefix's L), warps and grid
  * (at most one resident wave, at most 2 blocks per SM, at most `work` blocks). */
 static moe_rt_status plan_send(moe_rt_context* ctx, mrt_launch* l, const moe_rt_ep_prepare_desc* d,
                                const moe_rt_ep_prepare_sizes* s, int whole) {
@@ -136,8 +137,8 @@ static moe_rt_status plan_send(moe_rt_context* ctx, mrt_launch* l, const moe_rt_
   snprintf(l->name, sizeof l->name, "%s<%s>", whole ? "ep_prepare_direct" : "ep_prepare_send", ic);
   l->kind = whole ? P_DIRECT : P_SEND;
   const int64_t room = mrt_max(48 * 1024, dev->smem_per_block_optin) - 1024;
-  const int64_t nw = mrt_max(1, mrt_min(PREP_THREADS / 32, (room - 4 * TC) / (4 * L)));
-  const int64_t send_smem = 4 * (L * nw + TC);
+  const int64_t nw = mrt_max(1, mrt_min(PREP_THREADS / 32, (room - 4 * TC - 4 * L) / (4 * L)));
+  const int64_t send_smem = 4 * (L * (nw + 1) + TC);
   l->smem = (int32_t)(whole ? mrt_max(send_smem, plan_smem(d->handle.num_ranks, L)) : send_smem);
   l->block = PREP_THREADS;
   l->arg[0] = nw;

@@ -24,6 +24,51 @@ using namespace moe_rt;
 #define META_RECV_ROWS(R) (5 * (R) + 6)
 #define META_SEND_ROWS(R) (5 * (R) + 7)
 
+__device__ __forceinline__ unsigned long long global_timer_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// The phase trace (MOE_RT_LL_TRACE, off by default; tools/profile_ll_phases.py reads it): thread 0 of each
+// block b < LL_TRACE_BLOCKS stores %globaltimer (ns) at phase points into moe_rt_ll_trace[b][p], a module
+// global (each kernel's program has its own copy; the host zeroes it before a run), and at entry (p = 0) its
+// SM id and the grid size into [b][LL_TRACE_POINTS - 1] (smid << 32 | gridDim.x). LL_TRACE(p): the last time
+// the block passes p; LL_TRACE_FIRST(p): the first; LL_TRACE_SYNC(p): after a block barrier (every thread's
+// loads and stores before it issued). The points (ep_ll_dispatch and ep_ll_dispatch_fp8 / ep_ll_combine):
+//   0 entry, 1 after block_epoch, 2 first push item's start, 3 first push item's rows start (after its row
+//   table), 4 last push item's rows issued, 5 last push item's flags signaled;
+//   dispatch: 6 flag wait start, 7 flag wait end, 8 dedup copies end, 9 slot tables end, 10 exit;
+//   combine: 6 owner items start, 7 first owner item's flags acquired, 8 last owner item's flags acquired,
+//   9 owner sums issued, 10 exit;
+//   ep_prepare_direct: 0 entry, 1 routing copied, 2 chunk counts done, 3 after the first grid barrier, 4 chunks
+//   placed and pushed, 6 after the peers' barrier, 7 the plan's counts and offsets (after its block barrier),
+//   8 the received rows placed, 10 exit; a chunk's steps (the block's last chunk): 11 its counts before, 12 its
+//   tokens placed, 13 its slots counted, 14 its slot prefixes.
+// Without the macro the points expand to nothing: the kernels' code is unchanged.
+#ifdef MOE_RT_LL_TRACE
+constexpr int LL_TRACE_BLOCKS = 1024, LL_TRACE_POINTS = 16;
+__device__ unsigned long long moe_rt_ll_trace[LL_TRACE_BLOCKS * LL_TRACE_POINTS];
+__device__ __forceinline__ void ll_trace(int p, bool first) {
+  if (threadIdx.x != 0 || blockIdx.x >= LL_TRACE_BLOCKS) return;
+  unsigned long long* row = moe_rt_ll_trace + (i64)blockIdx.x * LL_TRACE_POINTS;
+  if (first && row[p] != 0) return;
+  row[p] = global_timer_ns();
+  if (p == 0) {
+    unsigned sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    row[LL_TRACE_POINTS - 1] = ((unsigned long long)sm << 32) | gridDim.x;
+  }
+}
+#define LL_TRACE(p) ll_trace(p, false)
+#define LL_TRACE_FIRST(p) ll_trace(p, true)
+#define LL_TRACE_SYNC(p) (__syncthreads(), ll_trace(p, false))
+#else
+#define LL_TRACE(p) ((void)0)
+#define LL_TRACE_FIRST(p) ((void)0)
+#define LL_TRACE_SYNC(p) ((void)0)
+#endif
+
 // ---- prepare (moe_rt/ep.py _prepare_cuda) -----------------------------------------------------------
 // Only counts and the sent rows' own routing cross between ranks; no rank sees another's whole routing table.
 // A "box" holds one segment of SEG = CW + P*W int32 words per (source, destination) pair: the counts (CW = L
@@ -81,15 +126,20 @@ __device__ __forceinline__ void block_sum2(int a, int b, int* scratch, int* sa, 
   block_inclusive_scan(b, scratch, sb);
 }
 
-// The local expert of flat slot f (< end) when it lives on [lo, hi) and its token (of the chunk from t0) is
-// kept for the pair (kp[t - t0] >= 0, shared memory), else -1.
-template <typename IdxT>
-__device__ __forceinline__ int kept_slot_key(const IdxT* __restrict__ idx, i64 f, i64 end, int K, i64 lo, i64 hi,
-                                             i64 t0, const int* kp) {
-  if (f >= end) return -1;
-  const i64 e = (i64)idx[f];
-  if (e < lo || e >= hi || kp[f / K - t0] < 0) return -1;
-  return (int)(e - lo);
+// The key of each flat slot g = f + 32 u (u < U; g < end) of the chunk from token t0: its local expert when that
+// lives on [lo, hi) and its token is kept for the pair (kp[g / K - t0] >= 0, shared memory), else -1. The U ids
+// are loaded before any is looked at.
+template <int U, typename IdxT>
+__device__ __forceinline__ void kept_slot_keys(const IdxT* __restrict__ idx, i64 f, i64 end, int K, i64 lo, i64 hi,
+                                               i64 t0, const int* kp, int* key) {
+  i64 e[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) e[u] = f + 32 * u < end ? (i64)idx[f + 32 * u] : -1;
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const i64 g = f + 32 * u;
+    key[u] = (g < end && e[u] >= lo && e[u] < hi && kp[g / K - t0] >= 0) ? (int)(e[u] - lo) : -1;
+  }
 }
 
 // The send side of prepare, run by every block of the grid (the kernels ep_prepare_send and
@@ -105,7 +155,7 @@ __device__ __forceinline__ int kept_slot_key(const IdxT* __restrict__ idx, i64 f
 // per-warp count of each local expert's kept slots (warp match), an exclusive scan over the warps starting
 // from the kept slots of the chunks before, then the same walk again assigning ranks (the permutation plan's
 // method). The item holding the pair's last kept token (item c = 0 when none is kept) writes the counts.
-// Dynamic shared memory: nw*L + TC ints (sm).
+// Dynamic shared memory: (nw + 1)*L + TC ints (sm).
 template <typename IdxT>
 __device__ void prepare_send_body(const IdxT* __restrict__ idx, i64 T, int Tmax, int K, int E, int R, int me,
                                   int L, int P, int TC, int B, int* __restrict__ routing, int* __restrict__ send_tok,
@@ -128,10 +178,12 @@ __device__ void prepare_send_body(const IdxT* __restrict__ idx, i64 T, int Tmax,
       routing[i] = -1;
     }
   }
+  LL_TRACE(1);
   const int items = R * B;
   int* tok_part = part;              // [R*B] member tokens of each chunk
   int* slot_part = part + items;     // [R*B][L] member slots of each local expert in each chunk
   int* kp = sm + (i64)nw * L;        // [TC]: phase 1 membership, phase 2 the kept position (-1: not kept)
+  int* pre = kp + TC;                // [L]: phase 2, each local expert's slots in the chunks before
   // phase 1: each chunk's counts
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
     const int d = item / B, c = item - d * B;
@@ -156,7 +208,9 @@ __device__ void prepare_send_body(const IdxT* __restrict__ idx, i64 T, int Tmax,
     for (int l = threadIdx.x; l < L; l += blockDim.x) slot_part[(i64)item * L + l] = sm[l];
     __syncthreads();
   }
+  LL_TRACE(2);
   grid_sync<false>(gs);
+  LL_TRACE(3);
   const int W = 2 * K + 1, CW = L + 2;
   const i64 SEG = CW + (i64)P * W;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -170,14 +224,43 @@ __device__ void prepare_send_body(const IdxT* __restrict__ idx, i64 T, int Tmax,
                      : (d == me ? inbox : outbox) + SEG * d;
     int* rows_d = cnt_d + CW;
     if (item == 0 && threadIdx.x == 0) meta[META_NUM_TOKENS(R)] = (int)T;
+    // The chunk's first loads, issued together: the member tokens of d's chunks (before c, and all) and the
+    // slots of each local expert in the chunks before c, summed into pre[l] (shared-memory adds of integers:
+    // their order does not matter) after the barrier that follows the previous chunk's last read of pre; the
+    // barriers of block_sum2 order the adds before any read.
+    constexpr int PU = 8;
+    const int* sp = slot_part + (i64)d * B * L;
+    const int n = c * L;
+    int pv[PU];
+#pragma unroll
+    for (int u = 0; u < PU; ++u) {
+      const int i = threadIdx.x + u * blockDim.x;
+      pv[u] = i < n ? __ldcg(sp + i) : 0;
+    }
     int before = 0, all = 0;
     for (int j = threadIdx.x; j < B; j += blockDim.x) {
       const int v = __ldcg(tok_part + (i64)d * B + j);
       all += v;
       before += j < c ? v : 0;
     }
+    for (int l = threadIdx.x; l < L; l += blockDim.x) pre[l] = 0;
+    __syncthreads();
+#pragma unroll
+    for (int u = 0; u < PU; ++u)
+      if (pv[u] != 0) atomicAdd(pre + (threadIdx.x + u * blockDim.x) % L, pv[u]);
+    for (int i0 = threadIdx.x + PU * blockDim.x; i0 < n; i0 += PU * blockDim.x) {  // c*L > PU*blockDim
+#pragma unroll
+      for (int u = 0; u < PU; ++u) {
+        const int i = i0 + u * blockDim.x;
+        pv[u] = i < n ? __ldcg(sp + i) : 0;
+      }
+#pragma unroll
+      for (int u = 0; u < PU; ++u)
+        if (pv[u] != 0) atomicAdd(pre + (i0 + u * blockDim.x) % L, pv[u]);
+    }
     int base, carry;
     block_sum2(before, all, scratch, &base, &carry);
+    LL_TRACE(11);
     int run = base;
     for (i64 r0 = t0; r0 < t0 + TC; r0 += blockDim.x) {
       const i64 t = r0 + threadIdx.x;
@@ -208,6 +291,7 @@ __device__ void prepare_send_body(const IdxT* __restrict__ idx, i64 T, int Tmax,
       run += total;
     }
     __syncthreads();  // kp complete
+    LL_TRACE(12);
     // the rest of d's lists, spread over its chunks: send_pos of rows t >= T, send_tok past the kept count
     const int kept_n = carry < P ? carry : P;
     for (i64 t = T + (i64)c * blockDim.x + threadIdx.x; t < Tmax; t += (i64)B * blockDim.x)
@@ -217,26 +301,29 @@ __device__ void prepare_send_body(const IdxT* __restrict__ idx, i64 T, int Tmax,
     const bool writer = kept_n == 0 ? c == 0 : (base <= kept_n - 1 && kept_n - 1 < run);
     if (base >= P && !writer) continue;  // nothing of this chunk is kept (uniform over the block)
     int* hw = sm + (i64)warp * L;
+    constexpr int GU = 4;  // groups of 32 slots whose ids a lane loads before it matches the first
     const i64 nslots = (t1 - t0) * K;
     const i64 span = nslots > 0 ? ((nslots + nw - 1) / nw + 31) / 32 * 32 : 0;
     const i64 begin = t0 * K + (i64)warp * span, end = min(begin + span, t1 * K);
     if (warp < nw) {
       for (int l = lane; l < L; l += 32) hw[l] = 0;
       __syncwarp();
-      for (i64 f0 = begin; f0 < end; f0 += 32) {
-        const int key = kept_slot_key(idx, f0 + lane, end, K, lo, hi, t0, kp);
-        const unsigned peers = __match_any_sync(0xffffffffu, key);
-        if (key >= 0 && lane == __ffs(peers) - 1) hw[key] += __popc(peers);
-        __syncwarp();
+      for (i64 f0 = begin; f0 < end; f0 += 32 * GU) {
+        int key[GU];
+        kept_slot_keys<GU>(idx, f0 + lane, end, K, lo, hi, t0, kp, key);
+#pragma unroll
+        for (int u = 0; u < GU; ++u) {
+          const unsigned peers = __match_any_sync(0xffffffffu, key[u]);
+          if (key[u] >= 0 && lane == __ffs(peers) - 1) hw[key[u]] += __popc(peers);
+          __syncwarp();
+        }
       }
     }
     __syncthreads();
+    LL_TRACE(13);
     int slots = 0;
     for (int l = threadIdx.x; l < L; l += blockDim.x) {
-      int acc = 0;  // kept slots of l in the chunks before (every one of them is wholly kept)
-      const int* sp = slot_part + (i64)d * B * L + l;
-#pragma unroll 8
-      for (int j = 0; j < c; ++j) acc += __ldcg(sp + (i64)j * L);
+      int acc = pre[l];  // kept slots of l in the chunks before (every one of them is wholly kept)
       for (int w = 0; w < nw; ++w) {
         const int v = sm[(i64)w * L + l];
         sm[(i64)w * L + l] = acc;
@@ -245,6 +332,7 @@ __device__ void prepare_send_body(const IdxT* __restrict__ idx, i64 T, int Tmax,
       if (writer) cnt_d[2 + l] = acc;
       slots += acc;
     }
+    LL_TRACE(14);
     int slots_total;
     block_inclusive_scan(slots, scratch, &slots_total);
     if (writer && threadIdx.x == 0) {
@@ -255,17 +343,21 @@ __device__ void prepare_send_body(const IdxT* __restrict__ idx, i64 T, int Tmax,
     __syncthreads();
     if (warp < nw) {
       const unsigned lt = lanemask_lt();
-      for (i64 f0 = begin; f0 < end; f0 += 32) {
-        const i64 f = f0 + lane;
-        const int key = kept_slot_key(idx, f, end, K, lo, hi, t0, kp);
-        const unsigned peers = __match_any_sync(0xffffffffu, key);
-        if (key >= 0) {
-          const i64 t = f / K;
-          rows_d[(i64)kp[t - t0] * W + 1 + K + (f - t * K)] = hw[key] + __popc(peers & lt);
+      for (i64 f0 = begin; f0 < end; f0 += 32 * GU) {
+        int key[GU];
+        kept_slot_keys<GU>(idx, f0 + lane, end, K, lo, hi, t0, kp, key);
+#pragma unroll
+        for (int u = 0; u < GU; ++u) {
+          const i64 f = f0 + 32 * u + lane;
+          const unsigned peers = __match_any_sync(0xffffffffu, key[u]);
+          if (key[u] >= 0) {
+            const i64 t = f / K;
+            rows_d[(i64)kp[t - t0] * W + 1 + K + (f - t * K)] = hw[key[u]] + __popc(peers & lt);
+          }
+          __syncwarp();
+          if (key[u] >= 0 && lane == __ffs(peers) - 1) hw[key[u]] += __popc(peers);
+          __syncwarp();
         }
-        __syncwarp();
-        if (key >= 0 && lane == __ffs(peers) - 1) hw[key] += __popc(peers);
-        __syncwarp();
       }
     }
     __syncthreads();
@@ -466,6 +558,7 @@ __device__ void prepare_plan_body(int* __restrict__ meta, const Segments& in, in
   __syncthreads();
   plan_offsets_block<false>(tot, L, align, capacity < 0 ? ((i64)1 << 62) : capacity, kept, padded, start);
   __syncthreads();
+  LL_TRACE(7);
   if (blockIdx.x == 0) {
     for (int l = threadIdx.x; l <= L; l += blockDim.x) {
       seg_start[l] = start[l];
@@ -478,36 +571,26 @@ __device__ void prepare_plan_body(int* __restrict__ meta, const Segments& in, in
   const i64 step = (i64)gridDim.x * blockDim.x;
   const i64 first = (i64)blockIdx.x * blockDim.x + threadIdx.x;
   recv_tokens(in, CW, seg, R, P, W, first, step, recv_tok);
-  constexpr int KB = 8;  // slots of a row loaded before any of them is placed
-  for (i64 row = first; row < rows; row += step) {
+  // one slot (row, k) a thread: its two words of the box row loaded together, every store coalesced
+  for (i64 i = first; i < rows * K; i += step) {
+    const i64 row = i / K;
+    const int k = (int)(i - row * K);
     int src = 0;
     const int* r = recv_box_row(row, in, CW, seg, R, W, &src);
-    for (int k0 = 0; k0 < K; k0 += KB) {
-      int lv[KB], qv[KB];
-#pragma unroll
-      for (int j = 0; j < KB; ++j) {
-        const bool in_row = r != nullptr && k0 + j < K;
-        lv[j] = in_row ? r[1 + k0 + j] : -1;
-        qv[j] = in_row ? r[1 + K + k0 + j] : 0;
-      }
-#pragma unroll
-      for (int j = 0; j < KB; ++j) {
-        const int k = k0 + j;
-        if (k >= K) break;
-        const int l = lv[j];
-        int d = -1;
-        if (l >= 0) {
-          const i64 p = (i64)cnt[(i64)src * CW + 2 + l] + qv[j];
-          if (p < kept[l]) {
-            d = (int)(start[l] + p);
-            src_slot[d] = (int)(row * K + k);
-          }
-        }
-        recv_local[row * K + k] = l;
-        dst_row[row * K + k] = d;
+    const int l = r != nullptr ? r[1 + k] : -1;
+    const int q = r != nullptr ? r[1 + K + k] : 0;
+    int d = -1;
+    if (l >= 0) {
+      const i64 p = (i64)cnt[(i64)src * CW + 2 + l] + q;
+      if (p < kept[l]) {
+        d = (int)(start[l] + p);
+        src_slot[d] = (int)i;
       }
     }
+    recv_local[i] = l;
+    dst_row[i] = d;
   }
+  LL_TRACE(8);
   for (i64 n = first; n < N; n += step) {
     if (n >= start[L]) {
       src_slot[n] = -1;
@@ -935,12 +1018,6 @@ __device__ __forceinline__ void st_relaxed_sys_u32(unsigned* p, unsigned v) {
   asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
-__device__ __forceinline__ unsigned long long global_timer_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
 // One block. Every rank's barrier region (peer_bar[r]) holds uint32 slots [R]: slot s = the last epoch
 // rank s reached. Advances the epoch to e, stores e into the slot[me] of every rank of this rank's node
 // [lo, hi) (a system-scope release after a system fence: this rank's earlier writes, to its own or peers'
@@ -998,12 +1075,59 @@ extern "C" __global__ void ep_direct_barrier(const long long* __restrict__ peer_
 }
 #endif
 
+// ep_prepare_direct's barrier with the peers (direct_barrier_block's slots, epoch e = s0 + 1 over [0, R)) made
+// by the whole grid with one count of arrivals (gs[0], as grid_sync): each block fences its writes (to peer
+// memory too) at system scope and arrives; the last block to arrive (every block's writes fenced) resets the
+// count and stores e into slot[me] of every rank; then each block waits itself (thread 0, acquire loads of its
+// own slots) until every rank's slot reaches e, so no second grid barrier passes the peers' arrival on. After
+// timeout_ns a block stops waiting; block 0 then writes `op` to the host-mapped error word and raises the
+// sticky failure flag (state[1]); with the flag already raised nobody waits. Block 0 records the epoch.
+__device__ void prepare_peer_barrier(unsigned* __restrict__ gs, const long long* __restrict__ peer_bar, int R, int me,
+                                     unsigned* __restrict__ state, unsigned s0, i64 timeout_ns,
+                                     int* __restrict__ err_word, int op) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const unsigned e = s0 + 1u;
+    const bool skip = *reinterpret_cast<volatile unsigned*>(state + 1) != 0u;  // an earlier barrier failed
+    __threadfence_system();
+    if (atomicAdd(gs, 1u) == gridDim.x - 1) {
+      atomicExch(gs, 0u);
+      __threadfence_system();
+      if (!skip)
+        for (int r = 0; r < R; ++r) st_release_sys_u32(reinterpret_cast<unsigned*>(peer_bar[r]) + me, e);
+    }
+    bool timed_out = false;
+    if (!skip) {
+      const unsigned* mine = reinterpret_cast<const unsigned*>(peer_bar[me]);
+      const unsigned long long t0 = global_timer_ns();
+      for (int r = 0; r < R && !timed_out; ++r) {
+        while ((int)(ld_acquire_sys_u32(mine + r) - e) < 0) {
+          if (global_timer_ns() - t0 > (unsigned long long)timeout_ns) {
+            timed_out = true;
+            break;
+          }
+          __nanosleep(64);
+        }
+      }
+    }
+    if (blockIdx.x == 0) {
+      state[0] = e;
+      if (timed_out) {
+        state[1] = 1u;
+        *reinterpret_cast<volatile int*>(err_word) = op;
+      }
+      __threadfence_system();
+    }
+  }
+  __syncthreads();
+}
+
 // Capacity-mode prepare on the direct transport in one kernel (moe_rt/ep.py _prepare_cuda): the send side
-// (prepare_send_body: each destination's segment pushed into its box, the half of epoch state[0] + 1), a
-// grid barrier (every block's writes fenced at system scope), prepare's barrier with the peers (block 0:
-// direct_barrier_block over [0, R); timeout: op in the error word, the failure flag raised), a second grid
-// barrier, then the received side from this rank's own box (prepare_plan_body). The grid is at most one
-// resident wave (grid_sync). Dynamic shared memory: the larger of the two bodies'.
+// (prepare_send_body: each destination's segment pushed into its box, the half of epoch state[0] + 1),
+// prepare's barrier with the peers (prepare_peer_barrier: every block's writes fenced at system scope first;
+// timeout: op in the error word, the failure flag raised), then the received side from this rank's own box
+// (prepare_plan_body). The grid is at most one resident wave (grid_sync). Dynamic shared memory: the larger
+// of the two bodies'.
 template <typename IdxT>
 __global__ void ep_prepare_direct(const IdxT* __restrict__ idx, i64 T, int Tmax, int K, int E, int R, int me, int L,
                                   int P, int TC, int B, int* __restrict__ routing, int* __restrict__ send_tok,
@@ -1016,17 +1140,19 @@ __global__ void ep_prepare_direct(const IdxT* __restrict__ idx, i64 T, int Tmax,
                                   int* __restrict__ seg_start, int* __restrict__ expert_counts,
                                   int* __restrict__ tokens_per_expert) {
   extern __shared__ int sm[];
+  LL_TRACE(0);
   const unsigned s0 = state[0];  // the epoch before this prepare's barrier
   prepare_send_body(idx, T, Tmax, K, E, R, me, L, P, TC, B, routing, send_tok, send_pos, meta, s0, half_ints,
                     peer_box, nullptr, nullptr, err, nw, part, gs, sm);
-  grid_sync<true>(gs);
-  if (blockIdx.x == 0) direct_barrier_block(peer_bar, R, me, state, timeout_ns, err_word, op, 0, R);
-  grid_sync<false>(gs);
+  LL_TRACE(4);
+  prepare_peer_barrier(gs, peer_bar, R, me, state, s0, timeout_ns, err_word, op);
+  LL_TRACE(6);
   const i64 seg_words = (i64)(L + 2) + (i64)P * (2 * K + 1);
   prepare_plan_body(meta, Segments(reinterpret_cast<const int*>(peer_box[me]), seg_words,
                                    (i64)((s0 + 1u) & 1u) * half_ints),
                     R, me, P, K, L, align, 0, capacity, rows, N, recv_tok, recv_local, dst_row, src_slot, seg_start,
                     expert_counts, tokens_per_expert, sm);
+  LL_TRACE(10);
 }
 
 // map[r] = s*P + (r - recv_off[s]) for received row r (recv_off[s] <= r < recv_off[s+1]): the stage row
@@ -1481,41 +1607,6 @@ __global__ void __launch_bounds__(512) ep_direct_combine(
 // host-mapped error word and raises the sticky failure flag (state[1]). Sums: fp32, k ascending, products
 // and additions rounded separately (__fmul_rn, __fadd_rn: the NumPy reference's fp32 arithmetic, bit for
 // bit), one final rounding.
-
-// The phase trace (MOE_RT_LL_TRACE, off by default; tools/profile_ll_phases.py reads it): thread 0 of each
-// block b < LL_TRACE_BLOCKS stores %globaltimer (ns) at phase points into moe_rt_ll_trace[b][p], a module
-// global (each kernel's program has its own copy; the host zeroes it before a run), and at entry (p = 0) its
-// SM id and the grid size into [b][LL_TRACE_POINTS - 1] (smid << 32 | gridDim.x). LL_TRACE(p): the last time
-// the block passes p; LL_TRACE_FIRST(p): the first; LL_TRACE_SYNC(p): after a block barrier (every thread's
-// loads and stores before it issued). The points (ep_ll_dispatch and ep_ll_dispatch_fp8 / ep_ll_combine):
-//   0 entry, 1 after block_epoch, 2 first push item's start, 3 first push item's rows start (after its row
-//   table), 4 last push item's rows issued, 5 last push item's flags signaled;
-//   dispatch: 6 flag wait start, 7 flag wait end, 8 dedup copies end, 9 slot tables end, 10 exit;
-//   combine: 6 owner items start, 7 first owner item's flags acquired, 8 last owner item's flags acquired,
-//   9 owner sums issued, 10 exit.
-// Without the macro the points expand to nothing: the kernels' code is unchanged.
-#ifdef MOE_RT_LL_TRACE
-constexpr int LL_TRACE_BLOCKS = 1024, LL_TRACE_POINTS = 16;
-__device__ unsigned long long moe_rt_ll_trace[LL_TRACE_BLOCKS * LL_TRACE_POINTS];
-__device__ __forceinline__ void ll_trace(int p, bool first) {
-  if (threadIdx.x != 0 || blockIdx.x >= LL_TRACE_BLOCKS) return;
-  unsigned long long* row = moe_rt_ll_trace + (i64)blockIdx.x * LL_TRACE_POINTS;
-  if (first && row[p] != 0) return;
-  row[p] = global_timer_ns();
-  if (p == 0) {
-    unsigned sm;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-    row[LL_TRACE_POINTS - 1] = ((unsigned long long)sm << 32) | gridDim.x;
-  }
-}
-#define LL_TRACE(p) ll_trace(p, false)
-#define LL_TRACE_FIRST(p) ll_trace(p, true)
-#define LL_TRACE_SYNC(p) (__syncthreads(), ll_trace(p, false))
-#else
-#define LL_TRACE(p) ((void)0)
-#define LL_TRACE_FIRST(p) ((void)0)
-#define LL_TRACE_SYNC(p) ((void)0)
-#endif
 
 // Publish a block's writes of chunk c to every rank's flag [dir][me][c] (threads 0..R-1).
 __device__ __forceinline__ void ll_signal_all(const long long* __restrict__ peer_flags, int R, i64 idx,

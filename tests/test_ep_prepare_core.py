@@ -62,8 +62,8 @@ class Case:
         self.TC = max(32, cdiv(per, 32) * 32)
         self.B = max(1, cdiv(T, self.TC))
         room = max(48 * 1024, dev.optin) - 1024
-        self.nw = max(1, min(8, (room - 4 * self.TC) // (4 * L)))
-        self.send_smem = 4 * (L * self.nw + self.TC)
+        self.nw = max(1, min(8, (room - 4 * self.TC - 4 * L) // (4 * L)))
+        self.send_smem = 4 * (L * (self.nw + 1) + self.TC)  # the warps' counts, the chunk, the chunks-before prefix
         self.whole = direct and not exact and self.fused
         self.lay, _ = _handle.layout(R, L, Tmax, K, P, self.rows, self.N)
 

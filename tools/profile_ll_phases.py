@@ -6,6 +6,10 @@ kernels (its replay of a kernel that waits on peers hangs); this trace can.
     MOE_RT_NVRTC_OPTIONS=-DMOE_RT_LL_TRACE python3 tools/launch.py -n 4 tools/profile_ll_phases.py \\
         [--tokens 128] [--partials] [--iters 20]
 
+``--prepare`` traces EpGroup.prepare instead (capacity mode, direct transport, T=4096 unless --tokens: the
+one kernel ep_prepare_direct, issue 30's device-time target of 40 us): its send side, barriers and received
+side.
+
 Rank 0 prints, per op and mode, each phase's start (relative to the earliest block's kernel entry) and duration:
 the median over iterations of the (min, median, max) over blocks, in us, and the kernel span (the last block's
 exit less the first block's entry); then every rank's median span. Group: E=256, H=7168, K=8, Tmax = T, bf16.
@@ -40,12 +44,24 @@ PHASES = {
     "combine": (("epoch", (0,), 1), ("push table", (2,), 3), ("push rows", (3,), 4), ("signal", (4,), 5),
                 ("push", (2,), 5), ("first flag wait", (6,), 7), ("flag waits", (6,), 8),
                 ("owner sums", (7,), 9), ("block", (0,), 10)),
+    # EpGroup.prepare in capacity mode on the direct transport: the one kernel ep_prepare_direct
+    "prepare": (("routing copy", (0,), 1), ("chunk counts", (1,), 2), ("grid barrier", (2,), 3),
+                ("place + push", (3,), 4), ("- counts before", (3,), 11), ("- tokens", (11,), 12),
+                ("- slot counts", (12,), 13), ("- slot prefixes", (13,), 14), ("- ranks", (14,), 4),
+                ("send side", (0,), 4), ("sys grid barrier", (4,), 5),
+                ("peer barrier", (5,), 6), ("all barriers", (4,), 6), ("plan offsets", (6,), 7), ("plan rows", (7,), 8),
+                ("plan tail", (8,), 10), ("received side", (6,), 10), ("block", (0,), 10)),
 }
+KERNELS = {"dispatch": "ep_ll_dispatch", "combine": "ep_ll_combine", "prepare": "ep_prepare_direct"}
 
 
 def parser():
     ap = argparse.ArgumentParser(prog=pathlib.Path(__file__).name, description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, default=128, help="tokens per rank, also max_tokens_per_rank (128)")
+    ap.add_argument("--tokens", type=int, default=None,
+                    help="tokens per rank, also max_tokens_per_rank (128; 4096 with --prepare)")
+    ap.add_argument("--prepare", action="store_true",
+                    help="trace EpGroup.prepare (capacity mode, direct transport: ep_prepare_direct) instead of "
+                         "the low-latency kernels")
     ap.add_argument("--partials", action="store_true", help="a group with combine_partials=True")
     ap.add_argument("--iters", type=int, default=20, help="traced iterations per op and mode (20)")
     ap.add_argument("--warmup", type=int, default=5, help="untraced iterations first (5)")
@@ -103,11 +119,11 @@ class Driver:
 
 
 def pick(found, op: str):
-    """The trace of op's kernel among :meth:`Driver.kernel_globals`' (its name has ``ep_ll_<op>``; unnamed: the
-    one 512-thread kernel, the barrier being smaller): ``(address, bytes)``, or None."""
-    named = [f for f in found if f[0] is not None and f"ep_ll_{op}" in f[0]]
+    """The trace of op's kernel among :meth:`Driver.kernel_globals`' (its name has KERNELS[op]; unnamed: the
+    one 512-thread kernel, the barrier being smaller, or prepare's one kernel): ``(address, bytes)``, or None."""
+    named = [f for f in found if f[0] is not None and KERNELS[op] in f[0]]
     if not named:
-        named = [f for f in found if f[0] is None and f[1] == 512]
+        named = [f for f in found if f[0] is None and (f[1] == 512 or op == "prepare")]
     return named[0][2:] if len(named) == 1 else None
 
 
@@ -163,6 +179,7 @@ def rank_main(a) -> int:
 
     import cupy as cp
 
+    from moe_rt.ep import EpGroup
     from moe_rt.ep_ll import LowLatencyGroup
 
     spec = importlib.util.spec_from_file_location("host_gpu", pathlib.Path(__file__).with_name("host_gpu.py"))
@@ -174,13 +191,19 @@ def rank_main(a) -> int:
     E, K, H, T = 256, 8, 7168, a.tokens
     out = print if me == 0 else (lambda *_: None)
     x, idx, w = rank.inputs(T, E, H, K)
-    g = LowLatencyGroup(rank.comm, E, H, T, topk=K, dtype="bfloat16", combine_partials=a.partials)
+    if a.prepare:
+        g = EpGroup(rank.comm, E, H, T, mode="capacity", transport="direct")
+    else:
+        g = LowLatencyGroup(rank.comm, E, H, T, topk=K, dtype="bfloat16", combine_partials=a.partials)
     stream = cp.cuda.Stream(non_blocking=True)
     drv = Driver()
     with stream:
-        recv, counts, h = g.dispatch(x, idx, w)
-        y = recv.copy()
-        ops = {"dispatch": lambda: g.dispatch(x, idx, w), "combine": lambda: g.combine(h, y)}
+        if a.prepare:
+            ops = {"prepare": lambda: g.prepare(idx)}
+        else:
+            recv, counts, h = g.dispatch(x, idx, w)
+            y = recv.copy()
+            ops = {"dispatch": lambda: g.dispatch(x, idx, w), "combine": lambda: g.combine(h, y)}
         for f in ops.values():
             f()
         stream.synchronize()
@@ -197,7 +220,7 @@ def rank_main(a) -> int:
             ptr, size = got
             mem = cp.cuda.UnownedMemory(ptr, size, None, rank.dev)
             traces[op] = cp.ndarray((size // (8 * POINTS), POINTS), cp.uint64, cp.cuda.MemoryPointer(mem, 0))
-        out(f"## low-latency kernel phases: {world} ranks, {rank.torch.cuda.get_device_name()}, T={T} H={H} E={E} "
+        out(f"## {'EpGroup.prepare (capacity, direct)' if a.prepare else 'low-latency'} kernel phases: {world} ranks, {rank.torch.cuda.get_device_name()}, T={T} H={H} E={E} "
             f"K={K} bf16{', combine_partials' if a.partials else ''}; {a.iters} traced runs (after {a.warmup})"
             f"; kernel cache {os.environ.get('MOE_RT_KERNEL_CACHE')}")
         for mode in ("eager", "graph"):
@@ -229,6 +252,8 @@ def rank_main(a) -> int:
 def main(argv=None) -> int:
     ap = parser()
     a = ap.parse_args(argv)
+    if a.tokens is None:
+        a.tokens = 4096 if a.prepare else 128
     if a.tokens < 1 or a.iters < 1 or a.warmup < 0:
         ap.error("--tokens and --iters: at least 1; --warmup: at least 0")
     if not traced():
