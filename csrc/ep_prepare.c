@@ -127,7 +127,8 @@ static int64_t recv_grid(const moe_rt_context* ctx, int fused, int64_t n) {
 }
 
 /* A grid-synchronized send side: its smem (the ranking warps' L ints each, the chunk's TC, the chunks-before
- * prefix's L), warps and grid
+ * prefix's L, then the chunk's TC box rows of 2K + 1 ints where they fit: the kernel stages the rows there when
+ * its dynamic shared memory holds them), warps and grid
  * (at most one resident wave, at most 2 blocks per SM, at most `work` blocks). */
 static moe_rt_status plan_send(moe_rt_context* ctx, mrt_launch* l, const moe_rt_ep_prepare_desc* d,
                                const moe_rt_ep_prepare_sizes* s, int whole) {
@@ -138,7 +139,9 @@ static moe_rt_status plan_send(moe_rt_context* ctx, mrt_launch* l, const moe_rt_
   l->kind = whole ? P_DIRECT : P_SEND;
   const int64_t room = mrt_max(48 * 1024, dev->smem_per_block_optin) - 1024;
   const int64_t nw = mrt_max(1, mrt_min(PREP_THREADS / 32, (room - 4 * TC - 4 * L) / (4 * L)));
-  const int64_t send_smem = 4 * (L * (nw + 1) + TC);
+  int64_t send_smem = 4 * (L * (nw + 1) + TC);
+  const int64_t stage = 4 * TC * (2 * (int64_t)d->handle.topk + 1); /* the chunk's box rows, staged where they fit */
+  if (send_smem + stage <= room) send_smem += stage;
   l->smem = (int32_t)(whole ? mrt_max(send_smem, plan_smem(d->handle.num_ranks, L)) : send_smem);
   l->block = PREP_THREADS;
   l->arg[0] = nw;

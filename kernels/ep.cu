@@ -155,7 +155,7 @@ __device__ __forceinline__ void kept_slot_keys(const IdxT* __restrict__ idx, i64
 // per-warp count of each local expert's kept slots (warp match), an exclusive scan over the warps starting
 // from the kept slots of the chunks before, then the same walk again assigning ranks (the permutation plan's
 // method). The item holding the pair's last kept token (item c = 0 when none is kept) writes the counts.
-// Dynamic shared memory: (nw + 1)*L + TC ints (sm).
+// Dynamic shared memory: (nw + 1)*L + TC ints (sm), and where it holds them TC*(2K + 1) more (the staged rows).
 template <typename IdxT>
 __device__ void prepare_send_body(const IdxT* __restrict__ idx, i64 T, int Tmax, int K, int E, int R, int me,
                                   int L, int P, int TC, int B, int* __restrict__ routing, int* __restrict__ send_tok,
@@ -184,6 +184,13 @@ __device__ void prepare_send_body(const IdxT* __restrict__ idx, i64 T, int Tmax,
   int* slot_part = part + items;     // [R*B][L] member slots of each local expert in each chunk
   int* kp = sm + (i64)nw * L;        // [TC]: phase 1 membership, phase 2 the kept position (-1: not kept)
   int* pre = kp + TC;                // [L]: phase 2, each local expert's slots in the chunks before
+  // [TC][2K + 1]: phase 2, the chunk's kept box rows, staged where the dynamic shared memory holds them (the
+  // planner adds them when they fit), then copied into the destination's box whole: coalesced stores into the
+  // peer's memory, not each row's words scattered one by one.
+  int* stg = pre + L;
+  unsigned dyn_smem;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
+  const bool staged = (i64)dyn_smem >= 4 * ((i64)(nw + 1) * L + TC + (i64)TC * (2 * K + 1));
   // phase 1: each chunk's counts
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
     const int d = item / B, c = item - d * B;
@@ -280,7 +287,7 @@ __device__ void prepare_send_body(const IdxT* __restrict__ idx, i64 T, int Tmax,
       if (kept) {
         send_tok[(i64)d * P + pos] = (int)t;
         const IdxT* row = idx + t * K;
-        int* o = rows_d + (i64)pos * W;
+        int* o = staged ? stg + (i64)(pos - base) * W : rows_d + (i64)pos * W;
         o[0] = (int)t;
         for (int k = 0; k < K; ++k) {
           const i64 e = (i64)row[k];
@@ -352,7 +359,9 @@ __device__ void prepare_send_body(const IdxT* __restrict__ idx, i64 T, int Tmax,
           const unsigned peers = __match_any_sync(0xffffffffu, key[u]);
           if (key[u] >= 0) {
             const i64 t = f / K;
-            rows_d[(i64)kp[t - t0] * W + 1 + K + (f - t * K)] = hw[key[u]] + __popc(peers & lt);
+            const int pr = kp[t - t0];
+            (staged ? stg + (i64)(pr - base) * W : rows_d + (i64)pr * W)[1 + K + (f - t * K)] =
+                hw[key[u]] + __popc(peers & lt);
           }
           __syncwarp();
           if (key[u] >= 0 && lane == __ffs(peers) - 1) hw[key[u]] += __popc(peers);
@@ -361,13 +370,18 @@ __device__ void prepare_send_body(const IdxT* __restrict__ idx, i64 T, int Tmax,
       }
     }
     __syncthreads();
+    if (staged) {  // the kept rows [base, min(run, P)): one contiguous run of words in the box
+      const i64 words = (i64)max(0, min(run, P) - base) * W;
+      int* dst = rows_d + (i64)base * W;
+      for (i64 i = threadIdx.x; i < words; i += blockDim.x) dst[i] = stg[i];
+    }
   }
 }
 
 // NCCL transport, and the direct transport in exact mode (Segments: peer_box given, each destination's
 // segment pushed into its box; state: the transport's, whose barrier follows). gs: grid_sync's words.
 template <typename IdxT>
-__global__ void ep_prepare_send(const IdxT* __restrict__ idx, i64 T, int Tmax, int K, int E, int R, int me, int L,
+__global__ void __launch_bounds__(256, 2) ep_prepare_send(const IdxT* __restrict__ idx, i64 T, int Tmax, int K, int E, int R, int me, int L,
                                 int P, int TC, int B, int* __restrict__ routing, int* __restrict__ send_tok,
                                 int* __restrict__ send_pos, int* __restrict__ meta, const unsigned* __restrict__ state,
                                 i64 half_ints, const long long* __restrict__ peer_box, int* __restrict__ outbox,
@@ -1129,7 +1143,7 @@ __device__ void prepare_peer_barrier(unsigned* __restrict__ gs, const long long*
 // (prepare_plan_body). The grid is at most one resident wave (grid_sync). Dynamic shared memory: the larger
 // of the two bodies'.
 template <typename IdxT>
-__global__ void ep_prepare_direct(const IdxT* __restrict__ idx, i64 T, int Tmax, int K, int E, int R, int me, int L,
+__global__ void __launch_bounds__(256, 2) ep_prepare_direct(const IdxT* __restrict__ idx, i64 T, int Tmax, int K, int E, int R, int me, int L,
                                   int P, int TC, int B, int* __restrict__ routing, int* __restrict__ send_tok,
                                   int* __restrict__ send_pos, int* __restrict__ meta, unsigned* __restrict__ state,
                                   i64 half_ints, const long long* __restrict__ peer_box, unsigned* __restrict__ err,

@@ -64,6 +64,8 @@ class Case:
         room = max(48 * 1024, dev.optin) - 1024
         self.nw = max(1, min(8, (room - 4 * self.TC - 4 * L) // (4 * L)))
         self.send_smem = 4 * (L * (self.nw + 1) + self.TC)  # the warps' counts, the chunk, the chunks-before prefix
+        if self.send_smem + 4 * self.TC * (2 * K + 1) <= room:  # the chunk's box rows, staged where they fit
+            self.send_smem += 4 * self.TC * (2 * K + 1)
         self.whole = direct and not exact and self.fused
         self.lay, _ = _handle.layout(R, L, Tmax, K, P, self.rows, self.N)
 
