@@ -44,7 +44,9 @@ PHASES = {
     "combine": (("epoch", (0,), 1), ("push table", (2,), 3), ("push rows", (3,), 4), ("signal", (4,), 5),
                 ("push", (2,), 5), ("first flag wait", (6,), 7), ("flag waits", (6,), 8),
                 ("owner sums", (7,), 9), ("block", (0,), 10)),
-    # EpGroup.prepare in capacity mode on the direct transport: the one kernel ep_prepare_direct
+    # EpGroup.prepare in capacity mode on the direct transport: the one kernel ep_prepare_direct (point 5, the
+    # system-scope grid barrier before the peers' barrier, exists in builds before 9779b9f only: its two phases
+    # show for them; "all barriers" spans both kinds)
     "prepare": (("routing copy", (0,), 1), ("chunk counts", (1,), 2), ("grid barrier", (2,), 3),
                 ("place + push", (3,), 4), ("- counts before", (3,), 11), ("- tokens", (11,), 12),
                 ("- slot counts", (12,), 13), ("- slot prefixes", (13,), 14), ("- ranks", (14,), 4),
