@@ -582,7 +582,7 @@ class EpGroup:
         """
         self._alive("prepare")
         validate = _errors.resolve_validate(validate)
-        with _arrays.Call({"topk_idx": topk_idx}, stream=stream) as call:
+        with _arrays.Call({"topk_idx": topk_idx}, stream=stream, lean=self._lean()) as call:
             self._check_call(call, "prepare")
             idx = call["topk_idx"]
             T, K = self._check_routing(idx)
