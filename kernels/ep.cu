@@ -1040,7 +1040,17 @@ __device__ __forceinline__ void st_relaxed_sys_u32(unsigned* p, unsigned v) {
 // through peer memory (peer_bar holds no address for the others). After timeout_ns (%globaltimer) it gives up:
 // writes `op` to the host-mapped error word, raises the sticky failure flag and returns (never hangs).
 // Epochs compare with wrap-around (a signed difference).
-// The barrier's body, run by one whole block (ep_direct_barrier, ep_prepare_direct's block 0).
+// Whether the barrier slot *slot reaches e (acquire loads) before timeout_ns have passed since t0
+// (%globaltimer); false after the timeout.
+__device__ __forceinline__ bool wait_slot(const unsigned* slot, unsigned e, unsigned long long t0, i64 timeout_ns) {
+  while ((int)(ld_acquire_sys_u32(slot) - e) < 0) {
+    if (global_timer_ns() - t0 > (unsigned long long)timeout_ns) return false;
+    __nanosleep(64);
+  }
+  return true;
+}
+
+// The barrier's body, run by one whole block (ep_direct_barrier).
 __device__ void direct_barrier_block(const long long* __restrict__ peer_bar, int R, int me,
                                      unsigned* __restrict__ state, i64 timeout_ns, int* __restrict__ err_word,
                                      int op, int lo, int hi) {
@@ -1061,15 +1071,8 @@ __device__ void direct_barrier_block(const long long* __restrict__ peer_bar, int
   }
   const unsigned* mine = reinterpret_cast<const unsigned*>(peer_bar[me]);
   const unsigned long long t0 = global_timer_ns();
-  for (int r = lo + threadIdx.x; r < hi; r += blockDim.x) {
-    while ((int)(ld_acquire_sys_u32(mine + r) - e) < 0) {
-      if (global_timer_ns() - t0 > (unsigned long long)timeout_ns) {
-        atomicExch(&s_timeout, 1);
-        break;
-      }
-      __nanosleep(64);
-    }
-  }
+  for (int r = lo + threadIdx.x; r < hi; r += blockDim.x)
+    if (!wait_slot(mine + r, e, t0, timeout_ns)) atomicExch(&s_timeout, 1);
   __syncthreads();
   if (threadIdx.x == 0) {
     state[0] = e;
@@ -1114,15 +1117,7 @@ __device__ void prepare_peer_barrier(unsigned* __restrict__ gs, const long long*
     if (!skip) {
       const unsigned* mine = reinterpret_cast<const unsigned*>(peer_bar[me]);
       const unsigned long long t0 = global_timer_ns();
-      for (int r = 0; r < R && !timed_out; ++r) {
-        while ((int)(ld_acquire_sys_u32(mine + r) - e) < 0) {
-          if (global_timer_ns() - t0 > (unsigned long long)timeout_ns) {
-            timed_out = true;
-            break;
-          }
-          __nanosleep(64);
-        }
-      }
+      for (int r = 0; r < R && !timed_out; ++r) timed_out = !wait_slot(mine + r, e, t0, timeout_ns);
     }
     if (blockIdx.x == 0) {
       state[0] = e;

@@ -313,7 +313,8 @@ def _rank(args):
         if not peer_ok:
             return None
         rb = H * 2
-        dst = _ep_direct._Shared(comm, world * T * rb, cp.cuda.get_current_stream(), _ep_direct.Wait(grp, "bench"))
+        wait = _ep_direct.Wait(grp, "ipc_copy_engine_setup")  # a timeout's message names the row's set-up
+        dst = _ep_direct._Shared(comm, world * T * rb, cp.cuda.get_current_stream(), wait)
         src = cp.empty(max(per_peer, 1) * rb, cp.uint8)
         streams = [cp.cuda.Stream(non_blocking=True) for _ in range(world)]
         fork, joins = cp.cuda.Event(disable_timing=True), [cp.cuda.Event(disable_timing=True) for _ in range(world)]
