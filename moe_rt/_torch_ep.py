@@ -397,8 +397,12 @@ def _ll_recv_view(group, b: int, fresh: Tensor) -> Tensor:
 
 class _LLDispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, topk_weights, group, topk_idx, copy):
-        recv, counts, core = group.dispatch(x.detach(), topk_idx.detach(), topk_weights.detach())
+    def forward(ctx, x, topk_weights, group, topk_idx, copy, fp8, scales):
+        # fp8: FP8 on the wire, the rows dequantized on the receiving side (straight-through gradient); x and
+        # scales a pre-quantized pair when scales is given (no gradient to the codes)
+        xin = x.detach() if scales is None else (x.detach(), scales.detach())
+        recv, counts, core = group.dispatch(xin, topk_idx.detach(), topk_weights.detach(), fp8=fp8,
+                                            dequantize=fp8)
         if core.backend == "cpu":  # the reference has no buffer sets: take turns as the GPU does
             st = _ll_buffers(group)
             b, st.next_cpu = st.next_cpu, (st.next_cpu + 1) % group.num_buffers
@@ -418,7 +422,8 @@ class _LLDispatch(torch.autograd.Function):
         need_w = ctx.needs_input_grad[1]
         gx, gw = ctx.group.dispatch_bwd(ctx.core, grad_recv.contiguous(),
                                         grad_slot_weights.contiguous() if need_w else None)
-        return (gx if ctx.needs_input_grad[0] else None), (gw.to(ctx.w_dtype) if need_w else None), None, None, None
+        return ((gx if ctx.needs_input_grad[0] else None), (gw.to(ctx.w_dtype) if need_w else None), None, None,
+                None, None, None)
 
 
 class _LLCombine(torch.autograd.Function):
@@ -453,19 +458,29 @@ def _ll_group(group):
 
 
 @torch.compiler.disable
-def ll_dispatch(group, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, *,
-                copy: bool = False) -> tuple[Tensor, Tensor, TorchLLHandle]:
+def ll_dispatch(group, x, topk_idx: Tensor, topk_weights: Tensor, *, copy: bool = False, fp8: bool = False,
+                dequantize: bool = False) -> tuple[Tensor, Tensor, TorchLLHandle]:
     """Differentiable :meth:`moe_rt.LowLatencyGroup.dispatch` (a collective; no host sync).
 
     Args:
         group: a :class:`moe_rt.LowLatencyGroup`.
-        x: ``[T,H]`` in the group's dtype, ``T <= max_tokens_per_rank``.
+        x: ``[T,H]`` in the group's dtype, ``T <= max_tokens_per_rank``; with ``fp8=True`` also a
+            pre-quantized pair ``(x_fp8 [T,H] float8_e4m3fn or uint8, scales [T, ceil(H/128)] float32)``.
         topk_idx: ``[T,K]`` int32/int64, ids in ``[-1, E)`` (not differentiable).
         topk_weights: ``[T,K]`` float: the weights :func:`ll_combine` applies.
         copy: False (default): ``recv_x`` is a view of the group's receive buffer (zero copy; the rules
             below). True: a new tensor with zero rows at empty slots, the caller's to keep (one pass over
             ``[L, R*Tmax, H]``): the form for training, and the one to use under ``torch.compile``, whose
             partitioner may save ``recv_x`` itself to recompute a copy made in the compiled graph.
+        fp8, dequantize: ``fp8=True, dequantize=True`` (a group made with ``fp8=True``) sends FP8 rows (e4m3
+            codes and one fp32 scale per 128 channels, quantized inside the push; about half the bytes on
+            the wire) and returns them dequantized in the group's dtype, as ``recv_x`` otherwise is; the
+            gradient is straight-through (the quantization counts as the identity: ``x`` gets the float
+            ``dispatch_bwd`` of ``recv_x``'s gradient, as :func:`moe_rt.torch.ep_dispatch` with
+            ``dequantize=True``); a pair's codes get none. ``fp8=True`` alone (the codes and scales
+            themselves, for an FP8 grouped GEMM) carries no gradient: it is
+            :meth:`moe_rt.LowLatencyGroup.dispatch` with ``fp8=True`` itself (torch tensors in and out), which
+            this function refuses with a ValueError naming it.
 
     Returns:
         ``(recv_x [L, R*Tmax, H], counts [L] int32, handle)``: token ``t`` of rank ``s`` for local expert
@@ -490,10 +505,23 @@ def ll_dispatch(group, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, *,
     sequence of these ops, forward and backward.
     """
     _ll_group(group)
-    _tensor(x, "x")
+    _A.check_fp8_flags(fp8, dequantize)
+    if fp8 and not dequantize:
+        raise ValueError("fp8=True without dequantize=True: the FP8 codes and scales carry no gradient; take them "
+                         "from LowLatencyGroup.dispatch(x, topk_idx, topk_weights, fp8=True), or pass "
+                         "dequantize=True for the differentiable form")
+    scales = None
+    if isinstance(x, (tuple, list)):
+        _A.check_pair_arity(x, fp8)
+        x, scales = x
+        _tensor(x, "x_fp8")
+        _tensor(scales, "scales")
+    else:
+        _tensor(x, "x")
     _tensor(topk_idx, "topk_idx")
     _tensor(topk_weights, "topk_weights")
-    recv, slot_w, slot_k, counts, core, b = _LLDispatch.apply(x, topk_weights, group, topk_idx, bool(copy))
+    recv, slot_w, slot_k, counts, core, b = _LLDispatch.apply(x, topk_weights, group, topk_idx, bool(copy),
+                                                              bool(fp8), scales)
     return recv, counts, TorchLLHandle(slot_k, slot_w, counts, topk_weights, group, core, b)
 
 

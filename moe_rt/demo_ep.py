@@ -26,6 +26,11 @@ most 1024): ``ll_dispatch`` -> the SwiGLU of each local expert as one batched ma
 the experts on a copy of ``recv_x`` with zero rows at empty slots (``ll_dispatch(..., copy=True)``: by default
 ``recv_x`` is the group's receive buffer, which combine's backward overwrites); JAX's ``recv_x`` is its own
 array, zero at empty slots already.
+
+``--fp8``: the dispatch sends FP8 rows dequantized on arrival (``ep_dispatch(..., fp8=True,
+dequantize=True)``; in the low-latency mode, torch only, a group made with ``fp8=True`` and ``ll_dispatch(...,
+fp8=True, dequantize=True)``), the gradient straight-through; the plain layer rounds the experts' input the
+same way.
 """
 from __future__ import annotations
 
@@ -51,9 +56,12 @@ def _free_port() -> int:
 def run(cfg, framework: str, n: int, ep_mode: str = "normal", fp8: bool = False) -> int:
     """Start ``n`` workers (one per GPU), wait for them, return 0 iff all passed. ``ep_mode``: "normal" (an
     EpGroup: exact mode in torch, capacity mode in JAX) or "low_latency" (a LowLatencyGroup). ``fp8``: the
-    normal mode's dispatch sends FP8 rows (``ep_dispatch(..., fp8=True, dequantize=True)``)."""
+    dispatch sends FP8 rows, dequantized on arrival (the low-latency mode: torch only)."""
     if framework not in ("torch", "jax"):
         print(f"demo --ep: framework {framework!r} has no expert-parallel layer; use torch or jax")
+        return 2
+    if fp8 and ep_mode == "low_latency" and framework != "torch":
+        print("demo --ep --fp8 --ep-mode low_latency: torch only (moe_rt.jax.ll_dispatch has no FP8 form)")
         return 2
     if cfg.experts % n:
         print(f"demo --ep {n}: --experts {cfg.experts} must be a multiple of {n}")
@@ -155,7 +163,7 @@ def _torch_worker(cfg, rank, n, ep_mode="normal", fp8=False):
     L = E // n
     ll = ep_mode == "low_latency"
     if ll:
-        group = moe_rt.LowLatencyGroup(comm, E, H, T, topk=K, dtype=str(dtype).replace("torch.", ""))
+        group = moe_rt.LowLatencyGroup(comm, E, H, T, topk=K, dtype=str(dtype).replace("torch.", ""), fp8=fp8)
     else:
         group = moe_rt.EpGroup(comm, E, H, T, mode="exact")
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -205,7 +213,7 @@ def _torch_worker(cfg, rank, n, ep_mode="normal", fp8=False):
         if ll:
             # copy=True: recv_x as a new tensor, zero at empty slots (by default it is the group's receive
             # buffer, which combine's backward overwrites with the gradient)
-            rows, _, h = mt.ll_dispatch(group, x, idx.int(), weights, copy=True)
+            rows, _, h = mt.ll_dispatch(group, x, idx.int(), weights, copy=True, fp8=fp8, dequantize=fp8)
             mark("dispatch")
             yp = swiglu(rows, w1, w3, w2)  # each local expert: one batched matmul over its [N*T, H] slots
             mark("experts")
@@ -273,7 +281,7 @@ def _torch_worker(cfg, rank, n, ep_mode="normal", fp8=False):
             _progress(i, cfg.steps, f"torch EP layer ({n} GPUs)")
     times = {k: float(np.median(v)) for k, v in samples.items()}
     ok = _report(rank, n, cfg, "torch", checks, times, str(dtype).replace("torch.", ""),
-                 "low-latency mode" if ll else "exact mode" + (", FP8 dispatch" if fp8 else ""))
+                 ("low-latency mode" if ll else "exact mode") + (", FP8 dispatch" if fp8 else ""))
     if ll:
         group.close()  # a collective: its IPC mappings go before the communicator
     if comm is not None:
@@ -427,6 +435,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ep-mode", choices=EP_MODES, default="normal")
     ap.add_argument("--fp8", action="store_true")
     a = ap.parse_args(argv)
+    if a.fp8 and a.ep_mode == "low_latency" and a.framework != "torch":
+        ap.error("--fp8 with --ep-mode low_latency: torch only (moe_rt.jax.ll_dispatch has no FP8 form)")
     cfg = Config(tokens=a.tokens, experts=a.experts, topk=a.topk, hidden=a.hidden, ffn=a.ffn, steps=a.steps,
                  seed=a.seed)
     rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -428,9 +428,13 @@ def test_jax_vmap_runs_each_element(rng):
 
 # -- 2 GPUs: the EP layer of the demo, checked against the plain single-GPU layer -------------------------------
 
+# the low-latency mode's FP8 dispatch in the layer: torch only (moe_rt.jax.ll_dispatch has no FP8 form)
+_EP_LAYERS = [(f, m) for f in ("torch", "jax") for m in ("normal", "low_latency", "normal-fp8", "low_latency-fp8")
+              if (f, m) != ("jax", "low_latency-fp8")]
+
+
 @pytest.mark.multi_gpu
-@pytest.mark.parametrize("ep_mode", ["normal", "low_latency", "normal-fp8"])
-@pytest.mark.parametrize("framework", ["torch", "jax"])
+@pytest.mark.parametrize("framework,ep_mode", _EP_LAYERS)
 def test_ep_layer_two_gpus_matches_single_gpu(framework, ep_mode):
     mode, _, fp8 = ep_mode.partition("-")
     cmd = [sys.executable, "-m", "moe_rt", "demo", "--framework", framework, "--ep", "2", "--tokens", "512",
@@ -446,8 +450,7 @@ def test_ep_layer_two_gpus_matches_single_gpu(framework, ep_mode):
     assert "FAIL" not in r.stdout
 
 
-@pytest.mark.parametrize("ep_mode", ["normal", "low_latency", "normal-fp8"])
-@pytest.mark.parametrize("framework", ["torch", "jax"])
+@pytest.mark.parametrize("framework,ep_mode", _EP_LAYERS)
 def test_ep_layer_worker_cpu_dry_run(framework, ep_mode):
     """The EP layer code of `demo --ep [--ep-mode low_latency] [--fp8]` on one CPU rank (1-rank group,
     reference path) against the plain layer (with --fp8: its experts' input rounded through FP8 alike, so
@@ -461,5 +464,14 @@ def test_ep_layer_worker_cpu_dry_run(framework, ep_mode):
     print(r.stdout[-4000:], r.stderr[-4000:])
     assert r.returncode == 0
     assert r.stdout.count(" ok") == 7 and "FAIL" not in r.stdout
-    assert ("low-latency mode" in r.stdout) == (ep_mode == "low_latency")
+    assert ("low-latency mode" in r.stdout) == (mode == "low_latency")
     assert ("FP8 dispatch" in r.stdout) == bool(fp8)
+
+
+def test_ep_layer_worker_refuses_jax_low_latency_fp8():
+    cmd = [sys.executable, "-m", "moe_rt.demo_ep", "--framework", "jax", "--tokens", "4", "--experts", "4",
+           "--topk", "2", "--hidden", "8", "--ffn", "8", "--steps", "1", "--seed", "3", "--ep-mode", "low_latency",
+           "--fp8"]
+    env = dict(os.environ, MOE_RT_DEMO_EP_CPU="1", RANK="0", WORLD_SIZE="1", JAX_PLATFORMS="cpu")
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2 and "torch only" in r.stderr, (r.stdout, r.stderr)

@@ -135,6 +135,80 @@ def test_torch_ll_autograd_matches_core_and_plain(device, dtype, T, rng):
 
 @pytest.mark.parametrize("device", TORCH_DEVICES)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("T", [0, 1, 11, TMAX])
+def test_torch_ll_fp8_dequantized_straight_through(device, dtype, T, rng):
+    """ll_dispatch(..., fp8=True, dequantize=True): the rows the group's FP8 dispatch returns (quantize_fp8 then
+    dequantize_fp8 of each token's row, bit for bit), gradients straight-through: x gets the float
+    dispatch_bwd of recv_x's gradient, the weights theirs, as without FP8; a pre-quantized pair gives the
+    same rows and no gradient to its codes."""
+    tdt = getattr(torch, dtype)
+    idx = _routing(rng, T)
+    x = (rng.standard_normal((T, H)) * np.exp(rng.uniform(-3, 3, (T, 1)))).astype(np.float32)
+    w = rng.random((T, K)).astype(np.float32)
+    scale = rng.random(E).astype(np.float32) + 0.5
+    g_out = rng.standard_normal((T, H)).astype(np.float32)
+    g_sw = rng.standard_normal((E, TMAX)).astype(np.float32)
+    group = moe_rt.LowLatencyGroup(None, E, H, TMAX, topk=K, dtype=dtype, fp8=True)
+    xt = torch.tensor(x, device=device).to(tdt).requires_grad_()
+    wt = torch.tensor(w, device=device, requires_grad=True)
+    it = torch.tensor(idx, device=device)
+    sc = torch.tensor(scale, device=device).to(tdt)
+    rx, counts, h = mt.ll_dispatch(group, xt, it, wt, fp8=True, dequantize=True)
+    rx_host = rx.detach().float().cpu().numpy().copy()
+    assert rx.shape == (E, TMAX, H) and rx.dtype == tdt and rx.requires_grad
+    out = mt.ll_combine(h, _expert(rx, sc))
+    loss = (out.float() * torch.tensor(g_out, device=device)).sum() + (h.slot_weights *
+                                                                        torch.tensor(g_sw, device=device)).sum()
+    loss.backward()
+
+    valid = _valid(idx)
+    xq, xs = moe_rt.quantize_fp8(xt.detach())
+    deq = moe_rt.dequantize_fp8(xq, xs, dtype=tdt).float().cpu().numpy()  # [T, H]: each token's row
+    want = np.zeros((E, TMAX, H), np.float32)
+    want[:, :T] = deq[None]
+    np.testing.assert_array_equal(rx_host[valid], want[valid])
+    r2, c2, core = group.dispatch(xt.detach(), it, wt.detach(), fp8=True, dequantize=True)
+    np.testing.assert_array_equal(rx_host[valid], r2.float().cpu().numpy()[valid])
+    np.testing.assert_array_equal(counts.cpu().numpy(), c2.cpu().numpy())
+    y2 = _expert(r2, sc).contiguous()
+    np.testing.assert_array_equal(out.detach().float().cpu().numpy(), group.combine(core, y2).float().cpu().numpy())
+    gy, gw_c = group.combine_bwd(core, torch.tensor(g_out, device=device).to(tdt), y2)
+    gx_core, gw_d = group.dispatch_bwd(core, _expert(gy, sc).contiguous(), torch.tensor(g_sw, device=device))
+    np.testing.assert_array_equal(xt.grad.float().cpu().numpy(), gx_core.float().cpu().numpy())
+    np.testing.assert_allclose(wt.grad.cpu().numpy(), (gw_c + gw_d).cpu().numpy(), rtol=1e-6, atol=1e-6)
+
+    # the pre-quantized pair: the same rows; the codes take no gradient, the weights theirs
+    wt2 = torch.tensor(w, device=device, requires_grad=True)
+    rx2, _, h2 = mt.ll_dispatch(group, (xq, xs), it, wt2, fp8=True, dequantize=True)
+    np.testing.assert_array_equal(rx2.detach().float().cpu().numpy()[valid], want[valid])
+    (h2.slot_weights * torch.tensor(g_sw, device=device)).sum().backward()
+    _, gw_p = group.dispatch_bwd(core, torch.zeros_like(r2), torch.tensor(g_sw, device=device))
+    np.testing.assert_allclose(wt2.grad.cpu().numpy(), gw_p.cpu().numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_torch_ll_fp8_flags_refused(rng):
+    idx = torch.tensor(_routing(rng, 5))
+    x = torch.randn(5, H)
+    w = torch.rand(5, K)
+    group = moe_rt.LowLatencyGroup(None, E, H, TMAX, topk=K, dtype="float32", fp8=True)
+    with pytest.raises(ValueError, match=r"LowLatencyGroup\.dispatch\(x, topk_idx, topk_weights, fp8=True\)"):
+        mt.ll_dispatch(group, x, idx, w, fp8=True)
+    with pytest.raises(ValueError, match="dequantize: only meaningful with fp8=True"):
+        mt.ll_dispatch(group, x, idx, w, dequantize=True)
+    with pytest.raises(TypeError, match="fp8: expected a bool"):
+        mt.ll_dispatch(group, x, idx, w, fp8=1, dequantize=True)
+    xq, xs = moe_rt.quantize_fp8(x)
+    with pytest.raises(TypeError, match="pass fp8=True"):
+        mt.ll_dispatch(group, (xq, xs), idx, w)
+    with pytest.raises(TypeError, match="an array \\[T,H\\] or an \\(x_fp8, scales\\) pair"):
+        mt.ll_dispatch(group, (xq, xs, xs), idx, w, fp8=True, dequantize=True)
+    plain = moe_rt.LowLatencyGroup(None, E, H, TMAX, topk=K, dtype="float32")
+    with pytest.raises(ValueError, match="no FP8 receive buffers"):
+        mt.ll_dispatch(plain, x, idx, w, fp8=True, dequantize=True)
+
+
+@pytest.mark.parametrize("device", TORCH_DEVICES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_torch_ll_combine_partials_group(device, dtype, rng):
     """A group made with combine_partials=True: moe_rt.torch.ll_combine takes the group's rank-partial combine
     (bitwise the reference's); its gradients are a plain group's (the backward passes do not depend on it)."""
@@ -679,7 +753,8 @@ def test_demo_low_latency_flag_checks():
 
     for argv, msg in ((["--ep-mode", "low_latency"], "--ep N"),
                       (["--ep", "2", "--ep-mode", "low_latency", "--tokens", "1025"], "1024"),
-                      (["--fp8"], "--fp8"), (["--ep", "2", "--ep-mode", "low_latency", "--fp8"], "no FP8 dispatch")):
+                      (["--fp8"], "--fp8"),
+                      (["--ep", "2", "--ep-mode", "low_latency", "--fp8", "--framework", "jax"], "torch only")):
         r = subprocess.run([sys.executable, "-m", "moe_rt", "demo", "--cpu"] + argv, capture_output=True,
                            text=True, timeout=120)
         assert r.returncode == 2 and msg in r.stderr + r.stdout, (argv, r.stdout, r.stderr)
