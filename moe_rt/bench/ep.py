@@ -49,10 +49,10 @@ rows; ``MOE_RT_LL_SYNC=barrier`` (read by every rank's groups; the header's ``sy
 barrier launch before each instead of the default pairwise synchronisation (docs/ep.md §8). With ``--fp8`` (a group made with ``fp8=True``) it adds "dispatch fp8
 (graph)" (``dispatch(x, ..., fp8=True)``: e4m3 codes quantized in the push, ``H + 4*ceil(H/128)`` bytes a
 row) and "dispatch fp8 dequant (graph)" (the same, dequantized to bf16 on the receiving side) after
-"dispatch (graph)", with x_vs_bf16 = the bf16 dispatch graph's time / the row's. Then "combine partials
-(graph)" and "round trip partials (graph)" time a second group made with ``combine_partials=True`` on the same
-inputs (combine pushes one row per (token, rank): its wire_MB counts one row per (token, distinct other rank
-holding any of its experts)).
+"dispatch (graph)", with x_vs_bf16 = the bf16 dispatch graph's time / the row's. Then "round trip partials
+(eager)", "combine partials (graph)" and "round trip partials (graph)" time a second group made with
+``combine_partials=True`` on the same inputs (combine pushes one row per (token, rank): its wire_MB counts one
+row per (token, distinct other rank holding any of its experts)).
 
 Rank 0 prints the table; ``--json`` writes it. Times are rank 0's CUDA-event medians (ranks are
 synchronized before every case).
@@ -605,6 +605,9 @@ def _rank_low_latency(args):
         graphs = {}
         with stream:
             _, _, hp = gp.dispatch(x, idx, w)
+            # the eager round trip with partials (host included), beside the graph rows below
+            rows.append(("round trip partials (eager)", timed(lambda: gp.combine(gp.dispatch(x, idx, w)[2], y),
+                                                              stream), wire_d + wire_p, t_raw_d + t_raw_p, t_torch))
             for name, fn, nb, raw, tt in (
                     ("combine partials (graph)", lambda: gp.combine(hp, y), wire_p, t_raw_p, None),
                     ("round trip partials (graph)", lambda: gp.combine(gp.dispatch(x, idx, w)[2], y),
