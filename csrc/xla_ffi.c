@@ -963,10 +963,15 @@ static XLA_FFI_Error* ll_call(XLA_FFI_CallFrame* f, const char* op, ll_body body
   } while (0)
 
 /* args: x [T, H] (the group's dtype), topk_idx [T, K] int32/int64, topk_weights [T, K] float32; rets: recv_x
- * [L, R*Tmax, H], then the handle's six tables. attrs: the group's (above), zero_empty_slots. */
+ * [L, R*Tmax, H], then the handle's six tables. attrs: the group's (above), zero_empty_slots, fp8
+ * (1: FP8 rows on the wire, quantized in the push and dequantized into the receive buffer: a group made with
+ * fp8=1). */
 static XLA_FFI_Error* ll_dispatch_body(const frame* fr, ll_frame* l) {
-  int zero = 0;
+  int zero = 0, fp8 = 0;
   TRY(attr_int(fr, "zero_empty_slots", &zero));
+  TRY(attr_int(fr, "fp8", &fp8)); /* 1: FP8 rows quantized in the push, dequantized on arrival into recv */
+  if (fp8 != 0 && fp8 != 1)
+    return fail(fr, XLA_FFI_Error_Code_INVALID_ARGUMENT, "attribute fp8: expected 0 or 1, got %d", fp8);
   TRY(counts(fr, 3, 7));
   buf x, idx, w, recv;
   TRY(arg(fr, 1, 2, &idx));
@@ -984,8 +989,8 @@ static XLA_FFI_Error* ll_dispatch_body(const frame* fr, ll_frame* l) {
   moe_rt_ll_tables t;
   TRY(ll_tables(fr, l, 1, 1, T, &t));
   TRY(device(fr, &l->ctx, &l->stream));
-  LL_CORE(moe_rt_ll_dispatch(l->g, 0, MOE_RT_LL_PUSH | MOE_RT_LL_RECEIVE, x.data, NULL, NULL, 0, 0, idx.data,
-                             idx.dtype, w.data, T, &t, l->stream));
+  LL_CORE(moe_rt_ll_dispatch(l->g, 0, MOE_RT_LL_PUSH | MOE_RT_LL_RECEIVE, x.data, NULL, NULL, fp8 != 0, fp8 != 0,
+                             idx.data, idx.dtype, w.data, T, &t, l->stream));
   LL_CORE(ll_copy_rows(l, recv.data, t.slot_k, zero != 0));
   return NULL;
 }

@@ -966,6 +966,7 @@ cdef class LLGroup:
 
     def prepare(self, str op, int64_t T, int idx_dtype=3):
         """Make the kernels of ``op`` (``dispatch``: a whole dispatch of ``T`` tokens with ``idx_dtype`` indices;
+        ``dispatch_fp8``: the same sending FP8 rows quantized in the push and dequantized on arrival;
         ``combine``, ``dispatch_bwd`` (with the weights' gradient) or ``combine_bwd`` (with ``expert_out``, then
         the weight gradient's gather)) ready in the device context, for a caller that launches through the core
         without Python (moe_rt.jax's XLA handlers): the op is planned on the group's planning twin with made-up
@@ -985,8 +986,9 @@ cdef class LLGroup:
         cdef const void* y = <const void*>(a * 8)
         cdef float* f = <float*>(a * 9)
         launches = []
-        if op == "dispatch":
-            _check(p_ll_dispatch(self.twin, 0, 3, x, NULL, NULL, 0, 0, y, idx_dtype, f, T, &t, NULL),
+        if op in ("dispatch", "dispatch_fp8"):
+            q = 1 if op == "dispatch_fp8" else 0
+            _check(p_ll_dispatch(self.twin, 0, 3, x, NULL, NULL, q, q, y, idx_dtype, f, T, &t, NULL),
                    "moe_rt_ll_dispatch (planning its kernels)")
             launches = _last_plan(d.plan_ctx)
         elif op in ("combine", "dispatch_bwd"):

@@ -617,17 +617,17 @@ def _ll_ready(group, op, T, idx_dtype=None):
 # -- dispatch --------------------------------------------------------------------------------------------
 
 def _ll_dispatch_impl(static, x, idx, w):
-    gid, zero = static
+    gid, zero, fp8 = static
     group = _ll_lookup(gid)
     T, K = int(idx.shape[0]), int(idx.shape[1])
     specs = [_spec(group._slots_shape(), x.dtype)] + _ll_specs(group, T, K)
 
     def on_cuda(x, idx, w):
-        attrs = _ll_ready(group, "dispatch", T, idx.dtype)
-        return _cffi("ll_dispatch", specs, x, idx, w, zero_empty_slots=np.int32(zero), **attrs)
+        attrs = _ll_ready(group, "dispatch_fp8" if fp8 else "dispatch", T, idx.dtype)
+        return _cffi("ll_dispatch", specs, x, idx, w, zero_empty_slots=np.int32(zero), fp8=np.int32(fp8), **attrs)
 
     def fn(xv, iv, wv):  # the reference's rows: new arrays, zero at empty slots
-        recv, _, h = _ll_lookup(gid).dispatch(xv, iv, wv)
+        recv, _, h = _ll_lookup(gid).dispatch(xv, iv, wv, fp8=fp8, dequantize=fp8)
         return [recv] + _ll_handle_arrays(h._a)
 
     out = _collective((x, idx, w), on_cuda, fn, specs)
@@ -668,7 +668,8 @@ def _ll_dispatch_bwd(static, res, cts):
 _ll_dispatch.defvjp(_ll_dispatch_fwd, _ll_dispatch_bwd)
 
 
-def ll_dispatch(group, x, topk_idx, topk_weights, *, zero_empty_slots: bool = True):
+def ll_dispatch(group, x, topk_idx, topk_weights, *, zero_empty_slots: bool = True, fp8: bool = False,
+                dequantize: bool = False):
     """Differentiable :meth:`moe_rt.LowLatencyGroup.dispatch` for JAX (a collective; jit-compatible).
 
     Args:
@@ -679,6 +680,11 @@ def ll_dispatch(group, x, topk_idx, topk_weights, *, zero_empty_slots: bool = Tr
         topk_weights: ``[T,K]`` float: the weights :func:`ll_combine` applies.
         zero_empty_slots: rows of empty slots in ``recv_x`` are zero (default); False leaves them
             unspecified (as the group's op does), saving one write of the whole ``[L, R*Tmax, H]`` output.
+        fp8, dequantize: ``fp8=True, dequantize=True`` (a group made with ``fp8=True``) sends FP8 rows (e4m3
+            codes and one fp32 scale per 128 channels, quantized inside the push) and returns them
+            dequantized in the group's dtype as ``recv_x``; the gradient is straight-through (``x`` gets the
+            float VJP of ``recv_x``'s cotangent). ``fp8=True`` alone is a ValueError: the codes carry no
+            gradient (the group's own ``dispatch(..., fp8=True)`` returns them).
 
     Each call is a whole dispatch (no receive hook) on a group with ``num_buffers=1``. On the GPU the op and
     its VJP are XLA custom calls (no Python at run time); lowering the first one for CUDA makes the group's
@@ -693,11 +699,21 @@ def ll_dispatch(group, x, topk_idx, topk_weights, *, zero_empty_slots: bool = Tr
         ``x`` and to ``topk_weights`` (through :func:`ll_combine` and ``handle.slot_weights``).
     """
     gid = _ll_register(group)
+    _A.check_fp8_flags(fp8, dequantize)
+    if fp8 and not dequantize:
+        raise ValueError("fp8=True without dequantize=True: the FP8 codes and scales carry no gradient; take them "
+                         "from LowLatencyGroup.dispatch(x, topk_idx, topk_weights, fp8=True), or pass "
+                         "dequantize=True for the differentiable form")
+    if fp8 and not group.fp8:
+        raise ValueError("fp8: this group has no FP8 receive buffers; create it with LowLatencyGroup(..., fp8=True)")
+    if isinstance(x, (tuple, list)):
+        raise TypeError("x: moe_rt.jax.ll_dispatch takes a float array [T,H] (with fp8=True quantized in the push); "
+                        "a pre-quantized (x_fp8, scales) pair goes to LowLatencyGroup.dispatch")
     x, topk_idx = jnp.asarray(x), jnp.asarray(topk_idx)
     topk_weights = None if topk_weights is None else jnp.asarray(topk_weights)
     T, K = group._check_dispatch(x, topk_idx, topk_weights)  # shapes and dtypes are known when traced
-    recv, counts, arrays = _ll_dispatch((gid, bool(zero_empty_slots)), x, jax.lax.stop_gradient(topk_idx),
-                                        topk_weights)
+    recv, counts, arrays = _ll_dispatch((gid, bool(zero_empty_slots), bool(fp8)), x,
+                                        jax.lax.stop_gradient(topk_idx), topk_weights)
     return recv, counts, JaxLLHandle(arrays, gid, T, K)
 
 

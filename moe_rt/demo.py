@@ -12,8 +12,7 @@ Frameworks: torch (autograd through :mod:`moe_rt.torch`), JAX (``jax.jit`` + ``j
 their backward ops). ``--ep N`` runs the layer with expert parallelism over N GPUs (:mod:`moe_rt.demo_ep`),
 ``--ep-mode low_latency`` through a :class:`moe_rt.LowLatencyGroup` (torch and JAX, at most 1024 tokens per
 rank), ``--fp8`` with the dispatch sending FP8 rows (dequantized on arrival; the plain layer the ranks check
-against gets the same rounding of the experts' input): the normal mode in torch and JAX, the low-latency mode
-in torch.
+against gets the same rounding of the experts' input), in either mode.
 
 With a GPU the demo runs on it in bf16; without one it runs moe_rt's NumPy reference path (CPU tensors, or
 NumPy arrays for CuPy) at a small default size and says so.
@@ -577,8 +576,7 @@ def parser():
                         "= a LowLatencyGroup (fixed slots, no prepare, no host sync; --tokens <= 1024)")
     p.add_argument("--fp8", action="store_true",
                    help="with --ep N: the dispatch sends FP8 rows (e4m3, one scale per 128 channels), dequantized "
-                        "on arrival; the plain layer it is checked against gets the same rounding (the "
-                        "low-latency mode: torch only)")
+                        "on arrival; the plain layer it is checked against gets the same rounding")
     p.add_argument("--cpu", action="store_true", help="run the NumPy reference path even with a GPU")
     return p
 
@@ -608,9 +606,6 @@ def main(argv=None) -> int:
             p.error(f"--ep-mode low_latency: --tokens (per rank) at most {MAX_TOKENS_PER_RANK}, got {cfg.tokens}")
     if args.fp8 and args.ep < 2:
         p.error("--fp8 sends the expert-parallel layer's rows as FP8: give --ep N (N >= 2)")
-    if args.fp8 and args.ep_mode == "low_latency" and args.framework != "torch":
-        p.error("--fp8 with --ep-mode low_latency: torch only (moe_rt.jax.ll_dispatch has no FP8 form; "
-                "moe_rt.torch.ll_dispatch takes fp8=True, dequantize=True)")
     if args.ep > 1 and cfg.experts % args.ep:
         p.error(f"--experts {cfg.experts} must be a multiple of --ep {args.ep}")
     if args.ep > 1:

@@ -28,9 +28,8 @@ the experts on a copy of ``recv_x`` with zero rows at empty slots (``ll_dispatch
 array, zero at empty slots already.
 
 ``--fp8``: the dispatch sends FP8 rows dequantized on arrival (``ep_dispatch(..., fp8=True,
-dequantize=True)``; in the low-latency mode, torch only, a group made with ``fp8=True`` and ``ll_dispatch(...,
-fp8=True, dequantize=True)``), the gradient straight-through; the plain layer rounds the experts' input the
-same way.
+dequantize=True)``; in the low-latency mode a group made with ``fp8=True`` and ``ll_dispatch(..., fp8=True,
+dequantize=True)``), the gradient straight-through; the plain layer rounds the experts' input the same way.
 """
 from __future__ import annotations
 
@@ -56,12 +55,9 @@ def _free_port() -> int:
 def run(cfg, framework: str, n: int, ep_mode: str = "normal", fp8: bool = False) -> int:
     """Start ``n`` workers (one per GPU), wait for them, return 0 iff all passed. ``ep_mode``: "normal" (an
     EpGroup: exact mode in torch, capacity mode in JAX) or "low_latency" (a LowLatencyGroup). ``fp8``: the
-    dispatch sends FP8 rows, dequantized on arrival (the low-latency mode: torch only)."""
+    dispatch sends FP8 rows, dequantized on arrival."""
     if framework not in ("torch", "jax"):
         print(f"demo --ep: framework {framework!r} has no expert-parallel layer; use torch or jax")
-        return 2
-    if fp8 and ep_mode == "low_latency" and framework != "torch":
-        print("demo --ep --fp8 --ep-mode low_latency: torch only (moe_rt.jax.ll_dispatch has no FP8 form)")
         return 2
     if cfg.experts % n:
         print(f"demo --ep {n}: --experts {cfg.experts} must be a multiple of {n}")
@@ -312,7 +308,7 @@ def _jax_worker(cfg, rank, n, ep_mode="normal", fp8=False):
     L = E // n
     ll = ep_mode == "low_latency"
     if ll:
-        group = moe_rt.LowLatencyGroup(comm, E, H, T, topk=K, dtype=jnp.dtype(dtype).name)
+        group = moe_rt.LowLatencyGroup(comm, E, H, T, topk=K, dtype=jnp.dtype(dtype).name, fp8=fp8)
     else:
         group = moe_rt.EpGroup(comm, E, H, T, mode="capacity")
     keys = jax.random.split(jax.random.PRNGKey(cfg.seed), 6)
@@ -356,7 +352,7 @@ def _jax_worker(cfg, rank, n, ep_mode="normal", fp8=False):
         x, wr, w1, w3, w2 = p
         weights, idx, aux = router(x, wr)
         if ll:
-            rx, _, h = mj.ll_dispatch(group, x, idx, weights)
+            rx, _, h = mj.ll_dispatch(group, x, idx, weights, fp8=fp8, dequantize=fp8)
             y = mj.ll_combine(h, ll_experts(rx, w1, w3, w2))
             return (y.astype(jnp.float32) * gy.astype(jnp.float32)).sum() + aux, (y, aux)
         h = mj.ep_prepare(group, idx)
@@ -391,7 +387,7 @@ def _jax_worker(cfg, rank, n, ep_mode="normal", fp8=False):
     r_fn = jax.jit(router)
     weights, idx, _ = r_fn(x, wr)
     if ll:
-        d_fn = jax.jit(lambda x, i, w: mj.ll_dispatch(group, x, i, w))
+        d_fn = jax.jit(lambda x, i, w: mj.ll_dispatch(group, x, i, w, fp8=fp8, dequantize=fp8))
         rx, _, h = d_fn(x, idx, weights)
         e_fn = jax.jit(ll_experts)
         yp = e_fn(rx, w1, w3, w2)
@@ -413,7 +409,7 @@ def _jax_worker(cfg, rank, n, ep_mode="normal", fp8=False):
                   "step": lambda: step(params)}
     times = jax_stage_times(stages, cfg.steps, f"jax EP layer ({n} GPUs)", show=rank == 0)
     ok = _report(rank, n, cfg, "jax", checks, times, jnp.dtype(dtype).name,
-                 "low-latency mode" if ll else "capacity mode" + (", FP8 dispatch" if fp8 else ""))
+                 ("low-latency mode" if ll else "capacity mode") + (", FP8 dispatch" if fp8 else ""))
     if ll:
         group.close()  # a collective: its IPC mappings go before the communicator
     if rank == 0:
@@ -435,8 +431,6 @@ def main(argv=None) -> int:
     ap.add_argument("--ep-mode", choices=EP_MODES, default="normal")
     ap.add_argument("--fp8", action="store_true")
     a = ap.parse_args(argv)
-    if a.fp8 and a.ep_mode == "low_latency" and a.framework != "torch":
-        ap.error("--fp8 with --ep-mode low_latency: torch only (moe_rt.jax.ll_dispatch has no FP8 form)")
     cfg = Config(tokens=a.tokens, experts=a.experts, topk=a.topk, hidden=a.hidden, ffn=a.ffn, steps=a.steps,
                  seed=a.seed)
     rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -551,14 +551,14 @@ def test_jax_ll_bad_input_same_messages_as_core(rng):
             mj.ll_combine(h, rx[:, 1:])
 
 
-def _lowered_for_cuda(monkeypatch, group, T, dtype="bfloat16"):
+def _lowered_for_cuda(monkeypatch, group, T, dtype="bfloat16", fp8=False):
     """The LL layer (forward and grad) lowered for CUDA on this machine: the group's core group on a planning
     context (made-up buffer addresses; listed in the core's registry as any group), one stand-in CUDA device,
     and the preparation of XLA's kernels recorded instead of run. Returns (HLO text, prepared calls, core)."""
     from moe_rt import _xla
     from test_ep_ll_core import Group
 
-    pg = Group(R=1, me=0, L=E, Tmax=TMAX, K=K, H=H, dtype=dtype, num_buffers=1)
+    pg = Group(R=1, me=0, L=E, Tmax=TMAX, K=K, H=H, dtype=dtype, num_buffers=1, fp8=fp8)
     class Transport:  # the direct transport _setup makes (nothing to close here)
         def close(self):
             pass
@@ -574,7 +574,7 @@ def _lowered_for_cuda(monkeypatch, group, T, dtype="bfloat16"):
     monkeypatch.setattr(_xla, "prepare", lambda op, **kw: prepared.append((op, kw)))
 
     def loss(x, w, idx):
-        rx, counts, h = mj.ll_dispatch(group, x, idx, w)
+        rx, counts, h = mj.ll_dispatch(group, x, idx, w, fp8=fp8, dequantize=fp8)
         out = mj.ll_combine(h, rx * 2)
         return (out.astype(jnp.float32) ** 2).sum() + (h.slot_weights ** 2).sum()
 
@@ -601,7 +601,7 @@ def test_jax_ll_lowers_to_custom_calls_naming_the_core_group(monkeypatch):
     for op, n_in, n_out in (("ll_dispatch", 3, 7), ("ll_combine", 7, 1), ("ll_dispatch_bwd", 8, 2),
                             ("ll_combine_bwd", 8, 3)):
         (attrs, got_in, results), = calls[_xla.target(op)]
-        want = dict(group_attrs, **({"zero_empty_slots": "1 : i32"} if op == "ll_dispatch" else {}))
+        want = dict(group_attrs, **({"zero_empty_slots": "1 : i32", "fp8": "0 : i32"} if op == "ll_dispatch" else {}))
         assert attrs == want, (op, attrs)
         assert got_in == n_in and results.count("tensor<") == n_out, (op, got_in, results)
     # the receive rows [L, R*Tmax, H] and the handle's tables come from XLA; combine_bwd's dots are a result
@@ -611,6 +611,76 @@ def test_jax_ll_lowers_to_custom_calls_naming_the_core_group(monkeypatch):
     # XLA's context gets the copy of the receive rows (the group's own context its ops' kernels)
     assert prepared and {op for op, _ in prepared} == {"copy_kept_rows"}
     assert prepared[0][1] == dict(N=E * TMAX, row_bytes=H * 2, zero_rest=1)
+
+
+def test_jax_ll_fp8_lowers_with_the_fp8_attribute(monkeypatch):
+    """ll_dispatch(..., fp8=True, dequantize=True) lowered for CUDA: the dispatch custom call carries fp8 = 1 (the
+    handler passes it to moe_rt_ll_dispatch as fp8 and dequantize); its VJP is the float one."""
+    import re
+
+    from moe_rt import _xla
+
+    group = moe_rt.LowLatencyGroup(None, E, H, TMAX, topk=K, dtype="bfloat16", fp8=True)
+    text, _, pg = _lowered_for_cuda(monkeypatch, group, 9, fp8=True)
+    found = re.findall(r"stablehlo\.custom_call @(\w+)\([^)]*\) \{[^\n]*?mhlo\.backend_config = \{([^}]*)\}", text)
+    attrs = [dict(kv.strip().split(" = ", 1) for kv in a.split(",")) for t, a in found if t == _xla.target("ll_dispatch")]
+    assert len(attrs) == 1 and attrs[0]["fp8"] == "1 : i32" and attrs[0]["zero_empty_slots"] == "1 : i32"
+    assert [t for t, _ in found].count(_xla.target("ll_dispatch_bwd")) == 1
+
+
+@pytest.mark.parametrize("device", JAX_DEVICES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_jax_ll_fp8_dequantized_straight_through(device, dtype, rng):
+    """jit(grad) through ll_dispatch(..., fp8=True, dequantize=True): recv_x is each token's row quantized and
+    dequantized (bit for bit), zero at empty slots; the gradients are those of the float dispatch for the same
+    cotangents (straight-through)."""
+    T = 11
+    idx = _routing(rng, T)
+    x = (rng.standard_normal((T, H)) * np.exp(rng.uniform(-3, 3, (T, 1)))).astype(np.float32)
+    w = rng.random((T, K)).astype(np.float32)
+    g_rx = rng.standard_normal((E, TMAX, H)).astype(np.float32)
+    g_out = rng.standard_normal((T, H)).astype(np.float32)
+    group = moe_rt.LowLatencyGroup(None, E, H, TMAX, topk=K, dtype=dtype, fp8=True)
+    jdt = getattr(jnp, dtype)
+    with jax.default_device(jax.devices(device)[0]):
+        xj, wj, ij = jnp.asarray(x, jdt), jnp.asarray(w), jnp.asarray(idx)
+
+        def loss(x, w, fp8):
+            rx, _, h = mj.ll_dispatch(group, x, ij, w, fp8=fp8, dequantize=fp8)
+            out = mj.ll_combine(h, rx * 2)
+            return ((rx.astype(jnp.float32) * g_rx).sum() + (out.astype(jnp.float32) * g_out).sum(), rx)
+
+        (_, rx8), g8 = jax.jit(jax.value_and_grad(lambda x, w: loss(x, w, True), argnums=(0, 1), has_aux=True))(xj, wj)
+        rx8 = np.asarray(rx8, np.float32)
+        # straight-through: the float path's gradients for the same cotangents (the quantized rows enter only
+        # combine's weight gradient, so take the combine term at the FP8 rows for both)
+        (_, _), gf = jax.jit(jax.value_and_grad(lambda x, w: loss(x, w, False), argnums=(0, 1), has_aux=True))(xj, wj)
+    valid = _valid(idx)
+    q, s = moe_rt.quantize_fp8(np.asarray(xj))
+    deq = np.asarray(moe_rt.dequantize_fp8(q, s, dtype=np.dtype(jdt)), np.float32)
+    want = np.zeros((E, TMAX, H), np.float32)
+    want[:, :T] = deq[None]
+    np.testing.assert_array_equal(rx8[valid], want[valid])
+    assert not rx8[~valid].any()
+    np.testing.assert_array_equal(np.asarray(g8[0], np.float32), np.asarray(gf[0], np.float32))
+    # the weights' gradient: combine's takes the rows it was given (FP8-rounded here), so compare with tolerance
+    np.testing.assert_allclose(np.asarray(g8[1]), np.asarray(gf[1]), rtol=0.1, atol=0.1 * float(np.abs(gf[1]).max()))
+
+
+def test_jax_ll_fp8_flags_refused(rng):
+    T = 5
+    x, idx, w = (rng.standard_normal((T, H)).astype(np.float32), _routing(rng, T),
+                 rng.random((T, K)).astype(np.float32))
+    group = moe_rt.LowLatencyGroup(None, E, H, TMAX, topk=K, dtype="float32", fp8=True)
+    with pytest.raises(ValueError, match=r"LowLatencyGroup\.dispatch\(x, topk_idx, topk_weights, fp8=True\)"):
+        mj.ll_dispatch(group, x, idx, w, fp8=True)
+    with pytest.raises(ValueError, match="dequantize: only meaningful with fp8=True"):
+        mj.ll_dispatch(group, x, idx, w, dequantize=True)
+    with pytest.raises(TypeError, match="a float array"):
+        mj.ll_dispatch(group, moe_rt.quantize_fp8(x), idx, w, fp8=True, dequantize=True)
+    with pytest.raises(ValueError, match="no FP8 receive buffers"):
+        mj.ll_dispatch(moe_rt.LowLatencyGroup(None, E, H, TMAX, topk=K, dtype="float32"), x, idx, w, fp8=True,
+                       dequantize=True)
 
 
 def test_jax_ll_ops_chained_in_program_order(monkeypatch):
@@ -753,8 +823,7 @@ def test_demo_low_latency_flag_checks():
 
     for argv, msg in ((["--ep-mode", "low_latency"], "--ep N"),
                       (["--ep", "2", "--ep-mode", "low_latency", "--tokens", "1025"], "1024"),
-                      (["--fp8"], "--fp8"),
-                      (["--ep", "2", "--ep-mode", "low_latency", "--fp8", "--framework", "jax"], "torch only")):
+                      (["--fp8"], "--fp8")):
         r = subprocess.run([sys.executable, "-m", "moe_rt", "demo", "--cpu"] + argv, capture_output=True,
                            text=True, timeout=120)
         assert r.returncode == 2 and msg in r.stderr + r.stdout, (argv, r.stdout, r.stderr)

@@ -364,27 +364,31 @@ int main(void) {
   f.args.size = 3; f.args.types = at; f.args.args = dargs;
   f.rets.struct_size = XLA_FFI_Rets_STRUCT_SIZE;
   f.rets.size = 7; f.rets.types = rt; f.rets.rets = drets;
-  /* attributes, sorted by name as XLA gives them */
-  static const char* names[4] = {"device", "group", "group_serial", "zero_empty_slots"};
-  int32_t dev_attr = 0, zero = 1;
+  /* attributes (the handlers look them up by name): the group's, then dispatch's two */
+  static const char* names[5] = {"device", "group", "group_serial", "zero_empty_slots", "fp8"};
+  int32_t dev_attr = 0, zero = 1, fp8 = 0, one = 1, two = 2;
   int64_t bad_address = address + 4096;
-  XLA_FFI_ByteSpan spans[4];
-  XLA_FFI_ByteSpan* span_ptrs[4];
-  XLA_FFI_Scalar sc[4] = {{XLA_FFI_DataType_S32, &dev_attr}, {XLA_FFI_DataType_S64, &address},
-                          {XLA_FFI_DataType_S64, &serial}, {XLA_FFI_DataType_S32, &zero}};
-  void* attrs[4];
-  XLA_FFI_AttrType types[4];
-  for (int i = 0; i < 4; ++i) {
+  XLA_FFI_ByteSpan spans[5];
+  XLA_FFI_ByteSpan* span_ptrs[5];
+  XLA_FFI_Scalar sc[5] = {{XLA_FFI_DataType_S32, &dev_attr}, {XLA_FFI_DataType_S64, &address},
+                          {XLA_FFI_DataType_S64, &serial}, {XLA_FFI_DataType_S32, &zero},
+                          {XLA_FFI_DataType_S32, &fp8}};
+  void* attrs[5];
+  XLA_FFI_AttrType types[5];
+  for (int i = 0; i < 5; ++i) {
     spans[i].ptr = names[i]; spans[i].len = strlen(names[i]); span_ptrs[i] = &spans[i];
     attrs[i] = &sc[i];
     types[i] = XLA_FFI_AttrType_SCALAR;
   }
   f.attrs.struct_size = XLA_FFI_Attrs_STRUCT_SIZE;
-  f.attrs.size = 4; f.attrs.types = types; f.attrs.names = span_ptrs; f.attrs.attrs = attrs;
+  f.attrs.size = 5; f.attrs.types = types; f.attrs.names = span_ptrs; f.attrs.attrs = attrs;
 
   /* every check passes: the handler reaches XLA's device context (no kernel cache folder is set here) */
   report("dispatch valid", moe_rt_xla_ll_dispatch(&f));
   WITH(f.attrs.size, 3, "dispatch missing attribute", moe_rt_xla_ll_dispatch(&f));
+  WITH(f.attrs.size, 4, "dispatch missing fp8", moe_rt_xla_ll_dispatch(&f));
+  WITH(sc[4].value, &one, "dispatch fp8 valid", moe_rt_xla_ll_dispatch(&f));
+  WITH(sc[4].value, &two, "dispatch bad fp8", moe_rt_xla_ll_dispatch(&f));
   WITH(sc[1].value, &bad_address, "dispatch bad address", moe_rt_xla_ll_dispatch(&f));
   int64_t other_serial = serial + 1;
   WITH(sc[2].value, &other_serial, "dispatch bad serial", moe_rt_xla_ll_dispatch(&f));
@@ -470,6 +474,11 @@ def test_ll_handlers_with_hand_built_call_frames(built, tmp_path):
         got = lines[f"{op} valid"]
         assert got.startswith("code=5 ") and "no kernel cache folder" in got, (op, got)
     assert "moe_rt_xla_ll_dispatch: attribute zero_empty_slots is missing" in lines["dispatch missing attribute"]
+    assert "moe_rt_xla_ll_dispatch: attribute fp8 is missing" in lines["dispatch missing fp8"]
+    got = lines["dispatch fp8 valid"]  # fp8 = 1 passes the handler's checks too
+    assert got.startswith("code=5 ") and "no kernel cache folder" in got, got
+    assert lines["dispatch bad fp8"].startswith("code=3 ") and "attribute fp8: expected 0 or 1, got 2" in lines[
+        "dispatch bad fp8"]
     for case in ("dispatch bad address", "dispatch bad serial", "combine_bwd after destroy"):
         got = lines[case]
         assert got.startswith("code=3 ") and "no live low-latency group at address 0x" in got, (case, got)
