@@ -186,25 +186,29 @@ def test_torch_ll_fp8_dequantized_straight_through(device, dtype, T, rng):
     np.testing.assert_allclose(wt2.grad.cpu().numpy(), gw_p.cpu().numpy(), rtol=1e-6, atol=1e-6)
 
 
-def test_torch_ll_fp8_flags_refused(rng):
-    idx = torch.tensor(_routing(rng, 5))
-    x = torch.randn(5, H)
-    w = torch.rand(5, K)
+@pytest.mark.parametrize("fw", ["torch", "jax"])
+def test_ll_fp8_flags_refused(fw, rng):
+    """The adapters' FP8 flags: the differentiable form only (fp8 with dequantize), a group with FP8 buffers; torch
+    also takes a pre-quantized pair (its arity and flag checked as the group checks them), JAX a float x only."""
+    mod, arr = (mt, torch.tensor) if fw == "torch" else (mj, jnp.asarray)
+    idx, x = arr(_routing(rng, 5)), arr(rng.standard_normal((5, H)).astype(np.float32))
+    w = arr(rng.random((5, K)).astype(np.float32))
     group = moe_rt.LowLatencyGroup(None, E, H, TMAX, topk=K, dtype="float32", fp8=True)
-    with pytest.raises(ValueError, match=r"LowLatencyGroup\.dispatch\(x, topk_idx, topk_weights, fp8=True\)"):
-        mt.ll_dispatch(group, x, idx, w, fp8=True)
-    with pytest.raises(ValueError, match="dequantize: only meaningful with fp8=True"):
-        mt.ll_dispatch(group, x, idx, w, dequantize=True)
-    with pytest.raises(TypeError, match="fp8: expected a bool"):
-        mt.ll_dispatch(group, x, idx, w, fp8=1, dequantize=True)
-    xq, xs = moe_rt.quantize_fp8(x)
-    with pytest.raises(TypeError, match="pass fp8=True"):
-        mt.ll_dispatch(group, (xq, xs), idx, w)
-    with pytest.raises(TypeError, match="an array \\[T,H\\] or an \\(x_fp8, scales\\) pair"):
-        mt.ll_dispatch(group, (xq, xs, xs), idx, w, fp8=True, dequantize=True)
     plain = moe_rt.LowLatencyGroup(None, E, H, TMAX, topk=K, dtype="float32")
-    with pytest.raises(ValueError, match="no FP8 receive buffers"):
-        mt.ll_dispatch(plain, x, idx, w, fp8=True, dequantize=True)
+    xq, xs = moe_rt.quantize_fp8(x)
+    cases = [((group, x), dict(fp8=True), ValueError, r"LowLatencyGroup\.dispatch\(x, topk_idx, topk_weights, fp8=True\)"),
+             ((group, x), dict(dequantize=True), ValueError, "dequantize: only meaningful with fp8=True"),
+             ((group, x), dict(fp8=1, dequantize=True), TypeError, "fp8: expected a bool"),
+             ((plain, x), dict(fp8=True, dequantize=True), ValueError, "no FP8 receive buffers")]
+    if fw == "torch":
+        cases += [((group, (xq, xs)), {}, TypeError, "pass fp8=True"),
+                  ((group, (xq, xs, xs)), dict(fp8=True, dequantize=True), TypeError,
+                   "an array \\[T,H\\] or an \\(x_fp8, scales\\) pair")]
+    else:
+        cases += [((group, (xq, xs)), dict(fp8=True, dequantize=True), TypeError, "a float array")]
+    for (g, xin), kw, exc, msg in cases:
+        with pytest.raises(exc, match=msg):
+            mod.ll_dispatch(g, xin, idx, w, **kw)
 
 
 @pytest.mark.parametrize("device", TORCH_DEVICES)
@@ -665,22 +669,6 @@ def test_jax_ll_fp8_dequantized_straight_through(device, dtype, rng):
     np.testing.assert_array_equal(np.asarray(g8[0], np.float32), np.asarray(gf[0], np.float32))
     # the weights' gradient: combine's takes the rows it was given (FP8-rounded here), so compare with tolerance
     np.testing.assert_allclose(np.asarray(g8[1]), np.asarray(gf[1]), rtol=0.1, atol=0.1 * float(np.abs(gf[1]).max()))
-
-
-def test_jax_ll_fp8_flags_refused(rng):
-    T = 5
-    x, idx, w = (rng.standard_normal((T, H)).astype(np.float32), _routing(rng, T),
-                 rng.random((T, K)).astype(np.float32))
-    group = moe_rt.LowLatencyGroup(None, E, H, TMAX, topk=K, dtype="float32", fp8=True)
-    with pytest.raises(ValueError, match=r"LowLatencyGroup\.dispatch\(x, topk_idx, topk_weights, fp8=True\)"):
-        mj.ll_dispatch(group, x, idx, w, fp8=True)
-    with pytest.raises(ValueError, match="dequantize: only meaningful with fp8=True"):
-        mj.ll_dispatch(group, x, idx, w, dequantize=True)
-    with pytest.raises(TypeError, match="a float array"):
-        mj.ll_dispatch(group, moe_rt.quantize_fp8(x), idx, w, fp8=True, dequantize=True)
-    with pytest.raises(ValueError, match="no FP8 receive buffers"):
-        mj.ll_dispatch(moe_rt.LowLatencyGroup(None, E, H, TMAX, topk=K, dtype="float32"), x, idx, w, fp8=True,
-                       dequantize=True)
 
 
 def test_jax_ll_ops_chained_in_program_order(monkeypatch):
