@@ -51,6 +51,17 @@ def check_fp8_flags(fp8, dequantize) -> None:
         raise ValueError("dequantize: only meaningful with fp8=True")
 
 
+def check_ll_fp8(group, fp8, dequantize) -> None:
+    """The FP8 flags of a differentiable low-latency dispatch (moe_rt.torch / moe_rt.jax ``ll_dispatch``): the
+    dequantized form only (the codes carry no gradient), on a group with FP8 receive buffers."""
+    check_fp8_flags(fp8, dequantize)
+    if fp8 and not dequantize:
+        raise ValueError("fp8=True without dequantize=True: the FP8 codes and scales carry no gradient; take them "
+                         "from LowLatencyGroup.dispatch(x, topk_idx, topk_weights, fp8=True), or pass "
+                         "dequantize=True for the differentiable form")
+    group._check_fp8(fp8)
+
+
 def check_pair_arity(x, fp8) -> None:
     """``x`` given as a tuple/list: an ``(x_fp8, scales)`` pair, and only with ``fp8=True``."""
     if len(x) != 2:

@@ -699,13 +699,7 @@ def ll_dispatch(group, x, topk_idx, topk_weights, *, zero_empty_slots: bool = Tr
         ``x`` and to ``topk_weights`` (through :func:`ll_combine` and ``handle.slot_weights``).
     """
     gid = _ll_register(group)
-    _A.check_fp8_flags(fp8, dequantize)
-    if fp8 and not dequantize:
-        raise ValueError("fp8=True without dequantize=True: the FP8 codes and scales carry no gradient; take them "
-                         "from LowLatencyGroup.dispatch(x, topk_idx, topk_weights, fp8=True), or pass "
-                         "dequantize=True for the differentiable form")
-    if fp8 and not group.fp8:
-        raise ValueError("fp8: this group has no FP8 receive buffers; create it with LowLatencyGroup(..., fp8=True)")
+    _A.check_ll_fp8(group, fp8, dequantize)
     if isinstance(x, (tuple, list)):
         raise TypeError("x: moe_rt.jax.ll_dispatch takes a float array [T,H] (with fp8=True quantized in the push); "
                         "a pre-quantized (x_fp8, scales) pair goes to LowLatencyGroup.dispatch")

@@ -505,11 +505,7 @@ def ll_dispatch(group, x, topk_idx: Tensor, topk_weights: Tensor, *, copy: bool 
     sequence of these ops, forward and backward.
     """
     _ll_group(group)
-    _A.check_fp8_flags(fp8, dequantize)
-    if fp8 and not dequantize:
-        raise ValueError("fp8=True without dequantize=True: the FP8 codes and scales carry no gradient; take them "
-                         "from LowLatencyGroup.dispatch(x, topk_idx, topk_weights, fp8=True), or pass "
-                         "dequantize=True for the differentiable form")
+    _A.check_ll_fp8(group, fp8, dequantize)
     scales = None
     if isinstance(x, (tuple, list)):
         _A.check_pair_arity(x, fp8)

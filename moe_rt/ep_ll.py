@@ -585,6 +585,11 @@ class LowLatencyGroup:
         _errors.raise_pending(self.device, s)
 
     # -- checks ----------------------------------------------------------------------------------------
+    def _check_fp8(self, fp8):
+        if fp8 and not self.fp8:
+            raise ValueError("fp8: this group has no FP8 receive buffers; create it with "
+                             "LowLatencyGroup(..., fp8=True)")
+
     def _call_checks(self, call, op):
         if call.backend == "cpu":
             if self.size > 1:
@@ -715,9 +720,7 @@ class LowLatencyGroup:
         pair = isinstance(x, (tuple, list))
         if pair:
             _ep_adapt.check_pair_arity(x, fp8)
-        if fp8 and not self.fp8:
-            raise ValueError("fp8: this group has no FP8 receive buffers; create it with "
-                             "LowLatencyGroup(..., fp8=True)")
+        self._check_fp8(fp8)
         arrays = ({"x_fp8": x[0], "scales": x[1], "topk_idx": topk_idx, "topk_weights": topk_weights} if pair
                   else {"x": x, "topk_idx": topk_idx, "topk_weights": topk_weights})
         with _arrays.Call(arrays, stream=stream, lean=True) as call:
