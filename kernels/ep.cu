@@ -38,7 +38,8 @@ __device__ __forceinline__ unsigned long long global_timer_ns() {
 // loads and stores before it issued). The points (ep_ll_dispatch and ep_ll_dispatch_fp8 / ep_ll_combine):
 //   0 entry, 1 after block_epoch, 2 first push item's start, 3 first push item's rows start (after its row
 //   table), 4 last push item's rows issued, 5 last push item's flags signaled;
-//   dispatch: 6 flag wait start, 7 flag wait end, 8 dedup copies end, 9 slot tables end, 10 exit;
+//   dispatch: 6 flag wait start, 7 flag wait end, 8 dedup copies (or FP8 dequantization) end, 9 slot tables
+//   end, 10 exit;
 //   combine: 6 owner items start, 7 first owner item's flags acquired, 8 last owner item's flags acquired,
 //   9 owner sums issued, 10 exit;
 //   ep_prepare_direct: 0 entry, 1 routing copied, 2 chunk counts done, 3 after the first grid barrier, 4 chunks
@@ -1871,65 +1872,16 @@ struct LlRoute {
   }
 };
 
-// The local expert whose slot of token row `rrow` carries its row on this rank with the dedup split (the
-// first k with a local expert; -1 if none), found by one warp (every lane gets it).
-__device__ __forceinline__ int ll_warp_first_local(const int* rrow, int K, int lane) {
-  for (int k0 = 0; k0 < K; k0 += 32) {
-    const int v = k0 + lane < K ? __ldcg(rrow + k0 + lane) : -1;
-    const unsigned m = __ballot_sync(0xffffffffu, v >= 0);
-    if (m) return __shfl_sync(0xffffffffu, v, __ffs(m) - 1);
-  }
-  return -1;
-}
-
-// The receiving side's dequantization of local expert l's valid slots (slot_k >= 0; one warp a row):
-// recv[l][j][h] = store_as<T>(mul_rn(e4m3 recv_q[l'][j][h], recv_s[l'][j][h / 128])) (dequantize_fp8's rule),
-// l' = l, or with the dedup split (by_route) the token's first local expert, whose slot its codes and
-// scales landed in (the other slots' copies are not made when dequantizing: nothing returns them).
-// The codes and scales were written by peers before the flags this block acquired: read past L1 (ldcg).
-template <typename T, bool VEC>
-__device__ __forceinline__ void ll_dequantize_rows(const unsigned char* recv_q, const float* recv_s, T* recv,
-                                                   const int* slot_k, int l, i64 RT, i64 H, int S,
-                                                   LlRoute route, bool by_route, int Tmax, int K) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-  for (i64 j = warp; j < RT; j += nw) {
-    if (slot_k[j] < 0) continue;
-    int ls = l;
-    if (by_route) {
-      const int s = (int)(j / Tmax);
-      ls = ll_warp_first_local(route.row(s, (int)(j - (i64)s * Tmax), K), K, lane);
-    }
-    const unsigned char* q = recv_q + ((i64)ls * RT + j) * H;
-    const float* sc = recv_s + ((i64)ls * RT + j) * S;
-    T* y = recv + ((i64)l * RT + j) * H;
-    if constexpr (VEC) {
-      for (i64 c = (i64)lane * LL_FP8_CH; c < H; c += 32 * LL_FP8_CH) {
-        const uint4 raw = __ldcg(reinterpret_cast<const uint4*>(q + c));
-        const unsigned char* b = reinterpret_cast<const unsigned char*>(&raw);
-        const float s = __ldcg(sc + c / LL_FP8_BLOCK);
-#pragma unroll
-        for (int j2 = 0; j2 < LL_FP8_CH; j2 += Vec<T>::N) {
-          Vec<T> v;
-#pragma unroll
-          for (int q2 = 0; q2 < Vec<T>::N; ++q2) v.v[q2] = store_as<T>(mul_rn(from_e4m3(b[j2 + q2]), s));
-          store_vec(y + c + j2, v);
-        }
-      }
-    } else {
-      for (i64 c = lane; c < H; c += 32)
-        y[c] = store_as<T>(mul_rn(from_e4m3(__ldcg(q + c)), __ldcg(sc + c / LL_FP8_BLOCK)));
-    }
-  }
-}
-
-// The receiving side's copies of the dedup split, by the whole block: rows dst[i] = src[i] (i < n; row indices
-// in units of `units` U from base), the (row, unit) pairs spread over every thread with LL_UNROLL loads in
-// flight. The sources were written by peers before the flags this block acquired: read past L1 (ldcg).
-template <typename U>
-__device__ __forceinline__ void ll_block_copy(U* base, i64 units, const i64* src, const i64* dst, int n) {
+// The receiving side's row moves, by the whole block: for i < n, unit o of row dst[i] = f(unit o of row
+// src[i]) (rows of `units` units), the (row, unit) pairs spread over every thread with LL_UNROLL loads in
+// flight: v = load(src row, o) for each, then store(dst row * units + o, v). The sources were written by peers
+// before the flags this block acquired: the loads read past L1 (ldcg).
+template <typename V, typename Load, typename Store>
+__device__ __forceinline__ void ll_block_move(i64 units, const i64* src, const i64* dst, int n, Load load,
+                                              Store store) {
   const i64 total = (i64)n * units;
   for (i64 i0 = threadIdx.x; i0 < total; i0 += (i64)blockDim.x * LL_UNROLL) {
-    U v[LL_UNROLL];
+    V v[LL_UNROLL];
     i64 at[LL_UNROLL];
 #pragma unroll
     for (int u = 0; u < LL_UNROLL; ++u) {
@@ -1937,14 +1889,57 @@ __device__ __forceinline__ void ll_block_copy(U* base, i64 units, const i64* src
       at[u] = -1;
       if (i < total) {
         const i64 q = i / units, o = i - q * units;
-        v[u] = __ldcg(base + src[q] * units + o);
+        v[u] = load(src[q], o);
         at[u] = dst[q] * units + o;
       }
     }
 #pragma unroll
     for (int u = 0; u < LL_UNROLL; ++u)
-      if (at[u] >= 0) base[at[u]] = v[u];
+      if (at[u] >= 0) store(at[u], v[u]);
   }
+}
+
+// The dedup split's copies: rows dst[i] = src[i] (i < n; row indices in units of `units` U from base).
+template <typename U>
+__device__ __forceinline__ void ll_block_copy(U* base, i64 units, const i64* src, const i64* dst, int n) {
+  ll_block_move<U>(units, src, dst, n, [&](i64 r, i64 o) { return __ldcg(base + r * units + o); },
+                   [&](i64 at, U v) { base[at] = v; });
+}
+
+// The dequantization of FP8 rows (codes q [., H], scales sc [., S]) into rows of y [., H]: y row dst[i] =
+// dequantize(row src[i]) (dequantize_fp8's rule: store_as<T>(mul_rn(e4m3 code, its block's scale))), in
+// groups of 16 codes (VEC) or single codes.
+struct LlCodes {
+  uint4 raw;
+  float scale;
+};
+template <typename T, bool VEC>
+__device__ __forceinline__ void ll_block_dequant(const unsigned char* q, const float* sc, T* y, i64 H, int S,
+                                                 const i64* src, const i64* dst, int n) {
+  constexpr int G = VEC ? LL_FP8_CH : 1;  // codes a unit
+  ll_block_move<LlCodes>(
+      H / G, src, dst, n,
+      [&](i64 r, i64 o) {
+        LlCodes v;
+        if constexpr (VEC) v.raw = __ldcg(reinterpret_cast<const uint4*>(q + r * H) + o);
+        else v.raw.x = __ldcg(q + r * H + o);
+        v.scale = __ldcg(sc + r * S + o * G / LL_FP8_BLOCK);
+        return v;
+      },
+      [&](i64 at, const LlCodes& v) {  // unit `at` of y: codes at * G onwards
+        const unsigned char* b = reinterpret_cast<const unsigned char*>(&v.raw);
+        if constexpr (VEC) {
+#pragma unroll
+          for (int j = 0; j < G; j += Vec<T>::N) {
+            Vec<T> w;
+#pragma unroll
+            for (int e = 0; e < Vec<T>::N; ++e) w.v[e] = store_as<T>(mul_rn(from_e4m3(b[j + e]), v.scale));
+            store_vec(y + at * G + j, w);
+          }
+        } else {
+          y[at] = store_as<T>(mul_rn(from_e4m3(b[0]), v.scale));
+        }
+      });
 }
 
 // Unsigned units of a float element (the non-vector copies of ll_block_copy).
@@ -1973,15 +1968,17 @@ template <> struct LlUnit<4> { typedef unsigned type; };
 // chunk; then, when slot_k is given, slot_k[l][j] = the first k of source s = j / Tmax's token t = j % Tmax
 // (< T_s) with local expert l, or -1, slot_w[l][j] = the fp32 sum of those slots' weights (k ascending; 0
 // when invalid), counts[l] = the valid slots; route_out (a share of [R, Tmax, K] per item) = route with the
-// rows t >= T_s as -1; FP8 with `dequant`: the valid rows of l dequantized from recv_q / recv_s into recv
-// (ll_dequantize_rows; with the dedup split from the token's pushed slot).
+// rows t >= T_s as -1.
 // The dedup split's copies (the receive phase, before the expert items' wait): every block, expert item or not,
 // takes a contiguous share of the R*Tmax token columns j, waits for the flags of the chunks those columns lie
 // in (and chunk 0 of their sources, which carries T_s; so each copying block has itself acquired the flag of
 // every row it reads, and copies while other chunks still arrive) and, for each token (s, t) with the route's
 // local experts l0 (its first k's) and l (a later k's, distinct from l0 and from earlier k's), copies row
-// (l0, j) to (l, j): recv rows, or FP8 codes and scales (not with `dequant`: the dequantization reads the
-// pushed slot and nothing returns the codes). The route: the table this launch's pushes wrote (meta), or
+// (l0, j) to (l, j): recv rows, or FP8 codes and scales. FP8 with `dequant` takes the same pass (with or
+// without the dedup split) and dequantizes instead: every valid slot (l, j) of recv from its pushed slot's
+// codes and scales ((l0, j), or (l, j) without the split; ll_block_dequant), the codes' copies not made
+// (nothing returns them), so the dequantization runs on every block as the chunks land. The route: the table
+// this launch's pushes wrote (meta), or
 // recv_route (a launch without meta, combine_bwd: the handle's route [R, Tmax, K]; without it the pushes stay
 // per expert).
 // phases: LL_PUSH | LL_RECEIVE in one launch, or split (a receive hook): the push launch records its epoch in
@@ -2131,9 +2128,12 @@ __device__ __forceinline__ void ll_dispatch(
   // (l, j), l != l0, are no peer's in this launch (the dedup split pushes t's row to one slot of this rank)
   // nor zero_k's (valid slots), so the copies need no other chunk. Then the expert items wait for every chunk
   // of every rank (each rank's flags [0][s][c] for c < NC): the slot tables, counts and route_out read every
-  // source's whole route, the dequantization every pushed row. The loads after a wait read past L1 (__ldcg),
-  // as the acquiring thread may differ from the reading one.
-  const bool copies = dd && !(FP8 && dequant);  // dequantizing reads the pushed slot instead
+  // source's whole route. The loads after a wait read past L1 (__ldcg), as the acquiring thread may differ
+  // from the reading one. FP8 rows asked dequantized take the same pass over the columns: each valid slot
+  // (l, j) of the group's dtype is dequantized from the codes and scales of its pushed slot (l0, j) (l0 = l
+  // without the dedup split), the copies of the codes not made (nothing returns them).
+  const bool deq = FP8 && dequant != 0;  // FP8 launches are dispatch's: meta, so a route to read
+  const bool copies = dd || deq;
   if (blockIdx.x >= L && !copies) {
     LL_TRACE(10);
     return;
@@ -2171,7 +2171,11 @@ __device__ __forceinline__ void ll_dispatch(
           if (l0 < 0) l0 = v;
           dup = dup || v == l;
         }
-        if (l0 < 0 || dup) continue;  // the pushed slot itself, or a repeat of an earlier k's expert
+        if (dup) continue;  // a repeat of an earlier k's expert
+        if (!dd || l0 < 0) {  // l's own pushed slot: dequantized in place of l, else nothing to copy
+          if (!deq) continue;
+          l0 = l;
+        }
         const int n = atomicAdd(&s_nc, 1);  // the list's order does not matter: distinct destinations
         s_csrc[n] = (i64)l0 * RT + j;
         s_cdst[n] = (i64)l * RT + j;
@@ -2180,9 +2184,14 @@ __device__ __forceinline__ void ll_dispatch(
       const int n = s_nc;
       if constexpr (FP8) {
         unsigned char* q = reinterpret_cast<unsigned char*>(peer_recv_q[me]);
-        if constexpr (VEC) ll_block_copy<uint4>(reinterpret_cast<uint4*>(q), H / 16, s_csrc, s_cdst, n);
-        else ll_block_copy<unsigned char>(q, H, s_csrc, s_cdst, n);
-        ll_block_copy<float>(reinterpret_cast<float*>(peer_recv_s[me]), S, s_csrc, s_cdst, n);
+        float* qs = reinterpret_cast<float*>(peer_recv_s[me]);
+        if (deq) {
+          ll_block_dequant<T, VEC>(q, qs, my_recv, H, S, s_csrc, s_cdst, n);
+        } else {
+          if constexpr (VEC) ll_block_copy<uint4>(reinterpret_cast<uint4*>(q), H / 16, s_csrc, s_cdst, n);
+          else ll_block_copy<unsigned char>(q, H, s_csrc, s_cdst, n);
+          ll_block_copy<float>(qs, S, s_csrc, s_cdst, n);
+        }
       } else if constexpr (VEC) {
         ll_block_copy<uint4>(reinterpret_cast<uint4*>(my_recv), H / Vec<T>::N, s_csrc, s_cdst, n);
       } else {
@@ -2225,12 +2234,6 @@ __device__ __forceinline__ void ll_dispatch(
         cnt += __syncthreads_count(kf >= 0);
       }
       if (threadIdx.x == 0) counts[l] = cnt;
-      if constexpr (FP8) {
-        if (dequant)  // slot_k's row of l is this block's own writes, ordered by __syncthreads_count
-          ll_dequantize_rows<T, VEC>(reinterpret_cast<const unsigned char*>(peer_recv_q[me]),
-                                     reinterpret_cast<const float*>(peer_recv_s[me]), my_recv,
-                                     slot_k + (i64)l * RT, l, RT, H, S, rt, dd, Tmax, K);
-      }
     }
     if (route_out != nullptr) {
       const i64 n = RT * K, lo = n * l / L, hi = n * (l + 1) / L;
