@@ -1321,8 +1321,11 @@ __device__ __forceinline__ void warp_expand_row(const U* __restrict__ src, const
 // from x: the own rows never go through a stage; their weights go to the own weight stage), then the
 // chunks of each source s != me (chunk-major), each after its flag: stage row s*P + j -> out[dst_row[r][k]]
 // with r = recv_off[s] + j the row's place in the handle's received-row layout. out == nullptr: the own rows
-// are copied into the own stage and the other chunks only waited for (the caller reads the stage). A block alternates: one push item,
-// then one expand item if it is ready; once its pushes are done it waits for its remaining expand items.
+// are copied into the own stage and the other chunks only waited for (the caller reads the stage). Blocks
+// b < Pb = min(push items, G/2) push (items b, b + Pb, ...); expand item i goes to block (i + Pb) % G, so the
+// blocks that do not push begin with the own share while the pushes hold the link. A pushing block
+// alternates: one push item, then one expand item if it is ready; once its pushes are done it waits for its
+// remaining expand items.
 // One warp per row; blockDim.x a multiple of 32. Only the ranks of this rank's node [lo, hi) are pushed to
 // and expanded from (the direct transport: [0, R); the mixed transport moves the other pairs through NCCL
 // into the same expert-major rows). The expanded rows go through the Sink (ep_expand_rows: RowCopy into out,
@@ -1403,10 +1406,15 @@ __global__ void __launch_bounds__(512) ep_direct_dispatch(
   };
   auto has_rows = [&](int s, int c) { return c * C < min(recv_counts[s], P); };
 
-  int pi = blockIdx.x, ei = blockIdx.x;
+  // At most half the grid pushes; the rest starts with the own share's expand items (their order rotated by
+  // Pb), so the HBM work of the own rows runs while the pushes hold the link instead of after them (with
+  // every block pushing first, the own expansion waited for the pushes' stores to drain)
+  const int G = gridDim.x, Pb = min(n_push, max(1, G / 2));
+  const int rot = Pb < G ? Pb : 0;
+  int pi = blockIdx.x < Pb ? blockIdx.x : n_push, ei = (blockIdx.x + G - rot) % G;
   while (pi < n_push) {
     push(pi);
-    pi += gridDim.x;
+    pi += Pb;
     if (ei < n_exp) {
       int s, c;
       exp_src(ei, s, c);
