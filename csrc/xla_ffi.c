@@ -969,7 +969,7 @@ static XLA_FFI_Error* ll_call(XLA_FFI_CallFrame* f, const char* op, ll_body body
 static XLA_FFI_Error* ll_dispatch_body(const frame* fr, ll_frame* l) {
   int zero = 0, fp8 = 0;
   TRY(attr_int(fr, "zero_empty_slots", &zero));
-  TRY(attr_int(fr, "fp8", &fp8)); /* 1: FP8 rows quantized in the push, dequantized on arrival into recv */
+  TRY(attr_int(fr, "fp8", &fp8));
   if (fp8 != 0 && fp8 != 1)
     return fail(fr, XLA_FFI_Error_Code_INVALID_ARGUMENT, "attribute fp8: expected 0 or 1, got %d", fp8);
   TRY(counts(fr, 3, 7));

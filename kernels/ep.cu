@@ -1323,7 +1323,8 @@ __device__ __forceinline__ void warp_expand_row(const U* __restrict__ src, const
 // with r = recv_off[s] + j the row's place in the handle's received-row layout. out == nullptr: the own rows
 // are copied into the own stage and the other chunks only waited for (the caller reads the stage). Blocks
 // b < Pb = min(push items, G/2) push (items b, b + Pb, ...); expand item i goes to block (i + Pb) % G, so the
-// blocks that do not push begin with the own share while the pushes hold the link. A pushing block
+// blocks that do not push begin with the own share while the pushes hold the link (with every block pushing
+// first, the own rows' expansion waited for the pushes' stores to drain). A pushing block
 // alternates: one push item, then one expand item if it is ready; once its pushes are done it waits for its
 // remaining expand items.
 // One warp per row; blockDim.x a multiple of 32. Only the ranks of this rank's node [lo, hi) are pushed to
@@ -1406,12 +1407,9 @@ __global__ void __launch_bounds__(512) ep_direct_dispatch(
   };
   auto has_rows = [&](int s, int c) { return c * C < min(recv_counts[s], P); };
 
-  // At most half the grid pushes; the rest starts with the own share's expand items (their order rotated by
-  // Pb), so the HBM work of the own rows runs while the pushes hold the link instead of after them (with
-  // every block pushing first, the own expansion waited for the pushes' stores to drain)
+  // the schedule above: Pb pushing blocks, the expand items rotated by Pb
   const int G = gridDim.x, Pb = min(n_push, max(1, G / 2));
-  const int rot = Pb < G ? Pb : 0;
-  int pi = blockIdx.x < Pb ? blockIdx.x : n_push, ei = (blockIdx.x + G - rot) % G;
+  int pi = blockIdx.x < Pb ? blockIdx.x : n_push, ei = (blockIdx.x + G - Pb) % G;
   while (pi < n_push) {
     push(pi);
     pi += Pb;
@@ -2137,9 +2135,7 @@ __device__ __forceinline__ void ll_dispatch(
   // nor zero_k's (valid slots), so the copies need no other chunk. Then the expert items wait for every chunk
   // of every rank (each rank's flags [0][s][c] for c < NC): the slot tables, counts and route_out read every
   // source's whole route. The loads after a wait read past L1 (__ldcg), as the acquiring thread may differ
-  // from the reading one. FP8 rows asked dequantized take the same pass over the columns: each valid slot
-  // (l, j) of the group's dtype is dequantized from the codes and scales of its pushed slot (l0, j) (l0 = l
-  // without the dedup split), the copies of the codes not made (nothing returns them).
+  // from the reading one. FP8 rows asked dequantized take the same pass (the header above).
   const bool deq = FP8 && dequant != 0;  // FP8 launches are dispatch's: meta, so a route to read
   const bool copies = dd || deq;
   if (blockIdx.x >= L && !copies) {
