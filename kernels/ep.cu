@@ -1444,19 +1444,53 @@ __device__ __forceinline__ void store_rounded(T* p, const float* a) {
   }
 }
 
-// The combine direction in one kernel. Phase 1 (every pair, the own one too; chunk-major): for each received
-// row r = recv_off[s] + j of chunk c of the pair (s, me), the partial z = sum_k wk * y[dst_row[r][k]] (k
-// ascending, fp32 fused multiply-adds from 0, wk = w[r][k] or 1: the arithmetic of the permutation family's
-// combine) rounded to T, stored into rank s's stage row me*P + j (zw's K weight partials [rows,K] into its
-// weight stage), then rank s's flag me*P + c. Phase 2 (after a block's phase-1 items): tokens t < Tn in groups
-// of one per warp: out[t] = the fp32 sum over ranks q ascending of stage row q*P + send_pos[q][t] (each after
-// its chunk's flag), rounded once (ep_owner_sum's order); grad_w[t][k] from the weight stage row of the
-// rank of slot k's expert. One warp per row or token. Phase 1 serves the sources of this rank's node [lo, hi)
-// only, and phase 2 waits for the flags of those ranks only: the mixed transport has put the other ranks'
-// partials into this rank's stage (rows q*P + pos, through NCCL) before this kernel (the direct transport:
-// [0, R)).
+// The partial of a received row over this rank's experts for vector v of H/N: the sum of wk * y[drow[k]]
+// (k ascending, fp32 fused multiply-adds from 0, wk = wr[k] or 1 (wr == nullptr): the arithmetic of the
+// permutation family's combine), KU slots' loads in flight before their FMAs in k order.
 template <typename T, bool VEC>
-__global__ void __launch_bounds__(512) ep_direct_combine(
+__device__ __forceinline__ void row_partial(const T* __restrict__ y, const int* __restrict__ drow,
+                                            const float* __restrict__ wr, int K, i64 H, i64 v,
+                                            float (&acc)[VEC ? Vec<T>::N : 1]) {
+  constexpr int N = VEC ? Vec<T>::N : 1;
+  constexpr int KU = 4;
+#pragma unroll
+  for (int q = 0; q < N; ++q) acc[q] = 0.0f;
+  for (int k0 = 0; k0 < K; k0 += KU) {
+    int d[KU];
+    float wk[KU];
+    Vec<T> a[KU];
+#pragma unroll
+    for (int u = 0; u < KU; ++u) {
+      d[u] = k0 + u < K ? __ldg(drow + k0 + u) : -1;
+      wk[u] = d[u] >= 0 && wr != nullptr ? __ldg(wr + k0 + u) : 1.0f;
+    }
+#pragma unroll
+    for (int u = 0; u < KU; ++u) {
+      if (d[u] < 0) continue;
+      if constexpr (VEC) a[u] = load_vec(y + (i64)d[u] * H + v * N);
+      else a[u].v[0] = y[(i64)d[u] * H + v];
+    }
+#pragma unroll
+    for (int u = 0; u < KU; ++u) {
+      if (d[u] < 0) continue;
+#pragma unroll
+      for (int q = 0; q < N; ++q) acc[q] = fmaf(wk[u], to_float(a[u].v[q]), acc[q]);
+    }
+  }
+}
+
+// The combine direction in one kernel. Phase 1 (every pair, the own one too; chunk-major): for each received
+// row r = recv_off[s] + j of chunk c of the pair (s, me), the partial z = row_partial(r) rounded to T, stored
+// into rank s's stage row me*P + j (zw's K weight partials [rows,K] into its weight stage), then rank s's flag
+// me*P + c. Phase 2 (after a block's phase-1 items): tokens t < Tn in groups of one per warp: out[t] = the
+// fp32 sum over ranks q ascending of stage row q*P + send_pos[q][t] (each after its chunk's flag), rounded
+// once (ep_owner_sum's order); grad_w[t][k] from the weight stage row of the rank of slot k's expert. One
+// warp per row or token. Two blocks a multiprocessor (64 registers): the loads in flight bound the reduce
+// (docs/ep.md §2). Phase 1 serves the sources of this rank's node [lo, hi) only, and phase 2 waits for the
+// flags of those ranks only: the mixed transport has put the other ranks' partials into this rank's stage
+// (rows q*P + pos, through NCCL) before this kernel (the direct transport: [0, R)).
+template <typename T, bool VEC>
+__global__ void __launch_bounds__(512, 2) ep_direct_combine(
     const T* __restrict__ y, const float* __restrict__ w, const float* __restrict__ zw,
     const long long* __restrict__ peer_rows, const long long* __restrict__ peer_w,
     const long long* __restrict__ peer_flags, const int* __restrict__ dst_row, const int* __restrict__ send_pos,
@@ -1476,7 +1510,6 @@ __global__ void __launch_bounds__(512) ep_direct_combine(
   const int Rn = hi - lo;  // the node's ranks
   const int n_red = (rmax + C - 1) / C * Rn;
   constexpr int N = VEC ? Vec<T>::N : 1;
-  constexpr int KU = 4;  // slots whose rows are loaded together
   const i64 nv = H / N;
 
   auto reduce = [&](int item) {
@@ -1488,34 +1521,10 @@ __global__ void __launch_bounds__(512) ep_direct_combine(
     for (int j = j0 + warp; j < j1; j += nw) {
       const i64 r = (i64)recv_off[s] + j;
       const i64 row = (i64)me * P + j;
-      const int* drow = dst_row + r * K;
       T* o = dst + row * H;
       for (i64 v = lane; v < nv; v += 32) {
         float acc[N];
-#pragma unroll
-        for (int q = 0; q < N; ++q) acc[q] = 0.0f;
-        for (int k0 = 0; k0 < K; k0 += KU) {  // the loads of KU slots in flight, then their FMAs in k order
-          int d[KU];
-          float wk[KU];
-          Vec<T> a[KU];
-#pragma unroll
-          for (int u = 0; u < KU; ++u) {
-            d[u] = k0 + u < K ? __ldg(drow + k0 + u) : -1;
-            wk[u] = d[u] >= 0 && w != nullptr ? __ldg(w + r * K + k0 + u) : 1.0f;
-          }
-#pragma unroll
-          for (int u = 0; u < KU; ++u) {
-            if (d[u] < 0) continue;
-            if constexpr (VEC) a[u] = load_vec(y + (i64)d[u] * H + v * N);
-            else a[u].v[0] = y[(i64)d[u] * H + v];
-          }
-#pragma unroll
-          for (int u = 0; u < KU; ++u) {
-            if (d[u] < 0) continue;
-#pragma unroll
-            for (int q = 0; q < N; ++q) acc[q] = fmaf(wk[u], to_float(a[u].v[q]), acc[q]);
-          }
-        }
+        row_partial<T, VEC>(y, dst_row + r * K, w != nullptr ? w + r * K : nullptr, K, H, v, acc);
         store_rounded<T, VEC>(o + v * N, acc);
       }
       if (dw != nullptr)
