@@ -1324,9 +1324,9 @@ __device__ __forceinline__ void warp_expand_row(const U* __restrict__ src, const
 // are copied into the own stage and the other chunks only waited for (the caller reads the stage). Blocks
 // b < Pb = min(push items, G/2) push (items b, b + Pb, ...); expand item i goes to block (i + Pb) % G, so the
 // blocks that do not push begin with the own share while the pushes hold the link (with every block pushing
-// first, the own rows' expansion waited for the pushes' stores to drain). A pushing block
-// alternates: one push item, then one expand item if it is ready; once its pushes are done it waits for its
-// remaining expand items.
+// first, the own rows' expansion waited for the pushes' stores to drain). A pushing block alternates: one
+// push item, then one expand item if it is ready; once its pushes are done it waits for its remaining expand
+// items.
 // One warp per row; blockDim.x a multiple of 32. Only the ranks of this rank's node [lo, hi) are pushed to
 // and expanded from (the direct transport: [0, R); the mixed transport moves the other pairs through NCCL
 // into the same expert-major rows). The expanded rows go through the Sink (ep_expand_rows: RowCopy into out,
