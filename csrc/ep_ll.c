@@ -43,7 +43,39 @@ static void group_free(moe_rt_ll_group* g) {
 
 #define BAD(...) mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, __VA_ARGS__)
 
-static moe_rt_status check_desc(const moe_rt_ll_group_desc* d) {
+/* The NCCL transport's fields (check_desc's tail): the communicator's shape, each set's own regions. */
+static moe_rt_status check_nccl_desc(const moe_rt_ll_group_desc* d, int planning) {
+  static const char op[] = "moe_rt_ll_group_create";
+  if (d->num_ranks > 1 && !d->comm)
+    return BAD("%s: desc.comm is NULL; the NCCL transport of %d ranks needs the group's communicator", op,
+               d->num_ranks);
+  if (d->comm && !planning) { /* a planning context's made-up address is checked for NULL only */
+    int R = 0, rank = 0;
+    mrt_comm_shape(d->comm, &R, &rank);
+    if (R != d->num_ranks || rank != d->rank)
+      return BAD("%s: desc.comm has %d ranks and this rank at %d, but desc says %d ranks and rank %d", op, R, rank,
+                 d->num_ranks, d->rank);
+  }
+  for (int b = 0; b < d->num_buffers; ++b) {
+    const moe_rt_ll_buffer_set* s = &d->set[b];
+    const void* need[] = {s->recv, s->gather, s->gather_meta, s->back_send, s->back, s->bw_send, s->bw,
+                          d->fp8 ? s->recv_q : (const void*)1, d->fp8 ? (const void*)s->recv_s : (const void*)1,
+                          d->fp8 ? s->gather_q : (const void*)1, d->fp8 ? (const void*)s->gather_s : (const void*)1};
+    static const char* names[] = {"recv", "gather", "gather_meta", "back_send", "back", "bw_send", "bw",
+                                  "recv_q", "recv_s", "gather_q", "gather_s"};
+    for (int i = 0; i < 11; ++i)
+      if (!need[i]) return BAD("%s: desc.set[%d].%s is NULL%s", op, b, names[i], i >= 7 ? " (an fp8 group)" : "");
+    if (!d->fp8 && (s->recv_q || s->recv_s || s->gather_q || s->gather_s))
+      return BAD("%s: desc.set[%d]: recv_q, recv_s, gather_q and gather_s must be NULL when desc.fp8 is 0", op, b);
+    const void* all[] = {s->recv, s->gather, s->gather_meta, s->back_send, s->back, s->bw_send, s->bw, s->recv_q,
+                         s->recv_s, s->gather_q, s->gather_s};
+    for (int i = 0; i < 11; ++i)
+      if (!mrt_aligned16(all[i])) return BAD("%s: desc.set[%d].%s must be 16-byte aligned", op, b, names[i]);
+  }
+  return MOE_RT_SUCCESS;
+}
+
+static moe_rt_status check_desc(const moe_rt_ll_group_desc* d, int planning) {
   static const char op[] = "moe_rt_ll_group_create";
   const int64_t R = d->num_ranks, L = d->num_local_experts, Tmax = d->max_tokens_per_rank;
   if (R < 1 || R > LL_MAX_RANKS)
@@ -75,6 +107,10 @@ static moe_rt_status check_desc(const moe_rt_ll_group_desc* d) {
   if (d->sync != MOE_RT_LL_SYNC_BARRIER && d->sync != MOE_RT_LL_SYNC_PAIRWISE)
     return BAD("%s: desc.sync must be MOE_RT_LL_SYNC_BARRIER (0) or MOE_RT_LL_SYNC_PAIRWISE (1), got %d", op, d->sync);
   if (d->timeout_ns < 1) return BAD("%s: desc.timeout_ns must be > 0, got %lld", op, (long long)d->timeout_ns);
+  if (d->transport == MOE_RT_LL_TRANSPORT_NCCL) return check_nccl_desc(d, planning);
+  if (d->transport != MOE_RT_LL_TRANSPORT_DIRECT)
+    return BAD("%s: desc.transport must be MOE_RT_LL_TRANSPORT_DIRECT (0) or MOE_RT_LL_TRANSPORT_NCCL (1), got %d", op,
+               d->transport);
   for (int b = 0; b < d->num_buffers; ++b) {
     const moe_rt_ll_buffer_set* s = &d->set[b];
     const void* need[] = {s->recv, s->peer_recv, s->peer_route, s->peer_rw, s->peer_back, s->peer_bw,
@@ -99,7 +135,7 @@ moe_rt_status moe_rt_ll_group_create(moe_rt_context* ctx, const moe_rt_ll_group_
   moe_rt_status st;
   if ((st = mrt_check_ctx(ctx, op)) || (st = mrt_check_ptr(op, "out", out))) return st;
   *out = NULL;
-  if ((st = mrt_check_ptr(op, "desc", desc)) || (st = check_desc(desc))) return st;
+  if ((st = mrt_check_ptr(op, "desc", desc)) || (st = check_desc(desc, mrt_is_planning(ctx)))) return st;
   unsigned long long word = (unsigned long long)(uintptr_t)desc->error_word;
   if (!word && (st = mrt_error_word(ctx, &word))) return st;
   moe_rt_ll_group* g = calloc(1, sizeof *g);
@@ -338,6 +374,312 @@ static void push_kernel_args(const moe_rt_ll_group* g, const ll_key* k, const pu
   if (pairwise(g)) pairwise_args(g, a);
 }
 
+/* ---- the NCCL transport (desc.transport MOE_RT_LL_TRANSPORT_NCCL) ----------------------------------------- */
+/* Each op is its launches with one NCCL exchange of fixed size between them (kernels/ep.cu: ep_ll_nccl_*):
+ * dispatch: ep_ll_nccl_pack, the all-gather of the gather regions, ep_ll_nccl_expand (a split dispatch: the
+ * push is the pack and the all-gather, the receive the expand); combine_bwd: the pack of grad_out's rows, their
+ * all-gather, the expand's MODE 3, ep_ll_slot_dot with expert_out; the combine direction: ep_ll_nccl_reduce,
+ * the grouped send/recv of the back regions, ep_ll_nccl_owner. No barrier, epoch or flag: NCCL orders the
+ * collectives of the ranks, and every buffer is written and read in this rank's stream order. */
+
+#define NL_PACK_THREADS 512
+#define NL_THREADS 256    /* ep_ll_nccl_expand, _reduce, _owner: NL_WARPS warps */
+#define NL_PACK_TOKENS 4  /* kernels/ep.cu's */
+#define NL_SLICE 128      /* units of a row one warp moves (kernels/ep.cu's NL_SLICE) */
+
+enum { K_NL_DISPATCH = 4, K_NL_COMBINE = 5, K_NL_COMBINE_BWD = 6 };
+enum { NL_META = 1, NL_ROWS = 2, NL_CODES = 4 }; /* what an all-gather moves */
+
+static int nccl_transport(const moe_rt_ll_group* g) { return g->d.transport == MOE_RT_LL_TRANSPORT_NCCL; }
+
+static int64_t nl_meta_words(const moe_rt_ll_group_desc* d) {
+  return 4 + (int64_t)2 * d->max_tokens_per_rank * d->topk;
+}
+
+/* Slices of a row of H elements in units of `unit` elements (the kernels' ns). */
+static int64_t nl_slices(int64_t H, int unit) { return mrt_cdiv(H / unit, NL_SLICE); }
+
+static moe_rt_status nl_plan_kernel(moe_rt_ll_group* g, mrt_launch* l, int block) {
+  int regs = 0;
+  moe_rt_status st = mrt_kernel(g->ctx, l, FILE_EP, &regs);
+  l->block = block;
+  return st;
+}
+
+/* A grid of warp items (NL_THREADS / 32 a block), at most 8 blocks a multiprocessor. */
+static int64_t nl_grid(const moe_rt_ll_group* g, int64_t items) {
+  return mrt_max(1, mrt_min(mrt_cdiv(items, NL_THREADS / 32), (int64_t)mrt_device(g->ctx)->sm_count * 8));
+}
+
+static moe_rt_status nl_plan_pack(moe_rt_ll_group* g, int idx64, int vec, int fp8, mrt_launch* l) {
+  snprintf(l->name, sizeof l->name, "ep_ll_nccl_pack<%s, %s, %s, %s>", mrt_ctype(g->d.dtype), idx_ctype(idx64),
+           vec ? "true" : "false", fp8 ? "true" : "false");
+  moe_rt_status st = nl_plan_kernel(g, l, NL_PACK_THREADS);
+  l->grid = mrt_cdiv(g->d.max_tokens_per_rank, NL_PACK_TOKENS);
+  return st;
+}
+
+/* ep_ll_nccl_expand's MODE: 0 rows, 1 FP8 codes and scales, 2 FP8 dequantized, 3 combine_bwd's rows. */
+static moe_rt_status nl_plan_expand(moe_rt_ll_group* g, int mode, mrt_launch* l) {
+  const int codes = mode == 1 || mode == 2;
+  const int vec = codes ? g->vec16_fp8 : g->vec16;
+  snprintf(l->name, sizeof l->name, "ep_ll_nccl_expand<%s, %s, %d>", mrt_ctype(g->d.dtype), vec ? "true" : "false",
+           mode);
+  moe_rt_status st = nl_plan_kernel(g, l, NL_THREADS);
+  const int unit = codes ? (vec ? 16 : 1) : (vec ? 16 / mrt_dtype_size(g->d.dtype) : 1);
+  l->grid = nl_grid(g, (int64_t)g->d.num_ranks * g->d.max_tokens_per_rank * nl_slices(g->d.hidden, unit));
+  return st;
+}
+
+typedef struct nl_exchange {
+  int what;      /* all-gather: NL_META | NL_ROWS | NL_CODES; 0: the back regions' send/recv */
+  int64_t rows;  /* send/recv: rows of H a part (0: none) */
+  int values;    /* send/recv: the slot values too */
+} nl_exchange;
+
+/* The exchange of buffer set b on stream, as one NCCL group (nothing for one rank). */
+static moe_rt_status nl_exchange_run(moe_rt_ll_group* g, int b, const nl_exchange* x, moe_rt_stream stream) {
+  const moe_rt_ll_group_desc* d = &g->d;
+  const moe_rt_ll_buffer_set* s = &d->set[b];
+  if (d->num_ranks == 1 || !d->comm) return MOE_RT_SUCCESS;
+  const int me = d->rank, isz = mrt_dtype_size(d->dtype);
+  const int64_t Tmax = d->max_tokens_per_rank, H = d->hidden, TK = Tmax * d->topk;
+  moe_rt_status st = moe_rt_comm_group_start();
+  if (st) return st;
+  if (x->what) {
+    const int64_t mw = nl_meta_words(d), nr = Tmax * H, ns = Tmax * d->num_scales;
+    if (!st && (x->what & NL_META))
+      st = moe_rt_comm_all_gather(d->comm, s->gather_meta + me * mw, s->gather_meta, mw, MOE_RT_INT32, stream);
+    if (!st && (x->what & NL_ROWS))
+      st = moe_rt_comm_all_gather(d->comm, (char*)s->gather + me * nr * isz, s->gather, nr, d->dtype, stream);
+    if (!st && (x->what & NL_CODES))
+      st = moe_rt_comm_all_gather(d->comm, (char*)s->gather_q + me * nr, s->gather_q, nr, MOE_RT_UINT8, stream);
+    if (!st && (x->what & NL_CODES))
+      st = moe_rt_comm_all_gather(d->comm, s->gather_s + me * ns, s->gather_s, ns, MOE_RT_FLOAT32, stream);
+  } else {
+    const int64_t part = TK * H * isz;
+    for (int p = 0; p < d->num_ranks && !st; ++p) {
+      if (p == me) continue;
+      if (x->rows) {
+        st = moe_rt_comm_send(d->comm, (char*)s->back_send + p * part, x->rows * H, d->dtype, p, stream);
+        if (!st) st = moe_rt_comm_recv(d->comm, (char*)s->back + p * part, x->rows * H, d->dtype, p, stream);
+      }
+      if (x->values && !st) {
+        st = moe_rt_comm_send(d->comm, s->bw_send + p * TK, TK, MOE_RT_FLOAT32, p, stream);
+        if (!st) st = moe_rt_comm_recv(d->comm, s->bw + p * TK, TK, MOE_RT_FLOAT32, p, stream);
+      }
+    }
+  }
+  const moe_rt_status end = moe_rt_comm_group_end(d->comm); /* always closes the group */
+  return st ? st : end;
+}
+
+/* Launches [0, at) of the plan, the exchange (x NULL: none), then launches [at, n); a planning context records
+ * the plan and every launch's arguments instead. */
+static moe_rt_status nl_run(moe_rt_ll_group* g, const mrt_plan* p, mrt_args* a, int at, int b, const nl_exchange* x,
+                            moe_rt_stream stream) {
+  if (mrt_is_planning(g->ctx)) return mrt_run_plan(g->ctx, p, a, stream);
+  moe_rt_status st = MOE_RT_SUCCESS;
+  for (int i = 0; i < at && !st; ++i) st = mrt_launch_one(g->ctx, &p->launch[i], &a[i], stream);
+  if (!st && x) st = nl_exchange_run(g, b, x, stream);
+  for (int i = at; i < p->num_launches && !st; ++i) st = mrt_launch_one(g->ctx, &p->launch[i], &a[i], stream);
+  return st;
+}
+
+/* The sizes the NCCL transport's kernels end with: R, rank, L, Tmax, K, H, then S when `scales`. */
+static void nl_sizes_args(const moe_rt_ll_group* g, mrt_args* a, int scales) {
+  const moe_rt_ll_group_desc* d = &g->d;
+  mrt_arg_i32(a, d->num_ranks);
+  mrt_arg_i32(a, d->rank);
+  mrt_arg_i32(a, d->num_local_experts);
+  mrt_arg_i32(a, d->max_tokens_per_rank);
+  mrt_arg_i32(a, d->topk);
+  mrt_arg_i64(a, d->hidden);
+  if (scales) mrt_arg_i32(a, d->num_scales);
+}
+
+static void nl_pack_args(const moe_rt_ll_group* g, int b, const void* x, const void* xq, const void* xs,
+                         const void* idx, const void* w, int64_t T, int meta, const moe_rt_ll_tables* t, mrt_args* a) {
+  const moe_rt_ll_group_desc* d = &g->d;
+  const moe_rt_ll_buffer_set* s = &d->set[b];
+  mrt_arg_ptr(a, T ? x : NULL);
+  mrt_arg_ptr(a, T ? xq : NULL);
+  mrt_arg_ptr(a, T ? xs : NULL);
+  mrt_arg_ptr(a, T ? idx : NULL);
+  mrt_arg_ptr(a, T ? w : NULL);
+  mrt_arg_i32(a, (int32_t)T);
+  mrt_arg_i32(a, meta);
+  mrt_arg_ptr(a, meta && T ? t->idx : NULL);
+  mrt_arg_ptr(a, meta && T ? t->w : NULL);
+  mrt_arg_ptr(a, meta ? t->counts : NULL);
+  mrt_arg_ptr(a, s->gather);
+  mrt_arg_ptr(a, s->gather_q);
+  mrt_arg_ptr(a, s->gather_s);
+  mrt_arg_ptr(a, s->gather_meta);
+  mrt_arg_ptr(a, g->error_word);
+  nl_sizes_args(g, a, 1);
+}
+
+static void nl_expand_args(const moe_rt_ll_group* g, int b, const moe_rt_ll_tables* t, int scaled, mrt_args* a) {
+  const moe_rt_ll_group_desc* d = &g->d;
+  const moe_rt_ll_buffer_set* s = &d->set[b];
+  const int tables = t->route != NULL && !scaled && t->counts != NULL; /* dispatch: writes the tables */
+  mrt_arg_ptr(a, s->gather);
+  mrt_arg_ptr(a, s->gather_q);
+  mrt_arg_ptr(a, s->gather_s);
+  mrt_arg_ptr(a, s->gather_meta);
+  mrt_arg_ptr(a, s->recv);
+  mrt_arg_ptr(a, s->recv_q);
+  mrt_arg_ptr(a, s->recv_s);
+  mrt_arg_ptr(a, tables ? t->route : NULL);
+  mrt_arg_ptr(a, t->slot_k);
+  mrt_arg_ptr(a, t->slot_w);
+  mrt_arg_ptr(a, tables ? t->counts : NULL);
+  mrt_arg_i32(a, scaled);
+  nl_sizes_args(g, a, 1);
+}
+
+static moe_rt_status nl_dispatch(moe_rt_ll_group* g, int b, int phases, const void* x, const void* xq, const float* xs,
+                                 int fp8, int dequantize, const void* idx, int idx64, const float* w, int64_t T,
+                                 const moe_rt_ll_tables* t, moe_rt_stream stream) {
+  ll_key k;
+  memset(&k, 0, sizeof k);
+  k.kind = K_NL_DISPATCH;
+  k.phases = phases;
+  k.idx64 = idx64;
+  k.fp8 = fp8;
+  k.dequant = dequantize;
+  k.vec = fp8 ? g->vec16_fp8 && !(((uintptr_t)(xq ? xq : x)) & 15) : g->vec16 && !(((uintptr_t)x) & 15);
+  mrt_plan p;
+  moe_rt_status st = MOE_RT_SUCCESS;
+  if (!mrt_group_plan_get(&g->plans, &k, sizeof k, &p)) {
+    memset(&p, 0, sizeof p);
+    int n = 0;
+    if (phases & MOE_RT_LL_PUSH) st = nl_plan_pack(g, idx64, k.vec, fp8, &p.launch[n++]);
+    if (!st && (phases & MOE_RT_LL_RECEIVE)) st = nl_plan_expand(g, fp8 ? (dequantize ? 2 : 1) : 0, &p.launch[n++]);
+    if (st) return st;
+    p.num_launches = n;
+    mrt_group_plan_put(&g->plans, &k, sizeof k, &p);
+  }
+  mrt_args a[2];
+  memset(a, 0, sizeof a);
+  int i = 0;
+  if (phases & MOE_RT_LL_PUSH) nl_pack_args(g, b, x, xq, xs, idx, w, T, 1, t, &a[i++]);
+  if (phases & MOE_RT_LL_RECEIVE) nl_expand_args(g, b, t, 0, &a[i]);
+  const nl_exchange ex = {NL_META | (fp8 ? NL_CODES : NL_ROWS), 0, 0};
+  return nl_run(g, &p, a, (phases & MOE_RT_LL_PUSH) ? 1 : 0, b, (phases & MOE_RT_LL_PUSH) ? &ex : NULL, stream);
+}
+
+/* The combine direction: ep_ll_nccl_reduce, the back regions' exchange, ep_ll_nccl_owner (MODE 0 weighted,
+ * 1 unweighted, 2 rank partials). */
+static moe_rt_status nl_combine(moe_rt_ll_group* g, int b, int op_code, const void* y, const float* slot_grads,
+                                const moe_rt_ll_tables* t, int64_t T, void* out, float* grad_w, int partials,
+                                moe_rt_stream stream) {
+  const moe_rt_ll_group_desc* d = &g->d;
+  const moe_rt_ll_buffer_set* s = &d->set[b];
+  const int rows = out != NULL || op_code != MOE_RT_EP_OP_COMBINE_BWD;
+  const int mode = op_code == MOE_RT_EP_OP_COMBINE ? (partials ? 2 : 0) : 1;
+  ll_key k;
+  memset(&k, 0, sizeof k);
+  k.kind = K_NL_COMBINE;
+  k.op = op_code;
+  k.rows = rows;
+  k.partials = partials;
+  k.vec = g->vec16 && !(((uintptr_t)y | (uintptr_t)out) & 15);
+  mrt_plan p;
+  moe_rt_status st = MOE_RT_SUCCESS;
+  const int unit = k.vec ? 16 / mrt_dtype_size(d->dtype) : 1;
+  if (!mrt_group_plan_get(&g->plans, &k, sizeof k, &p)) {
+    memset(&p, 0, sizeof p);
+    mrt_launch* r = &p.launch[0];
+    snprintf(r->name, sizeof r->name, "ep_ll_nccl_reduce<%s, %s, %s>", mrt_ctype(d->dtype), k.vec ? "true" : "false",
+             partials ? "true" : "false");
+    st = nl_plan_kernel(g, r, NL_THREADS);
+    r->grid = nl_grid(g, (int64_t)d->num_ranks * d->max_tokens_per_rank * (rows ? nl_slices(d->hidden, unit) : 1));
+    mrt_launch* o = &p.launch[1];
+    snprintf(o->name, sizeof o->name, "ep_ll_nccl_owner<%s, %s, %d>", mrt_ctype(d->dtype), k.vec ? "true" : "false",
+             mode);
+    if (!st) st = nl_plan_kernel(g, o, NL_THREADS);
+    if (st) return st;
+    p.num_launches = 2;
+    mrt_group_plan_put(&g->plans, &k, sizeof k, &p);
+  }
+  p.launch[1].grid = T ? nl_grid(g, T * (rows ? nl_slices(d->hidden, unit) : 1)) : 0;
+  mrt_args a[2];
+  memset(a, 0, sizeof a);
+  mrt_arg_ptr(&a[0], rows ? y : NULL);
+  mrt_arg_ptr(&a[0], slot_grads);
+  mrt_arg_ptr(&a[0], t->route);
+  mrt_arg_ptr(&a[0], partials ? t->slot_w : NULL);
+  mrt_arg_ptr(&a[0], s->back_send);
+  mrt_arg_ptr(&a[0], s->back);
+  mrt_arg_ptr(&a[0], s->bw_send);
+  mrt_arg_ptr(&a[0], s->bw);
+  mrt_arg_i32(&a[0], rows);
+  nl_sizes_args(g, &a[0], 0);
+  mrt_arg_ptr(&a[1], s->back);
+  mrt_arg_ptr(&a[1], s->bw);
+  mrt_arg_ptr(&a[1], T ? t->idx : NULL);
+  mrt_arg_ptr(&a[1], mode == 0 && T ? t->w : NULL);
+  mrt_arg_ptr(&a[1], rows && T ? out : NULL);
+  mrt_arg_ptr(&a[1], T ? grad_w : NULL);
+  mrt_arg_i32(&a[1], rows);
+  mrt_arg_i32(&a[1], (int32_t)T);
+  mrt_arg_i32(&a[1], d->num_local_experts);
+  mrt_arg_i32(&a[1], d->max_tokens_per_rank);
+  mrt_arg_i32(&a[1], d->topk);
+  mrt_arg_i64(&a[1], d->hidden);
+  const nl_exchange ex = {0, rows ? (partials ? (int64_t)d->max_tokens_per_rank
+                                              : (int64_t)d->max_tokens_per_rank * d->topk) : 0,
+                          slot_grads != NULL};
+  return nl_run(g, &p, a, 1, b, &ex, stream);
+}
+
+/* combine_bwd's rows: the pack of grad_out, the all-gather of the rows, the expand's MODE 3, the slot dot. */
+static moe_rt_status nl_combine_bwd(moe_rt_ll_group* g, int b, const void* grad_out, const void* expert_out,
+                                    const moe_rt_ll_tables* t, int64_t T, float* dots, moe_rt_stream stream) {
+  const moe_rt_ll_group_desc* d = &g->d;
+  const int scaled = expert_out == NULL;
+  ll_key k;
+  memset(&k, 0, sizeof k);
+  k.kind = K_NL_COMBINE_BWD;
+  k.scaled = scaled;
+  k.vec = g->vec16 && !((uintptr_t)(T ? grad_out : NULL) & 15);
+  k.dot = !scaled;
+  k.dot_vec = !scaled && g->vec16 && !((uintptr_t)expert_out & 15);
+  mrt_plan p;
+  moe_rt_status st = MOE_RT_SUCCESS;
+  if (!mrt_group_plan_get(&g->plans, &k, sizeof k, &p)) {
+    memset(&p, 0, sizeof p);
+    st = nl_plan_pack(g, 0, k.vec, 0, &p.launch[0]);
+    if (!st) st = nl_plan_expand(g, 3, &p.launch[1]);
+    if (!st && k.dot) st = plan_dot(g, &k, &p.launch[2]);
+    if (st) return st;
+    p.num_launches = k.dot ? 3 : 2;
+    mrt_group_plan_put(&g->plans, &k, sizeof k, &p);
+  }
+  mrt_args a[3];
+  memset(a, 0, sizeof a);
+  const moe_rt_ll_tables none = {0};
+  nl_pack_args(g, b, grad_out, NULL, NULL, NULL, NULL, T, 0, &none, &a[0]);
+  moe_rt_ll_tables slots = {0};
+  slots.slot_k = t->slot_k;
+  slots.slot_w = t->slot_w;
+  nl_expand_args(g, b, &slots, scaled, &a[1]);
+  if (k.dot) {
+    mrt_args* c = &a[2];
+    mrt_arg_ptr(c, d->set[b].recv);
+    mrt_arg_ptr(c, expert_out);
+    mrt_arg_ptr(c, t->slot_k);
+    mrt_arg_ptr(c, t->slot_w);
+    mrt_arg_ptr(c, dots);
+    mrt_arg_i64(c, (int64_t)d->num_local_experts * d->num_ranks * d->max_tokens_per_rank);
+    mrt_arg_i64(c, d->hidden);
+  }
+  const nl_exchange ex = {NL_ROWS, 0, 0};
+  return nl_run(g, &p, a, 1, b, &ex, stream);
+}
+
 moe_rt_status moe_rt_ll_dispatch(moe_rt_ll_group* g, int buffer_set, int phases, const void* x, const void* x_fp8,
                                  const float* x_scales, int fp8, int dequantize, const void* topk_idx, int idx_dtype,
                                  const float* topk_weights, int64_t T, const moe_rt_ll_tables* tables,
@@ -374,6 +716,9 @@ moe_rt_status moe_rt_ll_dispatch(moe_rt_ll_group* g, int buffer_set, int phases,
     return st;
   const void* xe = T && !pair ? x : NULL;
   const void* xq = T && pair ? x_fp8 : NULL;
+  if (nccl_transport(g))
+    return nl_dispatch(g, buffer_set, phases, xe, xq, T && pair ? x_scales : NULL, fp8, dequantize, topk_idx,
+                       idx_dtype == MOE_RT_INT64, topk_weights, T, tables, stream);
   ll_key k;
   memset(&k, 0, sizeof k);
   k.kind = K_DISPATCH;
@@ -427,6 +772,8 @@ moe_rt_status moe_rt_ll_combine(moe_rt_ll_group* g, int buffer_set, int op_code,
                 (weighted && !partials && (st = mrt_check_ptr(op, "tables->w", tables->w)))))
     return st;
   if (partials && (st = mrt_check_ptr(op, "tables->slot_w", tables->slot_w))) return st;
+  if (nccl_transport(g))
+    return nl_combine(g, buffer_set, op_code, y, slot_grads, tables, T, out, grad_w, partials, stream);
   ll_key k;
   memset(&k, 0, sizeof k);
   k.kind = K_COMBINE;
@@ -494,6 +841,7 @@ moe_rt_status moe_rt_ll_combine_bwd(moe_rt_ll_group* g, int buffer_set, const vo
   } else if (dots) {
     return BAD("%s: dots must be NULL without expert_out", op);
   }
+  if (nccl_transport(g)) return nl_combine_bwd(g, buffer_set, grad_out, expert_out, tables, T, dots, stream);
   const int scaled = expert_out == NULL;
   ll_key k;
   memset(&k, 0, sizeof k);

@@ -2666,3 +2666,417 @@ __global__ void ep_ll_slot_dot(T* __restrict__ g, const T* __restrict__ y, const
     if (lane == 0) dots[j] = acc;
   }
 }
+
+// ---- The low-latency mode over NCCL (LowLatencyGroup(transport="nccl"); docs/ep.md §8) ----------------------
+// For ranks without peer access (other nodes, no P2P). Every buffer is this rank's own; the rows move by NCCL
+// collectives of fixed sizes between the launches below (moe_rt_ll_* in csrc/ep_ll.c), so the ops stay
+// graph-capturable and never sync with the host:
+//   dispatch: ep_ll_nccl_pack writes this rank's token rows (or their FP8 codes and scales) and its routing
+//     into its own share of the gather buffers, an in-place all-gather brings every rank's share, then
+//     ep_ll_nccl_expand fills the handle's tables and copies each gathered row into its slots here;
+//   combine_bwd: the same with grad_out's rows and the handle's tables (scaled, zero at empty slots);
+//   combine, dispatch_bwd, combine_bwd's weight gradient: ep_ll_nccl_reduce writes, per owner, the rows of
+//     each (token, first k) slot here (or the token's weighted rank partial) and the slot values, a grouped
+//     send/recv of fixed size brings each owner its rows, then ep_ll_nccl_owner sums them.
+// The arithmetic is the direct kernels' (and the reference's) operation for operation, so the two transports
+// agree bit for bit. Work items are (token column, slice of NL_SLICE units of its row), one warp each.
+constexpr int NL_UN = 4;                 // units (16-byte vectors, or elements) a lane has in flight
+constexpr int NL_SLICE = 32 * NL_UN;     // units of a row one warp moves
+constexpr int NL_WARPS = 8;              // warps a block (256 threads)
+constexpr int NL_PACK_TOKENS = 4;        // tokens a block of ep_ll_nccl_pack takes
+constexpr int NL_META_HEAD = 4;          // gather_meta per rank: T, three unused words, idx [Tmax*K], w [Tmax*K]
+
+// The first-k list of a token column: le[k] (the local expert of (token, k) on this rank, or -1) -> hits
+// l[i], k[i] in k ascending order, one per distinct local expert. Warp-wide; returns the count.
+__device__ __forceinline__ int nl_hits(const int* le, int K, int* hl, int* hk, int lane) {
+  int n = 0;
+  for (int b = 0; b < K; b += 32) {
+    const int k = b + lane;
+    bool first = false;
+    if (k < K && le[k] >= 0) {
+      first = true;
+      for (int q = 0; q < k && first; ++q) first = le[q] != le[k];
+    }
+    const unsigned m = __ballot_sync(0xffffffffu, first);
+    if (first) {
+      const int pos = n + __popc(m & ((1u << lane) - 1u));
+      hl[pos] = le[k];
+      hk[pos] = k;
+    }
+    n += __popc(m);
+  }
+  __syncwarp();
+  return n;
+}
+
+// The send half of dispatch (and of combine_bwd, meta = 0): rows t < Tn of x (or, FP8, x quantized by
+// quantize_fp8's rule, or the pair xq/xs as is) into this rank's share of the gather buffers; with meta the
+// routing into gather_meta[me] (ids outside [-1, E) recorded in err and taken as -1; entries t >= Tn: -1 and
+// 0), the owner's idx_out/w_out copies, and counts zeroed for the receive half. Blocks take NL_PACK_TOKENS
+// tokens each (grid ceil(Tmax / NL_PACK_TOKENS)).
+template <typename T, typename IdxT, bool VEC, bool FP8>
+__global__ void __launch_bounds__(512) ep_ll_nccl_pack(
+    const T* __restrict__ x, const unsigned char* __restrict__ xq, const float* __restrict__ xs,
+    const IdxT* __restrict__ idx, const float* __restrict__ w, int Tn, int meta, int* __restrict__ idx_out,
+    float* __restrict__ w_out, int* __restrict__ counts, T* __restrict__ gather, unsigned char* __restrict__ gather_q,
+    float* __restrict__ gather_s, int* __restrict__ gather_meta, unsigned* __restrict__ err, int R, int me, int L,
+    int Tmax, int K, i64 H, int S) {
+  __shared__ const T* s_src[NL_PACK_TOKENS];
+  __shared__ T* s_dst[NL_PACK_TOKENS];
+  __shared__ float s_scale[NL_PACK_TOKENS];
+  __shared__ unsigned char* s_qdst[NL_PACK_TOKENS];
+  __shared__ float* s_sdst[NL_PACK_TOKENS];
+  const int E = L * R;
+  const i64 TK = (i64)Tmax * K;
+  const int t0 = blockIdx.x * NL_PACK_TOKENS, t1 = min(t0 + NL_PACK_TOKENS, Tmax);
+  if (meta) {
+    int* gm = gather_meta + (i64)me * (NL_META_HEAD + 2 * TK);
+    for (i64 i = (i64)t0 * K + threadIdx.x; i < (i64)t1 * K; i += blockDim.x) {
+      int ex = -1;
+      float wk = 0.0f;
+      if (i < (i64)Tn * K) {
+        const i64 v = (i64)idx[i];
+        ex = v >= 0 && v < E ? (int)v : -1;
+        if (ex < 0 && v != -1) record_bad_expert_id(err, MOE_RT_ERR_EP_LL_DISPATCH, v, i, E);
+        wk = w[i];
+        idx_out[i] = ex;
+        w_out[i] = wk;
+      }
+      gm[NL_META_HEAD + i] = ex;
+      gm[NL_META_HEAD + TK + i] = __float_as_int(wk);
+    }
+    if (blockIdx.x == 0) {
+      for (int i = threadIdx.x; i < NL_META_HEAD; i += blockDim.x) gm[i] = i == 0 ? Tn : 0;
+      for (int l = threadIdx.x; l < L; l += blockDim.x) counts[l] = 0;
+    }
+  }
+  const int n = max(0, min(t1, Tn) - t0);
+  if (n == 0) return;
+  if (threadIdx.x < n) {
+    const i64 row = (i64)me * Tmax + t0 + threadIdx.x;
+    if constexpr (FP8) {
+      s_qdst[threadIdx.x] = gather_q + row * H;
+      s_sdst[threadIdx.x] = gather_s + row * S;
+    } else {
+      s_src[threadIdx.x] = x + (i64)(t0 + threadIdx.x) * H;
+      s_dst[threadIdx.x] = gather + row * H;
+      s_scale[threadIdx.x] = 0.0f;
+    }
+  }
+  __syncthreads();
+  if constexpr (FP8) ll_block_fp8<T, VEC>(x, xq, xs, t0, n, 1, s_qdst, s_sdst, H, S);
+  else ll_block_rows<T, VEC>(s_src, s_dst, s_scale, n, H, false);
+}
+
+// The receive half of dispatch: one warp per (token column j = s*Tmax + t of the slots, slice of its row).
+// MODE 0: rows: the handle's tables from gather_meta (route_out [R, Tmax, K], slot_k / slot_w [L, R*Tmax]:
+//   the first k of each local expert of the token and the fp32 sum of its weights, k ascending; counts by
+//   atomics, zeroed by the pack) and the gathered row into each slot (l, j) of the token's local experts;
+// MODE 1: FP8 codes and scales into recv_q / recv_s likewise; MODE 2: FP8 rows dequantized into recv
+//   (dequantize_fp8's rule);
+// MODE 3 (combine_bwd): the handle's slot_k / slot_w: every slot (l, j) of the column gets the gathered
+//   grad_out row, times slot_w rounded once when `scaled`, or zero where no token.
+// VEC: 16-byte units (rows of a multiple of 16 bytes, buffers 16-byte aligned); else single elements.
+template <typename T, bool VEC, int MODE>
+__global__ void __launch_bounds__(NL_WARPS * 32) ep_ll_nccl_expand(
+    const T* __restrict__ gather, const unsigned char* __restrict__ gather_q, const float* __restrict__ gather_s,
+    const int* __restrict__ gather_meta, T* __restrict__ recv, unsigned char* __restrict__ recv_q,
+    float* __restrict__ recv_s, int* __restrict__ route_out, int* __restrict__ slot_k, float* __restrict__ slot_w,
+    int* __restrict__ counts, int scaled, int R, int me, int L, int Tmax, int K, i64 H, int S) {
+  __shared__ int s_le[NL_WARPS][64], s_hl[NL_WARPS][64], s_hk[NL_WARPS][64];
+  __shared__ float s_w[NL_WARPS][64];
+  constexpr bool CODES = MODE == 1 || MODE == 2;
+  // units of a row: T vectors or elements; FP8 codes in 16-byte groups or single codes
+  constexpr int N = CODES ? (VEC ? 16 : 1) : (VEC ? Vec<T>::N : 1);
+  const i64 nu = H / N;
+  const i64 ns = (nu + NL_SLICE - 1) / NL_SLICE;
+  const i64 RT = (i64)R * Tmax, TK = (i64)Tmax * K;
+  const int lane = threadIdx.x & 31, wb = threadIdx.x >> 5;
+  const i64 warps = (i64)gridDim.x * NL_WARPS;
+  int* le = s_le[wb];
+  for (i64 item = (i64)blockIdx.x * NL_WARPS + wb; item < RT * ns; item += warps) {
+    const i64 j = item / ns, slice = item - j * ns;
+    const int s = (int)(j / Tmax), t = (int)(j - (i64)s * Tmax);
+    const i64 u0 = slice * NL_SLICE;
+    if constexpr (MODE == 3) {
+      const T* src = gather + j * H;
+      for (int l = 0; l < L; ++l) {
+        const i64 at = (i64)l * RT + j;
+        const bool valid = slot_k[at] >= 0;
+        const float sc = valid ? slot_w[at] : 0.0f;
+        T* dst = recv + at * H;
+#pragma unroll
+        for (int u = 0; u < NL_UN; ++u) {
+          const i64 o = u0 + lane + 32 * u;
+          if (o >= nu) break;
+          if constexpr (VEC) {
+            Vec<T> a;
+            if (valid) {
+              a = load_vec(src + o * N);
+              if (scaled) {
+#pragma unroll
+                for (int q = 0; q < N; ++q) a.v[q] = from_float<T>(__fmul_rn(sc, to_float(a.v[q])));
+              }
+            } else {
+              a.raw = make_uint4(0u, 0u, 0u, 0u);
+            }
+            store_vec(dst + o * N, a);
+          } else {
+            dst[o] = valid ? (scaled ? from_float<T>(__fmul_rn(sc, to_float(src[o]))) : src[o]) : from_float<T>(0.0f);
+          }
+        }
+      }
+      continue;
+    }
+    // the column's local experts, from the source's gathered routing
+    const int* gm = gather_meta + (i64)s * (NL_META_HEAD + 2 * TK);
+    const bool has = t < gm[0];
+    for (int k = lane; k < K; k += 32) {
+      const int e = has ? gm[NL_META_HEAD + (i64)t * K + k] : -1;
+      le[k] = e >= 0 && e / L == me ? e - me * L : -1;
+      s_w[wb][k] = has ? __int_as_float(gm[NL_META_HEAD + TK + (i64)t * K + k]) : 0.0f;
+    }
+    __syncwarp();
+    const int nh = nl_hits(le, K, s_hl[wb], s_hk[wb], lane);
+    if (slice == 0) {
+      for (int k = lane; k < K; k += 32) route_out[j * K + k] = le[k];
+      for (int l = lane; l < L; l += 32) {
+        int kf = -1;
+        for (int i = 0; i < nh && kf < 0; ++i)
+          if (s_hl[wb][i] == l) kf = s_hk[wb][i];
+        float ws = 0.0f;
+        if (kf >= 0) {
+          for (int k = 0; k < K; ++k)
+            if (le[k] == l) ws = __fadd_rn(ws, s_w[wb][k]);
+          atomicAdd(counts + l, 1);
+        }
+        slot_k[(i64)l * RT + j] = kf;
+        slot_w[(i64)l * RT + j] = ws;
+      }
+    }
+    if (nh > 0) {
+      if constexpr (MODE == 0) {
+        const T* src = gather + j * H;
+#pragma unroll
+        for (int u = 0; u < NL_UN; ++u) {
+          const i64 o = u0 + lane + 32 * u;
+          if (o >= nu) break;
+          if constexpr (VEC) {
+            const Vec<T> a = load_vec(src + o * N);
+            for (int i = 0; i < nh; ++i) store_vec(recv + ((i64)s_hl[wb][i] * RT + j) * H + o * N, a);
+          } else {
+            const T a = src[o];
+            for (int i = 0; i < nh; ++i) recv[((i64)s_hl[wb][i] * RT + j) * H + o] = a;
+          }
+        }
+      } else {
+        const unsigned char* q = gather_q + j * H;
+        const float* sc = gather_s + j * S;
+#pragma unroll
+        for (int u = 0; u < NL_UN; ++u) {
+          const i64 o = u0 + lane + 32 * u;
+          if (o >= nu) break;
+          if constexpr (MODE == 1) {
+            if constexpr (VEC) {
+              const uint4 a = reinterpret_cast<const uint4*>(q)[o];
+              for (int i = 0; i < nh; ++i)
+                reinterpret_cast<uint4*>(recv_q + ((i64)s_hl[wb][i] * RT + j) * H)[o] = a;
+            } else {
+              const unsigned char a = q[o];
+              for (int i = 0; i < nh; ++i) recv_q[((i64)s_hl[wb][i] * RT + j) * H + o] = a;
+            }
+          } else {
+            const float f = sc[o * N / LL_FP8_BLOCK];
+            if constexpr (VEC) {
+              union {
+                uint4 raw;
+                unsigned char b[16];
+              } c;
+              c.raw = reinterpret_cast<const uint4*>(q)[o];
+#pragma unroll
+              for (int g = 0; g < 16; g += Vec<T>::N) {
+                Vec<T> y;
+#pragma unroll
+                for (int e = 0; e < Vec<T>::N; ++e) y.v[e] = store_as<T>(mul_rn(from_e4m3(c.b[g + e]), f));
+                for (int i = 0; i < nh; ++i) store_vec(recv + ((i64)s_hl[wb][i] * RT + j) * H + o * 16 + g, y);
+              }
+            } else {
+              const T y = store_as<T>(mul_rn(from_e4m3(q[o]), f));
+              for (int i = 0; i < nh; ++i) recv[((i64)s_hl[wb][i] * RT + j) * H + o] = y;
+            }
+          }
+        }
+        if (MODE == 1 && slice == 0)
+          for (int i = 0; i < nh; ++i)
+            for (int b = lane; b < S; b += 32) recv_s[((i64)s_hl[wb][i] * RT + j) * S + b] = sc[b];
+      }
+    }
+    __syncwarp();  // the warp's shared lists are rewritten by its next item
+  }
+}
+
+// The expert side of the combine direction over NCCL: one warp per (token column j = s*Tmax + t, slice). From
+// the handle's route [R, Tmax, K] (the local expert of each (s, t, k) here, or -1): with `rows`, PARTIALS 0:
+// the row y[l, j] of each first-k slot (l, kf) into row t*K + kf of owner s's part (combine, dispatch_bwd);
+// PARTIALS 1: z = fadd(z, fmul(slot_w[l, j], y[l, j])) over those slots, k ascending, rounded once, into row t
+// (combine with rank partials); with slot_grads, slot_grads[l, j] into entry t*K + k of owner s's values for
+// every k routed here. Owner s's part: back_send[s] (sent by the grouped send/recv), this rank's own in back[me]
+// directly. Parts hold Tmax*K rows of H and Tmax*K values.
+template <typename T, bool VEC, bool PARTIALS>
+__global__ void __launch_bounds__(NL_WARPS * 32) ep_ll_nccl_reduce(
+    const T* __restrict__ y, const float* __restrict__ slot_grads, const int* __restrict__ route,
+    const float* __restrict__ slot_w, T* __restrict__ back_send, T* __restrict__ back, float* __restrict__ bw_send,
+    float* __restrict__ bw, int rows, int R, int me, int L, int Tmax, int K, i64 H) {
+  __shared__ int s_le[NL_WARPS][64], s_hl[NL_WARPS][64], s_hk[NL_WARPS][64];
+  constexpr int N = VEC ? Vec<T>::N : 1;
+  const i64 nu = H / N;
+  const i64 ns = rows ? (nu + NL_SLICE - 1) / NL_SLICE : 1;
+  const i64 RT = (i64)R * Tmax, TK = (i64)Tmax * K;
+  const int lane = threadIdx.x & 31, wb = threadIdx.x >> 5;
+  const i64 warps = (i64)gridDim.x * NL_WARPS;
+  int* le = s_le[wb];
+  for (i64 item = (i64)blockIdx.x * NL_WARPS + wb; item < RT * ns; item += warps) {
+    const i64 j = item / ns, slice = item - j * ns;
+    const int s = (int)(j / Tmax), t = (int)(j - (i64)s * Tmax);
+    for (int k = lane; k < K; k += 32) le[k] = route[j * K + k];
+    __syncwarp();
+    const int nh = nl_hits(le, K, s_hl[wb], s_hk[wb], lane);
+    if (nh == 0) continue;  // (the lists are rewritten only after every lane passed this point)
+    T* part = (s == me ? back : back_send) + (i64)s * TK * H;
+    if (slot_grads != nullptr && slice == 0) {
+      float* v = (s == me ? bw : bw_send) + (i64)s * TK;
+      for (int k = lane; k < K; k += 32)
+        if (le[k] >= 0) v[(i64)t * K + k] = slot_grads[(i64)le[k] * RT + j];
+    }
+    if (rows) {
+      const i64 u0 = slice * NL_SLICE;
+#pragma unroll
+      for (int u = 0; u < NL_UN; ++u) {
+        const i64 o = u0 + lane + 32 * u;
+        if (o >= nu) break;
+        if constexpr (PARTIALS) {
+          float z[N];
+#pragma unroll
+          for (int q = 0; q < N; ++q) z[q] = 0.0f;
+          for (int i = 0; i < nh; ++i) {
+            const i64 at = (i64)s_hl[wb][i] * RT + j;
+            const float sw = slot_w[at];
+            if constexpr (VEC) {
+              const Vec<T> a = load_vec(y + at * H + o * N);
+#pragma unroll
+              for (int q = 0; q < N; ++q) z[q] = __fadd_rn(z[q], __fmul_rn(sw, to_float(a.v[q])));
+            } else {
+              z[0] = __fadd_rn(z[0], __fmul_rn(sw, to_float(y[at * H + o])));
+            }
+          }
+          if constexpr (VEC) {
+            Vec<T> r;
+#pragma unroll
+            for (int q = 0; q < N; ++q) r.v[q] = from_float<T>(z[q]);
+            store_vec(part + (i64)t * H + o * N, r);
+          } else {
+            part[(i64)t * H + o] = from_float<T>(z[0]);
+          }
+        } else {
+          for (int i = 0; i < nh; ++i) {
+            const i64 at = (i64)s_hl[wb][i] * RT + j;
+            T* dst = part + ((i64)t * K + s_hk[wb][i]) * H;
+            if constexpr (VEC) store_vec(dst + o * N, load_vec(y + at * H + o * N));
+            else dst[o] = y[at * H + o];
+          }
+        }
+      }
+    }
+    __syncwarp();
+  }
+}
+
+// The owner side of the combine direction over NCCL: one warp per (token t < Tn, slice). back [R] parts of
+// Tmax*K rows of H (part d: what expert rank d sent), bw [R] parts of Tmax*K values. With `rows`: MODE 0
+// (combine): out[t] = sum over k ascending (idx >= 0) of fmul(w[t, k], row t*K + kf of part idx/L), fp32, one
+// rounding; MODE 1 (dispatch_bwd): the unweighted sum over the first-k slots; MODE 2 (combine with rank
+// partials): the sum of row t of the parts of the token's distinct ranks, ascending. A token with no expert:
+// 0. With grad_w: grad_w[t, k] = entry t*K + k of part idx/L (0 where idx < 0).
+template <typename T, bool VEC, int MODE>
+__global__ void __launch_bounds__(NL_WARPS * 32) ep_ll_nccl_owner(
+    const T* __restrict__ back, const float* __restrict__ bw, const int* __restrict__ idx,
+    const float* __restrict__ w, T* __restrict__ out, float* __restrict__ grad_w, int rows, int Tn, int L, int Tmax,
+    int K, i64 H) {
+  __shared__ int s_d[NL_WARPS][64], s_kf[NL_WARPS][64];
+  __shared__ float s_w[NL_WARPS][64];
+  constexpr int N = VEC ? Vec<T>::N : 1;
+  const i64 nu = H / N;
+  const i64 ns = rows ? (nu + NL_SLICE - 1) / NL_SLICE : 1;
+  const i64 TK = (i64)Tmax * K;
+  const int lane = threadIdx.x & 31, wb = threadIdx.x >> 5;
+  const i64 warps = (i64)gridDim.x * NL_WARPS;
+  for (i64 item = (i64)blockIdx.x * NL_WARPS + wb; item < (i64)Tn * ns; item += warps) {
+    const int t = (int)(item / ns);
+    const i64 slice = item - (i64)t * ns;
+    for (int k = lane; k < K; k += 32) {
+      const int e = idx[(i64)t * K + k];
+      s_d[wb][k] = e >= 0 ? e / L : -1;
+      s_w[wb][k] = MODE == 0 ? w[(i64)t * K + k] : 0.0f;
+      int kf = k;
+      for (int q = 0; q < k; ++q)
+        if (idx[(i64)t * K + q] == e) {
+          kf = q;
+          break;
+        }
+      s_kf[wb][k] = kf;
+    }
+    __syncwarp();
+    if (grad_w != nullptr && slice == 0)
+      for (int k = lane; k < K; k += 32) {
+        const int d = s_d[wb][k];
+        grad_w[(i64)t * K + k] = d >= 0 ? bw[(i64)d * TK + (i64)t * K + k] : 0.0f;
+      }
+    if (rows) {
+      const i64 u0 = slice * NL_SLICE;
+#pragma unroll
+      for (int u = 0; u < NL_UN; ++u) {
+        const i64 o = u0 + lane + 32 * u;
+        if (o >= nu) break;
+        float acc[N];
+#pragma unroll
+        for (int q = 0; q < N; ++q) acc[q] = 0.0f;
+        int last = -1;  // MODE 2: the rank added last (ranks ascending)
+        for (int n = 0; n < K; ++n) {
+          int d = s_d[wb][n];
+          i64 row;
+          if constexpr (MODE == 2) {
+            d = -1;  // the next distinct rank above `last`
+            for (int k = 0; k < K; ++k) {
+              const int v = s_d[wb][k];
+              if (v > last && (d < 0 || v < d)) d = v;
+            }
+            if (d < 0) break;
+            last = d;
+            row = (i64)d * TK + t;
+          } else {
+            if (d < 0 || (MODE == 1 && s_kf[wb][n] != n)) continue;
+            row = (i64)d * TK + (i64)t * K + s_kf[wb][n];
+          }
+          if constexpr (VEC) {
+            const Vec<T> a = load_vec(back + row * H + o * N);
+#pragma unroll
+            for (int q = 0; q < N; ++q)
+              acc[q] = __fadd_rn(acc[q], MODE == 0 ? __fmul_rn(s_w[wb][n], to_float(a.v[q])) : to_float(a.v[q]));
+          } else {
+            const float a = to_float(back[row * H + o]);
+            acc[0] = __fadd_rn(acc[0], MODE == 0 ? __fmul_rn(s_w[wb][n], a) : a);
+          }
+        }
+        if constexpr (VEC) {
+          Vec<T> r;
+#pragma unroll
+          for (int q = 0; q < N; ++q) r.v[q] = from_float<T>(acc[q]);
+          store_vec(out + (i64)t * H + o * N, r);
+        } else {
+          out[(i64)t * H + o] = from_float<T>(acc[0]);
+        }
+      }
+    }
+    __syncwarp();
+  }
+}

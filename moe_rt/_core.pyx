@@ -71,6 +71,16 @@ cdef extern from "moe_rt/moe_rt.h" nogil:
         const int64_t* peer_rw
         const int64_t* peer_back
         const int64_t* peer_bw
+        void* recv_q
+        float* recv_s
+        void* gather
+        int32_t* gather_meta
+        void* gather_q
+        float* gather_s
+        void* back_send
+        void* back
+        float* bw_send
+        float* bw
     ctypedef struct moe_rt_ll_group_desc:
         int32_t num_ranks, rank, num_local_experts, max_tokens_per_rank, topk, dtype
         int64_t hidden
@@ -83,6 +93,8 @@ cdef extern from "moe_rt/moe_rt.h" nogil:
         int32_t* timeout_word
         uint32_t* error_word
         uint32_t* set_epoch
+        int32_t transport
+        void* comm
     ctypedef struct moe_rt_ll_tables:
         int32_t* idx
         float* w
@@ -1047,11 +1059,14 @@ cdef inline int _tables_of(tuple t, moe_rt_ll_tables* out) except -1:
 def ll_group_create(Context d, int R, int rank, int L, int Tmax, int K, int dtype, int64_t H, int chunk,
                     int num_buffers, int fp8, int num_scales, int dedup, int64_t timeout_ns, list sets,
                     uintptr_t peer_flags, uintptr_t peer_barrier, uintptr_t barrier_state, uintptr_t timeout_word,
-                    uintptr_t error_word, uintptr_t set_epoch, int combine_partials=0, int sync=0) -> LLGroup:
+                    uintptr_t error_word, uintptr_t set_epoch, int combine_partials=0, int sync=0, int transport=0,
+                    uintptr_t comm=0, list nccl_sets=None) -> LLGroup:
     """moe_rt_ll_group_create: ``sets`` holds per buffer set ``(recv, peer_recv, peer_recv_q, peer_recv_s,
     peer_route, peer_rw, peer_back, peer_bw)`` addresses (0 = NULL); ``combine_partials`` desc's field (1: rank
-    partials in combine), ``sync`` desc's field (0: MOE_RT_LL_SYNC_BARRIER, 1: MOE_RT_LL_SYNC_PAIRWISE); ValueError
-    for a bad field."""
+    partials in combine), ``sync`` desc's field (0: MOE_RT_LL_SYNC_BARRIER, 1: MOE_RT_LL_SYNC_PAIRWISE),
+    ``transport`` desc's field (0 direct, 1 NCCL), ``comm`` the moe_rt_comm address (NCCL transport), ``nccl_sets``
+    per buffer set the NCCL regions ``(recv_q, recv_s, gather, gather_meta, gather_q, gather_s, back_send, back,
+    bw_send, bw)``; ValueError for a bad field."""
     cdef LLGroup g = LLGroup()
     memset(&g.desc, 0, sizeof(g.desc))
     g.desc.num_ranks, g.desc.rank, g.desc.num_local_experts, g.desc.max_tokens_per_rank = R, rank, L, Tmax
@@ -1080,6 +1095,30 @@ def ll_group_create(Context d, int R, int rank, int L, int Tmax, int K, int dtyp
         g.desc.set[b].peer_back = <const int64_t*>a
         a = s[7]
         g.desc.set[b].peer_bw = <const int64_t*>a
+    for b, s in enumerate(nccl_sets or ()):
+        if b >= 2 or len(s) != 10:
+            raise ValueError(f"nccl_sets[{b}]: expected at most 2 sets of 10 addresses")
+        a = s[0]
+        g.desc.set[b].recv_q = <void*>a
+        a = s[1]
+        g.desc.set[b].recv_s = <float*>a
+        a = s[2]
+        g.desc.set[b].gather = <void*>a
+        a = s[3]
+        g.desc.set[b].gather_meta = <int32_t*>a
+        a = s[4]
+        g.desc.set[b].gather_q = <void*>a
+        a = s[5]
+        g.desc.set[b].gather_s = <float*>a
+        a = s[6]
+        g.desc.set[b].back_send = <void*>a
+        a = s[7]
+        g.desc.set[b].back = <void*>a
+        a = s[8]
+        g.desc.set[b].bw_send = <float*>a
+        a = s[9]
+        g.desc.set[b].bw = <float*>a
+    g.desc.transport, g.desc.comm = transport, <void*>comm
     g.desc.peer_flags, g.desc.peer_barrier = <const int64_t*>peer_flags, <const int64_t*>peer_barrier
     g.desc.barrier_state, g.desc.timeout_word = <uint32_t*>barrier_state, <int32_t*>timeout_word
     g.desc.error_word, g.desc.set_epoch = <uint32_t*>error_word, <uint32_t*>set_epoch

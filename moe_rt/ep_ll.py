@@ -69,9 +69,20 @@ peers: a wait longer than ``timeout`` gives up on the device and records the op 
 Expert ids outside ``[-1, E)``: ValueError at once on CPU; on CUDA the kernel records them in the device's
 error word (taken as -1) and :meth:`synchronize` / :func:`moe_rt.check` raises.
 
-Transport: the direct peer-memory one (:mod:`moe_rt._ep_direct`); a group of several ranks needs every
-pair on one node with peer access (ValueError at creation otherwise). ``LowLatencyGroup(None, ...)`` is a
-1-rank group: CPU arrays run the NumPy reference :mod:`moe_rt.reference.ep_ll`, CUDA arrays the kernels.
+Transport (``transport=``, or ``MOE_RT_LL_TRANSPORT``; ``group.transport`` once the first CUDA op chose it):
+``direct``, peer memory (:mod:`moe_rt._ep_direct`; every pair of ranks on one node with peer access, ValueError
+at the first op otherwise); ``nccl``, NCCL collectives of fixed sizes between local kernels, for ranks without
+peer access (other nodes): dispatch all-gathers every rank's token rows (or FP8 codes and scales) and routing
+and each rank copies the rows of its own experts into their slots, combine and ``dispatch_bwd`` send each owner
+a part of ``Tmax*K`` rows (``Tmax`` rows of rank partials with ``combine_partials``) by grouped send/recv and
+the owner sums them, ``combine_bwd`` all-gathers ``grad_out``; the results are bitwise the direct transport's;
+no device wait, so a dead peer shows as a host wait past the deadline (``synchronize``: TimeoutError, the
+communicator aborted); ``auto`` (the default) takes ``direct`` where every pair allows it, else ``nccl``. The
+same on every rank (the first op checks: a ValueError on every rank otherwise). Split hooks on the NCCL
+transport: the push is the all-gather, on the caller's stream (work queued before the hook waits for it).
+``LowLatencyGroup(None, ...)`` is a 1-rank group: CPU arrays run the NumPy reference
+:mod:`moe_rt.reference.ep_ll`, CUDA arrays the kernels (``transport="nccl"``: the NCCL transport's, with no
+exchange).
 Memory per rank: ``(L*R*Tmax + Tmax*K) * H`` token elements (``Tmax*max(K, R)`` back rows with
 ``combine_partials``) plus small tables (bf16, E=256, R=4, Tmax=128,
 H=7168: 470 MB, as DeepEP's low-latency buffer), per buffer set; ``fp8=True`` adds ``L*R*Tmax*(H +
@@ -107,6 +118,11 @@ for _c in _jit.CTYPES.values():
         _names += [f"ep_ll_dispatch_fp8_pairwise<{_c}, {_i}, {_v}>" for _i in _IDX.values()]
         _names += [f"ep_ll_combine_pairwise<{_c}, {_v}, {_p}>" for _p in ("false", "true")]
         _names += [f"ep_ll_slot_dot<{_c}, {_v}>"]
+        # the NCCL transport's (LowLatencyGroup(transport="nccl"))
+        _names += [f"ep_ll_nccl_pack<{_c}, {_i}, {_v}, {_f}>" for _i in _IDX.values() for _f in ("false", "true")]
+        _names += [f"ep_ll_nccl_expand<{_c}, {_v}, {_m}>" for _m in range(4)]
+        _names += [f"ep_ll_nccl_reduce<{_c}, {_v}, {_p}>" for _p in ("false", "true")]
+        _names += [f"ep_ll_nccl_owner<{_c}, {_v}, {_m}>" for _m in range(3)]
 _jit.register(_FILE, _names)
 _ids = itertools.count(1)
 _ALIGN = 256
@@ -243,6 +259,11 @@ def env_dedup() -> bool:
     return v != "0"
 
 
+TRANSPORTS = ("auto", "direct", "nccl")
+"""``LowLatencyGroup(transport=...)``'s values: ``direct`` peer memory (every pair of ranks on one node with peer
+access), ``nccl`` NCCL collectives of fixed sizes (any ranks), ``auto`` direct where every pair allows it, else
+nccl (docs/ep.md §8)."""
+
 SYNC_MODES = ("barrier", "pairwise")
 """``MOE_RT_LL_SYNC``'s values, in the order of the core group's desc.sync codes (0, 1)."""
 
@@ -297,6 +318,24 @@ def check_combine_partials_agree(settings) -> None:
     _check_agrees("combine_partials", settings, "LowLatencyGroup(combine_partials=...)")
 
 
+def env_transport() -> str:
+    """``MOE_RT_LL_TRANSPORT``: ``auto`` (the default, also when unset or empty), ``direct`` or ``nccl``
+    (ValueError otherwise): the transport of a :class:`LowLatencyGroup` made with ``transport=None``."""
+    v = os.environ.get("MOE_RT_LL_TRANSPORT", "") or "auto"
+    if v not in TRANSPORTS:
+        raise ValueError(f"MOE_RT_LL_TRANSPORT: expected auto, direct or nccl, got {v!r}")
+    return v
+
+
+def check_transport_agrees(codes) -> None:
+    """Every rank must take the same transport: a rank pushing into peer memory and one waiting in an NCCL
+    collective would never meet (transport='auto' decides alike everywhere; 'nccl' on some ranks only does not)."""
+    v = [TRANSPORTS[int(c)] if 0 <= int(c) < len(TRANSPORTS) else str(int(c)) for c in codes]
+    if len(set(v)) > 1:
+        raise ValueError(f"transport: the ranks disagree ({', '.join(f'rank {r}: {m}' for r, m in enumerate(v))}); "
+                         "pass the same LowLatencyGroup(transport=...) on every rank")
+
+
 def check_sync_agrees(codes) -> None:
     """Every rank's ``MOE_RT_LL_SYNC`` must be the same: a pairwise rank announces into the barrier slots
     without waiting for every rank, so a barrier rank beside it would pass its barrier early (and a pairwise
@@ -326,6 +365,32 @@ class _SelfComm:
             from cupy.cuda import runtime
 
             runtime.memcpyAsync(dst, src, n * np.dtype(dtype).itemsize, runtime.memcpyDeviceToDevice, stream)
+
+
+class _NcclBuffers:
+    """The NCCL transport's memory (one plain device allocation of this rank, zeroed once) and the transport
+    interface the group's waits use: ``failed_op`` (NCCL reports its failures through the communicator) and
+    ``close`` (waits for the group's last stream with its deadline, then frees)."""
+
+    def __init__(self, group, nbytes, stream):
+        import cupy
+
+        self._group = group
+        self.mem = cupy.cuda.memory.alloc(max(int(nbytes), 256))
+        self.local = self.mem.ptr
+        self.nbytes = int(nbytes)
+        cupy.cuda.runtime.memsetAsync(self.local, 0, self.nbytes, stream.ptr)
+
+    def failed_op(self):
+        return None
+
+    def close(self):
+        g, self._group = self._group, None
+        try:
+            if g is not None and g._last_stream is not None and not getattr(g.comm, "closed", False):
+                g._wait(g._last_stream, "close")  # no NCCL kernel may still write here
+        finally:
+            self.mem = None
 
 
 class LowLatencyHandle:
@@ -380,6 +445,10 @@ class LowLatencyGroup:
             per expert (default None: ``MOE_RT_LL_DEDUP``, 1 unless set to 0). The results are the same bit
             for bit; only the bytes on the peer links change (module notes). The same on every rank (the
             first op's set-up checks: a ValueError otherwise).
+        transport: ``"auto"`` (default None: ``MOE_RT_LL_TRANSPORT``, else auto), ``"direct"`` or ``"nccl"``
+            (module notes): how rows move between the ranks; chosen at the first CUDA op (``group.transport``).
+            The NCCL transport's memory per buffer set: the receive rows (and FP8 regions) plus every rank's
+            gathered rows ``R*Tmax*H`` and routing, and ``2*R*Tmax*K*H`` elements of combine rows.
         combine_partials: combine pushes one row per (token, expert rank), the rank's fp32 partial sum of the
             token's slots weighted by ``handle.slot_weights`` and rounded to the dtype, and the owner sums the
             partials, ranks ascending (default False: one row per (token, expert), the owner's sum over k).
@@ -392,7 +461,7 @@ class LowLatencyGroup:
 
     def __init__(self, comm, num_experts: int, hidden: int, max_tokens_per_rank: int, *, topk: int,
                  dtype="bfloat16", timeout: float | None = None, num_buffers: int = 1, fp8: bool = False,
-                 dedup: bool | None = None, combine_partials: bool = False):
+                 dedup: bool | None = None, combine_partials: bool = False, transport: str | None = None):
         (self.rank, self.size, self.device, self.num_experts, self.num_local_experts,
          self.hidden) = _ep.group_identity(comm, ("rank", "size", "device", "all_gather"), num_experts, hidden)
         self.comm = comm
@@ -428,6 +497,16 @@ class LowLatencyGroup:
         _ep._check_bool(combine_partials, "combine_partials")
         self.combine_partials = bool(combine_partials)
         self.sync = env_sync()  # MOE_RT_LL_SYNC, read once here
+        if transport is None:
+            transport = env_transport()
+        if not isinstance(transport, str):
+            raise TypeError(f"transport: expected a str ('auto', 'direct' or 'nccl'), got {type(transport).__name__}")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport: expected 'auto', 'direct' or 'nccl', got {transport!r}")
+        self._want = transport
+        # "direct" or "nccl" once the first CUDA op has set the group up (None before, and for CPU arrays)
+        self.transport = None
+        self._settled = set()  # the NCCL transport's op keys whose first call waited (_settle)
         self.num_scales = _fp8_ref.num_blocks(self.hidden, FP8_BLOCK)
         self.id = next(_ids)
         self.closed = False
@@ -456,7 +535,8 @@ class LowLatencyGroup:
                 f"hidden={self.hidden}, max_tokens_per_rank={self.max_tokens_per_rank}, topk={self.topk}, "
                 f"dtype={self.dtype.name}{', fp8=True' if self.fp8 else ''}{'' if self.dedup else ', dedup=False'}"
                 f"{', combine_partials=True' if self.combine_partials else ''}"
-                f"{', sync=barrier' if self.sync == 'barrier' else ''})")
+                f"{', sync=barrier' if self.sync == 'barrier' else ''}"
+                f"{', transport=' + repr(self.transport or self._want) if (self.transport or self._want) != 'auto' else ''})")
 
     # -- buffers ---------------------------------------------------------------------------------------
     def _regions(self):
@@ -470,6 +550,20 @@ class LowLatencyGroup:
                ("back", back), ("bw", Tmax * K * 4)]
         if self.fp8:  # the FP8 rows of dispatch(..., fp8=True): e4m3 codes and their per-128 scales
             one += [("recv_q", L * R * Tmax * H), ("recv_s", L * R * Tmax * self.num_scales * 4)]
+        return [((name, b), nb) for b in range(self.num_buffers) for name, nb in one]
+
+    def _nccl_regions(self):
+        """((name, set), bytes) of the NCCL transport's one allocation (this rank's own memory; moe_rt.h's
+        moe_rt_ll_buffer_set): the receive rows (and FP8 regions), every rank's gathered rows and routing, the
+        combine direction's rows and slot values, sent and received."""
+        R, L, Tmax, K, H = self.size, self.num_local_experts, self.max_tokens_per_rank, self.topk, self.hidden
+        isz, S = self.dtype.itemsize, self.num_scales
+        one = [("recv", L * R * Tmax * H * isz), ("gather", R * Tmax * H * isz),
+               ("gather_meta", R * (4 + 2 * Tmax * K) * 4), ("back_send", R * Tmax * K * H * isz),
+               ("back", R * Tmax * K * H * isz), ("bw_send", R * Tmax * K * 4), ("bw", R * Tmax * K * 4)]
+        if self.fp8:
+            one += [("recv_q", L * R * Tmax * H), ("recv_s", L * R * Tmax * S * 4), ("gather_q", R * Tmax * H),
+                    ("gather_s", R * Tmax * S * 4)]
         return [((name, b), nb) for b in range(self.num_buffers) for name, nb in one]
 
     def _setup(self, device_id):
@@ -490,16 +584,25 @@ class LowLatencyGroup:
             setup = max(self.timeout, _ep._SETUP_TIMEOUT)
             wait = _ep_direct.Wait(self, "__init__", setup)
             comm = self.comm if self.comm is not None else _SelfComm(self.device)
+            transport = "nccl" if self._want == "nccl" else "direct"
             if self.size > 1:
+                # every rank probes (the same collectives whatever it asked for, so that ranks asking for
+                # different transports meet in the agreement check below); the same answer on every rank
                 ok, reason = _ep_direct.probe_peers(comm, self.device, wait)
-                if not ok:
-                    raise ValueError(f"LowLatencyGroup needs every pair of ranks on one node with peer access: "
-                                     f"{reason}")
+                if not ok and self._want == "direct":
+                    raise ValueError(f"LowLatencyGroup(transport='direct') needs every pair of ranks on one node "
+                                     f"with peer access: {reason}; use transport='auto' or 'nccl'")
+                transport = "direct" if ok and self._want != "nccl" else "nccl"
                 agree = _ep_direct.all_gather_int64(
-                    comm, [int(self.dedup), int(self.combine_partials), SYNC_MODES.index(self.sync)], stream, wait)
+                    comm, [int(self.dedup), int(self.combine_partials), SYNC_MODES.index(self.sync),
+                           TRANSPORTS.index(transport)], stream, wait)
                 check_dedup_agrees(agree[:, 0])
                 check_combine_partials_agree(agree[:, 1])
                 check_sync_agrees(agree[:, 2])
+                check_transport_agrees(agree[:, 3])
+            if transport == "nccl":
+                self._setup_nccl(stream)
+                return
             # flags [num_buffers, 2, R, Tmax]: the transport's chunk flags with a pair capacity of
             # 2*Tmax*num_buffers
             d = _ep_direct.DirectTransport(comm, self.device, 2 * self.max_tokens_per_rank * self.num_buffers,
@@ -522,6 +625,17 @@ class LowLatencyGroup:
                 d.close()
                 raise
             self._adopt(d, sh, offs)
+            self.transport = "direct"
+
+    def _setup_nccl(self, stream):
+        """The NCCL transport's buffers: one plain allocation of this rank (no IPC), zeroed once."""
+        offs, o = {}, 0
+        for name, nb in self._nccl_regions():
+            offs[name] = (o, nb)
+            o += -(-nb // _ALIGN) * _ALIGN
+        buf = _NcclBuffers(self, o, stream)
+        self._adopt(buf, buf, offs)
+        self.transport = "nccl"
 
     def _adopt(self, transport, shared, offs):
         """Take the transport, the shared buffers and their regions' offsets (the end of _setup)."""
@@ -562,6 +676,9 @@ class LowLatencyGroup:
         launches every CUDA op), made once after _setup."""
         g = self._llg
         if g is None:
+            if self.transport == "nccl":
+                g = self._llg = self._nccl_core_group()
+                return g
             d, t, R = self._transport, self._tables, self.size
             sets = [(self._buf.local + self._offs[("recv", b)][0], t[("recv", b)], t.get(("recv_q", b), 0),
                      t.get(("recv_s", b), 0), t[("route", b)], t[("rw", b)], t[("back", b)], t[("bw", b)])
@@ -573,6 +690,25 @@ class LowLatencyGroup:
                 d.state.data.ptr, d._err_ptr, _errors.word(self.device), self._set_epoch.data.ptr,
                 combine_partials=int(self.combine_partials), sync=SYNC_MODES.index(self.sync))
         return g
+
+    def _nccl_core_group(self):
+        """The core group of the NCCL transport: its regions' addresses and the communicator (moe_rt.h)."""
+        base = self._buf.local
+
+        def at(name, b):
+            got = self._offs.get((name, b))
+            return base + got[0] if got is not None else 0
+
+        sets = [(at("recv", b), 0, 0, 0, 0, 0, 0, 0) for b in range(self.num_buffers)]
+        nccl_sets = [tuple(at(n, b) for n in ("recv_q", "recv_s", "gather", "gather_meta", "gather_q", "gather_s",
+                                               "back_send", "back", "bw_send", "bw"))
+                     for b in range(self.num_buffers)]
+        return _core.ll_group_create(
+            _core.device(self.device), self.size, self.rank, self.num_local_experts, self.max_tokens_per_rank,
+            self.topk, _core.CODES[self.dtype], self.hidden, self.chunk, self.num_buffers, int(self.fp8),
+            self.num_scales, int(self.dedup), int(self.timeout * 1e9), sets, 0, 0, 0, 0, _errors.word(self.device), 0,
+            combine_partials=int(self.combine_partials), sync=SYNC_MODES.index(self.sync), transport=1,
+            comm=self.comm.handle if self.comm is not None else 0, nccl_sets=nccl_sets)
 
     def synchronize(self, timeout: float | None = None, *, stream=None):
         """Wait for ``stream`` (default: the last op's) with the group's deadline; raise TimeoutError for a
@@ -607,6 +743,18 @@ class LowLatencyGroup:
         self._check_tokens_full(arr, name, shape)
         if key is not None:
             self._remember(key)
+
+    def _settle(self, key, stream, op):
+        """The NCCL transport's first call of each op ``key`` (what decides the kernels the core loads for it):
+        wait, with the group's deadline (abort and TimeoutError naming ``op``), for the work already queued on
+        ``stream``. Loading a kernel waits until the device is idle, so a kernel loaded for the first time behind
+        an NCCL collective that waits for a dead peer would block the calling thread for good, before any
+        deadline (EpGroup's rule, docs/ep.md §5); the core loads every kernel of a call before it launches any.
+        Later calls of the key wait for nothing; nothing waits while ``stream`` is captured into a graph."""
+        if self.transport != "nccl" or self.size == 1 or key in self._settled or _ep._capturing(stream):
+            return
+        self._wait(stream, op)
+        self._settled.add(key)
 
     def _remember(self, key):
         """Note a signature that passed its checks (the cache is emptied when it grows past 256)."""
@@ -784,6 +932,9 @@ class LowLatencyGroup:
         # quantized in the push), the flags, the routing, T, the tables
         args = ((0, xv[0].data.ptr, xv[1].data.ptr) if pair else (xv.data.ptr, 0, 0)) + (
             int(fp8), int(dequantize), idx.data.ptr, _core.CODES[idx.dtype], wv.data.ptr, T, ts.outs)
+        if self.transport == "nccl":
+            self._settle(("dispatch", split, fp8, dequantize, pair, idx.dtype.char, (args[0] | args[1]) % 16), s,
+                         "dispatch")
         _core.ll_dispatch(core, b, _PUSH if split else _PUSH | _RECEIVE, *args, s.ptr)  # barrier + kernel
         # the rest overlaps the kernel
         self._next_set = (b + 1) % self.num_buffers
@@ -804,6 +955,8 @@ class LowLatencyGroup:
         self._pending[b] = handle
 
         def receive(c, arrays=(xv, idx, wv)):  # holds the push's arrays (their pointers) until it runs
+            if self.transport == "nccl":
+                self._settle(("receive", fp8, dequantize), c.stream, "dispatch")
             _core.ll_dispatch(core, b, _RECEIVE, *args, c.stream.ptr)
 
         return res + (_Hook(self, handle, receive),)
@@ -879,6 +1032,10 @@ class LowLatencyGroup:
         """The combine direction for ``handle`` (moe_rt_ll_combine: barrier + ep_ll_combine; ``op`` names it):
         ``y`` rows and ``gws`` slot gradients read, ``out`` rows and ``grad_w`` weight gradients written (each
         an array or None)."""
+        if self.transport == "nccl":
+            self._settle((op, y is None, gws is None, out is None, grad_w is None,
+                          ((y.data.ptr if y is not None else 0) | (out.data.ptr if out is not None else 0)) % 16),
+                         call.stream, op)
         _core.ll_combine(self._llg or self._core_group(), handle.buffer_set, _OP[op],
                          y.data.ptr if y is not None else 0, gws.data.ptr if gws is not None else 0,
                          handle._tables(), handle.num_tokens, out.data.ptr if out is not None else 0,
@@ -981,6 +1138,9 @@ class LowLatencyGroup:
             # dedup split, then scaled and dotted with expert_out per slot into `dots`); the core refuses an
             # expert_out inside the receive buffer (ValueError)
             dots = call.scratch((gy.shape[0] * gy.shape[1],), np.float32) if y is not None else None
+            if self.transport == "nccl":
+                self._settle(("combine_bwd", y is None, (g.data.ptr | (0 if y is None else y.data.ptr)) % 16), s,
+                             "combine_bwd")
             _core.ll_combine_bwd(self._llg or self._core_group(), b, g.data.ptr, 0 if y is None else y.data.ptr,
                                  handle._tables(), T, 0 if dots is None else dots.data.ptr, s.ptr)
             gwt = None

@@ -450,7 +450,9 @@ def dead_peer(cp, comm):
         dt = time.monotonic() - t0
         log(f"got TimeoutError after {dt:.1f} s: {e}")
         assert dt < 2 * timeout + 5, dt
-        assert "dispatch" in str(e), e
+        # the direct transport's device wait names the op; on the NCCL transport the collective never ends and
+        # the host wait that ran past the deadline names itself
+        assert ("dispatch" if g.transport == "direct" else "synchronize") in str(e), e
     g.close()  # teardown after a failure: no hang
     log("DEAD PEER OK")
     os._exit(0)
@@ -560,6 +562,46 @@ def check_partials(cp, g, seed, L, K, Ts, Tmax, H, dt):
     return (cp.asnumpy(out), cp.asnumpy(gx))
 
 
+def transports(cp, comm):
+    """The NCCL transport (LowLatencyGroup(transport="nccl")) and the direct one give bitwise equal results
+    (dispatch rows, counts, slot tables, combine, both backwards), each also checked against the reference by
+    check_all / check_partials; the group reports the transport it took."""
+    from moe_rt.ep_ll import LowLatencyGroup
+
+    n = 0
+    for dt in (np.float32, bf16(), np.float16):
+        for L, K, Ts, Tmax, H in [(3, 4, (7, 0, 5, 2), 7, 13), (8, 8, (128,), 128, 512), (2, 3, (4, 4), 4, 64),
+                                  (5, 6, (33, 17, 0, 40), 40, 1000)]:
+            Ts = spread(Ts)
+            for partial in (False, True):
+                check = check_partials if partial else check_all
+                runs = []
+                for transport in ("direct", "nccl"):
+                    g = LowLatencyGroup(comm, WORLD * L, H, Tmax, topk=min(K, WORLD * L), dtype=dt,
+                                        transport=transport, combine_partials=partial)
+                    runs.append(check(cp, g, 500 + n, L, g.topk, Ts, Tmax, H, dt))
+                    assert g.transport == transport, (g.transport, transport)
+                    g.close()
+                same_bits(runs[0], runs[1], "direct and nccl transports")
+            n += 1
+            log(f"transports {n} ok: dtype={np.dtype(dt).name} L={L} K={K} Ts={Ts} Tmax={Tmax} H={H}")
+    refused_when_ranks_disagree_on_transport(cp, comm)
+
+
+def refused_when_ranks_disagree_on_transport(cp, comm):
+    """transport='nccl' at rank 0 only (the others 'auto', which takes the direct transport here): refused on
+    every rank alike at the first op, naming the setting."""
+    from moe_rt.ep_ll import LowLatencyGroup
+
+    g = LowLatencyGroup(comm, WORLD * 2, 8, 4, topk=2, dtype=np.float32, transport="nccl" if RANK == 0 else "auto")
+    try:
+        g.dispatch(cp.zeros((4, 8), np.float32), cp.zeros((4, 2), np.int32), cp.ones((4, 2), np.float32))
+        raise AssertionError("ranks disagreeing on the transport accepted")
+    except ValueError as e:
+        assert "transport" in str(e), e
+    g.close()
+
+
 def partials(cp, comm):
     """LowLatencyGroup(combine_partials=True): combine bitwise the reference's rank-partial combine (fp32,
     fp16, bf16; odd H (the scalar path), T = 0 ranks, duplicates, holes; K above and below R: back rows
@@ -577,8 +619,9 @@ def main():
     what = sys.argv[1] if len(sys.argv) > 1 else "correctness"
     cp, comm = setup()
     log(f"MOE_RT_LL_SYNC={os.environ.get('MOE_RT_LL_SYNC') or 'pairwise'}")  # every group's mode (read when made)
+    log(f"MOE_RT_LL_TRANSPORT={os.environ.get('MOE_RT_LL_TRANSPORT') or 'auto'}")
     {"correctness": correctness, "graph": graph, "split": split, "fp8": fp8, "dead_peer": dead_peer,
-     "jax": jax_ops, "partials": partials}[what](cp, comm)
+     "jax": jax_ops, "partials": partials, "transports": transports}[what](cp, comm)
     cp.cuda.Device().synchronize()
     comm.close()
     log("ALL OK")

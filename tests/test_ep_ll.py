@@ -467,6 +467,55 @@ def test_dedup_must_agree_on_every_rank():
         check_dedup_agrees([0, 1])
 
 
+def test_group_transport_argument_and_env(monkeypatch):
+    """transport: 'auto' (default, or MOE_RT_LL_TRANSPORT), 'direct' or 'nccl'; other values and types refused
+    before any collective; the choice is made at the first CUDA op (group.transport None until then, and on the
+    CPU path, whose reference needs no transport); repr names a transport asked for."""
+    monkeypatch.delenv("MOE_RT_LL_TRANSPORT", raising=False)
+    g = LowLatencyGroup(None, 4, 8, 4, topk=2, dtype=np.float32)
+    assert g._want == "auto" and g.transport is None and "transport" not in repr(g)
+    g = LowLatencyGroup(None, 4, 8, 4, topk=2, dtype=np.float32, transport="nccl")
+    assert g._want == "nccl" and "transport='nccl'" in repr(g)
+    monkeypatch.setenv("MOE_RT_LL_TRANSPORT", "nccl")
+    assert LowLatencyGroup(None, 4, 8, 4, topk=2, dtype=np.float32)._want == "nccl"
+    assert LowLatencyGroup(None, 4, 8, 4, topk=2, dtype=np.float32, transport="direct")._want == "direct"
+    monkeypatch.setenv("MOE_RT_LL_TRANSPORT", "ib")
+    with pytest.raises(ValueError, match="MOE_RT_LL_TRANSPORT: expected auto, direct or nccl, got 'ib'"):
+        LowLatencyGroup(None, 4, 8, 4, topk=2, dtype=np.float32)
+    monkeypatch.delenv("MOE_RT_LL_TRANSPORT")
+    with pytest.raises(ValueError, match="transport: expected 'auto', 'direct' or 'nccl', got 'NCCL'"):
+        LowLatencyGroup(None, 4, 8, 4, topk=2, dtype=np.float32, transport="NCCL")
+    with pytest.raises(TypeError, match="transport: expected a str"):
+        LowLatencyGroup(None, 4, 8, 4, topk=2, dtype=np.float32, transport=1)
+
+
+def test_group_cpu_nccl_transport_runs_the_reference(rng):
+    """A 1-rank group asked for the NCCL transport on CPU arrays runs the same reference (the transport only
+    moves rows between GPUs)."""
+    L, K, T, Tmax, H = 4, 2, 3, 5, 8
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    idx = np.array([[0, 3], [1, -1], [2, 2]], np.int32)
+    w = rng.random((T, K)).astype(np.float32)
+    outs = []
+    for transport in ("auto", "nccl"):
+        g = LowLatencyGroup(None, L, H, Tmax, topk=K, dtype=np.float32, transport=transport)
+        recv, counts, h = g.dispatch(x, idx, w)
+        outs.append((recv, counts, g.combine(h, recv)))
+    for a, b in zip(*outs):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_transport_must_agree_on_every_rank():
+    """The set-up's check of the all-gathered transport choices: equal ones pass, a mix is a ValueError naming
+    each rank's (the multi-GPU worker checks that the first op raises it on every rank)."""
+    from moe_rt.ep_ll import check_transport_agrees
+
+    check_transport_agrees([1, 1])
+    check_transport_agrees([2, 2, 2])
+    with pytest.raises(ValueError, match=r"transport: the ranks disagree \(rank 0: nccl, rank 1: direct\)"):
+        check_transport_agrees(np.array([2, 1], np.int64))
+
+
 def test_group_sync_env(monkeypatch):
     """MOE_RT_LL_SYNC, read when the group is made: unset or empty: pairwise; exactly barrier or pairwise;
     anything else a ValueError naming the variable. A group keeps the mode it was made with."""
@@ -760,7 +809,7 @@ def test_low_latency_kernels_compile(arch):
     from moe_rt import _jit, ep_ll
 
     names = [n for f, n in _jit.registered() if f == ep_ll._FILE and n in ep_ll._names]
-    assert len(names) == len(ep_ll._names) == 78  # 42 default builds, 36 pairwise
+    assert len(names) == len(ep_ll._names) == 156  # 42 default builds, 36 pairwise, 78 of the NCCL transport
     image, lowered = _jit.compile_offline("ep.cu", arch, names)
     assert set(lowered) == set(names) and image
 
@@ -1176,13 +1225,14 @@ def test_gpu_one_rank_combine_partials(rng, dtype, L, K, T, Tmax, H):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float16"])
 @pytest.mark.parametrize("L,K,T,Tmax,H", [(5, 3, 7, 9, 13), (8, 4, 128, 128, 256), (3, 2, 0, 4, 8)])
-@pytest.mark.parametrize("dedup", [True, False])
-def test_gpu_one_rank_against_reference(rng, dtype, L, K, T, Tmax, H, dedup):
-    # one rank: with dedup every token's row arrives once and the receiving side copies it to its other experts
+@pytest.mark.parametrize("dedup,transport", [(True, "auto"), (False, "auto"), (True, "nccl")])
+def test_gpu_one_rank_against_reference(rng, dtype, L, K, T, Tmax, H, dedup, transport):
+    # one rank: with dedup every token's row arrives once and the receiving side copies it to its other experts;
+    # transport="nccl": the NCCL transport's kernels (one rank: no exchange between them)
     import cupy as cp
 
     dt = bf16() if dtype == "bfloat16" else np.dtype(dtype)
-    g = LowLatencyGroup(None, L, H, Tmax, topk=K, dtype=dt, dedup=dedup)
+    g = LowLatencyGroup(None, L, H, Tmax, topk=K, dtype=dt, dedup=dedup, transport=transport)
     try:
         for _ in range(2):  # the second call over buffers the first one filled
             xs, idxs, ws, x, idx, w = _gpu_case(rng, cp, L, K, T, Tmax, H, dt)
@@ -1215,10 +1265,11 @@ def test_gpu_one_rank_against_reference(rng, dtype, L, K, T, Tmax, H, dedup):
 
 
 @pytest.mark.gpu
-def test_gpu_one_rank_bad_ids_raise_at_synchronize(rng):
+@pytest.mark.parametrize("transport", ["auto", "nccl"])
+def test_gpu_one_rank_bad_ids_raise_at_synchronize(rng, transport):
     import cupy as cp
 
-    g = LowLatencyGroup(None, 4, 8, 4, topk=2, dtype=np.float32)
+    g = LowLatencyGroup(None, 4, 8, 4, topk=2, dtype=np.float32, transport=transport)
     try:
         g.dispatch(cp.zeros((3, 8), np.float32), cp.asarray(np.array([[0, 9], [1, 2], [3, -1]], np.int32)),
                    cp.ones((3, 2), np.float32))
@@ -1611,11 +1662,12 @@ def _gpu_count():
         return 0
 
 
-def _run_worker(what, n, timeout=240, sync="barrier"):
-    """tests/ep_ll_worker.py ``what`` on n ranks, every rank's groups made with MOE_RT_LL_SYNC=sync."""
+def _run_worker(what, n, timeout=240, sync="barrier", transport="auto"):
+    """tests/ep_ll_worker.py ``what`` on n ranks, every rank's groups made with MOE_RT_LL_SYNC=sync and
+    MOE_RT_LL_TRANSPORT=transport."""
     if n > _gpu_count():
         pytest.skip(f"needs {n} CUDA GPUs")
-    env = dict(os.environ, MOE_RT_EP_TIMEOUT="60", MOE_RT_LL_SYNC=sync)
+    env = dict(os.environ, MOE_RT_EP_TIMEOUT="60", MOE_RT_LL_SYNC=sync, MOE_RT_LL_TRANSPORT=transport)
     r = subprocess.run([sys.executable, str(LAUNCH), "-n", str(n), "--timeout", str(timeout),
                         str(ROOT / "tests" / "ep_ll_worker.py"), what], capture_output=True, text=True, env=env,
                        timeout=timeout + 60)
@@ -1658,4 +1710,34 @@ def test_multi_gpu_low_latency_combine_partials(n, sync):
 def test_multi_gpu_low_latency_dead_peer_times_out(n, sync):
     # pairwise: the live ranks' dispatch waits for the dead rank's announce and gives up within the timeout
     r = _run_worker("dead_peer", n, timeout=120, sync=sync)
+    assert r.returncode == 0 and "[rank 0] DEAD PEER OK" in r.stdout
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.parametrize("n", [2, 4])
+def test_multi_gpu_low_latency_transports_bitwise_equal(n):
+    # LowLatencyGroup(transport="direct") and transport="nccl" on the same inputs: every output bitwise equal
+    # (and each against the reference), per-expert combine and rank partials; ranks asking for different
+    # transports refused on every rank
+    r = _run_worker("transports", n, timeout=480)
+    assert r.returncode == 0 and "[rank 0] ALL OK" in r.stdout
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("what", ["correctness", "graph", "split", "fp8", "partials", "jax"])
+def test_multi_gpu_low_latency_nccl_transport(what, n):
+    # every worker case of the direct transport's tests on the NCCL transport (MOE_RT_LL_TRANSPORT=nccl):
+    # against the reference, graph replay with new routing, split hooks with two buffer sets, FP8, rank
+    # partials, moe_rt.jax's XLA custom calls
+    r = _run_worker(what, n, timeout=480, transport="nccl")
+    assert r.returncode == 0 and "[rank 0] ALL OK" in r.stdout
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.parametrize("n", [2, 4])
+def test_multi_gpu_low_latency_nccl_dead_peer_times_out(n):
+    # the live ranks' NCCL all-gather never ends: synchronize gives up within the timeout, aborts the
+    # communicator and raises TimeoutError; close does not hang
+    r = _run_worker("dead_peer", n, timeout=120, transport="nccl")
     assert r.returncode == 0 and "[rank 0] DEAD PEER OK" in r.stdout

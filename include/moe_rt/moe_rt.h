@@ -382,7 +382,14 @@ moe_rt_status moe_rt_last_plan_args(const moe_rt_context* ctx, int launch, int64
  * synchronises with each destination itself) followed by one fused kernel of kernels/ep.cu,
  * exactly as moe_rt.ep_ll does (the same kernels, grids, blocks and arguments). Nothing syncs with the host;
  * the ops are CUDA-graph capturable (epochs live on the device). Every rank calls the same ops in the same
- * order (collectives). Layout and semantics: moe_rt/ep_ll.py's module notes. */
+ * order (collectives). Layout and semantics: moe_rt/ep_ll.py's module notes.
+ * The NCCL transport (desc.transport MOE_RT_LL_TRANSPORT_NCCL, for ranks without peer access): no peer table,
+ * barrier or flag; each op is the ep_ll_nccl_* kernels with one NCCL exchange of fixed size through desc.comm
+ * between them (dispatch: pack, all-gather, expand; the combine direction: reduce, grouped send/recv, owner
+ * sum; combine_bwd: pack, all-gather, expand, slot dot), with results bitwise those of the direct transport.
+ * The first call of each signature loads its kernels, which waits for an idle device: behind a collective
+ * waiting for a dead peer it would block, so a caller waits for its stream (with its own deadline, polling
+ * moe_rt_comm_async_error) before an op's first call (docs/ep.md §8). */
 #define MOE_RT_LL_MAX_TOKENS 1024 /* max_tokens_per_rank, at most */
 #define MOE_RT_LL_MAX_BUFFERS 2
 #define MOE_RT_LL_FP8_BLOCK 128 /* channels per FP8 scale */
@@ -421,7 +428,25 @@ typedef struct moe_rt_ll_buffer_set {
   const int64_t* peer_rw;     /* peer table of the routing weights [R, Tmax*K] float32 */
   const int64_t* peer_back;   /* peer table of the combine rows [Tmax*K, H] dtype */
   const int64_t* peer_bw;     /* peer table of the combine weight gradients [Tmax*K] float32 */
+  /* The NCCL transport's regions (desc.transport MOE_RT_LL_TRANSPORT_NCCL; NULL on the direct transport, whose
+   * peer tables above are NULL on this one): this rank's own memory, 16-byte aligned; MW = 4 + 2*Tmax*K. */
+  void* recv_q;              /* fp8 groups: the FP8 codes [L, R*Tmax, H] uint8; else NULL */
+  float* recv_s;             /* fp8 groups: the FP8 scales [L, R*Tmax, S]; else NULL */
+  void* gather;              /* every rank's token rows [R, Tmax, H] dtype (dispatch's x, combine_bwd's grad_out) */
+  int32_t* gather_meta;      /* every rank's routing [R, MW] int32: T, 3 unused words, ids [Tmax*K], weights' bits */
+  void* gather_q;            /* fp8 groups: every rank's FP8 codes [R, Tmax, H] uint8; else NULL */
+  float* gather_s;           /* fp8 groups: every rank's FP8 scales [R, Tmax, S]; else NULL */
+  void* back_send;           /* the combine direction's rows for each owner [R, Tmax*K, H] dtype */
+  void* back;                /* the rows each expert rank sent here [R, Tmax*K, H] dtype */
+  float* bw_send;            /* the slot values (weight gradients) for each owner [R, Tmax*K] */
+  float* bw;                 /* the slot values each expert rank sent here [R, Tmax*K] */
 } moe_rt_ll_buffer_set;
+
+/* How a low-latency group's rows move between its ranks (moe_rt_ll_group_desc.transport). */
+typedef enum moe_rt_ll_transport {
+  MOE_RT_LL_TRANSPORT_DIRECT = 0, /* peer memory (CUDA IPC): every pair of ranks on one node with peer access */
+  MOE_RT_LL_TRANSPORT_NCCL = 1    /* NCCL collectives of fixed sizes through desc.comm: any ranks (docs/ep.md §8) */
+} moe_rt_ll_transport;
 
 typedef struct moe_rt_ll_group_desc {
   int32_t num_ranks;           /* R >= 1 */
@@ -459,6 +484,11 @@ typedef struct moe_rt_ll_group_desc {
   uint32_t* set_epoch;         /* uint32 [num_buffers] device memory: each set's split push epoch; with sync
                                   MOE_RT_LL_SYNC_PAIRWISE [num_buffers + 1], zeroed once: the last word counts
                                   the blocks of the running op that took its epoch */
+  int32_t transport;           /* moe_rt_ll_transport. MOE_RT_LL_TRANSPORT_NCCL: the sets' NCCL regions and comm are
+                                  used, and peer_flags, peer_barrier, barrier_state, timeout_word, set_epoch and
+                                  the peer tables may be NULL (sync and chunk are ignored) */
+  struct moe_rt_comm* comm;    /* MOE_RT_LL_TRANSPORT_NCCL: the group's communicator of num_ranks ranks, this rank
+                                  at desc.rank (borrowed: it must outlive the group); NULL for one rank */
 } moe_rt_ll_group_desc;
 
 /* A dispatch handle's tables (device memory the caller owns; one set per dispatch in flight). T tokens. */

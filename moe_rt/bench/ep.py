@@ -52,7 +52,9 @@ row) and "dispatch fp8 dequant (graph)" (the same, dequantized to bf16 on the re
 "dispatch (graph)", with x_vs_bf16 = the bf16 dispatch graph's time / the row's. Then "round trip partials
 (eager)", "combine partials (graph)" and "round trip partials (graph)" time a second group made with
 ``combine_partials=True`` on the same inputs (combine pushes one row per (token, rank): its wire_MB counts one
-row per (token, distinct other rank holding any of its experts)).
+row per (token, distinct other rank holding any of its experts)). ``MOE_RT_LL_TRANSPORT=nccl`` (the header's
+``transport``) times the groups on the NCCL transport; wire_MB then counts its fixed-size collectives: every
+rank's T rows and routing all-gathered, combine parts of T*K rows (T with partials) to each other rank.
 
 Rank 0 prints the table; ``--json`` writes it. Times are rank 0's CUDA-event medians (ranks are
 synchronized before every case).
@@ -545,6 +547,13 @@ def _rank_low_latency(args):
         rows = []
         with stream:
             recv, counts, h = g.dispatch(x, idx, w)
+            table.meta.update(transport=g.transport)
+            if g.transport == "nccl":  # fixed-size collectives: what each rank sends to the others
+                peers = world - 1
+                meta = peers * (4 + 2 * T * K) * 4  # the routing all-gathered
+                wire_d = peers * T * H * 2  # every token row all-gathered
+                wire_fp8 = peers * T * (H + 4 * -(-H // 128))
+                wire = peers * T * K * H * 2  # combine: a part of Tmax*K rows to each owner
             y = recv.copy()  # the expert stand-in: identity
             g.combine(h, y)
             g.synchronize()
@@ -599,7 +608,7 @@ def _rank_low_latency(args):
         # the rank-partial combine: a second group made with combine_partials=True, the same inputs and expert
         # rows; one row per (token, other rank holding any of its experts) comes back
         sent_p = wire_rows(e, E, world, rank, dedup=True)
-        wire_p = sent_p * H * 2
+        wire_p = sent_p * H * 2 if table.meta["transport"] != "nccl" else (world - 1) * T * H * 2
         t_raw_p = raw_a2a(sent_p) if sent_p != remote else t_raw
         gp = LowLatencyGroup(comm, E, H, T, topk=K, dtype="bfloat16", dedup=dedup, combine_partials=True)
         graphs = {}
