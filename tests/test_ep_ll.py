@@ -915,6 +915,73 @@ def test_cuda_host_path_combine_partials_launches(monkeypatch, T, R, K, sync):
     assert name == f"{kern}<__nv_bfloat16, true, false>"
 
 
+@pytest.mark.parametrize("T", [11, 0])
+@pytest.mark.parametrize("partials", [False, True])
+def test_cuda_host_path_nccl_transport(monkeypatch, T, partials):
+    """LowLatencyGroup(transport="nccl") on CUDA (device stood in for): each op's launches (the NCCL
+    transport's kernels, each given as many arguments as it takes, in range), the buffer set's own regions and
+    the handle's tables as arguments, and the first call of each op signature waiting for its stream before the
+    core loads its kernels (later calls wait for nothing). The exchanges themselves are not recorded."""
+    import ml_dtypes
+
+    tr = _LLTrace(monkeypatch)
+    R, me, E, H, Tmax, K = 2, 1, 6, 40, 13, 3
+    L, bf = E // R, np.dtype(ml_dtypes.bfloat16)
+    g = tr.group(R, me, E, H, Tmax, K, bf, 2, True, partials, transport="nccl")
+    waits = []
+    monkeypatch.setattr(g, "_wait", lambda stream, op, timeout=None: waits.append(op))
+    x, idx, w = tr.dev((T, H), bf), tr.dev((T, K), np.int64), tr.dev((T, K), np.float32)
+    y, gout, gsw = tr.dev((L, R * Tmax, H), bf), tr.dev((T, H), bf), tr.dev((L, R * Tmax), np.float32)
+    base = 1 << 56
+
+    def region(name, b):
+        return base + g._offs[(name, b)][0]
+
+    def names(ev):
+        return [(n, a) for n, _, _, a in ev]
+
+    tr.take()
+    _, _, h0 = g.dispatch(x, idx, w)
+    (pack, pa), (expand, ea) = names(tr.take()[0])
+    assert (pack, expand) == ("ep_ll_nccl_pack", "ep_ll_nccl_expand") and waits == ["dispatch"]
+    t = h0._a
+    assert pa["gather"] == region("gather", 0) and pa["gather_meta"] == region("gather_meta", 0)
+    assert pa["counts"] == t["counts"].data.ptr and pa["meta"] == 1 and pa["Tn"] == T and pa["me"] == me
+    assert ea["recv"] == region("recv", 0) and ea["slot_k"] == t["slot_k"].data.ptr
+    assert ea["route_out"] == t["route"].data.ptr and ea["scaled"] == 0
+    _, _, h1 = g.dispatch(x, idx, w)  # the second buffer set; the same signature: no wait
+    (_, pa), (_, ea) = names(tr.take()[0])
+    assert pa["gather"] == region("gather", 1) and ea["recv"] == region("recv", 1) and waits == ["dispatch"]
+    out = g.combine(h0, y)
+    (red, ra), (own, oa) = names(tr.take()[0])
+    assert (red, own) == ("ep_ll_nccl_reduce", "ep_ll_nccl_owner") and waits == ["dispatch", "combine"]
+    assert ra["back_send"] == region("back_send", 0) and ra["back"] == region("back", 0) and ra["rows"] == 1
+    assert ra["slot_w"] == (t["slot_w"].data.ptr if partials else 0) and ra["route"] == t["route"].data.ptr
+    assert oa["out"] == (out.data.ptr if T else 0) and oa["back"] == region("back", 0) and oa["Tn"] == T
+    assert oa["w"] == (0 if partials or not T else t["w"].data.ptr)
+    g.dispatch_bwd(h1, y, gsw)
+    (_, ra), (_, oa) = names(tr.take()[0])
+    assert ra["slot_grads"] == gsw.data.ptr and ra["back"] == region("back", 1) and oa["w"] == 0
+    g.combine_bwd(h0, gout, y)
+    got = [n for n, _ in names(tr.take()[0])]
+    assert got == ["ep_ll_nccl_pack", "ep_ll_nccl_expand", "ep_ll_slot_dot", "ep_ll_nccl_reduce", "ep_ll_nccl_owner"]
+    g.combine_bwd(h0, gout)
+    assert [n for n, _ in names(tr.take()[0])] == ["ep_ll_nccl_pack", "ep_ll_nccl_expand"]
+    *_, hook = g.dispatch(x, idx, w, return_recv_hook=True)  # the push: the pack (and the exchange)
+    assert [n for n, _ in names(tr.take()[0])] == ["ep_ll_nccl_pack"]
+    hook()
+    (n, ea), = names(tr.take()[0])
+    assert n == "ep_ll_nccl_expand" and ea["recv"] == region("recv", 0)
+    g.dispatch(x, idx, w, fp8=True, dequantize=True)
+    full = list(tr.kernels)  # the kernels' full names (template arguments)
+    (_, pa), (_, ea) = names(tr.take()[0])
+    assert full[0].startswith("ep_ll_nccl_pack<") and full[0].endswith(", true>")  # quantized in the pack
+    assert full[1].startswith("ep_ll_nccl_expand<") and full[1].endswith(", 2>")  # dequantized on arrival
+    assert ea["recv"] == region("recv", 1) and pa["gather_q"] == region("gather_q", 1)
+    assert waits == ["dispatch", "combine", "dispatch_bwd", "combine_bwd", "combine_bwd", "combine_bwd", "dispatch",
+                     "dispatch", "dispatch"]
+
+
 @pytest.mark.parametrize("sync", ["barrier", ""])  # MOE_RT_LL_SYNC: barrier or unset (pairwise)
 @pytest.mark.parametrize("dedup", ["", "0"])  # MOE_RT_LL_DEDUP: unset (the dedup split) or 0 (per-expert pushes)
 @pytest.mark.parametrize("fp8", [None, "float", "pair", "dequant"])

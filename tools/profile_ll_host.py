@@ -157,16 +157,28 @@ class StandIns:
 
         return _arrays.DevArray(next(self.addrs), tuple(shape), np.dtype(dtype), None, 0)
 
-    def group(self, R, me, E, H, Tmax, K, dtype="bfloat16", num_buffers=1, fp8=False, combine_partials=False):
+    def group(self, R, me, E, H, Tmax, K, dtype="bfloat16", num_buffers=1, fp8=False, combine_partials=False,
+              transport="direct"):
         """A LowLatencyGroup of rank ``me`` of R whose transport and shared buffers are stand-ins (what its
         _setup makes, without CUDA): the error word at 96, the peer tables of the shared buffers at 2**50 plus
-        their offsets."""
+        their offsets; ``transport="nccl"``: the NCCL transport's regions from 2**56 and a made-up
+        communicator at 0x7000 (the planning context records the launches, not the exchanges)."""
         from moe_rt import _core, _ep_direct
         from moe_rt.ep_ll import LowLatencyGroup
 
-        comm = type("Comm", (), {"rank": me, "size": R, "device": 0, "all_gather": None})()
+        comm = type("Comm", (), {"rank": me, "size": R, "device": 0, "all_gather": None, "handle": 0x7000})()
         g = LowLatencyGroup(comm, E, H, Tmax, topk=K, dtype=dtype, num_buffers=num_buffers, fp8=fp8,
-                            combine_partials=combine_partials)
+                            combine_partials=combine_partials, transport=transport)
+        if transport == "nccl":
+            offs, o = {}, 0
+            for name, nb in g._nccl_regions():
+                offs[name] = (o, nb)
+                o += -(-nb // 256) * 256
+            buf = type("Nccl", (), {"local": 1 << 56, "failed_op": lambda self: None, "close": lambda self: None})()
+            g._adopt(buf, buf, offs)
+            g.transport = "nccl"
+            g._wait = lambda stream, op, timeout=None: None  # the first call's host wait for its stream
+            return g
         d = object.__new__(_ep_direct.DirectTransport)
         d.comm, d.device, d.R, d.me, d.lo, d.hi, d.P = comm, 0, R, me, 0, R, 2 * Tmax * num_buffers
         d.timeout_ns, d._stages, d._order, d.closed, d._err_ptr = 10**9, {}, [], False, 96
@@ -224,6 +236,9 @@ def parser():
     ap = argparse.ArgumentParser(prog=pathlib.Path(__file__).name, description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=400, help="calls per round (default 400)")
     ap.add_argument("--profile", default=None, metavar="OP", help="cProfile one op (its name as printed)")
+    ap.add_argument("--transport", default="direct", choices=("direct", "nccl"),
+                    help="the group's transport (without --gpu; the NCCL transport's exchanges are not stood in "
+                         "for: its host time here leaves them out); with --gpu set MOE_RT_LL_TRANSPORT")
     _host_gpu().add_arguments(ap, GPU_OPS, 128, "device time (eager; dispatch and combine also as a CUDA graph)")
     return ap
 
@@ -310,7 +325,7 @@ def main(argv=None):
         return _host_gpu().run(ap, a, argv, __file__, gpu_rank)
     st = StandIns()
     T, K, H = 128, 8, 7168
-    g = st.group(2, 0, 256, H, T, K, fp8=True)
+    g = st.group(2, 0, 256, H, T, K, fp8=True, transport=a.transport)
     bf = g.dtype
     x, idx, w = st.dev((T, H), bf), st.dev((T, K), np.int32), st.dev((T, K), np.float32)
     y, gout, yk = st.dev(g._slots_shape(), bf), st.dev((T, H), bf), st.dev(g._slots_shape(), bf)
