@@ -225,14 +225,6 @@ static moe_rt_status load_driver(mrt_driver* d) {
   *(void**)(&d->cuIpcCloseMemHandle) = dlsym(d->lib, "cuIpcCloseMemHandle");
   *(void**)(&d->cuStreamQuery) = dlsym(d->lib, "cuStreamQuery");
   *(void**)(&d->cuMemcpyHtoDAsync) = dlsym(d->lib, "cuMemcpyHtoDAsync_v2");
-  /* needed by the low-latency NCCL transport alone (csrc/ep_ll.c says which is missing) */
-  *(void**)(&d->cuCtxGetStreamPriorityRange) = dlsym(d->lib, "cuCtxGetStreamPriorityRange");
-  *(void**)(&d->cuStreamCreateWithPriority) = dlsym(d->lib, "cuStreamCreateWithPriority");
-  *(void**)(&d->cuStreamDestroy) = dlsym(d->lib, "cuStreamDestroy_v2");
-  *(void**)(&d->cuEventCreate) = dlsym(d->lib, "cuEventCreate");
-  *(void**)(&d->cuEventDestroy) = dlsym(d->lib, "cuEventDestroy_v2");
-  *(void**)(&d->cuEventRecord) = dlsym(d->lib, "cuEventRecord");
-  *(void**)(&d->cuStreamWaitEvent) = dlsym(d->lib, "cuStreamWaitEvent");
   return MOE_RT_SUCCESS;
 }
 

@@ -30,24 +30,11 @@ struct moe_rt_ll_group {
   int vec16, vec16_fp8; /* the 16-byte vector paths' conditions that hold for every call */
   mrt_group_plans plans;
   mrt_live live;  /* its entry in the registry of live groups (moe_rt_ll_group_acquire) */
-  /* the NCCL transport's exchanges run on a stream of their own (made on first use in a device context):
-   * `fork` and `join` order a whole op's exchange between the caller's stream and it, `pushed[b]` is recorded
-   * after a split push's exchange of buffer set b and waited for by its receive (`pending[b]` set between) */
-  CUstream side;
-  CUevent fork, join, pushed[MOE_RT_LL_MAX_BUFFERS];
-  int pending[MOE_RT_LL_MAX_BUFFERS];
 };
 
 static mrt_registry g_registry = MRT_REGISTRY_INIT;
 
 static void group_free(moe_rt_ll_group* g) {
-  const mrt_driver* d = NULL;
-  if (g->side && mrt_device_driver(g->ctx, "moe_rt_ll_group_destroy", &d) == MOE_RT_SUCCESS) {
-    CUevent ev[] = {g->fork, g->join, g->pushed[0], g->pushed[1]};
-    for (int i = 0; i < 4; ++i)
-      if (ev[i]) d->cuEventDestroy(ev[i]);
-    d->cuStreamDestroy(g->side); /* its pending work completes first */
-  }
   mrt_group_plans_destroy(&g->plans);
   free(g);
 }
@@ -199,18 +186,6 @@ moe_rt_status moe_rt_ll_group_get_desc(const moe_rt_ll_group* g, moe_rt_ll_group
   if (!out) return BAD("moe_rt_ll_group_get_desc: out is NULL");
   *out = g->d;
   return MOE_RT_SUCCESS;
-}
-
-moe_rt_status moe_rt_ll_group_join(moe_rt_ll_group* g, moe_rt_stream stream) {
-  mrt_clear_error();
-  if (!g) return BAD("moe_rt_ll_group_join: group is NULL");
-  if (!g->side) return MOE_RT_SUCCESS; /* no exchange ever left the caller's stream */
-  const mrt_driver* d = NULL;
-  moe_rt_status st = mrt_device_driver(g->ctx, "moe_rt_ll_group_join", &d);
-  if (st) return st;
-  CUresult r = d->cuEventRecord(g->join, g->side);
-  if (!r) r = d->cuStreamWaitEvent((CUstream)stream, g->join, 0);
-  return r ? mrt_cuda_fail(d, r, "moe_rt_ll_group_join: cuEventRecord / cuStreamWaitEvent") : MOE_RT_SUCCESS;
 }
 
 /* ---- planning ------------------------------------------------------------------------------------- */
@@ -499,78 +474,14 @@ static moe_rt_status nl_exchange_run(moe_rt_ll_group* g, int b, const nl_exchang
   return st ? st : end;
 }
 
-/* The group's exchange stream (highest priority, non-blocking) and its events, made once. */
-static moe_rt_status nl_side(moe_rt_ll_group* g, const mrt_driver** out) {
-  static const char op[] = "moe_rt_ll (the NCCL transport's exchange stream)";
-  const mrt_driver* d = NULL;
-  moe_rt_status st = mrt_device_driver(g->ctx, op, &d);
-  if (st) return st;
-  *out = d;
-  if (g->side) return MOE_RT_SUCCESS;
-  if (!d->cuStreamCreateWithPriority || !d->cuCtxGetStreamPriorityRange || !d->cuStreamDestroy || !d->cuEventCreate ||
-      !d->cuEventDestroy || !d->cuEventRecord || !d->cuStreamWaitEvent)
-    return mrt_fail(MOE_RT_ERROR_NOT_SUPPORTED, "%s: the CUDA driver lacks the stream and event calls it needs", op);
-  int least = 0, greatest = 0;
-  CUresult r = d->cuCtxGetStreamPriorityRange(&least, &greatest);
-  if (r) return mrt_cuda_fail(d, r, "cuCtxGetStreamPriorityRange");
-  CUstream s = NULL;
-  if ((r = d->cuStreamCreateWithPriority(&s, 1 /* CU_STREAM_NON_BLOCKING */, greatest)))
-    return mrt_cuda_fail(d, r, "cuStreamCreateWithPriority");
-  CUevent* ev[] = {&g->fork, &g->join, &g->pushed[0], &g->pushed[1]};
-  for (int i = 0; i < 4; ++i)
-    if ((r = d->cuEventCreate(ev[i], 2 /* CU_EVENT_DISABLE_TIMING */))) {
-      for (int j = 0; j < i; ++j) d->cuEventDestroy(*ev[j]), *ev[j] = NULL;
-      d->cuStreamDestroy(s);
-      return mrt_cuda_fail(d, r, "cuEventCreate");
-    }
-  g->side = s;
-  return MOE_RT_SUCCESS;
-}
-
-/* How an op's exchange joins the caller's stream (nl_run). */
-enum { NL_WHOLE = 0, NL_PUSH = 1, NL_RECEIVE = 2 };
-
-/* Launches [0, at) of the plan on the caller's stream, the exchange (x NULL: none), then launches [at, n).
- * Eager, the exchange runs on the group's exchange stream (every exchange of the group there, in call order,
- * so the group's NCCL calls never run concurrently with each other): after the launches before it, and the
- * caller's stream waits for it before the launches after it (NL_WHOLE), or, for a split push (NL_PUSH), only
- * at its receive (NL_RECEIVE on buffer set b), so work queued between the two overlaps it. While the caller's
- * stream is captured into a CUDA graph the exchange runs on that stream (a push and its receive may then be
- * captured apart). A planning context records the plan and every launch's arguments instead. */
+/* Launches [0, at) of the plan, the exchange (x NULL: none), then launches [at, n); a planning context records
+ * the plan and every launch's arguments instead. */
 static moe_rt_status nl_run(moe_rt_ll_group* g, const mrt_plan* p, mrt_args* a, int at, int b, const nl_exchange* x,
-                            int how, moe_rt_stream stream) {
+                            moe_rt_stream stream) {
   if (mrt_is_planning(g->ctx)) return mrt_run_plan(g->ctx, p, a, stream);
-  const mrt_driver* d = NULL;
   moe_rt_status st = MOE_RT_SUCCESS;
   for (int i = 0; i < at && !st; ++i) st = mrt_launch_one(g->ctx, &p->launch[i], &a[i], stream);
-  if (!st && x) {
-    int capturing = 0;
-    CUresult r = 0;
-    if ((st = mrt_device_driver(g->ctx, "moe_rt_ll", &d))) return st;
-    if ((r = d->cuStreamIsCapturing((CUstream)stream, &capturing))) return mrt_cuda_fail(d, r, "cuStreamIsCapturing");
-    if (capturing || g->d.num_ranks == 1 || !g->d.comm) {
-      st = nl_exchange_run(g, b, x, stream);
-      if (how == NL_PUSH) g->pending[b] = 0;
-    } else {
-      if ((st = nl_side(g, &d))) return st;
-      if ((r = d->cuEventRecord(g->fork, (CUstream)stream)) || (r = d->cuStreamWaitEvent(g->side, g->fork, 0)))
-        return mrt_cuda_fail(d, r, "cuEventRecord / cuStreamWaitEvent (the exchange stream's fork)");
-      st = nl_exchange_run(g, b, x, g->side);
-      if (!st && how == NL_PUSH) {
-        if ((r = d->cuEventRecord(g->pushed[b], g->side))) return mrt_cuda_fail(d, r, "cuEventRecord");
-        g->pending[b] = 1;
-      } else if (!st) {
-        if ((r = d->cuEventRecord(g->join, g->side)) || (r = d->cuStreamWaitEvent((CUstream)stream, g->join, 0)))
-          return mrt_cuda_fail(d, r, "cuEventRecord / cuStreamWaitEvent (the exchange stream's join)");
-      }
-    }
-  }
-  if (!st && how == NL_RECEIVE && g->pending[b]) {
-    if (!d && (st = mrt_device_driver(g->ctx, "moe_rt_ll", &d))) return st;
-    CUresult r = d->cuStreamWaitEvent((CUstream)stream, g->pushed[b], 0);
-    if (r) return mrt_cuda_fail(d, r, "cuStreamWaitEvent (a split push's exchange)");
-    g->pending[b] = 0;
-  }
+  if (!st && x) st = nl_exchange_run(g, b, x, stream);
   for (int i = at; i < p->num_launches && !st; ++i) st = mrt_launch_one(g->ctx, &p->launch[i], &a[i], stream);
   return st;
 }
@@ -656,8 +567,7 @@ static moe_rt_status nl_dispatch(moe_rt_ll_group* g, int b, int phases, const vo
   if (phases & MOE_RT_LL_PUSH) nl_pack_args(g, b, x, xq, xs, idx, w, T, 1, t, &a[i++]);
   if (phases & MOE_RT_LL_RECEIVE) nl_expand_args(g, b, t, 0, &a[i]);
   const nl_exchange ex = {NL_META | (fp8 ? NL_CODES : NL_ROWS), 0, 0};
-  const int how = phases == MOE_RT_LL_PUSH ? NL_PUSH : phases == MOE_RT_LL_RECEIVE ? NL_RECEIVE : NL_WHOLE;
-  return nl_run(g, &p, a, (phases & MOE_RT_LL_PUSH) ? 1 : 0, b, (phases & MOE_RT_LL_PUSH) ? &ex : NULL, how, stream);
+  return nl_run(g, &p, a, (phases & MOE_RT_LL_PUSH) ? 1 : 0, b, (phases & MOE_RT_LL_PUSH) ? &ex : NULL, stream);
 }
 
 /* The combine direction: ep_ll_nccl_reduce, the back regions' exchange, ep_ll_nccl_owner (MODE 0 weighted,
@@ -722,7 +632,7 @@ static moe_rt_status nl_combine(moe_rt_ll_group* g, int b, int op_code, const vo
   const nl_exchange ex = {0, rows ? (partials ? (int64_t)d->max_tokens_per_rank
                                               : (int64_t)d->max_tokens_per_rank * d->topk) : 0,
                           slot_grads != NULL};
-  return nl_run(g, &p, a, 1, b, &ex, NL_WHOLE, stream);
+  return nl_run(g, &p, a, 1, b, &ex, stream);
 }
 
 /* combine_bwd's rows: the pack of grad_out, the all-gather of the rows, the expand's MODE 3, the slot dot. */
@@ -767,7 +677,7 @@ static moe_rt_status nl_combine_bwd(moe_rt_ll_group* g, int b, const void* grad_
     mrt_arg_i64(c, d->hidden);
   }
   const nl_exchange ex = {NL_ROWS, 0, 0};
-  return nl_run(g, &p, a, 1, b, &ex, NL_WHOLE, stream);
+  return nl_run(g, &p, a, 1, b, &ex, stream);
 }
 
 moe_rt_status moe_rt_ll_dispatch(moe_rt_ll_group* g, int buffer_set, int phases, const void* x, const void* x_fp8,

@@ -18,7 +18,6 @@ typedef struct CUctx_st* CUcontext;
 typedef struct CUmod_st* CUmodule;
 typedef struct CUfunc_st* CUfunction;
 typedef struct CUstream_st* CUstream;
-typedef struct CUevent_st* CUevent;
 typedef unsigned long long CUdeviceptr;
 typedef struct CUipcMemHandle_st {
   char reserved[64];
@@ -71,14 +70,6 @@ typedef struct mrt_driver {
   CUresult (*cuIpcCloseMemHandle)(CUdeviceptr);
   CUresult (*cuStreamQuery)(CUstream);
   CUresult (*cuMemcpyHtoDAsync)(CUdeviceptr, const void*, size_t, CUstream);
-  /* the low-latency NCCL transport's stream and events (csrc/ep_ll.c; NULL where the driver lacks them) */
-  CUresult (*cuCtxGetStreamPriorityRange)(int*, int*);
-  CUresult (*cuStreamCreateWithPriority)(CUstream*, unsigned, int);
-  CUresult (*cuStreamDestroy)(CUstream);
-  CUresult (*cuEventCreate)(CUevent*, unsigned);
-  CUresult (*cuEventDestroy)(CUevent);
-  CUresult (*cuEventRecord)(CUevent, CUstream);
-  CUresult (*cuStreamWaitEvent)(CUstream, CUevent, unsigned);
 } mrt_driver;
 
 /* ---- the last error (thread-local) ---------------------------------------------------------------- */

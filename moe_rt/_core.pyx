@@ -226,7 +226,6 @@ ctypedef st_t (*f_ll_dispatch)(moe_rt_ll_group*, int, int, const void*, const vo
                                const void*, int, const float*, int64_t, const moe_rt_ll_tables*, moe_rt_stream) nogil
 ctypedef st_t (*f_ll_combine)(moe_rt_ll_group*, int, int, const void*, const float*, const moe_rt_ll_tables*, int64_t,
                               void*, float*, moe_rt_stream) nogil
-ctypedef st_t (*f_ll_join)(moe_rt_ll_group*, moe_rt_stream) nogil
 ctypedef st_t (*f_ll_combine_bwd)(moe_rt_ll_group*, int, const void*, const void*, const moe_rt_ll_tables*, int64_t,
                                   float*, moe_rt_stream) nogil
 ctypedef st_t (*f_epd_create)(moe_rt_context*, const moe_rt_ep_direct_group_desc*, moe_rt_ep_direct_group**) nogil
@@ -254,7 +253,6 @@ cdef f_ll_serial p_ll_serial
 cdef f_ll_dispatch p_ll_dispatch
 cdef f_ll_combine p_ll_combine
 cdef f_ll_combine_bwd p_ll_combine_bwd
-cdef f_ll_join p_ll_join
 cdef f_epd_create p_epd_create
 cdef f_pb_create p_pb_create
 cdef f_pb_info p_pb_info
@@ -349,7 +347,6 @@ cdef _open():
     global p_copy_kept_rows
     global p_quantize, p_dequantize, p_load_stand_in, p_end_stand_ins, p_last_stand_in
     global p_last_args, p_ll_create, p_ll_destroy, p_ll_dispatch, p_ll_combine, p_ll_combine_bwd, p_ll_serial
-    global p_ll_join
     global p_epd_create, p_epd_destroy, p_epd_add_stage, p_epd_barrier, p_epd_dispatch, p_epd_combine
     global p_pb_create, p_pb_info, p_pb_close_mappings, p_pb_destroy
     global p_epp_sizes, p_epp_send, p_epp_meta, p_epp_recv, p_epd_serial
@@ -398,7 +395,6 @@ cdef _open():
     p_ll_dispatch = <f_ll_dispatch>_sym(h, b"moe_rt_ll_dispatch")
     p_ll_combine = <f_ll_combine>_sym(h, b"moe_rt_ll_combine")
     p_ll_combine_bwd = <f_ll_combine_bwd>_sym(h, b"moe_rt_ll_combine_bwd")
-    p_ll_join = <f_ll_join>_sym(h, b"moe_rt_ll_group_join")
     p_epd_create = <f_epd_create>_sym(h, b"moe_rt_ep_direct_group_create")
     p_pb_create = <f_pb_create>_sym(h, b"moe_rt_peer_buffer_create")
     p_pb_info = <f_pb_info>_sym(h, b"moe_rt_peer_buffer_get_info")
@@ -1171,12 +1167,6 @@ def ll_combine_bwd(LLGroup g, int buffer_set, uintptr_t grad_out, uintptr_t expe
                               <moe_rt_stream>stream)
         if _ll_done(g, &c, st, &tries, b"moe_rt_ll_combine_bwd"):
             return
-
-
-def ll_group_join(LLGroup g, uintptr_t stream):
-    """moe_rt_ll_group_join: ``stream`` waits for every exchange the group queued on its own stream."""
-    if g.g != NULL:
-        _check(p_ll_join(g.g, <moe_rt_stream>stream), "moe_rt_ll_group_join")
 
 
 # ---- the direct transport of the normal EP mode (moe_rt._ep_direct.DirectTransport) ------------------------

@@ -78,10 +78,8 @@ a part of ``Tmax*K`` rows (``Tmax`` rows of rank partials with ``combine_partial
 the owner sums them, ``combine_bwd`` all-gathers ``grad_out``; the results are bitwise the direct transport's;
 no device wait, so a dead peer shows as a host wait past the deadline (``synchronize``: TimeoutError, the
 communicator aborted); ``auto`` (the default) takes ``direct`` where every pair allows it, else ``nccl``. The
-same on every rank (the first op checks: a ValueError on every rank otherwise). On the NCCL transport the
-collectives run on a stream of the group, each op's joined back into the caller's stream, a split push's only
-at its hook, so work queued between the two overlaps the all-gather (in a CUDA graph capture they run on the
-caller's stream).
+same on every rank (the first op checks: a ValueError on every rank otherwise). Split hooks on the NCCL
+transport: the push is the all-gather, on the caller's stream (work queued before the hook waits for it).
 ``LowLatencyGroup(None, ...)`` is a 1-rank group: CPU arrays run the NumPy reference
 :mod:`moe_rt.reference.ep_ll`, CUDA arrays the kernels (``transport="nccl"``: the NCCL transport's, with no
 exchange).
@@ -666,12 +664,8 @@ class LowLatencyGroup:
 
     def close(self):
         """EpGroup.close (module notes), after the core group is freed (a JAX program naming it fails from then
-        on: the core's registry no longer lists it) and moe_rt.jax's hold on the group is dropped. On the NCCL
-        transport the last stream first waits for the group's exchange stream (moe_rt_ll_group_join), so that
-        the buffers are freed after every exchange (the wait has the group's deadline)."""
+        on: the core's registry no longer lists it) and moe_rt.jax's hold on the group is dropped."""
         _adopted.pop(self.id, None)
-        if self._llg is not None and self.transport == "nccl" and self._last_stream is not None:
-            _core.ll_group_join(self._llg, self._last_stream.ptr)
         g, self._llg = self._llg, None
         if g is not None:
             g.destroy()

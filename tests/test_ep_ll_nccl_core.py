@@ -183,19 +183,3 @@ def test_bad_descriptions_are_refused(over, msg):
     with pytest.raises(ValueError, match=msg.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")
                        .replace(")", r"\)")):
         _make(**over)
-
-
-def test_group_join_through_the_c_abi():
-    """moe_rt_ll_group_join: a NULL group is an error with a message; a group whose exchanges never left the
-    caller's stream (a planning context's, the direct transport's) has nothing to join."""
-    import ctypes as C
-
-    lib = C.CDLL(_core.LIB_PATH)
-    lib.moe_rt_last_error.restype = C.c_char_p
-    lib.moe_rt_ll_group_join.argtypes = [C.c_void_p, C.c_void_p]
-    assert lib.moe_rt_ll_group_join(None, None) == 1
-    assert b"moe_rt_ll_group_join: group is NULL" in lib.moe_rt_last_error()
-    g = Group()
-    _core.ll_combine(g.g, 0, OP["combine"], 0x91000, 0, TABLES, 5, 0x92000, 0, 7)  # planned, nothing launched
-    assert lib.moe_rt_ll_group_join(g.g.address, None) == 0
-    _core.ll_group_join(g.g, 0)

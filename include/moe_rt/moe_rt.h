@@ -387,9 +387,6 @@ moe_rt_status moe_rt_last_plan_args(const moe_rt_context* ctx, int launch, int64
  * barrier or flag; each op is the ep_ll_nccl_* kernels with one NCCL exchange of fixed size through desc.comm
  * between them (dispatch: pack, all-gather, expand; the combine direction: reduce, grouped send/recv, owner
  * sum; combine_bwd: pack, all-gather, expand, slot dot), with results bitwise those of the direct transport.
- * Eager, the exchanges run on a stream of the group (events order it with the caller's stream; a split push's
- * exchange is joined by its MOE_RT_LL_RECEIVE call, so work queued in between overlaps it); while the caller's
- * stream is captured they run on it. Call moe_rt_ll_group_join before freeing the buffers.
  * The first call of each signature loads its kernels, which waits for an idle device: behind a collective
  * waiting for a dead peer it would block, so a caller waits for its stream (with its own deadline, polling
  * moe_rt_comm_async_error) before an op's first call (docs/ep.md §8). */
@@ -523,10 +520,6 @@ moe_rt_status moe_rt_ll_group_acquire(int64_t address, int64_t serial, moe_rt_ll
 void moe_rt_ll_group_release(moe_rt_ll_group* group); /* NULL is a no-op */
 /* A copy of the group's desc (its sizes and buffers). */
 moe_rt_status moe_rt_ll_group_get_desc(const moe_rt_ll_group* group, moe_rt_ll_group_desc* out);
-/* Make `stream` wait for every exchange the group has queued on its own stream (the NCCL transport runs its
- * NCCL calls on a stream of the group; a split push's is joined only by its receive): call it, then wait for
- * `stream`, before freeing the group's buffers. A no-op on the direct transport and in a planning context. */
-moe_rt_status moe_rt_ll_group_join(moe_rt_ll_group* group, moe_rt_stream stream);
 
 /* Dispatch into buffer set `buffer_set`: phases MOE_RT_LL_PUSH | MOE_RT_LL_RECEIVE (one kernel sends and
  * receives), MOE_RT_LL_PUSH (send now) or MOE_RT_LL_RECEIVE (later, the receive half of that push: same
