@@ -291,7 +291,9 @@ cdef class Communicator:
         return <uintptr_t>self._get()
 
     def close(self):
-        """Destroy the communicator (every rank calls it). Idempotent."""
+        """Destroy the communicator (every rank calls it). Idempotent. Release every CUDA graph that captured
+        its collectives first (an EP group's NCCL transport): from NCCL 2.26 the destruction waits until each
+        such graph is destroyed."""
         cdef moe_rt_comm* c = self._comm
         cdef int st
         if c == NULL:

@@ -602,7 +602,9 @@ def _rank_low_latency(args):
                 graph = graphs[name][0]
                 rows.append((name, timed(lambda: graph.launch(stream), stream), nb, raw, tt))
             g.synchronize()
-        del graphs
+        # every graph released before the groups and the communicator close: graphs that captured the NCCL
+        # transport's collectives hold NCCL resources of the communicator
+        del graphs, graph
         barrier()
         g.close()
         # the rank-partial combine: a second group made with combine_partials=True, the same inputs and expert
@@ -637,7 +639,9 @@ def _rank_low_latency(args):
                           raw_a2a_us=raw, torch_us=tt, x_vs_torch=(tt / us) if tt else None,
                           **({"x_vs_bf16": bf16_graph / us if op.startswith("dispatch fp8") else None}
                              if args.fp8 else {}))
-        del graphs
+        # every graph released before the groups and the communicator close: graphs that captured the NCCL
+        # transport's collectives hold NCCL resources of the communicator
+        del graphs, graph
         barrier()
         gp.close()
         cp.get_default_memory_pool().free_all_blocks()
