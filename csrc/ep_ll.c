@@ -520,10 +520,11 @@ static void nl_pack_args(const moe_rt_ll_group* g, int b, const void* x, const v
   nl_sizes_args(g, a, 1);
 }
 
-static void nl_expand_args(const moe_rt_ll_group* g, int b, const moe_rt_ll_tables* t, int scaled, mrt_args* a) {
+/* `tables`: dispatch's expand, which writes the handle's route and counts (combine_bwd's reads slot_k/slot_w). */
+static void nl_expand_args(const moe_rt_ll_group* g, int b, const moe_rt_ll_tables* t, int tables, int scaled,
+                           mrt_args* a) {
   const moe_rt_ll_group_desc* d = &g->d;
   const moe_rt_ll_buffer_set* s = &d->set[b];
-  const int tables = t->route != NULL && !scaled && t->counts != NULL; /* dispatch: writes the tables */
   mrt_arg_ptr(a, s->gather);
   mrt_arg_ptr(a, s->gather_q);
   mrt_arg_ptr(a, s->gather_s);
@@ -565,7 +566,7 @@ static moe_rt_status nl_dispatch(moe_rt_ll_group* g, int b, int phases, const vo
   memset(a, 0, sizeof a);
   int i = 0;
   if (phases & MOE_RT_LL_PUSH) nl_pack_args(g, b, x, xq, xs, idx, w, T, 1, t, &a[i++]);
-  if (phases & MOE_RT_LL_RECEIVE) nl_expand_args(g, b, t, 0, &a[i]);
+  if (phases & MOE_RT_LL_RECEIVE) nl_expand_args(g, b, t, 1, 0, &a[i]);
   const nl_exchange ex = {NL_META | (fp8 ? NL_CODES : NL_ROWS), 0, 0};
   return nl_run(g, &p, a, (phases & MOE_RT_LL_PUSH) ? 1 : 0, b, (phases & MOE_RT_LL_PUSH) ? &ex : NULL, stream);
 }
@@ -662,10 +663,7 @@ static moe_rt_status nl_combine_bwd(moe_rt_ll_group* g, int b, const void* grad_
   memset(a, 0, sizeof a);
   const moe_rt_ll_tables none = {0};
   nl_pack_args(g, b, grad_out, NULL, NULL, NULL, NULL, T, 0, &none, &a[0]);
-  moe_rt_ll_tables slots = {0};
-  slots.slot_k = t->slot_k;
-  slots.slot_w = t->slot_w;
-  nl_expand_args(g, b, &slots, scaled, &a[1]);
+  nl_expand_args(g, b, t, 0, scaled, &a[1]);
   if (k.dot) {
     mrt_args* c = &a[2];
     mrt_arg_ptr(c, d->set[b].recv);

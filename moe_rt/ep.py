@@ -214,6 +214,18 @@ def _env_transport() -> str:
     return v
 
 
+def check_transport(transport, env):
+    """A group's ``transport=``: None -> ``env()`` (its environment variable's value), else one of
+    :data:`TRANSPORTS` (TypeError for another type, ValueError for another value)."""
+    if transport is None:
+        return env()
+    if not isinstance(transport, str):
+        raise TypeError(f"transport: expected a str ('auto', 'direct' or 'nccl'), got {type(transport).__name__}")
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport: expected 'auto', 'direct' or 'nccl', got {transport!r}")
+    return transport
+
+
 def _env_local_size():
     """``MOE_RT_EP_LOCAL_SIZE``: ranks per node (an integer >= 1), or unset/empty: derived from the ranks' hosts."""
     return _env_number("MOE_RT_EP_LOCAL_SIZE", None, int, lambda n: n >= 1, "an integer >= 1")
@@ -318,12 +330,7 @@ class EpGroup:
         self.overlap = overlap  # None: per call, by the size of the transfer
         if R * self.max_tokens_per_rank > _INT32_MAX:
             raise ValueError("R * max_tokens_per_rank must stay below 2^31")
-        if transport is None:
-            transport = _env_transport()
-        elif not isinstance(transport, str):
-            raise TypeError(f"transport: expected a str ('auto', 'direct' or 'nccl'), got {type(transport).__name__}")
-        elif transport not in TRANSPORTS:
-            raise ValueError(f"transport: expected 'auto', 'direct' or 'nccl', got {transport!r}")
+        transport = check_transport(transport, _env_transport)
         if local_size is None:
             local_size = _env_local_size()
             if R == 1:  # a setting for the multi-rank groups of the process: a 1-rank group is one node

@@ -259,8 +259,8 @@ def env_dedup() -> bool:
     return v != "0"
 
 
-TRANSPORTS = ("auto", "direct", "nccl")
-"""``LowLatencyGroup(transport=...)``'s values: ``direct`` peer memory (every pair of ranks on one node with peer
+TRANSPORTS = _ep.TRANSPORTS
+"""``LowLatencyGroup(transport=...)``'s values (EpGroup's): ``direct`` peer memory (every pair of ranks on one node with peer
 access), ``nccl`` NCCL collectives of fixed sizes (any ranks), ``auto`` direct where every pair allows it, else
 nccl (docs/ep.md §8)."""
 
@@ -497,13 +497,7 @@ class LowLatencyGroup:
         _ep._check_bool(combine_partials, "combine_partials")
         self.combine_partials = bool(combine_partials)
         self.sync = env_sync()  # MOE_RT_LL_SYNC, read once here
-        if transport is None:
-            transport = env_transport()
-        if not isinstance(transport, str):
-            raise TypeError(f"transport: expected a str ('auto', 'direct' or 'nccl'), got {type(transport).__name__}")
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport: expected 'auto', 'direct' or 'nccl', got {transport!r}")
-        self._want = transport
+        self._want = _ep.check_transport(transport, env_transport)
         # "direct" or "nccl" once the first CUDA op has set the group up (None before, and for CPU arrays)
         self.transport = None
         self._settled = set()  # the NCCL transport's op keys whose first call waited (_settle)
