@@ -24,6 +24,7 @@ enum { L_BARRIER = 1, L_DISPATCH, L_ROW_MAP, L_COPY_W, L_COPY_RECV, L_FILL, L_FI
 typedef struct epd_key {
   int64_t kind, op, barrier, rb, u, K, P, T, N, rows, H, dtype, vec, fp8, piece, out_dtype, hidden;
   int64_t stage, make_map, copy_w, u_w, recv, u_recv, fill, u_fill, u_fill_s, out, out_w, slot_values;
+  int64_t zero_rows; /* the dispatch kernel writes the empty rows' zeros (ep_fill_rows then only the weights) */
 } epd_key;
 
 struct moe_rt_ep_direct_group {
@@ -75,6 +76,8 @@ moe_rt_status moe_rt_ep_direct_group_create(moe_rt_context* ctx, const moe_rt_ep
   static const char* names[] = {"peer_barrier", "peer_flags", "barrier_state", "timeout_word"};
   for (int i = 0; i < 4; ++i)
     if (!need[i]) return BAD("%s: desc.%s is NULL", op, names[i]);
+  if ((uintptr_t)d->barrier_state % 8)
+    return BAD("%s: desc.barrier_state must be 8-byte aligned (uint32 [4], a uint64 at word 2)", op);
   moe_rt_ep_direct_group* g = calloc(1, sizeof *g);
   if (!g) return BAD("%s: out of host memory", op);
   g->ctx = ctx;
@@ -471,7 +474,10 @@ moe_rt_status moe_rt_ep_direct_dispatch(moe_rt_ep_direct_group* g, int op_code, 
   if (k.recv) k.u_recv = unit_of(rb, (uintptr_t)s.rows_local, (uintptr_t)o->recv_buf);
   k.fill = o->fill;
   if (o->fill) {
-    const int zero = o->zero && o->out;
+    /* the empty rows' zeros: written by the dispatch kernel where it runs (its blocks that do not push write
+       them while the link holds the pushes), else by ep_fill_rows */
+    k.zero_rows = o->zero && o->out && rb > 0 && N > 0;
+    const int zero = o->zero && o->out && !k.zero_rows;
     k.out = zero;
     const int64_t orb = !zero         ? 0
                         : o->fp8 == 1 ? o->hidden
@@ -502,6 +508,8 @@ moe_rt_status moe_rt_ep_direct_dispatch(moe_rt_ep_direct_group* g, int op_code, 
         mrt_arg_ptr(c, o->out);
         mrt_arg_ptr(c, o->fp8 == 1 ? o->out_s : NULL);
         mrt_arg_i32(c, o->fp8 ? o->hidden : 0);
+        mrt_arg_ptr(c, k.zero_rows ? r.at[MOE_RT_EP_SRC_SLOT] : NULL);
+        mrt_arg_i64(c, k.zero_rows ? N : 0);
         head_args(g, op_code, c);
         mrt_arg_i32(c, hd->pair_capacity);
         mrt_arg_i32(c, K);

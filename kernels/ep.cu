@@ -1015,9 +1015,10 @@ extern "C" __global__ void ep_slot_values(const float* __restrict__ vals, const 
 // ---- The direct peer-memory transport within a node (moe_rt/_ep_direct.py) -----------------------------
 // Every rank holds IPC-shared buffers; the tables `peer_*` (int64 [R], device) hold each rank's buffer
 // address as mapped in this process (this rank's own buffer at [me]). A receive stage holds R*P rows:
-// row (src s, pos j) at s*P + j (P = pair capacity). `state` (uint32 [2], this rank's device memory):
+// row (src s, pos j) at s*P + j (P = pair capacity). `state` (uint32 [4], this rank's device memory):
 // [0] = the barrier epoch, advanced by ep_direct_barrier (so CUDA-graph replays stay valid), [1] = a sticky
-// failure flag (a barrier timed out: the later kernels of the transport do nothing).
+// failure flag (a barrier timed out: the later kernels of the transport do nothing), [2..3] = a uint64 work
+// counter of ep_direct_dispatch (claim_item).
 
 __device__ __forceinline__ unsigned ld_acquire_sys_u32(const unsigned* p) {
   unsigned v;
@@ -1315,6 +1316,42 @@ __device__ __forceinline__ void warp_expand_row(const U* __restrict__ src, const
   }
 }
 
+// The next item of an op's work counter for the block (thread 0 claims it, the block learns it): *ctr holds
+// (epoch << 32) | items taken. A claim is one atomicAdd; a counter still of an earlier epoch (this op's first
+// claims) is started over at (e << 32) | 1 by one compare-and-swap, whose winner takes item 0 (the others,
+// whose adds it wiped out, add again). So the counter needs no reset between ops or graph replays (each op
+// runs in an epoch of its own, after its barrier), and once an op's epoch is set no claim retries (a CAS loop
+// for every claim serialized the blocks: 2x the dispatch time on 2 H200).
+__device__ __forceinline__ i64 claim_item(unsigned long long* ctr, unsigned e) {
+  __shared__ long long s_item;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned long long v = atomicAdd(ctr, 1ull);
+    while ((unsigned)(v >> 32) != e) {
+      const unsigned long long now = v + 1ull;  // the value after this add, unless others added too
+      const unsigned long long got = atomicCAS(ctr, now, ((unsigned long long)e << 32) | 1ull);
+      if (got == now) {
+        v = (unsigned long long)e << 32;  // item 0
+        break;
+      }
+      v = (unsigned)(got >> 32) == e ? atomicAdd(ctr, 1ull) : got - 1ull;  // started by another; or retry
+    }
+    s_item = (long long)(v & 0xffffffffull);
+  }
+  __syncthreads();
+  return s_item;
+}
+
+// One warp writes zeros into expert-major row d through the sink, a unit a lane at a time (stores only:
+// nothing to hold in flight), units of zero bits: the FP8 sinks store zero codes and scales, or +0
+// dequantized values (ep_fill_rows' bits).
+template <typename U, typename Sink>
+__device__ __forceinline__ void warp_zero_row(const Sink& sink, int d, i64 units, int lane) {
+  const U v[1] = {U{}};
+  const typename Sink::Aux a[1] = {typename Sink::Aux{}};
+  for (i64 i = lane; i < units; i += 32) sink_span<U, 1>(sink, v, a, i, 32, units, 1, [&](int) { return d; });
+}
+
 // The dispatch direction in one kernel. Push items (chunk c of the pair (me, d), d != me; chunk-major): x's
 // rows x[send_tok[d][j]] into rank d's stage rows me*P + j (weights w [T,K] into its weight stage), then
 // rank d's flag me*P + c. Expand items: first the own share (chunks of the pair (me, me), read straight
@@ -1327,6 +1364,12 @@ __device__ __forceinline__ void warp_expand_row(const U* __restrict__ src, const
 // first, the own rows' expansion waited for the pushes' stores to drain). A pushing block alternates: one
 // push item, then one expand item if it is ready; once its pushes are done it waits for its remaining expand
 // items.
+// Zero items (zero_src given: the handle's src_slot [zero_n]): item z covers the expert-major rows
+// [z*nw, (z+1)*nw), one a warp; the rows with src_slot < 0 (no slot lands there: padding, a capacity-mode
+// tail) are written as zeros through the sink, ep_fill_rows' work done here so that these HBM writes run while
+// the link holds the pushes. A block claims them one at a time from the op's counter (claim_item, state[2..3])
+// once its pushes are done: whenever its next expand item's chunk has not landed, then after its expand items
+// until none is left. No zero row is a slot's row, so the order against the expansion is free.
 // One warp per row; blockDim.x a multiple of 32. Only the ranks of this rank's node [lo, hi) are pushed to
 // and expanded from (the direct transport: [0, R); the mixed transport moves the other pairs through NCCL
 // into the same expert-major rows). The expanded rows go through the Sink (ep_expand_rows: RowCopy into out,
@@ -1336,8 +1379,9 @@ __global__ void __launch_bounds__(512) ep_direct_dispatch(
     const U* __restrict__ x, const float* __restrict__ w, const long long* __restrict__ peer_rows,
     const long long* __restrict__ peer_w, const long long* __restrict__ peer_flags,
     const int* __restrict__ send_tok, const int* __restrict__ meta, const int* __restrict__ dst_row,
-    void* __restrict__ out, float* __restrict__ out_s, int fp8_h, unsigned* __restrict__ state,
-    int* __restrict__ err_word, i64 timeout_ns, int op, int R, int me, int P, int K, int C, i64 units, int lo, int hi) {
+    void* __restrict__ out, float* __restrict__ out_s, int fp8_h, const int* __restrict__ zero_src, i64 zero_n,
+    unsigned* __restrict__ state, int* __restrict__ err_word, i64 timeout_ns, int op, int R, int me, int P, int K,
+    int C, i64 units, int lo, int hi) {
   unsigned e;
   if (!block_epoch(state, e)) return;
   const Sink sink(out, out_s, fp8_h, units);
@@ -1410,6 +1454,18 @@ __global__ void __launch_bounds__(512) ep_direct_dispatch(
   // the schedule above: Pb pushing blocks, the expand items rotated by Pb
   const int G = gridDim.x, Pb = min(n_push, max(1, G / 2));
   int pi = blockIdx.x < Pb ? blockIdx.x : n_push, ei = (blockIdx.x + G - Pb) % G;
+  // zero items, claimed from the op's counter; zleft: this block may still find one
+  const i64 nz = zero_src != nullptr ? (zero_n + nw - 1) / nw : 0;
+  bool zleft = nz > 0;
+  auto zero_item = [&]() {  // one item, or none left (then zleft turns false)
+    const i64 z = claim_item(reinterpret_cast<unsigned long long*>(state + 2), e);
+    if (z >= nz) {
+      zleft = false;
+      return;
+    }
+    const i64 n = z * nw + warp;
+    if (n < zero_n && __ldg(zero_src + n) < 0) warp_zero_row<U>(sink, (int)n, units, lane);
+  };
   while (pi < n_push) {
     push(pi);
     pi += Pb;
@@ -1425,10 +1481,14 @@ __global__ void __launch_bounds__(512) ep_direct_dispatch(
   for (; ei < n_exp; ei += gridDim.x) {
     int s, c;
     exp_src(ei, s, c);
-    if (s != me && has_rows(s, c) && !block_wait_flag(my_flags + (i64)s * P + c, e, state, err_word, timeout_ns, op))
-      return;
+    if (s != me && has_rows(s, c)) {
+      const unsigned* f = my_flags + (i64)s * P + c;
+      while (zleft && !block_poll_flag(f, e)) zero_item();
+      if (!block_wait_flag(f, e, state, err_word, timeout_ns, op)) return;
+    }
     expand(s, c);
   }
+  while (zleft) zero_item();
 }
 
 // p[0, N) = the fp32 values a rounded to T (one 16-byte store when VEC, N = Vec<T>::N; else N = 1).

@@ -18,8 +18,9 @@ Buffers:
 
 - the barrier region: uint32 slots ``[R]`` per rank (slot ``s`` of rank ``r`` = the last epoch rank ``s``
   reached), made with the transport (at group creation);
-- ``state``: uint32 ``[2]`` in this rank's device memory: the barrier epoch (advanced by the barrier
-  kernel itself, so CUDA-graph replays stay valid) and a sticky failure flag;
+- ``state``: uint32 ``[4]`` in this rank's device memory: the barrier epoch (advanced by the barrier
+  kernel itself, so CUDA-graph replays stay valid), a sticky failure flag, and a uint64 counter the
+  dispatch kernel's blocks claim its zero rows from (tagged with the epoch: no reset between ops);
 - the error word: one int32 of pinned host memory mapped into the device (``cudaHostAllocMapped``; with
   unified addressing its host address is valid on the device): a timed-out barrier writes its op code
   there, and host waits poll it (:meth:`DirectTransport.failed_op`);
@@ -343,7 +344,7 @@ class DirectTransport:
             self._err[0] = 0
             try:
                 with stream:
-                    self.state = cupy.zeros(2, np.uint32)
+                    self.state = cupy.zeros(4, np.uint32)
                 peers = range(self.lo, self.hi)
                 self.bar = _Shared(comm, 4 * self.R, stream, wait, zero=True, peers=peers)
                 self.flags = _Shared(comm, 4 * self.R * self.P, stream, wait, zero=True, peers=peers)

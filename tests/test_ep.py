@@ -1547,21 +1547,25 @@ def test_direct_host_path_launches_and_arguments(monkeypatch, mode, R, T):
         assert ev[1][1] == dict(consts, x=x.ptr, w=w.ptr, peer_rows=_ptr(rows_st.table),
                                 peer_w=_ptr(w_st.table), peer_flags=_ptr(d.flags.table), send_tok=a["send_tok"],
                                 meta=a["meta"], dst_row=a["dst_row"], out=_ptr(rx), out_s=0, fp8_h=0,
-                                op=OP["dispatch"], C=C, units=2 * H // 16)
+                                zero_src=a["src_slot"] if N else 0, zero_n=N, op=OP["dispatch"], C=C,
+                                units=2 * H // 16)
         cp = ev[-3][1]
         assert (cp["src"], cp["dst"], cp["dst_map"], cp["state"], cp["rows"]) == (
             w_st.local, a["recv_wk"], 0, _ptr(d.state), rows)
         assert cp["src_map"] == (ev[2][1]["map"] if row_map else 0)
-        assert ev[-2][1] == dict(out=_ptr(rx), probs_out=_ptr(rw), probs_flat=a["recv_wk"], src_slot=a["src_slot"],
-                                 N=N, units=ev[-2][1]["units"])
+        # the rows holding no slot are zeroed by ep_direct_dispatch (zero_src, zero_n), ep_fill_rows lays out
+        # the weights only
+        assert ev[-2][1] == dict(out=0, probs_out=_ptr(rw), probs_flat=a["recv_wk"], src_slot=a["src_slot"],
+                                 N=N, units=0)
         # the core call's copy of the handle's tokens_per_expert after its launches (tools/profile_ep_host.py
         # reports it as a memcpy), into a fresh int32 [L]
         assert ev[-1] == ("memcpy", _ptr(tpe), a["tokens_per_expert"], 4 * L) and tpe.shape == (L,)
         assert tpe.dtype == np.int32
         assert rx.shape == (N, H) and rw.shape == (N,)
 
-        # zero_empty_slots=False: the same launches and arguments, but ep_fill_rows gets no rows (out = 0: the
-        # rows holding no slot are not written), only the weights; without weights no ep_fill_rows at all
+        # zero_empty_slots=False: the same launches and arguments, but ep_direct_dispatch gets no zero rows
+        # (zero_src = 0: the rows holding no slot are not written) and ep_fill_rows only the weights; without
+        # weights no ep_fill_rows at all
         g.dispatch(h, x, zero_empty_slots=False)
         ev2, allocs2 = tr.take()
         assert "ep_fill_rows" not in [e[0] for e in ev2] and allocs2 == 2  # the rows, tokens_per_expert
@@ -1569,7 +1573,7 @@ def test_direct_host_path_launches_and_arguments(monkeypatch, mode, R, T):
         rx2, rw2, _ = g.dispatch(h, x, w, zero_empty_slots=False)
         ev2, allocs2 = tr.take()
         assert [e[0] for e in ev2] == [n_ for n_ in names if n_ != "ep_direct_row_map"] and allocs2 == 3
-        assert ev2[1][1] == dict(ev[1][1], out=_ptr(rx2))
+        assert ev2[1][1] == dict(ev[1][1], out=_ptr(rx2), zero_src=0, zero_n=0)
         assert ev2[-2][1] == dict(out=0, probs_out=_ptr(rw2), probs_flat=a["recv_wk"], src_slot=a["src_slot"], N=N,
                                   units=0)
 
@@ -1600,9 +1604,10 @@ def test_direct_host_path_launches_and_arguments(monkeypatch, mode, R, T):
         assert none is None and allocs == 2 - (n > 0) and gy.shape == (N, H)
         assert [e[0] for e in ev] == ["ep_direct_barrier", "ep_direct_dispatch", "ep_fill_rows", "ep_scale_rows"]
         assert ev[0] == barrier("combine_bwd")
-        assert ev[1][1] == dict(ev[1][1], x=gout.ptr, w=0, out=_ptr(gy), op=OP["combine_bwd"])
+        assert ev[1][1] == dict(ev[1][1], x=gout.ptr, w=0, out=_ptr(gy), op=OP["combine_bwd"],
+                                zero_src=a["src_slot"] if N else 0, zero_n=N)
         pp = ev[2][1]["probs_out"]
-        assert ev[2][1]["out"] == _ptr(gy) and ev[2][1]["probs_flat"] == a["recv_wk"]
+        assert ev[2][1]["out"] == 0 and ev[2][1]["probs_flat"] == a["recv_wk"]
         if N:
             assert ev[3][1] == dict(rows=_ptr(gy), w=pp, n=N, H=H)
         if n:
@@ -1999,7 +2004,7 @@ def _mixed_transport(monkeypatch, R, local_size, me, P, events, kernels=None):
     d._pairs, d._views = {}, {}
     d._scratch_mem, d._retired = {}, []
     d._wait, d._op_wait = None, lambda op: None
-    d.state = _Dev(2, np.uint32)
+    d.state = _Dev(4, np.uint32)
     d.bar = d.flags = type("Sh", (), {"table": _Dev(R, np.int64)})()
     d._core = _core.ep_direct_group_create(ctx, R, me, lo, lo + local_size, P, 10**9, d.bar.table.data.ptr,
                                            d.flags.table.data.ptr, d.state.data.ptr, d._err_ptr)
@@ -2329,7 +2334,9 @@ def test_fp8_transport_one_pass_trace(monkeypatch, rng, kind, mode, dequantize):
     names = [e[1] if e[0] == "launch" else e[0] for e in events]
     assert "permutation.dispatch" not in names
     sink = "Fp8Dequant<float, 4>" if dequantize else "Fp8Rows<4>"
-    fills = ["ep_fill_rows"] * len(out)
+    # the direct transport's dispatch kernel zeroes the rows holding no slot (its ep_fill_rows lays out the
+    # weights only); the mixed transport's fill runs after its NCCL pass and zeroes them there
+    fills = ["ep_fill_rows"] * (1 if kind == "direct" else len(out))
     if kind in ("direct", "mixed"):
         assert names.count("ep_direct_barrier") == 1 and names.count("ep_direct_dispatch") == 1
         assert full["ep_direct_dispatch"] == [f"ep_direct_dispatch<uint4, 8, {sink}>"]
@@ -2337,6 +2344,8 @@ def test_fp8_transport_one_pass_trace(monkeypatch, rng, kind, mode, dequantize):
         assert (disp[0], disp[8], disp[10]) == (x.data.ptr, out[0].data.ptr, H)
         assert disp[9] == (0 if dequantize else out[1].data.ptr)
         assert int(disp[-3]) == rows.row_bytes // 16  # units of the packed row
+        zero_src, zero_n = disp[11], int(disp[12])
+        assert (zero_src != 0, zero_n) == ((True, N) if kind == "direct" else (False, 0))
         stages = (t.direct if kind == "mixed" else t)._stages  # one stage: rows of row_bytes
         assert ("rows", rows.row_bytes) in stages and len([k for k in stages if k[0] == "rows"]) == 1
     if kind == "direct":
@@ -2356,7 +2365,7 @@ def test_fp8_transport_one_pass_trace(monkeypatch, rng, kind, mode, dequantize):
             assert len(exp) == 1 and int(exp[0][6]) == h.sizes["rows"]
         assert names[-len(fills):] == fills
     fill_args = [e[2] for e in events if e[0] == "launch" and e[1] == "ep_fill_rows"]
-    assert [a[0] for a in fill_args] == [o.data.ptr for o in out]
+    assert [a[0] for a in fill_args] == ([0] if kind == "direct" else [o.data.ptr for o in out])
     addr = (lambda a: a.data.ptr if isinstance(a, _Dev) else int(a))  # the core's launches carry addresses
     assert addr(fill_args[0][1]) == out_w.data.ptr and all(addr(a[1]) == 0 for a in fill_args[1:])
 
@@ -2381,7 +2390,8 @@ def test_transport_zero_empty_slots_trace(monkeypatch, rng, kind, mode, rows_kin
     """A transport's forward with zero=False (dispatch's zero_empty_slots=False), traced on the CPU beside the
     same forward with zero=True: the same expand launches with the same arguments (the outputs aside), but
     no output reaches ep_fill_rows: it runs once for the weights alone (out = 0, 0 units) or not at all;
-    with zero=True it gets every output (plain rows, the FP8 codes and scales, or the dequantized rows). The
+    with zero=True it gets every output (plain rows, the FP8 codes and scales, or the dequantized rows), but
+    on the direct transport, whose dispatch kernel zeroes those rows itself (given src_slot), only the weights. The
     NCCL transport's serial path of plain rows expands with ep_expand_rows (every received row, one launch)
     instead of the permutation family's dispatch, which zeroes the rows holding no slot."""
     from moe_rt import _ep_nccl, _jit, permutation
@@ -2442,6 +2452,15 @@ def test_transport_zero_empty_slots_trace(monkeypatch, rng, kind, mode, rows_kin
         assert len(exp) == 1 and exp[0][2][1] == "out0" and int(exp[0][2][6]) == h.sizes["rows"]
         assert set(n_ for n_ in f_nz if n_.startswith("ep_expand_rows")) == {"ep_expand_rows<uint4, 4>"}
         assert "permutation.dispatch" not in [e[0] for e in t_nz]
+    elif kind == "direct":  # zero=True: ep_direct_dispatch zeroes the rows holding no slot itself (zero_src,
+        # zero_n: the handle's src_slot and N) and ep_fill_rows lays out the weights alone, as with zero=False;
+        # zero=False: the same launches, zero_src = 0
+        (dz,), (dn,) = ([e for e in t_ if e[1:2] == ("ep_direct_dispatch",)] for t_ in (t_zero, t_nz))
+        assert dz[2][11] != 0 and int(dz[2][12]) == N and dn[2][11:13] == (0, 0)
+        assert dz[2][:11] + dz[2][13:] == dn[2][:11] + dn[2][13:]
+        assert fills_z == fills
+        assert [e for e in t_nz if e[1:2] != ("ep_direct_dispatch",)] == [
+            e for e in t_zero if e[1:2] != ("ep_direct_dispatch",)]
     else:  # zero=True zeroes every output with ep_fill_rows; zero=False has the same launches but those
         assert [e[2][0] for e in fills_z if e[2][0] != 0] == [f"out{i}" for i in range(len(outs_z))]
         assert [e for e in t_nz if e[1:2] != ("ep_fill_rows",)] == [e for e in t_zero if e[1:2] != ("ep_fill_rows",)]

@@ -89,6 +89,8 @@ class Group:
         weights travel (None: when ``w`` is given; a rank without tokens passes none but receives them)."""
         with_w = bool(w) if with_w is None else with_w
         st = self.stage(rb, h.K)
+        # the empty rows' zeros: in the dispatch kernel where it runs (then ep_fill_rows only for the weights)
+        zero_rows = bool(fill and outs is not None and outs[0] and zero and rb and h.N)
         want = [self.barrier(op)] if barrier else []
         if rb:
             if fp8 is None:
@@ -108,7 +110,9 @@ class Group:
             C_ = self.chunk_rows(h.P)
             grid = max(1, min(cdiv(h.P, C_) * (self.hi - self.lo), self.resident))
             want.append((name, grid, 512, [x, w or 0, st[1], st[3], FLAGS, h.region("send_tok"), h.region("meta"),
-                                           h.region("dst_row"), *o, STATE, ERR, TIMEOUT, OP[op], self.R, self.me,
+                                           h.region("dst_row"), *o,
+                                           h.region("src_slot") if zero_rows else 0, h.N if zero_rows else 0,
+                                           STATE, ERR, TIMEOUT, OP[op], self.R, self.me,
                                            h.P, h.K, C_, rb // u, self.lo, self.hi]))
         smap = row_map if h.exact else 0
         if h.exact and make_map and h.rows:
@@ -120,7 +124,7 @@ class Group:
             want.append(self.copy(st[0], smap, recv_buf, h.rows, rb))
         if fill and outs is not None:
             pv = h.region("recv_wk") if out_w else None
-            if not zero:
+            if not zero or zero_rows:
                 want += self.fill(h, None, 0, out_w, pv)
             elif fp8 is None:
                 want += self.fill(h, outs[0], rb, out_w, pv)
@@ -403,7 +407,8 @@ def test_bad_calls_get_error_statuses_with_messages():
     (1, 0, "desc.num_ranks must be in"), (2, 2, r"desc.rank must be in \[0, 2\), got 2"),
     (3, 2, "node_lo <= rank"), (4, 1, "node_lo <= rank"), (5, 0, "desc.pair_rows must be >= 1"),
     (6, 0, "desc.timeout_ns must be > 0"), (7, 0, "desc.peer_barrier is NULL"), (8, 0, "desc.peer_flags is NULL"),
-    (9, 0, "desc.barrier_state is NULL"), (10, 0, "desc.timeout_word is NULL")])
+    (9, 0, "desc.barrier_state is NULL"), (9, STATE + 4, "desc.barrier_state must be 8-byte aligned"),
+    (10, 0, "desc.timeout_word is NULL")])
 def test_bad_group_descriptions_are_refused(field, value, msg):
     args = [_core.planning(), 2, 1, 0, 2, 64, TIMEOUT, BAR, FLAGS, STATE, ERR]
     args[field] = value

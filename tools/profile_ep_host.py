@@ -135,7 +135,7 @@ class EpStandIns(_LL.StandIns):
         d._pairs, d._views = {}, {}
         d._scratch_mem, d._retired = {}, []
         d._wait, d._op_wait = None, lambda op: None
-        d.state = self.array((2,), np.uint32)
+        d.state = self.array((4,), np.uint32)
         d.bar, d.flags = self.shared(R, 4 * R), self.shared(R, 4 * R * P)
         d._core = _core.ep_direct_group_create(_core.device(0), R, me, 0, R, P, d.timeout_ns, d.bar.table.data.ptr,
                                                d.flags.table.data.ptr, d.state.data.ptr, d._err_ptr)

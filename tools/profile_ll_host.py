@@ -184,7 +184,7 @@ class StandIns:
         d.timeout_ns, d._stages, d._order, d.closed, d._err_ptr = 10**9, {}, [], False, 96
         d._pairs, d._views = {}, {}
         d._scratch_mem, d._retired = {}, []
-        d.state = self.dev((2,), np.uint32)
+        d.state = self.dev((4,), np.uint32)
         d.bar = type("Sh", (), {"table": self.dev((R,), np.int64)})()
         d.flags = type("Sh", (), {"table": self.dev((R,), np.int64)})()
         d._core = _core.ep_direct_group_create(_core.device(0), R, me, 0, R, d.P, d.timeout_ns, d.bar.table.data.ptr,

@@ -771,7 +771,8 @@ typedef struct moe_rt_ep_direct_group_desc {
   int64_t timeout_ns;            /* the device waits' timeout, > 0 */
   const int64_t* peer_barrier;   /* peer table [R] of the barrier slots (uint32 [R] per rank) */
   const int64_t* peer_flags;     /* peer table [R] of the chunk flags (uint32 [R*pair_rows] per rank) */
-  uint32_t* barrier_state;       /* uint32 [2]: the barrier epoch and the sticky failure flag */
+  uint32_t* barrier_state;       /* uint32 [4], 8-byte aligned, zeroed once: the barrier epoch, the sticky failure
+                                    flag, and a uint64 work counter of the dispatch kernel */
   int32_t* timeout_word;         /* a timed-out wait writes its op (moe_rt_ep_op, 5 close, 6 prepare) here */
 } moe_rt_ep_direct_group_desc;
 
