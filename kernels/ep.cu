@@ -1321,7 +1321,7 @@ __device__ __forceinline__ void warp_expand_row(const U* __restrict__ src, const
 // claims) is started over at (e << 32) | 1 by one compare-and-swap, whose winner takes item 0 (the others,
 // whose adds it wiped out, add again). So the counter needs no reset between ops or graph replays (each op
 // runs in an epoch of its own, after its barrier), and once an op's epoch is set no claim retries (a CAS loop
-// for every claim serialized the blocks: 2x the dispatch time on 2 H200).
+// for every claim serialized the blocks: 2-3x the dispatch time on 2 H200).
 __device__ __forceinline__ i64 claim_item(unsigned long long* ctr, unsigned e) {
   __shared__ long long s_item;
   __syncthreads();
