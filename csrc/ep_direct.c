@@ -24,7 +24,7 @@ enum { L_BARRIER = 1, L_DISPATCH, L_ROW_MAP, L_COPY_W, L_COPY_RECV, L_FILL, L_FI
 typedef struct epd_key {
   int64_t kind, op, barrier, rb, u, K, P, T, N, rows, H, dtype, vec, fp8, piece, out_dtype, hidden;
   int64_t stage, make_map, copy_w, u_w, recv, u_recv, fill, u_fill, u_fill_s, out, out_w, slot_values;
-  int64_t zero_rows; /* the dispatch kernel writes the empty rows' zeros (ep_fill_rows then only the weights) */
+  int64_t zero_rows; /* the dispatch kernel writes the empty rows' zeros (no ep_fill_rows of the rows) */
 } epd_key;
 
 struct moe_rt_ep_direct_group {
@@ -262,10 +262,12 @@ static moe_rt_status plan_of(moe_rt_ep_direct_group* g, const epd_key* k, mrt_pl
       l->grid = mrt_max(1, mrt_min(mrt_cdiv(k->rows, 256), sms(g) * 8));
       l->block = 256;
     }
-    if (!st && k->copy_w && k->rows > 0) st = plan_copy(g, &p->launch[n++], L_COPY_W, k->rows, 4 * k->K, k->u_w);
+    /* with the kernel (rb > 0) the weights are its (recv_wk, out_w), as are the rows' zeros (zero_rows) */
+    if (!st && k->copy_w && k->rows > 0 && k->rb == 0)
+      st = plan_copy(g, &p->launch[n++], L_COPY_W, k->rows, 4 * k->K, k->u_w);
     if (!st && k->recv && k->rows > 0 && k->rb > 0)
       st = plan_copy(g, &p->launch[n++], L_COPY_RECV, k->rows, k->rb, k->u_recv);
-    if (!st && k->fill && k->N > 0 && (k->out || k->out_w)) {
+    if (!st && k->fill && k->N > 0 && (k->out || (k->out_w && k->rb == 0))) {
       const int64_t orb = !k->out        ? 0
                           : k->fp8 == 1  ? k->hidden
                           : k->fp8 == 2  ? k->hidden * mrt_dtype_size((int)k->out_dtype)
@@ -508,8 +510,19 @@ moe_rt_status moe_rt_ep_direct_dispatch(moe_rt_ep_direct_group* g, int op_code, 
         mrt_arg_ptr(c, o->out);
         mrt_arg_ptr(c, o->fp8 == 1 ? o->out_s : NULL);
         mrt_arg_i32(c, o->fp8 ? o->hidden : 0);
-        mrt_arg_ptr(c, k.zero_rows ? r.at[MOE_RT_EP_SRC_SLOT] : NULL);
-        mrt_arg_i64(c, k.zero_rows ? N : 0);
+      {
+        const int lay_w = o->fill && o->out_w; /* out_w laid out here, its empty rows zeroed by the zero items */
+        const int zero_items = (k.zero_rows || lay_w) && N > 0;
+        mrt_arg_ptr(c, zero_items ? r.at[MOE_RT_EP_SRC_SLOT] : NULL);
+        mrt_arg_i64(c, zero_items ? N : 0);
+        mrt_arg_i32(c, (int32_t)k.zero_rows);
+        mrt_arg_ptr(c, k.copy_w || lay_w ? r.at[MOE_RT_EP_RECV_WK] : NULL);
+        mrt_arg_i32(c, (int32_t)k.copy_w);
+        mrt_arg_ptr(c, lay_w ? o->out_w : NULL);
+        mrt_arg_ptr(c, r.at[MOE_RT_EP_TOKENS_PER_EXPERT]);
+        mrt_arg_ptr(c, o->tokens_per_expert);
+        mrt_arg_i32(c, hd->num_local_experts);
+      }
         head_args(g, op_code, c);
         mrt_arg_i32(c, hd->pair_capacity);
         mrt_arg_i32(c, K);
@@ -539,7 +552,7 @@ moe_rt_status moe_rt_ep_direct_dispatch(moe_rt_ep_direct_group* g, int op_code, 
     }
   }
   if ((st = mrt_run_plan(g->ctx, &p, a, stream))) return st;
-  if (!o->tokens_per_expert) return MOE_RT_SUCCESS;
+  if (!o->tokens_per_expert || k.rb > 0) return MOE_RT_SUCCESS; /* the dispatch kernel copied it */
   return mrt_copy_d2d(g->ctx, o->tokens_per_expert, r.at[MOE_RT_EP_TOKENS_PER_EXPERT],
                       4 * (size_t)hd->num_local_experts, stream);
 }

@@ -1367,9 +1367,14 @@ __device__ __forceinline__ void warp_zero_row(const Sink& sink, int d, i64 units
 // Zero items (zero_src given: the handle's src_slot [zero_n]): item z covers the expert-major rows
 // [z*nw, (z+1)*nw), one a warp; the rows with src_slot < 0 (no slot lands there: padding, a capacity-mode
 // tail) are written as zeros through the sink, ep_fill_rows' work done here so that these HBM writes run while
-// the link holds the pushes. A block claims them one at a time from the op's counter (claim_item, state[2..3])
-// once its pushes are done: whenever its next expand item's chunk has not landed, then after its expand items
-// until none is left. No zero row is a slot's row, so the order against the expansion is free.
+// the link holds the pushes (zero_rows = 0: the rows are left unwritten, only out_w's zeros are written). A
+// block claims them one at a time from the op's counter (claim_item, state[2..3]) once its pushes are done:
+// whenever its next expand item's chunk has not landed, then after its expand items until none is left. No
+// zero row is a slot's row, so the order against the expansion is free.
+// Weights (w_travel: they travel): each expanded row's K weights (the own rows' from w, the others' from this
+// rank's weight stage) go into the handle's recv_wk [rows,K] (the own rows' never go through the stage); with
+// out_w, each row's K weights (those, or with w_travel = 0 the ones recv_wk holds, as combine_bwd's laid-out
+// weights) go into out_w [N] at its slots' rows (zero at the rows holding no slot: the zero items). tpe_out given: block 0 copies the handle's tokens_per_expert [L] there first.
 // One warp per row; blockDim.x a multiple of 32. Only the ranks of this rank's node [lo, hi) are pushed to
 // and expanded from (the direct transport: [0, R); the mixed transport moves the other pairs through NCCL
 // into the same expert-major rows). The expanded rows go through the Sink (ep_expand_rows: RowCopy into out,
@@ -1380,8 +1385,11 @@ __global__ void __launch_bounds__(512) ep_direct_dispatch(
     const long long* __restrict__ peer_w, const long long* __restrict__ peer_flags,
     const int* __restrict__ send_tok, const int* __restrict__ meta, const int* __restrict__ dst_row,
     void* __restrict__ out, float* __restrict__ out_s, int fp8_h, const int* __restrict__ zero_src, i64 zero_n,
-    unsigned* __restrict__ state, int* __restrict__ err_word, i64 timeout_ns, int op, int R, int me, int P, int K,
-    int C, i64 units, int lo, int hi) {
+    int zero_rows, float* __restrict__ recv_wk, int w_travel, float* __restrict__ out_w, const int* __restrict__ tpe_src,
+    int* __restrict__ tpe_out, int L, unsigned* __restrict__ state, int* __restrict__ err_word, i64 timeout_ns,
+    int op, int R, int me, int P, int K, int C, i64 units, int lo, int hi) {
+  if (tpe_out != nullptr && blockIdx.x == 0)
+    for (int i = threadIdx.x; i < L; i += blockDim.x) tpe_out[i] = tpe_src[i];
   unsigned e;
   if (!block_epoch(state, e)) return;
   const Sink sink(out, out_s, fp8_h, units);
@@ -1404,7 +1412,7 @@ __global__ void __launch_bounds__(512) ep_direct_dispatch(
   const int n_exp = n_own + (rmax + C - 1) / C * Rm;
   const U* stage = reinterpret_cast<const U*>(peer_rows[me]);
   const unsigned* my_flags = reinterpret_cast<const unsigned*>(peer_flags[me]);
-  float* own_w = w != nullptr ? reinterpret_cast<float*>(peer_w[me]) : nullptr;
+  const float* wstage = w_travel ? reinterpret_cast<const float*>(peer_w[me]) : nullptr;
 
   auto push = [&](int item) {
     const int c = item / Rd, d = peer(item - c * Rd);
@@ -1432,6 +1440,25 @@ __global__ void __launch_bounds__(512) ep_direct_dispatch(
       s = peer(q - c * Rd);
     }
   };
+  // received row r's weights: with w_travel from src (fresh: a peer wrote them during this kernel) into recv_wk
+  // [rows,K], else read from recv_wk (a dispatch's, for combine_bwd); and into each of its slots' expert-major
+  // rows of out_w (ep_copy_rows' and ep_fill_rows' work)
+  auto put_w = [&](const float* src, bool fresh, i64 r) {
+    if (recv_wk == nullptr || (!w_travel && out_w == nullptr)) return;
+    for (int k = lane; k < K; k += 32) {
+      float v;
+      if (w_travel) {
+        v = fresh ? __ldcg(src + k) : __ldg(src + k);
+        recv_wk[r * K + k] = v;
+      } else {
+        v = recv_wk[r * K + k];
+      }
+      if (out_w != nullptr) {
+        const int d = __ldg(dst_row + r * K + k);
+        if (d >= 0) out_w[d] = v;
+      }
+    }
+  };
   auto expand = [&](int s, int c) {
     const int kept = min(recv_counts[s], P), j0 = c * C, j1 = min(j0 + C, kept);
     for (int j = j0 + warp; j < j1; j += nw) {
@@ -1442,10 +1469,11 @@ __global__ void __launch_bounds__(512) ep_direct_dispatch(
           warp_expand_row<U, UNROLL, false>(x + t * units, sink, dst_row + r * K, K, units, lane);
         else  // the caller reads the stage: the own rows go there too
           warp_copy_row<U, UNROLL>(x + t * units, const_cast<U*>(stage) + ((i64)me * P + j) * units, units, lane);
-        if (own_w != nullptr)
-          for (int k = lane; k < K; k += 32) own_w[((i64)me * P + j) * K + k] = w[t * K + k];
-      } else if (out != nullptr) {
-        warp_expand_row<U, UNROLL, true>(stage + ((i64)s * P + j) * units, sink, dst_row + r * K, K, units, lane);
+        put_w(w_travel ? w + t * K : nullptr, false, r);
+      } else {
+        if (out != nullptr)
+          warp_expand_row<U, UNROLL, true>(stage + ((i64)s * P + j) * units, sink, dst_row + r * K, K, units, lane);
+        put_w(w_travel ? wstage + ((i64)s * P + j) * K : nullptr, true, r);
       }
     }
   };
@@ -1464,7 +1492,10 @@ __global__ void __launch_bounds__(512) ep_direct_dispatch(
       return;
     }
     const i64 n = z * nw + warp;
-    if (n < zero_n && __ldg(zero_src + n) < 0) warp_zero_row<U>(sink, (int)n, units, lane);
+    if (n < zero_n && __ldg(zero_src + n) < 0) {
+      if (zero_rows) warp_zero_row<U>(sink, (int)n, units, lane);
+      if (out_w != nullptr && lane == 0) out_w[n] = 0.0f;
+    }
   };
   while (pi < n_push) {
     push(pi);

@@ -427,17 +427,17 @@ class DirectTransport:
         """The dispatch direction (``op``: ``"dispatch"`` or ``"combine_bwd"``): one core call
         (moe_rt_ep_direct_dispatch): barrier (every rank finished the previous op) -> one kernel pushing this rank's
         rows of ``x [T,H]`` (and fp32 weights ``w [T,K]`` or None, received into the handle's recv_wk) into the
-        destinations' stages chunk by chunk -> the handle's row map (exact mode, first use) and the weights' copy.
+        destinations' stages chunk by chunk -> the handle's row map (exact mode, first use).
 
         Returns, with ``expand``, ``(rows [N,H] expert-major, weights [N] fp32 or None)``: the kernel expands
-        each received chunk as it lands, then padding rows are zeroed (left unwritten with ``zero=False``) and
-        ``weights[n] = recv_wk[src_slot[n]]`` laid out when ``want_w`` (``op`` combine_bwd: their address in the
+        each received chunk as it lands (its weights into recv_wk and ``weights[n] = recv_wk[src_slot[n]]`` at
+        its slots' rows when ``want_w``) and zeroes the padding rows (left unwritten with ``zero=False``; their
+        weights zero either way) while the link carries the rows (``op`` combine_bwd: the weights' address in the
         group's scratch, :meth:`_scratch`, valid until the group's next op); without, the received rows ``[rows,H]``
         in the handle's layout (the stage itself in capacity mode, a packed copy in exact mode). ``fp8``: an
         :class:`moe_rt._ep_rows.Fp8Rows` (with ``expand``): ``x`` holds packed FP8 rows, which the kernel
         splits (or dequantizes) into ``fp8``'s outputs as it expands them; ``rows`` is their tuple. ``tpe``: None
-        or an int32 ``[L]`` array (``op`` dispatch) the same core call copies the handle's tokens_per_expert into,
-        on the call's stream after its launches."""
+        or an int32 ``[L]`` array (``op`` dispatch) the kernel copies the handle's tokens_per_expert into."""
         if not expand:
             return self.push(call, h, x, w, op, recv=True)
         N = h.sizes["N"]

@@ -1539,43 +1539,33 @@ def test_direct_host_path_launches_and_arguments(monkeypatch, mode, R, T):
         ev, allocs = tr.take()
         names = [e[0] for e in ev]
         row_map = mode == "exact"  # exact mode: the received rows' stage rows, made once per handle
-        assert names == ["ep_direct_barrier", "ep_direct_dispatch"] + ["ep_direct_row_map"] * row_map + [
-            "ep_copy_rows", "ep_fill_rows", "memcpy"]
+        # one kernel does it all: the rows, their zeros, recv_wk and the laid-out weights (the zero items write
+        # the empty rows' zeros), and tokens_per_expert into a fresh int32 [L] (its block 0)
+        assert names == ["ep_direct_barrier", "ep_direct_dispatch"] + ["ep_direct_row_map"] * row_map
         assert allocs == 3 + row_map  # the rows, the weights, tokens_per_expert (and the row map)
         assert ev[0] == barrier("dispatch")
         C = max(1, min(32, P, max(16, -(-P * max(1, R - 1) // (4 * 2 * 132)))))  # rows a chunk flag covers
         assert ev[1][1] == dict(consts, x=x.ptr, w=w.ptr, peer_rows=_ptr(rows_st.table),
                                 peer_w=_ptr(w_st.table), peer_flags=_ptr(d.flags.table), send_tok=a["send_tok"],
                                 meta=a["meta"], dst_row=a["dst_row"], out=_ptr(rx), out_s=0, fp8_h=0,
-                                zero_src=a["src_slot"] if N else 0, zero_n=N, op=OP["dispatch"], C=C,
-                                units=2 * H // 16)
-        cp = ev[-3][1]
-        assert (cp["src"], cp["dst"], cp["dst_map"], cp["state"], cp["rows"]) == (
-            w_st.local, a["recv_wk"], 0, _ptr(d.state), rows)
-        assert cp["src_map"] == (ev[2][1]["map"] if row_map else 0)
-        # the rows holding no slot are zeroed by ep_direct_dispatch (zero_src, zero_n), ep_fill_rows lays out
-        # the weights only
-        assert ev[-2][1] == dict(out=0, probs_out=_ptr(rw), probs_flat=a["recv_wk"], src_slot=a["src_slot"],
-                                 N=N, units=0)
-        # the core call's copy of the handle's tokens_per_expert after its launches (tools/profile_ep_host.py
-        # reports it as a memcpy), into a fresh int32 [L]
-        assert ev[-1] == ("memcpy", _ptr(tpe), a["tokens_per_expert"], 4 * L) and tpe.shape == (L,)
-        assert tpe.dtype == np.int32
+                                zero_src=a["src_slot"] if N else 0, zero_n=N, zero_rows=int(N > 0),
+                                recv_wk=a["recv_wk"], w_travel=1, out_w=_ptr(rw), tpe_src=a["tokens_per_expert"],
+                                tpe_out=_ptr(tpe), L=L, op=OP["dispatch"], C=C, units=2 * H // 16)
+        assert tpe.dtype == np.int32 and tpe.shape == (L,)
         assert rx.shape == (N, H) and rw.shape == (N,)
 
-        # zero_empty_slots=False: the same launches and arguments, but ep_direct_dispatch gets no zero rows
-        # (zero_src = 0: the rows holding no slot are not written) and ep_fill_rows only the weights; without
-        # weights no ep_fill_rows at all
-        g.dispatch(h, x, zero_empty_slots=False)
+        # zero_empty_slots=False: the same launch, but ep_direct_dispatch zeroes no rows (zero_rows = 0: the
+        # rows holding no slot are not written; its zero items still zero their weights); without weights no
+        # weights at all (and no zero items)
+        rx1, _, tpe1 = g.dispatch(h, x, zero_empty_slots=False)
         ev2, allocs2 = tr.take()
-        assert "ep_fill_rows" not in [e[0] for e in ev2] and allocs2 == 2  # the rows, tokens_per_expert
-        assert ev2[1][0] == "ep_direct_dispatch" and ev2[1][1]["w"] == 0
-        rx2, rw2, _ = g.dispatch(h, x, w, zero_empty_slots=False)
+        assert [e[0] for e in ev2] == ["ep_direct_barrier", "ep_direct_dispatch"] and allocs2 == 2
+        assert ev2[1][1] == dict(ev[1][1], w=0, out=_ptr(rx1), zero_src=0, zero_n=0, zero_rows=0, recv_wk=0,
+                                 w_travel=0, out_w=0, tpe_out=_ptr(tpe1))
+        rx2, rw2, tpe2 = g.dispatch(h, x, w, zero_empty_slots=False)
         ev2, allocs2 = tr.take()
         assert [e[0] for e in ev2] == [n_ for n_ in names if n_ != "ep_direct_row_map"] and allocs2 == 3
-        assert ev2[1][1] == dict(ev[1][1], out=_ptr(rx2), zero_src=0, zero_n=0)
-        assert ev2[-2][1] == dict(out=0, probs_out=_ptr(rw2), probs_flat=a["recv_wk"], src_slot=a["src_slot"], N=N,
-                                  units=0)
+        assert ev2[1][1] == dict(ev[1][1], out=_ptr(rx2), zero_rows=0, out_w=_ptr(rw2), tpe_out=_ptr(tpe2))
 
         y = st.dev((N, H), bf)
         out = g.combine(h, y)
@@ -1602,14 +1592,15 @@ def test_direct_host_path_launches_and_arguments(monkeypatch, mode, R, T):
         ev, allocs = tr.take()
         # grad_y, and on the group's first combine_bwd its weights (the transport's scratch)
         assert none is None and allocs == 2 - (n > 0) and gy.shape == (N, H)
-        assert [e[0] for e in ev] == ["ep_direct_barrier", "ep_direct_dispatch", "ep_fill_rows", "ep_scale_rows"]
+        # the dispatch kernel lays out the dispatch's weights (recv_wk, w_travel = 0) that ep_scale_rows scales by
+        assert [e[0] for e in ev] == ["ep_direct_barrier", "ep_direct_dispatch", "ep_scale_rows"][:2 + (N > 0)]
         assert ev[0] == barrier("combine_bwd")
+        pp = ev[1][1]["out_w"]
         assert ev[1][1] == dict(ev[1][1], x=gout.ptr, w=0, out=_ptr(gy), op=OP["combine_bwd"],
-                                zero_src=a["src_slot"] if N else 0, zero_n=N)
-        pp = ev[2][1]["probs_out"]
-        assert ev[2][1]["out"] == 0 and ev[2][1]["probs_flat"] == a["recv_wk"]
+                                zero_src=a["src_slot"] if N else 0, zero_n=N, zero_rows=int(N > 0),
+                                recv_wk=a["recv_wk"], w_travel=0, tpe_out=0)
         if N:
-            assert ev[3][1] == dict(rows=_ptr(gy), w=pp, n=N, H=H)
+            assert pp != 0 and ev[2][1] == dict(rows=_ptr(gy), w=pp, n=N, H=H)
         if n:
             assert st.lookups == 0  # every launch set-up made once
 
@@ -1718,8 +1709,8 @@ def test_profile_ep_host_tool_runs():
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
     # launches, allocations, CuPy kernels, memcpys per call
-    want = {"prepare": ("1", "2", "0", "0"), "dispatch": ("4", "3", "0", "1"), "combine": ("2", "1", "0", "0"),
-            "dispatch_bwd": ("3", "2", "0", "0"), "combine_bwd": ("4", "1", "0", "0")}
+    want = {"prepare": ("1", "2", "0", "0"), "dispatch": ("2", "3", "0", "0"), "combine": ("2", "1", "0", "0"),
+            "dispatch_bwd": ("3", "2", "0", "0"), "combine_bwd": ("3", "1", "0", "0")}
     got = {}
     for line in r.stdout.splitlines()[1:]:
         f = line.split()
@@ -2086,7 +2077,7 @@ def test_mixed_op_trace(monkeypatch, rng, R, local_size, me, mode):
     assert out.shape == (h.sizes["N"], H) and out_w.shape == (h.sizes["N"],)
     names = [e[1] if e[0] == "launch" else e[0] for e in events]
     direct = ["ep_direct_barrier", "ep_direct_dispatch"] + (["ep_direct_row_map"] if mode == "exact" else [])
-    direct += ["ep_copy_rows"]  # the direct pass's weights into recv_wk, before the NCCL pass writes the remote ones
+    # the direct pass's kernel writes its rows' weights into recv_wk, before the NCCL pass writes the remote ones
     groups = ["group_start"] + ["send", "send", "recv", "recv"] * len(remote) + ["group_end"]
     expands = ["ep_expand_rows"] * len(t.remote_ranges())
     assert names == direct + ["ep_pack_rows"] + groups + expands + ["ep_fill_rows"], names
@@ -2334,9 +2325,9 @@ def test_fp8_transport_one_pass_trace(monkeypatch, rng, kind, mode, dequantize):
     names = [e[1] if e[0] == "launch" else e[0] for e in events]
     assert "permutation.dispatch" not in names
     sink = "Fp8Dequant<float, 4>" if dequantize else "Fp8Rows<4>"
-    # the direct transport's dispatch kernel zeroes the rows holding no slot (its ep_fill_rows lays out the
-    # weights only); the mixed transport's fill runs after its NCCL pass and zeroes them there
-    fills = ["ep_fill_rows"] * (1 if kind == "direct" else len(out))
+    # the direct transport's dispatch kernel zeroes the rows holding no slot and lays out the weights (no
+    # ep_fill_rows); the mixed transport's fill runs after its NCCL pass and zeroes them there
+    fills = ["ep_fill_rows"] * (0 if kind == "direct" else len(out))
     if kind in ("direct", "mixed"):
         assert names.count("ep_direct_barrier") == 1 and names.count("ep_direct_dispatch") == 1
         assert full["ep_direct_dispatch"] == [f"ep_direct_dispatch<uint4, 8, {sink}>"]
@@ -2344,12 +2335,14 @@ def test_fp8_transport_one_pass_trace(monkeypatch, rng, kind, mode, dequantize):
         assert (disp[0], disp[8], disp[10]) == (x.data.ptr, out[0].data.ptr, H)
         assert disp[9] == (0 if dequantize else out[1].data.ptr)
         assert int(disp[-3]) == rows.row_bytes // 16  # units of the packed row
-        zero_src, zero_n = disp[11], int(disp[12])
-        assert (zero_src != 0, zero_n) == ((True, N) if kind == "direct" else (False, 0))
+        zero_src, zero_n, zero_rows, recv_wk, w_travel, lay_w = disp[11:17]
+        assert (zero_src != 0, int(zero_n), int(zero_rows)) == ((True, N, 1) if kind == "direct" else (False, 0, 0))
+        assert (recv_wk != 0, int(w_travel)) == (True, 1)  # the weights travel (recv_wk: the handle's)
+        assert (lay_w != 0) == (kind == "direct")  # the laid-out weights: the direct kernel's
         stages = (t.direct if kind == "mixed" else t)._stages  # one stage: rows of row_bytes
         assert ("rows", rows.row_bytes) in stages and len([k for k in stages if k[0] == "rows"]) == 1
     if kind == "direct":
-        assert names[-len(fills):] == fills and "ep_expand_rows" not in names and "group_start" not in names
+        assert "ep_fill_rows" not in names and "ep_expand_rows" not in names and "group_start" not in names
     else:
         remote = [p for p in range(R) if (not t.lo <= p < t.hi if kind == "mixed" else p != me)]
         assert names.count("group_start") == 1  # one NCCL group: every row with its scales
@@ -2365,9 +2358,12 @@ def test_fp8_transport_one_pass_trace(monkeypatch, rng, kind, mode, dequantize):
             assert len(exp) == 1 and int(exp[0][6]) == h.sizes["rows"]
         assert names[-len(fills):] == fills
     fill_args = [e[2] for e in events if e[0] == "launch" and e[1] == "ep_fill_rows"]
-    assert [a[0] for a in fill_args] == ([0] if kind == "direct" else [o.data.ptr for o in out])
     addr = (lambda a: a.data.ptr if isinstance(a, _Dev) else int(a))  # the core's launches carry addresses
-    assert addr(fill_args[0][1]) == out_w.data.ptr and all(addr(a[1]) == 0 for a in fill_args[1:])
+    if kind == "direct":
+        assert fill_args == [] and addr(lay_w) == out_w.data.ptr
+    else:
+        assert [a[0] for a in fill_args] == [o.data.ptr for o in out]
+        assert addr(fill_args[0][1]) == out_w.data.ptr and all(addr(a[1]) == 0 for a in fill_args[1:])
 
 
 class _StandInStream:
@@ -2440,7 +2436,9 @@ def test_transport_zero_empty_slots_trace(monkeypatch, rng, kind, mode, rows_kin
         runs[zero] = (trace, list(full), outs)
     (t_zero, _, outs_z), (t_nz, f_nz, outs) = runs[True], runs[False]
     fills = [e for e in t_nz if e[0] == "launch" and e[1] == "ep_fill_rows"]
-    if want_w:
+    if kind == "direct":  # the dispatch kernel lays out the weights: no ep_fill_rows in either run
+        assert fills == []
+    elif want_w:
         assert len(fills) == 1 and fills[0][2][0] == 0 and fills[0][2][1] == "out" + str(len(outs))
         assert int(fills[0][2][-1]) == 0  # no row units: nothing but the weights
     else:
@@ -2453,11 +2451,12 @@ def test_transport_zero_empty_slots_trace(monkeypatch, rng, kind, mode, rows_kin
         assert set(n_ for n_ in f_nz if n_.startswith("ep_expand_rows")) == {"ep_expand_rows<uint4, 4>"}
         assert "permutation.dispatch" not in [e[0] for e in t_nz]
     elif kind == "direct":  # zero=True: ep_direct_dispatch zeroes the rows holding no slot itself (zero_src,
-        # zero_n: the handle's src_slot and N) and ep_fill_rows lays out the weights alone, as with zero=False;
-        # zero=False: the same launches, zero_src = 0
+        # zero_n: the handle's src_slot and N; zero_rows = 1), and its zero items zero the laid-out weights there
+        # in both runs; zero=False: the same launches, zero_rows = 0 (and no zero items without weights)
         (dz,), (dn,) = ([e for e in t_ if e[1:2] == ("ep_direct_dispatch",)] for t_ in (t_zero, t_nz))
-        assert dz[2][11] != 0 and int(dz[2][12]) == N and dn[2][11:13] == (0, 0)
-        assert dz[2][:11] + dz[2][13:] == dn[2][:11] + dn[2][13:]
+        assert dz[2][11] != 0 and int(dz[2][12]) == N and int(dz[2][13]) == 1 and int(dn[2][13]) == 0
+        assert dn[2][11:13] == (dz[2][11:13] if want_w else (0, 0))
+        assert dz[2][:11] + dz[2][14:] == dn[2][:11] + dn[2][14:]
         assert fills_z == fills
         assert [e for e in t_nz if e[1:2] != ("ep_direct_dispatch",)] == [
             e for e in t_zero if e[1:2] != ("ep_direct_dispatch",)]

@@ -83,14 +83,18 @@ class Group:
                  [out or 0, pp or 0, pv or 0, h.region("src_slot"), N, rb // u])]
 
     def dispatch(self, h, op, x, rb, w, outs, fp8, out_dtype=None, H=None, *, fill=True, zero=True, out_w=None,
-                 recv_buf=None, row_map=None, make_map=False, barrier=True, with_w=None):
+                 recv_buf=None, row_map=None, make_map=False, barrier=True, with_w=None, tpe=0):
         """DirectTransport._push (+ dispatch, row_map, copy_rows, _recv_buf) and forward's fill_outputs.
         ``outs``: None (no expand) or the output addresses (one, or codes and scales); ``with_w``: whether
         weights travel (None: when ``w`` is given; a rank without tokens passes none but receives them)."""
         with_w = bool(w) if with_w is None else with_w
         st = self.stage(rb, h.K)
-        # the empty rows' zeros: in the dispatch kernel where it runs (then ep_fill_rows only for the weights)
+        # where the dispatch kernel runs (rb > 0) it writes the empty rows' zeros, recv_wk, the laid-out weights
+        # (their empty rows' zeros too: the zero items) and tokens_per_expert: no ep_copy_rows of the weights,
+        # no ep_fill_rows, no memcpy
         zero_rows = bool(fill and outs is not None and outs[0] and zero and rb and h.N)
+        lay_w = bool(fill and out_w)
+        zero_items = (zero_rows or lay_w) and h.N > 0
         want = [self.barrier(op)] if barrier else []
         if rb:
             if fp8 is None:
@@ -111,20 +115,22 @@ class Group:
             grid = max(1, min(cdiv(h.P, C_) * (self.hi - self.lo), self.resident))
             want.append((name, grid, 512, [x, w or 0, st[1], st[3], FLAGS, h.region("send_tok"), h.region("meta"),
                                            h.region("dst_row"), *o,
-                                           h.region("src_slot") if zero_rows else 0, h.N if zero_rows else 0,
+                                           h.region("src_slot") if zero_items else 0, h.N if zero_items else 0,
+                                           int(zero_rows), h.region("recv_wk") if with_w or lay_w else 0,
+                                           int(with_w), out_w if lay_w else 0, h.region("tokens_per_expert"), tpe, h.L,
                                            STATE, ERR, TIMEOUT, OP[op], self.R, self.me,
                                            h.P, h.K, C_, rb // u, self.lo, self.hi]))
         smap = row_map if h.exact else 0
         if h.exact and make_map and h.rows:
             want.append(("ep_direct_row_map", max(1, min(cdiv(h.rows, 256), self.sm * 8)), 256,
                          [h.region("meta"), self.R, h.P, h.rows, row_map]))
-        if with_w and h.rows:
+        if with_w and h.rows and not rb:
             want.append(self.copy(st[2], smap, h.region("recv_wk"), h.rows, 4 * h.K))
         if recv_buf and h.exact and h.rows and rb:
             want.append(self.copy(st[0], smap, recv_buf, h.rows, rb))
-        if fill and outs is not None:
+        if fill and outs is not None and not rb:
             pv = h.region("recv_wk") if out_w else None
-            if not zero or zero_rows:
+            if not zero:
                 want += self.fill(h, None, 0, out_w, pv)
             elif fp8 is None:
                 want += self.fill(h, outs[0], rb, out_w, pv)
@@ -217,8 +223,9 @@ def test_dispatch_launches_equal_the_python_sides(dtype, H, exact, T, zero):
 
 @pytest.mark.parametrize("exact", [True, False])
 def test_a_rank_without_tokens_still_receives_the_weights(exact):
-    # T = 0: the rank's w [0,K] has no address, yet its peers push weights to it: with_w = 1 copies the stage's
-    # weights into recv_wk and lays out out_w as with tokens; with_w = 0 does neither
+    # T = 0: the rank's w [0,K] has no address, yet its peers push weights to it: with_w = 1 gives the dispatch
+    # kernel recv_wk (it copies the stage's weights there and lays out out_w, as with tokens); with_w = 0 does
+    # neither
     g = Group(R=4, me=1)
     h = handle_of(g, exact, 0, P=5)
     h.rows, h.N = 6, 9  # received rows from the peers (a handle of a rank without tokens of its own)
@@ -231,7 +238,9 @@ def test_a_rank_without_tokens_still_receives_the_weights(exact):
                           make_map=True, with_w=bool(with_w))
         assert got == want
         names = [n for n, *_ in got]
-        assert (sum(n.startswith("ep_copy_rows") for n in names) == 1) == bool(with_w), names
+        assert not any(n.startswith(("ep_copy_rows", "ep_fill_rows")) for n in names), names
+        disp = next(a for n, _, _, a in got if n.startswith("ep_direct_dispatch"))
+        assert (disp[14] != 0, disp[15], disp[16]) == (bool(with_w),) * 2 + (OUTW if with_w else 0,)
 
 
 @pytest.mark.parametrize("H", [7168, 40, 7, 129])
@@ -324,9 +333,10 @@ def test_plans_are_cached_per_signature_and_follow_the_call():
 @pytest.mark.parametrize("exact", [True, False])
 @pytest.mark.parametrize("T", [0, 7])
 def test_dispatch_copies_tokens_per_expert_after_its_launches(exact, T):
-    """An output for tokens_per_expert (dispatch's third result) leaves the plan's launches and their arguments as
-    they are: the core copies the handle's counts after them (one device-to-device copy on the call's stream, made
-    on a device; a planning context records only the launches); only the dispatch op takes it."""
+    """An output for tokens_per_expert (dispatch's third result) goes to the dispatch kernel (tpe_out: its block 0
+    copies the handle's counts there), the launches otherwise as they are (with rows of no bytes the core copies
+    them after the launches instead: a device-to-device copy, which a planning context does not record); only
+    the dispatch op takes it."""
     g = Group()
     h = handle_of(g, exact, T)
     g.stage(80, h.K)
@@ -335,7 +345,8 @@ def test_dispatch_copies_tokens_per_expert_after_its_launches(exact, T):
         _core.ep_direct_dispatch(g.g, OP["dispatch"], h.tup(), XP, 80, WP, 0, 0, 0, OUT, 0, OUTW, 1, 1, 0,
                                  MAP if exact else 0, 0, 1, 7, 1, with_tpe)
         got = g.plan()
-        assert got == g.dispatch(h, "dispatch", XP, 80, WP, (OUT,), None, out_w=OUTW, row_map=MAP), with_tpe
+        assert got == g.dispatch(h, "dispatch", XP, 80, WP, (OUT,), None, out_w=OUTW, row_map=MAP,
+                                 tpe=with_tpe), with_tpe
     with pytest.raises(ValueError, match="outputs->tokens_per_expert is copied only by MOE_RT_EP_OP_DISPATCH"):
         _core.ep_direct_dispatch(g.g, OP["combine_bwd"], h.tup(), XP, 80, 0, 0, 0, 0, OUT, 0, 0, 1, 1, 0,
                                  MAP if exact else 0, 0, 1, 7, 0, TPE)

@@ -48,7 +48,8 @@ class EpStandIns(_LL.StandIns):
     opt-in, the occupancy query of prepare's grid-synchronized kernels (``resident`` blocks), CuPy arrays
     whose ``copy()`` and slice assignment (CuPy kernels) are counted in ``cupy_kernels`` and not run, and
     ``cudaMemcpyAsync`` (counted in ``memcpys``; ``on_memcpy(dst, src, nbytes, kind, stream)``), the Python
-    side's and the direct core dispatch's copy of tokens_per_expert (made in C after its launches) alike."""
+    side's and the direct core dispatch's copy of tokens_per_expert (made in C after its launches where no
+    dispatch kernel runs) alike."""
 
     def __init__(self, setattr_=setattr, resident=264, sm_count=132):
         super().__init__(setattr_, resident, sm_count)
@@ -92,7 +93,9 @@ class EpStandIns(_LL.StandIns):
 
         def dispatch(*a):
             inner(*a)
-            if a[20:] and a[20]:  # the core call's copy of tokens_per_expert after its launches (a memcpy too)
+            # the core call's copy of tokens_per_expert after its launches (a memcpy too), made where no dispatch
+            # kernel runs (rows of no bytes; else the kernel's block 0 copies them)
+            if a[20:] and a[20] and not a[4]:
                 h = a[2]  # (buffer, R, L, Tmax, K, P, rows, N, T, exact)
                 src = tpe_src.get(h)
                 if src is None:

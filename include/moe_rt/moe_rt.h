@@ -833,7 +833,9 @@ moe_rt_status moe_rt_ep_direct_add_stage(moe_rt_ep_direct_group* g, const moe_rt
 /* ep_direct_barrier among the node's ranks; op: what a timeout records. */
 moe_rt_status moe_rt_ep_direct_barrier(moe_rt_ep_direct_group* g, int op, moe_rt_stream stream);
 /* The dispatch direction: [barrier], ep_direct_dispatch of x [T, row_bytes] (weights w [T,K] fp32 into recv_wk
- * with outputs->with_w), then the row map, the weights' copy and the fill or the packed copy, as `o` asks. */
+ * with outputs->with_w; with outputs->fill the rows holding no slot zeroed (outputs->zero) and the weights laid
+ * out into outputs->out_w; outputs->tokens_per_expert copied), then the row map and the packed copy, as `o`
+ * asks (with row_bytes 0, no kernel: ep_copy_rows, ep_fill_rows and a memcpy do the weights' part). */
 moe_rt_status moe_rt_ep_direct_dispatch(moe_rt_ep_direct_group* g, int op, const moe_rt_ep_direct_handle* h,
                                         const void* x, int64_t row_bytes, const float* w,
                                         const moe_rt_ep_direct_outputs* o, int barrier, moe_rt_stream stream);
