@@ -476,8 +476,8 @@ moe_rt_status moe_rt_ep_direct_dispatch(moe_rt_ep_direct_group* g, int op_code, 
   if (k.recv) k.u_recv = unit_of(rb, (uintptr_t)s.rows_local, (uintptr_t)o->recv_buf);
   k.fill = o->fill;
   if (o->fill) {
-    /* the empty rows' zeros: written by the dispatch kernel where it runs (its blocks that do not push write
-       them while the link holds the pushes), else by ep_fill_rows */
+    /* the empty rows' zeros: written by the dispatch kernel where it runs (its blocks whose pushes are done
+       write them while the link carries the rows), else by ep_fill_rows */
     k.zero_rows = o->zero && o->out && rb > 0 && N > 0;
     const int zero = o->zero && o->out && !k.zero_rows;
     k.out = zero;

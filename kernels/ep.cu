@@ -1374,7 +1374,8 @@ __device__ __forceinline__ void warp_zero_row(const Sink& sink, int d, i64 units
 // Weights (w_travel: they travel): each expanded row's K weights (the own rows' from w, the others' from this
 // rank's weight stage) go into the handle's recv_wk [rows,K] (the own rows' never go through the stage); with
 // out_w, each row's K weights (those, or with w_travel = 0 the ones recv_wk holds, as combine_bwd's laid-out
-// weights) go into out_w [N] at its slots' rows (zero at the rows holding no slot: the zero items). tpe_out given: block 0 copies the handle's tokens_per_expert [L] there first.
+// weights) go into out_w [N] at its slots' rows (zero at the rows holding no slot: the zero items).
+// tpe_out given: block 0 copies the handle's tokens_per_expert [L] there first.
 // One warp per row; blockDim.x a multiple of 32. Only the ranks of this rank's node [lo, hi) are pushed to
 // and expanded from (the direct transport: [0, R); the mixed transport moves the other pairs through NCCL
 // into the same expert-major rows). The expanded rows go through the Sink (ep_expand_rows: RowCopy into out,

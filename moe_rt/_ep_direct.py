@@ -4,8 +4,9 @@ backend ``ipc``).
 :class:`moe_rt.ep.EpGroup` is the algorithm (validation, the plan, the handle); this module moves its rows,
 behind the interface every transport offers (see :mod:`moe_rt.ep`): :meth:`DirectTransport.forward` (the
 dispatch direction) and :meth:`DirectTransport.reduce` (the combine direction), each a barrier and one
-fused kernel (one call into the C core's direct group, csrc/ep_direct.c, which plans and launches them with
-the row map, weight copy and fill around them), plus ``failed_op`` and ``close``. Every rank
+fused kernel (one call into the C core's direct group, csrc/ep_direct.c, which plans and launches them; the
+dispatch kernel also writes the received weights, the padding rows' zeros and the laid-out weights), plus
+``failed_op`` and ``close``. Every rank
 owns a few plain device allocations (not CuPy pool sub-allocations: a CUDA IPC handle covers a whole
 allocation) and maps every peer's buffers into its own address space with ``cuIpcOpenMemHandle`` (lazy
 peer access): the C core's peer buffers (``moe_rt_peer_buffer_*``, csrc/peer.c; :class:`_Shared`). The IPC
@@ -462,9 +463,9 @@ class DirectTransport:
     def push(self, call, h, x, w, op, out=None, fp8=None, *, fill=False, out_w=None, zero=True, recv=False,
              tpe=None):
         """The stages for x's rows (made on first use), then one core call: the op's barrier, ep_direct_dispatch
-        expanding into ``out`` (expert-major [N,H], or ``fp8``'s outputs; None: only wait for every chunk), the
-        handle's row map (exact mode, first use), the received weights copied into the handle's recv_wk, and
-        with ``fill`` the padding rows zeroed / ``out_w`` laid out (:meth:`forward`). ``recv``: returns the
+        expanding into ``out`` (expert-major [N,H], or ``fp8``'s outputs; None: only wait for every chunk) and
+        writing the received weights into the handle's recv_wk, with ``fill`` the padding rows zeroed / ``out_w``
+        laid out (:meth:`forward`), then the handle's row map (exact mode, first use). ``recv``: returns the
         received rows ``[rows,H]`` in the handle's layout (the stage itself in capacity mode (received row r is
         stage row r), a packed copy in exact mode); else None."""
         sz = h.sizes
