@@ -471,7 +471,8 @@ moe_rt_status moe_rt_ep_direct_dispatch(moe_rt_ep_direct_group* g, int op_code, 
   }
   k.make_map = h->exact && o->make_row_map;
   k.copy_w = o->with_w; /* w is NULL on a rank without tokens: its peers' weights still land in recv_wk */
-  if (k.copy_w) k.u_w = unit_of(4 * K, (uintptr_t)s.w_local, (uintptr_t)r.at[MOE_RT_EP_RECV_WK]);
+  if (k.copy_w && rb == 0) /* ep_copy_rows of the weights: only where no dispatch kernel runs */
+    k.u_w = unit_of(4 * K, (uintptr_t)s.w_local, (uintptr_t)r.at[MOE_RT_EP_RECV_WK]);
   k.recv = h->exact && o->recv_buf != NULL;
   if (k.recv) k.u_recv = unit_of(rb, (uintptr_t)s.rows_local, (uintptr_t)o->recv_buf);
   k.fill = o->fill;
