@@ -814,28 +814,32 @@ static moe_rt_status qb_fwd_plan(moe_rt_context* ctx, int dtype, int E, int K, i
   return MOE_RT_SUCCESS;
 }
 
-/* qb_histogram_accumulate (256 threads): ceil(E / 32) strips of 32 experts (grid x) times shares of the tokens
- * (grid y, as many as fill one resident wave with the strips, each of at least max(256, 4 B) tokens); the
- * strip's bins in shared memory (32 (B | 1) int32) when they fit a block. Into launch `l`, without grid y. */
-static moe_rt_status qb_hist_plan(moe_rt_context* ctx, int E, int B, mrt_launch* l, int64_t* resident) {
+/* qb_histogram_accumulate<VPL>: strips of 32 VPL experts (VPL = 4: 16-byte loads of raw where `vec` (E % 4 == 0,
+ * raw 16-byte aligned) and the strip's 128 B int32 counters fit a block, 1024 threads; else VPL = 1, 256
+ * threads) (grid x) times shares of the tokens (grid y, as many as fill one resident wave with the strips, each
+ * of at least max(256, 4 B) tokens); the strip's bins in shared memory (32 VPL B int32) when they fit a block.
+ * Into launch `l`, without grid y. router.py _qb_hist_cfg. */
+static moe_rt_status qb_hist_plan(moe_rt_context* ctx, int E, int B, int vec, mrt_launch* l, int64_t* resident) {
   qb_key key;
   memset(&key, 0, sizeof key);
-  key.op = 8; key.E = E; key.B = B;
+  key.op = 8; key.E = E; key.B = B; key.vec = vec;
   mrt_plan p;
   if (!mrt_plan_lookup(ctx, &key, sizeof key, &p)) {
     p.num_launches = 1;
     mrt_launch* h = &p.launch[0];
-    snprintf(h->name, sizeof h->name, "%s", QB_HIST_KERNEL);
+    const int64_t optin = mrt_device(ctx)->smem_per_block_optin;
+    const int vpl = vec && E % 4 == 0 && (int64_t)4 * 128 * B <= optin ? 4 : 1;
+    snprintf(h->name, sizeof h->name, "%s<%d>", QB_HIST_KERNEL, vpl);
     int regs = 0;
     moe_rt_status st = mrt_kernel(ctx, h, FILE_ROUTER, &regs);
     if (st) return st;
-    const int64_t want = (int64_t)4 * 32 * (B | 1);
-    const int use = want <= mrt_device(ctx)->smem_per_block_optin;
-    h->block = 256;
+    const int64_t want = (int64_t)4 * 32 * vpl * B;
+    const int use = want <= optin;
+    h->block = vpl == 4 ? 1024 : 256;
     h->smem = use ? (int32_t)want : 0;
-    h->grid = mrt_cdiv(E, 32);
+    h->grid = mrt_cdiv(E, 32 * vpl);
     h->scalars[1] = use;
-    p.ints[QB_HIST_RESIDENT] = mrt_resident_grid(mrt_device(ctx), (int64_t)1 << 30, 256, h->smem, regs);
+    p.ints[QB_HIST_RESIDENT] = mrt_resident_grid(mrt_device(ctx), (int64_t)1 << 30, h->block, h->smem, regs);
     mrt_plan_put(ctx, &key, sizeof key, &p);
   }
   *l = p.launch[0];
@@ -889,7 +893,7 @@ moe_rt_status moe_rt_topk_with_score_qb(moe_rt_context* ctx, const void* logits,
   int64_t hist_resident = 0;
   if (hmode == 0) {
     mrt_launch* h = &p.launch[1];
-    if ((st = qb_hist_plan(ctx, E, B, h, &hist_resident))) return st;
+    if ((st = qb_hist_plan(ctx, E, B, mrt_aligned16(intermediate), h, &hist_resident))) return st;
     h->grid_y = mrt_max(1, mrt_min(hist_resident / h->grid, T / mrt_max(256, (int64_t)4 * B)));
     h->scalars[0] = h->grid_y;
     p.num_launches = 2;

@@ -69,7 +69,7 @@ _jit.register(_FILE, [f"router_fwd<{c}, {team}>" for c in _jit.CTYPES.values() f
               + [f"router_fwd_qb<{c}, {team}>" for c in _jit.CTYPES.values() for team in _TEAMS]
               + [f"router_fwd_qb<{c}, {team}, false>" for c in _jit.CTYPES.values() for team in _TEAMS]
               + [f"router_fwd_qb_reg<{c}, {v}>" for c in ("float", "__nv_bfloat16") for v in _REG_V]
-              + ["qb_histogram_accumulate"])
+              + [f"qb_histogram_accumulate<{v}>" for v in (1, 4)])
 # Quick kernels (stand-ins while a kernel compiles on a first call: moe_rt._jit.compile_in_background; the C
 # core's planner names them, csrc/router.c fwd_stand_in): compiled for one score case alone, each computes the
 # bits of the kernel it stands in for in that case: a row of one warp, with groups (for the one-warp and
@@ -777,25 +777,32 @@ def _bounds_checked(call, dv, validated):
     return d
 
 
-def _qb_hist_grid(T, E, B, device_id, regs=0):
-    """(grid, shared memory bytes, use_smem) of qb_histogram_accumulate (256 threads): ceil(E / 32) strips of
-    32 experts x shares of the tokens, as many shares as fill one resident wave with the strips, each of at
-    least max(256, 4 B) tokens (a block's flush, up to 32 B atomics, stays under a quarter of its samples);
-    the strip's bins in shared memory (32 (B | 1) int32) when they fit a block."""
-    smem = 4 * 32 * (B | 1)
-    use = smem <= _jit.device_properties(device_id)["smem_per_block_optin"]
+def _qb_hist_cfg(T, E, B, vec, device_id, regs=0):
+    """(kernel name, grid, threads, shared memory bytes, use_smem) of qb_histogram_accumulate<VPL>: strips of
+    32 VPL experts (VPL = 4: 16-byte loads of raw where ``vec`` (E % 4 == 0, raw 16-byte aligned) and the
+    strip's 128 B int32 counters fit a block; 1024 threads; else VPL = 1 and 256 threads) x shares of the tokens,
+    as many shares as fill one resident wave with the strips, each of at least max(256, 4 B) tokens (a block's
+    flush, up to 32 VPL B atomics, stays under a quarter of its samples); the strip's bins in shared memory
+    when they fit a block, else global atomics."""
+    optin = _jit.device_properties(device_id)["smem_per_block_optin"]
+    vpl = 4 if vec and E % 4 == 0 and 4 * 128 * B <= optin else 1
+    threads = 1024 if vpl == 4 else 256
+    smem = 4 * 32 * vpl * B
+    use = smem <= optin
     smem = smem if use else 0
-    gx = -(-E // 32)
-    resident = _grid(1 << 30, 256, smem, device_id, regs)
+    gx = -(-E // (32 * vpl))
+    resident = _grid(1 << 30, threads, smem, device_id, regs)
     gy = max(1, min(resident // gx, T // max(256, 4 * B)))
-    return (gx, gy), smem, use
+    return f"qb_histogram_accumulate<{vpl}>", (gx, gy), threads, smem, use
 
 
 def _launch_qb_hist(call, raw, cut, T, E, bounds, hist, B):
-    fn = _jit.function(_FILE, "qb_histogram_accumulate")
-    grid, smem, use = _qb_hist_grid(T, E, B, call.device_id, getattr(fn, "num_regs", 0))
+    vec = raw.data.ptr % 16 == 0
+    name = _qb_hist_cfg(T, E, B, vec, call.device_id)[0]
+    fn = _jit.function(_FILE, name)
+    _, grid, threads, smem, use = _qb_hist_cfg(T, E, B, vec, call.device_id, getattr(fn, "num_regs", 0))
     _jit.set_max_dynamic_shared(fn, smem)
-    _jit.launch(fn, grid, 256, (raw, cut, np.int64(T), np.int32(E), bounds, hist, np.int32(B), np.int32(use)),
+    _jit.launch(fn, grid, threads, (raw, cut, np.int64(T), np.int32(E), bounds, hist, np.int32(B), np.int32(use)),
                 shared_mem=smem, stream=call.stream)
 
 

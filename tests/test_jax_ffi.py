@@ -1054,9 +1054,9 @@ def test_qb_forward_lowering_for_cpu_runs_the_reference(rng):
 
 @pytest.mark.parametrize("dtype,T,E,K,B,mode,want", [
     (0, 37, 256, 8, 64, 1, ["router_fwd_qb_reg<float, 8>"]),  # the block's shared histogram
-    (2, 37, 256, 8, 64, 0, ["router_fwd_qb_reg<__nv_bfloat16, 8>", "qb_histogram_accumulate"]),
+    (2, 37, 256, 8, 64, 0, ["router_fwd_qb_reg<__nv_bfloat16, 8>", "qb_histogram_accumulate<4>"]),
     (2, 113, 2304, 36, 64, 1, ["router_fwd_qb<__nv_bfloat16, 32>"]),  # global atomics (T E <= 2^18)
-    (0, 517, 2304, 36, 64, 1, ["router_fwd_qb<float, 32, false>", "qb_histogram_accumulate"]),  # then the second kernel
+    (0, 517, 2304, 36, 64, 1, ["router_fwd_qb<float, 32, false>", "qb_histogram_accumulate<4>"]),  # then the second kernel
     (1, 5, 61, 5, 7, 1, ["router_fwd_qb<__half, 32>"]),
     (0, 0, 256, 8, 64, 0, []),  # no tokens: nothing launched
 ])

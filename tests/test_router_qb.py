@@ -580,18 +580,32 @@ def test_gpu_tie_and_bin_clamping(mode):
     assert c.get()[0] == c.get()[1] == i.get()[0, 0]
 
 
+# (T, E, B, offset in floats of raw's first element, the kernel the plan takes)
+HIST_ALONE_CASES = [(3000, 37, 9000, 0, 1),  # 32 B int32 above the shared memory: straight global atomics
+                    (3000, 37, 50, 0, 1), (3001, 40, 50, 0, 4), (3001, 40, 50, 1, 1),  # E % 4; raw misaligned
+                    (777, 2304, 64, 0, 4), (3000, 40, 455, 0, 1), (2999, 44, 9000, 0, 1), (5, 8, 3, 0, 4)]
+
+
 @pytest.mark.gpu
-def test_gpu_histogram_accumulate_alone(rng):
+@pytest.mark.parametrize("case", HIST_ALONE_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_gpu_histogram_accumulate_alone(rng, monkeypatch, case):
     import cupy as cp
 
-    T, E, B = 3000, 37, 9000  # 32 (B | 1) int32 above the shared memory: straight global atomics; then B = 50
+    T, E, B, off, vpl = case
+    names = []
+    function = _jit.function
+    monkeypatch.setattr(_jit, "function", lambda f, n: names.append(n) or function(f, n))
     raw = rng.random((T, E)).astype(F32)
     cut = rng.random(T).astype(F32)
     bounds = np.array([-0.5, 0.5], F32)
-    for b in (B, 50):
-        hist = cp.zeros((E, b), cp.int32)
-        R.qb_histogram_accumulate(cp.asarray(raw), cp.asarray(cut), cp.asarray(bounds), hist)
-        np.testing.assert_array_equal(hist.get(), _hist_of(raw, cut, bounds, b))
+    flat = cp.full(T * E + off, np.nan, cp.float32)
+    draw = flat[off:].reshape(T, E)
+    draw[...] = cp.asarray(raw)
+    start = rng.integers(0, 100, (E, B)).astype(np.int32)
+    hist = cp.asarray(start)
+    R.qb_histogram_accumulate(draw, cp.asarray(cut), cp.asarray(bounds), hist)
+    assert names == [f"qb_histogram_accumulate<{vpl}>"]
+    np.testing.assert_array_equal(hist.get(), start + _hist_of(raw, cut, bounds, B))
 
 
 @pytest.mark.gpu
@@ -733,17 +747,25 @@ def test_forward_kernel_choice():
 
 
 def test_histogram_kernel_grid(monkeypatch):
-    """qb_histogram_accumulate: strips of 32 experts, token shares filling one resident wave with them (each
-    of at least max(256, 4 B) tokens), the strip's 32 (B | 1) counters in shared memory when they fit."""
+    """qb_histogram_accumulate<VPL>: strips of 32 VPL experts (VPL = 4, 1024 threads, where raw's rows take
+    16-byte loads and the strip's 128 B int32 counters fit a block; else VPL = 1, 256 threads), token shares
+    filling one resident wave with them (each of at least max(256, 4 B) tokens), the strip's counters in
+    shared memory when they fit."""
     props = {"sm_count": 132, "smem_per_block_optin": 227 * 1024, "smem_per_sm": 228 * 1024}
     monkeypatch.setattr(_jit, "device_properties", lambda dev: props)
-    # 48 registers: 5 blocks of 256 threads a multiprocessor, 660 resident
-    assert R._qb_hist_grid(65536, 256, 64, 0, 48) == ((8, 82), 4 * 32 * 65, True)
-    assert R._qb_hist_grid(65536, 2304, 64, 0, 48) == ((72, 9), 4 * 32 * 65, True)
-    assert R._qb_hist_grid(65536, 16384, 64, 0, 48) == ((512, 1), 4 * 32 * 65, True)
-    assert R._qb_hist_grid(1000, 100, 64, 0, 48) == ((4, 3), 4 * 32 * 65, True)
-    assert R._qb_hist_grid(7, 37, 5, 0, 48) == ((2, 1), 4 * 32 * 5, True)
-    assert R._qb_hist_grid(65536, 256, 2000, 0, 48) == ((8, 8), 0, False)  # 32 * 2001 int32 > 227 KiB
+    four, one = "qb_histogram_accumulate<4>", "qb_histogram_accumulate<1>"
+    # VPL = 4 at 52 registers: one block of 1024 threads a multiprocessor, 132 resident
+    assert R._qb_hist_cfg(65536, 256, 64, True, 0, 52) == (four, (2, 66), 1024, 4 * 128 * 64, True)
+    assert R._qb_hist_cfg(65536, 2304, 64, True, 0, 52) == (four, (18, 7), 1024, 4 * 128 * 64, True)
+    assert R._qb_hist_cfg(65536, 16384, 64, True, 0, 52) == (four, (128, 1), 1024, 4 * 128 * 64, True)
+    assert R._qb_hist_cfg(1000, 100, 64, True, 0, 52) == (four, (1, 3), 1024, 4 * 128 * 64, True)
+    assert R._qb_hist_cfg(65536, 256, 454, True, 0, 52) == (four, (2, 36), 1024, 4 * 128 * 454, True)
+    # VPL = 1 at 48 registers: 5 blocks of 256 threads a multiprocessor, 660 resident
+    assert R._qb_hist_cfg(65536, 2304, 64, False, 0, 48) == (one, (72, 9), 256, 4 * 32 * 64, True)  # misaligned
+    assert R._qb_hist_cfg(65536, 2303, 64, True, 0, 48) == (one, (72, 9), 256, 4 * 32 * 64, True)  # E % 4
+    assert R._qb_hist_cfg(7, 37, 5, True, 0, 48) == (one, (2, 1), 256, 4 * 32 * 5, True)
+    assert R._qb_hist_cfg(65536, 256, 455, True, 0, 48) == (one, (8, 36), 256, 4 * 32 * 455, True)
+    assert R._qb_hist_cfg(65536, 256, 2000, True, 0, 48) == (one, (8, 8), 256, 0, False)  # 32 * 2000 > 227 KiB
 
 
 def _qb_gpu_run(cp, x, bias, bounds, start, K, mode="fused_atomic"):
