@@ -140,7 +140,7 @@ from moe_rt import _arrays, _core, _errors, _jit, permutation
 from moe_rt import _ep_adapt, _ep_direct, _ep_mixed, _ep_nccl, _ep_rows, _handle
 from moe_rt import fp8 as _fp8
 from moe_rt._ep_rows import FILE as _FILE, UNITS as _UNITS
-from moe_rt._ep_rows import Fp8Rows, grid as _grid, plan_view, recv_wk, regions, scale_rows, tokens_per_expert
+from moe_rt._ep_rows import Fp8Rows, grid as _grid, plan_view, recv_wk, regions, scale_rows
 from moe_rt._arrays import DevArray
 from moe_rt._handle import Handle, meta_index
 from moe_rt.reference import ep as _ref
@@ -938,10 +938,10 @@ class EpGroup:
                     _fp8.launch_pack(q, sc, packed, FP8_BLOCK, call.device_id, s)
                 else:
                     _fp8.launch_quantize_packed(xv, packed, FP8_BLOCK, call.device_id, s)
+                tpe = call.empty((handle.sizes["L"],), np.int32)  # copied by the transport, as in dispatch
                 out, rw = self._transport.forward(call, handle, packed, wv, "dispatch", want_w=wv is not None,
-                                                  fp8=rows, zero=zero)
+                                                  fp8=rows, zero=zero, tpe=tpe)
                 self._last_stream = s
-                tpe = tokens_per_expert(call, handle)
                 rw = None if rw is None else call.out(rw)
                 if dequantize:
                     return call.out(out[0]), rw, call.out(tpe)

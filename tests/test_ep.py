@@ -1485,7 +1485,6 @@ def test_direct_host_path_launches_and_arguments(monkeypatch, mode, R, T):
     from moe_rt import _ep_direct
 
     from moe_rt import _ep_rows
-    from moe_rt import ep as ep_mod
 
     tr = _EpHostTrace(monkeypatch)
     st, OP = tr.st, _ep_direct.OP_CODES
@@ -1493,8 +1492,7 @@ def test_direct_host_path_launches_and_arguments(monkeypatch, mode, R, T):
     def python_side_copy(*a):
         raise AssertionError("the direct transport's dispatch copies tokens_per_expert in its core call")
 
-    monkeypatch.setattr(_ep_rows, "tokens_per_expert", python_side_copy)
-    monkeypatch.setattr(ep_mod, "tokens_per_expert", python_side_copy)
+    monkeypatch.setattr(_ep_rows, "tokens_per_expert", python_side_copy)  # the one Python-side copy (EpGroup has none)
     me, E, H, Tmax, K = R - 1, 4 * R, 40, 16, 3
     L, bf = E // R, np.dtype(ml_dtypes.bfloat16)
     g = st.ep_group(R, me, E, H, Tmax, K, mode, bf)
@@ -2222,7 +2220,6 @@ def test_fp8_dispatch_one_transport_pass(monkeypatch, pair, dequantize):
     monkeypatch.setattr(_arrays, "contiguous", lambda xp, a: a)
     monkeypatch.setattr(_arrays, "cupy_of", lambda a: a)
     monkeypatch.setattr(_arrays, "fp8_array", lambda a, dt: ("fp8", a))
-    monkeypatch.setattr(ep_mod, "tokens_per_expert", lambda call, h: h.view("tokens_per_expert").copy())  # host buffer
     stream = type("S", (), {"ptr": 9})()
 
     class Call:
@@ -2243,12 +2240,16 @@ def test_fp8_dispatch_one_transport_pass(monkeypatch, pair, dequantize):
         def out(self, a):
             return a
 
+        @staticmethod
+        def empty(shape, dtype):
+            return _Dev8(shape, dtype)
+
     stream_ = stream
     monkeypatch.setattr(_arrays, "Call", Call)
 
     class Rec:
-        def forward(self, call, h, x, w, op, *, expand=True, want_w=False, fp8=None, zero=True):
-            passes.append((x, w, op, expand, want_w, fp8, len(launches), zero))
+        def forward(self, call, h, x, w, op, *, expand=True, want_w=False, fp8=None, zero=True, tpe=None):
+            passes.append((x, w, op, expand, want_w, fp8, len(launches), zero, tpe))
             N = h.sizes["N"]
             return fp8.empty(call.xp, N), (_Dev8(N, np.float32) if want_w else None)
 
@@ -2258,7 +2259,9 @@ def test_fp8_dispatch_one_transport_pass(monkeypatch, pair, dequantize):
     x = (_Dev8((T, H), np.uint8), _Dev8((T, S), np.float32)) if pair else _Dev8((T, H), _arrays.BFLOAT16)
     out = g.dispatch(h, x, w, fp8=True, dequantize=dequantize)
     assert len(passes) == 1  # one transport pass: codes and scales together
-    px, pw, op, expand, want_w, rows, at, zero = passes[0]
+    px, pw, op, expand, want_w, rows, at, zero, tpe = passes[0]
+    # tokens_per_local_expert: the transport copies it into the returned array (no copy after the pass)
+    assert (tpe.shape, tpe.dtype) == ((h.sizes["L"],), np.int32) and out[-1] is tpe
     assert zero is True  # zero_empty_slots' default reaches the transport
     assert isinstance(rows, _ep_rows.Fp8Rows) and (op, expand, want_w, pw) == ("dispatch", True, True, w)
     assert px.shape == (T, rows.row_bytes) == (T, 320) and px.dtype == np.uint8
