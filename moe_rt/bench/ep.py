@@ -5,7 +5,7 @@
                                                          # launches itself on MOE_RT_BENCH_EP_NPROC (2) GPUs
     python tools/launch.py -n 4 tools/bench_ep.py ...    # explicitly, on 4
 
-Shapes: T in {512, 4096, 16384} tokens per rank, H=7168, bf16, E=256, K=8, uniform random top-k routing.
+Shapes: T in {512, 4096, 16384} tokens per rank, H=7168 (``--hidden``), bf16, E=256, K=8, uniform random top-k routing.
 For each mode (exact; capacity eager; capacity as one CUDA graph of prepare+dispatch+combine) it times
 prepare (eager: CUDA-event time and, column host_us, the calling thread's median host time of the call, also
 given for dispatch, combine and the round trip;
@@ -113,6 +113,8 @@ def parser(prog: str | None = None):
     ap.add_argument("--parts", action="store_true",
                     help="also time the serial dispatch/combine's parts alone (pack, NCCL exchange, expand; "
                          "reduce, exchange, owner sum) in exact mode")
+    ap.add_argument("--hidden", type=benchlib.positive_int, default=7168,
+                    help="hidden size H of the token rows (default 7168)")
     ap.add_argument("--nproc", type=benchlib.positive_int,
                     default=int(os.environ.get("MOE_RT_BENCH_EP_NPROC", "2")),
                     help="ranks (one GPU each) when this script launches itself")
@@ -229,7 +231,7 @@ def _rank(args):
     from moe_rt.fp8 import packed_layout
 
     rank, world, dev, comm = _init_rank()
-    E, K, H = 256, 8, 7168
+    E, K, H = 256, 8, args.hidden
     Ts = [512] if args.quick else (args.tokens or [512, 4096, 16384])
     from moe_rt import _ep_direct
 
@@ -488,7 +490,7 @@ def _rank_low_latency(args):
     dedup = env_dedup()  # MOE_RT_LL_DEDUP: the A/B of the dispatch's rows on the wire
     sync = env_sync()  # MOE_RT_LL_SYNC: the groups below read it themselves (barrier or pairwise)
     rank, world, _, comm = _init_rank()
-    E, K, H = 256, 8, 7168
+    E, K, H = 256, 8, args.hidden
     Ts = [128] if args.quick else (args.tokens or [128])
     iters, warm = args.iters, args.warmup
     table = benchlib.Table("EP low-latency dispatch/combine (moe_rt LowLatencyGroup vs torch.distributed)",
