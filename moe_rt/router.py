@@ -777,30 +777,39 @@ def _bounds_checked(call, dv, validated):
     return d
 
 
-def _qb_hist_cfg(T, E, B, vec, device_id, regs=0):
-    """(kernel name, grid, threads, shared memory bytes, use_smem) of qb_histogram_accumulate<VPL>: strips of
-    32 VPL experts (VPL = 4: 16-byte loads of raw where ``vec`` (E % 4 == 0, raw 16-byte aligned) and the
-    strip's 128 B int32 counters fit a block; 1024 threads; else VPL = 1 and 256 threads) x shares of the tokens,
-    as many shares as fill one resident wave with the strips, each of at least max(256, 4 B) tokens (a block's
-    flush, up to 32 VPL B atomics, stays under a quarter of its samples); the strip's bins in shared memory
-    when they fit a block, else global atomics."""
+def _qb_hist_vpl(E, B, vec, device_id):
+    """Experts a lane of qb_histogram_accumulate<VPL> counts: 4 (16-byte loads of raw) where ``vec`` (raw
+    16-byte aligned), E % 4 == 0 and the strip's 128 B int32 counters fit a block; else 1."""
     optin = _jit.device_properties(device_id)["smem_per_block_optin"]
-    vpl = 4 if vec and E % 4 == 0 and 4 * 128 * B <= optin else 1
+    return 4 if vec and E % 4 == 0 and 4 * 128 * B <= optin else 1
+
+
+def _qb_hist_shape(T, E, B, vpl, device_id, regs=0):
+    """(grid, threads, shared memory bytes, use_smem) of qb_histogram_accumulate<vpl>: strips of 32 vpl experts
+    (1024 threads at vpl = 4, else 256) x shares of the tokens, as many shares as fill one resident wave with
+    the strips, each of at least max(256, 4 B) tokens (a block's flush, up to 32 vpl B atomics, stays under a
+    quarter of its samples); the strip's bins in shared memory when they fit a block, else global atomics."""
     threads = 1024 if vpl == 4 else 256
     smem = 4 * 32 * vpl * B
-    use = smem <= optin
+    use = smem <= _jit.device_properties(device_id)["smem_per_block_optin"]
     smem = smem if use else 0
     gx = -(-E // (32 * vpl))
     resident = _grid(1 << 30, threads, smem, device_id, regs)
     gy = max(1, min(resident // gx, T // max(256, 4 * B)))
-    return f"qb_histogram_accumulate<{vpl}>", (gx, gy), threads, smem, use
+    return (gx, gy), threads, smem, use
+
+
+def _qb_hist_cfg(T, E, B, vec, device_id, regs=0):
+    """(kernel name, grid, threads, shared memory bytes, use_smem) of the histogram pass (_qb_hist_vpl,
+    _qb_hist_shape; csrc/router.c qb_hist_plan states the same)."""
+    vpl = _qb_hist_vpl(E, B, vec, device_id)
+    return (f"qb_histogram_accumulate<{vpl}>",) + _qb_hist_shape(T, E, B, vpl, device_id, regs)
 
 
 def _launch_qb_hist(call, raw, cut, T, E, bounds, hist, B):
-    vec = raw.data.ptr % 16 == 0
-    name = _qb_hist_cfg(T, E, B, vec, call.device_id)[0]
-    fn = _jit.function(_FILE, name)
-    _, grid, threads, smem, use = _qb_hist_cfg(T, E, B, vec, call.device_id, getattr(fn, "num_regs", 0))
+    vpl = _qb_hist_vpl(E, B, raw.data.ptr % 16 == 0, call.device_id)
+    fn = _jit.function(_FILE, f"qb_histogram_accumulate<{vpl}>")
+    grid, threads, smem, use = _qb_hist_shape(T, E, B, vpl, call.device_id, getattr(fn, "num_regs", 0))
     _jit.set_max_dynamic_shared(fn, smem)
     _jit.launch(fn, grid, threads, (raw, cut, np.int64(T), np.int32(E), bounds, hist, np.int32(B), np.int32(use)),
                 shared_mem=smem, stream=call.stream)
