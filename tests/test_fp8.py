@@ -1,6 +1,8 @@
 """FP8: the e4m3 block quantization (docs/fp8.md) against ml_dtypes and an independent implementation, the
 NumPy/torch/JAX CPU paths, FP8 dispatch with scales, bad input (always run), and the CUDA kernels and CUDA
 FP8 dispatch bit for bit against the reference (``-m gpu``)."""
+from types import SimpleNamespace
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -614,6 +616,82 @@ def test_gpu_quantize_bit_exact(rng, dtype, T, H, block, offset):
                                       bits(moe_rt.dequantize_fp8(qr, sr, np.float32, block)))
         yj = jax.jit(lambda a, b: moe_rt.jax.dequantize_fp8(a, b, jnp.float32, block))(qj, sj)
         np.testing.assert_array_equal(np.asarray(yj), moe_rt.dequantize_fp8(qr, sr, np.float32, block))
+
+
+_DIV_CHECK = r"""
+#include "moe_rt/fp8.cuh"
+using namespace moe_rt;
+__device__ unsigned mix(unsigned x) { x ^= x >> 16; x *= 0x7feb352du; x ^= x >> 15; x *= 0x846ca68bu; return x ^ (x >> 16); }
+// n random pairs (s in [2^-60, 2^60), |a| <= 448.5 s: every bit pattern of a's significand, subnormal a too);
+// counts[0]: quotients with |a / s| >= 2^-11 where div_by_scale and div_rn differ, counts[1]: e4m3 codes that
+// differ anywhere, counts[2]: pairs checked
+extern "C" __global__ void div_check(unsigned seed, unsigned long long n, unsigned long long* counts) {
+  for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+       i += (unsigned long long)gridDim.x * blockDim.x) {
+    const unsigned h1 = mix((unsigned)i ^ seed), h2 = mix(h1 + 0x9e3779b9u), h3 = mix(h2 ^ 0x1234567u);
+    const float s = __uint_as_float(((67u + h1 % 120u) << 23) | (h2 & 0x7fffffu));
+    float a = __uint_as_float(h3);
+    if (!(fabsf(a) <= 448.5f * s)) {
+      a = mul_rn(__uint_as_float((h3 & 0x807fffffu) | ((112u + (h3 >> 23) % 24u) << 23)), s);
+      if (!(fabsf(a) <= 448.5f * s)) continue;
+    }
+    const float fast = div_by_scale(a, s, div_rn(1.0f, s)), want = div_rn(a, s);
+    if (__float_as_uint(fast) != __float_as_uint(want) && fabsf(want) >= 0x1p-11f) atomicAdd(counts, 1ull);
+    if (to_e4m3(fast) != to_e4m3(want)) atomicAdd(counts + 1, 1ull);
+    atomicAdd(counts + 2, 1ull);
+  }
+}
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_div_by_scale_matches_div_rn():
+    """div_by_scale (the quantize's quotient: a product and two FMAs by the scale's reciprocal) against div_rn
+    on 2^28 random pairs in its range: the same fp32 quotient wherever |a / s| >= 2^-11, the same e4m3 code
+    everywhere (below that both round to a signed zero)."""
+    cp = _cupy()
+    from moe_rt import _jit
+
+    opts = tuple(o for o in _jit._program_options("sm_90") if not o.startswith("-arch"))
+    fn = cp.RawModule(code=_DIV_CHECK, options=opts).get_function("div_check")
+    counts = cp.zeros(3, cp.uint64)
+    for seed in (1, 7919):
+        fn((264,), (256,), (np.uint32(seed), np.uint64(1 << 27), counts))
+    bad_q, bad_code, checked = (int(v) for v in cp.asnumpy(counts))
+    assert checked > (1 << 27) and bad_q == 0 and bad_code == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch is None, reason="torch not installed")
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("T,H", [(1031, 7168), (33, 300), (9, 77), (5, 4)])
+def test_gpu_quantize_packed_rows(rng, dtype, T, H):
+    """The packed rows of the one-pass FP8 dispatch, written into poisoned rows from x (the sender's quantize,
+    moe_rt.fp8.launch_quantize_packed) and from a pre-quantized pair (launch_pack): the codes, the scales at
+    byte ceil4(H), every other byte of a row zero, bit for bit."""
+    cp = _cupy()
+    from moe_rt import fp8 as F
+
+    x = edge_inputs(rng, T, H, dtype, 128)
+    qr, sr = moe_rt.quantize_fp8(x, 128)
+    S, at, rb = F.packed_layout(H, 128)
+    want = np.zeros((T, rb), np.uint8)
+    want[:, :H] = bits(qr)
+    want[:, at:at + 4 * S] = sr.view(np.uint8).reshape(T, 4 * S)
+    tdt = {np.dtype(np.float32): torch.float32, BF16: torch.bfloat16, np.dtype(np.float16): torch.float16}[dtype]
+    xt = torch.from_numpy(x.astype(np.float32)).cuda().to(tdt)
+    # the launcher reads shape, dtype and data.ptr (ep.py hands it its DevArray; CuPy has no bfloat16)
+    xd = SimpleNamespace(shape=(T, H), dtype=dtype, data=SimpleNamespace(ptr=xt.data_ptr()))
+    packed = cp.full((T, rb), 0xA5, cp.uint8)
+    torch.cuda.synchronize()
+    F.launch_quantize_packed(xd, packed, 128, 0, cp.cuda.get_current_stream())
+    np.testing.assert_array_equal(cp.asnumpy(packed), want)
+    # a pre-quantized pair into the same rows (fp8_pack_rows), at offsets 0 and 1 (4-byte and 1-byte words)
+    for off in (0, 1):
+        qd = cp.asarray(np.concatenate([np.zeros(off, np.uint8), bits(qr).reshape(-1)]))[off:].reshape(T, H)
+        packed.fill(0xA5)
+        F.launch_pack(qd, cp.asarray(sr), packed, 128, 0, cp.cuda.get_current_stream())
+        np.testing.assert_array_equal(cp.asnumpy(packed), want)
 
 
 @pytest.mark.gpu

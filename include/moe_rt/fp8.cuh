@@ -21,6 +21,31 @@ __device__ __forceinline__ float mul_rn(float a, float b) {
   return r;
 }
 
+__device__ __forceinline__ float fma_rn(float a, float b, float c) {
+  float r;
+  asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(r) : "f"(a), "f"(b), "f"(c));
+  return r;
+}
+
+// Whether div_by_scale may stand for div_rn(., s): s in [2^-60, 2^60] (NaN and inf are not).
+__device__ __forceinline__ bool scale_in_fast_range(float s) { return s >= 0x1p-60f && s <= 0x1p60f; }
+
+// a / s for a block's |a| <= amax, s = its e4m3_block_scale (within scale_in_fast_range), r = div_rn(1, s):
+// one product and two FMAs where div_rn costs a dozen instructions and a branch. q = RN(a r) is within an ulp
+// of a / s; the remainder a - q s is exact by FMA, and RN(q + rem r) is then the correctly rounded quotient
+// (Markstein's correction step), bit for bit div_rn(a, s) wherever |a / s| >= 2^-11 (no step underflows
+// there). Below that both are smaller than half of e4m3's least subnormal (2^-10) with a's sign, so
+// to_e4m3 gives both the same signed zero; the sign is taken from a for the case q = -0, rem = +0.
+__device__ __forceinline__ float div_by_scale(float a, float s, float r) {
+  const float q = mul_rn(a, r);
+  return copysignf(fma_rn(fma_rn(-q, s, a), r, q), a);
+}
+
+// Two values to e4m3 (round to nearest even, saturating), v0 in the low byte: to_e4m3 of each, one instruction.
+__device__ __forceinline__ unsigned to_e4m3x2(float v0, float v1) {
+  return (unsigned)__nv_cvt_float2_to_fp8x2(make_float2(v0, v1), __NV_SATFINITE, __NV_E4M3);
+}
+
 __device__ __forceinline__ unsigned char to_e4m3(float v) {
   return (unsigned char)__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
 }
