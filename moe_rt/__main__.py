@@ -7,7 +7,7 @@ commands:
           same layer in plain framework code and timed per stage (--ep N spreads it over N GPUs; without
           a GPU it runs the NumPy reference path at a small size)
   warmup  compile every kernel ahead of use into the kernel cache
-  bench   the benchmarks (router, permutation, ep, layer or all) on the GPU against the torch baselines:
+  bench   the benchmarks (router, permutation, fp8, ep, layer or all) on the GPU against the torch baselines:
           tables and a PNG plot (needs matplotlib: pip install "moe_rt[bench]")
 
 "python -m moe_rt COMMAND --help" describes each command's flags.

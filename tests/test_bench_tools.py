@@ -143,6 +143,10 @@ PERMUTATION_ROWS = [
      "% copy": 100.0, "torch ms": 0.9, "x torch": 3.2},
     {"op": "make_plan (graph replay)", "T": 8192, "E": 256, "K": 8, "H": 7168, "ms": 0.02},
 ]
+FP8_ROWS = [
+    {"op": "quantize (packed rows)", "dtype": "bfloat16", "T": 4096, "H": 7168, "ms": 0.06, "GB/s": 1500.0,
+     "% copy": 36.0, "torch ms": 0.36, "x torch": 6.0},
+]
 EP_ROWS = [
     {"op": "dispatch", "mode": "exact", "chunks": "2", "T": 4096, "ms": 1.0, "wire_MB": 200.0,
      "wire_GB/s": 200.0, "torch_ms": 3.0, "raw_a2a_ms": 0.9, "x_vs_torch": 3.0, "x_vs_raw": 1.1},
@@ -170,6 +174,8 @@ def test_report_points():
     assert pts[0]["label"] == "softmax fwd bfloat16 T=4096 E=256" and pts[0]["baseline"] == "torch eager"
     # permutation: the five ops only (variants, floors and replays stay in the table)
     assert [p["label"] for p in report.points("permutation", PERMUTATION_ROWS)] == ["dispatch T=8192 E=256 K=8"]
+    assert report.points("fp8", FP8_ROWS) == [{"label": "quantize (packed rows) bfloat16 T=4096", "pct_copy": 36.0,
+                                                "speedup": 6.0, "baseline": "torch eager"}]
     ep = report.points("ep", EP_ROWS)  # EP: no copy share (the wire is not device memory); prepare: no baseline
     assert len(ep) == 1 and ep[0]["pct_copy"] is None and ep[0]["speedup"] == 3.0
     assert ep[0]["label"] == "dispatch exact chunks 2 T=4096" and ep[0]["baseline"] == "torch.distributed"
@@ -262,7 +268,7 @@ def _one_line_error(r, *needles):
     return lines[0]
 
 
-@pytest.mark.parametrize("tool", ["bench_router", "bench_permutation", "bench_layer", "bench_ep"])
+@pytest.mark.parametrize("tool", ["bench_router", "bench_permutation", "bench_fp8", "bench_layer", "bench_ep"])
 def test_tool_help(tool):
     r = _run([f"tools/{tool}.py", "--help"], env=dict(os.environ, COLUMNS="200"))
     assert r.returncode == 0 and r.stdout.startswith("usage:"), r.stdout + r.stderr
@@ -330,7 +336,7 @@ def test_bench_without_matplotlib_names_the_extra(tmp_path):
 def test_bench_help_shows_defaults():
     r = _run(["-m", "moe_rt", "bench", "--help"], env=dict(os.environ, COLUMNS="200"))
     assert r.returncode == 0, r.stderr
-    for s in ("{router,permutation,ep,layer,all}", "(default: all)", "(default: bench.png)", "(default: 50)",
+    for s in ("{router,permutation,fp8,ep,layer,all}", "(default: all)", "(default: bench.png)", "(default: 50)",
               "(default: 10)", "--no-compile", "--quick"):
         assert s in r.stdout, (s, r.stdout)
 

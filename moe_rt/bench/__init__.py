@@ -1,7 +1,8 @@
 """``python -m moe_rt bench``: the benchmarks of moe_rt's ops on the GPU against the torch baselines.
 
 router (top-k and the aux loss, torch eager and torch.compile beside), permutation (make_plan, dispatch,
-combine and their backward ops; torch's argsort and index ops beside), ep (expert-parallel prepare, dispatch
+combine and their backward ops; torch's argsort and index ops beside), fp8 (the FP8 block quantize and
+dequantize kernels; the same steps in torch eager beside), ep (expert-parallel prepare, dispatch
 and combine on 2 GPUs; torch.distributed beside), layer (a whole MoE layer step, forward and backward, in
 torch and JAX). Prints each table, and writes a PNG: the achieved bandwidth of each op and size against the
 copy bandwidth measured in the same run, and the speed-up over the torch baseline.

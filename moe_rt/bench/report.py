@@ -3,7 +3,7 @@ bandwidth of each op and size against the copy bandwidth measured in the same ru
 the torch baseline. Works on the rows the benchmarks write with ``--json`` (``{"meta": ..., "rows": [...]}``)."""
 from __future__ import annotations
 
-BENCHES = ("router", "permutation", "ep", "layer")
+BENCHES = ("router", "permutation", "fp8", "ep", "layer")
 PERMUTATION_OPS = ("make_plan", "dispatch", "combine", "dispatch_backward", "combine_backward")
 MATPLOTLIB_MISSING = 'the bench plot needs matplotlib: pip install "moe_rt[bench]" (or pass --no-plot)'
 
@@ -28,6 +28,10 @@ def points(bench: str, rows: list[dict]) -> list[dict]:
             if r.get("op") not in PERMUTATION_OPS:
                 continue  # variants, floors and replays: in the table, not the plot
             label = f"{r['op']} T={r.get('T')} E={r.get('E')} K={r.get('K')}"
+            out.append({"label": label, "pct_copy": _num(r.get("% copy")), "speedup": _num(r.get("x torch")),
+                        "baseline": "torch eager"})
+        elif bench == "fp8":
+            label = f"{r.get('op')} {r.get('dtype')} T={r.get('T')}"
             out.append({"label": label, "pct_copy": _num(r.get("% copy")), "speedup": _num(r.get("x torch")),
                         "baseline": "torch eager"})
         elif bench == "ep":
