@@ -147,7 +147,8 @@ def test_cited_paths_exist():
 # -- command-line options ------------------------------------------------------------------------------
 
 OPTION = re.compile(r"(?<![\w-])(--[a-zA-Z][\w-]*)")
-OTHER_TOOLS = {"--no-deps", "--no-build-isolation", "--inplace"}  # pip install, setup.py build_ext
+OTHER_TOOLS = {"--no-deps", "--no-build-isolation", "--inplace",  # pip install, setup.py build_ext
+               "--clock-control"}  # ncu (Nsight Compute), as BENCHMARKS.md's profiles ran it
 
 
 def _help(args: list[str]) -> str:
@@ -160,7 +161,7 @@ def _help(args: list[str]) -> str:
 @pytest.fixture(scope="module")
 def known_options() -> set[str]:
     cmds = [["-m", "moe_rt"]] + [["-m", "moe_rt", c] for c in ("info", "demo", "warmup", "bench")]
-    cmds += [["-m", "moe_rt", "bench", b] for b in ("router", "permutation", "ep", "layer")]
+    cmds += [["-m", "moe_rt", "bench", b] for b in ("router", "permutation", "fp8", "ep", "layer")]
     cmds += [[os.path.relpath(p, ROOT)] for p in sorted(glob.glob(os.path.join(ROOT, "tools", "*.py")))]
     out = set(OTHER_TOOLS)
     for args in cmds:
