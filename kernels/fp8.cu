@@ -143,9 +143,9 @@ __device__ __forceinline__ unsigned half_warp_max_u32(unsigned v) {
 // quantize_fp8 where block = 128, H % 8 == 0, x 16-byte and q 8-byte aligned and q_stride % 8 == 0. An item is
 // two blocks of a row, a half-warp each, 8 channels a lane, so the per-block work (the max, the scale, its
 // reciprocal) is shared by 128 values; U items a warp are loaded before the first is reduced; the quotients
-// by div_by_scale where the scale allows (same bits as div_rn). Measured on H200 (bf16, H = 7168): the loop
-// below with one block a warp and four div_rn a lane ran 164 warp instructions a block at 63% issue, 40% of
-// the copy rate.
+// by div_by_scale where the scale allows (same bits as div_rn). Measured on H200 (bf16, H = 7168, T = 16384,
+// ncu): the earlier form (one block a warp, 4 channels and four div_rn a lane, four items in flight) ran 164
+// warp instructions a block at 63% issue, 40% of the copy rate; this one runs 106 at 73%, 53% (BENCHMARKS.md).
 template <typename T, int U>
 __device__ __forceinline__ void quantize_pairs_128(const T* __restrict__ x, unsigned char* __restrict__ q,
                                                    float* __restrict__ scales, i64 num_tokens, int H, int nb,
