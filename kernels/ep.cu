@@ -1942,18 +1942,9 @@ __device__ __forceinline__ void ll_block_fp8(const T* x, const unsigned char* xq
         }
         if (tok[u] >= 0) {
           sc[u] = e4m3_block_scale(m);
-          if (scale_in_fast_range(sc[u])) {  // div_by_scale: div_rn's bits, a product and two FMAs a value
-            const float r = div_rn(1.0f, sc[u]);
-#pragma unroll
-            for (int j = 0; j < LL_FP8_CH; j += 2) {
-              const unsigned c2 = to_e4m3x2(div_by_scale(f[u][j], sc[u], r), div_by_scale(f[u][j + 1], sc[u], r));
-              q[u].b[j] = (unsigned char)c2;
-              q[u].b[j + 1] = (unsigned char)(c2 >> 8);
-            }
-          } else {
-#pragma unroll
-            for (int j = 0; j < LL_FP8_CH; ++j) q[u].b[j] = to_e4m3(div_rn(f[u][j], sc[u]));
-          }
+          unsigned c[LL_FP8_CH / 4];
+          e4m3_codes<LL_FP8_CH>(f[u], sc[u], c);
+          q[u].raw = make_uint4(c[0], c[1], c[2], c[3]);
         }
       }
     }

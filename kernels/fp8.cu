@@ -176,11 +176,7 @@ __device__ __forceinline__ void quantize_pairs_128(const T* __restrict__ x, unsi
       if (t[u] >= num_tokens) break;  // the warp's item: every lane leaves together
       const int blk = c[u] >> 7;
       unsigned char* qrow = q + t[u] * q_stride;
-      if (q_stride > H && blk == nb - 1) {  // packed: the gap before the scales and the padding after them
-        const i64 hs = ((i64)H + 3) & ~(i64)3, se = hs + 4 * (i64)nb;
-        for (i64 b = H + hl; b < q_stride; b += 16)
-          if (b < hs || b >= se) qrow[b] = 0;
-      }
+      if (q_stride > H && blk == nb - 1) zero_packed_gaps(qrow, H, nb, q_stride, hl, 16);  // packed rows
       unsigned m = 0;
 #pragma unroll
       for (int j = 0; j < 8; ++j) m = max(m, abs_bits(f[u][j]));
@@ -188,19 +184,9 @@ __device__ __forceinline__ void quantize_pairs_128(const T* __restrict__ x, unsi
       const float scale = e4m3_block_scale(m);
       if (c[u] >= H) continue;  // the second half of a row's odd last block (no shuffle follows)
       if (hl == 0) scales[t[u] * s_stride + blk] = scale;
-      float v[8];
-      if (scale_in_fast_range(scale)) {
-        const float r = div_rn(1.0f, scale);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) v[j] = div_by_scale(f[u][j], scale, r);
-      } else {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) v[j] = div_rn(f[u][j], scale);
-      }
-      uint2 codes;
-      codes.x = to_e4m3x2(v[0], v[1]) | to_e4m3x2(v[2], v[3]) << 16;
-      codes.y = to_e4m3x2(v[4], v[5]) | to_e4m3x2(v[6], v[7]) << 16;
-      *reinterpret_cast<uint2*>(qrow + c[u]) = codes;
+      unsigned codes[2];
+      e4m3_codes<8>(f[u], scale, codes);
+      *reinterpret_cast<uint2*>(qrow + c[u]) = make_uint2(codes[0], codes[1]);
     }
   }
 }
@@ -227,11 +213,7 @@ __global__ void __launch_bounds__(256, MOE_RT_QUANT_MINB)
     const int c0 = sp.c0, c1 = sp.c1;
     const T* row = x + sp.t * (i64)H;
     unsigned char* qrow = q + sp.t * q_stride;
-    if (q_stride > H && blk == nb - 1) {  // packed: the gap before the scales and the padding after them
-      const i64 hs = ((i64)H + 3) & ~(i64)3, se = hs + 4 * (i64)nb;
-      for (i64 b = H + lane; b < q_stride; b += 32)
-        if (b < hs || b >= se) qrow[b] = 0;
-    }
+    if (q_stride > H && blk == nb - 1) zero_packed_gaps(qrow, H, nb, q_stride, lane, 32);  // packed rows
     unsigned m = 0;
     if (V4) {
       for (int c = c0 + lane * 4; c < c1; c += 128) {

@@ -46,6 +46,24 @@ __device__ __forceinline__ unsigned to_e4m3x2(float v0, float v1) {
   return (unsigned)__nv_cvt_float2_to_fp8x2(make_float2(v0, v1), __NV_SATFINITE, __NV_E4M3);
 }
 
+// N values of one block (N % 4 == 0) to e4m3 codes, value j in byte j % 4 of c[j / 4]: to_e4m3(f[j] / s) with
+// s = the block's e4m3_block_scale, the quotients by div_by_scale where scale_in_fast_range(s) allows (div_rn's
+// bits), else by div_rn.
+template <int N>
+__device__ __forceinline__ void e4m3_codes(const float (&f)[N], float s, unsigned (&c)[N / 4]) {
+  float v[N];
+  if (scale_in_fast_range(s)) {
+    const float r = div_rn(1.0f, s);
+#pragma unroll
+    for (int j = 0; j < N; ++j) v[j] = div_by_scale(f[j], s, r);
+  } else {
+#pragma unroll
+    for (int j = 0; j < N; ++j) v[j] = div_rn(f[j], s);
+  }
+#pragma unroll
+  for (int q = 0; q < N / 4; ++q) c[q] = to_e4m3x2(v[4 * q], v[4 * q + 1]) | to_e4m3x2(v[4 * q + 2], v[4 * q + 3]) << 16;
+}
+
 __device__ __forceinline__ unsigned char to_e4m3(float v) {
   return (unsigned char)__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
 }
@@ -68,6 +86,14 @@ template <> __device__ __forceinline__ __nv_bfloat16 store_as<__nv_bfloat16>(flo
 }
 
 __device__ __forceinline__ unsigned abs_bits(float v) { return __float_as_uint(v) & 0x7fffffffu; }
+
+// A packed FP8 row (docs/fp8.md: H codes, at byte ceil4(H) the nb fp32 scales, zero padding to q_stride bytes):
+// thread i of n zeroes its share of the bytes past the codes that are not scales.
+__device__ __forceinline__ void zero_packed_gaps(unsigned char* qrow, int H, int nb, i64 q_stride, int i, int n) {
+  const i64 hs = ((i64)H + 3) & ~(i64)3, se = hs + 4 * (i64)nb;
+  for (i64 b = H + i; b < q_stride; b += n)
+    if (b < hs || b >= se) qrow[b] = 0;
+}
 
 // The scale of a block from the largest |x| bit pattern: amax / 448 (one IEEE division), 1 where that is 0
 // (amax 0, or amax / 448 underflowed; tested on the bits: no ftz).
