@@ -442,7 +442,7 @@ class DirectTransport:
         if not expand:
             return self.push(call, h, x, w, op, recv=True)
         N = h.sizes["N"]
-        out = call.empty((N, int(x.shape[1])), x.dtype) if fp8 is None else fp8.empty(call.xp, N)
+        out = call.empty((N, int(x.shape[1])), x.dtype) if fp8 is None else fp8.empty(call.empty, N, fp8.codes)
         out_w = None
         if want_w:  # combine_bwd's laid-out weights only scale its rows (EpGroup.combine_bwd): the handle's scratch
             out_w = call.empty((N,), np.float32) if op != "combine_bwd" else self._scratch(call, "row_w", N)

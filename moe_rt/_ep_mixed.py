@@ -93,7 +93,7 @@ class MixedTransport:
             self._forward_remote(call, h, x, w, buf, None)
             return buf
         N, xp = h.sizes["N"], call.xp
-        out = xp.empty((N, int(x.shape[1])), x.dtype) if fp8 is None else fp8.empty(xp, N)
+        out = xp.empty((N, int(x.shape[1])), x.dtype) if fp8 is None else fp8.empty(xp.empty, N)
         out_w = xp.empty(N, np.float32) if want_w else None
         d.push(call, h, x, w, op, out, fp8)
         self._forward_remote(call, h, x, w, None, out, fp8)

@@ -106,7 +106,7 @@ class NcclTransport:
         N, xp = h.sizes["N"], call.xp
         if self._overlapped(h, rb):
             # expand each part as it lands
-            out = xp.empty((N, int(x.shape[1])), x.dtype) if fp8 is None else fp8.empty(xp, N)
+            out = xp.empty((N, int(x.shape[1])), x.dtype) if fp8 is None else fp8.empty(xp.empty, N)
             out_w = xp.empty(N, np.float32) if want_w else None
             pv = recv_wk(h) if want_w else None
             # weights received with the rows are in after the last part; the forward's (w None) from the start
@@ -121,7 +121,7 @@ class NcclTransport:
             return out, out_w
         recv_buf = self._forward(call, h, x, w)
         if fp8 is not None or not zero:  # the packed rows split (or dequantized) as they are expanded
-            out = xp.empty((N, int(x.shape[1])), x.dtype) if fp8 is None else fp8.empty(xp, N)
+            out = xp.empty((N, int(x.shape[1])), x.dtype) if fp8 is None else fp8.empty(xp.empty, N)
             out_w = xp.empty(N, np.float32) if want_w else None
             _expand_rows(call, h, recv_buf, out, 0, h.sizes["rows"], fp8=fp8)
             fill_outputs(call, h, out, out_w, recv_wk(h) if want_w else None, fp8, zero)

@@ -198,10 +198,11 @@ class Fp8Rows:
     ``forward``, whose ``x`` is then the packed ``[T, row_bytes]`` uint8 rows and whose ``rows`` the tuple of
     outputs (padding rows zero: zero codes and zero scales)."""
 
-    def __init__(self, hidden, dtype=None):
+    def __init__(self, hidden, dtype=None, codes=np.uint8):
         self.H = int(hidden)
         self.S, self.scale_at, self.row_bytes = packed_layout(self.H)
         self.dtype = None if dtype is None else np.dtype(dtype)
+        self.codes = np.dtype(codes)  # the codes' dtype the caller gets back (uint8, or an FP8 dtype over them)
         # the widest piece (bytes) that H, scale_at and 4S all divide: a piece is all codes, scales or padding
         self.piece = next(g for g in _FP8_PIECES
                           if self.H % g == 0 and self.scale_at % g == 0 and (4 * self.S) % g == 0)
@@ -212,11 +213,13 @@ class Fp8Rows:
         return [f"Fp8Rows<{g}>" for g in _FP8_PIECES] + [f"Fp8Dequant<{c}, {g}>" for c in _jit.CTYPES.values()
                                                            for g in _FP8_PIECES]
 
-    def empty(self, xp, N):
-        """The outputs of ``N`` expert-major rows: ``(codes, scales)`` or ``(rows,)``."""
+    def empty(self, alloc, N, codes=np.uint8):
+        """The outputs of ``N`` expert-major rows from ``alloc(shape, dtype)`` (``cupy.empty``, or a call's
+        ``empty``): ``(codes, scales)``, the codes of dtype ``codes`` (uint8, or :attr:`codes` where the
+        allocator makes FP8 arrays), or ``(rows,)``."""
         if self.dtype is None:
-            return xp.empty((N, self.H), np.uint8), xp.empty((N, self.S), np.float32)
-        return (xp.empty((N, self.H), self.dtype),)
+            return alloc((N, self.H), codes), alloc((N, self.S), np.float32)
+        return (alloc((N, self.H), self.dtype),)
 
     def sink(self, outs):
         """``(sink name, out, out_s, fp8_h)``: the kernel's template argument and its output arguments; the

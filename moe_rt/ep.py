@@ -857,7 +857,11 @@ class EpGroup:
     def _dispatch_weights(self, call, handle):
         wv = call["topk_weights"]
         if wv is not None:
-            wv = _fp32_weights(call, wv, "topk_weights", (handle.sizes["T"], handle.sizes["K"]))
+            shape = (handle.sizes["T"], handle.sizes["K"])
+            if type(wv) is DevArray and wv.dtype == _F32:  # a lean call's fp32 weights: C-contiguous already
+                check_weights(wv, "topk_weights", shape)
+            else:
+                wv = _fp32_weights(call, wv, "topk_weights", shape)
         return wv
 
     @staticmethod
@@ -890,7 +894,8 @@ class EpGroup:
         zero_empty_slots."""
         arrays = {"x_fp8": x[0], "scales": x[1]} if pair else {"x": x}
         arrays["topk_weights"] = topk_weights
-        with _arrays.Call(arrays, stream=stream) as call:
+        # a float x on the direct transport: a lean call (torch tensors as DevArrays, results from torch's allocator)
+        with _arrays.Call(arrays, stream=stream, lean=not pair and self._lean()) as call:
             self._check_call(call, "dispatch")
             _check_backend(handle, call, "dispatch")
             T, H = handle.sizes["T"], self.hidden
@@ -924,12 +929,12 @@ class EpGroup:
             xp, s = call.xp, call.stream
             # one pass of the transport over packed rows (codes, then scales; docs/ep.md §9), which its
             # expand splits into the codes and scales (or dequantizes) as it writes the expert-major rows
-            rows = Fp8Rows(H, out_dt if dequantize else None)
-            packed = xp.empty((T, rows.row_bytes), np.uint8)
+            rows = Fp8Rows(H, out_dt if dequantize else None, codes=codes)
+            packed = call.empty((T, rows.row_bytes), np.uint8)
             if pair:
                 q = xp.ascontiguousarray(_arrays.cupy_of(call["x_fp8"]))  # FP8 on CUDA: its bytes as uint8
                 sc = xp.ascontiguousarray(_arrays.cupy_of(call["scales"]))
-            else:
+            elif type(xv) is not DevArray:  # a DevArray is C-contiguous
                 xv = _arrays.contiguous(xp, xv)
             key = self._op_key("dispatch_fp8", handle, packed, pair, codes, np.dtype(out_dt), dequantize,
                                wv is not None, None if pair else (xv.dtype, xv.data.ptr & 15), zero)
@@ -946,7 +951,7 @@ class EpGroup:
                 if dequantize:
                     return call.out(out[0]), rw, call.out(tpe)
                 rq, rs = out
-                rq_out = rq if codes == np.uint8 else _arrays.fp8_array(rq, codes)
+                rq_out = rq if rq.dtype == codes else _arrays.fp8_array(rq, codes)  # uint8 memory: FP8 over it
                 return call.out(rq_out), call.out(rs), rw, call.out(tpe)
 
     def combine(self, handle, y, *, weighted: bool = True, stream=None):

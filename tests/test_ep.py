@@ -1708,14 +1708,17 @@ def test_profile_ep_host_tool_runs():
     assert r.returncode == 0, r.stdout + r.stderr
     # launches, allocations, CuPy kernels, memcpys per call
     want = {"prepare": ("1", "2", "0", "0"), "dispatch": ("2", "3", "0", "0"), "combine": ("2", "1", "0", "0"),
-            "dispatch_bwd": ("3", "2", "0", "0"), "combine_bwd": ("3", "1", "0", "0")}
+            "dispatch_bwd": ("3", "2", "0", "0"), "combine_bwd": ("3", "1", "0", "0"),
+            # FP8: the quantize into packed rows, the barrier, the dispatch; the packed rows, tokens_per_expert,
+            # codes and scales (or the dequantized rows) and the weights
+            "dispatch fp8": ("3", "5", "0", "0"), "dispatch fp8 dequantize": ("3", "4", "0", "0")}
     got = {}
     for line in r.stdout.splitlines()[1:]:
         f = line.split()
         op, (mode, R, us), counts = " ".join(f[:-7]), f[-7:-4], tuple(f[-4:])
         assert float(us) > 0
         got[(op, mode, R)] = counts
-    assert len(got) == 6 * 2 * 2
+    assert len(got) == 8 * 2 * 2
     for op, counts in want.items():
         assert got[(op, "capacity", "2")] == got[(op, "capacity", "4")] == counts, op
 
@@ -2194,6 +2197,31 @@ def test_fp8_packed_layout():
     assert len(names) == len(set(names)) == 12 and "Fp8Dequant<__half, 4>" in names
 
 
+def test_fp8_rows_outputs_come_from_the_given_allocator():
+    """Fp8Rows.empty takes an allocator (cupy.empty, or a call's empty: torch's allocator in a lean torch call)
+    and the codes' dtype: the direct transport asks for the codes in the dtype the caller gets back (an FP8 dtype
+    for a float x, so no view is made afterwards), the NCCL and mixed ones for uint8 (CuPy holds no FP8)."""
+    from moe_rt._arrays import FLOAT8_E4M3
+    from moe_rt._ep_rows import Fp8Rows
+
+    got = []
+
+    def alloc(shape, dtype):
+        got.append((tuple(shape), np.dtype(dtype)))
+        return len(got)
+
+    rows = Fp8Rows(300, codes=FLOAT8_E4M3)
+    assert rows.codes == FLOAT8_E4M3 and Fp8Rows(300).codes == np.uint8
+    assert rows.empty(alloc, 7, rows.codes) == (1, 2)
+    assert got == [((7, 300), FLOAT8_E4M3), ((7, 3), np.dtype(np.float32))]
+    got.clear()
+    rows.empty(alloc, 7)
+    assert got == [((7, 300), np.dtype(np.uint8)), ((7, 3), np.dtype(np.float32))]
+    got.clear()
+    assert Fp8Rows(300, np.float32, codes=FLOAT8_E4M3).empty(alloc, 5, FLOAT8_E4M3) == (1,)
+    assert got == [((5, 300), np.dtype(np.float32))]
+
+
 @pytest.mark.parametrize("pair", [False, True])
 @pytest.mark.parametrize("dequantize", [False, True])
 def test_fp8_dispatch_one_transport_pass(monkeypatch, pair, dequantize):
@@ -2251,7 +2279,7 @@ def test_fp8_dispatch_one_transport_pass(monkeypatch, pair, dequantize):
         def forward(self, call, h, x, w, op, *, expand=True, want_w=False, fp8=None, zero=True, tpe=None):
             passes.append((x, w, op, expand, want_w, fp8, len(launches), zero, tpe))
             N = h.sizes["N"]
-            return fp8.empty(call.xp, N), (_Dev8(N, np.float32) if want_w else None)
+            return fp8.empty(call.empty, N), (_Dev8(N, np.float32) if want_w else None)
 
     g._transport = Rec()
     S = fref.num_blocks(H, 128)

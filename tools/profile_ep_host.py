@@ -8,7 +8,8 @@ handle's buffer (a copy of a region, a slice assignment) cannot run without a GP
 Everything else is the real code path: checks, the handle, tables, kernel and argument set-up, barriers, views.
 Per op: microseconds of this thread's CPU time per call (the best of 7 rounds), launches, allocations and
 CuPy kernels and memcpys per call. Group: direct transport, E=256, H=7168, T=Tmax=4096, K=8, bf16; R=2 and R=4; capacity
-and exact mode.
+and exact mode. Ops: prepare, dispatch, combine, dispatch_bwd, combine_bwd, the round trip, and the FP8 dispatch
+(``fp8=True``, and with ``dequantize=True``).
 
     python tools/profile_ep_host.py [--calls 200] [--ranks 2 4] [--modes capacity exact] [--profile OP]
 
@@ -127,6 +128,7 @@ class EpStandIns(_LL.StandIns):
         and whose exact-mode host read returns every pair full."""
         from moe_rt import _core, _ep_direct, _handle
         from moe_rt import ep as ep_mod
+        from moe_rt.fp8 import packed_layout
 
         comm = type("Comm", (), {"rank": me, "size": R, "device": 0, "all_gather": None, "send": None,
                                  "recv": None, "group_start": None, "group_end": None})()
@@ -145,7 +147,9 @@ class EpStandIns(_LL.StandIns):
         rb = H * np.dtype(g.dtype).itemsize
         L = E // R
         half = R * (L + 2 + P * (2 * K + 1))
-        for key, nb in ((("prepare", K), 8 * half), (("rows", rb), R * P * rb), (("weights", K), R * P * 4 * K)):
+        rb8 = packed_layout(H)[2]  # the packed rows of an FP8 dispatch
+        for key, nb in ((("prepare", K), 8 * half), (("rows", rb), R * P * rb), (("rows", rb8), R * P * rb8),
+                        (("weights", K), R * P * 4 * K)):
             d._stages[key] = self.shared(R, nb)
             d._order.append(key)
         g.transport, g._transport = "direct", d
@@ -195,7 +199,8 @@ def ops(st, R, mode, T=4096, H=7168, E=256, K=8):
     table = {"prepare": lambda: g.prepare(idx), "dispatch": lambda: g.dispatch(h, x, w),
              "combine": lambda: g.combine(h, y), "dispatch_bwd": lambda: g.dispatch_bwd(h, gx, gw),
              "combine_bwd": lambda: g.combine_bwd(h, gout),
-             "round trip": round_trip}
+             "round trip": round_trip, "dispatch fp8": lambda: g.dispatch(h, x, w, fp8=True),
+             "dispatch fp8 dequantize": lambda: g.dispatch(h, x, w, fp8=True, dequantize=True)}
     for op in ("combine", "dispatch_bwd", "combine_bwd"):  # first calls (the transport's scratch made), as --gpu's
         table[op]()
     return table

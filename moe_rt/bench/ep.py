@@ -8,7 +8,7 @@
 Shapes: T in {512, 4096, 16384} tokens per rank, H=7168 (``--hidden``), bf16, E=256, K=8, uniform random top-k routing.
 For each mode (exact; capacity eager; capacity as one CUDA graph of prepare+dispatch+combine) it times
 prepare (eager: CUDA-event time and, column host_us, the calling thread's median host time of the call, also
-given for dispatch, combine and the round trip;
+given for dispatch, combine, the round trip and (``--fp8``) the FP8 dispatch;
 capacity+graph: "prepare (graph)", prepare alone captured in a graph, its device time), then dispatch, combine and the round trip per transfer configuration (``--chunks``; default
 s1 = serial in one part, o2 = overlapped in two parts, 2 = the EpGroup default: two parts, overlapped when
 the rank sends at least 64 MiB) of the NCCL transport and the direct peer-memory transport (chunks column
@@ -447,9 +447,12 @@ def _rank(args):
                                 rows.append(("dispatch (no zero)", c, timed(nz), wire + wire_w, t_tdisp, t_raw, t_ce,
                                              host_timed(nz)))
                             if args.fp8:
-                                ms8 = timed(lambda: grp.dispatch(h, x, w, fp8=True))
-                                rows.append(("dispatch fp8", c, ms8, wire_fp8 + wire_w, t_tdisp, t_raw, t_ce, None,
-                                             ms / ms8))
+                                def d8():
+                                    return grp.dispatch(h, x, w, fp8=True)
+
+                                ms8 = timed(d8)
+                                rows.append(("dispatch fp8", c, ms8, wire_fp8 + wire_w, t_tdisp, t_raw, t_ce,
+                                             host_timed(d8), ms / ms8))
                         elif op == "combine":
                             ms = timed(lambda: grp.combine(h, y))
                             rows.append((op, c, ms, wire, t_tcomb, t_raw, t_ce, host_timed(lambda: grp.combine(h, y))))
