@@ -812,11 +812,13 @@ __global__ void ep_scale_rows(T* __restrict__ rows, const float* __restrict__ w,
 //   dequantized into out [N,H] of T (Fp8Dequant: dequantize_fp8's rule, bit for bit). G (16, 4 or 1) divides
 //   H, HS and 4S, so a G-byte piece of a unit is all codes, all scales or all padding and is stored whole
 //   (the host picks G, and checks the outputs' alignment).
-// aux<FRESH>(row, i): what put needs besides the unit (Fp8Dequant: the scale of unit i, read from the row
-// itself, past L1 when FRESH: a peer wrote it during this kernel). ONCE (Fp8Dequant): put takes the unit
-// converted once (convert) and the expand loops over a unit's K rows inside its loop over units (converting
-// inside the loop over k would be hoisted out of it by the compiler: every unit of a lane's UNROLL converted
-// at once, spilling); the other sinks keep the loop over units inside the loop over k.
+// aux<FRESH>(row, i): what put needs besides the unit. ONCE (Fp8Dequant): the row is read as the sink's
+// slices instead of units, each slice the codes of 16 bytes of output (8 codes for 16-bit T, 4 for fp32), so that
+// a warp's stores cover whole 32-byte sectors (a 16-code unit a lane gave 32 or 64 bytes a lane, stored 16 at a
+// time: every store instruction wrote half sectors); aux is the slice's scale, put takes the slice converted once
+// (convert), and the expand loops over a slice's K rows inside its loop over slices (once_row; converting inside
+// the loop over k would be hoisted out of it by the compiler: every slice of a lane's UNROLL converted at once,
+// spilling). The other sinks keep the loop over units inside the loop over k (sink_span).
 constexpr int EP_FP8_BLOCK = 128;  // channels per scale of an FP8 dispatch
 
 struct NoAux {};
@@ -878,73 +880,106 @@ struct Fp8Rows {
   }
 };
 
+template <int B> struct SliceOf;
+template <> struct SliceOf<8> { using type = uint2; };
+template <> struct SliceOf<4> { using type = unsigned; };
+
 template <typename T, int G>
 struct Fp8Dequant {
   using Aux = float;
   static constexpr bool ONCE = true;
+  static constexpr int NC = 16 / (int)sizeof(T);  // codes a slice: 16 bytes of output
+  using Slice = typename SliceOf<NC>::type;
   struct Vals {
-    alignas(16) T v[16];
+    alignas(16) T v[NC];
   };
   T* y;
   i64 H, HS;
   __device__ Fp8Dequant(void* o, float*, int H_, i64) : y(static_cast<T*>(o)), H(H_), HS(((i64)H_ + 3) & ~(i64)3) {}
+  // the scale of slice i, read from the row itself (past L1 when FRESH: a peer wrote it during this kernel)
   template <bool FRESH>
-  __device__ float aux(const uint4* row, i64 i) const {
-    if (i * 16 >= H) return 0.0f;  // no codes in this unit
+  __device__ float aux(const Slice* row, i64 i) const {
+    if (i * NC >= H) return 0.0f;  // no codes in this slice
     const float* s = reinterpret_cast<const float*>(reinterpret_cast<const unsigned char*>(row) + HS) +
-                     i * 16 / EP_FP8_BLOCK;  // a unit's 16 channels share one block
+                     i * NC / EP_FP8_BLOCK;  // a slice's channels share one block
     return FRESH ? __ldcg(s) : __ldg(s);
   }
-  // the unit's 16 bytes as codes (those past H are never stored)
-  __device__ Vals convert(const uint4& v, const float& s) const {
-    const unsigned char* b = reinterpret_cast<const unsigned char*>(&v);
+  // the slice's bytes as codes (those past H are never stored)
+  __device__ Vals convert(const Slice& v, const float& s) const {
+    const unsigned* w = reinterpret_cast<const unsigned*>(&v);
     Vals r;
 #pragma unroll
-    for (int j = 0; j < 16; ++j) r.v[j] = store_as<T>(mul_rn(from_e4m3(b[j]), s));
+    for (int q = 0; q < NC / 4; ++q) dequant4(w[q], s, *reinterpret_cast<T(*)[4]>(r.v + 4 * q));
     return r;
   }
+  // slice i's values into row d: one 16-byte store where G >= NC (the lanes of a warp hold consecutive slices,
+  // so each store of the warp covers 512 consecutive bytes), else G-code stores up to H
   __device__ void put(int d, i64 i, const Vals& r) const {
+    constexpr int GQ = G < NC ? G : NC;
 #pragma unroll
-    for (int q = 0; q < 16 / G; ++q) {
-      const i64 o = i * 16 + q * G;
+    for (int q = 0; q < NC / GQ; ++q) {
+      const i64 o = i * NC + q * GQ;
       if (o >= H) break;
-      store_bytes<G * (int)sizeof(T)>(y + (i64)d * H + o, r.v + q * G);
+      store_bytes<GQ * (int)sizeof(T)>(y + (i64)d * H + o, r.v + q * GQ);
     }
   }
-  // row d all +0 (what dequantizing zero codes and scales gives: ep_fill_rows' bits), by one warp, stores only
-  // (through convert and put, each zero unit cost 16 conversions; 4 H200, capacity mode, dequantize=True,
-  // back-to-back device time: T=4096 1.109 -> 1.040 ms, T=16384 4.13 -> 3.89 ms)
+  // row d all +0 (what dequantizing zero codes and scales gives: ep_fill_rows' bits), by one warp, stores only;
+  // each store of the warp covers 32 * Q consecutive bytes (Q: 16, or G * sizeof(T) when smaller; it divides
+  // the row's bytes and its alignment)
   __device__ void zero(int d, int lane) const {
-    const uint4 z[G * sizeof(T) / 16 + 1] = {};  // zero bits (G * sizeof(T) <= 64 bytes)
-    for (i64 o = (i64)lane * G; o < H; o += 32 * G) store_bytes<G * (int)sizeof(T)>(y + (i64)d * H + o, z);
+    constexpr int W = G * (int)sizeof(T), Q = W % 16 == 0 ? 16 : W;
+    const uint4 z = {};
+    unsigned char* row = reinterpret_cast<unsigned char*>(y + (i64)d * H);
+    const i64 nb = H * (i64)sizeof(T);
+    for (i64 o = (i64)lane * Q; o < nb; o += 32 * Q) store_bytes<Q>(row + o, &z);
   }
 };
 
-// The stores of one loaded span of a row (ep_expand_rows, warp_expand_row): units i0 + step*j (j < UNROLL, i <
-// units) into the expert-major rows dst(k) >= 0 (k < K), in the sink's loop order.
-template <typename U, int UNROLL, typename Sink, typename Dst>
-__device__ __forceinline__ void sink_span(const Sink& sink, const U (&v)[UNROLL], const typename Sink::Aux (&a)[UNROLL],
-                                          i64 i0, i64 step, i64 units, int K, Dst dst) {
-  if constexpr (Sink::ONCE) {
+// A ONCE sink's pass over one row of `units` 16-byte units (warp_expand_row: a warp, first = lane, step = 32;
+// ep_expand_rows: a CTA): the row read as the sink's slices (16 bytes of output each), this thread's slices
+// first + step*j, UNROLL in flight, each converted once and stored into the expert-major rows dst(k) >= 0.
+template <int UNROLL, bool FRESH, typename Sink, typename Dst>
+__device__ __forceinline__ void once_row(const void* row, const Sink& sink, i64 units, i64 first, i64 step, int K,
+                                         Dst dst) {
+  using P = typename Sink::Slice;
+  const P* src = static_cast<const P*>(row);
+  const i64 n = units * (16 / (i64)sizeof(P));
+  for (i64 i0 = first; i0 < n; i0 += step * UNROLL) {
+    P v[UNROLL];
+    float a[UNROLL];
 #pragma unroll
     for (int j = 0; j < UNROLL; ++j) {
       const i64 i = i0 + step * j;
-      if (i >= units) continue;
+      if (i < n) {
+        v[j] = FRESH ? __ldcg(src + i) : __ldg(src + i);
+        a[j] = sink.template aux<FRESH>(src, i);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < UNROLL; ++j) {
+      const i64 i = i0 + step * j;
+      if (i >= n) continue;
       const auto c = sink.convert(v[j], a[j]);
       for (int k = 0; k < K; ++k) {
         const int d = dst(k);
         if (d >= 0) sink.put(d, i, c);
       }
     }
-  } else {
-    for (int k = 0; k < K; ++k) {
-      const int d = dst(k);
-      if (d < 0) continue;
+  }
+}
+
+// The stores of one loaded span of a row (ep_expand_rows, warp_expand_row; not a ONCE sink's: once_row): units
+// i0 + step*j (j < UNROLL, i < units) into the expert-major rows dst(k) >= 0 (k < K).
+template <typename U, int UNROLL, typename Sink, typename Dst>
+__device__ __forceinline__ void sink_span(const Sink& sink, const U (&v)[UNROLL], const typename Sink::Aux (&a)[UNROLL],
+                                          i64 i0, i64 step, i64 units, int K, Dst dst) {
+  for (int k = 0; k < K; ++k) {
+    const int d = dst(k);
+    if (d < 0) continue;
 #pragma unroll
-      for (int j = 0; j < UNROLL; ++j) {
-        const i64 i = i0 + step * j;
-        if (i < units) sink.put(d, i, v[j], a[j]);
-      }
+    for (int j = 0; j < UNROLL; ++j) {
+      const i64 i = i0 + step * j;
+      if (i < units) sink.put(d, i, v[j], a[j]);
     }
   }
 }
@@ -973,18 +1008,22 @@ __global__ void ep_expand_rows(const U* __restrict__ src, void* __restrict__ out
     for (int k = 0; k < K; ++k) any |= s_dst[k] >= 0;
     if (!any) continue;  // an unused row (capacity-mode tail): nothing to read
     const U* in = src + (src_rows != nullptr ? (i64)src_rows[r] : r) * units;
-    for (i64 i0 = threadIdx.x; i0 < units; i0 += (i64)blockDim.x * UNROLL) {
-      U v[UNROLL];
-      typename Sink::Aux a[UNROLL];
+    if constexpr (Sink::ONCE) {
+      once_row<UNROLL, false>(in, sink, units, threadIdx.x, blockDim.x, K, [&](int k) { return s_dst[k]; });
+    } else {
+      for (i64 i0 = threadIdx.x; i0 < units; i0 += (i64)blockDim.x * UNROLL) {
+        U v[UNROLL];
+        typename Sink::Aux a[UNROLL];
 #pragma unroll
-      for (int j = 0; j < UNROLL; ++j) {
-        const i64 i = i0 + (i64)j * blockDim.x;
-        if (i < units) {
-          v[j] = __ldcs(in + i);
-          a[j] = sink.template aux<false>(in, i);
+        for (int j = 0; j < UNROLL; ++j) {
+          const i64 i = i0 + (i64)j * blockDim.x;
+          if (i < units) {
+            v[j] = __ldcs(in + i);
+            a[j] = sink.template aux<false>(in, i);
+          }
         }
+        sink_span<U, UNROLL>(sink, v, a, i0, (i64)blockDim.x, units, K, [&](int k) { return s_dst[k]; });
       }
-      sink_span<U, UNROLL>(sink, v, a, i0, (i64)blockDim.x, units, K, [&](int k) { return s_dst[k]; });
     }
   }
 }
@@ -1308,18 +1347,22 @@ __device__ __forceinline__ void warp_copy_row(const U* __restrict__ src, U* __re
 template <typename U, int UNROLL, bool FRESH, typename Sink>
 __device__ __forceinline__ void warp_expand_row(const U* __restrict__ src, const Sink& sink,
                                                 const int* __restrict__ drow, int K, i64 units, int lane) {
-  for (i64 i0 = lane; i0 < units; i0 += 32 * UNROLL) {
-    U v[UNROLL];
-    typename Sink::Aux a[UNROLL];
+  if constexpr (Sink::ONCE) {
+    once_row<UNROLL, FRESH>(src, sink, units, lane, 32, K, [&](int k) { return __ldg(drow + k); });
+  } else {
+    for (i64 i0 = lane; i0 < units; i0 += 32 * UNROLL) {
+      U v[UNROLL];
+      typename Sink::Aux a[UNROLL];
 #pragma unroll
-    for (int j = 0; j < UNROLL; ++j) {
-      const i64 i = i0 + 32 * j;
-      if (i < units) {
-        v[j] = FRESH ? __ldcg(src + i) : __ldg(src + i);
-        a[j] = sink.template aux<FRESH>(src, i);
+      for (int j = 0; j < UNROLL; ++j) {
+        const i64 i = i0 + 32 * j;
+        if (i < units) {
+          v[j] = FRESH ? __ldcg(src + i) : __ldg(src + i);
+          a[j] = sink.template aux<FRESH>(src, i);
+        }
       }
+      sink_span<U, UNROLL>(sink, v, a, i0, 32, units, K, [&](int k) { return __ldg(drow + k); });
     }
-    sink_span<U, UNROLL>(sink, v, a, i0, 32, units, K, [&](int k) { return __ldg(drow + k); });
   }
 }
 
@@ -1356,11 +1399,11 @@ template <typename U, typename Sink>
 __device__ __forceinline__ void warp_zero_row(const Sink& sink, int d, i64 units, int lane) {
   if constexpr (Sink::ONCE) {  // a dequantizing sink: zeros of the output dtype straight away
     sink.zero(d, lane);
-    return;
+  } else {
+    const U v[1] = {U{}};
+    const typename Sink::Aux a[1] = {typename Sink::Aux{}};
+    for (i64 i = lane; i < units; i += 32) sink_span<U, 1>(sink, v, a, i, 32, units, 1, [&](int) { return d; });
   }
-  const U v[1] = {U{}};
-  const typename Sink::Aux a[1] = {typename Sink::Aux{}};
-  for (i64 i = lane; i < units; i += 32) sink_span<U, 1>(sink, v, a, i, 32, units, 1, [&](int) { return d; });
 }
 
 // The dispatch direction in one kernel. Push items (chunk c of the pair (me, d), d != me; chunk-major): x's
@@ -2052,7 +2095,8 @@ __device__ __forceinline__ void ll_block_dequant(const unsigned char* q, const f
           for (int j = 0; j < G; j += Vec<T>::N) {
             Vec<T> w;
 #pragma unroll
-            for (int e = 0; e < Vec<T>::N; ++e) w.v[e] = store_as<T>(mul_rn(from_e4m3(b[j + e]), v.scale));
+            for (int e = 0; e < Vec<T>::N; e += 4)
+              dequant4(*reinterpret_cast<const unsigned*>(b + j + e), v.scale, *reinterpret_cast<T(*)[4]>(w.v + e));
             store_vec(y + at * G + j, w);
           }
         } else {

@@ -72,8 +72,8 @@ struct StepDivmod {
   }
 };
 
-// Four consecutive elements of T as fp32 (8-byte loads for 16-bit T, 16-byte for fp32).
-template <typename T> struct Four { T v[4]; };
+// Four consecutive elements of T (loaded as fp32 by load4: 8-byte loads for 16-bit T, 16-byte for fp32).
+template <typename T> struct alignas(4 * sizeof(T)) Four { T v[4]; };
 
 template <typename T>
 __device__ __forceinline__ void load4(const T* p, float* f) {
@@ -82,15 +82,6 @@ __device__ __forceinline__ void load4(const T* p, float* f) {
   else *reinterpret_cast<uint4*>(&r) = *reinterpret_cast<const uint4*>(p);
 #pragma unroll
   for (int j = 0; j < 4; ++j) f[j] = to_float(r.v[j]);
-}
-
-template <typename T>
-__device__ __forceinline__ void store4(T* p, const float* f) {
-  Four<T> r;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) r.v[j] = store_as<T>(f[j]);
-  if (sizeof(T) == 2) *reinterpret_cast<uint2*>(p) = *reinterpret_cast<const uint2*>(&r);
-  else *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(&r);
 }
 
 // The (token, block) work items of a grid-stride loop, one per warp: item w is token t = w / nb, channels
@@ -255,11 +246,10 @@ __global__ void dequantize_fp8(const unsigned char* __restrict__ q, const float*
     const float scale = scales[sp.w];
     if (V4) {
       for (int c = c0 + lane * 4; c < c1; c += 128) {
-        const unsigned packed = *reinterpret_cast<const unsigned*>(qrow + c);
-        float f[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) f[j] = mul_rn(from_e4m3((unsigned char)(packed >> (8 * j))), scale);
-        store4(yrow + c, f);
+        Four<T> r;
+        dequant4(*reinterpret_cast<const unsigned*>(qrow + c), scale, r.v);
+        if (sizeof(T) == 2) *reinterpret_cast<uint2*>(yrow + c) = *reinterpret_cast<const uint2*>(&r);
+        else *reinterpret_cast<uint4*>(yrow + c) = *reinterpret_cast<const uint4*>(&r);
       }
     } else {
       for (int c = c0 + lane; c < c1; c += 32) yrow[c] = store_as<T>(mul_rn(from_e4m3(qrow[c]), scale));

@@ -661,6 +661,70 @@ def test_gpu_div_by_scale_matches_div_rn():
     assert checked > (1 << 27) and bad_q == 0 and bad_code == 0
 
 
+_DEQ_CHECK = r"""
+#include "moe_rt/fp8.cuh"
+using namespace moe_rt;
+__device__ unsigned mix(unsigned x) { x ^= x >> 16; x *= 0x7feb352du; x ^= x >> 15; x *= 0x846ca68bu; return x ^ (x >> 16); }
+template <typename T> __device__ unsigned bits_of(T v) {
+  unsigned u = 0;
+  memcpy(&u, &v, sizeof(T));
+  return u;
+}
+// n random (four codes, scale) pairs, the scales any fp32 bits (NaN, inf, subnormal), normal, subnormal or one of
+// the special values: counts[0] values where dequant4 and the scalar form store_as(mul_rn(from_e4m3(code), s))
+// differ in their bits, counts[1] values checked; first: a differing (codes, scale bits), or 0xffffffff
+template <typename T>
+__global__ void deq_check(unsigned seed, unsigned long long n, unsigned long long* counts, unsigned* first) {
+  unsigned long long bad = 0, seen = 0;
+  const float special[8] = {0.0f, -0.0f, __int_as_float(0x7f800000), __int_as_float(0xff800000),
+                            __int_as_float(0x7fc00000), 1.0f, __int_as_float(1), 3.4028235e38f};
+  for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+       i += (unsigned long long)gridDim.x * blockDim.x) {
+    const unsigned w = mix((unsigned)i ^ seed), h2 = mix(w + 0x9e3779b9u), h3 = mix(h2 ^ 0x1234567u);
+    float s;
+    switch (h2 & 3) {
+      case 0: s = __uint_as_float(h3); break;
+      case 1: s = __uint_as_float(((100u + h3 % 60u) << 23) | (h3 & 0x807fffffu)); break;
+      case 2: s = __uint_as_float(h3 & 0x807fffffu); break;
+      default: s = special[h3 & 7]; break;
+    }
+    T fast[4];
+    dequant4(w, s, fast);
+    for (int j = 0; j < 4; ++j) {
+      const T slow = store_as<T>(mul_rn(from_e4m3((unsigned char)(w >> (8 * j))), s));
+      if (bits_of(fast[j]) != bits_of(slow)) {
+        ++bad;
+        if (atomicCAS(first, 0xffffffffu, w) == 0xffffffffu) first[1] = __float_as_uint(s);
+      }
+      ++seen;
+    }
+  }
+  atomicAdd(counts, bad);
+  atomicAdd(counts + 1, seen);
+}
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_dequant4_matches_the_scalar_form():
+    """dequant4 (the dequantizing kernels' conversion: two codes an e4m3x2 conversion, two products a bf16x2 /
+    f16x2 rounding) bit for bit against the scalar form store_as<T>(mul_rn(from_e4m3(code), s)) on 2^26 random
+    words of four codes (every code, NaN codes included) with scales of any bits (NaN, inf, zero, subnormal),
+    for fp32, bf16 and fp16."""
+    cp = _cupy()
+    from moe_rt import _jit
+
+    opts = tuple(o for o in _jit._program_options("sm_90") if not o.startswith("-arch"))
+    names = [f"deq_check<{t}>" for t in ("float", "__nv_bfloat16", "__half")]
+    mod = cp.RawModule(code=_DEQ_CHECK, options=opts, name_expressions=names)
+    for name in names:
+        counts = cp.zeros(2, cp.uint64)
+        first = cp.full(2, 0xFFFFFFFF, cp.uint32)
+        mod.get_function(name)((264,), (256,), (np.uint32(12345), np.uint64(1 << 26), counts, first))
+        bad, seen = (int(v) for v in cp.asnumpy(counts))
+        assert seen == 4 << 26 and bad == 0, (name, bad, [hex(int(v)) for v in cp.asnumpy(first)])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch is None, reason="torch not installed")
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
