@@ -14,10 +14,12 @@ typedef struct fp8_key {
 } fp8_key;
 
 /* Validate, plan and launch one cast: `in`/`out` as the kernel takes them (quantize: x, q, scales; dequantize:
- * q, scales, y); `data` is the float side (x or y) and `codes` the e4m3 side (q). */
+ * q, scales, y); `data` is the float side (x or y) and `codes` the e4m3 side (q). Quantize: q_stride, s_stride
+ * are the row strides of the codes (bytes) and scales (floats): H and nb for separate arrays, row_bytes and
+ * row_bytes / 4 for packed rows (0, 0: those of separate arrays). */
 static moe_rt_status cast(moe_rt_context* ctx, const char* op, int quantize, int dtype, int64_t T, int64_t H,
                           int block, const void* data, const void* codes, const void* scales, const void* a0,
-                          const void* a1, const void* a2, moe_rt_stream stream) {
+                          const void* a1, const void* a2, int64_t q_stride, int64_t s_stride, moe_rt_stream stream) {
   moe_rt_status st;
   if ((st = mrt_check_ctx(ctx, op))) return st;
   if (!mrt_is_float_dtype(dtype))
@@ -41,7 +43,7 @@ static moe_rt_status cast(moe_rt_context* ctx, const char* op, int quantize, int
   }
   const int isz = mrt_dtype_size(dtype);
   const int v4 = block % 128 == 0 && H % 4 == 0 && ((uintptr_t)data % (uintptr_t)(4 * isz)) == 0 &&
-                 ((uintptr_t)codes % 4) == 0;
+                 ((uintptr_t)codes % 4) == 0 && (q_stride == 0 || q_stride % 4 == 0);
   fp8_key key = {quantize ? 7 : 8, dtype, v4, 0};
   if (!mrt_plan_lookup(ctx, &key, sizeof key, &p)) {
     p.num_launches = 1;
@@ -53,10 +55,6 @@ static moe_rt_status cast(moe_rt_context* ctx, const char* op, int quantize, int
     mrt_plan_put(ctx, &key, sizeof key, &p);
   }
   p.launch[0].grid = mrt_max(1, mrt_min(mrt_cdiv(T * nb, FP8_THREADS / 32), (int64_t)mrt_device(ctx)->sm_count * 32));
-  if (mrt_is_planning(ctx)) {
-    mrt_record(ctx, &p);
-    return MOE_RT_SUCCESS;
-  }
   mrt_args a = {0};
   mrt_arg_ptr(&a, a0);
   mrt_arg_ptr(&a, a1);
@@ -66,18 +64,40 @@ static moe_rt_status cast(moe_rt_context* ctx, const char* op, int quantize, int
   mrt_arg_i32(&a, block);
   mrt_arg_i32(&a, (int32_t)nb);
   if (quantize) {  /* row strides of the codes and scales (kernels/fp8.cu: packed rows use wider ones) */
-    mrt_arg_i64(&a, H);
-    mrt_arg_i64(&a, nb);
+    mrt_arg_i64(&a, q_stride ? q_stride : H);
+    mrt_arg_i64(&a, q_stride ? s_stride : nb);
   }
-  return mrt_launch_one(ctx, &p.launch[0], &a, stream);
+  return mrt_run_plan(ctx, &p, &a, stream);  /* a planning context records the plan and these arguments */
 }
 
 moe_rt_status moe_rt_quantize_fp8(moe_rt_context* ctx, const void* x, int dtype, int64_t T, int64_t H, int block,
                                   void* x_fp8, float* scales, moe_rt_stream stream) {
-  return cast(ctx, "moe_rt_quantize_fp8", 1, dtype, T, H, block, x, x_fp8, scales, x, x_fp8, scales, stream);
+  return cast(ctx, "moe_rt_quantize_fp8", 1, dtype, T, H, block, x, x_fp8, scales, x, x_fp8, scales, 0, 0, stream);
+}
+
+moe_rt_status moe_rt_quantize_fp8_rows(moe_rt_context* ctx, const void* x, int dtype, int64_t T, int64_t H, int block,
+                                       void* rows, int64_t row_bytes, moe_rt_stream stream) {
+  static const char op[] = "moe_rt_quantize_fp8_rows";
+  moe_rt_status st;
+  if ((st = mrt_check_ctx(ctx, op))) return st;
+  if (block < 1 || block > FP8_MAX_BLOCK)
+    return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: block must be in [1, %d], got %d", op, FP8_MAX_BLOCK, block);
+  if (H < 0 || H + block >= ((int64_t)1 << 31))
+    return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: hidden must be >= 0 with hidden + block below 2^31, got %lld",
+                    op, (long long)H);
+  const int64_t at = (H + 3) / 4 * 4, need = at + 4 * mrt_cdiv(H, block);
+  if (row_bytes < need || row_bytes % 4 != 0)
+    return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT,
+                    "%s: row_bytes must be a multiple of 4 and at least ceil4(hidden) + 4*ceil(hidden/block) = %lld, "
+                    "got %lld", op, (long long)need, (long long)row_bytes);
+  if ((st = mrt_check_ptr(op, "rows", rows))) return st;
+  if ((uintptr_t)rows % 4 != 0)
+    return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: rows must be 4-byte aligned", op);
+  unsigned char* scales = (unsigned char*)rows + at;
+  return cast(ctx, op, 1, dtype, T, H, block, x, rows, scales, x, rows, scales, row_bytes, row_bytes / 4, stream);
 }
 
 moe_rt_status moe_rt_dequantize_fp8(moe_rt_context* ctx, const void* x_fp8, const float* scales, int64_t T, int64_t H,
                                     int block, void* y, int dtype, moe_rt_stream stream) {
-  return cast(ctx, "moe_rt_dequantize_fp8", 0, dtype, T, H, block, y, x_fp8, scales, x_fp8, scales, y, stream);
+  return cast(ctx, "moe_rt_dequantize_fp8", 0, dtype, T, H, block, y, x_fp8, scales, x_fp8, scales, y, 0, 0, stream);
 }

@@ -34,7 +34,7 @@ __all__ = ["quantize_fp8", "dequantize_fp8", "dispatch_fp8", "FP8_MAX"]
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 MAX_BLOCK = 1 << 16
 _FILE = "fp8.cu"
-_THREADS = 256  # the packed-row kernels (launch_quantize_packed, launch_pack)
+_THREADS = 256  # the pair-packing kernel (launch_pack)
 _TOKEN_DTYPES = tuple(d for d in _arrays.FLOAT_DTYPES if d is not None)
 _E4M3 = _arrays.FLOAT8_E4M3
 _SCALE_DTYPES = (np.dtype(np.float32), np.dtype(np.uint8))  # fp32 block scales; MXFP8's E8M0 as bytes
@@ -110,29 +110,11 @@ def launch_quantize(x, q, scales, block: int, device_id: int, stream) -> None:
                        scales.data.ptr, 0 if stream is None else stream.ptr)
 
 
-# The packed rows of the one-pass FP8 dispatch (moe_rt/ep.py) are written by kernels launched here
-# (the C core has no packed-row op).
+# A pre-quantized pair is packed into the rows of the one-pass FP8 dispatch (moe_rt/ep.py) by a kernel launched
+# here (the C core has no pair-packing op; it quantizes into packed rows: launch_quantize_packed).
 def _grid(work_warps: int, device_id: int) -> int:
     cap = _jit.device_properties(device_id)["sm_count"] * 32
     return max(1, min(-(-work_warps // (_THREADS // 32)), cap))
-
-
-def _v4(block: int, H: int, *ptr_align) -> bool:
-    """Whether every lane can take 4 consecutive channels: blocks of whole 128s, rows of whole fours, and each
-    pointer aligned to its 4-element access (given as (pointer, bytes))."""
-    return block % 128 == 0 and H % 4 == 0 and all(p % a == 0 for p, a in ptr_align)
-
-
-def _quantize(x, q_ptr, s_ptr, q_stride, s_stride, block, device_id, stream):
-    T, H = int(x.shape[0]), int(x.shape[1])
-    if not T or not H:
-        return
-    nb = _ref.num_blocks(H, block)
-    v4 = _v4(block, H, (x.data.ptr, 4 * x.dtype.itemsize), (q_ptr, 4)) and q_stride % 4 == 0
-    fn = _jit.function(_FILE, f"quantize_fp8<{_jit.ctype(x.dtype)}, {'true' if v4 else 'false'}>")
-    _jit.launch(fn, _grid(T * nb, device_id), _THREADS,
-                (x.data.ptr, q_ptr, s_ptr, np.int64(T), np.int32(H), np.int32(block), np.int32(nb),
-                 np.int64(q_stride), np.int64(s_stride)), stream=stream)
 
 
 def packed_layout(H: int, block: int = 128) -> tuple[int, int, int]:
@@ -145,11 +127,15 @@ def packed_layout(H: int, block: int = 128) -> tuple[int, int, int]:
     return S, at, -(-(at + 4 * S) // 16) * 16
 
 
-def launch_quantize_packed(x, packed, block: int, device_id: int, stream) -> None:
-    """The quantize kernel writing packed rows (:func:`packed_layout`): ``x [T,H]`` fp32/bf16/fp16 into
-    ``packed [T, row_bytes]`` uint8 (C-contiguous device arrays), on ``stream``: each row of x read once."""
-    _, at, rb = packed_layout(int(x.shape[1]), block)
-    _quantize(x, packed.data.ptr, packed.data.ptr + at, rb, rb // 4, block, device_id, stream)
+def launch_quantize_packed(x, packed, block: int, device_id: int, stream_ptr: int) -> None:
+    """The C core's quantize into packed rows (:func:`packed_layout`; ``moe_rt_quantize_fp8_rows``): ``x [T,H]``
+    fp32/bf16/fp16 into ``packed [T, row_bytes]`` uint8 (C-contiguous device arrays with ``.data.ptr``), on the
+    cudaStream_t ``stream_ptr``: each row of x read once."""
+    T, H = int(x.shape[0]), int(x.shape[1])
+    if not T or not H:
+        return
+    _core.quantize_fp8_rows(_core.device(device_id), x.data.ptr, _core.CODES[np.dtype(x.dtype)], T, H, block,
+                            packed.data.ptr, int(packed.shape[1]), stream_ptr)
 
 
 def launch_pack(q, scales, packed, block: int, device_id: int, stream) -> None:

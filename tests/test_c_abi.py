@@ -85,6 +85,8 @@ SIGNATURES = {
     "moe_rt_sort_chunks": (I, [P, P, L, L, P, P, I, L, P, P, P, I, P, S, P]),
     "moe_rt_quantize_fp8": (I, [P, P, I, L, L, I, P, P, P]),
     "moe_rt_dequantize_fp8": (I, [P, P, P, L, L, I, P, I, P]),
+    "moe_rt_quantize_fp8_rows": (I, [P, P, I, L, L, I, P, L, P]),
+    "moe_rt_last_plan_args": (I, [P, I, C.POINTER(L), I, C.POINTER(I)]),
 }
 
 
@@ -658,6 +660,23 @@ def _fp8_plans(lib, ctx, plan):
                                                                            None))
 
 
+@pytest.mark.parametrize("T,H,dt,off", [(4096, 7168, BF16, 0), (37, 130, F32, 0), (9, 77, F16, 0), (5, 256, BF16, 2)])
+def test_quantize_rows_plans_the_quantize_over_packed_rows(lib, ctx, T, H, dt, off):
+    """moe_rt_quantize_fp8_rows (the FP8 EP dispatch's packed rows) plans moe_rt_quantize_fp8's kernel, grid and
+    block for the same x, with the codes at each row's start, the scales at byte ceil4(H) and the row strides
+    row_bytes (bytes) and row_bytes / 4 (floats)."""
+    block, at, nb = 128, -(-H // 4) * 4, -(-H // 128)
+    rb = -(-(at + 4 * nb) // 16) * 16
+    x, rows = BASE + off, BASE + (1 << 30)
+    _ok(lib, lib.moe_rt_quantize_fp8(ctx, x, dt, T, H, block, rows, rows + at, None))
+    want = _launches(lib, ctx)
+    _ok(lib, lib.moe_rt_quantize_fp8_rows(ctx, x, dt, T, H, block, rows, rb, None))
+    assert _launches(lib, ctx) == want and len(want) == 1
+    args, n = (L * 16)(), I()
+    _ok(lib, lib.moe_rt_last_plan_args(ctx, 0, args, 16, C.byref(n)))
+    assert list(args[:n.value]) == [x, rows, rows + at, T, H, block, nb, rb, rb // 4]
+
+
 def test_bad_fp8_input(lib, ctx):
     q, dq = lib.moe_rt_quantize_fp8, lib.moe_rt_dequantize_fp8
     _ok(lib, q(ctx, BASE, F32, 4, 256, 128, BASE, BASE, None))
@@ -671,6 +690,20 @@ def test_bad_fp8_input(lib, ctx):
     _err(lib, q(ctx, BASE, F32, 4, 2**31 - 100, 128, BASE, BASE, None), INVALID, "hidden", "2^31")
     for block in (0, -1, 65537):
         _err(lib, q(ctx, BASE, F32, 4, 256, block, BASE, BASE, None), INVALID, "block", "65536")
+    r = lib.moe_rt_quantize_fp8_rows
+    _ok(lib, r(ctx, BASE, BF16, 4, 300, 128, BASE, 320, None))  # ceil4(300) + 4*3 = 312 bytes at least
+    _ok(lib, r(ctx, BASE, BF16, 4, 300, 128, BASE, 312, None))
+    _err(lib, r(None, BASE, BF16, 4, 300, 128, BASE, 320, None), INVALID, "ctx is NULL")
+    _err(lib, r(ctx, None, BF16, 4, 300, 128, BASE, 320, None), INVALID, "x is NULL")
+    _err(lib, r(ctx, BASE, BF16, 4, 300, 128, None, 320, None), INVALID, "moe_rt_quantize_fp8_rows", "rows is NULL")
+    for rb in (308, 311, 314, -4, 0):
+        _err(lib, r(ctx, BASE, BF16, 4, 300, 128, BASE, rb, None), INVALID, "row_bytes", "312")
+    _err(lib, r(ctx, BASE, BF16, 4, 300, 128, BASE + 2, 320, None), INVALID, "rows", "4-byte aligned")
+    _err(lib, r(ctx, BASE, I32, 4, 300, 128, BASE, 320, None), INVALID, "dtype", "int32")
+    _err(lib, r(ctx, BASE, BF16, -1, 300, 128, BASE, 320, None), INVALID, "num_tokens")
+    _err(lib, r(ctx, BASE, BF16, 4, -2, 128, BASE, 320, None), INVALID, "hidden")
+    for block in (0, 65537):
+        _err(lib, r(ctx, BASE, BF16, 4, 300, block, BASE, 320, None), INVALID, "block", "65536")
     _ok(lib, dq(ctx, BASE, BASE, 4, 256, 128, BASE, BF16, None))
     _err(lib, dq(ctx, BASE, BASE, 4, 256, 128, None, BF16, None), INVALID, "y is NULL")
     _err(lib, dq(ctx, BASE, BASE, 4, 256, 128, BASE, U8, None), INVALID, "dtype", "uint8")

@@ -66,7 +66,8 @@ def core(monkeypatch):
     monkeypatch.setattr(_core, "device", lambda dev: pc)
     for op in ("topk_with_score", "topk_indices_with_score", "topk_with_score_backward", "scores_for_aux_loss",
                "scores_for_aux_loss_backward", "aux_loss", "aux_loss_backward", "make_plan", "dispatch", "combine",
-               "dispatch_backward", "combine_backward", "sort_chunks", "quantize_fp8", "dequantize_fp8"):
+               "dispatch_backward", "combine_backward", "sort_chunks", "quantize_fp8", "dequantize_fp8",
+               "quantize_fp8_rows"):
         real = getattr(_core, op)
 
         def rec(*args, _real=real, _op=op):
@@ -411,6 +412,19 @@ def test_fp8_casts_hand_the_core_their_arrays(core, T, H, block, dt):
     y = fp8.dequantize_fp8(q, s, dt, block)
     assert y.dtype == dt and y.shape == (T, H)
     assert _last(core, "dequantize_fp8") == (q.ptr, s.ptr, T, H, block, y.ptr, CODE[dt], STREAM)
+
+
+@pytest.mark.parametrize("T,H,dt", [(4096, 7168, BF16), (9, 77, F32)])
+def test_packed_quantize_hands_the_core_its_rows(core, T, H, dt):
+    # the FP8 dispatch's quantize into packed rows (moe_rt.fp8.launch_quantize_packed): one core call on the
+    # caller's stream pointer, the rows' stride the array's
+    x = core.mem((T, H), dt)
+    S, at, rb = fp8.packed_layout(H)
+    packed = core.mem((T, rb), np.uint8)
+    fp8.launch_quantize_packed(x, packed, 128, 0, STREAM)
+    assert _last(core, "quantize_fp8_rows") == (x.ptr, CODE[dt], T, H, 128, packed.ptr, rb, STREAM)
+    assert core.last_plan() == _abi_plan("moe_rt_quantize_fp8_rows", _p(x), I(CODE[dt]), L(T), L(H), I(128),
+                                         _p(packed), L(rb), P(STREAM))
 
 
 # ---- errors ------------------------------------------------------------------------------------------------

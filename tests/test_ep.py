@@ -2225,11 +2225,11 @@ def test_fp8_rows_outputs_come_from_the_given_allocator():
 @pytest.mark.parametrize("pair", [False, True])
 @pytest.mark.parametrize("dequantize", [False, True])
 def test_fp8_dispatch_one_transport_pass(monkeypatch, pair, dequantize):
-    """EpGroup.dispatch(fp8=True) on CUDA (arrays, kernels and the transport stood in for): one kernel writes the
-    packed rows (quantize_fp8 with the packed strides from x, or fp8_pack_rows from a pair), then exactly one
-    transport forward over them, with the weights and the Fp8Rows of the outputs; nothing runs after it (no
-    second pass for the scales, no dequantize or split kernel)."""
-    from moe_rt import _arrays, _jit, _ep_rows
+    """EpGroup.dispatch(fp8=True) on CUDA (arrays, kernels, the core and the transport stood in for): one kernel
+    writes the packed rows (the core's quantize into packed rows from x, on the call's stream pointer, or
+    fp8_pack_rows from a pair), then exactly one transport forward over them, with the weights and the Fp8Rows
+    of the outputs; nothing runs after it (no second pass for the scales, no dequantize or split kernel)."""
+    from moe_rt import _arrays, _core, _jit, _ep_rows
     from moe_rt import ep as ep_mod
     from moe_rt.reference import fp8 as fref
 
@@ -2245,13 +2245,15 @@ def test_fp8_dispatch_one_transport_pass(monkeypatch, pair, dequantize):
     monkeypatch.setattr(_jit, "function", lambda file, name: _Kernel(name))
     monkeypatch.setattr(_jit, "launch", launch)
     monkeypatch.setattr(_jit, "device_properties", lambda dev: {"sm_count": 4})
+    monkeypatch.setattr(_core, "device", lambda dev: "core context")
+    monkeypatch.setattr(_core, "quantize_fp8_rows", lambda *a: launches.append(("quantize_fp8_rows", a)))
     monkeypatch.setattr(_arrays, "contiguous", lambda xp, a: a)
     monkeypatch.setattr(_arrays, "cupy_of", lambda a: a)
     monkeypatch.setattr(_arrays, "fp8_array", lambda a, dt: ("fp8", a))
     stream = type("S", (), {"ptr": 9})()
 
     class Call:
-        backend, framework, device_id, xp = "cuda", "torch", 0, _Dev8
+        backend, framework, device_id, xp, stream_ptr = "cuda", "torch", 0, _Dev8, 9
 
         def __init__(self, arrays, stream=None, **kw):
             self.arrays, self.stream = arrays, stream_
@@ -2293,15 +2295,15 @@ def test_fp8_dispatch_one_transport_pass(monkeypatch, pair, dequantize):
     assert zero is True  # zero_empty_slots' default reaches the transport
     assert isinstance(rows, _ep_rows.Fp8Rows) and (op, expand, want_w, pw) == ("dispatch", True, True, w)
     assert px.shape == (T, rows.row_bytes) == (T, 320) and px.dtype == np.uint8
-    assert [n for n, _ in launches] == (["fp8_pack_rows<true>"] if pair else ["quantize_fp8<__nv_bfloat16, true>"])
+    assert [n for n, _ in launches] == (["fp8_pack_rows<true>"] if pair else ["quantize_fp8_rows"])
     assert at == 1  # the packing kernel, then the pass; nothing after it
     args = launches[0][1]
     if pair:  # codes, scales -> the packed rows
         assert (args[0], args[1], args[2]) == (x[0].data.ptr, x[1].data.ptr, px.data.ptr)
         assert int(args[-1]) == rows.row_bytes
-    else:  # q = the packed rows, scales at byte ceil4(H) of each, row strides row_bytes and row_bytes / 4
-        assert (args[1], args[2]) == (px.data.ptr, px.data.ptr + rows.scale_at)
-        assert (int(args[-2]), int(args[-1])) == (rows.row_bytes, rows.row_bytes // 4)
+    else:  # x -> the packed rows of row_bytes (the core puts the scales at byte ceil4(H)), on stream 9
+        assert args == ("core context", x.data.ptr, _core.CODES[np.dtype(_arrays.BFLOAT16)], T, H, 128,
+                        px.data.ptr, rows.row_bytes, 9)
     N = h.sizes["N"]
     if dequantize:
         y, rw, _ = out

@@ -748,7 +748,7 @@ def test_gpu_quantize_packed_rows(rng, dtype, T, H):
     xd = SimpleNamespace(shape=(T, H), dtype=dtype, data=SimpleNamespace(ptr=xt.data_ptr()))
     packed = cp.full((T, rb), 0xA5, cp.uint8)
     torch.cuda.synchronize()
-    F.launch_quantize_packed(xd, packed, 128, 0, cp.cuda.get_current_stream())
+    F.launch_quantize_packed(xd, packed, 128, 0, cp.cuda.get_current_stream().ptr)
     np.testing.assert_array_equal(cp.asnumpy(packed), want)
     # a pre-quantized pair into the same rows (fp8_pack_rows), at offsets 0 and 1 (4-byte and 1-byte words)
     for off in (0, 1):

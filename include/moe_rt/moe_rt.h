@@ -364,6 +364,12 @@ moe_rt_status moe_rt_quantize_fp8(moe_rt_context* ctx, const void* x, int dtype,
                                   int block, void* x_fp8, float* scales, moe_rt_stream stream);
 moe_rt_status moe_rt_dequantize_fp8(moe_rt_context* ctx, const void* x_fp8, const float* scales, int64_t num_tokens,
                                     int64_t hidden, int block, void* y, int dtype, moe_rt_stream stream);
+/* The same quantization into the packed rows of an FP8 EP dispatch (moe_rt_ep_direct_outputs.fp8 = 1; docs/ep.md
+ * §9): rows [T, row_bytes] bytes, row t holding its H codes, at byte ceil4(H) its ceil(H/block) float32 scales,
+ * zero bytes elsewhere; row_bytes a multiple of 4, at least ceil4(H) + 4*ceil(H/block) (the dispatch's rows:
+ * the next multiple of 16); rows 4-byte aligned. */
+moe_rt_status moe_rt_quantize_fp8_rows(moe_rt_context* ctx, const void* x, int dtype, int64_t num_tokens,
+                                       int64_t hidden, int block, void* rows, int64_t row_bytes, moe_rt_stream stream);
 
 /* Planning contexts: the arguments of launch `launch` of the last plan, in the kernel's parameter order, each as
  * a 64-bit value (pointers as addresses, int32 sign-extended, uint32 zero-extended, float32 as its bits) into

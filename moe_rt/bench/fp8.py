@@ -65,7 +65,7 @@ def main(argv=None):
 
             stream = cp.cuda.get_current_stream()
             torch.cuda.synchronize()
-            row("quantize (packed rows)", lambda: F.launch_quantize_packed(x, packed, BLOCK, x.device.id, stream),
+            row("quantize (packed rows)", lambda: F.launch_quantize_packed(x, packed, BLOCK, x.device.id, stream.ptr),
                 xb + T * rb, lambda: torch_quantize(xt))
             row("quantize_fp8", lambda: moe_rt.quantize_fp8(xt), xb + qb + sb, lambda: torch_quantize(xt))
             q, s = moe_rt.quantize_fp8(xt)
