@@ -101,8 +101,8 @@ __device__ __forceinline__ void round2(float a, float b, __half& x, __half& y) {
 // two codes a conversion (e4m3x2 -> f16x2, exact), and for 16-bit T two products a rounding (cvt.rn to bf16x2 /
 // f16x2: round to nearest even, as store_as; a NaN product is mul.rn's canonical NaN, which both give the same
 // bits: tests/test_fp8.py checks every code and scale kind against the scalar form), where the scalar form
-// converts each code and rounds each product alone (bf16: several integer instructions a value; 2 H200, the
-// dequantizing dispatch 2-4% faster with this form, BENCHMARKS.md).
+// converts each code and rounds each product alone (bf16: several integer instructions a value). BENCHMARKS.md
+// has the dequantizing dispatch with each form.
 template <typename T>
 __device__ __forceinline__ void dequant4(unsigned w, float s, T (&out)[4]) {
   const float2 a = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w & 0xffffu), __NV_E4M3)));
