@@ -835,8 +835,7 @@ class EpGroup:
                 if wv is not None:
                     check_weights(wv, "topk_weights", (sz["T"], sz["K"]))
                 _arrays.remember(self._valid, key, True)
-            if wv is not None and (type(wv) is not DevArray or wv.dtype != _F32):
-                wv = _arrays.contiguous(call.xp, wv.astype(np.float32, copy=False))
+            wv = self._f32_weights(call, wv)
             if type(xv) is not DevArray:  # a DevArray is C-contiguous
                 xv = _arrays.contiguous(call.xp, xv)
             st["dtype"] = np.dtype(xv.dtype)
@@ -855,14 +854,12 @@ class EpGroup:
                 self._last_stream = call.stream_ptr
             return call.out(rx), (None if rw is None else call.out(rw)), call.out(tpe)
 
-    def _dispatch_weights(self, call, handle):
-        wv = call["topk_weights"]
-        if wv is not None:
-            shape = (handle.sizes["T"], handle.sizes["K"])
-            if type(wv) is DevArray and wv.dtype == _F32:  # a lean call's fp32 weights: C-contiguous already
-                check_weights(wv, "topk_weights", shape)
-            else:
-                wv = _fp32_weights(call, wv, "topk_weights", shape)
+    @staticmethod
+    def _f32_weights(call, wv):
+        """Checked weights (dispatch's ``topk_weights``, dispatch_bwd's ``grad_recv_w``) or None, as
+        C-contiguous fp32 (a lean call's fp32 DevArray as it is)."""
+        if wv is not None and (type(wv) is not DevArray or wv.dtype != _F32):
+            wv = _arrays.contiguous(call.xp, wv.astype(np.float32, copy=False))
         return wv
 
     @staticmethod
@@ -899,26 +896,35 @@ class EpGroup:
         with _arrays.Call(arrays, stream=stream, lean=not pair and self._lean()) as call:
             self._check_call(call, "dispatch")
             _check_backend(handle, call, "dispatch")
-            T, H = handle.sizes["T"], self.hidden
+            T, K, H = handle.sizes["T"], handle.sizes["K"], self.hidden
+            wv = call["topk_weights"]
+            wsig = None if wv is None else (wv.shape, wv.dtype)
+            # the checks (x or the pair, then the weights), once per signature
             if pair:
                 qv, sv = call["x_fp8"], call["scales"]
-                key = ("dispatch_fp8 pair", T, qv.shape, qv.dtype, sv.shape, sv.dtype, call.framework, dequantize)
-                if _arrays.validated(self._valid, key) is None:  # the checks, once per signature
+                key = ("dispatch_fp8 pair", T, K, qv.shape, qv.dtype, sv.shape, sv.dtype, wsig, call.framework,
+                       dequantize)
+                if _arrays.validated(self._valid, key) is None:
                     self.check_fp8_pair(qv, sv, T)
                     check_fp8_rows_holdable(call, np.dtype(qv.dtype), dequantize)
+                    if wv is not None:
+                        check_weights(wv, "topk_weights", (T, K))
                     _arrays.remember(self._valid, key, True)
                 codes = np.dtype(qv.dtype)  # the rows come back in their own dtype
                 out_dt = self.dtype or _BF16
             else:
                 xv = call["x"]
-                key = ("dispatch_fp8", T, handle.state.get("dtype"), xv.shape, xv.dtype, call.framework, dequantize)
+                key = ("dispatch_fp8", T, K, handle.state.get("dtype"), xv.shape, xv.dtype, wsig, call.framework,
+                       dequantize)
                 if _arrays.validated(self._valid, key) is None:
                     self._check_tokens(xv, "x", T, handle)
                     check_fp8_rows_holdable(call, _arrays.FLOAT8_E4M3, dequantize)
+                    if wv is not None:
+                        check_weights(wv, "topk_weights", (T, K))
                     _arrays.remember(self._valid, key, True)
                 codes = _arrays.FLOAT8_E4M3
                 out_dt = np.dtype(xv.dtype)
-            wv = self._dispatch_weights(call, handle)
+            wv = self._f32_weights(call, wv)
             # the gradient path of an FP8 dispatch is the float one (dispatch_bwd, combine): in x's dtype
             handle.state["dtype"] = out_dt if not pair or dequantize else self.dtype
             handle.state["has_weights"] = wv is not None
@@ -1030,8 +1036,7 @@ class EpGroup:
                 if gw is not None:
                     check_weights(gw, "grad_recv_w", (sz["N"],))
                 _arrays.remember(self._valid, key, True)
-            if gw is not None and (type(gw) is not DevArray or gw.dtype != _F32):
-                gw = _arrays.contiguous(call.xp, gw.astype(np.float32, copy=False))
+            gw = self._f32_weights(call, gw)
             if type(g) is not DevArray:  # a DevArray is C-contiguous
                 g = _arrays.contiguous(call.xp, g)
             if call.backend == "cpu":
@@ -1231,12 +1236,6 @@ def check_weights(w, name, shape):
     _arrays.check_ndim(w, name, len(shape))
     _arrays.check_dtype(w, name, _WEIGHT_DTYPES)
     _arrays.check_shape(w, name, shape)
-
-
-def _fp32_weights(call, w, name, shape):
-    """Check a weight array (float, ``shape``) and return it as contiguous fp32."""
-    check_weights(w, name, shape)
-    return _arrays.contiguous(call.xp, w.astype(np.float32, copy=False))
 
 
 def _check_backend(handle, call, op):

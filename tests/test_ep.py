@@ -419,6 +419,18 @@ def test_group_fp8_bad_inputs(rng):
         g.dispatch(h, q, fp8=True)  # FP8 codes alone: the scales are needed too
     with pytest.raises(ValueError, match="topk_weights"):
         g.dispatch(h, x, np.ones((T, 3), np.float32), fp8=True)
+    # the checks are kept per signature: after good calls, bad inputs of another signature are still refused
+    w = np.ones((T, K), np.float32)
+    g.dispatch(h, x, w, fp8=True)
+    g.dispatch(h, (q, s), w, fp8=True)
+    with pytest.raises(ValueError, match="topk_weights"):
+        g.dispatch(h, x, np.ones((T, 3), np.float32), fp8=True)
+    with pytest.raises(TypeError, match="topk_weights"):
+        g.dispatch(h, (q, s), w.astype(np.int32), fp8=True)
+    with pytest.raises(ValueError, match="x: expected shape"):
+        g.dispatch(h, x[:, :-1], fp8=True)
+    with pytest.raises(ValueError, match="scales: expected shape"):
+        g.dispatch(h, (q, s[:-1]), w, fp8=True)
     g16 = EpGroup(None, E, H, 8, dtype=np.float16)
     h16 = g16.prepare(make_routing(rng, T, E, K))
     with pytest.raises(TypeError, match="float16"):
