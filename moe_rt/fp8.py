@@ -100,14 +100,14 @@ def check_dequantize_args(x_fp8, scales, dtype, block) -> tuple[int, int, int, n
     return T, H, nb, dt
 
 
-def launch_quantize(x, q, scales, block: int, device_id: int, stream) -> None:
+def launch_quantize(x, q, scales, block: int, device_id: int, stream_ptr: int) -> None:
     """The C core's quantize on checked, C-contiguous device arrays: ``x [T,H]`` fp32/bf16/fp16 into ``q [T,H]``
-    (any 1-byte array: e4m3 codes) and ``scales [T, ceil(H/block)]`` fp32, on ``stream`` (a CuPy stream)."""
+    (any 1-byte array: e4m3 codes) and ``scales [T, ceil(H/block)]`` fp32, on the cudaStream_t ``stream_ptr``."""
     T, H = int(x.shape[0]), int(x.shape[1])
     if not T or not H:
         return
     _core.quantize_fp8(_core.device(device_id), x.data.ptr, _core.CODES[np.dtype(x.dtype)], T, H, block, q.data.ptr,
-                       scales.data.ptr, 0 if stream is None else stream.ptr)
+                       scales.data.ptr, stream_ptr)
 
 
 # A pre-quantized pair is packed into the rows of the one-pass FP8 dispatch (moe_rt/ep.py) by a kernel launched
@@ -152,14 +152,14 @@ def launch_pack(q, scales, packed, block: int, device_id: int, stream) -> None:
                            np.int64(rb)), stream=stream)
 
 
-def launch_dequantize(q, scales, y, block: int, device_id: int, stream) -> None:
+def launch_dequantize(q, scales, y, block: int, device_id: int, stream_ptr: int) -> None:
     """The C core's dequantize on checked, C-contiguous device arrays: ``q [T,H]`` (1-byte e4m3 codes) and
-    ``scales [T, ceil(H/block)]`` fp32 into ``y [T,H]`` (fp32/bf16/fp16), on ``stream`` (a CuPy stream)."""
+    ``scales [T, ceil(H/block)]`` fp32 into ``y [T,H]`` (fp32/bf16/fp16), on the cudaStream_t ``stream_ptr``."""
     T, H = int(q.shape[0]), int(q.shape[1])
     if not T or not H:
         return
     _core.dequantize_fp8(_core.device(device_id), q.data.ptr, scales.data.ptr, T, H, block, y.data.ptr,
-                         _core.CODES[np.dtype(y.dtype)], 0 if stream is None else stream.ptr)
+                         _core.CODES[np.dtype(y.dtype)], stream_ptr)
 
 
 def quantize_fp8(x, block: int = 128, *, stream=None):
@@ -186,7 +186,7 @@ def quantize_fp8(x, block: int = 128, *, stream=None):
             return call.out(q), call.out(s)
         q = call.empty((T, H), _E4M3)
         s = call.empty((T, nb), np.float32)
-        launch_quantize(xv, q, s, block, call.device_id, call.stream)
+        launch_quantize(xv, q, s, block, call.device_id, call.stream_ptr)
         return call.out(q), call.out(s)
 
 
@@ -211,7 +211,7 @@ def dequantize_fp8(x_fp8, scales, dtype="bfloat16", block: int = 128, *, stream=
         if call.backend == "cpu":
             return call.out(_ref.dequantize_fp8(np.asarray(qv), np.asarray(sv), dt, block))
         y = call.empty((T, H), dt)
-        launch_dequantize(qv, sv, y, block, call.device_id, call.stream)
+        launch_dequantize(qv, sv, y, block, call.device_id, call.stream_ptr)
         return call.out(y)
 
 
