@@ -4,7 +4,8 @@
 //                   order of the reduction cannot matter), scale = amax / 448 (1 where that is 0),
 //                   q = e4m3(x / scale), round to nearest even, saturating to +-448; with block = 128, H % 8
 //                   == 0 and 16-byte rows (the common case), a half-warp per block (quantize_pairs_128)
-//   dequantize_fp8  one warp per (token, block): y = T(float(q) * scale)
+//   dequantize_fp8  one warp per (token, block): y = T(float(q) * scale); with block = 128, H % 8 == 0 and
+//                   aligned rows, a half-warp per block (dequant_pairs_128)
 //   fp8_pack_rows   a pre-quantized pair (codes, scales) into the packed rows of a one-pass FP8 dispatch
 //
 // Packed rows (EpGroup.dispatch(fp8=True), docs/ep.md §9): row t holds its H codes, then at byte HS = ceil4(H)
@@ -20,11 +21,15 @@
 
 using namespace moe_rt;
 
-// quantize_fp8's two-block items (quantize_pairs_128): items a warp holds in flight (1, 2 and 4 measured on
-// H200, bf16 and fp32, T = 4096 and 16384: 1 fastest or level; more registers cost more occupancy than the
-// loads in flight gain)
+// quantize_fp8's two-block items (quantize_pairs_128): items a warp holds in flight; 0: by type, 2 for bf16
+// (its words need fewer registers: 2 was level at T = 4096 and 6% faster at 16384 on H200, no spills), 1 for
+// fp32 and fp16 (2 spills there)
 #ifndef MOE_RT_QUANT_U
-#define MOE_RT_QUANT_U 1
+#define MOE_RT_QUANT_U 0
+#endif
+// dequantize_fp8's two-block items (dequant_pairs_128) a warp holds in flight
+#ifndef MOE_RT_DEQUANT_U
+#define MOE_RT_DEQUANT_U 2
 #endif
 // quantize_fp8's blocks of 256 threads a multiprocessor (5: 48 registers)
 #ifndef MOE_RT_QUANT_MINB
@@ -109,18 +114,74 @@ struct BlockSpan {
   }
 };
 
-// Eight consecutive elements of T as fp32 (one 16-byte load of 16-bit T, two of fp32).
-template <typename T> struct Eight { T v[8]; };
+// Eight consecutive channels of a block for quantize_pairs_128 (one 16-byte load of 16-bit T, two of fp32):
+// amax_bits() is the largest |x| as fp32 bits, codes() the e4m3 codes of x / s (e4m3_codes' bits).
+template <typename T> struct Chunk8 {
+  float f[8];
+  __device__ __forceinline__ void load(const T* p) {
+    T r[8];
+#pragma unroll
+    for (int k = 0; k < (int)(sizeof(r) / 16); ++k)
+      reinterpret_cast<uint4*>(r)[k] = reinterpret_cast<const uint4*>(p)[k];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) f[j] = to_float(r[j]);
+  }
+  __device__ __forceinline__ void clear() {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) f[j] = 0.0f;
+  }
+  __device__ __forceinline__ unsigned amax_bits() const {
+    unsigned m = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) m = max(m, abs_bits(f[j]));
+    return m;
+  }
+  __device__ __forceinline__ void codes(float s, unsigned (&c)[2]) const { e4m3_codes<8>(f, s, c); }
+};
 
-template <typename T>
-__device__ __forceinline__ void load8(const T* p, float* f) {
-  Eight<T> r;
+// bf16 stays in its words: |x| of two channels is one mask, their largest a 16-bit pair max (bf16 -> fp32
+// is a shift, so the order of the bits is kept: the same amax bits), the quotients are formed from |x| and
+// the signs go into the codes' sign bits at the end (e4m3 rounds and saturates symmetrically: the same
+// codes, -0 included). Outside scale_in_fast_range (NaN, inf, extreme scales) the signed values take div_rn.
+template <> struct Chunk8<__nv_bfloat16> {
+  unsigned w[4];
+  __device__ __forceinline__ void load(const __nv_bfloat16* p) {
+    const uint4 r = *reinterpret_cast<const uint4*>(p);
+    w[0] = r.x, w[1] = r.y, w[2] = r.z, w[3] = r.w;
+  }
+  __device__ __forceinline__ void clear() { w[0] = w[1] = w[2] = w[3] = 0u; }
+  __device__ __forceinline__ unsigned amax_bits() const {
+    const unsigned m = __vmaxu2(__vmaxu2(w[0] & 0x7fff7fffu, w[1] & 0x7fff7fffu),
+                                __vmaxu2(w[2] & 0x7fff7fffu, w[3] & 0x7fff7fffu));
+    return max(m << 16, m & 0xffff0000u);
+  }
+  __device__ __forceinline__ void codes(float s, unsigned (&c)[2]) const {
+    if (scale_in_fast_range(s)) {
+      const float r = div_rn(1.0f, s), ns = -s;
+      unsigned h[4];
 #pragma unroll
-  for (int k = 0; k < (int)(sizeof(Eight<T>) / 16); ++k)
-    reinterpret_cast<uint4*>(&r)[k] = reinterpret_cast<const uint4*>(p)[k];
+      for (int k = 0; k < 4; ++k) {
+        const unsigned a = w[k] & 0x7fff7fffu;
+        h[k] = to_e4m3x2(div_by_scale_pos(__uint_as_float(a << 16), ns, r),
+                         div_by_scale_pos(__uint_as_float(a & 0xffff0000u), ns, r));
+      }
+      // byte j of __byte_perm(w[2q], w[2q + 1], 0x7531) holds channel 4q + j's sign in its bit 7
+      c[0] = (h[0] | h[1] << 16) | (__byte_perm(w[0], w[1], 0x7531) & 0x80808080u);
+      c[1] = (h[2] | h[3] << 16) | (__byte_perm(w[2], w[3], 0x7531) & 0x80808080u);
+    } else {
+      float f[8];
 #pragma unroll
-  for (int j = 0; j < 8; ++j) f[j] = to_float(r.v[j]);
-}
+      for (int k = 0; k < 4; ++k) {
+        f[2 * k] = __uint_as_float(w[k] << 16);
+        f[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
+      }
+      e4m3_codes<8>(f, s, c);
+    }
+  }
+};
+
+template <typename T> struct QuantItems { static constexpr int value = MOE_RT_QUANT_U ? MOE_RT_QUANT_U : 1; };
+template <> struct QuantItems<__nv_bfloat16> { static constexpr int value = MOE_RT_QUANT_U ? MOE_RT_QUANT_U : 2; };
 
 __device__ __forceinline__ unsigned half_warp_max_u32(unsigned v) {
 #pragma unroll
@@ -136,31 +197,32 @@ __device__ __forceinline__ unsigned half_warp_max_u32(unsigned v) {
 // reciprocal) is shared by 128 values; U items a warp are loaded before the first is reduced; the quotients
 // by div_by_scale where the scale allows (same bits as div_rn). Measured on H200 (bf16, H = 7168, T = 16384,
 // ncu): the earlier form (one block a warp, 4 channels and four div_rn a lane, four items in flight) ran 164
-// warp instructions a block at 63% issue, 40% of the copy rate; this one runs 106 at 73%, 53% (BENCHMARKS.md).
-template <typename T, int U>
+// warp instructions a block at 63% issue, 40% of the copy rate; this one ran 106 at 73%, 53%. I = unsigned
+// (32-bit item counters) and bf16 kept in its words (Chunk8) then took it from 0.138 to 0.116 ms, 73% of the
+// copy rate (BENCHMARKS.md).
+template <typename T, int U, typename I>
 __device__ __forceinline__ void quantize_pairs_128(const T* __restrict__ x, unsigned char* __restrict__ q,
-                                                   float* __restrict__ scales, i64 num_tokens, int H, int nb,
+                                                   float* __restrict__ scales, I num_tokens, int H, int nb,
                                                    i64 q_stride, i64 s_stride) {
   const int lane = threadIdx.x & 31, hl = lane & 15;
-  const int np = (nb + 1) >> 1;  // block pairs a row
-  const i64 work = num_tokens * np, stride = ((i64)gridDim.x * blockDim.x) >> 5;
-  const i64 first = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-  StepDivmod it(first, stride, np);  // (token, pair) of the warp's next item
-  for (i64 w0 = first; w0 < work; w0 += U * stride) {
-    float f[U][8];
-    i64 t[U];
+  const I np = (I)((nb + 1) >> 1);  // block pairs a row
+  const I work = num_tokens * np, stride = (I)(((i64)gridDim.x * blockDim.x) >> 5);
+  const I first = (I)(((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5);
+  I tq = first / np, tr = first - tq * np;  // (token, pair) of the warp's next item, stepped by stride
+  const I sq = stride / np, sr = stride - sq * np;
+  for (I w0 = first; w0 < work; w0 += U * stride) {
+    Chunk8<T> v[U];
+    I t[U];
     int c[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      t[u] = it.q;
-      c[u] = ((int)it.r * 2 + (lane >> 4)) * 128 + hl * 8;  // this half's block, this lane's 8 channels
-      it.advance();
-      if (t[u] < num_tokens && c[u] < H) {  // H % 8 == 0: a lane's channels are all in or all out
-        load8(x + t[u] * (i64)H + c[u], f[u]);
-      } else {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) f[u][j] = 0.0f;
-      }
+      t[u] = tq;
+      c[u] = ((int)tr * 2 + (lane >> 4)) * 128 + hl * 8;  // this half's block, this lane's 8 channels
+      tq += sq;
+      tr += sr;
+      if (tr >= np) tr -= np, ++tq;
+      if (t[u] < num_tokens && c[u] < H) v[u].load(x + t[u] * (i64)H + c[u]);  // H % 8 == 0: all in or out
+      else v[u].clear();
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -168,16 +230,72 @@ __device__ __forceinline__ void quantize_pairs_128(const T* __restrict__ x, unsi
       const int blk = c[u] >> 7;
       unsigned char* qrow = q + t[u] * q_stride;
       if (q_stride > H && blk == nb - 1) zero_packed_gaps(qrow, H, nb, q_stride, hl, 16);  // packed rows
-      unsigned m = 0;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) m = max(m, abs_bits(f[u][j]));
-      m = half_warp_max_u32(m);
-      const float scale = e4m3_block_scale(m);
+      const float scale = e4m3_block_scale(half_warp_max_u32(v[u].amax_bits()));
       if (c[u] >= H) continue;  // the second half of a row's odd last block (no shuffle follows)
       if (hl == 0) scales[t[u] * s_stride + blk] = scale;
       unsigned codes[2];
-      e4m3_codes<8>(f[u], scale, codes);
+      v[u].codes(scale, codes);
       *reinterpret_cast<uint2*>(qrow + c[u]) = make_uint2(codes[0], codes[1]);
+    }
+  }
+}
+
+// dequantize_fp8 where block = 128, H % 8 == 0, codes 8-byte and y 16-byte aligned: items of two blocks as in
+// quantize_pairs_128, 8 codes a lane, U items loaded before the first is converted. 16-bit T: a lane's 8
+// channels are consecutive (one 8-byte load, one 16-byte store); fp32: channels [4 hl, 4 hl + 4) and 64 past
+// them, so that each 16-byte store instruction of a half-warp covers 256 consecutive bytes (8 consecutive
+// fp32 channels a lane made every store write half sectors: 1.4x slower at T = 16384 on H200). The
+// one-block-a-warp form (4 codes a lane) ran at 35-63% of the copy rate for bf16 on H200 (BENCHMARKS.md).
+template <typename T, int U, typename I>
+__device__ __forceinline__ void dequant_pairs_128(const unsigned char* __restrict__ q, const float* __restrict__ scales,
+                                                  T* __restrict__ y, I num_tokens, int H, int nb) {
+  constexpr bool SPLIT = sizeof(T) == 4;
+  constexpr int GAP = SPLIT ? 64 : 4;  // channels from a lane's first four to its second four
+  const int lane = threadIdx.x & 31, hl = lane & 15;
+  const I np = (I)((nb + 1) >> 1);
+  const I work = num_tokens * np, stride = (I)(((i64)gridDim.x * blockDim.x) >> 5);
+  const I first = (I)(((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5);
+  I tq = first / np, tr = first - tq * np;
+  const I sq = stride / np, sr = stride - sq * np;
+  for (I w0 = first; w0 < work; w0 += U * stride) {
+    unsigned cw[U][2];
+    float sc[U];
+    i64 at[U];    // the lane's first element, or -1
+    bool two[U];  // the lane's second four channels are in the row (a short last block may end before them)
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const I t = tq;
+      const int c = ((int)tr * 2 + (lane >> 4)) * 128 + hl * (SPLIT ? 4 : 8);
+      tq += sq;
+      tr += sr;
+      if (tr >= np) tr -= np, ++tq;
+      at[u] = -1;
+      two[u] = !SPLIT || c + GAP < H;  // H % 8 == 0: each four channels all in or all out
+      if (t < num_tokens && c < H) {
+        at[u] = t * (i64)H + c;
+        if (SPLIT) {
+          cw[u][0] = *reinterpret_cast<const unsigned*>(q + at[u]);
+          cw[u][1] = two[u] ? *reinterpret_cast<const unsigned*>(q + at[u] + GAP) : 0u;
+        } else {
+          const uint2 w = *reinterpret_cast<const uint2*>(q + at[u]);
+          cw[u][0] = w.x, cw[u][1] = w.y;
+        }
+        sc[u] = scales[t * (i64)nb + (c >> 7)];
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (at[u] < 0) continue;
+      struct alignas(16) { T v[4]; } lo, hi;
+      dequant4(cw[u][0], sc[u], lo.v);
+      dequant4(cw[u][1], sc[u], hi.v);
+      if (SPLIT) {
+        *reinterpret_cast<uint4*>(y + at[u]) = *reinterpret_cast<const uint4*>(&lo);
+        if (two[u]) *reinterpret_cast<uint4*>(y + at[u] + GAP) = *reinterpret_cast<const uint4*>(&hi);
+      } else {
+        const uint2 a = *reinterpret_cast<const uint2*>(&lo), b = *reinterpret_cast<const uint2*>(&hi);
+        *reinterpret_cast<uint4*>(y + at[u]) = make_uint4(a.x, a.y, b.x, b.y);
+      }
     }
   }
 }
@@ -194,7 +312,14 @@ __global__ void __launch_bounds__(256, MOE_RT_QUANT_MINB)
   if constexpr (V4) {
     if (block == 128 && H % 8 == 0 && (reinterpret_cast<unsigned long long>(x) & 15) == 0 &&
         (reinterpret_cast<unsigned long long>(q) & 7) == 0 && (q_stride & 7) == 0) {
-      quantize_pairs_128<T, MOE_RT_QUANT_U>(x, q, scales, num_tokens, H, nb, q_stride, s_stride);
+      // 32-bit item counters where the items and a grid stride past them fit (any real shape): fewer
+      // instructions an item than 64-bit ones
+      const i64 items = num_tokens * ((nb + 1) >> 1), warps = ((i64)gridDim.x * blockDim.x) >> 5;
+      if (items + (i64)QuantItems<T>::value * warps < ((i64)1 << 32))
+        quantize_pairs_128<T, QuantItems<T>::value, unsigned>(x, q, scales, (unsigned)num_tokens, H, nb, q_stride,
+                                                              s_stride);
+      else
+        quantize_pairs_128<T, QuantItems<T>::value, i64>(x, q, scales, num_tokens, H, nb, q_stride, s_stride);
       return;
     }
   }
@@ -238,6 +363,17 @@ __global__ void __launch_bounds__(256, MOE_RT_QUANT_MINB)
 template <typename T, bool V4>
 __global__ void dequantize_fp8(const unsigned char* __restrict__ q, const float* __restrict__ scales,
                                T* __restrict__ y, i64 num_tokens, int H, int block, int nb) {
+  if constexpr (V4) {
+    if (block == 128 && H % 8 == 0 && (reinterpret_cast<unsigned long long>(q) & 7) == 0 &&
+        (reinterpret_cast<unsigned long long>(y) & 15) == 0) {
+      const i64 items = num_tokens * ((nb + 1) >> 1), warps = ((i64)gridDim.x * blockDim.x) >> 5;
+      if (items + (i64)MOE_RT_DEQUANT_U * warps < ((i64)1 << 32))
+        dequant_pairs_128<T, MOE_RT_DEQUANT_U, unsigned>(q, scales, y, (unsigned)num_tokens, H, nb);
+      else
+        dequant_pairs_128<T, MOE_RT_DEQUANT_U, i64>(q, scales, y, num_tokens, H, nb);
+      return;
+    }
+  }
   const int lane = threadIdx.x & 31;
   for (BlockSpan sp(num_tokens, H, block, nb); sp.next();) {
     const int c0 = sp.c0, c1 = sp.c1;

@@ -561,9 +561,9 @@ def _jax_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
-@pytest.mark.parametrize("T,H,block,offset", [(257, 7168, 128, 0), (33, 300, 128, 0), (31, 388, 128, 1),
-                                              (19, 130, 64, 0), (7, 45, 7, 0), (65, 512, 256, 0), (1, 4, 128, 0),
-                                              (0, 128, 128, 0)])
+@pytest.mark.parametrize("T,H,block,offset", [(257, 7168, 128, 0), (9, 264, 128, 0), (33, 300, 128, 0),
+                                              (31, 388, 128, 1), (19, 130, 64, 0), (7, 45, 7, 0), (65, 512, 256, 0),
+                                              (1, 4, 128, 0), (0, 128, 128, 0)])
 def test_gpu_quantize_bit_exact(rng, dtype, T, H, block, offset):
     cp = _cupy()
     x = edge_inputs(rng, T, H, dtype, block) if T else np.zeros((T, H), dtype)
@@ -624,7 +624,8 @@ using namespace moe_rt;
 __device__ unsigned mix(unsigned x) { x ^= x >> 16; x *= 0x7feb352du; x ^= x >> 15; x *= 0x846ca68bu; return x ^ (x >> 16); }
 // n random pairs (s in [2^-60, 2^60), |a| <= 448.5 s: every bit pattern of a's significand, subnormal a too);
 // counts[0]: quotients with |a / s| >= 2^-11 where div_by_scale and div_rn differ, counts[1]: e4m3 codes that
-// differ anywhere, counts[2]: pairs checked
+// differ anywhere, counts[2]: pairs checked, counts[3]: codes where div_by_scale_pos of |a| with a's sign put
+// in the code's bit 7 (the bf16 quantize's form) differs from div_rn's
 extern "C" __global__ void div_check(unsigned seed, unsigned long long n, unsigned long long* counts) {
   for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
        i += (unsigned long long)gridDim.x * blockDim.x) {
@@ -635,9 +636,11 @@ extern "C" __global__ void div_check(unsigned seed, unsigned long long n, unsign
       a = mul_rn(__uint_as_float((h3 & 0x807fffffu) | ((112u + (h3 >> 23) % 24u) << 23)), s);
       if (!(fabsf(a) <= 448.5f * s)) continue;
     }
-    const float fast = div_by_scale(a, s, div_rn(1.0f, s)), want = div_rn(a, s);
+    const float r = div_rn(1.0f, s), fast = div_by_scale(a, -s, r), want = div_rn(a, s);
     if (__float_as_uint(fast) != __float_as_uint(want) && fabsf(want) >= 0x1p-11f) atomicAdd(counts, 1ull);
     if (to_e4m3(fast) != to_e4m3(want)) atomicAdd(counts + 1, 1ull);
+    const unsigned char pos = to_e4m3(div_by_scale_pos(fabsf(a), -s, r)) | (__float_as_uint(a) >> 31 << 7);
+    if (pos != to_e4m3(want)) atomicAdd(counts + 3, 1ull);
     atomicAdd(counts + 2, 1ull);
   }
 }
@@ -648,17 +651,18 @@ extern "C" __global__ void div_check(unsigned seed, unsigned long long n, unsign
 def test_gpu_div_by_scale_matches_div_rn():
     """div_by_scale (the quantize's quotient: a product and two FMAs by the scale's reciprocal) against div_rn
     on 2^28 random pairs in its range: the same fp32 quotient wherever |a / s| >= 2^-11, the same e4m3 code
-    everywhere (below that both round to a signed zero)."""
+    everywhere (below that both round to a signed zero); and div_by_scale_pos of |a| with a's sign set in the
+    code afterwards (the bf16 quantize) gives div_rn's code everywhere."""
     cp = _cupy()
     from moe_rt import _jit
 
     opts = tuple(o for o in _jit._program_options("sm_90") if not o.startswith("-arch"))
     fn = cp.RawModule(code=_DIV_CHECK, options=opts).get_function("div_check")
-    counts = cp.zeros(3, cp.uint64)
+    counts = cp.zeros(4, cp.uint64)
     for seed in (1, 7919):
         fn((264,), (256,), (np.uint32(seed), np.uint64(1 << 27), counts))
-    bad_q, bad_code, checked = (int(v) for v in cp.asnumpy(counts))
-    assert checked > (1 << 27) and bad_q == 0 and bad_code == 0
+    bad_q, bad_code, checked, bad_pos = (int(v) for v in cp.asnumpy(counts))
+    assert checked > (1 << 27) and bad_q == 0 and bad_code == 0 and bad_pos == 0
 
 
 _DEQ_CHECK = r"""
@@ -756,6 +760,26 @@ def test_gpu_quantize_packed_rows(rng, dtype, T, H):
         packed.fill(0xA5)
         F.launch_pack(qd, cp.asarray(sr), packed, 128, 0, cp.cuda.get_current_stream())
         np.testing.assert_array_equal(cp.asnumpy(packed), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out", DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("T,H,block,offset", [(257, 7168, 128, 0), (9, 264, 128, 0), (5, 392, 128, 0),
+                                              (33, 300, 128, 0), (7, 264, 128, 3), (19, 130, 64, 0)])
+def test_gpu_dequantize_into_poisoned_rows(rng, out, T, H, block, offset):
+    """The dequantize kernels (the two-block items of block 128 and H % 8 == 0, fp32's split channels, short
+    last blocks, an odd number of blocks; the generic kernels for the rest and for codes at an odd offset)
+    write every element of a poisoned output, bit for bit the reference's."""
+    cp = _cupy()
+    from moe_rt import fp8 as F
+
+    qr, sr = moe_rt.quantize_fp8(edge_inputs(rng, T, H, np.float32, block), block)
+    want = bits(moe_rt.dequantize_fp8(qr, sr, out, block))
+    qd = cp.asarray(np.concatenate([np.zeros(offset, np.uint8), bits(qr).reshape(-1)]))[offset:].reshape(T, H)
+    y = cp.full((T, H), 0x7FA5A5A5 if out.itemsize == 4 else 0x7DA5, cp.uint32 if out.itemsize == 4 else cp.uint16)
+    F.launch_dequantize(qd, cp.asarray(sr), SimpleNamespace(shape=(T, H), dtype=out, data=y.data), block, 0,
+                        cp.cuda.get_current_stream().ptr)
+    np.testing.assert_array_equal(cp.asnumpy(y), want.view(y.dtype))
 
 
 @pytest.mark.gpu

@@ -36,9 +36,16 @@ __device__ __forceinline__ bool scale_in_fast_range(float s) { return s >= 0x1p-
 // (Markstein's correction step), bit for bit div_rn(a, s) wherever |a / s| >= 2^-11 (no step underflows
 // there). Below that both are smaller than half of e4m3's least subnormal (2^-10) with a's sign, so
 // to_e4m3 gives both the same signed zero; the sign is taken from a for the case q = -0, rem = +0.
-__device__ __forceinline__ float div_by_scale(float a, float s, float r) {
+// ns = -s: the remainder's product takes the negated scale (-q under -ftz would cost an instruction a value).
+__device__ __forceinline__ float div_by_scale(float a, float ns, float r) {
   const float q = mul_rn(a, r);
-  return copysignf(fma_rn(fma_rn(-q, s, a), r, q), a);
+  return copysignf(fma_rn(fma_rn(q, ns, a), r, q), a);
+}
+
+// div_by_scale for a >= 0 (+0 included): no sign to restore.
+__device__ __forceinline__ float div_by_scale_pos(float a, float ns, float r) {
+  const float q = mul_rn(a, r);
+  return fma_rn(fma_rn(q, ns, a), r, q);
 }
 
 // Two values to e4m3 (round to nearest even, saturating), v0 in the low byte: to_e4m3 of each, one instruction.
@@ -53,9 +60,9 @@ template <int N>
 __device__ __forceinline__ void e4m3_codes(const float (&f)[N], float s, unsigned (&c)[N / 4]) {
   float v[N];
   if (scale_in_fast_range(s)) {
-    const float r = div_rn(1.0f, s);
+    const float r = div_rn(1.0f, s), ns = -s;
 #pragma unroll
-    for (int j = 0; j < N; ++j) v[j] = div_by_scale(f[j], s, r);
+    for (int j = 0; j < N; ++j) v[j] = div_by_scale(f[j], ns, r);
   } else {
 #pragma unroll
     for (int j = 0; j < N; ++j) v[j] = div_rn(f[j], s);
