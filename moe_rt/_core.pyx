@@ -217,6 +217,8 @@ ctypedef st_t (*f_fp8_dq)(moe_rt_context*, const void*, const float*, int64_t, i
                           moe_rt_stream) nogil
 ctypedef st_t (*f_fp8_rows)(moe_rt_context*, const void*, int, int64_t, int64_t, int, void*, int64_t,
                             moe_rt_stream) nogil
+ctypedef st_t (*f_fp8_pack)(moe_rt_context*, const void*, const float*, int64_t, int64_t, int, void*, int64_t,
+                            moe_rt_stream) nogil
 ctypedef st_t (*f_aux_bwd)(moe_rt_context*, const void*, int, int64_t, int, const void*, int, int64_t, const void*,
                            int, int, int, float, void*, moe_rt_stream) nogil
 
@@ -300,6 +302,7 @@ cdef f_copy_kept_rows p_copy_kept_rows
 cdef f_fp8_q p_quantize
 cdef f_fp8_dq p_dequantize
 cdef f_fp8_rows p_quantize_rows
+cdef f_fp8_pack p_pack_rows
 
 LIB_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib", "libmoe_rt.so")
 
@@ -348,7 +351,7 @@ cdef _open():
     global p_last_plan, p_check, p_aux_ws, p_topk, p_topk_idx, p_topk_bwd, p_scores, p_scores_bwd, p_aux, p_aux_bwd
     global p_plan_ws, p_chunks_ws, p_make_plan, p_dispatch, p_combine, p_dispatch_bwd, p_combine_bwd, p_sort_chunks
     global p_copy_kept_rows
-    global p_quantize, p_dequantize, p_quantize_rows, p_load_stand_in, p_end_stand_ins, p_last_stand_in
+    global p_quantize, p_dequantize, p_quantize_rows, p_pack_rows, p_load_stand_in, p_end_stand_ins, p_last_stand_in
     global p_last_args, p_ll_create, p_ll_destroy, p_ll_dispatch, p_ll_combine, p_ll_combine_bwd, p_ll_serial
     global p_epd_create, p_epd_destroy, p_epd_add_stage, p_epd_barrier, p_epd_dispatch, p_epd_combine
     global p_pb_create, p_pb_info, p_pb_close_mappings, p_pb_destroy
@@ -392,6 +395,7 @@ cdef _open():
     p_quantize = <f_fp8_q>_sym(h, b"moe_rt_quantize_fp8")
     p_dequantize = <f_fp8_dq>_sym(h, b"moe_rt_dequantize_fp8")
     p_quantize_rows = <f_fp8_rows>_sym(h, b"moe_rt_quantize_fp8_rows")
+    p_pack_rows = <f_fp8_pack>_sym(h, b"moe_rt_pack_fp8_rows")
     p_last_args = <f_last_args>_sym(h, b"moe_rt_last_plan_args")
     p_ll_create = <f_ll_create>_sym(h, b"moe_rt_ll_group_create")
     p_ll_destroy = <f_ll_destroy>_sym(h, b"moe_rt_ll_group_destroy")
@@ -926,6 +930,17 @@ def quantize_fp8_rows(Context d, uintptr_t x, int dtype, int64_t T, int64_t H, i
     while True:
         st = p_quantize_rows(c, <const void*>x, dtype, T, H, block, <void*>rows, row_bytes, <moe_rt_stream>stream)
         if _done(d, &c, st, &tries, b"moe_rt_quantize_fp8_rows"):
+            return
+
+
+def pack_fp8_rows(Context d, uintptr_t x_fp8, uintptr_t scales, int64_t T, int64_t H, int block, uintptr_t rows,
+                  int64_t row_bytes, uintptr_t stream):
+    cdef moe_rt_context* c = _begin(d, stream)
+    cdef int tries = 0, st
+    while True:
+        st = p_pack_rows(c, <const void*>x_fp8, <const float*>scales, T, H, block, <void*>rows, row_bytes,
+                         <moe_rt_stream>stream)
+        if _done(d, &c, st, &tries, b"moe_rt_pack_fp8_rows"):
             return
 
 

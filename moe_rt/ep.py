@@ -955,11 +955,11 @@ class EpGroup:
                 xv = _arrays.contiguous(call.xp, xv)
             key = self._op_key("dispatch_fp8", handle, packed, pair, codes, np.dtype(out_dt), dequantize,
                                wv is not None, None if pair else (xv.dtype, xv.data.ptr & 15), zero)
-            # key None: no NCCL exchange, no waits; the quantize goes through the C core on the call's stream
-            # pointer (a light call makes no CuPy stream for it), a pair's packing through CuPy
+            # key None: no NCCL exchange, no waits; the quantize (or a pair's packing) goes through the C core on
+            # the call's stream pointer (a light call makes no CuPy stream for it)
             with self._first_call("dispatch", key, call.stream) if key is not None else _NO_WAITS:
                 if pair:
-                    _fp8.launch_pack(q, sc, packed, FP8_BLOCK, call.device_id, call.stream)
+                    _fp8.launch_pack(q, sc, packed, FP8_BLOCK, call.device_id, call.stream_ptr)
                 else:
                     _fp8.launch_quantize_packed(xv, packed, FP8_BLOCK, call.device_id, call.stream_ptr)
                 tpe = call.empty((handle.sizes["L"],), np.int32)  # copied by the transport, as in dispatch

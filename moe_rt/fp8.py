@@ -34,7 +34,6 @@ __all__ = ["quantize_fp8", "dequantize_fp8", "dispatch_fp8", "FP8_MAX"]
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 MAX_BLOCK = 1 << 16
 _FILE = "fp8.cu"
-_THREADS = 256  # the pair-packing kernel (launch_pack)
 _TOKEN_DTYPES = tuple(d for d in _arrays.FLOAT_DTYPES if d is not None)
 _E4M3 = _arrays.FLOAT8_E4M3
 _SCALE_DTYPES = (np.dtype(np.float32), np.dtype(np.uint8))  # fp32 block scales; MXFP8's E8M0 as bytes
@@ -110,13 +109,6 @@ def launch_quantize(x, q, scales, block: int, device_id: int, stream_ptr: int) -
                        scales.data.ptr, stream_ptr)
 
 
-# A pre-quantized pair is packed into the rows of the one-pass FP8 dispatch (moe_rt/ep.py) by a kernel launched
-# here (the C core has no pair-packing op; it quantizes into packed rows: launch_quantize_packed).
-def _grid(work_warps: int, device_id: int) -> int:
-    cap = _jit.device_properties(device_id)["sm_count"] * 32
-    return max(1, min(-(-work_warps // (_THREADS // 32)), cap))
-
-
 def packed_layout(H: int, block: int = 128) -> tuple[int, int, int]:
     """The packed rows of a one-pass FP8 dispatch (docs/ep.md §9; kernels/fp8.cu): ``(S, scale_at, row_bytes)``:
     a row holds its ``H`` e4m3 codes, then at byte ``scale_at = ceil4(H)`` its ``S = ceil(H/block)`` fp32
@@ -138,18 +130,15 @@ def launch_quantize_packed(x, packed, block: int, device_id: int, stream_ptr: in
                             packed.data.ptr, int(packed.shape[1]), stream_ptr)
 
 
-def launch_pack(q, scales, packed, block: int, device_id: int, stream) -> None:
-    """A pre-quantized pair (``q [T,H]`` 1-byte codes, ``scales [T, ceil(H/block)]`` fp32; C-contiguous device
-    arrays) into ``packed [T, row_bytes]`` uint8 rows (:func:`packed_layout`), one kernel, on ``stream``."""
+def launch_pack(q, scales, packed, block: int, device_id: int, stream_ptr: int) -> None:
+    """The C core's packing of a pre-quantized pair (``moe_rt_pack_fp8_rows``): ``q [T,H]`` 1-byte codes and
+    ``scales [T, ceil(H/block)]`` fp32 (C-contiguous device arrays) into ``packed [T, row_bytes]`` uint8 rows
+    (:func:`packed_layout`), one kernel, on the cudaStream_t ``stream_ptr``."""
     T, H = int(q.shape[0]), int(q.shape[1])
     if not T:
         return
-    S, _, rb = packed_layout(H, block)
-    w4 = H % 4 == 0 and q.data.ptr % 4 == 0 and packed.data.ptr % 4 == 0
-    items = T * rb // (4 if w4 else 1)
-    _jit.launch(_jit.function(_FILE, f"fp8_pack_rows<{'true' if w4 else 'false'}>"), _grid(-(-items // 32), device_id),
-                _THREADS, (q.data.ptr, scales.data.ptr, packed.data.ptr, np.int64(T), np.int32(H), np.int32(S),
-                           np.int64(rb)), stream=stream)
+    _core.pack_fp8_rows(_core.device(device_id), q.data.ptr, scales.data.ptr, T, H, block, packed.data.ptr,
+                        int(packed.shape[1]), stream_ptr)
 
 
 def launch_dequantize(q, scales, y, block: int, device_id: int, stream_ptr: int) -> None:

@@ -86,6 +86,7 @@ SIGNATURES = {
     "moe_rt_quantize_fp8": (I, [P, P, I, L, L, I, P, P, P]),
     "moe_rt_dequantize_fp8": (I, [P, P, P, L, L, I, P, I, P]),
     "moe_rt_quantize_fp8_rows": (I, [P, P, I, L, L, I, P, L, P]),
+    "moe_rt_pack_fp8_rows": (I, [P, P, P, L, L, I, P, L, P]),
     "moe_rt_last_plan_args": (I, [P, I, C.POINTER(L), I, C.POINTER(I)]),
 }
 
@@ -677,6 +678,25 @@ def test_quantize_rows_plans_the_quantize_over_packed_rows(lib, ctx, T, H, dt, o
     assert list(args[:n.value]) == [x, rows, rows + at, T, H, block, nb, rb, rb // 4]
 
 
+@pytest.mark.parametrize("T,H,qoff", [(4096, 7168, 0), (37, 130, 0), (9, 77, 0), (5, 256, 1)])
+def test_pack_rows_plans_the_pair_packing(lib, ctx, T, H, qoff):
+    """moe_rt_pack_fp8_rows (a pre-quantized pair into the FP8 EP dispatch's packed rows) plans fp8_pack_rows as
+    moe_rt.fp8 launched it through CuPy before: a thread a 4-byte word of a row where H % 4 == 0 and the codes are
+    4-byte aligned, else a thread a byte; 256 threads; grid min(ceil(warps / 8), 32 a multiprocessor); the
+    arguments in the kernel's order."""
+    block, at, nb = 128, -(-H // 4) * 4, -(-H // 128)
+    rb = -(-(at + 4 * nb) // 16) * 16
+    q, sc, rows = BASE + qoff, BASE + (1 << 28), BASE + (1 << 30)
+    _ok(lib, lib.moe_rt_pack_fp8_rows(ctx, q, sc, T, H, block, rows, rb, None))
+    w4 = H % 4 == 0 and qoff % 4 == 0
+    warps = -(-(T * rb // (4 if w4 else 1)) // 32)
+    grid = max(1, min(-(-warps // 8), H100["sm_count"] * 32))
+    assert _launches(lib, ctx) == [(f"fp8_pack_rows<{'true' if w4 else 'false'}>", grid, 256, 0)]
+    args, n = (L * 16)(), I()
+    _ok(lib, lib.moe_rt_last_plan_args(ctx, 0, args, 16, C.byref(n)))
+    assert list(args[:n.value]) == [q, sc, rows, T, H, nb, rb]
+
+
 def test_bad_fp8_input(lib, ctx):
     q, dq = lib.moe_rt_quantize_fp8, lib.moe_rt_dequantize_fp8
     _ok(lib, q(ctx, BASE, F32, 4, 256, 128, BASE, BASE, None))
@@ -704,6 +724,21 @@ def test_bad_fp8_input(lib, ctx):
     _err(lib, r(ctx, BASE, BF16, 4, -2, 128, BASE, 320, None), INVALID, "hidden")
     for block in (0, 65537):
         _err(lib, r(ctx, BASE, BF16, 4, 300, block, BASE, 320, None), INVALID, "block", "65536")
+    pk = lib.moe_rt_pack_fp8_rows
+    _ok(lib, pk(ctx, BASE, BASE, 4, 300, 128, BASE, 320, None))
+    _ok(lib, pk(ctx, BASE, BASE, 0, 300, 128, BASE, 320, None))
+    _err(lib, pk(None, BASE, BASE, 4, 300, 128, BASE, 320, None), INVALID, "ctx is NULL")
+    _err(lib, pk(ctx, None, BASE, 4, 300, 128, BASE, 320, None), INVALID, "moe_rt_pack_fp8_rows", "x_fp8 is NULL")
+    _err(lib, pk(ctx, BASE, None, 4, 300, 128, BASE, 320, None), INVALID, "scales is NULL")
+    _err(lib, pk(ctx, BASE, BASE, 4, 300, 128, None, 320, None), INVALID, "rows is NULL")
+    for rb in (308, 311, 314, -4, 0):
+        _err(lib, pk(ctx, BASE, BASE, 4, 300, 128, BASE, rb, None), INVALID, "row_bytes", "312")
+    _err(lib, pk(ctx, BASE, BASE, 4, 300, 128, BASE + 2, 320, None), INVALID, "rows", "4-byte aligned")
+    _err(lib, pk(ctx, BASE, BASE + 2, 4, 300, 128, BASE, 320, None), INVALID, "scales", "4-byte aligned")
+    _err(lib, pk(ctx, BASE, BASE, -1, 300, 128, BASE, 320, None), INVALID, "num_tokens")
+    _err(lib, pk(ctx, BASE, BASE, 4, -2, 128, BASE, 320, None), INVALID, "hidden")
+    for block in (0, 65537):
+        _err(lib, pk(ctx, BASE, BASE, 4, 300, block, BASE, 320, None), INVALID, "block", "65536")
     _ok(lib, dq(ctx, BASE, BASE, 4, 256, 128, BASE, BF16, None))
     _err(lib, dq(ctx, BASE, BASE, 4, 256, 128, None, BF16, None), INVALID, "y is NULL")
     _err(lib, dq(ctx, BASE, BASE, 4, 256, 128, BASE, U8, None), INVALID, "dtype", "uint8")

@@ -67,7 +67,7 @@ def core(monkeypatch):
     for op in ("topk_with_score", "topk_indices_with_score", "topk_with_score_backward", "scores_for_aux_loss",
                "scores_for_aux_loss_backward", "aux_loss", "aux_loss_backward", "make_plan", "dispatch", "combine",
                "dispatch_backward", "combine_backward", "sort_chunks", "quantize_fp8", "dequantize_fp8",
-               "quantize_fp8_rows"):
+               "quantize_fp8_rows", "pack_fp8_rows"):
         real = getattr(_core, op)
 
         def rec(*args, _real=real, _op=op):
@@ -425,6 +425,18 @@ def test_packed_quantize_hands_the_core_its_rows(core, T, H, dt):
     assert _last(core, "quantize_fp8_rows") == (x.ptr, CODE[dt], T, H, 128, packed.ptr, rb, STREAM)
     assert core.last_plan() == _abi_plan("moe_rt_quantize_fp8_rows", _p(x), I(CODE[dt]), L(T), L(H), I(128),
                                          _p(packed), L(rb), P(STREAM))
+
+
+@pytest.mark.parametrize("T,H", [(4096, 7168), (9, 77)])
+def test_pair_packing_hands_the_core_its_rows(core, T, H):
+    # a pre-quantized pair into the FP8 dispatch's packed rows (moe_rt.fp8.launch_pack): one core call on the
+    # caller's stream pointer
+    S, at, rb = fp8.packed_layout(H)
+    q, sc, packed = core.mem((T, H), np.uint8), core.mem((T, S), F32), core.mem((T, rb), np.uint8)
+    fp8.launch_pack(q, sc, packed, 128, 0, STREAM)
+    assert _last(core, "pack_fp8_rows") == (q.ptr, sc.ptr, T, H, 128, packed.ptr, rb, STREAM)
+    assert core.last_plan() == _abi_plan("moe_rt_pack_fp8_rows", _p(q), _p(sc), L(T), L(H), I(128), _p(packed),
+                                         L(rb), P(STREAM))
 
 
 # ---- errors ------------------------------------------------------------------------------------------------

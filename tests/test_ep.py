@@ -2259,6 +2259,7 @@ def test_fp8_dispatch_one_transport_pass(monkeypatch, pair, dequantize):
     monkeypatch.setattr(_jit, "device_properties", lambda dev: {"sm_count": 4})
     monkeypatch.setattr(_core, "device", lambda dev: "core context")
     monkeypatch.setattr(_core, "quantize_fp8_rows", lambda *a: launches.append(("quantize_fp8_rows", a)))
+    monkeypatch.setattr(_core, "pack_fp8_rows", lambda *a: launches.append(("pack_fp8_rows", a)))
     monkeypatch.setattr(_arrays, "contiguous", lambda xp, a: a)
     monkeypatch.setattr(_arrays, "cupy_of", lambda a: a)
     monkeypatch.setattr(_arrays, "fp8_array", lambda a, dt: ("fp8", a))
@@ -2307,12 +2308,11 @@ def test_fp8_dispatch_one_transport_pass(monkeypatch, pair, dequantize):
     assert zero is True  # zero_empty_slots' default reaches the transport
     assert isinstance(rows, _ep_rows.Fp8Rows) and (op, expand, want_w, pw) == ("dispatch", True, True, w)
     assert px.shape == (T, rows.row_bytes) == (T, 320) and px.dtype == np.uint8
-    assert [n for n, _ in launches] == (["fp8_pack_rows<true>"] if pair else ["quantize_fp8_rows"])
+    assert [n for n, _ in launches] == (["pack_fp8_rows"] if pair else ["quantize_fp8_rows"])
     assert at == 1  # the packing kernel, then the pass; nothing after it
     args = launches[0][1]
-    if pair:  # codes, scales -> the packed rows
-        assert (args[0], args[1], args[2]) == (x[0].data.ptr, x[1].data.ptr, px.data.ptr)
-        assert int(args[-1]) == rows.row_bytes
+    if pair:  # codes, scales -> the packed rows of row_bytes, through the core on stream 9
+        assert args == ("core context", x[0].data.ptr, x[1].data.ptr, T, H, 128, px.data.ptr, rows.row_bytes, 9)
     else:  # x -> the packed rows of row_bytes (the core puts the scales at byte ceil4(H)), on stream 9
         assert args == ("core context", x.data.ptr, _core.CODES[np.dtype(_arrays.BFLOAT16)], T, H, 128,
                         px.data.ptr, rows.row_bytes, 9)

@@ -758,7 +758,7 @@ def test_gpu_quantize_packed_rows(rng, dtype, T, H):
     for off in (0, 1):
         qd = cp.asarray(np.concatenate([np.zeros(off, np.uint8), bits(qr).reshape(-1)]))[off:].reshape(T, H)
         packed.fill(0xA5)
-        F.launch_pack(qd, cp.asarray(sr), packed, 128, 0, cp.cuda.get_current_stream())
+        F.launch_pack(qd, cp.asarray(sr), packed, 128, 0, cp.cuda.get_current_stream().ptr)
         np.testing.assert_array_equal(cp.asnumpy(packed), want)
 
 

@@ -370,6 +370,10 @@ moe_rt_status moe_rt_dequantize_fp8(moe_rt_context* ctx, const void* x_fp8, cons
  * the next multiple of 16); rows 4-byte aligned. */
 moe_rt_status moe_rt_quantize_fp8_rows(moe_rt_context* ctx, const void* x, int dtype, int64_t num_tokens,
                                        int64_t hidden, int block, void* rows, int64_t row_bytes, moe_rt_stream stream);
+/* A pre-quantized pair (x_fp8 [T, H] e4m3 codes, scales [T, ceil(H/block)] float32, 4-byte aligned) into the
+ * same packed rows: the codes copied to each row's start, the scales to byte ceil4(H), zero bytes elsewhere. */
+moe_rt_status moe_rt_pack_fp8_rows(moe_rt_context* ctx, const void* x_fp8, const float* scales, int64_t num_tokens,
+                                   int64_t hidden, int block, void* rows, int64_t row_bytes, moe_rt_stream stream);
 
 /* Planning contexts: the arguments of launch `launch` of the last plan, in the kernel's parameter order, each as
  * a 64-bit value (pointers as addresses, int32 sign-extended, uint32 zero-extended, float32 as its bits) into
