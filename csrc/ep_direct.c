@@ -19,12 +19,13 @@
 #define EPD_MAX_RANKS 65536
 #define EPD_MAX_TOPK 1024 /* EpGroup's limit (docs/ep.md §6) */
 
-enum { L_BARRIER = 1, L_DISPATCH, L_ROW_MAP, L_COPY_W, L_COPY_RECV, L_FILL, L_FILL_S, L_SLOT_VALUES, L_COMBINE };
+enum { L_BARRIER = 1, L_DISPATCH, L_ROW_MAP, L_COPY_W, L_COPY_RECV, L_FILL, L_FILL_S, L_SLOT_VALUES, L_COMBINE, L_SCALE };
 
 typedef struct epd_key {
   int64_t kind, op, barrier, rb, u, K, P, T, N, rows, H, dtype, vec, fp8, piece, out_dtype, hidden;
   int64_t stage, make_map, copy_w, u_w, recv, u_recv, fill, u_fill, u_fill_s, out, out_w, slot_values;
   int64_t zero_rows; /* the dispatch kernel writes the empty rows' zeros (no ep_fill_rows of the rows) */
+  int64_t scale;     /* 1: the kernel's sink weights the rows (RowScale); 2: ep_scale_rows after it */
 } epd_key;
 
 struct moe_rt_ep_direct_group {
@@ -244,7 +245,10 @@ static moe_rt_status plan_of(moe_rt_ep_direct_group* g, const epd_key* k, mrt_pl
     if (k->barrier) st = plan_barrier(g, &p->launch[n++]);
     if (!st && k->rb > 0) {
       mrt_launch* l = &p->launch[n++];
-      if (!k->fp8)
+      if (k->scale == 1)
+        snprintf(l->name, sizeof l->name, "ep_direct_dispatch<uint4, %d, RowScale<%s>>", EPD_UNROLL,
+                 mrt_ctype((int)k->out_dtype));
+      else if (!k->fp8)
         snprintf(l->name, sizeof l->name, "ep_direct_dispatch<%s, %d>", UNITS[k->u], EPD_UNROLL);
       else if (k->fp8 == 1)
         snprintf(l->name, sizeof l->name, "ep_direct_dispatch<uint4, %d, Fp8Rows<%d>>", EPD_UNROLL, (int)k->piece);
@@ -275,6 +279,14 @@ static moe_rt_status plan_of(moe_rt_ep_direct_group* g, const epd_key* k, mrt_pl
       st = plan_fill(g, &p->launch[n++], L_FILL, k->N, orb, k->u_fill);
       if (!st && k->out && k->fp8 == 1)
         st = plan_fill(g, &p->launch[n++], L_FILL_S, k->N, 4 * mrt_cdiv(k->hidden, 128), k->u_fill_s);
+    }
+    if (!st && k->scale == 2 && k->N > 0) { /* rows not 16-byte aligned: ep_scale_rows (moe_rt/_ep_rows.py's grid) */
+      mrt_launch* l = &p->launch[n++];
+      const int64_t isz = mrt_dtype_size((int)k->out_dtype), H = k->rb / isz, vec = k->vec;
+      snprintf(l->name, sizeof l->name, "ep_scale_rows<%s, %s>", mrt_ctype((int)k->out_dtype), vec ? "true" : "false");
+      st = load(g, l, L_SCALE, NULL);
+      l->grid = mrt_max(1, mrt_min(k->N, sms(g) * 8));
+      l->block = (int32_t)mrt_min(512, mrt_max(32, mrt_cdiv(H / (vec ? 16 / isz : 1), 32) * 32));
     }
   } else if (k->kind == L_COMBINE) {
     if (k->slot_values && k->rows * k->K > 0) {
@@ -433,6 +445,17 @@ moe_rt_status moe_rt_ep_direct_dispatch(moe_rt_ep_direct_group* g, int op_code, 
   if (o->with_w && !w && T > 0) return BAD("%s: outputs->with_w is 1 but w is NULL (T = %lld)", op, (long long)T);
   if (o->tokens_per_expert && op_code != MOE_RT_EP_OP_DISPATCH)
     return BAD("%s: outputs->tokens_per_expert is copied only by MOE_RT_EP_OP_DISPATCH", op);
+  if (o->scale != 0 && o->scale != 1) return BAD("%s: outputs->scale must be 0 or 1, got %d", op, o->scale);
+  if (o->scale) {
+    if (op_code != MOE_RT_EP_OP_COMBINE_BWD || o->fp8 || !o->fill || (N > 0 && (!o->out || !o->out_w)))
+      return BAD("%s: outputs->scale needs MOE_RT_EP_OP_COMBINE_BWD, fp8 = 0, fill = 1, out and out_w", op);
+    if (!mrt_is_float_dtype(o->out_dtype))
+      return BAD("%s: outputs->out_dtype (scale): expected float32, float16 or bfloat16, got %s (%d)", op,
+                 mrt_dtype_name(o->out_dtype), o->out_dtype);
+    if (rb % mrt_dtype_size(o->out_dtype))
+      return BAD("%s: row_bytes %lld is not a whole number of %s elements", op, (long long)rb,
+                 mrt_dtype_name(o->out_dtype));
+  }
   moe_rt_ep_direct_stage s;
   if ((st = get_stage(g, op, rb, K, &s))) return st;
   const uintptr_t xp = (uintptr_t)x, outp = (uintptr_t)o->out;
@@ -468,6 +491,11 @@ moe_rt_status moe_rt_ep_direct_dispatch(moe_rt_ep_direct_group* g, int op_code, 
       }
     }
     if (!k.piece) return BAD("%s: outputs->out is not aligned to its dtype's size", op);
+  }
+  if (o->scale && rb > 0) {
+    k.scale = k.u == 16 ? 1 : 2;
+    k.out_dtype = o->out_dtype;
+    k.vec = rb % 16 == 0 && outp % 16 == 0; /* ep_scale_rows' 16-byte vectors (scale 2) */
   }
   k.make_map = h->exact && o->make_row_map;
   k.copy_w = o->with_w; /* w is NULL on a rank without tokens: its peers' weights still land in recv_wk */
@@ -541,6 +569,12 @@ moe_rt_status moe_rt_ep_direct_dispatch(moe_rt_ep_direct_group* g, int op_code, 
         break;
       case L_COPY_W: copy_args(g, l, s.w_local, map, r.at[MOE_RT_EP_RECV_WK], rows, c); break;
       case L_COPY_RECV: copy_args(g, l, s.rows_local, map, o->recv_buf, rows, c); break;
+      case L_SCALE:
+        mrt_arg_ptr(c, o->out);
+        mrt_arg_ptr(c, o->out_w);
+        mrt_arg_i64(c, N);
+        mrt_arg_i64(c, rb / mrt_dtype_size(o->out_dtype));
+        break;
       case L_FILL:
       case L_FILL_S:
         mrt_arg_ptr(c, !k.out ? NULL : l->kind == L_FILL ? o->out : (void*)o->out_s);

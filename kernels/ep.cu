@@ -848,7 +848,7 @@ __device__ __forceinline__ void store_bytes(void* p, const void* v) {  // B byte
 template <typename U>
 struct RowCopy {
   using Aux = NoAux;
-  static constexpr bool ONCE = false;
+  static constexpr bool ONCE = false, SCALE = false;
   U* out;
   i64 units;
   __device__ RowCopy(void* o, float*, int, i64 units_) : out(static_cast<U*>(o)), units(units_) {}
@@ -857,10 +857,38 @@ struct RowCopy {
   __device__ void put(int d, i64 i, const U& v, const Aux&) const { __stcs(out + (i64)d * units + i, v); }
 };
 
+// combine_bwd's weighted rows without y: out[d] = T(w[d] * float(row)), each element one fp32 product and one
+// rounding (ep_scale_rows' expression, so the same bits), w [N] the slots' weights, which the kernel lays out
+// (out_w) before it expands a row. put() stores a unit as is (the zero rows).
+template <typename T>
+struct RowScale {
+  using Aux = NoAux;
+  static constexpr bool ONCE = false, SCALE = true;
+  static constexpr int E = 16 / (int)sizeof(T);  // elements a unit
+  uint4* out;
+  const float* w;
+  i64 units;
+  __device__ RowScale(void* o, float* w_, int, i64 units_) : out(static_cast<uint4*>(o)), w(w_), units(units_) {}
+  template <bool FRESH>
+  __device__ Aux aux(const uint4*, i64) const { return {}; }
+  // the factor of row d: its weight, written by this warp before the row's expansion (after a __syncwarp)
+  __device__ float factor(int d) const { return w[d]; }
+  __device__ void put(int d, i64 i, const uint4& v, const Aux&) const { __stcs(out + (i64)d * units + i, v); }
+  __device__ void put_scaled(int d, i64 i, const uint4& v, float f) const {
+    struct alignas(16) {
+      T e[E];
+    } a;
+    *reinterpret_cast<uint4*>(&a) = v;
+#pragma unroll
+    for (int j = 0; j < E; ++j) a.e[j] = from_float<T>(f * to_float(a.e[j]));
+    __stcs(out + (i64)d * units + i, *reinterpret_cast<const uint4*>(&a));
+  }
+};
+
 template <int G>
 struct Fp8Rows {
   using Aux = NoAux;
-  static constexpr bool ONCE = false;
+  static constexpr bool ONCE = false, SCALE = false;
   unsigned char* codes;
   unsigned char* scales;
   i64 H, HS, SB;  // SB: the scale bytes of a row (4S)
@@ -887,7 +915,7 @@ template <> struct SliceOf<4> { using type = unsigned; };
 template <typename T, int G>
 struct Fp8Dequant {
   using Aux = float;
-  static constexpr bool ONCE = true;
+  static constexpr bool ONCE = true, SCALE = false;
   static constexpr int NC = 16 / (int)sizeof(T);  // codes a slice: 16 bytes of output
   using Slice = typename SliceOf<NC>::type;
   struct Vals {
@@ -976,10 +1004,19 @@ __device__ __forceinline__ void sink_span(const Sink& sink, const U (&v)[UNROLL]
   for (int k = 0; k < K; ++k) {
     const int d = dst(k);
     if (d < 0) continue;
+    if constexpr (Sink::SCALE) {
+      const float f = sink.factor(d);
 #pragma unroll
-    for (int j = 0; j < UNROLL; ++j) {
-      const i64 i = i0 + step * j;
-      if (i < units) sink.put(d, i, v[j], a[j]);
+      for (int j = 0; j < UNROLL; ++j) {
+        const i64 i = i0 + step * j;
+        if (i < units) sink.put_scaled(d, i, v[j], f);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < UNROLL; ++j) {
+        const i64 i = i0 + step * j;
+        if (i < units) sink.put(d, i, v[j], a[j]);
+      }
     }
   }
 }
@@ -1400,9 +1437,9 @@ __device__ __forceinline__ void warp_zero_row(const Sink& sink, int d, i64 units
   if constexpr (Sink::ONCE) {  // a dequantizing sink: zeros of the output dtype straight away
     sink.zero(d, lane);
   } else {
-    const U v[1] = {U{}};
-    const typename Sink::Aux a[1] = {typename Sink::Aux{}};
-    for (i64 i = lane; i < units; i += 32) sink_span<U, 1>(sink, v, a, i, 32, units, 1, [&](int) { return d; });
+    const U v = U{};
+    const typename Sink::Aux a = typename Sink::Aux{};
+    for (i64 i = lane; i < units; i += 32) sink.put(d, i, v, a);  // as is (a scaling sink's zeros too)
   }
 }
 
@@ -1447,7 +1484,7 @@ __global__ void __launch_bounds__(512) ep_direct_dispatch(
     for (int i = threadIdx.x; i < L; i += blockDim.x) tpe_out[i] = tpe_src[i];
   unsigned e;
   if (!block_epoch(state, e)) return;
-  const Sink sink(out, out_s, fp8_h, units);
+  const Sink sink(out, Sink::SCALE ? out_w : out_s, fp8_h, units);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
   const int* send_counts = meta + META_SEND_COUNTS(R);
   const int* recv_counts = meta + META_RECV_COUNTS(R);
@@ -1518,17 +1555,21 @@ __global__ void __launch_bounds__(512) ep_direct_dispatch(
     const int kept = min(recv_counts[s], P), j0 = c * C, j1 = min(j0 + C, kept);
     for (int j = j0 + warp; j < j1; j += nw) {
       const i64 r = (i64)recv_off[s] + j;
+      if constexpr (Sink::SCALE) {  // the row's weights laid out first: the sink scales by them
+        put_w(nullptr, false, r);
+        __syncwarp();
+      }
       if (s == me) {
         const i64 t = send_tok[(i64)me * P + j];
         if (out != nullptr)
           warp_expand_row<U, UNROLL, false>(x + t * units, sink, dst_row + r * K, K, units, lane);
         else  // the caller reads the stage: the own rows go there too
           warp_copy_row<U, UNROLL>(x + t * units, const_cast<U*>(stage) + ((i64)me * P + j) * units, units, lane);
-        put_w(w_travel ? w + t * K : nullptr, false, r);
+        if constexpr (!Sink::SCALE) put_w(w_travel ? w + t * K : nullptr, false, r);
       } else {
         if (out != nullptr)
           warp_expand_row<U, UNROLL, true>(stage + ((i64)s * P + j) * units, sink, dst_row + r * K, K, units, lane);
-        put_w(w_travel ? wstage + ((i64)s * P + j) * K : nullptr, true, r);
+        if constexpr (!Sink::SCALE) put_w(w_travel ? wstage + ((i64)s * P + j) * K : nullptr, true, r);
       }
     }
   };

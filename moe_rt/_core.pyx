@@ -137,6 +137,7 @@ cdef extern from "moe_rt/moe_rt.h" nogil:
         int32_t make_row_map
         int32_t with_w
         int32_t* tokens_per_expert
+        int32_t scale
     ctypedef struct moe_rt_ep_prepare_desc:
         moe_rt_ep_handle_desc handle
         int32_t rank, num_experts, align_size, idx_dtype, direct
@@ -1424,11 +1425,12 @@ def ep_direct_barrier(EpDirectGroup g, int op, uintptr_t stream):
 def ep_direct_dispatch(EpDirectGroup g, int op, tuple handle, uintptr_t x, int64_t row_bytes, uintptr_t w, int fp8,
                        int out_dtype, int hidden, uintptr_t out, uintptr_t out_s, uintptr_t out_w, int fill, int zero,
                        uintptr_t recv_buf, uintptr_t row_map, int make_row_map, int barrier, uintptr_t stream,
-                       int with_w, uintptr_t tokens_per_expert=0):
+                       int with_w, uintptr_t tokens_per_expert=0, int scale=0):
     """moe_rt_ep_direct_dispatch; ``handle``: (buffer, R, L, Tmax, K, P, rows, N, T, exact); ``with_w``: whether
     weights travel (said, not read off ``w``: an empty ``w`` on a rank without tokens has address 0);
     ``tokens_per_expert``: the address of an int32 ``[L]`` output the core copies the handle's counts into after
-    the launches (dispatch's third result; 0: none)."""
+    the launches (dispatch's third result; 0: none); ``scale``: combine_bwd's rows weighted by their slots'
+    weights (``out_dtype`` the rows' dtype)."""
     cdef moe_rt_ep_direct_handle h
     cdef moe_rt_ep_direct_outputs o
     _epd_handle(handle, &h)
@@ -1439,6 +1441,7 @@ def ep_direct_dispatch(EpDirectGroup g, int op, tuple handle, uintptr_t x, int64
     o.row_map, o.make_row_map = <int32_t*>row_map, make_row_map
     o.with_w = with_w
     o.tokens_per_expert = <int32_t*>tokens_per_expert
+    o.scale = scale
     cdef moe_rt_ep_direct_group* c = _epd_begin(g, stream)
     cdef int tries = 0, st
     while True:

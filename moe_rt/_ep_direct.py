@@ -71,6 +71,8 @@ _names = ["ep_direct_barrier", "ep_direct_row_map"]
 _names += [f"ep_copy_rows<{u}>" for u in _UNITS.values()]
 _names += [f"ep_direct_dispatch<{u}, {_PUSH_UNROLL}>" for u in _UNITS.values()]
 _names += [f"ep_direct_dispatch<uint4, {_PUSH_UNROLL}, {k}>" for k in Fp8Rows.sink_names()]
+# combine_bwd's weighted rows (forward's scale): the sink that weights each expanded row
+_names += [f"ep_direct_dispatch<uint4, {_PUSH_UNROLL}, RowScale<{c}>>" for c in _jit.CTYPES.values()]
 for _c in _jit.CTYPES.values():
     for _v in ("true", "false"):
         _names.append(f"ep_direct_combine<{_c}, {_v}>")
@@ -424,7 +426,7 @@ class DirectTransport:
         return cupy.ndarray((rows, cols), dtype, cupy.cuda.MemoryPointer(mem, 0))
 
     # -- the interface ---------------------------------------------------------------------------------
-    def forward(self, call, h, x, w, op, *, expand=True, want_w=False, fp8=None, zero=True, tpe=None):
+    def forward(self, call, h, x, w, op, *, expand=True, want_w=False, fp8=None, zero=True, tpe=None, scale=False):
         """The dispatch direction (``op``: ``"dispatch"`` or ``"combine_bwd"``): one core call
         (moe_rt_ep_direct_dispatch): barrier (every rank finished the previous op) -> one kernel pushing this rank's
         rows of ``x [T,H]`` (and fp32 weights ``w [T,K]`` or None, received into the handle's recv_wk) into the
@@ -438,7 +440,10 @@ class DirectTransport:
         in the handle's layout (the stage itself in capacity mode, a packed copy in exact mode). ``fp8``: an
         :class:`moe_rt._ep_rows.Fp8Rows` (with ``expand``): ``x`` holds packed FP8 rows, which the kernel
         splits (or dequantizes) into ``fp8``'s outputs as it expands them; ``rows`` is their tuple. ``tpe``: None
-        or an int32 ``[L]`` array (``op`` dispatch) the kernel copies the handle's tokens_per_expert into."""
+        or an int32 ``[L]`` array (``op`` dispatch) the kernel copies the handle's tokens_per_expert into.
+        ``scale`` (combine_bwd, ``want_w``): the kernel's sink weights each expanded row by its slot's weight as it
+        writes it (rows and addresses 16-byte aligned; else the core adds ep_scale_rows after the kernel); the
+        weights come back None."""
         if not expand:
             return self.push(call, h, x, w, op, recv=True)
         N = h.sizes["N"]
@@ -446,8 +451,8 @@ class DirectTransport:
         out_w = None
         if want_w:  # combine_bwd's laid-out weights only scale its rows (EpGroup.combine_bwd): the handle's scratch
             out_w = call.empty((N,), np.float32) if op != "combine_bwd" else self._scratch(call, "row_w", N)
-        self.push(call, h, x, w, op, out, fp8, fill=True, out_w=out_w, zero=zero, tpe=tpe)
-        return out, out_w
+        self.push(call, h, x, w, op, out, fp8, fill=True, out_w=out_w, zero=zero, tpe=tpe, scale=scale)
+        return out, None if scale else out_w
 
     def reduce(self, call, h, y, w, gw, op):
         """The combine direction (``op``: ``"combine"`` or ``"dispatch_bwd"``): one core call
@@ -461,7 +466,7 @@ class DirectTransport:
         return self.combine(call, h, y, w, op, gw=gw)
 
     def push(self, call, h, x, w, op, out=None, fp8=None, *, fill=False, out_w=None, zero=True, recv=False,
-             tpe=None):
+             tpe=None, scale=False):
         """The stages for x's rows (made on first use), then one core call: the op's barrier, ep_direct_dispatch
         expanding into ``out`` (expert-major [N,H], or ``fp8``'s outputs; None: only wait for every chunk) and
         writing the received weights into the handle's recv_wk, with ``fill`` the padding rows zeroed / ``out_w``
@@ -480,8 +485,9 @@ class DirectTransport:
         if recv:
             buf = (self.view(rows_st, sz["R"] * sz["P"], H, x.dtype) if m is None
                    else call.xp.empty((sz["rows"], H), x.dtype))
-        if fp8 is None:
-            kind, dt, hid, o0, o1 = 0, 0, 0, (out.data.ptr if out is not None else 0), 0
+        if fp8 is None:  # scale: the rows' dtype, for the sink that weights them
+            dt = _core.CODES[x.dtype] if scale else 0
+            kind, hid, o0, o1 = 0, 0, (out.data.ptr if out is not None else 0), 0
         elif fp8.dtype is None:
             kind, dt, hid, o0, o1 = 1, 0, fp8.H, out[0].data.ptr, out[1].data.ptr
         else:
@@ -490,7 +496,8 @@ class DirectTransport:
                                  w.data.ptr if w is not None else 0, kind, dt, hid, o0, o1,
                                  _addr(out_w), int(fill), int(zero),
                                  buf.data.ptr if recv and m is not None else 0, m.data.ptr if m is not None else 0,
-                                 make, 1, call.stream_ptr, int(w is not None), 0 if tpe is None else tpe.data.ptr)
+                                 make, 1, call.stream_ptr, int(w is not None), 0 if tpe is None else tpe.data.ptr,
+                                 int(scale))
         return buf
 
     def combine(self, call, h, y, w, op, *, gw=None, zw=None, barrier=True):

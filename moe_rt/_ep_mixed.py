@@ -44,7 +44,7 @@ import numpy as np
 
 from moe_rt import permutation
 from moe_rt._ep_nccl import _expand_rows, _subplan
-from moe_rt._ep_rows import fill_outputs, recv_wk, slot_values, tokens_per_expert
+from moe_rt._ep_rows import fill_outputs, recv_wk, scale_rows, slot_values, tokens_per_expert
 
 
 class MixedTransport:
@@ -77,14 +77,19 @@ class MixedTransport:
         return [(a, b) for a, b in ((0, self.lo), (self.hi, self.R)) if a < b]
 
     # -- the interface ---------------------------------------------------------------------------------
-    def forward(self, call, h, x, w, op, *, expand=True, want_w=False, fp8=None, zero=True, tpe=None):
+    def forward(self, call, h, x, w, op, *, expand=True, want_w=False, fp8=None, zero=True, tpe=None, scale=False):
         """The dispatch direction (``op``: ``"dispatch"`` or ``"combine_bwd"``), as every transport's: returns,
         with ``expand``, ``(rows [N,H] expert-major, weights [N] fp32 or None)`` (padding rows zero, or left
         unwritten with ``zero=False``); without, the received rows ``[rows,H]`` in the handle's layout. The
         direct pass, then the NCCL pass (module notes). ``fp8`` (an :class:`moe_rt._ep_rows.Fp8Rows`, with
         ``expand``): ``x`` holds packed FP8 rows, which both passes' expand split (or dequantize) into its
         outputs; ``rows`` is their tuple. ``tpe``: None or an int32 ``[L]`` array the handle's tokens_per_expert
-        is copied into (dispatch's third result; one device-to-device copy on the call's stream, queued first)."""
+        is copied into (dispatch's third result; one device-to-device copy on the call's stream, queued first).
+        ``scale`` (with ``want_w``): the rows times their weights by ep_scale_rows after both passes (weights None)."""
+        if scale:
+            out, out_w = self.forward(call, h, x, w, op, expand=expand, want_w=True, fp8=fp8, zero=zero, tpe=tpe)
+            scale_rows(call, out, out_w)
+            return out, None
         if tpe is not None:
             tokens_per_expert(call, h, tpe)
         d = self.direct

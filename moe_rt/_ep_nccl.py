@@ -47,7 +47,7 @@ import numpy as np
 
 from moe_rt import _jit, permutation
 from moe_rt._ep_rows import (FILE, UNITS, Fp8Rows, bound, fill_outputs, fill_rows, grid, plan_view, recv_wk, regions,
-                             slot_values, tokens_per_expert, unit)
+                             scale_rows, slot_values, tokens_per_expert, unit)
 from moe_rt._handle import meta_index
 
 # overlap=None (auto): a call overlaps its transfer with the local work when this rank sends at least this
@@ -82,7 +82,7 @@ class NcclTransport:
         """Nothing to release: the communicator is borrowed; the stream and events go with the object."""
 
     # -- the interface ---------------------------------------------------------------------------------
-    def forward(self, call, h, x, w, op, *, expand=True, want_w=False, fp8=None, zero=True, tpe=None):
+    def forward(self, call, h, x, w, op, *, expand=True, want_w=False, fp8=None, zero=True, tpe=None, scale=False):
         """The dispatch direction (``op``: ``"dispatch"`` or ``"combine_bwd"``): the rows of ``x [T,H]`` (and
         fp32 weights ``w [T,K]`` or None, received into the handle's recv_wk) to every rank that needs them.
 
@@ -94,7 +94,12 @@ class NcclTransport:
         the permutation family's dispatch); ``rows`` is their tuple. The serial path with ``zero=False``
         expands with ep_expand_rows too (the permutation family's dispatch zeroes the rows without a slot).
         ``tpe``: None or an int32 ``[L]`` array the handle's tokens_per_expert is copied into (dispatch's third
-        result; one device-to-device copy on the call's stream, queued first: prepare wrote the counts)."""
+        result; one device-to-device copy on the call's stream, queued first: prepare wrote the counts).
+        ``scale`` (with ``want_w``): the rows times their weights by ep_scale_rows after the expand (weights None)."""
+        if scale:
+            out, out_w = self.forward(call, h, x, w, op, expand=expand, want_w=True, fp8=fp8, zero=zero, tpe=tpe)
+            scale_rows(call, out, out_w)
+            return out, None
         if tpe is not None:
             tokens_per_expert(call, h, tpe)
         rb = int(x.shape[1]) * x.dtype.itemsize  # the rows' width: hidden, or packed FP8 rows

@@ -33,7 +33,7 @@ transport. Each public op validates its arguments, then calls its transport once
 Transports (``transport=``, ``MOE_RT_EP_TRANSPORT``; ``group.transport``) move the rows; each is a module
 with one class offering the same small interface (a third transport is one more such module):
 
-- ``forward(call, handle, x, w, op, *, expand=True, want_w=False, fp8=None, zero=True, tpe=None)``: the
+- ``forward(call, handle, x, w, op, *, expand=True, want_w=False, fp8=None, zero=True, tpe=None, scale=False)``: the
   dispatch direction (``dispatch``, ``combine_bwd``): the rows of ``x [T,H]`` (of any width) (and fp32 weights ``w
   [T,K]`` or None, received into the handle's ``recv_wk``) to the ranks of their experts. Returns ``(rows
   [N,H] expert-major, weights [N] or None)`` (padding rows zero, or not written at all with ``zero=False``:
@@ -43,6 +43,8 @@ with one class offering the same small interface (a third transport is one more 
   ``fp8`` (a :class:`moe_rt._ep_rows.Fp8Rows`): ``x`` holds an FP8 dispatch's packed rows and the expand
   writes them split into codes and scales, or dequantized (``rows`` is then the tuple of those outputs);
   ``tpe`` (dispatch): an int32 ``[L]`` output the handle's tokens_per_expert is copied into on the call's stream;
+  ``scale`` (``combine_bwd`` with ``want_w``): the rows come back times their slots' weights (combine_bwd's
+  weighted gradient without y), with weights None;
 - ``reduce(call, handle, y, w, gw, op)``: the combine direction (``combine``: weights ``w [rows,K]`` or
   None; ``dispatch_bwd``: ``gw [N]`` or None, the gradient of the received weights, back to the slots).
   Returns ``(out [T,H], grad_w [T,K] fp32 or None)``;
@@ -140,7 +142,7 @@ from moe_rt import _arrays, _core, _errors, _jit, permutation
 from moe_rt import _ep_adapt, _ep_direct, _ep_mixed, _ep_nccl, _ep_rows, _handle
 from moe_rt import fp8 as _fp8
 from moe_rt._ep_rows import FILE as _FILE, UNITS as _UNITS
-from moe_rt._ep_rows import Fp8Rows, grid as _grid, plan_view, recv_wk, regions, scale_rows
+from moe_rt._ep_rows import Fp8Rows, grid as _grid, plan_view, recv_wk, regions
 from moe_rt._arrays import DevArray
 from moe_rt._handle import Handle, meta_index
 from moe_rt.reference import ep as _ref
@@ -1092,10 +1094,9 @@ class EpGroup:
             with self._first_call("combine_bwd", key, call.stream) if key is not None else _NO_WAITS:
                 if not weighted or yv is None:
                     # the dispatch direction into the expert-major rows (the weights are the forward's)
-                    gy, pp = self._transport.forward(call, handle, g, None, "combine_bwd", want_w=weighted)
+                    gy, _ = self._transport.forward(call, handle, g, None, "combine_bwd", want_w=weighted,
+                                                    scale=weighted)
                     self._last_stream = call.stream_ptr
-                    if weighted:
-                        scale_rows(call, gy, pp)
                     return call.out(gy), None
                 # weighted with y: the received rows, then the permutation family's expert-side kernel
                 recv_buf = self._transport.forward(call, handle, g, None, "combine_bwd", expand=False)

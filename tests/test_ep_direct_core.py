@@ -83,10 +83,12 @@ class Group:
                  [out or 0, pp or 0, pv or 0, h.region("src_slot"), N, rb // u])]
 
     def dispatch(self, h, op, x, rb, w, outs, fp8, out_dtype=None, H=None, *, fill=True, zero=True, out_w=None,
-                 recv_buf=None, row_map=None, make_map=False, barrier=True, with_w=None, tpe=0):
+                 recv_buf=None, row_map=None, make_map=False, barrier=True, with_w=None, tpe=0, scale=None):
         """DirectTransport._push (+ dispatch, row_map, copy_rows, _recv_buf) and forward's fill_outputs.
         ``outs``: None (no expand) or the output addresses (one, or codes and scales); ``with_w``: whether
-        weights travel (None: when ``w`` is given; a rank without tokens passes none but receives them)."""
+        weights travel (None: when ``w`` is given; a rank without tokens passes none but receives them).
+        ``scale``: combine_bwd's weighted rows of that dtype: the RowScale sink where the rows are 16-byte units,
+        else _ep_rows.scale_rows' ep_scale_rows launch after the kernel (over out_w, laid out by the kernel)."""
         with_w = bool(w) if with_w is None else with_w
         st = self.stage(rb, h.K)
         # where the dispatch kernel runs (rb > 0) it writes the empty rows' zeros, recv_wk, the laid-out weights
@@ -101,6 +103,8 @@ class Group:
                 o = (outs[0] if outs else 0, 0, 0)
                 u = min(unit(rb, x, o[0]), st[4])
                 name = f"ep_direct_dispatch<{UNITS[u]}, 8>"
+                if scale and u == 16:
+                    name = f"ep_direct_dispatch<uint4, 8, RowScale<{CTYPE[scale]}>>"
             else:
                 u = min(unit(rb, x), st[4])
                 assert u == 16
@@ -138,6 +142,13 @@ class Group:
                 want += self.fill(h, outs[0], H, out_w, pv) + self.fill(h, outs[1], 4 * cdiv(H, 128), None, None)
             else:
                 want += self.fill(h, outs[0], H * ISZ[out_dtype], out_w, pv)
+        if scale and rb and h.N and min(unit(rb, x, outs[0]), st[4]) != 16:
+            isz, n = ISZ[scale], h.N
+            vec = (rb % 16 == 0) and outs[0] % 16 == 0
+            Hs = rb // isz
+            want.append((f"ep_scale_rows<{CTYPE[scale]}, {'true' if vec else 'false'}>", max(1, min(n, self.sm * 8)),
+                         int(min(512, max(32, cdiv(Hs // (16 // isz if vec else 1), 32) * 32))),
+                         [outs[0], out_w, n, Hs]))
         return want
 
     def combine(self, h, op, y, dtype, H, w, gw, zw, out, grad_w, *, barrier=True):
@@ -183,10 +194,11 @@ def handle_of(g, exact, T, K=3, L=3, Tmax=13, P=None):
 
 
 def dispatch(g, h, op, x, rb, w, *, fp8=0, out_dtype=0, hidden=0, out=0, out_s=0, out_w=0, fill=1, zero=1,
-             recv_buf=0, row_map=0, make=0, barrier=1, with_w=None):
+             recv_buf=0, row_map=0, make=0, barrier=1, with_w=None, scale=0):
     g.stage(rb, h.K)
     _core.ep_direct_dispatch(g.g, OP[op], h.tup(), x, rb, w, fp8, out_dtype, hidden, out, out_s, out_w, fill, zero,
-                             recv_buf, row_map, make, barrier, 7, int(bool(w)) if with_w is None else with_w)
+                             recv_buf, row_map, make, barrier, 7, int(bool(w)) if with_w is None else with_w, 0,
+                             scale)
     return g.plan()
 
 
@@ -212,6 +224,14 @@ def test_dispatch_launches_equal_the_python_sides(dtype, H, exact, T, zero):
             # combine_bwd's dispatch direction: no weights; expanded, or the received rows (no expand)
             got = dispatch(g, h, "combine_bwd", XP, rb, 0, out=OUT, out_w=OUTW, row_map=MAP if exact else 0)
             assert got == g.dispatch(h, "combine_bwd", XP, rb, 0, (OUT,), None, out_w=OUTW, row_map=MAP)
+            # weighted without y: the rows scaled by the sink (16-byte units) or by ep_scale_rows after the kernel
+            # (rows or addresses not 16-byte aligned: XP + 2, or 7 fp32 channels)
+            code = {"float32": 0, "float16": 1, "bfloat16": 2}[dtype]
+            for shift in (0, 2):
+                got = dispatch(g, h, "combine_bwd", XP + shift, rb, 0, out=OUT, out_w=OUTW, out_dtype=code, scale=1,
+                               row_map=MAP if exact else 0)
+                assert got == g.dispatch(h, "combine_bwd", XP + shift, rb, 0, (OUT,), None, out_w=OUTW, row_map=MAP,
+                                         scale=dtype), shift
             got = dispatch(g, h, "combine_bwd", XP, rb, 0, fill=0, recv_buf=RBUF if exact else 0,
                            row_map=MAP if exact else 0)
             assert got == g.dispatch(h, "combine_bwd", XP, rb, 0, None, None, fill=False, recv_buf=RBUF,
@@ -367,9 +387,10 @@ def test_bad_calls_get_error_statuses_with_messages():
         o = dict(fp8=0, out_dtype=0, hidden=0, out=0, out_s=0, out_w=0, fill=1, zero=1, recv_buf=0, row_map=0,
                  make=0, barrier=1)
         with_w = a.pop("with_w", int(bool(w)))
+        scale = a.pop("scale", 0)
         o.update(a)
         with pytest.raises(ValueError, match=msg):
-            _core.ep_direct_dispatch(g.g, OP[op], handle.tup(), x, rb, w, *o.values(), 7, with_w)
+            _core.ep_direct_dispatch(g.g, OP[op], handle.tup(), x, rb, w, *o.values(), 7, with_w, 0, scale)
 
     bad("op must be MOE_RT_EP_OP_DISPATCH", op="combine")
     bad("no stage pair for 96-byte rows and topk=3", rb=96)
@@ -385,6 +406,15 @@ def test_bad_calls_get_error_statuses_with_messages():
     bad(r"outputs->with_w is 1 but w is NULL \(T = 7\)", w=0, with_w=1)
     bad("outputs->with_w must be 0 or 1", with_w=2)
     bad("outputs->out_dtype: expected float32", fp8=2, out_dtype=3, hidden=40)
+    bad("outputs->scale must be 0 or 1", scale=2)
+    bad("outputs->scale needs MOE_RT_EP_OP_COMBINE_BWD", scale=1, out_w=OUTW, out_dtype=2)  # op dispatch
+    for kw in (dict(fill=0), dict(out_w=0), dict(fp8=1, out_s=OUTS, hidden=40)):
+        bad("outputs->scale needs MOE_RT_EP_OP_COMBINE_BWD", op="combine_bwd", w=0, scale=1, out_dtype=2,
+            **dict(dict(out_w=OUTW), **kw))
+    bad(r"outputs->out_dtype \(scale\): expected float32, float16 or bfloat16, got int32",
+        op="combine_bwd", w=0, scale=1, out_w=OUTW, out_dtype=3)
+    bad("row_bytes 78 is not a whole number of float32 elements", op="combine_bwd", w=0, scale=1, out_w=OUTW,
+        out_dtype=0, rb=78)
     bad("packed rows of a multiple of 16 bytes", fp8=1, out_s=OUTS, hidden=0)
     for tup_i, v, msg in ((1, 3, "handle->desc.num_ranks must be the group's 2, got 3"),
                           (5, 65, r"pair_capacity must be in \[1, 64\], got 65"),

@@ -822,6 +822,10 @@ typedef struct moe_rt_ep_direct_outputs {
                        * Every rank of an op passes the same (a rank without tokens still receives weights). */
   int32_t* tokens_per_expert; /* int32 [L] or NULL: a copy of the handle's tokens_per_expert, made on the stream
                                * after the launches (one device-to-device copy: dispatch's third result) */
+  int32_t scale; /* MOE_RT_EP_OP_COMBINE_BWD, fp8 = 0, fill = 1, out and out_w given: 1 weights each expanded row
+                  * by its slot's weight, out[n] = out_dtype(out_w[n] * float(row)) (the weighted gradient of
+                  * combine without y), in the dispatch kernel where rows and addresses are 16-byte aligned, else
+                  * by a second kernel (ep_scale_rows); out_dtype: the rows' float dtype */
 } moe_rt_ep_direct_outputs;
 
 moe_rt_status moe_rt_ep_direct_group_create(moe_rt_context* ctx, const moe_rt_ep_direct_group_desc* desc,
