@@ -391,3 +391,39 @@ moe_rt_status moe_rt_ep_prepare_recv(moe_rt_context* ctx, const moe_rt_ep_prepar
   }
   return mrt_run_plan(ctx, &p, a, stream);
 }
+
+/* combine_bwd's weight gradient from the per-slot dots (EpGroup.combine_bwd with y): out[n] = slots[src_slot[n]],
+ * 0 where src_slot[n] < 0 (ep_gather_slots; moe_rt/ep.py launched it with this grid and block). */
+moe_rt_status moe_rt_ep_gather_slots(moe_rt_context* ctx, const float* slots, const int32_t* src_slot, float* out,
+                                     int64_t n, moe_rt_stream stream) {
+  static const char op[] = "moe_rt_ep_gather_slots";
+  moe_rt_status st;
+  if ((st = mrt_check_ctx(ctx, op))) return st;
+  if (n < 0) return BAD("%s: n must be >= 0, got %lld", op, (long long)n);
+  mrt_plan p;
+  memset(&p, 0, sizeof p);
+  if (n == 0) {
+    if (mrt_is_planning(ctx)) mrt_record(ctx, &p);
+    return MOE_RT_SUCCESS;
+  }
+  if ((st = mrt_check_ptr(op, "slots", slots)) || (st = mrt_check_ptr(op, "src_slot", src_slot)) ||
+      (st = mrt_check_ptr(op, "out", out)))
+    return st;
+  static const char key[] = "ep_gather_slots"; /* one plan (the kernel), its own key bytes; the grid follows n */
+  if (!mrt_plan_lookup(ctx, key, sizeof key, &p)) {
+    p.num_launches = 1;
+    snprintf(p.launch[0].name, sizeof p.launch[0].name, "ep_gather_slots");
+    int regs = 0;
+    if ((st = mrt_kernel(ctx, &p.launch[0], FILE_EP, &regs))) return st;
+    p.launch[0].block = 256;
+    mrt_plan_put(ctx, key, sizeof key, &p);
+  }
+  p.launch[0].grid = mrt_max(1, mrt_min(mrt_cdiv(n, 256), (int64_t)mrt_device(ctx)->sm_count * 8));
+  mrt_args a;
+  memset(&a, 0, sizeof a);
+  mrt_arg_ptr(&a, slots);
+  mrt_arg_ptr(&a, src_slot);
+  mrt_arg_ptr(&a, out);
+  mrt_arg_i64(&a, n);
+  return mrt_run_plan(ctx, &p, &a, stream);
+}

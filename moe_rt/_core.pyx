@@ -218,6 +218,7 @@ ctypedef st_t (*f_fp8_dq)(moe_rt_context*, const void*, const float*, int64_t, i
                           moe_rt_stream) nogil
 ctypedef st_t (*f_fp8_rows)(moe_rt_context*, const void*, int, int64_t, int64_t, int, void*, int64_t,
                             moe_rt_stream) nogil
+ctypedef st_t (*f_gather_slots)(moe_rt_context*, const float*, const int32_t*, float*, int64_t, moe_rt_stream) nogil
 ctypedef st_t (*f_fp8_pack)(moe_rt_context*, const void*, const float*, int64_t, int64_t, int, void*, int64_t,
                             moe_rt_stream) nogil
 ctypedef st_t (*f_aux_bwd)(moe_rt_context*, const void*, int, int64_t, int, const void*, int, int64_t, const void*,
@@ -304,6 +305,7 @@ cdef f_fp8_q p_quantize
 cdef f_fp8_dq p_dequantize
 cdef f_fp8_rows p_quantize_rows
 cdef f_fp8_pack p_pack_rows
+cdef f_gather_slots p_gather_slots
 
 LIB_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib", "libmoe_rt.so")
 
@@ -352,7 +354,7 @@ cdef _open():
     global p_last_plan, p_check, p_aux_ws, p_topk, p_topk_idx, p_topk_bwd, p_scores, p_scores_bwd, p_aux, p_aux_bwd
     global p_plan_ws, p_chunks_ws, p_make_plan, p_dispatch, p_combine, p_dispatch_bwd, p_combine_bwd, p_sort_chunks
     global p_copy_kept_rows
-    global p_quantize, p_dequantize, p_quantize_rows, p_pack_rows, p_load_stand_in, p_end_stand_ins, p_last_stand_in
+    global p_quantize, p_dequantize, p_quantize_rows, p_pack_rows, p_gather_slots, p_load_stand_in, p_end_stand_ins, p_last_stand_in
     global p_last_args, p_ll_create, p_ll_destroy, p_ll_dispatch, p_ll_combine, p_ll_combine_bwd, p_ll_serial
     global p_epd_create, p_epd_destroy, p_epd_add_stage, p_epd_barrier, p_epd_dispatch, p_epd_combine
     global p_pb_create, p_pb_info, p_pb_close_mappings, p_pb_destroy
@@ -397,6 +399,7 @@ cdef _open():
     p_dequantize = <f_fp8_dq>_sym(h, b"moe_rt_dequantize_fp8")
     p_quantize_rows = <f_fp8_rows>_sym(h, b"moe_rt_quantize_fp8_rows")
     p_pack_rows = <f_fp8_pack>_sym(h, b"moe_rt_pack_fp8_rows")
+    p_gather_slots = <f_gather_slots>_sym(h, b"moe_rt_ep_gather_slots")
     p_last_args = <f_last_args>_sym(h, b"moe_rt_last_plan_args")
     p_ll_create = <f_ll_create>_sym(h, b"moe_rt_ll_group_create")
     p_ll_destroy = <f_ll_destroy>_sym(h, b"moe_rt_ll_group_destroy")
@@ -931,6 +934,16 @@ def quantize_fp8_rows(Context d, uintptr_t x, int dtype, int64_t T, int64_t H, i
     while True:
         st = p_quantize_rows(c, <const void*>x, dtype, T, H, block, <void*>rows, row_bytes, <moe_rt_stream>stream)
         if _done(d, &c, st, &tries, b"moe_rt_quantize_fp8_rows"):
+            return
+
+
+def ep_gather_slots(Context d, uintptr_t slots, uintptr_t src_slot, uintptr_t out, int64_t n, uintptr_t stream):
+    """moe_rt_ep_gather_slots: ``out[i] = slots[src_slot[i]]`` (0 where src_slot[i] < 0), i < n."""
+    cdef moe_rt_context* c = _begin(d, stream)
+    cdef int tries = 0, st
+    while True:
+        st = p_gather_slots(c, <const float*>slots, <const int32_t*>src_slot, <float*>out, n, <moe_rt_stream>stream)
+        if _done(d, &c, st, &tries, b"moe_rt_ep_gather_slots"):
             return
 
 

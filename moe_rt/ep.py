@@ -142,7 +142,7 @@ from moe_rt import _arrays, _core, _errors, _jit, permutation
 from moe_rt import _ep_adapt, _ep_direct, _ep_mixed, _ep_nccl, _ep_rows, _handle
 from moe_rt import fp8 as _fp8
 from moe_rt._ep_rows import FILE as _FILE, UNITS as _UNITS
-from moe_rt._ep_rows import Fp8Rows, grid as _grid, plan_view, recv_wk, regions
+from moe_rt._ep_rows import Fp8Rows, plan_view, recv_wk, regions
 from moe_rt._arrays import DevArray
 from moe_rt._handle import Handle, meta_index
 from moe_rt.reference import ep as _ref
@@ -1105,9 +1105,9 @@ class EpGroup:
                                                       stream=call.stream)
                 N = sz["N"]
                 gw = call.empty((N,), np.float32)
-                if N:
-                    _jit.launch(_jit.function(_FILE, "ep_gather_slots"), _grid(N, call.device_id), 256,
-                                (gp, regions(handle)["src_slot"], gw, np.int64(N)), stream=call.stream)
+                # the slots' dots gathered to the expert-major rows (a core call on the call's stream)
+                _core.ep_gather_slots(_core.device(call.device_id), gp.data.ptr, regions(handle)["src_slot"],
+                                      gw.data.ptr, N, call.stream_ptr)
                 return call.out(gy), call.out(gw)
 
 

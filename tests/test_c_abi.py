@@ -87,6 +87,7 @@ SIGNATURES = {
     "moe_rt_dequantize_fp8": (I, [P, P, P, L, L, I, P, I, P]),
     "moe_rt_quantize_fp8_rows": (I, [P, P, I, L, L, I, P, L, P]),
     "moe_rt_pack_fp8_rows": (I, [P, P, P, L, L, I, P, L, P]),
+    "moe_rt_ep_gather_slots": (I, [P, P, P, P, L, P]),
     "moe_rt_last_plan_args": (I, [P, I, C.POINTER(L), I, C.POINTER(I)]),
 }
 
@@ -695,6 +696,31 @@ def test_pack_rows_plans_the_pair_packing(lib, ctx, T, H, qoff):
     args, n = (L * 16)(), I()
     _ok(lib, lib.moe_rt_last_plan_args(ctx, 0, args, 16, C.byref(n)))
     assert list(args[:n.value]) == [q, sc, rows, T, H, nb, rb]
+
+
+@pytest.mark.parametrize("n", [1, 255, 257, 1 << 20])
+def test_gather_slots_plans_what_the_group_launched(lib, ctx, n):
+    """moe_rt_ep_gather_slots (combine_bwd's weight gradient from the slots' dots) plans ep_gather_slots as
+    EpGroup.combine_bwd launched it through CuPy before: 256 threads, min(ceil(n / 256), 8 a multiprocessor)
+    blocks; its arguments."""
+    _ok(lib, lib.moe_rt_ep_gather_slots(ctx, BASE, BASE + 4096, BASE + 8192, n, None))
+    assert _launches(lib, ctx) == [("ep_gather_slots", max(1, min(-(-n // 256), H100["sm_count"] * 8)), 256, 0)]
+    args, k = (L * 8)(), I()
+    _ok(lib, lib.moe_rt_last_plan_args(ctx, 0, args, 8, C.byref(k)))
+    assert list(args[:k.value]) == [BASE, BASE + 4096, BASE + 8192, n]
+
+
+def test_bad_gather_slots_input(lib, ctx):
+    gs = lib.moe_rt_ep_gather_slots
+    _ok(lib, gs(ctx, BASE, BASE, BASE, 4, None))
+    _ok(lib, gs(ctx, None, None, None, 0, None))  # nothing to gather: no launch
+    assert _launches(lib, ctx) == []
+    _err(lib, gs(None, BASE, BASE, BASE, 4, None), INVALID, "ctx is NULL")
+    _err(lib, gs(ctx, BASE, BASE, BASE, -1, None), INVALID, "moe_rt_ep_gather_slots", "n must be >= 0")
+    for i, name in enumerate(("slots", "src_slot", "out")):
+        a = [BASE, BASE, BASE]
+        a[i] = None
+        _err(lib, gs(ctx, *a, 4, None), INVALID, f"{name} is NULL")
 
 
 def test_bad_fp8_input(lib, ctx):

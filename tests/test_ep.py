@@ -2575,6 +2575,56 @@ def _poison_pool(cp, nbytes, copies=6):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode,align", [("capacity", 1), ("exact", 8)])
+def test_one_gpu_backwards_match_cpu(rng, mode, align):
+    """A 1-rank group on one GPU: dispatch_bwd and combine_bwd (with y: the slots' dots gathered to the rows
+    by the core's moe_rt_ep_gather_slots; without y: the rows weighted; unweighted) bit for bit the CPU group's
+    (the NumPy reference), each output written into a pool poisoned with NaN bits first (the sums and dots, whose
+    order is the kernels' own, within rounding); bf16, fp16, fp32."""
+    import cupy as cp
+    import ml_dtypes
+
+    E, K, Tmax, T, H = 9, 3, 40, 37, 200
+    kw = {} if mode == "exact" else {"pair_capacity": 30, "capacity": 80}
+    g = EpGroup(None, E, H, Tmax, mode=mode, align_size=align, **kw)
+    g_cpu = EpGroup(None, E, H, Tmax, mode=mode, align_size=align, **kw)
+    idx = make_routing(rng, T, E, K, "holes")
+    w = rng.random((T, K)).astype(np.float32)
+
+    def same(a, b):
+        a = a.get() if hasattr(a, "get") else a
+        assert a.shape == b.shape and np.array_equal(a.view(np.uint8), np.ascontiguousarray(b).view(np.uint8))
+
+    for dt in (ml_dtypes.bfloat16, np.float16, np.float32):
+        h, hc = g.prepare(cp.asarray(idx)), g_cpu.prepare(idx)
+        x = rng.standard_normal((T, H)).astype(np.float32).astype(dt)
+        rx, rw, _ = g.dispatch(h, cp.asarray(x), cp.asarray(w))
+        cx, cw, _ = g_cpu.dispatch(hc, x, w)
+        y = rng.standard_normal(cx.shape).astype(np.float32).astype(dt)
+        gout = rng.standard_normal((T, H)).astype(np.float32).astype(dt)
+        yd, gd = cp.asarray(y), cp.asarray(gout)
+        _poison_pool(cp, y.nbytes)
+        for a, b in zip(g.dispatch_bwd(h, yd, rw), g_cpu.dispatch_bwd(hc, y, cw)):  # fp32 sums: close
+            a = a.get().astype(np.float64)
+            assert a.shape == b.shape and np.allclose(a, b.astype(np.float64), rtol=1e-2, atol=1e-2)
+        _poison_pool(cp, y.nbytes)
+        (gy, gw), (cgy, cgw) = g.combine_bwd(h, gd, yd), g_cpu.combine_bwd(hc, gout, y)
+        same(gy, cgy)
+        # the weights' gradient: fp32 dots over H, summed in another order than NumPy's (as the multi-GPU tests
+        # take them: close), and exactly 0 at the rows holding no slot (the gather's zeros)
+        gw = gw.get()
+        assert gw.shape == cgw.shape and np.allclose(gw, cgw, rtol=1e-5, atol=1e-4)
+        empty = hc.view("src_slot")[:hc.sizes["N"]] < 0
+        assert empty.any() and (gw[empty] == 0).all() and (cgw[empty] == 0).all()
+        _poison_pool(cp, y.nbytes)
+        gy, none = g.combine_bwd(h, gd)
+        assert none is None
+        same(gy, g_cpu.combine_bwd(hc, gout)[0])
+        _poison_pool(cp, y.nbytes)
+        same(g.combine_bwd(h, gd, weighted=False)[0], g_cpu.combine_bwd(hc, gout, weighted=False)[0])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("mode,align", [("capacity", 1), ("capacity", 4), ("exact", 8)])
 def test_one_gpu_zero_empty_slots(rng, mode, align):
     """A 1-rank group on one GPU (the NCCL transport's path without an exchange): dispatch with

@@ -128,7 +128,7 @@ class StandIns:
         setattr_(_errors, "word", lambda dev: 64)
         setattr_(_core, "device", lambda dev: ctx)
         for name in ("ll_dispatch", "ll_combine", "ll_combine_bwd", "ep_direct_barrier", "ep_direct_dispatch",
-                     "ep_direct_combine", "ep_prepare", "quantize_fp8_rows", "pack_fp8_rows"):
+                     "ep_direct_combine", "ep_prepare", "quantize_fp8_rows", "pack_fp8_rows", "ep_gather_slots"):
             setattr_(_core, name, recorded(getattr(_core, name)))
         setattr_(_arrays, "Call", Call)
         setattr_(_arrays, "as_cupy_stream", lambda stream, dev: st.stream(9))

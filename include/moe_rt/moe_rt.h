@@ -922,5 +922,9 @@ moe_rt_status moe_rt_ep_prepare_meta(moe_rt_context* ctx, const moe_rt_ep_prepar
  * read, the handle the buffer sized from them): ep_prepare_plan, or ep_prepare_recv and the plan kernels. */
 moe_rt_status moe_rt_ep_prepare_recv(moe_rt_context* ctx, const moe_rt_ep_prepare_desc* desc,
                                      const moe_rt_ep_prepare_buffers* bufs, moe_rt_stream stream);
+/* combine_bwd's weight gradient of the received rows from the per-slot dots: out[n] = slots[src_slot[n]], 0 where
+ * src_slot[n] < 0 (n: the handle's expert-major rows; src_slot: the handle's region MOE_RT_EP_SRC_SLOT). */
+moe_rt_status moe_rt_ep_gather_slots(moe_rt_context* ctx, const float* slots, const int32_t* src_slot, float* out,
+                                     int64_t n, moe_rt_stream stream);
 
 #endif /* MOE_RT_H_ */
