@@ -19,7 +19,9 @@
 #define EPD_MAX_RANKS 65536
 #define EPD_MAX_TOPK 1024 /* EpGroup's limit (docs/ep.md §6) */
 
-enum { L_BARRIER = 1, L_DISPATCH, L_ROW_MAP, L_COPY_W, L_COPY_RECV, L_FILL, L_FILL_S, L_SLOT_VALUES, L_COMBINE, L_SCALE };
+enum {
+  L_BARRIER = 1, L_DISPATCH, L_ROW_MAP, L_COPY_W, L_COPY_RECV, L_FILL, L_FILL_S, L_SLOT_VALUES, L_COMBINE, L_SCALE
+};
 
 typedef struct epd_key {
   int64_t kind, op, barrier, rb, u, K, P, T, N, rows, H, dtype, vec, fp8, piece, out_dtype, hidden;

@@ -354,7 +354,8 @@ cdef _open():
     global p_last_plan, p_check, p_aux_ws, p_topk, p_topk_idx, p_topk_bwd, p_scores, p_scores_bwd, p_aux, p_aux_bwd
     global p_plan_ws, p_chunks_ws, p_make_plan, p_dispatch, p_combine, p_dispatch_bwd, p_combine_bwd, p_sort_chunks
     global p_copy_kept_rows
-    global p_quantize, p_dequantize, p_quantize_rows, p_pack_rows, p_gather_slots, p_load_stand_in, p_end_stand_ins, p_last_stand_in
+    global p_quantize, p_dequantize, p_quantize_rows, p_pack_rows, p_gather_slots
+    global p_load_stand_in, p_end_stand_ins, p_last_stand_in
     global p_last_args, p_ll_create, p_ll_destroy, p_ll_dispatch, p_ll_combine, p_ll_combine_bwd, p_ll_serial
     global p_epd_create, p_epd_destroy, p_epd_add_stage, p_epd_barrier, p_epd_dispatch, p_epd_combine
     global p_pb_create, p_pb_info, p_pb_close_mappings, p_pb_destroy
@@ -949,6 +950,7 @@ def ep_gather_slots(Context d, uintptr_t slots, uintptr_t src_slot, uintptr_t ou
 
 def pack_fp8_rows(Context d, uintptr_t x_fp8, uintptr_t scales, int64_t T, int64_t H, int block, uintptr_t rows,
                   int64_t row_bytes, uintptr_t stream):
+    """moe_rt_pack_fp8_rows: a pre-quantized pair (codes, fp32 scales) into an FP8 dispatch's packed rows."""
     cdef moe_rt_context* c = _begin(d, stream)
     cdef int tries = 0, st
     while True:
