@@ -15,7 +15,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = ("context.c", "router.c", "permutation.c", "fp8.c", "ep_ll.c", "ep_direct.c", "ep_prepare.c", "comm.c",
            "peer.c")
-CFLAGS = ("-std=c11", "-O2", "-fPIC", "-Wall", "-Wextra", "-Wno-unused-parameter", "-fvisibility=default")
+# a function used without its declaration is an error: C would take it as returning int, and a pointer it
+# returns (getenv's) would lose its upper half
+CFLAGS = ("-std=c11", "-O2", "-fPIC", "-Wall", "-Wextra", "-Werror=implicit-function-declaration",
+          "-Wno-unused-parameter", "-fvisibility=default")
 LIBS = ("-ldl", "-lpthread")
 
 
