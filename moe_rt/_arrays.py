@@ -775,7 +775,7 @@ class Call:
 
                 tdev = self._tdev = _torch_devices[self.device_id] = torch.device("cuda", self.device_id)
         shape = tuple(shape)
-        t = _torch_module().empty(shape, dtype=pair[1], device=tdev)
+        t = _torch_module().empty(size=shape, dtype=pair[1], device=tdev)  # size= parses faster than a tuple
         return DevArray(t.data_ptr(), shape, pair[0], t, self.device_id, 0, True)
 
     # -- export ----------------------------------------------------------------------------------------

@@ -202,9 +202,9 @@ def make_fake_torch():
     Tensor.__module__ = "torch.counting"
     Tensor.__qualname__ = Tensor.__name__ = "Tensor"
 
-    def empty(shape, dtype=None, device=None):
+    def empty(*args, size=None, dtype=None, device=None):
         COUNTS["torch.empty"] += 1
-        return Tensor(tuple(shape), dtype)
+        return Tensor(tuple(size if size is not None else args[0] if len(args) == 1 else args), dtype)
 
     def raw_stream(dev):
         COUNTS["torch._C._cuda_getCurrentRawStream"] += 1
