@@ -1,6 +1,7 @@
 /* moe_rt core: dispatch on one GPU (kernels/permutation.cu): make_plan, dispatch, combine and their
  * backwards. The kernel choices are those of moe_rt/permutation.py (tests/test_c_abi.py compares them). */
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "internal.h"
@@ -74,6 +75,34 @@ static int64_t chunk_for(int64_t L, int64_t E) {
   return chunk;
 }
 
+/* make_plan in one CTA (plan_fused) where the L = T*K slots are few: the largest L it takes (the three kernels
+ * above it; MOE_RT_PLAN_FUSED_SLOTS, read once, sets it for measurements, 0 turning the fused kernel off).
+ * Device time on one H200 (BENCHMARKS.md, "make_plan in one CTA"), one CTA against three kernels: L = 128
+ * 4.3-4.7 us against 14-16; L = 4096 13.6-16.7 against 17.7-21.0; L = 8192 21.7-28.8 against 18.2-21.4. */
+#define PLAN_FUSED_SLOTS 4096
+
+static int64_t fused_max_slots(void) {
+  static int64_t v = -1;
+  if (v < 0) {
+    const char* env = getenv("MOE_RT_PLAN_FUSED_SLOTS");
+    v = env && *env ? strtoll(env, NULL, 10) : PLAN_FUSED_SLOTS;
+    if (v < 0) v = 0;
+  }
+  return v;
+}
+
+/* plan_fused's chunk (0: not fused) and *nchunks: at most 32 chunks (a warp each) of a multiple of 32 slots,
+ * their counts and the totals ((nchunks + 1) * E ints) in the default 48 KiB of shared memory, less 256 bytes
+ * for the kernel's own (plan_offsets_block's scratch). */
+static int64_t fused_chunk(int64_t L, int64_t E, int64_t* nchunks) {
+  const int64_t room = (48 * 1024 - 256) / 4 / E - 1;
+  if (L > fused_max_slots() || room < 1) return 0;
+  const int64_t n = mrt_min(mrt_min(32, room), mrt_max(1, mrt_cdiv(L, 32)));
+  const int64_t chunk = mrt_max(1, mrt_cdiv(mrt_cdiv(L, n), 32)) * 32;
+  *nchunks = mrt_max(1, mrt_cdiv(L, chunk));
+  return chunk;
+}
+
 static int64_t plan_workspace_ints(int64_t L, int64_t E) {
   int64_t nchunks = mrt_cdiv(L, chunk_for(L, E));
   return 2 * nchunks * E + E + 1; /* partial, base, totals, the last-CTA counter */
@@ -130,9 +159,22 @@ moe_rt_status moe_rt_make_plan(moe_rt_context* ctx, const void* routing, int rou
   memset(&key, 0, sizeof key);
   key.op = 3; key.idx_dtype = routing_dtype; key.E = E; key.A = A; key.T = T; key.K = K; key.num_out = num_out;
   mrt_plan p;
+  int64_t nchunks = 0;
+  const int64_t chunk = fused_chunk(L, E, &nchunks);
   if (!mrt_plan_lookup(ctx, &key, sizeof key, &p)) {
-    p.num_launches = 3;
-    if ((st = mrt_plan_kernels(ctx, routing_dtype, L, E, p.launch))) return st;
+    if (chunk) {
+      memset(&p, 0, sizeof p);
+      p.num_launches = 1;
+      snprintf(p.launch[0].name, sizeof p.launch[0].name, "plan_fused<%s>", ic);
+      int regs = 0;
+      if ((st = mrt_kernel(ctx, &p.launch[0], FILE_PERM, &regs))) return st;
+      p.launch[0].grid = 1;
+      p.launch[0].block = 1024;
+      p.launch[0].smem = (int32_t)((nchunks + 1) * E * 4);
+    } else {
+      p.num_launches = 3;
+      if ((st = mrt_plan_kernels(ctx, routing_dtype, L, E, p.launch))) return st;
+    }
     mrt_plan_put(ctx, &key, sizeof key, &p);
   }
   if (mrt_is_planning(ctx)) {
@@ -142,8 +184,26 @@ moe_rt_status moe_rt_make_plan(moe_rt_context* ctx, const void* routing, int rou
   unsigned long long err = 0;
   if ((st = mrt_error_word(ctx, &err))) return st;
   mrt_args a[3];
-  mrt_plan_kernel_args(routing, L, E, A, num_out, plan, workspace, err, a);
-  for (int i = 0; i < 3; ++i)
+  if (p.num_launches == 1) {
+    memset(a, 0, sizeof a[0]);
+    mrt_arg_ptr(&a[0], routing);
+    mrt_arg_i64(&a[0], L);
+    mrt_arg_i32(&a[0], E);
+    mrt_arg_i32(&a[0], (int32_t)chunk);
+    mrt_arg_i32(&a[0], (int32_t)nchunks);
+    mrt_arg_i32(&a[0], A);
+    mrt_arg_i64(&a[0], num_out < 0 ? L : num_out);
+    mrt_arg_ptr(&a[0], plan->counts);
+    mrt_arg_ptr(&a[0], plan->tokens_per_expert);
+    mrt_arg_ptr(&a[0], plan->seg_start);
+    mrt_arg_ptr(&a[0], plan->dst_row);
+    mrt_arg_ptr(&a[0], plan->src_slot);
+    mrt_arg_i64(&a[0], N);
+    mrt_arg_ptr(&a[0], (const void*)(uintptr_t)err);
+  } else {
+    mrt_plan_kernel_args(routing, L, E, A, num_out, plan, workspace, err, a);
+  }
+  for (int i = 0; i < p.num_launches; ++i)
     if ((st = mrt_launch_one(ctx, &p.launch[i], &a[i], stream))) return st;
   return MOE_RT_SUCCESS;
 }

@@ -7,6 +7,7 @@
 //                  last CTA: kept counts under num_out_tokens, align_size padding, segment starts
 //   plan_assign    one warp per chunk again: stable rank of each slot inside its expert (warp match +
 //                  popc of the lower lanes, chunks in order) -> dst_row[t*K+k] and src_slot[row]
+//   plan_fused     the three in one CTA where the slots are few (one launch; the same plan)
 // Data movement (rows moved as raw units U of 1..16 bytes, so any dtype is a pure copy):
 //   dispatch_rows  one CTA per token: read the row once, write it to each of its K destination rows
 //   fill_rows      rows whose src_slot is -1 (padding, unused tail) become zero; probs follow rows
@@ -81,6 +82,48 @@ template <typename T, bool VEC> struct Pack {
 
 // ---- plan ----------------------------------------------------------------------------------------------
 
+// One warp counts slots [begin, begin + chunk) of idx into hist[e] (chunk a multiple of 32; ids outside
+// [-1, E) recorded in `err` when given, and counted as -1).
+template <typename IdxT>
+__device__ __forceinline__ void count_chunk(const IdxT* __restrict__ idx, i64 begin, int chunk, i64 L, int E,
+                                            int* hist, unsigned* err) {
+  const int lane = threadIdx.x & 31;
+  for (int j = 0; j < chunk; j += 32) {
+    const int key = expert_key(idx, begin + j + lane, L, E, err);
+    const unsigned peers = __match_any_sync(0xffffffffu, key);
+    if (key >= 0 && lane == __ffs(peers) - 1) hist[key] += __popc(peers);
+    __syncwarp();
+  }
+}
+
+// One warp assigns slots [begin, begin + chunk): the rank of slot i inside its expert e is run[e] (the
+// chunk's base, advanced here) + the earlier lanes of the same expert; kept ranks get row seg_start[e] + rank
+// (dst_row[i], src_slot[row] = i), the others -1.
+template <typename IdxT>
+__device__ __forceinline__ void assign_chunk(const IdxT* __restrict__ idx, i64 begin, int chunk, i64 L, int E,
+                                             int* run, const int* kept, const int* seg_start,
+                                             int* __restrict__ dst_row, int* __restrict__ src_slot) {
+  const int lane = threadIdx.x & 31;
+  const unsigned lt = lanemask_lt();
+  for (int j = 0; j < chunk; j += 32) {
+    const i64 i = begin + j + lane;
+    const int key = expert_key(idx, i, L, E);
+    const unsigned peers = __match_any_sync(0xffffffffu, key);
+    int d = -1;
+    if (key >= 0) {
+      const int rank = run[key] + __popc(peers & lt);
+      if (rank < kept[key]) {
+        d = seg_start[key] + rank;
+        src_slot[d] = (int)i;
+      }
+    }
+    if (i < L) dst_row[i] = d;
+    __syncwarp();
+    if (key >= 0 && lane == __ffs(peers) - 1) run[key] += __popc(peers);
+    __syncwarp();
+  }
+}
+
 // partial[c*E + e] = number of slots of chunk c routed to expert e. One warp per chunk of `chunk` slots
 // (a multiple of 32); dynamic shared memory: warps_per_block * E ints.
 // Also sets src_slot[0..N) to -1 (grid-stride), ready for plan_assign, and zeroes plan_scan's counter.
@@ -99,13 +142,7 @@ __global__ void plan_count(const IdxT* __restrict__ idx, i64 L, int E, int chunk
   int* hist = s_hist + (i64)warp * E;
   for (int e = lane; e < E; e += 32) hist[e] = 0;
   __syncwarp();
-  const i64 begin = (i64)c * chunk;
-  for (int j = 0; j < chunk; j += 32) {
-    const int key = expert_key(idx, begin + j + lane, L, E, err);
-    const unsigned peers = __match_any_sync(0xffffffffu, key);
-    if (key >= 0 && lane == __ffs(peers) - 1) hist[key] += __popc(peers);
-    __syncwarp();
-  }
+  count_chunk(idx, (i64)c * chunk, chunk, L, E, hist, err);
   int* out = partial + (i64)c * E;
   for (int e = lane; e < E; e += 32) out[e] = hist[e];
 }
@@ -175,25 +212,41 @@ __global__ void plan_assign(const IdxT* __restrict__ idx, i64 L, int E, int chun
   const int* b = base + (i64)c * E;
   for (int e = lane; e < E; e += 32) run[e] = b[e];
   __syncwarp();
-  const unsigned lt = lanemask_lt();
-  const i64 begin = (i64)c * chunk;
-  for (int j = 0; j < chunk; j += 32) {
-    const i64 i = begin + j + lane;
-    const int key = expert_key(idx, i, L, E);
-    const unsigned peers = __match_any_sync(0xffffffffu, key);
-    int d = -1;
-    if (key >= 0) {
-      const int rank = run[key] + __popc(peers & lt);
-      if (rank < kept[key]) {
-        d = seg_start[key] + rank;
-        src_slot[d] = (int)i;
-      }
+  assign_chunk(idx, (i64)c * chunk, chunk, L, E, run, kept, seg_start, dst_row, src_slot);
+}
+
+// make_plan in one CTA where the slots are few (csrc/permutation.c fused_chunks): plan_count's, plan_scan's and
+// plan_assign's steps with the block's barriers between them, a warp per chunk (nchunks <= 32), the chunks'
+// counts and the totals in shared memory ((nchunks + 1) * E ints, dynamic). The same integers, so the same
+// plan bit for bit, in one launch instead of three.
+template <typename IdxT>
+__global__ void __launch_bounds__(1024) plan_fused(const IdxT* __restrict__ idx, i64 L, int E, int chunk,
+                                                   int nchunks, int align, i64 num_out, int* kept,
+                                                   int* tokens_per_expert, int* seg_start,
+                                                   int* __restrict__ dst_row, int* __restrict__ src_slot, i64 N,
+                                                   unsigned* __restrict__ err) {
+  extern __shared__ int s_part[];  // [nchunks][E] counts, then (in place) each chunk's base; then [E] totals
+  int* s_tot = s_part + nchunks * E;
+  const int warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  for (i64 r = threadIdx.x; r < N; r += blockDim.x) src_slot[r] = -1;
+  for (int i = threadIdx.x; i < nchunks * E; i += blockDim.x) s_part[i] = 0;
+  __syncthreads();
+  for (int c = warp; c < nchunks; c += nwarps) count_chunk(idx, (i64)c * chunk, chunk, L, E, s_part + c * E, err);
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    int run = 0;
+    for (int c = 0; c < nchunks; ++c) {
+      const int v = s_part[c * E + e];
+      s_part[c * E + e] = run;
+      run += v;
     }
-    if (i < L) dst_row[i] = d;
-    __syncwarp();
-    if (key >= 0 && lane == __ffs(peers) - 1) run[key] += __popc(peers);
-    __syncwarp();
+    s_tot[e] = run;
   }
+  __syncthreads();
+  plan_offsets_block<false>(s_tot, E, align, num_out, kept, tokens_per_expert, seg_start);
+  __syncthreads();  // kept and seg_start (global, this block's writes) read below
+  for (int c = warp; c < nchunks; c += nwarps)
+    assign_chunk(idx, (i64)c * chunk, chunk, L, E, s_part + c * E, kept, seg_start, dst_row, src_slot);
 }
 
 // ---- dispatch ----------------------------------------------------------------------------------------

@@ -59,9 +59,9 @@ def _combine_name(c: str, vec: bool, cfg=None) -> str:
 
 # fill_rows's (slot probs type, permuted probs type) per probs dtype other than fp32
 _PROB_OUT = {"float16": ("float", "__half"), "bfloat16": ("float", "__nv_bfloat16"), "float64": ("double", "double")}
-_names = ["plan_count<bool>", "plan_assign<bool>"]  # routing maps, read in place
+_names = ["plan_count<bool>", "plan_assign<bool>", "plan_fused<bool>"]  # routing maps, read in place
 for _i in _IDX.values():
-    _names += [f"plan_count<{_i}>", f"plan_assign<{_i}>", f"chunk_offsets<{_i}>"]
+    _names += [f"plan_count<{_i}>", f"plan_assign<{_i}>", f"plan_fused<{_i}>", f"chunk_offsets<{_i}>"]
 for _u in _UNITS.values():
     _names += [f"dispatch_rows<{_u}, {_UNROLL}, true>",
                f"fill_rows<{_u}>", f"chunk_sort_rows<{_u}, false>", f"chunk_sort_rows<{_u}, true>",

@@ -527,6 +527,14 @@ def test_make_plan_plan_equals_python(lib, pyside, ctx, case):
             want = [(f"plan_count<{ic}>", max(-(-nchunks // wpb), 1), 32 * wpb, smem), ("plan_scan", -(-E // 32), 1024, 0),
                     (f"plan_assign<{ic}>", -(-nchunks // wpb), 32 * wpb, smem)]
             want = [w for w in want if w[1] > 0]
+            # up to 4096 slots, where at least one chunk's counts fit beside the totals in 48 KiB: the three in one
+            # CTA (plan_fused), a warp per chunk of a multiple of 32 slots, at most 32 chunks
+            room = 12224 // E - 1  # 48 KiB less the kernel's 256 bytes of static shared memory
+            if T * KK <= 4096 and room >= 1:
+                n = min(32, room, max(1, -(-T * KK // 32)))
+                fchunk = max(1, -(-(-(-T * KK // n)) // 32)) * 32
+                fn = max(1, -(-T * KK // fchunk))
+                want = [(f"plan_fused<{ic}>", 1, 1024, (fn + 1) * E * 4)]
             rows, ws = L(), S()
             _ok(lib, lib.moe_rt_plan_num_rows(T, KK, E, A, -1 if num_out is None else num_out, C.byref(rows)))
             assert rows.value == N
@@ -537,6 +545,33 @@ def test_make_plan_plan_equals_python(lib, pyside, ctx, case):
                                           C.byref(plan), BASE, ws.value, None))
             assert (plan.num_tokens, plan.topk, plan.num_experts, plan.num_rows, plan.align_size) == (T, KK, E, N, A)
             assert _launches(lib, ctx) == want, (dt, A, num_out)
+
+
+_FUSED_KNOB = """
+import ctypes as C, sys
+sys.path.insert(0, {tests!r})
+import test_c_abi as t
+lib = t.load_library({lib!r}, t.SIGNATURES)
+ctx = t._planning(lib)
+for T in (128, 1024, 1025):
+    plan, ws = t.CPlan(t.BASE, t.BASE, t.BASE, t.BASE, t.BASE), t.S()
+    t._ok(lib, lib.moe_rt_make_plan_workspace_size(T, 8, 64, C.byref(ws)))
+    t._ok(lib, lib.moe_rt_make_plan(ctx, t.BASE, t.I32, T, 8, 64, 1, -1, C.byref(plan), t.BASE, ws.value, None))
+    print(T, " ".join(n for n, *_ in t._launches(lib, ctx)))
+"""
+
+
+@pytest.mark.parametrize("knob,want", [("0", ["plan_count<int> plan_scan plan_assign<int>"] * 3),
+                                       ("1024", ["plan_fused<int>"] + ["plan_count<int> plan_scan plan_assign<int>"] * 2),
+                                       ("8200", ["plan_fused<int>"] * 3), ("-5", ["plan_count<int> plan_scan plan_assign<int>"] * 3)])
+def test_make_plan_fused_slots_knob(libpath, knob, want):
+    """MOE_RT_PLAN_FUSED_SLOTS (read once by the library) moves the one-CTA plan's limit (0 or below: off)."""
+    code = _FUSED_KNOB.format(tests=str(Path(__file__).parent), lib=str(libpath))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                       env={**os.environ, "MOE_RT_PLAN_FUSED_SLOTS": knob})
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = [line.split(" ", 1)[1] for line in r.stdout.splitlines()]
+    assert got == want, r.stdout
 
 
 def _c_plan(T, K, E, N):

@@ -516,6 +516,38 @@ def test_gpu_against_reference(rng, T, E, H, K, A, num_out, dtype, drop):
     assert bool((_bits(gyp2) == _bits(_dev_dispatch_ref(cp, g, ref, None)[0])).all())
 
 
+# make_plan's one-CTA kernel (plan_fused: up to 4096 slots, its chunk counts and totals in 48 KiB of shared
+# memory) and the three kernels on either side of its limits: (T, E, K, A, num_out, drop, routing map)
+PLAN_SIDES = [
+    (512, 64, 8, 1, None, 0.0, False),  # 4096 slots: one CTA, 32 chunks of 128
+    (4097, 64, 1, 1, None, 0.0, False),  # 4097: three kernels
+    (500, 1000, 8, 16, None, 0.1, False),  # room for 11 chunks of 384 slots
+    (101, 6111, 3, 1, 200, 0.0, False),  # room for one chunk (of 320 slots); drops past 200
+    (50, 6113, 4, 8, None, 0.0, False),  # no room: three kernels
+    (37, 7, 3, 128, None, 0.3, False),  # odd sizes, big padding
+    (64, 64, 64, 1, 900, 0.0, True),  # a routing map of 4096 slots: one CTA
+    (65, 64, 64, 4, None, 0.0, True),  # 4160: three kernels
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,E,K,A,num_out,drop,is_map", PLAN_SIDES)
+def test_gpu_plan_one_cta_and_three_kernels(rng, T, E, K, A, num_out, drop, is_map):
+    """Both plan paths against the reference, into a poisoned pool, with ids, a routing map and drops."""
+    cp = _cp()
+    if is_map:
+        mask = rng.random((T, E)) < 0.25
+        idx = R.routing_map_to_topk(mask)
+        routing = cp.asarray(mask)
+    else:
+        idx = _random_topk(rng, T, E, K, drop)
+        routing = cp.asarray(idx.astype(np.int64) if T % 2 else idx)
+    ref = R.make_plan(idx, E, A, num_out)
+    _poison_pool(64 * (T * max(K, E) + E) + (1 << 20))
+    plan = P.make_plan(routing, E, align_size=A, num_out_tokens=num_out)
+    _dev_plan_check(plan, ref)
+
+
 @pytest.mark.gpu
 def test_gpu_edge_routings(rng):
     cp = _cp()

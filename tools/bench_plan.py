@@ -1,0 +1,97 @@
+"""The device time of make_plan, one CTA (plan_fused) against the three kernels, at small and medium T.
+
+Each side runs in its own process (MOE_RT_PLAN_FUSED_SLOTS is read once per process: 0 for the three kernels,
+a large value for one CTA up to every size here), alternated, on CuPy int32 top-k ids (distinct experts per
+token, seeded). Device time per call with the host hidden behind a spin kernel (moe_rt.bench.router's
+time_device: 200 back-to-back calls, median of 5 batches); `host us`: a torch call's host time on each side
+(moe_rt.make_plan on a torch tensor, the mean of 300 calls back to back). `picked`: what the library picks by
+default (one CTA up to 4096 slots where the counts fit; docs/permutation.md §1.2).
+
+    python3 tools/bench_plan.py [--E 64,256,1024] [--T 16,128,512,1024,2048,4096] [--K 8] [--json FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's moe_rt
+
+from moe_rt.bench import _lib as benchlib  # noqa: E402
+
+_ALL = 1 << 30  # the knob's value that sends every size here to one CTA
+
+
+def _side(E_list, T_list, K):
+    """This process's rows: (E, T, device us, host us) under the knob it was started with."""
+    import time
+
+    import cupy
+    import numpy as np
+    import torch
+
+    import moe_rt
+    from moe_rt.bench.router import time_device
+
+    rng = np.random.default_rng(0)
+    out = []
+    for E in E_list:
+        for T in T_list:
+            idx = cupy.asarray(np.argsort(rng.random((T, E)), axis=1)[:, :K].astype(np.int32))
+            us = time_device(lambda: moe_rt.make_plan(idx, E), iters=200) * 1e3
+            it = torch.from_dlpack(idx)
+            for _ in range(50):
+                moe_rt.make_plan(it, E)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(300):
+                moe_rt.make_plan(it, E)
+            host = (time.perf_counter() - t0) / 300 * 1e6
+            torch.cuda.synchronize()
+            out.append((E, T, us, host))
+    return out
+
+
+def main(argv=None):
+    ap = benchlib.ArgumentParser(prog="tools/bench_plan.py", description=benchlib.plain_text(__doc__.split("\n\n")[0]),
+                                 formatter_class=benchlib.HelpFormatter)
+    ap.add_argument("--E", type=benchlib.positive_int_list, default=[64, 256, 1024], help="experts, a list")
+    ap.add_argument("--T", type=benchlib.positive_int_list, default=[16, 128, 512, 1024, 2048, 4096],
+                    help="tokens, a list")
+    ap.add_argument("--K", type=benchlib.positive_int, default=8, help="experts a token")
+    ap.add_argument("--json", help="write the rows to this file")
+    ap.add_argument("--side", choices=("one", "three"), help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.side:
+        print(json.dumps(_side(a.E, a.T, a.K)))
+        return 0
+    benchlib.require_gpu("tools/bench_plan.py")
+    base = [sys.executable, os.path.abspath(__file__), "--E", ",".join(map(str, a.E)), "--T",
+            ",".join(map(str, a.T)), "--K", str(a.K)]
+    sides = {}
+    for side, knob in (("three", "0"), ("one", str(_ALL))):
+        r = subprocess.run(base + ["--side", side], capture_output=True, text=True,
+                           env={**os.environ, "MOE_RT_PLAN_FUSED_SLOTS": knob})
+        if r.returncode:
+            sys.stderr.write(r.stdout + r.stderr)
+            return r.returncode
+        sides[side] = {(E, T): (us, host) for E, T, us, host in json.loads(r.stdout.strip().splitlines()[-1])}
+    table = benchlib.Table("make_plan: one CTA against three kernels",
+                           ["E", "T", "K", "slots", "one CTA us", "three kernels us", "x", "picked",
+                            "host us one CTA", "host us three kernels"])
+    table.header()
+    for E in a.E:
+        for T in a.T:
+            (one, h1), (three, h3) = sides["one"][(E, T)], sides["three"][(E, T)]
+            picked = "one CTA" if T * a.K <= 4096 and (48 * 1024 - 256) // 4 // E - 1 >= 1 else "three kernels"
+            table.add(E=E, T=T, K=a.K, slots=T * a.K, **{"one CTA us": one, "three kernels us": three,
+                                                         "x": three / one, "picked": picked,
+                                                         "host us one CTA": h1, "host us three kernels": h3})
+    table.finish(a.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
