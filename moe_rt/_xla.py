@@ -185,9 +185,12 @@ def planned_kernels(op: str, cc: tuple[int, int], **kw) -> list[tuple[str, str]]
             st = lib.moe_rt_dequantize_fp8(ctx, _ptr(0), _ptr(1), i64(kw["T"]), i64(kw["H"]), c_int(kw["block"]),
                                            _ptr(2), c_int(kw["dtype"]), None)
         elif op in ("aux_loss", "aux_loss_backward"):
-            # the kernels depend on the dtype and sizes alone: planned with a host total of 1
-            common = (c_int(kw["dtype"]), i64(kw["R"]), c_int(kw["C"]), _ptr(1), c_int(kw["tpe_dtype"]), i64(1), None,
-                      c_int(0), c_int(kw["num_experts"]), c_int(kw["topk"]), f32(kw["coeff"]))
+            # the kernels depend on the dtype, the sizes and (the backward's) whether the total is a device
+            # scalar (dev_total), not on the total itself: planned with a host total of 1 or an int32 device one
+            dev = bool(kw.get("dev_total", False))
+            common = (c_int(kw["dtype"]), i64(kw["R"]), c_int(kw["C"]), _ptr(1), c_int(kw["tpe_dtype"]),
+                      i64(0 if dev else 1), _ptr(9) if dev else None, c_int(DTYPE_CODES["int32"] if dev else 0),
+                      c_int(kw["num_experts"]), c_int(kw["topk"]), f32(kw["coeff"]))
             if op == "aux_loss":
                 ws = aux_loss_workspace_bytes(kw["R"])
                 st = lib.moe_rt_aux_loss(ctx, _ptr(0), *common, _ptr(2), ctypes.c_size_t(ws), _ptr(3), None)

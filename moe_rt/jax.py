@@ -868,7 +868,7 @@ def _aux_call(op, first, tpe, total, out_spec, host_total, num_experts, topk, co
         R, C = (first.shape if op == "aux_loss" else out_spec.shape)
         facts = dict(num_experts=num_experts, topk=topk, coeff=coeff)
         _xla.prepare(op, dtype=_dtype_code(first.dtype), R=int(R), C=int(C), tpe_dtype=_dtype_code(tpe.dtype),
-                     **facts)
+                     dev_total=total is not None, **facts)
         rets = [out_spec]
         if op == "aux_loss":
             rets.append(_spec((_xla.aux_loss_workspace_bytes(int(R)),), np.uint8))

@@ -893,6 +893,22 @@ def test_router_ops_lower_to_custom_calls_in_every_form():
     assert "tensor<8xf16>) -> tensor<8xf32>" in text
 
 
+def test_aux_ops_prepare_the_device_totals_build(monkeypatch):
+    """At trace time each aux-loss handler is prepared with whether its total is a device scalar (the backward's
+    kernel differs: aux_loss_bwd<T, true>), so a fresh kernel cache gets the build that runs."""
+    seen = []
+    monkeypatch.setattr(_xla, "prepare", lambda op, **facts: seen.append((op, facts.get("dev_total"))))
+    jax.jit(jax.value_and_grad(_router_layer)).trace(*_router_inputs()).lower(lowering_platforms=("cuda",))
+    aux = sorted(x for x in seen if x[0] in ("aux_loss", "aux_loss_backward"))
+    assert aux == [("aux_loss", False), ("aux_loss", True), ("aux_loss_backward", False),
+                   ("aux_loss_backward", True)]
+    for op, dev in aux:  # and what is planned for it
+        names = _xla.planned_kernels(op, (9, 0), dtype=0, R=T, C=E, tpe_dtype=3, num_experts=E, topk=K, coeff=0.1,
+                                     dev_total=dev)
+        if op == "aux_loss_backward":
+            assert names == [("router.cu", f"aux_loss_bwd<float, {'true' if dev else 'false'}>")]
+
+
 def test_router_ops_on_cpu_run_the_reference(rng):
     logits = jnp.asarray(rng.standard_normal((T, E)), jnp.bfloat16)
     tpe = jnp.asarray(rng.integers(0, 9, E), jnp.int32)
@@ -916,6 +932,9 @@ def test_router_ops_on_cpu_run_the_reference(rng):
     ("scores_for_aux_loss_backward", dict(dtype=2, T=5, E=100, topk=6, score_function=0), []),
     ("aux_loss", dict(dtype=2, R=4096, C=256, tpe_dtype=3, num_experts=64, topk=8, coeff=0.01), []),
     ("aux_loss_backward", dict(dtype=0, R=37, C=7, tpe_dtype=0, num_experts=7, topk=2, coeff=1.0), []),
+    ("aux_loss", dict(dtype=1, R=37, C=7, tpe_dtype=0, num_experts=7, topk=2, coeff=1.0, dev_total=True), []),
+    ("aux_loss_backward", dict(dtype=1, R=37, C=7, tpe_dtype=0, num_experts=7, topk=2, coeff=1.0, dev_total=True),
+     []),
 ])
 def test_planned_kernels_of_the_router_ops(op, facts, extra):
     # what moe_rt.jax prepares at trace time: the C planner's launches (tests/test_c_abi.py compares those
@@ -926,6 +945,9 @@ def test_planned_kernels_of_the_router_ops(op, facts, extra):
         assert file == "router.cu" and name in _jit.REGISTRY["router.cu"], name
     if op == "topk_with_score" and facts["routing_dtype"] == 6:
         assert names[0][1].endswith(", true>")  # the bit-packed map's instantiation
+    if op == "aux_loss_backward":  # the device total's build is the one a device total runs
+        ctype = {0: "float", 1: "__half", 2: "__nv_bfloat16"}[facts["dtype"]]
+        assert names == [("router.cu", f"aux_loss_bwd<{ctype}, {'true' if facts.get('dev_total') else 'false'}>")]
 
 
 def test_planning_bad_facts_raises_with_the_core_message():
