@@ -77,8 +77,9 @@ static int64_t chunk_for(int64_t L, int64_t E) {
 
 /* make_plan in one CTA (plan_fused) where the L = T*K slots are few: the largest L it takes (the three kernels
  * above it; MOE_RT_PLAN_FUSED_SLOTS, read once, sets it for measurements, 0 turning the fused kernel off).
- * Device time on one H200 (BENCHMARKS.md, "make_plan in one CTA"), one CTA against three kernels: L = 128
- * 4.3-4.7 us against 14-16; L = 4096 13.6-16.7 against 17.7-21.0; L = 8192 21.7-28.8 against 18.2-21.4. */
+ * Device time on one H200 (BENCHMARKS.md, "make_plan in one CTA"), one CTA against three kernels, E = 64 to
+ * 1024: L = 128 4.2-4.6 us against 13.0-14.9; L = 4096 13.7-16.8 against 17.2-20.9; L = 8192 21.8-29.1 against
+ * 17.7-21.5. */
 #define PLAN_FUSED_SLOTS 4096
 
 static int64_t fused_max_slots(void) {
