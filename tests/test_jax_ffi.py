@@ -1646,10 +1646,14 @@ def _same_bits_with_command_buffers(tmp_path, text):
     script = tmp_path / "step.py"
     script.write_text(text)
     results = {}
+    # XLA's autotuner off in both: it picks tilings of XLA's own reductions by timing, so the loss (a sum XLA
+    # computes) could differ in its last bits from process to process whatever moe_rt does (one H200: two of
+    # four runs differed in the loss alone, every gradient the same bits; with autotuning off six runs, fresh and
+    # warm kernel cache, command buffers on and off, gave the same bits)
     for name, flags in (("off", "--xla_gpu_enable_command_buffer="),
                         ("on", "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1")):
         dump = tmp_path / f"dump_{name}"
-        env = dict(os.environ, XLA_FLAGS=f"{flags} --xla_dump_to={dump}")
+        env = dict(os.environ, XLA_FLAGS=f"{flags} --xla_gpu_autotune_level=0 --xla_dump_to={dump}")
         r = subprocess.run([sys.executable, str(script), str(tmp_path / f"{name}.npz")], cwd=ROOT, env=env,
                            capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stdout + r.stderr
