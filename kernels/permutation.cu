@@ -215,7 +215,7 @@ __global__ void plan_assign(const IdxT* __restrict__ idx, i64 L, int E, int chun
   assign_chunk(idx, (i64)c * chunk, chunk, L, E, run, kept, seg_start, dst_row, src_slot);
 }
 
-// make_plan in one CTA where the slots are few (csrc/permutation.c fused_chunks): plan_count's, plan_scan's and
+// make_plan in one CTA where the slots are few (csrc/permutation.c fused_chunk): plan_count's, plan_scan's and
 // plan_assign's steps with the block's barriers between them, a warp per chunk (nchunks <= 32), the chunks'
 // counts and the totals in shared memory ((nchunks + 1) * E ints, dynamic). The same integers, so the same
 // plan bit for bit, in one launch instead of three.

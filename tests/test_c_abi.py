@@ -561,9 +561,11 @@ for T in (128, 1024, 1025):
 """
 
 
-@pytest.mark.parametrize("knob,want", [("0", ["plan_count<int> plan_scan plan_assign<int>"] * 3),
-                                       ("1024", ["plan_fused<int>"] + ["plan_count<int> plan_scan plan_assign<int>"] * 2),
-                                       ("8200", ["plan_fused<int>"] * 3), ("-5", ["plan_count<int> plan_scan plan_assign<int>"] * 3)])
+_THREE = "plan_count<int> plan_scan plan_assign<int>"
+
+
+@pytest.mark.parametrize("knob,want", [("0", [_THREE] * 3), ("1024", ["plan_fused<int>"] + [_THREE] * 2),
+                                       ("8200", ["plan_fused<int>"] * 3), ("-5", [_THREE] * 3)])
 def test_make_plan_fused_slots_knob(libpath, knob, want):
     """MOE_RT_PLAN_FUSED_SLOTS (read once by the library) moves the one-CTA plan's limit (0 or below: off)."""
     code = _FUSED_KNOB.format(tests=str(Path(__file__).parent), lib=str(libpath))
