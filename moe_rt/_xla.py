@@ -135,11 +135,19 @@ def _ptr(i: int) -> ctypes.c_void_p:
     return ctypes.c_void_p((i + 1) << 20)
 
 
-def planned_kernels(op: str, cc: tuple[int, int], **kw) -> list[tuple[str, str]]:
+# (SM count, shared memory per SM, per block with opt-in) an H100 or H200 has: what planned_kernels assumes
+# without the device's own figures (a kernel choice can depend on them: the QB histogram pass's width on the
+# opt-in shared memory)
+H100_SHAPE = (132, 228 * 1024, 227 * 1024)
+
+
+def planned_kernels(op: str, cc: tuple[int, int], *, shape: tuple[int, int, int] = H100_SHAPE,
+                    **kw) -> list[tuple[str, str]]:
     """The kernels ((file, name expression) each) the C core launches for handler ``op`` with these static
-    facts, on a device of compute capability ``cc``; planned with 16-byte aligned buffers, as XLA gives."""
+    facts, on a device of compute capability ``cc`` and ``shape`` (SM count, shared memory per SM and per block
+    with opt-in, bytes: see :func:`device_shape`); planned with 16-byte aligned buffers, as XLA gives."""
     lib = core()
-    dev = _DeviceInfo(132, 228 * 1024, 227 * 1024, int(cc[0]), int(cc[1]), 0)
+    dev = _DeviceInfo(int(shape[0]), int(shape[1]), int(shape[2]), int(cc[0]), int(cc[1]), 0)
     ctx = ctypes.c_void_p()
     _check(lib.moe_rt_context_create_planning(ctypes.byref(dev), ctypes.byref(ctx)), "planning context")
     try:
@@ -227,8 +235,25 @@ def planned_kernels(op: str, cc: tuple[int, int], **kw) -> list[tuple[str, str]]
     finally:
         lib.moe_rt_context_destroy(ctx)
     if op == "make_plan" or (op == "topk_with_score_backward" and kw["routing_dtype"] in INDEX_CODES):
-        names.append(("errors.cu", "error_word_clear"))  # the device error word's module
+        names.append(ERROR_WORD_KERNEL)  # the device error word's module
     return names
+
+
+ERROR_WORD_KERNEL = ("errors.cu", "error_word_clear")
+
+
+def device_shape(device_id: int) -> tuple[int, int, int]:
+    """(SM count, shared memory per SM, per block with opt-in) of CUDA device ``device_id``, as the handlers'
+    contexts read them (planned_kernels plans with it, so a kernel choice that depends on it is the one the
+    handler makes on that device)."""
+    got = _shapes.get(device_id)
+    if got is None:
+        p = _jit.device_properties(device_id)
+        got = _shapes[device_id] = (p["sm_count"], p["smem_per_sm"], p["smem_per_block_optin"])
+    return got
+
+
+_shapes: dict = {}
 
 
 # ---- the handler library ----------------------------------------------------------------------------------
@@ -322,14 +347,17 @@ def prepare(op: str, **facts) -> None:
         root = _jit.cache_dir()
         if lib.moe_rt_xla_set_kernel_cache(root.encode()):
             raise RuntimeError(lib.moe_rt_xla_last_error().decode())
-        by_arch: dict = {}
+        by_kind: dict = {}
         for d in devices:
             cc = tuple(int(v) for v in str(d.compute_capability).split("."))
-            arch = _jit.arch_for(cc)
-            if arch not in by_arch:
-                names = by_arch[arch] = planned_kernels(op, cc, **facts)
+            arch, shape = _jit.arch_for(cc), device_shape(int(d.local_hardware_id))
+            if (arch, shape) not in by_kind:
+                names = planned_kernels(op, cc, shape=shape, **facts)
+                if ERROR_WORD_KERNEL not in names:  # moe_rt.check() reads each prepared device's error word
+                    names.append(ERROR_WORD_KERNEL)
+                by_kind[arch, shape] = names
                 _jit.cache_kernels(root, names, arch, where=" for moe_rt.jax")
-            names = by_arch[arch]
+            names = by_kind[arch, shape]
             for file, name in names:
                 if lib.moe_rt_xla_load_kernel(int(d.local_hardware_id), file.encode(), name.encode()):
                     raise RuntimeError(f"moe_rt.jax: loading {name} ({file}) on {d}: "

@@ -17,6 +17,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import numpy as np
@@ -762,12 +763,13 @@ def test_prepare_compiles_lists_and_loads_the_kernels(tmp_path, monkeypatch):
     monkeypatch.setenv("MOE_RT_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setenv("MOE_RT_LIBCUDA", str(tmp_path / "no_libcuda.so"))
     monkeypatch.setattr(_xla, "cuda_devices", lambda: [Device()])
+    monkeypatch.setattr(_xla, "device_shape", lambda i: _xla.H100_SHAPE)  # (read through CuPy on a GPU)
     facts = dict(T=37, K=2, E=8, N=74, align_size=1, H=16, dtype=0, has_probs=False, probs_dtype=0)
     with pytest.raises(RuntimeError, match="no CUDA driver: cannot load"):
         _xla.prepare("dispatch", **facts)
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert manifest["source_hash"] == _jit.source_hash()
-    want = _xla.planned_kernels("dispatch", (9, 0), **facts)
+    want = _xla.planned_kernels("dispatch", (9, 0), **facts) + [_xla.ERROR_WORD_KERNEL]  # moe_rt.check() reads it
     assert want and [(r["file"], r["name"]) for r in manifest["kernels"]] == want
     for row in manifest["kernels"]:
         assert row["arch"] == _jit.arch_for((9, 0)) and (tmp_path / row["image"]).is_file()
@@ -1072,6 +1074,51 @@ def test_qb_forward_lowering_for_cpu_runs_the_reference(rng):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(jax.grad(
         lambda l: (mj.topk_with_score(l, QB_K, score_function="sigmoid", expert_bias=args[1])[0] ** 2).sum())(
         args[0])))
+
+
+A100_SHAPE, SM89_SHAPE = (108, 164 * 1024, 163 * 1024), (142, 100 * 1024, 99 * 1024)
+
+
+@pytest.mark.parametrize("shape,B,width", [(_xla.H100_SHAPE, 400, 4), (A100_SHAPE, 400, 1), (A100_SHAPE, 300, 4),
+                                           (SM89_SHAPE, 250, 1), (SM89_SHAPE, 150, 4)])
+def test_planned_qb_histogram_follows_the_devices_shared_memory(shape, B, width):
+    """The QB histogram pass takes 128-expert strips only where 4 * 128 * B counters fit the device's opt-in
+    shared memory: planned with the device's own shape, what prepare() readies is what the handler runs there."""
+    names = _xla.planned_kernels("topk_with_score_qb", (8, 0), shape=shape, dtype=2, T=8192, E=64, topk=4,
+                                 scaling_factor=1.0, num_bins=B, qb_histogram_mode=0)
+    assert names[-1] == ("router.cu", f"qb_histogram_accumulate<{width}>")
+
+
+def test_prepare_plans_per_device_shape_and_readies_the_error_word(monkeypatch):
+    """prepare() plans each device with its own shape (devices of one architecture but other shared memory get
+    their own kernels) and readies the error word's kernel with every op, so moe_rt.check() can read it."""
+    devs = [types.SimpleNamespace(compute_capability="8.0", local_hardware_id=i) for i in range(3)]
+    shapes = {0: _xla.H100_SHAPE, 1: A100_SHAPE, 2: A100_SHAPE}
+    loaded, cached = [], []
+
+    class Lib:
+        def moe_rt_xla_set_kernel_cache(self, root):
+            return 0
+
+        def moe_rt_xla_load_kernel(self, dev, file, name):
+            loaded.append((dev, file.decode(), name.decode()))
+            return 0
+
+    monkeypatch.setattr(_xla, "cuda_devices", lambda: devs)
+    monkeypatch.setattr(_xla, "device_shape", lambda i: shapes[i])
+    monkeypatch.setattr(_xla, "library", lambda: Lib())
+    monkeypatch.setattr(_xla._jit, "cache_kernels", lambda root, names, arch, where="": cached.append(list(names)))
+    monkeypatch.setattr(_xla, "_prepared", set())
+    monkeypatch.setattr(_xla, "_devices", set())
+    _xla.prepare("topk_with_score_qb", dtype=2, T=8192, E=64, topk=4, scaling_factor=1.0, num_bins=400,
+                 qb_histogram_mode=0)
+    assert len(cached) == 2  # one planning per (architecture, shape)
+    by_dev = {d: [n for dd, _, n in loaded if dd == d] for d in range(3)}
+    assert by_dev[0][-2:] == ["qb_histogram_accumulate<4>", "error_word_clear"]
+    assert by_dev[1][-2:] == by_dev[2][-2:] == ["qb_histogram_accumulate<1>", "error_word_clear"]
+    assert _xla._devices == {0, 1, 2}
+    _xla.prepare("dispatch", dtype=2, T=5, K=2, E=4, N=10, H=64, align_size=1, has_probs=False)
+    assert [n for d, _, n in loaded if d == 0][-1] == "error_word_clear"
 
 
 @pytest.mark.parametrize("dtype,T,E,K,B,mode,want", [
