@@ -31,12 +31,13 @@ static moe_rt_status cast(moe_rt_context* ctx, const char* op, int quantize, int
   if (H < 0 || H + block >= ((int64_t)1 << 31))
     return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: hidden must be >= 0 with hidden + block below 2^31, got %lld",
                     op, (long long)H);
-  if ((st = mrt_check_ptr(op, quantize ? "x" : "y", data)) || (st = mrt_check_ptr(op, "x_fp8", codes)) ||
-      (st = mrt_check_ptr(op, "scales", scales)))
+  const int64_t nb = mrt_cdiv(H, block);
+  /* arrays of no element may be NULL (XLA may pass those so) */
+  if ((st = mrt_check_data(op, quantize ? "x" : "y", data, T * H)) || (st = mrt_check_data(op, "x_fp8", codes, T * H)) ||
+      (st = mrt_check_data(op, "scales", scales, T * nb)))
     return st;
   mrt_plan p;
   memset(&p, 0, sizeof p);
-  const int64_t nb = mrt_cdiv(H, block);
   if (T == 0 || H == 0) {
     if (mrt_is_planning(ctx)) mrt_record(ctx, &p);
     return MOE_RT_SUCCESS;

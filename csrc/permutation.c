@@ -141,7 +141,9 @@ moe_rt_status moe_rt_make_plan(moe_rt_context* ctx, const void* routing, int rou
     return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: routing: a routing map must have shape [T, num_experts=%d]; "
                     "pass topk = %d, got %lld", op, E, E, (long long)K);
   const int64_t L = T * K, N = num_rows_of(T, K, E, A, num_out);
-  if ((st = mrt_check_ptr(op, "plan->dst_row", plan->dst_row)) || (st = mrt_check_ptr(op, "plan->src_slot", plan->src_slot)) ||
+  /* arrays of no element may be NULL (XLA may pass those so) */
+  if ((st = mrt_check_data(op, "plan->dst_row", plan->dst_row, L)) ||
+      (st = mrt_check_data(op, "plan->src_slot", plan->src_slot, N)) ||
       (st = mrt_check_ptr(op, "plan->seg_start", plan->seg_start)) || (st = mrt_check_ptr(op, "plan->counts", plan->counts)) ||
       (st = mrt_check_ptr(op, "plan->tokens_per_expert", plan->tokens_per_expert)) ||
       (L > 0 && (st = mrt_check_ptr(op, "routing", routing))) || (st = mrt_check_ptr(op, "workspace", workspace)))
@@ -305,7 +307,8 @@ static moe_rt_status check_plan_arg(const char* op, const moe_rt_plan* plan) {
   if (plan->num_rows < 0 || plan->num_rows > INT32_MAX_)
     return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: plan->num_rows must be in [0, 2^31), got %lld", op,
                     (long long)plan->num_rows);
-  if ((st = mrt_check_ptr(op, "plan->dst_row", plan->dst_row)) || (st = mrt_check_ptr(op, "plan->src_slot", plan->src_slot)))
+  if ((st = mrt_check_data(op, "plan->dst_row", plan->dst_row, plan->num_tokens * plan->topk)) ||
+      (st = mrt_check_data(op, "plan->src_slot", plan->src_slot, plan->num_rows)))
     return st;
   return MOE_RT_SUCCESS;
 }
@@ -521,24 +524,26 @@ moe_rt_status moe_rt_dispatch(moe_rt_context* ctx, const moe_rt_plan* plan, cons
   if ((st = mrt_check_ctx(ctx, op)) || (st = check_plan_arg(op, plan)) ||
       (st = check_token_dtype(op, "dtype", dtype, 1)) || (st = check_hidden(op, H, dtype)))
     return st;
-  if (probs && !probs_permuted)
+  const int64_t T = plan->num_tokens, N = plan->num_rows;
+  /* with probs: either pointer given (one of no element may be NULL: with T = 0 the rows' probs are all zero) */
+  const int with_pp = probs != NULL || probs_permuted != NULL;
+  if (with_pp && !probs_permuted && N > 0)
     return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: probs_permuted is NULL but probs is given", op);
-  if (!probs && probs_permuted)
+  if (with_pp && !probs && T * plan->topk > 0)
     return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: probs_permuted is given but probs is NULL", op);
-  if (probs && !mrt_is_float_dtype(probs_dtype))
+  if (with_pp && !mrt_is_float_dtype(probs_dtype))
     return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: probs_dtype: expected float32, float16 or bfloat16, got %s (%d)",
                     op, mrt_dtype_name(probs_dtype), probs_dtype);
-  const int64_t T = plan->num_tokens, N = plan->num_rows;
   if ((T * H > 0 && (st = mrt_check_ptr(op, "x", x))) || (N * H > 0 && (st = mrt_check_ptr(op, "x_permuted", x_permuted))))
     return st;
   const int64_t row_bytes = H * mrt_dtype_size(dtype);
   const void* ptrs[2] = {x, x_permuted};
-  const int pdt = probs ? probs_dtype : -1;
+  const int pdt = with_pp ? probs_dtype : -1;
   rows_key key = make_key(1, mrt_dtype_size(dtype), pdt, 0, plan, H, ptrs, 2);
   mrt_plan p;
   if (!mrt_plan_lookup(ctx, &key, sizeof key, &p)) {
     if ((st = plan_copy(ctx, &p, plan, x, x_permuted, row_bytes)) ||
-        (st = plan_fill(ctx, &p, plan, x_permuted, row_bytes, probs != NULL, probs_dtype)))
+        (st = plan_fill(ctx, &p, plan, x_permuted, row_bytes, with_pp, probs_dtype)))
       return st;
     mrt_plan_put(ctx, &key, sizeof key, &p);
   }
@@ -584,15 +589,17 @@ moe_rt_status moe_rt_dispatch_backward(moe_rt_context* ctx, const moe_rt_plan* p
   if ((N * H > 0 && (st = mrt_check_ptr(op, "grad_x_permuted", grad_x_permuted))) ||
       (T * H > 0 && (st = mrt_check_ptr(op, "grad_x", grad_x))))
     return st;
-  if (!grad_probs_permuted != !grad_probs)
+  /* the two go together; one of no element may be NULL */
+  const int with_gp = grad_probs_permuted != NULL || grad_probs != NULL;
+  if (with_gp && ((!grad_probs_permuted && N > 0) || (!grad_probs && T * plan->topk > 0)))
     return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: grad_probs_permuted and grad_probs go together; %s is NULL", op,
                     grad_probs ? "grad_probs_permuted" : "grad_probs");
   const void* ptrs[2] = {grad_x_permuted, grad_x};
-  rows_key key = make_key(3, dtype, -1, grad_probs != NULL, plan, H, ptrs, 2);
+  rows_key key = make_key(3, dtype, -1, with_gp, plan, H, ptrs, 2);
   mrt_plan p;
   if (!mrt_plan_lookup(ctx, &key, sizeof key, &p)) {
     if ((st = plan_combine(ctx, &p, plan, grad_x_permuted, dtype, H, grad_x)) ||
-        (grad_probs && (st = plan_gather(ctx, &p, T * plan->topk))))
+        (with_gp && (st = plan_gather(ctx, &p, T * plan->topk))))
       return st;
     mrt_plan_put(ctx, &key, sizeof key, &p);
   }
@@ -615,27 +622,29 @@ moe_rt_status moe_rt_combine_backward(moe_rt_context* ctx, const moe_rt_plan* pl
   if ((T * H > 0 && (st = mrt_check_ptr(op, "grad_y", grad_y))) ||
       (N * H > 0 && (st = mrt_check_ptr(op, "grad_y_permuted", grad_y_permuted))))
     return st;
-  if (probs) {
+  /* with probs: probs or grad_probs given (both [T, K]: with T*K = 0 either may be NULL) */
+  const int with_p = probs != NULL || (grad_probs != NULL && T * K == 0);
+  if (with_p) {
     if (!y_permuted && N * H > 0)
       return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: y_permuted: the forward input is needed to differentiate with "
                       "probs", op);
-    if ((st = mrt_check_ptr(op, "grad_probs", grad_probs))) return st;
+    if ((st = mrt_check_data(op, "grad_probs", grad_probs, T * K))) return st;
   } else if (grad_probs) {
     return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: grad_probs is given but probs is NULL", op);
   }
   const int64_t row_bytes = H * mrt_dtype_size(dtype);
   const void* ptrs[3] = {grad_y, grad_y_permuted, y_permuted};
-  rows_key key = make_key(4, dtype, -1, probs != NULL, plan, H, ptrs, 3);
+  rows_key key = make_key(4, dtype, -1, with_p, plan, H, ptrs, 3);
   mrt_plan p;
   if (!mrt_plan_lookup(ctx, &key, sizeof key, &p)) {
     if ((st = plan_fill(ctx, &p, plan, grad_y_permuted, row_bytes, 0, MOE_RT_FLOAT32)) ||
-        (!probs && (st = plan_copy(ctx, &p, plan, grad_y, grad_y_permuted, row_bytes))) ||
-        (probs && (st = plan_combine_bwd(ctx, &p, plan, dtype, H, grad_y, y_permuted, grad_y_permuted))))
+        (!with_p && (st = plan_copy(ctx, &p, plan, grad_y, grad_y_permuted, row_bytes))) ||
+        (with_p && (st = plan_combine_bwd(ctx, &p, plan, dtype, H, grad_y, y_permuted, grad_y_permuted))))
       return st;
     mrt_plan_put(ctx, &key, sizeof key, &p);
   }
   /* with probs but nothing to reduce (H or N zero): the probs' gradient is zero */
-  if (probs && T && K && (H == 0 || N == 0) && (st = mrt_memset0(ctx, grad_probs, (size_t)(T * K) * 4, stream)))
+  if (with_p && T && K && (H == 0 || N == 0) && (st = mrt_memset0(ctx, grad_probs, (size_t)(T * K) * 4, stream)))
     return st;
   rows_io io = {0};
   io.fill_out = grad_y_permuted;
@@ -680,9 +689,9 @@ moe_rt_status moe_rt_sort_chunks(moe_rt_context* ctx, const void* x, int64_t N, 
   if (workspace_bytes < need)
     return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: workspace_bytes: need %zu "
                     "(moe_rt_sort_chunks_workspace_size), got %zu", op, need, workspace_bytes);
-  if ((probs == NULL) != (probs_out == NULL))
+  if (N > 0 && (probs == NULL) != (probs_out == NULL))  /* (of no row, either may be NULL) */
     return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: probs and probs_out: pass both or neither", op);
-  if ((st = mrt_check_ptr(op, "x", x)) || (st = mrt_check_ptr(op, "out", out)) ||
+  if ((st = mrt_check_data(op, "x", x, N * row_bytes)) || (st = mrt_check_data(op, "out", out, N * row_bytes)) ||
       (st = mrt_check_ptr(op, "workspace", workspace)) ||
       (S > 0 && ((st = mrt_check_ptr(op, "split_sizes", split_sizes)) ||
                  (st = mrt_check_ptr(op, "sorted_indices", sorted_indices)))))

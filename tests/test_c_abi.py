@@ -977,6 +977,47 @@ def test_bad_permutation_input(lib, ctx):
          "grad_probs")
 
 
+def test_zero_element_arrays_may_be_null(lib, ctx):
+    """An array of no element may be NULL (XLA may pass zero-size buffers so): the op plans as with any pointer
+    and touches nothing there; a NULL array that holds elements is still refused."""
+    ws = S()
+    _ok(lib, lib.moe_rt_make_plan_workspace_size(0, 2, 8, C.byref(ws)))
+
+    def names():
+        return [n for n, *_ in _launches(lib, ctx)]
+
+    for A, N in ((1, 0), (8, 56)):  # T = 0: N = 56 padding rows with align_size 8
+        plan = CPlan(None, None if N == 0 else BASE, BASE, BASE, BASE)
+        _ok(lib, lib.moe_rt_make_plan(ctx, None, I32, 0, 2, 8, A, -1, C.byref(plan), BASE, ws.value, None))
+        assert plan.num_rows == N and names() == ["plan_fused<int>"]
+    plan = CPlan(None, None, BASE, BASE, BASE)
+    _err(lib, lib.moe_rt_make_plan(ctx, None, I32, 0, 2, 8, 8, -1, C.byref(plan), BASE, ws.value, None), INVALID,
+         "src_slot is NULL")
+    t0 = _c_plan(0, 2, 8, 56)
+    t0.dst_row = None
+    d, db, cb = lib.moe_rt_dispatch, lib.moe_rt_dispatch_backward, lib.moe_rt_combine_backward
+    _ok(lib, d(ctx, C.byref(t0), None, BF16, 16, None, BASE, BASE, F16, None))  # the rows' probs: zeros
+    assert names() == ["fill_rows<uint4, float, __half>"]
+    _ok(lib, db(ctx, C.byref(t0), BASE, F32, 16, BASE, None, None, None))
+    _ok(lib, cb(ctx, C.byref(t0), None, F32, 16, BASE, None, BASE, BASE, None))
+    _ok(lib, cb(ctx, C.byref(t0), None, F32, 16, BASE, None, BASE, None, None))
+    n0 = _c_plan(4, 2, 8, 0)  # every slot dropped (num_out_tokens = 0)
+    n0.src_slot = None
+    _ok(lib, d(ctx, C.byref(n0), BASE, BF16, 16, BASE, None, None, F32, None))
+    _ok(lib, db(ctx, C.byref(n0), None, F32, 16, None, BASE, BASE, None))
+    assert "gather_slots" in names()  # the probs' gradient: zeros
+    _err(lib, d(ctx, C.byref(n0), BASE, BF16, 16, None, None, BASE, F32, None), INVALID, "probs is NULL")
+    _err(lib, db(ctx, C.byref(n0), None, F32, 16, BASE, BASE, None, None), INVALID, "grad_probs is NULL")
+    _err(lib, cb(ctx, C.byref(n0), BASE, F32, 16, None, None, BASE, BASE, None), INVALID, "grad_probs is given")
+    _ok(lib, lib.moe_rt_sort_chunks(ctx, None, 0, 16, BASE, BASE, I32, 4, BASE, None, None, 0, BASE, 64, None))
+    _err(lib, lib.moe_rt_sort_chunks(ctx, None, 3, 16, BASE, BASE, I32, 4, None, BASE, None, 0, BASE, 64, None),
+         INVALID, "x is NULL")
+    for T, H in ((0, 256), (4, 0)):
+        _ok(lib, lib.moe_rt_quantize_fp8(ctx, None, BF16, T, H, 128, None, None, None))
+        _ok(lib, lib.moe_rt_dequantize_fp8(ctx, None, None, T, H, 128, None, BF16, None))
+        assert names() == []
+
+
 def test_contexts_and_driver_errors(lib, tmp_path, monkeypatch):
     ctx = P()
     _err(lib, lib.moe_rt_context_create_planning(None, C.byref(ctx)), INVALID, "device is NULL")

@@ -53,7 +53,9 @@ extern "C" {
  * Conventions. Every function returns a moe_rt_status; on failure moe_rt_last_error() gives a readable
  * message naming the argument (thread-local, valid until the next moe_rt call on the thread). Bad input
  * (NULL pointers, negative or too large sizes, unknown dtype codes, topk > num_experts, ...) is refused
- * before anything is launched. Arrays are C-contiguous device memory; T tokens, E experts, K = topk,
+ * before anything is launched; an array of no element may be NULL (in the permutation and FP8 ops, where a
+ * pair such as probs / probs_permuted goes together, a NULL member of no element keeps the pair given).
+ * Arrays are C-contiguous device memory; T tokens, E experts, K = topk,
  * H hidden size, N permuted rows. Ops launch on `stream` (a cudaStream_t / CUstream; NULL = the default
  * stream) and never synchronize, except moe_rt_check and the copy helpers. The semantics are those of the
  * Python ops of the same names (docs/router.md, docs/permutation.md); the kernel choices (variant, grid,
