@@ -268,7 +268,8 @@ def _one_line_error(r, *needles):
     return lines[0]
 
 
-@pytest.mark.parametrize("tool", ["bench_router", "bench_permutation", "bench_fp8", "bench_layer", "bench_ep"])
+@pytest.mark.parametrize("tool", ["bench_router", "bench_permutation", "bench_fp8", "bench_layer", "bench_ep",
+                                  "bench_plan"])
 def test_tool_help(tool):
     r = _run([f"tools/{tool}.py", "--help"], env=dict(os.environ, COLUMNS="200"))
     assert r.returncode == 0 and r.stdout.startswith("usage:"), r.stdout + r.stderr
@@ -281,6 +282,8 @@ def test_tool_help(tool):
     (["tools/bench_router.py", "--iters", "0"], "--iters"),
     (["tools/bench_permutation.py", "--batch", "-1"], "--batch"),
     (["tools/bench_layer.py", "--frameworks", "torch,tf"], "--frameworks"),
+    (["tools/bench_plan.py", "--T", "0,5"], "--T"),
+    (["tools/bench_plan.py", "--iters", "0"], "--iters"),
     (["tools/bench_layer.py", "--warmup", "-1"], "--warmup"),
     (["tools/bench_ep.py", "--chunks", "x1"], "--chunks"),
     (["tools/bench_ep.py", "--chunks", "m0"], "--chunks"),

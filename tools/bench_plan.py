@@ -1,13 +1,14 @@
 """The device time of make_plan, one CTA (plan_fused) against the three kernels, at small and medium T.
 
 Each side runs in its own process (MOE_RT_PLAN_FUSED_SLOTS is read once per process: 0 for the three kernels,
-a large value for one CTA up to every size here), alternated, on CuPy int32 top-k ids (distinct experts per
+a large value for one CTA up to every size here), on CuPy int32 top-k ids (distinct experts per
 token, seeded). Device time per call with the host hidden behind a spin kernel (moe_rt.bench.router's
-time_device: 200 back-to-back calls, median of 5 batches); `host us`: a torch call's host time on each side
-(moe_rt.make_plan on a torch tensor, the mean of 300 calls back to back). `picked`: what the library picks by
+time_device: 4 * --iters back-to-back calls, 200 by default, median of 5 batches); `host us`: a torch call's host
+time on each side (moe_rt.make_plan on a torch tensor, the mean of 6 * --iters calls back to back). --quick: E=64,
+T=16 and 128; --no-compile changes nothing (no torch.compile baseline here). `picked`: what the library picks by
 default (one CTA up to 4096 slots where the counts fit; docs/permutation.md §1.2).
 
-    python3 tools/bench_plan.py [--E 64,256,1024] [--T 16,128,512,1024,2048,4096] [--K 8] [--json FILE]
+    python3 tools/bench_plan.py [--E 64,256,1024] [--T 16,128,512,1024,2048,4096] [--K 8] [--json FILE] [--quick]
 """
 from __future__ import annotations
 
@@ -24,8 +25,9 @@ from moe_rt.bench import _lib as benchlib  # noqa: E402
 _ALL = 1 << 30  # the knob's value that sends every size here to one CTA
 
 
-def _side(E_list, T_list, K):
-    """This process's rows: (E, T, device us, host us) under the knob it was started with."""
+def _side(E_list, T_list, K, iters, warmup):
+    """This process's rows: (E, T, device us, host us) under the knob it was started with: device time over
+    batches of 4 * iters back-to-back calls, host time over 6 * iters, after warmup calls."""
     import time
 
     import cupy
@@ -40,36 +42,36 @@ def _side(E_list, T_list, K):
     for E in E_list:
         for T in T_list:
             idx = cupy.asarray(np.argsort(rng.random((T, E)), axis=1)[:, :K].astype(np.int32))
-            us = time_device(lambda: moe_rt.make_plan(idx, E), iters=200) * 1e3
+            us = time_device(lambda: moe_rt.make_plan(idx, E), iters=4 * iters, warmup=max(1, warmup)) * 1e3
             it = torch.from_dlpack(idx)
-            for _ in range(50):
+            for _ in range(max(1, warmup)):
                 moe_rt.make_plan(it, E)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            for _ in range(300):
+            for _ in range(6 * iters):
                 moe_rt.make_plan(it, E)
-            host = (time.perf_counter() - t0) / 300 * 1e6
+            host = (time.perf_counter() - t0) / (6 * iters) * 1e6
             torch.cuda.synchronize()
             out.append((E, T, us, host))
     return out
 
 
 def main(argv=None):
-    ap = benchlib.ArgumentParser(prog="tools/bench_plan.py", description=benchlib.plain_text(__doc__.split("\n\n")[0]),
-                                 formatter_class=benchlib.HelpFormatter)
+    ap = benchlib.parser(__doc__.split("\n\n")[0], prog="tools/bench_plan.py")
     ap.add_argument("--E", type=benchlib.positive_int_list, default=[64, 256, 1024], help="experts, a list")
     ap.add_argument("--T", type=benchlib.positive_int_list, default=[16, 128, 512, 1024, 2048, 4096],
                     help="tokens, a list")
     ap.add_argument("--K", type=benchlib.positive_int, default=8, help="experts a token")
-    ap.add_argument("--json", help="write the rows to this file")
     ap.add_argument("--side", choices=("one", "three"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.quick:
+        a.E, a.T = [64], [16, 128]
     if a.side:
-        print(json.dumps(_side(a.E, a.T, a.K)))
+        print(json.dumps(_side(a.E, a.T, a.K, a.iters, a.warmup)))
         return 0
     benchlib.require_gpu("tools/bench_plan.py")
     base = [sys.executable, os.path.abspath(__file__), "--E", ",".join(map(str, a.E)), "--T",
-            ",".join(map(str, a.T)), "--K", str(a.K)]
+            ",".join(map(str, a.T)), "--K", str(a.K), "--iters", str(a.iters), "--warmup", str(a.warmup)]
     sides = {}
     for side, knob in (("three", "0"), ("one", str(_ALL))):
         r = subprocess.run(base + ["--side", side], capture_output=True, text=True,
