@@ -622,14 +622,13 @@ moe_rt_status moe_rt_combine_backward(moe_rt_context* ctx, const moe_rt_plan* pl
   if ((T * H > 0 && (st = mrt_check_ptr(op, "grad_y", grad_y))) ||
       (N * H > 0 && (st = mrt_check_ptr(op, "grad_y_permuted", grad_y_permuted))))
     return st;
-  /* with probs: probs or grad_probs given (both [T, K]: with T*K = 0 either may be NULL) */
-  const int with_p = probs != NULL || (grad_probs != NULL && T * K == 0);
+  const int with_p = probs != NULL;
   if (with_p) {
     if (!y_permuted && N * H > 0)
       return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: y_permuted: the forward input is needed to differentiate with "
                       "probs", op);
     if ((st = mrt_check_data(op, "grad_probs", grad_probs, T * K))) return st;
-  } else if (grad_probs) {
+  } else if (grad_probs && T * K > 0) {  /* (with T*K = 0 the two are of no element: either may be NULL) */
     return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: grad_probs is given but probs is NULL", op);
   }
   const int64_t row_bytes = H * mrt_dtype_size(dtype);

@@ -20,6 +20,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's moe_rt
 
+from moe_rt import _xla  # noqa: E402
 from moe_rt.bench import _lib as benchlib  # noqa: E402
 
 _ALL = 1 << 30  # the knob's value that sends every size here to one CTA
@@ -87,7 +88,10 @@ def main(argv=None):
     for E in a.E:
         for T in a.T:
             (one, h1), (three, h3) = sides["one"][(E, T)], sides["three"][(E, T)]
-            picked = "one CTA" if T * a.K <= 4096 and (48 * 1024 - 256) // 4 // E - 1 >= 1 else "three kernels"
+            # what the planner picks with the default limit (this process leaves MOE_RT_PLAN_FUSED_SLOTS as found)
+            first = _xla.planned_kernels("make_plan", (9, 0), routing_dtype=3, T=T, K=a.K, E=E, align_size=1,
+                                         num_out_tokens=-1)[0][1]
+            picked = "one CTA" if first.startswith("plan_fused") else "three kernels"
             table.add(E=E, T=T, K=a.K, slots=T * a.K, **{"one CTA us": one, "three kernels us": three,
                                                          "x": three / one, "picked": picked,
                                                          "host us one CTA": h1, "host us three kernels": h3})
