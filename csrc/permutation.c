@@ -83,11 +83,15 @@ static int64_t chunk_for(int64_t L, int64_t E) {
 #define PLAN_FUSED_SLOTS 4096
 
 static int64_t fused_max_slots(void) {
-  static int64_t v = -1;
-  if (v < 0) {
+  static int64_t v = -2;
+  if (v == -2) {
     const char* env = getenv("MOE_RT_PLAN_FUSED_SLOTS");
-    v = env && *env ? strtoll(env, NULL, 10) : PLAN_FUSED_SLOTS;
-    if (v < 0) v = 0;
+    int64_t r = PLAN_FUSED_SLOTS;
+    if (env && *env) { /* an integer >= 0, else -1 (refused by make_plan) */
+      size_t n = strspn(env, "0123456789");
+      r = env[n] == 0 && n <= 18 ? strtoll(env, NULL, 10) : -1;
+    }
+    v = r;
   }
   return v;
 }
@@ -95,9 +99,9 @@ static int64_t fused_max_slots(void) {
 /* plan_fused's chunk (0: not fused) and *nchunks: at most 32 chunks (a warp each) of a multiple of 32 slots,
  * their counts and the totals ((nchunks + 1) * E ints) in the default 48 KiB of shared memory, less 256 bytes
  * for the kernel's own (plan_offsets_block's scratch). */
-static int64_t fused_chunk(int64_t L, int64_t E, int64_t* nchunks) {
+static int64_t fused_chunk(int64_t L, int64_t E, int64_t limit, int64_t* nchunks) {
   const int64_t room = (48 * 1024 - 256) / 4 / E - 1;
-  if (L > fused_max_slots() || room < 1) return 0;
+  if (L > limit || room < 1) return 0;
   const int64_t n = mrt_min(mrt_min(32, room), mrt_max(1, mrt_cdiv(L, 32)));
   const int64_t chunk = mrt_max(1, mrt_cdiv(mrt_cdiv(L, n), 32)) * 32;
   *nchunks = mrt_max(1, mrt_cdiv(L, chunk));
@@ -162,8 +166,12 @@ moe_rt_status moe_rt_make_plan(moe_rt_context* ctx, const void* routing, int rou
   memset(&key, 0, sizeof key);
   key.op = 3; key.idx_dtype = routing_dtype; key.E = E; key.A = A; key.T = T; key.K = K; key.num_out = num_out;
   mrt_plan p;
+  const int64_t limit = fused_max_slots();
+  if (limit < 0)
+    return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: MOE_RT_PLAN_FUSED_SLOTS: expected an integer >= 0, got '%s'",
+                    op, getenv("MOE_RT_PLAN_FUSED_SLOTS"));
   int64_t nchunks = 0;
-  const int64_t chunk = fused_chunk(L, E, &nchunks);
+  const int64_t chunk = fused_chunk(L, E, limit, &nchunks);
   if (!mrt_plan_lookup(ctx, &key, sizeof key, &p)) {
     if (chunk) {
       memset(&p, 0, sizeof p);

@@ -59,6 +59,8 @@ def _combine_name(c: str, vec: bool, cfg=None) -> str:
 
 # fill_rows's (slot probs type, permuted probs type) per probs dtype other than fp32
 _PROB_OUT = {"float16": ("float", "__half"), "bfloat16": ("float", "__nv_bfloat16"), "float64": ("double", "double")}
+# the C core's limit of the one-CTA make_plan (docs/permutation.md §1.2), checked at import as every switch is
+_jit.env_ints("MOE_RT_PLAN_FUSED_SLOTS", None, one=True)
 _names = ["plan_count<bool>", "plan_assign<bool>", "plan_fused<bool>"]  # routing maps, read in place
 for _i in _IDX.values():
     _names += [f"plan_count<{_i}>", f"plan_assign<{_i}>", f"plan_fused<{_i}>", f"chunk_offsets<{_i}>"]

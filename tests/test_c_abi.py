@@ -548,29 +548,36 @@ def test_make_plan_plan_equals_python(lib, pyside, ctx, case):
 
 
 _FUSED_KNOB = """
-import ctypes as C, sys
+import ctypes as C, os, sys
 sys.path.insert(0, {tests!r})
 import test_c_abi as t
+# set after the imports: moe_rt.permutation refuses a bad value at import, and this checks the library's own refusal
+os.environ["MOE_RT_PLAN_FUSED_SLOTS"] = os.environ.pop("KNOB")
 lib = t.load_library({lib!r}, t.SIGNATURES)
 ctx = t._planning(lib)
 for T in (128, 1024, 1025):
     plan, ws = t.CPlan(t.BASE, t.BASE, t.BASE, t.BASE, t.BASE), t.S()
     t._ok(lib, lib.moe_rt_make_plan_workspace_size(T, 8, 64, C.byref(ws)))
-    t._ok(lib, lib.moe_rt_make_plan(ctx, t.BASE, t.I32, T, 8, 64, 1, -1, C.byref(plan), t.BASE, ws.value, None))
-    print(T, " ".join(n for n, *_ in t._launches(lib, ctx)))
+    st = lib.moe_rt_make_plan(ctx, t.BASE, t.I32, T, 8, 64, 1, -1, C.byref(plan), t.BASE, ws.value, None)
+    print(T, " ".join(n for n, *_ in t._launches(lib, ctx)) if st == 0 else lib.moe_rt_last_error().decode())
 """
 
 
 _THREE = "plan_count<int> plan_scan plan_assign<int>"
 
 
+_BAD_KNOB = "moe_rt_make_plan: MOE_RT_PLAN_FUSED_SLOTS: expected an integer >= 0, got '{}'"
+
+
 @pytest.mark.parametrize("knob,want", [("0", [_THREE] * 3), ("1024", ["plan_fused<int>"] + [_THREE] * 2),
-                                       ("8200", ["plan_fused<int>"] * 3), ("-5", [_THREE] * 3)])
+                                       ("8200", ["plan_fused<int>"] * 3), ("", ["plan_fused<int>"] + [_THREE] * 2)]
+                         + [(v, [_BAD_KNOB.format(v)] * 3) for v in ("-5", "4k", "1,2", "99999999999999999999")])
 def test_make_plan_fused_slots_knob(libpath, knob, want):
-    """MOE_RT_PLAN_FUSED_SLOTS (read once by the library) moves the one-CTA plan's limit (0 or below: off)."""
+    """MOE_RT_PLAN_FUSED_SLOTS (read once by the library) moves the one-CTA plan's limit (0: off; unset or
+    empty: 4096); any other value fails make_plan with a message naming it."""
     code = _FUSED_KNOB.format(tests=str(Path(__file__).parent), lib=str(libpath))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
-                       env={**os.environ, "MOE_RT_PLAN_FUSED_SLOTS": knob})
+                       env={**os.environ, "KNOB": knob})
     assert r.returncode == 0, r.stdout + r.stderr
     got = [line.split(" ", 1)[1] for line in r.stdout.splitlines()]
     assert got == want, r.stdout
