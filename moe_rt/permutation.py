@@ -689,13 +689,14 @@ def _dispatch_cuda(call, xv, plan, pv, pdt=None):
     H, dt = int(xv.shape[1]), xv.dtype
     out = call.empty((N, H), dt)
     pp = None if pv is None else call.empty((N,), np.float32 if pdt is None else pdt)
-    # the core moves float32 slot probs into float32/16 or bfloat16 rows; float64 ones are filled below
-    core_pp = pp is not None and pp.dtype != np.float64 and pp.size > 0 and pv.size > 0
+    # the core moves float32 slot probs into float32/16 or bfloat16 rows (zero where no slot, all zero with no
+    # slot at all); float64 ones are filled below
+    core_pp = pp is not None and pp.dtype != np.float64
     _core.dispatch(_core.device(call.device_id), _core_plan(plan), xv.data.ptr, _CODES[dt], H,
                    pv.data.ptr if core_pp else 0, out.data.ptr, pp.data.ptr if core_pp else 0,
                    _CODES[pp.dtype] if core_pp else 0, call.stream_ptr)
     if pp is not None and not core_pp:
-        _fill(call, None, pp, pv, plan)  # float64 permuted probs (or none to move): this module's fill_rows
+        _fill(call, None, pp, pv, plan)  # float64 permuted probs: this module's fill_rows
     return out, pp
 
 
@@ -804,13 +805,10 @@ def dispatch_backward(grad_x_permuted, plan: Plan, grad_probs_permuted=None, *, 
             H, dt = int(g.shape[1]), g.dtype
             gx = call.empty((plan.num_tokens, H), dt)
             gp = None if gpp is None else call.empty((plan.num_tokens, plan.topk), np.float32)
-            # no rows to gather from (N = 0): every slot was dropped, its gradient is 0
-            gather = gp is not None and gp.size > 0 and gpp.size > 0
+            # with no rows (N = 0) every slot was dropped: the core writes its gradient 0
             _core.dispatch_backward(_core.device(call.device_id), _core_plan(plan), g.data.ptr,
-                                    _CODES[dt], H, gpp.data.ptr if gather else 0, gx.data.ptr,
-                                    gp.data.ptr if gather else 0, call.stream_ptr)
-            if gp is not None and gp.size and not gather:
-                _arrays.cupy_of(gp).fill(0)
+                                    _CODES[dt], H, 0 if gp is None else gpp.data.ptr, gx.data.ptr,
+                                    0 if gp is None else gp.data.ptr, call.stream_ptr)
         return call.out(gx), (None if gp is None else call.out(gp))
 
 

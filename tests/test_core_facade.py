@@ -339,7 +339,7 @@ def test_dispatch_family_hands_the_core_its_arrays(core, T, K, E, H, dt, pdt):
     out, pp = PM.dispatch(x, plan, probs, probs_dtype=None if pdt in (None, F32) else None)
     assert out.shape == (N, H) and out.dtype == dt
     args = _last(core, "dispatch")
-    moved = pdt is not None and N > 0 and T * K > 0
+    moved = pdt is not None  # with no rows or no slots too: the core takes arrays of no element
     assert args == (pt, x.ptr, CODE[dt], H, probs.ptr if moved else 0, out.ptr, pp.ptr if moved else 0,
                     CODE[F32] if moved else 0, STREAM)
     assert core.last_plan() == _abi_plan("moe_rt_dispatch", _cplan(pt), _p(x), I(CODE[dt]), L(H),
@@ -355,7 +355,7 @@ def test_dispatch_family_hands_the_core_its_arrays(core, T, K, E, H, dt, pdt):
     gpp = None if pdt is None else core.mem((N,), F32)
     gx, gp = PM.dispatch_backward(y_perm, plan, gpp)
     args = _last(core, "dispatch_backward")
-    gather = gpp is not None and N > 0 and T * K > 0
+    gather = gpp is not None
     assert args == (pt, y_perm.ptr, CODE[dt], H, gpp.ptr if gather else 0, gx.ptr, gp.ptr if gather else 0, STREAM)
     assert (gp is None) == (gpp is None)
     core.calls.clear()
