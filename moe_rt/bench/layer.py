@@ -595,11 +595,13 @@ def bench_jax(s: Shape, args, table, save):
 
 # ---- adapter overhead ---------------------------------------------------------------------------------------
 
-def device_us(fn):
-    """Device us per call of ``fn`` with the host hidden (bench_router.time_device)."""
+def device_us(fn, iters=50):
+    """Device us per call of ``fn`` with the host hidden (bench_router.time_device). ``iters`` calls a batch:
+    a chain of many launches takes fewer, since once the driver's launch queue (about a thousand launches) is
+    full the host waits and the GPU idles behind it (seen as 2x a chain's kernel time at 50 calls of 40 ops)."""
     from moe_rt.bench.router import time_device
 
-    return time_device(fn, 50) * 1e3
+    return time_device(fn, iters) * 1e3
 
 
 def interleaved_us(fns, n=100, reps=7):
@@ -832,12 +834,13 @@ def _direct_chain_fwd_bwd(x, plan, probs, gy):
     return g, gp_sum
 
 
-def _chain_row(table, save, framework, op, what, ops, adapter_us, direct_us):
-    """One 'in one graph / jit' row: us per op (a fwd+bwd op is two calls: its forward and its backward)."""
+def _chain_row(table, save, framework, op, what, ops, adapter_us, direct_us, gpu_us=None):
+    """One 'in one graph / jit' row: us per op (a fwd+bwd op is two calls: its forward and its backward);
+    ``gpu_us``: the direct calls' device time per op, if measured."""
     calls = 2 if "fwd+bwd" in what else 1
     a, d = adapter_us / ops, direct_us / ops
     table.add(framework=framework, op=op, **{"pass": what, "adapter us": a, "direct us": d,
-                                             "overhead us/call": (a - d) / calls})
+                                             "overhead us/call": (a - d) / calls, "direct GPU us": gpu_us})
     save()
 
 
@@ -965,26 +968,24 @@ def bench_overhead_jax(table, save, T=128, H=1024, E=64, K=8):
     topk_vjp = jax.jit(lambda l, g: jax.vjp(lambda l_: mj.topk_with_score(l_, K)[0], l)[1](g))
     disp_vjp = jax.jit(lambda x_, p, g: jax.vjp(lambda a: mj.dispatch(a, p)[0], x_)[1](g))
     comb_vjp = jax.jit(lambda y_, p, pr, g: jax.vjp(lambda a, b_: mj.combine(a, p, b_), y_, pr)[1](g))
-    from jax.experimental.buffer_callback import buffer_callback
-
-    def _empty_cb(ctx, out, x_):
-        return None
-
-    empty_j = jax.jit(lambda x_: buffer_callback(_empty_cb, [jax.ShapeDtypeStruct((1,), jnp.float32)])(x_))
-    # make_plan's floor: one input, five int32 outputs of the plan's shapes
-    empty5_j = jax.jit(lambda r: buffer_callback(_empty_cb, [jax.ShapeDtypeStruct(a.shape, jnp.int32)
-                                                             for a in plan.arrays])(r))
-    # the floor of the XLA FFI custom calls the router, plan, dispatch and combine now lower to: a registered
-    # handler that does nothing, with the outputs of topk_with_score's forward
+    # JAX's floor for each op: a jitted custom call of a registered XLA FFI handler that does nothing, with the
+    # op's inputs and outputs (the router, plan, dispatch and combine lower to one such call each)
     from moe_rt import _xla
 
     _xla.library()
-    noop_specs = [jax.ShapeDtypeStruct(logits.shape, dt) for dt in (jnp.float32, jnp.bool_, jnp.float32)]
-    noop_j = jax.jit(lambda l: jax.ffi.ffi_call(_xla.target("noop"), noop_specs)(l))
+
+    def noop_like(jf, *args):
+        leaves = jax.tree_util.tree_leaves(args)
+        specs = [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in jax.tree_util.tree_leaves(jax.eval_shape(jf, *args))]
+        floor = jax.jit(lambda *a: jax.ffi.ffi_call(_xla.target("noop"), specs)(*a))
+        return lambda: floor(*leaves)
+
+    none = lambda: None  # noqa: E731 - a floor has no direct call
     cases = [
-        ("(empty buffer_callback)", "fwd", lambda: empty_j(x), lambda: None),
-        ("(empty buffer_callback, 5 outputs)", "fwd", lambda: empty5_j(rmap), lambda: None),
-        ("(empty XLA FFI custom call, 3 outputs)", "fwd", lambda: noop_j(logits), lambda: None),
+        ("(no-op custom call, topk_with_score's inputs and outputs)", "fwd", noop_like(topk_j, logits), none),
+        ("(no-op custom call, make_plan's)", "fwd", noop_like(plan_j, rmap), none),
+        ("(no-op custom call, dispatch's)", "fwd", noop_like(disp_j, x, plan), none),
+        ("(no-op custom call, combine's)", "fwd", noop_like(comb_j, ys, plan, probs), none),
         ("topk_with_score", "fwd", lambda: topk_j(logits), lambda: moe_rt.topk_with_score(c["logits"], K)),
         ("make_plan", "fwd", lambda: plan_j(rmap), lambda: moe_rt.make_plan(c["rmap"], E, num_out_tokens=T * K)),
         ("dispatch", "fwd", lambda: disp_j(x, plan), lambda: moe_rt.dispatch(c["x"], c_plan)),
@@ -1014,27 +1015,27 @@ CHAIN = 20  # rounds of dispatch + combine in one jitted program
 
 
 def in_jit_chain(table, save, x, plan, probs, gy, c, c_plan, csync):
-    """Per op inside one jitted program (the Python thread blocked while XLA runs the callbacks, as in a
-    training step): ``CHAIN`` rounds of dispatch + combine, against the same chain of empty buffer_callbacks
-    with the same buffers, XLA element-wise ops, and the direct moe_rt calls on CuPy views."""
+    """Per op inside one jitted program (as in a training step): ``CHAIN`` rounds of dispatch + combine,
+    against the same chain of no-op XLA FFI custom calls with the same buffers, XLA element-wise ops, the
+    direct moe_rt calls on CuPy views, and the device time of those calls' kernels (host hidden): issue 31's
+    target is the jitted chain within 2 us an op of its kernels."""
     import jax
-    from jax.experimental.buffer_callback import buffer_callback
 
     import moe_rt
     import moe_rt.jax as mj
-
-    def _cb(ctx, outs, *ins):
-        return None
+    from moe_rt import _xla
 
     def chain_moe(x_, p, pr):
         for _ in range(CHAIN):
             x_ = mj.combine(mj.dispatch(x_, p)[0], p, pr)
         return x_
 
+    noop = _xla.target("noop")
+
     def chain_empty(x_, p, pr):
         for _ in range(CHAIN):
-            y_ = buffer_callback(_cb, [jax.ShapeDtypeStruct((p.num_rows, x_.shape[1]), x_.dtype)])(x_, *p.arrays)[0]
-            x_ = buffer_callback(_cb, [jax.ShapeDtypeStruct(x_.shape, x_.dtype)])(y_, pr, *p.arrays)[0]
+            y_ = jax.ffi.ffi_call(noop, jax.ShapeDtypeStruct((p.num_rows, x_.shape[1]), x_.dtype))(x_, *p.arrays)
+            x_ = jax.ffi.ffi_call(noop, jax.ShapeDtypeStruct(x_.shape, x_.dtype))(y_, pr, *p.arrays)
         return x_
 
     def chain_xla(x_, p, pr):
@@ -1076,20 +1077,22 @@ def in_jit_chain(table, save, x, plan, probs, gy, c, c_plan, csync):
         us = interleaved_us([("moe", blocked_fb(chain_moe_vjp), none), ("empty", blocked_fb(chain_empty2), none),
                              ("direct", direct_fb, csync)], n=10, reps=15)
         fb_us, fb_empty_us, fb_direct_us = us["moe"], us["empty"], us["direct"]
+        kernel_us, fb_kernel_us = device_us(direct, iters=5) / n, device_us(direct_fb, iters=5) / n
     except Exception as e:  # noqa: BLE001 - report and go on
         print(f"in-jit chain failed: {type(e).__name__}: {e}", flush=True)
         traceback.print_exc()
         return
     what = f"fwd, in one jit ({n} ops)"
-    table.add(framework="jax", op="(empty buffer_callback)", **{"pass": what, "adapter us": empty_us,
-                                                                 "direct us": xla_us,
-                                                                 "overhead us/call": empty_us - xla_us})
+    table.add(framework="jax", op="(no-op custom call)", **{"pass": what, "adapter us": empty_us,
+                                                             "direct us": xla_us,
+                                                             "overhead us/call": empty_us - xla_us})
     table.add(framework="jax", op="dispatch / combine", **{"pass": what, "adapter us": moe_us,
                                                            "direct us": direct_us,
-                                                           "overhead us/call": moe_us - direct_us})
+                                                           "overhead us/call": moe_us - direct_us,
+                                                           "direct GPU us": kernel_us})
     fb = f"fwd+bwd, in one jit ({n} ops)"
-    _chain_row(table, save, "jax", "(empty buffer_callback)", fb, n, fb_empty_us, 0.0)
-    _chain_row(table, save, "jax", "dispatch / combine", fb, n, fb_us, fb_direct_us)
+    _chain_row(table, save, "jax", "(no-op custom call)", fb, n, fb_empty_us, 0.0)
+    _chain_row(table, save, "jax", "dispatch / combine", fb, n, fb_us, fb_direct_us, gpu_us=fb_kernel_us)
 
 
 # ---- main -------------------------------------------------------------------------------------------------
@@ -1132,8 +1135,10 @@ def main(argv=None):
                            "same torch tensors, or on CuPy views of the JAX buffers; 'in one jit' / 'in one graph' "
                            "rows: us per op of a chain of 40 ops (dispatch and combine; top-k) in one jitted "
                            "call, blocked on, or differentiated by one autograd.grad (fwd+bwd: an op is two "
-                           "calls; the empty buffer_callback / autograd.Function rows are the frameworks' floors: "
-                           "direct = an XLA element-wise op, or nothing; the bare autograd.Function rows: "
+                           "calls; the empty custom op / autograd.Function and no-op custom call rows are the "
+                           "frameworks' floors: direct = an XLA element-wise op, or nothing; a jax fwd floor has "
+                           "its op's inputs and outputs; the in-jit dispatch / combine rows' direct GPU us: the "
+                           "kernels' device time an op; the bare autograd.Function rows: "
                            "Functions whose forward and backward call the moe_rt ops and nothing else, the "
                            "floor of any autograd.Function wrapper of them)")
     out_path = args.json
