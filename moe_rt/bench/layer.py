@@ -639,10 +639,13 @@ def overhead_rows(table, save, framework, cases, adapter_sync, direct_sync, adap
     timed in turns (:func:`interleaved_us`), device us per call, and the overhead per adapter call (a fwd+bwd
     pass makes two). ``adapter_sync(fn)`` gives ``(fn to time, its sync)``; ``direct_sync`` is the direct
     calls' sync."""
-    for op, pas, adapter, direct in cases:
+    for op, pas, adapter, direct, *floor in cases:
         try:
             a_fn, a_sync = adapter_sync(adapter)
-            us = interleaved_us([("a", a_fn, a_sync), ("d", direct, direct_sync)], n=100, reps=PAIRED_REPS)
+            timed = [("a", a_fn, a_sync), ("d", direct, direct_sync)]
+            if floor:  # the framework's floor for this op, timed in the same turns
+                timed.append(("f",) + adapter_sync(floor[0]))
+            us = interleaved_us(timed, n=100, reps=PAIRED_REPS)
             a_host, d_host = us["a"], us["d"]
             a_dev = device_us(a_fn) if adapter_gpu else None
             d_dev = device_us(direct)
@@ -651,6 +654,9 @@ def overhead_rows(table, save, framework, cases, adapter_sync, direct_sync, adap
             traceback.print_exc()
             continue
         calls = 2 if pas == "fwd+bwd" else 1
+        if floor:
+            table.add(framework=framework, op=f"(no-op custom call with {op}'s inputs and outputs)",
+                      **{"pass": pas, "adapter us": us["f"]})
         table.add(framework=framework, op=op, **{"pass": pas, "adapter us": a_host, "direct us": d_host,
                                                  "overhead us/call": (a_host - d_host) / calls,
                                                  "adapter GPU us": a_dev, "direct GPU us": d_dev})
@@ -980,16 +986,15 @@ def bench_overhead_jax(table, save, T=128, H=1024, E=64, K=8):
         floor = jax.jit(lambda *a: jax.ffi.ffi_call(_xla.target("noop"), specs)(*a))
         return lambda: floor(*leaves)
 
-    none = lambda: None  # noqa: E731 - a floor has no direct call
     cases = [
-        ("(no-op custom call, topk_with_score's inputs and outputs)", "fwd", noop_like(topk_j, logits), none),
-        ("(no-op custom call, make_plan's)", "fwd", noop_like(plan_j, rmap), none),
-        ("(no-op custom call, dispatch's)", "fwd", noop_like(disp_j, x, plan), none),
-        ("(no-op custom call, combine's)", "fwd", noop_like(comb_j, ys, plan, probs), none),
-        ("topk_with_score", "fwd", lambda: topk_j(logits), lambda: moe_rt.topk_with_score(c["logits"], K)),
-        ("make_plan", "fwd", lambda: plan_j(rmap), lambda: moe_rt.make_plan(c["rmap"], E, num_out_tokens=T * K)),
-        ("dispatch", "fwd", lambda: disp_j(x, plan), lambda: moe_rt.dispatch(c["x"], c_plan)),
-        ("combine", "fwd", lambda: comb_j(ys, plan, probs), lambda: moe_rt.combine(c["ys"], c_plan, c["probs"])),
+        ("topk_with_score", "fwd", lambda: topk_j(logits), lambda: moe_rt.topk_with_score(c["logits"], K),
+         noop_like(topk_j, logits)),
+        ("make_plan", "fwd", lambda: plan_j(rmap), lambda: moe_rt.make_plan(c["rmap"], E, num_out_tokens=T * K),
+         noop_like(plan_j, rmap)),
+        ("dispatch", "fwd", lambda: disp_j(x, plan), lambda: moe_rt.dispatch(c["x"], c_plan),
+         noop_like(disp_j, x, plan)),
+        ("combine", "fwd", lambda: comb_j(ys, plan, probs), lambda: moe_rt.combine(c["ys"], c_plan, c["probs"]),
+         noop_like(comb_j, ys, plan, probs)),
         ("topk_with_score", "fwd+bwd", lambda: topk_vjp(logits, g_probs),
          lambda: (moe_rt.topk_with_score(c["logits"], K),
                   moe_rt.topk_with_score_backward(c["g_probs"], c_map, c_inter, K, score_function="softmax"))),
@@ -1136,8 +1141,9 @@ def main(argv=None):
                            "rows: us per op of a chain of 40 ops (dispatch and combine; top-k) in one jitted "
                            "call, blocked on, or differentiated by one autograd.grad (fwd+bwd: an op is two "
                            "calls; the empty custom op / autograd.Function and no-op custom call rows are the "
-                           "frameworks' floors: direct = an XLA element-wise op, or nothing; a jax fwd floor has "
-                           "its op's inputs and outputs; the in-jit dispatch / combine rows' direct GPU us: the "
+                           "frameworks' floors: direct = an XLA element-wise op, or nothing; each jax fwd row "
+                           "has its floor above it (a no-op custom call with its inputs and outputs, timed in the "
+                           "same turns); the in-jit dispatch / combine rows' direct GPU us: the "
                            "kernels' device time an op; the bare autograd.Function rows: "
                            "Functions whose forward and backward call the moe_rt ops and nothing else, the "
                            "floor of any autograd.Function wrapper of them)")
