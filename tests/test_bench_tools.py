@@ -99,6 +99,41 @@ def test_interleaved_timing_takes_turns(monkeypatch):
     assert syncs == list("abc") + list("abc") + list("bca") + list("cab")
 
 
+def test_overhead_targets_read_every_row_kind(capsys):
+    """The adapter targets printed from an overhead table of every row kind the benchmark writes (floor rows
+    with no direct call among them): each target's figure from the rows it names, met or MISSED."""
+    rows = [
+        dict(framework="torch", op="dispatch", **{"pass": "fwd", "adapter us": 20.0, "direct us": 18.0,
+                                                 "overhead us/call": 2.0}),
+        dict(framework="torch", op="make_plan", **{"pass": "fwd", "adapter us": 40.0, "direct us": 24.0,
+                                                  "overhead us/call": 16.0}),
+        dict(framework="torch", op="(empty custom op)", **{"pass": "fwd", "adapter us": 14.0, "direct us": 2.0,
+                                                           "overhead us/call": 12.0}),
+        dict(framework="torch", op="(empty autograd.Function)", **{"pass": "fwd+bwd, in one graph (40 ops)",
+                                                                   "adapter us": 31.0, "direct us": 0.0,
+                                                                   "overhead us/call": 15.5}),
+        dict(framework="torch", op="dispatch / combine", **{"pass": "fwd+bwd, in one graph (40 ops)",
+                                                            "adapter us": 125.0, "direct us": 53.0,
+                                                            "overhead us/call": 17.0}),
+        dict(framework="jax", op="(no-op custom call with combine's inputs and outputs)",
+             **{"pass": "fwd", "adapter us": 49.0}),
+        dict(framework="jax", op="combine", **{"pass": "fwd", "adapter us": 60.5, "direct us": 26.6,
+                                              "overhead us/call": 33.9}),
+        dict(framework="jax", op="dispatch / combine", **{"pass": "fwd, in one jit (40 ops)", "adapter us": 8.5,
+                                                          "direct us": 27.8, "overhead us/call": -19.3,
+                                                          "direct GPU us": 7.0}),
+    ]
+    bench_layer.overhead_targets(rows)
+    out = capsys.readouterr().out.splitlines()
+    assert "  torch dispatch fwd over the direct call: 2.0 us (target <= 3) met" in out
+    assert "  torch make_plan fwd over the direct call: 16.0 us (target <= 3) MISSED" in out
+    assert ("  torch dispatch / combine fwd+bwd, in one graph (40 ops) over (empty autograd.Function) a call: 1.5 us "
+            "(target <= 3) met") in out
+    assert "  jax jitted combine over its no-op custom call: 11.5 us (target <= 0) MISSED" in out
+    assert "  jax dispatch / combine fwd, in one jit (40 ops) over its kernels an op: 1.5 us (target <= 2) met" in out
+    assert len(out) == 5  # the floors and the absent pairs give no line
+
+
 def test_bare_functions_match_the_adapters():
     """bench_layer's bare autograd.Functions (the in-graph floor of any Function wrapper of the moe_rt calls)
     compute what the torch adapters compute: the same values and gradients, on the reference path."""

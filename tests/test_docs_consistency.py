@@ -148,7 +148,8 @@ def test_cited_paths_exist():
 
 OPTION = re.compile(r"(?<![\w-])(--[a-zA-Z][\w-]*)")
 OTHER_TOOLS = {"--no-deps", "--no-build-isolation", "--inplace",  # pip install, setup.py build_ext
-               "--clock-control"}  # ncu (Nsight Compute), as BENCHMARKS.md's profiles ran it
+               "--clock-control",  # ncu (Nsight Compute), as BENCHMARKS.md's profiles ran it
+               "--xla_gpu_enable_command_buffer", "--xla_gpu_graph_min_graph_size"}  # XLA's own, in XLA_FLAGS
 
 
 def _help(args: list[str]) -> str:
