@@ -82,18 +82,56 @@ static int64_t chunk_for(int64_t L, int64_t E) {
  * 17.7-21.5. */
 #define PLAN_FUSED_SLOTS 4096
 
-static int64_t fused_max_slots(void) {
-  static int64_t v = -2;
-  if (v == -2) {
-    const char* env = getenv("MOE_RT_PLAN_FUSED_SLOTS");
-    int64_t r = PLAN_FUSED_SLOTS;
-    if (env && *env) { /* an integer >= 0, else -1 (refused by make_plan) */
+/* A size limit from the environment variable `name` (read once into *cache): `dflt` when unset or empty, the
+ * integer >= 0 it holds, else -1 (refused by the op that reads it). */
+static int64_t env_slots(const char* name, int64_t dflt, int64_t* cache) {
+  if (*cache == -2) {
+    const char* env = getenv(name);
+    int64_t r = dflt;
+    if (env && *env) {
       size_t n = strspn(env, "0123456789");
       r = env[n] == 0 && n <= 18 ? strtoll(env, NULL, 10) : -1;
     }
-    v = r;
+    *cache = r;
   }
-  return v;
+  return *cache;
+}
+
+static int64_t fused_max_slots(void) {
+  static int64_t v = -2;
+  return env_slots("MOE_RT_PLAN_FUSED_SLOTS", PLAN_FUSED_SLOTS, &v);
+}
+
+/* dispatch (and combine_backward without probs) in one launch, fill_rows's gather form, where the plan's
+ * rows are few and the tokens' rows fit in L2 (each is read once per kept slot): the most rows it takes
+ * (dispatch_rows then fill_rows above it) and the most bytes of x. MOE_RT_GATHER_ROWS and
+ * MOE_RT_GATHER_X_BYTES, read once, set them for measurements (0: off). Device time on one H200 (tools/bench_rows.py, bf16, K = 8; BENCHMARKS.md,
+ * "dispatch in one launch"), one launch against two: 1024 rows 2.8 / 5.3 us (H = 1024), 6.4 / 7.8 (H = 7168);
+ * 4096 rows 4.4 / 6.4, 17.3 / 20.1; 8192 rows 6.7 / 8.9, 40.0 / 42.9; 16384 rows of H = 7168 (x 29 MB)
+ * 89.9 / 77.4, and 32768 (59 MB) 204 / 143. */
+#define GATHER_ROWS 4096
+#define GATHER_X_BYTES (16LL << 20)
+
+static int64_t gather_max_rows(void) {
+  static int64_t v = -2;
+  return env_slots("MOE_RT_GATHER_ROWS", GATHER_ROWS, &v);
+}
+
+static int64_t gather_max_x_bytes(void) {
+  static int64_t v = -2;
+  return env_slots("MOE_RT_GATHER_X_BYTES", GATHER_X_BYTES, &v);
+}
+
+/* Whether a row copy (x -> out by the plan, with its fill) runs as one gather launch; -1 for a bad knob. */
+static int gather_rows(const char* op, const moe_rt_plan* plan, int64_t row_bytes) {
+  const int64_t limit = gather_max_rows(), x_limit = gather_max_x_bytes();
+  if (limit < 0 || x_limit < 0) {
+    const char* name = limit < 0 ? "MOE_RT_GATHER_ROWS" : "MOE_RT_GATHER_X_BYTES";
+    mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: %s: expected an integer >= 0, got '%s'", op, name, getenv(name));
+    return -1;
+  }
+  return plan->num_tokens > 0 && plan->num_rows > 0 && row_bytes > 0 && plan->num_rows <= limit &&
+         plan->num_tokens * row_bytes <= x_limit;
 }
 
 /* plan_fused's chunk (0: not fused) and *nchunks: at most 32 chunks (a warp each) of a multiple of 32 slots,
@@ -363,11 +401,12 @@ static moe_rt_status plan_copy(moe_rt_context* ctx, mrt_plan* p, const moe_rt_pl
   return st;
 }
 
-/* Zero the rows of out holding no slot; pp[row] = pv[src_slot[row]] (0 for those rows) (_fill). */
+/* Zero the rows of out holding no slot; pp[row] = pv[src_slot[row]] (0 for those rows) (_fill); with x (the
+ * gather form, where gather_rows says so) the other rows get x[src_slot / K]: the copy of plan_copy too. */
 static moe_rt_status plan_fill(moe_rt_context* ctx, mrt_plan* p, const moe_rt_plan* plan, const void* out,
-                               int64_t row_bytes, int with_pp, int pp_dtype) {
+                               int64_t row_bytes, int with_pp, int pp_dtype, const void* x) {
   if (plan->num_rows == 0) return MOE_RT_SUCCESS;
-  const int u = unit_of(row_bytes, out, NULL);
+  const int u = unit_of(row_bytes, out, x);
   if (row_bytes == 0 && !with_pp) return MOE_RT_SUCCESS; /* nothing to zero and no probs to write */
   mrt_launch* l = add_launch(p, K_FILL);
   if (!with_pp || pp_dtype == MOE_RT_FLOAT32)
@@ -379,7 +418,7 @@ static moe_rt_status plan_fill(moe_rt_context* ctx, mrt_plan* p, const moe_rt_pl
   l->grid = row_grid(ctx, plan->num_rows);
   l->block = 256;
   l->arg[0] = row_bytes / u;
-  l->arg[1] = row_bytes != 0; /* rows to zero */
+  l->arg[1] = (row_bytes != 0) | (x != NULL && row_bytes != 0) << 1; /* 1: rows to zero; 2: rows to gather */
   return st;
 }
 
@@ -465,12 +504,14 @@ static moe_rt_status run_rows(moe_rt_context* ctx, const mrt_plan* p, const moe_
         mrt_arg_i64(&a, l->arg[0]);
         break;
       case K_FILL:
-        mrt_arg_ptr(&a, l->arg[1] ? io->fill_out : NULL);
+        mrt_arg_ptr(&a, l->arg[1] & 1 ? io->fill_out : NULL);
         mrt_arg_ptr(&a, io->fill_pp);
         mrt_arg_ptr(&a, io->fill_pv);
         mrt_arg_ptr(&a, plan->src_slot);
         mrt_arg_i64(&a, plan->num_rows);
         mrt_arg_i64(&a, l->arg[0]);
+        mrt_arg_ptr(&a, l->arg[1] & 2 ? io->copy_src : NULL);
+        mrt_arg_i32(&a, (int32_t)plan->topk);
         break;
       case K_COMBINE:
         mrt_arg_ptr(&a, io->comb_in);
@@ -547,11 +588,13 @@ moe_rt_status moe_rt_dispatch(moe_rt_context* ctx, const moe_rt_plan* plan, cons
   const int64_t row_bytes = H * mrt_dtype_size(dtype);
   const void* ptrs[2] = {x, x_permuted};
   const int pdt = with_pp ? probs_dtype : -1;
+  const int gather = gather_rows(op, plan, row_bytes);
+  if (gather < 0) return MOE_RT_ERROR_INVALID_ARGUMENT;
   rows_key key = make_key(1, mrt_dtype_size(dtype), pdt, 0, plan, H, ptrs, 2);
   mrt_plan p;
   if (!mrt_plan_lookup(ctx, &key, sizeof key, &p)) {
-    if ((st = plan_copy(ctx, &p, plan, x, x_permuted, row_bytes)) ||
-        (st = plan_fill(ctx, &p, plan, x_permuted, row_bytes, with_pp, probs_dtype)))
+    if ((!gather && (st = plan_copy(ctx, &p, plan, x, x_permuted, row_bytes))) ||
+        (st = plan_fill(ctx, &p, plan, x_permuted, row_bytes, with_pp, probs_dtype, gather ? x : NULL)))
       return st;
     mrt_plan_put(ctx, &key, sizeof key, &p);
   }
@@ -641,11 +684,13 @@ moe_rt_status moe_rt_combine_backward(moe_rt_context* ctx, const moe_rt_plan* pl
   }
   const int64_t row_bytes = H * mrt_dtype_size(dtype);
   const void* ptrs[3] = {grad_y, grad_y_permuted, y_permuted};
+  const int gather = with_p ? 0 : gather_rows(op, plan, row_bytes);
+  if (gather < 0) return MOE_RT_ERROR_INVALID_ARGUMENT;
   rows_key key = make_key(4, dtype, -1, with_p, plan, H, ptrs, 3);
   mrt_plan p;
   if (!mrt_plan_lookup(ctx, &key, sizeof key, &p)) {
-    if ((st = plan_fill(ctx, &p, plan, grad_y_permuted, row_bytes, 0, MOE_RT_FLOAT32)) ||
-        (!with_p && (st = plan_copy(ctx, &p, plan, grad_y, grad_y_permuted, row_bytes))) ||
+    if ((st = plan_fill(ctx, &p, plan, grad_y_permuted, row_bytes, 0, MOE_RT_FLOAT32, gather ? grad_y : NULL)) ||
+        (!with_p && !gather && (st = plan_copy(ctx, &p, plan, grad_y, grad_y_permuted, row_bytes))) ||
         (with_p && (st = plan_combine_bwd(ctx, &p, plan, dtype, H, grad_y, y_permuted, grad_y_permuted))))
       return st;
     mrt_plan_put(ctx, &key, sizeof key, &p);

@@ -10,7 +10,8 @@
 //   plan_fused     the three in one CTA where the slots are few (one launch; the same plan)
 // Data movement (rows moved as raw units U of 1..16 bytes, so any dtype is a pure copy):
 //   dispatch_rows  one CTA per token: read the row once, write it to each of its K destination rows
-//   fill_rows      rows whose src_slot is -1 (padding, unused tail) become zero; probs follow rows
+//   fill_rows      rows whose src_slot is -1 (padding, unused tail) become zero; probs follow rows; with x,
+//                  the other rows get x[src / K] (dispatch in one launch where the slots are few)
 //   copy_kept_rows out[r] = src[r] where keep[r] >= 0, else zero (only kept rows read)
 //   combine_slices y[t] = sum_k w[t,k] * y_p[dst[t,k]], fp32, k ascending; a CTA sums a slice of H of
 //                  one token with the loads of all K rows in flight (small CTAs, many per SM)
@@ -291,20 +292,35 @@ __device__ __forceinline__ __nv_bfloat16 prob_cvt(float v, __nv_bfloat16*) { ret
 __device__ __forceinline__ double prob_cvt(double v, double*) { return v; }
 
 // One warp per row (grid-stride): rows with src_slot -1 are zeroed (skipped when out is null);
-// probs_out[row] = src >= 0 ? probs_flat[src] : 0 (when probs_out is given), written as PO.
+// probs_out[row] = src >= 0 ? probs_flat[src] : 0 (when probs_out is given), written as PO. With x (the
+// gather form of dispatch_rows, for few slots: one launch instead of two), the other rows are copied:
+// out[row] = x[src / K], 4 units a lane in flight (a token's row is read by each of its K rows' warps,
+// from L2 at the sizes the planner gives it).
 template <typename U, typename PI = float, typename PO = float>
 __global__ void fill_rows(U* __restrict__ out, PO* __restrict__ probs_out,
                           const PI* __restrict__ probs_flat, const int* __restrict__ src_slot, i64 N,
-                          i64 row_units) {
+                          i64 row_units, const U* __restrict__ x, int K) {
   const int lane = threadIdx.x & 31;
   const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
   for (i64 r = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); r < N; r += warps) {
     const int s = src_slot[r];
     if (probs_out != nullptr && lane == 0) probs_out[r] = prob_cvt(s >= 0 ? probs_flat[s] : PI(0), (PO*)nullptr);
-    if (s < 0 && out != nullptr) {
-      U* o = out + r * row_units;
+    if (out == nullptr) continue;
+    U* o = out + r * row_units;
+    if (s < 0) {
       const U z = zero_unit<U>();
       for (i64 i = lane; i < row_units; i += 32) st_stream(o + i, z);
+    } else if (x != nullptr) {
+      const U* src = x + (i64)(s / K) * row_units;
+      for (i64 i0 = lane; i0 < row_units; i0 += 32 * 4) {
+        U v[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          if (i0 + 32 * j < row_units) v[j] = src[i0 + 32 * j];
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          if (i0 + 32 * j < row_units) st_stream(o + i0 + 32 * j, v[j]);
+      }
     }
   }
 }

@@ -61,6 +61,9 @@ def _combine_name(c: str, vec: bool, cfg=None) -> str:
 _PROB_OUT = {"float16": ("float", "__half"), "bfloat16": ("float", "__nv_bfloat16"), "float64": ("double", "double")}
 # the C core's limit of the one-CTA make_plan (docs/permutation.md §1.2), checked at import as every switch is
 _jit.env_ints("MOE_RT_PLAN_FUSED_SLOTS", None, one=True)
+# the limits of dispatch's one-launch gather form (csrc/permutation.c, docs/permutation.md §1.5)
+_jit.env_ints("MOE_RT_GATHER_ROWS", None, one=True)
+_jit.env_ints("MOE_RT_GATHER_X_BYTES", None, one=True)
 _names = ["plan_count<bool>", "plan_assign<bool>", "plan_fused<bool>"]  # routing maps, read in place
 for _i in _IDX.values():
     _names += [f"plan_count<{_i}>", f"plan_assign<{_i}>", f"plan_fused<{_i}>", f"chunk_offsets<{_i}>"]
@@ -708,7 +711,8 @@ def _fill(call, out, pp, pv, plan):
     row_bytes = int(out.shape[1]) * out.dtype.itemsize if out is not None else 0
     u = _unit(row_bytes, out.data.ptr) if out is not None else 16
     args = (out.data.ptr if out is not None and row_bytes else 0, pp if pp is not None else 0,
-            pv if pv is not None else 0, plan._v["src_slot"], np.int64(N), np.int64(row_bytes // u))
+            pv if pv is not None else 0, plan._v["src_slot"], np.int64(N), np.int64(row_bytes // u), 0,
+            np.int32(max(1, plan.topk)))  # no x: fill_rows's plain form
     if args[0] == 0 and pp is None:  # nothing to zero (no row bytes) and no probs to write
         return
     po = _PROB_OUT.get(np.dtype(pp.dtype).name) if pp is not None else None

@@ -583,6 +583,60 @@ def test_make_plan_fused_slots_knob(libpath, knob, want):
     assert got == want, r.stdout
 
 
+_GATHER_KNOB = """
+import ctypes as C, os, sys
+sys.path.insert(0, {tests!r})
+import test_c_abi as t
+os.environ[os.environ.pop("VAR")] = os.environ.pop("KNOB")  # after the imports, as _FUSED_KNOB
+lib = t.load_library({lib!r}, t.SIGNATURES)
+ctx = t._planning(lib)
+for N in (1024, 4096, 4097):
+    cp = t._c_plan(N, 1, 8, N)
+    st = lib.moe_rt_dispatch(ctx, C.byref(cp), t.BASE, t.BF16, 64, None, t.BASE, None, t.F32, None)
+    d = " ".join(n for n, *_ in t._launches(lib, ctx)) if st == 0 else lib.moe_rt_last_error().decode()
+    st = lib.moe_rt_combine_backward(ctx, C.byref(cp), t.BASE, t.BF16, 64, None, None, t.BASE, None, None)
+    print(N, d, "|", " ".join(n for n, *_ in t._launches(lib, ctx)) if st == 0 else lib.moe_rt_last_error().decode())
+"""
+
+
+_ONE = "fill_rows<uint4> | fill_rows<uint4>"
+_TWO = "dispatch_rows<uint4, 4, true> fill_rows<uint4> | fill_rows<uint4> dispatch_rows<uint4, 4, true>"
+_BAD_GATHER = "moe_rt_dispatch: {0}: expected an integer >= 0, got '{1}' | moe_rt_combine_backward: " \
+              "{0}: expected an integer >= 0, got '{1}'"
+_ROWS, _XB = "MOE_RT_GATHER_ROWS", "MOE_RT_GATHER_X_BYTES"
+
+
+@pytest.mark.parametrize("var,knob,want", [(_ROWS, "0", [_TWO] * 3), (_ROWS, "1024", [_ONE] + [_TWO] * 2),
+                                           (_ROWS, "", [_ONE] * 2 + [_TWO]), (_ROWS, "5000", [_ONE] * 3),
+                                           (_XB, "0", [_TWO] * 3), (_XB, "131072", [_ONE] + [_TWO] * 2)]
+                         + [(var, v, [_BAD_GATHER.format(var, v)] * 3) for var in (_ROWS, _XB)
+                            for v in ("-1", "4k", " 8")])
+def test_dispatch_gather_knobs(libpath, var, knob, want):
+    """dispatch and combine_backward without probs run in one launch (fill_rows's gather form) up to 4096 rows
+    (here rows of 128 bytes) and in two above; MOE_RT_GATHER_ROWS and MOE_RT_GATHER_X_BYTES (read once by the
+    library) move the limits (0: off), and any other value than an integer >= 0 fails the op with a message
+    naming the variable."""
+    code = _GATHER_KNOB.format(tests=str(Path(__file__).parent), lib=str(libpath))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                       env={**os.environ, "VAR": var, "KNOB": knob})
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = [line.split(" ", 1)[1] for line in r.stdout.splitlines()]
+    assert got == want, r.stdout
+
+
+def test_dispatch_gather_form_keeps_to_tokens_that_fit_in_l2(lib, ctx):
+    """The one-launch form reads each token's row once per kept slot: up to 4096 rows it runs while the tokens'
+    rows take at most 16 MiB (1024 tokens of 8192 bf16), and dispatch_rows then fill_rows past that."""
+    if os.environ.get("MOE_RT_GATHER_ROWS") or os.environ.get("MOE_RT_GATHER_X_BYTES"):
+        pytest.skip("the gather form's limits are set in this environment")
+    for H, want in ((8192, ["fill_rows<uint4>"]), (8200, ["dispatch_rows<uint4, 4, true>", "fill_rows<uint4>"])):
+        cp = _c_plan(1024, 1, 8, 1024)
+        _ok(lib, lib.moe_rt_dispatch(ctx, C.byref(cp), BASE, BF16, H, None, BASE, None, F32, None))
+        assert [n for n, *_ in _launches(lib, ctx)] == want, H
+        _ok(lib, lib.moe_rt_combine_backward(ctx, C.byref(cp), BASE, BF16, H, None, None, BASE, None, None))
+        assert sorted(n for n, *_ in _launches(lib, ctx)) == sorted(want), H
+
+
 def _c_plan(T, K, E, N):
     return CPlan(BASE, BASE, BASE, BASE, BASE, T, K, E, N, 1)
 

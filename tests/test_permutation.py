@@ -548,6 +548,52 @@ def test_gpu_plan_one_cta_and_three_kernels(rng, T, E, K, A, num_out, drop, is_m
     _dev_plan_check(plan, ref)
 
 
+# (T, E, K, A, num_out, drop, H, dtype): plans of at most 4096 rows run dispatch and combine_backward (without
+# probs) in one launch, fill_rows's gather form; more rows take dispatch_rows then fill_rows (csrc/permutation.c)
+GATHER_SIDES = [
+    (512, 64, 8, 1, None, 0.0, 1024, "bfloat16"),  # 4096 rows: one launch
+    (512, 64, 8, 16, None, 0.0, 1024, "bfloat16"),  # 4096 slots padded past 4096 rows: two launches
+    (4097, 64, 1, 1, None, 0.0, 64, "float32"),  # 4097 rows: two launches
+    (37, 7, 3, 128, None, 0.3, 33, "float32"),  # odd sizes, big padding, 4-byte units
+    (101, 60, 3, 1, 200, 0.2, 7168, "float16"),  # drops past 200, 16-byte units over a long row
+    (19, 6, 5, 4, None, 0.0, 3, "bfloat16"),  # 2-byte units
+    (64, 16, 4, 1, None, 0.1, 131, "uint8"),  # 1-byte units, raw bytes
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,E,K,A,num_out,drop,H,dtype", GATHER_SIDES)
+def test_gpu_dispatch_in_one_launch_and_two(rng, T, E, K, A, num_out, drop, H, dtype):
+    """dispatch (probs in fp32, bf16 and fp64) and combine_backward without probs on either side of the
+    gather form's limit, against the reference into a poisoned pool: the rows holding no slot are zero."""
+    cp = _cp()
+    idx = _random_topk(rng, T, E, K, drop)
+    ref = R.make_plan(idx, E, A, num_out)
+    plan = P.make_plan(cp.asarray(idx), E, align_size=A, num_out_tokens=num_out)
+    dt = np.dtype(np.uint8) if dtype == "uint8" else _dtype(dtype)
+    x = cp.asarray(rng.integers(0, 256, (T, H), dtype=np.uint8)) if dtype == "uint8" else _dev_array(rng, (T, H), dt)
+    probs = rng.random((T, K), dtype=np.float32)
+    nbytes = 4 * ref["num_rows"] * (H + 4) + (1 << 20)
+    want = _bits(_dev_dispatch_ref(cp, x, ref, None)[0])
+    for pdt in (None, "float32", "bfloat16", "float64"):
+        pv = None if pdt is None else probs.astype(_dtype(pdt))
+        _poison_pool(nbytes)
+        got, pp = P.dispatch(x, plan, None if pv is None else _dev_array(pv.astype(np.float32), pv.shape, pv.dtype))
+        assert bool((_bits(got) == want).all()), pdt
+        if pdt is not None:  # the slot probs moved bit for bit (bf16 ones are exact in fp32)
+            want_pp = cp.asnumpy(_dev_dispatch_ref(cp, x, ref, cp.asarray(pv.astype(np.float32)))[1])
+            assert pp.dtype == pv.dtype
+            got_pp = cp.asnumpy(pp.view(cp.uint16)).view(BF16) if pdt == "bfloat16" else cp.asnumpy(pp)
+            np.testing.assert_array_equal(got_pp.astype(np.float64), want_pp.astype(np.float64), err_msg=pdt)
+    if dtype == "uint8":
+        return
+    gy = _dev_array(rng, (T, H), dt)
+    _poison_pool(nbytes)
+    gyp, gp = P.combine_backward(gy, plan)
+    assert gp is None
+    assert bool((_bits(gyp) == _bits(_dev_dispatch_ref(cp, gy, ref, None)[0])).all())
+
+
 @pytest.mark.gpu
 def test_gpu_edge_routings(rng):
     cp = _cp()
