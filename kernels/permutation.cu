@@ -11,7 +11,7 @@
 // Data movement (rows moved as raw units U of 1..16 bytes, so any dtype is a pure copy):
 //   dispatch_rows  one CTA per token: read the row once, write it to each of its K destination rows
 //   fill_rows      rows whose src_slot is -1 (padding, unused tail) become zero; probs follow rows; with x,
-//                  the other rows get x[src / K] (dispatch in one launch where the slots are few)
+//                  the other rows get x[src / K] (dispatch in one launch where the rows are few)
 //   copy_kept_rows out[r] = src[r] where keep[r] >= 0, else zero (only kept rows read)
 //   combine_slices y[t] = sum_k w[t,k] * y_p[dst[t,k]], fp32, k ascending; a CTA sums a slice of H of
 //                  one token with the loads of all K rows in flight (small CTAs, many per SM)
@@ -293,7 +293,7 @@ __device__ __forceinline__ double prob_cvt(double v, double*) { return v; }
 
 // One warp per row (grid-stride): rows with src_slot -1 are zeroed (skipped when out is null);
 // probs_out[row] = src >= 0 ? probs_flat[src] : 0 (when probs_out is given), written as PO. With x (the
-// gather form of dispatch_rows, for few slots: one launch instead of two), the other rows are copied:
+// gather form of dispatch_rows, for few rows: one launch instead of two), the other rows are copied:
 // out[row] = x[src / K], 4 units a lane in flight (a token's row is read by each of its K rows' warps,
 // from L2 at the sizes the planner gives it).
 template <typename U, typename PI = float, typename PO = float>
