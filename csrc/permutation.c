@@ -588,11 +588,12 @@ moe_rt_status moe_rt_dispatch(moe_rt_context* ctx, const moe_rt_plan* plan, cons
   const int64_t row_bytes = H * mrt_dtype_size(dtype);
   const void* ptrs[2] = {x, x_permuted};
   const int pdt = with_pp ? probs_dtype : -1;
-  const int gather = gather_rows(op, plan, row_bytes);
-  if (gather < 0) return MOE_RT_ERROR_INVALID_ARGUMENT;
   rows_key key = make_key(1, mrt_dtype_size(dtype), pdt, 0, plan, H, ptrs, 2);
   mrt_plan p;
   if (!mrt_plan_lookup(ctx, &key, sizeof key, &p)) {
+    /* (the limits are fixed for the process: decided once per plan; a bad knob stores no plan) */
+    const int gather = gather_rows(op, plan, row_bytes);
+    if (gather < 0) return MOE_RT_ERROR_INVALID_ARGUMENT;
     if ((!gather && (st = plan_copy(ctx, &p, plan, x, x_permuted, row_bytes))) ||
         (st = plan_fill(ctx, &p, plan, x_permuted, row_bytes, with_pp, probs_dtype, gather ? x : NULL)))
       return st;
@@ -684,11 +685,11 @@ moe_rt_status moe_rt_combine_backward(moe_rt_context* ctx, const moe_rt_plan* pl
   }
   const int64_t row_bytes = H * mrt_dtype_size(dtype);
   const void* ptrs[3] = {grad_y, grad_y_permuted, y_permuted};
-  const int gather = with_p ? 0 : gather_rows(op, plan, row_bytes);
-  if (gather < 0) return MOE_RT_ERROR_INVALID_ARGUMENT;
   rows_key key = make_key(4, dtype, -1, with_p, plan, H, ptrs, 3);
   mrt_plan p;
   if (!mrt_plan_lookup(ctx, &key, sizeof key, &p)) {
+    const int gather = with_p ? 0 : gather_rows(op, plan, row_bytes);  /* once per plan, as dispatch's */
+    if (gather < 0) return MOE_RT_ERROR_INVALID_ARGUMENT;
     if ((st = plan_fill(ctx, &p, plan, grad_y_permuted, row_bytes, 0, MOE_RT_FLOAT32, gather ? grad_y : NULL)) ||
         (!with_p && !gather && (st = plan_copy(ctx, &p, plan, grad_y, grad_y_permuted, row_bytes))) ||
         (with_p && (st = plan_combine_bwd(ctx, &p, plan, dtype, H, grad_y, y_permuted, grad_y_permuted))))

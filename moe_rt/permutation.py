@@ -712,7 +712,7 @@ def _fill(call, out, pp, pv, plan):
     u = _unit(row_bytes, out.data.ptr) if out is not None else 16
     args = (out.data.ptr if out is not None and row_bytes else 0, pp if pp is not None else 0,
             pv if pv is not None else 0, plan._v["src_slot"], np.int64(N), np.int64(row_bytes // u), 0,
-            np.int32(max(1, plan.topk)))  # no x: fill_rows's plain form
+            np.int32(1))  # no x (fill_rows's plain form): its K is not read
     if args[0] == 0 and pp is None:  # nothing to zero (no row bytes) and no probs to write
         return
     po = _PROB_OUT.get(np.dtype(pp.dtype).name) if pp is not None else None

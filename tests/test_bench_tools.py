@@ -134,6 +134,36 @@ def test_overhead_targets_read_every_row_kind(capsys):
     assert len(out) == 5  # the floors and the absent pairs give no line
 
 
+def test_run_sides_runs_each_side_in_its_own_process(tmp_path, capsys):
+    """_lib.run_sides: each side a process of the script with its switches in the environment, its last line's
+    JSON returned by name; a failing side's output goes to stderr and its exit status ends the caller."""
+    script = tmp_path / "side.py"
+    script.write_text("import json, os, sys\nprint('noise')\nside = sys.argv[sys.argv.index('--side') + 1]\n"
+                      "sys.exit(3) if side == 'bad' else print(json.dumps([side, sys.argv[1], os.environ['KNOB']]))\n")
+    got = _lib.run_sides(str(script), ["arg"], [("a", {"KNOB": "0"}), ("b", {"KNOB": "7"})])
+    assert got == {"a": ["a", "arg", "0"], "b": ["b", "arg", "7"]}
+    with pytest.raises(SystemExit) as e:
+        _lib.run_sides(str(script), ["arg"], [("bad", {"KNOB": "1"})])
+    assert e.value.code == 3 and "noise" in capsys.readouterr().err
+
+
+def test_host_us_back_to_back(monkeypatch):
+    """_lib.host_us_back_to_back: warm-up calls and a sync, then the mean over back-to-back calls with no sync
+    inside the timed span, and a sync after it."""
+    import time
+
+    clock, log = [0.0], []
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+
+    def fn():
+        clock[0] += 3e-6
+        log.append("f")
+
+    us = _lib.host_us_back_to_back(fn, 4, 2, lambda: log.append("s"))
+    assert us == pytest.approx(3.0)
+    assert log == ["f", "f", "s", "f", "f", "f", "f", "s"]
+
+
 def test_bare_functions_match_the_adapters():
     """bench_layer's bare autograd.Functions (the in-graph floor of any Function wrapper of the moe_rt calls)
     compute what the torch adapters compute: the same values and gradients, on the reference path."""

@@ -563,6 +563,16 @@ for T in (128, 1024, 1025):
 """
 
 
+def _knob_lines(script: str, libpath, **env) -> list[str]:
+    """Run a knob script (which reads the library's switches once per process) in a process of its own with
+    ``env`` added; each printed line less its first word (the size it planned)."""
+    code = script.format(tests=str(Path(__file__).parent), lib=str(libpath))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                       env={**os.environ, **env})
+    assert r.returncode == 0, r.stdout + r.stderr
+    return [line.split(" ", 1)[1] for line in r.stdout.splitlines()]
+
+
 _THREE = "plan_count<int> plan_scan plan_assign<int>"
 
 
@@ -575,12 +585,8 @@ _BAD_KNOB = "moe_rt_make_plan: MOE_RT_PLAN_FUSED_SLOTS: expected an integer >= 0
 def test_make_plan_fused_slots_knob(libpath, knob, want):
     """MOE_RT_PLAN_FUSED_SLOTS (read once by the library) moves the one-CTA plan's limit (0: off; unset or
     empty: 4096); any other value fails make_plan with a message naming it."""
-    code = _FUSED_KNOB.format(tests=str(Path(__file__).parent), lib=str(libpath))
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
-                       env={**os.environ, "KNOB": knob})
-    assert r.returncode == 0, r.stdout + r.stderr
-    got = [line.split(" ", 1)[1] for line in r.stdout.splitlines()]
-    assert got == want, r.stdout
+    got = _knob_lines(_FUSED_KNOB, libpath, KNOB=knob)
+    assert got == want
 
 
 _GATHER_KNOB = """
@@ -616,12 +622,8 @@ def test_dispatch_gather_knobs(libpath, var, knob, want):
     (here rows of 128 bytes) and in two above; MOE_RT_GATHER_ROWS and MOE_RT_GATHER_X_BYTES (read once by the
     library) move the limits (0: off), and any other value than an integer >= 0 fails the op with a message
     naming the variable."""
-    code = _GATHER_KNOB.format(tests=str(Path(__file__).parent), lib=str(libpath))
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
-                       env={**os.environ, "VAR": var, "KNOB": knob})
-    assert r.returncode == 0, r.stdout + r.stderr
-    got = [line.split(" ", 1)[1] for line in r.stdout.splitlines()]
-    assert got == want, r.stdout
+    got = _knob_lines(_GATHER_KNOB, libpath, VAR=var, KNOB=knob)
+    assert got == want
 
 
 def test_dispatch_gather_form_keeps_to_tokens_that_fit_in_l2(lib, ctx):

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's moe_rt
@@ -29,8 +28,6 @@ _ALL = 1 << 30  # the knob's value that sends every size here to one CTA
 def _side(E_list, T_list, K, iters, warmup):
     """This process's rows: (E, T, device us, host us) under the knob it was started with: device time over
     batches of 4 * iters back-to-back calls, host time over 6 * iters, after warmup calls."""
-    import time
-
     import cupy
     import numpy as np
     import torch
@@ -45,14 +42,8 @@ def _side(E_list, T_list, K, iters, warmup):
             idx = cupy.asarray(np.argsort(rng.random((T, E)), axis=1)[:, :K].astype(np.int32))
             us = time_device(lambda: moe_rt.make_plan(idx, E), iters=4 * iters, warmup=max(1, warmup)) * 1e3
             it = torch.from_dlpack(idx)
-            for _ in range(max(1, warmup)):
-                moe_rt.make_plan(it, E)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(6 * iters):
-                moe_rt.make_plan(it, E)
-            host = (time.perf_counter() - t0) / (6 * iters) * 1e6
-            torch.cuda.synchronize()
+            host = benchlib.host_us_back_to_back(lambda: moe_rt.make_plan(it, E), 6 * iters, warmup,
+                                                 torch.cuda.synchronize)
             out.append((E, T, us, host))
     return out
 
@@ -71,16 +62,11 @@ def main(argv=None):
         print(json.dumps(_side(a.E, a.T, a.K, a.iters, a.warmup)))
         return 0
     benchlib.require_gpu("tools/bench_plan.py")
-    base = [sys.executable, os.path.abspath(__file__), "--E", ",".join(map(str, a.E)), "--T",
-            ",".join(map(str, a.T)), "--K", str(a.K), "--iters", str(a.iters), "--warmup", str(a.warmup)]
-    sides = {}
-    for side, knob in (("three", "0"), ("one", str(_ALL))):
-        r = subprocess.run(base + ["--side", side], capture_output=True, text=True,
-                           env={**os.environ, "MOE_RT_PLAN_FUSED_SLOTS": knob})
-        if r.returncode:
-            sys.stderr.write(r.stdout + r.stderr)
-            return r.returncode
-        sides[side] = {(E, T): (us, host) for E, T, us, host in json.loads(r.stdout.strip().splitlines()[-1])}
+    argv = ["--E", ",".join(map(str, a.E)), "--T", ",".join(map(str, a.T)), "--K", str(a.K), "--iters",
+            str(a.iters), "--warmup", str(a.warmup)]
+    got = benchlib.run_sides(os.path.abspath(__file__), argv, [("three", {"MOE_RT_PLAN_FUSED_SLOTS": "0"}),
+                                                                ("one", {"MOE_RT_PLAN_FUSED_SLOTS": str(_ALL)})])
+    sides = {side: {(E, T): (us, host) for E, T, us, host in rows} for side, rows in got.items()}
     table = benchlib.Table("make_plan: one CTA against three kernels",
                            ["E", "T", "K", "slots", "one CTA us", "three kernels us", "x", "picked",
                             "host us one CTA", "host us three kernels"])

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's moe_rt
@@ -31,8 +30,6 @@ OPS = ("dispatch", "dispatch probs", "combine_backward")
 
 def _side(T_list, H_list, iters, warmup):
     """This process's rows: (op, T, H, device us, host us) under the knob it was started with."""
-    import time
-
     import cupy
     import numpy as np
     import torch
@@ -57,16 +54,8 @@ def _side(T_list, H_list, iters, warmup):
 
             on_torch, on_cupy = calls(x, w, plan), calls(xc, wc, cplan)  # device time on CuPy's stream, as the spin
             for op in OPS:
-                fn = on_torch[op]
                 us = time_device(on_cupy[op], iters=4 * iters, warmup=max(1, warmup)) * 1e3
-                for _ in range(max(1, warmup)):
-                    fn()
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(6 * iters):
-                    fn()
-                host = (time.perf_counter() - t0) / (6 * iters) * 1e6
-                torch.cuda.synchronize()
+                host = benchlib.host_us_back_to_back(on_torch[op], 6 * iters, warmup, torch.cuda.synchronize)
                 out.append((op, T, H, us, host))
     return out
 
@@ -83,16 +72,13 @@ def main(argv=None):
         print(json.dumps(_side(a.T, a.H, a.iters, a.warmup)))
         return 0
     benchlib.require_gpu("tools/bench_rows.py")
-    base = [sys.executable, os.path.abspath(__file__), "--T", ",".join(map(str, a.T)), "--H",
-            ",".join(map(str, a.H)), "--iters", str(a.iters), "--warmup", str(a.warmup)]
-    sides = {}
-    for side, knob in (("two", "0"), ("one", str(_ALL))):
-        r = subprocess.run(base + ["--side", side], capture_output=True, text=True,
-                           env={**os.environ, "MOE_RT_GATHER_ROWS": knob, "MOE_RT_GATHER_X_BYTES": str(_ALL << 20)})
-        if r.returncode:
-            sys.stderr.write(r.stdout + r.stderr)
-            return r.returncode
-        sides[side] = {(op, T, H): (us, host) for op, T, H, us, host in json.loads(r.stdout.strip().splitlines()[-1])}
+    argv = ["--T", ",".join(map(str, a.T)), "--H", ",".join(map(str, a.H)), "--iters", str(a.iters), "--warmup",
+            str(a.warmup)]
+    big = str(_ALL << 20)
+    got = benchlib.run_sides(os.path.abspath(__file__), argv,
+                             [("two", {"MOE_RT_GATHER_ROWS": "0", "MOE_RT_GATHER_X_BYTES": big}),
+                              ("one", {"MOE_RT_GATHER_ROWS": str(_ALL), "MOE_RT_GATHER_X_BYTES": big})])
+    sides = {side: {(op, T, H): (us, host) for op, T, H, us, host in rows} for side, rows in got.items()}
     def picked(op, T, H):  # what the planner picks with the default limits (this process leaves the knob as found)
         kw = dict(dtype=_xla.DTYPE_CODES["bfloat16"], T=T, K=K, E=E, N=T * K, align_size=1, H=H,
                   has_probs=op == "dispatch probs", probs_dtype=_xla.DTYPE_CODES["float32"])

@@ -130,6 +130,40 @@ def time_host(fn, *, iters: int = 50, warmup: int = 10, stream=None) -> float:
     return float(np.median(times))
 
 
+def host_us_back_to_back(fn, calls: int, warmup: int, sync) -> float:
+    """Mean host time of ``fn()`` in microseconds over ``calls`` back-to-back calls (no sync between them), after
+    ``warmup`` calls and a ``sync()``; synchronized again at the end, outside the timed span."""
+    import time
+
+    for _ in range(max(1, warmup)):
+        fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    us = (time.perf_counter() - t0) / calls * 1e6
+    sync()
+    return us
+
+
+def run_sides(script: str, argv: list, sides) -> dict:
+    """Run ``script argv --side NAME`` once per ``(NAME, env)`` of ``sides``, each in its own process with
+    ``env`` added to this one's environment (a switch the library reads once per process), and return
+    ``{NAME: the JSON its last line printed}``. A side that fails has its output written to stderr and ends
+    this process with its exit status."""
+    import os
+
+    out = {}
+    for name, env in sides:
+        r = subprocess.run([sys.executable, script, *argv, "--side", name], capture_output=True, text=True,
+                           env={**os.environ, **env})
+        if r.returncode:
+            sys.stderr.write(r.stdout + r.stderr)
+            raise SystemExit(r.returncode)
+        out[name] = json.loads(r.stdout.strip().splitlines()[-1])
+    return out
+
+
 def rotating(items):
     """A callable returning the next item of ``items`` round-robin (for rotating input sets)."""
     state = {"i": 0}
