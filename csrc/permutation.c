@@ -102,14 +102,15 @@ static int64_t fused_max_slots(void) {
   return env_slots("MOE_RT_PLAN_FUSED_SLOTS", PLAN_FUSED_SLOTS, &v);
 }
 
-/* dispatch (and combine_backward without probs) in one launch, fill_rows's gather form, where the plan's
- * rows are few and the tokens' rows fit in L2 (each is read once per kept slot): the most rows it takes
- * (dispatch_rows then fill_rows above it) and the most bytes of x. MOE_RT_GATHER_ROWS and
- * MOE_RT_GATHER_X_BYTES, read once, set them for measurements (0: off). Device time on one H200
- * (tools/bench_rows.py, bf16, K = 8; BENCHMARKS.md, "dispatch in one launch"), one launch against two: 1024
- * rows 2.8 / 5.3 us (H = 1024), 6.4 / 7.8 (H = 7168); 4096 rows 4.4 / 6.4, 17.3 / 20.1; 8192 rows 6.7 / 8.9,
- * 40.0 / 42.9; 16384 rows of H = 7168 (x 29 MB) 89.9 / 77.4, and 32768 (59 MB) 204 / 143. */
-#define GATHER_ROWS 4096
+/* dispatch (and combine_backward without probs) in one launch, fill_rows's gather form, where the tokens' rows
+ * fit in L2 (each is read once per kept slot): the most rows it takes (dispatch_rows then fill_rows above it)
+ * and the most bytes of x. MOE_RT_GATHER_ROWS and MOE_RT_GATHER_X_BYTES, read once, set them for measurements
+ * (0: off). Device time on one H200 (tools/bench_rows.py, bf16, K = 8; BENCHMARKS.md, "dispatch in one
+ * launch"), one launch against two: 1024 rows 2.8 / 5.3 us (H = 1024), 6.4 / 7.8 (H = 7168); 8192 rows 6.8 /
+ * 9.0 (H = 1024), 40.4 / 42.3 (H = 7168, x 14.7 MB); 65536 rows of H = 1024 (x 16 MiB) 43.5 / 46.8; every size
+ * with x of at most 16 MiB won, up to the 65536 rows measured. With x of 29 MB and more the two kernels win:
+ * 16384 rows of H = 7168 88.7 / 76.0, 65536 rows of H = 2048 (33.5 MB) 105 / 89.1. */
+#define GATHER_ROWS 65536
 #define GATHER_X_BYTES (16LL << 20)
 
 static int64_t gather_max_rows(void) {

@@ -596,7 +596,7 @@ import test_c_abi as t
 os.environ[os.environ.pop("VAR")] = os.environ.pop("KNOB")  # after the imports, as _FUSED_KNOB
 lib = t.load_library({lib!r}, t.SIGNATURES)
 ctx = t._planning(lib)
-for N in (1024, 4096, 4097):
+for N in (1024, 65536, 65537):
     cp = t._c_plan(N, 1, 8, N)
     st = lib.moe_rt_dispatch(ctx, C.byref(cp), t.BASE, t.BF16, 64, None, t.BASE, None, t.F32, None)
     d = " ".join(n for n, *_ in t._launches(lib, ctx)) if st == 0 else lib.moe_rt_last_error().decode()
@@ -613,12 +613,12 @@ _ROWS, _XB = "MOE_RT_GATHER_ROWS", "MOE_RT_GATHER_X_BYTES"
 
 
 @pytest.mark.parametrize("var,knob,want", [(_ROWS, "0", [_TWO] * 3), (_ROWS, "1024", [_ONE] + [_TWO] * 2),
-                                           (_ROWS, "", [_ONE] * 2 + [_TWO]), (_ROWS, "5000", [_ONE] * 3),
+                                           (_ROWS, "", [_ONE] * 2 + [_TWO]), (_ROWS, "70000", [_ONE] * 3),
                                            (_XB, "0", [_TWO] * 3), (_XB, "131072", [_ONE] + [_TWO] * 2)]
                          + [(var, v, [_BAD_GATHER.format(var, v)] * 3) for var in (_ROWS, _XB)
                             for v in ("-1", "4k", " 8")])
 def test_dispatch_gather_knobs(libpath, var, knob, want):
-    """dispatch and combine_backward without probs run in one launch (fill_rows's gather form) up to 4096 rows
+    """dispatch and combine_backward without probs run in one launch (fill_rows's gather form) up to 65536 rows
     (here rows of 128 bytes) and in two above; MOE_RT_GATHER_ROWS and MOE_RT_GATHER_X_BYTES (read once by the
     library) move the limits (0: off), and any other value than an integer >= 0 fails the op with a message
     naming the variable."""
@@ -627,7 +627,7 @@ def test_dispatch_gather_knobs(libpath, var, knob, want):
 
 
 def test_dispatch_gather_form_keeps_to_tokens_that_fit_in_l2(lib, ctx):
-    """The one-launch form reads each token's row once per kept slot: up to 4096 rows it runs while the tokens'
+    """The one-launch form reads each token's row once per kept slot: up to 65536 rows it runs while the tokens'
     rows take at most 16 MiB (1024 tokens of 8192 bf16), and dispatch_rows then fill_rows past that."""
     if os.environ.get("MOE_RT_GATHER_ROWS") or os.environ.get("MOE_RT_GATHER_X_BYTES"):
         pytest.skip("the gather form's limits are set in this environment")

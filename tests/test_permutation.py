@@ -548,12 +548,15 @@ def test_gpu_plan_one_cta_and_three_kernels(rng, T, E, K, A, num_out, drop, is_m
     _dev_plan_check(plan, ref)
 
 
-# (T, E, K, A, num_out, drop, H, dtype): plans of at most 4096 rows run dispatch and combine_backward (without
-# probs) in one launch, fill_rows's gather form; more rows take dispatch_rows then fill_rows (csrc/permutation.c)
+# (T, E, K, A, num_out, drop, H, dtype): plans of at most 65536 rows whose tokens take at most 16 MiB run dispatch
+# and combine_backward (without probs) in one launch, fill_rows's gather form; other plans take dispatch_rows then
+# fill_rows (csrc/permutation.c)
 GATHER_SIDES = [
-    (512, 64, 8, 1, None, 0.0, 1024, "bfloat16"),  # 4096 rows: one launch
-    (512, 64, 8, 16, None, 0.0, 1024, "bfloat16"),  # 4096 slots padded past 4096 rows: two launches
-    (4097, 64, 1, 1, None, 0.0, 64, "float32"),  # 4097 rows: two launches
+    (8192, 64, 8, 1, None, 0.0, 64, "bfloat16"),  # 65536 rows: one launch
+    (8192, 64, 8, 16, None, 0.0, 64, "bfloat16"),  # 65536 slots padded past 65536 rows: two launches
+    (65537, 64, 1, 1, None, 0.0, 16, "float32"),  # 65537 rows: two launches
+    (1024, 64, 8, 1, None, 0.1, 8192, "bfloat16"),  # x of 16 MiB: one launch
+    (1024, 64, 8, 1, None, 0.1, 8200, "bfloat16"),  # x past 16 MiB: two launches
     (37, 7, 3, 128, None, 0.3, 33, "float32"),  # odd sizes, big padding, 4-byte units
     (101, 60, 3, 1, 200, 0.2, 7168, "float16"),  # drops past 200, 16-byte units over a long row
     (19, 6, 5, 4, None, 0.0, 3, "bfloat16"),  # 2-byte units

@@ -6,7 +6,7 @@ rows 0 for the two kernels, both large for one launch at every size here), on bf
 K = 8 distinct experts of 64 (seeded). Device time per call with the host hidden behind a spin kernel
 (moe_rt.bench.router's time_device: 4 * --iters back-to-back calls, 200 by default, median of 5 batches);
 `host us`: a torch call's host time on each side (the mean of 6 * --iters calls back to back). `picked`: what
-the library picks by default (one launch up to 4096 rows while x takes at most 16 MiB; docs/permutation.md
+the library picks by default (one launch up to 65536 rows while x takes at most 16 MiB; docs/permutation.md
 §1.5). --quick: T = 16 and 128, H = 1024; --no-compile changes nothing.
 
     python3 tools/bench_rows.py [--T 16,128,512,1024] [--H 1024,7168] [--json FILE] [--quick]
