@@ -79,8 +79,11 @@ static int64_t chunk_for(int64_t L, int64_t E) {
  * above it; MOE_RT_PLAN_FUSED_SLOTS, read once, sets it for measurements, 0 turning the fused kernel off).
  * Device time on one H200 (BENCHMARKS.md, "make_plan in one CTA"), one CTA against three kernels, E = 64 to
  * 1024: L = 128 4.2-4.6 us against 13.0-14.9; L = 4096 13.7-16.8 against 17.2-20.9; L = 8192 21.8-29.1 against
- * 17.7-21.5. */
+ * 17.7-21.5. A routing map (L = T*E, one slot in E/K routed) has its own limit, MOE_RT_PLAN_FUSED_MAP_SLOTS: at
+ * K = 8, E = 64 and 256, L = 8192 took 11.9 / 10.4 us against 15.7 / 15.6, L = 16384 19.3 / 16.4 against 16.5 /
+ * 16.2 (BENCHMARKS.md, "make_plan in one CTA for a routing map"). */
 #define PLAN_FUSED_SLOTS 4096
+#define PLAN_FUSED_MAP_SLOTS 8192
 
 /* A size limit from the environment variable `name` (read once into *cache): `dflt` when unset or empty, the
  * integer >= 0 it holds, else -1 (refused by the op that reads it). */
@@ -100,6 +103,11 @@ static int64_t env_slots(const char* name, int64_t dflt, int64_t* cache) {
 static int64_t fused_max_slots(void) {
   static int64_t v = -2;
   return env_slots("MOE_RT_PLAN_FUSED_SLOTS", PLAN_FUSED_SLOTS, &v);
+}
+
+static int64_t fused_map_max_slots(void) {
+  static int64_t v = -2;
+  return env_slots("MOE_RT_PLAN_FUSED_MAP_SLOTS", PLAN_FUSED_MAP_SLOTS, &v);
 }
 
 /* dispatch (and combine_backward without probs) in one launch, fill_rows's gather form, where the tokens' rows
@@ -205,10 +213,13 @@ moe_rt_status moe_rt_make_plan(moe_rt_context* ctx, const void* routing, int rou
   memset(&key, 0, sizeof key);
   key.op = 3; key.idx_dtype = routing_dtype; key.E = E; key.A = A; key.T = T; key.K = K; key.num_out = num_out;
   mrt_plan p;
-  const int64_t limit = fused_max_slots();
-  if (limit < 0)
-    return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: MOE_RT_PLAN_FUSED_SLOTS: expected an integer >= 0, got '%s'",
-                    op, getenv("MOE_RT_PLAN_FUSED_SLOTS"));
+  const int is_map = routing_dtype == MOE_RT_BOOL;
+  const int64_t limit = is_map ? fused_map_max_slots() : fused_max_slots();
+  if (limit < 0) {
+    const char* knob = is_map ? "MOE_RT_PLAN_FUSED_MAP_SLOTS" : "MOE_RT_PLAN_FUSED_SLOTS";
+    return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: %s: expected an integer >= 0, got '%s'", op, knob,
+                    getenv(knob));
+  }
   int64_t nchunks = 0;
   const int64_t chunk = fused_chunk(L, E, limit, &nchunks);
   if (!mrt_plan_lookup(ctx, &key, sizeof key, &p)) {

@@ -59,8 +59,10 @@ def _combine_name(c: str, vec: bool, cfg=None) -> str:
 
 # fill_rows's (slot probs type, permuted probs type) per probs dtype other than fp32
 _PROB_OUT = {"float16": ("float", "__half"), "bfloat16": ("float", "__nv_bfloat16"), "float64": ("double", "double")}
-# the C core's limit of the one-CTA make_plan (docs/permutation.md §1.2), checked at import as every switch is
+# the C core's limits of the one-CTA make_plan, top-k ids and routing maps (docs/permutation.md §1.2), checked at
+# import as every switch is
 _jit.env_ints("MOE_RT_PLAN_FUSED_SLOTS", None, one=True)
+_jit.env_ints("MOE_RT_PLAN_FUSED_MAP_SLOTS", None, one=True)
 # the limits of dispatch's one-launch gather form (csrc/permutation.c, docs/permutation.md §1.5)
 _jit.env_ints("MOE_RT_GATHER_ROWS", None, one=True)
 _jit.env_ints("MOE_RT_GATHER_X_BYTES", None, one=True)

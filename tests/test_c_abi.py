@@ -527,10 +527,10 @@ def test_make_plan_plan_equals_python(lib, pyside, ctx, case):
             want = [(f"plan_count<{ic}>", max(-(-nchunks // wpb), 1), 32 * wpb, smem), ("plan_scan", -(-E // 32), 1024, 0),
                     (f"plan_assign<{ic}>", -(-nchunks // wpb), 32 * wpb, smem)]
             want = [w for w in want if w[1] > 0]
-            # up to 4096 slots, where at least one chunk's counts fit beside the totals in 48 KiB: the three in one
-            # CTA (plan_fused), a warp per chunk of a multiple of 32 slots, at most 32 chunks
+            # up to 4096 slots (8192 for a routing map), where at least one chunk's counts fit beside the totals
+            # in 48 KiB: the three in one CTA (plan_fused), a warp per chunk of a multiple of 32 slots, at most 32
             room = 12224 // E - 1  # 48 KiB less the kernel's 256 bytes of static shared memory
-            if T * KK <= 4096 and room >= 1:
+            if T * KK <= (8192 if dt == BOOL else 4096) and room >= 1:
                 n = min(32, room, max(1, -(-T * KK // 32)))
                 fchunk = max(1, -(-(-(-T * KK // n)) // 32)) * 32
                 fn = max(1, -(-T * KK // fchunk))
@@ -552,13 +552,14 @@ import ctypes as C, os, sys
 sys.path.insert(0, {tests!r})
 import test_c_abi as t
 # set after the imports: moe_rt.permutation refuses a bad value at import, and this checks the library's own refusal
-os.environ["MOE_RT_PLAN_FUSED_SLOTS"] = os.environ.pop("KNOB")
+os.environ[os.environ.pop("VAR")] = os.environ.pop("KNOB")
 lib = t.load_library({lib!r}, t.SIGNATURES)
 ctx = t._planning(lib)
-for T in (128, 1024, 1025):
+dt, K, sizes = (t.BOOL, 64, (64, 128, 129)) if os.environ.pop("MAP") == "1" else (t.I32, 8, (128, 1024, 1025))
+for T in sizes:
     plan, ws = t.CPlan(t.BASE, t.BASE, t.BASE, t.BASE, t.BASE), t.S()
-    t._ok(lib, lib.moe_rt_make_plan_workspace_size(T, 8, 64, C.byref(ws)))
-    st = lib.moe_rt_make_plan(ctx, t.BASE, t.I32, T, 8, 64, 1, -1, C.byref(plan), t.BASE, ws.value, None)
+    t._ok(lib, lib.moe_rt_make_plan_workspace_size(T, K, 64, C.byref(ws)))
+    st = lib.moe_rt_make_plan(ctx, t.BASE, dt, T, K, 64, 1, -1, C.byref(plan), t.BASE, ws.value, None)
     print(T, " ".join(n for n, *_ in t._launches(lib, ctx)) if st == 0 else lib.moe_rt_last_error().decode())
 """
 
@@ -583,9 +584,23 @@ _BAD_KNOB = "moe_rt_make_plan: MOE_RT_PLAN_FUSED_SLOTS: expected an integer >= 0
                                        ("8200", ["plan_fused<int>"] * 3), ("", ["plan_fused<int>"] + [_THREE] * 2)]
                          + [(v, [_BAD_KNOB.format(v)] * 3) for v in ("-5", "4k", "1,2", "99999999999999999999")])
 def test_make_plan_fused_slots_knob(libpath, knob, want):
-    """MOE_RT_PLAN_FUSED_SLOTS (read once by the library) moves the one-CTA plan's limit (0: off; unset or
-    empty: 4096); any other value fails make_plan with a message naming it."""
-    got = _knob_lines(_FUSED_KNOB, libpath, KNOB=knob)
+    """MOE_RT_PLAN_FUSED_SLOTS (read once by the library) moves the one-CTA plan's limit for top-k ids (0: off;
+    unset or empty: 4096; here T*8 slots); any other value fails make_plan with a message naming it."""
+    got = _knob_lines(_FUSED_KNOB, libpath, VAR="MOE_RT_PLAN_FUSED_SLOTS", KNOB=knob, MAP="0")
+    assert got == want
+
+
+_MAP_THREE, _MAP_ONE = "plan_count<bool> plan_scan plan_assign<bool>", "plan_fused<bool>"
+_BAD_MAP_KNOB = "moe_rt_make_plan: MOE_RT_PLAN_FUSED_MAP_SLOTS: expected an integer >= 0, got '{}'"
+
+
+@pytest.mark.parametrize("knob,want", [("0", [_MAP_THREE] * 3), ("4096", [_MAP_ONE] + [_MAP_THREE] * 2),
+                                       ("9000", [_MAP_ONE] * 3), ("", [_MAP_ONE] * 2 + [_MAP_THREE])]
+                         + [(v, [_BAD_MAP_KNOB.format(v)] * 3) for v in ("-5", "8k", " 1")])
+def test_make_plan_fused_map_slots_knob(libpath, knob, want):
+    """MOE_RT_PLAN_FUSED_MAP_SLOTS moves the one-CTA plan's limit for a routing map (T*E slots, here E = 64;
+    unset or empty: 8192) as MOE_RT_PLAN_FUSED_SLOTS does for top-k ids, which it leaves alone."""
+    got = _knob_lines(_FUSED_KNOB, libpath, VAR="MOE_RT_PLAN_FUSED_MAP_SLOTS", KNOB=knob, MAP="1")
     assert got == want
 
 

@@ -235,6 +235,7 @@ def test_a_manifest_of_another_nvrtc_is_replaced(monkeypatch, tmp_path):
                                       ("MOE_RT_QB_SMEM_HIST_BYTES", ("48k", "-1", "1,2")),
                                       ("MOE_RT_QB_REG_WARPS", ("four", "1.5")),
                                       ("MOE_RT_PLAN_FUSED_SLOTS", ("4k", "-1", "1,2")),
+                                      ("MOE_RT_PLAN_FUSED_MAP_SLOTS", ("8k", "-1")),
                                       ("MOE_RT_GATHER_ROWS", ("4k", "-1", "1,2")),
                                       ("MOE_RT_GATHER_X_BYTES", ("16M", "-1"))])
 def test_switches_reject_values_they_do_not_know(var, bad):

@@ -516,8 +516,8 @@ def test_gpu_against_reference(rng, T, E, H, K, A, num_out, dtype, drop):
     assert bool((_bits(gyp2) == _bits(_dev_dispatch_ref(cp, g, ref, None)[0])).all())
 
 
-# make_plan's one-CTA kernel (plan_fused: up to 4096 slots, its chunk counts and totals in 48 KiB of shared
-# memory) and the three kernels on either side of its limits: (T, E, K, A, num_out, drop, routing map)
+# make_plan's one-CTA kernel (plan_fused: up to 4096 slots, 8192 for a routing map, its chunk counts and totals in
+# 48 KiB of shared memory) and the three kernels on either side of its limits: (T, E, K, A, num_out, drop, routing map)
 PLAN_SIDES = [
     (512, 64, 8, 1, None, 0.0, False),  # 4096 slots: one CTA, 32 chunks of 128
     (4097, 64, 1, 1, None, 0.0, False),  # 4097: three kernels
@@ -526,7 +526,9 @@ PLAN_SIDES = [
     (50, 6113, 4, 8, None, 0.0, False),  # no room: three kernels
     (37, 7, 3, 128, None, 0.3, False),  # odd sizes, big padding
     (64, 64, 64, 1, 900, 0.0, True),  # a routing map of 4096 slots: one CTA
-    (65, 64, 64, 4, None, 0.0, True),  # 4160: three kernels
+    (128, 64, 64, 4, None, 0.0, True),  # 8192 (a routing map's limit): one CTA
+    (32, 256, 256, 1, 1000, 0.0, True),  # 8192 of 256 experts: one CTA, 32 chunks of 256
+    (129, 64, 64, 4, None, 0.0, True),  # 8256: three kernels
 ]
 
 
