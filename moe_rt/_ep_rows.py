@@ -4,9 +4,9 @@ The group and both transports (:mod:`moe_rt._ep_nccl`, :mod:`moe_rt._ep_direct`)
 ``kernels/ep.cu`` (their names are registered by :mod:`moe_rt.ep`): zeroing the expert-major rows that hold
 no slot and laying out their weights (``fill_rows``; ``fill_outputs`` after a transport's expand, which may
 leave those rows unwritten), taking expert-major values back to the received rows' slots (``slot_values``),
-scaling rows by a weight (``scale_rows``); the handle's regions as arrays
-(``recv_wk``, ``routing_view``) or as a permutation plan (``plan_view``); and :class:`Fp8Rows`, what the
-transports' expand writes from the packed rows of a one-pass FP8 dispatch.
+scaling rows by a weight (``scale_rows``); the handle's regions as arrays (``recv_wk``) or as a permutation
+plan (``plan_view``); and :class:`Fp8Rows`, what the transports' expand writes from the packed rows of a
+one-pass FP8 dispatch.
 """
 from __future__ import annotations
 
@@ -81,11 +81,6 @@ def _runtime():
 
     _rt[0] = runtime
     return runtime
-
-
-def routing_view(h):
-    """This rank's routing in the handle (int32 ``[Tmax*K + 1]``: the expert ids, then T)."""
-    return h.view("routing")
 
 
 def recv_wk(h):

@@ -172,14 +172,6 @@ def raise_pending(device_id: int, stream=None) -> None:
     raise_word(_read(device_id, ptr, stream), device_id, stream)
 
 
-def sync_and_raise(device_id: int, stream) -> None:
-    """The eager check (validate / debug): wait for ``stream`` (a CuPy stream), then raise_pending."""
-    if device_id not in _words:
-        return
-    stream.synchronize()
-    raise_pending(device_id, stream)
-
-
 def _check_stream_arg(stream) -> None:
     if stream is None:
         return

@@ -195,24 +195,6 @@ class Plan:
         plan._exported = {k: a for k, a in given.items() if plan._v[k] is v[k]}
         return plan
 
-    @classmethod
-    def _trusted(cls, arrays, *, num_rows: int, align_size: int, num_out_tokens, backend: str, device_id: int,
-                 framework: str) -> "Plan":
-        """A plan over five C-contiguous int32 CuPy or NumPy arrays already known to be a consistent plan
-        (the adapters check shapes when they trace): no checks, no imports."""
-        plan = cls._blank()
-        dst = arrays[0]
-        plan.num_tokens, plan.topk = int(dst.shape[0]), int(dst.shape[1])
-        plan.num_experts, plan.num_rows = int(arrays[3].shape[0]), num_rows
-        plan.align_size = align_size
-        plan.num_out_tokens = None if num_out_tokens is None or num_out_tokens < 0 else num_out_tokens
-        plan.from_routing_map = False
-        plan.backend, plan.device_id = backend, device_id
-        plan._v = dict(zip(("dst_row", "src_slot", "seg_start", "counts", "tokens_per_expert"), arrays))
-        plan._framework = framework
-        plan._exported = {}
-        return plan
-
     def __repr__(self):
         return (f"Plan(num_tokens={self.num_tokens}, topk={self.topk}, num_experts={self.num_experts}, "
                 f"num_rows={self.num_rows}, align_size={self.align_size}, "
@@ -765,21 +747,6 @@ def _combine_cuda(call, yv, plan, pv):
     _core.combine(_core.device(call.device_id), _core_plan(plan), yv.data.ptr, _CODES[dt], H,
                   0 if pv is None else pv.data.ptr, out.data.ptr, call.stream_ptr)
     return out
-
-
-_occupancy: dict = {}
-
-
-def _resident_ctas(fn, block: int, device_id: int) -> int:
-    """CTAs of ``fn`` with ``block`` threads resident on the whole device at once (a persistent grid)."""
-    key = (fn.ptr, block, device_id)
-    n = _occupancy.get(key)
-    if n is None:
-        from cupy.cuda import driver
-
-        per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, block, 0)
-        n = _occupancy[key] = max(1, per_sm) * _jit.device_properties(device_id)["sm_count"]
-    return n
 
 
 def dispatch_backward(grad_x_permuted, plan: Plan, grad_probs_permuted=None, *, stream=None):

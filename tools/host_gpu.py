@@ -71,7 +71,7 @@ def category(label: str) -> str:
     if name.startswith("runtime.memc") or name.startswith("runtime.memset") or short == "copy_bytes":
         return "memcpy"
     if name.startswith("runtime.") or name in ("time.sleep", "ep._capturing") or short in (
-            "_wait", "_check_transport", "failed_op", "raise_pending", "sync_and_raise", "_read_meta"):
+            "_wait", "_check_transport", "failed_op", "raise_pending", "_read_meta"):
         return "sync/query"
     if short == "barrier":
         return "barrier"
