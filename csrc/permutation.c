@@ -80,8 +80,8 @@ static int64_t chunk_for(int64_t L, int64_t E) {
  * Device time on one H200 (BENCHMARKS.md, "make_plan in one CTA"), one CTA against three kernels, E = 64 to
  * 1024: L = 128 4.2-4.6 us against 13.0-14.9; L = 4096 13.7-16.8 against 17.2-20.9; L = 8192 21.8-29.1 against
  * 17.7-21.5. A routing map (L = T*E, one slot in E/K routed) has its own limit, MOE_RT_PLAN_FUSED_MAP_SLOTS: at
- * K = 8, E = 64 and 256, L = 8192 took 11.9 / 10.4 us against 15.7 / 15.6, L = 16384 19.3 / 16.4 against 16.5 /
- * 16.2 (BENCHMARKS.md, "make_plan in one CTA for a routing map"). */
+ * K = 8, E = 64 and 256, L = 8192 took 12.0 / 10.5 us against 16.1 / 16.0, L = 16384 19.4 / 16.7 against 16.8 /
+ * 16.7 (BENCHMARKS.md, "make_plan in one CTA for a routing map"). */
 #define PLAN_FUSED_SLOTS 4096
 #define PLAN_FUSED_MAP_SLOTS 8192
 
