@@ -85,31 +85,6 @@ static int64_t chunk_for(int64_t L, int64_t E) {
 #define PLAN_FUSED_SLOTS 4096
 #define PLAN_FUSED_MAP_SLOTS 8192
 
-/* A size limit from the environment variable `name` (read once into *cache): `dflt` when unset or empty, the
- * integer >= 0 it holds, else -1 (refused by the op that reads it). */
-static int64_t env_slots(const char* name, int64_t dflt, int64_t* cache) {
-  if (*cache == -2) {
-    const char* env = getenv(name);
-    int64_t r = dflt;
-    if (env && *env) {
-      size_t n = strspn(env, "0123456789");
-      r = env[n] == 0 && n <= 18 ? strtoll(env, NULL, 10) : -1;
-    }
-    *cache = r;
-  }
-  return *cache;
-}
-
-static int64_t fused_max_slots(void) {
-  static int64_t v = -2;
-  return env_slots("MOE_RT_PLAN_FUSED_SLOTS", PLAN_FUSED_SLOTS, &v);
-}
-
-static int64_t fused_map_max_slots(void) {
-  static int64_t v = -2;
-  return env_slots("MOE_RT_PLAN_FUSED_MAP_SLOTS", PLAN_FUSED_MAP_SLOTS, &v);
-}
-
 /* dispatch (and combine_backward without probs) in one launch, fill_rows's gather form, where the tokens' rows
  * fit in L2 (each is read once per kept slot): the most rows it takes (dispatch_rows then fill_rows above it)
  * and the most bytes of x. MOE_RT_GATHER_ROWS and MOE_RT_GATHER_X_BYTES, read once, set them for measurements
@@ -121,22 +96,41 @@ static int64_t fused_map_max_slots(void) {
 #define GATHER_ROWS 65536
 #define GATHER_X_BYTES (16LL << 20)
 
-static int64_t gather_max_rows(void) {
-  static int64_t v = -2;
-  return env_slots("MOE_RT_GATHER_ROWS", GATHER_ROWS, &v);
+/* The planners' size limits, each from its environment variable (read once): the default above when unset or
+ * empty, the integer >= 0 it holds, else -1 (the op that needs it fails with knob_fail). */
+enum { KNOB_PLAN_FUSED, KNOB_PLAN_FUSED_MAP, KNOB_GATHER_ROWS, KNOB_GATHER_X_BYTES, N_KNOBS };
+static const struct {
+  const char* name;
+  int64_t dflt;
+} knob_spec[N_KNOBS] = {{"MOE_RT_PLAN_FUSED_SLOTS", PLAN_FUSED_SLOTS},
+                        {"MOE_RT_PLAN_FUSED_MAP_SLOTS", PLAN_FUSED_MAP_SLOTS},
+                        {"MOE_RT_GATHER_ROWS", GATHER_ROWS},
+                        {"MOE_RT_GATHER_X_BYTES", GATHER_X_BYTES}};
+
+static int64_t knob(int k) {
+  static int64_t cache[N_KNOBS] = {-2, -2, -2, -2};
+  if (cache[k] == -2) {
+    const char* env = getenv(knob_spec[k].name);
+    int64_t r = knob_spec[k].dflt;
+    if (env && *env) {
+      size_t n = strspn(env, "0123456789");
+      r = env[n] == 0 && n <= 18 ? strtoll(env, NULL, 10) : -1;
+    }
+    cache[k] = r;
+  }
+  return cache[k];
 }
 
-static int64_t gather_max_x_bytes(void) {
-  static int64_t v = -2;
-  return env_slots("MOE_RT_GATHER_X_BYTES", GATHER_X_BYTES, &v);
+static moe_rt_status knob_fail(const char* op, int k) {
+  return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: %s: expected an integer >= 0, got '%s'", op, knob_spec[k].name,
+                  getenv(knob_spec[k].name));
 }
 
 /* Whether a row copy (x -> out by the plan, with its fill) runs as one gather launch; -1 for a bad knob. */
 static int gather_rows(const char* op, const moe_rt_plan* plan, int64_t row_bytes) {
-  const int64_t limit = gather_max_rows(), x_limit = gather_max_x_bytes();
+  const int64_t limit = knob(KNOB_GATHER_ROWS), x_limit = knob(KNOB_GATHER_X_BYTES);
   if (limit < 0 || x_limit < 0) {
-    const char* name = limit < 0 ? "MOE_RT_GATHER_ROWS" : "MOE_RT_GATHER_X_BYTES";
-    mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: %s: expected an integer >= 0, got '%s'", op, name, getenv(name));
+    knob_fail(op, limit < 0 ? KNOB_GATHER_ROWS : KNOB_GATHER_X_BYTES);
     return -1;
   }
   return plan->num_tokens > 0 && plan->num_rows > 0 && row_bytes > 0 && plan->num_rows <= limit &&
@@ -213,13 +207,9 @@ moe_rt_status moe_rt_make_plan(moe_rt_context* ctx, const void* routing, int rou
   memset(&key, 0, sizeof key);
   key.op = 3; key.idx_dtype = routing_dtype; key.E = E; key.A = A; key.T = T; key.K = K; key.num_out = num_out;
   mrt_plan p;
-  const int is_map = routing_dtype == MOE_RT_BOOL;
-  const int64_t limit = is_map ? fused_map_max_slots() : fused_max_slots();
-  if (limit < 0) {
-    const char* knob = is_map ? "MOE_RT_PLAN_FUSED_MAP_SLOTS" : "MOE_RT_PLAN_FUSED_SLOTS";
-    return mrt_fail(MOE_RT_ERROR_INVALID_ARGUMENT, "%s: %s: expected an integer >= 0, got '%s'", op, knob,
-                    getenv(knob));
-  }
+  const int limit_knob = routing_dtype == MOE_RT_BOOL ? KNOB_PLAN_FUSED_MAP : KNOB_PLAN_FUSED;
+  const int64_t limit = knob(limit_knob);
+  if (limit < 0) return knob_fail(op, limit_knob);
   int64_t nchunks = 0;
   const int64_t chunk = fused_chunk(L, E, limit, &nchunks);
   if (!mrt_plan_lookup(ctx, &key, sizeof key, &p)) {
