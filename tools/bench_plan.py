@@ -90,9 +90,9 @@ def main(argv=None):
                                          K=E if a.map else a.K, E=E, align_size=1,
                                          num_out_tokens=T * a.K if a.map else -1)[0][1]
             picked = "one CTA" if first.startswith("plan_fused") else "three kernels"
-            table.add(E=E, T=T, K=a.K, slots=T * (E if a.map else a.K), **{"one CTA us": one, "three kernels us": three,
-                                                         "x": three / one, "picked": picked,
-                                                         "host us one CTA": h1, "host us three kernels": h3})
+            table.add(E=E, T=T, K=a.K, slots=T * (E if a.map else a.K),
+                      **{"one CTA us": one, "three kernels us": three, "x": three / one, "picked": picked,
+                         "host us one CTA": h1, "host us three kernels": h3})
     table.finish(a.json)
     return 0
 
