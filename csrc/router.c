@@ -92,6 +92,21 @@ static int reg_v(int E, int ch, int vec, int dtype) {
   return 0;
 }
 
+/* Lanes a token of router_fwd_reg (W < 32: a token on each segment of W lanes, one 16-byte chunk a lane): for
+ * rows of at most 16 chunks without groups and k <= 8, the least power of two from 4 up holding the row's
+ * chunks and k; else 32 (a warp a token). The kernel's cost a token hardly depends on E up to 256 (issue and
+ * latency bound), so short rows on a whole warp left most lanes idle: on H200 at T = 65536 the segments took
+ * the softmax forward from 62.9 to 22.3 us (fp32, E = 32), 80.5 to 45.8 (fp32, E = 64), 66.9 to 32.5 (bf16,
+ * E = 64) and 64.8 to 46.2 (bf16, E = 128); BENCHMARKS.md "Short rows". Two tokens a segment (tpw 2): within
+ * 3% of one resident wave and of four tokens at each of these shapes, 10% faster than the resident wave at
+ * bf16 E = 128. */
+static int seg_lanes(int E, int K, int G, int ch, int v) {
+  if (!v || G || K > 8 || E / ch > 16) return 32;
+  int w = 4;
+  while (w < E / ch || w < K) w *= 2;
+  return w;
+}
+
 static int lane_groups(int E, int K, int G, int g, int ch) {
   if (!G || G > 32 || (E / G) % ch) return 0;
   int S = E / G / ch;
@@ -151,7 +166,7 @@ static void fwd_stand_in(int dtype, int E, int K, int G, int g, int vec, int bit
   const int v = reg_v(E, ch, vec, dtype);
   name[0] = 0;
   *row = 0;
-  if (bitmap) return;
+  if (bitmap || seg_lanes(E, K, G, ch, v) < 32) return; /* segments: compiled without groups, quickly */
   if (v) {
     if (!G) {
       if (!(v == 8 && isz == 2))
@@ -198,7 +213,15 @@ static moe_rt_status fwd_plan(moe_rt_context* ctx, int dtype, int E, int K, int 
   const int isz = mrt_dtype_size(dtype), ch = 16 / isz;
   const char* ct = mrt_ctype(dtype);
   int v = reg_v(E, ch, vec, dtype), spb, threads, smem, tpw, gcm = 0;
-  if (v) {
+  const int w = seg_lanes(E, K, G, ch, v);
+  if (w < 32) {
+    snprintf(l->name, sizeof l->name, "router_fwd_reg<%s, %d, false, false, %s, -1, %d>", ct, ch,
+             bitmap ? "true" : "false", w);
+    spb = 4 * (32 / w); /* token slots a block */
+    threads = 128;
+    smem = 4 * reg_slot_words(E, G, K, 1) * spb;
+    tpw = 2;
+  } else if (v) {
     /* 8 keys a lane, no groups, bf16: the kernel compiled without the group-limited selection; 8 keys a lane
      * with groups held in the lanes and k <= 8: the kernel compiled for that path alone. The bit-packed map:
      * the same kernel's BITMAP instantiation (every template argument spelled out). */

@@ -5,7 +5,8 @@
 // Row kernels: a "team" of TEAM threads handles one token (TEAM = 32: one warp, 4 tokens per block;
 // TEAM > 32: the whole block). The row's selection keys are order-preserving uint32 keys (NaN = largest,
 // all NaNs equal; ties by lowest index). router_fwd keeps them in shared memory; router_fwd_reg (E <= 1024,
-// 16-byte rows) keeps the row in registers, one warp per token, and prefetches the next token's logits.
+// 16-byte rows) keeps the row in registers, one warp per token (short rows: 2 to 8 tokens a warp, one on each
+// segment of lanes), and prefetches the next token's logits.
 // Selection: iterative warp argmax for k <= 8 (TEAM = 32), else a 4-bit radix select whose digit counts
 // live in registers (8-bit packed counters, reduced with shuffles; no shared-memory atomics) and that
 // stops as soon as the threshold bin is taken whole. On long rows a prefilter runs first: a threshold
@@ -89,6 +90,10 @@ constexpr int kList = 64;  // radix select: keys still in play are compacted onc
 #endif
 #ifndef MOE_RT_FWD_REG_MINB_LS_F32
 #define MOE_RT_FWD_REG_MINB_LS_F32 7
+#endif
+// Segments of W < 32 lanes a token (short rows, one chunk a lane): 8 blocks (64 registers).
+#ifndef MOE_RT_FWD_REG_MINB_SEG
+#define MOE_RT_FWD_REG_MINB_SEG 8
 #endif
 #define MOE_RT_FWD_REG_MINB(V, T, GROUPS, LANESEL)                                                    \
   ((LANESEL) ? (sizeof(T) == 4 ? MOE_RT_FWD_REG_MINB_LS_F32 : MOE_RT_FWD_REG_MINB_LS)                  \
@@ -1330,6 +1335,40 @@ __device__ __forceinline__ void bitmap_from_keys(const unsigned* keys, int E, un
   }
 }
 
+// Segments of W lanes (router_fwd_reg with W < 32: 32 / W tokens a warp, one 16-byte chunk a lane). The lane
+// within the segment, the segment's lanes as a mask, and its butterfly sum and max. Every lane of the warp
+// calls these together (xor offsets below W stay within a segment). They give the bits warp_sum / warp_max
+// give over 32 lanes whose lanes past the segment's hold 0 / -inf: the first 32-lane step adds +0 (max:
+// -inf), which turns -0 into +0 and drops a NaN; later such steps change nothing.
+template <int W>
+__device__ __forceinline__ int seg_lane() { return (int)(threadIdx.x & 31) & (W - 1); }
+template <int W>
+__device__ __forceinline__ unsigned seg_mask() {
+  return W == 32 ? FULL_MASK : ((1u << (W & 31)) - 1u) << ((threadIdx.x & 31) & ~(unsigned)(W - 1));
+}
+template <int W>
+__device__ __forceinline__ float seg_sum(float v) {
+  if constexpr (W == 32) {
+    return warp_sum(v);
+  } else {
+    v += 0.0f;
+#pragma unroll
+    for (int m = W / 2; m > 0; m >>= 1) v += __shfl_xor_sync(FULL_MASK, v, m);
+    return v;
+  }
+}
+template <int W>
+__device__ __forceinline__ float seg_max(float v) {
+  if constexpr (W == 32) {
+    return warp_max(v);
+  } else {
+    v = fmaxf(v, -kInf);
+#pragma unroll
+    for (int m = W / 2; m > 0; m >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, m));
+    return v;
+  }
+}
+
 // Expert id v at slot i of an index output of idx_bytes-byte integers (2, 4 or 8).
 __device__ __forceinline__ void store_idx(void* __restrict__ p, int idx_bytes, i64 i, int v) {
   if (idx_bytes == 4) static_cast<int*>(p)[i] = v;
@@ -1337,14 +1376,15 @@ __device__ __forceinline__ void store_idx(void* __restrict__ p, int idx_bytes, i
   else static_cast<i64*>(p)[i] = v;
 }
 
-// The K weights of token t from its selection in index order (lidx, lkey): one warp, two per lane, fixed
-// order. Writes lw (the probs before the cast), lp (post-softmax intermediate) and the compact outputs
+// The K weights of token t from its selection in index order (lidx, lkey): one warp (or segment of W lanes,
+// K <= W), two per lane, fixed order. Writes lw (the probs before the cast), lp (post-softmax intermediate) and the compact outputs
 // (topk_idx of idx_bytes-byte ints; topk_w may be null: the indices alone).
+template <int W = 32>
 __device__ __forceinline__ void topk_weights(i64 t, int K, int score_fn, int pre_softmax, float scale,
                                              const float* __restrict__ bias, const int* lidx, const unsigned* lkey,
                                              float* lw, float* lp, void* __restrict__ topk_idx, int idx_bytes,
                                              float* __restrict__ topk_w) {
-  const int lane = threadIdx.x & 31;
+  const int lane = seg_lane<W>();
   const int j0 = lane, j1 = lane + 32;
   // h1 only when K > 32 (warp-uniform). The divisions run on the lanes holding a selection only.
   const bool h0 = j0 < K, h1 = K > 32 && j1 < K;
@@ -1354,9 +1394,9 @@ __device__ __forceinline__ void topk_weights(i64 t, int K, int score_fn, int pre
     if (pre_softmax) {
       w0 = scale * x0; w1 = scale * x1;
     } else {
-      const float mx = warp_max(fmaxf(h0 ? x0 : -kInf, h1 ? x1 : -kInf));
+      const float mx = seg_max<W>(fmaxf(h0 ? x0 : -kInf, h1 ? x1 : -kInf));
       const float e0 = h0 ? expf(x0 - mx) : 0.0f, e1 = h1 ? expf(x1 - mx) : 0.0f;
-      const float rs = 1.0f / warp_sum(e0 + e1);
+      const float rs = 1.0f / seg_sum<W>(e0 + e1);
       q0 = e0 * rs; q1 = e1 * rs;
       w0 = scale * q0; w1 = scale * q1;
     }
@@ -1365,7 +1405,7 @@ __device__ __forceinline__ void topk_weights(i64 t, int K, int score_fn, int pre
     if (h0) p0 = bias ? x0 - bias[lidx[j0]] : x0;
     if (h1) p1v = bias ? x1 - bias[lidx[j1]] : x1;
     if (K > 1) {
-      const float den = warp_sum(p0 + p1v) + kEps;
+      const float den = seg_sum<W>(p0 + p1v) + kEps;
       // __fdividef: p * rcp(den), within 2 ulp for den below 2^126 (a sum of at most 64 sigmoid or
       // sqrt-softplus values); the IEEE division cost about 20 instructions a token (H100, grouped bf16
       // E = 256: 74.7 -> 73.4 us)
@@ -1443,11 +1483,12 @@ __device__ __forceinline__ int reg_expert(int lane, int q) { return (lane + 32 *
 
 // Iterative warp argmax over the registers (small k): each lane caches its best two keys; a lane that
 // wins twice without a fresh cache rescans its registers for the two next ones. Lane r < k also gets the
-// r-th winner (wk, wi) (key descending, then index ascending).
-template <int V, int CH>
+// r-th winner (wk, wi) (key descending, then index ascending). W < 32: over each segment's lanes (k <= W).
+template <int V, int CH, int W = 32>
 __device__ __forceinline__ void argmax_reg(const unsigned (&key)[V], int k, unsigned& thr, int& ilast,
                                            unsigned& wk, int& wi) {
-  const int lane = threadIdx.x & 31;
+  const int lane = seg_lane<W>();
+  const unsigned mask = seg_mask<W>();
   unsigned b0k = 0, b1k = 0;
   int b0i = kIntMax, b1i = kIntMax;
 #pragma unroll
@@ -1459,8 +1500,8 @@ __device__ __forceinline__ void argmax_reg(const unsigned (&key)[V], int k, unsi
   }
   bool stale = false;
   for (int round = 0;; ++round) {
-    const unsigned mk = __reduce_max_sync(FULL_MASK, b0k);
-    const int mi = (int)__reduce_min_sync(FULL_MASK, b0k == mk ? (unsigned)b0i : (unsigned)kIntMax);
+    const unsigned mk = __reduce_max_sync(mask, b0k);
+    const int mi = (int)__reduce_min_sync(mask, b0k == mk ? (unsigned)b0i : (unsigned)kIntMax);
     if (lane == round) { wk = mk; wi = mi; }
     if (round == k - 1) { thr = mk; ilast = mi; return; }
     if (b0i == mi) {
@@ -1487,10 +1528,11 @@ __device__ __forceinline__ void argmax_reg(const unsigned (&key)[V], int k, unsi
 // argmax_reg for the keys of bf16 logits (fkey of a float whose low 16 bits are zero: the key's low half is
 // all zeros or all ones). (high half, 0xffff - expert) packs key and tie rule into one distinct word, so a
 // round takes one max reduction and no index compare. Same results as argmax_reg; requires E <= 65536.
-template <int V, int CH>
+template <int V, int CH, int W = 32>
 __device__ __forceinline__ void argmax_reg_bf16(const unsigned (&key)[V], int k, unsigned& thr, int& ilast,
                                                 unsigned& wk, int& wi) {
-  const int lane = threadIdx.x & 31;
+  const int lane = seg_lane<W>();
+  const unsigned mask = seg_mask<W>();
   auto pack = [&](int q) { return (key[q] & 0xffff0000u) | (0xffffu - (unsigned)reg_expert<CH>(lane, q)); };
   // the key back from its high half (0xffff: NaN, whose key is all ones)
   auto key_of = [](unsigned p) {
@@ -1508,7 +1550,7 @@ __device__ __forceinline__ void argmax_reg_bf16(const unsigned (&key)[V], int k,
   bool stale = false;  // b1 no longer known
   unsigned mine = 0u;  // lane r: the r-th winner, packed (decoded once, after the rounds)
   for (int round = 0;; ++round) {
-    const unsigned mk = __reduce_max_sync(FULL_MASK, b0);
+    const unsigned mk = __reduce_max_sync(mask, b0);
     if (lane == round) mine = mk;
     if (round == k - 1) {
       thr = key_of(mk);
@@ -1812,9 +1854,9 @@ __device__ __forceinline__ RegLayout reg_layout(int E, int G, int K) {
 }
 
 // f(j, c) for the chunk rounds j < NJ whose chunk c = lane + 32 j lies in the row (nch chunks).
-template <int NJ, typename F>
+template <int NJ, int W = 32, typename F>
 __device__ __forceinline__ void for_chunks(int nch, F f) {
-  const int lane = threadIdx.x & 31;
+  const int lane = seg_lane<W>();
 #pragma unroll
   for (int j = 0; j < NJ; ++j)
     if (lane + 32 * j < nch) f(j, lane + 32 * j);
@@ -2325,15 +2367,18 @@ struct RegRows {
 
 }  // namespace
 
-// ---- forward with the row in registers: one warp per token, 4 tokens per block -------------------------
+// ---- forward with the row in registers: one warp per token (or per segment of W lanes), 4 warps a block ----
 // Same parameters, outputs and bits as router_fwd<T, 32>; requires vec and E / CH <= 32 * V / CH. GROUPS =
 // false: compiled without the group-limited selection (G = 0 only), which frees registers. LANESEL = true
 // (V = 8): compiled for one path alone, the group-limited selection held in the lanes (at most 32 groups,
 // each on a power-of-two count of aligned lanes, k / g <= 8) and select_reg8 (k <= 8); no aux mode; its
 // shared memory holds only the K selected experts, keys and weights. BITMAP: as in router_fwd. SFO >= 0: a
-// quick kernel for the one score case SFO (router_fwd, with_score_fn).
-template <typename T, int V, bool GROUPS = true, bool LANESEL = false, bool BITMAP = false, int SFO = -1>
-__global__ void __launch_bounds__(128, MOE_RT_FWD_REG_MINB(V, T, GROUPS, LANESEL))
+// quick kernel for the one score case SFO (router_fwd, with_score_fn). W < 32 (short rows: V = CH, no groups,
+// k <= W, k <= 8, E / CH <= W): a token on each segment of W lanes, so a warp takes 32 / W tokens at once
+// (one chunk a lane, the same bits: seg_sum); the segments past the last token repeat it (the same values
+// written to the same places, in the same warp).
+template <typename T, int V, bool GROUPS = true, bool LANESEL = false, bool BITMAP = false, int SFO = -1, int W = 32>
+__global__ void __launch_bounds__(128, W < 32 ? MOE_RT_FWD_REG_MINB_SEG : MOE_RT_FWD_REG_MINB(V, T, GROUPS, LANESEL))
 router_fwd_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, int score_fn, int pre_softmax,
                int aux_mode, int G, int g, int m, unsigned gmagic, float scale, const float* __restrict__ bias,
                T* __restrict__ probs, float* __restrict__ scores, bool* __restrict__ rmap,
@@ -2343,14 +2388,18 @@ router_fwd_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, int s
   constexpr int NJ = V / CH;
   static_assert(NJ * CH == V, "V must be a multiple of the chunk size");
   static_assert(!LANESEL || (V == 8 && GROUPS), "LANESEL: 8 keys a lane, with groups");
+  static_assert(W == 32 || (NJ == 1 && !GROUPS && W >= 4 && W <= 16), "segments: one chunk a lane, no groups");
+  constexpr int S = 32 / W;                // tokens a warp at once
+  constexpr bool kSlim = LANESEL || W < 32;  // shared memory: the selected experts, keys and weights only
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  const int slot = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const RegLayout L = reg_layout<LANESEL>(E, G, K);
+  const int seg = (int)(threadIdx.x & 31) / W, lane = seg_lane<W>();
+  const int slot = (int)(threadIdx.x >> 5) * S + seg;
+  const RegLayout L = reg_layout<kSlim>(E, G, K);
   const SlotPtrs P = slot_ptrs(reinterpret_cast<unsigned*>(smem_raw) + (size_t)slot * L.total, L);
   unsigned *skeys = P.keys, *gkey = P.gkey, *hist = P.hist, *list = P.list, *lkey = P.lkey;
   int* lidx = P.lidx;
   float *lw = P.lw, *lp = P.lp;
-  if constexpr (!LANESEL) {
+  if constexpr (!kSlim) {
 #pragma unroll
     for (int b = 0; b < 16; ++b) hist[b * 32 + lane] = 0u;
     if (lane == 0) list[2 * kList] = 0u;
@@ -2365,16 +2414,20 @@ router_fwd_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, int s
 
   // Small rows: the next token's logits are loaded while this one is processed.
   constexpr bool kPrefetch = V <= 16;
-  const i64 stride = (i64)gridDim.x * 4;
+  const i64 stride = (i64)gridDim.x * 4 * S;
   auto load_row = [&](i64 tt, T (&xv)[NJ][CH]) {
 #pragma unroll
     for (int j = 0; j < NJ; ++j)
       if (lane + 32 * j < nch) ldn<CH>(logits + tt * (i64)E + (i64)(lane + 32 * j) * CH, xv[j]);
   };
+  // the token of this segment in the round whose warp tokens start at tw (W < 32: the last one past the end)
+  auto token = [&](i64 tw) { return W == 32 ? tw : min(tw + seg, num_tokens - 1); };
+  const i64 tw0 = ((i64)blockIdx.x * 4 + (threadIdx.x >> 5)) * S;
   alignas(16) T xnext[NJ][CH];
-  if (kPrefetch && (i64)blockIdx.x * 4 + slot < num_tokens) load_row((i64)blockIdx.x * 4 + slot, xnext);
+  if (kPrefetch && tw0 < num_tokens) load_row(token(tw0), xnext);
 
-  for (i64 t = (i64)blockIdx.x * 4 + slot; t < num_tokens; t += stride) {
+  for (i64 tw = tw0; tw < num_tokens; tw += stride) {
+    const i64 t = token(tw);
     const i64 row = t * (i64)E;
     unsigned key[V];
     float pmax = -kInf, psum = 0.0f;
@@ -2385,7 +2438,7 @@ router_fwd_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, int s
         for (int j = 0; j < NJ; ++j)
 #pragma unroll
           for (int v = 0; v < CH; ++v) xv[j][v] = xnext[j][v];
-        if (t + stride < num_tokens) load_row(t + stride, xnext);
+        if (tw + stride < num_tokens) load_row(token(tw + stride), xnext);
       } else {
         load_row(t, xv);
       }
@@ -2397,7 +2450,7 @@ router_fwd_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, int s
     if (dense_norm) {
       float mul;
       if (score_fn == SOFTMAX) {
-        const float M = warp_max(pmax);
+        const float M = seg_max<W>(pmax);
         psum = 0.0f;
 #pragma unroll
         for (int q = 0; q < V; ++q) {
@@ -2407,13 +2460,13 @@ router_fwd_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, int s
             key[q] = __float_as_uint(ex);
           }
         }
-        mul = 1.0f / warp_sum(psum);
+        mul = 1.0f / seg_sum<W>(psum);
       } else {
-        mul = warp_sum(psum) + kEps;
+        mul = seg_sum<W>(psum) + kEps;
       }
       float* drow = aux_mode ? scores : inter;
       const bool wi = aux_mode && score_fn == SOFTMAX && inter != nullptr;
-      for_chunks<NJ>(nch, [&](int j, int c) {
+      for_chunks<NJ, W>(nch, [&](int j, int c) {
         alignas(16) float av[CH];
 #pragma unroll
         for (int v = 0; v < CH; ++v) {
@@ -2517,16 +2570,16 @@ router_fwd_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, int s
       }
     }
     if constexpr (!LANESEL) {
-      if (!sel8 && K <= 8) {
+      if (!sel8 && (W < 32 || K <= 8)) {
         unsigned wk = 0u;
         int wi = kIntMax;
-        if (IsBf16<T>::value && post) argmax_reg_bf16<V, CH>(key, K, thr, il, wk, wi);
-        else argmax_reg<V, CH>(key, K, thr, il, wk, wi);
+        if (IsBf16<T>::value && post) argmax_reg_bf16<V, CH, W>(key, K, thr, il, wk, wi);
+        else argmax_reg<V, CH, W>(key, K, thr, il, wk, wi);
         int pos = 0;  // lanes >= K hold wi = kIntMax, which counts for no lane
 #pragma unroll
-        for (int i = 0; i < 8; ++i) pos += __shfl_sync(FULL_MASK, wi, i) < wi ? 1 : 0;
+        for (int i = 0; i < (W < 8 ? W : 8); ++i) pos += __shfl_sync(FULL_MASK, wi, i, W) < wi ? 1 : 0;
         if (lane < K) { lkey[pos] = wk; lidx[pos] = wi; }
-      } else if (!sel8) {
+      } else if (W == 32 && !sel8) {
         radix_select_reg<V, CH>(key, nch, K, list, thr, il);
         compact_reg<V, CH>(key, nch, K, [&](unsigned kk, int e) { return selected(kk, e, thr, il); },
                            [&](int pos, unsigned kk, int e) { lkey[pos] = kk; lidx[pos] = e; });
@@ -2535,13 +2588,13 @@ router_fwd_reg(const T* __restrict__ logits, i64 num_tokens, int E, int K, int s
     __syncwarp();
 
     // Phase 5: the K weights.
-    if (!aux_mode) topk_weights(t, K, score_fn, pre_softmax, scale, bias, lidx, lkey, lw, lp, topk_idx, idx_bytes, topk_w);
+    if (!aux_mode) topk_weights<W>(t, K, score_fn, pre_softmax, scale, bias, lidx, lkey, lw, lp, topk_idx, idx_bytes, topk_w);
     __syncwarp();
 
     // Phase 6: dense outputs: map, zero probs (-inf intermediate for post-softmax), then the K values.
     const bool wprobs = !aux_mode && probs != nullptr, winter = post && inter != nullptr;
     bool* const bmap = BITMAP ? nullptr : rmap;  // as in router_fwd
-    for_chunks<NJ>(nch, [&](int j, int c) {
+    for_chunks<NJ, W>(nch, [&](int j, int c) {
       unsigned kv[CH];
 #pragma unroll
       for (int v = 0; v < CH; ++v) kv[v] = key[j * CH + v];

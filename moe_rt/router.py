@@ -49,6 +49,9 @@ _jit.register(_FILE, [f"router_fwd<{c}, {team}>" for c in _jit.CTYPES.values() f
               + [f"router_fwd_reg<{c}, {v}>" for c in ("float", "__nv_bfloat16") for v in _REG_V]
               + [f"router_fwd_reg<{c}, 8, false>" for c in ("float", "__nv_bfloat16")]
               + [f"router_fwd_reg<{c}, 8, true, true>" for c in ("float", "__nv_bfloat16")]
+              # short rows: a token on each segment of 4, 8 or 16 lanes (byte map, bit-packed map)
+              + [f"router_fwd_reg<{c}, {ch}, false, false, {b}, -1, {w}>" for c, ch in (("float", 4), ("__nv_bfloat16", 8))
+                 for b in ("false", "true") for w in (4, 8, 16)]
               + [f"router_bwd<{c}, {c}, {team}>" for c in _jit.CTYPES.values() for team in _TEAMS]
               + [f"router_bwd<float, {c}, {team}>" for c in ("__half", "__nv_bfloat16") for team in _TEAMS]
               + [f"router_bwd_sel<{c}, {team}>" for c in _jit.CTYPES.values() for team in _TEAMS]

@@ -36,6 +36,8 @@ BUDGETS = [
     ("router.cu", "aux_loss_bwd<__nv_bfloat16, false>", 256, 40, 6),
     ("router.cu", "router_fwd_reg<__nv_bfloat16, 8, false>", 128, 64, 8),
     ("router.cu", "router_fwd_reg<float, 8, true, true>", 128, 72, 7),
+    ("router.cu", "router_fwd_reg<float, 4, false, false, false, -1, 16>", 128, 64, 8),  # short rows: segments
+    ("router.cu", "router_fwd_reg<__nv_bfloat16, 8, false, false, false, -1, 8>", 128, 64, 8),
     ("router.cu", "router_bwd_sel<float, 32>", 128, 32, 16),
     ("router.cu", "router_bwd_sel<__nv_bfloat16, 32>", 128, 30, 16),
     ("router.cu", "router_fwd_qb_reg<float, 8>", 640, 92, 1),

@@ -432,6 +432,15 @@ GPU_CASES = [
     (7, 16384, 36, BF16, "sigmoid", False, (64, 4), True, None),
     (1, 16384, 2, np.float16, "softmax", True, None, False, None),
     (7, 16384, 8, F32, "sqrtsoftplus", False, (2, 1), False, None),
+    # short rows: a token on each segment of 4, 8 or 16 lanes (csrc/router.c seg_lanes), tails of the warp's
+    # tokens included
+    (4099, 64, 8, F32, "softmax", False, None, False, None),
+    (4099, 64, 8, BF16, "softmax", True, None, False, 1.5),
+    (517, 32, 4, F32, "sigmoid", False, None, True, 2.0),
+    (517, 128, 8, BF16, "sqrtsoftplus", False, None, True, None),
+    (37, 60, 6, F32, "sigmoid", False, None, False, None),
+    (37, 16, 5, F32, "softmax", False, None, False, None),
+    (38, 8, 2, BF16, "softmax", False, None, False, None),
 ]
 
 
@@ -567,6 +576,7 @@ def test_gpu_stand_ins_give_the_same_bits(rng, monkeypatch, stand_in_folder, cas
 
 
 AUX_CASES = [(0, 256, 8, F32, "softmax"), (1, 8, 1, F32, "sigmoid"), (4099, 256, 8, F32, "sigmoid"),
+             (4099, 64, 8, BF16, "softmax"), (517, 32, 4, F32, "sigmoid"), (37, 48, 6, F32, "sqrtsoftplus"),
              (4099, 256, 8, BF16, "softmax"), (7, 130, 36, F32, "sqrtsoftplus"), (4099, 2304, 36, BF16, "sigmoid"),
              (7, 16384, 64, F32, "softmax"), (7, 16384, 8, BF16, "sqrtsoftplus")]
 
@@ -684,6 +694,79 @@ def test_gpu_torch_and_unaligned(rng):
     rp2, rm2, _ = ref.topk_with_score_fwd(flat.cpu().numpy(), 8)
     np.testing.assert_array_equal(m2.cpu().numpy(), rm2)
     _close(p2.cpu().numpy(), rp2, F32, 256, "probs unaligned")
+
+
+# Short rows (at most 16 chunks of 16 bytes, no groups, k <= 8) run router_fwd_reg on segments of W = 4, 8 or 16
+# lanes, 32 / W tokens a warp. Launched here directly beside the kernel of one warp a token that such rows took
+# before (8 keys a lane), on the same inputs (ties, NaNs, all-equal rows; token counts that leave a warp's
+# last segments past the end), every output poisoned first: the same bytes.
+def _launch_fwd_reg(cp, name, x, K, spb, smem_words, *, score, pre=0, aux=0, scale=1.0, bias=None, bitmap=False,
+                    idx=False):
+    from moe_rt import _jit
+
+    T, E = x.shape
+    _jit.register("router.cu", [name])
+    fn = _jit.function("router.cu", name)
+    poison = np.array(np.nan, F32).astype(x.dtype)
+    probs = None if aux or idx else cp.full((T, E), poison, dtype=x.dtype)
+    scores = cp.full((T, E), np.nan, dtype=F32) if aux else None
+    rmap = None if idx else (cp.full((T, (E + 7) // 8), 0xAB, dtype=np.uint8) if bitmap
+                             else cp.full((T, E), 0x7F, dtype=np.uint8))
+    inter = None if idx else cp.full((T, E), np.nan, dtype=F32)
+    topk_idx = cp.full((T, K), -7, dtype=np.int32) if idx else None
+    topk_w = cp.full((T, K), np.nan, dtype=F32) if idx else None
+    code = {"sigmoid": 0, "softmax": 1, "sqrtsoftplus": 2}[score]
+    args = (x, np.int64(T), np.int32(E), np.int32(K), np.int32(code), np.int32(pre), np.int32(aux), np.int32(0),
+            np.int32(0), np.int32(0), np.uint32(0), np.float32(scale), bias, probs, scores, rmap, inter, topk_idx,
+            topk_w, np.int32(1), np.int32(0), np.int32(4))
+    _jit.launch(fn, (max(1, -(-T // (2 * spb))),), 128, args, shared_mem=4 * smem_words * spb)
+    return [a.get() for a in (probs, scores, rmap, inter, topk_idx, topk_w) if a is not None]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,E,K", [(F32, 8, 2), (F32, 16, 5), (F32, 32, 4), (F32, 60, 6), (F32, 64, 8),
+                                       (BF16, 8, 1), (BF16, 32, 8), (BF16, 64, 8), (BF16, 128, 8), (BF16, 80, 3)])
+def test_gpu_short_row_segments_give_the_bits_of_a_warp_a_token(rng, dtype, E, K):
+    import cupy as cp
+
+    ct, ch = ("float", 4) if dtype == F32 else ("__nv_bfloat16", 8)
+    W = 4
+    while W < E // ch or W < K:
+        W *= 2
+    kp = -(-K // 4) * 4
+    # the kernels such rows took before: 8 keys a lane (bf16: compiled without groups)
+    one_warp = {(F32, False): "router_fwd_reg<float, 8>", (F32, True): "router_fwd_reg<float, 8, true, false, true>",
+                (BF16, False): "router_fwd_reg<__nv_bfloat16, 8, false>",
+                (BF16, True): "router_fwd_reg<__nv_bfloat16, 8, false, false, true>"}
+    for T in (1, 37, 4099):
+        xh = rng.standard_normal((T, E)).astype(F32)
+        xh[::3] = np.round(xh[::3] * 2) / 2  # exact ties
+        xh[1::7, 0] = np.nan
+        xh[0] = 0.25  # a row of equal logits
+        clean = ~np.isnan(xh).any(1)
+        x = cp.asarray(xh.astype(dtype))
+        bias = cp.asarray((rng.permutation(E) * (0.5 / E)).astype(F32))
+        modes = [dict(score="softmax"), dict(score="softmax", pre=1, scale=1.5), dict(score="sigmoid", bias=bias),
+                 dict(score="sqrtsoftplus", scale=2.0), dict(score="sigmoid"), dict(score="softmax", aux=1),
+                 dict(score="sigmoid", aux=1), dict(score="sqrtsoftplus", aux=1),
+                 dict(score="softmax", bitmap=True), dict(score="sigmoid", bias=bias, bitmap=True),
+                 dict(score="softmax", idx=True), dict(score="sigmoid", bias=bias, idx=True, scale=2.0)]
+        for kw in modes:
+            bm = "true" if kw.get("bitmap") else "false"
+            seg = _launch_fwd_reg(cp, f"router_fwd_reg<{ct}, {ch}, false, false, {bm}, -1, {W}>", x, K, 4 * (32 // W),
+                                  4 * kp, **kw)
+            warp = _launch_fwd_reg(cp, one_warp[dtype, bool(kw.get("bitmap"))], x, K, 4,
+                                   16 * 32 + 2 * 64 + 4 + 4 * kp, **kw)
+            for a, b in zip(seg, warp):
+                assert a.shape == b.shape
+                assert (np.ascontiguousarray(a).view(np.uint8) == np.ascontiguousarray(b).view(np.uint8)).all(), \
+                    (T, kw, a.dtype)
+            if not kw.get("aux") and not kw.get("idx"):  # every probs and map element written
+                assert not np.isnan(seg[0][clean].astype(F32)).any(), (T, kw)
+                if not kw.get("bitmap"):
+                    assert np.isin(seg[1], (0, 1)).all() and (seg[1].sum(1) == K).all(), (T, kw)
+            if kw.get("idx"):
+                assert (seg[0] >= 0).all() and (seg[0] < E).all(), (T, kw)
 
 
 # Long rows with exact ties at the selection boundary: logits rounded to steps of 1/s. Coarse steps leave

@@ -11,18 +11,20 @@ GPU. torch.compile baselines are compiled once per shape (dynamic=False) and onl
 shape (``--compile-all`` compiles at every T). ``--quick`` runs T=65536 only with fewer iterations;
 ``--T`` picks the token counts, ``--ops fwd`` / ``bwd`` only the forward / top-k backward rows, ``--ops qb`` only the
 Quantile-Balancing rows (plain sigmoid + bias, QB fused and two-kernel; variants by the
-MOE_RT_QB_* variables, docs/router.md §7), ``--dtype`` and ``--E`` one dtype's or one expert count's rows (for
+MOE_RT_QB_* variables, docs/router.md §7), ``--dtype`` one dtype's rows, ``--E`` those expert counts' rows (32,
+64, 128: short rows, a token on each segment of 4 to 16 lanes where the row allows; 256; 2304) (for
 the QB rows' kernel variants selected by MOE_RT_ROUTER_FWD, MOE_RT_ROUTER_TEAM and MOE_RT_ROUTER_TPW, see
 moe_rt/router.py; the other rows run the C core's kernel choices, which these do not change).
 ``--l2-fetch 32`` sets the L2 fetch granularity first (the opt-in ``moe_rt.l2_fetch_granularity``; the default
 leaves the device's, 64 bytes on an H100).
 
     python tools/bench_router.py [--quick] [--T 4096,16384,65536] [--ops all|fwd|bwd|qb] [--dtype float32|bfloat16]
-                                 [--E 256|2304] [--l2-fetch 32|64|128]
+                                 [--E 32,64,128,256,2304] [--l2-fetch 32|64|128]
                                  [--json PATH] [--no-compile]
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -118,6 +120,22 @@ def torch_aux_fwd_bwd(x, k, tpe, coeff):
 _SPIN = None
 
 
+# expert counts of the top-k rows and their K: short rows (a token on each segment of 4 to 16 lanes), E = 256, 2304
+SHAPES = {32: 4, 64: 8, 128: 8, 256: 8, 2304: 36}
+
+
+def _expert_counts(text):
+    """``--E``: a comma list of expert counts from SHAPES."""
+    try:
+        es = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of integers, got {text!r}") from None
+    bad = [e for e in es if e not in SHAPES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"expert counts {bad} not among {sorted(SHAPES)}")
+    return es
+
+
 def time_device(fn, iters, warmup=3, batches=5):
     """Device time per call in ms, host overhead excluded: a spin kernel keeps the GPU busy while the host
     enqueues all ``iters`` calls, so the events measure back-to-back execution only. The median over
@@ -187,8 +205,9 @@ def main(argv=None):
                          "mode), each beside "
                          "the byte-map row it extends")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="this dtype's rows only")
-    ap.add_argument("--E", type=int, choices=[256, 2304], default=None,
-                    help="this expert count's top-k rows only (E=256 K=8 or E=2304 K=36; no aux-loss rows)")
+    ap.add_argument("--E", type=_expert_counts, default=None,
+                    help="these expert counts' top-k rows only, a comma list of " + ", ".join(
+                        f"{e} (K={k})" for e, k in SHAPES.items()) + "; no aux-loss rows (default 256,2304)")
     ap.add_argument("--l2-fetch", type=int, default=None, choices=[32, 64, 128],
                     help="set the L2 fetch granularity first (moe_rt.l2_fetch_granularity; default: leave it)")
     args = ap.parse_args(argv)
@@ -219,7 +238,7 @@ def main(argv=None):
     table.meta["qb_variant"] = {v: os.environ.get(v) or "default" for v in
                                 ("MOE_RT_ROUTER_FWD", "MOE_RT_ROUTER_TEAM", "MOE_RT_ROUTER_TPW",
                                  "MOE_RT_QB_REG_WARPS", "MOE_RT_QB_SMEM_HIST_BYTES")}
-    shapes = [(E, K) for E, K in [(256, 8), (2304, 36)] if args.E in (None, E)]
+    shapes = [(E, SHAPES[E]) for E in (args.E or (256, 2304))]
     dtypes = [(n, d) for n, d in [("float32", np.float32), ("bfloat16", _arrays.BFLOAT16)] if args.dtype in (None, n)]
     compile_fn = _compiler(not args.no_compile)
     compiled = {}
