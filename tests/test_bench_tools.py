@@ -77,6 +77,18 @@ def test_profile_router_cases():
         sys.argv = sys_argv
 
 
+def test_profile_layer_router_command_line(capsys):
+    """tools/profile_layer_router.py: the layer benchmark's router shape by default; sizes checked."""
+    import profile_layer_router as plr
+
+    a = plr.parse([])
+    assert (a.T, a.H, a.E, a.K) == (8192, 4096, 64, 8) and not a.profile
+    for bad in (["--K", "9", "--E", "8"], ["--T", "0"]):
+        with pytest.raises(SystemExit):
+            plr.parse(bad)
+        assert "must be positive, and K <= E" in capsys.readouterr().err
+
+
 def test_interleaved_timing_takes_turns(monkeypatch):
     """bench_layer.interleaved_us: every function timed once per round in a rotated order (so that the host's
     drift hits all alike), each batch closed by its own sync; per-call times are the medians over rounds."""
