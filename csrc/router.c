@@ -132,7 +132,7 @@ typedef struct fwd_key {
   int32_t op, dtype, E, K, G, g, vec, bitmap;
 } fwd_key;
 
-enum { FWD_SPB = 0, FWD_TPW = 1, FWD_RESIDENT = 2, FWD_GCM = 3 };
+enum { FWD_SPB = 0, FWD_TPW = 1, FWD_RESIDENT = 2, FWD_GCM = 3, FWD_SEG = 4 };
 
 /* A forward kernel's launch shape in plan p (launch 0): threads, shared memory, token slots a block, tokens
  * a warp and the resident grid. */
@@ -253,6 +253,7 @@ static moe_rt_status fwd_plan(moe_rt_context* ctx, int dtype, int E, int K, int 
   if (standing && row) fwd_row_cfg(E, K, G, g, ch, vec, 32, &threads, &smem, &spb, &tpw, &gcm);
   fwd_shape(ctx, &p, threads, smem, regs, spb, tpw);
   p.ints[FWD_GCM] = gcm;
+  p.ints[FWD_SEG] = w < 32;
   if (!standing) mrt_plan_put(ctx, &key, sizeof key, &p);
   *out = p;
   return MOE_RT_SUCCESS;
@@ -282,6 +283,8 @@ static moe_rt_status router_fwd(moe_rt_context* ctx, const void* x, int dtype, i
   moe_rt_status st = fwd_plan(ctx, dtype, E, K, G, g, vec, bitmap, score_case(score_fn, aux, bias != NULL), &p);
   if (st) return st;
   p.launch[0].grid = tpw_grid(T, (int)p.ints[FWD_SPB], (int)p.ints[FWD_TPW], p.ints[FWD_RESIDENT]);
+  if (p.ints[FWD_SEG] && p.launch[0].grid < p.ints[FWD_RESIDENT]) /* segments, fewer tokens than 2 a wave */
+    p.launch[0].grid = tpw_grid(T, (int)p.ints[FWD_SPB], 0, p.ints[FWD_RESIDENT]);
   const int32_t gcm = aux || pre ? 0 : (int32_t)p.ints[FWD_GCM];
   p.launch[0].scalars[0] = vec;
   p.launch[0].scalars[1] = gcm;
