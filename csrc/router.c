@@ -99,7 +99,9 @@ static int reg_v(int E, int ch, int vec, int dtype) {
  * the softmax forward from 62.9 to 22.3 us (fp32, E = 32), 80.5 to 45.8 (fp32, E = 64), 66.9 to 32.5 (bf16,
  * E = 64) and 64.8 to 46.2 (bf16, E = 128); BENCHMARKS.md "Short rows". Two tokens a segment (tpw 2): the
  * fastest or within 3% of it at each of these shapes, against one resident wave (10% slower at bf16 E = 128)
- * and four tokens a segment (32% slower at bf16 E = 32). */
+ * and four tokens a segment (32% slower at bf16 E = 32). Where two a segment launch fewer blocks than a
+ * resident wave (FWD_SEG: T = 8192 and below), one a segment up to a wave: at T = 8192 bf16 E = 64 7.5 against
+ * 10.7 us. */
 static int seg_lanes(int E, int K, int G, int ch, int v) {
   if (!v || G || K > 8 || E / ch > 16) return 32;
   int w = 4;
