@@ -77,6 +77,19 @@ def test_profile_router_cases():
         sys.argv = sys_argv
 
 
+def test_bench_router_expert_counts():
+    """bench_router's --E: a comma list of the expert counts it has rows for (each with its K)."""
+    import argparse
+
+    from moe_rt.bench import router as bench_router
+
+    assert bench_router._expert_counts("64,32,2304") == [64, 32, 2304]
+    assert all(bench_router.SHAPES[e] <= e for e in bench_router.SHAPES)
+    for bad, word in (("77", "not among"), ("64,x", "comma list of integers"), ("", "comma list of integers")):
+        with pytest.raises(argparse.ArgumentTypeError, match=word):
+            bench_router._expert_counts(bad)
+
+
 def test_profile_layer_router_command_line(capsys):
     """tools/profile_layer_router.py: the layer benchmark's router shape by default; sizes checked."""
     import profile_layer_router as plr
